@@ -1,0 +1,908 @@
+//! The YAML documents of DESIGN.md 4.2 (deployment, host, server, standalone) and their loaders.
+//!
+//! Each `*Doc` type is what a user writes: every key optional unless the document needs it, and
+//! unknown keys refused. Ranges are checked while deserializing, so an error carries the line of
+//! the bad value. The loaders then apply [`Overrides`] (with the same validation) and resolve the
+//! document into the effective settings of [`crate::settings`] for its [`Mode`]: a standalone
+//! document gets the standalone defaults, host and server documents the server-and-hosts ones.
+//!
+//! Every failure is a [`DocumentError`] whose text names the file and line (or the override),
+//! the key path and the problem, e.g.
+//! `my-model.yaml:3: resdency: unknown key; expected one of name, engine, model, ...`.
+
+mod check;
+mod error;
+mod locate;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_yaml_ng::Value;
+
+pub use check::is_dns_label;
+pub use error::{DocumentError, Origin, Problem};
+pub(crate) use error::{KeyPath, Seg};
+
+use crate::kinds::{Activation, EngineKind, Residency};
+use crate::overrides::Overrides;
+use crate::settings::{
+    EngineCommand, EngineCommands, GpuOverride, HostConfig, LifecycleDefaults, ListenSettings,
+    Mode, QueueSettings, ServerConfig, StandaloneConfig, SwitchingSettings, TlsFiles,
+};
+use crate::units::{ByteSize, DurationSetting, format_duration};
+
+// ---------------------------------------------------------------------------------------------
+// Deployment document
+// ---------------------------------------------------------------------------------------------
+
+/// A deployment document (`capyctl deploy model --file my-model.yaml`): a named model on one
+/// engine. Also the body of `POST /management/v1/deployments`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeploymentDoc {
+    /// The deployment's name: a DNS-1123 label (1 to 63 of `a-z`, `0-9`, `-`). Requests name
+    /// it in their `model` field.
+    #[serde(deserialize_with = "check::dns_label")]
+    pub name: String,
+    /// The engine: `vllm`, `sglang` or `tensorfold`.
+    pub engine: EngineKind,
+    /// The engine's model argument: a hub name or a local checkpoint path; not empty.
+    #[serde(deserialize_with = "check::non_empty")]
+    pub model: String,
+    /// Where parked weights go; unset lets CapyCTL pick from the hardware.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub residency: Option<Residency>,
+    /// Requests the engine runs at once (passed to the engine), 1 to 4096.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::max_concurrent_requests"
+    )]
+    pub max_concurrent_requests: Option<u32>,
+    /// Arguments appended to the engine's command line.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub extra_args: Vec<String>,
+    /// Environment of the engine process.
+    #[serde(
+        default,
+        skip_serializing_if = "BTreeMap::is_empty",
+        deserialize_with = "check::env"
+    )]
+    pub env: BTreeMap<String, String>,
+    /// Memory the deployment needs; measured when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourcesDoc>,
+    /// Activation and warmth.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lifecycle: Option<DeploymentLifecycleDoc>,
+    /// Makes this a decision model: a fixed prompt answered by one of the options.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decision: Option<DecisionDoc>,
+}
+
+/// `resources:` of a deployment document.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResourcesDoc {
+    /// GPU memory the deployment needs when loaded (more than 0).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::nonzero_bytes_opt"
+    )]
+    pub gpu_memory: Option<ByteSize>,
+    /// Size of the weights (what a host-RAM park copies), more than 0.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::nonzero_bytes_opt"
+    )]
+    pub weights_memory: Option<ByteSize>,
+}
+
+/// `lifecycle:` of a deployment document.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeploymentLifecycleDoc {
+    /// `explicit`: only operator commands move the model. Default `on_demand`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub activation: Option<Activation>,
+    /// `true` keeps the model loaded (never parked or stopped for room or idleness); requests
+    /// still start or wake it. Default `false`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warm: Option<bool>,
+}
+
+/// `decision:` of a deployment document.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DecisionDoc {
+    /// The fixed prompt; not empty.
+    #[serde(deserialize_with = "check::non_empty")]
+    pub prompt: String,
+    /// The answers to choose from: at least 2, distinct, none empty.
+    #[serde(deserialize_with = "check::options")]
+    pub options: Vec<String>,
+}
+
+impl DeploymentDoc {
+    /// The activation the deployment itself declares (`on_demand` when unset). A host's
+    /// `explicit` still wins; see [`crate::Activation`].
+    pub fn activation(&self) -> Activation {
+        self.lifecycle
+            .and_then(|l| l.activation)
+            .unwrap_or_default()
+    }
+
+    /// Whether `lifecycle.warm` is set.
+    pub fn warm(&self) -> bool {
+        self.lifecycle.and_then(|l| l.warm).unwrap_or(false)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host document
+// ---------------------------------------------------------------------------------------------
+
+/// A host document (`capyctl start host --file host.yaml`), also `host:` of a standalone document.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostDoc {
+    /// The host's ID. Default: the machine's hostname.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::host_id"
+    )]
+    pub id: Option<String>,
+    /// Queue settings.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resource_policy: Option<ResourcePolicyDoc>,
+    /// Activation for every model the host may run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lifecycle: Option<HostLifecycleDoc>,
+    /// Engine launch commands.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engines: Option<EnginesDoc>,
+    /// GPUs replacing what NVML reports (an empty list: no GPU).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpus: Option<Vec<GpuDoc>>,
+    /// Host memory replacing what `/proc/meminfo` reports (more than 0).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::nonzero_bytes_opt"
+    )]
+    pub host_memory: Option<ByteSize>,
+}
+
+/// `resource_policy:` of a host document.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResourcePolicyDoc {
+    /// How requests wait.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue: Option<QueueDoc>,
+}
+
+/// `resource_policy.queue:` of a host document; see [`QueueSettings`] for defaults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QueueDoc {
+    /// 1 ms to 30 s, not above the request deadline. Default 2 s.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::admission_window"
+    )]
+    pub admission_window: Option<DurationSetting>,
+    /// 1 ms to 3600 s. Default 1800 s standalone, 600 s for server and hosts.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::request_deadline"
+    )]
+    pub request_deadline: Option<DurationSetting>,
+    /// 1 s to 3600 s. Default 120 s.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::stream_idle_timeout"
+    )]
+    pub stream_idle_timeout: Option<DurationSetting>,
+    /// 0 to 4096. Default 64.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::max_pending_per_deployment"
+    )]
+    pub max_pending_per_deployment: Option<u32>,
+    /// 0 to 65536. Default 256.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::max_pending_total"
+    )]
+    pub max_pending_total: Option<u32>,
+    /// 1 KiB to 16 GiB. Default 64 MiB.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::max_buffered_bytes_total"
+    )]
+    pub max_buffered_bytes_total: Option<ByteSize>,
+}
+
+/// `lifecycle:` of a host document.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostLifecycleDoc {
+    /// `explicit` makes every model on this host explicit. Default `on_demand`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub activation: Option<Activation>,
+}
+
+/// `engines:` of a host document.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnginesDoc {
+    /// vLLM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vllm: Option<EngineDoc>,
+    /// SGLang.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sglang: Option<EngineDoc>,
+    /// TensorFold.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensorfold: Option<EngineDoc>,
+}
+
+/// `engines.<kind>:` of a host document.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EngineDoc {
+    /// Program and leading arguments (a list, the program first); CapyCTL appends its own.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::command"
+    )]
+    pub command: Option<Vec<String>>,
+    /// The engine's version, when declared.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::non_empty_opt"
+    )]
+    pub version: Option<String>,
+    /// Extra environment for every engine of this kind.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::env_opt"
+    )]
+    pub env: Option<BTreeMap<String, String>>,
+}
+
+/// One entry of `gpus:` in a host document.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GpuDoc {
+    /// The GPU's memory (more than 0).
+    #[serde(deserialize_with = "check::nonzero_bytes")]
+    pub memory: ByteSize,
+    /// Unified memory (shared with the host). Default `false`.
+    #[serde(default)]
+    pub unified: bool,
+    /// The GPU's UUID, when known.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::non_empty_opt"
+    )]
+    pub uuid: Option<String>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Server document
+// ---------------------------------------------------------------------------------------------
+
+/// A server document (`capyctl-operator --file server.yaml`), also `server:` of a standalone
+/// document.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerDoc {
+    /// Listeners.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub listen: Option<ListenDoc>,
+    /// Switch timing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub switching: Option<SwitchingDoc>,
+    /// Idle timers (both off by default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lifecycle_defaults: Option<LifecycleDefaultsDoc>,
+    /// A file holding the admin token.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::path_opt"
+    )]
+    pub admin_token_file: Option<PathBuf>,
+}
+
+/// `listen:` of a server document.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListenDoc {
+    /// Inference listener address. Default `127.0.0.1:8080`.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::socket_addr"
+    )]
+    pub inference: Option<SocketAddr>,
+    /// Management listener address. Default `127.0.0.1:7443`.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::socket_addr"
+    )]
+    pub management: Option<SocketAddr>,
+    /// TLS for both listeners; plain HTTP when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<TlsDoc>,
+}
+
+/// `listen.tls:` of a server document.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsDoc {
+    /// PEM certificate chain file.
+    #[serde(deserialize_with = "check::path")]
+    pub cert: PathBuf,
+    /// PEM private key file.
+    #[serde(deserialize_with = "check::path")]
+    pub key: PathBuf,
+}
+
+/// `switching:` of a server document.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SwitchingDoc {
+    /// 1 s to 600 s. Default 30 s.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::drain_timeout"
+    )]
+    pub drain_timeout: Option<DurationSetting>,
+    /// 1 s to 3600 s. Default 600 s.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::wake_timeout"
+    )]
+    pub wake_timeout: Option<DurationSetting>,
+}
+
+/// `lifecycle_defaults:` of a server document.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LifecycleDefaultsDoc {
+    /// 1 s to 7 days; off when absent.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::idle_timeout"
+    )]
+    pub ready_idle_timeout: Option<DurationSetting>,
+    /// 1 s to 7 days; off when absent.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::idle_timeout"
+    )]
+    pub parked_idle_timeout: Option<DurationSetting>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Standalone document
+// ---------------------------------------------------------------------------------------------
+
+/// A standalone document (`capyctl start standalone --file standalone.yaml`).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StandaloneDoc {
+    /// The server part.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server: Option<ServerDoc>,
+    /// The host part.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<HostDoc>,
+    /// Deployments deployed (not started) at start; names must be unique.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deployments: Option<Vec<DeploymentDoc>>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Resolution: documents into effective settings
+// ---------------------------------------------------------------------------------------------
+
+/// Where a document came from, to name the origin of errors found after deserialization.
+struct Source<'a> {
+    file: &'a str,
+    text: Option<&'a str>,
+    overrides: &'a Overrides,
+}
+
+impl Source<'_> {
+    /// The override that set `path` (or a key above or below it), the last one winning;
+    /// otherwise the file with the line of `path`.
+    fn origin(&self, path: &KeyPath) -> Origin {
+        if !path.0.is_empty() {
+            let hit = self.overrides.entries().iter().rev().find(|o| {
+                let key = KeyPath(o.key.iter().cloned().map(Seg::Key).collect());
+                key.is_prefix_of(path) || path.is_prefix_of(&key)
+            });
+            if let Some(o) = hit {
+                return Origin::Override(o.source.clone());
+            }
+        }
+        Origin::File {
+            name: self.file.to_string(),
+            line: self.text.and_then(|t| locate::find_line(t, path)),
+        }
+    }
+
+    fn error(&self, path: KeyPath, problem: Problem) -> DocumentError {
+        DocumentError {
+            origin: self.origin(&path),
+            path: path.display(),
+            problem,
+        }
+    }
+}
+
+fn resolve_queue(
+    doc: Option<&QueueDoc>,
+    mode: Mode,
+    at: &KeyPath,
+    src: &Source<'_>,
+) -> Result<QueueSettings, DocumentError> {
+    let mut q = QueueSettings::defaults(mode);
+    let Some(d) = doc else { return Ok(q) };
+    if let Some(v) = d.admission_window {
+        q.admission_window = v.as_duration();
+    }
+    if let Some(v) = d.request_deadline {
+        q.request_deadline = v.as_duration();
+    }
+    if let Some(v) = d.stream_idle_timeout {
+        q.stream_idle_timeout = v.as_duration();
+    }
+    if let Some(v) = d.max_pending_per_deployment {
+        q.max_pending_per_deployment = v;
+    }
+    if let Some(v) = d.max_pending_total {
+        q.max_pending_total = v;
+    }
+    if let Some(v) = d.max_buffered_bytes_total {
+        q.max_buffered_bytes_total = v.as_u64();
+    }
+    if q.admission_window > q.request_deadline {
+        let window = at.child("admission_window");
+        let deadline = at.child("request_deadline");
+        let (aw, rd) = (
+            format_duration(q.admission_window),
+            format_duration(q.request_deadline),
+        );
+        return Err(if d.admission_window.is_some() {
+            let name = deadline.display().unwrap_or_default();
+            src.error(
+                window,
+                Problem::Conflict(format!(
+                    "{aw} is above the request deadline ({rd}); the admission window must not be above {name}"
+                )),
+            )
+        } else {
+            let name = window.display().unwrap_or_default();
+            src.error(
+                deadline,
+                Problem::Conflict(format!(
+                    "{rd} is below the admission window ({aw}, the default of {name}); the request deadline must not be below the admission window"
+                )),
+            )
+        });
+    }
+    Ok(q)
+}
+
+fn resolve_engine(kind: EngineKind, doc: Option<&EngineDoc>) -> EngineCommand {
+    let mut e = EngineCommand::default_for(kind);
+    if let Some(d) = doc {
+        if let Some(c) = &d.command {
+            e.command = c.clone();
+        }
+        e.version = d.version.clone();
+        e.env = d.env.clone().unwrap_or_default();
+    }
+    e
+}
+
+fn resolve_host(
+    doc: &HostDoc,
+    mode: Mode,
+    at: &KeyPath,
+    src: &Source<'_>,
+) -> Result<HostConfig, DocumentError> {
+    let queue = resolve_queue(
+        doc.resource_policy.as_ref().and_then(|r| r.queue.as_ref()),
+        mode,
+        &at.child("resource_policy").child("queue"),
+        src,
+    )?;
+    let engines = doc.engines.as_ref();
+    Ok(HostConfig {
+        id: doc
+            .id
+            .clone()
+            .unwrap_or_else(crate::settings::default_host_id),
+        queue,
+        activation: doc.lifecycle.and_then(|l| l.activation).unwrap_or_default(),
+        engines: EngineCommands {
+            vllm: resolve_engine(EngineKind::Vllm, engines.and_then(|e| e.vllm.as_ref())),
+            sglang: resolve_engine(EngineKind::Sglang, engines.and_then(|e| e.sglang.as_ref())),
+            tensorfold: resolve_engine(
+                EngineKind::Tensorfold,
+                engines.and_then(|e| e.tensorfold.as_ref()),
+            ),
+        },
+        gpus: doc.gpus.as_ref().map(|g| {
+            g.iter()
+                .map(|g| GpuOverride {
+                    memory: g.memory.as_u64(),
+                    unified: g.unified,
+                    uuid: g.uuid.clone(),
+                })
+                .collect()
+        }),
+        host_memory: doc.host_memory.map(ByteSize::as_u64),
+    })
+}
+
+fn resolve_server(doc: &ServerDoc) -> ServerConfig {
+    let defaults = ListenSettings::default();
+    let listen = doc.listen.as_ref();
+    let switching = doc.switching.unwrap_or_default();
+    let idle = doc.lifecycle_defaults.unwrap_or_default();
+    ServerConfig {
+        listen: ListenSettings {
+            inference: listen
+                .and_then(|l| l.inference)
+                .unwrap_or(defaults.inference),
+            management: listen
+                .and_then(|l| l.management)
+                .unwrap_or(defaults.management),
+            tls: listen.and_then(|l| l.tls.as_ref()).map(|t| TlsFiles {
+                cert: t.cert.clone(),
+                key: t.key.clone(),
+            }),
+        },
+        switching: SwitchingSettings {
+            drain_timeout: switching
+                .drain_timeout
+                .map_or(SwitchingSettings::defaults().drain_timeout, |d| {
+                    d.as_duration()
+                }),
+            wake_timeout: switching
+                .wake_timeout
+                .map_or(SwitchingSettings::defaults().wake_timeout, |d| {
+                    d.as_duration()
+                }),
+        },
+        lifecycle_defaults: LifecycleDefaults {
+            ready_idle_timeout: idle.ready_idle_timeout.map(DurationSetting::as_duration),
+            parked_idle_timeout: idle.parked_idle_timeout.map(DurationSetting::as_duration),
+        },
+        admin_token_file: doc.admin_token_file.clone(),
+    }
+}
+
+fn resolve_standalone(
+    doc: &StandaloneDoc,
+    src: &Source<'_>,
+) -> Result<StandaloneConfig, DocumentError> {
+    let server = resolve_server(&doc.server.clone().unwrap_or_default());
+    let host = resolve_host(
+        &doc.host.clone().unwrap_or_default(),
+        Mode::Standalone,
+        &KeyPath::keys(&["host"]),
+        src,
+    )?;
+    let deployments = doc.deployments.clone().unwrap_or_default();
+    let mut seen: BTreeMap<&str, usize> = BTreeMap::new();
+    for (i, d) in deployments.iter().enumerate() {
+        if let Some(first) = seen.insert(d.name.as_str(), i) {
+            return Err(src.error(
+                KeyPath::keys(&["deployments"]).index(i).child("name"),
+                Problem::Conflict(format!(
+                    "`{}` is already the name of deployments[{first}]; deployment names must be unique",
+                    d.name
+                )),
+            ));
+        }
+    }
+    Ok(StandaloneConfig {
+        server,
+        host,
+        deployments,
+    })
+}
+
+impl HostDoc {
+    /// The effective settings of this document for `mode` (`ServerAndHosts` for a host
+    /// document, `Standalone` for `host:` of a standalone one).
+    pub fn resolve(&self, mode: Mode) -> Result<HostConfig, DocumentError> {
+        let src = Source {
+            file: "host document",
+            text: None,
+            overrides: &Overrides::none(),
+        };
+        resolve_host(self, mode, &KeyPath::default(), &src)
+    }
+}
+
+impl ServerDoc {
+    /// The effective settings of this document (the same in both modes).
+    pub fn resolve(&self) -> ServerConfig {
+        resolve_server(self)
+    }
+}
+
+impl StandaloneDoc {
+    /// The effective settings of this document.
+    pub fn resolve(&self) -> Result<StandaloneConfig, DocumentError> {
+        let src = Source {
+            file: "standalone document",
+            text: None,
+            overrides: &Overrides::none(),
+        };
+        resolve_standalone(self, &src)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parsing
+// ---------------------------------------------------------------------------------------------
+
+fn kind_of(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "empty",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Sequence(_) => "a list",
+        Value::Mapping(_) => "a mapping",
+        Value::Tagged(_) => "a tagged value",
+    }
+}
+
+/// Turns a path-tracked deserialization error into a [`DocumentError`]. `yaml_line` is the line
+/// serde_yaml_ng reported, when the error came from the text.
+fn tracked_error(
+    path: &serde_path_to_error::Path,
+    message: &str,
+    yaml_line: Option<usize>,
+    src: &Source<'_>,
+) -> DocumentError {
+    let raw = KeyPath::from_serde(path);
+    let classified = error::classify(message);
+    let full = match &classified.missing {
+        Some(field) => raw.child(field),
+        None => raw.clone(),
+    };
+    let origin = match (yaml_line, src.origin(&raw)) {
+        (Some(line), Origin::File { name, .. }) => Origin::File {
+            name,
+            line: Some(line),
+        },
+        (_, origin) => origin,
+    };
+    DocumentError {
+        origin,
+        path: full.display(),
+        problem: classified.problem,
+    }
+}
+
+/// Reads `text` (syntax, not empty, a mapping), deserializes it with line-accurate errors, then
+/// applies `overrides` and deserializes again.
+fn parse_with<T: DeserializeOwned>(
+    file: &str,
+    text: Option<&str>,
+    overrides: &Overrides,
+) -> Result<T, DocumentError> {
+    let no_overrides = Overrides::none();
+    let mut value = match text {
+        Some(text) => {
+            let value: Value = serde_yaml_ng::from_str(text).map_err(|e| {
+                let (msg, line) = error::yaml_message(&e);
+                DocumentError::file(file, line, Problem::Syntax(msg))
+            })?;
+            match &value {
+                Value::Null => return Err(DocumentError::file(file, None, Problem::Empty)),
+                Value::Mapping(_) => {}
+                other => {
+                    return Err(DocumentError::file(
+                        file,
+                        Some(1),
+                        Problem::NotAMapping(kind_of(other)),
+                    ));
+                }
+            }
+            let src = Source {
+                file,
+                text: Some(text),
+                overrides: &no_overrides,
+            };
+            let typed: T =
+                serde_path_to_error::deserialize(serde_yaml_ng::Deserializer::from_str(text))
+                    .map_err(|e| {
+                        let (msg, line) = error::yaml_message(e.inner());
+                        tracked_error(e.path(), &msg, line, &src)
+                    })?;
+            if overrides.is_empty() {
+                return Ok(typed);
+            }
+            value
+        }
+        None => Value::Mapping(Default::default()),
+    };
+    value.apply_merge().map_err(|e| {
+        let (msg, line) = error::yaml_message(&e);
+        DocumentError::file(file, line, Problem::Syntax(msg))
+    })?;
+    overrides.apply(&mut value)?;
+    let src = Source {
+        file,
+        text,
+        overrides,
+    };
+    serde_path_to_error::deserialize(value)
+        .map_err(|e| tracked_error(e.path(), &e.inner().to_string(), None, &src))
+}
+
+fn read(path: &Path) -> Result<(String, String), DocumentError> {
+    let name = path.display().to_string();
+    match std::fs::read_to_string(path) {
+        Ok(text) => Ok((name, text)),
+        Err(e) => Err(DocumentError::file(&name, None, Problem::Read(e))),
+    }
+}
+
+/// Parses a deployment document. `file` names it in errors.
+pub fn parse_deployment_str(file: &str, text: &str) -> Result<DeploymentDoc, DocumentError> {
+    parse_with(file, Some(text), &Overrides::none())
+}
+
+/// Reads and parses a deployment document.
+pub fn load_deployment_file(path: impl AsRef<Path>) -> Result<DeploymentDoc, DocumentError> {
+    let (name, text) = read(path.as_ref())?;
+    parse_deployment_str(&name, &text)
+}
+
+/// Parses a host document with overrides into the server-and-hosts settings of a host.
+pub fn parse_host_str(
+    file: &str,
+    text: &str,
+    overrides: &Overrides,
+) -> Result<HostConfig, DocumentError> {
+    let doc: HostDoc = parse_with(file, Some(text), overrides)?;
+    let src = Source {
+        file,
+        text: Some(text),
+        overrides,
+    };
+    resolve_host(&doc, Mode::ServerAndHosts, &KeyPath::default(), &src)
+}
+
+/// Reads and parses a host document with overrides.
+pub fn load_host_file(
+    path: impl AsRef<Path>,
+    overrides: &Overrides,
+) -> Result<HostConfig, DocumentError> {
+    let (name, text) = read(path.as_ref())?;
+    parse_host_str(&name, &text, overrides)
+}
+
+/// Parses a server document with overrides.
+pub fn parse_server_str(
+    file: &str,
+    text: &str,
+    overrides: &Overrides,
+) -> Result<ServerConfig, DocumentError> {
+    let doc: ServerDoc = parse_with(file, Some(text), overrides)?;
+    Ok(resolve_server(&doc))
+}
+
+/// Reads and parses a server document with overrides.
+pub fn load_server_file(
+    path: impl AsRef<Path>,
+    overrides: &Overrides,
+) -> Result<ServerConfig, DocumentError> {
+    let (name, text) = read(path.as_ref())?;
+    parse_server_str(&name, &text, overrides)
+}
+
+/// The server settings when no server document is given (`capyctl-operator` without `--file`):
+/// the defaults with the overrides applied.
+pub fn server_from_overrides(overrides: &Overrides) -> Result<ServerConfig, DocumentError> {
+    let doc: ServerDoc = parse_with("server settings", None, overrides)?;
+    Ok(resolve_server(&doc))
+}
+
+/// Parses a standalone document with overrides into the standalone settings.
+pub fn parse_standalone_str(
+    file: &str,
+    text: &str,
+    overrides: &Overrides,
+) -> Result<StandaloneConfig, DocumentError> {
+    let doc: StandaloneDoc = parse_with(file, Some(text), overrides)?;
+    let src = Source {
+        file,
+        text: Some(text),
+        overrides,
+    };
+    resolve_standalone(&doc, &src)
+}
+
+/// Reads and parses a standalone document with overrides.
+pub fn load_standalone_file(
+    path: impl AsRef<Path>,
+    overrides: &Overrides,
+) -> Result<StandaloneConfig, DocumentError> {
+    let (name, text) = read(path.as_ref())?;
+    parse_standalone_str(&name, &text, overrides)
+}
+
+/// The standalone settings when no document is given (`capyctl start standalone` without
+/// `--file`): the standalone defaults with the overrides applied.
+pub fn standalone_from_overrides(overrides: &Overrides) -> Result<StandaloneConfig, DocumentError> {
+    let doc: StandaloneDoc = parse_with("standalone settings", None, overrides)?;
+    let src = Source {
+        file: "standalone settings",
+        text: None,
+        overrides,
+    };
+    resolve_standalone(&doc, &src)
+}
+
+/// Reads a deployment document held as JSON (the management API, a Kubernetes spec turned into
+/// document form), returning the raw key path of a refusal for the caller to rename.
+pub(crate) fn deployment_from_json(
+    value: serde_json::Value,
+) -> Result<DeploymentDoc, (KeyPath, Problem)> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let raw = KeyPath::from_serde(e.path());
+        let c = error::classify(&e.inner().to_string());
+        let path = match c.missing {
+            Some(f) => raw.child(&f),
+            None => raw,
+        };
+        (path, c.problem)
+    })
+}
+
+/// The line of `path` in block-style YAML `text`, for callers that validate after parsing.
+pub(crate) fn line_of(text: &str, path: &KeyPath) -> Option<usize> {
+    locate::find_line(text, path)
+}
+
+/// Shared by the Kubernetes manifest loader: syntax, emptiness and mapping checks, then a
+/// line-accurate typed parse.
+pub(crate) fn parse_plain<T: DeserializeOwned>(file: &str, text: &str) -> Result<T, DocumentError> {
+    parse_with(file, Some(text), &Overrides::none())
+}

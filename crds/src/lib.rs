@@ -1,0 +1,23 @@
+//! CapyCTL's API types: the single source of truth every other part builds on.
+//!
+//! - [`units`]: durations (`2s`) and byte sizes (`64MiB`) as written in documents;
+//! - [`settings`]: the effective, typed settings (defaults and ranges of the product page's
+//!   "Settings" table, per [`settings::Mode`]), fixed constants and the multi-host rule;
+//! - [`documents`]: the YAML documents (deployment, host, server, standalone), their loaders and
+//!   the one error type that names file, line and key;
+//! - [`overrides`]: `--set a.b=c` and `CAPYCTL_SET__A__B=c`;
+//! - [`k8s`]: the `capyctl.io/v1alpha1` custom resources (`Deployment`, `Host`) and the CRD YAML;
+//! - [`errors`]: the HTTP error catalogue of the product page;
+//! - the shared vocabularies [`EngineKind`], [`Residency`], [`Activation`], [`InstanceState`].
+//!
+//! Nothing here does I/O beyond reading a document file and the hostname.
+
+pub mod documents;
+pub mod errors;
+pub mod k8s;
+mod kinds;
+pub mod overrides;
+pub mod settings;
+pub mod units;
+
+pub use kinds::{Activation, EngineKind, InstanceState, Residency, UnknownValue};

@@ -1,0 +1,347 @@
+//! Kubernetes objects: CRD shape, generated files, spec validation and conversions.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::path::PathBuf;
+
+use capyctl_crds::documents::{Origin, Problem, parse_deployment_str};
+use capyctl_crds::k8s::{
+    self, Deployment, DeploymentSpec, Host, QueueSpec, load_deployment_manifest_file,
+    parse_deployment_manifest_str,
+};
+use capyctl_crds::settings::{Mode, QueueSettings};
+use capyctl_crds::{Activation, EngineKind, Residency};
+use kube::CustomResourceExt;
+use serde_json::Value;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+fn at(name: &str, rest: &str) -> String {
+    format!("{}{rest}", fixture(name).display())
+}
+
+#[test]
+fn checked_in_crds_match_the_types() {
+    let dir = k8s::chart_crd_dir();
+    for (name, text) in k8s::crd_files().unwrap() {
+        let path = dir.join(name);
+        let on_disk = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(
+            on_disk == text,
+            "{} is out of date with crds/src/k8s.rs; run `{}` and commit the result",
+            path.display(),
+            k8s::CRDGEN_COMMAND
+        );
+        assert!(text.starts_with("# Generated from the Rust types"));
+        // The file is a CRD that reads back.
+        let _: k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition =
+            serde_yaml_ng::from_str(&text).unwrap();
+    }
+}
+
+fn crd_json<K: CustomResourceExt>() -> Value {
+    serde_json::to_value(K::crd()).unwrap()
+}
+
+/// Every property below `schema` has a description.
+fn assert_described(schema: &Value, at: &str) {
+    if let Some(props) = schema.get("properties").and_then(Value::as_object) {
+        for (name, prop) in props {
+            let here = format!("{at}.{name}");
+            assert!(
+                prop.get("description")
+                    .and_then(Value::as_str)
+                    .is_some_and(|d| !d.is_empty()),
+                "{here} has no description"
+            );
+            assert_described(prop, &here);
+        }
+    }
+    if let Some(items) = schema.get("items") {
+        assert_described(items, &format!("{at}[]"));
+    }
+}
+
+#[test]
+fn deployment_crd_shape() {
+    let crd = crd_json::<Deployment>();
+    assert_eq!(crd["metadata"]["name"], "deployments.capyctl.io");
+    assert_eq!(crd["spec"]["group"], "capyctl.io");
+    assert_eq!(crd["spec"]["scope"], "Namespaced");
+    assert_eq!(
+        crd["spec"]["names"]["shortNames"],
+        serde_json::json!(["cdeploy", "cdep"])
+    );
+    let version = &crd["spec"]["versions"][0];
+    assert_eq!(version["name"], "v1alpha1");
+    assert!(version["subresources"]["status"].is_object());
+    let columns: Vec<(&str, &str)> = version["additionalPrinterColumns"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c["name"].as_str().unwrap(), c["jsonPath"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        columns,
+        [
+            ("State", ".status.state"),
+            ("Ready", ".status.ready"),
+            ("Revision", ".status.revision"),
+            ("Hosts", ".status.hosts"),
+            ("Age", ".metadata.creationTimestamp"),
+        ]
+    );
+    let schema = &version["schema"]["openAPIV3Schema"];
+    let spec = &schema["properties"]["spec"];
+    let status = &schema["properties"]["status"];
+    assert_described(spec, "spec");
+    for key in [
+        "deploymentId",
+        "state",
+        "ready",
+        "revision",
+        "hosts",
+        "instances",
+        "measurement",
+        "conditions",
+        "observedGeneration",
+    ] {
+        assert!(status["properties"][key].is_object(), "status.{key}");
+    }
+    // Field descriptions come from the fields, even for optional enums.
+    assert_eq!(
+        spec["properties"]["residency"]["description"],
+        "Where parked weights go: host_backed (host RAM, discrete cards only), deep (dropped,\nreloaded from disk) or restart_only (never park, stop instead). Unset: CapyCTL picks."
+    );
+    assert_eq!(
+        spec["properties"]["residency"]["enum"],
+        serde_json::json!(["host_backed", "deep", "restart_only"])
+    );
+    assert_eq!(
+        spec["properties"]["lifecycle"]["properties"]["activation"]["enum"],
+        serde_json::json!(["on_demand", "explicit"])
+    );
+    assert_eq!(
+        spec["properties"]["maxConcurrentRequests"]["maximum"],
+        4096.0
+    );
+    assert_eq!(
+        spec["properties"]["decision"]["properties"]["options"]["minItems"],
+        2
+    );
+    assert!(
+        status["properties"]["state"]["description"]
+            .as_str()
+            .unwrap()
+            .starts_with("The deployment's state")
+    );
+}
+
+#[test]
+fn host_crd_shape() {
+    let crd = crd_json::<Host>();
+    assert_eq!(crd["metadata"]["name"], "hosts.capyctl.io");
+    assert_eq!(crd["spec"]["scope"], "Cluster");
+    let version = &crd["spec"]["versions"][0];
+    assert!(version["subresources"]["status"].is_object());
+    let names: Vec<&str> = version["additionalPrinterColumns"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["Ready", "Activation", "Host Memory", "Age"]);
+    let schema = &version["schema"]["openAPIV3Schema"];
+    let spec = &schema["properties"]["spec"];
+    assert_described(spec, "spec");
+    assert_described(&schema["properties"]["status"], "status");
+    for key in [
+        "gpus",
+        "hostMemory",
+        "engines",
+        "resourcePolicy",
+        "lifecycle",
+    ] {
+        assert!(spec["properties"][key].is_object(), "spec.{key}");
+    }
+    let engine = &spec["properties"]["engines"]["items"]["properties"];
+    assert!(engine["deepPark"].is_object());
+    assert!(engine["version"].is_object());
+    let queue = &spec["properties"]["resourcePolicy"]["properties"]["queue"]["properties"];
+    for key in [
+        "admissionWindow",
+        "requestDeadline",
+        "streamIdleTimeout",
+        "maxPendingPerDeployment",
+        "maxPendingTotal",
+        "maxBufferedBytesTotal",
+    ] {
+        assert!(queue[key].is_object(), "queue.{key}");
+    }
+}
+
+#[test]
+fn deployment_manifest_fixture_errors() {
+    let e = load_deployment_manifest_file(fixture("deployment-cr-unknown-key.yaml")).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        at(
+            "deployment-cr-unknown-key.yaml",
+            ":8: spec.max_concurrent_requests: unknown key; expected one of engine, model, residency, maxConcurrentRequests, extraArgs, env, resources, lifecycle, decision"
+        )
+    );
+    let e = load_deployment_manifest_file(fixture("deployment-cr-wrong-type.yaml")).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        at(
+            "deployment-cr-wrong-type.yaml",
+            ":9: spec.lifecycle.warm: wrong type: string \"sometimes\", expected a boolean"
+        )
+    );
+    let e = load_deployment_manifest_file(fixture("deployment-cr-out-of-range.yaml")).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        at(
+            "deployment-cr-out-of-range.yaml",
+            ":8: spec.maxConcurrentRequests: 5000 is out of range (1 to 4096)"
+        )
+    );
+    assert!(matches!(e.problem, Problem::OutOfRange(_)));
+}
+
+#[test]
+fn deployment_manifest_reads_and_converts() {
+    let d = load_deployment_manifest_file(fixture("deployment-cr.yaml")).unwrap();
+    assert_eq!(d.metadata.name.as_deref(), Some("my-model"));
+    assert_eq!(d.spec.engine, EngineKind::Vllm);
+    assert_eq!(d.spec.residency, Some(Residency::RestartOnly));
+    assert_eq!(d.spec.max_concurrent_requests, Some(8));
+    let doc = d.to_document().unwrap();
+    assert_eq!(doc.name, "my-model");
+    assert_eq!(doc.activation(), Activation::Explicit);
+    assert_eq!(doc.extra_args, ["--max-model-len", "8192"]);
+    assert_eq!(
+        doc.resources.unwrap().gpu_memory.unwrap().as_u64(),
+        40 << 30
+    );
+    // Document -> object -> document is the identity.
+    let full = parse_deployment_str(
+        "d.yaml",
+        &std::fs::read_to_string(fixture("deployment.yaml")).unwrap(),
+    )
+    .unwrap();
+    let object = Deployment::from_document(&full);
+    assert_eq!(object.metadata.name.as_deref(), Some("my-model"));
+    assert_eq!(object.to_document().unwrap(), full);
+    // And the object serializes as a manifest that reads back.
+    let text = serde_yaml_ng::to_string(&object).unwrap();
+    let again = parse_deployment_manifest_str("again.yaml", &text).unwrap();
+    assert_eq!(again.spec, object.spec);
+}
+
+#[test]
+fn deployment_manifest_other_errors() {
+    let e = parse_deployment_manifest_str(
+        "m.yaml",
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: a}\nspec: {engine: vllm, model: m}\n",
+    )
+    .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "m.yaml:1: apiVersion: `apps/v1` is not valid; expected capyctl.io/v1alpha1"
+    );
+    let e = parse_deployment_manifest_str(
+        "m.yaml",
+        "apiVersion: capyctl.io/v1alpha1\nkind: Deployment\nmetadata:\n  name: My_Model\nspec: {engine: vllm, model: m}\n",
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("m.yaml:4: metadata.name: `My_Model` is not a valid name"),
+        "{e}"
+    );
+    let e = parse_deployment_manifest_str(
+        "m.yaml",
+        "apiVersion: capyctl.io/v1alpha1\nkind: Deployment\nmetadata: {}\nspec: {engine: vllm, model: m}\n",
+    )
+    .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "m.yaml:3: metadata.name: missing required key"
+    );
+    let e = parse_deployment_manifest_str(
+        "m.yaml",
+        "apiVersion: capyctl.io/v1alpha1\nkind: Deployment\nmetadata: {name: a}\nspec:\n  engine: vllm\n  model: m\n  decision:\n    prompt: p\n    options: [a]\n",
+    )
+    .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "m.yaml:9: spec.decision.options: a decision needs at least 2 options, found 1"
+    );
+}
+
+#[test]
+fn objects_from_the_api_are_validated_with_spec_paths() {
+    let mut spec = DeploymentSpec {
+        engine: EngineKind::Sglang,
+        model: "m".into(),
+        residency: None,
+        max_concurrent_requests: Some(0),
+        extra_args: vec![],
+        env: Default::default(),
+        resources: None,
+        lifecycle: None,
+        decision: None,
+    };
+    let mut object = Deployment::new("chat", spec.clone());
+    object.metadata.namespace = Some("team-a".into());
+    let e = object.to_document().unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "Deployment team-a/chat: spec.maxConcurrentRequests: 0 is out of range (1 to 4096)"
+    );
+    spec.max_concurrent_requests = None;
+    spec.env.insert("A=B".into(), "x".into());
+    let e = spec
+        .to_document("chat", Origin::Object("Deployment chat".into()))
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "Deployment chat: spec.env: `A=B` is not a valid environment variable name"
+    );
+    spec.env.clear();
+    spec.resources = Some(k8s::ResourcesSpec {
+        gpu_memory: Some(capyctl_crds::units::ByteSize::bytes(0)),
+        weights_memory: None,
+    });
+    let e = spec
+        .to_document("chat", Origin::Object("Deployment chat".into()))
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "Deployment chat: spec.resources.gpuMemory: a size of 0 bytes is not allowed"
+    );
+    spec.resources = None;
+    let doc = spec
+        .to_document("chat", Origin::Object("Deployment chat".into()))
+        .unwrap();
+    assert_eq!(doc.engine, EngineKind::Sglang);
+}
+
+#[test]
+fn queue_spec_round_trips_the_settings() {
+    let q = QueueSettings {
+        max_pending_per_deployment: 0,
+        ..QueueSettings::defaults(Mode::Standalone)
+    };
+    let spec = QueueSpec::from(&q);
+    assert_eq!(spec.request_deadline.to_string(), "30m");
+    assert_eq!(spec.max_buffered_bytes_total.to_string(), "64MiB");
+    assert_eq!(QueueSettings::from(&spec), q);
+    let json = serde_json::to_value(&spec).unwrap();
+    assert_eq!(json["admissionWindow"], "2s");
+    assert_eq!(json["maxPendingPerDeployment"], 0);
+}
