@@ -1,0 +1,371 @@
+//! Engine control endpoints: health, version, vLLM sleep mode, SGLang memory saver, and the
+//! simulator's own `/sim/state` and `/sim/faults`.
+
+use std::sync::Arc;
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{RawQuery, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tracing::info;
+
+use crate::config::{Fault, Flavour};
+use crate::engine::{EngineSim, crash};
+use crate::openai::api_error;
+use crate::state::{ControlError, Tag};
+
+impl IntoResponse for ControlError {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        api_error(status, "ControlError", self.message)
+    }
+}
+
+fn query_values<'a>(query: &'a Option<String>, key: &str) -> Vec<&'a str> {
+    query
+        .as_deref()
+        .unwrap_or("")
+        .split('&')
+        .filter_map(|pair| pair.split_once('=').or(Some((pair, ""))))
+        .filter(|(k, _)| *k == key)
+        .map(|(_, v)| v)
+        .collect()
+}
+
+fn parse_tags<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<Vec<Tag>, ControlError> {
+    names
+        .into_iter()
+        .map(|n| n.replace("%2C", ",").replace("%2c", ","))
+        .collect::<Vec<_>>()
+        .iter()
+        .flat_map(|n| n.split(','))
+        .filter(|n| !n.is_empty())
+        .map(|n| {
+            Tag::parse(n).ok_or_else(|| ControlError {
+                status: 400,
+                message: format!("unknown tag `{n}`; known tags: weights, kv_cache, cuda_graph"),
+            })
+        })
+        .collect()
+}
+
+fn ok_empty() -> Response {
+    StatusCode::OK.into_response()
+}
+
+fn done(result: Result<(), ControlError>) -> Response {
+    match result {
+        Ok(()) => ok_empty(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `GET /health`. vLLM and TensorFold: 200 once started (vLLM also while asleep). SGLang:
+/// 503 while memory is released or generation is paused (its health check generates a token).
+pub(crate) async fn health(State(sim): State<Arc<EngineSim>>) -> Response {
+    if !sim.started() {
+        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+    }
+    if sim.config().flavour == Flavour::Sglang
+        && let Err(why) = sim.with_state(|s| s.servable())
+    {
+        return (StatusCode::SERVICE_UNAVAILABLE, why).into_response();
+    }
+    ok_empty()
+}
+
+/// `GET /version` (vLLM).
+pub(crate) async fn version(State(sim): State<Arc<EngineSim>>) -> Response {
+    Json(json!({"version": sim.config().version})).into_response()
+}
+
+// ----- vLLM -----
+
+/// `POST /sleep?level=1|2`.
+pub(crate) async fn vllm_sleep(
+    State(sim): State<Arc<EngineSim>>,
+    RawQuery(q): RawQuery,
+) -> Response {
+    let level = match query_values(&q, "level").first() {
+        None => 1,
+        Some(v) => match v.parse::<u8>() {
+            Ok(l) => l,
+            Err(_) => {
+                return ControlError {
+                    status: 400,
+                    message: format!("bad level `{v}`"),
+                }
+                .into_response();
+            }
+        },
+    };
+    done(
+        sim.control("sleep", move |s, c| s.begin_vllm_sleep(level, c))
+            .await,
+    )
+}
+
+/// `POST /wake_up[?tags=weights|kv_cache]`.
+pub(crate) async fn vllm_wake_up(
+    State(sim): State<Arc<EngineSim>>,
+    RawQuery(q): RawQuery,
+) -> Response {
+    let mut tags = match parse_tags(query_values(&q, "tags")) {
+        Ok(t) => t,
+        Err(e) => return e.into_response(),
+    };
+    if tags.is_empty() {
+        tags = vec![Tag::Weights, Tag::KvCache];
+    }
+    sim.hang_if_wake_hangs().await;
+    done(
+        sim.control("wake_up", move |s, c| Ok(s.begin_wake(&tags, c)))
+            .await,
+    )
+}
+
+/// `GET /is_sleeping`.
+pub(crate) async fn vllm_is_sleeping(State(sim): State<Arc<EngineSim>>) -> Response {
+    Json(json!({"is_sleeping": sim.with_state(|s| s.is_sleeping())})).into_response()
+}
+
+#[derive(Deserialize)]
+struct CollectiveRpc {
+    method: String,
+}
+
+/// `POST /collective_rpc {"method":"reload_weights"}`.
+pub(crate) async fn vllm_collective_rpc(
+    State(sim): State<Arc<EngineSim>>,
+    body: Bytes,
+) -> Response {
+    let rpc: CollectiveRpc = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return ControlError {
+                status: 400,
+                message: format!("invalid body: {e}"),
+            }
+            .into_response();
+        }
+    };
+    if rpc.method != "reload_weights" {
+        return ControlError {
+            status: 400,
+            message: format!(
+                "unsupported collective_rpc method `{}` (the simulator knows reload_weights)",
+                rpc.method
+            ),
+        }
+        .into_response();
+    }
+    match sim
+        .control("reload_weights", |s, c| s.begin_reload(None, c))
+        .await
+    {
+        Ok(()) => Json(json!({"results": [null]})).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /reset_prefix_cache`.
+pub(crate) async fn vllm_reset_prefix_cache(State(sim): State<Arc<EngineSim>>) -> Response {
+    sim.with_state(|s| s.counters.cache_resets += 1);
+    ok_empty()
+}
+
+// ----- SGLang -----
+
+/// `GET /server_info` and `GET /get_server_info`.
+pub(crate) async fn sglang_server_info(State(sim): State<Arc<EngineSim>>) -> Response {
+    let c = sim.config();
+    let loaded = sim.with_state(|s| s.loaded_model().to_owned());
+    Json(json!({
+        "model_path": loaded,
+        "served_model_name": c.served_model_name,
+        "host": c.host,
+        "port": c.port,
+        "version": c.version,
+        "max_running_requests": c.max_running,
+        "speculative_algorithm": c.speculative_algorithm,
+        "enable_memory_saver": c.enable_memory_saver,
+        "enable_weights_cpu_backup": c.enable_weights_cpu_backup,
+        "enable_metrics": c.enable_metrics,
+        "internal_states": [{"max_running_requests": c.max_running}],
+    }))
+    .into_response()
+}
+
+/// `GET /get_model_info`.
+pub(crate) async fn sglang_model_info(State(sim): State<Arc<EngineSim>>) -> Response {
+    let loaded = sim.with_state(|s| s.loaded_model().to_owned());
+    Json(json!({"model_path": loaded, "is_generation": true})).into_response()
+}
+
+/// `POST /pause_generation`: new requests are refused, running ones are cut off (SGLang's
+/// default `abort` mode).
+pub(crate) async fn sglang_pause(State(sim): State<Arc<EngineSim>>) -> Response {
+    sim.with_state(|s| s.set_paused(true));
+    info!("generation paused");
+    ok_empty()
+}
+
+/// `POST /continue_generation`.
+pub(crate) async fn sglang_continue(State(sim): State<Arc<EngineSim>>) -> Response {
+    sim.with_state(|s| s.set_paused(false));
+    info!("generation continued");
+    ok_empty()
+}
+
+/// The `tags` of a memory request; absent (or an empty body) means all.
+fn body_tags(body: &Bytes) -> Result<Vec<Tag>, ControlError> {
+    let bad = |m: String| ControlError {
+        status: 400,
+        message: m,
+    };
+    let value: Value = if body.iter().all(u8::is_ascii_whitespace) {
+        Value::Null
+    } else {
+        serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON body: {e}")))?
+    };
+    match value.get("tags") {
+        None | Some(Value::Null) => Ok(vec![Tag::Weights, Tag::KvCache, Tag::CudaGraph]),
+        Some(Value::Array(names)) => {
+            let names: Option<Vec<&str>> = names.iter().map(Value::as_str).collect();
+            parse_tags(names.ok_or_else(|| bad("`tags` must be a list of strings".into()))?)
+        }
+        Some(_) => Err(bad("`tags` must be a list of strings".into())),
+    }
+}
+
+/// `POST /release_memory_occupation {"tags":[...]}`.
+pub(crate) async fn sglang_release(State(sim): State<Arc<EngineSim>>, body: Bytes) -> Response {
+    let tags = match body_tags(&body) {
+        Ok(t) => t,
+        Err(e) => return e.into_response(),
+    };
+    done(
+        sim.control("release_memory_occupation", move |s, c| {
+            s.begin_sglang_release(&tags, c)
+        })
+        .await,
+    )
+}
+
+/// `POST /resume_memory_occupation {"tags":[...]}`.
+pub(crate) async fn sglang_resume(State(sim): State<Arc<EngineSim>>, body: Bytes) -> Response {
+    let tags = match body_tags(&body) {
+        Ok(t) => t,
+        Err(e) => return e.into_response(),
+    };
+    sim.hang_if_wake_hangs().await;
+    done(
+        sim.control("resume_memory_occupation", move |s, c| {
+            Ok(s.begin_wake(&tags, c))
+        })
+        .await,
+    )
+}
+
+#[derive(Deserialize)]
+struct UpdateWeights {
+    model_path: String,
+}
+
+/// `POST /update_weights_from_disk {"model_path":...}` → `{"success","message"}`.
+pub(crate) async fn sglang_update_weights(
+    State(sim): State<Arc<EngineSim>>,
+    body: Bytes,
+) -> Response {
+    let answer = |status: StatusCode, success: bool, message: String| {
+        (
+            status,
+            Json(json!({"success": success, "message": message, "num_paused_requests": 0})),
+        )
+            .into_response()
+    };
+    let req: UpdateWeights = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return answer(StatusCode::BAD_REQUEST, false, format!("invalid body: {e}")),
+    };
+    let path = req.model_path.clone();
+    match sim
+        .control("update_weights_from_disk", move |s, c| {
+            s.begin_reload(Some(path), c)
+        })
+        .await
+    {
+        Ok(()) => answer(
+            StatusCode::OK,
+            true,
+            format!("Succeeded to update model weights from {}.", req.model_path),
+        ),
+        Err(e) => answer(
+            StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+            false,
+            e.message,
+        ),
+    }
+}
+
+/// `GET|POST /flush_cache`.
+pub(crate) async fn sglang_flush_cache(State(sim): State<Arc<EngineSim>>) -> Response {
+    sim.with_state(|s| s.counters.cache_resets += 1);
+    (StatusCode::OK, "Cache flushed.\n").into_response()
+}
+
+// ----- simulator -----
+
+/// `GET /sim/state`.
+pub(crate) async fn sim_state(State(sim): State<Arc<EngineSim>>) -> Response {
+    Json(sim.snapshot()).into_response()
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FaultChange {
+    #[serde(default)]
+    set: Vec<String>,
+    #[serde(default)]
+    clear: Vec<String>,
+    #[serde(default)]
+    clear_all: bool,
+}
+
+/// `POST /sim/faults {"set":[...],"clear":[...],"clear_all":bool}` → `{"faults":[...]}`.
+/// Setting `crash` exits the process at once.
+pub(crate) async fn sim_faults(State(sim): State<Arc<EngineSim>>, body: Bytes) -> Response {
+    let bad = |m: String| api_error(StatusCode::BAD_REQUEST, "BadRequestError", m);
+    let change: FaultChange = match serde_json::from_slice(&body) {
+        Ok(c) => c,
+        Err(e) => {
+            return bad(format!(
+                "invalid body: {e}; expected {{\"set\":[..],\"clear\":[..],\"clear_all\":bool}}"
+            ));
+        }
+    };
+    let parse = |names: &[String]| -> Result<Vec<Fault>, String> {
+        names.iter().map(|n| n.parse()).collect()
+    };
+    let (set, clear) = match (parse(&change.set), parse(&change.clear)) {
+        (Ok(s), Ok(c)) => (s, c),
+        (Err(e), _) | (_, Err(e)) => return bad(e),
+    };
+    if set.contains(&Fault::Crash) {
+        crash("fault crash set via /sim/faults");
+    }
+    let faults: Vec<Fault> = sim.with_state(|s| {
+        s.change_faults(&set, &clear, change.clear_all);
+        s.faults().iter().copied().collect()
+    });
+    info!(?faults, "faults changed");
+    Json(json!({"faults": faults})).into_response()
+}
+
+/// Anything else: FastAPI's 404.
+pub(crate) async fn not_found() -> Response {
+    (StatusCode::NOT_FOUND, Json(json!({"detail": "Not Found"}))).into_response()
+}

@@ -1,0 +1,438 @@
+//! The running engine: shared state, request admission and generation, control operations.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+use tracing::{error, info, warn};
+
+use crate::config::{Fault, Flavour, SimConfig};
+use crate::state::{
+    ControlError, Corruption, Counters, Outcome, Plan, SimState, Tag, WeightsState,
+};
+use crate::text::{Words, count_tokens};
+
+/// Exit status of a simulated crash (`crash`, `crash_on_wake`).
+pub const CRASH_EXIT_CODE: i32 = 70;
+
+/// Size of the one oversized chunk sent with the `oversized_chunks` fault: above 64 KiB.
+const OVERSIZED_BYTES: usize = 72 * 1024;
+
+/// One simulated engine: configuration, state, running slots. Shared by every handler.
+#[derive(Debug)]
+pub struct EngineSim {
+    /// Read-only after start.
+    config: SimConfig,
+    /// Every fact that changes. A std mutex, locked only for short sections without `.await`.
+    state: Mutex<SimState>,
+    /// One permit per running slot (`max_running`). Tokio's semaphore is FIFO, so waiting
+    /// requests get slots first come, first served. Held by a request's [`Ticket`].
+    slots: Arc<Semaphore>,
+    /// Serializes control operations. A tokio mutex, held across an operation's simulated time
+    /// (by a spawned task, so a client that hangs up does not cut an operation in half).
+    control: tokio::sync::Mutex<()>,
+    /// When the simulated start-up is over. Read-only.
+    ready_at: Instant,
+    /// Source of request ids (`chatcmpl-N`). Atomic, no lock.
+    next_id: AtomicU64,
+}
+
+/// Why a request was not taken.
+#[derive(Debug)]
+pub(crate) enum Refusal {
+    /// Still starting up.
+    Starting,
+    /// Asleep, released, paused or busy with a control operation: the message says which.
+    Asleep(String),
+}
+
+/// Everything `/sim/state` reports.
+#[derive(Debug, Serialize)]
+pub struct SimSnapshot {
+    /// The engine simulated.
+    pub flavour: Flavour,
+    /// The name clients send.
+    pub served_model_name: String,
+    /// The model argument.
+    pub model: String,
+    /// The checkpoint loaded now.
+    pub loaded_model: String,
+    /// Reported version.
+    pub version: String,
+    /// Start-up finished.
+    pub started: bool,
+    /// Anything released (vLLM's `is_sleeping`).
+    pub asleep: bool,
+    /// vLLM: level of the current sleep.
+    pub sleep_level: Option<u8>,
+    /// SGLang: generation paused.
+    pub paused: bool,
+    /// Memory released now.
+    pub released_tags: Vec<Tag>,
+    /// A control operation in progress.
+    pub busy: Option<&'static str>,
+    /// Where the weights are, and whether they are right.
+    pub weights: WeightsState,
+    /// Why weights stay wrong even after a reload.
+    pub corruption: Option<Corruption>,
+    /// Counters and gauges (running, waiting, completed, aborted, refused_asleep, …).
+    #[serde(flatten)]
+    pub counters: Counters,
+    /// Requests run at once.
+    pub max_running: usize,
+    /// KV-cache use, 0..1.
+    pub kv_cache_usage: f64,
+    /// GPU memory held now.
+    pub gpu_memory_bytes: u64,
+    /// GPU memory held while fully awake.
+    pub gpu_memory_awake_bytes: u64,
+    /// Host RAM holding a copy of the weights now.
+    pub host_memory_bytes: u64,
+    /// Size of the weights.
+    pub weights_bytes: u64,
+    /// Faults active now.
+    pub faults: Vec<Fault>,
+    /// Launch arguments the engine did not know.
+    pub unknown_args: Vec<String>,
+}
+
+impl EngineSim {
+    /// A freshly started engine; start-up ends `config.startup_delay` from now.
+    pub fn new(config: SimConfig) -> Arc<EngineSim> {
+        Arc::new(EngineSim {
+            state: Mutex::new(SimState::new(&config)),
+            slots: Arc::new(Semaphore::new(config.max_running)),
+            control: tokio::sync::Mutex::new(()),
+            ready_at: Instant::now() + config.startup_delay,
+            next_id: AtomicU64::new(1),
+            config,
+        })
+    }
+
+    /// The configuration it was started with.
+    pub fn config(&self) -> &SimConfig {
+        &self.config
+    }
+
+    /// Start-up is over.
+    pub fn started(&self) -> bool {
+        Instant::now() >= self.ready_at
+    }
+
+    /// Runs `f` on the state under the lock. Never call it across an `.await`.
+    pub(crate) fn with_state<R>(&self, f: impl FnOnce(&mut SimState) -> R) -> R {
+        let mut guard = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        f(&mut guard)
+    }
+
+    pub(crate) fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// What `/sim/state` reports now.
+    pub fn snapshot(&self) -> SimSnapshot {
+        let c = &self.config;
+        let started = self.started();
+        self.with_state(|s| SimSnapshot {
+            flavour: c.flavour,
+            served_model_name: c.served_model_name.clone(),
+            model: c.model.clone(),
+            loaded_model: s.loaded_model().to_owned(),
+            version: c.version.clone(),
+            started,
+            asleep: s.is_sleeping(),
+            sleep_level: s.sleep_level(),
+            paused: s.paused(),
+            released_tags: s.released_tags(),
+            busy: s.busy(),
+            weights: s.weights_state(),
+            corruption: s.corruption(),
+            counters: s.counters.clone(),
+            max_running: c.max_running,
+            kv_cache_usage: s.kv_usage(c),
+            gpu_memory_bytes: s.gpu_memory_bytes(c),
+            gpu_memory_awake_bytes: c.gpu_memory_bytes,
+            host_memory_bytes: s.host_copy_bytes(c),
+            weights_bytes: c.weights_bytes,
+            faults: s.faults().iter().copied().collect(),
+            unknown_args: c.unknown_args.clone(),
+        })
+    }
+
+    /// Can a new request be taken? A refusal while asleep is counted and logged loudly.
+    pub(crate) fn check_servable(&self) -> Result<(), Refusal> {
+        if !self.started() {
+            return Err(Refusal::Starting);
+        }
+        self.with_state(|s| {
+            s.servable().map_err(|why| {
+                s.counters.refused_asleep += 1;
+                error!(reason = %why, "refusing a request: the engine is sleeping");
+                Refusal::Asleep(why)
+            })
+        })
+    }
+
+    /// Runs a control operation: `begin` under the lock, the simulated time, then `finish`.
+    /// Runs in its own task, so a client hanging up does not leave it half done.
+    pub(crate) async fn control<F>(
+        self: &Arc<Self>,
+        what: &'static str,
+        begin: F,
+    ) -> Result<(), ControlError>
+    where
+        F: FnOnce(&mut SimState, &SimConfig) -> Result<Plan, ControlError> + Send + 'static,
+    {
+        let sim = Arc::clone(self);
+        let task = tokio::spawn(async move {
+            let _serial = sim.control.lock().await;
+            let plan = sim.with_state(|s| begin(s, &sim.config))?;
+            info!(
+                operation = what,
+                duration_ms = plan.duration.as_millis() as u64,
+                "control operation begins"
+            );
+            if plan.crash_midway {
+                tokio::time::sleep(plan.duration / 2).await;
+                crash("fault crash_on_wake: exiting in the middle of a wake");
+            }
+            tokio::time::sleep(plan.duration).await;
+            sim.with_state(|s| s.finish(plan));
+            info!(operation = what, "control operation done");
+            Ok(())
+        });
+        match task.await {
+            Ok(result) => result,
+            Err(e) => {
+                self.with_state(SimState::abandon);
+                Err(ControlError {
+                    status: 500,
+                    message: format!("{what} failed: {e}"),
+                })
+            }
+        }
+    }
+
+    /// With the `wake_hangs` fault, never returns (the client's connection is held).
+    pub(crate) async fn hang_if_wake_hangs(&self) {
+        if self.with_state(|s| s.has_fault(Fault::WakeHangs)) {
+            warn!("fault wake_hangs: this wake will never answer");
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// Exits the process now, as a crashing engine would.
+pub(crate) fn crash(reason: &str) -> ! {
+    error!(reason, "engine-sim crashing (simulated)");
+    eprintln!("engine-sim: simulated crash: {reason}");
+    std::process::exit(CRASH_EXIT_CODE)
+}
+
+/// A request's place in the engine: waiting, then running with a slot. Dropping it before
+/// [`Ticket::finish`] means the client went away: the request is aborted and counted.
+#[derive(Debug)]
+pub(crate) struct Ticket {
+    sim: Arc<EngineSim>,
+    permit: Option<OwnedSemaphorePermit>,
+    kv_tokens: u64,
+    done: bool,
+}
+
+impl Ticket {
+    /// A new request, waiting for a slot.
+    pub(crate) fn new(sim: Arc<EngineSim>) -> Ticket {
+        sim.with_state(SimState::request_waits);
+        Ticket {
+            sim,
+            permit: None,
+            kv_tokens: 0,
+            done: false,
+        }
+    }
+
+    /// Waits for a running slot; then the prompt occupies the KV cache.
+    async fn admit(&mut self, prompt_tokens: u64) {
+        let Ok(permit) = Arc::clone(&self.sim.slots).acquire_owned().await else {
+            return; // never closed
+        };
+        self.permit = Some(permit);
+        self.kv_tokens = prompt_tokens;
+        self.sim.with_state(|s| s.request_runs(prompt_tokens));
+    }
+
+    fn token(&mut self) {
+        self.kv_tokens += 1;
+        self.sim.with_state(SimState::request_token);
+    }
+
+    /// Ends the request now: counters, KV tokens and slot are released.
+    pub(crate) fn finish(&mut self, outcome: Outcome) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        let was_running = self.permit.is_some();
+        let kv = self.kv_tokens;
+        self.sim
+            .with_state(|s| s.request_leaves(was_running, kv, outcome));
+        self.permit = None;
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if !self.done {
+            info!(
+                running = self.permit.is_some(),
+                "client went away: request aborted"
+            );
+            self.finish(Outcome::Aborted);
+        }
+    }
+}
+
+/// Why generation stopped early.
+#[derive(Debug)]
+pub(crate) enum Stop {
+    /// The engine fell asleep while the request waited: refused.
+    Refused(String),
+    /// The engine slept or paused while the request ran.
+    Interrupted(String),
+}
+
+impl Stop {
+    /// The message for the client.
+    pub(crate) fn message(&self) -> String {
+        match self {
+            Stop::Refused(why) => why.clone(),
+            Stop::Interrupted(why) => format!("request interrupted: {why}"),
+        }
+    }
+}
+
+/// One answer being generated: admission, prefill, tokens at the configured rate.
+#[derive(Debug)]
+pub(crate) struct Generation {
+    ticket: Ticket,
+    prompt: String,
+    /// Prompt tokens.
+    pub(crate) prompt_tokens: u64,
+    max_tokens: u64,
+    /// Tokens produced so far.
+    pub(crate) produced: u64,
+    words: Option<Words>,
+    oversized: bool,
+    /// When the first token is due (after prefill); token i is due i+1 intervals later.
+    decode_start: Option<Instant>,
+}
+
+impl Generation {
+    pub(crate) fn new(sim: Arc<EngineSim>, prompt: String, max_tokens: u64) -> Generation {
+        Generation {
+            ticket: Ticket::new(sim),
+            prompt_tokens: count_tokens(&prompt),
+            prompt,
+            max_tokens,
+            produced: 0,
+            words: None,
+            oversized: false,
+            decode_start: None,
+        }
+    }
+
+    fn sim(&self) -> &EngineSim {
+        &self.ticket.sim
+    }
+
+    /// Waits for a slot, then for the prefill.
+    pub(crate) async fn start(&mut self) -> Result<(), Stop> {
+        self.ticket.admit(self.prompt_tokens).await;
+        let salt = self.sim().with_state(|s| {
+            s.servable().map(|()| {
+                (
+                    s.answer_salt(),
+                    s.loaded_model().to_owned(),
+                    s.has_fault(Fault::OversizedChunks),
+                )
+            })
+        });
+        let (salt, model, oversized) = match salt {
+            Ok(v) => v,
+            Err(why) => {
+                error!(reason = %why, "refusing a waiting request: the engine is sleeping");
+                self.ticket.finish(Outcome::Refused);
+                return Err(Stop::Refused(why));
+            }
+        };
+        self.words = Some(Words::new(&model, &salt, &self.prompt));
+        self.oversized = oversized;
+        let prefill = self
+            .sim()
+            .config
+            .prefill_per_token
+            .saturating_mul(u32::try_from(self.prompt_tokens).unwrap_or(u32::MAX));
+        tokio::time::sleep(prefill).await;
+        self.decode_start = Some(Instant::now());
+        Ok(())
+    }
+
+    /// The next token's text, at the token rate; `None` after `max_tokens`.
+    pub(crate) async fn next_token(&mut self) -> Result<Option<String>, Stop> {
+        if self.produced >= self.max_tokens {
+            return Ok(None);
+        }
+        let rate = self.sim().config.token_rate;
+        if let (Some(start), true) = (self.decode_start, rate > 0.0) {
+            let due = start + Duration::from_secs_f64((self.produced + 1) as f64 / rate);
+            tokio::time::sleep_until(due).await;
+        }
+        if let Err(why) = self.sim().with_state(|s| s.servable()) {
+            error!(reason = %why, "request interrupted: the engine went to sleep under it");
+            self.ticket.finish(Outcome::Interrupted);
+            return Err(Stop::Interrupted(why));
+        }
+        let Some(words) = &self.words else {
+            return Ok(None);
+        };
+        let mut text = words.token(self.produced);
+        if self.oversized && self.produced == 0 {
+            let filler = " overflow";
+            text.push_str(&filler.repeat(OVERSIZED_BYTES / filler.len() + 1));
+        }
+        self.produced += 1;
+        self.ticket.token();
+        Ok(Some(text))
+    }
+
+    /// The answer is complete.
+    pub(crate) fn complete(&mut self) {
+        self.ticket.finish(Outcome::Completed);
+    }
+}
+
+/// Waits for a slot and completes at once (embeddings).
+/// Answers the loaded model and the weights' salt.
+pub(crate) async fn run_instant(
+    sim: Arc<EngineSim>,
+    prompt_tokens: u64,
+) -> Result<(String, String), Stop> {
+    let mut ticket = Ticket::new(Arc::clone(&sim));
+    ticket.admit(prompt_tokens).await;
+    match sim.with_state(|s| {
+        s.servable()
+            .map(|()| (s.loaded_model().to_owned(), s.answer_salt()))
+    }) {
+        Ok(found) => {
+            ticket.finish(Outcome::Completed);
+            Ok(found)
+        }
+        Err(why) => {
+            ticket.finish(Outcome::Refused);
+            Err(Stop::Refused(why))
+        }
+    }
+}

@@ -1,0 +1,129 @@
+//! `engine-sim`: a real program that speaks the HTTP APIs CapyCTL uses from vLLM, SGLang and
+//! TensorFold, so CapyCTL can be tested end to end without a GPU.
+//!
+//! It answers deterministically (words picked by a sha2 hash of model, weights state, prompt
+//! and token index), streams at a set token rate, runs at most its engine's number of requests
+//! at once (the rest wait), aborts a request whose client went away, and simulates parking:
+//! vLLM's sleep mode (levels 1 and 2, partial wakes, `reload_weights`) and SGLang's memory
+//! saver (release/resume with or without a CPU backup, speculative decoding losing its draft
+//! model), with times computed from the weights' size and the host-RAM and disk bandwidths.
+//! Faults can be injected at start (`ENGINE_SIM_FAULTS`) or later (`POST /sim/faults`), and
+//! `GET /sim/state` tells a test everything. See `README.md` beside this crate for usage.
+//!
+//! ```no_run
+//! # async fn demo() -> anyhow::Result<()> {
+//! use capyctl_engine_sim::{SimConfig, serve};
+//! let config = SimConfig::try_parse_from(["engine-sim", "serve", "Qwen3-4B", "--port", "0"])?;
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+//! serve(listener, config).await
+//! # }
+//! ```
+
+mod config;
+mod control;
+mod engine;
+pub mod metrics;
+mod openai;
+mod state;
+mod text;
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+
+pub use config::{Fault, Flavour, SimConfig, parse_bytes, parse_duration, parse_faults};
+pub use engine::{CRASH_EXIT_CODE, EngineSim, SimSnapshot};
+pub use state::{Corruption, Counters, Tag, WeightsState};
+
+/// Largest request body accepted.
+const BODY_LIMIT: usize = 64 * 1024 * 1024;
+
+/// The HTTP application of one simulated engine: the routes its flavour and flags provide.
+///
+/// vLLM's `/sleep`, `/wake_up` and `/is_sleeping` exist only with `--enable-sleep-mode` and
+/// `VLLM_SERVER_DEV_MODE=1`; `/collective_rpc` and `/reset_prefix_cache` with the dev mode.
+/// SGLang's `/metrics` exists only with `--enable-metrics`. Anything else answers 404.
+pub fn app(sim: Arc<EngineSim>) -> Router {
+    let c = sim.config();
+    let mut router = Router::new()
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/embeddings", post(openai::embeddings))
+        .route("/v1/models", get(openai::models))
+        .route("/health", get(control::health))
+        .route("/sim/state", get(control::sim_state))
+        .route("/sim/faults", post(control::sim_faults));
+    match c.flavour {
+        Flavour::Vllm => {
+            router = router
+                .route("/version", get(control::version))
+                .route("/metrics", get(metrics::metrics));
+            if c.vllm_dev_mode {
+                router = router
+                    .route("/collective_rpc", post(control::vllm_collective_rpc))
+                    .route(
+                        "/reset_prefix_cache",
+                        post(control::vllm_reset_prefix_cache),
+                    );
+            }
+            if c.vllm_dev_mode && c.enable_sleep_mode {
+                router = router
+                    .route("/sleep", post(control::vllm_sleep))
+                    .route("/wake_up", post(control::vllm_wake_up))
+                    .route("/is_sleeping", get(control::vllm_is_sleeping));
+            }
+        }
+        Flavour::Sglang => {
+            router = router
+                .route("/health_generate", get(control::health))
+                .route("/server_info", get(control::sglang_server_info))
+                .route("/get_server_info", get(control::sglang_server_info))
+                .route("/get_model_info", get(control::sglang_model_info))
+                .route("/pause_generation", post(control::sglang_pause))
+                .route("/continue_generation", post(control::sglang_continue))
+                .route("/release_memory_occupation", post(control::sglang_release))
+                .route("/resume_memory_occupation", post(control::sglang_resume))
+                .route(
+                    "/update_weights_from_disk",
+                    post(control::sglang_update_weights),
+                )
+                .route(
+                    "/flush_cache",
+                    get(control::sglang_flush_cache).post(control::sglang_flush_cache),
+                );
+            if c.enable_metrics {
+                router = router.route("/metrics", get(metrics::metrics));
+            }
+        }
+        Flavour::Tensorfold => {
+            router = router.route("/metrics", get(metrics::metrics));
+        }
+    }
+    router
+        .fallback(control::not_found)
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .with_state(sim)
+}
+
+/// Serves one simulated engine on `listener` until the process ends.
+///
+/// NB: the `crash` and `crash_on_wake` faults exit the whole process (status
+/// [`CRASH_EXIT_CODE`]); in-process tests must not use them.
+pub async fn serve(listener: tokio::net::TcpListener, config: SimConfig) -> anyhow::Result<()> {
+    if config.faults.contains(&Fault::Crash) {
+        engine::crash("fault crash set at start (ENGINE_SIM_FAULTS)");
+    }
+    tracing::info!(
+        flavour = %config.flavour,
+        model = %config.model,
+        served_model_name = %config.served_model_name,
+        max_running = config.max_running,
+        unknown_args = ?config.unknown_args,
+        "engine-sim serving"
+    );
+    let sim = EngineSim::new(config);
+    axum::serve(listener, app(sim)).await?;
+    Ok(())
+}

@@ -1,0 +1,28 @@
+//! The `engine-sim` binary: parse, bind, print the listening line, serve.
+
+use std::io::{IsTerminal, Write};
+
+use anyhow::Context;
+use capyctl_engine_sim::{SimConfig, serve};
+use tracing_subscriber::EnvFilter;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let config =
+        SimConfig::parse_from(std::env::args_os().map(|a| a.to_string_lossy().into_owned()));
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .init();
+    let listener = tokio::net::TcpListener::bind((config.host.as_str(), config.port))
+        .await
+        .with_context(|| format!("cannot listen on {}:{}", config.host, config.port))?;
+    let addr = listener.local_addr()?;
+    let mut stdout = std::io::stdout();
+    writeln!(stdout, "engine-sim listening on {addr}")?;
+    stdout.flush()?;
+    serve(listener, config).await
+}

@@ -1,0 +1,500 @@
+//! The OpenAI-compatible API: chat and text completions (streamed and not), embeddings, models.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::Json;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use futures_util::stream;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::config::{Fault, Flavour};
+use crate::engine::{EngineSim, Generation, Refusal, Stop, run_instant};
+use crate::text::{count_tokens, embedding};
+
+/// Default `max_tokens`, as OpenAI's completions API.
+const DEFAULT_MAX_TOKENS: u64 = 16;
+
+/// An error in the engines' OpenAI style: `{"error":{"message","type","param","code"}}`.
+pub(crate) fn api_error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
+    let body = json!({
+        "error": {
+            "message": message.into(),
+            "type": kind,
+            "param": null,
+            "code": status.as_u16(),
+        }
+    });
+    (status, Json(body)).into_response()
+}
+
+fn unavailable(message: impl Into<String>) -> Response {
+    api_error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "ServiceUnavailableError",
+        message,
+    )
+}
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        match self {
+            Refusal::Starting => unavailable("the engine is starting up and not ready yet"),
+            Refusal::Asleep(why) => unavailable(why),
+        }
+    }
+}
+
+fn bad_request(message: impl Into<String>) -> Response {
+    api_error(StatusCode::BAD_REQUEST, "BadRequestError", message)
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// The fields of a completion request the simulator reads; others (temperature…) are ignored.
+#[derive(Deserialize)]
+struct GenerateRequest {
+    model: Option<String>,
+    messages: Option<Vec<Value>>,
+    prompt: Option<Value>,
+    max_tokens: Option<u64>,
+    max_completion_tokens: Option<u64>,
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Text,
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// A request naming another model gets the engine's 404.
+fn check_model(sim: &EngineSim, model: Option<&str>) -> Option<Response> {
+    match model {
+        Some(m) if m != sim.config().served_model_name => Some(api_error(
+            StatusCode::NOT_FOUND,
+            "NotFoundError",
+            format!("The model `{m}` does not exist."),
+        )),
+        _ => None,
+    }
+}
+
+fn content_text(content: &Value) -> Result<String, String> {
+    match content {
+        Value::Null => Ok(String::new()),
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => Ok(parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join(" ")),
+        _ => Err("message content must be a string or a list of parts".into()),
+    }
+}
+
+/// The chat prompt as one text: `role: content` lines.
+fn render_chat(messages: &[Value]) -> Result<String, String> {
+    if messages.is_empty() {
+        return Err("`messages` must not be empty".into());
+    }
+    let mut out = String::new();
+    for m in messages {
+        let role = m
+            .get("role")
+            .and_then(Value::as_str)
+            .ok_or("every message needs a string `role`")?;
+        let content = content_text(m.get("content").unwrap_or(&Value::Null))?;
+        out.push_str(role);
+        out.push_str(": ");
+        out.push_str(&content);
+        out.push('\n');
+    }
+    Ok(out)
+}
+
+/// The completion prompt: a string, a list of strings (joined) or token ids.
+fn render_prompt(prompt: &Value) -> Result<String, String> {
+    let item = |v: &Value| -> Result<String, String> {
+        match v {
+            Value::String(s) => Ok(s.clone()),
+            Value::Number(n) => Ok(format!("<{n}>")),
+            Value::Array(ids) => Ok(ids.iter().map(|i| format!("<{i}> ")).collect()),
+            _ => Err("`prompt` must be a string, a list of strings or token ids".to_owned()),
+        }
+    };
+    match prompt {
+        Value::Array(items) => Ok(items
+            .iter()
+            .map(item)
+            .collect::<Result<Vec<_>, _>>()?
+            .join("\n")),
+        other => item(other),
+    }
+}
+
+async fn generate(sim: Arc<EngineSim>, body: Bytes, kind: Kind) -> Response {
+    let req: GenerateRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return bad_request(format!("invalid JSON body: {e}")),
+    };
+    if let Some(r) = check_model(&sim, req.model.as_deref()) {
+        return r;
+    }
+    let prompt = match kind {
+        Kind::Chat => req
+            .messages
+            .as_deref()
+            .ok_or_else(|| "`messages` is required".to_owned())
+            .and_then(render_chat),
+        Kind::Text => req
+            .prompt
+            .as_ref()
+            .ok_or_else(|| "`prompt` is required".to_owned())
+            .and_then(render_prompt),
+    };
+    let prompt = match prompt {
+        Ok(p) => p,
+        Err(e) => return bad_request(e),
+    };
+    if let Err(refusal) = sim.check_servable() {
+        return refusal.into_response();
+    }
+    let max_tokens = req
+        .max_completion_tokens
+        .or(req.max_tokens)
+        .unwrap_or(DEFAULT_MAX_TOKENS);
+    let answer = Answer {
+        id: format!(
+            "{}-{}",
+            if kind == Kind::Chat {
+                "chatcmpl"
+            } else {
+                "cmpl"
+            },
+            sim.next_id()
+        ),
+        created: unix_now(),
+        model: sim.config().served_model_name.clone(),
+        kind,
+    };
+    let opening = sim.config().flavour == Flavour::Tensorfold
+        || sim.with_state(|s| s.has_fault(Fault::RoleChunk));
+    let generation = Generation::new(Arc::clone(&sim), prompt, max_tokens);
+    if req.stream.unwrap_or(false) {
+        let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
+        stream_answer(answer, generation, opening, include_usage)
+    } else {
+        whole_answer(answer, generation).await
+    }
+}
+
+/// Fixed parts of one answer's JSON.
+struct Answer {
+    id: String,
+    created: u64,
+    model: String,
+    kind: Kind,
+}
+
+impl Answer {
+    fn usage(&self, g: &Generation) -> Value {
+        json!({
+            "prompt_tokens": g.prompt_tokens,
+            "completion_tokens": g.produced,
+            "total_tokens": g.prompt_tokens + g.produced,
+        })
+    }
+
+    fn chunk(&self, choice: Value) -> Bytes {
+        let object = match self.kind {
+            Kind::Chat => "chat.completion.chunk",
+            Kind::Text => "text_completion",
+        };
+        let choices = if choice.is_null() {
+            json!([])
+        } else {
+            json!([choice])
+        };
+        sse(&json!({
+            "id": self.id, "object": object, "created": self.created, "model": self.model,
+            "choices": choices,
+        }))
+    }
+
+    /// A chunk carrying `text`; `role` adds the assistant role (chat's first chunk).
+    fn text_chunk(&self, text: &str, role: bool, finish: Option<&str>) -> Bytes {
+        let choice = match self.kind {
+            Kind::Chat => {
+                let mut delta = json!({});
+                if role {
+                    delta["role"] = json!("assistant");
+                }
+                if !text.is_empty() || finish.is_none() {
+                    delta["content"] = json!(text);
+                }
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+            }
+            Kind::Text => {
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+            }
+        };
+        self.chunk(choice)
+    }
+
+    /// The opening chunk that only names the role (TensorFold; `role_chunk` fault).
+    fn opening_chunk(&self) -> Bytes {
+        match self.kind {
+            Kind::Chat => self.chunk(json!({
+                "index": 0, "delta": {"role": "assistant"}, "logprobs": null, "finish_reason": null,
+            })),
+            Kind::Text => self.text_chunk("", false, None),
+        }
+    }
+
+    fn usage_chunk(&self, g: &Generation) -> Bytes {
+        let object = match self.kind {
+            Kind::Chat => "chat.completion.chunk",
+            Kind::Text => "text_completion",
+        };
+        sse(&json!({
+            "id": self.id, "object": object, "created": self.created, "model": self.model,
+            "choices": [], "usage": self.usage(g),
+        }))
+    }
+}
+
+fn sse(value: &Value) -> Bytes {
+    Bytes::from(format!("data: {value}\n\n"))
+}
+
+async fn whole_answer(answer: Answer, mut g: Generation) -> Response {
+    if let Err(stop) = g.start().await {
+        return unavailable(stop.message());
+    }
+    let mut text = String::new();
+    loop {
+        match g.next_token().await {
+            Ok(Some(t)) => text.push_str(&t),
+            Ok(None) => break,
+            Err(stop) => return unavailable(stop.message()),
+        }
+    }
+    g.complete();
+    let choice = match answer.kind {
+        Kind::Chat => json!({
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": null,
+            "finish_reason": "length",
+        }),
+        Kind::Text => {
+            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length"})
+        }
+    };
+    let object = match answer.kind {
+        Kind::Chat => "chat.completion",
+        Kind::Text => "text_completion",
+    };
+    Json(json!({
+        "id": answer.id, "object": object, "created": answer.created, "model": answer.model,
+        "choices": [choice], "usage": answer.usage(&g),
+    }))
+    .into_response()
+}
+
+enum Phase {
+    Opening,
+    Start,
+    Tokens,
+    Finish,
+    Usage,
+    Done,
+    End,
+}
+
+struct Streaming {
+    answer: Answer,
+    g: Generation,
+    phase: Phase,
+    opening: bool,
+    include_usage: bool,
+}
+
+/// An SSE stream. It owns the [`Generation`], so when hyper drops the body (the client went
+/// away), the request's ticket is dropped with it and the request is aborted.
+fn stream_answer(answer: Answer, g: Generation, opening: bool, include_usage: bool) -> Response {
+    let start = Streaming {
+        answer,
+        g,
+        phase: Phase::Opening,
+        opening,
+        include_usage,
+    };
+    let chunks = stream::unfold(start, |mut st| async move {
+        loop {
+            let chunk = match st.phase {
+                Phase::Opening => {
+                    st.phase = Phase::Start;
+                    if !st.opening {
+                        continue;
+                    }
+                    st.answer.opening_chunk()
+                }
+                Phase::Start => match st.g.start().await {
+                    Ok(()) => {
+                        st.phase = Phase::Tokens;
+                        continue;
+                    }
+                    Err(stop) => stop_chunk(&mut st, &stop),
+                },
+                Phase::Tokens => match st.g.next_token().await {
+                    Ok(Some(t)) => {
+                        let role =
+                            st.answer.kind == Kind::Chat && !st.opening && st.g.produced == 1;
+                        st.answer.text_chunk(&t, role, None)
+                    }
+                    Ok(None) => {
+                        st.phase = Phase::Finish;
+                        continue;
+                    }
+                    Err(stop) => stop_chunk(&mut st, &stop),
+                },
+                Phase::Finish => {
+                    st.phase = if st.include_usage {
+                        Phase::Usage
+                    } else {
+                        Phase::Done
+                    };
+                    st.answer.text_chunk("", false, Some("length"))
+                }
+                Phase::Usage => {
+                    st.phase = Phase::Done;
+                    st.answer.usage_chunk(&st.g)
+                }
+                Phase::Done => {
+                    st.g.complete();
+                    st.phase = Phase::End;
+                    Bytes::from_static(b"data: [DONE]\n\n")
+                }
+                Phase::End => return None,
+            };
+            return Some((Ok::<_, Infallible>(chunk), st));
+        }
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(chunks))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+/// The error event of a stream cut short, then `[DONE]` (as vLLM does).
+fn stop_chunk(st: &mut Streaming, stop: &Stop) -> Bytes {
+    st.phase = Phase::End;
+    let error = sse(&json!({
+        "error": {"message": stop.message(), "type": "ServiceUnavailableError", "param": null, "code": 503}
+    }));
+    let mut out = error.to_vec();
+    out.extend_from_slice(b"data: [DONE]\n\n");
+    Bytes::from(out)
+}
+
+/// `POST /v1/chat/completions`.
+pub(crate) async fn chat_completions(State(sim): State<Arc<EngineSim>>, body: Bytes) -> Response {
+    generate(sim, body, Kind::Chat).await
+}
+
+/// `POST /v1/completions`.
+pub(crate) async fn completions(State(sim): State<Arc<EngineSim>>, body: Bytes) -> Response {
+    generate(sim, body, Kind::Text).await
+}
+
+#[derive(Deserialize)]
+struct EmbeddingRequest {
+    model: Option<String>,
+    input: Value,
+}
+
+/// `POST /v1/embeddings`: one deterministic unit vector per input.
+pub(crate) async fn embeddings(State(sim): State<Arc<EngineSim>>, body: Bytes) -> Response {
+    let req: EmbeddingRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return bad_request(format!("invalid JSON body: {e}")),
+    };
+    if let Some(r) = check_model(&sim, req.model.as_deref()) {
+        return r;
+    }
+    let inputs: Vec<String> = match &req.input {
+        Value::String(s) => vec![s.clone()],
+        Value::Array(items) if items.iter().all(Value::is_string) => items
+            .iter()
+            .filter_map(|v| v.as_str().map(str::to_owned))
+            .collect(),
+        Value::Array(items) if items.iter().all(Value::is_number) => vec![req.input.to_string()],
+        Value::Array(items) if items.iter().all(Value::is_array) => {
+            items.iter().map(Value::to_string).collect()
+        }
+        _ => return bad_request("`input` must be a string, a list of strings or token ids"),
+    };
+    if inputs.is_empty() {
+        return bad_request("`input` must not be empty");
+    }
+    if let Err(refusal) = sim.check_servable() {
+        return refusal.into_response();
+    }
+    let tokens: u64 = inputs.iter().map(|i| count_tokens(i)).sum();
+    let (model, salt) = match run_instant(Arc::clone(&sim), tokens).await {
+        Ok(found) => found,
+        Err(stop) => return unavailable(stop.message()),
+    };
+    let data: Vec<Value> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, input)| {
+            json!({"object": "embedding", "index": i, "embedding": embedding(&model, &salt, input)})
+        })
+        .collect();
+    Json(json!({
+        "object": "list",
+        "data": data,
+        "model": sim.config().served_model_name,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }))
+    .into_response()
+}
+
+/// `GET /v1/models`: the served model.
+pub(crate) async fn models(State(sim): State<Arc<EngineSim>>) -> Response {
+    let c = sim.config();
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": c.served_model_name,
+            "object": "model",
+            "created": unix_now(),
+            "owned_by": c.flavour.name(),
+            "root": c.model,
+            "parent": null,
+            "max_running_requests": c.max_running,
+        }],
+    }))
+    .into_response()
+}
