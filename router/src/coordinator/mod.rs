@@ -1,0 +1,523 @@
+//! The switch coordinator: one task that owns all routing state.
+//!
+//! [`Coordinator::spawn`] starts the task and returns a [`CoordinatorHandle`]. The task owns the
+//! ready instances of every deployment and their in-flight counts, the per-deployment waiting
+//! queues, the buffered bytes, the one switch in progress and its timers; nothing else reads or
+//! writes them. Everything reaches it as an event:
+//!
+//! - through the bounded inbox (senders await room): admissions, the lifecycle's
+//!   `instance_ready` / `instance_gone` / `deployment_refused` / `release`, load reads, and the
+//!   results of the lifecycle futures it started (plan, execute, engine idle);
+//! - through the endings channel, which is sent to from `Drop` and so cannot await: a waiting
+//!   client that went away, a permit that ended. It is unbounded in type but not in use: each
+//!   request sends at most one ending, so it never holds more than the requests alive.
+//!
+//! The rules themselves are in `state` (pure functions over the state, behind an `Effects`
+//! trait); see `router/DESIGN.md` for the phases of a switch and how each rule maps to code.
+
+mod state;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
+
+use std::collections::{BTreeSet, HashMap};
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use capyctl_crds::errors::ApiError;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+use crate::admission::{Admission, Permit};
+use crate::config::RouterConfig;
+use crate::lifecycle::{
+    DeploymentId, DeploymentRef, DrainReport, InstanceKey, Lifecycle, Plan, SwitchOrder, Upstream,
+};
+
+use state::{
+    AdmitRequest, DrainOwner, Effects, Finished, Grant, ReleaseId, State, SwitchSeq, Ticket,
+};
+
+/// Room in the inbox. Senders wait when it is full (back-pressure), never the coordinator.
+const INBOX_CAPACITY: usize = 1024;
+
+/// What a lifecycle-initiated release answers: the drained instances with how their requests
+/// ended, or `DrainTimeout` (they serve again).
+pub type ReleaseResult = Result<Vec<(InstanceKey, DrainReport)>, ApiError>;
+
+/// The router's live load of one deployment (the `router` half of the load read).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeploymentLoad {
+    /// The deployment's ID.
+    pub deployment_id: DeploymentId,
+    /// Requests the router is forwarding to it now.
+    pub in_flight: usize,
+    /// The bound on `in_flight` (32).
+    pub in_flight_limit: usize,
+    /// Requests waiting in the router for it (to load, or for one of the in-flight slots).
+    pub waiting: usize,
+    /// The waiting limit per deployment (`max_pending_per_deployment`; 0 is no waiting).
+    pub waiting_limit: usize,
+    /// Its instances the router routes to (open) or drains (closed).
+    pub instances: Vec<InstanceLoad>,
+}
+
+/// The router's live load of one instance.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InstanceLoad {
+    /// Which instance.
+    pub key: InstanceKey,
+    /// Requests the router is forwarding to it now (`router_in_flight`).
+    pub router_in_flight: usize,
+    /// Whether it takes new requests (`false` while it drains before a park or stop).
+    pub open: bool,
+}
+
+/// Starts the switch coordinator.
+pub struct Coordinator;
+
+impl Coordinator {
+    /// Starts the coordinator's task (on the current tokio runtime) and returns its handle.
+    ///
+    /// The task runs until every handle is gone. NB: a lifecycle that keeps a handle (to
+    /// announce instances) keeps the task alive with it; that is the normal server shape.
+    pub fn spawn(lifecycle: Arc<dyn Lifecycle>, config: RouterConfig) -> CoordinatorHandle {
+        let (inbox_tx, inbox_rx) = mpsc::channel(INBOX_CAPACITY);
+        let (endings_tx, endings_rx) = mpsc::unbounded_channel();
+        let driver = Driver {
+            state: State::new(config),
+            fx: TaskEffects {
+                lifecycle: lifecycle.clone(),
+                inbox: inbox_tx.downgrade(),
+                endings: endings_tx.clone(),
+                replies: HashMap::new(),
+                release_replies: HashMap::new(),
+            },
+            next_release: 0,
+        };
+        tokio::spawn(driver.run(inbox_rx, endings_rx));
+        CoordinatorHandle {
+            inbox: inbox_tx,
+            endings: endings_tx,
+            lifecycle,
+            next_ticket: Arc::new(AtomicU64::new(0)),
+        }
+    }
+}
+
+/// The coordinator's address: the listener's [`Admission`], and the lifecycle's way to tell the
+/// router about instances. Cheap to clone.
+#[derive(Clone)]
+pub struct CoordinatorHandle {
+    /// The coordinator's bounded inbox.
+    inbox: mpsc::Sender<Command>,
+    /// Endings sent from `Drop` (cancelled admissions).
+    endings: mpsc::UnboundedSender<Ending>,
+    /// For `resolve`, which needs no state of the router.
+    lifecycle: Arc<dyn Lifecycle>,
+    /// Request numbers, shared by every clone.
+    next_ticket: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for CoordinatorHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CoordinatorHandle").finish_non_exhaustive()
+    }
+}
+
+impl CoordinatorHandle {
+    /// The lifecycle opened an instance for traffic: its deployment's waiting requests are
+    /// released (up to the in-flight bound).
+    pub async fn instance_ready(&self, upstream: Upstream) {
+        self.send(Command::InstanceReady(upstream)).await;
+    }
+
+    /// The lifecycle says an instance went away (parked, stopped, crashed).
+    pub async fn instance_gone(&self, key: InstanceKey) {
+        self.send(Command::InstanceGone(key)).await;
+    }
+
+    /// Fails every request waiting for `deployment` with `error` (e.g. an operator stop:
+    /// `DeploymentStopped`), and gives up a switch to it that has not begun executing.
+    pub async fn deployment_refused(&self, deployment: DeploymentId, error: ApiError) {
+        self.send(Command::Refused { deployment, error }).await;
+    }
+
+    /// The router half of the load read: every deployment the router has seen. Empty when the
+    /// coordinator has stopped.
+    pub async fn load(&self) -> Vec<DeploymentLoad> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Load { reply }).await;
+        rx.await.unwrap_or_default()
+    }
+
+    /// For releases the lifecycle starts itself (operator park or stop, `start --evict`, idle
+    /// timers): closes `victims` to new requests (requests for them get `DispatchClosed` while
+    /// no other instance is open), waits for their running requests within `drain_timeout`
+    /// (and, after a cut answer, for `engine_idle`), forgets them and answers their reports.
+    /// On a drain timeout they serve again and the answer is `DrainTimeout`.
+    pub async fn release(&self, victims: Vec<InstanceKey>) -> ReleaseResult {
+        let deployment = victims
+            .first()
+            .map(|k| k.deployment.clone())
+            .unwrap_or_default();
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Release { victims, reply }).await;
+        rx.await
+            .unwrap_or(Err(ApiError::DispatchClosed { deployment }))
+    }
+
+    /// Sends a command; a stopped coordinator drops it (its replies then fail).
+    async fn send(&self, command: Command) {
+        let _ = self.inbox.send(command).await;
+    }
+
+    /// The admission itself (see [`Admission::admit`]).
+    async fn admit_inner(
+        self,
+        deployment: DeploymentRef,
+        body_bytes: u64,
+        deadline: Instant,
+    ) -> Result<CoordinatorPermit, ApiError> {
+        let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
+        // Dropped before the answer (the client went away): give up the place.
+        let guard = CancelGuard {
+            ticket,
+            endings: Some(self.endings.clone()),
+        };
+        let (reply, rx) = oneshot::channel();
+        let closed = || ApiError::DispatchClosed {
+            deployment: deployment.id.clone(),
+        };
+        self.inbox
+            .send(Command::Admit {
+                request: AdmitRequest {
+                    ticket,
+                    deployment: deployment.id.clone(),
+                    body_bytes,
+                    deadline,
+                },
+                reply,
+            })
+            .await
+            .map_err(|_| closed())?;
+        let answer = rx.await;
+        guard.disarm();
+        answer.unwrap_or_else(|_| Err(closed()))
+    }
+}
+
+impl Admission for CoordinatorHandle {
+    type Permit = CoordinatorPermit;
+
+    fn resolve(&self, model: &str) -> Option<DeploymentRef> {
+        self.lifecycle.resolve(model)
+    }
+
+    fn admit(
+        &self,
+        deployment: DeploymentRef,
+        body_bytes: u64,
+        deadline: Instant,
+    ) -> impl Future<Output = Result<Self::Permit, ApiError>> + Send {
+        self.clone().admit_inner(deployment, body_bytes, deadline)
+    }
+}
+
+/// One admitted request's charge on an instance. Its methods only set flags; its `Drop` reports
+/// the end (with the flags) to the coordinator, which frees the slot.
+#[derive(Debug)]
+pub struct CoordinatorPermit {
+    /// Where to forward.
+    upstream: Upstream,
+    /// The instance entry it is charged to.
+    serial: u64,
+    /// Set by `first_output`; read once, in `Drop`.
+    first_output: AtomicBool,
+    /// Set by `cut`; read once, in `Drop`.
+    cut: AtomicBool,
+    /// Where the end goes; `None` once defused (never handed out).
+    endings: Option<mpsc::UnboundedSender<Ending>>,
+}
+
+impl CoordinatorPermit {
+    /// A permit that was never handed out reports nothing.
+    fn defuse(mut self) {
+        self.endings = None;
+    }
+}
+
+impl Permit for CoordinatorPermit {
+    fn upstream(&self) -> &Upstream {
+        &self.upstream
+    }
+
+    fn first_output(&self) {
+        self.first_output.store(true, Ordering::Relaxed);
+    }
+
+    fn cut(&self) {
+        self.cut.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Drop for CoordinatorPermit {
+    fn drop(&mut self) {
+        if let Some(endings) = self.endings.take() {
+            let _ = endings.send(Ending::Finished(Finished {
+                key: self.upstream.key.clone(),
+                serial: self.serial,
+                output: self.first_output.load(Ordering::Relaxed),
+                cut: self.cut.load(Ordering::Relaxed),
+            }));
+        }
+    }
+}
+
+/// Sends `Cancel` when an admission is dropped before its answer.
+struct CancelGuard {
+    ticket: Ticket,
+    endings: Option<mpsc::UnboundedSender<Ending>>,
+}
+
+impl CancelGuard {
+    fn disarm(mut self) {
+        self.endings = None;
+    }
+}
+
+impl Drop for CancelGuard {
+    fn drop(&mut self) {
+        if let Some(endings) = self.endings.take() {
+            let _ = endings.send(Ending::Cancel(self.ticket));
+        }
+    }
+}
+
+/// Events that arrive through the bounded inbox.
+enum Command {
+    Admit {
+        request: AdmitRequest,
+        reply: oneshot::Sender<Result<CoordinatorPermit, ApiError>>,
+    },
+    InstanceReady(Upstream),
+    InstanceGone(InstanceKey),
+    Refused {
+        deployment: DeploymentId,
+        error: ApiError,
+    },
+    Load {
+        reply: oneshot::Sender<Vec<DeploymentLoad>>,
+    },
+    Release {
+        victims: Vec<InstanceKey>,
+        reply: oneshot::Sender<ReleaseResult>,
+    },
+    PlanDone {
+        seq: SwitchSeq,
+        result: Result<Plan, ApiError>,
+    },
+    ExecuteDone {
+        seq: SwitchSeq,
+        result: Result<(), ApiError>,
+    },
+    EngineIdle {
+        owner: DrainOwner,
+        key: InstanceKey,
+        idle: bool,
+    },
+}
+
+/// Events sent from `Drop`, which cannot wait for room.
+#[derive(Debug)]
+enum Ending {
+    /// A waiting client went away.
+    Cancel(Ticket),
+    /// A permit ended.
+    Finished(Finished),
+}
+
+/// The task: the state, and the plumbing that carries out its effects.
+struct Driver {
+    /// All routing state; only this task touches it.
+    state: State,
+    /// Replies and lifecycle calls.
+    fx: TaskEffects,
+    /// Release numbers.
+    next_release: ReleaseId,
+}
+
+impl Driver {
+    async fn run(
+        mut self,
+        mut inbox: mpsc::Receiver<Command>,
+        mut endings: mpsc::UnboundedReceiver<Ending>,
+    ) {
+        loop {
+            let next = self.state.next_timer();
+            let timer = async move {
+                match next {
+                    Some(t) => tokio::time::sleep_until(t).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                biased;
+                Some(ending) = endings.recv() => self.on_ending(ending),
+                command = inbox.recv() => match command {
+                    Some(command) => self.on_command(command),
+                    None => break,
+                },
+                () = timer => self.state.tick(Instant::now(), &mut self.fx),
+            }
+        }
+    }
+
+    fn on_ending(&mut self, ending: Ending) {
+        let now = Instant::now();
+        match ending {
+            Ending::Cancel(ticket) => {
+                self.fx.replies.remove(&ticket);
+                self.state.cancel(now, ticket, &mut self.fx);
+            }
+            Ending::Finished(f) => self.state.finished(now, f, &mut self.fx),
+        }
+    }
+
+    fn on_command(&mut self, command: Command) {
+        let now = Instant::now();
+        let fx = &mut self.fx;
+        match command {
+            Command::Admit { request, reply } => {
+                // Gone before we saw it (its cancel may have come first): nothing to do.
+                if reply.is_closed() {
+                    return;
+                }
+                fx.replies.insert(request.ticket, reply);
+                self.state.admit(now, request, fx);
+            }
+            Command::InstanceReady(up) => self.state.instance_ready(now, up, fx),
+            Command::InstanceGone(key) => self.state.instance_gone(now, key, fx),
+            Command::Refused { deployment, error } => {
+                self.state.deployment_refused(now, &deployment, error, fx)
+            }
+            Command::Load { reply } => {
+                let _ = reply.send(self.state.load());
+            }
+            Command::Release { victims, reply } => {
+                let id = self.next_release;
+                self.next_release += 1;
+                fx.release_replies.insert(id, reply);
+                self.state.release(now, id, victims, fx);
+            }
+            Command::PlanDone { seq, result } => self.state.plan_done(now, seq, result, fx),
+            Command::ExecuteDone { seq, result } => self.state.execute_done(now, seq, result, fx),
+            Command::EngineIdle { owner, key, idle } => {
+                self.state.engine_idle_done(now, owner, key, idle, fx)
+            }
+        }
+    }
+}
+
+/// The task's [`Effects`]: answers through the requests' reply channels and runs the
+/// lifecycle's futures as tasks that report back through the inbox.
+struct TaskEffects {
+    lifecycle: Arc<dyn Lifecycle>,
+    /// Weak, so that the coordinator's own spawned work does not keep it alive.
+    inbox: mpsc::WeakSender<Command>,
+    /// Handed to every permit.
+    endings: mpsc::UnboundedSender<Ending>,
+    /// The reply channels of admitted-but-unanswered requests.
+    replies: HashMap<Ticket, oneshot::Sender<Result<CoordinatorPermit, ApiError>>>,
+    /// The reply channels of releases in progress.
+    release_replies: HashMap<ReleaseId, oneshot::Sender<ReleaseResult>>,
+}
+
+impl TaskEffects {
+    /// Runs `work` as a task and sends its outcome back through the inbox.
+    fn report_back<F>(&self, work: F)
+    where
+        F: Future<Output = Command> + Send + 'static,
+    {
+        let inbox = self.inbox.clone();
+        tokio::spawn(async move {
+            let command = work.await;
+            if let Some(inbox) = inbox.upgrade() {
+                let _ = inbox.send(command).await;
+            }
+        });
+    }
+}
+
+impl Effects for TaskEffects {
+    fn admissible(&mut self, deployment: &DeploymentId) -> Result<(), ApiError> {
+        self.lifecycle.admissible(deployment)
+    }
+
+    fn grant(&mut self, ticket: Ticket, grant: Grant) -> bool {
+        let Some(reply) = self.replies.remove(&ticket) else {
+            return false;
+        };
+        let permit = CoordinatorPermit {
+            upstream: grant.upstream,
+            serial: grant.serial,
+            first_output: AtomicBool::new(false),
+            cut: AtomicBool::new(false),
+            endings: Some(self.endings.clone()),
+        };
+        match reply.send(Ok(permit)) {
+            Ok(()) => true,
+            Err(unsent) => {
+                if let Ok(permit) = unsent {
+                    permit.defuse();
+                }
+                false
+            }
+        }
+    }
+
+    fn refuse(&mut self, ticket: Ticket, error: ApiError) {
+        if let Some(reply) = self.replies.remove(&ticket) {
+            let _ = reply.send(Err(error));
+        }
+    }
+
+    fn plan(
+        &mut self,
+        seq: SwitchSeq,
+        deployment: DeploymentId,
+        protected: BTreeSet<DeploymentId>,
+    ) {
+        let lifecycle = self.lifecycle.clone();
+        self.report_back(async move {
+            let result = lifecycle.plan(&deployment, &protected).await;
+            Command::PlanDone { seq, result }
+        });
+    }
+
+    fn execute(&mut self, seq: SwitchSeq, order: SwitchOrder) {
+        let lifecycle = self.lifecycle.clone();
+        self.report_back(async move {
+            let result = lifecycle.execute(order).await;
+            Command::ExecuteDone { seq, result }
+        });
+    }
+
+    fn abandon(&mut self, switch_id: &str) {
+        self.lifecycle.abandon(switch_id);
+    }
+
+    fn engine_idle(&mut self, owner: DrainOwner, key: InstanceKey) {
+        let lifecycle = self.lifecycle.clone();
+        self.report_back(async move {
+            let idle = lifecycle.engine_idle(&key).await;
+            Command::EngineIdle { owner, key, idle }
+        });
+    }
+
+    fn released(&mut self, id: ReleaseId, result: ReleaseResult) {
+        if let Some(reply) = self.release_replies.remove(&id) {
+            let _ = reply.send(result);
+        }
+    }
+}

@@ -1,0 +1,1381 @@
+//! The coordinator's state and its rules: plain data and functions, no tasks, no channels.
+//!
+//! Everything that decides lives here. Every entry point takes the current instant and an
+//! [`Effects`] through which it answers requests and asks the lifecycle for things; the task in
+//! `super` is only plumbing (inbox, replies, spawning the lifecycle's futures). Unit tests drive
+//! this module with a recording [`Effects`] and made-up instants.
+//!
+//! NB: only the owning task ever holds a `State`, so nothing here is shared or locked; a
+//! decision is always made on the state it changes ("a read that gates a mutation is a bug").
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::time::Duration;
+
+use capyctl_crds::errors::ApiError;
+use tokio::time::Instant;
+
+use crate::config::RouterConfig;
+use crate::lifecycle::{DeploymentId, DrainReport, InstanceKey, Plan, SwitchOrder, Upstream};
+
+use super::{DeploymentLoad, InstanceLoad};
+
+/// One request's number, unique per coordinator (allocated by the handle).
+pub(crate) type Ticket = u64;
+
+/// A switch's number within this coordinator; results of an older switch are ignored.
+pub(crate) type SwitchSeq = u64;
+
+/// A lifecycle-initiated release's number.
+pub(crate) type ReleaseId = u64;
+
+/// Whose drain an `engine_idle` answer belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DrainOwner {
+    /// The drain of the switch with this number.
+    Switch(SwitchSeq),
+    /// The drain of a release.
+    Release(ReleaseId),
+}
+
+/// What a granted request is charged to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Grant {
+    /// Where to forward.
+    pub upstream: Upstream,
+    /// The serial of the instance entry it is charged to (see [`Inst::serial`]).
+    pub serial: u64,
+}
+
+/// How a granted request ended (reported by the permit's `Drop`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Finished {
+    /// The instance it was charged to.
+    pub key: InstanceKey,
+    /// The serial of that instance entry.
+    pub serial: u64,
+    /// The engine produced output for it.
+    pub output: bool,
+    /// It was cut short.
+    pub cut: bool,
+}
+
+/// A request asking to be admitted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct AdmitRequest {
+    /// Its number.
+    pub ticket: Ticket,
+    /// The deployment it names.
+    pub deployment: DeploymentId,
+    /// Its body's size, charged to `max_buffered_bytes_total` while it waits.
+    pub body_bytes: u64,
+    /// Past this it fails with `QueueDeadline` or `InFlightDeadline`.
+    pub deadline: Instant,
+}
+
+/// What the state asks of the world. The task implements it with channels and spawned
+/// lifecycle futures; unit tests record the calls.
+pub(crate) trait Effects {
+    /// `Lifecycle::admissible`, asked synchronously.
+    fn admissible(&mut self, deployment: &DeploymentId) -> Result<(), ApiError>;
+    /// Answers a request with a permit. `false` when its client has gone (nothing is charged).
+    fn grant(&mut self, ticket: Ticket, grant: Grant) -> bool;
+    /// Answers a request with an error.
+    fn refuse(&mut self, ticket: Ticket, error: ApiError);
+    /// Starts `Lifecycle::plan`; its result comes back as [`State::plan_done`].
+    fn plan(&mut self, seq: SwitchSeq, deployment: DeploymentId, protected: BTreeSet<DeploymentId>);
+    /// Starts `Lifecycle::execute`; its result comes back as [`State::execute_done`].
+    fn execute(&mut self, seq: SwitchSeq, order: SwitchOrder);
+    /// `Lifecycle::abandon`.
+    fn abandon(&mut self, switch_id: &str);
+    /// Starts `Lifecycle::engine_idle`; its answer comes back as [`State::engine_idle_done`].
+    fn engine_idle(&mut self, owner: DrainOwner, instance: InstanceKey);
+    /// Answers a release.
+    fn released(
+        &mut self,
+        id: ReleaseId,
+        result: Result<Vec<(InstanceKey, DrainReport)>, ApiError>,
+    );
+}
+
+/// A request waiting in a deployment's queue.
+#[derive(Debug, Clone)]
+struct Waiter {
+    ticket: Ticket,
+    enqueued_at: Instant,
+    deadline: Instant,
+    body_bytes: u64,
+}
+
+/// A ready instance the router routes to.
+#[derive(Debug, Clone)]
+struct Inst {
+    upstream: Upstream,
+    /// Unique per entry, so that a permit of an instance that went away and came back under
+    /// the same key does not discharge the new entry.
+    serial: u64,
+    /// Requests forwarded to it now.
+    in_flight: usize,
+    /// Takes new requests. `false` while it drains (window closed, or a release).
+    open: bool,
+    /// The last instant a request started or finished on it (or it opened): the admission
+    /// window's early close.
+    last_activity: Instant,
+    /// A request was cut before any output since it opened.
+    cut_before_output: bool,
+    /// A request was cut after output since it opened: wait for `engine_idle` before releasing.
+    cut_after_output: bool,
+}
+
+/// Why a deployment is not planned right now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Blocked {
+    /// The plan said `Later`: plan again when something changes (a switch ends, an instance
+    /// opens or closes, a request finishes).
+    Later,
+    /// The plan said `AlreadyComing` (or the switch for it ended before its instance opened):
+    /// wait for the instance; plan again when a switch ends or an instance opens or closes.
+    Coming,
+}
+
+/// The router's view of one deployment.
+#[derive(Debug, Default)]
+struct Dep {
+    /// Its instances the router knows, open or draining.
+    instances: BTreeMap<InstanceKey, Inst>,
+    /// Requests forwarded to it now (also those on instances that went away meanwhile).
+    in_flight: usize,
+    /// Requests waiting for it (to become servable, or for one of its in-flight slots), oldest
+    /// first.
+    queue: VecDeque<Waiter>,
+    /// No-wait mode: a refused request asked for its wake or start at this instant (a wave of
+    /// zero).
+    wanted_since: Option<Instant>,
+    /// Why it is not planned now.
+    blocked: Option<Blocked>,
+}
+
+impl Dep {
+    fn has_open(&self) -> bool {
+        self.instances.values().any(|i| i.open)
+    }
+
+    fn has_closed(&self) -> bool {
+        self.instances.values().any(|i| !i.open)
+    }
+
+    /// The open instance with the fewest requests (the lowest key on a tie).
+    fn pick(&self) -> Option<InstanceKey> {
+        self.instances
+            .iter()
+            .filter(|(_, i)| i.open)
+            .min_by_key(|(_, i)| i.in_flight)
+            .map(|(k, _)| k.clone())
+    }
+
+    /// When its demand began: its oldest waiter, or its no-wait wish.
+    fn waiting_since(&self) -> Option<Instant> {
+        let oldest = self.queue.front().map(|w| w.enqueued_at);
+        match (oldest, self.wanted_since) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+}
+
+/// Requests running on victims are finished (drain), then `engine_idle` answers are awaited.
+#[derive(Debug)]
+struct Drain {
+    /// Every victim, in the plan's order.
+    victims: Vec<InstanceKey>,
+    /// The drain bound.
+    deadline: Instant,
+    /// Set once no request is charged to the victims any more: the reports, and the victims
+    /// whose `engine_idle` answer is still awaited.
+    settled: Option<Settling>,
+}
+
+#[derive(Debug)]
+struct Settling {
+    reports: Vec<(InstanceKey, DrainReport)>,
+    awaiting: BTreeSet<InstanceKey>,
+}
+
+/// How a drain stands.
+#[derive(Debug, PartialEq, Eq)]
+enum DrainPoll {
+    Pending,
+    Done(Vec<(InstanceKey, DrainReport)>),
+    TimedOut { charged: usize },
+}
+
+/// The phase of the switch in progress.
+#[derive(Debug)]
+enum Phase {
+    /// `Lifecycle::plan` is running.
+    Planning,
+    /// The victims still take new requests.
+    Window {
+        switch_id: String,
+        victims: Vec<InstanceKey>,
+    },
+    /// The victims take no new requests and finish their running ones.
+    Draining { switch_id: String, drain: Drain },
+    /// `Lifecycle::execute` is running: the victims are being released (forgotten here), the
+    /// target wakes or starts.
+    Executing,
+}
+
+/// The one switch in progress.
+#[derive(Debug)]
+struct Switch {
+    seq: SwitchSeq,
+    target: DeploymentId,
+    /// When it began (the plan was asked for): the admission window counts from here.
+    began: Instant,
+    phase: Phase,
+    /// The target was refused or became ready while planning: give the plan back.
+    cancelled: bool,
+}
+
+/// A lifecycle-initiated release (operator park/stop, start --evict, idle timers).
+#[derive(Debug)]
+struct Release {
+    drain: Drain,
+}
+
+/// All routing state. Owned by the coordinator's task alone.
+pub(crate) struct State {
+    config: RouterConfig,
+    deployments: BTreeMap<DeploymentId, Dep>,
+    /// Which deployment each waiting ticket waits for.
+    waiting: HashMap<Ticket, DeploymentId>,
+    /// Waiting requests over all deployments.
+    waiting_total: usize,
+    /// The bodies of all waiting requests.
+    buffered_bytes: u64,
+    /// Waiting requests by deadline.
+    deadlines: BTreeSet<(Instant, Ticket)>,
+    switch: Option<Switch>,
+    next_seq: SwitchSeq,
+    releases: BTreeMap<ReleaseId, Release>,
+    next_serial: u64,
+}
+
+/// When the admission window of a switch that began at `began` closes, given its open
+/// victims' `(in_flight, last_activity)`: `began + window`, or earlier once the victims have
+/// gone one window length with no request starting or finishing and none running.
+pub(crate) fn window_closes_at(
+    began: Instant,
+    window: Duration,
+    victims: impl IntoIterator<Item = (usize, Instant)>,
+) -> Instant {
+    let hard = began + window;
+    let mut last = None::<Instant>;
+    for (in_flight, activity) in victims {
+        if in_flight > 0 {
+            return hard;
+        }
+        last = Some(last.map_or(activity, |l| l.max(activity)));
+    }
+    match last {
+        None => began,
+        Some(last) => (last + window).clamp(began, hard),
+    }
+}
+
+/// The error for a request that waited until its deadline: `InFlightDeadline` when the
+/// deployment is servable (it waited only for one of the in-flight slots), `QueueDeadline`
+/// otherwise.
+pub(crate) fn deadline_error(deployment: &str, servable: bool) -> ApiError {
+    let deployment = deployment.to_string();
+    if servable {
+        ApiError::InFlightDeadline { deployment }
+    } else {
+        ApiError::QueueDeadline { deployment }
+    }
+}
+
+impl State {
+    /// Empty state.
+    pub(crate) fn new(config: RouterConfig) -> Self {
+        State {
+            config,
+            deployments: BTreeMap::new(),
+            waiting: HashMap::new(),
+            waiting_total: 0,
+            buffered_bytes: 0,
+            deadlines: BTreeSet::new(),
+            switch: None,
+            next_seq: 0,
+            releases: BTreeMap::new(),
+            next_serial: 0,
+        }
+    }
+
+    // ----- entry points -----
+
+    /// A request asks to be admitted (rule 1, rule 5, the limits, no-wait mode).
+    pub(crate) fn admit(&mut self, now: Instant, req: AdmitRequest, fx: &mut impl Effects) {
+        let limit = self.config.in_flight_per_deployment;
+        let no_wait = self.config.no_wait();
+        let dep = self.deployments.entry(req.deployment.clone()).or_default();
+        if dep.has_open() {
+            if dep.queue.is_empty() && dep.in_flight < limit {
+                self.grant_now(now, &req.deployment, req.ticket, fx);
+            } else if no_wait {
+                fx.refuse(
+                    req.ticket,
+                    ApiError::InFlightNoWait {
+                        deployment: req.deployment,
+                    },
+                );
+            } else {
+                self.enqueue(now, req, fx);
+            }
+        } else if dep.has_closed() {
+            // Its instances are draining (the window closed, or a release): 503, not a wait.
+            fx.refuse(
+                req.ticket,
+                ApiError::DispatchClosed {
+                    deployment: req.deployment,
+                },
+            );
+        } else if let Err(e) = fx.admissible(&req.deployment) {
+            fx.refuse(req.ticket, e);
+        } else if no_wait {
+            // A wave of zero: refuse now, but ask for the wake or start all the same.
+            if dep.wanted_since.is_none() {
+                dep.wanted_since = Some(now);
+            }
+            fx.refuse(
+                req.ticket,
+                ApiError::NotServableNoWait {
+                    deployment: req.deployment,
+                },
+            );
+        } else {
+            self.enqueue(now, req, fx);
+        }
+        self.settle(now, fx);
+    }
+
+    /// A waiting client went away: it gives up its own place only.
+    pub(crate) fn cancel(&mut self, now: Instant, ticket: Ticket, fx: &mut impl Effects) {
+        if let Some(deployment) = self.waiting.remove(&ticket)
+            && let Some(dep) = self.deployments.get_mut(&deployment)
+            && let Some(pos) = dep.queue.iter().position(|w| w.ticket == ticket)
+            && let Some(w) = dep.queue.remove(pos)
+        {
+            self.forget_waiter(&w);
+        }
+        self.settle(now, fx);
+    }
+
+    /// A granted request ended (its permit was dropped): its slot goes to the oldest waiter.
+    pub(crate) fn finished(&mut self, now: Instant, f: Finished, fx: &mut impl Effects) {
+        if let Some(dep) = self.deployments.get_mut(&f.key.deployment) {
+            dep.in_flight = dep.in_flight.saturating_sub(1);
+            if let Some(inst) = dep.instances.get_mut(&f.key)
+                && inst.serial == f.serial
+            {
+                inst.in_flight = inst.in_flight.saturating_sub(1);
+                inst.last_activity = now;
+                if f.cut {
+                    if f.output {
+                        inst.cut_after_output = true;
+                    } else {
+                        inst.cut_before_output = true;
+                    }
+                }
+            }
+            let deployment = f.key.deployment.clone();
+            self.dispatch(now, &deployment, fx);
+        }
+        self.unblock(false);
+        self.settle(now, fx);
+    }
+
+    /// The lifecycle opened an instance (rule 5: its waiting requests are released together).
+    pub(crate) fn instance_ready(&mut self, now: Instant, up: Upstream, fx: &mut impl Effects) {
+        let deployment = up.key.deployment.clone();
+        let serial = self.next_serial;
+        let dep = self.deployments.entry(deployment.clone()).or_default();
+        match dep.instances.get_mut(&up.key) {
+            Some(inst) => inst.upstream = up,
+            None => {
+                self.next_serial += 1;
+                dep.instances.insert(
+                    up.key.clone(),
+                    Inst {
+                        upstream: up,
+                        serial,
+                        in_flight: 0,
+                        open: true,
+                        last_activity: now,
+                        cut_before_output: false,
+                        cut_after_output: false,
+                    },
+                );
+            }
+        }
+        dep.wanted_since = None;
+        self.unblock(true);
+        // The target became ready by other means: the switch is not needed any more.
+        self.cancel_switch_to(now, &deployment, fx);
+        self.dispatch(now, &deployment, fx);
+        self.settle(now, fx);
+    }
+
+    /// The lifecycle says an instance went away.
+    pub(crate) fn instance_gone(&mut self, now: Instant, key: InstanceKey, fx: &mut impl Effects) {
+        if let Some(dep) = self.deployments.get_mut(&key.deployment) {
+            dep.instances.remove(&key);
+        }
+        // NB: a victim that went away stays in its switch's or release's list: it counts as
+        // drained (nothing charged) and is still named in the order, so that the lifecycle
+        // settles its reservation.
+        self.unblock(true);
+        self.settle(now, fx);
+    }
+
+    /// Fails every request waiting for `deployment` with `error` (e.g. an operator stop), and
+    /// gives up a switch to it that has not begun executing.
+    pub(crate) fn deployment_refused(
+        &mut self,
+        now: Instant,
+        deployment: &DeploymentId,
+        error: ApiError,
+        fx: &mut impl Effects,
+    ) {
+        self.fail_waiters(deployment, &error, fx);
+        if let Some(dep) = self.deployments.get_mut(deployment) {
+            dep.wanted_since = None;
+            dep.blocked = None;
+        }
+        self.cancel_switch_to(now, deployment, fx);
+        self.settle(now, fx);
+    }
+
+    /// `Lifecycle::plan` answered for switch `seq` (rule 2).
+    pub(crate) fn plan_done(
+        &mut self,
+        now: Instant,
+        seq: SwitchSeq,
+        result: Result<Plan, ApiError>,
+        fx: &mut impl Effects,
+    ) {
+        let Some(mut sw) = self
+            .switch
+            .take_if(|sw| sw.seq == seq && matches!(sw.phase, Phase::Planning))
+        else {
+            // Stale: give back whatever it reserved.
+            if let Ok(Plan::BringUp { switch_id } | Plan::Switch { switch_id, .. }) = &result {
+                fx.abandon(switch_id);
+            }
+            return;
+        };
+        let target = sw.target.clone();
+        let target_ready = self.deployments.get(&target).is_some_and(|d| d.has_open());
+        if sw.cancelled || target_ready {
+            if let Ok(Plan::BringUp { switch_id } | Plan::Switch { switch_id, .. }) = &result {
+                fx.abandon(switch_id);
+            }
+            self.settle(now, fx);
+            return;
+        }
+        match result {
+            Err(e) => {
+                self.fail_waiters(&target, &e, fx);
+                if let Some(dep) = self.deployments.get_mut(&target) {
+                    dep.wanted_since = None;
+                }
+            }
+            Ok(Plan::AlreadyComing) => {
+                // Not a switch ending: nothing else is unblocked (two `Later` deployments
+                // would otherwise plan each other in a loop).
+                if let Some(dep) = self.deployments.get_mut(&target) {
+                    dep.wanted_since = None;
+                    dep.blocked = Some(Blocked::Coming);
+                }
+            }
+            Ok(Plan::Later) => {
+                if let Some(dep) = self.deployments.get_mut(&target) {
+                    dep.blocked = Some(Blocked::Later);
+                }
+            }
+            Ok(Plan::BringUp { switch_id }) => {
+                sw.phase = Phase::Executing;
+                self.switch = Some(sw);
+                fx.execute(
+                    seq,
+                    SwitchOrder {
+                        switch_id,
+                        target,
+                        victims: Vec::new(),
+                    },
+                );
+            }
+            Ok(Plan::Switch { switch_id, victims }) => {
+                // Invariant: a victim is never protected. A request may have begun waiting for
+                // a victim's deployment while the plan ran: give the plan back, plan again.
+                let protected_victim = victims.iter().any(|v| {
+                    self.deployments
+                        .get(&v.deployment)
+                        .is_some_and(|d| !d.queue.is_empty())
+                });
+                if protected_victim {
+                    fx.abandon(&switch_id);
+                } else {
+                    // A victim whose deployment has another ready instance outside the victims
+                    // has no window: close it now.
+                    let mut closing = Vec::new();
+                    for v in &victims {
+                        let Some(dep) = self.deployments.get(&v.deployment) else {
+                            continue;
+                        };
+                        let elsewhere = dep
+                            .instances
+                            .iter()
+                            .any(|(k, i)| i.open && !victims.contains(k));
+                        if elsewhere {
+                            closing.push(v.clone());
+                        }
+                    }
+                    sw.phase = Phase::Window { switch_id, victims };
+                    self.switch = Some(sw);
+                    self.close(&closing, fx);
+                }
+            }
+        }
+        self.settle(now, fx);
+    }
+
+    /// `Lifecycle::execute` answered for switch `seq` (rule 4).
+    pub(crate) fn execute_done(
+        &mut self,
+        now: Instant,
+        seq: SwitchSeq,
+        result: Result<(), ApiError>,
+        fx: &mut impl Effects,
+    ) {
+        let Some(sw) = &self.switch else { return };
+        if sw.seq != seq || !matches!(sw.phase, Phase::Executing) {
+            return;
+        }
+        let target = sw.target.clone();
+        self.end_switch();
+        match result {
+            Ok(()) => {
+                if let Some(dep) = self.deployments.get_mut(&target) {
+                    dep.wanted_since = None;
+                    if !dep.has_open() {
+                        // The lifecycle has not announced the instance yet.
+                        dep.blocked = Some(Blocked::Coming);
+                    }
+                }
+            }
+            Err(e) => {
+                self.fail_waiters(&target, &e, fx);
+                if let Some(dep) = self.deployments.get_mut(&target) {
+                    dep.wanted_since = None;
+                }
+            }
+        }
+        self.settle(now, fx);
+    }
+
+    /// `Lifecycle::engine_idle` answered for a victim of `owner`'s drain.
+    pub(crate) fn engine_idle_done(
+        &mut self,
+        now: Instant,
+        owner: DrainOwner,
+        key: InstanceKey,
+        idle: bool,
+        fx: &mut impl Effects,
+    ) {
+        let drain = match owner {
+            DrainOwner::Switch(seq) => match &mut self.switch {
+                Some(Switch {
+                    seq: s,
+                    phase: Phase::Draining { drain, .. },
+                    ..
+                }) if *s == seq => Some(drain),
+                _ => None,
+            },
+            DrainOwner::Release(id) => self.releases.get_mut(&id).map(|r| &mut r.drain),
+        };
+        if let Some(Drain {
+            settled: Some(s), ..
+        }) = drain
+            && s.awaiting.remove(&key)
+            && !idle
+        {
+            mark_cut_before_output(&mut s.reports, &key);
+        }
+        self.settle(now, fx);
+    }
+
+    /// The lifecycle asks to release `victims`: close them, drain them within the bound, and
+    /// answer with their reports (or, on a drain timeout, reopen them and answer the error).
+    pub(crate) fn release(
+        &mut self,
+        now: Instant,
+        id: ReleaseId,
+        victims: Vec<InstanceKey>,
+        fx: &mut impl Effects,
+    ) {
+        self.close(&victims, fx);
+        self.releases.insert(
+            id,
+            Release {
+                drain: Drain {
+                    victims,
+                    deadline: now + self.config.drain_timeout,
+                    settled: None,
+                },
+            },
+        );
+        self.settle(now, fx);
+    }
+
+    /// Timers: call when [`State::next_timer`] has passed.
+    pub(crate) fn tick(&mut self, now: Instant, fx: &mut impl Effects) {
+        self.settle(now, fx);
+    }
+
+    /// The next instant at which something is due (a deadline, the window, a drain bound).
+    pub(crate) fn next_timer(&self) -> Option<Instant> {
+        let mut next = self.deadlines.first().map(|(t, _)| *t);
+        let mut at = |t: Instant| next = Some(next.map_or(t, |n: Instant| n.min(t)));
+        if let Some(sw) = &self.switch {
+            match &sw.phase {
+                Phase::Window { victims, .. } => at(self.window_end(sw.began, victims)),
+                Phase::Draining { drain, .. } => at(drain.deadline),
+                Phase::Planning | Phase::Executing => {}
+            }
+        }
+        for r in self.releases.values() {
+            at(r.drain.deadline);
+        }
+        next
+    }
+
+    /// The load read: per deployment, in-flight and waiting requests with their bounds.
+    pub(crate) fn load(&self) -> Vec<DeploymentLoad> {
+        self.deployments
+            .iter()
+            .map(|(id, d)| DeploymentLoad {
+                deployment_id: id.clone(),
+                in_flight: d.in_flight,
+                in_flight_limit: self.config.in_flight_per_deployment,
+                waiting: d.queue.len(),
+                waiting_limit: self.config.max_pending_per_deployment,
+                instances: d
+                    .instances
+                    .iter()
+                    .map(|(k, i)| InstanceLoad {
+                        key: k.clone(),
+                        router_in_flight: i.in_flight,
+                        open: i.open,
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
+    // ----- the rules' machinery -----
+
+    /// Brings everything up to date at `now`: deadlines, the switch's phases, releases, and
+    /// starting the next switch.
+    fn settle(&mut self, now: Instant, fx: &mut impl Effects) {
+        self.expire(now, fx);
+        self.advance_switch(now, fx);
+        self.advance_releases(now, fx);
+        self.maybe_plan(now, fx);
+    }
+
+    /// Charges a request to the least-loaded open instance of `deployment` and answers it.
+    fn grant_now(
+        &mut self,
+        now: Instant,
+        deployment: &DeploymentId,
+        ticket: Ticket,
+        fx: &mut impl Effects,
+    ) -> bool {
+        let Some(dep) = self.deployments.get_mut(deployment) else {
+            return false;
+        };
+        let Some(key) = dep.pick() else { return false };
+        let Some(inst) = dep.instances.get_mut(&key) else {
+            return false;
+        };
+        let grant = Grant {
+            upstream: inst.upstream.clone(),
+            serial: inst.serial,
+        };
+        if fx.grant(ticket, grant) {
+            inst.in_flight += 1;
+            inst.last_activity = now;
+            dep.in_flight += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Queues a request, if the limits allow.
+    fn enqueue(&mut self, now: Instant, req: AdmitRequest, fx: &mut impl Effects) {
+        let Some(dep) = self.deployments.get_mut(&req.deployment) else {
+            return;
+        };
+        if dep.queue.len() >= self.config.max_pending_per_deployment
+            || self.waiting_total >= self.config.max_pending_total
+        {
+            fx.refuse(
+                req.ticket,
+                ApiError::TooManyWaiting {
+                    deployment: req.deployment,
+                },
+            );
+            return;
+        }
+        if self.buffered_bytes.saturating_add(req.body_bytes) > self.config.max_buffered_bytes_total
+        {
+            fx.refuse(req.ticket, ApiError::BufferedBytes);
+            return;
+        }
+        dep.queue.push_back(Waiter {
+            ticket: req.ticket,
+            enqueued_at: now,
+            deadline: req.deadline,
+            body_bytes: req.body_bytes,
+        });
+        self.waiting.insert(req.ticket, req.deployment);
+        self.waiting_total += 1;
+        self.buffered_bytes += req.body_bytes;
+        self.deadlines.insert((req.deadline, req.ticket));
+    }
+
+    /// Drops a waiter's charges (it has been removed from its queue).
+    fn forget_waiter(&mut self, w: &Waiter) {
+        self.waiting.remove(&w.ticket);
+        self.waiting_total = self.waiting_total.saturating_sub(1);
+        self.buffered_bytes = self.buffered_bytes.saturating_sub(w.body_bytes);
+        self.deadlines.remove(&(w.deadline, w.ticket));
+    }
+
+    /// Releases `deployment`'s waiters, oldest first, while it has an open instance and a free
+    /// in-flight slot (rule 5).
+    fn dispatch(&mut self, now: Instant, deployment: &DeploymentId, fx: &mut impl Effects) {
+        let limit = self.config.in_flight_per_deployment;
+        loop {
+            let Some(dep) = self.deployments.get_mut(deployment) else {
+                return;
+            };
+            if !dep.has_open() || dep.in_flight >= limit {
+                return;
+            }
+            let Some(w) = dep.queue.pop_front() else {
+                return;
+            };
+            self.forget_waiter(&w);
+            self.grant_now(now, deployment, w.ticket, fx);
+        }
+    }
+
+    /// Fails every waiter of `deployment` with `error`.
+    fn fail_waiters(&mut self, deployment: &DeploymentId, error: &ApiError, fx: &mut impl Effects) {
+        let Some(dep) = self.deployments.get_mut(deployment) else {
+            return;
+        };
+        let queue = std::mem::take(&mut dep.queue);
+        for w in queue {
+            self.forget_waiter(&w);
+            fx.refuse(w.ticket, error.clone());
+        }
+    }
+
+    /// Answers the waiters whose deadline has passed.
+    fn expire(&mut self, now: Instant, fx: &mut impl Effects) {
+        while let Some(&(deadline, ticket)) = self.deadlines.first() {
+            if deadline > now {
+                return;
+            }
+            self.deadlines.pop_first();
+            let Some(deployment) = self.waiting.remove(&ticket) else {
+                continue;
+            };
+            let Some(dep) = self.deployments.get_mut(&deployment) else {
+                continue;
+            };
+            let servable = dep.has_open();
+            if let Some(pos) = dep.queue.iter().position(|w| w.ticket == ticket)
+                && let Some(w) = dep.queue.remove(pos)
+            {
+                self.forget_waiter(&w);
+                fx.refuse(ticket, deadline_error(&deployment, servable));
+            }
+        }
+    }
+
+    /// Closes instances to new requests. Waiters of a deployment left with no open instance
+    /// (they waited for one of its in-flight slots) get `DispatchClosed`.
+    fn close(&mut self, keys: &[InstanceKey], fx: &mut impl Effects) {
+        let mut touched = BTreeSet::new();
+        for k in keys {
+            if let Some(inst) = self
+                .deployments
+                .get_mut(&k.deployment)
+                .and_then(|d| d.instances.get_mut(k))
+            {
+                inst.open = false;
+                touched.insert(k.deployment.clone());
+            }
+        }
+        for d in touched {
+            if self.deployments.get(&d).is_some_and(|dep| !dep.has_open()) {
+                let e = ApiError::DispatchClosed {
+                    deployment: d.clone(),
+                };
+                self.fail_waiters(&d, &e, fx);
+            }
+        }
+    }
+
+    /// Reopens instances (a drain failed: the victims serve again).
+    fn reopen(&mut self, now: Instant, keys: &[InstanceKey], fx: &mut impl Effects) {
+        let mut touched = BTreeSet::new();
+        for k in keys {
+            if let Some(inst) = self
+                .deployments
+                .get_mut(&k.deployment)
+                .and_then(|d| d.instances.get_mut(k))
+            {
+                inst.open = true;
+                touched.insert(k.deployment.clone());
+            }
+        }
+        for d in touched {
+            self.dispatch(now, &d, fx);
+        }
+    }
+
+    /// Forgets instances the lifecycle is releasing (they are drained).
+    fn forget(&mut self, keys: &[InstanceKey]) {
+        for k in keys {
+            if let Some(dep) = self.deployments.get_mut(&k.deployment) {
+                dep.instances.remove(k);
+            }
+        }
+    }
+
+    /// When the window of a switch that began at `began` closes, over its open victims.
+    fn window_end(&self, began: Instant, victims: &[InstanceKey]) -> Instant {
+        let open = victims.iter().filter_map(|k| {
+            self.deployments
+                .get(&k.deployment)
+                .and_then(|d| d.instances.get(k))
+                .filter(|i| i.open)
+                .map(|i| (i.in_flight, i.last_activity))
+        });
+        window_closes_at(began, self.config.admission_window, open)
+    }
+
+    /// Requests still charged to these instances.
+    fn charged(&self, keys: &[InstanceKey]) -> usize {
+        keys.iter()
+            .filter_map(|k| {
+                self.deployments
+                    .get(&k.deployment)
+                    .and_then(|d| d.instances.get(k))
+            })
+            .map(|i| i.in_flight)
+            .sum()
+    }
+
+    /// Moves a drain on: settled once nothing is charged, then done once every `engine_idle`
+    /// answered. Past the bound: timed out while requests run; while `engine_idle` answers are
+    /// awaited, those victims count as cut before output (stop, not park).
+    fn poll_drain(
+        &self,
+        now: Instant,
+        drain: &mut Drain,
+        owner: DrainOwner,
+        fx: &mut impl Effects,
+    ) -> DrainPoll {
+        if drain.settled.is_none() {
+            let charged = self.charged(&drain.victims);
+            if charged > 0 {
+                return if now >= drain.deadline {
+                    DrainPoll::TimedOut { charged }
+                } else {
+                    DrainPoll::Pending
+                };
+            }
+            let mut reports = Vec::new();
+            let mut awaiting = BTreeSet::new();
+            for k in &drain.victims {
+                let inst = self
+                    .deployments
+                    .get(&k.deployment)
+                    .and_then(|d| d.instances.get(k));
+                let cut_before_output = inst.is_some_and(|i| i.cut_before_output);
+                // A stop settles any request; only a park needs the engine's word.
+                if !cut_before_output && inst.is_some_and(|i| i.cut_after_output) {
+                    awaiting.insert(k.clone());
+                    fx.engine_idle(owner, k.clone());
+                }
+                reports.push((k.clone(), DrainReport { cut_before_output }));
+            }
+            drain.settled = Some(Settling { reports, awaiting });
+        }
+        let Some(s) = &mut drain.settled else {
+            return DrainPoll::Pending;
+        };
+        if !s.awaiting.is_empty() {
+            if now < drain.deadline {
+                return DrainPoll::Pending;
+            }
+            for k in std::mem::take(&mut s.awaiting) {
+                mark_cut_before_output(&mut s.reports, &k);
+            }
+        }
+        DrainPoll::Done(std::mem::take(&mut s.reports))
+    }
+
+    /// Moves the switch through window → drain → execute.
+    fn advance_switch(&mut self, now: Instant, fx: &mut impl Effects) {
+        loop {
+            let Some(sw) = self.switch.take() else { return };
+            match sw.phase {
+                Phase::Window { switch_id, victims } => {
+                    if now < self.window_end(sw.began, &victims) {
+                        self.switch = Some(Switch {
+                            phase: Phase::Window { switch_id, victims },
+                            ..sw
+                        });
+                        return;
+                    }
+                    self.close(&victims, fx);
+                    self.switch = Some(Switch {
+                        phase: Phase::Draining {
+                            switch_id,
+                            drain: Drain {
+                                victims,
+                                deadline: now + self.config.drain_timeout,
+                                settled: None,
+                            },
+                        },
+                        ..sw
+                    });
+                }
+                Phase::Draining {
+                    switch_id,
+                    mut drain,
+                } => match self.poll_drain(now, &mut drain, DrainOwner::Switch(sw.seq), fx) {
+                    DrainPoll::Pending => {
+                        self.switch = Some(Switch {
+                            phase: Phase::Draining { switch_id, drain },
+                            ..sw
+                        });
+                        return;
+                    }
+                    DrainPoll::TimedOut { charged } => {
+                        fx.abandon(&switch_id);
+                        self.reopen(now, &drain.victims, fx);
+                        let e = ApiError::DrainTimeout {
+                            deployment: sw.target.clone(),
+                            drain_ms: duration_ms(self.config.drain_timeout),
+                            charged,
+                        };
+                        self.fail_waiters(&sw.target, &e, fx);
+                        if let Some(dep) = self.deployments.get_mut(&sw.target) {
+                            dep.wanted_since = None;
+                        }
+                        self.unblock(true);
+                        return;
+                    }
+                    DrainPoll::Done(reports) => {
+                        // Parking begins: requests for a victim wait from now on (rule 4).
+                        self.forget(&drain.victims);
+                        fx.execute(
+                            sw.seq,
+                            SwitchOrder {
+                                switch_id,
+                                target: sw.target.clone(),
+                                victims: reports,
+                            },
+                        );
+                        self.switch = Some(Switch {
+                            phase: Phase::Executing,
+                            ..sw
+                        });
+                        self.unblock(true);
+                        return;
+                    }
+                },
+                phase @ (Phase::Planning | Phase::Executing) => {
+                    self.switch = Some(Switch { phase, ..sw });
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Moves the releases' drains on and answers the finished ones.
+    fn advance_releases(&mut self, now: Instant, fx: &mut impl Effects) {
+        let ids: Vec<ReleaseId> = self.releases.keys().copied().collect();
+        for id in ids {
+            let Some(mut r) = self.releases.remove(&id) else {
+                continue;
+            };
+            match self.poll_drain(now, &mut r.drain, DrainOwner::Release(id), fx) {
+                DrainPoll::Pending => {
+                    self.releases.insert(id, r);
+                }
+                DrainPoll::Done(reports) => {
+                    self.forget(&r.drain.victims);
+                    self.unblock(true);
+                    fx.released(id, Ok(reports));
+                }
+                DrainPoll::TimedOut { charged } => {
+                    self.reopen(now, &r.drain.victims, fx);
+                    let deployment = r
+                        .drain
+                        .victims
+                        .first()
+                        .map(|k| k.deployment.clone())
+                        .unwrap_or_default();
+                    fx.released(
+                        id,
+                        Err(ApiError::DrainTimeout {
+                            deployment,
+                            drain_ms: duration_ms(self.config.drain_timeout),
+                            charged,
+                        }),
+                    );
+                }
+            }
+        }
+    }
+
+    /// Starts the next switch when none is in progress: the deployment, among those waiting
+    /// with no open instance, whose oldest request has waited longest (rule 6).
+    fn maybe_plan(&mut self, now: Instant, fx: &mut impl Effects) {
+        if self.switch.is_some() {
+            return;
+        }
+        let next = self
+            .deployments
+            .iter()
+            .filter(|(_, d)| d.blocked.is_none() && !d.has_open() && !d.has_closed())
+            .filter_map(|(id, d)| d.waiting_since().map(|t| (t, id)))
+            .min()
+            .map(|(_, id)| id.clone());
+        let Some(target) = next else { return };
+        let mut protected: BTreeSet<DeploymentId> = self
+            .deployments
+            .iter()
+            .filter(|(_, d)| !d.queue.is_empty())
+            .map(|(id, _)| id.clone())
+            .collect();
+        protected.insert(target.clone());
+        self.next_seq += 1;
+        let seq = self.next_seq;
+        self.switch = Some(Switch {
+            seq,
+            target: target.clone(),
+            began: now,
+            phase: Phase::Planning,
+            cancelled: false,
+        });
+        fx.plan(seq, target, protected);
+    }
+
+    /// Gives up the switch to `target` unless it has begun executing: while planning, the plan
+    /// is given back when it arrives; in the window or the drain, the victims serve again now.
+    fn cancel_switch_to(&mut self, now: Instant, target: &DeploymentId, fx: &mut impl Effects) {
+        let Some(sw) = self.switch.take() else { return };
+        if sw.target != *target {
+            self.switch = Some(sw);
+            return;
+        }
+        match sw.phase {
+            Phase::Planning => {
+                self.switch = Some(Switch {
+                    cancelled: true,
+                    ..sw
+                });
+                return;
+            }
+            Phase::Window { switch_id, victims } => {
+                fx.abandon(&switch_id);
+                self.reopen(now, &victims, fx);
+            }
+            Phase::Draining { switch_id, drain } => {
+                fx.abandon(&switch_id);
+                self.reopen(now, &drain.victims, fx);
+            }
+            Phase::Executing => {
+                self.switch = Some(sw);
+                return;
+            }
+        }
+        self.unblock(true);
+    }
+
+    /// Ends the switch in progress; everything blocked may be planned again.
+    fn end_switch(&mut self) {
+        self.switch = None;
+        self.unblock(true);
+    }
+
+    /// Something changed: plan `Later` deployments again, and (`all`) `Coming` ones too.
+    fn unblock(&mut self, all: bool) {
+        for d in self.deployments.values_mut() {
+            if d.blocked == Some(Blocked::Later) || all {
+                d.blocked = None;
+            }
+        }
+    }
+}
+
+/// Marks one victim's report as cut before output.
+fn mark_cut_before_output(reports: &mut [(InstanceKey, DrainReport)], key: &InstanceKey) {
+    for (k, r) in reports.iter_mut() {
+        if k == key {
+            r.cut_before_output = true;
+        }
+    }
+}
+
+/// A duration in whole milliseconds, saturating.
+fn duration_ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    //! The rules as pure functions: a recording `Effects`, made-up instants, no tasks.
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use std::net::{Ipv4Addr, SocketAddr};
+
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    enum Fx {
+        Grant(Ticket),
+        Refuse(Ticket, ApiError),
+        Plan(SwitchSeq, DeploymentId, BTreeSet<DeploymentId>),
+        Execute(SwitchSeq, SwitchOrder),
+        Abandon(String),
+        EngineIdle(InstanceKey),
+        Released(ReleaseId),
+    }
+
+    #[derive(Default)]
+    struct Recorder {
+        calls: Vec<Fx>,
+    }
+
+    impl Recorder {
+        fn take(&mut self) -> Vec<Fx> {
+            std::mem::take(&mut self.calls)
+        }
+    }
+
+    impl Effects for Recorder {
+        fn admissible(&mut self, _: &DeploymentId) -> Result<(), ApiError> {
+            Ok(())
+        }
+        fn grant(&mut self, ticket: Ticket, _: Grant) -> bool {
+            self.calls.push(Fx::Grant(ticket));
+            true
+        }
+        fn refuse(&mut self, ticket: Ticket, error: ApiError) {
+            self.calls.push(Fx::Refuse(ticket, error));
+        }
+        fn plan(&mut self, seq: SwitchSeq, d: DeploymentId, p: BTreeSet<DeploymentId>) {
+            self.calls.push(Fx::Plan(seq, d, p));
+        }
+        fn execute(&mut self, seq: SwitchSeq, order: SwitchOrder) {
+            self.calls.push(Fx::Execute(seq, order));
+        }
+        fn abandon(&mut self, switch_id: &str) {
+            self.calls.push(Fx::Abandon(switch_id.into()));
+        }
+        fn engine_idle(&mut self, _: DrainOwner, instance: InstanceKey) {
+            self.calls.push(Fx::EngineIdle(instance));
+        }
+        fn released(
+            &mut self,
+            id: ReleaseId,
+            _: Result<Vec<(InstanceKey, DrainReport)>, ApiError>,
+        ) {
+            self.calls.push(Fx::Released(id));
+        }
+    }
+
+    fn key(d: &str) -> InstanceKey {
+        InstanceKey {
+            deployment: d.into(),
+            index: 0,
+            host_id: "h".into(),
+            generation: 1,
+        }
+    }
+
+    fn up(d: &str) -> Upstream {
+        Upstream {
+            key: key(d),
+            addr: SocketAddr::from((Ipv4Addr::LOCALHOST, 1)),
+        }
+    }
+
+    fn req(ticket: Ticket, d: &str, deadline: Instant) -> AdmitRequest {
+        AdmitRequest {
+            ticket,
+            deployment: d.into(),
+            body_bytes: 1,
+            deadline,
+        }
+    }
+
+    const W: Duration = Duration::from_secs(2);
+
+    #[test]
+    fn window_is_the_full_length_while_a_victim_runs() {
+        let t = Instant::now();
+        let at = window_closes_at(t, W, [(1, t - Duration::from_secs(60))]);
+        assert_eq!(at, t + W);
+    }
+
+    #[test]
+    fn window_closes_at_once_for_a_long_idle_victim() {
+        let t = Instant::now();
+        let at = window_closes_at(t, W, [(0, t - Duration::from_secs(60))]);
+        assert_eq!(at, t);
+    }
+
+    #[test]
+    fn window_closes_one_length_after_the_last_activity() {
+        let t = Instant::now();
+        let last = t - Duration::from_millis(500);
+        assert_eq!(window_closes_at(t, W, [(0, last)]), last + W);
+        // Activity after the start never extends past the full length.
+        assert_eq!(window_closes_at(t, W, [(0, t + W)]), t + W);
+    }
+
+    #[test]
+    fn window_without_open_victims_is_empty() {
+        let t = Instant::now();
+        assert_eq!(window_closes_at(t, W, []), t);
+    }
+
+    #[test]
+    fn deadline_error_depends_on_servable() {
+        assert_eq!(
+            deadline_error("d", true),
+            ApiError::InFlightDeadline {
+                deployment: "d".into()
+            }
+        );
+        assert_eq!(
+            deadline_error("d", false),
+            ApiError::QueueDeadline {
+                deployment: "d".into()
+            }
+        );
+    }
+
+    #[test]
+    fn a_wave_is_one_plan_and_one_execute() {
+        let t = Instant::now();
+        let far = t + Duration::from_secs(600);
+        let mut s = State::new(RouterConfig::default());
+        let mut fx = Recorder::default();
+        s.instance_ready(t - Duration::from_secs(60), up("a"), &mut fx);
+        s.admit(t, req(1, "b", far), &mut fx);
+        s.admit(t, req(2, "b", far), &mut fx);
+        let protected: BTreeSet<_> = ["b".to_string()].into();
+        assert_eq!(fx.take(), vec![Fx::Plan(1, "b".into(), protected)]);
+        s.plan_done(
+            t,
+            1,
+            Ok(Plan::Switch {
+                switch_id: "s".into(),
+                victims: vec![key("a")],
+            }),
+            &mut fx,
+        );
+        // chat-a idle for a minute: no window; nothing running: drained; execute now.
+        let calls = fx.take();
+        assert!(
+            matches!(&calls[..], [Fx::Execute(1, o)] if o.victims.len() == 1),
+            "{calls:?}"
+        );
+        s.instance_ready(t + W, up("b"), &mut fx);
+        assert_eq!(fx.take(), vec![Fx::Grant(1), Fx::Grant(2)]);
+        s.execute_done(t + W, 1, Ok(()), &mut fx);
+        assert!(fx.take().is_empty());
+        assert_eq!(s.next_timer(), None);
+    }
+
+    #[test]
+    fn two_later_deployments_do_not_plan_each_other_in_a_loop() {
+        let t = Instant::now();
+        let far = t + Duration::from_secs(600);
+        let mut s = State::new(RouterConfig::default());
+        let mut fx = Recorder::default();
+        s.admit(t, req(1, "b", far), &mut fx);
+        s.admit(t, req(2, "c", far), &mut fx);
+        assert!(matches!(&fx.take()[..], [Fx::Plan(1, d, _)] if d == "b"));
+        s.plan_done(t, 1, Ok(Plan::Later), &mut fx);
+        assert!(matches!(&fx.take()[..], [Fx::Plan(2, d, _)] if d == "c"));
+        s.plan_done(t, 2, Ok(Plan::Later), &mut fx);
+        assert!(fx.take().is_empty(), "both wait for a change");
+        // A change (an instance opens) plans the oldest again.
+        s.instance_ready(t, up("x"), &mut fx);
+        assert!(matches!(&fx.take()[..], [Fx::Plan(3, d, _)] if d == "b"));
+    }
+
+    #[test]
+    fn a_stale_plan_is_given_back() {
+        let t = Instant::now();
+        let mut s = State::new(RouterConfig::default());
+        let mut fx = Recorder::default();
+        s.plan_done(
+            t,
+            7,
+            Ok(Plan::BringUp {
+                switch_id: "old".into(),
+            }),
+            &mut fx,
+        );
+        assert_eq!(fx.take(), vec![Fx::Abandon("old".into())]);
+    }
+
+    #[test]
+    fn waiting_deadline_is_the_next_timer() {
+        let t = Instant::now();
+        let deadline = t + Duration::from_secs(5);
+        let mut s = State::new(RouterConfig::default());
+        let mut fx = Recorder::default();
+        s.admit(t, req(1, "b", deadline), &mut fx);
+        s.plan_done(t, 1, Ok(Plan::Later), &mut fx);
+        fx.take();
+        assert_eq!(s.next_timer(), Some(deadline));
+        s.tick(deadline, &mut fx);
+        assert_eq!(
+            fx.take(),
+            vec![Fx::Refuse(
+                1,
+                ApiError::QueueDeadline {
+                    deployment: "b".into()
+                }
+            )]
+        );
+        assert_eq!(s.waiting_total, 0);
+        assert_eq!(s.buffered_bytes, 0);
+    }
+}

@@ -1,0 +1,466 @@
+//! A scripted fake [`Lifecycle`] for tests: a GPU that fits `capacity` deployments, parks and
+//! wakes with set delays (tokio time, so a paused clock makes them exact), and records every
+//! call with its instant.
+//!
+//! Natural behaviour, unless a test scripts otherwise:
+//! - `plan(d)`: `AlreadyComing` when `d` is ready or coming; `BringUp` while fewer than
+//!   `capacity` deployments are loaded; otherwise `Switch` with every instance of the
+//!   lowest-named loaded deployment that is not protected, not pinned and not reserved; else
+//!   `Later`.
+//! - `execute`: waits `park_delay` per switch with victims (they become parked, or stopped when
+//!   a report says `cut_before_output`), then `wake_delay` (parked target) or `start_delay`
+//!   (stopped target), then announces the target's instances with `instance_ready` and
+//!   answers `Ok` (or the scripted error).
+//! - `engine_idle`: answers `engine_idle_answer` after `engine_idle_delay`.
+//!
+//! Call [`FakeLifecycle::attach`] with the coordinator's handle before the first request.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::Duration;
+
+use capyctl_crds::errors::ApiError;
+use tokio::time::Instant;
+
+use crate::config::RouterConfig;
+use crate::lifecycle::{
+    BoxFuture, DeploymentId, DeploymentRef, InstanceKey, Lifecycle, Plan, SwitchOrder, Upstream,
+};
+
+use super::{Coordinator, CoordinatorHandle};
+
+/// Where a fake deployment stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FakeState {
+    /// Not running; a start takes `start_delay`.
+    Stopped,
+    /// Parked; a wake takes `wake_delay`.
+    Parked,
+    /// Starting or waking (by an `execute` or [`FakeLifecycle::set_state`]).
+    Coming,
+    /// Loaded and serving.
+    Ready,
+}
+
+/// One call the router made, as recorded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Call {
+    /// `admissible(deployment)`.
+    Admissible(DeploymentId),
+    /// `plan(deployment, protected)`.
+    Plan {
+        /// The deployment to bring up.
+        deployment: DeploymentId,
+        /// The deployments with waiting requests.
+        protected: BTreeSet<DeploymentId>,
+    },
+    /// `execute(order)`.
+    Execute(SwitchOrder),
+    /// `abandon(switch_id)`.
+    Abandon(String),
+    /// `engine_idle(instance)`.
+    EngineIdle(InstanceKey),
+}
+
+/// The fake's timings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FakeTimings {
+    /// How many deployments fit on the GPU at once.
+    pub capacity: usize,
+    /// How long parking the victims takes.
+    pub park_delay: Duration,
+    /// How long a wake takes.
+    pub wake_delay: Duration,
+    /// How long a start takes.
+    pub start_delay: Duration,
+    /// How long `engine_idle` takes to answer.
+    pub engine_idle_delay: Duration,
+}
+
+impl Default for FakeTimings {
+    /// One deployment fits; park 1 s, wake 3 s, start 10 s, engine idle 500 ms.
+    fn default() -> Self {
+        FakeTimings {
+            capacity: 1,
+            park_delay: Duration::from_secs(1),
+            wake_delay: Duration::from_secs(3),
+            start_delay: Duration::from_secs(10),
+            engine_idle_delay: Duration::from_millis(500),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct FakeDeployment {
+    name: String,
+    state: FakeState,
+    instances: u32,
+    generation: u64,
+    /// `admissible` answers this error (an operator stop, explicit activation).
+    refusal: Option<ApiError>,
+    /// Never chosen as a victim (explicit).
+    pinned: bool,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    deployments: BTreeMap<DeploymentId, FakeDeployment>,
+    calls: Vec<(Instant, Call)>,
+    scripted_plans: BTreeMap<DeploymentId, VecDeque<Result<Plan, ApiError>>>,
+    execute_errors: BTreeMap<DeploymentId, ApiError>,
+    /// Victims reserved by a plan, per switch ID.
+    reserved: BTreeMap<String, Vec<InstanceKey>>,
+    engine_idle_answer: bool,
+    next_switch: u64,
+}
+
+/// The scripted fake lifecycle.
+#[derive(Debug)]
+pub struct FakeLifecycle {
+    timings: FakeTimings,
+    inner: Mutex<Inner>,
+    handle: OnceLock<CoordinatorHandle>,
+}
+
+impl FakeLifecycle {
+    /// A fake GPU with these timings and no deployments.
+    pub fn new(timings: FakeTimings) -> Arc<Self> {
+        Arc::new(FakeLifecycle {
+            timings,
+            inner: Mutex::new(Inner {
+                engine_idle_answer: true,
+                ..Inner::default()
+            }),
+            handle: OnceLock::new(),
+        })
+    }
+
+    /// Starts a coordinator on this fake and attaches its handle.
+    pub fn spawn(self: &Arc<Self>, config: RouterConfig) -> CoordinatorHandle {
+        let handle = Coordinator::spawn(self.clone(), config);
+        self.attach(handle.clone());
+        handle
+    }
+
+    /// Gives the fake the coordinator's handle (for `instance_ready`).
+    pub fn attach(&self, handle: CoordinatorHandle) {
+        let _ = self.handle.set(handle);
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn record(&self, call: Call) {
+        self.lock().calls.push((Instant::now(), call));
+    }
+
+    /// Adds a deployment with `instances` instances; `id` doubles as its name's suffix.
+    pub fn add(&self, id: &str, name: &str, state: FakeState, instances: u32) -> DeploymentRef {
+        self.lock().deployments.insert(
+            id.to_string(),
+            FakeDeployment {
+                name: name.to_string(),
+                state,
+                instances,
+                generation: 1,
+                refusal: None,
+                pinned: false,
+            },
+        );
+        DeploymentRef {
+            id: id.to_string(),
+            name: name.to_string(),
+        }
+    }
+
+    /// The key of a deployment's instance `index` (current generation).
+    pub fn key(&self, id: &str, index: u32) -> InstanceKey {
+        let generation = self.lock().deployments.get(id).map_or(1, |d| d.generation);
+        InstanceKey {
+            deployment: id.to_string(),
+            index,
+            host_id: "gpu-box".to_string(),
+            generation,
+        }
+    }
+
+    /// The upstream of a deployment's instance `index`.
+    pub fn upstream(&self, id: &str, index: u32) -> Upstream {
+        let key = self.key(id, index);
+        let port = 9000 + u16::try_from(index).unwrap_or(0);
+        let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+        Upstream { key, addr }
+    }
+
+    /// Announces every instance of a ready deployment to the coordinator.
+    pub async fn announce(&self, id: &str) {
+        let n = self.lock().deployments.get(id).map_or(0, |d| d.instances);
+        if let Some(h) = self.handle.get() {
+            for i in 0..n {
+                h.instance_ready(self.upstream(id, i)).await;
+            }
+        }
+    }
+
+    /// Sets a deployment's state (e.g. `Coming` for an operator's start).
+    pub fn set_state(&self, id: &str, state: FakeState) {
+        if let Some(d) = self.lock().deployments.get_mut(id) {
+            d.state = state;
+        }
+    }
+
+    /// A deployment's state.
+    pub fn state(&self, id: &str) -> Option<FakeState> {
+        self.lock().deployments.get(id).map(|d| d.state)
+    }
+
+    /// Makes `admissible` answer `refusal` for the deployment (`None`: admissible again).
+    pub fn set_refusal(&self, id: &str, refusal: Option<ApiError>) {
+        if let Some(d) = self.lock().deployments.get_mut(id) {
+            d.refusal = refusal;
+        }
+    }
+
+    /// Marks a deployment as never a victim (explicit activation).
+    pub fn pin(&self, id: &str) {
+        if let Some(d) = self.lock().deployments.get_mut(id) {
+            d.pinned = true;
+        }
+    }
+
+    /// The next `plan` for `id` answers `result` instead of the natural plan (queued, in order).
+    pub fn script_plan(&self, id: &str, result: Result<Plan, ApiError>) {
+        self.lock()
+            .scripted_plans
+            .entry(id.to_string())
+            .or_default()
+            .push_back(result);
+    }
+
+    /// The next `execute` for `id` as target fails with `error` (after the park).
+    pub fn fail_execute(&self, id: &str, error: ApiError) {
+        self.lock().execute_errors.insert(id.to_string(), error);
+    }
+
+    /// What `engine_idle` answers from now on.
+    pub fn set_engine_idle(&self, answer: bool) {
+        self.lock().engine_idle_answer = answer;
+    }
+
+    /// Every call so far, with its instant.
+    pub fn calls(&self) -> Vec<(Instant, Call)> {
+        self.lock().calls.clone()
+    }
+
+    /// The recorded plans: `(instant, deployment, protected)`.
+    pub fn plans(&self) -> Vec<(Instant, DeploymentId, BTreeSet<DeploymentId>)> {
+        self.calls()
+            .into_iter()
+            .filter_map(|(t, c)| match c {
+                Call::Plan {
+                    deployment,
+                    protected,
+                } => Some((t, deployment, protected)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The recorded executes: `(instant, order)`.
+    pub fn executes(&self) -> Vec<(Instant, SwitchOrder)> {
+        self.calls()
+            .into_iter()
+            .filter_map(|(t, c)| match c {
+                Call::Execute(o) => Some((t, o)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The recorded abandons: `(instant, switch_id)`.
+    pub fn abandons(&self) -> Vec<(Instant, String)> {
+        self.calls()
+            .into_iter()
+            .filter_map(|(t, c)| match c {
+                Call::Abandon(s) => Some((t, s)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The recorded `engine_idle` calls: `(instant, instance)`.
+    pub fn engine_idles(&self) -> Vec<(Instant, InstanceKey)> {
+        self.calls()
+            .into_iter()
+            .filter_map(|(t, c)| match c {
+                Call::EngineIdle(k) => Some((t, k)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn natural_plan(&self, inner: &mut Inner, d: &str, protected: &BTreeSet<DeploymentId>) -> Plan {
+        let Some(dep) = inner.deployments.get(d) else {
+            return Plan::Later;
+        };
+        if matches!(dep.state, FakeState::Ready | FakeState::Coming) {
+            return Plan::AlreadyComing;
+        }
+        let reserved: BTreeSet<&InstanceKey> = inner.reserved.values().flatten().collect();
+        let loaded = inner
+            .deployments
+            .values()
+            .filter(|x| matches!(x.state, FakeState::Ready | FakeState::Coming))
+            .count();
+        inner.next_switch += 1;
+        let switch_id = format!("sw-{}", inner.next_switch);
+        if loaded < self.timings.capacity {
+            inner.reserved.insert(switch_id.clone(), Vec::new());
+            return Plan::BringUp { switch_id };
+        }
+        let victim = inner.deployments.iter().find(|(id, x)| {
+            x.state == FakeState::Ready
+                && !x.pinned
+                && !protected.contains(*id)
+                && (0..x.instances).all(|i| {
+                    !reserved.contains(&InstanceKey {
+                        deployment: (*id).clone(),
+                        index: i,
+                        host_id: "gpu-box".into(),
+                        generation: x.generation,
+                    })
+                })
+        });
+        match victim {
+            None => Plan::Later,
+            Some((id, x)) => {
+                let victims: Vec<InstanceKey> = (0..x.instances)
+                    .map(|i| InstanceKey {
+                        deployment: id.clone(),
+                        index: i,
+                        host_id: "gpu-box".into(),
+                        generation: x.generation,
+                    })
+                    .collect();
+                inner.reserved.insert(switch_id.clone(), victims.clone());
+                Plan::Switch { switch_id, victims }
+            }
+        }
+    }
+}
+
+impl Lifecycle for FakeLifecycle {
+    fn resolve(&self, model: &str) -> Option<DeploymentRef> {
+        self.lock()
+            .deployments
+            .iter()
+            .find(|(_, d)| d.name == model)
+            .map(|(id, d)| DeploymentRef {
+                id: id.clone(),
+                name: d.name.clone(),
+            })
+    }
+
+    fn admissible(&self, deployment: &DeploymentId) -> Result<(), ApiError> {
+        self.record(Call::Admissible(deployment.clone()));
+        match self.lock().deployments.get(deployment) {
+            Some(d) => d.refusal.clone().map_or(Ok(()), Err),
+            None => Err(ApiError::NotFound {
+                what: format!("deployment {deployment}"),
+            }),
+        }
+    }
+
+    fn plan<'a>(
+        &'a self,
+        deployment: &'a DeploymentId,
+        protected: &'a BTreeSet<DeploymentId>,
+    ) -> BoxFuture<'a, Result<Plan, ApiError>> {
+        Box::pin(async move {
+            self.record(Call::Plan {
+                deployment: deployment.clone(),
+                protected: protected.clone(),
+            });
+            let mut inner = self.lock();
+            if let Some(r) = inner
+                .scripted_plans
+                .get_mut(deployment)
+                .and_then(|q| q.pop_front())
+            {
+                if let Ok(Plan::Switch { switch_id, victims }) = &r {
+                    inner.reserved.insert(switch_id.clone(), victims.clone());
+                }
+                return r;
+            }
+            Ok(self.natural_plan(&mut inner, deployment, protected))
+        })
+    }
+
+    fn execute(&self, order: SwitchOrder) -> BoxFuture<'_, Result<(), ApiError>> {
+        Box::pin(async move {
+            self.record(Call::Execute(order.clone()));
+            let from = {
+                let mut inner = self.lock();
+                let from = inner
+                    .deployments
+                    .get(&order.target)
+                    .map_or(FakeState::Stopped, |d| d.state);
+                if let Some(d) = inner.deployments.get_mut(&order.target) {
+                    d.state = FakeState::Coming;
+                }
+                from
+            };
+            if !order.victims.is_empty() {
+                tokio::time::sleep(self.timings.park_delay).await;
+                let mut inner = self.lock();
+                for (k, report) in &order.victims {
+                    if let Some(d) = inner.deployments.get_mut(&k.deployment) {
+                        d.state = if report.cut_before_output {
+                            FakeState::Stopped
+                        } else {
+                            FakeState::Parked
+                        };
+                    }
+                }
+            }
+            tokio::time::sleep(match from {
+                FakeState::Stopped => self.timings.start_delay,
+                _ => self.timings.wake_delay,
+            })
+            .await;
+            let failed = {
+                let mut inner = self.lock();
+                inner.reserved.remove(&order.switch_id);
+                let failed = inner.execute_errors.remove(&order.target);
+                if let Some(d) = inner.deployments.get_mut(&order.target) {
+                    d.state = if failed.is_some() {
+                        FakeState::Stopped
+                    } else {
+                        FakeState::Ready
+                    };
+                }
+                failed
+            };
+            if let Some(e) = failed {
+                return Err(e);
+            }
+            self.announce(&order.target).await;
+            Ok(())
+        })
+    }
+
+    fn abandon(&self, switch_id: &str) {
+        self.record(Call::Abandon(switch_id.to_string()));
+        self.lock().reserved.remove(switch_id);
+    }
+
+    fn engine_idle<'a>(&'a self, instance: &'a InstanceKey) -> BoxFuture<'a, bool> {
+        Box::pin(async move {
+            self.record(Call::EngineIdle(instance.clone()));
+            tokio::time::sleep(self.timings.engine_idle_delay).await;
+            self.lock().engine_idle_answer
+        })
+    }
+}

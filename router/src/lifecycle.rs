@@ -1,0 +1,135 @@
+//! What the router needs from the lifecycle, and what the lifecycle tells the router.
+//!
+//! The router never talks to an engine's control API. It asks the lifecycle, through
+//! [`Lifecycle`], which deployment a model name means, whether and how that deployment can be
+//! made servable, and to carry out a switch (park or stop the victims, wake or start the
+//! waiting deployment). The lifecycle in turn tells the router, through the coordinator's
+//! handle, when instances open for traffic and when they go away.
+//!
+//! NB: the lifecycle owns instance state; the router owns queues and in-flight counts. A plan
+//! the lifecycle hands out reserves its victims inside the lifecycle, so two plans never name
+//! the same victim and an operator command cannot move a victim behind the router's back.
+
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+
+use capyctl_crds::errors::ApiError;
+
+/// A boxed future, so that the trait stays object-safe (`Arc<dyn Lifecycle>`).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A deployment's ID (a ULID, as text).
+pub type DeploymentId = String;
+
+/// One engine process of a deployment on one host.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct InstanceKey {
+    /// The deployment the instance belongs to.
+    pub deployment: DeploymentId,
+    /// The instance's index within its deployment.
+    pub index: u32,
+    /// The host it runs on.
+    pub host_id: String,
+    /// Bumped every time the instance is started afresh.
+    pub generation: u64,
+}
+
+/// A ready instance the router may forward to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Upstream {
+    /// Which instance this is.
+    pub key: InstanceKey,
+    /// Where its engine listens (plain HTTP).
+    pub addr: SocketAddr,
+}
+
+/// What the router knows of a deployment a request named.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeploymentRef {
+    /// The deployment's ID.
+    pub id: DeploymentId,
+    /// Its name (what requests put in `model`).
+    pub name: String,
+}
+
+/// How a deployment that has no ready instance can become servable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Plan {
+    /// It is already starting or waking (e.g. an operator's start): wait for it to open.
+    AlreadyComing,
+    /// It can start or wake now: there is room, nothing has to be released.
+    BringUp {
+        /// The switch's ID, for logs, metrics and receipts.
+        switch_id: String,
+    },
+    /// It can start or wake once these instances have been released (parked or stopped).
+    /// The router runs the admission window and the drain on them first.
+    Switch {
+        /// The switch's ID, for logs, metrics and receipts.
+        switch_id: String,
+        /// The instances to release. Never one with waiting requests, never an explicit one.
+        victims: Vec<InstanceKey>,
+    },
+    /// Not now: memory is held by instances that cannot be released yet (busy, or reserved by
+    /// another switch). The router asks again after the next switch or instance change.
+    Later,
+}
+
+/// How the requests of a drained victim ended; decides between parking and stopping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DrainReport {
+    /// A request was cut (client gone, stalled or oversized) before the engine produced any of
+    /// its answer: the engine's "no running requests" proves nothing about it, so the victim
+    /// must be stopped rather than parked.
+    pub cut_before_output: bool,
+}
+
+/// The switch the router asks the lifecycle to carry out once the victims are drained.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SwitchOrder {
+    /// The switch's ID (from the plan).
+    pub switch_id: String,
+    /// The deployment to wake or start.
+    pub target: DeploymentId,
+    /// The drained victims to park (or stop), with how their requests ended.
+    pub victims: Vec<(InstanceKey, DrainReport)>,
+}
+
+/// The lifecycle, as the router sees it. Implemented by the server's lifecycle (standalone and
+/// Kubernetes) and, in tests, by a scripted fake.
+pub trait Lifecycle: Send + Sync + 'static {
+    /// The deployment a request's `model` names, or `None` (the router answers 404
+    /// `model_not_found`).
+    fn resolve(&self, model: &str) -> Option<DeploymentRef>;
+
+    /// Whether the deployment may be started or woken by a request at all: `Err` with
+    /// `deployment_stopped` (an operator stopped it) or `deployment_inactive` (explicit and not
+    /// running or coming), answered at once with nothing queued.
+    fn admissible(&self, deployment: &DeploymentId) -> Result<(), ApiError>;
+
+    /// Plans bringing `deployment` up. `protected` are the deployments that have waiting
+    /// requests now: none of their instances may be chosen as a victim. An `Err` fails every
+    /// request waiting for `deployment` with that error.
+    fn plan<'a>(
+        &'a self,
+        deployment: &'a DeploymentId,
+        protected: &'a BTreeSet<DeploymentId>,
+    ) -> BoxFuture<'a, Result<Plan, ApiError>>;
+
+    /// Releases the victims (park, or stop where parking is impossible or a report says so),
+    /// then wakes or starts the target. Resolves once the target has a ready instance (which
+    /// the lifecycle also announces with `instance_ready`), or with the error that fails the
+    /// waiting requests (e.g. `wake_mismatch`).
+    fn execute(&self, order: SwitchOrder) -> BoxFuture<'_, Result<(), ApiError>>;
+
+    /// Gives back a plan the router will not carry out (the drain failed, or every waiting
+    /// request went away before the switch began): its victims serve again.
+    fn abandon(&self, switch_id: &str);
+
+    /// Resolves once the instance's engine reports no running and no waiting requests, or
+    /// `false` if that could not be read (the router then treats requests as cut before
+    /// output).
+    fn engine_idle<'a>(&'a self, instance: &'a InstanceKey) -> BoxFuture<'a, bool>;
+}

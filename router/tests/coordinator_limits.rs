@@ -1,0 +1,289 @@
+//! The waiting limits, the deadlines and "No waiting" mode, each with its exact error.
+#![allow(clippy::unwrap_used)]
+
+mod coordinator_support;
+
+use capyctl_crds::errors::ApiError;
+use capyctl_router::config::RouterConfig;
+use capyctl_router::coordinator::testing::FakeTimings;
+use capyctl_router::lifecycle::Plan;
+use coordinator_support::*;
+
+fn config(f: impl FnOnce(&mut RouterConfig)) -> RouterConfig {
+    let mut c = RouterConfig::default();
+    f(&mut c);
+    c
+}
+
+#[tokio::test(start_paused = true)]
+async fn limit_max_pending_per_deployment() {
+    let r = rig_with(
+        config(|c| c.max_pending_per_deployment = 2),
+        FakeTimings::default(),
+        1,
+    )
+    .await;
+    let mut qs: Vec<Req> = (0..3).map(|_| r.send(&r.b, hold(1.0))).collect();
+    r.until(0.0).await;
+    assert!(qs[0].waiting() && qs[1].waiting());
+    let (at, e) = qs[2].refused();
+    assert_eq!(at, secs(0.0));
+    assert_eq!(
+        e,
+        ApiError::TooManyWaiting {
+            deployment: B.into()
+        }
+    );
+    assert_eq!(
+        e.message(),
+        format!("too many requests are waiting for deployment {B}")
+    );
+    assert_eq!((e.status(), e.retry_after()), (429, Some(1)));
+    let load = r.h.load().await;
+    let lb = load.iter().find(|l| l.deployment_id == B).unwrap();
+    assert_eq!((lb.waiting, lb.waiting_limit), (2, 2));
+}
+
+#[tokio::test(start_paused = true)]
+async fn limit_max_pending_total() {
+    let r = rig_with(
+        config(|c| c.max_pending_total = 3),
+        FakeTimings::default(),
+        1,
+    )
+    .await;
+    let mut qs: Vec<Req> = (0..2).map(|_| r.send(&r.b, hold(1.0))).collect();
+    let mut c1 = r.send(&r.c, hold(1.0));
+    r.until(0.0).await;
+    let mut c2 = r.send(&r.c, hold(1.0));
+    r.until(0.0).await;
+    assert!(qs.iter_mut().all(|q| q.waiting()) && c1.waiting());
+    assert_eq!(
+        c2.refused().1,
+        ApiError::TooManyWaiting {
+            deployment: C.into()
+        },
+        "named for the deployment asked for"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn limit_max_buffered_bytes_total() {
+    let r = rig_with(
+        config(|c| c.max_buffered_bytes_total = 1000),
+        FakeTimings::default(),
+        1,
+    )
+    .await;
+    let big = r.send_sized(&r.b, 600, hold(1.0));
+    let mut fits = r.send_sized(&r.b, 400, hold(1.0));
+    r.until(0.0).await;
+    let mut over = r.send_sized(&r.b, 1, hold(1.0));
+    r.until(0.0).await;
+    assert!(fits.waiting());
+    let (_, e) = over.refused();
+    assert_eq!(e, ApiError::BufferedBytes);
+    assert_eq!(
+        e.message(),
+        "waiting requests exceed the buffered-bytes bound"
+    );
+    // A waiter that hangs up gives its bytes back.
+    big.end();
+    r.until(0.1).await;
+    let mut again = r.send_sized(&r.b, 500, hold(1.0));
+    r.until(0.2).await;
+    assert!(again.waiting());
+    // A request admitted at once buffers nothing: chat-a is ready.
+    let mut a = r.send_sized(&r.a, 5000, hold(1.0));
+    r.until(0.3).await;
+    assert_eq!(a.admitted_at(), secs(0.2));
+}
+
+#[tokio::test(start_paused = true)]
+async fn deadline_queue_when_never_servable() {
+    let r = rig().await;
+    r.fake.script_plan(B, Ok(Plan::Later));
+    let mut q = r.send_full(&r.b, 10, r.t0 + secs(10.0), hold(1.0));
+    r.until(9.999).await;
+    assert!(q.waiting());
+    r.until(10.0).await;
+    let (at, e) = q.refused();
+    assert_eq!(at, secs(10.0), "exactly at its deadline");
+    assert_eq!(
+        e,
+        ApiError::QueueDeadline {
+            deployment: B.into()
+        }
+    );
+    assert_eq!(
+        e.message(),
+        format!("deployment {B} did not become servable within the queue deadline; retry shortly")
+    );
+    assert_eq!(e.status(), 503);
+}
+
+#[tokio::test(start_paused = true)]
+async fn deadline_in_flight_when_32_running() {
+    let r = rig().await;
+    let _running: Vec<Req> = (0..32).map(|_| r.send(&r.a, Hold::Forever)).collect();
+    r.until(0.0).await;
+    let mut q = r.send_full(&r.a, 10, r.t0 + secs(5.0), hold(1.0));
+    r.until(4.999).await;
+    assert!(q.waiting());
+    r.until(5.0).await;
+    let (at, e) = q.refused();
+    assert_eq!(at, secs(5.0));
+    assert_eq!(
+        e,
+        ApiError::InFlightDeadline {
+            deployment: A.into()
+        }
+    );
+    assert_eq!(
+        e.message(),
+        format!("deployment {A} stayed at its in-flight bound for the queue deadline")
+    );
+    assert_eq!(e.status(), 429);
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_wait_at_in_flight_bound() {
+    let r = rig_with(
+        config(|c| c.max_pending_per_deployment = 0),
+        FakeTimings::default(),
+        1,
+    )
+    .await;
+    let _running: Vec<Req> = (0..32).map(|_| r.send(&r.a, Hold::Forever)).collect();
+    r.until(0.0).await;
+    let mut q = r.send(&r.a, hold(1.0));
+    r.until(0.0).await;
+    let (at, e) = q.refused();
+    assert_eq!(at, secs(0.0));
+    assert_eq!(
+        e,
+        ApiError::InFlightNoWait {
+            deployment: A.into()
+        }
+    );
+    assert_eq!(
+        e.message(),
+        format!("deployment {A} is at its in-flight bound and lets no request wait; retry shortly")
+    );
+    assert_eq!(e.retry_after(), Some(1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_wait_not_servable_still_starts_switch() {
+    let r = rig_with(
+        config(|c| c.max_pending_per_deployment = 0),
+        FakeTimings::default(),
+        1,
+    )
+    .await;
+    let _a = r.send(&r.a, hold(5.0));
+    r.until(1.0).await;
+    let mut b = r.send(&r.b, hold(1.0));
+    r.until(1.0).await;
+    let (at, e) = b.refused();
+    assert_eq!(at, secs(1.0));
+    assert_eq!(
+        e,
+        ApiError::NotServableNoWait {
+            deployment: B.into()
+        }
+    );
+    assert_eq!(
+        e.message(),
+        format!("deployment {B} is not servable now and lets no request wait; retry shortly")
+    );
+    // Its wake was asked for: a switch for a wave of zero, under chat-a's window and drain.
+    let plans = r.fake.plans();
+    assert_eq!(plans.len(), 1);
+    assert_eq!((r.since(plans[0].0), plans[0].1.as_str()), (secs(1.0), B));
+    r.until(2.0).await;
+    let mut a = r.send(&r.a, hold(0.1));
+    r.until(3.5).await;
+    assert_eq!(a.admitted_at(), secs(2.0), "still in chat-a's window");
+    let mut closed = r.send(&r.a, hold(0.1));
+    r.until(3.5).await;
+    assert!(matches!(
+        closed.refused().1,
+        ApiError::DispatchClosed { .. }
+    ));
+    // chat-a's stream ends at 5 s: execute; chat-b ready at 9 s; a retry finds it loaded.
+    r.until(9.5).await;
+    assert_eq!(r.since(r.fake.executes()[0].0), secs(5.0));
+    let mut retry = r.send(&r.b, hold(1.0));
+    r.until(9.5).await;
+    assert_eq!(retry.admitted_at(), secs(9.5));
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_wait_refused_deployment_starts_nothing() {
+    let r = rig_with(
+        config(|c| c.max_pending_per_deployment = 0),
+        FakeTimings::default(),
+        1,
+    )
+    .await;
+    let inactive = ApiError::DeploymentInactive {
+        deployment: B.into(),
+    };
+    r.fake.set_refusal(B, Some(inactive.clone()));
+    let mut q = r.send(&r.b, hold(1.0));
+    r.until(1.0).await;
+    let (_, e) = q.refused();
+    assert_eq!(e, inactive);
+    assert_eq!(e.status(), 409);
+    assert!(r.fake.plans().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn plan_error_fails_the_wave() {
+    let r = rig().await;
+    let e = ApiError::ParkedCapacity {
+        deployment: A.into(),
+    };
+    r.fake.script_plan(B, Err(e.clone()));
+    let mut qs: Vec<Req> = (0..2).map(|_| r.send(&r.b, hold(1.0))).collect();
+    r.until(0.0).await;
+    for q in qs.iter_mut() {
+        assert_eq!(q.refused(), (secs(0.0), e.clone()));
+    }
+    let load = r.h.load().await;
+    assert_eq!(
+        load.iter().find(|l| l.deployment_id == B).unwrap().waiting,
+        0
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn every_request_ends_once_under_churn() {
+    // Many requests for three deployments with short deadlines and hang-ups: every one is
+    // answered (or hung up) by its deadline, and nothing is left charged or waiting.
+    let r = rig_with(
+        config(|c| c.max_pending_per_deployment = 8),
+        FakeTimings::default(),
+        1,
+    )
+    .await;
+    let mut reqs = Vec::new();
+    for i in 0..60u32 {
+        let dep = [&r.a, &r.b, &r.c][(i % 3) as usize].clone();
+        let deadline = tokio::time::Instant::now() + secs(4.0 + f64::from(i % 7));
+        reqs.push(r.send_full(&dep, 10, deadline, hold(0.3)));
+        if i.is_multiple_of(11) {
+            reqs[i as usize / 2].end();
+        }
+        r.until(f64::from(i) * 0.25).await;
+    }
+    r.until(200.0).await;
+    for (i, q) in reqs.iter_mut().enumerate() {
+        let hung_up = (0..60).any(|j: usize| j.is_multiple_of(11) && j / 2 == i);
+        assert!(hung_up || !q.waiting(), "request {i} never ended");
+    }
+    for l in r.h.load().await {
+        assert_eq!((l.in_flight, l.waiting), (0, 0), "{l:?}");
+    }
+}

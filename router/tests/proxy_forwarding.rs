@@ -1,0 +1,269 @@
+//! The listener forwards by `model` and answers byte for byte what the engine answers; its own
+//! errors have the catalogue's status, body and headers.
+
+#![allow(clippy::unwrap_used)]
+
+mod proxy_support;
+
+use capyctl_crds::errors::ApiError;
+use capyctl_router::proxy::ProxyConfig;
+use http::StatusCode;
+use proxy_support::*;
+
+fn chat(stream: bool) -> String {
+    format!(
+        r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Tell me about capybaras"}}],"max_tokens":24,"stream":{stream}}}"#
+    )
+}
+
+fn completion(stream: bool) -> String {
+    format!(
+        r#"{{"model":"{MODEL}","prompt":"Once upon a time","max_tokens":16,"stream":{stream}}}"#
+    )
+}
+
+fn embedding() -> String {
+    format!(r#"{{"model":"{MODEL}","input":["a capybara","two capybaras"]}}"#)
+}
+
+#[tokio::test]
+async fn answers_are_the_engines_byte_for_byte() {
+    let sim = start_sim(&[]).await;
+    let admission = TestAdmission::new(sim);
+    let record = std::sync::Arc::clone(&admission.record);
+    let proxy = start_proxy(admission, ProxyConfig::default()).await;
+
+    let cases = [
+        ("/v1/chat/completions", chat(false), false),
+        ("/v1/chat/completions", chat(true), true),
+        ("/v1/completions", completion(false), false),
+        ("/v1/completions", completion(true), true),
+        ("/v1/embeddings", embedding(), false),
+    ];
+    for (path, body, streamed) in &cases {
+        let (direct_status, direct_headers, direct) = post(sim, path, body).await;
+        let (status, headers, routed) = post(proxy, path, body).await;
+        assert_eq!(status, direct_status, "{path}");
+        assert_eq!(status, StatusCode::OK, "{path}");
+        assert_eq!(
+            headers.get("content-type"),
+            direct_headers.get("content-type"),
+            "{path}"
+        );
+        if *streamed {
+            assert!(routed.ends_with(b"data: [DONE]\n\n"), "{path}");
+        }
+        assert_eq!(normalise(&routed), normalise(&direct), "{path} {body}");
+        if path.contains("embeddings") {
+            assert_eq!(routed, direct, "embeddings are deterministic to the byte");
+        }
+    }
+    record
+        .wait("every permit released", |r| {
+            r.live.load(std::sync::atomic::Ordering::SeqCst) == 0
+        })
+        .await;
+    assert_eq!(
+        record.issued.load(std::sync::atomic::Ordering::SeqCst),
+        cases.len()
+    );
+    assert_eq!(
+        record
+            .first_outputs
+            .load(std::sync::atomic::Ordering::SeqCst),
+        cases.len()
+    );
+    assert_eq!(record.cut_count(), 0);
+    let state = sim_state(sim).await;
+    assert_eq!(state["aborted"], 0, "{state}");
+}
+
+#[tokio::test]
+async fn one_keep_alive_connection_carries_many_requests() {
+    let sim = start_sim(&[]).await;
+    let proxy = start_proxy(TestAdmission::new(sim), ProxyConfig::default()).await;
+    let mut conn = Conn::open(proxy).await;
+    for i in 0..20 {
+        let body = if i % 2 == 0 { chat(false) } else { chat(true) };
+        let response = conn.post("/v1/chat/completions", &body).await;
+        assert_eq!(response.status(), StatusCode::OK);
+        let bytes = http_body_util::BodyExt::collect(response.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        assert!(!bytes.is_empty());
+    }
+}
+
+#[tokio::test]
+async fn models_lists_every_deployment_with_its_state() {
+    let sim = start_sim(&[]).await;
+    let proxy = start_proxy(TestAdmission::new(sim), ProxyConfig::default()).await;
+    let (status, body) = get(proxy, "/v1/models").await;
+    assert_eq!(status, StatusCode::OK);
+    let list: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(list["object"], "list");
+    assert_eq!(list["data"][0]["id"], MODEL);
+    assert_eq!(list["data"][0]["object"], "model");
+    assert_eq!(list["data"][0]["deployment_id"], DEPLOYMENT);
+    assert_eq!(list["data"][0]["state"], "ready");
+}
+
+fn error_body(body: &[u8]) -> serde_json::Value {
+    let value: serde_json::Value = serde_json::from_slice(body).unwrap();
+    let keys: Vec<&String> = value.as_object().unwrap().keys().collect();
+    assert_eq!(keys, ["code", "message", "retryable"], "{value}");
+    value
+}
+
+#[tokio::test]
+async fn bad_requests_get_their_catalogue_errors() {
+    let sim = start_sim(&[]).await;
+    let admission = TestAdmission::new(sim);
+    let record = std::sync::Arc::clone(&admission.record);
+    let config = ProxyConfig {
+        max_body_bytes: 1024,
+        ..ProxyConfig::default()
+    };
+    let proxy = start_proxy(admission, config).await;
+
+    let (status, _, body) = post(proxy, "/v1/chat/completions", "not json").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let body = error_body(&body);
+    assert_eq!(body["code"], "invalid_request");
+    assert_eq!(body["retryable"], false);
+    assert!(
+        body["message"]
+            .as_str()
+            .unwrap()
+            .contains("not a JSON object"),
+        "{body}"
+    );
+
+    let (status, _, body) = post(proxy, "/v1/chat/completions", r#"{"model":"#).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(
+        error_body(&body)["message"]
+            .as_str()
+            .unwrap()
+            .contains("not valid JSON")
+    );
+
+    let (status, _, body) = post(proxy, "/v1/completions", r#"{"prompt":"hi"}"#).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let body = error_body(&body);
+    assert_eq!(body["message"], "the body has no `model`");
+
+    let (status, _, body) = post(proxy, "/v1/embeddings", r#"{"model":["x"]}"#).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(
+        error_body(&body)["message"]
+            .as_str()
+            .unwrap()
+            .contains("must be a string")
+    );
+
+    let (status, _, body) = post(proxy, "/v1/chat/completions", r#"{"model":"chat-z"}"#).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let body = error_body(&body);
+    assert_eq!(
+        body,
+        serde_json::json!({"code":"model_not_found","message":"model chat-z is not deployed","retryable":false})
+    );
+
+    let big = format!(r#"{{"model":"{MODEL}","prompt":"{}"}}"#, "x".repeat(2000));
+    let (status, _, body) = post(proxy, "/v1/completions", &big).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    let body = error_body(&body);
+    assert_eq!(body["code"], "request_too_large");
+    assert_eq!(
+        body["message"],
+        "request body exceeds the buffered-bytes bound of 1024 bytes"
+    );
+
+    let (status, _, body) = post(proxy, "/v1/nothing", "{}").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(error_body(&body)["code"], "not_found");
+
+    let (status, _) = get(proxy, "/v1/chat/completions").await;
+    assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED);
+
+    assert_eq!(record.issued.load(std::sync::atomic::Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn a_chunked_body_over_the_bound_is_refused_too() {
+    let sim = start_sim(&[]).await;
+    let config = ProxyConfig {
+        max_body_bytes: 1024,
+        ..ProxyConfig::default()
+    };
+    let proxy = start_proxy(TestAdmission::new(sim), config).await;
+    // No content-length: the bound is found while reading.
+    let stream = tokio::net::TcpStream::connect(proxy).await.unwrap();
+    let (mut read, mut write) = stream.into_split();
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let chunk = "x".repeat(600);
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{chunk}\r\n{:x}\r\n{chunk}\r\n0\r\n\r\n",
+        chunk.len(),
+        chunk.len()
+    );
+    write.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = vec![0; 4096];
+    let n = read.read(&mut answer).await.unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]);
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains("request_too_large"), "{answer}");
+}
+
+#[tokio::test]
+async fn admission_errors_render_with_retry_after_on_429() {
+    let sim = start_sim(&[]).await;
+    let refused = ApiError::TooManyWaiting {
+        deployment: DEPLOYMENT.to_string(),
+    };
+    let proxy = start_proxy(
+        TestAdmission::new(sim).with_mode(Mode::Refuse(refused.clone())),
+        ProxyConfig::default(),
+    )
+    .await;
+    let (status, headers, body) = post(proxy, "/v1/chat/completions", &chat(false)).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(headers["retry-after"], "1");
+    assert_eq!(headers["content-type"], "application/json");
+    assert_eq!(error_body(&body), refused.body());
+
+    let closed = ApiError::DispatchClosed {
+        deployment: DEPLOYMENT.to_string(),
+    };
+    let proxy = start_proxy(
+        TestAdmission::new(sim).with_mode(Mode::Refuse(closed.clone())),
+        ProxyConfig::default(),
+    )
+    .await;
+    let (status, headers, body) = post(proxy, "/v1/chat/completions", &chat(true)).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(headers.get("retry-after").is_none());
+    let body = error_body(&body);
+    assert_eq!(body, closed.body());
+    assert_eq!(body["retryable"], true);
+}
+
+#[tokio::test]
+async fn an_unreachable_engine_is_a_retryable_502_and_a_cut() {
+    // A port nothing listens on.
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = free.local_addr().unwrap();
+    drop(free);
+    let admission = TestAdmission::new(addr);
+    let record = std::sync::Arc::clone(&admission.record);
+    let proxy = start_proxy(admission, ProxyConfig::default()).await;
+    let (status, _, body) = post(proxy, "/v1/chat/completions", &chat(false)).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    let body = error_body(&body);
+    assert_eq!(body["code"], "upstream_unavailable");
+    assert_eq!(body["retryable"], true);
+    assert_eq!(record.cut_count(), 1);
+    assert_eq!(record.live.load(std::sync::atomic::Ordering::SeqCst), 0);
+}
