@@ -1,0 +1,767 @@
+//! The host agent the lifecycle calls: [`HostAgent`], and [`LocalHostAgent`], which runs
+//! engines as child processes on this machine (standalone; the node agent's `process`
+//! runtime). An HTTP implementation for Kubernetes implements the same trait.
+//!
+//! The lifecycle is the one writer of instance state and calls one operation at a time per
+//! instance; the agent keeps only what it needs to drive the engines (ports, tiers, first
+//! answers), also in the pid records so that a restarted CapyCTL can go on.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use capyctl_crds::EngineKind;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::capability::{EngineInfo, RefusalRow, engine_info, refusal_for};
+use crate::checkpoint::ModelFacts;
+use crate::driver::{Driver, DriverTimeouts, Endpoint};
+use crate::error::AgentError;
+use crate::inventory::{GpuProbe, Inventory, inventory};
+use crate::launch::{MaxRunning, MaxRunningInput, launch_command, max_running};
+use crate::load::LoadSample;
+use crate::measure::{Measurement, add_footprint, measure_before_start};
+use crate::process::{ExitWatch, PidRecord, ProcessRuntime, free_port};
+use crate::spec::{HostSettings, InstanceSpec};
+use crate::tier::{
+    LaunchParking, NoParkReason, ParkChoice, ParkTier, TierInput, choose_tier, launch_parking,
+};
+use crate::verify::{FirstAnswer, WakeOutcome};
+
+/// A boxed, sendable future (keeps [`HostAgent`] object-safe).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The agent's timing and where it keeps its files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentConfig {
+    /// The data directory (pid records and engine logs go under `engines/`).
+    pub data_dir: PathBuf,
+    /// How long an engine may take to answer `/health` with 200 after its start.
+    pub ready_timeout: Duration,
+    /// The wake window: past it a wake is `wake_uncertain` (`server.switching.wake_timeout`).
+    pub wake_window: Duration,
+    /// Between SIGTERM and SIGKILL when stopping an engine.
+    pub stop_grace: Duration,
+    /// Between two load samples.
+    pub sample_interval: Duration,
+    /// The driver's step timeouts.
+    pub timeouts: DriverTimeouts,
+}
+
+impl AgentConfig {
+    /// The defaults: ready 1800 s, wake window 600 s, grace 30 s, a sample a second.
+    pub fn new(data_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            data_dir: data_dir.into(),
+            ready_timeout: Duration::from_secs(1800),
+            wake_window: Duration::from_secs(600),
+            stop_grace: Duration::from_secs(30),
+            sample_interval: Duration::from_secs(1),
+            timeouts: DriverTimeouts::default(),
+        }
+    }
+}
+
+/// An instance that became ready.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StartedInstance {
+    /// The instance's ID.
+    pub instance: String,
+    /// The engine's pid.
+    pub pid: u32,
+    /// Its loopback port.
+    pub port: u16,
+    /// `http://127.0.0.1:<port>`: where requests go.
+    pub base_url: String,
+    /// The engine's version, as it reports it.
+    pub version: Option<String>,
+    /// The measurement, with the engine's footprint where it was unknown.
+    pub measurement: Measurement,
+    /// The first answer.
+    pub first_answer: FirstAnswer,
+    /// How many requests it runs at once.
+    pub max_running: MaxRunning,
+    /// How it was launched for parking.
+    pub parking: LaunchParking,
+}
+
+/// What a park did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "result")]
+pub enum ParkResult {
+    /// Parked in `tier`.
+    Parked {
+        /// The tier.
+        tier: ParkTier,
+    },
+    /// Stopped instead (`released: stopped (no room to park)` for [`NoParkReason::NoRoomToPark`]).
+    Stopped {
+        /// Why.
+        reason: NoParkReason,
+    },
+}
+
+/// How a wake went. On any failure the engine has been stopped.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WakeReport {
+    /// The outcome.
+    pub outcome: WakeOutcome,
+    /// How long it took.
+    pub took: Duration,
+}
+
+impl WakeReport {
+    /// `Ok` for a pass; the `wake_*` error otherwise.
+    pub fn into_result(self) -> Result<(), AgentError> {
+        match self.outcome.failure() {
+            None => Ok(()),
+            Some(failure) => Err(AgentError::WakeFailed {
+                failure,
+                detail: self.outcome.detail().to_string(),
+            }),
+        }
+    }
+}
+
+/// An engine a previous run left behind, adopted.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AdoptedInstance {
+    /// The instance's ID.
+    pub instance: String,
+    /// The deployment it runs.
+    pub spec: InstanceSpec,
+    /// `http://127.0.0.1:<port>`.
+    pub base_url: String,
+    /// The pid.
+    pub pid: u32,
+    /// Parked in this tier, or awake.
+    pub parked: Option<ParkTier>,
+}
+
+/// What a recovery did.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RecoveryReport {
+    /// Adopted engines.
+    pub adopted: Vec<AdoptedInstance>,
+    /// Instances whose engine was alive but did not answer: stopped.
+    pub stopped: Vec<String>,
+    /// Instances whose engine was gone: record removed.
+    pub gone: Vec<String>,
+}
+
+/// What the lifecycle asks of a host. One call at a time per instance.
+pub trait HostAgent: Send + Sync {
+    /// GPUs and host RAM.
+    fn inventory(&self) -> BoxFuture<'_, Result<Inventory, AgentError>>;
+    /// The `engine list` rows.
+    fn engines(&self) -> BoxFuture<'_, Vec<EngineInfo>>;
+    /// Measures a deployment before a start (declared resources, checkpoint headers).
+    fn measure<'a>(
+        &'a self,
+        spec: &'a InstanceSpec,
+    ) -> BoxFuture<'a, Result<Measurement, AgentError>>;
+    /// How the deployment would give back its memory now (the `Parkable` condition); errors
+    /// are the refusals (`capability_missing:deep_park`, a refused residency).
+    fn parkability<'a>(
+        &'a self,
+        spec: &'a InstanceSpec,
+    ) -> BoxFuture<'a, Result<ParkChoice, AgentError>>;
+    /// Starts an engine for `instance` and waits until it is ready and has its first answer.
+    fn start<'a>(
+        &'a self,
+        instance: &'a str,
+        spec: &'a InstanceSpec,
+    ) -> BoxFuture<'a, Result<StartedInstance, AgentError>>;
+    /// Parks (or, where it does not park, stops) an instance. Call it after the drain.
+    fn park<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<ParkResult, AgentError>>;
+    /// Wakes a parked instance and verifies it before anything is released.
+    fn wake<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<WakeReport, AgentError>>;
+    /// Stops an instance.
+    fn stop<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<(), AgentError>>;
+    /// The latest load sample; `None` when none is held.
+    fn sample(&self, instance: &str) -> Option<LoadSample>;
+    /// Adopts or stops engines a previous run left behind.
+    fn recover(&self) -> BoxFuture<'_, Result<RecoveryReport, AgentError>>;
+}
+
+/// One engine the agent drives.
+#[derive(Debug)]
+struct Instance {
+    spec: InstanceSpec,
+    endpoint: Endpoint,
+    parking: LaunchParking,
+    refusal: Option<&'static RefusalRow>,
+    /// Changing facts; a std mutex, never held across an `.await`.
+    state: Mutex<InstanceState>,
+    /// The latest sample, written by the sampler task.
+    sample: watch::Receiver<Option<LoadSample>>,
+    /// The sampler task; aborted when the instance goes.
+    sampler: JoinHandle<()>,
+}
+
+#[derive(Debug, Clone)]
+struct InstanceState {
+    record: PidRecord,
+    measurement: Measurement,
+}
+
+impl Instance {
+    fn state(&self) -> std::sync::MutexGuard<'_, InstanceState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Drop for Instance {
+    fn drop(&mut self) {
+        self.sampler.abort();
+    }
+}
+
+/// The in-process host agent: engines as child processes of this process.
+pub struct LocalHostAgent {
+    /// Read-only.
+    config: AgentConfig,
+    /// Read-only.
+    settings: HostSettings,
+    /// GPU inventory and footprints.
+    probe: Arc<dyn GpuProbe>,
+    /// Engine calls.
+    driver: Driver,
+    /// Engine processes and pid records.
+    runtime: ProcessRuntime,
+    /// Instances by ID; a std mutex, never held across an `.await`.
+    instances: Mutex<HashMap<String, Arc<Instance>>>,
+    /// Engine versions seen, by kind.
+    versions: Mutex<HashMap<EngineKind, String>>,
+}
+
+impl std::fmt::Debug for LocalHostAgent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalHostAgent")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, AgentError> + Send + 'static,
+) -> Result<T, AgentError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| AgentError::io("a blocking task failed", std::io::Error::other(e)))?
+}
+
+/// Waits up to `bound` for the engine to exit; its status when it did.
+async fn exited_within(exit: &mut ExitWatch, bound: Duration) -> Option<String> {
+    match tokio::time::timeout(bound, exit.wait_for(Option::is_some)).await {
+        Ok(Ok(status)) => status.clone(),
+        _ => None,
+    }
+}
+
+impl LocalHostAgent {
+    /// An agent with these settings and GPU probe; creates the data directory.
+    pub fn new(
+        config: AgentConfig,
+        settings: HostSettings,
+        probe: Arc<dyn GpuProbe>,
+    ) -> Result<Self, AgentError> {
+        Ok(Self {
+            runtime: ProcessRuntime::new(&config.data_dir)?,
+            driver: Driver::new(config.timeouts),
+            config,
+            settings,
+            probe,
+            instances: Mutex::new(HashMap::new()),
+            versions: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn instances(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Instance>>> {
+        self.instances
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn instance(&self, id: &str) -> Result<Arc<Instance>, AgentError> {
+        self.instances()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| AgentError::UnknownInstance {
+                instance: id.to_string(),
+            })
+    }
+
+    fn version_of(&self, kind: EngineKind) -> Option<String> {
+        self.settings.engine(kind).version.clone().or_else(|| {
+            self.versions
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get(&kind)
+                .cloned()
+        })
+    }
+
+    /// The pid of an instance's engine.
+    pub fn pid(&self, instance: &str) -> Option<u32> {
+        self.runtime.pid(instance)
+    }
+
+    /// The engine's endpoint of an instance.
+    pub fn endpoint(&self, instance: &str) -> Option<Endpoint> {
+        self.instances().get(instance).map(|i| i.endpoint.clone())
+    }
+
+    /// The tier an instance is parked in.
+    pub fn parked_tier(&self, instance: &str) -> Option<ParkTier> {
+        self.instances()
+            .get(instance)
+            .and_then(|i| i.state().record.parked)
+    }
+
+    /// Room in host RAM for one more copy: the `host_memory` override minus the copies of the
+    /// other parked instances, or `MemAvailable` (which already excludes them).
+    fn host_room(&self, inv: &Inventory, except: &str) -> u64 {
+        if !inv.host_memory.overridden {
+            return inv.host_memory.available_bytes;
+        }
+        let copies: u64 = self
+            .instances()
+            .iter()
+            .filter(|(id, _)| id.as_str() != except)
+            .filter_map(|(_, i)| {
+                let s = i.state();
+                (s.record.parked == Some(ParkTier::HostRam))
+                    .then(|| s.measurement.weights_bytes().unwrap_or(0))
+            })
+            .sum();
+        inv.host_memory.available_bytes.saturating_sub(copies)
+    }
+
+    async fn tier_input_parts(
+        &self,
+        spec: &InstanceSpec,
+    ) -> Result<(Inventory, Measurement, Option<&'static RefusalRow>), AgentError> {
+        let inv = inventory(&self.settings, self.probe.as_ref())?;
+        let s = spec.clone();
+        let (measurement, facts) =
+            blocking(move || Ok((measure_before_start(&s)?, ModelFacts::read(&s.model)))).await?;
+        let version = self.version_of(spec.engine);
+        let refusal = refusal_for(spec.engine, version.as_deref(), &facts, spec.speculative());
+        Ok((inv, measurement, refusal))
+    }
+
+    fn spawn_sampler(
+        &self,
+        endpoint: Endpoint,
+    ) -> (watch::Receiver<Option<LoadSample>>, JoinHandle<()>) {
+        let (tx, rx) = watch::channel(None);
+        let driver = self.driver.clone();
+        let every = self.config.sample_interval;
+        let task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let sampled_at_ms = now_ms();
+                let began = Instant::now();
+                let engine = driver
+                    .scrape(&endpoint, every.max(Duration::from_millis(200)))
+                    .await;
+                let sample = LoadSample {
+                    sampled_at_ms,
+                    took: began.elapsed(),
+                    engine,
+                };
+                if tx.send(Some(sample)).is_err() {
+                    return;
+                }
+            }
+        });
+        (rx, task)
+    }
+
+    fn register(
+        &self,
+        record: PidRecord,
+        refusal: Option<&'static RefusalRow>,
+        measurement: Measurement,
+    ) -> Arc<Instance> {
+        let endpoint = endpoint_of(&record.spec, record.port);
+        let (sample, sampler) = self.spawn_sampler(endpoint.clone());
+        let inst = Arc::new(Instance {
+            spec: record.spec.clone(),
+            endpoint,
+            parking: record.parking,
+            refusal,
+            state: Mutex::new(InstanceState {
+                record: record.clone(),
+                measurement,
+            }),
+            sample,
+            sampler,
+        });
+        self.instances()
+            .insert(record.instance.clone(), Arc::clone(&inst));
+        inst
+    }
+
+    fn save(&self, inst: &Instance, change: impl FnOnce(&mut PidRecord)) {
+        let record = {
+            let mut s = inst.state();
+            change(&mut s.record);
+            s.record.clone()
+        };
+        if let Err(e) = self.runtime.write_record(&record) {
+            tracing::warn!(instance = %record.instance, error = %e, "cannot update pid record");
+        }
+    }
+
+    async fn do_start(&self, id: &str, spec: &InstanceSpec) -> Result<StartedInstance, AgentError> {
+        if self.instances().contains_key(id) {
+            return Err(AgentError::WrongState {
+                instance: id.to_string(),
+                detail: "already running".into(),
+            });
+        }
+        let (inv, measurement, refusal) = self.tier_input_parts(spec).await?;
+        let input = TierInput {
+            engine: spec.engine,
+            residency: spec.residency,
+            speculative: spec.speculative(),
+            decision_model: spec.decision.is_some(),
+            unified_memory: inv.unified_memory(),
+            weights_bytes: measurement.weights_bytes(),
+            host_room: Some(self.host_room(&inv, id)),
+            refusal,
+            launched: None,
+        };
+        let parking = launch_parking(&input);
+        let port = free_port()?;
+        let launch = launch_command(spec, self.settings.engine(spec.engine), port, parking)?;
+        tracing::info!(instance = id, command = ?launch.argv(), "starting engine");
+        let (record, mut exit) =
+            self.runtime
+                .spawn(id, spec.engine, &launch, |pid, ticks, log| PidRecord {
+                    instance: id.to_string(),
+                    engine: spec.engine,
+                    pid,
+                    port,
+                    started_at_ms: now_ms(),
+                    start_ticks: ticks,
+                    command: launch.argv(),
+                    log,
+                    spec: spec.clone(),
+                    parking,
+                    first_answer: None,
+                    parked: None,
+                })?;
+        let endpoint = endpoint_of(spec, port);
+        let ready = tokio::select! {
+            r = self.driver.wait_ready(&endpoint, self.config.ready_timeout) => r,
+            status = exit.wait_for(Option::is_some) => Err(AgentError::EngineExited {
+                engine: spec.engine,
+                instance: id.to_string(),
+                status: status.ok().and_then(|s| s.clone()).unwrap_or_default(),
+            }),
+        };
+        let first = match ready {
+            Ok(()) => {
+                self.driver
+                    .check_answer(
+                        &endpoint,
+                        spec.decision.as_ref(),
+                        self.config.timeouts.check,
+                    )
+                    .await
+            }
+            Err(e) => Err(e),
+        };
+        let first = match first {
+            Ok(f) => f,
+            Err(e) => {
+                let _ = self.runtime.stop(id, self.config.stop_grace).await;
+                return Err(e);
+            }
+        };
+        let version = self.driver.version(&endpoint).await;
+        if let Some(v) = &version {
+            self.versions
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert(spec.engine, v.clone());
+        }
+        let reported = match spec.engine {
+            EngineKind::Sglang => self.driver.sglang_max_running(&endpoint).await,
+            _ => None,
+        };
+        let measurement = add_footprint(measurement, self.probe.as_ref(), record.pid);
+        let inst = self.register(record.clone(), refusal, measurement);
+        self.save(&inst, |r| r.first_answer = Some(first.clone()));
+        Ok(StartedInstance {
+            instance: id.to_string(),
+            pid: record.pid,
+            port,
+            base_url: endpoint.base_url.clone(),
+            version,
+            measurement,
+            first_answer: first,
+            max_running: max_running(&MaxRunningInput {
+                engine: spec.engine,
+                declared: spec.max_concurrent_requests,
+                extra_args: &spec.extra_args,
+                host_command: &self.settings.engine(spec.engine).command,
+                engine_reported: reported,
+                state_cache_limit: None,
+                sized_on_host: false,
+            }),
+            parking,
+        })
+    }
+
+    fn park_choice(
+        &self,
+        id: &str,
+        inst: &Instance,
+        inv: &Inventory,
+    ) -> Result<ParkChoice, AgentError> {
+        let measurement = inst.state().measurement;
+        choose_tier(&TierInput {
+            engine: inst.spec.engine,
+            residency: inst.spec.residency,
+            speculative: inst.spec.speculative(),
+            decision_model: inst.spec.decision.is_some(),
+            unified_memory: inv.unified_memory(),
+            weights_bytes: measurement.weights_bytes(),
+            host_room: Some(self.host_room(inv, id)),
+            refusal: inst.refusal,
+            launched: Some(inst.parking),
+        })
+    }
+
+    async fn do_park(&self, id: &str) -> Result<ParkResult, AgentError> {
+        let inst = self.instance(id)?;
+        if inst.state().record.parked.is_some() {
+            return Err(AgentError::WrongState {
+                instance: id.to_string(),
+                detail: "already parked".into(),
+            });
+        }
+        let inv = inventory(&self.settings, self.probe.as_ref())?;
+        match self.park_choice(id, &inst, &inv)? {
+            ParkChoice::Park(tier) if inst.parking.may_park => {
+                self.driver.park(&inst.endpoint, tier).await?;
+                self.save(&inst, |r| r.parked = Some(tier));
+                Ok(ParkResult::Parked { tier })
+            }
+            ParkChoice::Park(_) => {
+                self.do_stop(id).await?;
+                Ok(ParkResult::Stopped {
+                    reason: NoParkReason::NoRoomToPark,
+                })
+            }
+            ParkChoice::Stop(reason) => {
+                self.do_stop(id).await?;
+                Ok(ParkResult::Stopped { reason })
+            }
+        }
+    }
+
+    async fn do_wake(&self, id: &str) -> Result<WakeReport, AgentError> {
+        let inst = self.instance(id)?;
+        let (tier, first) = {
+            let s = inst.state();
+            (s.record.parked, s.record.first_answer.clone())
+        };
+        let Some(tier) = tier else {
+            return Err(AgentError::WrongState {
+                instance: id.to_string(),
+                detail: "not parked".into(),
+            });
+        };
+        let began = Instant::now();
+        let mut outcome = self
+            .driver
+            .wake_and_verify(
+                &inst.endpoint,
+                tier,
+                inst.spec.decision.as_ref(),
+                first.as_ref(),
+                self.config.wake_window,
+            )
+            .await;
+        if outcome != WakeOutcome::Pass
+            && let Some(status) = self.exited(id).await
+        {
+            outcome = WakeOutcome::EngineExited(format!(
+                "{}; the engine exited during the wake: {status}",
+                outcome.detail()
+            ));
+        }
+        if outcome == WakeOutcome::Pass {
+            self.save(&inst, |r| r.parked = None);
+        } else {
+            tracing::warn!(instance = id, outcome = ?outcome, "wake failed; stopping the instance");
+            let _ = self.do_stop(id).await;
+        }
+        Ok(WakeReport {
+            outcome,
+            took: began.elapsed(),
+        })
+    }
+
+    /// The exit status when the engine has exited (waiting briefly for it to be reaped).
+    async fn exited(&self, id: &str) -> Option<String> {
+        let mut exit = self.runtime.exit_watch(id)?;
+        exited_within(&mut exit, Duration::from_secs(2)).await
+    }
+
+    async fn do_stop(&self, id: &str) -> Result<(), AgentError> {
+        let known = self.instances().remove(id);
+        let stopped = self.runtime.stop(id, self.config.stop_grace).await;
+        match (known, stopped) {
+            (_, Ok(())) | (Some(_), Err(AgentError::UnknownInstance { .. })) => Ok(()),
+            (_, Err(e)) => Err(e),
+        }
+    }
+
+    async fn do_recover(&self) -> Result<RecoveryReport, AgentError> {
+        let driver = self.driver.clone();
+        let recovery = self
+            .runtime
+            .recover(
+                |record| {
+                    let driver = driver.clone();
+                    async move {
+                        let ep = endpoint_of(&record.spec, record.port);
+                        driver.health(&ep).await.is_ok()
+                    }
+                },
+                self.config.stop_grace,
+            )
+            .await?;
+        let mut report = RecoveryReport {
+            stopped: recovery.stopped.into_iter().map(|r| r.instance).collect(),
+            gone: recovery.gone.into_iter().map(|r| r.instance).collect(),
+            ..Default::default()
+        };
+        for record in recovery.adopted {
+            let (_, measurement, refusal) = self.tier_input_parts(&record.spec).await?;
+            let inst = self.register(record.clone(), refusal, measurement);
+            report.adopted.push(AdoptedInstance {
+                instance: record.instance.clone(),
+                spec: record.spec.clone(),
+                base_url: inst.endpoint.base_url.clone(),
+                pid: record.pid,
+                parked: record.parked,
+            });
+        }
+        Ok(report)
+    }
+
+    /// Stops every engine this agent runs (shutdown).
+    pub async fn stop_all(&self) {
+        self.instances().clear();
+        self.runtime.stop_all(self.config.stop_grace).await;
+    }
+}
+
+/// The endpoint of `spec`'s engine on `port`.
+pub fn endpoint_of(spec: &InstanceSpec, port: u16) -> Endpoint {
+    Endpoint {
+        engine: spec.engine,
+        base_url: format!("http://127.0.0.1:{port}"),
+        model_name: match spec.engine {
+            EngineKind::Tensorfold => spec.model.clone(),
+            EngineKind::Vllm | EngineKind::Sglang => spec.name.clone(),
+        },
+        model: spec.model.clone(),
+    }
+}
+
+impl HostAgent for LocalHostAgent {
+    fn inventory(&self) -> BoxFuture<'_, Result<Inventory, AgentError>> {
+        Box::pin(async move { inventory(&self.settings, self.probe.as_ref()) })
+    }
+
+    fn engines(&self) -> BoxFuture<'_, Vec<EngineInfo>> {
+        Box::pin(async move {
+            EngineKind::ALL
+                .iter()
+                .map(|k| engine_info(*k, self.version_of(*k)))
+                .collect()
+        })
+    }
+
+    fn measure<'a>(
+        &'a self,
+        spec: &'a InstanceSpec,
+    ) -> BoxFuture<'a, Result<Measurement, AgentError>> {
+        Box::pin(async move {
+            let s = spec.clone();
+            blocking(move || measure_before_start(&s)).await
+        })
+    }
+
+    fn parkability<'a>(
+        &'a self,
+        spec: &'a InstanceSpec,
+    ) -> BoxFuture<'a, Result<ParkChoice, AgentError>> {
+        Box::pin(async move {
+            let (inv, measurement, refusal) = self.tier_input_parts(spec).await?;
+            choose_tier(&TierInput {
+                engine: spec.engine,
+                residency: spec.residency,
+                speculative: spec.speculative(),
+                decision_model: spec.decision.is_some(),
+                unified_memory: inv.unified_memory(),
+                weights_bytes: measurement.weights_bytes(),
+                host_room: Some(self.host_room(&inv, "")),
+                refusal,
+                launched: None,
+            })
+        })
+    }
+
+    fn start<'a>(
+        &'a self,
+        instance: &'a str,
+        spec: &'a InstanceSpec,
+    ) -> BoxFuture<'a, Result<StartedInstance, AgentError>> {
+        Box::pin(self.do_start(instance, spec))
+    }
+
+    fn park<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<ParkResult, AgentError>> {
+        Box::pin(self.do_park(instance))
+    }
+
+    fn wake<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<WakeReport, AgentError>> {
+        Box::pin(self.do_wake(instance))
+    }
+
+    fn stop<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<(), AgentError>> {
+        Box::pin(self.do_stop(instance))
+    }
+
+    fn sample(&self, instance: &str) -> Option<LoadSample> {
+        let inst = self.instances().get(instance).cloned()?;
+        *inst.sample.borrow()
+    }
+
+    fn recover(&self) -> BoxFuture<'_, Result<RecoveryReport, AgentError>> {
+        Box::pin(self.do_recover())
+    }
+}

@@ -1,0 +1,532 @@
+//! Engine drivers: readiness, park and wake call sequences per engine and tier, the check
+//! prompt, load scrapes and what the engine says about itself. Every step has a timeout and
+//! fails with an error naming the engine, the step and the URL.
+//!
+//! Sequences (DESIGN 4.2):
+//! - vLLM host RAM: `POST /sleep?level=1`, confirm `GET /is_sleeping` true; wake `POST
+//!   /wake_up`, confirm false.
+//! - vLLM deep: `POST /sleep?level=2`, confirm; wake `POST /wake_up?tags=weights`, `POST
+//!   /collective_rpc {"method":"reload_weights"}`, `POST /wake_up?tags=kv_cache`, `POST
+//!   /reset_prefix_cache`, confirm false.
+//! - SGLang: `POST /pause_generation`, `POST /release_memory_occupation {"tags":[...]}`
+//!   (`["kv_cache"]` alone for KV-only, else weights, kv_cache and cuda_graph), confirm that
+//!   `GET /health` no longer answers 200; wake `POST /resume_memory_occupation` (same tags),
+//!   after a deep park `POST /update_weights_from_disk {"model_path": model}` and `POST
+//!   /flush_cache`, then `POST /continue_generation`, confirm `GET /health` 200.
+//!   NB: the reload runs before `continue_generation`, so the engine never generates on
+//!   dropped weights.
+//! - TensorFold does not park: it is stopped.
+
+use std::time::Duration;
+
+use capyctl_crds::EngineKind;
+use http::Method;
+use serde_json::{Value, json};
+use tokio::time::Instant;
+
+use crate::error::AgentError;
+use crate::http::{Call, EngineClient};
+use crate::load::{EngineLoad, parse_metrics};
+use crate::spec::DecisionSpec;
+use crate::tier::ParkTier;
+use crate::verify::{
+    FirstAnswer, WakeOutcome, check_request, compare_answers, completion_text,
+    decision_from_completion, decision_request, warm_up_request,
+};
+
+/// Where an engine answers and under which model name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    /// The engine.
+    pub engine: EngineKind,
+    /// `http://127.0.0.1:<port>`.
+    pub base_url: String,
+    /// The `model` requests name (the served model name; TensorFold: the model).
+    pub model_name: String,
+    /// The model argument (checkpoint path or hub name), for SGLang's reload.
+    pub model: String,
+}
+
+impl Endpoint {
+    /// The URL of `path` (which starts with `/`).
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base_url, path)
+    }
+}
+
+/// Timeouts of the driver's steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DriverTimeouts {
+    /// One quick call (health, is_sleeping, pause, flush, metrics).
+    pub step: Duration,
+    /// A park call (copying weights to host RAM takes time).
+    pub park: Duration,
+    /// A check or warm-up request.
+    pub check: Duration,
+}
+
+impl Default for DriverTimeouts {
+    fn default() -> Self {
+        Self {
+            step: Duration::from_secs(10),
+            park: Duration::from_secs(600),
+            check: Duration::from_secs(120),
+        }
+    }
+}
+
+/// Talks to engines over HTTP. Cheap to clone.
+#[derive(Debug, Clone, Default)]
+pub struct Driver {
+    client: EngineClient,
+    timeouts: DriverTimeouts,
+}
+
+const SGLANG_ALL_TAGS: [&str; 3] = ["weights", "kv_cache", "cuda_graph"];
+const SGLANG_KV_TAGS: [&str; 1] = ["kv_cache"];
+
+fn sglang_tags(tier: ParkTier) -> Value {
+    match tier {
+        ParkTier::KvOnly => json!({"tags": SGLANG_KV_TAGS}),
+        ParkTier::HostRam | ParkTier::Deep => json!({"tags": SGLANG_ALL_TAGS}),
+    }
+}
+
+impl Driver {
+    /// A driver with these timeouts.
+    pub fn new(timeouts: DriverTimeouts) -> Self {
+        Self {
+            client: EngineClient::new(),
+            timeouts,
+        }
+    }
+
+    /// The timeouts.
+    pub fn timeouts(&self) -> DriverTimeouts {
+        self.timeouts
+    }
+
+    fn call<'a>(&self, ep: &Endpoint, step: &'static str, url: &'a str, t: Duration) -> Call<'a> {
+        Call {
+            engine: ep.engine,
+            step,
+            url,
+            timeout: t,
+        }
+    }
+
+    async fn post(
+        &self,
+        ep: &Endpoint,
+        step: &'static str,
+        path: &str,
+        body: Option<Value>,
+        timeout: Duration,
+    ) -> Result<bytes::Bytes, AgentError> {
+        let url = ep.url(path);
+        self.client
+            .expect_ok(
+                self.call(ep, step, &url, timeout),
+                Method::POST,
+                body.as_ref(),
+            )
+            .await
+    }
+
+    /// `GET /health` once: the status, or the error.
+    pub async fn health(&self, ep: &Endpoint) -> Result<u16, AgentError> {
+        let url = ep.url("/health");
+        let call = self.call(ep, "health", &url, self.timeouts.step);
+        Ok(self.client.send(call, Method::GET, None).await?.0)
+    }
+
+    /// Polls `GET /health` every 100 ms until it answers 200, for at most `bound`.
+    pub async fn wait_ready(&self, ep: &Endpoint, bound: Duration) -> Result<(), AgentError> {
+        let deadline = Instant::now() + bound;
+        let mut last = String::from("no answer yet");
+        loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                return Err(AgentError::EngineTimeout {
+                    engine: ep.engine,
+                    step: "readiness (GET /health until 200)",
+                    url: format!("{} (last: {last})", ep.url("/health")),
+                    after: bound,
+                });
+            }
+            let url = ep.url("/health");
+            let call = self.call(ep, "health", &url, remaining.min(self.timeouts.step));
+            match self.client.send(call, Method::GET, None).await {
+                Ok((200, _)) => return Ok(()),
+                Ok((status, _)) => last = format!("status {status}"),
+                Err(e) => last = e.to_string(),
+            }
+            tokio::time::sleep(Duration::from_millis(100).min(remaining)).await;
+        }
+    }
+
+    /// vLLM `GET /is_sleeping`.
+    async fn vllm_is_sleeping(&self, ep: &Endpoint, timeout: Duration) -> Result<bool, AgentError> {
+        let url = ep.url("/is_sleeping");
+        let v = self
+            .client
+            .expect_json(
+                self.call(ep, "is_sleeping", &url, timeout),
+                Method::GET,
+                None,
+            )
+            .await?;
+        v.get("is_sleeping")
+            .and_then(Value::as_bool)
+            .ok_or_else(|| AgentError::EngineAnswer {
+                engine: ep.engine,
+                step: "is_sleeping",
+                url,
+                detail: format!("no boolean `is_sleeping` in {v}"),
+            })
+    }
+
+    async fn confirm_vllm(
+        &self,
+        ep: &Endpoint,
+        asleep: bool,
+        t: Duration,
+    ) -> Result<(), AgentError> {
+        let now = self.vllm_is_sleeping(ep, t).await?;
+        if now == asleep {
+            Ok(())
+        } else {
+            Err(AgentError::EngineAnswer {
+                engine: ep.engine,
+                step: if asleep {
+                    "confirm asleep"
+                } else {
+                    "confirm awake"
+                },
+                url: ep.url("/is_sleeping"),
+                detail: format!("is_sleeping is {now}, expected {asleep}"),
+            })
+        }
+    }
+
+    async fn confirm_sglang(
+        &self,
+        ep: &Endpoint,
+        asleep: bool,
+        t: Duration,
+    ) -> Result<(), AgentError> {
+        let url = ep.url("/health");
+        let step = if asleep {
+            "confirm asleep"
+        } else {
+            "confirm awake"
+        };
+        let (status, body) = self
+            .client
+            .send(self.call(ep, step, &url, t), Method::GET, None)
+            .await?;
+        if (status == 200) != asleep {
+            Ok(())
+        } else {
+            Err(AgentError::EngineAnswer {
+                engine: ep.engine,
+                step,
+                url,
+                detail: format!(
+                    "GET /health answered {status} ({}), expected {}",
+                    crate::http::excerpt(&body),
+                    if asleep { "anything but 200" } else { "200" }
+                ),
+            })
+        }
+    }
+
+    /// Parks the engine in `tier` and checks that it really is asleep. Call it only after the
+    /// drain (no request running).
+    pub async fn park(&self, ep: &Endpoint, tier: ParkTier) -> Result<(), AgentError> {
+        let (step, park) = (self.timeouts.step, self.timeouts.park);
+        match (ep.engine, tier) {
+            (EngineKind::Vllm, ParkTier::HostRam | ParkTier::Deep) => {
+                let level = if tier == ParkTier::HostRam { 1 } else { 2 };
+                self.post(ep, "sleep", &format!("/sleep?level={level}"), None, park)
+                    .await?;
+                self.confirm_vllm(ep, true, step).await
+            }
+            (EngineKind::Sglang, _) => {
+                self.post(ep, "pause_generation", "/pause_generation", None, step)
+                    .await?;
+                self.post(
+                    ep,
+                    "release_memory_occupation",
+                    "/release_memory_occupation",
+                    Some(sglang_tags(tier)),
+                    park,
+                )
+                .await?;
+                self.confirm_sglang(ep, true, step).await
+            }
+            (EngineKind::Vllm, ParkTier::KvOnly) => Err(AgentError::Unsupported {
+                engine: ep.engine,
+                what: "a KV-only park",
+            }),
+            (EngineKind::Tensorfold, _) => Err(AgentError::Unsupported {
+                engine: ep.engine,
+                what: "parking (it stops instead)",
+            }),
+        }
+    }
+
+    /// The wake calls of `tier`, each bounded by what is left until `deadline`, then the check
+    /// that the engine is awake. Does not run the check prompt.
+    pub async fn wake_steps(
+        &self,
+        ep: &Endpoint,
+        tier: ParkTier,
+        deadline: Instant,
+    ) -> Result<(), AgentError> {
+        let left = || deadline.saturating_duration_since(Instant::now());
+        let quick = || left().min(self.timeouts.step);
+        match (ep.engine, tier) {
+            (EngineKind::Vllm, ParkTier::HostRam) => {
+                self.post(ep, "wake_up", "/wake_up", None, left()).await?;
+                self.confirm_vllm(ep, false, quick()).await
+            }
+            (EngineKind::Vllm, ParkTier::Deep) => {
+                self.post(ep, "wake_up weights", "/wake_up?tags=weights", None, left())
+                    .await?;
+                self.post(
+                    ep,
+                    "reload_weights",
+                    "/collective_rpc",
+                    Some(json!({"method": "reload_weights"})),
+                    left(),
+                )
+                .await?;
+                self.post(
+                    ep,
+                    "wake_up kv_cache",
+                    "/wake_up?tags=kv_cache",
+                    None,
+                    left(),
+                )
+                .await?;
+                self.post(
+                    ep,
+                    "reset_prefix_cache",
+                    "/reset_prefix_cache",
+                    None,
+                    quick(),
+                )
+                .await?;
+                self.confirm_vllm(ep, false, quick()).await
+            }
+            (EngineKind::Sglang, _) => {
+                self.post(
+                    ep,
+                    "resume_memory_occupation",
+                    "/resume_memory_occupation",
+                    Some(sglang_tags(tier)),
+                    left(),
+                )
+                .await?;
+                if tier == ParkTier::Deep {
+                    let url = ep.url("/update_weights_from_disk");
+                    let answer = self
+                        .client
+                        .expect_json(
+                            self.call(ep, "update_weights_from_disk", &url, left()),
+                            Method::POST,
+                            Some(&json!({"model_path": ep.model})),
+                        )
+                        .await?;
+                    if answer.get("success").and_then(Value::as_bool) == Some(false) {
+                        return Err(AgentError::EngineAnswer {
+                            engine: ep.engine,
+                            step: "update_weights_from_disk",
+                            url,
+                            detail: format!("the reload failed: {answer}"),
+                        });
+                    }
+                    self.post(ep, "flush_cache", "/flush_cache", None, quick())
+                        .await?;
+                }
+                self.post(
+                    ep,
+                    "continue_generation",
+                    "/continue_generation",
+                    None,
+                    quick(),
+                )
+                .await?;
+                self.confirm_sglang(ep, false, quick()).await
+            }
+            (EngineKind::Vllm, ParkTier::KvOnly) | (EngineKind::Tensorfold, _) => {
+                Err(AgentError::Unsupported {
+                    engine: ep.engine,
+                    what: "this wake",
+                })
+            }
+        }
+    }
+
+    async fn completion(
+        &self,
+        ep: &Endpoint,
+        step: &'static str,
+        body: &Value,
+        timeout: Duration,
+    ) -> Result<Value, AgentError> {
+        let url = ep.url("/v1/completions");
+        self.client
+            .expect_json(self.call(ep, step, &url, timeout), Method::POST, Some(body))
+            .await
+    }
+
+    /// Asks the check prompt (or the fixed decision) and returns the answer.
+    pub async fn check_answer(
+        &self,
+        ep: &Endpoint,
+        decision: Option<&DecisionSpec>,
+        timeout: Duration,
+    ) -> Result<FirstAnswer, AgentError> {
+        match decision {
+            Some(d) => {
+                let answer = self
+                    .completion(
+                        ep,
+                        "decision check",
+                        &decision_request(&ep.model_name, d),
+                        timeout,
+                    )
+                    .await?;
+                Ok(FirstAnswer::Decision {
+                    answer: decision_from_completion(&d.options, &answer),
+                })
+            }
+            None => {
+                let answer = self
+                    .completion(ep, "check prompt", &check_request(&ep.model_name), timeout)
+                    .await?;
+                let text = completion_text(&answer).ok_or_else(|| AgentError::EngineAnswer {
+                    engine: ep.engine,
+                    step: "check prompt",
+                    url: ep.url("/v1/completions"),
+                    detail: format!("no choices[0].text in {answer}"),
+                })?;
+                Ok(FirstAnswer::Text {
+                    text: text.to_string(),
+                })
+            }
+        }
+    }
+
+    /// The one-token warm-up.
+    pub async fn warm_up(&self, ep: &Endpoint, timeout: Duration) -> Result<(), AgentError> {
+        self.completion(ep, "warm-up", &warm_up_request(&ep.model_name), timeout)
+            .await
+            .map(drop)
+    }
+
+    /// Scrapes `/metrics`; `None` when it cannot be read or holds none of the engine's figures.
+    pub async fn scrape(&self, ep: &Endpoint, timeout: Duration) -> Option<EngineLoad> {
+        let url = ep.url("/metrics");
+        let body = self
+            .client
+            .expect_ok(self.call(ep, "metrics", &url, timeout), Method::GET, None)
+            .await
+            .ok()?;
+        parse_metrics(ep.engine, &String::from_utf8_lossy(&body))
+    }
+
+    async fn get_json(&self, ep: &Endpoint, step: &'static str, path: &str) -> Option<Value> {
+        let url = ep.url(path);
+        self.client
+            .expect_json(
+                self.call(ep, step, &url, self.timeouts.step),
+                Method::GET,
+                None,
+            )
+            .await
+            .ok()
+    }
+
+    /// SGLang's own `max_running_requests` from `/server_info` (older: `/get_server_info`),
+    /// top level or in `internal_states[0]`.
+    pub async fn sglang_max_running(&self, ep: &Endpoint) -> Option<u32> {
+        let info = match self.get_json(ep, "server_info", "/server_info").await {
+            Some(v) => v,
+            None => {
+                self.get_json(ep, "get_server_info", "/get_server_info")
+                    .await?
+            }
+        };
+        info.get("max_running_requests")
+            .or_else(|| info.pointer("/internal_states/0/max_running_requests"))
+            .and_then(Value::as_u64)
+            .and_then(|n| u32::try_from(n).ok())
+    }
+
+    /// The engine's version: vLLM `GET /version`, SGLang `/server_info`'s `version`,
+    /// TensorFold `GET /version`.
+    pub async fn version(&self, ep: &Endpoint) -> Option<String> {
+        let v = match ep.engine {
+            EngineKind::Sglang => self.get_json(ep, "server_info", "/server_info").await?,
+            EngineKind::Vllm | EngineKind::Tensorfold => {
+                self.get_json(ep, "version", "/version").await?
+            }
+        };
+        v.get("version").and_then(Value::as_str).map(str::to_string)
+    }
+
+    /// Wakes a parked engine and verifies it: the wake steps of `tier`, then the check prompt
+    /// (or the fixed decision) compared with `first`, then the one-token warm-up, all within
+    /// `window`. A failed step is [`WakeOutcome::ReloadFailed`], a step or the whole running
+    /// past the window [`WakeOutcome::Uncertain`], a check that cannot be asked
+    /// [`WakeOutcome::Uncertain`], a different answer [`WakeOutcome::Mismatch`]. (Whether the
+    /// engine exited is for the caller, who owns the process, to add.)
+    pub async fn wake_and_verify(
+        &self,
+        ep: &Endpoint,
+        tier: ParkTier,
+        decision: Option<&DecisionSpec>,
+        first: Option<&FirstAnswer>,
+        window: Duration,
+    ) -> WakeOutcome {
+        let deadline = Instant::now() + window;
+        let uncertain = || {
+            WakeOutcome::Uncertain(format!(
+                "the wake did not finish within the wake window of {} ms",
+                window.as_millis()
+            ))
+        };
+        match tokio::time::timeout_at(deadline, self.wake_steps(ep, tier, deadline)).await {
+            Err(_) | Ok(Err(AgentError::EngineTimeout { .. })) => return uncertain(),
+            Ok(Err(e)) => return WakeOutcome::ReloadFailed(e.to_string()),
+            Ok(Ok(())) => {}
+        }
+        let check = async {
+            let left = || {
+                deadline
+                    .saturating_duration_since(Instant::now())
+                    .min(self.timeouts.check)
+            };
+            let now = self.check_answer(ep, decision, left()).await?;
+            self.warm_up(ep, left()).await?;
+            Ok::<_, AgentError>(now)
+        };
+        let now = match tokio::time::timeout_at(deadline, check).await {
+            Err(_) | Ok(Err(AgentError::EngineTimeout { .. })) => return uncertain(),
+            Ok(Err(e)) => {
+                return WakeOutcome::Uncertain(format!("the check after the wake failed: {e}"));
+            }
+            Ok(Ok(now)) => now,
+        };
+        let Some(first) = first else {
+            return WakeOutcome::Uncertain("no first answer was recorded to compare with".into());
+        };
+        match compare_answers(first, &now) {
+            Ok(()) => WakeOutcome::Pass,
+            Err(why) => WakeOutcome::Mismatch(why),
+        }
+    }
+}

@@ -1,0 +1,258 @@
+//! What the host has: GPUs (UUID, total and free memory, unified or discrete) and host RAM,
+//! each replaceable by the host document's `gpus` and `host_memory`.
+//!
+//! GPUs come from a [`GpuProbe`]: NVML with the `nvml` feature ([`NvmlProbe`]), none without
+//! ([`NoGpus`]). The same probe reads an engine's GPU footprint (per-process memory), which is
+//! the last source of a measurement.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::AgentError;
+use crate::spec::HostSettings;
+
+/// One GPU.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuInfo {
+    /// Its index on the host.
+    pub index: u32,
+    /// Its UUID, when known.
+    pub uuid: Option<String>,
+    /// Its name (`NVIDIA H200`), when known.
+    pub name: Option<String>,
+    /// Total memory in bytes.
+    pub total_bytes: u64,
+    /// Free memory in bytes, when known.
+    pub free_bytes: Option<u64>,
+    /// Memory shared with the host (models park deep).
+    pub unified: bool,
+}
+
+/// Host RAM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostMemory {
+    /// Total bytes (`MemTotal`, or the `host_memory` override).
+    pub total_bytes: u64,
+    /// Bytes free for new use (`MemAvailable`, or the override).
+    pub available_bytes: u64,
+    /// The figures come from the host document's `host_memory`.
+    pub overridden: bool,
+}
+
+/// What the host has.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Inventory {
+    /// The GPUs.
+    pub gpus: Vec<GpuInfo>,
+    /// The GPUs come from the host document's `gpus`.
+    pub gpus_overridden: bool,
+    /// Host RAM.
+    pub host_memory: HostMemory,
+}
+
+impl Inventory {
+    /// Whether the (first) GPU has unified memory; false without GPUs.
+    pub fn unified_memory(&self) -> bool {
+        self.gpus.first().is_some_and(|g| g.unified)
+    }
+}
+
+/// Reads GPUs and per-process GPU memory.
+pub trait GpuProbe: Send + Sync {
+    /// The GPUs of this host.
+    fn gpus(&self) -> Result<Vec<GpuInfo>, AgentError>;
+    /// GPU memory in bytes held by process `pid` over all GPUs; `None` when unknown.
+    fn process_gpu_memory(&self, pid: u32) -> Option<u64>;
+}
+
+/// A probe for hosts without NVML: no GPUs, no footprint (measurements from a first start
+/// stay "awaiting measurement").
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoGpus;
+
+impl GpuProbe for NoGpus {
+    fn gpus(&self) -> Result<Vec<GpuInfo>, AgentError> {
+        Ok(Vec::new())
+    }
+
+    fn process_gpu_memory(&self, _pid: u32) -> Option<u64> {
+        None
+    }
+}
+
+/// The default probe: NVML with the `nvml` feature when it initialises, else [`NoGpus`].
+pub fn default_probe() -> std::sync::Arc<dyn GpuProbe> {
+    #[cfg(feature = "nvml")]
+    {
+        match NvmlProbe::new() {
+            Ok(p) => return std::sync::Arc::new(p),
+            Err(e) => tracing::warn!(error = %e, "NVML unavailable; no GPU inventory"),
+        }
+    }
+    std::sync::Arc::new(NoGpus)
+}
+
+/// Parses `/proc/meminfo` text: (`MemTotal`, `MemAvailable`) in bytes.
+pub fn parse_meminfo(text: &str) -> Option<(u64, u64)> {
+    let field = |name: &str| -> Option<u64> {
+        let line = text.lines().find(|l| l.starts_with(name))?;
+        let rest = line.strip_prefix(name)?.trim_start_matches(':').trim();
+        let mut parts = rest.split_whitespace();
+        let n: u64 = parts.next()?.parse().ok()?;
+        match parts.next() {
+            Some("kB") => n.checked_mul(1024),
+            None => Some(n),
+            Some(_) => None,
+        }
+    };
+    Some((field("MemTotal")?, field("MemAvailable")?))
+}
+
+/// Host RAM from `/proc/meminfo`, or the `host_memory` override (then available = total).
+pub fn host_memory(settings: &HostSettings) -> Result<HostMemory, AgentError> {
+    if let Some(bytes) = settings.host_memory {
+        return Ok(HostMemory {
+            total_bytes: bytes,
+            available_bytes: bytes,
+            overridden: true,
+        });
+    }
+    let text = std::fs::read_to_string("/proc/meminfo")
+        .map_err(|e| AgentError::io("read /proc/meminfo", e))?;
+    let (total, available) = parse_meminfo(&text).ok_or_else(|| AgentError::Io {
+        what: "read /proc/meminfo".into(),
+        source: std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "no MemTotal / MemAvailable in kB",
+        ),
+    })?;
+    Ok(HostMemory {
+        total_bytes: total,
+        available_bytes: available,
+        overridden: false,
+    })
+}
+
+/// The inventory: the probe's GPUs unless the host document declares `gpus`, and host RAM.
+pub fn inventory(settings: &HostSettings, probe: &dyn GpuProbe) -> Result<Inventory, AgentError> {
+    let (gpus, gpus_overridden) = match &settings.gpus {
+        Some(declared) => (
+            declared
+                .iter()
+                .zip(0u32..)
+                .map(|(g, index)| GpuInfo {
+                    index,
+                    uuid: g.uuid.clone(),
+                    name: None,
+                    total_bytes: g.memory,
+                    free_bytes: None,
+                    unified: g.unified,
+                })
+                .collect(),
+            true,
+        ),
+        None => (probe.gpus()?, false),
+    };
+    Ok(Inventory {
+        gpus,
+        gpus_overridden,
+        host_memory: host_memory(settings)?,
+    })
+}
+
+/// GPU names of boards whose memory is the host's (NVML reports no framebuffer of their own).
+#[cfg(feature = "nvml")]
+const UNIFIED_BOARDS: [&str; 4] = ["GB10", "Orin", "Thor", "Jetson"];
+
+/// NVML: GPUs and per-process memory. Loads `libnvidia-ml` at run time.
+#[cfg(feature = "nvml")]
+pub struct NvmlProbe {
+    nvml: nvml_wrapper::Nvml,
+}
+
+#[cfg(feature = "nvml")]
+impl std::fmt::Debug for NvmlProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NvmlProbe")
+    }
+}
+
+#[cfg(feature = "nvml")]
+impl NvmlProbe {
+    /// Initialises NVML.
+    pub fn new() -> Result<Self, AgentError> {
+        let nvml = nvml_wrapper::Nvml::init().map_err(|source| AgentError::Nvml {
+            what: "init (is the NVIDIA driver installed?)".into(),
+            source,
+        })?;
+        Ok(Self { nvml })
+    }
+}
+
+#[cfg(feature = "nvml")]
+impl GpuProbe for NvmlProbe {
+    fn gpus(&self) -> Result<Vec<GpuInfo>, AgentError> {
+        use nvml_wrapper::error::NvmlError;
+        let nvml_err = |what: &str| {
+            let what = what.to_string();
+            move |source| AgentError::Nvml { what, source }
+        };
+        let count = self.nvml.device_count().map_err(nvml_err("device count"))?;
+        let mut gpus = Vec::new();
+        for index in 0..count {
+            let device = self
+                .nvml
+                .device_by_index(index)
+                .map_err(nvml_err("device by index"))?;
+            let name = device.name().ok();
+            let uuid = device.uuid().ok();
+            let board_unified = name
+                .as_deref()
+                .is_some_and(|n| UNIFIED_BOARDS.iter().any(|b| n.contains(b)));
+            let (total, free, unified) = match device.memory_info() {
+                Ok(m) => (m.total, Some(m.free), board_unified),
+                // Unified-memory boards have no framebuffer of their own.
+                Err(NvmlError::NotSupported) => {
+                    let host = std::fs::read_to_string("/proc/meminfo")
+                        .ok()
+                        .and_then(|t| parse_meminfo(&t));
+                    (host.map(|h| h.0).unwrap_or(0), host.map(|h| h.1), true)
+                }
+                Err(source) => {
+                    return Err(AgentError::Nvml {
+                        what: format!("memory info of GPU {index}"),
+                        source,
+                    });
+                }
+            };
+            gpus.push(GpuInfo {
+                index,
+                uuid,
+                name,
+                total_bytes: total,
+                free_bytes: free,
+                unified,
+            });
+        }
+        Ok(gpus)
+    }
+
+    fn process_gpu_memory(&self, pid: u32) -> Option<u64> {
+        use nvml_wrapper::enums::device::UsedGpuMemory;
+        let count = self.nvml.device_count().ok()?;
+        let mut total = None;
+        for index in 0..count {
+            let Ok(device) = self.nvml.device_by_index(index) else {
+                continue;
+            };
+            let Ok(processes) = device.running_compute_processes() else {
+                continue;
+            };
+            for p in processes.iter().filter(|p| p.pid == pid) {
+                if let UsedGpuMemory::Used(bytes) = p.used_gpu_memory {
+                    *total.get_or_insert(0u64) += bytes;
+                }
+            }
+        }
+        total
+    }
+}

@@ -1,0 +1,268 @@
+//! The engine's command line and environment (DESIGN 4.2), and what it will run at once
+//! (`max_running` of the load read), as pure functions.
+//!
+//! - vLLM: `<command> serve <model> --host 127.0.0.1 --port <p> --served-model-name <name>
+//!   [--enable-sleep-mode] --max-num-seqs N <extra_args>`, with `VLLM_SERVER_DEV_MODE=1` when it
+//!   may park. N is `max_concurrent_requests`, else CapyCTL's default 32 (the router's in-flight
+//!   bound), and is left out when `extra_args` or the host's command already set it.
+//! - SGLang: `<command> --model-path <model> --host 127.0.0.1 --port <p> --served-model-name
+//!   <name> --enable-metrics [--enable-memory-saver] [--enable-weights-cpu-backup]
+//!   [--max-running-requests N] <extra_args>`; without `max_concurrent_requests` SGLang sizes
+//!   itself and reports it in `/server_info`.
+//! - TensorFold: `<command> --model <model> --port <p> <extra_args>`; it has no flag for
+//!   `max_concurrent_requests`, so that is not passed and TensorFold runs its default 8.
+//!
+//! Environment: the host's `engines.<kind>.env`, then the deployment's `env`, then
+//! `VLLM_SERVER_DEV_MODE=1` where parking needs it (CapyCTL's own wins, or parking breaks).
+
+use std::collections::BTreeMap;
+
+use capyctl_crds::EngineKind;
+use serde::{Deserialize, Serialize};
+
+use crate::error::AgentError;
+use crate::spec::{EngineLaunch, InstanceSpec, flag_value, has_flag};
+use crate::tier::LaunchParking;
+
+/// CapyCTL's default of requests vLLM runs at once (the router's in-flight bound).
+pub const VLLM_DEFAULT_MAX_RUNNING: u32 = 32;
+/// TensorFold's own default of requests run at once.
+pub const TENSORFOLD_DEFAULT_MAX_RUNNING: u32 = 8;
+
+/// A process to start: program, arguments, extra environment.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LaunchCommand {
+    /// The program (the first word of the host's command).
+    pub program: String,
+    /// Its arguments.
+    pub args: Vec<String>,
+    /// Environment added to the agent's own.
+    pub env: BTreeMap<String, String>,
+}
+
+impl LaunchCommand {
+    /// Program and arguments, as `/proc/<pid>/cmdline` shows them.
+    pub fn argv(&self) -> Vec<String> {
+        std::iter::once(self.program.clone())
+            .chain(self.args.iter().cloned())
+            .collect()
+    }
+}
+
+/// The flag that sets how many requests `engine` runs at once.
+pub fn max_running_flag(engine: EngineKind) -> Option<&'static str> {
+    match engine {
+        EngineKind::Vllm => Some("--max-num-seqs"),
+        EngineKind::Sglang => Some("--max-running-requests"),
+        EngineKind::Tensorfold => None,
+    }
+}
+
+/// The engine's launch command for `spec` on loopback port `port`.
+///
+/// Refused: an empty host command, and `max_concurrent_requests` together with the engine's
+/// own flag in `extra_args` (the engine would take the last; say which one you mean).
+pub fn launch_command(
+    spec: &InstanceSpec,
+    engine: &EngineLaunch,
+    port: u16,
+    parking: LaunchParking,
+) -> Result<LaunchCommand, AgentError> {
+    let Some((program, leading)) = engine.command.split_first() else {
+        return Err(AgentError::InvalidSpec {
+            detail: format!("host.engines.{}.command is empty", spec.engine),
+        });
+    };
+    let flag = max_running_flag(spec.engine);
+    if let (Some(flag), Some(_)) = (flag, spec.max_concurrent_requests)
+        && has_flag(&spec.extra_args, flag)
+    {
+        return Err(AgentError::InvalidSpec {
+            detail: format!(
+                "deployment {}: max_concurrent_requests and {flag} in extra_args both set how many requests run at once; keep one",
+                spec.name
+            ),
+        });
+    }
+    let mut args: Vec<String> = leading.to_vec();
+    let mut push = |a: &str| args.push(a.to_string());
+    let port = port.to_string();
+    let mut env = engine.env.clone();
+    env.extend(spec.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+    let set_elsewhere = |flag: &str| has_flag(&spec.extra_args, flag) || has_flag(leading, flag);
+    match spec.engine {
+        EngineKind::Vllm => {
+            for a in ["serve", &spec.model, "--host", "127.0.0.1", "--port", &port] {
+                push(a);
+            }
+            push("--served-model-name");
+            push(&spec.name);
+            if parking.may_park {
+                push("--enable-sleep-mode");
+                env.insert("VLLM_SERVER_DEV_MODE".to_string(), "1".to_string());
+            }
+            match spec.max_concurrent_requests {
+                Some(n) => {
+                    push("--max-num-seqs");
+                    push(&n.to_string());
+                }
+                None if !set_elsewhere("--max-num-seqs") => {
+                    push("--max-num-seqs");
+                    push(&VLLM_DEFAULT_MAX_RUNNING.to_string());
+                }
+                None => {}
+            }
+        }
+        EngineKind::Sglang => {
+            for a in [
+                "--model-path",
+                &spec.model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &port,
+            ] {
+                push(a);
+            }
+            push("--served-model-name");
+            push(&spec.name);
+            push("--enable-metrics");
+            if parking.may_park {
+                push("--enable-memory-saver");
+                if parking.host_ram {
+                    push("--enable-weights-cpu-backup");
+                }
+            }
+            if let Some(n) = spec.max_concurrent_requests {
+                push("--max-running-requests");
+                push(&n.to_string());
+            }
+        }
+        EngineKind::Tensorfold => {
+            for a in ["--model", &spec.model, "--port", &port] {
+                push(a);
+            }
+        }
+    }
+    args.extend(spec.extra_args.iter().cloned());
+    Ok(LaunchCommand {
+        program: program.clone(),
+        args,
+        env,
+    })
+}
+
+/// Where a `max_running` figure comes from (product page, "Reading load").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MaxRunningSource {
+    /// The engine's own figure (SGLang's `/server_info`).
+    Engine,
+    /// `max_concurrent_requests`.
+    Declared,
+    /// CapyCTL's default: 32 for vLLM, 8 for TensorFold.
+    Default,
+    /// A hybrid model's state cache holds fewer.
+    StateCache,
+    /// The option is in the deployment's `extra_args`.
+    ExtraArgs,
+    /// The option is in the host's engine command.
+    HostFixed,
+    /// The engine chooses at start and has not said.
+    EngineDefault,
+    /// The host sizes it at launch (the server does not know yet).
+    OnHost,
+}
+
+/// How many requests an engine runs at once; `count` is `None` when not known.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MaxRunning {
+    /// The figure, when known.
+    pub count: Option<u32>,
+    /// Where it comes from.
+    pub source: MaxRunningSource,
+}
+
+/// What [`max_running`] decides from.
+#[derive(Debug, Clone, Copy)]
+pub struct MaxRunningInput<'a> {
+    /// The engine.
+    pub engine: EngineKind,
+    /// `max_concurrent_requests`.
+    pub declared: Option<u32>,
+    /// The deployment's `extra_args`.
+    pub extra_args: &'a [String],
+    /// The host's engine command (its leading arguments may fix the option).
+    pub host_command: &'a [String],
+    /// What the engine reported (SGLang `/server_info` `max_running_requests`).
+    pub engine_reported: Option<u32>,
+    /// A hybrid model's state-cache bound, when known and smaller.
+    pub state_cache_limit: Option<u32>,
+    /// The figure is decided by a remote host at launch and not known here.
+    pub sized_on_host: bool,
+}
+
+/// `max_running` {count, source}: the engine's figure first, then what CapyCTL passed or
+/// expects, in the order extra_args, host_fixed, declared, default / engine_default; a smaller
+/// state-cache bound wins over what was passed.
+pub fn max_running(input: &MaxRunningInput<'_>) -> MaxRunning {
+    use MaxRunningSource as S;
+    if let Some(n) = input.engine_reported {
+        return MaxRunning {
+            count: Some(n),
+            source: S::Engine,
+        };
+    }
+    if input.sized_on_host {
+        return MaxRunning {
+            count: None,
+            source: S::OnHost,
+        };
+    }
+    let flag = max_running_flag(input.engine);
+    let parse = |args: &[String]| -> Option<Option<u32>> {
+        let flag = flag?;
+        has_flag(args, flag).then(|| flag_value(args, flag).and_then(|v| v.parse().ok()))
+    };
+    let passed = if let Some(count) = parse(input.extra_args) {
+        MaxRunning {
+            count,
+            source: S::ExtraArgs,
+        }
+    } else if let Some(count) = parse(input.host_command) {
+        MaxRunning {
+            count,
+            source: S::HostFixed,
+        }
+    } else {
+        match (input.engine, input.declared) {
+            (EngineKind::Vllm | EngineKind::Sglang, Some(n)) => MaxRunning {
+                count: Some(n),
+                source: S::Declared,
+            },
+            (EngineKind::Vllm, None) => MaxRunning {
+                count: Some(VLLM_DEFAULT_MAX_RUNNING),
+                source: S::Default,
+            },
+            (EngineKind::Tensorfold, _) => MaxRunning {
+                count: Some(TENSORFOLD_DEFAULT_MAX_RUNNING),
+                source: S::Default,
+            },
+            (EngineKind::Sglang, None) => MaxRunning {
+                count: None,
+                source: S::EngineDefault,
+            },
+        }
+    };
+    match (input.state_cache_limit, passed.count) {
+        (Some(limit), Some(n)) if limit < n => MaxRunning {
+            count: Some(limit),
+            source: S::StateCache,
+        },
+        (Some(limit), None) => MaxRunning {
+            count: Some(limit),
+            source: S::StateCache,
+        },
+        _ => passed,
+    }
+}

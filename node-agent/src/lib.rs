@@ -1,0 +1,33 @@
+//! CapyCTL's host agent: everything that touches an engine or the host's hardware.
+//!
+//! - [`launch`]: the engine's command line and environment, and `max_running`;
+//! - [`tier`]: how a model parks (host RAM, deep, KV-only) or why it stops instead;
+//! - [`capability`]: the models an engine cannot wake correctly (`capability_missing:deep_park`)
+//!   and the `engine list` rows;
+//! - [`driver`]: readiness, park and wake sequences, the check prompt, load scrapes;
+//! - [`verify`]: the first answer, wake comparison and outcomes;
+//! - [`measure`], [`checkpoint`], [`inventory`]: weights and GPU memory, GPUs and host RAM;
+//! - [`load`]: load samples from the engines' metrics;
+//! - [`process`]: engines as child processes with pid records, adopted after a restart;
+//! - [`agent`]: the [`HostAgent`] trait the lifecycle calls and [`LocalHostAgent`].
+//!
+//! Pure decisions (launch arguments, tier, refusals, `max_running`, comparisons) are plain
+//! functions tested without processes; the rest is tested against the engine simulator.
+
+pub mod agent;
+pub mod capability;
+pub mod checkpoint;
+pub mod driver;
+pub mod error;
+pub mod http;
+pub mod inventory;
+pub mod launch;
+pub mod load;
+pub mod measure;
+pub mod process;
+pub mod spec;
+pub mod tier;
+pub mod verify;
+
+pub use agent::{AgentConfig, HostAgent, LocalHostAgent};
+pub use error::AgentError;

@@ -1,0 +1,124 @@
+//! Load samples: the engine's running and waiting requests and KV-cache use, read from its
+//! Prometheus `/metrics` about once a second. A figure the engine did not report is `None`,
+//! never zero; `engine` is `None` when the metrics could not be read at all.
+
+use std::time::Duration;
+
+use capyctl_crds::EngineKind;
+use serde::{Deserialize, Serialize};
+
+/// The metric names of one engine.
+#[derive(Debug, Clone, Copy)]
+pub struct MetricNames {
+    /// Requests running.
+    pub running: &'static [&'static str],
+    /// Requests waiting in the engine.
+    pub waiting: &'static [&'static str],
+    /// KV-cache use as a fraction 0..1.
+    pub kv_usage: &'static [&'static str],
+}
+
+/// The metric names `engine` exports (several where releases renamed them).
+pub fn metric_names(engine: EngineKind) -> MetricNames {
+    match engine {
+        EngineKind::Vllm => MetricNames {
+            running: &["vllm:num_requests_running"],
+            waiting: &["vllm:num_requests_waiting"],
+            kv_usage: &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
+        },
+        EngineKind::Sglang => MetricNames {
+            running: &["sglang:num_running_reqs"],
+            waiting: &["sglang:num_queue_reqs"],
+            kv_usage: &["sglang:token_usage"],
+        },
+        EngineKind::Tensorfold => MetricNames {
+            running: &[
+                "tensorfold_requests_running",
+                "tensorfold:num_requests_running",
+            ],
+            waiting: &[
+                "tensorfold_requests_waiting",
+                "tensorfold:num_requests_waiting",
+            ],
+            kv_usage: &[
+                "tensorfold_kv_cache_usage_ratio",
+                "tensorfold_kv_cache_usage",
+                "tensorfold:kv_cache_usage_perc",
+            ],
+        },
+    }
+}
+
+/// The engine's figures in one sample.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineLoad {
+    /// Requests running in the engine.
+    pub running: Option<u64>,
+    /// Requests waiting in the engine.
+    pub waiting: Option<u64>,
+    /// KV-cache use in parts per million.
+    pub kv_usage_ppm: Option<u32>,
+}
+
+/// One load sample of an instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadSample {
+    /// When the scrape began, in milliseconds since the Unix epoch.
+    pub sampled_at_ms: u64,
+    /// How long the scrape took.
+    pub took: Duration,
+    /// The figures; `None` when the metrics could not be read.
+    pub engine: Option<EngineLoad>,
+}
+
+/// Sums every sample of the metrics in `names` (all label sets); `None` when none is present.
+fn sum_of(text: &str, names: &[&str]) -> Option<f64> {
+    let mut total = None;
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let name_end = line
+            .find(|c: char| c == '{' || c.is_whitespace())
+            .unwrap_or(line.len());
+        let name = &line[..name_end];
+        if !names.contains(&name) {
+            continue;
+        }
+        let rest = &line[name_end..];
+        let rest = match rest.strip_prefix('{') {
+            Some(r) => match r.find('}') {
+                Some(i) => &r[i + 1..],
+                None => continue,
+            },
+            None => rest,
+        };
+        let Some(value) = rest
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+        else {
+            continue;
+        };
+        if value.is_finite() {
+            *total.get_or_insert(0.0) += value;
+        }
+    }
+    total
+}
+
+/// Reads one engine's load from its `/metrics` text; `None` when none of its figures is there.
+pub fn parse_metrics(engine: EngineKind, text: &str) -> Option<EngineLoad> {
+    let names = metric_names(engine);
+    let count = |v: f64| (v >= 0.0).then(|| v.round() as u64);
+    let load = EngineLoad {
+        running: sum_of(text, names.running).and_then(count),
+        waiting: sum_of(text, names.waiting).and_then(count),
+        kv_usage_ppm: sum_of(text, names.kv_usage)
+            .filter(|v| *v >= 0.0)
+            .map(|v| (v.min(1.0) * 1_000_000.0).round() as u32),
+    };
+    (load.running.is_some() || load.waiting.is_some() || load.kv_usage_ppm.is_some())
+        .then_some(load)
+}

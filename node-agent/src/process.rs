@@ -1,0 +1,433 @@
+//! Engines as child processes (standalone, and the node agent's `process` runtime).
+//!
+//! Each engine runs in its own process group on a free loopback port, its stdout and stderr
+//! appended to `<data dir>/engines/<instance>.log`. A pid record
+//! (`<data dir>/engines/<instance>.json`: pid, port, start time, command, and what the agent
+//! needs to go on) is written before [`ProcessRuntime::spawn`] returns and removed when the
+//! engine is stopped, so a restarted CapyCTL finds every engine it left behind:
+//! [`ProcessRuntime::recover`] adopts an engine whose process is alive, is the same process
+//! (same `/proc/<pid>/cmdline`, or the same start time when an engine rewrote its title) and
+//! answers HTTP on its port (any status: a parked SGLang answers `/health` with 503); it stops
+//! one that is alive but does not answer; it drops the record of one that is gone, or whose pid
+//! now belongs to another program (which it leaves alone).
+//!
+//! Stopping sends SIGTERM to the engine's process group (`kill -TERM -<pgid>`, so worker
+//! processes go too), waits for the grace period, then SIGKILLs the group. The `kill` command
+//! is used because the workspace forbids `unsafe` (no `libc::kill`).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use capyctl_crds::EngineKind;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use crate::error::AgentError;
+use crate::launch::LaunchCommand;
+use crate::spec::InstanceSpec;
+use crate::tier::{LaunchParking, ParkTier};
+use crate::verify::FirstAnswer;
+
+/// What the agent records about a running engine, in `<data dir>/engines/<instance>.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PidRecord {
+    /// The instance's ID.
+    pub instance: String,
+    /// The engine.
+    pub engine: EngineKind,
+    /// The engine's pid (also its process group).
+    pub pid: u32,
+    /// Its loopback port.
+    pub port: u16,
+    /// When it was started, milliseconds since the Unix epoch.
+    pub started_at_ms: u64,
+    /// The process's start time in clock ticks after boot (`/proc/<pid>/stat` field 22).
+    pub start_ticks: Option<u64>,
+    /// Program and arguments, as `/proc/<pid>/cmdline` shows them.
+    pub command: Vec<String>,
+    /// The log file.
+    pub log: PathBuf,
+    /// The deployment it runs.
+    pub spec: InstanceSpec,
+    /// How it was launched for parking.
+    pub parking: LaunchParking,
+    /// Its first answer, once recorded.
+    pub first_answer: Option<FirstAnswer>,
+    /// The tier it is parked in, while parked.
+    pub parked: Option<ParkTier>,
+}
+
+/// How an engine ended: `None` while it runs.
+pub type ExitWatch = watch::Receiver<Option<String>>;
+
+#[derive(Debug)]
+struct Tracked {
+    pid: u32,
+    exit: ExitWatch,
+}
+
+/// What [`ProcessRuntime::recover`] did with each record left behind.
+#[derive(Debug, Default)]
+pub struct Recovery {
+    /// Engines alive and answering: adopted, tracked as if started now.
+    pub adopted: Vec<PidRecord>,
+    /// Engines alive but not answering: stopped, record removed.
+    pub stopped: Vec<PidRecord>,
+    /// Engines gone (or pid reused by another program): record removed.
+    pub gone: Vec<PidRecord>,
+}
+
+/// Starts, tracks and stops engine processes. Shared state is one std mutex over the tracked
+/// processes, never held across an `.await`.
+#[derive(Debug)]
+pub struct ProcessRuntime {
+    /// `<data dir>/engines`. Read-only.
+    dir: PathBuf,
+    /// Engines started or adopted by this runtime, by instance.
+    tracked: Mutex<HashMap<String, Tracked>>,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+/// The fields after `(comm)` of `/proc/<pid>/stat`: index 0 is field 3 (state).
+fn stat_fields(pid: u32) -> Option<Vec<String>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after = &stat[stat.rfind(')')? + 1..];
+    Some(after.split_whitespace().map(str::to_string).collect())
+}
+
+/// Whether `pid` is a live process (not gone, not a zombie).
+pub fn alive(pid: u32) -> bool {
+    stat_fields(pid)
+        .and_then(|f| f.first().cloned())
+        .is_some_and(|state| state != "Z" && state != "X")
+}
+
+/// `pid`'s start time in clock ticks after boot.
+pub fn start_ticks(pid: u32) -> Option<u64> {
+    stat_fields(pid)?.get(19)?.parse().ok()
+}
+
+fn process_group(pid: u32) -> Option<u32> {
+    stat_fields(pid)?.get(2)?.parse().ok()
+}
+
+/// `pid`'s command line from `/proc/<pid>/cmdline`.
+pub fn cmdline(pid: u32) -> Option<Vec<String>> {
+    let raw = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let mut parts: Vec<String> = raw
+        .split(|b| *b == 0)
+        .map(|p| String::from_utf8_lossy(p).into_owned())
+        .collect();
+    if parts.last().is_some_and(String::is_empty) {
+        parts.pop();
+    }
+    Some(parts)
+}
+
+/// A free loopback port (bound and released; the engine binds it right after).
+pub fn free_port() -> Result<u16, AgentError> {
+    let listener = std::net::TcpListener::bind(("127.0.0.1", 0))
+        .map_err(|e| AgentError::io("find a free loopback port", e))?;
+    listener
+        .local_addr()
+        .map(|a| a.port())
+        .map_err(|e| AgentError::io("find a free loopback port", e))
+}
+
+/// Sends `signal` to `pid`'s process group when it leads one, else to `pid`.
+async fn signal(pid: u32, signal: &str) {
+    let target = if process_group(pid) == Some(pid) {
+        format!("-{pid}")
+    } else {
+        pid.to_string()
+    };
+    let result = tokio::process::Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg("--")
+        .arg(&target)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .await;
+    if let Err(e) = result {
+        tracing::warn!(pid, signal, error = %e, "cannot run kill");
+    }
+}
+
+/// Waits until `exit` reports an exit, for at most `bound`; true when it did.
+async fn wait_exit(exit: &mut ExitWatch, bound: Duration) -> bool {
+    tokio::time::timeout(bound, exit.wait_for(Option::is_some))
+        .await
+        .is_ok_and(|r| r.is_ok())
+}
+
+/// Polls a process that is not our child until it is gone.
+fn watch_foreign(pid: u32) -> ExitWatch {
+    let (tx, rx) = watch::channel(None);
+    tokio::spawn(async move {
+        while alive(pid) {
+            if tx.is_closed() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let _ = tx.send(Some("exited (adopted process)".to_string()));
+    });
+    rx
+}
+
+impl ProcessRuntime {
+    /// A runtime keeping its records and logs under `<data_dir>/engines`.
+    pub fn new(data_dir: &Path) -> Result<Self, AgentError> {
+        let dir = data_dir.join("engines");
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| AgentError::io(format!("create {}", dir.display()), e))?;
+        Ok(Self {
+            dir,
+            tracked: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Tracked>> {
+        self.tracked.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn record_path(&self, instance: &str) -> PathBuf {
+        self.dir.join(format!("{}.json", file_stem(instance)))
+    }
+
+    /// The log file of `instance`.
+    pub fn log_path(&self, instance: &str) -> PathBuf {
+        self.dir.join(format!("{}.log", file_stem(instance)))
+    }
+
+    /// Writes (atomically) the record of an engine.
+    pub fn write_record(&self, record: &PidRecord) -> Result<(), AgentError> {
+        let path = self.record_path(&record.instance);
+        let tmp = path.with_extension("json.tmp");
+        let text = serde_json::to_vec_pretty(record).map_err(|e| AgentError::Json {
+            what: format!("write {}", path.display()),
+            source: e,
+        })?;
+        std::fs::write(&tmp, text)
+            .and_then(|()| std::fs::rename(&tmp, &path))
+            .map_err(|e| AgentError::io(format!("write {}", path.display()), e))
+    }
+
+    fn remove_record(&self, instance: &str) {
+        let path = self.record_path(instance);
+        if let Err(e) = std::fs::remove_file(&path)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(path = %path.display(), error = %e, "cannot remove pid record");
+        }
+    }
+
+    /// Every record in the data directory (unreadable ones are reported and skipped).
+    pub fn records(&self) -> Result<Vec<PidRecord>, AgentError> {
+        let entries = std::fs::read_dir(&self.dir)
+            .map_err(|e| AgentError::io(format!("list {}", self.dir.display()), e))?;
+        let mut records = Vec::new();
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.extension().is_none_or(|x| x != "json") {
+                continue;
+            }
+            let parsed = std::fs::read(&path)
+                .map_err(|e| e.to_string())
+                .and_then(|b| serde_json::from_slice::<PidRecord>(&b).map_err(|e| e.to_string()));
+            match parsed {
+                Ok(r) => records.push(r),
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e, "skipping unreadable pid record")
+                }
+            }
+        }
+        records.sort_by(|a, b| a.instance.cmp(&b.instance));
+        Ok(records)
+    }
+
+    /// Starts `command` for `instance` (on the port it names) and writes its record. The record
+    /// is built by `record` from the pid, the start time and the log path.
+    pub fn spawn(
+        &self,
+        instance: &str,
+        engine: EngineKind,
+        command: &LaunchCommand,
+        record: impl FnOnce(u32, Option<u64>, PathBuf) -> PidRecord,
+    ) -> Result<(PidRecord, ExitWatch), AgentError> {
+        if self.lock().contains_key(instance) {
+            return Err(AgentError::WrongState {
+                instance: instance.to_string(),
+                detail: "an engine is already running for it".into(),
+            });
+        }
+        let log = self.log_path(instance);
+        let open = || {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&log)
+                .map_err(|e| AgentError::io(format!("open {}", log.display()), e))
+        };
+        let (stdout, stderr) = (open()?, open()?);
+        let mut cmd = tokio::process::Command::new(&command.program);
+        cmd.args(&command.args)
+            .envs(&command.env)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(stdout))
+            .stderr(Stdio::from(stderr))
+            .process_group(0)
+            .kill_on_drop(false);
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| AgentError::io(format!("start {} ({})", command.program, instance), e))?;
+        let Some(pid) = child.id() else {
+            return Err(AgentError::EngineExited {
+                engine,
+                instance: instance.to_string(),
+                status: "exited at once".into(),
+            });
+        };
+        let rec = record(pid, start_ticks(pid), log.clone());
+        let (tx, rx) = watch::channel(None);
+        tokio::spawn(async move {
+            let status = match child.wait().await {
+                Ok(s) => s.to_string(),
+                Err(e) => format!("unknown ({e})"),
+            };
+            let _ = tx.send(Some(status));
+        });
+        if let Err(e) = self.write_record(&rec) {
+            // Never leave an engine without a record.
+            let pid = rec.pid;
+            tokio::spawn(async move { signal(pid, "KILL").await });
+            return Err(e);
+        }
+        self.lock().insert(
+            instance.to_string(),
+            Tracked {
+                pid,
+                exit: rx.clone(),
+            },
+        );
+        Ok((rec, rx))
+    }
+
+    /// The exit watch of a tracked engine.
+    pub fn exit_watch(&self, instance: &str) -> Option<ExitWatch> {
+        self.lock().get(instance).map(|t| t.exit.clone())
+    }
+
+    /// The pid of a tracked engine.
+    pub fn pid(&self, instance: &str) -> Option<u32> {
+        self.lock().get(instance).map(|t| t.pid)
+    }
+
+    /// Stops `instance`'s engine: SIGTERM to its group, `grace`, then SIGKILL; removes its
+    /// record. An engine that already exited is only forgotten.
+    pub async fn stop(&self, instance: &str, grace: Duration) -> Result<(), AgentError> {
+        let Some(Tracked { pid, mut exit }) = self.lock().remove(instance) else {
+            self.remove_record(instance);
+            return Err(AgentError::UnknownInstance {
+                instance: instance.to_string(),
+            });
+        };
+        if exit.borrow().is_none() {
+            signal(pid, "TERM").await;
+            if !wait_exit(&mut exit, grace).await {
+                tracing::warn!(instance, pid, "engine ignored SIGTERM; killing it");
+            }
+            // Also reaps workers the engine left in its group.
+            signal(pid, "KILL").await;
+            if !wait_exit(&mut exit, Duration::from_secs(10)).await {
+                tracing::error!(instance, pid, "engine survived SIGKILL");
+            }
+        }
+        self.remove_record(instance);
+        Ok(())
+    }
+
+    /// Stops every tracked engine.
+    pub async fn stop_all(&self, grace: Duration) {
+        let instances: Vec<String> = self.lock().keys().cloned().collect();
+        for instance in instances {
+            let _ = self.stop(&instance, grace).await;
+        }
+    }
+
+    /// Adopts or stops what a previous run left behind (see the module doc). `answers(port)`
+    /// tells whether anything answers HTTP on the port.
+    pub async fn recover<F, Fut>(&self, answers: F, grace: Duration) -> Result<Recovery, AgentError>
+    where
+        F: Fn(PidRecord) -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        let mut recovery = Recovery::default();
+        for record in self.records()? {
+            if self.lock().contains_key(&record.instance) {
+                continue;
+            }
+            let pid = record.pid;
+            let same = alive(pid)
+                && (cmdline(pid).as_ref() == Some(&record.command)
+                    || (record.start_ticks.is_some() && start_ticks(pid) == record.start_ticks));
+            if !same {
+                self.remove_record(&record.instance);
+                recovery.gone.push(record);
+                continue;
+            }
+            let exit = watch_foreign(pid);
+            self.lock().insert(
+                record.instance.clone(),
+                Tracked {
+                    pid,
+                    exit: exit.clone(),
+                },
+            );
+            if answers(record.clone()).await {
+                recovery.adopted.push(record);
+            } else {
+                tracing::warn!(instance = %record.instance, pid, "left-behind engine does not answer; stopping it");
+                let _ = self.stop(&record.instance, grace).await;
+                recovery.stopped.push(record);
+            }
+        }
+        Ok(recovery)
+    }
+
+    /// Forgets an engine that exited by itself (its record is removed).
+    pub fn forget(&self, instance: &str) {
+        self.lock().remove(instance);
+        self.remove_record(instance);
+    }
+
+    /// Milliseconds since the Unix epoch (for records).
+    pub fn now_ms() -> u64 {
+        now_ms()
+    }
+}
+
+/// A file name for an instance ID: characters outside `[A-Za-z0-9._-]` become `_`.
+fn file_stem(instance: &str) -> String {
+    instance
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}

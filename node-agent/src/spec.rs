@@ -1,0 +1,199 @@
+//! What the agent is asked to run: a deployment's launch-relevant fields and the host's engine
+//! commands.
+//!
+//! NB: these are small local input types. `capyctl-crds` is growing the deployment document and
+//! the host settings; once they are exported, `From` conversions take their place here.
+
+use std::collections::BTreeMap;
+
+use capyctl_crds::{EngineKind, Residency};
+use serde::{Deserialize, Serialize};
+
+/// A decision model's fixed decision (`decision: {prompt, options}`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DecisionSpec {
+    /// The prompt the decision is asked with.
+    pub prompt: String,
+    /// The options the model picks from.
+    pub options: Vec<String>,
+}
+
+/// Resources declared in the deployment (`resources: {gpu_memory, weights_memory}`), in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeclaredResources {
+    /// GPU memory the engine holds while awake.
+    pub gpu_memory: Option<u64>,
+    /// Size of the weights (what a host-RAM park copies).
+    pub weights_memory: Option<u64>,
+}
+
+/// One deployment, as the host agent needs it to launch, park and check an instance.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InstanceSpec {
+    /// The deployment's ID (a ULID).
+    pub deployment_id: String,
+    /// The deployment's name: the model name clients send (`--served-model-name`).
+    pub name: String,
+    /// The engine.
+    pub engine: EngineKind,
+    /// The engine's model argument: a hub name or a local checkpoint path.
+    pub model: String,
+    /// `residency`, when set.
+    pub residency: Option<Residency>,
+    /// `max_concurrent_requests`, when set.
+    pub max_concurrent_requests: Option<u32>,
+    /// `extra_args`, appended after CapyCTL's arguments.
+    pub extra_args: Vec<String>,
+    /// `env`, added to the engine's environment.
+    pub env: BTreeMap<String, String>,
+    /// `resources`.
+    pub resources: DeclaredResources,
+    /// `decision`, for a decision model.
+    pub decision: Option<DecisionSpec>,
+}
+
+impl InstanceSpec {
+    /// A spec with only the required fields set.
+    pub fn new(
+        deployment_id: impl Into<String>,
+        name: impl Into<String>,
+        engine: EngineKind,
+        model: impl Into<String>,
+    ) -> Self {
+        Self {
+            deployment_id: deployment_id.into(),
+            name: name.into(),
+            engine,
+            model: model.into(),
+            residency: None,
+            max_concurrent_requests: None,
+            extra_args: Vec::new(),
+            env: BTreeMap::new(),
+            resources: DeclaredResources::default(),
+            decision: None,
+        }
+    }
+
+    /// Whether `extra_args` turns on SGLang's speculative decoding (`--speculative-algorithm`).
+    pub fn speculative(&self) -> bool {
+        self.engine == EngineKind::Sglang && has_flag(&self.extra_args, "--speculative-algorithm")
+    }
+}
+
+/// How to launch one engine kind (`host.engines.<kind>`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineLaunch {
+    /// Program and leading arguments; CapyCTL appends its own.
+    pub command: Vec<String>,
+    /// The engine's version when the operator declares it.
+    pub version: Option<String>,
+    /// Environment for every engine of this kind.
+    pub env: BTreeMap<String, String>,
+}
+
+impl EngineLaunch {
+    /// The default command of `kind` (DESIGN 4.2): `vllm`, `python3 -m sglang.launch_server`,
+    /// `tensorfold serve`.
+    pub fn default_for(kind: EngineKind) -> Self {
+        let command: &[&str] = match kind {
+            EngineKind::Vllm => &["vllm"],
+            EngineKind::Sglang => &["python3", "-m", "sglang.launch_server"],
+            EngineKind::Tensorfold => &["tensorfold", "serve"],
+        };
+        Self {
+            command: command.iter().map(|s| (*s).to_string()).collect(),
+            version: None,
+            env: BTreeMap::new(),
+        }
+    }
+}
+
+/// A GPU declared in the host document, replacing what NVML reports.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuOverride {
+    /// Memory in bytes.
+    pub memory: u64,
+    /// Unified memory (shared with the host).
+    pub unified: bool,
+    /// The GPU's UUID, when known.
+    pub uuid: Option<String>,
+}
+
+/// The host settings the agent reads.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostSettings {
+    /// vLLM's launch command.
+    pub vllm: EngineLaunch,
+    /// SGLang's launch command.
+    pub sglang: EngineLaunch,
+    /// TensorFold's launch command.
+    pub tensorfold: EngineLaunch,
+    /// GPUs replacing what NVML reports (`host.gpus`).
+    pub gpus: Option<Vec<GpuOverride>>,
+    /// Host memory in bytes replacing `/proc/meminfo` (`host.host_memory`).
+    pub host_memory: Option<u64>,
+}
+
+impl HostSettings {
+    /// The launch command of `kind`.
+    pub fn engine(&self, kind: EngineKind) -> &EngineLaunch {
+        match kind {
+            EngineKind::Vllm => &self.vllm,
+            EngineKind::Sglang => &self.sglang,
+            EngineKind::Tensorfold => &self.tensorfold,
+        }
+    }
+
+    /// Every engine launched with the same command (tests point all three at the simulator).
+    pub fn all_engines(command: Vec<String>) -> Self {
+        let launch = EngineLaunch {
+            command,
+            version: None,
+            env: BTreeMap::new(),
+        };
+        Self {
+            vllm: launch.clone(),
+            sglang: launch.clone(),
+            tensorfold: launch,
+            gpus: None,
+            host_memory: None,
+        }
+    }
+}
+
+impl Default for HostSettings {
+    fn default() -> Self {
+        Self {
+            vllm: EngineLaunch::default_for(EngineKind::Vllm),
+            sglang: EngineLaunch::default_for(EngineKind::Sglang),
+            tensorfold: EngineLaunch::default_for(EngineKind::Tensorfold),
+            gpus: None,
+            host_memory: None,
+        }
+    }
+}
+
+/// Whether `args` holds `flag`, alone or as `flag=value`.
+pub fn has_flag(args: &[String], flag: &str) -> bool {
+    flag_value(args, flag).is_some() || args.iter().any(|a| a == flag)
+}
+
+/// The value of `flag` in `args` (`flag value` or `flag=value`); the last one wins, as in the
+/// engines' argument parsers.
+pub fn flag_value<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
+    let mut found = None;
+    let mut i = 0;
+    while i < args.len() {
+        let a = &args[i];
+        if a == flag {
+            if let Some(v) = args.get(i + 1) {
+                found = Some(v.as_str());
+                i += 1;
+            }
+        } else if let Some(v) = a.strip_prefix(flag).and_then(|r| r.strip_prefix('=')) {
+            found = Some(v);
+        }
+        i += 1;
+    }
+    found
+}

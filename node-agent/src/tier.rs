@@ -1,0 +1,190 @@
+//! How a model parks: the tier choice of the product page, as pure functions.
+//!
+//! - discrete card → host RAM ([`ParkTier::HostRam`]); deep when the copy does not fit in the
+//!   room left in host RAM (free host memory minus the other parked copies);
+//! - unified memory → deep;
+//! - SGLang with `--speculative-algorithm` → KV cache only ([`ParkTier::KvOnly`]); `residency:
+//!   host_backed` is refused for it;
+//! - `residency` chooses: `host_backed` (discrete cards only; refused on unified memory),
+//!   `deep`, `restart_only` (never parks);
+//! - TensorFold never parks; decision models restart instead of parking in this release;
+//! - models of the refusal table are refused (`capability_missing:deep_park`).
+//!
+//! NB (SGLang): a host-RAM park needs `--enable-weights-cpu-backup` at launch, and with it SGLang
+//! always copies released weights to host RAM. So SGLang's tier is fixed at launch
+//! ([`LaunchParking`]): launched with the backup it parks in host RAM, and when the copy no
+//! longer fits at park time it is stopped (no room to park) rather than parked deep; launched
+//! without it, it parks deep. vLLM chooses its sleep level at every park.
+
+use capyctl_crds::{EngineKind, Residency};
+use serde::{Deserialize, Serialize};
+
+use crate::capability::RefusalRow;
+use crate::error::AgentError;
+
+/// Where a parked model's memory goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ParkTier {
+    /// Weights copied to host RAM; a wake copies them back (vLLM level 1, SGLang with CPU backup).
+    HostRam,
+    /// Weights dropped; a wake reloads them from disk (vLLM level 2, SGLang without backup).
+    Deep,
+    /// Only the KV cache is given back; the weights stay in GPU memory and a wake reloads
+    /// nothing (SGLang with speculative decoding).
+    KvOnly,
+}
+
+/// Why a model is stopped instead of parked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NoParkReason {
+    /// `residency: restart_only`.
+    RestartOnly,
+    /// TensorFold does not park.
+    EngineDoesNotPark,
+    /// Decision models restart instead of parking in this release.
+    DecisionModel,
+    /// The copy does not fit in host RAM and the model cannot park deep
+    /// (`released: stopped (no room to park)`).
+    NoRoomToPark,
+}
+
+impl NoParkReason {
+    /// The words for a receipt or an event.
+    pub fn describe(self) -> &'static str {
+        match self {
+            NoParkReason::RestartOnly => "residency: restart_only",
+            NoParkReason::EngineDoesNotPark => "TensorFold does not park",
+            NoParkReason::DecisionModel => "decision models restart instead of parking",
+            NoParkReason::NoRoomToPark => "no room to park",
+        }
+    }
+}
+
+/// What happens to a model that must give back its GPU memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ParkChoice {
+    /// It parks in this tier.
+    Park(ParkTier),
+    /// It is stopped.
+    Stop(NoParkReason),
+}
+
+/// What the engine was launched able to do (SGLang's flags are fixed at launch).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct LaunchParking {
+    /// It may park at all: vLLM `--enable-sleep-mode` (+ `VLLM_SERVER_DEV_MODE=1`), SGLang
+    /// `--enable-memory-saver`.
+    pub may_park: bool,
+    /// SGLang `--enable-weights-cpu-backup`: a host-RAM park is possible.
+    pub host_ram: bool,
+}
+
+/// Everything the tier choice depends on.
+#[derive(Debug, Clone, Copy)]
+pub struct TierInput {
+    /// The engine.
+    pub engine: EngineKind,
+    /// The deployment's `residency`.
+    pub residency: Option<Residency>,
+    /// SGLang with `--speculative-algorithm` in `extra_args`.
+    pub speculative: bool,
+    /// A decision model (`decision:` set).
+    pub decision_model: bool,
+    /// The GPU shares memory with the host.
+    pub unified_memory: bool,
+    /// Size of the weights (the copy a host-RAM park makes); unknown = does not fit.
+    pub weights_bytes: Option<u64>,
+    /// Room in host RAM for the copy: free host memory minus the other parked copies.
+    pub host_room: Option<u64>,
+    /// The refusal table's row for this model, if any (see [`crate::capability::refusal_for`]).
+    pub refusal: Option<&'static RefusalRow>,
+    /// How the engine was launched; `None` before launch.
+    pub launched: Option<LaunchParking>,
+}
+
+/// The tier choice (see the module doc). Errors: `residency` refused, or
+/// `capability_missing:deep_park`.
+pub fn choose_tier(input: &TierInput) -> Result<ParkChoice, AgentError> {
+    use ParkChoice::{Park, Stop};
+    if input.residency == Some(Residency::RestartOnly) {
+        return Ok(Stop(NoParkReason::RestartOnly));
+    }
+    if input.engine == EngineKind::Tensorfold {
+        return Ok(Stop(NoParkReason::EngineDoesNotPark));
+    }
+    if input.decision_model {
+        return Ok(Stop(NoParkReason::DecisionModel));
+    }
+    let speculative = input.speculative && input.engine == EngineKind::Sglang;
+    if input.residency == Some(Residency::HostBacked) {
+        if speculative {
+            return Err(AgentError::ResidencyRefused {
+                reason: "residency: host_backed is refused for SGLang with speculative decoding \
+                         (--speculative-algorithm): it parks with its weights in memory"
+                    .to_string(),
+            });
+        }
+        if input.unified_memory {
+            return Err(AgentError::ResidencyRefused {
+                reason: "residency: host_backed needs a discrete card; this GPU has unified memory"
+                    .to_string(),
+            });
+        }
+    }
+    if let Some(row) = input.refusal {
+        return Err(AgentError::CapabilityMissing { reason: row.reason });
+    }
+    if speculative {
+        return Ok(Park(ParkTier::KvOnly));
+    }
+    if input.residency == Some(Residency::Deep) || input.unified_memory {
+        return Ok(match input.launched {
+            // SGLang with the backup always copies: it cannot park deep.
+            Some(l) if input.engine == EngineKind::Sglang && l.host_ram => {
+                Stop(NoParkReason::NoRoomToPark)
+            }
+            _ => Park(ParkTier::Deep),
+        });
+    }
+    let fits = matches!((input.weights_bytes, input.host_room), (Some(w), Some(room)) if w <= room);
+    let sglang_backup = match input.launched {
+        Some(l) if input.engine == EngineKind::Sglang => Some(l.host_ram),
+        _ => None,
+    };
+    Ok(match (fits, input.residency, sglang_backup) {
+        (true, _, None | Some(true)) => Park(ParkTier::HostRam),
+        // Launched without the backup: its weights can only be dropped.
+        (_, Some(Residency::HostBacked), Some(false)) => Stop(NoParkReason::NoRoomToPark),
+        (_, _, Some(false)) => Park(ParkTier::Deep),
+        (false, Some(Residency::HostBacked), _) => Stop(NoParkReason::NoRoomToPark),
+        (false, _, Some(true)) => Stop(NoParkReason::NoRoomToPark),
+        (false, _, None) => Park(ParkTier::Deep),
+    })
+}
+
+/// How to launch the engine so that the tier chosen now is possible: whether it may park, and
+/// (SGLang) whether to keep a CPU backup of the weights. A refused residency or a refusal-table
+/// model launches unable to park; parking it is then refused with the error of
+/// [`choose_tier`].
+pub fn launch_parking(input: &TierInput) -> LaunchParking {
+    let before_launch = TierInput {
+        launched: None,
+        ..*input
+    };
+    match choose_tier(&before_launch) {
+        Ok(ParkChoice::Park(tier)) => LaunchParking {
+            may_park: true,
+            host_ram: tier == ParkTier::HostRam,
+        },
+        // `host_backed` without room now: it may still park once room appears (vLLM); SGLang's
+        // backup is launched anyway so that `host_backed` is honoured when room appears.
+        Ok(ParkChoice::Stop(NoParkReason::NoRoomToPark)) => LaunchParking {
+            may_park: true,
+            host_ram: true,
+        },
+        Ok(ParkChoice::Stop(_)) | Err(_) => LaunchParking::default(),
+    }
+}

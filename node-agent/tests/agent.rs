@@ -1,0 +1,300 @@
+//! The local host agent with the real `engine-sim` binary as child processes: start, sample,
+//! park, wake, stop, an engine crash during a wake, tiers from the host's memory, and crash
+//! recovery (adopt a live engine, clean the record of a dead one).
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use capyctl_crds::EngineKind;
+use capyctl_crds::Residency;
+use capyctl_node_agent::agent::{AgentConfig, ParkResult};
+use capyctl_node_agent::inventory::NoGpus;
+use capyctl_node_agent::launch::MaxRunningSource;
+use capyctl_node_agent::process::{ProcessRuntime, alive};
+use capyctl_node_agent::spec::{DecisionSpec, GpuOverride, HostSettings, InstanceSpec};
+use capyctl_node_agent::tier::{NoParkReason, ParkTier};
+use capyctl_node_agent::verify::WakeOutcome;
+use capyctl_node_agent::{HostAgent, LocalHostAgent};
+
+const MIB: u64 = 1024 * 1024;
+
+fn settings(host_memory: u64, unified: bool) -> HostSettings {
+    let bin = common::engine_sim_binary();
+    let mut s = HostSettings::all_engines(vec![bin.to_string_lossy().into_owned()]);
+    s.gpus = Some(vec![GpuOverride {
+        memory: 80 * 1024 * MIB,
+        unified,
+        uuid: None,
+    }]);
+    s.host_memory = Some(host_memory);
+    s
+}
+
+fn agent(dir: &std::path::Path, host_memory: u64, unified: bool) -> LocalHostAgent {
+    let mut config = AgentConfig::new(dir);
+    config.ready_timeout = Duration::from_secs(20);
+    config.wake_window = Duration::from_secs(20);
+    config.stop_grace = Duration::from_secs(5);
+    config.sample_interval = Duration::from_millis(100);
+    LocalHostAgent::new(config, settings(host_memory, unified), Arc::new(NoGpus)).unwrap()
+}
+
+fn spec(engine: EngineKind, faults: &str) -> InstanceSpec {
+    let mut s = InstanceSpec::new("01KAGENT", "chat-a", engine, "Qwen3-4B");
+    s.env
+        .insert("ENGINE_SIM_WEIGHTS_BYTES".into(), "64MiB".into());
+    if !faults.is_empty() {
+        s.env.insert("ENGINE_SIM_FAULTS".into(), faults.into());
+    }
+    s.resources.weights_memory = Some(64 * MIB);
+    s
+}
+
+async fn sample_arrives(agent: &LocalHostAgent, id: &str) -> capyctl_node_agent::load::LoadSample {
+    for _ in 0..100 {
+        if let Some(s) = agent.sample(id) {
+            return s;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("no load sample for {id}");
+}
+
+#[tokio::test]
+async fn start_sample_park_wake_stop() {
+    let dir = common::temp_dir("cycle");
+    let a = agent(&dir, 1024 * MIB, false);
+    let started = a
+        .start("i-vllm", &spec(EngineKind::Vllm, ""))
+        .await
+        .unwrap();
+    assert_eq!(started.max_running.count, Some(32));
+    assert_eq!(started.max_running.source, MaxRunningSource::Default);
+    assert_eq!(started.version.as_deref(), Some("0.31.0"));
+    assert!(started.parking.may_park);
+    let sample = sample_arrives(&a, "i-vllm").await;
+    assert_eq!(sample.engine.unwrap().running, Some(0));
+
+    assert_eq!(
+        a.park("i-vllm").await.unwrap(),
+        ParkResult::Parked {
+            tier: ParkTier::HostRam
+        }
+    );
+    let report = a.wake("i-vllm").await.unwrap();
+    assert_eq!(report.outcome, WakeOutcome::Pass);
+    report.into_result().unwrap();
+
+    let pid = started.pid;
+    a.stop("i-vllm").await.unwrap();
+    assert!(!alive(pid));
+    assert!(
+        ProcessRuntime::new(&dir)
+            .unwrap()
+            .records()
+            .unwrap()
+            .is_empty()
+    );
+    assert!(a.sample("i-vllm").is_none());
+
+    let engines = a.engines().await;
+    let vllm = engines
+        .iter()
+        .find(|e| e.engine == EngineKind::Vllm)
+        .unwrap();
+    assert_eq!(vllm.version.as_deref(), Some("0.31.0"));
+    assert_eq!(vllm.deep_park.to_string(), "enabled");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn tiers_follow_the_host() {
+    let dir = common::temp_dir("tiers");
+    // No room for a 64 MiB copy: vLLM parks deep; SGLang launches without the CPU backup.
+    let small = agent(&dir, 16 * MIB, false);
+    small.start("v", &spec(EngineKind::Vllm, "")).await.unwrap();
+    assert_eq!(
+        small.park("v").await.unwrap(),
+        ParkResult::Parked {
+            tier: ParkTier::Deep
+        }
+    );
+    assert_eq!(small.wake("v").await.unwrap().outcome, WakeOutcome::Pass);
+    let sg = small
+        .start("s", &spec(EngineKind::Sglang, ""))
+        .await
+        .unwrap();
+    assert!(!sg.parking.host_ram);
+    assert_eq!(sg.max_running.source, MaxRunningSource::Engine);
+    assert_eq!(
+        small.park("s").await.unwrap(),
+        ParkResult::Parked {
+            tier: ParkTier::Deep
+        }
+    );
+    assert_eq!(small.wake("s").await.unwrap().outcome, WakeOutcome::Pass);
+    // TensorFold, restart_only and decision models stop.
+    small
+        .start("t", &spec(EngineKind::Tensorfold, ""))
+        .await
+        .unwrap();
+    assert_eq!(
+        small.park("t").await.unwrap(),
+        ParkResult::Stopped {
+            reason: NoParkReason::EngineDoesNotPark
+        }
+    );
+    let mut ro = spec(EngineKind::Vllm, "");
+    ro.residency = Some(Residency::RestartOnly);
+    small.start("r", &ro).await.unwrap();
+    assert_eq!(
+        small.park("r").await.unwrap(),
+        ParkResult::Stopped {
+            reason: NoParkReason::RestartOnly
+        }
+    );
+    let mut dm = spec(EngineKind::Vllm, "");
+    dm.decision = Some(DecisionSpec {
+        prompt: "Is the sky blue?".into(),
+        options: vec!["yes".into(), "no".into()],
+    });
+    small.start("d", &dm).await.unwrap();
+    assert_eq!(
+        small.park("d").await.unwrap(),
+        ParkResult::Stopped {
+            reason: NoParkReason::DecisionModel
+        }
+    );
+    small.stop_all().await;
+
+    // Unified memory: deep.
+    let unified = agent(&dir, 1024 * MIB, true);
+    unified
+        .start("u", &spec(EngineKind::Sglang, ""))
+        .await
+        .unwrap();
+    assert_eq!(
+        unified.park("u").await.unwrap(),
+        ParkResult::Parked {
+            tier: ParkTier::Deep
+        }
+    );
+    unified.stop_all().await;
+
+    // A refusal-table model: parking refused with capability_missing:deep_park.
+    let roomy = agent(&dir, 1024 * MIB, false);
+    let mut gpt = spec(EngineKind::Vllm, "");
+    gpt.model = "openai/gpt-oss-20b".into();
+    let err = roomy.parkability(&gpt).await.unwrap_err();
+    assert_eq!(
+        err.to_api_error("01KAGENT").unwrap().code(),
+        "capability_missing:deep_park"
+    );
+    roomy.start("g", &gpt).await.unwrap();
+    assert!(roomy.park("g").await.is_err());
+    roomy.stop_all().await;
+    assert!(
+        ProcessRuntime::new(&dir)
+            .unwrap()
+            .records()
+            .unwrap()
+            .is_empty()
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn an_engine_crash_during_a_wake_fails_the_wake() {
+    let dir = common::temp_dir("crash");
+    let a = agent(&dir, 1024 * MIB, false);
+    let started = a
+        .start("c", &spec(EngineKind::Vllm, "crash_on_wake"))
+        .await
+        .unwrap();
+    assert_eq!(
+        a.park("c").await.unwrap(),
+        ParkResult::Parked {
+            tier: ParkTier::HostRam
+        }
+    );
+    let report = a.wake("c").await.unwrap();
+    assert!(
+        matches!(report.outcome, WakeOutcome::EngineExited(_)),
+        "{:?}",
+        report.outcome
+    );
+    assert_eq!(
+        report.into_result().unwrap_err().metric_label(),
+        "wake_reload_failed"
+    );
+    assert!(!alive(started.pid));
+    assert!(a.sample("c").is_none());
+    assert!(
+        ProcessRuntime::new(&dir)
+            .unwrap()
+            .records()
+            .unwrap()
+            .is_empty()
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn a_restarted_agent_adopts_live_engines_and_cleans_dead_ones() {
+    let dir = common::temp_dir("recover");
+    let first = agent(&dir, 1024 * MIB, false);
+    let live = first
+        .start("live", &spec(EngineKind::Vllm, ""))
+        .await
+        .unwrap();
+    let dead = first
+        .start("dead", &spec(EngineKind::Sglang, ""))
+        .await
+        .unwrap();
+    assert_eq!(
+        first.park("live").await.unwrap(),
+        ParkResult::Parked {
+            tier: ParkTier::HostRam
+        }
+    );
+    drop(first); // CapyCTL "crashes": nothing is stopped.
+    assert!(alive(live.pid) && alive(dead.pid));
+
+    std::process::Command::new("kill")
+        .args(["-9", &dead.pid.to_string()])
+        .status()
+        .unwrap();
+    for _ in 0..100 {
+        if !alive(dead.pid) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let second = agent(&dir, 1024 * MIB, false);
+    let report = second.recover().await.unwrap();
+    assert_eq!(report.adopted.len(), 1, "{report:?}");
+    assert_eq!(report.adopted[0].instance, "live");
+    assert_eq!(report.adopted[0].parked, Some(ParkTier::HostRam));
+    assert_eq!(report.gone, vec!["dead".to_string()]);
+    // The adopted engine is driven as before: woken (checked against the recorded first
+    // answer), sampled, stopped.
+    assert_eq!(
+        second.wake("live").await.unwrap().outcome,
+        WakeOutcome::Pass
+    );
+    sample_arrives(&second, "live").await;
+    second.stop("live").await.unwrap();
+    assert!(!alive(live.pid));
+    assert!(
+        ProcessRuntime::new(&dir)
+            .unwrap()
+            .records()
+            .unwrap()
+            .is_empty()
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -1,0 +1,289 @@
+//! The drivers against the engine simulator, in process: every tier's park and wake, every
+//! wake outcome the simulator can show without exiting, load samples, readiness.
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use capyctl_crds::EngineKind;
+use capyctl_engine_sim::{SimConfig, serve};
+use capyctl_node_agent::AgentError;
+use capyctl_node_agent::agent::endpoint_of;
+use capyctl_node_agent::driver::{Driver, DriverTimeouts, Endpoint};
+use capyctl_node_agent::http::{Call, EngineClient};
+use capyctl_node_agent::launch::launch_command;
+use capyctl_node_agent::spec::{EngineLaunch, InstanceSpec};
+use capyctl_node_agent::tier::{LaunchParking, ParkTier};
+use capyctl_node_agent::verify::{FirstAnswer, WakeOutcome};
+use http::Method;
+use serde_json::{Value, json};
+
+const WINDOW: Duration = Duration::from_secs(20);
+
+fn driver() -> Driver {
+    Driver::new(DriverTimeouts {
+        step: Duration::from_secs(5),
+        park: Duration::from_secs(20),
+        check: Duration::from_secs(10),
+    })
+}
+
+/// Starts a simulator in this process from the launch command CapyCTL builds for `spec`.
+async fn start(spec: &InstanceSpec, parking: LaunchParking, faults: &str) -> Endpoint {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let launch = EngineLaunch {
+        command: vec!["engine-sim".into()],
+        version: None,
+        env: Default::default(),
+    };
+    let cmd = launch_command(spec, &launch, port, parking).unwrap();
+    let mut argv = cmd.argv();
+    // In process, the environment cannot be set per engine: pass it as the simulator's flag.
+    if cmd.env.get("VLLM_SERVER_DEV_MODE").map(String::as_str) == Some("1") {
+        argv.extend(["--sim-vllm-dev-mode".into(), "1".into()]);
+    }
+    argv.extend(["--sim-weights-bytes".into(), "64MiB".into()]);
+    if !faults.is_empty() {
+        argv.extend(["--sim-faults".into(), faults.into()]);
+    }
+    let config = SimConfig::try_parse_from(argv).unwrap();
+    tokio::spawn(serve(listener, config));
+    let ep = endpoint_of(spec, port);
+    driver()
+        .wait_ready(&ep, Duration::from_secs(10))
+        .await
+        .unwrap();
+    ep
+}
+
+async fn sim_state(ep: &Endpoint) -> Value {
+    let url = ep.url("/sim/state");
+    let call = Call {
+        engine: ep.engine,
+        step: "sim state",
+        url: &url,
+        timeout: Duration::from_secs(5),
+    };
+    EngineClient::new()
+        .expect_json(call, Method::GET, None)
+        .await
+        .unwrap()
+}
+
+async fn set_fault(ep: &Endpoint, fault: &str) {
+    let url = ep.url("/sim/faults");
+    let call = Call {
+        engine: ep.engine,
+        step: "sim faults",
+        url: &url,
+        timeout: Duration::from_secs(5),
+    };
+    EngineClient::new()
+        .expect_ok(call, Method::POST, Some(&json!({"set": [fault]})))
+        .await
+        .unwrap();
+}
+
+fn spec(engine: EngineKind) -> InstanceSpec {
+    InstanceSpec::new("01KTEST", "chat-a", engine, "Qwen3-4B")
+}
+
+const BACKUP: LaunchParking = LaunchParking {
+    may_park: true,
+    host_ram: true,
+};
+const NO_BACKUP: LaunchParking = LaunchParking {
+    may_park: true,
+    host_ram: false,
+};
+
+/// First answer, park, check the simulator's state, wake, verify.
+async fn round_trip(ep: &Endpoint, tier: ParkTier) -> (Value, WakeOutcome, Value) {
+    let d = driver();
+    let first = d
+        .check_answer(ep, None, Duration::from_secs(5))
+        .await
+        .unwrap();
+    d.park(ep, tier).await.unwrap();
+    let parked = sim_state(ep).await;
+    let outcome = d
+        .wake_and_verify(ep, tier, None, Some(&first), WINDOW)
+        .await;
+    (parked, outcome, sim_state(ep).await)
+}
+
+#[tokio::test]
+async fn vllm_level_1_parks_in_host_ram() {
+    let ep = start(&spec(EngineKind::Vllm), BACKUP, "").await;
+    let (parked, outcome, after) = round_trip(&ep, ParkTier::HostRam).await;
+    assert_eq!(parked["weights"], "host_ram");
+    assert_eq!(parked["sleep_level"], 1);
+    assert_eq!(outcome, WakeOutcome::Pass);
+    assert_eq!(after["weights"], "intact");
+    assert_eq!(after["asleep"], false);
+    assert_eq!(after["reloads"], 0);
+}
+
+#[tokio::test]
+async fn vllm_level_2_reloads_weights() {
+    let ep = start(&spec(EngineKind::Vllm), BACKUP, "").await;
+    let (parked, outcome, after) = round_trip(&ep, ParkTier::Deep).await;
+    assert_eq!(parked["weights"], "discarded");
+    assert_eq!(parked["sleep_level"], 2);
+    assert_eq!(outcome, WakeOutcome::Pass);
+    assert_eq!(after["weights"], "intact");
+    assert_eq!(after["reloads"], 1);
+    assert_eq!(after["cache_resets"], 1);
+}
+
+#[tokio::test]
+async fn sglang_host_ram_with_cpu_backup() {
+    let ep = start(&spec(EngineKind::Sglang), BACKUP, "").await;
+    let (parked, outcome, after) = round_trip(&ep, ParkTier::HostRam).await;
+    assert_eq!(parked["weights"], "host_ram");
+    assert_eq!(parked["paused"], true);
+    assert_eq!(outcome, WakeOutcome::Pass);
+    assert_eq!(after["weights"], "intact");
+    assert_eq!(after["paused"], false);
+    assert_eq!(after["reloads"], 0);
+}
+
+#[tokio::test]
+async fn sglang_deep_reloads_from_disk() {
+    let ep = start(&spec(EngineKind::Sglang), NO_BACKUP, "").await;
+    let (parked, outcome, after) = round_trip(&ep, ParkTier::Deep).await;
+    assert_eq!(parked["weights"], "discarded");
+    assert_eq!(outcome, WakeOutcome::Pass);
+    assert_eq!(after["weights"], "intact");
+    assert_eq!(after["reloads"], 1);
+    assert_eq!(after["cache_resets"], 1);
+    assert_eq!(after["loaded_model"], "Qwen3-4B");
+}
+
+#[tokio::test]
+async fn sglang_speculative_parks_kv_only() {
+    let mut sp = spec(EngineKind::Sglang);
+    sp.extra_args = vec!["--speculative-algorithm".into(), "EAGLE".into()];
+    let ep = start(&sp, NO_BACKUP, "").await;
+    let (parked, outcome, after) = round_trip(&ep, ParkTier::KvOnly).await;
+    assert_eq!(parked["weights"], "intact");
+    assert_eq!(parked["released_tags"], json!(["kv_cache"]));
+    assert_eq!(outcome, WakeOutcome::Pass);
+    assert_eq!(after["weights"], "intact");
+    assert_eq!(after["reloads"], 0);
+    assert_eq!(after["corruption"], Value::Null);
+}
+
+#[tokio::test]
+async fn changed_weights_are_a_mismatch() {
+    let ep = start(&spec(EngineKind::Vllm), BACKUP, "").await;
+    set_fault(&ep, "wake_mismatch").await;
+    let (_, outcome, _) = round_trip(&ep, ParkTier::HostRam).await;
+    assert!(matches!(outcome, WakeOutcome::Mismatch(_)), "{outcome:?}");
+    assert_eq!(outcome.failure().unwrap().code(), "wake_mismatch");
+}
+
+#[tokio::test]
+async fn a_failed_reload_is_reload_failed() {
+    for (engine, parking) in [(EngineKind::Vllm, BACKUP), (EngineKind::Sglang, NO_BACKUP)] {
+        let ep = start(&spec(engine), parking, "").await;
+        set_fault(&ep, "reload_fails").await;
+        let (_, outcome, _) = round_trip(&ep, ParkTier::Deep).await;
+        let WakeOutcome::ReloadFailed(detail) = &outcome else {
+            panic!("{engine}: {outcome:?}");
+        };
+        // The error names the engine, the step and the URL.
+        assert!(detail.contains(engine.as_str()), "{detail}");
+        assert!(detail.contains(&ep.base_url), "{detail}");
+        let step = if engine == EngineKind::Vllm {
+            "reload_weights"
+        } else {
+            "update_weights_from_disk"
+        };
+        assert!(detail.contains(step), "{detail}");
+    }
+}
+
+#[tokio::test]
+async fn a_hanging_wake_is_uncertain() {
+    let ep = start(&spec(EngineKind::Sglang), BACKUP, "").await;
+    let d = driver();
+    let first = d
+        .check_answer(&ep, None, Duration::from_secs(5))
+        .await
+        .unwrap();
+    d.park(&ep, ParkTier::HostRam).await.unwrap();
+    set_fault(&ep, "wake_hangs").await;
+    let outcome = d
+        .wake_and_verify(
+            &ep,
+            ParkTier::HostRam,
+            None,
+            Some(&first),
+            Duration::from_millis(300),
+        )
+        .await;
+    assert!(matches!(outcome, WakeOutcome::Uncertain(_)), "{outcome:?}");
+    assert_eq!(outcome.failure().unwrap().code(), "wake_uncertain");
+}
+
+#[tokio::test]
+async fn tensorfold_does_not_park() {
+    let ep = start(&spec(EngineKind::Tensorfold), LaunchParking::default(), "").await;
+    let err = driver().park(&ep, ParkTier::Deep).await.unwrap_err();
+    assert!(matches!(err, AgentError::Unsupported { .. }), "{err}");
+    // Its first answer is still recorded (the check prompt works).
+    let first = driver()
+        .check_answer(&ep, None, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(matches!(first, FirstAnswer::Text { text } if !text.is_empty()));
+}
+
+#[tokio::test]
+async fn load_is_scraped_and_unknown_when_unreadable() {
+    for engine in [EngineKind::Vllm, EngineKind::Sglang, EngineKind::Tensorfold] {
+        let ep = start(&spec(engine), LaunchParking::default(), "").await;
+        let load = driver().scrape(&ep, Duration::from_secs(2)).await.unwrap();
+        assert_eq!(load.running, Some(0), "{engine}");
+        assert_eq!(load.waiting, Some(0), "{engine}");
+        assert_eq!(load.kv_usage_ppm, Some(0), "{engine}");
+    }
+    // Nothing listening: unknown, not zero.
+    let closed = endpoint_of(&spec(EngineKind::Vllm), closed_port());
+    assert_eq!(
+        driver().scrape(&closed, Duration::from_millis(500)).await,
+        None
+    );
+}
+
+#[tokio::test]
+async fn engine_facts_are_read() {
+    let mut sp = spec(EngineKind::Sglang);
+    sp.max_concurrent_requests = Some(12);
+    let ep = start(&sp, LaunchParking::default(), "").await;
+    assert_eq!(driver().sglang_max_running(&ep).await, Some(12));
+    assert_eq!(driver().version(&ep).await.as_deref(), Some("0.5.9"));
+    let ep = start(&spec(EngineKind::Vllm), LaunchParking::default(), "").await;
+    assert_eq!(driver().version(&ep).await.as_deref(), Some("0.31.0"));
+}
+
+fn closed_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+#[tokio::test]
+async fn readiness_is_bounded_and_says_where() {
+    let ep = endpoint_of(&spec(EngineKind::Vllm), closed_port());
+    let err = driver()
+        .wait_ready(&ep, Duration::from_millis(300))
+        .await
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, AgentError::EngineTimeout { .. }), "{text}");
+    assert!(
+        text.contains("vllm") && text.contains("/health") && text.contains(&ep.base_url),
+        "{text}"
+    );
+}

@@ -1,0 +1,700 @@
+//! The pure decisions: launch arguments, tiers, refusals, max_running, metrics, comparisons,
+//! measurement from checkpoint headers.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use capyctl_crds::errors::WakeFailure;
+use capyctl_crds::{EngineKind, Residency};
+use capyctl_node_agent::AgentError;
+use capyctl_node_agent::capability::{DeepPark, REFUSALS, engine_info, refusal_for};
+use capyctl_node_agent::checkpoint::{ModelFacts, checkpoint_size};
+use capyctl_node_agent::inventory::parse_meminfo;
+use capyctl_node_agent::launch::{MaxRunningInput, MaxRunningSource, launch_command, max_running};
+use capyctl_node_agent::load::parse_metrics;
+use capyctl_node_agent::measure::{MeasureSource, measure_before_start, parse_ppid};
+use capyctl_node_agent::spec::{DecisionSpec, EngineLaunch, InstanceSpec};
+use capyctl_node_agent::tier::{
+    LaunchParking, NoParkReason, ParkChoice, ParkTier, TierInput, choose_tier, launch_parking,
+};
+use capyctl_node_agent::verify::{
+    DecisionAnswer, FirstAnswer, WakeOutcome, compare_answers, compare_decisions,
+    decision_from_completion,
+};
+use serde_json::json;
+
+fn s(v: &[&str]) -> Vec<String> {
+    v.iter().map(|x| (*x).to_string()).collect()
+}
+
+fn spec(engine: EngineKind, model: &str) -> InstanceSpec {
+    InstanceSpec::new("01K0000000000000000000000", "chat-a", engine, model)
+}
+
+const PARK: LaunchParking = LaunchParking {
+    may_park: true,
+    host_ram: true,
+};
+
+#[test]
+fn vllm_argv_and_env() {
+    let mut sp = spec(EngineKind::Vllm, "Qwen3-4B");
+    sp.max_concurrent_requests = Some(8);
+    sp.extra_args = s(&["--max-model-len", "8192"]);
+    sp.env.insert("HF_HOME".into(), "/cache".into());
+    let cmd = launch_command(
+        &sp,
+        &EngineLaunch::default_for(EngineKind::Vllm),
+        9000,
+        PARK,
+    )
+    .unwrap();
+    assert_eq!(
+        cmd.argv(),
+        s(&[
+            "vllm",
+            "serve",
+            "Qwen3-4B",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "9000",
+            "--served-model-name",
+            "chat-a",
+            "--enable-sleep-mode",
+            "--max-num-seqs",
+            "8",
+            "--max-model-len",
+            "8192",
+        ])
+    );
+    assert_eq!(
+        cmd.env.get("VLLM_SERVER_DEV_MODE").map(String::as_str),
+        Some("1")
+    );
+    assert_eq!(cmd.env.get("HF_HOME").map(String::as_str), Some("/cache"));
+
+    // Not parking: no sleep mode, no dev mode; CapyCTL's default of 32.
+    let plain = spec(EngineKind::Vllm, "Qwen3-4B");
+    let cmd = launch_command(
+        &plain,
+        &EngineLaunch::default_for(EngineKind::Vllm),
+        9000,
+        LaunchParking::default(),
+    )
+    .unwrap();
+    assert_eq!(
+        cmd.argv(),
+        s(&[
+            "vllm",
+            "serve",
+            "Qwen3-4B",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "9000",
+            "--served-model-name",
+            "chat-a",
+            "--max-num-seqs",
+            "32"
+        ])
+    );
+    assert!(!cmd.env.contains_key("VLLM_SERVER_DEV_MODE"));
+
+    // The flag in extra_args: CapyCTL adds none; both set: refused.
+    let mut own = spec(EngineKind::Vllm, "m");
+    own.extra_args = s(&["--max-num-seqs=4"]);
+    let cmd = launch_command(&own, &EngineLaunch::default_for(EngineKind::Vllm), 1, PARK).unwrap();
+    assert_eq!(
+        cmd.args
+            .iter()
+            .filter(|a| a.starts_with("--max-num-seqs"))
+            .count(),
+        1
+    );
+    own.max_concurrent_requests = Some(8);
+    let err =
+        launch_command(&own, &EngineLaunch::default_for(EngineKind::Vllm), 1, PARK).unwrap_err();
+    assert!(matches!(err, AgentError::InvalidSpec { .. }), "{err}");
+}
+
+#[test]
+fn sglang_argv() {
+    let mut sp = spec(EngineKind::Sglang, "/models/qwen");
+    sp.max_concurrent_requests = Some(16);
+    sp.extra_args = s(&["--tp", "2"]);
+    let cmd = launch_command(
+        &sp,
+        &EngineLaunch::default_for(EngineKind::Sglang),
+        30001,
+        PARK,
+    )
+    .unwrap();
+    assert_eq!(
+        cmd.argv(),
+        s(&[
+            "python3",
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            "/models/qwen",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "30001",
+            "--served-model-name",
+            "chat-a",
+            "--enable-metrics",
+            "--enable-memory-saver",
+            "--enable-weights-cpu-backup",
+            "--max-running-requests",
+            "16",
+            "--tp",
+            "2",
+        ])
+    );
+    let deep = LaunchParking {
+        may_park: true,
+        host_ram: false,
+    };
+    let cmd = launch_command(
+        &spec(EngineKind::Sglang, "m"),
+        &EngineLaunch::default_for(EngineKind::Sglang),
+        1,
+        deep,
+    )
+    .unwrap();
+    assert!(cmd.args.contains(&"--enable-memory-saver".to_string()));
+    assert!(
+        !cmd.args
+            .contains(&"--enable-weights-cpu-backup".to_string())
+    );
+    assert!(!cmd.args.contains(&"--max-running-requests".to_string()));
+    assert!(cmd.env.is_empty());
+}
+
+#[test]
+fn tensorfold_argv() {
+    let mut sp = spec(EngineKind::Tensorfold, "tf-model");
+    sp.extra_args = s(&["--threads", "4"]);
+    sp.max_concurrent_requests = Some(4);
+    let cmd = launch_command(
+        &sp,
+        &EngineLaunch::default_for(EngineKind::Tensorfold),
+        7000,
+        LaunchParking::default(),
+    )
+    .unwrap();
+    assert_eq!(
+        cmd.argv(),
+        s(&[
+            "tensorfold",
+            "serve",
+            "--model",
+            "tf-model",
+            "--port",
+            "7000",
+            "--threads",
+            "4"
+        ])
+    );
+    let empty = EngineLaunch {
+        command: vec![],
+        ..EngineLaunch::default_for(EngineKind::Tensorfold)
+    };
+    assert!(launch_command(&sp, &empty, 1, LaunchParking::default()).is_err());
+}
+
+fn input(engine: EngineKind) -> TierInput {
+    TierInput {
+        engine,
+        residency: None,
+        speculative: false,
+        decision_model: false,
+        unified_memory: false,
+        weights_bytes: Some(10),
+        host_room: Some(100),
+        refusal: None,
+        launched: None,
+    }
+}
+
+fn park(t: ParkTier) -> ParkChoice {
+    ParkChoice::Park(t)
+}
+
+#[test]
+fn tiers() {
+    use EngineKind::{Sglang, Tensorfold, Vllm};
+    // Discrete card: host RAM; deep when the copy does not fit or is unknown.
+    assert_eq!(choose_tier(&input(Vllm)).unwrap(), park(ParkTier::HostRam));
+    assert_eq!(
+        choose_tier(&TierInput {
+            host_room: Some(5),
+            ..input(Vllm)
+        })
+        .unwrap(),
+        park(ParkTier::Deep)
+    );
+    assert_eq!(
+        choose_tier(&TierInput {
+            weights_bytes: None,
+            ..input(Vllm)
+        })
+        .unwrap(),
+        park(ParkTier::Deep)
+    );
+    // Unified memory: deep; host_backed refused there.
+    assert_eq!(
+        choose_tier(&TierInput {
+            unified_memory: true,
+            ..input(Sglang)
+        })
+        .unwrap(),
+        park(ParkTier::Deep)
+    );
+    let e = choose_tier(&TierInput {
+        unified_memory: true,
+        residency: Some(Residency::HostBacked),
+        ..input(Vllm)
+    })
+    .unwrap_err();
+    assert!(matches!(e, AgentError::ResidencyRefused { .. }), "{e}");
+    // residency chooses.
+    assert_eq!(
+        choose_tier(&TierInput {
+            residency: Some(Residency::Deep),
+            ..input(Vllm)
+        })
+        .unwrap(),
+        park(ParkTier::Deep)
+    );
+    assert_eq!(
+        choose_tier(&TierInput {
+            residency: Some(Residency::HostBacked),
+            host_room: Some(1),
+            ..input(Vllm)
+        })
+        .unwrap(),
+        ParkChoice::Stop(NoParkReason::NoRoomToPark)
+    );
+    assert_eq!(
+        choose_tier(&TierInput {
+            residency: Some(Residency::RestartOnly),
+            ..input(Vllm)
+        })
+        .unwrap(),
+        ParkChoice::Stop(NoParkReason::RestartOnly)
+    );
+    // TensorFold and decision models never park.
+    assert_eq!(
+        choose_tier(&input(Tensorfold)).unwrap(),
+        ParkChoice::Stop(NoParkReason::EngineDoesNotPark)
+    );
+    assert_eq!(
+        choose_tier(&TierInput {
+            decision_model: true,
+            ..input(Vllm)
+        })
+        .unwrap(),
+        ParkChoice::Stop(NoParkReason::DecisionModel)
+    );
+    // SGLang speculative: KV only, even on unified memory; host_backed refused.
+    let spec_in = TierInput {
+        speculative: true,
+        ..input(Sglang)
+    };
+    assert_eq!(choose_tier(&spec_in).unwrap(), park(ParkTier::KvOnly));
+    assert_eq!(
+        choose_tier(&TierInput {
+            unified_memory: true,
+            ..spec_in
+        })
+        .unwrap(),
+        park(ParkTier::KvOnly)
+    );
+    let e = choose_tier(&TierInput {
+        residency: Some(Residency::HostBacked),
+        ..spec_in
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("speculative"), "{e}");
+    // SGLang's tier is fixed at launch.
+    let backup = LaunchParking {
+        may_park: true,
+        host_ram: true,
+    };
+    let no_backup = LaunchParking {
+        may_park: true,
+        host_ram: false,
+    };
+    assert_eq!(
+        choose_tier(&TierInput {
+            launched: Some(backup),
+            ..input(Sglang)
+        })
+        .unwrap(),
+        park(ParkTier::HostRam)
+    );
+    assert_eq!(
+        choose_tier(&TierInput {
+            launched: Some(backup),
+            host_room: Some(1),
+            ..input(Sglang)
+        })
+        .unwrap(),
+        ParkChoice::Stop(NoParkReason::NoRoomToPark)
+    );
+    assert_eq!(
+        choose_tier(&TierInput {
+            launched: Some(no_backup),
+            ..input(Sglang)
+        })
+        .unwrap(),
+        park(ParkTier::Deep)
+    );
+    assert_eq!(launch_parking(&input(Sglang)), backup);
+    assert_eq!(
+        launch_parking(&TierInput {
+            host_room: Some(1),
+            ..input(Sglang)
+        }),
+        no_backup
+    );
+    assert_eq!(launch_parking(&spec_in), no_backup);
+    assert_eq!(launch_parking(&input(Tensorfold)), LaunchParking::default());
+}
+
+fn named(model: &str) -> ModelFacts {
+    ModelFacts {
+        model: model.into(),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn refusal_rows() {
+    use EngineKind::{Sglang, Tensorfold, Vllm};
+    let gpt = named("openai/gpt-oss-20b");
+    assert_eq!(
+        refusal_for(Vllm, None, &gpt, false).unwrap().reason,
+        REFUSALS[0].reason
+    );
+    assert!(refusal_for(Sglang, Some("0.5.9"), &gpt, true).is_some());
+    assert!(refusal_for(Tensorfold, None, &gpt, false).is_none());
+
+    let fp4 = named("nvidia/Llama-3.3-70B-Instruct-NVFP4");
+    assert_eq!(
+        refusal_for(Sglang, None, &fp4, false).unwrap().reason,
+        REFUSALS[1].reason
+    );
+    assert!(
+        refusal_for(Sglang, None, &fp4, true).is_none(),
+        "speculative keeps the weights"
+    );
+    assert!(refusal_for(Vllm, None, &fp4, false).is_none());
+
+    let nemo = named("nvidia/Nemotron-3.5-Super-VL");
+    let row = refusal_for(Vllm, Some("0.31.0"), &nemo, false).unwrap();
+    assert!(row.reason.contains("vLLM 0.31.0 answers wrongly"));
+    assert!(refusal_for(Sglang, None, &nemo, false).is_none());
+
+    // The error a refusal becomes, for the catalogue.
+    let input = TierInput {
+        refusal: Some(row),
+        ..input(Vllm)
+    };
+    let err = choose_tier(&input).unwrap_err();
+    let api = err.to_api_error("01KDEP").unwrap();
+    assert_eq!(api.code(), "capability_missing:deep_park");
+    assert!(
+        api.message().contains("answers wrongly"),
+        "{}",
+        api.message()
+    );
+    // restart_only is the way out.
+    let ok = TierInput {
+        residency: Some(Residency::RestartOnly),
+        ..input
+    };
+    assert_eq!(
+        choose_tier(&ok).unwrap(),
+        ParkChoice::Stop(NoParkReason::RestartOnly)
+    );
+}
+
+#[test]
+fn nvfp4_from_a_local_checkpoint_config() {
+    let dir = common::temp_dir("nvfp4");
+    std::fs::write(
+        dir.join("hf_quant_config.json"),
+        r#"{"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4"}}"#,
+    )
+    .unwrap();
+    let facts = ModelFacts::read(dir.to_str().unwrap());
+    assert_eq!(facts.quant_algo.as_deref(), Some("NVFP4"));
+    assert!(refusal_for(EngineKind::Sglang, None, &facts, false).is_some());
+
+    let other = common::temp_dir("cfg");
+    std::fs::write(
+        other.join("config.json"),
+        r#"{"model_type": "gpt_oss", "quantization_config": {"quant_method": "modelopt", "quant_algo": "nvfp4"}}"#,
+    )
+    .unwrap();
+    let facts = ModelFacts::read(other.to_str().unwrap());
+    assert_eq!(facts.quant_algo.as_deref(), Some("NVFP4"));
+    assert_eq!(facts.model_type.as_deref(), Some("gpt_oss"));
+    assert_eq!(
+        refusal_for(EngineKind::Vllm, None, &facts, false)
+            .unwrap()
+            .reason,
+        REFUSALS[0].reason
+    );
+    let _ = std::fs::remove_dir_all(dir);
+    let _ = std::fs::remove_dir_all(other);
+}
+
+#[test]
+fn engine_list_rows() {
+    let v = engine_info(EngineKind::Vllm, Some("0.31.0".into()));
+    assert_eq!(v.deep_park, DeepPark::Enabled);
+    assert_eq!(v.deep_park.to_string(), "enabled");
+    assert_eq!(v.refused_models.len(), 2);
+    let t = engine_info(EngineKind::Tensorfold, None);
+    assert_eq!(
+        t.deep_park.to_string(),
+        "TensorFold does not park: it stops"
+    );
+    assert!(t.refused_models.is_empty());
+    assert_eq!(
+        engine_info(EngineKind::Sglang, None).refused_models.len(),
+        2
+    );
+}
+
+#[test]
+fn max_running_sources() {
+    let base = MaxRunningInput {
+        engine: EngineKind::Vllm,
+        declared: None,
+        extra_args: &[],
+        host_command: &[],
+        engine_reported: None,
+        state_cache_limit: None,
+        sized_on_host: false,
+    };
+    let mr = |i: MaxRunningInput<'_>| {
+        let m = max_running(&i);
+        (m.count, m.source)
+    };
+    assert_eq!(mr(base), (Some(32), MaxRunningSource::Default));
+    assert_eq!(
+        mr(MaxRunningInput {
+            engine: EngineKind::Tensorfold,
+            declared: Some(3),
+            ..base
+        }),
+        (Some(8), MaxRunningSource::Default)
+    );
+    assert_eq!(
+        mr(MaxRunningInput {
+            declared: Some(8),
+            ..base
+        }),
+        (Some(8), MaxRunningSource::Declared)
+    );
+    let extra = s(&["--max-num-seqs", "12"]);
+    assert_eq!(
+        mr(MaxRunningInput {
+            extra_args: &extra,
+            ..base
+        }),
+        (Some(12), MaxRunningSource::ExtraArgs)
+    );
+    let host = s(&["vllm", "--max-num-seqs=6"]);
+    assert_eq!(
+        mr(MaxRunningInput {
+            host_command: &host,
+            ..base
+        }),
+        (Some(6), MaxRunningSource::HostFixed)
+    );
+    let sg = MaxRunningInput {
+        engine: EngineKind::Sglang,
+        ..base
+    };
+    assert_eq!(mr(sg), (None, MaxRunningSource::EngineDefault));
+    assert_eq!(
+        mr(MaxRunningInput {
+            engine_reported: Some(48),
+            ..sg
+        }),
+        (Some(48), MaxRunningSource::Engine)
+    );
+    assert_eq!(
+        mr(MaxRunningInput {
+            state_cache_limit: Some(4),
+            declared: Some(8),
+            ..base
+        }),
+        (Some(4), MaxRunningSource::StateCache)
+    );
+    assert_eq!(
+        mr(MaxRunningInput {
+            sized_on_host: true,
+            ..base
+        }),
+        (None, MaxRunningSource::OnHost)
+    );
+}
+
+#[test]
+fn metrics_are_read_and_absent_figures_stay_unknown() {
+    let vllm = "# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\n\
+        vllm:num_requests_running{model_name=\"a\"} 3\nvllm:num_requests_waiting{model_name=\"a\"} 1.0\n\
+        vllm:kv_cache_usage_perc{model_name=\"a\"} 0.121\n";
+    let l = parse_metrics(EngineKind::Vllm, vllm).unwrap();
+    assert_eq!(
+        (l.running, l.waiting, l.kv_usage_ppm),
+        (Some(3), Some(1), Some(121_000))
+    );
+    let sg =
+        "sglang:num_running_reqs{model_name=\"a\"} 2\nsglang:token_usage{model_name=\"a\"} 0.5\n";
+    let l = parse_metrics(EngineKind::Sglang, sg).unwrap();
+    assert_eq!(
+        (l.running, l.waiting, l.kv_usage_ppm),
+        (Some(2), None, Some(500_000))
+    );
+    let tf = "tensorfold_requests_running 1\ntensorfold_requests_waiting 0\ntensorfold_kv_cache_usage_ratio 0\n";
+    let l = parse_metrics(EngineKind::Tensorfold, tf).unwrap();
+    assert_eq!(
+        (l.running, l.waiting, l.kv_usage_ppm),
+        (Some(1), Some(0), Some(0))
+    );
+    assert_eq!(
+        parse_metrics(EngineKind::Vllm, "engine_sim_requests_total 4\n"),
+        None
+    );
+    assert_eq!(parse_metrics(EngineKind::Sglang, vllm), None);
+}
+
+#[test]
+fn decisions_compare_option_and_probabilities() {
+    let options = s(&["yes", "no"]);
+    let answer = json!({"choices": [{"text": " yes", "logprobs": {"top_logprobs": [
+        {" yes": (0.7f64).ln(), "Yes": (0.05f64).ln(), " no": (0.2f64).ln(), "maybe": (0.05f64).ln()}
+    ]}}]});
+    let d = decision_from_completion(&options, &answer);
+    assert_eq!(d.picked.as_deref(), Some("yes"));
+    let p = d.probabilities.clone().unwrap();
+    assert!((p["yes"] - 0.75).abs() < 1e-9 && (p["no"] - 0.2).abs() < 1e-9);
+
+    let close = DecisionAnswer {
+        picked: Some("yes".into()),
+        probabilities: Some([("yes".to_string(), 0.71), ("no".to_string(), 0.24)].into()),
+    };
+    assert!(compare_decisions(&d, &close).is_ok());
+    let far = DecisionAnswer {
+        probabilities: Some([("yes".to_string(), 0.69), ("no".to_string(), 0.26)].into()),
+        ..close.clone()
+    };
+    assert!(compare_decisions(&d, &far).is_err());
+    let other = DecisionAnswer {
+        picked: Some("no".into()),
+        ..close
+    };
+    assert!(compare_decisions(&d, &other).is_err());
+    // Without logprobs (the simulator's answer): the option from the text, nothing to compare.
+    let plain = decision_from_completion(
+        &options,
+        &json!({"choices": [{"text": "No", "logprobs": null}]}),
+    );
+    assert_eq!(plain.picked.as_deref(), Some("no"));
+    assert!(compare_decisions(&plain, &plain).is_err());
+    let first = FirstAnswer::Decision { answer: d.clone() };
+    assert!(compare_answers(&first, &first).is_ok());
+    let _ = DecisionSpec {
+        prompt: "p".into(),
+        options,
+    };
+}
+
+#[test]
+fn wake_outcomes_map_to_the_catalogue() {
+    assert_eq!(WakeOutcome::Pass.failure(), None);
+    assert_eq!(
+        WakeOutcome::Mismatch(String::new()).failure(),
+        Some(WakeFailure::Mismatch)
+    );
+    assert_eq!(
+        WakeOutcome::ReloadFailed(String::new()).failure(),
+        Some(WakeFailure::ReloadFailed)
+    );
+    assert_eq!(
+        WakeOutcome::Uncertain(String::new()).failure(),
+        Some(WakeFailure::Uncertain)
+    );
+    assert_eq!(
+        WakeOutcome::EngineExited(String::new()).failure(),
+        Some(WakeFailure::ReloadFailed)
+    );
+    let t = |a: &str| FirstAnswer::Text { text: a.into() };
+    assert!(compare_answers(&t("x"), &t("x")).is_ok());
+    assert!(compare_answers(&t("x"), &t("y")).is_err());
+}
+
+#[test]
+fn checkpoint_headers_are_summed_without_loading_weights() {
+    let dir = common::temp_dir("ckpt");
+    let a = common::write_safetensors(
+        &dir.join("model-00001-of-00002.safetensors"),
+        &[("embed", "F16", &[128, 64]), ("norm", "F32", &[64])],
+    );
+    let b = common::write_safetensors(
+        &dir.join("model-00002-of-00002.safetensors"),
+        &[("lm_head", "BF16", &[64, 128]), ("bias", "F32", &[3, 5])],
+    );
+    assert_eq!(a, 128 * 64 * 2 + 64 * 4);
+    let size = checkpoint_size(&dir).unwrap().unwrap();
+    assert_eq!(size.weights_bytes, a + b);
+    assert_eq!((size.tensors, size.files), (4, 2));
+
+    let mut sp = spec(EngineKind::Vllm, dir.to_str().unwrap());
+    let m = measure_before_start(&sp).unwrap();
+    assert_eq!(m.weights.unwrap().bytes, a + b);
+    assert_eq!(m.weights.unwrap().source, MeasureSource::Checkpoint);
+    assert!(m.gpu_memory.is_none() && !m.awaiting());
+    // Declared resources come first.
+    sp.resources.weights_memory = Some(7);
+    sp.resources.gpu_memory = Some(9);
+    let m = measure_before_start(&sp).unwrap();
+    assert_eq!(
+        (m.weights.unwrap().bytes, m.weights.unwrap().source),
+        (7, MeasureSource::Declared)
+    );
+    assert_eq!(m.gpu_memory.unwrap().bytes, 9);
+    // A hub name: nothing known, awaiting measurement.
+    assert!(
+        measure_before_start(&spec(EngineKind::Vllm, "Qwen/Qwen3-4B"))
+            .unwrap()
+            .awaiting()
+    );
+
+    // A header that lies about a tensor's size is refused.
+    let bad = dir.join("bad.safetensors");
+    let header = r#"{"t":{"dtype":"F32","shape":[4],"data_offsets":[0,8]}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.extend_from_slice(&[0; 8]);
+    std::fs::write(&bad, bytes).unwrap();
+    assert!(checkpoint_size(&dir).is_err());
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn proc_parsing() {
+    let meminfo = "MemTotal:       65536 kB\nMemFree:  1 kB\nMemAvailable:   32768 kB\n";
+    assert_eq!(parse_meminfo(meminfo), Some((65536 * 1024, 32768 * 1024)));
+    assert_eq!(parse_meminfo("MemTotal: 1 kB\n"), None);
+    assert_eq!(parse_ppid("123 (python3 -m (x)) S 45 123 123 0"), Some(45));
+}
