@@ -92,18 +92,18 @@ pub struct EngineLaunch {
 }
 
 impl EngineLaunch {
-    /// The default command of `kind` (DESIGN 4.2): `vllm`, `python3 -m sglang.launch_server`,
-    /// `tensorfold serve`.
+    /// The default command of `kind` (DESIGN 4.2), as the host settings define it.
     pub fn default_for(kind: EngineKind) -> Self {
-        let command: &[&str] = match kind {
-            EngineKind::Vllm => &["vllm"],
-            EngineKind::Sglang => &["python3", "-m", "sglang.launch_server"],
-            EngineKind::Tensorfold => &["tensorfold", "serve"],
-        };
+        capyctl_crds::settings::EngineCommand::default_for(kind).into()
+    }
+}
+
+impl From<capyctl_crds::settings::EngineCommand> for EngineLaunch {
+    fn from(c: capyctl_crds::settings::EngineCommand) -> Self {
         Self {
-            command: command.iter().map(|s| (*s).to_string()).collect(),
-            version: None,
-            env: BTreeMap::new(),
+            command: c.command,
+            version: c.version,
+            env: c.env,
         }
     }
 }
