@@ -142,6 +142,41 @@ pub enum ApiError {
     },
     /// 401 `unauthorized`: the management API needs `Authorization: Bearer <admin token>`.
     Unauthorized,
+    /// 409 `awaiting_measurement`: a start without `--wait` of a checkpoint not measured yet.
+    AwaitingMeasurement {
+        /// The deployment's ID.
+        deployment: String,
+    },
+    /// 409 `does_not_fit`: the deployment needs more GPU memory than any host has, even empty.
+    DoesNotFit {
+        /// The deployment's ID.
+        deployment: String,
+        /// What it needs and what there is.
+        detail: String,
+    },
+    /// 409 `conflict`: the command does not apply to the deployment in its state now.
+    Conflict {
+        /// What is in the way, as a sentence.
+        detail: String,
+    },
+    /// 503 `engine_failed`: the engine did not start (or exited); the next request or start
+    /// tries again.
+    EngineFailed {
+        /// The deployment's ID.
+        deployment: String,
+        /// What the host agent reported.
+        detail: String,
+    },
+    /// 502 `upstream_unavailable`: the engine failed while answering a forwarded request.
+    UpstreamUnavailable {
+        /// What the connection to the engine reported.
+        detail: String,
+    },
+    /// 500 `internal`: CapyCTL itself failed (e.g. it could not write its state file).
+    Internal {
+        /// What failed.
+        detail: String,
+    },
 }
 
 impl ApiError {
@@ -151,7 +186,8 @@ impl ApiError {
             ApiError::QueueDeadline { .. }
             | ApiError::DrainTimeout { .. }
             | ApiError::DispatchClosed { .. }
-            | ApiError::WakeFailed { .. } => 503,
+            | ApiError::WakeFailed { .. }
+            | ApiError::EngineFailed { .. } => 503,
             ApiError::TooManyWaiting { .. }
             | ApiError::BufferedBytes
             | ApiError::InFlightDeadline { .. }
@@ -160,7 +196,12 @@ impl ApiError {
             ApiError::DeploymentStopped { .. }
             | ApiError::DeploymentInactive { .. }
             | ApiError::CapabilityMissingDeepPark { .. }
-            | ApiError::ParkedCapacity { .. } => 409,
+            | ApiError::ParkedCapacity { .. }
+            | ApiError::AwaitingMeasurement { .. }
+            | ApiError::DoesNotFit { .. }
+            | ApiError::Conflict { .. } => 409,
+            ApiError::UpstreamUnavailable { .. } => 502,
+            ApiError::Internal { .. } => 500,
             ApiError::ModelNotFound { .. } | ApiError::NotFound { .. } => 404,
             ApiError::InvalidRequest { .. } => 400,
             ApiError::RequestTooLarge { .. } => 413,
@@ -189,12 +230,18 @@ impl ApiError {
             ApiError::NotFound { .. } => "not_found",
             ApiError::RequestTooLarge { .. } => "request_too_large",
             ApiError::Unauthorized => "unauthorized",
+            ApiError::AwaitingMeasurement { .. } => "awaiting_measurement",
+            ApiError::DoesNotFit { .. } => "does_not_fit",
+            ApiError::Conflict { .. } => "conflict",
+            ApiError::EngineFailed { .. } => "engine_failed",
+            ApiError::UpstreamUnavailable { .. } => "upstream_unavailable",
+            ApiError::Internal { .. } => "internal",
         }
     }
 
-    /// Whether a retry may succeed: true for every 503 and 429, false otherwise.
+    /// Whether a retry may succeed: true for every 503, 502 and 429, false otherwise.
     pub fn retryable(&self) -> bool {
-        matches!(self.status(), 503 | 429)
+        matches!(self.status(), 503 | 502 | 429)
     }
 
     /// The `Retry-After` header's seconds: 1 on every 429, none otherwise.
@@ -264,6 +311,20 @@ impl ApiError {
             ApiError::Unauthorized => {
                 "the management API needs `Authorization: Bearer <admin token>`".to_string()
             }
+            ApiError::AwaitingMeasurement { deployment } => format!(
+                "deployment {deployment} is awaiting the measurement of its checkpoint; start it with `capyctl start deployment {deployment} --wait`"
+            ),
+            ApiError::DoesNotFit { deployment, detail } => {
+                format!("deployment {deployment} does not fit on any GPU: {detail}")
+            }
+            ApiError::Conflict { detail } => detail.clone(),
+            ApiError::EngineFailed { deployment, detail } => format!(
+                "the engine of deployment {deployment} failed: {detail}; the next request or start tries again; retry shortly"
+            ),
+            ApiError::UpstreamUnavailable { detail } => {
+                format!("the engine could not answer: {detail}")
+            }
+            ApiError::Internal { detail } => format!("internal error: {detail}"),
         }
     }
 
@@ -302,6 +363,12 @@ impl ApiError {
             ApiError::NotFound { .. } => "not_found",
             ApiError::RequestTooLarge { .. } => "request_too_large",
             ApiError::Unauthorized => "unauthorized",
+            ApiError::AwaitingMeasurement { .. } => "awaiting_measurement",
+            ApiError::DoesNotFit { .. } => "does_not_fit",
+            ApiError::Conflict { .. } => "conflict",
+            ApiError::EngineFailed { .. } => "engine_failed",
+            ApiError::UpstreamUnavailable { .. } => "upstream_unavailable",
+            ApiError::Internal { .. } => "internal",
         }
     }
 }
@@ -339,6 +406,51 @@ mod tests {
         assert_eq!(
             body,
             serde_json::json!({"code": code, "message": message, "retryable": retryable})
+        );
+    }
+
+    #[test]
+    fn errors_the_page_leaves_open() {
+        let e = ApiError::AwaitingMeasurement { deployment: id() };
+        assert_eq!(
+            (e.status(), e.code(), e.retryable()),
+            (409, "awaiting_measurement", false)
+        );
+        assert!(e.message().contains("--wait"), "{}", e.message());
+        let e = ApiError::UpstreamUnavailable {
+            detail: "connection reset".into(),
+        };
+        assert_eq!(
+            (e.status(), e.code(), e.retryable()),
+            (502, "upstream_unavailable", true)
+        );
+        assert_eq!(e.message(), "the engine could not answer: connection reset");
+        let e = ApiError::EngineFailed {
+            deployment: id(),
+            detail: "exit status 1".into(),
+        };
+        assert_eq!(
+            (e.status(), e.code(), e.retryable()),
+            (503, "engine_failed", true)
+        );
+        let e = ApiError::Conflict {
+            detail: "deployment x is parking".into(),
+        };
+        assert_eq!(
+            (e.status(), e.message().as_str()),
+            (409, "deployment x is parking")
+        );
+        let e = ApiError::DoesNotFit {
+            deployment: id(),
+            detail: "needs 90 GiB, the GPU has 80 GiB".into(),
+        };
+        assert_eq!((e.status(), e.code()), (409, "does_not_fit"));
+        let e = ApiError::Internal {
+            detail: "state file: disk full".into(),
+        };
+        assert_eq!(
+            (e.status(), e.code(), e.retryable()),
+            (500, "internal", false)
         );
     }
 

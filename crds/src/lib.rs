@@ -7,11 +7,13 @@
 //!   the one error type that names file, line and key;
 //! - [`overrides`]: `--set a.b=c` and `CAPYCTL_SET__A__B=c`;
 //! - [`k8s`]: the `capyctl.io/v1alpha1` custom resources (`Deployment`, `Host`) and the CRD YAML;
+//! - [`api`]: the management API's JSON bodies, shared by server and CLI;
 //! - [`errors`]: the HTTP error catalogue of the product page;
 //! - the shared vocabularies [`EngineKind`], [`Residency`], [`Activation`], [`InstanceState`].
 //!
 //! Nothing here does I/O beyond reading a document file and the hostname.
 
+pub mod api;
 pub mod documents;
 pub mod errors;
 pub mod k8s;

@@ -1,0 +1,415 @@
+//! The management API's JSON bodies (`/management/v1`, DESIGN 4.5): what the server answers and
+//! what the CLI reads. One set of types for both sides, so the two cannot drift.
+//!
+//! Errors are [`crate::errors::ApiError`]'s JSON (`{"code","message","retryable"}`).
+//! Optional figures are absent (`null`) when unknown, never zero.
+
+use serde::{Deserialize, Serialize};
+
+use crate::documents::DeploymentDoc;
+use crate::{Activation, EngineKind, InstanceState, Residency};
+
+/// The API's path prefix.
+pub const PREFIX: &str = "/management/v1";
+
+/// `stale_after_ms` of the load read: a sample older than this is not fresh.
+pub const STALE_AFTER_MS: u64 = 3000;
+
+/// A stale sample is kept this long, then dropped (milliseconds).
+pub const STALE_SAMPLE_KEPT_MS: u64 = 30_000;
+
+/// One instance of a deployment.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InstanceView {
+    /// The instance's ID (`<deployment id>-<index>`).
+    pub instance_id: String,
+    /// Its index within the deployment.
+    pub index: u32,
+    /// The host it runs on.
+    pub host_id: String,
+    /// Bumped on every fresh start.
+    pub generation: u64,
+    /// Its state.
+    pub state: InstanceState,
+    /// The parking tier while parked (`host_ram`, `deep`, `kv_only`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parked_tier: Option<String>,
+    /// The engine's loopback port while it runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    /// The engine's pid while it runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
+    /// The last failure (`wake_mismatch: ...`, `engine exited with status 1`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+}
+
+/// The measurement of a deployment's checkpoint, in bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MeasurementView {
+    /// GPU memory an awake instance holds.
+    pub gpu_memory: u64,
+    /// The weights' size (what a host-RAM park copies).
+    pub weights_memory: u64,
+    /// `declared`, `measured` or `observed`.
+    pub source: String,
+}
+
+/// A condition in the Kubernetes style (`Ready`, `Measured`, `Parkable`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConditionView {
+    /// `Ready`, `Measured` or `Parkable`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// `True`, `False` or `Unknown`.
+    pub status: String,
+    /// A machine-readable reason (`capability_missing:deep_park`).
+    pub reason: String,
+    /// A sentence for people.
+    pub message: String,
+}
+
+/// A deployment, as `list deployments` and `status deployment` show it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeploymentView {
+    /// The deployment's ID (a ULID).
+    pub id: String,
+    /// Its name (what requests put in `model`).
+    pub name: String,
+    /// STATE, derived from its instances.
+    pub state: InstanceState,
+    /// READY: ready instances over instances, `1/1`.
+    pub ready: String,
+    /// REVISION: bumped by a re-deploy of a changed document.
+    pub revision: u64,
+    /// HOSTS its instances run on.
+    pub hosts: Vec<String>,
+    /// `explicit` when the deployment or a host it may run on says so.
+    pub activation: Activation,
+    /// `lifecycle.warm`.
+    pub warm: bool,
+    /// `true` after an operator's stop (requests get 409 `deployment_stopped`).
+    pub operator_stopped: bool,
+    /// The engine.
+    pub engine: EngineKind,
+    /// The engine's model argument.
+    pub model: String,
+    /// The residency in force: declared, or chosen by CapyCTL once known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub residency: Option<Residency>,
+    /// The measurement, once there is one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub measurement: Option<MeasurementView>,
+    /// Its instances.
+    pub instances: Vec<InstanceView>,
+    /// `Ready`, `Measured`, `Parkable`.
+    #[serde(default)]
+    pub conditions: Vec<ConditionView>,
+    /// The document as deployed.
+    pub spec: DeploymentDoc,
+}
+
+/// `GET /deployments`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeploymentList {
+    /// Every deployment, by name.
+    pub deployments: Vec<DeploymentView>,
+}
+
+/// What `POST /deployments` did with the document.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeployOutcome {
+    /// A new deployment, revision 1.
+    Created,
+    /// The document changed: the revision was bumped.
+    Updated,
+    /// The same document again: nothing changed.
+    Unchanged,
+}
+
+/// The answer to `POST /deployments`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeployReceipt {
+    /// What happened.
+    pub outcome: DeployOutcome,
+    /// The deployment now.
+    pub deployment: DeploymentView,
+}
+
+/// The body of `POST /deployments/{id}/start`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StartRequest {
+    /// Park (or stop) idle models to make room; without it a start waits for memory.
+    #[serde(default)]
+    pub evict: bool,
+    /// Wait for the measurement and then for the model to be ready; without it a start of a
+    /// checkpoint that awaits measurement is refused.
+    #[serde(default)]
+    pub wait: bool,
+}
+
+/// How a victim of a start or switch was released.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Released {
+    /// Parked (its copy kept).
+    Parked,
+    /// Stopped: it does not park (restart_only, TensorFold, cut before output).
+    Stopped,
+    /// Stopped because there was no room to keep a parked copy.
+    StoppedNoRoomToPark,
+}
+
+impl Released {
+    /// The receipt's words: `parked`, `stopped`, `stopped (no room to park)`.
+    pub fn words(self) -> &'static str {
+        match self {
+            Released::Parked => "parked",
+            Released::Stopped => "stopped",
+            Released::StoppedNoRoomToPark => "stopped (no room to park)",
+        }
+    }
+}
+
+/// One instance a start released.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Victim {
+    /// The victim's deployment ID.
+    pub deployment_id: String,
+    /// Its name.
+    pub name: String,
+    /// The instance's ID.
+    pub instance_id: String,
+    /// How it was released.
+    pub released: Released,
+}
+
+/// The answer to `POST /deployments/{id}/start`, `stop`, `park`, `preinitialize`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ActionReceipt {
+    /// `start`, `stop`, `park` or `preinitialize`.
+    pub action: String,
+    /// The deployment now (`parking` or `starting` when the action goes on in the background).
+    pub deployment: DeploymentView,
+    /// The switch's ID when the action released others (start --evict).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub switch_id: Option<String>,
+    /// The instances released to make room.
+    #[serde(default)]
+    pub victims: Vec<Victim>,
+}
+
+/// One row of `engine list`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineView {
+    /// The engine.
+    pub engine: EngineKind,
+    /// Its version, when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
+    /// The launch command.
+    pub command: Vec<String>,
+    /// DEEP PARK: `enabled`, or why not.
+    pub deep_park: String,
+    /// The host it is on.
+    pub host_id: String,
+}
+
+/// `GET /engines`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineList {
+    /// One row per engine and host.
+    pub engines: Vec<EngineView>,
+}
+
+/// One GPU of a host.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuView {
+    /// Its index.
+    pub index: u32,
+    /// Its UUID, when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+    /// Memory in bytes.
+    pub memory: u64,
+    /// Unified memory.
+    pub unified: bool,
+    /// Bytes held by awake (or starting, waking) instances.
+    pub used: u64,
+}
+
+/// A host.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostView {
+    /// The host's ID.
+    pub id: String,
+    /// Its GPUs.
+    pub gpus: Vec<GpuView>,
+    /// Host RAM in bytes.
+    pub host_memory: u64,
+    /// Host RAM held by parked copies.
+    pub host_memory_used: u64,
+    /// The host's `lifecycle.activation`.
+    pub activation: Activation,
+}
+
+/// `GET /hosts`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostList {
+    /// Every host.
+    pub hosts: Vec<HostView>,
+}
+
+/// `GET /metrics/load`, exactly as on the product page ("Reading load").
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoadReport {
+    /// When the read was taken (Unix milliseconds).
+    pub observed_at_ms: u64,
+    /// A sample older than this is not fresh ([`STALE_AFTER_MS`]).
+    pub stale_after_ms: u64,
+    /// One entry per deployment (or the one asked for).
+    pub deployments: Vec<DeploymentLoadView>,
+}
+
+/// One deployment's load.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeploymentLoadView {
+    /// The deployment's ID.
+    pub deployment_id: String,
+    /// Its name.
+    pub name: String,
+    /// The router's side.
+    pub router: RouterLoadView,
+    /// How many requests the engine runs at once (the deployment's figure).
+    pub max_running: MaxRunningView,
+    /// Its instances.
+    pub instances: Vec<InstanceLoadView>,
+}
+
+/// The router's figures of one deployment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouterLoadView {
+    /// Requests being forwarded now.
+    pub in_flight: u64,
+    /// Their bound (32).
+    pub in_flight_limit: u64,
+    /// Requests waiting in CapyCTL.
+    pub waiting: u64,
+    /// The waiting limit per deployment.
+    pub waiting_limit: u64,
+}
+
+/// `max_running`: a count (absent when unknown) and where it comes from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MaxRunningView {
+    /// The count; absent when not known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub count: Option<u32>,
+    /// `engine`, `declared`, `default`, `state_cache`, `extra_args`, `host_fixed`,
+    /// `engine_default`, `on_host`.
+    pub source: String,
+}
+
+/// One instance's load.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InstanceLoadView {
+    /// Its index.
+    pub index: u32,
+    /// Its host.
+    pub host_id: String,
+    /// Its generation.
+    pub generation: u64,
+    /// Its state.
+    pub observed_state: InstanceState,
+    /// Requests the router forwards to it now.
+    pub router_in_flight: u64,
+    /// The instance's figure.
+    pub max_running: MaxRunningView,
+    /// The latest sample; `null` when none is held.
+    pub sample: Option<SampleView>,
+}
+
+/// A load sample.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SampleView {
+    /// When it was taken (Unix milliseconds).
+    pub sampled_at_ms: u64,
+    /// Its age at `observed_at_ms`.
+    pub age_ms: u64,
+    /// `age_ms < stale_after_ms`.
+    pub fresh: bool,
+    /// Requests CapyCTL forwards to the instance.
+    pub ingress_in_flight: u64,
+    /// The engine's figures; `null` when they could not be read.
+    pub engine: Option<EngineLoadView>,
+}
+
+/// The engine's own figures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineLoadView {
+    /// Requests running.
+    pub running: u64,
+    /// Requests waiting in the engine.
+    pub waiting: u64,
+    /// KV-cache use in parts per million.
+    pub kv_usage_ppm: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn released_words_are_the_receipts() {
+        assert_eq!(
+            Released::StoppedNoRoomToPark.words(),
+            "stopped (no room to park)"
+        );
+        assert_eq!(
+            serde_json::to_string(&Released::StoppedNoRoomToPark).ok(),
+            Some("\"stopped_no_room_to_park\"".to_string())
+        );
+    }
+
+    #[test]
+    fn start_request_refuses_unknown_keys() {
+        let err = serde_json::from_str::<StartRequest>(r#"{"evict":true,"force":1}"#)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("force"), "{err}");
+        let ok: StartRequest = serde_json::from_str("{}").unwrap_or_default();
+        assert_eq!(ok, StartRequest::default());
+    }
+
+    #[test]
+    fn load_report_reads_the_product_pages_example() {
+        let text = r#"{
+          "observed_at_ms": 1791460000000,
+          "stale_after_ms": 3000,
+          "deployments": [{
+            "deployment_id": "01K",
+            "name": "chat-a",
+            "router": {"in_flight": 3, "in_flight_limit": 32, "waiting": 0, "waiting_limit": 0},
+            "max_running": {"count": 8, "source": "state_cache"},
+            "instances": [{
+              "index": 0, "host_id": "gpu-box", "generation": 7, "observed_state": "ready",
+              "router_in_flight": 3,
+              "max_running": {"count": 8, "source": "engine"},
+              "sample": {
+                "sampled_at_ms": 1791459999600, "age_ms": 400, "fresh": true,
+                "ingress_in_flight": 3,
+                "engine": {"running": 3, "waiting": 0, "kv_usage_ppm": 121000}
+              }
+            }]
+          }]
+        }"#;
+        let report: LoadReport = serde_json::from_str(text).expect("the page's example parses");
+        let back = serde_json::to_value(&report).expect("serializes");
+        let orig: serde_json::Value = serde_json::from_str(text).expect("json");
+        assert_eq!(back, orig);
+    }
+}

@@ -1,0 +1,59 @@
+//! The seam between the management listener and the server: [`ManagementApi`].
+//!
+//! Every method answers a body of `capyctl_crds::api` or an [`ApiError`] (its status, code and
+//! message are what the listener sends). `name_or_id` accepts a deployment's name or its ID.
+
+use std::future::Future;
+use std::pin::Pin;
+
+use capyctl_crds::api::{
+    ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostList,
+    LoadReport, StartRequest,
+};
+use capyctl_crds::documents::DeploymentDoc;
+use capyctl_crds::errors::ApiError;
+
+/// A boxed, sendable future (keeps the trait object-safe).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// What the management listener asks of the server (DESIGN 4.5).
+pub trait ManagementApi: Send + Sync + 'static {
+    /// `GET /deployments`.
+    fn list(&self) -> BoxFuture<'_, DeploymentList>;
+    /// `POST /deployments`: deploy (or re-deploy) a document. A changed document bumps the
+    /// revision; the same document again changes nothing.
+    fn deploy(&self, doc: DeploymentDoc) -> BoxFuture<'_, Result<DeployReceipt, ApiError>>;
+    /// `GET /deployments/{name-or-id}`.
+    fn get<'a>(&'a self, name_or_id: &'a str) -> BoxFuture<'a, Result<DeploymentView, ApiError>>;
+    /// `DELETE /deployments/{name-or-id}`: stops its instances and forgets it.
+    fn delete<'a>(
+        &'a self,
+        name_or_id: &'a str,
+    ) -> BoxFuture<'a, Result<DeploymentView, ApiError>>;
+    /// `POST /deployments/{id}/start`.
+    fn start<'a>(
+        &'a self,
+        name_or_id: &'a str,
+        request: StartRequest,
+    ) -> BoxFuture<'a, Result<ActionReceipt, ApiError>>;
+    /// `POST /deployments/{id}/stop`: an operator stop (requests get `deployment_stopped`).
+    fn stop<'a>(&'a self, name_or_id: &'a str) -> BoxFuture<'a, Result<ActionReceipt, ApiError>>;
+    /// `POST /deployments/{id}/park`: parks in the background; answers at once.
+    fn park<'a>(&'a self, name_or_id: &'a str) -> BoxFuture<'a, Result<ActionReceipt, ApiError>>;
+    /// `POST /deployments/{id}/preinitialize`: measure / prepare without serving.
+    fn preinitialize<'a>(
+        &'a self,
+        name_or_id: &'a str,
+    ) -> BoxFuture<'a, Result<ActionReceipt, ApiError>>;
+    /// `GET /engines`.
+    fn engines(&self) -> BoxFuture<'_, EngineList>;
+    /// `GET /hosts`.
+    fn hosts(&self) -> BoxFuture<'_, HostList>;
+    /// `GET /metrics/load[?deployment=ID]`; an ID that names no deployment is 404 `not_found`.
+    fn load<'a>(
+        &'a self,
+        deployment: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<LoadReport, ApiError>>;
+    /// `/readyz`: whether the server has finished starting (state loaded, engines recovered).
+    fn ready(&self) -> bool;
+}

@@ -1,0 +1,20 @@
+//! CapyCTL's server: the lifecycle and placement of deployments and instances, the management
+//! API, and the standalone assembly (server and one host in one process).
+//!
+//! - [`api`]: [`api::ManagementApi`], what the management listener asks of the server; the
+//!   lifecycle implements it, management tests use a fake.
+//! - [`lifecycle`]: the one writer of deployment and instance state; it implements the router's
+//!   `Lifecycle`, drives hosts through the node agent's `HostAgent`, and persists through a
+//!   [`store::Store`].
+//! - [`store`]: where the state lives (a state file in standalone; CR status on Kubernetes).
+//! - [`management`]: the `/management/v1` listener, its token, health and Prometheus metrics.
+//! - [`standalone`]: `capyctl start standalone`.
+//!
+//! The lifecycle does not know whether it runs under Kubernetes: the store and the host agent
+//! are traits.
+
+pub mod api;
+pub mod lifecycle;
+pub mod management;
+pub mod standalone;
+pub mod store;

@@ -1,0 +1,1 @@
+//! Placeholder: the management listener (being written).

@@ -1,0 +1,1 @@
+//! Placeholder: the store (being written).
