@@ -13,7 +13,7 @@ use crate::config::{Fault, Flavour, SimConfig};
 use crate::state::{
     ControlError, Corruption, Counters, Outcome, Plan, SimState, Tag, WeightsState,
 };
-use crate::text::{Words, count_tokens};
+use crate::text::{TokenLogprobs, Words, count_tokens};
 
 /// Exit status of a simulated crash (`crash`, `crash_on_wake`).
 pub const CRASH_EXIT_CODE: i32 = 70;
@@ -314,6 +314,15 @@ impl Stop {
     }
 }
 
+/// One generated token.
+#[derive(Debug)]
+pub(crate) struct Token {
+    /// Its text.
+    pub(crate) text: String,
+    /// Its log probabilities, when the request asked for them.
+    pub(crate) logprobs: Option<TokenLogprobs>,
+}
+
 /// One answer being generated: admission, prefill, tokens at the configured rate.
 #[derive(Debug)]
 pub(crate) struct Generation {
@@ -325,14 +334,24 @@ pub(crate) struct Generation {
     /// Tokens produced so far.
     pub(crate) produced: u64,
     words: Option<Words>,
+    /// Top log probabilities asked per token; `None`: no log probabilities.
+    top_logprobs: Option<usize>,
     oversized: bool,
     /// When the first token is due (after prefill); token i is due i+1 intervals later.
     decode_start: Option<Instant>,
 }
 
 impl Generation {
-    pub(crate) fn new(sim: Arc<EngineSim>, prompt: String, max_tokens: u64) -> Generation {
+    /// A request for `max_tokens` tokens answering `prompt`, with `top_logprobs` alternatives
+    /// per token when log probabilities are asked for.
+    pub(crate) fn new(
+        sim: Arc<EngineSim>,
+        prompt: String,
+        max_tokens: u64,
+        top_logprobs: Option<usize>,
+    ) -> Generation {
         Generation {
+            top_logprobs,
             ticket: Ticket::new(sim),
             prompt_tokens: count_tokens(&prompt),
             prompt,
@@ -368,20 +387,23 @@ impl Generation {
                 return Err(Stop::Refused(why));
             }
         };
-        self.words = Some(Words::new(&model, &salt, &self.prompt));
+        self.words = Some(Words::answering(&model, &salt, &self.prompt));
         self.oversized = oversized;
         let prefill = self
             .sim()
             .config
             .prefill_per_token
             .saturating_mul(u32::try_from(self.prompt_tokens).unwrap_or(u32::MAX));
-        tokio::time::sleep(prefill).await;
+        if !prefill.is_zero() {
+            // NB: even a zero sleep waits for the timer's next 1 ms tick.
+            tokio::time::sleep(prefill).await;
+        }
         self.decode_start = Some(Instant::now());
         Ok(())
     }
 
-    /// The next token's text, at the token rate; `None` after `max_tokens`.
-    pub(crate) async fn next_token(&mut self) -> Result<Option<String>, Stop> {
+    /// The next token, at the token rate; `None` after `max_tokens`.
+    pub(crate) async fn next_token(&mut self) -> Result<Option<Token>, Stop> {
         if self.produced >= self.max_tokens {
             return Ok(None);
         }
@@ -399,13 +421,19 @@ impl Generation {
             return Ok(None);
         };
         let mut text = words.token(self.produced);
+        let logprobs = self.top_logprobs.map(|n| words.logprobs(self.produced, n));
         if self.oversized && self.produced == 0 {
             let filler = " overflow";
             text.push_str(&filler.repeat(OVERSIZED_BYTES / filler.len() + 1));
         }
         self.produced += 1;
         self.ticket.token();
-        Ok(Some(text))
+        Ok(Some(Token { text, logprobs }))
+    }
+
+    /// Whether the request asked for log probabilities.
+    pub(crate) fn logprobs_asked(&self) -> bool {
+        self.top_logprobs.is_some()
     }
 
     /// The answer is complete.
@@ -434,5 +462,55 @@ pub(crate) async fn run_instant(
             ticket.finish(Outcome::Refused);
             Err(Stop::Refused(why))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use std::future::Future;
+
+    use super::*;
+
+    fn sim(args: &[&str]) -> Arc<EngineSim> {
+        EngineSim::new(
+            SimConfig::try_parse_from(std::iter::once("engine-sim").chain(args.iter().copied()))
+                .unwrap(),
+        )
+    }
+
+    /// A start without prefill is ready at its first poll: no timer (which would wait for the
+    /// timer wheel's next 1 ms tick, even for a zero sleep).
+    #[tokio::test(start_paused = true)]
+    async fn a_zero_prefill_waits_for_no_timer() {
+        // Off a millisecond boundary, as a real clock always is (a zero sleep rounds up).
+        tokio::time::advance(Duration::from_micros(500)).await;
+        let sim = sim(&["serve", "m"]);
+        let mut g = Generation::new(Arc::clone(&sim), "a b c".into(), 2, Some(2));
+        {
+            let mut start = std::pin::pin!(g.start());
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            assert!(matches!(
+                start.as_mut().poll(&mut cx),
+                std::task::Poll::Ready(Ok(()))
+            ));
+        }
+        let first = g.next_token().await.unwrap().unwrap();
+        assert_eq!(first.logprobs.unwrap().top.len(), 2);
+        g.complete();
+
+        // With a prefill of 1 ms a token, three prompt tokens take 3 ms (to the timer's next
+        // millisecond).
+        let sim = self::sim(&["serve", "m", "--sim-prefill-per-token", "1ms"]);
+        let began = Instant::now();
+        let mut g = Generation::new(sim, "a b c".into(), 1, None);
+        g.start().await.unwrap();
+        let took = Instant::now() - began;
+        assert!(
+            took >= Duration::from_millis(3) && took <= Duration::from_millis(4),
+            "{took:?}"
+        );
+        assert!(g.next_token().await.unwrap().unwrap().logprobs.is_none());
+        g.complete();
     }
 }

@@ -2,7 +2,8 @@
 //! TensorFold, so CapyCTL can be tested end to end without a GPU.
 //!
 //! It answers deterministically (words picked by a sha2 hash of model, weights state, prompt
-//! and token index), streams at a set token rate, runs at most its engine's number of requests
+//! and token index, with log probabilities when asked, and a decision prompt's options while
+//! the weights are intact), streams at a set token rate, runs at most its engine's number of requests
 //! at once (the rest wait), aborts a request whose client went away, and simulates parking:
 //! vLLM's sleep mode (levels 1 and 2, partial wakes, `reload_weights`) and SGLang's memory
 //! saver (release/resume with or without a CPU backup, speculative decoding losing its draft
@@ -32,6 +33,7 @@ use std::sync::Arc;
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 
 pub use config::{Fault, Flavour, SimConfig, parse_bytes, parse_duration, parse_faults};
 pub use engine::{CRASH_EXIT_CODE, EngineSim, SimSnapshot};
@@ -107,7 +109,8 @@ pub fn app(sim: Arc<EngineSim>) -> Router {
         .with_state(sim)
 }
 
-/// Serves one simulated engine on `listener` until the process ends.
+/// Serves one simulated engine on `listener` until the process ends. Accepted connections
+/// get `TCP_NODELAY`.
 ///
 /// NB: the `crash` and `crash_on_wake` faults exit the whole process (status
 /// [`CRASH_EXIT_CODE`]); in-process tests must not use them.
@@ -124,6 +127,12 @@ pub async fn serve(listener: tokio::net::TcpListener, config: SimConfig) -> anyh
         "engine-sim serving"
     );
     let sim = EngineSim::new(config);
+    // Small SSE chunks go out at once, not after Nagle's delay (as the engines' servers do).
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::warn!(error = %e, "cannot set TCP_NODELAY on an accepted connection");
+        }
+    });
     axum::serve(listener, app(sim)).await?;
     Ok(())
 }

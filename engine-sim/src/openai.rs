@@ -14,11 +14,14 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::config::{Fault, Flavour};
-use crate::engine::{EngineSim, Generation, Refusal, Stop, run_instant};
-use crate::text::{count_tokens, embedding};
+use crate::engine::{EngineSim, Generation, Refusal, Stop, Token, run_instant};
+use crate::text::{TokenLogprobs, count_tokens, embedding};
 
 /// Default `max_tokens`, as OpenAI's completions API.
 const DEFAULT_MAX_TOKENS: u64 = 16;
+
+/// Most top log probabilities a request may ask for (vLLM's default `--max-logprobs`).
+const MAX_LOGPROBS: u64 = 20;
 
 /// An error in the engines' OpenAI style: `{"error":{"message","type","param","code"}}`.
 pub(crate) fn api_error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
@@ -70,6 +73,83 @@ struct GenerateRequest {
     max_completion_tokens: Option<u64>,
     stream: Option<bool>,
     stream_options: Option<StreamOptions>,
+    /// Chat: `true`/`false`; completions: how many top log probabilities (0 to 20).
+    logprobs: Option<Value>,
+    /// Chat: how many top log probabilities with `logprobs: true` (0 to 20).
+    top_logprobs: Option<Value>,
+}
+
+/// How many top log probabilities each token carries, `None` when none are asked for.
+///
+/// Chat: `logprobs: true` with `top_logprobs: N` (default 0: only the token's own); a
+/// `top_logprobs` without `logprobs: true` is refused, as vLLM does. Completions:
+/// `logprobs: N`, and each token's `top_logprobs` holds N entries (at least the token itself).
+fn requested_logprobs(kind: Kind, req: &GenerateRequest) -> Result<Option<usize>, String> {
+    let count = |name: &str, v: &Value| -> Result<usize, String> {
+        match v.as_u64() {
+            Some(n) if n <= MAX_LOGPROBS => Ok(usize::try_from(n).unwrap_or(0)),
+            Some(n) => Err(format!(
+                "`{name}`: requested {n} log probabilities, more than the maximum of {MAX_LOGPROBS}"
+            )),
+            None => Err(format!(
+                "`{name}` must be an integer from 0 to {MAX_LOGPROBS}, got {v}"
+            )),
+        }
+    };
+    let logprobs = req.logprobs.as_ref().filter(|v| !v.is_null());
+    let top = req.top_logprobs.as_ref().filter(|v| !v.is_null());
+    match kind {
+        Kind::Chat => {
+            let on = match logprobs {
+                None => false,
+                Some(Value::Bool(b)) => *b,
+                Some(other) => {
+                    return Err(format!("`logprobs` must be true or false, got {other}"));
+                }
+            };
+            match (on, top) {
+                (true, Some(t)) => count("top_logprobs", t).map(Some),
+                (true, None) => Ok(Some(0)),
+                (false, Some(_)) => {
+                    Err("when using `top_logprobs`, `logprobs` must be set to true".into())
+                }
+                (false, None) => Ok(None),
+            }
+        }
+        Kind::Text => match logprobs {
+            None => Ok(None),
+            Some(v) => count("logprobs", v).map(|n| Some(n.max(1))),
+        },
+    }
+}
+
+/// The bytes of a token, as OpenAI's chat log probabilities list them.
+fn token_bytes(token: &str) -> Value {
+    json!(token.as_bytes())
+}
+
+/// One token's entry of a chat answer's `logprobs.content`.
+fn chat_logprob(text: &str, lp: &TokenLogprobs) -> Value {
+    let top: Vec<Value> = lp
+        .top
+        .iter()
+        .map(|(t, l)| json!({"token": t, "logprob": l, "bytes": token_bytes(t)}))
+        .collect();
+    json!({"token": text, "logprob": lp.logprob, "bytes": token_bytes(text), "top_logprobs": top})
+}
+
+/// A completion's `logprobs` for `tokens` (text, log probabilities, offset in the answer).
+fn text_logprobs<'a>(tokens: impl Iterator<Item = (&'a str, &'a TokenLogprobs, usize)>) -> Value {
+    let (mut texts, mut lps, mut tops, mut offsets) = (vec![], vec![], vec![], vec![]);
+    for (text, lp, offset) in tokens {
+        texts.push(json!(text));
+        lps.push(json!(lp.logprob));
+        let top: serde_json::Map<String, Value> =
+            lp.top.iter().map(|(t, l)| (t.clone(), json!(l))).collect();
+        tops.push(Value::Object(top));
+        offsets.push(json!(offset));
+    }
+    json!({"tokens": texts, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -174,6 +254,10 @@ async fn generate(sim: Arc<EngineSim>, body: Bytes, kind: Kind) -> Response {
         Ok(p) => p,
         Err(e) => return bad_request(e),
     };
+    let top_logprobs = match requested_logprobs(kind, &req) {
+        Ok(n) => n,
+        Err(e) => return bad_request(e),
+    };
     if let Err(refusal) = sim.check_servable() {
         return refusal.into_response();
     }
@@ -197,7 +281,7 @@ async fn generate(sim: Arc<EngineSim>, body: Bytes, kind: Kind) -> Response {
     };
     let opening = sim.config().flavour == Flavour::Tensorfold
         || sim.with_state(|s| s.has_fault(Fault::RoleChunk));
-    let generation = Generation::new(Arc::clone(&sim), prompt, max_tokens);
+    let generation = Generation::new(Arc::clone(&sim), prompt, max_tokens, top_logprobs);
     if req.stream.unwrap_or(false) {
         let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
         stream_answer(answer, generation, opening, include_usage)
@@ -241,7 +325,22 @@ impl Answer {
 
     /// A chunk carrying `text`; `role` adds the assistant role (chat's first chunk).
     fn text_chunk(&self, text: &str, role: bool, finish: Option<&str>) -> Bytes {
-        let choice = match self.kind {
+        self.chunk(self.text_choice(text, role, finish, Value::Null))
+    }
+
+    /// The chunk of one token, with its log probabilities when asked for; `offset` is where
+    /// the token starts in the answer's text.
+    fn token_chunk(&self, token: &Token, role: bool, offset: usize) -> Bytes {
+        let logprobs = match (&token.logprobs, self.kind) {
+            (None, _) => Value::Null,
+            (Some(lp), Kind::Chat) => json!({"content": [chat_logprob(&token.text, lp)]}),
+            (Some(lp), Kind::Text) => text_logprobs(std::iter::once((&*token.text, lp, offset))),
+        };
+        self.chunk(self.text_choice(&token.text, role, None, logprobs))
+    }
+
+    fn text_choice(&self, text: &str, role: bool, finish: Option<&str>, logprobs: Value) -> Value {
+        match self.kind {
             Kind::Chat => {
                 let mut delta = json!({});
                 if role {
@@ -250,13 +349,12 @@ impl Answer {
                 if !text.is_empty() || finish.is_none() {
                     delta["content"] = json!(text);
                 }
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
             Kind::Text => {
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+                json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
             }
-        };
-        self.chunk(choice)
+        }
     }
 
     /// The opening chunk that only names the role (TensorFold; `role_chunk` fault).
@@ -290,23 +388,49 @@ async fn whole_answer(answer: Answer, mut g: Generation) -> Response {
         return unavailable(stop.message());
     }
     let mut text = String::new();
+    // (token, log probabilities, offset in `text` in characters), when asked for.
+    let mut logprobs: Vec<(String, TokenLogprobs, usize)> = Vec::new();
+    let mut chars = 0;
     loop {
         match g.next_token().await {
-            Ok(Some(t)) => text.push_str(&t),
+            Ok(Some(t)) => {
+                if let Some(lp) = t.logprobs {
+                    logprobs.push((t.text.clone(), lp, chars));
+                }
+                chars += t.text.chars().count();
+                text.push_str(&t.text);
+            }
             Ok(None) => break,
             Err(stop) => return unavailable(stop.message()),
         }
     }
     g.complete();
+    let asked = g.logprobs_asked();
     let choice = match answer.kind {
-        Kind::Chat => json!({
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": null,
-            "finish_reason": "length",
-        }),
+        Kind::Chat => {
+            let lp = if asked {
+                let content: Vec<Value> = logprobs
+                    .iter()
+                    .map(|(t, lp, _)| chat_logprob(t, lp))
+                    .collect();
+                json!({ "content": content })
+            } else {
+                Value::Null
+            };
+            json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": lp,
+                "finish_reason": "length",
+            })
+        }
         Kind::Text => {
-            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length"})
+            let lp = if asked {
+                text_logprobs(logprobs.iter().map(|(t, lp, o)| (t.as_str(), lp, *o)))
+            } else {
+                Value::Null
+            };
+            json!({"index": 0, "text": text, "logprobs": lp, "finish_reason": "length"})
         }
     };
     let object = match answer.kind {
@@ -336,6 +460,8 @@ struct Streaming {
     phase: Phase,
     opening: bool,
     include_usage: bool,
+    /// Characters of the answer streamed so far (completions' `text_offset`).
+    offset: usize,
 }
 
 /// An SSE stream. It owns the [`Generation`], so when hyper drops the body (the client went
@@ -347,6 +473,7 @@ fn stream_answer(answer: Answer, g: Generation, opening: bool, include_usage: bo
         phase: Phase::Opening,
         opening,
         include_usage,
+        offset: 0,
     };
     let chunks = stream::unfold(start, |mut st| async move {
         loop {
@@ -369,7 +496,9 @@ fn stream_answer(answer: Answer, g: Generation, opening: bool, include_usage: bo
                     Ok(Some(t)) => {
                         let role =
                             st.answer.kind == Kind::Chat && !st.opening && st.g.produced == 1;
-                        st.answer.text_chunk(&t, role, None)
+                        let chunk = st.answer.token_chunk(&t, role, st.offset);
+                        st.offset += t.text.chars().count();
+                        chunk
                     }
                     Ok(None) => {
                         st.phase = Phase::Finish;

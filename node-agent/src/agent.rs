@@ -5,18 +5,22 @@
 //! The lifecycle is the one writer of instance state and calls one operation at a time per
 //! instance; the agent keeps only what it needs to drive the engines (ports, tiers, first
 //! answers), also in the pid records so that a restarted CapyCTL can go on.
+//!
+//! An engine that exits by itself (a crash, an OOM kill) outside a wake is reported once on
+//! [`HostAgent::subscribe_exits`] and forgotten; one that exits during a wake fails the wake
+//! (the [`WakeReport`] says so) and one the agent stops is not reported at all.
 
 use std::collections::HashMap;
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use capyctl_crds::EngineKind;
 use serde::{Deserialize, Serialize};
-use tokio::sync::watch;
-use tokio::task::JoinHandle;
+use tokio::sync::{broadcast, watch};
+use tokio::task::{AbortHandle, JoinHandle};
 use tokio::time::Instant;
 
 use crate::capability::{EngineInfo, RefusalRow, engine_info, refusal_for};
@@ -155,6 +159,24 @@ pub struct RecoveryReport {
     pub gone: Vec<String>,
 }
 
+/// An engine that exited without the agent stopping it (a crash, an OOM kill, a signal from
+/// elsewhere) while no wake was in progress. The agent has already forgotten the instance: its
+/// record is removed, its sample gone, and a later call naming it answers `unknown instance`.
+/// The lifecycle marks the instance failed; the next request starts it fresh.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineExit {
+    /// The instance whose engine exited.
+    pub instance: String,
+    /// The exit status as the operating system tells it (`exit status: 70`, `signal: 9
+    /// (SIGKILL)`); an adopted engine, not this process's child, only says `exited (adopted
+    /// process)`. `None` when nothing is known.
+    pub status: Option<String>,
+}
+
+/// How many exits a slow subscriber may fall behind before it misses some
+/// ([`broadcast::error::RecvError::Lagged`]).
+const EXIT_EVENTS: usize = 64;
+
 /// What the lifecycle asks of a host. One call at a time per instance.
 pub trait HostAgent: Send + Sync {
     /// GPUs and host RAM.
@@ -188,6 +210,14 @@ pub trait HostAgent: Send + Sync {
     fn sample(&self, instance: &str) -> Option<LoadSample>;
     /// Adopts or stops engines a previous run left behind.
     fn recover(&self) -> BoxFuture<'_, Result<RecoveryReport, AgentError>>;
+    /// Engines that exit by themselves from now on, one [`EngineExit`] each (see its doc). An
+    /// exit during a wake is not sent: the wake's report carries it. The default, for agents
+    /// that cannot watch their engines, is a receiver that never gets an event (its `recv`
+    /// answers `Closed` at once).
+    fn subscribe_exits(&self) -> broadcast::Receiver<EngineExit> {
+        let (_, rx) = broadcast::channel(1);
+        rx
+    }
 }
 
 /// One engine the agent drives.
@@ -203,12 +233,17 @@ struct Instance {
     sample: watch::Receiver<Option<LoadSample>>,
     /// The sampler task; aborted when the instance goes.
     sampler: JoinHandle<()>,
+    /// The task watching the engine's exit; aborted when the instance goes. Set once, right
+    /// after the instance is built.
+    exit_watcher: Mutex<Option<AbortHandle>>,
 }
 
 #[derive(Debug, Clone)]
 struct InstanceState {
     record: PidRecord,
     measurement: Measurement,
+    /// A wake is in progress: an exit now is the wake's to report.
+    waking: bool,
 }
 
 impl Instance {
@@ -220,6 +255,107 @@ impl Instance {
 impl Drop for Instance {
     fn drop(&mut self) {
         self.sampler.abort();
+        if let Some(watcher) = self
+            .exit_watcher
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        {
+            watcher.abort();
+        }
+    }
+}
+
+type InstanceMap = Mutex<HashMap<String, Arc<Instance>>>;
+
+fn lock_map(map: &InstanceMap) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Instance>>> {
+    map.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// What an exit watcher or a finished wake needs to report an engine that exited by itself.
+/// Weak references: an agent that is dropped (CapyCTL "crashing") reports nothing and leaves
+/// the pid records for the next run's recovery.
+#[derive(Clone)]
+struct ExitReporter {
+    instances: Weak<InstanceMap>,
+    runtime: Weak<ProcessRuntime>,
+    exits: broadcast::Sender<EngineExit>,
+}
+
+impl ExitReporter {
+    /// Forgets `inst` and sends one event, unless the instance is no longer the one the agent
+    /// holds under `id` (the agent stopped it, or another report already went out).
+    fn report(&self, id: &str, inst: &Arc<Instance>, status: Option<String>) {
+        let (Some(instances), Some(runtime)) = (self.instances.upgrade(), self.runtime.upgrade())
+        else {
+            return;
+        };
+        {
+            let mut map = lock_map(&instances);
+            if !map.get(id).is_some_and(|held| Arc::ptr_eq(held, inst)) {
+                return;
+            }
+            map.remove(id);
+            // Under the map's lock, so a new start of the same ID cannot slip in between.
+            runtime.forget(id);
+        }
+        tracing::warn!(instance = id, status = ?status, "engine exited by itself; instance forgotten");
+        let _ = self.exits.send(EngineExit {
+            instance: id.to_string(),
+            status,
+        });
+    }
+
+    /// Waits for the engine of `inst` to exit, then reports it unless a wake is in progress
+    /// (the wake reports it, see [`WakeGuard`]).
+    async fn watch(self, id: String, mut exit: ExitWatch, inst: Weak<Instance>) {
+        let status = match exit.wait_for(Option::is_some).await {
+            Ok(status) => status.clone(),
+            // The runtime's wait task is gone without a status: nothing to tell.
+            Err(_) => return,
+        };
+        let Some(inst) = inst.upgrade() else { return };
+        if inst.state().waking {
+            return;
+        }
+        self.report(&id, &inst, status);
+    }
+}
+
+/// Marks an instance as waking; on drop (the wake finished, or its future was dropped) clears
+/// the mark and reports an exit that happened meanwhile and that the wake did not handle (a
+/// failed wake stops the instance first, so nothing is reported twice).
+struct WakeGuard<'a> {
+    id: &'a str,
+    inst: &'a Arc<Instance>,
+    exit: Option<ExitWatch>,
+    reporter: ExitReporter,
+}
+
+impl<'a> WakeGuard<'a> {
+    fn new(
+        id: &'a str,
+        inst: &'a Arc<Instance>,
+        exit: Option<ExitWatch>,
+        reporter: ExitReporter,
+    ) -> Self {
+        inst.state().waking = true;
+        Self {
+            id,
+            inst,
+            exit,
+            reporter,
+        }
+    }
+}
+
+impl Drop for WakeGuard<'_> {
+    fn drop(&mut self) {
+        self.inst.state().waking = false;
+        let status = self.exit.as_ref().and_then(|e| e.borrow().clone());
+        if let Some(status) = status {
+            self.reporter.report(self.id, self.inst, Some(status));
+        }
     }
 }
 
@@ -233,10 +369,13 @@ pub struct LocalHostAgent {
     probe: Arc<dyn GpuProbe>,
     /// Engine calls.
     driver: Driver,
-    /// Engine processes and pid records.
-    runtime: ProcessRuntime,
-    /// Instances by ID; a std mutex, never held across an `.await`.
-    instances: Mutex<HashMap<String, Arc<Instance>>>,
+    /// Engine processes and pid records; shared (weakly) with the exit watchers.
+    runtime: Arc<ProcessRuntime>,
+    /// Instances by ID; a std mutex, never held across an `.await`; shared (weakly) with the
+    /// exit watchers, which remove an instance whose engine exited by itself.
+    instances: Arc<InstanceMap>,
+    /// Engines that exited by themselves; every subscriber gets each one.
+    exits: broadcast::Sender<EngineExit>,
     /// Engine versions seen, by kind.
     versions: Mutex<HashMap<EngineKind, String>>,
 }
@@ -280,20 +419,27 @@ impl LocalHostAgent {
         probe: Arc<dyn GpuProbe>,
     ) -> Result<Self, AgentError> {
         Ok(Self {
-            runtime: ProcessRuntime::new(&config.data_dir)?,
+            runtime: Arc::new(ProcessRuntime::new(&config.data_dir)?),
             driver: Driver::new(config.timeouts),
             config,
             settings,
             probe,
-            instances: Mutex::new(HashMap::new()),
+            instances: Arc::new(Mutex::new(HashMap::new())),
+            exits: broadcast::channel(EXIT_EVENTS).0,
             versions: Mutex::new(HashMap::new()),
         })
     }
 
     fn instances(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Instance>>> {
-        self.instances
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        lock_map(&self.instances)
+    }
+
+    fn reporter(&self) -> ExitReporter {
+        ExitReporter {
+            instances: Arc::downgrade(&self.instances),
+            runtime: Arc::downgrade(&self.runtime),
+            exits: self.exits.clone(),
+        }
     }
 
     fn instance(&self, id: &str) -> Result<Arc<Instance>, AgentError> {
@@ -410,21 +556,44 @@ impl LocalHostAgent {
             state: Mutex::new(InstanceState {
                 record: record.clone(),
                 measurement,
+                waking: false,
             }),
             sample,
             sampler,
+            exit_watcher: Mutex::new(None),
         });
         self.instances()
             .insert(record.instance.clone(), Arc::clone(&inst));
+        if let Some(exit) = self.runtime.exit_watch(&record.instance) {
+            let watcher = tokio::spawn(self.reporter().watch(
+                record.instance.clone(),
+                exit,
+                Arc::downgrade(&inst),
+            ));
+            *inst
+                .exit_watcher
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = Some(watcher.abort_handle());
+        }
         inst
     }
 
-    fn save(&self, inst: &Instance, change: impl FnOnce(&mut PidRecord)) {
+    /// Changes the record of `inst` and writes it, unless the agent no longer holds `inst`
+    /// (its engine exited meanwhile and was forgotten: no record may come back for it).
+    fn save(&self, inst: &Arc<Instance>, change: impl FnOnce(&mut PidRecord)) {
         let record = {
             let mut s = inst.state();
             change(&mut s.record);
             s.record.clone()
         };
+        let map = self.instances();
+        if !map
+            .get(&record.instance)
+            .is_some_and(|held| Arc::ptr_eq(held, inst))
+        {
+            return;
+        }
+        // Under the map's lock, so an exit report cannot remove the record in between.
         if let Err(e) = self.runtime.write_record(&record) {
             tracing::warn!(instance = %record.instance, error = %e, "cannot update pid record");
         }
@@ -509,8 +678,14 @@ impl LocalHostAgent {
             _ => None,
         };
         let measurement = add_footprint(measurement, self.probe.as_ref(), record.pid);
-        let inst = self.register(record.clone(), refusal, measurement);
-        self.save(&inst, |r| r.first_answer = Some(first.clone()));
+        let mut record = record;
+        record.first_answer = Some(first.clone());
+        // Before the exit watcher starts (in `register`), so a record is never written back
+        // for an engine already forgotten.
+        if let Err(e) = self.runtime.write_record(&record) {
+            tracing::warn!(instance = id, error = %e, "cannot update pid record");
+        }
+        self.register(record.clone(), refusal, measurement);
         Ok(StartedInstance {
             instance: id.to_string(),
             pid: record.pid,
@@ -592,6 +767,7 @@ impl LocalHostAgent {
                 detail: "not parked".into(),
             });
         };
+        let guard = WakeGuard::new(id, &inst, self.runtime.exit_watch(id), self.reporter());
         let began = Instant::now();
         let mut outcome = self
             .driver
@@ -617,6 +793,7 @@ impl LocalHostAgent {
             tracing::warn!(instance = id, outcome = ?outcome, "wake failed; stopping the instance");
             let _ = self.do_stop(id).await;
         }
+        drop(guard);
         Ok(WakeReport {
             outcome,
             took: began.elapsed(),
@@ -763,5 +940,9 @@ impl HostAgent for LocalHostAgent {
 
     fn recover(&self) -> BoxFuture<'_, Result<RecoveryReport, AgentError>> {
         Box::pin(self.do_recover())
+    }
+
+    fn subscribe_exits(&self) -> broadcast::Receiver<EngineExit> {
+        self.exits.subscribe()
     }
 }

@@ -190,6 +190,20 @@ pub struct EngineInfo {
     pub refused_models: Vec<&'static str>,
 }
 
+impl EngineInfo {
+    /// The management API's row for host `host_id`, whose launch command of this engine is
+    /// `command`.
+    pub fn view(&self, host_id: &str, command: &[String]) -> capyctl_crds::api::EngineView {
+        capyctl_crds::api::EngineView {
+            engine: self.engine,
+            version: self.version.clone(),
+            command: command.to_vec(),
+            deep_park: self.deep_park.to_string(),
+            host_id: host_id.to_string(),
+        }
+    }
+}
+
 /// The `engine list` row of `engine` at `version`.
 pub fn engine_info(engine: EngineKind, version: Option<String>) -> EngineInfo {
     let deep_park = match engine {

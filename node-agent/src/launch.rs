@@ -174,6 +174,37 @@ pub enum MaxRunningSource {
     OnHost,
 }
 
+impl MaxRunningSource {
+    /// The name the load read shows (`engine`, `declared`, `default`, ...).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MaxRunningSource::Engine => "engine",
+            MaxRunningSource::Declared => "declared",
+            MaxRunningSource::Default => "default",
+            MaxRunningSource::StateCache => "state_cache",
+            MaxRunningSource::ExtraArgs => "extra_args",
+            MaxRunningSource::HostFixed => "host_fixed",
+            MaxRunningSource::EngineDefault => "engine_default",
+            MaxRunningSource::OnHost => "on_host",
+        }
+    }
+}
+
+impl std::fmt::Display for MaxRunningSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl From<MaxRunning> for capyctl_crds::api::MaxRunningView {
+    fn from(m: MaxRunning) -> Self {
+        Self {
+            count: m.count,
+            source: m.source.as_str().to_string(),
+        }
+    }
+}
+
 /// How many requests an engine runs at once; `count` is `None` when not known.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MaxRunning {

@@ -29,5 +29,5 @@ pub mod spec;
 pub mod tier;
 pub mod verify;
 
-pub use agent::{AgentConfig, HostAgent, LocalHostAgent};
+pub use agent::{AgentConfig, EngineExit, HostAgent, LocalHostAgent};
 pub use error::AgentError;

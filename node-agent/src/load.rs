@@ -71,6 +71,53 @@ pub struct LoadSample {
     pub engine: Option<EngineLoad>,
 }
 
+impl LoadSample {
+    /// Its age at `now_ms` (0 when the sample looks newer, as with clocks a little apart).
+    pub fn age_ms(&self, now_ms: u64) -> u64 {
+        now_ms.saturating_sub(self.sampled_at_ms)
+    }
+
+    /// Fresh at `now_ms`: younger than [`STALE_AFTER_MS`](capyctl_crds::api::STALE_AFTER_MS).
+    pub fn fresh(&self, now_ms: u64) -> bool {
+        self.age_ms(now_ms) < capyctl_crds::api::STALE_AFTER_MS
+    }
+
+    /// Still held at `now_ms`: fresh, or stale for at most
+    /// [`STALE_SAMPLE_KEPT_MS`](capyctl_crds::api::STALE_SAMPLE_KEPT_MS) (so dropped once older
+    /// than 33 s).
+    pub fn held(&self, now_ms: u64) -> bool {
+        self.age_ms(now_ms)
+            <= capyctl_crds::api::STALE_AFTER_MS + capyctl_crds::api::STALE_SAMPLE_KEPT_MS
+    }
+
+    /// The sample as the load read shows it at `now_ms`, with `ingress_in_flight` (what the
+    /// caller forwards to the instance); `None` once it is no longer held. `engine` is `null`
+    /// unless all three figures are known: an absent figure is unknown, never zero.
+    pub fn view(
+        &self,
+        now_ms: u64,
+        ingress_in_flight: u64,
+    ) -> Option<capyctl_crds::api::SampleView> {
+        if !self.held(now_ms) {
+            return None;
+        }
+        let engine = self.engine.and_then(|e| {
+            Some(capyctl_crds::api::EngineLoadView {
+                running: e.running?,
+                waiting: e.waiting?,
+                kv_usage_ppm: u64::from(e.kv_usage_ppm?),
+            })
+        });
+        Some(capyctl_crds::api::SampleView {
+            sampled_at_ms: self.sampled_at_ms,
+            age_ms: self.age_ms(now_ms),
+            fresh: self.fresh(now_ms),
+            ingress_in_flight,
+            engine,
+        })
+    }
+}
+
 /// Sums every sample of the metrics in `names` (all label sets); `None` when none is present.
 fn sum_of(text: &str, names: &[&str]) -> Option<f64> {
     let mut total = None;

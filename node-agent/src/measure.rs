@@ -27,6 +27,18 @@ pub enum MeasureSource {
     EngineFootprint,
 }
 
+impl MeasureSource {
+    /// The management API's name: `declared`, `measured` (checkpoint headers) or `observed`
+    /// (the engine's footprint).
+    pub fn api_name(self) -> &'static str {
+        match self {
+            MeasureSource::Declared => "declared",
+            MeasureSource::Checkpoint => "measured",
+            MeasureSource::EngineFootprint => "observed",
+        }
+    }
+}
+
 /// One measured figure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Measured {
@@ -54,6 +66,29 @@ impl Measurement {
     /// The weights' bytes, when known (the GPU footprint stands in for them when only it is).
     pub fn weights_bytes(&self) -> Option<u64> {
         self.weights.or(self.gpu_memory).map(|m| m.bytes)
+    }
+
+    /// The management API's view, once the GPU memory is known (the weights fall back to it
+    /// as in [`Measurement::weights_bytes`]); `source` is the latest-coming source of the two
+    /// figures (declared, then measured, then observed).
+    pub fn view(&self) -> Option<capyctl_crds::api::MeasurementView> {
+        let gpu = self.gpu_memory?;
+        let weights = self.weights.unwrap_or(gpu);
+        let rank = |s: MeasureSource| match s {
+            MeasureSource::Declared => 0,
+            MeasureSource::Checkpoint => 1,
+            MeasureSource::EngineFootprint => 2,
+        };
+        let source = if rank(weights.source) >= rank(gpu.source) {
+            weights.source
+        } else {
+            gpu.source
+        };
+        Some(capyctl_crds::api::MeasurementView {
+            gpu_memory: gpu.bytes,
+            weights_memory: weights.bytes,
+            source: source.api_name().to_string(),
+        })
     }
 }
 

@@ -1,8 +1,11 @@
 //! What the agent is asked to run: a deployment's launch-relevant fields and the host's engine
 //! commands.
 //!
-//! NB: these are small local input types. `capyctl-crds` is growing the deployment document and
-//! the host settings; once they are exported, `From` conversions take their place here.
+//! NB: these are the agent's own input types, kept small on purpose (only what launching, parking
+//! and checking need, with sizes in plain bytes). They are built from the `capyctl-crds` types:
+//! [`InstanceSpec::from_doc`] from a [`DeploymentDoc`](capyctl_crds::documents::DeploymentDoc)
+//! and `HostSettings::from(&HostConfig)` from the resolved host settings. The same types go over
+//! the wire to a remote node agent later, so they do not follow every change of the documents.
 
 use std::collections::BTreeMap;
 
@@ -74,6 +77,35 @@ impl InstanceSpec {
         }
     }
 
+    /// The spec of deployment `deployment_id` from its document. `lifecycle` is not copied: it
+    /// is the lifecycle's business, not the agent's.
+    pub fn from_doc(
+        deployment_id: impl Into<String>,
+        doc: &capyctl_crds::documents::DeploymentDoc,
+    ) -> Self {
+        Self {
+            deployment_id: deployment_id.into(),
+            name: doc.name.clone(),
+            engine: doc.engine,
+            model: doc.model.clone(),
+            residency: doc.residency,
+            max_concurrent_requests: doc.max_concurrent_requests,
+            extra_args: doc.extra_args.clone(),
+            env: doc.env.clone(),
+            resources: doc
+                .resources
+                .map(|r| DeclaredResources {
+                    gpu_memory: r.gpu_memory.map(|b| b.as_u64()),
+                    weights_memory: r.weights_memory.map(|b| b.as_u64()),
+                })
+                .unwrap_or_default(),
+            decision: doc.decision.as_ref().map(|d| DecisionSpec {
+                prompt: d.prompt.clone(),
+                options: d.options.clone(),
+            }),
+        }
+    }
+
     /// Whether `extra_args` turns on SGLang's speculative decoding (`--speculative-algorithm`).
     pub fn speculative(&self) -> bool {
         self.engine == EngineKind::Sglang && has_flag(&self.extra_args, "--speculative-algorithm")
@@ -119,7 +151,18 @@ pub struct GpuOverride {
     pub uuid: Option<String>,
 }
 
-/// The host settings the agent reads.
+impl From<&capyctl_crds::settings::GpuOverride> for GpuOverride {
+    fn from(g: &capyctl_crds::settings::GpuOverride) -> Self {
+        Self {
+            memory: g.memory,
+            unified: g.unified,
+            uuid: g.uuid.clone(),
+        }
+    }
+}
+
+/// The host settings the agent reads, built from the resolved host settings with
+/// `HostSettings::from(&HostConfig)` (engines, `gpus`, `host_memory`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HostSettings {
     /// vLLM's launch command.
@@ -169,6 +212,23 @@ impl Default for HostSettings {
             tensorfold: EngineLaunch::default_for(EngineKind::Tensorfold),
             gpus: None,
             host_memory: None,
+        }
+    }
+}
+
+impl From<&capyctl_crds::settings::HostConfig> for HostSettings {
+    /// The engines' launch commands, `gpus` and `host_memory` of a host; the rest of the host
+    /// settings (queue, activation, ID) belong to the router and the lifecycle.
+    fn from(h: &capyctl_crds::settings::HostConfig) -> Self {
+        Self {
+            vllm: h.engines.vllm.clone().into(),
+            sglang: h.engines.sglang.clone().into(),
+            tensorfold: h.engines.tensorfold.clone().into(),
+            gpus: h
+                .gpus
+                .as_ref()
+                .map(|g| g.iter().map(GpuOverride::from).collect()),
+            host_memory: h.host_memory,
         }
     }
 }

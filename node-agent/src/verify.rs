@@ -11,9 +11,10 @@
 //! of the top tokens that spell it or its unique beginning; the option picked is the most
 //! probable one (or, without log probabilities, the option the text spells). A wake passes
 //! when the same option is picked and every probability is within [`DECISION_TOLERANCE`].
-//! NB: answers without log probabilities cannot pass that comparison (the engine simulator
-//! answers `"logprobs": null` today); decision models restart instead of parking in this
-//! release, so nothing compares them yet.
+//! NB: answers without log probabilities cannot pass that comparison. The engine simulator
+//! answers them in vLLM's shape and picks an option of a decision prompt while its weights are
+//! intact (`tests/driver.rs` checks a pass and a `wake_mismatch`); decision models restart
+//! instead of parking in this release, so the lifecycle compares nothing yet.
 
 use std::collections::BTreeMap;
 

@@ -10,14 +10,16 @@ use std::time::Duration;
 
 use capyctl_crds::EngineKind;
 use capyctl_crds::Residency;
-use capyctl_node_agent::agent::{AgentConfig, ParkResult};
+use capyctl_node_agent::agent::{AgentConfig, EngineExit, ParkResult};
+use capyctl_node_agent::http::{Call, EngineClient};
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::launch::MaxRunningSource;
 use capyctl_node_agent::process::{ProcessRuntime, alive};
 use capyctl_node_agent::spec::{DecisionSpec, GpuOverride, HostSettings, InstanceSpec};
 use capyctl_node_agent::tier::{NoParkReason, ParkTier};
 use capyctl_node_agent::verify::WakeOutcome;
-use capyctl_node_agent::{HostAgent, LocalHostAgent};
+use capyctl_node_agent::{AgentError, HostAgent, LocalHostAgent};
+use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 
 const MIB: u64 = 1024 * 1024;
 
@@ -296,5 +298,269 @@ async fn a_restarted_agent_adopts_live_engines_and_cleans_dead_ones() {
             .unwrap()
             .is_empty()
     );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Sets `fault` on the simulator behind `instance` (`crash` exits it before it answers).
+async fn set_fault(agent: &LocalHostAgent, instance: &str, fault: &str) {
+    let ep = agent.endpoint(instance).unwrap();
+    let url = ep.url("/sim/faults");
+    let call = Call {
+        engine: ep.engine,
+        step: "sim faults",
+        url: &url,
+        timeout: Duration::from_secs(5),
+    };
+    let body = serde_json::json!({ "set": [fault] });
+    let _ = EngineClient::new()
+        .send(call, http::Method::POST, Some(&body))
+        .await;
+}
+
+/// The next exit event, bounded so that a missing event fails the test instead of hanging it.
+async fn next_exit(rx: &mut tokio::sync::broadcast::Receiver<EngineExit>) -> EngineExit {
+    tokio::time::timeout(Duration::from_secs(20), rx.recv())
+        .await
+        .expect("no exit event within 20 s")
+        .unwrap()
+}
+
+#[tokio::test]
+async fn an_engine_that_exits_by_itself_is_reported_once_and_forgotten() {
+    let dir = common::temp_dir("exits");
+    let a = agent(&dir, 1024 * MIB, false);
+    let mut exits = a.subscribe_exits();
+    let mut second_subscriber = a.subscribe_exits();
+    let ready = a.start("awake", &spec(EngineKind::Vllm, "")).await.unwrap();
+    let parked = a
+        .start("parked", &spec(EngineKind::Sglang, ""))
+        .await
+        .unwrap();
+    a.park("parked").await.unwrap();
+    sample_arrives(&a, "awake").await;
+
+    // A ready engine crashes.
+    set_fault(&a, "awake", "crash").await;
+    let exit = next_exit(&mut exits).await;
+    assert_eq!(
+        exit,
+        EngineExit {
+            instance: "awake".into(),
+            status: Some("exit status: 70".into())
+        }
+    );
+    assert_eq!(next_exit(&mut second_subscriber).await, exit);
+    assert!(!alive(ready.pid));
+    assert!(a.sample("awake").is_none());
+    assert!(a.pid("awake").is_none());
+    assert!(matches!(
+        a.stop("awake").await,
+        Err(AgentError::UnknownInstance { .. })
+    ));
+    assert!(matches!(
+        a.park("awake").await,
+        Err(AgentError::UnknownInstance { .. })
+    ));
+    // The same ID can be started again.
+    let again = a.start("awake", &spec(EngineKind::Vllm, "")).await.unwrap();
+
+    // A parked engine killed from outside (an OOM kill).
+    std::process::Command::new("kill")
+        .args(["-9", &parked.pid.to_string()])
+        .status()
+        .unwrap();
+    assert_eq!(
+        next_exit(&mut exits).await,
+        EngineExit {
+            instance: "parked".into(),
+            status: Some("signal: 9 (SIGKILL)".into())
+        }
+    );
+    assert!(matches!(
+        a.wake("parked").await,
+        Err(AgentError::UnknownInstance { .. })
+    ));
+    let records = ProcessRuntime::new(&dir).unwrap().records().unwrap();
+    assert_eq!(
+        records
+            .iter()
+            .map(|r| r.instance.as_str())
+            .collect::<Vec<_>>(),
+        ["awake"]
+    );
+    assert_eq!(records[0].pid, again.pid);
+
+    // Exactly one event each: nothing more is queued, and a stop sends nothing.
+    a.stop("awake").await.unwrap();
+    assert!(!alive(again.pid));
+    assert!(matches!(exits.try_recv(), Err(TryRecvError::Empty)));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn exits_during_a_wake_or_a_stop_are_not_reported() {
+    let dir = common::temp_dir("exit-wake");
+    let a = agent(&dir, 1024 * MIB, false);
+    let mut exits = a.subscribe_exits();
+    a.start("c", &spec(EngineKind::Vllm, "crash_on_wake"))
+        .await
+        .unwrap();
+    a.park("c").await.unwrap();
+    let report = a.wake("c").await.unwrap();
+    assert!(matches!(report.outcome, WakeOutcome::EngineExited(_)));
+    // Parked then stopped instead (TensorFold does not park), and stopped by the lifecycle.
+    a.start("t", &spec(EngineKind::Tensorfold, ""))
+        .await
+        .unwrap();
+    assert!(matches!(
+        a.park("t").await.unwrap(),
+        ParkResult::Stopped { .. }
+    ));
+    a.start("s", &spec(EngineKind::Vllm, "")).await.unwrap();
+    a.stop("s").await.unwrap();
+    // The failed wake and the stops removed their instances before returning, so no event can
+    // still be on its way.
+    assert!(matches!(exits.try_recv(), Err(TryRecvError::Empty)));
+    drop(a);
+    // The agent is gone: the channel closes.
+    let closed = tokio::time::timeout(Duration::from_secs(10), exits.recv()).await;
+    assert!(matches!(closed, Ok(Err(RecvError::Closed))), "{closed:?}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// An agent that cannot watch its engines: the default `subscribe_exits`.
+struct Blind;
+
+impl HostAgent for Blind {
+    fn inventory(
+        &self,
+    ) -> capyctl_node_agent::agent::BoxFuture<
+        '_,
+        Result<capyctl_node_agent::inventory::Inventory, AgentError>,
+    > {
+        unimplemented!()
+    }
+    fn engines(
+        &self,
+    ) -> capyctl_node_agent::agent::BoxFuture<'_, Vec<capyctl_node_agent::capability::EngineInfo>>
+    {
+        unimplemented!()
+    }
+    fn measure<'a>(
+        &'a self,
+        _: &'a InstanceSpec,
+    ) -> capyctl_node_agent::agent::BoxFuture<
+        'a,
+        Result<capyctl_node_agent::measure::Measurement, AgentError>,
+    > {
+        unimplemented!()
+    }
+    fn parkability<'a>(
+        &'a self,
+        _: &'a InstanceSpec,
+    ) -> capyctl_node_agent::agent::BoxFuture<
+        'a,
+        Result<capyctl_node_agent::tier::ParkChoice, AgentError>,
+    > {
+        unimplemented!()
+    }
+    fn start<'a>(
+        &'a self,
+        _: &'a str,
+        _: &'a InstanceSpec,
+    ) -> capyctl_node_agent::agent::BoxFuture<
+        'a,
+        Result<capyctl_node_agent::agent::StartedInstance, AgentError>,
+    > {
+        unimplemented!()
+    }
+    fn park<'a>(
+        &'a self,
+        _: &'a str,
+    ) -> capyctl_node_agent::agent::BoxFuture<'a, Result<ParkResult, AgentError>> {
+        unimplemented!()
+    }
+    fn wake<'a>(
+        &'a self,
+        _: &'a str,
+    ) -> capyctl_node_agent::agent::BoxFuture<
+        'a,
+        Result<capyctl_node_agent::agent::WakeReport, AgentError>,
+    > {
+        unimplemented!()
+    }
+    fn stop<'a>(
+        &'a self,
+        _: &'a str,
+    ) -> capyctl_node_agent::agent::BoxFuture<'a, Result<(), AgentError>> {
+        unimplemented!()
+    }
+    fn sample(&self, _: &str) -> Option<capyctl_node_agent::load::LoadSample> {
+        None
+    }
+    fn recover(
+        &self,
+    ) -> capyctl_node_agent::agent::BoxFuture<
+        '_,
+        Result<capyctl_node_agent::agent::RecoveryReport, AgentError>,
+    > {
+        unimplemented!()
+    }
+}
+
+#[tokio::test]
+async fn the_default_exit_subscription_is_closed() {
+    let agent: Arc<dyn HostAgent> = Arc::new(Blind);
+    let mut rx = agent.subscribe_exits();
+    assert!(matches!(rx.recv().await, Err(RecvError::Closed)));
+}
+
+/// Polls the agent's sample (bounded: 10 s) until `pred` holds.
+async fn sample_where(
+    agent: &LocalHostAgent,
+    id: &str,
+    what: &str,
+    pred: impl Fn(&capyctl_node_agent::load::LoadSample) -> bool,
+) -> capyctl_node_agent::load::LoadSample {
+    for _ in 0..200 {
+        if let Some(s) = agent.sample(id).filter(|s| pred(s)) {
+            return s;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("no sample {what} for {id}; last: {:?}", agent.sample(id));
+}
+
+fn signal(pid: u32, sig: &str) {
+    let status = std::process::Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+#[tokio::test]
+async fn an_engine_that_stops_answering_has_unknown_load_not_zero() {
+    let dir = common::temp_dir("unreadable");
+    let a = agent(&dir, 1024 * MIB, false);
+    let started = a
+        .start("frozen", &spec(EngineKind::Vllm, ""))
+        .await
+        .unwrap();
+    let before = sample_where(&a, "frozen", "with figures", |s| s.engine.is_some()).await;
+    // The engine hangs (stopped, not gone): samples keep coming, with no figures.
+    signal(started.pid, "-STOP");
+    let frozen = sample_where(&a, "frozen", "without figures", |s| {
+        s.engine.is_none() && s.sampled_at_ms > before.sampled_at_ms
+    })
+    .await;
+    assert!(frozen.took >= Duration::from_millis(200), "{frozen:?}");
+    signal(started.pid, "-CONT");
+    sample_where(&a, "frozen", "with figures again", |s| {
+        s.engine.is_some() && s.sampled_at_ms > frozen.sampled_at_ms
+    })
+    .await;
+    a.stop("frozen").await.unwrap();
+    assert!(a.sample("frozen").is_none());
     let _ = std::fs::remove_dir_all(dir);
 }

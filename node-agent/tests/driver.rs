@@ -11,7 +11,7 @@ use capyctl_node_agent::agent::endpoint_of;
 use capyctl_node_agent::driver::{Driver, DriverTimeouts, Endpoint};
 use capyctl_node_agent::http::{Call, EngineClient};
 use capyctl_node_agent::launch::launch_command;
-use capyctl_node_agent::spec::{EngineLaunch, InstanceSpec};
+use capyctl_node_agent::spec::{DecisionSpec, EngineLaunch, InstanceSpec};
 use capyctl_node_agent::tier::{LaunchParking, ParkTier};
 use capyctl_node_agent::verify::{FirstAnswer, WakeOutcome};
 use http::Method;
@@ -286,4 +286,64 @@ async fn readiness_is_bounded_and_says_where() {
         text.contains("vllm") && text.contains("/health") && text.contains(&ep.base_url),
         "{text}"
     );
+}
+
+fn decision() -> DecisionSpec {
+    DecisionSpec {
+        prompt: "Is the sky blue?".into(),
+        options: vec!["yes".into(), "no".into()],
+    }
+}
+
+/// A decision's first answer, park, wake and the decision compared.
+async fn decision_round_trip(ep: &Endpoint, tier: ParkTier) -> (FirstAnswer, WakeOutcome) {
+    let d = driver();
+    let dm = decision();
+    let first = d
+        .check_answer(ep, Some(&dm), Duration::from_secs(5))
+        .await
+        .unwrap();
+    d.park(ep, tier).await.unwrap();
+    let outcome = d
+        .wake_and_verify(ep, tier, Some(&dm), Some(&first), WINDOW)
+        .await;
+    (first, outcome)
+}
+
+#[tokio::test]
+async fn a_decision_passes_after_a_good_wake() {
+    for (engine, parking, tier) in [
+        (EngineKind::Vllm, BACKUP, ParkTier::HostRam),
+        (EngineKind::Vllm, BACKUP, ParkTier::Deep),
+        (EngineKind::Sglang, NO_BACKUP, ParkTier::Deep),
+    ] {
+        let mut sp = spec(engine);
+        sp.decision = Some(decision());
+        let ep = start(&sp, parking, "").await;
+        let (first, outcome) = decision_round_trip(&ep, tier).await;
+        let FirstAnswer::Decision { answer } = &first else {
+            panic!("{first:?}");
+        };
+        // The engine answered with an option and its log probabilities.
+        let picked = answer.picked.as_deref().unwrap();
+        assert!(picked == "yes" || picked == "no", "{answer:?}");
+        let p = answer.probabilities.as_ref().unwrap();
+        assert!(p["yes"] > 0.0 && p["no"] > 0.0, "{p:?}");
+        assert!(p[picked] >= 0.6, "{p:?}");
+        assert_eq!(outcome, WakeOutcome::Pass, "{engine} {tier:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_decision_after_a_bad_wake_is_a_mismatch() {
+    let mut sp = spec(EngineKind::Vllm);
+    sp.decision = Some(decision());
+    let ep = start(&sp, BACKUP, "").await;
+    set_fault(&ep, "wake_mismatch").await;
+    let (_, outcome) = decision_round_trip(&ep, ParkTier::HostRam).await;
+    let WakeOutcome::Mismatch(why) = &outcome else {
+        panic!("{outcome:?}");
+    };
+    assert!(why.contains("picked None"), "{why}");
+    assert_eq!(outcome.failure().unwrap().code(), "wake_mismatch");
 }

@@ -10,8 +10,10 @@ use capyctl_node_agent::AgentError;
 use capyctl_node_agent::capability::{DeepPark, REFUSALS, engine_info, refusal_for};
 use capyctl_node_agent::checkpoint::{ModelFacts, checkpoint_size};
 use capyctl_node_agent::inventory::parse_meminfo;
-use capyctl_node_agent::launch::{MaxRunningInput, MaxRunningSource, launch_command, max_running};
-use capyctl_node_agent::load::parse_metrics;
+use capyctl_node_agent::launch::{
+    MaxRunning, MaxRunningInput, MaxRunningSource, launch_command, max_running,
+};
+use capyctl_node_agent::load::{EngineLoad, LoadSample, parse_metrics};
 use capyctl_node_agent::measure::{MeasureSource, measure_before_start, parse_ppid};
 use capyctl_node_agent::spec::{DecisionSpec, EngineLaunch, InstanceSpec};
 use capyctl_node_agent::tier::{
@@ -576,6 +578,150 @@ fn metrics_are_read_and_absent_figures_stay_unknown() {
         None
     );
     assert_eq!(parse_metrics(EngineKind::Sglang, vllm), None);
+}
+
+#[test]
+fn samples_age_go_stale_and_are_dropped() {
+    use capyctl_crds::api::{EngineLoadView, STALE_AFTER_MS, STALE_SAMPLE_KEPT_MS};
+    let at = 1_791_459_999_600;
+    let full = EngineLoad {
+        running: Some(3),
+        waiting: Some(0),
+        kv_usage_ppm: Some(121_000),
+    };
+    let sample = LoadSample {
+        sampled_at_ms: at,
+        took: std::time::Duration::from_millis(2),
+        engine: Some(full),
+    };
+    let v = sample.view(at + 400, 3).unwrap();
+    assert_eq!((v.sampled_at_ms, v.age_ms, v.fresh), (at, 400, true));
+    assert_eq!(v.ingress_in_flight, 3);
+    assert_eq!(
+        v.engine,
+        Some(EngineLoadView {
+            running: 3,
+            waiting: 0,
+            kv_usage_ppm: 121_000
+        })
+    );
+    // The product page's example, to the letter.
+    assert_eq!(
+        serde_json::to_value(&v).unwrap(),
+        json!({"sampled_at_ms": 1_791_459_999_600u64, "age_ms": 400, "fresh": true,
+            "ingress_in_flight": 3, "engine": {"running": 3, "waiting": 0, "kv_usage_ppm": 121_000}})
+    );
+    // Stale from stale_after_ms on, kept 30 s more, then dropped.
+    assert!(sample.fresh(at + STALE_AFTER_MS - 1));
+    assert!(!sample.fresh(at + STALE_AFTER_MS));
+    assert!(!sample.view(at + STALE_AFTER_MS, 0).unwrap().fresh);
+    assert!(
+        sample
+            .view(at + STALE_AFTER_MS + STALE_SAMPLE_KEPT_MS, 0)
+            .is_some()
+    );
+    assert!(
+        sample
+            .view(at + STALE_AFTER_MS + STALE_SAMPLE_KEPT_MS + 1, 0)
+            .is_none()
+    );
+    // A clock a little behind the host's: age 0, not an underflow.
+    assert_eq!(sample.age_ms(at - 50), 0);
+    // A missing figure is unknown, never zero: no engine figures at all.
+    let partial = LoadSample {
+        engine: Some(EngineLoad {
+            waiting: None,
+            ..full
+        }),
+        ..sample
+    };
+    assert_eq!(partial.view(at, 0).unwrap().engine, None);
+    let unreadable = LoadSample {
+        engine: None,
+        ..sample
+    };
+    assert_eq!(unreadable.view(at, 0).unwrap().engine, None);
+}
+
+#[test]
+fn measurement_and_engine_views() {
+    use capyctl_node_agent::measure::{Measured, Measurement};
+    let m = |bytes, source| Some(Measured { bytes, source });
+    let declared = Measurement {
+        weights: m(8, MeasureSource::Declared),
+        gpu_memory: m(40, MeasureSource::Declared),
+    };
+    let v = declared.view().unwrap();
+    assert_eq!(
+        (v.gpu_memory, v.weights_memory, v.source.as_str()),
+        (40, 8, "declared")
+    );
+    let mixed = Measurement {
+        weights: m(8, MeasureSource::Checkpoint),
+        gpu_memory: m(20, MeasureSource::EngineFootprint),
+    };
+    assert_eq!(mixed.view().unwrap().source, "observed");
+    let checkpoint = Measurement {
+        weights: m(8, MeasureSource::Checkpoint),
+        gpu_memory: m(40, MeasureSource::Declared),
+    };
+    assert_eq!(checkpoint.view().unwrap().source, "measured");
+    // GPU memory unknown: no view yet (awaiting its footprint).
+    let weights_only = Measurement {
+        weights: m(8, MeasureSource::Checkpoint),
+        gpu_memory: None,
+    };
+    assert_eq!(weights_only.view(), None);
+    assert!(!weights_only.awaiting());
+    assert!(Measurement::default().awaiting());
+    assert_eq!(Measurement::default().view(), None);
+    // Only the footprint: it stands in for the weights too.
+    let footprint = Measurement {
+        weights: None,
+        gpu_memory: m(20, MeasureSource::EngineFootprint),
+    };
+    assert_eq!(footprint.view().unwrap().weights_memory, 20);
+
+    let row =
+        engine_info(EngineKind::Tensorfold, None).view("gpu-box", &s(&["tensorfold", "serve"]));
+    assert_eq!(row.deep_park, "TensorFold does not park: it stops");
+    assert_eq!((row.host_id.as_str(), row.command.len()), ("gpu-box", 2));
+    let row = engine_info(EngineKind::Vllm, Some("0.31.0".into())).view("gpu-box", &s(&["vllm"]));
+    assert_eq!(
+        (row.deep_park.as_str(), row.version.as_deref()),
+        ("enabled", Some("0.31.0"))
+    );
+}
+
+#[test]
+fn max_running_views_name_their_source() {
+    use capyctl_crds::api::MaxRunningView;
+    for (source, name) in [
+        (MaxRunningSource::Engine, "engine"),
+        (MaxRunningSource::Declared, "declared"),
+        (MaxRunningSource::Default, "default"),
+        (MaxRunningSource::StateCache, "state_cache"),
+        (MaxRunningSource::ExtraArgs, "extra_args"),
+        (MaxRunningSource::HostFixed, "host_fixed"),
+        (MaxRunningSource::EngineDefault, "engine_default"),
+        (MaxRunningSource::OnHost, "on_host"),
+    ] {
+        // The same name as the serde form.
+        assert_eq!(serde_json::to_value(source).unwrap(), json!(name));
+        let view = MaxRunningView::from(MaxRunning {
+            count: Some(8),
+            source,
+        });
+        assert_eq!(view.source, name);
+    }
+    let unknown = MaxRunningView::from(MaxRunning {
+        count: None,
+        source: MaxRunningSource::EngineDefault,
+    });
+    assert_eq!(
+        serde_json::to_value(unknown).unwrap(),
+        json!({"source": "engine_default"})
+    );
 }
 
 #[test]
