@@ -7,8 +7,8 @@ use std::future::Future;
 use std::pin::Pin;
 
 use capyctl_crds::api::{
-    ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostList,
-    LoadReport, StartRequest,
+    ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostList, LoadReport,
+    StartRequest,
 };
 use capyctl_crds::documents::DeploymentDoc;
 use capyctl_crds::errors::ApiError;
@@ -26,10 +26,8 @@ pub trait ManagementApi: Send + Sync + 'static {
     /// `GET /deployments/{name-or-id}`.
     fn get<'a>(&'a self, name_or_id: &'a str) -> BoxFuture<'a, Result<DeploymentView, ApiError>>;
     /// `DELETE /deployments/{name-or-id}`: stops its instances and forgets it.
-    fn delete<'a>(
-        &'a self,
-        name_or_id: &'a str,
-    ) -> BoxFuture<'a, Result<DeploymentView, ApiError>>;
+    fn delete<'a>(&'a self, name_or_id: &'a str)
+    -> BoxFuture<'a, Result<DeploymentView, ApiError>>;
     /// `POST /deployments/{id}/start`.
     fn start<'a>(
         &'a self,

@@ -7,14 +7,17 @@
 //!   `Lifecycle`, drives hosts through the node agent's `HostAgent`, and persists through a
 //!   [`store::Store`].
 //! - [`store`]: where the state lives (a state file in standalone; CR status on Kubernetes).
-//! - [`management`]: the `/management/v1` listener, its token, health and Prometheus metrics.
+//! - [`management`]: the `/management/v1` listener, its token, health and Prometheus metrics;
+//!   [`metrics`]: the metrics themselves.
 //! - [`standalone`]: `capyctl start standalone`.
 //!
 //! The lifecycle does not know whether it runs under Kubernetes: the store and the host agent
-//! are traits.
+//! are traits. `operator/DESIGN.md` describes the states, who writes what, how a switch flows
+//! between router and lifecycle, and persistence and recovery.
 
 pub mod api;
 pub mod lifecycle;
 pub mod management;
+pub mod metrics;
 pub mod standalone;
 pub mod store;

@@ -1,1 +1,638 @@
-//! Placeholder: the management listener (being written).
+//! The management listener (DESIGN 4.3, 4.5): `/management/v1` over [`ManagementApi`], the
+//! admin token ([`load_or_create_token`]), health and Prometheus metrics.
+//!
+//! Routes (every one under [`PREFIX`] needs `Authorization: Bearer <admin token>`, else 401
+//! `unauthorized`; the token is compared in constant time):
+//!
+//! | route | answer |
+//! |---|---|
+//! | `GET /management/v1/deployments` | 200 `DeploymentList` |
+//! | `POST /management/v1/deployments` | 201 `DeployReceipt` when created, 200 when updated or unchanged |
+//! | `GET /management/v1/deployments/{name-or-id}` | 200 `DeploymentView` |
+//! | `DELETE /management/v1/deployments/{name-or-id}` | 200 `DeploymentView` (as it was) |
+//! | `POST /management/v1/deployments/{name-or-id}/start` | 200 `ActionReceipt`; optional body `StartRequest` |
+//! | `POST /management/v1/deployments/{name-or-id}/{stop,park,preinitialize}` | 200 `ActionReceipt` |
+//! | `GET /management/v1/engines` | 200 `EngineList` |
+//! | `GET /management/v1/hosts` | 200 `HostList` |
+//! | `GET /management/v1/metrics/load[?deployment=ID]` | 200 `LoadReport` |
+//! | `GET /healthz` | 200 `ok` (no token) |
+//! | `GET /readyz` | 200 `ready` once [`ManagementApi::ready`], else 503 (no token) |
+//! | `GET /metrics` | 200 OpenMetrics text of [`Metrics`] (no token) |
+//!
+//! Errors are [`ApiError`] JSON (`{"code","message","retryable"}`) with its status, and
+//! `Retry-After` on a 429. An unknown route is 404 `not_found`, a known route with another
+//! method 405 `method_not_allowed` (JSON too, with `Allow`).
+//!
+//! The deployment document of `POST /deployments` is YAML when the `Content-Type` is
+//! `application/yaml`, `application/x-yaml`, `text/yaml` or `text/x-yaml` (or ends in `+yaml`),
+//! JSON when it is `application/json` (or ends in `+json`); without a `Content-Type` a body
+//! starting with `{` is JSON and any other YAML. A bad document is 400 `invalid_request` naming
+//! the key (and for YAML the line), e.g. `request body:3: resdency: unknown key; expected one of
+//! ...`, and changes nothing.
+//!
+//! NB: `/metrics` takes no token so that Prometheus can scrape it without the admin secret; it
+//! shows counts and durations labelled by deployment ID, never documents or the token. The
+//! listener is on loopback by default; put it behind a NetworkPolicy where it is not.
+
+mod token;
+
+use std::future::{Future, IntoFuture};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::PathRejection;
+use axum::extract::{OriginalUri, Path, RawQuery, Request, State};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use capyctl_crds::api::{DeployOutcome, PREFIX, StartRequest};
+use capyctl_crds::documents::{DeploymentDoc, parse_deployment_str};
+use capyctl_crds::errors::ApiError;
+use http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use serde::Serialize;
+
+use crate::api::ManagementApi;
+use crate::metrics::{self, Metrics};
+
+pub use token::{TOKEN_BYTES, TOKEN_FILE, TokenError, load_or_create_token, token_path};
+
+/// The largest deployment document `POST /deployments` takes (1 MiB); a larger body is 413.
+pub const MAX_DOCUMENT_BYTES: usize = 1 << 20;
+
+/// The largest body `POST .../start` takes (64 KiB).
+pub const MAX_START_BODY_BYTES: usize = 64 << 10;
+
+/// How long [`serve`] lets requests in progress finish after the shutdown signal before it
+/// returns anyway (a `start --wait` can take minutes; a shutdown should not).
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// The name the errors give a request's document.
+const BODY_NAME: &str = "request body";
+
+/// What the listener needs besides the API.
+#[derive(Debug, Clone)]
+pub struct ManagementOptions {
+    /// The admin token every `/management/v1` request must carry as `Bearer`.
+    pub token: String,
+    /// The metrics `GET /metrics` serves.
+    pub metrics: Arc<Metrics>,
+}
+
+/// Shared by every handler (read-only).
+#[derive(Clone)]
+struct AppState {
+    api: Arc<dyn ManagementApi>,
+    token: Arc<str>,
+    metrics: Arc<Metrics>,
+}
+
+/// The management app: every route of the module's table. Serve it with [`serve`], or drive
+/// it in tests with `tower::ServiceExt::oneshot`.
+pub fn router(api: Arc<dyn ManagementApi>, options: ManagementOptions) -> Router {
+    let state = AppState {
+        api,
+        token: Arc::from(options.token),
+        metrics: options.metrics,
+    };
+    let v1 = Router::new()
+        .route("/deployments", get(list).post(deploy))
+        .route("/deployments/{name_or_id}", get(get_one).delete(delete))
+        .route("/deployments/{name_or_id}/start", post(start))
+        .route("/deployments/{name_or_id}/stop", post(stop))
+        .route("/deployments/{name_or_id}/park", post(park))
+        .route(
+            "/deployments/{name_or_id}/preinitialize",
+            post(preinitialize),
+        )
+        .route("/engines", get(engines))
+        .route("/hosts", get(hosts))
+        .route("/metrics/load", get(load))
+        .method_not_allowed_fallback(method_not_allowed)
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(state.clone(), require_token));
+    Router::new()
+        .nest(PREFIX, v1)
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(prometheus))
+        .method_not_allowed_fallback(method_not_allowed)
+        .fallback(not_found)
+        .with_state(state)
+}
+
+/// Serves [`router`] on `listener` until `shutdown` completes; then lets requests in progress
+/// finish for up to [`SHUTDOWN_GRACE`] and returns. An error of the listener itself is returned.
+///
+/// NB: connections still busy after the grace are left to the runtime's shutdown.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    api: Arc<dyn ManagementApi>,
+    options: ManagementOptions,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let (fired_tx, mut fired_rx) = tokio::sync::watch::channel(false);
+    let signal = async move {
+        shutdown.await;
+        let _ = fired_tx.send(true);
+    };
+    let server = axum::serve(listener, router(api, options))
+        .with_graceful_shutdown(signal)
+        .into_future();
+    let grace = async move {
+        if fired_rx.wait_for(|fired| *fired).await.is_err() {
+            // The signal was dropped without firing: the server runs until it ends.
+            std::future::pending::<()>().await;
+        }
+        tokio::time::sleep(SHUTDOWN_GRACE).await;
+    };
+    tokio::select! {
+        result = server => result,
+        () = grace => {
+            tracing::warn!(
+                grace_s = SHUTDOWN_GRACE.as_secs(),
+                "management listener: requests still in progress after the shutdown grace; leaving them"
+            );
+            Ok(())
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Responses
+// ---------------------------------------------------------------------------------------------
+
+fn json<T: Serialize>(status: StatusCode, body: &T) -> Response {
+    match serde_json::to_vec(body) {
+        Ok(bytes) => (
+            status,
+            [(header::CONTENT_TYPE, "application/json")],
+            Bytes::from(bytes),
+        )
+            .into_response(),
+        Err(e) => error(ApiError::Internal {
+            detail: format!("cannot serialize the answer: {e}"),
+        }),
+    }
+}
+
+fn error(err: ApiError) -> Response {
+    let status = StatusCode::from_u16(err.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut response = (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        err.to_json(),
+    )
+        .into_response();
+    if let Some(seconds) = err.retry_after() {
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+    }
+    response
+}
+
+fn answer<T: Serialize>(status: StatusCode, result: Result<T, ApiError>) -> Response {
+    match result {
+        Ok(body) => json(status, &body),
+        Err(e) => error(e),
+    }
+}
+
+fn invalid(detail: impl Into<String>) -> Response {
+    error(ApiError::InvalidRequest {
+        detail: detail.into(),
+    })
+}
+
+fn bad_path(rejection: PathRejection) -> Response {
+    invalid(format!("bad path: {}", rejection.body_text()))
+}
+
+async fn not_found(method: Method, OriginalUri(uri): OriginalUri) -> Response {
+    error(ApiError::NotFound {
+        what: format!("route {method} {}", uri.path()),
+    })
+}
+
+async fn method_not_allowed(method: Method, OriginalUri(uri): OriginalUri) -> Response {
+    let body = serde_json::json!({
+        "code": "method_not_allowed",
+        "message": format!("method {method} is not allowed on {}; see the Allow header", uri.path()),
+        "retryable": false,
+    });
+    json(StatusCode::METHOD_NOT_ALLOWED, &body)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The token
+// ---------------------------------------------------------------------------------------------
+
+/// Equal in time that depends only on the lengths, not on where the bytes differ.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = u8::from(a.len() != b.len());
+    for i in 0..a.len().max(b.len()) {
+        let x = a.get(i).copied().unwrap_or(0);
+        let y = b.get(i).copied().unwrap_or(0);
+        diff |= x ^ y;
+    }
+    std::hint::black_box(diff) == 0
+}
+
+/// The `Bearer` credentials of the `Authorization` header, if it holds any.
+fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
+    let value = headers.get(header::AUTHORIZATION)?.as_bytes();
+    let (scheme, rest) = value.split_at_checked(6)?;
+    if !scheme.eq_ignore_ascii_case(b"bearer") || rest.first() != Some(&b' ') {
+        return None;
+    }
+    Some(rest.trim_ascii())
+}
+
+async fn require_token(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let authorized = !state.token.is_empty()
+        && bearer(request.headers())
+            .is_some_and(|given| constant_time_eq(given, state.token.as_bytes()));
+    if !authorized {
+        tracing::debug!(method = %request.method(), path = request.uri().path(), "management: refused without the admin token");
+        return error(ApiError::Unauthorized);
+    }
+    let method = request.method().clone();
+    let path = request.uri().path().to_string();
+    let response = next.run(request).await;
+    tracing::debug!(%method, path, status = response.status().as_u16(), "management request");
+    response
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bodies
+// ---------------------------------------------------------------------------------------------
+
+/// Reads the whole body up to `limit` bytes: 413 past it, 400 when it cannot be read.
+async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            Err(ApiError::RequestTooLarge {
+                limit: u64::try_from(limit).unwrap_or(u64::MAX),
+            })
+        }
+        Err(e) => Err(ApiError::InvalidRequest {
+            detail: format!("cannot read the request body: {e}"),
+        }),
+    }
+}
+
+/// How a document body is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Format {
+    Json,
+    Yaml,
+}
+
+fn document_format(headers: &HeaderMap, body: &[u8]) -> Result<Format, ApiError> {
+    let Some(value) = headers.get(header::CONTENT_TYPE) else {
+        let first = body.iter().find(|b| !b.is_ascii_whitespace());
+        return Ok(if first == Some(&b'{') {
+            Format::Json
+        } else {
+            Format::Yaml
+        });
+    };
+    let text = value.to_str().unwrap_or("");
+    let media = text
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    match media.as_str() {
+        "application/json" => Ok(Format::Json),
+        "application/yaml" | "application/x-yaml" | "text/yaml" | "text/x-yaml" => Ok(Format::Yaml),
+        m if m.ends_with("+json") => Ok(Format::Json),
+        m if m.ends_with("+yaml") => Ok(Format::Yaml),
+        _ => Err(ApiError::InvalidRequest {
+            detail: format!(
+                "Content-Type {text:?} is not accepted for a deployment document; send application/json or application/yaml"
+            ),
+        }),
+    }
+}
+
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
+/// A deployment document from JSON. On success the JSON is read by serde_json alone; on a
+/// refusal the value is read again by the document parser, whose error names the key path
+/// (`resources.gpu_memory: ...`) and the problem as for a YAML file, without a line (the
+/// lines would be those of the re-written text, not the client's).
+fn parse_json_document(text: &str) -> Result<DeploymentDoc, String> {
+    let json_err = match serde_json::from_str::<DeploymentDoc>(text) {
+        Ok(doc) => return Ok(doc),
+        Err(e) => e,
+    };
+    let value: serde_json::Value = match serde_json::from_str(text) {
+        Ok(v) => v,
+        Err(e) => return Err(format!("{BODY_NAME} is not valid JSON: {e}")),
+    };
+    if !value.is_object() {
+        return Err(format!(
+            "{BODY_NAME} is {}, not a JSON object (a deployment document)",
+            json_kind(&value)
+        ));
+    }
+    // JSON is YAML: the pretty form (spaces, no tabs) goes through the same parser as a file.
+    let Ok(pretty) = serde_json::to_string_pretty(&value) else {
+        return Err(format!("{BODY_NAME}: {json_err}"));
+    };
+    match parse_deployment_str(BODY_NAME, &pretty) {
+        Err(e) => Err(match e.path {
+            Some(path) => format!("{BODY_NAME}: {path}: {}", e.problem),
+            None => format!("{BODY_NAME}: {}", e.problem),
+        }),
+        Ok(_) => Err(format!("{BODY_NAME}: {json_err}")),
+    }
+}
+
+fn parse_document(format: Format, body: &[u8]) -> Result<DeploymentDoc, String> {
+    let text = std::str::from_utf8(body).map_err(|e| format!("{BODY_NAME} is not UTF-8: {e}"))?;
+    if text.trim().is_empty() {
+        return Err(format!(
+            "{BODY_NAME} is empty; expected a deployment document (name, engine, model, ...)"
+        ));
+    }
+    match format {
+        Format::Json => parse_json_document(text),
+        Format::Yaml => parse_deployment_str(BODY_NAME, text).map_err(|e| e.to_string()),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Handlers
+// ---------------------------------------------------------------------------------------------
+
+async fn list(State(s): State<AppState>) -> Response {
+    json(StatusCode::OK, &s.api.list().await)
+}
+
+async fn deploy(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    let bytes = match read_body(body, MAX_DOCUMENT_BYTES).await {
+        Ok(b) => b,
+        Err(e) => return error(e),
+    };
+    let format = match document_format(&headers, &bytes) {
+        Ok(f) => f,
+        Err(e) => return error(e),
+    };
+    let doc = match parse_document(format, &bytes) {
+        Ok(doc) => doc,
+        Err(detail) => return invalid(detail),
+    };
+    match s.api.deploy(doc).await {
+        Ok(receipt) => {
+            let status = match receipt.outcome {
+                DeployOutcome::Created => StatusCode::CREATED,
+                DeployOutcome::Updated | DeployOutcome::Unchanged => StatusCode::OK,
+            };
+            json(status, &receipt)
+        }
+        Err(e) => error(e),
+    }
+}
+
+async fn get_one(State(s): State<AppState>, name: Result<Path<String>, PathRejection>) -> Response {
+    match name {
+        Ok(Path(name)) => answer(StatusCode::OK, s.api.get(&name).await),
+        Err(r) => bad_path(r),
+    }
+}
+
+async fn delete(State(s): State<AppState>, name: Result<Path<String>, PathRejection>) -> Response {
+    match name {
+        Ok(Path(name)) => answer(StatusCode::OK, s.api.delete(&name).await),
+        Err(r) => bad_path(r),
+    }
+}
+
+async fn start(
+    State(s): State<AppState>,
+    name: Result<Path<String>, PathRejection>,
+    body: Body,
+) -> Response {
+    let name = match name {
+        Ok(Path(name)) => name,
+        Err(r) => return bad_path(r),
+    };
+    let bytes = match read_body(body, MAX_START_BODY_BYTES).await {
+        Ok(b) => b,
+        Err(e) => return error(e),
+    };
+    let request = if bytes.trim_ascii().is_empty() {
+        StartRequest::default()
+    } else {
+        match serde_json::from_slice::<StartRequest>(&bytes) {
+            Ok(r) => r,
+            Err(e) => {
+                return invalid(format!(
+                    "{BODY_NAME} of start: {e}; expected {{\"evict\": bool, \"wait\": bool}}"
+                ));
+            }
+        }
+    };
+    answer(StatusCode::OK, s.api.start(&name, request).await)
+}
+
+async fn stop(State(s): State<AppState>, name: Result<Path<String>, PathRejection>) -> Response {
+    match name {
+        Ok(Path(name)) => answer(StatusCode::OK, s.api.stop(&name).await),
+        Err(r) => bad_path(r),
+    }
+}
+
+async fn park(State(s): State<AppState>, name: Result<Path<String>, PathRejection>) -> Response {
+    match name {
+        Ok(Path(name)) => answer(StatusCode::OK, s.api.park(&name).await),
+        Err(r) => bad_path(r),
+    }
+}
+
+async fn preinitialize(
+    State(s): State<AppState>,
+    name: Result<Path<String>, PathRejection>,
+) -> Response {
+    match name {
+        Ok(Path(name)) => answer(StatusCode::OK, s.api.preinitialize(&name).await),
+        Err(r) => bad_path(r),
+    }
+}
+
+async fn engines(State(s): State<AppState>) -> Response {
+    json(StatusCode::OK, &s.api.engines().await)
+}
+
+async fn hosts(State(s): State<AppState>) -> Response {
+    json(StatusCode::OK, &s.api.hosts().await)
+}
+
+/// The `deployment` of `?deployment=ID`, refusing other keys, repeats and an empty value.
+fn load_query(raw: Option<&str>) -> Result<Option<String>, String> {
+    let Some(raw) = raw.filter(|q| !q.is_empty()) else {
+        return Ok(None);
+    };
+    let pairs: Vec<(String, String)> = query_pairs(raw)?;
+    let mut deployment = None;
+    for (key, value) in pairs {
+        if key != "deployment" {
+            return Err(format!(
+                "unknown query parameter `{key}`; expected `deployment`"
+            ));
+        }
+        if deployment.is_some() {
+            return Err("query parameter `deployment` is given twice".to_string());
+        }
+        if value.is_empty() {
+            return Err("query parameter `deployment` is empty; give a deployment ID".to_string());
+        }
+        deployment = Some(value);
+    }
+    Ok(deployment)
+}
+
+/// Splits and percent-decodes a query string (`+` is a space).
+fn query_pairs(raw: &str) -> Result<Vec<(String, String)>, String> {
+    raw.split('&')
+        .filter(|p| !p.is_empty())
+        .map(|pair| {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            Ok((percent_decode(k)?, percent_decode(v)?))
+        })
+        .collect()
+}
+
+fn percent_decode(s: &str) -> Result<String, String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while let Some(&b) = bytes.get(i) {
+        match b {
+            b'+' => out.push(b' '),
+            b'%' => {
+                let hex = bytes
+                    .get(i + 1..i + 3)
+                    .and_then(|h| std::str::from_utf8(h).ok())
+                    .and_then(|h| u8::from_str_radix(h, 16).ok())
+                    .ok_or_else(|| format!("bad percent-encoding in the query: {s:?}"))?;
+                out.push(hex);
+                i += 2;
+            }
+            _ => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8(out).map_err(|_| format!("the query is not UTF-8 once decoded: {s:?}"))
+}
+
+async fn load(State(s): State<AppState>, RawQuery(raw): RawQuery) -> Response {
+    match load_query(raw.as_deref()) {
+        Ok(deployment) => answer(StatusCode::OK, s.api.load(deployment.as_deref()).await),
+        Err(detail) => invalid(detail),
+    }
+}
+
+async fn healthz() -> Response {
+    (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain")], "ok").into_response()
+}
+
+async fn readyz(State(s): State<AppState>) -> Response {
+    if s.api.ready() {
+        (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "text/plain")],
+            "ready",
+        )
+            .into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            [(header::CONTENT_TYPE, "text/plain")],
+            "not ready: the server is still starting",
+        )
+            .into_response()
+    }
+}
+
+async fn prometheus(State(s): State<AppState>) -> Response {
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, metrics::CONTENT_TYPE)],
+        s.metrics.encode(),
+    )
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constant_time_eq_compares_whole_values() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"abcd"));
+        assert!(!constant_time_eq(b"", b"a"));
+        assert!(constant_time_eq(b"", b""));
+    }
+
+    #[test]
+    fn bearer_reads_the_scheme_case_insensitively() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("bearer  tok "),
+        );
+        assert_eq!(bearer(&h), Some(&b"tok"[..]));
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Basic tok"));
+        assert_eq!(bearer(&h), None);
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearertok"));
+        assert_eq!(bearer(&h), None);
+    }
+
+    #[test]
+    fn load_query_refuses_unknown_repeated_and_empty() {
+        assert_eq!(load_query(None), Ok(None));
+        assert_eq!(load_query(Some("deployment=01K")), Ok(Some("01K".into())));
+        assert_eq!(load_query(Some("deployment=a%2Db")), Ok(Some("a-b".into())));
+        assert!(load_query(Some("deploymnt=01K")).is_err_and(|e| e.contains("deploymnt")));
+        assert!(load_query(Some("deployment=a&deployment=b")).is_err_and(|e| e.contains("twice")));
+        assert!(load_query(Some("deployment=")).is_err_and(|e| e.contains("empty")));
+        assert!(load_query(Some("deployment=%zz")).is_err_and(|e| e.contains("percent")));
+    }
+
+    #[test]
+    fn json_errors_name_the_key_path() {
+        let e = parse_json_document(
+            r#"{"name":"m","engine":"vllm","model":"x","resources":{"gpu_memory":"40GiB","weights_mem":"1GiB"}}"#,
+        )
+        .expect_err("unknown key");
+        assert!(
+            e.starts_with("request body: resources.weights_mem: unknown key"),
+            "{e}"
+        );
+        let e = parse_json_document(r#"{"name":"m","engine":"vllm"}"#).expect_err("missing");
+        assert!(e.contains("model"), "{e}");
+        let e = parse_json_document(r#"{"name":"m","#).expect_err("syntax");
+        assert!(e.contains("not valid JSON"), "{e}");
+        let e = parse_json_document("[1]").expect_err("array");
+        assert!(e.contains("an array, not a JSON object"), "{e}");
+    }
+}

@@ -1,1 +1,298 @@
-//! Placeholder: standalone assembly (being written).
+//! `capyctl start standalone`: the server and one host in one process.
+//!
+//! [`Standalone::start`] builds, in order: the host agent ([`LocalHostAgent`], engines as child
+//! processes, GPUs from the default probe or `host.gpus`), the state file ([`FileStore`]), the
+//! lifecycle ([`Server`], which loads the state and adopts engines a previous run left), the
+//! switch coordinator, the inference listener and the management listener; then it deploys the
+//! document's deployments (deployed, not started).
+//!
+//! Crash-only: a clean [`Standalone::shutdown`] stops the engines; after a kill they keep
+//! running and the next start adopts them (or stops those it cannot use).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use capyctl_crds::errors::ApiError;
+use capyctl_crds::settings::StandaloneConfig;
+use capyctl_node_agent::agent::AgentConfig;
+use capyctl_node_agent::inventory::{GpuProbe, default_probe};
+use capyctl_node_agent::spec::HostSettings;
+use capyctl_node_agent::{AgentError, LocalHostAgent};
+use capyctl_router::config::RouterConfig;
+use capyctl_router::coordinator::Coordinator;
+use capyctl_router::proxy::{self, Proxy, ProxyConfig};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::api::ManagementApi;
+use crate::lifecycle::{LifecycleConfig, Server, ServerError};
+use crate::management::ManagementOptions;
+use crate::metrics::Metrics;
+use crate::store::{FileStore, StoreError};
+
+/// What can go wrong starting standalone. Each names what failed and where.
+#[derive(Debug, thiserror::Error)]
+pub enum StandaloneError {
+    /// The host agent could not be set up (data directory, engines directory).
+    #[error("host agent: {0}")]
+    Agent(#[from] AgentError),
+    /// The state file could not be opened.
+    #[error("state: {0}")]
+    Store(#[from] StoreError),
+    /// The lifecycle could not start (state, inventory, recovery).
+    #[error("{0}")]
+    Server(#[from] ServerError),
+    /// A listener could not be bound.
+    #[error("cannot listen on {addr} ({what}): {source}")]
+    Bind {
+        /// `server.listen.inference` or `server.listen.management`.
+        what: &'static str,
+        /// The address.
+        addr: SocketAddr,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The admin token could not be read or written.
+    #[error("{0}")]
+    Token(#[from] crate::management::TokenError),
+    /// A deployment of the document was refused.
+    #[error("deployment {name} of the standalone document: {source}")]
+    Deploy {
+        /// The deployment's name.
+        name: String,
+        /// Why.
+        #[source]
+        source: ApiError,
+    },
+}
+
+impl StandaloneError {
+    /// A short, stable label for metrics and event reasons.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            StandaloneError::Agent(e) => e.metric_label(),
+            StandaloneError::Store(e) => e.metric_label(),
+            StandaloneError::Server(e) => e.metric_label(),
+            StandaloneError::Bind { .. } => "bind",
+            StandaloneError::Token(e) => e.metric_label(),
+            StandaloneError::Deploy { .. } => "deploy",
+        }
+    }
+}
+
+/// The router's settings from the standalone document.
+pub fn router_config(config: &StandaloneConfig) -> RouterConfig {
+    let q = &config.host.queue;
+    RouterConfig {
+        admission_window: q.admission_window,
+        drain_timeout: config.server.switching.drain_timeout,
+        request_deadline: q.request_deadline,
+        stream_idle_timeout: q.stream_idle_timeout,
+        max_pending_per_deployment: q.max_pending_per_deployment as usize,
+        max_pending_total: q.max_pending_total as usize,
+        max_buffered_bytes_total: q.max_buffered_bytes_total,
+        ..RouterConfig::default()
+    }
+}
+
+/// The inference listener's settings from the standalone document.
+pub fn proxy_config(config: &StandaloneConfig) -> ProxyConfig {
+    let q = &config.host.queue;
+    ProxyConfig {
+        request_deadline: q.request_deadline,
+        stream_idle_timeout: q.stream_idle_timeout,
+        max_body_bytes: q.max_buffered_bytes_total,
+        ..ProxyConfig::default()
+    }
+}
+
+/// The lifecycle's settings from the standalone document, counting into `metrics`.
+pub fn lifecycle_config(config: &StandaloneConfig, metrics: Arc<Metrics>) -> LifecycleConfig {
+    LifecycleConfig {
+        host_id: config.host.id.clone(),
+        host_activation: config.host.activation,
+        lifecycle_defaults: config.server.lifecycle_defaults,
+        host_settings: HostSettings::from(&config.host),
+        waiting_limit: config.host.queue.max_pending_per_deployment,
+        timer_tick: Duration::from_secs(1),
+        metrics,
+    }
+}
+
+/// A running standalone server.
+pub struct Standalone {
+    /// The lifecycle.
+    server: Arc<Server>,
+    /// The host agent (engines are stopped through it on shutdown).
+    agent: Arc<LocalHostAgent>,
+    inference_addr: SocketAddr,
+    management_addr: SocketAddr,
+    admin_token: String,
+    /// `true` stops the listeners.
+    stop: watch::Sender<bool>,
+    /// The listeners' tasks.
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Standalone {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Standalone")
+            .field("inference_addr", &self.inference_addr)
+            .field("management_addr", &self.management_addr)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Standalone {
+    /// Starts standalone with GPUs from the default probe (NVML with the `nvml` feature of the
+    /// node agent; `host.gpus` overrides it).
+    pub async fn start(
+        config: StandaloneConfig,
+        data_dir: PathBuf,
+    ) -> Result<Standalone, StandaloneError> {
+        Self::start_with_probe(config, data_dir, default_probe()).await
+    }
+
+    /// [`Standalone::start`] with a given GPU probe.
+    pub async fn start_with_probe(
+        config: StandaloneConfig,
+        data_dir: PathBuf,
+        probe: Arc<dyn GpuProbe>,
+    ) -> Result<Standalone, StandaloneError> {
+        let mut agent_config = AgentConfig::new(&data_dir);
+        agent_config.wake_window = config.server.switching.wake_timeout;
+        let agent = Arc::new(LocalHostAgent::new(
+            agent_config,
+            HostSettings::from(&config.host),
+            probe,
+        )?);
+        let store = Arc::new(FileStore::new(&data_dir)?);
+        let metrics = Arc::new(Metrics::new());
+        let server = Server::open(
+            agent.clone(),
+            store,
+            lifecycle_config(&config, metrics.clone()),
+        )
+        .await?;
+        let admin_token = crate::management::load_or_create_token(
+            config.server.admin_token_file.as_deref(),
+            &data_dir,
+        )?;
+
+        let bind = |what: &'static str, addr: SocketAddr| async move {
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| StandaloneError::Bind { what, addr, source })
+        };
+        let inference = bind("server.listen.inference", config.server.listen.inference).await?;
+        let management = bind("server.listen.management", config.server.listen.management).await?;
+        let local = |what: &'static str, l: &TcpListener, addr: SocketAddr| {
+            l.local_addr()
+                .map_err(|source| StandaloneError::Bind { what, addr, source })
+        };
+        let inference_addr = local(
+            "server.listen.inference",
+            &inference,
+            config.server.listen.inference,
+        )?;
+        let management_addr = local(
+            "server.listen.management",
+            &management,
+            config.server.listen.management,
+        )?;
+
+        let router = Coordinator::spawn(server.clone(), router_config(&config));
+        server.attach_router(router.clone()).await;
+        let catalog = {
+            let s = Arc::downgrade(&server);
+            move || s.upgrade().map(|s| s.models()).unwrap_or_default()
+        };
+        let proxy = Proxy::new(
+            server.admission(router.clone()),
+            catalog,
+            proxy_config(&config),
+        )
+        .with_observer(metrics.clone());
+        let (stop, _) = watch::channel(false);
+        let mut tasks = Vec::new();
+        {
+            let mut rx = stop.subscribe();
+            tasks.push(tokio::spawn(async move {
+                let shutdown = async move {
+                    let _ = rx.wait_for(|s| *s).await;
+                };
+                if let Err(e) = proxy::serve(inference, proxy, shutdown).await {
+                    tracing::error!(error = %e, "the inference listener failed");
+                }
+            }));
+        }
+        {
+            let api: Arc<dyn ManagementApi> = server.clone();
+            let mut rx = stop.subscribe();
+            let options = ManagementOptions {
+                token: admin_token.clone(),
+                metrics,
+            };
+            tasks.push(tokio::spawn(async move {
+                let shutdown = async move {
+                    let _ = rx.wait_for(|s| *s).await;
+                };
+                if let Err(e) = crate::management::serve(management, api, options, shutdown).await {
+                    tracing::error!(error = %e, "the management listener failed");
+                }
+            }));
+        }
+        for doc in config.deployments {
+            let name = doc.name.clone();
+            server
+                .deploy(doc)
+                .await
+                .map_err(|source| StandaloneError::Deploy { name, source })?;
+        }
+        tracing::info!(%inference_addr, %management_addr, "standalone started");
+        Ok(Standalone {
+            server,
+            agent,
+            inference_addr,
+            management_addr,
+            admin_token,
+            stop,
+            tasks,
+        })
+    }
+
+    /// Where the inference listener listens.
+    pub fn inference_addr(&self) -> SocketAddr {
+        self.inference_addr
+    }
+
+    /// Where the management listener listens.
+    pub fn management_addr(&self) -> SocketAddr {
+        self.management_addr
+    }
+
+    /// The admin token the management API asks for.
+    pub fn admin_token(&self) -> &str {
+        &self.admin_token
+    }
+
+    /// The lifecycle (for in-process callers and tests).
+    pub fn server(&self) -> &Arc<Server> {
+        &self.server
+    }
+
+    /// A clean shutdown: stops accepting, lets answers in progress finish (the listener's
+    /// grace), stops the background work and every engine.
+    pub async fn shutdown(self) {
+        self.stop.send_replace(true);
+        for t in self.tasks {
+            let _ = t.await;
+        }
+        self.server.close();
+        self.agent.stop_all().await;
+    }
+}

@@ -8,4 +8,5 @@ pub mod admission;
 pub mod config;
 pub mod coordinator;
 pub mod lifecycle;
+pub mod observe;
 pub mod proxy;

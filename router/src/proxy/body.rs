@@ -30,6 +30,98 @@ use tokio::time::{Instant, Sleep};
 use super::Failure;
 use super::sse::{EventScanner, Oversized, is_output};
 use crate::admission::Permit;
+use crate::observe::{self, RequestEvent, RequestObserver};
+
+/// A request's report to the observer, made once: by [`Watch`] (the handler) or, once an
+/// engine's answer is under way, by the request's [`Charge`].
+pub(crate) struct Observation {
+    observer: Arc<dyn RequestObserver>,
+    event: RequestEvent,
+    /// When the request began to wait for its admission (for `waited` if it ends meanwhile).
+    asked: Option<Instant>,
+}
+
+impl Observation {
+    fn emit(mut self, code: Option<&'static str>) {
+        if let Some(asked) = self.asked.take() {
+            self.event.waited = asked.elapsed();
+        }
+        self.event.code = code;
+        self.observer.finished(&self.event);
+    }
+}
+
+/// The handler's hold on the request's [`Observation`]; reports `499 client_gone` when dropped
+/// still holding it (the client went away before an answer).
+pub(crate) struct Watch(Option<Observation>);
+
+impl Watch {
+    pub(crate) fn new(observer: Option<&Arc<dyn RequestObserver>>) -> Self {
+        Watch(observer.map(|observer| Observation {
+            observer: Arc::clone(observer),
+            event: RequestEvent {
+                deployment_id: None,
+                model: None,
+                status: observe::STATUS_CLIENT_GONE,
+                code: None,
+                waited: Duration::ZERO,
+                streamed: false,
+            },
+            asked: None,
+        }))
+    }
+
+    pub(crate) fn model(&mut self, model: &str) {
+        if let Some(o) = &mut self.0 {
+            o.event.model = Some(model.to_string());
+        }
+    }
+
+    pub(crate) fn deployment(&mut self, id: &str) {
+        if let Some(o) = &mut self.0 {
+            o.event.deployment_id = Some(id.to_string());
+        }
+    }
+
+    pub(crate) fn asking(&mut self) {
+        if let Some(o) = &mut self.0 {
+            o.asked = Some(Instant::now());
+        }
+    }
+
+    pub(crate) fn answered(&mut self) {
+        if let Some(o) = &mut self.0
+            && let Some(asked) = o.asked.take()
+        {
+            o.event.waited = asked.elapsed();
+        }
+    }
+
+    /// Reports now, with this status and code.
+    pub(crate) fn end(&mut self, status: u16, code: Option<&'static str>) {
+        if let Some(mut o) = self.0.take() {
+            o.event.status = status;
+            o.emit(code);
+        }
+    }
+
+    /// Hands the report to the charge: it is made when the request ends.
+    pub(crate) fn hand_to(&mut self, charge: &dyn Track, status: u16, streamed: bool) {
+        if let Some(mut o) = self.0.take() {
+            o.event.status = status;
+            o.event.streamed = streamed;
+            charge.observe(o);
+        }
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        if let Some(o) = self.0.take() {
+            o.emit(Some(observe::CLIENT_GONE));
+        }
+    }
+}
 
 /// At most this much already-sent data is gathered into one hand-over to the body.
 const COALESCE_BYTES: usize = 16 * 1024;
@@ -41,8 +133,10 @@ pub(crate) trait Track: Send + Sync {
     /// The engine's answer ended normally; releases the permit.
     fn finish(&self);
     /// The request was cut short; releases the permit. `abort`: the client's connection must
-    /// see an error rather than a clean end.
-    fn cut(&self, abort: bool);
+    /// see an error rather than a clean end. `code`: why, for the observer.
+    fn cut(&self, abort: bool, code: &'static str);
+    /// Reports to the observer when the request ends (at once if it already has).
+    fn observe(&self, observation: Observation);
     /// Whether the request was cut with `abort`.
     fn aborted(&self) -> bool;
 }
@@ -54,26 +148,45 @@ const ABORT: u8 = 4;
 /// One request's permit and how the request went. Every request ends exactly once: the first
 /// of `finish` and `cut` wins, later calls do nothing.
 pub(crate) struct Charge<P> {
-    /// Taken out (dropped) when the request ends.
-    permit: Mutex<Option<P>>,
+    /// The permit (taken out, dropped, when the request ends), the observer's report and how
+    /// the request ended.
+    inner: Mutex<Inner<P>>,
     /// `OUTPUT`, `ENDED`, `ABORT` bits.
     flags: AtomicU8,
+}
+
+struct Inner<P> {
+    permit: Option<P>,
+    observation: Option<Observation>,
+    /// `Some(code)` once the request ended.
+    ended: Option<Option<&'static str>>,
 }
 
 impl<P: Permit> Charge<P> {
     /// A charge holding `permit`.
     pub(crate) fn new(permit: P) -> Self {
         Self {
-            permit: Mutex::new(Some(permit)),
+            inner: Mutex::new(Inner {
+                permit: Some(permit),
+                observation: None,
+                ended: None,
+            }),
             flags: AtomicU8::new(0),
         }
     }
 
-    fn take(&self) -> Option<P> {
-        match self.permit.lock() {
-            Ok(mut guard) => guard.take(),
-            Err(poisoned) => poisoned.into_inner().take(),
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner<P>> {
+        match self.inner.lock() {
+            Ok(guard) => guard,
+            Err(poisoned) => poisoned.into_inner(),
         }
+    }
+
+    /// Takes the permit and the report out, recording how the request ended.
+    fn take(&self, code: Option<&'static str>) -> (Option<P>, Option<Observation>) {
+        let mut inner = self.lock();
+        inner.ended = Some(code);
+        (inner.permit.take(), inner.observation.take())
     }
 
     /// Sets `bits` together with `ENDED` unless the request already ended; true if it had not.
@@ -92,8 +205,7 @@ impl<P: Permit> Track for Charge<P> {
             return;
         }
         if self.flags.fetch_or(OUTPUT, Ordering::AcqRel) & OUTPUT == 0
-            && let Ok(guard) = self.permit.lock()
-            && let Some(permit) = guard.as_ref()
+            && let Some(permit) = self.lock().permit.as_ref()
         {
             permit.first_output();
         }
@@ -101,15 +213,34 @@ impl<P: Permit> Track for Charge<P> {
 
     fn finish(&self) {
         if self.end(0) {
-            drop(self.take());
+            let (permit, observation) = self.take(None);
+            drop(permit);
+            if let Some(o) = observation {
+                o.emit(None);
+            }
         }
     }
 
-    fn cut(&self, abort: bool) {
-        if self.end(if abort { ABORT } else { 0 })
-            && let Some(permit) = self.take()
-        {
-            permit.cut();
+    fn cut(&self, abort: bool, code: &'static str) {
+        if self.end(if abort { ABORT } else { 0 }) {
+            let (permit, observation) = self.take(Some(code));
+            if let Some(permit) = permit {
+                permit.cut();
+            }
+            if let Some(o) = observation {
+                o.emit(Some(code));
+            }
+        }
+    }
+
+    fn observe(&self, observation: Observation) {
+        let mut inner = self.lock();
+        match inner.ended {
+            Some(code) => {
+                drop(inner);
+                observation.emit(code);
+            }
+            None => inner.observation = Some(observation),
         }
     }
 
@@ -137,7 +268,7 @@ impl CutOnDrop {
 impl Drop for CutOnDrop {
     fn drop(&mut self) {
         if let Some(charge) = self.0.take() {
-            charge.cut(true);
+            charge.cut(true, observe::CLIENT_GONE);
         }
     }
 }
@@ -264,7 +395,7 @@ impl DirectBody {
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(err))) => {
-                self.give_up();
+                self.give_up(observe::UPSTREAM_FAILED);
                 Poll::Ready(Some(Err(io::Error::other(err))))
             }
             Poll::Ready(None) => {
@@ -286,7 +417,7 @@ impl DirectBody {
                 match timer.as_mut().poll(cx) {
                     Poll::Ready(()) => {
                         tracing::debug!("non-streamed answer silent past stream_idle_timeout");
-                        self.give_up();
+                        self.give_up(observe::STREAM_IDLE_TIMEOUT);
                         Poll::Ready(Some(Err(io::Error::new(
                             io::ErrorKind::TimedOut,
                             "the engine was silent past stream_idle_timeout",
@@ -299,10 +430,10 @@ impl DirectBody {
     }
 
     /// Drops the engine's body (the engine sees the disconnect) and cuts the request.
-    fn give_up(&mut self) {
+    fn give_up(&mut self, code: &'static str) {
         self.inner = None;
         if let Some(charge) = self.charge.take() {
-            charge.cut(true);
+            charge.cut(true, code);
         }
     }
 }
@@ -310,7 +441,7 @@ impl DirectBody {
 impl Drop for DirectBody {
     fn drop(&mut self) {
         // Still charged: the client went away before the answer was complete.
-        self.give_up();
+        self.give_up(observe::CLIENT_GONE);
     }
 }
 
@@ -385,26 +516,26 @@ enum Early {
 }
 
 impl Early {
+    fn code(self) -> &'static str {
+        match self {
+            Early::Idle => observe::STREAM_IDLE_TIMEOUT,
+            Early::Oversized => observe::PIECE_TOO_LARGE,
+            Early::UpstreamFailed => observe::UPSTREAM_FAILED,
+        }
+    }
+
     fn event(self, settings: &PumpSettings) -> Bytes {
-        let (code, message) = match self {
-            Early::Idle => (
-                "stream_idle_timeout",
-                format!(
-                    "the engine sent nothing for {} ms (stream_idle_timeout); the answer was cut",
-                    settings.idle.as_millis()
-                ),
+        let code = self.code();
+        let message = match self {
+            Early::Idle => format!(
+                "the engine sent nothing for {} ms (stream_idle_timeout); the answer was cut",
+                settings.idle.as_millis()
             ),
-            Early::Oversized => (
-                "piece_too_large",
-                format!(
-                    "a piece of the answer is larger than {} bytes; the answer was cut",
-                    settings.max_piece
-                ),
+            Early::Oversized => format!(
+                "a piece of the answer is larger than {} bytes; the answer was cut",
+                settings.max_piece
             ),
-            Early::UpstreamFailed => (
-                "upstream_failed",
-                "the engine's answer broke off".to_string(),
-            ),
+            Early::UpstreamFailed => "the engine's answer broke off".to_string(),
         };
         let body = serde_json::json!({
             "error": {"code": code, "message": message, "retryable": true}
@@ -437,7 +568,7 @@ pub(crate) async fn pump(
             () = start.closed() => {
                 // The client went away while waiting for the first output.
                 drop(upstream);
-                charge.cut(true);
+                charge.cut(true, observe::CLIENT_GONE);
                 return;
             }
             () = &mut timer => None,
@@ -472,7 +603,7 @@ pub(crate) async fn pump(
                 if single {
                     charge.output();
                 }
-                charge.cut(false);
+                charge.cut(false, observe::PIECE_TOO_LARGE);
                 held.truncate(event_start);
                 held.extend_from_slice(&Early::Oversized.event(&settings));
                 let _ = start.send(Start::Stream(held.freeze()));
@@ -480,14 +611,14 @@ pub(crate) async fn pump(
             }
         };
         drop(upstream);
-        charge.cut(false);
+        charge.cut(false, failure.code());
         let _ = start.send(Start::Fail(failure));
         return;
     };
     charge.output();
     if start.send(Start::Stream(head)).is_err() {
         drop(upstream);
-        charge.cut(true);
+        charge.cut(true, observe::CLIENT_GONE);
         return;
     }
 
@@ -499,7 +630,7 @@ pub(crate) async fn pump(
             biased;
             () = tx.closed() => {
                 drop(upstream);
-                charge.cut(true);
+                charge.cut(true, observe::CLIENT_GONE);
                 return;
             }
             () = &mut timer => break Early::Idle,
@@ -571,7 +702,14 @@ pub(crate) async fn pump(
         }
         if let Err(why) = sent {
             drop(upstream);
-            charge.cut(true);
+            charge.cut(
+                true,
+                if why == SendFailed::Stalled {
+                    observe::READ_STALL
+                } else {
+                    observe::CLIENT_GONE
+                },
+            );
             if why == SendFailed::Stalled {
                 tracing::debug!("client read nothing for read_stall; streamed answer cut");
                 kill(&settings);
@@ -581,7 +719,7 @@ pub(crate) async fn pump(
     };
     tracing::debug!(reason = ?early, "streamed answer cut");
     drop(upstream);
-    charge.cut(false);
+    charge.cut(false, early.code());
     if send(&tx, early.event(&settings), settings.read_stall).await == Err(SendFailed::Stalled) {
         kill(&settings);
     }

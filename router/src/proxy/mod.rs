@@ -21,8 +21,10 @@
 //!   off, end the stream with an SSE error event `data: {"error":{"code","message",
 //!   "retryable"}}` (codes `piece_too_large`, `stream_idle_timeout`, `upstream_failed`).
 //! - An engine that cannot be reached, or breaks off before any output, is answered
-//!   `502 upstream_unavailable` (not in the product page's catalogue: the engine failed, not the
-//!   queue). Every abnormal end calls `Permit::cut`.
+//!   `502 upstream_unavailable` (`ApiError::UpstreamUnavailable`). Every abnormal end calls
+//!   `Permit::cut`.
+//! - An observer ([`Proxy::with_observer`]) hears of every request once, when it ends (see
+//!   [`crate::observe`]).
 //! - NB: "reads nothing" is seen through back-pressure: the kernel's socket buffers and hyper's
 //!   write buffer take some hundreds of KiB before the pump's channel fills, so a slow stream
 //!   is noticed `read_stall` after those filled, not after the client's last read.
@@ -55,7 +57,8 @@ use tokio::time::Instant;
 pub use body::ProxyBody;
 
 use crate::admission::{Admission, Permit};
-use body::{Charge, CutOnDrop, DirectBody, PumpSettings, Start, StreamBody, Track};
+use crate::observe::{self, RequestObserver};
+use body::{Charge, CutOnDrop, DirectBody, PumpSettings, Start, StreamBody, Track, Watch};
 
 /// The listener's bounds. The lead maps the settings (`resource_policy.queue.*`) into it; the
 /// fixed ones (`read_stall`, `max_piece`) are fields only so that tests can shorten them.
@@ -122,12 +125,15 @@ where
 /// The listener: cheap to clone (one `Arc`), shared by every connection.
 pub struct Proxy<A: Admission> {
     shared: Arc<Shared<A>>,
+    /// Told of every request when it ends.
+    observer: Option<Arc<dyn RequestObserver>>,
 }
 
 impl<A: Admission> Clone for Proxy<A> {
     fn clone(&self) -> Self {
         Self {
             shared: Arc::clone(&self.shared),
+            observer: self.observer.clone(),
         }
     }
 }
@@ -176,7 +182,14 @@ impl<A: Admission> Proxy<A> {
                 config,
                 client,
             }),
+            observer: None,
         }
+    }
+
+    /// Tells `observer` of every request, exactly once, when it ends.
+    pub fn with_observer(mut self, observer: Arc<dyn RequestObserver>) -> Self {
+        self.observer = Some(observer);
+        self
     }
 
     /// The bounds in force.
@@ -204,9 +217,17 @@ impl<A: Admission> Proxy<A> {
         B::Error: std::fmt::Display,
     {
         let arrival = Instant::now();
-        match self.answer(request, arrival, kill).await {
-            Ok(response) => response,
-            Err(failure) => failure.response(),
+        let mut watch = Watch::new(self.observer.as_ref());
+        match self.answer(request, arrival, kill, &mut watch).await {
+            Ok(response) => {
+                // A fixed body (`/v1/models`, a stream that ended before output): over now.
+                watch.end(response.status().as_u16(), None);
+                response
+            }
+            Err(failure) => {
+                watch.end(failure.status(), Some(failure.code()));
+                failure.response()
+            }
         }
     }
 
@@ -215,6 +236,7 @@ impl<A: Admission> Proxy<A> {
         request: Request<B>,
         arrival: Instant,
         kill: Option<Arc<Notify>>,
+        watch: &mut Watch,
     ) -> Result<Response<ProxyBody>, Failure>
     where
         B: Body<Data = Bytes> + Send,
@@ -245,6 +267,7 @@ impl<A: Admission> Proxy<A> {
                 }
             };
         let model = model_of(&body)?;
+        watch.model(&model);
         let Some(deployment) = shared.admission.resolve(&model) else {
             return Err(Failure::Api(ApiError::ModelNotFound {
                 model: model.into_owned(),
@@ -252,6 +275,8 @@ impl<A: Admission> Proxy<A> {
         };
         drop(model);
         let deployment_id = deployment.id.clone();
+        watch.deployment(&deployment_id);
+        watch.asking();
         // The admission enforces the deadline itself (and tells which error applies); the
         // grace only keeps a request from hanging should it not.
         let admitted = tokio::time::timeout_at(
@@ -261,6 +286,7 @@ impl<A: Admission> Proxy<A> {
                 .admit(deployment, body.len() as u64, deadline),
         )
         .await;
+        watch.answered();
         let permit = match admitted {
             Ok(permit) => permit.map_err(Failure::Api)?,
             Err(_) => {
@@ -285,11 +311,11 @@ impl<A: Admission> Proxy<A> {
             Ok(Ok(response)) => response,
             Ok(Err(err)) => {
                 tracing::debug!(error = %err, "engine unreachable");
-                charge.cut(false);
+                charge.cut(false, "upstream_unavailable");
                 return Err(Failure::upstream(&err));
             }
             Err(_) => {
-                charge.cut(false);
+                charge.cut(false, "queue_deadline");
                 return Err(Failure::Api(ApiError::QueueDeadline {
                     deployment: deployment_id,
                 }));
@@ -301,6 +327,7 @@ impl<A: Admission> Proxy<A> {
         if !is_event_stream(&head.headers) {
             let charge = guard.disarm();
             charge.output();
+            watch.hand_to(&*charge, head.status.as_u16(), false);
             let body = DirectBody::new(upstream, charge, config.stream_idle_timeout);
             return Ok(Response::from_parts(head, ProxyBody::direct(body)));
         }
@@ -326,6 +353,7 @@ impl<A: Admission> Proxy<A> {
         ));
         match start_rx.await {
             Ok(Start::Stream(first)) => {
+                watch.hand_to(&*charge, head.status.as_u16(), true);
                 let body = StreamBody::new(first, rx, charge);
                 Ok(Response::from_parts(head, ProxyBody::stream(body)))
             }
@@ -336,10 +364,10 @@ impl<A: Admission> Proxy<A> {
             }
             Ok(Start::Fail(failure)) => Err(failure),
             Err(_) => {
-                charge.cut(false);
-                Err(Failure::Upstream {
-                    message: "the engine's answer was lost".to_string(),
-                })
+                charge.cut(false, observe::UPSTREAM_FAILED);
+                Err(Failure::Api(ApiError::UpstreamUnavailable {
+                    detail: "its answer was lost".to_string(),
+                }))
             }
         }
     }
@@ -387,32 +415,37 @@ const ADMIT_GRACE: Duration = Duration::from_secs(1);
 pub(crate) enum Failure {
     /// One of the catalogue's errors.
     Api(ApiError),
-    /// The engine could not be reached or broke off before any output.
-    Upstream {
-        /// What happened.
-        message: String,
-    },
     /// A route of the API with the wrong method.
     MethodNotAllowed,
 }
 
 impl Failure {
+    /// The engine could not be reached or broke off before any output.
     fn upstream(err: &dyn std::fmt::Display) -> Self {
-        Failure::Upstream {
-            message: format!("the engine could not answer: {err}"),
+        Failure::Api(ApiError::UpstreamUnavailable {
+            detail: err.to_string(),
+        })
+    }
+
+    /// The status it is answered with.
+    fn status(&self) -> u16 {
+        match self {
+            Failure::Api(err) => err.status(),
+            Failure::MethodNotAllowed => 405,
+        }
+    }
+
+    /// Its code, for the body and the observer.
+    pub(crate) fn code(&self) -> &'static str {
+        match self {
+            Failure::Api(err) => err.code(),
+            Failure::MethodNotAllowed => observe::METHOD_NOT_ALLOWED,
         }
     }
 
     fn response(self) -> Response<ProxyBody> {
         match self {
             Failure::Api(err) => error_response(&err),
-            Failure::Upstream { message } => render_error(
-                StatusCode::BAD_GATEWAY,
-                "upstream_unavailable",
-                &message,
-                true,
-                None,
-            ),
             Failure::MethodNotAllowed => render_error(
                 StatusCode::METHOD_NOT_ALLOWED,
                 "method_not_allowed",
@@ -562,8 +595,10 @@ fn upstream_uri(addr: std::net::SocketAddr, original: &Uri) -> Result<Uri, Failu
         .authority(addr.to_string())
         .path_and_query(path)
         .build()
-        .map_err(|err| Failure::Upstream {
-            message: format!("no address for the engine: {err}"),
+        .map_err(|err| {
+            Failure::Api(ApiError::UpstreamUnavailable {
+                detail: format!("no address for it: {err}"),
+            })
         })
 }
 

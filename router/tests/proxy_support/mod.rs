@@ -290,6 +290,19 @@ pub async fn start_proxy(admission: TestAdmission, config: ProxyConfig) -> Socke
     addr
 }
 
+/// Like [`start_proxy`], telling `observer` of every request.
+pub async fn start_observed_proxy(
+    admission: TestAdmission,
+    config: ProxyConfig,
+    observer: Arc<dyn capyctl_router::observe::RequestObserver>,
+) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let proxy = Proxy::new(admission, catalog, config).with_observer(observer);
+    tokio::spawn(serve(listener, proxy, std::future::pending()));
+    addr
+}
+
 /// One HTTP/1.1 keep-alive connection; dropping it closes the socket.
 pub struct Conn {
     sender: hyper::client::conn::http1::SendRequest<Full<Bytes>>,

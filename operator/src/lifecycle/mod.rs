@@ -1,0 +1,2109 @@
+//! The lifecycle: the one writer of deployment and instance state (see `operator/DESIGN.md`).
+//!
+//! [`Server`] holds every deployment and its instance (one per deployment on one host, index
+//! 0) behind one std mutex that is never held across an `.await`. An engine operation (start,
+//! park, wake, stop) first marks the instance busy under the lock (`starting`, `parking`, ...),
+//! runs the host agent's call without the lock, then writes the outcome under the lock; a busy
+//! or reserved instance is never touched by anything else. A plan the router asks for reserves
+//! its victims (and claims the target) inside the lock, so two plans or an operator command
+//! never name the same victim.
+//!
+//! The server implements the router's [`Lifecycle`] and [`ManagementApi`]; it tells the router
+//! about instances through the [`CoordinatorHandle`] given to [`Server::attach_router`], and
+//! releases ready instances it parks or stops itself with [`CoordinatorHandle::release`], so
+//! that running requests always finish first.
+
+mod placement;
+mod views;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::time::Duration;
+
+use capyctl_crds::api::{
+    ActionReceipt, DeployOutcome, DeployReceipt, DeploymentList, DeploymentView, EngineList,
+    EngineView, HostList, LoadReport, Released, StartRequest, Victim,
+};
+use capyctl_crds::documents::DeploymentDoc;
+use capyctl_crds::errors::ApiError;
+use capyctl_crds::settings::LifecycleDefaults;
+use capyctl_crds::{Activation, EngineKind, InstanceState, Residency};
+use capyctl_node_agent::HostAgent;
+use capyctl_node_agent::agent::{EngineExit, ParkResult};
+use capyctl_node_agent::launch::MaxRunning;
+use capyctl_node_agent::measure::Measurement;
+use capyctl_node_agent::spec::{HostSettings, InstanceSpec};
+use capyctl_node_agent::tier::{NoParkReason, ParkTier};
+use capyctl_router::admission::{Admission, Permit};
+use capyctl_router::coordinator::{CoordinatorHandle, CoordinatorPermit};
+use capyctl_router::lifecycle::{
+    BoxFuture, DeploymentId, DeploymentRef, DrainReport, InstanceKey, Lifecycle, Plan, SwitchOrder,
+    Upstream,
+};
+use capyctl_router::proxy::ModelEntry;
+use tokio::sync::{broadcast, watch};
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use crate::api::ManagementApi;
+use crate::metrics::Metrics;
+use crate::store::{DeploymentRecord, Store, StoreError, StoredState};
+use placement::{Fit, Hold, Holder, place};
+
+/// The lifecycle's settings.
+#[derive(Debug, Clone)]
+pub struct LifecycleConfig {
+    /// The host's ID (`host.id`).
+    pub host_id: String,
+    /// The host's `lifecycle.activation`: `explicit` makes every deployment explicit.
+    pub host_activation: Activation,
+    /// Idle timers (`server.lifecycle_defaults`); both off by default.
+    pub lifecycle_defaults: LifecycleDefaults,
+    /// The host's engine commands (shown by `engine list`).
+    pub host_settings: HostSettings,
+    /// `max_pending_per_deployment`, for the load read of a deployment the router has not seen.
+    pub waiting_limit: u32,
+    /// How often idle timers are checked (and the queue gauges refreshed).
+    pub timer_tick: Duration,
+    /// Where parks, wakes, switches, requests and queues are counted.
+    pub metrics: Arc<Metrics>,
+}
+
+impl LifecycleConfig {
+    /// Defaults for host `host_id`: on-demand, no idle timers, a timer check every second.
+    pub fn new(host_id: impl Into<String>) -> Self {
+        Self {
+            host_id: host_id.into(),
+            host_activation: Activation::OnDemand,
+            lifecycle_defaults: LifecycleDefaults::default(),
+            host_settings: HostSettings::default(),
+            waiting_limit: 64,
+            timer_tick: Duration::from_secs(1),
+            metrics: Arc::new(Metrics::new()),
+        }
+    }
+}
+
+/// What can go wrong opening the server.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// The state could not be loaded.
+    #[error("loading the state: {0}")]
+    Store(#[from] StoreError),
+    /// The host agent failed (inventory, recovery).
+    #[error("host agent: {0}")]
+    Agent(#[from] capyctl_node_agent::AgentError),
+}
+
+impl ServerError {
+    /// A short, stable label for metrics and event reasons.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            ServerError::Store(e) => e.metric_label(),
+            ServerError::Agent(e) => e.metric_label(),
+        }
+    }
+}
+
+/// One deployment and its instance (index 0 on this host).
+#[derive(Debug)]
+struct Dep {
+    rec: DeploymentRecord,
+    spec: InstanceSpec,
+    measurement: Measurement,
+    state: InstanceState,
+    /// An engine operation is in progress (the state says which).
+    busy: bool,
+    /// Reserved as a victim by this switch or release.
+    reserved: Option<String>,
+    /// The target of this switch (memory promised, not yet starting).
+    claim: Option<String>,
+    /// An operator start waits for memory.
+    pending_start: bool,
+    port: Option<u16>,
+    pid: Option<u32>,
+    tier: Option<ParkTier>,
+    last_error: Option<String>,
+    /// The last request's start or end, or the last state change that counts as use.
+    last_used: Instant,
+    max_running: Option<MaxRunning>,
+}
+
+impl Dep {
+    fn new(rec: DeploymentRecord) -> Self {
+        let spec = InstanceSpec::from_doc(rec.id.clone(), &rec.doc);
+        Self {
+            rec,
+            spec,
+            measurement: Measurement::default(),
+            state: InstanceState::Stopped,
+            busy: false,
+            reserved: None,
+            claim: None,
+            pending_start: false,
+            port: None,
+            pid: None,
+            tier: None,
+            last_error: None,
+            last_used: Instant::now(),
+            max_running: None,
+        }
+    }
+
+    fn id(&self) -> &str {
+        &self.rec.id
+    }
+
+    fn name(&self) -> &str {
+        &self.rec.doc.name
+    }
+
+    fn instance_id(&self) -> String {
+        instance_id(&self.rec.id)
+    }
+
+    /// Whether the engine holds GPU memory now.
+    fn occupies(&self) -> bool {
+        matches!(
+            self.state,
+            InstanceState::Starting
+                | InstanceState::Ready
+                | InstanceState::Closed
+                | InstanceState::Parking
+                | InstanceState::Waking
+                | InstanceState::Stopping
+        )
+    }
+
+    /// GPU memory it needs awake: the measurement, or the whole GPU when unknown.
+    fn need(&self, capacity: u64) -> u64 {
+        self.measurement
+            .gpu_memory
+            .map(|m| m.bytes)
+            .unwrap_or(capacity)
+    }
+
+    /// Running or on its way (what explicit activation admits requests for).
+    fn running_or_coming(&self) -> bool {
+        matches!(
+            self.state,
+            InstanceState::Starting | InstanceState::Ready | InstanceState::Waking
+        ) || self.claim.is_some()
+            || self.pending_start
+    }
+
+    fn warm(&self) -> bool {
+        self.rec.doc.warm()
+    }
+}
+
+/// The ID of a deployment's instance: `<deployment id>-0`.
+pub fn instance_id(deployment_id: &str) -> String {
+    format!("{deployment_id}-0")
+}
+
+/// A plan's or an operator release's reservation.
+#[derive(Debug, Default)]
+struct Reservation {
+    target: Option<String>,
+    victims: Vec<String>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    /// By ID.
+    deps: BTreeMap<String, Dep>,
+    reservations: HashMap<String, Reservation>,
+    /// Total GPU memory of the host, bytes.
+    capacity: u64,
+}
+
+impl Inner {
+    fn by_name_or_id(&self, key: &str) -> Option<&Dep> {
+        self.deps
+            .get(key)
+            .or_else(|| self.deps.values().find(|d| d.name() == key))
+    }
+
+    fn release_reservation(&mut self, rid: &str) {
+        if let Some(r) = self.reservations.remove(rid) {
+            for v in r.victims {
+                if let Some(d) = self.deps.get_mut(&v)
+                    && d.reserved.as_deref() == Some(rid)
+                {
+                    d.reserved = None;
+                }
+            }
+            if let Some(t) = r.target
+                && let Some(d) = self.deps.get_mut(&t)
+                && d.claim.as_deref() == Some(rid)
+            {
+                d.claim = None;
+            }
+        }
+    }
+}
+
+/// How an instance is to be brought up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Up {
+    Wake,
+    Start,
+}
+
+/// The server's lifecycle and placement on one host. Shared as `Arc<Server>`.
+pub struct Server {
+    /// Read-only.
+    config: LifecycleConfig,
+    /// The host; one operation at a time per instance (the busy flag sees to it).
+    agent: Arc<dyn HostAgent>,
+    /// Where the records go.
+    store: Arc<dyn Store>,
+    /// All state; a std mutex, never held across an `.await`.
+    inner: Mutex<Inner>,
+    /// Serialises saves (snapshot and write in order).
+    persist: Mutex<()>,
+    /// The router, once attached; taken by `close`.
+    router: Mutex<Option<CoordinatorHandle>>,
+    /// Bumped on every state change (waiters of `--wait` and tests watch it).
+    changes: watch::Sender<u64>,
+    /// Set by `close`: background tasks end.
+    closed: watch::Sender<bool>,
+    /// `/readyz`.
+    ready: AtomicBool,
+    /// Switch and release numbers.
+    next_id: AtomicU64,
+    /// Itself, for the background work it spawns.
+    me: Weak<Server>,
+}
+
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Server")
+            .field("host_id", &self.config.host_id)
+            .finish_non_exhaustive()
+    }
+}
+
+fn internal(e: impl std::fmt::Display) -> ApiError {
+    ApiError::Internal {
+        detail: e.to_string(),
+    }
+}
+
+fn not_found(key: &str) -> ApiError {
+    ApiError::NotFound {
+        what: format!("deployment {key}"),
+    }
+}
+
+impl Server {
+    /// Opens the server: loads the stored deployments, reads the host's inventory and measures
+    /// each deployment, then recovers engines a previous run left (adopted ones come back
+    /// ready or parked and are announced once a router is attached; unknown ones are stopped).
+    pub async fn open(
+        agent: Arc<dyn HostAgent>,
+        store: Arc<dyn Store>,
+        config: LifecycleConfig,
+    ) -> Result<Arc<Server>, ServerError> {
+        let stored = store.load()?;
+        let inventory = agent.inventory().await?;
+        let capacity = inventory.gpus.iter().map(|g| g.total_bytes).sum();
+        let mut inner = Inner {
+            capacity,
+            ..Default::default()
+        };
+        for rec in stored.deployments {
+            let mut dep = Dep::new(rec);
+            dep.measurement = agent.measure(&dep.spec).await.unwrap_or_default();
+            inner.deps.insert(dep.rec.id.clone(), dep);
+        }
+        let report = agent.recover().await?;
+        for adopted in report.adopted {
+            let dep = inner
+                .deps
+                .values_mut()
+                .find(|d| d.instance_id() == adopted.instance);
+            match dep {
+                Some(d) => {
+                    d.state = if adopted.parked.is_some() {
+                        InstanceState::Parked
+                    } else {
+                        InstanceState::Ready
+                    };
+                    d.tier = adopted.parked;
+                    d.pid = Some(adopted.pid);
+                    d.port = adopted
+                        .base_url
+                        .rsplit(':')
+                        .next()
+                        .and_then(|p| p.parse().ok());
+                    tracing::info!(instance = %adopted.instance, state = %d.state, "adopted an engine a previous run left");
+                }
+                None => {
+                    tracing::info!(instance = %adopted.instance, "stopping an engine of a deployment that no longer exists");
+                    if let Err(e) = agent.stop(&adopted.instance).await {
+                        tracing::warn!(instance = %adopted.instance, error = %e, "stopping a left engine failed");
+                    }
+                }
+            }
+        }
+        for gone in report.stopped.iter().chain(report.gone.iter()) {
+            tracing::info!(instance = %gone, "an engine a previous run left is gone or did not answer");
+        }
+        let (changes, _) = watch::channel(0);
+        let (closed, _) = watch::channel(false);
+        let server = Arc::new_cyclic(|me| Server {
+            config,
+            agent,
+            store,
+            inner: Mutex::new(inner),
+            persist: Mutex::new(()),
+            router: Mutex::new(None),
+            changes,
+            closed,
+            ready: AtomicBool::new(false),
+            next_id: AtomicU64::new(1),
+            me: me.clone(),
+        });
+        server.ready.store(true, Ordering::SeqCst);
+        Ok(server)
+    }
+
+    /// Attaches the router (after `Coordinator::spawn(server.clone(), cfg)`): announces the
+    /// ready instances (adopted ones) and starts the background work (idle timers, engine
+    /// exits).
+    pub async fn attach_router(&self, router: CoordinatorHandle) {
+        *self.router.lock().unwrap_or_else(PoisonError::into_inner) = Some(router.clone());
+        let ready: Vec<(InstanceKey, u16)> = self.read(|inner| {
+            inner
+                .deps
+                .values()
+                .filter(|d| d.state == InstanceState::Ready)
+                .filter_map(|d| Some((self.key(d), d.port?)))
+                .collect()
+        });
+        for (key, port) in ready {
+            router.instance_ready(upstream(key, port)).await;
+        }
+        if let Some(me) = self.me.upgrade() {
+            tokio::spawn(background(me, self.agent.subscribe_exits()));
+        }
+    }
+
+    /// Stops the background work and lets go of the router (engines are left as they are;
+    /// stop them through the host agent for a clean shutdown).
+    pub fn close(&self) {
+        self.closed.send_replace(true);
+        self.ready.store(false, Ordering::SeqCst);
+        self.router
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+    }
+
+    /// The deployments for `GET /v1/models`.
+    pub fn models(&self) -> Vec<ModelEntry> {
+        self.read(|inner| {
+            inner
+                .deps
+                .values()
+                .map(|d| ModelEntry {
+                    id: d.name().to_string(),
+                    deployment_id: d.id().to_string(),
+                    state: views::shown_state(d).to_string(),
+                })
+                .collect()
+        })
+    }
+
+    /// An [`Admission`] for the listener that forwards to `router` and records each request's
+    /// start and end as use of its deployment (the idle timers count from the last one).
+    pub fn admission(&self, router: CoordinatorHandle) -> TrackedAdmission {
+        TrackedAdmission {
+            inner: router,
+            server: self.me.clone(),
+        }
+    }
+
+    /// Waits until deployment `name_or_id` is in one of `states`, for at most `within`; its
+    /// view then, or the last view with `Err` when the time ran out.
+    pub async fn wait_for_state(
+        &self,
+        name_or_id: &str,
+        states: &[InstanceState],
+        within: Duration,
+    ) -> Result<DeploymentView, Option<DeploymentView>> {
+        let mut rx = self.changes.subscribe();
+        let deadline = Instant::now() + within;
+        loop {
+            let view = self.view(name_or_id);
+            if let Some(v) = view.clone()
+                && states.contains(&v.state)
+            {
+                return Ok(v);
+            }
+            match tokio::time::timeout_at(deadline, rx.changed()).await {
+                Ok(Ok(())) => {}
+                _ => return Err(view),
+            }
+        }
+    }
+
+    /// The view of one deployment, if it exists.
+    pub fn view(&self, name_or_id: &str) -> Option<DeploymentView> {
+        self.read(|inner| {
+            inner
+                .by_name_or_id(name_or_id)
+                .map(|d| views::deployment_view(d, &self.config, inner))
+        })
+    }
+
+    // ----- plumbing -----
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn read<R>(&self, f: impl FnOnce(&Inner) -> R) -> R {
+        f(&self.lock())
+    }
+
+    fn write<R>(&self, f: impl FnOnce(&mut Inner) -> R) -> R {
+        let r = f(&mut self.lock());
+        self.changes.send_modify(|n| *n = n.wrapping_add(1));
+        r
+    }
+
+    fn router(&self) -> Option<CoordinatorHandle> {
+        self.router
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn key(&self, d: &Dep) -> InstanceKey {
+        InstanceKey {
+            deployment: d.rec.id.clone(),
+            index: 0,
+            host_id: self.config.host_id.clone(),
+            generation: d.rec.generation,
+        }
+    }
+
+    fn explicit(&self, d: &Dep) -> bool {
+        d.rec.doc.activation() == Activation::Explicit
+            || self.config.host_activation == Activation::Explicit
+    }
+
+    fn fresh_id(&self, what: &str) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        format!("{what}-{}-{n}", ulid::Ulid::new())
+    }
+
+    /// Saves every record (snapshot and write under the persist lock, so saves land in order).
+    fn save(&self) -> Result<(), ApiError> {
+        let _order = self.persist.lock().unwrap_or_else(PoisonError::into_inner);
+        let state = self.read(|inner| {
+            let mut deployments: Vec<DeploymentRecord> =
+                inner.deps.values().map(|d| d.rec.clone()).collect();
+            deployments.sort_by(|a, b| a.doc.name.cmp(&b.doc.name));
+            StoredState {
+                deployments,
+                ..Default::default()
+            }
+        });
+        self.store.save(&state).map_err(|e| {
+            tracing::error!(error = %e, "saving the state failed");
+            internal(format!("saving the state: {e}"))
+        })
+    }
+
+    fn find(&self, name_or_id: &str) -> Result<String, ApiError> {
+        self.read(|inner| inner.by_name_or_id(name_or_id).map(|d| d.rec.id.clone()))
+            .ok_or_else(|| not_found(name_or_id))
+    }
+
+    fn touch(&self, id: &str) {
+        if let Some(d) = self.lock().deps.get_mut(id) {
+            d.last_used = Instant::now();
+        }
+    }
+
+    fn spawn(&self, work: impl FnOnce(Arc<Server>) -> BoxFuture<'static, ()>) {
+        if let Some(me) = self.me.upgrade() {
+            tokio::spawn(work(me));
+        }
+    }
+
+    async fn announce_ready(&self, key: InstanceKey, port: u16) {
+        if let Some(r) = self.router() {
+            r.instance_ready(upstream(key, port)).await;
+        }
+    }
+
+    async fn announce_gone(&self, key: InstanceKey) {
+        if let Some(r) = self.router() {
+            r.instance_gone(key).await;
+        }
+    }
+
+    /// The deployments with requests waiting in the router now.
+    async fn waiting_in_router(&self) -> BTreeSet<String> {
+        match self.router() {
+            Some(r) => r
+                .load()
+                .await
+                .into_iter()
+                .filter(|l| l.waiting > 0 || l.in_flight > 0)
+                .map(|l| l.deployment_id)
+                .collect(),
+            None => BTreeSet::new(),
+        }
+    }
+
+    /// The GPU's holders as placement sees them, for bringing up `target`.
+    fn holders(&self, inner: &Inner, target: &str, protected: &BTreeSet<String>) -> Vec<Holder> {
+        let now = Instant::now();
+        inner
+            .deps
+            .values()
+            .filter(|d| d.id() != target && (d.occupies() || d.claim.is_some()))
+            .map(|d| {
+                let hold = if self.explicit(d) || d.warm() {
+                    Hold::Pinned
+                } else if d.state == InstanceState::Ready
+                    && !d.busy
+                    && d.reserved.is_none()
+                    && d.claim.is_none()
+                    && !protected.contains(d.id())
+                {
+                    Hold::Releasable
+                } else {
+                    Hold::Busy
+                };
+                Holder {
+                    id: d.id().to_string(),
+                    name: d.name().to_string(),
+                    bytes: d.need(inner.capacity),
+                    hold,
+                    idle_for: now.saturating_duration_since(d.last_used),
+                }
+            })
+            .collect()
+    }
+
+    /// Marks `id` as coming up (under the lock) and says how.
+    fn begin_up(inner: &mut Inner, id: &str) -> Option<Up> {
+        let d = inner.deps.get_mut(id)?;
+        d.pending_start = false;
+        d.claim = None;
+        d.busy = true;
+        d.last_error = None;
+        d.last_used = Instant::now();
+        if d.state == InstanceState::Parked {
+            d.state = InstanceState::Waking;
+            Some(Up::Wake)
+        } else {
+            d.state = InstanceState::Starting;
+            d.rec.generation += 1;
+            d.rec.first_answer = None;
+            Some(Up::Start)
+        }
+    }
+
+    /// Runs the start or wake begun by [`Server::begin_up`]; announces the instance when ready.
+    async fn finish_up(&self, id: &str, up: Up) -> Result<(), ApiError> {
+        let name = self
+            .read(|inner| inner.deps.get(id).map(|d| d.name().to_string()))
+            .unwrap_or_default();
+        let span = tracing::info_span!("bring_up", deployment = %name, how = ?up);
+        self.finish_up_inner(id, up).instrument(span).await
+    }
+
+    async fn finish_up_inner(&self, id: &str, up: Up) -> Result<(), ApiError> {
+        let Some((iid, spec)) = self.read(|inner| {
+            inner
+                .deps
+                .get(id)
+                .map(|d| (d.instance_id(), d.spec.clone()))
+        }) else {
+            return Err(not_found(id));
+        };
+        if up == Up::Start {
+            // The generation is part of the record.
+            let _ = self.save();
+        }
+        let began = Instant::now();
+        let woken_from = self.read(|inner| inner.deps.get(id).and_then(|d| d.tier));
+        let outcome: Result<Option<capyctl_node_agent::agent::StartedInstance>, ApiError> = match up
+        {
+            Up::Start => match self.agent.start(&iid, &spec).await {
+                Ok(s) => Ok(Some(s)),
+                Err(e) => Err(ApiError::EngineFailed {
+                    deployment: id.to_string(),
+                    detail: e.to_string(),
+                }),
+            },
+            Up::Wake => match self.agent.wake(&iid).await {
+                Ok(report) => match report.into_result() {
+                    Ok(()) => Ok(None),
+                    Err(e) => Err(e.to_api_error(id).unwrap_or(ApiError::EngineFailed {
+                        deployment: id.to_string(),
+                        detail: e.to_string(),
+                    })),
+                },
+                Err(e) => {
+                    let _ = self.agent.stop(&iid).await;
+                    Err(ApiError::EngineFailed {
+                        deployment: id.to_string(),
+                        detail: e.to_string(),
+                    })
+                }
+            },
+        };
+        if up == Up::Wake {
+            let code = match &outcome {
+                Ok(_) => "ok",
+                Err(e) => e.code(),
+            };
+            self.config.metrics.wake(
+                woken_from.map_or("unknown", views::tier_words),
+                code,
+                began.elapsed(),
+            );
+        }
+        let ready = self.write(|inner| {
+            let d = inner.deps.get_mut(id)?;
+            d.busy = false;
+            d.last_used = Instant::now();
+            match &outcome {
+                Ok(started) => {
+                    if let Some(s) = started {
+                        d.port = Some(s.port);
+                        d.pid = Some(s.pid);
+                        d.max_running = Some(s.max_running);
+                        if !s.measurement.awaiting() {
+                            d.measurement = s.measurement;
+                        }
+                        d.rec.first_answer = Some(s.first_answer.clone());
+                    }
+                    d.state = InstanceState::Ready;
+                    d.tier = None;
+                    Some(Ok((self.key(d), d.port)))
+                }
+                Err(e) => {
+                    d.state = InstanceState::Failed;
+                    d.tier = None;
+                    d.port = None;
+                    d.pid = None;
+                    d.last_error = Some(format!("{}: {}", e.code(), e.message()));
+                    Some(Err(self.key(d)))
+                }
+            }
+        });
+        match ready {
+            Some(Ok((key, Some(port)))) => {
+                if up == Up::Start {
+                    let _ = self.save();
+                }
+                self.announce_ready(key, port).await;
+            }
+            Some(Ok((_, None))) => {}
+            Some(Err(key)) => {
+                tracing::warn!(error = ?outcome.as_ref().err(), "bringing the instance up failed");
+                self.announce_gone(key).await;
+                self.memory_freed();
+            }
+            None => {}
+        }
+        outcome.map(|_| ())
+    }
+
+    /// Makes room in host RAM for `id`'s parked copy: stops the longest-idle non-explicit
+    /// parked copies while the copy does not fit; `ParkedCapacity` when only explicit copies
+    /// stand in the way. Nothing is done when the copy would not go to host RAM, or does not
+    /// fit even in empty host RAM (the agent then parks deep or stops it).
+    async fn make_parked_room(&self, id: &str) -> Result<(), ApiError> {
+        let Ok(inv) = self.agent.inventory().await else {
+            return Ok(());
+        };
+        let unified = inv.unified_memory();
+        let plan = self.read(|inner| {
+            let d = inner.deps.get(id)?;
+            let to_host_ram = !unified
+                && d.spec.engine != EngineKind::Tensorfold
+                && !matches!(
+                    d.spec.residency,
+                    Some(Residency::Deep | Residency::RestartOnly)
+                )
+                && d.spec.decision.is_none()
+                && !d.spec.speculative();
+            let copy = d.measurement.weights_bytes()?;
+            if !to_host_ram {
+                return None;
+            }
+            let copies: Vec<(&Dep, u64)> = inner
+                .deps
+                .values()
+                .filter(|o| {
+                    o.id() != id
+                        && o.state == InstanceState::Parked
+                        && o.tier == Some(ParkTier::HostRam)
+                })
+                .map(|o| (o, o.measurement.weights_bytes().unwrap_or(0)))
+                .collect();
+            let held: u64 = copies.iter().map(|(_, b)| b).sum();
+            let total = if inv.host_memory.overridden {
+                inv.host_memory.total_bytes
+            } else {
+                inv.host_memory.available_bytes.saturating_add(held)
+            };
+            if copy > total {
+                return None;
+            }
+            let room = total.saturating_sub(held);
+            if copy <= room {
+                return Some(Ok(Vec::new()));
+            }
+            let explicit: u64 = copies
+                .iter()
+                .filter(|(o, _)| self.explicit(o) || o.busy || o.reserved.is_some())
+                .map(|(_, b)| b)
+                .sum();
+            if copy > total.saturating_sub(explicit) {
+                return Some(Err(ApiError::ParkedCapacity {
+                    deployment: id.to_string(),
+                }));
+            }
+            let mut removable: Vec<(&Dep, u64)> = copies
+                .into_iter()
+                .filter(|(o, _)| !self.explicit(o) && !o.busy && o.reserved.is_none())
+                .collect();
+            removable.sort_by_key(|(o, _)| o.last_used);
+            let mut free = room;
+            let mut out = Vec::new();
+            for (o, b) in removable {
+                if free >= copy {
+                    break;
+                }
+                free += b;
+                out.push(o.id().to_string());
+            }
+            Some(Ok(out))
+        });
+        let victims = match plan {
+            None => return Ok(()),
+            Some(r) => r?,
+        };
+        for v in victims {
+            let begun = self.write(|inner| {
+                let d = inner.deps.get_mut(&v)?;
+                (d.state == InstanceState::Parked && !d.busy && d.reserved.is_none()).then(|| {
+                    d.busy = true;
+                    d.state = InstanceState::Stopping;
+                    d.instance_id()
+                })
+            });
+            let Some(iid) = begun else { continue };
+            tracing::info!(instance = %iid, "released: stopped (no room to park) to make room for a newer parked copy");
+            let result = self.agent.stop(&iid).await;
+            self.write(|inner| {
+                if let Some(d) = inner.deps.get_mut(&v) {
+                    d.busy = false;
+                    d.tier = None;
+                    d.port = None;
+                    d.pid = None;
+                    d.state = match &result {
+                        Ok(()) => InstanceState::Stopped,
+                        Err(_) => InstanceState::Failed,
+                    };
+                    d.last_error = Some(match &result {
+                        Ok(()) => "released: stopped (no room to park)".to_string(),
+                        Err(e) => format!("stop failed: {e}"),
+                    });
+                }
+            });
+        }
+        Ok(())
+    }
+
+    /// Parks (or stops, with `stop` or where it does not park) an instance whose requests have
+    /// drained: state `Closed`/`Ready`/`Parked`, reserved by the caller or idle. Says how it
+    /// was released; `ParkedCapacity` leaves it ready (announced again).
+    async fn put_away(&self, id: &str, stop: bool) -> Result<Released, ApiError> {
+        if !stop && let Err(e) = self.make_parked_room(id).await {
+            let back = self.write(|inner| {
+                let d = inner.deps.get_mut(id)?;
+                d.state = InstanceState::Ready;
+                Some((self.key(d), d.port?))
+            });
+            if let Some((key, port)) = back {
+                self.announce_ready(key, port).await;
+            }
+            return Err(e);
+        }
+        let Some((iid, key, parked)) = self.write(|inner| {
+            let d = inner.deps.get_mut(id)?;
+            let parked = d.state == InstanceState::Parked;
+            d.busy = true;
+            d.state = if stop || parked {
+                InstanceState::Stopping
+            } else {
+                InstanceState::Parking
+            };
+            Some((d.instance_id(), self.key(d), parked))
+        }) else {
+            return Err(not_found(id));
+        };
+        let began = Instant::now();
+        let result = if stop || parked {
+            self.agent.stop(&iid).await.map(|()| Released::Stopped)
+        } else {
+            match self.agent.park(&iid).await {
+                Ok(ParkResult::Parked { tier }) => {
+                    self.config
+                        .metrics
+                        .park(views::tier_words(tier), "ok", began.elapsed());
+                    self.write(|inner| {
+                        if let Some(d) = inner.deps.get_mut(id) {
+                            d.tier = Some(tier);
+                        }
+                    });
+                    Ok(Released::Parked)
+                }
+                Ok(ParkResult::Stopped {
+                    reason: NoParkReason::NoRoomToPark,
+                }) => Ok(Released::StoppedNoRoomToPark),
+                Ok(ParkResult::Stopped { .. }) => Ok(Released::Stopped),
+                // A model its engine cannot wake correctly is stopped, never parked.
+                Err(e @ capyctl_node_agent::AgentError::CapabilityMissing { .. }) => {
+                    tracing::info!(instance = %iid, reason = %e, "stopped instead of parked");
+                    self.agent.stop(&iid).await.map(|()| Released::Stopped)
+                }
+                Err(e) => {
+                    let _ = self.agent.stop(&iid).await;
+                    Err(e)
+                }
+            }
+        };
+        self.write(|inner| {
+            if let Some(d) = inner.deps.get_mut(id) {
+                d.busy = false;
+                d.last_used = Instant::now();
+                match &result {
+                    Ok(Released::Parked) => d.state = InstanceState::Parked,
+                    Ok(r) => {
+                        d.state = InstanceState::Stopped;
+                        d.tier = None;
+                        d.port = None;
+                        d.pid = None;
+                        if *r == Released::StoppedNoRoomToPark {
+                            d.last_error = Some("released: stopped (no room to park)".into());
+                        }
+                    }
+                    Err(e) => {
+                        d.state = InstanceState::Failed;
+                        d.tier = None;
+                        d.port = None;
+                        d.pid = None;
+                        d.last_error = Some(format!("park or stop failed: {e}"));
+                    }
+                }
+            }
+        });
+        tracing::info!(instance = %iid, released = ?result.as_ref().map(|r| r.words()), "released");
+        self.announce_gone(key).await;
+        self.memory_freed();
+        result.map_err(|e| ApiError::EngineFailed {
+            deployment: id.to_string(),
+            detail: e.to_string(),
+        })
+    }
+
+    /// Drains ready instances `ids` (reserved by `rid`) through the router: running requests
+    /// finish first. `shown` is the state they show meanwhile (`closed`, or `parking` for an
+    /// operator park). On a drain timeout they serve again.
+    async fn drain(
+        &self,
+        ids: &[String],
+        shown: InstanceState,
+    ) -> Result<HashMap<String, DrainReport>, ApiError> {
+        let keys: Vec<InstanceKey> = self.write(|inner| {
+            ids.iter()
+                .filter_map(|id| {
+                    let d = inner.deps.get_mut(id)?;
+                    d.state = shown;
+                    Some(self.key(d))
+                })
+                .collect()
+        });
+        let Some(router) = self.router() else {
+            return Ok(ids
+                .iter()
+                .map(|i| (i.clone(), DrainReport::default()))
+                .collect());
+        };
+        match router.release(keys).await {
+            Ok(reports) => Ok(reports
+                .into_iter()
+                .map(|(k, r)| (k.deployment, r))
+                .collect()),
+            Err(e) => {
+                self.write(|inner| {
+                    for id in ids {
+                        if let Some(d) = inner.deps.get_mut(id)
+                            && d.state == shown
+                        {
+                            d.state = InstanceState::Ready;
+                        }
+                    }
+                });
+                Err(e)
+            }
+        }
+    }
+
+    /// Memory was freed: operator starts waiting for memory try again, and the router's
+    /// `Later` deployments plan again (it is told through `instance_gone`).
+    fn memory_freed(&self) {
+        self.spawn(|me| {
+            Box::pin(async move {
+                let pending: Vec<String> = me.read(|inner| {
+                    inner
+                        .deps
+                        .values()
+                        .filter(|d| d.pending_start)
+                        .map(|d| d.rec.id.clone())
+                        .collect()
+                });
+                for id in pending {
+                    let up = me.write(|inner| {
+                        let d = inner.deps.get(&id)?;
+                        if !d.pending_start || d.busy || d.reserved.is_some() {
+                            return None;
+                        }
+                        let need = d.need(inner.capacity);
+                        let holders = me.holders(inner, &id, &BTreeSet::new());
+                        (place(inner.capacity, need, &holders, false) == Fit::Now)
+                            .then(|| Self::begin_up(inner, &id))
+                            .flatten()
+                    });
+                    if let Some(up) = up {
+                        let _ = me.finish_up(&id, up).await;
+                    }
+                }
+            })
+        });
+    }
+
+    // ----- the router's questions -----
+
+    fn admissible_now(&self, inner: &Inner, id: &str) -> Result<(), ApiError> {
+        let Some(d) = inner.deps.get(id) else {
+            return Err(not_found(id));
+        };
+        if d.rec.operator_stopped {
+            return Err(ApiError::DeploymentStopped {
+                deployment: id.to_string(),
+            });
+        }
+        if self.explicit(d) && !d.running_or_coming() {
+            return Err(ApiError::DeploymentInactive {
+                deployment: id.to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    fn plan_now(&self, target: &str, protected: &BTreeSet<String>) -> Result<Plan, ApiError> {
+        let mut inner = self.lock();
+        self.admissible_now(&inner, target)?;
+        let Some(d) = inner.deps.get(target) else {
+            return Err(not_found(target));
+        };
+        if d.claim.is_some() || d.pending_start {
+            return Ok(Plan::AlreadyComing);
+        }
+        match d.state {
+            InstanceState::Ready | InstanceState::Starting | InstanceState::Waking => {
+                return Ok(Plan::AlreadyComing);
+            }
+            _ if d.busy || d.reserved.is_some() => return Ok(Plan::Later),
+            InstanceState::Closed | InstanceState::Parking | InstanceState::Stopping => {
+                return Ok(Plan::Later);
+            }
+            _ => {}
+        }
+        let need = d.need(inner.capacity);
+        let holders = self.holders(&inner, target, protected);
+        let fit = place(inner.capacity, need, &holders, true);
+        let switch_id = self.fresh_id("sw");
+        let plan = match fit {
+            Fit::Now => {
+                inner.reservations.insert(
+                    switch_id.clone(),
+                    Reservation {
+                        target: Some(target.to_string()),
+                        victims: Vec::new(),
+                    },
+                );
+                if let Some(d) = inner.deps.get_mut(target) {
+                    d.claim = Some(switch_id.clone());
+                }
+                Plan::BringUp { switch_id }
+            }
+            Fit::After(victims) => {
+                let mut keys = Vec::new();
+                for v in &victims {
+                    if let Some(vd) = inner.deps.get_mut(v) {
+                        vd.reserved = Some(switch_id.clone());
+                        keys.push(InstanceKey {
+                            deployment: vd.rec.id.clone(),
+                            index: 0,
+                            host_id: self.config.host_id.clone(),
+                            generation: vd.rec.generation,
+                        });
+                    }
+                }
+                if let Some(d) = inner.deps.get_mut(target) {
+                    d.claim = Some(switch_id.clone());
+                }
+                inner.reservations.insert(
+                    switch_id.clone(),
+                    Reservation {
+                        target: Some(target.to_string()),
+                        victims,
+                    },
+                );
+                Plan::Switch {
+                    switch_id,
+                    victims: keys,
+                }
+            }
+            Fit::Later => Plan::Later,
+            Fit::Never(detail) => {
+                return Err(ApiError::DoesNotFit {
+                    deployment: target.to_string(),
+                    detail,
+                });
+            }
+        };
+        drop(inner);
+        self.changes.send_modify(|n| *n = n.wrapping_add(1));
+        Ok(plan)
+    }
+
+    async fn execute_order(&self, order: SwitchOrder) -> Result<(), ApiError> {
+        let span =
+            tracing::info_span!("switch", switch_id = %order.switch_id, target = %order.target);
+        let began = Instant::now();
+        let result = self.execute_inner(&order).instrument(span).await;
+        self.config.metrics.switch_finished(
+            match &result {
+                Ok(()) => "ok",
+                Err(e) => e.metric_label(),
+            },
+            &[("release_and_bring_up", began.elapsed())],
+        );
+        result
+    }
+
+    async fn execute_inner(&self, order: &SwitchOrder) -> Result<(), ApiError> {
+        for (key, report) in &order.victims {
+            let ours = self.read(|inner| {
+                inner.deps.get(&key.deployment).is_some_and(|d| {
+                    d.reserved.as_deref() == Some(order.switch_id.as_str())
+                        && d.rec.generation == key.generation
+                        && matches!(d.state, InstanceState::Ready | InstanceState::Closed)
+                })
+            });
+            if !ours {
+                continue;
+            }
+            match self
+                .put_away(&key.deployment, report.cut_before_output)
+                .await
+            {
+                Ok(released) => {
+                    tracing::info!(victim = %key.deployment, released = released.words(), "victim released")
+                }
+                Err(e @ ApiError::ParkedCapacity { .. }) => {
+                    self.write(|inner| inner.release_reservation(&order.switch_id));
+                    return Err(e);
+                }
+                Err(e) => {
+                    tracing::warn!(victim = %key.deployment, error = %e, "releasing a victim failed")
+                }
+            }
+        }
+        let up = self.write(|inner| {
+            let claimed = inner
+                .deps
+                .get(&order.target)
+                .is_some_and(|d| d.claim.as_deref() == Some(order.switch_id.as_str()));
+            inner.release_reservation(&order.switch_id);
+            if !claimed {
+                return Err(ApiError::Conflict {
+                    detail: format!(
+                        "switch {} to deployment {} was given up",
+                        order.switch_id, order.target
+                    ),
+                });
+            }
+            self.admissible_now(inner, &order.target)?;
+            let d = inner
+                .deps
+                .get(&order.target)
+                .ok_or_else(|| not_found(&order.target))?;
+            if d.busy || d.occupies() {
+                return Ok(None);
+            }
+            Ok(Self::begin_up(inner, &order.target))
+        })?;
+        match up {
+            Some(up) => self.finish_up(&order.target, up).await,
+            None => Ok(()),
+        }
+    }
+
+    async fn idle_engine(&self, key: &InstanceKey) -> bool {
+        let asked = views::now_ms();
+        let iid = instance_id(&key.deployment);
+        let mut rx = self.closed.subscribe();
+        loop {
+            if let Some(s) = self.agent.sample(&iid) {
+                match s.engine {
+                    None => return false,
+                    Some(e) if s.sampled_at_ms >= asked => {
+                        return e.running == Some(0) && e.waiting.unwrap_or(0) == 0;
+                    }
+                    Some(_) => {}
+                }
+            } else {
+                return false;
+            }
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_millis(100)) => {}
+                _ = rx.changed() => return false,
+            }
+        }
+    }
+
+    // ----- operator commands -----
+
+    fn receipt(&self, action: &str, id: &str) -> Result<ActionReceipt, ApiError> {
+        Ok(ActionReceipt {
+            action: action.to_string(),
+            deployment: self.view(id).ok_or_else(|| not_found(id))?,
+            switch_id: None,
+            victims: Vec::new(),
+        })
+    }
+
+    async fn do_deploy(&self, doc: DeploymentDoc) -> Result<DeployReceipt, ApiError> {
+        let (id, outcome) = self.write(|inner| {
+            if let Some(d) = inner.deps.values_mut().find(|d| d.name() == doc.name) {
+                if d.rec.doc == doc {
+                    return (d.rec.id.clone(), DeployOutcome::Unchanged);
+                }
+                d.rec.revision += 1;
+                d.rec.doc = doc.clone();
+                d.spec = InstanceSpec::from_doc(d.rec.id.clone(), &doc);
+                (d.rec.id.clone(), DeployOutcome::Updated)
+            } else {
+                let id = ulid::Ulid::new().to_string();
+                let rec = DeploymentRecord {
+                    id: id.clone(),
+                    revision: 1,
+                    doc: doc.clone(),
+                    operator_stopped: false,
+                    operator_started: false,
+                    generation: 0,
+                    first_answer: None,
+                };
+                inner.deps.insert(id.clone(), Dep::new(rec));
+                (id, DeployOutcome::Created)
+            }
+        });
+        if outcome != DeployOutcome::Unchanged {
+            self.save()?;
+            let spec = self.read(|inner| inner.deps.get(&id).map(|d| d.spec.clone()));
+            if let Some(spec) = spec {
+                let measured = self.agent.measure(&spec).await;
+                self.write(|inner| {
+                    if let (Some(d), Ok(m)) = (inner.deps.get_mut(&id), measured)
+                        && !(m.awaiting() && !d.measurement.awaiting() && d.spec == spec)
+                    {
+                        d.measurement = m;
+                    }
+                });
+            }
+        }
+        Ok(DeployReceipt {
+            outcome,
+            deployment: self.view(&id).ok_or_else(|| not_found(&id))?,
+        })
+    }
+
+    async fn do_start(&self, key: &str, req: StartRequest) -> Result<ActionReceipt, ApiError> {
+        let id = self.find(key)?;
+        let protected = self.waiting_in_router().await;
+        enum Next {
+            Nothing,
+            Up(Up),
+            Evict(String, Vec<String>),
+            Pending,
+        }
+        let next = self.write(|inner| -> Result<Next, ApiError> {
+            let capacity = inner.capacity;
+            let d = inner.deps.get(&id).ok_or_else(|| not_found(&id))?;
+            if d.measurement.awaiting() && !req.wait && d.state != InstanceState::Ready {
+                return Err(ApiError::AwaitingMeasurement {
+                    deployment: id.clone(),
+                });
+            }
+            if matches!(
+                d.state,
+                InstanceState::Closed | InstanceState::Parking | InstanceState::Stopping
+            ) || d.reserved.is_some()
+            {
+                return Err(ApiError::Conflict {
+                    detail: format!(
+                        "deployment {} is {} now; start it again once that has finished",
+                        d.name(),
+                        views::shown_state(d)
+                    ),
+                });
+            }
+            let coming = matches!(
+                d.state,
+                InstanceState::Ready | InstanceState::Starting | InstanceState::Waking
+            ) || d.claim.is_some()
+                || d.pending_start;
+            let need = d.need(capacity);
+            let holders = self.holders(inner, &id, &protected);
+            let d = inner.deps.get_mut(&id).ok_or_else(|| not_found(&id))?;
+            d.rec.operator_stopped = false;
+            d.rec.operator_started = true;
+            if coming {
+                return Ok(Next::Nothing);
+            }
+            match place(capacity, need, &holders, req.evict) {
+                Fit::Now => Ok(Self::begin_up(inner, &id).map_or(Next::Nothing, Next::Up)),
+                Fit::After(victims) => {
+                    let rid = self.fresh_id("sw");
+                    for v in &victims {
+                        if let Some(vd) = inner.deps.get_mut(v) {
+                            vd.reserved = Some(rid.clone());
+                        }
+                    }
+                    if let Some(d) = inner.deps.get_mut(&id) {
+                        d.claim = Some(rid.clone());
+                    }
+                    inner.reservations.insert(
+                        rid.clone(),
+                        Reservation {
+                            target: Some(id.clone()),
+                            victims: victims.clone(),
+                        },
+                    );
+                    Ok(Next::Evict(rid, victims))
+                }
+                Fit::Later => {
+                    if let Some(d) = inner.deps.get_mut(&id) {
+                        d.pending_start = true;
+                    }
+                    Ok(Next::Pending)
+                }
+                Fit::Never(detail) => Err(ApiError::DoesNotFit {
+                    deployment: id.clone(),
+                    detail,
+                }),
+            }
+        })?;
+        self.save()?;
+        let mut receipt_victims = Vec::new();
+        let mut switch_id = None;
+        let up = match next {
+            Next::Nothing | Next::Pending => None,
+            Next::Up(up) => Some(up),
+            Next::Evict(rid, victims) => {
+                let reports = match self.drain(&victims, InstanceState::Closed).await {
+                    Ok(r) => r,
+                    Err(e) => {
+                        self.write(|inner| inner.release_reservation(&rid));
+                        return Err(e);
+                    }
+                };
+                for v in &victims {
+                    let stop = reports.get(v).is_some_and(|r| r.cut_before_output);
+                    let (name, iid) = self
+                        .read(|inner| {
+                            inner
+                                .deps
+                                .get(v)
+                                .map(|d| (d.name().to_string(), d.instance_id()))
+                        })
+                        .unwrap_or_default();
+                    match self.put_away(v, stop).await {
+                        Ok(released) => receipt_victims.push(Victim {
+                            deployment_id: v.clone(),
+                            name,
+                            instance_id: iid,
+                            released,
+                        }),
+                        Err(e @ ApiError::ParkedCapacity { .. }) => {
+                            self.write(|inner| inner.release_reservation(&rid));
+                            return Err(e);
+                        }
+                        Err(e) => {
+                            tracing::warn!(victim = %v, error = %e, "releasing a victim failed");
+                            receipt_victims.push(Victim {
+                                deployment_id: v.clone(),
+                                name,
+                                instance_id: iid,
+                                released: Released::Stopped,
+                            });
+                        }
+                    }
+                }
+                switch_id = Some(rid.clone());
+                self.write(|inner| {
+                    inner.release_reservation(&rid);
+                    Self::begin_up(inner, &id)
+                })
+            }
+        };
+        if let Some(up) = up {
+            if req.wait {
+                self.finish_up(&id, up).await?;
+            } else {
+                let target = id.clone();
+                self.spawn(move |me| {
+                    Box::pin(async move {
+                        if let Err(e) = me.finish_up(&target, up).await
+                            && let Some(r) = me.router()
+                        {
+                            r.deployment_refused(target, e).await;
+                        }
+                    })
+                });
+            }
+        }
+        if req.wait {
+            self.wait_ready(&id).await?;
+        }
+        let mut receipt = self.receipt("start", &id)?;
+        receipt.switch_id = switch_id;
+        receipt.victims = receipt_victims;
+        Ok(receipt)
+    }
+
+    /// Waits until `id` is ready; its failure otherwise.
+    async fn wait_ready(&self, id: &str) -> Result<(), ApiError> {
+        let mut rx = self.changes.subscribe();
+        loop {
+            let now = self.read(|inner| {
+                let d = inner.deps.get(id)?;
+                Some((
+                    d.state,
+                    d.busy || d.pending_start || d.claim.is_some(),
+                    d.last_error.clone(),
+                ))
+            });
+            match now {
+                None => return Err(not_found(id)),
+                Some((InstanceState::Ready, _, _)) => return Ok(()),
+                Some((InstanceState::Failed | InstanceState::Stopped, false, err)) => {
+                    return Err(ApiError::EngineFailed {
+                        deployment: id.to_string(),
+                        detail: err.unwrap_or_else(|| "it is not running".into()),
+                    });
+                }
+                _ => {}
+            }
+            if rx.changed().await.is_err() {
+                return Err(internal("the server is shutting down"));
+            }
+        }
+    }
+
+    /// Begins taking `id` down (under the lock): `Ok(Some(true))` ready (drain first),
+    /// `Ok(Some(false))` parked (stop directly), `Ok(None)` nothing runs.
+    fn begin_down(&self, inner: &mut Inner, id: &str, rid: &str) -> Result<Option<bool>, ApiError> {
+        let d = inner.deps.get_mut(id).ok_or_else(|| not_found(id))?;
+        if d.busy || d.reserved.is_some() || d.claim.is_some() {
+            return Err(ApiError::Conflict {
+                detail: format!(
+                    "deployment {} is {} now; try again once that has finished",
+                    d.name(),
+                    views::shown_state(d)
+                ),
+            });
+        }
+        d.pending_start = false;
+        match d.state {
+            InstanceState::Ready => {
+                d.reserved = Some(rid.to_string());
+                inner.reservations.insert(
+                    rid.to_string(),
+                    Reservation {
+                        target: None,
+                        victims: vec![id.to_string()],
+                    },
+                );
+                Ok(Some(true))
+            }
+            InstanceState::Parked => Ok(Some(false)),
+            _ => Ok(None),
+        }
+    }
+
+    /// An operator's stop or delete begins: marks `id` operator-stopped (requests get
+    /// `deployment_stopped`), fails its waiting requests with `refusal`, waits for an operation
+    /// in progress on it (a start, a wake, a switch it is part of) to end, then begins taking it
+    /// down (see [`Server::begin_down`]).
+    async fn begin_operator_stop(
+        &self,
+        id: &str,
+        rid: &str,
+        refusal: ApiError,
+    ) -> Result<Option<bool>, ApiError> {
+        self.write(|inner| {
+            let d = inner.deps.get_mut(id).ok_or_else(|| not_found(id))?;
+            d.rec.operator_stopped = true;
+            d.rec.operator_started = false;
+            d.pending_start = false;
+            Ok::<_, ApiError>(())
+        })?;
+        self.save()?;
+        if let Some(r) = self.router() {
+            r.deployment_refused(id.to_string(), refusal).await;
+        }
+        let mut rx = self.changes.subscribe();
+        loop {
+            let settled = self.read(|inner| {
+                inner
+                    .deps
+                    .get(id)
+                    .map(|d| !d.busy && d.reserved.is_none() && d.claim.is_none())
+            });
+            match settled {
+                None => return Err(not_found(id)),
+                Some(true) => {
+                    match self.write(|inner| self.begin_down(inner, id, rid)) {
+                        Err(ApiError::Conflict { .. }) => {}
+                        other => return other,
+                    }
+                    rx.borrow_and_update();
+                }
+                Some(false) => {}
+            }
+            if rx.changed().await.is_err() {
+                return Err(internal("the server is shutting down"));
+            }
+        }
+    }
+
+    async fn do_stop(&self, key: &str) -> Result<ActionReceipt, ApiError> {
+        let id = self.find(key)?;
+        let rid = self.fresh_id("stop");
+        let refusal = ApiError::DeploymentStopped {
+            deployment: id.clone(),
+        };
+        let down = self.begin_operator_stop(&id, &rid, refusal).await?;
+        let result = self.take_down(&id, &rid, down, true).await;
+        self.write(|inner| inner.release_reservation(&rid));
+        result?;
+        self.receipt("stop", &id)
+    }
+
+    /// Drains (when ready) and parks or stops `id`, as begun by [`Server::begin_down`].
+    async fn take_down(
+        &self,
+        id: &str,
+        _rid: &str,
+        down: Option<bool>,
+        stop: bool,
+    ) -> Result<Option<Released>, ApiError> {
+        match down {
+            None => Ok(None),
+            Some(false) => self.put_away(id, true).await.map(Some),
+            Some(true) => {
+                let shown = if stop {
+                    InstanceState::Closed
+                } else {
+                    InstanceState::Parking
+                };
+                let reports = self.drain(&[id.to_string()], shown).await?;
+                let cut = reports.get(id).is_some_and(|r| r.cut_before_output);
+                self.put_away(id, stop || cut).await.map(Some)
+            }
+        }
+    }
+
+    async fn do_park(&self, key: &str) -> Result<ActionReceipt, ApiError> {
+        let id = self.find(key)?;
+        let spec = self
+            .read(|inner| inner.deps.get(&id).map(|d| (d.spec.clone(), d.state)))
+            .ok_or_else(|| not_found(&id))?;
+        match spec.1 {
+            InstanceState::Parked | InstanceState::Parking => return self.receipt("park", &id),
+            InstanceState::Ready => {}
+            _ => {
+                let name = self.read(|inner| {
+                    inner
+                        .deps
+                        .get(&id)
+                        .map(|d| (d.name().to_string(), views::shown_state(d)))
+                });
+                let (name, state) = name.ok_or_else(|| not_found(&id))?;
+                return Err(ApiError::Conflict {
+                    detail: format!("deployment {name} is {state}; only a ready deployment parks"),
+                });
+            }
+        }
+        if let Err(e) = self.agent.parkability(&spec.0).await
+            && let Some(api) = e.to_api_error(&id)
+        {
+            return Err(api);
+        }
+        // Refused at once (and it serves on) when only explicit parked copies hold the room.
+        self.make_parked_room(&id).await?;
+        let rid = self.fresh_id("park");
+        let down = self.write(|inner| {
+            let down = self.begin_down(inner, &id, &rid)?;
+            if let Some(d) = inner.deps.get_mut(&id) {
+                d.rec.operator_started = false;
+                if down == Some(true) {
+                    // Shown at once: parking runs in the background.
+                    d.state = InstanceState::Parking;
+                }
+            }
+            Ok::<_, ApiError>(down)
+        })?;
+        self.save()?;
+        let receipt = self.receipt("park", &id)?;
+        let target = id.clone();
+        self.spawn(move |me| {
+            Box::pin(async move {
+                let result = me.take_down(&target, &rid, down, false).await;
+                me.write(|inner| inner.release_reservation(&rid));
+                if let Err(e) = result {
+                    tracing::warn!(deployment = %target, error = %e, "park failed");
+                }
+            })
+        });
+        Ok(receipt)
+    }
+
+    async fn do_delete(&self, key: &str) -> Result<DeploymentView, ApiError> {
+        let id = self.find(key)?;
+        let rid = self.fresh_id("delete");
+        let view = self.view(&id).ok_or_else(|| not_found(&id))?;
+        let refusal = ApiError::ModelNotFound {
+            model: view.name.clone(),
+        };
+        let down = self.begin_operator_stop(&id, &rid, refusal).await?;
+        let result = self.take_down(&id, &rid, down, true).await;
+        self.write(|inner| {
+            inner.release_reservation(&rid);
+            if result.is_ok() {
+                inner.deps.remove(&id);
+            }
+        });
+        result?;
+        self.config.metrics.forget_deployment(&id);
+        self.save()?;
+        Ok(view)
+    }
+
+    /// Measures the deployment and checks that it can park; when its checkpoint is still
+    /// awaiting measurement and the GPU has room, starts it in the background without serving
+    /// it (its first answer and footprint are recorded) and parks it (or stops it where it does
+    /// not park). A request then wakes it.
+    async fn do_preinitialize(&self, key: &str) -> Result<ActionReceipt, ApiError> {
+        let id = self.find(key)?;
+        let spec = self
+            .read(|inner| inner.deps.get(&id).map(|d| d.spec.clone()))
+            .ok_or_else(|| not_found(&id))?;
+        let measured = self
+            .agent
+            .measure(&spec)
+            .await
+            .map_err(|e| ApiError::EngineFailed {
+                deployment: id.clone(),
+                detail: e.to_string(),
+            })?;
+        if let Err(e) = self.agent.parkability(&spec).await
+            && let Some(api) = e.to_api_error(&id)
+        {
+            return Err(api);
+        }
+        let begun = self.write(|inner| {
+            let capacity = inner.capacity;
+            let holders = self.holders(inner, &id, &BTreeSet::new());
+            let d = inner.deps.get_mut(&id).ok_or_else(|| not_found(&id))?;
+            if !measured.awaiting() {
+                d.measurement = measured;
+            }
+            let idle = matches!(d.state, InstanceState::Stopped | InstanceState::Failed)
+                && !d.busy
+                && d.reserved.is_none()
+                && d.claim.is_none()
+                && !d.pending_start;
+            if !d.measurement.awaiting() || !idle {
+                return Ok(false);
+            }
+            let need = d.need(capacity);
+            let name = d.name().to_string();
+            match place(capacity, need, &holders, false) {
+                Fit::Now => Ok(Self::begin_up(inner, &id).is_some()),
+                Fit::Later | Fit::After(_) => Err(ApiError::Conflict {
+                    detail: format!(
+                        "no GPU memory is free to measure deployment {name} now; park or stop the others, or start it with --wait"
+                    ),
+                }),
+                Fit::Never(detail) => Err(ApiError::DoesNotFit {
+                    deployment: id.clone(),
+                    detail,
+                }),
+            }
+        })?;
+        if begun {
+            let target = id.clone();
+            self.spawn(move |me| Box::pin(async move { me.preinitialize_run(&target).await }));
+        }
+        self.receipt("preinitialize", &id)
+    }
+
+    /// The background part of a preinitialize: start without announcing, then park or stop.
+    async fn preinitialize_run(&self, id: &str) {
+        let Some((iid, spec, key)) = self.read(|inner| {
+            inner
+                .deps
+                .get(id)
+                .map(|d| (d.instance_id(), d.spec.clone(), self.key(d)))
+        }) else {
+            return;
+        };
+        let _ = self.save();
+        match self.agent.start(&iid, &spec).await {
+            Ok(started) => {
+                self.write(|inner| {
+                    if let Some(d) = inner.deps.get_mut(id) {
+                        d.port = Some(started.port);
+                        d.pid = Some(started.pid);
+                        d.max_running = Some(started.max_running);
+                        if !started.measurement.awaiting() {
+                            d.measurement = started.measurement;
+                        }
+                        d.rec.first_answer = Some(started.first_answer.clone());
+                        // Not `ready`: it never serves before it is parked.
+                        d.state = InstanceState::Closed;
+                    }
+                });
+                let _ = self.save();
+                let stop = self.make_parked_room(id).await.is_err();
+                if let Err(e) = self.put_away(id, stop).await {
+                    tracing::warn!(deployment = %id, error = %e, "preinitialize: parking failed");
+                }
+            }
+            Err(e) => {
+                self.write(|inner| {
+                    if let Some(d) = inner.deps.get_mut(id) {
+                        d.busy = false;
+                        d.state = InstanceState::Failed;
+                        d.last_error = Some(format!("preinitialize: {e}"));
+                    }
+                });
+                self.announce_gone(key).await;
+                self.memory_freed();
+            }
+        }
+    }
+
+    fn do_load(
+        &self,
+        key: Option<&str>,
+        router: Vec<capyctl_router::coordinator::DeploymentLoad>,
+    ) -> Result<LoadReport, ApiError> {
+        let now = views::now_ms();
+        self.read(|inner| {
+            let deps: Vec<&Dep> = match key {
+                Some(k) => vec![inner.by_name_or_id(k).ok_or_else(|| not_found(k))?],
+                None => inner.deps.values().collect(),
+            };
+            Ok(LoadReport {
+                observed_at_ms: now,
+                stale_after_ms: capyctl_crds::api::STALE_AFTER_MS,
+                deployments: deps
+                    .into_iter()
+                    .map(|d| {
+                        let r = router.iter().find(|l| l.deployment_id == d.rec.id);
+                        views::load_view(d, r, &self.config, self.agent.as_ref(), now)
+                    })
+                    .collect(),
+            })
+        })
+    }
+}
+
+fn upstream(key: InstanceKey, port: u16) -> Upstream {
+    Upstream {
+        key,
+        addr: SocketAddr::from(([127, 0, 0, 1], port)),
+    }
+}
+
+/// Idle timers and engine exits, until the server closes.
+async fn background(server: Arc<Server>, mut exits: broadcast::Receiver<EngineExit>) {
+    let mut closed = server.closed.subscribe();
+    let tick = server.config.timer_tick;
+    let weak = Arc::downgrade(&server);
+    drop(server);
+    let mut exits_open = true;
+    let mut interval = tokio::time::interval(tick);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = closed.changed() => return,
+            exit = exits.recv(), if exits_open => match exit {
+                Ok(exit) => {
+                    let Some(s) = weak.upgrade() else { return };
+                    s.engine_exited(exit).await;
+                }
+                Err(broadcast::error::RecvError::Lagged(n)) => {
+                    tracing::warn!(missed = n, "missed engine exit events");
+                }
+                Err(broadcast::error::RecvError::Closed) => exits_open = false,
+            },
+            _ = interval.tick() => {
+                let Some(s) = weak.upgrade() else { return };
+                s.idle_timers().await;
+            }
+        }
+    }
+}
+
+impl Server {
+    /// An engine exited by itself: the instance is failed and gone; the next request starts
+    /// it afresh (unless it is explicit).
+    async fn engine_exited(&self, exit: EngineExit) {
+        let key = self.write(|inner| {
+            let d = inner
+                .deps
+                .values_mut()
+                .find(|d| d.instance_id() == exit.instance)?;
+            if d.busy {
+                // The operation in progress sees the failure itself.
+                return None;
+            }
+            if !matches!(
+                d.state,
+                InstanceState::Ready | InstanceState::Parked | InstanceState::Closed
+            ) {
+                return None;
+            }
+            d.state = InstanceState::Failed;
+            d.tier = None;
+            d.port = None;
+            d.pid = None;
+            d.last_error = Some(format!(
+                "the engine exited: {}",
+                exit.status.as_deref().unwrap_or("status unknown")
+            ));
+            Some(self.key(d))
+        });
+        if let Some(key) = key {
+            tracing::warn!(instance = %exit.instance, status = ?exit.status, "engine exited unexpectedly");
+            self.announce_gone(key).await;
+            self.memory_freed();
+        }
+    }
+
+    /// Parks ready instances idle past `ready_idle_timeout` and stops parked ones idle past
+    /// `parked_idle_timeout` (pressure decisions: a later request starts them again).
+    async fn idle_timers(&self) {
+        let LifecycleDefaults {
+            ready_idle_timeout,
+            parked_idle_timeout,
+        } = self.config.lifecycle_defaults;
+        if let Some(r) = self.router() {
+            for l in r.load().await {
+                self.config.metrics.set_queue(
+                    &l.deployment_id,
+                    l.waiting as u64,
+                    l.in_flight as u64,
+                );
+            }
+        }
+        if ready_idle_timeout.is_none() && parked_idle_timeout.is_none() {
+            return;
+        }
+        let busy = self.waiting_in_router().await;
+        let now = Instant::now();
+        let due: Vec<(String, bool)> = self.read(|inner| {
+            inner
+                .deps
+                .values()
+                .filter(|d| !self.explicit(d) && !d.warm() && !d.busy && d.reserved.is_none())
+                .filter(|d| d.claim.is_none() && !d.pending_start && !busy.contains(d.id()))
+                .filter_map(|d| {
+                    let idle = now.saturating_duration_since(d.last_used);
+                    match d.state {
+                        InstanceState::Ready if ready_idle_timeout.is_some_and(|t| idle >= t) => {
+                            Some((d.rec.id.clone(), true))
+                        }
+                        InstanceState::Parked if parked_idle_timeout.is_some_and(|t| idle >= t) => {
+                            Some((d.rec.id.clone(), false))
+                        }
+                        _ => None,
+                    }
+                })
+                .collect()
+        });
+        for (id, ready) in due {
+            let rid = self.fresh_id("idle");
+            let down = self.write(|inner| self.begin_down(inner, &id, &rid));
+            let Ok(down) = down else { continue };
+            tracing::info!(deployment = %id, ready, "idle timer");
+            let result = self.take_down(&id, &rid, down, !ready).await;
+            self.write(|inner| inner.release_reservation(&rid));
+            if let Err(e) = result {
+                tracing::warn!(deployment = %id, error = %e, "idle park or stop failed");
+            }
+        }
+    }
+}
+
+impl Lifecycle for Server {
+    fn resolve(&self, model: &str) -> Option<DeploymentRef> {
+        self.read(|inner| {
+            inner
+                .deps
+                .values()
+                .find(|d| d.name() == model)
+                .map(|d| DeploymentRef {
+                    id: d.rec.id.clone(),
+                    name: d.name().to_string(),
+                })
+        })
+    }
+
+    fn admissible(&self, deployment: &DeploymentId) -> Result<(), ApiError> {
+        self.read(|inner| self.admissible_now(inner, deployment))
+    }
+
+    fn plan<'a>(
+        &'a self,
+        deployment: &'a DeploymentId,
+        protected: &'a BTreeSet<DeploymentId>,
+    ) -> BoxFuture<'a, Result<Plan, ApiError>> {
+        Box::pin(async move { self.plan_now(deployment, protected) })
+    }
+
+    fn execute(&self, order: SwitchOrder) -> BoxFuture<'_, Result<(), ApiError>> {
+        Box::pin(self.execute_order(order))
+    }
+
+    fn abandon(&self, switch_id: &str) {
+        self.write(|inner| inner.release_reservation(switch_id));
+    }
+
+    fn engine_idle<'a>(&'a self, instance: &'a InstanceKey) -> BoxFuture<'a, bool> {
+        Box::pin(self.idle_engine(instance))
+    }
+}
+
+impl ManagementApi for Server {
+    fn list(&self) -> crate::api::BoxFuture<'_, DeploymentList> {
+        Box::pin(async move {
+            self.read(|inner| {
+                let mut deployments: Vec<DeploymentView> = inner
+                    .deps
+                    .values()
+                    .map(|d| views::deployment_view(d, &self.config, inner))
+                    .collect();
+                deployments.sort_by(|a, b| a.name.cmp(&b.name));
+                DeploymentList { deployments }
+            })
+        })
+    }
+
+    fn deploy(
+        &self,
+        doc: DeploymentDoc,
+    ) -> crate::api::BoxFuture<'_, Result<DeployReceipt, ApiError>> {
+        Box::pin(self.do_deploy(doc))
+    }
+
+    fn get<'a>(
+        &'a self,
+        name_or_id: &'a str,
+    ) -> crate::api::BoxFuture<'a, Result<DeploymentView, ApiError>> {
+        Box::pin(async move { self.view(name_or_id).ok_or_else(|| not_found(name_or_id)) })
+    }
+
+    fn delete<'a>(
+        &'a self,
+        name_or_id: &'a str,
+    ) -> crate::api::BoxFuture<'a, Result<DeploymentView, ApiError>> {
+        Box::pin(self.do_delete(name_or_id))
+    }
+
+    fn start<'a>(
+        &'a self,
+        name_or_id: &'a str,
+        request: StartRequest,
+    ) -> crate::api::BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+        Box::pin(self.do_start(name_or_id, request))
+    }
+
+    fn stop<'a>(
+        &'a self,
+        name_or_id: &'a str,
+    ) -> crate::api::BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+        Box::pin(self.do_stop(name_or_id))
+    }
+
+    fn park<'a>(
+        &'a self,
+        name_or_id: &'a str,
+    ) -> crate::api::BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+        Box::pin(self.do_park(name_or_id))
+    }
+
+    fn preinitialize<'a>(
+        &'a self,
+        name_or_id: &'a str,
+    ) -> crate::api::BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+        Box::pin(self.do_preinitialize(name_or_id))
+    }
+
+    fn engines(&self) -> crate::api::BoxFuture<'_, EngineList> {
+        Box::pin(async move {
+            let engines = self
+                .agent
+                .engines()
+                .await
+                .into_iter()
+                .map(|e| EngineView {
+                    command: self.config.host_settings.engine(e.engine).command.clone(),
+                    engine: e.engine,
+                    version: e.version,
+                    deep_park: e.deep_park.to_string(),
+                    host_id: self.config.host_id.clone(),
+                })
+                .collect();
+            EngineList { engines }
+        })
+    }
+
+    fn hosts(&self) -> crate::api::BoxFuture<'_, HostList> {
+        Box::pin(async move {
+            let inv = self.agent.inventory().await.ok();
+            self.read(|inner| HostList {
+                hosts: vec![views::host_view(inv.as_ref(), inner, &self.config)],
+            })
+        })
+    }
+
+    fn load<'a>(
+        &'a self,
+        deployment: Option<&'a str>,
+    ) -> crate::api::BoxFuture<'a, Result<LoadReport, ApiError>> {
+        Box::pin(async move {
+            if let Some(k) = deployment {
+                self.find(k)?;
+            }
+            let router = match self.router() {
+                Some(r) => r.load().await,
+                None => Vec::new(),
+            };
+            self.do_load(deployment, router)
+        })
+    }
+
+    fn ready(&self) -> bool {
+        self.ready.load(Ordering::SeqCst)
+    }
+}
+
+/// The listener's [`Admission`]: the coordinator's, recording each request's start and end as
+/// use of its deployment (what the idle timers count from).
+#[derive(Clone)]
+pub struct TrackedAdmission {
+    inner: CoordinatorHandle,
+    server: Weak<Server>,
+}
+
+impl std::fmt::Debug for TrackedAdmission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TrackedAdmission").finish_non_exhaustive()
+    }
+}
+
+/// A [`CoordinatorPermit`] that records its end as use of its deployment.
+#[derive(Debug)]
+pub struct TrackedPermit {
+    inner: CoordinatorPermit,
+    server: Weak<Server>,
+}
+
+impl Admission for TrackedAdmission {
+    type Permit = TrackedPermit;
+
+    fn resolve(&self, model: &str) -> Option<DeploymentRef> {
+        self.inner.resolve(model)
+    }
+
+    fn admit(
+        &self,
+        deployment: DeploymentRef,
+        body_bytes: u64,
+        deadline: Instant,
+    ) -> impl std::future::Future<Output = Result<Self::Permit, ApiError>> + Send {
+        let inner = self.inner.clone();
+        let server = self.server.clone();
+        async move {
+            let id = deployment.id.clone();
+            // NB: requests are counted by the listener's observer (the metrics), which knows
+            // the status sent; here only the use of the deployment is recorded.
+            let permit = inner.admit(deployment, body_bytes, deadline).await?;
+            if let Some(s) = server.upgrade() {
+                s.touch(&id);
+            }
+            Ok(TrackedPermit {
+                inner: permit,
+                server,
+            })
+        }
+    }
+}
+
+impl Permit for TrackedPermit {
+    fn upstream(&self) -> &Upstream {
+        self.inner.upstream()
+    }
+
+    fn first_output(&self) {
+        self.inner.first_output();
+    }
+
+    fn cut(&self) {
+        self.inner.cut();
+    }
+}
+
+impl Drop for TrackedPermit {
+    fn drop(&mut self) {
+        if let Some(s) = self.server.upgrade() {
+            let id = &self.inner.upstream().key.deployment;
+            s.touch(id);
+        }
+    }
+}

@@ -1,0 +1,379 @@
+//! The server's Prometheus metrics ([`Metrics`]), served as OpenMetrics text at `GET /metrics`
+//! on the management listener.
+//!
+//! Every metric is named `capyctl_…`; durations are `_seconds` histograms with buckets from 1 ms
+//! doubling to about 9 minutes. The lifecycle and the router report through the methods of
+//! [`Metrics`]; nothing here keeps state of its own beyond the metric values.
+//!
+//! | metric | type | labels | what |
+//! |---|---|---|---|
+//! | `capyctl_requests_total` | counter | `deployment`, `status`, `code` | inference requests that ended, by HTTP status and error code (`ok` for a success) |
+//! | `capyctl_request_wait_seconds` | histogram | `deployment` | how long an ended request waited in CapyCTL before it was forwarded (or refused) |
+//! | `capyctl_switches_total` | counter | `outcome` | switches that ended (`ok`, `drain_timeout`, …) |
+//! | `capyctl_switch_seconds` | histogram | `outcome` | a whole switch: the sum of its phases |
+//! | `capyctl_switch_phase_seconds` | histogram | `phase` | one phase of a switch: `window`, `drain`, `release`, `bring_up` |
+//! | `capyctl_parks_total` | counter | `tier`, `outcome` | parks that ended, by tier (`host_ram`, `deep`, `kv_only`) |
+//! | `capyctl_park_seconds` | histogram | `tier`, `outcome` | how long a park took |
+//! | `capyctl_wakes_total` | counter | `tier`, `outcome` | wakes that ended, by the tier woken from and outcome (`ok`, `wake_mismatch`, …) |
+//! | `capyctl_wake_seconds` | histogram | `tier`, `outcome` | how long a wake took (check prompt included) |
+//! | `capyctl_queue_waiting` | gauge | `deployment` | requests waiting in CapyCTL now |
+//! | `capyctl_in_flight` | gauge | `deployment` | requests being forwarded now (bound 32 per instance) |
+//!
+//! NB: label values are what the caller passes; the lifecycle passes deployment IDs (ULIDs), not
+//! names, so a re-deploy under the same name keeps one series.
+
+use std::fmt;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::{Registry, Unit};
+
+/// The content type of [`Metrics::encode`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The metrics' common prefix.
+pub const PREFIX: &str = "capyctl";
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    deployment: String,
+    status: String,
+    code: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DeploymentLabels {
+    deployment: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PhaseLabels {
+    phase: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TierOutcomeLabels {
+    tier: String,
+    outcome: String,
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// 1 ms, 2 ms, 4 ms, … 524 s (20 buckets, then `+Inf`).
+fn seconds_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 20))
+}
+
+fn histogram_family<L: Clone + std::hash::Hash + Eq>() -> HistogramFamily<L> {
+    Family::new_with_constructor(seconds_histogram as fn() -> Histogram)
+}
+
+fn deployment(deployment: &str) -> DeploymentLabels {
+    DeploymentLabels {
+        deployment: deployment.to_string(),
+    }
+}
+
+fn tier_outcome(tier: &str, outcome: &str) -> TierOutcomeLabels {
+    TierOutcomeLabels {
+        tier: tier.to_string(),
+        outcome: outcome.to_string(),
+    }
+}
+
+fn saturating_i64(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+/// The server's metrics (see the module's table). Shared as `Arc<Metrics>`: every method takes
+/// `&self` and is cheap (atomic updates behind a read lock per label set).
+pub struct Metrics {
+    /// Written once in [`Metrics::new`]; read by [`Metrics::encode`].
+    registry: Registry,
+    requests: Family<RequestLabels, Counter>,
+    request_wait: HistogramFamily<DeploymentLabels>,
+    switches: Family<OutcomeLabels, Counter>,
+    switch_duration: HistogramFamily<OutcomeLabels>,
+    switch_phase: HistogramFamily<PhaseLabels>,
+    parks: Family<TierOutcomeLabels, Counter>,
+    park_duration: HistogramFamily<TierOutcomeLabels>,
+    wakes: Family<TierOutcomeLabels, Counter>,
+    wake_duration: HistogramFamily<TierOutcomeLabels>,
+    queue_waiting: Family<DeploymentLabels, Gauge>,
+    in_flight: Family<DeploymentLabels, Gauge>,
+}
+
+impl fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Every metric registered, none observed yet.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix(PREFIX);
+        let requests = Family::<RequestLabels, Counter>::default();
+        let request_wait = histogram_family();
+        let switches = Family::<OutcomeLabels, Counter>::default();
+        let switch_duration = histogram_family();
+        let switch_phase = histogram_family();
+        let parks = Family::<TierOutcomeLabels, Counter>::default();
+        let park_duration = histogram_family();
+        let wakes = Family::<TierOutcomeLabels, Counter>::default();
+        let wake_duration = histogram_family();
+        let queue_waiting = Family::<DeploymentLabels, Gauge>::default();
+        let in_flight = Family::<DeploymentLabels, Gauge>::default();
+
+        registry.register(
+            "requests",
+            "Inference requests that ended, by deployment, HTTP status and error code (ok for a success)",
+            requests.clone(),
+        );
+        registry.register_with_unit(
+            "request_wait",
+            "How long an ended request waited in CapyCTL before it was forwarded or refused",
+            Unit::Seconds,
+            request_wait.clone(),
+        );
+        registry.register(
+            "switches",
+            "Switches that ended, by outcome",
+            switches.clone(),
+        );
+        registry.register_with_unit(
+            "switch",
+            "Duration of a whole switch (the sum of its phases), by outcome",
+            Unit::Seconds,
+            switch_duration.clone(),
+        );
+        registry.register_with_unit(
+            "switch_phase",
+            "Duration of one phase of a switch: window, drain, release or bring_up",
+            Unit::Seconds,
+            switch_phase.clone(),
+        );
+        registry.register(
+            "parks",
+            "Parks that ended, by tier and outcome",
+            parks.clone(),
+        );
+        registry.register_with_unit(
+            "park",
+            "How long a park took, by tier and outcome",
+            Unit::Seconds,
+            park_duration.clone(),
+        );
+        registry.register(
+            "wakes",
+            "Wakes that ended, by tier and outcome",
+            wakes.clone(),
+        );
+        registry.register_with_unit(
+            "wake",
+            "How long a wake took (check prompt included), by tier and outcome",
+            Unit::Seconds,
+            wake_duration.clone(),
+        );
+        registry.register(
+            "queue_waiting",
+            "Requests waiting in CapyCTL now, by deployment",
+            queue_waiting.clone(),
+        );
+        registry.register(
+            "in_flight",
+            "Requests being forwarded now, by deployment",
+            in_flight.clone(),
+        );
+
+        Self {
+            registry,
+            requests,
+            request_wait,
+            switches,
+            switch_duration,
+            switch_phase,
+            parks,
+            park_duration,
+            wakes,
+            wake_duration,
+            queue_waiting,
+            in_flight,
+        }
+    }
+
+    /// One inference request ended with `status` and `code` (`ok` for a success, else the
+    /// error's code) after waiting `waited` in CapyCTL: `capyctl_requests_total`,
+    /// `capyctl_request_wait_seconds`.
+    pub fn request(&self, deployment: &str, status: u16, code: &str, waited: Duration) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                deployment: deployment.to_string(),
+                status: status.to_string(),
+                code: code.to_string(),
+            })
+            .inc();
+        self.request_wait
+            .get_or_create(&self::deployment(deployment))
+            .observe(waited.as_secs_f64());
+    }
+
+    /// A switch ended with `outcome` after `phases` (`window`, `drain`, `release`,
+    /// `bring_up`; those it reached): `capyctl_switches_total`, `capyctl_switch_seconds`,
+    /// `capyctl_switch_phase_seconds`.
+    pub fn switch_finished(&self, outcome: &str, phases: &[(&str, Duration)]) {
+        let outcome = OutcomeLabels {
+            outcome: outcome.to_string(),
+        };
+        self.switches.get_or_create(&outcome).inc();
+        let mut total = Duration::ZERO;
+        for (phase, took) in phases {
+            total = total.saturating_add(*took);
+            self.switch_phase
+                .get_or_create(&PhaseLabels {
+                    phase: (*phase).to_string(),
+                })
+                .observe(took.as_secs_f64());
+        }
+        self.switch_duration
+            .get_or_create(&outcome)
+            .observe(total.as_secs_f64());
+    }
+
+    /// A park to `tier` ended with `outcome` after `took`: `capyctl_parks_total`,
+    /// `capyctl_park_seconds`.
+    pub fn park(&self, tier: &str, outcome: &str, took: Duration) {
+        let labels = tier_outcome(tier, outcome);
+        self.parks.get_or_create(&labels).inc();
+        self.park_duration
+            .get_or_create(&labels)
+            .observe(took.as_secs_f64());
+    }
+
+    /// A wake from `tier` ended with `outcome` after `took`: `capyctl_wakes_total`,
+    /// `capyctl_wake_seconds`.
+    pub fn wake(&self, tier: &str, outcome: &str, took: Duration) {
+        let labels = tier_outcome(tier, outcome);
+        self.wakes.get_or_create(&labels).inc();
+        self.wake_duration
+            .get_or_create(&labels)
+            .observe(took.as_secs_f64());
+    }
+
+    /// The deployment's queue now: `capyctl_queue_waiting`, `capyctl_in_flight`.
+    pub fn set_queue(&self, deployment: &str, waiting: u64, in_flight: u64) {
+        let labels = self::deployment(deployment);
+        self.queue_waiting
+            .get_or_create(&labels)
+            .set(saturating_i64(waiting));
+        self.in_flight
+            .get_or_create(&labels)
+            .set(saturating_i64(in_flight));
+    }
+
+    /// Drops the deployment's gauges (after a delete), so a gone deployment shows no queue.
+    /// Its counters and histograms stay: they only ever grow.
+    pub fn forget_deployment(&self, deployment: &str) {
+        let labels = self::deployment(deployment);
+        self.queue_waiting.remove(&labels);
+        self.in_flight.remove(&labels);
+    }
+
+    /// Every metric as OpenMetrics text ([`CONTENT_TYPE`]), ending with `# EOF`.
+    pub fn encode(&self) -> String {
+        let mut text = String::new();
+        if let Err(e) = prometheus_client::encoding::text::encode(&mut text, &self.registry) {
+            // Writing to a String does not fail; a metric's own encoder could.
+            tracing::warn!(error = %e, "metrics encoding failed");
+        }
+        text
+    }
+}
+
+/// The router's listener reports each request here when it ends: its real status and code.
+/// A request that never named a deployment is counted under `deployment="-"`.
+impl capyctl_router::observe::RequestObserver for Metrics {
+    fn finished(&self, event: &capyctl_router::observe::RequestEvent) {
+        self.request(
+            event.deployment_id.as_deref().unwrap_or("-"),
+            event.status,
+            event.code.unwrap_or("ok"),
+            event.waited,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_metric_is_named_after_it_is_observed() {
+        let m = Metrics::new();
+        m.request("01K", 429, "queue_full", Duration::from_millis(3));
+        m.switch_finished(
+            "ok",
+            &[
+                ("window", Duration::from_millis(2000)),
+                ("drain", Duration::from_millis(10)),
+                ("release", Duration::from_millis(300)),
+                ("bring_up", Duration::from_millis(1500)),
+            ],
+        );
+        m.park("host_ram", "ok", Duration::from_millis(700));
+        m.wake("host_ram", "wake_mismatch", Duration::from_secs(2));
+        m.set_queue("01K", 5, 32);
+        let text = m.encode();
+        for needle in [
+            r#"capyctl_requests_total{deployment="01K",status="429",code="queue_full"} 1"#,
+            r#"capyctl_request_wait_seconds_count{deployment="01K"} 1"#,
+            r#"capyctl_switches_total{outcome="ok"} 1"#,
+            r#"capyctl_switch_seconds_sum{outcome="ok"} 3.81"#,
+            r#"capyctl_switch_phase_seconds_count{phase="bring_up"} 1"#,
+            r#"capyctl_parks_total{tier="host_ram",outcome="ok"} 1"#,
+            r#"capyctl_park_seconds_sum{tier="host_ram",outcome="ok"} 0.7"#,
+            r#"capyctl_wakes_total{tier="host_ram",outcome="wake_mismatch"} 1"#,
+            r#"capyctl_wake_seconds_count{tier="host_ram",outcome="wake_mismatch"} 1"#,
+            r#"capyctl_queue_waiting{deployment="01K"} 5"#,
+            r#"capyctl_in_flight{deployment="01K"} 32"#,
+            "# EOF",
+        ] {
+            assert!(text.contains(needle), "{needle} missing in:\n{text}");
+        }
+        m.forget_deployment("01K");
+        let text = m.encode();
+        assert!(
+            !text.contains(r#"capyctl_queue_waiting{deployment="01K"}"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"capyctl_requests_total{deployment="01K""#),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_huge_queue_saturates_instead_of_wrapping() {
+        let m = Metrics::new();
+        m.set_queue("x", u64::MAX, 0);
+        assert!(m.encode().contains(&format!(
+            r#"capyctl_queue_waiting{{deployment="x"}} {}"#,
+            i64::MAX
+        )));
+    }
+}

@@ -1,0 +1,716 @@
+//! The lifecycle against the real `engine-sim` binary, with the router's real coordinator and
+//! listener over real sockets. The GPU is declared 10 GiB and every deployment 6 GiB, so two
+//! never fit together.
+#![allow(clippy::unwrap_used)]
+
+#[path = "lifecycle_support/mod.rs"]
+mod support;
+
+use std::time::Duration;
+
+use capyctl_crds::api::{DeployOutcome, Released, StartRequest};
+use capyctl_crds::{Activation, InstanceState};
+use capyctl_node_agent::HostAgent;
+use capyctl_operator::api::ManagementApi;
+use support::{Harness, Opts, doc, temp_dir};
+
+const T: Duration = Duration::from_secs(30);
+
+async fn state_becomes(h: &Harness, name: &str, state: InstanceState) {
+    if let Err(last) = h.server.wait_for_state(name, &[state], T).await {
+        panic!("{name} never became {state}: {last:?}");
+    }
+}
+
+#[tokio::test]
+async fn deploy_request_starts_park_then_request_wakes() {
+    let dir = temp_dir("cycle");
+    let h = Harness::new(&dir, Opts::default()).await;
+    let r = h.server.deploy(doc("chat-a", "")).await.unwrap();
+    assert_eq!(r.outcome, DeployOutcome::Created);
+    assert_eq!(r.deployment.revision, 1);
+    assert_eq!(r.deployment.state, InstanceState::Stopped);
+    let again = h.server.deploy(doc("chat-a", "")).await.unwrap();
+    assert_eq!(again.outcome, DeployOutcome::Unchanged);
+    assert_eq!(again.deployment.id, r.deployment.id);
+
+    let (status, body) = h.chat("chat-a").await;
+    assert_eq!(status, 200, "{body}");
+    let v = h.server.get("chat-a").await.unwrap();
+    assert_eq!((v.state, v.ready.as_str()), (InstanceState::Ready, "1/1"));
+    assert_eq!(v.instances[0].generation, 1);
+    assert_eq!(v.instances[0].instance_id, format!("{}-0", v.id));
+    assert_eq!(v.hosts, vec!["gpu-box".to_string()]);
+
+    let receipt = h.server.park("chat-a").await.unwrap();
+    assert_eq!(receipt.action, "park");
+    assert_eq!(receipt.deployment.state, InstanceState::Parking);
+    state_becomes(&h, "chat-a", InstanceState::Parked).await;
+    let v = h.server.get(&r.deployment.id).await.unwrap();
+    assert_eq!(v.ready, "0/1");
+    assert_eq!(v.instances[0].parked_tier.as_deref(), Some("host_ram"));
+
+    let (status, body) = h.chat("chat-a").await;
+    assert_eq!(status, 200, "{body}");
+    let v = h.server.get("chat-a").await.unwrap();
+    assert_eq!(v.state, InstanceState::Ready);
+    assert_eq!(v.instances[0].generation, 1, "woken, not restarted");
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_request_switches_the_gpu_and_parks_the_idle_model() {
+    let dir = temp_dir("switch");
+    let h = Harness::new(&dir, Opts::default()).await;
+    h.server.deploy(doc("chat-a", "")).await.unwrap();
+    h.server.deploy(doc("chat-b", "")).await.unwrap();
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    let (status, body) = h.chat("chat-b").await;
+    assert_eq!(status, 200, "{body}");
+    let a = h.server.get("chat-a").await.unwrap();
+    let b = h.server.get("chat-b").await.unwrap();
+    assert_eq!(
+        (a.state, b.state),
+        (InstanceState::Parked, InstanceState::Ready)
+    );
+    // And back: chat-b parks, chat-a wakes.
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    let a = h.server.get("chat-a").await.unwrap();
+    let b = h.server.get("chat-b").await.unwrap();
+    assert_eq!(
+        (a.state, b.state),
+        (InstanceState::Ready, InstanceState::Parked)
+    );
+    assert_eq!(a.instances[0].generation, 1);
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn start_without_evict_waits_for_memory_and_with_evict_names_victims() {
+    let dir = temp_dir("evict");
+    let h = Harness::new(&dir, Opts::default()).await;
+    h.server.deploy(doc("chat-a", "")).await.unwrap();
+    let b = h.server.deploy(doc("chat-b", "")).await.unwrap().deployment;
+    h.server
+        .start(
+            "chat-a",
+            StartRequest {
+                evict: false,
+                wait: true,
+            },
+        )
+        .await
+        .unwrap();
+
+    // Without --evict: nothing is parked; the start waits for memory.
+    let r = h
+        .server
+        .start("chat-b", StartRequest::default())
+        .await
+        .unwrap();
+    assert!(r.victims.is_empty() && r.switch_id.is_none());
+    assert_eq!(r.deployment.state, InstanceState::Stopped);
+    let ready = r
+        .deployment
+        .conditions
+        .iter()
+        .find(|c| c.kind == "Ready")
+        .unwrap();
+    assert_eq!(ready.reason, "waiting_for_memory");
+    assert_eq!(
+        h.server.get("chat-a").await.unwrap().state,
+        InstanceState::Ready
+    );
+    // Once chat-a is parked, the waiting start goes on by itself.
+    h.server.park("chat-a").await.unwrap();
+    state_becomes(&h, "chat-b", InstanceState::Ready).await;
+    assert_eq!(
+        h.server.get("chat-a").await.unwrap().state,
+        InstanceState::Parked
+    );
+
+    // With --evict: chat-b is parked to make room, and the receipt says so.
+    let r = h
+        .server
+        .start(
+            "chat-a",
+            StartRequest {
+                evict: true,
+                wait: true,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.deployment.state, InstanceState::Ready);
+    assert!(r.switch_id.is_some());
+    assert_eq!(r.victims.len(), 1);
+    assert_eq!(r.victims[0].deployment_id, b.id);
+    assert_eq!(r.victims[0].name, "chat-b");
+    assert_eq!(r.victims[0].instance_id, format!("{}-0", b.id));
+    assert_eq!(r.victims[0].released, Released::Parked);
+    assert_eq!(
+        h.server.get("chat-b").await.unwrap().state,
+        InstanceState::Parked
+    );
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn explicit_models_are_refused_by_requests_and_never_victims() {
+    let dir = temp_dir("explicit");
+    let h = Harness::new(&dir, Opts::default()).await;
+    let c = h
+        .server
+        .deploy(doc("chat-c", "lifecycle: {activation: explicit}\n"))
+        .await
+        .unwrap()
+        .deployment;
+    assert_eq!(c.activation, Activation::Explicit);
+    h.server.deploy(doc("chat-a", "")).await.unwrap();
+
+    let (status, body) = h.chat("chat-c").await;
+    assert_eq!(status, 409);
+    assert_eq!(body["code"], "deployment_inactive");
+    assert_eq!(
+        body["message"],
+        format!(
+            "deployment {0} is not running and its activation is explicit (lifecycle.activation: explicit); inference does not start or wake it; start it with `capyctl start deployment {0}`",
+            c.id
+        )
+    );
+    assert_eq!(
+        h.server.get("chat-c").await.unwrap().state,
+        InstanceState::Stopped
+    );
+
+    h.server
+        .start(
+            "chat-c",
+            StartRequest {
+                evict: false,
+                wait: true,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(h.chat("chat-c").await.0, 200);
+
+    // chat-a needs the memory chat-c holds: refused for capacity, chat-c keeps serving.
+    let (status, body) = h.chat("chat-a").await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (409, Some("does_not_fit")),
+        "{body}"
+    );
+    let err = h
+        .server
+        .start(
+            "chat-a",
+            StartRequest {
+                evict: true,
+                wait: true,
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), "does_not_fit");
+    assert_eq!(
+        h.server.get("chat-c").await.unwrap().state,
+        InstanceState::Ready
+    );
+
+    // Parked by the operator: requests still do not wake it.
+    h.server.park("chat-c").await.unwrap();
+    state_becomes(&h, "chat-c", InstanceState::Parked).await;
+    let (status, body) = h.chat("chat-c").await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (409, Some("deployment_inactive"))
+    );
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_operator_stop_refuses_requests_a_pressure_stop_does_not() {
+    let dir = temp_dir("stops");
+    let h = Harness::new(&dir, Opts::default()).await;
+    let a = h
+        .server
+        .deploy(doc("chat-a", "residency: restart_only\n"))
+        .await
+        .unwrap()
+        .deployment;
+    h.server.deploy(doc("chat-b", "")).await.unwrap();
+    assert_eq!(h.chat("chat-a").await.0, 200);
+
+    // Pressure: chat-b's request stops chat-a (restart_only does not park) ...
+    assert_eq!(h.chat("chat-b").await.0, 200);
+    let v = h.server.get("chat-a").await.unwrap();
+    assert_eq!(v.state, InstanceState::Stopped);
+    assert!(!v.operator_stopped);
+    // ... and a later request starts it again (a fresh generation).
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    assert_eq!(
+        h.server.get("chat-a").await.unwrap().instances[0].generation,
+        2
+    );
+
+    // An operator stop: requests get 409 deployment_stopped until a start.
+    let r = h.server.stop("chat-a").await.unwrap();
+    assert_eq!(r.deployment.state, InstanceState::Stopped);
+    assert!(r.deployment.operator_stopped);
+    let (status, body) = h.chat("chat-a").await;
+    assert_eq!(status, 409);
+    assert_eq!(body["code"], "deployment_stopped");
+    assert_eq!(
+        body["message"],
+        format!(
+            "deployment {0} was stopped by an operator; inference does not start it; start it with `capyctl start deployment {0}`",
+            a.id
+        )
+    );
+    h.server
+        .start(
+            "chat-a",
+            StartRequest {
+                evict: true,
+                wait: true,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_changed_document_bumps_the_revision() {
+    let dir = temp_dir("revisions");
+    let h = Harness::new(&dir, Opts::default()).await;
+    let first = h.server.deploy(doc("chat-a", "")).await.unwrap();
+    let changed = h
+        .server
+        .deploy(doc("chat-a", "max_concurrent_requests: 8\n"))
+        .await
+        .unwrap();
+    assert_eq!(changed.outcome, DeployOutcome::Updated);
+    assert_eq!(changed.deployment.revision, 2);
+    assert_eq!(changed.deployment.id, first.deployment.id);
+    let same = h
+        .server
+        .deploy(doc("chat-a", "max_concurrent_requests: 8\n"))
+        .await
+        .unwrap();
+    assert_eq!(
+        (same.outcome, same.deployment.revision),
+        (DeployOutcome::Unchanged, 2)
+    );
+    let list = h.server.list().await;
+    assert_eq!(list.deployments.len(), 1);
+    assert_eq!(list.deployments[0].spec.max_concurrent_requests, Some(8));
+    let deleted = h.server.delete("chat-a").await.unwrap();
+    assert_eq!(deleted.revision, 2);
+    assert_eq!(
+        h.server.get("chat-a").await.unwrap_err().code(),
+        "not_found"
+    );
+    assert_eq!(h.chat("chat-a").await.0, 404);
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn state_and_engines_survive_a_restart() {
+    let dir = temp_dir("restart");
+    let h = Harness::new(&dir, Opts::default()).await;
+    let a = h.server.deploy(doc("chat-a", "")).await.unwrap().deployment;
+    h.server.deploy(doc("chat-b", "")).await.unwrap();
+    h.server
+        .deploy(doc("chat-b", "max_concurrent_requests: 4\n"))
+        .await
+        .unwrap();
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    h.server.stop("chat-b").await.unwrap();
+    let pid = h.server.get("chat-a").await.unwrap().instances[0]
+        .pid
+        .unwrap();
+    // As after a kill: nothing is stopped.
+    h.close().await;
+
+    let h = Harness::new(&dir, Opts::default()).await;
+    let v = h.server.get("chat-a").await.unwrap();
+    assert_eq!(v.id, a.id);
+    assert_eq!(v.state, InstanceState::Ready, "the engine was adopted");
+    assert_eq!(v.instances[0].pid, Some(pid));
+    assert_eq!(v.instances[0].generation, 1);
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    assert_eq!(
+        h.agent.pid(&format!("{}-0", a.id)),
+        Some(pid),
+        "not restarted"
+    );
+    let b = h.server.get("chat-b").await.unwrap();
+    assert_eq!(b.revision, 2);
+    assert!(b.operator_stopped);
+    assert_eq!(h.chat("chat-b").await.1["code"], "deployment_stopped");
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn idle_timers_park_then_stop_and_a_request_starts_again() {
+    let dir = temp_dir("idle");
+    let opts = Opts {
+        lifecycle_defaults: capyctl_crds::settings::LifecycleDefaults {
+            ready_idle_timeout: Some(Duration::from_millis(300)),
+            parked_idle_timeout: Some(Duration::from_millis(300)),
+        },
+        gpu: 20 * support::GIB,
+        ..Opts::default()
+    };
+    let h = Harness::new(&dir, opts).await;
+    h.server.deploy(doc("chat-a", "")).await.unwrap();
+    h.server
+        .deploy(doc("chat-w", "lifecycle: {warm: true}\n"))
+        .await
+        .unwrap();
+    assert_eq!(h.chat("chat-w").await.0, 200);
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    state_becomes(&h, "chat-a", InstanceState::Parked).await;
+    state_becomes(&h, "chat-a", InstanceState::Stopped).await;
+    let v = h.server.get("chat-a").await.unwrap();
+    assert!(!v.operator_stopped, "a timer stop is a pressure stop");
+    let w = h.server.get("chat-w").await.unwrap();
+    assert_eq!(
+        w.state,
+        InstanceState::Ready,
+        "warm models are never moved by the timers"
+    );
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_load_read_has_router_and_sample_halves() {
+    let dir = temp_dir("load");
+    let h = Harness::new(&dir, Opts::default()).await;
+    let a = h.server.deploy(doc("chat-a", "")).await.unwrap().deployment;
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    let mut report = h.server.load(Some(&a.id)).await.unwrap();
+    for _ in 0..50 {
+        if report.deployments[0].instances[0].sample.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        report = h.server.load(Some(&a.id)).await.unwrap();
+    }
+    assert_eq!(report.stale_after_ms, 3000);
+    let d = &report.deployments[0];
+    assert_eq!(
+        (d.deployment_id.as_str(), d.name.as_str()),
+        (a.id.as_str(), "chat-a")
+    );
+    assert_eq!(d.router.in_flight_limit, 32);
+    assert_eq!(d.max_running.count, Some(32));
+    assert_eq!(d.max_running.source, "default");
+    let i = &d.instances[0];
+    assert_eq!((i.host_id.as_str(), i.generation), ("gpu-box", 1));
+    assert_eq!(i.observed_state, InstanceState::Ready);
+    let s = i
+        .sample
+        .as_ref()
+        .expect("a sample arrives about every 100 ms");
+    assert!(s.fresh && s.age_ms < 3000);
+    assert_eq!(s.engine.map(|e| e.running), Some(0));
+    assert_eq!(h.server.load(None).await.unwrap().deployments.len(), 1);
+    let err = h.server.load(Some("01NOPE")).await.unwrap_err();
+    assert_eq!((err.status(), err.code()), (404, "not_found"));
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_engine_that_exits_is_restarted_by_the_next_request() {
+    let dir = temp_dir("crash");
+    let h = Harness::new(&dir, Opts::default()).await;
+    h.server.deploy(doc("chat-a", "")).await.unwrap();
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    let port = h.server.get("chat-a").await.unwrap().instances[0]
+        .port
+        .unwrap();
+    // The engine exits while answering: the answer may be cut.
+    let _ = support::try_post_json(
+        std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+        "/sim/faults",
+        serde_json::json!({"set": ["crash"]}),
+    )
+    .await;
+    state_becomes(&h, "chat-a", InstanceState::Failed).await;
+    let v = h.server.get("chat-a").await.unwrap();
+    assert!(
+        v.instances[0]
+            .last_error
+            .as_deref()
+            .unwrap_or("")
+            .contains("exited"),
+        "{v:?}"
+    );
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    assert_eq!(
+        h.server.get("chat-a").await.unwrap().instances[0].generation,
+        2
+    );
+    let engines = h.server.engines().await;
+    assert_eq!(engines.engines.len(), 3);
+    assert!(h.agent.inventory().await.is_ok());
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_switch_lets_a_running_answer_finish() {
+    let dir = temp_dir("drain");
+    let h = Harness::new(&dir, Opts::default()).await;
+    h.server
+        .deploy(doc("chat-a", "extra_args: []\n").clone())
+        .await
+        .unwrap();
+    // chat-a streams slowly: 10 tokens at 20 tokens/s.
+    let slow = doc("chat-s", "");
+    let mut slow = slow;
+    slow.env.insert("ENGINE_SIM_TOKEN_RATE".into(), "20".into());
+    h.server.deploy(slow).await.unwrap();
+    h.server.deploy(doc("chat-b", "")).await.unwrap();
+    assert_eq!(h.chat("chat-s").await.0, 200);
+    let addr = h.addr;
+    let streamed = tokio::spawn(async move {
+        support::post_json(
+            addr,
+            "/v1/chat/completions",
+            serde_json::json!({
+                "model": "chat-s", "stream": true, "max_tokens": 10,
+                "messages": [{"role": "user", "content": "hello"}],
+            }),
+        )
+        .await
+    });
+    // Wait until the stream runs in the engine, then ask for the other model.
+    for _ in 0..100 {
+        let load = h.server.load(Some("chat-s")).await.unwrap();
+        if load.deployments[0].router.in_flight == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (status, body) = h.chat("chat-b").await;
+    assert_eq!(status, 200, "{body}");
+    let (status, text) = streamed.await.unwrap();
+    assert_eq!(status, 200);
+    let text = text.as_str().unwrap_or_default().to_string();
+    assert!(
+        text.trim_end().ends_with("data: [DONE]"),
+        "the stream was cut: {text}"
+    );
+    assert_eq!(
+        h.server.get("chat-s").await.unwrap().state,
+        InstanceState::Parked
+    );
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn parked_copies_make_room_except_explicit_ones() {
+    let dir = temp_dir("parked-room");
+    // Host RAM for one 64 MiB copy only.
+    let opts = Opts {
+        host_memory: 100 * support::MIB,
+        gpu: 20 * support::GIB,
+        ..Opts::default()
+    };
+    let h = Harness::new(&dir, opts).await;
+    h.server.deploy(doc("chat-a", "")).await.unwrap();
+    h.server.deploy(doc("chat-b", "")).await.unwrap();
+    h.server
+        .deploy(doc("chat-c", "lifecycle: {activation: explicit}\n"))
+        .await
+        .unwrap();
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    assert_eq!(h.chat("chat-b").await.0, 200);
+    h.server.park("chat-a").await.unwrap();
+    state_becomes(&h, "chat-a", InstanceState::Parked).await;
+    // chat-b's copy needs the room chat-a's holds: chat-a is stopped for it.
+    h.server.park("chat-b").await.unwrap();
+    state_becomes(&h, "chat-b", InstanceState::Parked).await;
+    let a = h.server.get("chat-a").await.unwrap();
+    assert_eq!(a.state, InstanceState::Stopped);
+    assert_eq!(
+        a.instances[0].last_error.as_deref(),
+        Some("released: stopped (no room to park)")
+    );
+    // An explicit parked copy is never stopped for room: the park is refused, chat-a serves.
+    h.server.stop("chat-b").await.unwrap();
+    h.server
+        .start(
+            "chat-c",
+            StartRequest {
+                evict: false,
+                wait: true,
+            },
+        )
+        .await
+        .unwrap();
+    h.server.park("chat-c").await.unwrap();
+    state_becomes(&h, "chat-c", InstanceState::Parked).await;
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    let err = h.server.park("chat-a").await.unwrap_err();
+    assert_eq!((err.status(), err.code()), (409, "parked_capacity"));
+    assert_eq!(
+        h.server.get("chat-a").await.unwrap().state,
+        InstanceState::Ready
+    );
+    assert_eq!(
+        h.server.get("chat-c").await.unwrap().state,
+        InstanceState::Parked
+    );
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn refusals_of_start_and_park() {
+    let dir = temp_dir("refusals");
+    let h = Harness::new(&dir, Opts::default()).await;
+    let text = "name: chat-m\nengine: vllm\nmodel: Qwen3-4B\n";
+    let m = capyctl_crds::documents::parse_deployment_str("m.yaml", text).unwrap();
+    let m = h.server.deploy(m).await.unwrap().deployment;
+    assert_eq!(m.state, InstanceState::AwaitingMeasurement);
+    let err = h
+        .server
+        .start("chat-m", StartRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!((err.status(), err.code()), (409, "awaiting_measurement"));
+    assert_eq!(
+        h.server
+            .start("nope", StartRequest::default())
+            .await
+            .unwrap_err()
+            .code(),
+        "not_found"
+    );
+
+    let g = doc("chat-g", "").clone();
+    let mut g = g;
+    g.model = "openai/gpt-oss-20b".into();
+    h.server.deploy(g).await.unwrap();
+    assert_eq!(h.chat("chat-g").await.0, 200);
+    let err = h.server.park("chat-g").await.unwrap_err();
+    assert_eq!(err.code(), "capability_missing:deep_park");
+    assert_eq!(
+        h.server.get("chat-g").await.unwrap().state,
+        InstanceState::Ready
+    );
+    // As a switch's victim it is stopped instead of parked.
+    h.server.deploy(doc("chat-b", "")).await.unwrap();
+    assert_eq!(h.chat("chat-b").await.0, 200);
+    assert_eq!(
+        h.server.get("chat-g").await.unwrap().state,
+        InstanceState::Stopped
+    );
+    let err = h.server.park("chat-g").await.unwrap_err();
+    assert_eq!(err.code(), "conflict");
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_wake_that_fails_its_check_stops_the_model_and_the_next_request_starts_it() {
+    let dir = temp_dir("wake-mismatch");
+    let h = Harness::new(&dir, Opts::default()).await;
+    h.server.deploy(doc("chat-a", "")).await.unwrap();
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    let port = h.server.get("chat-a").await.unwrap().instances[0]
+        .port
+        .unwrap();
+    let (status, _) = support::post_json(
+        std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+        "/sim/faults",
+        serde_json::json!({"set": ["wake_mismatch"]}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    h.server.park("chat-a").await.unwrap();
+    state_becomes(&h, "chat-a", InstanceState::Parked).await;
+    let (status, body) = h.chat("chat-a").await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (503, Some("wake_mismatch")),
+        "{body}"
+    );
+    assert_eq!(
+        h.server.get("chat-a").await.unwrap().state,
+        InstanceState::Failed
+    );
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    assert_eq!(
+        h.server.get("chat-a").await.unwrap().instances[0].generation,
+        2
+    );
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_host_wide_explicit_activation_refuses_requests_and_stop_waits_out_a_start() {
+    let dir = temp_dir("host-explicit");
+    let opts = Opts {
+        activation: Activation::Explicit,
+        ..Opts::default()
+    };
+    let h = Harness::new(&dir, opts).await;
+    let a = h.server.deploy(doc("chat-a", "")).await.unwrap().deployment;
+    assert_eq!(
+        a.activation,
+        Activation::Explicit,
+        "a deployment cannot opt out"
+    );
+    let (status, body) = h.chat("chat-a").await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (409, Some("deployment_inactive"))
+    );
+    // A start in the background, then a stop at once: the stop waits for the start to end.
+    let r = h
+        .server
+        .start("chat-a", StartRequest::default())
+        .await
+        .unwrap();
+    assert_eq!(r.deployment.state, InstanceState::Starting);
+    let r = h.server.stop("chat-a").await.unwrap();
+    assert_eq!(r.deployment.state, InstanceState::Stopped);
+    assert!(r.deployment.operator_stopped);
+    let hosts = h.server.hosts().await;
+    assert_eq!(hosts.hosts[0].id, "gpu-box");
+    assert_eq!(hosts.hosts[0].gpus[0].memory, 10 * support::GIB);
+    assert_eq!(hosts.hosts[0].gpus[0].used, 0);
+    assert_eq!(hosts.hosts[0].activation, Activation::Explicit);
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn preinitialize_measures_and_parks_without_serving() {
+    let dir = temp_dir("preinit");
+    let h = Harness::new(&dir, Opts::default()).await;
+    let text =
+        "name: chat-m\nengine: vllm\nmodel: Qwen3-4B\nenv: {ENGINE_SIM_WEIGHTS_BYTES: 64MiB}\n";
+    let m = capyctl_crds::documents::parse_deployment_str("m.yaml", text).unwrap();
+    h.server.deploy(m).await.unwrap();
+    let r = h.server.preinitialize("chat-m").await.unwrap();
+    assert_eq!(r.action, "preinitialize");
+    assert_eq!(r.deployment.state, InstanceState::Starting);
+    state_becomes(&h, "chat-m", InstanceState::Parked).await;
+    let load = h.server.load(Some("chat-m")).await.unwrap();
+    assert_eq!(load.deployments[0].router.in_flight, 0);
+    // A request wakes it (generation 1: the preinitialized engine).
+    assert_eq!(h.chat("chat-m").await.0, 200);
+    let v = h.server.get("chat-m").await.unwrap();
+    assert_eq!(
+        (v.state, v.instances[0].generation),
+        (InstanceState::Ready, 1)
+    );
+    h.shutdown().await;
+}

@@ -1,0 +1,359 @@
+//! The lifecycle's answers to the router (admissible, plan, abandon, execute) against a scripted
+//! in-memory host agent: reservations, the protected set, refusals. No processes, no sockets.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+
+use capyctl_crds::EngineKind;
+use capyctl_crds::InstanceState;
+use capyctl_crds::api::StartRequest;
+use capyctl_crds::documents::{DeploymentDoc, parse_deployment_str};
+use capyctl_node_agent::agent::{
+    BoxFuture, ParkResult, RecoveryReport, StartedInstance, WakeReport,
+};
+use capyctl_node_agent::capability::{EngineInfo, engine_info};
+use capyctl_node_agent::inventory::{GpuInfo, HostMemory, Inventory};
+use capyctl_node_agent::launch::{MaxRunning, MaxRunningSource};
+use capyctl_node_agent::load::LoadSample;
+use capyctl_node_agent::measure::{MeasureSource, Measured, Measurement};
+use capyctl_node_agent::spec::InstanceSpec;
+use capyctl_node_agent::tier::{LaunchParking, ParkChoice, ParkTier};
+use capyctl_node_agent::verify::{FirstAnswer, WakeOutcome};
+use capyctl_node_agent::{AgentError, HostAgent};
+use capyctl_operator::api::ManagementApi;
+use capyctl_operator::lifecycle::{LifecycleConfig, Server};
+use capyctl_operator::store::{Store, StoreError, StoredState};
+use capyctl_router::lifecycle::{DrainReport, Lifecycle, Plan, SwitchOrder};
+
+const GIB: u64 = 1 << 30;
+
+/// A host agent whose engines start, park, wake and stop at once; it records the calls.
+#[derive(Default)]
+struct FakeAgent {
+    calls: Mutex<Vec<String>>,
+}
+
+impl FakeAgent {
+    fn record(&self, call: String) {
+        self.calls.lock().unwrap().push(call);
+    }
+}
+
+fn declared(spec: &InstanceSpec) -> Measurement {
+    Measurement {
+        weights: spec.resources.weights_memory.map(|bytes| Measured {
+            bytes,
+            source: MeasureSource::Declared,
+        }),
+        gpu_memory: spec.resources.gpu_memory.map(|bytes| Measured {
+            bytes,
+            source: MeasureSource::Declared,
+        }),
+    }
+}
+
+impl HostAgent for FakeAgent {
+    fn inventory(&self) -> BoxFuture<'_, Result<Inventory, AgentError>> {
+        Box::pin(async {
+            Ok(Inventory {
+                gpus: vec![GpuInfo {
+                    index: 0,
+                    uuid: None,
+                    name: None,
+                    total_bytes: 10 * GIB,
+                    free_bytes: None,
+                    unified: false,
+                }],
+                gpus_overridden: true,
+                host_memory: HostMemory {
+                    total_bytes: 64 * GIB,
+                    available_bytes: 64 * GIB,
+                    overridden: true,
+                },
+            })
+        })
+    }
+
+    fn engines(&self) -> BoxFuture<'_, Vec<EngineInfo>> {
+        Box::pin(async { vec![engine_info(EngineKind::Vllm, None)] })
+    }
+
+    fn measure<'a>(
+        &'a self,
+        spec: &'a InstanceSpec,
+    ) -> BoxFuture<'a, Result<Measurement, AgentError>> {
+        Box::pin(async move { Ok(declared(spec)) })
+    }
+
+    fn parkability<'a>(
+        &'a self,
+        _: &'a InstanceSpec,
+    ) -> BoxFuture<'a, Result<ParkChoice, AgentError>> {
+        Box::pin(async { Ok(ParkChoice::Park(ParkTier::HostRam)) })
+    }
+
+    fn start<'a>(
+        &'a self,
+        instance: &'a str,
+        spec: &'a InstanceSpec,
+    ) -> BoxFuture<'a, Result<StartedInstance, AgentError>> {
+        Box::pin(async move {
+            self.record(format!("start {instance}"));
+            Ok(StartedInstance {
+                instance: instance.to_string(),
+                pid: 1,
+                port: 9,
+                base_url: "http://127.0.0.1:9".into(),
+                version: None,
+                measurement: declared(spec),
+                first_answer: FirstAnswer::Text { text: "x".into() },
+                max_running: MaxRunning {
+                    count: Some(32),
+                    source: MaxRunningSource::Default,
+                },
+                parking: LaunchParking::default(),
+            })
+        })
+    }
+
+    fn park<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<ParkResult, AgentError>> {
+        Box::pin(async move {
+            self.record(format!("park {instance}"));
+            Ok(ParkResult::Parked {
+                tier: ParkTier::HostRam,
+            })
+        })
+    }
+
+    fn wake<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<WakeReport, AgentError>> {
+        Box::pin(async move {
+            self.record(format!("wake {instance}"));
+            Ok(WakeReport {
+                outcome: WakeOutcome::Pass,
+                took: std::time::Duration::ZERO,
+            })
+        })
+    }
+
+    fn stop<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<(), AgentError>> {
+        Box::pin(async move {
+            self.record(format!("stop {instance}"));
+            Ok(())
+        })
+    }
+
+    fn sample(&self, _: &str) -> Option<LoadSample> {
+        None
+    }
+
+    fn recover(&self) -> BoxFuture<'_, Result<RecoveryReport, AgentError>> {
+        Box::pin(async { Ok(RecoveryReport::default()) })
+    }
+}
+
+#[derive(Default)]
+struct MemStore(Mutex<StoredState>);
+
+impl Store for MemStore {
+    fn load(&self) -> Result<StoredState, StoreError> {
+        Ok(self.0.lock().unwrap().clone())
+    }
+    fn save(&self, state: &StoredState) -> Result<(), StoreError> {
+        *self.0.lock().unwrap() = state.clone();
+        Ok(())
+    }
+}
+
+fn doc(name: &str, gib: u64, extra: &str) -> DeploymentDoc {
+    parse_deployment_str(
+        "t.yaml",
+        &format!(
+            "name: {name}\nengine: vllm\nmodel: m\nresources: {{gpu_memory: {gib}GiB}}\n{extra}"
+        ),
+    )
+    .unwrap()
+}
+
+async fn server() -> (Arc<Server>, Arc<FakeAgent>, Arc<MemStore>) {
+    let agent = Arc::new(FakeAgent::default());
+    let store = Arc::new(MemStore::default());
+    let s = Server::open(agent.clone(), store.clone(), LifecycleConfig::new("h"))
+        .await
+        .unwrap();
+    (s, agent, store)
+}
+
+async fn ready(s: &Server, name: &str) -> String {
+    s.start(
+        name,
+        StartRequest {
+            evict: false,
+            wait: true,
+        },
+    )
+    .await
+    .unwrap()
+    .deployment
+    .id
+}
+
+fn victims(plan: &Plan) -> Vec<String> {
+    match plan {
+        Plan::Switch { victims, .. } => victims.iter().map(|k| k.deployment.clone()).collect(),
+        other => panic!("expected a switch, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn two_plans_never_name_the_same_victim_and_protected_ones_are_never_named() {
+    let (s, _, _) = server().await;
+    for (n, g) in [("a", 4), ("b", 4), ("c", 4), ("d", 4)] {
+        s.deploy(doc(n, g, "")).await.unwrap();
+    }
+    let a = ready(&s, "a").await;
+    let b = ready(&s, "b").await;
+    let c = s.get("c").await.unwrap().id;
+    let d = s.get("d").await.unwrap().id;
+    let none = BTreeSet::new();
+
+    let p1 = s.plan(&c, &none).await.unwrap();
+    let v1 = victims(&p1);
+    assert_eq!(v1.len(), 1);
+    let p2 = s.plan(&d, &none).await.unwrap();
+    let v2 = victims(&p2);
+    assert_eq!(v2.len(), 1);
+    assert_ne!(v1, v2, "a reserved victim is not named twice");
+    // Every releasable instance is reserved now: a third plan waits.
+    s.deploy(doc("e", 4, "")).await.unwrap();
+    let e = s.get("e").await.unwrap().id;
+    assert_eq!(s.plan(&e, &none).await.unwrap(), Plan::Later);
+
+    // Given back, the victims may be named again; never a protected one.
+    if let Plan::Switch { switch_id, .. } = &p1 {
+        s.abandon(switch_id);
+    }
+    if let Plan::Switch { switch_id, .. } = &p2 {
+        s.abandon(switch_id);
+    }
+    let protected: BTreeSet<String> = [a.clone(), c.clone()].into_iter().collect();
+    let p = s.plan(&c, &protected).await.unwrap();
+    assert_eq!(victims(&p), vec![b.clone()]);
+    // The target is claimed: asked again, it is already coming.
+    assert_eq!(s.plan(&c, &none).await.unwrap(), Plan::AlreadyComing);
+}
+
+#[tokio::test]
+async fn execute_parks_the_victims_then_starts_the_target() {
+    let (s, agent, _) = server().await;
+    s.deploy(doc("a", 6, "")).await.unwrap();
+    s.deploy(doc("b", 6, "")).await.unwrap();
+    let a = ready(&s, "a").await;
+    let b = s.get("b").await.unwrap().id;
+    let plan = s.plan(&b, &BTreeSet::new()).await.unwrap();
+    let Plan::Switch { switch_id, victims } = plan else {
+        panic!("expected a switch");
+    };
+    assert_eq!(victims[0].deployment, a);
+    assert_eq!(victims[0].generation, 1);
+    s.execute(SwitchOrder {
+        switch_id,
+        target: b.clone(),
+        victims: victims
+            .into_iter()
+            .map(|k| (k, DrainReport::default()))
+            .collect(),
+    })
+    .await
+    .unwrap();
+    assert_eq!(s.get("a").await.unwrap().state, InstanceState::Parked);
+    assert_eq!(s.get("b").await.unwrap().state, InstanceState::Ready);
+    let calls = agent.calls.lock().unwrap().clone();
+    assert_eq!(
+        calls,
+        vec![
+            format!("start {a}-0"),
+            format!("park {a}-0"),
+            format!("start {b}-0")
+        ]
+    );
+    // A cut before output: the victim is stopped, not parked.
+    let plan = s.plan(&a, &BTreeSet::new()).await.unwrap();
+    let Plan::Switch { switch_id, victims } = plan else {
+        panic!("expected a switch");
+    };
+    s.execute(SwitchOrder {
+        switch_id,
+        target: a.clone(),
+        victims: victims
+            .into_iter()
+            .map(|k| {
+                (
+                    k,
+                    DrainReport {
+                        cut_before_output: true,
+                    },
+                )
+            })
+            .collect(),
+    })
+    .await
+    .unwrap();
+    assert_eq!(s.get("b").await.unwrap().state, InstanceState::Stopped);
+    let v = s.get("a").await.unwrap();
+    assert_eq!(
+        (v.state, v.instances[0].generation),
+        (InstanceState::Ready, 1),
+        "woken"
+    );
+}
+
+#[tokio::test]
+async fn refusals_come_from_the_operator_and_activation() {
+    let (s, _, store) = server().await;
+    s.deploy(doc("a", 4, "")).await.unwrap();
+    s.deploy(doc("x", 4, "lifecycle: {activation: explicit}\n"))
+        .await
+        .unwrap();
+    s.deploy(doc("w", 8, "lifecycle: {warm: true}\n"))
+        .await
+        .unwrap();
+    let a = s.get("a").await.unwrap().id;
+    let x = s.get("x").await.unwrap().id;
+    assert_eq!(s.admissible(&a), Ok(()));
+    assert_eq!(s.admissible(&x).unwrap_err().code(), "deployment_inactive");
+    assert_eq!(
+        s.plan(&x, &BTreeSet::new()).await.unwrap_err().code(),
+        "deployment_inactive"
+    );
+    s.stop("a").await.unwrap();
+    assert_eq!(s.admissible(&a).unwrap_err().code(), "deployment_stopped");
+    assert!(
+        store
+            .load()
+            .unwrap()
+            .deployments
+            .iter()
+            .any(|d| d.id == a && d.operator_stopped)
+    );
+    s.start("a", StartRequest::default()).await.unwrap();
+    assert_eq!(s.admissible(&a), Ok(()));
+
+    // A warm model is kept loaded like an explicit one: never a victim.
+    s.stop("a").await.unwrap();
+    ready(&s, "w").await;
+    let err = s.plan(&x, &BTreeSet::new()).await.unwrap_err();
+    assert_eq!(err.code(), "deployment_inactive");
+    let err = s
+        .start(
+            "x",
+            StartRequest {
+                evict: true,
+                wait: false,
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), "does_not_fit");
+    assert_eq!(s.get("w").await.unwrap().state, InstanceState::Ready);
+}

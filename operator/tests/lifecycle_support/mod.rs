@@ -1,0 +1,300 @@
+//! Shared helpers of the lifecycle and standalone tests: the `engine-sim` binary, a server with
+//! the real coordinator and listener over real sockets, and a small HTTP client.
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use capyctl_crds::Activation;
+use capyctl_crds::documents::{DeploymentDoc, parse_deployment_str};
+use capyctl_crds::settings::LifecycleDefaults;
+use capyctl_node_agent::LocalHostAgent;
+use capyctl_node_agent::agent::AgentConfig;
+use capyctl_node_agent::inventory::NoGpus;
+use capyctl_node_agent::spec::{GpuOverride, HostSettings};
+use capyctl_operator::lifecycle::{LifecycleConfig, Server};
+use capyctl_operator::store::FileStore;
+use capyctl_router::config::RouterConfig;
+use capyctl_router::coordinator::{Coordinator, CoordinatorHandle};
+use capyctl_router::proxy::{self, Proxy, ProxyConfig};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+pub const MIB: u64 = 1024 * 1024;
+pub const GIB: u64 = 1024 * MIB;
+
+/// A fresh, empty temporary directory.
+pub fn temp_dir(name: &str) -> PathBuf {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let dir = std::env::temp_dir().join(format!(
+        "capyctl-operator-{name}-{}-{nanos}",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn newest_source(dir: &Path) -> SystemTime {
+    let mut newest = UNIX_EPOCH;
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        let t = if path.is_dir() {
+            newest_source(&path)
+        } else {
+            entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .unwrap_or(UNIX_EPOCH)
+        };
+        newest = newest.max(t);
+    }
+    newest
+}
+
+/// The `engine-sim` binary (built when missing or older than its sources), as node-agent's
+/// tests find it.
+pub fn engine_sim_binary() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let exe = std::env::current_exe().unwrap();
+        let profile_dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
+        let bin = profile_dir.join("engine-sim");
+        let sources = Path::new(env!("CARGO_MANIFEST_DIR")).join("../engine-sim");
+        let fresh = std::fs::metadata(&bin)
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t >= newest_source(&sources.join("src")));
+        if !fresh {
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let status = std::process::Command::new(cargo)
+                .args(["build", "-p", "capyctl-engine-sim", "--bin", "engine-sim"])
+                .current_dir(env!("CARGO_MANIFEST_DIR"))
+                .status()
+                .unwrap();
+            assert!(status.success(), "building engine-sim failed");
+        }
+        assert!(bin.exists(), "no engine-sim at {}", bin.display());
+        bin
+    })
+    .clone()
+}
+
+/// The host: one GPU of `gpu` bytes, `host_memory` of host RAM, every engine the simulator.
+pub fn host_settings(gpu: u64, host_memory: u64) -> HostSettings {
+    let bin = engine_sim_binary();
+    let mut s = HostSettings::all_engines(vec![bin.to_string_lossy().into_owned()]);
+    s.gpus = Some(vec![GpuOverride {
+        memory: gpu,
+        unified: false,
+        uuid: None,
+    }]);
+    s.host_memory = Some(host_memory);
+    s
+}
+
+/// A simulator deployment of 6 GiB on the GPU and 64 MiB of weights, plus `extra` YAML lines.
+pub fn doc(name: &str, extra: &str) -> DeploymentDoc {
+    let text = format!(
+        "name: {name}\nengine: vllm\nmodel: Qwen3-4B\nresources: {{gpu_memory: 6GiB, weights_memory: 64MiB}}\nenv: {{ENGINE_SIM_WEIGHTS_BYTES: 64MiB}}\n{extra}"
+    );
+    parse_deployment_str("test.yaml", &text).unwrap()
+}
+
+/// What a test server is built with.
+#[derive(Debug, Clone)]
+pub struct Opts {
+    pub gpu: u64,
+    pub host_memory: u64,
+    pub activation: Activation,
+    pub lifecycle_defaults: LifecycleDefaults,
+    pub timer_tick: Duration,
+}
+
+impl Default for Opts {
+    fn default() -> Self {
+        Self {
+            gpu: 10 * GIB,
+            host_memory: GIB,
+            activation: Activation::OnDemand,
+            lifecycle_defaults: LifecycleDefaults::default(),
+            timer_tick: Duration::from_millis(50),
+        }
+    }
+}
+
+/// A server with the real coordinator and the real listener on a loopback port.
+pub struct Harness {
+    pub server: Arc<Server>,
+    pub agent: Arc<LocalHostAgent>,
+    pub router: CoordinatorHandle,
+    pub addr: SocketAddr,
+    pub dir: PathBuf,
+    stop: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+pub fn router_config() -> RouterConfig {
+    RouterConfig {
+        admission_window: Duration::from_millis(100),
+        drain_timeout: Duration::from_secs(10),
+        request_deadline: Duration::from_secs(60),
+        ..RouterConfig::default()
+    }
+}
+
+impl Harness {
+    pub async fn new(dir: &Path, opts: Opts) -> Harness {
+        let mut config = AgentConfig::new(dir);
+        config.ready_timeout = Duration::from_secs(30);
+        config.wake_window = Duration::from_secs(30);
+        config.stop_grace = Duration::from_secs(5);
+        config.sample_interval = Duration::from_millis(100);
+        let settings = host_settings(opts.gpu, opts.host_memory);
+        let agent =
+            Arc::new(LocalHostAgent::new(config, settings.clone(), Arc::new(NoGpus)).unwrap());
+        let store = Arc::new(FileStore::new(dir).unwrap());
+        let mut lc = LifecycleConfig::new("gpu-box");
+        lc.host_activation = opts.activation;
+        lc.lifecycle_defaults = opts.lifecycle_defaults;
+        lc.host_settings = settings;
+        lc.timer_tick = opts.timer_tick;
+        let server = Server::open(agent.clone(), store, lc).await.unwrap();
+        let router = Coordinator::spawn(server.clone(), router_config());
+        server.attach_router(router.clone()).await;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let catalog = {
+            let s = Arc::downgrade(&server);
+            move || s.upgrade().map(|s| s.models()).unwrap_or_default()
+        };
+        let proxy = Proxy::new(
+            server.admission(router.clone()),
+            catalog,
+            ProxyConfig {
+                request_deadline: Duration::from_secs(60),
+                ..ProxyConfig::default()
+            },
+        );
+        let (stop, mut rx) = watch::channel(false);
+        let task = tokio::spawn(async move {
+            let shutdown = async move {
+                let _ = rx.wait_for(|s| *s).await;
+            };
+            proxy::serve(listener, proxy, shutdown).await.unwrap();
+        });
+        Harness {
+            server,
+            agent,
+            router,
+            addr,
+            dir: dir.to_path_buf(),
+            stop,
+            task,
+        }
+    }
+
+    /// Stops the listener and the server's background work; engines keep running (as after a
+    /// kill), so that the next server on the same directory adopts them.
+    pub async fn close(self) {
+        self.stop.send_replace(true);
+        let _ = self.task.await;
+        self.server.close();
+    }
+
+    /// Closes, stops every engine and removes the data directory.
+    pub async fn shutdown(self) {
+        let agent = self.agent.clone();
+        let dir = self.dir.clone();
+        self.close().await;
+        agent.stop_all().await;
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    pub async fn chat(&self, model: &str) -> (u16, serde_json::Value) {
+        post_json(
+            self.addr,
+            "/v1/chat/completions",
+            serde_json::json!({
+                "model": model,
+                "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 4,
+            }),
+        )
+        .await
+    }
+}
+
+/// POSTs `body` to `http://addr/path`; the status and the JSON answer.
+pub async fn post_json(
+    addr: SocketAddr,
+    path: &str,
+    body: serde_json::Value,
+) -> (u16, serde_json::Value) {
+    try_post_json(addr, path, body).await.unwrap()
+}
+
+/// [`post_json`], with the client's error when the connection broke.
+pub async fn try_post_json(
+    addr: SocketAddr,
+    path: &str,
+    body: serde_json::Value,
+) -> Result<(u16, serde_json::Value), hyper_util::client::legacy::Error> {
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let req = http::Request::post(format!("http://{addr}{path}"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    let resp = client.request(req).await?;
+    let status = resp.status().as_u16();
+    let bytes = resp
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    let json = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|_| serde_json::Value::String(String::from_utf8_lossy(&bytes).into()));
+    Ok((status, json))
+}
+
+/// A management request: `method` on `http://addr/path` with the admin token and an optional
+/// JSON body; the status and the JSON answer.
+pub async fn management(
+    method: &str,
+    addr: SocketAddr,
+    path: &str,
+    token: &str,
+    body: Option<serde_json::Value>,
+) -> (u16, serde_json::Value) {
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let mut req = http::Request::builder()
+        .method(method)
+        .uri(format!("http://{addr}{path}"))
+        .header("authorization", format!("Bearer {token}"));
+    if body.is_some() {
+        req = req.header("content-type", "application/json");
+    }
+    let req = req
+        .body(Full::new(Bytes::from(
+            body.map(|b| b.to_string()).unwrap_or_default(),
+        )))
+        .unwrap();
+    let resp = client.request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    let json = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|_| serde_json::Value::String(String::from_utf8_lossy(&bytes).into()));
+    (status, json)
+}
