@@ -1,6 +1,7 @@
 //! The host agent the lifecycle calls: [`HostAgent`], and [`LocalHostAgent`], which runs
 //! engines as child processes on this machine (standalone; the node agent's `process`
-//! runtime). An HTTP implementation for Kubernetes implements the same trait.
+//! runtime). [`RemoteHostAgent`](crate::remote::RemoteHostAgent) implements the same trait over
+//! HTTP (a node agent on another machine).
 //!
 //! The lifecycle is the one writer of instance state and calls one operation at a time per
 //! instance; the agent keeps only what it needs to drive the engines (ports, tiers, first
@@ -10,7 +11,7 @@
 //! [`HostAgent::subscribe_exits`] and forgotten; one that exits during a wake fails the wake
 //! (the [`WakeReport`] says so) and one the agent stops is not reported at all.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
@@ -148,7 +149,8 @@ pub struct AdoptedInstance {
     pub parked: Option<ParkTier>,
 }
 
-/// What a recovery did.
+/// What a recovery did. `adopted` also lists the engines the agent already drove before the
+/// call (a second recovery, by a restarted caller, learns every live engine).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct RecoveryReport {
     /// Adopted engines.
@@ -217,6 +219,12 @@ pub trait HostAgent: Send + Sync {
     fn subscribe_exits(&self) -> broadcast::Receiver<EngineExit> {
         let (_, rx) = broadcast::channel(1);
         rx
+    }
+    /// The latest load sample of every instance that has one, by instance ID (what a remote
+    /// node agent serves its client). The default, for agents that cannot list their
+    /// instances, is empty.
+    fn samples(&self) -> BTreeMap<String, LoadSample> {
+        BTreeMap::new()
     }
 }
 
@@ -459,6 +467,11 @@ impl LocalHostAgent {
                 .get(&kind)
                 .cloned()
         })
+    }
+
+    /// The agent's timing and data directory.
+    pub fn config(&self) -> &AgentConfig {
+        &self.config
     }
 
     /// The pid of an instance's engine.
@@ -816,6 +829,22 @@ impl LocalHostAgent {
     }
 
     async fn do_recover(&self) -> Result<RecoveryReport, AgentError> {
+        // Engines this agent already drives (a node agent that outlived its caller: the
+        // operator restarted or failed over) are reported as adopted too, as they are now.
+        let held: Vec<AdoptedInstance> = self
+            .instances()
+            .iter()
+            .map(|(id, inst)| {
+                let s = inst.state();
+                AdoptedInstance {
+                    instance: id.clone(),
+                    spec: inst.spec.clone(),
+                    base_url: inst.endpoint.base_url.clone(),
+                    pid: s.record.pid,
+                    parked: s.record.parked,
+                }
+            })
+            .collect();
         let driver = self.driver.clone();
         let recovery = self
             .runtime
@@ -845,6 +874,11 @@ impl LocalHostAgent {
                 pid: record.pid,
                 parked: record.parked,
             });
+        }
+        for inst in held {
+            if !report.adopted.iter().any(|a| a.instance == inst.instance) {
+                report.adopted.push(inst);
+            }
         }
         Ok(report)
     }
@@ -944,5 +978,20 @@ impl HostAgent for LocalHostAgent {
 
     fn subscribe_exits(&self) -> broadcast::Receiver<EngineExit> {
         self.exits.subscribe()
+    }
+
+    fn samples(&self) -> BTreeMap<String, LoadSample> {
+        let instances: Vec<(String, Arc<Instance>)> = self
+            .instances()
+            .iter()
+            .map(|(id, i)| (id.clone(), Arc::clone(i)))
+            .collect();
+        instances
+            .into_iter()
+            .filter_map(|(id, i)| {
+                let sample = *i.sample.borrow();
+                sample.map(|s| (id, s))
+            })
+            .collect()
     }
 }

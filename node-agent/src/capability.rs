@@ -159,7 +159,7 @@ pub fn refusal_for(
 }
 
 /// An engine's `DEEP PARK` column in `capyctl engine list`.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case", tag = "status", content = "reason")]
 pub enum DeepPark {
     /// The engine parks (models in the refusal table excepted).
@@ -178,7 +178,7 @@ impl std::fmt::Display for DeepPark {
 }
 
 /// One row of `capyctl engine list`.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct EngineInfo {
     /// The engine.
     pub engine: EngineKind,
@@ -187,6 +187,7 @@ pub struct EngineInfo {
     /// Whether it parks.
     pub deep_park: DeepPark,
     /// The refusal table's reasons for this engine (models it will not park).
+    #[serde(deserialize_with = "crate::remote::wire::static_strs")]
     pub refused_models: Vec<&'static str>,
 }
 

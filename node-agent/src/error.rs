@@ -19,9 +19,10 @@ pub enum AgentError {
         step: &'static str,
         /// The URL called.
         url: String,
-        /// The client's error.
+        /// The client's error (hyper's; text only when the error came over the wire from a
+        /// remote node agent).
         #[source]
-        source: hyper_util::client::legacy::Error,
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
     /// The engine answered with a non-success status.
     #[error("{engine} {step} at {url}: the engine answered {status}: {body}")]
@@ -145,6 +146,47 @@ pub enum AgentError {
         #[source]
         source: serde_json::Error,
     },
+    /// A remote node agent could not be reached (connection refused, reset, DNS).
+    #[error("node agent at {url}: cannot reach it: {detail}")]
+    AgentUnreachable {
+        /// The URL called.
+        url: String,
+        /// The client's error, as text.
+        detail: String,
+    },
+    /// A remote node agent did not answer within the call's timeout.
+    #[error("node agent at {url}: no answer within {} ms", after.as_millis())]
+    AgentTimeout {
+        /// The URL called.
+        url: String,
+        /// The timeout.
+        after: Duration,
+    },
+    /// A remote node agent refused the agent token (401).
+    #[error("node agent at {url}: the agent token was refused (401 unauthorized)")]
+    AgentUnauthorized {
+        /// The URL called.
+        url: String,
+    },
+    /// A remote node agent answered, but not what the call expects.
+    #[error("node agent at {url}: {detail}")]
+    AgentAnswer {
+        /// The URL called.
+        url: String,
+        /// What was wrong with the answer.
+        detail: String,
+    },
+    /// An error a remote node agent sent that this build does not know (another version):
+    /// its code and message as sent.
+    #[error("{message}")]
+    Remote {
+        /// The error's code.
+        code: String,
+        /// Its message.
+        message: String,
+        /// Whether the agent says a retry may succeed.
+        retryable: bool,
+    },
     /// NVML failed.
     #[cfg(feature = "nvml")]
     #[error("NVML: {what}")]
@@ -176,6 +218,11 @@ impl AgentError {
             AgentError::Checkpoint { .. } => "checkpoint",
             AgentError::Io { .. } => "io",
             AgentError::Json { .. } => "json",
+            AgentError::AgentUnreachable { .. } => "agent_unreachable",
+            AgentError::AgentTimeout { .. } => "agent_timeout",
+            AgentError::AgentUnauthorized { .. } => "agent_unauthorized",
+            AgentError::AgentAnswer { .. } => "agent_answer",
+            AgentError::Remote { .. } => "remote",
             #[cfg(feature = "nvml")]
             AgentError::Nvml { .. } => "nvml",
         }
@@ -194,6 +241,19 @@ impl AgentError {
                 failure: *failure,
             }),
             _ => None,
+        }
+    }
+
+    /// Whether the same call may succeed later without anything changing on the caller's side
+    /// (an engine or agent that did not answer, or answered too late).
+    pub fn retryable(&self) -> bool {
+        match self {
+            AgentError::EngineUnreachable { .. }
+            | AgentError::EngineTimeout { .. }
+            | AgentError::AgentUnreachable { .. }
+            | AgentError::AgentTimeout { .. } => true,
+            AgentError::Remote { retryable, .. } => *retryable,
+            _ => false,
         }
     }
 

@@ -82,7 +82,7 @@ impl EngineClient {
                     engine: call.engine,
                     step: call.step,
                     url: call.url.to_string(),
-                    source,
+                    source: Box::new(source),
                 }
             })?;
             let status = response.status().as_u16();

@@ -9,7 +9,8 @@
 //! - [`measure`], [`checkpoint`], [`inventory`]: weights and GPU memory, GPUs and host RAM;
 //! - [`load`]: load samples from the engines' metrics;
 //! - [`process`]: engines as child processes with pid records, adopted after a restart;
-//! - [`agent`]: the [`HostAgent`] trait the lifecycle calls and [`LocalHostAgent`].
+//! - [`agent`]: the [`HostAgent`] trait the lifecycle calls and [`LocalHostAgent`];
+//! - [`remote`]: the node agent's HTTP server and [`RemoteHostAgent`], its client.
 //!
 //! Pure decisions (launch arguments, tier, refusals, `max_running`, comparisons) are plain
 //! functions tested without processes; the rest is tested against the engine simulator.
@@ -25,9 +26,11 @@ pub mod launch;
 pub mod load;
 pub mod measure;
 pub mod process;
+pub mod remote;
 pub mod spec;
 pub mod tier;
 pub mod verify;
 
 pub use agent::{AgentConfig, EngineExit, HostAgent, LocalHostAgent};
 pub use error::AgentError;
+pub use remote::RemoteHostAgent;

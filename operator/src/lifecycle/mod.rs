@@ -982,7 +982,7 @@ impl Server {
                 for id in pending {
                     let up = me.write(|inner| {
                         let d = inner.deps.get(&id)?;
-                        if !d.pending_start || d.busy || d.reserved.is_some() {
+                        if !d.pending_start || d.busy || d.reserved.is_some() || d.claim.is_some() {
                             return None;
                         }
                         let need = d.need(inner.capacity);
@@ -1024,7 +1024,9 @@ impl Server {
         let Some(d) = inner.deps.get(target) else {
             return Err(not_found(target));
         };
-        if d.claim.is_some() || d.pending_start {
+        // NB: an operator start that waits for memory (`pending_start`) never evicts; a
+        // request for the same deployment plans as usual and may, taking the start over.
+        if d.claim.is_some() {
             return Ok(Plan::AlreadyComing);
         }
         match d.state {
@@ -1052,6 +1054,7 @@ impl Server {
                 );
                 if let Some(d) = inner.deps.get_mut(target) {
                     d.claim = Some(switch_id.clone());
+                    d.pending_start = false;
                 }
                 Plan::BringUp { switch_id }
             }
@@ -1070,6 +1073,7 @@ impl Server {
                 }
                 if let Some(d) = inner.deps.get_mut(target) {
                     d.claim = Some(switch_id.clone());
+                    d.pending_start = false;
                 }
                 inner.reservations.insert(
                     switch_id.clone(),
@@ -1282,7 +1286,8 @@ impl Server {
                 d.state,
                 InstanceState::Ready | InstanceState::Starting | InstanceState::Waking
             ) || d.claim.is_some()
-                || d.pending_start;
+                // A start that waits for memory is taken over by a start with --evict.
+                || (d.pending_start && !req.evict);
             let need = d.need(capacity);
             let holders = self.holders(inner, &id, &protected);
             let d = inner.deps.get_mut(&id).ok_or_else(|| not_found(&id))?;
@@ -1302,6 +1307,7 @@ impl Server {
                     }
                     if let Some(d) = inner.deps.get_mut(&id) {
                         d.claim = Some(rid.clone());
+                        d.pending_start = false;
                     }
                     inner.reservations.insert(
                         rid.clone(),

@@ -1,0 +1,5 @@
+//! `kubectl-capyctl`: `capyctl` as a kubectl plugin (`kubectl capyctl ...`).
+
+fn main() -> std::process::ExitCode {
+    capyctl::main()
+}

@@ -1,0 +1,487 @@
+//! `capyctl` (also installed as `kubectl-capyctl`): CapyCTL's command line.
+//!
+//! Every command of DESIGN.md 4.1. `start standalone` runs a whole CapyCTL in this process;
+//! `check` validates documents locally; every other command is a client of the management API
+//! ([`client`]), printing the product page's tables ([`render`]) or, with `--json`, the API's
+//! JSON. A failure prints one line, `capyctl: …`, and exits 1.
+//!
+//! The two binaries (`capyctl`, `kubectl-capyctl`) are this library's [`main`].
+
+pub mod client;
+pub mod render;
+pub mod standalone;
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use capyctl_crds::InstanceState;
+use capyctl_crds::api::{
+    ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, StartRequest,
+};
+use capyctl_crds::documents;
+use capyctl_crds::overrides::Overrides;
+use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
+
+use client::{Client, ClientError, segment};
+
+/// CapyCTL: park idle models, wake them on demand, switch the GPU under load.
+#[derive(Parser)]
+#[command(name = "capyctl", version)]
+struct Cli {
+    #[command(flatten)]
+    global: Global,
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Options accepted anywhere on the command line.
+#[derive(Args)]
+struct Global {
+    /// The CapyCTL server's management URL.
+    #[arg(long, global = true, env = "CAPYCTL_SERVER", default_value = client::DEFAULT_SERVER)]
+    server: String,
+    /// The admin token (default: the standalone data directory's `admin-token` file).
+    #[arg(
+        long,
+        global = true,
+        env = "CAPYCTL_ADMIN_TOKEN",
+        hide_env_values = true
+    )]
+    token: Option<String>,
+    /// Print the management API's JSON instead of a table.
+    #[arg(long, global = true)]
+    json: bool,
+}
+
+/// The kind of document `check` reads.
+#[derive(Clone, Copy, ValueEnum)]
+enum Kind {
+    /// A deployment document (`capyctl deploy model --file`).
+    Deployment,
+    /// A standalone document (`capyctl start standalone --file`).
+    Standalone,
+    /// A host document.
+    Host,
+    /// A server document.
+    Server,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Start CapyCTL itself (`standalone`, `host`) or a deployment.
+    #[command(subcommand)]
+    Start(Start),
+    /// Stop a deployment: requests get 409 `deployment_stopped` until it is started again.
+    #[command(subcommand)]
+    Stop(Target),
+    /// Park a deployment: its engine stays up and gives back its GPU memory.
+    #[command(subcommand)]
+    Park(Target),
+    /// Delete a deployment: its instances are stopped and it is forgotten.
+    #[command(subcommand)]
+    Delete(Target),
+    /// Measure and prepare a deployment without serving it.
+    #[command(subcommand)]
+    Preinitialize(Target),
+    /// Deploy a model from a deployment document (a changed document bumps REVISION).
+    #[command(subcommand)]
+    Deploy(Deploy),
+    /// List deployments: NAME STATE READY REVISION HOSTS.
+    #[command(subcommand)]
+    List(List),
+    /// Show one deployment.
+    #[command(subcommand)]
+    Status(Target),
+    /// The engines of every host: ENGINE VERSION DEEP PARK HOST.
+    #[command(subcommand)]
+    Engine(Engine),
+    /// Validate a document, with `--set` and `CAPYCTL_SET__…` overrides applied, and print the
+    /// effective settings; exits non-zero with one line naming the file, line and key on error.
+    Check {
+        /// The document's kind.
+        kind: Kind,
+        /// The document.
+        #[arg(long)]
+        file: PathBuf,
+        /// An override, `a.b=c` (repeatable); wins over `CAPYCTL_SET__A__B=c`.
+        #[arg(long = "set")]
+        set: Vec<String>,
+    },
+    /// Print a shell completion script (e.g. `capyctl completion bash > /etc/bash_completion.d/capyctl`).
+    Completion {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+}
+
+#[derive(Subcommand)]
+enum Start {
+    /// Run a whole CapyCTL (server and one host) in this process until SIGINT or SIGTERM.
+    Standalone {
+        /// The standalone document; the product page's defaults without it.
+        #[arg(long)]
+        file: Option<PathBuf>,
+        /// An override, `a.b=c` (repeatable); wins over `CAPYCTL_SET__A__B=c`.
+        #[arg(long = "set")]
+        set: Vec<String>,
+        /// Where the state file, the admin token and engine logs live (default
+        /// `$XDG_STATE_HOME/capyctl`, or `~/.local/state/capyctl`).
+        #[arg(long, env = "CAPYCTL_DATA_DIR")]
+        data_dir: Option<PathBuf>,
+    },
+    /// Run a host agent for a CapyCTL server (the program `capyctl-node-agent`).
+    Host {
+        /// The host document.
+        #[arg(long)]
+        file: PathBuf,
+        /// An override, `a.b=c` (repeatable).
+        #[arg(long = "set")]
+        set: Vec<String>,
+    },
+    /// Start a deployment.
+    Deployment {
+        /// Its name or ID.
+        name: String,
+        /// Park (or stop) idle models to make room; without it the start waits for memory.
+        #[arg(long)]
+        evict: bool,
+        /// Wait for the measurement, then for the model to be ready; exit non-zero if it fails.
+        #[arg(long)]
+        wait: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum Target {
+    /// A deployment, by name or ID.
+    Deployment {
+        /// Its name or ID.
+        name: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum Deploy {
+    /// A model, from a deployment document.
+    Model {
+        /// The deployment document.
+        #[arg(long)]
+        file: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+enum List {
+    /// Every deployment.
+    Deployments,
+}
+
+#[derive(Subcommand)]
+enum Engine {
+    /// Every engine of every host.
+    List,
+}
+
+/// The whole program: parses the command line, runs it, prints the one-line error.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Check { kind, file, set } => check(kind, &file, set),
+        Command::Completion { shell } => {
+            let mut command = Cli::command();
+            let name = invoked_as();
+            clap_complete::generate(shell, &mut command, name, &mut std::io::stdout());
+            Ok(())
+        }
+        Command::Start(Start::Standalone {
+            file,
+            set,
+            data_dir,
+        }) => {
+            init_logging();
+            runtime().and_then(|rt| {
+                rt.block_on(standalone::run(
+                    file,
+                    set,
+                    data_dir.unwrap_or_else(client::default_data_dir),
+                ))
+            })
+        }
+        Command::Start(Start::Host { .. }) => Err(
+            "capyctl start host: a host agent is the program `capyctl-node-agent` (same flags); \
+             this build of capyctl does not embed it"
+                .to_string(),
+        ),
+        command => runtime().and_then(|rt| rt.block_on(remote(cli.global, command))),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(line) => {
+            eprintln!("capyctl: {line}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `capyctl` or `kubectl-capyctl`, as invoked.
+fn invoked_as() -> String {
+    std::env::args_os()
+        .next()
+        .map(PathBuf::from)
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "capyctl".to_string())
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, String> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))
+}
+
+/// Logs to stderr, `RUST_LOG` or `info`.
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn check(kind: Kind, file: &std::path::Path, set: Vec<String>) -> Result<(), String> {
+    let o = Overrides::from_args_and_env(set, std::env::vars()).map_err(|e| e.to_string())?;
+    let text = match kind {
+        Kind::Deployment => documents::load_deployment_file(file).map(|d| format!("{d:#?}")),
+        Kind::Standalone => documents::load_standalone_file(file, &o).map(|c| format!("{c:#?}")),
+        Kind::Host => documents::load_host_file(file, &o).map(|c| format!("{c:#?}")),
+        Kind::Server => documents::load_server_file(file, &o).map(|c| format!("{c:#?}")),
+    }
+    .map_err(|e| e.to_string())?;
+    println!("{text}");
+    Ok(())
+}
+
+/// The longest a command other than `start --wait` waits for the server.
+const CALL_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Every command that talks to the management API.
+async fn remote(global: Global, command: Command) -> Result<(), String> {
+    if invoked_as().starts_with("kubectl-") && std::env::var_os("CAPYCTL_SERVER").is_none() {
+        // NB: the kubeconfig and the API server's service proxy come with the Kubernetes
+        // issue; until then the management Service is reached through --server.
+        if !std::env::args().any(|a| a == "--server" || a.starts_with("--server=")) {
+            return Err(
+                "kubectl capyctl: reaching the cluster through the kubeconfig is not \
+                 available in this build; run `kubectl port-forward svc/capyctl-management 7443` \
+                 and pass --server http://127.0.0.1:7443 with --token"
+                    .to_string(),
+            );
+        }
+    }
+    let token = client::resolve_token(global.token, &client::default_data_dir())
+        .map_err(|e| e.to_string())?;
+    let client = Client::new(&global.server, token).map_err(|e| e.to_string())?;
+    let json = global.json;
+    let call = async {
+        match command {
+            Command::Start(Start::Deployment { name, evict, wait }) => {
+                start(&client, &name, evict, wait, json).await
+            }
+            Command::Stop(Target::Deployment { name }) => {
+                action(&client, "stop", &name, json).await
+            }
+            Command::Park(Target::Deployment { name }) => {
+                action(&client, "park", &name, json).await
+            }
+            Command::Preinitialize(Target::Deployment { name }) => {
+                action(&client, "preinitialize", &name, json).await
+            }
+            Command::Delete(Target::Deployment { name }) => {
+                let answer = client
+                    .delete(&format!("/deployments/{}", segment(&name)))
+                    .await?;
+                if json {
+                    println!("{}", answer.pretty());
+                } else {
+                    let d: DeploymentView = answer.json(client.server())?;
+                    println!("deleted deployment {} ({})", d.name, d.id);
+                }
+                Ok(())
+            }
+            Command::Deploy(Deploy::Model { file }) => deploy(&client, &file, json).await,
+            Command::List(List::Deployments) => {
+                let answer = client.get("/deployments").await?;
+                if json {
+                    println!("{}", answer.pretty());
+                } else {
+                    let list: DeploymentList = answer.json(client.server())?;
+                    print!("{}", render::deployments(&list.deployments));
+                }
+                Ok(())
+            }
+            Command::Status(Target::Deployment { name }) => {
+                let answer = client
+                    .get(&format!("/deployments/{}", segment(&name)))
+                    .await?;
+                if json {
+                    println!("{}", answer.pretty());
+                } else {
+                    let d: DeploymentView = answer.json(client.server())?;
+                    print!("{}", render::status(&d));
+                }
+                Ok(())
+            }
+            Command::Engine(Engine::List) => {
+                let answer = client.get("/engines").await?;
+                if json {
+                    println!("{}", answer.pretty());
+                } else {
+                    let list: EngineList = answer.json(client.server())?;
+                    print!("{}", render::engines(&list.engines));
+                }
+                Ok(())
+            }
+            Command::Check { .. } | Command::Completion { .. } | Command::Start(_) => {
+                unreachable!("handled before the client")
+            }
+        }
+    };
+    call.await.map_err(|e: CommandError| e.to_string())
+}
+
+/// A command's failure: the client's, or what the answer said.
+#[derive(Debug, thiserror::Error)]
+enum CommandError {
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    #[error("{0}")]
+    Failed(String),
+}
+
+async fn deploy(client: &Client, file: &std::path::Path, json: bool) -> Result<(), CommandError> {
+    // Checked here first so that the error names the file and line; the server checks again.
+    documents::load_deployment_file(file).map_err(|e| CommandError::Failed(e.to_string()))?;
+    let text = std::fs::read_to_string(file)
+        .map_err(|e| CommandError::Failed(format!("cannot read {}: {e}", file.display())))?;
+    let answer = client.post_yaml("/deployments", text).await?;
+    if json {
+        println!("{}", answer.pretty());
+    } else {
+        let receipt: DeployReceipt = answer.json(client.server())?;
+        print!("{}", render::deployed(&receipt));
+    }
+    Ok(())
+}
+
+async fn action(client: &Client, verb: &str, name: &str, json: bool) -> Result<(), CommandError> {
+    let path = format!("/deployments/{}/{verb}", segment(name));
+    let answer = tokio::time::timeout(
+        CALL_TIMEOUT,
+        client.post_json(&path, &serde_json::json!({})),
+    )
+    .await
+    .map_err(|_| timed_out(client, verb))??;
+    if json {
+        println!("{}", answer.pretty());
+    } else {
+        let receipt: ActionReceipt = answer.json(client.server())?;
+        print!("{}", render::receipt(&receipt));
+    }
+    Ok(())
+}
+
+fn timed_out(client: &Client, what: &str) -> CommandError {
+    CommandError::Failed(format!(
+        "the server at {} did not answer `{what}` within {} s",
+        client.server(),
+        CALL_TIMEOUT.as_secs()
+    ))
+}
+
+async fn start(
+    client: &Client,
+    name: &str,
+    evict: bool,
+    wait: bool,
+    json: bool,
+) -> Result<(), CommandError> {
+    let path = format!("/deployments/{}/start", segment(name));
+    let body = serde_json::to_value(StartRequest { evict, wait })
+        .map_err(|e| CommandError::Failed(e.to_string()))?;
+    let call = client.post_json(&path, &body);
+    let answer = if wait {
+        // No bound of our own: the server's wake window and start timeouts bound it.
+        if std::io::stderr().is_terminal() && !json {
+            with_progress(client, name, call).await?
+        } else {
+            call.await?
+        }
+    } else {
+        tokio::time::timeout(CALL_TIMEOUT, call)
+            .await
+            .map_err(|_| timed_out(client, "start"))??
+    };
+    let receipt: ActionReceipt = answer.json(client.server())?;
+    if json {
+        println!("{}", answer.pretty());
+    } else {
+        print!("{}", render::receipt(&receipt));
+    }
+    if wait && receipt.deployment.state != InstanceState::Ready {
+        let d = &receipt.deployment;
+        let why = d
+            .conditions
+            .iter()
+            .find(|c| c.kind == "Ready" && c.status != "True")
+            .map(|c| format!(": {} {}", c.reason, c.message))
+            .unwrap_or_default();
+        return Err(CommandError::Failed(format!(
+            "deployment {} did not become ready (state {}){why}",
+            d.name, d.state
+        )));
+    }
+    Ok(())
+}
+
+/// Runs `call` while printing the deployment's state to stderr each time it changes
+/// (measurement, then starting, then ready).
+async fn with_progress(
+    client: &Client,
+    name: &str,
+    call: impl Future<Output = Result<client::Answer, ClientError>>,
+) -> Result<client::Answer, ClientError> {
+    let path = format!("/deployments/{}", segment(name));
+    let poll = async {
+        let mut last: Option<(InstanceState, bool)> = None;
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        loop {
+            tick.tick().await;
+            let Ok(answer) = client.get(&path).await else {
+                continue;
+            };
+            let Ok(d) = answer.json::<DeploymentView>(client.server()) else {
+                continue;
+            };
+            let now = (d.state, d.measurement.is_some());
+            if last != Some(now) {
+                let measured = match &d.measurement {
+                    Some(m) => format!(
+                        "measured (gpu {}, weights {})",
+                        capyctl_crds::units::format_bytes(m.gpu_memory),
+                        capyctl_crds::units::format_bytes(m.weights_memory)
+                    ),
+                    None => "awaiting measurement".to_string(),
+                };
+                eprintln!("{}: {measured}; {}", d.name, d.state);
+                last = Some(now);
+            }
+        }
+    };
+    tokio::select! {
+        answer = call => answer,
+        _ = poll => unreachable!("the poll loop never ends"),
+    }
+}

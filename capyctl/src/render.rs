@@ -1,0 +1,263 @@
+//! What the commands print: the product page's tables, receipts and the status page.
+
+use capyctl_crds::InstanceState;
+use capyctl_crds::api::{
+    ActionReceipt, DeployOutcome, DeployReceipt, DeploymentView, EngineView, Released,
+};
+use capyctl_crds::units::format_bytes;
+
+/// A table as the product page prints it: every column as wide as its widest cell plus three
+/// spaces, the last one unpadded, no trailing spaces.
+pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let columns = header.len();
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (i, cell) in row.iter().enumerate().take(columns) {
+            widths[i] = widths[i].max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let header: Vec<String> = header.iter().map(|h| h.to_string()).collect();
+    for row in std::iter::once(&header).chain(rows) {
+        let mut line = String::new();
+        for (i, cell) in row.iter().enumerate().take(columns) {
+            line.push_str(cell);
+            if i + 1 < columns {
+                let pad = widths[i] + 3 - cell.chars().count();
+                line.extend(std::iter::repeat_n(' ', pad));
+            }
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+/// `capyctl list deployments`: `NAME STATE READY REVISION HOSTS`.
+pub fn deployments(list: &[DeploymentView]) -> String {
+    let rows: Vec<Vec<String>> = list
+        .iter()
+        .map(|d| {
+            vec![
+                d.name.clone(),
+                d.state.to_string(),
+                d.ready.clone(),
+                d.revision.to_string(),
+                hosts(&d.hosts),
+            ]
+        })
+        .collect();
+    table(&["NAME", "STATE", "READY", "REVISION", "HOSTS"], &rows)
+}
+
+/// `capyctl engine list`: `ENGINE VERSION DEEP PARK HOST`.
+pub fn engines(list: &[EngineView]) -> String {
+    let rows: Vec<Vec<String>> = list
+        .iter()
+        .map(|e| {
+            vec![
+                e.engine.to_string(),
+                e.version.clone().unwrap_or_else(|| "unknown".to_string()),
+                e.deep_park.clone(),
+                e.host_id.clone(),
+            ]
+        })
+        .collect();
+    table(&["ENGINE", "VERSION", "DEEP PARK", "HOST"], &rows)
+}
+
+fn hosts(hosts: &[String]) -> String {
+    if hosts.is_empty() {
+        "-".to_string()
+    } else {
+        hosts.join(",")
+    }
+}
+
+/// `capyctl deploy model`.
+pub fn deployed(receipt: &DeployReceipt) -> String {
+    let d = &receipt.deployment;
+    let what = match receipt.outcome {
+        DeployOutcome::Created => "created",
+        DeployOutcome::Updated => "updated",
+        DeployOutcome::Unchanged => "unchanged",
+    };
+    format!(
+        "deployment {} ({}) {what}, revision {}, state {}\n",
+        d.name, d.id, d.revision, d.state
+    )
+}
+
+/// The receipt of `start`, `stop`, `park`, `delete` and `preinitialize`: what happened, then
+/// `switch_id` and the `victims` (deployment and instance IDs) with what was released.
+pub fn receipt(receipt: &ActionReceipt) -> String {
+    let d = &receipt.deployment;
+    let mut out = format!(
+        "{} deployment {} ({}): state {}, ready {}\n",
+        receipt.action, d.name, d.id, d.state, d.ready
+    );
+    if d.state != InstanceState::Ready
+        && let Some(c) = d
+            .conditions
+            .iter()
+            .find(|c| c.kind == "Ready" && c.status != "True" && !c.reason.is_empty())
+    {
+        out.push_str(&format!("  {}: {}\n", c.reason, c.message));
+    }
+    if let Some(id) = &receipt.switch_id {
+        out.push_str(&format!("switch_id: {id}\n"));
+    }
+    if !receipt.victims.is_empty() {
+        out.push_str("victims:\n");
+        for v in &receipt.victims {
+            out.push_str(&format!(
+                "  - deployment: {} ({})\n    instance: {}\n    released: {}\n",
+                v.deployment_id,
+                v.name,
+                v.instance_id,
+                v.released.words()
+            ));
+        }
+        if receipt
+            .victims
+            .iter()
+            .any(|v| v.released == Released::StoppedNoRoomToPark)
+        {
+            out.push_str(&format!(
+                "released: {}\n",
+                Released::StoppedNoRoomToPark.words()
+            ));
+        }
+    }
+    out
+}
+
+/// `capyctl status deployment NAME`.
+pub fn status(d: &DeploymentView) -> String {
+    let mut rows: Vec<(&str, String)> = vec![
+        ("name", d.name.clone()),
+        ("id", d.id.clone()),
+        ("state", d.state.to_string()),
+        ("ready", d.ready.clone()),
+        ("revision", d.revision.to_string()),
+        ("hosts", hosts(&d.hosts)),
+        ("engine", d.engine.to_string()),
+        ("model", d.model.clone()),
+        ("activation", d.activation.to_string()),
+        ("warm", d.warm.to_string()),
+        (
+            "residency",
+            d.residency
+                .map(|r| r.to_string())
+                .unwrap_or_else(|| "auto".to_string()),
+        ),
+        (
+            "measurement",
+            match &d.measurement {
+                Some(m) => format!(
+                    "gpu {} weights {} ({})",
+                    format_bytes(m.gpu_memory),
+                    format_bytes(m.weights_memory),
+                    m.source
+                ),
+                None => "awaiting measurement".to_string(),
+            },
+        ),
+    ];
+    if d.operator_stopped {
+        rows.push(("stopped by", "operator".to_string()));
+    }
+    let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0) + 2;
+    let mut out = String::new();
+    for (k, v) in rows {
+        out.push_str(&format!("{:width$}{v}\n", format!("{k}:")));
+    }
+    if !d.instances.is_empty() {
+        out.push_str("instances:\n");
+        for i in &d.instances {
+            let mut line = format!(
+                "  {} host {} index {} generation {}: {}",
+                i.instance_id, i.host_id, i.index, i.generation, i.state
+            );
+            if let Some(tier) = &i.parked_tier {
+                line.push_str(&format!(" ({tier})"));
+            }
+            if let Some(port) = i.port {
+                line.push_str(&format!(" port {port}"));
+            }
+            if let Some(pid) = i.pid {
+                line.push_str(&format!(" pid {pid}"));
+            }
+            if let Some(err) = &i.last_error {
+                line.push_str(&format!("; last error: {err}"));
+            }
+            out.push_str(&line);
+            out.push('\n');
+        }
+    }
+    if !d.conditions.is_empty() {
+        out.push_str("conditions:\n");
+        for c in &d.conditions {
+            let mut line = format!("  {} {}", c.kind, c.status);
+            if !c.reason.is_empty() {
+                line.push_str(&format!(" {}", c.reason));
+            }
+            if !c.message.is_empty() {
+                line.push_str(&format!(": {}", c.message));
+            }
+            out.push_str(&line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(cells: &[[&str; 5]]) -> Vec<Vec<String>> {
+        cells
+            .iter()
+            .map(|r| r.iter().map(|c| c.to_string()).collect())
+            .collect()
+    }
+
+    #[test]
+    fn the_product_pages_tables_byte_for_byte() {
+        let header = ["NAME", "STATE", "READY", "REVISION", "HOSTS"];
+        assert_eq!(
+            table(
+                &header,
+                &rows(&[["my-model", "parked", "0/1", "1", "gpu-box"]])
+            ),
+            "NAME       STATE    READY   REVISION   HOSTS\n\
+             my-model   parked   0/1     1          gpu-box\n"
+        );
+        assert_eq!(
+            table(
+                &header,
+                &rows(&[["my-model", "ready", "1/1", "1", "gpu-box"]])
+            ),
+            "NAME       STATE   READY   REVISION   HOSTS\n\
+             my-model   ready   1/1     1          gpu-box\n"
+        );
+        assert_eq!(
+            table(
+                &header,
+                &rows(&[
+                    ["my-model", "parked", "0/1", "1", "gpu-box"],
+                    ["other-model", "ready", "1/1", "1", "gpu-box"],
+                ])
+            ),
+            "NAME          STATE    READY   REVISION   HOSTS\n\
+             my-model      parked   0/1     1          gpu-box\n\
+             other-model   ready    1/1     1          gpu-box\n"
+        );
+    }
+
+    #[test]
+    fn an_empty_table_is_its_header() {
+        assert_eq!(table(&["A", "BB"], &[]), "A   BB\n");
+    }
+}

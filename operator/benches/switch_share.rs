@@ -1,0 +1,1003 @@
+//! `cargo bench -p capyctl-operator --bench switch_share`: CapyCTL's own share of a switch.
+//!
+//! A real standalone CapyCTL runs in this process ([`Standalone::start`]) with two deployments
+//! that do not fit on the (overridden) GPU together, every engine the engine simulator. The
+//! benchmark asks for the parked model through the inference listener (real sockets) while the
+//! other is loaded and idle, N times in turn (A→B→A…), and splits each switch's time:
+//!
+//! - **total**: the client's time from sending the request to the end of the answer;
+//! - **engine**: the engine's own work on the switch's path, i.e. every HTTP call the host agent
+//!   makes to either engine between the request and the answer (park: `/sleep`,
+//!   `/is_sleeping`; wake: `/wake_up`, `/is_sleeping`; check prompt and warm-up:
+//!   `/v1/completions`), as the engine itself timed them. Background load scrapes
+//!   (`GET /metrics`) are off the switch's path and not counted;
+//! - **window + drain**: from `capyctl_switch_phase_seconds{phase="window"|"drain"}` at
+//!   `GET /metrics` on the management listener, when the server reports those phases;
+//! - **answer**: the engine's own time for the forwarded answer (the same request, as the
+//!   engine timed it); a direct request to the engine is also timed from the client, for
+//!   comparison;
+//! - **own** = total − engine − window − drain − answer: what CapyCTL itself costs.
+//!
+//! How the engine's time is measured (the honest part): the benchmark binary is also the engine.
+//! `host.engines.vllm.command` is this binary with `--engine-wrapper <dir>`; run that way it is
+//! the engine simulator itself (the `capyctl_engine_sim` library, parsed from the very same
+//! arguments and environment the host agent gives `engine-sim`), with one layer added in front
+//! of its routes that timestamps every request on arrival (after HTTP parsing) and when its
+//! answer is complete, and appends `start end status method path` to `<dir>/calls-<port>.tsv`.
+//! No proxy hop is added. The timestamps are wall-clock microseconds, compared with the
+//! benchmark's own; socket transfer and HTTP parsing on both sides count as CapyCTL's (a few
+//! tens of microseconds per call: the benchmark errs against CapyCTL, never for it).
+//!
+//! Each switch's time outside engine calls is also split by where it falls, so that a figure
+//! over the target names its step: `intake` (request → first engine call: proxy, admission,
+//! plan, window, drain, and the release's preparation), `between` (victim parked → target's
+//! wake begins), `inner` (gaps between the calls of one park or wake), `ready` (warm-up done →
+//! answer forwarded to the engine), `reply` (engine answered → client has it).
+//!
+//! Before each switch the benchmark leaves the loaded model idle for `--gap-ms` (at least the
+//! admission window), so that by the spec's rule its window closes at once and nothing is left
+//! to drain; window and drain are then zero by design, and any wait the server still adds shows
+//! in `intake`.
+//!
+//! `RUST_LOG` (e.g. `capyctl_operator=debug,capyctl_node_agent=debug`) prints the standalone's
+//! tracing with timestamps on stderr. Exit status 0 whatever the verdict (it is a benchmark).
+#![allow(missing_docs)]
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use capyctl_crds::InstanceState;
+use capyctl_crds::documents::parse_standalone_str;
+use capyctl_crds::overrides::Overrides;
+use capyctl_operator::standalone::Standalone;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+const HELP: &str = "\
+switch_share: CapyCTL's own share of a switch (target under 20 ms)
+
+USAGE:
+    cargo bench -p capyctl-operator --bench switch_share -- [OPTIONS]
+
+OPTIONS:
+    --switches N           measured switches, alternating A->B->A... (default 20)
+    --warmup N             switches run first and not measured (default 2)
+    --window-ms N          host.resource_policy.queue.admission_window in ms (default 10)
+    --gap-ms N             idle time of the loaded model before each switch, at least the
+                           window (default window + 20)
+    --weights SIZE         the simulated weights, ENGINE_SIM_WEIGHTS_BYTES (default 64MiB)
+    --host-bandwidth SIZE  GPU <-> host RAM bytes/s, ENGINE_SIM_HOST_BANDWIDTH (default 16GiB:
+                           64MiB park or wake ~3.9 ms)
+    --token-rate N         tokens/s per request, ENGINE_SIM_TOKEN_RATE (default 0: as fast as
+                           possible)
+    --prefill-per-token D  ENGINE_SIM_PREFILL_PER_TOKEN (default 0s)
+    --max-tokens N         max_tokens of each answer (default 16)
+    --target-ms X          the target for CapyCTL's own share (default 20)
+    --verbose              print every switch's engine calls on a timeline
+    --data-root DIR        where the data directory is made (default the system's temporary
+                           directory; e.g. /dev/shm to take the disk out of the figures)
+    --keep                 keep the data directory (engine logs, state, call logs)
+    -h, --help             this text
+
+ENVIRONMENT:
+    RUST_LOG               tracing of the standalone on stderr, with timestamps
+";
+
+/// The benchmark's options.
+#[derive(Debug, Clone)]
+struct Opts {
+    switches: usize,
+    warmup: usize,
+    window_ms: u64,
+    gap_ms: Option<u64>,
+    weights: String,
+    host_bandwidth: String,
+    token_rate: String,
+    prefill_per_token: String,
+    max_tokens: u32,
+    target_ms: f64,
+    verbose: bool,
+    keep: bool,
+    data_root: Option<PathBuf>,
+}
+
+impl Default for Opts {
+    fn default() -> Self {
+        Opts {
+            switches: 20,
+            warmup: 2,
+            window_ms: 10,
+            gap_ms: None,
+            weights: "64MiB".into(),
+            host_bandwidth: "16GiB".into(),
+            token_rate: "0".into(),
+            prefill_per_token: "0s".into(),
+            max_tokens: 16,
+            target_ms: 20.0,
+            verbose: false,
+            keep: false,
+            data_root: None,
+        }
+    }
+}
+
+enum Parsed {
+    Run(Opts),
+    Help,
+}
+
+fn parse_args(args: &[String]) -> Result<Parsed, String> {
+    fn num<T: std::str::FromStr>(flag: &str, v: Option<&String>) -> Result<T, String> {
+        let v = v.ok_or_else(|| format!("{flag} needs a value"))?;
+        v.parse()
+            .map_err(|_| format!("{flag}: `{v}` is not a valid number"))
+    }
+    fn text(flag: &str, v: Option<&String>) -> Result<String, String> {
+        v.cloned().ok_or_else(|| format!("{flag} needs a value"))
+    }
+    let mut o = Opts::default();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "-h" | "--help" => return Ok(Parsed::Help),
+            // What `cargo bench` adds.
+            "--bench" => {}
+            "--switches" => o.switches = num(a, it.next())?,
+            "--warmup" => o.warmup = num(a, it.next())?,
+            "--window-ms" => o.window_ms = num(a, it.next())?,
+            "--gap-ms" => o.gap_ms = Some(num(a, it.next())?),
+            "--weights" => o.weights = text(a, it.next())?,
+            "--host-bandwidth" => o.host_bandwidth = text(a, it.next())?,
+            "--token-rate" => o.token_rate = text(a, it.next())?,
+            "--prefill-per-token" => o.prefill_per_token = text(a, it.next())?,
+            "--max-tokens" => o.max_tokens = num(a, it.next())?,
+            "--target-ms" => o.target_ms = num(a, it.next())?,
+            "--verbose" => o.verbose = true,
+            "--keep" => o.keep = true,
+            "--data-root" => o.data_root = Some(PathBuf::from(text(a, it.next())?)),
+            other => return Err(format!("unknown argument `{other}` (see --help)")),
+        }
+    }
+    if o.switches == 0 {
+        return Err("--switches must be at least 1".into());
+    }
+    if !(1..=30_000).contains(&o.window_ms) {
+        return Err("--window-ms must be 1 to 30000 (the admission window's range)".into());
+    }
+    Ok(Parsed::Run(o))
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("--engine-wrapper") {
+        return wrapper::main(&args[2..]);
+    }
+    let opts = match parse_args(&args[1..]) {
+        Ok(Parsed::Run(o)) => o,
+        Ok(Parsed::Help) => {
+            print!("{HELP}");
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("switch_share: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_writer(std::io::stderr)
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .init();
+    }
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("switch_share: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run(opts)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("switch_share: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Wall-clock microseconds since the Unix epoch (shared with the engine processes).
+fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+/// The engine side: the engine simulator, with every request timed.
+mod wrapper {
+    use super::*;
+    use axum::body::Body;
+    use axum::extract::{Request, State};
+    use axum::middleware::{self, Next};
+    use axum::response::{IntoResponse, Response};
+    use axum::serve::ListenerExt;
+    use capyctl_engine_sim::{EngineSim, SimConfig};
+
+    /// Where the calls are written, one line each.
+    struct CallLog {
+        file: Mutex<std::fs::File>,
+    }
+
+    impl CallLog {
+        fn write(&self, line: &str) {
+            let mut f = self.file.lock().unwrap_or_else(PoisonError::into_inner);
+            // One write per line (O_APPEND): the reader never sees half a line mixed in.
+            if let Err(e) = f.write_all(line.as_bytes()) {
+                tracing::warn!(error = %e, "cannot write the call log");
+            }
+        }
+    }
+
+    async fn timed(State(log): State<Arc<CallLog>>, req: Request, next: Next) -> Response {
+        let start = now_us();
+        let method = req.method().to_string();
+        let path = req
+            .uri()
+            .path_and_query()
+            .map(|p| p.as_str().to_string())
+            .unwrap_or_default();
+        let resp = next.run(req).await;
+        let (mut parts, body) = resp.into_parts();
+        // The whole answer (generation included) is the engine's time.
+        let collected = axum::body::to_bytes(body, usize::MAX).await;
+        let end = now_us();
+        log.write(&format!(
+            "{start}\t{end}\t{}\t{method}\t{path}\n",
+            parts.status.as_u16()
+        ));
+        match collected {
+            Ok(bytes) => {
+                parts.headers.remove(http::header::TRANSFER_ENCODING);
+                parts.headers.remove(http::header::CONTENT_LENGTH);
+                Response::from_parts(parts, Body::from(bytes))
+            }
+            Err(e) => (
+                http::StatusCode::INTERNAL_SERVER_ERROR,
+                format!("engine-wrapper: the answer broke off: {e}"),
+            )
+                .into_response(),
+        }
+    }
+
+    /// `<this binary> --engine-wrapper <dir> <engine-sim arguments…>`.
+    pub(super) fn main(args: &[String]) -> ExitCode {
+        let Some((dir, rest)) = args.split_first() else {
+            eprintln!("engine-wrapper: usage: --engine-wrapper <dir> <engine-sim arguments>");
+            return ExitCode::from(2);
+        };
+        tracing_subscriber::fmt()
+            .with_writer(std::io::stderr)
+            .with_ansi(false)
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_default_env()
+                    .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+            )
+            .init();
+        let config = match SimConfig::try_parse_from(
+            std::iter::once("engine-sim".to_string()).chain(rest.iter().cloned()),
+        ) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("engine-wrapper: {e}");
+                return ExitCode::from(2);
+            }
+        };
+        let rt = match tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+        {
+            Ok(rt) => rt,
+            Err(e) => {
+                eprintln!("engine-wrapper: cannot start the runtime: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        match rt.block_on(serve(PathBuf::from(dir), config)) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("engine-wrapper: {e}");
+                ExitCode::FAILURE
+            }
+        }
+    }
+
+    async fn serve(dir: PathBuf, config: SimConfig) -> Result<(), String> {
+        let listener = tokio::net::TcpListener::bind((config.host.as_str(), config.port))
+            .await
+            .map_err(|e| format!("cannot listen on {}:{}: {e}", config.host, config.port))?;
+        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let path = dir.join(format!("calls-{}.tsv", addr.port()));
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        let log = Arc::new(CallLog {
+            file: Mutex::new(file),
+        });
+        println!("engine-sim listening on {addr}");
+        let app = capyctl_engine_sim::app(EngineSim::new(config))
+            .layer(middleware::from_fn_with_state(log, timed));
+        let listener = listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
+        axum::serve(listener, app).await.map_err(|e| e.to_string())
+    }
+}
+
+/// One HTTP call an engine answered, as the engine timed it.
+#[derive(Debug, Clone)]
+struct Call {
+    start: u64,
+    end: u64,
+    status: u16,
+    method: String,
+    path: String,
+}
+
+impl Call {
+    fn is_answer(&self) -> bool {
+        self.method == "POST" && self.path.starts_with("/v1/chat/completions")
+    }
+    fn is_background(&self) -> bool {
+        self.method == "GET" && self.path.starts_with("/metrics")
+    }
+    fn us(&self) -> u64 {
+        self.end.saturating_sub(self.start)
+    }
+}
+
+fn read_calls(dir: &Path, port: u16) -> Vec<Call> {
+    let text = std::fs::read_to_string(dir.join(format!("calls-{port}.tsv"))).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| {
+            let mut f = l.splitn(5, '\t');
+            Some(Call {
+                start: f.next()?.parse().ok()?,
+                end: f.next()?.parse().ok()?,
+                status: f.next()?.parse().ok()?,
+                method: f.next()?.to_string(),
+                path: f.next()?.to_string(),
+            })
+        })
+        .collect()
+}
+
+/// Which side of the switch a call is on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// The victim's engine (the park).
+    Park,
+    /// The target's engine before the answer (wake, check prompt, warm-up).
+    Wake,
+    /// The forwarded answer.
+    Answer,
+}
+
+/// One measured switch, every figure in microseconds.
+#[derive(Debug, Clone, Default)]
+struct Sample {
+    target: String,
+    total: u64,
+    park: u64,
+    wake: u64,
+    check: u64,
+    engine: u64,
+    window: u64,
+    drain: u64,
+    answer: u64,
+    direct: u64,
+    own: i64,
+    intake: u64,
+    between: u64,
+    inner: u64,
+    ready: u64,
+    reply: u64,
+    release_and_bring_up: u64,
+    timeline: String,
+}
+
+/// The switch phases' sums (seconds) and counts from `/metrics`.
+fn phases(metrics: &str) -> BTreeMap<String, (f64, u64)> {
+    let mut out: BTreeMap<String, (f64, u64)> = BTreeMap::new();
+    for line in metrics.lines() {
+        let (name, rest) = match line.split_once('{') {
+            Some(x) => x,
+            None => continue,
+        };
+        let Some(phase) = rest
+            .strip_prefix("phase=\"")
+            .and_then(|r| r.split_once('"'))
+            .map(|(p, _)| p.to_string())
+        else {
+            continue;
+        };
+        let Some(value) = line.rsplit(' ').next() else {
+            continue;
+        };
+        let e = out.entry(phase).or_default();
+        match name {
+            "capyctl_switch_phase_seconds_sum" => e.0 = value.parse().unwrap_or(0.0),
+            "capyctl_switch_phase_seconds_count" => e.1 = value.parse().unwrap_or(0),
+            _ => {}
+        }
+    }
+    out
+}
+
+fn phase_delta_us(
+    before: &BTreeMap<String, (f64, u64)>,
+    after: &BTreeMap<String, (f64, u64)>,
+    phase: &str,
+) -> Option<u64> {
+    let a = after.get(phase)?;
+    let b = before.get(phase).copied().unwrap_or((0.0, 0));
+    if a.1 == b.1 {
+        return None;
+    }
+    Some(((a.0 - b.0).max(0.0) * 1e6).round() as u64)
+}
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+async fn http(
+    client: &HttpClient,
+    method: &str,
+    url: String,
+    token: Option<&str>,
+    body: Option<String>,
+) -> Result<(u16, Bytes), String> {
+    let mut req = http::Request::builder().method(method).uri(&url);
+    if let Some(t) = token {
+        req = req.header("authorization", format!("Bearer {t}"));
+    }
+    if body.is_some() {
+        req = req.header("content-type", "application/json");
+    }
+    let req = req
+        .body(Full::new(Bytes::from(body.unwrap_or_default())))
+        .map_err(|e| e.to_string())?;
+    let resp = client
+        .request(req)
+        .await
+        .map_err(|e| format!("{method} {url}: {e}"))?;
+    let status = resp.status().as_u16();
+    let bytes = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| format!("{method} {url}: {e}"))?
+        .to_bytes();
+    Ok((status, bytes))
+}
+
+fn chat_body(model: &str, max_tokens: u32) -> String {
+    serde_json::json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": max_tokens,
+    })
+    .to_string()
+}
+
+fn config_text(exe: &Path, calls: &Path, o: &Opts) -> String {
+    let q = |s: &str| serde_json::Value::String(s.to_string()).to_string();
+    let env = format!(
+        "{{ENGINE_SIM_WEIGHTS_BYTES: {w}, ENGINE_SIM_HOST_BANDWIDTH: {b}, ENGINE_SIM_TOKEN_RATE: {t}, ENGINE_SIM_PREFILL_PER_TOKEN: {p}, ENGINE_SIM_STARTUP_DELAY: 0s}}",
+        w = q(&o.weights),
+        b = q(&o.host_bandwidth),
+        t = q(&o.token_rate),
+        p = q(&o.prefill_per_token),
+    );
+    format!(
+        r#"
+server:
+  listen:
+    inference: "127.0.0.1:0"
+    management: "127.0.0.1:0"
+host:
+  id: bench-box
+  gpus: [{{memory: 10GiB}}]
+  host_memory: 4GiB
+  resource_policy:
+    queue:
+      admission_window: {window}ms
+  engines:
+    vllm: {{command: [{exe}, "--engine-wrapper", {calls}]}}
+deployments:
+  - name: chat-a
+    engine: vllm
+    model: Qwen3-4B
+    resources: {{gpu_memory: 6GiB, weights_memory: {w}}}
+    env: {env}
+  - name: chat-b
+    engine: vllm
+    model: Qwen3-4B
+    resources: {{gpu_memory: 6GiB, weights_memory: {w}}}
+    env: {env}
+"#,
+        window = o.window_ms,
+        exe = q(&exe.to_string_lossy()),
+        calls = q(&calls.to_string_lossy()),
+        w = o.weights,
+    )
+}
+
+fn temp_dir(root: Option<&Path>) -> Result<PathBuf, String> {
+    let root = root.map_or_else(std::env::temp_dir, Path::to_path_buf);
+    let dir = root.join(format!(
+        "capyctl-switch-share-{}-{}",
+        std::process::id(),
+        now_us()
+    ));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    Ok(dir)
+}
+
+fn port_of(s: &Standalone, name: &str) -> Option<u16> {
+    s.server().view(name)?.instances.first()?.port
+}
+
+fn state_of(s: &Standalone, name: &str) -> Option<InstanceState> {
+    Some(s.server().view(name)?.state)
+}
+
+async fn run(o: Opts) -> Result<(), String> {
+    let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
+    let dir = temp_dir(o.data_root.as_deref())?;
+    let calls = dir.join("calls");
+    let text = config_text(&exe, &calls, &o);
+    let config = parse_standalone_str("switch_share.yaml", &text, &Overrides::none())
+        .map_err(|e| format!("the benchmark's document: {e}"))?;
+    let s = Standalone::start(config, dir.clone())
+        .await
+        .map_err(|e| format!("standalone: {e}"))?;
+    let result = measure(&s, &calls, &o).await;
+    s.shutdown().await;
+    if o.keep {
+        println!("data directory kept: {}", dir.display());
+    } else {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    let samples = result?;
+    report(&o, &samples);
+    Ok(())
+}
+
+async fn measure(s: &Standalone, calls: &Path, o: &Opts) -> Result<Vec<Sample>, String> {
+    let client: HttpClient = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let inference = s.inference_addr();
+    let mgmt = s.management_addr();
+    let token = s.admin_token().to_string();
+    let names = ["chat-a", "chat-b"];
+    let gap = Duration::from_millis(o.gap_ms.unwrap_or(o.window_ms + 20).max(o.window_ms));
+    let ask = |model: &'static str| {
+        let client = client.clone();
+        async move {
+            http(
+                &client,
+                "POST",
+                format!("http://{inference}/v1/chat/completions"),
+                None,
+                Some(chat_body(model, o.max_tokens)),
+            )
+            .await
+        }
+    };
+    let metrics = |client: HttpClient, token: String, mgmt: SocketAddr| async move {
+        let (status, body) = http(
+            &client,
+            "GET",
+            format!("http://{mgmt}/metrics"),
+            Some(&token),
+            None,
+        )
+        .await?;
+        if status != 200 {
+            return Err(format!("GET /metrics answered {status}"));
+        }
+        Ok::<_, String>(String::from_utf8_lossy(&body).into_owned())
+    };
+
+    // Cold starts: chat-a, then chat-b (chat-a parks). Not measured.
+    for name in names {
+        let (status, body) = ask(name).await?;
+        if status != 200 {
+            return Err(format!(
+                "the first request for {name} answered {status}: {}",
+                String::from_utf8_lossy(&body)
+            ));
+        }
+    }
+    let mut samples = Vec::new();
+    let mut loaded = 1usize;
+    for i in 0..o.warmup + o.switches {
+        let target = names[1 - loaded];
+        let victim = names[loaded];
+        tokio::time::sleep(gap).await;
+        if state_of(s, victim) != Some(InstanceState::Ready)
+            || state_of(s, target) != Some(InstanceState::Parked)
+        {
+            return Err(format!(
+                "before switch {i}: {victim} is {:?} and {target} is {:?}; expected ready and parked",
+                state_of(s, victim),
+                state_of(s, target)
+            ));
+        }
+        let victim_port = port_of(s, victim).ok_or("the loaded model has no port")?;
+        let target_port = port_of(s, target).ok_or("the parked model has no port")?;
+        let before = phases(&metrics(client.clone(), token.clone(), mgmt).await?);
+
+        let t0 = now_us();
+        let began = Instant::now();
+        let (status, body) = ask(target).await?;
+        let total = u64::try_from(began.elapsed().as_micros()).unwrap_or(u64::MAX);
+        let t1 = now_us();
+        if status != 200 {
+            return Err(format!(
+                "switch {i} to {target} answered {status}: {}",
+                String::from_utf8_lossy(&body)
+            ));
+        }
+        let after = phases(&metrics(client.clone(), token.clone(), mgmt).await?);
+        // The same request straight to the engine, for comparison.
+        let d = Instant::now();
+        let (dstatus, _) = http(
+            &client,
+            "POST",
+            format!("http://127.0.0.1:{target_port}/v1/chat/completions"),
+            None,
+            Some(chat_body(target, o.max_tokens)),
+        )
+        .await?;
+        let direct = u64::try_from(d.elapsed().as_micros()).unwrap_or(u64::MAX);
+        if dstatus != 200 {
+            return Err(format!("the direct request to {target} answered {dstatus}"));
+        }
+        loaded = 1 - loaded;
+        if i < o.warmup {
+            continue;
+        }
+        let mut sample = analyse(
+            calls,
+            (victim_port, target_port),
+            (t0, t1),
+            total,
+            o.verbose,
+        );
+        sample.target = target.to_string();
+        sample.direct = direct;
+        sample.window = phase_delta_us(&before, &after, "window").unwrap_or(0);
+        sample.drain = phase_delta_us(&before, &after, "drain").unwrap_or(0);
+        sample.release_and_bring_up = phase_delta_us(&before, &after, "release_and_bring_up")
+            .or_else(|| {
+                Some(
+                    phase_delta_us(&before, &after, "release")?
+                        + phase_delta_us(&before, &after, "bring_up")?,
+                )
+            })
+            .unwrap_or(0);
+        sample.own = i64::try_from(total).unwrap_or(i64::MAX)
+            - i64::try_from(sample.engine + sample.answer + sample.window + sample.drain)
+                .unwrap_or(i64::MAX);
+        samples.push(sample);
+    }
+    let last = phases(&metrics(client.clone(), token.clone(), mgmt).await?);
+    println!(
+        "switch phases reported at GET /metrics (capyctl_switch_phase_seconds, all switches):"
+    );
+    for (phase, (sum, count)) in &last {
+        println!(
+            "  {phase:<22} count {count:>3}  mean {:>8.2} ms",
+            if *count > 0 {
+                sum * 1e3 / *count as f64
+            } else {
+                0.0
+            }
+        );
+    }
+    for p in ["window", "drain"] {
+        if !last.contains_key(p) {
+            println!(
+                "  (no `{p}` phase reported: counted as 0; the idle gap makes it 0 by the spec's rule, and any wait shows in `intake`)"
+            );
+        }
+    }
+    Ok(samples)
+}
+
+/// Splits one switch `[t0, t1]` into engine calls and the gaps between them.
+fn analyse(
+    calls: &Path,
+    (victim_port, target_port): (u16, u16),
+    (t0, t1): (u64, u64),
+    total: u64,
+    verbose: bool,
+) -> Sample {
+    let within = |c: &Call| c.start >= t0 && c.end <= t1 && !c.is_background();
+    let mut ops: Vec<(Kind, Call)> = Vec::new();
+    for c in read_calls(calls, victim_port).into_iter().filter(within) {
+        ops.push((Kind::Park, c));
+    }
+    for c in read_calls(calls, target_port).into_iter().filter(within) {
+        let kind = if c.is_answer() {
+            Kind::Answer
+        } else {
+            Kind::Wake
+        };
+        ops.push((kind, c));
+    }
+    ops.sort_by_key(|(_, c)| c.start);
+    let mut s = Sample {
+        total,
+        ..Sample::default()
+    };
+    for (kind, c) in &ops {
+        match kind {
+            Kind::Park => s.park += c.us(),
+            Kind::Wake if c.path.starts_with("/v1/completions") => s.check += c.us(),
+            Kind::Wake => s.wake += c.us(),
+            Kind::Answer => s.answer = c.us(),
+        }
+    }
+    // Merge overlapping calls; each gap is CapyCTL's, named by its neighbours.
+    let mut merged: Vec<(u64, u64, Kind, Kind)> = Vec::new();
+    for (kind, c) in &ops {
+        match merged.last_mut() {
+            Some(m) if c.start <= m.1 => {
+                m.1 = m.1.max(c.end);
+                m.3 = *kind;
+            }
+            _ => merged.push((c.start, c.end, *kind, *kind)),
+        }
+    }
+    let covered: u64 = merged.iter().map(|m| m.1 - m.0).sum();
+    let answer_covered = s.answer;
+    s.engine = covered.saturating_sub(answer_covered);
+    // The client's clock and the wall clock differ by microseconds; gaps use the wall clock.
+    let mut prev_end = t0;
+    let mut prev_kind: Option<Kind> = None;
+    for m in &merged {
+        let gap = m.0.saturating_sub(prev_end);
+        match (prev_kind, m.2) {
+            (None, _) => s.intake += gap,
+            (Some(Kind::Park), Kind::Wake | Kind::Answer) => s.between += gap,
+            (Some(Kind::Wake), Kind::Answer) => s.ready += gap,
+            _ => s.inner += gap,
+        }
+        prev_end = m.1;
+        prev_kind = Some(m.3);
+    }
+    s.reply = t1.saturating_sub(prev_end);
+    if verbose {
+        // Background calls (load scrapes) are shown, not counted.
+        let mut shown: Vec<(String, Call)> = ops
+            .iter()
+            .map(|(k, c)| (format!("{k:?}"), c.clone()))
+            .collect();
+        for (port, who) in [(victim_port, "victim"), (target_port, "target")] {
+            for c in read_calls(calls, port) {
+                if c.is_background() && c.end >= t0 && c.start <= t1 {
+                    shown.push((format!("({who}, not counted)"), c));
+                }
+            }
+        }
+        shown.sort_by_key(|(_, c)| c.start);
+        let mut t = String::new();
+        for (kind, c) in &shown {
+            let _ = writeln!(
+                t,
+                "      +{:>8.3} ms  {:>7.3} ms  {kind}  {} {} -> {}",
+                (c.start as f64 - t0 as f64) / 1e3,
+                c.us() as f64 / 1e3,
+                c.method,
+                c.path,
+                c.status
+            );
+        }
+        let _ = writeln!(
+            t,
+            "      +{:>8.3} ms  answer at the client",
+            t1.saturating_sub(t0) as f64 / 1e3
+        );
+        s.timeline = t;
+    }
+    s
+}
+
+/// The table's columns and their widths.
+const COLUMNS: [(&str, usize); 15] = [
+    ("total", 7),
+    ("park", 6),
+    ("wake", 6),
+    ("check", 6),
+    ("engine", 7),
+    ("win", 6),
+    ("drain", 6),
+    ("answer", 7),
+    ("OWN", 7),
+    ("intake", 6),
+    ("between", 7),
+    ("inner", 6),
+    ("ready", 6),
+    ("reply", 6),
+    ("direct", 7),
+];
+
+/// One row of figures (ms) in the table's columns.
+fn figures(v: &[f64]) -> String {
+    let mut out = String::new();
+    for (i, ((_, width), x)) in COLUMNS.iter().zip(v).enumerate() {
+        if i == 9 || i == 14 {
+            out.push_str(" |");
+        }
+        let _ = write!(out, " {x:>width$.2}");
+    }
+    out
+}
+
+fn ms(us: u64) -> f64 {
+    us as f64 / 1e3
+}
+
+/// The nearest-rank percentile `p` (0 to 100) of `v`.
+fn percentile(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
+    v[rank.clamp(1, v.len()) - 1]
+}
+
+fn report(o: &Opts, samples: &[Sample]) {
+    let bw = capyctl_engine_sim::parse_bytes(&o.host_bandwidth).unwrap_or(0);
+    let w = capyctl_engine_sim::parse_bytes(&o.weights).unwrap_or(0);
+    let sim_ms = if bw > 0 {
+        w as f64 / bw as f64 * 1e3
+    } else {
+        f64::NAN
+    };
+    println!();
+    println!(
+        "switch_share: {} switches (after {} unmeasured), engine-sim weights {} at {}/s (park or wake ~{sim_ms:.1} ms simulated), token rate {}, admission window {} ms, idle gap {} ms",
+        samples.len(),
+        o.warmup,
+        o.weights,
+        o.host_bandwidth,
+        o.token_rate,
+        o.window_ms,
+        o.gap_ms.unwrap_or(o.window_ms + 20).max(o.window_ms),
+    );
+    println!(
+        "all figures in ms; engine = park + wake + check (union of the engine's own call times); own = total - engine - window - drain - answer"
+    );
+    let mut head = format!("{:>3} {:<7}", "#", "to");
+    for (i, (name, width)) in COLUMNS.iter().enumerate() {
+        if i == 9 || i == 14 {
+            head.push_str(" |");
+        }
+        let _ = write!(head, " {name:>width$}");
+    }
+    println!("{head}");
+    for (i, s) in samples.iter().enumerate() {
+        let v = [
+            ms(s.total),
+            ms(s.park),
+            ms(s.wake),
+            ms(s.check),
+            ms(s.engine),
+            ms(s.window),
+            ms(s.drain),
+            ms(s.answer),
+            s.own as f64 / 1e3,
+            ms(s.intake),
+            ms(s.between),
+            ms(s.inner),
+            ms(s.ready),
+            ms(s.reply),
+            ms(s.direct),
+        ];
+        println!("{:>3} {:<7} {}", i + 1, s.target, figures(&v));
+        if o.verbose {
+            print!("{}", s.timeline);
+        }
+    }
+    let col = |f: fn(&Sample) -> f64| -> Vec<f64> { samples.iter().map(f).collect() };
+    let cols: [Vec<f64>; 15] = [
+        col(|s| ms(s.total)),
+        col(|s| ms(s.park)),
+        col(|s| ms(s.wake)),
+        col(|s| ms(s.check)),
+        col(|s| ms(s.engine)),
+        col(|s| ms(s.window)),
+        col(|s| ms(s.drain)),
+        col(|s| ms(s.answer)),
+        col(|s| s.own as f64 / 1e3),
+        col(|s| ms(s.intake)),
+        col(|s| ms(s.between)),
+        col(|s| ms(s.inner)),
+        col(|s| ms(s.ready)),
+        col(|s| ms(s.reply)),
+        col(|s| ms(s.direct)),
+    ];
+    for (label, p) in [("median", 50.0), ("p90", 90.0)] {
+        let v: Vec<f64> = cols.iter().map(|c| percentile(c, p)).collect();
+        println!("{label:<11} {}", figures(&v));
+    }
+    let rb = col(|s| ms(s.release_and_bring_up));
+    if rb.iter().any(|v| *v > 0.0) {
+        println!(
+            "server's own release+bring_up phase (from /metrics): median {:.2} ms, p90 {:.2} ms",
+            percentile(&rb, 50.0),
+            percentile(&rb, 90.0)
+        );
+    }
+    let own_med = percentile(&cols[8], 50.0);
+    let own_p90 = percentile(&cols[8], 90.0);
+    let verdict = if own_p90 < o.target_ms {
+        "PASS"
+    } else if own_med < o.target_ms {
+        "PASS at the median, FAIL at p90"
+    } else {
+        "FAIL"
+    };
+    println!(
+        "CapyCTL's own share of a switch: median {own_med:.2} ms, p90 {own_p90:.2} ms; target under {:.0} ms: {verdict}",
+        o.target_ms
+    );
+    if own_med >= o.target_ms {
+        let parts = [
+            (
+                "intake (request -> first engine call)",
+                percentile(&cols[9], 50.0),
+            ),
+            (
+                "between (parked -> wake begins)",
+                percentile(&cols[10], 50.0),
+            ),
+            (
+                "inner (between calls of a park or wake)",
+                percentile(&cols[11], 50.0),
+            ),
+            (
+                "ready (warm-up done -> answer forwarded)",
+                percentile(&cols[12], 50.0),
+            ),
+            (
+                "reply (engine answered -> client)",
+                percentile(&cols[13], 50.0),
+            ),
+        ];
+        let worst = parts
+            .iter()
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+            .map(|p| p.0)
+            .unwrap_or("-");
+        println!("  the largest share (median): {worst}");
+    }
+}
