@@ -354,3 +354,67 @@ fn idle_models() {
     // The explicit model stayed ready the whole time.
     assert_eq!(capy.status("chat-x")["state"], "ready");
 }
+
+/// The README's first session on `examples/standalone.yaml` (with this build's simulator, free
+/// ports, and faster simulated copies): a request starts chat-a, one for chat-b switches, one
+/// for chat-a switches back and wakes it.
+#[test]
+fn the_readme_session_on_the_example() {
+    let dir = temp_dir("readme");
+    let example = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/standalone.yaml"
+    ))
+    .unwrap();
+    let doc = example
+        .replace(
+            "target/release/engine-sim",
+            &support::engine_sim().display().to_string(),
+        )
+        .replace("127.0.0.1:8080", "127.0.0.1:0")
+        .replace("127.0.0.1:7443", "127.0.0.1:0")
+        .replace(
+            "ENGINE_SIM_HOST_BANDWIDTH: 4GiB",
+            "ENGINE_SIM_HOST_BANDWIDTH: 1TiB",
+        )
+        .replace(
+            "ENGINE_SIM_TOKEN_RATE: \"20\"",
+            "ENGINE_SIM_TOKEN_RATE: \"0\"",
+        );
+    assert_ne!(doc, example);
+    let capy = Capy::start(&dir, &doc);
+    assert!(
+        capy.banner.contains("deployments: chat-a, chat-b"),
+        "{}",
+        capy.banner
+    );
+    assert_eq!(
+        capy.list(),
+        "NAME     STATE     READY   REVISION   HOSTS\n\
+         chat-a   stopped   0/1     1          gpu-box\n\
+         chat-b   stopped   0/1     1          gpu-box\n"
+    );
+    assert_eq!(chat(capy.inference, "chat-a", false).status, 200);
+    assert_eq!(chat(capy.inference, "chat-b", false).status, 200);
+    assert_eq!(
+        capy.list(),
+        "NAME     STATE    READY   REVISION   HOSTS\n\
+         chat-a   parked   0/1     1          gpu-box\n\
+         chat-b   ready    1/1     1          gpu-box\n"
+    );
+    assert_eq!(chat(capy.inference, "chat-a", false).status, 200);
+    assert_eq!(
+        capy.list(),
+        "NAME     STATE    READY   REVISION   HOSTS\n\
+         chat-a   ready    1/1     1          gpu-box\n\
+         chat-b   parked   0/1     1          gpu-box\n"
+    );
+    let file = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/my-model.yaml");
+    let out = capy.cli(&["deploy", "model", "--file", file]).ok();
+    assert!(out.contains("my-model"), "{out}");
+    let engines = capy.cli(&["engine", "list"]).ok();
+    assert!(
+        engines.starts_with("ENGINE       VERSION   DEEP PARK"),
+        "{engines}"
+    );
+}

@@ -1,0 +1,270 @@
+//! Settings precedence, kill-and-restart, and the CLI's errors, end to end with the real
+//! `capyctl` binary, real sockets and the engine simulator.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::process::Command;
+
+use support::{CAPYCTL, Capy, Out, alive, assert_error, chat, document, id_of, model, temp_dir};
+
+fn waiting_limit(capy: &Capy) -> u64 {
+    let load = capy.management_get("/management/v1/metrics/load").json();
+    load["deployments"][0]["router"]["waiting_limit"]
+        .as_u64()
+        .unwrap()
+}
+
+/// `--set` wins over `CAPYCTL_SET__…`, and both over the document; a bad value is refused at
+/// start with the key and the range, and nothing starts.
+#[test]
+fn settings_precedence() {
+    let dir = temp_dir("precedence");
+    let doc = document(
+        "      max_pending_per_deployment: 5\n",
+        "",
+        &[&model("chat-a", "")],
+    )
+    .replace("id: gpu-box", "id: doc-box");
+    let env = [
+        (
+            "CAPYCTL_SET__HOST__RESOURCE_POLICY__QUEUE__MAX_PENDING_PER_DEPLOYMENT",
+            "3",
+        ),
+        ("CAPYCTL_SET__HOST__ID", "env-box"),
+    ];
+
+    let capy = Capy::start(&dir, &doc);
+    assert_eq!(waiting_limit(&capy), 5);
+    assert!(capy.list().contains("   doc-box\n"));
+    drop(capy);
+
+    let capy = Capy::start_with(&dir, &doc, &[], &env);
+    assert_eq!(waiting_limit(&capy), 3);
+    assert!(capy.list().contains("   env-box\n"));
+    drop(capy);
+
+    let capy = Capy::start_with(
+        &dir,
+        &doc,
+        &[
+            "--set",
+            "host.resource_policy.queue.max_pending_per_deployment=2",
+            "--set",
+            "host.id=set-box",
+        ],
+        &env,
+    );
+    assert_eq!(waiting_limit(&capy), 2);
+    assert!(capy.list().contains("   set-box\n"));
+    drop(capy);
+
+    let refused = Capy::try_start(
+        &dir,
+        &doc,
+        &[
+            "--set",
+            "host.resource_policy.queue.max_pending_per_deployment=5000",
+        ],
+        &[],
+    )
+    .err()
+    .expect("5000 is out of range");
+    let line = refused.fails();
+    assert!(
+        line.contains("host.resource_policy.queue.max_pending_per_deployment")
+            && line.contains("5000")
+            && line.contains("0 to 4096"),
+        "{line}"
+    );
+}
+
+/// Kill `capyctl start standalone` at any moment and start it again: deployments, revisions,
+/// operator decisions, first answers and the token are back, and the engines it left are
+/// adopted, parked ones included. A clean stop (SIGTERM) then stops them.
+#[test]
+fn kill_and_restart_loses_nothing() {
+    let dir = temp_dir("restart");
+    let doc = document("", "", &[&model("chat-a", "")]);
+    let capy = Capy::start(&dir, &doc);
+    let token = capy.token();
+    capy.cli(&["start", "deployment", "chat-a", "--wait"]).ok();
+    let file = dir.join("chat-b.yaml");
+    std::fs::write(&file, model("chat-b", "")).unwrap();
+    capy.cli(&["deploy", "model", "--file", file.to_str().unwrap()])
+        .ok();
+    std::fs::write(
+        &file,
+        model("chat-b", "extra_args: [\"--max-model-len\", \"4096\"]\n"),
+    )
+    .unwrap();
+    let out = capy
+        .cli(&["deploy", "model", "--file", file.to_str().unwrap()])
+        .ok();
+    assert!(out.contains("updated, revision 2"), "{out}");
+    capy.cli(&["stop", "deployment", "chat-b"]).ok();
+    let a_id = id_of(&capy, "chat-a");
+    let b_id = id_of(&capy, "chat-b");
+    let pid = capy.status("chat-a")["instances"][0]["pid"]
+        .as_u64()
+        .unwrap();
+    let table = "NAME     STATE     READY   REVISION   HOSTS\n\
+                 chat-a   ready     1/1     1          gpu-box\n\
+                 chat-b   stopped   0/1     2          gpu-box\n";
+    assert_eq!(capy.list(), table);
+
+    capy.kill();
+    assert!(alive(pid), "the engine went with capyctl");
+
+    let capy = Capy::start(&dir, &doc);
+    assert_eq!(capy.token(), token);
+    assert_eq!(capy.list(), table);
+    assert_eq!(id_of(&capy, "chat-a"), a_id);
+    assert_eq!(
+        capy.status("chat-a")["instances"][0]["pid"].as_u64(),
+        Some(pid),
+        "the engine was not adopted"
+    );
+    assert_eq!(chat(capy.inference, "chat-a", false).status, 200);
+    let r = chat(capy.inference, "chat-b", false);
+    assert_error(&r, 409, "deployment_stopped", false);
+    assert_eq!(
+        capy.status("chat-b")["spec"]["extra_args"][1],
+        "4096",
+        "the second revision's document"
+    );
+    assert_eq!(id_of(&capy, "chat-b"), b_id);
+
+    // Killed while parked: the parked engine is adopted and a request wakes it, checked
+    // against the first answer recorded before both restarts.
+    capy.cli(&["park", "deployment", "chat-a"]).ok();
+    capy.status_until("chat-a", "parked", |s| s["state"] == "parked");
+    capy.kill();
+    assert!(alive(pid));
+    let capy = Capy::start(&dir, &doc);
+    assert_eq!(capy.status("chat-a")["state"], "parked");
+    let r = chat(capy.inference, "chat-a", false);
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(
+        capy.status("chat-a")["instances"][0]["pid"].as_u64(),
+        Some(pid)
+    );
+
+    assert_eq!(capy.terminate(), 0);
+    let gone = std::time::Instant::now();
+    while alive(pid) {
+        assert!(
+            gone.elapsed() < support::PATIENCE,
+            "engine {pid} outlived a clean stop"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+fn capyctl(args: &[&str], env: &[(&str, &str)]) -> Out {
+    let mut c = Command::new(CAPYCTL);
+    c.args(args)
+        .env_remove("CAPYCTL_SERVER")
+        .env_remove("CAPYCTL_ADMIN_TOKEN")
+        .env_remove("CAPYCTL_DATA_DIR");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let o = c.output().unwrap();
+    Out {
+        code: o.status.code().unwrap_or(-1),
+        stdout: String::from_utf8(o.stdout).unwrap(),
+        stderr: String::from_utf8(o.stderr).unwrap(),
+    }
+}
+
+/// Every failure is one line and a non-zero exit, and a refused document changes nothing.
+#[test]
+fn cli_errors_are_one_line() {
+    let dir = temp_dir("cli-errors");
+    let capy = Capy::start(&dir, &document("", "", &[&model("chat-a", "")]));
+    let server = format!("http://{}", capy.management);
+
+    let line = capyctl(
+        &["list", "deployments", "--server", "http://127.0.0.1:1"],
+        &[("CAPYCTL_ADMIN_TOKEN", "x")],
+    )
+    .fails();
+    assert!(
+        line.contains("cannot reach the CapyCTL server at http://127.0.0.1:1"),
+        "{line}"
+    );
+
+    let line = capyctl(
+        &[
+            "list",
+            "deployments",
+            "--server",
+            &server,
+            "--token",
+            "wrong",
+        ],
+        &[],
+    )
+    .fails();
+    assert!(line.ends_with("(unauthorized)"), "{line}");
+
+    // The token from CAPYCTL_ADMIN_TOKEN, --json anywhere.
+    let out = capyctl(
+        &["--json", "list", "deployments", "--server", &server],
+        &[("CAPYCTL_ADMIN_TOKEN", &capy.token())],
+    )
+    .ok();
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["deployments"][0]["name"], "chat-a");
+
+    let empty = temp_dir("no-token");
+    let line = capyctl(
+        &["list", "deployments", "--server", &server],
+        &[("CAPYCTL_DATA_DIR", empty.to_str().unwrap())],
+    )
+    .fails();
+    assert!(line.contains("no admin token"), "{line}");
+
+    let line = capy.cli(&["status", "deployment", "nope"]).fails();
+    assert_eq!(line, "capyctl: deployment nope not found (not_found)");
+    let line = capy.cli(&["park", "deployment", "nope"]).fails();
+    assert!(line.ends_with("(not_found)"), "{line}");
+
+    let bad = dir.join("bad.yaml");
+    std::fs::write(
+        &bad,
+        "name: chat-a\nengine: vllm\nmodel: Qwen3-4B\nresidency: sometimes\n",
+    )
+    .unwrap();
+    let line = capy
+        .cli(&["deploy", "model", "--file", bad.to_str().unwrap()])
+        .fails();
+    assert!(
+        line.contains("bad.yaml:4") && line.contains("residency"),
+        "{line}"
+    );
+    assert_eq!(capy.status("chat-a")["revision"], 1);
+
+    let line = capyctl(
+        &["list", "deployments", "--server", "ftp://x"],
+        &[("CAPYCTL_ADMIN_TOKEN", "x")],
+    )
+    .fails();
+    assert!(line.contains("--server ftp://x"), "{line}");
+}
+
+/// `capyctl completion <shell>` prints a script naming the commands.
+#[test]
+fn shell_completions() {
+    for shell in ["bash", "zsh", "fish"] {
+        let out = capyctl(&["completion", shell], &[]).ok();
+        assert!(out.contains("capyctl"), "{shell}");
+        assert!(
+            out.contains("deployments") && out.contains("preinitialize"),
+            "{shell}"
+        );
+    }
+    let line = capyctl(&["completion", "cmd"], &[]);
+    assert_ne!(line.code, 0);
+}
