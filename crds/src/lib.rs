@@ -14,6 +14,7 @@
 //! Nothing here does I/O beyond reading a document file and the hostname.
 
 pub mod api;
+pub mod auth;
 pub mod documents;
 pub mod errors;
 pub mod k8s;

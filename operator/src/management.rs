@@ -230,31 +230,14 @@ async fn method_not_allowed(method: Method, OriginalUri(uri): OriginalUri) -> Re
 // The token
 // ---------------------------------------------------------------------------------------------
 
-/// Equal in time that depends only on the lengths, not on where the bytes differ.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    let mut diff = u8::from(a.len() != b.len());
-    for i in 0..a.len().max(b.len()) {
-        let x = a.get(i).copied().unwrap_or(0);
-        let y = b.get(i).copied().unwrap_or(0);
-        diff |= x ^ y;
-    }
-    std::hint::black_box(diff) == 0
-}
-
-/// The `Bearer` credentials of the `Authorization` header, if it holds any.
-fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
-    let value = headers.get(header::AUTHORIZATION)?.as_bytes();
-    let (scheme, rest) = value.split_at_checked(6)?;
-    if !scheme.eq_ignore_ascii_case(b"bearer") || rest.first() != Some(&b' ') {
-        return None;
-    }
-    Some(rest.trim_ascii())
-}
-
 async fn require_token(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    let authorized = !state.token.is_empty()
-        && bearer(request.headers())
-            .is_some_and(|given| constant_time_eq(given, state.token.as_bytes()));
+    let authorized = capyctl_crds::auth::bearer_matches(
+        request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .map(|v| v.as_bytes()),
+        state.token.as_bytes(),
+    );
     if !authorized {
         tracing::debug!(method = %request.method(), path = request.uri().path(), "management: refused without the admin token");
         return error(ApiError::Unauthorized);
@@ -583,29 +566,6 @@ async fn prometheus(State(s): State<AppState>) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn constant_time_eq_compares_whole_values() {
-        assert!(constant_time_eq(b"abc", b"abc"));
-        assert!(!constant_time_eq(b"abc", b"abd"));
-        assert!(!constant_time_eq(b"abc", b"abcd"));
-        assert!(!constant_time_eq(b"", b"a"));
-        assert!(constant_time_eq(b"", b""));
-    }
-
-    #[test]
-    fn bearer_reads_the_scheme_case_insensitively() {
-        let mut h = HeaderMap::new();
-        h.insert(
-            header::AUTHORIZATION,
-            HeaderValue::from_static("bearer  tok "),
-        );
-        assert_eq!(bearer(&h), Some(&b"tok"[..]));
-        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Basic tok"));
-        assert_eq!(bearer(&h), None);
-        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearertok"));
-        assert_eq!(bearer(&h), None);
-    }
 
     #[test]
     fn load_query_refuses_unknown_repeated_and_empty() {

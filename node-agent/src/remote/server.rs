@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{Path, Query, Request, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -222,29 +222,14 @@ impl IntoResponse for Failure {
 
 type Reply<T> = Result<axum::Json<T>, Failure>;
 
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    let mut diff = u8::from(a.len() != b.len());
-    for i in 0..a.len().max(b.len()) {
-        let x = a.get(i).copied().unwrap_or(0);
-        let y = b.get(i).copied().unwrap_or(0);
-        diff |= x ^ y;
-    }
-    std::hint::black_box(diff) == 0
-}
-
-/// The `Bearer` credentials of the `Authorization` header, if it holds any.
-fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
-    let value = headers.get(header::AUTHORIZATION)?.as_bytes();
-    let (scheme, rest) = value.split_at_checked(6)?;
-    if !scheme.eq_ignore_ascii_case(b"bearer") || rest.first() != Some(&b' ') {
-        return None;
-    }
-    Some(rest.trim_ascii())
-}
-
 async fn authorize(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    let authorized = bearer(request.headers())
-        .is_some_and(|given| constant_time_eq(given, state.token.as_bytes()));
+    let authorized = capyctl_crds::auth::bearer_matches(
+        request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .map(|v| v.as_bytes()),
+        state.token.as_bytes(),
+    );
     if !authorized {
         tracing::debug!(
             path = request.uri().path(),
@@ -455,24 +440,5 @@ mod tests {
         assert_eq!(page.exits.len(), EXITS_HELD);
         // a, b, the 3 lost and c are no longer held.
         assert_eq!((page.next, page.missed), (6 + EXITS_HELD as u64, 6));
-    }
-
-    #[test]
-    fn tokens_compare_whole() {
-        assert!(constant_time_eq(b"abc", b"abc"));
-        assert!(!constant_time_eq(b"abc", b"abcd"));
-        assert!(!constant_time_eq(b"abc", b"abd"));
-        assert!(!constant_time_eq(b"", b"a"));
-        let mut h = HeaderMap::new();
-        h.insert(
-            header::AUTHORIZATION,
-            http::HeaderValue::from_static("bearer  tok "),
-        );
-        assert_eq!(bearer(&h), Some(&b"tok"[..]));
-        h.insert(
-            header::AUTHORIZATION,
-            http::HeaderValue::from_static("Basic tok"),
-        );
-        assert_eq!(bearer(&h), None);
     }
 }

@@ -1103,19 +1103,29 @@ impl Server {
     async fn execute_order(&self, order: SwitchOrder) -> Result<(), ApiError> {
         let span =
             tracing::info_span!("switch", switch_id = %order.switch_id, target = %order.target);
-        let began = Instant::now();
-        let result = self.execute_inner(&order).instrument(span).await;
+        let mut phases = Vec::with_capacity(2);
+        let result = self
+            .execute_inner(&order, &mut phases)
+            .instrument(span)
+            .await;
         self.config.metrics.switch_finished(
             match &result {
                 Ok(()) => "ok",
                 Err(e) => e.metric_label(),
             },
-            &[("release_and_bring_up", began.elapsed())],
+            &phases,
         );
         result
     }
 
-    async fn execute_inner(&self, order: &SwitchOrder) -> Result<(), ApiError> {
+    /// Releases the victims, then brings the target up; `phases` gets `release` and
+    /// `bring_up` (those reached) with their durations.
+    async fn execute_inner(
+        &self,
+        order: &SwitchOrder,
+        phases: &mut Vec<(&'static str, Duration)>,
+    ) -> Result<(), ApiError> {
+        let began = Instant::now();
         for (key, report) in &order.victims {
             let ours = self.read(|inner| {
                 inner.deps.get(&key.deployment).is_some_and(|d| {
@@ -1143,6 +1153,8 @@ impl Server {
                 }
             }
         }
+        phases.push(("release", began.elapsed()));
+        let began = Instant::now();
         let up = self.write(|inner| {
             let claimed = inner
                 .deps
@@ -1167,10 +1179,12 @@ impl Server {
             }
             Ok(Self::begin_up(inner, &order.target))
         })?;
-        match up {
+        let result = match up {
             Some(up) => self.finish_up(&order.target, up).await,
             None => Ok(()),
-        }
+        };
+        phases.push(("bring_up", began.elapsed()));
+        result
     }
 
     async fn idle_engine(&self, key: &InstanceKey) -> bool {

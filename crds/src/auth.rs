@@ -1,0 +1,47 @@
+//! The bearer-token check shared by the management API and the node agent's API.
+
+/// Whether an `Authorization` header value (`Bearer <token>`, the scheme in any case) carries
+/// `token`. An empty `token` matches nothing. The comparison takes a time that depends only on
+/// the lengths, not on where the bytes differ.
+pub fn bearer_matches(authorization: Option<&[u8]>, token: &[u8]) -> bool {
+    let Some(given) = authorization.and_then(bearer) else {
+        return false;
+    };
+    !token.is_empty() && constant_time_eq(given, token)
+}
+
+/// The credentials of a `Bearer` header value.
+fn bearer(value: &[u8]) -> Option<&[u8]> {
+    let (scheme, rest) = value.split_at_checked(6)?;
+    if !scheme.eq_ignore_ascii_case(b"bearer") || rest.first() != Some(&b' ') {
+        return None;
+    }
+    Some(rest.trim_ascii())
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = u8::from(a.len() != b.len());
+    for i in 0..a.len().max(b.len()) {
+        let x = a.get(i).copied().unwrap_or(0);
+        let y = b.get(i).copied().unwrap_or(0);
+        diff |= x ^ y;
+    }
+    std::hint::black_box(diff) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_right_bearer_token_matches() {
+        assert!(bearer_matches(Some(b"Bearer s3cret"), b"s3cret"));
+        assert!(bearer_matches(Some(b"bearer  s3cret "), b"s3cret"));
+        assert!(!bearer_matches(Some(b"Bearer s3cre"), b"s3cret"));
+        assert!(!bearer_matches(Some(b"Bearer s3cretx"), b"s3cret"));
+        assert!(!bearer_matches(Some(b"Basic s3cret"), b"s3cret"));
+        assert!(!bearer_matches(Some(b"Bearers3cret"), b"s3cret"));
+        assert!(!bearer_matches(None, b"s3cret"));
+        assert!(!bearer_matches(Some(b"Bearer "), b""));
+    }
+}
