@@ -1,4 +1,18 @@
 //! The bearer-token check shared by the management API and the node agent's API.
+//!
+//! NB: the Kubernetes API server's service proxy strips `Authorization` before it forwards a
+//! request (it is the API server's own credential), so the management API also takes its token
+//! in [`TOKEN_HEADER`]; `kubectl capyctl` sends it there.
+
+/// The header that carries the admin token where `Authorization` cannot (`kubectl capyctl`
+/// through the API server's service proxy).
+pub const TOKEN_HEADER: &str = "x-capyctl-token";
+
+/// Whether a [`TOKEN_HEADER`] value is `token` (surrounding spaces ignored; an empty `token`
+/// matches nothing), compared as [`bearer_matches`] compares.
+pub fn header_matches(value: Option<&[u8]>, token: &[u8]) -> bool {
+    value.is_some_and(|v| !token.is_empty() && constant_time_eq(v.trim_ascii(), token))
+}
 
 /// Whether an `Authorization` header value (`Bearer <token>`, the scheme in any case) carries
 /// `token`. An empty `token` matches nothing. The comparison takes a time that depends only on
@@ -43,5 +57,14 @@ mod tests {
         assert!(!bearer_matches(Some(b"Bearers3cret"), b"s3cret"));
         assert!(!bearer_matches(None, b"s3cret"));
         assert!(!bearer_matches(Some(b"Bearer "), b""));
+    }
+
+    #[test]
+    fn the_token_header_matches_only_the_token() {
+        assert!(header_matches(Some(b"s3cret"), b"s3cret"));
+        assert!(header_matches(Some(b" s3cret "), b"s3cret"));
+        assert!(!header_matches(Some(b"Bearer s3cret"), b"s3cret"));
+        assert!(!header_matches(Some(b""), b""));
+        assert!(!header_matches(None, b"s3cret"));
     }
 }

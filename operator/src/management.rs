@@ -1,8 +1,9 @@
 //! The management listener (DESIGN 4.3, 4.5): `/management/v1` over [`ManagementApi`], the
 //! admin token ([`load_or_create_token`]), health and Prometheus metrics.
 //!
-//! Routes (every one under [`PREFIX`] needs `Authorization: Bearer <admin token>`, else 401
-//! `unauthorized`; the token is compared in constant time):
+//! Routes (every one under [`PREFIX`] needs `Authorization: Bearer <admin token>`, or the token
+//! in `X-CapyCTL-Token` where `Authorization` cannot carry it (the Kubernetes API server's
+//! service proxy strips it), else 401 `unauthorized`; the token is compared in constant time):
 //!
 //! | route | answer |
 //! |---|---|
@@ -48,6 +49,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use capyctl_crds::api::{DeployOutcome, PREFIX, StartRequest};
+use capyctl_crds::auth;
 use capyctl_crds::documents::{DeploymentDoc, parse_deployment_str};
 use capyctl_crds::errors::ApiError;
 use http::{HeaderMap, HeaderValue, Method, StatusCode, header};
@@ -231,13 +233,13 @@ async fn method_not_allowed(method: Method, OriginalUri(uri): OriginalUri) -> Re
 // ---------------------------------------------------------------------------------------------
 
 async fn require_token(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    let authorized = capyctl_crds::auth::bearer_matches(
-        request
-            .headers()
-            .get(header::AUTHORIZATION)
-            .map(|v| v.as_bytes()),
-        state.token.as_bytes(),
-    );
+    let headers = request.headers();
+    let token = state.token.as_bytes();
+    let authorized =
+        auth::bearer_matches(
+            headers.get(header::AUTHORIZATION).map(|v| v.as_bytes()),
+            token,
+        ) || auth::header_matches(headers.get(auth::TOKEN_HEADER).map(|v| v.as_bytes()), token);
     if !authorized {
         tracing::debug!(method = %request.method(), path = request.uri().path(), "management: refused without the admin token");
         return error(ApiError::Unauthorized);

@@ -390,12 +390,14 @@ async fn every_management_route_needs_the_token() {
         ("GET", "/metrics/load"),
         ("GET", "/no-such-route"),
     ];
-    let bad: [&[(&str, &str)]; 5] = [
+    let bad: [&[(&str, &str)]; 7] = [
         &[],
         &[("Authorization", "Bearer wrong")],
         &[("Authorization", "Bearer s3cret-token-longer")],
         &[("Authorization", "Basic s3cret-token")],
         &[("Authorization", "Bearer")],
+        &[("X-CapyCTL-Token", "wrong")],
+        &[("X-CapyCTL-Token", "Bearer s3cret-token")],
     ];
     for (method, path) in routes {
         for headers in bad {
@@ -415,6 +417,20 @@ async fn every_management_route_needs_the_token() {
             "GET",
             &format!("{V1}/hosts"),
             &[("Authorization", &format!("bearer {TOKEN}"))],
+            b"",
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    // Through the Kubernetes API server's service proxy `Authorization` is the API server's:
+    // the token then travels in X-CapyCTL-Token.
+    let r = s
+        .send(
+            "GET",
+            &format!("{V1}/hosts"),
+            &[
+                ("Authorization", "Bearer the-api-servers-own"),
+                ("X-CapyCTL-Token", TOKEN),
+            ],
             b"",
         )
         .await;
