@@ -115,10 +115,21 @@ pub fn resolve_token(given: Option<String>, data_dir: &Path) -> Result<String, C
 /// A management API client.
 #[derive(Clone)]
 pub struct Client {
-    /// `scheme://authority` plus any path prefix, without a trailing `/`.
+    /// `scheme://authority` plus any path prefix, without a trailing `/` (under kubectl: the
+    /// service-proxy path on the API server).
     base: String,
     token: String,
-    http: HyperClient<HttpConnector, Full<Bytes>>,
+    transport: Transport,
+}
+
+/// How requests reach the management API.
+#[derive(Clone)]
+enum Transport {
+    /// Straight to `--server`.
+    Direct(Box<HyperClient<HttpConnector, Full<Bytes>>>),
+    /// Through the Kubernetes API server's service proxy, authenticated by the kubeconfig; the
+    /// admin token then travels in [`capyctl_crds::auth::TOKEN_HEADER`].
+    Kube(kube::Client),
 }
 
 /// One answer: status and body.
@@ -176,7 +187,21 @@ impl Client {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         let http = HyperClient::builder(TokioExecutor::new()).build(connector);
-        Ok(Client { base, token, http })
+        Ok(Client {
+            base,
+            token,
+            transport: Transport::Direct(Box::new(http)),
+        })
+    }
+
+    /// A client reaching the management API through the API server's service proxy: `base` is
+    /// `/api/v1/namespaces/{ns}/services/{name}:{port}/proxy`.
+    pub fn through_kube(client: kube::Client, base: String, token: String) -> Client {
+        Client {
+            base,
+            token,
+            transport: Transport::Kube(client),
+        }
     }
 
     /// The server's URL as given.
@@ -221,8 +246,13 @@ impl Client {
         let mut request = Request::builder()
             .method(method)
             .uri(&url)
-            .header(header::AUTHORIZATION, format!("Bearer {}", self.token))
             .header(header::ACCEPT, "application/json");
+        request = match self.transport {
+            Transport::Direct(_) => {
+                request.header(header::AUTHORIZATION, format!("Bearer {}", self.token))
+            }
+            Transport::Kube(_) => request.header(capyctl_crds::auth::TOKEN_HEADER, &self.token),
+        };
         let body = match body {
             Some((kind, bytes)) => {
                 request = request.header(header::CONTENT_TYPE, kind);
@@ -230,34 +260,53 @@ impl Client {
             }
             None => Bytes::new(),
         };
-        let request = request
-            .body(Full::new(body))
-            .map_err(|e| ClientError::BadServer {
-                server: self.base.clone(),
-                why: if e.is::<http::uri::InvalidUri>() {
-                    "does not make a valid request URL"
-                } else {
-                    "cannot be used for a request"
-                },
-            })?;
-        let response = self
-            .http
-            .request(request)
-            .await
-            .map_err(|e| ClientError::Unreachable {
-                server: self.base.clone(),
-                detail: describe(&e),
-            })?;
-        let status = response.status();
-        let body = response
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| ClientError::Unreachable {
-                server: self.base.clone(),
-                detail: format!("the answer broke off: {e}"),
-            })?
-            .to_bytes();
+        let request = request.body(body).map_err(|e| ClientError::BadServer {
+            server: self.base.clone(),
+            why: if e.is::<http::uri::InvalidUri>() {
+                "does not make a valid request URL"
+            } else {
+                "cannot be used for a request"
+            },
+        })?;
+        let unreachable = |detail: String| ClientError::Unreachable {
+            server: self.base.clone(),
+            detail,
+        };
+        let (status, body) = match &self.transport {
+            Transport::Direct(http) => {
+                let response = http
+                    .request(request.map(Full::new))
+                    .await
+                    .map_err(|e| unreachable(describe(&e)))?;
+                let status = response.status();
+                let body = response
+                    .into_body()
+                    .collect()
+                    .await
+                    .map_err(|e| unreachable(format!("the answer broke off: {e}")))?
+                    .to_bytes();
+                (status, body)
+            }
+            Transport::Kube(client) => {
+                let response = client
+                    .send(request.map(|b| kube::client::Body::from(b.to_vec())))
+                    .await
+                    .map_err(|e| {
+                        unreachable(format!(
+                            "through the Kubernetes API server: {}",
+                            describe(&e)
+                        ))
+                    })?;
+                let status = response.status();
+                let body = response
+                    .into_body()
+                    .collect()
+                    .await
+                    .map_err(|e| unreachable(format!("the answer broke off: {e}")))?
+                    .to_bytes();
+                (status, body)
+            }
+        };
         if status.is_success() {
             return Ok(Answer { status, body });
         }
@@ -266,20 +315,40 @@ impl Client {
             code: String,
             message: String,
         }
-        match serde_json::from_slice::<ErrorBody>(&body) {
-            Ok(e) => Err(ClientError::Api {
+        /// A Kubernetes `Status` (the API server's own refusal: RBAC, no endpoints).
+        #[derive(serde::Deserialize)]
+        struct KubeStatus {
+            kind: String,
+            #[serde(default)]
+            message: String,
+            #[serde(default)]
+            reason: String,
+        }
+        if let Ok(e) = serde_json::from_slice::<ErrorBody>(&body) {
+            return Err(ClientError::Api {
                 status,
                 code: e.code,
                 message: e.message,
-            }),
-            Err(_) => Err(ClientError::BadAnswer {
+            });
+        }
+        if let Ok(k) = serde_json::from_slice::<KubeStatus>(&body)
+            && k.kind == "Status"
+        {
+            return Err(ClientError::BadAnswer {
                 server: self.base.clone(),
                 what: format!(
-                    "{status} without an error body: {}",
-                    String::from_utf8_lossy(&body[..body.len().min(200)])
+                    "{status} from the Kubernetes API server: {} ({})",
+                    k.message, k.reason
                 ),
-            }),
+            });
         }
+        Err(ClientError::BadAnswer {
+            server: self.base.clone(),
+            what: format!(
+                "{status} without an error body: {}",
+                String::from_utf8_lossy(&body[..body.len().min(200)])
+            ),
+        })
     }
 }
 

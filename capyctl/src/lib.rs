@@ -8,6 +8,7 @@
 //! The two binaries (`capyctl`, `kubectl-capyctl`) are this library's [`main`].
 
 pub mod client;
+pub mod cluster;
 pub mod render;
 pub mod standalone;
 
@@ -39,9 +40,21 @@ struct Cli {
 /// Options accepted anywhere on the command line.
 #[derive(Args)]
 struct Global {
-    /// The CapyCTL server's management URL.
-    #[arg(long, global = true, env = "CAPYCTL_SERVER", default_value = client::DEFAULT_SERVER)]
-    server: String,
+    /// The CapyCTL server's management URL [default: http://127.0.0.1:7443; as `kubectl
+    /// capyctl`: the release's management Service through the API server].
+    #[arg(long, global = true, env = "CAPYCTL_SERVER")]
+    server: Option<String>,
+    /// As `kubectl capyctl`: the namespace of the release [default: the kubeconfig's].
+    #[arg(long, short = 'n', global = true, env = "CAPYCTL_NAMESPACE")]
+    namespace: Option<String>,
+    /// As `kubectl capyctl`: the Helm release.
+    #[arg(
+        long,
+        global = true,
+        env = "CAPYCTL_RELEASE",
+        default_value = "capyctl"
+    )]
+    release: String,
     /// The admin token (default: the standalone data directory's `admin-token` file).
     #[arg(
         long,
@@ -269,21 +282,17 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Every command that talks to the management API.
 async fn remote(global: Global, command: Command) -> Result<(), String> {
-    if invoked_as().starts_with("kubectl-") && std::env::var_os("CAPYCTL_SERVER").is_none() {
-        // NB: the kubeconfig and the API server's service proxy come with the Kubernetes
-        // issue; until then the management Service is reached through --server.
-        if !std::env::args().any(|a| a == "--server" || a.starts_with("--server=")) {
-            return Err(
-                "kubectl capyctl: reaching the cluster through the kubeconfig is not \
-                 available in this build; run `kubectl port-forward svc/capyctl-management 7443` \
-                 and pass --server http://127.0.0.1:7443 with --token"
-                    .to_string(),
-            );
+    let client = match global.server {
+        None if invoked_as().starts_with("kubectl-") => {
+            cluster::connect(global.namespace, &global.release, global.token).await?
         }
-    }
-    let token = client::resolve_token(global.token, &client::default_data_dir())
-        .map_err(|e| e.to_string())?;
-    let client = Client::new(&global.server, token).map_err(|e| e.to_string())?;
+        server => {
+            let token = client::resolve_token(global.token, &client::default_data_dir())
+                .map_err(|e| e.to_string())?;
+            let server = server.unwrap_or_else(|| client::DEFAULT_SERVER.to_string());
+            Client::new(&server, token).map_err(|e| e.to_string())?
+        }
+    };
     let json = global.json;
     let call = async {
         match command {

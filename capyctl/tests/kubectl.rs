@@ -1,0 +1,254 @@
+//! `kubectl capyctl`: the real `kubectl-capyctl` binary finds the cluster in the kubeconfig and
+//! reaches the management API through the API server's service proxy. Here the API server is a
+//! small fake on a real socket that checks what a real one would see; the `needs cluster` test
+//! runs against a real one.
+#![allow(clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+
+const PLUGIN: &str = env!("CARGO_BIN_EXE_kubectl-capyctl");
+
+/// One request the fake API server saw.
+#[derive(Debug, Clone)]
+struct Seen {
+    method: String,
+    path: String,
+    headers: Vec<(String, String)>,
+}
+
+impl Seen {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Serves each connection's requests with `answer(path) -> (status, body)`, recording them.
+fn fake_api_server(
+    answer: impl Fn(&Seen) -> (u16, String) + Send + Sync + 'static,
+) -> (String, Arc<Mutex<Vec<Seen>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let log = seen.clone();
+    let answer = Arc::new(answer);
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            let (log, answer) = (log.clone(), answer.clone());
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                loop {
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let mut parts = line.split_whitespace();
+                    let method = parts.next().unwrap_or_default().to_string();
+                    let path = parts.next().unwrap_or_default().to_string();
+                    let mut headers = Vec::new();
+                    let mut length = 0usize;
+                    loop {
+                        let mut h = String::new();
+                        reader.read_line(&mut h).unwrap();
+                        let h = h.trim_end();
+                        if h.is_empty() {
+                            break;
+                        }
+                        if let Some((k, v)) = h.split_once(':') {
+                            let (k, v) = (k.trim().to_ascii_lowercase(), v.trim().to_string());
+                            if k == "content-length" {
+                                length = v.parse().unwrap();
+                            }
+                            headers.push((k, v));
+                        }
+                    }
+                    let mut body = vec![0; length];
+                    reader.read_exact(&mut body).unwrap();
+                    let seen = Seen {
+                        method,
+                        path,
+                        headers,
+                    };
+                    let (status, body) = answer(&seen);
+                    log.lock().unwrap().push(seen);
+                    let response = format!(
+                        "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    if stream.write_all(response.as_bytes()).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (url, seen)
+}
+
+fn kubeconfig(dir: &std::path::Path, server: &str) -> std::path::PathBuf {
+    let path = dir.join("kubeconfig");
+    std::fs::write(
+        &path,
+        format!(
+            "apiVersion: v1\nkind: Config\ncurrent-context: test\nclusters:\n- name: test\n  cluster: {{server: \"{server}\"}}\n\
+             users:\n- name: me\n  user: {{token: kube-user-token}}\ncontexts:\n- name: test\n  context: {{cluster: test, user: me, namespace: gpu}}\n"
+        ),
+    )
+    .unwrap();
+    path
+}
+
+fn run_plugin(kubeconfig: &std::path::Path, args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(PLUGIN)
+        .args(args)
+        .env("KUBECONFIG", kubeconfig)
+        .env_remove("CAPYCTL_SERVER")
+        .env_remove("CAPYCTL_ADMIN_TOKEN")
+        .env_remove("CAPYCTL_NAMESPACE")
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+    )
+}
+
+const LIST: &str = r#"{"deployments":[]}"#;
+
+#[test]
+fn the_plugin_goes_through_the_service_proxy_with_the_secrets_token() {
+    let (url, seen) = fake_api_server(|req| {
+        match req.path.as_str() {
+        "/api/v1/namespaces/gpu/secrets/capyctl-admin-token" => (
+            200,
+            // base64("s3cret\n")
+            r#"{"apiVersion":"v1","kind":"Secret","metadata":{"name":"capyctl-admin-token"},"data":{"token":"czNjcmV0Cg=="}}"#.to_string(),
+        ),
+        "/api/v1/namespaces/gpu/services/capyctl-management:management/proxy/management/v1/deployments" => {
+            (200, LIST.to_string())
+        }
+        _ => (404, r#"{"kind":"Status","apiVersion":"v1","status":"Failure","message":"not found","reason":"NotFound","code":404}"#.to_string()),
+    }
+    });
+    let dir = std::env::temp_dir().join(format!("kubectl-capyctl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = kubeconfig(&dir, &url);
+
+    let (code, stdout, stderr) = run_plugin(&config, &["list", "deployments"]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(stdout, "NAME   STATE   READY   REVISION   HOSTS\n");
+    let seen = seen.lock().unwrap().clone();
+    let proxied = seen
+        .iter()
+        .find(|s| s.path.contains("/proxy/"))
+        .expect("no proxied request");
+    assert_eq!(proxied.method, "GET");
+    // The API server's credential in Authorization, the admin token beside it.
+    assert_eq!(
+        proxied.header("authorization"),
+        Some("Bearer kube-user-token")
+    );
+    assert_eq!(proxied.header("x-capyctl-token"), Some("s3cret"));
+    assert!(
+        seen.iter()
+            .any(|s| s.path.ends_with("/secrets/capyctl-admin-token"))
+    );
+}
+
+#[test]
+fn namespace_release_and_token_flags_pick_the_service() {
+    let (url, seen) = fake_api_server(|req| {
+        if req.path
+            == "/api/v1/namespaces/ml/services/prod-capyctl-management:management/proxy/management/v1/engines"
+        {
+            (200, r#"{"engines":[]}"#.to_string())
+        } else {
+            (403, r#"{"kind":"Status","apiVersion":"v1","status":"Failure","message":"services \"x\" is forbidden: User \"me\" cannot get resource \"services/proxy\"","reason":"Forbidden","code":403}"#.to_string())
+        }
+    });
+    let dir = std::env::temp_dir().join(format!("kubectl-capyctl-ns-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = kubeconfig(&dir, &url);
+    let (code, stdout, stderr) = run_plugin(
+        &config,
+        &[
+            "engine",
+            "list",
+            "-n",
+            "ml",
+            "--release",
+            "prod",
+            "--token",
+            "t0k",
+        ],
+    );
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(stdout, "ENGINE   VERSION   DEEP PARK   HOST\n");
+    assert_eq!(
+        seen.lock().unwrap()[0].header("x-capyctl-token"),
+        Some("t0k")
+    );
+    // The API server's own refusal is one line with its message.
+    let (code, _, stderr) = run_plugin(&config, &["list", "deployments", "--token", "t0k"]);
+    assert_ne!(code, 0);
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("403 Forbidden from the Kubernetes API server")
+            && stderr.contains("cannot get resource \"services/proxy\" (Forbidden)"),
+        "{stderr}"
+    );
+}
+
+/// Against a real API server (Kubernetes 1.34, no kubelet): the plugin's calls reach the
+/// release's management Service through the service proxy. With no Pod running behind it the
+/// API server answers that the Service has no endpoints; that answer proves the path, the RBAC
+/// and the token lookup.
+#[test]
+#[ignore = "needs cluster"]
+fn the_plugin_reaches_the_service_proxy_of_a_real_cluster() {
+    let Ok(kubeconfig) = std::env::var("CAPYCTL_TEST_KUBECONFIG") else {
+        panic!("CAPYCTL_TEST_KUBECONFIG must name a kubeconfig");
+    };
+    let namespace = format!("capyctl-plugin-{}", std::process::id());
+    let kubectl = |args: &[&str], stdin: Option<&str>| {
+        let mut c = Command::new("kubectl");
+        c.args(args).env("KUBECONFIG", &kubeconfig);
+        if let Some(input) = stdin {
+            c.stdin(std::process::Stdio::piped());
+            let mut child = c.spawn().unwrap();
+            child
+                .stdin
+                .take()
+                .unwrap()
+                .write_all(input.as_bytes())
+                .unwrap();
+            assert!(child.wait().unwrap().success(), "kubectl {args:?}");
+        } else {
+            assert!(c.status().unwrap().success(), "kubectl {args:?}");
+        }
+    };
+    kubectl(&["create", "namespace", &namespace], None);
+    kubectl(
+        &["-n", &namespace, "apply", "-f", "-"],
+        Some(
+            "apiVersion: v1\nkind: Service\nmetadata: {name: capyctl-management}\nspec:\n  ports: [{name: management, port: 7443}]\n  selector: {app: nothing-runs-here}\n---\napiVersion: v1\nkind: Secret\nmetadata: {name: capyctl-admin-token}\nstringData: {token: s3cret}\n",
+        ),
+    );
+    let (code, _, stderr) = run_plugin(
+        std::path::Path::new(&kubeconfig),
+        &["list", "deployments", "-n", &namespace],
+    );
+    kubectl(&["delete", "namespace", &namespace, "--wait=false"], None);
+    assert_ne!(code, 0);
+    assert!(
+        stderr.contains("503") && stderr.contains("capyctl-management"),
+        "{stderr}"
+    );
+}
