@@ -1,8 +1,9 @@
 //! The listener against a direct connection to the engine, side by side in one run.
 //!
 //! ```text
-//! cargo bench -p capyctl-router --bench proxy                 # ~50 s: 1 and 32 clients
-//! cargo bench -p capyctl-router --bench proxy -- --memory     # RSS with 4096 requests waiting
+//! cargo bench -p capyctl-router --bench proxy                 # ~40 s: 1 and 32 clients
+//! cargo bench -p capyctl-router --bench proxy -- --help       # the options
+//! cargo bench -p capyctl-router --bench proxy -- --memory     # router RSS, 4096 requests waiting
 //! cargo bench -p capyctl-router --bench proxy -- --seconds 2 --rounds 5 --admission trivial
 //! ```
 //!
@@ -46,6 +47,23 @@ const DEPLOYMENT: &str = "01BENCH0000000000000000000";
 const PARKED_DEPLOYMENT: &str = "01PARKED000000000000000000";
 const TOKENS: u32 = 16;
 
+const USAGE: &str = "\
+The router against a direct connection to the engine, side by side (medians of alternating rounds).
+
+usage: cargo bench -p capyctl-router --bench proxy -- [options]
+
+  (no options)             1 and 32 clients, streamed and not, engine-sim and a canned upstream (~40 s)
+  --seconds S              length of one segment per side (default 0.8)
+  --rounds N               alternating rounds per case (default 3)
+  --clients 1,32           concurrent clients, comma-separated
+  --admission A            coordinator (default: the real switch coordinator) | trivial
+  --upstream U             both (default) | sim | canned
+  --router-threads N       the router's worker threads (default 2; 0: a current-thread runtime)
+  --memory                 the router's RSS with --waiting requests waiting for a parked deployment
+                           (the clients run in a child process)
+  --waiting N              for --memory (default 4096)
+  -h, --help               this text";
+
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum AdmissionKind {
     Coordinator,
@@ -61,6 +79,8 @@ struct Args {
     waiting: usize,
     router_threads: usize,
     upstream: String,
+    /// `--memory-clients ADDR N`: the client side of `--memory` (a child process).
+    memory_clients: Option<(SocketAddr, usize)>,
 }
 
 fn args() -> Args {
@@ -73,6 +93,7 @@ fn args() -> Args {
         waiting: 4096,
         router_threads: 2,
         upstream: "both".to_string(),
+        memory_clients: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -99,6 +120,15 @@ fn args() -> Args {
                 args.router_threads = it.next().and_then(|v| v.parse().ok()).unwrap_or(2);
             }
             "--waiting" => args.waiting = it.next().and_then(|v| v.parse().ok()).unwrap_or(4096),
+            "--memory-clients" => {
+                let addr = it.next().and_then(|v| v.parse().ok());
+                let n = it.next().and_then(|v| v.parse().ok());
+                args.memory_clients = addr.zip(n);
+            }
+            "--help" | "-h" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
             // `cargo bench` passes `--bench`; ignore it and anything unknown.
             _ => {}
         }
@@ -539,13 +569,17 @@ fn rss_kib() -> u64 {
 
 fn main() {
     let args = args();
+    if let Some((router, waiting)) = args.memory_clients {
+        memory_clients(router, waiting);
+        return;
+    }
     let sim_rt = runtime("engine-sim", 2);
     let proxy_rt = runtime("router", args.router_threads);
     let load_rt = runtime("load", 2);
     let sim = run(&sim_rt, start_sim());
 
     if args.memory {
-        memory(&args, sim, &proxy_rt, &load_rt);
+        memory(&args, sim, &proxy_rt);
         return;
     }
 
@@ -644,9 +678,10 @@ async fn compare(
 }
 
 /// RSS with `args.waiting` requests waiting in the coordinator for a deployment that never
-/// becomes ready. The process also holds the load generator's connections and the engine
-/// simulator, so the figure that matters is the growth per waiting request.
-fn memory(args: &Args, sim: SocketAddr, proxy_rt: &Handle, load_rt: &Handle) {
+/// becomes ready. The clients run in a child process (this binary with `--memory-clients`), so
+/// the growth measured here is the router's alone (the engine simulator, idle, shares the
+/// process but does not grow).
+fn memory(args: &Args, sim: SocketAddr, proxy_rt: &Handle) {
     let waiting = args.waiting;
     let config = RouterConfig {
         max_pending_per_deployment: waiting,
@@ -659,13 +694,50 @@ fn memory(args: &Args, sim: SocketAddr, proxy_rt: &Handle, load_rt: &Handle) {
     );
     let handle = handle.unwrap();
     let before = rss_kib();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--memory-clients",
+            &router.to_string(),
+            &waiting.to_string(),
+        ])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let now = run(proxy_rt, async move {
+        loop {
+            let now: usize = handle.load().await.iter().map(|d| d.waiting).sum();
+            if now >= waiting || started.elapsed() > Duration::from_secs(60) {
+                return now;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    let after = rss_kib();
+    let _ = child.kill();
+    let _ = child.wait();
+    println!(
+        "{now} requests waiting after {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    println!(
+        "router RSS before {:.1} MiB, with {waiting} waiting {:.1} MiB: {:.1} MiB more, {:.1} KiB per waiting request (connection, request future, body; clients in another process)",
+        before as f64 / 1024.0,
+        after as f64 / 1024.0,
+        (after.saturating_sub(before)) as f64 / 1024.0,
+        (after.saturating_sub(before)) as f64 / waiting as f64
+    );
+}
+
+/// The child of `--memory`: `waiting` clients, each on its own connection, each sending one
+/// request for the parked deployment; then waits to be killed.
+fn memory_clients(router: SocketAddr, waiting: usize) {
+    let load_rt = runtime("load", 2);
     let body = body(PARKED, false);
-    let proxy_rt = proxy_rt.clone();
-    let clients = run(load_rt, async move {
-        let mut tasks = Vec::with_capacity(waiting);
+    run(&load_rt, async move {
         for _ in 0..waiting {
             let body = body.clone();
-            tasks.push(tokio::spawn(async move {
+            tokio::spawn(async move {
                 let mut sender = connect(router).await;
                 let request = http::Request::post("/v1/chat/completions")
                     .header("host", "bench")
@@ -673,36 +745,8 @@ fn memory(args: &Args, sim: SocketAddr, proxy_rt: &Handle, load_rt: &Handle) {
                     .body(Full::new(body))
                     .unwrap();
                 let _ = sender.send_request(request).await;
-            }));
-        }
-        let started = Instant::now();
-        loop {
-            let load = proxy_rt.spawn({
-                let handle = handle.clone();
-                async move { handle.load().await }
             });
-            let load = load.await.unwrap();
-            let now: usize = load.iter().map(|d| d.waiting).sum();
-            if now >= waiting || started.elapsed() > Duration::from_secs(60) {
-                println!(
-                    "{now} requests waiting after {:.1} s",
-                    started.elapsed().as_secs_f64()
-                );
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        tasks
+        std::future::pending::<()>().await
     });
-    let after = rss_kib();
-    println!(
-        "RSS before {:.1} MiB, with {waiting} waiting {:.1} MiB: {:.1} MiB more, {:.1} KiB per waiting request (client side included)",
-        before as f64 / 1024.0,
-        after as f64 / 1024.0,
-        (after - before) as f64 / 1024.0,
-        (after - before) as f64 / waiting as f64
-    );
-    for task in clients {
-        task.abort();
-    }
 }

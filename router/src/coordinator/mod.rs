@@ -21,8 +21,9 @@ pub mod testing;
 
 use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
 
 use capyctl_crds::errors::ApiError;
 use tokio::sync::{mpsc, oneshot};
@@ -40,6 +41,90 @@ use state::{
 
 /// Room in the inbox. Senders wait when it is full (back-pressure), never the coordinator.
 const INBOX_CAPACITY: usize = 1024;
+
+/// `Lane::word`: the open bit; below it the slots lent; above it the binding's generation.
+const LANE_OPEN: u64 = 1 << 31;
+/// `Lane::word`: the slots lent.
+const LANE_CREDITS: u64 = LANE_OPEN - 1;
+
+/// Free slots of one deployment that the coordinator lends to the handles between two of its
+/// events, so that a request for a ready deployment with room is admitted without a round trip
+/// to the task (see `router/DESIGN.md`, "Lent slots").
+///
+/// NB (who owns what): only the coordinator opens a lane (`word` = generation, open, credits)
+/// and it closes every lane (one atomic swap) before it handles any event, counting the slots
+/// taken meanwhile as started requests. A handle only takes a slot (a compare-and-swap that
+/// fails on a closed lane, a changed binding or no credits) and then holds an ordinary permit,
+/// whose `Drop` reports the end as usual. So the state is never read outside the task, and
+/// every decision of the task is made on exact counts: no lane is open while it decides.
+struct Lane {
+    deployment: DeploymentId,
+    /// Generation (upper 32 bits) | `LANE_OPEN` | credits.
+    word: AtomicU64,
+    /// The instance the slots are on; replaced (with the next generation) when that changes.
+    grant: Mutex<Arc<LaneGrant>>,
+    /// The latest start through the lane, in nanoseconds since `Lanes::base`.
+    last_start: AtomicU64,
+}
+
+struct LaneGrant {
+    generation: u32,
+    upstream: Upstream,
+    serial: u64,
+}
+
+/// The lanes of every deployment that ever had one, for the handles.
+struct Lanes {
+    by_deployment: RwLock<HashMap<DeploymentId, Arc<Lane>>>,
+    /// The origin of `Lane::last_start`.
+    base: Instant,
+}
+
+impl Lanes {
+    fn nanos_since_base(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.base).as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// Takes one lent slot of `deployment`'s lane, if it is open and has one.
+    fn take(&self, deployment: &DeploymentId) -> Option<Arc<LaneGrant>> {
+        let lane = {
+            let lanes = self.by_deployment.read().ok()?;
+            Arc::clone(lanes.get(deployment)?)
+        };
+        let grant = match lane.grant.lock() {
+            Ok(g) => Arc::clone(&g),
+            Err(poisoned) => Arc::clone(&poisoned.into_inner()),
+        };
+        let mut word = lane.word.load(Ordering::Acquire);
+        loop {
+            if (word >> 32) as u32 != grant.generation
+                || word & LANE_OPEN == 0
+                || word & LANE_CREDITS == 0
+            {
+                return None;
+            }
+            match lane.word.compare_exchange_weak(
+                word,
+                word - 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => break,
+                Err(now) => word = now,
+            }
+        }
+        lane.last_start
+            .fetch_max(self.nanos_since_base(Instant::now()), Ordering::Relaxed);
+        Some(grant)
+    }
+}
+
+/// A lane the task has opened, with what it lent.
+struct Lent {
+    lane: Arc<Lane>,
+    serial: u64,
+    credits: u64,
+}
 
 /// What a lifecycle-initiated release answers: the drained instances with how their requests
 /// ended, or `DrainTimeout` (they serve again).
@@ -84,8 +169,15 @@ impl Coordinator {
     pub fn spawn(lifecycle: Arc<dyn Lifecycle>, config: RouterConfig) -> CoordinatorHandle {
         let (inbox_tx, inbox_rx) = mpsc::channel(INBOX_CAPACITY);
         let (endings_tx, endings_rx) = mpsc::unbounded_channel();
+        let lanes = Arc::new(Lanes {
+            by_deployment: RwLock::new(HashMap::new()),
+            base: Instant::now(),
+        });
         let driver = Driver {
             state: State::new(config),
+            lanes: Arc::clone(&lanes),
+            lane_of: HashMap::new(),
+            lent: Vec::new(),
             fx: TaskEffects {
                 lifecycle: lifecycle.clone(),
                 inbox: inbox_tx.downgrade(),
@@ -101,6 +193,7 @@ impl Coordinator {
             endings: endings_tx,
             lifecycle,
             next_ticket: Arc::new(AtomicU64::new(0)),
+            lanes,
         }
     }
 }
@@ -117,6 +210,8 @@ pub struct CoordinatorHandle {
     lifecycle: Arc<dyn Lifecycle>,
     /// Request numbers, shared by every clone.
     next_ticket: Arc<AtomicU64>,
+    /// Slots the coordinator lends between its events.
+    lanes: Arc<Lanes>,
 }
 
 impl std::fmt::Debug for CoordinatorHandle {
@@ -179,6 +274,16 @@ impl CoordinatorHandle {
         body_bytes: u64,
         deadline: Instant,
     ) -> Result<CoordinatorPermit, ApiError> {
+        // A ready deployment with room and nobody waiting: a lent slot, no round trip.
+        if let Some(grant) = self.lanes.take(&deployment.id) {
+            return Ok(CoordinatorPermit {
+                upstream: grant.upstream.clone(),
+                serial: grant.serial,
+                first_output: AtomicBool::new(false),
+                cut: AtomicBool::new(false),
+                endings: Some(self.endings.clone()),
+            });
+        }
         let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
         // Dropped before the answer (the client went away): give up the place.
         let guard = CancelGuard {
@@ -341,6 +446,12 @@ enum Ending {
 struct Driver {
     /// All routing state; only this task touches it.
     state: State,
+    /// Shared with the handles.
+    lanes: Arc<Lanes>,
+    /// The same lanes, for the task.
+    lane_of: HashMap<DeploymentId, Arc<Lane>>,
+    /// The lanes open now (between two events).
+    lent: Vec<Lent>,
     /// Replies and lifecycle calls.
     fx: TaskEffects,
     /// Release numbers.
@@ -353,24 +464,119 @@ impl Driver {
         mut inbox: mpsc::Receiver<Command>,
         mut endings: mpsc::UnboundedReceiver<Ending>,
     ) {
+        // One timer, moved (`reset`) only when the next instant changes: most events (an
+        // admission, a finished request) leave it where it is.
+        let timer = tokio::time::sleep_until(Instant::now());
+        tokio::pin!(timer);
+        let mut armed: Option<Instant> = None;
         loop {
             let next = self.state.next_timer();
-            let timer = async move {
-                match next {
-                    Some(t) => tokio::time::sleep_until(t).await,
-                    None => std::future::pending().await,
+            if next != armed {
+                if let Some(at) = next {
+                    timer.as_mut().reset(at);
                 }
-            };
+                armed = next;
+            }
             tokio::select! {
                 biased;
-                Some(ending) = endings.recv() => self.on_ending(ending),
+                Some(ending) = endings.recv() => {
+                    self.reclaim();
+                    self.on_ending(ending);
+                    // Every ending already there, before anything else (as `biased` would).
+                    while let Ok(ending) = endings.try_recv() {
+                        self.on_ending(ending);
+                    }
+                }
                 command = inbox.recv() => match command {
-                    Some(command) => self.on_command(command),
+                    Some(command) => {
+                        self.reclaim();
+                        self.on_command(command);
+                    }
                     None => break,
                 },
-                () = timer => self.state.tick(Instant::now(), &mut self.fx),
+                () = &mut timer, if armed.is_some() => {
+                    armed = None;
+                    self.reclaim();
+                    self.state.tick(Instant::now(), &mut self.fx);
+                }
+            }
+            self.lend();
+        }
+        self.reclaim();
+    }
+
+    /// Closes every open lane and charges the slots taken from it as started requests.
+    fn reclaim(&mut self) {
+        let now = Instant::now();
+        for lent in self.lent.drain(..) {
+            let word = lent
+                .lane
+                .word
+                .fetch_and(!(LANE_OPEN | LANE_CREDITS), Ordering::AcqRel);
+            let taken = lent.credits.saturating_sub(word & LANE_CREDITS);
+            if taken > 0 {
+                let nanos = lent.lane.last_start.load(Ordering::Relaxed);
+                let last = (self.lanes.base + Duration::from_nanos(nanos)).min(now);
+                let count = usize::try_from(taken).unwrap_or(usize::MAX);
+                self.state
+                    .lent_started(&lent.lane.deployment, lent.serial, count, last);
             }
         }
+    }
+
+    /// Opens a lane for every deployment whose free slots may be lent.
+    fn lend(&mut self) {
+        let lanes = &self.lanes;
+        let lane_of = &mut self.lane_of;
+        let lent = &mut self.lent;
+        self.state.each_lendable(|upstream, serial, free| {
+            let lane = match lane_of.get(&upstream.key.deployment) {
+                Some(lane) => Arc::clone(lane),
+                None => {
+                    let lane = Arc::new(Lane {
+                        deployment: upstream.key.deployment.clone(),
+                        word: AtomicU64::new(0),
+                        grant: Mutex::new(Arc::new(LaneGrant {
+                            generation: 0,
+                            upstream: upstream.clone(),
+                            serial,
+                        })),
+                        last_start: AtomicU64::new(0),
+                    });
+                    lane_of.insert(lane.deployment.clone(), Arc::clone(&lane));
+                    if let Ok(mut shared) = lanes.by_deployment.write() {
+                        shared.insert(lane.deployment.clone(), Arc::clone(&lane));
+                    }
+                    lane
+                }
+            };
+            let generation = {
+                let mut grant = match lane.grant.lock() {
+                    Ok(g) => g,
+                    Err(poisoned) => poisoned.into_inner(),
+                };
+                if grant.serial != serial || grant.upstream != *upstream {
+                    *grant = Arc::new(LaneGrant {
+                        generation: grant.generation.wrapping_add(1),
+                        upstream: upstream.clone(),
+                        serial,
+                    });
+                }
+                grant.generation
+            };
+            let credits = u64::try_from(free)
+                .unwrap_or(LANE_CREDITS)
+                .min(LANE_CREDITS);
+            lane.word.store(
+                (u64::from(generation) << 32) | LANE_OPEN | credits,
+                Ordering::Release,
+            );
+            lent.push(Lent {
+                lane,
+                serial,
+                credits,
+            });
+        });
     }
 
     fn on_ending(&mut self, ending: Ending) {
@@ -415,6 +621,18 @@ impl Driver {
             Command::EngineIdle { owner, key, idle } => {
                 self.state.engine_idle_done(now, owner, key, idle, fx)
             }
+        }
+    }
+}
+
+impl Drop for Driver {
+    /// A task that stops (its runtime shut down) lends nothing any more: handles then go to
+    /// the closed inbox and answer `DispatchClosed`.
+    fn drop(&mut self) {
+        for lent in &self.lent {
+            lent.lane
+                .word
+                .fetch_and(!(LANE_OPEN | LANE_CREDITS), Ordering::AcqRel);
         }
     }
 }

@@ -359,6 +359,43 @@ impl State {
         self.settle(now, fx);
     }
 
+    /// Every deployment whose free slots may be lent to the handles (see `Lane` in `mod.rs`):
+    /// exactly one instance, open, nobody waiting, and fewer than the bound in flight. `f` gets
+    /// the instance, its entry's serial and the free slots. A request taking a lent slot is
+    /// what `admit` would do at once (`grant_now`), ahead of time.
+    pub(crate) fn each_lendable(&self, mut f: impl FnMut(&Upstream, u64, usize)) {
+        let limit = self.config.in_flight_per_deployment;
+        for dep in self.deployments.values() {
+            if !dep.queue.is_empty() || dep.in_flight >= limit || dep.instances.len() != 1 {
+                continue;
+            }
+            if let Some(inst) = dep.instances.values().next()
+                && inst.open
+            {
+                f(&inst.upstream, inst.serial, limit - dep.in_flight);
+            }
+        }
+    }
+
+    /// `count` requests took lent slots of the instance entry `serial` of `deployment` (the
+    /// latest at `last_start`): they are charged as `grant_now` charges.
+    pub(crate) fn lent_started(
+        &mut self,
+        deployment: &DeploymentId,
+        serial: u64,
+        count: usize,
+        last_start: Instant,
+    ) {
+        let Some(dep) = self.deployments.get_mut(deployment) else {
+            return;
+        };
+        dep.in_flight += count;
+        if let Some(inst) = dep.instances.values_mut().find(|i| i.serial == serial) {
+            inst.in_flight += count;
+            inst.last_activity = inst.last_activity.max(last_start);
+        }
+    }
+
     /// A waiting client went away: it gives up its own place only.
     pub(crate) fn cancel(&mut self, now: Instant, ticket: Ticket, fx: &mut impl Effects) {
         if let Some(deployment) = self.waiting.remove(&ticket)

@@ -23,12 +23,12 @@ use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::{Instant, Sleep};
 
 use super::Failure;
 use super::sse::{EventScanner, Oversized, is_output};
+use super::upstream::UpstreamBody;
 use crate::admission::Permit;
 use crate::observe::{self, RequestEvent, RequestObserver};
 
@@ -349,7 +349,7 @@ impl Body for ProxyBody {
 /// A non-streamed answer: the engine's body, frame by frame, with the silence bound.
 pub(crate) struct DirectBody {
     /// The engine's body; `None` once it ended or was given up.
-    inner: Option<Incoming>,
+    inner: Option<UpstreamBody>,
     /// `None` once the request ended.
     charge: Option<Arc<dyn Track>>,
     /// `stream_idle_timeout`.
@@ -361,7 +361,7 @@ pub(crate) struct DirectBody {
 }
 
 impl DirectBody {
-    pub(crate) fn new(inner: Incoming, charge: Arc<dyn Track>, idle: Duration) -> Self {
+    pub(crate) fn new(inner: UpstreamBody, charge: Arc<dyn Track>, idle: Duration) -> Self {
         let mut body = Self {
             inner: Some(inner),
             charge: Some(charge),
@@ -548,7 +548,7 @@ impl Early {
 /// deadline before it can still be answered 503), then forwards piece by piece, enforcing the
 /// silence bound, the piece bound and the read stall.
 pub(crate) async fn pump(
-    mut upstream: Incoming,
+    mut upstream: UpstreamBody,
     charge: Arc<dyn Track>,
     settings: PumpSettings,
     mut start: oneshot::Sender<Start>,

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! client ──► read body (≤ max_body_bytes) ──► `model` ──► resolve ──► admit (≤ deadline)
-//!        ◄── answer, frame by frame ◄── DirectBody / pump+StreamBody ◄── pooled client ◄──┘
+//!        ◄── answer, frame by frame ◄── DirectBody / pump+StreamBody ◄── upstream pool ◄──┘
 //! ```
 //!
 //! Decisions (see also the module docs of `body`):
@@ -31,6 +31,7 @@
 
 mod body;
 mod sse;
+mod upstream;
 
 use std::borrow::Cow;
 use std::convert::Infallible;
@@ -45,9 +46,7 @@ use http::{Method, Request, Response, StatusCode, Uri};
 use http_body::Body;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use serde::{Deserialize, Serialize};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, mpsc, oneshot, watch};
@@ -143,8 +142,8 @@ struct Shared<A> {
     admission: A,
     catalog: Box<dyn ModelCatalog>,
     config: ProxyConfig,
-    /// Pooled keep-alive connections to the engines (`pool_max_idle_per_host`).
-    client: Client<HttpConnector, Full<Bytes>>,
+    /// Keep-alive connections to the engines (`upstream_idle_per_host` idle per engine).
+    pool: Arc<upstream::Pool>,
 }
 
 /// The routes of the inference API.
@@ -167,20 +166,16 @@ fn route(path: &str) -> Option<Route> {
 impl<A: Admission> Proxy<A> {
     /// A listener that asks `admission` for permits and lists `catalog` on `GET /v1/models`.
     pub fn new(admission: A, catalog: impl ModelCatalog, config: ProxyConfig) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.enforce_http(true);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_max_idle_per_host(config.upstream_idle_per_host.max(32))
-            .pool_idle_timeout(Duration::from_secs(90))
-            .pool_timer(TokioTimer::new())
-            .build(connector);
+        let pool = upstream::Pool::new(
+            config.upstream_idle_per_host.max(32),
+            upstream::IDLE_TIMEOUT,
+        );
         Self {
             shared: Arc::new(Shared {
                 admission,
                 catalog: Box::new(catalog),
                 config,
-                client,
+                pool,
             }),
             observer: None,
         }
@@ -296,7 +291,8 @@ impl<A: Admission> Proxy<A> {
             }
         };
 
-        let uri = upstream_uri(permit.upstream().addr, &parts.uri)?;
+        let addr = permit.upstream().addr;
+        let uri = origin_form(&parts.uri);
         strip_hop_by_hop(&mut parts.headers);
         parts.headers.remove(header::HOST);
         parts.headers.remove(header::EXPECT);
@@ -306,8 +302,10 @@ impl<A: Admission> Proxy<A> {
 
         let charge: Arc<dyn Track> = Arc::new(Charge::new(permit));
         let guard = CutOnDrop(Some(Arc::clone(&charge)));
-        let response = match tokio::time::timeout_at(deadline, shared.client.request(forward)).await
-        {
+        // Boxed: this future is large and lives only from here on, so the request's future
+        // stays small while it waits for its admission (4096 may wait).
+        let sent = Box::pin(shared.pool.request(addr, forward));
+        let response = match tokio::time::timeout_at(deadline, sent).await {
             Ok(Ok(response)) => response,
             Ok(Err(err)) => {
                 tracing::debug!(error = %err, "engine unreachable");
@@ -585,21 +583,16 @@ fn model_of(body: &[u8]) -> Result<Cow<'_, str>, Failure> {
     }
 }
 
-/// `http://{addr}{path and query}`.
-fn upstream_uri(addr: std::net::SocketAddr, original: &Uri) -> Result<Uri, Failure> {
-    let path = original
-        .path_and_query()
-        .map_or("/", http::uri::PathAndQuery::as_str);
-    Uri::builder()
-        .scheme("http")
-        .authority(addr.to_string())
-        .path_and_query(path)
-        .build()
-        .map_err(|err| {
-            Failure::Api(ApiError::UpstreamUnavailable {
-                detail: format!("no address for it: {err}"),
-            })
-        })
+/// The request's path and query (origin-form, as an HTTP/1.1 request line to the engine has it).
+fn origin_form(original: &Uri) -> Uri {
+    let mut parts = http::uri::Parts::default();
+    parts.path_and_query = Some(
+        original
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")),
+    );
+    Uri::from_parts(parts).unwrap_or_else(|_| Uri::from_static("/"))
 }
 
 /// Headers of one hop only, never forwarded (RFC 9110 §7.6.1).
