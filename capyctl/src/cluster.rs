@@ -46,8 +46,8 @@ pub async fn connect(
         .await
         .map_err(|e| format!("cannot find the cluster (kubeconfig or in-cluster): {e}"))?;
     let namespace = namespace.unwrap_or_else(|| config.default_namespace.clone());
-    let client = kube::Client::try_from(config)
-        .map_err(|e| format!("cannot use the kubeconfig: {e}"))?;
+    let client =
+        kube::Client::try_from(config).map_err(|e| format!("cannot use the kubeconfig: {e}"))?;
     let token = match token
         .map(|t| t.trim().to_string())
         .filter(|t| !t.is_empty())

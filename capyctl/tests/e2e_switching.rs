@@ -180,11 +180,20 @@ fn two_apps_one_gpu() {
     for (r, _) in &app2 {
         assert_eq!(r.status, 200, "{r:?}");
     }
-    // One switch for the wave.
+    // One switch for the wave, its window the full 500 ms (App 1 kept chat-a busy).
     assert_eq!(
         metric(&capy, r#"capyctl_switches_total{outcome="ok"}"#),
         switches_before + 1.0
     );
+    let window = metric(&capy, r#"capyctl_switch_phase_seconds_sum{phase="window"}"#);
+    assert!((0.45..5.0).contains(&window), "window {window} s");
+    for phase in ["drain", "release", "bring_up"] {
+        let count = metric(
+            &capy,
+            &format!(r#"capyctl_switch_phase_seconds_count{{phase="{phase}"}}"#),
+        );
+        assert!(count >= 1.0, "{phase}: {count}");
+    }
     // Released together: the three answers came within a short time of each other.
     let first = app2.iter().map(|(_, t)| *t).min().unwrap();
     let last = app2.iter().map(|(_, t)| *t).max().unwrap();

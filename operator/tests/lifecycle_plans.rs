@@ -4,6 +4,7 @@
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use capyctl_crds::EngineKind;
 use capyctl_crds::InstanceState;
@@ -263,6 +264,8 @@ async fn execute_parks_the_victims_then_starts_the_target() {
             .into_iter()
             .map(|k| (k, DrainReport::default()))
             .collect(),
+        window: Duration::ZERO,
+        drain: Duration::ZERO,
     })
     .await
     .unwrap();
@@ -296,6 +299,8 @@ async fn execute_parks_the_victims_then_starts_the_target() {
                 )
             })
             .collect(),
+        window: Duration::ZERO,
+        drain: Duration::ZERO,
     })
     .await
     .unwrap();

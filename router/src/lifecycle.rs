@@ -14,6 +14,7 @@ use std::collections::BTreeSet;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::time::Duration;
 
 use capyctl_crds::errors::ApiError;
 
@@ -95,6 +96,11 @@ pub struct SwitchOrder {
     pub target: DeploymentId,
     /// The drained victims to park (or stop), with how their requests ended.
     pub victims: Vec<(InstanceKey, DrainReport)>,
+    /// How long the admission window lasted (from the switch's start until the victims
+    /// closed); zero without victims.
+    pub window: Duration,
+    /// How long the drain took; zero without victims.
+    pub drain: Duration,
 }
 
 /// The lifecycle, as the router sees it. Implemented by the server's lifecycle (standalone and
@@ -127,6 +133,13 @@ pub trait Lifecycle: Send + Sync + 'static {
     /// Gives back a plan the router will not carry out (the drain failed, or every waiting
     /// request went away before the switch began): its victims serve again.
     fn abandon(&self, switch_id: &str);
+
+    /// A switch failed in the router before it reached the lifecycle (the drain timed out,
+    /// `error`), after a window of `window` and a drain of `drain`; for metrics. Called after
+    /// [`Lifecycle::abandon`].
+    fn switch_failed(&self, switch_id: &str, error: &ApiError, window: Duration, drain: Duration) {
+        let _ = (switch_id, error, window, drain);
+    }
 
     /// Resolves once the instance's engine reports no running and no waiting requests, or
     /// `false` if that could not be read (the router then treats requests as cut before

@@ -115,6 +115,20 @@ async fn rule_window_counted_from_switch_begin() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn rule_the_order_carries_the_window_and_the_drain() {
+    let r = rig().await;
+    // chat-a busy until 4 s; chat-b asked for at 1 s: the window runs 1–3 s, the drain 3–4 s.
+    let _a = r.send(&r.a, hold(4.0));
+    r.until(1.0).await;
+    let _b = r.send(&r.b, hold(1.0));
+    r.until(4.5).await;
+    let ex = r.fake.executes();
+    assert_eq!(ex.len(), 1);
+    assert_eq!(r.since(ex[0].0), secs(4.0));
+    assert_eq!((ex[0].1.window, ex[0].1.drain), (secs(2.0), secs(1.0)));
+}
+
+#[tokio::test(start_paused = true)]
 async fn rule_window_closes_early_when_victim_idle() {
     let r = rig().await;
     r.until(5.0).await;
@@ -279,6 +293,11 @@ async fn rule_drain_timeout_victims_serve_again() {
     let abandons = r.fake.abandons();
     assert_eq!(abandons.len(), 1);
     assert_eq!(r.since(abandons[0].0), secs(32.0));
+    // The failure is told with its phases: window 2 s, drain 30 s.
+    let failed = r.fake.failed_switches();
+    assert_eq!(failed.len(), 1);
+    assert_eq!(failed[0].1.code(), "unavailable");
+    assert_eq!((failed[0].2, failed[0].3), (secs(2.0), secs(30.0)));
     assert!(r.fake.executes().is_empty());
     // The victim serves again.
     r.until(33.0).await;

@@ -1103,7 +1103,11 @@ impl Server {
     async fn execute_order(&self, order: SwitchOrder) -> Result<(), ApiError> {
         let span =
             tracing::info_span!("switch", switch_id = %order.switch_id, target = %order.target);
-        let mut phases = Vec::with_capacity(2);
+        let mut phases = Vec::with_capacity(4);
+        if !order.victims.is_empty() {
+            phases.push(("window", order.window));
+            phases.push(("drain", order.drain));
+        }
         let result = self
             .execute_inner(&order, &mut phases)
             .instrument(span)
@@ -1932,6 +1936,14 @@ impl Lifecycle for Server {
 
     fn abandon(&self, switch_id: &str) {
         self.write(|inner| inner.release_reservation(switch_id));
+    }
+
+    fn switch_failed(&self, switch_id: &str, error: &ApiError, window: Duration, drain: Duration) {
+        tracing::warn!(%switch_id, %error, "switch failed in the router");
+        self.config.metrics.switch_finished(
+            error.metric_label(),
+            &[("window", window), ("drain", drain)],
+        );
     }
 
     fn engine_idle<'a>(&'a self, instance: &'a InstanceKey) -> BoxFuture<'a, bool> {

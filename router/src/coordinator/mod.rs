@@ -725,6 +725,17 @@ impl Effects for TaskEffects {
         self.lifecycle.abandon(switch_id);
     }
 
+    fn switch_failed(
+        &mut self,
+        switch_id: &str,
+        error: &ApiError,
+        window: Duration,
+        drain: Duration,
+    ) {
+        self.lifecycle
+            .switch_failed(switch_id, error, window, drain);
+    }
+
     fn engine_idle(&mut self, owner: DrainOwner, key: InstanceKey) {
         let lifecycle = self.lifecycle.clone();
         self.report_back(async move {

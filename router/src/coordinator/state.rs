@@ -87,6 +87,16 @@ pub(crate) trait Effects {
     fn execute(&mut self, seq: SwitchSeq, order: SwitchOrder);
     /// `Lifecycle::abandon`.
     fn abandon(&mut self, switch_id: &str);
+    /// `Lifecycle::switch_failed`.
+    fn switch_failed(
+        &mut self,
+        switch_id: &str,
+        error: &ApiError,
+        window: Duration,
+        drain: Duration,
+    ) {
+        let _ = (switch_id, error, window, drain);
+    }
     /// Starts `Lifecycle::engine_idle`; its answer comes back as [`State::engine_idle_done`].
     fn engine_idle(&mut self, owner: DrainOwner, instance: InstanceKey);
     /// Answers a release.
@@ -549,6 +559,8 @@ impl State {
                         switch_id,
                         target,
                         victims: Vec::new(),
+                        window: Duration::ZERO,
+                        drain: Duration::ZERO,
                     },
                 );
             }
@@ -906,6 +918,17 @@ impl State {
         }
     }
 
+    /// A switch's window (from `began` until its victims closed) and drain (from then until
+    /// `now`). The drain began `drain_timeout` before its deadline.
+    fn phases(&self, began: Instant, drain: &Drain, now: Instant) -> (Duration, Duration) {
+        let closed = drain
+            .deadline
+            .checked_sub(self.config.drain_timeout)
+            .unwrap_or(began)
+            .max(began);
+        (closed - began, now.saturating_duration_since(closed))
+    }
+
     /// When the window of a switch that began at `began` closes, over its open victims.
     fn window_end(&self, began: Instant, victims: &[InstanceKey]) -> Instant {
         let open = victims.iter().filter_map(|k| {
@@ -1025,6 +1048,8 @@ impl State {
                             drain_ms: duration_ms(self.config.drain_timeout),
                             charged,
                         };
+                        let (window, drained) = self.phases(sw.began, &drain, now);
+                        fx.switch_failed(&switch_id, &e, window, drained);
                         self.fail_waiters(&sw.target, &e, fx);
                         if let Some(dep) = self.deployments.get_mut(&sw.target) {
                             dep.wanted_since = None;
@@ -1035,12 +1060,15 @@ impl State {
                     DrainPoll::Done(reports) => {
                         // Parking begins: requests for a victim wait from now on (rule 4).
                         self.forget(&drain.victims);
+                        let (window, drained) = self.phases(sw.began, &drain, now);
                         fx.execute(
                             sw.seq,
                             SwitchOrder {
                                 switch_id,
                                 target: sw.target.clone(),
                                 victims: reports,
+                                window,
+                                drain: drained,
                             },
                         );
                         self.switch = Some(Switch {

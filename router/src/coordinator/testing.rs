@@ -59,6 +59,8 @@ pub enum Call {
     Execute(SwitchOrder),
     /// `abandon(switch_id)`.
     Abandon(String),
+    /// `switch_failed(switch_id, error, window, drain)`.
+    SwitchFailed(String, ApiError, Duration, Duration),
     /// `engine_idle(instance)`.
     EngineIdle(InstanceKey),
 }
@@ -279,6 +281,17 @@ impl FakeLifecycle {
             .collect()
     }
 
+    /// The recorded failed switches: `(instant, error, window, drain)`.
+    pub fn failed_switches(&self) -> Vec<(Instant, ApiError, Duration, Duration)> {
+        self.calls()
+            .into_iter()
+            .filter_map(|(t, c)| match c {
+                Call::SwitchFailed(_, e, w, d) => Some((t, e, w, d)),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// The recorded abandons: `(instant, switch_id)`.
     pub fn abandons(&self) -> Vec<(Instant, String)> {
         self.calls()
@@ -454,6 +467,15 @@ impl Lifecycle for FakeLifecycle {
     fn abandon(&self, switch_id: &str) {
         self.record(Call::Abandon(switch_id.to_string()));
         self.lock().reserved.remove(switch_id);
+    }
+
+    fn switch_failed(&self, switch_id: &str, error: &ApiError, window: Duration, drain: Duration) {
+        self.record(Call::SwitchFailed(
+            switch_id.to_string(),
+            error.clone(),
+            window,
+            drain,
+        ));
     }
 
     fn engine_idle<'a>(&'a self, instance: &'a InstanceKey) -> BoxFuture<'a, bool> {
