@@ -189,14 +189,19 @@ async fn run(cli: Cli) -> Result<(), String> {
     }
     tracing::info!(%addr, node = %node_name, host = %host.id, runtime = cli.engine_runtime.name(), data_dir = %cli.data_dir.display(), "node agent serving");
 
-    let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
+    let (stopped_tx, mut stopped_rx) = tokio::sync::oneshot::channel::<()>();
     let dyn_agent: Arc<dyn HostAgent> = agent.clone();
     let server = tokio::spawn(serve(listener, dyn_agent, options, async move {
         shutdown_signal().await;
         let _ = stopped_tx.send(());
     }));
     let mut server = server;
+    // NB: biased, the signal first: after a signal with nothing in flight the server ends at
+    // once, and both branches are ready together (the signal is sent before the server's
+    // graceful shutdown begins).
     tokio::select! {
+        biased;
+        Ok(()) = &mut stopped_rx => {}
         r = &mut server => {
             // The server ended without a signal: it failed.
             agent.stop_all().await;
@@ -206,7 +211,6 @@ async fn run(cli: Cli) -> Result<(), String> {
                 Err(e) => Err(format!("the server failed: {e}")),
             };
         }
-        _ = stopped_rx => {}
     }
     match tokio::time::timeout(DRAIN_AT_SHUTDOWN, &mut server).await {
         Ok(Ok(Err(e))) => tracing::warn!(error = %e, "the server failed while shutting down"),
