@@ -427,3 +427,45 @@ fn the_readme_session_on_the_example() {
         "{engines}"
     );
 }
+
+/// "--wait waits for the checkpoint measurement, then for the model to be ready. Without it, a
+/// newly deployed checkpoint can still be awaiting measurement and the start is refused."
+#[test]
+fn a_start_awaits_the_measurement_only_with_wait() {
+    let dir = temp_dir("measurement");
+    let capy = Capy::start(&dir, &document("", "", &[]));
+    let file = dir.join("fresh.yaml");
+    std::fs::write(
+        &file,
+        "name: fresh\nengine: vllm\nmodel: Qwen3-4B\nenv: {ENGINE_SIM_WEIGHTS_BYTES: 64MiB, ENGINE_SIM_GPU_MEMORY_BYTES: 2GiB}\n",
+    )
+    .unwrap();
+    capy.cli(&["deploy", "model", "--file", file.to_str().unwrap()])
+        .ok();
+    assert_eq!(
+        capy.list(),
+        "NAME    STATE                  READY   REVISION   HOSTS\n\
+         fresh   awaiting_measurement   0/1     1          gpu-box\n"
+    );
+    let line = capy.cli(&["start", "deployment", "fresh"]).fails();
+    assert!(line.ends_with("(awaiting_measurement)"), "{line}");
+    assert_eq!(capy.status("fresh")["state"], "awaiting_measurement");
+
+    let out = capy.cli(&["start", "deployment", "fresh", "--wait"]).ok();
+    assert!(out.contains("state ready, ready 1/1"), "{out}");
+    // Without NVML (GPUs declared in the document) the engine's footprint cannot be read: the
+    // model serves, placed as needing the whole GPU, and the condition says so.
+    let status = capy.status("fresh");
+    assert!(status["measurement"].is_null(), "{status:#}");
+    let measured = &status["conditions"][1];
+    assert_eq!(measured["type"], "Measured");
+    assert_eq!(measured["status"], "False");
+    assert!(
+        measured["message"]
+            .as_str()
+            .unwrap()
+            .contains("footprint could not be read"),
+        "{measured}"
+    );
+    assert_eq!(chat(capy.inference, "fresh", false).status, 200);
+}

@@ -129,6 +129,10 @@ pub(crate) fn deployment_view(d: &Dep, config: &LifecycleConfig, _inner: &Inner)
                 },
                 if measured {
                     "the checkpoint's memory is known".to_string()
+                } else if d.rec.first_answer.is_some() {
+                    // Started, and still unknown: the host cannot read a process's GPU memory
+                    // (no NVML, or GPUs declared in the host document).
+                    "the engine's GPU footprint could not be read on this host; it is placed as needing the whole GPU: declare resources.gpu_memory".to_string()
                 } else {
                     "no measurement yet: declare resources, or start it with --wait".to_string()
                 },
