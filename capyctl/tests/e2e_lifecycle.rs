@@ -268,3 +268,48 @@ fn shell_completions() {
     let line = capyctl(&["completion", "cmd"], &[]);
     assert_ne!(line.code, 0);
 }
+
+/// `preinitialize` prepares a model whose checkpoint awaits measurement without serving it
+/// (started, first answer recorded, parked); `delete` stops its engine and forgets it; a
+/// refusal (`capability_missing:deep_park`) comes back from `preinitialize` as one line.
+#[test]
+fn preinitialize_and_delete() {
+    let dir = temp_dir("preinit");
+    let capy = Capy::start(&dir, &document("", "", &[]));
+    let file = dir.join("fresh.yaml");
+    std::fs::write(
+        &file,
+        "name: fresh\nengine: vllm\nmodel: Qwen3-4B\nenv: {ENGINE_SIM_WEIGHTS_BYTES: 64MiB}\n",
+    )
+    .unwrap();
+    capy.cli(&["deploy", "model", "--file", file.to_str().unwrap()])
+        .ok();
+    let out = capy.cli(&["preinitialize", "deployment", "fresh"]).ok();
+    assert!(out.starts_with("preinitialize deployment fresh ("), "{out}");
+    let status = capy.status_until("fresh", "prepared and parked", |s| s["state"] == "parked");
+    let pid = status["instances"][0]["pid"].as_u64().unwrap();
+    assert!(alive(pid));
+    // A request wakes it (checked against the first answer preinitialize recorded).
+    assert_eq!(chat(capy.inference, "fresh", false).status, 200);
+
+    let out = capy.cli(&["delete", "deployment", "fresh"]).ok();
+    assert!(out.starts_with("deleted deployment fresh ("), "{out}");
+    assert_eq!(capy.list(), "NAME   STATE   READY   REVISION   HOSTS\n");
+    let gone = std::time::Instant::now();
+    while alive(pid) {
+        assert!(
+            gone.elapsed() < support::PATIENCE,
+            "engine {pid} outlived its delete"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let r = chat(capy.inference, "fresh", false);
+    assert_error(&r, 404, "model_not_found", false);
+
+    let gpt = dir.join("gpt.yaml");
+    std::fs::write(&gpt, "name: gpt\nengine: vllm\nmodel: openai/gpt-oss-20b\nresources: {gpu_memory: 6GiB, weights_memory: 64MiB}\n").unwrap();
+    capy.cli(&["deploy", "model", "--file", gpt.to_str().unwrap()])
+        .ok();
+    let line = capy.cli(&["preinitialize", "deployment", "gpt"]).fails();
+    assert!(line.contains("capability_missing"), "{line}");
+}
