@@ -10,12 +10,15 @@
 //! - [`management`]: the `/management/v1` listener, its token, health and Prometheus metrics;
 //!   [`metrics`]: the metrics themselves.
 //! - [`standalone`]: `capyctl start standalone`.
+//! - [`k8s`]: the Kubernetes adapter (`capyctl-operator`): CR status, leader election on a
+//!   Lease, the reconciler with its finalizer and Events, engine Pods, the CR-backed store.
 //!
 //! The lifecycle does not know whether it runs under Kubernetes: the store and the host agent
 //! are traits. `operator/DESIGN.md` describes the states, who writes what, how a switch flows
 //! between router and lifecycle, and persistence and recovery.
 
 pub mod api;
+pub mod k8s;
 pub mod lifecycle;
 pub mod management;
 pub mod metrics;

@@ -1,0 +1,177 @@
+//! `capyctl-operator`: CapyCTL's server on Kubernetes (DESIGN.md 4.1): in-cluster, or out of
+//! cluster with `KUBECONFIG`; the namespace from `--namespace` / `POD_NAMESPACE`. See
+//! `capyctl_operator::k8s::operator` for what runs where.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use capyctl_crds::documents;
+use capyctl_crds::overrides::Overrides;
+use capyctl_operator::k8s::leader::LeaseConfig;
+use capyctl_operator::k8s::operator::{OperatorOptions, run};
+use capyctl_operator::k8s::pods::EnginePodSettings;
+use capyctl_operator::k8s::reconcile::ReconcilerConfig;
+use clap::Parser;
+
+/// CapyCTL's server on Kubernetes: reconciles Deployment objects into the lifecycle and runs
+/// the router, leader-elected on a Lease.
+#[derive(Debug, Parser)]
+#[command(name = "capyctl-operator", version)]
+struct Cli {
+    /// The server document (server.yaml); without it the defaults and the overrides.
+    #[arg(long)]
+    file: Option<PathBuf>,
+    /// An override, `a.b=c` (repeatable); wins over `CAPYCTL_SET__A__B=c`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// The namespace of the Deployment objects, engine Pods, Lease and node agents (default:
+    /// `POD_NAMESPACE`, else the kubeconfig's).
+    #[arg(long, env = "POD_NAMESPACE")]
+    namespace: Option<String>,
+    /// This replica's identity in the Lease (default: `POD_NAME`, else the hostname).
+    #[arg(long, env = "POD_NAME")]
+    identity: Option<String>,
+    /// The Lease the replicas elect their leader on.
+    #[arg(long, env = "CAPYCTL_LEASE_NAME", default_value = "capyctl-operator")]
+    lease_name: String,
+    /// A label the leader sets to "true" on its own Pod (the Services select it).
+    #[arg(long, env = "CAPYCTL_LEADER_LABEL")]
+    leader_label: Option<String>,
+    /// The node agent's URL (default: the one Running node agent Pod of the namespace).
+    #[arg(long, env = "CAPYCTL_NODE_AGENT_URL")]
+    node_agent: Option<String>,
+    /// The node agents' port, for a node agent found by its Pod.
+    #[arg(long, env = "CAPYCTL_NODE_AGENT_PORT", default_value_t = 7444)]
+    node_agent_port: u16,
+    /// Where the admin token is generated when the server document names no token file.
+    #[arg(
+        long,
+        env = "CAPYCTL_DATA_DIR",
+        default_value = "/tmp/capyctl-operator"
+    )]
+    data_dir: PathBuf,
+    /// How engine Pods are built (the chart's engine-pods.yaml); the chart's defaults without.
+    #[arg(long, env = "CAPYCTL_ENGINE_PODS_FILE")]
+    engine_pods_file: Option<PathBuf>,
+}
+
+/// The agent token: `CAPYCTL_AGENT_TOKEN_FILE`'s content (trimmed), else `CAPYCTL_AGENT_TOKEN`.
+fn agent_token() -> Result<String, String> {
+    if let Some(path) = std::env::var_os("CAPYCTL_AGENT_TOKEN_FILE").filter(|p| !p.is_empty()) {
+        let path = PathBuf::from(path);
+        let text = std::fs::read_to_string(&path).map_err(|e| {
+            format!(
+                "cannot read the agent token file {} (CAPYCTL_AGENT_TOKEN_FILE): {e}",
+                path.display()
+            )
+        })?;
+        let token = text.trim();
+        if token.is_empty() {
+            return Err(format!(
+                "the agent token file {} (CAPYCTL_AGENT_TOKEN_FILE) is empty",
+                path.display()
+            ));
+        }
+        return Ok(token.to_string());
+    }
+    match std::env::var("CAPYCTL_AGENT_TOKEN") {
+        Ok(t) if !t.trim().is_empty() => Ok(t.trim().to_string()),
+        _ => Err(
+            "no agent token: set CAPYCTL_AGENT_TOKEN_FILE (a file holding it) or CAPYCTL_AGENT_TOKEN"
+                .into(),
+        ),
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+                _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
+            }
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot watch SIGTERM; only SIGINT stops the operator");
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
+async fn main_async(cli: Cli) -> Result<(), String> {
+    let overrides = Overrides::from_args_and_env(cli.set.clone(), std::env::vars())
+        .map_err(|e| e.to_string())?;
+    let server = match &cli.file {
+        Some(f) => documents::load_server_file(f, &overrides),
+        None => documents::server_from_overrides(&overrides),
+    }
+    .map_err(|e| e.to_string())?;
+    let engine_pods = match &cli.engine_pods_file {
+        Some(f) => EnginePodSettings::load(f).map_err(|e| e.to_string())?,
+        None => EnginePodSettings::default(),
+    };
+    let agent_token = agent_token()?;
+    let admin_token = capyctl_operator::management::load_or_create_token(
+        server.admin_token_file.as_deref(),
+        &cli.data_dir,
+    )
+    .map_err(|e| e.to_string())?;
+    let client = kube::Client::try_default()
+        .await
+        .map_err(|e| format!("cannot reach the Kubernetes API (in-cluster, or KUBECONFIG): {e}"))?;
+    let namespace = cli
+        .namespace
+        .clone()
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| client.default_namespace().to_string());
+    let identity = cli
+        .identity
+        .clone()
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(capyctl_crds::settings::default_host_id);
+    tracing::info!(%namespace, %identity, lease = %cli.lease_name, "capyctl-operator starting");
+    let options = OperatorOptions {
+        server,
+        namespace,
+        lease: LeaseConfig::new(cli.lease_name.clone(), identity),
+        leader_label: cli.leader_label.clone().filter(|l| !l.is_empty()),
+        node_agent_url: cli.node_agent.clone().filter(|u| !u.is_empty()),
+        node_agent_port: cli.node_agent_port,
+        agent_token,
+        admin_token,
+        reconciler: ReconcilerConfig::default(),
+        engine_pods,
+    };
+    run(client, options, shutdown_signal())
+        .await
+        .map_err(|e| e.to_string())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("capyctl-operator: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(main_async(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(line) => {
+            eprintln!("capyctl-operator: {line}");
+            ExitCode::FAILURE
+        }
+    }
+}

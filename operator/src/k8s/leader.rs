@@ -1,0 +1,672 @@
+//! Leader election on a `coordination.k8s.io/v1` Lease: exactly one replica runs the lifecycle
+//! and the router; a standby keeps trying and takes over when the leader's Lease expires.
+//!
+//! The rules are client-go's (`leaderelection`), with the calls the chart's RBAC grants (get,
+//! create, update on the one Lease; no patch):
+//!
+//! - the Lease is missing: create it, holding it (`holderIdentity` = the pod's name);
+//! - it is held by another and its record changed within the last `lease_duration` (as this
+//!   replica observed it, on its own clock: the holder's clock is never compared with ours):
+//!   wait;
+//! - it is free (no holder), ours, or its record has not changed for `lease_duration`: write
+//!   it with us as holder (an update carrying the `resourceVersion` read, so that of two
+//!   replicas racing for it one gets 409 Conflict and stays standby);
+//! - a leader renews every `retry_period`, and steps down when it has not renewed for
+//!   `renew_deadline` (shorter than `lease_duration`, so it has stopped before a standby may
+//!   take over), or at once when the Lease names another holder;
+//! - on shutdown the leader releases the Lease (no holder, `leaseDurationSeconds` 1), so that a
+//!   standby takes over at its next try instead of after `lease_duration`.
+//!
+//! [`LeaderElector::try_acquire_or_renew`] is one step; [`LeaderElector::run`] loops it and
+//! publishes whether this replica leads on a `watch` channel. [`set_leader_label`] labels the
+//! leader's own Pod for the Services that select it (`CAPYCTL_LEADER_LABEL`).
+
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::jiff::Timestamp;
+use kube::Api;
+use kube::api::{Patch, PatchParams, PostParams};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+/// The election's settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseConfig {
+    /// The Lease's name (`CAPYCTL_LEASE_NAME`).
+    pub name: String,
+    /// This replica's identity: its Pod's name (`POD_NAME`).
+    pub identity: String,
+    /// How long a Lease not renewed stays the holder's (`leaseDurationSeconds`). Default 15 s.
+    pub lease_duration: Duration,
+    /// A leader that has not renewed for this long steps down. Default 10 s.
+    pub renew_deadline: Duration,
+    /// Between two tries (renewals of a leader, attempts of a standby). Default 2 s.
+    pub retry_period: Duration,
+}
+
+impl LeaseConfig {
+    /// client-go's defaults: 15 s, 10 s, 2 s.
+    pub fn new(name: impl Into<String>, identity: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            identity: identity.into(),
+            lease_duration: Duration::from_secs(15),
+            renew_deadline: Duration::from_secs(10),
+            retry_period: Duration::from_secs(2),
+        }
+    }
+}
+
+/// What one try found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Attempt {
+    /// This replica holds the Lease (acquired or renewed).
+    Held,
+    /// Another replica holds it and it has not expired.
+    HeldBy(String),
+    /// Another replica wrote the Lease between our read and our write (409): nothing changed
+    /// for us; the next try reads it again.
+    Conflict,
+}
+
+/// The record as last observed, and when (on our clock).
+#[derive(Debug, Clone)]
+struct Observed {
+    holder: Option<String>,
+    resource_version: Option<String>,
+    renew_time: Option<Timestamp>,
+    duration: Duration,
+    at: Instant,
+}
+
+/// One replica's side of the election.
+#[derive(Debug)]
+pub struct LeaderElector {
+    api: Api<Lease>,
+    config: LeaseConfig,
+    observed: Option<Observed>,
+    /// When this replica last wrote the Lease as its holder.
+    last_renew: Option<Instant>,
+}
+
+fn holder_of(lease: &Lease) -> Option<String> {
+    lease
+        .spec
+        .as_ref()
+        .and_then(|s| s.holder_identity.clone())
+        .filter(|h| !h.is_empty())
+}
+
+fn seconds(d: Duration) -> i32 {
+    i32::try_from(d.as_secs().max(1)).unwrap_or(i32::MAX)
+}
+
+impl LeaderElector {
+    /// An elector for the Lease of `config` through `api` (the operator's namespace).
+    pub fn new(api: Api<Lease>, config: LeaseConfig) -> Self {
+        Self {
+            api,
+            config,
+            observed: None,
+            last_renew: None,
+        }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &LeaseConfig {
+        &self.config
+    }
+
+    /// Whether this replica may act as leader now: it holds the Lease and renewed it within
+    /// `renew_deadline`.
+    pub fn is_leading(&self) -> bool {
+        self.last_renew
+            .is_some_and(|t| t.elapsed() < self.config.renew_deadline)
+            && self
+                .observed
+                .as_ref()
+                .is_some_and(|o| o.holder.as_deref() == Some(self.config.identity.as_str()))
+    }
+
+    fn observe(&mut self, lease: &Lease) {
+        let spec = lease.spec.clone().unwrap_or_default();
+        let holder = holder_of(lease);
+        let resource_version = lease.metadata.resource_version.clone();
+        let renew_time = spec.renew_time.map(|t| t.0);
+        let duration = spec
+            .lease_duration_seconds
+            .and_then(|s| u64::try_from(s).ok())
+            .map(Duration::from_secs)
+            .unwrap_or(self.config.lease_duration);
+        let changed = match &self.observed {
+            Some(o) => {
+                o.holder != holder
+                    || o.renew_time != renew_time
+                    || o.resource_version != resource_version
+            }
+            None => true,
+        };
+        if changed {
+            self.observed = Some(Observed {
+                holder,
+                resource_version,
+                renew_time,
+                duration,
+                at: Instant::now(),
+            });
+        }
+    }
+
+    fn our_spec(&self, previous: Option<&LeaseSpec>) -> LeaseSpec {
+        let now = MicroTime(Timestamp::now());
+        let ours = previous
+            .and_then(|p| p.holder_identity.as_deref())
+            .is_some_and(|h| h == self.config.identity);
+        let transitions = previous.and_then(|p| p.lease_transitions).unwrap_or(0);
+        LeaseSpec {
+            holder_identity: Some(self.config.identity.clone()),
+            lease_duration_seconds: Some(seconds(self.config.lease_duration)),
+            acquire_time: if ours {
+                previous.and_then(|p| p.acquire_time.clone())
+            } else {
+                Some(now.clone())
+            },
+            renew_time: Some(now),
+            lease_transitions: Some(if ours || previous.is_none() {
+                transitions
+            } else {
+                transitions.saturating_add(1)
+            }),
+            ..previous.cloned().unwrap_or_default()
+        }
+    }
+
+    fn held(&mut self, written: &Lease) -> Attempt {
+        self.observe(written);
+        self.last_renew = Some(Instant::now());
+        Attempt::Held
+    }
+
+    /// One try: acquire the Lease when it is missing, free, ours or expired, renew it when it is
+    /// ours (see the module doc).
+    pub async fn try_acquire_or_renew(&mut self) -> Result<Attempt, kube::Error> {
+        let current = match self.api.get_opt(&self.config.name).await? {
+            Some(l) => l,
+            None => {
+                let lease = Lease {
+                    metadata: ObjectMeta {
+                        name: Some(self.config.name.clone()),
+                        ..ObjectMeta::default()
+                    },
+                    spec: Some(self.our_spec(None)),
+                };
+                return match self.api.create(&PostParams::default(), &lease).await {
+                    Ok(written) => Ok(self.held(&written)),
+                    Err(kube::Error::Api(s)) if s.is_already_exists() || s.is_conflict() => {
+                        Ok(Attempt::Conflict)
+                    }
+                    Err(e) => Err(e),
+                };
+            }
+        };
+        self.observe(&current);
+        let holder = holder_of(&current);
+        let ours = holder.as_deref() == Some(self.config.identity.as_str());
+        if let (Some(other), false) = (holder.as_ref(), ours) {
+            let expired = self
+                .observed
+                .as_ref()
+                .is_some_and(|o| o.at.elapsed() >= o.duration);
+            if !expired {
+                return Ok(Attempt::HeldBy(other.clone()));
+            }
+            tracing::info!(lease = %self.config.name, previous = %other, "the Lease expired; taking it over");
+        }
+        let mut lease = current.clone();
+        lease.spec = Some(self.our_spec(current.spec.as_ref()));
+        match self
+            .api
+            .replace(&self.config.name, &PostParams::default(), &lease)
+            .await
+        {
+            Ok(written) => Ok(self.held(&written)),
+            Err(kube::Error::Api(s)) if s.is_conflict() => Ok(Attempt::Conflict),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Gives the Lease up if this replica holds it (no holder, `leaseDurationSeconds` 1), so a
+    /// standby takes over at its next try.
+    pub async fn release(&mut self) -> Result<(), kube::Error> {
+        let Some(mut lease) = self.api.get_opt(&self.config.name).await? else {
+            return Ok(());
+        };
+        if holder_of(&lease).as_deref() != Some(self.config.identity.as_str()) {
+            return Ok(());
+        }
+        let mut spec = lease.spec.clone().unwrap_or_default();
+        spec.holder_identity = None;
+        spec.lease_duration_seconds = Some(1);
+        spec.renew_time = Some(MicroTime(Timestamp::now()));
+        lease.spec = Some(spec);
+        self.api
+            .replace(&self.config.name, &PostParams::default(), &lease)
+            .await?;
+        self.last_renew = None;
+        self.observed = None;
+        Ok(())
+    }
+
+    /// Tries every `retry_period` until `shutdown` turns `true`, sending on `leading` whether
+    /// this replica leads (see the module doc); on shutdown a leader releases the Lease and
+    /// `false` is sent. A standby keeps trying for as long as it runs.
+    pub async fn run(mut self, leading: watch::Sender<bool>, mut shutdown: watch::Receiver<bool>) {
+        loop {
+            if *shutdown.borrow() {
+                break;
+            }
+            let attempt = self.try_acquire_or_renew().await;
+            match &attempt {
+                Ok(Attempt::Held) => {}
+                Ok(Attempt::HeldBy(other)) => {
+                    if *leading.borrow() {
+                        tracing::warn!(lease = %self.config.name, holder = %other, "another replica holds the Lease; stepping down");
+                    }
+                    self.last_renew = None;
+                }
+                Ok(Attempt::Conflict) => {}
+                Err(e) => {
+                    tracing::warn!(lease = %self.config.name, error = %e, "the Lease could not be read or written");
+                }
+            }
+            let now_leading = self.is_leading();
+            if now_leading != *leading.borrow() {
+                if now_leading {
+                    tracing::info!(lease = %self.config.name, identity = %self.config.identity, "leading");
+                } else {
+                    tracing::warn!(lease = %self.config.name, identity = %self.config.identity, "no longer leading");
+                }
+                leading.send_replace(now_leading);
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(self.config.retry_period) => {}
+                _ = super::until(&mut shutdown, true) => break,
+            }
+        }
+        leading.send_replace(false);
+        if self.last_renew.is_some() {
+            match self.release().await {
+                Ok(()) => tracing::info!(lease = %self.config.name, "released the Lease"),
+                Err(e) => {
+                    tracing::warn!(lease = %self.config.name, error = %e, "releasing the Lease failed")
+                }
+            }
+        }
+    }
+}
+
+/// Sets (`leading`) or removes the leader label `label` (`capyctl.io/leader=true`) on Pod
+/// `pod`: the router and management Services select the leader by it.
+pub async fn set_leader_label(
+    pods: &Api<Pod>,
+    pod: &str,
+    label: &str,
+    leading: bool,
+) -> Result<(), kube::Error> {
+    let value = if leading {
+        serde_json::Value::String("true".to_string())
+    } else {
+        serde_json::Value::Null
+    };
+    let patch = serde_json::json!({"metadata": {"labels": {label: value}}});
+    pods.patch(pod, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use http::Method;
+
+    use super::super::mock::{self, Exchange, status_body};
+    use super::*;
+
+    const PATH: &str = "/apis/coordination.k8s.io/v1/namespaces/capyctl/leases/capyctl-operator";
+    const COLLECTION: &str = "/apis/coordination.k8s.io/v1/namespaces/capyctl/leases";
+
+    fn elector(client: kube::Client) -> LeaderElector {
+        LeaderElector::new(
+            Api::namespaced(client, "capyctl"),
+            LeaseConfig::new("capyctl-operator", "operator-a"),
+        )
+    }
+
+    fn lease(holder: Option<&str>, rv: &str, renew: &str) -> serde_json::Value {
+        serde_json::json!({
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {"name": "capyctl-operator", "namespace": "capyctl", "resourceVersion": rv},
+            "spec": {
+                "holderIdentity": holder,
+                "leaseDurationSeconds": 15,
+                "acquireTime": "2026-12-01T10:00:00.000000Z",
+                "renewTime": renew,
+                "leaseTransitions": 3,
+            }
+        })
+    }
+
+    fn not_found() -> Exchange {
+        Exchange::new(
+            Method::GET,
+            PATH,
+            404,
+            status_body(404, "NotFound", "leases \"capyctl-operator\" not found"),
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_missing_lease_is_created_and_held() {
+        let (client, handle) = mock::client();
+        let mut written = lease(Some("operator-a"), "10", "2026-12-01T10:00:00.000000Z");
+        written["spec"]["leaseTransitions"] = 0.into();
+        let server = mock::serve(
+            handle,
+            vec![
+                not_found(),
+                Exchange::new(Method::POST, COLLECTION, 201, written),
+            ],
+        );
+        let mut e = elector(client);
+        assert_eq!(e.try_acquire_or_renew().await.unwrap(), Attempt::Held);
+        assert!(e.is_leading());
+        let seen = server.await.unwrap();
+        let body = &seen[1].body;
+        assert_eq!(body["spec"]["holderIdentity"], "operator-a");
+        assert_eq!(body["spec"]["leaseDurationSeconds"], 15);
+        assert!(body["spec"]["renewTime"].is_string());
+        assert_eq!(body["metadata"]["name"], "capyctl-operator");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_free_lease_is_taken_with_its_resource_version() {
+        let (client, handle) = mock::client();
+        let server = mock::serve(
+            handle,
+            vec![
+                Exchange::ok(
+                    Method::GET,
+                    PATH,
+                    lease(None, "7", "2026-12-01T10:00:00.000000Z"),
+                ),
+                Exchange::ok(
+                    Method::PUT,
+                    PATH,
+                    lease(Some("operator-a"), "8", "2026-12-01T10:00:05.000000Z"),
+                ),
+            ],
+        );
+        let mut e = elector(client);
+        assert_eq!(e.try_acquire_or_renew().await.unwrap(), Attempt::Held);
+        let seen = server.await.unwrap();
+        let put = &seen[1].body;
+        assert_eq!(put["metadata"]["resourceVersion"], "7");
+        assert_eq!(put["spec"]["holderIdentity"], "operator-a");
+        // A new holder: one more transition, a new acquire time.
+        assert_eq!(put["spec"]["leaseTransitions"], 4);
+        assert_ne!(put["spec"]["acquireTime"], "2026-12-01T10:00:00.000000Z");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_held_lease_is_not_taken_before_it_expires_then_is() {
+        let (client, handle) = mock::client();
+        let held = lease(Some("operator-b"), "7", "2026-12-01T10:00:00.000000Z");
+        let server = mock::serve(
+            handle,
+            vec![
+                Exchange::ok(Method::GET, PATH, held.clone()),
+                Exchange::ok(Method::GET, PATH, held.clone()),
+                Exchange::ok(Method::GET, PATH, held),
+                Exchange::ok(
+                    Method::PUT,
+                    PATH,
+                    lease(Some("operator-a"), "8", "2026-12-01T10:00:20.000000Z"),
+                ),
+            ],
+        );
+        let mut e = elector(client);
+        assert_eq!(
+            e.try_acquire_or_renew().await.unwrap(),
+            Attempt::HeldBy("operator-b".into())
+        );
+        assert!(!e.is_leading());
+        // 14 s without a change: still the holder's.
+        tokio::time::advance(Duration::from_secs(14)).await;
+        assert_eq!(
+            e.try_acquire_or_renew().await.unwrap(),
+            Attempt::HeldBy("operator-b".into())
+        );
+        // Past 15 s without a change: expired, taken over.
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert_eq!(e.try_acquire_or_renew().await.unwrap(), Attempt::Held);
+        assert!(e.is_leading());
+        let seen = server.await.unwrap();
+        assert_eq!(seen.len(), 4);
+        assert_eq!(seen[3].body["spec"]["holderIdentity"], "operator-a");
+        assert_eq!(seen[3].body["spec"]["leaseTransitions"], 4);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_renewed_lease_is_not_expired_for_the_standby() {
+        let (client, handle) = mock::client();
+        let server = mock::serve(
+            handle,
+            vec![
+                Exchange::ok(
+                    Method::GET,
+                    PATH,
+                    lease(Some("operator-b"), "7", "2026-12-01T10:00:00.000000Z"),
+                ),
+                // The holder renewed meanwhile: a new record, a new observation.
+                Exchange::ok(
+                    Method::GET,
+                    PATH,
+                    lease(Some("operator-b"), "9", "2026-12-01T10:00:10.000000Z"),
+                ),
+            ],
+        );
+        let mut e = elector(client);
+        e.try_acquire_or_renew().await.unwrap();
+        tokio::time::advance(Duration::from_secs(16)).await;
+        assert_eq!(
+            e.try_acquire_or_renew().await.unwrap(),
+            Attempt::HeldBy("operator-b".into())
+        );
+        server.await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_leader_renews_keeping_its_acquire_time() {
+        let (client, handle) = mock::client();
+        let ours = lease(Some("operator-a"), "8", "2026-12-01T10:00:00.000000Z");
+        let server = mock::serve(
+            handle,
+            vec![
+                Exchange::ok(Method::GET, PATH, ours.clone()),
+                Exchange::ok(
+                    Method::PUT,
+                    PATH,
+                    lease(Some("operator-a"), "9", "2026-12-01T10:00:02.000000Z"),
+                ),
+            ],
+        );
+        let mut e = elector(client);
+        assert_eq!(e.try_acquire_or_renew().await.unwrap(), Attempt::Held);
+        let seen = server.await.unwrap();
+        let put = &seen[1].body;
+        assert_eq!(put["metadata"]["resourceVersion"], "8");
+        assert_eq!(put["spec"]["acquireTime"], "2026-12-01T10:00:00.000000Z");
+        assert_eq!(put["spec"]["leaseTransitions"], 3);
+        assert_ne!(put["spec"]["renewTime"], ours["spec"]["renewTime"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_conflict_leaves_the_replica_standing_by() {
+        let (client, handle) = mock::client();
+        let server = mock::serve(
+            handle,
+            vec![
+                Exchange::ok(
+                    Method::GET,
+                    PATH,
+                    lease(None, "7", "2026-12-01T10:00:00.000000Z"),
+                ),
+                Exchange::new(
+                    Method::PUT,
+                    PATH,
+                    409,
+                    status_body(409, "Conflict", "the object has been modified"),
+                ),
+            ],
+        );
+        let mut e = elector(client);
+        assert_eq!(e.try_acquire_or_renew().await.unwrap(), Attempt::Conflict);
+        assert!(!e.is_leading());
+        server.await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lost_create_race_is_a_conflict() {
+        let (client, handle) = mock::client();
+        let server = mock::serve(
+            handle,
+            vec![
+                not_found(),
+                Exchange::new(
+                    Method::POST,
+                    COLLECTION,
+                    409,
+                    status_body(
+                        409,
+                        "AlreadyExists",
+                        "leases \"capyctl-operator\" already exists",
+                    ),
+                ),
+            ],
+        );
+        let mut e = elector(client);
+        assert_eq!(e.try_acquire_or_renew().await.unwrap(), Attempt::Conflict);
+        assert!(!e.is_leading());
+        server.await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_leader_that_cannot_renew_steps_down_within_the_renew_deadline() {
+        let (client, handle) = mock::client();
+        let mut script = vec![
+            not_found(),
+            Exchange::new(
+                Method::POST,
+                COLLECTION,
+                201,
+                lease(Some("operator-a"), "10", "2026-12-01T10:00:00.000000Z"),
+            ),
+        ];
+        // Every renewal then fails (the API server answers 500).
+        for _ in 0..6 {
+            script.push(Exchange::new(
+                Method::GET,
+                PATH,
+                500,
+                status_body(500, "InternalError", "etcd is down"),
+            ));
+        }
+        let server = mock::serve(handle, script);
+        let (leading_tx, mut leading) = watch::channel(false);
+        let (stop_tx, stop) = watch::channel(false);
+        let run = tokio::spawn(elector(client).run(leading_tx, stop));
+        leading.wait_for(|l| *l).await.unwrap();
+        let since = Instant::now();
+        leading.wait_for(|l| !*l).await.unwrap();
+        let after = since.elapsed();
+        assert!(
+            after <= Duration::from_secs(10),
+            "stepped down after {after:?}"
+        );
+        assert!(
+            after >= Duration::from_secs(8),
+            "stepped down after {after:?}"
+        );
+        stop_tx.send_replace(true);
+        run.await.unwrap();
+        let seen = server.await.unwrap();
+        // Five failed renewals, then the release's read (it fails too).
+        assert_eq!(seen.len(), 2 + 6);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn shutdown_releases_the_lease() {
+        let (client, handle) = mock::client();
+        let ours = lease(Some("operator-a"), "10", "2026-12-01T10:00:00.000000Z");
+        let server = mock::serve(
+            handle,
+            vec![
+                not_found(),
+                Exchange::new(Method::POST, COLLECTION, 201, ours.clone()),
+                Exchange::ok(Method::GET, PATH, ours),
+                Exchange::ok(
+                    Method::PUT,
+                    PATH,
+                    lease(None, "11", "2026-12-01T10:00:01.000000Z"),
+                ),
+            ],
+        );
+        let (leading_tx, mut leading) = watch::channel(false);
+        let (stop_tx, stop) = watch::channel(false);
+        let run = tokio::spawn(elector(client).run(leading_tx, stop));
+        leading.wait_for(|l| *l).await.unwrap();
+        stop_tx.send_replace(true);
+        run.await.unwrap();
+        assert!(!*leading.borrow());
+        let seen = server.await.unwrap();
+        let put = &seen[3].body;
+        assert!(put["spec"]["holderIdentity"].is_null());
+        assert_eq!(put["spec"]["leaseDurationSeconds"], 1);
+    }
+
+    #[tokio::test]
+    async fn the_leader_label_is_set_and_removed_by_merge_patch() {
+        let (client, handle) = mock::client();
+        let pod_path = "/api/v1/namespaces/capyctl/pods/operator-a";
+        let pod = serde_json::json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "operator-a"}});
+        let server = mock::serve(
+            handle,
+            vec![
+                Exchange::ok(Method::PATCH, pod_path, pod.clone()),
+                Exchange::ok(Method::PATCH, pod_path, pod),
+            ],
+        );
+        let pods: Api<Pod> = Api::namespaced(client, "capyctl");
+        set_leader_label(&pods, "operator-a", "capyctl.io/leader", true)
+            .await
+            .unwrap();
+        set_leader_label(&pods, "operator-a", "capyctl.io/leader", false)
+            .await
+            .unwrap();
+        let seen = server.await.unwrap();
+        assert_eq!(
+            seen[0].body["metadata"]["labels"]["capyctl.io/leader"],
+            "true"
+        );
+        assert!(seen[1].body["metadata"]["labels"]["capyctl.io/leader"].is_null());
+        assert_eq!(
+            seen[0].content_type.as_deref(),
+            Some("application/merge-patch+json")
+        );
+    }
+}

@@ -1,0 +1,48 @@
+//! The Kubernetes adapter (DESIGN.md 4.6): what turns the lifecycle into an operator.
+//!
+//! - [`status`]: the `Deployment` CR's `status` from the lifecycle's
+//!   [`DeploymentView`](capyctl_crds::api::DeploymentView), whether it needs writing, and the
+//!   server-side apply of it (field manager [`FIELD_MANAGER`]);
+//! - [`leader`]: leader election on a `coordination.k8s.io/v1` Lease, so that one replica runs
+//!   the lifecycle and the router while a standby waits;
+//! - [`reconcile`]: `Deployment` CRs into the lifecycle through
+//!   [`ManagementApi`](crate::api::ManagementApi), the finalizer [`FINALIZER`], status write-back
+//!   and Kubernetes Events for parks, wakes and failures;
+//! - [`pods`]: the engine Pod of an instance (image, DESIGN.md 4.2 arguments, GPU access,
+//!   model cache), owned by its CR;
+//! - [`engines`]: [`engines::PodHostAgent`], the node agent's client plus the engine Pods the
+//!   operator creates and deletes (`--engine-runtime pod`);
+//! - [`store`]: the lifecycle's records rebuilt from the CRs (a new leader's state);
+//! - [`operator`]: `capyctl-operator`'s assembly: election, management listener, and while
+//!   leading the lifecycle, router and reconciler.
+//!
+//! Everything here needs only what the chart's RBAC grants the operator
+//! (`charts/capyctl/templates/rbac.yaml`): get/list/watch/patch on `deployments`, patch on
+//! `deployments/status`, get/create/update on its Lease, create on `events.k8s.io` events and,
+//! for engine Pods, create/delete/get/list/watch (patch for the leader label).
+
+pub mod engines;
+pub mod leader;
+#[cfg(test)]
+mod mock;
+pub mod operator;
+pub mod pods;
+pub mod reconcile;
+pub mod status;
+pub mod store;
+
+/// The one field manager of everything the operator writes (server-side apply).
+pub const FIELD_MANAGER: &str = "capyctl-operator";
+
+/// The finalizer on every `Deployment` CR: removed once the deployment is gone from the
+/// lifecycle (its engines stopped).
+pub const FINALIZER: &str = "capyctl.io/finalizer";
+
+/// The controller name in Events (`reportingController`).
+pub const CONTROLLER_NAME: &str = "capyctl.io/operator";
+
+/// Waits until `rx` holds `want` (or its sender is gone). Keeps `watch`'s read guard out of
+/// the callers' futures, so they stay `Send`.
+pub(crate) async fn until(rx: &mut tokio::sync::watch::Receiver<bool>, want: bool) {
+    let _ = rx.wait_for(|v| *v == want).await;
+}

@@ -1,0 +1,669 @@
+//! `capyctl-operator`: the server on Kubernetes, leader-elected.
+//!
+//! [`run`] runs until its shutdown future fires:
+//!
+//! - always: the Lease election ([`super::leader`]) and the management listener, which answers
+//!   `/healthz` and `/readyz` on every replica and the management API on the leader (a standby
+//!   answers it 500 `internal`, "this replica is the standby"); with the leader label
+//!   (`CAPYCTL_LEADER_LABEL`) a standby is ready too, since the Services select the leader by
+//!   its label; without it only the leader is ready;
+//! - while leading ([`lead`]): the node agent (found by `--node-agent`, else as the one Running
+//!   node agent Pod of the namespace; with its `pod` engine runtime wrapped in
+//!   [`PodHostAgent`], which creates and deletes the engine Pods), the lifecycle (its records rebuilt from the CRs,
+//!   [`super::store::CrStore`]; the agent's recovery adopts the engines the previous leader
+//!   left), the router and the inference listener, the reconciler and its status sync, and the
+//!   leader label on the replica's own Pod.
+//!
+//! A leader that loses the Lease stops everything it started and [`run`] returns
+//! [`OperatorError::LostLeadership`]: crash-only, the process exits and comes back as a standby
+//! (the engines keep running for the next leader to adopt). A shutdown releases the Lease.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use capyctl_crds::Activation;
+use capyctl_crds::api::{
+    ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostList, LoadReport,
+    StartRequest,
+};
+use capyctl_crds::documents::DeploymentDoc;
+use capyctl_crds::errors::ApiError;
+use capyctl_crds::k8s::{Deployment, Host};
+use capyctl_crds::settings::{Mode, QueueSettings, ServerConfig};
+use capyctl_node_agent::HostAgent;
+use capyctl_node_agent::remote::{RemoteConfig, RemoteHostAgent};
+use capyctl_node_agent::spec::HostSettings;
+use capyctl_router::config::RouterConfig;
+use capyctl_router::coordinator::Coordinator;
+use capyctl_router::proxy::{self, Proxy, ProxyConfig};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::ListParams;
+use kube::{Api, Client};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::engines::PodHostAgent;
+use super::leader::{LeaderElector, LeaseConfig, set_leader_label};
+use super::pods::EnginePodSettings;
+use super::reconcile::{Reconciler, ReconcilerConfig};
+use super::store::CrStore;
+use crate::api::{BoxFuture, ManagementApi};
+use crate::lifecycle::{LifecycleConfig, Server};
+use crate::management::ManagementOptions;
+use crate::metrics::Metrics;
+
+/// The label selector of the node agent Pods (the chart's `component: node-agent`).
+pub const NODE_AGENT_SELECTOR: &str = "app.kubernetes.io/component=node-agent";
+
+/// Everything `capyctl-operator` runs with.
+#[derive(Debug, Clone)]
+pub struct OperatorOptions {
+    /// The server document, resolved (listeners, drain and wake timeouts, idle timers).
+    pub server: ServerConfig,
+    /// The namespace of the CRs, engine Pods, Lease and node agents (`POD_NAMESPACE`).
+    pub namespace: String,
+    /// The election's settings (`CAPYCTL_LEASE_NAME`, `POD_NAME`).
+    pub lease: LeaseConfig,
+    /// `CAPYCTL_LEADER_LABEL`: the label the leader sets on its own Pod; `None` = none.
+    pub leader_label: Option<String>,
+    /// The node agent's URL (`--node-agent`); `None` = the one Running node agent Pod.
+    pub node_agent_url: Option<String>,
+    /// The node agents' port (`CAPYCTL_NODE_AGENT_PORT`), for a node agent found by its Pod.
+    pub node_agent_port: u16,
+    /// The token the operator and the node agents share.
+    pub agent_token: String,
+    /// The admin token of the management API.
+    pub admin_token: String,
+    /// The reconciler's timing.
+    pub reconciler: ReconcilerConfig,
+    /// How engine Pods are built (`CAPYCTL_ENGINE_PODS_FILE`), for a node agent with the
+    /// `pod` engine runtime.
+    pub engine_pods: EnginePodSettings,
+}
+
+/// Why the operator stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum OperatorError {
+    /// A listener could not be bound.
+    #[error("cannot listen on {addr} ({what}): {source}")]
+    Bind {
+        /// `server.listen.inference` or `server.listen.management`.
+        what: &'static str,
+        /// The address.
+        addr: SocketAddr,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The node agent could not be used.
+    #[error("node agent: {0}")]
+    Agent(#[from] capyctl_node_agent::AgentError),
+    /// The lifecycle could not start.
+    #[error("{0}")]
+    Server(#[from] crate::lifecycle::ServerError),
+    /// The API server refused a call the operator cannot do without.
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    /// More than one node agent and none chosen: the lifecycle runs one host.
+    #[error(
+        "{0} node agent Pods are Running in the namespace; this release runs one host: name it with --node-agent"
+    )]
+    SeveralNodeAgents(usize),
+    /// Another replica took the Lease: this one stopped what it ran and exits.
+    #[error("lost the leadership (the Lease is another replica's or could not be renewed)")]
+    LostLeadership,
+}
+
+impl OperatorError {
+    /// A short, stable label for metrics and logs.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            OperatorError::Bind { .. } => "bind",
+            OperatorError::Agent(e) => e.metric_label(),
+            OperatorError::Server(e) => e.metric_label(),
+            OperatorError::Kube(_) => "kube",
+            OperatorError::SeveralNodeAgents(_) => "several_node_agents",
+            OperatorError::LostLeadership => "lost_leadership",
+        }
+    }
+}
+
+/// The router's settings from the server document and the host's queue settings.
+pub fn router_config(server: &ServerConfig, queue: &QueueSettings) -> RouterConfig {
+    RouterConfig {
+        admission_window: queue.admission_window,
+        drain_timeout: server.switching.drain_timeout,
+        request_deadline: queue.request_deadline,
+        stream_idle_timeout: queue.stream_idle_timeout,
+        max_pending_per_deployment: queue.max_pending_per_deployment as usize,
+        max_pending_total: queue.max_pending_total as usize,
+        max_buffered_bytes_total: queue.max_buffered_bytes_total,
+        ..RouterConfig::default()
+    }
+}
+
+/// The inference listener's settings from the host's queue settings.
+pub fn proxy_config(queue: &QueueSettings) -> ProxyConfig {
+    ProxyConfig {
+        request_deadline: queue.request_deadline,
+        stream_idle_timeout: queue.stream_idle_timeout,
+        max_body_bytes: queue.max_buffered_bytes_total,
+        ..ProxyConfig::default()
+    }
+}
+
+fn standby_error() -> ApiError {
+    ApiError::Internal {
+        detail: "this replica is the standby; the leader serves the management API".to_string(),
+    }
+}
+
+/// The management API of a replica: the lifecycle's while it leads, a standby's otherwise.
+pub struct SwitchableApi {
+    leader: RwLock<Option<Arc<dyn ManagementApi>>>,
+    standby_ready: bool,
+}
+
+impl std::fmt::Debug for SwitchableApi {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SwitchableApi")
+            .field("leading", &self.current().is_some())
+            .field("standby_ready", &self.standby_ready)
+            .finish()
+    }
+}
+
+impl SwitchableApi {
+    /// A standby's API; `standby_ready` is what `/readyz` says while standing by.
+    pub fn new(standby_ready: bool) -> Self {
+        Self {
+            leader: RwLock::new(None),
+            standby_ready,
+        }
+    }
+
+    /// Serves `api` (leading), or the standby's answers (`None`).
+    pub fn set(&self, api: Option<Arc<dyn ManagementApi>>) {
+        *self
+            .leader
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = api;
+    }
+
+    fn current(&self) -> Option<Arc<dyn ManagementApi>> {
+        self.leader
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+}
+
+impl ManagementApi for SwitchableApi {
+    fn list(&self) -> BoxFuture<'_, DeploymentList> {
+        let api = self.current();
+        Box::pin(async move {
+            match api {
+                Some(a) => a.list().await,
+                None => DeploymentList {
+                    deployments: Vec::new(),
+                },
+            }
+        })
+    }
+
+    fn deploy(&self, doc: DeploymentDoc) -> BoxFuture<'_, Result<DeployReceipt, ApiError>> {
+        let api = self.current();
+        Box::pin(async move { api.ok_or_else(standby_error)?.deploy(doc).await })
+    }
+
+    fn get<'a>(&'a self, name_or_id: &'a str) -> BoxFuture<'a, Result<DeploymentView, ApiError>> {
+        let api = self.current();
+        Box::pin(async move { api.ok_or_else(standby_error)?.get(name_or_id).await })
+    }
+
+    fn delete<'a>(
+        &'a self,
+        name_or_id: &'a str,
+    ) -> BoxFuture<'a, Result<DeploymentView, ApiError>> {
+        let api = self.current();
+        Box::pin(async move { api.ok_or_else(standby_error)?.delete(name_or_id).await })
+    }
+
+    fn start<'a>(
+        &'a self,
+        name_or_id: &'a str,
+        request: StartRequest,
+    ) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+        let api = self.current();
+        Box::pin(async move {
+            api.ok_or_else(standby_error)?
+                .start(name_or_id, request)
+                .await
+        })
+    }
+
+    fn stop<'a>(&'a self, name_or_id: &'a str) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+        let api = self.current();
+        Box::pin(async move { api.ok_or_else(standby_error)?.stop(name_or_id).await })
+    }
+
+    fn park<'a>(&'a self, name_or_id: &'a str) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+        let api = self.current();
+        Box::pin(async move { api.ok_or_else(standby_error)?.park(name_or_id).await })
+    }
+
+    fn preinitialize<'a>(
+        &'a self,
+        name_or_id: &'a str,
+    ) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+        let api = self.current();
+        Box::pin(async move {
+            api.ok_or_else(standby_error)?
+                .preinitialize(name_or_id)
+                .await
+        })
+    }
+
+    fn engines(&self) -> BoxFuture<'_, EngineList> {
+        let api = self.current();
+        Box::pin(async move {
+            match api {
+                Some(a) => a.engines().await,
+                None => EngineList {
+                    engines: Vec::new(),
+                },
+            }
+        })
+    }
+
+    fn hosts(&self) -> BoxFuture<'_, HostList> {
+        let api = self.current();
+        Box::pin(async move {
+            match api {
+                Some(a) => a.hosts().await,
+                None => HostList { hosts: Vec::new() },
+            }
+        })
+    }
+
+    fn load<'a>(
+        &'a self,
+        deployment: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<LoadReport, ApiError>> {
+        let api = self.current();
+        Box::pin(async move { api.ok_or_else(standby_error)?.load(deployment).await })
+    }
+
+    fn ready(&self) -> bool {
+        match self.current() {
+            Some(a) => a.ready(),
+            None => self.standby_ready,
+        }
+    }
+}
+
+/// The URL of the one Running node agent Pod of the namespace (`None` while there is none).
+pub async fn find_node_agent(pods: &Api<Pod>, port: u16) -> Result<Option<String>, OperatorError> {
+    let list = pods
+        .list(&ListParams::default().labels(NODE_AGENT_SELECTOR))
+        .await?;
+    let running: Vec<String> = list
+        .items
+        .iter()
+        .filter(|p| {
+            p.metadata.deletion_timestamp.is_none()
+                && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+        })
+        .filter_map(|p| p.status.as_ref()?.pod_ip.clone())
+        .collect();
+    match running.as_slice() {
+        [] => Ok(None),
+        [ip] if ip.contains(':') => Ok(Some(format!("http://[{ip}]:{port}"))),
+        [ip] => Ok(Some(format!("http://{ip}:{port}"))),
+        more => Err(OperatorError::SeveralNodeAgents(more.len())),
+    }
+}
+
+async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, OperatorError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| OperatorError::Bind { what, addr, source })
+}
+
+/// Waits until `rx` says `false` (leadership lost) or `stop` says `true`; answers whether the
+/// leadership was lost.
+async fn lost_or_stopped(rx: &mut watch::Receiver<bool>, stop: &mut watch::Receiver<bool>) -> bool {
+    tokio::select! {
+        _ = super::until(rx, false) => true,
+        _ = super::until(stop, true) => false,
+    }
+}
+
+/// Runs the leader's part until the leadership is lost (`Err(LostLeadership)`) or `stop`
+/// turns `true` (`Ok`).
+pub async fn lead(
+    client: Client,
+    options: &OperatorOptions,
+    metrics: Arc<Metrics>,
+    api: &SwitchableApi,
+    mut leading: watch::Receiver<bool>,
+    mut stop: watch::Receiver<bool>,
+) -> Result<(), OperatorError> {
+    let ns = options.namespace.as_str();
+    // The node agent.
+    let url = match &options.node_agent_url {
+        Some(u) => u.clone(),
+        None => {
+            let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+            loop {
+                if let Some(u) = find_node_agent(&pods, options.node_agent_port).await? {
+                    break u;
+                }
+                tracing::info!("waiting for a Running node agent Pod ({NODE_AGENT_SELECTOR})");
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+                    _ = super::until(&mut leading, false) => return Err(OperatorError::LostLeadership),
+                    _ = super::until(&mut stop, true) => return Ok(()),
+                }
+            }
+        }
+    };
+    let mut remote = RemoteConfig::new(url.clone(), options.agent_token.clone());
+    remote.follow_agent_timing = true;
+    let agent = Arc::new(RemoteHostAgent::new(remote)?);
+    let info = loop {
+        match agent.info().await {
+            Ok(i) => break i,
+            Err(e) => {
+                tracing::warn!(%url, error = %e, "the node agent does not answer yet");
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+                    _ = super::until(&mut leading, false) => return Err(OperatorError::LostLeadership),
+                    _ = super::until(&mut stop, true) => return Ok(()),
+                }
+            }
+        }
+    };
+    // The chart's host ID is the node's name.
+    let host_id = if info.node_name.is_empty() {
+        info.host_id.clone()
+    } else {
+        info.node_name.clone()
+    };
+    // The host's resource policy, as its node agent published it (defaults until then).
+    let hosts: Api<Host> = Api::all(client.clone());
+    let host = match hosts.get_opt(&host_id).await {
+        Ok(h) => h,
+        Err(e) => {
+            tracing::warn!(host = %host_id, error = %e, "the Host object could not be read; using the default resource policy");
+            None
+        }
+    };
+    let queue = host
+        .as_ref()
+        .map(|h| QueueSettings::from(&h.spec.resource_policy.queue))
+        .unwrap_or_else(|| QueueSettings::defaults(Mode::ServerAndHosts));
+    let activation = host
+        .as_ref()
+        .map(|h| h.spec.lifecycle.activation)
+        .unwrap_or(Activation::OnDemand);
+
+    // The lifecycle, its records rebuilt from the CRs.
+    let crs: Api<Deployment> = Api::namespaced(client.clone(), ns);
+    let existing = crs.list(&ListParams::default()).await?;
+    let store = Arc::new(CrStore::from_crs(&existing.items));
+    // With the pod runtime the operator creates and deletes the engine Pods.
+    let dyn_agent: Arc<dyn HostAgent> = if info.engine_runtime == "pod" {
+        Arc::new(PodHostAgent::new(
+            agent.clone(),
+            Api::namespaced(client.clone(), ns),
+            Api::namespaced(client.clone(), ns),
+            options.engine_pods.clone(),
+            HostSettings::default(),
+            host_id.clone(),
+        ))
+    } else {
+        agent.clone()
+    };
+    let server = Server::open(
+        dyn_agent.clone(),
+        store,
+        LifecycleConfig {
+            host_id: host_id.clone(),
+            host_activation: activation,
+            lifecycle_defaults: options.server.lifecycle_defaults,
+            host_settings: HostSettings::default(),
+            waiting_limit: queue.max_pending_per_deployment,
+            timer_tick: Duration::from_secs(1),
+            metrics: metrics.clone(),
+        },
+    )
+    .await?;
+
+    // The router and the inference listener.
+    let inference = bind("server.listen.inference", options.server.listen.inference).await?;
+    let router = Coordinator::spawn(server.clone(), router_config(&options.server, &queue));
+    server.attach_router(router.clone()).await;
+    let catalog = {
+        let s = Arc::downgrade(&server);
+        move || s.upgrade().map(|s| s.models()).unwrap_or_default()
+    };
+    let proxy = Proxy::new(
+        server.admission(router.clone()),
+        catalog,
+        proxy_config(&queue),
+    )
+    .with_observer(metrics.clone());
+    let (stop_tasks, _) = watch::channel(false);
+    let mut tasks: Vec<JoinHandle<()>> = Vec::new();
+    {
+        let mut rx = stop_tasks.subscribe();
+        tasks.push(tokio::spawn(async move {
+            let shutdown = async move {
+                let _ = rx.wait_for(|s| *s).await;
+            };
+            if let Err(e) = proxy::serve(inference, proxy, shutdown).await {
+                tracing::error!(error = %e, "the inference listener failed");
+            }
+        }));
+    }
+    api.set(Some(server.clone()));
+
+    // The reconciler.
+    let pod_name = options.lease.identity.clone();
+    let reconciler = Arc::new(Reconciler::new(
+        server.clone(),
+        crs,
+        Some(Reconciler::recorder(client.clone(), Some(pod_name.clone()))),
+        Some(dyn_agent),
+        options.reconciler.clone(),
+    ));
+    tasks.push(tokio::spawn(
+        reconciler.clone().run_controller(stop_tasks.subscribe()),
+    ));
+    tasks.push(tokio::spawn(
+        reconciler.run_status_sync(stop_tasks.subscribe()),
+    ));
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    if let Some(label) = &options.leader_label
+        && let Err(e) = set_leader_label(&pods, &pod_name, label, true).await
+    {
+        tracing::warn!(pod = %pod_name, error = %e, "the leader label could not be set");
+    }
+    tracing::info!(host = %host_id, node_agent = %url, "leading: lifecycle, router and reconciler running");
+
+    let lost = lost_or_stopped(&mut leading, &mut stop).await;
+    api.set(None);
+    stop_tasks.send_replace(true);
+    for t in tasks {
+        let _ = t.await;
+    }
+    server.close();
+    if let Some(label) = &options.leader_label
+        && let Err(e) = set_leader_label(&pods, &pod_name, label, false).await
+    {
+        tracing::warn!(pod = %pod_name, error = %e, "the leader label could not be removed");
+    }
+    if lost {
+        Err(OperatorError::LostLeadership)
+    } else {
+        Ok(())
+    }
+}
+
+/// Runs the operator until `shutdown` (see the module doc).
+pub async fn run(
+    client: Client,
+    options: OperatorOptions,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), OperatorError> {
+    let metrics = Arc::new(Metrics::new());
+    let api = Arc::new(SwitchableApi::new(options.leader_label.is_some()));
+    // `stop`: the shutdown signal (the leader's work stops on it); `finish`: sent once that
+    // work has stopped, it ends the election (a leader releases the Lease only then, so a
+    // standby never takes over while this replica still serves) and the management listener.
+    let (stop, _) = watch::channel(false);
+    let (finish, _) = watch::channel(false);
+
+    let management = bind("server.listen.management", options.server.listen.management).await?;
+    let management_task = {
+        let api: Arc<dyn ManagementApi> = api.clone();
+        let mut rx = finish.subscribe();
+        let opts = ManagementOptions {
+            token: options.admin_token.clone(),
+            metrics: metrics.clone(),
+        };
+        tokio::spawn(async move {
+            let shutdown = async move {
+                super::until(&mut rx, true).await;
+            };
+            if let Err(e) = crate::management::serve(management, api, opts, shutdown).await {
+                tracing::error!(error = %e, "the management listener failed");
+            }
+        })
+    };
+
+    let (leading_tx, mut leading) = watch::channel(false);
+    let elector = LeaderElector::new(
+        Api::<Lease>::namespaced(client.clone(), &options.namespace),
+        options.lease.clone(),
+    );
+    let election = tokio::spawn(elector.run(leading_tx, finish.subscribe()));
+    {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            shutdown.await;
+            stop.send_replace(true);
+        });
+    }
+
+    let mut stopping = stop.subscribe();
+    let became_leader = tokio::select! {
+        _ = super::until(&mut leading, true) => true,
+        _ = super::until(&mut stopping, true) => false,
+    };
+    // A replica leads once: losing the leadership ends the process (crash-only).
+    let result = if became_leader {
+        lead(
+            client.clone(),
+            &options,
+            metrics.clone(),
+            &api,
+            leading.clone(),
+            stop.subscribe(),
+        )
+        .await
+    } else {
+        Ok(())
+    };
+    finish.send_replace(true);
+    let _ = election.await;
+    let _ = management_task.await;
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use http::Method;
+
+    use super::super::mock::{self, Exchange};
+    use super::*;
+
+    #[tokio::test]
+    async fn a_standby_answers_health_but_not_the_api() {
+        let api = SwitchableApi::new(true);
+        assert!(api.ready());
+        let err = api.get("chat-a").await.unwrap_err();
+        assert_eq!(err.code(), "internal");
+        assert!(err.message().contains("standby"), "{}", err.message());
+        assert!(api.list().await.deployments.is_empty());
+        assert!(!SwitchableApi::new(false).ready());
+    }
+
+    #[tokio::test]
+    async fn the_one_running_node_agent_is_found_by_its_pod() {
+        let (client, handle) = mock::client();
+        let pod = |name: &str, phase: &str, ip: &str| {
+            serde_json::json!({"metadata": {"name": name},
+                "status": {"phase": phase, "podIP": ip}})
+        };
+        let list = |items: Vec<serde_json::Value>| serde_json::json!({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items});
+        let path = "/api/v1/namespaces/capyctl/pods";
+        let server = mock::serve(
+            handle,
+            vec![
+                Exchange::ok(
+                    Method::GET,
+                    path,
+                    list(vec![
+                        pod("na-1", "Running", "10.1.2.3"),
+                        pod("na-2", "Pending", "10.1.2.4"),
+                    ]),
+                ),
+                Exchange::ok(Method::GET, path, list(vec![])),
+                Exchange::ok(
+                    Method::GET,
+                    path,
+                    list(vec![
+                        pod("na-1", "Running", "10.1.2.3"),
+                        pod("na-2", "Running", "10.1.2.4"),
+                    ]),
+                ),
+            ],
+        );
+        let pods: Api<Pod> = Api::namespaced(client, "capyctl");
+        assert_eq!(
+            find_node_agent(&pods, 7444).await.unwrap().as_deref(),
+            Some("http://10.1.2.3:7444")
+        );
+        assert_eq!(find_node_agent(&pods, 7444).await.unwrap(), None);
+        let err = find_node_agent(&pods, 7444).await.unwrap_err();
+        assert_eq!(err.metric_label(), "several_node_agents");
+        let seen = server.await.unwrap();
+        assert!(
+            seen[0]
+                .query
+                .contains("labelSelector=app.kubernetes.io%2Fcomponent%3Dnode-agent"),
+            "{}",
+            seen[0].query
+        );
+    }
+
+    #[test]
+    fn the_router_takes_the_hosts_queue_and_the_servers_drain() {
+        let server = ServerConfig::default();
+        let mut queue = QueueSettings::defaults(Mode::ServerAndHosts);
+        queue.max_pending_per_deployment = 3;
+        let r = router_config(&server, &queue);
+        assert_eq!(r.max_pending_per_deployment, 3);
+        assert_eq!(r.drain_timeout, server.switching.drain_timeout);
+        assert_eq!(r.request_deadline, Duration::from_secs(600));
+        assert_eq!(proxy_config(&queue).max_body_bytes, 64 << 20);
+    }
+}

@@ -1,0 +1,1274 @@
+//! `Deployment` CRs into the lifecycle, and the lifecycle's state back into their status.
+//!
+//! [`Reconciler::reconcile`] handles one CR (the controller calls it on every change, and
+//! every [`ReconcilerConfig::requeue`]):
+//!
+//! 1. deleted (a `deletionTimestamp`) with the finalizer [`FINALIZER`]: delete the deployment
+//!    from the lifecycle through [`ManagementApi::delete`] (its engines stop; an unknown name is
+//!    fine), then remove the finalizer; Kubernetes then deletes the object;
+//! 2. without the finalizer: add it first (a merge patch carrying the `resourceVersion` read,
+//!    so it never overwrites a concurrent change);
+//! 3. the spec as a deployment document ([`Deployment::to_document`], every rule of the
+//!    document): deployed through [`ManagementApi::deploy`], which changes nothing for the same
+//!    document and bumps the revision for a changed one, so a changed generation re-deploys; a
+//!    spec refused (by the document's rules or the lifecycle) leaves the running revision as it
+//!    is, says why in `Accepted=False` and a Warning event, and keeps `observedGeneration`;
+//! 4. the status from the lifecycle's view ([`super::status`]), written only when it changed.
+//!
+//! Parks, wakes and failures happen without any change of the CR: [`Reconciler::sync_status`]
+//! (looped by [`Reconciler::run_status_sync`]) reads every known deployment's view, writes the
+//! changed statuses, and records an Event for each [`Happening`] between the view seen before
+//! and now ([`happenings`]).
+//!
+//! NB: the lifecycle does not publish its happenings (parks, wakes, switches with their
+//! `switch_id`, refusals) yet, so Events come from comparing views: a park and a wake between
+//! two reads are not seen, and switches and request refusals are not told at all.
+//! [`Happening::from_receipt`] builds the switch event from a start's receipt for when they are.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use capyctl_crds::InstanceState;
+use capyctl_crds::api::{ActionReceipt, DeployOutcome, DeploymentView};
+use capyctl_crds::errors::ApiError;
+use capyctl_crds::k8s::{Deployment, DeploymentStatus};
+use capyctl_node_agent::HostAgent;
+use capyctl_node_agent::spec::InstanceSpec;
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::watcher;
+use kube::{Api, Resource, ResourceExt};
+use tokio::sync::watch;
+
+use super::status::{Parkability, StatusInput, apply_status, deployment_status, needs_write};
+use super::{CONTROLLER_NAME, FINALIZER};
+use crate::api::ManagementApi;
+
+/// The reconciler's settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReconcilerConfig {
+    /// Every CR is reconciled again after this long without a change. Default 5 min.
+    pub requeue: Duration,
+    /// After a failed reconcile, before the next try. Default 5 s.
+    pub retry: Duration,
+    /// Between two reads of the lifecycle's views by [`Reconciler::run_status_sync`].
+    /// Default 1 s.
+    pub status_interval: Duration,
+}
+
+impl Default for ReconcilerConfig {
+    fn default() -> Self {
+        Self {
+            requeue: Duration::from_secs(300),
+            retry: Duration::from_secs(5),
+            status_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+/// What can go wrong reconciling one CR; the controller retries after
+/// [`ReconcilerConfig::retry`].
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    /// A call to the API server failed.
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    /// The lifecycle failed a call that must succeed (a delete).
+    #[error("lifecycle: {0}")]
+    Lifecycle(#[source] ApiError),
+}
+
+impl ReconcileError {
+    /// A short, stable label for metrics and logs.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            ReconcileError::Kube(_) => "kube",
+            ReconcileError::Lifecycle(e) => e.metric_label(),
+        }
+    }
+}
+
+/// Something that happened to a deployment, told as a Kubernetes Event on its CR.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Happening {
+    /// `Normal` or `Warning`.
+    pub warning: bool,
+    /// The Event's reason (`Parked`, `Woken`, `WakeFailed`, ...), PascalCase.
+    pub reason: &'static str,
+    /// The Event's action (`Park`, `Wake`, `Start`, `Stop`, `Switch`, `Deploy`, `Delete`).
+    pub action: &'static str,
+    /// The note, for people.
+    pub note: String,
+}
+
+impl Happening {
+    fn normal(reason: &'static str, action: &'static str, note: String) -> Self {
+        Self {
+            warning: false,
+            reason,
+            action,
+            note,
+        }
+    }
+
+    fn warning(reason: &'static str, action: &'static str, note: String) -> Self {
+        Self {
+            warning: true,
+            reason,
+            action,
+            note,
+        }
+    }
+
+    /// A refusal: the lifecycle (or the document's rules) refused what the CR asks.
+    pub fn refused(why: &str) -> Self {
+        Self::warning("Refused", "Deploy", why.to_string())
+    }
+
+    /// A start that released others: `Switched` with its `switch_id` and victims (none when
+    /// the start released nothing).
+    pub fn from_receipt(receipt: &ActionReceipt) -> Option<Self> {
+        let switch_id = receipt.switch_id.as_deref()?;
+        let victims: Vec<String> = receipt
+            .victims
+            .iter()
+            .map(|v| format!("{} {}", v.name, v.released.words()))
+            .collect();
+        Some(Self::normal(
+            "Switched",
+            "Switch",
+            format!(
+                "switch {switch_id}: {} for {}",
+                victims.join(", "),
+                receipt.deployment.name
+            ),
+        ))
+    }
+
+    /// The Event to publish.
+    pub fn to_event(&self) -> Event {
+        Event {
+            type_: if self.warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
+            reason: self.reason.to_string(),
+            note: Some(truncate(&self.note, 1000)),
+            action: self.action.to_string(),
+            secondary: None,
+        }
+    }
+}
+
+fn truncate(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
+
+/// What happened between two views of one deployment (instance 0), as Events tell it:
+/// `Started`, `Parked`, `Woken`, `Stopped`, `WakeFailed`, `EngineFailed`.
+pub fn happenings(before: Option<&DeploymentView>, after: &DeploymentView) -> Vec<Happening> {
+    let Some(now) = after.instances.first() else {
+        return Vec::new();
+    };
+    let then = before.and_then(|b| b.instances.first());
+    let was = then.map(|i| i.state);
+    if was == Some(now.state) && then.map(|i| i.generation) == Some(now.generation) {
+        return Vec::new();
+    }
+    let on = |what: &str| format!("{what} on host {}", now.host_id);
+    match now.state {
+        InstanceState::Parked if was != Some(InstanceState::Parked) => {
+            let tier = now.parked_tier.as_deref().unwrap_or("unknown tier");
+            vec![Happening::normal(
+                "Parked",
+                "Park",
+                on(&format!("instance {} parked ({tier})", now.instance_id)),
+            )]
+        }
+        InstanceState::Ready
+            if matches!(was, Some(InstanceState::Parked | InstanceState::Waking))
+                && then.map(|i| i.generation) == Some(now.generation) =>
+        {
+            vec![Happening::normal(
+                "Woken",
+                "Wake",
+                on(&format!(
+                    "instance {} woke and passed its check",
+                    now.instance_id
+                )),
+            )]
+        }
+        InstanceState::Ready if was != Some(InstanceState::Ready) || then.is_none() => {
+            vec![Happening::normal(
+                "Started",
+                "Start",
+                on(&format!(
+                    "instance {} ready (generation {})",
+                    now.instance_id, now.generation
+                )),
+            )]
+        }
+        InstanceState::Stopped
+            if matches!(
+                was,
+                Some(
+                    InstanceState::Ready
+                        | InstanceState::Closed
+                        | InstanceState::Parking
+                        | InstanceState::Parked
+                        | InstanceState::Stopping
+                )
+            ) =>
+        {
+            vec![Happening::normal(
+                "Stopped",
+                "Stop",
+                on(&format!("instance {} stopped", now.instance_id)),
+            )]
+        }
+        InstanceState::Failed if was != Some(InstanceState::Failed) => {
+            let error = now
+                .last_error
+                .clone()
+                .unwrap_or_else(|| "failed".to_string());
+            if error.starts_with("wake_") || was == Some(InstanceState::Waking) {
+                vec![Happening::warning("WakeFailed", "Wake", on(&error))]
+            } else {
+                vec![Happening::warning("EngineFailed", "Start", on(&error))]
+            }
+        }
+        _ => Vec::new(),
+    }
+}
+
+/// What the reconciler remembers of one CR.
+#[derive(Debug, Clone)]
+struct Known {
+    /// The CR, for its Events.
+    reference: ObjectReference,
+    /// The status the API server holds, as last read or written.
+    status: Option<DeploymentStatus>,
+    /// The generation the lifecycle runs.
+    observed_generation: Option<i64>,
+    /// Why the current spec was refused, if it was.
+    refused: Option<String>,
+    /// The view the status was last computed from.
+    view: Option<DeploymentView>,
+    /// How it parks, and the revision that was asked about.
+    parkability: Parkability,
+    parkability_revision: Option<u64>,
+}
+
+/// Reconciles the CRs of one namespace into one lifecycle.
+pub struct Reconciler {
+    lifecycle: Arc<dyn ManagementApi>,
+    crs: Api<Deployment>,
+    recorder: Option<Recorder>,
+    host: Option<Arc<dyn HostAgent>>,
+    config: ReconcilerConfig,
+    known: Mutex<HashMap<String, Known>>,
+}
+
+impl std::fmt::Debug for Reconciler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reconciler")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+fn has_finalizer(cr: &Deployment) -> bool {
+    cr.finalizers().iter().any(|f| f == FINALIZER)
+}
+
+/// The merge patch that sets `finalizers`, failing (409) when the object changed since
+/// `resource_version`.
+fn finalizers_patch(finalizers: Vec<String>, resource_version: Option<&str>) -> serde_json::Value {
+    serde_json::json!({
+        "metadata": {
+            "finalizers": finalizers,
+            "resourceVersion": resource_version,
+        }
+    })
+}
+
+impl Reconciler {
+    /// A reconciler of the CRs behind `crs` (the operator's namespace) into `lifecycle`.
+    /// `recorder` publishes Events (none without); `host` answers how deployments park (the
+    /// `Parkable` condition; the document alone says less without it).
+    pub fn new(
+        lifecycle: Arc<dyn ManagementApi>,
+        crs: Api<Deployment>,
+        recorder: Option<Recorder>,
+        host: Option<Arc<dyn HostAgent>>,
+        config: ReconcilerConfig,
+    ) -> Self {
+        Self {
+            lifecycle,
+            crs,
+            recorder,
+            host,
+            config,
+            known: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// An Events recorder for `client`, reporting as [`CONTROLLER_NAME`] from `instance` (the
+    /// Pod's name).
+    pub fn recorder(client: kube::Client, instance: Option<String>) -> Recorder {
+        Recorder::new(
+            client,
+            Reporter {
+                controller: CONTROLLER_NAME.to_string(),
+                instance,
+            },
+        )
+    }
+
+    fn known(&self) -> std::sync::MutexGuard<'_, HashMap<String, Known>> {
+        self.known.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    async fn publish(&self, reference: &ObjectReference, h: &Happening) {
+        let Some(recorder) = &self.recorder else {
+            return;
+        };
+        if let Err(e) = recorder.publish(&h.to_event(), reference).await {
+            tracing::warn!(reason = h.reason, object = ?reference.name, error = %e, "an Event could not be published");
+        }
+    }
+
+    /// Reconciles one CR (see the module doc). `Ok` tells the controller when to look again.
+    pub async fn reconcile(&self, cr: &Deployment) -> Result<Action, ReconcileError> {
+        let name = cr.name_any();
+        let reference = cr.object_ref(&());
+        if cr.metadata.deletion_timestamp.is_some() {
+            if has_finalizer(cr) {
+                match self.lifecycle.delete(&name).await {
+                    Ok(_) => {
+                        self.publish(
+                            &reference,
+                            &Happening::normal(
+                                "Deleted",
+                                "Delete",
+                                format!("deployment {name} deleted; its engines stopped"),
+                            ),
+                        )
+                        .await;
+                    }
+                    Err(ApiError::NotFound { .. } | ApiError::ModelNotFound { .. }) => {}
+                    Err(e) => return Err(ReconcileError::Lifecycle(e)),
+                }
+                let rest: Vec<String> = cr
+                    .finalizers()
+                    .iter()
+                    .filter(|f| *f != FINALIZER)
+                    .cloned()
+                    .collect();
+                let patch = finalizers_patch(rest, cr.resource_version().as_deref());
+                match self
+                    .crs
+                    .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                {
+                    Ok(_) => {}
+                    Err(kube::Error::Api(s)) if s.is_not_found() => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            self.known().remove(&name);
+            return Ok(Action::await_change());
+        }
+
+        let mut cr = std::borrow::Cow::Borrowed(cr);
+        if !has_finalizer(&cr) {
+            let mut finalizers = cr.finalizers().to_vec();
+            finalizers.push(FINALIZER.to_string());
+            let patch = finalizers_patch(finalizers, cr.resource_version().as_deref());
+            let patched = self
+                .crs
+                .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await?;
+            cr = std::borrow::Cow::Owned(patched);
+        }
+        let generation = cr.metadata.generation;
+
+        let previous = self.known().get(&name).cloned();
+        let mut observed_generation = previous
+            .as_ref()
+            .and_then(|k| k.observed_generation)
+            .or_else(|| cr.status.as_ref().and_then(|s| s.observed_generation));
+        let mut refused = None;
+        let mut view = None;
+        let mut happening = None;
+        match cr.to_document() {
+            Err(e) => refused = Some(e.to_string()),
+            Ok(doc) => match self.lifecycle.deploy(doc).await {
+                Ok(receipt) => {
+                    observed_generation = generation;
+                    happening = match receipt.outcome {
+                        DeployOutcome::Created => Some(Happening::normal(
+                            "Deployed",
+                            "Deploy",
+                            format!(
+                                "deployment {} ({}), revision {}",
+                                name, receipt.deployment.id, receipt.deployment.revision
+                            ),
+                        )),
+                        DeployOutcome::Updated => Some(Happening::normal(
+                            "Redeployed",
+                            "Deploy",
+                            format!(
+                                "deployment {} is at revision {}",
+                                name, receipt.deployment.revision
+                            ),
+                        )),
+                        DeployOutcome::Unchanged => None,
+                    };
+                    view = Some(receipt.deployment);
+                }
+                Err(e) => refused = Some(e.to_string()),
+            },
+        }
+        if let Some(why) = &refused {
+            let first_time = previous
+                .as_ref()
+                .is_none_or(|k| k.refused.as_deref() != Some(why.as_str()));
+            if first_time {
+                tracing::warn!(deployment = %name, %why, "the spec is refused");
+                happening = Some(Happening::refused(why));
+            }
+            view = self.lifecycle.get(&name).await.ok();
+        }
+        if let Some(h) = &happening {
+            self.publish(&reference, h).await;
+        }
+
+        let server_status = match &previous {
+            Some(k) => k.status.clone(),
+            None => cr.status.clone(),
+        };
+        let mut known = Known {
+            reference,
+            status: server_status,
+            observed_generation,
+            refused,
+            view: previous.as_ref().and_then(|k| k.view.clone()),
+            parkability: previous
+                .as_ref()
+                .map(|k| k.parkability.clone())
+                .unwrap_or(Parkability::Unknown),
+            parkability_revision: previous.as_ref().and_then(|k| k.parkability_revision),
+        };
+        self.write_status(&name, &mut known, view).await?;
+        self.known().insert(name, known);
+        Ok(Action::requeue(self.config.requeue))
+    }
+
+    /// Asks the host how the deployment parks, once per revision.
+    async fn refresh_parkability(&self, known: &mut Known, view: &DeploymentView) {
+        if known.parkability_revision == Some(view.revision) {
+            return;
+        }
+        known.parkability = match &self.host {
+            Some(host) => {
+                let spec = InstanceSpec::from_doc(view.id.clone(), &view.spec);
+                match host.parkability(&spec).await {
+                    Ok(choice) => Parkability::from_agent(&Ok(choice)),
+                    Err(e) => match Parkability::from_agent(&Err(e)) {
+                        // The host could not answer: what the document says, asked again later.
+                        Parkability::Unknown => {
+                            known.parkability = Parkability::from_doc(&view.spec);
+                            return;
+                        }
+                        p => p,
+                    },
+                }
+            }
+            None => Parkability::from_doc(&view.spec),
+        };
+        known.parkability_revision = Some(view.revision);
+    }
+
+    /// Computes the status from `view` and writes it when it differs from what the API server
+    /// holds; records `view` as the last one seen.
+    async fn write_status(
+        &self,
+        name: &str,
+        known: &mut Known,
+        view: Option<DeploymentView>,
+    ) -> Result<(), ReconcileError> {
+        if let Some(v) = &view {
+            self.refresh_parkability(known, v).await;
+        }
+        let desired = deployment_status(StatusInput {
+            view: view.as_ref(),
+            observed_generation: known.observed_generation,
+            parkability: &known.parkability,
+            refused: known.refused.as_deref(),
+            previous: known.status.as_ref(),
+            // Whole seconds: what the API server keeps of a condition's time.
+            now: Timestamp::from_second(Timestamp::now().as_second())
+                .unwrap_or_else(|_| Timestamp::now()),
+        });
+        if needs_write(known.status.as_ref(), &desired) {
+            match apply_status(&self.crs, name, &desired).await {
+                Ok(written) => known.status = written.status.or(Some(desired)),
+                Err(kube::Error::Api(s)) if s.is_not_found() => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        known.view = view;
+        Ok(())
+    }
+
+    /// Reads every known CR's deployment from the lifecycle, writes the statuses that changed
+    /// and publishes what happened since the last read.
+    pub async fn sync_status(&self) {
+        let names: Vec<String> = self.known().keys().cloned().collect();
+        for name in names {
+            let Some(mut known) = self.known().get(&name).cloned() else {
+                continue;
+            };
+            let view = self.lifecycle.get(&name).await.ok();
+            if let Some(v) = &view {
+                for h in happenings(known.view.as_ref(), v) {
+                    self.publish(&known.reference, &h).await;
+                }
+            }
+            if let Err(e) = self.write_status(&name, &mut known, view).await {
+                tracing::warn!(deployment = %name, error = %e, "the status could not be written");
+                continue;
+            }
+            // Keep it only if the CR was not deleted meanwhile.
+            if let Some(k) = self.known().get_mut(&name) {
+                *k = known;
+            }
+        }
+    }
+
+    /// Runs [`Reconciler::sync_status`] every [`ReconcilerConfig::status_interval`] until
+    /// `shutdown` turns `true`.
+    pub async fn run_status_sync(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(self.config.status_interval) => self.sync_status().await,
+                _ = super::until(&mut shutdown, true) => return,
+            }
+        }
+    }
+
+    /// Runs the controller (a watch of the CRs, [`Reconciler::reconcile`] on each change) until
+    /// `shutdown` turns `true`.
+    pub async fn run_controller(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
+        let retry = self.config.retry;
+        Controller::new(self.crs.clone(), watcher::Config::default())
+            .graceful_shutdown_on(async move {
+                let _ = shutdown.wait_for(|s| *s).await;
+            })
+            .run(
+                |cr, ctx: Arc<Reconciler>| async move { ctx.reconcile(&cr).await },
+                move |cr, error, _ctx| {
+                    tracing::warn!(deployment = %cr.name_any(), error = %error, "reconcile failed; retrying");
+                    Action::requeue(retry)
+                },
+                self,
+            )
+            .for_each(|_| async {})
+            .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::collections::BTreeMap;
+
+    use capyctl_crds::Activation;
+    use capyctl_crds::api::{
+        ConditionView, DeployReceipt, DeploymentList, EngineList, HostList, InstanceView,
+        LoadReport, StartRequest,
+    };
+    use capyctl_crds::documents::DeploymentDoc;
+    use http::Method;
+
+    use super::super::mock::{self, Exchange, status_body};
+    use super::*;
+    use crate::api::BoxFuture;
+
+    /// A lifecycle that records what it is asked.
+    #[derive(Default)]
+    struct FakeLifecycle {
+        deps: Mutex<BTreeMap<String, DeploymentView>>,
+        calls: Mutex<Vec<String>>,
+    }
+
+    fn view_of(doc: &DeploymentDoc, revision: u64) -> DeploymentView {
+        DeploymentView {
+            id: format!("01K{}", doc.name.to_uppercase()),
+            name: doc.name.clone(),
+            state: InstanceState::Stopped,
+            ready: "0/1".into(),
+            revision,
+            hosts: vec!["gpu-1".into()],
+            activation: Activation::OnDemand,
+            warm: false,
+            operator_stopped: false,
+            engine: doc.engine,
+            model: doc.model.clone(),
+            residency: doc.residency,
+            measurement: None,
+            instances: vec![InstanceView {
+                instance_id: format!("01K{}-0", doc.name.to_uppercase()),
+                index: 0,
+                host_id: "gpu-1".into(),
+                generation: 0,
+                state: InstanceState::Stopped,
+                parked_tier: None,
+                port: None,
+                pid: None,
+                last_error: None,
+            }],
+            conditions: vec![ConditionView {
+                kind: "Ready".into(),
+                status: "False".into(),
+                reason: "not_running".into(),
+                message: "the instance is stopped".into(),
+            }],
+            spec: doc.clone(),
+        }
+    }
+
+    impl FakeLifecycle {
+        fn calls(&self) -> Vec<String> {
+            self.calls.lock().unwrap().clone()
+        }
+
+        fn set_state(&self, name: &str, state: InstanceState, tier: Option<&str>) {
+            let mut deps = self.deps.lock().unwrap();
+            let v = deps.get_mut(name).unwrap();
+            v.state = state;
+            v.instances[0].state = state;
+            v.instances[0].parked_tier = tier.map(str::to_string);
+            v.ready = if state == InstanceState::Ready {
+                "1/1"
+            } else {
+                "0/1"
+            }
+            .into();
+        }
+    }
+
+    impl ManagementApi for FakeLifecycle {
+        fn list(&self) -> BoxFuture<'_, DeploymentList> {
+            Box::pin(async move {
+                DeploymentList {
+                    deployments: self.deps.lock().unwrap().values().cloned().collect(),
+                }
+            })
+        }
+        fn deploy(&self, doc: DeploymentDoc) -> BoxFuture<'_, Result<DeployReceipt, ApiError>> {
+            Box::pin(async move {
+                self.calls
+                    .lock()
+                    .unwrap()
+                    .push(format!("deploy {}", doc.name));
+                let mut deps = self.deps.lock().unwrap();
+                let (outcome, view) = match deps.get(&doc.name) {
+                    None => (DeployOutcome::Created, view_of(&doc, 1)),
+                    Some(v) if v.spec == doc => (DeployOutcome::Unchanged, v.clone()),
+                    Some(v) => (DeployOutcome::Updated, view_of(&doc, v.revision + 1)),
+                };
+                deps.insert(doc.name.clone(), view.clone());
+                Ok(DeployReceipt {
+                    outcome,
+                    deployment: view,
+                })
+            })
+        }
+        fn get<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<DeploymentView, ApiError>> {
+            Box::pin(async move {
+                self.deps
+                    .lock()
+                    .unwrap()
+                    .get(name)
+                    .cloned()
+                    .ok_or(ApiError::NotFound {
+                        what: format!("deployment {name}"),
+                    })
+            })
+        }
+        fn delete<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<DeploymentView, ApiError>> {
+            Box::pin(async move {
+                self.calls.lock().unwrap().push(format!("delete {name}"));
+                self.deps
+                    .lock()
+                    .unwrap()
+                    .remove(name)
+                    .ok_or(ApiError::NotFound {
+                        what: format!("deployment {name}"),
+                    })
+            })
+        }
+        fn start<'a>(
+            &'a self,
+            _: &'a str,
+            _: StartRequest,
+        ) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+            unimplemented!()
+        }
+        fn stop<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+            unimplemented!()
+        }
+        fn park<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+            unimplemented!()
+        }
+        fn preinitialize<'a>(
+            &'a self,
+            _: &'a str,
+        ) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+            unimplemented!()
+        }
+        fn engines(&self) -> BoxFuture<'_, EngineList> {
+            Box::pin(async { EngineList { engines: vec![] } })
+        }
+        fn hosts(&self) -> BoxFuture<'_, HostList> {
+            Box::pin(async { HostList { hosts: vec![] } })
+        }
+        fn load<'a>(&'a self, _: Option<&'a str>) -> BoxFuture<'a, Result<LoadReport, ApiError>> {
+            unimplemented!()
+        }
+        fn ready(&self) -> bool {
+            true
+        }
+    }
+
+    const CR_PATH: &str = "/apis/capyctl.io/v1alpha1/namespaces/capyctl/deployments/chat-a";
+    const STATUS_PATH: &str =
+        "/apis/capyctl.io/v1alpha1/namespaces/capyctl/deployments/chat-a/status";
+    const EVENTS_PATH: &str = "/apis/events.k8s.io/v1/namespaces/capyctl/events";
+
+    fn cr_json(finalizers: &[&str], generation: i64, spec: serde_json::Value) -> serde_json::Value {
+        serde_json::json!({
+            "apiVersion": "capyctl.io/v1alpha1",
+            "kind": "Deployment",
+            "metadata": {
+                "name": "chat-a",
+                "namespace": "capyctl",
+                "uid": "6f1c0d5e-0000-4000-8000-000000000001",
+                "resourceVersion": format!("{}", 100 + generation),
+                "generation": generation,
+                "finalizers": finalizers,
+            },
+            "spec": spec,
+        })
+    }
+
+    fn spec() -> serde_json::Value {
+        serde_json::json!({"engine": "vllm", "model": "Qwen3-4B"})
+    }
+
+    fn cr(v: serde_json::Value) -> Deployment {
+        serde_json::from_value(v).unwrap()
+    }
+
+    fn with_status(mut v: serde_json::Value, status: &serde_json::Value) -> serde_json::Value {
+        v["status"] = status.clone();
+        v
+    }
+
+    fn reconciler(client: kube::Client, lifecycle: Arc<FakeLifecycle>, events: bool) -> Reconciler {
+        let recorder = events.then(|| Reconciler::recorder(client.clone(), Some("op-a".into())));
+        Reconciler::new(
+            lifecycle,
+            Api::namespaced(client, "capyctl"),
+            recorder,
+            None,
+            ReconcilerConfig::default(),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_new_cr_gets_the_finalizer_is_deployed_and_its_status_written_once() {
+        let (client, handle) = mock::client();
+        let fresh = cr_json(&[], 1, spec());
+        let finalized = cr_json(&[FINALIZER], 1, spec());
+        // The status the server answers the apply with is echoed back below.
+        let server = mock::serve(
+            handle,
+            vec![
+                Exchange::ok(Method::PATCH, CR_PATH, finalized.clone()),
+                Exchange::ok(Method::POST, EVENTS_PATH, serde_json::json!({})),
+                // Answered with the applied object, which the test fills in below.
+                Exchange::ok(Method::PATCH, STATUS_PATH, finalized.clone()),
+            ],
+        );
+        let lifecycle = Arc::new(FakeLifecycle::default());
+        let r = reconciler(client, lifecycle.clone(), true);
+        let action = r.reconcile(&cr(fresh)).await.unwrap();
+        assert_eq!(action, Action::requeue(Duration::from_secs(300)));
+        assert_eq!(lifecycle.calls(), ["deploy chat-a"]);
+        let seen = server.await.unwrap();
+        // The finalizer, guarded by the resourceVersion read.
+        assert_eq!(
+            seen[0].body["metadata"]["finalizers"],
+            serde_json::json!([FINALIZER])
+        );
+        assert_eq!(seen[0].body["metadata"]["resourceVersion"], "101");
+        assert_eq!(
+            seen[0].content_type.as_deref(),
+            Some("application/merge-patch+json")
+        );
+        // The Event.
+        assert_eq!(seen[1].body["reason"], "Deployed");
+        assert_eq!(seen[1].body["regarding"]["name"], "chat-a");
+        assert_eq!(seen[1].body["reportingController"], CONTROLLER_NAME);
+        // The status: server-side apply with the one field manager, forced.
+        let apply = &seen[2];
+        assert_eq!(
+            apply.content_type.as_deref(),
+            Some("application/apply-patch+yaml")
+        );
+        assert!(
+            apply.query.contains("fieldManager=capyctl-operator"),
+            "{}",
+            apply.query
+        );
+        assert!(apply.query.contains("force=true"), "{}", apply.query);
+        let status = &apply.body["status"];
+        assert_eq!(status["deploymentId"], "01KCHAT-A");
+        assert_eq!(status["revision"], 1);
+        assert_eq!(status["observedGeneration"], 1);
+        assert_eq!(status["state"], "stopped");
+        assert_eq!(status["ready"], "0/1");
+        assert_eq!(status["hosts"], "gpu-1");
+        let parkable = status["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == "Parkable")
+            .unwrap();
+        assert_eq!(parkable["status"], "Unknown");
+    }
+
+    #[tokio::test]
+    async fn an_unchanged_status_is_not_written_again() {
+        let (client, handle) = mock::client();
+        let finalized = cr_json(&[FINALIZER], 1, spec());
+        let lifecycle = Arc::new(FakeLifecycle::default());
+        // First pass: the apply is answered with the status it carried.
+        let (status_tx, status_rx) = tokio::sync::oneshot::channel::<serde_json::Value>();
+        let server = {
+            let finalized = finalized.clone();
+            tokio::spawn(async move {
+                let mut handle = std::pin::pin!(handle);
+                let (req, send) = handle.next_request().await.unwrap();
+                assert_eq!(req.uri().path(), STATUS_PATH);
+                let body: serde_json::Value =
+                    serde_json::from_slice(&req.into_body().collect_bytes().await.unwrap())
+                        .unwrap();
+                let answer = with_status(finalized, &body["status"]);
+                status_tx.send(body["status"].clone()).unwrap();
+                send.send_response(
+                    http::Response::builder()
+                        .status(200)
+                        .body(kube::client::Body::from(
+                            serde_json::to_vec(&answer).unwrap(),
+                        ))
+                        .unwrap(),
+                );
+                // Nothing else may come before the client is dropped.
+                if let Some((req, _)) = handle.next_request().await {
+                    panic!("a second call: {} {}", req.method(), req.uri());
+                }
+            })
+        };
+        let r = reconciler(client, lifecycle.clone(), false);
+        r.reconcile(&cr(finalized.clone())).await.unwrap();
+        let written = status_rx.await.unwrap();
+        // The watch delivers the object with its status; reconciling it again, and syncing
+        // with no change in the lifecycle, writes nothing (the mock would see a call).
+        r.reconcile(&cr(with_status(finalized.clone(), &written)))
+            .await
+            .unwrap();
+        r.sync_status().await;
+        assert_eq!(lifecycle.calls(), ["deploy chat-a", "deploy chat-a"]);
+        drop(r);
+        server.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_new_reconciler_trusts_the_status_the_cr_carries() {
+        // After a restart or failover: the CR's status is what the server holds; the same facts
+        // again write nothing. The status is computed once to know what "the same" is.
+        let lifecycle = Arc::new(FakeLifecycle::default());
+        let (client, handle) = mock::client();
+        let finalized = cr_json(&[FINALIZER], 1, spec());
+        let server = mock::serve(
+            handle,
+            vec![Exchange::ok(Method::PATCH, STATUS_PATH, finalized.clone())],
+        );
+        let first = reconciler(client, lifecycle.clone(), false);
+        first.reconcile(&cr(finalized.clone())).await.unwrap();
+        let seen = server.await.unwrap();
+        let status = seen[0].body["status"].clone();
+
+        let (client, handle) = mock::client();
+        let server = mock::serve(handle, vec![]);
+        let second = reconciler(client, lifecycle.clone(), false);
+        second
+            .reconcile(&cr(with_status(finalized, &status)))
+            .await
+            .unwrap();
+        assert!(server.await.unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_changed_generation_redeploys_and_moves_observed_generation() {
+        let lifecycle = Arc::new(FakeLifecycle::default());
+        let (client, handle) = mock::client();
+        let v1 = cr_json(&[FINALIZER], 1, spec());
+        let v2 = cr_json(
+            &[FINALIZER],
+            2,
+            serde_json::json!({"engine": "vllm", "model": "Qwen3-4B", "maxConcurrentRequests": 8}),
+        );
+        let server = mock::serve(
+            handle,
+            vec![
+                Exchange::ok(Method::PATCH, STATUS_PATH, v1.clone()),
+                Exchange::ok(Method::PATCH, STATUS_PATH, v2.clone()),
+            ],
+        );
+        let r = reconciler(client, lifecycle.clone(), false);
+        r.reconcile(&cr(v1)).await.unwrap();
+        r.reconcile(&cr(v2)).await.unwrap();
+        let seen = server.await.unwrap();
+        assert_eq!(seen[1].body["status"]["revision"], 2);
+        assert_eq!(seen[1].body["status"]["observedGeneration"], 2);
+        let spec = &lifecycle.deps.lock().unwrap()["chat-a"].spec;
+        assert_eq!(spec.max_concurrent_requests, Some(8));
+    }
+
+    #[tokio::test]
+    async fn a_bad_spec_is_refused_and_changes_nothing() {
+        let lifecycle = Arc::new(FakeLifecycle::default());
+        let (client, handle) = mock::client();
+        let good = cr_json(&[FINALIZER], 1, spec());
+        let bad = cr_json(
+            &[FINALIZER],
+            2,
+            serde_json::json!({"engine": "vllm", "model": "Qwen3-4B", "maxConcurrentRequests": 0}),
+        );
+        let server = mock::serve(
+            handle,
+            vec![
+                Exchange::ok(Method::PATCH, STATUS_PATH, good.clone()),
+                Exchange::ok(Method::POST, EVENTS_PATH, serde_json::json!({})),
+                Exchange::ok(Method::PATCH, STATUS_PATH, bad.clone()),
+            ],
+        );
+        let r = reconciler(client.clone(), lifecycle.clone(), false);
+        r.reconcile(&cr(good)).await.unwrap();
+        let r = Reconciler {
+            recorder: Some(Reconciler::recorder(client, None)),
+            ..r
+        };
+        r.reconcile(&cr(bad)).await.unwrap();
+        let seen = server.await.unwrap();
+        assert_eq!(seen[1].body["type"], "Warning");
+        assert_eq!(seen[1].body["reason"], "Refused");
+        let status = &seen[2].body["status"];
+        // Still revision 1 of generation 1, and why not 2.
+        assert_eq!(status["revision"], 1);
+        assert_eq!(status["observedGeneration"], 1);
+        let accepted = status["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == "Accepted")
+            .unwrap();
+        assert_eq!(accepted["status"], "False");
+        assert!(
+            accepted["message"]
+                .as_str()
+                .unwrap()
+                .contains("spec.maxConcurrentRequests"),
+            "{accepted}"
+        );
+        assert_eq!(lifecycle.calls(), ["deploy chat-a"]);
+    }
+
+    #[tokio::test]
+    async fn deletion_deletes_from_the_lifecycle_then_removes_the_finalizer() {
+        let lifecycle = Arc::new(FakeLifecycle::default());
+        let (client, handle) = mock::client();
+        let live = cr_json(&[FINALIZER, "other.io/keep"], 1, spec());
+        let mut deleting = live.clone();
+        deleting["metadata"]["deletionTimestamp"] = "2026-12-03T08:00:00Z".into();
+        let server = mock::serve(
+            handle,
+            vec![
+                Exchange::ok(Method::PATCH, STATUS_PATH, live.clone()),
+                Exchange::ok(Method::PATCH, CR_PATH, live.clone()),
+            ],
+        );
+        let r = reconciler(client, lifecycle.clone(), false);
+        r.reconcile(&cr(live)).await.unwrap();
+        let action = r.reconcile(&cr(deleting)).await.unwrap();
+        assert_eq!(action, Action::await_change());
+        assert_eq!(lifecycle.calls(), ["deploy chat-a", "delete chat-a"]);
+        assert!(lifecycle.deps.lock().unwrap().is_empty());
+        let seen = server.await.unwrap();
+        // Only our finalizer goes; another's stays.
+        assert_eq!(
+            seen[1].body["metadata"]["finalizers"],
+            serde_json::json!(["other.io/keep"])
+        );
+        assert_eq!(seen[1].body["metadata"]["resourceVersion"], "101");
+        // Forgotten: a sync reads nothing.
+        r.sync_status().await;
+    }
+
+    #[tokio::test]
+    async fn a_failed_lifecycle_delete_keeps_the_finalizer() {
+        struct Failing;
+        impl ManagementApi for Failing {
+            fn list(&self) -> BoxFuture<'_, DeploymentList> {
+                Box::pin(async {
+                    DeploymentList {
+                        deployments: vec![],
+                    }
+                })
+            }
+            fn deploy(&self, _: DeploymentDoc) -> BoxFuture<'_, Result<DeployReceipt, ApiError>> {
+                unimplemented!()
+            }
+            fn get<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<DeploymentView, ApiError>> {
+                unimplemented!()
+            }
+            fn delete<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<DeploymentView, ApiError>> {
+                Box::pin(async {
+                    Err(ApiError::Internal {
+                        detail: "the host agent did not answer".into(),
+                    })
+                })
+            }
+            fn start<'a>(
+                &'a self,
+                _: &'a str,
+                _: StartRequest,
+            ) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+                unimplemented!()
+            }
+            fn stop<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+                unimplemented!()
+            }
+            fn park<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+                unimplemented!()
+            }
+            fn preinitialize<'a>(
+                &'a self,
+                _: &'a str,
+            ) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+                unimplemented!()
+            }
+            fn engines(&self) -> BoxFuture<'_, EngineList> {
+                unimplemented!()
+            }
+            fn hosts(&self) -> BoxFuture<'_, HostList> {
+                unimplemented!()
+            }
+            fn load<'a>(
+                &'a self,
+                _: Option<&'a str>,
+            ) -> BoxFuture<'a, Result<LoadReport, ApiError>> {
+                unimplemented!()
+            }
+            fn ready(&self) -> bool {
+                true
+            }
+        }
+        let (client, handle) = mock::client();
+        let server = mock::serve(handle, vec![]);
+        let r = Reconciler::new(
+            Arc::new(Failing),
+            Api::namespaced(client, "capyctl"),
+            None,
+            None,
+            ReconcilerConfig::default(),
+        );
+        let mut deleting = cr_json(&[FINALIZER], 1, spec());
+        deleting["metadata"]["deletionTimestamp"] = "2026-12-03T08:00:00Z".into();
+        let err = r.reconcile(&cr(deleting)).await.unwrap_err();
+        assert_eq!(err.metric_label(), "internal");
+        // No call to the API server: the finalizer stays until the lifecycle let go.
+        assert!(server.await.unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_deleted_cr_already_gone_from_the_lifecycle_still_loses_its_finalizer() {
+        let lifecycle = Arc::new(FakeLifecycle::default());
+        let (client, handle) = mock::client();
+        let mut deleting = cr_json(&[FINALIZER], 1, spec());
+        deleting["metadata"]["deletionTimestamp"] = "2026-12-03T08:00:00Z".into();
+        let server = mock::serve(
+            handle,
+            vec![Exchange::new(
+                Method::PATCH,
+                CR_PATH,
+                404,
+                status_body(404, "NotFound", "gone"),
+            )],
+        );
+        let r = reconciler(client, lifecycle.clone(), false);
+        assert_eq!(
+            r.reconcile(&cr(deleting)).await.unwrap(),
+            Action::await_change()
+        );
+        assert_eq!(lifecycle.calls(), ["delete chat-a"]);
+        server.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_park_in_the_lifecycle_writes_the_status_and_an_event() {
+        let lifecycle = Arc::new(FakeLifecycle::default());
+        let (client, handle) = mock::client();
+        let finalized = cr_json(&[FINALIZER], 1, spec());
+        let server = mock::serve(
+            handle,
+            vec![
+                Exchange::ok(Method::PATCH, STATUS_PATH, finalized.clone()),
+                Exchange::ok(Method::POST, EVENTS_PATH, serde_json::json!({})),
+                Exchange::ok(Method::PATCH, STATUS_PATH, finalized.clone()),
+                Exchange::ok(Method::POST, EVENTS_PATH, serde_json::json!({})),
+                Exchange::ok(Method::PATCH, STATUS_PATH, finalized.clone()),
+            ],
+        );
+        let r = reconciler(client.clone(), lifecycle.clone(), false);
+        r.reconcile(&cr(finalized)).await.unwrap();
+        let r = Reconciler {
+            recorder: Some(Reconciler::recorder(client, None)),
+            ..r
+        };
+        lifecycle.set_state("chat-a", InstanceState::Ready, None);
+        r.sync_status().await;
+        lifecycle.set_state("chat-a", InstanceState::Parked, Some("host_ram"));
+        r.sync_status().await;
+        // Nothing changed since: nothing written, nothing told.
+        r.sync_status().await;
+        let seen = server.await.unwrap();
+        assert_eq!(seen[1].body["reason"], "Started");
+        assert_eq!(seen[2].body["status"]["state"], "ready");
+        assert_eq!(seen[3].body["reason"], "Parked");
+        assert!(seen[3].body["note"].as_str().unwrap().contains("host_ram"));
+        assert_eq!(seen[4].body["status"]["state"], "parked");
+        assert_eq!(
+            seen[4].body["status"]["instances"][0]["residency"],
+            "host_backed"
+        );
+    }
+
+    fn with_instance(
+        v: &DeploymentView,
+        state: InstanceState,
+        generation: u64,
+        error: Option<&str>,
+    ) -> DeploymentView {
+        let mut v = v.clone();
+        v.state = state;
+        v.instances[0].state = state;
+        v.instances[0].generation = generation;
+        v.instances[0].last_error = error.map(str::to_string);
+        v
+    }
+
+    #[test]
+    fn happenings_tell_parks_wakes_starts_stops_and_failures() {
+        let doc = capyctl_crds::documents::parse_deployment_str(
+            "t.yaml",
+            "name: chat-a\nengine: vllm\nmodel: m\n",
+        )
+        .unwrap();
+        let base = view_of(&doc, 1);
+        let reasons = |a: &DeploymentView, b: &DeploymentView| -> Vec<&'static str> {
+            happenings(Some(a), b).iter().map(|h| h.reason).collect()
+        };
+        let stopped = with_instance(&base, InstanceState::Stopped, 1, None);
+        let ready = with_instance(&base, InstanceState::Ready, 1, None);
+        let parked = with_instance(&base, InstanceState::Parked, 1, None);
+        let waking = with_instance(&base, InstanceState::Waking, 1, None);
+        assert_eq!(reasons(&stopped, &ready), ["Started"]);
+        assert_eq!(reasons(&ready, &parked), ["Parked"]);
+        assert_eq!(reasons(&parked, &ready), ["Woken"]);
+        assert_eq!(reasons(&waking, &ready), ["Woken"]);
+        assert_eq!(reasons(&parked, &stopped), ["Stopped"]);
+        assert!(reasons(&ready, &ready).is_empty());
+        let wake_failed = with_instance(
+            &base,
+            InstanceState::Failed,
+            1,
+            Some("wake_mismatch: the answer differs"),
+        );
+        let h = happenings(Some(&waking), &wake_failed);
+        assert_eq!(h[0].reason, "WakeFailed");
+        assert!(h[0].warning);
+        assert_eq!(h[0].to_event().type_, EventType::Warning);
+        let crashed = with_instance(
+            &base,
+            InstanceState::Failed,
+            1,
+            Some("engine exited with status 1"),
+        );
+        assert_eq!(reasons(&ready, &crashed), ["EngineFailed"]);
+        // A restart into a new generation is a start, not a wake.
+        let restarted = with_instance(&base, InstanceState::Ready, 2, None);
+        assert_eq!(reasons(&parked, &restarted), ["Started"]);
+    }
+
+    #[test]
+    fn a_receipt_with_a_switch_tells_its_victims() {
+        let doc = capyctl_crds::documents::parse_deployment_str(
+            "t.yaml",
+            "name: chat-a\nengine: vllm\nmodel: m\n",
+        )
+        .unwrap();
+        let receipt = ActionReceipt {
+            action: "start".into(),
+            deployment: view_of(&doc, 1),
+            switch_id: Some("sw-7".into()),
+            victims: vec![capyctl_crds::api::Victim {
+                deployment_id: "01KB".into(),
+                name: "chat-b".into(),
+                instance_id: "01KB-0".into(),
+                released: capyctl_crds::api::Released::StoppedNoRoomToPark,
+            }],
+        };
+        let h = Happening::from_receipt(&receipt).unwrap();
+        assert_eq!(h.reason, "Switched");
+        assert_eq!(
+            h.note,
+            "switch sw-7: chat-b stopped (no room to park) for chat-a"
+        );
+        let none = ActionReceipt {
+            switch_id: None,
+            victims: vec![],
+            ..receipt
+        };
+        assert!(Happening::from_receipt(&none).is_none());
+    }
+}

@@ -1,0 +1,565 @@
+//! The `Deployment` CR's `status`, computed from the lifecycle's [`DeploymentView`].
+//!
+//! - [`deployment_status`] is a pure function: the view, the CR's `metadata.generation` the
+//!   lifecycle runs, what is known of parking ([`Parkability`]) and the status written before
+//!   (whose conditions keep their `lastTransitionTime` while their `status` stays the same).
+//! - [`needs_write`] says whether the status in the API server differs from the computed one:
+//!   an unchanged status is never written again.
+//! - [`apply_status`] writes it by server-side apply on the `status` subresource, with the one
+//!   field manager [`FIELD_MANAGER`] (forced: CapyCTL owns `status`).
+//!
+//! Conditions: `Ready` and `Measured` come from the view; `Parkable` from the view when the
+//! lifecycle reports it, else from [`Parkability`] (the host agent's answer, or what the
+//! document alone says: `restart_only`, TensorFold, decision models). A spec the lifecycle
+//! refused adds `Accepted=False` (reason `invalid_spec`) and keeps `observedGeneration` at the
+//! generation that is still running.
+
+use capyctl_crds::api::{ConditionView, DeploymentView, InstanceView, MeasurementView};
+use capyctl_crds::documents::DeploymentDoc;
+use capyctl_crds::k8s::{
+    Deployment, DeploymentStatus, InstanceStatus, MeasurementSource, MeasurementState,
+    MeasurementStatus, conditions,
+};
+use capyctl_crds::{EngineKind, Residency};
+use capyctl_node_agent::AgentError;
+use capyctl_node_agent::tier::{NoParkReason, ParkChoice, ParkTier};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::Api;
+use kube::api::{Patch, PatchParams};
+
+use super::FIELD_MANAGER;
+
+/// Condition type added when the lifecycle refused the CR's spec.
+pub const ACCEPTED: &str = "Accepted";
+/// Reason of `Accepted=False`.
+pub const REASON_INVALID_SPEC: &str = "invalid_spec";
+
+/// What is known of how a deployment gives back its GPU memory (the `Parkable` condition).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Parkability {
+    /// Nothing known yet (no host has answered).
+    Unknown,
+    /// It parks, in this tier (`host_ram`, `deep`, `kv_only`).
+    Parks(&'static str),
+    /// It is stopped instead of parked.
+    Stops {
+        /// A stable reason (`restart_only`, `engine_does_not_park`, ...).
+        reason: &'static str,
+        /// Why, for people.
+        message: String,
+    },
+    /// The host refuses to park it (`capability_missing:deep_park`, `residency_refused`).
+    Refused {
+        /// A stable reason.
+        reason: &'static str,
+        /// Why, for people.
+        message: String,
+    },
+}
+
+fn tier_words(t: ParkTier) -> &'static str {
+    match t {
+        ParkTier::HostRam => "host_ram",
+        ParkTier::Deep => "deep",
+        ParkTier::KvOnly => "kv_only",
+    }
+}
+
+fn stop_reason(r: NoParkReason) -> &'static str {
+    match r {
+        NoParkReason::RestartOnly => conditions::REASON_RESTART_ONLY,
+        NoParkReason::EngineDoesNotPark => "engine_does_not_park",
+        NoParkReason::DecisionModel => "decision_model",
+        NoParkReason::NoRoomToPark => "no_room_to_park",
+    }
+}
+
+impl Parkability {
+    /// What the host agent's `parkability` answered.
+    pub fn from_agent(answer: &Result<ParkChoice, AgentError>) -> Self {
+        match answer {
+            Ok(ParkChoice::Park(t)) => Parkability::Parks(tier_words(*t)),
+            Ok(ParkChoice::Stop(r)) => Parkability::Stops {
+                reason: stop_reason(*r),
+                message: format!("stopped instead of parked: {}", r.describe()),
+            },
+            Err(e @ AgentError::CapabilityMissing { .. }) => Parkability::Refused {
+                reason: conditions::REASON_CAPABILITY_MISSING_DEEP_PARK,
+                message: e.to_string(),
+            },
+            Err(e @ AgentError::ResidencyRefused { .. }) => Parkability::Refused {
+                reason: "residency_refused",
+                message: e.to_string(),
+            },
+            Err(_) => Parkability::Unknown,
+        }
+    }
+
+    /// What the document alone says (no host asked): `restart_only`, TensorFold and decision
+    /// models stop instead of parking; anything else is not known until a host answers.
+    pub fn from_doc(doc: &DeploymentDoc) -> Self {
+        let stop = |r: NoParkReason| Parkability::Stops {
+            reason: stop_reason(r),
+            message: format!("stopped instead of parked: {}", r.describe()),
+        };
+        if doc.residency == Some(Residency::RestartOnly) {
+            stop(NoParkReason::RestartOnly)
+        } else if doc.engine == EngineKind::Tensorfold {
+            stop(NoParkReason::EngineDoesNotPark)
+        } else if doc.decision.is_some() {
+            stop(NoParkReason::DecisionModel)
+        } else {
+            Parkability::Unknown
+        }
+    }
+
+    fn condition(&self) -> ConditionView {
+        let (status, reason, message) = match self {
+            Parkability::Unknown => (
+                "Unknown",
+                "not_checked",
+                "no host has said yet how this model parks".to_string(),
+            ),
+            Parkability::Parks(tier) => ("True", *tier, format!("parks in {tier}")),
+            Parkability::Stops { reason, message } | Parkability::Refused { reason, message } => {
+                ("False", *reason, message.clone())
+            }
+        };
+        ConditionView {
+            kind: conditions::PARKABLE.to_string(),
+            status: status.to_string(),
+            reason: reason.to_string(),
+            message,
+        }
+    }
+}
+
+/// Everything the status is computed from.
+#[derive(Debug, Clone, Copy)]
+pub struct StatusInput<'a> {
+    /// The lifecycle's view of the deployment; `None` when it has none (a spec refused before
+    /// it was ever deployed).
+    pub view: Option<&'a DeploymentView>,
+    /// The CR's `metadata.generation` the lifecycle runs (its `observedGeneration`).
+    pub observed_generation: Option<i64>,
+    /// How the deployment parks, when the view does not say.
+    pub parkability: &'a Parkability,
+    /// Why the lifecycle refused the CR's current spec, if it did.
+    pub refused: Option<&'a str>,
+    /// The status written before (conditions keep their transition times).
+    pub previous: Option<&'a DeploymentStatus>,
+    /// Now (a condition whose `status` changes gets it as `lastTransitionTime`).
+    pub now: Timestamp,
+}
+
+fn residency_of(i: &InstanceView) -> Option<Residency> {
+    match i.parked_tier.as_deref() {
+        Some("host_ram") => Some(Residency::HostBacked),
+        Some("deep") => Some(Residency::Deep),
+        _ => None,
+    }
+}
+
+fn instance_status(i: &InstanceView) -> InstanceStatus {
+    InstanceStatus {
+        index: i.index,
+        host_id: i.host_id.clone(),
+        generation: i.generation,
+        state: i.state,
+        residency: residency_of(i),
+        message: i.last_error.clone(),
+    }
+}
+
+fn measurement_status(
+    m: Option<&MeasurementView>,
+    measured: Option<&ConditionView>,
+) -> MeasurementStatus {
+    match m {
+        Some(m) => MeasurementStatus {
+            state: MeasurementState::Measured,
+            weights_bytes: Some(m.weights_memory),
+            gpu_memory_bytes: Some(m.gpu_memory),
+            source: Some(if m.source == "declared" {
+                MeasurementSource::Declared
+            } else {
+                MeasurementSource::Measured
+            }),
+            message: None,
+        },
+        None => {
+            let failed = measured.is_some_and(|c| c.reason == "failed");
+            MeasurementStatus {
+                state: if failed {
+                    MeasurementState::Failed
+                } else {
+                    MeasurementState::Pending
+                },
+                weights_bytes: None,
+                gpu_memory_bytes: None,
+                source: None,
+                message: measured.filter(|_| failed).map(|c| c.message.clone()),
+            }
+        }
+    }
+}
+
+/// A condition of the view as the CR shows it, keeping the previous `lastTransitionTime`
+/// while its `status` is the same.
+fn k8s_condition(
+    c: &ConditionView,
+    previous: Option<&DeploymentStatus>,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> Condition {
+    let before = previous.and_then(|p| p.conditions.iter().find(|x| x.type_ == c.kind));
+    let last_transition_time = match before {
+        Some(b) if b.status == c.status => b.last_transition_time.clone(),
+        _ => Time(now),
+    };
+    Condition {
+        type_: c.kind.clone(),
+        status: c.status.clone(),
+        // The API server wants a reason of letters, digits, `_`, `,` and `:`, starting with a
+        // letter; the lifecycle's reasons are already so, an empty one is not.
+        reason: if c.reason.is_empty() {
+            "unknown".to_string()
+        } else {
+            c.reason.clone()
+        },
+        message: c.message.clone(),
+        observed_generation: generation,
+        last_transition_time,
+    }
+}
+
+/// The status of a CR (see the module doc).
+pub fn deployment_status(input: StatusInput<'_>) -> DeploymentStatus {
+    let mut views: Vec<ConditionView> = Vec::new();
+    let mut status = DeploymentStatus {
+        observed_generation: input.observed_generation,
+        ..DeploymentStatus::default()
+    };
+    if let Some(v) = input.view {
+        status.deployment_id = Some(v.id.clone());
+        status.state = Some(v.state);
+        status.ready = Some(v.ready.clone());
+        status.revision = Some(v.revision);
+        status.hosts = Some(v.hosts.join(","));
+        status.instances = v.instances.iter().map(instance_status).collect();
+        let measured = v.conditions.iter().find(|c| c.kind == conditions::MEASURED);
+        status.measurement = Some(measurement_status(v.measurement.as_ref(), measured));
+        views.extend(v.conditions.iter().cloned());
+    }
+    if !views.iter().any(|c| c.kind == conditions::PARKABLE) {
+        views.push(input.parkability.condition());
+    }
+    if let Some(why) = input.refused {
+        views.push(ConditionView {
+            kind: ACCEPTED.to_string(),
+            status: "False".to_string(),
+            reason: REASON_INVALID_SPEC.to_string(),
+            message: why.to_string(),
+        });
+    }
+    status.conditions = views
+        .iter()
+        .map(|c| k8s_condition(c, input.previous, input.observed_generation, input.now))
+        .collect();
+    status
+}
+
+/// Whether `desired` differs from the status the API server holds (`current`): only then is
+/// it written.
+pub fn needs_write(current: Option<&DeploymentStatus>, desired: &DeploymentStatus) -> bool {
+    match current {
+        Some(c) => c != desired,
+        None => *desired != DeploymentStatus::default(),
+    }
+}
+
+/// The server-side apply body of a status: `apiVersion`, `kind` and `status` only.
+pub fn apply_body(status: &DeploymentStatus) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": capyctl_crds::k8s::API_VERSION,
+        "kind": "Deployment",
+        "status": status,
+    })
+}
+
+/// Writes `status` on CR `name` by server-side apply on the status subresource, field manager
+/// [`FIELD_MANAGER`], forced.
+pub async fn apply_status(
+    api: &Api<Deployment>,
+    name: &str,
+    status: &DeploymentStatus,
+) -> Result<Deployment, kube::Error> {
+    let params = PatchParams::apply(FIELD_MANAGER).force();
+    api.patch_status(name, &params, &Patch::Apply(apply_body(status)))
+        .await
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use capyctl_crds::api::InstanceView;
+    use capyctl_crds::{Activation, InstanceState};
+
+    use super::*;
+
+    fn doc(text: &str) -> DeploymentDoc {
+        capyctl_crds::documents::parse_deployment_str("t.yaml", text).unwrap()
+    }
+
+    fn cond(kind: &str, status: &str, reason: &str) -> ConditionView {
+        ConditionView {
+            kind: kind.into(),
+            status: status.into(),
+            reason: reason.into(),
+            message: format!("{kind} is {status}"),
+        }
+    }
+
+    fn view(state: InstanceState, ready: bool) -> DeploymentView {
+        let spec = doc("name: chat-a\nengine: vllm\nmodel: Qwen3-4B\n");
+        DeploymentView {
+            id: "01KDEP".into(),
+            name: "chat-a".into(),
+            state,
+            ready: format!("{}/1", u8::from(ready)),
+            revision: 2,
+            hosts: vec!["gpu-1".into()],
+            activation: Activation::OnDemand,
+            warm: false,
+            operator_stopped: false,
+            engine: EngineKind::Vllm,
+            model: "Qwen3-4B".into(),
+            residency: None,
+            measurement: Some(MeasurementView {
+                gpu_memory: 6 << 30,
+                weights_memory: 4 << 30,
+                source: "declared".into(),
+            }),
+            instances: vec![InstanceView {
+                instance_id: "01KDEP-0".into(),
+                index: 0,
+                host_id: "gpu-1".into(),
+                generation: 3,
+                state,
+                parked_tier: (state == InstanceState::Parked).then(|| "host_ram".to_string()),
+                port: Some(8000),
+                pid: Some(42),
+                last_error: None,
+            }],
+            conditions: vec![
+                cond(
+                    "Ready",
+                    if ready { "True" } else { "False" },
+                    if ready { "ready" } else { "not_running" },
+                ),
+                cond("Measured", "True", "measured"),
+            ],
+            spec,
+        }
+    }
+
+    fn at(secs: i64) -> Timestamp {
+        Timestamp::from_second(1_800_000_000 + secs).unwrap()
+    }
+
+    fn input<'a>(
+        v: Option<&'a DeploymentView>,
+        p: &'a Parkability,
+        previous: Option<&'a DeploymentStatus>,
+        now: Timestamp,
+    ) -> StatusInput<'a> {
+        StatusInput {
+            view: v,
+            observed_generation: Some(4),
+            parkability: p,
+            refused: None,
+            previous,
+            now,
+        }
+    }
+
+    #[test]
+    fn the_view_becomes_the_status_with_its_printer_columns() {
+        let v = view(InstanceState::Ready, true);
+        let s = deployment_status(input(
+            Some(&v),
+            &Parkability::Parks("host_ram"),
+            None,
+            at(0),
+        ));
+        assert_eq!(s.deployment_id.as_deref(), Some("01KDEP"));
+        assert_eq!(s.state, Some(InstanceState::Ready));
+        assert_eq!(s.ready.as_deref(), Some("1/1"));
+        assert_eq!(s.revision, Some(2));
+        assert_eq!(s.hosts.as_deref(), Some("gpu-1"));
+        assert_eq!(s.observed_generation, Some(4));
+        assert_eq!(s.instances.len(), 1);
+        assert_eq!(s.instances[0].generation, 3);
+        assert_eq!(s.instances[0].host_id, "gpu-1");
+        let m = s.measurement.as_ref().unwrap();
+        assert_eq!(m.state, MeasurementState::Measured);
+        assert_eq!(m.gpu_memory_bytes, Some(6 << 30));
+        assert_eq!(m.source, Some(MeasurementSource::Declared));
+        let types: Vec<&str> = s.conditions.iter().map(|c| c.type_.as_str()).collect();
+        assert_eq!(types, ["Ready", "Measured", "Parkable"]);
+        assert!(
+            s.conditions
+                .iter()
+                .all(|c| c.observed_generation == Some(4))
+        );
+        let parkable = &s.conditions[2];
+        assert_eq!(
+            (parkable.status.as_str(), parkable.reason.as_str()),
+            ("True", "host_ram")
+        );
+        // The JSON is the CRD's camelCase.
+        let json = serde_json::to_value(&s).unwrap();
+        assert_eq!(json["deploymentId"], "01KDEP");
+        assert_eq!(json["observedGeneration"], 4);
+        assert_eq!(json["instances"][0]["hostId"], "gpu-1");
+    }
+
+    #[test]
+    fn a_parked_instance_shows_its_residency() {
+        let v = view(InstanceState::Parked, false);
+        let s = deployment_status(input(Some(&v), &Parkability::Unknown, None, at(0)));
+        assert_eq!(s.state, Some(InstanceState::Parked));
+        assert_eq!(s.ready.as_deref(), Some("0/1"));
+        assert_eq!(s.instances[0].residency, Some(Residency::HostBacked));
+    }
+
+    #[test]
+    fn capability_missing_makes_parkable_false_with_its_reason() {
+        let answer: Result<ParkChoice, AgentError> = Err(AgentError::CapabilityMissing {
+            reason: "hybrid state caches do not survive a deep park",
+        });
+        let p = Parkability::from_agent(&answer);
+        let v = view(InstanceState::Ready, true);
+        let s = deployment_status(input(Some(&v), &p, None, at(0)));
+        let c = s.conditions.iter().find(|c| c.type_ == "Parkable").unwrap();
+        assert_eq!(c.status, "False");
+        assert_eq!(c.reason, "capability_missing:deep_park");
+        assert!(c.message.contains("hybrid state caches"), "{}", c.message);
+    }
+
+    #[test]
+    fn the_document_alone_says_restart_only_and_tensorfold_stop() {
+        let d = doc("name: a\nengine: vllm\nmodel: m\nresidency: restart_only\n");
+        assert!(matches!(
+            Parkability::from_doc(&d),
+            Parkability::Stops {
+                reason: "restart_only",
+                ..
+            }
+        ));
+        let d = doc("name: a\nengine: tensorfold\nmodel: m\n");
+        assert!(matches!(
+            Parkability::from_doc(&d),
+            Parkability::Stops {
+                reason: "engine_does_not_park",
+                ..
+            }
+        ));
+        let d = doc("name: a\nengine: sglang\nmodel: m\n");
+        assert_eq!(Parkability::from_doc(&d), Parkability::Unknown);
+        let c = Parkability::Unknown.condition();
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("Unknown", "not_checked")
+        );
+    }
+
+    #[test]
+    fn a_parkable_condition_of_the_view_wins() {
+        let mut v = view(InstanceState::Ready, true);
+        v.conditions
+            .push(cond("Parkable", "False", "capability_missing:deep_park"));
+        let s = deployment_status(input(Some(&v), &Parkability::Parks("deep"), None, at(0)));
+        let parkable: Vec<&Condition> = s
+            .conditions
+            .iter()
+            .filter(|c| c.type_ == "Parkable")
+            .collect();
+        assert_eq!(parkable.len(), 1);
+        assert_eq!(parkable[0].reason, "capability_missing:deep_park");
+    }
+
+    #[test]
+    fn transition_times_stay_while_the_status_stays() {
+        let v = view(InstanceState::Ready, true);
+        let p = Parkability::Parks("host_ram");
+        let first = deployment_status(input(Some(&v), &p, None, at(0)));
+        // Later, same facts: the same status, so nothing to write.
+        let again = deployment_status(input(Some(&v), &p, Some(&first), at(60)));
+        assert_eq!(again, first);
+        assert!(!needs_write(Some(&first), &again));
+        // The instance parks: Ready flips (new time), Measured does not (old time).
+        let parked = view(InstanceState::Parked, false);
+        let later = deployment_status(input(Some(&parked), &p, Some(&first), at(120)));
+        assert!(needs_write(Some(&first), &later));
+        let ready = later
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Ready")
+            .unwrap();
+        let measured = later
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Measured")
+            .unwrap();
+        assert_eq!(ready.last_transition_time, Time(at(120)));
+        assert_eq!(measured.last_transition_time, Time(at(0)));
+    }
+
+    #[test]
+    fn a_refused_spec_says_so_without_a_view() {
+        let p = Parkability::Unknown;
+        let s = deployment_status(StatusInput {
+            view: None,
+            observed_generation: None,
+            parkability: &p,
+            refused: Some("Deployment default/a: spec.maxConcurrentRequests: 0 is out of range"),
+            previous: None,
+            now: at(0),
+        });
+        assert_eq!(s.deployment_id, None);
+        let c = s.conditions.iter().find(|c| c.type_ == ACCEPTED).unwrap();
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("False", REASON_INVALID_SPEC)
+        );
+        assert!(c.message.contains("maxConcurrentRequests"));
+    }
+
+    #[test]
+    fn needs_write_is_false_only_for_an_equal_status() {
+        assert!(!needs_write(None, &DeploymentStatus::default()));
+        let s = DeploymentStatus {
+            revision: Some(1),
+            ..Default::default()
+        };
+        assert!(needs_write(None, &s));
+        assert!(needs_write(Some(&DeploymentStatus::default()), &s));
+        assert!(!needs_write(Some(&s.clone()), &s));
+    }
+
+    #[test]
+    fn the_apply_body_names_the_kind_and_holds_only_status() {
+        let s = DeploymentStatus {
+            revision: Some(1),
+            ..Default::default()
+        };
+        let body = apply_body(&s);
+        assert_eq!(body["apiVersion"], "capyctl.io/v1alpha1");
+        assert_eq!(body["kind"], "Deployment");
+        assert_eq!(body["status"]["revision"], 1);
+        assert!(body.get("spec").is_none());
+    }
+}

@@ -1,0 +1,811 @@
+//! End to end: `capyctl-operator` out of cluster, a `capyctl-node-agent --engine-runtime process`
+//! whose engines are the engine simulator, two model manifests; a request through the router
+//! switches them and the CRs' status and Events show the park and the wake; deleting a CR stops
+//! its engine (the finalizer) and lets the object go.
+//!
+//! The same test body runs twice:
+//! - against a small in-process fake API server (always; see [`fake`]): the Kubernetes calls the
+//!   operator makes (Lease get/create/update, CR list/watch/patch, status apply, Events), with
+//!   resource versions, finalizers, deletion and watch streams, and nothing else;
+//! - against a real API server (`#[ignore = "needs cluster"]`), when `CAPYCTL_TEST_KUBECONFIG`
+//!   names a kubeconfig: `CAPYCTL_TEST_KUBECONFIG=~/.kube/config cargo test -p capyctl-operator
+//!   --test k8s_e2e -- --ignored`.
+#![allow(clippy::unwrap_used)]
+
+#[path = "lifecycle_support/mod.rs"]
+mod support;
+
+use std::time::Duration;
+
+use capyctl_crds::InstanceState;
+use capyctl_crds::k8s::{Deployment, chart_crd_dir};
+use capyctl_operator::k8s::FINALIZER;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client, Config, ResourceExt};
+
+/// A child process stopped with SIGTERM (a clean shutdown: the node agent stops its engines,
+/// the operator releases its Lease) when dropped.
+struct Proc(std::process::Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status();
+        let _ = self.0.wait();
+    }
+}
+
+/// The children's log filter: the test's `RUST_LOG`, else warnings only.
+fn log_filter() -> String {
+    std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".to_string())
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The newest modification time of the files under `dir`.
+fn newest(dir: &std::path::Path) -> std::time::SystemTime {
+    let mut t = std::time::UNIX_EPOCH;
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        let m = if path.is_dir() {
+            newest(&path)
+        } else {
+            entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .unwrap_or(std::time::UNIX_EPOCH)
+        };
+        t = t.max(m);
+    }
+    t
+}
+
+/// The `capyctl-node-agent` binary, built when missing or older than its sources (or the
+/// crds').
+fn node_agent_binary() -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("capyctl-node-agent");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let sources = newest(&root.join("node-agent/src")).max(newest(&root.join("crds/src")));
+    let fresh = std::fs::metadata(&bin)
+        .and_then(|m| m.modified())
+        .is_ok_and(|t| t >= sources);
+    if !fresh {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let status = std::process::Command::new(cargo)
+            .args([
+                "build",
+                "-p",
+                "capyctl-node-agent",
+                "--bin",
+                "capyctl-node-agent",
+            ])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .unwrap();
+        assert!(status.success(), "building capyctl-node-agent failed");
+    }
+    assert!(bin.exists(), "no capyctl-node-agent at {}", bin.display());
+    bin
+}
+
+/// Polls `f` every 200 ms for at most `within` (the operator is another process: there is
+/// nothing to wait on but the API server).
+async fn eventually<T, F, Fut>(what: &str, within: Duration, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what}: not within {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn model_cr(ns: &str, name: &str) -> Deployment {
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "capyctl.io/v1alpha1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {"engine": "vllm", "model": "Qwen3-4B",
+                 "resources": {"gpuMemory": "6GiB", "weightsMemory": "64MiB"},
+                 "env": {"ENGINE_SIM_WEIGHTS_BYTES": "64MiB"}},
+    }))
+    .unwrap()
+}
+
+async fn state_of(api: &Api<Deployment>, name: &str) -> Option<InstanceState> {
+    api.get(name).await.ok()?.status?.state
+}
+
+async fn has_event(events: &Api<Event>, object: &str, reason: &str) -> bool {
+    events
+        .list(&ListParams::default())
+        .await
+        .map(|l| {
+            l.items.iter().any(|e| {
+                e.reason.as_deref() == Some(reason)
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(object)
+            })
+        })
+        .unwrap_or(false)
+}
+
+/// A node agent with the process runtime whose engines are the engine simulator (one GPU of
+/// 10 GiB, 1 GiB of host RAM); its port.
+fn start_node_agent(dir: &std::path::Path) -> (Proc, u16) {
+    let sim = support::engine_sim_binary();
+    let host = dir.join("host.yaml");
+    std::fs::write(
+        &host,
+        format!(
+            "gpus: [{{memory: 10GiB}}]\nhost_memory: 1GiB\nresource_policy: {{queue: {{admission_window: 100ms}}}}\nengines:\n  vllm: {{command: [\"{}\"]}}\n",
+            sim.display()
+        ),
+    )
+    .unwrap();
+    let port = free_port();
+    let agent = Proc(
+        std::process::Command::new(node_agent_binary())
+            .args(["--file", host.to_str().unwrap(), "--node-name", "e2e-node"])
+            .args(["--engine-runtime", "process"])
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(["--data-dir", dir.join("agent").to_str().unwrap()])
+            .env("CAPYCTL_AGENT_TOKEN", "e2e-agent-token")
+            .env("RUST_LOG", log_filter())
+            .spawn()
+            .unwrap(),
+    );
+    (agent, port)
+}
+
+/// `capyctl-operator` out of cluster as replica `identity`; its inference listener.
+fn start_operator(
+    dir: &std::path::Path,
+    kubeconfig: &std::path::Path,
+    ns: &str,
+    identity: &str,
+    agent_port: u16,
+) -> (Proc, std::net::SocketAddr) {
+    let (inference_port, management_port) = (free_port(), free_port());
+    let operator = Proc(
+        std::process::Command::new(env!("CARGO_BIN_EXE_capyctl-operator"))
+            .args([
+                "--set",
+                &format!("listen.inference=127.0.0.1:{inference_port}"),
+            ])
+            .args([
+                "--set",
+                &format!("listen.management=127.0.0.1:{management_port}"),
+            ])
+            .args(["--namespace", ns, "--identity", identity])
+            .args(["--lease-name", "capyctl-e2e"])
+            .args(["--node-agent", &format!("http://127.0.0.1:{agent_port}")])
+            .args(["--data-dir", dir.join(identity).to_str().unwrap()])
+            .env("KUBECONFIG", kubeconfig)
+            .env("CAPYCTL_AGENT_TOKEN", "e2e-agent-token")
+            .env("RUST_LOG", log_filter())
+            .spawn()
+            .unwrap(),
+    );
+    (
+        operator,
+        format!("127.0.0.1:{inference_port}").parse().unwrap(),
+    )
+}
+
+async fn chat(inference: std::net::SocketAddr, model: &str) -> (u16, serde_json::Value) {
+    support::post_json(
+        inference,
+        "/v1/chat/completions",
+        serde_json::json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+    )
+    .await
+}
+
+async fn lease_holder(client: &Client, ns: &str) -> Option<String> {
+    let leases: Api<Lease> = Api::namespaced(client.clone(), ns);
+    leases.get("capyctl-e2e").await.ok()?.spec?.holder_identity
+}
+
+/// The end-to-end scenario in namespace `ns` of the API server of `kubeconfig` (`client`).
+async fn scenario(client: Client, kubeconfig: &std::path::Path, ns: &str) {
+    let dir = support::temp_dir("k8s-e2e");
+    let (_agent, agent_port) = start_node_agent(&dir);
+    let (_operator, inference) = start_operator(&dir, kubeconfig, ns, "op-e2e", agent_port);
+
+    let api: Api<Deployment> = Api::namespaced(client.clone(), ns);
+    for name in ["chat-a", "chat-b"] {
+        api.create(&PostParams::default(), &model_cr(ns, name))
+            .await
+            .unwrap();
+    }
+    let t = Duration::from_secs(60);
+    for name in ["chat-a", "chat-b"] {
+        eventually(&format!("{name} deployed"), t, || async {
+            let cr = api.get(name).await.ok()?;
+            let ok = cr.finalizers().iter().any(|f| f == FINALIZER)
+                && cr.status?.deployment_id.is_some();
+            ok.then_some(())
+        })
+        .await;
+    }
+    assert_eq!(lease_holder(&client, ns).await.as_deref(), Some("op-e2e"));
+
+    let (status, body) = chat(inference, "chat-a").await;
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = chat(inference, "chat-b").await;
+    assert_eq!(status, 200, "{body}");
+    eventually("chat-a parked, chat-b ready in the status", t, || async {
+        (state_of(&api, "chat-a").await == Some(InstanceState::Parked)
+            && state_of(&api, "chat-b").await == Some(InstanceState::Ready))
+        .then_some(())
+    })
+    .await;
+    let (status, body) = chat(inference, "chat-a").await;
+    assert_eq!(status, 200, "{body}");
+    eventually("chat-a woken in the status", t, || async {
+        (state_of(&api, "chat-a").await == Some(InstanceState::Ready)).then_some(())
+    })
+    .await;
+    let events: Api<Event> = Api::namespaced(client.clone(), ns);
+    for (object, reason) in [
+        ("chat-a", "Parked"),
+        ("chat-a", "Woken"),
+        ("chat-b", "Started"),
+        ("chat-b", "Parked"),
+    ] {
+        eventually(&format!("a {reason} event on {object}"), t, || async {
+            has_event(&events, object, reason).await.then_some(())
+        })
+        .await;
+    }
+    let a = api.get("chat-a").await.unwrap().status.unwrap();
+    assert_eq!(a.instances[0].generation, 1, "woken, not restarted");
+
+    // Deleting a CR stops its engine and lets the object go.
+    api.delete("chat-b", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("chat-b gone", t, || async {
+        api.get_opt("chat-b").await.ok()?.is_none().then_some(())
+    })
+    .await;
+    let (status, _) = chat(inference, "chat-b").await;
+    assert_eq!(status, 404);
+    drop(_operator);
+    drop(_agent);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Failover: the leader shuts down (it stops its work, then releases the Lease), the standby
+/// takes over, rebuilds the deployment from the CR's status (same ID) and adopts the running
+/// engine from the node agent (a request is served by the same engine, generation 1).
+async fn failover(client: Client, kubeconfig: &std::path::Path, ns: &str) {
+    let dir = support::temp_dir("k8s-failover");
+    let (_agent, agent_port) = start_node_agent(&dir);
+    let (a, inference_a) = start_operator(&dir, kubeconfig, ns, "op-a", agent_port);
+    let api: Api<Deployment> = Api::namespaced(client.clone(), ns);
+    api.create(&PostParams::default(), &model_cr(ns, "chat-a"))
+        .await
+        .unwrap();
+    let t = Duration::from_secs(60);
+    let id = eventually("chat-a deployed", t, || async {
+        api.get("chat-a").await.ok()?.status?.deployment_id
+    })
+    .await;
+    assert_eq!(lease_holder(&client, ns).await.as_deref(), Some("op-a"));
+    let (_b, inference_b) = start_operator(&dir, kubeconfig, ns, "op-b", agent_port);
+    let (status, body) = chat(inference_a, "chat-a").await;
+    assert_eq!(status, 200, "{body}");
+    eventually("chat-a ready in the status", t, || async {
+        (state_of(&api, "chat-a").await == Some(InstanceState::Ready)).then_some(())
+    })
+    .await;
+    // The standby does not serve while it stands by.
+    assert!(
+        support::try_post_json(inference_b, "/v1/chat/completions", serde_json::json!({}))
+            .await
+            .is_err()
+    );
+
+    drop(a);
+    eventually("op-b holds the Lease", t, || async {
+        (lease_holder(&client, ns).await.as_deref() == Some("op-b")).then_some(())
+    })
+    .await;
+    let (status, body) = eventually("op-b serves chat-a", t, || async {
+        let body = serde_json::json!({"model": "chat-a",
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4});
+        support::try_post_json(inference_b, "/v1/chat/completions", body)
+            .await
+            .ok()
+    })
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let cr = api.get("chat-a").await.unwrap();
+    let st = cr.status.unwrap();
+    assert_eq!(
+        st.deployment_id.as_deref(),
+        Some(id.as_str()),
+        "the same deployment"
+    );
+    assert_eq!(
+        st.instances[0].generation, 1,
+        "the engine was adopted, not restarted"
+    );
+    assert_eq!(st.state, Some(InstanceState::Ready));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A kubeconfig for the fake API server at `addr`, written in `dir`.
+fn fake_kubeconfig(dir: &std::path::Path, addr: std::net::SocketAddr) -> std::path::PathBuf {
+    let kubeconfig = dir.join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters: [{{name: fake, cluster: {{server: \"http://{addr}\"}}}}]\nusers: [{{name: u, user: {{token: fake-token}}}}]\ncontexts: [{{name: fake, context: {{cluster: fake, user: u, namespace: capyctl}}}}]\ncurrent-context: fake\n"
+        ),
+    )
+    .unwrap();
+    kubeconfig
+}
+
+/// A client of the API server of `kubeconfig`.
+async fn client_of(kubeconfig: &std::path::Path) -> Client {
+    let kc = Kubeconfig::read_from(kubeconfig).unwrap();
+    let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+        .await
+        .unwrap();
+    Client::try_from(config).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn against_a_fake_api_server_the_operator_switches_two_models_and_the_crs_show_it() {
+    let addr = fake::Fake::start().await;
+    let dir = support::temp_dir("k8s-e2e-fake");
+    let kubeconfig = fake_kubeconfig(&dir, addr);
+    let client = client_of(&kubeconfig).await;
+    scenario(client, &kubeconfig, "capyctl").await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn against_a_fake_api_server_the_standby_takes_over_and_adopts_the_engine() {
+    let addr = fake::Fake::start().await;
+    let dir = support::temp_dir("k8s-failover-fake");
+    let kubeconfig = fake_kubeconfig(&dir, addr);
+    let client = client_of(&kubeconfig).await;
+    failover(client, &kubeconfig, "capyctl").await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The cluster of `CAPYCTL_TEST_KUBECONFIG` with the chart's CRDs applied and established, and
+/// a fresh namespace; `None` when the variable is unset.
+async fn cluster_namespace() -> Option<(Client, std::path::PathBuf, String)> {
+    let Some(path) = std::env::var_os("CAPYCTL_TEST_KUBECONFIG").filter(|p| !p.is_empty()) else {
+        eprintln!("CAPYCTL_TEST_KUBECONFIG is not set; skipping");
+        return None;
+    };
+    let kubeconfig = std::path::PathBuf::from(path);
+    let client = client_of(&kubeconfig).await;
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for entry in std::fs::read_dir(chart_crd_dir()).unwrap() {
+        let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+        let crd: CustomResourceDefinition = serde_yaml_ng::from_str(&text).unwrap();
+        let name = crd.name_any();
+        crds.patch(
+            &name,
+            &PatchParams::apply("capyctl-tests").force(),
+            &Patch::Apply(&crd),
+        )
+        .await
+        .unwrap();
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            kube::runtime::wait::await_condition(
+                crds.clone(),
+                &name,
+                kube::runtime::wait::conditions::is_crd_established(),
+            ),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    }
+    let ns = format!(
+        "capyctl-test-{}",
+        ulid::Ulid::new().to_string().to_lowercase()
+    );
+    let nss: Api<Namespace> = Api::all(client.clone());
+    nss.create(
+        &PostParams::default(),
+        &serde_json::from_value(serde_json::json!({"metadata": {"name": ns}})).unwrap(),
+    )
+    .await
+    .unwrap();
+    Some((client, kubeconfig, ns))
+}
+
+async fn delete_namespace(client: &Client, ns: &str) {
+    let nss: Api<Namespace> = Api::all(client.clone());
+    let _ = nss.delete(ns, &DeleteParams::default()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs cluster"]
+async fn against_a_cluster_the_operator_switches_two_models_and_the_crs_show_it() {
+    let Some((client, kubeconfig, ns)) = cluster_namespace().await else {
+        return;
+    };
+    scenario(client.clone(), &kubeconfig, &ns).await;
+    delete_namespace(&client, &ns).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs cluster"]
+async fn against_a_cluster_the_standby_takes_over_and_adopts_the_engine() {
+    let Some((client, kubeconfig, ns)) = cluster_namespace().await else {
+        return;
+    };
+    failover(client.clone(), &kubeconfig, &ns).await;
+    delete_namespace(&client, &ns).await;
+}
+
+/// A small fake of the Kubernetes API server: objects in memory by path, resource versions,
+/// merge patches with a `resourceVersion` precondition, server-side apply of `status`, updates
+/// (409 on a stale `resourceVersion`), deletion held by finalizers, and watches.
+mod fake {
+    use std::collections::BTreeMap;
+    use std::convert::Infallible;
+    use std::net::SocketAddr;
+    use std::sync::{Arc, Mutex};
+
+    use axum::Router;
+    use axum::body::{Body, Bytes};
+    use axum::extract::State;
+    use axum::response::Response;
+    use http::{Method, StatusCode, Uri};
+    use serde_json::{Value, json};
+    use tokio::sync::watch;
+
+    #[derive(Default)]
+    struct Objects {
+        rv: u64,
+        /// By collection path (`/apis/g/v/namespaces/ns/plural`), then name.
+        by_collection: BTreeMap<String, BTreeMap<String, Value>>,
+        /// Every change: (rv, collection, watch event).
+        log: Vec<(u64, String, Value)>,
+    }
+
+    #[derive(Clone)]
+    pub struct Fake {
+        objects: Arc<Mutex<Objects>>,
+        changed: watch::Sender<u64>,
+    }
+
+    fn status(code: u16, reason: &str, message: &str) -> Response {
+        let body = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                          "message": message, "reason": reason, "code": code});
+        respond(code, &body)
+    }
+
+    fn respond(code: u16, body: &Value) -> Response {
+        Response::builder()
+            .status(StatusCode::from_u16(code).unwrap())
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Body::from(serde_json::to_vec(body).unwrap()))
+            .unwrap()
+    }
+
+    /// RFC 7386.
+    fn merge(target: &mut Value, patch: &Value) {
+        match patch {
+            Value::Object(p) => {
+                if !target.is_object() {
+                    *target = json!({});
+                }
+                let t = target.as_object_mut().unwrap();
+                for (k, v) in p {
+                    if v.is_null() {
+                        t.remove(k);
+                    } else {
+                        merge(t.entry(k.clone()).or_insert(Value::Null), v);
+                    }
+                }
+            }
+            other => *target = other.clone(),
+        }
+    }
+
+    /// Splits `/apis/g/v/namespaces/ns/plural[/name[/sub]]` (or `/api/v1/...`, or a
+    /// cluster-scoped path) into (collection, name, subresource).
+    fn split(path: &str) -> (String, Option<String>, Option<String>) {
+        let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
+        let base = if segs.first() == Some(&"api") { 2 } else { 3 };
+        let start = if segs.get(base) == Some(&"namespaces") && segs.len() > base + 2 {
+            base + 2
+        } else {
+            base
+        };
+        let collection = format!("/{}", segs[..=start.min(segs.len() - 1)].join("/"));
+        (
+            collection,
+            segs.get(start + 1).map(|s| s.to_string()),
+            segs.get(start + 2).map(|s| s.to_string()),
+        )
+    }
+
+    impl Objects {
+        fn record(&mut self, collection: &str, kind: &str, object: &Value) {
+            self.log.push((
+                self.rv,
+                collection.to_string(),
+                json!({"type": kind, "object": object}),
+            ));
+        }
+
+        fn bump(&mut self, object: &mut Value) {
+            self.rv += 1;
+            object["metadata"]["resourceVersion"] = self.rv.to_string().into();
+        }
+
+        /// Stores `object` (modified), or removes it when it is being deleted and has no
+        /// finalizer left.
+        fn store(&mut self, collection: &str, name: &str, mut object: Value) -> Value {
+            self.bump(&mut object);
+            let finalizers_left = object["metadata"]["finalizers"]
+                .as_array()
+                .is_some_and(|f| !f.is_empty());
+            if object["metadata"]["deletionTimestamp"].is_string() && !finalizers_left {
+                self.by_collection
+                    .entry(collection.to_string())
+                    .or_default()
+                    .remove(name);
+                self.record(collection, "DELETED", &object);
+            } else {
+                self.by_collection
+                    .entry(collection.to_string())
+                    .or_default()
+                    .insert(name.to_string(), object.clone());
+                self.record(collection, "MODIFIED", &object);
+            }
+            object
+        }
+    }
+
+    impl Fake {
+        /// Serves on a loopback port; answers its address.
+        pub async fn start() -> SocketAddr {
+            let fake = Fake {
+                objects: Arc::default(),
+                changed: watch::channel(0).0,
+            };
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let app = Router::new().fallback(handle).with_state(fake);
+            tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+            addr
+        }
+
+        fn changed(&self, rv: u64) {
+            self.changed.send_replace(rv);
+        }
+    }
+
+    fn query(uri: &Uri) -> BTreeMap<String, String> {
+        uri.query()
+            .unwrap_or_default()
+            .split('&')
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.replace("%2F", "/").replace("%3D", "=")))
+            .collect()
+    }
+
+    fn watch_stream(fake: Fake, collection: String, from: u64) -> Response {
+        let rx = fake.changed.subscribe();
+        let stream =
+            futures_util::stream::unfold((fake, rx, from), move |(fake, mut rx, mut cursor)| {
+                let collection = collection.clone();
+                async move {
+                    loop {
+                        let lines: Vec<(u64, Value)> = {
+                            let o = fake.objects.lock().unwrap();
+                            o.log
+                                .iter()
+                                .filter(|(rv, c, _)| *rv > cursor && *c == collection)
+                                .map(|(rv, _, e)| (*rv, e.clone()))
+                                .collect()
+                        };
+                        if !lines.is_empty() {
+                            let mut out = Vec::new();
+                            for (rv, e) in lines {
+                                cursor = cursor.max(rv);
+                                out.extend(serde_json::to_vec(&e).unwrap());
+                                out.push(b'\n');
+                            }
+                            return Some((
+                                Ok::<_, Infallible>(Bytes::from(out)),
+                                (fake, rx, cursor),
+                            ));
+                        }
+                        if rx.changed().await.is_err() {
+                            return None;
+                        }
+                    }
+                }
+            });
+        Response::builder()
+            .status(200)
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Body::from_stream(stream))
+            .unwrap()
+    }
+
+    async fn handle(State(fake): State<Fake>, method: Method, uri: Uri, body: Bytes) -> Response {
+        let body: Value = if body.is_empty() {
+            Value::Null
+        } else {
+            match serde_json::from_slice(&body) {
+                Ok(v) => v,
+                Err(e) => return status(400, "BadRequest", &e.to_string()),
+            }
+        };
+        let q = query(&uri);
+        let (collection, name, sub) = split(uri.path());
+        let mut o = fake.objects.lock().unwrap();
+        let answer = match (&method, name.as_deref(), sub.as_deref()) {
+            (&Method::GET, None, _) if q.get("watch").map(String::as_str) == Some("true") => {
+                let from = q
+                    .get("resourceVersion")
+                    .and_then(|r| r.parse().ok())
+                    .unwrap_or(0);
+                drop(o);
+                return watch_stream(fake.clone(), collection, from);
+            }
+            (&Method::GET, None, _) => {
+                let selector = q.get("labelSelector").cloned();
+                let items: Vec<Value> = o
+                    .by_collection
+                    .get(&collection)
+                    .map(|m| m.values().cloned().collect())
+                    .unwrap_or_default();
+                let items: Vec<Value> = items
+                    .into_iter()
+                    .filter(
+                        |i| match selector.as_deref().and_then(|s| s.split_once('=')) {
+                            Some((k, v)) => i["metadata"]["labels"][k] == v,
+                            None => true,
+                        },
+                    )
+                    .collect();
+                respond(
+                    200,
+                    &json!({"apiVersion": "v1", "kind": "List",
+                    "metadata": {"resourceVersion": o.rv.to_string()}, "items": items}),
+                )
+            }
+            (&Method::GET, Some(n), _) => {
+                match o.by_collection.get(&collection).and_then(|m| m.get(n)) {
+                    Some(obj) => respond(200, obj),
+                    None => status(404, "NotFound", &format!("{n} not found")),
+                }
+            }
+            (&Method::POST, None, _) => {
+                let mut obj = body.clone();
+                let Some(n) = obj["metadata"]["name"].as_str().map(str::to_string) else {
+                    return status(422, "Invalid", "metadata.name is required");
+                };
+                if o.by_collection
+                    .get(&collection)
+                    .is_some_and(|m| m.contains_key(&n))
+                {
+                    return status(409, "AlreadyExists", &format!("{n} already exists"));
+                }
+                obj["metadata"]["uid"] = format!("uid-{}-{}", n, o.rv + 1).into();
+                obj["metadata"]["generation"] = 1.into();
+                obj["metadata"]["creationTimestamp"] = "2026-12-03T08:00:00Z".into();
+                o.bump(&mut obj);
+                o.by_collection
+                    .entry(collection.clone())
+                    .or_default()
+                    .insert(n, obj.clone());
+                o.record(&collection, "ADDED", &obj);
+                respond(201, &obj)
+            }
+            (&Method::PUT, Some(n), _) => {
+                let Some(cur) = o
+                    .by_collection
+                    .get(&collection)
+                    .and_then(|m| m.get(n))
+                    .cloned()
+                else {
+                    return status(404, "NotFound", &format!("{n} not found"));
+                };
+                if body["metadata"]["resourceVersion"] != cur["metadata"]["resourceVersion"] {
+                    return status(409, "Conflict", "the object has been modified");
+                }
+                let mut obj = body.clone();
+                obj["metadata"]["uid"] = cur["metadata"]["uid"].clone();
+                let obj = o.store(&collection, n, obj);
+                respond(200, &obj)
+            }
+            (&Method::PATCH, Some(n), sub) => {
+                let Some(mut cur) = o
+                    .by_collection
+                    .get(&collection)
+                    .and_then(|m| m.get(n))
+                    .cloned()
+                else {
+                    if collection.ends_with("/events") {
+                        return respond(200, &body);
+                    }
+                    return status(404, "NotFound", &format!("{n} not found"));
+                };
+                if sub == Some("status") {
+                    // Server-side apply of the status: the applied status replaces ours.
+                    cur["status"] = body["status"].clone();
+                } else {
+                    let want = &body["metadata"]["resourceVersion"];
+                    if want.is_string() && *want != cur["metadata"]["resourceVersion"] {
+                        return status(409, "Conflict", "the object has been modified");
+                    }
+                    let mut patch = body.clone();
+                    if let Some(m) = patch["metadata"].as_object_mut() {
+                        m.remove("resourceVersion");
+                    }
+                    let spec_before = cur["spec"].clone();
+                    merge(&mut cur, &patch);
+                    if cur["spec"] != spec_before {
+                        let g = cur["metadata"]["generation"].as_i64().unwrap_or(1) + 1;
+                        cur["metadata"]["generation"] = g.into();
+                    }
+                }
+                let obj = o.store(&collection, n, cur);
+                respond(200, &obj)
+            }
+            (&Method::DELETE, Some(n), _) => {
+                let Some(mut cur) = o
+                    .by_collection
+                    .get(&collection)
+                    .and_then(|m| m.get(n))
+                    .cloned()
+                else {
+                    return status(404, "NotFound", &format!("{n} not found"));
+                };
+                cur["metadata"]["deletionTimestamp"] = "2026-12-03T08:00:01Z".into();
+                let obj = o.store(&collection, n, cur);
+                respond(200, &obj)
+            }
+            _ => status(405, "MethodNotAllowed", &format!("{method} {uri}")),
+        };
+        let rv = o.rv;
+        drop(o);
+        fake.changed(rv);
+        answer
+    }
+}
