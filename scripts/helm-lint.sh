@@ -44,7 +44,7 @@ fi
 
 echo "== helm-lint: building capyctl (to check the rendered documents)"
 cargo build -q -p capyctl
-CAPYCTL_BIN="$(pwd)/target/debug/capyctl"
+CAPYCTL_BIN="$(cd "${CARGO_TARGET_DIR:-target}" && pwd)/debug/capyctl"
 export CAPYCTL_BIN
 
 exec "$VENV/bin/python" - charts/capyctl <<'PYTHON'
