@@ -54,4 +54,11 @@ pub trait ManagementApi: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<LoadReport, ApiError>>;
     /// `/readyz`: whether the server has finished starting (state loaded, engines recovered).
     fn ready(&self) -> bool;
+
+    /// A receiver that changes whenever the server's state does (a counter; its value means
+    /// nothing), for those who mirror the views (the Kubernetes status writer); `None` when the
+    /// implementation cannot tell (then poll).
+    fn changes(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        None
+    }
 }

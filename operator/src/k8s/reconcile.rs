@@ -61,6 +61,10 @@ pub struct ReconcilerConfig {
     pub status_interval: Duration,
 }
 
+/// After a change of the lifecycle's state, how long the status writer waits for more before it
+/// reads the views (a switch changes several deployments within milliseconds).
+pub const STATUS_DEBOUNCE: Duration = Duration::from_millis(50);
+
 impl Default for ReconcilerConfig {
     fn default() -> Self {
         Self {
@@ -560,14 +564,32 @@ impl Reconciler {
         }
     }
 
-    /// Runs [`Reconciler::sync_status`] every [`ReconcilerConfig::status_interval`] until
+    /// Runs [`Reconciler::sync_status`] whenever the lifecycle's state changes (at most every
+    /// [`STATUS_DEBOUNCE`]) and at least every [`ReconcilerConfig::status_interval`], until
     /// `shutdown` turns `true`.
     pub async fn run_status_sync(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
+        let mut changes = self.lifecycle.changes();
         loop {
+            let changed = async {
+                match changes.as_mut() {
+                    Some(rx) => {
+                        if rx.changed().await.is_err() {
+                            std::future::pending::<()>().await;
+                        }
+                        tokio::time::sleep(STATUS_DEBOUNCE).await;
+                    }
+                    None => std::future::pending::<()>().await,
+                }
+            };
             tokio::select! {
-                _ = tokio::time::sleep(self.config.status_interval) => self.sync_status().await,
+                _ = tokio::time::sleep(self.config.status_interval) => {}
+                () = changed => {}
                 _ = super::until(&mut shutdown, true) => return,
             }
+            if let Some(rx) = changes.as_mut() {
+                rx.borrow_and_update();
+            }
+            self.sync_status().await;
         }
     }
 

@@ -2063,6 +2063,10 @@ impl ManagementApi for Server {
     fn ready(&self) -> bool {
         self.ready.load(Ordering::SeqCst)
     }
+
+    fn changes(&self) -> Option<watch::Receiver<u64>> {
+        Some(self.changes.subscribe())
+    }
 }
 
 /// The listener's [`Admission`]: the coordinator's, recording each request's start and end as
