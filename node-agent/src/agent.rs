@@ -1,7 +1,9 @@
-//! The host agent the lifecycle calls: [`HostAgent`], and [`LocalHostAgent`], which runs
-//! engines as child processes on this machine (standalone; the node agent's `process`
-//! runtime). [`RemoteHostAgent`](crate::remote::RemoteHostAgent) implements the same trait over
-//! HTTP (a node agent on another machine).
+//! The host agent the lifecycle calls: [`HostAgent`], and [`LocalHostAgent`], which drives
+//! the engines of this machine through an [`EngineRuntime`]: child processes
+//! ([`ProcessRuntime`]: standalone, the node agent's `process` runtime) or the operator's engine
+//! Pods ([`PodRuntime`](crate::k8s::pods::PodRuntime): the node agent's `pod` runtime).
+//! [`RemoteHostAgent`](crate::remote::RemoteHostAgent) implements the same trait over HTTP (a
+//! node agent on another machine).
 //!
 //! The lifecycle is the one writer of instance state and calls one operation at a time per
 //! instance; the agent keeps only what it needs to drive the engines (ports, tiers, first
@@ -29,10 +31,11 @@ use crate::checkpoint::ModelFacts;
 use crate::driver::{Driver, DriverTimeouts, Endpoint};
 use crate::error::AgentError;
 use crate::inventory::{GpuProbe, Inventory, inventory};
-use crate::launch::{MaxRunning, MaxRunningInput, launch_command, max_running};
+use crate::launch::{MaxRunning, MaxRunningInput, max_running};
 use crate::load::LoadSample;
 use crate::measure::{Measurement, add_footprint, measure_before_start};
-use crate::process::{ExitWatch, PidRecord, ProcessRuntime, free_port};
+use crate::process::{ExitWatch, PidRecord, ProcessRuntime};
+use crate::runtime::{Answers, EngineRuntime, LaunchRequest, Launched};
 use crate::spec::{HostSettings, InstanceSpec};
 use crate::tier::{
     LaunchParking, NoParkReason, ParkChoice, ParkTier, TierInput, choose_tier, launch_parking,
@@ -286,7 +289,7 @@ fn lock_map(map: &InstanceMap) -> std::sync::MutexGuard<'_, HashMap<String, Arc<
 #[derive(Clone)]
 struct ExitReporter {
     instances: Weak<InstanceMap>,
-    runtime: Weak<ProcessRuntime>,
+    runtime: Weak<dyn EngineRuntime>,
     exits: broadcast::Sender<EngineExit>,
 }
 
@@ -367,7 +370,7 @@ impl Drop for WakeGuard<'_> {
     }
 }
 
-/// The in-process host agent: engines as child processes of this process.
+/// The in-process host agent: the engines of this machine, through its [`EngineRuntime`].
 pub struct LocalHostAgent {
     /// Read-only.
     config: AgentConfig,
@@ -377,8 +380,8 @@ pub struct LocalHostAgent {
     probe: Arc<dyn GpuProbe>,
     /// Engine calls.
     driver: Driver,
-    /// Engine processes and pid records; shared (weakly) with the exit watchers.
-    runtime: Arc<ProcessRuntime>,
+    /// Engines and their records; shared (weakly) with the exit watchers.
+    runtime: Arc<dyn EngineRuntime>,
     /// Instances by ID; a std mutex, never held across an `.await`; shared (weakly) with the
     /// exit watchers, which remove an instance whose engine exited by itself.
     instances: Arc<InstanceMap>,
@@ -420,14 +423,27 @@ async fn exited_within(exit: &mut ExitWatch, bound: Duration) -> Option<String> 
 }
 
 impl LocalHostAgent {
-    /// An agent with these settings and GPU probe; creates the data directory.
+    /// An agent with these settings and GPU probe, running engines as child processes
+    /// ([`ProcessRuntime`]); creates the data directory.
     pub fn new(
         config: AgentConfig,
         settings: HostSettings,
         probe: Arc<dyn GpuProbe>,
     ) -> Result<Self, AgentError> {
-        Ok(Self {
-            runtime: Arc::new(ProcessRuntime::new(&config.data_dir)?),
+        let runtime = Arc::new(ProcessRuntime::new(&config.data_dir)?);
+        Ok(Self::with_runtime(config, settings, probe, runtime))
+    }
+
+    /// An agent running its engines with `runtime` (whose records live under
+    /// `config.data_dir`).
+    pub fn with_runtime(
+        config: AgentConfig,
+        settings: HostSettings,
+        probe: Arc<dyn GpuProbe>,
+        runtime: Arc<dyn EngineRuntime>,
+    ) -> Self {
+        Self {
+            runtime,
             driver: Driver::new(config.timeouts),
             config,
             settings,
@@ -435,7 +451,12 @@ impl LocalHostAgent {
             instances: Arc::new(Mutex::new(HashMap::new())),
             exits: broadcast::channel(EXIT_EVENTS).0,
             versions: Mutex::new(HashMap::new()),
-        })
+        }
+    }
+
+    /// How this agent runs engines (`process` or `pod`).
+    pub fn runtime_name(&self) -> &'static str {
+        self.runtime.name()
     }
 
     fn instances(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Instance>>> {
@@ -559,7 +580,7 @@ impl LocalHostAgent {
         refusal: Option<&'static RefusalRow>,
         measurement: Measurement,
     ) -> Arc<Instance> {
-        let endpoint = endpoint_of(&record.spec, record.port);
+        let endpoint = endpoint_at(&record.spec, self.runtime.base_url(&record));
         let (sample, sampler) = self.spawn_sampler(endpoint.clone());
         let inst = Arc::new(Instance {
             spec: record.spec.clone(),
@@ -632,26 +653,23 @@ impl LocalHostAgent {
             launched: None,
         };
         let parking = launch_parking(&input);
-        let port = free_port()?;
-        let launch = launch_command(spec, self.settings.engine(spec.engine), port, parking)?;
-        tracing::info!(instance = id, command = ?launch.argv(), "starting engine");
-        let (record, mut exit) =
-            self.runtime
-                .spawn(id, spec.engine, &launch, |pid, ticks, log| PidRecord {
-                    instance: id.to_string(),
-                    engine: spec.engine,
-                    pid,
-                    port,
-                    started_at_ms: now_ms(),
-                    start_ticks: ticks,
-                    command: launch.argv(),
-                    log,
-                    spec: spec.clone(),
-                    parking,
-                    first_answer: None,
-                    parked: None,
-                })?;
-        let endpoint = endpoint_of(spec, port);
+        let Launched {
+            record,
+            base_url,
+            mut exit,
+        } = self
+            .runtime
+            .launch(LaunchRequest {
+                instance: id,
+                spec,
+                engine: self.settings.engine(spec.engine),
+                parking,
+                ready_timeout: self.config.ready_timeout,
+                now_ms: now_ms(),
+            })
+            .await?;
+        let port = record.port;
+        let endpoint = endpoint_at(spec, base_url);
         let ready = tokio::select! {
             r = self.driver.wait_ready(&endpoint, self.config.ready_timeout) => r,
             status = exit.wait_for(Option::is_some) => Err(AgentError::EngineExited {
@@ -846,18 +864,16 @@ impl LocalHostAgent {
             })
             .collect();
         let driver = self.driver.clone();
+        let answers: Answers = Arc::new(move |record: PidRecord, base_url: String| {
+            let driver = driver.clone();
+            Box::pin(async move {
+                let ep = endpoint_at(&record.spec, base_url);
+                driver.health(&ep).await.is_ok()
+            })
+        });
         let recovery = self
             .runtime
-            .recover(
-                |record| {
-                    let driver = driver.clone();
-                    async move {
-                        let ep = endpoint_of(&record.spec, record.port);
-                        driver.health(&ep).await.is_ok()
-                    }
-                },
-                self.config.stop_grace,
-            )
+            .recover(answers, self.config.stop_grace)
             .await?;
         let mut report = RecoveryReport {
             stopped: recovery.stopped.into_iter().map(|r| r.instance).collect(),
@@ -890,11 +906,16 @@ impl LocalHostAgent {
     }
 }
 
-/// The endpoint of `spec`'s engine on `port`.
+/// The endpoint of `spec`'s engine on loopback `port`.
 pub fn endpoint_of(spec: &InstanceSpec, port: u16) -> Endpoint {
+    endpoint_at(spec, crate::runtime::loopback_url(port))
+}
+
+/// The endpoint of `spec`'s engine at `base_url` (`http://<address>:<port>`).
+pub fn endpoint_at(spec: &InstanceSpec, base_url: String) -> Endpoint {
     Endpoint {
         engine: spec.engine,
-        base_url: format!("http://127.0.0.1:{port}"),
+        base_url,
         model_name: match spec.engine {
             EngineKind::Tensorfold => spec.model.clone(),
             EngineKind::Vllm | EngineKind::Sglang => spec.name.clone(),

@@ -8,9 +8,12 @@
 //! - [`verify`]: the first answer, wake comparison and outcomes;
 //! - [`measure`], [`checkpoint`], [`inventory`]: weights and GPU memory, GPUs and host RAM;
 //! - [`load`]: load samples from the engines' metrics;
+//! - [`runtime`]: the [`EngineRuntime`](runtime::EngineRuntime) seam between the agent and how
+//!   engines run;
 //! - [`process`]: engines as child processes with pid records, adopted after a restart;
 //! - [`agent`]: the [`HostAgent`] trait the lifecycle calls and [`LocalHostAgent`];
-//! - [`remote`]: the node agent's HTTP server and [`RemoteHostAgent`], its client.
+//! - [`remote`]: the node agent's HTTP server and [`RemoteHostAgent`], its client;
+//! - [`k8s`]: the node agent on Kubernetes: its `Host` object and engine Pods.
 //!
 //! Pure decisions (launch arguments, tier, refusals, `max_running`, comparisons) are plain
 //! functions tested without processes; the rest is tested against the engine simulator.
@@ -22,11 +25,13 @@ pub mod driver;
 pub mod error;
 pub mod http;
 pub mod inventory;
+pub mod k8s;
 pub mod launch;
 pub mod load;
 pub mod measure;
 pub mod process;
 pub mod remote;
+pub mod runtime;
 pub mod spec;
 pub mod tier;
 pub mod verify;

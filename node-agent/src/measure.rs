@@ -120,8 +120,9 @@ pub fn measure_before_start(spec: &InstanceSpec) -> Result<Measurement, AgentErr
 }
 
 /// Adds the engine's footprint (process `pid` and its descendants) where GPU memory is unknown.
+/// Pid 0 is no process (an engine in a Pod, `PodRuntime`): nothing is added.
 pub fn add_footprint(m: Measurement, probe: &dyn GpuProbe, pid: u32) -> Measurement {
-    if m.gpu_memory.is_some() {
+    if m.gpu_memory.is_some() || pid == 0 {
         return m;
     }
     let total = process_tree(pid)

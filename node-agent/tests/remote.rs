@@ -483,6 +483,9 @@ fn binary() -> Command {
         .env_remove("CAPYCTL_AGENT_TOKEN_FILE")
         .env_remove("CAPYCTL_AGENT_LISTEN")
         .env_remove("NODE_NAME")
+        .env_remove("CAPYCTL_PUBLISH_HOST")
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .env_remove("KUBERNETES_SERVICE_PORT")
         .env("RUST_LOG", "warn");
     c
 }
@@ -593,14 +596,26 @@ fn refused(extra: &[&str], env: &[(&str, &str)]) -> String {
 }
 
 #[test]
-fn the_binary_refuses_the_pod_runtime_and_a_missing_token() {
-    let line = refused(
-        &["--engine-runtime", "pod"],
-        &[("CAPYCTL_AGENT_TOKEN", TOKEN)],
+fn the_binary_refuses_the_pod_runtime_without_a_cluster_and_a_missing_token() {
+    let no_cluster = [
+        ("CAPYCTL_AGENT_TOKEN", TOKEN),
+        ("KUBECONFIG", "/nonexistent/capyctl/kubeconfig"),
+        ("HOME", "/nonexistent/capyctl"),
+    ];
+    let line = refused(&["--engine-runtime", "pod"], &no_cluster);
+    assert!(
+        line.starts_with(
+            "capyctl-node-agent: --engine-runtime pod needs a Kubernetes API server: no in-cluster configuration and no usable kubeconfig"
+        ),
+        "{line}"
     );
-    assert_eq!(
-        line,
-        "capyctl-node-agent: --engine-runtime pod: the Kubernetes engine-Pod runtime is not built yet; use --engine-runtime process"
+    let line = refused(
+        &["--engine-runtime", "process", "--publish-host"],
+        &no_cluster,
+    );
+    assert!(
+        line.starts_with("capyctl-node-agent: --publish-host needs a Kubernetes API server"),
+        "{line}"
     );
     let line = refused(&["--engine-runtime", "process"], &[]);
     assert_eq!(

@@ -343,6 +343,7 @@ async fn status_is_applied_by_the_one_field_manager_on_the_status_subresource() 
         refused: None,
         previous: None,
         now: Timestamp::from_second(Timestamp::now().as_second()).unwrap(),
+        lifecycle_record: Some(r#"{"operator_stopped":true,"operator_started":false}"#),
     });
     let written = apply_status(&api, "my-model", &status).await.unwrap();
     assert_eq!(written.status.as_ref(), Some(&status));

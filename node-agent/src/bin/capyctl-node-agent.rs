@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! capyctl-node-agent --file host.yaml [--set k=v]... [--node-name N]
-//!     [--engine-runtime process|pod] [--listen ADDR] [--data-dir DIR]
+//!     [--engine-runtime process|pod] [--publish-host] [--listen ADDR] [--data-dir DIR]
 //! ```
 //!
 //! - the host document is the `host:` part of a standalone document; `--set a.b=c` and
@@ -16,8 +16,16 @@
 //!   without one the agent refuses to start;
 //! - the data directory (pid records, engine logs): `--data-dir`, else `CAPYCTL_DATA_DIR`, else
 //!   `/tmp/capyctl-node-agent` (the chart's root file system is read-only; `/tmp` is not);
-//! - `--engine-runtime process` runs engines as child processes of the agent; `pod` (engine
-//!   Pods) is not built yet, and the agent refuses it.
+//! - `--engine-runtime pod` (the default) drives the engine Pods the operator creates on this
+//!   node (`capyctl_node_agent::k8s::pods::PodRuntime`; Pods of namespace `POD_NAMESPACE`, else
+//!   the client's default namespace) and publishes the node's `Host` object
+//!   (`capyctl_node_agent::k8s::host`); it needs the in-cluster configuration (or, out of a
+//!   cluster, a kubeconfig: `KUBECONFIG`, else `~/.kube/config`), and without one the agent
+//!   refuses to start;
+//! - `--engine-runtime process` runs engines as child processes of the agent; with
+//!   `--publish-host` (or `CAPYCTL_PUBLISH_HOST=1`) it publishes the `Host` object too (same
+//!   configuration rules; the end-to-end tests run it against an API server without kubelet);
+//! - the `Host` object is re-checked every 30 s and written only when it changed.
 //!
 //! SIGTERM or SIGINT: the server stops taking calls, then every engine is stopped (SIGTERM,
 //! then SIGKILL after the stop grace) and the agent exits 0. Every failure to start prints one
@@ -31,10 +39,14 @@ use std::time::Duration;
 
 use capyctl_crds::documents;
 use capyctl_crds::overrides::Overrides;
+use capyctl_node_agent::k8s::host::{self, HostPolicy, HostPublisher};
+use capyctl_node_agent::k8s::pods::PodRuntime;
+use capyctl_node_agent::process::ProcessRuntime;
 use capyctl_node_agent::remote::wire::{AgentInfo, AgentTiming};
 use capyctl_node_agent::remote::{ServerOptions, serve};
+use capyctl_node_agent::runtime::EngineRuntime as Runtime;
 use capyctl_node_agent::spec::HostSettings;
-use capyctl_node_agent::{AgentConfig, HostAgent, LocalHostAgent};
+use capyctl_node_agent::{AgentConfig, AgentError, HostAgent, LocalHostAgent};
 use clap::{Parser, ValueEnum};
 
 /// The default listen address (the chart's `nodeAgent.port`).
@@ -85,6 +97,33 @@ struct Cli {
     /// Pid records and engine logs.
     #[arg(long, env = "CAPYCTL_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
     data_dir: PathBuf,
+    /// Publish this node's `Host` object (always on with `--engine-runtime pod`).
+    #[arg(long, env = "CAPYCTL_PUBLISH_HOST", value_parser = clap::builder::BoolishValueParser::new())]
+    publish_host: bool,
+}
+
+/// A client of the cluster's API server: the in-cluster configuration, else the kubeconfig;
+/// with the configuration's default namespace.
+async fn kube_client(why: &str) -> Result<(kube::Client, String), String> {
+    let config = kube::Config::infer().await.map_err(|e| {
+        format!(
+            "{why} needs a Kubernetes API server: no in-cluster configuration and no usable kubeconfig (KUBECONFIG, ~/.kube/config): {}",
+            one_line(&e.to_string())
+        )
+    })?;
+    let namespace = config.default_namespace.clone();
+    let client = kube::Client::try_from(config).map_err(|e| {
+        format!(
+            "{why}: cannot use the Kubernetes configuration: {}",
+            one_line(&e.to_string())
+        )
+    })?;
+    Ok((client, namespace))
+}
+
+/// `text` on one line.
+fn one_line(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
 /// The agent token: `CAPYCTL_AGENT_TOKEN_FILE`'s content (trimmed), else `CAPYCTL_AGENT_TOKEN`.
@@ -142,12 +181,6 @@ async fn run(cli: Cli) -> Result<(), String> {
     let overrides = Overrides::from_args_and_env(cli.set.clone(), std::env::vars())
         .map_err(|e| e.to_string())?;
     let host = documents::load_host_file(&cli.file, &overrides).map_err(|e| e.to_string())?;
-    if cli.engine_runtime == EngineRuntime::Pod {
-        return Err(
-            "--engine-runtime pod: the Kubernetes engine-Pod runtime is not built yet; use --engine-runtime process"
-                .into(),
-        );
-    }
     let token = token()?;
     let node_name = cli
         .node_name
@@ -155,14 +188,41 @@ async fn run(cli: Cli) -> Result<(), String> {
         .filter(|n| !n.is_empty())
         .unwrap_or_else(|| host.id.clone());
     let config = AgentConfig::new(&cli.data_dir);
-    let agent = Arc::new(
-        LocalHostAgent::new(
-            config,
-            HostSettings::from(&host),
-            capyctl_node_agent::inventory::default_probe(),
-        )
-        .map_err(|e| format!("data directory {}: {e}", cli.data_dir.display()))?,
-    );
+    let publish = cli.publish_host || cli.engine_runtime == EngineRuntime::Pod;
+    let client = if publish {
+        let why = match cli.engine_runtime {
+            EngineRuntime::Pod => "--engine-runtime pod",
+            EngineRuntime::Process => "--publish-host",
+        };
+        Some(kube_client(why).await?)
+    } else {
+        None
+    };
+    let data_dir_error = |e: AgentError| format!("data directory {}: {e}", cli.data_dir.display());
+    let runtime: Arc<dyn Runtime> = match (&client, cli.engine_runtime) {
+        (Some((client, default_ns)), EngineRuntime::Pod) => {
+            let namespace = std::env::var("POD_NAMESPACE")
+                .ok()
+                .filter(|n| !n.is_empty())
+                .unwrap_or_else(|| default_ns.clone());
+            Arc::new(
+                PodRuntime::new(client.clone(), &namespace, &node_name, &cli.data_dir)
+                    .map_err(data_dir_error)?,
+            )
+        }
+        _ => Arc::new(ProcessRuntime::new(&cli.data_dir).map_err(data_dir_error)?),
+    };
+    let agent = Arc::new(LocalHostAgent::with_runtime(
+        config,
+        HostSettings::from(&host),
+        capyctl_node_agent::inventory::default_probe(),
+        runtime,
+    ));
+    let publisher = client.map(|(client, _)| {
+        let agent: Arc<dyn HostAgent> = agent.clone();
+        let publisher = HostPublisher::new(client, node_name.clone());
+        tokio::spawn(publisher.run(agent, HostPolicy::from(&host), host::RECHECK))
+    });
     let listener = tokio::net::TcpListener::bind(cli.listen)
         .await
         .map_err(|e| {
@@ -221,6 +281,9 @@ async fn run(cli: Cli) -> Result<(), String> {
             );
             server.abort();
         }
+    }
+    if let Some(p) = &publisher {
+        p.abort();
     }
     agent.stop_all().await;
     tracing::info!("engines stopped; bye");

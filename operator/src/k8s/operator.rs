@@ -431,7 +431,7 @@ pub async fn lead(
     };
     let server = Server::open(
         dyn_agent.clone(),
-        store,
+        store.clone(),
         LifecycleConfig {
             host_id: host_id.clone(),
             host_activation: activation,
@@ -475,13 +475,16 @@ pub async fn lead(
 
     // The reconciler.
     let pod_name = options.lease.identity.clone();
-    let reconciler = Arc::new(Reconciler::new(
-        server.clone(),
-        crs,
-        Some(Reconciler::recorder(client.clone(), Some(pod_name.clone()))),
-        Some(dyn_agent),
-        options.reconciler.clone(),
-    ));
+    let reconciler = Arc::new(
+        Reconciler::new(
+            server.clone(),
+            crs,
+            Some(Reconciler::recorder(client.clone(), Some(pod_name.clone()))),
+            Some(dyn_agent),
+            options.reconciler.clone(),
+        )
+        .with_store(store),
+    );
     tasks.push(tokio::spawn(
         reconciler.clone().run_controller(stop_tasks.subscribe()),
     ));

@@ -46,6 +46,7 @@ use kube::{Api, Resource, ResourceExt};
 use tokio::sync::watch;
 
 use super::status::{Parkability, StatusInput, apply_status, deployment_status, needs_write};
+use super::store::CrStore;
 use super::{CONTROLLER_NAME, FINALIZER};
 use crate::api::ManagementApi;
 
@@ -284,6 +285,8 @@ pub struct Reconciler {
     host: Option<Arc<dyn HostAgent>>,
     config: ReconcilerConfig,
     known: Mutex<HashMap<String, Known>>,
+    /// The lifecycle's store, whose records go into the CRs' `lifecycleRecord`.
+    store: Option<Arc<CrStore>>,
 }
 
 impl std::fmt::Debug for Reconciler {
@@ -327,7 +330,15 @@ impl Reconciler {
             host,
             config,
             known: Mutex::new(HashMap::new()),
+            store: None,
         }
+    }
+
+    /// Keeps the lifecycle's records (operator decisions, first answers) in the CRs' status,
+    /// so that a new leader restores them ([`CrStore::from_crs`]).
+    pub fn with_store(mut self, store: Arc<CrStore>) -> Self {
+        self.store = Some(store);
+        self
     }
 
     /// An Events recorder for `client`, reporting as [`CONTROLLER_NAME`] from `instance` (the
@@ -518,6 +529,10 @@ impl Reconciler {
         if let Some(v) = &view {
             self.refresh_parkability(known, v).await;
         }
+        let record = match (&self.store, &view) {
+            (Some(store), Some(v)) => store.lifecycle_record(&v.id),
+            _ => None,
+        };
         let desired = deployment_status(StatusInput {
             view: view.as_ref(),
             observed_generation: known.observed_generation,
@@ -527,6 +542,7 @@ impl Reconciler {
             // Whole seconds: what the API server keeps of a condition's time.
             now: Timestamp::from_second(Timestamp::now().as_second())
                 .unwrap_or_else(|_| Timestamp::now()),
+            lifecycle_record: record.as_deref(),
         });
         if needs_write(known.status.as_ref(), &desired) {
             match apply_status(&self.crs, name, &desired).await {

@@ -151,6 +151,9 @@ pub struct StatusInput<'a> {
     pub previous: Option<&'a DeploymentStatus>,
     /// Now (a condition whose `status` changes gets it as `lastTransitionTime`).
     pub now: Timestamp,
+    /// The lifecycle's record to keep in `lifecycleRecord` (see `CrStore::lifecycle_record`);
+    /// `None` keeps the previous one.
+    pub lifecycle_record: Option<&'a str>,
 }
 
 fn residency_of(i: &InstanceView) -> Option<Residency> {
@@ -239,6 +242,10 @@ pub fn deployment_status(input: StatusInput<'_>) -> DeploymentStatus {
     let mut views: Vec<ConditionView> = Vec::new();
     let mut status = DeploymentStatus {
         observed_generation: input.observed_generation,
+        lifecycle_record: input
+            .lifecycle_record
+            .map(str::to_string)
+            .or_else(|| input.previous.and_then(|p| p.lifecycle_record.clone())),
         ..DeploymentStatus::default()
     };
     if let Some(v) = input.view {
@@ -382,6 +389,7 @@ mod tests {
             refused: None,
             previous,
             now,
+            lifecycle_record: None,
         }
     }
 
@@ -528,6 +536,7 @@ mod tests {
             refused: Some("Deployment default/a: spec.maxConcurrentRequests: 0 is out of range"),
             previous: None,
             now: at(0),
+            lifecycle_record: None,
         });
         assert_eq!(s.deployment_id, None);
         let c = s.conditions.iter().find(|c| c.type_ == ACCEPTED).unwrap();

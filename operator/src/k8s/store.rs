@@ -44,14 +44,28 @@ impl CrStore {
                     continue;
                 }
             };
+            let kept: Kept = status
+                .lifecycle_record
+                .as_deref()
+                .and_then(|text| match serde_json::from_str(text) {
+                    Ok(k) => Some(k),
+                    Err(e) => {
+                        tracing::warn!(deployment = %cr.name_any(), error = %e, "a CR's lifecycle record is unreadable; operator decisions and the first answer are not restored");
+                        None
+                    }
+                })
+                .unwrap_or_default();
             deployments.push(DeploymentRecord {
                 id,
                 revision: status.revision.unwrap_or(1).max(1),
                 doc,
-                operator_stopped: false,
-                operator_started: false,
-                generation: status.instances.first().map(|i| i.generation).unwrap_or(0),
-                first_answer: None,
+                operator_stopped: kept.operator_stopped,
+                operator_started: kept.operator_started,
+                generation: kept
+                    .generation
+                    .or_else(|| status.instances.first().map(|i| i.generation))
+                    .unwrap_or(0),
+                first_answer: kept.first_answer,
             });
         }
         deployments.sort_by(|a, b| a.doc.name.cmp(&b.doc.name));
@@ -61,6 +75,36 @@ impl CrStore {
                 deployments,
             }),
         }
+    }
+}
+
+/// What of a [`DeploymentRecord`] the CR's status keeps in `lifecycleRecord` (the rest is in
+/// the spec and the status's own fields).
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+struct Kept {
+    #[serde(default)]
+    operator_stopped: bool,
+    #[serde(default)]
+    operator_started: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    generation: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    first_answer: Option<capyctl_node_agent::verify::FirstAnswer>,
+}
+
+impl CrStore {
+    /// The `lifecycleRecord` of deployment `id` as last saved by the lifecycle, for its CR's
+    /// status; `None` when the lifecycle has no such deployment.
+    pub fn lifecycle_record(&self, id: &str) -> Option<String> {
+        let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let r = state.deployments.iter().find(|d| d.id == id)?;
+        serde_json::to_string(&Kept {
+            operator_stopped: r.operator_stopped,
+            operator_started: r.operator_started,
+            generation: Some(r.generation),
+            first_answer: r.first_answer.clone(),
+        })
+        .ok()
     }
 }
 

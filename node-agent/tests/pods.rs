@@ -1,0 +1,167 @@
+//! The local host agent over [`PodRuntime`]: the "engine Pod" is the real `engine-sim` binary
+//! on a loopback port, and a scripted mock API server (`tower_test::mock::pair`) says the Pod
+//! of the instance runs on `127.0.0.1`. The agent starts (waits for the Pod, then readiness and
+//! the first answer), parks and wakes the engine over HTTP, and reports an exit when the Pod is
+//! deleted.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::pin::pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use capyctl_crds::EngineKind;
+use capyctl_node_agent::agent::{AgentConfig, ParkResult};
+use capyctl_node_agent::inventory::NoGpus;
+use capyctl_node_agent::k8s::pods::PodRuntime;
+use capyctl_node_agent::launch::launch_command;
+use capyctl_node_agent::spec::{GpuOverride, HostSettings, InstanceSpec};
+use capyctl_node_agent::tier::{LaunchParking, ParkTier};
+use capyctl_node_agent::verify::WakeOutcome;
+use capyctl_node_agent::{AgentError, HostAgent, LocalHostAgent};
+use http::{Request, Response};
+use kube::Client;
+use kube::client::Body;
+use serde_json::json;
+use tower_test::mock;
+
+const MIB: u64 = 1024 * 1024;
+
+fn settings() -> HostSettings {
+    let bin = common::engine_sim_binary();
+    let mut s = HostSettings::all_engines(vec![bin.to_string_lossy().into_owned()]);
+    s.gpus = Some(vec![GpuOverride {
+        memory: 80 * 1024 * MIB,
+        unified: false,
+        uuid: None,
+    }]);
+    s.host_memory = Some(1024 * MIB);
+    s
+}
+
+fn spec() -> InstanceSpec {
+    let mut s = InstanceSpec::new("01KPODS", "chat-a", EngineKind::Vllm, "Qwen3-4B");
+    s.env
+        .insert("ENGINE_SIM_WEIGHTS_BYTES".into(), "64MiB".into());
+    s.resources.weights_memory = Some(64 * MIB);
+    s
+}
+
+fn pod(port: u16) -> serde_json::Value {
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {
+            "name": "chat-a-0-g1", "namespace": "capyctl", "uid": "uid-1", "resourceVersion": "7",
+            "labels": {"capyctl.io/instance": "01KPODS-0", "capyctl.io/generation": "1"}
+        },
+        "spec": {"nodeName": "gpu-1", "containers": [
+            {"name": "engine", "ports": [{"name": "http", "containerPort": port}]}
+        ]},
+        "status": {"phase": "Running", "podIP": "127.0.0.1"}
+    })
+}
+
+#[tokio::test]
+async fn the_agent_drives_the_engine_of_its_pod_and_reports_the_pod_going_away() {
+    let dir = common::temp_dir("pods");
+    // The "engine Pod": the simulator, launched as the operator's Pod would launch it.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let settings = settings();
+    let launch = launch_command(
+        &spec(),
+        settings.engine(EngineKind::Vllm),
+        port,
+        LaunchParking {
+            may_park: true,
+            host_ram: true,
+        },
+    )
+    .unwrap();
+    let mut engine = tokio::process::Command::new(&launch.program)
+        .args(&launch.args)
+        .envs(&launch.env)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let (delete_tx, delete_rx) = tokio::sync::oneshot::channel::<()>();
+    let api_server = tokio::spawn(async move {
+        let mut handle = pin!(handle);
+        let (_list, reply) = handle.next_request().await.unwrap();
+        let list = json!({"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "10"}, "items": [pod(port)]});
+        reply.send_response(
+            Response::builder()
+                .header(http::header::CONTENT_TYPE, "application/json")
+                .body(Body::from(serde_json::to_vec(&list).unwrap()))
+                .unwrap(),
+        );
+        let (_watch, reply) = handle.next_request().await.unwrap();
+        delete_rx.await.unwrap();
+        let event = format!("{}\n", json!({"type": "DELETED", "object": pod(port)}));
+        reply.send_response(
+            Response::builder()
+                .body(Body::from(event.into_bytes()))
+                .unwrap(),
+        );
+        // Later calls (the watcher's next watch) stay unanswered.
+        let mut held = Vec::new();
+        while let Some(call) = handle.next_request().await {
+            held.push(call);
+        }
+    });
+
+    let runtime =
+        PodRuntime::new(Client::new(service, "capyctl"), "capyctl", "gpu-1", &dir).unwrap();
+    let mut config = AgentConfig::new(&dir);
+    config.ready_timeout = Duration::from_secs(20);
+    config.wake_window = Duration::from_secs(20);
+    config.sample_interval = Duration::from_millis(100);
+    let agent = LocalHostAgent::with_runtime(config, settings, Arc::new(NoGpus), Arc::new(runtime));
+    assert_eq!(agent.runtime_name(), "pod");
+
+    let started = agent.start("01KPODS-0", &spec()).await.unwrap();
+    assert_eq!(started.base_url, format!("http://127.0.0.1:{port}"));
+    assert_eq!(started.port, port);
+    assert_eq!(started.pid, 0);
+    assert_eq!(started.version.as_deref(), Some("0.31.0"));
+    assert_eq!(
+        agent.park("01KPODS-0").await.unwrap(),
+        ParkResult::Parked {
+            tier: ParkTier::HostRam
+        }
+    );
+    assert_eq!(
+        agent.wake("01KPODS-0").await.unwrap().outcome,
+        WakeOutcome::Pass
+    );
+
+    // The operator deletes the Pod: the agent reports the exit and forgets the instance.
+    let mut exits = agent.subscribe_exits();
+    delete_tx.send(()).unwrap();
+    let exit = tokio::time::timeout(Duration::from_secs(10), exits.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(exit.instance, "01KPODS-0");
+    assert_eq!(
+        exit.status.as_deref(),
+        Some("engine Pod capyctl/chat-a-0-g1 was deleted")
+    );
+    assert!(agent.sample("01KPODS-0").is_none());
+    assert!(matches!(
+        agent.stop("01KPODS-0").await,
+        Err(AgentError::UnknownInstance { .. })
+    ));
+
+    api_server.abort();
+    let _ = engine.kill().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
