@@ -122,7 +122,9 @@ struct Dep {
     claim: Option<String>,
     /// An operator start waits for memory.
     pending_start: bool,
-    port: Option<u16>,
+    /// Where the engine answers (from the host agent's `base_url`: loopback for child
+    /// processes, the Pod's IP for engine Pods).
+    addr: Option<SocketAddr>,
     pid: Option<u32>,
     tier: Option<ParkTier>,
     last_error: Option<String>,
@@ -143,7 +145,7 @@ impl Dep {
             reserved: None,
             claim: None,
             pending_start: false,
-            port: None,
+            addr: None,
             pid: None,
             tier: None,
             last_error: None,
@@ -335,11 +337,7 @@ impl Server {
                     };
                     d.tier = adopted.parked;
                     d.pid = Some(adopted.pid);
-                    d.port = adopted
-                        .base_url
-                        .rsplit(':')
-                        .next()
-                        .and_then(|p| p.parse().ok());
+                    d.addr = engine_addr(&adopted.base_url);
                     tracing::info!(instance = %adopted.instance, state = %d.state, "adopted an engine a previous run left");
                 }
                 None => {
@@ -377,16 +375,16 @@ impl Server {
     /// exits).
     pub async fn attach_router(&self, router: CoordinatorHandle) {
         *self.router.lock().unwrap_or_else(PoisonError::into_inner) = Some(router.clone());
-        let ready: Vec<(InstanceKey, u16)> = self.read(|inner| {
+        let ready: Vec<(InstanceKey, SocketAddr)> = self.read(|inner| {
             inner
                 .deps
                 .values()
                 .filter(|d| d.state == InstanceState::Ready)
-                .filter_map(|d| Some((self.key(d), d.port?)))
+                .filter_map(|d| Some((self.key(d), d.addr?)))
                 .collect()
         });
-        for (key, port) in ready {
-            router.instance_ready(upstream(key, port)).await;
+        for (key, addr) in ready {
+            router.instance_ready(Upstream { key, addr }).await;
         }
         if let Some(me) = self.me.upgrade() {
             tokio::spawn(background(me, self.agent.subscribe_exits()));
@@ -538,9 +536,9 @@ impl Server {
         }
     }
 
-    async fn announce_ready(&self, key: InstanceKey, port: u16) {
+    async fn announce_ready(&self, key: InstanceKey, addr: SocketAddr) {
         if let Some(r) = self.router() {
-            r.instance_ready(upstream(key, port)).await;
+            r.instance_ready(Upstream { key, addr }).await;
         }
     }
 
@@ -682,7 +680,7 @@ impl Server {
             match &outcome {
                 Ok(started) => {
                     if let Some(s) = started {
-                        d.port = Some(s.port);
+                        d.addr = engine_addr(&s.base_url);
                         d.pid = Some(s.pid);
                         d.max_running = Some(s.max_running);
                         if !s.measurement.awaiting() {
@@ -692,12 +690,12 @@ impl Server {
                     }
                     d.state = InstanceState::Ready;
                     d.tier = None;
-                    Some(Ok((self.key(d), d.port)))
+                    Some(Ok((self.key(d), d.addr)))
                 }
                 Err(e) => {
                     d.state = InstanceState::Failed;
                     d.tier = None;
-                    d.port = None;
+                    d.addr = None;
                     d.pid = None;
                     d.last_error = Some(format!("{}: {}", e.code(), e.message()));
                     Some(Err(self.key(d)))
@@ -705,11 +703,11 @@ impl Server {
             }
         });
         match ready {
-            Some(Ok((key, Some(port)))) => {
+            Some(Ok((key, Some(addr)))) => {
                 if up == Up::Start {
                     let _ = self.save();
                 }
-                self.announce_ready(key, port).await;
+                self.announce_ready(key, addr).await;
             }
             Some(Ok((_, None))) => {}
             Some(Err(key)) => {
@@ -814,7 +812,7 @@ impl Server {
                 if let Some(d) = inner.deps.get_mut(&v) {
                     d.busy = false;
                     d.tier = None;
-                    d.port = None;
+                    d.addr = None;
                     d.pid = None;
                     d.state = match &result {
                         Ok(()) => InstanceState::Stopped,
@@ -838,10 +836,10 @@ impl Server {
             let back = self.write(|inner| {
                 let d = inner.deps.get_mut(id)?;
                 d.state = InstanceState::Ready;
-                Some((self.key(d), d.port?))
+                Some((self.key(d), d.addr?))
             });
-            if let Some((key, port)) = back {
-                self.announce_ready(key, port).await;
+            if let Some((key, addr)) = back {
+                self.announce_ready(key, addr).await;
             }
             return Err(e);
         }
@@ -898,7 +896,7 @@ impl Server {
                     Ok(r) => {
                         d.state = InstanceState::Stopped;
                         d.tier = None;
-                        d.port = None;
+                        d.addr = None;
                         d.pid = None;
                         if *r == Released::StoppedNoRoomToPark {
                             d.last_error = Some("released: stopped (no room to park)".into());
@@ -907,7 +905,7 @@ impl Server {
                     Err(e) => {
                         d.state = InstanceState::Failed;
                         d.tier = None;
-                        d.port = None;
+                        d.addr = None;
                         d.pid = None;
                         d.last_error = Some(format!("park or stop failed: {e}"));
                     }
@@ -1719,7 +1717,7 @@ impl Server {
             Ok(started) => {
                 self.write(|inner| {
                     if let Some(d) = inner.deps.get_mut(id) {
-                        d.port = Some(started.port);
+                        d.addr = engine_addr(&started.base_url);
                         d.pid = Some(started.pid);
                         d.max_running = Some(started.max_running);
                         if !started.measurement.awaiting() {
@@ -1776,11 +1774,21 @@ impl Server {
     }
 }
 
-fn upstream(key: InstanceKey, port: u16) -> Upstream {
-    Upstream {
-        key,
-        addr: SocketAddr::from(([127, 0, 0, 1], port)),
+/// The socket address of an engine's `base_url` (`http://<ip>:<port>`, `http://[<ipv6>]:<port>`);
+/// `None` (logged) when it names no IP address and port.
+fn engine_addr(base_url: &str) -> Option<SocketAddr> {
+    let rest = base_url
+        .strip_prefix("http://")
+        .unwrap_or(base_url)
+        .trim_end_matches('/');
+    let addr = rest.parse::<SocketAddr>().ok();
+    if addr.is_none() {
+        tracing::warn!(
+            base_url,
+            "an engine's address is not an IP address and port; requests cannot reach it"
+        );
     }
+    addr
 }
 
 /// Idle timers and engine exits, until the server closes.
@@ -1834,7 +1842,7 @@ impl Server {
             }
             d.state = InstanceState::Failed;
             d.tier = None;
-            d.port = None;
+            d.addr = None;
             d.pid = None;
             d.last_error = Some(format!(
                 "the engine exited: {}",
@@ -2141,5 +2149,27 @@ impl Drop for TrackedPermit {
             let id = &self.inner.upstream().key.deployment;
             s.touch(id);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::engine_addr;
+
+    #[test]
+    fn an_engines_address_comes_from_its_base_url_loopback_or_pod_ip() {
+        assert_eq!(
+            engine_addr("http://127.0.0.1:41234"),
+            Some(([127, 0, 0, 1], 41234).into())
+        );
+        assert_eq!(
+            engine_addr("http://10.244.3.17:8000/"),
+            Some(([10, 244, 3, 17], 8000).into())
+        );
+        assert_eq!(
+            engine_addr("http://[fd00::17]:8000").map(|a| a.to_string()),
+            Some("[fd00::17]:8000".to_string())
+        );
+        assert_eq!(engine_addr("http://engine.local:8000"), None);
     }
 }

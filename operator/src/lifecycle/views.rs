@@ -113,7 +113,7 @@ pub(crate) fn deployment_view(d: &Dep, config: &LifecycleConfig, _inner: &Inner)
             generation: d.rec.generation,
             state,
             parked_tier: d.tier.map(|t| tier_words(t).to_string()),
-            port: d.port,
+            port: d.addr.map(|a| a.port()),
             pid: d.pid,
             last_error: d.last_error.clone(),
         }],
