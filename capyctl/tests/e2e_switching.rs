@@ -418,6 +418,32 @@ fn the_readme_session_on_the_example() {
          chat-a   ready    1/1     1          gpu-box\n\
          chat-b   parked   0/1     1          gpu-box\n"
     );
+    // `start --evict --wait` parks chat-a, wakes chat-b, and its receipt names both.
+    let receipt = capy
+        .cli(&["start", "deployment", "chat-b", "--evict", "--wait"])
+        .ok();
+    let chat_a = capy.status("chat-a");
+    let a_id = chat_a["id"].as_str().unwrap();
+    assert!(
+        receipt.starts_with("start deployment chat-b (")
+            && receipt.contains("state ready, ready 1/1"),
+        "{receipt}"
+    );
+    assert!(receipt.contains("\nswitch_id: sw-"), "{receipt}");
+    assert!(
+        receipt.contains(&format!(
+            "victims:\n  - deployment: {a_id} (chat-a)\n    instance: {a_id}-0\n    released: parked\n"
+        )),
+        "{receipt}"
+    );
+    // `park` answers at once; `list` shows parked once the park has run.
+    let parked = capy.cli(&["park", "deployment", "chat-b"]).ok();
+    assert!(parked.starts_with("park deployment chat-b ("), "{parked}");
+    capy.list_until(
+        "NAME     STATE    READY   REVISION   HOSTS\n\
+         chat-a   parked   0/1     1          gpu-box\n\
+         chat-b   parked   0/1     1          gpu-box\n",
+    );
     let file = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/my-model.yaml");
     let out = capy.cli(&["deploy", "model", "--file", file]).ok();
     assert!(out.contains("my-model"), "{out}");

@@ -355,6 +355,54 @@ async fn state_and_engines_survive_a_restart() {
     h.shutdown().await;
 }
 
+/// Crash-only: an operator start that waits for memory is an operator decision, and a restart
+/// keeps it: once memory frees after the restart, the model starts.
+#[tokio::test]
+async fn a_start_waiting_for_memory_survives_a_restart() {
+    let dir = temp_dir("pending-restart");
+    let h = Harness::new(&dir, Opts::default()).await;
+    h.server.deploy(doc("chat-a", "")).await.unwrap();
+    h.server.deploy(doc("chat-b", "")).await.unwrap();
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    let r = h
+        .server
+        .start("chat-b", StartRequest::default())
+        .await
+        .unwrap();
+    assert!(r.victims.is_empty());
+    let waiting = |v: &capyctl_crds::api::DeploymentView| {
+        v.conditions
+            .iter()
+            .any(|c| c.kind == "Ready" && c.reason == "waiting_for_memory")
+    };
+    assert!(waiting(&r.deployment), "{:?}", r.deployment.conditions);
+    // As after a kill: nothing is stopped.
+    h.close().await;
+
+    let h = Harness::new(&dir, Opts::default()).await;
+    let b = h.server.get("chat-b").await.unwrap();
+    assert_eq!(b.state, InstanceState::Stopped);
+    assert!(
+        waiting(&b),
+        "the pending start came back: {:?}",
+        b.conditions
+    );
+    assert_eq!(
+        h.server.get("chat-a").await.unwrap().state,
+        InstanceState::Ready
+    );
+    h.server.park("chat-a").await.unwrap();
+    state_becomes(&h, "chat-b", InstanceState::Ready).await;
+    // Taken: a second restart does not start it again.
+    h.server.stop("chat-b").await.unwrap();
+    h.close().await;
+    let h = Harness::new(&dir, Opts::default()).await;
+    let b = h.server.get("chat-b").await.unwrap();
+    assert!(!waiting(&b), "{:?}", b.conditions);
+    assert_eq!(b.state, InstanceState::Stopped);
+    h.shutdown().await;
+}
+
 #[tokio::test]
 async fn idle_timers_park_then_stop_and_a_request_starts_again() {
     let dir = temp_dir("idle");

@@ -120,8 +120,6 @@ struct Dep {
     reserved: Option<String>,
     /// The target of this switch (memory promised, not yet starting).
     claim: Option<String>,
-    /// An operator start waits for memory.
-    pending_start: bool,
     /// Where the engine answers (from the host agent's `base_url`: loopback for child
     /// processes, the Pod's IP for engine Pods).
     addr: Option<SocketAddr>,
@@ -131,6 +129,9 @@ struct Dep {
     /// The last request's start or end, or the last state change that counts as use.
     last_used: Instant,
     max_running: Option<MaxRunning>,
+    /// The record changed in a way only the next bring-up's end saves (a pending start
+    /// taken).
+    save_due: bool,
 }
 
 impl Dep {
@@ -144,13 +145,13 @@ impl Dep {
             busy: false,
             reserved: None,
             claim: None,
-            pending_start: false,
             addr: None,
             pid: None,
             tier: None,
             last_error: None,
             last_used: Instant::now(),
             max_running: None,
+            save_due: false,
         }
     }
 
@@ -193,7 +194,7 @@ impl Dep {
             self.state,
             InstanceState::Starting | InstanceState::Ready | InstanceState::Waking
         ) || self.claim.is_some()
-            || self.pending_start
+            || self.rec.pending_start
     }
 
     fn warm(&self) -> bool {
@@ -337,6 +338,10 @@ impl Server {
                     };
                     d.tier = adopted.parked;
                     d.pid = Some(adopted.pid);
+                    if adopted.parked.is_none() {
+                        // It runs: a start that waited for memory has happened.
+                        d.rec.pending_start = false;
+                    }
                     d.addr = engine_addr(&adopted.base_url);
                     tracing::info!(instance = %adopted.instance, state = %d.state, "adopted an engine a previous run left");
                 }
@@ -385,6 +390,10 @@ impl Server {
         });
         for (key, addr) in ready {
             router.instance_ready(Upstream { key, addr }).await;
+        }
+        // Operator starts that waited for memory when the previous run ended wait again.
+        if self.read(|inner| inner.deps.values().any(|d| d.rec.pending_start)) {
+            self.memory_freed();
         }
         if let Some(me) = self.me.upgrade() {
             tokio::spawn(background(me, self.agent.subscribe_exits()));
@@ -596,7 +605,7 @@ impl Server {
     /// Marks `id` as coming up (under the lock) and says how.
     fn begin_up(inner: &mut Inner, id: &str) -> Option<Up> {
         let d = inner.deps.get_mut(id)?;
-        d.pending_start = false;
+        d.save_due |= std::mem::take(&mut d.rec.pending_start);
         d.claim = None;
         d.busy = true;
         d.last_error = None;
@@ -704,7 +713,13 @@ impl Server {
         });
         match ready {
             Some(Ok((key, Some(addr)))) => {
-                if up == Up::Start {
+                let due = self.write(|inner| {
+                    inner
+                        .deps
+                        .get_mut(id)
+                        .is_some_and(|d| std::mem::take(&mut d.save_due))
+                });
+                if up == Up::Start || due {
                     let _ = self.save();
                 }
                 self.announce_ready(key, addr).await;
@@ -973,14 +988,18 @@ impl Server {
                     inner
                         .deps
                         .values()
-                        .filter(|d| d.pending_start)
+                        .filter(|d| d.rec.pending_start)
                         .map(|d| d.rec.id.clone())
                         .collect()
                 });
                 for id in pending {
                     let up = me.write(|inner| {
                         let d = inner.deps.get(&id)?;
-                        if !d.pending_start || d.busy || d.reserved.is_some() || d.claim.is_some() {
+                        if !d.rec.pending_start
+                            || d.busy
+                            || d.reserved.is_some()
+                            || d.claim.is_some()
+                        {
                             return None;
                         }
                         let need = d.need(inner.capacity);
@@ -1052,7 +1071,7 @@ impl Server {
                 );
                 if let Some(d) = inner.deps.get_mut(target) {
                     d.claim = Some(switch_id.clone());
-                    d.pending_start = false;
+                    d.rec.pending_start = false;
                 }
                 Plan::BringUp { switch_id }
             }
@@ -1071,7 +1090,7 @@ impl Server {
                 }
                 if let Some(d) = inner.deps.get_mut(target) {
                     d.claim = Some(switch_id.clone());
-                    d.pending_start = false;
+                    d.rec.pending_start = false;
                 }
                 inner.reservations.insert(
                     switch_id.clone(),
@@ -1241,6 +1260,7 @@ impl Server {
                     doc: doc.clone(),
                     operator_stopped: false,
                     operator_started: false,
+                    pending_start: false,
                     generation: 0,
                     first_answer: None,
                 };
@@ -1303,7 +1323,7 @@ impl Server {
                 InstanceState::Ready | InstanceState::Starting | InstanceState::Waking
             ) || d.claim.is_some()
                 // A start that waits for memory is taken over by a start with --evict.
-                || (d.pending_start && !req.evict);
+                || (d.rec.pending_start && !req.evict);
             let need = d.need(capacity);
             let holders = self.holders(inner, &id, &protected);
             let d = inner.deps.get_mut(&id).ok_or_else(|| not_found(&id))?;
@@ -1323,7 +1343,7 @@ impl Server {
                     }
                     if let Some(d) = inner.deps.get_mut(&id) {
                         d.claim = Some(rid.clone());
-                        d.pending_start = false;
+                        d.rec.pending_start = false;
                     }
                     inner.reservations.insert(
                         rid.clone(),
@@ -1336,7 +1356,7 @@ impl Server {
                 }
                 Fit::Later => {
                     if let Some(d) = inner.deps.get_mut(&id) {
-                        d.pending_start = true;
+                        d.rec.pending_start = true;
                     }
                     Ok(Next::Pending)
                 }
@@ -1432,7 +1452,7 @@ impl Server {
                 let d = inner.deps.get(id)?;
                 Some((
                     d.state,
-                    d.busy || d.pending_start || d.claim.is_some(),
+                    d.busy || d.rec.pending_start || d.claim.is_some(),
                     d.last_error.clone(),
                 ))
             });
@@ -1466,7 +1486,7 @@ impl Server {
                 ),
             });
         }
-        d.pending_start = false;
+        d.rec.pending_start = false;
         match d.state {
             InstanceState::Ready => {
                 d.reserved = Some(rid.to_string());
@@ -1498,7 +1518,7 @@ impl Server {
             let d = inner.deps.get_mut(id).ok_or_else(|| not_found(id))?;
             d.rec.operator_stopped = true;
             d.rec.operator_started = false;
-            d.pending_start = false;
+            d.rec.pending_start = false;
             Ok::<_, ApiError>(())
         })?;
         self.save()?;
@@ -1676,7 +1696,7 @@ impl Server {
                 && !d.busy
                 && d.reserved.is_none()
                 && d.claim.is_none()
-                && !d.pending_start;
+                && !d.rec.pending_start;
             if !d.measurement.awaiting() || !idle {
                 return Ok(false);
             }
@@ -1883,7 +1903,7 @@ impl Server {
                 .deps
                 .values()
                 .filter(|d| !self.explicit(d) && !d.warm() && !d.busy && d.reserved.is_none())
-                .filter(|d| d.claim.is_none() && !d.pending_start && !busy.contains(d.id()))
+                .filter(|d| d.claim.is_none() && !d.rec.pending_start && !busy.contains(d.id()))
                 .filter_map(|d| {
                     let idle = now.saturating_duration_since(d.last_used);
                     match d.state {

@@ -76,7 +76,7 @@ pub(crate) fn deployment_view(d: &Dep, config: &LifecycleConfig, _inner: &Inner)
     let ready = d.state == InstanceState::Ready;
     let (ready_reason, ready_message) = if ready {
         ("ready", "the instance serves requests".to_string())
-    } else if d.pending_start {
+    } else if d.rec.pending_start {
         (
             "waiting_for_memory",
             "an operator start waits for GPU memory (start --evict parks idle models to make room)"
