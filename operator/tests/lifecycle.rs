@@ -230,6 +230,44 @@ async fn explicit_models_are_refused_by_requests_and_never_victims() {
     h.shutdown().await;
 }
 
+/// An explicit model that an operator parks is on its way out: a request that needs its memory
+/// waits for the park and is served, instead of being refused for capacity.
+#[tokio::test]
+async fn a_request_waits_for_an_explicit_model_the_operator_is_parking() {
+    let dir = temp_dir("explicit-leaving");
+    let h = Harness::new(&dir, Opts::default()).await;
+    // 64 MiB at 32 MiB/s: the park takes about 2 s.
+    let slow = capyctl_crds::documents::parse_deployment_str(
+        "chat-c.yaml",
+        "name: chat-c\nengine: vllm\nmodel: Qwen3-4B\nresources: {gpu_memory: 6GiB, weights_memory: 64MiB}\nenv: {ENGINE_SIM_WEIGHTS_BYTES: 64MiB, ENGINE_SIM_HOST_BANDWIDTH: 32MiB}\nlifecycle: {activation: explicit}\n",
+    )
+    .unwrap();
+    h.server.deploy(slow).await.unwrap();
+    h.server.deploy(doc("chat-a", "")).await.unwrap();
+    h.server
+        .start(
+            "chat-c",
+            StartRequest {
+                evict: false,
+                wait: true,
+            },
+        )
+        .await
+        .unwrap();
+    let (status, body) = h.chat("chat-a").await;
+    assert_eq!((status, body["code"].as_str()), (409, Some("does_not_fit")));
+
+    let receipt = h.server.park("chat-c").await.unwrap();
+    assert_eq!(receipt.deployment.state, InstanceState::Parking);
+    let (status, body) = h.chat("chat-a").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        h.server.get("chat-c").await.unwrap().state,
+        InstanceState::Parked
+    );
+    h.shutdown().await;
+}
+
 #[tokio::test]
 async fn an_operator_stop_refuses_requests_a_pressure_stop_does_not() {
     let dir = temp_dir("stops");

@@ -579,7 +579,12 @@ impl Server {
             .values()
             .filter(|d| d.id() != target && (d.occupies() || d.claim.is_some()))
             .map(|d| {
-                let hold = if self.explicit(d) || d.warm() {
+                // NB: an explicit or warm model that is draining, parking or stopping on an
+                // operator's command (reserved by it; never by a switch) is on its way out:
+                // its memory frees soon, so others wait for it instead of being refused.
+                let leaving = d.reserved.is_some()
+                    || matches!(d.state, InstanceState::Parking | InstanceState::Stopping);
+                let hold = if (self.explicit(d) || d.warm()) && !leaving {
                     Hold::Pinned
                 } else if d.state == InstanceState::Ready
                     && !d.busy
