@@ -600,6 +600,80 @@ async fn a_switch_lets_a_running_answer_finish() {
     h.shutdown().await;
 }
 
+/// "When there is no room to keep a parked copy, CapyCTL stops the idle model instead and says
+/// so": a `start --evict` whose victim's copy needs the room of an older parked copy names
+/// that copy in its receipt, `released: stopped (no room to park)`.
+#[tokio::test]
+async fn an_evict_receipt_names_the_parked_copies_stopped_for_room() {
+    let dir = temp_dir("room-receipt");
+    // One 6 GiB model on the GPU at a time; host RAM for one 64 MiB copy.
+    let opts = Opts {
+        host_memory: 100 * support::MIB,
+        ..Opts::default()
+    };
+    let h = Harness::new(&dir, opts).await;
+    let a = h.server.deploy(doc("chat-a", "")).await.unwrap().deployment;
+    let b = h.server.deploy(doc("chat-b", "")).await.unwrap().deployment;
+    h.server.deploy(doc("chat-c", "")).await.unwrap();
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    assert_eq!(h.chat("chat-b").await.0, 200);
+    assert_eq!(
+        h.server.get("chat-a").await.unwrap().state,
+        InstanceState::Parked
+    );
+    let switches = |text: &str| -> u64 {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("capyctl_switches_total{outcome=\"ok\"}"))
+            .unwrap_or("x 0");
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let before = switches(&h.metrics.encode());
+    let r = h
+        .server
+        .start(
+            "chat-c",
+            StartRequest {
+                evict: true,
+                wait: true,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.deployment.state, InstanceState::Ready);
+    // Counted as a switch, and the stopped copy as a park that stopped for want of room.
+    let text = h.metrics.encode();
+    assert_eq!(switches(&text), before + 1, "{text}");
+    assert!(
+        text.contains(r#"capyctl_parks_total{tier="none",outcome="stopped_no_room_to_park"} 1"#),
+        "{text}"
+    );
+    let got: Vec<(&str, &str, Released)> = r
+        .victims
+        .iter()
+        .map(|v| (v.deployment_id.as_str(), v.instance_id.as_str(), v.released))
+        .collect();
+    let (a_iid, b_iid) = (format!("{}-0", a.id), format!("{}-0", b.id));
+    assert_eq!(
+        got,
+        vec![
+            (b.id.as_str(), b_iid.as_str(), Released::Parked),
+            (a.id.as_str(), a_iid.as_str(), Released::StoppedNoRoomToPark),
+        ]
+    );
+    assert_eq!(
+        h.server.get("chat-a").await.unwrap().state,
+        InstanceState::Stopped
+    );
+    assert_eq!(
+        h.server.get("chat-b").await.unwrap().state,
+        InstanceState::Parked
+    );
+    // A pressure stop: a request starts chat-a again.
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    h.shutdown().await;
+}
+
 #[tokio::test]
 async fn parked_copies_make_room_except_explicit_ones() {
     let dir = temp_dir("parked-room");

@@ -249,6 +249,16 @@ impl Inner {
     }
 }
 
+/// How a drained instance was put away.
+#[derive(Debug)]
+struct PutAway {
+    /// Its own release.
+    released: Released,
+    /// Parked copies stopped to make room in host RAM for its copy
+    /// (`released: stopped (no room to park)`).
+    room: Vec<Victim>,
+}
+
 /// How an instance is to be brought up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Up {
@@ -744,9 +754,9 @@ impl Server {
     /// parked copies while the copy does not fit; `ParkedCapacity` when only explicit copies
     /// stand in the way. Nothing is done when the copy would not go to host RAM, or does not
     /// fit even in empty host RAM (the agent then parks deep or stops it).
-    async fn make_parked_room(&self, id: &str) -> Result<(), ApiError> {
+    async fn make_parked_room(&self, id: &str) -> Result<Vec<Victim>, ApiError> {
         let Ok(inv) = self.agent.inventory().await else {
-            return Ok(());
+            return Ok(Vec::new());
         };
         let unified = inv.unified_memory();
         let plan = self.read(|inner| {
@@ -813,19 +823,20 @@ impl Server {
             Some(Ok(out))
         });
         let victims = match plan {
-            None => return Ok(()),
+            None => return Ok(Vec::new()),
             Some(r) => r?,
         };
+        let mut stopped = Vec::new();
         for v in victims {
             let begun = self.write(|inner| {
                 let d = inner.deps.get_mut(&v)?;
                 (d.state == InstanceState::Parked && !d.busy && d.reserved.is_none()).then(|| {
                     d.busy = true;
                     d.state = InstanceState::Stopping;
-                    d.instance_id()
+                    (d.instance_id(), d.name().to_string())
                 })
             });
-            let Some(iid) = begun else { continue };
+            let Some((iid, name)) = begun else { continue };
             tracing::info!(instance = %iid, "released: stopped (no room to park) to make room for a newer parked copy");
             let result = self.agent.stop(&iid).await;
             self.write(|inner| {
@@ -844,25 +855,61 @@ impl Server {
                     });
                 }
             });
+            self.config.metrics.park(
+                "none",
+                if result.is_ok() {
+                    "stopped_no_room_to_park"
+                } else {
+                    "failed"
+                },
+                Duration::ZERO,
+            );
+            stopped.push(Victim {
+                deployment_id: v,
+                name,
+                instance_id: iid,
+                released: Released::StoppedNoRoomToPark,
+            });
         }
-        Ok(())
+        Ok(stopped)
     }
 
     /// Parks (or stops, with `stop` or where it does not park) an instance whose requests have
     /// drained: state `Closed`/`Ready`/`Parked`, reserved by the caller or idle. Says how it
-    /// was released; `ParkedCapacity` leaves it ready (announced again).
-    async fn put_away(&self, id: &str, stop: bool) -> Result<Released, ApiError> {
-        if !stop && let Err(e) = self.make_parked_room(id).await {
-            let back = self.write(|inner| {
-                let d = inner.deps.get_mut(id)?;
-                d.state = InstanceState::Ready;
-                Some((self.key(d), d.addr?))
-            });
-            if let Some((key, addr)) = back {
-                self.announce_ready(key, addr).await;
+    /// was released, and which parked copies were stopped to make room for its copy;
+    /// `ParkedCapacity` leaves it ready (announced again).
+    async fn put_away(&self, id: &str, stop: bool) -> Result<PutAway, ApiError> {
+        let room = if stop {
+            Ok(Vec::new())
+        } else {
+            self.make_parked_room(id).await
+        };
+        let room = match room {
+            Ok(room) => room,
+            Err(e) => {
+                self.put_back(id).await;
+                return Err(e);
             }
-            return Err(e);
+        };
+        self.release_drained(id, stop)
+            .await
+            .map(|released| PutAway { released, room })
+    }
+
+    /// Serves a drained instance again (a park refused before it began).
+    async fn put_back(&self, id: &str) {
+        let back = self.write(|inner| {
+            let d = inner.deps.get_mut(id)?;
+            d.state = InstanceState::Ready;
+            Some((self.key(d), d.addr?))
+        });
+        if let Some((key, addr)) = back {
+            self.announce_ready(key, addr).await;
         }
+    }
+
+    /// The engine half of [`Server::put_away`].
+    async fn release_drained(&self, id: &str, stop: bool) -> Result<Released, ApiError> {
         let Some((iid, key, parked)) = self.write(|inner| {
             let d = inner.deps.get_mut(id)?;
             let parked = d.state == InstanceState::Parked;
@@ -894,14 +941,28 @@ impl Server {
                 }
                 Ok(ParkResult::Stopped {
                     reason: NoParkReason::NoRoomToPark,
-                }) => Ok(Released::StoppedNoRoomToPark),
-                Ok(ParkResult::Stopped { .. }) => Ok(Released::Stopped),
+                }) => {
+                    self.config
+                        .metrics
+                        .park("none", "stopped_no_room_to_park", began.elapsed());
+                    Ok(Released::StoppedNoRoomToPark)
+                }
+                Ok(ParkResult::Stopped { .. }) => {
+                    self.config.metrics.park("none", "stopped", began.elapsed());
+                    Ok(Released::Stopped)
+                }
                 // A model its engine cannot wake correctly is stopped, never parked.
                 Err(e @ capyctl_node_agent::AgentError::CapabilityMissing { .. }) => {
                     tracing::info!(instance = %iid, reason = %e, "stopped instead of parked");
+                    self.config
+                        .metrics
+                        .park("none", "capability_missing", began.elapsed());
                     self.agent.stop(&iid).await.map(|()| Released::Stopped)
                 }
                 Err(e) => {
+                    self.config
+                        .metrics
+                        .park("unknown", e.metric_label(), began.elapsed());
                     let _ = self.agent.stop(&iid).await;
                     Err(e)
                 }
@@ -1167,8 +1228,8 @@ impl Server {
                 .put_away(&key.deployment, report.cut_before_output)
                 .await
             {
-                Ok(released) => {
-                    tracing::info!(victim = %key.deployment, released = released.words(), "victim released")
+                Ok(put) => {
+                    tracing::info!(victim = %key.deployment, released = put.released.words(), room = ?put.room.iter().map(|v| &v.name).collect::<Vec<_>>(), "victim released")
                 }
                 Err(e @ ApiError::ParkedCapacity { .. }) => {
                     self.write(|inner| inner.release_reservation(&order.switch_id));
@@ -1374,17 +1435,25 @@ impl Server {
         self.save()?;
         let mut receipt_victims = Vec::new();
         let mut switch_id = None;
+        let mut evict_phases: Vec<(&'static str, Duration)> = Vec::new();
         let up = match next {
             Next::Nothing | Next::Pending => None,
             Next::Up(up) => Some(up),
             Next::Evict(rid, victims) => {
+                // A switch like a request's, without the admission window: counted the same.
+                let began = Instant::now();
                 let reports = match self.drain(&victims, InstanceState::Closed).await {
                     Ok(r) => r,
                     Err(e) => {
                         self.write(|inner| inner.release_reservation(&rid));
+                        self.config
+                            .metrics
+                            .switch_finished(e.metric_label(), &[("drain", began.elapsed())]);
                         return Err(e);
                     }
                 };
+                evict_phases.push(("drain", began.elapsed()));
+                let released_at = Instant::now();
                 for v in &victims {
                     let stop = reports.get(v).is_some_and(|r| r.cut_before_output);
                     let (name, iid) = self
@@ -1396,14 +1465,22 @@ impl Server {
                         })
                         .unwrap_or_default();
                     match self.put_away(v, stop).await {
-                        Ok(released) => receipt_victims.push(Victim {
-                            deployment_id: v.clone(),
-                            name,
-                            instance_id: iid,
-                            released,
-                        }),
+                        Ok(put) => {
+                            receipt_victims.push(Victim {
+                                deployment_id: v.clone(),
+                                name,
+                                instance_id: iid,
+                                released: put.released,
+                            });
+                            // Parked copies stopped to make room for this one's copy.
+                            receipt_victims.extend(put.room);
+                        }
                         Err(e @ ApiError::ParkedCapacity { .. }) => {
                             self.write(|inner| inner.release_reservation(&rid));
+                            evict_phases.push(("release", released_at.elapsed()));
+                            self.config
+                                .metrics
+                                .switch_finished(e.metric_label(), &evict_phases);
                             return Err(e);
                         }
                         Err(e) => {
@@ -1417,6 +1494,7 @@ impl Server {
                         }
                     }
                 }
+                evict_phases.push(("release", released_at.elapsed()));
                 switch_id = Some(rid.clone());
                 self.write(|inner| {
                     inner.release_reservation(&rid);
@@ -1425,13 +1503,30 @@ impl Server {
             }
         };
         if let Some(up) = up {
+            // The phases so far, when this start is a switch; counted once the target is up.
+            let phases = (!evict_phases.is_empty()).then_some(evict_phases);
+            let up_at = Instant::now();
+            let finish = move |me: &Server, result: &Result<(), ApiError>| {
+                if let Some(mut phases) = phases {
+                    phases.push(("bring_up", up_at.elapsed()));
+                    let outcome = match result {
+                        Ok(()) => "ok",
+                        Err(e) => e.metric_label(),
+                    };
+                    me.config.metrics.switch_finished(outcome, &phases);
+                }
+            };
             if req.wait {
-                self.finish_up(&id, up).await?;
+                let result = self.finish_up(&id, up).await;
+                finish(self, &result);
+                result?;
             } else {
                 let target = id.clone();
                 self.spawn(move |me| {
                     Box::pin(async move {
-                        if let Err(e) = me.finish_up(&target, up).await
+                        let result = me.finish_up(&target, up).await;
+                        finish(&me, &result);
+                        if let Err(e) = result
                             && let Some(r) = me.router()
                         {
                             r.deployment_refused(target, e).await;
@@ -1578,7 +1673,7 @@ impl Server {
     ) -> Result<Option<Released>, ApiError> {
         match down {
             None => Ok(None),
-            Some(false) => self.put_away(id, true).await.map(Some),
+            Some(false) => self.put_away(id, true).await.map(|p| Some(p.released)),
             Some(true) => {
                 let shown = if stop {
                     InstanceState::Closed
@@ -1587,7 +1682,9 @@ impl Server {
                 };
                 let reports = self.drain(&[id.to_string()], shown).await?;
                 let cut = reports.get(id).is_some_and(|r| r.cut_before_output);
-                self.put_away(id, stop || cut).await.map(Some)
+                self.put_away(id, stop || cut)
+                    .await
+                    .map(|p| Some(p.released))
             }
         }
     }

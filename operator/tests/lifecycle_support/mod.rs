@@ -135,6 +135,8 @@ impl Default for Opts {
 /// A server with the real coordinator and the real listener on a loopback port.
 pub struct Harness {
     pub server: Arc<Server>,
+    /// The server's metrics.
+    pub metrics: Arc<capyctl_operator::metrics::Metrics>,
     pub agent: Arc<LocalHostAgent>,
     pub router: CoordinatorHandle,
     pub addr: SocketAddr,
@@ -168,6 +170,7 @@ impl Harness {
         lc.lifecycle_defaults = opts.lifecycle_defaults;
         lc.host_settings = settings;
         lc.timer_tick = opts.timer_tick;
+        let metrics = lc.metrics.clone();
         let server = Server::open(agent.clone(), store, lc).await.unwrap();
         let router = Coordinator::spawn(server.clone(), router_config());
         server.attach_router(router.clone()).await;
@@ -194,6 +197,7 @@ impl Harness {
         });
         Harness {
             server,
+            metrics,
             agent,
             router,
             addr,
