@@ -2021,15 +2021,39 @@ impl Server {
                 .collect()
         });
         for (id, ready) in due {
+            // Checked before the drain, as an operator park is: when only explicit parked
+            // copies hold host RAM the park is refused (`parked_capacity`) and the model keeps
+            // serving, undisturbed; its timer starts over instead of closing it every tick.
+            if ready && let Err(e) = self.make_parked_room(&id).await {
+                tracing::info!(deployment = %id, error = %e, "idle timer: not parked");
+                self.write(|inner| {
+                    if let Some(d) = inner.deps.get_mut(&id) {
+                        d.last_used = Instant::now();
+                    }
+                });
+                continue;
+            }
             let rid = self.fresh_id("idle");
             let down = self.write(|inner| self.begin_down(inner, &id, &rid));
             let Ok(down) = down else { continue };
             tracing::info!(deployment = %id, ready, "idle timer");
-            let result = self.take_down(&id, &rid, down, !ready).await;
-            self.write(|inner| inner.release_reservation(&rid));
-            if let Err(e) = result {
-                tracing::warn!(deployment = %id, error = %e, "idle park or stop failed");
-            }
+            // In its own task: engine exits and the next ticks are not held up by a drain.
+            self.spawn(move |me| {
+                Box::pin(async move {
+                    let result = me.take_down(&id, &rid, down, !ready).await;
+                    me.write(|inner| {
+                        inner.release_reservation(&rid);
+                        if result.is_err()
+                            && let Some(d) = inner.deps.get_mut(&id)
+                        {
+                            d.last_used = Instant::now();
+                        }
+                    });
+                    if let Err(e) = result {
+                        tracing::warn!(deployment = %id, error = %e, "idle park or stop failed");
+                    }
+                })
+            });
         }
     }
 }
