@@ -276,6 +276,11 @@ fn only_on_your_command() {
         "{refused}"
     );
     assert_eq!(capy.status("my-model")["state"], "ready");
+    let r = chat(capy.inference, "other-model", false);
+    let message = assert_error(&r, 409, "does_not_fit", false);
+    assert!(message.contains("my-model"), "{message}");
+    assert_eq!(capy.status("my-model")["state"], "ready");
+    assert_eq!(chat(capy.inference, "my-model", false).status, 200);
 
     // Parked on command; a request still does not wake it.
     capy.cli(&["park", "deployment", "my-model"]).ok();
@@ -494,4 +499,40 @@ fn a_start_awaits_the_measurement_only_with_wait() {
         "{measured}"
     );
     assert_eq!(chat(capy.inference, "fresh", false).status, 200);
+}
+
+/// "The host setting also takes --set ... or CAPYCTL_SET__HOST__LIFECYCLE__ACTIVATION on capyctl
+/// start standalone": a host-wide explicit activation, from the command line or the
+/// environment, makes every model explicit; a deployment cannot opt out.
+#[test]
+fn host_wide_explicit_activation_from_set_or_variable() {
+    for (args, env) in [
+        (
+            &["--set", "host.lifecycle.activation=explicit"][..],
+            &[][..],
+        ),
+        (
+            &[][..],
+            &[("CAPYCTL_SET__HOST__LIFECYCLE__ACTIVATION", "explicit")][..],
+        ),
+    ] {
+        let dir = temp_dir("host-explicit");
+        let doc = document(
+            "",
+            "",
+            &[&model("chat-a", "lifecycle: {activation: on_demand}\n")],
+        );
+        let capy = Capy::start_with(&dir, &doc, args, env);
+        let id = id_of(&capy, "chat-a");
+        let r = chat(capy.inference, "chat-a", false);
+        let message = assert_error(&r, 409, "deployment_inactive", false);
+        assert!(
+            message.starts_with(&format!("deployment {id} is not running")),
+            "{message}"
+        );
+        assert_eq!(capy.status("chat-a")["activation"], "explicit");
+        assert_eq!(capy.status("chat-a")["state"], "stopped");
+        capy.cli(&["start", "deployment", "chat-a", "--wait"]).ok();
+        assert_eq!(chat(capy.inference, "chat-a", false).status, 200);
+    }
 }

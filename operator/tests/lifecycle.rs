@@ -577,13 +577,16 @@ async fn a_switch_lets_a_running_answer_finish() {
         .await
     });
     // Wait until the stream runs in the engine, then ask for the other model.
-    for _ in 0..100 {
+    let mut running = false;
+    for _ in 0..250 {
         let load = h.server.load(Some("chat-s")).await.unwrap();
         if load.deployments[0].router.in_flight == 1 {
+            running = true;
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    assert!(running, "the streamed answer never started");
     let (status, body) = h.chat("chat-b").await;
     assert_eq!(status, 200, "{body}");
     let (status, text) = streamed.await.unwrap();
