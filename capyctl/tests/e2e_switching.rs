@@ -122,6 +122,53 @@ fn switch_between_models() {
     assert_eq!(r.status, 200, "{r:?}");
     assert_eq!(capy.status("my-model")["state"], "ready");
     assert_eq!(capy.status("other-model")["state"], "parked");
+    // `--json` prints the API's receipt: victims and switch_id.
+    let json = capy
+        .cli(&[
+            "start",
+            "deployment",
+            "other-model",
+            "--evict",
+            "--wait",
+            "--json",
+        ])
+        .ok();
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["deployment"]["state"], "ready", "{v:#}");
+    assert!(
+        v["switch_id"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("sw-")),
+        "{v:#}"
+    );
+    assert_eq!(
+        v["victims"],
+        serde_json::json!([{
+            "deployment_id": my_id,
+            "name": "my-model",
+            "instance_id": my_instance,
+            "released": "parked",
+        }]),
+        "{v:#}"
+    );
+    // The hosts route of the real server: this host, its GPU and its engines.
+    let hosts = capy.management_get("/management/v1/hosts");
+    assert_eq!(hosts.status, 200, "{hosts:?}");
+    let hosts = hosts.json();
+    assert_eq!(hosts["hosts"][0]["id"], "gpu-box", "{hosts:#}");
+    assert_eq!(
+        hosts["hosts"][0]["gpus"][0]["memory"],
+        10u64 << 30,
+        "{hosts:#}"
+    );
+    assert_eq!(hosts["hosts"][0]["host_memory"], 1u64 << 30, "{hosts:#}");
+    // my-model's 64 MiB copy is parked in host RAM.
+    assert_eq!(
+        hosts["hosts"][0]["host_memory_used"],
+        64u64 << 20,
+        "{hosts:#}"
+    );
+    assert_eq!(hosts["hosts"][0]["activation"], "on_demand", "{hosts:#}");
 }
 
 /// "Example: two apps, one GPU": App 1 keeps streaming from chat-a; App 2's three requests

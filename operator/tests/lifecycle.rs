@@ -512,6 +512,113 @@ async fn the_load_read_has_router_and_sample_halves() {
     h.shutdown().await;
 }
 
+/// "A request does not restart an explicit model whose engine exited either; start it again."
+#[tokio::test]
+async fn an_explicit_model_whose_engine_exited_waits_for_a_start() {
+    let dir = temp_dir("crash-explicit");
+    let h = Harness::new(&dir, Opts::default()).await;
+    let x = h
+        .server
+        .deploy(doc("chat-x", "lifecycle: {activation: explicit}\n"))
+        .await
+        .unwrap()
+        .deployment;
+    h.server
+        .start(
+            "chat-x",
+            StartRequest {
+                evict: false,
+                wait: true,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(h.chat("chat-x").await.0, 200);
+    let port = h.server.get("chat-x").await.unwrap().instances[0]
+        .port
+        .unwrap();
+    let _ = support::try_post_json(
+        std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+        "/sim/faults",
+        serde_json::json!({"set": ["crash"]}),
+    )
+    .await;
+    state_becomes(&h, "chat-x", InstanceState::Failed).await;
+    let (status, body) = h.chat("chat-x").await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (409, Some("deployment_inactive")),
+        "{body}"
+    );
+    let v = h.server.get("chat-x").await.unwrap();
+    assert_eq!(v.state, InstanceState::Failed);
+    assert_eq!(v.instances[0].generation, 1, "not restarted by the request");
+    // Started again on command: a fresh generation that serves.
+    h.server
+        .start(
+            &x.id,
+            StartRequest {
+                evict: false,
+                wait: true,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(h.chat("chat-x").await.0, 200);
+    assert_eq!(
+        h.server.get("chat-x").await.unwrap().instances[0].generation,
+        2
+    );
+    h.shutdown().await;
+}
+
+/// `lifecycle.warm: true` keeps a model loaded like explicit activation (never a victim of a
+/// request's switch or of `--evict`), but requests still start or wake it.
+#[tokio::test]
+async fn a_warm_model_is_never_a_victim_but_requests_start_and_wake_it() {
+    let dir = temp_dir("warm");
+    let h = Harness::new(&dir, Opts::default()).await;
+    h.server
+        .deploy(doc("chat-w", "lifecycle: {warm: true}\n"))
+        .await
+        .unwrap();
+    h.server.deploy(doc("chat-b", "")).await.unwrap();
+    // A request starts it (explicit would refuse).
+    assert_eq!(h.chat("chat-w").await.0, 200);
+    // Neither a request nor --evict parks it for another model.
+    let (status, body) = h.chat("chat-b").await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (409, Some("does_not_fit")),
+        "{body}"
+    );
+    let err = h
+        .server
+        .start(
+            "chat-b",
+            StartRequest {
+                evict: true,
+                wait: true,
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), "does_not_fit");
+    assert_eq!(
+        h.server.get("chat-w").await.unwrap().state,
+        InstanceState::Ready
+    );
+    // An operator may park it; a request wakes it again.
+    h.server.park("chat-w").await.unwrap();
+    state_becomes(&h, "chat-w", InstanceState::Parked).await;
+    assert_eq!(h.chat("chat-w").await.0, 200);
+    assert_eq!(
+        h.server.get("chat-w").await.unwrap().state,
+        InstanceState::Ready
+    );
+    h.shutdown().await;
+}
+
 #[tokio::test]
 async fn an_engine_that_exits_is_restarted_by_the_next_request() {
     let dir = temp_dir("crash");
@@ -732,6 +839,27 @@ async fn parked_copies_make_room_except_explicit_ones() {
         InstanceState::Parked
     );
     assert_eq!(h.chat("chat-a").await.0, 200);
+    // A request for chat-d (16 GiB) needs chat-a's GPU memory, and chat-a's copy finds no
+    // room: chat-a is stopped instead of parked and says so; chat-d is served; chat-c stays
+    // parked.
+    let big = capyctl_crds::documents::parse_deployment_str(
+        "chat-d.yaml",
+        "name: chat-d\nengine: vllm\nmodel: Qwen3-4B\nresources: {gpu_memory: 16GiB, weights_memory: 64MiB}\nenv: {ENGINE_SIM_WEIGHTS_BYTES: 64MiB}\n",
+    )
+    .unwrap();
+    h.server.deploy(big).await.unwrap();
+    let (status, body) = h.chat("chat-d").await;
+    assert_eq!(status, 200, "{body}");
+    let a = h.server.get("chat-a").await.unwrap();
+    assert_eq!(a.state, InstanceState::Stopped);
+    assert_eq!(
+        a.instances[0].last_error.as_deref(),
+        Some("released: stopped (no room to park)")
+    );
+    assert_eq!(
+        h.server.get("chat-c").await.unwrap().state,
+        InstanceState::Parked
+    );
     h.shutdown().await;
 }
 

@@ -249,6 +249,21 @@ impl Inner {
     }
 }
 
+/// The longest [`Server::idle_engine`] waits: the drain bound's maximum (600 s).
+const IDLE_ENGINE_BOUND: Duration = Duration::from_secs(600);
+
+/// What a release does when its copy finds no room in host RAM (only explicit parked copies
+/// stand in the way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NoRoom {
+    /// Refuse the park (`parked_capacity`); the model serves again (an operator park, the
+    /// idle timer).
+    Refuse,
+    /// Stop it instead (`released: stopped (no room to park)`): a switch's victim, whose
+    /// memory a waiting model needs.
+    Stop,
+}
+
 /// How a drained instance was put away.
 #[derive(Debug)]
 struct PutAway {
@@ -878,22 +893,39 @@ impl Server {
     /// drained: state `Closed`/`Ready`/`Parked`, reserved by the caller or idle. Says how it
     /// was released, and which parked copies were stopped to make room for its copy;
     /// `ParkedCapacity` leaves it ready (announced again).
-    async fn put_away(&self, id: &str, stop: bool) -> Result<PutAway, ApiError> {
+    async fn put_away(&self, id: &str, stop: bool, no_room: NoRoom) -> Result<PutAway, ApiError> {
         let room = if stop {
             Ok(Vec::new())
         } else {
             self.make_parked_room(id).await
         };
-        let room = match room {
-            Ok(room) => room,
+        let (room, stop, stopped_for_room) = match room {
+            Ok(room) => (room, stop, false),
+            Err(ApiError::ParkedCapacity { .. }) if no_room == NoRoom::Stop => {
+                (Vec::new(), true, true)
+            }
             Err(e) => {
                 self.put_back(id).await;
                 return Err(e);
             }
         };
-        self.release_drained(id, stop)
-            .await
-            .map(|released| PutAway { released, room })
+        let began = Instant::now();
+        let released = self.release_drained(id, stop).await?;
+        if stopped_for_room && released == Released::Stopped {
+            self.write(|inner| {
+                if let Some(d) = inner.deps.get_mut(id) {
+                    d.last_error = Some("released: stopped (no room to park)".into());
+                }
+            });
+            self.config
+                .metrics
+                .park("none", "stopped_no_room_to_park", began.elapsed());
+            return Ok(PutAway {
+                released: Released::StoppedNoRoomToPark,
+                room,
+            });
+        }
+        Ok(PutAway { released, room })
     }
 
     /// Serves a drained instance again (a park refused before it began).
@@ -1225,15 +1257,11 @@ impl Server {
                 continue;
             }
             match self
-                .put_away(&key.deployment, report.cut_before_output)
+                .put_away(&key.deployment, report.cut_before_output, NoRoom::Stop)
                 .await
             {
                 Ok(put) => {
                     tracing::info!(victim = %key.deployment, released = put.released.words(), room = ?put.room.iter().map(|v| &v.name).collect::<Vec<_>>(), "victim released")
-                }
-                Err(e @ ApiError::ParkedCapacity { .. }) => {
-                    self.write(|inner| inner.release_reservation(&order.switch_id));
-                    return Err(e);
                 }
                 Err(e) => {
                     tracing::warn!(victim = %key.deployment, error = %e, "releasing a victim failed")
@@ -1274,24 +1302,35 @@ impl Server {
         result
     }
 
+    /// Waits until the engine of `key` reports no running and no waiting requests in a sample
+    /// taken after the question (an aborted request can take the engine a moment to drop).
+    /// `false` when its metrics cannot be read, when no fresh sample comes, or past
+    /// [`IDLE_ENGINE_BOUND`]; the router bounds the wait by its drain bound anyway.
     async fn idle_engine(&self, key: &InstanceKey) -> bool {
         let asked = views::now_ms();
         let iid = instance_id(&key.deployment);
         let mut rx = self.closed.subscribe();
+        let give_up = Instant::now() + IDLE_ENGINE_BOUND;
         loop {
-            if let Some(s) = self.agent.sample(&iid) {
-                match s.engine {
-                    None => return false,
-                    Some(e) if s.sampled_at_ms >= asked => {
-                        return e.running == Some(0) && e.waiting.unwrap_or(0) == 0;
-                    }
-                    Some(_) => {}
-                }
-            } else {
+            let Some(s) = self.agent.sample(&iid) else {
                 return false;
+            };
+            match s.engine {
+                None => return false,
+                Some(e) if s.sampled_at_ms >= asked => {
+                    let idle = e.running == Some(0) && e.waiting.unwrap_or(0) == 0;
+                    if idle {
+                        return true;
+                    }
+                    if e.running.is_none() {
+                        return false;
+                    }
+                }
+                Some(_) => {}
             }
             tokio::select! {
                 () = tokio::time::sleep(Duration::from_millis(100)) => {}
+                () = tokio::time::sleep_until(give_up) => return false,
                 _ = rx.changed() => return false,
             }
         }
@@ -1464,7 +1503,7 @@ impl Server {
                                 .map(|d| (d.name().to_string(), d.instance_id()))
                         })
                         .unwrap_or_default();
-                    match self.put_away(v, stop).await {
+                    match self.put_away(v, stop, NoRoom::Stop).await {
                         Ok(put) => {
                             receipt_victims.push(Victim {
                                 deployment_id: v.clone(),
@@ -1474,14 +1513,6 @@ impl Server {
                             });
                             // Parked copies stopped to make room for this one's copy.
                             receipt_victims.extend(put.room);
-                        }
-                        Err(e @ ApiError::ParkedCapacity { .. }) => {
-                            self.write(|inner| inner.release_reservation(&rid));
-                            evict_phases.push(("release", released_at.elapsed()));
-                            self.config
-                                .metrics
-                                .switch_finished(e.metric_label(), &evict_phases);
-                            return Err(e);
                         }
                         Err(e) => {
                             tracing::warn!(victim = %v, error = %e, "releasing a victim failed");
@@ -1673,7 +1704,10 @@ impl Server {
     ) -> Result<Option<Released>, ApiError> {
         match down {
             None => Ok(None),
-            Some(false) => self.put_away(id, true).await.map(|p| Some(p.released)),
+            Some(false) => self
+                .put_away(id, true, NoRoom::Refuse)
+                .await
+                .map(|p| Some(p.released)),
             Some(true) => {
                 let shown = if stop {
                     InstanceState::Closed
@@ -1682,7 +1716,7 @@ impl Server {
                 };
                 let reports = self.drain(&[id.to_string()], shown).await?;
                 let cut = reports.get(id).is_some_and(|r| r.cut_before_output);
-                self.put_away(id, stop || cut)
+                self.put_away(id, stop || cut, NoRoom::Refuse)
                     .await
                     .map(|p| Some(p.released))
             }
@@ -1852,7 +1886,7 @@ impl Server {
                 });
                 let _ = self.save();
                 let stop = self.make_parked_room(id).await.is_err();
-                if let Err(e) = self.put_away(id, stop).await {
+                if let Err(e) = self.put_away(id, stop, NoRoom::Refuse).await {
                     tracing::warn!(deployment = %id, error = %e, "preinitialize: parking failed");
                 }
             }
