@@ -583,3 +583,45 @@ fn host_wide_explicit_activation_from_set_or_variable() {
         assert_eq!(chat(capy.inference, "chat-a", false).status, 200);
     }
 }
+
+/// "`--wait` shows progress on a terminal (measurement, then starting)": on a terminal
+/// (`script` gives the command one) the states go by on stderr; without one, only the receipt.
+#[test]
+fn start_wait_shows_progress_on_a_terminal() {
+    let dir = temp_dir("progress");
+    let capy = Capy::start(&dir, &document("", "", &[]));
+    let file = dir.join("fresh.yaml");
+    std::fs::write(
+        &file,
+        "name: fresh\nengine: vllm\nmodel: Qwen3-4B\nenv: {ENGINE_SIM_WEIGHTS_BYTES: 64MiB, ENGINE_SIM_GPU_MEMORY_BYTES: 2GiB, ENGINE_SIM_STARTUP_DELAY: 800ms}\n",
+    )
+    .unwrap();
+    capy.cli(&["deploy", "model", "--file", file.to_str().unwrap()])
+        .ok();
+    let command = format!(
+        "{} start deployment fresh --wait --server http://{}",
+        support::CAPYCTL,
+        capy.management
+    );
+    let out = std::process::Command::new("script")
+        .args(["-qec", &command, "/dev/null"])
+        .env("CAPYCTL_DATA_DIR", &capy.dir)
+        .env_remove("CAPYCTL_ADMIN_TOKEN")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).replace("\r\n", "\n");
+    assert!(out.status.success(), "{text}");
+    let lines: Vec<&str> = text.lines().collect();
+    let at = |needle: &str| {
+        lines
+            .iter()
+            .position(|l| l.starts_with(needle))
+            .unwrap_or_else(|| panic!("no line starting {needle:?} in:\n{text}"))
+    };
+    // The start begins at once (the engine's footprint is its measurement, and without NVML
+    // it stays unknown): the terminal shows it starting, then the receipt.
+    let starting = at("fresh: awaiting measurement; starting");
+    let receipt = at("start deployment fresh (");
+    assert!(starting < receipt, "{text}");
+    assert!(lines[receipt].ends_with("state ready, ready 1/1"), "{text}");
+}
