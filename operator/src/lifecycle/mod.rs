@@ -43,7 +43,7 @@ use capyctl_router::lifecycle::{
     Upstream,
 };
 use capyctl_router::proxy::ModelEntry;
-use tokio::sync::{broadcast, watch};
+use tokio::sync::{broadcast, mpsc, watch};
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -120,6 +120,8 @@ struct Dep {
     reserved: Option<String>,
     /// The target of this switch (memory promised, not yet starting).
     claim: Option<String>,
+    /// The host its instance is placed on (claimed, running, parked, or last run on).
+    host: Option<String>,
     /// Where the engine answers (from the host agent's `base_url`: loopback for child
     /// processes, the Pod's IP for engine Pods).
     addr: Option<SocketAddr>,
@@ -145,6 +147,7 @@ impl Dep {
             busy: false,
             reserved: None,
             claim: None,
+            host: None,
             addr: None,
             pid: None,
             tier: None,
@@ -188,6 +191,13 @@ impl Dep {
             .unwrap_or(capacity)
     }
 
+    /// The host its instance is bound to: where it holds GPU memory, is parked, or is claimed
+    /// or on its way. `None` when it may be placed on any host.
+    fn bound_host(&self) -> Option<&str> {
+        let bound = self.occupies() || self.state == InstanceState::Parked || self.claim.is_some();
+        if bound { self.host.as_deref() } else { None }
+    }
+
     /// Running or on its way (what explicit activation admits requests for).
     fn running_or_coming(&self) -> bool {
         matches!(
@@ -219,8 +229,58 @@ struct Inner {
     /// By ID.
     deps: BTreeMap<String, Dep>,
     reservations: HashMap<String, Reservation>,
-    /// Total GPU memory of the host, bytes.
+    /// Every host, by ID.
+    hosts: BTreeMap<String, Host>,
+}
+
+/// A host the lifecycle places instances on.
+#[derive(Clone)]
+struct Host {
+    /// Its agent (in-process, or a node agent over HTTP).
+    agent: Arc<dyn HostAgent>,
+    /// Its `lifecycle.activation`.
+    activation: Activation,
+    /// Its engine commands (shown by `engine list`, and what `max_running` expects).
+    settings: HostSettings,
+    /// Its admission window, where it differs from the router's.
+    #[allow(dead_code)] // NB: given to the router with each switch on this host (next change).
+    admission_window: Option<Duration>,
+    /// Total GPU memory, bytes.
     capacity: u64,
+}
+
+impl std::fmt::Debug for Host {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Host")
+            .field("activation", &self.activation)
+            .field("capacity", &self.capacity)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A host as given to [`Server::open_hosts`] and [`Server::upsert_host`].
+#[derive(Clone)]
+pub struct HostEntry {
+    /// Its ID (`host.id`; the node's name on Kubernetes).
+    pub id: String,
+    /// Its agent.
+    pub agent: Arc<dyn HostAgent>,
+    /// Its `lifecycle.activation`: `explicit` makes every deployment explicit.
+    pub activation: Activation,
+    /// Its engine commands.
+    pub settings: HostSettings,
+    /// Its `resource_policy.queue.admission_window`: the window of a switch on this host
+    /// (`None`: the router's).
+    pub admission_window: Option<Duration>,
+}
+
+impl std::fmt::Debug for HostEntry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostEntry")
+            .field("id", &self.id)
+            .field("activation", &self.activation)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Inner {
@@ -285,8 +345,12 @@ enum Up {
 pub struct Server {
     /// Read-only.
     config: LifecycleConfig,
-    /// The host; one operation at a time per instance (the busy flag sees to it).
-    agent: Arc<dyn HostAgent>,
+    /// Some host says `lifecycle.activation: explicit` (every deployment is then explicit).
+    any_host_explicit: AtomicBool,
+    /// Engine exits of every host, forwarded (host ID, exit) for the background task.
+    exits_tx: mpsc::Sender<(String, EngineExit)>,
+    /// Taken by the background task when the router is attached.
+    exits_rx: Mutex<Option<mpsc::Receiver<(String, EngineExit)>>>,
     /// Where the records go.
     store: Arc<dyn Store>,
     /// All state; a std mutex, never held across an `.await`.
@@ -328,64 +392,46 @@ fn not_found(key: &str) -> ApiError {
 }
 
 impl Server {
-    /// Opens the server: loads the stored deployments, reads the host's inventory and measures
-    /// each deployment, then recovers engines a previous run left (adopted ones come back
-    /// ready or parked and are announced once a router is attached; unknown ones are stopped).
+    /// Opens the server on one host (standalone; `config.host_*` describe it): see
+    /// [`Server::open_hosts`].
     pub async fn open(
         agent: Arc<dyn HostAgent>,
         store: Arc<dyn Store>,
         config: LifecycleConfig,
     ) -> Result<Arc<Server>, ServerError> {
-        let stored = store.load()?;
-        let inventory = agent.inventory().await?;
-        let capacity = inventory.gpus.iter().map(|g| g.total_bytes).sum();
-        let mut inner = Inner {
-            capacity,
-            ..Default::default()
+        let host = HostEntry {
+            id: config.host_id.clone(),
+            agent,
+            activation: config.host_activation,
+            settings: config.host_settings.clone(),
+            admission_window: None,
         };
+        Self::open_hosts(vec![host], store, config).await
+    }
+
+    /// Opens the server: loads the stored deployments, then for each host reads its
+    /// inventory and recovers the engines a previous run left there (adopted ones come back
+    /// ready or parked and are announced once a router is attached; unknown ones are
+    /// stopped), then measures each deployment.
+    pub async fn open_hosts(
+        hosts: Vec<HostEntry>,
+        store: Arc<dyn Store>,
+        config: LifecycleConfig,
+    ) -> Result<Arc<Server>, ServerError> {
+        let stored = store.load()?;
+        let mut inner = Inner::default();
         for rec in stored.deployments {
-            let mut dep = Dep::new(rec);
-            dep.measurement = agent.measure(&dep.spec).await.unwrap_or_default();
+            let dep = Dep::new(rec);
             inner.deps.insert(dep.rec.id.clone(), dep);
-        }
-        let report = agent.recover().await?;
-        for adopted in report.adopted {
-            let dep = inner
-                .deps
-                .values_mut()
-                .find(|d| d.instance_id() == adopted.instance);
-            match dep {
-                Some(d) => {
-                    d.state = if adopted.parked.is_some() {
-                        InstanceState::Parked
-                    } else {
-                        InstanceState::Ready
-                    };
-                    d.tier = adopted.parked;
-                    d.pid = Some(adopted.pid);
-                    if adopted.parked.is_none() {
-                        // It runs: a start that waited for memory has happened.
-                        d.rec.pending_start = false;
-                    }
-                    d.addr = engine_addr(&adopted.base_url);
-                    tracing::info!(instance = %adopted.instance, state = %d.state, "adopted an engine a previous run left");
-                }
-                None => {
-                    tracing::info!(instance = %adopted.instance, "stopping an engine of a deployment that no longer exists");
-                    if let Err(e) = agent.stop(&adopted.instance).await {
-                        tracing::warn!(instance = %adopted.instance, error = %e, "stopping a left engine failed");
-                    }
-                }
-            }
-        }
-        for gone in report.stopped.iter().chain(report.gone.iter()) {
-            tracing::info!(instance = %gone, "an engine a previous run left is gone or did not answer");
         }
         let (changes, _) = watch::channel(0);
         let (closed, _) = watch::channel(false);
+        let (exits_tx, exits_rx) = mpsc::channel(256);
         let server = Arc::new_cyclic(|me| Server {
             config,
-            agent,
+            any_host_explicit: AtomicBool::new(false),
+            exits_tx,
+            exits_rx: Mutex::new(Some(exits_rx)),
             store,
             inner: Mutex::new(inner),
             persist: Mutex::new(()),
@@ -396,8 +442,200 @@ impl Server {
             next_id: AtomicU64::new(1),
             me: me.clone(),
         });
+        for host in hosts {
+            server.add_host(host).await?;
+        }
+        let specs: Vec<(String, InstanceSpec)> = server.read(|inner| {
+            inner
+                .deps
+                .values()
+                .map(|d| (d.rec.id.clone(), d.spec.clone()))
+                .collect()
+        });
+        for (id, spec) in specs {
+            let Ok(agent) = server.agent_of(&id) else {
+                break;
+            };
+            let m = agent.measure(&spec).await.unwrap_or_default();
+            server.write(|inner| {
+                if let Some(d) = inner.deps.get_mut(&id)
+                    && d.measurement.awaiting()
+                {
+                    d.measurement = m;
+                }
+            });
+        }
         server.ready.store(true, Ordering::SeqCst);
         Ok(server)
+    }
+
+    /// Adds a host, or replaces the agent of a known one (a node agent that came back at
+    /// another address): reads its inventory, then its recovery report, and reconciles the
+    /// deployments with it: engines it holds are adopted (ready or parked), engines of unknown
+    /// deployments (or of a deployment already running elsewhere) are stopped, and instances
+    /// believed to be on this host that it no longer has are failed (the next request starts
+    /// them afresh).
+    pub async fn upsert_host(&self, host: HostEntry) -> Result<(), ServerError> {
+        self.add_host(host).await
+    }
+
+    async fn add_host(&self, entry: HostEntry) -> Result<(), ServerError> {
+        let HostEntry {
+            id: host_id,
+            agent,
+            activation,
+            settings,
+            admission_window,
+        } = entry;
+        let inventory = agent.inventory().await?;
+        let capacity = inventory.gpus.iter().map(|g| g.total_bytes).sum();
+        let report = agent.recover().await?;
+        let mut to_stop: Vec<String> = Vec::new();
+        let mut came: Vec<(InstanceKey, SocketAddr)> = Vec::new();
+        let mut lost: Vec<InstanceKey> = Vec::new();
+        self.write(|inner| {
+            inner.hosts.insert(
+                host_id.clone(),
+                Host {
+                    agent: agent.clone(),
+                    activation,
+                    settings,
+                    admission_window,
+                    capacity,
+                },
+            );
+            let mut adopted_here = BTreeSet::new();
+            for adopted in &report.adopted {
+                let Some(d) = inner
+                    .deps
+                    .values_mut()
+                    .find(|d| d.instance_id() == adopted.instance)
+                else {
+                    tracing::info!(host = %host_id, instance = %adopted.instance, "stopping an engine of a deployment that no longer exists");
+                    to_stop.push(adopted.instance.clone());
+                    continue;
+                };
+                let elsewhere = d.bound_host().is_some_and(|h| h != host_id);
+                if elsewhere || d.busy {
+                    tracing::info!(host = %host_id, instance = %adopted.instance, "stopping a second engine of a deployment that runs elsewhere");
+                    to_stop.push(adopted.instance.clone());
+                    continue;
+                }
+                d.state = if adopted.parked.is_some() {
+                    InstanceState::Parked
+                } else {
+                    InstanceState::Ready
+                };
+                d.host = Some(host_id.clone());
+                d.tier = adopted.parked;
+                d.pid = Some(adopted.pid);
+                d.addr = engine_addr(&adopted.base_url);
+                if adopted.parked.is_none() {
+                    // It runs: a start that waited for memory has happened.
+                    d.rec.pending_start = false;
+                }
+                adopted_here.insert(d.rec.id.clone());
+                tracing::info!(host = %host_id, instance = %adopted.instance, state = %d.state, "adopted an engine");
+            }
+            for d in inner.deps.values_mut() {
+                if adopted_here.contains(d.id()) {
+                    if d.state == InstanceState::Ready
+                        && let Some(addr) = d.addr
+                    {
+                        came.push((Self::key_of(d, &host_id), addr));
+                    }
+                    continue;
+                }
+                let here = d.host.as_deref() == Some(host_id.as_str());
+                let held = d.occupies() || d.state == InstanceState::Parked;
+                if here && held && !d.busy && d.reserved.is_none() {
+                    lost.push(Self::key_of(d, &host_id));
+                    d.state = InstanceState::Failed;
+                    d.tier = None;
+                    d.addr = None;
+                    d.pid = None;
+                    d.last_error = Some(format!(
+                        "its engine is gone: host {host_id} no longer has it"
+                    ));
+                }
+            }
+        });
+        for gone in report.stopped.iter().chain(report.gone.iter()) {
+            tracing::info!(host = %host_id, instance = %gone, "an engine a previous run left is gone or did not answer");
+        }
+        for iid in to_stop {
+            if let Err(e) = agent.stop(&iid).await {
+                tracing::warn!(host = %host_id, instance = %iid, error = %e, "stopping a left engine failed");
+            }
+        }
+        self.any_host_explicit.store(
+            self.read(|inner| {
+                inner
+                    .hosts
+                    .values()
+                    .any(|h| h.activation == Activation::Explicit)
+            }),
+            Ordering::SeqCst,
+        );
+        self.forward_exits(host_id, agent.subscribe_exits());
+        for key in lost {
+            self.announce_gone(key).await;
+        }
+        for (key, addr) in came {
+            self.announce_ready(key, addr).await;
+        }
+        if self.router().is_some() {
+            self.memory_freed();
+        }
+        Ok(())
+    }
+
+    /// Forwards `host`'s engine exits to the background task, until the server closes or the
+    /// agent's channel does.
+    fn forward_exits(&self, host: String, mut exits: broadcast::Receiver<EngineExit>) {
+        let tx = self.exits_tx.clone();
+        let mut closed = self.closed.subscribe();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = closed.changed() => return,
+                    exit = exits.recv() => match exit {
+                        Ok(exit) => {
+                            if tx.send((host.clone(), exit)).await.is_err() {
+                                return;
+                            }
+                        }
+                        Err(broadcast::error::RecvError::Lagged(n)) => {
+                            tracing::warn!(%host, missed = n, "missed engine exit events");
+                        }
+                        Err(broadcast::error::RecvError::Closed) => return,
+                    },
+                }
+            }
+        });
+    }
+
+    /// The agent of the host `id`'s instance is bound to; the first host's when it is bound
+    /// to none (measurements, capability checks).
+    /// Every host (ID and a copy of its entry), by ID.
+    fn hosts_now(&self) -> Vec<(String, Host)> {
+        self.read(|inner| {
+            inner
+                .hosts
+                .iter()
+                .map(|(id, h)| (id.clone(), h.clone()))
+                .collect()
+        })
+    }
+
+    fn agent_of(&self, id: &str) -> Result<Arc<dyn HostAgent>, ApiError> {
+        self.read(|inner| {
+            let host = inner.deps.get(id).and_then(|d| d.host.as_deref());
+            host.and_then(|h| inner.hosts.get(h))
+                .or_else(|| inner.hosts.values().next())
+                .map(|h| h.agent.clone())
+        })
+        .ok_or_else(|| internal("no host is known"))
     }
 
     /// Attaches the router (after `Coordinator::spawn(server.clone(), cfg)`): announces the
@@ -420,8 +658,13 @@ impl Server {
         if self.read(|inner| inner.deps.values().any(|d| d.rec.pending_start)) {
             self.memory_freed();
         }
-        if let Some(me) = self.me.upgrade() {
-            tokio::spawn(background(me, self.agent.subscribe_exits()));
+        let exits = self
+            .exits_rx
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let (Some(me), Some(exits)) = (self.me.upgrade(), exits) {
+            tokio::spawn(background(me, exits));
         }
     }
 
@@ -517,17 +760,23 @@ impl Server {
     }
 
     fn key(&self, d: &Dep) -> InstanceKey {
+        let host = d.host.as_deref().unwrap_or(self.config.host_id.as_str());
+        Self::key_of(d, host)
+    }
+
+    fn key_of(d: &Dep, host: &str) -> InstanceKey {
         InstanceKey {
             deployment: d.rec.id.clone(),
             index: 0,
-            host_id: self.config.host_id.clone(),
+            host_id: host.to_string(),
             generation: d.rec.generation,
         }
     }
 
+    /// "A model is explicit when its deployment or any host it may run on says so."
     fn explicit(&self, d: &Dep) -> bool {
         d.rec.doc.activation() == Activation::Explicit
-            || self.config.host_activation == Activation::Explicit
+            || self.any_host_explicit.load(Ordering::SeqCst)
     }
 
     fn fresh_id(&self, what: &str) -> String {
@@ -596,12 +845,93 @@ impl Server {
         }
     }
 
-    /// The GPU's holders as placement sees them, for bringing up `target`.
-    fn holders(&self, inner: &Inner, target: &str, protected: &BTreeSet<String>) -> Vec<Holder> {
+    /// Where `target` fits: on the host its instance is bound to (parked there, say), or on the
+    /// best of all hosts: one with room now (the fullest that fits: large models keep room
+    /// elsewhere), else the one needing the fewest victim bytes, else `Later` where some host
+    /// could take it once memory frees. `Never` only when no host can ever take it.
+    fn place_target(
+        &self,
+        inner: &Inner,
+        target: &str,
+        protected: &BTreeSet<String>,
+        evict: bool,
+    ) -> (Option<String>, Fit) {
+        let Some(d) = inner.deps.get(target) else {
+            return (
+                None,
+                Fit::Never(format!("deployment {target} is not known")),
+            );
+        };
+        let bound = d.bound_host();
+        let mut best: Option<((u8, u64), &String, Fit)> = None;
+        let mut never = Vec::new();
+        for (id, host) in &inner.hosts {
+            if bound.is_some_and(|b| b != id) {
+                continue;
+            }
+            let need = d.need(host.capacity);
+            let holders = self.holders(inner, id, target, protected);
+            let fit = place(host.capacity, need, &holders, evict);
+            let rank = match &fit {
+                Fit::Now => {
+                    let used: u64 = holders.iter().map(|h| h.bytes).sum();
+                    (0, host.capacity.saturating_sub(used).saturating_sub(need))
+                }
+                Fit::After(victims) => (
+                    1,
+                    holders
+                        .iter()
+                        .filter(|h| victims.contains(&h.id))
+                        .map(|h| h.bytes)
+                        .sum(),
+                ),
+                Fit::Later => (2, 0),
+                Fit::Never(why) => {
+                    never.push((id, why.clone()));
+                    continue;
+                }
+            };
+            if best.as_ref().is_none_or(|(r, _, _)| rank < *r) {
+                best = Some((rank, id, fit));
+            }
+        }
+        match best {
+            Some((_, id, fit)) => (Some(id.clone()), fit),
+            None if never.is_empty() => (
+                None,
+                Fit::Never(match bound {
+                    Some(b) => format!("its host {b} is not known"),
+                    None => "no host is known".to_string(),
+                }),
+            ),
+            None if inner.hosts.len() == 1 => (None, Fit::Never(never.remove(0).1)),
+            None => (
+                None,
+                Fit::Never(
+                    never
+                        .iter()
+                        .map(|(h, why)| format!("on host {h}: {why}"))
+                        .collect::<Vec<_>>()
+                        .join("; "),
+                ),
+            ),
+        }
+    }
+
+    /// The GPU holders of `host` as placement sees them, for bringing up `target`.
+    fn holders(
+        &self,
+        inner: &Inner,
+        host: &str,
+        target: &str,
+        protected: &BTreeSet<String>,
+    ) -> Vec<Holder> {
         let now = Instant::now();
+        let capacity = inner.hosts.get(host).map_or(0, |h| h.capacity);
         inner
             .deps
             .values()
+            .filter(|d| d.host.as_deref() == Some(host))
             .filter(|d| d.id() != target && (d.occupies() || d.claim.is_some()))
             .map(|d| {
                 // NB: an explicit or warm model that is draining, parking or stopping on an
@@ -624,7 +954,7 @@ impl Server {
                 Holder {
                     id: d.id().to_string(),
                     name: d.name().to_string(),
-                    bytes: d.need(inner.capacity),
+                    bytes: d.need(capacity),
                     hold,
                     idle_for: now.saturating_duration_since(d.last_used),
                 }
@@ -669,6 +999,19 @@ impl Server {
         }) else {
             return Err(not_found(id));
         };
+        let agent = match self.agent_of(id) {
+            Ok(a) => a,
+            Err(e) => {
+                self.write(|inner| {
+                    if let Some(d) = inner.deps.get_mut(id) {
+                        d.busy = false;
+                        d.state = InstanceState::Failed;
+                        d.last_error = Some(e.message());
+                    }
+                });
+                return Err(e);
+            }
+        };
         if up == Up::Start {
             // The generation is part of the record.
             let _ = self.save();
@@ -677,14 +1020,14 @@ impl Server {
         let woken_from = self.read(|inner| inner.deps.get(id).and_then(|d| d.tier));
         let outcome: Result<Option<capyctl_node_agent::agent::StartedInstance>, ApiError> = match up
         {
-            Up::Start => match self.agent.start(&iid, &spec).await {
+            Up::Start => match agent.start(&iid, &spec).await {
                 Ok(s) => Ok(Some(s)),
                 Err(e) => Err(ApiError::EngineFailed {
                     deployment: id.to_string(),
                     detail: e.to_string(),
                 }),
             },
-            Up::Wake => match self.agent.wake(&iid).await {
+            Up::Wake => match agent.wake(&iid).await {
                 Ok(report) => match report.into_result() {
                     Ok(()) => Ok(None),
                     Err(e) => Err(e.to_api_error(id).unwrap_or(ApiError::EngineFailed {
@@ -693,7 +1036,7 @@ impl Server {
                     })),
                 },
                 Err(e) => {
-                    let _ = self.agent.stop(&iid).await;
+                    let _ = agent.stop(&iid).await;
                     Err(ApiError::EngineFailed {
                         deployment: id.to_string(),
                         detail: e.to_string(),
@@ -770,7 +1113,10 @@ impl Server {
     /// stand in the way. Nothing is done when the copy would not go to host RAM, or does not
     /// fit even in empty host RAM (the agent then parks deep or stops it).
     async fn make_parked_room(&self, id: &str) -> Result<Vec<Victim>, ApiError> {
-        let Ok(inv) = self.agent.inventory().await else {
+        let Ok(agent) = self.agent_of(id) else {
+            return Ok(Vec::new());
+        };
+        let Ok(inv) = agent.inventory().await else {
             return Ok(Vec::new());
         };
         let unified = inv.unified_memory();
@@ -793,6 +1139,7 @@ impl Server {
                 .values()
                 .filter(|o| {
                     o.id() != id
+                        && o.host == d.host
                         && o.state == InstanceState::Parked
                         && o.tier == Some(ParkTier::HostRam)
                 })
@@ -853,7 +1200,7 @@ impl Server {
             });
             let Some((iid, name)) = begun else { continue };
             tracing::info!(instance = %iid, "released: stopped (no room to park) to make room for a newer parked copy");
-            let result = self.agent.stop(&iid).await;
+            let result = agent.stop(&iid).await;
             self.write(|inner| {
                 if let Some(d) = inner.deps.get_mut(&v) {
                     d.busy = false;
@@ -942,6 +1289,7 @@ impl Server {
 
     /// The engine half of [`Server::put_away`].
     async fn release_drained(&self, id: &str, stop: bool) -> Result<Released, ApiError> {
+        let agent = self.agent_of(id)?;
         let Some((iid, key, parked)) = self.write(|inner| {
             let d = inner.deps.get_mut(id)?;
             let parked = d.state == InstanceState::Parked;
@@ -957,9 +1305,9 @@ impl Server {
         };
         let began = Instant::now();
         let result = if stop || parked {
-            self.agent.stop(&iid).await.map(|()| Released::Stopped)
+            agent.stop(&iid).await.map(|()| Released::Stopped)
         } else {
-            match self.agent.park(&iid).await {
+            match agent.park(&iid).await {
                 Ok(ParkResult::Parked { tier }) => {
                     self.config
                         .metrics
@@ -989,13 +1337,13 @@ impl Server {
                     self.config
                         .metrics
                         .park("none", "capability_missing", began.elapsed());
-                    self.agent.stop(&iid).await.map(|()| Released::Stopped)
+                    agent.stop(&iid).await.map(|()| Released::Stopped)
                 }
                 Err(e) => {
                     self.config
                         .metrics
                         .park("unknown", e.metric_label(), began.elapsed());
-                    let _ = self.agent.stop(&iid).await;
+                    let _ = agent.stop(&iid).await;
                     Err(e)
                 }
             }
@@ -1100,11 +1448,14 @@ impl Server {
                         {
                             return None;
                         }
-                        let need = d.need(inner.capacity);
-                        let holders = me.holders(inner, &id, &BTreeSet::new());
-                        (place(inner.capacity, need, &holders, false) == Fit::Now)
-                            .then(|| Self::begin_up(inner, &id))
-                            .flatten()
+                        let (host, fit) = me.place_target(inner, &id, &BTreeSet::new(), false);
+                        if fit != Fit::Now {
+                            return None;
+                        }
+                        if let Some(d) = inner.deps.get_mut(&id) {
+                            d.host = host;
+                        }
+                        Self::begin_up(inner, &id)
                     });
                     if let Some(up) = up {
                         let _ = me.finish_up(&id, up).await;
@@ -1154,9 +1505,7 @@ impl Server {
             }
             _ => {}
         }
-        let need = d.need(inner.capacity);
-        let holders = self.holders(&inner, target, protected);
-        let fit = place(inner.capacity, need, &holders, true);
+        let (host, fit) = self.place_target(&inner, target, protected, true);
         let switch_id = self.fresh_id("sw");
         let plan = match fit {
             Fit::Now => {
@@ -1169,6 +1518,7 @@ impl Server {
                 );
                 if let Some(d) = inner.deps.get_mut(target) {
                     d.claim = Some(switch_id.clone());
+                    d.host = host;
                     d.rec.pending_start = false;
                 }
                 Plan::BringUp { switch_id }
@@ -1178,16 +1528,12 @@ impl Server {
                 for v in &victims {
                     if let Some(vd) = inner.deps.get_mut(v) {
                         vd.reserved = Some(switch_id.clone());
-                        keys.push(InstanceKey {
-                            deployment: vd.rec.id.clone(),
-                            index: 0,
-                            host_id: self.config.host_id.clone(),
-                            generation: vd.rec.generation,
-                        });
+                        keys.push(self.key(vd));
                     }
                 }
                 if let Some(d) = inner.deps.get_mut(target) {
                     d.claim = Some(switch_id.clone());
+                    d.host = host;
                     d.rec.pending_start = false;
                 }
                 inner.reservations.insert(
@@ -1311,8 +1657,12 @@ impl Server {
         let iid = instance_id(&key.deployment);
         let mut rx = self.closed.subscribe();
         let give_up = Instant::now() + IDLE_ENGINE_BOUND;
+        let Some(agent) = self.read(|inner| inner.hosts.get(&key.host_id).map(|h| h.agent.clone()))
+        else {
+            return false;
+        };
         loop {
-            let Some(s) = self.agent.sample(&iid) else {
+            let Some(s) = agent.sample(&iid) else {
                 return false;
             };
             match s.engine {
@@ -1377,7 +1727,7 @@ impl Server {
             self.save()?;
             let spec = self.read(|inner| inner.deps.get(&id).map(|d| d.spec.clone()));
             if let Some(spec) = spec {
-                let measured = self.agent.measure(&spec).await;
+                let measured = self.agent_of(&id)?.measure(&spec).await;
                 self.write(|inner| {
                     if let (Some(d), Ok(m)) = (inner.deps.get_mut(&id), measured)
                         && !(m.awaiting() && !d.measurement.awaiting() && d.spec == spec)
@@ -1403,7 +1753,6 @@ impl Server {
             Pending,
         }
         let next = self.write(|inner| -> Result<Next, ApiError> {
-            let capacity = inner.capacity;
             let d = inner.deps.get(&id).ok_or_else(|| not_found(&id))?;
             if d.measurement.awaiting() && !req.wait && d.state != InstanceState::Ready {
                 return Err(ApiError::AwaitingMeasurement {
@@ -1429,15 +1778,17 @@ impl Server {
             ) || d.claim.is_some()
                 // A start that waits for memory is taken over by a start with --evict.
                 || (d.rec.pending_start && !req.evict);
-            let need = d.need(capacity);
-            let holders = self.holders(inner, &id, &protected);
+            let (host, fit) = self.place_target(inner, &id, &protected, req.evict);
             let d = inner.deps.get_mut(&id).ok_or_else(|| not_found(&id))?;
             d.rec.operator_stopped = false;
             d.rec.operator_started = true;
             if coming {
                 return Ok(Next::Nothing);
             }
-            match place(capacity, need, &holders, req.evict) {
+            if matches!(fit, Fit::Now | Fit::After(_)) {
+                d.host = host;
+            }
+            match fit {
                 Fit::Now => Ok(Self::begin_up(inner, &id).map_or(Next::Nothing, Next::Up)),
                 Fit::After(victims) => {
                     let rid = self.fresh_id("sw");
@@ -1744,7 +2095,7 @@ impl Server {
                 });
             }
         }
-        if let Err(e) = self.agent.parkability(&spec.0).await
+        if let Err(e) = self.agent_of(&id)?.parkability(&spec.0).await
             && let Some(api) = e.to_api_error(&id)
         {
             return Err(api);
@@ -1808,22 +2159,20 @@ impl Server {
         let spec = self
             .read(|inner| inner.deps.get(&id).map(|d| d.spec.clone()))
             .ok_or_else(|| not_found(&id))?;
-        let measured = self
-            .agent
+        let agent = self.agent_of(&id)?;
+        let measured = agent
             .measure(&spec)
             .await
             .map_err(|e| ApiError::EngineFailed {
                 deployment: id.clone(),
                 detail: e.to_string(),
             })?;
-        if let Err(e) = self.agent.parkability(&spec).await
+        if let Err(e) = agent.parkability(&spec).await
             && let Some(api) = e.to_api_error(&id)
         {
             return Err(api);
         }
         let begun = self.write(|inner| {
-            let capacity = inner.capacity;
-            let holders = self.holders(inner, &id, &BTreeSet::new());
             let d = inner.deps.get_mut(&id).ok_or_else(|| not_found(&id))?;
             if !measured.awaiting() {
                 d.measurement = measured;
@@ -1836,10 +2185,15 @@ impl Server {
             if !d.measurement.awaiting() || !idle {
                 return Ok(false);
             }
-            let need = d.need(capacity);
             let name = d.name().to_string();
-            match place(capacity, need, &holders, false) {
-                Fit::Now => Ok(Self::begin_up(inner, &id).is_some()),
+            let (host, fit) = self.place_target(inner, &id, &BTreeSet::new(), false);
+            match fit {
+                Fit::Now => {
+                    if let Some(d) = inner.deps.get_mut(&id) {
+                        d.host = host;
+                    }
+                    Ok(Self::begin_up(inner, &id).is_some())
+                }
                 Fit::Later | Fit::After(_) => Err(ApiError::Conflict {
                     detail: format!(
                         "no GPU memory is free to measure deployment {name} now; park or stop the others, or start it with --wait"
@@ -1869,7 +2223,11 @@ impl Server {
             return;
         };
         let _ = self.save();
-        match self.agent.start(&iid, &spec).await {
+        let started = match self.agent_of(id) {
+            Ok(agent) => agent.start(&iid, &spec).await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.message()),
+        };
+        match started {
             Ok(started) => {
                 self.write(|inner| {
                     if let Some(d) = inner.deps.get_mut(id) {
@@ -1922,7 +2280,7 @@ impl Server {
                     .into_iter()
                     .map(|d| {
                         let r = router.iter().find(|l| l.deployment_id == d.rec.id);
-                        views::load_view(d, r, &self.config, self.agent.as_ref(), now)
+                        views::load_view(d, r, &self.config, inner, now)
                     })
                     .collect(),
             })
@@ -1948,7 +2306,7 @@ fn engine_addr(base_url: &str) -> Option<SocketAddr> {
 }
 
 /// Idle timers and engine exits, until the server closes.
-async fn background(server: Arc<Server>, mut exits: broadcast::Receiver<EngineExit>) {
+async fn background(server: Arc<Server>, mut exits: mpsc::Receiver<(String, EngineExit)>) {
     let mut closed = server.closed.subscribe();
     let tick = server.config.timer_tick;
     let weak = Arc::downgrade(&server);
@@ -1960,14 +2318,11 @@ async fn background(server: Arc<Server>, mut exits: broadcast::Receiver<EngineEx
         tokio::select! {
             _ = closed.changed() => return,
             exit = exits.recv(), if exits_open => match exit {
-                Ok(exit) => {
+                Some((host, exit)) => {
                     let Some(s) = weak.upgrade() else { return };
-                    s.engine_exited(exit).await;
+                    s.engine_exited(&host, exit).await;
                 }
-                Err(broadcast::error::RecvError::Lagged(n)) => {
-                    tracing::warn!(missed = n, "missed engine exit events");
-                }
-                Err(broadcast::error::RecvError::Closed) => exits_open = false,
+                None => exits_open = false,
             },
             _ = interval.tick() => {
                 let Some(s) = weak.upgrade() else { return };
@@ -1980,12 +2335,16 @@ async fn background(server: Arc<Server>, mut exits: broadcast::Receiver<EngineEx
 impl Server {
     /// An engine exited by itself: the instance is failed and gone; the next request starts
     /// it afresh (unless it is explicit).
-    async fn engine_exited(&self, exit: EngineExit) {
+    async fn engine_exited(&self, host: &str, exit: EngineExit) {
         let key = self.write(|inner| {
             let d = inner
                 .deps
                 .values_mut()
                 .find(|d| d.instance_id() == exit.instance)?;
+            if d.host.as_deref() != Some(host) {
+                // Not the engine it runs now (a host it left).
+                return None;
+            }
             if d.busy {
                 // The operation in progress sees the failure itself.
                 return None;
@@ -2206,28 +2565,34 @@ impl ManagementApi for Server {
 
     fn engines(&self) -> crate::api::BoxFuture<'_, EngineList> {
         Box::pin(async move {
-            let engines = self
-                .agent
-                .engines()
-                .await
-                .into_iter()
-                .map(|e| EngineView {
-                    command: self.config.host_settings.engine(e.engine).command.clone(),
+            let mut engines = Vec::new();
+            for (host_id, host) in self.hosts_now() {
+                engines.extend(host.agent.engines().await.into_iter().map(|e| EngineView {
+                    command: host.settings.engine(e.engine).command.clone(),
                     engine: e.engine,
                     version: e.version,
                     deep_park: e.deep_park.to_string(),
-                    host_id: self.config.host_id.clone(),
-                })
-                .collect();
+                    host_id: host_id.clone(),
+                }));
+            }
             EngineList { engines }
         })
     }
 
     fn hosts(&self) -> crate::api::BoxFuture<'_, HostList> {
         Box::pin(async move {
-            let inv = self.agent.inventory().await.ok();
+            let mut inventories = Vec::new();
+            for (host_id, host) in self.hosts_now() {
+                inventories.push((host_id, host.agent.inventory().await.ok()));
+            }
             self.read(|inner| HostList {
-                hosts: vec![views::host_view(inv.as_ref(), inner, &self.config)],
+                hosts: inventories
+                    .iter()
+                    .filter_map(|(id, inv)| {
+                        let host = inner.hosts.get(id)?;
+                        Some(views::host_view(id, host, inv.as_ref(), inner))
+                    })
+                    .collect(),
             })
         })
     }
