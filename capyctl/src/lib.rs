@@ -67,6 +67,10 @@ struct Global {
     /// Print the management API's JSON instead of a table.
     #[arg(long, global = true)]
     json: bool,
+    /// PEM certificates to verify an `https://` server with (a private CA) instead of the
+    /// system's roots.
+    #[arg(long, global = true, env = "CAPYCTL_CA_FILE")]
+    ca_file: Option<PathBuf>,
 }
 
 /// The kind of document `check` reads.
@@ -324,7 +328,7 @@ async fn remote(global: Global, command: Command) -> Result<(), String> {
             let token = client::resolve_token(global.token, &client::default_data_dir())
                 .map_err(|e| e.to_string())?;
             let server = server.unwrap_or_else(|| client::DEFAULT_SERVER.to_string());
-            Client::new(&server, token).map_err(|e| e.to_string())?
+            Client::with_ca(&server, token, global.ca_file.as_deref()).map_err(|e| e.to_string())?
         }
     };
     let json = global.json;
