@@ -581,6 +581,49 @@ fn metrics_are_read_and_absent_figures_stay_unknown() {
 }
 
 #[test]
+fn a_renamed_metric_counts_once_and_ranks_combine() {
+    // A vLLM release exporting the new and the deprecated KV names with the same value: the
+    // first name present is read, not both added.
+    let both = "vllm:num_requests_running{model_name=\"a\"} 1\n\
+        vllm:num_requests_waiting{model_name=\"a\"} 0\n\
+        vllm:kv_cache_usage_perc{model_name=\"a\"} 0.4\n\
+        vllm:gpu_cache_usage_perc{model_name=\"a\"} 0.4\n";
+    assert_eq!(
+        parse_metrics(EngineKind::Vllm, both).unwrap().kv_usage_ppm,
+        Some(400_000)
+    );
+    // An older release with only the deprecated name still reads.
+    let old = "vllm:gpu_cache_usage_perc{model_name=\"a\"} 0.25\n";
+    assert_eq!(
+        parse_metrics(EngineKind::Vllm, old).unwrap().kv_usage_ppm,
+        Some(250_000)
+    );
+    // Two data-parallel ranks: requests add up, the KV fraction is their mean.
+    let ranks = "vllm:num_requests_running{engine=\"0\"} 3\n\
+        vllm:num_requests_running{engine=\"1\"} 2\n\
+        vllm:num_requests_waiting{engine=\"0\"} 1\n\
+        vllm:num_requests_waiting{engine=\"1\"} 4\n\
+        vllm:kv_cache_usage_perc{engine=\"0\"} 0.2\n\
+        vllm:kv_cache_usage_perc{engine=\"1\"} 0.6\n\
+        vllm:gpu_cache_usage_perc{engine=\"0\"} 0.2\n\
+        vllm:gpu_cache_usage_perc{engine=\"1\"} 0.6\n";
+    let l = parse_metrics(EngineKind::Vllm, ranks).unwrap();
+    assert_eq!(
+        (l.running, l.waiting, l.kv_usage_ppm),
+        (Some(5), Some(5), Some(400_000))
+    );
+    // SGLang with data parallelism: the same rules.
+    let sg = "sglang:num_running_reqs{dp_rank=\"0\"} 1\nsglang:num_running_reqs{dp_rank=\"1\"} 1\n\
+        sglang:num_queue_reqs{dp_rank=\"0\"} 0\nsglang:num_queue_reqs{dp_rank=\"1\"} 2\n\
+        sglang:token_usage{dp_rank=\"0\"} 0.9\nsglang:token_usage{dp_rank=\"1\"} 0.3\n";
+    let l = parse_metrics(EngineKind::Sglang, sg).unwrap();
+    assert_eq!(
+        (l.running, l.waiting, l.kv_usage_ppm),
+        (Some(2), Some(2), Some(600_000))
+    );
+}
+
+#[test]
 fn samples_age_go_stale_and_are_dropped() {
     use capyctl_crds::api::{EngineLoadView, STALE_AFTER_MS, STALE_SAMPLE_KEPT_MS};
     let at = 1_791_459_999_600;
