@@ -399,6 +399,11 @@ fn refusal_rows() {
     let nemo = named("nvidia/Nemotron-3.5-Super-VL");
     let row = refusal_for(Vllm, Some("0.31.0"), &nemo, false).unwrap();
     assert!(row.reason.contains("vLLM 0.31.0 answers wrongly"));
+    // No fixed release is known: later and unknown versions are refused too, and the reason
+    // says so rather than naming 0.31.0 alone.
+    assert_eq!(refusal_for(Vllm, Some("0.32.1"), &nemo, false), Some(row));
+    assert_eq!(refusal_for(Vllm, None, &nemo, false), Some(row));
+    assert!(row.reason.contains("later and unknown"), "{}", row.reason);
     assert!(refusal_for(Sglang, None, &nemo, false).is_none());
 
     // The error a refusal becomes, for the catalogue.
