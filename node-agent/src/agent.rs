@@ -42,6 +42,14 @@ use crate::tier::{
 };
 use crate::verify::{FirstAnswer, WakeOutcome};
 
+/// What [`LocalHostAgent::prepare`] learns about a deployment before a start or a park.
+struct Prepared {
+    inv: Inventory,
+    measurement: Measurement,
+    refusal: Option<&'static RefusalRow>,
+    facts: ModelFacts,
+}
+
 /// A boxed, sendable future (keeps [`HostAgent`] object-safe).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -531,17 +539,21 @@ impl LocalHostAgent {
         inv.host_memory.available_bytes.saturating_sub(copies)
     }
 
-    async fn tier_input_parts(
-        &self,
-        spec: &InstanceSpec,
-    ) -> Result<(Inventory, Measurement, Option<&'static RefusalRow>), AgentError> {
+    /// What starting, parking or judging `spec` needs to know first: the inventory, the
+    /// measurement, the refusal row and the checkpoint's facts.
+    async fn prepare(&self, spec: &InstanceSpec) -> Result<Prepared, AgentError> {
         let inv = inventory(&self.settings, self.probe.as_ref())?;
         let s = spec.clone();
         let (measurement, facts) =
             blocking(move || Ok((measure_before_start(&s)?, ModelFacts::read(&s.model)))).await?;
         let version = self.version_of(spec.engine);
         let refusal = refusal_for(spec.engine, version.as_deref(), &facts, spec.speculative());
-        Ok((inv, measurement, refusal))
+        Ok(Prepared {
+            inv,
+            measurement,
+            refusal,
+            facts,
+        })
     }
 
     fn spawn_sampler(
@@ -640,7 +652,12 @@ impl LocalHostAgent {
                 detail: "already running".into(),
             });
         }
-        let (inv, measurement, refusal) = self.tier_input_parts(spec).await?;
+        let Prepared {
+            inv,
+            measurement,
+            refusal,
+            facts,
+        } = self.prepare(spec).await?;
         let input = TierInput {
             engine: spec.engine,
             residency: spec.residency,
@@ -731,7 +748,7 @@ impl LocalHostAgent {
                 extra_args: &spec.extra_args,
                 host_command: &self.settings.engine(spec.engine).command,
                 engine_reported: reported,
-                state_cache_limit: None,
+                hybrid_checkpoint: facts.hybrid_state,
                 sized_on_host: false,
             }),
             parking,
@@ -881,8 +898,8 @@ impl LocalHostAgent {
             ..Default::default()
         };
         for record in recovery.adopted {
-            let (_, measurement, refusal) = self.tier_input_parts(&record.spec).await?;
-            let inst = self.register(record.clone(), refusal, measurement);
+            let prepared = self.prepare(&record.spec).await?;
+            let inst = self.register(record.clone(), prepared.refusal, prepared.measurement);
             report.adopted.push(AdoptedInstance {
                 instance: record.instance.clone(),
                 spec: record.spec.clone(),
@@ -953,7 +970,12 @@ impl HostAgent for LocalHostAgent {
         spec: &'a InstanceSpec,
     ) -> BoxFuture<'a, Result<ParkChoice, AgentError>> {
         Box::pin(async move {
-            let (inv, measurement, refusal) = self.tier_input_parts(spec).await?;
+            let Prepared {
+                inv,
+                measurement,
+                refusal,
+                ..
+            } = self.prepare(spec).await?;
             choose_tier(&TierInput {
                 engine: spec.engine,
                 residency: spec.residency,

@@ -179,7 +179,6 @@ fn sglang_argv() {
 fn tensorfold_argv() {
     let mut sp = spec(EngineKind::Tensorfold, "tf-model");
     sp.extra_args = s(&["--threads", "4"]);
-    sp.max_concurrent_requests = Some(4);
     let cmd = launch_command(
         &sp,
         &EngineLaunch::default_for(EngineKind::Tensorfold),
@@ -204,7 +203,59 @@ fn tensorfold_argv() {
         command: vec![],
         ..EngineLaunch::default_for(EngineKind::Tensorfold)
     };
-    assert!(launch_command(&sp, &empty, 1, LaunchParking::default()).is_err());
+    let err = launch_command(&sp, &empty, 1, LaunchParking::default()).unwrap_err();
+    assert!(
+        err.to_string().contains("host.engines.tensorfold.command"),
+        "{err}"
+    );
+    // TensorFold has no option for max_concurrent_requests: refused, not silently ignored.
+    sp.max_concurrent_requests = Some(4);
+    let err = launch_command(
+        &sp,
+        &EngineLaunch::default_for(EngineKind::Tensorfold),
+        1,
+        LaunchParking::default(),
+    )
+    .unwrap_err();
+    assert!(matches!(err, AgentError::InvalidSpec { .. }), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("chat-a") && text.contains("max_concurrent_requests: 4"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_declared_figure_follows_the_hosts_and_wins() {
+    // The host's command fixes --max-num-seqs; the deployment declares its own: CapyCTL's
+    // flag comes after the host's, so the engine runs the declared figure.
+    let mut sp = spec(EngineKind::Vllm, "m");
+    sp.max_concurrent_requests = Some(8);
+    let host = EngineLaunch {
+        command: s(&["vllm", "--max-num-seqs", "16"]),
+        ..EngineLaunch::default_for(EngineKind::Vllm)
+    };
+    let cmd = launch_command(&sp, &host, 1, PARK).unwrap();
+    assert_eq!(
+        capyctl_node_agent::spec::flag_value(&cmd.args, "--max-num-seqs"),
+        Some("8")
+    );
+    assert_eq!(
+        mr(MaxRunningInput {
+            declared: sp.max_concurrent_requests,
+            extra_args: &sp.extra_args,
+            host_command: &host.command,
+            ..mr_input(EngineKind::Vllm)
+        }),
+        (Some(8), MaxRunningSource::Declared)
+    );
+    // Without a declared figure the host's stands, and CapyCTL adds no default after it.
+    sp.max_concurrent_requests = None;
+    let cmd = launch_command(&sp, &host, 1, PARK).unwrap();
+    assert_eq!(
+        capyctl_node_agent::spec::flag_value(&cmd.args, "--max-num-seqs"),
+        Some("16")
+    );
 }
 
 fn input(engine: EngineKind) -> TierInput {
@@ -479,26 +530,32 @@ fn engine_list_rows() {
     );
 }
 
-#[test]
-fn max_running_sources() {
-    let base = MaxRunningInput {
-        engine: EngineKind::Vllm,
+/// Nothing passed, declared or reported for `engine`.
+fn mr_input(engine: EngineKind) -> MaxRunningInput<'static> {
+    MaxRunningInput {
+        engine,
         declared: None,
         extra_args: &[],
         host_command: &[],
         engine_reported: None,
-        state_cache_limit: None,
+        hybrid_checkpoint: false,
         sized_on_host: false,
-    };
-    let mr = |i: MaxRunningInput<'_>| {
-        let m = max_running(&i);
-        (m.count, m.source)
-    };
+    }
+}
+
+/// `max_running` as (count, source).
+fn mr(input: MaxRunningInput<'_>) -> (Option<u32>, MaxRunningSource) {
+    let m = max_running(&input);
+    (m.count, m.source)
+}
+
+#[test]
+fn max_running_sources() {
+    let base = mr_input(EngineKind::Vllm);
     assert_eq!(mr(base), (Some(32), MaxRunningSource::Default));
     assert_eq!(
         mr(MaxRunningInput {
             engine: EngineKind::Tensorfold,
-            declared: Some(3),
             ..base
         }),
         (Some(8), MaxRunningSource::Default)
@@ -526,6 +583,16 @@ fn max_running_sources() {
         }),
         (Some(6), MaxRunningSource::HostFixed)
     );
+    // The host's command and the deployment's declared figure: the launch puts CapyCTL's flag
+    // after the host's, the engine takes the last, and the report says the same.
+    assert_eq!(
+        mr(MaxRunningInput {
+            host_command: &host,
+            declared: Some(8),
+            ..base
+        }),
+        (Some(8), MaxRunningSource::Declared)
+    );
     let sg = MaxRunningInput {
         engine: EngineKind::Sglang,
         ..base
@@ -538,21 +605,134 @@ fn max_running_sources() {
         }),
         (Some(48), MaxRunningSource::Engine)
     );
-    assert_eq!(
-        mr(MaxRunningInput {
-            state_cache_limit: Some(4),
-            declared: Some(8),
-            ..base
-        }),
-        (Some(4), MaxRunningSource::StateCache)
-    );
+    // The server cannot see a remote host's command or checkpoint: on_host, unless the
+    // deployment itself says.
     assert_eq!(
         mr(MaxRunningInput {
             sized_on_host: true,
+            host_command: &host,
             ..base
         }),
         (None, MaxRunningSource::OnHost)
     );
+    assert_eq!(
+        mr(MaxRunningInput {
+            sized_on_host: true,
+            declared: Some(8),
+            ..base
+        }),
+        (Some(8), MaxRunningSource::Declared)
+    );
+    assert_eq!(
+        mr(MaxRunningInput {
+            sized_on_host: true,
+            engine: EngineKind::Tensorfold,
+            ..base
+        }),
+        (Some(8), MaxRunningSource::Default)
+    );
+}
+
+#[test]
+fn a_hybrid_models_state_cache_bounds_sglang() {
+    let sg = mr_input(EngineKind::Sglang);
+    // The option sizes the state cache: fewer than declared, it is the bound.
+    let small = s(&["--max-mamba-cache-size", "4"]);
+    assert_eq!(
+        mr(MaxRunningInput {
+            extra_args: &small,
+            declared: Some(8),
+            ..sg
+        }),
+        (Some(4), MaxRunningSource::StateCache)
+    );
+    // As many or more: the passed figure stands.
+    let roomy = s(&["--max-mamba-cache-size=64"]);
+    assert_eq!(
+        mr(MaxRunningInput {
+            extra_args: &roomy,
+            declared: Some(8),
+            ..sg
+        }),
+        (Some(8), MaxRunningSource::Declared)
+    );
+    // Nothing passed: SGLang sizes itself, within the state cache.
+    assert_eq!(
+        mr(MaxRunningInput {
+            extra_args: &small,
+            ..sg
+        }),
+        (Some(4), MaxRunningSource::StateCache)
+    );
+    // In the host's command.
+    let host = s(&[
+        "python3",
+        "-m",
+        "sglang.launch_server",
+        "--max-mamba-cache-size",
+        "6",
+    ]);
+    assert_eq!(
+        mr(MaxRunningInput {
+            host_command: &host,
+            ..sg
+        }),
+        (Some(6), MaxRunningSource::StateCache)
+    );
+    // A hybrid checkpoint without the option: SGLang sizes its state pool at start; the count
+    // is unknown until it reports its own.
+    let hybrid = MaxRunningInput {
+        hybrid_checkpoint: true,
+        declared: Some(8),
+        ..sg
+    };
+    assert_eq!(mr(hybrid), (None, MaxRunningSource::StateCache));
+    assert_eq!(
+        mr(MaxRunningInput {
+            engine_reported: Some(7),
+            ..hybrid
+        }),
+        (Some(7), MaxRunningSource::Engine)
+    );
+    // vLLM keeps the states in its KV blocks: the passed figure stands.
+    assert_eq!(
+        mr(MaxRunningInput {
+            engine: EngineKind::Vllm,
+            ..hybrid
+        }),
+        (Some(8), MaxRunningSource::Declared)
+    );
+}
+
+#[test]
+fn hybrid_checkpoints_are_recognised_from_their_config() {
+    use capyctl_node_agent::checkpoint::hybrid_state;
+    for config in [
+        json!({"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"]}),
+        json!({"model_type": "nemotron_h", "hybrid_override_pattern": "M-M-M*-"}),
+        json!({"model_type": "granitemoehybrid", "layer_types": ["mamba", "attention"]}),
+        json!({"model_type": "jamba"}),
+        json!({"model_type": "llava", "text_config": {"model_type": "falcon_h1"}}),
+        json!({"model_type": "kimi_linear", "linear_attn_config": {"kda_layers": [1, 2]}}),
+    ] {
+        assert!(hybrid_state(&config), "{config}");
+    }
+    for config in [
+        json!({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}),
+        json!({"model_type": "llama"}),
+        json!({}),
+    ] {
+        assert!(!hybrid_state(&config), "{config}");
+    }
+    let dir = common::temp_dir("hybrid");
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"]}"#,
+    )
+    .unwrap();
+    assert!(ModelFacts::read(dir.to_str().unwrap()).hybrid_state);
+    assert!(!ModelFacts::read("Qwen/Qwen3-Next-80B-A3B").hybrid_state);
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[test]

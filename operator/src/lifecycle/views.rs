@@ -170,7 +170,7 @@ fn expected_max_running(d: &Dep, config: &LifecycleConfig) -> MaxRunning {
         extra_args: &d.spec.extra_args,
         host_command: &config.host_settings.engine(d.spec.engine).command,
         engine_reported: None,
-        state_cache_limit: None,
+        hybrid_checkpoint: false,
         sized_on_host: false,
     })
 }
