@@ -687,12 +687,14 @@ impl LocalHostAgent {
             .await?;
         let port = record.port;
         let endpoint = endpoint_at(spec, base_url);
+        let log = self.runtime.log_location(&record);
         let ready = tokio::select! {
             r = self.driver.wait_ready(&endpoint, self.config.ready_timeout) => r,
             status = exit.wait_for(Option::is_some) => Err(AgentError::EngineExited {
                 engine: spec.engine,
                 instance: id.to_string(),
                 status: status.ok().and_then(|s| s.clone()).unwrap_or_default(),
+                log: None,
             }),
         };
         let first = match ready {
@@ -711,7 +713,7 @@ impl LocalHostAgent {
             Ok(f) => f,
             Err(e) => {
                 let _ = self.runtime.stop(id, self.config.stop_grace).await;
-                return Err(e);
+                return Err(e.not_ready(spec.engine, id, log));
             }
         };
         let version = self.driver.version(&endpoint).await;

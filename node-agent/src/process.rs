@@ -297,6 +297,7 @@ impl ProcessRuntime {
                 engine,
                 instance: instance.to_string(),
                 status: "exited at once".into(),
+                log: Some(log.display().to_string()),
             });
         };
         let rec = record(pid, start_ticks(pid), log.clone());

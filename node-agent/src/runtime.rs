@@ -59,6 +59,11 @@ pub trait EngineRuntime: Send + Sync + std::fmt::Debug {
     fn launch<'a>(&'a self, req: LaunchRequest<'a>) -> BoxFuture<'a, Result<Launched, AgentError>>;
     /// Where the engine of a tracked (or recovered) record answers.
     fn base_url(&self, record: &PidRecord) -> String;
+    /// Where the engine's output can be read, for error messages: the record's log file when
+    /// it has one (a child process's `<data dir>/engines/<instance>.log`).
+    fn log_location(&self, record: &PidRecord) -> Option<String> {
+        (!record.log.as_os_str().is_empty()).then(|| record.log.display().to_string())
+    }
     /// The exit watch of a tracked engine.
     fn exit_watch(&self, instance: &str) -> Option<ExitWatch>;
     /// The pid of a tracked engine (0 where the engine is not a process of this host's agent).

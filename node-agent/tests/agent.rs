@@ -55,6 +55,12 @@ fn spec(engine: EngineKind, faults: &str) -> InstanceSpec {
     s
 }
 
+/// No pid record is left in `dir`.
+fn assert_no_records(dir: &std::path::Path) {
+    let left = ProcessRuntime::new(dir).unwrap().records().unwrap();
+    assert!(left.is_empty(), "records left: {left:?}");
+}
+
 async fn sample_arrives(agent: &LocalHostAgent, id: &str) -> capyctl_node_agent::load::LoadSample {
     for _ in 0..100 {
         if let Some(s) = agent.sample(id) {
@@ -93,13 +99,7 @@ async fn start_sample_park_wake_stop() {
     let pid = started.pid;
     a.stop("i-vllm").await.unwrap();
     assert!(!alive(pid));
-    assert!(
-        ProcessRuntime::new(&dir)
-            .unwrap()
-            .records()
-            .unwrap()
-            .is_empty()
-    );
+    assert_no_records(&dir);
     assert!(a.sample("i-vllm").is_none());
 
     let engines = a.engines().await;
@@ -198,13 +198,48 @@ async fn tiers_follow_the_host() {
     roomy.start("g", &gpt).await.unwrap();
     assert!(roomy.park("g").await.is_err());
     roomy.stop_all().await;
+    assert_no_records(&dir);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn a_failed_start_names_the_engines_log() {
+    let dir = common::temp_dir("start-log");
+    let log = dir.join("engines").join("bad.log");
+    // The engine exits before it is ready.
+    let a = agent(&dir, 1024 * MIB, false);
+    let err = a
+        .start("bad", &spec(EngineKind::Vllm, "crash"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, AgentError::EngineExited { .. }), "{err}");
+    let text = err.to_string();
     assert!(
-        ProcessRuntime::new(&dir)
-            .unwrap()
-            .records()
-            .unwrap()
-            .is_empty()
+        text.contains("exit status: 70") && text.contains(&log.display().to_string()),
+        "{text}"
     );
+    // The log holds why.
+    let output = std::fs::read_to_string(&log).unwrap();
+    assert!(output.contains("simulated crash"), "{output}");
+
+    // The engine never becomes ready within the bound: stopped, and the error says where its
+    // output is.
+    let mut config = AgentConfig::new(&dir);
+    config.ready_timeout = Duration::from_millis(500);
+    let slow = LocalHostAgent::new(config, settings(1024 * MIB, false), Arc::new(NoGpus)).unwrap();
+    let mut sp = spec(EngineKind::Sglang, "");
+    sp.env
+        .insert("ENGINE_SIM_STARTUP_DELAY".into(), "60s".into());
+    let err = slow.start("slow", &sp).await.unwrap_err();
+    assert!(matches!(err, AgentError::EngineNotReady { .. }), "{err}");
+    assert_eq!(err.metric_label(), "engine_not_ready");
+    let text = err.to_string();
+    let slow_log = dir.join("engines").join("slow.log");
+    assert!(
+        text.contains("/health") && text.contains(&slow_log.display().to_string()),
+        "{text}"
+    );
+    assert_no_records(&dir);
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -234,13 +269,7 @@ async fn an_engine_crash_during_a_wake_fails_the_wake() {
     );
     assert!(!alive(started.pid));
     assert!(a.sample("c").is_none());
-    assert!(
-        ProcessRuntime::new(&dir)
-            .unwrap()
-            .records()
-            .unwrap()
-            .is_empty()
-    );
+    assert_no_records(&dir);
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -291,13 +320,7 @@ async fn a_restarted_agent_adopts_live_engines_and_cleans_dead_ones() {
     sample_arrives(&second, "live").await;
     second.stop("live").await.unwrap();
     assert!(!alive(live.pid));
-    assert!(
-        ProcessRuntime::new(&dir)
-            .unwrap()
-            .records()
-            .unwrap()
-            .is_empty()
-    );
+    assert_no_records(&dir);
     let _ = std::fs::remove_dir_all(dir);
 }
 

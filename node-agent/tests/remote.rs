@@ -395,6 +395,18 @@ fn every_error_round_trips_through_its_body() {
             engine: EngineKind::Vllm,
             instance: "i".into(),
             status: "exit status: 70".into(),
+            log: Some("/data/engines/i.log".into()),
+        },
+        AgentError::EngineNotReady {
+            engine: EngineKind::Sglang,
+            instance: "i".into(),
+            log: Some("/data/engines/i.log".into()),
+            source: Box::new(AgentError::EngineTimeout {
+                engine: EngineKind::Sglang,
+                step: "readiness (GET /health until 200)",
+                url: "http://127.0.0.1:1/health".into(),
+                after: Duration::from_secs(1800),
+            }),
         },
         AgentError::CapabilityMissing {
             reason: "gpt-oss on vLLM and SGLang cannot be woken correctly by its engine",

@@ -449,6 +449,7 @@ impl PodRuntime {
                         engine: req.spec.engine,
                         instance: id.to_string(),
                         status: why,
+                        log: None,
                     });
                 }
                 _ => {}
