@@ -80,7 +80,8 @@ pub trait EngineRuntime: Send + Sync + std::fmt::Debug {
     ) -> BoxFuture<'a, Result<(), AgentError>>;
     /// Stops every tracked engine.
     fn stop_all(&self, grace: Duration) -> BoxFuture<'_, ()>;
-    /// Forgets an engine that exited by itself (its record is removed).
+    /// Forgets an engine that exited by itself: its record is removed, and what it left
+    /// running (workers in its process group) is stopped.
     fn forget(&self, instance: &str);
     /// Adopts what a previous run left behind; `answers` tells whether an engine answers.
     fn recover(
