@@ -38,6 +38,7 @@ use tokio::time::Instant;
 use crate::error::AgentError;
 use crate::http::{Call, EngineClient};
 use crate::load::{EngineLoad, parse_metrics};
+use crate::recovery::EngineState;
 use crate::spec::DecisionSpec;
 use crate::tier::ParkTier;
 use crate::verify::{
@@ -225,8 +226,8 @@ impl Driver {
     }
 
     /// SGLang: whether `/health` answers 200 within `bound` (it generates a token). `false` for
-    /// any other status, no answer within `bound`, or an answer that broke off; an error only
-    /// when the engine cannot be reached at all.
+    /// any other status or no answer within `bound`; an error when the engine cannot be reached
+    /// (refused, or the connection broke).
     pub async fn sglang_generates(
         &self,
         ep: &Endpoint,
@@ -239,7 +240,7 @@ impl Driver {
             .await
         {
             Ok((status, _)) => Ok(status == 200),
-            Err(AgentError::EngineTimeout { .. } | AgentError::EngineAnswer { .. }) => Ok(false),
+            Err(AgentError::EngineTimeout { .. }) => Ok(false),
             Err(e) => Err(e),
         }
     }
@@ -296,6 +297,47 @@ impl Driver {
                     crate::http::excerpt(&body)
                 ),
             })
+        }
+    }
+
+    /// Where an engine left behind says it is ([`crate::recovery`]), without making a parked
+    /// engine generate: vLLM `GET /is_sleeping` (`/health` when it was launched without sleep
+    /// mode and has no such endpoint); SGLang a `/health` probe, bounded by the step timeout
+    /// when it is expected awake (`expect_awake`) and by the short idle probe otherwise, then
+    /// `/server_info` when it does not generate; TensorFold `/health`.
+    pub async fn engine_state(&self, ep: &Endpoint, expect_awake: bool) -> EngineState {
+        let health = || async {
+            match self.health(ep).await {
+                Ok(200) => EngineState::Awake,
+                Ok(status) => {
+                    EngineState::NoAnswer(format!("GET {} answered {status}", ep.url("/health")))
+                }
+                Err(e) => EngineState::NoAnswer(e.to_string()),
+            }
+        };
+        match ep.engine {
+            EngineKind::Vllm => match self.vllm_is_sleeping(ep, self.timeouts.step).await {
+                Ok(true) => EngineState::Asleep,
+                Ok(false) => EngineState::Awake,
+                Err(AgentError::EngineStatus { status: 404, .. }) => health().await,
+                Err(e) => EngineState::NoAnswer(e.to_string()),
+            },
+            EngineKind::Sglang => {
+                let bound = if expect_awake {
+                    self.timeouts.step
+                } else {
+                    self.timeouts.idle_probe.min(self.timeouts.step)
+                };
+                match self.sglang_generates(ep, bound).await {
+                    Ok(true) => EngineState::Awake,
+                    Ok(false) => match self.sglang_server_info(ep).await {
+                        Ok(_) => EngineState::NotGenerating,
+                        Err(e) => EngineState::NoAnswer(e.to_string()),
+                    },
+                    Err(e) => EngineState::NoAnswer(e.to_string()),
+                }
+            }
+            EngineKind::Tensorfold => health().await,
         }
     }
 
@@ -546,6 +588,9 @@ impl Driver {
     /// step's timeout), [`WakeOutcome::Uncertain`]; a check that cannot be asked
     /// [`WakeOutcome::Uncertain`]; a different answer [`WakeOutcome::Mismatch`]. (Whether the
     /// engine exited is for the caller, who owns the process, to add.)
+    ///
+    /// The attempt also tells whether the engine could no longer be reached (it may have
+    /// exited: the caller finds out).
     pub async fn wake_and_verify(
         &self,
         ep: &Endpoint,
@@ -553,6 +598,23 @@ impl Driver {
         decision: Option<&DecisionSpec>,
         first: Option<&FirstAnswer>,
         window: Duration,
+    ) -> WakeAttempt {
+        let mut lost = false;
+        let outcome = self
+            .wake_outcome(ep, (tier, decision, first), window, &mut lost)
+            .await;
+        WakeAttempt {
+            outcome,
+            engine_unreachable: lost,
+        }
+    }
+
+    async fn wake_outcome(
+        &self,
+        ep: &Endpoint,
+        (tier, decision, first): (ParkTier, Option<&DecisionSpec>, Option<&FirstAnswer>),
+        window: Duration,
+        lost: &mut bool,
     ) -> WakeOutcome {
         let deadline = Instant::now() + window;
         let window_ms = window.as_millis();
@@ -575,7 +637,10 @@ impl Driver {
         match tokio::time::timeout_at(deadline, self.wake_steps(ep, tier, deadline)).await {
             Err(_) => return uncertain(),
             Ok(Err(e @ AgentError::EngineTimeout { .. })) => return timed_out(&e),
-            Ok(Err(e)) => return WakeOutcome::ReloadFailed(e.to_string()),
+            Ok(Err(e)) => {
+                *lost = matches!(e, AgentError::EngineUnreachable { .. });
+                return WakeOutcome::ReloadFailed(e.to_string());
+            }
             Ok(Ok(())) => {}
         }
         let check = async {
@@ -592,6 +657,7 @@ impl Driver {
             Err(_) => return uncertain(),
             Ok(Err(e @ AgentError::EngineTimeout { .. })) => return timed_out(&e),
             Ok(Err(e)) => {
+                *lost = matches!(e, AgentError::EngineUnreachable { .. });
                 return WakeOutcome::Uncertain(format!("the check after the wake failed: {e}"));
             }
             Ok(Ok(now)) => now,
@@ -604,4 +670,13 @@ impl Driver {
             Err(why) => WakeOutcome::Mismatch(why),
         }
     }
+}
+
+/// What [`Driver::wake_and_verify`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WakeAttempt {
+    /// How the wake went.
+    pub outcome: WakeOutcome,
+    /// It failed because the engine could not be reached (refused or broken connection).
+    pub engine_unreachable: bool,
 }

@@ -50,9 +50,39 @@ pub struct Inventory {
 }
 
 impl Inventory {
-    /// Whether the (first) GPU has unified memory; false without GPUs.
+    /// Whether any GPU has unified memory; false without GPUs.
     pub fn unified_memory(&self) -> bool {
-        self.gpus.first().is_some_and(|g| g.unified)
+        self.gpus.iter().any(|g| g.unified)
+    }
+
+    /// Whether the GPUs an engine uses have unified memory, given its `CUDA_VISIBLE_DEVICES`
+    /// (`visible`): true when any GPU it names is unified. GPUs are named by UUID (`GPU-…`, as
+    /// NVML reports them) or by index. Without the variable, or when it names a GPU this
+    /// inventory does not know, any unified GPU counts ([`Inventory::unified_memory`]): a deep
+    /// park is right on either kind of card, a host-RAM park on unified memory is not.
+    ///
+    /// NB: an index is matched with NVML's (PCI bus) order, which is CUDA's with
+    /// `CUDA_DEVICE_ORDER=PCI_BUS_ID`; on mixed machines name GPUs by UUID.
+    pub fn unified_for(&self, visible: Option<&str>) -> bool {
+        let Some(visible) = visible.map(str::trim).filter(|v| !v.is_empty()) else {
+            return self.unified_memory();
+        };
+        let mut used = Vec::new();
+        for name in visible.split(',').map(str::trim) {
+            let gpu = match name.parse::<u32>() {
+                Ok(index) => self.gpus.iter().find(|g| g.index == index),
+                Err(_) => self.gpus.iter().find(|g| {
+                    g.uuid
+                        .as_deref()
+                        .is_some_and(|u| u.eq_ignore_ascii_case(name))
+                }),
+            };
+            match gpu {
+                Some(g) => used.push(g),
+                None => return self.unified_memory(),
+            }
+        }
+        used.iter().any(|g| g.unified)
     }
 }
 

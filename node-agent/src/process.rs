@@ -7,8 +7,9 @@
 //! engine is stopped, so a restarted CapyCTL finds every engine it left behind:
 //! [`ProcessRuntime::recover`] adopts an engine whose process is alive, is the same process
 //! (same `/proc/<pid>/cmdline`, or the same start time when an engine rewrote its title) and
-//! answers HTTP on its port (any status: a parked SGLang answers `/health` with 503); it stops
-//! one that is alive but does not answer; it drops the record of one that is gone, or whose pid
+//! that its caller's check accepts (the agent asks the engine where it is and compares with
+//! the record, see [`crate::recovery`]); it stops one that is alive but not accepted; it drops
+//! the record of one that is gone (stopping what it left in its process group), or whose pid
 //! now belongs to another program (which it leaves alone).
 //!
 //! Stopping sends SIGTERM to the engine's process group (`kill -TERM -<pgid>`, so worker
@@ -37,6 +38,8 @@ use tokio::sync::watch;
 
 use crate::error::AgentError;
 use crate::launch::LaunchCommand;
+use crate::measure::{GpuHeld, Measurement};
+use crate::recovery::Transition;
 use crate::spec::InstanceSpec;
 use crate::tier::{LaunchParking, ParkTier};
 use crate::verify::FirstAnswer;
@@ -68,6 +71,17 @@ pub struct PidRecord {
     pub first_answer: Option<FirstAnswer>,
     /// The tier it is parked in, while parked.
     pub parked: Option<ParkTier>,
+    /// A park or wake begun and not yet recorded as done: written before the engine is
+    /// called (see [`crate::recovery`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transition: Option<Transition>,
+    /// While parked: the GPU memory the parked engine still holds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_held: Option<GpuHeld>,
+    /// The deployment's measurement, with the engine's footprint once read (so that a
+    /// restarted agent knows it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub measurement: Option<Measurement>,
 }
 
 /// How an engine ended: `None` while it runs.
@@ -498,8 +512,8 @@ impl ProcessRuntime {
         }
     }
 
-    /// Adopts or stops what a previous run left behind (see the module doc). `answers(port)`
-    /// tells whether anything answers HTTP on the port.
+    /// Adopts or stops what a previous run left behind (see the module doc). `answers(record)`
+    /// tells whether to adopt a live engine; one it refuses is stopped.
     pub async fn recover<F, Fut>(&self, answers: F, grace: Duration) -> Result<Recovery, AgentError>
     where
         F: Fn(PidRecord) -> Fut,

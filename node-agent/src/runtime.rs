@@ -48,7 +48,8 @@ pub struct Launched {
     pub exit: ExitWatch,
 }
 
-/// Whether an engine left behind answers HTTP at its base URL (any status).
+/// Whether to adopt an engine left behind (its record, its base URL): it answers, and is where
+/// its record says ([`crate::recovery`]). One that is not adopted is stopped.
 pub type Answers = Arc<dyn Fn(PidRecord, String) -> BoxFuture<'static, bool> + Send + Sync>;
 
 /// How engines run. Shared state lives behind std mutexes never held across an `.await`.
@@ -83,7 +84,8 @@ pub trait EngineRuntime: Send + Sync + std::fmt::Debug {
     /// Forgets an engine that exited by itself: its record is removed, and what it left
     /// running (workers in its process group) is stopped.
     fn forget(&self, instance: &str);
-    /// Adopts what a previous run left behind; `answers` tells whether an engine answers.
+    /// Adopts what a previous run left behind; `answers` tells whether to adopt an engine that
+    /// is alive (otherwise it is stopped).
     fn recover(
         &self,
         answers: Answers,
@@ -121,6 +123,9 @@ impl EngineRuntime for ProcessRuntime {
                         parking: req.parking,
                         first_answer: None,
                         parked: None,
+                        transition: None,
+                        gpu_held: None,
+                        measurement: None,
                     }
                 })?;
             Ok(Launched {

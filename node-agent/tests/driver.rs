@@ -109,7 +109,8 @@ async fn round_trip(ep: &Endpoint, tier: ParkTier) -> (Value, WakeOutcome, Value
     let parked = sim_state(ep).await;
     let outcome = d
         .wake_and_verify(ep, tier, None, Some(&first), WINDOW)
-        .await;
+        .await
+        .outcome;
     (parked, outcome, sim_state(ep).await)
 }
 
@@ -123,6 +124,7 @@ async fn wake_with_fault(d: &Driver, ep: &Endpoint, fault: &str, window: Duratio
     set_fault(ep, fault).await;
     d.wake_and_verify(ep, ParkTier::HostRam, None, Some(&first), window)
         .await
+        .outcome
 }
 
 #[tokio::test]
@@ -304,7 +306,8 @@ async fn decision_round_trip(ep: &Endpoint, tier: ParkTier) -> (FirstAnswer, Wak
     d.park(ep, tier).await.unwrap();
     let outcome = d
         .wake_and_verify(ep, tier, Some(&dm), Some(&first), WINDOW)
-        .await;
+        .await
+        .outcome;
     (first, outcome)
 }
 

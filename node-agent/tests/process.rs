@@ -40,6 +40,9 @@ fn record(
         parking: LaunchParking::default(),
         first_answer: None,
         parked: None,
+        transition: None,
+        gpu_held: None,
+        measurement: None,
     }
 }
 

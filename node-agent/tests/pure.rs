@@ -1072,3 +1072,99 @@ fn proc_parsing() {
     assert_eq!(parse_meminfo("MemTotal: 1 kB\n"), None);
     assert_eq!(parse_ppid("123 (python3 -m (x)) S 45 123 123 0"), Some(45));
 }
+
+#[test]
+fn recovery_verdicts_follow_the_record_and_the_engine() {
+    use EngineState::{Asleep, Awake, NoAnswer, NotGenerating};
+    use capyctl_node_agent::process::PidRecord;
+    use capyctl_node_agent::recovery::{
+        EngineState, RecoveryVerdict, Transition, recovery_verdict, settled,
+    };
+    let rec = |parked: Option<ParkTier>, transition: Option<Transition>| PidRecord {
+        instance: "i".into(),
+        engine: EngineKind::Vllm,
+        pid: 1,
+        port: 1,
+        started_at_ms: 0,
+        start_ticks: None,
+        command: vec![],
+        log: std::path::PathBuf::new(),
+        spec: spec(EngineKind::Vllm, "m"),
+        parking: PARK,
+        first_answer: None,
+        parked,
+        transition,
+        gpu_held: None,
+        measurement: None,
+    };
+    let host = ParkTier::HostRam;
+    let parking = Some(Transition::Parking(host));
+    let waking = Some(Transition::Waking(host));
+    let v = |r: &PidRecord, s: EngineState| recovery_verdict(r, &s);
+    let stops = |verdict: RecoveryVerdict| matches!(verdict, RecoveryVerdict::Stop(_));
+    // Ready as recorded.
+    assert_eq!(v(&rec(None, None), Awake), RecoveryVerdict::Ready);
+    assert!(stops(v(&rec(None, None), Asleep)));
+    assert!(stops(v(&rec(None, None), NotGenerating)));
+    // Parked as recorded: vLLM says asleep, SGLang does not generate.
+    assert_eq!(
+        v(&rec(Some(host), None), Asleep),
+        RecoveryVerdict::Parked(host)
+    );
+    assert_eq!(
+        v(&rec(Some(host), None), NotGenerating),
+        RecoveryVerdict::Parked(host)
+    );
+    assert!(stops(v(&rec(Some(host), None), Awake)));
+    // A park begun: only an engine that says it sleeps is adopted.
+    assert_eq!(
+        v(&rec(None, parking), Asleep),
+        RecoveryVerdict::Parked(host)
+    );
+    assert!(stops(v(&rec(None, parking), Awake)));
+    assert!(stops(v(&rec(None, parking), NotGenerating)));
+    // A wake begun, or no answer: stopped, whatever else.
+    for state in [Awake, Asleep, NotGenerating] {
+        assert!(stops(v(&rec(Some(host), waking), state)));
+    }
+    assert!(stops(v(&rec(None, None), NoAnswer("refused".into()))));
+    // The record goes on with the verdict's tier and no transition.
+    let s = settled(rec(None, parking), &RecoveryVerdict::Parked(host));
+    assert_eq!((s.parked, s.transition), (Some(host), None));
+}
+
+#[test]
+fn unified_memory_is_decided_by_the_gpus_an_engine_uses() {
+    use capyctl_node_agent::inventory::{GpuInfo, HostMemory, Inventory};
+    let gpu = |index: u32, uuid: &str, unified: bool| GpuInfo {
+        index,
+        uuid: Some(uuid.into()),
+        name: None,
+        total_bytes: 1,
+        free_bytes: None,
+        unified,
+    };
+    let inv = Inventory {
+        // The unified GPU is not the first: it still counts.
+        gpus: vec![gpu(0, "GPU-aaaa", false), gpu(1, "GPU-bbbb", true)],
+        gpus_overridden: true,
+        host_memory: HostMemory {
+            total_bytes: 1,
+            available_bytes: 1,
+            overridden: true,
+        },
+    };
+    assert!(inv.unified_memory());
+    assert!(inv.unified_for(None));
+    assert!(!inv.unified_for(Some("0")));
+    assert!(!inv.unified_for(Some("gpu-AAAA")));
+    assert!(inv.unified_for(Some("1")));
+    assert!(inv.unified_for(Some("0, 1")));
+    // A GPU the inventory does not know: any unified GPU counts.
+    assert!(inv.unified_for(Some("7")));
+    let discrete = Inventory {
+        gpus: vec![gpu(0, "GPU-aaaa", false)],
+        ..inv
+    };
+    assert!(!discrete.unified_memory() && !discrete.unified_for(Some("3")));
+}

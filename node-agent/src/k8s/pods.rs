@@ -401,6 +401,9 @@ impl PodRuntime {
             parking: req.parking,
             first_answer: None,
             parked: None,
+            transition: None,
+            gpu_held: None,
+            measurement: None,
         }
     }
 

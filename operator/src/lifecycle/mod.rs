@@ -863,7 +863,7 @@ impl Server {
             self.agent.stop(&iid).await.map(|()| Released::Stopped)
         } else {
             match self.agent.park(&iid).await {
-                Ok(ParkResult::Parked { tier }) => {
+                Ok(ParkResult::Parked { tier, .. }) => {
                     self.config
                         .metrics
                         .park(views::tier_words(tier), "ok", began.elapsed());
