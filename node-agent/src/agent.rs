@@ -230,7 +230,8 @@ pub trait HostAgent: Send + Sync {
     fn inventory(&self) -> BoxFuture<'_, Result<Inventory, AgentError>>;
     /// The `engine list` rows.
     fn engines(&self) -> BoxFuture<'_, Vec<EngineInfo>>;
-    /// Measures a deployment before a start (declared resources, checkpoint headers).
+    /// Measures a deployment before a start (declared resources, checkpoint headers, or the
+    /// footprint an earlier start of the same deployment and model showed on this host).
     fn measure<'a>(
         &'a self,
         spec: &'a InstanceSpec,
@@ -610,13 +611,20 @@ impl LocalHostAgent {
         inv.unified_for(self.visible_devices(spec).as_deref())
     }
 
-    /// The measurement learned from an earlier start of the same deployment and model.
-    fn learned(&self, spec: &InstanceSpec) -> Option<Measurement> {
-        self.learned
+    /// `measured` (before a start) completed with what an earlier start of the same
+    /// deployment and model showed: a figure no other source gives.
+    fn with_learned(&self, spec: &InstanceSpec, measured: Measurement) -> Measurement {
+        let learned = self
+            .learned
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .get(&(spec.deployment_id.clone(), spec.model.clone()))
             .copied()
+            .unwrap_or_default();
+        Measurement {
+            weights: measured.weights.or(learned.weights),
+            gpu_memory: measured.gpu_memory.or(learned.gpu_memory),
+        }
     }
 
     /// Keeps `m` for later starts of `spec` when it holds the engine's footprint.
@@ -652,12 +660,9 @@ impl LocalHostAgent {
     async fn prepare(&self, spec: &InstanceSpec) -> Result<Prepared, AgentError> {
         let inv = inventory(&self.settings, self.probe.as_ref())?;
         let s = spec.clone();
-        let (mut measurement, facts) =
+        let (measurement, facts) =
             blocking(move || Ok((measure_before_start(&s)?, ModelFacts::read(&s.model)))).await?;
-        if let Some(learned) = self.learned(spec) {
-            measurement.weights = measurement.weights.or(learned.weights);
-            measurement.gpu_memory = measurement.gpu_memory.or(learned.gpu_memory);
-        }
+        let measurement = self.with_learned(spec, measurement);
         let version = self.version_of(spec.engine);
         let refusal = refusal_for(spec.engine, version.as_deref(), &facts, spec.speculative());
         Ok(Prepared {
@@ -1173,7 +1178,8 @@ impl HostAgent for LocalHostAgent {
     ) -> BoxFuture<'a, Result<Measurement, AgentError>> {
         Box::pin(async move {
             let s = spec.clone();
-            blocking(move || measure_before_start(&s)).await
+            let measured = blocking(move || measure_before_start(&s)).await?;
+            Ok(self.with_learned(spec, measured))
         })
     }
 

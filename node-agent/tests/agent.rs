@@ -577,12 +577,18 @@ async fn sglang_parks_in_host_ram_once_its_footprint_is_known() {
     // without the CPU backup and parks deep.
     let mut hub = spec(EngineKind::Sglang, "");
     hub.resources.weights_memory = None;
+    assert!(a.measure(&hub).await.unwrap().awaiting());
     let first = a.start("s1", &hub).await.unwrap();
     assert!(first.parking.may_park && !first.parking.host_ram);
     assert_eq!(first.measurement.gpu_memory.unwrap().bytes, 64 * MIB);
     assert_eq!(a.park("s1").await.unwrap().tier(), Some(ParkTier::Deep));
     a.stop("s1").await.unwrap();
-    // The footprint is known now: a fresh start keeps the backup and parks in host RAM.
+    // The footprint is known now: no longer awaiting measurement, and a fresh start keeps
+    // the backup and parks in host RAM.
+    assert_eq!(
+        a.measure(&hub).await.unwrap().gpu_memory.unwrap().bytes,
+        64 * MIB
+    );
     let second = a.start("s2", &hub).await.unwrap();
     assert!(second.parking.host_ram);
     assert_eq!(a.park("s2").await.unwrap().tier(), Some(ParkTier::HostRam));
