@@ -784,6 +784,76 @@ async fn an_evict_receipt_names_the_parked_copies_stopped_for_room() {
     h.shutdown().await;
 }
 
+/// "A sleeping engine still holds some GPU memory: account for it." Each parked engine here
+/// keeps 512 MiB (the agent's estimate for 2 GiB of weights without NVML): a switch parks as
+/// many idle models as that takes, and stops parked engines for their residue only when
+/// parking the ready ones is not enough.
+#[tokio::test]
+async fn parked_engines_hold_gpu_memory_and_placement_counts_it() {
+    let dir = temp_dir("residue");
+    let opts = Opts {
+        host_memory: 16 * support::GIB,
+        ..Opts::default()
+    };
+    let h = Harness::new(&dir, opts).await;
+    let model = |name: &str, gpu: &str| {
+        capyctl_crds::documents::parse_deployment_str(
+            "m.yaml",
+            &format!(
+                "name: {name}\nengine: vllm\nmodel: Qwen3-4B\nresources: {{gpu_memory: {gpu}, weights_memory: 2GiB}}\nenv: {{ENGINE_SIM_WEIGHTS_BYTES: 2GiB}}\n"
+            ),
+        )
+        .unwrap()
+    };
+    for (name, gpu) in [
+        ("a", "5GiB"),
+        ("b", "5GiB"),
+        ("c", "5GiB"),
+        ("d", "9728MiB"),
+    ] {
+        h.server.deploy(model(name, gpu)).await.unwrap();
+    }
+    assert_eq!(h.chat("a").await.0, 200);
+    assert_eq!(h.chat("b").await.0, 200);
+    // c needs 5 GiB; parking a frees only 4.5 (it keeps 0.5): b parks too.
+    assert_eq!(h.chat("c").await.0, 200);
+    for name in ["a", "b"] {
+        let v = h.server.get(name).await.unwrap();
+        assert_eq!(
+            v.state,
+            InstanceState::Parked,
+            "{name}: {:?}",
+            v.instances[0].last_error
+        );
+    }
+    let hosts = h.server.hosts().await;
+    assert_eq!(
+        hosts.hosts[0].gpus[0].used,
+        6 * support::GIB,
+        "c, and two residues"
+    );
+    // d needs 9.5 GiB: parking c leaves 8.5 free; a's and b's residues go too (stopped).
+    assert_eq!(h.chat("d").await.0, 200);
+    assert_eq!(
+        h.server.get("c").await.unwrap().state,
+        InstanceState::Parked
+    );
+    for name in ["a", "b"] {
+        assert_eq!(
+            h.server.get(name).await.unwrap().state,
+            InstanceState::Stopped,
+            "{name}"
+        );
+    }
+    let hosts = h.server.hosts().await;
+    assert_eq!(
+        hosts.hosts[0].gpus[0].used,
+        19 * support::GIB / 2 + support::GIB / 2,
+        "d, and c's residue"
+    );
+    h.shutdown().await;
+}
+
 #[tokio::test]
 async fn parked_copies_make_room_except_explicit_ones() {
     let dir = temp_dir("parked-room");

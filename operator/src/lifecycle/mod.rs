@@ -122,6 +122,8 @@ struct Dep {
     claim: Option<String>,
     /// The host its instance is placed on (claimed, running, parked, or last run on).
     host: Option<String>,
+    /// What its engine still holds on the GPU while parked (the agent's reading or estimate).
+    parked_gpu: Option<u64>,
     /// Where the engine answers (from the host agent's `base_url`: loopback for child
     /// processes, the Pod's IP for engine Pods).
     addr: Option<SocketAddr>,
@@ -148,6 +150,7 @@ impl Dep {
             reserved: None,
             claim: None,
             host: None,
+            parked_gpu: None,
             addr: None,
             pid: None,
             tier: None,
@@ -198,6 +201,31 @@ impl Dep {
         if bound { self.host.as_deref() } else { None }
     }
 
+    /// GPU memory its parked engine holds (0 unless parked).
+    fn parked_holds(&self) -> u64 {
+        if self.state == InstanceState::Parked {
+            self.parked_gpu.unwrap_or(0)
+        } else {
+            0
+        }
+    }
+
+    /// What it would still hold on the GPU once parked: the agent's estimate of a parked
+    /// engine's residue, or 0 when it stops instead of parking.
+    fn residue_if_parked(&self) -> u64 {
+        let parks = self.spec.engine != EngineKind::Tensorfold
+            && self.spec.residency != Some(Residency::RestartOnly)
+            && self.spec.decision.is_none();
+        if !parks {
+            return 0;
+        }
+        capyctl_node_agent::measure::parked_estimate(
+            self.measurement.weights_bytes(),
+            self.spec.speculative(),
+        )
+        .unwrap_or(0)
+    }
+
     /// Running or on its way (what explicit activation admits requests for).
     fn running_or_coming(&self) -> bool {
         matches!(
@@ -222,6 +250,8 @@ pub fn instance_id(deployment_id: &str) -> String {
 struct Reservation {
     target: Option<String>,
     victims: Vec<String>,
+    /// The victims stop instead of parking (a parked engine's residue would be in the way).
+    stop: bool,
 }
 
 #[derive(Debug, Default)]
@@ -528,6 +558,7 @@ impl Server {
                 };
                 d.host = Some(host_id.clone());
                 d.tier = adopted.parked;
+                d.parked_gpu = adopted.gpu_held.map(|g| g.bytes);
                 d.pid = Some(adopted.pid);
                 d.addr = engine_addr(&adopted.base_url);
                 if adopted.parked.is_none() {
@@ -877,7 +908,7 @@ impl Server {
                     let used: u64 = holders.iter().map(|h| h.bytes).sum();
                     (0, host.capacity.saturating_sub(used).saturating_sub(need))
                 }
-                Fit::After(victims) => (
+                Fit::After(victims) | Fit::AfterStopping(victims) => (
                     1,
                     holders
                         .iter()
@@ -932,16 +963,19 @@ impl Server {
             .deps
             .values()
             .filter(|d| d.host.as_deref() == Some(host))
-            .filter(|d| d.id() != target && (d.occupies() || d.claim.is_some()))
+            .filter(|d| {
+                d.id() != target && (d.occupies() || d.claim.is_some() || d.parked_holds() > 0)
+            })
             .map(|d| {
                 // NB: an explicit or warm model that is draining, parking or stopping on an
                 // operator's command (reserved by it; never by a switch) is on its way out:
                 // its memory frees soon, so others wait for it instead of being refused.
                 let leaving = d.reserved.is_some()
                     || matches!(d.state, InstanceState::Parking | InstanceState::Stopping);
+                let parked = d.state == InstanceState::Parked;
                 let hold = if (self.explicit(d) || d.warm()) && !leaving {
                     Hold::Pinned
-                } else if d.state == InstanceState::Ready
+                } else if matches!(d.state, InstanceState::Ready | InstanceState::Parked)
                     && !d.busy
                     && d.reserved.is_none()
                     && d.claim.is_none()
@@ -954,9 +988,15 @@ impl Server {
                 Holder {
                     id: d.id().to_string(),
                     name: d.name().to_string(),
-                    bytes: d.need(capacity),
+                    bytes: if parked {
+                        d.parked_holds()
+                    } else {
+                        d.need(capacity)
+                    },
                     hold,
                     idle_for: now.saturating_duration_since(d.last_used),
+                    parked,
+                    keeps: if parked { 0 } else { d.residue_if_parked() },
                 }
             })
             .collect()
@@ -971,6 +1011,7 @@ impl Server {
         d.last_error = None;
         d.last_used = Instant::now();
         if d.state == InstanceState::Parked {
+            d.parked_gpu = None;
             d.state = InstanceState::Waking;
             Some(Up::Wake)
         } else {
@@ -1308,13 +1349,14 @@ impl Server {
             agent.stop(&iid).await.map(|()| Released::Stopped)
         } else {
             match agent.park(&iid).await {
-                Ok(ParkResult::Parked { tier }) => {
+                Ok(ParkResult::Parked { tier, gpu_held }) => {
                     self.config
                         .metrics
                         .park(views::tier_words(tier), "ok", began.elapsed());
                     self.write(|inner| {
                         if let Some(d) = inner.deps.get_mut(id) {
                             d.tier = Some(tier);
+                            d.parked_gpu = gpu_held.map(|g| g.bytes);
                         }
                     });
                     Ok(Released::Parked)
@@ -1514,6 +1556,7 @@ impl Server {
                     Reservation {
                         target: Some(target.to_string()),
                         victims: Vec::new(),
+                        stop: false,
                     },
                 );
                 if let Some(d) = inner.deps.get_mut(target) {
@@ -1523,12 +1566,18 @@ impl Server {
                 }
                 Plan::BringUp { switch_id }
             }
-            Fit::After(victims) => {
+            Fit::After(ref victims) | Fit::AfterStopping(ref victims) => {
+                let stop = matches!(fit, Fit::AfterStopping(_));
+                let victims = victims.clone();
+                // The router drains the ready victims; parked ones (stopped for what they still
+                // hold on the GPU) are the lifecycle's alone.
                 let mut keys = Vec::new();
                 for v in &victims {
                     if let Some(vd) = inner.deps.get_mut(v) {
                         vd.reserved = Some(switch_id.clone());
-                        keys.push(self.key(vd));
+                        if vd.state != InstanceState::Parked {
+                            keys.push(self.key(vd));
+                        }
                     }
                 }
                 if let Some(d) = inner.deps.get_mut(target) {
@@ -1541,11 +1590,16 @@ impl Server {
                     Reservation {
                         target: Some(target.to_string()),
                         victims,
+                        stop,
                     },
                 );
-                Plan::Switch {
-                    switch_id,
-                    victims: keys,
+                if keys.is_empty() {
+                    Plan::BringUp { switch_id }
+                } else {
+                    Plan::Switch {
+                        switch_id,
+                        victims: keys,
+                    }
                 }
             }
             Fit::Later => Plan::Later,
@@ -1602,8 +1656,18 @@ impl Server {
             if !ours {
                 continue;
             }
+            let stop_all = self.read(|inner| {
+                inner
+                    .reservations
+                    .get(&order.switch_id)
+                    .is_some_and(|r| r.stop)
+            });
             match self
-                .put_away(&key.deployment, report.cut_before_output, NoRoom::Stop)
+                .put_away(
+                    &key.deployment,
+                    stop_all || report.cut_before_output,
+                    NoRoom::Stop,
+                )
                 .await
             {
                 Ok(put) => {
@@ -1611,6 +1675,32 @@ impl Server {
                 }
                 Err(e) => {
                     tracing::warn!(victim = %key.deployment, error = %e, "releasing a victim failed")
+                }
+            }
+        }
+        // Parked engines this switch stops for what they still hold on the GPU (victims that
+        // were parked when it was planned: the router drained none of them).
+        let parked: Vec<String> = self.read(|inner| {
+            let Some(r) = inner.reservations.get(&order.switch_id) else {
+                return Vec::new();
+            };
+            r.victims
+                .iter()
+                .filter(|v| !order.victims.iter().any(|(k, _)| &k.deployment == *v))
+                .filter(|v| {
+                    inner.deps.get(*v).is_some_and(|d| {
+                        d.state == InstanceState::Parked
+                            && d.reserved.as_deref() == Some(order.switch_id.as_str())
+                    })
+                })
+                .cloned()
+                .collect()
+        });
+        for v in parked {
+            match self.put_away(&v, true, NoRoom::Stop).await {
+                Ok(_) => tracing::info!(victim = %v, "parked engine stopped for its GPU memory"),
+                Err(e) => {
+                    tracing::warn!(victim = %v, error = %e, "stopping a parked victim failed")
                 }
             }
         }
@@ -1749,7 +1839,7 @@ impl Server {
         enum Next {
             Nothing,
             Up(Up),
-            Evict(String, Vec<String>),
+            Evict(String, Vec<String>, bool),
             Pending,
         }
         let next = self.write(|inner| -> Result<Next, ApiError> {
@@ -1785,12 +1875,14 @@ impl Server {
             if coming {
                 return Ok(Next::Nothing);
             }
-            if matches!(fit, Fit::Now | Fit::After(_)) {
+            if matches!(fit, Fit::Now | Fit::After(_) | Fit::AfterStopping(_)) {
                 d.host = host;
             }
             match fit {
                 Fit::Now => Ok(Self::begin_up(inner, &id).map_or(Next::Nothing, Next::Up)),
-                Fit::After(victims) => {
+                Fit::After(ref victims) | Fit::AfterStopping(ref victims) => {
+                    let stop = matches!(fit, Fit::AfterStopping(_));
+                    let victims = victims.clone();
                     let rid = self.fresh_id("sw");
                     for v in &victims {
                         if let Some(vd) = inner.deps.get_mut(v) {
@@ -1806,9 +1898,10 @@ impl Server {
                         Reservation {
                             target: Some(id.clone()),
                             victims: victims.clone(),
+                            stop,
                         },
                     );
-                    Ok(Next::Evict(rid, victims))
+                    Ok(Next::Evict(rid, victims, stop))
                 }
                 Fit::Later => {
                     if let Some(d) = inner.deps.get_mut(&id) {
@@ -1829,10 +1922,23 @@ impl Server {
         let up = match next {
             Next::Nothing | Next::Pending => None,
             Next::Up(up) => Some(up),
-            Next::Evict(rid, victims) => {
+            Next::Evict(rid, victims, stop_all) => {
                 // A switch like a request's, without the admission window: counted the same.
                 let began = Instant::now();
-                let reports = match self.drain(&victims, InstanceState::Closed).await {
+                // Parked victims (stopped for what they hold on the GPU) have nothing to drain.
+                let ready: Vec<String> = self.read(|inner| {
+                    victims
+                        .iter()
+                        .filter(|v| {
+                            inner
+                                .deps
+                                .get(*v)
+                                .is_some_and(|d| d.state != InstanceState::Parked)
+                        })
+                        .cloned()
+                        .collect()
+                });
+                let reports = match self.drain(&ready, InstanceState::Closed).await {
                     Ok(r) => r,
                     Err(e) => {
                         self.write(|inner| inner.release_reservation(&rid));
@@ -1845,7 +1951,7 @@ impl Server {
                 evict_phases.push(("drain", began.elapsed()));
                 let released_at = Instant::now();
                 for v in &victims {
-                    let stop = reports.get(v).is_some_and(|r| r.cut_before_output);
+                    let stop = stop_all || reports.get(v).is_some_and(|r| r.cut_before_output);
                     let (name, iid) = self
                         .read(|inner| {
                             inner
@@ -1977,6 +2083,7 @@ impl Server {
                     Reservation {
                         target: None,
                         victims: vec![id.to_string()],
+                        stop: false,
                     },
                 );
                 Ok(Some(true))
@@ -2194,7 +2301,7 @@ impl Server {
                     }
                     Ok(Self::begin_up(inner, &id).is_some())
                 }
-                Fit::Later | Fit::After(_) => Err(ApiError::Conflict {
+                Fit::Later | Fit::After(_) | Fit::AfterStopping(_) => Err(ApiError::Conflict {
                     detail: format!(
                         "no GPU memory is free to measure deployment {name} now; park or stop the others, or start it with --wait"
                     ),

@@ -192,7 +192,7 @@ fn expected_max_running(d: &Dep, config: &LifecycleConfig, host: Option<&Host>) 
         extra_args: &d.spec.extra_args,
         host_command: &settings.engine(d.spec.engine).command,
         engine_reported: None,
-        state_cache_limit: None,
+        hybrid_checkpoint: false,
         sized_on_host: false,
     })
 }
@@ -277,12 +277,18 @@ pub(crate) fn load_view(
 /// A host's view.
 pub(crate) fn host_view(id: &str, host: &Host, inv: Option<&Inventory>, inner: &Inner) -> HostView {
     let here = |d: &&Dep| d.host.as_deref() == Some(id);
+    // Loaded instances, and what parked engines still hold.
     let used: u64 = inner
         .deps
         .values()
         .filter(here)
-        .filter(|d| d.occupies())
-        .map(|d| d.need(host.capacity))
+        .map(|d| {
+            if d.occupies() {
+                d.need(host.capacity)
+            } else {
+                d.parked_holds()
+            }
+        })
         .sum();
     let parked: u64 = inner
         .deps
