@@ -409,6 +409,20 @@ fn parse_document(format: Format, body: &[u8]) -> Result<DeploymentDoc, String> 
 // Handlers
 // ---------------------------------------------------------------------------------------------
 
+/// Runs a command in a task of its own, so that it ends even when its client hangs up: the
+/// lifecycle's commands reserve instances and mark them busy across their awaits, and are not
+/// written to be dropped half-way.
+async fn to_the_end<T: Send + 'static>(
+    command: impl Future<Output = Result<T, ApiError>> + Send + 'static,
+) -> Result<T, ApiError> {
+    match tokio::spawn(command).await {
+        Ok(result) => result,
+        Err(e) => Err(ApiError::Internal {
+            detail: format!("the command ended abnormally: {e}"),
+        }),
+    }
+}
+
 async fn list(State(s): State<AppState>) -> Response {
     json(StatusCode::OK, &s.api.list().await)
 }
@@ -426,7 +440,8 @@ async fn deploy(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Re
         Ok(doc) => doc,
         Err(detail) => return invalid(detail),
     };
-    match s.api.deploy(doc).await {
+    let api = s.api.clone();
+    match to_the_end(async move { api.deploy(doc).await }).await {
         Ok(receipt) => {
             let status = match receipt.outcome {
                 DeployOutcome::Created => StatusCode::CREATED,
@@ -447,7 +462,13 @@ async fn get_one(State(s): State<AppState>, name: Result<Path<String>, PathRejec
 
 async fn delete(State(s): State<AppState>, name: Result<Path<String>, PathRejection>) -> Response {
     match name {
-        Ok(Path(name)) => answer(StatusCode::OK, s.api.delete(&name).await),
+        Ok(Path(name)) => {
+            let api = s.api.clone();
+            answer(
+                StatusCode::OK,
+                to_the_end(async move { api.delete(&name).await }).await,
+            )
+        }
         Err(r) => bad_path(r),
     }
 }
@@ -477,19 +498,35 @@ async fn start(
             }
         }
     };
-    answer(StatusCode::OK, s.api.start(&name, request).await)
+    let api = s.api.clone();
+    answer(
+        StatusCode::OK,
+        to_the_end(async move { api.start(&name, request).await }).await,
+    )
 }
 
 async fn stop(State(s): State<AppState>, name: Result<Path<String>, PathRejection>) -> Response {
     match name {
-        Ok(Path(name)) => answer(StatusCode::OK, s.api.stop(&name).await),
+        Ok(Path(name)) => {
+            let api = s.api.clone();
+            answer(
+                StatusCode::OK,
+                to_the_end(async move { api.stop(&name).await }).await,
+            )
+        }
         Err(r) => bad_path(r),
     }
 }
 
 async fn park(State(s): State<AppState>, name: Result<Path<String>, PathRejection>) -> Response {
     match name {
-        Ok(Path(name)) => answer(StatusCode::OK, s.api.park(&name).await),
+        Ok(Path(name)) => {
+            let api = s.api.clone();
+            answer(
+                StatusCode::OK,
+                to_the_end(async move { api.park(&name).await }).await,
+            )
+        }
         Err(r) => bad_path(r),
     }
 }
@@ -499,7 +536,13 @@ async fn preinitialize(
     name: Result<Path<String>, PathRejection>,
 ) -> Response {
     match name {
-        Ok(Path(name)) => answer(StatusCode::OK, s.api.preinitialize(&name).await),
+        Ok(Path(name)) => {
+            let api = s.api.clone();
+            answer(
+                StatusCode::OK,
+                to_the_end(async move { api.preinitialize(&name).await }).await,
+            )
+        }
         Err(r) => bad_path(r),
     }
 }

@@ -441,6 +441,55 @@ async fn a_start_waiting_for_memory_survives_a_restart() {
     h.shutdown().await;
 }
 
+/// A request that takes over a start waiting for memory takes the pending start with it: parked
+/// later and restarted, the model is not woken again by a start that already happened.
+#[tokio::test]
+async fn a_pending_start_a_request_took_over_is_not_repeated_after_a_restart() {
+    let dir = temp_dir("pending-taken");
+    let h = Harness::new(&dir, Opts::default()).await;
+    h.server.deploy(doc("chat-a", "")).await.unwrap();
+    h.server.deploy(doc("chat-b", "")).await.unwrap();
+    // chat-b parked, chat-a ready.
+    assert_eq!(h.chat("chat-b").await.0, 200);
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    h.server
+        .start("chat-b", StartRequest::default())
+        .await
+        .unwrap();
+    // The request switches: chat-a parks, chat-b wakes; the pending start is done. Then a
+    // request for chat-a parks chat-b again (nothing an operator did: no command saved).
+    assert_eq!(h.chat("chat-b").await.0, 200);
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    assert_eq!(
+        h.server.get("chat-b").await.unwrap().state,
+        InstanceState::Parked
+    );
+    h.close().await;
+
+    let h = Harness::new(&dir, Opts::default()).await;
+    let b = h.server.get("chat-b").await.unwrap();
+    assert_eq!(b.state, InstanceState::Parked);
+    assert!(
+        !b.conditions
+            .iter()
+            .any(|c| c.reason == "waiting_for_memory"),
+        "{:?}",
+        b.conditions
+    );
+    // Nothing wakes it: it is still parked after the restart's pending starts were tried
+    // (a wake would show within the bound).
+    let woke = h
+        .server
+        .wait_for_state(
+            "chat-b",
+            &[InstanceState::Waking, InstanceState::Ready],
+            Duration::from_millis(500),
+        )
+        .await;
+    assert!(woke.is_err(), "{woke:?}");
+    h.shutdown().await;
+}
+
 #[tokio::test]
 async fn idle_timers_park_then_stop_and_a_request_starts_again() {
     let dir = temp_dir("idle");
@@ -810,6 +859,8 @@ async fn parked_engines_hold_gpu_memory_and_placement_counts_it() {
         ("b", "5GiB"),
         ("c", "5GiB"),
         ("d", "9728MiB"),
+        ("e", "9830MiB"),
+        ("f", "9984MiB"),
     ] {
         h.server.deploy(model(name, gpu)).await.unwrap();
     }
@@ -850,6 +901,36 @@ async fn parked_engines_hold_gpu_memory_and_placement_counts_it() {
         hosts.hosts[0].gpus[0].used,
         19 * support::GIB / 2 + support::GIB / 2,
         "d, and c's residue"
+    );
+    // e (9.6 GiB) under --evict: parking d would leave its residue and c's in the way (9.5
+    // free); only stopping d, and c's parked engine, makes room. The receipt names both.
+    let r = h
+        .server
+        .start(
+            "e",
+            StartRequest {
+                evict: true,
+                wait: true,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.deployment.state, InstanceState::Ready);
+    let got: Vec<(&str, Released)> = r
+        .victims
+        .iter()
+        .map(|v| (v.name.as_str(), v.released))
+        .collect();
+    assert_eq!(got, [("d", Released::Stopped), ("c", Released::Stopped)]);
+    for name in ["c", "d"] {
+        let v = h.server.get(name).await.unwrap();
+        assert_eq!(v.state, InstanceState::Stopped, "{name}");
+    }
+    // f (9.75 GiB) by a request: e must stop rather than park (its residue would leave 9.5).
+    assert_eq!(h.chat("f").await.0, 200);
+    assert_eq!(
+        h.server.get("e").await.unwrap().state,
+        InstanceState::Stopped
     );
     h.shutdown().await;
 }

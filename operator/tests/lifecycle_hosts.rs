@@ -9,6 +9,7 @@ mod support;
 
 use capyctl_crds::InstanceState;
 use capyctl_crds::api::StartRequest;
+use capyctl_node_agent::HostAgent;
 use capyctl_operator::api::ManagementApi;
 use capyctl_operator::lifecycle::HostEntry;
 use support::{Harness, Opts, doc, temp_dir};
@@ -30,9 +31,15 @@ async fn placement_spreads_models_over_hosts_and_switches_where_the_room_is() {
     let dir = temp_dir("hosts");
     // Each host's GPU (10 GiB) holds one 6 GiB model.
     let h = Harness::with_hosts(&dir, Opts::default(), &["gpu-a", "gpu-b"]).await;
-    for name in ["chat-a", "chat-b", "chat-c"] {
-        h.server.deploy(doc(name, "")).await.unwrap();
-    }
+    h.server.deploy(doc("chat-a", "")).await.unwrap();
+    // chat-b is smaller: where it runs, chat-a would need fewer victim bytes.
+    let b = capyctl_crds::documents::parse_deployment_str(
+        "chat-b.yaml",
+        "name: chat-b\nengine: vllm\nmodel: Qwen3-4B\nresources: {gpu_memory: 5GiB, weights_memory: 64MiB}\nenv: {ENGINE_SIM_WEIGHTS_BYTES: 64MiB}\n",
+    )
+    .unwrap();
+    h.server.deploy(b).await.unwrap();
+    h.server.deploy(doc("chat-c", "")).await.unwrap();
     // A stopped deployment may run on any host.
     assert_eq!(
         h.server.get("chat-a").await.unwrap().hosts,
@@ -46,35 +53,36 @@ async fn placement_spreads_models_over_hosts_and_switches_where_the_room_is() {
     assert_eq!(host_of(&h, "chat-b").await, "gpu-b");
     assert_eq!(state(&h, "chat-a").await, InstanceState::Ready);
 
-    // chat-c fits nowhere: one switch, on one host, parks the model that was idle longest
-    // (chat-a, on gpu-a), and chat-c runs there.
+    // chat-c fits nowhere: one switch, on one host, parks the model whose release frees the
+    // room with the fewest bytes: chat-b (5 GiB) on gpu-b, where chat-c then runs.
     assert_eq!(h.chat("chat-c").await.0, 200);
-    assert_eq!(host_of(&h, "chat-c").await, "gpu-a");
-    assert_eq!(state(&h, "chat-a").await, InstanceState::Parked);
-    assert_eq!(host_of(&h, "chat-a").await, "gpu-a", "parked where it ran");
-    assert_eq!(state(&h, "chat-b").await, InstanceState::Ready);
+    assert_eq!(host_of(&h, "chat-c").await, "gpu-b");
+    assert_eq!(state(&h, "chat-b").await, InstanceState::Parked);
+    assert_eq!(host_of(&h, "chat-b").await, "gpu-b", "parked where it ran");
+    assert_eq!(state(&h, "chat-a").await, InstanceState::Ready);
 
-    // chat-a wakes where its copy is: gpu-a, parking chat-c (the host's only holder), though
-    // chat-b on gpu-b was idle longer.
-    assert_eq!(h.chat("chat-a").await.0, 200);
-    assert_eq!(host_of(&h, "chat-a").await, "gpu-a");
+    // chat-b wakes where its copy is: gpu-b, parking chat-c. Unbound, it would have gone to
+    // gpu-a (the same victim bytes there, and gpu-a comes first) and started afresh.
+    assert_eq!(h.chat("chat-b").await.0, 200);
+    assert_eq!(host_of(&h, "chat-b").await, "gpu-b");
+    let b = h.server.get("chat-b").await.unwrap();
+    assert_eq!(b.instances[0].generation, 1, "woken, not started again");
     assert_eq!(state(&h, "chat-c").await, InstanceState::Parked);
-    assert_eq!(state(&h, "chat-b").await, InstanceState::Ready);
-    let a = h.server.get("chat-a").await.unwrap();
-    assert_eq!(a.instances[0].generation, 1, "woken, not started again");
+    assert_eq!(host_of(&h, "chat-c").await, "gpu-b");
+    assert_eq!(state(&h, "chat-a").await, InstanceState::Ready);
 
     // The views: engines and hosts of both, the load read names each instance's host.
     let hosts = h.server.hosts().await;
     let ids: Vec<&str> = hosts.hosts.iter().map(|x| x.id.as_str()).collect();
     assert_eq!(ids, ["gpu-a", "gpu-b"]);
-    assert_eq!(hosts.hosts[0].host_memory_used, 64 << 20, "chat-c's copy");
-    assert_eq!(hosts.hosts[1].host_memory_used, 0);
+    assert_eq!(hosts.hosts[0].host_memory_used, 0);
+    assert_eq!(hosts.hosts[1].host_memory_used, 64 << 20, "chat-c's copy");
     let engines = h.server.engines().await;
     assert_eq!(engines.engines.len(), 6, "three engines on each host");
-    let load = h.server.load(Some("chat-b")).await.unwrap();
-    assert_eq!(load.deployments[0].instances[0].host_id, "gpu-b");
+    let load = h.server.load(Some("chat-a")).await.unwrap();
+    assert_eq!(load.deployments[0].instances[0].host_id, "gpu-a");
 
-    // An operator start --evict names its victim on the host it chose.
+    // An operator start --evict of chat-c (bound to gpu-b, parked) names its victim there.
     let r = h
         .server
         .start(
@@ -87,8 +95,9 @@ async fn placement_spreads_models_over_hosts_and_switches_where_the_room_is() {
         .await
         .unwrap();
     assert_eq!(r.victims.len(), 1, "{:?}", r.victims);
-    assert_eq!(r.victims[0].name, "chat-a");
-    assert_eq!(host_of(&h, "chat-c").await, "gpu-a");
+    assert_eq!(r.victims[0].name, "chat-b");
+    assert_eq!(host_of(&h, "chat-c").await, "gpu-b");
+    assert_eq!(state(&h, "chat-a").await, InstanceState::Ready);
     h.shutdown().await;
 }
 
@@ -190,4 +199,65 @@ async fn one_explicit_host_makes_every_model_explicit() {
     );
     h.shutdown().await;
     agent.stop_all().await;
+}
+
+/// A node agent that comes back (the same host, again): what it still runs is adopted as it
+/// is, and an instance it no longer has is failed and started afresh by the next request.
+#[tokio::test]
+async fn a_host_that_comes_back_is_reconciled() {
+    let dir = temp_dir("hosts-back");
+    let opts = Opts::default();
+    let h = Harness::with_hosts(&dir, opts.clone(), &["gpu-a", "gpu-b"]).await;
+    h.server.deploy(doc("chat-a", "")).await.unwrap();
+    h.server.deploy(doc("chat-b", "")).await.unwrap();
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    assert_eq!(h.chat("chat-b").await.0, 200);
+    let a = h.server.get("chat-a").await.unwrap();
+    let (a_pid, a_host) = (a.instances[0].pid, a.hosts[0].clone());
+    let b = h.server.get("chat-b").await.unwrap();
+    let b_host = b.hosts[0].clone();
+    assert_ne!(a_host, b_host);
+    // chat-b's engine goes away behind the lifecycle's back.
+    let b_agent = h
+        .agents
+        .iter()
+        .find(|(id, _)| *id == b_host)
+        .unwrap()
+        .1
+        .clone();
+    b_agent.stop(&b.instances[0].instance_id).await.unwrap();
+
+    for (id, agent) in &h.agents {
+        h.server
+            .upsert_host(HostEntry {
+                id: id.clone(),
+                agent: agent.clone(),
+                activation: capyctl_crds::Activation::OnDemand,
+                settings: support::host_settings(opts.gpu, opts.host_memory),
+                admission_window: None,
+            })
+            .await
+            .unwrap();
+    }
+    let a = h.server.get("chat-a").await.unwrap();
+    assert_eq!(a.state, InstanceState::Ready);
+    assert_eq!(a.instances[0].pid, a_pid, "adopted as it was");
+    assert_eq!(a.instances[0].generation, 1);
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    let b = h.server.get("chat-b").await.unwrap();
+    assert_eq!(b.state, InstanceState::Failed);
+    assert!(
+        b.instances[0]
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("no longer has it")),
+        "{:?}",
+        b.instances[0].last_error
+    );
+    assert_eq!(h.chat("chat-b").await.0, 200);
+    assert_eq!(
+        h.server.get("chat-b").await.unwrap().instances[0].generation,
+        2
+    );
+    h.shutdown().await;
 }

@@ -277,6 +277,8 @@ struct Host {
     admission_window: Option<Duration>,
     /// Total GPU memory, bytes.
     capacity: u64,
+    /// The task forwarding its agent's engine exits (replaced with the agent).
+    exits: Option<tokio::task::AbortHandle>,
 }
 
 impl std::fmt::Debug for Host {
@@ -524,7 +526,7 @@ impl Server {
         let mut came: Vec<(InstanceKey, SocketAddr)> = Vec::new();
         let mut lost: Vec<InstanceKey> = Vec::new();
         self.write(|inner| {
-            inner.hosts.insert(
+            let old = inner.hosts.insert(
                 host_id.clone(),
                 Host {
                     agent: agent.clone(),
@@ -532,9 +534,15 @@ impl Server {
                     settings,
                     admission_window,
                     capacity,
+                    exits: None,
                 },
             );
+            if let Some(exits) = old.and_then(|h| h.exits) {
+                // The replaced agent's exits are no longer this host's.
+                exits.abort();
+            }
             let mut adopted_here = BTreeSet::new();
+            let mut changed = BTreeSet::new();
             for adopted in &report.adopted {
                 let Some(d) = inner
                     .deps
@@ -546,11 +554,24 @@ impl Server {
                     continue;
                 };
                 let elsewhere = d.bound_host().is_some_and(|h| h != host_id);
-                if elsewhere || d.busy {
+                if elsewhere {
                     tracing::info!(host = %host_id, instance = %adopted.instance, "stopping a second engine of a deployment that runs elsewhere");
                     to_stop.push(adopted.instance.clone());
                     continue;
                 }
+                if d.busy || d.reserved.is_some() || d.claim.is_some() {
+                    // An operation on it is in flight (a start, a wake, a drain, a park): it
+                    // decides the state; only where the engine answers is learnt.
+                    if d.host.as_deref() == Some(host_id.as_str()) {
+                        d.pid = Some(adopted.pid);
+                        if let Some(addr) = engine_addr(&adopted.base_url) {
+                            d.addr = Some(addr);
+                        }
+                        adopted_here.insert(d.rec.id.clone());
+                    }
+                    continue;
+                }
+                let was = (d.state, d.addr);
                 d.state = if adopted.parked.is_some() {
                     InstanceState::Parked
                 } else {
@@ -561,16 +582,21 @@ impl Server {
                 d.parked_gpu = adopted.gpu_held.map(|g| g.bytes);
                 d.pid = Some(adopted.pid);
                 d.addr = engine_addr(&adopted.base_url);
-                if adopted.parked.is_none() {
+                if adopted.parked.is_none() && d.rec.pending_start {
                     // It runs: a start that waited for memory has happened.
                     d.rec.pending_start = false;
+                    d.save_due = true;
+                }
+                if (d.state, d.addr) != was {
+                    changed.insert(d.rec.id.clone());
                 }
                 adopted_here.insert(d.rec.id.clone());
                 tracing::info!(host = %host_id, instance = %adopted.instance, state = %d.state, "adopted an engine");
             }
             for d in inner.deps.values_mut() {
                 if adopted_here.contains(d.id()) {
-                    if d.state == InstanceState::Ready
+                    if changed.contains(d.id())
+                        && d.state == InstanceState::Ready
                         && let Some(addr) = d.addr
                     {
                         came.push((Self::key_of(d, &host_id), addr));
@@ -579,7 +605,7 @@ impl Server {
                 }
                 let here = d.host.as_deref() == Some(host_id.as_str());
                 let held = d.occupies() || d.state == InstanceState::Parked;
-                if here && held && !d.busy && d.reserved.is_none() {
+                if here && held && !d.busy && d.reserved.is_none() && d.claim.is_none() {
                     lost.push(Self::key_of(d, &host_id));
                     d.state = InstanceState::Failed;
                     d.tier = None;
@@ -608,7 +634,13 @@ impl Server {
             }),
             Ordering::SeqCst,
         );
-        self.forward_exits(host_id, agent.subscribe_exits());
+        let exits = self.forward_exits(host_id.clone(), agent.subscribe_exits());
+        self.write(|inner| {
+            if let Some(h) = inner.hosts.get_mut(&host_id) {
+                h.exits = Some(exits);
+            }
+        });
+        self.flush_due();
         for key in lost {
             self.announce_gone(key).await;
         }
@@ -623,10 +655,14 @@ impl Server {
 
     /// Forwards `host`'s engine exits to the background task, until the server closes or the
     /// agent's channel does.
-    fn forward_exits(&self, host: String, mut exits: broadcast::Receiver<EngineExit>) {
+    fn forward_exits(
+        &self,
+        host: String,
+        mut exits: broadcast::Receiver<EngineExit>,
+    ) -> tokio::task::AbortHandle {
         let tx = self.exits_tx.clone();
         let mut closed = self.closed.subscribe();
-        tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             loop {
                 tokio::select! {
                     _ = closed.changed() => return,
@@ -644,10 +680,9 @@ impl Server {
                 }
             }
         });
+        task.abort_handle()
     }
 
-    /// The agent of the host `id`'s instance is bound to; the first host's when it is bound
-    /// to none (measurements, capability checks).
     /// Every host (ID and a copy of its entry), by ID.
     fn hosts_now(&self) -> Vec<(String, Host)> {
         self.read(|inner| {
@@ -659,6 +694,8 @@ impl Server {
         })
     }
 
+    /// The agent of the host `id`'s instance is bound to; the first host's when it is bound
+    /// to none (measurements, capability checks).
     fn agent_of(&self, id: &str) -> Result<Arc<dyn HostAgent>, ApiError> {
         self.read(|inner| {
             let host = inner.deps.get(id).and_then(|d| d.host.as_deref());
@@ -815,6 +852,28 @@ impl Server {
         format!("{what}-{}-{n}", ulid::Ulid::new())
     }
 
+    /// Saves when a change only a later save writes is due (`Dep::save_due`).
+    fn flush_due(&self) {
+        let due = self.write(|inner| {
+            let mut due = false;
+            for d in inner.deps.values_mut() {
+                due |= std::mem::take(&mut d.save_due);
+            }
+            due
+        });
+        if due {
+            self.save_logged();
+        }
+    }
+
+    /// [`Server::save`] where a failure must not undo what was decided: it is logged (the next
+    /// save writes it all again).
+    fn save_logged(&self) {
+        if let Err(e) = self.save() {
+            tracing::warn!(error = %e, "the state file was not written; the next change writes it again");
+        }
+    }
+
     /// Saves every record (snapshot and write under the persist lock, so saves land in order).
     fn save(&self) -> Result<(), ApiError> {
         let _order = self.persist.lock().unwrap_or_else(PoisonError::into_inner);
@@ -908,15 +967,16 @@ impl Server {
                     let used: u64 = holders.iter().map(|h| h.bytes).sum();
                     (0, host.capacity.saturating_sub(used).saturating_sub(need))
                 }
+                // Victims that park before victims that must stop; fewest bytes first.
                 Fit::After(victims) | Fit::AfterStopping(victims) => (
-                    1,
+                    if matches!(fit, Fit::After(_)) { 1 } else { 2 },
                     holders
                         .iter()
                         .filter(|h| victims.contains(&h.id))
                         .map(|h| h.bytes)
                         .sum(),
                 ),
-                Fit::Later => (2, 0),
+                Fit::Later => (3, 0),
                 Fit::Never(why) => {
                     never.push((id, why.clone()));
                     continue;
@@ -972,7 +1032,8 @@ impl Server {
                 // its memory frees soon, so others wait for it instead of being refused.
                 let leaving = d.reserved.is_some()
                     || matches!(d.state, InstanceState::Parking | InstanceState::Stopping);
-                let parked = d.state == InstanceState::Parked;
+                // A parked target a switch has claimed is about to take its whole memory.
+                let parked = d.state == InstanceState::Parked && d.claim.is_none();
                 let hold = if (self.explicit(d) || d.warm()) && !leaving {
                     Hold::Pinned
                 } else if matches!(d.state, InstanceState::Ready | InstanceState::Parked)
@@ -1055,13 +1116,24 @@ impl Server {
         };
         if up == Up::Start {
             // The generation is part of the record.
-            let _ = self.save();
+            self.save_logged();
         }
         let began = Instant::now();
         let woken_from = self.read(|inner| inner.deps.get(id).and_then(|d| d.tier));
         let outcome: Result<Option<capyctl_node_agent::agent::StartedInstance>, ApiError> = match up
         {
             Up::Start => match agent.start(&iid, &spec).await {
+                Ok(s) if engine_addr(&s.base_url).is_none() => {
+                    // Requests could never reach it: a failed start, not a ready instance.
+                    let _ = agent.stop(&iid).await;
+                    Err(ApiError::EngineFailed {
+                        deployment: id.to_string(),
+                        detail: format!(
+                            "the engine answers at {}, which is not an IP address and port",
+                            s.base_url
+                        ),
+                    })
+                }
                 Ok(s) => Ok(Some(s)),
                 Err(e) => Err(ApiError::EngineFailed {
                     deployment: id.to_string(),
@@ -1125,17 +1197,19 @@ impl Server {
                 }
             }
         });
+        // A start records its generation and first answer; a pending start taken is saved
+        // whatever came of it.
+        let due = self.write(|inner| {
+            inner
+                .deps
+                .get_mut(id)
+                .is_some_and(|d| std::mem::take(&mut d.save_due))
+        });
+        if up == Up::Start || due {
+            self.save_logged();
+        }
         match ready {
             Some(Ok((key, Some(addr)))) => {
-                let due = self.write(|inner| {
-                    inner
-                        .deps
-                        .get_mut(id)
-                        .is_some_and(|d| std::mem::take(&mut d.save_due))
-                });
-                if up == Up::Start || due {
-                    let _ = self.save();
-                }
                 self.announce_ready(key, addr).await;
             }
             Some(Ok((_, None))) => {}
@@ -1199,9 +1273,14 @@ impl Server {
             if copy <= room {
                 return Some(Ok(Vec::new()));
             }
+            // Copies never stopped for room: explicit and warm ones, and those busy or reserved.
+            // A copy a switch has claimed is about to wake (and leave host RAM): not stopped
+            // either, and not held against this one: the agent parks deep, or stops it, if it
+            // still does not fit when the park runs.
+            let kept = |o: &Dep| self.explicit(o) || o.warm() || o.busy || o.reserved.is_some();
             let explicit: u64 = copies
                 .iter()
-                .filter(|(o, _)| self.explicit(o) || o.busy || o.reserved.is_some())
+                .filter(|(o, _)| kept(o) && o.claim.is_none())
                 .map(|(_, b)| b)
                 .sum();
             if copy > total.saturating_sub(explicit) {
@@ -1211,7 +1290,7 @@ impl Server {
             }
             let mut removable: Vec<(&Dep, u64)> = copies
                 .into_iter()
-                .filter(|(o, _)| !self.explicit(o) && !o.busy && o.reserved.is_none())
+                .filter(|(o, _)| !kept(o) && o.claim.is_none())
                 .collect();
             removable.sort_by_key(|(o, _)| o.last_used);
             let mut free = room;
@@ -1320,6 +1399,7 @@ impl Server {
     async fn put_back(&self, id: &str) {
         let back = self.write(|inner| {
             let d = inner.deps.get_mut(id)?;
+            d.busy = false;
             d.state = InstanceState::Ready;
             Some((self.key(d), d.addr?))
         });
@@ -1559,10 +1639,11 @@ impl Server {
                         stop: false,
                     },
                 );
+                // NB: a pending operator start stays pending until the bring-up begins
+                // (`begin_up` takes it): a switch given back leaves it waiting as before.
                 if let Some(d) = inner.deps.get_mut(target) {
                     d.claim = Some(switch_id.clone());
                     d.host = host;
-                    d.rec.pending_start = false;
                 }
                 Plan::BringUp { switch_id }
             }
@@ -1583,7 +1664,6 @@ impl Server {
                 if let Some(d) = inner.deps.get_mut(target) {
                     d.claim = Some(switch_id.clone());
                     d.host = host;
-                    d.rec.pending_start = false;
                 }
                 inner.reservations.insert(
                     switch_id.clone(),
@@ -1814,7 +1894,7 @@ impl Server {
             }
         });
         if outcome != DeployOutcome::Unchanged {
-            self.save()?;
+            self.save_logged();
             let spec = self.read(|inner| inner.deps.get(&id).map(|d| d.spec.clone()));
             if let Some(spec) = spec {
                 let measured = self.agent_of(&id)?.measure(&spec).await;
@@ -1891,7 +1971,6 @@ impl Server {
                     }
                     if let Some(d) = inner.deps.get_mut(&id) {
                         d.claim = Some(rid.clone());
-                        d.rec.pending_start = false;
                     }
                     inner.reservations.insert(
                         rid.clone(),
@@ -1915,7 +1994,7 @@ impl Server {
                 }),
             }
         })?;
-        self.save()?;
+        self.save_logged();
         let mut receipt_victims = Vec::new();
         let mut switch_id = None;
         let mut evict_phases: Vec<(&'static str, Duration)> = Vec::new();
@@ -1951,7 +2030,10 @@ impl Server {
                 evict_phases.push(("drain", began.elapsed()));
                 let released_at = Instant::now();
                 for v in &victims {
-                    let stop = stop_all || reports.get(v).is_some_and(|r| r.cut_before_output);
+                    // A parked victim is stopped for what it holds on the GPU.
+                    let stop = stop_all
+                        || !ready.contains(v)
+                        || reports.get(v).is_some_and(|r| r.cut_before_output);
                     let (name, iid) = self
                         .read(|inner| {
                             inner
@@ -2075,22 +2157,22 @@ impl Server {
             });
         }
         d.rec.pending_start = false;
-        match d.state {
-            InstanceState::Ready => {
-                d.reserved = Some(rid.to_string());
-                inner.reservations.insert(
-                    rid.to_string(),
-                    Reservation {
-                        target: None,
-                        victims: vec![id.to_string()],
-                        stop: false,
-                    },
-                );
-                Ok(Some(true))
-            }
-            InstanceState::Parked => Ok(Some(false)),
-            _ => Ok(None),
-        }
+        let down = match d.state {
+            InstanceState::Ready => Some(true),
+            InstanceState::Parked => Some(false),
+            _ => return Ok(None),
+        };
+        // Reserved like a switch's victim: nothing else wakes, plans or stops it meanwhile.
+        d.reserved = Some(rid.to_string());
+        inner.reservations.insert(
+            rid.to_string(),
+            Reservation {
+                target: None,
+                victims: vec![id.to_string()],
+                ..Reservation::default()
+            },
+        );
+        Ok(down)
     }
 
     /// An operator's stop or delete begins: marks `id` operator-stopped (requests get
@@ -2110,7 +2192,7 @@ impl Server {
             d.rec.pending_start = false;
             Ok::<_, ApiError>(())
         })?;
-        self.save()?;
+        self.save_logged();
         if let Some(r) = self.router() {
             r.deployment_refused(id.to_string(), refusal).await;
         }
@@ -2211,17 +2293,26 @@ impl Server {
         self.make_parked_room(&id).await?;
         let rid = self.fresh_id("park");
         let down = self.write(|inner| {
+            if inner
+                .deps
+                .get(&id)
+                .is_none_or(|d| d.state != InstanceState::Ready)
+            {
+                // Parked meanwhile (a switch), or gone: nothing for this park to do.
+                return Ok::<_, ApiError>(None);
+            }
             let down = self.begin_down(inner, &id, &rid)?;
             if let Some(d) = inner.deps.get_mut(&id) {
                 d.rec.operator_started = false;
-                if down == Some(true) {
-                    // Shown at once: parking runs in the background.
-                    d.state = InstanceState::Parking;
-                }
+                // Shown at once: parking runs in the background.
+                d.state = InstanceState::Parking;
             }
-            Ok::<_, ApiError>(down)
+            Ok(down)
         })?;
-        self.save()?;
+        if down.is_none() {
+            return self.receipt("park", &id);
+        }
+        self.save_logged();
         let receipt = self.receipt("park", &id)?;
         let target = id.clone();
         self.spawn(move |me| {
@@ -2253,7 +2344,7 @@ impl Server {
         });
         result?;
         self.config.metrics.forget_deployment(&id);
-        self.save()?;
+        self.save_logged();
         Ok(view)
     }
 
@@ -2329,7 +2420,7 @@ impl Server {
         }) else {
             return;
         };
-        let _ = self.save();
+        self.save_logged();
         let started = match self.agent_of(id) {
             Ok(agent) => agent.start(&iid, &spec).await.map_err(|e| e.to_string()),
             Err(e) => Err(e.message()),
@@ -2349,9 +2440,9 @@ impl Server {
                         d.state = InstanceState::Closed;
                     }
                 });
-                let _ = self.save();
-                let stop = self.make_parked_room(id).await.is_err();
-                if let Err(e) = self.put_away(id, stop, NoRoom::Refuse).await {
+                self.save_logged();
+                // Parked, or stopped when its copy finds no room.
+                if let Err(e) = self.put_away(id, false, NoRoom::Stop).await {
                     tracing::warn!(deployment = %id, error = %e, "preinitialize: parking failed");
                 }
             }
@@ -2534,8 +2625,24 @@ impl Server {
                 continue;
             }
             let rid = self.fresh_id("idle");
-            let down = self.write(|inner| self.begin_down(inner, &id, &rid));
-            let Ok(down) = down else { continue };
+            // Decided again on the state it changes: the list above is a snapshot, and a
+            // request, a switch or a command may have moved the model since.
+            let down = self.write(|inner| {
+                let d = inner.deps.get(&id)?;
+                let idle = Instant::now().saturating_duration_since(d.last_used);
+                let still_due = match d.state {
+                    InstanceState::Ready => ready && ready_idle_timeout.is_some_and(|t| idle >= t),
+                    InstanceState::Parked => {
+                        !ready && parked_idle_timeout.is_some_and(|t| idle >= t)
+                    }
+                    _ => false,
+                };
+                if !still_due || d.rec.pending_start {
+                    return None;
+                }
+                self.begin_down(inner, &id, &rid).ok()
+            });
+            let Some(down) = down else { continue };
             tracing::info!(deployment = %id, ready, "idle timer");
             // In its own task: engine exits and the next ticks are not held up by a drain.
             self.spawn(move |me| {
