@@ -374,6 +374,19 @@ def check_objects(docs, values, case):
             if args[:2] != ["--file", "/etc/capyctl/host.yaml"] or "--engine-runtime" not in args:
                 fail(f"{case}: node agent args {args}")
             check_mounts(pod, case, "node agent")
+            # The engines' records outlive the agent's Pod: CAPYCTL_DATA_DIR is a hostPath.
+            data_dir = env.get("CAPYCTL_DATA_DIR", {}).get("value")
+            mount = next((m for m in c.get("volumeMounts", []) if m["mountPath"] == data_dir), None)
+            volume = next((v for v in pod.get("volumes", []) if mount and v["name"] == mount["name"]), None)
+            if not data_dir or not volume or "hostPath" not in volume:
+                fail(f"{case}: the node agent's CAPYCTL_DATA_DIR ({data_dir}) is not a mounted hostPath")
+            if "CAPYCTL_OPERATOR_URL" in env:
+                fail(f"{case}: the node agent gets CAPYCTL_OPERATOR_URL, which it does not use")
+            for init in pod.get("initContainers", []):
+                caps = init.get("securityContext", {}).get("capabilities", {})
+                if caps.get("drop") != ["ALL"] or caps.get("add") != ["CHOWN"]:
+                    fail(f"{case}: init container {init['name']} has capabilities {caps}")
+            check_mounts(dict(pod, containers=pod.get("initContainers", [])), case, "node agent init")
 
     # RBAC: no wildcards, ClusterRoles only for cluster-scoped kinds.
     for role in by_kind(docs, "Role") + by_kind(docs, "ClusterRole"):
@@ -383,8 +396,8 @@ def check_objects(docs, values, case):
                     fail(f"{case}: {role['kind']} {role['metadata']['name']} has a wildcard in {key}")
             if role["kind"] == "ClusterRole":
                 for r in rule.get("resources", []):
-                    if r.split("/")[0] not in ("hosts",):
-                        fail(f"{case}: ClusterRole {role['metadata']['name']} grants {r}, which is namespaced")
+                    if r.split("/")[0] not in ("hosts", "nodes"):
+                        fail(f"{case}: ClusterRole {role['metadata']['name']} grants {r}, which is namespaced (only hosts and nodes are cluster-scoped)")
     for b in by_kind(docs, "RoleBinding") + by_kind(docs, "ClusterRoleBinding"):
         ref = b["roleRef"]
         if not any(r["metadata"]["name"] == ref["name"] and r["kind"] == ref["kind"]

@@ -55,50 +55,6 @@ struct Cli {
     engine_pods_file: Option<PathBuf>,
 }
 
-/// The agent token: `CAPYCTL_AGENT_TOKEN_FILE`'s content (trimmed), else `CAPYCTL_AGENT_TOKEN`.
-fn agent_token() -> Result<String, String> {
-    if let Some(path) = std::env::var_os("CAPYCTL_AGENT_TOKEN_FILE").filter(|p| !p.is_empty()) {
-        let path = PathBuf::from(path);
-        let text = std::fs::read_to_string(&path).map_err(|e| {
-            format!(
-                "cannot read the agent token file {} (CAPYCTL_AGENT_TOKEN_FILE): {e}",
-                path.display()
-            )
-        })?;
-        let token = text.trim();
-        if token.is_empty() {
-            return Err(format!(
-                "the agent token file {} (CAPYCTL_AGENT_TOKEN_FILE) is empty",
-                path.display()
-            ));
-        }
-        return Ok(token.to_string());
-    }
-    match std::env::var("CAPYCTL_AGENT_TOKEN") {
-        Ok(t) if !t.trim().is_empty() => Ok(t.trim().to_string()),
-        _ => Err(
-            "no agent token: set CAPYCTL_AGENT_TOKEN_FILE (a file holding it) or CAPYCTL_AGENT_TOKEN"
-                .into(),
-        ),
-    }
-}
-
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
-                _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
-            }
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot watch SIGTERM; only SIGINT stops the operator");
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
-}
-
 async fn main_async(cli: Cli) -> Result<(), String> {
     let overrides = Overrides::from_args_and_env(cli.set.clone(), std::env::vars())
         .map_err(|e| e.to_string())?;
@@ -111,7 +67,7 @@ async fn main_async(cli: Cli) -> Result<(), String> {
         Some(f) => EnginePodSettings::load(f).map_err(|e| e.to_string())?,
         None => EnginePodSettings::default(),
     };
-    let agent_token = agent_token()?;
+    let agent_token = capyctl_node_agent::cli::agent_token()?;
     let admin_token = capyctl_operator::management::load_or_create_token(
         server.admin_token_file.as_deref(),
         &cli.data_dir,
@@ -143,7 +99,7 @@ async fn main_async(cli: Cli) -> Result<(), String> {
         reconciler: ReconcilerConfig::default(),
         engine_pods,
     };
-    run(client, options, shutdown_signal())
+    run(client, options, capyctl_node_agent::cli::shutdown_signal())
         .await
         .map_err(|e| e.to_string())
 }
