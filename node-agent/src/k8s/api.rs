@@ -79,6 +79,11 @@ impl ApiCallLayer {
     pub fn new(timeout: Duration, observer: Option<Arc<dyn ApiCallObserver>>) -> Self {
         Self { timeout, observer }
     }
+
+    /// `inner` behind the layer (`tower::Layer::layer`, for crates without `tower`).
+    pub fn service<S>(&self, inner: S) -> ApiCallService<S> {
+        self.layer(inner)
+    }
 }
 
 impl<S> Layer<S> for ApiCallLayer {

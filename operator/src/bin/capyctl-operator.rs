@@ -4,13 +4,16 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use capyctl_crds::documents;
 use capyctl_crds::overrides::Overrides;
+use capyctl_operator::k8s::api_client;
 use capyctl_operator::k8s::leader::LeaseConfig;
 use capyctl_operator::k8s::operator::{OperatorOptions, run};
 use capyctl_operator::k8s::pods::EnginePodSettings;
 use capyctl_operator::k8s::reconcile::ReconcilerConfig;
+use capyctl_operator::metrics::Metrics;
 use clap::Parser;
 
 /// CapyCTL's server on Kubernetes: reconciles Deployment objects into the lifecycle and runs
@@ -73,9 +76,12 @@ async fn main_async(cli: Cli) -> Result<(), String> {
         &cli.data_dir,
     )
     .map_err(|e| e.to_string())?;
-    let client = kube::Client::try_default()
+    let metrics = Arc::new(Metrics::new());
+    let config = kube::Config::infer()
         .await
-        .map_err(|e| format!("cannot reach the Kubernetes API (in-cluster, or KUBECONFIG): {e}"))?;
+        .map_err(|e| format!("cannot find the Kubernetes API (in-cluster, or KUBECONFIG): {e}"))?;
+    let client = api_client(config, metrics.clone())
+        .map_err(|e| format!("cannot use the Kubernetes configuration: {e}"))?;
     let namespace = cli
         .namespace
         .clone()
@@ -98,6 +104,7 @@ async fn main_async(cli: Cli) -> Result<(), String> {
         admin_token,
         reconciler: ReconcilerConfig::default(),
         engine_pods,
+        metrics,
     };
     run(client, options, capyctl_node_agent::cli::shutdown_signal())
         .await

@@ -62,10 +62,12 @@ pub(crate) fn status_body(code: u16, reason: &str, message: &str) -> serde_json:
     })
 }
 
-/// A client whose calls go to the returned handle.
+/// A client whose calls go to the returned handle, through the operator's
+/// [`ApiCallLayer`](capyctl_node_agent::k8s::api::ApiCallLayer) as in production.
 pub(crate) fn client() -> (Client, Handle<Request<Body>, Response<Body>>) {
     let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
-    (Client::new(service, "capyctl"), handle)
+    let layer = capyctl_node_agent::k8s::api::ApiCallLayer::new(super::API_CALL_TIMEOUT, None);
+    (Client::new(layer.service(service), "capyctl"), handle)
 }
 
 /// Answers `script` in order; the task's result is every call seen. It panics (failing the

@@ -41,6 +41,25 @@ pub const FINALIZER: &str = "capyctl.io/finalizer";
 /// The controller name in Events (`reportingController`).
 pub const CONTROLLER_NAME: &str = "capyctl.io/operator";
 
+/// The bound on one call to the API server (to its response's head); Lease calls are bounded
+/// by the renew deadline besides.
+pub const API_CALL_TIMEOUT: std::time::Duration = capyctl_node_agent::k8s::api::API_CALL_TIMEOUT;
+
+/// The operator's client of the API server of `config`: every call bounded by
+/// [`API_CALL_TIMEOUT`] and observed into `metrics` (`capyctl_kube_api_request_seconds`).
+pub fn api_client(
+    config: kube::Config,
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
+) -> Result<kube::Client, kube::Error> {
+    capyctl_node_agent::k8s::api::client(config, API_CALL_TIMEOUT, Some(metrics))
+}
+
+impl capyctl_node_agent::k8s::api::ApiCallObserver for crate::metrics::Metrics {
+    fn observe(&self, call: &capyctl_node_agent::k8s::api::ApiCall) {
+        self.kube_api_call(call.verb, &call.resource, call.outcome, call.took);
+    }
+}
+
 /// Waits until `rx` holds `want` (or its sender is gone). Keeps `watch`'s read guard out of
 /// the callers' futures, so they stay `Send`.
 pub(crate) async fn until(rx: &mut tokio::sync::watch::Receiver<bool>, want: bool) {

@@ -4,9 +4,11 @@
 //!
 //! - always: the Lease election ([`super::leader`]) and the management listener, which answers
 //!   `/healthz` and `/readyz` on every replica and the management API on the leader (a standby
-//!   answers it 500 `internal`, "this replica is the standby"); with the leader label
-//!   (`CAPYCTL_LEADER_LABEL`) a standby is ready too, since the Services select the leader by
-//!   its label; without it only the leader is ready;
+//!   answers it 500 `internal`, "this replica is the standby"). With the leader label
+//!   (`CAPYCTL_LEADER_LABEL`, which the Services select the leader by) a replica first removes
+//!   the label from its own Pod (a leader killed in the same Pod leaves it), and only then is a
+//!   standby ready and takes part in the election; without the label only the leader is
+//!   ready (see [`SwitchableApi`]);
 //! - while leading ([`lead`]): the node agent (found by `--node-agent`, else as the one Running
 //!   node agent Pod of the namespace; with its `pod` engine runtime wrapped in
 //!   [`PodHostAgent`], which creates and deletes the engine Pods), the lifecycle (its records rebuilt from the CRs,
@@ -20,6 +22,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -47,7 +50,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::engines::PodHostAgent;
-use super::leader::{LeaderElector, LeaseConfig, set_leader_label};
+use super::leader::{LeaderElector, LeaseConfig, clear_leader_label, set_leader_label};
 use super::pods::EnginePodSettings;
 use super::reconcile::{Reconciler, ReconcilerConfig};
 use super::store::CrStore;
@@ -55,6 +58,9 @@ use crate::api::{BoxFuture, ManagementApi};
 use crate::lifecycle::{LifecycleConfig, Server};
 use crate::management::ManagementOptions;
 use crate::metrics::Metrics;
+
+/// Between two tries to remove a stale leader label from the replica's own Pod.
+pub const LABEL_RETRY: Duration = Duration::from_secs(2);
 
 /// The label selector of the node agent Pods (the chart's `component: node-agent`).
 pub const NODE_AGENT_SELECTOR: &str = "app.kubernetes.io/component=node-agent";
@@ -83,6 +89,9 @@ pub struct OperatorOptions {
     /// How engine Pods are built (`CAPYCTL_ENGINE_PODS_FILE`), for a node agent with the
     /// `pod` engine runtime.
     pub engine_pods: EnginePodSettings,
+    /// The server's metrics (the management listener's `/metrics`); the Kubernetes client's
+    /// calls are observed into them too (see [`super::api_client`]).
+    pub metrics: Arc<Metrics>,
 }
 
 /// Why the operator stopped.
@@ -163,16 +172,22 @@ fn standby_error() -> ApiError {
 }
 
 /// The management API of a replica: the lifecycle's while it leads, a standby's otherwise.
+///
+/// Readiness (`/readyz`, which decides the Services' endpoints) follows the leadership: the
+/// leader is ready once its lifecycle is; a standby only when it may be ready at all (the
+/// Services select the leader by its label) AND its own Pod is known to carry no leader label
+/// ([`SwitchableApi::set_standby_ready`]), so that a Pod with a stale label never receives the
+/// Services' traffic.
 pub struct SwitchableApi {
     leader: RwLock<Option<Arc<dyn ManagementApi>>>,
-    standby_ready: bool,
+    standby_ready: AtomicBool,
 }
 
 impl std::fmt::Debug for SwitchableApi {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SwitchableApi")
             .field("leading", &self.current().is_some())
-            .field("standby_ready", &self.standby_ready)
+            .field("standby_ready", &self.standby_ready.load(Ordering::SeqCst))
             .finish()
     }
 }
@@ -182,8 +197,13 @@ impl SwitchableApi {
     pub fn new(standby_ready: bool) -> Self {
         Self {
             leader: RwLock::new(None),
-            standby_ready,
+            standby_ready: AtomicBool::new(standby_ready),
         }
+    }
+
+    /// What `/readyz` says while standing by.
+    pub fn set_standby_ready(&self, ready: bool) {
+        self.standby_ready.store(ready, Ordering::SeqCst);
     }
 
     /// Serves `api` (leading), or the standby's answers (`None`).
@@ -301,7 +321,7 @@ impl ManagementApi for SwitchableApi {
     fn ready(&self) -> bool {
         match self.current() {
             Some(a) => a.ready(),
-            None => self.standby_ready,
+            None => self.standby_ready.load(Ordering::SeqCst),
         }
     }
 }
@@ -500,16 +520,21 @@ pub async fn lead(
     tracing::info!(host = %host_id, node_agent = %url, "leading: lifecycle, router and reconciler running");
 
     let lost = lost_or_stopped(&mut leading, &mut stop).await;
+    // Not ready from now until the label is gone: the Services must not pick this Pod.
+    api.set_standby_ready(false);
     api.set(None);
     stop_tasks.send_replace(true);
     for t in tasks {
         let _ = t.await;
     }
     server.close();
-    if let Some(label) = &options.leader_label
-        && let Err(e) = set_leader_label(&pods, &pod_name, label, false).await
-    {
-        tracing::warn!(pod = %pod_name, error = %e, "the leader label could not be removed");
+    if let Some(label) = &options.leader_label {
+        match set_leader_label(&pods, &pod_name, label, false).await {
+            Ok(()) => api.set_standby_ready(true),
+            Err(e) => {
+                tracing::warn!(pod = %pod_name, error = %e, "the leader label could not be removed")
+            }
+        }
     }
     if lost {
         Err(OperatorError::LostLeadership)
@@ -524,8 +549,10 @@ pub async fn run(
     options: OperatorOptions,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), OperatorError> {
-    let metrics = Arc::new(Metrics::new());
-    let api = Arc::new(SwitchableApi::new(options.leader_label.is_some()));
+    let metrics = options.metrics.clone();
+    // A standby is ready only once its own Pod is known to carry no leader label (a leader
+    // killed in this Pod may have left it): see `SwitchableApi`.
+    let api = Arc::new(SwitchableApi::new(false));
     // `stop`: the shutdown signal (the leader's work stops on it); `finish`: sent once that
     // work has stopped, it ends the election (a leader releases the Lease only then, so a
     // standby never takes over while this replica still serves) and the management listener.
@@ -550,12 +577,6 @@ pub async fn run(
         })
     };
 
-    let (leading_tx, mut leading) = watch::channel(false);
-    let elector = LeaderElector::new(
-        Api::<Lease>::namespaced(client.clone(), &options.namespace),
-        options.lease.clone(),
-    );
-    let election = tokio::spawn(elector.run(leading_tx, finish.subscribe()));
     {
         let stop = stop.clone();
         tokio::spawn(async move {
@@ -563,6 +584,23 @@ pub async fn run(
             stop.send_replace(true);
         });
     }
+    // A leader killed in this Pod may have left its label: remove it before this replica
+    // takes part in the election (so that its own leadership's label is never removed), and
+    // only then say ready.
+    if let Some(label) = &options.leader_label {
+        let pods: Api<Pod> = Api::namespaced(client.clone(), &options.namespace);
+        let pod = &options.lease.identity;
+        if clear_leader_label(&pods, pod, label, LABEL_RETRY, stop.subscribe()).await {
+            api.set_standby_ready(true);
+        }
+    }
+
+    let (leading_tx, mut leading) = watch::channel(false);
+    let elector = LeaderElector::new(
+        Api::<Lease>::namespaced(client.clone(), &options.namespace),
+        options.lease.clone(),
+    );
+    let election = tokio::spawn(elector.run(leading_tx, finish.subscribe()));
 
     let mut stopping = stop.subscribe();
     let became_leader = tokio::select! {
@@ -607,6 +645,74 @@ mod tests {
         assert!(err.message().contains("standby"), "{}", err.message());
         assert!(api.list().await.deployments.is_empty());
         assert!(!SwitchableApi::new(false).ready());
+    }
+
+    /// A lifecycle stand-in whose readiness is fixed (only `ready` is asked).
+    struct Ready(bool);
+
+    impl ManagementApi for Ready {
+        fn list(&self) -> BoxFuture<'_, DeploymentList> {
+            unimplemented!()
+        }
+        fn deploy(&self, _: DeploymentDoc) -> BoxFuture<'_, Result<DeployReceipt, ApiError>> {
+            unimplemented!()
+        }
+        fn get<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<DeploymentView, ApiError>> {
+            unimplemented!()
+        }
+        fn delete<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<DeploymentView, ApiError>> {
+            unimplemented!()
+        }
+        fn start<'a>(
+            &'a self,
+            _: &'a str,
+            _: StartRequest,
+        ) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+            unimplemented!()
+        }
+        fn stop<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+            unimplemented!()
+        }
+        fn park<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+            unimplemented!()
+        }
+        fn preinitialize<'a>(
+            &'a self,
+            _: &'a str,
+        ) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+            unimplemented!()
+        }
+        fn engines(&self) -> BoxFuture<'_, EngineList> {
+            unimplemented!()
+        }
+        fn hosts(&self) -> BoxFuture<'_, HostList> {
+            unimplemented!()
+        }
+        fn load<'a>(&'a self, _: Option<&'a str>) -> BoxFuture<'a, Result<LoadReport, ApiError>> {
+            unimplemented!()
+        }
+        fn ready(&self) -> bool {
+            self.0
+        }
+    }
+
+    #[test]
+    fn readiness_follows_the_leadership_and_the_label() {
+        // A replica starts not ready: its Pod may carry a stale leader label.
+        let api = SwitchableApi::new(false);
+        assert!(!api.ready());
+        // The label is gone: a standby may be ready (the Services do not select it).
+        api.set_standby_ready(true);
+        assert!(api.ready());
+        // Leading: ready as its lifecycle is.
+        api.set(Some(Arc::new(Ready(false))));
+        assert!(!api.ready());
+        api.set(Some(Arc::new(Ready(true))));
+        assert!(api.ready());
+        // Stepping down: not ready until the label is removed again.
+        api.set_standby_ready(false);
+        api.set(None);
+        assert!(!api.ready());
     }
 
     #[tokio::test]
