@@ -302,7 +302,9 @@ def check_objects(docs, values, case):
         fail(f"{case}: no ConfigMap {RELEASE}-operator with server.yaml")
     else:
         server_out = check_document("server", op_cm["data"]["server.yaml"], case)
-        yaml.safe_load(op_cm["data"]["engine-pods.yaml"])
+        pods_doc = yaml.safe_load(op_cm["data"]["engine-pods.yaml"])
+        if not pods_doc.get("resources", {}).get("requests"):
+            fail(f"{case}: engine-pods.yaml gives engine Pods no resource requests (BestEffort)")
     host_out = ""
     if values.get("nodeAgent", {}).get("enabled", True):
         agent_cm = cms.get(f"{RELEASE}-node-agent")
@@ -310,6 +312,8 @@ def check_objects(docs, values, case):
             fail(f"{case}: no ConfigMap {RELEASE}-node-agent with host.yaml")
         else:
             host_out = check_document("host", agent_cm["data"]["host.yaml"], case)
+            if op_cm is not None and op_cm["data"].get("host.yaml") != agent_cm["data"]["host.yaml"]:
+                fail(f"{case}: the operator's host.yaml is not the node agents'")
 
     # The operator.
     dep = one(docs, "Deployment", "-operator")
@@ -326,6 +330,9 @@ def check_objects(docs, values, case):
         for name, field in (("POD_NAMESPACE", "metadata.namespace"), ("POD_NAME", "metadata.name")):
             if env.get(name, {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") != field:
                 fail(f"{case}: operator env {name} is not the downward API's {field}")
+        for name, file in (("CAPYCTL_ENGINE_PODS_FILE", "engine-pods.yaml"), ("CAPYCTL_HOST_FILE", "host.yaml")):
+            if env.get(name, {}).get("value") != f"/etc/capyctl/{file}":
+                fail(f"{case}: operator env {name} is not /etc/capyctl/{file}")
         ports = containers_ports(pod)
         for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
             get = c.get(probe, {}).get("httpGet", {})
@@ -494,6 +501,25 @@ if docs:
     if "tls" not in server["listen"] or "lifecycle_defaults" not in server:
         fail("all-on: server.yaml lacks listen.tls or lifecycle_defaults")
 
+print("== a host value change rolls the operator (its checksum covers host.yaml)", flush=True)
+
+
+def operator_checksum(values):
+    docs, err = render(values)
+    if err:
+        fail(f"checksum: render failed: {err}")
+        return None
+    dep = one(docs, "Deployment", "-operator")
+    return dep["spec"]["template"]["metadata"]["annotations"]["checksum/config"] if dep else None
+
+
+base = operator_checksum({})
+for changed in ({"host": {"resource_policy": {"queue": {"admission_window": "750ms"}}}},
+                {"host": {"lifecycle": {"activation": "explicit"}}},
+                {"host": {"engines": {"vllm": {"env": {"X": "1"}}}}}):
+    if base is not None and operator_checksum(changed) == base:
+        fail(f"checksum: {changed} does not change the operator's checksum/config")
+
 print("== default values: no ServiceMonitor, no NetworkPolicy", flush=True)
 docs, err = render({})
 kinds = {d["kind"] for d in docs or []}
@@ -578,6 +604,10 @@ BAD = [
      "server.swiching: unknown key; expected one of listen, switching, lifecycle_defaults"),
     ({"gpu": {"sharing": "mig"}},
      "gpu.sharing: `mig` is not one of runtimeClass, devicePlugin"),
+    ({"gpu": {"visibleDevices": "some"}},
+     "gpu.visibleDevices: `some` is not one of host, all"),
+    ({"nodeAgent": {"dataDir": {"hostPath": ""}}},
+     "nodeAgent.dataDir.hostPath: must not be empty"),
     ({"nodeAgent": {"engineRuntime": "docker"}},
      "nodeAgent.engineRuntime: `docker` is not one of pod, process"),
 ]

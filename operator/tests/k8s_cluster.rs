@@ -480,6 +480,7 @@ async fn an_engine_pod_is_created_on_its_node_owned_by_its_cr() {
             // No kubelet: the Pod stays Pending on a node that need not exist.
             node_name: "gpu-node-that-does-not-exist",
             gpus: &["GPU-0".to_string()],
+            host_ram_copy: None,
         },
         // The default runtime: the RuntimeClass admission plugin refuses a Pod naming a
         // runtime class the cluster does not have (a test cluster has no `nvidia`).

@@ -56,6 +56,10 @@ struct Cli {
     /// How engine Pods are built (the chart's engine-pods.yaml); the chart's defaults without.
     #[arg(long, env = "CAPYCTL_ENGINE_PODS_FILE")]
     engine_pods_file: Option<PathBuf>,
+    /// The node agents' host document (the chart's host.yaml): engine commands and environment
+    /// of engine Pods, and the resource policy until the node's Host object says it.
+    #[arg(long, env = "CAPYCTL_HOST_FILE")]
+    host_file: Option<PathBuf>,
 }
 
 async fn main_async(cli: Cli) -> Result<(), String> {
@@ -69,6 +73,12 @@ async fn main_async(cli: Cli) -> Result<(), String> {
     let engine_pods = match &cli.engine_pods_file {
         Some(f) => EnginePodSettings::load(f).map_err(|e| e.to_string())?,
         None => EnginePodSettings::default(),
+    };
+    let host = match &cli.host_file {
+        Some(f) => {
+            Some(documents::load_host_file(f, &Overrides::none()).map_err(|e| e.to_string())?)
+        }
+        None => None,
     };
     let agent_token = capyctl_node_agent::cli::agent_token()?;
     let admin_token = capyctl_operator::management::load_or_create_token(
@@ -105,6 +115,7 @@ async fn main_async(cli: Cli) -> Result<(), String> {
         reconciler: ReconcilerConfig::default(),
         engine_pods,
         metrics,
+        host,
     };
     run(client, options, capyctl_node_agent::cli::shutdown_signal())
         .await

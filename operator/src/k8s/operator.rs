@@ -34,16 +34,18 @@ use capyctl_crds::api::{
 use capyctl_crds::documents::DeploymentDoc;
 use capyctl_crds::errors::ApiError;
 use capyctl_crds::k8s::{Deployment, Host};
-use capyctl_crds::settings::{Mode, QueueSettings, ServerConfig};
+use capyctl_crds::settings::{HostConfig, Mode, QueueSettings, ServerConfig};
 use capyctl_node_agent::HostAgent;
 use capyctl_node_agent::remote::{RemoteConfig, RemoteHostAgent};
 use capyctl_node_agent::spec::HostSettings;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::Coordinator;
 use capyctl_router::proxy::{self, Proxy, ProxyConfig};
+use futures_util::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::ListParams;
+use kube::runtime::WatchStreamExt;
 use kube::{Api, Client};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -92,6 +94,80 @@ pub struct OperatorOptions {
     /// The server's metrics (the management listener's `/metrics`); the Kubernetes client's
     /// calls are observed into them too (see [`super::api_client`]).
     pub metrics: Arc<Metrics>,
+    /// The host document the chart renders for the node agents (`CAPYCTL_HOST_FILE`): the
+    /// engines' commands and environment of engine Pods, and the resource policy and
+    /// activation until the node's `Host` object says them (see [`HostPolicy`]).
+    pub host: Option<HostConfig>,
+}
+
+/// What the router and the lifecycle take from the host: its queue settings and activation.
+///
+/// They come from the node's `Host` object (what its node agent applies, its own overrides
+/// included); before the agent has published it, from the host document the chart renders for
+/// the agents (`CAPYCTL_HOST_FILE`); without either, from the defaults. While it leads, the
+/// operator watches the `Host` object: when it says another policy (a `helm upgrade` of
+/// `host.resource_policy.queue.*` or `host.lifecycle.activation` rolls the node agents, which
+/// publish the new one), the leader steps down ([`OperatorError::HostPolicyChanged`]) and the
+/// next leader runs the router with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostPolicy {
+    /// `resource_policy.queue.*`.
+    pub queue: QueueSettings,
+    /// `lifecycle.activation`.
+    pub activation: Activation,
+}
+
+impl HostPolicy {
+    /// The policy a published `Host` says.
+    pub fn of_host(host: &Host) -> Self {
+        Self {
+            queue: QueueSettings::from(&host.spec.resource_policy.queue),
+            activation: host.spec.lifecycle.activation,
+        }
+    }
+
+    /// The policy that applies (see the type's doc).
+    pub fn of(published: Option<&Host>, document: Option<&HostConfig>) -> Self {
+        match (published, document) {
+            (Some(h), _) => Self::of_host(h),
+            (None, Some(d)) => Self {
+                queue: d.queue,
+                activation: d.activation,
+            },
+            (None, None) => Self {
+                queue: QueueSettings::defaults(Mode::ServerAndHosts),
+                activation: Activation::OnDemand,
+            },
+        }
+    }
+}
+
+/// Watches the `Host` named `host_id` until it says a policy other than `running`, and answers
+/// that one. A missing or deleted `Host` changes nothing (its agent publishes it again).
+pub async fn host_policy_change(api: Api<Host>, host_id: &str, running: HostPolicy) -> HostPolicy {
+    let config =
+        kube::runtime::watcher::Config::default().fields(&format!("metadata.name={host_id}"));
+    let mut events = kube::runtime::watcher(api, config)
+        .default_backoff()
+        .boxed();
+    while let Some(event) = events.next().await {
+        let host = match event {
+            Ok(
+                kube::runtime::watcher::Event::Apply(h)
+                | kube::runtime::watcher::Event::InitApply(h),
+            ) => h,
+            Ok(_) => continue,
+            Err(e) => {
+                tracing::warn!(host = %host_id, error = %e, "watching the Host object failed; retrying");
+                continue;
+            }
+        };
+        let policy = HostPolicy::of_host(&host);
+        if policy != running {
+            return policy;
+        }
+    }
+    std::future::pending().await
 }
 
 /// Why the operator stopped.
@@ -125,6 +201,15 @@ pub enum OperatorError {
     /// Another replica took the Lease: this one stopped what it ran and exits.
     #[error("lost the leadership (the Lease is another replica's or could not be renewed)")]
     LostLeadership,
+    /// The node's `Host` object says another resource policy or activation than the router
+    /// runs with: the leader stepped down so that the next one runs with it.
+    #[error(
+        "the Host object of {host} changed its resource policy or activation; stepping down so that the next leader runs with it"
+    )]
+    HostPolicyChanged {
+        /// The host.
+        host: String,
+    },
 }
 
 impl OperatorError {
@@ -137,6 +222,7 @@ impl OperatorError {
             OperatorError::Kube(_) => "kube",
             OperatorError::SeveralNodeAgents(_) => "several_node_agents",
             OperatorError::LostLeadership => "lost_leadership",
+            OperatorError::HostPolicyChanged { .. } => "host_policy_changed",
         }
     }
 }
@@ -414,23 +500,22 @@ pub async fn lead(
     } else {
         info.node_name.clone()
     };
-    // The host's resource policy, as its node agent published it (defaults until then).
+    // The host's resource policy: see `HostPolicy`.
     let hosts: Api<Host> = Api::all(client.clone());
-    let host = match hosts.get_opt(&host_id).await {
+    let published = match hosts.get_opt(&host_id).await {
         Ok(h) => h,
         Err(e) => {
-            tracing::warn!(host = %host_id, error = %e, "the Host object could not be read; using the default resource policy");
+            tracing::warn!(host = %host_id, error = %e, "the Host object could not be read; the host document's (or the default) resource policy applies");
             None
         }
     };
-    let queue = host
+    let policy = HostPolicy::of(published.as_ref(), options.host.as_ref());
+    let HostPolicy { queue, activation } = policy;
+    let host_settings = options
+        .host
         .as_ref()
-        .map(|h| QueueSettings::from(&h.spec.resource_policy.queue))
-        .unwrap_or_else(|| QueueSettings::defaults(Mode::ServerAndHosts));
-    let activation = host
-        .as_ref()
-        .map(|h| h.spec.lifecycle.activation)
-        .unwrap_or(Activation::OnDemand);
+        .map(HostSettings::from)
+        .unwrap_or_default();
 
     // The lifecycle, its records rebuilt from the CRs.
     let crs: Api<Deployment> = Api::namespaced(client.clone(), ns);
@@ -440,10 +525,10 @@ pub async fn lead(
     let dyn_agent: Arc<dyn HostAgent> = if info.engine_runtime == "pod" {
         Arc::new(PodHostAgent::new(
             agent.clone(),
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client.clone(), ns),
+            client.clone(),
+            ns,
             options.engine_pods.clone(),
-            HostSettings::default(),
+            host_settings.clone(),
             host_id.clone(),
         ))
     } else {
@@ -456,7 +541,7 @@ pub async fn lead(
             host_id: host_id.clone(),
             host_activation: activation,
             lifecycle_defaults: options.server.lifecycle_defaults,
-            host_settings: HostSettings::default(),
+            host_settings,
             waiting_limit: queue.max_pending_per_deployment,
             timer_tick: Duration::from_secs(1),
             metrics: metrics.clone(),
@@ -519,7 +604,16 @@ pub async fn lead(
     }
     tracing::info!(host = %host_id, node_agent = %url, "leading: lifecycle, router and reconciler running");
 
-    let lost = lost_or_stopped(&mut leading, &mut stop).await;
+    let policy_change = host_policy_change(hosts, &host_id, policy);
+    let outcome = tokio::select! {
+        lost = lost_or_stopped(&mut leading, &mut stop) => {
+            if lost { Err(OperatorError::LostLeadership) } else { Ok(()) }
+        }
+        changed = policy_change => {
+            tracing::warn!(host = %host_id, running = ?policy, published = ?changed, "the host's resource policy or activation changed; stepping down");
+            Err(OperatorError::HostPolicyChanged { host: host_id.clone() })
+        }
+    };
     // Not ready from now until the label is gone: the Services must not pick this Pod.
     api.set_standby_ready(false);
     api.set(None);
@@ -536,11 +630,7 @@ pub async fn lead(
             }
         }
     }
-    if lost {
-        Err(OperatorError::LostLeadership)
-    } else {
-        Ok(())
-    }
+    outcome
 }
 
 /// Runs the operator until `shutdown` (see the module doc).
@@ -762,6 +852,62 @@ mod tests {
             "{}",
             seen[0].query
         );
+    }
+
+    fn host_json(window: &str, activation: &str) -> serde_json::Value {
+        let mut queue = serde_json::to_value(capyctl_crds::k8s::QueueSpec::default()).unwrap();
+        queue["admissionWindow"] = window.into();
+        serde_json::json!({"apiVersion": "capyctl.io/v1alpha1", "kind": "Host",
+            "metadata": {"name": "gpu-1", "resourceVersion": "5"},
+            "spec": {"resourcePolicy": {"queue": queue}, "lifecycle": {"activation": activation}}})
+    }
+
+    #[test]
+    fn the_published_host_wins_then_the_host_document_then_the_defaults() {
+        let published: Host = serde_json::from_value(host_json("500ms", "explicit")).unwrap();
+        let mut document = HostConfig::defaults(Mode::ServerAndHosts);
+        document.queue.admission_window = Duration::from_secs(5);
+        let p = HostPolicy::of(Some(&published), Some(&document));
+        assert_eq!(p.queue.admission_window, Duration::from_millis(500));
+        assert_eq!(p.activation, Activation::Explicit);
+        let p = HostPolicy::of(None, Some(&document));
+        assert_eq!(p.queue.admission_window, Duration::from_secs(5));
+        assert_eq!(p.activation, Activation::OnDemand);
+        let p = HostPolicy::of(None, None);
+        assert_eq!(p.queue, QueueSettings::defaults(Mode::ServerAndHosts));
+    }
+
+    #[tokio::test]
+    async fn a_changed_host_policy_is_seen_by_the_leaders_watch() {
+        let (client, handle) = mock::client();
+        let path = "/apis/capyctl.io/v1alpha1/hosts";
+        let list = serde_json::json!({"apiVersion": "capyctl.io/v1alpha1", "kind": "HostList",
+            "metadata": {"resourceVersion": "5"}, "items": [host_json("2s", "on_demand")]});
+        let server = mock::serve(
+            handle,
+            vec![
+                Exchange::ok(Method::GET, path, list),
+                // The agents rolled with a new host document: the Host says it.
+                Exchange::ok(
+                    Method::GET,
+                    path,
+                    serde_json::json!({"type": "MODIFIED", "object": host_json("750ms", "on_demand")}),
+                ),
+            ],
+        );
+        let running = HostPolicy::of(None, None);
+        let hosts: Api<Host> = Api::all(client);
+        let changed = host_policy_change(hosts, "gpu-1", running).await;
+        assert_eq!(changed.queue.admission_window, Duration::from_millis(750));
+        let seen = server.await.unwrap();
+        assert!(
+            seen[0]
+                .query
+                .contains("fieldSelector=metadata.name%3Dgpu-1"),
+            "{}",
+            seen[0].query
+        );
+        assert!(seen[1].query.contains("watch=true"), "{}", seen[1].query);
     }
 
     #[test]
