@@ -520,12 +520,35 @@ for changed in ({"host": {"resource_policy": {"queue": {"admission_window": "750
     if base is not None and operator_checksum(changed) == base:
         fail(f"checksum: {changed} does not change the operator's checksum/config")
 
-print("== default values: no ServiceMonitor, no NetworkPolicy", flush=True)
+print("== default values: no ServiceMonitor; the engines' NetworkPolicy admits only the operator and node agents", flush=True)
 docs, err = render({})
 kinds = {d["kind"] for d in docs or []}
-for kind in ("ServiceMonitor", "NetworkPolicy"):
-    if kind in kinds:
-        fail(f"default values: a {kind} is rendered, but it is off by default")
+if "ServiceMonitor" in kinds:
+    fail("default values: a ServiceMonitor is rendered, but it is off by default")
+policy = one(docs or [], "NetworkPolicy", "-engines")
+cm = next((d for d in docs or [] if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-operator")), None)
+if not policy or cm is None:
+    fail("default values: no NetworkPolicy for engine Pods")
+else:
+    engine_labels = yaml.safe_load(cm["data"]["engine-pods.yaml"])["labels"]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    if any(engine_labels.get(k) != v for k, v in selector.items()):
+        fail(f"default values: the engines' NetworkPolicy selects {selector}, not the engine Pods' labels {engine_labels}")
+    if policy["spec"].get("policyTypes") != ["Ingress"]:
+        fail("default values: the engines' NetworkPolicy does not restrict ingress")
+    sources = [f["podSelector"]["matchLabels"] for rule in policy["spec"]["ingress"] for f in rule["from"]]
+    templates = {name: one(docs, kind, suffix)["spec"]["template"]["metadata"]["labels"]
+                 for name, kind, suffix in (("operator", "Deployment", "-operator"),
+                                            ("node agent", "DaemonSet", "-node-agent"))}
+    for name, labels in templates.items():
+        if not any(all(labels.get(k) == v for k, v in src.items()) for src in sources):
+            fail(f"default values: the engines' NetworkPolicy does not admit the {name} Pods")
+    for src in sources:
+        if not any(all(labels.get(k) == v for k, v in src.items()) for labels in templates.values()):
+            fail(f"default values: the engines' NetworkPolicy admits {src}, which is neither the operator nor a node agent")
+off, _ = render({"networkPolicy": {"enabled": False}})
+if off and by_kind(off, "NetworkPolicy"):
+    fail("networkPolicy.enabled=false still renders a NetworkPolicy")
 
 print("== tokens: generated once, kept across upgrades (lookup)", flush=True)
 first, err = render({})

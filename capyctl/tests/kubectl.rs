@@ -191,10 +191,14 @@ fn namespace_release_and_token_flags_pick_the_service() {
     );
     assert_eq!(code, 0, "{stderr}");
     assert_eq!(stdout, "ENGINE   VERSION   DEEP PARK   HOST\n");
-    assert_eq!(
-        seen.lock().unwrap()[0].header("x-capyctl-token"),
-        Some("t0k")
-    );
+    let proxied = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|s| s.path.contains("/proxy/"))
+        .cloned()
+        .unwrap();
+    assert_eq!(proxied.header("x-capyctl-token"), Some("t0k"));
     // The API server's own refusal is one line with its message.
     let (code, _, stderr) = run_plugin(&config, &["list", "deployments", "--token", "t0k"]);
     assert_ne!(code, 0);
@@ -204,6 +208,33 @@ fn namespace_release_and_token_flags_pick_the_service() {
             && stderr.contains("cannot get resource \"services/proxy\" (Forbidden)"),
         "{stderr}"
     );
+}
+
+#[test]
+fn a_tls_management_listener_is_reached_with_https_through_the_proxy() {
+    let (url, seen) = fake_api_server(|req| {
+        match req.path.as_str() {
+        // The chart marks the port https when operator.tls.secretName is set.
+        "/api/v1/namespaces/gpu/services/capyctl-management" => (
+            200,
+            r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"capyctl-management"},"spec":{"ports":[{"name":"management","port":7443,"appProtocol":"https"}]}}"#.to_string(),
+        ),
+        "/api/v1/namespaces/gpu/services/https:capyctl-management:management/proxy/management/v1/deployments" => {
+            (200, LIST.to_string())
+        }
+        _ => (404, r#"{"kind":"Status","apiVersion":"v1","status":"Failure","message":"not found","reason":"NotFound","code":404}"#.to_string()),
+    }
+    });
+    let dir = std::env::temp_dir().join(format!("kubectl-capyctl-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = kubeconfig(&dir, &url);
+    let (code, stdout, stderr) = run_plugin(&config, &["list", "deployments", "--token", "t"]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(stdout, "NAME   STATE   READY   REVISION   HOSTS\n");
+    assert!(seen.lock().unwrap().iter().any(|s| {
+        s.path
+            .contains("/services/https:capyctl-management:management/proxy/")
+    }),);
 }
 
 /// Against a real API server (Kubernetes 1.34, no kubelet): the plugin's calls reach the

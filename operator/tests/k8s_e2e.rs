@@ -276,7 +276,9 @@ async fn scenario(client: Client, kubeconfig: &std::path::Path, ns: &str) {
     for (object, reason) in [
         ("chat-a", "Parked"),
         ("chat-a", "Woken"),
+        ("chat-a", "Switched"),
         ("chat-b", "Started"),
+        ("chat-b", "Switched"),
         ("chat-b", "Parked"),
     ] {
         eventually(&format!("a {reason} event on {object}"), t, || async {

@@ -13,8 +13,9 @@
 //!   node agent Pod of the namespace; with its `pod` engine runtime wrapped in
 //!   [`PodHostAgent`], which creates and deletes the engine Pods), the lifecycle (its records rebuilt from the CRs,
 //!   [`super::store::CrStore`]; the agent's recovery adopts the engines the previous leader
-//!   left), the router and the inference listener, the reconciler and its status sync, and the
-//!   leader label on the replica's own Pod.
+//!   left), the router and the inference listener, the reconciler, its status sync and its
+//!   Events (the router's lifecycle and the management API observed: [`super::events`]), and
+//!   the leader label on the replica's own Pod.
 //!
 //! A leader that loses the Lease stops everything it started and [`run`] returns
 //! [`OperatorError::LostLeadership`]: crash-only, the process exits and comes back as a standby
@@ -52,6 +53,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::engines::PodHostAgent;
+use super::events::{EventFeed, FEED_CAPACITY, ObservedApi, ObservedLifecycle, Views};
 use super::leader::{LeaderElector, LeaseConfig, clear_leader_label, set_leader_label};
 use super::pods::EnginePodSettings;
 use super::reconcile::{Reconciler, ReconcilerConfig};
@@ -549,9 +551,19 @@ pub async fn lead(
     )
     .await?;
 
+    // What happens, for the Events (`super::events`): the router's lifecycle and the
+    // management API observed.
+    let (feed, happenings) = EventFeed::channel(FEED_CAPACITY);
+    let views: Arc<dyn Views> = server.clone();
+
     // The router and the inference listener.
     let inference = bind("server.listen.inference", options.server.listen.inference).await?;
-    let router = Coordinator::spawn(server.clone(), router_config(&options.server, &queue));
+    let observed = Arc::new(ObservedLifecycle::new(
+        server.clone(),
+        views.clone(),
+        feed.clone(),
+    ));
+    let router = Coordinator::spawn(observed, router_config(&options.server, &queue));
     server.attach_router(router.clone()).await;
     let catalog = {
         let s = Arc::downgrade(&server);
@@ -576,7 +588,11 @@ pub async fn lead(
             }
         }));
     }
-    api.set(Some(server.clone()));
+    api.set(Some(Arc::new(ObservedApi::new(
+        server.clone(),
+        views.clone(),
+        feed.clone(),
+    ))));
 
     // The reconciler.
     let pod_name = options.lease.identity.clone();
@@ -588,10 +604,16 @@ pub async fn lead(
             Some(dyn_agent),
             options.reconciler.clone(),
         )
-        .with_store(store),
+        .with_store(store)
+        .with_events(feed, views),
     );
     tasks.push(tokio::spawn(
         reconciler.clone().run_controller(stop_tasks.subscribe()),
+    ));
+    tasks.push(tokio::spawn(
+        reconciler
+            .clone()
+            .run_events(happenings, stop_tasks.subscribe()),
     ));
     tasks.push(tokio::spawn(
         reconciler.run_status_sync(stop_tasks.subscribe()),
