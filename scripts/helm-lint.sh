@@ -16,7 +16,9 @@
 #      any error or warning fails.
 # Then: a second install that finds the generated Secrets keeps their tokens (lookup), and bad
 # values (out of range, unknown keys, bare-number durations, ...) fail to render with the key,
-# the value and the range.
+# the value and the range. The RBAC the default values render must be
+# operator/tests/k8s_rbac.yaml (which the needs-cluster RBAC test applies); with
+# CAPYCTL_HELM_LINT_WRITE=1 the script rewrites that file instead of failing.
 #
 # Exits non-zero on the first failure, naming it.
 set -euo pipefail
@@ -549,6 +551,27 @@ else:
 off, _ = render({"networkPolicy": {"enabled": False}})
 if off and by_kind(off, "NetworkPolicy"):
     fail("networkPolicy.enabled=false still renders a NetworkPolicy")
+
+print("== RBAC: operator/tests/k8s_rbac.yaml is what the default values render", flush=True)
+# The needs-cluster test operator/tests/k8s_rbac.rs applies this file to a real API server
+# and checks, as each ServiceAccount, what it may and may not do.
+RBAC_FILE = os.path.join(os.path.dirname(os.path.dirname(CHART)), "operator", "tests", "k8s_rbac.yaml")
+RBAC_KINDS = ("ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding")
+docs, err = render({})
+if docs:
+    rbac = [d for d in docs if d["kind"] in RBAC_KINDS]
+    rbac.sort(key=lambda d: (RBAC_KINDS.index(d["kind"]), d["metadata"]["name"]))
+    text = ("# The chart's RBAC with the default values (release capyctl, namespace capyctl-system),\n"
+            "# rendered by scripts/helm-lint.sh; do not edit. operator/tests/k8s_rbac.rs applies it.\n"
+            + yaml.safe_dump_all(rbac, sort_keys=True))
+    old = open(RBAC_FILE).read() if os.path.exists(RBAC_FILE) else None
+    if os.environ.get("CAPYCTL_HELM_LINT_WRITE") == "1":
+        if old != text:
+            with open(RBAC_FILE, "w") as f:
+                f.write(text)
+            print(f"   wrote {RBAC_FILE}")
+    elif old != text:
+        fail(f"{RBAC_FILE} is not what the chart renders: run CAPYCTL_HELM_LINT_WRITE=1 bash scripts/helm-lint.sh and commit it")
 
 print("== tokens: generated once, kept across upgrades (lookup)", flush=True)
 first, err = render({})

@@ -526,13 +526,29 @@ impl PodRuntime {
                     ));
                 }
                 Err(_) => {
+                    let last = {
+                        let seen = rx.borrow();
+                        self.candidate(&seen, id, &stale)
+                    };
+                    let url = match last {
+                        Some(p) => format!(
+                            "engine Pod {} of instance {id} on node {} ({}: no kubelet ran it, or its image did not pull in time)",
+                            p.key,
+                            self.node,
+                            match (&p.state, &p.ip) {
+                                (PodState::Running, None) => "running without a Pod IP",
+                                _ => "not running",
+                            }
+                        ),
+                        None => format!(
+                            "the engine Pod of instance {id} on node {} (namespace {}): no such Pod appeared",
+                            self.node, self.namespace
+                        ),
+                    };
                     return Err(AgentError::EngineTimeout {
                         engine: req.spec.engine,
                         step: "engine Pod running",
-                        url: format!(
-                            "the engine Pod of instance {id} on node {} (namespace {})",
-                            self.node, self.namespace
-                        ),
+                        url,
                         after: req.ready_timeout,
                     });
                 }
@@ -898,6 +914,12 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(err, AgentError::EngineTimeout { .. }), "{err}");
+        assert!(
+            err.to_string().contains(
+                "engine Pod capyctl/chat-a-0-g1 of instance dep1-0 on node gpu-1 (not running: no kubelet ran it"
+            ),
+            "{err}"
+        );
         assert!(rt.exit_watch("dep1-0").is_none());
 
         // Running without an IP, then with one.
