@@ -80,6 +80,10 @@ pub const ANNOTATION_FIRST_ANSWER: &str = "capyctl.io/first-answer";
 /// `kv_only`); removed after a wake.
 pub const ANNOTATION_PARKED: &str = "capyctl.io/parked";
 /// How long recovery waits for the first list of the node's engine Pods.
+///
+/// NB: the operator's remote `recover` call waits `(step + stop grace) × 8 + 30 s` (350 s with
+/// the defaults, `capyctl_node_agent::remote::RemoteTimeouts`), which covers this wait and
+/// then a health check (`step`, 10 s) of each of up to 29 engines of the node.
 pub const SYNC_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The field selector of `node`'s Pods.
