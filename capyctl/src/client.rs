@@ -13,6 +13,7 @@ use bytes::Bytes;
 use capyctl_crds::api::PREFIX;
 use http::{Method, Request, StatusCode, Uri, header};
 use http_body_util::{BodyExt, Full};
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client as HyperClient;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -70,6 +71,14 @@ pub enum ClientError {
         #[source]
         source: std::io::Error,
     },
+    /// `--ca-file` cannot be used.
+    #[error("--ca-file {}: {detail}", path.display())]
+    CaFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        detail: String,
+    },
     /// `--server` is not a URL this client can use.
     #[error("--server {server}: {why}")]
     BadServer {
@@ -112,6 +121,47 @@ pub fn resolve_token(given: Option<String>, data_dir: &Path) -> Result<String, C
     }
 }
 
+/// The TLS client configuration: the roots of `ca_file` (PEM) when given, else the system's.
+fn tls_config(ca_file: Option<&Path>) -> Result<rustls::ClientConfig, ClientError> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    match ca_file {
+        Some(path) => {
+            let bad = |detail: String| ClientError::CaFile {
+                path: path.to_path_buf(),
+                detail,
+            };
+            let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
+                .map_err(|e| bad(e.to_string()))?
+                .collect::<Result<_, _>>()
+                .map_err(|e| bad(e.to_string()))?;
+            if certs.is_empty() {
+                return Err(bad("it holds no PEM certificate".into()));
+            }
+            for cert in certs {
+                roots.add(cert).map_err(|e| bad(e.to_string()))?;
+            }
+        }
+        None => {
+            // Certificates the system's store cannot parse are skipped.
+            for cert in rustls_native_certs::load_native_certs().certs {
+                let _ = roots.add(cert);
+            }
+        }
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| ClientError::CaFile {
+            path: ca_file.map(Path::to_path_buf).unwrap_or_default(),
+            detail: e.to_string(),
+        })?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(config)
+}
+
 /// A management API client.
 #[derive(Clone)]
 pub struct Client {
@@ -125,8 +175,9 @@ pub struct Client {
 /// How requests reach the management API.
 #[derive(Clone)]
 enum Transport {
-    /// Straight to `--server`.
-    Direct(Box<HyperClient<HttpConnector, Full<Bytes>>>),
+    /// Straight to `--server` (`http://`, or `https://` verified against the system's roots
+    /// or `--ca-file`).
+    Direct(Box<HyperClient<HttpsConnector<HttpConnector>, Full<Bytes>>>),
     /// Through the Kubernetes API server's service proxy, authenticated by the kubeconfig; the
     /// admin token then travels in [`capyctl_crds::auth::TOKEN_HEADER`].
     Kube(kube::Client),
@@ -161,21 +212,27 @@ impl Answer {
 }
 
 impl Client {
-    /// A client for `server` with `token`.
+    /// A client for `server` with `token` (an `https://` server verified against the system's
+    /// root certificates).
     pub fn new(server: &str, token: String) -> Result<Client, ClientError> {
+        Self::with_ca(server, token, None)
+    }
+
+    /// A client for `server` with `token`; an `https://` server is verified against the PEM
+    /// certificates of `ca_file` when given (a private CA), else the system's roots.
+    pub fn with_ca(
+        server: &str,
+        token: String,
+        ca_file: Option<&Path>,
+    ) -> Result<Client, ClientError> {
         let bad = |why| ClientError::BadServer {
             server: server.to_string(),
             why,
         };
         let uri: Uri = server.parse().map_err(|_| bad("not a URL"))?;
         match uri.scheme_str() {
-            Some("http") => {}
-            Some("https") => {
-                return Err(bad(
-                    "https is not supported by this build; use http:// (loopback) or a TLS-terminating proxy",
-                ));
-            }
-            _ => return Err(bad("must start with http://")),
+            Some("http" | "https") => {}
+            _ => return Err(bad("must start with http:// or https://")),
         }
         if uri.authority().is_none() {
             return Err(bad("has no host"));
@@ -186,6 +243,13 @@ impl Client {
         let base = server.trim_end_matches('/').to_string();
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
+        connector.enforce_http(false);
+        let tls = tls_config(ca_file)?;
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(connector);
         let http = HyperClient::builder(TokioExecutor::new()).build(connector);
         Ok(Client {
             base,

@@ -3,7 +3,8 @@
 //! Every command of DESIGN.md 4.1. `start standalone` runs a whole CapyCTL in this process;
 //! `check` validates documents locally; every other command is a client of the management API
 //! ([`client`]), printing the product page's tables ([`render`]) or, with `--json`, the API's
-//! JSON. A failure prints one line, `capyctl: …`, and exits 1.
+//! JSON. A failure prints one line, `capyctl: …`, and exits 1 (2 for a command line that does
+//! not parse).
 //!
 //! The two binaries (`capyctl`, `kubectl-capyctl`) are this library's [`main`].
 
@@ -66,6 +67,10 @@ struct Global {
     /// Print the management API's JSON instead of a table.
     #[arg(long, global = true)]
     json: bool,
+    /// PEM certificates to verify an `https://` server with (a private CA) instead of the
+    /// system's roots.
+    #[arg(long, global = true, env = "CAPYCTL_CA_FILE")]
+    ca_file: Option<PathBuf>,
 }
 
 /// The kind of document `check` reads.
@@ -199,7 +204,10 @@ enum Engine {
 
 /// The whole program: parses the command line, runs it, prints the one-line error.
 pub fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return usage_error(&e),
+    };
     let result = match cli.command {
         Command::Check { kind, file, set } => check(kind, &file, set),
         Command::Completion { shell } => {
@@ -236,6 +244,36 @@ pub fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `--help` and `--version` print as usual (exit 0); a command line that does not parse gets
+/// one line, `capyctl: <what clap says>; see `capyctl --help``, and exit 2.
+fn usage_error(e: &clap::Error) -> ExitCode {
+    if !e.use_stderr() {
+        let _ = e.print();
+        return ExitCode::SUCCESS;
+    }
+    // clap's message up to its blank line or usage, on one line.
+    let text = e.render().to_string();
+    let what = text
+        .lines()
+        .map(str::trim)
+        .skip_while(|l| l.is_empty())
+        .take_while(|l| !l.is_empty() && !l.starts_with("Usage:"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let what = what.strip_prefix("error: ").unwrap_or(&what);
+    let what = if what.is_empty() {
+        "the command line does not parse"
+    } else {
+        what
+    };
+    let name = invoked_as();
+    let name = name
+        .strip_prefix("kubectl-")
+        .map_or(name.clone(), |n| format!("kubectl {n}"));
+    eprintln!("capyctl: {what}; see `{name} --help`");
+    ExitCode::from(2)
 }
 
 /// `capyctl` or `kubectl-capyctl`, as invoked.
@@ -290,7 +328,7 @@ async fn remote(global: Global, command: Command) -> Result<(), String> {
             let token = client::resolve_token(global.token, &client::default_data_dir())
                 .map_err(|e| e.to_string())?;
             let server = server.unwrap_or_else(|| client::DEFAULT_SERVER.to_string());
-            Client::new(&server, token).map_err(|e| e.to_string())?
+            Client::with_ca(&server, token, global.ca_file.as_deref()).map_err(|e| e.to_string())?
         }
     };
     let json = global.json;

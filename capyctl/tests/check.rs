@@ -57,3 +57,67 @@ fn out_of_range_is_one_line_naming_file_line_and_key() {
         "{err}"
     );
 }
+
+#[test]
+fn a_command_line_that_does_not_parse_is_one_line_and_exit_2() {
+    for (args, says) in [
+        (
+            &["start", "deployment"][..],
+            "capyctl: the following required arguments were not provided: <NAME>; see `capyctl --help`",
+        ),
+        (
+            &["lst", "deployments"][..],
+            "capyctl: unrecognized subcommand 'lst'; see `capyctl --help`",
+        ),
+        (
+            &["park", "deployment", "a", "--bogus"][..],
+            "capyctl: unexpected argument '--bogus' found; see `capyctl --help`",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_capyctl"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert_eq!(err, format!("{says}\n"), "{args:?}");
+    }
+    let help = Command::new(env!("CARGO_BIN_EXE_capyctl"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert!(help.status.success());
+    assert!(
+        String::from_utf8(help.stdout)
+            .unwrap()
+            .contains("Usage: capyctl")
+    );
+}
+
+/// Every example document in `examples/` is valid as the README uses it.
+#[test]
+fn every_example_document_checks() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let kind = if name.starts_with("standalone") {
+            "standalone"
+        } else {
+            "deployment"
+        };
+        let out = Command::new(env!("CARGO_BIN_EXE_capyctl"))
+            .args(["check", kind, "--file"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        checked += 1;
+    }
+    assert!(checked >= 5, "only {checked} examples");
+}

@@ -122,6 +122,53 @@ fn switch_between_models() {
     assert_eq!(r.status, 200, "{r:?}");
     assert_eq!(capy.status("my-model")["state"], "ready");
     assert_eq!(capy.status("other-model")["state"], "parked");
+    // `--json` prints the API's receipt: victims and switch_id.
+    let json = capy
+        .cli(&[
+            "start",
+            "deployment",
+            "other-model",
+            "--evict",
+            "--wait",
+            "--json",
+        ])
+        .ok();
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["deployment"]["state"], "ready", "{v:#}");
+    assert!(
+        v["switch_id"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("sw-")),
+        "{v:#}"
+    );
+    assert_eq!(
+        v["victims"],
+        serde_json::json!([{
+            "deployment_id": my_id,
+            "name": "my-model",
+            "instance_id": my_instance,
+            "released": "parked",
+        }]),
+        "{v:#}"
+    );
+    // The hosts route of the real server: this host, its GPU and its engines.
+    let hosts = capy.management_get("/management/v1/hosts");
+    assert_eq!(hosts.status, 200, "{hosts:?}");
+    let hosts = hosts.json();
+    assert_eq!(hosts["hosts"][0]["id"], "gpu-box", "{hosts:#}");
+    assert_eq!(
+        hosts["hosts"][0]["gpus"][0]["memory"],
+        10u64 << 30,
+        "{hosts:#}"
+    );
+    assert_eq!(hosts["hosts"][0]["host_memory"], 1u64 << 30, "{hosts:#}");
+    // my-model's 64 MiB copy is parked in host RAM.
+    assert_eq!(
+        hosts["hosts"][0]["host_memory_used"],
+        64u64 << 20,
+        "{hosts:#}"
+    );
+    assert_eq!(hosts["hosts"][0]["activation"], "on_demand", "{hosts:#}");
 }
 
 /// "Example: two apps, one GPU": App 1 keeps streaming from chat-a; App 2's three requests
@@ -276,6 +323,11 @@ fn only_on_your_command() {
         "{refused}"
     );
     assert_eq!(capy.status("my-model")["state"], "ready");
+    let r = chat(capy.inference, "other-model", false);
+    let message = assert_error(&r, 409, "does_not_fit", false);
+    assert!(message.contains("my-model"), "{message}");
+    assert_eq!(capy.status("my-model")["state"], "ready");
+    assert_eq!(chat(capy.inference, "my-model", false).status, 200);
 
     // Parked on command; a request still does not wake it.
     capy.cli(&["park", "deployment", "my-model"]).ok();
@@ -418,6 +470,32 @@ fn the_readme_session_on_the_example() {
          chat-a   ready    1/1     1          gpu-box\n\
          chat-b   parked   0/1     1          gpu-box\n"
     );
+    // `start --evict --wait` parks chat-a, wakes chat-b, and its receipt names both.
+    let receipt = capy
+        .cli(&["start", "deployment", "chat-b", "--evict", "--wait"])
+        .ok();
+    let chat_a = capy.status("chat-a");
+    let a_id = chat_a["id"].as_str().unwrap();
+    assert!(
+        receipt.starts_with("start deployment chat-b (")
+            && receipt.contains("state ready, ready 1/1"),
+        "{receipt}"
+    );
+    assert!(receipt.contains("\nswitch_id: sw-"), "{receipt}");
+    assert!(
+        receipt.contains(&format!(
+            "victims:\n  - deployment: {a_id} (chat-a)\n    instance: {a_id}-0\n    released: parked\n"
+        )),
+        "{receipt}"
+    );
+    // `park` answers at once; `list` shows parked once the park has run.
+    let parked = capy.cli(&["park", "deployment", "chat-b"]).ok();
+    assert!(parked.starts_with("park deployment chat-b ("), "{parked}");
+    capy.list_until(
+        "NAME     STATE    READY   REVISION   HOSTS\n\
+         chat-a   parked   0/1     1          gpu-box\n\
+         chat-b   parked   0/1     1          gpu-box\n",
+    );
     let file = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/my-model.yaml");
     let out = capy.cli(&["deploy", "model", "--file", file]).ok();
     assert!(out.contains("my-model"), "{out}");
@@ -468,4 +546,82 @@ fn a_start_awaits_the_measurement_only_with_wait() {
         "{measured}"
     );
     assert_eq!(chat(capy.inference, "fresh", false).status, 200);
+}
+
+/// "The host setting also takes --set ... or CAPYCTL_SET__HOST__LIFECYCLE__ACTIVATION on capyctl
+/// start standalone": a host-wide explicit activation, from the command line or the
+/// environment, makes every model explicit; a deployment cannot opt out.
+#[test]
+fn host_wide_explicit_activation_from_set_or_variable() {
+    for (args, env) in [
+        (
+            &["--set", "host.lifecycle.activation=explicit"][..],
+            &[][..],
+        ),
+        (
+            &[][..],
+            &[("CAPYCTL_SET__HOST__LIFECYCLE__ACTIVATION", "explicit")][..],
+        ),
+    ] {
+        let dir = temp_dir("host-explicit");
+        let doc = document(
+            "",
+            "",
+            &[&model("chat-a", "lifecycle: {activation: on_demand}\n")],
+        );
+        let capy = Capy::start_with(&dir, &doc, args, env);
+        let id = id_of(&capy, "chat-a");
+        let r = chat(capy.inference, "chat-a", false);
+        let message = assert_error(&r, 409, "deployment_inactive", false);
+        assert!(
+            message.starts_with(&format!("deployment {id} is not running")),
+            "{message}"
+        );
+        assert_eq!(capy.status("chat-a")["activation"], "explicit");
+        assert_eq!(capy.status("chat-a")["state"], "stopped");
+        capy.cli(&["start", "deployment", "chat-a", "--wait"]).ok();
+        assert_eq!(chat(capy.inference, "chat-a", false).status, 200);
+    }
+}
+
+/// "`--wait` shows progress on a terminal (measurement, then starting)": on a terminal
+/// (`script` gives the command one) the states go by on stderr; without one, only the receipt.
+#[test]
+fn start_wait_shows_progress_on_a_terminal() {
+    let dir = temp_dir("progress");
+    let capy = Capy::start(&dir, &document("", "", &[]));
+    let file = dir.join("fresh.yaml");
+    std::fs::write(
+        &file,
+        "name: fresh\nengine: vllm\nmodel: Qwen3-4B\nenv: {ENGINE_SIM_WEIGHTS_BYTES: 64MiB, ENGINE_SIM_GPU_MEMORY_BYTES: 2GiB, ENGINE_SIM_STARTUP_DELAY: 800ms}\n",
+    )
+    .unwrap();
+    capy.cli(&["deploy", "model", "--file", file.to_str().unwrap()])
+        .ok();
+    let command = format!(
+        "{} start deployment fresh --wait --server http://{}",
+        support::CAPYCTL,
+        capy.management
+    );
+    let out = std::process::Command::new("script")
+        .args(["-qec", &command, "/dev/null"])
+        .env("CAPYCTL_DATA_DIR", &capy.dir)
+        .env_remove("CAPYCTL_ADMIN_TOKEN")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).replace("\r\n", "\n");
+    assert!(out.status.success(), "{text}");
+    let lines: Vec<&str> = text.lines().collect();
+    let at = |needle: &str| {
+        lines
+            .iter()
+            .position(|l| l.starts_with(needle))
+            .unwrap_or_else(|| panic!("no line starting {needle:?} in:\n{text}"))
+    };
+    // The start begins at once (the engine's footprint is its measurement, and without NVML
+    // it stays unknown): the terminal shows it starting, then the receipt.
+    let starting = at("fresh: awaiting measurement; starting");
+    let receipt = at("start deployment fresh (");
+    assert!(starting < receipt, "{text}");
+    assert!(lines[receipt].ends_with("state ready, ready 1/1"), "{text}");
 }

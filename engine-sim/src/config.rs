@@ -87,11 +87,26 @@ pub enum Fault {
     OversizedChunks,
     /// vLLM and SGLang streams also begin with a role-only chunk sent before prefill.
     RoleChunk,
+    /// SGLang's `/health` while generation is paused or memory released does not answer at
+    /// once: like the real server's, it waits for a generated token, answering 200 once the
+    /// engine serves again or 503 after [`PAUSED_HEALTH_TIMEOUT`].
+    PausedHealthHangs,
+    /// Parking claims success and does nothing: vLLM `/sleep`, SGLang `/pause_generation` and
+    /// `/release_memory_occupation` answer 200 and the engine stays awake, serving.
+    SleepIgnored,
+    /// Waking claims success and does nothing: vLLM `/wake_up`, SGLang
+    /// `/resume_memory_occupation` and `/continue_generation` answer 200 and the engine stays
+    /// asleep.
+    WakeIgnored,
 }
+
+/// How long SGLang's `/health` waits for its token before answering 503 (SGLang's
+/// `SGLANG_HEALTH_CHECK_TIMEOUT`, 20 s by default), with the `paused_health_hangs` fault.
+pub const PAUSED_HEALTH_TIMEOUT: Duration = Duration::from_secs(20);
 
 impl Fault {
     /// Every fault, in the order of the docs.
-    pub const ALL: [Fault; 7] = [
+    pub const ALL: [Fault; 10] = [
         Fault::WakeMismatch,
         Fault::ReloadFails,
         Fault::WakeHangs,
@@ -99,6 +114,9 @@ impl Fault {
         Fault::CrashOnWake,
         Fault::OversizedChunks,
         Fault::RoleChunk,
+        Fault::PausedHealthHangs,
+        Fault::SleepIgnored,
+        Fault::WakeIgnored,
     ];
 
     /// The fault's name, as written in `ENGINE_SIM_FAULTS` and `/sim/faults`.
@@ -111,6 +129,9 @@ impl Fault {
             Fault::CrashOnWake => "crash_on_wake",
             Fault::OversizedChunks => "oversized_chunks",
             Fault::RoleChunk => "role_chunk",
+            Fault::PausedHealthHangs => "paused_health_hangs",
+            Fault::SleepIgnored => "sleep_ignored",
+            Fault::WakeIgnored => "wake_ignored",
         }
     }
 }
@@ -330,7 +351,8 @@ struct SimArgs {
     version_string: Option<String>,
 
     /// Faults active at start, comma-separated (wake_mismatch, reload_fails, wake_hangs,
-    /// crash, crash_on_wake, oversized_chunks, role_chunk).
+    /// crash, crash_on_wake, oversized_chunks, role_chunk, paused_health_hangs, sleep_ignored,
+    /// wake_ignored).
     #[arg(long = "sim-faults", env = "ENGINE_SIM_FAULTS", default_value = "", value_parser = parse_faults)]
     faults: BTreeSet<Fault>,
 }

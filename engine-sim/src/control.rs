@@ -8,11 +8,13 @@ use axum::body::Bytes;
 use axum::extract::{RawQuery, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use std::time::Duration;
+
 use serde::Deserialize;
 use serde_json::{Value, json};
-use tracing::info;
+use tracing::{info, warn};
 
-use crate::config::{Fault, Flavour};
+use crate::config::{Fault, Flavour, PAUSED_HEALTH_TIMEOUT};
 use crate::engine::{EngineSim, crash};
 use crate::openai::api_error;
 use crate::state::{ControlError, Tag};
@@ -64,17 +66,40 @@ fn done(result: Result<(), ControlError>) -> Response {
 }
 
 /// `GET /health`. vLLM and TensorFold: 200 once started (vLLM also while asleep). SGLang:
-/// 503 while memory is released or generation is paused (its health check generates a token).
+/// 503 while memory is released or generation is paused (its health check generates a token);
+/// with the `paused_health_hangs` fault it waits for that token as the real server does: 200
+/// as soon as the engine serves again, 503 after [`PAUSED_HEALTH_TIMEOUT`].
 pub(crate) async fn health(State(sim): State<Arc<EngineSim>>) -> Response {
     if !sim.started() {
         return StatusCode::SERVICE_UNAVAILABLE.into_response();
     }
-    if sim.config().flavour == Flavour::Sglang
-        && let Err(why) = sim.with_state(|s| s.servable())
-    {
+    if sim.config().flavour != Flavour::Sglang {
+        return ok_empty();
+    }
+    let Err(why) = sim.with_state(|s| s.servable()) else {
+        return ok_empty();
+    };
+    if !sim.with_state(|s| s.has_fault(Fault::PausedHealthHangs)) {
         return (StatusCode::SERVICE_UNAVAILABLE, why).into_response();
     }
-    ok_empty()
+    warn!("fault paused_health_hangs: /health waits for a token while generation is paused");
+    let deadline = tokio::time::Instant::now() + PAUSED_HEALTH_TIMEOUT;
+    while tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if sim.with_state(|s| s.servable()).is_ok() {
+            return ok_empty();
+        }
+    }
+    (StatusCode::SERVICE_UNAVAILABLE, why).into_response()
+}
+
+/// True (and logged) when `fault` makes this control call answer 200 and do nothing.
+fn ignored(sim: &EngineSim, fault: Fault, what: &str) -> bool {
+    let on = sim.with_state(|s| s.has_fault(fault));
+    if on {
+        warn!(fault = %fault, "{what} answers 200 and does nothing");
+    }
+    on
 }
 
 /// `GET /version` (vLLM).
@@ -102,6 +127,9 @@ pub(crate) async fn vllm_sleep(
             }
         },
     };
+    if ignored(&sim, Fault::SleepIgnored, "sleep") {
+        return ok_empty();
+    }
     done(
         sim.control("sleep", move |s, c| s.begin_vllm_sleep(level, c))
             .await,
@@ -121,6 +149,9 @@ pub(crate) async fn vllm_wake_up(
         tags = vec![Tag::Weights, Tag::KvCache];
     }
     sim.hang_if_wake_hangs().await;
+    if ignored(&sim, Fault::WakeIgnored, "wake_up") {
+        return ok_empty();
+    }
     done(
         sim.control("wake_up", move |s, c| Ok(s.begin_wake(&tags, c)))
             .await,
@@ -208,6 +239,9 @@ pub(crate) async fn sglang_model_info(State(sim): State<Arc<EngineSim>>) -> Resp
 /// `POST /pause_generation`: new requests are refused, running ones are cut off (SGLang's
 /// default `abort` mode).
 pub(crate) async fn sglang_pause(State(sim): State<Arc<EngineSim>>) -> Response {
+    if ignored(&sim, Fault::SleepIgnored, "pause_generation") {
+        return ok_empty();
+    }
     sim.with_state(|s| s.set_paused(true));
     info!("generation paused");
     ok_empty()
@@ -215,6 +249,9 @@ pub(crate) async fn sglang_pause(State(sim): State<Arc<EngineSim>>) -> Response 
 
 /// `POST /continue_generation`.
 pub(crate) async fn sglang_continue(State(sim): State<Arc<EngineSim>>) -> Response {
+    if ignored(&sim, Fault::WakeIgnored, "continue_generation") {
+        return ok_empty();
+    }
     sim.with_state(|s| s.set_paused(false));
     info!("generation continued");
     ok_empty()
@@ -247,6 +284,9 @@ pub(crate) async fn sglang_release(State(sim): State<Arc<EngineSim>>, body: Byte
         Ok(t) => t,
         Err(e) => return e.into_response(),
     };
+    if ignored(&sim, Fault::SleepIgnored, "release_memory_occupation") {
+        return ok_empty();
+    }
     done(
         sim.control("release_memory_occupation", move |s, c| {
             s.begin_sglang_release(&tags, c)
@@ -262,6 +302,9 @@ pub(crate) async fn sglang_resume(State(sim): State<Arc<EngineSim>>, body: Bytes
         Err(e) => return e.into_response(),
     };
     sim.hang_if_wake_hangs().await;
+    if ignored(&sim, Fault::WakeIgnored, "resume_memory_occupation") {
+        return ok_empty();
+    }
     done(
         sim.control("resume_memory_occupation", move |s, c| {
             Ok(s.begin_wake(&tags, c))

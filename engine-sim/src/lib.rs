@@ -35,7 +35,9 @@ use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use axum::serve::ListenerExt;
 
-pub use config::{Fault, Flavour, SimConfig, parse_bytes, parse_duration, parse_faults};
+pub use config::{
+    Fault, Flavour, PAUSED_HEALTH_TIMEOUT, SimConfig, parse_bytes, parse_duration, parse_faults,
+};
 pub use engine::{CRASH_EXIT_CODE, EngineSim, SimSnapshot};
 pub use state::{Corruption, Counters, Tag, WeightsState};
 

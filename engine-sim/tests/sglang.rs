@@ -253,3 +253,69 @@ async fn server_info_and_metrics() {
         StatusCode::NOT_FOUND
     );
 }
+
+#[tokio::test]
+async fn fault_paused_health_hangs_until_it_serves_again() {
+    let sim = start(&sglang(&[
+        "--enable-weights-cpu-backup",
+        "--sim-faults",
+        "paused_health_hangs",
+    ]))
+    .await;
+    assert_eq!(sim.get("/health").await.0, StatusCode::OK);
+    sim.post_ok("/pause_generation").await;
+    post_json_ok(&sim, "/release_memory_occupation", json!({})).await;
+    // Like the real server's, the health check waits for a token instead of answering.
+    let health = sim.get("/health");
+    tokio::pin!(health);
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), &mut health)
+            .await
+            .is_err(),
+        "a paused SGLang answered /health at once"
+    );
+    // Non-generating endpoints still answer.
+    assert_eq!(sim.get("/server_info").await.0, StatusCode::OK);
+    post_json_ok(&sim, "/resume_memory_occupation", json!({})).await;
+    sim.post_ok("/continue_generation").await;
+    // The waiting check gets its token now.
+    let (status, _) = tokio::time::timeout(Duration::from_secs(5), health)
+        .await
+        .expect("the health check did not answer once the engine served again");
+    assert_eq!(status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn faults_sleep_ignored_and_wake_ignored_claim_success() {
+    let sim = start(&sglang(&["--enable-weights-cpu-backup"])).await;
+    set_faults(&sim, json!({"set": ["sleep_ignored"]})).await;
+    sim.post_ok("/pause_generation").await;
+    post_json_ok(&sim, "/release_memory_occupation", json!({})).await;
+    let s = sim.state().await;
+    assert_eq!(
+        (s["weights"].as_str(), s["paused"].as_bool()),
+        (Some("intact"), Some(false))
+    );
+    assert_eq!(sim.get("/health").await.0, StatusCode::OK, "still serving");
+
+    set_faults(
+        &sim,
+        json!({"set": ["wake_ignored"], "clear": ["sleep_ignored"]}),
+    )
+    .await;
+    sim.post_ok("/pause_generation").await;
+    post_json_ok(&sim, "/release_memory_occupation", json!({})).await;
+    post_json_ok(&sim, "/resume_memory_occupation", json!({})).await;
+    sim.post_ok("/continue_generation").await;
+    let s = sim.state().await;
+    assert_eq!(
+        (s["weights"].as_str(), s["paused"].as_bool()),
+        (Some("host_ram"), Some(true))
+    );
+    assert_eq!(sim.get("/health").await.0, StatusCode::SERVICE_UNAVAILABLE);
+}
+
+async fn set_faults(sim: &Sim, change: Value) {
+    let (status, body) = sim.post("/sim/faults", change).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+}

@@ -323,6 +323,24 @@ async fn fault_wake_hangs_holds_the_connection() {
 }
 
 #[tokio::test]
+async fn faults_sleep_ignored_and_wake_ignored_claim_success() {
+    let sim = start(VLLM).await;
+    set_faults(&sim, json!({"set": ["sleep_ignored"]})).await;
+    sim.post_ok("/sleep?level=1").await;
+    assert!(!is_sleeping(&sim).await, "the sleep was ignored");
+    assert_eq!(sim.state().await["weights"], "intact");
+    set_faults(
+        &sim,
+        json!({"set": ["wake_ignored"], "clear": ["sleep_ignored"]}),
+    )
+    .await;
+    sim.post_ok("/sleep?level=1").await;
+    sim.post_ok("/wake_up").await;
+    assert!(is_sleeping(&sim).await, "the wake was ignored");
+    assert_eq!(sim.state().await["weights"], "host_ram");
+}
+
+#[tokio::test]
 async fn fault_oversized_chunks_and_role_chunk() {
     let sim = start(VLLM).await;
     set_faults(&sim, json!({"set": ["oversized_chunks", "role_chunk"]})).await;

@@ -7,7 +7,10 @@
 //!
 //! The lifecycle is the one writer of instance state and calls one operation at a time per
 //! instance; the agent keeps only what it needs to drive the engines (ports, tiers, first
-//! answers), also in the pid records so that a restarted CapyCTL can go on.
+//! answers, measurements), also in the pid records so that a restarted CapyCTL can go on. A
+//! park or a wake writes its intent into the record before it calls the engine and its
+//! outcome after, so that a recovery after a kill at any moment adopts an engine where it
+//! really is, or stops it ([`crate::recovery`]).
 //!
 //! An engine that exits by itself (a crash, an OOM kill) outside a wake is reported once on
 //! [`HostAgent::subscribe_exits`] and forgotten; one that exits during a wake fails the wake
@@ -33,14 +36,26 @@ use crate::error::AgentError;
 use crate::inventory::{GpuProbe, Inventory, inventory};
 use crate::launch::{MaxRunning, MaxRunningInput, max_running};
 use crate::load::LoadSample;
-use crate::measure::{Measurement, add_footprint, measure_before_start};
+use crate::measure::{
+    GpuHeld, GpuHeldSource, MeasureSource, Measurement, add_footprint, footprint,
+    measure_before_start, parked_estimate,
+};
 use crate::process::{ExitWatch, PidRecord, ProcessRuntime};
+use crate::recovery::{EngineState, RecoveryVerdict, Transition, recovery_verdict, settled};
 use crate::runtime::{Answers, EngineRuntime, LaunchRequest, Launched};
 use crate::spec::{HostSettings, InstanceSpec};
 use crate::tier::{
     LaunchParking, NoParkReason, ParkChoice, ParkTier, TierInput, choose_tier, launch_parking,
 };
 use crate::verify::{FirstAnswer, WakeOutcome};
+
+/// What [`LocalHostAgent::prepare`] learns about a deployment before a start or a park.
+struct Prepared {
+    inv: Inventory,
+    measurement: Measurement,
+    refusal: Option<&'static RefusalRow>,
+    facts: ModelFacts,
+}
 
 /// A boxed, sendable future (keeps [`HostAgent`] object-safe).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -107,12 +122,35 @@ pub enum ParkResult {
     Parked {
         /// The tier.
         tier: ParkTier,
+        /// The GPU memory the parked engine still holds (CUDA context, graphs, pools; the
+        /// weights too for a KV-only park): the probe's reading of the engine's processes,
+        /// else an estimate ([`parked_estimate`]); `None` when neither is known.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        gpu_held: Option<GpuHeld>,
     },
     /// Stopped instead (`released: stopped (no room to park)` for [`NoParkReason::NoRoomToPark`]).
     Stopped {
         /// Why.
         reason: NoParkReason,
     },
+}
+
+impl ParkResult {
+    /// The tier it parked in; `None` when it was stopped.
+    pub fn tier(&self) -> Option<ParkTier> {
+        match self {
+            ParkResult::Parked { tier, .. } => Some(*tier),
+            ParkResult::Stopped { .. } => None,
+        }
+    }
+
+    /// The GPU memory the parked engine still holds, when parked and known.
+    pub fn gpu_held(&self) -> Option<GpuHeld> {
+        match self {
+            ParkResult::Parked { gpu_held, .. } => *gpu_held,
+            ParkResult::Stopped { .. } => None,
+        }
+    }
 }
 
 /// How a wake went. On any failure the engine has been stopped.
@@ -150,6 +188,9 @@ pub struct AdoptedInstance {
     pub pid: u32,
     /// Parked in this tier, or awake.
     pub parked: Option<ParkTier>,
+    /// While parked: the GPU memory it still holds, as recorded at its park.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_held: Option<GpuHeld>,
 }
 
 /// What a recovery did. `adopted` also lists the engines the agent already drove before the
@@ -158,7 +199,8 @@ pub struct AdoptedInstance {
 pub struct RecoveryReport {
     /// Adopted engines.
     pub adopted: Vec<AdoptedInstance>,
-    /// Instances whose engine was alive but did not answer: stopped.
+    /// Instances whose engine was alive but not adopted: it did not answer, or was not where
+    /// its record says (see [`crate::recovery`]): stopped.
     pub stopped: Vec<String>,
     /// Instances whose engine was gone: record removed.
     pub gone: Vec<String>,
@@ -188,7 +230,8 @@ pub trait HostAgent: Send + Sync {
     fn inventory(&self) -> BoxFuture<'_, Result<Inventory, AgentError>>;
     /// The `engine list` rows.
     fn engines(&self) -> BoxFuture<'_, Vec<EngineInfo>>;
-    /// Measures a deployment before a start (declared resources, checkpoint headers).
+    /// Measures a deployment before a start (declared resources, checkpoint headers, or the
+    /// footprint an earlier start of the same deployment and model showed on this host).
     fn measure<'a>(
         &'a self,
         spec: &'a InstanceSpec,
@@ -255,6 +298,10 @@ struct InstanceState {
     measurement: Measurement,
     /// A wake is in progress: an exit now is the wake's to report.
     waking: bool,
+    /// A park into this tier is in progress: a host-RAM park's copy is counted against the
+    /// host's room from its choice on, so two parks at once cannot both count the same free
+    /// memory.
+    parking: Option<ParkTier>,
 }
 
 impl Instance {
@@ -389,6 +436,12 @@ pub struct LocalHostAgent {
     exits: broadcast::Sender<EngineExit>,
     /// Engine versions seen, by kind.
     versions: Mutex<HashMap<EngineKind, String>>,
+    /// Measurements learned from engines' footprints, by deployment and model, so that a later
+    /// start knows what the checkpoint alone does not say (a hub model's size).
+    learned: Mutex<HashMap<(String, String), Measurement>>,
+    /// Taken while a park's tier is chosen and its host-RAM copy reserved; never held across an
+    /// `.await`.
+    park_choice: Mutex<()>,
 }
 
 impl std::fmt::Debug for LocalHostAgent {
@@ -451,6 +504,8 @@ impl LocalHostAgent {
             instances: Arc::new(Mutex::new(HashMap::new())),
             exits: broadcast::channel(EXIT_EVENTS).0,
             versions: Mutex::new(HashMap::new()),
+            learned: Mutex::new(HashMap::new()),
+            park_choice: Mutex::new(()),
         }
     }
 
@@ -512,36 +567,110 @@ impl LocalHostAgent {
             .and_then(|i| i.state().record.parked)
     }
 
-    /// Room in host RAM for one more copy: the `host_memory` override minus the copies of the
-    /// other parked instances, or `MemAvailable` (which already excludes them).
+    /// While an instance is parked: the GPU memory it still holds.
+    pub fn parked_gpu_held(&self, instance: &str) -> Option<GpuHeld> {
+        self.instances().get(instance).and_then(|i| {
+            let s = i.state();
+            s.record.parked.and(s.record.gpu_held)
+        })
+    }
+
+    /// Room in host RAM for one more copy: free host memory minus the copies of the other
+    /// instances parked in host RAM and of those parking there now. Free memory is the
+    /// `host_memory` override (which the copies made are taken from), or `MemAvailable`
+    /// (which already excludes the copies made, but not those still being made).
     fn host_room(&self, inv: &Inventory, except: &str) -> u64 {
-        if !inv.host_memory.overridden {
-            return inv.host_memory.available_bytes;
-        }
+        let overridden = inv.host_memory.overridden;
         let copies: u64 = self
             .instances()
             .iter()
             .filter(|(id, _)| id.as_str() != except)
             .filter_map(|(_, i)| {
                 let s = i.state();
-                (s.record.parked == Some(ParkTier::HostRam))
-                    .then(|| s.measurement.weights_bytes().unwrap_or(0))
+                let copying = s.parking == Some(ParkTier::HostRam);
+                let copied = overridden && s.record.parked == Some(ParkTier::HostRam);
+                (copying || copied).then(|| s.measurement.weights_bytes().unwrap_or(0))
             })
             .sum();
         inv.host_memory.available_bytes.saturating_sub(copies)
     }
 
-    async fn tier_input_parts(
-        &self,
-        spec: &InstanceSpec,
-    ) -> Result<(Inventory, Measurement, Option<&'static RefusalRow>), AgentError> {
+    /// The `CUDA_VISIBLE_DEVICES` an engine of `spec` starts with: the deployment's `env`, the
+    /// host's `engines.<kind>.env`, or the agent's own environment.
+    fn visible_devices(&self, spec: &InstanceSpec) -> Option<String> {
+        const VAR: &str = "CUDA_VISIBLE_DEVICES";
+        spec.env
+            .get(VAR)
+            .or_else(|| self.settings.engine(spec.engine).env.get(VAR))
+            .cloned()
+            .or_else(|| std::env::var(VAR).ok())
+    }
+
+    /// Whether the GPUs `spec`'s engine uses have unified memory.
+    fn unified_for(&self, inv: &Inventory, spec: &InstanceSpec) -> bool {
+        inv.unified_for(self.visible_devices(spec).as_deref())
+    }
+
+    /// `measured` (before a start) completed with what an earlier start of the same
+    /// deployment and model showed: a figure no other source gives.
+    fn with_learned(&self, spec: &InstanceSpec, measured: Measurement) -> Measurement {
+        let learned = self
+            .learned
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&(spec.deployment_id.clone(), spec.model.clone()))
+            .copied()
+            .unwrap_or_default();
+        Measurement {
+            weights: measured.weights.or(learned.weights),
+            gpu_memory: measured.gpu_memory.or(learned.gpu_memory),
+        }
+    }
+
+    /// Keeps `m` for later starts of `spec` when it holds the engine's footprint.
+    fn learn(&self, spec: &InstanceSpec, m: Measurement) {
+        if m.gpu_memory
+            .is_some_and(|g| g.source == MeasureSource::EngineFootprint)
+        {
+            self.learned
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert((spec.deployment_id.clone(), spec.model.clone()), m);
+        }
+    }
+
+    /// What a parked engine of `inst` (process `pid`) holds on the GPU now: the probe's reading
+    /// of its processes, else the estimate.
+    fn gpu_held(&self, inst: &Instance, pid: u32, tier: ParkTier) -> Option<GpuHeld> {
+        if let Some(bytes) = footprint(self.probe.as_ref(), pid) {
+            return Some(GpuHeld {
+                bytes,
+                source: GpuHeldSource::Observed,
+            });
+        }
+        let weights = inst.state().measurement.weights_bytes();
+        parked_estimate(weights, tier == ParkTier::KvOnly).map(|bytes| GpuHeld {
+            bytes,
+            source: GpuHeldSource::Estimated,
+        })
+    }
+
+    /// What starting, parking or judging `spec` needs to know first: the inventory, the
+    /// measurement, the refusal row and the checkpoint's facts.
+    async fn prepare(&self, spec: &InstanceSpec) -> Result<Prepared, AgentError> {
         let inv = inventory(&self.settings, self.probe.as_ref())?;
         let s = spec.clone();
         let (measurement, facts) =
             blocking(move || Ok((measure_before_start(&s)?, ModelFacts::read(&s.model)))).await?;
+        let measurement = self.with_learned(spec, measurement);
         let version = self.version_of(spec.engine);
         let refusal = refusal_for(spec.engine, version.as_deref(), &facts, spec.speculative());
-        Ok((inv, measurement, refusal))
+        Ok(Prepared {
+            inv,
+            measurement,
+            refusal,
+            facts,
+        })
     }
 
     fn spawn_sampler(
@@ -591,6 +720,7 @@ impl LocalHostAgent {
                 record: record.clone(),
                 measurement,
                 waking: false,
+                parking: None,
             }),
             sample,
             sampler,
@@ -614,7 +744,11 @@ impl LocalHostAgent {
 
     /// Changes the record of `inst` and writes it, unless the agent no longer holds `inst`
     /// (its engine exited meanwhile and was forgotten: no record may come back for it).
-    fn save(&self, inst: &Arc<Instance>, change: impl FnOnce(&mut PidRecord)) {
+    fn save(
+        &self,
+        inst: &Arc<Instance>,
+        change: impl FnOnce(&mut PidRecord),
+    ) -> Result<(), AgentError> {
         let record = {
             let mut s = inst.state();
             change(&mut s.record);
@@ -625,11 +759,17 @@ impl LocalHostAgent {
             .get(&record.instance)
             .is_some_and(|held| Arc::ptr_eq(held, inst))
         {
-            return;
+            return Ok(());
         }
         // Under the map's lock, so an exit report cannot remove the record in between.
-        if let Err(e) = self.runtime.write_record(&record) {
-            tracing::warn!(instance = %record.instance, error = %e, "cannot update pid record");
+        self.runtime.write_record(&record)
+    }
+
+    /// [`LocalHostAgent::save`] of an outcome: a record that cannot be written is logged (the
+    /// engine's state already changed; the record's transition makes a recovery stop it).
+    fn save_outcome(&self, inst: &Arc<Instance>, change: impl FnOnce(&mut PidRecord)) {
+        if let Err(e) = self.save(inst, change) {
+            tracing::warn!(instance = %inst.state().record.instance, error = %e, "cannot update pid record");
         }
     }
 
@@ -640,13 +780,18 @@ impl LocalHostAgent {
                 detail: "already running".into(),
             });
         }
-        let (inv, measurement, refusal) = self.tier_input_parts(spec).await?;
+        let Prepared {
+            inv,
+            measurement,
+            refusal,
+            facts,
+        } = self.prepare(spec).await?;
         let input = TierInput {
             engine: spec.engine,
             residency: spec.residency,
             speculative: spec.speculative(),
             decision_model: spec.decision.is_some(),
-            unified_memory: inv.unified_memory(),
+            unified_memory: self.unified_for(&inv, spec),
             weights_bytes: measurement.weights_bytes(),
             host_room: Some(self.host_room(&inv, id)),
             refusal,
@@ -670,12 +815,14 @@ impl LocalHostAgent {
             .await?;
         let port = record.port;
         let endpoint = endpoint_at(spec, base_url);
+        let log = self.runtime.log_location(&record);
         let ready = tokio::select! {
             r = self.driver.wait_ready(&endpoint, self.config.ready_timeout) => r,
             status = exit.wait_for(Option::is_some) => Err(AgentError::EngineExited {
                 engine: spec.engine,
                 instance: id.to_string(),
                 status: status.ok().and_then(|s| s.clone()).unwrap_or_default(),
+                log: None,
             }),
         };
         let first = match ready {
@@ -694,7 +841,7 @@ impl LocalHostAgent {
             Ok(f) => f,
             Err(e) => {
                 let _ = self.runtime.stop(id, self.config.stop_grace).await;
-                return Err(e);
+                return Err(e.not_ready(spec.engine, id, log));
             }
         };
         let version = self.driver.version(&endpoint).await;
@@ -709,8 +856,10 @@ impl LocalHostAgent {
             _ => None,
         };
         let measurement = add_footprint(measurement, self.probe.as_ref(), record.pid);
+        self.learn(spec, measurement);
         let mut record = record;
         record.first_answer = Some(first.clone());
+        record.measurement = Some(measurement);
         // Before the exit watcher starts (in `register`), so a record is never written back
         // for an engine already forgotten.
         if let Err(e) = self.runtime.write_record(&record) {
@@ -731,47 +880,63 @@ impl LocalHostAgent {
                 extra_args: &spec.extra_args,
                 host_command: &self.settings.engine(spec.engine).command,
                 engine_reported: reported,
-                state_cache_limit: None,
+                hybrid_checkpoint: facts.hybrid_state,
                 sized_on_host: false,
             }),
             parking,
         })
     }
 
-    fn park_choice(
+    /// Chooses how `inst` gives back its memory and, for a park, marks it parking (which
+    /// reserves a host-RAM copy's room, see [`LocalHostAgent::host_room`]) in one step: two
+    /// parks at once never both count the same free memory.
+    fn choose_and_reserve(
         &self,
         id: &str,
         inst: &Instance,
         inv: &Inventory,
     ) -> Result<ParkChoice, AgentError> {
+        let _one_at_a_time = self
+            .park_choice
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         let measurement = inst.state().measurement;
-        choose_tier(&TierInput {
+        let choice = choose_tier(&TierInput {
             engine: inst.spec.engine,
             residency: inst.spec.residency,
             speculative: inst.spec.speculative(),
             decision_model: inst.spec.decision.is_some(),
-            unified_memory: inv.unified_memory(),
+            unified_memory: self.unified_for(inv, &inst.spec),
             weights_bytes: measurement.weights_bytes(),
             host_room: Some(self.host_room(inv, id)),
             refusal: inst.refusal,
             launched: Some(inst.parking),
-        })
+        })?;
+        if let ParkChoice::Park(tier) = choice
+            && inst.parking.may_park
+        {
+            inst.state().parking = Some(tier);
+        }
+        Ok(choice)
     }
 
     async fn do_park(&self, id: &str) -> Result<ParkResult, AgentError> {
         let inst = self.instance(id)?;
-        if inst.state().record.parked.is_some() {
-            return Err(AgentError::WrongState {
-                instance: id.to_string(),
-                detail: "already parked".into(),
-            });
+        {
+            let s = inst.state();
+            if s.record.parked.is_some() || s.parking.is_some() {
+                return Err(AgentError::WrongState {
+                    instance: id.to_string(),
+                    detail: "already parked or parking".into(),
+                });
+            }
         }
         let inv = inventory(&self.settings, self.probe.as_ref())?;
-        match self.park_choice(id, &inst, &inv)? {
+        match self.choose_and_reserve(id, &inst, &inv)? {
             ParkChoice::Park(tier) if inst.parking.may_park => {
-                self.driver.park(&inst.endpoint, tier).await?;
-                self.save(&inst, |r| r.parked = Some(tier));
-                Ok(ParkResult::Parked { tier })
+                let parked = self.park_engine(&inst, tier).await;
+                inst.state().parking = None;
+                parked
             }
             ParkChoice::Park(_) => {
                 self.do_stop(id).await?;
@@ -786,6 +951,25 @@ impl LocalHostAgent {
         }
     }
 
+    /// Records the intent, parks the engine in `tier`, records the outcome. A park that fails
+    /// leaves the intent recorded: the engine's state is uncertain, and a recovery stops it.
+    async fn park_engine(
+        &self,
+        inst: &Arc<Instance>,
+        tier: ParkTier,
+    ) -> Result<ParkResult, AgentError> {
+        self.save(inst, |r| r.transition = Some(Transition::Parking(tier)))?;
+        self.driver.park(&inst.endpoint, tier).await?;
+        let pid = inst.state().record.pid;
+        let gpu_held = self.gpu_held(inst, pid, tier);
+        self.save_outcome(inst, |r| {
+            r.parked = Some(tier);
+            r.gpu_held = gpu_held;
+            r.transition = None;
+        });
+        Ok(ParkResult::Parked { tier, gpu_held })
+    }
+
     async fn do_wake(&self, id: &str) -> Result<WakeReport, AgentError> {
         let inst = self.instance(id)?;
         let (tier, first) = {
@@ -798,9 +982,10 @@ impl LocalHostAgent {
                 detail: "not parked".into(),
             });
         };
+        self.save(&inst, |r| r.transition = Some(Transition::Waking(tier)))?;
         let guard = WakeGuard::new(id, &inst, self.runtime.exit_watch(id), self.reporter());
         let began = Instant::now();
-        let mut outcome = self
+        let attempt = self
             .driver
             .wake_and_verify(
                 &inst.endpoint,
@@ -810,8 +995,9 @@ impl LocalHostAgent {
                 self.config.wake_window,
             )
             .await;
+        let mut outcome = attempt.outcome;
         if outcome != WakeOutcome::Pass
-            && let Some(status) = self.exited(id).await
+            && let Some(status) = self.exited(id, attempt.engine_unreachable).await
         {
             outcome = WakeOutcome::EngineExited(format!(
                 "{}; the engine exited during the wake: {status}",
@@ -819,7 +1005,11 @@ impl LocalHostAgent {
             ));
         }
         if outcome == WakeOutcome::Pass {
-            self.save(&inst, |r| r.parked = None);
+            self.save_outcome(&inst, |r| {
+                r.parked = None;
+                r.gpu_held = None;
+                r.transition = None;
+            });
         } else {
             tracing::warn!(instance = id, outcome = ?outcome, "wake failed; stopping the instance");
             let _ = self.do_stop(id).await;
@@ -831,9 +1021,13 @@ impl LocalHostAgent {
         })
     }
 
-    /// The exit status when the engine has exited (waiting briefly for it to be reaped).
-    async fn exited(&self, id: &str) -> Option<String> {
+    /// The exit status when the engine has exited; when it could not be reached
+    /// (`unreachable`), waiting briefly for it to be reaped.
+    async fn exited(&self, id: &str, unreachable: bool) -> Option<String> {
         let mut exit = self.runtime.exit_watch(id)?;
+        if !unreachable {
+            return exit.borrow().clone();
+        }
         exited_within(&mut exit, Duration::from_secs(2)).await
     }
 
@@ -860,15 +1054,37 @@ impl LocalHostAgent {
                     base_url: inst.endpoint.base_url.clone(),
                     pid: s.record.pid,
                     parked: s.record.parked,
+                    gpu_held: s.record.parked.and(s.record.gpu_held),
                 }
             })
             .collect();
+        let verdicts: Arc<Mutex<HashMap<String, RecoveryVerdict>>> = Arc::default();
         let driver = self.driver.clone();
+        let seen = Arc::clone(&verdicts);
         let answers: Answers = Arc::new(move |record: PidRecord, base_url: String| {
             let driver = driver.clone();
+            let seen = Arc::clone(&seen);
             Box::pin(async move {
-                let ep = endpoint_at(&record.spec, base_url);
-                driver.health(&ep).await.is_ok()
+                let verdict = match record.transition {
+                    // Nothing the engine says changes it: do not make it generate.
+                    Some(Transition::Waking(_)) => {
+                        recovery_verdict(&record, &EngineState::NoAnswer(String::new()))
+                    }
+                    _ => {
+                        let ep = endpoint_at(&record.spec, base_url);
+                        let expect_awake = record.parked.is_none() && record.transition.is_none();
+                        let state = driver.engine_state(&ep, expect_awake).await;
+                        recovery_verdict(&record, &state)
+                    }
+                };
+                if let RecoveryVerdict::Stop(why) = &verdict {
+                    tracing::warn!(instance = %record.instance, pid = record.pid, reason = %why, "left-behind engine not adopted; stopping it");
+                }
+                let adopts = verdict.adopts();
+                seen.lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .insert(record.instance, verdict);
+                adopts
             })
         });
         let recovery = self
@@ -881,14 +1097,32 @@ impl LocalHostAgent {
             ..Default::default()
         };
         for record in recovery.adopted {
-            let (_, measurement, refusal) = self.tier_input_parts(&record.spec).await?;
-            let inst = self.register(record.clone(), refusal, measurement);
+            let verdict = verdicts
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&record.instance);
+            let record = match verdict {
+                Some(v) => settled(record, &v),
+                None => record,
+            };
+            let prepared = self.prepare(&record.spec).await?;
+            let measurement = record.measurement.unwrap_or(prepared.measurement);
+            self.learn(&record.spec, measurement);
+            let inst = self.register(record.clone(), prepared.refusal, measurement);
+            // A park whose outcome was not recorded: what the engine holds now.
+            let gpu_held = match (record.parked, record.gpu_held) {
+                (Some(tier), None) => self.gpu_held(&inst, record.pid, tier),
+                (_, held) => held,
+            };
+            let record = PidRecord { gpu_held, ..record };
+            self.save_outcome(&inst, |r| *r = record.clone());
             report.adopted.push(AdoptedInstance {
                 instance: record.instance.clone(),
                 spec: record.spec.clone(),
                 base_url: inst.endpoint.base_url.clone(),
                 pid: record.pid,
                 parked: record.parked,
+                gpu_held: record.parked.and(record.gpu_held),
             });
         }
         for inst in held {
@@ -944,7 +1178,8 @@ impl HostAgent for LocalHostAgent {
     ) -> BoxFuture<'a, Result<Measurement, AgentError>> {
         Box::pin(async move {
             let s = spec.clone();
-            blocking(move || measure_before_start(&s)).await
+            let measured = blocking(move || measure_before_start(&s)).await?;
+            Ok(self.with_learned(spec, measured))
         })
     }
 
@@ -953,13 +1188,18 @@ impl HostAgent for LocalHostAgent {
         spec: &'a InstanceSpec,
     ) -> BoxFuture<'a, Result<ParkChoice, AgentError>> {
         Box::pin(async move {
-            let (inv, measurement, refusal) = self.tier_input_parts(spec).await?;
+            let Prepared {
+                inv,
+                measurement,
+                refusal,
+                ..
+            } = self.prepare(spec).await?;
             choose_tier(&TierInput {
                 engine: spec.engine,
                 residency: spec.residency,
                 speculative: spec.speculative(),
                 decision_model: spec.decision.is_some(),
-                unified_memory: inv.unified_memory(),
+                unified_memory: self.unified_for(&inv, spec),
                 weights_bytes: measurement.weights_bytes(),
                 host_room: Some(self.host_room(&inv, "")),
                 refusal,

@@ -13,7 +13,10 @@
 //!   `super` and `vl`, in that order (`nvidia/Nemotron-3.5-Super-VL-…`).
 //!
 //! Rows are version-aware through `fixed_in`: a row stops applying from that engine version on
-//! (and also applies when the version is unknown). No row has a known fix yet.
+//! (and also applies when the version is unknown). No row has a known fix yet, so every row
+//! applies to every version of its engines; a row that names the version it was seen on (the
+//! Nemotron row names vLLM 0.31.0) says so in its reason, and gets its `fixed_in` once a release
+//! wakes the model correctly.
 
 use capyctl_crds::EngineKind;
 
@@ -67,7 +70,9 @@ pub const REFUSALS: &[RefusalRow] = &[
         engines: &[EngineKind::Vllm],
         unless_weights_stay: false,
         fixed_in: None,
-        reason: "Nemotron 3.5 Super VL on vLLM: after a park and a wake, vLLM 0.31.0 answers wrongly",
+        reason: "Nemotron 3.5 Super VL on vLLM: after a park and a wake, vLLM 0.31.0 answers wrongly; \
+                 refused on every vLLM version (0.31.0, later and unknown ones) until a release is \
+                 known to wake it correctly",
     },
 ];
 
@@ -186,7 +191,10 @@ pub struct EngineInfo {
     pub version: Option<String>,
     /// Whether it parks.
     pub deep_park: DeepPark,
-    /// The refusal table's reasons for this engine (models it will not park).
+    /// The refusal table's reasons for this engine (models it will not park). NB: the
+    /// management API's engine row ([`capyctl_crds::api::EngineView`]) has no field for them,
+    /// so [`EngineInfo::view`] leaves them out; users meet a reason in the
+    /// `capability_missing:deep_park` error and the `Parkable` condition of the model concerned.
     #[serde(deserialize_with = "crate::remote::wire::static_strs")]
     pub refused_models: Vec<&'static str>,
 }

@@ -186,6 +186,57 @@ pub struct ModelFacts {
     pub model_type: Option<String>,
     /// `architectures` from `config.json`.
     pub architectures: Vec<String>,
+    /// `config.json` describes a hybrid model (Mamba / state-space or linear-attention layers
+    /// beside attention, or a pure state-space model): each running request holds a state of
+    /// its own, so the engine's state cache can bound how many run at once (see
+    /// [`hybrid_state`]).
+    pub hybrid_state: bool,
+}
+
+/// `model_type`s of hybrid and state-space models (Hugging Face `config.json`).
+const HYBRID_MODEL_TYPES: &[&str] = &[
+    "mamba",
+    "mamba2",
+    "falcon_mamba",
+    "jamba",
+    "zamba",
+    "zamba2",
+    "bamba",
+    "falcon_h1",
+    "nemotron_h",
+    "granitemoehybrid",
+    "qwen3_next",
+    "plamo2",
+    "minimax",
+    "minimax_m1",
+    "kimi_linear",
+];
+
+/// Whether a `config.json` (or its `text_config`, for vision-language models) describes a
+/// hybrid or state-space model: a `model_type` of [`HYBRID_MODEL_TYPES`], `layer_types` or
+/// `layers_block_type` naming `linear_attention` or `mamba` layers (Qwen3-Next, Granite 4
+/// hybrids, Zamba), a `hybrid_override_pattern` with Mamba layers `M` (Nemotron-H) or a
+/// `linear_attn_config` (Kimi Linear).
+pub fn hybrid_state(config: &Value) -> bool {
+    let one = |c: &Value| -> bool {
+        let model_type = c.get("model_type").and_then(Value::as_str);
+        let layers_named = |key: &str| {
+            c.get(key).and_then(Value::as_array).is_some_and(|layers| {
+                layers.iter().filter_map(Value::as_str).any(|l| {
+                    let l = l.to_ascii_lowercase();
+                    l.contains("linear_attention") || l.contains("mamba")
+                })
+            })
+        };
+        model_type.is_some_and(|t| HYBRID_MODEL_TYPES.contains(&t))
+            || layers_named("layer_types")
+            || layers_named("layers_block_type")
+            || c.get("hybrid_override_pattern")
+                .and_then(Value::as_str)
+                .is_some_and(|p| p.contains('M'))
+            || c.get("linear_attn_config").is_some_and(Value::is_object)
+    };
+    one(config) || config.get("text_config").is_some_and(one)
 }
 
 impl ModelFacts {
@@ -232,6 +283,7 @@ impl ModelFacts {
                         .collect()
                 })
                 .unwrap_or_default();
+            facts.hybrid_state = hybrid_state(&c);
         }
         facts
     }

@@ -9,12 +9,23 @@
 //!   /collective_rpc {"method":"reload_weights"}`, `POST /wake_up?tags=kv_cache`, `POST
 //!   /reset_prefix_cache`, confirm false.
 //! - SGLang: `POST /pause_generation`, `POST /release_memory_occupation {"tags":[...]}`
-//!   (`["kv_cache"]` alone for KV-only, else weights, kv_cache and cuda_graph), confirm that
-//!   `GET /health` no longer answers 200; wake `POST /resume_memory_occupation` (same tags),
-//!   after a deep park `POST /update_weights_from_disk {"model_path": model}` and `POST
-//!   /flush_cache`, then `POST /continue_generation`, confirm `GET /health` 200.
+//!   (`["kv_cache"]` alone for KV-only, else weights, kv_cache and cuda_graph), confirm that it
+//!   no longer generates (below); wake `POST /resume_memory_occupation` (same tags), after a
+//!   deep park `POST /update_weights_from_disk {"model_path": model}` and `POST /flush_cache`,
+//!   then `POST /continue_generation`, confirm `GET /health` 200.
 //!   NB: the reload runs before `continue_generation`, so the engine never generates on
 //!   dropped weights.
+//!
+//! NB (SGLang's `/health`): it generates one token and, while generation is paused, waits for
+//! it up to `SGLANG_HEALTH_CHECK_TIMEOUT` (20 s by default) before answering 503; it answers
+//! 200 about a second after the call when the engine generates. SGLang has no endpoint that
+//! says whether its memory is released. So a park is confirmed by a short probe
+//! ([`DriverTimeouts::idle_probe`], 2 s): `/health` answering 200 within it means the engine
+//! still generates (the park did not take) and fails the park; any other status, or no answer
+//! within the probe, means it no longer generates. Then `/server_info` (older:
+//! `/get_server_info`), which does not generate, must answer, so that a wedged or dead
+//! engine is not taken for a parked one. The release call's own success is SGLang's word that
+//! the memory went.
 //! - TensorFold does not park: it is stopped.
 
 use std::time::Duration;
@@ -27,6 +38,7 @@ use tokio::time::Instant;
 use crate::error::AgentError;
 use crate::http::{Call, EngineClient};
 use crate::load::{EngineLoad, parse_metrics};
+use crate::recovery::EngineState;
 use crate::spec::DecisionSpec;
 use crate::tier::ParkTier;
 use crate::verify::{
@@ -63,6 +75,9 @@ pub struct DriverTimeouts {
     pub park: Duration,
     /// A check or warm-up request.
     pub check: Duration,
+    /// How long SGLang's `/health` may take to show that a parked engine still generates (see
+    /// the module doc); no answer within it counts as "no longer generates". At most `step`.
+    pub idle_probe: Duration,
 }
 
 impl Default for DriverTimeouts {
@@ -71,6 +86,7 @@ impl Default for DriverTimeouts {
             step: Duration::from_secs(10),
             park: Duration::from_secs(600),
             check: Duration::from_secs(120),
+            idle_probe: Duration::from_secs(2),
         }
     }
 }
@@ -209,23 +225,67 @@ impl Driver {
         }
     }
 
-    async fn confirm_sglang(
+    /// SGLang: whether `/health` answers 200 within `bound` (it generates a token). `false` for
+    /// any other status or no answer within `bound`; an error when the engine cannot be reached
+    /// (refused, or the connection broke).
+    pub async fn sglang_generates(
         &self,
         ep: &Endpoint,
-        asleep: bool,
-        t: Duration,
-    ) -> Result<(), AgentError> {
+        bound: Duration,
+    ) -> Result<bool, AgentError> {
         let url = ep.url("/health");
-        let step = if asleep {
-            "confirm asleep"
-        } else {
-            "confirm awake"
-        };
+        match self
+            .client
+            .send(self.call(ep, "health", &url, bound), Method::GET, None)
+            .await
+        {
+            Ok((status, _)) => Ok(status == 200),
+            Err(AgentError::EngineTimeout { .. }) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// SGLang's `/server_info` (older: `/get_server_info`), which answers without generating.
+    async fn sglang_server_info(&self, ep: &Endpoint) -> Result<Value, AgentError> {
+        let first = self
+            .get_json_checked(ep, "server_info", "/server_info")
+            .await;
+        match first {
+            Ok(v) => Ok(v),
+            Err(AgentError::EngineStatus { status: 404, .. }) => {
+                self.get_json_checked(ep, "get_server_info", "/get_server_info")
+                    .await
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// SGLang no longer generates (a bounded `/health` probe) and still answers without
+    /// generating (`/server_info`): see the module doc.
+    async fn confirm_sglang_parked(&self, ep: &Endpoint) -> Result<(), AgentError> {
+        let probe = self.timeouts.idle_probe.min(self.timeouts.step);
+        if self.sglang_generates(ep, probe).await? {
+            return Err(AgentError::EngineAnswer {
+                engine: ep.engine,
+                step: "confirm asleep",
+                url: ep.url("/health"),
+                detail: "GET /health answered 200: the engine still generates after \
+                         pause_generation and release_memory_occupation"
+                    .into(),
+            });
+        }
+        self.sglang_server_info(ep).await.map(drop)
+    }
+
+    /// SGLang generates again: `/health` answers 200 within `t`.
+    async fn confirm_sglang_awake(&self, ep: &Endpoint, t: Duration) -> Result<(), AgentError> {
+        let url = ep.url("/health");
+        let step = "confirm awake";
         let (status, body) = self
             .client
             .send(self.call(ep, step, &url, t), Method::GET, None)
             .await?;
-        if (status == 200) != asleep {
+        if status == 200 {
             Ok(())
         } else {
             Err(AgentError::EngineAnswer {
@@ -233,11 +293,51 @@ impl Driver {
                 step,
                 url,
                 detail: format!(
-                    "GET /health answered {status} ({}), expected {}",
-                    crate::http::excerpt(&body),
-                    if asleep { "anything but 200" } else { "200" }
+                    "GET /health answered {status} ({}), expected 200",
+                    crate::http::excerpt(&body)
                 ),
             })
+        }
+    }
+
+    /// Where an engine left behind says it is ([`crate::recovery`]), without making a parked
+    /// engine generate: vLLM `GET /is_sleeping` (`/health` when it was launched without sleep
+    /// mode and has no such endpoint); SGLang a `/health` probe, bounded by the step timeout
+    /// when it is expected awake (`expect_awake`) and by the short idle probe otherwise, then
+    /// `/server_info` when it does not generate; TensorFold `/health`.
+    pub async fn engine_state(&self, ep: &Endpoint, expect_awake: bool) -> EngineState {
+        let health = || async {
+            match self.health(ep).await {
+                Ok(200) => EngineState::Awake,
+                Ok(status) => {
+                    EngineState::NoAnswer(format!("GET {} answered {status}", ep.url("/health")))
+                }
+                Err(e) => EngineState::NoAnswer(e.to_string()),
+            }
+        };
+        match ep.engine {
+            EngineKind::Vllm => match self.vllm_is_sleeping(ep, self.timeouts.step).await {
+                Ok(true) => EngineState::Asleep,
+                Ok(false) => EngineState::Awake,
+                Err(AgentError::EngineStatus { status: 404, .. }) => health().await,
+                Err(e) => EngineState::NoAnswer(e.to_string()),
+            },
+            EngineKind::Sglang => {
+                let bound = if expect_awake {
+                    self.timeouts.step
+                } else {
+                    self.timeouts.idle_probe.min(self.timeouts.step)
+                };
+                match self.sglang_generates(ep, bound).await {
+                    Ok(true) => EngineState::Awake,
+                    Ok(false) => match self.sglang_server_info(ep).await {
+                        Ok(_) => EngineState::NotGenerating,
+                        Err(e) => EngineState::NoAnswer(e.to_string()),
+                    },
+                    Err(e) => EngineState::NoAnswer(e.to_string()),
+                }
+            }
+            EngineKind::Tensorfold => health().await,
         }
     }
 
@@ -263,7 +363,7 @@ impl Driver {
                     park,
                 )
                 .await?;
-                self.confirm_sglang(ep, true, step).await
+                self.confirm_sglang_parked(ep).await
             }
             (EngineKind::Vllm, ParkTier::KvOnly) => Err(AgentError::Unsupported {
                 engine: ep.engine,
@@ -358,7 +458,7 @@ impl Driver {
                     quick(),
                 )
                 .await?;
-                self.confirm_sglang(ep, false, quick()).await
+                self.confirm_sglang_awake(ep, quick()).await
             }
             (EngineKind::Vllm, ParkTier::KvOnly) | (EngineKind::Tensorfold, _) => {
                 Err(AgentError::Unsupported {
@@ -438,7 +538,12 @@ impl Driver {
         parse_metrics(ep.engine, &String::from_utf8_lossy(&body))
     }
 
-    async fn get_json(&self, ep: &Endpoint, step: &'static str, path: &str) -> Option<Value> {
+    async fn get_json_checked(
+        &self,
+        ep: &Endpoint,
+        step: &'static str,
+        path: &str,
+    ) -> Result<Value, AgentError> {
         let url = ep.url(path);
         self.client
             .expect_json(
@@ -447,19 +552,16 @@ impl Driver {
                 None,
             )
             .await
-            .ok()
+    }
+
+    async fn get_json(&self, ep: &Endpoint, step: &'static str, path: &str) -> Option<Value> {
+        self.get_json_checked(ep, step, path).await.ok()
     }
 
     /// SGLang's own `max_running_requests` from `/server_info` (older: `/get_server_info`),
     /// top level or in `internal_states[0]`.
     pub async fn sglang_max_running(&self, ep: &Endpoint) -> Option<u32> {
-        let info = match self.get_json(ep, "server_info", "/server_info").await {
-            Some(v) => v,
-            None => {
-                self.get_json(ep, "get_server_info", "/get_server_info")
-                    .await?
-            }
-        };
+        let info = self.sglang_server_info(ep).await.ok()?;
         info.get("max_running_requests")
             .or_else(|| info.pointer("/internal_states/0/max_running_requests"))
             .and_then(Value::as_u64)
@@ -480,10 +582,15 @@ impl Driver {
 
     /// Wakes a parked engine and verifies it: the wake steps of `tier`, then the check prompt
     /// (or the fixed decision) compared with `first`, then the one-token warm-up, all within
-    /// `window`. A failed step is [`WakeOutcome::ReloadFailed`], a step or the whole running
-    /// past the window [`WakeOutcome::Uncertain`], a check that cannot be asked
-    /// [`WakeOutcome::Uncertain`], a different answer [`WakeOutcome::Mismatch`]. (Whether the
+    /// `window`. A failed step (an error answer, or an engine still asleep after its wake
+    /// calls) is [`WakeOutcome::ReloadFailed`]; the whole running past the window, or a step
+    /// not answering within its own timeout (its detail names the step and says it was the
+    /// step's timeout), [`WakeOutcome::Uncertain`]; a check that cannot be asked
+    /// [`WakeOutcome::Uncertain`]; a different answer [`WakeOutcome::Mismatch`]. (Whether the
     /// engine exited is for the caller, who owns the process, to add.)
+    ///
+    /// The attempt also tells whether the engine could no longer be reached (it may have
+    /// exited: the caller finds out).
     pub async fn wake_and_verify(
         &self,
         ep: &Endpoint,
@@ -491,17 +598,49 @@ impl Driver {
         decision: Option<&DecisionSpec>,
         first: Option<&FirstAnswer>,
         window: Duration,
+    ) -> WakeAttempt {
+        let mut lost = false;
+        let outcome = self
+            .wake_outcome(ep, (tier, decision, first), window, &mut lost)
+            .await;
+        WakeAttempt {
+            outcome,
+            engine_unreachable: lost,
+        }
+    }
+
+    async fn wake_outcome(
+        &self,
+        ep: &Endpoint,
+        (tier, decision, first): (ParkTier, Option<&DecisionSpec>, Option<&FirstAnswer>),
+        window: Duration,
+        lost: &mut bool,
     ) -> WakeOutcome {
         let deadline = Instant::now() + window;
+        let window_ms = window.as_millis();
         let uncertain = || {
             WakeOutcome::Uncertain(format!(
-                "the wake did not finish within the wake window of {} ms",
-                window.as_millis()
+                "the wake did not finish within the wake window of {window_ms} ms"
             ))
         };
+        // A step's own timeout that fired before the window ended is still uncertain (the
+        // engine did not say whether its weights came back), but says which step it was.
+        let timed_out = |e: &AgentError| {
+            if Instant::now() >= deadline {
+                uncertain()
+            } else {
+                WakeOutcome::Uncertain(format!(
+                    "{e} (the step's own timeout, inside the wake window of {window_ms} ms)"
+                ))
+            }
+        };
         match tokio::time::timeout_at(deadline, self.wake_steps(ep, tier, deadline)).await {
-            Err(_) | Ok(Err(AgentError::EngineTimeout { .. })) => return uncertain(),
-            Ok(Err(e)) => return WakeOutcome::ReloadFailed(e.to_string()),
+            Err(_) => return uncertain(),
+            Ok(Err(e @ AgentError::EngineTimeout { .. })) => return timed_out(&e),
+            Ok(Err(e)) => {
+                *lost = matches!(e, AgentError::EngineUnreachable { .. });
+                return WakeOutcome::ReloadFailed(e.to_string());
+            }
             Ok(Ok(())) => {}
         }
         let check = async {
@@ -515,8 +654,10 @@ impl Driver {
             Ok::<_, AgentError>(now)
         };
         let now = match tokio::time::timeout_at(deadline, check).await {
-            Err(_) | Ok(Err(AgentError::EngineTimeout { .. })) => return uncertain(),
+            Err(_) => return uncertain(),
+            Ok(Err(e @ AgentError::EngineTimeout { .. })) => return timed_out(&e),
             Ok(Err(e)) => {
+                *lost = matches!(e, AgentError::EngineUnreachable { .. });
                 return WakeOutcome::Uncertain(format!("the check after the wake failed: {e}"));
             }
             Ok(Ok(now)) => now,
@@ -529,4 +670,13 @@ impl Driver {
             Err(why) => WakeOutcome::Mismatch(why),
         }
     }
+}
+
+/// What [`Driver::wake_and_verify`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WakeAttempt {
+    /// How the wake went.
+    pub outcome: WakeOutcome,
+    /// It failed because the engine could not be reached (refused or broken connection).
+    pub engine_unreachable: bool,
 }

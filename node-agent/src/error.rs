@@ -6,6 +6,14 @@ use std::time::Duration;
 use capyctl_crds::EngineKind;
 use capyctl_crds::errors::{ApiError, WakeFailure};
 
+/// `; its output is in <log>` when the engine's log is known.
+fn log_hint(log: &Option<String>) -> String {
+    match log {
+        Some(log) => format!("; the engine's output is in {log}"),
+        None => String::new(),
+    }
+}
+
 /// Everything that can go wrong in the host agent. Engine errors name the engine, the step and
 /// the URL, so one line tells an operator what failed where.
 #[derive(Debug, thiserror::Error)]
@@ -63,7 +71,7 @@ pub enum AgentError {
         detail: String,
     },
     /// The engine's process ended.
-    #[error("{engine} engine of instance {instance} exited: {status}")]
+    #[error("{engine} engine of instance {instance} exited: {status}{}", log_hint(.log))]
     EngineExited {
         /// The engine.
         engine: EngineKind,
@@ -71,6 +79,22 @@ pub enum AgentError {
         instance: String,
         /// The exit status, as text.
         status: String,
+        /// Where the engine's output is (`<data dir>/engines/<instance>.log` for a child
+        /// process), when the runtime keeps it.
+        log: Option<String>,
+    },
+    /// A started engine did not become ready or give its first answer; it has been stopped.
+    #[error("{engine} engine of instance {instance} did not become ready: {source}{}", log_hint(.log))]
+    EngineNotReady {
+        /// The engine.
+        engine: EngineKind,
+        /// The instance.
+        instance: String,
+        /// Where the engine's output is, when the runtime keeps it.
+        log: Option<String>,
+        /// What failed (readiness, the first answer).
+        #[source]
+        source: Box<AgentError>,
     },
     /// The engine cannot wake this model correctly (`capability_missing:deep_park`).
     #[error("cannot park: {reason}; declare residency: restart_only")]
@@ -208,6 +232,7 @@ impl AgentError {
             AgentError::EngineTimeout { .. } => "engine_timeout",
             AgentError::EngineAnswer { .. } => "engine_answer",
             AgentError::EngineExited { .. } => "engine_exited",
+            AgentError::EngineNotReady { .. } => "engine_not_ready",
             AgentError::CapabilityMissing { .. } => "capability_missing_deep_park",
             AgentError::ResidencyRefused { .. } => "residency_refused",
             AgentError::InvalidSpec { .. } => "invalid_spec",
@@ -253,7 +278,33 @@ impl AgentError {
             | AgentError::AgentUnreachable { .. }
             | AgentError::AgentTimeout { .. } => true,
             AgentError::Remote { retryable, .. } => *retryable,
+            AgentError::EngineNotReady { source, .. } => source.retryable(),
             _ => false,
+        }
+    }
+
+    /// Wraps the failure of a start (readiness, first answer) so that it names the engine's
+    /// log; an exit gets the log itself.
+    pub(crate) fn not_ready(self, engine: EngineKind, instance: &str, log: Option<String>) -> Self {
+        match self {
+            AgentError::EngineExited {
+                engine,
+                instance,
+                status,
+                log: None,
+            } => AgentError::EngineExited {
+                engine,
+                instance,
+                status,
+                log,
+            },
+            e @ (AgentError::EngineExited { .. } | AgentError::EngineNotReady { .. }) => e,
+            e => AgentError::EngineNotReady {
+                engine,
+                instance: instance.to_string(),
+                log,
+                source: Box::new(e),
+            },
         }
     }
 

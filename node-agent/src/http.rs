@@ -86,15 +86,16 @@ impl EngineClient {
                 }
             })?;
             let status = response.status().as_u16();
+            // A body that breaks off is a connection lost mid-answer (the engine went away).
             let bytes = response
                 .into_body()
                 .collect()
                 .await
-                .map_err(|e| AgentError::EngineAnswer {
+                .map_err(|source| AgentError::EngineUnreachable {
                     engine: call.engine,
                     step: call.step,
                     url: call.url.to_string(),
-                    detail: format!("the answer's body broke off: {e}"),
+                    source: Box::new(source),
                 })?
                 .to_bytes();
             Ok((status, bytes))

@@ -50,9 +50,39 @@ pub struct Inventory {
 }
 
 impl Inventory {
-    /// Whether the (first) GPU has unified memory; false without GPUs.
+    /// Whether any GPU has unified memory; false without GPUs.
     pub fn unified_memory(&self) -> bool {
-        self.gpus.first().is_some_and(|g| g.unified)
+        self.gpus.iter().any(|g| g.unified)
+    }
+
+    /// Whether the GPUs an engine uses have unified memory, given its `CUDA_VISIBLE_DEVICES`
+    /// (`visible`): true when any GPU it names is unified. GPUs are named by UUID (`GPU-…`, as
+    /// NVML reports them) or by index. Without the variable, or when it names a GPU this
+    /// inventory does not know, any unified GPU counts ([`Inventory::unified_memory`]): a deep
+    /// park is right on either kind of card, a host-RAM park on unified memory is not.
+    ///
+    /// NB: an index is matched with NVML's (PCI bus) order, which is CUDA's with
+    /// `CUDA_DEVICE_ORDER=PCI_BUS_ID`; on mixed machines name GPUs by UUID.
+    pub fn unified_for(&self, visible: Option<&str>) -> bool {
+        let Some(visible) = visible.map(str::trim).filter(|v| !v.is_empty()) else {
+            return self.unified_memory();
+        };
+        let mut used = Vec::new();
+        for name in visible.split(',').map(str::trim) {
+            let gpu = match name.parse::<u32>() {
+                Ok(index) => self.gpus.iter().find(|g| g.index == index),
+                Err(_) => self.gpus.iter().find(|g| {
+                    g.uuid
+                        .as_deref()
+                        .is_some_and(|u| u.eq_ignore_ascii_case(name))
+                }),
+            };
+            match gpu {
+                Some(g) => used.push(g),
+                None => return self.unified_memory(),
+            }
+        }
+        used.iter().any(|g| g.unified)
     }
 }
 
@@ -80,15 +110,32 @@ impl GpuProbe for NoGpus {
 }
 
 /// The default probe: NVML with the `nvml` feature when it initialises, else [`NoGpus`].
+///
+/// NB: when NVML was built in but does not load, this also writes one line to stderr, not
+/// only a log line: binaries call it once at start (standalone, the node agent), and a host
+/// that silently has no GPU inventory cannot measure engines from their footprint.
 pub fn default_probe() -> std::sync::Arc<dyn GpuProbe> {
     #[cfg(feature = "nvml")]
     {
         match NvmlProbe::new() {
             Ok(p) => return std::sync::Arc::new(p),
-            Err(e) => tracing::warn!(error = %e, "NVML unavailable; no GPU inventory"),
+            Err(e) => {
+                tracing::warn!(error = %e, "NVML unavailable; no GPU inventory");
+                eprintln!("{}", nvml_unavailable(&e));
+            }
         }
     }
     std::sync::Arc::new(NoGpus)
+}
+
+/// The line [`default_probe`] writes to stderr when NVML does not load.
+#[cfg(feature = "nvml")]
+pub fn nvml_unavailable(e: &AgentError) -> String {
+    format!(
+        "capyctl: warning: NVML could not be loaded ({e}); no GPU inventory and no per-process \
+         GPU memory: engines are not measured from their footprint. Install the NVIDIA driver \
+         (libnvidia-ml.so.1), or declare the GPUs in host.gpus"
+    )
 }
 
 /// Parses `/proc/meminfo` text: (`MemTotal`, `MemAvailable`) in bytes.
@@ -189,20 +236,57 @@ impl NvmlProbe {
 }
 
 #[cfg(feature = "nvml")]
+impl NvmlProbe {
+    /// How many GPUs NVML sees.
+    fn device_count(&self) -> Result<u32, AgentError> {
+        self.nvml.device_count().map_err(|source| AgentError::Nvml {
+            what: "device count".into(),
+            source,
+        })
+    }
+
+    /// Every compute process NVML lists on every GPU, with the memory it uses there (`None`
+    /// where NVML does not say); a GPU that cannot list its processes is skipped. A process on
+    /// two GPUs is listed twice. NB: NVML lists host pids; inside a container with its own PID
+    /// namespace they differ from the container's.
+    pub fn compute_processes(&self) -> Result<Vec<(u32, Option<u64>)>, AgentError> {
+        use nvml_wrapper::enums::device::UsedGpuMemory;
+        let count = self.device_count()?;
+        let mut list = Vec::new();
+        for index in 0..count {
+            let Ok(processes) = self
+                .nvml
+                .device_by_index(index)
+                .and_then(|d| d.running_compute_processes())
+            else {
+                continue;
+            };
+            list.extend(processes.iter().map(|p| {
+                let bytes = match p.used_gpu_memory {
+                    UsedGpuMemory::Used(bytes) => Some(bytes),
+                    UsedGpuMemory::Unavailable => None,
+                };
+                (p.pid, bytes)
+            }));
+        }
+        Ok(list)
+    }
+}
+
+#[cfg(feature = "nvml")]
 impl GpuProbe for NvmlProbe {
     fn gpus(&self) -> Result<Vec<GpuInfo>, AgentError> {
         use nvml_wrapper::error::NvmlError;
-        let nvml_err = |what: &str| {
-            let what = what.to_string();
-            move |source| AgentError::Nvml { what, source }
-        };
-        let count = self.nvml.device_count().map_err(nvml_err("device count"))?;
+        let count = self.device_count()?;
         let mut gpus = Vec::new();
         for index in 0..count {
             let device = self
                 .nvml
                 .device_by_index(index)
-                .map_err(nvml_err("device by index"))?;
+                .map_err(|source| AgentError::Nvml {
+                    what: format!("GPU {index}"),
+                    source,
+                })?;
             let name = device.name().ok();
             let uuid = device.uuid().ok();
             let board_unified = name
@@ -237,22 +321,11 @@ impl GpuProbe for NvmlProbe {
     }
 
     fn process_gpu_memory(&self, pid: u32) -> Option<u64> {
-        use nvml_wrapper::enums::device::UsedGpuMemory;
-        let count = self.nvml.device_count().ok()?;
-        let mut total = None;
-        for index in 0..count {
-            let Ok(device) = self.nvml.device_by_index(index) else {
-                continue;
-            };
-            let Ok(processes) = device.running_compute_processes() else {
-                continue;
-            };
-            for p in processes.iter().filter(|p| p.pid == pid) {
-                if let UsedGpuMemory::Used(bytes) = p.used_gpu_memory {
-                    *total.get_or_insert(0u64) += bytes;
-                }
-            }
-        }
-        total
+        let processes = self.compute_processes().ok()?;
+        processes
+            .iter()
+            .filter(|(p, _)| *p == pid)
+            .filter_map(|(_, bytes)| *bytes)
+            .reduce(u64::saturating_add)
     }
 }

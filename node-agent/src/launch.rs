@@ -4,13 +4,20 @@
 //! - vLLM: `<command> serve <model> --host 127.0.0.1 --port <p> --served-model-name <name>
 //!   [--enable-sleep-mode] --max-num-seqs N <extra_args>`, with `VLLM_SERVER_DEV_MODE=1` when it
 //!   may park. N is `max_concurrent_requests`, else CapyCTL's default 32 (the router's in-flight
-//!   bound), and is left out when `extra_args` or the host's command already set it.
+//!   bound), and the default is left out when `extra_args` or the host's command already set it.
 //! - SGLang: `<command> --model-path <model> --host 127.0.0.1 --port <p> --served-model-name
 //!   <name> --enable-metrics [--enable-memory-saver] [--enable-weights-cpu-backup]
 //!   [--max-running-requests N] <extra_args>`; without `max_concurrent_requests` SGLang sizes
 //!   itself and reports it in `/server_info`.
 //! - TensorFold: `<command> --model <model> --port <p> <extra_args>`; it has no flag for
-//!   `max_concurrent_requests`, so that is not passed and TensorFold runs its default 8.
+//!   `max_concurrent_requests` and runs 8 at once, so a deployment declaring one is refused.
+//!
+//! Which figure the engine runs with, when several places set it (one rule for the launch and
+//! for [`max_running`]): the deployment's `extra_args`, then its `max_concurrent_requests`,
+//! then the host's command (`host.engines.<kind>.command`), then the defaults. The engines take
+//! the last occurrence of a flag, and the arguments are in that order: the host's command
+//! first, CapyCTL's own (`max_concurrent_requests`) after it, `extra_args` last. (The
+//! deployment's two places together are refused: say which one you mean.)
 //!
 //! Environment: the host's `engines.<kind>.env`, then the deployment's `env`, then
 //! `VLLM_SERVER_DEV_MODE=1` where parking needs it (CapyCTL's own wins, or parking breaks).
@@ -60,8 +67,9 @@ pub fn max_running_flag(engine: EngineKind) -> Option<&'static str> {
 
 /// The engine's launch command for `spec` on loopback port `port`.
 ///
-/// Refused: an empty host command, and `max_concurrent_requests` together with the engine's
-/// own flag in `extra_args` (the engine would take the last; say which one you mean).
+/// Refused: an empty host command, `max_concurrent_requests` together with the engine's own
+/// flag in `extra_args` (the engine would take the last; say which one you mean), and
+/// `max_concurrent_requests` on TensorFold (it has no such flag).
 pub fn launch_command(
     spec: &InstanceSpec,
     engine: &EngineLaunch,
@@ -74,6 +82,16 @@ pub fn launch_command(
         });
     };
     let flag = max_running_flag(spec.engine);
+    if let (None, Some(n)) = (flag, spec.max_concurrent_requests) {
+        return Err(AgentError::InvalidSpec {
+            detail: format!(
+                "deployment {}: max_concurrent_requests: {n} cannot be passed to {}: it has no \
+                 option for it and runs {TENSORFOLD_DEFAULT_MAX_RUNNING} requests at once; remove \
+                 max_concurrent_requests",
+                spec.name, spec.engine
+            ),
+        });
+    }
     if let (Some(flag), Some(_)) = (flag, spec.max_concurrent_requests)
         && has_flag(&spec.extra_args, flag)
     {
@@ -214,6 +232,10 @@ pub struct MaxRunning {
     pub source: MaxRunningSource,
 }
 
+/// SGLang's option that sizes a hybrid model's state cache (Mamba / linear-attention states,
+/// one per running request).
+pub const SGLANG_STATE_CACHE_FLAG: &str = "--max-mamba-cache-size";
+
 /// What [`max_running`] decides from.
 #[derive(Debug, Clone, Copy)]
 pub struct MaxRunningInput<'a> {
@@ -227,15 +249,33 @@ pub struct MaxRunningInput<'a> {
     pub host_command: &'a [String],
     /// What the engine reported (SGLang `/server_info` `max_running_requests`).
     pub engine_reported: Option<u32>,
-    /// A hybrid model's state-cache bound, when known and smaller.
-    pub state_cache_limit: Option<u32>,
-    /// The figure is decided by a remote host at launch and not known here.
+    /// The checkpoint is a hybrid model whose state cache may hold fewer requests
+    /// ([`ModelFacts::hybrid_state`](crate::checkpoint::ModelFacts::hybrid_state)); false when
+    /// not known (a hub name, or a caller that cannot read the checkpoint).
+    pub hybrid_checkpoint: bool,
+    /// The figure is decided by a remote host at launch and not known here (the server's view
+    /// of a deployment a node agent runs; see [`max_running`]).
     pub sized_on_host: bool,
 }
 
-/// `max_running` {count, source}: the engine's figure first, then what CapyCTL passed or
-/// expects, in the order extra_args, host_fixed, declared, default / engine_default; a smaller
-/// state-cache bound wins over what was passed.
+/// `max_running` {count, source}.
+///
+/// - `engine`: the engine's own figure, when it reports one (SGLang), wins: it already counts
+///   what bounds the engine, its state cache included.
+/// - Otherwise what CapyCTL passed or expects, in the order of the launch (module doc):
+///   `extra_args`, `declared`, `host_fixed`, then `default` (vLLM 32, TensorFold 8) or
+///   `engine_default` (SGLang sizes itself at start).
+/// - `on_host` (count unknown) replaces `host_fixed`, `default` and `engine_default` when the
+///   caller cannot see the host's launch inputs (`sized_on_host`: the server's view of a
+///   deployment a remote node agent runs, whose command and checkpoint only the host reads);
+///   the host's own figure comes with the started instance.
+/// - `state_cache` (SGLang only): a hybrid model (the checkpoint says so, or
+///   `--max-mamba-cache-size N` is in `extra_args` or the host's command) holds one state per
+///   running request. With N known and smaller than what was passed, count is N; with N
+///   unknown (SGLang sizes the state pool at start from its memory) count is unknown until the
+///   engine reports its own figure. NB: vLLM keeps a hybrid model's states in its KV-cache
+///   blocks, which bound it the way they bound any model (see the KV use and waiting count of
+///   the load sample); it has no separate state-cache option, so its passed figure stands.
 pub fn max_running(input: &MaxRunningInput<'_>) -> MaxRunning {
     use MaxRunningSource as S;
     if let Some(n) = input.engine_reported {
@@ -244,56 +284,64 @@ pub fn max_running(input: &MaxRunningInput<'_>) -> MaxRunning {
             source: S::Engine,
         };
     }
-    if input.sized_on_host {
-        return MaxRunning {
-            count: None,
-            source: S::OnHost,
-        };
-    }
     let flag = max_running_flag(input.engine);
-    let parse = |args: &[String]| -> Option<Option<u32>> {
+    let parse = |args: &[String], flag: Option<&str>| -> Option<Option<u32>> {
         let flag = flag?;
         has_flag(args, flag).then(|| flag_value(args, flag).and_then(|v| v.parse().ok()))
     };
-    let passed = if let Some(count) = parse(input.extra_args) {
+    let passed = if let Some(count) = parse(input.extra_args, flag) {
         MaxRunning {
             count,
             source: S::ExtraArgs,
         }
-    } else if let Some(count) = parse(input.host_command) {
+    } else if let (EngineKind::Vllm | EngineKind::Sglang, Some(n)) = (input.engine, input.declared)
+    {
+        MaxRunning {
+            count: Some(n),
+            source: S::Declared,
+        }
+    } else if input.sized_on_host && input.engine != EngineKind::Tensorfold {
+        return MaxRunning {
+            count: None,
+            source: S::OnHost,
+        };
+    } else if let Some(count) = parse(input.host_command, flag) {
         MaxRunning {
             count,
             source: S::HostFixed,
         }
     } else {
-        match (input.engine, input.declared) {
-            (EngineKind::Vllm | EngineKind::Sglang, Some(n)) => MaxRunning {
-                count: Some(n),
-                source: S::Declared,
-            },
-            (EngineKind::Vllm, None) => MaxRunning {
+        match input.engine {
+            EngineKind::Vllm => MaxRunning {
                 count: Some(VLLM_DEFAULT_MAX_RUNNING),
                 source: S::Default,
             },
-            (EngineKind::Tensorfold, _) => MaxRunning {
+            EngineKind::Tensorfold => MaxRunning {
                 count: Some(TENSORFOLD_DEFAULT_MAX_RUNNING),
                 source: S::Default,
             },
-            (EngineKind::Sglang, None) => MaxRunning {
+            EngineKind::Sglang => MaxRunning {
                 count: None,
                 source: S::EngineDefault,
             },
         }
     };
-    match (input.state_cache_limit, passed.count) {
-        (Some(limit), Some(n)) if limit < n => MaxRunning {
-            count: Some(limit),
+    if input.engine != EngineKind::Sglang {
+        return passed;
+    }
+    let slots = parse(input.extra_args, Some(SGLANG_STATE_CACHE_FLAG)).or_else(|| {
+        (!input.sized_on_host)
+            .then(|| parse(input.host_command, Some(SGLANG_STATE_CACHE_FLAG)))
+            .flatten()
+    });
+    if !input.hybrid_checkpoint && slots.is_none() {
+        return passed;
+    }
+    match (slots.flatten(), passed.count) {
+        (Some(limit), Some(n)) if limit >= n => passed,
+        (limit, _) => MaxRunning {
+            count: limit,
             source: S::StateCache,
         },
-        (Some(limit), None) => MaxRunning {
-            count: Some(limit),
-            source: S::StateCache,
-        },
-        _ => passed,
     }
 }

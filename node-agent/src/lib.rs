@@ -11,6 +11,8 @@
 //! - [`runtime`]: the [`EngineRuntime`](runtime::EngineRuntime) seam between the agent and how
 //!   engines run;
 //! - [`process`]: engines as child processes with pid records, adopted after a restart;
+//! - [`recovery`]: what a restarted agent does with an engine left alive (adopt ready, adopt
+//!   parked, or stop);
 //! - [`agent`]: the [`HostAgent`] trait the lifecycle calls and [`LocalHostAgent`];
 //! - [`remote`]: the node agent's HTTP server and [`RemoteHostAgent`], its client;
 //! - [`k8s`]: the node agent on Kubernetes: its `Host` object and engine Pods;
@@ -32,6 +34,7 @@ pub mod launch;
 pub mod load;
 pub mod measure;
 pub mod process;
+pub mod recovery;
 pub mod remote;
 pub mod runtime;
 pub mod spec;

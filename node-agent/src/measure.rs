@@ -119,23 +119,76 @@ pub fn measure_before_start(spec: &InstanceSpec) -> Result<Measurement, AgentErr
     Ok(m)
 }
 
+/// The GPU memory process `pid` and its descendants hold, as `probe` reads it; `None` when it
+/// reads nothing for any of them. Pid 0 is no process (an engine in a Pod): `None`.
+pub fn footprint(probe: &dyn GpuProbe, pid: u32) -> Option<u64> {
+    if pid == 0 {
+        return None;
+    }
+    process_tree(pid)
+        .into_iter()
+        .filter_map(|p| probe.process_gpu_memory(p))
+        .reduce(|a, b| a.saturating_add(b))
+}
+
 /// Adds the engine's footprint (process `pid` and its descendants) where GPU memory is unknown.
 /// Pid 0 is no process (an engine in a Pod, `PodRuntime`): nothing is added.
 pub fn add_footprint(m: Measurement, probe: &dyn GpuProbe, pid: u32) -> Measurement {
-    if m.gpu_memory.is_some() || pid == 0 {
+    if m.gpu_memory.is_some() {
         return m;
     }
-    let total = process_tree(pid)
-        .into_iter()
-        .filter_map(|p| probe.process_gpu_memory(p))
-        .reduce(|a, b| a.saturating_add(b));
     Measurement {
-        gpu_memory: total.map(|bytes| Measured {
+        gpu_memory: footprint(probe, pid).map(|bytes| Measured {
             bytes,
             source: MeasureSource::EngineFootprint,
         }),
         ..m
     }
+}
+
+/// Where a [`GpuHeld`] figure comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GpuHeldSource {
+    /// The GPU probe's per-process reading of the engine's process tree (NVML).
+    Observed,
+    /// [`parked_estimate`]: no reading was available.
+    Estimated,
+}
+
+/// GPU memory a parked engine still holds (DESIGN 4.2: "a sleeping engine still holds some GPU
+/// memory: account for it").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuHeld {
+    /// Bytes.
+    pub bytes: u64,
+    /// Read or estimated.
+    pub source: GpuHeldSource,
+}
+
+/// The most a parked engine is estimated to keep besides its weights: a CUDA context with its
+/// graphs and allocator pools.
+pub const PARKED_RESIDUE_CAP: u64 = 512 * 1024 * 1024;
+
+/// What a parked engine is estimated to hold when nothing reads it: its residue (CUDA
+/// context, CUDA graphs, allocator pools), taken as a quarter of the weights up to
+/// [`PARKED_RESIDUE_CAP`], plus the weights themselves for a KV-only park (they stay on the
+/// GPU). `None` when the weights are unknown.
+///
+/// NB: the justification: a CUDA context alone takes a few hundred MiB per process on current
+/// GPUs, and vLLM's and SGLang's sleeping engines keep it with their graphs and pools; small
+/// models capture small graphs, hence the quarter of the weights below the cap. It is the
+/// model the engine simulator follows (`ENGINE_SIM_SLEEP_RESIDUE_BYTES`). Multi-GPU engines
+/// keep one context per worker, so a tensor-parallel engine holds more: an observed reading,
+/// where NVML is there, is always preferred.
+pub fn parked_estimate(weights_bytes: Option<u64>, weights_stay: bool) -> Option<u64> {
+    let weights = weights_bytes?;
+    let residue = (weights / 4).min(PARKED_RESIDUE_CAP);
+    Some(if weights_stay {
+        residue.saturating_add(weights)
+    } else {
+        residue
+    })
 }
 
 /// `pid` and all its descendants, from `/proc/*/stat`; just `pid` where `/proc` is unreadable.

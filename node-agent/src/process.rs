@@ -7,13 +7,24 @@
 //! engine is stopped, so a restarted CapyCTL finds every engine it left behind:
 //! [`ProcessRuntime::recover`] adopts an engine whose process is alive, is the same process
 //! (same `/proc/<pid>/cmdline`, or the same start time when an engine rewrote its title) and
-//! answers HTTP on its port (any status: a parked SGLang answers `/health` with 503); it stops
-//! one that is alive but does not answer; it drops the record of one that is gone, or whose pid
+//! that its caller's check accepts (the agent asks the engine where it is and compares with
+//! the record, see [`crate::recovery`]); it stops one that is alive but not accepted; it drops
+//! the record of one that is gone (stopping what it left in its process group), or whose pid
 //! now belongs to another program (which it leaves alone).
 //!
 //! Stopping sends SIGTERM to the engine's process group (`kill -TERM -<pgid>`, so worker
 //! processes go too), waits for the grace period, then SIGKILLs the group. The `kill` command
 //! is used because the workspace forbids `unsafe` (no `libc::kill`).
+//!
+//! Engines start workers (tensor-parallel ranks, vLLM's engine core) in their leader's process
+//! group, and a worker can outlive its leader while holding GPU memory. So the group is
+//! stopped even when the leader has already exited: on [`ProcessRuntime::stop`], on
+//! [`ProcessRuntime::forget`] (an engine that exited by itself) and when recovery finds the
+//! leader gone. A process-group ID can be taken by another program once every process of the
+//! group has ended, so the group is signalled only while it is still this engine's: a live
+//! leader must have the recorded start time; without the leader, every member must carry the
+//! engine's instance in its environment ([`INSTANCE_ENV`], inherited by the workers) and have
+//! started after the leader. Otherwise the group is left alone.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -27,6 +38,8 @@ use tokio::sync::watch;
 
 use crate::error::AgentError;
 use crate::launch::LaunchCommand;
+use crate::measure::{GpuHeld, Measurement};
+use crate::recovery::Transition;
 use crate::spec::InstanceSpec;
 use crate::tier::{LaunchParking, ParkTier};
 use crate::verify::FirstAnswer;
@@ -58,15 +71,153 @@ pub struct PidRecord {
     pub first_answer: Option<FirstAnswer>,
     /// The tier it is parked in, while parked.
     pub parked: Option<ParkTier>,
+    /// A park or wake begun and not yet recorded as done: written before the engine is
+    /// called (see [`crate::recovery`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transition: Option<Transition>,
+    /// While parked: the GPU memory the parked engine still holds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_held: Option<GpuHeld>,
+    /// The deployment's measurement, with the engine's footprint once read (so that a
+    /// restarted agent knows it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub measurement: Option<Measurement>,
 }
 
 /// How an engine ended: `None` while it runs.
 pub type ExitWatch = watch::Receiver<Option<String>>;
 
+/// The environment variable every engine process carries, and the workers it starts inherit:
+/// the instance it runs for. It tells this engine's processes from a program that took over
+/// its process-group ID.
+pub const INSTANCE_ENV: &str = "CAPYCTL_ENGINE_INSTANCE";
+
+/// How long the workers an engine left behind get between SIGTERM and SIGKILL when its leader
+/// exited by itself (they have lost their engine and only hold memory).
+pub const LEFTOVER_GRACE: Duration = Duration::from_secs(5);
+
+/// How long a stop waits for a process group to be gone after SIGKILL.
+const KILL_WAIT: Duration = Duration::from_secs(10);
+
 #[derive(Debug)]
 struct Tracked {
     pid: u32,
     exit: ExitWatch,
+    group: EngineGroup,
+}
+
+/// An engine's process group: its ID (the leader's pid), the leader's start time, and the
+/// instance its members carry in [`INSTANCE_ENV`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineGroup {
+    /// The process-group ID: the leader's pid.
+    pub pgid: u32,
+    /// The leader's start time in clock ticks after boot, when recorded.
+    pub leader_ticks: Option<u64>,
+    /// The instance the engine runs for.
+    pub instance: String,
+}
+
+impl EngineGroup {
+    /// The group of the engine `record` describes.
+    pub fn of(record: &PidRecord) -> Self {
+        Self {
+            pgid: record.pid,
+            leader_ticks: record.start_ticks,
+            instance: record.instance.clone(),
+        }
+    }
+
+    /// The live processes of the group (zombies excluded), when the group is still this
+    /// engine's (see the module doc); `None` when it belongs to another program now.
+    pub fn members(&self) -> Option<Vec<u32>> {
+        let members = group_members(self.pgid);
+        let marked = |pid: u32| environ_has(pid, INSTANCE_ENV, &self.instance);
+        let ours = if members.contains(&self.pgid) {
+            match self.leader_ticks {
+                Some(ticks) => start_ticks(self.pgid) == Some(ticks),
+                None => marked(self.pgid),
+            }
+        } else {
+            members.iter().all(|&pid| {
+                marked(pid)
+                    && self
+                        .leader_ticks
+                        .is_none_or(|t| start_ticks(pid).is_some_and(|s| s >= t))
+            })
+        };
+        ours.then_some(members)
+    }
+
+    /// Whether nothing of the group is left running (or what is left is not this engine's).
+    pub fn gone(&self) -> bool {
+        self.members().is_none_or(|m| m.is_empty())
+    }
+
+    /// Sends `signal` to the group while it is this engine's and has members; true when sent.
+    async fn signal(&self, signal: &str) -> bool {
+        match self.members() {
+            Some(members) if !members.is_empty() => {
+                kill(signal, &format!("-{}", self.pgid)).await;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Stops the group: SIGTERM, up to `grace` for it to end, then SIGKILL. Returns at once
+    /// when nothing of it is left.
+    pub async fn stop(&self, grace: Duration) {
+        if !self.signal("TERM").await {
+            return;
+        }
+        if !wait_until(grace, || self.gone()).await {
+            tracing::warn!(instance = %self.instance, pgid = self.pgid, "engine processes ignored SIGTERM; killing them");
+            self.signal("KILL").await;
+            if !wait_until(KILL_WAIT, || self.gone()).await {
+                tracing::error!(instance = %self.instance, pgid = self.pgid, "engine processes survived SIGKILL");
+            }
+        }
+    }
+}
+
+/// The live (not zombie) processes whose process group is `pgid`, from `/proc/*/stat`.
+fn group_members(pgid: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()))
+        .filter(|&pid| {
+            stat_fields(pid).is_some_and(|f| {
+                f.first().is_some_and(|state| state != "Z" && state != "X")
+                    && f.get(2).and_then(|g| g.parse::<u32>().ok()) == Some(pgid)
+            })
+        })
+        .collect()
+}
+
+/// Whether process `pid` was started with `key=value` in its environment
+/// (`/proc/<pid>/environ`; false when unreadable, as for another user's process).
+fn environ_has(pid: u32, key: &str, value: &str) -> bool {
+    let wanted = format!("{key}={value}");
+    std::fs::read(format!("/proc/{pid}/environ"))
+        .is_ok_and(|raw| raw.split(|b| *b == 0).any(|v| v == wanted.as_bytes()))
+}
+
+/// Polls `done` every 20 ms until it holds, for at most `bound`; true when it did.
+async fn wait_until(bound: Duration, done: impl Fn() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + bound;
+    loop {
+        if done() {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// What [`ProcessRuntime::recover`] did with each record left behind.
@@ -116,10 +267,6 @@ pub fn start_ticks(pid: u32) -> Option<u64> {
     stat_fields(pid)?.get(19)?.parse().ok()
 }
 
-fn process_group(pid: u32) -> Option<u32> {
-    stat_fields(pid)?.get(2)?.parse().ok()
-}
-
 /// `pid`'s command line from `/proc/<pid>/cmdline`.
 pub fn cmdline(pid: u32) -> Option<Vec<String>> {
     let raw = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
@@ -143,24 +290,19 @@ pub fn free_port() -> Result<u16, AgentError> {
         .map_err(|e| AgentError::io("find a free loopback port", e))
 }
 
-/// Sends `signal` to `pid`'s process group when it leads one, else to `pid`.
-async fn signal(pid: u32, signal: &str) {
-    let target = if process_group(pid) == Some(pid) {
-        format!("-{pid}")
-    } else {
-        pid.to_string()
-    };
+/// Runs `kill -<signal> -- <target>` (a pid, or `-<pgid>` for a group).
+async fn kill(signal: &str, target: &str) {
     let result = tokio::process::Command::new("kill")
         .arg(format!("-{signal}"))
         .arg("--")
-        .arg(&target)
+        .arg(target)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
         .await;
     if let Err(e) = result {
-        tracing::warn!(pid, signal, error = %e, "cannot run kill");
+        tracing::warn!(target, signal, error = %e, "cannot run kill");
     }
 }
 
@@ -284,6 +426,7 @@ impl ProcessRuntime {
         let mut cmd = tokio::process::Command::new(&command.program);
         cmd.args(&command.args)
             .envs(&command.env)
+            .env(INSTANCE_ENV, instance)
             .stdin(Stdio::null())
             .stdout(Stdio::from(stdout))
             .stderr(Stdio::from(stderr))
@@ -297,6 +440,7 @@ impl ProcessRuntime {
                 engine,
                 instance: instance.to_string(),
                 status: "exited at once".into(),
+                log: Some(log.display().to_string()),
             });
         };
         let rec = record(pid, start_ticks(pid), log.clone());
@@ -308,10 +452,10 @@ impl ProcessRuntime {
             };
             let _ = tx.send(Some(status));
         });
+        let group = EngineGroup::of(&rec);
         if let Err(e) = self.write_record(&rec) {
             // Never leave an engine without a record.
-            let pid = rec.pid;
-            tokio::spawn(async move { signal(pid, "KILL").await });
+            tokio::spawn(async move { group.stop(Duration::ZERO).await });
             return Err(e);
         }
         self.lock().insert(
@@ -319,6 +463,7 @@ impl ProcessRuntime {
             Tracked {
                 pid,
                 exit: rx.clone(),
+                group,
             },
         );
         Ok((rec, rx))
@@ -334,25 +479,26 @@ impl ProcessRuntime {
         self.lock().get(instance).map(|t| t.pid)
     }
 
-    /// Stops `instance`'s engine: SIGTERM to its group, `grace`, then SIGKILL; removes its
-    /// record. An engine that already exited is only forgotten.
+    /// Stops `instance`'s engine: SIGTERM to its process group, `grace`, then SIGKILL; removes
+    /// its record. The group is stopped even when the engine itself has already exited (its
+    /// workers may still hold GPU memory).
     pub async fn stop(&self, instance: &str, grace: Duration) -> Result<(), AgentError> {
-        let Some(Tracked { pid, mut exit }) = self.lock().remove(instance) else {
+        let Some(Tracked { pid, exit, group }) = self.lock().remove(instance) else {
             self.remove_record(instance);
             return Err(AgentError::UnknownInstance {
                 instance: instance.to_string(),
             });
         };
-        if exit.borrow().is_none() {
-            signal(pid, "TERM").await;
-            if !wait_exit(&mut exit, grace).await {
-                tracing::warn!(instance, pid, "engine ignored SIGTERM; killing it");
-            }
-            // Also reaps workers the engine left in its group.
-            signal(pid, "KILL").await;
-            if !wait_exit(&mut exit, Duration::from_secs(10)).await {
-                tracing::error!(instance, pid, "engine survived SIGKILL");
-            }
+        group.stop(grace).await;
+        // The leader's exit is reported once it is reaped (a child of this process) or seen
+        // gone (an adopted one). A group that is not this engine's any more was not signalled:
+        // nothing to wait for.
+        let mut exit = exit;
+        if group.members().is_some()
+            && exit.borrow().is_none()
+            && !wait_exit(&mut exit, KILL_WAIT).await
+        {
+            tracing::error!(instance, pid, "engine survived SIGKILL");
         }
         self.remove_record(instance);
         Ok(())
@@ -366,8 +512,8 @@ impl ProcessRuntime {
         }
     }
 
-    /// Adopts or stops what a previous run left behind (see the module doc). `answers(port)`
-    /// tells whether anything answers HTTP on the port.
+    /// Adopts or stops what a previous run left behind (see the module doc). `answers(record)`
+    /// tells whether to adopt a live engine; one it refuses is stopped.
     pub async fn recover<F, Fut>(&self, answers: F, grace: Duration) -> Result<Recovery, AgentError>
     where
         F: Fn(PidRecord) -> Fut,
@@ -379,10 +525,14 @@ impl ProcessRuntime {
                 continue;
             }
             let pid = record.pid;
+            let group = EngineGroup::of(&record);
             let same = alive(pid)
                 && (cmdline(pid).as_ref() == Some(&record.command)
                     || (record.start_ticks.is_some() && start_ticks(pid) == record.start_ticks));
             if !same {
+                // The engine is gone (or its pid is another program's now); workers it left in
+                // its group still go.
+                group.stop(grace).await;
                 self.remove_record(&record.instance);
                 recovery.gone.push(record);
                 continue;
@@ -393,6 +543,7 @@ impl ProcessRuntime {
                 Tracked {
                     pid,
                     exit: exit.clone(),
+                    group,
                 },
             );
             if answers(record.clone()).await {
@@ -406,9 +557,14 @@ impl ProcessRuntime {
         Ok(recovery)
     }
 
-    /// Forgets an engine that exited by itself (its record is removed).
+    /// Forgets an engine that exited by itself (its record is removed) and stops, in the
+    /// background, the workers it left in its process group ([`LEFTOVER_GRACE`]).
     pub fn forget(&self, instance: &str) {
-        self.lock().remove(instance);
+        if let Some(Tracked { group, .. }) = self.lock().remove(instance)
+            && let Ok(rt) = tokio::runtime::Handle::try_current()
+        {
+            rt.spawn(async move { group.stop(LEFTOVER_GRACE).await });
+        }
         self.remove_record(instance);
     }
 

@@ -48,7 +48,8 @@ pub struct Launched {
     pub exit: ExitWatch,
 }
 
-/// Whether an engine left behind answers HTTP at its base URL (any status).
+/// Whether to adopt an engine left behind (its record, its base URL): it answers, and is where
+/// its record says ([`crate::recovery`]). One that is not adopted is stopped.
 pub type Answers = Arc<dyn Fn(PidRecord, String) -> BoxFuture<'static, bool> + Send + Sync>;
 
 /// How engines run. Shared state lives behind std mutexes never held across an `.await`.
@@ -59,6 +60,11 @@ pub trait EngineRuntime: Send + Sync + std::fmt::Debug {
     fn launch<'a>(&'a self, req: LaunchRequest<'a>) -> BoxFuture<'a, Result<Launched, AgentError>>;
     /// Where the engine of a tracked (or recovered) record answers.
     fn base_url(&self, record: &PidRecord) -> String;
+    /// Where the engine's output can be read, for error messages: the record's log file when
+    /// it has one (a child process's `<data dir>/engines/<instance>.log`).
+    fn log_location(&self, record: &PidRecord) -> Option<String> {
+        (!record.log.as_os_str().is_empty()).then(|| record.log.display().to_string())
+    }
     /// The exit watch of a tracked engine.
     fn exit_watch(&self, instance: &str) -> Option<ExitWatch>;
     /// The pid of a tracked engine (0 where the engine is not a process of this host's agent).
@@ -75,9 +81,11 @@ pub trait EngineRuntime: Send + Sync + std::fmt::Debug {
     ) -> BoxFuture<'a, Result<(), AgentError>>;
     /// Stops every tracked engine.
     fn stop_all(&self, grace: Duration) -> BoxFuture<'_, ()>;
-    /// Forgets an engine that exited by itself (its record is removed).
+    /// Forgets an engine that exited by itself: its record is removed, and what it left
+    /// running (workers in its process group) is stopped.
     fn forget(&self, instance: &str);
-    /// Adopts what a previous run left behind; `answers` tells whether an engine answers.
+    /// Adopts what a previous run left behind; `answers` tells whether to adopt an engine that
+    /// is alive (otherwise it is stopped).
     fn recover(
         &self,
         answers: Answers,
@@ -115,6 +123,9 @@ impl EngineRuntime for ProcessRuntime {
                         parking: req.parking,
                         first_answer: None,
                         parked: None,
+                        transition: None,
+                        gpu_held: None,
+                        measurement: None,
                     }
                 })?;
             Ok(Launched {

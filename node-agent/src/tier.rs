@@ -15,6 +15,20 @@
 //! ([`LaunchParking`]): launched with the backup it parks in host RAM, and when the copy no
 //! longer fits at park time it is stopped (no room to park) rather than parked deep; launched
 //! without it, it parks deep. vLLM chooses its sleep level at every park.
+//!
+//! NB (unknown size): a copy whose size is unknown does not fit. A hub model with nothing
+//! declared (`resources`) and no local checkpoint to read has no known size at its first
+//! start, so a first SGLang start goes without the backup and that engine parks deep for its
+//! whole life. The agent learns the engine's GPU footprint at that start (where NVML reads it)
+//! and keeps it, also in the pid record; the footprint stands in for the weights (an
+//! overestimate: it includes the KV cache), so a later fresh start of the same deployment and
+//! model keeps the backup and parks in host RAM when that fits. Declaring
+//! `resources.weights_memory` gives the host-RAM tier from the first start.
+//!
+//! The room in host RAM is the free memory minus the copies of the other parked instances
+//! and of the parks under way (whose copy is reserved when their tier is chosen); unified
+//! memory is decided by the GPUs the engine uses (`CUDA_VISIBLE_DEVICES`), any unified GPU when
+//! that is not set.
 
 use capyctl_crds::{EngineKind, Residency};
 use serde::{Deserialize, Serialize};

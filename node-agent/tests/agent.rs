@@ -1,6 +1,7 @@
 //! The local host agent with the real `engine-sim` binary as child processes: start, sample,
-//! park, wake, stop, an engine crash during a wake, tiers from the host's memory, and crash
-//! recovery (adopt a live engine, clean the record of a dead one).
+//! park, wake, stop, every wake failure, an engine crash during a wake, tiers from the host's
+//! memory and GPUs, what a parked engine still holds, and crash recovery (adopt a live engine,
+//! clean the record of a dead one; more in `recovery.rs`).
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -11,59 +12,18 @@ use std::time::Duration;
 use capyctl_crds::EngineKind;
 use capyctl_crds::Residency;
 use capyctl_node_agent::agent::{AgentConfig, EngineExit, ParkResult};
-use capyctl_node_agent::http::{Call, EngineClient};
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::launch::MaxRunningSource;
+use capyctl_node_agent::measure::{GpuHeld, GpuHeldSource};
 use capyctl_node_agent::process::{ProcessRuntime, alive};
-use capyctl_node_agent::spec::{DecisionSpec, GpuOverride, HostSettings, InstanceSpec};
-use capyctl_node_agent::tier::{NoParkReason, ParkTier};
+use capyctl_node_agent::spec::{DecisionSpec, GpuOverride, InstanceSpec};
+use capyctl_node_agent::tier::{NoParkReason, ParkChoice, ParkTier};
 use capyctl_node_agent::verify::WakeOutcome;
 use capyctl_node_agent::{AgentError, HostAgent, LocalHostAgent};
+use common::agents::{
+    MIB, agent, agent_with_probe, assert_no_records, sample_arrives, set_fault, settings, spec,
+};
 use tokio::sync::broadcast::error::{RecvError, TryRecvError};
-
-const MIB: u64 = 1024 * 1024;
-
-fn settings(host_memory: u64, unified: bool) -> HostSettings {
-    let bin = common::engine_sim_binary();
-    let mut s = HostSettings::all_engines(vec![bin.to_string_lossy().into_owned()]);
-    s.gpus = Some(vec![GpuOverride {
-        memory: 80 * 1024 * MIB,
-        unified,
-        uuid: None,
-    }]);
-    s.host_memory = Some(host_memory);
-    s
-}
-
-fn agent(dir: &std::path::Path, host_memory: u64, unified: bool) -> LocalHostAgent {
-    let mut config = AgentConfig::new(dir);
-    config.ready_timeout = Duration::from_secs(20);
-    config.wake_window = Duration::from_secs(20);
-    config.stop_grace = Duration::from_secs(5);
-    config.sample_interval = Duration::from_millis(100);
-    LocalHostAgent::new(config, settings(host_memory, unified), Arc::new(NoGpus)).unwrap()
-}
-
-fn spec(engine: EngineKind, faults: &str) -> InstanceSpec {
-    let mut s = InstanceSpec::new("01KAGENT", "chat-a", engine, "Qwen3-4B");
-    s.env
-        .insert("ENGINE_SIM_WEIGHTS_BYTES".into(), "64MiB".into());
-    if !faults.is_empty() {
-        s.env.insert("ENGINE_SIM_FAULTS".into(), faults.into());
-    }
-    s.resources.weights_memory = Some(64 * MIB);
-    s
-}
-
-async fn sample_arrives(agent: &LocalHostAgent, id: &str) -> capyctl_node_agent::load::LoadSample {
-    for _ in 0..100 {
-        if let Some(s) = agent.sample(id) {
-            return s;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("no load sample for {id}");
-}
 
 #[tokio::test]
 async fn start_sample_park_wake_stop() {
@@ -81,10 +41,8 @@ async fn start_sample_park_wake_stop() {
     assert_eq!(sample.engine.unwrap().running, Some(0));
 
     assert_eq!(
-        a.park("i-vllm").await.unwrap(),
-        ParkResult::Parked {
-            tier: ParkTier::HostRam
-        }
+        a.park("i-vllm").await.unwrap().tier(),
+        Some(ParkTier::HostRam)
     );
     let report = a.wake("i-vllm").await.unwrap();
     assert_eq!(report.outcome, WakeOutcome::Pass);
@@ -93,13 +51,7 @@ async fn start_sample_park_wake_stop() {
     let pid = started.pid;
     a.stop("i-vllm").await.unwrap();
     assert!(!alive(pid));
-    assert!(
-        ProcessRuntime::new(&dir)
-            .unwrap()
-            .records()
-            .unwrap()
-            .is_empty()
-    );
+    assert_no_records(&dir);
     assert!(a.sample("i-vllm").is_none());
 
     let engines = a.engines().await;
@@ -118,12 +70,7 @@ async fn tiers_follow_the_host() {
     // No room for a 64 MiB copy: vLLM parks deep; SGLang launches without the CPU backup.
     let small = agent(&dir, 16 * MIB, false);
     small.start("v", &spec(EngineKind::Vllm, "")).await.unwrap();
-    assert_eq!(
-        small.park("v").await.unwrap(),
-        ParkResult::Parked {
-            tier: ParkTier::Deep
-        }
-    );
+    assert_eq!(small.park("v").await.unwrap().tier(), Some(ParkTier::Deep));
     assert_eq!(small.wake("v").await.unwrap().outcome, WakeOutcome::Pass);
     let sg = small
         .start("s", &spec(EngineKind::Sglang, ""))
@@ -131,12 +78,7 @@ async fn tiers_follow_the_host() {
         .unwrap();
     assert!(!sg.parking.host_ram);
     assert_eq!(sg.max_running.source, MaxRunningSource::Engine);
-    assert_eq!(
-        small.park("s").await.unwrap(),
-        ParkResult::Parked {
-            tier: ParkTier::Deep
-        }
-    );
+    assert_eq!(small.park("s").await.unwrap().tier(), Some(ParkTier::Deep));
     assert_eq!(small.wake("s").await.unwrap().outcome, WakeOutcome::Pass);
     // TensorFold, restart_only and decision models stop.
     small
@@ -179,10 +121,8 @@ async fn tiers_follow_the_host() {
         .await
         .unwrap();
     assert_eq!(
-        unified.park("u").await.unwrap(),
-        ParkResult::Parked {
-            tier: ParkTier::Deep
-        }
+        unified.park("u").await.unwrap().tier(),
+        Some(ParkTier::Deep)
     );
     unified.stop_all().await;
 
@@ -196,15 +136,57 @@ async fn tiers_follow_the_host() {
         "capability_missing:deep_park"
     );
     roomy.start("g", &gpt).await.unwrap();
-    assert!(roomy.park("g").await.is_err());
-    roomy.stop_all().await;
-    assert!(
-        ProcessRuntime::new(&dir)
-            .unwrap()
-            .records()
-            .unwrap()
-            .is_empty()
+    let err = roomy.park("g").await.unwrap_err();
+    assert!(matches!(err, AgentError::CapabilityMissing { .. }), "{err}");
+    assert_eq!(
+        err.to_api_error("01KAGENT").unwrap().code(),
+        "capability_missing:deep_park"
     );
+    // Refused, not parked: the engine still serves until the lifecycle stops it.
+    assert_eq!(roomy.parked_tier("g"), None);
+    roomy.stop_all().await;
+    assert_no_records(&dir);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn a_failed_start_names_the_engines_log() {
+    let dir = common::temp_dir("start-log");
+    let log = dir.join("engines").join("bad.log");
+    // The engine exits before it is ready.
+    let a = agent(&dir, 1024 * MIB, false);
+    let err = a
+        .start("bad", &spec(EngineKind::Vllm, "crash"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, AgentError::EngineExited { .. }), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("exit status: 70") && text.contains(&log.display().to_string()),
+        "{text}"
+    );
+    // The log holds why.
+    let output = std::fs::read_to_string(&log).unwrap();
+    assert!(output.contains("simulated crash"), "{output}");
+
+    // The engine never becomes ready within the bound: stopped, and the error says where its
+    // output is.
+    let mut config = AgentConfig::new(&dir);
+    config.ready_timeout = Duration::from_millis(500);
+    let slow = LocalHostAgent::new(config, settings(1024 * MIB, false), Arc::new(NoGpus)).unwrap();
+    let mut sp = spec(EngineKind::Sglang, "");
+    sp.env
+        .insert("ENGINE_SIM_STARTUP_DELAY".into(), "60s".into());
+    let err = slow.start("slow", &sp).await.unwrap_err();
+    assert!(matches!(err, AgentError::EngineNotReady { .. }), "{err}");
+    assert_eq!(err.metric_label(), "engine_not_ready");
+    let text = err.to_string();
+    let slow_log = dir.join("engines").join("slow.log");
+    assert!(
+        text.contains("/health") && text.contains(&slow_log.display().to_string()),
+        "{text}"
+    );
+    assert_no_records(&dir);
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -216,12 +198,7 @@ async fn an_engine_crash_during_a_wake_fails_the_wake() {
         .start("c", &spec(EngineKind::Vllm, "crash_on_wake"))
         .await
         .unwrap();
-    assert_eq!(
-        a.park("c").await.unwrap(),
-        ParkResult::Parked {
-            tier: ParkTier::HostRam
-        }
-    );
+    assert_eq!(a.park("c").await.unwrap().tier(), Some(ParkTier::HostRam));
     let report = a.wake("c").await.unwrap();
     assert!(
         matches!(report.outcome, WakeOutcome::EngineExited(_)),
@@ -234,13 +211,7 @@ async fn an_engine_crash_during_a_wake_fails_the_wake() {
     );
     assert!(!alive(started.pid));
     assert!(a.sample("c").is_none());
-    assert!(
-        ProcessRuntime::new(&dir)
-            .unwrap()
-            .records()
-            .unwrap()
-            .is_empty()
-    );
+    assert_no_records(&dir);
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -257,10 +228,8 @@ async fn a_restarted_agent_adopts_live_engines_and_cleans_dead_ones() {
         .await
         .unwrap();
     assert_eq!(
-        first.park("live").await.unwrap(),
-        ParkResult::Parked {
-            tier: ParkTier::HostRam
-        }
+        first.park("live").await.unwrap().tier(),
+        Some(ParkTier::HostRam)
     );
     drop(first); // CapyCTL "crashes": nothing is stopped.
     assert!(alive(live.pid) && alive(dead.pid));
@@ -291,30 +260,8 @@ async fn a_restarted_agent_adopts_live_engines_and_cleans_dead_ones() {
     sample_arrives(&second, "live").await;
     second.stop("live").await.unwrap();
     assert!(!alive(live.pid));
-    assert!(
-        ProcessRuntime::new(&dir)
-            .unwrap()
-            .records()
-            .unwrap()
-            .is_empty()
-    );
+    assert_no_records(&dir);
     let _ = std::fs::remove_dir_all(dir);
-}
-
-/// Sets `fault` on the simulator behind `instance` (`crash` exits it before it answers).
-async fn set_fault(agent: &LocalHostAgent, instance: &str, fault: &str) {
-    let ep = agent.endpoint(instance).unwrap();
-    let url = ep.url("/sim/faults");
-    let call = Call {
-        engine: ep.engine,
-        step: "sim faults",
-        url: &url,
-        timeout: Duration::from_secs(5),
-    };
-    let body = serde_json::json!({ "set": [fault] });
-    let _ = EngineClient::new()
-        .send(call, http::Method::POST, Some(&body))
-        .await;
 }
 
 /// The next exit event, bounded so that a missing event fails the test instead of hanging it.
@@ -562,5 +509,207 @@ async fn an_engine_that_stops_answering_has_unknown_load_not_zero() {
     .await;
     a.stop("frozen").await.unwrap();
     assert!(a.sample("frozen").is_none());
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Reads every engine process as holding `0` bytes of GPU memory (an NVML stand-in).
+struct FixedProbe(u64);
+
+impl capyctl_node_agent::inventory::GpuProbe for FixedProbe {
+    fn gpus(&self) -> Result<Vec<capyctl_node_agent::inventory::GpuInfo>, AgentError> {
+        Ok(Vec::new())
+    }
+
+    fn process_gpu_memory(&self, _pid: u32) -> Option<u64> {
+        Some(self.0)
+    }
+}
+
+#[tokio::test]
+async fn a_park_reports_what_the_engine_still_holds_on_the_gpu() {
+    let dir = common::temp_dir("gpu-held");
+    // No reading: the estimate, a quarter of the 64 MiB weights (the residue of CUDA context,
+    // graphs and pools), plus the weights themselves when only the KV cache is given back.
+    let a = agent(&dir, 1024 * MIB, false);
+    a.start("v", &spec(EngineKind::Vllm, "")).await.unwrap();
+    let parked = a.park("v").await.unwrap();
+    let estimated = GpuHeld {
+        bytes: 16 * MIB,
+        source: GpuHeldSource::Estimated,
+    };
+    assert_eq!(parked.gpu_held(), Some(estimated));
+    assert_eq!(a.parked_gpu_held("v"), Some(estimated));
+    let mut speculative = spec(EngineKind::Sglang, "");
+    speculative.extra_args = vec!["--speculative-algorithm".into(), "EAGLE".into()];
+    a.start("k", &speculative).await.unwrap();
+    let parked = a.park("k").await.unwrap();
+    assert_eq!(parked.tier(), Some(ParkTier::KvOnly));
+    assert_eq!(parked.gpu_held().unwrap().bytes, 80 * MIB);
+    // Awake again: nothing to account for beyond the instance's own memory.
+    assert_eq!(a.wake("v").await.unwrap().outcome, WakeOutcome::Pass);
+    assert_eq!(a.parked_gpu_held("v"), None);
+    a.stop_all().await;
+
+    // A probe that reads the engine's processes: the reading.
+    let observed = agent_with_probe(&dir, 1024 * MIB, false, Arc::new(FixedProbe(300 * MIB)));
+    observed
+        .start("o", &spec(EngineKind::Vllm, ""))
+        .await
+        .unwrap();
+    let parked = observed.park("o").await.unwrap();
+    assert_eq!(
+        parked.gpu_held(),
+        Some(GpuHeld {
+            bytes: 300 * MIB,
+            source: GpuHeldSource::Observed
+        })
+    );
+    observed.stop_all().await;
+    assert_no_records(&dir);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn sglang_parks_in_host_ram_once_its_footprint_is_known() {
+    let dir = common::temp_dir("learned");
+    let a = agent_with_probe(&dir, 1024 * MIB, false, Arc::new(FixedProbe(64 * MIB)));
+    // A hub model, nothing declared: its size is unknown at the first start, so SGLang starts
+    // without the CPU backup and parks deep.
+    let mut hub = spec(EngineKind::Sglang, "");
+    hub.resources.weights_memory = None;
+    assert!(a.measure(&hub).await.unwrap().awaiting());
+    let first = a.start("s1", &hub).await.unwrap();
+    assert!(first.parking.may_park && !first.parking.host_ram);
+    assert_eq!(first.measurement.gpu_memory.unwrap().bytes, 64 * MIB);
+    assert_eq!(a.park("s1").await.unwrap().tier(), Some(ParkTier::Deep));
+    a.stop("s1").await.unwrap();
+    // The footprint is known now: no longer awaiting measurement, and a fresh start keeps
+    // the backup and parks in host RAM.
+    assert_eq!(
+        a.measure(&hub).await.unwrap().gpu_memory.unwrap().bytes,
+        64 * MIB
+    );
+    let second = a.start("s2", &hub).await.unwrap();
+    assert!(second.parking.host_ram);
+    assert_eq!(a.park("s2").await.unwrap().tier(), Some(ParkTier::HostRam));
+    assert_eq!(a.wake("s2").await.unwrap().outcome, WakeOutcome::Pass);
+    a.stop_all().await;
+    assert_no_records(&dir);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn host_ram_room_counts_the_other_parked_copies_and_parks_in_flight() {
+    let dir = common::temp_dir("room");
+    // Room for one 64 MiB copy, not two.
+    let a = agent(&dir, 100 * MIB, false);
+    for id in ["a", "b", "c", "d"] {
+        a.start(id, &spec(EngineKind::Vllm, "")).await.unwrap();
+    }
+    // One after the other: the second no longer fits beside the first copy.
+    assert_eq!(a.park("a").await.unwrap().tier(), Some(ParkTier::HostRam));
+    assert_eq!(a.park("b").await.unwrap().tier(), Some(ParkTier::Deep));
+    // Once the copy is woken back, its room is free again.
+    assert_eq!(a.wake("a").await.unwrap().outcome, WakeOutcome::Pass);
+    // Two at once: the first choice reserves the copy's room, so only one gets it.
+    let (c, d) = tokio::join!(a.park("c"), a.park("d"));
+    let mut tiers = vec![c.unwrap().tier(), d.unwrap().tier()];
+    tiers.sort_by_key(|t| format!("{t:?}"));
+    assert_eq!(tiers, [Some(ParkTier::Deep), Some(ParkTier::HostRam)]);
+    a.stop_all().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn the_gpu_an_engine_uses_decides_unified_memory() {
+    let dir = common::temp_dir("unified-per-gpu");
+    let mut s = settings(1024 * MIB, false);
+    s.gpus = Some(vec![
+        GpuOverride {
+            memory: 80 * 1024 * MIB,
+            unified: false,
+            uuid: Some("GPU-discrete".into()),
+        },
+        GpuOverride {
+            memory: 128 * 1024 * MIB,
+            unified: true,
+            uuid: Some("GPU-unified".into()),
+        },
+    ]);
+    let a = LocalHostAgent::new(common::agents::config(&dir), s, Arc::new(NoGpus)).unwrap();
+    for (visible, tier) in [
+        ("0", ParkTier::HostRam),
+        ("GPU-discrete", ParkTier::HostRam),
+        ("1", ParkTier::Deep),
+        ("0,1", ParkTier::Deep),
+    ] {
+        let mut sp = spec(EngineKind::Vllm, "");
+        sp.env.insert("CUDA_VISIBLE_DEVICES".into(), visible.into());
+        assert_eq!(
+            a.parkability(&sp).await.unwrap(),
+            ParkChoice::Park(tier),
+            "CUDA_VISIBLE_DEVICES={visible}"
+        );
+    }
+    let mut on_unified = spec(EngineKind::Vllm, "");
+    on_unified
+        .env
+        .insert("CUDA_VISIBLE_DEVICES".into(), "1".into());
+    a.start("u", &on_unified).await.unwrap();
+    assert_eq!(a.park("u").await.unwrap().tier(), Some(ParkTier::Deep));
+    a.stop_all().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn failed_wakes_leave_the_instance_stopped() {
+    let dir = common::temp_dir("wake-failures");
+    // A failed reload (a deep park: no room for the copy) and a wake that never finishes
+    // (within a 1 s window), and an engine that says it woke but did not.
+    let mut config = common::agents::config(&dir);
+    config.wake_window = Duration::from_secs(1);
+    let a = LocalHostAgent::new(config, settings(16 * MIB, false), Arc::new(NoGpus)).unwrap();
+    for (id, engine, fault, code) in [
+        ("r", EngineKind::Vllm, "reload_fails", "wake_reload_failed"),
+        ("h", EngineKind::Sglang, "wake_hangs", "wake_uncertain"),
+        ("i", EngineKind::Vllm, "wake_ignored", "wake_reload_failed"),
+    ] {
+        let started = a.start(id, &spec(engine, "")).await.unwrap();
+        assert!(a.park(id).await.unwrap().tier().is_some());
+        set_fault(&a, id, fault).await;
+        let report = a.wake(id).await.unwrap();
+        assert_eq!(
+            report.into_result().unwrap_err().metric_label(),
+            code,
+            "{fault}"
+        );
+        // Stopped: the process is gone, the record removed, the instance unknown.
+        assert!(!alive(started.pid), "{fault}");
+        assert!(a.sample(id).is_none());
+        assert!(matches!(
+            a.stop(id).await,
+            Err(AgentError::UnknownInstance { .. })
+        ));
+        assert_no_records(&dir);
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn an_engine_that_claims_to_park_but_does_not_fails_the_park() {
+    let dir = common::temp_dir("park-ignored");
+    let a = agent(&dir, 1024 * MIB, false);
+    for engine in [EngineKind::Vllm, EngineKind::Sglang] {
+        a.start("x", &spec(engine, "sleep_ignored")).await.unwrap();
+        let err = a.park("x").await.unwrap_err();
+        assert!(
+            err.to_string().contains("confirm asleep"),
+            "{engine}: {err}"
+        );
+        // Not taken for parked: the lifecycle stops it.
+        assert_eq!(a.parked_tier("x"), None);
+        a.stop("x").await.unwrap();
+        assert_no_records(&dir);
+    }
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -24,6 +24,7 @@ fn driver() -> Driver {
         step: Duration::from_secs(5),
         park: Duration::from_secs(20),
         check: Duration::from_secs(10),
+        idle_probe: Duration::from_millis(500),
     })
 }
 
@@ -108,8 +109,22 @@ async fn round_trip(ep: &Endpoint, tier: ParkTier) -> (Value, WakeOutcome, Value
     let parked = sim_state(ep).await;
     let outcome = d
         .wake_and_verify(ep, tier, None, Some(&first), WINDOW)
-        .await;
+        .await
+        .outcome;
     (parked, outcome, sim_state(ep).await)
+}
+
+/// First answer, a host-RAM park, then `fault` set and a wake within `window`.
+async fn wake_with_fault(d: &Driver, ep: &Endpoint, fault: &str, window: Duration) -> WakeOutcome {
+    let first = d
+        .check_answer(ep, None, Duration::from_secs(5))
+        .await
+        .unwrap();
+    d.park(ep, ParkTier::HostRam).await.unwrap();
+    set_fault(ep, fault).await;
+    d.wake_and_verify(ep, ParkTier::HostRam, None, Some(&first), window)
+        .await
+        .outcome
 }
 
 #[tokio::test]
@@ -207,22 +222,7 @@ async fn a_failed_reload_is_reload_failed() {
 #[tokio::test]
 async fn a_hanging_wake_is_uncertain() {
     let ep = start(&spec(EngineKind::Sglang), BACKUP, "").await;
-    let d = driver();
-    let first = d
-        .check_answer(&ep, None, Duration::from_secs(5))
-        .await
-        .unwrap();
-    d.park(&ep, ParkTier::HostRam).await.unwrap();
-    set_fault(&ep, "wake_hangs").await;
-    let outcome = d
-        .wake_and_verify(
-            &ep,
-            ParkTier::HostRam,
-            None,
-            Some(&first),
-            Duration::from_millis(300),
-        )
-        .await;
+    let outcome = wake_with_fault(&driver(), &ep, "wake_hangs", Duration::from_millis(300)).await;
     assert!(matches!(outcome, WakeOutcome::Uncertain(_)), "{outcome:?}");
     assert_eq!(outcome.failure().unwrap().code(), "wake_uncertain");
 }
@@ -306,7 +306,8 @@ async fn decision_round_trip(ep: &Endpoint, tier: ParkTier) -> (FirstAnswer, Wak
     d.park(ep, tier).await.unwrap();
     let outcome = d
         .wake_and_verify(ep, tier, Some(&dm), Some(&first), WINDOW)
-        .await;
+        .await
+        .outcome;
     (first, outcome)
 }
 
@@ -346,4 +347,72 @@ async fn a_decision_after_a_bad_wake_is_a_mismatch() {
     };
     assert!(why.contains("picked None"), "{why}");
     assert_eq!(outcome.failure().unwrap().code(), "wake_mismatch");
+}
+
+#[tokio::test]
+async fn a_parked_sglang_whose_health_waits_is_parked_not_timed_out() {
+    // Real SGLang's /health waits (20 s) for a token while paused; the park's confirmation
+    // must not wait for it, nor take the wait for an error.
+    for (parking, tier) in [(BACKUP, ParkTier::HostRam), (NO_BACKUP, ParkTier::Deep)] {
+        let ep = start(&spec(EngineKind::Sglang), parking, "paused_health_hangs").await;
+        let (parked, outcome, after) = round_trip(&ep, tier).await;
+        assert_eq!(parked["paused"], true);
+        assert_eq!(outcome, WakeOutcome::Pass, "{tier:?}");
+        assert_eq!(after["weights"], "intact");
+    }
+}
+
+#[tokio::test]
+async fn an_engine_that_claims_to_park_but_does_not_is_caught() {
+    for engine in [EngineKind::Vllm, EngineKind::Sglang] {
+        let ep = start(&spec(engine), BACKUP, "sleep_ignored").await;
+        let err = driver().park(&ep, ParkTier::HostRam).await.unwrap_err();
+        let AgentError::EngineAnswer { step, detail, .. } = &err else {
+            panic!("{engine}: {err}");
+        };
+        assert_eq!(*step, "confirm asleep", "{err}");
+        let expected = if engine == EngineKind::Vllm {
+            "is_sleeping is false"
+        } else {
+            "still generates"
+        };
+        assert!(detail.contains(expected), "{err}");
+        assert_eq!(sim_state(&ep).await["weights"], "intact");
+    }
+}
+
+#[tokio::test]
+async fn an_engine_that_claims_to_wake_but_does_not_is_caught() {
+    for engine in [EngineKind::Vllm, EngineKind::Sglang] {
+        let ep = start(&spec(engine), BACKUP, "").await;
+        let outcome = wake_with_fault(&driver(), &ep, "wake_ignored", WINDOW).await;
+        let WakeOutcome::ReloadFailed(detail) = &outcome else {
+            panic!("{engine}: {outcome:?}");
+        };
+        assert!(detail.contains("confirm awake"), "{detail}");
+        assert_eq!(outcome.failure().unwrap().code(), "wake_reload_failed");
+        assert_eq!(sim_state(&ep).await["weights"], "host_ram");
+    }
+}
+
+#[tokio::test]
+async fn a_steps_own_timeout_inside_the_window_says_which_step() {
+    // The wake calls are ignored and /health waits: the confirmation's own timeout (300 ms)
+    // fires long before the wake window (20 s) ends.
+    let ep = start(&spec(EngineKind::Sglang), BACKUP, "paused_health_hangs").await;
+    let d = Driver::new(DriverTimeouts {
+        step: Duration::from_millis(300),
+        ..driver().timeouts()
+    });
+    let outcome = wake_with_fault(&d, &ep, "wake_ignored", WINDOW).await;
+    let WakeOutcome::Uncertain(detail) = &outcome else {
+        panic!("{outcome:?}");
+    };
+    assert!(
+        detail.contains("confirm awake")
+            && detail.contains("no answer within 300 ms")
+            && detail.contains("the step's own timeout"),
+        "{detail}"
+    );
+    assert_eq!(outcome.failure().unwrap().code(), "wake_uncertain");
 }

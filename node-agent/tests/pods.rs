@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use capyctl_crds::EngineKind;
-use capyctl_node_agent::agent::{AgentConfig, ParkResult};
+use capyctl_node_agent::agent::AgentConfig;
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::k8s::pods::PodRuntime;
 use capyctl_node_agent::launch::launch_command;
@@ -133,10 +133,8 @@ async fn the_agent_drives_the_engine_of_its_pod_and_reports_the_pod_going_away()
     assert_eq!(started.pid, 0);
     assert_eq!(started.version.as_deref(), Some("0.31.0"));
     assert_eq!(
-        agent.park("01KPODS-0").await.unwrap(),
-        ParkResult::Parked {
-            tier: ParkTier::HostRam
-        }
+        agent.park("01KPODS-0").await.unwrap().tier(),
+        Some(ParkTier::HostRam)
     );
     assert_eq!(
         agent.wake("01KPODS-0").await.unwrap().outcome,

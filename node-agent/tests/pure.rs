@@ -179,7 +179,6 @@ fn sglang_argv() {
 fn tensorfold_argv() {
     let mut sp = spec(EngineKind::Tensorfold, "tf-model");
     sp.extra_args = s(&["--threads", "4"]);
-    sp.max_concurrent_requests = Some(4);
     let cmd = launch_command(
         &sp,
         &EngineLaunch::default_for(EngineKind::Tensorfold),
@@ -204,7 +203,59 @@ fn tensorfold_argv() {
         command: vec![],
         ..EngineLaunch::default_for(EngineKind::Tensorfold)
     };
-    assert!(launch_command(&sp, &empty, 1, LaunchParking::default()).is_err());
+    let err = launch_command(&sp, &empty, 1, LaunchParking::default()).unwrap_err();
+    assert!(
+        err.to_string().contains("host.engines.tensorfold.command"),
+        "{err}"
+    );
+    // TensorFold has no option for max_concurrent_requests: refused, not silently ignored.
+    sp.max_concurrent_requests = Some(4);
+    let err = launch_command(
+        &sp,
+        &EngineLaunch::default_for(EngineKind::Tensorfold),
+        1,
+        LaunchParking::default(),
+    )
+    .unwrap_err();
+    assert!(matches!(err, AgentError::InvalidSpec { .. }), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("chat-a") && text.contains("max_concurrent_requests: 4"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_declared_figure_follows_the_hosts_and_wins() {
+    // The host's command fixes --max-num-seqs; the deployment declares its own: CapyCTL's
+    // flag comes after the host's, so the engine runs the declared figure.
+    let mut sp = spec(EngineKind::Vllm, "m");
+    sp.max_concurrent_requests = Some(8);
+    let host = EngineLaunch {
+        command: s(&["vllm", "--max-num-seqs", "16"]),
+        ..EngineLaunch::default_for(EngineKind::Vllm)
+    };
+    let cmd = launch_command(&sp, &host, 1, PARK).unwrap();
+    assert_eq!(
+        capyctl_node_agent::spec::flag_value(&cmd.args, "--max-num-seqs"),
+        Some("8")
+    );
+    assert_eq!(
+        mr(MaxRunningInput {
+            declared: sp.max_concurrent_requests,
+            extra_args: &sp.extra_args,
+            host_command: &host.command,
+            ..mr_input(EngineKind::Vllm)
+        }),
+        (Some(8), MaxRunningSource::Declared)
+    );
+    // Without a declared figure the host's stands, and CapyCTL adds no default after it.
+    sp.max_concurrent_requests = None;
+    let cmd = launch_command(&sp, &host, 1, PARK).unwrap();
+    assert_eq!(
+        capyctl_node_agent::spec::flag_value(&cmd.args, "--max-num-seqs"),
+        Some("16")
+    );
 }
 
 fn input(engine: EngineKind) -> TierInput {
@@ -399,6 +450,11 @@ fn refusal_rows() {
     let nemo = named("nvidia/Nemotron-3.5-Super-VL");
     let row = refusal_for(Vllm, Some("0.31.0"), &nemo, false).unwrap();
     assert!(row.reason.contains("vLLM 0.31.0 answers wrongly"));
+    // No fixed release is known: later and unknown versions are refused too, and the reason
+    // says so rather than naming 0.31.0 alone.
+    assert_eq!(refusal_for(Vllm, Some("0.32.1"), &nemo, false), Some(row));
+    assert_eq!(refusal_for(Vllm, None, &nemo, false), Some(row));
+    assert!(row.reason.contains("later and unknown"), "{}", row.reason);
     assert!(refusal_for(Sglang, None, &nemo, false).is_none());
 
     // The error a refusal becomes, for the catalogue.
@@ -474,26 +530,32 @@ fn engine_list_rows() {
     );
 }
 
-#[test]
-fn max_running_sources() {
-    let base = MaxRunningInput {
-        engine: EngineKind::Vllm,
+/// Nothing passed, declared or reported for `engine`.
+fn mr_input(engine: EngineKind) -> MaxRunningInput<'static> {
+    MaxRunningInput {
+        engine,
         declared: None,
         extra_args: &[],
         host_command: &[],
         engine_reported: None,
-        state_cache_limit: None,
+        hybrid_checkpoint: false,
         sized_on_host: false,
-    };
-    let mr = |i: MaxRunningInput<'_>| {
-        let m = max_running(&i);
-        (m.count, m.source)
-    };
+    }
+}
+
+/// `max_running` as (count, source).
+fn mr(input: MaxRunningInput<'_>) -> (Option<u32>, MaxRunningSource) {
+    let m = max_running(&input);
+    (m.count, m.source)
+}
+
+#[test]
+fn max_running_sources() {
+    let base = mr_input(EngineKind::Vllm);
     assert_eq!(mr(base), (Some(32), MaxRunningSource::Default));
     assert_eq!(
         mr(MaxRunningInput {
             engine: EngineKind::Tensorfold,
-            declared: Some(3),
             ..base
         }),
         (Some(8), MaxRunningSource::Default)
@@ -521,6 +583,16 @@ fn max_running_sources() {
         }),
         (Some(6), MaxRunningSource::HostFixed)
     );
+    // The host's command and the deployment's declared figure: the launch puts CapyCTL's flag
+    // after the host's, the engine takes the last, and the report says the same.
+    assert_eq!(
+        mr(MaxRunningInput {
+            host_command: &host,
+            declared: Some(8),
+            ..base
+        }),
+        (Some(8), MaxRunningSource::Declared)
+    );
     let sg = MaxRunningInput {
         engine: EngineKind::Sglang,
         ..base
@@ -533,21 +605,134 @@ fn max_running_sources() {
         }),
         (Some(48), MaxRunningSource::Engine)
     );
-    assert_eq!(
-        mr(MaxRunningInput {
-            state_cache_limit: Some(4),
-            declared: Some(8),
-            ..base
-        }),
-        (Some(4), MaxRunningSource::StateCache)
-    );
+    // The server cannot see a remote host's command or checkpoint: on_host, unless the
+    // deployment itself says.
     assert_eq!(
         mr(MaxRunningInput {
             sized_on_host: true,
+            host_command: &host,
             ..base
         }),
         (None, MaxRunningSource::OnHost)
     );
+    assert_eq!(
+        mr(MaxRunningInput {
+            sized_on_host: true,
+            declared: Some(8),
+            ..base
+        }),
+        (Some(8), MaxRunningSource::Declared)
+    );
+    assert_eq!(
+        mr(MaxRunningInput {
+            sized_on_host: true,
+            engine: EngineKind::Tensorfold,
+            ..base
+        }),
+        (Some(8), MaxRunningSource::Default)
+    );
+}
+
+#[test]
+fn a_hybrid_models_state_cache_bounds_sglang() {
+    let sg = mr_input(EngineKind::Sglang);
+    // The option sizes the state cache: fewer than declared, it is the bound.
+    let small = s(&["--max-mamba-cache-size", "4"]);
+    assert_eq!(
+        mr(MaxRunningInput {
+            extra_args: &small,
+            declared: Some(8),
+            ..sg
+        }),
+        (Some(4), MaxRunningSource::StateCache)
+    );
+    // As many or more: the passed figure stands.
+    let roomy = s(&["--max-mamba-cache-size=64"]);
+    assert_eq!(
+        mr(MaxRunningInput {
+            extra_args: &roomy,
+            declared: Some(8),
+            ..sg
+        }),
+        (Some(8), MaxRunningSource::Declared)
+    );
+    // Nothing passed: SGLang sizes itself, within the state cache.
+    assert_eq!(
+        mr(MaxRunningInput {
+            extra_args: &small,
+            ..sg
+        }),
+        (Some(4), MaxRunningSource::StateCache)
+    );
+    // In the host's command.
+    let host = s(&[
+        "python3",
+        "-m",
+        "sglang.launch_server",
+        "--max-mamba-cache-size",
+        "6",
+    ]);
+    assert_eq!(
+        mr(MaxRunningInput {
+            host_command: &host,
+            ..sg
+        }),
+        (Some(6), MaxRunningSource::StateCache)
+    );
+    // A hybrid checkpoint without the option: SGLang sizes its state pool at start; the count
+    // is unknown until it reports its own.
+    let hybrid = MaxRunningInput {
+        hybrid_checkpoint: true,
+        declared: Some(8),
+        ..sg
+    };
+    assert_eq!(mr(hybrid), (None, MaxRunningSource::StateCache));
+    assert_eq!(
+        mr(MaxRunningInput {
+            engine_reported: Some(7),
+            ..hybrid
+        }),
+        (Some(7), MaxRunningSource::Engine)
+    );
+    // vLLM keeps the states in its KV blocks: the passed figure stands.
+    assert_eq!(
+        mr(MaxRunningInput {
+            engine: EngineKind::Vllm,
+            ..hybrid
+        }),
+        (Some(8), MaxRunningSource::Declared)
+    );
+}
+
+#[test]
+fn hybrid_checkpoints_are_recognised_from_their_config() {
+    use capyctl_node_agent::checkpoint::hybrid_state;
+    for config in [
+        json!({"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"]}),
+        json!({"model_type": "nemotron_h", "hybrid_override_pattern": "M-M-M*-"}),
+        json!({"model_type": "granitemoehybrid", "layer_types": ["mamba", "attention"]}),
+        json!({"model_type": "jamba"}),
+        json!({"model_type": "llava", "text_config": {"model_type": "falcon_h1"}}),
+        json!({"model_type": "kimi_linear", "linear_attn_config": {"kda_layers": [1, 2]}}),
+    ] {
+        assert!(hybrid_state(&config), "{config}");
+    }
+    for config in [
+        json!({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}),
+        json!({"model_type": "llama"}),
+        json!({}),
+    ] {
+        assert!(!hybrid_state(&config), "{config}");
+    }
+    let dir = common::temp_dir("hybrid");
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"]}"#,
+    )
+    .unwrap();
+    assert!(ModelFacts::read(dir.to_str().unwrap()).hybrid_state);
+    assert!(!ModelFacts::read("Qwen/Qwen3-Next-80B-A3B").hybrid_state);
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[test]
@@ -578,6 +763,49 @@ fn metrics_are_read_and_absent_figures_stay_unknown() {
         None
     );
     assert_eq!(parse_metrics(EngineKind::Sglang, vllm), None);
+}
+
+#[test]
+fn a_renamed_metric_counts_once_and_ranks_combine() {
+    // A vLLM release exporting the new and the deprecated KV names with the same value: the
+    // first name present is read, not both added.
+    let both = "vllm:num_requests_running{model_name=\"a\"} 1\n\
+        vllm:num_requests_waiting{model_name=\"a\"} 0\n\
+        vllm:kv_cache_usage_perc{model_name=\"a\"} 0.4\n\
+        vllm:gpu_cache_usage_perc{model_name=\"a\"} 0.4\n";
+    assert_eq!(
+        parse_metrics(EngineKind::Vllm, both).unwrap().kv_usage_ppm,
+        Some(400_000)
+    );
+    // An older release with only the deprecated name still reads.
+    let old = "vllm:gpu_cache_usage_perc{model_name=\"a\"} 0.25\n";
+    assert_eq!(
+        parse_metrics(EngineKind::Vllm, old).unwrap().kv_usage_ppm,
+        Some(250_000)
+    );
+    // Two data-parallel ranks: requests add up, the KV fraction is their mean.
+    let ranks = "vllm:num_requests_running{engine=\"0\"} 3\n\
+        vllm:num_requests_running{engine=\"1\"} 2\n\
+        vllm:num_requests_waiting{engine=\"0\"} 1\n\
+        vllm:num_requests_waiting{engine=\"1\"} 4\n\
+        vllm:kv_cache_usage_perc{engine=\"0\"} 0.2\n\
+        vllm:kv_cache_usage_perc{engine=\"1\"} 0.6\n\
+        vllm:gpu_cache_usage_perc{engine=\"0\"} 0.2\n\
+        vllm:gpu_cache_usage_perc{engine=\"1\"} 0.6\n";
+    let l = parse_metrics(EngineKind::Vllm, ranks).unwrap();
+    assert_eq!(
+        (l.running, l.waiting, l.kv_usage_ppm),
+        (Some(5), Some(5), Some(400_000))
+    );
+    // SGLang with data parallelism: the same rules.
+    let sg = "sglang:num_running_reqs{dp_rank=\"0\"} 1\nsglang:num_running_reqs{dp_rank=\"1\"} 1\n\
+        sglang:num_queue_reqs{dp_rank=\"0\"} 0\nsglang:num_queue_reqs{dp_rank=\"1\"} 2\n\
+        sglang:token_usage{dp_rank=\"0\"} 0.9\nsglang:token_usage{dp_rank=\"1\"} 0.3\n";
+    let l = parse_metrics(EngineKind::Sglang, sg).unwrap();
+    assert_eq!(
+        (l.running, l.waiting, l.kv_usage_ppm),
+        (Some(2), Some(2), Some(600_000))
+    );
 }
 
 #[test]
@@ -843,4 +1071,100 @@ fn proc_parsing() {
     assert_eq!(parse_meminfo(meminfo), Some((65536 * 1024, 32768 * 1024)));
     assert_eq!(parse_meminfo("MemTotal: 1 kB\n"), None);
     assert_eq!(parse_ppid("123 (python3 -m (x)) S 45 123 123 0"), Some(45));
+}
+
+#[test]
+fn recovery_verdicts_follow_the_record_and_the_engine() {
+    use EngineState::{Asleep, Awake, NoAnswer, NotGenerating};
+    use capyctl_node_agent::process::PidRecord;
+    use capyctl_node_agent::recovery::{
+        EngineState, RecoveryVerdict, Transition, recovery_verdict, settled,
+    };
+    let rec = |parked: Option<ParkTier>, transition: Option<Transition>| PidRecord {
+        instance: "i".into(),
+        engine: EngineKind::Vllm,
+        pid: 1,
+        port: 1,
+        started_at_ms: 0,
+        start_ticks: None,
+        command: vec![],
+        log: std::path::PathBuf::new(),
+        spec: spec(EngineKind::Vllm, "m"),
+        parking: PARK,
+        first_answer: None,
+        parked,
+        transition,
+        gpu_held: None,
+        measurement: None,
+    };
+    let host = ParkTier::HostRam;
+    let parking = Some(Transition::Parking(host));
+    let waking = Some(Transition::Waking(host));
+    let v = |r: &PidRecord, s: EngineState| recovery_verdict(r, &s);
+    let stops = |verdict: RecoveryVerdict| matches!(verdict, RecoveryVerdict::Stop(_));
+    // Ready as recorded.
+    assert_eq!(v(&rec(None, None), Awake), RecoveryVerdict::Ready);
+    assert!(stops(v(&rec(None, None), Asleep)));
+    assert!(stops(v(&rec(None, None), NotGenerating)));
+    // Parked as recorded: vLLM says asleep, SGLang does not generate.
+    assert_eq!(
+        v(&rec(Some(host), None), Asleep),
+        RecoveryVerdict::Parked(host)
+    );
+    assert_eq!(
+        v(&rec(Some(host), None), NotGenerating),
+        RecoveryVerdict::Parked(host)
+    );
+    assert!(stops(v(&rec(Some(host), None), Awake)));
+    // A park begun: only an engine that says it sleeps is adopted.
+    assert_eq!(
+        v(&rec(None, parking), Asleep),
+        RecoveryVerdict::Parked(host)
+    );
+    assert!(stops(v(&rec(None, parking), Awake)));
+    assert!(stops(v(&rec(None, parking), NotGenerating)));
+    // A wake begun, or no answer: stopped, whatever else.
+    for state in [Awake, Asleep, NotGenerating] {
+        assert!(stops(v(&rec(Some(host), waking), state)));
+    }
+    assert!(stops(v(&rec(None, None), NoAnswer("refused".into()))));
+    // The record goes on with the verdict's tier and no transition.
+    let s = settled(rec(None, parking), &RecoveryVerdict::Parked(host));
+    assert_eq!((s.parked, s.transition), (Some(host), None));
+}
+
+#[test]
+fn unified_memory_is_decided_by_the_gpus_an_engine_uses() {
+    use capyctl_node_agent::inventory::{GpuInfo, HostMemory, Inventory};
+    let gpu = |index: u32, uuid: &str, unified: bool| GpuInfo {
+        index,
+        uuid: Some(uuid.into()),
+        name: None,
+        total_bytes: 1,
+        free_bytes: None,
+        unified,
+    };
+    let inv = Inventory {
+        // The unified GPU is not the first: it still counts.
+        gpus: vec![gpu(0, "GPU-aaaa", false), gpu(1, "GPU-bbbb", true)],
+        gpus_overridden: true,
+        host_memory: HostMemory {
+            total_bytes: 1,
+            available_bytes: 1,
+            overridden: true,
+        },
+    };
+    assert!(inv.unified_memory());
+    assert!(inv.unified_for(None));
+    assert!(!inv.unified_for(Some("0")));
+    assert!(!inv.unified_for(Some("gpu-AAAA")));
+    assert!(inv.unified_for(Some("1")));
+    assert!(inv.unified_for(Some("0, 1")));
+    // A GPU the inventory does not know: any unified GPU counts.
+    assert!(inv.unified_for(Some("7")));
+    let discrete = Inventory {
+        gpus: vec![gpu(0, "GPU-aaaa", false)],
+        ..inv
+    };
+    assert!(!discrete.unified_memory() && !discrete.unified_for(Some("3")));
 }

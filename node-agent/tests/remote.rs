@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use capyctl_crds::EngineKind;
 use capyctl_crds::errors::WakeFailure;
-use capyctl_node_agent::agent::{AgentConfig, EngineExit, ParkResult};
+use capyctl_node_agent::agent::{AgentConfig, EngineExit};
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::load::LoadSample;
 use capyctl_node_agent::process::alive;
@@ -175,12 +175,7 @@ async fn start_sample_park_wake_stop_over_http() {
     assert_eq!(sample.engine.unwrap().running, Some(0));
     assert!(r.samples().contains_key("i-1"));
 
-    assert_eq!(
-        r.park("i-1").await.unwrap(),
-        ParkResult::Parked {
-            tier: ParkTier::HostRam
-        }
-    );
+    assert_eq!(r.park("i-1").await.unwrap().tier(), Some(ParkTier::HostRam));
     assert_eq!(s.local.parked_tier("i-1"), Some(ParkTier::HostRam));
     let report = r.wake("i-1").await.unwrap();
     assert_eq!(report.outcome, WakeOutcome::Pass);
@@ -196,12 +191,7 @@ async fn start_sample_park_wake_stop_over_http() {
 
     // A new caller (an operator that restarted or failed over) learns the live engine.
     let parked = r.park("i-1").await.unwrap();
-    assert_eq!(
-        parked,
-        ParkResult::Parked {
-            tier: ParkTier::HostRam
-        }
-    );
+    assert_eq!(parked.tier(), Some(ParkTier::HostRam));
     let second = remote(&s.url, TOKEN);
     let report = second.recover().await.unwrap();
     assert_eq!(report.adopted.len(), 1, "{report:?}");
@@ -395,6 +385,18 @@ fn every_error_round_trips_through_its_body() {
             engine: EngineKind::Vllm,
             instance: "i".into(),
             status: "exit status: 70".into(),
+            log: Some("/data/engines/i.log".into()),
+        },
+        AgentError::EngineNotReady {
+            engine: EngineKind::Sglang,
+            instance: "i".into(),
+            log: Some("/data/engines/i.log".into()),
+            source: Box::new(AgentError::EngineTimeout {
+                engine: EngineKind::Sglang,
+                step: "readiness (GET /health until 200)",
+                url: "http://127.0.0.1:1/health".into(),
+                after: Duration::from_secs(1800),
+            }),
         },
         AgentError::CapabilityMissing {
             reason: "gpt-oss on vLLM and SGLang cannot be woken correctly by its engine",

@@ -56,6 +56,8 @@ use http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde::Serialize;
 
+use capyctl_router::tls::TlsIncoming;
+
 use crate::api::ManagementApi;
 use crate::metrics::{self, Metrics};
 
@@ -135,12 +137,53 @@ pub async fn serve(
     options: ManagementOptions,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    serve_on(listener, router(api, options), shutdown).await
+}
+
+/// [`serve`] over TLS (`server.listen.tls`): the connections of `incoming`, handshakes done.
+pub async fn serve_tls(
+    incoming: TlsIncoming,
+    api: Arc<dyn ManagementApi>,
+    options: ManagementOptions,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    serve_on(TlsListener(incoming), router(api, options), shutdown).await
+}
+
+/// axum's view of a [`TlsIncoming`].
+struct TlsListener(TlsIncoming);
+
+impl axum::serve::Listener for TlsListener {
+    type Io = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+    type Addr = std::net::SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        match self.0.accept().await {
+            Some(accepted) => accepted,
+            // The accept loop ended (the listener is being dropped): nothing more comes.
+            None => std::future::pending().await,
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        Ok(self.0.local_addr())
+    }
+}
+
+async fn serve_on<L: axum::serve::Listener>(
+    listener: L,
+    app: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()>
+where
+    L::Addr: std::fmt::Debug,
+{
     let (fired_tx, mut fired_rx) = tokio::sync::watch::channel(false);
     let signal = async move {
         shutdown.await;
         let _ = fired_tx.send(true);
     };
-    let server = axum::serve(listener, router(api, options))
+    let server = axum::serve(listener, app)
         .with_graceful_shutdown(signal)
         .into_future();
     let grace = async move {

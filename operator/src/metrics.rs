@@ -9,10 +9,10 @@
 //! |---|---|---|---|
 //! | `capyctl_requests_total` | counter | `deployment`, `status`, `code` | inference requests that ended, by HTTP status and error code (`ok` for a success) |
 //! | `capyctl_request_wait_seconds` | histogram | `deployment` | how long an ended request waited in CapyCTL before it was forwarded (or refused) |
-//! | `capyctl_switches_total` | counter | `outcome` | switches that ended (`ok`, `drain_timeout`, …) |
+//! | `capyctl_switches_total` | counter | `outcome` | switches that ended (`ok`, `drain_timeout`, …): a request's, and a `start --evict` (no window) |
 //! | `capyctl_switch_seconds` | histogram | `outcome` | a whole switch: the sum of its phases |
 //! | `capyctl_switch_phase_seconds` | histogram | `phase` | one phase of a switch: `window`, `drain`, `release`, `bring_up` |
-//! | `capyctl_parks_total` | counter | `tier`, `outcome` | parks that ended, by tier (`host_ram`, `deep`, `kv_only`) |
+//! | `capyctl_parks_total` | counter | `tier`, `outcome` | parks that ended, by tier (`host_ram`, `deep`, `kv_only`) and outcome (`ok`, or the error's label); a release that stopped instead of parking counts under tier `none` with outcome `stopped` (the model does not park), `stopped_no_room_to_park` or `capability_missing` |
 //! | `capyctl_park_seconds` | histogram | `tier`, `outcome` | how long a park took |
 //! | `capyctl_wakes_total` | counter | `tier`, `outcome` | wakes that ended, by the tier woken from and outcome (`ok`, `wake_mismatch`, …) |
 //! | `capyctl_wake_seconds` | histogram | `tier`, `outcome` | how long a wake took (check prompt included) |

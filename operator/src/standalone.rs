@@ -10,7 +10,7 @@
 //! running and the next start adopts them (or stops those it cannot use).
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -59,6 +59,27 @@ pub enum StandaloneError {
     /// The admin token could not be read or written.
     #[error("{0}")]
     Token(#[from] crate::management::TokenError),
+    /// Another CapyCTL holds the data directory.
+    #[error(
+        "data directory {} is in use by another CapyCTL (its lock {} is held); stop it or use another --data-dir",
+        dir.display(),
+        lock.display()
+    )]
+    DataDirInUse {
+        /// The data directory.
+        dir: PathBuf,
+        /// Its lock file.
+        lock: PathBuf,
+    },
+    /// The data directory's lock could not be taken.
+    #[error("cannot lock the data directory {}: {source}", dir.display())]
+    Lock {
+        /// The data directory.
+        dir: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
     /// A deployment of the document was refused.
     #[error("deployment {name} of the standalone document: {source}")]
     Deploy {
@@ -80,7 +101,37 @@ impl StandaloneError {
             StandaloneError::Bind { .. } => "bind",
             StandaloneError::Token(e) => e.metric_label(),
             StandaloneError::Deploy { .. } => "deploy",
+            StandaloneError::DataDirInUse { .. } => "data_dir_in_use",
+            StandaloneError::Lock { .. } => "lock",
         }
+    }
+}
+
+/// The name of the data directory's lock file.
+pub const LOCK_FILE: &str = "lock";
+
+/// Takes the data directory's exclusive lock (`<data-dir>/lock`), held as long as the returned
+/// file is open: the OS lets it go when the process ends, however it ends.
+pub fn lock_data_dir(dir: &Path) -> Result<std::fs::File, StandaloneError> {
+    let lock_err = |source| StandaloneError::Lock {
+        dir: dir.to_path_buf(),
+        source,
+    };
+    std::fs::create_dir_all(dir).map_err(lock_err)?;
+    let path = dir.join(LOCK_FILE);
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(lock_err)?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(StandaloneError::DataDirInUse {
+            dir: dir.to_path_buf(),
+            lock: path,
+        }),
+        Err(std::fs::TryLockError::Error(e)) => Err(lock_err(e)),
     }
 }
 
@@ -125,6 +176,8 @@ pub fn lifecycle_config(config: &StandaloneConfig, metrics: Arc<Metrics>) -> Lif
 
 /// A running standalone server.
 pub struct Standalone {
+    /// The data directory's lock, held while this runs.
+    _lock: std::fs::File,
     /// The lifecycle.
     server: Arc<Server>,
     /// The host agent (engines are stopped through it on shutdown).
@@ -163,6 +216,9 @@ impl Standalone {
         data_dir: PathBuf,
         probe: Arc<dyn GpuProbe>,
     ) -> Result<Standalone, StandaloneError> {
+        // First of all: a second CapyCTL on the same directory would adopt (or stop) the
+        // first one's engines before failing to bind its ports.
+        let lock = lock_data_dir(&data_dir)?;
         let mut agent_config = AgentConfig::new(&data_dir);
         agent_config.wake_window = config.server.switching.wake_timeout;
         let agent = Arc::new(LocalHostAgent::new(
@@ -255,6 +311,7 @@ impl Standalone {
         }
         tracing::info!(%inference_addr, %management_addr, "standalone started");
         Ok(Standalone {
+            _lock: lock,
             server,
             agent,
             inference_addr,

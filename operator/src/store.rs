@@ -36,6 +36,10 @@ pub struct DeploymentRecord {
     /// the model the operator wants running).
     #[serde(default)]
     pub operator_started: bool,
+    /// An operator start waits for memory (without `--evict`); it is tried again whenever
+    /// memory is freed, also after a restart.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pending_start: bool,
     /// The instance's generation: bumped on every fresh start.
     #[serde(default)]
     pub generation: u64,
@@ -244,6 +248,7 @@ mod tests {
                 doc: doc("chat-a"),
                 operator_stopped: true,
                 operator_started: false,
+                pending_start: true,
                 generation: 2,
                 first_answer: None,
             }],

@@ -230,6 +230,44 @@ async fn explicit_models_are_refused_by_requests_and_never_victims() {
     h.shutdown().await;
 }
 
+/// An explicit model that an operator parks is on its way out: a request that needs its memory
+/// waits for the park and is served, instead of being refused for capacity.
+#[tokio::test]
+async fn a_request_waits_for_an_explicit_model_the_operator_is_parking() {
+    let dir = temp_dir("explicit-leaving");
+    let h = Harness::new(&dir, Opts::default()).await;
+    // 64 MiB at 32 MiB/s: the park takes about 2 s.
+    let slow = capyctl_crds::documents::parse_deployment_str(
+        "chat-c.yaml",
+        "name: chat-c\nengine: vllm\nmodel: Qwen3-4B\nresources: {gpu_memory: 6GiB, weights_memory: 64MiB}\nenv: {ENGINE_SIM_WEIGHTS_BYTES: 64MiB, ENGINE_SIM_HOST_BANDWIDTH: 32MiB}\nlifecycle: {activation: explicit}\n",
+    )
+    .unwrap();
+    h.server.deploy(slow).await.unwrap();
+    h.server.deploy(doc("chat-a", "")).await.unwrap();
+    h.server
+        .start(
+            "chat-c",
+            StartRequest {
+                evict: false,
+                wait: true,
+            },
+        )
+        .await
+        .unwrap();
+    let (status, body) = h.chat("chat-a").await;
+    assert_eq!((status, body["code"].as_str()), (409, Some("does_not_fit")));
+
+    let receipt = h.server.park("chat-c").await.unwrap();
+    assert_eq!(receipt.deployment.state, InstanceState::Parking);
+    let (status, body) = h.chat("chat-a").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        h.server.get("chat-c").await.unwrap().state,
+        InstanceState::Parked
+    );
+    h.shutdown().await;
+}
+
 #[tokio::test]
 async fn an_operator_stop_refuses_requests_a_pressure_stop_does_not() {
     let dir = temp_dir("stops");
@@ -355,6 +393,54 @@ async fn state_and_engines_survive_a_restart() {
     h.shutdown().await;
 }
 
+/// Crash-only: an operator start that waits for memory is an operator decision, and a restart
+/// keeps it: once memory frees after the restart, the model starts.
+#[tokio::test]
+async fn a_start_waiting_for_memory_survives_a_restart() {
+    let dir = temp_dir("pending-restart");
+    let h = Harness::new(&dir, Opts::default()).await;
+    h.server.deploy(doc("chat-a", "")).await.unwrap();
+    h.server.deploy(doc("chat-b", "")).await.unwrap();
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    let r = h
+        .server
+        .start("chat-b", StartRequest::default())
+        .await
+        .unwrap();
+    assert!(r.victims.is_empty());
+    let waiting = |v: &capyctl_crds::api::DeploymentView| {
+        v.conditions
+            .iter()
+            .any(|c| c.kind == "Ready" && c.reason == "waiting_for_memory")
+    };
+    assert!(waiting(&r.deployment), "{:?}", r.deployment.conditions);
+    // As after a kill: nothing is stopped.
+    h.close().await;
+
+    let h = Harness::new(&dir, Opts::default()).await;
+    let b = h.server.get("chat-b").await.unwrap();
+    assert_eq!(b.state, InstanceState::Stopped);
+    assert!(
+        waiting(&b),
+        "the pending start came back: {:?}",
+        b.conditions
+    );
+    assert_eq!(
+        h.server.get("chat-a").await.unwrap().state,
+        InstanceState::Ready
+    );
+    h.server.park("chat-a").await.unwrap();
+    state_becomes(&h, "chat-b", InstanceState::Ready).await;
+    // Taken: a second restart does not start it again.
+    h.server.stop("chat-b").await.unwrap();
+    h.close().await;
+    let h = Harness::new(&dir, Opts::default()).await;
+    let b = h.server.get("chat-b").await.unwrap();
+    assert!(!waiting(&b), "{:?}", b.conditions);
+    assert_eq!(b.state, InstanceState::Stopped);
+    h.shutdown().await;
+}
+
 #[tokio::test]
 async fn idle_timers_park_then_stop_and_a_request_starts_again() {
     let dir = temp_dir("idle");
@@ -426,6 +512,113 @@ async fn the_load_read_has_router_and_sample_halves() {
     h.shutdown().await;
 }
 
+/// "A request does not restart an explicit model whose engine exited either; start it again."
+#[tokio::test]
+async fn an_explicit_model_whose_engine_exited_waits_for_a_start() {
+    let dir = temp_dir("crash-explicit");
+    let h = Harness::new(&dir, Opts::default()).await;
+    let x = h
+        .server
+        .deploy(doc("chat-x", "lifecycle: {activation: explicit}\n"))
+        .await
+        .unwrap()
+        .deployment;
+    h.server
+        .start(
+            "chat-x",
+            StartRequest {
+                evict: false,
+                wait: true,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(h.chat("chat-x").await.0, 200);
+    let port = h.server.get("chat-x").await.unwrap().instances[0]
+        .port
+        .unwrap();
+    let _ = support::try_post_json(
+        std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+        "/sim/faults",
+        serde_json::json!({"set": ["crash"]}),
+    )
+    .await;
+    state_becomes(&h, "chat-x", InstanceState::Failed).await;
+    let (status, body) = h.chat("chat-x").await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (409, Some("deployment_inactive")),
+        "{body}"
+    );
+    let v = h.server.get("chat-x").await.unwrap();
+    assert_eq!(v.state, InstanceState::Failed);
+    assert_eq!(v.instances[0].generation, 1, "not restarted by the request");
+    // Started again on command: a fresh generation that serves.
+    h.server
+        .start(
+            &x.id,
+            StartRequest {
+                evict: false,
+                wait: true,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(h.chat("chat-x").await.0, 200);
+    assert_eq!(
+        h.server.get("chat-x").await.unwrap().instances[0].generation,
+        2
+    );
+    h.shutdown().await;
+}
+
+/// `lifecycle.warm: true` keeps a model loaded like explicit activation (never a victim of a
+/// request's switch or of `--evict`), but requests still start or wake it.
+#[tokio::test]
+async fn a_warm_model_is_never_a_victim_but_requests_start_and_wake_it() {
+    let dir = temp_dir("warm");
+    let h = Harness::new(&dir, Opts::default()).await;
+    h.server
+        .deploy(doc("chat-w", "lifecycle: {warm: true}\n"))
+        .await
+        .unwrap();
+    h.server.deploy(doc("chat-b", "")).await.unwrap();
+    // A request starts it (explicit would refuse).
+    assert_eq!(h.chat("chat-w").await.0, 200);
+    // Neither a request nor --evict parks it for another model.
+    let (status, body) = h.chat("chat-b").await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (409, Some("does_not_fit")),
+        "{body}"
+    );
+    let err = h
+        .server
+        .start(
+            "chat-b",
+            StartRequest {
+                evict: true,
+                wait: true,
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), "does_not_fit");
+    assert_eq!(
+        h.server.get("chat-w").await.unwrap().state,
+        InstanceState::Ready
+    );
+    // An operator may park it; a request wakes it again.
+    h.server.park("chat-w").await.unwrap();
+    state_becomes(&h, "chat-w", InstanceState::Parked).await;
+    assert_eq!(h.chat("chat-w").await.0, 200);
+    assert_eq!(
+        h.server.get("chat-w").await.unwrap().state,
+        InstanceState::Ready
+    );
+    h.shutdown().await;
+}
+
 #[tokio::test]
 async fn an_engine_that_exits_is_restarted_by_the_next_request() {
     let dir = temp_dir("crash");
@@ -491,13 +684,16 @@ async fn a_switch_lets_a_running_answer_finish() {
         .await
     });
     // Wait until the stream runs in the engine, then ask for the other model.
-    for _ in 0..100 {
+    let mut running = false;
+    for _ in 0..250 {
         let load = h.server.load(Some("chat-s")).await.unwrap();
         if load.deployments[0].router.in_flight == 1 {
+            running = true;
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    assert!(running, "the streamed answer never started");
     let (status, body) = h.chat("chat-b").await;
     assert_eq!(status, 200, "{body}");
     let (status, text) = streamed.await.unwrap();
@@ -510,6 +706,150 @@ async fn a_switch_lets_a_running_answer_finish() {
     assert_eq!(
         h.server.get("chat-s").await.unwrap().state,
         InstanceState::Parked
+    );
+    h.shutdown().await;
+}
+
+/// "When there is no room to keep a parked copy, CapyCTL stops the idle model instead and says
+/// so": a `start --evict` whose victim's copy needs the room of an older parked copy names
+/// that copy in its receipt, `released: stopped (no room to park)`.
+#[tokio::test]
+async fn an_evict_receipt_names_the_parked_copies_stopped_for_room() {
+    let dir = temp_dir("room-receipt");
+    // One 6 GiB model on the GPU at a time; host RAM for one 64 MiB copy.
+    let opts = Opts {
+        host_memory: 100 * support::MIB,
+        ..Opts::default()
+    };
+    let h = Harness::new(&dir, opts).await;
+    let a = h.server.deploy(doc("chat-a", "")).await.unwrap().deployment;
+    let b = h.server.deploy(doc("chat-b", "")).await.unwrap().deployment;
+    h.server.deploy(doc("chat-c", "")).await.unwrap();
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    assert_eq!(h.chat("chat-b").await.0, 200);
+    assert_eq!(
+        h.server.get("chat-a").await.unwrap().state,
+        InstanceState::Parked
+    );
+    let switches = |text: &str| -> u64 {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("capyctl_switches_total{outcome=\"ok\"}"))
+            .unwrap_or("x 0");
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let before = switches(&h.metrics.encode());
+    let r = h
+        .server
+        .start(
+            "chat-c",
+            StartRequest {
+                evict: true,
+                wait: true,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.deployment.state, InstanceState::Ready);
+    // Counted as a switch, and the stopped copy as a park that stopped for want of room.
+    let text = h.metrics.encode();
+    assert_eq!(switches(&text), before + 1, "{text}");
+    assert!(
+        text.contains(r#"capyctl_parks_total{tier="none",outcome="stopped_no_room_to_park"} 1"#),
+        "{text}"
+    );
+    let got: Vec<(&str, &str, Released)> = r
+        .victims
+        .iter()
+        .map(|v| (v.deployment_id.as_str(), v.instance_id.as_str(), v.released))
+        .collect();
+    let (a_iid, b_iid) = (format!("{}-0", a.id), format!("{}-0", b.id));
+    assert_eq!(
+        got,
+        vec![
+            (b.id.as_str(), b_iid.as_str(), Released::Parked),
+            (a.id.as_str(), a_iid.as_str(), Released::StoppedNoRoomToPark),
+        ]
+    );
+    assert_eq!(
+        h.server.get("chat-a").await.unwrap().state,
+        InstanceState::Stopped
+    );
+    assert_eq!(
+        h.server.get("chat-b").await.unwrap().state,
+        InstanceState::Parked
+    );
+    // A pressure stop: a request starts chat-a again.
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    h.shutdown().await;
+}
+
+/// "A sleeping engine still holds some GPU memory: account for it." Each parked engine here
+/// keeps 512 MiB (the agent's estimate for 2 GiB of weights without NVML): a switch parks as
+/// many idle models as that takes, and stops parked engines for their residue only when
+/// parking the ready ones is not enough.
+#[tokio::test]
+async fn parked_engines_hold_gpu_memory_and_placement_counts_it() {
+    let dir = temp_dir("residue");
+    let opts = Opts {
+        host_memory: 16 * support::GIB,
+        ..Opts::default()
+    };
+    let h = Harness::new(&dir, opts).await;
+    let model = |name: &str, gpu: &str| {
+        capyctl_crds::documents::parse_deployment_str(
+            "m.yaml",
+            &format!(
+                "name: {name}\nengine: vllm\nmodel: Qwen3-4B\nresources: {{gpu_memory: {gpu}, weights_memory: 2GiB}}\nenv: {{ENGINE_SIM_WEIGHTS_BYTES: 2GiB}}\n"
+            ),
+        )
+        .unwrap()
+    };
+    for (name, gpu) in [
+        ("a", "5GiB"),
+        ("b", "5GiB"),
+        ("c", "5GiB"),
+        ("d", "9728MiB"),
+    ] {
+        h.server.deploy(model(name, gpu)).await.unwrap();
+    }
+    assert_eq!(h.chat("a").await.0, 200);
+    assert_eq!(h.chat("b").await.0, 200);
+    // c needs 5 GiB; parking a frees only 4.5 (it keeps 0.5): b parks too.
+    assert_eq!(h.chat("c").await.0, 200);
+    for name in ["a", "b"] {
+        let v = h.server.get(name).await.unwrap();
+        assert_eq!(
+            v.state,
+            InstanceState::Parked,
+            "{name}: {:?}",
+            v.instances[0].last_error
+        );
+    }
+    let hosts = h.server.hosts().await;
+    assert_eq!(
+        hosts.hosts[0].gpus[0].used,
+        6 * support::GIB,
+        "c, and two residues"
+    );
+    // d needs 9.5 GiB: parking c leaves 8.5 free; a's and b's residues go too (stopped).
+    assert_eq!(h.chat("d").await.0, 200);
+    assert_eq!(
+        h.server.get("c").await.unwrap().state,
+        InstanceState::Parked
+    );
+    for name in ["a", "b"] {
+        assert_eq!(
+            h.server.get(name).await.unwrap().state,
+            InstanceState::Stopped,
+            "{name}"
+        );
+    }
+    let hosts = h.server.hosts().await;
+    assert_eq!(
+        hosts.hosts[0].gpus[0].used,
+        19 * support::GIB / 2 + support::GIB / 2,
+        "d, and c's residue"
     );
     h.shutdown().await;
 }
@@ -569,6 +909,27 @@ async fn parked_copies_make_room_except_explicit_ones() {
         InstanceState::Parked
     );
     assert_eq!(h.chat("chat-a").await.0, 200);
+    // A request for chat-d (16 GiB) needs chat-a's GPU memory, and chat-a's copy finds no
+    // room: chat-a is stopped instead of parked and says so; chat-d is served; chat-c stays
+    // parked.
+    let big = capyctl_crds::documents::parse_deployment_str(
+        "chat-d.yaml",
+        "name: chat-d\nengine: vllm\nmodel: Qwen3-4B\nresources: {gpu_memory: 16GiB, weights_memory: 64MiB}\nenv: {ENGINE_SIM_WEIGHTS_BYTES: 64MiB}\n",
+    )
+    .unwrap();
+    h.server.deploy(big).await.unwrap();
+    let (status, body) = h.chat("chat-d").await;
+    assert_eq!(status, 200, "{body}");
+    let a = h.server.get("chat-a").await.unwrap();
+    assert_eq!(a.state, InstanceState::Stopped);
+    assert_eq!(
+        a.instances[0].last_error.as_deref(),
+        Some("released: stopped (no room to park)")
+    );
+    assert_eq!(
+        h.server.get("chat-c").await.unwrap().state,
+        InstanceState::Parked
+    );
     h.shutdown().await;
 }
 

@@ -123,6 +123,7 @@ impl HostAgent for FakeAgent {
             self.record(format!("park {instance}"));
             Ok(ParkResult::Parked {
                 tier: ParkTier::HostRam,
+                gpu_held: None,
             })
         })
     }

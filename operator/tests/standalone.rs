@@ -170,3 +170,32 @@ async fn a_listener_that_cannot_bind_is_named() {
         .to_string();
     assert!(err.contains("server.listen.management"), "{err}");
 }
+
+/// A second CapyCTL on a data directory in use is refused before it touches anything: the
+/// first one's engines keep serving.
+#[tokio::test]
+async fn a_second_standalone_on_the_same_data_directory_is_refused() {
+    let dir = temp_dir("standalone-lock");
+    let s = start(&dir).await;
+    assert_eq!(chat(s.inference_addr(), "chat-a").await.0, 200);
+    let pid = s.server().view("chat-a").unwrap().instances[0].pid.unwrap();
+    let err = Standalone::start_with_probe(config(), dir.clone(), std::sync::Arc::new(NoGpus))
+        .await
+        .unwrap_err();
+    assert_eq!(err.metric_label(), "data_dir_in_use");
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "data directory {} is in use by another CapyCTL (its lock {} is held); stop it or use another --data-dir",
+            dir.display(),
+            dir.join("lock").display()
+        )
+    );
+    assert!(alive(pid), "the first one's engine was left alone");
+    assert_eq!(chat(s.inference_addr(), "chat-a").await.0, 200);
+    s.shutdown().await;
+    // Let go with the first one: the directory can be used again.
+    let s = start(&dir).await;
+    s.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -10,3 +10,4 @@ pub mod coordinator;
 pub mod lifecycle;
 pub mod observe;
 pub mod proxy;
+pub mod tls;

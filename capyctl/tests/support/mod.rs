@@ -175,6 +175,8 @@ impl Capy {
             .append(true)
             .open(dir.join("capyctl.log"))
             .unwrap();
+        // Where this run's output begins in the shared log.
+        let log_from = log.metadata().unwrap().len() as usize;
         let mut command = Command::new(CAPYCTL);
         command
             .args(["start", "standalone", "--file"])
@@ -201,7 +203,8 @@ impl Capy {
             return Err(Out {
                 code: status.code().unwrap_or(-1),
                 stdout: String::new(),
-                stderr: stderr.lines().last().unwrap_or_default().to_string() + "\n",
+                // All this run wrote, so that `fails()` sees every line of it.
+                stderr: stderr[log_from..].to_string(),
             });
         }
         let mut banner = first.clone();

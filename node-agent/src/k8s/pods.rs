@@ -469,6 +469,9 @@ impl PodRuntime {
             parking: req.parking,
             first_answer: None,
             parked: None,
+            transition: None,
+            gpu_held: None,
+            measurement: None,
         }
     }
 
@@ -517,6 +520,7 @@ impl PodRuntime {
                         engine: req.spec.engine,
                         instance: id.to_string(),
                         status: why,
+                        log: None,
                     });
                 }
                 _ => {}

@@ -97,6 +97,15 @@ pub enum ErrorFields {
         engine: EngineKind,
         instance: String,
         status: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        log: Option<String>,
+    },
+    EngineNotReady {
+        engine: EngineKind,
+        instance: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        log: Option<String>,
+        source: Box<ErrorBody>,
     },
     CapabilityMissing {
         reason: String,
@@ -180,6 +189,7 @@ pub fn status_of(e: &AgentError) -> u16 {
         | AgentError::AgentUnauthorized { .. }
         | AgentError::AgentAnswer { .. } => 502,
         AgentError::EngineTimeout { .. } | AgentError::AgentTimeout { .. } => 504,
+        AgentError::EngineNotReady { source, .. } => status_of(source),
         AgentError::Remote {
             retryable: true, ..
         } => 503,
@@ -253,10 +263,23 @@ impl ErrorBody {
                 engine,
                 instance,
                 status,
+                log,
             } => ErrorFields::EngineExited {
                 engine: *engine,
                 instance: instance.clone(),
                 status: status.clone(),
+                log: log.clone(),
+            },
+            AgentError::EngineNotReady {
+                engine,
+                instance,
+                log,
+                source,
+            } => ErrorFields::EngineNotReady {
+                engine: *engine,
+                instance: instance.clone(),
+                log: log.clone(),
+                source: Box::new(ErrorBody::of(source)),
             },
             AgentError::CapabilityMissing { reason } => ErrorFields::CapabilityMissing {
                 reason: (*reason).to_string(),
@@ -395,10 +418,23 @@ impl ErrorBody {
                 engine,
                 instance,
                 status,
+                log,
             } => AgentError::EngineExited {
                 engine,
                 instance,
                 status,
+                log,
+            },
+            ErrorFields::EngineNotReady {
+                engine,
+                instance,
+                log,
+                source,
+            } => AgentError::EngineNotReady {
+                engine,
+                instance,
+                log,
+                source: Box::new(source.into_agent_error()),
             },
             ErrorFields::CapabilityMissing { reason } => AgentError::CapabilityMissing {
                 reason: intern(&reason),

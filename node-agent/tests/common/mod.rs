@@ -1,6 +1,8 @@
 //! Shared helpers of the integration tests.
 #![allow(dead_code, clippy::unwrap_used)]
 
+pub mod agents;
+
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::{SystemTime, UNIX_EPOCH};

@@ -76,6 +76,7 @@ impl CrStore {
                 doc,
                 operator_stopped: kept.operator_stopped,
                 operator_started: kept.operator_started,
+                pending_start: false,
                 generation: kept
                     .generation
                     .or_else(|| status.instances.first().map(|i| i.generation))

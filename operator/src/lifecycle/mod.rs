@@ -43,7 +43,7 @@ use capyctl_router::lifecycle::{
     Upstream,
 };
 use capyctl_router::proxy::ModelEntry;
-use tokio::sync::{broadcast, watch};
+use tokio::sync::{broadcast, mpsc, watch};
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -120,15 +120,22 @@ struct Dep {
     reserved: Option<String>,
     /// The target of this switch (memory promised, not yet starting).
     claim: Option<String>,
-    /// An operator start waits for memory.
-    pending_start: bool,
-    port: Option<u16>,
+    /// The host its instance is placed on (claimed, running, parked, or last run on).
+    host: Option<String>,
+    /// What its engine still holds on the GPU while parked (the agent's reading or estimate).
+    parked_gpu: Option<u64>,
+    /// Where the engine answers (from the host agent's `base_url`: loopback for child
+    /// processes, the Pod's IP for engine Pods).
+    addr: Option<SocketAddr>,
     pid: Option<u32>,
     tier: Option<ParkTier>,
     last_error: Option<String>,
     /// The last request's start or end, or the last state change that counts as use.
     last_used: Instant,
     max_running: Option<MaxRunning>,
+    /// The record changed in a way only the next bring-up's end saves (a pending start
+    /// taken).
+    save_due: bool,
 }
 
 impl Dep {
@@ -142,13 +149,15 @@ impl Dep {
             busy: false,
             reserved: None,
             claim: None,
-            pending_start: false,
-            port: None,
+            host: None,
+            parked_gpu: None,
+            addr: None,
             pid: None,
             tier: None,
             last_error: None,
             last_used: Instant::now(),
             max_running: None,
+            save_due: false,
         }
     }
 
@@ -185,13 +194,45 @@ impl Dep {
             .unwrap_or(capacity)
     }
 
+    /// The host its instance is bound to: where it holds GPU memory, is parked, or is claimed
+    /// or on its way. `None` when it may be placed on any host.
+    fn bound_host(&self) -> Option<&str> {
+        let bound = self.occupies() || self.state == InstanceState::Parked || self.claim.is_some();
+        if bound { self.host.as_deref() } else { None }
+    }
+
+    /// GPU memory its parked engine holds (0 unless parked).
+    fn parked_holds(&self) -> u64 {
+        if self.state == InstanceState::Parked {
+            self.parked_gpu.unwrap_or(0)
+        } else {
+            0
+        }
+    }
+
+    /// What it would still hold on the GPU once parked: the agent's estimate of a parked
+    /// engine's residue, or 0 when it stops instead of parking.
+    fn residue_if_parked(&self) -> u64 {
+        let parks = self.spec.engine != EngineKind::Tensorfold
+            && self.spec.residency != Some(Residency::RestartOnly)
+            && self.spec.decision.is_none();
+        if !parks {
+            return 0;
+        }
+        capyctl_node_agent::measure::parked_estimate(
+            self.measurement.weights_bytes(),
+            self.spec.speculative(),
+        )
+        .unwrap_or(0)
+    }
+
     /// Running or on its way (what explicit activation admits requests for).
     fn running_or_coming(&self) -> bool {
         matches!(
             self.state,
             InstanceState::Starting | InstanceState::Ready | InstanceState::Waking
         ) || self.claim.is_some()
-            || self.pending_start
+            || self.rec.pending_start
     }
 
     fn warm(&self) -> bool {
@@ -209,6 +250,8 @@ pub fn instance_id(deployment_id: &str) -> String {
 struct Reservation {
     target: Option<String>,
     victims: Vec<String>,
+    /// The victims stop instead of parking (a parked engine's residue would be in the way).
+    stop: bool,
 }
 
 #[derive(Debug, Default)]
@@ -216,8 +259,58 @@ struct Inner {
     /// By ID.
     deps: BTreeMap<String, Dep>,
     reservations: HashMap<String, Reservation>,
-    /// Total GPU memory of the host, bytes.
+    /// Every host, by ID.
+    hosts: BTreeMap<String, Host>,
+}
+
+/// A host the lifecycle places instances on.
+#[derive(Clone)]
+struct Host {
+    /// Its agent (in-process, or a node agent over HTTP).
+    agent: Arc<dyn HostAgent>,
+    /// Its `lifecycle.activation`.
+    activation: Activation,
+    /// Its engine commands (shown by `engine list`, and what `max_running` expects).
+    settings: HostSettings,
+    /// Its admission window, where it differs from the router's.
+    #[allow(dead_code)] // NB: given to the router with each switch on this host (next change).
+    admission_window: Option<Duration>,
+    /// Total GPU memory, bytes.
     capacity: u64,
+}
+
+impl std::fmt::Debug for Host {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Host")
+            .field("activation", &self.activation)
+            .field("capacity", &self.capacity)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A host as given to [`Server::open_hosts`] and [`Server::upsert_host`].
+#[derive(Clone)]
+pub struct HostEntry {
+    /// Its ID (`host.id`; the node's name on Kubernetes).
+    pub id: String,
+    /// Its agent.
+    pub agent: Arc<dyn HostAgent>,
+    /// Its `lifecycle.activation`: `explicit` makes every deployment explicit.
+    pub activation: Activation,
+    /// Its engine commands.
+    pub settings: HostSettings,
+    /// Its `resource_policy.queue.admission_window`: the window of a switch on this host
+    /// (`None`: the router's).
+    pub admission_window: Option<Duration>,
+}
+
+impl std::fmt::Debug for HostEntry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostEntry")
+            .field("id", &self.id)
+            .field("activation", &self.activation)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Inner {
@@ -246,6 +339,31 @@ impl Inner {
     }
 }
 
+/// The longest [`Server::idle_engine`] waits: the drain bound's maximum (600 s).
+const IDLE_ENGINE_BOUND: Duration = Duration::from_secs(600);
+
+/// What a release does when its copy finds no room in host RAM (only explicit parked copies
+/// stand in the way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NoRoom {
+    /// Refuse the park (`parked_capacity`); the model serves again (an operator park, the
+    /// idle timer).
+    Refuse,
+    /// Stop it instead (`released: stopped (no room to park)`): a switch's victim, whose
+    /// memory a waiting model needs.
+    Stop,
+}
+
+/// How a drained instance was put away.
+#[derive(Debug)]
+struct PutAway {
+    /// Its own release.
+    released: Released,
+    /// Parked copies stopped to make room in host RAM for its copy
+    /// (`released: stopped (no room to park)`).
+    room: Vec<Victim>,
+}
+
 /// How an instance is to be brought up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Up {
@@ -257,8 +375,12 @@ enum Up {
 pub struct Server {
     /// Read-only.
     config: LifecycleConfig,
-    /// The host; one operation at a time per instance (the busy flag sees to it).
-    agent: Arc<dyn HostAgent>,
+    /// Some host says `lifecycle.activation: explicit` (every deployment is then explicit).
+    any_host_explicit: AtomicBool,
+    /// Engine exits of every host, forwarded (host ID, exit) for the background task.
+    exits_tx: mpsc::Sender<(String, EngineExit)>,
+    /// Taken by the background task when the router is attached.
+    exits_rx: Mutex<Option<mpsc::Receiver<(String, EngineExit)>>>,
     /// Where the records go.
     store: Arc<dyn Store>,
     /// All state; a std mutex, never held across an `.await`.
@@ -300,64 +422,46 @@ fn not_found(key: &str) -> ApiError {
 }
 
 impl Server {
-    /// Opens the server: loads the stored deployments, reads the host's inventory and measures
-    /// each deployment, then recovers engines a previous run left (adopted ones come back
-    /// ready or parked and are announced once a router is attached; unknown ones are stopped).
+    /// Opens the server on one host (standalone; `config.host_*` describe it): see
+    /// [`Server::open_hosts`].
     pub async fn open(
         agent: Arc<dyn HostAgent>,
         store: Arc<dyn Store>,
         config: LifecycleConfig,
     ) -> Result<Arc<Server>, ServerError> {
-        let stored = store.load()?;
-        let inventory = agent.inventory().await?;
-        let capacity = inventory.gpus.iter().map(|g| g.total_bytes).sum();
-        let mut inner = Inner {
-            capacity,
-            ..Default::default()
+        let host = HostEntry {
+            id: config.host_id.clone(),
+            agent,
+            activation: config.host_activation,
+            settings: config.host_settings.clone(),
+            admission_window: None,
         };
+        Self::open_hosts(vec![host], store, config).await
+    }
+
+    /// Opens the server: loads the stored deployments, then for each host reads its
+    /// inventory and recovers the engines a previous run left there (adopted ones come back
+    /// ready or parked and are announced once a router is attached; unknown ones are
+    /// stopped), then measures each deployment.
+    pub async fn open_hosts(
+        hosts: Vec<HostEntry>,
+        store: Arc<dyn Store>,
+        config: LifecycleConfig,
+    ) -> Result<Arc<Server>, ServerError> {
+        let stored = store.load()?;
+        let mut inner = Inner::default();
         for rec in stored.deployments {
-            let mut dep = Dep::new(rec);
-            dep.measurement = agent.measure(&dep.spec).await.unwrap_or_default();
+            let dep = Dep::new(rec);
             inner.deps.insert(dep.rec.id.clone(), dep);
-        }
-        let report = agent.recover().await?;
-        for adopted in report.adopted {
-            let dep = inner
-                .deps
-                .values_mut()
-                .find(|d| d.instance_id() == adopted.instance);
-            match dep {
-                Some(d) => {
-                    d.state = if adopted.parked.is_some() {
-                        InstanceState::Parked
-                    } else {
-                        InstanceState::Ready
-                    };
-                    d.tier = adopted.parked;
-                    d.pid = Some(adopted.pid);
-                    d.port = adopted
-                        .base_url
-                        .rsplit(':')
-                        .next()
-                        .and_then(|p| p.parse().ok());
-                    tracing::info!(instance = %adopted.instance, state = %d.state, "adopted an engine a previous run left");
-                }
-                None => {
-                    tracing::info!(instance = %adopted.instance, "stopping an engine of a deployment that no longer exists");
-                    if let Err(e) = agent.stop(&adopted.instance).await {
-                        tracing::warn!(instance = %adopted.instance, error = %e, "stopping a left engine failed");
-                    }
-                }
-            }
-        }
-        for gone in report.stopped.iter().chain(report.gone.iter()) {
-            tracing::info!(instance = %gone, "an engine a previous run left is gone or did not answer");
         }
         let (changes, _) = watch::channel(0);
         let (closed, _) = watch::channel(false);
+        let (exits_tx, exits_rx) = mpsc::channel(256);
         let server = Arc::new_cyclic(|me| Server {
             config,
-            agent,
+            any_host_explicit: AtomicBool::new(false),
+            exits_tx,
+            exits_rx: Mutex::new(Some(exits_rx)),
             store,
             inner: Mutex::new(inner),
             persist: Mutex::new(()),
@@ -368,8 +472,201 @@ impl Server {
             next_id: AtomicU64::new(1),
             me: me.clone(),
         });
+        for host in hosts {
+            server.add_host(host).await?;
+        }
+        let specs: Vec<(String, InstanceSpec)> = server.read(|inner| {
+            inner
+                .deps
+                .values()
+                .map(|d| (d.rec.id.clone(), d.spec.clone()))
+                .collect()
+        });
+        for (id, spec) in specs {
+            let Ok(agent) = server.agent_of(&id) else {
+                break;
+            };
+            let m = agent.measure(&spec).await.unwrap_or_default();
+            server.write(|inner| {
+                if let Some(d) = inner.deps.get_mut(&id)
+                    && d.measurement.awaiting()
+                {
+                    d.measurement = m;
+                }
+            });
+        }
         server.ready.store(true, Ordering::SeqCst);
         Ok(server)
+    }
+
+    /// Adds a host, or replaces the agent of a known one (a node agent that came back at
+    /// another address): reads its inventory, then its recovery report, and reconciles the
+    /// deployments with it: engines it holds are adopted (ready or parked), engines of unknown
+    /// deployments (or of a deployment already running elsewhere) are stopped, and instances
+    /// believed to be on this host that it no longer has are failed (the next request starts
+    /// them afresh).
+    pub async fn upsert_host(&self, host: HostEntry) -> Result<(), ServerError> {
+        self.add_host(host).await
+    }
+
+    async fn add_host(&self, entry: HostEntry) -> Result<(), ServerError> {
+        let HostEntry {
+            id: host_id,
+            agent,
+            activation,
+            settings,
+            admission_window,
+        } = entry;
+        let inventory = agent.inventory().await?;
+        let capacity = inventory.gpus.iter().map(|g| g.total_bytes).sum();
+        let report = agent.recover().await?;
+        let mut to_stop: Vec<String> = Vec::new();
+        let mut came: Vec<(InstanceKey, SocketAddr)> = Vec::new();
+        let mut lost: Vec<InstanceKey> = Vec::new();
+        self.write(|inner| {
+            inner.hosts.insert(
+                host_id.clone(),
+                Host {
+                    agent: agent.clone(),
+                    activation,
+                    settings,
+                    admission_window,
+                    capacity,
+                },
+            );
+            let mut adopted_here = BTreeSet::new();
+            for adopted in &report.adopted {
+                let Some(d) = inner
+                    .deps
+                    .values_mut()
+                    .find(|d| d.instance_id() == adopted.instance)
+                else {
+                    tracing::info!(host = %host_id, instance = %adopted.instance, "stopping an engine of a deployment that no longer exists");
+                    to_stop.push(adopted.instance.clone());
+                    continue;
+                };
+                let elsewhere = d.bound_host().is_some_and(|h| h != host_id);
+                if elsewhere || d.busy {
+                    tracing::info!(host = %host_id, instance = %adopted.instance, "stopping a second engine of a deployment that runs elsewhere");
+                    to_stop.push(adopted.instance.clone());
+                    continue;
+                }
+                d.state = if adopted.parked.is_some() {
+                    InstanceState::Parked
+                } else {
+                    InstanceState::Ready
+                };
+                d.host = Some(host_id.clone());
+                d.tier = adopted.parked;
+                d.parked_gpu = adopted.gpu_held.map(|g| g.bytes);
+                d.pid = Some(adopted.pid);
+                d.addr = engine_addr(&adopted.base_url);
+                if adopted.parked.is_none() {
+                    // It runs: a start that waited for memory has happened.
+                    d.rec.pending_start = false;
+                }
+                adopted_here.insert(d.rec.id.clone());
+                tracing::info!(host = %host_id, instance = %adopted.instance, state = %d.state, "adopted an engine");
+            }
+            for d in inner.deps.values_mut() {
+                if adopted_here.contains(d.id()) {
+                    if d.state == InstanceState::Ready
+                        && let Some(addr) = d.addr
+                    {
+                        came.push((Self::key_of(d, &host_id), addr));
+                    }
+                    continue;
+                }
+                let here = d.host.as_deref() == Some(host_id.as_str());
+                let held = d.occupies() || d.state == InstanceState::Parked;
+                if here && held && !d.busy && d.reserved.is_none() {
+                    lost.push(Self::key_of(d, &host_id));
+                    d.state = InstanceState::Failed;
+                    d.tier = None;
+                    d.addr = None;
+                    d.pid = None;
+                    d.last_error = Some(format!(
+                        "its engine is gone: host {host_id} no longer has it"
+                    ));
+                }
+            }
+        });
+        for gone in report.stopped.iter().chain(report.gone.iter()) {
+            tracing::info!(host = %host_id, instance = %gone, "an engine a previous run left is gone or did not answer");
+        }
+        for iid in to_stop {
+            if let Err(e) = agent.stop(&iid).await {
+                tracing::warn!(host = %host_id, instance = %iid, error = %e, "stopping a left engine failed");
+            }
+        }
+        self.any_host_explicit.store(
+            self.read(|inner| {
+                inner
+                    .hosts
+                    .values()
+                    .any(|h| h.activation == Activation::Explicit)
+            }),
+            Ordering::SeqCst,
+        );
+        self.forward_exits(host_id, agent.subscribe_exits());
+        for key in lost {
+            self.announce_gone(key).await;
+        }
+        for (key, addr) in came {
+            self.announce_ready(key, addr).await;
+        }
+        if self.router().is_some() {
+            self.memory_freed();
+        }
+        Ok(())
+    }
+
+    /// Forwards `host`'s engine exits to the background task, until the server closes or the
+    /// agent's channel does.
+    fn forward_exits(&self, host: String, mut exits: broadcast::Receiver<EngineExit>) {
+        let tx = self.exits_tx.clone();
+        let mut closed = self.closed.subscribe();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = closed.changed() => return,
+                    exit = exits.recv() => match exit {
+                        Ok(exit) => {
+                            if tx.send((host.clone(), exit)).await.is_err() {
+                                return;
+                            }
+                        }
+                        Err(broadcast::error::RecvError::Lagged(n)) => {
+                            tracing::warn!(%host, missed = n, "missed engine exit events");
+                        }
+                        Err(broadcast::error::RecvError::Closed) => return,
+                    },
+                }
+            }
+        });
+    }
+
+    /// The agent of the host `id`'s instance is bound to; the first host's when it is bound
+    /// to none (measurements, capability checks).
+    /// Every host (ID and a copy of its entry), by ID.
+    fn hosts_now(&self) -> Vec<(String, Host)> {
+        self.read(|inner| {
+            inner
+                .hosts
+                .iter()
+                .map(|(id, h)| (id.clone(), h.clone()))
+                .collect()
+        })
+    }
+
+    fn agent_of(&self, id: &str) -> Result<Arc<dyn HostAgent>, ApiError> {
+        self.read(|inner| {
+            let host = inner.deps.get(id).and_then(|d| d.host.as_deref());
+            host.and_then(|h| inner.hosts.get(h))
+                .or_else(|| inner.hosts.values().next())
+                .map(|h| h.agent.clone())
+        })
+        .ok_or_else(|| internal("no host is known"))
     }
 
     /// Attaches the router (after `Coordinator::spawn(server.clone(), cfg)`): announces the
@@ -377,19 +674,28 @@ impl Server {
     /// exits).
     pub async fn attach_router(&self, router: CoordinatorHandle) {
         *self.router.lock().unwrap_or_else(PoisonError::into_inner) = Some(router.clone());
-        let ready: Vec<(InstanceKey, u16)> = self.read(|inner| {
+        let ready: Vec<(InstanceKey, SocketAddr)> = self.read(|inner| {
             inner
                 .deps
                 .values()
                 .filter(|d| d.state == InstanceState::Ready)
-                .filter_map(|d| Some((self.key(d), d.port?)))
+                .filter_map(|d| Some((self.key(d), d.addr?)))
                 .collect()
         });
-        for (key, port) in ready {
-            router.instance_ready(upstream(key, port)).await;
+        for (key, addr) in ready {
+            router.instance_ready(Upstream { key, addr }).await;
         }
-        if let Some(me) = self.me.upgrade() {
-            tokio::spawn(background(me, self.agent.subscribe_exits()));
+        // Operator starts that waited for memory when the previous run ended wait again.
+        if self.read(|inner| inner.deps.values().any(|d| d.rec.pending_start)) {
+            self.memory_freed();
+        }
+        let exits = self
+            .exits_rx
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let (Some(me), Some(exits)) = (self.me.upgrade(), exits) {
+            tokio::spawn(background(me, exits));
         }
     }
 
@@ -485,17 +791,23 @@ impl Server {
     }
 
     fn key(&self, d: &Dep) -> InstanceKey {
+        let host = d.host.as_deref().unwrap_or(self.config.host_id.as_str());
+        Self::key_of(d, host)
+    }
+
+    fn key_of(d: &Dep, host: &str) -> InstanceKey {
         InstanceKey {
             deployment: d.rec.id.clone(),
             index: 0,
-            host_id: self.config.host_id.clone(),
+            host_id: host.to_string(),
             generation: d.rec.generation,
         }
     }
 
+    /// "A model is explicit when its deployment or any host it may run on says so."
     fn explicit(&self, d: &Dep) -> bool {
         d.rec.doc.activation() == Activation::Explicit
-            || self.config.host_activation == Activation::Explicit
+            || self.any_host_explicit.load(Ordering::SeqCst)
     }
 
     fn fresh_id(&self, what: &str) -> String {
@@ -538,9 +850,9 @@ impl Server {
         }
     }
 
-    async fn announce_ready(&self, key: InstanceKey, port: u16) {
+    async fn announce_ready(&self, key: InstanceKey, addr: SocketAddr) {
         if let Some(r) = self.router() {
-            r.instance_ready(upstream(key, port)).await;
+            r.instance_ready(Upstream { key, addr }).await;
         }
     }
 
@@ -564,17 +876,106 @@ impl Server {
         }
     }
 
-    /// The GPU's holders as placement sees them, for bringing up `target`.
-    fn holders(&self, inner: &Inner, target: &str, protected: &BTreeSet<String>) -> Vec<Holder> {
+    /// Where `target` fits: on the host its instance is bound to (parked there, say), or on the
+    /// best of all hosts: one with room now (the fullest that fits: large models keep room
+    /// elsewhere), else the one needing the fewest victim bytes, else `Later` where some host
+    /// could take it once memory frees. `Never` only when no host can ever take it.
+    fn place_target(
+        &self,
+        inner: &Inner,
+        target: &str,
+        protected: &BTreeSet<String>,
+        evict: bool,
+    ) -> (Option<String>, Fit) {
+        let Some(d) = inner.deps.get(target) else {
+            return (
+                None,
+                Fit::Never(format!("deployment {target} is not known")),
+            );
+        };
+        let bound = d.bound_host();
+        let mut best: Option<((u8, u64), &String, Fit)> = None;
+        let mut never = Vec::new();
+        for (id, host) in &inner.hosts {
+            if bound.is_some_and(|b| b != id) {
+                continue;
+            }
+            let need = d.need(host.capacity);
+            let holders = self.holders(inner, id, target, protected);
+            let fit = place(host.capacity, need, &holders, evict);
+            let rank = match &fit {
+                Fit::Now => {
+                    let used: u64 = holders.iter().map(|h| h.bytes).sum();
+                    (0, host.capacity.saturating_sub(used).saturating_sub(need))
+                }
+                Fit::After(victims) | Fit::AfterStopping(victims) => (
+                    1,
+                    holders
+                        .iter()
+                        .filter(|h| victims.contains(&h.id))
+                        .map(|h| h.bytes)
+                        .sum(),
+                ),
+                Fit::Later => (2, 0),
+                Fit::Never(why) => {
+                    never.push((id, why.clone()));
+                    continue;
+                }
+            };
+            if best.as_ref().is_none_or(|(r, _, _)| rank < *r) {
+                best = Some((rank, id, fit));
+            }
+        }
+        match best {
+            Some((_, id, fit)) => (Some(id.clone()), fit),
+            None if never.is_empty() => (
+                None,
+                Fit::Never(match bound {
+                    Some(b) => format!("its host {b} is not known"),
+                    None => "no host is known".to_string(),
+                }),
+            ),
+            None if inner.hosts.len() == 1 => (None, Fit::Never(never.remove(0).1)),
+            None => (
+                None,
+                Fit::Never(
+                    never
+                        .iter()
+                        .map(|(h, why)| format!("on host {h}: {why}"))
+                        .collect::<Vec<_>>()
+                        .join("; "),
+                ),
+            ),
+        }
+    }
+
+    /// The GPU holders of `host` as placement sees them, for bringing up `target`.
+    fn holders(
+        &self,
+        inner: &Inner,
+        host: &str,
+        target: &str,
+        protected: &BTreeSet<String>,
+    ) -> Vec<Holder> {
         let now = Instant::now();
+        let capacity = inner.hosts.get(host).map_or(0, |h| h.capacity);
         inner
             .deps
             .values()
-            .filter(|d| d.id() != target && (d.occupies() || d.claim.is_some()))
+            .filter(|d| d.host.as_deref() == Some(host))
+            .filter(|d| {
+                d.id() != target && (d.occupies() || d.claim.is_some() || d.parked_holds() > 0)
+            })
             .map(|d| {
-                let hold = if self.explicit(d) || d.warm() {
+                // NB: an explicit or warm model that is draining, parking or stopping on an
+                // operator's command (reserved by it; never by a switch) is on its way out:
+                // its memory frees soon, so others wait for it instead of being refused.
+                let leaving = d.reserved.is_some()
+                    || matches!(d.state, InstanceState::Parking | InstanceState::Stopping);
+                let parked = d.state == InstanceState::Parked;
+                let hold = if (self.explicit(d) || d.warm()) && !leaving {
                     Hold::Pinned
-                } else if d.state == InstanceState::Ready
+                } else if matches!(d.state, InstanceState::Ready | InstanceState::Parked)
                     && !d.busy
                     && d.reserved.is_none()
                     && d.claim.is_none()
@@ -587,9 +988,15 @@ impl Server {
                 Holder {
                     id: d.id().to_string(),
                     name: d.name().to_string(),
-                    bytes: d.need(inner.capacity),
+                    bytes: if parked {
+                        d.parked_holds()
+                    } else {
+                        d.need(capacity)
+                    },
                     hold,
                     idle_for: now.saturating_duration_since(d.last_used),
+                    parked,
+                    keeps: if parked { 0 } else { d.residue_if_parked() },
                 }
             })
             .collect()
@@ -598,12 +1005,13 @@ impl Server {
     /// Marks `id` as coming up (under the lock) and says how.
     fn begin_up(inner: &mut Inner, id: &str) -> Option<Up> {
         let d = inner.deps.get_mut(id)?;
-        d.pending_start = false;
+        d.save_due |= std::mem::take(&mut d.rec.pending_start);
         d.claim = None;
         d.busy = true;
         d.last_error = None;
         d.last_used = Instant::now();
         if d.state == InstanceState::Parked {
+            d.parked_gpu = None;
             d.state = InstanceState::Waking;
             Some(Up::Wake)
         } else {
@@ -632,6 +1040,19 @@ impl Server {
         }) else {
             return Err(not_found(id));
         };
+        let agent = match self.agent_of(id) {
+            Ok(a) => a,
+            Err(e) => {
+                self.write(|inner| {
+                    if let Some(d) = inner.deps.get_mut(id) {
+                        d.busy = false;
+                        d.state = InstanceState::Failed;
+                        d.last_error = Some(e.message());
+                    }
+                });
+                return Err(e);
+            }
+        };
         if up == Up::Start {
             // The generation is part of the record.
             let _ = self.save();
@@ -640,14 +1061,14 @@ impl Server {
         let woken_from = self.read(|inner| inner.deps.get(id).and_then(|d| d.tier));
         let outcome: Result<Option<capyctl_node_agent::agent::StartedInstance>, ApiError> = match up
         {
-            Up::Start => match self.agent.start(&iid, &spec).await {
+            Up::Start => match agent.start(&iid, &spec).await {
                 Ok(s) => Ok(Some(s)),
                 Err(e) => Err(ApiError::EngineFailed {
                     deployment: id.to_string(),
                     detail: e.to_string(),
                 }),
             },
-            Up::Wake => match self.agent.wake(&iid).await {
+            Up::Wake => match agent.wake(&iid).await {
                 Ok(report) => match report.into_result() {
                     Ok(()) => Ok(None),
                     Err(e) => Err(e.to_api_error(id).unwrap_or(ApiError::EngineFailed {
@@ -656,7 +1077,7 @@ impl Server {
                     })),
                 },
                 Err(e) => {
-                    let _ = self.agent.stop(&iid).await;
+                    let _ = agent.stop(&iid).await;
                     Err(ApiError::EngineFailed {
                         deployment: id.to_string(),
                         detail: e.to_string(),
@@ -682,7 +1103,7 @@ impl Server {
             match &outcome {
                 Ok(started) => {
                     if let Some(s) = started {
-                        d.port = Some(s.port);
+                        d.addr = engine_addr(&s.base_url);
                         d.pid = Some(s.pid);
                         d.max_running = Some(s.max_running);
                         if !s.measurement.awaiting() {
@@ -692,12 +1113,12 @@ impl Server {
                     }
                     d.state = InstanceState::Ready;
                     d.tier = None;
-                    Some(Ok((self.key(d), d.port)))
+                    Some(Ok((self.key(d), d.addr)))
                 }
                 Err(e) => {
                     d.state = InstanceState::Failed;
                     d.tier = None;
-                    d.port = None;
+                    d.addr = None;
                     d.pid = None;
                     d.last_error = Some(format!("{}: {}", e.code(), e.message()));
                     Some(Err(self.key(d)))
@@ -705,11 +1126,17 @@ impl Server {
             }
         });
         match ready {
-            Some(Ok((key, Some(port)))) => {
-                if up == Up::Start {
+            Some(Ok((key, Some(addr)))) => {
+                let due = self.write(|inner| {
+                    inner
+                        .deps
+                        .get_mut(id)
+                        .is_some_and(|d| std::mem::take(&mut d.save_due))
+                });
+                if up == Up::Start || due {
                     let _ = self.save();
                 }
-                self.announce_ready(key, port).await;
+                self.announce_ready(key, addr).await;
             }
             Some(Ok((_, None))) => {}
             Some(Err(key)) => {
@@ -726,9 +1153,12 @@ impl Server {
     /// parked copies while the copy does not fit; `ParkedCapacity` when only explicit copies
     /// stand in the way. Nothing is done when the copy would not go to host RAM, or does not
     /// fit even in empty host RAM (the agent then parks deep or stops it).
-    async fn make_parked_room(&self, id: &str) -> Result<(), ApiError> {
-        let Ok(inv) = self.agent.inventory().await else {
-            return Ok(());
+    async fn make_parked_room(&self, id: &str) -> Result<Vec<Victim>, ApiError> {
+        let Ok(agent) = self.agent_of(id) else {
+            return Ok(Vec::new());
+        };
+        let Ok(inv) = agent.inventory().await else {
+            return Ok(Vec::new());
         };
         let unified = inv.unified_memory();
         let plan = self.read(|inner| {
@@ -750,6 +1180,7 @@ impl Server {
                 .values()
                 .filter(|o| {
                     o.id() != id
+                        && o.host == d.host
                         && o.state == InstanceState::Parked
                         && o.tier == Some(ParkTier::HostRam)
                 })
@@ -795,26 +1226,27 @@ impl Server {
             Some(Ok(out))
         });
         let victims = match plan {
-            None => return Ok(()),
+            None => return Ok(Vec::new()),
             Some(r) => r?,
         };
+        let mut stopped = Vec::new();
         for v in victims {
             let begun = self.write(|inner| {
                 let d = inner.deps.get_mut(&v)?;
                 (d.state == InstanceState::Parked && !d.busy && d.reserved.is_none()).then(|| {
                     d.busy = true;
                     d.state = InstanceState::Stopping;
-                    d.instance_id()
+                    (d.instance_id(), d.name().to_string())
                 })
             });
-            let Some(iid) = begun else { continue };
+            let Some((iid, name)) = begun else { continue };
             tracing::info!(instance = %iid, "released: stopped (no room to park) to make room for a newer parked copy");
-            let result = self.agent.stop(&iid).await;
+            let result = agent.stop(&iid).await;
             self.write(|inner| {
                 if let Some(d) = inner.deps.get_mut(&v) {
                     d.busy = false;
                     d.tier = None;
-                    d.port = None;
+                    d.addr = None;
                     d.pid = None;
                     d.state = match &result {
                         Ok(()) => InstanceState::Stopped,
@@ -826,25 +1258,79 @@ impl Server {
                     });
                 }
             });
+            self.config.metrics.park(
+                "none",
+                if result.is_ok() {
+                    "stopped_no_room_to_park"
+                } else {
+                    "failed"
+                },
+                Duration::ZERO,
+            );
+            stopped.push(Victim {
+                deployment_id: v,
+                name,
+                instance_id: iid,
+                released: Released::StoppedNoRoomToPark,
+            });
         }
-        Ok(())
+        Ok(stopped)
     }
 
     /// Parks (or stops, with `stop` or where it does not park) an instance whose requests have
     /// drained: state `Closed`/`Ready`/`Parked`, reserved by the caller or idle. Says how it
-    /// was released; `ParkedCapacity` leaves it ready (announced again).
-    async fn put_away(&self, id: &str, stop: bool) -> Result<Released, ApiError> {
-        if !stop && let Err(e) = self.make_parked_room(id).await {
-            let back = self.write(|inner| {
-                let d = inner.deps.get_mut(id)?;
-                d.state = InstanceState::Ready;
-                Some((self.key(d), d.port?))
-            });
-            if let Some((key, port)) = back {
-                self.announce_ready(key, port).await;
+    /// was released, and which parked copies were stopped to make room for its copy;
+    /// `ParkedCapacity` leaves it ready (announced again).
+    async fn put_away(&self, id: &str, stop: bool, no_room: NoRoom) -> Result<PutAway, ApiError> {
+        let room = if stop {
+            Ok(Vec::new())
+        } else {
+            self.make_parked_room(id).await
+        };
+        let (room, stop, stopped_for_room) = match room {
+            Ok(room) => (room, stop, false),
+            Err(ApiError::ParkedCapacity { .. }) if no_room == NoRoom::Stop => {
+                (Vec::new(), true, true)
             }
-            return Err(e);
+            Err(e) => {
+                self.put_back(id).await;
+                return Err(e);
+            }
+        };
+        let began = Instant::now();
+        let released = self.release_drained(id, stop).await?;
+        if stopped_for_room && released == Released::Stopped {
+            self.write(|inner| {
+                if let Some(d) = inner.deps.get_mut(id) {
+                    d.last_error = Some("released: stopped (no room to park)".into());
+                }
+            });
+            self.config
+                .metrics
+                .park("none", "stopped_no_room_to_park", began.elapsed());
+            return Ok(PutAway {
+                released: Released::StoppedNoRoomToPark,
+                room,
+            });
         }
+        Ok(PutAway { released, room })
+    }
+
+    /// Serves a drained instance again (a park refused before it began).
+    async fn put_back(&self, id: &str) {
+        let back = self.write(|inner| {
+            let d = inner.deps.get_mut(id)?;
+            d.state = InstanceState::Ready;
+            Some((self.key(d), d.addr?))
+        });
+        if let Some((key, addr)) = back {
+            self.announce_ready(key, addr).await;
+        }
+    }
+
+    /// The engine half of [`Server::put_away`].
+    async fn release_drained(&self, id: &str, stop: bool) -> Result<Released, ApiError> {
+        let agent = self.agent_of(id)?;
         let Some((iid, key, parked)) = self.write(|inner| {
             let d = inner.deps.get_mut(id)?;
             let parked = d.state == InstanceState::Parked;
@@ -860,31 +1346,46 @@ impl Server {
         };
         let began = Instant::now();
         let result = if stop || parked {
-            self.agent.stop(&iid).await.map(|()| Released::Stopped)
+            agent.stop(&iid).await.map(|()| Released::Stopped)
         } else {
-            match self.agent.park(&iid).await {
-                Ok(ParkResult::Parked { tier }) => {
+            match agent.park(&iid).await {
+                Ok(ParkResult::Parked { tier, gpu_held }) => {
                     self.config
                         .metrics
                         .park(views::tier_words(tier), "ok", began.elapsed());
                     self.write(|inner| {
                         if let Some(d) = inner.deps.get_mut(id) {
                             d.tier = Some(tier);
+                            d.parked_gpu = gpu_held.map(|g| g.bytes);
                         }
                     });
                     Ok(Released::Parked)
                 }
                 Ok(ParkResult::Stopped {
                     reason: NoParkReason::NoRoomToPark,
-                }) => Ok(Released::StoppedNoRoomToPark),
-                Ok(ParkResult::Stopped { .. }) => Ok(Released::Stopped),
+                }) => {
+                    self.config
+                        .metrics
+                        .park("none", "stopped_no_room_to_park", began.elapsed());
+                    Ok(Released::StoppedNoRoomToPark)
+                }
+                Ok(ParkResult::Stopped { .. }) => {
+                    self.config.metrics.park("none", "stopped", began.elapsed());
+                    Ok(Released::Stopped)
+                }
                 // A model its engine cannot wake correctly is stopped, never parked.
                 Err(e @ capyctl_node_agent::AgentError::CapabilityMissing { .. }) => {
                     tracing::info!(instance = %iid, reason = %e, "stopped instead of parked");
-                    self.agent.stop(&iid).await.map(|()| Released::Stopped)
+                    self.config
+                        .metrics
+                        .park("none", "capability_missing", began.elapsed());
+                    agent.stop(&iid).await.map(|()| Released::Stopped)
                 }
                 Err(e) => {
-                    let _ = self.agent.stop(&iid).await;
+                    self.config
+                        .metrics
+                        .park("unknown", e.metric_label(), began.elapsed());
+                    let _ = agent.stop(&iid).await;
                     Err(e)
                 }
             }
@@ -898,7 +1399,7 @@ impl Server {
                     Ok(r) => {
                         d.state = InstanceState::Stopped;
                         d.tier = None;
-                        d.port = None;
+                        d.addr = None;
                         d.pid = None;
                         if *r == Released::StoppedNoRoomToPark {
                             d.last_error = Some("released: stopped (no room to park)".into());
@@ -907,7 +1408,7 @@ impl Server {
                     Err(e) => {
                         d.state = InstanceState::Failed;
                         d.tier = None;
-                        d.port = None;
+                        d.addr = None;
                         d.pid = None;
                         d.last_error = Some(format!("park or stop failed: {e}"));
                     }
@@ -975,21 +1476,28 @@ impl Server {
                     inner
                         .deps
                         .values()
-                        .filter(|d| d.pending_start)
+                        .filter(|d| d.rec.pending_start)
                         .map(|d| d.rec.id.clone())
                         .collect()
                 });
                 for id in pending {
                     let up = me.write(|inner| {
                         let d = inner.deps.get(&id)?;
-                        if !d.pending_start || d.busy || d.reserved.is_some() || d.claim.is_some() {
+                        if !d.rec.pending_start
+                            || d.busy
+                            || d.reserved.is_some()
+                            || d.claim.is_some()
+                        {
                             return None;
                         }
-                        let need = d.need(inner.capacity);
-                        let holders = me.holders(inner, &id, &BTreeSet::new());
-                        (place(inner.capacity, need, &holders, false) == Fit::Now)
-                            .then(|| Self::begin_up(inner, &id))
-                            .flatten()
+                        let (host, fit) = me.place_target(inner, &id, &BTreeSet::new(), false);
+                        if fit != Fit::Now {
+                            return None;
+                        }
+                        if let Some(d) = inner.deps.get_mut(&id) {
+                            d.host = host;
+                        }
+                        Self::begin_up(inner, &id)
                     });
                     if let Some(up) = up {
                         let _ = me.finish_up(&id, up).await;
@@ -1039,9 +1547,7 @@ impl Server {
             }
             _ => {}
         }
-        let need = d.need(inner.capacity);
-        let holders = self.holders(&inner, target, protected);
-        let fit = place(inner.capacity, need, &holders, true);
+        let (host, fit) = self.place_target(&inner, target, protected, true);
         let switch_id = self.fresh_id("sw");
         let plan = match fit {
             Fit::Now => {
@@ -1050,41 +1556,50 @@ impl Server {
                     Reservation {
                         target: Some(target.to_string()),
                         victims: Vec::new(),
+                        stop: false,
                     },
                 );
                 if let Some(d) = inner.deps.get_mut(target) {
                     d.claim = Some(switch_id.clone());
-                    d.pending_start = false;
+                    d.host = host;
+                    d.rec.pending_start = false;
                 }
                 Plan::BringUp { switch_id }
             }
-            Fit::After(victims) => {
+            Fit::After(ref victims) | Fit::AfterStopping(ref victims) => {
+                let stop = matches!(fit, Fit::AfterStopping(_));
+                let victims = victims.clone();
+                // The router drains the ready victims; parked ones (stopped for what they still
+                // hold on the GPU) are the lifecycle's alone.
                 let mut keys = Vec::new();
                 for v in &victims {
                     if let Some(vd) = inner.deps.get_mut(v) {
                         vd.reserved = Some(switch_id.clone());
-                        keys.push(InstanceKey {
-                            deployment: vd.rec.id.clone(),
-                            index: 0,
-                            host_id: self.config.host_id.clone(),
-                            generation: vd.rec.generation,
-                        });
+                        if vd.state != InstanceState::Parked {
+                            keys.push(self.key(vd));
+                        }
                     }
                 }
                 if let Some(d) = inner.deps.get_mut(target) {
                     d.claim = Some(switch_id.clone());
-                    d.pending_start = false;
+                    d.host = host;
+                    d.rec.pending_start = false;
                 }
                 inner.reservations.insert(
                     switch_id.clone(),
                     Reservation {
                         target: Some(target.to_string()),
                         victims,
+                        stop,
                     },
                 );
-                Plan::Switch {
-                    switch_id,
-                    victims: keys,
+                if keys.is_empty() {
+                    Plan::BringUp { switch_id }
+                } else {
+                    Plan::Switch {
+                        switch_id,
+                        victims: keys,
+                    }
                 }
             }
             Fit::Later => Plan::Later,
@@ -1141,19 +1656,51 @@ impl Server {
             if !ours {
                 continue;
             }
+            let stop_all = self.read(|inner| {
+                inner
+                    .reservations
+                    .get(&order.switch_id)
+                    .is_some_and(|r| r.stop)
+            });
             match self
-                .put_away(&key.deployment, report.cut_before_output)
+                .put_away(
+                    &key.deployment,
+                    stop_all || report.cut_before_output,
+                    NoRoom::Stop,
+                )
                 .await
             {
-                Ok(released) => {
-                    tracing::info!(victim = %key.deployment, released = released.words(), "victim released")
-                }
-                Err(e @ ApiError::ParkedCapacity { .. }) => {
-                    self.write(|inner| inner.release_reservation(&order.switch_id));
-                    return Err(e);
+                Ok(put) => {
+                    tracing::info!(victim = %key.deployment, released = put.released.words(), room = ?put.room.iter().map(|v| &v.name).collect::<Vec<_>>(), "victim released")
                 }
                 Err(e) => {
                     tracing::warn!(victim = %key.deployment, error = %e, "releasing a victim failed")
+                }
+            }
+        }
+        // Parked engines this switch stops for what they still hold on the GPU (victims that
+        // were parked when it was planned: the router drained none of them).
+        let parked: Vec<String> = self.read(|inner| {
+            let Some(r) = inner.reservations.get(&order.switch_id) else {
+                return Vec::new();
+            };
+            r.victims
+                .iter()
+                .filter(|v| !order.victims.iter().any(|(k, _)| &k.deployment == *v))
+                .filter(|v| {
+                    inner.deps.get(*v).is_some_and(|d| {
+                        d.state == InstanceState::Parked
+                            && d.reserved.as_deref() == Some(order.switch_id.as_str())
+                    })
+                })
+                .cloned()
+                .collect()
+        });
+        for v in parked {
+            match self.put_away(&v, true, NoRoom::Stop).await {
+                Ok(_) => tracing::info!(victim = %v, "parked engine stopped for its GPU memory"),
+                Err(e) => {
+                    tracing::warn!(victim = %v, error = %e, "stopping a parked victim failed")
                 }
             }
         }
@@ -1191,24 +1738,39 @@ impl Server {
         result
     }
 
+    /// Waits until the engine of `key` reports no running and no waiting requests in a sample
+    /// taken after the question (an aborted request can take the engine a moment to drop).
+    /// `false` when its metrics cannot be read, when no fresh sample comes, or past
+    /// [`IDLE_ENGINE_BOUND`]; the router bounds the wait by its drain bound anyway.
     async fn idle_engine(&self, key: &InstanceKey) -> bool {
         let asked = views::now_ms();
         let iid = instance_id(&key.deployment);
         let mut rx = self.closed.subscribe();
+        let give_up = Instant::now() + IDLE_ENGINE_BOUND;
+        let Some(agent) = self.read(|inner| inner.hosts.get(&key.host_id).map(|h| h.agent.clone()))
+        else {
+            return false;
+        };
         loop {
-            if let Some(s) = self.agent.sample(&iid) {
-                match s.engine {
-                    None => return false,
-                    Some(e) if s.sampled_at_ms >= asked => {
-                        return e.running == Some(0) && e.waiting.unwrap_or(0) == 0;
-                    }
-                    Some(_) => {}
-                }
-            } else {
+            let Some(s) = agent.sample(&iid) else {
                 return false;
+            };
+            match s.engine {
+                None => return false,
+                Some(e) if s.sampled_at_ms >= asked => {
+                    let idle = e.running == Some(0) && e.waiting.unwrap_or(0) == 0;
+                    if idle {
+                        return true;
+                    }
+                    if e.running.is_none() {
+                        return false;
+                    }
+                }
+                Some(_) => {}
             }
             tokio::select! {
                 () = tokio::time::sleep(Duration::from_millis(100)) => {}
+                () = tokio::time::sleep_until(give_up) => return false,
                 _ = rx.changed() => return false,
             }
         }
@@ -1243,6 +1805,7 @@ impl Server {
                     doc: doc.clone(),
                     operator_stopped: false,
                     operator_started: false,
+                    pending_start: false,
                     generation: 0,
                     first_answer: None,
                 };
@@ -1254,7 +1817,7 @@ impl Server {
             self.save()?;
             let spec = self.read(|inner| inner.deps.get(&id).map(|d| d.spec.clone()));
             if let Some(spec) = spec {
-                let measured = self.agent.measure(&spec).await;
+                let measured = self.agent_of(&id)?.measure(&spec).await;
                 self.write(|inner| {
                     if let (Some(d), Ok(m)) = (inner.deps.get_mut(&id), measured)
                         && !(m.awaiting() && !d.measurement.awaiting() && d.spec == spec)
@@ -1276,11 +1839,10 @@ impl Server {
         enum Next {
             Nothing,
             Up(Up),
-            Evict(String, Vec<String>),
+            Evict(String, Vec<String>, bool),
             Pending,
         }
         let next = self.write(|inner| -> Result<Next, ApiError> {
-            let capacity = inner.capacity;
             let d = inner.deps.get(&id).ok_or_else(|| not_found(&id))?;
             if d.measurement.awaiting() && !req.wait && d.state != InstanceState::Ready {
                 return Err(ApiError::AwaitingMeasurement {
@@ -1305,18 +1867,22 @@ impl Server {
                 InstanceState::Ready | InstanceState::Starting | InstanceState::Waking
             ) || d.claim.is_some()
                 // A start that waits for memory is taken over by a start with --evict.
-                || (d.pending_start && !req.evict);
-            let need = d.need(capacity);
-            let holders = self.holders(inner, &id, &protected);
+                || (d.rec.pending_start && !req.evict);
+            let (host, fit) = self.place_target(inner, &id, &protected, req.evict);
             let d = inner.deps.get_mut(&id).ok_or_else(|| not_found(&id))?;
             d.rec.operator_stopped = false;
             d.rec.operator_started = true;
             if coming {
                 return Ok(Next::Nothing);
             }
-            match place(capacity, need, &holders, req.evict) {
+            if matches!(fit, Fit::Now | Fit::After(_) | Fit::AfterStopping(_)) {
+                d.host = host;
+            }
+            match fit {
                 Fit::Now => Ok(Self::begin_up(inner, &id).map_or(Next::Nothing, Next::Up)),
-                Fit::After(victims) => {
+                Fit::After(ref victims) | Fit::AfterStopping(ref victims) => {
+                    let stop = matches!(fit, Fit::AfterStopping(_));
+                    let victims = victims.clone();
                     let rid = self.fresh_id("sw");
                     for v in &victims {
                         if let Some(vd) = inner.deps.get_mut(v) {
@@ -1325,20 +1891,21 @@ impl Server {
                     }
                     if let Some(d) = inner.deps.get_mut(&id) {
                         d.claim = Some(rid.clone());
-                        d.pending_start = false;
+                        d.rec.pending_start = false;
                     }
                     inner.reservations.insert(
                         rid.clone(),
                         Reservation {
                             target: Some(id.clone()),
                             victims: victims.clone(),
+                            stop,
                         },
                     );
-                    Ok(Next::Evict(rid, victims))
+                    Ok(Next::Evict(rid, victims, stop))
                 }
                 Fit::Later => {
                     if let Some(d) = inner.deps.get_mut(&id) {
-                        d.pending_start = true;
+                        d.rec.pending_start = true;
                     }
                     Ok(Next::Pending)
                 }
@@ -1351,19 +1918,40 @@ impl Server {
         self.save()?;
         let mut receipt_victims = Vec::new();
         let mut switch_id = None;
+        let mut evict_phases: Vec<(&'static str, Duration)> = Vec::new();
         let up = match next {
             Next::Nothing | Next::Pending => None,
             Next::Up(up) => Some(up),
-            Next::Evict(rid, victims) => {
-                let reports = match self.drain(&victims, InstanceState::Closed).await {
+            Next::Evict(rid, victims, stop_all) => {
+                // A switch like a request's, without the admission window: counted the same.
+                let began = Instant::now();
+                // Parked victims (stopped for what they hold on the GPU) have nothing to drain.
+                let ready: Vec<String> = self.read(|inner| {
+                    victims
+                        .iter()
+                        .filter(|v| {
+                            inner
+                                .deps
+                                .get(*v)
+                                .is_some_and(|d| d.state != InstanceState::Parked)
+                        })
+                        .cloned()
+                        .collect()
+                });
+                let reports = match self.drain(&ready, InstanceState::Closed).await {
                     Ok(r) => r,
                     Err(e) => {
                         self.write(|inner| inner.release_reservation(&rid));
+                        self.config
+                            .metrics
+                            .switch_finished(e.metric_label(), &[("drain", began.elapsed())]);
                         return Err(e);
                     }
                 };
+                evict_phases.push(("drain", began.elapsed()));
+                let released_at = Instant::now();
                 for v in &victims {
-                    let stop = reports.get(v).is_some_and(|r| r.cut_before_output);
+                    let stop = stop_all || reports.get(v).is_some_and(|r| r.cut_before_output);
                     let (name, iid) = self
                         .read(|inner| {
                             inner
@@ -1372,16 +1960,16 @@ impl Server {
                                 .map(|d| (d.name().to_string(), d.instance_id()))
                         })
                         .unwrap_or_default();
-                    match self.put_away(v, stop).await {
-                        Ok(released) => receipt_victims.push(Victim {
-                            deployment_id: v.clone(),
-                            name,
-                            instance_id: iid,
-                            released,
-                        }),
-                        Err(e @ ApiError::ParkedCapacity { .. }) => {
-                            self.write(|inner| inner.release_reservation(&rid));
-                            return Err(e);
+                    match self.put_away(v, stop, NoRoom::Stop).await {
+                        Ok(put) => {
+                            receipt_victims.push(Victim {
+                                deployment_id: v.clone(),
+                                name,
+                                instance_id: iid,
+                                released: put.released,
+                            });
+                            // Parked copies stopped to make room for this one's copy.
+                            receipt_victims.extend(put.room);
                         }
                         Err(e) => {
                             tracing::warn!(victim = %v, error = %e, "releasing a victim failed");
@@ -1394,6 +1982,7 @@ impl Server {
                         }
                     }
                 }
+                evict_phases.push(("release", released_at.elapsed()));
                 switch_id = Some(rid.clone());
                 self.write(|inner| {
                     inner.release_reservation(&rid);
@@ -1402,13 +1991,30 @@ impl Server {
             }
         };
         if let Some(up) = up {
+            // The phases so far, when this start is a switch; counted once the target is up.
+            let phases = (!evict_phases.is_empty()).then_some(evict_phases);
+            let up_at = Instant::now();
+            let finish = move |me: &Server, result: &Result<(), ApiError>| {
+                if let Some(mut phases) = phases {
+                    phases.push(("bring_up", up_at.elapsed()));
+                    let outcome = match result {
+                        Ok(()) => "ok",
+                        Err(e) => e.metric_label(),
+                    };
+                    me.config.metrics.switch_finished(outcome, &phases);
+                }
+            };
             if req.wait {
-                self.finish_up(&id, up).await?;
+                let result = self.finish_up(&id, up).await;
+                finish(self, &result);
+                result?;
             } else {
                 let target = id.clone();
                 self.spawn(move |me| {
                     Box::pin(async move {
-                        if let Err(e) = me.finish_up(&target, up).await
+                        let result = me.finish_up(&target, up).await;
+                        finish(&me, &result);
+                        if let Err(e) = result
                             && let Some(r) = me.router()
                         {
                             r.deployment_refused(target, e).await;
@@ -1434,7 +2040,7 @@ impl Server {
                 let d = inner.deps.get(id)?;
                 Some((
                     d.state,
-                    d.busy || d.pending_start || d.claim.is_some(),
+                    d.busy || d.rec.pending_start || d.claim.is_some(),
                     d.last_error.clone(),
                 ))
             });
@@ -1468,7 +2074,7 @@ impl Server {
                 ),
             });
         }
-        d.pending_start = false;
+        d.rec.pending_start = false;
         match d.state {
             InstanceState::Ready => {
                 d.reserved = Some(rid.to_string());
@@ -1477,6 +2083,7 @@ impl Server {
                     Reservation {
                         target: None,
                         victims: vec![id.to_string()],
+                        stop: false,
                     },
                 );
                 Ok(Some(true))
@@ -1500,7 +2107,7 @@ impl Server {
             let d = inner.deps.get_mut(id).ok_or_else(|| not_found(id))?;
             d.rec.operator_stopped = true;
             d.rec.operator_started = false;
-            d.pending_start = false;
+            d.rec.pending_start = false;
             Ok::<_, ApiError>(())
         })?;
         self.save()?;
@@ -1555,7 +2162,10 @@ impl Server {
     ) -> Result<Option<Released>, ApiError> {
         match down {
             None => Ok(None),
-            Some(false) => self.put_away(id, true).await.map(Some),
+            Some(false) => self
+                .put_away(id, true, NoRoom::Refuse)
+                .await
+                .map(|p| Some(p.released)),
             Some(true) => {
                 let shown = if stop {
                     InstanceState::Closed
@@ -1564,7 +2174,9 @@ impl Server {
                 };
                 let reports = self.drain(&[id.to_string()], shown).await?;
                 let cut = reports.get(id).is_some_and(|r| r.cut_before_output);
-                self.put_away(id, stop || cut).await.map(Some)
+                self.put_away(id, stop || cut, NoRoom::Refuse)
+                    .await
+                    .map(|p| Some(p.released))
             }
         }
     }
@@ -1590,7 +2202,7 @@ impl Server {
                 });
             }
         }
-        if let Err(e) = self.agent.parkability(&spec.0).await
+        if let Err(e) = self.agent_of(&id)?.parkability(&spec.0).await
             && let Some(api) = e.to_api_error(&id)
         {
             return Err(api);
@@ -1654,22 +2266,20 @@ impl Server {
         let spec = self
             .read(|inner| inner.deps.get(&id).map(|d| d.spec.clone()))
             .ok_or_else(|| not_found(&id))?;
-        let measured = self
-            .agent
+        let agent = self.agent_of(&id)?;
+        let measured = agent
             .measure(&spec)
             .await
             .map_err(|e| ApiError::EngineFailed {
                 deployment: id.clone(),
                 detail: e.to_string(),
             })?;
-        if let Err(e) = self.agent.parkability(&spec).await
+        if let Err(e) = agent.parkability(&spec).await
             && let Some(api) = e.to_api_error(&id)
         {
             return Err(api);
         }
         let begun = self.write(|inner| {
-            let capacity = inner.capacity;
-            let holders = self.holders(inner, &id, &BTreeSet::new());
             let d = inner.deps.get_mut(&id).ok_or_else(|| not_found(&id))?;
             if !measured.awaiting() {
                 d.measurement = measured;
@@ -1678,15 +2288,20 @@ impl Server {
                 && !d.busy
                 && d.reserved.is_none()
                 && d.claim.is_none()
-                && !d.pending_start;
+                && !d.rec.pending_start;
             if !d.measurement.awaiting() || !idle {
                 return Ok(false);
             }
-            let need = d.need(capacity);
             let name = d.name().to_string();
-            match place(capacity, need, &holders, false) {
-                Fit::Now => Ok(Self::begin_up(inner, &id).is_some()),
-                Fit::Later | Fit::After(_) => Err(ApiError::Conflict {
+            let (host, fit) = self.place_target(inner, &id, &BTreeSet::new(), false);
+            match fit {
+                Fit::Now => {
+                    if let Some(d) = inner.deps.get_mut(&id) {
+                        d.host = host;
+                    }
+                    Ok(Self::begin_up(inner, &id).is_some())
+                }
+                Fit::Later | Fit::After(_) | Fit::AfterStopping(_) => Err(ApiError::Conflict {
                     detail: format!(
                         "no GPU memory is free to measure deployment {name} now; park or stop the others, or start it with --wait"
                     ),
@@ -1715,11 +2330,15 @@ impl Server {
             return;
         };
         let _ = self.save();
-        match self.agent.start(&iid, &spec).await {
+        let started = match self.agent_of(id) {
+            Ok(agent) => agent.start(&iid, &spec).await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.message()),
+        };
+        match started {
             Ok(started) => {
                 self.write(|inner| {
                     if let Some(d) = inner.deps.get_mut(id) {
-                        d.port = Some(started.port);
+                        d.addr = engine_addr(&started.base_url);
                         d.pid = Some(started.pid);
                         d.max_running = Some(started.max_running);
                         if !started.measurement.awaiting() {
@@ -1732,7 +2351,7 @@ impl Server {
                 });
                 let _ = self.save();
                 let stop = self.make_parked_room(id).await.is_err();
-                if let Err(e) = self.put_away(id, stop).await {
+                if let Err(e) = self.put_away(id, stop, NoRoom::Refuse).await {
                     tracing::warn!(deployment = %id, error = %e, "preinitialize: parking failed");
                 }
             }
@@ -1768,7 +2387,7 @@ impl Server {
                     .into_iter()
                     .map(|d| {
                         let r = router.iter().find(|l| l.deployment_id == d.rec.id);
-                        views::load_view(d, r, &self.config, self.agent.as_ref(), now)
+                        views::load_view(d, r, &self.config, inner, now)
                     })
                     .collect(),
             })
@@ -1776,15 +2395,25 @@ impl Server {
     }
 }
 
-fn upstream(key: InstanceKey, port: u16) -> Upstream {
-    Upstream {
-        key,
-        addr: SocketAddr::from(([127, 0, 0, 1], port)),
+/// The socket address of an engine's `base_url` (`http://<ip>:<port>`, `http://[<ipv6>]:<port>`);
+/// `None` (logged) when it names no IP address and port.
+fn engine_addr(base_url: &str) -> Option<SocketAddr> {
+    let rest = base_url
+        .strip_prefix("http://")
+        .unwrap_or(base_url)
+        .trim_end_matches('/');
+    let addr = rest.parse::<SocketAddr>().ok();
+    if addr.is_none() {
+        tracing::warn!(
+            base_url,
+            "an engine's address is not an IP address and port; requests cannot reach it"
+        );
     }
+    addr
 }
 
 /// Idle timers and engine exits, until the server closes.
-async fn background(server: Arc<Server>, mut exits: broadcast::Receiver<EngineExit>) {
+async fn background(server: Arc<Server>, mut exits: mpsc::Receiver<(String, EngineExit)>) {
     let mut closed = server.closed.subscribe();
     let tick = server.config.timer_tick;
     let weak = Arc::downgrade(&server);
@@ -1796,14 +2425,11 @@ async fn background(server: Arc<Server>, mut exits: broadcast::Receiver<EngineEx
         tokio::select! {
             _ = closed.changed() => return,
             exit = exits.recv(), if exits_open => match exit {
-                Ok(exit) => {
+                Some((host, exit)) => {
                     let Some(s) = weak.upgrade() else { return };
-                    s.engine_exited(exit).await;
+                    s.engine_exited(&host, exit).await;
                 }
-                Err(broadcast::error::RecvError::Lagged(n)) => {
-                    tracing::warn!(missed = n, "missed engine exit events");
-                }
-                Err(broadcast::error::RecvError::Closed) => exits_open = false,
+                None => exits_open = false,
             },
             _ = interval.tick() => {
                 let Some(s) = weak.upgrade() else { return };
@@ -1816,12 +2442,16 @@ async fn background(server: Arc<Server>, mut exits: broadcast::Receiver<EngineEx
 impl Server {
     /// An engine exited by itself: the instance is failed and gone; the next request starts
     /// it afresh (unless it is explicit).
-    async fn engine_exited(&self, exit: EngineExit) {
+    async fn engine_exited(&self, host: &str, exit: EngineExit) {
         let key = self.write(|inner| {
             let d = inner
                 .deps
                 .values_mut()
                 .find(|d| d.instance_id() == exit.instance)?;
+            if d.host.as_deref() != Some(host) {
+                // Not the engine it runs now (a host it left).
+                return None;
+            }
             if d.busy {
                 // The operation in progress sees the failure itself.
                 return None;
@@ -1834,7 +2464,7 @@ impl Server {
             }
             d.state = InstanceState::Failed;
             d.tier = None;
-            d.port = None;
+            d.addr = None;
             d.pid = None;
             d.last_error = Some(format!(
                 "the engine exited: {}",
@@ -1875,7 +2505,7 @@ impl Server {
                 .deps
                 .values()
                 .filter(|d| !self.explicit(d) && !d.warm() && !d.busy && d.reserved.is_none())
-                .filter(|d| d.claim.is_none() && !d.pending_start && !busy.contains(d.id()))
+                .filter(|d| d.claim.is_none() && !d.rec.pending_start && !busy.contains(d.id()))
                 .filter_map(|d| {
                     let idle = now.saturating_duration_since(d.last_used);
                     match d.state {
@@ -1891,15 +2521,39 @@ impl Server {
                 .collect()
         });
         for (id, ready) in due {
+            // Checked before the drain, as an operator park is: when only explicit parked
+            // copies hold host RAM the park is refused (`parked_capacity`) and the model keeps
+            // serving, undisturbed; its timer starts over instead of closing it every tick.
+            if ready && let Err(e) = self.make_parked_room(&id).await {
+                tracing::info!(deployment = %id, error = %e, "idle timer: not parked");
+                self.write(|inner| {
+                    if let Some(d) = inner.deps.get_mut(&id) {
+                        d.last_used = Instant::now();
+                    }
+                });
+                continue;
+            }
             let rid = self.fresh_id("idle");
             let down = self.write(|inner| self.begin_down(inner, &id, &rid));
             let Ok(down) = down else { continue };
             tracing::info!(deployment = %id, ready, "idle timer");
-            let result = self.take_down(&id, &rid, down, !ready).await;
-            self.write(|inner| inner.release_reservation(&rid));
-            if let Err(e) = result {
-                tracing::warn!(deployment = %id, error = %e, "idle park or stop failed");
-            }
+            // In its own task: engine exits and the next ticks are not held up by a drain.
+            self.spawn(move |me| {
+                Box::pin(async move {
+                    let result = me.take_down(&id, &rid, down, !ready).await;
+                    me.write(|inner| {
+                        inner.release_reservation(&rid);
+                        if result.is_err()
+                            && let Some(d) = inner.deps.get_mut(&id)
+                        {
+                            d.last_used = Instant::now();
+                        }
+                    });
+                    if let Err(e) = result {
+                        tracing::warn!(deployment = %id, error = %e, "idle park or stop failed");
+                    }
+                })
+            });
         }
     }
 }
@@ -2018,28 +2672,34 @@ impl ManagementApi for Server {
 
     fn engines(&self) -> crate::api::BoxFuture<'_, EngineList> {
         Box::pin(async move {
-            let engines = self
-                .agent
-                .engines()
-                .await
-                .into_iter()
-                .map(|e| EngineView {
-                    command: self.config.host_settings.engine(e.engine).command.clone(),
+            let mut engines = Vec::new();
+            for (host_id, host) in self.hosts_now() {
+                engines.extend(host.agent.engines().await.into_iter().map(|e| EngineView {
+                    command: host.settings.engine(e.engine).command.clone(),
                     engine: e.engine,
                     version: e.version,
                     deep_park: e.deep_park.to_string(),
-                    host_id: self.config.host_id.clone(),
-                })
-                .collect();
+                    host_id: host_id.clone(),
+                }));
+            }
             EngineList { engines }
         })
     }
 
     fn hosts(&self) -> crate::api::BoxFuture<'_, HostList> {
         Box::pin(async move {
-            let inv = self.agent.inventory().await.ok();
+            let mut inventories = Vec::new();
+            for (host_id, host) in self.hosts_now() {
+                inventories.push((host_id, host.agent.inventory().await.ok()));
+            }
             self.read(|inner| HostList {
-                hosts: vec![views::host_view(inv.as_ref(), inner, &self.config)],
+                hosts: inventories
+                    .iter()
+                    .filter_map(|(id, inv)| {
+                        let host = inner.hosts.get(id)?;
+                        Some(views::host_view(id, host, inv.as_ref(), inner))
+                    })
+                    .collect(),
             })
         })
     }
@@ -2141,5 +2801,27 @@ impl Drop for TrackedPermit {
             let id = &self.inner.upstream().key.deployment;
             s.touch(id);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::engine_addr;
+
+    #[test]
+    fn an_engines_address_comes_from_its_base_url_loopback_or_pod_ip() {
+        assert_eq!(
+            engine_addr("http://127.0.0.1:41234"),
+            Some(([127, 0, 0, 1], 41234).into())
+        );
+        assert_eq!(
+            engine_addr("http://10.244.3.17:8000/"),
+            Some(([10, 244, 3, 17], 8000).into())
+        );
+        assert_eq!(
+            engine_addr("http://[fd00::17]:8000").map(|a| a.to_string()),
+            Some("[fd00::17]:8000".to_string())
+        );
+        assert_eq!(engine_addr("http://engine.local:8000"), None);
     }
 }

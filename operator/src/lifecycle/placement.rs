@@ -28,6 +28,12 @@ pub(crate) struct Holder {
     pub hold: Hold,
     /// How long since its last request (longest idle is released first).
     pub idle_for: Duration,
+    /// A parked engine: what it still holds on the GPU is its `bytes`, and releasing it stops
+    /// it. Ready instances are released first; parked ones only when that is not enough.
+    pub parked: bool,
+    /// What it would still hold once released: a ready instance that parks keeps its parked
+    /// residue (CUDA context, graphs, pools); 0 for one that stops.
+    pub keeps: u64,
 }
 
 /// The answer of [`place`].
@@ -37,6 +43,9 @@ pub(crate) enum Fit {
     Now,
     /// There is room once these deployments' instances are released (longest idle first).
     After(Vec<String>),
+    /// There is room only if these deployments' ready instances stop instead of parking (what
+    /// a parked engine keeps on the GPU would be in the way); parked ones among them stop too.
+    AfterStopping(Vec<String>),
     /// Memory is held by instances that cannot be released now.
     Later,
     /// It can never fit while the pinned instances hold their memory (or the GPU is too small).
@@ -82,21 +91,35 @@ pub(crate) fn place(capacity: u64, need: u64, holders: &[Holder], evict: bool) -
         .iter()
         .filter(|h| h.hold == Hold::Releasable)
         .collect();
-    candidates.sort_by(|a, b| b.idle_for.cmp(&a.idle_for).then(a.id.cmp(&b.id)));
-    let mut freed = free;
-    let mut victims = Vec::new();
-    for c in candidates {
-        if freed >= need {
-            break;
+    // Ready instances first (they park and keep their copy), longest idle first; parked
+    // engines are stopped for their residue only when that is not enough.
+    candidates.sort_by(|a, b| {
+        a.parked
+            .cmp(&b.parked)
+            .then(b.idle_for.cmp(&a.idle_for))
+            .then(a.id.cmp(&b.id))
+    });
+    // First as they park (keeping their residue), then, if that is not enough, as they stop.
+    for stopping in [false, true] {
+        let mut freed = free;
+        let mut victims = Vec::new();
+        for c in &candidates {
+            if freed >= need {
+                break;
+            }
+            let keeps = if stopping { 0 } else { c.keeps };
+            freed = freed.saturating_add(c.bytes.saturating_sub(keeps));
+            victims.push(c.id.clone());
         }
-        freed = freed.saturating_add(c.bytes);
-        victims.push(c.id.clone());
+        if freed >= need {
+            return if stopping {
+                Fit::AfterStopping(victims)
+            } else {
+                Fit::After(victims)
+            };
+        }
     }
-    if freed >= need {
-        Fit::After(victims)
-    } else {
-        Fit::Later
-    }
+    Fit::Later
 }
 
 #[cfg(test)]
@@ -112,7 +135,36 @@ mod tests {
             bytes: gb * G,
             hold,
             idle_for: Duration::from_secs(idle_s),
+            parked: false,
+            keeps: 0,
         }
+    }
+
+    #[test]
+    fn a_parked_residue_counts_and_is_stopped_only_after_the_ready_ones() {
+        let mut parked = h("p", 1, Hold::Releasable, 900);
+        parked.parked = true;
+        // A ready model that parks keeps 1 GiB of its 6.
+        let mut ready = h("r", 6, Hold::Releasable, 10);
+        ready.keeps = G;
+        // 10 GiB: 1 parked + 6 ready in use, 3 free. 8 needed: parking r frees 5 (8 free),
+        // enough; the older parked engine stays.
+        assert_eq!(
+            place(10 * G, 8 * G, &[parked.clone(), ready.clone()], true),
+            Fit::After(vec!["r".into()])
+        );
+        // 9 needed: r's residue stays, so the parked engine is stopped too.
+        assert_eq!(
+            place(10 * G, 9 * G, &[parked.clone(), ready.clone()], true),
+            Fit::After(vec!["r".into(), "p".into()])
+        );
+        // 9.5 needed: even then 9 are free; only stopping r (no residue) makes room.
+        assert_eq!(
+            place(10 * G, 19 * G / 2, &[parked.clone(), ready.clone()], true),
+            Fit::AfterStopping(vec!["r".into(), "p".into()])
+        );
+        // Without evict: a parked residue in the way means later, not never.
+        assert_eq!(place(10 * G, 9 * G, &[parked, ready], false), Fit::Later);
     }
 
     #[test]

@@ -9,7 +9,6 @@ use capyctl_crds::api::{
     STALE_AFTER_MS, STALE_SAMPLE_KEPT_MS, SampleView,
 };
 use capyctl_crds::{Activation, InstanceState};
-use capyctl_node_agent::HostAgent;
 use capyctl_node_agent::inventory::Inventory;
 use capyctl_node_agent::launch::{MaxRunning, MaxRunningInput, MaxRunningSource, max_running};
 use capyctl_node_agent::load::LoadSample;
@@ -17,7 +16,23 @@ use capyctl_node_agent::measure::{MeasureSource, Measurement};
 use capyctl_node_agent::tier::ParkTier;
 use capyctl_router::coordinator::DeploymentLoad;
 
-use super::{Dep, Inner, LifecycleConfig};
+use super::{Dep, Host, Inner, LifecycleConfig};
+
+/// Some host says `lifecycle.activation: explicit`.
+fn any_host_explicit(inner: &Inner) -> bool {
+    inner
+        .hosts
+        .values()
+        .any(|h| h.activation == Activation::Explicit)
+}
+
+/// The host of `d`'s instance, else the first host (one host in standalone).
+fn host_of<'a>(d: &Dep, inner: &'a Inner) -> Option<(&'a String, &'a Host)> {
+    d.host
+        .as_deref()
+        .and_then(|h| inner.hosts.get_key_value(h))
+        .or_else(|| inner.hosts.iter().next())
+}
 
 /// Milliseconds since the Unix epoch.
 pub(crate) fn now_ms() -> u64 {
@@ -69,14 +84,20 @@ fn condition(kind: &str, ok: bool, reason: &str, message: String) -> ConditionVi
 }
 
 /// One deployment's view.
-pub(crate) fn deployment_view(d: &Dep, config: &LifecycleConfig, _inner: &Inner) -> DeploymentView {
+pub(crate) fn deployment_view(d: &Dep, config: &LifecycleConfig, inner: &Inner) -> DeploymentView {
     let state = shown_state(d);
-    let explicit = d.rec.doc.activation() == Activation::Explicit
-        || config.host_activation == Activation::Explicit;
+    let explicit = d.rec.doc.activation() == Activation::Explicit || any_host_explicit(inner);
+    // Where it is, or where it may run.
+    let hosts: Vec<String> = match d.bound_host() {
+        Some(h) => vec![h.to_string()],
+        None => inner.hosts.keys().cloned().collect(),
+    };
+    let instance_host =
+        host_of(d, inner).map_or_else(|| config.host_id.clone(), |(h, _)| h.clone());
     let ready = d.state == InstanceState::Ready;
     let (ready_reason, ready_message) = if ready {
         ("ready", "the instance serves requests".to_string())
-    } else if d.pending_start {
+    } else if d.rec.pending_start {
         (
             "waiting_for_memory",
             "an operator start waits for GPU memory (start --evict parks idle models to make room)"
@@ -94,7 +115,7 @@ pub(crate) fn deployment_view(d: &Dep, config: &LifecycleConfig, _inner: &Inner)
         state,
         ready: format!("{}/1", u8::from(ready)),
         revision: d.rec.revision,
-        hosts: vec![config.host_id.clone()],
+        hosts,
         activation: if explicit {
             Activation::Explicit
         } else {
@@ -109,11 +130,11 @@ pub(crate) fn deployment_view(d: &Dep, config: &LifecycleConfig, _inner: &Inner)
         instances: vec![InstanceView {
             instance_id: d.instance_id(),
             index: 0,
-            host_id: config.host_id.clone(),
+            host_id: instance_host,
             generation: d.rec.generation,
             state,
             parked_tier: d.tier.map(|t| tier_words(t).to_string()),
-            port: d.port,
+            port: d.addr.map(|a| a.port()),
             pid: d.pid,
             last_error: d.last_error.clone(),
         }],
@@ -163,14 +184,15 @@ fn max_running_view(m: MaxRunning) -> MaxRunningView {
 }
 
 /// What CapyCTL passes or expects before the engine says (the deployment's figure).
-fn expected_max_running(d: &Dep, config: &LifecycleConfig) -> MaxRunning {
+fn expected_max_running(d: &Dep, config: &LifecycleConfig, host: Option<&Host>) -> MaxRunning {
+    let settings = host.map_or(&config.host_settings, |h| &h.settings);
     max_running(&MaxRunningInput {
         engine: d.spec.engine,
         declared: d.spec.max_concurrent_requests,
         extra_args: &d.spec.extra_args,
-        host_command: &config.host_settings.engine(d.spec.engine).command,
+        host_command: &settings.engine(d.spec.engine).command,
         engine_reported: None,
-        state_cache_limit: None,
+        hybrid_checkpoint: false,
         sized_on_host: false,
     })
 }
@@ -204,10 +226,11 @@ pub(crate) fn load_view(
     d: &Dep,
     router: Option<&DeploymentLoad>,
     config: &LifecycleConfig,
-    agent: &dyn HostAgent,
+    inner: &Inner,
     now_ms: u64,
 ) -> DeploymentLoadView {
-    let expected = expected_max_running(d, config);
+    let host = host_of(d, inner);
+    let expected = expected_max_running(d, config, host.map(|(_, h)| h));
     let instance_mr = d.max_running.unwrap_or(expected);
     let router_in_flight = router
         .and_then(|r| {
@@ -218,8 +241,7 @@ pub(crate) fn load_view(
         .map_or(0, |i| i.router_in_flight as u64);
     let loaded = matches!(d.state, InstanceState::Ready | InstanceState::Closed);
     let sample = if loaded {
-        agent
-            .sample(&d.instance_id())
+        host.and_then(|(_, h)| h.agent.sample(&d.instance_id()))
             .and_then(|s| sample_view(&s, now_ms, router_in_flight))
     } else {
         None
@@ -242,7 +264,7 @@ pub(crate) fn load_view(
         max_running: max_running_view(expected),
         instances: vec![InstanceLoadView {
             index: 0,
-            host_id: config.host_id.clone(),
+            host_id: host.map_or_else(|| config.host_id.clone(), |(id, _)| id.clone()),
             generation: d.rec.generation,
             observed_state: shown_state(d),
             router_in_flight,
@@ -252,27 +274,32 @@ pub(crate) fn load_view(
     }
 }
 
-/// The host's view.
-pub(crate) fn host_view(
-    inv: Option<&Inventory>,
-    inner: &Inner,
-    config: &LifecycleConfig,
-) -> HostView {
+/// A host's view.
+pub(crate) fn host_view(id: &str, host: &Host, inv: Option<&Inventory>, inner: &Inner) -> HostView {
+    let here = |d: &&Dep| d.host.as_deref() == Some(id);
+    // Loaded instances, and what parked engines still hold.
     let used: u64 = inner
         .deps
         .values()
-        .filter(|d| d.occupies())
-        .map(|d| d.need(inner.capacity))
+        .filter(here)
+        .map(|d| {
+            if d.occupies() {
+                d.need(host.capacity)
+            } else {
+                d.parked_holds()
+            }
+        })
         .sum();
     let parked: u64 = inner
         .deps
         .values()
+        .filter(here)
         .filter(|d| d.state == InstanceState::Parked && d.tier == Some(ParkTier::HostRam))
         .map(|d| d.measurement.weights_bytes().unwrap_or(0))
         .sum();
     let mut left = used;
     HostView {
-        id: config.host_id.clone(),
+        id: id.to_string(),
         gpus: inv
             .map(|i| {
                 i.gpus
@@ -293,7 +320,7 @@ pub(crate) fn host_view(
             .unwrap_or_default(),
         host_memory: inv.map_or(0, |i| i.host_memory.total_bytes),
         host_memory_used: parked,
-        activation: config.host_activation,
+        activation: host.activation,
     }
 }
 

@@ -15,7 +15,7 @@ use capyctl_node_agent::LocalHostAgent;
 use capyctl_node_agent::agent::AgentConfig;
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::spec::{GpuOverride, HostSettings};
-use capyctl_operator::lifecycle::{LifecycleConfig, Server};
+use capyctl_operator::lifecycle::{HostEntry, LifecycleConfig, Server};
 use capyctl_operator::store::FileStore;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::{Coordinator, CoordinatorHandle};
@@ -135,7 +135,12 @@ impl Default for Opts {
 /// A server with the real coordinator and the real listener on a loopback port.
 pub struct Harness {
     pub server: Arc<Server>,
+    /// The server's metrics.
+    pub metrics: Arc<capyctl_operator::metrics::Metrics>,
+    /// The first host's agent.
     pub agent: Arc<LocalHostAgent>,
+    /// Every host's agent, by host ID.
+    pub agents: Vec<(String, Arc<LocalHostAgent>)>,
     pub router: CoordinatorHandle,
     pub addr: SocketAddr,
     pub dir: PathBuf,
@@ -154,21 +159,55 @@ pub fn router_config() -> RouterConfig {
 
 impl Harness {
     pub async fn new(dir: &Path, opts: Opts) -> Harness {
+        Self::with_hosts(dir, opts, &["gpu-box"]).await
+    }
+
+    /// A host agent for host `id` on `dir` (its engines and records).
+    pub fn host_agent(dir: &Path, opts: &Opts) -> Arc<LocalHostAgent> {
         let mut config = AgentConfig::new(dir);
         config.ready_timeout = Duration::from_secs(30);
         config.wake_window = Duration::from_secs(30);
         config.stop_grace = Duration::from_secs(5);
         config.sample_interval = Duration::from_millis(100);
         let settings = host_settings(opts.gpu, opts.host_memory);
-        let agent =
-            Arc::new(LocalHostAgent::new(config, settings.clone(), Arc::new(NoGpus)).unwrap());
+        Arc::new(LocalHostAgent::new(config, settings, Arc::new(NoGpus)).unwrap())
+    }
+
+    /// A server over one host per ID, each with `opts`' GPU and host RAM (the first on `dir`,
+    /// the others on `dir/<id>`).
+    pub async fn with_hosts(dir: &Path, opts: Opts, ids: &[&str]) -> Harness {
+        let settings = host_settings(opts.gpu, opts.host_memory);
+        let agents: Vec<(String, Arc<LocalHostAgent>)> = ids
+            .iter()
+            .enumerate()
+            .map(|(i, id)| {
+                let at = if i == 0 {
+                    dir.to_path_buf()
+                } else {
+                    dir.join(id)
+                };
+                (id.to_string(), Self::host_agent(&at, &opts))
+            })
+            .collect();
+        let agent = agents[0].1.clone();
         let store = Arc::new(FileStore::new(dir).unwrap());
-        let mut lc = LifecycleConfig::new("gpu-box");
+        let mut lc = LifecycleConfig::new(ids[0]);
         lc.host_activation = opts.activation;
         lc.lifecycle_defaults = opts.lifecycle_defaults;
-        lc.host_settings = settings;
+        lc.host_settings = settings.clone();
         lc.timer_tick = opts.timer_tick;
-        let server = Server::open(agent.clone(), store, lc).await.unwrap();
+        let metrics = lc.metrics.clone();
+        let hosts = agents
+            .iter()
+            .map(|(id, a)| HostEntry {
+                id: id.clone(),
+                agent: a.clone(),
+                activation: opts.activation,
+                settings: settings.clone(),
+                admission_window: None,
+            })
+            .collect();
+        let server = Server::open_hosts(hosts, store, lc).await.unwrap();
         let router = Coordinator::spawn(server.clone(), router_config());
         server.attach_router(router.clone()).await;
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -194,7 +233,9 @@ impl Harness {
         });
         Harness {
             server,
+            metrics,
             agent,
+            agents,
             router,
             addr,
             dir: dir.to_path_buf(),
@@ -213,10 +254,12 @@ impl Harness {
 
     /// Closes, stops every engine and removes the data directory.
     pub async fn shutdown(self) {
-        let agent = self.agent.clone();
+        let agents: Vec<_> = self.agents.iter().map(|(_, a)| a.clone()).collect();
         let dir = self.dir.clone();
         self.close().await;
-        agent.stop_all().await;
+        for agent in agents {
+            agent.stop_all().await;
+        }
         let _ = std::fs::remove_dir_all(dir);
     }
 

@@ -1,0 +1,193 @@
+//! The lifecycle over several hosts (a Kubernetes cluster's GPU nodes): placement chooses a
+//! host, a parked model wakes where its copy is, switches take victims on the host where the
+//! room is needed, and a restart adopts each engine on its own host. Real engines (the
+//! simulator) behind one in-process host agent per host.
+#![allow(clippy::unwrap_used)]
+
+#[path = "lifecycle_support/mod.rs"]
+mod support;
+
+use capyctl_crds::InstanceState;
+use capyctl_crds::api::StartRequest;
+use capyctl_operator::api::ManagementApi;
+use capyctl_operator::lifecycle::HostEntry;
+use support::{Harness, Opts, doc, temp_dir};
+
+/// The host each deployment's instance is on.
+async fn host_of(h: &Harness, name: &str) -> String {
+    let v = h.server.get(name).await.unwrap();
+    assert_eq!(v.hosts.len(), 1, "{name}: {:?}", v.hosts);
+    assert_eq!(v.instances[0].host_id, v.hosts[0]);
+    v.hosts[0].clone()
+}
+
+async fn state(h: &Harness, name: &str) -> InstanceState {
+    h.server.get(name).await.unwrap().state
+}
+
+#[tokio::test]
+async fn placement_spreads_models_over_hosts_and_switches_where_the_room_is() {
+    let dir = temp_dir("hosts");
+    // Each host's GPU (10 GiB) holds one 6 GiB model.
+    let h = Harness::with_hosts(&dir, Opts::default(), &["gpu-a", "gpu-b"]).await;
+    for name in ["chat-a", "chat-b", "chat-c"] {
+        h.server.deploy(doc(name, "")).await.unwrap();
+    }
+    // A stopped deployment may run on any host.
+    assert_eq!(
+        h.server.get("chat-a").await.unwrap().hosts,
+        vec!["gpu-a".to_string(), "gpu-b".to_string()]
+    );
+
+    // chat-a lands on the first host; chat-b fits on the other one: nothing is parked.
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    assert_eq!(host_of(&h, "chat-a").await, "gpu-a");
+    assert_eq!(h.chat("chat-b").await.0, 200);
+    assert_eq!(host_of(&h, "chat-b").await, "gpu-b");
+    assert_eq!(state(&h, "chat-a").await, InstanceState::Ready);
+
+    // chat-c fits nowhere: one switch, on one host, parks the model that was idle longest
+    // (chat-a, on gpu-a), and chat-c runs there.
+    assert_eq!(h.chat("chat-c").await.0, 200);
+    assert_eq!(host_of(&h, "chat-c").await, "gpu-a");
+    assert_eq!(state(&h, "chat-a").await, InstanceState::Parked);
+    assert_eq!(host_of(&h, "chat-a").await, "gpu-a", "parked where it ran");
+    assert_eq!(state(&h, "chat-b").await, InstanceState::Ready);
+
+    // chat-a wakes where its copy is: gpu-a, parking chat-c (the host's only holder), though
+    // chat-b on gpu-b was idle longer.
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    assert_eq!(host_of(&h, "chat-a").await, "gpu-a");
+    assert_eq!(state(&h, "chat-c").await, InstanceState::Parked);
+    assert_eq!(state(&h, "chat-b").await, InstanceState::Ready);
+    let a = h.server.get("chat-a").await.unwrap();
+    assert_eq!(a.instances[0].generation, 1, "woken, not started again");
+
+    // The views: engines and hosts of both, the load read names each instance's host.
+    let hosts = h.server.hosts().await;
+    let ids: Vec<&str> = hosts.hosts.iter().map(|x| x.id.as_str()).collect();
+    assert_eq!(ids, ["gpu-a", "gpu-b"]);
+    assert_eq!(hosts.hosts[0].host_memory_used, 64 << 20, "chat-c's copy");
+    assert_eq!(hosts.hosts[1].host_memory_used, 0);
+    let engines = h.server.engines().await;
+    assert_eq!(engines.engines.len(), 6, "three engines on each host");
+    let load = h.server.load(Some("chat-b")).await.unwrap();
+    assert_eq!(load.deployments[0].instances[0].host_id, "gpu-b");
+
+    // An operator start --evict names its victim on the host it chose.
+    let r = h
+        .server
+        .start(
+            "chat-c",
+            StartRequest {
+                evict: true,
+                wait: true,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.victims.len(), 1, "{:?}", r.victims);
+    assert_eq!(r.victims[0].name, "chat-a");
+    assert_eq!(host_of(&h, "chat-c").await, "gpu-a");
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_restart_adopts_each_engine_on_its_own_host() {
+    let dir = temp_dir("hosts-restart");
+    let h = Harness::with_hosts(&dir, Opts::default(), &["gpu-a", "gpu-b"]).await;
+    h.server.deploy(doc("chat-a", "")).await.unwrap();
+    h.server.deploy(doc("chat-b", "")).await.unwrap();
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    assert_eq!(h.chat("chat-b").await.0, 200);
+    h.server.park("chat-a").await.unwrap();
+    h.server
+        .wait_for_state(
+            "chat-a",
+            &[InstanceState::Parked],
+            std::time::Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
+    // As after a kill: the engines keep running.
+    h.close().await;
+
+    let h = Harness::with_hosts(&dir, Opts::default(), &["gpu-a", "gpu-b"]).await;
+    assert_eq!(state(&h, "chat-a").await, InstanceState::Parked);
+    assert_eq!(host_of(&h, "chat-a").await, "gpu-a");
+    assert_eq!(state(&h, "chat-b").await, InstanceState::Ready);
+    assert_eq!(host_of(&h, "chat-b").await, "gpu-b");
+    assert_eq!(h.chat("chat-b").await.0, 200);
+    // The parked one wakes on its host, with nothing to park: gpu-a is free.
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    assert_eq!(host_of(&h, "chat-a").await, "gpu-a");
+    assert_eq!(state(&h, "chat-b").await, InstanceState::Ready);
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_host_added_later_takes_what_fits_nowhere_else() {
+    let dir = temp_dir("hosts-added");
+    let opts = Opts::default();
+    let h = Harness::with_hosts(&dir, opts.clone(), &["gpu-a"]).await;
+    let big = capyctl_crds::documents::parse_deployment_str(
+        "big.yaml",
+        "name: big\nengine: vllm\nmodel: Qwen3-4B\nresources: {gpu_memory: 30GiB, weights_memory: 64MiB}\nenv: {ENGINE_SIM_WEIGHTS_BYTES: 64MiB}\n",
+    )
+    .unwrap();
+    h.server.deploy(big).await.unwrap();
+    let (status, body) = h.chat("big").await;
+    assert_eq!((status, body["code"].as_str()), (409, Some("does_not_fit")));
+
+    // A node with a 40 GiB GPU joins.
+    let roomy = Opts {
+        gpu: 40 * support::GIB,
+        ..opts
+    };
+    let agent = Harness::host_agent(&dir.join("gpu-big"), &roomy);
+    h.server
+        .upsert_host(HostEntry {
+            id: "gpu-big".into(),
+            agent: agent.clone(),
+            activation: capyctl_crds::Activation::OnDemand,
+            settings: support::host_settings(roomy.gpu, roomy.host_memory),
+            admission_window: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!(h.chat("big").await.0, 200);
+    assert_eq!(host_of(&h, "big").await, "gpu-big");
+    h.shutdown().await;
+    agent.stop_all().await;
+}
+
+/// "A model is explicit when its deployment or any host it may run on says so."
+#[tokio::test]
+async fn one_explicit_host_makes_every_model_explicit() {
+    let dir = temp_dir("hosts-explicit");
+    let h = Harness::with_hosts(&dir, Opts::default(), &["gpu-a"]).await;
+    h.server.deploy(doc("chat-a", "")).await.unwrap();
+    let opts = Opts::default();
+    let agent = Harness::host_agent(&dir.join("gpu-x"), &opts);
+    h.server
+        .upsert_host(HostEntry {
+            id: "gpu-x".into(),
+            agent: agent.clone(),
+            activation: capyctl_crds::Activation::Explicit,
+            settings: support::host_settings(opts.gpu, opts.host_memory),
+            admission_window: None,
+        })
+        .await
+        .unwrap();
+    let (status, body) = h.chat("chat-a").await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (409, Some("deployment_inactive"))
+    );
+    assert_eq!(
+        h.server.get("chat-a").await.unwrap().activation,
+        capyctl_crds::Activation::Explicit
+    );
+    h.shutdown().await;
+    agent.stop_all().await;
+}
