@@ -647,6 +647,9 @@ impl PodRuntime {
             parking: rebuild.parking,
             first_answer: rebuild.first_answer,
             parked: rebuild.parked,
+            transition: None,
+            gpu_held: None,
+            measurement: None,
         }
     }
 }

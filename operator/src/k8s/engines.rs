@@ -452,7 +452,7 @@ impl HostAgent for PodHostAgent {
             let _op = self.begin();
             let result = self.inner.park(instance).await;
             match &result {
-                Ok(ParkResult::Parked { tier }) => {
+                Ok(ParkResult::Parked { tier, .. }) => {
                     self.annotate(instance, ANNOTATION_PARKED, Some(tier_name(*tier).into()))
                         .await;
                 }
@@ -645,6 +645,7 @@ mod tests {
             Box::pin(async {
                 Ok(ParkResult::Parked {
                     tier: ParkTier::HostRam,
+                    gpu_held: None,
                 })
             })
         }

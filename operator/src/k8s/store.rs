@@ -212,6 +212,7 @@ mod tests {
             doc: doc("name: chat-a\nengine: vllm\nmodel: Qwen3-4B\nmax_concurrent_requests: 8\n"),
             operator_stopped: true,
             operator_started: false,
+            pending_start: false,
             generation: 7,
             first_answer: Some(capyctl_node_agent::verify::FirstAnswer::Text {
                 text: "Paris".into(),
@@ -243,6 +244,7 @@ mod tests {
             doc: running.clone(),
             operator_stopped: false,
             operator_started: false,
+            pending_start: false,
             generation: 3,
             first_answer: None,
         };
