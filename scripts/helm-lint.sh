@@ -16,7 +16,9 @@
 #      any error or warning fails.
 # Then: a second install that finds the generated Secrets keeps their tokens (lookup), and bad
 # values (out of range, unknown keys, bare-number durations, ...) fail to render with the key,
-# the value and the range.
+# the value and the range. The RBAC the default values render must be
+# operator/tests/k8s_rbac.yaml (which the needs-cluster RBAC test applies); with
+# CAPYCTL_HELM_LINT_WRITE=1 the script rewrites that file instead of failing.
 #
 # Exits non-zero on the first failure, naming it.
 set -euo pipefail
@@ -302,7 +304,9 @@ def check_objects(docs, values, case):
         fail(f"{case}: no ConfigMap {RELEASE}-operator with server.yaml")
     else:
         server_out = check_document("server", op_cm["data"]["server.yaml"], case)
-        yaml.safe_load(op_cm["data"]["engine-pods.yaml"])
+        pods_doc = yaml.safe_load(op_cm["data"]["engine-pods.yaml"])
+        if not pods_doc.get("resources", {}).get("requests"):
+            fail(f"{case}: engine-pods.yaml gives engine Pods no resource requests (BestEffort)")
     host_out = ""
     if values.get("nodeAgent", {}).get("enabled", True):
         agent_cm = cms.get(f"{RELEASE}-node-agent")
@@ -310,6 +314,8 @@ def check_objects(docs, values, case):
             fail(f"{case}: no ConfigMap {RELEASE}-node-agent with host.yaml")
         else:
             host_out = check_document("host", agent_cm["data"]["host.yaml"], case)
+            if op_cm is not None and op_cm["data"].get("host.yaml") != agent_cm["data"]["host.yaml"]:
+                fail(f"{case}: the operator's host.yaml is not the node agents'")
 
     # The operator.
     dep = one(docs, "Deployment", "-operator")
@@ -326,6 +332,9 @@ def check_objects(docs, values, case):
         for name, field in (("POD_NAMESPACE", "metadata.namespace"), ("POD_NAME", "metadata.name")):
             if env.get(name, {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") != field:
                 fail(f"{case}: operator env {name} is not the downward API's {field}")
+        for name, file in (("CAPYCTL_ENGINE_PODS_FILE", "engine-pods.yaml"), ("CAPYCTL_HOST_FILE", "host.yaml")):
+            if env.get(name, {}).get("value") != f"/etc/capyctl/{file}":
+                fail(f"{case}: operator env {name} is not /etc/capyctl/{file}")
         ports = containers_ports(pod)
         for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
             get = c.get(probe, {}).get("httpGet", {})
@@ -374,6 +383,19 @@ def check_objects(docs, values, case):
             if args[:2] != ["--file", "/etc/capyctl/host.yaml"] or "--engine-runtime" not in args:
                 fail(f"{case}: node agent args {args}")
             check_mounts(pod, case, "node agent")
+            # The engines' records outlive the agent's Pod: CAPYCTL_DATA_DIR is a hostPath.
+            data_dir = env.get("CAPYCTL_DATA_DIR", {}).get("value")
+            mount = next((m for m in c.get("volumeMounts", []) if m["mountPath"] == data_dir), None)
+            volume = next((v for v in pod.get("volumes", []) if mount and v["name"] == mount["name"]), None)
+            if not data_dir or not volume or "hostPath" not in volume:
+                fail(f"{case}: the node agent's CAPYCTL_DATA_DIR ({data_dir}) is not a mounted hostPath")
+            if "CAPYCTL_OPERATOR_URL" in env:
+                fail(f"{case}: the node agent gets CAPYCTL_OPERATOR_URL, which it does not use")
+            for init in pod.get("initContainers", []):
+                caps = init.get("securityContext", {}).get("capabilities", {})
+                if caps.get("drop") != ["ALL"] or caps.get("add") != ["CHOWN"]:
+                    fail(f"{case}: init container {init['name']} has capabilities {caps}")
+            check_mounts(dict(pod, containers=pod.get("initContainers", [])), case, "node agent init")
 
     # RBAC: no wildcards, ClusterRoles only for cluster-scoped kinds.
     for role in by_kind(docs, "Role") + by_kind(docs, "ClusterRole"):
@@ -383,8 +405,8 @@ def check_objects(docs, values, case):
                     fail(f"{case}: {role['kind']} {role['metadata']['name']} has a wildcard in {key}")
             if role["kind"] == "ClusterRole":
                 for r in rule.get("resources", []):
-                    if r.split("/")[0] not in ("hosts",):
-                        fail(f"{case}: ClusterRole {role['metadata']['name']} grants {r}, which is namespaced")
+                    if r.split("/")[0] not in ("hosts", "nodes"):
+                        fail(f"{case}: ClusterRole {role['metadata']['name']} grants {r}, which is namespaced (only hosts and nodes are cluster-scoped)")
     for b in by_kind(docs, "RoleBinding") + by_kind(docs, "ClusterRoleBinding"):
         ref = b["roleRef"]
         if not any(r["metadata"]["name"] == ref["name"] and r["kind"] == ref["kind"]
@@ -481,12 +503,75 @@ if docs:
     if "tls" not in server["listen"] or "lifecycle_defaults" not in server:
         fail("all-on: server.yaml lacks listen.tls or lifecycle_defaults")
 
-print("== default values: no ServiceMonitor, no NetworkPolicy", flush=True)
+print("== a host value change rolls the operator (its checksum covers host.yaml)", flush=True)
+
+
+def operator_checksum(values):
+    docs, err = render(values)
+    if err:
+        fail(f"checksum: render failed: {err}")
+        return None
+    dep = one(docs, "Deployment", "-operator")
+    return dep["spec"]["template"]["metadata"]["annotations"]["checksum/config"] if dep else None
+
+
+base = operator_checksum({})
+for changed in ({"host": {"resource_policy": {"queue": {"admission_window": "750ms"}}}},
+                {"host": {"lifecycle": {"activation": "explicit"}}},
+                {"host": {"engines": {"vllm": {"env": {"X": "1"}}}}}):
+    if base is not None and operator_checksum(changed) == base:
+        fail(f"checksum: {changed} does not change the operator's checksum/config")
+
+print("== default values: no ServiceMonitor; the engines' NetworkPolicy admits only the operator and node agents", flush=True)
 docs, err = render({})
 kinds = {d["kind"] for d in docs or []}
-for kind in ("ServiceMonitor", "NetworkPolicy"):
-    if kind in kinds:
-        fail(f"default values: a {kind} is rendered, but it is off by default")
+if "ServiceMonitor" in kinds:
+    fail("default values: a ServiceMonitor is rendered, but it is off by default")
+policy = one(docs or [], "NetworkPolicy", "-engines")
+cm = next((d for d in docs or [] if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-operator")), None)
+if not policy or cm is None:
+    fail("default values: no NetworkPolicy for engine Pods")
+else:
+    engine_labels = yaml.safe_load(cm["data"]["engine-pods.yaml"])["labels"]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    if any(engine_labels.get(k) != v for k, v in selector.items()):
+        fail(f"default values: the engines' NetworkPolicy selects {selector}, not the engine Pods' labels {engine_labels}")
+    if policy["spec"].get("policyTypes") != ["Ingress"]:
+        fail("default values: the engines' NetworkPolicy does not restrict ingress")
+    sources = [f["podSelector"]["matchLabels"] for rule in policy["spec"]["ingress"] for f in rule["from"]]
+    templates = {name: one(docs, kind, suffix)["spec"]["template"]["metadata"]["labels"]
+                 for name, kind, suffix in (("operator", "Deployment", "-operator"),
+                                            ("node agent", "DaemonSet", "-node-agent"))}
+    for name, labels in templates.items():
+        if not any(all(labels.get(k) == v for k, v in src.items()) for src in sources):
+            fail(f"default values: the engines' NetworkPolicy does not admit the {name} Pods")
+    for src in sources:
+        if not any(all(labels.get(k) == v for k, v in src.items()) for labels in templates.values()):
+            fail(f"default values: the engines' NetworkPolicy admits {src}, which is neither the operator nor a node agent")
+off, _ = render({"networkPolicy": {"enabled": False}})
+if off and by_kind(off, "NetworkPolicy"):
+    fail("networkPolicy.enabled=false still renders a NetworkPolicy")
+
+print("== RBAC: operator/tests/k8s_rbac.yaml is what the default values render", flush=True)
+# The needs-cluster test operator/tests/k8s_rbac.rs applies this file to a real API server
+# and checks, as each ServiceAccount, what it may and may not do.
+RBAC_FILE = os.path.join(os.path.dirname(os.path.dirname(CHART)), "operator", "tests", "k8s_rbac.yaml")
+RBAC_KINDS = ("ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding")
+docs, err = render({})
+if docs:
+    rbac = [d for d in docs if d["kind"] in RBAC_KINDS]
+    rbac.sort(key=lambda d: (RBAC_KINDS.index(d["kind"]), d["metadata"]["name"]))
+    text = ("# The chart's RBAC with the default values (release capyctl, namespace capyctl-system),\n"
+            "# rendered by scripts/helm-lint.sh; do not edit. operator/tests/k8s_rbac.rs applies it.\n"
+            + yaml.safe_dump_all(rbac, sort_keys=True))
+    old = open(RBAC_FILE).read() if os.path.exists(RBAC_FILE) else None
+    if os.environ.get("CAPYCTL_HELM_LINT_WRITE") == "1":
+        if old != text:
+            with open(RBAC_FILE, "w") as f:
+                f.write(text)
+            print(f"   wrote {RBAC_FILE}")
+    elif old != text:
+        fail(f"{RBAC_FILE} is not what the chart renders: run CAPYCTL_HELM_LINT_WRITE=1 bash scripts/helm-lint.sh and commit it")
 
 print("== tokens: generated once, kept across upgrades (lookup)", flush=True)
 first, err = render({})
@@ -565,6 +650,10 @@ BAD = [
      "server.swiching: unknown key; expected one of listen, switching, lifecycle_defaults"),
     ({"gpu": {"sharing": "mig"}},
      "gpu.sharing: `mig` is not one of runtimeClass, devicePlugin"),
+    ({"gpu": {"visibleDevices": "some"}},
+     "gpu.visibleDevices: `some` is not one of host, all"),
+    ({"nodeAgent": {"dataDir": {"hostPath": ""}}},
+     "nodeAgent.dataDir.hostPath: must not be empty"),
     ({"nodeAgent": {"engineRuntime": "docker"}},
      "nodeAgent.engineRuntime: `docker` is not one of pod, process"),
 ]

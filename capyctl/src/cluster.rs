@@ -5,10 +5,15 @@
 //! release (`--release`, default `capyctl`) names the Service `<fullname>-management` (port
 //! `management`) and the Secret `<fullname>-admin-token`, with the chart's naming rule:
 //! `<fullname>` is the release name when it contains `capyctl`, else `<release>-capyctl`.
-//! The API server authenticates the user (RBAC: `services/proxy` in the namespace, and `get`
-//! on the Secret unless `--token` is given); the admin token travels in `X-CapyCTL-Token`.
+//! The API server authenticates the user (RBAC: `services/proxy` in the namespace, `get` on the
+//! Service, and `get` on the Secret unless `--token` is given); the admin token travels in
+//! `X-CapyCTL-Token`.
+//!
+//! With `operator.tls.secretName` the management listener serves HTTPS, and the chart marks the
+//! Service's port `appProtocol: https`; the plugin reads the Service and asks the service proxy
+//! for `https:<service>:management` then. A Service it may not read is taken as plain HTTP.
 
-use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::core::v1::{Secret, Service};
 use kube::Api;
 
 use crate::client::Client;
@@ -27,12 +32,40 @@ pub fn fullname(release: &str) -> String {
         .to_string()
 }
 
-/// The service-proxy path of the management Service.
-pub fn proxy_base(namespace: &str, release: &str) -> String {
+/// The scheme of the management listener.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scheme {
+    /// Plain HTTP (the chart's default).
+    Http,
+    /// TLS (`operator.tls.secretName`).
+    Https,
+}
+
+/// The service-proxy path of the management Service, with `scheme`.
+pub fn proxy_base(namespace: &str, release: &str, scheme: Scheme) -> String {
+    let prefix = match scheme {
+        Scheme::Http => "",
+        Scheme::Https => "https:",
+    };
     format!(
-        "/api/v1/namespaces/{namespace}/services/{}-management:management/proxy",
+        "/api/v1/namespaces/{namespace}/services/{prefix}{}-management:management/proxy",
         fullname(release)
     )
+}
+
+/// The scheme of a management Service: `https` when its `management` port says
+/// `appProtocol: https`.
+pub fn scheme_of(service: &Service) -> Scheme {
+    let https = service
+        .spec
+        .as_ref()
+        .and_then(|s| s.ports.as_ref())
+        .into_iter()
+        .flatten()
+        .any(|p| {
+            p.name.as_deref() == Some("management") && p.app_protocol.as_deref() == Some("https")
+        });
+    if https { Scheme::Https } else { Scheme::Http }
 }
 
 /// A client for the release's management Service; the token is `token`, else read from the
@@ -75,9 +108,18 @@ pub async fn connect(
                 .to_string()
         }
     };
+    let service = format!("{}-management", fullname(release));
+    let scheme = match Api::<Service>::namespaced(client.clone(), &namespace)
+        .get_opt(&service)
+        .await
+    {
+        Ok(Some(s)) => scheme_of(&s),
+        // Missing, or not readable: plain HTTP; the service proxy says the rest.
+        Ok(None) | Err(_) => Scheme::Http,
+    };
     Ok(Client::through_kube(
         client,
-        proxy_base(&namespace, release),
+        proxy_base(&namespace, release, scheme),
         token,
     ))
 }
@@ -92,8 +134,26 @@ mod tests {
         assert_eq!(fullname("my-capyctl"), "my-capyctl");
         assert_eq!(fullname("prod"), "prod-capyctl");
         assert_eq!(
-            proxy_base("gpu", "capyctl"),
+            proxy_base("gpu", "capyctl", Scheme::Http),
             "/api/v1/namespaces/gpu/services/capyctl-management:management/proxy"
         );
+        assert_eq!(
+            proxy_base("gpu", "capyctl", Scheme::Https),
+            "/api/v1/namespaces/gpu/services/https:capyctl-management:management/proxy"
+        );
+    }
+
+    #[test]
+    fn the_scheme_is_the_management_ports_app_protocol() {
+        let service = |app: &str| -> Service {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "capyctl-management"},
+                "spec": {"ports": [{"name": "management", "port": 7443, "appProtocol": app}]},
+            }))
+            .unwrap_or_default()
+        };
+        assert_eq!(scheme_of(&service("https")), Scheme::Https);
+        assert_eq!(scheme_of(&service("http")), Scheme::Http);
+        assert_eq!(scheme_of(&Service::default()), Scheme::Http);
     }
 }

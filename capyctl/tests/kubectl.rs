@@ -4,6 +4,9 @@
 //! runs against a real one.
 #![allow(clippy::unwrap_used)]
 
+#[path = "../../operator/tests/k8s_support/mod.rs"]
+mod k8s_support;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::process::Command;
@@ -191,10 +194,14 @@ fn namespace_release_and_token_flags_pick_the_service() {
     );
     assert_eq!(code, 0, "{stderr}");
     assert_eq!(stdout, "ENGINE   VERSION   DEEP PARK   HOST\n");
-    assert_eq!(
-        seen.lock().unwrap()[0].header("x-capyctl-token"),
-        Some("t0k")
-    );
+    let proxied = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|s| s.path.contains("/proxy/"))
+        .cloned()
+        .unwrap();
+    assert_eq!(proxied.header("x-capyctl-token"), Some("t0k"));
     // The API server's own refusal is one line with its message.
     let (code, _, stderr) = run_plugin(&config, &["list", "deployments", "--token", "t0k"]);
     assert_ne!(code, 0);
@@ -206,49 +213,95 @@ fn namespace_release_and_token_flags_pick_the_service() {
     );
 }
 
-/// Against a real API server (Kubernetes 1.34, no kubelet): the plugin's calls reach the
-/// release's management Service through the service proxy. With no Pod running behind it the
-/// API server answers that the Service has no endpoints; that answer proves the path, the RBAC
-/// and the token lookup.
 #[test]
-#[ignore = "needs cluster"]
-fn the_plugin_reaches_the_service_proxy_of_a_real_cluster() {
-    let Ok(kubeconfig) = std::env::var("CAPYCTL_TEST_KUBECONFIG") else {
-        panic!("CAPYCTL_TEST_KUBECONFIG must name a kubeconfig");
-    };
-    let namespace = format!("capyctl-plugin-{}", std::process::id());
-    let kubectl = |args: &[&str], stdin: Option<&str>| {
-        let mut c = Command::new("kubectl");
-        c.args(args).env("KUBECONFIG", &kubeconfig);
-        if let Some(input) = stdin {
-            c.stdin(std::process::Stdio::piped());
-            let mut child = c.spawn().unwrap();
-            child
-                .stdin
-                .take()
-                .unwrap()
-                .write_all(input.as_bytes())
-                .unwrap();
-            assert!(child.wait().unwrap().success(), "kubectl {args:?}");
-        } else {
-            assert!(c.status().unwrap().success(), "kubectl {args:?}");
-        }
-    };
-    kubectl(&["create", "namespace", &namespace], None);
-    kubectl(
-        &["-n", &namespace, "apply", "-f", "-"],
-        Some(
-            "apiVersion: v1\nkind: Service\nmetadata: {name: capyctl-management}\nspec:\n  ports: [{name: management, port: 7443}]\n  selector: {app: nothing-runs-here}\n---\napiVersion: v1\nkind: Secret\nmetadata: {name: capyctl-admin-token}\nstringData: {token: s3cret}\n",
+fn a_tls_management_listener_is_reached_with_https_through_the_proxy() {
+    let (url, seen) = fake_api_server(|req| {
+        match req.path.as_str() {
+        // The chart marks the port https when operator.tls.secretName is set.
+        "/api/v1/namespaces/gpu/services/capyctl-management" => (
+            200,
+            r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"capyctl-management"},"spec":{"ports":[{"name":"management","port":7443,"appProtocol":"https"}]}}"#.to_string(),
         ),
+        "/api/v1/namespaces/gpu/services/https:capyctl-management:management/proxy/management/v1/deployments" => {
+            (200, LIST.to_string())
+        }
+        _ => (404, r#"{"kind":"Status","apiVersion":"v1","status":"Failure","message":"not found","reason":"NotFound","code":404}"#.to_string()),
+    }
+    });
+    let dir = std::env::temp_dir().join(format!("kubectl-capyctl-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = kubeconfig(&dir, &url);
+    let (code, stdout, stderr) = run_plugin(&config, &["list", "deployments", "--token", "t"]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(stdout, "NAME   STATE   READY   REVISION   HOSTS\n");
+    assert!(seen.lock().unwrap().iter().any(|s| {
+        s.path
+            .contains("/services/https:capyctl-management:management/proxy/")
+    }),);
+}
+
+/// Against a real API server (Kubernetes 1.34, no kubelet, no controller-manager): the
+/// plugin's calls reach the release's management Service through the service proxy. No Pod
+/// runs behind it, so the API server itself answers the proxied call with an error: 503 "no
+/// endpoints available" where an Endpoints object exists, or 404 for the Endpoints nobody
+/// created; either way the answer names the Service and comes from the API server, which
+/// proves the path, the RBAC and the token lookup. Without the Secret the plugin says it
+/// cannot read it. Skipped when `CAPYCTL_TEST_KUBECONFIG` is unset, as every needs-cluster
+/// test.
+#[tokio::test]
+#[ignore = "needs cluster"]
+async fn the_plugin_reaches_the_service_proxy_of_a_real_cluster() {
+    use k8s_openapi::api::core::v1::{Secret, Service};
+    use kube::api::{DeleteParams, PostParams};
+
+    let Some((kubeconfig, client)) = k8s_support::cluster().await else {
+        return;
+    };
+    let ns = k8s_support::TestNamespace::create(&kubeconfig, &client, "capyctl-plugin").await;
+    let service: Service = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "capyctl-management"},
+        "spec": {"ports": [{"name": "management", "port": 7443}],
+                 "selector": {"app": "nothing-runs-here"}},
+    }))
+    .unwrap();
+    ns.api::<Service>()
+        .create(&PostParams::default(), &service)
+        .await
+        .unwrap();
+    let secret: Secret = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "capyctl-admin-token"},
+        "stringData": {"token": "s3cret"},
+    }))
+    .unwrap();
+    ns.api::<Secret>()
+        .create(&PostParams::default(), &secret)
+        .await
+        .unwrap();
+
+    let args = ["list", "deployments", "-n", ns.name.as_str()];
+    let (code, _, stderr) = run_plugin(&kubeconfig, &args);
+    assert_ne!(code, 0);
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    // The service proxy's own answer for a Service with nothing behind it (no Endpoints:
+    // 404 or 503; an Endpoints object nothing answers at: 502 or 503).
+    assert!(stderr.contains("capyctl-management"), "{stderr}");
+    assert!(
+        ["503", "404", "502"].iter().any(|s| stderr.contains(s)),
+        "{stderr}"
     );
-    let (code, _, stderr) = run_plugin(
-        std::path::Path::new(&kubeconfig),
-        &["list", "deployments", "-n", &namespace],
-    );
-    kubectl(&["delete", "namespace", &namespace, "--wait=false"], None);
+    assert!(!stderr.contains("admin token"), "{stderr}");
+
+    ns.api::<Secret>()
+        .delete("capyctl-admin-token", &DeleteParams::default())
+        .await
+        .unwrap();
+    let (code, _, stderr) = run_plugin(&kubeconfig, &args);
     assert_ne!(code, 0);
     assert!(
-        stderr.contains("503") && stderr.contains("capyctl-management"),
+        stderr.contains(&format!(
+            "cannot read the admin token Secret {}/capyctl-admin-token",
+            ns.name
+        )),
         "{stderr}"
     );
 }

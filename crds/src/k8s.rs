@@ -217,8 +217,8 @@ pub struct DeploymentStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
     /// CapyCTL's own record of the deployment (operator stop or start, the instance
-    /// generation, the first answer wakes are checked against), as JSON; a new leader restores
-    /// it. Not for users.
+    /// generation, the first answer wakes are checked against, the document of the revision
+    /// that runs), as JSON; a new leader restores it. Not for users.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lifecycle_record: Option<String>,
 }

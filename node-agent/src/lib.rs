@@ -15,7 +15,8 @@
 //!   parked, or stop);
 //! - [`agent`]: the [`HostAgent`] trait the lifecycle calls and [`LocalHostAgent`];
 //! - [`remote`]: the node agent's HTTP server and [`RemoteHostAgent`], its client;
-//! - [`k8s`]: the node agent on Kubernetes: its `Host` object and engine Pods.
+//! - [`k8s`]: the node agent on Kubernetes: its `Host` object and engine Pods;
+//! - [`cli`]: the `capyctl-node-agent` program (also `capyctl start host`).
 //!
 //! Pure decisions (launch arguments, tier, refusals, `max_running`, comparisons) are plain
 //! functions tested without processes; the rest is tested against the engine simulator.
@@ -23,6 +24,7 @@
 pub mod agent;
 pub mod capability;
 pub mod checkpoint;
+pub mod cli;
 pub mod driver;
 pub mod error;
 pub mod http;

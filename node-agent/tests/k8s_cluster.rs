@@ -6,65 +6,28 @@
 //! CAPYCTL_TEST_KUBECONFIG=~/.kube/config cargo test -p capyctl-node-agent --test k8s_cluster -- --ignored
 //! ```
 //!
-//! The `Host` CRD is applied from `charts/capyctl/crds/` (server-side apply, so a rerun is
-//! harmless); each test's `Host` has a name of its own and is deleted at its end.
+//! The CRDs are applied from `charts/capyctl/crds/` (server-side apply, so a rerun is
+//! harmless); each test's `Node` and `Host` have names of their own and are deleted when it
+//! ends, passed or failed.
 #![allow(clippy::unwrap_used)]
 
 mod common;
+#[path = "../../operator/tests/k8s_support/crds.rs"]
+mod crds;
+#[path = "../../operator/tests/k8s_support/mod.rs"]
+mod k8s_support;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use capyctl_crds::EngineKind;
-use capyctl_crds::k8s::{Host, chart_crd_dir};
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{DeleteParams, Patch, PatchParams};
-use kube::config::{KubeConfigOptions, Kubeconfig};
-use kube::{Api, Client, Config, ResourceExt};
+use capyctl_crds::k8s::Host;
+use k8s_openapi::api::core::v1::Node;
+use kube::api::PostParams;
+use kube::{Api, ResourceExt};
 
 const TOKEN: &str = "k8s-cluster-test-token";
-
-/// The kubeconfig and its client, or `None` (the test returns) when `CAPYCTL_TEST_KUBECONFIG`
-/// is unset.
-async fn cluster() -> Option<(PathBuf, Client)> {
-    let Some(path) = std::env::var_os("CAPYCTL_TEST_KUBECONFIG").filter(|p| !p.is_empty()) else {
-        eprintln!("CAPYCTL_TEST_KUBECONFIG is not set; skipping");
-        return None;
-    };
-    let kubeconfig = Kubeconfig::read_from(&path).unwrap();
-    let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-        .await
-        .unwrap();
-    Some((PathBuf::from(path), Client::try_from(config).unwrap()))
-}
-
-/// Applies the chart's `Host` CRD and waits until it is established.
-async fn install_host_crd(client: &Client) {
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let path = chart_crd_dir().join("hosts.capyctl.io.yaml");
-    let text = std::fs::read_to_string(&path).unwrap();
-    let crd: CustomResourceDefinition = serde_yaml_ng::from_str(&text).unwrap();
-    let name = crd.name_any();
-    crds.patch(
-        &name,
-        &PatchParams::apply("capyctl-tests").force(),
-        &Patch::Apply(&crd),
-    )
-    .await
-    .unwrap();
-    tokio::time::timeout(
-        Duration::from_secs(30),
-        kube::runtime::wait::await_condition(
-            crds,
-            &name,
-            kube::runtime::wait::conditions::is_crd_established(),
-        ),
-    )
-    .await
-    .unwrap()
-    .unwrap();
-}
 
 /// A host document whose engines are the simulator.
 fn host_document(dir: &Path, host_memory: &str) -> PathBuf {
@@ -131,47 +94,72 @@ fn stop(mut child: Child) -> std::process::ExitStatus {
     }
 }
 
-/// Polls (bounded) until the `Host` `name` satisfies `ok`; the agent must stay up meanwhile.
+/// Waits (a watch, bounded) until the `Host` `name` satisfies `ok`; the agent must stay up.
 async fn wait_host(
     api: &Api<Host>,
     name: &str,
     child: &mut Child,
     ok: impl Fn(&Host) -> bool,
 ) -> Host {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        assert!(child.try_wait().unwrap().is_none(), "the node agent exited");
-        if let Some(host) = api.get_opt(name).await.unwrap()
-            && ok(&host)
-        {
-            return host;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no matching Host {name} within 30 s"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
+    let cond = move |h: Option<&Host>| h.is_some_and(&ok);
+    let found = tokio::time::timeout(
+        Duration::from_secs(30),
+        kube::runtime::wait::await_condition(api.clone(), name, cond),
+    )
+    .await;
+    match found {
+        Ok(Ok(Some(host))) => host,
+        Ok(other) => panic!("watching Host {name}: {other:?}"),
+        Err(_) => panic!(
+            "no matching Host {name} within 30 s (the node agent {})",
+            match child.try_wait().unwrap() {
+                Some(status) => format!("exited: {status}"),
+                None => "still runs".to_string(),
+            }
+        ),
     }
+}
+
+fn ready_condition(host: &Host) -> Option<String> {
+    host.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .map(|c| c.status.clone())
 }
 
 #[tokio::test]
 #[ignore = "needs cluster"]
-async fn the_node_agent_publishes_its_host_and_updates_it_in_place() {
-    let Some((kubeconfig, client)) = cluster().await else {
+async fn the_node_agent_publishes_its_host_owned_by_its_node_ready_and_updates_it_in_place() {
+    let Some((kubeconfig, client)) = k8s_support::cluster().await else {
         return;
     };
-    install_host_crd(&client).await;
+    crds::install_crds(&client).await;
     let hosts: Api<Host> = Api::all(client.clone());
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
+    let node = k8s_support::unique("capyctl-test-node");
+    // Cleanup (the Node and the Host are cluster-scoped) rides on a namespace of its own.
+    let cleanup = k8s_support::TestNamespace::create(&kubeconfig, &client, "capyctl-test").await;
+    cleanup.also_delete(format!("/apis/capyctl.io/v1alpha1/hosts/{node}"));
+    cleanup.also_delete(format!("/api/v1/nodes/{node}"));
+    // A Node object (no kubelet behind it): the Host's owner.
+    let nodes: Api<Node> = Api::all(client.clone());
+    let node_object: Node =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": node}})).unwrap();
+    let node_uid = nodes
+        .create(&PostParams::default(), &node_object)
+        .await
         .unwrap()
-        .as_nanos();
-    let node = format!("capyctl-test-node-{nanos}");
+        .uid()
+        .unwrap();
     let dir = common::temp_dir("k8s-cluster");
     let data = dir.join("data");
 
     let mut child = agent(&kubeconfig, &host_document(&dir, "1GiB"), &node, &data);
-    let host = wait_host(&hosts, &node, &mut child, |_| true).await;
+    let host = wait_host(&hosts, &node, &mut child, |h| {
+        ready_condition(h).as_deref() == Some("True")
+    })
+    .await;
     let spec = &host.spec;
     assert_eq!(spec.gpus.len(), 1);
     assert_eq!(spec.gpus[0].uuid.as_deref(), Some("GPU-k8s-test-0"));
@@ -192,28 +180,45 @@ async fn the_node_agent_publishes_its_host_and_updates_it_in_place() {
         .find(|e| e.engine == EngineKind::Tensorfold)
         .unwrap();
     assert_eq!(tf.deep_park, "TensorFold does not park: it stops");
-    let managers: Vec<(String, String)> = host
+    let owners = host.owner_references();
+    assert_eq!(owners.len(), 1, "{owners:?}");
+    assert_eq!(
+        (owners[0].kind.as_str(), owners[0].uid.as_str()),
+        ("Node", node_uid.as_str())
+    );
+    let managers: Vec<(String, String, Option<String>)> = host
         .managed_fields()
         .iter()
         .map(|m| {
             (
                 m.manager.clone().unwrap_or_default(),
                 m.operation.clone().unwrap_or_default(),
+                m.subresource.clone(),
             )
         })
         .collect();
-    assert!(
-        managers.contains(&("capyctl-node-agent".to_string(), "Apply".to_string())),
-        "{managers:?}"
-    );
+    for sub in [None, Some("status".to_string())] {
+        assert!(
+            managers.contains(&(
+                "capyctl-node-agent".to_string(),
+                "Apply".to_string(),
+                sub.clone()
+            )),
+            "{managers:?}"
+        );
+    }
     let uid = host.uid().unwrap();
     let status = stop(child);
     assert_eq!(status.code(), Some(0), "{status:?}");
+    // A clean stop says so.
+    let stopped = hosts.get(&node).await.unwrap();
+    assert_eq!(ready_condition(&stopped).as_deref(), Some("False"));
 
-    // A changed host document: the same object, updated.
+    // A changed host document: the same object, updated, ready again.
     let mut child = agent(&kubeconfig, &host_document(&dir, "2GiB"), &node, &data);
     let host = wait_host(&hosts, &node, &mut child, |h| {
         h.spec.host_memory.map(|m| m.as_u64()) == Some(2 << 30)
+            && ready_condition(h).as_deref() == Some("True")
     })
     .await;
     assert_eq!(
@@ -224,7 +229,5 @@ async fn the_node_agent_publishes_its_host_and_updates_it_in_place() {
     assert_eq!(host.spec.gpus[0].uuid.as_deref(), Some("GPU-k8s-test-0"));
     let status = stop(child);
     assert_eq!(status.code(), Some(0), "{status:?}");
-
-    hosts.delete(&node, &DeleteParams::default()).await.unwrap();
     let _ = std::fs::remove_dir_all(dir);
 }

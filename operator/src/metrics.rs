@@ -18,6 +18,7 @@
 //! | `capyctl_wake_seconds` | histogram | `tier`, `outcome` | how long a wake took (check prompt included) |
 //! | `capyctl_queue_waiting` | gauge | `deployment` | requests waiting in CapyCTL now |
 //! | `capyctl_in_flight` | gauge | `deployment` | requests being forwarded now (bound 32 per instance) |
+//! | `capyctl_kube_api_request_seconds` | histogram | `verb`, `resource`, `outcome` | a call to the Kubernetes API server, to its response's head (operator only) |
 //!
 //! NB: label values are what the caller passes; the lifecycle passes deployment IDs (ULIDs), not
 //! names, so a re-deploy under the same name keeps one series.
@@ -66,6 +67,13 @@ struct TierOutcomeLabels {
     outcome: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KubeApiLabels {
+    verb: String,
+    resource: String,
+    outcome: String,
+}
+
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 /// 1 ms, 2 ms, 4 ms, … 524 s (20 buckets, then `+Inf`).
@@ -110,6 +118,7 @@ pub struct Metrics {
     wake_duration: HistogramFamily<TierOutcomeLabels>,
     queue_waiting: Family<DeploymentLabels, Gauge>,
     in_flight: Family<DeploymentLabels, Gauge>,
+    kube_api: HistogramFamily<KubeApiLabels>,
 }
 
 impl fmt::Debug for Metrics {
@@ -139,6 +148,7 @@ impl Metrics {
         let wake_duration = histogram_family();
         let queue_waiting = Family::<DeploymentLabels, Gauge>::default();
         let in_flight = Family::<DeploymentLabels, Gauge>::default();
+        let kube_api = histogram_family();
 
         registry.register(
             "requests",
@@ -201,6 +211,13 @@ impl Metrics {
             in_flight.clone(),
         );
 
+        registry.register_with_unit(
+            "kube_api_request",
+            "A call to the Kubernetes API server, to its response's head, by verb, resource and outcome",
+            Unit::Seconds,
+            kube_api.clone(),
+        );
+
         Self {
             registry,
             requests,
@@ -214,6 +231,7 @@ impl Metrics {
             wake_duration,
             queue_waiting,
             in_flight,
+            kube_api,
         }
     }
 
@@ -286,6 +304,18 @@ impl Metrics {
             .set(saturating_i64(in_flight));
     }
 
+    /// A call to the Kubernetes API server ended with `outcome` after `took`:
+    /// `capyctl_kube_api_request_seconds`.
+    pub fn kube_api_call(&self, verb: &str, resource: &str, outcome: &str, took: Duration) {
+        self.kube_api
+            .get_or_create(&KubeApiLabels {
+                verb: verb.to_string(),
+                resource: resource.to_string(),
+                outcome: outcome.to_string(),
+            })
+            .observe(took.as_secs_f64());
+    }
+
     /// Drops the deployment's gauges (after a delete), so a gone deployment shows no queue.
     /// Its counters and histograms stay: they only ever grow.
     pub fn forget_deployment(&self, deployment: &str) {
@@ -338,6 +368,12 @@ mod tests {
         m.park("host_ram", "ok", Duration::from_millis(700));
         m.wake("host_ram", "wake_mismatch", Duration::from_secs(2));
         m.set_queue("01K", 5, 32);
+        m.kube_api_call(
+            "patch",
+            "deployments/status",
+            "ok",
+            Duration::from_millis(8),
+        );
         let text = m.encode();
         for needle in [
             r#"capyctl_requests_total{deployment="01K",status="429",code="queue_full"} 1"#,
@@ -351,6 +387,7 @@ mod tests {
             r#"capyctl_wake_seconds_count{tier="host_ram",outcome="wake_mismatch"} 1"#,
             r#"capyctl_queue_waiting{deployment="01K"} 5"#,
             r#"capyctl_in_flight{deployment="01K"} 32"#,
+            r#"capyctl_kube_api_request_seconds_count{verb="patch",resource="deployments/status",outcome="ok"} 1"#,
             "# EOF",
         ] {
             assert!(text.contains(needle), "{needle} missing in:\n{text}");

@@ -6,9 +6,16 @@
 //! CAPYCTL_TEST_KUBECONFIG=~/.kube/config cargo test -p capyctl-operator --test k8s_cluster -- --ignored
 //! ```
 //!
-//! Each test works in a namespace of its own (`capyctl-test-<ulid>`), deleted at its end; the
-//! CRDs are applied from `charts/capyctl/crds/` (server-side apply, so a rerun is harmless).
+//! Each test works in a namespace of its own (`k8s_support::TestNamespace`), cleaned up when
+//! the test ends, passed or failed; the CRDs are applied from `charts/capyctl/crds/`
+//! (server-side apply, so a rerun is harmless). Written for an API server without kubelet
+//! or controller-manager: no Pod runs, nothing is garbage-collected.
 #![allow(clippy::unwrap_used)]
+
+#[path = "k8s_support/crds.rs"]
+mod crds;
+#[path = "k8s_support/mod.rs"]
+mod k8s_support;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -20,7 +27,7 @@ use capyctl_crds::api::{
 };
 use capyctl_crds::documents::DeploymentDoc;
 use capyctl_crds::errors::ApiError;
-use capyctl_crds::k8s::{Deployment, chart_crd_dir, parse_deployment_manifest_str};
+use capyctl_crds::k8s::{Deployment, parse_deployment_manifest_str};
 use capyctl_crds::{Activation, EngineKind, InstanceState};
 use capyctl_node_agent::spec::{EngineLaunch, InstanceSpec};
 use capyctl_node_agent::tier::LaunchParking;
@@ -31,92 +38,31 @@ use capyctl_operator::k8s::reconcile::{Reconciler, ReconcilerConfig};
 use capyctl_operator::k8s::status::{Parkability, StatusInput, apply_status, deployment_status};
 use capyctl_operator::k8s::{FIELD_MANAGER, FINALIZER};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::jiff::Timestamp;
+use k8s_support::TestNamespace;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
-use kube::config::{KubeConfigOptions, Kubeconfig};
-use kube::{Api, Client, Config, ResourceExt};
+use kube::{Api, ResourceExt};
 
-/// The cluster's client, or `None` (the test returns) when `CAPYCTL_TEST_KUBECONFIG` is unset.
-async fn cluster() -> Option<Client> {
-    let Some(path) = std::env::var_os("CAPYCTL_TEST_KUBECONFIG").filter(|p| !p.is_empty()) else {
-        eprintln!("CAPYCTL_TEST_KUBECONFIG is not set; skipping");
-        return None;
-    };
-    let kubeconfig = Kubeconfig::read_from(&path).unwrap();
-    let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-        .await
-        .unwrap();
-    Some(Client::try_from(config).unwrap())
+/// A namespace of the test's own in the cluster of `CAPYCTL_TEST_KUBECONFIG`, with the chart's
+/// CRDs applied; `None` when the variable is unset.
+async fn namespace_with_crds() -> Option<TestNamespace> {
+    let (kubeconfig, client) = k8s_support::cluster().await?;
+    crds::install_crds(&client).await;
+    Some(TestNamespace::create(&kubeconfig, &client, "capyctl-test").await)
 }
 
-/// Applies the chart's CRDs and waits until they are established.
-async fn install_crds(client: &Client) {
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let dir = chart_crd_dir();
-    let mut names = Vec::new();
-    for entry in std::fs::read_dir(&dir).unwrap() {
-        let path = entry.unwrap().path();
-        let text = std::fs::read_to_string(&path).unwrap();
-        let crd: CustomResourceDefinition = serde_yaml_ng::from_str(&text).unwrap();
-        let name = crd.name_any();
-        crds.patch(
-            &name,
-            &PatchParams::apply("capyctl-tests").force(),
-            &Patch::Apply(&crd),
-        )
+/// [`namespace_with_crds`] with the fixture manifest created in it.
+async fn namespace_with_the_manifest() -> Option<(TestNamespace, Deployment)> {
+    let ns = namespace_with_crds().await?;
+    let cr = ns
+        .api::<Deployment>()
+        .create(&PostParams::default(), &manifest(&ns.name))
         .await
         .unwrap();
-        names.push(name);
-    }
-    for name in names {
-        let cond = kube::runtime::wait::conditions::is_crd_established();
-        tokio::time::timeout(
-            Duration::from_secs(30),
-            kube::runtime::wait::await_condition(crds.clone(), &name, cond),
-        )
-        .await
-        .unwrap()
-        .unwrap();
-    }
-}
-
-/// A fresh namespace; deleted by [`Ns::delete`].
-struct Ns {
-    name: String,
-    client: Client,
-}
-
-impl Ns {
-    async fn new(client: &Client) -> Ns {
-        let name = format!(
-            "capyctl-test-{}",
-            ulid::Ulid::new().to_string().to_lowercase()
-        );
-        let nss: Api<Namespace> = Api::all(client.clone());
-        let ns: Namespace =
-            serde_json::from_value(serde_json::json!({"metadata": {"name": name}})).unwrap();
-        nss.create(&PostParams::default(), &ns).await.unwrap();
-        Ns {
-            name,
-            client: client.clone(),
-        }
-    }
-
-    fn api<K>(&self) -> Api<K>
-    where
-        K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>,
-        <K as kube::Resource>::DynamicType: Default,
-    {
-        Api::namespaced(self.client.clone(), &self.name)
-    }
-
-    async fn delete(self) {
-        let nss: Api<Namespace> = Api::all(self.client.clone());
-        let _ = nss.delete(&self.name, &DeleteParams::default()).await;
-    }
+    Some((ns, cr))
 }
 
 /// The fixture manifest, in namespace `ns`.
@@ -277,11 +223,10 @@ impl ManagementApi for Recording {
 #[tokio::test]
 #[ignore = "needs cluster"]
 async fn crds_install_and_a_model_manifest_applies_with_its_printer_columns() {
-    let Some(client) = cluster().await else {
+    let Some(ns) = namespace_with_crds().await else {
         return;
     };
-    install_crds(&client).await;
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let crds: Api<CustomResourceDefinition> = Api::all(ns.client.clone());
     let crd = crds.get("deployments.capyctl.io").await.unwrap();
     let columns: Vec<String> = crd.spec.versions[0]
         .additional_printer_columns
@@ -291,7 +236,6 @@ async fn crds_install_and_a_model_manifest_applies_with_its_printer_columns() {
         .map(|c| c.name)
         .collect();
     assert_eq!(columns, ["State", "Ready", "Revision", "Hosts", "Age"]);
-    let ns = Ns::new(&client).await;
     let api: Api<Deployment> = ns.api();
     let cr = manifest(&ns.name);
     api.patch(
@@ -318,22 +262,16 @@ async fn crds_install_and_a_model_manifest_applies_with_its_printer_columns() {
         matches!(&err, kube::Error::Api(s) if s.is_invalid()),
         "{err}"
     );
-    ns.delete().await;
 }
 
 #[tokio::test]
 #[ignore = "needs cluster"]
 async fn status_is_applied_by_the_one_field_manager_on_the_status_subresource() {
-    let Some(client) = cluster().await else {
+    let Some((ns, cr)) = namespace_with_the_manifest().await else {
         return;
     };
-    install_crds(&client).await;
-    let ns = Ns::new(&client).await;
+    let client = ns.client.clone();
     let api: Api<Deployment> = ns.api();
-    let cr = api
-        .create(&PostParams::default(), &manifest(&ns.name))
-        .await
-        .unwrap();
     let doc = cr.to_document().unwrap();
     let view = view_of(&doc);
     let status = deployment_status(StatusInput {
@@ -361,17 +299,48 @@ async fn status_is_applied_by_the_one_field_manager_on_the_status_subresource() 
     // The spec is untouched, and the printer columns read the status.
     assert_eq!(written.spec, cr.spec);
     assert_eq!(written.status.unwrap().ready.as_deref(), Some("0/1"));
-    ns.delete().await;
+
+    // The printer columns by value, as `kubectl get cdeploy` shows them: the API server's
+    // Table rendering of the list.
+    let request = http::Request::get(format!(
+        "/apis/capyctl.io/v1alpha1/namespaces/{}/deployments",
+        ns.name
+    ))
+    .header(
+        http::header::ACCEPT,
+        "application/json;as=Table;v=v1;g=meta.k8s.io",
+    )
+    .body(Vec::new())
+    .unwrap();
+    let table: serde_json::Value = client.request(request).await.unwrap();
+    assert_eq!(table["kind"], "Table", "{table}");
+    let columns: Vec<&str> = table["columnDefinitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        columns,
+        ["Name", "State", "Ready", "Revision", "Hosts", "Age"]
+    );
+    let rows = table["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 1, "{table}");
+    let cells = rows[0]["cells"].as_array().unwrap();
+    assert_eq!(cells[0], "my-model");
+    assert_eq!(cells[1], "stopped");
+    assert_eq!(cells[2], "0/1");
+    assert_eq!(cells[3], 1);
+    assert_eq!(cells[4], "gpu-1");
 }
 
 #[tokio::test]
 #[ignore = "needs cluster"]
 async fn the_finalizer_holds_a_deleted_cr_until_the_lifecycle_let_go() {
-    let Some(client) = cluster().await else {
+    let Some(ns) = namespace_with_crds().await else {
         return;
     };
-    install_crds(&client).await;
-    let ns = Ns::new(&client).await;
+    let client = ns.client.clone();
     let api: Api<Deployment> = ns.api();
     api.create(&PostParams::default(), &manifest(&ns.name))
         .await
@@ -421,16 +390,15 @@ async fn the_finalizer_holds_a_deleted_cr_until_the_lifecycle_let_go() {
     reconciler.reconcile(&deleting).await.unwrap();
     assert_eq!(lifecycle.deleted.lock().unwrap().as_slice(), ["my-model"]);
     assert!(api.get_opt("my-model").await.unwrap().is_none());
-    ns.delete().await;
 }
 
 #[tokio::test]
 #[ignore = "needs cluster"]
 async fn one_replica_holds_the_lease_and_the_other_takes_it_after_a_release() {
-    let Some(client) = cluster().await else {
+    let Some((kubeconfig, client)) = k8s_support::cluster().await else {
         return;
     };
-    let ns = Ns::new(&client).await;
+    let ns = TestNamespace::create(&kubeconfig, &client, "capyctl-test").await;
     let leases: Api<Lease> = ns.api();
     let mut a = LeaderElector::new(leases.clone(), LeaseConfig::new("capyctl-operator", "op-a"));
     let mut b = LeaderElector::new(leases.clone(), LeaseConfig::new("capyctl-operator", "op-b"));
@@ -451,22 +419,14 @@ async fn one_replica_holds_the_lease_and_the_other_takes_it_after_a_release() {
     let spec = lease.spec.unwrap();
     assert_eq!(spec.holder_identity.as_deref(), Some("op-b"));
     assert_eq!(spec.lease_transitions, Some(1));
-    ns.delete().await;
 }
 
 #[tokio::test]
 #[ignore = "needs cluster"]
 async fn an_engine_pod_is_created_on_its_node_owned_by_its_cr() {
-    let Some(client) = cluster().await else {
+    let Some((ns, cr)) = namespace_with_the_manifest().await else {
         return;
     };
-    install_crds(&client).await;
-    let ns = Ns::new(&client).await;
-    let crs: Api<Deployment> = ns.api();
-    let cr = crs
-        .create(&PostParams::default(), &manifest(&ns.name))
-        .await
-        .unwrap();
     let spec = InstanceSpec::from_doc("01KTESTDEPLOYMENT0000000000", &cr.to_document().unwrap());
     let engine = EngineLaunch::default_for(EngineKind::Vllm);
     let pod = engine_pod(
@@ -480,6 +440,7 @@ async fn an_engine_pod_is_created_on_its_node_owned_by_its_cr() {
             // No kubelet: the Pod stays Pending on a node that need not exist.
             node_name: "gpu-node-that-does-not-exist",
             gpus: &["GPU-0".to_string()],
+            host_ram_copy: None,
         },
         // The default runtime: the RuntimeClass admission plugin refuses a Pod naming a
         // runtime class the cluster does not have (a test cluster has no `nvidia`).
@@ -498,5 +459,85 @@ async fn an_engine_pod_is_created_on_its_node_owned_by_its_cr() {
         created.spec.as_ref().unwrap().node_name.as_deref(),
         Some("gpu-node-that-does-not-exist")
     );
-    ns.delete().await;
+}
+
+/// The node agent's pod runtime against a real API server: the operator's side
+/// ([`PodHostAgent`]) creates the engine Pod, no kubelet runs it, and the node agent's side
+/// ([`PodRuntime`], watching its node's Pods) reports clearly that the Pod never ran; the
+/// failed start deletes the Pod (which, without a kubelet, stays Terminating: its owner and
+/// labels can still be read).
+#[tokio::test]
+#[ignore = "needs cluster"]
+async fn an_engine_pod_that_never_runs_fails_the_start_clearly_and_is_owned_and_labelled() {
+    use capyctl_node_agent::HostAgent;
+    use capyctl_node_agent::agent::AgentConfig;
+    use capyctl_node_agent::k8s::pods::{ANNOTATION_SPEC, PodRuntime};
+    use capyctl_node_agent::spec::{GpuOverride, HostSettings};
+    use capyctl_operator::k8s::engines::PodHostAgent;
+    use capyctl_operator::k8s::pods::{LABEL_DEPLOYMENT, LABEL_GENERATION, LABEL_INSTANCE};
+
+    let Some((ns, cr)) = namespace_with_the_manifest().await else {
+        return;
+    };
+    let client = ns.client.clone();
+    let node = "gpu-node-that-does-not-exist";
+    let data = std::env::temp_dir().join(k8s_support::unique("capyctl-pod-runtime"));
+    let runtime = PodRuntime::new(client.clone(), &ns.name, node, &data).unwrap();
+    let mut config = AgentConfig::new(&data);
+    config.ready_timeout = Duration::from_secs(5);
+    let host = HostSettings {
+        gpus: Some(vec![GpuOverride {
+            memory: 80 << 30,
+            unified: false,
+            uuid: Some("GPU-test-0".into()),
+        }]),
+        host_memory: Some(64 << 30),
+        ..HostSettings::default()
+    };
+    let agent = Arc::new(capyctl_node_agent::LocalHostAgent::with_runtime(
+        config,
+        host.clone(),
+        Arc::new(capyctl_node_agent::inventory::NoGpus),
+        Arc::new(runtime),
+    ));
+    let pods = PodHostAgent::new(
+        agent,
+        client.clone(),
+        &ns.name,
+        EnginePodSettings {
+            // A test cluster has no `nvidia` RuntimeClass (admission would refuse the Pod).
+            runtime_class_name: String::new(),
+            ..EnginePodSettings::default()
+        },
+        host,
+        node,
+    );
+    let id = "01KTESTDEPLOYMENT0000000000";
+    let spec = InstanceSpec::from_doc(id, &cr.to_document().unwrap());
+    let instance = format!("{id}-0");
+    let err = pods.start(&instance, &spec).await.unwrap_err();
+    let text = err.to_string();
+    assert_eq!(err.metric_label(), "engine_timeout", "{text}");
+    assert!(
+        text.contains(&format!(
+            "engine Pod {}/my-model-0-g1 of instance {instance} on node {node} (not running: no kubelet ran it",
+            ns.name
+        )),
+        "{text}"
+    );
+
+    let pod = ns.api::<Pod>().get("my-model-0-g1").await.unwrap();
+    let owner = &pod.metadata.owner_references.as_ref().unwrap()[0];
+    assert_eq!(owner.uid, cr.uid().unwrap());
+    assert_eq!(owner.kind, "Deployment");
+    assert_eq!(owner.controller, Some(true));
+    let labels = pod.labels();
+    assert_eq!(labels[LABEL_INSTANCE], instance);
+    assert_eq!(labels[LABEL_GENERATION], "1");
+    assert_eq!(labels[LABEL_DEPLOYMENT], "my-model");
+    assert!(pod.annotations().contains_key(ANNOTATION_SPEC));
+    assert_eq!(pod.spec.as_ref().unwrap().node_name.as_deref(), Some(node));
+    // The failed start deleted it; without a kubelet the deletion does not complete.
+    assert!(pod.metadata.deletion_timestamp.is_some());
+    let _ = std::fs::remove_dir_all(data);
 }

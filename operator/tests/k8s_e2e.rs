@@ -12,19 +12,21 @@
 //!   --test k8s_e2e -- --ignored`.
 #![allow(clippy::unwrap_used)]
 
+#[path = "k8s_support/crds.rs"]
+mod crds;
+#[path = "k8s_support/mod.rs"]
+mod k8s_support;
 #[path = "lifecycle_support/mod.rs"]
 mod support;
 
 use std::time::Duration;
 
 use capyctl_crds::InstanceState;
-use capyctl_crds::k8s::{Deployment, chart_crd_dir};
+use capyctl_crds::k8s::Deployment;
 use capyctl_operator::k8s::FINALIZER;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::api::events::v1::Event;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config, ResourceExt};
 
@@ -276,7 +278,9 @@ async fn scenario(client: Client, kubeconfig: &std::path::Path, ns: &str) {
     for (object, reason) in [
         ("chat-a", "Parked"),
         ("chat-a", "Woken"),
+        ("chat-a", "Switched"),
         ("chat-b", "Started"),
+        ("chat-b", "Switched"),
         ("chat-b", "Parked"),
     ] {
         eventually(&format!("a {reason} event on {object}"), t, || async {
@@ -405,75 +409,31 @@ async fn against_a_fake_api_server_the_standby_takes_over_and_adopts_the_engine(
 }
 
 /// The cluster of `CAPYCTL_TEST_KUBECONFIG` with the chart's CRDs applied and established, and
-/// a fresh namespace; `None` when the variable is unset.
-async fn cluster_namespace() -> Option<(Client, std::path::PathBuf, String)> {
-    let Some(path) = std::env::var_os("CAPYCTL_TEST_KUBECONFIG").filter(|p| !p.is_empty()) else {
-        eprintln!("CAPYCTL_TEST_KUBECONFIG is not set; skipping");
-        return None;
-    };
-    let kubeconfig = std::path::PathBuf::from(path);
-    let client = client_of(&kubeconfig).await;
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    for entry in std::fs::read_dir(chart_crd_dir()).unwrap() {
-        let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
-        let crd: CustomResourceDefinition = serde_yaml_ng::from_str(&text).unwrap();
-        let name = crd.name_any();
-        crds.patch(
-            &name,
-            &PatchParams::apply("capyctl-tests").force(),
-            &Patch::Apply(&crd),
-        )
-        .await
-        .unwrap();
-        tokio::time::timeout(
-            Duration::from_secs(30),
-            kube::runtime::wait::await_condition(
-                crds.clone(),
-                &name,
-                kube::runtime::wait::conditions::is_crd_established(),
-            ),
-        )
-        .await
-        .unwrap()
-        .unwrap();
-    }
-    let ns = format!(
-        "capyctl-test-{}",
-        ulid::Ulid::new().to_string().to_lowercase()
-    );
-    let nss: Api<Namespace> = Api::all(client.clone());
-    nss.create(
-        &PostParams::default(),
-        &serde_json::from_value(serde_json::json!({"metadata": {"name": ns}})).unwrap(),
-    )
-    .await
-    .unwrap();
-    Some((client, kubeconfig, ns))
-}
-
-async fn delete_namespace(client: &Client, ns: &str) {
-    let nss: Api<Namespace> = Api::all(client.clone());
-    let _ = nss.delete(ns, &DeleteParams::default()).await;
+/// a fresh namespace, cleaned up when dropped (the finalizers the stopped operator left
+/// included); `None` when the variable is unset.
+async fn cluster_namespace() -> Option<(std::path::PathBuf, k8s_support::TestNamespace)> {
+    let (kubeconfig, client) = k8s_support::cluster().await?;
+    crds::install_crds(&client).await;
+    let ns = k8s_support::TestNamespace::create(&kubeconfig, &client, "capyctl-test").await;
+    Some((kubeconfig, ns))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs cluster"]
 async fn against_a_cluster_the_operator_switches_two_models_and_the_crs_show_it() {
-    let Some((client, kubeconfig, ns)) = cluster_namespace().await else {
+    let Some((kubeconfig, ns)) = cluster_namespace().await else {
         return;
     };
-    scenario(client.clone(), &kubeconfig, &ns).await;
-    delete_namespace(&client, &ns).await;
+    scenario(ns.client.clone(), &kubeconfig, &ns.name).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs cluster"]
 async fn against_a_cluster_the_standby_takes_over_and_adopts_the_engine() {
-    let Some((client, kubeconfig, ns)) = cluster_namespace().await else {
+    let Some((kubeconfig, ns)) = cluster_namespace().await else {
         return;
     };
-    failover(client.clone(), &kubeconfig, &ns).await;
-    delete_namespace(&client, &ns).await;
+    failover(ns.client.clone(), &kubeconfig, &ns.name).await;
 }
 
 /// A small fake of the Kubernetes API server: objects in memory by path, resource versions,

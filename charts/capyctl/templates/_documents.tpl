@@ -161,6 +161,9 @@ side of engines, which the server and host documents do not carry.
 {{- if not (has .Values.gpu.sharing (list "runtimeClass" "devicePlugin")) -}}
 {{- fail (printf "gpu.sharing: `%v` is not one of runtimeClass, devicePlugin" .Values.gpu.sharing) -}}
 {{- end -}}
+{{- if not (has (default "host" .Values.gpu.visibleDevices) (list "host" "all")) -}}
+{{- fail (printf "gpu.visibleDevices: `%v` is not one of host, all" .Values.gpu.visibleDevices) -}}
+{{- end -}}
 # How capyctl-operator builds engine Pods, rendered by the chart from values.enginePods, gpu and
 # modelCache.
 images:
@@ -175,6 +178,11 @@ labels:
   {{- include "capyctl.selectorLabels" (dict "ctx" $ "component" "engine") | nindent 2 }}
 gpuSharing: {{ .Values.gpu.sharing }}
 runtimeClassName: {{ .Values.gpu.runtimeClassName | quote }}
+visibleDevices: {{ default "host" .Values.gpu.visibleDevices }}
+resources:
+  requests: {{- toYaml (.Values.enginePods.resources.requests | default dict) | nindent 4 }}
+  limits: {{- toYaml (.Values.enginePods.resources.limits | default dict) | nindent 4 }}
+  hostRamCopyInRequest: {{ ternary "true" "false" (ne (toString .Values.enginePods.resources.hostRamCopyInRequest) "false") }}
 {{- if .Values.modelCache.enabled }}
 modelCache:
   hostPath: {{ .Values.modelCache.hostPath | quote }}

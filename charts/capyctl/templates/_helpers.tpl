@@ -87,6 +87,14 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s:%s" .image.repository (toString (default .ctx.Chart.AppVersion .image.tag)) -}}
 {{- end -}}
 
+{{/* Where the node agent keeps its engines' records (a hostPath, mounted at the same path). */}}
+{{- define "capyctl.nodeAgent.dataDir" -}}
+{{- if not .Values.nodeAgent.dataDir.hostPath -}}
+{{- fail "nodeAgent.dataDir.hostPath: must not be empty; the engines' records must outlive the node agent's Pod" -}}
+{{- end -}}
+{{- .Values.nodeAgent.dataDir.hostPath -}}
+{{- end -}}
+
 {{/* Where the containers find their files. */}}
 {{- define "capyctl.configDir" -}}/etc/capyctl{{- end -}}
 {{- define "capyctl.adminTokenFile" -}}/var/run/secrets/capyctl/admin-token/token{{- end -}}

@@ -10,7 +10,11 @@
 //! - the runtime watches only its own node's engine Pods (namespace `POD_NAMESPACE`, field
 //!   selector `spec.nodeName=<node>`, label selector [`LABEL_INSTANCE`]);
 //! - "launch" waits, at most the agent's ready timeout, for the operator's Pod of the instance
-//!   to be Running with a Pod IP (the newest generation it has not let go of);
+//!   to be Running with a Pod IP (the newest generation it has not let go of); a Pod that
+//!   never runs (no kubelet, an image that does not pull) fails the launch with
+//!   `EngineTimeout` at step "engine Pod running". The agent then waits up to the ready timeout
+//!   again for the engine to answer, so the agent reports twice the ready timeout to the
+//!   operator (`capyctl_node_agent::cli::reported_timing`), whose start call waits for both;
 //! - an engine's exit is its Pod leaving Running: the engine container terminated, the Pod
 //!   failed or succeeded, is being deleted, or is gone; it feeds the agent's exit reports;
 //! - "stop" forgets the Pod (and never takes it again) and removes the record: the OPERATOR
@@ -18,9 +22,16 @@
 //!   `get`/`list`/`watch` on Pods), by design: the Pod's owner is its `Deployment` CR. A parked
 //!   engine keeps its Pod;
 //! - records are kept as the process runtime keeps them, in `<data dir>/engines/`, with `pid`
-//!   0, `port` the engine's port and `command` `["pod", "<namespace>/<name>"]`; recovery after
-//!   an agent restart adopts the Running engine Pods of its node that have a record and answer
-//!   (an engine Pod without a record is left to the operator). An agent that shuts down
+//!   0, `port` the engine's port and `command` `["pod", "<namespace>/<name>"]`; the chart keeps
+//!   the data directory on a hostPath, so the records outlive the agent's Pod. Recovery after
+//!   an agent restart adopts the Running engine Pods of its node that have a record and answer.
+//!   A Running engine Pod WITHOUT a record (the data directory was lost) is rebuilt from the
+//!   annotations the operator puts on every engine Pod: [`ANNOTATION_SPEC`] (the deployment),
+//!   [`ANNOTATION_LAUNCH_PARKING`], and, as the operator learns them, [`ANNOTATION_FIRST_ANSWER`]
+//!   and [`ANNOTATION_PARKED`]; then adopted the same way. A Pod without them is left to the
+//!   operator (its recovery deletes the engine Pods nobody adopted). NB: a record rebuilt from
+//!   annotations is only as fresh as the operator's last write (a park whose annotation the
+//!   operator did not write before it died is seen as awake). An agent that shuts down
 //!   forgets its Pods but keeps the records: the engines outlive it.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -40,6 +51,9 @@ use crate::agent::BoxFuture;
 use crate::error::AgentError;
 use crate::process::{ExitWatch, PidRecord, ProcessRuntime, Recovery};
 use crate::runtime::{Answers, EngineRuntime, LaunchRequest, Launched, loopback_url};
+use crate::spec::InstanceSpec;
+use crate::tier::{LaunchParking, ParkTier};
+use crate::verify::FirstAnswer;
 
 /// Label of every engine Pod: the instance's ID (operator/src/k8s/pods.rs `LABEL_INSTANCE`).
 pub const LABEL_INSTANCE: &str = "capyctl.io/instance";
@@ -53,7 +67,23 @@ pub const PORT_NAME: &str = "http";
 pub const ANNOTATION_PORT: &str = "capyctl.io/engine-port";
 /// The engine's port when the Pod says nothing (the operator's default `engine_port`).
 pub const DEFAULT_PORT: u16 = 8000;
+/// Annotation of every engine Pod (written by the operator when it creates the Pod): the
+/// instance's [`InstanceSpec`] as JSON, so that a node agent that lost its record can rebuild it.
+pub const ANNOTATION_SPEC: &str = "capyctl.io/instance-spec";
+/// Annotation of every engine Pod: its [`LaunchParking`] as JSON (how it was launched for
+/// parking).
+pub const ANNOTATION_LAUNCH_PARKING: &str = "capyctl.io/launch-parking";
+/// Annotation the operator sets once the engine is ready: its first answer ([`FirstAnswer`]
+/// as JSON), which wakes are checked against.
+pub const ANNOTATION_FIRST_ANSWER: &str = "capyctl.io/first-answer";
+/// Annotation the operator sets while the engine is parked: the tier (`host_ram`, `deep`,
+/// `kv_only`); removed after a wake.
+pub const ANNOTATION_PARKED: &str = "capyctl.io/parked";
 /// How long recovery waits for the first list of the node's engine Pods.
+///
+/// NB: the operator's remote `recover` call waits `(step + stop grace) × 8 + 30 s` (350 s with
+/// the defaults, `capyctl_node_agent::remote::RemoteTimeouts`), which covers this wait and
+/// then a health check (`step`, 10 s) of each of up to 29 engines of the node.
 pub const SYNC_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The field selector of `node`'s Pods.
@@ -78,7 +108,7 @@ pub enum PodState {
 }
 
 /// What the runtime reads of an engine Pod.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct EnginePodView {
     /// `<namespace>/<name>`.
     pub key: String,
@@ -94,6 +124,43 @@ pub struct EnginePodView {
     pub port: u16,
     /// Where it is.
     pub state: PodState,
+    /// What its annotations say of the instance, for a record rebuilt from the Pod.
+    pub rebuild: Option<Rebuild>,
+}
+
+/// What an engine Pod's annotations say of its instance ([`ANNOTATION_SPEC`] and the others):
+/// enough to rebuild a lost record.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rebuild {
+    /// The deployment the engine runs.
+    pub spec: InstanceSpec,
+    /// How it was launched for parking (not parkable when the annotation is missing).
+    pub parking: LaunchParking,
+    /// Its first answer, once the operator recorded it.
+    pub first_answer: Option<FirstAnswer>,
+    /// The tier it is parked in, as the operator last recorded it.
+    pub parked: Option<ParkTier>,
+}
+
+/// The [`Rebuild`] of a Pod's annotations; `None` without a readable [`ANNOTATION_SPEC`].
+pub fn rebuild_of(annotations: &BTreeMap<String, String>) -> Option<Rebuild> {
+    let spec: InstanceSpec = serde_json::from_str(annotations.get(ANNOTATION_SPEC)?).ok()?;
+    let parking = annotations
+        .get(ANNOTATION_LAUNCH_PARKING)
+        .and_then(|t| serde_json::from_str(t).ok())
+        .unwrap_or_default();
+    let first_answer = annotations
+        .get(ANNOTATION_FIRST_ANSWER)
+        .and_then(|t| serde_json::from_str(t).ok());
+    let parked = annotations
+        .get(ANNOTATION_PARKED)
+        .and_then(|t| serde_json::from_value(serde_json::Value::String(t.clone())).ok());
+    Some(Rebuild {
+        spec,
+        parking,
+        first_answer,
+        parked,
+    })
 }
 
 impl EnginePodView {
@@ -196,6 +263,7 @@ pub fn view(pod: &Pod) -> Option<EnginePodView> {
             .filter(|ip| !ip.is_empty()),
         port: engine_port(pod),
         state,
+        rebuild: meta.annotations.as_ref().and_then(rebuild_of),
     })
 }
 
@@ -466,13 +534,29 @@ impl PodRuntime {
                     ));
                 }
                 Err(_) => {
+                    let last = {
+                        let seen = rx.borrow();
+                        self.candidate(&seen, id, &stale)
+                    };
+                    let url = match last {
+                        Some(p) => format!(
+                            "engine Pod {} of instance {id} on node {} ({}: no kubelet ran it, or its image did not pull in time)",
+                            p.key,
+                            self.node,
+                            match (&p.state, &p.ip) {
+                                (PodState::Running, None) => "running without a Pod IP",
+                                _ => "not running",
+                            }
+                        ),
+                        None => format!(
+                            "the engine Pod of instance {id} on node {} (namespace {}): no such Pod appeared",
+                            self.node, self.namespace
+                        ),
+                    };
                     return Err(AgentError::EngineTimeout {
                         engine: req.spec.engine,
                         step: "engine Pod running",
-                        url: format!(
-                            "the engine Pod of instance {id} on node {} (namespace {})",
-                            self.node, self.namespace
-                        ),
+                        url,
                         after: req.ready_timeout,
                     });
                 }
@@ -514,7 +598,59 @@ impl PodRuntime {
                 recovery.stopped.push(record);
             }
         }
+        // Running engine Pods of this node without a record (the agent's data directory was
+        // lost): rebuilt from their annotations where the operator left them.
+        let seen = self.seen();
+        let mut instances: Vec<String> = seen.pods.values().map(|p| p.instance.clone()).collect();
+        instances.sort();
+        instances.dedup();
+        for instance in instances {
+            if lock(&self.shared.tracked).contains_key(&instance) {
+                continue;
+            }
+            let Some(pod) = self.candidate(&seen, &instance, &HashSet::new()) else {
+                continue;
+            };
+            let Some(rebuild) = pod.rebuild.clone().filter(|_| pod.usable()) else {
+                tracing::info!(%instance, pod = %pod.key, "an engine Pod without a record and without the operator's annotations (or not running): left to the operator");
+                continue;
+            };
+            let record = Self::rebuilt_record(&instance, &pod, rebuild);
+            let base_url = pod.base_url().unwrap_or_default();
+            self.records.write_record(&record)?;
+            self.track(&instance, &pod, base_url.clone());
+            if answers(record.clone(), base_url).await {
+                tracing::info!(%instance, pod = %pod.key, parked = ?record.parked, "engine Pod adopted from its annotations (its record was lost)");
+                recovery.adopted.push(record);
+            } else {
+                tracing::warn!(%instance, pod = %pod.key, "engine Pod without a record does not answer; letting it go (the operator deletes it)");
+                self.untrack(&instance);
+                self.records.forget(&instance);
+                recovery.stopped.push(record);
+            }
+        }
         Ok(recovery)
+    }
+
+    /// The record of `instance` rebuilt from its engine Pod's annotations.
+    fn rebuilt_record(instance: &str, pod: &EnginePodView, rebuild: Rebuild) -> PidRecord {
+        PidRecord {
+            instance: instance.to_string(),
+            engine: rebuild.spec.engine,
+            pid: 0,
+            port: pod.port,
+            started_at_ms: 0,
+            start_ticks: None,
+            command: vec!["pod".to_string(), pod.key.clone()],
+            log: std::path::PathBuf::new(),
+            spec: rebuild.spec,
+            parking: rebuild.parking,
+            first_answer: rebuild.first_answer,
+            parked: rebuild.parked,
+            transition: None,
+            gpu_held: None,
+            measurement: None,
+        }
     }
 }
 
@@ -789,6 +925,12 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(err, AgentError::EngineTimeout { .. }), "{err}");
+        assert!(
+            err.to_string().contains(
+                "engine Pod capyctl/chat-a-0-g1 of instance dep1-0 on node gpu-1 (not running: no kubelet ran it"
+            ),
+            "{err}"
+        );
         assert!(rt.exit_watch("dep1-0").is_none());
 
         // Running without an IP, then with one.
@@ -997,13 +1139,86 @@ mod tests {
         assert!(recovery.stopped.is_empty());
         assert!(rt.exit_watch("dep1-0").is_some());
         assert_eq!(rt.base_url(&recovery.adopted[0]), "http://10.1.2.3:8001");
-        let left: Vec<String> = rt
-            .records()
-            .unwrap()
-            .into_iter()
-            .map(|r| r.instance)
+        assert_eq!(recorded(&rt), ["dep1-0"]);
+    }
+
+    #[tokio::test]
+    async fn recovery_rebuilds_lost_records_from_the_operators_annotations() {
+        // No record at all: the data directory was lost (an emptyDir, a new node agent Pod).
+        let dir = tempdir();
+        let spec = spec();
+        let annotated = |name: &str, instance: &str, ip: &str, parked: Option<&str>| {
+            let mut p = pod("Running", Some(ip));
+            p["metadata"]["name"] = json!(name);
+            p["metadata"]["uid"] = json!(format!("uid-{name}"));
+            p["metadata"]["labels"]["capyctl.io/instance"] = json!(instance);
+            let mut spec = spec.clone();
+            spec.deployment_id = instance.trim_end_matches("-0").to_string();
+            let mut annotations = json!({
+                ANNOTATION_SPEC: serde_json::to_string(&spec).unwrap(),
+                ANNOTATION_LAUNCH_PARKING: r#"{"may_park":true,"host_ram":true}"#,
+                ANNOTATION_FIRST_ANSWER: r#"{"kind":"text","text":"Paris"}"#,
+            });
+            if let Some(tier) = parked {
+                annotations[ANNOTATION_PARKED] = json!(tier);
+            }
+            p["metadata"]["annotations"] = annotations;
+            p
+        };
+        let parked = annotated("chat-a-0-g1", "dep1-0", "10.1.2.3", Some("host_ram"));
+        let silent = annotated("chat-c-0-g1", "dep3-0", "10.1.2.9", None);
+        // An engine Pod of an older operator: no annotations, nothing to rebuild.
+        let mut bare = pod("Running", Some("10.1.2.5"));
+        bare["metadata"]["name"] = json!("chat-b-0-g1");
+        bare["metadata"]["uid"] = json!("uid-b");
+        bare["metadata"]["labels"]["capyctl.io/instance"] = json!("dep2-0");
+
+        let (rt, handle) = runtime(&dir);
+        let mut handle = pin!(handle);
+        let recover = rt.recover(
+            Arc::new(|_record, url: String| Box::pin(async move { url != "http://10.1.2.9:8001" })),
+            Duration::from_secs(1),
+        );
+        let serve = async {
+            let (_, _, reply) = next(&mut handle).await;
+            json_reply(reply, &list(vec![parked, silent, bare]));
+        };
+        let (recovery, ()) = tokio::join!(recover, serve);
+        let recovery = recovery.unwrap();
+        assert_eq!(recovery.adopted.len(), 1);
+        let adopted = &recovery.adopted[0];
+        assert_eq!(adopted.instance, "dep1-0");
+        assert_eq!(adopted.spec.deployment_id, "dep1");
+        assert_eq!(adopted.spec.name, "chat-a");
+        assert_eq!(adopted.parked, Some(ParkTier::HostRam));
+        assert_eq!(
+            adopted.parking,
+            LaunchParking {
+                may_park: true,
+                host_ram: true
+            }
+        );
+        assert_eq!(
+            adopted.first_answer,
+            Some(FirstAnswer::Text {
+                text: "Paris".into()
+            })
+        );
+        assert_eq!(adopted.command, ["pod", "capyctl/chat-a-0-g1"]);
+        assert_eq!(rt.base_url(adopted), "http://10.1.2.3:8001");
+        // Rebuilt but not answering: let go of (the operator deletes the Pod).
+        let stopped: Vec<&str> = recovery
+            .stopped
+            .iter()
+            .map(|r| r.instance.as_str())
             .collect();
-        assert_eq!(left, ["dep1-0"]);
+        assert_eq!(stopped, ["dep3-0"]);
+        assert!(rt.exit_watch("dep3-0").is_none());
+        // The bare Pod: neither adopted nor let go of by the agent.
+        assert!(rt.exit_watch("dep2-0").is_none());
+        assert!(recovery.gone.is_empty());
+        // The rebuilt record is written, so the next restart needs no annotations.
+        assert_eq!(recorded(&rt), ["dep1-0"]);
     }
 
     #[test]
@@ -1027,6 +1242,15 @@ mod tests {
             view(&serde_json::from_value(p).unwrap()).unwrap().port,
             9000
         );
+    }
+
+    /// The instances the runtime has records of.
+    fn recorded(rt: &PodRuntime) -> Vec<String> {
+        rt.records()
+            .unwrap()
+            .into_iter()
+            .map(|r| r.instance)
+            .collect()
     }
 
     /// A fresh directory under the system temp directory.

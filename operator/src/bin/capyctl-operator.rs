@@ -4,13 +4,16 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use capyctl_crds::documents;
 use capyctl_crds::overrides::Overrides;
+use capyctl_operator::k8s::api_client;
 use capyctl_operator::k8s::leader::LeaseConfig;
 use capyctl_operator::k8s::operator::{OperatorOptions, run};
 use capyctl_operator::k8s::pods::EnginePodSettings;
 use capyctl_operator::k8s::reconcile::ReconcilerConfig;
+use capyctl_operator::metrics::Metrics;
 use clap::Parser;
 
 /// CapyCTL's server on Kubernetes: reconciles Deployment objects into the lifecycle and runs
@@ -53,50 +56,10 @@ struct Cli {
     /// How engine Pods are built (the chart's engine-pods.yaml); the chart's defaults without.
     #[arg(long, env = "CAPYCTL_ENGINE_PODS_FILE")]
     engine_pods_file: Option<PathBuf>,
-}
-
-/// The agent token: `CAPYCTL_AGENT_TOKEN_FILE`'s content (trimmed), else `CAPYCTL_AGENT_TOKEN`.
-fn agent_token() -> Result<String, String> {
-    if let Some(path) = std::env::var_os("CAPYCTL_AGENT_TOKEN_FILE").filter(|p| !p.is_empty()) {
-        let path = PathBuf::from(path);
-        let text = std::fs::read_to_string(&path).map_err(|e| {
-            format!(
-                "cannot read the agent token file {} (CAPYCTL_AGENT_TOKEN_FILE): {e}",
-                path.display()
-            )
-        })?;
-        let token = text.trim();
-        if token.is_empty() {
-            return Err(format!(
-                "the agent token file {} (CAPYCTL_AGENT_TOKEN_FILE) is empty",
-                path.display()
-            ));
-        }
-        return Ok(token.to_string());
-    }
-    match std::env::var("CAPYCTL_AGENT_TOKEN") {
-        Ok(t) if !t.trim().is_empty() => Ok(t.trim().to_string()),
-        _ => Err(
-            "no agent token: set CAPYCTL_AGENT_TOKEN_FILE (a file holding it) or CAPYCTL_AGENT_TOKEN"
-                .into(),
-        ),
-    }
-}
-
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
-                _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
-            }
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot watch SIGTERM; only SIGINT stops the operator");
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
+    /// The node agents' host document (the chart's host.yaml): engine commands and environment
+    /// of engine Pods, and the resource policy until the node's Host object says it.
+    #[arg(long, env = "CAPYCTL_HOST_FILE")]
+    host_file: Option<PathBuf>,
 }
 
 async fn main_async(cli: Cli) -> Result<(), String> {
@@ -111,15 +74,24 @@ async fn main_async(cli: Cli) -> Result<(), String> {
         Some(f) => EnginePodSettings::load(f).map_err(|e| e.to_string())?,
         None => EnginePodSettings::default(),
     };
-    let agent_token = agent_token()?;
+    let host = match &cli.host_file {
+        Some(f) => {
+            Some(documents::load_host_file(f, &Overrides::none()).map_err(|e| e.to_string())?)
+        }
+        None => None,
+    };
+    let agent_token = capyctl_node_agent::cli::agent_token()?;
     let admin_token = capyctl_operator::management::load_or_create_token(
         server.admin_token_file.as_deref(),
         &cli.data_dir,
     )
     .map_err(|e| e.to_string())?;
-    let client = kube::Client::try_default()
+    let metrics = Arc::new(Metrics::new());
+    let config = kube::Config::infer()
         .await
-        .map_err(|e| format!("cannot reach the Kubernetes API (in-cluster, or KUBECONFIG): {e}"))?;
+        .map_err(|e| format!("cannot find the Kubernetes API (in-cluster, or KUBECONFIG): {e}"))?;
+    let client = api_client(config, metrics.clone())
+        .map_err(|e| format!("cannot use the Kubernetes configuration: {e}"))?;
     let namespace = cli
         .namespace
         .clone()
@@ -142,8 +114,10 @@ async fn main_async(cli: Cli) -> Result<(), String> {
         admin_token,
         reconciler: ReconcilerConfig::default(),
         engine_pods,
+        metrics,
+        host,
     };
-    run(client, options, shutdown_signal())
+    run(client, options, capyctl_node_agent::cli::shutdown_signal())
         .await
         .map_err(|e| e.to_string())
 }

@@ -1,40 +1,56 @@
 //! [`PodHostAgent`]: the host agent of a node whose engines run in engine Pods
 //! (`capyctl-node-agent --engine-runtime pod`). It wraps the node agent's client and adds what
-//! only the operator may do (the node agent cannot create or delete Pods):
+//! only the operator may do (the node agent cannot create, change or delete Pods):
 //!
 //! - `start`: deletes the instance's old Pods, creates its engine Pod ([`super::pods`]: the
-//!   next generation, owned by the instance's `Deployment` CR, on the node agent's node), then
-//!   lets the node agent start it (it waits for the Pod to run and drives the engine); a failed
-//!   start deletes the Pod again;
-//! - `stop`: lets the node agent stop the engine, then deletes the instance's Pods (a parked
-//!   engine keeps its Pod: `park` and `wake` only go to the node agent);
-//! - `recover`: lets the node agent adopt what it can, then deletes the engine Pods of the node
-//!   that belong to no adopted instance (nothing is leaked).
+//!   next generation, owned by the instance's `Deployment` CR, on the node agent's node, with
+//!   the host document's engine command and environment, the node's GPUs from its `Host`
+//!   object in `NVIDIA_VISIBLE_DEVICES`, and the host-RAM copy of the weights in its memory
+//!   request when it parks in host RAM), then lets the node agent start it (it waits for the
+//!   Pod to run and drives the engine); a failed start deletes the Pod again. Once started,
+//!   the first answer goes into the Pod's annotations;
+//! - `park` and `wake` go to the node agent; the Pod's [`ANNOTATION_PARKED`] follows (a
+//!   parked engine keeps its Pod); a failed wake and a park that stopped delete the Pod;
+//! - `stop`: lets the node agent stop the engine, then deletes the instance's Pods;
+//! - `recover`: lets the node agent adopt what it can (from its records, else from the Pods'
+//!   annotations), then deletes the engine Pods of the node that belong to no adopted
+//!   instance (nothing is leaked).
+//!
+//! Measurement (DESIGN.md 2, "measured when absent"): an engine in a Pod has no pid the node
+//! agent could read a footprint of. When the start of an engine whose GPU memory is unknown
+//! was the only engine operation on the node from before its Pod was created until it was
+//! ready, the GPUs' used memory before and after it (the node agent's NVML reading, `free`
+//! of the inventory) is its footprint (`observed`). Otherwise, or on a node whose agent reads
+//! no free memory (no NVML, or `host.gpus` declared), the deployment must declare
+//! `resources.gpuMemory`. Footprints are kept by deployment and spec, and after a failover
+//! read back from the CR's status (`measurement.gpuMemoryBytes` of the current generation).
 //!
 //! How the engine is launched for parking (vLLM's `--enable-sleep-mode`, SGLang's CPU backup)
 //! follows the node agent's `parkability` answer, as its own launch does.
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, PoisonError};
 
-use capyctl_crds::k8s::Deployment;
+use capyctl_crds::k8s::{Deployment, Host, MeasurementSource, MeasurementState};
 use capyctl_node_agent::agent::{
     BoxFuture, EngineExit, ParkResult, RecoveryReport, StartedInstance, WakeReport,
 };
 use capyctl_node_agent::capability::EngineInfo;
 use capyctl_node_agent::inventory::Inventory;
+use capyctl_node_agent::k8s::pods::{ANNOTATION_FIRST_ANSWER, ANNOTATION_PARKED};
 use capyctl_node_agent::load::LoadSample;
-use capyctl_node_agent::measure::Measurement;
+use capyctl_node_agent::measure::{MeasureSource, Measured, Measurement};
 use capyctl_node_agent::spec::{HostSettings, InstanceSpec};
 use capyctl_node_agent::tier::{LaunchParking, NoParkReason, ParkChoice, ParkTier};
 use capyctl_node_agent::{AgentError, HostAgent};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{DeleteParams, ListParams, PostParams};
-use kube::{Api, ResourceExt};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client, ResourceExt};
 use tokio::sync::broadcast;
 
 use super::pods::{
     EnginePod, EnginePodSettings, LABEL_DEPLOYMENT, LABEL_GENERATION, LABEL_INSTANCE, engine_pod,
+    visible_gpus,
 };
 
 /// The launch a parkability answer calls for (what the node agent's own launch does).
@@ -59,14 +75,80 @@ fn kube_error(what: &str, e: kube::Error) -> AgentError {
     }
 }
 
+fn tier_name(t: ParkTier) -> &'static str {
+    match t {
+        ParkTier::HostRam => "host_ram",
+        ParkTier::Deep => "deep",
+        ParkTier::KvOnly => "kv_only",
+    }
+}
+
+/// Engine operations on the node, for telling whether a start was alone (see the module doc).
+#[derive(Debug, Default)]
+struct Moves {
+    /// Operations in progress.
+    in_flight: usize,
+    /// Bumped when one begins or ends.
+    seq: u64,
+}
+
+/// One operation in progress; ends when dropped.
+struct Move<'a> {
+    moves: &'a Mutex<Moves>,
+    /// Nothing else was in progress when it began.
+    alone: bool,
+    /// `seq` right after it began.
+    seq: u64,
+}
+
+impl Move<'_> {
+    /// Whether nothing else began or ended since this one began, which was alone.
+    fn still_alone(&self) -> bool {
+        self.alone
+            && self
+                .moves
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .seq
+                == self.seq
+    }
+}
+
+impl Drop for Move<'_> {
+    fn drop(&mut self) {
+        let mut m = self.moves.lock().unwrap_or_else(PoisonError::into_inner);
+        m.in_flight = m.in_flight.saturating_sub(1);
+        m.seq += 1;
+    }
+}
+
+/// The GPU memory a start used: the drop of the GPUs' free memory between `before` and
+/// `after`; `None` when a GPU's free memory is unknown or nothing was used.
+pub fn footprint(before: &Inventory, after: &Inventory) -> Option<u64> {
+    if before.gpus.is_empty() || before.gpus.len() != after.gpus.len() {
+        return None;
+    }
+    let mut used = 0u64;
+    for (b, a) in before.gpus.iter().zip(&after.gpus) {
+        used = used.saturating_add(b.free_bytes?.saturating_sub(a.free_bytes?));
+    }
+    (used > 0).then_some(used)
+}
+
 /// A host agent whose engines are Pods the operator creates (see the module doc).
 pub struct PodHostAgent {
     inner: Arc<dyn HostAgent>,
     pods: Api<Pod>,
     crs: Api<Deployment>,
+    hosts: Api<Host>,
     settings: EnginePodSettings,
     host: HostSettings,
     node_name: String,
+    /// The engine Pod of each instance, as created or adopted.
+    names: Mutex<HashMap<String, String>>,
+    moves: Mutex<Moves>,
+    /// Observed footprints by deployment ID, with the spec they were observed for.
+    footprints: Mutex<HashMap<String, (InstanceSpec, u64)>>,
 }
 
 impl std::fmt::Debug for PodHostAgent {
@@ -78,24 +160,45 @@ impl std::fmt::Debug for PodHostAgent {
 }
 
 impl PodHostAgent {
-    /// Engine Pods on `node_name` built with `settings` and the engine commands of `host`,
-    /// owned by the CRs of `crs`, in the namespace of `pods`; everything else goes to `inner`.
+    /// Engine Pods on `node_name` in `namespace` built with `settings` and the engine commands
+    /// of `host` (the host document), owned by the CRs of the namespace; everything else goes
+    /// to `inner`.
     pub fn new(
         inner: Arc<dyn HostAgent>,
-        pods: Api<Pod>,
-        crs: Api<Deployment>,
+        client: Client,
+        namespace: &str,
         settings: EnginePodSettings,
         host: HostSettings,
         node_name: impl Into<String>,
     ) -> Self {
         Self {
             inner,
-            pods,
-            crs,
+            pods: Api::namespaced(client.clone(), namespace),
+            crs: Api::namespaced(client.clone(), namespace),
+            hosts: Api::all(client),
             settings,
             host,
             node_name: node_name.into(),
+            names: Mutex::new(HashMap::new()),
+            moves: Mutex::new(Moves::default()),
+            footprints: Mutex::new(HashMap::new()),
         }
+    }
+
+    fn begin(&self) -> Move<'_> {
+        let mut m = self.moves.lock().unwrap_or_else(PoisonError::into_inner);
+        let alone = m.in_flight == 0;
+        m.in_flight += 1;
+        m.seq += 1;
+        Move {
+            moves: &self.moves,
+            alone,
+            seq: m.seq,
+        }
+    }
+
+    fn names(&self) -> std::sync::MutexGuard<'_, HashMap<String, String>> {
+        self.names.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The engine Pods of this node, by instance.
@@ -129,6 +232,42 @@ impl PodHostAgent {
         }
     }
 
+    /// Deletes the instance's Pods and forgets its Pod's name.
+    async fn delete_instance_pods(&self, instance: &str) -> Result<(), AgentError> {
+        self.names().remove(instance);
+        let pods = self.pods_by_instance().await?.remove(instance);
+        self.delete_pods(&pods.unwrap_or_default()).await;
+        Ok(())
+    }
+
+    /// Sets (`Some`) or removes (`None`) annotation `key` of the instance's engine Pod. A
+    /// failure is logged: the annotations only help a node agent that lost its records.
+    async fn annotate(&self, instance: &str, key: &str, value: Option<String>) {
+        let known = self.names().get(instance).cloned();
+        let name = match known {
+            Some(n) => Some(n),
+            None => self.pods_by_instance().await.ok().and_then(|mut by| {
+                by.remove(instance)?
+                    .into_iter()
+                    .max_by_key(|p| {
+                        p.labels()
+                            .get(LABEL_GENERATION)
+                            .and_then(|g| g.parse::<u64>().ok())
+                    })
+                    .map(|p| p.name_any())
+            }),
+        };
+        let Some(name) = name else { return };
+        let patch = serde_json::json!({"metadata": {"annotations": {key: value}}});
+        if let Err(e) = self
+            .pods
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            tracing::warn!(%instance, pod = %name, annotation = key, error = %e, "an engine Pod's annotation could not be written");
+        }
+    }
+
     /// Replaces the instance's Pods by a new one of the next generation.
     async fn create_pod(&self, instance: &str, spec: &InstanceSpec) -> Result<String, AgentError> {
         let old = self
@@ -149,6 +288,23 @@ impl PodHostAgent {
             .await
             .map_err(|e| kube_error(&format!("reading Deployment {}", spec.name), e))?;
         let parking = launch_for(&self.inner.parkability(spec).await);
+        let host_ram_copy = if parking.host_ram {
+            self.inner
+                .measure(spec)
+                .await
+                .ok()
+                .and_then(|m| m.weights.map(|w| w.bytes))
+        } else {
+            None
+        };
+        let host = match self.hosts.get_opt(&self.node_name).await {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!(node = %self.node_name, error = %e, "the node's Host object could not be read; NVIDIA_VISIBLE_DEVICES=all");
+                None
+            }
+        };
+        let gpus = visible_gpus(host.as_ref());
         let pod = engine_pod(
             &EnginePod {
                 owner: &owner,
@@ -158,7 +314,8 @@ impl PodHostAgent {
                 engine: self.host.engine(spec.engine),
                 parking,
                 node_name: &self.node_name,
-                gpus: &[],
+                gpus: &gpus,
+                host_ram_copy,
             },
             &self.settings,
         )
@@ -172,7 +329,70 @@ impl PodHostAgent {
             .map_err(|e| kube_error("creating the engine Pod", e))?;
         let name = created.name_any();
         tracing::info!(%instance, pod = %name, node = %self.node_name, "engine Pod created");
+        self.names().insert(instance.to_string(), name.clone());
         Ok(name)
+    }
+
+    /// The footprint the CR's status holds for the current generation of deployment `spec`.
+    async fn footprint_in_status(&self, spec: &InstanceSpec) -> Option<u64> {
+        let cr = self.crs.get_opt(&spec.name).await.ok()??;
+        let status = cr.status.as_ref()?;
+        if status.deployment_id.as_deref() != Some(spec.deployment_id.as_str())
+            || status.observed_generation != cr.metadata.generation
+        {
+            return None;
+        }
+        let m = status.measurement.as_ref()?;
+        (m.state == MeasurementState::Measured && m.source == Some(MeasurementSource::Measured))
+            .then_some(m.gpu_memory_bytes?)
+    }
+
+    async fn do_start(
+        &self,
+        instance: &str,
+        spec: &InstanceSpec,
+    ) -> Result<StartedInstance, AgentError> {
+        let op = self.begin();
+        let before = if op.alone {
+            self.inner.inventory().await.ok()
+        } else {
+            None
+        };
+        let pod = self.create_pod(instance, spec).await?;
+        let mut started = match self.inner.start(instance, spec).await {
+            Ok(started) => started,
+            Err(e) => {
+                tracing::warn!(%instance, %pod, error = %e, "the engine did not start; deleting its Pod");
+                let _ = self.delete_instance_pods(instance).await;
+                return Err(e);
+            }
+        };
+        if started.measurement.gpu_memory.is_none()
+            && let Some(before) = before
+            && op.still_alone()
+            && let Ok(after) = self.inner.inventory().await
+            && op.still_alone()
+            && let Some(bytes) = footprint(&before, &after)
+        {
+            tracing::info!(%instance, bytes, "GPU footprint of the engine Pod observed from the GPUs' free memory");
+            started.measurement.gpu_memory = Some(Measured {
+                bytes,
+                source: MeasureSource::EngineFootprint,
+            });
+            self.footprints
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert(spec.deployment_id.clone(), (spec.clone(), bytes));
+        }
+        drop(op);
+        match serde_json::to_string(&started.first_answer) {
+            Ok(text) => {
+                self.annotate(instance, ANNOTATION_FIRST_ANSWER, Some(text))
+                    .await
+            }
+            Err(e) => tracing::warn!(%instance, error = %e, "the first answer is not JSON"),
+        }
+        Ok(started)
     }
 }
 
@@ -189,7 +409,27 @@ impl HostAgent for PodHostAgent {
         &'a self,
         spec: &'a InstanceSpec,
     ) -> BoxFuture<'a, Result<Measurement, AgentError>> {
-        self.inner.measure(spec)
+        Box::pin(async move {
+            let mut m = self.inner.measure(spec).await?;
+            if m.gpu_memory.is_none() {
+                let kept = self
+                    .footprints
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .get(&spec.deployment_id)
+                    .filter(|(s, _)| s == spec)
+                    .map(|(_, b)| *b);
+                let bytes = match kept {
+                    Some(b) => Some(b),
+                    None => self.footprint_in_status(spec).await,
+                };
+                m.gpu_memory = bytes.map(|bytes| Measured {
+                    bytes,
+                    source: MeasureSource::EngineFootprint,
+                });
+            }
+            Ok(m)
+        })
     }
 
     fn parkability<'a>(
@@ -204,33 +444,23 @@ impl HostAgent for PodHostAgent {
         instance: &'a str,
         spec: &'a InstanceSpec,
     ) -> BoxFuture<'a, Result<StartedInstance, AgentError>> {
-        Box::pin(async move {
-            let pod = self.create_pod(instance, spec).await?;
-            match self.inner.start(instance, spec).await {
-                Ok(started) => Ok(started),
-                Err(e) => {
-                    tracing::warn!(%instance, %pod, error = %e, "the engine did not start; deleting its Pod");
-                    let mine = self
-                        .pods_by_instance()
-                        .await
-                        .ok()
-                        .and_then(|mut m| m.remove(instance));
-                    self.delete_pods(&mine.unwrap_or_default()).await;
-                    Err(e)
-                }
-            }
-        })
+        Box::pin(self.do_start(instance, spec))
     }
 
     fn park<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<ParkResult, AgentError>> {
         Box::pin(async move {
+            let _op = self.begin();
             let result = self.inner.park(instance).await;
-            // A model that does not park is stopped instead: its Pod goes.
-            if let Ok(ParkResult::Stopped { .. }) = &result
-                && let Ok(mut by) = self.pods_by_instance().await
-            {
-                self.delete_pods(&by.remove(instance).unwrap_or_default())
-                    .await;
+            match &result {
+                Ok(ParkResult::Parked { tier, .. }) => {
+                    self.annotate(instance, ANNOTATION_PARKED, Some(tier_name(*tier).into()))
+                        .await;
+                }
+                // A model that does not park is stopped instead: its Pod goes.
+                Ok(ParkResult::Stopped { .. }) => {
+                    let _ = self.delete_instance_pods(instance).await;
+                }
+                Err(_) => {}
             }
             result
         })
@@ -238,15 +468,15 @@ impl HostAgent for PodHostAgent {
 
     fn wake<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<WakeReport, AgentError>> {
         Box::pin(async move {
+            let _op = self.begin();
             let report = self.inner.wake(instance).await;
-            // A failed wake stops the engine: its Pod goes.
-            let failed = match &report {
-                Ok(r) => r.outcome.failure().is_some(),
-                Err(_) => false,
-            };
-            if failed && let Ok(mut by) = self.pods_by_instance().await {
-                self.delete_pods(&by.remove(instance).unwrap_or_default())
-                    .await;
+            match &report {
+                // A failed wake stops the engine: its Pod goes.
+                Ok(r) if r.outcome.failure().is_some() => {
+                    let _ = self.delete_instance_pods(instance).await;
+                }
+                Ok(_) => self.annotate(instance, ANNOTATION_PARKED, None).await,
+                Err(_) => {}
             }
             report
         })
@@ -254,9 +484,9 @@ impl HostAgent for PodHostAgent {
 
     fn stop<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<(), AgentError>> {
         Box::pin(async move {
+            let _op = self.begin();
             let result = self.inner.stop(instance).await;
-            let pods = self.pods_by_instance().await?.remove(instance);
-            self.delete_pods(&pods.unwrap_or_default()).await;
+            self.delete_instance_pods(instance).await?;
             result
         })
     }
@@ -267,10 +497,23 @@ impl HostAgent for PodHostAgent {
 
     fn recover(&self) -> BoxFuture<'_, Result<RecoveryReport, AgentError>> {
         Box::pin(async move {
+            let _op = self.begin();
             let report = self.inner.recover().await?;
             let by = self.pods_by_instance().await?;
             for (instance, pods) in by {
-                if !report.adopted.iter().any(|a| a.instance == instance) {
+                if report.adopted.iter().any(|a| a.instance == instance) {
+                    let newest = pods
+                        .iter()
+                        .max_by_key(|p| {
+                            p.labels()
+                                .get(LABEL_GENERATION)
+                                .and_then(|g| g.parse::<u64>().ok())
+                        })
+                        .map(|p| p.name_any());
+                    if let Some(name) = newest {
+                        self.names().insert(instance, name);
+                    }
+                } else {
                     tracing::info!(%instance, "deleting the engine Pods of an instance nobody adopted");
                     self.delete_pods(&pods).await;
                 }
@@ -297,22 +540,49 @@ pub fn deployment_selector(name: &str) -> String {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
+    use std::collections::VecDeque;
     use std::sync::Mutex;
+    use std::time::Duration;
 
+    use capyctl_node_agent::inventory::{GpuInfo, HostMemory};
+    use capyctl_node_agent::launch::{MaxRunning, MaxRunningSource};
+    use capyctl_node_agent::verify::{FirstAnswer, WakeOutcome};
     use http::Method;
 
     use super::super::mock::{self, Exchange};
     use super::*;
 
-    /// The node agent's side: start fails, stop and recover succeed; calls are kept.
+    /// The node agent's side: starts fail unless `starts` is set, parks park in host RAM, wakes
+    /// pass; the inventory answers the free memories of `free` in turn; the weights are 16 GiB.
+    /// Calls are kept.
     #[derive(Default)]
     struct Agent {
         calls: Mutex<Vec<String>>,
+        starts: bool,
+        free: Mutex<VecDeque<u64>>,
     }
 
     impl HostAgent for Agent {
         fn inventory(&self) -> BoxFuture<'_, Result<Inventory, AgentError>> {
-            unimplemented!()
+            let free = self.free.lock().unwrap().pop_front();
+            Box::pin(async move {
+                Ok(Inventory {
+                    gpus: vec![GpuInfo {
+                        index: 0,
+                        uuid: Some("GPU-a".into()),
+                        name: None,
+                        total_bytes: 80 << 30,
+                        free_bytes: free,
+                        unified: false,
+                    }],
+                    gpus_overridden: false,
+                    host_memory: HostMemory {
+                        total_bytes: 256 << 30,
+                        available_bytes: 200 << 30,
+                        overridden: false,
+                    },
+                })
+            })
         }
         fn engines(&self) -> BoxFuture<'_, Vec<EngineInfo>> {
             Box::pin(async { Vec::new() })
@@ -321,7 +591,15 @@ mod tests {
             &'a self,
             _: &'a InstanceSpec,
         ) -> BoxFuture<'a, Result<Measurement, AgentError>> {
-            unimplemented!()
+            Box::pin(async {
+                Ok(Measurement {
+                    weights: Some(Measured {
+                        bytes: 16 << 30,
+                        source: MeasureSource::Checkpoint,
+                    }),
+                    gpu_memory: None,
+                })
+            })
         }
         fn parkability<'a>(
             &'a self,
@@ -335,17 +613,49 @@ mod tests {
             _: &'a InstanceSpec,
         ) -> BoxFuture<'a, Result<StartedInstance, AgentError>> {
             self.calls.lock().unwrap().push(format!("start {instance}"));
-            Box::pin(async {
-                Err(AgentError::InvalidSpec {
-                    detail: "the engine exited".into(),
+            let starts = self.starts;
+            Box::pin(async move {
+                if !starts {
+                    return Err(AgentError::InvalidSpec {
+                        detail: "the engine exited".into(),
+                    });
+                }
+                Ok(StartedInstance {
+                    instance: instance.to_string(),
+                    pid: 0,
+                    port: 8000,
+                    base_url: "http://10.1.2.3:8000".into(),
+                    version: None,
+                    measurement: Measurement::default(),
+                    first_answer: FirstAnswer::Text {
+                        text: "Paris".into(),
+                    },
+                    max_running: MaxRunning {
+                        count: Some(32),
+                        source: MaxRunningSource::Default,
+                    },
+                    parking: LaunchParking {
+                        may_park: true,
+                        host_ram: true,
+                    },
                 })
             })
         }
         fn park<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<ParkResult, AgentError>> {
-            unimplemented!()
+            Box::pin(async {
+                Ok(ParkResult::Parked {
+                    tier: ParkTier::HostRam,
+                    gpu_held: None,
+                })
+            })
         }
         fn wake<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<WakeReport, AgentError>> {
-            unimplemented!()
+            Box::pin(async {
+                Ok(WakeReport {
+                    outcome: WakeOutcome::Pass,
+                    took: Duration::from_secs(1),
+                })
+            })
         }
         fn stop<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<(), AgentError>> {
             self.calls.lock().unwrap().push(format!("stop {instance}"));
@@ -360,6 +670,8 @@ mod tests {
     }
 
     const PODS: &str = "/api/v1/namespaces/capyctl/pods";
+    const CR: &str = "/apis/capyctl.io/v1alpha1/namespaces/capyctl/deployments/chat-a";
+    const HOST: &str = "/apis/capyctl.io/v1alpha1/hosts/gpu-1";
 
     fn pod(name: &str, instance: &str, generation: u64, node: &str) -> serde_json::Value {
         serde_json::json!({"metadata": {"name": name, "labels": {
@@ -369,6 +681,28 @@ mod tests {
 
     fn list(items: Vec<serde_json::Value>) -> serde_json::Value {
         serde_json::json!({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items})
+    }
+
+    fn cr() -> serde_json::Value {
+        serde_json::json!({"apiVersion": "capyctl.io/v1alpha1", "kind": "Deployment",
+            "metadata": {"name": "chat-a", "namespace": "capyctl", "uid": "uid-a", "generation": 1},
+            "spec": {"engine": "vllm", "model": "Qwen3-4B"}})
+    }
+
+    fn host() -> serde_json::Value {
+        serde_json::json!({"apiVersion": "capyctl.io/v1alpha1", "kind": "Host",
+            "metadata": {"name": "gpu-1"},
+            "spec": {"gpus": [{"uuid": "GPU-a", "memory": "80GiB"}]}})
+    }
+
+    /// The calls of a first start: no old Pods, the CR, the Host, the new Pod `created`.
+    fn first_pod_calls(created: &serde_json::Value) -> Vec<Exchange> {
+        vec![
+            Exchange::ok(Method::GET, PODS, list(vec![])),
+            Exchange::ok(Method::GET, CR, cr()),
+            Exchange::ok(Method::GET, HOST, host()),
+            Exchange::new(Method::POST, PODS, 201, created.clone()),
+        ]
     }
 
     fn spec() -> InstanceSpec {
@@ -381,12 +715,17 @@ mod tests {
     }
 
     fn agent(client: kube::Client, inner: Arc<Agent>) -> PodHostAgent {
+        let mut host = HostSettings::default();
+        host.vllm.command = vec!["/opt/vllm/bin/vllm".into()];
+        host.vllm
+            .env
+            .insert("VLLM_LOGGING_LEVEL".into(), "DEBUG".into());
         PodHostAgent::new(
             inner,
-            Api::namespaced(client.clone(), "capyctl"),
-            Api::namespaced(client, "capyctl"),
+            client,
+            "capyctl",
             EnginePodSettings::default(),
-            HostSettings::default(),
+            host,
             "gpu-1",
         )
     }
@@ -394,9 +733,6 @@ mod tests {
     #[tokio::test]
     async fn start_replaces_old_pods_by_the_next_generation_and_a_failed_start_deletes_it() {
         let (client, handle) = mock::client();
-        let cr = serde_json::json!({"apiVersion": "capyctl.io/v1alpha1", "kind": "Deployment",
-            "metadata": {"name": "chat-a", "namespace": "capyctl", "uid": "uid-a"},
-            "spec": {"engine": "vllm", "model": "Qwen3-4B"}});
         let created = pod("chat-a-0-g3", "01KDEP-0", 3, "gpu-1");
         let server = mock::serve(
             handle,
@@ -415,11 +751,8 @@ mod tests {
                     &format!("{PODS}/chat-a-0-g2"),
                     serde_json::json!({}),
                 ),
-                Exchange::ok(
-                    Method::GET,
-                    "/apis/capyctl.io/v1alpha1/namespaces/capyctl/deployments/chat-a",
-                    cr,
-                ),
+                Exchange::ok(Method::GET, CR, cr()),
+                Exchange::ok(Method::GET, HOST, host()),
                 Exchange::new(Method::POST, PODS, 201, created.clone()),
                 // The node agent's start failed: the new Pod goes.
                 Exchange::ok(Method::GET, PODS, list(vec![created])),
@@ -436,16 +769,164 @@ mod tests {
         assert!(err.to_string().contains("the engine exited"), "{err}");
         assert_eq!(inner.calls.lock().unwrap().as_slice(), ["start 01KDEP-0"]);
         let seen = server.await.unwrap();
-        let body = &seen[3].body;
+        let body = &seen[4].body;
         assert_eq!(body["metadata"]["name"], "chat-a-0-g3");
         assert_eq!(body["metadata"]["labels"][LABEL_GENERATION], "3");
         assert_eq!(body["metadata"]["ownerReferences"][0]["uid"], "uid-a");
         assert_eq!(body["spec"]["nodeName"], "gpu-1");
-        let command = body["spec"]["containers"][0]["command"].as_array().unwrap();
+        let container = &body["spec"]["containers"][0];
+        let command = container["command"].as_array().unwrap();
+        // The host document's engine command and environment.
+        assert_eq!(command[0], "/opt/vllm/bin/vllm");
         assert!(
             command.iter().any(|a| a == "--enable-sleep-mode"),
             "{command:?}"
         );
+        let env: BTreeMap<String, String> = container["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| {
+                (
+                    e["name"].as_str().unwrap().to_string(),
+                    e["value"].as_str().unwrap_or_default().to_string(),
+                )
+            })
+            .collect();
+        assert_eq!(env["VLLM_LOGGING_LEVEL"], "DEBUG");
+        // The node's GPUs from its Host.
+        assert_eq!(env["NVIDIA_VISIBLE_DEVICES"], "GPU-a");
+        // 4 GiB for the engine and 16 GiB for the weights' copy in host RAM.
+        assert_eq!(
+            container["resources"]["requests"]["memory"],
+            (20u64 << 30).to_string()
+        );
+        assert!(
+            body["metadata"]["annotations"][capyctl_node_agent::k8s::pods::ANNOTATION_SPEC]
+                .is_string()
+        );
+        assert!(a.names().is_empty(), "a deleted Pod is forgotten");
+    }
+
+    #[tokio::test]
+    async fn a_lone_start_measures_its_footprint_and_the_pod_keeps_what_a_new_agent_needs() {
+        let (client, handle) = mock::client();
+        let created = pod("chat-a-0-g1", "01KDEP-0", 1, "gpu-1");
+        let pod_path = format!("{PODS}/chat-a-0-g1");
+        let server = mock::serve(
+            handle,
+            [
+                first_pod_calls(&created),
+                vec![
+                    // The first answer, the park, the wake.
+                    Exchange::ok(Method::PATCH, &pod_path, created.clone()),
+                    Exchange::ok(Method::PATCH, &pod_path, created.clone()),
+                    Exchange::ok(Method::PATCH, &pod_path, created.clone()),
+                ],
+            ]
+            .concat(),
+        );
+        let inner = Arc::new(Agent {
+            starts: true,
+            // 80 GiB free before the start, 60 GiB after.
+            free: Mutex::new(VecDeque::from([80 << 30, 60 << 30])),
+            ..Agent::default()
+        });
+        let a = agent(client, inner.clone());
+        let started = a.start("01KDEP-0", &spec()).await.unwrap();
+        let gpu = started.measurement.gpu_memory.unwrap();
+        assert_eq!(gpu.bytes, 20 << 30);
+        assert_eq!(gpu.source, MeasureSource::EngineFootprint);
+        // Kept: the next measurement of the same spec has it.
+        let m = a.measure(&spec()).await.unwrap();
+        assert_eq!(m.gpu_memory.map(|g| g.bytes), Some(20 << 30));
+        a.park("01KDEP-0").await.unwrap();
+        a.wake("01KDEP-0").await.unwrap();
+        let seen = server.await.unwrap();
+        let annotations = |i: usize| seen[i].body["metadata"]["annotations"].clone();
+        assert_eq!(
+            annotations(4)[ANNOTATION_FIRST_ANSWER],
+            r#"{"kind":"text","text":"Paris"}"#
+        );
+        assert_eq!(annotations(5)[ANNOTATION_PARKED], "host_ram");
+        assert!(annotations(6)[ANNOTATION_PARKED].is_null());
+        assert_eq!(
+            seen[4].content_type.as_deref(),
+            Some("application/merge-patch+json")
+        );
+    }
+
+    #[tokio::test]
+    async fn a_start_beside_another_operation_measures_nothing() {
+        let (client, handle) = mock::client();
+        let created = pod("chat-a-0-g1", "01KDEP-0", 1, "gpu-1");
+        let server = mock::serve(
+            handle,
+            [
+                first_pod_calls(&created),
+                vec![
+                    Exchange::ok(
+                        Method::PATCH,
+                        &format!("{PODS}/chat-a-0-g1"),
+                        created.clone(),
+                    ),
+                    // measure: no footprint kept, none in the CR's status.
+                    Exchange::ok(Method::GET, CR, cr()),
+                ],
+            ]
+            .concat(),
+        );
+        let inner = Arc::new(Agent {
+            starts: true,
+            free: Mutex::new(VecDeque::from([80 << 30, 60 << 30])),
+            ..Agent::default()
+        });
+        let a = agent(client, inner.clone());
+        // Another engine is parking on the node meanwhile: the free memory moves for it too.
+        let other = a.begin();
+        let started = a.start("01KDEP-0", &spec()).await.unwrap();
+        drop(other);
+        assert_eq!(started.measurement.gpu_memory, None);
+        assert_eq!(a.measure(&spec()).await.unwrap().gpu_memory, None);
+        server.await.unwrap();
+    }
+
+    #[test]
+    fn a_footprint_needs_every_gpus_free_memory() {
+        let inv = |free: &[Option<u64>]| Inventory {
+            gpus: free
+                .iter()
+                .enumerate()
+                .map(|(i, f)| GpuInfo {
+                    index: i as u32,
+                    uuid: None,
+                    name: None,
+                    total_bytes: 80 << 30,
+                    free_bytes: *f,
+                    unified: false,
+                })
+                .collect(),
+            gpus_overridden: false,
+            host_memory: HostMemory {
+                total_bytes: 1,
+                available_bytes: 1,
+                overridden: false,
+            },
+        };
+        assert_eq!(
+            footprint(
+                &inv(&[Some(80 << 30), Some(80 << 30)]),
+                &inv(&[Some(70 << 30), Some(75 << 30)])
+            ),
+            Some(15 << 30)
+        );
+        assert_eq!(
+            footprint(&inv(&[None]), &inv(&[Some(1)])),
+            None,
+            "no NVML reading"
+        );
+        assert_eq!(footprint(&inv(&[Some(5)]), &inv(&[Some(5)])), None);
+        assert_eq!(footprint(&inv(&[]), &inv(&[])), None);
     }
 
     #[tokio::test]

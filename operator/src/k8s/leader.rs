@@ -13,13 +13,19 @@
 //!   replicas racing for it one gets 409 Conflict and stays standby);
 //! - a leader renews every `retry_period`, and steps down when it has not renewed for
 //!   `renew_deadline` (shorter than `lease_duration`, so it has stopped before a standby may
-//!   take over), or at once when the Lease names another holder;
+//!   take over), or at once when the Lease names another holder. As in client-go, every try
+//!   is bounded: a leader's by what is left of its renew deadline (a hung call never keeps a
+//!   replica leading past it), a standby's by `renew_deadline`; a try past its bound counts as
+//!   failed;
 //! - on shutdown the leader releases the Lease (no holder, `leaseDurationSeconds` 1), so that a
 //!   standby takes over at its next try instead of after `lease_duration`.
 //!
 //! [`LeaderElector::try_acquire_or_renew`] is one step; [`LeaderElector::run`] loops it and
 //! publishes whether this replica leads on a `watch` channel. [`set_leader_label`] labels the
-//! leader's own Pod for the Services that select it (`CAPYCTL_LEADER_LABEL`).
+//! leader's own Pod for the Services that select it (`CAPYCTL_LEADER_LABEL`);
+//! [`clear_leader_label`] removes it, retrying until it is gone (a replica does so when it
+//! starts: a leader killed without a chance to remove it comes back as a standby in the same
+//! Pod).
 
 use std::time::Duration;
 
@@ -260,6 +266,24 @@ impl LeaderElector {
         Ok(())
     }
 
+    /// What is left of the renew deadline while this replica leads; `None` while it does not.
+    fn renew_left(&self) -> Option<Duration> {
+        if !self.is_leading() {
+            return None;
+        }
+        self.last_renew
+            .map(|t| self.config.renew_deadline.saturating_sub(t.elapsed()))
+    }
+
+    /// One try bounded as the module doc says; `Err(None)` when it ran past its bound.
+    async fn bounded_try(&mut self) -> Result<Attempt, Option<kube::Error>> {
+        let bound = self.renew_left().unwrap_or(self.config.renew_deadline);
+        match tokio::time::timeout(bound, self.try_acquire_or_renew()).await {
+            Ok(r) => r.map_err(Some),
+            Err(_) => Err(None),
+        }
+    }
+
     /// Tries every `retry_period` until `shutdown` turns `true`, sending on `leading` whether
     /// this replica leads (see the module doc); on shutdown a leader releases the Lease and
     /// `false` is sent. A standby keeps trying for as long as it runs.
@@ -268,7 +292,7 @@ impl LeaderElector {
             if *shutdown.borrow() {
                 break;
             }
-            let attempt = self.try_acquire_or_renew().await;
+            let attempt = self.bounded_try().await;
             match &attempt {
                 Ok(Attempt::Held) => {}
                 Ok(Attempt::HeldBy(other)) => {
@@ -278,8 +302,11 @@ impl LeaderElector {
                     self.last_renew = None;
                 }
                 Ok(Attempt::Conflict) => {}
-                Err(e) => {
+                Err(Some(e)) => {
                     tracing::warn!(lease = %self.config.name, error = %e, "the Lease could not be read or written");
+                }
+                Err(None) => {
+                    tracing::warn!(lease = %self.config.name, "a Lease call did not finish within its bound (the renew deadline)");
                 }
             }
             let now_leading = self.is_leading();
@@ -291,17 +318,26 @@ impl LeaderElector {
                 }
                 leading.send_replace(now_leading);
             }
+            // A leader tries again no later than its renew deadline, so that it steps down on
+            // time even when its last tries failed fast.
+            let pause = match self.renew_left() {
+                Some(left) => self.config.retry_period.min(left),
+                None => self.config.retry_period,
+            };
             tokio::select! {
-                _ = tokio::time::sleep(self.config.retry_period) => {}
+                _ = tokio::time::sleep(pause) => {}
                 _ = super::until(&mut shutdown, true) => break,
             }
         }
         leading.send_replace(false);
         if self.last_renew.is_some() {
-            match self.release().await {
-                Ok(()) => tracing::info!(lease = %self.config.name, "released the Lease"),
-                Err(e) => {
+            match tokio::time::timeout(self.config.renew_deadline, self.release()).await {
+                Ok(Ok(())) => tracing::info!(lease = %self.config.name, "released the Lease"),
+                Ok(Err(e)) => {
                     tracing::warn!(lease = %self.config.name, error = %e, "releasing the Lease failed")
+                }
+                Err(_) => {
+                    tracing::warn!(lease = %self.config.name, "releasing the Lease took too long; it expires by itself")
                 }
             }
         }
@@ -325,6 +361,31 @@ pub async fn set_leader_label(
     pods.patch(pod, &PatchParams::default(), &Patch::Merge(&patch))
         .await?;
     Ok(())
+}
+
+/// Removes the leader label from Pod `pod`, retrying every `retry` until it is gone (a Pod
+/// that does not exist has none: out of a cluster, the identity names no Pod). `true` once it
+/// is gone; `false` when `stop` turned `true` first.
+pub async fn clear_leader_label(
+    pods: &Api<Pod>,
+    pod: &str,
+    label: &str,
+    retry: Duration,
+    mut stop: watch::Receiver<bool>,
+) -> bool {
+    loop {
+        match set_leader_label(pods, pod, label, false).await {
+            Ok(()) => return true,
+            Err(kube::Error::Api(s)) if s.is_not_found() => return true,
+            Err(e) => {
+                tracing::warn!(%pod, %label, error = %e, "the leader label could not be removed from this replica's Pod; not ready until it is");
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(retry) => {}
+            _ = super::until(&mut stop, true) => return false,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -607,6 +668,89 @@ mod tests {
         let seen = server.await.unwrap();
         // Five failed renewals, then the release's read (it fails too).
         assert_eq!(seen.len(), 2 + 6);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hung_renewal_steps_the_leader_down_at_its_renew_deadline() {
+        let (client, handle) = mock::client();
+        let server = tokio::spawn(async move {
+            let mut handle = Box::pin(handle);
+            // Acquired: the Lease is missing, then created.
+            let (_, send) = handle.next_request().await.unwrap();
+            send.send_response(
+                http::Response::builder()
+                    .status(404)
+                    .body(kube::client::Body::from(
+                        serde_json::to_vec(&status_body(404, "NotFound", "not found")).unwrap(),
+                    ))
+                    .unwrap(),
+            );
+            let (_, send) = handle.next_request().await.unwrap();
+            send.send_response(
+                http::Response::builder()
+                    .status(201)
+                    .body(kube::client::Body::from(
+                        serde_json::to_vec(&lease(
+                            Some("operator-a"),
+                            "10",
+                            "2026-12-01T10:00:00.000000Z",
+                        ))
+                        .unwrap(),
+                    ))
+                    .unwrap(),
+            );
+            // The renewal's read never gets an answer.
+            let (hung, reply) = handle.next_request().await.unwrap();
+            (hung.uri().path().to_string(), reply, handle)
+        });
+        let (leading_tx, mut leading) = watch::channel(false);
+        let (stop_tx, stop) = watch::channel(false);
+        let run = tokio::spawn(elector(client).run(leading_tx, stop));
+        leading.wait_for(|l| *l).await.unwrap();
+        let since = Instant::now();
+        leading.wait_for(|l| !*l).await.unwrap();
+        // Stepped down exactly at the renew deadline, although the call still hangs (before
+        // the Lease's 15 s, after which a standby may take it).
+        assert_eq!(since.elapsed(), Duration::from_secs(10));
+        let (path, _reply, _handle) = server.await.unwrap();
+        assert_eq!(path, PATH);
+        stop_tx.send_replace(true);
+        run.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_standby_clears_a_stale_leader_label_before_it_is_ready() {
+        let (client, handle) = mock::client();
+        let pod_path = "/api/v1/namespaces/capyctl/pods/operator-a";
+        let pod = serde_json::json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "operator-a"}});
+        let server = mock::serve(
+            handle,
+            vec![
+                Exchange::new(
+                    Method::PATCH,
+                    pod_path,
+                    500,
+                    status_body(500, "InternalError", "etcd is down"),
+                ),
+                Exchange::ok(Method::PATCH, pod_path, pod),
+            ],
+        );
+        let pods: Api<Pod> = Api::namespaced(client, "capyctl");
+        let (_stop_tx, stop) = watch::channel(false);
+        let began = Instant::now();
+        let cleared = clear_leader_label(
+            &pods,
+            "operator-a",
+            "capyctl.io/leader",
+            Duration::from_secs(2),
+            stop,
+        )
+        .await;
+        assert!(cleared);
+        // Once after the failed try and its retry pause.
+        assert_eq!(began.elapsed(), Duration::from_secs(2));
+        let seen = server.await.unwrap();
+        assert!(seen[1].body["metadata"]["labels"]["capyctl.io/leader"].is_null());
     }
 
     #[tokio::test(start_paused = true)]

@@ -6,6 +6,10 @@
 
 use std::pin::pin;
 
+use capyctl_crds::Activation;
+use capyctl_crds::InstanceState;
+use capyctl_crds::api::{ConditionView, DeploymentView, InstanceView};
+use capyctl_crds::documents::DeploymentDoc;
 use http::{Method, Request, Response};
 use kube::Client;
 use kube::client::Body;
@@ -18,6 +22,8 @@ pub(crate) struct Exchange {
     pub method: Method,
     /// The path (without the query).
     pub path: String,
+    /// `path` is a prefix of the call's path (a name the client makes up).
+    pub prefix: bool,
     pub status: u16,
     pub body: serde_json::Value,
 }
@@ -27,8 +33,17 @@ impl Exchange {
         Self {
             method,
             path: path.to_string(),
+            prefix: false,
             status,
             body,
+        }
+    }
+
+    /// A 200 with `body` for a call whose path begins with `prefix`.
+    pub(crate) fn ok_under(method: Method, prefix: &str, body: serde_json::Value) -> Self {
+        Self {
+            prefix: true,
+            ..Self::ok(method, prefix, body)
         }
     }
 
@@ -62,10 +77,12 @@ pub(crate) fn status_body(code: u16, reason: &str, message: &str) -> serde_json:
     })
 }
 
-/// A client whose calls go to the returned handle.
+/// A client whose calls go to the returned handle, through the operator's
+/// [`ApiCallLayer`](capyctl_node_agent::k8s::api::ApiCallLayer) as in production.
 pub(crate) fn client() -> (Client, Handle<Request<Body>, Response<Body>>) {
     let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
-    (Client::new(service, "capyctl"), handle)
+    let layer = capyctl_node_agent::k8s::api::ApiCallLayer::new(super::API_CALL_TIMEOUT, None);
+    (Client::new(layer.service(service), "capyctl"), handle)
 }
 
 /// Answers `script` in order; the task's result is every call seen. It panics (failing the
@@ -100,8 +117,13 @@ pub(crate) fn serve(
                     .map(str::to_string),
                 body,
             };
+            let path = if ex.prefix && call.path.starts_with(&ex.path) {
+                ex.path.as_str()
+            } else {
+                call.path.as_str()
+            };
             assert_eq!(
-                (&call.method, call.path.as_str()),
+                (&call.method, path),
                 (&ex.method, ex.path.as_str()),
                 "unexpected call {call:?}"
             );
@@ -115,4 +137,41 @@ pub(crate) fn serve(
         }
         seen
     })
+}
+
+/// A view of deployment `doc` at `revision`: stopped, instance 0 on `gpu-1`.
+pub(crate) fn view_of(doc: &DeploymentDoc, revision: u64) -> DeploymentView {
+    DeploymentView {
+        id: format!("01K{}", doc.name.to_uppercase()),
+        name: doc.name.clone(),
+        state: InstanceState::Stopped,
+        ready: "0/1".into(),
+        revision,
+        hosts: vec!["gpu-1".into()],
+        activation: Activation::OnDemand,
+        warm: false,
+        operator_stopped: false,
+        engine: doc.engine,
+        model: doc.model.clone(),
+        residency: doc.residency,
+        measurement: None,
+        instances: vec![InstanceView {
+            instance_id: format!("01K{}-0", doc.name.to_uppercase()),
+            index: 0,
+            host_id: "gpu-1".into(),
+            generation: 0,
+            state: InstanceState::Stopped,
+            parked_tier: None,
+            port: None,
+            pid: None,
+            last_error: None,
+        }],
+        conditions: vec![ConditionView {
+            kind: "Ready".into(),
+            status: "False".into(),
+            reason: "not_running".into(),
+            message: "the instance is stopped".into(),
+        }],
+        spec: doc.clone(),
+    }
 }

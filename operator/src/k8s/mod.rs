@@ -7,7 +7,9 @@
 //!   the lifecycle and the router while a standby waits;
 //! - [`reconcile`]: `Deployment` CRs into the lifecycle through
 //!   [`ManagementApi`](crate::api::ManagementApi), the finalizer [`FINALIZER`], status write-back
-//!   and Kubernetes Events for parks, wakes and failures;
+//!   and Kubernetes Events for parks, wakes, switches, refusals and failures;
+//! - [`events`]: the feed of happenings those Events are told from, and the observers of the
+//!   router's lifecycle and of the management API that fill it;
 //! - [`pods`]: the engine Pod of an instance (image, DESIGN.md 4.2 arguments, GPU access,
 //!   model cache), owned by its CR;
 //! - [`engines`]: [`engines::PodHostAgent`], the node agent's client plus the engine Pods the
@@ -17,11 +19,16 @@
 //!   leading the lifecycle, router and reconciler.
 //!
 //! Everything here needs only what the chart's RBAC grants the operator
-//! (`charts/capyctl/templates/rbac.yaml`): get/list/watch/patch on `deployments`, patch on
-//! `deployments/status`, get/create/update on its Lease, create on `events.k8s.io` events and,
-//! for engine Pods, create/delete/get/list/watch (patch for the leader label).
+//! (`charts/capyctl/templates/rbac.yaml`, checked against a real API server by
+//! `operator/tests/k8s_rbac.rs`): get/list/watch/patch on `deployments`, patch on
+//! `deployments/status`, update on `deployments/finalizers` (engine Pods' owner references),
+//! list/create/delete/patch on `pods` (engine Pods and their annotations, the node agents'
+//! Pods, the leader label), create/patch on `events.k8s.io` events, create and get/update of
+//! its Lease, and get/list/watch on the cluster-scoped `hosts`. Every call is bounded
+//! ([`API_CALL_TIMEOUT`]) and observed ([`api_client`]).
 
 pub mod engines;
+pub mod events;
 pub mod leader;
 #[cfg(test)]
 mod mock;
@@ -40,6 +47,25 @@ pub const FINALIZER: &str = "capyctl.io/finalizer";
 
 /// The controller name in Events (`reportingController`).
 pub const CONTROLLER_NAME: &str = "capyctl.io/operator";
+
+/// The bound on one call to the API server (to its response's head); Lease calls are bounded
+/// by the renew deadline besides.
+pub const API_CALL_TIMEOUT: std::time::Duration = capyctl_node_agent::k8s::api::API_CALL_TIMEOUT;
+
+/// The operator's client of the API server of `config`: every call bounded by
+/// [`API_CALL_TIMEOUT`] and observed into `metrics` (`capyctl_kube_api_request_seconds`).
+pub fn api_client(
+    config: kube::Config,
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
+) -> Result<kube::Client, kube::Error> {
+    capyctl_node_agent::k8s::api::client(config, API_CALL_TIMEOUT, Some(metrics))
+}
+
+impl capyctl_node_agent::k8s::api::ApiCallObserver for crate::metrics::Metrics {
+    fn observe(&self, call: &capyctl_node_agent::k8s::api::ApiCall) {
+        self.kube_api_call(call.verb, &call.resource, call.outcome, call.took);
+    }
+}
 
 /// Waits until `rx` holds `want` (or its sender is gone). Keeps `watch`'s read guard out of
 /// the callers' futures, so they stay `Send`.

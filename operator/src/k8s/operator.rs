@@ -4,15 +4,18 @@
 //!
 //! - always: the Lease election ([`super::leader`]) and the management listener, which answers
 //!   `/healthz` and `/readyz` on every replica and the management API on the leader (a standby
-//!   answers it 500 `internal`, "this replica is the standby"); with the leader label
-//!   (`CAPYCTL_LEADER_LABEL`) a standby is ready too, since the Services select the leader by
-//!   its label; without it only the leader is ready;
+//!   answers it 500 `internal`, "this replica is the standby"). With the leader label
+//!   (`CAPYCTL_LEADER_LABEL`, which the Services select the leader by) a replica first removes
+//!   the label from its own Pod (a leader killed in the same Pod leaves it), and only then is a
+//!   standby ready and takes part in the election; without the label only the leader is
+//!   ready (see [`SwitchableApi`]);
 //! - while leading ([`lead`]): the node agent (found by `--node-agent`, else as the one Running
 //!   node agent Pod of the namespace; with its `pod` engine runtime wrapped in
 //!   [`PodHostAgent`], which creates and deletes the engine Pods), the lifecycle (its records rebuilt from the CRs,
 //!   [`super::store::CrStore`]; the agent's recovery adopts the engines the previous leader
-//!   left), the router and the inference listener, the reconciler and its status sync, and the
-//!   leader label on the replica's own Pod.
+//!   left), the router and the inference listener, the reconciler, its status sync and its
+//!   Events (the router's lifecycle and the management API observed: [`super::events`]), and
+//!   the leader label on the replica's own Pod.
 //!
 //! A leader that loses the Lease stops everything it started and [`run`] returns
 //! [`OperatorError::LostLeadership`]: crash-only, the process exits and comes back as a standby
@@ -20,6 +23,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -31,23 +35,26 @@ use capyctl_crds::api::{
 use capyctl_crds::documents::DeploymentDoc;
 use capyctl_crds::errors::ApiError;
 use capyctl_crds::k8s::{Deployment, Host};
-use capyctl_crds::settings::{Mode, QueueSettings, ServerConfig};
+use capyctl_crds::settings::{HostConfig, Mode, QueueSettings, ServerConfig};
 use capyctl_node_agent::HostAgent;
 use capyctl_node_agent::remote::{RemoteConfig, RemoteHostAgent};
 use capyctl_node_agent::spec::HostSettings;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::Coordinator;
 use capyctl_router::proxy::{self, Proxy, ProxyConfig};
+use futures_util::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::ListParams;
+use kube::runtime::WatchStreamExt;
 use kube::{Api, Client};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::engines::PodHostAgent;
-use super::leader::{LeaderElector, LeaseConfig, set_leader_label};
+use super::events::{EventFeed, FEED_CAPACITY, ObservedApi, ObservedLifecycle, Views};
+use super::leader::{LeaderElector, LeaseConfig, clear_leader_label, set_leader_label};
 use super::pods::EnginePodSettings;
 use super::reconcile::{Reconciler, ReconcilerConfig};
 use super::store::CrStore;
@@ -55,6 +62,9 @@ use crate::api::{BoxFuture, ManagementApi};
 use crate::lifecycle::{LifecycleConfig, Server};
 use crate::management::ManagementOptions;
 use crate::metrics::Metrics;
+
+/// Between two tries to remove a stale leader label from the replica's own Pod.
+pub const LABEL_RETRY: Duration = Duration::from_secs(2);
 
 /// The label selector of the node agent Pods (the chart's `component: node-agent`).
 pub const NODE_AGENT_SELECTOR: &str = "app.kubernetes.io/component=node-agent";
@@ -83,6 +93,83 @@ pub struct OperatorOptions {
     /// How engine Pods are built (`CAPYCTL_ENGINE_PODS_FILE`), for a node agent with the
     /// `pod` engine runtime.
     pub engine_pods: EnginePodSettings,
+    /// The server's metrics (the management listener's `/metrics`); the Kubernetes client's
+    /// calls are observed into them too (see [`super::api_client`]).
+    pub metrics: Arc<Metrics>,
+    /// The host document the chart renders for the node agents (`CAPYCTL_HOST_FILE`): the
+    /// engines' commands and environment of engine Pods, and the resource policy and
+    /// activation until the node's `Host` object says them (see [`HostPolicy`]).
+    pub host: Option<HostConfig>,
+}
+
+/// What the router and the lifecycle take from the host: its queue settings and activation.
+///
+/// They come from the node's `Host` object (what its node agent applies, its own overrides
+/// included); before the agent has published it, from the host document the chart renders for
+/// the agents (`CAPYCTL_HOST_FILE`); without either, from the defaults. While it leads, the
+/// operator watches the `Host` object: when it says another policy (a `helm upgrade` of
+/// `host.resource_policy.queue.*` or `host.lifecycle.activation` rolls the node agents, which
+/// publish the new one), the leader steps down ([`OperatorError::HostPolicyChanged`]) and the
+/// next leader runs the router with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostPolicy {
+    /// `resource_policy.queue.*`.
+    pub queue: QueueSettings,
+    /// `lifecycle.activation`.
+    pub activation: Activation,
+}
+
+impl HostPolicy {
+    /// The policy a published `Host` says.
+    pub fn of_host(host: &Host) -> Self {
+        Self {
+            queue: QueueSettings::from(&host.spec.resource_policy.queue),
+            activation: host.spec.lifecycle.activation,
+        }
+    }
+
+    /// The policy that applies (see the type's doc).
+    pub fn of(published: Option<&Host>, document: Option<&HostConfig>) -> Self {
+        match (published, document) {
+            (Some(h), _) => Self::of_host(h),
+            (None, Some(d)) => Self {
+                queue: d.queue,
+                activation: d.activation,
+            },
+            (None, None) => Self {
+                queue: QueueSettings::defaults(Mode::ServerAndHosts),
+                activation: Activation::OnDemand,
+            },
+        }
+    }
+}
+
+/// Watches the `Host` named `host_id` until it says a policy other than `running`, and answers
+/// that one. A missing or deleted `Host` changes nothing (its agent publishes it again).
+pub async fn host_policy_change(api: Api<Host>, host_id: &str, running: HostPolicy) -> HostPolicy {
+    let config =
+        kube::runtime::watcher::Config::default().fields(&format!("metadata.name={host_id}"));
+    let mut events = kube::runtime::watcher(api, config)
+        .default_backoff()
+        .boxed();
+    while let Some(event) = events.next().await {
+        let host = match event {
+            Ok(
+                kube::runtime::watcher::Event::Apply(h)
+                | kube::runtime::watcher::Event::InitApply(h),
+            ) => h,
+            Ok(_) => continue,
+            Err(e) => {
+                tracing::warn!(host = %host_id, error = %e, "watching the Host object failed; retrying");
+                continue;
+            }
+        };
+        let policy = HostPolicy::of_host(&host);
+        if policy != running {
+            return policy;
+        }
+    }
+    std::future::pending().await
 }
 
 /// Why the operator stopped.
@@ -116,6 +203,15 @@ pub enum OperatorError {
     /// Another replica took the Lease: this one stopped what it ran and exits.
     #[error("lost the leadership (the Lease is another replica's or could not be renewed)")]
     LostLeadership,
+    /// The node's `Host` object says another resource policy or activation than the router
+    /// runs with: the leader stepped down so that the next one runs with it.
+    #[error(
+        "the Host object of {host} changed its resource policy or activation; stepping down so that the next leader runs with it"
+    )]
+    HostPolicyChanged {
+        /// The host.
+        host: String,
+    },
 }
 
 impl OperatorError {
@@ -128,6 +224,7 @@ impl OperatorError {
             OperatorError::Kube(_) => "kube",
             OperatorError::SeveralNodeAgents(_) => "several_node_agents",
             OperatorError::LostLeadership => "lost_leadership",
+            OperatorError::HostPolicyChanged { .. } => "host_policy_changed",
         }
     }
 }
@@ -163,16 +260,22 @@ fn standby_error() -> ApiError {
 }
 
 /// The management API of a replica: the lifecycle's while it leads, a standby's otherwise.
+///
+/// Readiness (`/readyz`, which decides the Services' endpoints) follows the leadership: the
+/// leader is ready once its lifecycle is; a standby only when it may be ready at all (the
+/// Services select the leader by its label) AND its own Pod is known to carry no leader label
+/// ([`SwitchableApi::set_standby_ready`]), so that a Pod with a stale label never receives the
+/// Services' traffic.
 pub struct SwitchableApi {
     leader: RwLock<Option<Arc<dyn ManagementApi>>>,
-    standby_ready: bool,
+    standby_ready: AtomicBool,
 }
 
 impl std::fmt::Debug for SwitchableApi {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SwitchableApi")
             .field("leading", &self.current().is_some())
-            .field("standby_ready", &self.standby_ready)
+            .field("standby_ready", &self.standby_ready.load(Ordering::SeqCst))
             .finish()
     }
 }
@@ -182,8 +285,13 @@ impl SwitchableApi {
     pub fn new(standby_ready: bool) -> Self {
         Self {
             leader: RwLock::new(None),
-            standby_ready,
+            standby_ready: AtomicBool::new(standby_ready),
         }
+    }
+
+    /// What `/readyz` says while standing by.
+    pub fn set_standby_ready(&self, ready: bool) {
+        self.standby_ready.store(ready, Ordering::SeqCst);
     }
 
     /// Serves `api` (leading), or the standby's answers (`None`).
@@ -301,7 +409,7 @@ impl ManagementApi for SwitchableApi {
     fn ready(&self) -> bool {
         match self.current() {
             Some(a) => a.ready(),
-            None => self.standby_ready,
+            None => self.standby_ready.load(Ordering::SeqCst),
         }
     }
 }
@@ -394,23 +502,22 @@ pub async fn lead(
     } else {
         info.node_name.clone()
     };
-    // The host's resource policy, as its node agent published it (defaults until then).
+    // The host's resource policy: see `HostPolicy`.
     let hosts: Api<Host> = Api::all(client.clone());
-    let host = match hosts.get_opt(&host_id).await {
+    let published = match hosts.get_opt(&host_id).await {
         Ok(h) => h,
         Err(e) => {
-            tracing::warn!(host = %host_id, error = %e, "the Host object could not be read; using the default resource policy");
+            tracing::warn!(host = %host_id, error = %e, "the Host object could not be read; the host document's (or the default) resource policy applies");
             None
         }
     };
-    let queue = host
+    let policy = HostPolicy::of(published.as_ref(), options.host.as_ref());
+    let HostPolicy { queue, activation } = policy;
+    let host_settings = options
+        .host
         .as_ref()
-        .map(|h| QueueSettings::from(&h.spec.resource_policy.queue))
-        .unwrap_or_else(|| QueueSettings::defaults(Mode::ServerAndHosts));
-    let activation = host
-        .as_ref()
-        .map(|h| h.spec.lifecycle.activation)
-        .unwrap_or(Activation::OnDemand);
+        .map(HostSettings::from)
+        .unwrap_or_default();
 
     // The lifecycle, its records rebuilt from the CRs.
     let crs: Api<Deployment> = Api::namespaced(client.clone(), ns);
@@ -420,10 +527,10 @@ pub async fn lead(
     let dyn_agent: Arc<dyn HostAgent> = if info.engine_runtime == "pod" {
         Arc::new(PodHostAgent::new(
             agent.clone(),
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client.clone(), ns),
+            client.clone(),
+            ns,
             options.engine_pods.clone(),
-            HostSettings::default(),
+            host_settings.clone(),
             host_id.clone(),
         ))
     } else {
@@ -436,7 +543,7 @@ pub async fn lead(
             host_id: host_id.clone(),
             host_activation: activation,
             lifecycle_defaults: options.server.lifecycle_defaults,
-            host_settings: HostSettings::default(),
+            host_settings,
             waiting_limit: queue.max_pending_per_deployment,
             timer_tick: Duration::from_secs(1),
             metrics: metrics.clone(),
@@ -444,9 +551,19 @@ pub async fn lead(
     )
     .await?;
 
+    // What happens, for the Events (`super::events`): the router's lifecycle and the
+    // management API observed.
+    let (feed, happenings) = EventFeed::channel(FEED_CAPACITY);
+    let views: Arc<dyn Views> = server.clone();
+
     // The router and the inference listener.
     let inference = bind("server.listen.inference", options.server.listen.inference).await?;
-    let router = Coordinator::spawn(server.clone(), router_config(&options.server, &queue));
+    let observed = Arc::new(ObservedLifecycle::new(
+        server.clone(),
+        views.clone(),
+        feed.clone(),
+    ));
+    let router = Coordinator::spawn(observed, router_config(&options.server, &queue));
     server.attach_router(router.clone()).await;
     let catalog = {
         let s = Arc::downgrade(&server);
@@ -471,7 +588,11 @@ pub async fn lead(
             }
         }));
     }
-    api.set(Some(server.clone()));
+    api.set(Some(Arc::new(ObservedApi::new(
+        server.clone(),
+        views.clone(),
+        feed.clone(),
+    ))));
 
     // The reconciler.
     let pod_name = options.lease.identity.clone();
@@ -483,10 +604,16 @@ pub async fn lead(
             Some(dyn_agent),
             options.reconciler.clone(),
         )
-        .with_store(store),
+        .with_store(store)
+        .with_events(feed, views),
     );
     tasks.push(tokio::spawn(
         reconciler.clone().run_controller(stop_tasks.subscribe()),
+    ));
+    tasks.push(tokio::spawn(
+        reconciler
+            .clone()
+            .run_events(happenings, stop_tasks.subscribe()),
     ));
     tasks.push(tokio::spawn(
         reconciler.run_status_sync(stop_tasks.subscribe()),
@@ -499,23 +626,33 @@ pub async fn lead(
     }
     tracing::info!(host = %host_id, node_agent = %url, "leading: lifecycle, router and reconciler running");
 
-    let lost = lost_or_stopped(&mut leading, &mut stop).await;
+    let policy_change = host_policy_change(hosts, &host_id, policy);
+    let outcome = tokio::select! {
+        lost = lost_or_stopped(&mut leading, &mut stop) => {
+            if lost { Err(OperatorError::LostLeadership) } else { Ok(()) }
+        }
+        changed = policy_change => {
+            tracing::warn!(host = %host_id, running = ?policy, published = ?changed, "the host's resource policy or activation changed; stepping down");
+            Err(OperatorError::HostPolicyChanged { host: host_id.clone() })
+        }
+    };
+    // Not ready from now until the label is gone: the Services must not pick this Pod.
+    api.set_standby_ready(false);
     api.set(None);
     stop_tasks.send_replace(true);
     for t in tasks {
         let _ = t.await;
     }
     server.close();
-    if let Some(label) = &options.leader_label
-        && let Err(e) = set_leader_label(&pods, &pod_name, label, false).await
-    {
-        tracing::warn!(pod = %pod_name, error = %e, "the leader label could not be removed");
+    if let Some(label) = &options.leader_label {
+        match set_leader_label(&pods, &pod_name, label, false).await {
+            Ok(()) => api.set_standby_ready(true),
+            Err(e) => {
+                tracing::warn!(pod = %pod_name, error = %e, "the leader label could not be removed")
+            }
+        }
     }
-    if lost {
-        Err(OperatorError::LostLeadership)
-    } else {
-        Ok(())
-    }
+    outcome
 }
 
 /// Runs the operator until `shutdown` (see the module doc).
@@ -524,8 +661,10 @@ pub async fn run(
     options: OperatorOptions,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), OperatorError> {
-    let metrics = Arc::new(Metrics::new());
-    let api = Arc::new(SwitchableApi::new(options.leader_label.is_some()));
+    let metrics = options.metrics.clone();
+    // A standby is ready only once its own Pod is known to carry no leader label (a leader
+    // killed in this Pod may have left it): see `SwitchableApi`.
+    let api = Arc::new(SwitchableApi::new(false));
     // `stop`: the shutdown signal (the leader's work stops on it); `finish`: sent once that
     // work has stopped, it ends the election (a leader releases the Lease only then, so a
     // standby never takes over while this replica still serves) and the management listener.
@@ -550,12 +689,6 @@ pub async fn run(
         })
     };
 
-    let (leading_tx, mut leading) = watch::channel(false);
-    let elector = LeaderElector::new(
-        Api::<Lease>::namespaced(client.clone(), &options.namespace),
-        options.lease.clone(),
-    );
-    let election = tokio::spawn(elector.run(leading_tx, finish.subscribe()));
     {
         let stop = stop.clone();
         tokio::spawn(async move {
@@ -563,6 +696,23 @@ pub async fn run(
             stop.send_replace(true);
         });
     }
+    // A leader killed in this Pod may have left its label: remove it before this replica
+    // takes part in the election (so that its own leadership's label is never removed), and
+    // only then say ready.
+    if let Some(label) = &options.leader_label {
+        let pods: Api<Pod> = Api::namespaced(client.clone(), &options.namespace);
+        let pod = &options.lease.identity;
+        if clear_leader_label(&pods, pod, label, LABEL_RETRY, stop.subscribe()).await {
+            api.set_standby_ready(true);
+        }
+    }
+
+    let (leading_tx, mut leading) = watch::channel(false);
+    let elector = LeaderElector::new(
+        Api::<Lease>::namespaced(client.clone(), &options.namespace),
+        options.lease.clone(),
+    );
+    let election = tokio::spawn(elector.run(leading_tx, finish.subscribe()));
 
     let mut stopping = stop.subscribe();
     let became_leader = tokio::select! {
@@ -607,6 +757,74 @@ mod tests {
         assert!(err.message().contains("standby"), "{}", err.message());
         assert!(api.list().await.deployments.is_empty());
         assert!(!SwitchableApi::new(false).ready());
+    }
+
+    /// A lifecycle stand-in whose readiness is fixed (only `ready` is asked).
+    struct Ready(bool);
+
+    impl ManagementApi for Ready {
+        fn list(&self) -> BoxFuture<'_, DeploymentList> {
+            unimplemented!()
+        }
+        fn deploy(&self, _: DeploymentDoc) -> BoxFuture<'_, Result<DeployReceipt, ApiError>> {
+            unimplemented!()
+        }
+        fn get<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<DeploymentView, ApiError>> {
+            unimplemented!()
+        }
+        fn delete<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<DeploymentView, ApiError>> {
+            unimplemented!()
+        }
+        fn start<'a>(
+            &'a self,
+            _: &'a str,
+            _: StartRequest,
+        ) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+            unimplemented!()
+        }
+        fn stop<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+            unimplemented!()
+        }
+        fn park<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+            unimplemented!()
+        }
+        fn preinitialize<'a>(
+            &'a self,
+            _: &'a str,
+        ) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+            unimplemented!()
+        }
+        fn engines(&self) -> BoxFuture<'_, EngineList> {
+            unimplemented!()
+        }
+        fn hosts(&self) -> BoxFuture<'_, HostList> {
+            unimplemented!()
+        }
+        fn load<'a>(&'a self, _: Option<&'a str>) -> BoxFuture<'a, Result<LoadReport, ApiError>> {
+            unimplemented!()
+        }
+        fn ready(&self) -> bool {
+            self.0
+        }
+    }
+
+    #[test]
+    fn readiness_follows_the_leadership_and_the_label() {
+        // A replica starts not ready: its Pod may carry a stale leader label.
+        let api = SwitchableApi::new(false);
+        assert!(!api.ready());
+        // The label is gone: a standby may be ready (the Services do not select it).
+        api.set_standby_ready(true);
+        assert!(api.ready());
+        // Leading: ready as its lifecycle is.
+        api.set(Some(Arc::new(Ready(false))));
+        assert!(!api.ready());
+        api.set(Some(Arc::new(Ready(true))));
+        assert!(api.ready());
+        // Stepping down: not ready until the label is removed again.
+        api.set_standby_ready(false);
+        api.set(None);
+        assert!(!api.ready());
     }
 
     #[tokio::test]
@@ -656,6 +874,62 @@ mod tests {
             "{}",
             seen[0].query
         );
+    }
+
+    fn host_json(window: &str, activation: &str) -> serde_json::Value {
+        let mut queue = serde_json::to_value(capyctl_crds::k8s::QueueSpec::default()).unwrap();
+        queue["admissionWindow"] = window.into();
+        serde_json::json!({"apiVersion": "capyctl.io/v1alpha1", "kind": "Host",
+            "metadata": {"name": "gpu-1", "resourceVersion": "5"},
+            "spec": {"resourcePolicy": {"queue": queue}, "lifecycle": {"activation": activation}}})
+    }
+
+    #[test]
+    fn the_published_host_wins_then_the_host_document_then_the_defaults() {
+        let published: Host = serde_json::from_value(host_json("500ms", "explicit")).unwrap();
+        let mut document = HostConfig::defaults(Mode::ServerAndHosts);
+        document.queue.admission_window = Duration::from_secs(5);
+        let p = HostPolicy::of(Some(&published), Some(&document));
+        assert_eq!(p.queue.admission_window, Duration::from_millis(500));
+        assert_eq!(p.activation, Activation::Explicit);
+        let p = HostPolicy::of(None, Some(&document));
+        assert_eq!(p.queue.admission_window, Duration::from_secs(5));
+        assert_eq!(p.activation, Activation::OnDemand);
+        let p = HostPolicy::of(None, None);
+        assert_eq!(p.queue, QueueSettings::defaults(Mode::ServerAndHosts));
+    }
+
+    #[tokio::test]
+    async fn a_changed_host_policy_is_seen_by_the_leaders_watch() {
+        let (client, handle) = mock::client();
+        let path = "/apis/capyctl.io/v1alpha1/hosts";
+        let list = serde_json::json!({"apiVersion": "capyctl.io/v1alpha1", "kind": "HostList",
+            "metadata": {"resourceVersion": "5"}, "items": [host_json("2s", "on_demand")]});
+        let server = mock::serve(
+            handle,
+            vec![
+                Exchange::ok(Method::GET, path, list),
+                // The agents rolled with a new host document: the Host says it.
+                Exchange::ok(
+                    Method::GET,
+                    path,
+                    serde_json::json!({"type": "MODIFIED", "object": host_json("750ms", "on_demand")}),
+                ),
+            ],
+        );
+        let running = HostPolicy::of(None, None);
+        let hosts: Api<Host> = Api::all(client);
+        let changed = host_policy_change(hosts, "gpu-1", running).await;
+        assert_eq!(changed.queue.admission_window, Duration::from_millis(750));
+        let seen = server.await.unwrap();
+        assert!(
+            seen[0]
+                .query
+                .contains("fieldSelector=metadata.name%3Dgpu-1"),
+            "{}",
+            seen[0].query
+        );
+        assert!(seen[1].query.contains("watch=true"), "{}", seen[1].query);
     }
 
     #[test]

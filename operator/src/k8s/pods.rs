@@ -8,11 +8,21 @@
 //!   chart's NetworkPolicy lets only them in); the port is [`EnginePodSettings::engine_port`];
 //! - the image is the engine kind's of the settings (`engine-pods.yaml`, rendered by the chart
 //!   from `enginePods`, `gpu` and `modelCache`, read from `CAPYCTL_ENGINE_PODS_FILE`);
+//! - the engine's command and environment come from the host document's
+//!   `host.engines.<kind>` (`command`, `env`), which the chart renders for the node agents and
+//!   the operator alike (`CAPYCTL_HOST_FILE`), then the deployment's `env`;
 //! - GPU access, [`GpuSharing::RuntimeClass`] by default: the NVIDIA runtime class with
-//!   `NVIDIA_VISIBLE_DEVICES` set by CapyCTL to the instance's GPUs (CapyCTL is then the GPU
-//!   memory accountant of the node, and a parked and a running engine share a GPU);
-//!   [`GpuSharing::DevicePlugin`] requests `nvidia.com/gpu` instead (a parked engine keeps its
-//!   GPU allocated);
+//!   `NVIDIA_VISIBLE_DEVICES` set by CapyCTL to the node's GPUs as its `Host` object lists them
+//!   (their UUIDs; their indices when a GPU has none; `all` while the node has published
+//!   none, or with [`VisibleDevices::All`]). CapyCTL is then the GPU memory accountant of the
+//!   node, and a parked and a running engine share a GPU. [`GpuSharing::DevicePlugin`]
+//!   requests `nvidia.com/gpu` instead (a parked engine keeps its GPU allocated);
+//! - CPU and memory requests and limits ([`EngineResources`], the chart's
+//!   `enginePods.resources`), so that no engine Pod is BestEffort (the first evicted under
+//!   memory pressure); an engine launched to park in host RAM asks besides for the host-RAM
+//!   copy of its weights when their size is known ([`EnginePod::host_ram_copy`]);
+//! - annotations that let a node agent that lost its records rebuild them
+//!   ([`capyctl_node_agent::k8s::pods::ANNOTATION_SPEC`] and the others);
 //! - the model cache (a hostPath, `HF_HOME` pointing at it unless the deployment sets it) and a
 //!   memory-backed `/dev/shm`;
 //! - `restartPolicy: Never`: the lifecycle decides restarts (an exited engine is `failed`; the
@@ -23,6 +33,7 @@ use std::path::Path;
 
 use capyctl_crds::EngineKind;
 use capyctl_crds::k8s::Deployment;
+use capyctl_node_agent::k8s::pods::{ANNOTATION_LAUNCH_PARKING, ANNOTATION_SPEC};
 use capyctl_node_agent::launch::launch_command;
 use capyctl_node_agent::spec::{EngineLaunch, InstanceSpec};
 use capyctl_node_agent::tier::LaunchParking;
@@ -57,6 +68,82 @@ pub enum GpuSharing {
     RuntimeClass,
     /// `nvidia.com/gpu` from the device plugin.
     DevicePlugin,
+}
+
+/// Which GPUs `NVIDIA_VISIBLE_DEVICES` names with [`GpuSharing::RuntimeClass`]
+/// (`gpu.visibleDevices` of the chart).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum VisibleDevices {
+    /// The node's GPUs as its `Host` object lists them (the default).
+    #[default]
+    Host,
+    /// `all`: every GPU the runtime sees.
+    All,
+}
+
+/// CPU and memory of an engine Pod's container (`enginePods.resources` of the chart).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct EngineResources {
+    /// Requests (`cpu`, `memory`, ...), Kubernetes quantities.
+    #[serde(default)]
+    pub requests: BTreeMap<String, String>,
+    /// Limits (`cpu`, `memory`, ...), Kubernetes quantities; none by default.
+    #[serde(default)]
+    pub limits: BTreeMap<String, String>,
+    /// Add the host-RAM copy of the weights to the memory request of an engine launched to
+    /// park in host RAM, when the weights' size is known. Default true.
+    #[serde(default = "default_true")]
+    pub host_ram_copy_in_request: bool,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+impl Default for EngineResources {
+    /// The chart's defaults: 1 CPU and 4 GiB requested, no limits.
+    fn default() -> Self {
+        Self {
+            requests: BTreeMap::from([
+                ("cpu".to_string(), "1".to_string()),
+                ("memory".to_string(), "4Gi".to_string()),
+            ]),
+            limits: BTreeMap::new(),
+            host_ram_copy_in_request: true,
+        }
+    }
+}
+
+/// The bytes of a Kubernetes memory quantity (`4Gi`, `512M`, `1e9`, `1073741824`); `None` for
+/// one it does not read (fractions of a byte, `m`).
+pub fn quantity_bytes(q: &str) -> Option<u64> {
+    let q = q.trim();
+    let split = q
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(q.len());
+    let (number, suffix) = q.split_at(split);
+    let factor: f64 = match suffix {
+        "" => 1.0,
+        "Ki" => 1024.0,
+        "Mi" => 1024.0_f64.powi(2),
+        "Gi" => 1024.0_f64.powi(3),
+        "Ti" => 1024.0_f64.powi(4),
+        "Pi" => 1024.0_f64.powi(5),
+        "Ei" => 1024.0_f64.powi(6),
+        "k" => 1e3,
+        "M" => 1e6,
+        "G" => 1e9,
+        "T" => 1e12,
+        "P" => 1e15,
+        "E" => 1e18,
+        s if s.starts_with(['e', 'E']) => 10f64.powi(s[1..].parse::<i32>().ok()?),
+        _ => return None,
+    };
+    let n: f64 = number.parse().ok()?;
+    let bytes = (n * factor).ceil();
+    (bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64).then_some(bytes as u64)
 }
 
 /// An engine kind's image.
@@ -136,6 +223,12 @@ pub struct EnginePodSettings {
     /// The port the engine listens on inside its Pod. Default 8000.
     #[serde(default = "default_port")]
     pub engine_port: u16,
+    /// Which GPUs `NVIDIA_VISIBLE_DEVICES` names.
+    #[serde(default)]
+    pub visible_devices: VisibleDevices,
+    /// CPU and memory of the engine container.
+    #[serde(default)]
+    pub resources: EngineResources,
 }
 
 impl Default for EnginePodSettings {
@@ -170,6 +263,8 @@ impl Default for EnginePodSettings {
             tolerations: Vec::new(),
             image_pull_secrets: Vec::new(),
             engine_port: default_port(),
+            visible_devices: VisibleDevices::Host,
+            resources: EngineResources::default(),
         }
     }
 }
@@ -209,10 +304,37 @@ impl EnginePodSettings {
     /// Parses `engine-pods.yaml`; errors name the file and the key.
     pub fn from_yaml(file: &str, text: &str) -> Result<Self, PodError> {
         let de = serde_yaml_ng::Deserializer::from_str(text);
-        serde_path_to_error::deserialize(de).map_err(|e| PodError::Settings {
-            file: file.to_string(),
-            detail: e.to_string(),
-        })
+        let settings: Self =
+            serde_path_to_error::deserialize(de).map_err(|e| PodError::Settings {
+                file: file.to_string(),
+                detail: e.to_string(),
+            })?;
+        settings.check(file)?;
+        Ok(settings)
+    }
+
+    /// Checks what parsing cannot: every resource quantity is one Kubernetes takes, and
+    /// the memory ones are readable here.
+    pub fn check(&self, file: &str) -> Result<(), PodError> {
+        let r = &self.resources;
+        for (kind, map) in [("requests", &r.requests), ("limits", &r.limits)] {
+            for (name, q) in map {
+                let ok = if name == "memory" {
+                    quantity_bytes(q).is_some()
+                } else {
+                    !q.trim().is_empty()
+                };
+                if !ok {
+                    return Err(PodError::Settings {
+                        file: file.to_string(),
+                        detail: format!(
+                            "resources.{kind}.{name}: `{q}` is not a quantity such as 4Gi"
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Reads `engine-pods.yaml`.
@@ -247,6 +369,67 @@ pub struct EnginePod<'a> {
     /// The GPUs the instance may use (UUIDs or indices) for `NVIDIA_VISIBLE_DEVICES`; empty =
     /// every GPU of the node.
     pub gpus: &'a [String],
+    /// Bytes of the weights' host-RAM copy, when the engine is launched to park in host RAM and
+    /// their size is known: added to the memory request.
+    pub host_ram_copy: Option<u64>,
+}
+
+/// The GPUs of a node for `NVIDIA_VISIBLE_DEVICES`, from its `Host` object: every UUID when
+/// each GPU has one, else the indices; empty (= `all`) without a `Host` or GPUs.
+pub fn visible_gpus(host: Option<&capyctl_crds::k8s::Host>) -> Vec<String> {
+    let gpus = host.map(|h| h.spec.gpus.as_slice()).unwrap_or_default();
+    let uuids: Option<Vec<String>> = gpus.iter().map(|g| g.uuid.clone()).collect();
+    match uuids {
+        Some(u) if !u.is_empty() => u,
+        _ => (0..gpus.len()).map(|i| i.to_string()).collect(),
+    }
+}
+
+/// The container's resources: the settings' requests and limits, the memory request grown by
+/// the host-RAM copy, a memory limit never below the request, and `nvidia.com/gpu` with
+/// [`GpuSharing::DevicePlugin`].
+fn container_resources(
+    input: &EnginePod<'_>,
+    settings: &EnginePodSettings,
+) -> ResourceRequirements {
+    let r = &settings.resources;
+    let mut requests: BTreeMap<String, Quantity> = r
+        .requests
+        .iter()
+        .map(|(k, v)| (k.clone(), Quantity(v.clone())))
+        .collect();
+    let mut limits: BTreeMap<String, Quantity> = r
+        .limits
+        .iter()
+        .map(|(k, v)| (k.clone(), Quantity(v.clone())))
+        .collect();
+    if let (true, Some(copy)) = (r.host_ram_copy_in_request, input.host_ram_copy) {
+        let base = r
+            .requests
+            .get("memory")
+            .and_then(|q| quantity_bytes(q))
+            .unwrap_or(0);
+        requests.insert(
+            "memory".to_string(),
+            Quantity(base.saturating_add(copy).to_string()),
+        );
+    }
+    let request = requests.get("memory").and_then(|q| quantity_bytes(&q.0));
+    let limit = limits.get("memory").and_then(|q| quantity_bytes(&q.0));
+    if let (Some(req), Some(lim)) = (request, limit)
+        && lim < req
+    {
+        limits.insert("memory".to_string(), Quantity(req.to_string()));
+    }
+    if settings.gpu_sharing == GpuSharing::DevicePlugin {
+        let count = input.gpus.len().max(1).to_string();
+        limits.insert(NVIDIA_GPU.to_string(), Quantity(count));
+    }
+    ResourceRequirements {
+        requests: (!requests.is_empty()).then_some(requests),
+        limits: (!limits.is_empty()).then_some(limits),
+        ..ResourceRequirements::default()
+    }
 }
 
 /// The Pod's name: `<cr name>-<instance index>-g<generation>` (a new generation never waits
@@ -291,15 +474,15 @@ pub fn engine_pod(input: &EnginePod<'_>, settings: &EnginePodSettings) -> Result
         env.entry("HF_HOME".to_string())
             .or_insert_with(|| cache.mount_path.clone());
     }
-    let mut resources = None;
     let mut runtime_class_name = None;
     match settings.gpu_sharing {
         GpuSharing::RuntimeClass => {
-            let devices = if input.gpus.is_empty() {
-                "all".to_string()
-            } else {
-                input.gpus.join(",")
-            };
+            let devices =
+                if input.gpus.is_empty() || settings.visible_devices == VisibleDevices::All {
+                    "all".to_string()
+                } else {
+                    input.gpus.join(",")
+                };
             // CapyCTL's own: the GPUs it accounts for, whatever the deployment's env says.
             env.insert("NVIDIA_VISIBLE_DEVICES".to_string(), devices);
             env.entry("NVIDIA_DRIVER_CAPABILITIES".to_string())
@@ -308,14 +491,9 @@ pub fn engine_pod(input: &EnginePod<'_>, settings: &EnginePodSettings) -> Result
                 runtime_class_name = Some(settings.runtime_class_name.clone());
             }
         }
-        GpuSharing::DevicePlugin => {
-            let count = input.gpus.len().max(1).to_string();
-            resources = Some(ResourceRequirements {
-                limits: Some(BTreeMap::from([(NVIDIA_GPU.to_string(), Quantity(count))])),
-                ..ResourceRequirements::default()
-            });
-        }
+        GpuSharing::DevicePlugin => {}
     }
+    let resources = Some(container_resources(input, settings));
 
     let mut volumes = vec![Volume {
         name: "shm".to_string(),
@@ -354,11 +532,29 @@ pub fn engine_pod(input: &EnginePod<'_>, settings: &EnginePodSettings) -> Result
     labels.insert(LABEL_INSTANCE.to_string(), input.instance_id.to_string());
     labels.insert(LABEL_GENERATION.to_string(), input.generation.to_string());
 
+    let json = |what: &str, v: Result<String, serde_json::Error>| {
+        v.map_err(|e| PodError::Settings {
+            file: "the engine Pod".to_string(),
+            detail: format!("{what}: {e}"),
+        })
+    };
+    let annotations = BTreeMap::from([
+        (
+            ANNOTATION_SPEC.to_string(),
+            json("the instance spec", serde_json::to_string(input.spec))?,
+        ),
+        (
+            ANNOTATION_LAUNCH_PARKING.to_string(),
+            json("the launch parking", serde_json::to_string(&input.parking))?,
+        ),
+    ]);
+
     Ok(Pod {
         metadata: ObjectMeta {
             name: Some(pod_name(&cr_name, input.instance_id, input.generation)),
             namespace: owner.namespace(),
             labels: Some(labels),
+            annotations: Some(annotations),
             owner_references: Some(vec![owner_ref]),
             ..ObjectMeta::default()
         },
@@ -427,22 +623,36 @@ mod tests {
     }
 
     fn build(settings: &EnginePodSettings, gpus: &[String]) -> Pod {
+        build_with(
+            settings,
+            gpus,
+            &EngineLaunch::default_for(EngineKind::Vllm),
+            None,
+        )
+    }
+
+    fn build_with(
+        settings: &EnginePodSettings,
+        gpus: &[String],
+        engine: &EngineLaunch,
+        host_ram_copy: Option<u64>,
+    ) -> Pod {
         let o = owner();
         let s = spec(&o);
-        let engine = EngineLaunch::default_for(EngineKind::Vllm);
         engine_pod(
             &EnginePod {
                 owner: &o,
                 instance_id: "01KDEP-0",
                 generation: 3,
                 spec: &s,
-                engine: &engine,
+                engine,
                 parking: LaunchParking {
                     may_park: true,
                     host_ram: true,
                 },
                 node_name: "gpu-node-1",
                 gpus,
+                host_ram_copy,
             },
             settings,
         )
@@ -505,15 +715,129 @@ mod tests {
             ]
         );
         assert_eq!(c.ports.as_ref().unwrap()[0].container_port, 8000);
+        let resources = c.resources.clone().unwrap();
         assert!(
-            c.resources.is_none(),
+            !resources
+                .limits
+                .unwrap_or_default()
+                .contains_key(NVIDIA_GPU),
             "no device plugin request when sharing"
+        );
+        // Not BestEffort: CPU and memory are requested.
+        let requests = resources.requests.unwrap();
+        assert_eq!(requests["cpu"], Quantity("1".into()));
+        assert_eq!(requests["memory"], Quantity("4Gi".into()));
+        // What a node agent needs to rebuild a lost record.
+        let annotations = meta.annotations.as_ref().unwrap();
+        let spec_back: InstanceSpec = serde_json::from_str(&annotations[ANNOTATION_SPEC]).unwrap();
+        assert_eq!(spec_back.name, "chat-a");
+        assert_eq!(
+            annotations[ANNOTATION_LAUNCH_PARKING],
+            r#"{"may_park":true,"host_ram":true}"#
         );
         let env = env_of(&pod);
         assert_eq!(env["VLLM_SERVER_DEV_MODE"], "1");
         assert_eq!(env["NVIDIA_VISIBLE_DEVICES"], "GPU-1234");
         assert_eq!(env["HF_TOKEN"], "x");
         assert_eq!(env["HF_HOME"], "/var/lib/capyctl/models");
+    }
+
+    #[test]
+    fn the_hosts_engine_command_and_env_reach_the_pod() {
+        // host.engines.vllm of the chart's host document.
+        let engine = EngineLaunch {
+            command: vec!["/opt/sim/engine-sim".into(), "vllm".into()],
+            version: Some("0.31.0".into()),
+            env: BTreeMap::from([
+                ("VLLM_LOGGING_LEVEL".to_string(), "DEBUG".to_string()),
+                // The deployment's own env wins over the host's.
+                ("HF_TOKEN".to_string(), "from-host".to_string()),
+            ]),
+        };
+        let pod = build_with(&EnginePodSettings::default(), &[], &engine, None);
+        let c = &pod.spec.as_ref().unwrap().containers[0];
+        let command = c.command.clone().unwrap();
+        assert_eq!(command[..3], ["/opt/sim/engine-sim", "vllm", "serve"]);
+        let env = env_of(&pod);
+        assert_eq!(env["VLLM_LOGGING_LEVEL"], "DEBUG");
+        assert_eq!(env["HF_TOKEN"], "x");
+    }
+
+    #[test]
+    fn the_host_ram_copy_is_requested_and_a_limit_never_below_the_request() {
+        let mut settings = EnginePodSettings::default();
+        settings.resources.limits = BTreeMap::from([("memory".to_string(), "8Gi".to_string())]);
+        let engine = EngineLaunch::default_for(EngineKind::Vllm);
+        let pod = build_with(&settings, &[], &engine, Some(16 << 30));
+        let r = pod.spec.as_ref().unwrap().containers[0]
+            .resources
+            .clone()
+            .unwrap();
+        let requests = r.requests.unwrap();
+        // 4 GiB for the engine, 16 GiB for the weights' copy in host RAM.
+        assert_eq!(requests["memory"], Quantity((20u64 << 30).to_string()));
+        assert_eq!(requests["cpu"], Quantity("1".into()));
+        // The 8 GiB limit would refuse the Pod: raised to the request.
+        assert_eq!(
+            r.limits.unwrap()["memory"],
+            Quantity((20u64 << 30).to_string())
+        );
+        // Unknown weights, or the copy turned off: the settings' request as is.
+        settings.resources.host_ram_copy_in_request = false;
+        let pod = build_with(&settings, &[], &engine, Some(16 << 30));
+        let r = pod.spec.unwrap().containers[0].resources.clone().unwrap();
+        assert_eq!(r.requests.unwrap()["memory"], Quantity("4Gi".into()));
+        assert_eq!(r.limits.unwrap()["memory"], Quantity("8Gi".into()));
+    }
+
+    #[test]
+    fn nvidia_visible_devices_are_the_nodes_gpus_from_its_host() {
+        let host = |gpus: serde_json::Value| -> capyctl_crds::k8s::Host {
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "capyctl.io/v1alpha1", "kind": "Host",
+                "metadata": {"name": "gpu-node-1"},
+                "spec": {"gpus": gpus},
+            }))
+            .unwrap()
+        };
+        let two = host(serde_json::json!([
+            {"uuid": "GPU-a", "memory": "80GiB"}, {"uuid": "GPU-b", "memory": "80GiB"}]));
+        assert_eq!(visible_gpus(Some(&two)), ["GPU-a", "GPU-b"]);
+        let no_uuid = host(serde_json::json!([
+            {"uuid": "GPU-a", "memory": "80GiB"}, {"memory": "80GiB"}]));
+        assert_eq!(visible_gpus(Some(&no_uuid)), ["0", "1"]);
+        assert!(visible_gpus(None).is_empty());
+        let gpus = visible_gpus(Some(&two));
+        let pod = build(&EnginePodSettings::default(), &gpus);
+        assert_eq!(env_of(&pod)["NVIDIA_VISIBLE_DEVICES"], "GPU-a,GPU-b");
+        // Configurable: every GPU the runtime sees.
+        let all = EnginePodSettings {
+            visible_devices: VisibleDevices::All,
+            ..EnginePodSettings::default()
+        };
+        assert_eq!(env_of(&build(&all, &gpus))["NVIDIA_VISIBLE_DEVICES"], "all");
+    }
+
+    #[test]
+    fn memory_quantities_are_read_as_bytes() {
+        assert_eq!(quantity_bytes("4Gi"), Some(4 << 30));
+        assert_eq!(quantity_bytes("512Mi"), Some(512 << 20));
+        assert_eq!(quantity_bytes("1G"), Some(1_000_000_000));
+        assert_eq!(quantity_bytes("1.5Gi"), Some(3 << 29));
+        assert_eq!(quantity_bytes("1e9"), Some(1_000_000_000));
+        assert_eq!(quantity_bytes("1073741824"), Some(1 << 30));
+        assert_eq!(quantity_bytes("100m"), None);
+        assert_eq!(quantity_bytes("lots"), None);
+        let err = EnginePodSettings::from_yaml(
+            "engine-pods.yaml",
+            "images: {}\nresources: {requests: {memory: lots}}\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("engine-pods.yaml") && err.contains("resources.requests.memory"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -551,14 +875,13 @@ mod tests {
         let pod = build(&settings, &["0".to_string(), "1".to_string()]);
         let spec = pod.spec.as_ref().unwrap();
         assert_eq!(spec.runtime_class_name, None);
-        let limits = spec.containers[0]
-            .resources
-            .as_ref()
-            .unwrap()
-            .limits
-            .clone()
-            .unwrap();
+        let resources = spec.containers[0].resources.as_ref().unwrap();
+        let limits = resources.limits.clone().unwrap();
         assert_eq!(limits[NVIDIA_GPU], Quantity("2".into()));
+        assert_eq!(
+            resources.requests.clone().unwrap()["memory"],
+            Quantity("4Gi".into())
+        );
         let env = env_of(&pod);
         assert!(!env.contains_key("NVIDIA_VISIBLE_DEVICES"));
         assert!(!env.contains_key("HF_HOME"));
@@ -587,6 +910,7 @@ mod tests {
                 parking: LaunchParking::default(),
                 node_name: "n",
                 gpus: &[],
+                host_ram_copy: None,
             },
             &EnginePodSettings::default(),
         )
@@ -614,6 +938,14 @@ labels:
   app.kubernetes.io/component: engine
 gpuSharing: runtimeClass
 runtimeClassName: ""
+visibleDevices: host
+resources:
+  requests:
+    cpu: "1"
+    memory: 4Gi
+  limits:
+    memory: 64Gi
+  hostRamCopyInRequest: true
 modelCache:
   hostPath: "/data/models"
   type: "Directory"
@@ -633,6 +965,8 @@ imagePullSecrets:
         assert_eq!(s.model_cache.as_ref().unwrap().mount_path, "/models");
         assert_eq!(s.tolerations[0].key.as_deref(), Some("nvidia.com/gpu"));
         assert_eq!(s.image_pull_secrets[0].name, "my-registry");
+        assert_eq!(s.visible_devices, VisibleDevices::Host);
+        assert_eq!(s.resources.limits["memory"], "64Gi");
         let pod = build(&s, &[]);
         let spec = pod.spec.as_ref().unwrap();
         // "" = the node's default runtime.
@@ -670,6 +1004,7 @@ imagePullSecrets:
                 parking: LaunchParking::default(),
                 node_name: "n",
                 gpus: &[],
+                host_ram_copy: None,
             },
             &EnginePodSettings::default(),
         )

@@ -16,14 +16,17 @@
 //! 4. the status from the lifecycle's view ([`super::status`]), written only when it changed.
 //!
 //! Parks, wakes and failures happen without any change of the CR: [`Reconciler::sync_status`]
-//! (looped by [`Reconciler::run_status_sync`]) reads every known deployment's view, writes the
-//! changed statuses, and records an Event for each [`Happening`] between the view seen before
-//! and now ([`happenings`]).
+//! (looped by [`Reconciler::run_status_sync`]) reads every known deployment's view and writes
+//! the changed statuses.
 //!
-//! NB: the lifecycle does not publish its happenings (parks, wakes, switches with their
-//! `switch_id`, refusals) yet, so Events come from comparing views: a park and a wake between
-//! two reads are not seen, and switches and request refusals are not told at all.
-//! [`Happening::from_receipt`] builds the switch event from a start's receipt for when they are.
+//! Events: [`Reconciler::run_events`] takes the [`Observed`] happenings of the
+//! [`super::events`] feed (the views read around every switch and command and by the status
+//! sync, switches, refusals) and records an Event for each [`Happening`]: a view is compared
+//! with the last one told for its deployment ([`happenings`]: `Started`, `Parked`, `Woken`,
+//! `Stopped`, `WakeFailed`, `EngineFailed`); `Switched` and `SwitchFailed` on the switch's
+//! target; `RequestRefused` and `CommandRefused` (at most one per deployment, source and code
+//! every [`REFUSAL_EVERY`]: a flood of refused requests is one Event, which Kubernetes then
+//! counts as a series). Without a feed (tests) the status sync tells its views itself.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -43,8 +46,9 @@ use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
 use kube::{Api, Resource, ResourceExt};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 
+use super::events::{EventFeed, Observed, Views};
 use super::status::{Parkability, StatusInput, apply_status, deployment_status, needs_write};
 use super::store::CrStore;
 use super::{CONTROLLER_NAME, FINALIZER};
@@ -65,6 +69,9 @@ pub struct ReconcilerConfig {
 /// After a change of the lifecycle's state, how long the status writer waits for more before it
 /// reads the views (a switch changes several deployments within milliseconds).
 pub const STATUS_DEBOUNCE: Duration = Duration::from_millis(50);
+
+/// At most one refusal Event per deployment, source and code this often.
+pub const REFUSAL_EVERY: Duration = Duration::from_secs(30);
 
 impl Default for ReconcilerConfig {
     fn default() -> Self {
@@ -139,20 +146,53 @@ impl Happening {
     /// the start released nothing).
     pub fn from_receipt(receipt: &ActionReceipt) -> Option<Self> {
         let switch_id = receipt.switch_id.as_deref()?;
-        let victims: Vec<String> = receipt
+        let victims: Vec<(String, String)> = receipt
             .victims
             .iter()
-            .map(|v| format!("{} {}", v.name, v.released.words()))
+            .map(|v| (v.name.clone(), v.released.words().to_string()))
             .collect();
-        Some(Self::normal(
+        Some(Self::switched(
+            switch_id,
+            &receipt.deployment.name,
+            &victims,
+        ))
+    }
+
+    /// `Switched`: switch `switch_id` released `victims` (name, how) for `target`.
+    pub fn switched(switch_id: &str, target: &str, victims: &[(String, String)]) -> Self {
+        let victims: Vec<String> = victims
+            .iter()
+            .map(|(n, how)| format!("{n} {how}"))
+            .collect();
+        Self::normal(
             "Switched",
             "Switch",
-            format!(
-                "switch {switch_id}: {} for {}",
-                victims.join(", "),
-                receipt.deployment.name
-            ),
-        ))
+            format!("switch {switch_id}: {} for {target}", victims.join(", ")),
+        )
+    }
+
+    /// `SwitchFailed` (a Warning): switch `switch_id` for this deployment failed with `code`.
+    pub fn switch_failed(switch_id: &str, code: &str, message: &str) -> Self {
+        Self::warning(
+            "SwitchFailed",
+            "Switch",
+            format!("switch {switch_id} failed: {code}: {message}"),
+        )
+    }
+
+    /// A refusal (a Warning) of a request (`by` = `Request`: `RequestRefused`) or of a command
+    /// (`Start`, `Stop`, ...: `CommandRefused`), with the error's code and message.
+    pub fn refusal(by: &'static str, code: &str, message: &str) -> Self {
+        let reason = if by == "Request" {
+            "RequestRefused"
+        } else {
+            "CommandRefused"
+        };
+        let action = match by {
+            "Request" => "Serve",
+            other => other,
+        };
+        Self::warning(reason, action, format!("{code}: {message}"))
     }
 
     /// The Event to publish.
@@ -287,6 +327,12 @@ pub struct Reconciler {
     known: Mutex<HashMap<String, Known>>,
     /// The lifecycle's store, whose records go into the CRs' `lifecycleRecord`.
     store: Option<Arc<CrStore>>,
+    /// The Events feed the status sync sends its views to, and how it reads them.
+    events: Option<(EventFeed, Arc<dyn Views>)>,
+    /// The last view told as Events, by deployment name.
+    told: Mutex<HashMap<String, DeploymentView>>,
+    /// When a refusal was last told, by deployment, source and code.
+    refusals: Mutex<HashMap<(String, &'static str, &'static str), tokio::time::Instant>>,
 }
 
 impl std::fmt::Debug for Reconciler {
@@ -331,6 +377,113 @@ impl Reconciler {
             config,
             known: Mutex::new(HashMap::new()),
             store: None,
+            events: None,
+            told: Mutex::new(HashMap::new()),
+            refusals: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Tells Events from the happenings of `feed` ([`Reconciler::run_events`]); the status
+    /// sync sends the views it reads (through `views`) to it.
+    pub fn with_events(mut self, feed: EventFeed, views: Arc<dyn Views>) -> Self {
+        self.events = Some((feed, views));
+        self
+    }
+
+    fn told(&self) -> std::sync::MutexGuard<'_, HashMap<String, DeploymentView>> {
+        self.told.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// What happened since the view last told for the deployment; `view` is told from now.
+    fn tell(&self, view: &DeploymentView) -> Vec<Happening> {
+        let mut told = self.told();
+        let hs = happenings(told.get(&view.name), view);
+        told.insert(view.name.clone(), view.clone());
+        hs
+    }
+
+    /// The CR of deployment `name`, once reconciled.
+    fn reference_of(&self, name: &str) -> Option<ObjectReference> {
+        self.known().get(name).map(|k| k.reference.clone())
+    }
+
+    /// Records the Events of one happening (see the module doc).
+    pub async fn handle(&self, o: Observed) {
+        match o {
+            Observed::View(v) => {
+                let Some(reference) = self.reference_of(&v.name) else {
+                    return;
+                };
+                for h in self.tell(&v) {
+                    self.publish(&reference, &h).await;
+                }
+            }
+            Observed::Switched {
+                switch_id,
+                target,
+                victims,
+            } => {
+                if let Some(reference) = self.reference_of(&target) {
+                    self.publish(
+                        &reference,
+                        &Happening::switched(&switch_id, &target, &victims),
+                    )
+                    .await;
+                }
+            }
+            Observed::SwitchFailed {
+                switch_id,
+                target,
+                code,
+                message,
+            } => {
+                if let Some(reference) = self.reference_of(&target) {
+                    self.publish(
+                        &reference,
+                        &Happening::switch_failed(&switch_id, code, &message),
+                    )
+                    .await;
+                }
+            }
+            Observed::Refused {
+                deployment,
+                by,
+                code,
+                message,
+            } => {
+                let Some(reference) = self.reference_of(&deployment) else {
+                    return;
+                };
+                let now = tokio::time::Instant::now();
+                {
+                    let mut last = self.refusals.lock().unwrap_or_else(PoisonError::into_inner);
+                    last.retain(|_, t| now.duration_since(*t) < REFUSAL_EVERY);
+                    let key = (deployment, by, code);
+                    if last.contains_key(&key) {
+                        return;
+                    }
+                    last.insert(key, now);
+                }
+                self.publish(&reference, &Happening::refusal(by, code, &message))
+                    .await;
+            }
+        }
+    }
+
+    /// Records the Events of the feed's happenings until `shutdown` turns `true`.
+    pub async fn run_events(
+        self: Arc<Self>,
+        mut feed: mpsc::Receiver<Observed>,
+        mut shutdown: watch::Receiver<bool>,
+    ) {
+        loop {
+            tokio::select! {
+                o = feed.recv() => match o {
+                    Some(o) => self.handle(o).await,
+                    None => return,
+                },
+                _ = super::until(&mut shutdown, true) => return,
+            }
         }
     }
 
@@ -405,6 +558,7 @@ impl Reconciler {
                 }
             }
             self.known().remove(&name);
+            self.told().remove(&name);
             return Ok(Action::await_change());
         }
 
@@ -488,6 +642,12 @@ impl Reconciler {
                 .unwrap_or(Parkability::Unknown),
             parkability_revision: previous.as_ref().and_then(|k| k.parkability_revision),
         };
+        if let Some(v) = &view {
+            // The first view of a deployment is where its Events start from.
+            self.told()
+                .entry(v.name.clone())
+                .or_insert_with(|| v.clone());
+        }
         self.write_status(&name, &mut known, view).await?;
         self.known().insert(name, known);
         Ok(Action::requeue(self.config.requeue))
@@ -564,9 +724,14 @@ impl Reconciler {
                 continue;
             };
             let view = self.lifecycle.get(&name).await.ok();
-            if let Some(v) = &view {
-                for h in happenings(known.view.as_ref(), v) {
-                    self.publish(&known.reference, &h).await;
+            match &self.events {
+                Some((feed, views)) => feed.views(views.as_ref(), &[name.as_str()]),
+                None => {
+                    if let Some(v) = &view {
+                        for h in self.tell(v) {
+                            self.publish(&known.reference, &h).await;
+                        }
+                    }
                 }
             }
             if let Err(e) = self.write_status(&name, &mut known, view).await {
@@ -636,15 +801,13 @@ mod tests {
 
     use std::collections::BTreeMap;
 
-    use capyctl_crds::Activation;
     use capyctl_crds::api::{
-        ConditionView, DeployReceipt, DeploymentList, EngineList, HostList, InstanceView,
-        LoadReport, StartRequest,
+        DeployReceipt, DeploymentList, EngineList, HostList, LoadReport, StartRequest,
     };
     use capyctl_crds::documents::DeploymentDoc;
     use http::Method;
 
-    use super::super::mock::{self, Exchange, status_body};
+    use super::super::mock::{self, Exchange, status_body, view_of};
     use super::*;
     use crate::api::BoxFuture;
 
@@ -653,42 +816,6 @@ mod tests {
     struct FakeLifecycle {
         deps: Mutex<BTreeMap<String, DeploymentView>>,
         calls: Mutex<Vec<String>>,
-    }
-
-    fn view_of(doc: &DeploymentDoc, revision: u64) -> DeploymentView {
-        DeploymentView {
-            id: format!("01K{}", doc.name.to_uppercase()),
-            name: doc.name.clone(),
-            state: InstanceState::Stopped,
-            ready: "0/1".into(),
-            revision,
-            hosts: vec!["gpu-1".into()],
-            activation: Activation::OnDemand,
-            warm: false,
-            operator_stopped: false,
-            engine: doc.engine,
-            model: doc.model.clone(),
-            residency: doc.residency,
-            measurement: None,
-            instances: vec![InstanceView {
-                instance_id: format!("01K{}-0", doc.name.to_uppercase()),
-                index: 0,
-                host_id: "gpu-1".into(),
-                generation: 0,
-                state: InstanceState::Stopped,
-                parked_tier: None,
-                port: None,
-                pid: None,
-                last_error: None,
-            }],
-            conditions: vec![ConditionView {
-                kind: "Ready".into(),
-                status: "False".into(),
-                reason: "not_running".into(),
-                message: "the instance is stopped".into(),
-            }],
-            spec: doc.clone(),
-        }
     }
 
     impl FakeLifecycle {
@@ -1218,6 +1345,99 @@ mod tests {
         assert_eq!(
             seen[4].body["status"]["instances"][0]["residency"],
             "host_backed"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_feed_tells_a_quick_park_and_wake_switches_and_throttled_refusals() {
+        let lifecycle = Arc::new(FakeLifecycle::default());
+        let (client, handle) = mock::client();
+        let finalized = cr_json(&[FINALIZER], 1, spec());
+        let mut script = vec![Exchange::ok(Method::PATCH, STATUS_PATH, finalized.clone())];
+        // Parked, Woken, Switched, RequestRefused; RequestRefused again after the pause (the
+        // recorder makes it a series of the first: a patch).
+        for _ in 0..4 {
+            script.push(Exchange::ok(
+                Method::POST,
+                EVENTS_PATH,
+                serde_json::json!({}),
+            ));
+        }
+        script.push(Exchange::ok_under(
+            Method::PATCH,
+            &format!("{EVENTS_PATH}/chat-a."),
+            serde_json::json!({}),
+        ));
+        let server = mock::serve(handle, script);
+        let r = reconciler(client.clone(), lifecycle.clone(), false);
+        r.reconcile(&cr(finalized)).await.unwrap();
+        let r = Reconciler {
+            recorder: Some(Reconciler::recorder(client, None)),
+            ..r
+        };
+        let base = lifecycle.deps.lock().unwrap()["chat-a"].clone();
+        let ready = with_instance(&base, InstanceState::Ready, 0, None);
+        let mut parked = with_instance(&base, InstanceState::Parked, 0, None);
+        parked.instances[0].parked_tier = Some("host_ram".into());
+        // Told first as ready (a start told elsewhere), then parked and woken within
+        // milliseconds: both are told.
+        r.tell(&ready);
+        r.handle(Observed::View(Box::new(parked.clone()))).await;
+        r.handle(Observed::View(Box::new(parked))).await;
+        r.handle(Observed::View(Box::new(ready))).await;
+        r.handle(Observed::Switched {
+            switch_id: "sw-9".into(),
+            target: "chat-a".into(),
+            victims: vec![("chat-b".into(), "parked (host_ram)".into())],
+        })
+        .await;
+        let refused = || Observed::Refused {
+            deployment: "chat-a".into(),
+            by: "Request",
+            code: "deployment_inactive",
+            message: "deployment 01KCHAT-A is not running and its activation is explicit".into(),
+        };
+        r.handle(refused()).await;
+        r.handle(refused()).await;
+        tokio::time::advance(REFUSAL_EVERY).await;
+        r.handle(refused()).await;
+        // Unknown deployments are not told.
+        r.handle(Observed::Refused {
+            deployment: "nobody".into(),
+            by: "Request",
+            code: "deployment_inactive",
+            message: String::new(),
+        })
+        .await;
+        let seen = server.await.unwrap();
+        let reasons: Vec<&str> = seen[1..]
+            .iter()
+            .map(|c| c.body["reason"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            reasons,
+            [
+                "Parked",
+                "Woken",
+                "Switched",
+                "RequestRefused",
+                "RequestRefused"
+            ]
+        );
+        assert_eq!(seen[5].body["series"]["count"], 2);
+        assert_eq!(
+            seen[3].body["note"],
+            "switch sw-9: chat-b parked (host_ram) for chat-a"
+        );
+        assert_eq!(seen[4].body["type"], "Warning");
+        assert_eq!(seen[4].body["action"], "Serve");
+        assert!(
+            seen[4].body["note"]
+                .as_str()
+                .unwrap()
+                .starts_with("deployment_inactive: "),
+            "{}",
+            seen[4].body["note"]
         );
     }
 

@@ -1,18 +1,23 @@
 //! The lifecycle's [`Store`] on Kubernetes: the `Deployment` CRs themselves.
 //!
 //! A new leader lists the CRs before it opens the lifecycle; [`CrStore::from_crs`] rebuilds
-//! each deployment's record from its spec and status (`deploymentId`, `revision`, the
-//! instance's `generation`), so the deployments keep their IDs and revisions across a restart
-//! or a failover, and the node agent's recovery adopts the engines the previous leader left.
+//! each deployment's record from its status (`deploymentId`, `revision`) and its
+//! `lifecycleRecord`: the operator's decisions (`operator_stopped`, `operator_started`), the
+//! instance's `generation`, the first answer, and the document of the revision that runs. So
+//! the deployments keep their IDs, revisions and operator decisions across a restart or a
+//! failover, and the node agent's recovery adopts the engines the previous leader left.
 //! Saves are kept in memory: what the lifecycle records reaches the API server as the CRs'
 //! status (written by the reconciler), which the next leader reads.
 //!
-//! NB: the operator's own decisions (`operator_stopped`, `operator_started`) and the first
-//! answer have no place in the CRD's status yet, so they do not survive a failover (a stopped
-//! deployment comes back stopped only in its instance, not as an operator stop).
+//! NB: a CR edited while no leader ran has a spec that is not its revision's. The record is
+//! rebuilt with the revision's document (from `lifecycleRecord`), so the reconciler's deploy
+//! of the new spec is a change: the revision is bumped (`Redeployed`) as it would have been
+//! live. A CR whose new spec is refused keeps running its revision. Records written before
+//! the document was kept fall back to the CR's spec.
 
 use std::sync::{Mutex, PoisonError};
 
+use capyctl_crds::documents::DeploymentDoc;
 use capyctl_crds::k8s::Deployment;
 use kube::ResourceExt;
 
@@ -37,13 +42,6 @@ impl CrStore {
             let Some(id) = status.deployment_id.clone().filter(|i| !i.is_empty()) else {
                 continue;
             };
-            let doc = match cr.to_document() {
-                Ok(d) => d,
-                Err(e) => {
-                    tracing::warn!(deployment = %cr.name_any(), error = %e, "a CR's spec is refused; it is not restored");
-                    continue;
-                }
-            };
             let kept: Kept = status
                 .lifecycle_record
                 .as_deref()
@@ -55,6 +53,23 @@ impl CrStore {
                     }
                 })
                 .unwrap_or_default();
+            let current = cr.to_document();
+            let doc = match (kept.doc, current) {
+                // The revision's document: a spec edited meanwhile is deployed as a change.
+                (Some(revision_doc), current) => {
+                    if let Ok(c) = &current
+                        && *c != revision_doc
+                    {
+                        tracing::info!(deployment = %cr.name_any(), "the spec changed while no leader ran; it is deployed as a new revision");
+                    }
+                    revision_doc
+                }
+                (None, Ok(d)) => d,
+                (None, Err(e)) => {
+                    tracing::warn!(deployment = %cr.name_any(), error = %e, "a CR's spec is refused; it is not restored");
+                    continue;
+                }
+            };
             deployments.push(DeploymentRecord {
                 id,
                 revision: status.revision.unwrap_or(1).max(1),
@@ -91,6 +106,9 @@ struct Kept {
     generation: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     first_answer: Option<capyctl_node_agent::verify::FirstAnswer>,
+    /// The document of the revision that runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    doc: Option<DeploymentDoc>,
 }
 
 impl CrStore {
@@ -104,6 +122,7 @@ impl CrStore {
             operator_started: r.operator_started,
             generation: Some(r.generation),
             first_answer: r.first_answer.clone(),
+            doc: Some(r.doc.clone()),
         })
         .ok()
     }
@@ -179,5 +198,81 @@ mod tests {
         // Saves are kept.
         store.save(&StoredState::default()).unwrap();
         assert!(store.load().unwrap().deployments.is_empty());
+    }
+
+    fn doc(text: &str) -> DeploymentDoc {
+        capyctl_crds::documents::parse_deployment_str("t.yaml", text).unwrap()
+    }
+
+    #[test]
+    fn the_lifecycle_record_round_trips_through_the_crs_status() {
+        let record = DeploymentRecord {
+            id: "01KA".into(),
+            revision: 4,
+            doc: doc("name: chat-a\nengine: vllm\nmodel: Qwen3-4B\nmax_concurrent_requests: 8\n"),
+            operator_stopped: true,
+            operator_started: false,
+            pending_start: false,
+            generation: 7,
+            first_answer: Some(capyctl_node_agent::verify::FirstAnswer::Text {
+                text: "Paris".into(),
+            }),
+        };
+        let store = CrStore::default();
+        store
+            .save(&StoredState {
+                version: STATE_VERSION,
+                deployments: vec![record.clone()],
+            })
+            .unwrap();
+        let text = store.lifecycle_record("01KA").unwrap();
+        assert_eq!(store.lifecycle_record("01KOTHER"), None);
+        let status = serde_json::json!({"deploymentId": "01KA", "revision": 4,
+            "lifecycleRecord": text});
+        let spec = serde_json::json!({"engine": "vllm", "model": "Qwen3-4B",
+            "maxConcurrentRequests": 8});
+        let back = CrStore::from_crs(&[cr("chat-a", status, spec)]);
+        assert_eq!(back.load().unwrap().deployments, [record]);
+    }
+
+    #[test]
+    fn a_spec_edited_while_no_leader_ran_comes_back_as_its_revisions_document() {
+        let running = doc("name: chat-a\nengine: vllm\nmodel: Qwen3-4B\n");
+        let record = DeploymentRecord {
+            id: "01KA".into(),
+            revision: 2,
+            doc: running.clone(),
+            operator_stopped: false,
+            operator_started: false,
+            pending_start: false,
+            generation: 3,
+            first_answer: None,
+        };
+        let store = CrStore::default();
+        store
+            .save(&StoredState {
+                version: STATE_VERSION,
+                deployments: vec![record],
+            })
+            .unwrap();
+        let kept = store.lifecycle_record("01KA").unwrap();
+        let status =
+            serde_json::json!({"deploymentId": "01KA", "revision": 2, "lifecycleRecord": kept});
+        // Edited meanwhile: new arguments.
+        let edited = serde_json::json!({"engine": "vllm", "model": "Qwen3-4B",
+            "extraArgs": ["--max-model-len", "8192"]});
+        let cr_edited = cr("chat-a", status.clone(), edited);
+        let back = CrStore::from_crs(std::slice::from_ref(&cr_edited));
+        let r = &back.load().unwrap().deployments[0];
+        // The revision's document, not the new spec: the reconciler's deploy of the new spec is
+        // then a change, which bumps the revision (2 -> 3).
+        assert_eq!(r.doc, running);
+        assert_eq!(r.revision, 2);
+        assert_ne!(cr_edited.to_document().unwrap(), r.doc);
+        // Edited into a spec that is refused: the revision keeps running.
+        let refused = serde_json::json!({"engine": "vllm", "model": "Qwen3-4B",
+            "maxConcurrentRequests": 0});
+        let back = CrStore::from_crs(&[cr("chat-a", status, refused)]);
+        assert_eq!(back.load().unwrap().deployments[0].doc, running);
     }
 }
