@@ -161,6 +161,7 @@ async fn a_host_added_later_takes_what_fits_nowhere_else() {
             activation: capyctl_crds::Activation::OnDemand,
             settings: support::host_settings(roomy.gpu, roomy.host_memory),
             admission_window: None,
+            remote: false,
         })
         .await
         .unwrap();
@@ -185,6 +186,7 @@ async fn one_explicit_host_makes_every_model_explicit() {
             activation: capyctl_crds::Activation::Explicit,
             settings: support::host_settings(opts.gpu, opts.host_memory),
             admission_window: None,
+            remote: false,
         })
         .await
         .unwrap();
@@ -235,6 +237,7 @@ async fn a_host_that_comes_back_is_reconciled() {
                 activation: capyctl_crds::Activation::OnDemand,
                 settings: support::host_settings(opts.gpu, opts.host_memory),
                 admission_window: None,
+                remote: false,
             })
             .await
             .unwrap();

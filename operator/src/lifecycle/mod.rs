@@ -275,6 +275,8 @@ struct Host {
     /// Its admission window, where it differs from the router's.
     #[allow(dead_code)] // NB: given to the router with each switch on this host (next change).
     admission_window: Option<Duration>,
+    /// A node agent reached over HTTP: its engines' launch inputs are the host's to read.
+    remote: bool,
     /// Total GPU memory, bytes.
     capacity: u64,
     /// The task forwarding its agent's engine exits (replaced with the agent).
@@ -304,6 +306,9 @@ pub struct HostEntry {
     /// Its `resource_policy.queue.admission_window`: the window of a switch on this host
     /// (`None`: the router's).
     pub admission_window: Option<Duration>,
+    /// A node agent over HTTP (Kubernetes): the engine's `max_running` is the host's to size
+    /// until the engine reports (`source: on_host`).
+    pub remote: bool,
 }
 
 impl std::fmt::Debug for HostEntry {
@@ -437,6 +442,7 @@ impl Server {
             activation: config.host_activation,
             settings: config.host_settings.clone(),
             admission_window: None,
+            remote: false,
         };
         Self::open_hosts(vec![host], store, config).await
     }
@@ -518,6 +524,7 @@ impl Server {
             activation,
             settings,
             admission_window,
+            remote,
         } = entry;
         let inventory = agent.inventory().await?;
         let capacity = inventory.gpus.iter().map(|g| g.total_bytes).sum();
@@ -533,6 +540,7 @@ impl Server {
                     activation,
                     settings,
                     admission_window,
+                    remote,
                     capacity,
                     exits: None,
                 },

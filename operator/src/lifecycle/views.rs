@@ -193,7 +193,7 @@ fn expected_max_running(d: &Dep, config: &LifecycleConfig, host: Option<&Host>) 
         host_command: &settings.engine(d.spec.engine).command,
         engine_reported: None,
         hybrid_checkpoint: false,
-        sized_on_host: false,
+        sized_on_host: host.is_some_and(|h| h.remote),
     })
 }
 

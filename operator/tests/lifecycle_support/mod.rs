@@ -205,6 +205,7 @@ impl Harness {
                 activation: opts.activation,
                 settings: settings.clone(),
                 admission_window: None,
+                remote: false,
             })
             .collect();
         let server = Server::open_hosts(hosts, store, lc).await.unwrap();
