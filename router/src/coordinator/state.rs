@@ -9,6 +9,7 @@
 //! decision is always made on the state it changes ("a read that gates a mutation is a bug").
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::Duration;
 
 use capyctl_crds::errors::ApiError;
@@ -40,8 +41,8 @@ pub(crate) enum DrainOwner {
 /// What a granted request is charged to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Grant {
-    /// Where to forward.
-    pub upstream: Upstream,
+    /// Where to forward (shared with the instance's entry: a grant copies no strings).
+    pub upstream: Arc<Upstream>,
     /// The serial of the instance entry it is charged to (see [`Inst::serial`]).
     pub serial: u64,
 }
@@ -119,7 +120,7 @@ struct Waiter {
 /// A ready instance the router routes to.
 #[derive(Debug, Clone)]
 struct Inst {
-    upstream: Upstream,
+    upstream: Arc<Upstream>,
     /// Unique per entry, so that a permit of an instance that went away and came back under
     /// the same key does not discharge the new entry.
     serial: u64,
@@ -371,10 +372,25 @@ impl State {
 
     /// Every deployment whose free slots may be lent to the handles (see `Lane` in `mod.rs`):
     /// exactly one instance, open, nobody waiting, and fewer than the bound in flight. `f` gets
-    /// the instance, its entry's serial and the free slots. A request taking a lent slot is
-    /// what `admit` would do at once (`grant_now`), ahead of time.
-    pub(crate) fn each_lendable(&self, mut f: impl FnMut(&Upstream, u64, usize)) {
+    /// the instance, its entry's serial, the free slots, and whether a request that took a lent
+    /// slot may give it back to the lane when it ends (without telling the owner). A request
+    /// taking a lent slot is what `admit` would do at once (`grant_now`), ahead of time.
+    ///
+    /// NB (when a slot may go back without an event): [`State::finished`] of a request that
+    /// was not cut changes only counts and `last_activity`, which the owner takes from the lane
+    /// before its next event ([`State::lent_settled`]), with three exceptions, none of which
+    /// applies to a lent slot's end: it hands the slot to a waiter (a lane is open only while
+    /// nobody waits), it moves a drain on (a draining instance is closed, so it has no lane),
+    /// and it lets deployments whose plan said `Later` plan again. That last one is why a
+    /// slot may go back only while no deployment is blocked `Later`. (A finish during an
+    /// admission window moves nothing either: a request that ran at or after the switch's
+    /// start already holds the window open to its full length, see [`window_closes_at`].)
+    pub(crate) fn each_lendable(&self, mut f: impl FnMut(&Arc<Upstream>, u64, usize, bool)) {
         let limit = self.config.in_flight_per_deployment;
+        let returns = !self
+            .deployments
+            .values()
+            .any(|d| d.blocked == Some(Blocked::Later));
         for dep in self.deployments.values() {
             if !dep.queue.is_empty() || dep.in_flight >= limit || dep.instances.len() != 1 {
                 continue;
@@ -382,27 +398,37 @@ impl State {
             if let Some(inst) = dep.instances.values().next()
                 && inst.open
             {
-                f(&inst.upstream, inst.serial, limit - dep.in_flight);
+                f(&inst.upstream, inst.serial, limit - dep.in_flight, returns);
             }
         }
     }
 
-    /// `count` requests took lent slots of the instance entry `serial` of `deployment` (the
-    /// latest at `last_start`): they are charged as `grant_now` charges.
-    pub(crate) fn lent_started(
+    /// While the instance entry `serial` of `deployment` lent its slots, `net` more requests
+    /// started on it than ended (negative: more ended; requests that took a lent slot start
+    /// there, and some of them may have given it back), and the latest start or end was at
+    /// `last_activity`: charged as `grant_now` and `finished` charge.
+    pub(crate) fn lent_settled(
         &mut self,
         deployment: &DeploymentId,
         serial: u64,
-        count: usize,
-        last_start: Instant,
+        net: i64,
+        last_activity: Instant,
     ) {
         let Some(dep) = self.deployments.get_mut(deployment) else {
             return;
         };
-        dep.in_flight += count;
+        let apply = |count: usize| {
+            let magnitude = usize::try_from(net.unsigned_abs()).unwrap_or(usize::MAX);
+            if net >= 0 {
+                count.saturating_add(magnitude)
+            } else {
+                count.saturating_sub(magnitude)
+            }
+        };
+        dep.in_flight = apply(dep.in_flight);
         if let Some(inst) = dep.instances.values_mut().find(|i| i.serial == serial) {
-            inst.in_flight += count;
-            inst.last_activity = inst.last_activity.max(last_start);
+            inst.in_flight = apply(inst.in_flight);
+            inst.last_activity = inst.last_activity.max(last_activity);
         }
     }
 
@@ -448,13 +474,13 @@ impl State {
         let serial = self.next_serial;
         let dep = self.deployments.entry(deployment.clone()).or_default();
         match dep.instances.get_mut(&up.key) {
-            Some(inst) => inst.upstream = up,
+            Some(inst) => inst.upstream = Arc::new(up),
             None => {
                 self.next_serial += 1;
                 dep.instances.insert(
                     up.key.clone(),
                     Inst {
-                        upstream: up,
+                        upstream: Arc::new(up),
                         serial,
                         in_flight: 0,
                         open: true,
@@ -759,7 +785,7 @@ impl State {
             return false;
         };
         let grant = Grant {
-            upstream: inst.upstream.clone(),
+            upstream: Arc::clone(&inst.upstream),
             serial: inst.serial,
         };
         if fx.grant(ticket, grant) {
