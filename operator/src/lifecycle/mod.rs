@@ -1085,6 +1085,8 @@ impl Server {
                 Plan::Switch {
                     switch_id,
                     victims: keys,
+                    // One host: the router's window is this host's.
+                    window: None,
                 }
             }
             Fit::Later => Plan::Later,

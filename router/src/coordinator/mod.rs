@@ -218,11 +218,14 @@ impl Coordinator {
             base: Instant::now(),
         });
         let driver = Driver {
-            state: State::new(config),
+            state: State::new(config.clone()),
             lanes: Arc::clone(&lanes),
             lane_of: HashMap::new(),
             lent: Vec::new(),
             fx: TaskEffects {
+                plan_timeout: config.drain_timeout,
+                execute_timeout: config.execute_timeout,
+                engine_idle_timeout: config.drain_timeout,
                 lifecycle: lifecycle.clone(),
                 inbox: inbox_tx.downgrade(),
                 endings: endings_tx.clone(),
@@ -729,6 +732,11 @@ impl Drop for Driver {
 /// lifecycle's futures as tasks that report back through the inbox.
 struct TaskEffects {
     lifecycle: Arc<dyn Lifecycle>,
+    /// Bounds on the lifecycle's futures: past them (or when one panics) the owner is told
+    /// that it failed, so that no switch waits forever for an answer.
+    plan_timeout: Duration,
+    execute_timeout: Duration,
+    engine_idle_timeout: Duration,
     /// Weak, so that the coordinator's own spawned work does not keep it alive.
     inbox: mpsc::WeakSender<Command>,
     /// Handed to every permit.
@@ -740,16 +748,58 @@ struct TaskEffects {
 }
 
 impl TaskEffects {
-    /// Runs `work` as a task and sends its outcome back through the inbox.
-    fn report_back<F>(&self, work: F)
-    where
+    /// Runs `work` (a lifecycle future) as a task and sends its outcome back through the
+    /// inbox. If it panics, or has not answered within `bound`, `lost(why)` is sent instead,
+    /// so that the owner never waits forever: a hung or panicking lifecycle does not stop all
+    /// switching. A late answer is still sent when it comes (the owner ignores it, or gives a
+    /// plan back, since its switch is over); the work itself is not cancelled, so the
+    /// lifecycle's own steps run to their end.
+    fn report_back<F>(
+        &self,
+        what: &'static str,
+        bound: Duration,
+        work: F,
+        lost: impl FnOnce(ApiError) -> Command + Send + 'static,
+    ) where
         F: Future<Output = Command> + Send + 'static,
     {
         let inbox = self.inbox.clone();
         tokio::spawn(async move {
-            let command = work.await;
-            if let Some(inbox) = inbox.upgrade() {
-                let _ = inbox.send(command).await;
+            let mut task = tokio::spawn(work);
+            let first = tokio::select! {
+                joined = &mut task => Some(joined),
+                () = tokio::time::sleep(bound) => None,
+            };
+            let send = |command: Command| async {
+                if let Some(inbox) = inbox.upgrade() {
+                    let _ = inbox.send(command).await;
+                }
+            };
+            match first {
+                Some(Ok(command)) => send(command).await,
+                Some(Err(err)) => {
+                    tracing::error!(error = %err, "the lifecycle's {what} failed");
+                    send(lost(ApiError::Internal {
+                        detail: format!("the lifecycle's {what} failed"),
+                    }))
+                    .await;
+                }
+                None => {
+                    tracing::error!(
+                        bound_ms = bound.as_millis(),
+                        "the lifecycle's {what} did not answer in time"
+                    );
+                    send(lost(ApiError::Internal {
+                        detail: format!(
+                            "the lifecycle's {what} did not answer within {} ms",
+                            bound.as_millis()
+                        ),
+                    }))
+                    .await;
+                    if let Ok(late) = task.await {
+                        send(late).await;
+                    }
+                }
             }
         });
     }
@@ -796,18 +846,34 @@ impl Effects for TaskEffects {
         protected: BTreeSet<DeploymentId>,
     ) {
         let lifecycle = self.lifecycle.clone();
-        self.report_back(async move {
-            let result = lifecycle.plan(&deployment, &protected).await;
-            Command::PlanDone { seq, result }
-        });
+        self.report_back(
+            "plan",
+            self.plan_timeout,
+            async move {
+                let result = lifecycle.plan(&deployment, &protected).await;
+                Command::PlanDone { seq, result }
+            },
+            move |error| Command::PlanDone {
+                seq,
+                result: Err(error),
+            },
+        );
     }
 
     fn execute(&mut self, seq: SwitchSeq, order: SwitchOrder) {
         let lifecycle = self.lifecycle.clone();
-        self.report_back(async move {
-            let result = lifecycle.execute(order).await;
-            Command::ExecuteDone { seq, result }
-        });
+        self.report_back(
+            "execute",
+            self.execute_timeout,
+            async move {
+                let result = lifecycle.execute(order).await;
+                Command::ExecuteDone { seq, result }
+            },
+            move |error| Command::ExecuteDone {
+                seq,
+                result: Err(error),
+            },
+        );
     }
 
     fn abandon(&mut self, switch_id: &str) {
@@ -827,10 +893,21 @@ impl Effects for TaskEffects {
 
     fn engine_idle(&mut self, owner: DrainOwner, key: InstanceKey) {
         let lifecycle = self.lifecycle.clone();
-        self.report_back(async move {
-            let idle = lifecycle.engine_idle(&key).await;
-            Command::EngineIdle { owner, key, idle }
-        });
+        let lost_key = key.clone();
+        self.report_back(
+            "engine_idle",
+            self.engine_idle_timeout,
+            async move {
+                let idle = lifecycle.engine_idle(&key).await;
+                Command::EngineIdle { owner, key, idle }
+            },
+            // Unreadable: the requests count as cut before output (stop, not park).
+            move |_| Command::EngineIdle {
+                owner,
+                key: lost_key,
+                idle: false,
+            },
+        );
     }
 
     fn released(&mut self, id: ReleaseId, result: ReleaseResult) {

@@ -236,13 +236,17 @@ enum Phase {
     Executing,
 }
 
-/// The one switch in progress.
+/// The one switch in progress that holds the switch slot: planning, or with victims (window,
+/// drain, execute). A bring-up (no victims) leaves the slot once it executes.
 #[derive(Debug)]
 struct Switch {
     seq: SwitchSeq,
     target: DeploymentId,
     /// When it began (the plan was asked for): the admission window counts from here.
     began: Instant,
+    /// The admission window that applies: the plan's (the host where the switch happens), or
+    /// the router's.
+    window: Duration,
     phase: Phase,
     /// The target was refused or became ready while planning: give the plan back.
     cancelled: bool,
@@ -267,6 +271,9 @@ pub(crate) struct State {
     /// Waiting requests by deadline.
     deadlines: BTreeSet<(Instant, Ticket)>,
     switch: Option<Switch>,
+    /// Bring-ups (plans without victims) being executed, by switch number: their targets.
+    /// They do not hold the switch slot (see `plan_done`).
+    bring_ups: BTreeMap<SwitchSeq, DeploymentId>,
     next_seq: SwitchSeq,
     releases: BTreeMap<ReleaseId, Release>,
     next_serial: u64,
@@ -317,6 +324,7 @@ impl State {
             buffered_bytes: 0,
             deadlines: BTreeSet::new(),
             switch: None,
+            bring_ups: BTreeMap::new(),
             next_seq: 0,
             releases: BTreeMap::new(),
             next_serial: 0,
@@ -344,11 +352,16 @@ impl State {
                 self.enqueue(now, req, fx);
             }
         } else if dep.has_closed() {
-            // Its instances are draining (the window closed, or a release): 503, not a wait.
+            // Its instances are draining (the window closed, or a release): 503, not a wait;
+            // in no-wait mode the 429 of a model that is switching (nothing recorded either: a
+            // retry once parking has begun asks for the wake).
+            let deployment = req.deployment;
             fx.refuse(
                 req.ticket,
-                ApiError::DispatchClosed {
-                    deployment: req.deployment,
+                if no_wait {
+                    ApiError::NotServableNoWait { deployment }
+                } else {
+                    ApiError::DispatchClosed { deployment }
                 },
             );
         } else if let Err(e) = fx.admissible(&req.deployment) {
@@ -577,8 +590,10 @@ impl State {
                 }
             }
             Ok(Plan::BringUp { switch_id }) => {
-                sw.phase = Phase::Executing;
-                self.switch = Some(sw);
+                // NB: a bring-up releases nothing, so it leaves the switch slot now: a cold
+                // start that takes minutes does not hold up other switches. The lifecycle's
+                // claim on the target and its memory reservation keep placements apart.
+                self.bring_ups.insert(seq, target.clone());
                 fx.execute(
                     seq,
                     SwitchOrder {
@@ -590,7 +605,11 @@ impl State {
                     },
                 );
             }
-            Ok(Plan::Switch { switch_id, victims }) => {
+            Ok(Plan::Switch {
+                switch_id,
+                victims,
+                window,
+            }) => {
                 // Invariant: a victim is never protected. A request may have begun waiting for
                 // a victim's deployment while the plan ran: give the plan back, plan again.
                 let protected_victim = victims.iter().any(|v| {
@@ -616,6 +635,9 @@ impl State {
                             closing.push(v.clone());
                         }
                     }
+                    if let Some(window) = window {
+                        sw.window = window;
+                    }
                     sw.phase = Phase::Window { switch_id, victims };
                     self.switch = Some(sw);
                     self.close(&closing, fx);
@@ -625,7 +647,8 @@ impl State {
         self.settle(now, fx);
     }
 
-    /// `Lifecycle::execute` answered for switch `seq` (rule 4).
+    /// `Lifecycle::execute` answered for switch `seq` (rule 4), a switch with victims or a
+    /// bring-up.
     pub(crate) fn execute_done(
         &mut self,
         now: Instant,
@@ -633,12 +656,18 @@ impl State {
         result: Result<(), ApiError>,
         fx: &mut impl Effects,
     ) {
-        let Some(sw) = &self.switch else { return };
-        if sw.seq != seq || !matches!(sw.phase, Phase::Executing) {
-            return;
-        }
-        let target = sw.target.clone();
-        self.end_switch();
+        let target = if let Some(target) = self.bring_ups.remove(&seq) {
+            self.unblock(true);
+            target
+        } else {
+            let Some(sw) = &self.switch else { return };
+            if sw.seq != seq || !matches!(sw.phase, Phase::Executing) {
+                return;
+            }
+            let target = sw.target.clone();
+            self.end_switch();
+            target
+        };
         match result {
             Ok(()) => {
                 if let Some(dep) = self.deployments.get_mut(&target) {
@@ -724,7 +753,9 @@ impl State {
         let mut at = |t: Instant| next = Some(next.map_or(t, |n: Instant| n.min(t)));
         if let Some(sw) = &self.switch {
             match &sw.phase {
-                Phase::Window { victims, .. } => at(self.window_end(sw.began, victims)),
+                Phase::Window { victims, .. } => {
+                    at(self.window_end(sw.began, sw.window, victims));
+                }
                 Phase::Draining { drain, .. } => at(drain.deadline),
                 Phase::Planning | Phase::Executing => {}
             }
@@ -955,8 +986,9 @@ impl State {
         (closed - began, now.saturating_duration_since(closed))
     }
 
-    /// When the window of a switch that began at `began` closes, over its open victims.
-    fn window_end(&self, began: Instant, victims: &[InstanceKey]) -> Instant {
+    /// When the window (of length `window`) of a switch that began at `began` closes, over its
+    /// open victims.
+    fn window_end(&self, began: Instant, window: Duration, victims: &[InstanceKey]) -> Instant {
         let open = victims.iter().filter_map(|k| {
             self.deployments
                 .get(&k.deployment)
@@ -964,7 +996,7 @@ impl State {
                 .filter(|i| i.open)
                 .map(|i| (i.in_flight, i.last_activity))
         });
-        window_closes_at(began, self.config.admission_window, open)
+        window_closes_at(began, window, open)
     }
 
     /// Requests still charged to these instances.
@@ -1035,7 +1067,7 @@ impl State {
             let Some(sw) = self.switch.take() else { return };
             match sw.phase {
                 Phase::Window { switch_id, victims } => {
-                    if now < self.window_end(sw.began, &victims) {
+                    if now < self.window_end(sw.began, sw.window, &victims) {
                         self.switch = Some(Switch {
                             phase: Phase::Window { switch_id, victims },
                             ..sw
@@ -1160,6 +1192,7 @@ impl State {
             .deployments
             .iter()
             .filter(|(_, d)| d.blocked.is_none() && !d.has_open() && !d.has_closed())
+            .filter(|(id, _)| !self.bring_ups.values().any(|t| t == *id))
             .filter_map(|(id, d)| d.waiting_since().map(|t| (t, id)))
             .min()
             .map(|(_, id)| id.clone());
@@ -1177,6 +1210,7 @@ impl State {
             seq,
             target: target.clone(),
             began: now,
+            window: self.config.admission_window,
             phase: Phase::Planning,
             cancelled: false,
         });
@@ -1396,6 +1430,7 @@ mod tests {
             Ok(Plan::Switch {
                 switch_id: "s".into(),
                 victims: vec![key("a")],
+                window: None,
             }),
             &mut fx,
         );
