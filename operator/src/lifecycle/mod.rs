@@ -2167,6 +2167,22 @@ impl NameCache {
             .map(|(d, u)| (d.clone(), Arc::clone(u)))
     }
 
+    /// The use record of the deployment `deployment` names (a fresh one if the name now
+    /// means another deployment).
+    fn used(&self, deployment: &DeploymentRef, server: &Weak<Server>) -> Arc<Use> {
+        {
+            let names = self.names.read().unwrap_or_else(PoisonError::into_inner);
+            if let Some((d, used)) = names.by_name.get(&deployment.name)
+                && d.id == deployment.id
+            {
+                return Arc::clone(used);
+            }
+        }
+        self.get(&deployment.name, server)
+            .filter(|(d, _)| d.id == deployment.id)
+            .map_or_else(Arc::default, |(_, u)| u)
+    }
+
     /// Records a use of `deployment` in the lifecycle, unless one was recorded less than
     /// [`TOUCH_EVERY`] ago.
     fn touch(&self, server: &Weak<Server>, deployment: &str, used: &Use) {
@@ -2219,10 +2235,7 @@ impl Admission for TrackedAdmission {
         let server = self.server.clone();
         let names = Arc::clone(&self.names);
         async move {
-            let used = names
-                .get(&deployment.name, &server)
-                .filter(|(d, _)| d.id == deployment.id)
-                .map_or_else(Arc::default, |(_, u)| u);
+            let used = names.used(&deployment, &server);
             // NB: requests are counted by the listener's observer (the metrics), which knows
             // the status sent; here only the use of the deployment is recorded.
             let permit = inner.admit(deployment, body_bytes, deadline).await?;
