@@ -314,6 +314,7 @@ async fn serve_here<A: Admission>(
     abort: impl Future<Output = ()>,
 ) -> io::Result<()> {
     let stop = Arc::new(StopSignal::default());
+    let _floor = TimerFloor::start();
     let mut connections = JoinSet::new();
     let mut shutdown = std::pin::pin!(shutdown);
     let mut abort = std::pin::pin!(abort);
@@ -353,6 +354,35 @@ async fn serve_here<A: Admission>(
         connections.shutdown().await;
     }
     Ok(())
+}
+
+/// A timer that fires every second on the accept loop's runtime, for as long as the loop runs.
+///
+/// NB (why): tokio's timer wakes its driver (a write to the runtime's eventfd and one more
+/// `epoll_wait`) whenever a timer is registered that fires before everything the driver
+/// already waits for, or while it waits for none. Every request registers timers (hyper's
+/// header read timeout while the connection waits for the next request head, the request
+/// deadline while it waits for the engine), so without a floor each request paid for that
+/// wake-up; with a timer never more than a second away, a timer of 30 s or 600 s is never the
+/// earliest.
+struct TimerFloor(tokio::task::JoinHandle<()>);
+
+impl TimerFloor {
+    fn start() -> Self {
+        TimerFloor(tokio::spawn(async {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+            }
+        }))
+    }
+}
+
+impl Drop for TimerFloor {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// One client connection: HTTP/1.1 with keep-alive, closed at once when a streamed answer's
