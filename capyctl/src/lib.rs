@@ -149,15 +149,10 @@ enum Start {
         #[arg(long, env = "CAPYCTL_DATA_DIR")]
         data_dir: Option<PathBuf>,
     },
-    /// Run a host agent for a CapyCTL server (the program `capyctl-node-agent`).
-    Host {
-        /// The host document.
-        #[arg(long)]
-        file: PathBuf,
-        /// An override, `a.b=c` (repeatable).
-        #[arg(long = "set")]
-        set: Vec<String>,
-    },
+    /// Run a host agent for a CapyCTL server: the program `capyctl-node-agent`, with its flags
+    /// (engines as child processes unless `--engine-runtime pod`; the agent token from
+    /// `CAPYCTL_AGENT_TOKEN_FILE` or `CAPYCTL_AGENT_TOKEN`).
+    Host(capyctl_node_agent::cli::Args),
     /// Start a deployment.
     Deployment {
         /// Its name or ID.
@@ -230,11 +225,13 @@ pub fn main() -> ExitCode {
                 ))
             })
         }
-        Command::Start(Start::Host { .. }) => Err(
-            "capyctl start host: a host agent is the program `capyctl-node-agent` (same flags); \
-             this build of capyctl does not embed it"
-                .to_string(),
-        ),
+        Command::Start(Start::Host(args)) => {
+            init_logging();
+            runtime().and_then(|rt| {
+                rt.block_on(capyctl_node_agent::cli::run(args))
+                    .map_err(|e| e.to_string())
+            })
+        }
         command => runtime().and_then(|rt| rt.block_on(remote(cli.global, command))),
     };
     match result {

@@ -27,15 +27,20 @@ pub async fn run(file: Option<PathBuf>, set: Vec<String>, data_dir: PathBuf) -> 
         .admin_token_file
         .clone()
         .unwrap_or_else(|| capyctl_operator::management::token_path(&data_dir));
+    // Installed first: a signal while it starts stops it cleanly, never by the default action.
+    let signal = capyctl_node_agent::cli::shutdown_signal();
     let standalone = Standalone::start(config, data_dir.clone())
         .await
         .map_err(|e| e.to_string())?;
-    let names: Vec<String> = standalone
+    let mut names: Vec<String> = standalone
         .server()
         .models()
         .into_iter()
         .map(|m| m.id)
         .collect();
+    // By name: the lifecycle keeps them by ID, and IDs made in the same millisecond are in no
+    // particular order.
+    names.sort();
     println!(
         "capyctl standalone: inference http://{}  management http://{}",
         standalone.inference_addr(),
@@ -51,16 +56,8 @@ pub async fn run(file: Option<PathBuf>, set: Vec<String>, data_dir: PathBuf) -> 
     } else {
         println!("deployments: {}", names.join(", "));
     }
-    wait_for_signal().await.map_err(|e| e.to_string())?;
+    signal.await;
     tracing::info!("signal received: stopping engines and listeners");
     standalone.shutdown().await;
     Ok(())
-}
-
-async fn wait_for_signal() -> std::io::Result<()> {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tokio::select! {
-        r = tokio::signal::ctrl_c() => r,
-        _ = term.recv() => Ok(()),
-    }
 }

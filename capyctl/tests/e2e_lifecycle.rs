@@ -5,6 +5,7 @@
 mod support;
 
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 use support::{CAPYCTL, Capy, Out, alive, assert_error, chat, document, id_of, model, temp_dir};
 
@@ -312,4 +313,74 @@ fn preinitialize_and_delete() {
         .ok();
     let line = capy.cli(&["preinitialize", "deployment", "gpt"]).fails();
     assert!(line.contains("capability_missing"), "{line}");
+}
+
+/// `capyctl start host --file host.yaml` (DESIGN.md 4.1): a host agent, the same program as
+/// `capyctl-node-agent`: it serves the agent API with the shared token, runs engines as child
+/// processes outside Kubernetes, and a SIGTERM stops it cleanly.
+#[test]
+fn start_host_runs_a_host_agent() {
+    let dir = temp_dir("start-host");
+    let bin = support::engine_sim().display().to_string();
+    let doc = dir.join("host.yaml");
+    std::fs::write(
+        &doc,
+        format!(
+            "id: box-7\ngpus: [{{memory: 24GiB}}]\nhost_memory: 8GiB\nengines:\n  vllm: {{command: [\"{bin}\"]}}\n"
+        ),
+    )
+    .unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let mut child = std::process::Command::new(support::CAPYCTL)
+        .args(["start", "host", "--file"])
+        .arg(&doc)
+        .args(["--listen", &addr.to_string(), "--data-dir"])
+        .arg(dir.join("data"))
+        .env("CAPYCTL_AGENT_TOKEN", "host-token")
+        .env_remove("CAPYCTL_AGENT_TOKEN_FILE")
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .env_remove("CAPYCTL_ENGINE_RUNTIME")
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let info = loop {
+        if std::net::TcpStream::connect(addr).is_ok() {
+            break support::request(
+                addr,
+                "GET",
+                "/agent/v1/info",
+                &[("authorization", "Bearer host-token")],
+                b"",
+            );
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the host agent never listened"
+        );
+        assert!(child.try_wait().unwrap().is_none(), "it exited early");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(info.status, 200, "{info:?}");
+    let v = info.json();
+    assert_eq!(v["host_id"], "box-7", "{v:#}");
+    assert_eq!(v["engine_runtime"], "process", "{v:#}");
+    let refused = support::request(
+        addr,
+        "GET",
+        "/agent/v1/info",
+        &[("authorization", "Bearer wrong")],
+        b"",
+    );
+    assert_eq!(refused.status, 401, "{refused:?}");
+    support::signal(child.id(), "TERM");
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
 }

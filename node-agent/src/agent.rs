@@ -77,12 +77,15 @@ pub struct AgentConfig {
     pub timeouts: DriverTimeouts,
 }
 
+/// How long an engine may take to become ready after its start, by default.
+pub const DEFAULT_READY_TIMEOUT: Duration = Duration::from_secs(1800);
+
 impl AgentConfig {
     /// The defaults: ready 1800 s, wake window 600 s, grace 30 s, a sample a second.
     pub fn new(data_dir: impl Into<PathBuf>) -> Self {
         Self {
             data_dir: data_dir.into(),
-            ready_timeout: Duration::from_secs(1800),
+            ready_timeout: DEFAULT_READY_TIMEOUT,
             wake_window: Duration::from_secs(600),
             stop_grace: Duration::from_secs(30),
             sample_interval: Duration::from_secs(1),

@@ -85,6 +85,20 @@ pub enum EngineRuntime {
     Process,
 }
 
+impl Args {
+    /// The engine runtime: `--engine-runtime`, else `pod` inside a Kubernetes Pod and
+    /// `process` elsewhere (`capyctl start host` on a GPU box).
+    pub fn runtime(&self) -> EngineRuntime {
+        self.engine_runtime.unwrap_or_else(|| {
+            if std::env::var_os("KUBERNETES_SERVICE_HOST").is_some_and(|v| !v.is_empty()) {
+                EngineRuntime::Pod
+            } else {
+                EngineRuntime::Process
+            }
+        })
+    }
+}
+
 impl EngineRuntime {
     /// `pod` or `process` (what `GET /agent/v1/info` says).
     pub fn name(self) -> &'static str {
@@ -108,9 +122,10 @@ pub struct Args {
     /// The node's name (default: `NODE_NAME`, else the host's ID).
     #[arg(long, env = "NODE_NAME")]
     pub node_name: Option<String>,
-    /// How engines run.
-    #[arg(long, value_enum, default_value = "pod")]
-    pub engine_runtime: EngineRuntime,
+    /// How engines run [default: `pod` in a Kubernetes Pod (`KUBERNETES_SERVICE_HOST` set),
+    /// else `process`].
+    #[arg(long, value_enum, env = "CAPYCTL_ENGINE_RUNTIME")]
+    pub engine_runtime: Option<EngineRuntime>,
     /// Where the operator reaches the agent.
     #[arg(long, env = "CAPYCTL_AGENT_LISTEN", default_value = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
@@ -193,27 +208,36 @@ pub fn agent_token() -> Result<String, String> {
     }
 }
 
-/// Resolves on SIGTERM or SIGINT.
-pub async fn shutdown_signal() {
+/// Resolves on SIGTERM or SIGINT. NB: the handlers are installed when this is called, not when
+/// the future is first polled, so that a signal that comes while the agent starts up is not
+/// the default action's (an exit without stopping the engines). Call it in a runtime.
+pub fn shutdown_signal() -> impl Future<Output = ()> + Send + 'static {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
-                    _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
+        let term = signal(SignalKind::terminate());
+        let int = signal(SignalKind::interrupt());
+        async move {
+            match (term, int) {
+                (Ok(mut term), Ok(mut int)) => {
+                    tokio::select! {
+                        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+                        _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+                    }
                 }
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot watch SIGTERM; only SIGINT stops the agent");
-                let _ = tokio::signal::ctrl_c().await;
+                (term, int) => {
+                    let e = term.err().or(int.err());
+                    tracing::warn!(error = ?e, "cannot watch SIGTERM or SIGINT; only Ctrl-C stops the agent");
+                    let _ = tokio::signal::ctrl_c().await;
+                }
             }
         }
     }
     #[cfg(not(unix))]
     {
-        let _ = tokio::signal::ctrl_c().await;
+        async move {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }
 
@@ -256,9 +280,10 @@ async fn run_inner(
         .filter(|n| !n.is_empty())
         .unwrap_or_else(|| host.id.clone());
     let config = AgentConfig::new(&cli.data_dir);
-    let publish = cli.publish_host || cli.engine_runtime == EngineRuntime::Pod;
+    let runtime_kind = cli.runtime();
+    let publish = cli.publish_host || runtime_kind == EngineRuntime::Pod;
     let client = if publish {
-        let why = match cli.engine_runtime {
+        let why = match runtime_kind {
             EngineRuntime::Pod => "--engine-runtime pod",
             EngineRuntime::Process => "--publish-host",
         };
@@ -267,7 +292,7 @@ async fn run_inner(
         None
     };
     let data_dir_error = |e: AgentError| format!("data directory {}: {e}", cli.data_dir.display());
-    let runtime: Arc<dyn Runtime> = match (&client, cli.engine_runtime) {
+    let runtime: Arc<dyn Runtime> = match (&client, runtime_kind) {
         (Some((client, default_ns)), EngineRuntime::Pod) => {
             let namespace = std::env::var("POD_NAMESPACE")
                 .ok()
@@ -307,12 +332,12 @@ async fn run_inner(
         info: AgentInfo {
             node_name: node_name.clone(),
             host_id: host.id.clone(),
-            engine_runtime: cli.engine_runtime.name().into(),
+            engine_runtime: cli.runtime().name().into(),
             version: env!("CARGO_PKG_VERSION").into(),
-            timing: reported_timing(agent.config(), cli.engine_runtime),
+            timing: reported_timing(agent.config(), runtime_kind),
         },
     };
-    tracing::info!(%addr, node = %node_name, host = %host.id, runtime = cli.engine_runtime.name(), data_dir = %cli.data_dir.display(), "node agent serving");
+    tracing::info!(%addr, node = %node_name, host = %host.id, runtime = cli.runtime().name(), data_dir = %cli.data_dir.display(), "node agent serving");
 
     let (stopped_tx, mut stopped_rx) = tokio::sync::oneshot::channel::<()>();
     let dyn_agent: Arc<dyn HostAgent> = agent.clone();
@@ -416,7 +441,8 @@ mod tests {
         assert_eq!(a.file, PathBuf::from("host.yaml"));
         assert_eq!(a.set, ["lifecycle.activation=explicit"]);
         assert_eq!(a.node_name.as_deref(), Some("gpu-1"));
-        assert_eq!(a.engine_runtime, EngineRuntime::Process);
+        assert_eq!(a.engine_runtime, Some(EngineRuntime::Process));
+        assert_eq!(a.runtime(), EngineRuntime::Process);
         assert_eq!(a.listen, "127.0.0.1:9444".parse().unwrap());
         assert!(a.publish_host);
         assert!(Args::try_parse_from(["capyctl-node-agent"]).is_err());

@@ -23,7 +23,9 @@
 //! NB: label values are what the caller passes; the lifecycle passes deployment IDs (ULIDs), not
 //! names, so a re-deploy under the same name keeps one series.
 
+use std::collections::HashMap;
 use std::fmt;
+use std::sync::RwLock;
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -119,6 +121,18 @@ pub struct Metrics {
     queue_waiting: Family<DeploymentLabels, Gauge>,
     in_flight: Family<DeploymentLabels, Gauge>,
     kube_api: HistogramFamily<KubeApiLabels>,
+    /// Every request ends in [`Metrics::request`]: its counter and histogram, found once per
+    /// deployment and outcome, then reused without building label strings or looking through
+    /// the families (the handles share their values with the families' metrics, which are
+    /// never removed: only gauges are).
+    request_handles: RwLock<HashMap<String, RequestHandles>>,
+}
+
+/// One deployment's request metrics, as handles.
+struct RequestHandles {
+    wait: Histogram,
+    /// `(status, code)` and its counter; a few per deployment.
+    outcomes: Vec<(u16, Box<str>, Counter)>,
 }
 
 impl fmt::Debug for Metrics {
@@ -232,23 +246,65 @@ impl Metrics {
             queue_waiting,
             in_flight,
             kube_api,
+            request_handles: RwLock::new(HashMap::new()),
         }
     }
 
     /// One inference request ended with `status` and `code` (`ok` for a success, else the
     /// error's code) after waiting `waited` in CapyCTL: `capyctl_requests_total`,
-    /// `capyctl_request_wait_seconds`.
+    /// `capyctl_request_wait_seconds`. On the request path: after the first request of a
+    /// deployment and outcome, a read lock, a lookup by the deployment and two atomic updates.
     pub fn request(&self, deployment: &str, status: u16, code: &str, waited: Duration) {
-        self.requests
-            .get_or_create(&RequestLabels {
-                deployment: deployment.to_string(),
-                status: status.to_string(),
-                code: code.to_string(),
-            })
-            .inc();
-        self.request_wait
-            .get_or_create(&self::deployment(deployment))
-            .observe(waited.as_secs_f64());
+        {
+            let handles = self
+                .request_handles
+                .read()
+                .unwrap_or_else(|e| e.into_inner());
+            if let Some(h) = handles.get(deployment)
+                && let Some((_, _, counter)) = h
+                    .outcomes
+                    .iter()
+                    .find(|(s, c, _)| *s == status && &**c == code)
+            {
+                counter.inc();
+                h.wait.observe(waited.as_secs_f64());
+                return;
+            }
+        }
+        let mut handles = self
+            .request_handles
+            .write()
+            .unwrap_or_else(|e| e.into_inner());
+        let h = handles
+            .entry(deployment.to_string())
+            .or_insert_with(|| RequestHandles {
+                wait: self
+                    .request_wait
+                    .get_or_create(&self::deployment(deployment))
+                    .clone(),
+                outcomes: Vec::new(),
+            });
+        let counter = match h
+            .outcomes
+            .iter()
+            .find(|(s, c, _)| *s == status && &**c == code)
+        {
+            Some((_, _, counter)) => counter.clone(),
+            None => {
+                let counter = self
+                    .requests
+                    .get_or_create(&RequestLabels {
+                        deployment: deployment.to_string(),
+                        status: status.to_string(),
+                        code: code.to_string(),
+                    })
+                    .clone();
+                h.outcomes.push((status, code.into(), counter.clone()));
+                counter
+            }
+        };
+        counter.inc();
+        h.wait.observe(waited.as_secs_f64());
     }
 
     /// A switch ended with `outcome` after `phases` (`window`, `drain`, `release`,
@@ -401,6 +457,34 @@ mod tests {
         assert!(
             text.contains(r#"capyctl_requests_total{deployment="01K""#),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn repeated_requests_count_through_the_cached_handles() {
+        let m = Metrics::new();
+        for _ in 0..3 {
+            m.request("01K", 200, "ok", Duration::from_millis(1));
+        }
+        m.request("01K", 429, "queue_full", Duration::from_millis(2));
+        m.request("01J", 200, "ok", Duration::from_millis(1));
+        m.request("01K", 200, "ok", Duration::from_millis(1));
+        let text = m.encode();
+        for needle in [
+            r#"capyctl_requests_total{deployment="01K",status="200",code="ok"} 4"#,
+            r#"capyctl_requests_total{deployment="01K",status="429",code="queue_full"} 1"#,
+            r#"capyctl_requests_total{deployment="01J",status="200",code="ok"} 1"#,
+            r#"capyctl_request_wait_seconds_count{deployment="01K"} 5"#,
+            r#"capyctl_request_wait_seconds_count{deployment="01J"} 1"#,
+        ] {
+            assert!(text.contains(needle), "{needle} missing in:\n{text}");
+        }
+        // Forgetting a deployment's gauges leaves its counters (and their handles) alone.
+        m.forget_deployment("01K");
+        m.request("01K", 200, "ok", Duration::from_millis(1));
+        assert!(
+            m.encode()
+                .contains(r#"capyctl_requests_total{deployment="01K",status="200",code="ok"} 5"#)
         );
     }
 

@@ -146,8 +146,19 @@ pub fn router_config(config: &StandaloneConfig) -> RouterConfig {
         max_pending_per_deployment: q.max_pending_per_deployment as usize,
         max_pending_total: q.max_pending_total as usize,
         max_buffered_bytes_total: q.max_buffered_bytes_total,
+        execute_timeout: execute_timeout(&config.server),
         ..RouterConfig::default()
     }
+}
+
+/// The router's bound on a switch's execution, which only catches a lifecycle that never
+/// answers: a cold start's ready timeout plus a wake window and a drain, for the parks before
+/// it, and a minute to spare (the request deadline bounds what a request waits anyway).
+pub fn execute_timeout(server: &capyctl_crds::settings::ServerConfig) -> Duration {
+    capyctl_node_agent::agent::DEFAULT_READY_TIMEOUT
+        + server.switching.wake_timeout
+        + server.switching.drain_timeout
+        + Duration::from_secs(60)
 }
 
 /// The inference listener's settings from the standalone document.

@@ -1156,3 +1156,22 @@ async fn preinitialize_measures_and_parks_without_serving() {
     );
     h.shutdown().await;
 }
+
+#[tokio::test]
+async fn the_listener_resolves_names_deployed_and_deleted_after_it_started() {
+    use capyctl_router::admission::Admission;
+    let dir = temp_dir("names");
+    let h = Harness::new(&dir, Opts::default()).await;
+    let admission = h.server.admission(h.router.clone());
+    let a = h.server.deploy(doc("chat-a", "")).await.unwrap();
+    assert_eq!(admission.resolve("chat-a").unwrap().id, a.deployment.id);
+    assert!(admission.resolve("chat-b").is_none());
+    // Deployed after the names were first read: found at once.
+    let b = h.server.deploy(doc("chat-b", "")).await.unwrap();
+    assert_eq!(admission.resolve("chat-b").unwrap().id, b.deployment.id);
+    // Deleted: gone at once.
+    h.server.delete("chat-a").await.unwrap();
+    assert!(admission.resolve("chat-a").is_none());
+    assert_eq!(admission.resolve("chat-b").unwrap().name, "chat-b");
+    h.close().await;
+}

@@ -253,7 +253,10 @@ async fn execute_parks_the_victims_then_starts_the_target() {
     let a = ready(&s, "a").await;
     let b = s.get("b").await.unwrap().id;
     let plan = s.plan(&b, &BTreeSet::new()).await.unwrap();
-    let Plan::Switch { switch_id, victims } = plan else {
+    let Plan::Switch {
+        switch_id, victims, ..
+    } = plan
+    else {
         panic!("expected a switch");
     };
     assert_eq!(victims[0].deployment, a);
@@ -283,7 +286,10 @@ async fn execute_parks_the_victims_then_starts_the_target() {
     );
     // A cut before output: the victim is stopped, not parked.
     let plan = s.plan(&a, &BTreeSet::new()).await.unwrap();
-    let Plan::Switch { switch_id, victims } = plan else {
+    let Plan::Switch {
+        switch_id, victims, ..
+    } = plan
+    else {
         panic!("expected a switch");
     };
     s.execute(SwitchOrder {

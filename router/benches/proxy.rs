@@ -52,17 +52,32 @@ The router against a direct connection to the engine, side by side (medians of a
 
 usage: cargo bench -p capyctl-router --bench proxy -- [options]
 
-  (no options)             1 and 32 clients, streamed and not, engine-sim and a canned upstream (~40 s)
-  --seconds S              length of one segment per side (default 0.8)
-  --rounds N               alternating rounds per case (default 3)
+  (no options)             1 and 32 clients, streamed and not, engine-sim and a canned upstream (~90 s)
+  --seconds S              length of one segment per side (default 1.0)
+  --rounds N               alternating rounds per case (default 5)
   --clients 1,32           concurrent clients, comma-separated
   --admission A            coordinator (default: the real switch coordinator) | trivial
+  --no-observer            without the server's request observer and use tracking (default: with
+                           equivalents of the operator's, as production runs)
   --upstream U             both (default) | sim | canned
-  --router-threads N       the router's worker threads (default 2; 0: a current-thread runtime)
+  --router-threads N       worker threads of the runtime the router is started on (default 2; 0: a
+                           current-thread runtime)
+  --listener-threads N     the listener's own threads (ProxyConfig::listener_threads; default: the
+                           router's default, one per CPU; 0: on the router's runtime)
+  --sim-threads N          the engine's worker threads (default 2)
+  --load-threads N         the load generator's worker threads (default 0: one current-thread runtime)
+  --profile N              only N requests through the router (first --clients value, --stream for
+                           streamed) and the router's CPU per request; for callgrind
+  --stream                 for --profile
   --memory                 the router's RSS with --waiting requests waiting for a parked deployment
                            (the clients run in a child process)
   --waiting N              for --memory (default 4096)
-  -h, --help               this text";
+  -h, --help               this text
+
+Each case opens its clients' keep-alive connections once and warms them all together
+(20 requests each) before its first round. Besides latency and throughput it prints the CPU time
+(user and kernel, from /proc/self/task/*/schedstat) and the context switches of the router's
+threads per request: figures that a loaded machine disturbs much less than wall-clock ones.";
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum AdmissionKind {
@@ -75,9 +90,15 @@ struct Args {
     rounds: usize,
     clients: Vec<usize>,
     admission: AdmissionKind,
+    observer: bool,
     memory: bool,
     waiting: usize,
     router_threads: usize,
+    listener_threads: Option<usize>,
+    sim_threads: usize,
+    load_threads: usize,
+    profile: Option<usize>,
+    stream: bool,
     upstream: String,
     /// `--memory-clients ADDR N`: the client side of `--memory` (a child process).
     memory_clients: Option<(SocketAddr, usize)>,
@@ -85,21 +106,30 @@ struct Args {
 
 fn args() -> Args {
     let mut args = Args {
-        seconds: 0.8,
-        rounds: 3,
+        seconds: 1.0,
+        rounds: 5,
         clients: vec![1, 32],
         admission: AdmissionKind::Coordinator,
+        observer: true,
         memory: false,
         waiting: 4096,
         router_threads: 2,
+        listener_threads: None,
+        sim_threads: 2,
+        load_threads: 0,
+        profile: None,
+        stream: false,
         upstream: "both".to_string(),
         memory_clients: None,
     };
     let mut it = std::env::args().skip(1);
+    let number = |it: &mut std::iter::Skip<std::env::Args>, default: usize| {
+        it.next().and_then(|v| v.parse().ok()).unwrap_or(default)
+    };
     while let Some(arg) = it.next() {
         match arg.as_str() {
             "--seconds" => args.seconds = it.next().and_then(|v| v.parse().ok()).unwrap_or(1.0),
-            "--rounds" => args.rounds = it.next().and_then(|v| v.parse().ok()).unwrap_or(3),
+            "--rounds" => args.rounds = number(&mut it, 5),
             "--clients" => {
                 args.clients = it
                     .next()
@@ -114,12 +144,16 @@ fn args() -> Args {
                     _ => AdmissionKind::Coordinator,
                 };
             }
+            "--no-observer" => args.observer = false,
             "--memory" => args.memory = true,
             "--upstream" => args.upstream = it.next().unwrap_or_default(),
-            "--router-threads" => {
-                args.router_threads = it.next().and_then(|v| v.parse().ok()).unwrap_or(2);
-            }
-            "--waiting" => args.waiting = it.next().and_then(|v| v.parse().ok()).unwrap_or(4096),
+            "--router-threads" => args.router_threads = number(&mut it, 2),
+            "--listener-threads" => args.listener_threads = Some(number(&mut it, 0)),
+            "--sim-threads" => args.sim_threads = number(&mut it, 2),
+            "--load-threads" => args.load_threads = number(&mut it, 0),
+            "--profile" => args.profile = Some(number(&mut it, 1000)),
+            "--stream" => args.stream = true,
+            "--waiting" => args.waiting = number(&mut it, 4096),
             "--memory-clients" => {
                 let addr = it.next().and_then(|v| v.parse().ok());
                 let n = it.next().and_then(|v| v.parse().ok());
@@ -134,6 +168,14 @@ fn args() -> Args {
         }
     }
     args
+}
+
+fn listener_threads_note(args: &Args) -> String {
+    match args.listener_threads {
+        Some(0) => String::new(),
+        Some(n) => format!(", listener on {n} thread(s) of its own"),
+        None => ", listener threads: the default".to_string(),
+    }
 }
 
 /// A runtime of `threads` workers, or with 0 a current-thread runtime on a thread of its own
@@ -399,11 +441,29 @@ impl http_body::Body for Canned {
     }
 }
 
+/// How the router side is put together (copied into the router's runtime).
+#[derive(Clone, Copy)]
+struct Setup {
+    kind: AdmissionKind,
+    observer: bool,
+    listener_threads: Option<usize>,
+}
+
+impl Setup {
+    fn of(args: &Args) -> Self {
+        Setup {
+            kind: args.admission,
+            observer: args.observer,
+            listener_threads: args.listener_threads,
+        }
+    }
+}
+
 /// Starts the proxy (on the current runtime); returns its address and, with the coordinator,
 /// its handle.
 async fn start_proxy(
     sim: SocketAddr,
-    kind: AdmissionKind,
+    setup: Setup,
     router_config: RouterConfig,
 ) -> (SocketAddr, Option<CoordinatorHandle>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -413,18 +473,312 @@ async fn start_proxy(
         max_body_bytes: router_config.max_buffered_bytes_total,
         ..ProxyConfig::default()
     };
-    match kind {
+    let config = with_listener_threads(config, setup.listener_threads);
+    fn go<A: Admission>(listener: TcpListener, admission: A, config: ProxyConfig, observer: bool) {
+        let mut proxy = Proxy::new(admission, catalog, config);
+        if observer {
+            proxy = proxy.with_observer(Arc::new(server_like::Metrics::default()));
+        }
+        tokio::spawn(serve(listener, proxy, std::future::pending()));
+    }
+    match setup.kind {
         AdmissionKind::Trivial => {
-            let proxy = Proxy::new(Trivial(Arc::new(upstream(sim))), catalog, config);
-            tokio::spawn(serve(listener, proxy, std::future::pending()));
+            go(
+                listener,
+                Trivial(Arc::new(upstream(sim))),
+                config,
+                setup.observer,
+            );
             (addr, None)
         }
         AdmissionKind::Coordinator => {
             let handle = Coordinator::spawn(Arc::new(BenchLifecycle), router_config);
             handle.instance_ready(upstream(sim)).await;
-            let proxy = Proxy::new(handle.clone(), catalog, config);
-            tokio::spawn(serve(listener, proxy, std::future::pending()));
+            if setup.observer {
+                let tracked = server_like::Tracked::new(handle.clone());
+                go(listener, tracked, config, true);
+            } else {
+                go(listener, handle.clone(), config, false);
+            }
             (addr, Some(handle))
+        }
+    }
+}
+
+fn with_listener_threads(mut config: ProxyConfig, threads: Option<usize>) -> ProxyConfig {
+    if let Some(n) = threads {
+        config.listener_threads = n;
+    }
+    config
+}
+
+/// What the server (`capyctl-operator`) adds to every request, rebuilt here because the bench
+/// cannot depend on the operator (it depends on this crate): its `Admission` wrapper
+/// (`TrackedAdmission`: the name lookup through a cache, the deployment's last use recorded at
+/// the start and the end) and its request observer (`Metrics`: a request counter by
+/// deployment, status and code, and the wait histogram, through handles cached per
+/// deployment). Keep it in step with `operator/src/lifecycle/mod.rs` and
+/// `operator/src/metrics.rs`.
+mod server_like {
+    use std::collections::HashMap;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex, RwLock};
+    use std::time::Duration;
+
+    use tokio::sync::watch;
+
+    use capyctl_crds::errors::ApiError;
+    use capyctl_router::admission::{Admission, Permit};
+    use capyctl_router::coordinator::{CoordinatorHandle, CoordinatorPermit};
+    use capyctl_router::lifecycle::{DeploymentRef, Upstream};
+    use capyctl_router::observe::{RequestEvent, RequestObserver};
+    use prometheus_client::encoding::EncodeLabelSet;
+    use prometheus_client::metrics::counter::Counter;
+    use prometheus_client::metrics::family::Family;
+    use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+    use tokio::time::Instant;
+
+    /// When a deployment's use was last written into the lifecycle's record.
+    #[derive(Default)]
+    struct Use {
+        recorded: AtomicU64,
+    }
+
+    type Names = HashMap<String, (DeploymentRef, Arc<Use>)>;
+
+    /// The lifecycle as the request path sees it: its change counter and its mutex-held
+    /// records of each deployment's last use.
+    struct Lifecycle {
+        changes: watch::Sender<u64>,
+        last_used: Mutex<HashMap<String, Instant>>,
+    }
+
+    struct NameCache {
+        base: Instant,
+        names: RwLock<(watch::Receiver<u64>, Names)>,
+    }
+
+    /// `TrackedAdmission`.
+    #[derive(Clone)]
+    pub struct Tracked {
+        inner: CoordinatorHandle,
+        lifecycle: Arc<Lifecycle>,
+        names: Arc<NameCache>,
+    }
+
+    impl Tracked {
+        pub fn new(inner: CoordinatorHandle) -> Self {
+            let (changes, seen) = watch::channel(0);
+            let mut names = HashMap::new();
+            let mut last_used = HashMap::new();
+            for (name, id) in [
+                (super::MODEL, super::DEPLOYMENT),
+                (super::PARKED, super::PARKED_DEPLOYMENT),
+            ] {
+                let dref = DeploymentRef {
+                    id: id.to_string(),
+                    name: name.to_string(),
+                };
+                names.insert(name.to_string(), (dref, Arc::default()));
+                last_used.insert(id.to_string(), Instant::now());
+            }
+            Tracked {
+                inner,
+                lifecycle: Arc::new(Lifecycle {
+                    changes,
+                    last_used: Mutex::new(last_used),
+                }),
+                names: Arc::new(NameCache {
+                    base: Instant::now(),
+                    names: RwLock::new((seen, names)),
+                }),
+            }
+        }
+    }
+
+    impl NameCache {
+        fn get(&self, model: &str) -> Option<(DeploymentRef, Arc<Use>)> {
+            let names = self.names.read().unwrap();
+            // The operator rebuilds the map when this says so (never, here).
+            assert!(!names.0.has_changed().unwrap_or(true));
+            names.1.get(model).map(|(d, u)| (d.clone(), Arc::clone(u)))
+        }
+
+        fn used(&self, deployment: &DeploymentRef) -> Arc<Use> {
+            let names = self.names.read().unwrap();
+            match names.1.get(&deployment.name) {
+                Some((d, used)) if d.id == deployment.id => Arc::clone(used),
+                _ => Arc::default(),
+            }
+        }
+
+        fn touch(&self, lifecycle: &Lifecycle, deployment: &str, used: &Use) {
+            let now = u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            let last = used.recorded.load(Ordering::Relaxed);
+            if last != 0 && now.saturating_sub(last) < 100_000_000 {
+                return;
+            }
+            if used
+                .recorded
+                .compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+                && let Some(at) = lifecycle.last_used.lock().unwrap().get_mut(deployment)
+            {
+                *at = Instant::now();
+            }
+        }
+    }
+
+    pub struct TrackedPermit {
+        inner: CoordinatorPermit,
+        lifecycle: Arc<Lifecycle>,
+        names: Arc<NameCache>,
+        used: Arc<Use>,
+    }
+
+    impl Admission for Tracked {
+        type Permit = TrackedPermit;
+
+        fn resolve(&self, model: &str) -> Option<DeploymentRef> {
+            self.names.get(model).map(|(d, _)| d)
+        }
+
+        async fn admit(
+            &self,
+            deployment: DeploymentRef,
+            body_bytes: u64,
+            deadline: Instant,
+        ) -> Result<TrackedPermit, ApiError> {
+            let used = self.names.used(&deployment);
+            let inner = self.inner.admit(deployment, body_bytes, deadline).await?;
+            self.names
+                .touch(&self.lifecycle, &inner.upstream().key.deployment, &used);
+            let _ = &self.lifecycle.changes;
+            Ok(TrackedPermit {
+                inner,
+                lifecycle: Arc::clone(&self.lifecycle),
+                names: Arc::clone(&self.names),
+                used,
+            })
+        }
+    }
+
+    impl Permit for TrackedPermit {
+        fn upstream(&self) -> &Upstream {
+            self.inner.upstream()
+        }
+        fn first_output(&self) {
+            self.inner.first_output();
+        }
+        fn cut(&self) {
+            self.inner.cut();
+        }
+    }
+
+    impl Drop for TrackedPermit {
+        fn drop(&mut self) {
+            let id = &self.inner.upstream().key.deployment;
+            self.names.touch(&self.lifecycle, id, &self.used);
+        }
+    }
+
+    #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+    struct RequestLabels {
+        deployment: String,
+        status: String,
+        code: String,
+    }
+
+    #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+    struct DeploymentLabels {
+        deployment: String,
+    }
+
+    struct Handles {
+        wait: Histogram,
+        outcomes: Vec<(u16, Box<str>, Counter)>,
+    }
+
+    /// `Metrics` as the request observer.
+    pub struct Metrics {
+        requests: Family<RequestLabels, Counter>,
+        request_wait: Family<DeploymentLabels, Histogram, fn() -> Histogram>,
+        handles: RwLock<HashMap<String, Handles>>,
+    }
+
+    fn seconds_histogram() -> Histogram {
+        Histogram::new(exponential_buckets(0.001, 2.0, 20))
+    }
+
+    impl Default for Metrics {
+        fn default() -> Self {
+            Metrics {
+                requests: Family::default(),
+                request_wait: Family::new_with_constructor(seconds_histogram as fn() -> Histogram),
+                handles: RwLock::new(HashMap::new()),
+            }
+        }
+    }
+
+    impl Metrics {
+        fn record(&self, deployment: &str, status: u16, code: &str, waited: Duration) {
+            {
+                let handles = self.handles.read().unwrap();
+                if let Some(h) = handles.get(deployment)
+                    && let Some((_, _, counter)) = h
+                        .outcomes
+                        .iter()
+                        .find(|(s, c, _)| *s == status && &**c == code)
+                {
+                    counter.inc();
+                    h.wait.observe(waited.as_secs_f64());
+                    return;
+                }
+            }
+            let mut handles = self.handles.write().unwrap();
+            let h = handles
+                .entry(deployment.to_string())
+                .or_insert_with(|| Handles {
+                    wait: self
+                        .request_wait
+                        .get_or_create(&DeploymentLabels {
+                            deployment: deployment.to_string(),
+                        })
+                        .clone(),
+                    outcomes: Vec::new(),
+                });
+            let counter = match h
+                .outcomes
+                .iter()
+                .find(|(s, c, _)| *s == status && &**c == code)
+            {
+                Some((_, _, counter)) => counter.clone(),
+                None => {
+                    let counter = self
+                        .requests
+                        .get_or_create(&RequestLabels {
+                            deployment: deployment.to_string(),
+                            status: status.to_string(),
+                            code: code.to_string(),
+                        })
+                        .clone();
+                    h.outcomes.push((status, code.into(), counter.clone()));
+                    counter
+                }
+            };
+            counter.inc();
+            h.wait.observe(waited.as_secs_f64());
+        }
+    }
+
+    impl RequestObserver for Metrics {
+        fn finished(&self, event: &RequestEvent) {
+            self.record(
+                event.deployment_id.as_deref().unwrap_or("-"),
+                event.status,
+                event.code.unwrap_or("ok"),
+                event.waited,
+            );
         }
     }
 }
@@ -447,6 +801,12 @@ struct Figures {
     p50_ms: f64,
     p99_ms: f64,
     tokens_per_s: f64,
+    /// CPU time (user and kernel) of the router's threads per request, in microseconds.
+    router_cpu_us: f64,
+    /// Context switches of the router's threads per request.
+    router_switches: f64,
+    /// CPU time of the engine's threads per request, in microseconds.
+    engine_cpu_us: f64,
 }
 
 type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
@@ -480,51 +840,95 @@ async fn one(sender: &mut Sender, body: &Bytes) -> (Duration, u64) {
     (elapsed, events.saturating_sub(2))
 }
 
-/// Runs `case` against `addr` for `seconds` on fresh keep-alive connections.
-async fn segment(addr: SocketAddr, case: Case, seconds: f64) -> Figures {
+/// The clients of one case on one side: keep-alive connections opened once and warmed
+/// together (so that the router's pool holds a connection per client before anything is
+/// measured), then used by every round of the case.
+async fn open_clients(addr: SocketAddr, case: Case) -> Vec<Sender> {
     let body = body(MODEL, case.stream);
     let mut senders = Vec::new();
     for _ in 0..case.clients {
         senders.push(connect(addr).await);
     }
-    // Warm the connections (and the router's pool).
-    for sender in &mut senders {
-        one(sender, &body).await;
-    }
-    let stop = Arc::new(AtomicBool::new(false));
-    let start = Instant::now();
     let tasks: Vec<_> = senders
         .into_iter()
         .map(|mut sender| {
             let body = body.clone();
-            let stop = Arc::clone(&stop);
+            tokio::spawn(async move {
+                for _ in 0..WARM_REQUESTS {
+                    one(&mut sender, &body).await;
+                }
+                sender
+            })
+        })
+        .collect();
+    let mut senders = Vec::new();
+    for task in tasks {
+        senders.push(task.await.unwrap());
+    }
+    senders
+}
+
+/// Requests each client sends, all clients at once, before a case is measured.
+const WARM_REQUESTS: usize = 20;
+
+/// How a segment ends: after a time, or after a number of requests (split over the clients).
+#[derive(Clone, Copy)]
+enum Stop {
+    After(Duration),
+    Requests(usize),
+}
+
+/// Runs `case` on `senders` until `stop`; the senders come back for the next round.
+async fn segment(senders: &mut Vec<Sender>, case: Case, stop: Stop) -> Figures {
+    let body = body(MODEL, case.stream);
+    let router_before = threads_cpu(ROUTER_THREADS);
+    let engine_before = threads_cpu(&["engine-sim"]);
+    let done = Arc::new(AtomicBool::new(false));
+    let clients = senders.len();
+    let start = Instant::now();
+    let tasks: Vec<_> = senders
+        .drain(..)
+        .enumerate()
+        .map(|(i, mut sender)| {
+            let body = body.clone();
+            let done = Arc::clone(&done);
+            let quota = match stop {
+                Stop::Requests(n) => n / clients + usize::from(i < n % clients),
+                Stop::After(_) => usize::MAX,
+            };
             tokio::spawn(async move {
                 let mut latencies = Vec::with_capacity(1 << 14);
                 let mut tokens = 0;
-                while !stop.load(Ordering::Relaxed) {
+                while !done.load(Ordering::Relaxed) && latencies.len() < quota {
                     let (latency, t) = one(&mut sender, &body).await;
                     latencies.push(latency);
                     tokens += t;
                 }
-                (latencies, tokens)
+                (sender, latencies, tokens)
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_secs_f64(seconds)).await;
-    stop.store(true, Ordering::Relaxed);
+    if let Stop::After(d) = stop {
+        tokio::time::sleep(d).await;
+        done.store(true, Ordering::Relaxed);
+    }
     let mut latencies = Vec::new();
     let mut tokens = 0;
     for task in tasks {
-        let (l, t) = task.await.unwrap();
+        let (sender, l, t) = task.await.unwrap();
+        senders.push(sender);
         latencies.extend(l);
         tokens += t;
     }
     let elapsed = start.elapsed().as_secs_f64();
+    let router = threads_cpu(ROUTER_THREADS).since(router_before);
+    let engine = threads_cpu(&["engine-sim"]).since(engine_before);
     latencies.sort_unstable();
     let at = |q: f64| {
         let i = ((latencies.len() as f64 - 1.0) * q).round() as usize;
         latencies.get(i).map_or(0.0, |d| d.as_secs_f64() * 1000.0)
     };
+    let n = latencies.len().max(1) as f64;
     Figures {
         rps: latencies.len() as f64 / elapsed,
         p50_ms: at(0.50),
@@ -534,7 +938,91 @@ async fn segment(addr: SocketAddr, case: Case, seconds: f64) -> Figures {
         } else {
             0.0
         },
+        router_cpu_us: router.cpu_ns as f64 / 1000.0 / n,
+        router_switches: router.switches as f64 / n,
+        engine_cpu_us: engine.cpu_ns as f64 / 1000.0 / n,
     }
+}
+
+/// One client sends a direct and a routed request in turn (which goes first alternates) for
+/// `length`: the median of the routed-minus-direct latency of each pair, and the difference of
+/// the two sides' p50, in milliseconds.
+async fn paired(
+    direct: &mut Sender,
+    routed: &mut Sender,
+    case: Case,
+    length: Duration,
+) -> (f64, f64) {
+    let body = body(MODEL, case.stream);
+    let end = Instant::now() + length;
+    let mut diffs = Vec::new();
+    let mut d_all = Vec::new();
+    let mut r_all = Vec::new();
+    let mut i = 0u64;
+    while Instant::now() < end {
+        let (d, r) = if i.is_multiple_of(2) {
+            let d = one(direct, &body).await.0;
+            (d, one(routed, &body).await.0)
+        } else {
+            let r = one(routed, &body).await.0;
+            (one(direct, &body).await.0, r)
+        };
+        i += 1;
+        diffs.push((r.as_secs_f64() - d.as_secs_f64()) * 1000.0);
+        d_all.push(d.as_secs_f64() * 1000.0);
+        r_all.push(r.as_secs_f64() * 1000.0);
+    }
+    (median(diffs), median(r_all) - median(d_all))
+}
+
+/// The router's threads: the runtime the bench starts it on (`router`) and the listener's own
+/// threads (`capyctl-proxy-N`).
+const ROUTER_THREADS: &[&str] = &["router", "capyctl-proxy"];
+
+/// CPU time and context switches of a set of threads, from `/proc/self/task`.
+#[derive(Default, Clone, Copy)]
+struct Cpu {
+    cpu_ns: u64,
+    switches: u64,
+}
+
+impl Cpu {
+    fn since(self, before: Cpu) -> Cpu {
+        Cpu {
+            cpu_ns: self.cpu_ns.saturating_sub(before.cpu_ns),
+            switches: self.switches.saturating_sub(before.switches),
+        }
+    }
+}
+
+/// The CPU time (`schedstat`: nanoseconds on a CPU, user and kernel) and the context switches
+/// of this process's threads whose name begins with one of `prefixes`. Threads that ended
+/// meanwhile are not counted (the runtimes' threads live as long as the process).
+fn threads_cpu(prefixes: &[&str]) -> Cpu {
+    let mut total = Cpu::default();
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return total;
+    };
+    for task in tasks.flatten() {
+        let path = task.path();
+        let comm = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
+        if !prefixes.iter().any(|p| comm.starts_with(p)) {
+            continue;
+        }
+        let schedstat = std::fs::read_to_string(path.join("schedstat")).unwrap_or_default();
+        total.cpu_ns += schedstat
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+        let status = std::fs::read_to_string(path.join("status")).unwrap_or_default();
+        total.switches += status
+            .lines()
+            .filter(|l| l.contains("ctxt_switches:"))
+            .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .sum::<u64>();
+    }
+    total
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -543,11 +1031,15 @@ fn median(mut values: Vec<f64>) -> f64 {
 }
 
 fn medians(runs: &[Figures]) -> Figures {
+    let m = |f: fn(&Figures) -> f64| median(runs.iter().map(f).collect());
     Figures {
-        rps: median(runs.iter().map(|f| f.rps).collect()),
-        p50_ms: median(runs.iter().map(|f| f.p50_ms).collect()),
-        p99_ms: median(runs.iter().map(|f| f.p99_ms).collect()),
-        tokens_per_s: median(runs.iter().map(|f| f.tokens_per_s).collect()),
+        rps: m(|f| f.rps),
+        p50_ms: m(|f| f.p50_ms),
+        p99_ms: m(|f| f.p99_ms),
+        tokens_per_s: m(|f| f.tokens_per_s),
+        router_cpu_us: m(|f| f.router_cpu_us),
+        router_switches: m(|f| f.router_switches),
+        engine_cpu_us: m(|f| f.engine_cpu_us),
     }
 }
 
@@ -573,9 +1065,9 @@ fn main() {
         memory_clients(router, waiting);
         return;
     }
-    let sim_rt = runtime("engine-sim", 2);
+    let sim_rt = runtime("engine-sim", args.sim_threads);
     let proxy_rt = runtime("router", args.router_threads);
-    let load_rt = runtime("load", 2);
+    let load_rt = runtime("load", args.load_threads);
     let sim = run(&sim_rt, start_sim());
 
     if args.memory {
@@ -593,23 +1085,64 @@ fn main() {
             run(&sim_rt, start_canned()),
         ));
     }
+    let threads = |n: usize| match n {
+        0 => "a current-thread runtime".to_string(),
+        n => format!("{n} worker threads"),
+    };
     println!(
-        "router benchmark: {TOKENS} tokens per answer, {} rounds of {:.1} s per side, router on {}, admission: {}",
-        args.rounds,
-        args.seconds,
-        match args.router_threads {
-            0 => "a current-thread runtime".to_string(),
-            n => format!("{n} worker threads"),
-        },
+        "router benchmark: {TOKENS} tokens per answer; engine on {}, load on {}, router started on {}{}; admission: {}, observer: {}; {} CPU(s)",
+        threads(args.sim_threads),
+        threads(args.load_threads),
+        threads(args.router_threads),
+        listener_threads_note(&args),
         match args.admission {
             AdmissionKind::Coordinator => "coordinator",
             AdmissionKind::Trivial => "trivial",
-        }
+        },
+        if args.observer {
+            "like the server's"
+        } else {
+            "none"
+        },
+        std::thread::available_parallelism().map_or(0, usize::from),
+    );
+    if let Some(n) = args.profile {
+        let upstream = upstreams.first().map(|u| u.1).unwrap();
+        let (router, _handle) = run(
+            &proxy_rt,
+            start_proxy(upstream, Setup::of(&args), RouterConfig::default()),
+        );
+        let case = Case {
+            clients: args.clients.first().copied().unwrap_or(1),
+            stream: args.stream,
+        };
+        let f = run(&load_rt, async move {
+            let mut senders = open_clients(router, case).await;
+            segment(&mut senders, case, Stop::Requests(n)).await
+        });
+        println!(
+            "profile: {n} requests through the router, {} client(s), {}: {:.0} req/s, router {:.1} µs CPU and {:.2} context switches per request, engine {:.1} µs",
+            case.clients,
+            if case.stream {
+                "streamed"
+            } else {
+                "not streamed"
+            },
+            f.rps,
+            f.router_cpu_us,
+            f.router_switches,
+            f.engine_cpu_us,
+        );
+        return;
+    }
+    println!(
+        "{} rounds of {:.1} s per side and case, alternating; medians",
+        args.rounds, args.seconds
     );
     for (name, upstream) in upstreams {
         let (router, _handle) = run(
             &proxy_rt,
-            start_proxy(upstream, args.admission, RouterConfig::default()),
+            start_proxy(upstream, Setup::of(&args), RouterConfig::default()),
         );
         println!("== {name}");
         let mut cases = Vec::new();
@@ -632,22 +1165,37 @@ async fn compare(
     rounds: usize,
     seconds: f64,
 ) {
-    // Warm-up: both paths, every connection pool.
-    for case in &cases {
-        segment(direct_addr, *case, 0.1).await;
-        segment(router, *case, 0.1).await;
-    }
+    let length = Stop::After(Duration::from_secs_f64(seconds));
     for case in cases {
+        let mut direct_clients = open_clients(direct_addr, case).await;
+        let mut routed_clients = open_clients(router, case).await;
         let mut direct = Vec::new();
         let mut routed = Vec::new();
         for round in 0..rounds {
             // Alternate which side goes first.
             if round % 2 == 0 {
-                direct.push(segment(direct_addr, case, seconds).await);
-                routed.push(segment(router, case, seconds).await);
+                direct.push(segment(&mut direct_clients, case, length).await);
+                routed.push(segment(&mut routed_clients, case, length).await);
             } else {
-                routed.push(segment(router, case, seconds).await);
-                direct.push(segment(direct_addr, case, seconds).await);
+                routed.push(segment(&mut routed_clients, case, length).await);
+                direct.push(segment(&mut direct_clients, case, length).await);
+            }
+        }
+        // One client: also request by request, a direct one and a routed one in turn, so that
+        // what the machine's other work does to both is the same; the median of the per-pair
+        // differences is what the router adds.
+        let mut pairs = Vec::new();
+        if case.clients == 1 {
+            for _ in 0..rounds {
+                pairs.push(
+                    paired(
+                        &mut direct_clients[0],
+                        &mut routed_clients[0],
+                        case,
+                        Duration::from_secs_f64(seconds),
+                    )
+                    .await,
+                );
             }
         }
         let d = medians(&direct);
@@ -674,6 +1222,21 @@ async fn compare(
             r.p50_ms - d.p50_ms,
             r.p99_ms - d.p99_ms
         );
+        println!(
+            "    CPU per request: router {:.1} µs ({:.2} context switches), engine {:.1} µs direct / {:.1} µs routed",
+            r.router_cpu_us, r.router_switches, d.engine_cpu_us, r.engine_cpu_us
+        );
+        if !pairs.is_empty() {
+            let added: Vec<f64> = pairs.iter().map(|p| p.0).collect();
+            let p50s: Vec<f64> = pairs.iter().map(|p| p.1).collect();
+            println!(
+                "    paired, request by request: added {:.3} ms (median of per-pair differences; rounds {:.3}–{:.3}), added p50 {:.3} ms",
+                median(added.clone()),
+                added.iter().copied().fold(f64::INFINITY, f64::min),
+                added.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+                median(p50s),
+            );
+        }
     }
 }
 
@@ -690,7 +1253,15 @@ fn memory(args: &Args, sim: SocketAddr, proxy_rt: &Handle) {
     };
     let (router, handle) = run(
         proxy_rt,
-        start_proxy(sim, AdmissionKind::Coordinator, config),
+        start_proxy(
+            sim,
+            Setup {
+                kind: AdmissionKind::Coordinator,
+                observer: false,
+                listener_threads: args.listener_threads,
+            },
+            config,
+        ),
     );
     let handle = handle.unwrap();
     let before = rss_kib();

@@ -45,6 +45,12 @@ pub struct RouterConfig {
     /// Requests forwarded at once per deployment. Fixed at [`IN_FLIGHT_PER_DEPLOYMENT`] by the
     /// product; a field only so that the load read and tests can name it.
     pub in_flight_per_deployment: usize,
+    /// How long the lifecycle may take to carry out a switch (release the victims, then wake
+    /// or start the target) before the router gives up waiting for it: its waiting requests
+    /// are answered `500 internal` and the switch no longer holds up others. The lifecycle
+    /// bounds its own steps (`server.switching.wake_timeout`, 600 s by default); this only
+    /// catches one that never answers. Default 20 min. (A plan is bounded by `drain_timeout`.)
+    pub execute_timeout: Duration,
 }
 
 impl RouterConfig {
@@ -66,6 +72,7 @@ impl Default for RouterConfig {
             max_pending_total: 256,
             max_buffered_bytes_total: 64 * 1024 * 1024,
             in_flight_per_deployment: IN_FLIGHT_PER_DEPLOYMENT,
+            execute_timeout: Duration::from_secs(20 * 60),
         }
     }
 }

@@ -60,7 +60,9 @@ pub struct DeploymentRef {
 pub enum Plan {
     /// It is already starting or waking (e.g. an operator's start): wait for it to open.
     AlreadyComing,
-    /// It can start or wake now: there is room, nothing has to be released.
+    /// It can start or wake now: there is room, nothing has to be released. The router does
+    /// not wait for this one to finish before it plans the next switch (a cold start can take
+    /// minutes): the lifecycle keeps the target claimed and its memory reserved meanwhile.
     BringUp {
         /// The switch's ID, for logs, metrics and receipts.
         switch_id: String,
@@ -72,6 +74,10 @@ pub enum Plan {
         switch_id: String,
         /// The instances to release. Never one with waiting requests, never an explicit one.
         victims: Vec<InstanceKey>,
+        /// The admission window that applies: the one of the host where the switch happens
+        /// (`resource_policy.queue.admission_window` of that host); `None` for the router's
+        /// own ([`crate::config::RouterConfig::admission_window`]).
+        window: Option<Duration>,
     },
     /// Not now: memory is held by instances that cannot be released yet (busy, or reserved by
     /// another switch). The router asks again after the next switch or instance change.

@@ -205,18 +205,85 @@ async fn no_wait_not_servable_still_starts_switch() {
     let mut a = r.send(&r.a, hold(0.1));
     r.until(3.5).await;
     assert_eq!(a.admitted_at(), secs(2.0), "still in chat-a's window");
+    // The drain: in no-wait mode chat-a is "switching", the 429 with Retry-After.
     let mut closed = r.send(&r.a, hold(0.1));
     r.until(3.5).await;
-    assert!(matches!(
-        closed.refused().1,
-        ApiError::DispatchClosed { .. }
-    ));
+    let (_, e) = closed.refused();
+    assert_eq!(
+        e,
+        ApiError::NotServableNoWait {
+            deployment: A.into()
+        }
+    );
+    assert_eq!(e.retry_after(), Some(1));
     // chat-a's stream ends at 5 s: execute; chat-b ready at 9 s; a retry finds it loaded.
     r.until(9.5).await;
     assert_eq!(r.since(r.fake.executes()[0].0), secs(5.0));
     let mut retry = r.send(&r.b, hold(1.0));
     r.until(9.5).await;
     assert_eq!(retry.admitted_at(), secs(9.5));
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_wait_during_a_drain_is_the_switching_429_and_asks_for_nothing() {
+    let r = rig_with(
+        config(|c| c.max_pending_per_deployment = 0),
+        FakeTimings::default(),
+        1,
+    )
+    .await;
+    // chat-a runs until 4 s; chat-b's no-wait request at 0 s begins a switch: window 0–2 s,
+    // drain 2–4 s, park 4–5 s.
+    let _a = r.send(&r.a, hold(4.0));
+    let _b = r.send(&r.b, hold(1.0));
+    r.until(3.0).await;
+    let mut during = r.send(&r.a, hold(1.0));
+    r.until(3.0).await;
+    let (at, e) = during.refused();
+    assert_eq!(at, secs(3.0));
+    assert_eq!(
+        e,
+        ApiError::NotServableNoWait {
+            deployment: A.into()
+        }
+    );
+    assert_eq!((e.status(), e.retry_after()), (429, Some(1)));
+    assert_eq!(r.fake.plans().len(), 1, "no wake asked for chat-a");
+    // Once parking has begun, a retry asks for chat-a's wake (the next switch).
+    r.until(4.5).await;
+    let mut retry = r.send(&r.a, hold(1.0));
+    r.until(4.5).await;
+    assert!(matches!(
+        retry.refused().1,
+        ApiError::NotServableNoWait { .. }
+    ));
+    r.until(8.0).await;
+    let plans = r.fake.plans();
+    assert_eq!(plans.len(), 2);
+    assert_eq!((r.since(plans[1].0), plans[1].1.as_str()), (secs(8.0), A));
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_wait_operator_stopped_deployment_is_409_and_starts_nothing() {
+    let r = rig_with(
+        config(|c| c.max_pending_per_deployment = 0),
+        FakeTimings::default(),
+        1,
+    )
+    .await;
+    let stopped = ApiError::DeploymentStopped {
+        deployment: B.into(),
+    };
+    r.fake.set_refusal(B, Some(stopped.clone()));
+    let mut q = r.send(&r.b, hold(1.0));
+    r.until(1.0).await;
+    let (at, e) = q.refused();
+    assert_eq!((at, &e), (secs(0.0), &stopped));
+    assert_eq!(
+        (e.status(), e.retry_after(), e.retryable()),
+        (409, None, false)
+    );
+    assert!(r.fake.plans().is_empty());
 }
 
 #[tokio::test(start_paused = true)]
@@ -269,20 +336,39 @@ async fn every_request_ends_once_under_churn() {
     )
     .await;
     let mut reqs = Vec::new();
+    let mut deadlines = Vec::new();
+    let mut hung_up = Vec::new();
     for i in 0..60u32 {
         let dep = [&r.a, &r.b, &r.c][(i % 3) as usize].clone();
         let deadline = tokio::time::Instant::now() + secs(4.0 + f64::from(i % 7));
         reqs.push(r.send_full(&dep, 10, deadline, hold(0.3)));
+        deadlines.push(deadline - r.t0);
         if i.is_multiple_of(11) {
-            reqs[i as usize / 2].end();
+            let victim = i as usize / 2;
+            // Hung up now: unless it was answered already, it never is.
+            if reqs[victim].waiting() {
+                hung_up.push(victim);
+            }
+            reqs[victim].end();
         }
         r.until(f64::from(i) * 0.25).await;
     }
     r.until(200.0).await;
+    let mut answered = 0;
     for (i, q) in reqs.iter_mut().enumerate() {
-        let hung_up = (0..60).any(|j: usize| j.is_multiple_of(11) && j / 2 == i);
-        assert!(hung_up || !q.waiting(), "request {i} never ended");
+        if hung_up.contains(&i) {
+            continue;
+        }
+        assert!(!q.waiting(), "request {i} never ended");
+        let (at, result) = q.answered();
+        assert!(
+            at <= deadlines[i],
+            "request {i} answered at {at:?}, past its deadline {:?}: {result:?}",
+            deadlines[i]
+        );
+        answered += 1;
     }
+    assert!(answered >= 50, "only {answered} answered");
     for l in r.h.load().await {
         assert_eq!((l.in_flight, l.waiting), (0, 0), "{l:?}");
     }

@@ -8,7 +8,7 @@ mod coordinator_support;
 
 use capyctl_crds::errors::{ApiError, WakeFailure};
 use capyctl_router::config::RouterConfig;
-use capyctl_router::coordinator::testing::{FakeState, FakeTimings};
+use capyctl_router::coordinator::testing::{ExecuteFault, FakeState, FakeTimings};
 use capyctl_router::lifecycle::{DrainReport, Plan};
 use coordinator_support::*;
 
@@ -165,6 +165,7 @@ async fn rule_no_window_with_another_ready_instance() {
         Ok(Plan::Switch {
             switch_id: "sw-x".into(),
             victims: vec![a0.clone()],
+            window: None,
         }),
     );
     r.until(0.5).await;
@@ -197,6 +198,136 @@ async fn rule_bring_up_executes_at_once() {
     assert!(ex[0].1.victims.is_empty());
     assert_eq!(a.admitted_at(), secs(1.0), "nothing closes chat-a");
     assert_eq!(b.admitted_at(), secs(3.0), "wake only, no park");
+}
+
+#[tokio::test(start_paused = true)]
+async fn rule_a_bring_up_does_not_hold_up_the_next_switch() {
+    // Room for three: chat-b's wake (3 s) and chat-c's, asked for 1 s later, run side by side;
+    // chat-c's is not planned only once chat-b's is over.
+    let timings = FakeTimings {
+        capacity: 3,
+        ..FakeTimings::default()
+    };
+    let r = rig_with(RouterConfig::default(), timings, 1).await;
+    let mut b = r.send(&r.b, hold(1.0));
+    r.until(1.0).await;
+    let mut c = r.send(&r.c, hold(1.0));
+    r.until(5.0).await;
+    let plans = r.fake.plans();
+    assert_eq!(plans.len(), 2);
+    assert_eq!((r.since(plans[1].0), plans[1].1.as_str()), (secs(1.0), C));
+    let ex = r.fake.executes();
+    assert_eq!(r.since(ex[1].0), secs(1.0));
+    assert!(ex.iter().all(|(_, o)| o.victims.is_empty()));
+    assert_eq!(b.admitted_at(), secs(3.0));
+    assert_eq!(c.admitted_at(), secs(4.0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn rule_a_bring_up_does_not_let_a_switch_with_victims_run_beside_another() {
+    // chat-b's switch parks chat-a (window to 2 s); chat-c, asked for meanwhile, is planned
+    // only when chat-b's switch is over (one switch with victims at a time).
+    let r = rig().await;
+    let _a = r.send(&r.a, hold(1.5));
+    let mut b = r.send(&r.b, hold(10.0));
+    r.until(0.5).await;
+    let mut c = r.send(&r.c, hold(1.0));
+    r.until(6.5).await;
+    let plans = r.fake.plans();
+    assert_eq!(plans.len(), 2);
+    assert_eq!((r.since(plans[1].0), plans[1].1.as_str()), (secs(6.0), C));
+    assert_eq!(b.admitted_at(), secs(6.0));
+    assert!(c.waiting());
+}
+
+#[tokio::test(start_paused = true)]
+async fn rule_the_host_window_from_the_plan_applies() {
+    let r = rig().await;
+    r.fake.set_plan_window(Some(secs(5.0)));
+    // chat-a busy until 4.5 s: with the router's 2 s window it would close at 2 s and drain
+    // until 4.5 s; the host's 5 s window keeps chat-a open until 5 s.
+    let _a = r.send(&r.a, hold(4.5));
+    let _b = r.send(&r.b, hold(1.0));
+    r.until(4.9).await;
+    let mut late = r.send(&r.a, hold(0.05));
+    r.until(6.0).await;
+    assert_eq!(late.admitted_at(), secs(4.9), "still in the host's window");
+    let ex = r.fake.executes();
+    assert_eq!(ex.len(), 1);
+    assert_eq!(r.since(ex[0].0), secs(5.0));
+    assert_eq!(ex[0].1.window, secs(5.0));
+}
+
+// ----- a lifecycle that fails to answer -----
+
+#[tokio::test(start_paused = true)]
+async fn rule_a_hung_plan_is_given_up_at_the_drain_bound() {
+    let r = rig_with(
+        RouterConfig {
+            drain_timeout: secs(10.0),
+            ..RouterConfig::default()
+        },
+        FakeTimings::default(),
+        1,
+    )
+    .await;
+    r.fake.hang_plans();
+    let mut b = r.send(&r.b, hold(1.0));
+    r.until(10.0).await;
+    let (at, e) = b.refused();
+    assert_eq!(at, secs(10.0));
+    assert_eq!(e.status(), 500);
+    assert!(e.message().contains("plan"), "{e}");
+    // The switch slot is free again: chat-c is planned at once.
+    let _c = r.send(&r.c, hold(1.0));
+    r.until(10.5).await;
+    let plans = r.fake.plans();
+    assert_eq!(plans.len(), 2);
+    assert_eq!((r.since(plans[1].0), plans[1].1.as_str()), (secs(10.0), C));
+}
+
+#[tokio::test(start_paused = true)]
+async fn rule_a_hung_execute_is_given_up_at_its_bound() {
+    let r = rig_with(
+        RouterConfig {
+            execute_timeout: secs(60.0),
+            ..RouterConfig::default()
+        },
+        FakeTimings::default(),
+        1,
+    )
+    .await;
+    r.fake.fault_execute(ExecuteFault::Hang);
+    // Window 0–2 s (chat-a opened at 0 s), nothing to drain: the execute begins at 2 s.
+    let mut b = r.send(&r.b, hold(1.0));
+    r.until(61.9).await;
+    assert!(b.waiting());
+    r.until(62.0).await;
+    let (at, e) = b.refused();
+    assert_eq!(at, secs(62.0));
+    assert_eq!(e.status(), 500);
+    assert!(e.message().contains("execute"), "{e}");
+    // Switching goes on: chat-c's request is planned at once.
+    let _c = r.send(&r.c, hold(1.0));
+    r.until(62.5).await;
+    let plans = r.fake.plans();
+    assert_eq!(plans.len(), 2);
+    assert_eq!(r.since(plans[1].0), secs(62.0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn rule_a_panicking_execute_answers_the_wave_at_once() {
+    let r = rig().await;
+    r.fake.fault_execute(ExecuteFault::Panic);
+    // Window 0–2 s, nothing to drain: the execute begins, and panics, at 2 s.
+    let mut b = r.send(&r.b, hold(1.0));
+    r.until(2.5).await;
+    let (at, e) = b.refused();
+    assert_eq!(at, secs(2.0));
+    assert_eq!(e.status(), 500);
+    let _c = r.send(&r.c, hold(1.0));
+    r.until(3.0).await;
+    assert_eq!(r.fake.plans().len(), 2, "switching goes on");
 }
 
 #[tokio::test(start_paused = true)]
@@ -518,6 +649,7 @@ async fn rule_plan_naming_a_protected_victim_is_given_back() {
         Ok(Plan::Switch {
             switch_id: "sw-bad".into(),
             victims: vec![r.fake.key(A, 0)],
+            window: None,
         }),
     );
     let _b = r.send(&r.b, hold(1.0));

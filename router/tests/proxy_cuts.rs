@@ -118,6 +118,104 @@ async fn a_client_that_stops_reading_is_cut_and_its_connection_closed() {
     assert!(drained.is_ok(), "the stalled connection stays open");
 }
 
+/// Connects with a small receive buffer (as a busy client's kernel might have), sends a
+/// streamed chat request for `max_tokens` and reads until the first piece of the answer.
+async fn stream_with_small_receive_buffer(
+    proxy: std::net::SocketAddr,
+    max_tokens: u64,
+) -> tokio::net::TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stream = socket.connect(proxy).await.unwrap();
+    let body = chat(true, max_tokens);
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut seen = Vec::new();
+    let mut buf = vec![0; 4096];
+    while !String::from_utf8_lossy(&seen).contains("data: ") {
+        let n = tokio::time::timeout(PATIENCE, stream.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0, "closed before the first piece");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    assert!(
+        seen.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&seen)
+    );
+    stream
+}
+
+/// The simulator at 20 tokens a second (about 3.5 KB/s of SSE) behind a listener whose
+/// 10 s read-stall bound is scaled down to 1 s, keeping at most 1 KiB unsent per client.
+async fn realistic_stream_rig() -> (std::net::SocketAddr, Arc<Record>, std::net::SocketAddr) {
+    let sim = start_sim(&["--sim-token-rate", "20"]).await;
+    let admission = TestAdmission::new(sim);
+    let record = Arc::clone(&admission.record);
+    let config = ProxyConfig {
+        read_stall: Duration::from_secs(1),
+        client_unsent_limit: 1024,
+        ..ProxyConfig::default()
+    };
+    let proxy = start_proxy(admission, config).await;
+    (sim, record, proxy)
+}
+
+#[tokio::test]
+async fn a_client_that_stops_reading_a_realistic_stream_is_cut_soon_after_the_stall_bound() {
+    // At a real token rate the buffers between the engine and a client with a small, fixed
+    // receive buffer fill in seconds, because the listener keeps little unsent. (A client
+    // whose kernel grows its receive buffer takes in megabytes first: see `conn`'s notes.)
+    let (sim, record, proxy) = realistic_stream_rig().await;
+    let stream = stream_with_small_receive_buffer(proxy, 4000).await;
+    // From here on the client reads nothing.
+    let stopped = tokio::time::Instant::now();
+    record
+        .wait("the stall cut", |r| r.cut_count() == 1 && live(r) == 0)
+        .await;
+    let took = stopped.elapsed();
+    assert_eq!(*record.cuts.lock().unwrap(), [true], "cut after output");
+    // Not before the bound; and within the time the buffers take to fill (a few KiB at
+    // 3.5 KB/s: about 2 s here) plus the bound, with room for a loaded machine.
+    assert!(took >= Duration::from_secs(1), "{took:?}");
+    assert!(took < Duration::from_secs(12), "{took:?}");
+    let state = wait_sim(sim, "aborted", 1).await;
+    assert_eq!(state["running"], 0, "{state}");
+    drop(stream);
+}
+
+#[tokio::test]
+async fn a_client_that_reads_slowly_but_steadily_is_not_cut() {
+    // The client takes a piece every 300 ms while the engine sends 20 a second: its buffers
+    // stay full, but the socket takes bytes well within the (1 s) stall bound each time.
+    let (sim, record, proxy) = realistic_stream_rig().await;
+    let mut stream = stream_with_small_receive_buffer(proxy, 60).await;
+    let mut seen = Vec::new();
+    let mut buf = vec![0; 512];
+    while !String::from_utf8_lossy(&seen).contains("data: [DONE]") {
+        // A slow reader, not a synchronisation: what is read is checked below.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let n = tokio::time::timeout(PATIENCE, stream.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(
+            n > 0,
+            "the stream was cut: {}",
+            String::from_utf8_lossy(&seen)
+        );
+        seen.extend_from_slice(&buf[..n]);
+    }
+    record.wait("released", |r| live(r) == 0).await;
+    assert_eq!(record.cut_count(), 0);
+    assert_eq!(sim_state(sim).await["completed"], 1);
+}
+
 #[tokio::test]
 async fn an_oversized_piece_ends_the_stream() {
     let sim = start_sim(&[
@@ -321,6 +419,87 @@ async fn waiting_past_the_deadline_is_the_admissions_503() {
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert!(body["message"].as_str().unwrap().contains("queue deadline"));
+}
+
+#[tokio::test]
+async fn an_admission_that_never_answers_is_the_503_one_grace_after_the_deadline() {
+    let sim = start_sim(&[]).await;
+    let admission = TestAdmission::new(sim).with_mode(Mode::Never);
+    let record = Arc::clone(&admission.record);
+    let config = ProxyConfig {
+        request_deadline: Duration::from_millis(200),
+        ..ProxyConfig::default()
+    };
+    let proxy = start_proxy(admission, config).await;
+    let began = tokio::time::Instant::now();
+    let (status, headers, body) = post(proxy, "/v1/chat/completions", &chat(false, 5)).await;
+    let took = began.elapsed();
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(headers.get("retry-after").is_none());
+    let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(body["code"], "unavailable");
+    assert!(body["message"].as_str().unwrap().contains("queue deadline"));
+    // The deadline (200 ms) and the listener's grace (1 s) passed; never much later.
+    assert!(took >= Duration::from_millis(1200), "{took:?}");
+    assert!(took < PATIENCE, "{took:?}");
+    // The admission's wait was given up (dropped), not left behind.
+    record
+        .wait("the wait dropped", |r| {
+            r.abandoned_waits.load(Ordering::SeqCst) == 1
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn a_non_streamed_body_silent_past_the_idle_bound_is_cut() {
+    // An engine that sends the head and part of a non-streamed body, then nothing.
+    let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = engine.local_addr().unwrap();
+    let (closed_tx, closed_rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let (mut socket, _) = engine.accept().await.unwrap();
+        let mut buf = vec![0; 4096];
+        let mut seen = Vec::new();
+        while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = socket.read(&mut buf).await.unwrap();
+            seen.extend_from_slice(&buf[..n]);
+        }
+        socket
+            .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"partial\":")
+            .await
+            .unwrap();
+        // Read until the router gives the connection up.
+        loop {
+            match socket.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+        let _ = closed_tx.send(());
+    });
+    let admission = TestAdmission::new(addr);
+    let record = Arc::clone(&admission.record);
+    let config = ProxyConfig {
+        stream_idle_timeout: Duration::from_millis(200),
+        ..ProxyConfig::default()
+    };
+    let proxy = start_proxy(admission, config).await;
+    let mut conn = Conn::open(proxy).await;
+    let response = conn.post("/v1/chat/completions", &chat(false, 5)).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let read = tokio::time::timeout(PATIENCE, response.into_body().collect()).await;
+    assert!(
+        matches!(read, Ok(Err(_))),
+        "the client sees the answer broken off"
+    );
+    record
+        .wait("the cut", |r| r.cut_count() == 1 && live(r) == 0)
+        .await;
+    assert_eq!(*record.cuts.lock().unwrap(), [true], "cut after output");
+    tokio::time::timeout(PATIENCE, closed_rx)
+        .await
+        .unwrap()
+        .unwrap();
 }
 
 #[tokio::test]

@@ -267,3 +267,88 @@ async fn an_unreachable_engine_is_a_retryable_502_and_a_cut() {
     assert_eq!(record.cut_count(), 1);
     assert_eq!(record.live.load(std::sync::atomic::Ordering::SeqCst), 0);
 }
+
+#[tokio::test]
+async fn a_black_holed_engine_is_a_502_at_the_connect_bound() {
+    // An engine whose accept queue is full: the kernel drops further connection attempts, so
+    // a connect neither succeeds nor fails (as with a host that does not answer).
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let engine = socket.listen(1).unwrap();
+    let addr = engine.local_addr().unwrap();
+    let mut fillers = Vec::new();
+    loop {
+        match tokio::time::timeout(
+            std::time::Duration::from_millis(200),
+            tokio::net::TcpStream::connect(addr),
+        )
+        .await
+        {
+            Ok(Ok(stream)) => fillers.push(stream),
+            Ok(Err(err)) => panic!("connect failed: {err}"),
+            Err(_) => break,
+        }
+        assert!(fillers.len() < 64, "the accept queue never filled");
+    }
+    let admission = TestAdmission::new(addr);
+    let record = std::sync::Arc::clone(&admission.record);
+    let config = ProxyConfig {
+        upstream_connect_timeout: std::time::Duration::from_millis(300),
+        request_deadline: std::time::Duration::from_secs(60),
+        ..ProxyConfig::default()
+    };
+    let proxy = start_proxy(admission, config).await;
+    let began = tokio::time::Instant::now();
+    let (status, _, body) = post(proxy, "/v1/chat/completions", &chat(false)).await;
+    let took = began.elapsed();
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    let body = error_body(&body);
+    assert_eq!(body["code"], "upstream_unavailable");
+    assert_eq!(body["retryable"], true);
+    assert!(
+        body["message"].as_str().unwrap().contains("within 300 ms"),
+        "{body}"
+    );
+    assert!(took >= std::time::Duration::from_millis(300), "{took:?}");
+    assert!(took < std::time::Duration::from_secs(30), "{took:?}");
+    assert_eq!(*record.cuts.lock().unwrap(), [false], "cut before output");
+    assert_eq!(record.live.load(std::sync::atomic::Ordering::SeqCst), 0);
+    drop(engine);
+}
+
+#[tokio::test]
+async fn a_client_that_never_finishes_its_request_head_is_disconnected() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let sim = start_sim(&[]).await;
+    let admission = TestAdmission::new(sim);
+    let record = std::sync::Arc::clone(&admission.record);
+    let config = ProxyConfig {
+        header_read_timeout: std::time::Duration::from_millis(300),
+        ..ProxyConfig::default()
+    };
+    let proxy = start_proxy(admission, config).await;
+    let mut stream = tokio::net::TcpStream::connect(proxy).await.unwrap();
+    let began = tokio::time::Instant::now();
+    stream
+        .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\n")
+        .await
+        .unwrap();
+    // Nothing more: the listener gives up on the head and closes the connection.
+    let closed = tokio::time::timeout(PATIENCE, async {
+        let mut buf = [0u8; 1024];
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "the connection stays open");
+    assert!(
+        began.elapsed() >= std::time::Duration::from_millis(300),
+        "{:?}",
+        began.elapsed()
+    );
+    assert_eq!(record.entered.load(std::sync::atomic::Ordering::SeqCst), 0);
+}

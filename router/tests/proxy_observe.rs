@@ -56,10 +56,12 @@ fn chat(stream: bool, max_tokens: u64) -> String {
 async fn every_request_is_reported_once_with_its_outcome() {
     let sim = start_sim(&[]).await;
     let recorder = Arc::new(Recorder::default());
-    let proxy = start_observed_proxy(
+    let (stop, stopped) = tokio::sync::oneshot::channel();
+    let (proxy, server) = start_observed_proxy_until(
         TestAdmission::new(sim),
         ProxyConfig::default(),
         recorder.clone(),
+        stopped,
     )
     .await;
 
@@ -96,8 +98,14 @@ async fn every_request_is_reported_once_with_its_outcome() {
         (400, Some("invalid_request"), &None)
     );
     assert_eq!((events[4].status, events[4].code), (200, None));
-    // Nothing more comes: each was reported once.
-    tokio::task::yield_now().await;
+    // Nothing more comes: once the listener has stopped, every connection (and everything a
+    // request held) is gone, and there were still five reports.
+    stop.send(()).unwrap();
+    tokio::time::timeout(PATIENCE, server)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
     assert_eq!(recorder.events.lock().unwrap().len(), 5);
 }
 

@@ -242,8 +242,9 @@ async fn engine_running_metric(engine: SocketAddr) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wave_of_40_is_released_together_at_most_32_at_the_engine_rest_as_slots_free() {
-    // 40 tokens at 20 per second: each answer takes 2 s at the engine, far longer than the
-    // router needs to hand out the first 32 slots.
+    // 100 tokens at 20 per second: each answer takes 5 s at the engine, far longer than the
+    // router needs to hand out the first 32 slots even on a loaded machine (the test waits for
+    // the engine's own running count to reach 32, and checks that none completed before).
     let (engine, sim, door) = start_engine("20").await;
     let lifecycle = SimLifecycle::new(engine, Arc::clone(&sim), false);
     let (router, handle) = start_router(&lifecycle).await;
@@ -252,7 +253,7 @@ async fn wave_of_40_is_released_together_at_most_32_at_the_engine_rest_as_slots_
         .map(|_| {
             tokio::spawn(async move {
                 let mut conn = Conn::open(router).await;
-                let response = conn.post("/v1/chat/completions", &body(40, false)).await;
+                let response = conn.post("/v1/chat/completions", &body(100, false)).await;
                 let status = response.status();
                 let bytes = response.into_body().collect().await.unwrap().to_bytes();
                 (status, bytes)

@@ -524,6 +524,7 @@ mod tests {
                 Ok(Plan::Switch {
                     switch_id: "sw-1".into(),
                     victims: vec![],
+                    window: None,
                 })
             })
         }

@@ -239,6 +239,7 @@ pub fn router_config(server: &ServerConfig, queue: &QueueSettings) -> RouterConf
         max_pending_per_deployment: queue.max_pending_per_deployment as usize,
         max_pending_total: queue.max_pending_total as usize,
         max_buffered_bytes_total: queue.max_buffered_bytes_total,
+        execute_timeout: crate::standalone::execute_timeout(server),
         ..RouterConfig::default()
     }
 }

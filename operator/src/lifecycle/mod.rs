@@ -272,8 +272,8 @@ struct Host {
     activation: Activation,
     /// Its engine commands (shown by `engine list`, and what `max_running` expects).
     settings: HostSettings,
-    /// Its admission window, where it differs from the router's.
-    #[allow(dead_code)] // NB: given to the router with each switch on this host (next change).
+    /// Its admission window, where it differs from the router's: given to the router with
+    /// each switch on this host.
     admission_window: Option<Duration>,
     /// A node agent reached over HTTP: its engines' launch inputs are the host's to read.
     remote: bool,
@@ -757,7 +757,7 @@ impl Server {
 
     /// The deployments for `GET /v1/models`.
     pub fn models(&self) -> Vec<ModelEntry> {
-        self.read(|inner| {
+        let mut models: Vec<ModelEntry> = self.read(|inner| {
             inner
                 .deps
                 .values()
@@ -767,7 +767,10 @@ impl Server {
                     state: views::shown_state(d).to_string(),
                 })
                 .collect()
-        })
+        });
+        // By name (IDs made in the same millisecond are in no particular order).
+        models.sort_by(|a, b| a.id.cmp(&b.id));
+        models
     }
 
     /// An [`Admission`] for the listener that forwards to `router` and records each request's
@@ -776,6 +779,14 @@ impl Server {
         TrackedAdmission {
             inner: router,
             server: self.me.clone(),
+            names: Arc::new(NameCache {
+                base: Instant::now(),
+                names: std::sync::RwLock::new(Names {
+                    seen: self.changes.subscribe(),
+                    built: false,
+                    by_name: HashMap::new(),
+                }),
+            }),
         }
     }
 
@@ -1658,6 +1669,10 @@ impl Server {
             Fit::After(ref victims) | Fit::AfterStopping(ref victims) => {
                 let stop = matches!(fit, Fit::AfterStopping(_));
                 let victims = victims.clone();
+                let window = host
+                    .as_ref()
+                    .and_then(|h| inner.hosts.get(h))
+                    .and_then(|h| h.admission_window);
                 // The router drains the ready victims; parked ones (stopped for what they still
                 // hold on the GPU) are the lifecycle's alone.
                 let mut keys = Vec::new();
@@ -1687,6 +1702,8 @@ impl Server {
                     Plan::Switch {
                         switch_id,
                         victims: keys,
+                        // The window of the host where the switch happens.
+                        window,
                     }
                 }
             }
@@ -2846,10 +2863,126 @@ impl ManagementApi for Server {
 
 /// The listener's [`Admission`]: the coordinator's, recording each request's start and end as
 /// use of its deployment (what the idle timers count from).
+///
+/// NB (the request path): a model name is resolved through a name → deployment map that is
+/// rebuilt only when the lifecycle's state changed (`changes`), under a read lock, not through
+/// the lifecycle's mutex; a request's use of its deployment is recorded under that mutex at
+/// most once per [`TOUCH_EVERY`] per deployment (the idle timers tick once a second and
+/// always spare a deployment with requests in flight, so a record up to that much old
+/// changes nothing they decide).
 #[derive(Clone)]
 pub struct TrackedAdmission {
     inner: CoordinatorHandle,
     server: Weak<Server>,
+    names: Arc<NameCache>,
+}
+
+/// How often a deployment's use is written into the lifecycle's record, at most.
+pub const TOUCH_EVERY: Duration = Duration::from_millis(100);
+
+/// The model names the lifecycle knows, for [`TrackedAdmission::resolve`].
+struct NameCache {
+    /// The origin of [`Use`]'s instants.
+    base: Instant,
+    names: std::sync::RwLock<Names>,
+}
+
+struct Names {
+    /// The lifecycle's change counter, as of the last rebuild.
+    seen: watch::Receiver<u64>,
+    built: bool,
+    by_name: HashMap<String, (DeploymentRef, Arc<Use>)>,
+}
+
+/// When a deployment's use was last written into the lifecycle's record.
+#[derive(Debug, Default)]
+struct Use {
+    /// Nanoseconds since [`NameCache::base`].
+    recorded: AtomicU64,
+}
+
+impl std::fmt::Debug for NameCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NameCache").finish_non_exhaustive()
+    }
+}
+
+impl NameCache {
+    /// The deployment `model` names, and its use record.
+    fn get(&self, model: &str, server: &Weak<Server>) -> Option<(DeploymentRef, Arc<Use>)> {
+        {
+            let names = self.names.read().unwrap_or_else(PoisonError::into_inner);
+            if names.built && !names.seen.has_changed().unwrap_or(true) {
+                return names
+                    .by_name
+                    .get(model)
+                    .map(|(d, u)| (d.clone(), Arc::clone(u)));
+            }
+        }
+        let server = server.upgrade()?;
+        let mut names = self.names.write().unwrap_or_else(PoisonError::into_inner);
+        // Marked first: a change while the map is rebuilt makes the next call rebuild again.
+        names.seen.borrow_and_update();
+        let fresh: Vec<(String, String)> = server.read(|inner| {
+            inner
+                .deps
+                .values()
+                .map(|d| (d.name().to_string(), d.rec.id.clone()))
+                .collect()
+        });
+        let mut old = std::mem::take(&mut names.by_name);
+        for (name, id) in fresh {
+            let used = old
+                .remove(&name)
+                .filter(|(d, _)| d.id == id)
+                .map_or_else(Arc::default, |(_, u)| u);
+            let dref = DeploymentRef {
+                id,
+                name: name.clone(),
+            };
+            names.by_name.insert(name, (dref, used));
+        }
+        names.built = true;
+        names
+            .by_name
+            .get(model)
+            .map(|(d, u)| (d.clone(), Arc::clone(u)))
+    }
+
+    /// The use record of the deployment `deployment` names (a fresh one if the name now
+    /// means another deployment).
+    fn used(&self, deployment: &DeploymentRef, server: &Weak<Server>) -> Arc<Use> {
+        {
+            let names = self.names.read().unwrap_or_else(PoisonError::into_inner);
+            if let Some((d, used)) = names.by_name.get(&deployment.name)
+                && d.id == deployment.id
+            {
+                return Arc::clone(used);
+            }
+        }
+        self.get(&deployment.name, server)
+            .filter(|(d, _)| d.id == deployment.id)
+            .map_or_else(Arc::default, |(_, u)| u)
+    }
+
+    /// Records a use of `deployment` in the lifecycle, unless one was recorded less than
+    /// [`TOUCH_EVERY`] ago.
+    fn touch(&self, server: &Weak<Server>, deployment: &str, used: &Use) {
+        let now = u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let last = used.recorded.load(Ordering::Relaxed);
+        let every = u64::try_from(TOUCH_EVERY.as_nanos()).unwrap_or(u64::MAX);
+        if last != 0 && now.saturating_sub(last) < every {
+            return;
+        }
+        if used
+            .recorded
+            .compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+            && let Some(s) = server.upgrade()
+        {
+            s.touch(deployment);
+        }
+    }
 }
 
 impl std::fmt::Debug for TrackedAdmission {
@@ -2863,13 +2996,15 @@ impl std::fmt::Debug for TrackedAdmission {
 pub struct TrackedPermit {
     inner: CoordinatorPermit,
     server: Weak<Server>,
+    names: Arc<NameCache>,
+    used: Arc<Use>,
 }
 
 impl Admission for TrackedAdmission {
     type Permit = TrackedPermit;
 
     fn resolve(&self, model: &str) -> Option<DeploymentRef> {
-        self.inner.resolve(model)
+        self.names.get(model, &self.server).map(|(d, _)| d)
     }
 
     fn admit(
@@ -2880,17 +3015,18 @@ impl Admission for TrackedAdmission {
     ) -> impl std::future::Future<Output = Result<Self::Permit, ApiError>> + Send {
         let inner = self.inner.clone();
         let server = self.server.clone();
+        let names = Arc::clone(&self.names);
         async move {
-            let id = deployment.id.clone();
+            let used = names.used(&deployment, &server);
             // NB: requests are counted by the listener's observer (the metrics), which knows
             // the status sent; here only the use of the deployment is recorded.
             let permit = inner.admit(deployment, body_bytes, deadline).await?;
-            if let Some(s) = server.upgrade() {
-                s.touch(&id);
-            }
+            names.touch(&server, &permit.upstream().key.deployment, &used);
             Ok(TrackedPermit {
                 inner: permit,
                 server,
+                names,
+                used,
             })
         }
     }
@@ -2912,10 +3048,8 @@ impl Permit for TrackedPermit {
 
 impl Drop for TrackedPermit {
     fn drop(&mut self) {
-        if let Some(s) = self.server.upgrade() {
-            let id = &self.inner.upstream().key.deployment;
-            s.touch(id);
-        }
+        let id = &self.inner.upstream().key.deployment;
+        self.names.touch(&self.server, id, &self.used);
     }
 }
 

@@ -44,49 +44,93 @@ const INBOX_CAPACITY: usize = 1024;
 
 /// `Lane::word`: the open bit; below it the slots lent; above it the binding's generation.
 const LANE_OPEN: u64 = 1 << 31;
+/// `Lane::word`: a request that took a slot may give it back to the lane when it ends.
+const LANE_RETURNS: u64 = 1 << 30;
 /// `Lane::word`: the slots lent.
-const LANE_CREDITS: u64 = LANE_OPEN - 1;
+const LANE_CREDITS: u64 = LANE_RETURNS - 1;
 
 /// Free slots of one deployment that the coordinator lends to the handles between two of its
-/// events, so that a request for a ready deployment with room is admitted without a round trip
-/// to the task (see `router/DESIGN.md`, "Lent slots").
+/// events, so that a request for a ready deployment with room is admitted, and usually ends,
+/// without a round trip to the task (see `router/DESIGN.md`, "Lent slots").
 ///
-/// NB (who owns what): only the coordinator opens a lane (`word` = generation, open, credits)
-/// and it closes every lane (one atomic swap) before it handles any event, counting the slots
-/// taken meanwhile as started requests. A handle only takes a slot (a compare-and-swap that
-/// fails on a closed lane, a changed binding or no credits) and then holds an ordinary permit,
-/// whose `Drop` reports the end as usual. So the state is never read outside the task, and
-/// every decision of the task is made on exact counts: no lane is open while it decides.
+/// NB (who owns what): only the coordinator opens a lane (`word` = generation, open, returns,
+/// credits) and it closes every lane (one atomic swap) before it handles any event, counting
+/// the slots taken and given back meanwhile as started and ended requests. A handle only takes
+/// a slot (a compare-and-swap that fails on a closed lane, a changed binding or no credits);
+/// its permit gives the slot back with the same kind of compare-and-swap when the request
+/// ends uncut while the lane is still open with returns allowed and the same binding, and
+/// otherwise reports the end through the endings channel as every permit does. So the state
+/// is never read outside the task, and every decision of the task is made on exact counts: no
+/// lane is open while it decides.
 struct Lane {
     deployment: DeploymentId,
-    /// Generation (upper 32 bits) | `LANE_OPEN` | credits.
+    /// Generation (upper 32 bits) | `LANE_OPEN` | `LANE_RETURNS` | credits.
     word: AtomicU64,
     /// The instance the slots are on; replaced (with the next generation) when that changes.
     grant: Mutex<Arc<LaneGrant>>,
     /// The latest start through the lane, in nanoseconds since `Lanes::base`.
     last_start: AtomicU64,
+    /// The latest end given back to the lane, in nanoseconds since `Lanes::base`.
+    last_end: AtomicU64,
+}
+
+impl Lane {
+    /// Gives back a slot taken under `generation`: true if the lane took it (open, returns
+    /// allowed, same binding), false if the end must go to the owner as an event.
+    fn give_back(&self, generation: u32, base: Instant) -> bool {
+        let mut word = self.word.load(Ordering::Acquire);
+        if !Self::takes_back(word, generation) {
+            return false;
+        }
+        // Before the slot goes back, so that the owner, which sees the slot, sees the end's
+        // instant too (an end that then fails to go back makes the activity later, never
+        // earlier: the window closes later, never sooner).
+        self.last_end
+            .fetch_max(nanos_since(base, Instant::now()), Ordering::Release);
+        loop {
+            if !Self::takes_back(word, generation) {
+                return false;
+            }
+            match self.word.compare_exchange_weak(
+                word,
+                word + 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return true,
+                Err(now) => word = now,
+            }
+        }
+    }
+
+    fn takes_back(word: u64, generation: u32) -> bool {
+        (word >> 32) as u32 == generation
+            && word & (LANE_OPEN | LANE_RETURNS) == LANE_OPEN | LANE_RETURNS
+            && word & LANE_CREDITS < LANE_CREDITS
+    }
 }
 
 struct LaneGrant {
     generation: u32,
-    upstream: Upstream,
+    upstream: Arc<Upstream>,
     serial: u64,
+}
+
+/// Nanoseconds from `base` to `at`, saturating.
+fn nanos_since(base: Instant, at: Instant) -> u64 {
+    u64::try_from(at.saturating_duration_since(base).as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// The lanes of every deployment that ever had one, for the handles.
 struct Lanes {
     by_deployment: RwLock<HashMap<DeploymentId, Arc<Lane>>>,
-    /// The origin of `Lane::last_start`.
+    /// The origin of `Lane::last_start` and `Lane::last_end`.
     base: Instant,
 }
 
 impl Lanes {
-    fn nanos_since_base(&self, at: Instant) -> u64 {
-        u64::try_from(at.saturating_duration_since(self.base).as_nanos()).unwrap_or(u64::MAX)
-    }
-
     /// Takes one lent slot of `deployment`'s lane, if it is open and has one.
-    fn take(&self, deployment: &DeploymentId) -> Option<Arc<LaneGrant>> {
+    fn take(&self, deployment: &str) -> Option<(Arc<Lane>, Arc<LaneGrant>)> {
         let lane = {
             let lanes = self.by_deployment.read().ok()?;
             Arc::clone(lanes.get(deployment)?)
@@ -114,8 +158,8 @@ impl Lanes {
             }
         }
         lane.last_start
-            .fetch_max(self.nanos_since_base(Instant::now()), Ordering::Relaxed);
-        Some(grant)
+            .fetch_max(nanos_since(self.base, Instant::now()), Ordering::Relaxed);
+        Some((lane, grant))
     }
 }
 
@@ -174,11 +218,14 @@ impl Coordinator {
             base: Instant::now(),
         });
         let driver = Driver {
-            state: State::new(config),
+            state: State::new(config.clone()),
             lanes: Arc::clone(&lanes),
             lane_of: HashMap::new(),
             lent: Vec::new(),
             fx: TaskEffects {
+                plan_timeout: config.drain_timeout,
+                execute_timeout: config.execute_timeout,
+                engine_idle_timeout: config.drain_timeout,
                 lifecycle: lifecycle.clone(),
                 inbox: inbox_tx.downgrade(),
                 endings: endings_tx.clone(),
@@ -275,10 +322,15 @@ impl CoordinatorHandle {
         deadline: Instant,
     ) -> Result<CoordinatorPermit, ApiError> {
         // A ready deployment with room and nobody waiting: a lent slot, no round trip.
-        if let Some(grant) = self.lanes.take(&deployment.id) {
+        if let Some((lane, grant)) = self.lanes.take(&deployment.id) {
             return Ok(CoordinatorPermit {
-                upstream: grant.upstream.clone(),
+                upstream: Arc::clone(&grant.upstream),
                 serial: grant.serial,
+                lane: Some(LaneSlot {
+                    lane,
+                    generation: grant.generation,
+                    base: self.lanes.base,
+                }),
                 first_output: AtomicBool::new(false),
                 cut: AtomicBool::new(false),
                 endings: Some(self.endings.clone()),
@@ -329,20 +381,39 @@ impl Admission for CoordinatorHandle {
     }
 }
 
-/// One admitted request's charge on an instance. Its methods only set flags; its `Drop` reports
-/// the end (with the flags) to the coordinator, which frees the slot.
-#[derive(Debug)]
+/// One admitted request's charge on an instance. Its methods only set flags; its `Drop` gives
+/// a lent slot back to its lane, or reports the end (with the flags) to the coordinator, which
+/// frees the slot.
 pub struct CoordinatorPermit {
     /// Where to forward.
-    upstream: Upstream,
+    upstream: Arc<Upstream>,
     /// The instance entry it is charged to.
     serial: u64,
+    /// The lane it took its slot from, if it did.
+    lane: Option<LaneSlot>,
     /// Set by `first_output`; read once, in `Drop`.
     first_output: AtomicBool,
     /// Set by `cut`; read once, in `Drop`.
     cut: AtomicBool,
     /// Where the end goes; `None` once defused (never handed out).
     endings: Option<mpsc::UnboundedSender<Ending>>,
+}
+
+/// Where a permit that took a lent slot may give it back.
+struct LaneSlot {
+    lane: Arc<Lane>,
+    generation: u32,
+    base: Instant,
+}
+
+impl std::fmt::Debug for CoordinatorPermit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CoordinatorPermit")
+            .field("upstream", &self.upstream)
+            .field("serial", &self.serial)
+            .field("lent", &self.lane.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl CoordinatorPermit {
@@ -369,11 +440,19 @@ impl Permit for CoordinatorPermit {
 impl Drop for CoordinatorPermit {
     fn drop(&mut self) {
         if let Some(endings) = self.endings.take() {
+            let cut = self.cut.load(Ordering::Relaxed);
+            // A cut is news for the owner (park or stop); an ordinary end of a lent slot is not.
+            if !cut
+                && let Some(slot) = &self.lane
+                && slot.lane.give_back(slot.generation, slot.base)
+            {
+                return;
+            }
             let _ = endings.send(Ending::Finished(Finished {
                 key: self.upstream.key.clone(),
                 serial: self.serial,
                 output: self.first_output.load(Ordering::Relaxed),
-                cut: self.cut.load(Ordering::Relaxed),
+                cut,
             }));
         }
     }
@@ -505,22 +584,32 @@ impl Driver {
         self.reclaim();
     }
 
-    /// Closes every open lane and charges the slots taken from it as started requests.
+    /// Closes every open lane and charges the slots taken from it and given back to it as
+    /// started and ended requests.
     fn reclaim(&mut self) {
+        if self.lent.is_empty() {
+            return;
+        }
         let now = Instant::now();
+        let base = self.lanes.base;
         for lent in self.lent.drain(..) {
             let word = lent
                 .lane
                 .word
-                .fetch_and(!(LANE_OPEN | LANE_CREDITS), Ordering::AcqRel);
-            let taken = lent.credits.saturating_sub(word & LANE_CREDITS);
-            if taken > 0 {
-                let nanos = lent.lane.last_start.load(Ordering::Relaxed);
-                let last = (self.lanes.base + Duration::from_nanos(nanos)).min(now);
-                let count = usize::try_from(taken).unwrap_or(usize::MAX);
-                self.state
-                    .lent_started(&lent.lane.deployment, lent.serial, count, last);
-            }
+                .fetch_and(!(LANE_OPEN | LANE_RETURNS | LANE_CREDITS), Ordering::AcqRel);
+            let left = word & LANE_CREDITS;
+            // NB: the activity is taken even when nothing moved (its instants only grow, and
+            // an instant can repeat under a paused clock, so "it moved" cannot be told apart).
+            let net = i64::try_from(lent.credits).unwrap_or(i64::MAX)
+                - i64::try_from(left).unwrap_or(i64::MAX);
+            let nanos = lent
+                .lane
+                .last_start
+                .load(Ordering::Relaxed)
+                .max(lent.lane.last_end.load(Ordering::Acquire));
+            let last = (base + Duration::from_nanos(nanos)).min(now);
+            self.state
+                .lent_settled(&lent.lane.deployment, lent.serial, net, last);
         }
     }
 
@@ -529,7 +618,7 @@ impl Driver {
         let lanes = &self.lanes;
         let lane_of = &mut self.lane_of;
         let lent = &mut self.lent;
-        self.state.each_lendable(|upstream, serial, free| {
+        self.state.each_lendable(|upstream, serial, free, returns| {
             let lane = match lane_of.get(&upstream.key.deployment) {
                 Some(lane) => Arc::clone(lane),
                 None => {
@@ -538,10 +627,11 @@ impl Driver {
                         word: AtomicU64::new(0),
                         grant: Mutex::new(Arc::new(LaneGrant {
                             generation: 0,
-                            upstream: upstream.clone(),
+                            upstream: Arc::clone(upstream),
                             serial,
                         })),
                         last_start: AtomicU64::new(0),
+                        last_end: AtomicU64::new(0),
                     });
                     lane_of.insert(lane.deployment.clone(), Arc::clone(&lane));
                     if let Ok(mut shared) = lanes.by_deployment.write() {
@@ -555,10 +645,10 @@ impl Driver {
                     Ok(g) => g,
                     Err(poisoned) => poisoned.into_inner(),
                 };
-                if grant.serial != serial || grant.upstream != *upstream {
+                if grant.serial != serial || !Arc::ptr_eq(&grant.upstream, upstream) {
                     *grant = Arc::new(LaneGrant {
                         generation: grant.generation.wrapping_add(1),
-                        upstream: upstream.clone(),
+                        upstream: Arc::clone(upstream),
                         serial,
                     });
                 }
@@ -567,8 +657,9 @@ impl Driver {
             let credits = u64::try_from(free)
                 .unwrap_or(LANE_CREDITS)
                 .min(LANE_CREDITS);
+            let returns = if returns { LANE_RETURNS } else { 0 };
             lane.word.store(
-                (u64::from(generation) << 32) | LANE_OPEN | credits,
+                (u64::from(generation) << 32) | LANE_OPEN | returns | credits,
                 Ordering::Release,
             );
             lent.push(Lent {
@@ -632,7 +723,7 @@ impl Drop for Driver {
         for lent in &self.lent {
             lent.lane
                 .word
-                .fetch_and(!(LANE_OPEN | LANE_CREDITS), Ordering::AcqRel);
+                .fetch_and(!(LANE_OPEN | LANE_RETURNS | LANE_CREDITS), Ordering::AcqRel);
         }
     }
 }
@@ -641,6 +732,11 @@ impl Drop for Driver {
 /// lifecycle's futures as tasks that report back through the inbox.
 struct TaskEffects {
     lifecycle: Arc<dyn Lifecycle>,
+    /// Bounds on the lifecycle's futures: past them (or when one panics) the owner is told
+    /// that it failed, so that no switch waits forever for an answer.
+    plan_timeout: Duration,
+    execute_timeout: Duration,
+    engine_idle_timeout: Duration,
     /// Weak, so that the coordinator's own spawned work does not keep it alive.
     inbox: mpsc::WeakSender<Command>,
     /// Handed to every permit.
@@ -652,16 +748,58 @@ struct TaskEffects {
 }
 
 impl TaskEffects {
-    /// Runs `work` as a task and sends its outcome back through the inbox.
-    fn report_back<F>(&self, work: F)
-    where
+    /// Runs `work` (a lifecycle future) as a task and sends its outcome back through the
+    /// inbox. If it panics, or has not answered within `bound`, `lost(why)` is sent instead,
+    /// so that the owner never waits forever: a hung or panicking lifecycle does not stop all
+    /// switching. A late answer is still sent when it comes (the owner ignores it, or gives a
+    /// plan back, since its switch is over); the work itself is not cancelled, so the
+    /// lifecycle's own steps run to their end.
+    fn report_back<F>(
+        &self,
+        what: &'static str,
+        bound: Duration,
+        work: F,
+        lost: impl FnOnce(ApiError) -> Command + Send + 'static,
+    ) where
         F: Future<Output = Command> + Send + 'static,
     {
         let inbox = self.inbox.clone();
         tokio::spawn(async move {
-            let command = work.await;
-            if let Some(inbox) = inbox.upgrade() {
-                let _ = inbox.send(command).await;
+            let mut task = tokio::spawn(work);
+            let first = tokio::select! {
+                joined = &mut task => Some(joined),
+                () = tokio::time::sleep(bound) => None,
+            };
+            let send = |command: Command| async {
+                if let Some(inbox) = inbox.upgrade() {
+                    let _ = inbox.send(command).await;
+                }
+            };
+            match first {
+                Some(Ok(command)) => send(command).await,
+                Some(Err(err)) => {
+                    tracing::error!(error = %err, "the lifecycle's {what} failed");
+                    send(lost(ApiError::Internal {
+                        detail: format!("the lifecycle's {what} failed"),
+                    }))
+                    .await;
+                }
+                None => {
+                    tracing::error!(
+                        bound_ms = bound.as_millis(),
+                        "the lifecycle's {what} did not answer in time"
+                    );
+                    send(lost(ApiError::Internal {
+                        detail: format!(
+                            "the lifecycle's {what} did not answer within {} ms",
+                            bound.as_millis()
+                        ),
+                    }))
+                    .await;
+                    if let Ok(late) = task.await {
+                        send(late).await;
+                    }
+                }
             }
         });
     }
@@ -679,6 +817,7 @@ impl Effects for TaskEffects {
         let permit = CoordinatorPermit {
             upstream: grant.upstream,
             serial: grant.serial,
+            lane: None,
             first_output: AtomicBool::new(false),
             cut: AtomicBool::new(false),
             endings: Some(self.endings.clone()),
@@ -707,18 +846,34 @@ impl Effects for TaskEffects {
         protected: BTreeSet<DeploymentId>,
     ) {
         let lifecycle = self.lifecycle.clone();
-        self.report_back(async move {
-            let result = lifecycle.plan(&deployment, &protected).await;
-            Command::PlanDone { seq, result }
-        });
+        self.report_back(
+            "plan",
+            self.plan_timeout,
+            async move {
+                let result = lifecycle.plan(&deployment, &protected).await;
+                Command::PlanDone { seq, result }
+            },
+            move |error| Command::PlanDone {
+                seq,
+                result: Err(error),
+            },
+        );
     }
 
     fn execute(&mut self, seq: SwitchSeq, order: SwitchOrder) {
         let lifecycle = self.lifecycle.clone();
-        self.report_back(async move {
-            let result = lifecycle.execute(order).await;
-            Command::ExecuteDone { seq, result }
-        });
+        self.report_back(
+            "execute",
+            self.execute_timeout,
+            async move {
+                let result = lifecycle.execute(order).await;
+                Command::ExecuteDone { seq, result }
+            },
+            move |error| Command::ExecuteDone {
+                seq,
+                result: Err(error),
+            },
+        );
     }
 
     fn abandon(&mut self, switch_id: &str) {
@@ -738,10 +893,21 @@ impl Effects for TaskEffects {
 
     fn engine_idle(&mut self, owner: DrainOwner, key: InstanceKey) {
         let lifecycle = self.lifecycle.clone();
-        self.report_back(async move {
-            let idle = lifecycle.engine_idle(&key).await;
-            Command::EngineIdle { owner, key, idle }
-        });
+        let lost_key = key.clone();
+        self.report_back(
+            "engine_idle",
+            self.engine_idle_timeout,
+            async move {
+                let idle = lifecycle.engine_idle(&key).await;
+                Command::EngineIdle { owner, key, idle }
+            },
+            // Unreadable: the requests count as cut before output (stop, not park).
+            move |_| Command::EngineIdle {
+                owner,
+                key: lost_key,
+                idle: false,
+            },
+        );
     }
 
     fn released(&mut self, id: ReleaseId, result: ReleaseResult) {

@@ -9,6 +9,7 @@
 //! decision is always made on the state it changes ("a read that gates a mutation is a bug").
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::Duration;
 
 use capyctl_crds::errors::ApiError;
@@ -40,8 +41,8 @@ pub(crate) enum DrainOwner {
 /// What a granted request is charged to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Grant {
-    /// Where to forward.
-    pub upstream: Upstream,
+    /// Where to forward (shared with the instance's entry: a grant copies no strings).
+    pub upstream: Arc<Upstream>,
     /// The serial of the instance entry it is charged to (see [`Inst::serial`]).
     pub serial: u64,
 }
@@ -119,7 +120,7 @@ struct Waiter {
 /// A ready instance the router routes to.
 #[derive(Debug, Clone)]
 struct Inst {
-    upstream: Upstream,
+    upstream: Arc<Upstream>,
     /// Unique per entry, so that a permit of an instance that went away and came back under
     /// the same key does not discharge the new entry.
     serial: u64,
@@ -235,13 +236,17 @@ enum Phase {
     Executing,
 }
 
-/// The one switch in progress.
+/// The one switch in progress that holds the switch slot: planning, or with victims (window,
+/// drain, execute). A bring-up (no victims) leaves the slot once it executes.
 #[derive(Debug)]
 struct Switch {
     seq: SwitchSeq,
     target: DeploymentId,
     /// When it began (the plan was asked for): the admission window counts from here.
     began: Instant,
+    /// The admission window that applies: the plan's (the host where the switch happens), or
+    /// the router's.
+    window: Duration,
     phase: Phase,
     /// The target was refused or became ready while planning: give the plan back.
     cancelled: bool,
@@ -266,6 +271,9 @@ pub(crate) struct State {
     /// Waiting requests by deadline.
     deadlines: BTreeSet<(Instant, Ticket)>,
     switch: Option<Switch>,
+    /// Bring-ups (plans without victims) being executed, by switch number: their targets.
+    /// They do not hold the switch slot (see `plan_done`).
+    bring_ups: BTreeMap<SwitchSeq, DeploymentId>,
     next_seq: SwitchSeq,
     releases: BTreeMap<ReleaseId, Release>,
     next_serial: u64,
@@ -316,6 +324,7 @@ impl State {
             buffered_bytes: 0,
             deadlines: BTreeSet::new(),
             switch: None,
+            bring_ups: BTreeMap::new(),
             next_seq: 0,
             releases: BTreeMap::new(),
             next_serial: 0,
@@ -343,11 +352,16 @@ impl State {
                 self.enqueue(now, req, fx);
             }
         } else if dep.has_closed() {
-            // Its instances are draining (the window closed, or a release): 503, not a wait.
+            // Its instances are draining (the window closed, or a release): 503, not a wait;
+            // in no-wait mode the 429 of a model that is switching (nothing recorded either: a
+            // retry once parking has begun asks for the wake).
+            let deployment = req.deployment;
             fx.refuse(
                 req.ticket,
-                ApiError::DispatchClosed {
-                    deployment: req.deployment,
+                if no_wait {
+                    ApiError::NotServableNoWait { deployment }
+                } else {
+                    ApiError::DispatchClosed { deployment }
                 },
             );
         } else if let Err(e) = fx.admissible(&req.deployment) {
@@ -371,10 +385,25 @@ impl State {
 
     /// Every deployment whose free slots may be lent to the handles (see `Lane` in `mod.rs`):
     /// exactly one instance, open, nobody waiting, and fewer than the bound in flight. `f` gets
-    /// the instance, its entry's serial and the free slots. A request taking a lent slot is
-    /// what `admit` would do at once (`grant_now`), ahead of time.
-    pub(crate) fn each_lendable(&self, mut f: impl FnMut(&Upstream, u64, usize)) {
+    /// the instance, its entry's serial, the free slots, and whether a request that took a lent
+    /// slot may give it back to the lane when it ends (without telling the owner). A request
+    /// taking a lent slot is what `admit` would do at once (`grant_now`), ahead of time.
+    ///
+    /// NB (when a slot may go back without an event): [`State::finished`] of a request that
+    /// was not cut changes only counts and `last_activity`, which the owner takes from the lane
+    /// before its next event ([`State::lent_settled`]), with three exceptions, none of which
+    /// applies to a lent slot's end: it hands the slot to a waiter (a lane is open only while
+    /// nobody waits), it moves a drain on (a draining instance is closed, so it has no lane),
+    /// and it lets deployments whose plan said `Later` plan again. That last one is why a
+    /// slot may go back only while no deployment is blocked `Later`. (A finish during an
+    /// admission window moves nothing either: a request that ran at or after the switch's
+    /// start already holds the window open to its full length, see [`window_closes_at`].)
+    pub(crate) fn each_lendable(&self, mut f: impl FnMut(&Arc<Upstream>, u64, usize, bool)) {
         let limit = self.config.in_flight_per_deployment;
+        let returns = !self
+            .deployments
+            .values()
+            .any(|d| d.blocked == Some(Blocked::Later));
         for dep in self.deployments.values() {
             if !dep.queue.is_empty() || dep.in_flight >= limit || dep.instances.len() != 1 {
                 continue;
@@ -382,27 +411,37 @@ impl State {
             if let Some(inst) = dep.instances.values().next()
                 && inst.open
             {
-                f(&inst.upstream, inst.serial, limit - dep.in_flight);
+                f(&inst.upstream, inst.serial, limit - dep.in_flight, returns);
             }
         }
     }
 
-    /// `count` requests took lent slots of the instance entry `serial` of `deployment` (the
-    /// latest at `last_start`): they are charged as `grant_now` charges.
-    pub(crate) fn lent_started(
+    /// While the instance entry `serial` of `deployment` lent its slots, `net` more requests
+    /// started on it than ended (negative: more ended; requests that took a lent slot start
+    /// there, and some of them may have given it back), and the latest start or end was at
+    /// `last_activity`: charged as `grant_now` and `finished` charge.
+    pub(crate) fn lent_settled(
         &mut self,
         deployment: &DeploymentId,
         serial: u64,
-        count: usize,
-        last_start: Instant,
+        net: i64,
+        last_activity: Instant,
     ) {
         let Some(dep) = self.deployments.get_mut(deployment) else {
             return;
         };
-        dep.in_flight += count;
+        let apply = |count: usize| {
+            let magnitude = usize::try_from(net.unsigned_abs()).unwrap_or(usize::MAX);
+            if net >= 0 {
+                count.saturating_add(magnitude)
+            } else {
+                count.saturating_sub(magnitude)
+            }
+        };
+        dep.in_flight = apply(dep.in_flight);
         if let Some(inst) = dep.instances.values_mut().find(|i| i.serial == serial) {
-            inst.in_flight += count;
-            inst.last_activity = inst.last_activity.max(last_start);
+            inst.in_flight = apply(inst.in_flight);
+            inst.last_activity = inst.last_activity.max(last_activity);
         }
     }
 
@@ -448,13 +487,13 @@ impl State {
         let serial = self.next_serial;
         let dep = self.deployments.entry(deployment.clone()).or_default();
         match dep.instances.get_mut(&up.key) {
-            Some(inst) => inst.upstream = up,
+            Some(inst) => inst.upstream = Arc::new(up),
             None => {
                 self.next_serial += 1;
                 dep.instances.insert(
                     up.key.clone(),
                     Inst {
-                        upstream: up,
+                        upstream: Arc::new(up),
                         serial,
                         in_flight: 0,
                         open: true,
@@ -551,8 +590,10 @@ impl State {
                 }
             }
             Ok(Plan::BringUp { switch_id }) => {
-                sw.phase = Phase::Executing;
-                self.switch = Some(sw);
+                // NB: a bring-up releases nothing, so it leaves the switch slot now: a cold
+                // start that takes minutes does not hold up other switches. The lifecycle's
+                // claim on the target and its memory reservation keep placements apart.
+                self.bring_ups.insert(seq, target.clone());
                 fx.execute(
                     seq,
                     SwitchOrder {
@@ -564,7 +605,11 @@ impl State {
                     },
                 );
             }
-            Ok(Plan::Switch { switch_id, victims }) => {
+            Ok(Plan::Switch {
+                switch_id,
+                victims,
+                window,
+            }) => {
                 // Invariant: a victim is never protected. A request may have begun waiting for
                 // a victim's deployment while the plan ran: give the plan back, plan again.
                 let protected_victim = victims.iter().any(|v| {
@@ -590,6 +635,9 @@ impl State {
                             closing.push(v.clone());
                         }
                     }
+                    if let Some(window) = window {
+                        sw.window = window;
+                    }
                     sw.phase = Phase::Window { switch_id, victims };
                     self.switch = Some(sw);
                     self.close(&closing, fx);
@@ -599,7 +647,8 @@ impl State {
         self.settle(now, fx);
     }
 
-    /// `Lifecycle::execute` answered for switch `seq` (rule 4).
+    /// `Lifecycle::execute` answered for switch `seq` (rule 4), a switch with victims or a
+    /// bring-up.
     pub(crate) fn execute_done(
         &mut self,
         now: Instant,
@@ -607,12 +656,18 @@ impl State {
         result: Result<(), ApiError>,
         fx: &mut impl Effects,
     ) {
-        let Some(sw) = &self.switch else { return };
-        if sw.seq != seq || !matches!(sw.phase, Phase::Executing) {
-            return;
-        }
-        let target = sw.target.clone();
-        self.end_switch();
+        let target = if let Some(target) = self.bring_ups.remove(&seq) {
+            self.unblock(true);
+            target
+        } else {
+            let Some(sw) = &self.switch else { return };
+            if sw.seq != seq || !matches!(sw.phase, Phase::Executing) {
+                return;
+            }
+            let target = sw.target.clone();
+            self.end_switch();
+            target
+        };
         match result {
             Ok(()) => {
                 if let Some(dep) = self.deployments.get_mut(&target) {
@@ -698,7 +753,9 @@ impl State {
         let mut at = |t: Instant| next = Some(next.map_or(t, |n: Instant| n.min(t)));
         if let Some(sw) = &self.switch {
             match &sw.phase {
-                Phase::Window { victims, .. } => at(self.window_end(sw.began, victims)),
+                Phase::Window { victims, .. } => {
+                    at(self.window_end(sw.began, sw.window, victims));
+                }
                 Phase::Draining { drain, .. } => at(drain.deadline),
                 Phase::Planning | Phase::Executing => {}
             }
@@ -759,7 +816,7 @@ impl State {
             return false;
         };
         let grant = Grant {
-            upstream: inst.upstream.clone(),
+            upstream: Arc::clone(&inst.upstream),
             serial: inst.serial,
         };
         if fx.grant(ticket, grant) {
@@ -929,8 +986,9 @@ impl State {
         (closed - began, now.saturating_duration_since(closed))
     }
 
-    /// When the window of a switch that began at `began` closes, over its open victims.
-    fn window_end(&self, began: Instant, victims: &[InstanceKey]) -> Instant {
+    /// When the window (of length `window`) of a switch that began at `began` closes, over its
+    /// open victims.
+    fn window_end(&self, began: Instant, window: Duration, victims: &[InstanceKey]) -> Instant {
         let open = victims.iter().filter_map(|k| {
             self.deployments
                 .get(&k.deployment)
@@ -938,7 +996,7 @@ impl State {
                 .filter(|i| i.open)
                 .map(|i| (i.in_flight, i.last_activity))
         });
-        window_closes_at(began, self.config.admission_window, open)
+        window_closes_at(began, window, open)
     }
 
     /// Requests still charged to these instances.
@@ -1009,7 +1067,7 @@ impl State {
             let Some(sw) = self.switch.take() else { return };
             match sw.phase {
                 Phase::Window { switch_id, victims } => {
-                    if now < self.window_end(sw.began, &victims) {
+                    if now < self.window_end(sw.began, sw.window, &victims) {
                         self.switch = Some(Switch {
                             phase: Phase::Window { switch_id, victims },
                             ..sw
@@ -1134,6 +1192,7 @@ impl State {
             .deployments
             .iter()
             .filter(|(_, d)| d.blocked.is_none() && !d.has_open() && !d.has_closed())
+            .filter(|(id, _)| !self.bring_ups.values().any(|t| t == *id))
             .filter_map(|(id, d)| d.waiting_since().map(|t| (t, id)))
             .min()
             .map(|(_, id)| id.clone());
@@ -1151,6 +1210,7 @@ impl State {
             seq,
             target: target.clone(),
             began: now,
+            window: self.config.admission_window,
             phase: Phase::Planning,
             cancelled: false,
         });
@@ -1370,6 +1430,7 @@ mod tests {
             Ok(Plan::Switch {
                 switch_id: "s".into(),
                 victims: vec![key("a")],
+                window: None,
             }),
             &mut fx,
         );

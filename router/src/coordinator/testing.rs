@@ -115,6 +115,21 @@ struct Inner {
     reserved: BTreeMap<String, Vec<InstanceKey>>,
     engine_idle_answer: bool,
     next_switch: u64,
+    /// The admission window natural `Switch` plans carry (the host's).
+    plan_window: Option<Duration>,
+    /// `plan` never answers (a hung lifecycle).
+    hang_plans: bool,
+    /// `execute` never answers, or panics.
+    execute_fault: Option<ExecuteFault>,
+}
+
+/// How a scripted `execute` misbehaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExecuteFault {
+    /// It never answers.
+    Hang,
+    /// It panics.
+    Panic,
 }
 
 /// The scripted fake lifecycle.
@@ -246,6 +261,22 @@ impl FakeLifecycle {
         self.lock().execute_errors.insert(id.to_string(), error);
     }
 
+    /// The admission window that natural `Switch` plans carry from now on (the host's; `None`:
+    /// the router's own).
+    pub fn set_plan_window(&self, window: Option<Duration>) {
+        self.lock().plan_window = window;
+    }
+
+    /// Every `plan` from now on hangs (never answers).
+    pub fn hang_plans(&self) {
+        self.lock().hang_plans = true;
+    }
+
+    /// The next `execute` misbehaves this way (after recording the call).
+    pub fn fault_execute(&self, fault: ExecuteFault) {
+        self.lock().execute_fault = Some(fault);
+    }
+
     /// What `engine_idle` answers from now on.
     pub fn set_engine_idle(&self, answer: bool) {
         self.lock().engine_idle_answer = answer;
@@ -358,7 +389,11 @@ impl FakeLifecycle {
                     })
                     .collect();
                 inner.reserved.insert(switch_id.clone(), victims.clone());
-                Plan::Switch { switch_id, victims }
+                Plan::Switch {
+                    switch_id,
+                    victims,
+                    window: inner.plan_window,
+                }
             }
         }
     }
@@ -396,13 +431,19 @@ impl Lifecycle for FakeLifecycle {
                 deployment: deployment.clone(),
                 protected: protected.clone(),
             });
+            if self.lock().hang_plans {
+                std::future::pending::<()>().await;
+            }
             let mut inner = self.lock();
             if let Some(r) = inner
                 .scripted_plans
                 .get_mut(deployment)
                 .and_then(|q| q.pop_front())
             {
-                if let Ok(Plan::Switch { switch_id, victims }) = &r {
+                if let Ok(Plan::Switch {
+                    switch_id, victims, ..
+                }) = &r
+                {
                     inner.reserved.insert(switch_id.clone(), victims.clone());
                 }
                 return r;
@@ -414,6 +455,12 @@ impl Lifecycle for FakeLifecycle {
     fn execute(&self, order: SwitchOrder) -> BoxFuture<'_, Result<(), ApiError>> {
         Box::pin(async move {
             self.record(Call::Execute(order.clone()));
+            let fault = self.lock().execute_fault.take();
+            match fault {
+                Some(ExecuteFault::Hang) => std::future::pending::<()>().await,
+                Some(ExecuteFault::Panic) => panic!("scripted: execute panics"),
+                None => {}
+            }
             let from = {
                 let mut inner = self.lock();
                 let from = inner

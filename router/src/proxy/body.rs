@@ -1,32 +1,35 @@
-//! The response bodies, the request's charge on its permit, and the task that pumps a streamed
-//! answer from the engine to the client.
+//! The response bodies, and the request's charge on its permit.
 //!
 //! NB (who owns what):
-//! - A non-streamed answer goes through [`DirectBody`], which polls the engine's body itself:
-//!   nothing is copied, no task is spawned.
-//! - A streamed answer (`text/event-stream`) is read by [`pump`], a task of its own, and handed
-//!   to [`StreamBody`] through a channel of depth 1. The depth-1 channel is what lets the pump
-//!   see a client that stopped reading: a piece the body has not taken within `read_stall`
-//!   means the client read nothing for that long.
-//! - The permit lives in a [`Charge`], shared by the handler, the pump and the body. It is
-//!   released (dropped) the moment the request is over: the engine's answer ended, or the
-//!   request was cut. A body a stuck client never finishes therefore never holds a permit.
+//! - A request's permit lives in its [`Charge`], owned by one place at a time: the handler
+//!   until the response head is ready, then the response body. The charge ends the request
+//!   exactly once: `finish` (the engine's answer ended) or `cut`; dropped without either, the
+//!   client went away (`client_gone`). It is released (dropped) the moment the request is
+//!   over, so a body a stuck client never finishes never holds a permit past the cut.
+//! - A non-streamed answer goes through [`DirectBody`], a streamed one (`text/event-stream`)
+//!   through [`StreamBody`]. Both poll the engine's body themselves, in the client
+//!   connection's task, when hyper asks for the next frame: nothing is copied through a
+//!   channel, no task is spawned, and a client that does not take what was sent keeps the
+//!   engine's bytes in the engine's socket (back-pressure).
+//! - A streamed answer is held back until its first output by [`start_stream`], in the
+//!   handler, so that a deadline before it is still a plain 503.
+//! - A client that reads nothing cannot be seen from here (hyper stops polling a body whose
+//!   bytes the socket does not take): the connection watches its socket (`super::conn`) and
+//!   closes it; the body, dropped, then reports `read_stall` instead of `client_gone`.
 
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use futures_util::FutureExt;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
-use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::{Instant, Sleep};
 
 use super::Failure;
+use super::conn::ConnWatch;
 use super::sse::{EventScanner, Oversized, is_output};
 use super::upstream::UpstreamBody;
 use crate::admission::Permit;
@@ -106,7 +109,7 @@ impl Watch {
     }
 
     /// Hands the report to the charge: it is made when the request ends.
-    pub(crate) fn hand_to(&mut self, charge: &dyn Track, status: u16, streamed: bool) {
+    pub(crate) fn hand_to(&mut self, charge: &mut dyn Track, status: u16, streamed: bool) {
         if let Some(mut o) = self.0.take() {
             o.event.status = status;
             o.event.streamed = streamed;
@@ -123,41 +126,32 @@ impl Drop for Watch {
     }
 }
 
-/// At most this much already-sent data is gathered into one hand-over to the body.
+/// At most this much already-sent data is gathered into one frame for the client.
 const COALESCE_BYTES: usize = 16 * 1024;
 
-/// What the handler, the pump and the bodies do with a request's permit.
-pub(crate) trait Track: Send + Sync {
+/// What the handler and the bodies do with a request's permit (object-safe, so that the
+/// bodies need not be generic over the permit).
+pub(crate) trait Track: Send {
     /// The engine produced its first output (reported once).
-    fn output(&self);
+    fn output(&mut self);
     /// The engine's answer ended normally; releases the permit.
-    fn finish(&self);
-    /// The request was cut short; releases the permit. `abort`: the client's connection must
-    /// see an error rather than a clean end. `code`: why, for the observer.
-    fn cut(&self, abort: bool, code: &'static str);
+    fn finish(&mut self);
+    /// The request was cut short; releases the permit. `code`: why, for the observer.
+    fn cut(&mut self, code: &'static str);
     /// Reports to the observer when the request ends (at once if it already has).
-    fn observe(&self, observation: Observation);
-    /// Whether the request was cut with `abort`.
-    fn aborted(&self) -> bool;
+    fn observe(&mut self, observation: Observation);
 }
-
-const OUTPUT: u8 = 1;
-const ENDED: u8 = 2;
-const ABORT: u8 = 4;
 
 /// One request's permit and how the request went. Every request ends exactly once: the first
-/// of `finish` and `cut` wins, later calls do nothing.
-pub(crate) struct Charge<P> {
-    /// The permit (taken out, dropped, when the request ends), the observer's report and how
-    /// the request ended.
-    inner: Mutex<Inner<P>>,
-    /// `OUTPUT`, `ENDED`, `ABORT` bits.
-    flags: AtomicU8,
-}
-
-struct Inner<P> {
+/// of `finish` and `cut` wins, later calls do nothing; dropped before either, the client went
+/// away.
+pub(crate) struct Charge<P: Permit> {
+    /// Taken out (and dropped) when the request ends.
     permit: Option<P>,
+    /// The observer's report, once the handler handed it over.
     observation: Option<Observation>,
+    /// `first_output` was reported.
+    output: bool,
     /// `Some(code)` once the request ended.
     ended: Option<Option<&'static str>>,
 }
@@ -166,110 +160,60 @@ impl<P: Permit> Charge<P> {
     /// A charge holding `permit`.
     pub(crate) fn new(permit: P) -> Self {
         Self {
-            inner: Mutex::new(Inner {
-                permit: Some(permit),
-                observation: None,
-                ended: None,
-            }),
-            flags: AtomicU8::new(0),
+            permit: Some(permit),
+            observation: None,
+            output: false,
+            ended: None,
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner<P>> {
-        match self.inner.lock() {
-            Ok(guard) => guard,
-            Err(poisoned) => poisoned.into_inner(),
+    fn end(&mut self, code: Option<&'static str>) {
+        if self.ended.is_some() {
+            return;
         }
-    }
-
-    /// Takes the permit and the report out, recording how the request ended.
-    fn take(&self, code: Option<&'static str>) -> (Option<P>, Option<Observation>) {
-        let mut inner = self.lock();
-        inner.ended = Some(code);
-        (inner.permit.take(), inner.observation.take())
-    }
-
-    /// Sets `bits` together with `ENDED` unless the request already ended; true if it had not.
-    fn end(&self, bits: u8) -> bool {
-        self.flags
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |f| {
-                (f & ENDED == 0).then_some(f | ENDED | bits)
-            })
-            .is_ok()
+        self.ended = Some(code);
+        if let Some(permit) = self.permit.take() {
+            if code.is_some() {
+                permit.cut();
+            }
+            drop(permit);
+        }
+        if let Some(o) = self.observation.take() {
+            o.emit(code);
+        }
     }
 }
 
 impl<P: Permit> Track for Charge<P> {
-    fn output(&self) {
-        if self.flags.load(Ordering::Acquire) & (OUTPUT | ENDED) != 0 {
-            return;
-        }
-        if self.flags.fetch_or(OUTPUT, Ordering::AcqRel) & OUTPUT == 0
-            && let Some(permit) = self.lock().permit.as_ref()
-        {
-            permit.first_output();
-        }
-    }
-
-    fn finish(&self) {
-        if self.end(0) {
-            let (permit, observation) = self.take(None);
-            drop(permit);
-            if let Some(o) = observation {
-                o.emit(None);
+    fn output(&mut self) {
+        if !self.output {
+            self.output = true;
+            if let Some(permit) = &self.permit {
+                permit.first_output();
             }
         }
     }
 
-    fn cut(&self, abort: bool, code: &'static str) {
-        if self.end(if abort { ABORT } else { 0 }) {
-            let (permit, observation) = self.take(Some(code));
-            if let Some(permit) = permit {
-                permit.cut();
-            }
-            if let Some(o) = observation {
-                o.emit(Some(code));
-            }
-        }
+    fn finish(&mut self) {
+        self.end(None);
     }
 
-    fn observe(&self, observation: Observation) {
-        let mut inner = self.lock();
-        match inner.ended {
-            Some(code) => {
-                drop(inner);
-                observation.emit(code);
-            }
-            None => inner.observation = Some(observation),
-        }
+    fn cut(&mut self, code: &'static str) {
+        self.end(Some(code));
     }
 
-    fn aborted(&self) -> bool {
-        self.flags.load(Ordering::Acquire) & ABORT != 0
-    }
-}
-
-/// Cuts the request when dropped while armed: the handler was dropped (the client went away)
-/// while it waited for the engine.
-pub(crate) struct CutOnDrop(pub(crate) Option<Arc<dyn Track>>);
-
-impl CutOnDrop {
-    /// Hands the charge on; the guard no longer cuts.
-    pub(crate) fn disarm(mut self) -> Arc<dyn Track> {
-        // The constructor always puts a charge in, and only `disarm` (which consumes the
-        // guard) takes it out.
-        match self.0.take() {
-            Some(charge) => charge,
-            None => unreachable!("CutOnDrop disarmed twice"),
+    fn observe(&mut self, observation: Observation) {
+        match self.ended {
+            Some(code) => observation.emit(code),
+            None => self.observation = Some(observation),
         }
     }
 }
 
-impl Drop for CutOnDrop {
+impl<P: Permit> Drop for Charge<P> {
     fn drop(&mut self) {
-        if let Some(charge) = self.0.take() {
-            charge.cut(true, observe::CLIENT_GONE);
-        }
+        // Neither finished nor cut: whoever held it was dropped, because the client went away.
+        self.end(Some(observe::CLIENT_GONE));
     }
 }
 
@@ -330,7 +274,7 @@ impl Body for ProxyBody {
         match &self.kind {
             Kind::Full(bytes) => bytes.is_none(),
             Kind::Direct(body) => body.inner.as_ref().is_none_or(Body::is_end_stream),
-            Kind::Stream(_) => false,
+            Kind::Stream(body) => body.over && body.due.is_none(),
         }
     }
 
@@ -346,28 +290,58 @@ impl Body for ProxyBody {
     }
 }
 
+/// The silence bound after the first output (`stream_idle_timeout`), armed only while the
+/// engine keeps the body waiting, and moved (cheaply: only ever later) rather than re-created.
+struct IdleTimer {
+    idle: Duration,
+    /// When the engine last sent something.
+    last: Instant,
+    timer: Option<Pin<Box<Sleep>>>,
+}
+
+impl IdleTimer {
+    fn new(idle: Duration) -> Self {
+        Self {
+            idle,
+            last: Instant::now(),
+            timer: None,
+        }
+    }
+
+    /// The engine sent something now.
+    fn data(&mut self) {
+        self.last = Instant::now();
+    }
+
+    /// The engine keeps the body waiting: ready once it has been silent for `idle`.
+    fn poll_silent(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let deadline = self.last + self.idle;
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if timer.deadline() != deadline {
+            timer.as_mut().reset(deadline);
+        }
+        timer.as_mut().poll(cx)
+    }
+}
+
 /// A non-streamed answer: the engine's body, frame by frame, with the silence bound.
 pub(crate) struct DirectBody {
-    /// The engine's body; `None` once it ended or was given up.
+    /// The engine's body; `None` once it ended or was given up (dropping it closes the
+    /// engine's connection, which aborts its work).
     inner: Option<UpstreamBody>,
     /// `None` once the request ended.
-    charge: Option<Arc<dyn Track>>,
-    /// `stream_idle_timeout`.
-    idle: Duration,
-    /// Created the first time the engine keeps the body waiting.
-    timer: Option<Pin<Box<Sleep>>>,
-    /// Whether `timer` runs for the current silence.
-    armed: bool,
+    charge: Option<Box<dyn Track>>,
+    idle: IdleTimer,
 }
 
 impl DirectBody {
-    pub(crate) fn new(inner: UpstreamBody, charge: Arc<dyn Track>, idle: Duration) -> Self {
+    pub(crate) fn new(inner: UpstreamBody, charge: Box<dyn Track>, idle: Duration) -> Self {
         let mut body = Self {
             inner: Some(inner),
             charge: Some(charge),
-            idle,
-            timer: None,
-            armed: false,
+            idle: IdleTimer::new(idle),
         };
         body.finish_if_ended();
         body
@@ -378,7 +352,7 @@ impl DirectBody {
     fn finish_if_ended(&mut self) {
         if self.inner.as_ref().is_some_and(Body::is_end_stream) {
             self.inner = None;
-            if let Some(charge) = self.charge.take() {
+            if let Some(mut charge) = self.charge.take() {
                 charge.finish();
             }
         }
@@ -390,7 +364,7 @@ impl DirectBody {
         };
         match Pin::new(inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                self.armed = false;
+                self.idle.data();
                 self.finish_if_ended();
                 Poll::Ready(Some(Ok(frame)))
             }
@@ -400,40 +374,30 @@ impl DirectBody {
             }
             Poll::Ready(None) => {
                 self.inner = None;
-                if let Some(charge) = self.charge.take() {
+                if let Some(mut charge) = self.charge.take() {
                     charge.finish();
                 }
                 Poll::Ready(None)
             }
-            Poll::Pending => {
-                let deadline = Instant::now() + self.idle;
-                let timer = self
-                    .timer
-                    .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-                if !self.armed {
-                    timer.as_mut().reset(deadline);
-                    self.armed = true;
+            Poll::Pending => match self.idle.poll_silent(cx) {
+                Poll::Ready(()) => {
+                    tracing::debug!("non-streamed answer silent past stream_idle_timeout");
+                    self.give_up(observe::STREAM_IDLE_TIMEOUT);
+                    Poll::Ready(Some(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the engine was silent past stream_idle_timeout",
+                    ))))
                 }
-                match timer.as_mut().poll(cx) {
-                    Poll::Ready(()) => {
-                        tracing::debug!("non-streamed answer silent past stream_idle_timeout");
-                        self.give_up(observe::STREAM_IDLE_TIMEOUT);
-                        Poll::Ready(Some(Err(io::Error::new(
-                            io::ErrorKind::TimedOut,
-                            "the engine was silent past stream_idle_timeout",
-                        ))))
-                    }
-                    Poll::Pending => Poll::Pending,
-                }
-            }
+                Poll::Pending => Poll::Pending,
+            },
         }
     }
 
     /// Drops the engine's body (the engine sees the disconnect) and cuts the request.
     fn give_up(&mut self, code: &'static str) {
         self.inner = None;
-        if let Some(charge) = self.charge.take() {
-            charge.cut(true, code);
+        if let Some(mut charge) = self.charge.take() {
+            charge.cut(code);
         }
     }
 }
@@ -445,66 +409,18 @@ impl Drop for DirectBody {
     }
 }
 
-/// A streamed answer, fed by [`pump`].
-pub(crate) struct StreamBody {
-    /// What the pump held back until the first output (the role chunk and the first output).
-    first: Option<Bytes>,
-    /// Pieces from the pump; closed when the pump is done.
-    rx: mpsc::Receiver<Bytes>,
-    /// Tells whether the end is clean or an abort.
-    charge: Arc<dyn Track>,
-}
-
-impl StreamBody {
-    pub(crate) fn new(first: Bytes, rx: mpsc::Receiver<Bytes>, charge: Arc<dyn Track>) -> Self {
-        Self {
-            first: Some(first),
-            rx,
-            charge,
-        }
-    }
-
-    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
-        if let Some(first) = self.first.take() {
-            return Poll::Ready(Some(Ok(Frame::data(first))));
-        }
-        match self.rx.poll_recv(cx) {
-            Poll::Ready(Some(piece)) => Poll::Ready(Some(Ok(Frame::data(piece)))),
-            Poll::Ready(None) if self.charge.aborted() => Poll::Ready(Some(Err(io::Error::new(
-                io::ErrorKind::ConnectionAborted,
-                "the streamed answer was cut",
-            )))),
-            Poll::Ready(None) => Poll::Ready(None),
-            Poll::Pending => Poll::Pending,
-        }
-    }
-}
-
-/// How the pump began the answer, for the handler waiting to send the response head.
-pub(crate) enum Start {
-    /// The first output came: stream, beginning with these bytes.
-    Stream(Bytes),
-    /// The engine's answer ended before any output: send these bytes as the whole body.
-    Whole(Bytes),
-    /// Nothing was sent yet, so the failure is an HTTP error.
-    Fail(Failure),
-}
-
-/// What the pump needs to know.
-pub(crate) struct PumpSettings {
+/// What a streamed answer needs to know.
+#[derive(Clone)]
+pub(crate) struct StreamSettings {
     /// The request deadline (arrival + `request_deadline`): bounds the wait for first output.
     pub(crate) deadline: Instant,
-    /// The deployment's ID, for the deadline's message.
-    pub(crate) deployment: String,
     /// `stream_idle_timeout`.
     pub(crate) idle: Duration,
-    /// `read_stall`.
-    pub(crate) read_stall: Duration,
     /// `max_piece`.
     pub(crate) max_piece: usize,
-    /// Closes the client's connection (a stalled client is not reading, so an error in the
-    /// body would never reach hyper).
-    pub(crate) kill: Option<Arc<Notify>>,
+    /// The client's connection, watched for a reader that takes nothing (`None` without a
+    /// socket, as in `Proxy::handle`).
+    pub(crate) conn: Option<Arc<ConnWatch>>,
 }
 
 /// Why a streamed answer ended early, after its head was sent.
@@ -524,16 +440,16 @@ impl Early {
         }
     }
 
-    fn event(self, settings: &PumpSettings) -> Bytes {
+    /// The SSE error event that ends the stream.
+    fn event(self, idle: Duration, max_piece: usize) -> Bytes {
         let code = self.code();
         let message = match self {
             Early::Idle => format!(
                 "the engine sent nothing for {} ms (stream_idle_timeout); the answer was cut",
-                settings.idle.as_millis()
+                idle.as_millis()
             ),
             Early::Oversized => format!(
-                "a piece of the answer is larger than {} bytes; the answer was cut",
-                settings.max_piece
+                "a piece of the answer is larger than {max_piece} bytes; the answer was cut"
             ),
             Early::UpstreamFailed => "the engine's answer broke off".to_string(),
         };
@@ -544,44 +460,44 @@ impl Early {
     }
 }
 
-/// Reads a streamed answer from the engine: holds it back until the first output (so a request
-/// deadline before it can still be answered 503), then forwards piece by piece, enforcing the
-/// silence bound, the piece bound and the read stall.
-pub(crate) async fn pump(
+/// How a streamed answer began, for the handler that sends the response head.
+pub(crate) enum Start {
+    /// The first output came: stream, beginning with what was held back.
+    Stream(StreamBody),
+    /// The engine's answer ended before any output: these bytes are the whole body.
+    Whole(Bytes),
+    /// Nothing was sent yet, so the failure is an HTTP error.
+    Fail(Failure),
+}
+
+/// Reads a streamed answer until its first output, holding everything back (at most one
+/// piece), so that a request deadline before it can still be answered 503; then hands the rest
+/// to a [`StreamBody`].
+pub(crate) async fn start_stream(
     mut upstream: UpstreamBody,
-    charge: Arc<dyn Track>,
-    settings: PumpSettings,
-    mut start: oneshot::Sender<Start>,
-    tx: mpsc::Sender<Bytes>,
-) {
+    mut charge: Box<dyn Track>,
+    deployment: &str,
+    settings: StreamSettings,
+) -> Start {
     let mut scanner = EventScanner::new(settings.max_piece);
     let timer = tokio::time::sleep_until(settings.deadline);
     tokio::pin!(timer);
-
-    // Until the first output: hold everything back (at most one piece).
     let mut held = BytesMut::new();
     let mut event_start = 0;
     let mut scanned = 0;
-    let head = loop {
+    loop {
         let next = tokio::select! {
             biased;
-            () = start.closed() => {
-                // The client went away while waiting for the first output.
-                drop(upstream);
-                charge.cut(true, observe::CLIENT_GONE);
-                return;
-            }
-            () = &mut timer => None,
             frame = upstream.frame() => Some(frame),
+            () = &mut timer => None,
         };
         let failure = match next {
             None => Failure::Api(capyctl_crds::errors::ApiError::QueueDeadline {
-                deployment: settings.deployment.clone(),
+                deployment: deployment.to_string(),
             }),
             Some(None) => {
                 charge.finish();
-                let _ = start.send(Start::Whole(held.freeze()));
-                return;
+                return Start::Whole(held.freeze());
             }
             Some(Some(Err(err))) => Failure::upstream(&err),
             Some(Some(Ok(frame))) => {
@@ -591,7 +507,12 @@ pub(crate) async fn pump(
                 held.extend_from_slice(&data);
                 let single = match first_output(&mut scanner, &held, &mut event_start, &mut scanned)
                 {
-                    Ok(true) => break held.freeze(),
+                    Ok(true) => {
+                        charge.output();
+                        let body =
+                            StreamBody::new(upstream, charge, scanner, held.freeze(), settings);
+                        return Start::Stream(body);
+                    }
                     Ok(false) if held.len() <= settings.max_piece => continue,
                     // Many small pieces and still no output: held back as one piece.
                     Ok(false) => false,
@@ -603,125 +524,15 @@ pub(crate) async fn pump(
                 if single {
                     charge.output();
                 }
-                charge.cut(false, observe::PIECE_TOO_LARGE);
+                charge.cut(observe::PIECE_TOO_LARGE);
                 held.truncate(event_start);
-                held.extend_from_slice(&Early::Oversized.event(&settings));
-                let _ = start.send(Start::Stream(held.freeze()));
-                return;
+                held.extend_from_slice(&Early::Oversized.event(settings.idle, settings.max_piece));
+                return Start::Stream(StreamBody::ended(charge, held.freeze(), settings));
             }
         };
         drop(upstream);
-        charge.cut(false, failure.code());
-        let _ = start.send(Start::Fail(failure));
-        return;
-    };
-    charge.output();
-    if start.send(Start::Stream(head)).is_err() {
-        drop(upstream);
-        charge.cut(true, observe::CLIENT_GONE);
-        return;
-    }
-
-    // After the first output: forward each frame as it comes.
-    let mut ended = false;
-    let early = loop {
-        timer.as_mut().reset(Instant::now() + settings.idle);
-        let next = tokio::select! {
-            biased;
-            () = tx.closed() => {
-                drop(upstream);
-                charge.cut(true, observe::CLIENT_GONE);
-                return;
-            }
-            () = &mut timer => break Early::Idle,
-            frame = upstream.frame() => frame,
-        };
-        let mut data = match next {
-            None => {
-                charge.finish();
-                return;
-            }
-            Some(Err(err)) => {
-                tracing::debug!(error = %err, "engine's streamed answer broke off");
-                break Early::UpstreamFailed;
-            }
-            Some(Ok(frame)) => match frame.into_data() {
-                Ok(data) => data,
-                Err(_) => continue,
-            },
-        };
-        if scanner.measure(&data).is_err() {
-            break Early::Oversized;
-        }
-        // Take along what the engine already sent (a fast engine, a loaded router): one hand-over
-        // and one write for several pieces. Nothing waits for more.
-        let mut after = None;
-        let mut batch: Option<BytesMut> = None;
-        while data.len() + batch.as_ref().map_or(0, BytesMut::len) < COALESCE_BYTES {
-            match upstream.frame().now_or_never() {
-                None => break,
-                Some(Some(Ok(frame))) => {
-                    let Ok(more) = frame.into_data() else {
-                        continue;
-                    };
-                    if scanner.measure(&more).is_err() {
-                        after = Some(Early::Oversized);
-                        break;
-                    }
-                    let batch = batch.get_or_insert_with(|| {
-                        let mut b = BytesMut::with_capacity(COALESCE_BYTES);
-                        b.extend_from_slice(&data);
-                        b
-                    });
-                    batch.extend_from_slice(&more);
-                }
-                Some(Some(Err(err))) => {
-                    tracing::debug!(error = %err, "engine's streamed answer broke off");
-                    after = Some(Early::UpstreamFailed);
-                    break;
-                }
-                Some(None) => {
-                    ended = true;
-                    break;
-                }
-            }
-        }
-        if let Some(batch) = batch {
-            data = batch.freeze();
-        }
-        let sent = send(&tx, data, settings.read_stall).await;
-        if sent.is_ok() {
-            if ended {
-                charge.finish();
-                return;
-            }
-            if let Some(early) = after {
-                break early;
-            }
-            continue;
-        }
-        if let Err(why) = sent {
-            drop(upstream);
-            charge.cut(
-                true,
-                if why == SendFailed::Stalled {
-                    observe::READ_STALL
-                } else {
-                    observe::CLIENT_GONE
-                },
-            );
-            if why == SendFailed::Stalled {
-                tracing::debug!("client read nothing for read_stall; streamed answer cut");
-                kill(&settings);
-            }
-            return;
-        }
-    };
-    tracing::debug!(reason = ?early, "streamed answer cut");
-    drop(upstream);
-    charge.cut(false, early.code());
-    if send(&tx, early.event(&settings), settings.read_stall).await == Err(SendFailed::Stalled) {
-        kill(&settings);
+        charge.cut(failure.code());
+        return Start::Fail(failure);
     }
 }
 
@@ -746,35 +557,189 @@ fn first_output(
     Ok(false)
 }
 
-#[derive(Debug, PartialEq, Eq)]
-enum SendFailed {
-    /// The body is gone (the client went away).
-    Closed,
-    /// The body did not take the previous piece within `read_stall`.
-    Stalled,
+/// A streamed answer after its first output: forwards the engine's pieces as hyper asks for
+/// them (what the engine already sent is gathered into one frame), and ends early, with an SSE
+/// error event, on a piece past `max_piece`, a silence past `stream_idle_timeout` or an engine
+/// that breaks off.
+pub(crate) struct StreamBody {
+    /// The engine's body; `None` once it ended or was given up.
+    upstream: Option<UpstreamBody>,
+    /// `None` once the request ended.
+    charge: Option<Box<dyn Track>>,
+    scanner: EventScanner,
+    /// Bytes due before anything else: the held-back start; at the end, the error event.
+    due: Option<Bytes>,
+    /// Nothing more comes from the engine: `due` (if any) is the last frame.
+    over: bool,
+    idle: IdleTimer,
+    max_piece: usize,
+    /// Counts this answer as a stream in progress on its connection, while it lasts.
+    conn: Option<Arc<ConnWatch>>,
 }
 
-/// Hands one piece to the body, waiting at most `read_stall` for it to take the previous one.
-async fn send(
-    tx: &mpsc::Sender<Bytes>,
-    piece: Bytes,
-    read_stall: Duration,
-) -> Result<(), SendFailed> {
-    match tx.try_send(piece) {
-        Ok(()) => Ok(()),
-        Err(mpsc::error::TrySendError::Closed(_)) => Err(SendFailed::Closed),
-        Err(mpsc::error::TrySendError::Full(piece)) => {
-            match tokio::time::timeout(read_stall, tx.send(piece)).await {
-                Ok(Ok(())) => Ok(()),
-                Ok(Err(_)) => Err(SendFailed::Closed),
-                Err(_) => Err(SendFailed::Stalled),
+impl StreamBody {
+    fn new(
+        upstream: UpstreamBody,
+        charge: Box<dyn Track>,
+        scanner: EventScanner,
+        first: Bytes,
+        settings: StreamSettings,
+    ) -> Self {
+        if let Some(conn) = &settings.conn {
+            conn.stream_began();
+        }
+        Self {
+            upstream: Some(upstream),
+            charge: Some(charge),
+            scanner,
+            due: Some(first),
+            over: false,
+            idle: IdleTimer::new(settings.idle),
+            max_piece: settings.max_piece,
+            conn: settings.conn,
+        }
+    }
+
+    /// A stream already over (cut before it began): `last` is all there is to send.
+    fn ended(charge: Box<dyn Track>, last: Bytes, settings: StreamSettings) -> Self {
+        Self {
+            upstream: None,
+            charge: Some(charge),
+            scanner: EventScanner::new(settings.max_piece),
+            due: Some(last),
+            over: true,
+            idle: IdleTimer::new(settings.idle),
+            max_piece: settings.max_piece,
+            conn: None,
+        }
+    }
+
+    /// Hands the observer's report to the request's charge.
+    pub(crate) fn charge_mut(&mut self) -> Option<&mut (dyn Track + 'static)> {
+        self.charge.as_deref_mut()
+    }
+
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        if let Some(due) = self.due.take() {
+            return Poll::Ready(Some(Ok(Frame::data(due))));
+        }
+        if self.over {
+            return Poll::Ready(None);
+        }
+        let Some(upstream) = self.upstream.as_mut() else {
+            return Poll::Ready(None);
+        };
+        // Everything the engine already sent, up to `COALESCE_BYTES`: one frame, one write.
+        let mut first: Option<Bytes> = None;
+        let mut batch: Option<BytesMut> = None;
+        let mut early = None;
+        loop {
+            match Pin::new(&mut *upstream).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    let Ok(data) = frame.into_data() else {
+                        continue;
+                    };
+                    if self.scanner.measure(&data).is_err() {
+                        early = Some(Early::Oversized);
+                        break;
+                    }
+                    let size = match (&mut first, &mut batch) {
+                        (None, _) => {
+                            let size = data.len();
+                            first = Some(data);
+                            size
+                        }
+                        (Some(head), None) => {
+                            let mut b = BytesMut::with_capacity(COALESCE_BYTES.max(head.len()));
+                            b.extend_from_slice(head);
+                            b.extend_from_slice(&data);
+                            let size = b.len();
+                            batch = Some(b);
+                            size
+                        }
+                        (Some(_), Some(b)) => {
+                            b.extend_from_slice(&data);
+                            b.len()
+                        }
+                    };
+                    if size >= COALESCE_BYTES {
+                        break;
+                    }
+                }
+                Poll::Ready(Some(Err(err))) => {
+                    tracing::debug!(error = %err, "engine's streamed answer broke off");
+                    early = Some(Early::UpstreamFailed);
+                    break;
+                }
+                Poll::Ready(None) => {
+                    self.upstream = None;
+                    self.over = true;
+                    if let Some(mut charge) = self.charge.take() {
+                        charge.finish();
+                    }
+                    break;
+                }
+                Poll::Pending => {
+                    if first.is_some() {
+                        break;
+                    }
+                    return match self.idle.poll_silent(cx) {
+                        Poll::Ready(()) => {
+                            self.end_early(Early::Idle);
+                            Poll::Ready(self.due.take().map(|b| Ok(Frame::data(b))))
+                        }
+                        Poll::Pending => Poll::Pending,
+                    };
+                }
             }
         }
+        if let Some(early) = early {
+            self.end_early(early);
+        }
+        let data = match (batch, first) {
+            (Some(batch), _) => Some(batch.freeze()),
+            (None, first) => first,
+        };
+        match data {
+            Some(data) => {
+                self.idle.data();
+                Poll::Ready(Some(Ok(Frame::data(data))))
+            }
+            None => Poll::Ready(self.due.take().map(|b| Ok(Frame::data(b)))),
+        }
+    }
+
+    /// Gives the engine's body up (the engine sees the disconnect), cuts the request, and puts
+    /// the error event last.
+    fn end_early(&mut self, why: Early) {
+        tracing::debug!(reason = ?why, "streamed answer cut");
+        self.upstream = None;
+        self.over = true;
+        if let Some(mut charge) = self.charge.take() {
+            charge.cut(why.code());
+        }
+        self.due = Some(why.event(self.idle.idle, self.max_piece));
     }
 }
 
-fn kill(settings: &PumpSettings) {
-    if let Some(kill) = &settings.kill {
-        kill.notify_one();
+impl Drop for StreamBody {
+    fn drop(&mut self) {
+        self.upstream = None;
+        if let Some(mut charge) = self.charge.take() {
+            // The client's connection went away before the end: closed by its client, or by
+            // the connection because the client read nothing for `read_stall`.
+            let stalled = self.conn.as_ref().is_some_and(|c| c.stalled());
+            if stalled {
+                tracing::debug!("client read nothing for read_stall; streamed answer cut");
+            }
+            charge.cut(if stalled {
+                observe::READ_STALL
+            } else {
+                observe::CLIENT_GONE
+            });
+        }
+        if let Some(conn) = &self.conn {
+            conn.stream_ended();
+        }
     }
 }

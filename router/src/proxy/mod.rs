@@ -3,10 +3,10 @@
 //!
 //! ```text
 //! client ──► read body (≤ max_body_bytes) ──► `model` ──► resolve ──► admit (≤ deadline)
-//!        ◄── answer, frame by frame ◄── DirectBody / pump+StreamBody ◄── upstream pool ◄──┘
+//!        ◄── answer, frame by frame ◄── DirectBody / StreamBody ◄── upstream pool ◄──┘
 //! ```
 //!
-//! Decisions (see also the module docs of `body`):
+//! Decisions (see also the module docs of `body` and `conn`):
 //! - The request deadline runs from arrival to the first output: reading the body, waiting for
 //!   the permit, the engine's response head and, for a stream, its first real output. The
 //!   opening chunk that only names the assistant role is held back, not forwarded: the response
@@ -16,26 +16,27 @@
 //! - A non-streamed answer's first output is its response head (the engine sends it with the
 //!   body); after it, `stream_idle_timeout` bounds each silence of the body.
 //! - A streamed answer ends early, and the request is cut, when the client goes away, reads
-//!   nothing for `read_stall` (its connection is then closed), a piece passes `max_piece`, or
-//!   the engine is silent past `stream_idle_timeout`. The last two, and an engine that breaks
-//!   off, end the stream with an SSE error event `data: {"error":{"code","message",
-//!   "retryable"}}` (codes `piece_too_large`, `stream_idle_timeout`, `upstream_failed`).
-//! - An engine that cannot be reached, or breaks off before any output, is answered
+//!   nothing for `read_stall` (its connection is then closed; see `conn` for what that can
+//!   mean at the TCP level), a piece passes `max_piece`, or the engine is silent past
+//!   `stream_idle_timeout`. The last two, and an engine that breaks off, end the stream with an
+//!   SSE error event `data: {"error":{"code","message","retryable"}}` (codes
+//!   `piece_too_large`, `stream_idle_timeout`, `upstream_failed`).
+//! - An engine that cannot be reached (refused, or no connection within
+//!   `upstream_connect_timeout`), or breaks off before any output, is answered
 //!   `502 upstream_unavailable` (`ApiError::UpstreamUnavailable`). Every abnormal end calls
 //!   `Permit::cut`.
+//! - A client that sends its request head slower than `header_read_timeout` is disconnected
+//!   (hyper's own bound); its body is bounded by the request deadline (400 when it does not
+//!   arrive in time).
 //! - An observer ([`Proxy::with_observer`]) hears of every request once, when it ends (see
 //!   [`crate::observe`]).
-//! - NB: "reads nothing" is seen through back-pressure: the kernel's socket buffers and hyper's
-//!   write buffer take some hundreds of KiB before the pump's channel fills, so a slow stream
-//!   is noticed `read_stall` after those filled, not after the client's last read.
 
 mod body;
+mod conn;
 mod sse;
 mod upstream;
 
 use std::borrow::Cow;
-use std::convert::Infallible;
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -45,19 +46,16 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri};
 use http_body::Body;
 use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
-use hyper_util::rt::TokioIo;
-use serde::{Deserialize, Serialize};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Notify, mpsc, oneshot, watch};
-use tokio::task::JoinSet;
+use serde::Serialize;
 use tokio::time::Instant;
 
 pub use body::ProxyBody;
+pub use conn::serve;
 
 use crate::admission::{Admission, Permit};
 use crate::observe::{self, RequestObserver};
-use body::{Charge, CutOnDrop, DirectBody, PumpSettings, Start, StreamBody, Track, Watch};
+use body::{Charge, DirectBody, Start, StreamSettings, Track, Watch};
+use conn::ConnWatch;
 
 /// The listener's bounds. The lead maps the settings (`resource_policy.queue.*`) into it; the
 /// fixed ones (`read_stall`, `max_piece`) are fields only so that tests can shorten them.
@@ -78,6 +76,20 @@ pub struct ProxyConfig {
     pub upstream_idle_per_host: usize,
     /// How long [`serve`] lets answers in progress finish after the shutdown signal.
     pub shutdown_grace: Duration,
+    /// Threads of the listener's own, each with a current-thread runtime and an accept loop on
+    /// the one listening socket (see [`serve`]); 0 serves on the caller's runtime. Default: one
+    /// per CPU.
+    pub listener_threads: usize,
+    /// The most bytes the kernel keeps unsent on a client's connection (`TCP_NOTSENT_LOWAT`),
+    /// so that a client that reads nothing is seen soon after its own receive buffer is full:
+    /// 16 KiB; 0 leaves the kernel's default.
+    pub client_unsent_limit: u32,
+    /// How long a client may take to send a request's head (and how long a keep-alive
+    /// connection may stay idle between requests): 30 s.
+    pub header_read_timeout: Duration,
+    /// How long connecting to an engine may take before the request is answered
+    /// `502 upstream_unavailable`: 5 s.
+    pub upstream_connect_timeout: Duration,
 }
 
 impl Default for ProxyConfig {
@@ -90,6 +102,10 @@ impl Default for ProxyConfig {
             max_piece: 64 * 1024,
             upstream_idle_per_host: 64,
             shutdown_grace: Duration::from_secs(30),
+            listener_threads: std::thread::available_parallelism().map_or(1, usize::from),
+            client_unsent_limit: 16 * 1024,
+            header_read_timeout: Duration::from_secs(30),
+            upstream_connect_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -121,9 +137,12 @@ where
     }
 }
 
-/// The listener: cheap to clone (one `Arc`), shared by every connection.
+/// The listener: cheap to clone (a few `Arc`s), shared by every connection.
 pub struct Proxy<A: Admission> {
     shared: Arc<Shared<A>>,
+    /// Keep-alive connections to the engines (`upstream_idle_per_host` idle per engine); one
+    /// pool per listener thread, since a connection belongs to the runtime that opened it.
+    pool: Arc<upstream::Pool>,
     /// Told of every request when it ends.
     observer: Option<Arc<dyn RequestObserver>>,
 }
@@ -132,6 +151,7 @@ impl<A: Admission> Clone for Proxy<A> {
     fn clone(&self) -> Self {
         Self {
             shared: Arc::clone(&self.shared),
+            pool: Arc::clone(&self.pool),
             observer: self.observer.clone(),
         }
     }
@@ -142,8 +162,6 @@ struct Shared<A> {
     admission: A,
     catalog: Box<dyn ModelCatalog>,
     config: ProxyConfig,
-    /// Keep-alive connections to the engines (`upstream_idle_per_host` idle per engine).
-    pool: Arc<upstream::Pool>,
 }
 
 /// The routes of the inference API.
@@ -166,18 +184,32 @@ fn route(path: &str) -> Option<Route> {
 impl<A: Admission> Proxy<A> {
     /// A listener that asks `admission` for permits and lists `catalog` on `GET /v1/models`.
     pub fn new(admission: A, catalog: impl ModelCatalog, config: ProxyConfig) -> Self {
-        let pool = upstream::Pool::new(
-            config.upstream_idle_per_host.max(32),
-            upstream::IDLE_TIMEOUT,
-        );
+        let pool = Self::new_pool(&config);
         Self {
             shared: Arc::new(Shared {
                 admission,
                 catalog: Box::new(catalog),
                 config,
-                pool,
             }),
+            pool,
             observer: None,
+        }
+    }
+
+    fn new_pool(config: &ProxyConfig) -> Arc<upstream::Pool> {
+        upstream::Pool::new(
+            config.upstream_idle_per_host.max(32),
+            upstream::IDLE_TIMEOUT,
+            config.upstream_connect_timeout,
+        )
+    }
+
+    /// The same listener with a pool of engine connections of its own, for another thread.
+    fn for_thread(&self) -> Self {
+        Self {
+            shared: Arc::clone(&self.shared),
+            pool: Self::new_pool(&self.shared.config),
+            observer: self.observer.clone(),
         }
     }
 
@@ -192,8 +224,8 @@ impl<A: Admission> Proxy<A> {
         &self.shared.config
     }
 
-    /// Answers one request, without a socket (the listener's `oneshot`). Streamed answers that
-    /// stall cannot close a connection here; [`serve`] can.
+    /// Answers one request, without a socket (the listener's `oneshot`). A client that stops
+    /// reading a streamed answer cannot be seen here; [`serve`] sees it.
     pub async fn handle<B>(&self, request: Request<B>) -> Response<ProxyBody>
     where
         B: Body<Data = Bytes> + Send,
@@ -205,7 +237,7 @@ impl<A: Admission> Proxy<A> {
     async fn handle_on<B>(
         &self,
         request: Request<B>,
-        kill: Option<Arc<Notify>>,
+        conn: Option<Arc<ConnWatch>>,
     ) -> Response<ProxyBody>
     where
         B: Body<Data = Bytes> + Send,
@@ -213,7 +245,7 @@ impl<A: Admission> Proxy<A> {
     {
         let arrival = Instant::now();
         let mut watch = Watch::new(self.observer.as_ref());
-        match self.answer(request, arrival, kill, &mut watch).await {
+        match self.answer(request, arrival, conn, &mut watch).await {
             Ok(response) => {
                 // A fixed body (`/v1/models`, a stream that ended before output): over now.
                 watch.end(response.status().as_u16(), None);
@@ -230,7 +262,7 @@ impl<A: Admission> Proxy<A> {
         &self,
         request: Request<B>,
         arrival: Instant,
-        kill: Option<Arc<Notify>>,
+        conn: Option<Arc<ConnWatch>>,
         watch: &mut Watch,
     ) -> Result<Response<ProxyBody>, Failure>
     where
@@ -292,6 +324,8 @@ impl<A: Admission> Proxy<A> {
         };
 
         let addr = permit.upstream().addr;
+        // Dropped without an end (the client went away meanwhile): cut, `client_gone`.
+        let mut charge = Charge::new(permit);
         let uri = origin_form(&parts.uri);
         strip_hop_by_hop(&mut parts.headers);
         parts.headers.remove(header::HOST);
@@ -300,20 +334,18 @@ impl<A: Admission> Proxy<A> {
         parts.version = http::Version::HTTP_11;
         let forward = Request::from_parts(parts, Full::new(body));
 
-        let charge: Arc<dyn Track> = Arc::new(Charge::new(permit));
-        let guard = CutOnDrop(Some(Arc::clone(&charge)));
         // Boxed: this future is large and lives only from here on, so the request's future
         // stays small while it waits for its admission (4096 may wait).
-        let sent = Box::pin(shared.pool.request(addr, forward));
+        let sent = Box::pin(self.pool.request(addr, forward));
         let response = match tokio::time::timeout_at(deadline, sent).await {
             Ok(Ok(response)) => response,
             Ok(Err(err)) => {
                 tracing::debug!(error = %err, "engine unreachable");
-                charge.cut(false, "upstream_unavailable");
+                charge.cut("upstream_unavailable");
                 return Err(Failure::upstream(&err));
             }
             Err(_) => {
-                charge.cut(false, "queue_deadline");
+                charge.cut("queue_deadline");
                 return Err(Failure::Api(ApiError::QueueDeadline {
                     deployment: deployment_id,
                 }));
@@ -323,50 +355,33 @@ impl<A: Admission> Proxy<A> {
         strip_hop_by_hop(&mut head.headers);
 
         if !is_event_stream(&head.headers) {
-            let charge = guard.disarm();
             charge.output();
-            watch.hand_to(&*charge, head.status.as_u16(), false);
+            let mut charge: Box<dyn Track> = Box::new(charge);
+            watch.hand_to(&mut *charge, head.status.as_u16(), false);
             let body = DirectBody::new(upstream, charge, config.stream_idle_timeout);
             return Ok(Response::from_parts(head, ProxyBody::direct(body)));
         }
 
         head.headers.remove(header::CONTENT_LENGTH);
-        let charge = guard.disarm();
-        let (start_tx, start_rx) = oneshot::channel();
-        let (tx, rx) = mpsc::channel(1);
-        let settings = PumpSettings {
+        let settings = StreamSettings {
             deadline,
-            deployment: deployment_id,
             idle: config.stream_idle_timeout,
-            read_stall: config.read_stall,
             max_piece: config.max_piece,
-            kill,
+            conn,
         };
-        tokio::spawn(body::pump(
-            upstream,
-            Arc::clone(&charge),
-            settings,
-            start_tx,
-            tx,
-        ));
-        match start_rx.await {
-            Ok(Start::Stream(first)) => {
-                watch.hand_to(&*charge, head.status.as_u16(), true);
-                let body = StreamBody::new(first, rx, charge);
+        match body::start_stream(upstream, Box::new(charge), &deployment_id, settings).await {
+            Start::Stream(mut body) => {
+                if let Some(charge) = body.charge_mut() {
+                    watch.hand_to(charge, head.status.as_u16(), true);
+                }
                 Ok(Response::from_parts(head, ProxyBody::stream(body)))
             }
-            Ok(Start::Whole(bytes)) => {
+            Start::Whole(bytes) => {
                 head.headers
                     .insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
                 Ok(Response::from_parts(head, ProxyBody::full(bytes)))
             }
-            Ok(Start::Fail(failure)) => Err(failure),
-            Err(_) => {
-                charge.cut(false, observe::UPSTREAM_FAILED);
-                Err(Failure::Api(ApiError::UpstreamUnavailable {
-                    detail: "its answer was lost".to_string(),
-                }))
-            }
+            Start::Fail(failure) => Err(failure),
         }
     }
 
@@ -551,35 +566,159 @@ where
     })
 }
 
-/// The body's `model`, parsed without building the rest of the document.
+/// The body's `model`: the value of the top-level object's first `model` key.
+///
+/// NB: a structural scan that stops there (strings are skipped with `memchr`), so neither
+/// the rest of the document is built nor is the part after `model` checked: a body broken
+/// after its `model` goes to the engine, which answers it with its own 400.
 fn model_of(body: &[u8]) -> Result<Cow<'_, str>, Failure> {
-    #[derive(Deserialize)]
-    struct Head<'a> {
-        #[serde(borrow)]
-        model: Option<Cow<'a, str>>,
-    }
-    let invalid = |detail: String| Failure::Api(ApiError::InvalidRequest { detail });
-    match body.iter().find(|b| !b.is_ascii_whitespace()) {
+    let invalid = |detail: &str| {
+        Failure::Api(ApiError::InvalidRequest {
+            detail: detail.to_string(),
+        })
+    };
+    let not_json = || invalid("the body is not valid JSON: expected a JSON object with a `model`");
+    let mut scan = JsonScan { b: body, i: 0 };
+    match scan.skip_ws() {
         None => {
             return Err(invalid(
-                "the body is empty: expected a JSON object with a `model`".to_string(),
+                "the body is empty: expected a JSON object with a `model`",
             ));
         }
-        Some(b'{') => {}
+        Some(b'{') => scan.i += 1,
         Some(_) => {
             return Err(invalid(
-                "the body is not a JSON object: expected a JSON object with a `model`".to_string(),
+                "the body is not a JSON object: expected a JSON object with a `model`",
             ));
         }
     }
-    match serde_json::from_slice::<Head<'_>>(body) {
-        Ok(Head { model: Some(model) }) if !model.is_empty() => Ok(model),
-        Ok(Head { model: Some(_) }) => Err(invalid("the body's `model` is empty".to_string())),
-        Ok(Head { model: None }) => Err(invalid("the body has no `model`".to_string())),
-        Err(err) if err.is_data() => Err(invalid(format!(
-            "the body's `model` must be a string: {err}"
-        ))),
-        Err(err) => Err(invalid(format!("the body is not valid JSON: {err}"))),
+    let mut first = true;
+    loop {
+        match scan.skip_ws() {
+            Some(b'}') if first => return Err(invalid("the body has no `model`")),
+            Some(b'"') => {}
+            _ => return Err(not_json()),
+        }
+        let key = scan.string().ok_or_else(not_json)?;
+        if scan.skip_ws() != Some(b':') {
+            return Err(not_json());
+        }
+        scan.i += 1;
+        if is_model_key(key) {
+            return match scan.skip_ws() {
+                Some(b'"') => {
+                    let raw = scan.string().ok_or_else(not_json)?;
+                    let model = json_string(raw).ok_or_else(not_json)?;
+                    if model.is_empty() {
+                        Err(invalid("the body's `model` is empty"))
+                    } else {
+                        Ok(model)
+                    }
+                }
+                None => Err(not_json()),
+                Some(_) => Err(invalid("the body's `model` must be a string")),
+            };
+        }
+        scan.value().ok_or_else(not_json)?;
+        match scan.skip_ws() {
+            Some(b',') => scan.i += 1,
+            Some(b'}') => return Err(invalid("the body has no `model`")),
+            _ => return Err(not_json()),
+        }
+        first = false;
+    }
+}
+
+/// Whether a raw (still escaped) object key is `model`.
+fn is_model_key(raw: &[u8]) -> bool {
+    raw == b"model" || (raw.contains(&b'\\') && json_string(raw).is_some_and(|k| k == "model"))
+}
+
+/// A raw JSON string's text (between its quotes, still escaped); `None` if it is not valid.
+fn json_string(raw: &[u8]) -> Option<Cow<'_, str>> {
+    if !raw.contains(&b'\\') {
+        return std::str::from_utf8(raw).ok().map(Cow::Borrowed);
+    }
+    let mut quoted = Vec::with_capacity(raw.len() + 2);
+    quoted.push(b'"');
+    quoted.extend_from_slice(raw);
+    quoted.push(b'"');
+    serde_json::from_slice::<String>(&quoted)
+        .ok()
+        .map(Cow::Owned)
+}
+
+/// Just enough of JSON to walk over values without building them.
+struct JsonScan<'a> {
+    b: &'a [u8],
+    i: usize,
+}
+
+impl<'a> JsonScan<'a> {
+    /// Skips whitespace; the next byte, not consumed.
+    fn skip_ws(&mut self) -> Option<u8> {
+        while let Some(&c) = self.b.get(self.i) {
+            if !matches!(c, b' ' | b'\t' | b'\n' | b'\r') {
+                return Some(c);
+            }
+            self.i += 1;
+        }
+        None
+    }
+
+    /// At a `"`: the string's raw bytes, and the position past its closing quote.
+    fn string(&mut self) -> Option<&'a [u8]> {
+        let start = self.i + 1;
+        let mut at = start;
+        loop {
+            let rest = self.b.get(at..)?;
+            let found = at + memchr::memchr2(b'"', b'\\', rest)?;
+            if self.b.get(found) == Some(&b'\\') {
+                at = found + 2;
+                continue;
+            }
+            self.i = found + 1;
+            return self.b.get(start..found);
+        }
+    }
+
+    /// Skips one value (object, array, string or literal), checking only that brackets
+    /// balance and strings end.
+    fn value(&mut self) -> Option<()> {
+        let mut depth = 0usize;
+        loop {
+            match self.skip_ws()? {
+                b'"' => {
+                    self.string()?;
+                }
+                b'{' | b'[' => {
+                    depth += 1;
+                    self.i += 1;
+                }
+                b'}' | b']' => {
+                    depth = depth.checked_sub(1)?;
+                    self.i += 1;
+                }
+                b',' | b':' if depth > 0 => self.i += 1,
+                _ => {
+                    let start = self.i;
+                    while self.b.get(self.i).is_some_and(|c| {
+                        !matches!(
+                            c,
+                            b',' | b':' | b'}' | b']' | b'"' | b' ' | b'\t' | b'\n' | b'\r'
+                        )
+                    }) {
+                        self.i += 1;
+                    }
+                    if self.i == start {
+                        return None;
+                    }
+                }
+            }
+            if depth == 0 {
+                return Some(());
+            }
+        }
     }
 }
 
@@ -605,8 +744,24 @@ const HOP_BY_HOP: [HeaderName; 6] = [
     header::PROXY_AUTHORIZATION,
 ];
 
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    HOP_BY_HOP.contains(name) || name == "keep-alive" || name == "proxy-connection"
+}
+
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    if headers.is_empty() {
+    // Most requests and answers carry none (or only `transfer-encoding`): one pass over the
+    // names, and removals only of what is there.
+    let mut found: [Option<HeaderName>; 8] = Default::default();
+    let mut n = 0;
+    for name in headers.keys() {
+        if is_hop_by_hop(name)
+            && let Some(slot) = found.get_mut(n)
+        {
+            *slot = Some(name.clone());
+            n += 1;
+        }
+    }
+    if n == 0 {
         return;
     }
     // Headers the `Connection` header names are hop-by-hop too.
@@ -621,11 +776,9 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
             headers.remove(name);
         }
     }
-    for name in &HOP_BY_HOP {
+    for name in found.into_iter().flatten() {
         headers.remove(name);
     }
-    headers.remove("keep-alive");
-    headers.remove("proxy-connection");
 }
 
 fn is_event_stream(headers: &HeaderMap) -> bool {
@@ -633,87 +786,6 @@ fn is_event_stream(headers: &HeaderMap) -> bool {
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.as_bytes().get(..17))
         .is_some_and(|v| v.eq_ignore_ascii_case(b"text/event-stream"))
-}
-
-/// Serves the listener on `listener` until `shutdown` resolves; then stops accepting, lets
-/// answers in progress finish for at most `shutdown_grace`, and drops what is left.
-pub async fn serve<A: Admission>(
-    listener: TcpListener,
-    proxy: Proxy<A>,
-    shutdown: impl Future<Output = ()>,
-) -> std::io::Result<()> {
-    let (stop_tx, stop_rx) = watch::channel(());
-    let mut connections = JoinSet::new();
-    let mut shutdown = std::pin::pin!(shutdown);
-    loop {
-        tokio::select! {
-            () = &mut shutdown => break,
-            Some(_) = connections.join_next(), if !connections.is_empty() => {}
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => {
-                    connections.spawn(connection(stream, proxy.clone(), stop_rx.clone()));
-                }
-                Err(err) => {
-                    // Out of file descriptors and the like: back off a little.
-                    tracing::warn!(error = %err, "accepting a connection failed");
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-            },
-        }
-    }
-    drop(listener);
-    drop(stop_tx);
-    let grace = proxy.shared.config.shutdown_grace;
-    let drained = tokio::time::timeout(grace, async {
-        while connections.join_next().await.is_some() {}
-    })
-    .await;
-    if drained.is_err() {
-        tracing::warn!(
-            connections = connections.len(),
-            "answers still in progress after the shutdown grace; dropping them"
-        );
-        connections.shutdown().await;
-    }
-    Ok(())
-}
-
-/// One client connection: HTTP/1.1 with keep-alive. `kill` closes it at once (a stalled
-/// streamed answer); a change on `stop` shuts it down gracefully.
-async fn connection<A: Admission>(
-    stream: TcpStream,
-    proxy: Proxy<A>,
-    mut stop: watch::Receiver<()>,
-) {
-    if let Err(err) = stream.set_nodelay(true) {
-        tracing::debug!(error = %err, "TCP_NODELAY");
-    }
-    let kill = Arc::new(Notify::new());
-    let service = {
-        let kill = Arc::clone(&kill);
-        hyper::service::service_fn(move |request: Request<Incoming>| {
-            let proxy = proxy.clone();
-            let kill = Arc::clone(&kill);
-            async move { Ok::<_, Infallible>(proxy.handle_on(request, Some(kill)).await) }
-        })
-    };
-    let conn =
-        hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), service);
-    let mut conn = std::pin::pin!(conn);
-    tokio::select! {
-        result = conn.as_mut() => {
-            if let Err(err) = result {
-                tracing::debug!(error = %err, "client connection ended");
-            }
-            return;
-        }
-        () = kill.notified() => return,
-        _ = stop.changed() => conn.as_mut().graceful_shutdown(),
-    }
-    tokio::select! {
-        _ = conn.as_mut() => {}
-        () = kill.notified() => {}
-    }
 }
 
 #[cfg(test)]
@@ -731,9 +803,16 @@ mod tests {
 
     #[test]
     fn model_is_read_without_the_rest() {
-        let body = br#"{"messages":[{"role":"user","content":"hi \"x\""}],"model":"chat-a","stream":true}"#;
+        let body = br#"{"messages":[{"role":"user","content":"hi \"x\" {[}"}],"n":-1.5e3,"ok":true,"x":null,"model":"chat-a","stream":true}"#;
         assert_eq!(model_of(body).unwrap(), "chat-a");
         assert_eq!(model_of(br#" {"model":"a\u00e9"}"#).unwrap(), "a\u{e9}");
+        assert_eq!(model_of(br#"{"mod\u0065l" : "b"}"#).unwrap(), "b");
+        assert_eq!(
+            model_of(br#"{"x":{"model":"inner"},"model":"outer"}"#).unwrap(),
+            "outer"
+        );
+        // Nothing after the first top-level `model` is looked at.
+        assert_eq!(model_of(br#"{"model":"a","model":"b""#).unwrap(), "a");
     }
 
     #[test]
@@ -744,6 +823,23 @@ mod tests {
         assert!(detail(model_of(br#"{"prompt":"x"}"#)).contains("no `model`"));
         assert!(detail(model_of(br#"{"model":5}"#)).contains("must be a string"));
         assert!(detail(model_of(br#"{"model":""}"#)).contains("empty"));
+        assert!(detail(model_of(br#"{}"#)).contains("no `model`"));
+        assert!(detail(model_of(br#"{"a":[1,2}"#)).contains("not valid JSON"));
+        assert!(detail(model_of(br#"{"a":"unterminated"#)).contains("not valid JSON"));
+        assert!(detail(model_of(br#"{"a" 1}"#)).contains("not valid JSON"));
+        assert!(detail(model_of(br#"{"model":"\ud800"}"#)).contains("not valid JSON"));
+    }
+
+    #[test]
+    fn hop_by_hop_headers_are_dropped_only_when_there() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("x"));
+        strip_hop_by_hop(&mut headers);
+        assert_eq!(headers.len(), 1);
+        headers.insert("proxy-connection", HeaderValue::from_static("keep-alive"));
+        headers.insert(header::TE, HeaderValue::from_static("trailers"));
+        strip_hop_by_hop(&mut headers);
+        assert_eq!(headers.len(), 1);
     }
 
     #[test]

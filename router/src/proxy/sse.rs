@@ -32,28 +32,35 @@ impl EventScanner {
 
     /// Scans `data[from..]`. Returns the index just past the first event end found there, or
     /// `None` when no event ends in it (the current event then continues in the next frame).
+    /// An event ends with a blank line (`\n\n`, `\r\n\r\n`); lines are found with `memchr`.
     pub(crate) fn next_end(
         &mut self,
         data: &[u8],
         from: usize,
     ) -> Result<Option<usize>, Oversized> {
         let rest = data.get(from..).unwrap_or_default();
-        for (i, &b) in rest.iter().enumerate() {
-            self.current += 1;
+        let mut at = 0;
+        for newline in memchr::memchr_iter(b'\n', rest) {
+            let line = rest.get(at..newline).unwrap_or_default();
+            let blank = self.at_line_start && line.iter().all(|&b| b == b'\r');
+            self.current += newline + 1 - at;
             if self.current > self.max_piece {
                 return Err(Oversized);
             }
-            match b {
-                b'\n' => {
-                    if self.at_line_start {
-                        self.current = 0;
-                        return Ok(Some(from + i + 1));
-                    }
-                    self.at_line_start = true;
-                }
-                b'\r' => {}
-                _ => self.at_line_start = false,
+            self.at_line_start = true;
+            at = newline + 1;
+            if blank {
+                self.current = 0;
+                return Ok(Some(from + at));
             }
+        }
+        let tail = rest.get(at..).unwrap_or_default();
+        self.current += tail.len();
+        if self.current > self.max_piece {
+            return Err(Oversized);
+        }
+        if tail.iter().any(|&b| b != b'\r') {
+            self.at_line_start = false;
         }
         Ok(None)
     }
@@ -152,6 +159,34 @@ mod tests {
         assert_eq!(s.next_end(b"\ndata: b\n\n", 0), Ok(Some(1)));
         assert_eq!(s.next_end(b"\ndata: b\n\n", 1), Ok(Some(10)));
         assert_eq!(s.next_end(b"data: c\r\n\r\n", 0), Ok(Some(11)));
+    }
+
+    #[test]
+    fn an_event_split_anywhere_is_found_whole() {
+        let stream = b"data: one\n\ndata: two\r\n\r\n: c\n\ndata: x\ndata: y\n\n";
+        let whole: Vec<usize> = {
+            let mut s = EventScanner::new(1024);
+            let mut ends = Vec::new();
+            let mut at = 0;
+            while let Some(end) = s.next_end(stream, at).unwrap() {
+                ends.push(end);
+                at = end;
+            }
+            ends
+        };
+        assert_eq!(whole, [11, 24, 29, 46]);
+        for cut in 0..stream.len() {
+            let mut s = EventScanner::new(1024);
+            let mut ends = Vec::new();
+            for (offset, part) in [(0, &stream[..cut]), (cut, &stream[cut..])] {
+                let mut at = 0;
+                while let Some(end) = s.next_end(part, at).unwrap() {
+                    ends.push(offset + end);
+                    at = end;
+                }
+            }
+            assert_eq!(ends, whole, "split at {cut}");
+        }
     }
 
     #[test]

@@ -14,7 +14,10 @@
 //!   (polling it reads the end of stream) and is dropped. A request refused by a connection
 //!   before it was written (closed just then) is sent again on a fresh one.
 //! - At most `max_idle` idle connections per address; idle longer than `idle_timeout` they are
-//!   dropped at the next checkout (and addresses nobody asks for any more on the next connect).
+//!   dropped at the next checkout (and addresses nobody asks for any more on a connect, at most
+//!   once per `idle_timeout`).
+//! - A connect that takes longer than `connect_timeout` fails (an engine that is black-holed
+//!   must not hold a permit until the request deadline).
 //!   The listener's timeout is [`IDLE_TIMEOUT`], below the 5 s after which vLLM's and SGLang's
 //!   server (uvicorn) closes an idle connection: a connection is never reused just as the
 //!   engine closes it.
@@ -90,38 +93,69 @@ impl Conn {
     }
 }
 
+/// The idle connections of one engine address, and its `Host` header.
+struct Idle {
+    conns: Vec<(Conn, Instant)>,
+    host: HeaderValue,
+}
+
 /// The idle connections.
 pub(crate) struct Pool {
-    idle: Mutex<HashMap<SocketAddr, Vec<(Conn, Instant)>>>,
+    idle: Mutex<Lists>,
     max_idle: usize,
     idle_timeout: Duration,
+    connect_timeout: Duration,
+}
+
+struct Lists {
+    by_addr: HashMap<SocketAddr, Idle>,
+    /// The last sweep over every address.
+    swept: Instant,
 }
 
 impl Pool {
-    pub(crate) fn new(max_idle: usize, idle_timeout: Duration) -> Arc<Self> {
+    pub(crate) fn new(
+        max_idle: usize,
+        idle_timeout: Duration,
+        connect_timeout: Duration,
+    ) -> Arc<Self> {
         Arc::new(Pool {
-            idle: Mutex::new(HashMap::new()),
+            idle: Mutex::new(Lists {
+                by_addr: HashMap::new(),
+                swept: Instant::now(),
+            }),
             max_idle,
             idle_timeout,
+            connect_timeout,
         })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<SocketAddr, Vec<(Conn, Instant)>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Lists> {
         self.idle.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The most recently used idle connection to `addr` that is still fresh.
-    fn take_idle(&self, addr: SocketAddr) -> Option<Conn> {
+    /// `addr`'s `Host` header and, if there is one, its most recently used idle connection
+    /// that is still fresh.
+    fn take_idle(&self, addr: SocketAddr) -> Result<(HeaderValue, Option<Conn>), UpstreamError> {
         let now = Instant::now();
-        let mut idle = self.lock();
-        let list = idle.get_mut(&addr)?;
-        let (conn, since) = list.pop()?;
+        let mut lists = self.lock();
+        let idle = match lists.by_addr.entry(addr) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(Idle {
+                conns: Vec::new(),
+                host: HeaderValue::from_str(&addr.to_string())?,
+            }),
+        };
+        let host = idle.host.clone();
+        let Some((conn, since)) = idle.conns.pop() else {
+            return Ok((host, None));
+        };
         if now.saturating_duration_since(since) > self.idle_timeout {
             // The rest are older still.
-            list.clear();
-            return None;
+            idle.conns.clear();
+            return Ok((host, None));
         }
-        Some(conn)
+        Ok((host, Some(conn)))
     }
 
     /// Puts a connection whose answer was read to the end back.
@@ -129,25 +163,43 @@ impl Pool {
         if conn.driver.is_none() || conn.sender.is_closed() {
             return;
         }
-        let mut idle = self.lock();
-        let list = idle.entry(conn.addr).or_default();
-        if list.len() < self.max_idle {
-            list.push((conn, Instant::now()));
+        let mut lists = self.lock();
+        if let Some(idle) = lists.by_addr.get_mut(&conn.addr)
+            && idle.conns.len() < self.max_idle
+        {
+            idle.conns.push((conn, Instant::now()));
         }
     }
 
-    /// Drops the idle connections past the idle timeout, everywhere.
-    fn sweep(&self) {
+    /// Drops the idle connections past the idle timeout, everywhere, and the addresses left
+    /// with none (at most once per idle timeout).
+    fn sweep(&self, keep: SocketAddr) {
         let now = Instant::now();
         let timeout = self.idle_timeout;
-        self.lock().retain(|_, list| {
-            list.retain(|(_, since)| now.saturating_duration_since(*since) <= timeout);
-            !list.is_empty()
+        let mut lists = self.lock();
+        if now.saturating_duration_since(lists.swept) < timeout {
+            return;
+        }
+        lists.swept = now;
+        lists.by_addr.retain(|addr, idle| {
+            idle.conns
+                .retain(|(_, since)| now.saturating_duration_since(*since) <= timeout);
+            !idle.conns.is_empty() || *addr == keep
         });
     }
 
-    async fn connect(addr: SocketAddr) -> Result<Conn, UpstreamError> {
-        let stream = TcpStream::connect(addr).await?;
+    async fn connect(&self, addr: SocketAddr) -> Result<Conn, UpstreamError> {
+        let stream =
+            match tokio::time::timeout(self.connect_timeout, TcpStream::connect(addr)).await {
+                Ok(stream) => stream?,
+                Err(_) => {
+                    return Err(format!(
+                        "no connection to the engine at {addr} within {} ms",
+                        self.connect_timeout.as_millis()
+                    )
+                    .into());
+                }
+            };
         if let Err(err) = stream.set_nodelay(true) {
             tracing::debug!(error = %err, "TCP_NODELAY");
         }
@@ -159,17 +211,25 @@ impl Pool {
         })
     }
 
-    /// A connection to `addr` ready for a request: an idle one, or a new one.
-    async fn checkout(&self, addr: SocketAddr) -> Result<(Conn, bool), UpstreamError> {
-        while let Some(mut conn) = self.take_idle(addr) {
-            if conn.ready().await.is_ok() {
-                return Ok((conn, true));
+    /// A connection to `addr` ready for a request (an idle one, or a new one), and `addr`'s
+    /// `Host` header.
+    async fn checkout(&self, addr: SocketAddr) -> Result<(Conn, bool, HeaderValue), UpstreamError> {
+        loop {
+            let (host, idle) = self.take_idle(addr)?;
+            match idle {
+                Some(mut conn) => {
+                    if conn.ready().await.is_ok() {
+                        return Ok((conn, true, host));
+                    }
+                }
+                None => {
+                    self.sweep(addr);
+                    let mut conn = self.connect(addr).await?;
+                    conn.ready().await?;
+                    return Ok((conn, false, host));
+                }
             }
         }
-        self.sweep();
-        let mut conn = Self::connect(addr).await?;
-        conn.ready().await?;
-        Ok((conn, false))
     }
 
     /// Sends `request` (origin-form URI; `Host` is set here) to `addr` and waits for the
@@ -179,10 +239,8 @@ impl Pool {
         addr: SocketAddr,
         mut request: Request<Full<Bytes>>,
     ) -> Result<Response<UpstreamBody>, UpstreamError> {
-        request
-            .headers_mut()
-            .insert(header::HOST, HeaderValue::from_str(&addr.to_string())?);
-        let (mut conn, reused) = self.checkout(addr).await?;
+        let (mut conn, reused, host) = self.checkout(addr).await?;
+        request.headers_mut().insert(header::HOST, host);
         let mut sent = Box::pin(conn.sender.try_send_request(request));
         let result = poll_fn(|cx| {
             conn.drive(cx);
@@ -196,7 +254,7 @@ impl Pool {
                 // Not written: the connection closed just then. Once more, on a fresh one.
                 Some(request) if reused => {
                     drop(conn);
-                    let mut fresh = Self::connect(addr).await?;
+                    let mut fresh = self.connect(addr).await?;
                     fresh.ready().await?;
                     conn = fresh;
                     let mut sent = Box::pin(conn.sender.send_request(request));

@@ -125,6 +125,8 @@ pub enum Mode {
     Refuse(ApiError),
     /// Never admit; fail with `QueueDeadline` at the deadline.
     Hold,
+    /// Never answer at all, not even at the deadline (an admission that breaks its contract).
+    Never,
 }
 
 /// One deployment on one upstream.
@@ -238,6 +240,7 @@ impl Admission for TestAdmission {
                 guard.1 = true;
                 return Err(err.clone());
             }
+            (Mode::Never, _) => std::future::pending().await,
             (Mode::Hold, _) => {
                 tokio::time::sleep_until(deadline).await;
                 guard.1 = true;
@@ -301,6 +304,23 @@ pub async fn start_observed_proxy(
     let proxy = Proxy::new(admission, catalog, config).with_observer(observer);
     tokio::spawn(serve(listener, proxy, std::future::pending()));
     addr
+}
+
+/// Like [`start_observed_proxy`], serving until `stop` is sent; the task ends once every
+/// connection has ended (so every report has been made).
+pub async fn start_observed_proxy_until(
+    admission: TestAdmission,
+    config: ProxyConfig,
+    observer: Arc<dyn capyctl_router::observe::RequestObserver>,
+    stop: tokio::sync::oneshot::Receiver<()>,
+) -> (SocketAddr, tokio::task::JoinHandle<std::io::Result<()>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let proxy = Proxy::new(admission, catalog, config).with_observer(observer);
+    let server = tokio::spawn(serve(listener, proxy, async move {
+        let _ = stop.await;
+    }));
+    (addr, server)
 }
 
 /// One HTTP/1.1 keep-alive connection; dropping it closes the socket.

@@ -1,0 +1,458 @@
+//! Client connections: the accept loops, each connection's HTTP/1.1 server, and the watch on
+//! its socket that ends a streamed answer whose client reads nothing.
+//!
+//! NB (threads): with `listener_threads` > 0, [`serve`] runs that many accept loops, each on a
+//! current-thread runtime of its own (one per CPU by default), all on the one listening
+//! socket: whichever loop is free takes the next connection, and everything a connection does
+//! (its requests, its engine connections, its streamed answers) then happens on that one
+//! thread, with no hand-over between threads. Each loop has its own pool of engine
+//! connections. The coordinator stays on the caller's runtime; a request reaches it only when
+//! it cannot take a lent slot (see `router/DESIGN.md`).
+//!
+//! NB (what "reads nothing" can mean): a server cannot see whether a client's program read
+//! anything, only whether its TCP connection takes more bytes. The client's kernel takes them
+//! into its receive buffer (tens of KiB to a few MiB) whether the program reads or not; then
+//! the bytes wait in this side's send buffer, which `TCP_NOTSENT_LOWAT` keeps small
+//! ([`super::ProxyConfig::client_unsent_limit`]); only then does a write find no room. A
+//! streamed answer is cut once its connection has had bytes waiting that the socket did not
+//! take for `read_stall` without a break ([`ConnWatch`]), which is `read_stall` after the
+//! client stopped reading plus the time the engine takes to fill those buffers.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use http::Request;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use super::Proxy;
+use crate::admission::Admission;
+
+/// What a client connection's socket says about its reader, shared by the socket's writer
+/// (hyper, through [`WatchedIo`]) and the streamed answers on the connection, and read by the
+/// connection's task after each poll of the connection: once a stream's bytes were refused for
+/// `read_stall` without a break, the task closes the connection.
+///
+/// NB: everything that changes it runs inside the connection's own poll (hyper writes and
+/// polls the bodies there), so the task sees a new blocked episode right after the poll that
+/// began it, and needs no wake-up of its own.
+pub(crate) struct ConnWatch {
+    base: Instant,
+    /// Since when a write found no room: nanoseconds since `base`, plus one; 0 while the
+    /// socket takes what is written.
+    blocked_since: AtomicU64,
+    /// Streamed answers in progress on the connection.
+    streams: AtomicUsize,
+    /// The connection was closed for a read stall.
+    stalled: AtomicBool,
+}
+
+impl ConnWatch {
+    fn new() -> Arc<Self> {
+        Arc::new(ConnWatch {
+            base: Instant::now(),
+            blocked_since: AtomicU64::new(0),
+            streams: AtomicUsize::new(0),
+            stalled: AtomicBool::new(false),
+        })
+    }
+
+    fn now(&self) -> u64 {
+        u64::try_from(self.base.elapsed().as_nanos())
+            .unwrap_or(u64::MAX - 1)
+            .saturating_add(1)
+    }
+
+    /// A write found no room.
+    fn refused(&self) {
+        if self.blocked_since.load(Ordering::Relaxed) == 0 {
+            self.blocked_since.store(self.now(), Ordering::Relaxed);
+        }
+    }
+
+    /// A write was taken.
+    fn taken(&self) {
+        if self.blocked_since.load(Ordering::Relaxed) != 0 {
+            self.blocked_since.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// A streamed answer begins on the connection (its stall, if the socket is already full,
+    /// counts from now).
+    pub(crate) fn stream_began(&self) {
+        self.streams.fetch_add(1, Ordering::Relaxed);
+        if self.blocked_since.load(Ordering::Relaxed) != 0 {
+            self.blocked_since.store(self.now(), Ordering::Relaxed);
+        }
+    }
+
+    /// A streamed answer on the connection ended.
+    pub(crate) fn stream_ended(&self) {
+        self.streams.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Whether the connection was closed because its client read nothing for `read_stall`.
+    pub(crate) fn stalled(&self) -> bool {
+        self.stalled.load(Ordering::Acquire)
+    }
+
+    /// When the current stall of a streamed answer reaches `read_stall`: the blocked episode
+    /// (its start, as stored) and that instant; `None` while nothing streamed is refused.
+    fn stall_at(&self, read_stall: Duration) -> Option<(u64, Instant)> {
+        let since = self.blocked_since.load(Ordering::Relaxed);
+        if since == 0 || self.streams.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        Some((
+            since,
+            self.base + Duration::from_nanos(since - 1) + read_stall,
+        ))
+    }
+}
+
+/// A graceful stop for every connection of an accept loop, cheap to poll: one atomic load,
+/// and a lock only when a connection's task (its waker) changes.
+#[derive(Default)]
+struct StopSignal {
+    stopped: AtomicBool,
+    wakers: std::sync::Mutex<std::collections::HashMap<u64, Waker>>,
+    next: AtomicU64,
+}
+
+impl StopSignal {
+    fn stop(&self) {
+        self.stopped.store(true, Ordering::Release);
+        let wakers = std::mem::take(&mut *self.lock());
+        for waker in wakers.into_values() {
+            waker.wake();
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, Waker>> {
+        self.wakers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn watch(self: &Arc<Self>) -> StopWatch {
+        StopWatch {
+            signal: Arc::clone(self),
+            id: self.next.fetch_add(1, Ordering::Relaxed),
+            registered: None,
+        }
+    }
+}
+
+/// One connection's view of the [`StopSignal`].
+struct StopWatch {
+    signal: Arc<StopSignal>,
+    id: u64,
+    /// The waker last registered.
+    registered: Option<Waker>,
+}
+
+impl StopWatch {
+    fn poll_stopped(&mut self, cx: &mut Context<'_>) -> bool {
+        if self.signal.stopped.load(Ordering::Acquire) {
+            return true;
+        }
+        if !self
+            .registered
+            .as_ref()
+            .is_some_and(|w| w.will_wake(cx.waker()))
+        {
+            self.signal.lock().insert(self.id, cx.waker().clone());
+            self.registered = Some(cx.waker().clone());
+            return self.signal.stopped.load(Ordering::Acquire);
+        }
+        false
+    }
+}
+
+impl Drop for StopWatch {
+    fn drop(&mut self) {
+        if self.registered.is_some() {
+            self.signal.lock().remove(&self.id);
+        }
+    }
+}
+
+/// The client's socket as hyper sees it, telling the [`ConnWatch`] whether writes are taken.
+struct WatchedIo {
+    io: TokioIo<TcpStream>,
+    watch: Arc<ConnWatch>,
+}
+
+impl WatchedIo {
+    fn note(&self, polled: &Poll<io::Result<usize>>) {
+        match polled {
+            Poll::Ready(Ok(n)) if *n > 0 => self.watch.taken(),
+            Poll::Pending => self.watch.refused(),
+            Poll::Ready(_) => {}
+        }
+    }
+}
+
+impl hyper::rt::Read for WatchedIo {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: hyper::rt::ReadBufCursor<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
+    }
+}
+
+impl hyper::rt::Write for WatchedIo {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.io).poll_write(cx, buf);
+        this.note(&polled);
+        polled
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
+        this.note(&polled);
+        polled
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        hyper::rt::Write::is_write_vectored(&self.io)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+/// Serves the listener on `listener` until `shutdown` resolves; then stops accepting, lets
+/// answers in progress finish for at most `shutdown_grace`, and drops what is left.
+///
+/// With [`super::ProxyConfig::listener_threads`] > 0 the connections are served on that many
+/// threads of the listener's own (see the module's notes); dropping the returned future
+/// stops them at once.
+pub async fn serve<A: Admission>(
+    listener: TcpListener,
+    proxy: Proxy<A>,
+    shutdown: impl Future<Output = ()>,
+) -> io::Result<()> {
+    let threads = proxy.config().listener_threads;
+    if threads == 0 {
+        return serve_here(listener, proxy, shutdown, std::future::pending()).await;
+    }
+    let listener = listener.into_std()?;
+    // `true`: stop gracefully. Dropped (this future was): stop at once.
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut done = Vec::with_capacity(threads);
+    for i in 0..threads {
+        let listener = listener.try_clone()?;
+        let proxy = proxy.for_thread();
+        let mut graceful = stop_rx.clone();
+        let mut abort = stop_rx.clone();
+        let (tx, rx) = oneshot::channel();
+        std::thread::Builder::new()
+            .name(format!("capyctl-proxy-{i}"))
+            .spawn(move || {
+                let served = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .and_then(|runtime| {
+                        runtime.block_on(async move {
+                            let listener = TcpListener::from_std(listener)?;
+                            let shutdown = async move {
+                                let _ = graceful.wait_for(|stop| *stop).await;
+                            };
+                            let abort = async move { while abort.changed().await.is_ok() {} };
+                            serve_here(listener, proxy, shutdown, abort).await
+                        })
+                    });
+                let _ = tx.send(served);
+            })?;
+        done.push(rx);
+    }
+    drop(listener);
+    shutdown.await;
+    let _ = stop_tx.send(true);
+    let mut result = Ok(());
+    for rx in done {
+        match rx.await {
+            Ok(Ok(())) => {}
+            Ok(Err(err)) => result = Err(err),
+            Err(_) => result = Err(io::Error::other("a listener thread ended unexpectedly")),
+        }
+    }
+    result
+}
+
+/// One accept loop, on the current runtime. `abort` ends everything at once.
+async fn serve_here<A: Admission>(
+    listener: TcpListener,
+    proxy: Proxy<A>,
+    shutdown: impl Future<Output = ()>,
+    abort: impl Future<Output = ()>,
+) -> io::Result<()> {
+    let stop = Arc::new(StopSignal::default());
+    let _floor = TimerFloor::start();
+    let mut connections = JoinSet::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    let mut abort = std::pin::pin!(abort);
+    loop {
+        tokio::select! {
+            biased;
+            () = &mut abort => return Ok(()),
+            () = &mut shutdown => break,
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    connections.spawn(connection(stream, proxy.clone(), stop.watch()));
+                }
+                Err(err) => {
+                    // Out of file descriptors and the like: back off a little.
+                    tracing::warn!(error = %err, "accepting a connection failed");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            },
+        }
+    }
+    drop(listener);
+    stop.stop();
+    let grace = proxy.config().shutdown_grace;
+    let drained = tokio::select! {
+        biased;
+        () = &mut abort => return Ok(()),
+        drained = tokio::time::timeout(grace, async {
+            while connections.join_next().await.is_some() {}
+        }) => drained,
+    };
+    if drained.is_err() {
+        tracing::warn!(
+            connections = connections.len(),
+            "answers still in progress after the shutdown grace; dropping them"
+        );
+        connections.shutdown().await;
+    }
+    Ok(())
+}
+
+/// A timer that fires every second on the accept loop's runtime, for as long as the loop runs.
+///
+/// NB (why): tokio's timer wakes its driver (a write to the runtime's eventfd and one more
+/// `epoll_wait`) whenever a timer is registered that fires before everything the driver
+/// already waits for, or while it waits for none. Every request registers timers (hyper's
+/// header read timeout while the connection waits for the next request head, the request
+/// deadline while it waits for the engine), so without a floor each request paid for that
+/// wake-up; with a timer never more than a second away, a timer of 30 s or 600 s is never the
+/// earliest.
+struct TimerFloor(tokio::task::JoinHandle<()>);
+
+impl TimerFloor {
+    fn start() -> Self {
+        TimerFloor(tokio::spawn(async {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+            }
+        }))
+    }
+}
+
+impl Drop for TimerFloor {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// One client connection: HTTP/1.1 with keep-alive, closed at once when a streamed answer's
+/// client reads nothing for `read_stall`, shut down gracefully once `stop` says so.
+async fn connection<A: Admission>(stream: TcpStream, proxy: Proxy<A>, mut stop: StopWatch) {
+    let config = proxy.config();
+    if let Err(err) = stream.set_nodelay(true) {
+        tracing::debug!(error = %err, "TCP_NODELAY");
+    }
+    if config.client_unsent_limit > 0
+        && let Err(err) =
+            socket2::SockRef::from(&stream).set_tcp_notsent_lowat(config.client_unsent_limit)
+    {
+        tracing::debug!(error = %err, "TCP_NOTSENT_LOWAT");
+    }
+    let read_stall = config.read_stall;
+    let header_read_timeout = config.header_read_timeout;
+    let watch = ConnWatch::new();
+    let service = {
+        let watch = Arc::clone(&watch);
+        hyper::service::service_fn(move |request: Request<Incoming>| {
+            let proxy = proxy.clone();
+            let watch = Arc::clone(&watch);
+            async move { Ok::<_, Infallible>(proxy.handle_on(request, Some(watch)).await) }
+        })
+    };
+    let io = WatchedIo {
+        io: TokioIo::new(stream),
+        watch: Arc::clone(&watch),
+    };
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_read_timeout)
+        .serve_connection(io, service);
+    let mut conn = std::pin::pin!(conn);
+    let mut stopping = false;
+    // The read-stall timer of the current blocked episode (its start, as stored).
+    let mut stall: Option<(u64, Pin<Box<tokio::time::Sleep>>)> = None;
+    std::future::poll_fn(|cx| {
+        loop {
+            if let Poll::Ready(result) = conn.as_mut().poll(cx) {
+                if let Err(err) = result {
+                    tracing::debug!(error = %err, "client connection ended");
+                }
+                return Poll::Ready(());
+            }
+            if !stopping && stop.poll_stopped(cx) {
+                stopping = true;
+                conn.as_mut().graceful_shutdown();
+                continue;
+            }
+            let Some((since, at)) = watch.stall_at(read_stall) else {
+                stall = None;
+                return Poll::Pending;
+            };
+            let timer = match &mut stall {
+                Some((episode, timer)) if *episode == since => timer,
+                _ => {
+                    &mut stall
+                        .insert((since, Box::pin(tokio::time::sleep_until(at))))
+                        .1
+                }
+            };
+            if timer.as_mut().poll(cx).is_ready() {
+                // Closing the connection drops the answer's body, which reports the cut.
+                watch.stalled.store(true, Ordering::Release);
+                return Poll::Ready(());
+            }
+            return Poll::Pending;
+        }
+    })
+    .await;
+}
