@@ -160,8 +160,15 @@ async fn has_event(events: &Api<Event>, object: &str, reason: &str) -> bool {
 /// A node agent with the process runtime whose engines are the engine simulator (one GPU of
 /// 10 GiB, 1 GiB of host RAM); its port.
 fn start_node_agent(dir: &std::path::Path) -> (Proc, u16) {
+    let port = free_port();
+    let agent = start_node_agent_at(dir, "e2e-node", "127.0.0.1", port);
+    (agent, port)
+}
+
+/// A node agent of node `node` listening on `ip:port` (process runtime, the simulator).
+fn start_node_agent_at(dir: &std::path::Path, node: &str, ip: &str, port: u16) -> Proc {
     let sim = support::engine_sim_binary();
-    let host = dir.join("host.yaml");
+    let host = dir.join(format!("host-{node}.yaml"));
     std::fs::write(
         &host,
         format!(
@@ -170,19 +177,20 @@ fn start_node_agent(dir: &std::path::Path) -> (Proc, u16) {
         ),
     )
     .unwrap();
-    let port = free_port();
-    let agent = Proc(
+    Proc(
         std::process::Command::new(node_agent_binary())
-            .args(["--file", host.to_str().unwrap(), "--node-name", "e2e-node"])
+            .args(["--file", host.to_str().unwrap(), "--node-name", node])
             .args(["--engine-runtime", "process"])
-            .args(["--listen", &format!("127.0.0.1:{port}")])
-            .args(["--data-dir", dir.join("agent").to_str().unwrap()])
+            .args(["--listen", &format!("{ip}:{port}")])
+            .args([
+                "--data-dir",
+                dir.join(format!("agent-{node}")).to_str().unwrap(),
+            ])
             .env("CAPYCTL_AGENT_TOKEN", "e2e-agent-token")
             .env("RUST_LOG", log_filter())
             .spawn()
             .unwrap(),
-    );
-    (agent, port)
+    )
 }
 
 /// `capyctl-operator` out of cluster as replica `identity`; its inference listener.
@@ -193,9 +201,38 @@ fn start_operator(
     identity: &str,
     agent_port: u16,
 ) -> (Proc, std::net::SocketAddr) {
+    start_operator_with(dir, kubeconfig, ns, identity, AgentsBy::Url(agent_port))
+}
+
+/// How the operator finds its node agents.
+enum AgentsBy {
+    /// `--node-agent http://127.0.0.1:<port>`.
+    Url(u16),
+    /// The Running node agent Pods of the namespace, on this port (as in a cluster).
+    Pods(u16),
+}
+
+fn start_operator_with(
+    dir: &std::path::Path,
+    kubeconfig: &std::path::Path,
+    ns: &str,
+    identity: &str,
+    agents: AgentsBy,
+) -> (Proc, std::net::SocketAddr) {
     let (inference_port, management_port) = (free_port(), free_port());
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_capyctl-operator"));
+    match agents {
+        AgentsBy::Url(port) => {
+            command.args(["--node-agent", &format!("http://127.0.0.1:{port}")]);
+        }
+        AgentsBy::Pods(port) => {
+            command
+                .env_remove("CAPYCTL_NODE_AGENT_URL")
+                .env("CAPYCTL_NODE_AGENT_PORT", port.to_string());
+        }
+    }
     let operator = Proc(
-        std::process::Command::new(env!("CARGO_BIN_EXE_capyctl-operator"))
+        command
             .args([
                 "--set",
                 &format!("listen.inference=127.0.0.1:{inference_port}"),
@@ -206,7 +243,6 @@ fn start_operator(
             ])
             .args(["--namespace", ns, "--identity", identity])
             .args(["--lease-name", "capyctl-e2e"])
-            .args(["--node-agent", &format!("http://127.0.0.1:{agent_port}")])
             .args(["--data-dir", dir.join(identity).to_str().unwrap()])
             .env("KUBECONFIG", kubeconfig)
             .env("CAPYCTL_AGENT_TOKEN", "e2e-agent-token")
@@ -306,6 +342,101 @@ async fn scenario(client: Client, kubeconfig: &std::path::Path, ns: &str) {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Two GPU nodes: the operator finds both node agents by their Pods (as the DaemonSet's), places
+/// two models that do not fit on one GPU on one node each (nothing is parked), and a third one
+/// switches on one node; the CRs' status names each instance's host.
+async fn two_hosts(client: Client, kubeconfig: &std::path::Path, ns: &str) {
+    let dir = support::temp_dir("k8s-e2e-hosts");
+    // Both on one port, at two loopback addresses: the Pods' IPs.
+    let port = free_port();
+    let _a = start_node_agent_at(&dir, "node-a", "127.0.0.2", port);
+    let _b = start_node_agent_at(&dir, "node-b", "127.0.0.3", port);
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), ns);
+    for (name, ip) in [("agent-a", "127.0.0.2"), ("agent-b", "127.0.0.3")] {
+        let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": ns,
+                "labels": {"app.kubernetes.io/component": "node-agent"}},
+            "spec": {"containers": [{"name": "agent", "image": "capyctl-node-agent"}],
+                "automountServiceAccountToken": false},
+        }))
+        .unwrap();
+        pods.create(&PostParams::default(), &pod).await.unwrap();
+        // No kubelet: the test says it runs.
+        let status = serde_json::json!({"status": {"phase": "Running", "podIP": ip,
+            "podIPs": [{"ip": ip}]}});
+        pods.patch_status(
+            name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&status),
+        )
+        .await
+        .unwrap();
+    }
+    let (_operator, inference) =
+        start_operator_with(&dir, kubeconfig, ns, "op-hosts", AgentsBy::Pods(port));
+
+    let api: Api<Deployment> = Api::namespaced(client.clone(), ns);
+    for name in ["chat-a", "chat-b", "chat-c"] {
+        api.create(&PostParams::default(), &model_cr(ns, name))
+            .await
+            .unwrap();
+    }
+    let t = Duration::from_secs(60);
+    for name in ["chat-a", "chat-b", "chat-c"] {
+        eventually(&format!("{name} deployed"), t, || async {
+            api.get(name).await.ok()?.status?.deployment_id.map(|_| ())
+        })
+        .await;
+    }
+    let hosts_of = |name: &'static str| {
+        let api = api.clone();
+        async move {
+            let status = api.get(name).await.ok()?.status?;
+            Some((status.state, status.hosts))
+        }
+    };
+    for name in ["chat-a", "chat-b"] {
+        let (status, body) = chat(inference, name).await;
+        assert_eq!(status, 200, "{name}: {body}");
+    }
+    let (a, b) = eventually("chat-a and chat-b ready, one per node", t, || async {
+        let (sa, ha) = hosts_of("chat-a").await?;
+        let (sb, hb) = hosts_of("chat-b").await?;
+        let ready = sa == Some(InstanceState::Ready) && sb == Some(InstanceState::Ready);
+        // One host each (the column joins several with commas).
+        let one = |h: &Option<String>| h.clone().filter(|h| !h.is_empty() && !h.contains(','));
+        Some((one(&ha)?, one(&hb)?)).filter(|_| ready)
+    })
+    .await;
+    let mut nodes = [a.clone(), b.clone()];
+    nodes.sort();
+    assert_eq!(nodes, ["node-a".to_string(), "node-b".to_string()]);
+    // chat-c fits on neither: one switch on one node parks the longer-idle chat-a.
+    let (status, body) = chat(inference, "chat-c").await;
+    assert_eq!(status, 200, "{body}");
+    eventually(
+        "chat-a parked where it ran, chat-c ready beside it",
+        t,
+        || async {
+            let (sa, ha) = hosts_of("chat-a").await?;
+            let (sc, hc) = hosts_of("chat-c").await?;
+            let (sb, _) = hosts_of("chat-b").await?;
+            (sa == Some(InstanceState::Parked)
+                && sc == Some(InstanceState::Ready)
+                && sb == Some(InstanceState::Ready)
+                && ha.as_deref() == Some(a.as_str())
+                && hc.as_deref() == Some(a.as_str()))
+            .then_some(())
+        },
+    )
+    .await;
+    drop(_operator);
+    drop(_a);
+    drop(_b);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// Failover: the leader shuts down (it stops its work, then releases the Lease), the standby
 /// takes over, rebuilds the deployment from the CR's status (same ID) and adopts the running
 /// engine from the node agent (a request is served by the same engine, generation 1).
@@ -388,8 +519,14 @@ async fn client_of(kubeconfig: &std::path::Path) -> Client {
     Client::try_from(config).unwrap()
 }
 
+/// The scenarios run one at a time: each runs an operator, node agents and engines, and on two
+/// cores several at once only make each slower (and their ports, chosen free, more likely to
+/// meet).
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn against_a_fake_api_server_the_operator_switches_two_models_and_the_crs_show_it() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let addr = fake::Fake::start().await;
     let dir = support::temp_dir("k8s-e2e-fake");
     let kubeconfig = fake_kubeconfig(&dir, addr);
@@ -400,11 +537,23 @@ async fn against_a_fake_api_server_the_operator_switches_two_models_and_the_crs_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn against_a_fake_api_server_the_standby_takes_over_and_adopts_the_engine() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let addr = fake::Fake::start().await;
     let dir = support::temp_dir("k8s-failover-fake");
     let kubeconfig = fake_kubeconfig(&dir, addr);
     let client = client_of(&kubeconfig).await;
     failover(client, &kubeconfig, "capyctl").await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn against_a_fake_api_server_two_node_agents_are_two_hosts() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let addr = fake::Fake::start().await;
+    let dir = support::temp_dir("k8s-hosts-fake");
+    let kubeconfig = fake_kubeconfig(&dir, addr);
+    let client = client_of(&kubeconfig).await;
+    two_hosts(client, &kubeconfig, "capyctl").await;
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -421,6 +570,7 @@ async fn cluster_namespace() -> Option<(std::path::PathBuf, k8s_support::TestNam
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs cluster"]
 async fn against_a_cluster_the_operator_switches_two_models_and_the_crs_show_it() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let Some((kubeconfig, ns)) = cluster_namespace().await else {
         return;
     };
@@ -429,7 +579,18 @@ async fn against_a_cluster_the_operator_switches_two_models_and_the_crs_show_it(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs cluster"]
+async fn against_a_cluster_two_node_agents_are_two_hosts() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let Some((kubeconfig, ns)) = cluster_namespace().await else {
+        return;
+    };
+    two_hosts(ns.client.clone(), &kubeconfig, &ns.name).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs cluster"]
 async fn against_a_cluster_the_standby_takes_over_and_adopts_the_engine() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let Some((kubeconfig, ns)) = cluster_namespace().await else {
         return;
     };

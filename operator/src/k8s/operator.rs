@@ -21,6 +21,7 @@
 //! [`OperatorError::LostLeadership`]: crash-only, the process exits and comes back as a standby
 //! (the engines keep running for the next leader to adopt). A shutdown releases the Lease.
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -47,7 +48,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::ListParams;
 use kube::runtime::WatchStreamExt;
-use kube::{Api, Client};
+use kube::{Api, Client, ResourceExt};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -59,9 +60,12 @@ use super::pods::EnginePodSettings;
 use super::reconcile::{Reconciler, ReconcilerConfig};
 use super::store::CrStore;
 use crate::api::{BoxFuture, ManagementApi};
-use crate::lifecycle::{LifecycleConfig, Server};
+use crate::lifecycle::{HostEntry, LifecycleConfig, Server};
 use crate::management::ManagementOptions;
 use crate::metrics::Metrics;
+
+/// How often the leader looks for node agents that joined or moved.
+pub const NODE_AGENT_RECHECK: Duration = Duration::from_secs(10);
 
 /// Between two tries to remove a stale leader label from the replica's own Pod.
 pub const LABEL_RETRY: Duration = Duration::from_secs(2);
@@ -144,12 +148,14 @@ impl HostPolicy {
     }
 }
 
-/// Watches the `Host` named `host_id` until it says a policy other than `running`, and answers
-/// that one. A missing or deleted `Host` changes nothing (its agent publishes it again).
-pub async fn host_policy_change(api: Api<Host>, host_id: &str, running: HostPolicy) -> HostPolicy {
-    let config =
-        kube::runtime::watcher::Config::default().fields(&format!("metadata.name={host_id}"));
-    let mut events = kube::runtime::watcher(api, config)
+/// The policies the leader runs with, by host ID (a host that joins later is added).
+pub type RunningPolicies = Arc<std::sync::Mutex<BTreeMap<String, HostPolicy>>>;
+
+/// Watches every `Host` until one of the hosts in `running` says a policy other than the one
+/// the leader runs with, and answers that host and its policy. A missing or deleted `Host`
+/// changes nothing (its agent publishes it again); a host not (yet) in `running` neither.
+pub async fn host_policy_change(api: Api<Host>, running: RunningPolicies) -> (String, HostPolicy) {
+    let mut events = kube::runtime::watcher(api, kube::runtime::watcher::Config::default())
         .default_backoff()
         .boxed();
     while let Some(event) = events.next().await {
@@ -160,16 +166,44 @@ pub async fn host_policy_change(api: Api<Host>, host_id: &str, running: HostPoli
             ) => h,
             Ok(_) => continue,
             Err(e) => {
-                tracing::warn!(host = %host_id, error = %e, "watching the Host object failed; retrying");
+                tracing::warn!(error = %e, "watching the Host objects failed; retrying");
                 continue;
             }
         };
+        let name = host.name_any();
         let policy = HostPolicy::of_host(&host);
-        if policy != running {
-            return policy;
+        let known = running
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&name)
+            .copied();
+        if known.is_some_and(|p| p != policy) {
+            return (name, policy);
         }
     }
     std::future::pending().await
+}
+
+/// The router's queue settings over several hosts: the waiting limits, the request deadline
+/// and the stream silence bound are the tightest any host sets (the product page's multi-host
+/// rule); the admission window is the first host's (each switch carries its own host's).
+pub fn merged_queue<'a>(
+    policies: impl IntoIterator<Item = &'a HostPolicy>,
+) -> Option<QueueSettings> {
+    let policies: Vec<&HostPolicy> = policies.into_iter().collect();
+    let first = policies.first()?;
+    let tight = capyctl_crds::settings::tightest(policies.iter().map(|p| &p.queue))?;
+    let mut queue = first.queue;
+    queue.max_pending_per_deployment = tight.max_pending_per_deployment;
+    queue.max_pending_total = tight.max_pending_total;
+    queue.max_buffered_bytes_total = tight.max_buffered_bytes_total;
+    queue.request_deadline = tight.request_deadline;
+    queue.stream_idle_timeout = policies
+        .iter()
+        .map(|p| p.queue.stream_idle_timeout)
+        .min()
+        .unwrap_or(first.queue.stream_idle_timeout);
+    Some(queue)
 }
 
 /// Why the operator stopped.
@@ -195,16 +229,12 @@ pub enum OperatorError {
     /// The API server refused a call the operator cannot do without.
     #[error("Kubernetes API: {0}")]
     Kube(#[from] kube::Error),
-    /// More than one node agent and none chosen: the lifecycle runs one host.
-    #[error(
-        "{0} node agent Pods are Running in the namespace; this release runs one host: name it with --node-agent"
-    )]
-    SeveralNodeAgents(usize),
     /// Another replica took the Lease: this one stopped what it ran and exits.
     #[error("lost the leadership (the Lease is another replica's or could not be renewed)")]
     LostLeadership,
-    /// The node's `Host` object says another resource policy or activation than the router
-    /// runs with: the leader stepped down so that the next one runs with it.
+    /// A node's `Host` object says another resource policy or activation than the router runs
+    /// with, or a node agent joined whose policy tightens the router's limits: the leader
+    /// stepped down so that the next one runs with it.
     #[error(
         "the Host object of {host} changed its resource policy or activation; stepping down so that the next leader runs with it"
     )]
@@ -222,7 +252,6 @@ impl OperatorError {
             OperatorError::Agent(e) => e.metric_label(),
             OperatorError::Server(e) => e.metric_label(),
             OperatorError::Kube(_) => "kube",
-            OperatorError::SeveralNodeAgents(_) => "several_node_agents",
             OperatorError::LostLeadership => "lost_leadership",
             OperatorError::HostPolicyChanged { .. } => "host_policy_changed",
         }
@@ -415,25 +444,172 @@ impl ManagementApi for SwitchableApi {
     }
 }
 
-/// The URL of the one Running node agent Pod of the namespace (`None` while there is none).
-pub async fn find_node_agent(pods: &Api<Pod>, port: u16) -> Result<Option<String>, OperatorError> {
+/// The URLs of the Running node agent Pods of the namespace, by Pod name (one per GPU node).
+pub async fn find_node_agents(
+    pods: &Api<Pod>,
+    port: u16,
+) -> Result<BTreeMap<String, String>, OperatorError> {
     let list = pods
         .list(&ListParams::default().labels(NODE_AGENT_SELECTOR))
         .await?;
-    let running: Vec<String> = list
+    Ok(list
         .items
         .iter()
         .filter(|p| {
             p.metadata.deletion_timestamp.is_none()
                 && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
         })
-        .filter_map(|p| p.status.as_ref()?.pod_ip.clone())
-        .collect();
-    match running.as_slice() {
-        [] => Ok(None),
-        [ip] if ip.contains(':') => Ok(Some(format!("http://[{ip}]:{port}"))),
-        [ip] => Ok(Some(format!("http://{ip}:{port}"))),
-        more => Err(OperatorError::SeveralNodeAgents(more.len())),
+        .filter_map(|p| {
+            let ip = p.status.as_ref()?.pod_ip.clone()?;
+            let url = if ip.contains(':') {
+                format!("http://[{ip}]:{port}")
+            } else {
+                format!("http://{ip}:{port}")
+            };
+            Some((p.name_any(), url))
+        })
+        .collect())
+}
+
+/// A node agent the leader drives: the lifecycle's host entry and the policy it runs with.
+struct Joined {
+    entry: HostEntry,
+    policy: HostPolicy,
+}
+
+/// Connects to the node agent at `url`: its identity, its node's published policy, and, with
+/// the pod runtime, the operator's engine-Pod side around it.
+async fn join(
+    client: &Client,
+    options: &OperatorOptions,
+    url: &str,
+) -> Result<Joined, OperatorError> {
+    let mut remote = RemoteConfig::new(url.to_string(), options.agent_token.clone());
+    remote.follow_agent_timing = true;
+    let agent = Arc::new(RemoteHostAgent::new(remote)?);
+    let info = agent.info().await?;
+    // The chart's host ID is the node's name.
+    let host_id = if info.node_name.is_empty() {
+        info.host_id.clone()
+    } else {
+        info.node_name.clone()
+    };
+    // The host's resource policy: see `HostPolicy`.
+    let hosts: Api<Host> = Api::all(client.clone());
+    let published = match hosts.get_opt(&host_id).await {
+        Ok(h) => h,
+        Err(e) => {
+            tracing::warn!(host = %host_id, error = %e, "the Host object could not be read; the host document's (or the default) resource policy applies");
+            None
+        }
+    };
+    let policy = HostPolicy::of(published.as_ref(), options.host.as_ref());
+    let settings = options
+        .host
+        .as_ref()
+        .map(HostSettings::from)
+        .unwrap_or_default();
+    // With the pod runtime the operator creates and deletes the engine Pods.
+    let dyn_agent: Arc<dyn HostAgent> = if info.engine_runtime == "pod" {
+        Arc::new(PodHostAgent::new(
+            agent.clone(),
+            client.clone(),
+            &options.namespace,
+            options.engine_pods.clone(),
+            settings.clone(),
+            host_id.clone(),
+        ))
+    } else {
+        agent
+    };
+    tracing::info!(host = %host_id, node_agent = %url, runtime = %info.engine_runtime, "node agent joined");
+    Ok(Joined {
+        entry: HostEntry {
+            id: host_id,
+            agent: dyn_agent,
+            activation: policy.activation,
+            settings,
+            admission_window: Some(policy.queue.admission_window),
+            remote: true,
+        },
+        policy,
+    })
+}
+
+/// What [`follow_node_agents`] works with.
+struct Following {
+    client: Client,
+    options: OperatorOptions,
+    server: Arc<Server>,
+    /// The policies the leader runs with (a joining host is added).
+    running: RunningPolicies,
+    /// The node agents joined, by Pod name: their URLs.
+    known: BTreeMap<String, String>,
+    /// The router's queue settings (the tightest of the hosts when the leader began).
+    router_queue: QueueSettings,
+    /// Where a joining host that would tighten them says so.
+    step_down: tokio::sync::mpsc::Sender<String>,
+}
+
+/// Follows the node agents while the leader leads: a new one (a node labelled later, or an
+/// agent Pod replaced, at another address) joins the lifecycle through `upsert_host`; one whose
+/// policy would tighten the router's limits makes the leader step down instead.
+async fn follow_node_agents(following: Following, mut stop: watch::Receiver<bool>) {
+    let Following {
+        client,
+        options,
+        server,
+        running,
+        mut known,
+        router_queue,
+        step_down,
+    } = following;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &options.namespace);
+    let mut tick = tokio::time::interval(NODE_AGENT_RECHECK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = super::until(&mut stop, true) => return,
+        }
+        let found = match find_node_agents(&pods, options.node_agent_port).await {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::warn!(error = %e, "listing the node agents failed; trying again");
+                continue;
+            }
+        };
+        for (pod, url) in found {
+            if known.get(&pod) == Some(&url) {
+                continue;
+            }
+            let joined = match join(&client, &options, &url).await {
+                Ok(j) => j,
+                Err(e) => {
+                    tracing::info!(%pod, %url, error = %e, "a node agent does not answer yet");
+                    continue;
+                }
+            };
+            let host = joined.entry.id.clone();
+            let merged = {
+                let mut all = running
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                all.insert(host.clone(), joined.policy);
+                merged_queue(all.values())
+            };
+            if merged.is_some_and(|q| q != router_queue) {
+                // The host that tightens the router's limits: the next leader runs with them.
+                let _ = step_down.send(host).await;
+                return;
+            }
+            match server.upsert_host(joined.entry).await {
+                Ok(()) => {
+                    known.insert(pod, url);
+                }
+                Err(e) => tracing::warn!(%host, error = %e, "a node agent could not join"),
+            }
+        }
     }
 }
 
@@ -463,82 +639,59 @@ pub async fn lead(
     mut stop: watch::Receiver<bool>,
 ) -> Result<(), OperatorError> {
     let ns = options.namespace.as_str();
-    // The node agent.
-    let url = match &options.node_agent_url {
-        Some(u) => u.clone(),
-        None => {
-            let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-            loop {
-                if let Some(u) = find_node_agent(&pods, options.node_agent_port).await? {
-                    break u;
+    // The node agents: one named (`--node-agent`), or every Running node agent Pod; the leader
+    // waits for at least one, and the others join as they answer (`follow_node_agents`).
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let (joined, known) = loop {
+        let found: BTreeMap<String, String> = match &options.node_agent_url {
+            Some(u) => BTreeMap::from([(String::new(), u.clone())]),
+            None => find_node_agents(&pods, options.node_agent_port).await?,
+        };
+        let mut joined = Vec::new();
+        let mut known = BTreeMap::new();
+        for (pod, url) in &found {
+            match join(&client, options, url).await {
+                Ok(j) => {
+                    joined.push(j);
+                    known.insert(pod.clone(), url.clone());
                 }
-                tracing::info!("waiting for a Running node agent Pod ({NODE_AGENT_SELECTOR})");
-                tokio::select! {
-                    _ = tokio::time::sleep(Duration::from_secs(5)) => {}
-                    _ = super::until(&mut leading, false) => return Err(OperatorError::LostLeadership),
-                    _ = super::until(&mut stop, true) => return Ok(()),
-                }
+                Err(e) => tracing::warn!(%url, error = %e, "the node agent does not answer yet"),
             }
         }
-    };
-    let mut remote = RemoteConfig::new(url.clone(), options.agent_token.clone());
-    remote.follow_agent_timing = true;
-    let agent = Arc::new(RemoteHostAgent::new(remote)?);
-    let info = loop {
-        match agent.info().await {
-            Ok(i) => break i,
-            Err(e) => {
-                tracing::warn!(%url, error = %e, "the node agent does not answer yet");
-                tokio::select! {
-                    _ = tokio::time::sleep(Duration::from_secs(2)) => {}
-                    _ = super::until(&mut leading, false) => return Err(OperatorError::LostLeadership),
-                    _ = super::until(&mut stop, true) => return Ok(()),
-                }
-            }
+        if !joined.is_empty() {
+            break (joined, known);
+        }
+        if found.is_empty() {
+            tracing::info!("waiting for a Running node agent Pod ({NODE_AGENT_SELECTOR})");
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+            _ = super::until(&mut leading, false) => return Err(OperatorError::LostLeadership),
+            _ = super::until(&mut stop, true) => return Ok(()),
         }
     };
-    // The chart's host ID is the node's name.
-    let host_id = if info.node_name.is_empty() {
-        info.host_id.clone()
-    } else {
-        info.node_name.clone()
-    };
-    // The host's resource policy: see `HostPolicy`.
-    let hosts: Api<Host> = Api::all(client.clone());
-    let published = match hosts.get_opt(&host_id).await {
-        Ok(h) => h,
-        Err(e) => {
-            tracing::warn!(host = %host_id, error = %e, "the Host object could not be read; the host document's (or the default) resource policy applies");
-            None
-        }
-    };
-    let policy = HostPolicy::of(published.as_ref(), options.host.as_ref());
-    let HostPolicy { queue, activation } = policy;
-    let host_settings = options
-        .host
-        .as_ref()
-        .map(HostSettings::from)
-        .unwrap_or_default();
+    let running: RunningPolicies = Arc::new(std::sync::Mutex::new(
+        joined
+            .iter()
+            .map(|j| (j.entry.id.clone(), j.policy))
+            .collect(),
+    ));
+    let policies: Vec<HostPolicy> = joined.iter().map(|j| j.policy).collect();
+    // `joined` is never empty here.
+    let queue = merged_queue(&policies).unwrap_or(policies[0].queue);
+    let first = &joined[0].entry;
+    let host_id = first.id.clone();
+    let first_agent = first.agent.clone();
+    let host_settings = first.settings.clone();
+    let activation = first.activation;
+    let host_ids: Vec<String> = joined.iter().map(|j| j.entry.id.clone()).collect();
 
     // The lifecycle, its records rebuilt from the CRs.
     let crs: Api<Deployment> = Api::namespaced(client.clone(), ns);
     let existing = crs.list(&ListParams::default()).await?;
     let store = Arc::new(CrStore::from_crs(&existing.items));
-    // With the pod runtime the operator creates and deletes the engine Pods.
-    let dyn_agent: Arc<dyn HostAgent> = if info.engine_runtime == "pod" {
-        Arc::new(PodHostAgent::new(
-            agent.clone(),
-            client.clone(),
-            ns,
-            options.engine_pods.clone(),
-            host_settings.clone(),
-            host_id.clone(),
-        ))
-    } else {
-        agent.clone()
-    };
-    let server = Server::open(
-        dyn_agent.clone(),
+    let server = Server::open_hosts(
+        joined.into_iter().map(|j| j.entry).collect(),
         store.clone(),
         LifecycleConfig {
             host_id: host_id.clone(),
@@ -602,7 +755,7 @@ pub async fn lead(
             server.clone(),
             crs,
             Some(Reconciler::recorder(client.clone(), Some(pod_name.clone()))),
-            Some(dyn_agent),
+            Some(first_agent),
             options.reconciler.clone(),
         )
         .with_store(store)
@@ -619,22 +772,42 @@ pub async fn lead(
     tasks.push(tokio::spawn(
         reconciler.run_status_sync(stop_tasks.subscribe()),
     ));
-    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let (step_down_tx, mut step_down) = tokio::sync::mpsc::channel(1);
+    if options.node_agent_url.is_none() {
+        let following = Following {
+            client: client.clone(),
+            options: options.clone(),
+            server: server.clone(),
+            running: running.clone(),
+            known,
+            router_queue: queue,
+            step_down: step_down_tx,
+        };
+        tasks.push(tokio::spawn(follow_node_agents(
+            following,
+            stop_tasks.subscribe(),
+        )));
+    }
     if let Some(label) = &options.leader_label
         && let Err(e) = set_leader_label(&pods, &pod_name, label, true).await
     {
         tracing::warn!(pod = %pod_name, error = %e, "the leader label could not be set");
     }
-    tracing::info!(host = %host_id, node_agent = %url, "leading: lifecycle, router and reconciler running");
+    tracing::info!(hosts = ?host_ids, "leading: lifecycle, router and reconciler running");
 
-    let policy_change = host_policy_change(hosts, &host_id, policy);
+    let hosts: Api<Host> = Api::all(client.clone());
+    let policy_change = host_policy_change(hosts, running.clone());
     let outcome = tokio::select! {
         lost = lost_or_stopped(&mut leading, &mut stop) => {
             if lost { Err(OperatorError::LostLeadership) } else { Ok(()) }
         }
-        changed = policy_change => {
-            tracing::warn!(host = %host_id, running = ?policy, published = ?changed, "the host's resource policy or activation changed; stepping down");
-            Err(OperatorError::HostPolicyChanged { host: host_id.clone() })
+        (host, published) = policy_change => {
+            tracing::warn!(%host, published = ?published, "the host's resource policy or activation changed; stepping down");
+            Err(OperatorError::HostPolicyChanged { host })
+        }
+        Some(host) = step_down.recv() => {
+            tracing::warn!(%host, "a node agent joined whose resource policy tightens the router's limits; stepping down");
+            Err(OperatorError::HostPolicyChanged { host })
         }
     };
     // Not ready from now until the label is gone: the Services must not pick this Pod.
@@ -860,13 +1033,20 @@ mod tests {
             ],
         );
         let pods: Api<Pod> = Api::namespaced(client, "capyctl");
+        let url = |s: &str| s.to_string();
         assert_eq!(
-            find_node_agent(&pods, 7444).await.unwrap().as_deref(),
-            Some("http://10.1.2.3:7444")
+            find_node_agents(&pods, 7444).await.unwrap(),
+            BTreeMap::from([(url("na-1"), url("http://10.1.2.3:7444"))])
         );
-        assert_eq!(find_node_agent(&pods, 7444).await.unwrap(), None);
-        let err = find_node_agent(&pods, 7444).await.unwrap_err();
-        assert_eq!(err.metric_label(), "several_node_agents");
+        assert!(find_node_agents(&pods, 7444).await.unwrap().is_empty());
+        // One per GPU node: every Running one.
+        assert_eq!(
+            find_node_agents(&pods, 7444).await.unwrap(),
+            BTreeMap::from([
+                (url("na-1"), url("http://10.1.2.3:7444")),
+                (url("na-2"), url("http://10.1.2.4:7444")),
+            ])
+        );
         let seen = server.await.unwrap();
         assert!(
             seen[0]
@@ -918,19 +1098,35 @@ mod tests {
                 ),
             ],
         );
-        let running = HostPolicy::of(None, None);
+        let running: RunningPolicies = Arc::new(std::sync::Mutex::new(BTreeMap::from([(
+            "gpu-1".to_string(),
+            HostPolicy::of(None, None),
+        )])));
         let hosts: Api<Host> = Api::all(client);
-        let changed = host_policy_change(hosts, "gpu-1", running).await;
+        let (host, changed) = host_policy_change(hosts, running).await;
+        assert_eq!(host, "gpu-1");
         assert_eq!(changed.queue.admission_window, Duration::from_millis(750));
         let seen = server.await.unwrap();
-        assert!(
-            seen[0]
-                .query
-                .contains("fieldSelector=metadata.name%3Dgpu-1"),
-            "{}",
-            seen[0].query
-        );
         assert!(seen[1].query.contains("watch=true"), "{}", seen[1].query);
+    }
+
+    #[test]
+    fn several_hosts_take_the_tightest_limits() {
+        let mut a = HostPolicy::of(None, None);
+        let mut b = a;
+        a.queue.max_pending_per_deployment = 0;
+        a.queue.request_deadline = Duration::from_secs(300);
+        b.queue.max_pending_total = 10;
+        b.queue.admission_window = Duration::from_millis(300);
+        b.queue.stream_idle_timeout = Duration::from_secs(30);
+        let q = merged_queue([&a, &b]).unwrap();
+        assert_eq!(q.max_pending_per_deployment, 0);
+        assert_eq!(q.max_pending_total, 10);
+        assert_eq!(q.request_deadline, Duration::from_secs(300));
+        assert_eq!(q.stream_idle_timeout, Duration::from_secs(30));
+        // The router's own window is the first host's; a switch carries its host's.
+        assert_eq!(q.admission_window, a.queue.admission_window);
+        assert!(merged_queue(std::iter::empty::<&HostPolicy>()).is_none());
     }
 
     #[test]
