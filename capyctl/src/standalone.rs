@@ -27,6 +27,11 @@ pub async fn run(file: Option<PathBuf>, set: Vec<String>, data_dir: PathBuf) -> 
         .admin_token_file
         .clone()
         .unwrap_or_else(|| capyctl_operator::management::token_path(&data_dir));
+    let scheme = if config.server.listen.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
     // Installed first: a signal while it starts stops it cleanly, never by the default action.
     let signal = capyctl_node_agent::cli::shutdown_signal();
     let standalone = Standalone::start(config, data_dir.clone())
@@ -42,7 +47,7 @@ pub async fn run(file: Option<PathBuf>, set: Vec<String>, data_dir: PathBuf) -> 
     // particular order.
     names.sort();
     println!(
-        "capyctl standalone: inference http://{}  management http://{}",
+        "capyctl standalone: inference {scheme}://{}  management {scheme}://{}",
         standalone.inference_addr(),
         standalone.management_addr()
     );

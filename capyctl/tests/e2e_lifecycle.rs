@@ -384,3 +384,147 @@ fn start_host_runs_a_host_agent() {
     let status = child.wait().unwrap();
     assert!(status.success(), "{status:?}");
 }
+
+/// The test CA, server certificate and key (`crds/tests/fixtures/tls/README.md`).
+fn tls_fixture(name: &str) -> String {
+    format!(
+        "{}/../crds/tests/fixtures/tls/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+/// `POST /v1/chat/completions` over HTTPS, the server verified against the test CA: status and
+/// body.
+fn chat_over_tls(addr: std::net::SocketAddr, model: &str, stream: bool) -> (u16, String) {
+    use http_body_util::{BodyExt, Full};
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(tls_fixture("ca.crt")).unwrap() {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(config)
+        .https_only()
+        .enable_http1()
+        .build();
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build::<_, Full<bytes::Bytes>>(connector);
+    let body = serde_json::json!({
+        "model": model,
+        "stream": stream,
+        "messages": [{"role": "user", "content": "hello"}],
+    })
+    .to_string();
+    let request = http::Request::post(format!("https://{addr}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(Full::new(bytes::Bytes::from(body)))
+        .unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let answer = client.request(request).await.unwrap();
+        let status = answer.status().as_u16();
+        let body = answer.into_body().collect().await.unwrap().to_bytes();
+        (status, String::from_utf8(body.to_vec()).unwrap())
+    })
+}
+
+/// `server.listen.tls`: both listeners speak HTTPS; the CLI reaches the management listener
+/// with `--ca-file` and refuses it, in one line, without; inference is answered, streamed and
+/// not; an unreadable key is refused at start, naming the file, and nothing starts.
+#[test]
+fn tls_listeners() {
+    let dir = temp_dir("tls");
+    let tls = format!(
+        "    tls:\n      cert: \"{}\"\n      key: \"{}\"\n",
+        tls_fixture("server.crt"),
+        tls_fixture("server.key")
+    );
+    let capy = Capy::start(&dir, &document("", &tls, &[&model("chat-a", "")]));
+    assert!(
+        capy.banner
+            .contains(&format!("inference https://{}", capy.inference))
+            && capy
+                .banner
+                .contains(&format!("management https://{}", capy.management)),
+        "{}",
+        capy.banner
+    );
+    let server = format!("https://{}", capy.management);
+    let data_dir = capy.dir.to_str().unwrap().to_string();
+    let out = capyctl(
+        &[
+            "list",
+            "deployments",
+            "--server",
+            &server,
+            "--ca-file",
+            &tls_fixture("ca.crt"),
+        ],
+        &[("CAPYCTL_DATA_DIR", &data_dir)],
+    )
+    .ok();
+    assert!(out.contains("chat-a"), "{out}");
+    // The test CA is in no system store: without --ca-file the certificate is not trusted.
+    let line = capyctl(
+        &["list", "deployments", "--server", &server],
+        &[("CAPYCTL_DATA_DIR", &data_dir)],
+    )
+    .fails();
+    assert!(line.contains(&server), "{line}");
+    // Plain HTTP on the TLS listener is not served.
+    let plain = capyctl(
+        &[
+            "list",
+            "deployments",
+            "--server",
+            &format!("http://{}", capy.management),
+        ],
+        &[("CAPYCTL_DATA_DIR", &data_dir)],
+    );
+    assert_ne!(plain.code, 0, "{plain:?}");
+
+    let (status, body) = chat_over_tls(capy.inference, "chat-a", false);
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert!(v["choices"][0]["message"]["content"].is_string(), "{body}");
+    let (status, body) = chat_over_tls(capy.inference, "chat-a", true);
+    assert_eq!(status, 200, "{body}");
+    assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");
+    drop(capy);
+
+    let bad = temp_dir("tls-bad-key");
+    let missing = bad.join("missing.key");
+    let doc = document(
+        "",
+        &format!(
+            "    tls:\n      cert: \"{}\"\n      key: \"{}\"\n",
+            tls_fixture("server.crt"),
+            missing.display()
+        ),
+        &[],
+    );
+    let out = Capy::try_start(&bad, &doc, &[], &[]).err().unwrap();
+    let line = out.fails();
+    assert!(
+        line.contains("server.listen.tls: cannot read private key")
+            && line.contains(&missing.display().to_string()),
+        "{line}"
+    );
+    // Nothing started: no lock, no token, no state, no engine (at most the empty directory).
+    let left: Vec<_> = std::fs::read_dir(bad.join("data"))
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "{left:?}");
+}

@@ -150,6 +150,28 @@ pub async fn serve_tls(
     serve_on(TlsListener(incoming), router(api, options), shutdown).await
 }
 
+/// [`serve`], or [`serve_tls`] when `tls` is given (`server.listen.tls`).
+pub async fn serve_listener(
+    listener: tokio::net::TcpListener,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    api: Arc<dyn ManagementApi>,
+    options: ManagementOptions,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    match tls {
+        None => serve(listener, api, options, shutdown).await,
+        Some(tls) => {
+            serve_tls(
+                TlsIncoming::new(listener, tls, |_| {})?,
+                api,
+                options,
+                shutdown,
+            )
+            .await
+        }
+    }
+}
+
 /// axum's view of a [`TlsIncoming`].
 struct TlsListener(TlsIncoming);
 

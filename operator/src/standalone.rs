@@ -59,6 +59,9 @@ pub enum StandaloneError {
     /// The admin token could not be read or written.
     #[error("{0}")]
     Token(#[from] crate::management::TokenError),
+    /// The listeners' certificate or key (`server.listen.tls`) cannot be used.
+    #[error("{0}")]
+    Tls(#[from] capyctl_router::tls::TlsError),
     /// Another CapyCTL holds the data directory.
     #[error(
         "data directory {} is in use by another CapyCTL (its lock {} is held); stop it or use another --data-dir",
@@ -103,6 +106,7 @@ impl StandaloneError {
             StandaloneError::Deploy { .. } => "deploy",
             StandaloneError::DataDirInUse { .. } => "data_dir_in_use",
             StandaloneError::Lock { .. } => "lock",
+            StandaloneError::Tls(e) => e.metric_label(),
         }
     }
 }
@@ -162,6 +166,7 @@ pub fn execute_timeout(server: &capyctl_crds::settings::ServerConfig) -> Duratio
 }
 
 /// The inference listener's settings from the standalone document.
+/// (TLS is read apart: `capyctl_router::tls::listen_config`.)
 pub fn proxy_config(config: &StandaloneConfig) -> ProxyConfig {
     let q = &config.host.queue;
     ProxyConfig {
@@ -227,8 +232,10 @@ impl Standalone {
         data_dir: PathBuf,
         probe: Arc<dyn GpuProbe>,
     ) -> Result<Standalone, StandaloneError> {
-        // First of all: a second CapyCTL on the same directory would adopt (or stop) the
-        // first one's engines before failing to bind its ports.
+        // Read before anything is touched: unusable TLS files change nothing.
+        let tls = capyctl_router::tls::listen_config(config.server.listen.tls.as_ref())?;
+        // Then: a second CapyCTL on the same directory would adopt (or stop) the first one's
+        // engines before failing to bind its ports.
         let lock = lock_data_dir(&data_dir)?;
         let mut agent_config = AgentConfig::new(&data_dir);
         agent_config.wake_window = config.server.switching.wake_timeout;
@@ -281,7 +288,10 @@ impl Standalone {
         let proxy = Proxy::new(
             server.admission(router.clone()),
             catalog,
-            proxy_config(&config),
+            ProxyConfig {
+                tls: tls.clone(),
+                ..proxy_config(&config)
+            },
         )
         .with_observer(metrics.clone());
         let (stop, _) = watch::channel(false);
@@ -308,7 +318,9 @@ impl Standalone {
                 let shutdown = async move {
                     let _ = rx.wait_for(|s| *s).await;
                 };
-                if let Err(e) = crate::management::serve(management, api, options, shutdown).await {
+                let served =
+                    crate::management::serve_listener(management, tls, api, options, shutdown);
+                if let Err(e) = served.await {
                     tracing::error!(error = %e, "the management listener failed");
                 }
             }));

@@ -67,6 +67,14 @@ impl TlsError {
     }
 }
 
+/// The listeners' TLS configuration of `server.listen.tls`: `None` (plain HTTP) when absent.
+pub fn listen_config(
+    tls: Option<&capyctl_crds::settings::TlsFiles>,
+) -> Result<Option<Arc<ServerConfig>>, TlsError> {
+    tls.map(|files| server_config(&files.cert, &files.key))
+        .transpose()
+}
+
 /// The rustls server configuration of the PEM certificate chain `cert` and private key `key`.
 pub fn server_config(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, TlsError> {
     let read = |what: &'static str, path: &Path, e: &dyn std::fmt::Display| TlsError::Read {
@@ -168,5 +176,111 @@ impl TlsIncoming {
 impl Drop for TlsIncoming {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use rustls::pki_types::ServerName;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    fn fixture(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../crds/tests/fixtures/tls")
+            .join(name)
+    }
+
+    fn client_config() -> Arc<rustls::ClientConfig> {
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in CertificateDer::pem_file_iter(fixture("ca.crt")).unwrap() {
+            roots.add(cert.unwrap()).unwrap();
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        Arc::new(
+            rustls::ClientConfig::builder_with_provider(provider)
+                .with_safe_default_protocol_versions()
+                .unwrap()
+                .with_root_certificates(roots)
+                .with_no_client_auth(),
+        )
+    }
+
+    #[test]
+    fn each_unusable_file_is_named() {
+        let missing = fixture("missing.key");
+        let err = server_config(&fixture("server.crt"), &missing).unwrap_err();
+        assert!(matches!(
+            err,
+            TlsError::Read {
+                what: "private key",
+                ..
+            }
+        ));
+        let text = err.to_string();
+        assert!(
+            text.starts_with("server.listen.tls: cannot read private key")
+                && text.contains(&missing.display().to_string()),
+            "{text}"
+        );
+
+        // A key where the certificate should be: no certificate in it.
+        let err = server_config(&fixture("server.key"), &fixture("server.key")).unwrap_err();
+        assert!(matches!(err, TlsError::NoCertificate { .. }), "{err}");
+        assert!(
+            err.to_string()
+                .contains("server.key holds no PEM certificate")
+        );
+
+        // A certificate where the key should be.
+        let err = server_config(&fixture("server.crt"), &fixture("ca.crt")).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TlsError::Read {
+                    what: "private key",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+
+        let config = server_config(&fixture("server.crt"), &fixture("server.key")).unwrap();
+        assert_eq!(config.alpn_protocols, vec![b"http/1.1".to_vec()]);
+        assert!(listen_config(None).unwrap().is_none());
+    }
+
+    /// A client that connects and says nothing holds neither the accept loop nor the next
+    /// client's handshake.
+    #[tokio::test]
+    async fn a_silent_client_holds_up_nobody() {
+        let config = server_config(&fixture("server.crt"), &fixture("server.key")).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut incoming = TlsIncoming::new(listener, config, |_| {}).unwrap();
+        let addr = incoming.local_addr();
+        let _silent = TcpStream::connect(addr).await.unwrap();
+
+        let connector = tokio_rustls::TlsConnector::from(client_config());
+        let client = tokio::spawn(async move {
+            let tcp = TcpStream::connect(addr).await.unwrap();
+            let name = ServerName::try_from("localhost").unwrap();
+            let mut tls = connector.connect(name, tcp).await.unwrap();
+            tls.write_all(b"ping").await.unwrap();
+            tls.flush().await.unwrap();
+            let mut back = [0u8; 4];
+            tls.read_exact(&mut back).await.unwrap();
+            back
+        });
+        let (mut served, _) = tokio::time::timeout(Duration::from_secs(5), incoming.accept())
+            .await
+            .expect("the second client's handshake finished first")
+            .unwrap();
+        let mut got = [0u8; 4];
+        served.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"ping");
+        served.write_all(b"pong").await.unwrap();
+        served.flush().await.unwrap();
+        assert_eq!(&client.await.unwrap(), b"pong");
     }
 }

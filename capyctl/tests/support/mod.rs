@@ -218,21 +218,18 @@ impl Capy {
             let mut sink = Vec::new();
             let _ = stdout.read_to_end(&mut sink);
         });
+        // "inference http://ADDR" or, with server.listen.tls, "inference https://ADDR".
         let addr = |key: &str| -> SocketAddr {
             let at = first
                 .find(key)
                 .unwrap_or_else(|| panic!("{key} in {first}"))
                 + key.len();
-            first[at..]
-                .split_whitespace()
-                .next()
-                .unwrap()
-                .parse()
-                .unwrap()
+            let url = first[at..].split_whitespace().next().unwrap();
+            url.split_once("://").unwrap().1.parse().unwrap()
         };
         Ok(Capy {
-            inference: addr("inference http://"),
-            management: addr("management http://"),
+            inference: addr("inference "),
+            management: addr("management "),
             child: Some(child),
             dir: data,
             file,

@@ -80,6 +80,8 @@ async fn main_async(cli: Cli) -> Result<(), String> {
         }
         None => None,
     };
+    let tls = capyctl_router::tls::listen_config(server.listen.tls.as_ref())
+        .map_err(|e| e.to_string())?;
     let agent_token = capyctl_node_agent::cli::agent_token()?;
     let admin_token = capyctl_operator::management::load_or_create_token(
         server.admin_token_file.as_deref(),
@@ -116,6 +118,7 @@ async fn main_async(cli: Cli) -> Result<(), String> {
         engine_pods,
         metrics,
         host,
+        tls,
     };
     run(client, options, capyctl_node_agent::cli::shutdown_signal())
         .await

@@ -104,6 +104,9 @@ pub struct OperatorOptions {
     /// engines' commands and environment of engine Pods, and the resource policy and
     /// activation until the node's `Host` object says them (see [`HostPolicy`]).
     pub host: Option<HostConfig>,
+    /// Both listeners' TLS (`server.listen.tls`, read by
+    /// `capyctl_router::tls::listen_config`); `None`: plain HTTP.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 /// What the router and the lifecycle take from the host: its queue settings and activation.
@@ -726,7 +729,10 @@ pub async fn lead(
     let proxy = Proxy::new(
         server.admission(router.clone()),
         catalog,
-        proxy_config(&queue),
+        ProxyConfig {
+            tls: options.tls.clone(),
+            ..proxy_config(&queue)
+        },
     )
     .with_observer(metrics.clone());
     let (stop_tasks, _) = watch::channel(false);
@@ -848,6 +854,7 @@ pub async fn run(
     let management = bind("server.listen.management", options.server.listen.management).await?;
     let management_task = {
         let api: Arc<dyn ManagementApi> = api.clone();
+        let tls = options.tls.clone();
         let mut rx = finish.subscribe();
         let opts = ManagementOptions {
             token: options.admin_token.clone(),
@@ -857,7 +864,8 @@ pub async fn run(
             let shutdown = async move {
                 super::until(&mut rx, true).await;
             };
-            if let Err(e) = crate::management::serve(management, api, opts, shutdown).await {
+            let served = crate::management::serve_listener(management, tls, api, opts, shutdown);
+            if let Err(e) = served.await {
                 tracing::error!(error = %e, "the management listener failed");
             }
         })

@@ -30,6 +30,7 @@ use std::time::Duration;
 use http::Request;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinSet;
@@ -185,13 +186,14 @@ impl Drop for StopWatch {
     }
 }
 
-/// The client's socket as hyper sees it, telling the [`ConnWatch`] whether writes are taken.
-struct WatchedIo {
-    io: TokioIo<TcpStream>,
+/// The client's socket (TCP, or TLS over TCP) as hyper sees it, telling the [`ConnWatch`]
+/// whether writes are taken.
+struct WatchedIo<S> {
+    io: TokioIo<S>,
     watch: Arc<ConnWatch>,
 }
 
-impl WatchedIo {
+impl<S> WatchedIo<S> {
     fn note(&self, polled: &Poll<io::Result<usize>>) {
         match polled {
             Poll::Ready(Ok(n)) if *n > 0 => self.watch.taken(),
@@ -201,7 +203,7 @@ impl WatchedIo {
     }
 }
 
-impl hyper::rt::Read for WatchedIo {
+impl<S: AsyncRead + AsyncWrite + Unpin> hyper::rt::Read for WatchedIo<S> {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -211,7 +213,7 @@ impl hyper::rt::Read for WatchedIo {
     }
 }
 
-impl hyper::rt::Write for WatchedIo {
+impl<S: AsyncRead + AsyncWrite + Unpin> hyper::rt::Write for WatchedIo<S> {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -387,7 +389,7 @@ impl Drop for TimerFloor {
 
 /// One client connection: HTTP/1.1 with keep-alive, closed at once when a streamed answer's
 /// client reads nothing for `read_stall`, shut down gracefully once `stop` says so.
-async fn connection<A: Admission>(stream: TcpStream, proxy: Proxy<A>, mut stop: StopWatch) {
+async fn connection<A: Admission>(stream: TcpStream, proxy: Proxy<A>, stop: StopWatch) {
     let config = proxy.config();
     if let Err(err) = stream.set_nodelay(true) {
         tracing::debug!(error = %err, "TCP_NODELAY");
@@ -398,6 +400,25 @@ async fn connection<A: Admission>(stream: TcpStream, proxy: Proxy<A>, mut stop: 
     {
         tracing::debug!(error = %err, "TCP_NOTSENT_LOWAT");
     }
+    match config.tls.clone() {
+        None => serve_stream(stream, proxy, stop).await,
+        Some(tls) => {
+            let handshake = tokio_rustls::TlsAcceptor::from(tls).accept(stream);
+            match tokio::time::timeout(crate::tls::HANDSHAKE_TIMEOUT, handshake).await {
+                Ok(Ok(stream)) => serve_stream(stream, proxy, stop).await,
+                Ok(Err(err)) => tracing::debug!(error = %err, "TLS handshake failed"),
+                Err(_) => tracing::debug!("TLS handshake timed out"),
+            }
+        }
+    }
+}
+
+/// Serves HTTP/1.1 on a client connection's stream (see [`connection`]).
+async fn serve_stream<A: Admission, S>(stream: S, proxy: Proxy<A>, mut stop: StopWatch)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let config = proxy.config();
     let read_stall = config.read_stall;
     let header_read_timeout = config.header_read_timeout;
     let watch = ConnWatch::new();

@@ -90,6 +90,10 @@ pub struct ProxyConfig {
     /// How long connecting to an engine may take before the request is answered
     /// `502 upstream_unavailable`: 5 s.
     pub upstream_connect_timeout: Duration,
+    /// TLS for the listener (`server.listen.tls`; see [`crate::tls::server_config`]): each
+    /// connection's handshake runs in its own task, bounded by [`crate::tls::HANDSHAKE_TIMEOUT`].
+    /// `None`: plain HTTP.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 impl Default for ProxyConfig {
@@ -106,6 +110,7 @@ impl Default for ProxyConfig {
             client_unsent_limit: 16 * 1024,
             header_read_timeout: Duration::from_secs(30),
             upstream_connect_timeout: Duration::from_secs(5),
+            tls: None,
         }
     }
 }
