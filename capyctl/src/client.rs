@@ -179,8 +179,9 @@ enum Transport {
     /// or `--ca-file`).
     Direct(Box<HyperClient<HttpsConnector<HttpConnector>, Full<Bytes>>>),
     /// Through the Kubernetes API server's service proxy, authenticated by the kubeconfig; the
-    /// admin token then travels in [`capyctl_crds::auth::TOKEN_HEADER`].
-    Kube(kube::Client),
+    /// admin token then travels in [`capyctl_crds::auth::TOKEN_HEADER`]. With the release's
+    /// namespace.
+    Kube(kube::Client, String),
 }
 
 /// One answer: status and body.
@@ -259,12 +260,25 @@ impl Client {
     }
 
     /// A client reaching the management API through the API server's service proxy: `base` is
-    /// `/api/v1/namespaces/{ns}/services/{name}:{port}/proxy`.
-    pub fn through_kube(client: kube::Client, base: String, token: String) -> Client {
+    /// `/api/v1/namespaces/{namespace}/services/{name}:{port}/proxy`.
+    pub fn through_kube(
+        client: kube::Client,
+        namespace: String,
+        base: String,
+        token: String,
+    ) -> Client {
         Client {
             base,
             token,
-            transport: Transport::Kube(client),
+            transport: Transport::Kube(client, namespace),
+        }
+    }
+
+    /// Under `kubectl capyctl`: the Kubernetes client and the release's namespace.
+    pub fn cluster(&self) -> Option<(kube::Client, &str)> {
+        match &self.transport {
+            Transport::Kube(client, namespace) => Some((client.clone(), namespace.as_str())),
+            Transport::Direct(_) => None,
         }
     }
 
@@ -315,7 +329,7 @@ impl Client {
             Transport::Direct(_) => {
                 request.header(header::AUTHORIZATION, format!("Bearer {}", self.token))
             }
-            Transport::Kube(_) => request.header(capyctl_crds::auth::TOKEN_HEADER, &self.token),
+            Transport::Kube(..) => request.header(capyctl_crds::auth::TOKEN_HEADER, &self.token),
         };
         let body = match body {
             Some((kind, bytes)) => {
@@ -351,7 +365,7 @@ impl Client {
                     .to_bytes();
                 (status, body)
             }
-            Transport::Kube(client) => {
+            Transport::Kube(client, _) => {
                 let response = client
                     .send(request.map(|b| kube::client::Body::from(b.to_vec())))
                     .await

@@ -13,10 +13,17 @@
 //! Service's port `appProtocol: https`; the plugin reads the Service and asks the service proxy
 //! for `https:<service>:management` then. A Service it may not read is taken as plain HTTP.
 
+use std::time::Duration;
+
+use capyctl_crds::api::{DeployOutcome, DeployReceipt, DeploymentView};
+use capyctl_crds::documents::DeploymentDoc;
+use capyctl_crds::k8s::Deployment;
 use k8s_openapi::api::core::v1::{Secret, Service};
 use kube::Api;
+use kube::api::{DeleteParams, PostParams};
 
-use crate::client::Client;
+use crate::CommandError;
+use crate::client::{Client, ClientError, segment};
 
 /// The chart's `capyctl.fullname` for release `release` (no overrides).
 pub fn fullname(release: &str) -> String {
@@ -117,11 +124,166 @@ pub async fn connect(
         // Missing, or not readable: plain HTTP; the service proxy says the rest.
         Ok(None) | Err(_) => Scheme::Http,
     };
-    Ok(Client::through_kube(
-        client,
-        proxy_base(&namespace, release, scheme),
-        token,
-    ))
+    let base = proxy_base(&namespace, release, scheme);
+    Ok(Client::through_kube(client, namespace, base, token))
+}
+
+/// The field manager of the `Deployment` objects `kubectl capyctl deploy model` writes.
+pub const FIELD_MANAGER: &str = "kubectl-capyctl";
+
+/// How often the plugin looks whether the operator has taken an object.
+const POLL: Duration = Duration::from_millis(250);
+
+/// `kubectl capyctl deploy model`: on Kubernetes the `Deployment` objects say what is deployed
+/// (the operator's management API refuses deploys), so the document becomes the object's whole
+/// spec, with the user's own rights (create, or update of the object read, retried when it
+/// changed meanwhile). Then the operator's reconciler deploys it: the answer is the receipt
+/// once the object's `status.observedGeneration` has reached the written generation, within
+/// `timeout`.
+pub(crate) async fn deploy_object(
+    client: &Client,
+    doc: &DeploymentDoc,
+    timeout: Duration,
+) -> Result<DeployReceipt, CommandError> {
+    let Some((kube, namespace)) = client.cluster() else {
+        return Err(CommandError::Failed("not under kubectl".to_string()));
+    };
+    let name = doc.name.as_str();
+    let before = view_of(client, name).await?;
+    let api: Api<Deployment> = Api::namespaced(kube, namespace);
+    let object = format!("Deployment object {namespace}/{name}");
+    let fail = |what: &str, e: kube::Error| {
+        CommandError::Failed(format!("cannot {what} the {object}: {}", kube_message(&e)))
+    };
+    let written = loop {
+        let params = PostParams {
+            field_manager: Some(FIELD_MANAGER.to_string()),
+            ..PostParams::default()
+        };
+        match api.get_opt(name).await.map_err(|e| fail("read", e))? {
+            None => match api.create(&params, &Deployment::from_document(doc)).await {
+                Ok(o) => break o,
+                // Created by someone else just now: update that one.
+                Err(kube::Error::Api(s)) if s.is_already_exists() => continue,
+                Err(e) => return Err(fail("create", e)),
+            },
+            Some(mut current) => {
+                current.spec = Deployment::from_document(doc).spec;
+                match api.replace(name, &params, &current).await {
+                    Ok(o) => break o,
+                    // Changed since it was read: read it again.
+                    Err(kube::Error::Api(s)) if s.is_conflict() => continue,
+                    Err(e) => return Err(fail("update", e)),
+                }
+            }
+        }
+    };
+    let generation = written.metadata.generation.unwrap_or(0);
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let current = api.get(name).await.map_err(|e| fail("read", e))?;
+        let status = current.status.as_ref();
+        if status
+            .and_then(|s| s.observed_generation)
+            .is_some_and(|g| g >= generation)
+            && let Some(after) = view_of(client, name).await?
+        {
+            let outcome = match &before {
+                Some(b) if b.id == after.id && b.revision == after.revision => {
+                    DeployOutcome::Unchanged
+                }
+                Some(b) if b.id == after.id => DeployOutcome::Updated,
+                _ => DeployOutcome::Created,
+            };
+            return Ok(DeployReceipt {
+                outcome,
+                deployment: after,
+            });
+        }
+        if tokio::time::Instant::now() >= deadline {
+            // The reconciler says why it does not take a spec in `Accepted=False`.
+            let refused = status
+                .into_iter()
+                .flat_map(|s| s.conditions.iter())
+                .find(|c| c.type_ == "Accepted" && c.status == "False");
+            return Err(CommandError::Failed(match refused {
+                Some(c) => format!("the operator did not accept the {object}: {}", c.message),
+                None => format!(
+                    "the operator has not taken the {object} (generation {generation}) within {} s; is it running? (kubectl -n {namespace} describe cdeploy {name})",
+                    timeout.as_secs()
+                ),
+            }));
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// `kubectl capyctl delete deployment`: deletes the `Deployment` object (its finalizer stops
+/// the engines), then waits, within `timeout`, until the operator has forgotten the
+/// deployment. Answers its view from before.
+pub(crate) async fn delete_object(
+    client: &Client,
+    name_or_id: &str,
+    timeout: Duration,
+) -> Result<DeploymentView, CommandError> {
+    let Some((kube, namespace)) = client.cluster() else {
+        return Err(CommandError::Failed("not under kubectl".to_string()));
+    };
+    let answer = client
+        .get(&format!("/deployments/{}", segment(name_or_id)))
+        .await?;
+    let view: DeploymentView = answer.json(client.server())?;
+    let api: Api<Deployment> = Api::namespaced(kube, namespace);
+    let object = format!("Deployment object {namespace}/{}", view.name);
+    match api.delete(&view.name, &DeleteParams::default()).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.is_not_found() => {
+            return Err(CommandError::Failed(format!(
+                "there is no {object}: the operator serves a deployment no object asks for; it goes at the operator's next restart"
+            )));
+        }
+        Err(e) => {
+            return Err(CommandError::Failed(format!(
+                "cannot delete the {object}: {}",
+                kube_message(&e)
+            )));
+        }
+    }
+    let deadline = tokio::time::Instant::now() + timeout;
+    while view_of(client, &view.id).await?.is_some() {
+        if tokio::time::Instant::now() >= deadline {
+            return Err(CommandError::Failed(format!(
+                "the {object} is being deleted, but the operator has not let the deployment go within {} s (kubectl -n {namespace} describe cdeploy {})",
+                timeout.as_secs(),
+                view.name
+            )));
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    Ok(view)
+}
+
+/// The deployment's view, `None` when the server does not know it.
+async fn view_of(
+    client: &Client,
+    name_or_id: &str,
+) -> Result<Option<DeploymentView>, CommandError> {
+    match client
+        .get(&format!("/deployments/{}", segment(name_or_id)))
+        .await
+    {
+        Ok(answer) => Ok(Some(answer.json(client.server())?)),
+        Err(ClientError::Api { code, .. }) if code == "not_found" => Ok(None),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// What the API server said, in a line.
+fn kube_message(e: &kube::Error) -> String {
+    match e {
+        kube::Error::Api(s) => format!("{} ({})", s.message, s.reason),
+        other => other.to_string(),
+    }
 }
 
 #[cfg(test)]

@@ -312,6 +312,11 @@ fn check(kind: Kind, file: &std::path::Path, set: Vec<String>) -> Result<(), Str
     Ok(())
 }
 
+/// A body as the management API's pretty JSON.
+fn pretty(body: &impl serde::Serialize) -> String {
+    serde_json::to_string_pretty(body).unwrap_or_default()
+}
+
 /// The longest a command other than `start --wait` waits for the server.
 const CALL_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -342,6 +347,15 @@ async fn remote(global: Global, command: Command) -> Result<(), String> {
             }
             Command::Preinitialize(Target::Deployment { name }) => {
                 action(&client, "preinitialize", &name, json).await
+            }
+            Command::Delete(Target::Deployment { name }) if client.cluster().is_some() => {
+                let d = cluster::delete_object(&client, &name, CALL_TIMEOUT).await?;
+                if json {
+                    println!("{}", pretty(&d));
+                } else {
+                    println!("deleted deployment {} ({})", d.name, d.id);
+                }
+                Ok(())
             }
             Command::Delete(Target::Deployment { name }) => {
                 let answer = client
@@ -398,7 +412,7 @@ async fn remote(global: Global, command: Command) -> Result<(), String> {
 
 /// A command's failure: the client's, or what the answer said.
 #[derive(Debug, thiserror::Error)]
-enum CommandError {
+pub(crate) enum CommandError {
     #[error(transparent)]
     Client(#[from] ClientError),
     #[error("{0}")]
@@ -407,7 +421,18 @@ enum CommandError {
 
 async fn deploy(client: &Client, file: &std::path::Path, json: bool) -> Result<(), CommandError> {
     // Checked here first so that the error names the file and line; the server checks again.
-    documents::load_deployment_file(file).map_err(|e| CommandError::Failed(e.to_string()))?;
+    let doc =
+        documents::load_deployment_file(file).map_err(|e| CommandError::Failed(e.to_string()))?;
+    if client.cluster().is_some() {
+        // Under kubectl: the Deployment object (the operator refuses deploys of its own).
+        let receipt = cluster::deploy_object(client, &doc, CALL_TIMEOUT).await?;
+        if json {
+            println!("{}", pretty(&receipt));
+        } else {
+            print!("{}", render::deployed(&receipt));
+        }
+        return Ok(());
+    }
     let text = std::fs::read_to_string(file)
         .map_err(|e| CommandError::Failed(format!("cannot read {}: {e}", file.display())))?;
     let answer = client.post_yaml("/deployments", text).await?;

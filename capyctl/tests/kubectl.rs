@@ -20,6 +20,7 @@ struct Seen {
     method: String,
     path: String,
     headers: Vec<(String, String)>,
+    body: String,
 }
 
 impl Seen {
@@ -77,6 +78,7 @@ fn fake_api_server(
                         method,
                         path,
                         headers,
+                        body: String::from_utf8_lossy(&body).into_owned(),
                     };
                     let (status, body) = answer(&seen);
                     log.lock().unwrap().push(seen);
@@ -124,6 +126,154 @@ fn run_plugin(kubeconfig: &std::path::Path, args: &[&str]) -> (i32, String, Stri
 }
 
 const LIST: &str = r#"{"deployments":[]}"#;
+
+/// The management API's view of `my-model` at `revision`.
+fn view_json(revision: u64) -> String {
+    serde_json::json!({
+        "id": "01KMYMODEL", "name": "my-model", "state": "stopped", "ready": "0/1",
+        "revision": revision, "hosts": ["node-a"], "activation": "on_demand", "warm": false,
+        "operator_stopped": false, "engine": "vllm", "model": "Qwen/Qwen3-4B", "instances": [],
+        "spec": {"name": "my-model", "engine": "vllm", "model": "Qwen/Qwen3-4B"},
+    })
+    .to_string()
+}
+
+const NOT_FOUND_API: &str =
+    r#"{"code":"not_found","message":"deployment my-model not found","retryable":false}"#;
+const NOT_FOUND_KUBE: &str = r#"{"kind":"Status","apiVersion":"v1","status":"Failure","message":"not found","reason":"NotFound","code":404}"#;
+
+/// `kubectl capyctl deploy model` writes the Deployment object (the operator's management API
+/// refuses deploys on Kubernetes) with the user's credentials, waits until the operator has
+/// taken its generation, and prints the receipt; `delete deployment` deletes the object and
+/// waits until the operator has let the deployment go.
+#[test]
+fn deploy_and_delete_write_the_deployment_object() {
+    #[derive(Default)]
+    struct Cluster {
+        object: Option<serde_json::Value>,
+        /// The operator has deployed the object's generation.
+        deployed: bool,
+        deleted: bool,
+    }
+    let cluster = Arc::new(Mutex::new(Cluster::default()));
+    let state = cluster.clone();
+    let crs = "/apis/capyctl.io/v1alpha1/namespaces/gpu/deployments";
+    let view = "/api/v1/namespaces/gpu/services/capyctl-management:management/proxy/management/v1/deployments/";
+    let (url, seen) = fake_api_server(move |req| {
+        let mut c = state.lock().unwrap();
+        let path = req.path.split('?').next().unwrap().to_string();
+        match (req.method.as_str(), path.as_str()) {
+            ("GET", p) if p == format!("{crs}/my-model") => match &c.object {
+                None => (404, NOT_FOUND_KUBE.to_string()),
+                Some(o) => {
+                    let mut o = o.clone();
+                    // The operator takes a generation on the first read after it was written.
+                    if !c.deleted {
+                        o["status"] = serde_json::json!({"observedGeneration": 1});
+                        c.deployed = true;
+                    }
+                    (200, o.to_string())
+                }
+            },
+            ("POST", p) if p == crs => {
+                let mut o: serde_json::Value = serde_json::from_str(&req.body).unwrap();
+                o["metadata"]["generation"] = 1.into();
+                o["metadata"]["resourceVersion"] = "1".into();
+                c.object = Some(o.clone());
+                (201, o.to_string())
+            }
+            ("DELETE", p) if p == format!("{crs}/my-model") => {
+                c.deleted = true;
+                (200, c.object.clone().unwrap().to_string())
+            }
+            ("GET", p) if p.starts_with(view) => {
+                if c.deployed && !c.deleted {
+                    (200, view_json(1))
+                } else {
+                    (404, NOT_FOUND_API.to_string())
+                }
+            }
+            _ => (404, NOT_FOUND_KUBE.to_string()),
+        }
+    });
+    let dir = std::env::temp_dir().join(format!("kubectl-capyctl-deploy-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = kubeconfig(&dir, &url);
+    let file = dir.join("my-model.yaml");
+    std::fs::write(
+        &file,
+        "name: my-model\nengine: vllm\nmodel: Qwen/Qwen3-4B\nresources: {gpu_memory: 20GiB}\n",
+    )
+    .unwrap();
+
+    let (code, stdout, stderr) = run_plugin(
+        &config,
+        &[
+            "deploy",
+            "model",
+            "--file",
+            file.to_str().unwrap(),
+            "--token",
+            "t",
+        ],
+    );
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(
+        stdout,
+        "deployment my-model (01KMYMODEL) created, revision 1, state stopped\n"
+    );
+    let created = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|s| s.method == "POST")
+        .cloned()
+        .unwrap();
+    // With the user's own credentials, as the field manager kubectl-capyctl.
+    assert_eq!(
+        created.header("authorization"),
+        Some("Bearer kube-user-token")
+    );
+    assert!(
+        created.path.contains("fieldManager=kubectl-capyctl"),
+        "{}",
+        created.path
+    );
+    let body: serde_json::Value = serde_json::from_str(&created.body).unwrap();
+    assert_eq!(body["kind"], "Deployment");
+    assert_eq!(body["metadata"]["name"], "my-model");
+    assert_eq!(body["spec"]["model"], "Qwen/Qwen3-4B");
+    assert_eq!(body["spec"]["resources"]["gpuMemory"], "20GiB");
+    // Nothing was posted to the management API.
+    assert!(
+        !seen
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|s| s.method == "POST" && s.path.contains("/proxy/"))
+    );
+
+    let (code, stdout, stderr) = run_plugin(
+        &config,
+        &["delete", "deployment", "my-model", "--token", "t"],
+    );
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(stdout, "deleted deployment my-model (01KMYMODEL)\n");
+    assert!(
+        seen.lock()
+            .unwrap()
+            .iter()
+            .any(|s| s.method == "DELETE" && s.path.starts_with(&format!("{crs}/my-model")))
+    );
+    assert!(
+        !seen
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|s| s.method == "DELETE" && s.path.contains("/proxy/"))
+    );
+    assert!(cluster.lock().unwrap().deleted);
+}
 
 #[test]
 fn the_plugin_goes_through_the_service_proxy_with_the_secrets_token() {

@@ -504,6 +504,62 @@ fn deployment_bounds() {
 
 // ---- cross-field rules ----
 
+/// `max_concurrent_requests` is passed to the engine: TensorFold has no option for it, and the
+/// engine's own option in `extra_args` as well says it twice. Refused in a deployment document,
+/// in a standalone document's `deployments`, and in a Kubernetes object's spec.
+#[test]
+fn max_concurrent_requests_needs_an_engine_option_and_is_said_once() {
+    let e = parse_deployment_str(
+        "d.yaml",
+        "name: a\nengine: tensorfold\nmodel: m\nmax_concurrent_requests: 4\n",
+    )
+    .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "d.yaml:4: max_concurrent_requests: 4 cannot be passed to tensorfold: it has no option for how many requests run at once; remove max_concurrent_requests"
+    );
+    let e = parse_deployment_str(
+        "d.yaml",
+        "name: a\nengine: vllm\nmodel: m\nmax_concurrent_requests: 4\nextra_args:\n  - --max-model-len\n  - \"8192\"\n  - --max-num-seqs=16\n",
+    )
+    .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "d.yaml:8: extra_args[2]: --max-num-seqs here and max_concurrent_requests both set how many requests run at once; keep one"
+    );
+    // Either one alone is fine.
+    parse_deployment_str(
+        "d.yaml",
+        "name: a\nengine: sglang\nmodel: m\nextra_args: [--max-running-requests, \"16\"]\n",
+    )
+    .unwrap();
+    parse_deployment_str("d.yaml", "name: a\nengine: tensorfold\nmodel: m\n").unwrap();
+
+    let e = parse_standalone_str(
+        "s.yaml",
+        "deployments:\n  - name: a\n    engine: tensorfold\n    model: m\n    max_concurrent_requests: 4\n",
+        &none(),
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string().starts_with(
+            "s.yaml:5: deployments[0].max_concurrent_requests: 4 cannot be passed to tensorfold"
+        ),
+        "{e}"
+    );
+
+    let object = capyctl_crds::k8s::parse_deployment_manifest_str(
+        "m.yaml",
+        "apiVersion: capyctl.io/v1alpha1\nkind: Deployment\nmetadata: {name: a}\nspec:\n  engine: tensorfold\n  model: m\n  maxConcurrentRequests: 4\n",
+    );
+    let e = object.unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("spec.maxConcurrentRequests: 4 cannot be passed to tensorfold"),
+        "{e}"
+    );
+}
+
 #[test]
 fn admission_window_above_request_deadline_is_refused() {
     let e =

@@ -57,13 +57,7 @@ impl LaunchCommand {
 }
 
 /// The flag that sets how many requests `engine` runs at once.
-pub fn max_running_flag(engine: EngineKind) -> Option<&'static str> {
-    match engine {
-        EngineKind::Vllm => Some("--max-num-seqs"),
-        EngineKind::Sglang => Some("--max-running-requests"),
-        EngineKind::Tensorfold => None,
-    }
-}
+pub use capyctl_crds::documents::max_running_flag;
 
 /// The engine's launch command for `spec` on loopback port `port`.
 ///

@@ -625,6 +625,11 @@ fn resolve_standalone(
     let deployments = doc.deployments.clone().unwrap_or_default();
     let mut seen: BTreeMap<&str, usize> = BTreeMap::new();
     for (i, d) in deployments.iter().enumerate() {
+        if let Err((path, problem)) = check_deployment(d) {
+            let mut at = KeyPath::keys(&["deployments"]).index(i);
+            at.0.extend(path.0);
+            return Err(src.error(at, problem));
+        }
         if let Some(first) = seen.insert(d.name.as_str(), i) {
             return Err(src.error(
                 KeyPath::keys(&["deployments"]).index(i).child("name"),
@@ -785,7 +790,57 @@ fn read(path: &Path) -> Result<(String, String), DocumentError> {
 
 /// Parses a deployment document. `file` names it in errors.
 pub fn parse_deployment_str(file: &str, text: &str) -> Result<DeploymentDoc, DocumentError> {
-    parse_with(file, Some(text), &Overrides::none())
+    let no_overrides = Overrides::none();
+    let doc: DeploymentDoc = parse_with(file, Some(text), &no_overrides)?;
+    check_deployment(&doc).map_err(|(path, problem)| {
+        Source {
+            file,
+            text: Some(text),
+            overrides: &no_overrides,
+        }
+        .error(path, problem)
+    })?;
+    Ok(doc)
+}
+
+/// The engine option that sets how many requests run at once, when the engine has one.
+pub fn max_running_flag(engine: EngineKind) -> Option<&'static str> {
+    match engine {
+        EngineKind::Vllm => Some("--max-num-seqs"),
+        EngineKind::Sglang => Some("--max-running-requests"),
+        EngineKind::Tensorfold => None,
+    }
+}
+
+/// The rules of a deployment document across its keys (after each key's own): a
+/// `max_concurrent_requests` needs an engine option to pass it as (TensorFold has none) and
+/// must not be said twice (the option also in `extra_args`).
+fn check_deployment(doc: &DeploymentDoc) -> Result<(), (KeyPath, Problem)> {
+    let Some(n) = doc.max_concurrent_requests else {
+        return Ok(());
+    };
+    match max_running_flag(doc.engine) {
+        None => Err((
+            KeyPath::keys(&["max_concurrent_requests"]),
+            Problem::Conflict(format!(
+                "{n} cannot be passed to {}: it has no option for how many requests run at once; remove max_concurrent_requests",
+                doc.engine
+            )),
+        )),
+        Some(flag) => match doc
+            .extra_args
+            .iter()
+            .position(|a| a == flag || a.starts_with(&format!("{flag}=")))
+        {
+            Some(i) => Err((
+                KeyPath::keys(&["extra_args"]).index(i),
+                Problem::Conflict(format!(
+                    "{flag} here and max_concurrent_requests both set how many requests run at once; keep one"
+                )),
+            )),
+            None => Ok(()),
+        },
+    }
 }
 
 /// Reads and parses a deployment document.
@@ -885,7 +940,7 @@ pub fn standalone_from_overrides(overrides: &Overrides) -> Result<StandaloneConf
 pub(crate) fn deployment_from_json(
     value: serde_json::Value,
 ) -> Result<DeploymentDoc, (KeyPath, Problem)> {
-    serde_path_to_error::deserialize(value).map_err(|e| {
+    let doc: DeploymentDoc = serde_path_to_error::deserialize(value).map_err(|e| {
         let raw = KeyPath::from_serde(e.path());
         let c = error::classify(&e.inner().to_string());
         let path = match c.missing {
@@ -893,7 +948,9 @@ pub(crate) fn deployment_from_json(
             None => raw,
         };
         (path, c.problem)
-    })
+    })?;
+    check_deployment(&doc)?;
+    Ok(doc)
 }
 
 /// The line of `path` in block-style YAML `text`, for callers that validate after parsing.

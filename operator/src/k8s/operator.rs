@@ -749,7 +749,7 @@ pub async fn lead(
         }));
     }
     api.set(Some(Arc::new(ObservedApi::new(
-        server.clone(),
+        Arc::new(super::objects::ObjectsOwnDeployments::new(server.clone())),
         views.clone(),
         feed.clone(),
     ))));
