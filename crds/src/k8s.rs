@@ -103,12 +103,7 @@ fn field_description_wins(schema: &mut schemars::Schema) {
         name = "Hosts",
         type_ = "string",
         json_path = ".status.hosts",
-        description = "Hosts running an instance"
-    ),
-    printcolumn(
-        name = "Age",
-        type_ = "date",
-        json_path = ".metadata.creationTimestamp"
+        description = "The hosts of the deployment (where it runs or is parked; every host it may run on while it is on none)"
     ),
     doc = "A CapyCTL deployment: a named model on one engine, parked, woken and switched by CapyCTL."
 )]
@@ -200,7 +195,7 @@ pub struct DeploymentStatus {
     /// The deployment's revision; it grows with every change of the spec.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub revision: Option<u64>,
-    /// Hosts running an instance, comma-separated (HOSTS of capyctl list deployments).
+    /// The HOSTS column of `capyctl list deployments`: comma-separated, `-` for none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hosts: Option<String>,
     /// The deployment's instances.

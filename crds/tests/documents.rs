@@ -787,6 +787,48 @@ fn set_wins_over_variable_wins_over_document() {
     assert_eq!(total(&overrides(&[], &[("HOME", "/root")])), 10);
 }
 
+/// An override wins over the document even where the document's own value is refused: the
+/// value it replaces is never used. A refused value no override replaces is still refused with
+/// its line, and a refused override names the override.
+#[test]
+fn an_override_replaces_a_refused_document_value() {
+    let doc =
+        "resource_policy:\n  queue:\n    admission_window: 45s\n    max_pending_total: lots\n";
+    let key = "resource_policy.queue.admission_window";
+    let both = overrides(&[&format!("{key}=3s"), &format!("{KEY}=7")], &[]);
+    let q = parse_host_str("host.yaml", doc, &both).unwrap().queue;
+    assert_eq!(q.admission_window, Duration::from_secs(3));
+    assert_eq!(q.max_pending_total, 7);
+    // Only one of the two replaced: the other is refused at its line.
+    let e = parse_host_str("host.yaml", doc, &overrides(&[&format!("{key}=3s")], &[])).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("host.yaml:4: resource_policy.queue.max_pending_total: wrong type"),
+        "{e}"
+    );
+    let e = parse_host_str(
+        "host.yaml",
+        doc,
+        &overrides(
+            &[],
+            &[
+                (VAR, "9"),
+                (
+                    "CAPYCTL_SET__RESOURCE_POLICY__QUEUE__ADMISSION_WINDOW",
+                    "60s",
+                ),
+            ],
+        ),
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("CAPYCTL_SET__RESOURCE_POLICY__QUEUE__ADMISSION_WINDOW")
+            && e.to_string().contains("is out of range (1ms to 30s)"),
+        "{e}"
+    );
+}
+
 #[test]
 fn product_page_override_examples() {
     // Host document.

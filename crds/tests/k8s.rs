@@ -91,7 +91,6 @@ fn deployment_crd_shape() {
             ("Ready", ".status.ready"),
             ("Revision", ".status.revision"),
             ("Hosts", ".status.hosts"),
-            ("Age", ".metadata.creationTimestamp"),
         ]
     );
     let schema = &version["schema"]["openAPIV3Schema"];

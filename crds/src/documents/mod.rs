@@ -697,6 +697,18 @@ fn kind_of(v: &Value) -> &'static str {
 
 /// Turns a path-tracked deserialization error into a [`DocumentError`]. `yaml_line` is the line
 /// serde_yaml_ng reported, when the error came from the text.
+/// Whether an override sets `path` (or a key above it).
+fn overridden(overrides: &Overrides, path: &KeyPath) -> bool {
+    !path.0.is_empty()
+        && overrides.entries().iter().any(|o| {
+            o.key.len() <= path.0.len()
+                && o.key
+                    .iter()
+                    .zip(&path.0)
+                    .all(|(k, seg)| matches!(seg, Seg::Key(s) if s == k))
+        })
+}
+
 fn tracked_error(
     path: &serde_path_to_error::Path,
     message: &str,
@@ -753,14 +765,18 @@ fn parse_with<T: DeserializeOwned>(
                 text: Some(text),
                 overrides: &no_overrides,
             };
-            let typed: T =
-                serde_path_to_error::deserialize(serde_yaml_ng::Deserializer::from_str(text))
-                    .map_err(|e| {
-                        let (msg, line) = error::yaml_message(e.inner());
-                        tracked_error(e.path(), &msg, line, &src)
-                    })?;
-            if overrides.is_empty() {
-                return Ok(typed);
+            // The document alone first, for errors with their line. A value an override
+            // replaces is not refused here: the override wins over it (and is checked below).
+            let typed: Result<T, _> =
+                serde_path_to_error::deserialize(serde_yaml_ng::Deserializer::from_str(text));
+            match typed {
+                Ok(typed) if overrides.is_empty() => return Ok(typed),
+                Ok(_) => {}
+                Err(e) if !overridden(overrides, &KeyPath::from_serde(e.path())) => {
+                    let (msg, line) = error::yaml_message(e.inner());
+                    return Err(tracked_error(e.path(), &msg, line, &src));
+                }
+                Err(_) => {}
             }
             value
         }

@@ -253,7 +253,12 @@ pub fn deployment_status(input: StatusInput<'_>) -> DeploymentStatus {
         status.state = Some(v.state);
         status.ready = Some(v.ready.clone());
         status.revision = Some(v.revision);
-        status.hosts = Some(v.hosts.join(","));
+        // As `capyctl list deployments` prints it: `-` for none.
+        status.hosts = Some(if v.hosts.is_empty() {
+            "-".to_string()
+        } else {
+            v.hosts.join(",")
+        });
         status.instances = v.instances.iter().map(instance_status).collect();
         let measured = v.conditions.iter().find(|c| c.kind == conditions::MEASURED);
         status.measurement = Some(measurement_status(v.measurement.as_ref(), measured));
@@ -432,6 +437,12 @@ mod tests {
         assert_eq!(json["deploymentId"], "01KDEP");
         assert_eq!(json["observedGeneration"], 4);
         assert_eq!(json["instances"][0]["hostId"], "gpu-1");
+
+        // No host: `-`, as `capyctl list deployments` prints it.
+        let mut none = v.clone();
+        none.hosts.clear();
+        let s = deployment_status(input(Some(&none), &Parkability::Unknown, None, at(0)));
+        assert_eq!(s.hosts.as_deref(), Some("-"));
     }
 
     #[test]
