@@ -9,6 +9,10 @@
 //! Service, and `get` on the Secret unless `--token` is given); the admin token travels in
 //! `X-CapyCTL-Token`.
 //!
+//! `deploy model` and `delete deployment` write the `Deployment` objects instead
+//! (`deploy_object`, `delete_object`), with the user's own rights (get, create, update and
+//! delete on `deployments.capyctl.io`): on Kubernetes the objects say what is deployed.
+//!
 //! With `operator.tls.secretName` the management listener serves HTTPS, and the chart marks the
 //! Service's port `appProtocol: https`; the plugin reads the Service and asks the service proxy
 //! for `https:<service>:management` then. A Service it may not read is taken as plain HTTP.
