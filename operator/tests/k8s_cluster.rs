@@ -302,26 +302,35 @@ async fn status_is_applied_by_the_one_field_manager_on_the_status_subresource() 
     assert_eq!(written.status.unwrap().ready.as_deref(), Some("0/1"));
 
     // The printer columns by value, as `kubectl get cdeploy` shows them: the API server's
-    // Table rendering of the list.
-    let request = http::Request::get(format!(
-        "/apis/capyctl.io/v1alpha1/namespaces/{}/deployments",
-        ns.name
-    ))
-    .header(
-        http::header::ACCEPT,
-        "application/json;as=Table;v=v1;g=meta.k8s.io",
-    )
-    .body(Vec::new())
-    .unwrap();
-    let table: serde_json::Value = client.request(request).await.unwrap();
-    assert_eq!(table["kind"], "Table", "{table}");
-    let columns: Vec<&str> = table["columnDefinitions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["name"].as_str().unwrap())
-        .collect();
-    assert_eq!(columns, ["Name", "State", "Ready", "Revision", "Hosts"]);
+    // Table rendering of the list. On a cluster that had an older version of the CRD, the
+    // server may render with it for a moment after the update: asked again for up to 10 s.
+    let want = ["Name", "State", "Ready", "Revision", "Hosts"];
+    let until = tokio::time::Instant::now() + Duration::from_secs(10);
+    let table = loop {
+        let request = http::Request::get(format!(
+            "/apis/capyctl.io/v1alpha1/namespaces/{}/deployments",
+            ns.name
+        ))
+        .header(
+            http::header::ACCEPT,
+            "application/json;as=Table;v=v1;g=meta.k8s.io",
+        )
+        .body(Vec::new())
+        .unwrap();
+        let table: serde_json::Value = client.request(request).await.unwrap();
+        assert_eq!(table["kind"], "Table", "{table}");
+        let columns: Vec<String> = table["columnDefinitions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["name"].as_str().unwrap().to_string())
+            .collect();
+        if columns == want || tokio::time::Instant::now() >= until {
+            assert_eq!(columns, want);
+            break table;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
     let rows = table["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 1, "{table}");
     let cells = rows[0]["cells"].as_array().unwrap();
@@ -482,7 +491,8 @@ async fn an_engine_pod_that_never_runs_fails_the_start_clearly_and_is_owned_and_
     let data = std::env::temp_dir().join(k8s_support::unique("capyctl-pod-runtime"));
     let runtime = PodRuntime::new(client.clone(), &ns.name, node, &data).unwrap();
     let mut config = AgentConfig::new(&data);
-    config.ready_timeout = Duration::from_secs(5);
+    // Includes the watch delivering the new Pod: room for a slow API server.
+    config.ready_timeout = Duration::from_secs(15);
     let host = HostSettings {
         gpus: Some(vec![GpuOverride {
             memory: 80 << 30,

@@ -39,6 +39,16 @@ impl Drop for Proc {
         let _ = std::process::Command::new("kill")
             .args(["-TERM", &self.0.id().to_string()])
             .status();
+        // A clean shutdown is bounded; one that hangs (a stalled call to the API server) is
+        // killed rather than hanging the test.
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while std::time::Instant::now() < until {
+            if !matches!(self.0.try_wait(), Ok(None)) {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let _ = self.0.kill();
         let _ = self.0.wait();
     }
 }

@@ -171,7 +171,16 @@ async fn may(client: &Client, a: Access<'_>) -> bool {
 async fn check(client: &Client, who: &str, allowed: &[Access<'_>], denied: &[Access<'_>]) {
     let mut misses = Vec::new();
     for a in allowed {
-        if !may(client, *a).await {
+        // The API server's authorizer reads RBAC from a cache that lags just-created Roles and
+        // bindings a little: an allowed call may read as denied for a moment, never the
+        // reverse. So a denial of what is needed is asked again for up to 10 s.
+        let until = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut ok = may(client, *a).await;
+        while !ok && tokio::time::Instant::now() < until {
+            tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+            ok = may(client, *a).await;
+        }
+        if !ok {
             misses.push(format!("{who} may not {a:?}, which it needs"));
         }
     }

@@ -159,6 +159,17 @@ pub async fn clean_up(client: &Client, ns: &str, extra: &[String]) {
             &ListParams::default(),
         )
         .await;
+    // What the namespace controller would delete (none may run): finalizing the namespace
+    // alone would leave its objects stored, and a Service its cluster IP allocated.
+    delete_all::<k8s_openapi::api::core::v1::Service>(client, ns).await;
+    delete_all::<k8s_openapi::api::core::v1::Secret>(client, ns).await;
+    delete_all::<k8s_openapi::api::core::v1::ConfigMap>(client, ns).await;
+    delete_all::<ServiceAccount>(client, ns).await;
+    delete_all::<k8s_openapi::api::rbac::v1::Role>(client, ns).await;
+    delete_all::<k8s_openapi::api::rbac::v1::RoleBinding>(client, ns).await;
+    delete_all::<k8s_openapi::api::coordination::v1::Lease>(client, ns).await;
+    delete_all::<k8s_openapi::api::events::v1::Event>(client, ns).await;
+    delete_all::<k8s_openapi::api::networking::v1::NetworkPolicy>(client, ns).await;
     let nss: Api<Namespace> = Api::all(client.clone());
     let _ = nss.delete(ns, &DeleteParams::default()).await;
     // No namespace controller may run: finalize it ourselves.
@@ -179,6 +190,24 @@ pub async fn clean_up(client: &Client, ns: &str, extra: &[String]) {
         if let Ok(request) = http::Request::delete(path.as_str()).body(Vec::new()) {
             let _ = client.request_text(request).await;
         }
+    }
+}
+
+/// Deletes every `K` in namespace `ns`, one by one (Services have no `deletecollection`).
+async fn delete_all<K>(client: &Client, ns: &str)
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+    <K as kube::Resource>::DynamicType: Default,
+{
+    let api: Api<K> = Api::namespaced(client.clone(), ns);
+    let Ok(list) = api.list(&ListParams::default()).await else {
+        return;
+    };
+    for item in list.items {
+        let _ = api.delete(&item.name_any(), &DeleteParams::default()).await;
     }
 }
 
