@@ -183,10 +183,19 @@ pub(crate) async fn deploy_object(
         }
     };
     let generation = written.metadata.generation.unwrap_or(0);
+    // A refusal already there before this write says nothing of this generation.
+    let refused_before = refusal(&written);
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
         let current = api.get(name).await.map_err(|e| fail("read", e))?;
         let status = current.status.as_ref();
+        if let Some(why) = refusal(&current)
+            && Some(&why) != refused_before.as_ref()
+        {
+            return Err(CommandError::Failed(format!(
+                "the operator did not accept the {object}: {why}"
+            )));
+        }
         if status
             .and_then(|s| s.observed_generation)
             .is_some_and(|g| g >= generation)
@@ -205,13 +214,8 @@ pub(crate) async fn deploy_object(
             });
         }
         if tokio::time::Instant::now() >= deadline {
-            // The reconciler says why it does not take a spec in `Accepted=False`.
-            let refused = status
-                .into_iter()
-                .flat_map(|s| s.conditions.iter())
-                .find(|c| c.type_ == "Accepted" && c.status == "False");
-            return Err(CommandError::Failed(match refused {
-                Some(c) => format!("the operator did not accept the {object}: {}", c.message),
+            return Err(CommandError::Failed(match refusal(&current) {
+                Some(why) => format!("the operator did not accept the {object}: {why}"),
                 None => format!(
                     "the operator has not taken the {object} (generation {generation}) within {} s; is it running? (kubectl -n {namespace} describe cdeploy {name})",
                     timeout.as_secs()
@@ -265,6 +269,17 @@ pub(crate) async fn delete_object(
         tokio::time::sleep(POLL).await;
     }
     Ok(view)
+}
+
+/// Why the operator does not take the object's spec (its `Accepted=False` condition).
+fn refusal(object: &Deployment) -> Option<String> {
+    object
+        .status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Accepted" && c.status == "False")
+        .map(|c| c.message.clone())
 }
 
 /// The deployment's view, `None` when the server does not know it.

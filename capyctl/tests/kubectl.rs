@@ -142,6 +142,27 @@ const NOT_FOUND_API: &str =
     r#"{"code":"not_found","message":"deployment my-model not found","retryable":false}"#;
 const NOT_FOUND_KUBE: &str = r#"{"kind":"Status","apiVersion":"v1","status":"Failure","message":"not found","reason":"NotFound","code":404}"#;
 
+/// `kubectl capyctl deploy model --file` of a document `text` (written into a fresh directory
+/// beside a kubeconfig for the fake API server at `url`): the kubeconfig, and the exit code,
+/// stdout and stderr.
+fn deploy_through(
+    url: &str,
+    test: &str,
+    text: &str,
+) -> (std::path::PathBuf, (i32, String, String)) {
+    let dir = std::env::temp_dir().join(format!("kubectl-capyctl-{test}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = kubeconfig(&dir, url);
+    let file = dir.join("my-model.yaml");
+    std::fs::write(&file, text).unwrap();
+    let file = file.to_str().unwrap();
+    let out = run_plugin(
+        &config,
+        &["deploy", "model", "--file", file, "--token", "t"],
+    );
+    (config, out)
+}
+
 /// `kubectl capyctl deploy model` writes the Deployment object (the operator's management API
 /// refuses deploys on Kubernetes) with the user's credentials, waits until the operator has
 /// taken its generation, and prints the receipt; `delete deployment` deletes the object and
@@ -196,26 +217,10 @@ fn deploy_and_delete_write_the_deployment_object() {
             _ => (404, NOT_FOUND_KUBE.to_string()),
         }
     });
-    let dir = std::env::temp_dir().join(format!("kubectl-capyctl-deploy-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let config = kubeconfig(&dir, &url);
-    let file = dir.join("my-model.yaml");
-    std::fs::write(
-        &file,
+    let (config, (code, stdout, stderr)) = deploy_through(
+        &url,
+        "deploy",
         "name: my-model\nengine: vllm\nmodel: Qwen/Qwen3-4B\nresources: {gpu_memory: 20GiB}\n",
-    )
-    .unwrap();
-
-    let (code, stdout, stderr) = run_plugin(
-        &config,
-        &[
-            "deploy",
-            "model",
-            "--file",
-            file.to_str().unwrap(),
-            "--token",
-            "t",
-        ],
     );
     assert_eq!(code, 0, "{stderr}");
     assert_eq!(
@@ -454,4 +459,51 @@ async fn the_plugin_reaches_the_service_proxy_of_a_real_cluster() {
         )),
         "{stderr}"
     );
+}
+
+/// An object the operator refuses (`Accepted=False`) is reported at once with its reason, not
+/// after the wait.
+#[test]
+fn a_refused_object_is_reported_with_the_operators_reason() {
+    let created = Arc::new(Mutex::new(None::<serde_json::Value>));
+    let state = created.clone();
+    let crs = "/apis/capyctl.io/v1alpha1/namespaces/gpu/deployments";
+    let (url, _seen) = fake_api_server(move |req| {
+        let mut c = state.lock().unwrap();
+        let path = req.path.split('?').next().unwrap().to_string();
+        match (req.method.as_str(), path.as_str()) {
+            ("GET", p) if p == format!("{crs}/my-model") => match &*c {
+                None => (404, NOT_FOUND_KUBE.to_string()),
+                Some(o) => {
+                    let mut o = o.clone();
+                    o["status"] = serde_json::json!({"conditions": [{
+                        "type": "Accepted", "status": "False", "reason": "invalid_spec",
+                        "message": "the lifecycle refused it: no host has the engine sglang",
+                        "lastTransitionTime": "2026-12-03T00:00:00Z",
+                    }]});
+                    (200, o.to_string())
+                }
+            },
+            ("POST", p) if p == crs => {
+                let mut o: serde_json::Value = serde_json::from_str(&req.body).unwrap();
+                o["metadata"]["generation"] = 1.into();
+                *c = Some(o.clone());
+                (201, o.to_string())
+            }
+            _ => (404, NOT_FOUND_API.to_string()),
+        }
+    });
+    let began = std::time::Instant::now();
+    let (_, (code, _, stderr)) = deploy_through(
+        &url,
+        "refused",
+        "name: my-model\nengine: sglang\nmodel: m\n",
+    );
+    assert_eq!(code, 1, "{stderr}");
+    assert_eq!(
+        stderr,
+        "capyctl: the operator did not accept the Deployment object gpu/my-model: the lifecycle refused it: no host has the engine sglang\n"
+    );
+    // Not the 120 s wait.
+    assert!(began.elapsed() < std::time::Duration::from_secs(60));
 }
