@@ -1,20 +1,29 @@
 //! A scripted mock API server for the unit tests (`tower_test::mock::pair`): each expected
 //! call names its method and path and gets a status and a JSON body; what was asked is kept
 //! for the test's assertions. A call that is not the next one expected fails the test.
+//! Besides, [`FakeApi`]: the lifecycle's management API as the adapter's tests need it.
 
 #![allow(clippy::unwrap_used)]
 
+use std::collections::BTreeMap;
 use std::pin::pin;
+use std::sync::Mutex;
 
 use capyctl_crds::Activation;
 use capyctl_crds::InstanceState;
-use capyctl_crds::api::{ConditionView, DeploymentView, InstanceView};
+use capyctl_crds::api::{
+    ActionReceipt, ConditionView, DeployOutcome, DeployReceipt, DeploymentList, DeploymentView,
+    EngineList, HostList, InstanceView, LoadReport, StartRequest,
+};
 use capyctl_crds::documents::DeploymentDoc;
+use capyctl_crds::errors::ApiError;
 use http::{Method, Request, Response};
 use kube::Client;
 use kube::client::Body;
 use tokio::task::JoinHandle;
 use tower_test::mock::{self, Handle};
+
+use crate::api::{BoxFuture, ManagementApi};
 
 /// One expected call and its answer.
 #[derive(Debug, Clone)]
@@ -173,5 +182,152 @@ pub(crate) fn view_of(doc: &DeploymentDoc, revision: u64) -> DeploymentView {
             message: "the instance is stopped".into(),
         }],
         spec: doc.clone(),
+    }
+}
+
+/// The lifecycle as the reconciler and the management wrappers see it, for their unit tests:
+/// deployments in a map, every call recorded (`calls`). Deploy and delete behave as the
+/// lifecycle's (created, updated or unchanged; 404 `not_found` for an unknown name), and a
+/// delete fails with `delete_error` when set. The commands and the load read are not scripted:
+/// they are recorded and answered 500 `internal`, so a test that asserts `calls` sees them.
+#[derive(Default)]
+pub(crate) struct FakeApi {
+    /// By name.
+    pub(crate) deps: Mutex<BTreeMap<String, DeploymentView>>,
+    /// `deploy NAME`, `delete NAME`, `start NAME`, ... in order.
+    pub(crate) calls: Mutex<Vec<String>>,
+    /// `/readyz` says not ready.
+    pub(crate) unready: bool,
+    /// What every delete answers.
+    pub(crate) delete_error: Option<ApiError>,
+}
+
+impl FakeApi {
+    /// Ready or not, nothing deployed.
+    pub(crate) fn ready(ready: bool) -> Self {
+        Self {
+            unready: !ready,
+            ..Self::default()
+        }
+    }
+
+    /// The calls so far.
+    pub(crate) fn calls(&self) -> Vec<String> {
+        self.calls.lock().unwrap().clone()
+    }
+
+    /// Sets a deployment's state (its instance's too) and tier, as a park or a wake would.
+    pub(crate) fn set_state(&self, name: &str, state: InstanceState, tier: Option<&str>) {
+        let mut deps = self.deps.lock().unwrap();
+        let v = deps.get_mut(name).unwrap();
+        v.state = state;
+        v.instances[0].state = state;
+        v.instances[0].parked_tier = tier.map(str::to_string);
+        v.ready = if state == InstanceState::Ready {
+            "1/1"
+        } else {
+            "0/1"
+        }
+        .into();
+    }
+
+    fn record(&self, call: String) {
+        self.calls.lock().unwrap().push(call);
+    }
+
+    fn not_found(name: &str) -> ApiError {
+        ApiError::NotFound {
+            what: format!("deployment {name}"),
+        }
+    }
+
+    /// A call this fake does not script: recorded, and answered `internal`.
+    fn unscripted<T>(&self, what: &str, name: &str) -> BoxFuture<'_, Result<T, ApiError>>
+    where
+        T: Send + 'static,
+    {
+        self.record(format!("{what} {name}"));
+        let detail = format!("FakeApi does not script {what}");
+        Box::pin(async move { Err(ApiError::Internal { detail }) })
+    }
+}
+
+impl ManagementApi for FakeApi {
+    fn list(&self) -> BoxFuture<'_, DeploymentList> {
+        Box::pin(async move {
+            DeploymentList {
+                deployments: self.deps.lock().unwrap().values().cloned().collect(),
+            }
+        })
+    }
+    fn deploy(&self, doc: DeploymentDoc) -> BoxFuture<'_, Result<DeployReceipt, ApiError>> {
+        Box::pin(async move {
+            self.record(format!("deploy {}", doc.name));
+            let mut deps = self.deps.lock().unwrap();
+            let (outcome, view) = match deps.get(&doc.name) {
+                None => (DeployOutcome::Created, view_of(&doc, 1)),
+                Some(v) if v.spec == doc => (DeployOutcome::Unchanged, v.clone()),
+                Some(v) => (DeployOutcome::Updated, view_of(&doc, v.revision + 1)),
+            };
+            deps.insert(doc.name.clone(), view.clone());
+            Ok(DeployReceipt {
+                outcome,
+                deployment: view,
+            })
+        })
+    }
+    fn get<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<DeploymentView, ApiError>> {
+        Box::pin(async move {
+            self.deps
+                .lock()
+                .unwrap()
+                .get(name)
+                .cloned()
+                .ok_or_else(|| Self::not_found(name))
+        })
+    }
+    fn delete<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<DeploymentView, ApiError>> {
+        Box::pin(async move {
+            self.record(format!("delete {name}"));
+            if let Some(e) = &self.delete_error {
+                return Err(e.clone());
+            }
+            self.deps
+                .lock()
+                .unwrap()
+                .remove(name)
+                .ok_or_else(|| Self::not_found(name))
+        })
+    }
+    fn start<'a>(
+        &'a self,
+        name: &'a str,
+        _: StartRequest,
+    ) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+        self.unscripted("start", name)
+    }
+    fn stop<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+        self.unscripted("stop", name)
+    }
+    fn park<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+        self.unscripted("park", name)
+    }
+    fn preinitialize<'a>(
+        &'a self,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+        self.unscripted("preinitialize", name)
+    }
+    fn engines(&self) -> BoxFuture<'_, EngineList> {
+        Box::pin(async { EngineList { engines: vec![] } })
+    }
+    fn hosts(&self) -> BoxFuture<'_, HostList> {
+        Box::pin(async { HostList { hosts: vec![] } })
+    }
+    fn load<'a>(&'a self, name: Option<&'a str>) -> BoxFuture<'a, Result<LoadReport, ApiError>> {
+        self.unscripted("load", name.unwrap_or("*"))
+    }
+    fn ready(&self) -> bool {
+        !self.unready
     }
 }

@@ -132,14 +132,8 @@ impl ManagementApi for ObjectsOwnDeployments {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use super::super::mock::view_of;
+    use super::super::mock::{FakeApi, view_of};
     use super::*;
-
-    /// Knows one deployment, `chat-a`; records deploys and deletes that reach it.
-    #[derive(Default)]
-    struct One {
-        reached: std::sync::Mutex<Vec<&'static str>>,
-    }
 
     fn doc() -> DeploymentDoc {
         capyctl_crds::documents::parse_deployment_str(
@@ -149,69 +143,14 @@ mod tests {
         .unwrap()
     }
 
-    impl ManagementApi for One {
-        fn list(&self) -> BoxFuture<'_, DeploymentList> {
-            Box::pin(async {
-                DeploymentList {
-                    deployments: vec![view_of(&doc(), 1)],
-                }
-            })
-        }
-        fn deploy(&self, _: DeploymentDoc) -> BoxFuture<'_, Result<DeployReceipt, ApiError>> {
-            self.reached.lock().unwrap().push("deploy");
-            Box::pin(async { Err(ApiError::Internal { detail: "x".into() }) })
-        }
-        fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<DeploymentView, ApiError>> {
-            Box::pin(async move {
-                if key == "chat-a" {
-                    Ok(view_of(&doc(), 1))
-                } else {
-                    Err(ApiError::NotFound {
-                        what: format!("deployment {key}"),
-                    })
-                }
-            })
-        }
-        fn delete<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<DeploymentView, ApiError>> {
-            self.reached.lock().unwrap().push("delete");
-            Box::pin(async { Err(ApiError::Internal { detail: "x".into() }) })
-        }
-        fn start<'a>(
-            &'a self,
-            _: &'a str,
-            _: StartRequest,
-        ) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
-            Box::pin(async { Err(ApiError::Internal { detail: "x".into() }) })
-        }
-        fn stop<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
-            Box::pin(async { Err(ApiError::Internal { detail: "x".into() }) })
-        }
-        fn park<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
-            Box::pin(async { Err(ApiError::Internal { detail: "x".into() }) })
-        }
-        fn preinitialize<'a>(
-            &'a self,
-            _: &'a str,
-        ) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
-            Box::pin(async { Err(ApiError::Internal { detail: "x".into() }) })
-        }
-        fn engines(&self) -> BoxFuture<'_, EngineList> {
-            Box::pin(async { EngineList { engines: vec![] } })
-        }
-        fn hosts(&self) -> BoxFuture<'_, HostList> {
-            Box::pin(async { HostList { hosts: vec![] } })
-        }
-        fn load<'a>(&'a self, _: Option<&'a str>) -> BoxFuture<'a, Result<LoadReport, ApiError>> {
-            Box::pin(async { Err(ApiError::Internal { detail: "x".into() }) })
-        }
-        fn ready(&self) -> bool {
-            true
-        }
-    }
-
     #[tokio::test]
     async fn deploys_and_deletes_are_refused_naming_the_objects_and_nothing_reaches_the_server() {
-        let inner = Arc::new(One::default());
+        let inner = Arc::new(FakeApi::default());
+        inner
+            .deps
+            .lock()
+            .unwrap()
+            .insert("chat-a".into(), view_of(&doc(), 1));
         let api = ObjectsOwnDeployments::new(inner.clone());
 
         let e = api.deploy(doc()).await.unwrap_err();
@@ -235,7 +174,8 @@ mod tests {
         // An unknown name is 404, not a conflict.
         let e = api.delete("nope").await.unwrap_err();
         assert_eq!(e.code(), "not_found");
-        assert!(inner.reached.lock().unwrap().is_empty());
+        // Nothing reached the server.
+        assert!(inner.calls().is_empty());
 
         // Everything else goes through.
         assert_eq!(api.list().await.deployments[0].name, "chat-a");

@@ -927,7 +927,7 @@ mod tests {
 
     use http::Method;
 
-    use super::super::mock::{self, Exchange};
+    use super::super::mock::{self, Exchange, FakeApi};
     use super::*;
 
     #[tokio::test]
@@ -941,55 +941,6 @@ mod tests {
         assert!(!SwitchableApi::new(false).ready());
     }
 
-    /// A lifecycle stand-in whose readiness is fixed (only `ready` is asked).
-    struct Ready(bool);
-
-    impl ManagementApi for Ready {
-        fn list(&self) -> BoxFuture<'_, DeploymentList> {
-            unimplemented!()
-        }
-        fn deploy(&self, _: DeploymentDoc) -> BoxFuture<'_, Result<DeployReceipt, ApiError>> {
-            unimplemented!()
-        }
-        fn get<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<DeploymentView, ApiError>> {
-            unimplemented!()
-        }
-        fn delete<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<DeploymentView, ApiError>> {
-            unimplemented!()
-        }
-        fn start<'a>(
-            &'a self,
-            _: &'a str,
-            _: StartRequest,
-        ) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
-            unimplemented!()
-        }
-        fn stop<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
-            unimplemented!()
-        }
-        fn park<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
-            unimplemented!()
-        }
-        fn preinitialize<'a>(
-            &'a self,
-            _: &'a str,
-        ) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
-            unimplemented!()
-        }
-        fn engines(&self) -> BoxFuture<'_, EngineList> {
-            unimplemented!()
-        }
-        fn hosts(&self) -> BoxFuture<'_, HostList> {
-            unimplemented!()
-        }
-        fn load<'a>(&'a self, _: Option<&'a str>) -> BoxFuture<'a, Result<LoadReport, ApiError>> {
-            unimplemented!()
-        }
-        fn ready(&self) -> bool {
-            self.0
-        }
-    }
-
     #[test]
     fn readiness_follows_the_leadership_and_the_label() {
         // A replica starts not ready: its Pod may carry a stale leader label.
@@ -999,9 +950,9 @@ mod tests {
         api.set_standby_ready(true);
         assert!(api.ready());
         // Leading: ready as its lifecycle is.
-        api.set(Some(Arc::new(Ready(false))));
+        api.set(Some(Arc::new(FakeApi::ready(false))));
         assert!(!api.ready());
-        api.set(Some(Arc::new(Ready(true))));
+        api.set(Some(Arc::new(FakeApi::ready(true))));
         assert!(api.ready());
         // Stepping down: not ready until the label is removed again.
         api.set_standby_ready(false);

@@ -799,128 +799,10 @@ impl Reconciler {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use std::collections::BTreeMap;
-
-    use capyctl_crds::api::{
-        DeployReceipt, DeploymentList, EngineList, HostList, LoadReport, StartRequest,
-    };
-    use capyctl_crds::documents::DeploymentDoc;
     use http::Method;
 
-    use super::super::mock::{self, Exchange, status_body, view_of};
+    use super::super::mock::{self, Exchange, FakeApi, status_body, view_of};
     use super::*;
-    use crate::api::BoxFuture;
-
-    /// A lifecycle that records what it is asked.
-    #[derive(Default)]
-    struct FakeLifecycle {
-        deps: Mutex<BTreeMap<String, DeploymentView>>,
-        calls: Mutex<Vec<String>>,
-    }
-
-    impl FakeLifecycle {
-        fn calls(&self) -> Vec<String> {
-            self.calls.lock().unwrap().clone()
-        }
-
-        fn set_state(&self, name: &str, state: InstanceState, tier: Option<&str>) {
-            let mut deps = self.deps.lock().unwrap();
-            let v = deps.get_mut(name).unwrap();
-            v.state = state;
-            v.instances[0].state = state;
-            v.instances[0].parked_tier = tier.map(str::to_string);
-            v.ready = if state == InstanceState::Ready {
-                "1/1"
-            } else {
-                "0/1"
-            }
-            .into();
-        }
-    }
-
-    impl ManagementApi for FakeLifecycle {
-        fn list(&self) -> BoxFuture<'_, DeploymentList> {
-            Box::pin(async move {
-                DeploymentList {
-                    deployments: self.deps.lock().unwrap().values().cloned().collect(),
-                }
-            })
-        }
-        fn deploy(&self, doc: DeploymentDoc) -> BoxFuture<'_, Result<DeployReceipt, ApiError>> {
-            Box::pin(async move {
-                self.calls
-                    .lock()
-                    .unwrap()
-                    .push(format!("deploy {}", doc.name));
-                let mut deps = self.deps.lock().unwrap();
-                let (outcome, view) = match deps.get(&doc.name) {
-                    None => (DeployOutcome::Created, view_of(&doc, 1)),
-                    Some(v) if v.spec == doc => (DeployOutcome::Unchanged, v.clone()),
-                    Some(v) => (DeployOutcome::Updated, view_of(&doc, v.revision + 1)),
-                };
-                deps.insert(doc.name.clone(), view.clone());
-                Ok(DeployReceipt {
-                    outcome,
-                    deployment: view,
-                })
-            })
-        }
-        fn get<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<DeploymentView, ApiError>> {
-            Box::pin(async move {
-                self.deps
-                    .lock()
-                    .unwrap()
-                    .get(name)
-                    .cloned()
-                    .ok_or(ApiError::NotFound {
-                        what: format!("deployment {name}"),
-                    })
-            })
-        }
-        fn delete<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<DeploymentView, ApiError>> {
-            Box::pin(async move {
-                self.calls.lock().unwrap().push(format!("delete {name}"));
-                self.deps
-                    .lock()
-                    .unwrap()
-                    .remove(name)
-                    .ok_or(ApiError::NotFound {
-                        what: format!("deployment {name}"),
-                    })
-            })
-        }
-        fn start<'a>(
-            &'a self,
-            _: &'a str,
-            _: StartRequest,
-        ) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
-            unimplemented!()
-        }
-        fn stop<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
-            unimplemented!()
-        }
-        fn park<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
-            unimplemented!()
-        }
-        fn preinitialize<'a>(
-            &'a self,
-            _: &'a str,
-        ) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
-            unimplemented!()
-        }
-        fn engines(&self) -> BoxFuture<'_, EngineList> {
-            Box::pin(async { EngineList { engines: vec![] } })
-        }
-        fn hosts(&self) -> BoxFuture<'_, HostList> {
-            Box::pin(async { HostList { hosts: vec![] } })
-        }
-        fn load<'a>(&'a self, _: Option<&'a str>) -> BoxFuture<'a, Result<LoadReport, ApiError>> {
-            unimplemented!()
-        }
-        fn ready(&self) -> bool {
-            true
-        }
-    }
 
     const CR_PATH: &str = "/apis/capyctl.io/v1alpha1/namespaces/capyctl/deployments/chat-a";
     const STATUS_PATH: &str =
@@ -956,7 +838,7 @@ mod tests {
         v
     }
 
-    fn reconciler(client: kube::Client, lifecycle: Arc<FakeLifecycle>, events: bool) -> Reconciler {
+    fn reconciler(client: kube::Client, lifecycle: Arc<FakeApi>, events: bool) -> Reconciler {
         let recorder = events.then(|| Reconciler::recorder(client.clone(), Some("op-a".into())));
         Reconciler::new(
             lifecycle,
@@ -982,7 +864,7 @@ mod tests {
                 Exchange::ok(Method::PATCH, STATUS_PATH, finalized.clone()),
             ],
         );
-        let lifecycle = Arc::new(FakeLifecycle::default());
+        let lifecycle = Arc::new(FakeApi::default());
         let r = reconciler(client, lifecycle.clone(), true);
         let action = r.reconcile(&cr(fresh)).await.unwrap();
         assert_eq!(action, Action::requeue(Duration::from_secs(300)));
@@ -1034,7 +916,7 @@ mod tests {
     async fn an_unchanged_status_is_not_written_again() {
         let (client, handle) = mock::client();
         let finalized = cr_json(&[FINALIZER], 1, spec());
-        let lifecycle = Arc::new(FakeLifecycle::default());
+        let lifecycle = Arc::new(FakeApi::default());
         // First pass: the apply is answered with the status it carried.
         let (status_tx, status_rx) = tokio::sync::oneshot::channel::<serde_json::Value>();
         let server = {
@@ -1080,7 +962,7 @@ mod tests {
     async fn a_new_reconciler_trusts_the_status_the_cr_carries() {
         // After a restart or failover: the CR's status is what the server holds; the same facts
         // again write nothing. The status is computed once to know what "the same" is.
-        let lifecycle = Arc::new(FakeLifecycle::default());
+        let lifecycle = Arc::new(FakeApi::default());
         let (client, handle) = mock::client();
         let finalized = cr_json(&[FINALIZER], 1, spec());
         let server = mock::serve(
@@ -1104,7 +986,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_changed_generation_redeploys_and_moves_observed_generation() {
-        let lifecycle = Arc::new(FakeLifecycle::default());
+        let lifecycle = Arc::new(FakeApi::default());
         let (client, handle) = mock::client();
         let v1 = cr_json(&[FINALIZER], 1, spec());
         let v2 = cr_json(
@@ -1131,7 +1013,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_bad_spec_is_refused_and_changes_nothing() {
-        let lifecycle = Arc::new(FakeLifecycle::default());
+        let lifecycle = Arc::new(FakeApi::default());
         let (client, handle) = mock::client();
         let good = cr_json(&[FINALIZER], 1, spec());
         let bad = cr_json(
@@ -1180,7 +1062,7 @@ mod tests {
 
     #[tokio::test]
     async fn deletion_deletes_from_the_lifecycle_then_removes_the_finalizer() {
-        let lifecycle = Arc::new(FakeLifecycle::default());
+        let lifecycle = Arc::new(FakeApi::default());
         let (client, handle) = mock::client();
         let live = cr_json(&[FINALIZER, "other.io/keep"], 1, spec());
         let mut deleting = live.clone();
@@ -1211,67 +1093,16 @@ mod tests {
 
     #[tokio::test]
     async fn a_failed_lifecycle_delete_keeps_the_finalizer() {
-        struct Failing;
-        impl ManagementApi for Failing {
-            fn list(&self) -> BoxFuture<'_, DeploymentList> {
-                Box::pin(async {
-                    DeploymentList {
-                        deployments: vec![],
-                    }
-                })
-            }
-            fn deploy(&self, _: DeploymentDoc) -> BoxFuture<'_, Result<DeployReceipt, ApiError>> {
-                unimplemented!()
-            }
-            fn get<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<DeploymentView, ApiError>> {
-                unimplemented!()
-            }
-            fn delete<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<DeploymentView, ApiError>> {
-                Box::pin(async {
-                    Err(ApiError::Internal {
-                        detail: "the host agent did not answer".into(),
-                    })
-                })
-            }
-            fn start<'a>(
-                &'a self,
-                _: &'a str,
-                _: StartRequest,
-            ) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
-                unimplemented!()
-            }
-            fn stop<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
-                unimplemented!()
-            }
-            fn park<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
-                unimplemented!()
-            }
-            fn preinitialize<'a>(
-                &'a self,
-                _: &'a str,
-            ) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
-                unimplemented!()
-            }
-            fn engines(&self) -> BoxFuture<'_, EngineList> {
-                unimplemented!()
-            }
-            fn hosts(&self) -> BoxFuture<'_, HostList> {
-                unimplemented!()
-            }
-            fn load<'a>(
-                &'a self,
-                _: Option<&'a str>,
-            ) -> BoxFuture<'a, Result<LoadReport, ApiError>> {
-                unimplemented!()
-            }
-            fn ready(&self) -> bool {
-                true
-            }
-        }
+        let failing = FakeApi {
+            delete_error: Some(ApiError::Internal {
+                detail: "the host agent did not answer".into(),
+            }),
+            ..FakeApi::default()
+        };
         let (client, handle) = mock::client();
         let server = mock::serve(handle, vec![]);
         let r = Reconciler::new(
-            Arc::new(Failing),
+            Arc::new(failing),
             Api::namespaced(client, "capyctl"),
             None,
             None,
@@ -1287,7 +1118,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_deleted_cr_already_gone_from_the_lifecycle_still_loses_its_finalizer() {
-        let lifecycle = Arc::new(FakeLifecycle::default());
+        let lifecycle = Arc::new(FakeApi::default());
         let (client, handle) = mock::client();
         let mut deleting = cr_json(&[FINALIZER], 1, spec());
         deleting["metadata"]["deletionTimestamp"] = "2026-12-03T08:00:00Z".into();
@@ -1311,7 +1142,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_park_in_the_lifecycle_writes_the_status_and_an_event() {
-        let lifecycle = Arc::new(FakeLifecycle::default());
+        let lifecycle = Arc::new(FakeApi::default());
         let (client, handle) = mock::client();
         let finalized = cr_json(&[FINALIZER], 1, spec());
         let server = mock::serve(
@@ -1350,7 +1181,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn the_feed_tells_a_quick_park_and_wake_switches_and_throttled_refusals() {
-        let lifecycle = Arc::new(FakeLifecycle::default());
+        let lifecycle = Arc::new(FakeApi::default());
         let (client, handle) = mock::client();
         let finalized = cr_json(&[FINALIZER], 1, spec());
         let mut script = vec![Exchange::ok(Method::PATCH, STATUS_PATH, finalized.clone())];
