@@ -15,10 +15,9 @@
 //! - [`engines`]: [`engines::PodHostAgent`], the node agent's client plus the engine Pods the
 //!   operator creates and deletes (`--engine-runtime pod`);
 //! - [`store`]: the lifecycle's records rebuilt from the CRs (a new leader's state);
-//! - [`objects`]: the management API as the operator serves it: deploys and deletes are the
-//!   `Deployment` objects' business (refused there; `kubectl capyctl` writes the objects);
-//! - [`operator`]: `capyctl-operator`'s assembly: election, management listener, and while
-//!   leading the lifecycle, router and reconciler.
+//! - [`operator`]: `capyctl-operator`'s assembly: election, management listener (which refuses
+//!   deploys and deletes: the `Deployment` objects say what is deployed), and while leading the
+//!   lifecycle, router and reconciler.
 //!
 //! Everything here needs only what the chart's RBAC grants the operator
 //! (`charts/capyctl/templates/rbac.yaml`, checked against a real API server by
@@ -34,7 +33,6 @@ pub mod events;
 pub mod leader;
 #[cfg(test)]
 mod mock;
-pub mod objects;
 pub mod operator;
 pub mod pods;
 pub mod reconcile;

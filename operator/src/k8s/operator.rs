@@ -292,7 +292,33 @@ fn standby_error() -> ApiError {
     }
 }
 
+/// The refusal of a deploy through the operator's management API (see [`SwitchableApi`]).
+pub fn deploy_refused(name: &str) -> ApiError {
+    ApiError::Conflict {
+        detail: format!(
+            "on Kubernetes the Deployment objects say what is deployed: apply a Deployment object named {name} (kubectl apply, or kubectl capyctl deploy model --file F, which writes it)"
+        ),
+    }
+}
+
+/// The refusal of a delete through the operator's management API (see [`SwitchableApi`]).
+pub fn delete_refused(name_or_id: &str) -> ApiError {
+    ApiError::Conflict {
+        detail: format!(
+            "on Kubernetes the Deployment objects say what is deployed: delete the Deployment object of {name_or_id} (kubectl delete cdeploy NAME, or kubectl capyctl delete deployment NAME); its finalizer stops the engines"
+        ),
+    }
+}
+
 /// The management API of a replica: the lifecycle's while it leads, a standby's otherwise.
+///
+/// On Kubernetes the `Deployment` objects say what is deployed, so deploys and deletes are
+/// refused here ([`deploy_refused`], [`delete_refused`]): nothing may be deployed that no
+/// object records (it would be lost at the next failover, and an engine Pod needs its object
+/// as owner), nor deleted while an object still asks for it (the reconciler would deploy it
+/// again). `kubectl capyctl deploy model` and `delete deployment` write the objects
+/// themselves, with the user's own rights (`capyctl/src/cluster.rs`); the reconciler calls the
+/// lifecycle directly.
 ///
 /// Readiness (`/readyz`, which decides the Services' endpoints) follows the leadership: the
 /// leader is ready once its lifecycle is; a standby only when it may be ready at all (the
@@ -357,8 +383,7 @@ impl ManagementApi for SwitchableApi {
     }
 
     fn deploy(&self, doc: DeploymentDoc) -> BoxFuture<'_, Result<DeployReceipt, ApiError>> {
-        let api = self.current();
-        Box::pin(async move { api.ok_or_else(standby_error)?.deploy(doc).await })
+        Box::pin(async move { Err(deploy_refused(&doc.name)) })
     }
 
     fn get<'a>(&'a self, name_or_id: &'a str) -> BoxFuture<'a, Result<DeploymentView, ApiError>> {
@@ -371,7 +396,11 @@ impl ManagementApi for SwitchableApi {
         name_or_id: &'a str,
     ) -> BoxFuture<'a, Result<DeploymentView, ApiError>> {
         let api = self.current();
-        Box::pin(async move { api.ok_or_else(standby_error)?.delete(name_or_id).await })
+        Box::pin(async move {
+            // An unknown name is still 404, as everywhere.
+            api.ok_or_else(standby_error)?.get(name_or_id).await?;
+            Err(delete_refused(name_or_id))
+        })
     }
 
     fn start<'a>(
@@ -749,7 +778,7 @@ pub async fn lead(
         }));
     }
     api.set(Some(Arc::new(ObservedApi::new(
-        Arc::new(super::objects::ObjectsOwnDeployments::new(server.clone())),
+        server.clone(),
         views.clone(),
         feed.clone(),
     ))));
@@ -939,6 +968,53 @@ mod tests {
         assert!(err.message().contains("standby"), "{}", err.message());
         assert!(api.list().await.deployments.is_empty());
         assert!(!SwitchableApi::new(false).ready());
+    }
+
+    #[tokio::test]
+    async fn deploys_and_deletes_are_refused_naming_the_objects_and_nothing_reaches_the_lifecycle()
+    {
+        let doc = capyctl_crds::documents::parse_deployment_str(
+            "t.yaml",
+            "name: chat-a\nengine: vllm\nmodel: m\n",
+        )
+        .unwrap();
+        let lifecycle = Arc::new(FakeApi::default());
+        lifecycle
+            .deps
+            .lock()
+            .unwrap()
+            .insert("chat-a".into(), mock::view_of(&doc, 1));
+        let api = SwitchableApi::new(false);
+        api.set(Some(lifecycle.clone()));
+
+        let e = api.deploy(doc).await.unwrap_err();
+        assert_eq!(e.status(), 409);
+        assert_eq!(e.code(), "conflict");
+        assert!(
+            e.message()
+                .contains("apply a Deployment object named chat-a"),
+            "{}",
+            e.message()
+        );
+
+        let e = api.delete("chat-a").await.unwrap_err();
+        assert_eq!(e.code(), "conflict");
+        assert!(
+            e.message()
+                .contains("delete the Deployment object of chat-a"),
+            "{}",
+            e.message()
+        );
+        // An unknown name is 404, not a conflict.
+        let e = api.delete("nope").await.unwrap_err();
+        assert_eq!(e.code(), "not_found");
+        // Nothing reached the lifecycle.
+        assert!(lifecycle.calls().is_empty());
+
+        // Everything else goes through.
+        assert_eq!(api.list().await.deployments[0].name, "chat-a");
+        assert_eq!(api.get("chat-a").await.unwrap().name, "chat-a");
+        assert!(api.ready());
     }
 
     #[test]
