@@ -379,11 +379,20 @@ async fn run_inner(
     Ok(())
 }
 
-/// The `capyctl-node-agent` binary: parses [`Args`], logs to stderr (`RUST_LOG`, default
-/// `info`), runs [`run`] on a multi-threaded runtime; a failure is one line on stderr and a
-/// non-zero exit.
+/// The `capyctl-node-agent` binary: parses [`Args`] and runs [`run`] (see [`run_binary`]).
 pub fn main() -> ExitCode {
     let args = Args::parse();
+    run_binary("capyctl-node-agent", || run(args))
+}
+
+/// A CapyCTL server binary's `main` after its arguments are parsed: logs to stderr
+/// (`RUST_LOG`, default `info`), runs `work` on a multi-threaded runtime; a failure is one
+/// line on stderr, `<program>: <error>`, and a non-zero exit.
+pub fn run_binary<F, E>(program: &str, work: impl FnOnce() -> F) -> ExitCode
+where
+    F: std::future::Future<Output = Result<(), E>>,
+    E: std::fmt::Display,
+{
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -397,14 +406,14 @@ pub fn main() -> ExitCode {
     {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("capyctl-node-agent: cannot start the runtime: {e}");
+            eprintln!("{program}: cannot start the runtime: {e}");
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(args)) {
+    match runtime.block_on(work()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("capyctl-node-agent: {e}");
+            eprintln!("{program}: {e}");
             ExitCode::FAILURE
         }
     }

@@ -127,28 +127,5 @@ async fn main_async(cli: Cli) -> Result<(), String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("capyctl-operator: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match runtime.block_on(main_async(cli)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(line) => {
-            eprintln!("capyctl-operator: {line}");
-            ExitCode::FAILURE
-        }
-    }
+    capyctl_node_agent::cli::run_binary("capyctl-operator", || main_async(cli))
 }
