@@ -91,16 +91,7 @@ async fn start_without_evict_waits_for_memory_and_with_evict_names_victims() {
     let h = Harness::new(&dir, Opts::default()).await;
     h.server.deploy(doc("chat-a", "")).await.unwrap();
     let b = h.server.deploy(doc("chat-b", "")).await.unwrap().deployment;
-    h.server
-        .start(
-            "chat-a",
-            StartRequest {
-                evict: false,
-                wait: true,
-            },
-        )
-        .await
-        .unwrap();
+    h.start("chat-a", false, true).await.unwrap();
 
     // Without --evict: nothing is parked; the start waits for memory.
     let r = h
@@ -130,17 +121,7 @@ async fn start_without_evict_waits_for_memory_and_with_evict_names_victims() {
     );
 
     // With --evict: chat-b is parked to make room, and the receipt says so.
-    let r = h
-        .server
-        .start(
-            "chat-a",
-            StartRequest {
-                evict: true,
-                wait: true,
-            },
-        )
-        .await
-        .unwrap();
+    let r = h.start("chat-a", true, true).await.unwrap();
     assert_eq!(r.deployment.state, InstanceState::Ready);
     assert!(r.switch_id.is_some());
     assert_eq!(r.victims.len(), 1);
@@ -183,16 +164,7 @@ async fn explicit_models_are_refused_by_requests_and_never_victims() {
         InstanceState::Stopped
     );
 
-    h.server
-        .start(
-            "chat-c",
-            StartRequest {
-                evict: false,
-                wait: true,
-            },
-        )
-        .await
-        .unwrap();
+    h.start("chat-c", false, true).await.unwrap();
     assert_eq!(h.chat("chat-c").await.0, 200);
 
     // chat-a needs the memory chat-c holds: refused for capacity, chat-c keeps serving.
@@ -202,17 +174,7 @@ async fn explicit_models_are_refused_by_requests_and_never_victims() {
         (409, Some("does_not_fit")),
         "{body}"
     );
-    let err = h
-        .server
-        .start(
-            "chat-a",
-            StartRequest {
-                evict: true,
-                wait: true,
-            },
-        )
-        .await
-        .unwrap_err();
+    let err = h.start("chat-a", true, true).await.unwrap_err();
     assert_eq!(err.code(), "does_not_fit");
     assert_eq!(
         h.server.get("chat-c").await.unwrap().state,
@@ -244,16 +206,7 @@ async fn a_request_waits_for_an_explicit_model_the_operator_is_parking() {
     .unwrap();
     h.server.deploy(slow).await.unwrap();
     h.server.deploy(doc("chat-a", "")).await.unwrap();
-    h.server
-        .start(
-            "chat-c",
-            StartRequest {
-                evict: false,
-                wait: true,
-            },
-        )
-        .await
-        .unwrap();
+    h.start("chat-c", false, true).await.unwrap();
     let (status, body) = h.chat("chat-a").await;
     assert_eq!((status, body["code"].as_str()), (409, Some("does_not_fit")));
 
@@ -307,16 +260,7 @@ async fn an_operator_stop_refuses_requests_a_pressure_stop_does_not() {
             a.id
         )
     );
-    h.server
-        .start(
-            "chat-a",
-            StartRequest {
-                evict: true,
-                wait: true,
-            },
-        )
-        .await
-        .unwrap();
+    h.start("chat-a", true, true).await.unwrap();
     assert_eq!(h.chat("chat-a").await.0, 200);
     h.shutdown().await;
 }
@@ -572,16 +516,7 @@ async fn an_explicit_model_whose_engine_exited_waits_for_a_start() {
         .await
         .unwrap()
         .deployment;
-    h.server
-        .start(
-            "chat-x",
-            StartRequest {
-                evict: false,
-                wait: true,
-            },
-        )
-        .await
-        .unwrap();
+    h.start("chat-x", false, true).await.unwrap();
     assert_eq!(h.chat("chat-x").await.0, 200);
     let port = h.server.get("chat-x").await.unwrap().instances[0]
         .port
@@ -603,16 +538,7 @@ async fn an_explicit_model_whose_engine_exited_waits_for_a_start() {
     assert_eq!(v.state, InstanceState::Failed);
     assert_eq!(v.instances[0].generation, 1, "not restarted by the request");
     // Started again on command: a fresh generation that serves.
-    h.server
-        .start(
-            &x.id,
-            StartRequest {
-                evict: false,
-                wait: true,
-            },
-        )
-        .await
-        .unwrap();
+    h.start(&x.id, false, true).await.unwrap();
     assert_eq!(h.chat("chat-x").await.0, 200);
     assert_eq!(
         h.server.get("chat-x").await.unwrap().instances[0].generation,
@@ -641,17 +567,7 @@ async fn a_warm_model_is_never_a_victim_but_requests_start_and_wake_it() {
         (409, Some("does_not_fit")),
         "{body}"
     );
-    let err = h
-        .server
-        .start(
-            "chat-b",
-            StartRequest {
-                evict: true,
-                wait: true,
-            },
-        )
-        .await
-        .unwrap_err();
+    let err = h.start("chat-b", true, true).await.unwrap_err();
     assert_eq!(err.code(), "does_not_fit");
     assert_eq!(
         h.server.get("chat-w").await.unwrap().state,
@@ -788,17 +704,7 @@ async fn an_evict_receipt_names_the_parked_copies_stopped_for_room() {
         line.rsplit(' ').next().unwrap().parse().unwrap()
     };
     let before = switches(&h.metrics.encode());
-    let r = h
-        .server
-        .start(
-            "chat-c",
-            StartRequest {
-                evict: true,
-                wait: true,
-            },
-        )
-        .await
-        .unwrap();
+    let r = h.start("chat-c", true, true).await.unwrap();
     assert_eq!(r.deployment.state, InstanceState::Ready);
     // Counted as a switch, and the stopped copy as a park that stopped for want of room.
     let text = h.metrics.encode();
@@ -904,17 +810,7 @@ async fn parked_engines_hold_gpu_memory_and_placement_counts_it() {
     );
     // e (9.6 GiB) under --evict: parking d would leave its residue and c's in the way (9.5
     // free); only stopping d, and c's parked engine, makes room. The receipt names both.
-    let r = h
-        .server
-        .start(
-            "e",
-            StartRequest {
-                evict: true,
-                wait: true,
-            },
-        )
-        .await
-        .unwrap();
+    let r = h.start("e", true, true).await.unwrap();
     assert_eq!(r.deployment.state, InstanceState::Ready);
     let got: Vec<(&str, Released)> = r
         .victims
@@ -966,16 +862,7 @@ async fn parked_copies_make_room_except_explicit_ones() {
     );
     // An explicit parked copy is never stopped for room: the park is refused, chat-a serves.
     h.server.stop("chat-b").await.unwrap();
-    h.server
-        .start(
-            "chat-c",
-            StartRequest {
-                evict: false,
-                wait: true,
-            },
-        )
-        .await
-        .unwrap();
+    h.start("chat-c", false, true).await.unwrap();
     h.server.park("chat-c").await.unwrap();
     state_becomes(&h, "chat-c", InstanceState::Parked).await;
     assert_eq!(h.chat("chat-a").await.0, 200);

@@ -8,7 +8,6 @@
 mod support;
 
 use capyctl_crds::InstanceState;
-use capyctl_crds::api::StartRequest;
 use capyctl_node_agent::HostAgent;
 use capyctl_operator::api::ManagementApi;
 use capyctl_operator::lifecycle::HostEntry;
@@ -83,17 +82,7 @@ async fn placement_spreads_models_over_hosts_and_switches_where_the_room_is() {
     assert_eq!(load.deployments[0].instances[0].host_id, "gpu-a");
 
     // An operator start --evict of chat-c (bound to gpu-b, parked) names its victim there.
-    let r = h
-        .server
-        .start(
-            "chat-c",
-            StartRequest {
-                evict: true,
-                wait: true,
-            },
-        )
-        .await
-        .unwrap();
+    let r = h.start("chat-c", true, true).await.unwrap();
     assert_eq!(r.victims.len(), 1, "{:?}", r.victims);
     assert_eq!(r.victims[0].name, "chat-b");
     assert_eq!(host_of(&h, "chat-c").await, "gpu-b");

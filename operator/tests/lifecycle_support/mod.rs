@@ -264,6 +264,18 @@ impl Harness {
         let _ = std::fs::remove_dir_all(dir);
     }
 
+    /// An operator start (`capyctl start deployment NAME [--evict] [--wait]`).
+    pub async fn start(
+        &self,
+        name: &str,
+        evict: bool,
+        wait: bool,
+    ) -> Result<capyctl_crds::api::ActionReceipt, capyctl_crds::errors::ApiError> {
+        use capyctl_operator::api::ManagementApi;
+        let request = capyctl_crds::api::StartRequest { evict, wait };
+        self.server.start(name, request).await
+    }
+
     pub async fn chat(&self, model: &str) -> (u16, serde_json::Value) {
         post_json(
             self.addr,
