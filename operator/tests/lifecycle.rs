@@ -473,9 +473,11 @@ async fn the_load_read_has_router_and_sample_halves() {
     let h = Harness::new(&dir, Opts::default()).await;
     let a = h.server.deploy(doc("chat-a", "")).await.unwrap().deployment;
     assert_eq!(h.chat("chat-a").await.0, 200);
+    // A sample taken after the request ended (one taken while it ran says running 1).
     let mut report = h.server.load(Some(&a.id)).await.unwrap();
     for _ in 0..50 {
-        if report.deployments[0].instances[0].sample.is_some() {
+        let sample = report.deployments[0].instances[0].sample.as_ref();
+        if sample.is_some_and(|s| s.engine.is_some_and(|e| e.running == 0)) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
