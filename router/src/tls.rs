@@ -108,6 +108,23 @@ pub fn server_config(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, TlsEr
     Ok(Arc::new(config))
 }
 
+/// The server side of a TLS handshake on `tcp`, bounded by [`HANDSHAKE_TIMEOUT`]; `None` (and a
+/// debug line) when it fails or takes too long.
+pub async fn handshake(acceptor: &TlsAcceptor, tcp: TcpStream) -> Option<TlsStream<TcpStream>> {
+    let peer = tcp.peer_addr().ok();
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+        Ok(Ok(tls)) => Some(tls),
+        Ok(Err(err)) => {
+            tracing::debug!(?peer, error = %err, "TLS handshake failed");
+            None
+        }
+        Err(_) => {
+            tracing::debug!(?peer, "TLS handshake timed out");
+            None
+        }
+    }
+}
+
 /// TLS connections of a TCP listener, handshakes done. Dropping it stops accepting.
 #[derive(Debug)]
 pub struct TlsIncoming {
@@ -147,14 +164,8 @@ impl TlsIncoming {
                 prepare(&tcp);
                 let (acceptor, tx) = (acceptor.clone(), tx.clone());
                 tokio::spawn(async move {
-                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                        Ok(Ok(tls)) => {
-                            let _ = tx.send((tls, peer)).await;
-                        }
-                        Ok(Err(err)) => {
-                            tracing::debug!(%peer, error = %err, "TLS handshake failed");
-                        }
-                        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                    if let Some(tls) = handshake(&acceptor, tcp).await {
+                        let _ = tx.send((tls, peer)).await;
                     }
                 });
             }

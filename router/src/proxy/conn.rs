@@ -415,11 +415,9 @@ async fn serve_tls<A: Admission>(
     proxy: Proxy<A>,
     stop: StopWatch,
 ) {
-    let handshake = tokio_rustls::TlsAcceptor::from(tls).accept(stream);
-    match tokio::time::timeout(crate::tls::HANDSHAKE_TIMEOUT, handshake).await {
-        Ok(Ok(stream)) => serve_stream(stream, proxy, stop).await,
-        Ok(Err(err)) => tracing::debug!(error = %err, "TLS handshake failed"),
-        Err(_) => tracing::debug!("TLS handshake timed out"),
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    if let Some(stream) = crate::tls::handshake(&acceptor, stream).await {
+        serve_stream(stream, proxy, stop).await;
     }
 }
 
