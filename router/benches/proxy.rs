@@ -4,6 +4,7 @@
 //! cargo bench -p capyctl-router --bench proxy                 # ~40 s: 1 and 32 clients
 //! cargo bench -p capyctl-router --bench proxy -- --help       # the options
 //! cargo bench -p capyctl-router --bench proxy -- --memory     # router RSS, 4096 requests waiting
+//! cargo bench -p capyctl-router --bench proxy -- --nginx /usr/sbin/nginx  # nginx as a third side
 //! cargo bench -p capyctl-router --bench proxy -- --seconds 2 --rounds 5 --admission trivial
 //! ```
 //!
@@ -66,6 +67,9 @@ usage: cargo bench -p capyctl-router --bench proxy -- [options]
                            router's default, one per CPU; 0: on the router's runtime)
   --sim-threads N          the engine's worker threads (default 2)
   --load-threads N         the load generator's worker threads (default 0: one current-thread runtime)
+  --nginx PATH             also nginx (the binary at PATH, e.g. /usr/sbin/nginx) as a plain reverse
+                           proxy with keep-alive to the same engine, as a third side of every case:
+                           the reference measured in the same run
   --profile N              only N requests through the router (first --clients value, --stream for
                            streamed) and the router's CPU per request; for callgrind
   --stream                 for --profile
@@ -100,6 +104,8 @@ struct Args {
     profile: Option<usize>,
     stream: bool,
     upstream: String,
+    /// `--nginx PATH`: also run nginx as a plain reverse proxy, as a third side.
+    nginx: Option<String>,
     /// `--memory-clients ADDR N`: the client side of `--memory` (a child process).
     memory_clients: Option<(SocketAddr, usize)>,
 }
@@ -120,6 +126,7 @@ fn args() -> Args {
         profile: None,
         stream: false,
         upstream: "both".to_string(),
+        nginx: None,
         memory_clients: None,
     };
     let mut it = std::env::args().skip(1);
@@ -153,6 +160,7 @@ fn args() -> Args {
             "--load-threads" => args.load_threads = number(&mut it, 0),
             "--profile" => args.profile = Some(number(&mut it, 1000)),
             "--stream" => args.stream = true,
+            "--nginx" => args.nginx = it.next(),
             "--waiting" => args.waiting = number(&mut it, 4096),
             "--memory-clients" => {
                 let addr = it.next().and_then(|v| v.parse().ok());
@@ -801,10 +809,11 @@ struct Figures {
     p50_ms: f64,
     p99_ms: f64,
     tokens_per_s: f64,
-    /// CPU time (user and kernel) of the router's threads per request, in microseconds.
-    router_cpu_us: f64,
-    /// Context switches of the router's threads per request.
-    router_switches: f64,
+    /// CPU time (user and kernel) of the proxy's threads (the router's, or nginx's processes)
+    /// per request, in microseconds.
+    proxy_cpu_us: f64,
+    /// Context switches of the proxy's threads per request.
+    proxy_switches: f64,
     /// CPU time of the engine's threads per request, in microseconds.
     engine_cpu_us: f64,
 }
@@ -879,10 +888,10 @@ enum Stop {
 }
 
 /// Runs `case` on `senders` until `stop`; the senders come back for the next round.
-async fn segment(senders: &mut Vec<Sender>, case: Case, stop: Stop) -> Figures {
+async fn segment(senders: &mut Vec<Sender>, case: Case, stop: Stop, meter: &Meter) -> Figures {
     let body = body(MODEL, case.stream);
-    let router_before = threads_cpu(ROUTER_THREADS);
-    let engine_before = threads_cpu(&["engine-sim"]);
+    let proxy_before = meter.read();
+    let engine_before = Meter::Threads(&["engine-sim"]).read();
     let done = Arc::new(AtomicBool::new(false));
     let clients = senders.len();
     let start = Instant::now();
@@ -921,8 +930,8 @@ async fn segment(senders: &mut Vec<Sender>, case: Case, stop: Stop) -> Figures {
         tokens += t;
     }
     let elapsed = start.elapsed().as_secs_f64();
-    let router = threads_cpu(ROUTER_THREADS).since(router_before);
-    let engine = threads_cpu(&["engine-sim"]).since(engine_before);
+    let proxy = meter.read().since(proxy_before);
+    let engine = Meter::Threads(&["engine-sim"]).read().since(engine_before);
     latencies.sort_unstable();
     let at = |q: f64| {
         let i = ((latencies.len() as f64 - 1.0) * q).round() as usize;
@@ -938,8 +947,8 @@ async fn segment(senders: &mut Vec<Sender>, case: Case, stop: Stop) -> Figures {
         } else {
             0.0
         },
-        router_cpu_us: router.cpu_ns as f64 / 1000.0 / n,
-        router_switches: router.switches as f64 / n,
+        proxy_cpu_us: proxy.cpu_ns as f64 / 1000.0 / n,
+        proxy_switches: proxy.switches as f64 / n,
         engine_cpu_us: engine.cpu_ns as f64 / 1000.0 / n,
     }
 }
@@ -995,18 +1004,70 @@ impl Cpu {
     }
 }
 
+/// Whose CPU time a segment counts as the proxy's.
+enum Meter {
+    /// Nobody's (a direct connection).
+    Nothing,
+    /// This process's threads whose name begins with one of these (the router).
+    Threads(&'static [&'static str]),
+    /// Every thread of this process and of its children (nginx's master and workers).
+    Process(u32),
+}
+
+impl Meter {
+    fn read(&self) -> Cpu {
+        match self {
+            Meter::Nothing => Cpu::default(),
+            Meter::Threads(prefixes) => tasks_cpu("/proc/self".as_ref(), |comm| {
+                prefixes.iter().any(|p| comm.starts_with(p))
+            }),
+            Meter::Process(pid) => {
+                let mut total = Cpu::default();
+                for pid in std::iter::once(*pid).chain(children(*pid)) {
+                    let one = tasks_cpu(format!("/proc/{pid}").as_ref(), |_| true);
+                    total.cpu_ns += one.cpu_ns;
+                    total.switches += one.switches;
+                }
+                total
+            }
+        }
+    }
+}
+
+/// The processes whose parent is `pid` (from every `/proc/N/stat`).
+fn children(pid: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|child| {
+            // `pid (comm) state ppid ...`; comm may hold spaces, so split after the last `)`.
+            std::fs::read_to_string(format!("/proc/{child}/stat"))
+                .ok()
+                .and_then(|stat| {
+                    let rest = &stat[stat.rfind(')')? + 1..];
+                    rest.split_whitespace().nth(1)?.parse::<u32>().ok()
+                })
+                == Some(pid)
+        })
+        .collect()
+}
+
 /// The CPU time (`schedstat`: nanoseconds on a CPU, user and kernel) and the context switches
-/// of this process's threads whose name begins with one of `prefixes`. Threads that ended
-/// meanwhile are not counted (the runtimes' threads live as long as the process).
-fn threads_cpu(prefixes: &[&str]) -> Cpu {
+/// of a process's threads (`<process>/task/*`) whose name `keep` accepts. Threads that ended
+/// meanwhile are not counted (the runtimes' threads and nginx's workers live as long as the
+/// run).
+fn tasks_cpu(process: &std::path::Path, keep: impl Fn(&str) -> bool) -> Cpu {
     let mut total = Cpu::default();
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+    let Ok(tasks) = std::fs::read_dir(process.join("task")) else {
         return total;
     };
     for task in tasks.flatten() {
         let path = task.path();
         let comm = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
-        if !prefixes.iter().any(|p| comm.starts_with(p)) {
+        if !keep(&comm) {
             continue;
         }
         let schedstat = std::fs::read_to_string(path.join("schedstat")).unwrap_or_default();
@@ -1037,8 +1098,8 @@ fn medians(runs: &[Figures]) -> Figures {
         p50_ms: m(|f| f.p50_ms),
         p99_ms: m(|f| f.p99_ms),
         tokens_per_s: m(|f| f.tokens_per_s),
-        router_cpu_us: m(|f| f.router_cpu_us),
-        router_switches: m(|f| f.router_switches),
+        proxy_cpu_us: m(|f| f.proxy_cpu_us),
+        proxy_switches: m(|f| f.proxy_switches),
         engine_cpu_us: m(|f| f.engine_cpu_us),
     }
 }
@@ -1118,7 +1179,13 @@ fn main() {
         };
         let f = run(&load_rt, async move {
             let mut senders = open_clients(router, case).await;
-            segment(&mut senders, case, Stop::Requests(n)).await
+            segment(
+                &mut senders,
+                case,
+                Stop::Requests(n),
+                &Meter::Threads(ROUTER_THREADS),
+            )
+            .await
         });
         println!(
             "profile: {n} requests through the router, {} client(s), {}: {:.0} req/s, router {:.1} µs CPU and {:.2} context switches per request, engine {:.1} µs",
@@ -1129,8 +1196,8 @@ fn main() {
                 "not streamed"
             },
             f.rps,
-            f.router_cpu_us,
-            f.router_switches,
+            f.proxy_cpu_us,
+            f.proxy_switches,
             f.engine_cpu_us,
         );
         return;
@@ -1151,55 +1218,78 @@ fn main() {
                 cases.push(Case { clients, stream });
             }
         }
+        let mut sides = vec![
+            Side {
+                name: "direct",
+                addr: upstream,
+                meter: Meter::Nothing,
+            },
+            Side {
+                name: "router",
+                addr: router,
+                meter: Meter::Threads(ROUTER_THREADS),
+            },
+        ];
+        let nginx = args.nginx.as_deref().map(|b| Nginx::start(b, upstream));
+        if let Some(nginx) = &nginx {
+            sides.push(Side {
+                name: "nginx",
+                addr: nginx.addr,
+                meter: Meter::Process(nginx.child.id()),
+            });
+        }
         let rounds = args.rounds;
         let seconds = args.seconds;
-        run(&load_rt, compare(upstream, router, cases, rounds, seconds));
+        run(&load_rt, compare(sides, cases, rounds, seconds));
+        drop(nginx);
     }
 }
 
-/// Alternates direct and routed segments of every case and prints the medians.
-async fn compare(
-    direct_addr: SocketAddr,
-    router: SocketAddr,
-    cases: Vec<Case>,
-    rounds: usize,
-    seconds: f64,
-) {
+/// One way to the engine: directly, through the router, or through nginx.
+struct Side {
+    name: &'static str,
+    addr: SocketAddr,
+    meter: Meter,
+}
+
+/// Alternates the sides' segments of every case (the first side is the direct one; which side
+/// goes first rotates from round to round) and prints the medians.
+async fn compare(sides: Vec<Side>, cases: Vec<Case>, rounds: usize, seconds: f64) {
     let length = Stop::After(Duration::from_secs_f64(seconds));
     for case in cases {
-        let mut direct_clients = open_clients(direct_addr, case).await;
-        let mut routed_clients = open_clients(router, case).await;
-        let mut direct = Vec::new();
-        let mut routed = Vec::new();
+        let mut clients = Vec::new();
+        for side in &sides {
+            clients.push(open_clients(side.addr, case).await);
+        }
+        let mut runs: Vec<Vec<Figures>> = sides.iter().map(|_| Vec::new()).collect();
         for round in 0..rounds {
-            // Alternate which side goes first.
-            if round % 2 == 0 {
-                direct.push(segment(&mut direct_clients, case, length).await);
-                routed.push(segment(&mut routed_clients, case, length).await);
-            } else {
-                routed.push(segment(&mut routed_clients, case, length).await);
-                direct.push(segment(&mut direct_clients, case, length).await);
+            for k in 0..sides.len() {
+                let i = (round + k) % sides.len();
+                let f = segment(&mut clients[i], case, length, &sides[i].meter).await;
+                runs[i].push(f);
             }
         }
-        // One client: also request by request, a direct one and a routed one in turn, so that
+        // One client: also request by request, a direct one and a proxied one in turn, so that
         // what the machine's other work does to both is the same; the median of the per-pair
-        // differences is what the router adds.
-        let mut pairs = Vec::new();
+        // differences is what the proxy adds.
+        let mut pairs: Vec<Vec<(f64, f64)>> = sides.iter().map(|_| Vec::new()).collect();
         if case.clients == 1 {
+            let (direct, proxied) = clients.split_at_mut(1);
             for _ in 0..rounds {
-                pairs.push(
-                    paired(
-                        &mut direct_clients[0],
-                        &mut routed_clients[0],
-                        case,
-                        Duration::from_secs_f64(seconds),
-                    )
-                    .await,
-                );
+                for (i, proxied) in proxied.iter_mut().enumerate() {
+                    pairs[i + 1].push(
+                        paired(
+                            &mut direct[0][0],
+                            &mut proxied[0],
+                            case,
+                            Duration::from_secs_f64(seconds),
+                        )
+                        .await,
+                    );
+                }
             }
         }
-        let d = medians(&direct);
-        let r = medians(&routed);
+        let figures: Vec<Figures> = runs.iter().map(|r| medians(r)).collect();
         println!(
             "{} client(s), {}:",
             case.clients,
@@ -1209,34 +1299,145 @@ async fn compare(
                 "not streamed"
             }
         );
-        print_row("direct", &d);
-        print_row("router", &r);
-        let tokens = if case.stream {
-            format!("   tok/s ratio {:.3}", r.tokens_per_s / d.tokens_per_s)
-        } else {
-            String::new()
-        };
-        println!(
-            "    router/direct: req/s {:.3}   added p50 {:.3} ms   added p99 {:.3} ms{tokens}",
-            r.rps / d.rps,
-            r.p50_ms - d.p50_ms,
-            r.p99_ms - d.p99_ms
-        );
-        println!(
-            "    CPU per request: router {:.1} µs ({:.2} context switches), engine {:.1} µs direct / {:.1} µs routed",
-            r.router_cpu_us, r.router_switches, d.engine_cpu_us, r.engine_cpu_us
-        );
-        if !pairs.is_empty() {
-            let added: Vec<f64> = pairs.iter().map(|p| p.0).collect();
-            let p50s: Vec<f64> = pairs.iter().map(|p| p.1).collect();
-            println!(
-                "    paired, request by request: added {:.3} ms (median of per-pair differences; rounds {:.3}–{:.3}), added p50 {:.3} ms",
-                median(added.clone()),
-                added.iter().copied().fold(f64::INFINITY, f64::min),
-                added.iter().copied().fold(f64::NEG_INFINITY, f64::max),
-                median(p50s),
-            );
+        for (side, f) in sides.iter().zip(&figures) {
+            print_row(side.name, f);
         }
+        let d = &figures[0];
+        for (i, side) in sides.iter().enumerate().skip(1) {
+            let r = &figures[i];
+            let name = side.name;
+            let tokens = if case.stream {
+                format!("   tok/s ratio {:.3}", r.tokens_per_s / d.tokens_per_s)
+            } else {
+                String::new()
+            };
+            println!(
+                "    {name}/direct: req/s {:.3}   added p50 {:.3} ms   added p99 {:.3} ms{tokens}",
+                r.rps / d.rps,
+                r.p50_ms - d.p50_ms,
+                r.p99_ms - d.p99_ms
+            );
+            println!(
+                "    CPU per request: {name} {:.1} µs ({:.2} context switches), engine {:.1} µs direct / {:.1} µs through {name}",
+                r.proxy_cpu_us, r.proxy_switches, d.engine_cpu_us, r.engine_cpu_us
+            );
+            if !pairs[i].is_empty() {
+                let added: Vec<f64> = pairs[i].iter().map(|p| p.0).collect();
+                let p50s: Vec<f64> = pairs[i].iter().map(|p| p.1).collect();
+                println!(
+                    "    {name}, paired request by request: added {:.3} ms (median of per-pair differences; rounds {:.3}–{:.3}), added p50 {:.3} ms",
+                    median(added.clone()),
+                    added.iter().copied().fold(f64::INFINITY, f64::min),
+                    added.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+                    median(p50s),
+                );
+            }
+        }
+        if sides.len() > 2 {
+            let r = &figures[1];
+            for (side, n) in sides.iter().zip(&figures).skip(2) {
+                println!(
+                    "    router/{}: req/s {:.3}   router CPU per request / {}'s {:.2}",
+                    side.name,
+                    r.rps / n.rps,
+                    side.name,
+                    r.proxy_cpu_us / n.proxy_cpu_us
+                );
+            }
+        }
+    }
+}
+
+/// nginx as a plain reverse proxy in front of `upstream` (HTTP/1.1 with keep-alive to it,
+/// unbuffered so that streams pass as they come, no access log, connections not closed after
+/// nginx's default 1000 requests), stopped when dropped.
+struct Nginx {
+    binary: String,
+    child: std::process::Child,
+    addr: SocketAddr,
+    dir: std::path::PathBuf,
+}
+
+impl Nginx {
+    fn start(binary: &str, upstream: SocketAddr) -> Nginx {
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let dir = std::env::temp_dir().join(format!("capyctl-bench-nginx-{}", addr.port()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let d = dir.display();
+        let conf = format!(
+            "worker_processes auto;\n\
+             error_log {d}/error.log warn;\n\
+             pid {d}/nginx.pid;\n\
+             events {{ worker_connections 4096; }}\n\
+             http {{\n\
+               access_log off;\n\
+               keepalive_requests 100000000;\n\
+               keepalive_timeout 600s;\n\
+               client_body_temp_path {d}/body;\n\
+               proxy_temp_path {d}/proxy;\n\
+               fastcgi_temp_path {d}/fastcgi;\n\
+               uwsgi_temp_path {d}/uwsgi;\n\
+               scgi_temp_path {d}/scgi;\n\
+               upstream engine {{ server {upstream}; keepalive 64; keepalive_requests 100000000; keepalive_timeout 600s; }}\n\
+               server {{\n\
+                 listen {addr};\n\
+                 location / {{\n\
+                   proxy_pass http://engine;\n\
+                   proxy_http_version 1.1;\n\
+                   proxy_set_header Connection \"\";\n\
+                   proxy_buffering off;\n\
+                 }}\n\
+               }}\n\
+             }}\n"
+        );
+        let conf_path = dir.join("nginx.conf");
+        std::fs::write(&conf_path, conf).unwrap();
+        let child = std::process::Command::new(binary)
+            .arg("-p")
+            .arg(&dir)
+            .arg("-c")
+            .arg(&conf_path)
+            .args(["-g", "daemon off;"])
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run {binary}: {e}"));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(addr).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "nginx did not listen on {addr} within 10 s (see {d}/error.log)"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Nginx {
+            binary: binary.to_string(),
+            child,
+            addr,
+            dir,
+        }
+    }
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        // `-s stop` (SIGTERM to the master) takes the workers down too; a SIGKILL would not.
+        let stopped = std::process::Command::new(&self.binary)
+            .arg("-p")
+            .arg(&self.dir)
+            .arg("-c")
+            .arg(self.dir.join("nginx.conf"))
+            .args(["-s", "stop"])
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !stopped {
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
