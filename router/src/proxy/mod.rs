@@ -45,7 +45,7 @@ use capyctl_crds::errors::ApiError;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri};
 use http_body::Body;
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use serde::Serialize;
 use tokio::time::Instant;
 
@@ -337,7 +337,7 @@ impl<A: Admission> Proxy<A> {
         parts.headers.remove(header::EXPECT);
         parts.uri = uri;
         parts.version = http::Version::HTTP_11;
-        let forward = Request::from_parts(parts, Full::new(body));
+        let forward = Request::from_parts(parts, body);
 
         // Boxed: this future is large and lives only from here on, so the request's future
         // stays small while it waits for its admission (4096 may wait).

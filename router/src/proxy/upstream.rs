@@ -1,18 +1,31 @@
 //! The router's own connections to the engines: HTTP/1.1 keep-alive connections per upstream
-//! address, reused last-in first-out, each driven by the task that uses it.
+//! address, reused last-in first-out, each read and written by the task that uses it, with a
+//! client-side HTTP/1.1 codec of its own ([`Conn`], [`UpstreamBody`]).
 //!
-//! NB (why not hyper-util's pooled client): that client spawns a task per connection and hands
-//! every request, response head and body frame across it, a task wake-up each (and a thread
-//! hop on a multi-threaded runtime). Here the request's own task polls the connection (the
-//! [`Connection`] future) together with the response: the engine's socket wakes the task that
-//! forwards to the client, and nothing else runs.
+//! NB (why not hyper's client): hyper's client connection hands every request, response head
+//! and body frame across channels between the sending half and the connection future (a
+//! dispatch queue, a callback, a body channel), and builds and parses in general form what is
+//! here one known shape: a buffered POST out, a response head and a body with a length, chunked
+//! or until close. By callgrind's count that was about 14.5K of the 45K user-space
+//! instructions the listener spent per request (32 clients, not streamed); this codec does the
+//! same with a single `writev` and one read buffer per connection (see `router/DESIGN.md`,
+//! "Speed"). The request's own task reads the engine's socket: the engine's answer wakes the
+//! task that forwards it to the client, and nothing else runs.
 //!
-//! - A connection goes back to the pool only when its answer was read to the end; an answer
-//!   given up (client gone, deadline, oversized piece) drops it, which closes the socket: the
-//!   engine sees the disconnect and aborts the request.
-//! - An idle connection is not polled; one the engine closed meanwhile shows it on checkout
-//!   (polling it reads the end of stream) and is dropped. A request refused by a connection
-//!   before it was written (closed just then) is sent again on a fresh one.
+//! - The request goes out with `Host`, the client's end-to-end headers (hop-by-hop ones,
+//!   `Content-Length` and `Transfer-Encoding` never) and its own `Content-Length`; `http`'s
+//!   header types cannot hold CR or LF, so nothing a client sends can split the head.
+//! - The answer's length follows RFC 9112 6.3: none for 1xx (skipped), 204 and 304; chunked
+//!   when `Transfer-Encoding` ends in `chunked` (extensions and trailers read and dropped);
+//!   else `Content-Length` (several must agree); else until the engine closes.
+//! - A connection goes back to the pool only when its answer was read to the end, the engine
+//!   did not ask to close it (`Connection: close`, HTTP/1.0, until-close bodies) and nothing
+//!   follows the answer; an answer given up (client gone, deadline, oversized piece) drops it,
+//!   which closes the socket: the engine sees the disconnect and aborts the request.
+//! - An idle connection is not read; one the engine closed meanwhile shows it on checkout (a
+//!   read that finds the end of stream, or bytes nobody asked for) and is dropped. A request
+//!   that a reused connection refuses while it is written (closed just then) is sent again on a
+//!   fresh one; once written, it is never sent twice.
 //! - At most `max_idle` idle connections per address; idle longer than `idle_timeout` they are
 //!   dropped at the next checkout (and addresses nobody asks for any more on a connect, at most
 //!   once per `idle_timeout`).
@@ -23,79 +36,359 @@
 //!   engine closes it.
 
 use std::collections::HashMap;
-use std::future::{Future, poll_fn};
+use std::future::poll_fn;
+use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::header::{self, HeaderValue};
-use http::{Request, Response};
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Response, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
-use http_body_util::Full;
-use hyper::body::Incoming;
-use hyper::client::conn::http1::{self, Connection, SendRequest};
-use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 /// How long an idle connection is kept: under uvicorn's `timeout_keep_alive` (5 s).
 pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 
+/// The longest response head read from an engine.
+const MAX_HEAD: usize = 64 * 1024;
+/// The most header lines in a response head.
+const MAX_HEADERS: usize = 100;
+/// The longest chunk-size line (size, extensions).
+const MAX_CHUNK_LINE: usize = 4096;
+/// The longest trailer section of a chunked answer.
+const MAX_TRAILERS: usize = 64 * 1024;
+/// What one read asks of the socket at least.
+const READ_SIZE: usize = 16 * 1024;
+
 /// What went wrong reaching an engine.
 pub(crate) type UpstreamError = Box<dyn std::error::Error + Send + Sync>;
 
-type Driver = Connection<TokioIo<TcpStream>, Full<Bytes>>;
+fn invalid(what: impl Into<String>) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, what.into())
+}
 
-/// One connection to an engine: the sending half and the connection future that does the I/O.
+fn closed_early() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::UnexpectedEof,
+        "the engine closed the connection before the end of its answer",
+    )
+}
+
+/// One connection to an engine, with the bytes read from it and not used yet.
 pub(crate) struct Conn {
-    sender: SendRequest<Full<Bytes>>,
-    /// `None` once the connection future ended (closed).
-    driver: Option<Pin<Box<Driver>>>,
+    io: TcpStream,
+    buf: BytesMut,
     addr: SocketAddr,
 }
 
 impl Conn {
-    /// Polls the connection's I/O; false once it is closed.
-    fn drive(&mut self, cx: &mut Context<'_>) -> bool {
-        if let Some(driver) = self.driver.as_mut() {
-            match driver.as_mut().poll(cx) {
-                Poll::Pending => return true,
-                Poll::Ready(result) => {
-                    if let Err(err) = result {
-                        tracing::debug!(error = %err, "engine connection ended");
-                    }
-                    self.driver = None;
+    /// Reads what the socket has into the buffer: the number of bytes (0: end of stream).
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        if self.buf.capacity() - self.buf.len() < READ_SIZE / 4 {
+            self.buf.reserve(READ_SIZE);
+        }
+        loop {
+            ready!(self.io.poll_read_ready(cx))?;
+            match self.io.try_read_buf(&mut self.buf) {
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock => continue,
+                other => return Poll::Ready(other),
+            }
+        }
+    }
+
+    /// Whether an idle connection can take a request: the engine has not closed it and sent
+    /// nothing since its last answer.
+    fn usable(&mut self) -> bool {
+        if !self.buf.is_empty() {
+            return false;
+        }
+        let mut probe = [0u8; 1];
+        matches!(self.io.try_read(&mut probe), Err(err) if err.kind() == io::ErrorKind::WouldBlock)
+    }
+
+    /// Writes the head and the body, with as few `writev`s as the socket allows.
+    async fn write(&mut self, head: &[u8], body: &[u8]) -> io::Result<()> {
+        let (mut head, mut body) = (head, body);
+        while !head.is_empty() || !body.is_empty() {
+            let slices = [io::IoSlice::new(head), io::IoSlice::new(body)];
+            let n = poll_fn(|cx| {
+                ready!(self.io.poll_write_ready(cx))?;
+                match self.io.try_write_vectored(&slices) {
+                    Err(err) if err.kind() == io::ErrorKind::WouldBlock => Poll::Pending,
+                    other => Poll::Ready(other),
+                }
+            })
+            .await;
+            let n = match n {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => n,
+                Err(err) => return Err(err),
+            };
+            let from_head = n.min(head.len());
+            head = &head[from_head..];
+            body = &body[n - from_head..];
+        }
+        Ok(())
+    }
+
+    /// Reads the response head (skipping 1xx answers): its parts, how its body is framed, and
+    /// whether the engine keeps the connection open after it.
+    async fn read_head(&mut self) -> io::Result<(http::response::Parts, Framing, bool)> {
+        loop {
+            let parsed = parse_head(&self.buf)?;
+            let Some((used, parts, framing, keep)) = parsed else {
+                if self.buf.len() >= MAX_HEAD {
+                    return Err(invalid(format!(
+                        "the engine's response head is longer than {MAX_HEAD} bytes"
+                    )));
+                }
+                if poll_fn(|cx| self.poll_fill(cx)).await? == 0 {
+                    return Err(closed_early());
+                }
+                continue;
+            };
+            self.buf.advance(used);
+            if parts.status.is_informational() {
+                continue;
+            }
+            return Ok((parts, framing, keep));
+        }
+    }
+}
+
+/// Parses a complete response head at the start of `buf`: the bytes it took, its parts, the
+/// body's framing and whether the connection stays open; `None` if it is not complete yet.
+#[allow(clippy::type_complexity)]
+fn parse_head(buf: &[u8]) -> io::Result<Option<(usize, http::response::Parts, Framing, bool)>> {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut response = httparse::Response::new(&mut headers);
+    let used = match response.parse(buf) {
+        Ok(httparse::Status::Complete(used)) => used,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(err) => return Err(invalid(format!("the engine's response head: {err}"))),
+    };
+    let code = response.code.unwrap_or(0);
+    let status = StatusCode::from_u16(code)
+        .map_err(|_| invalid(format!("the engine's response status {code}")))?;
+    let version = if response.version == Some(0) {
+        Version::HTTP_10
+    } else {
+        Version::HTTP_11
+    };
+    let mut map = HeaderMap::with_capacity(response.headers.len());
+    let mut length: Option<u64> = None;
+    let mut chunked = false;
+    let mut encoded = false;
+    let mut keep = version == Version::HTTP_11;
+    for h in response.headers.iter() {
+        let name = HeaderName::from_bytes(h.name.as_bytes())
+            .map_err(|_| invalid(format!("the engine's header name {:?}", h.name)))?;
+        let value = HeaderValue::from_bytes(h.value)
+            .map_err(|_| invalid(format!("the engine's header {name}: a value not allowed")))?;
+        if name == header::CONTENT_LENGTH {
+            let n = std::str::from_utf8(h.value)
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .ok_or_else(|| invalid("the engine's Content-Length is not a number"))?;
+            if length.is_some_and(|l| l != n) {
+                return Err(invalid("the engine sent two different Content-Lengths"));
+            }
+            length = Some(n);
+        } else if name == header::TRANSFER_ENCODING {
+            encoded = true;
+            chunked = value
+                .to_str()
+                .ok()
+                .and_then(|v| v.rsplit(',').next())
+                .is_some_and(|last| last.trim().eq_ignore_ascii_case("chunked"));
+        } else if name == header::CONNECTION {
+            let tokens = value.to_str().unwrap_or("");
+            for token in tokens.split(',').map(str::trim) {
+                if token.eq_ignore_ascii_case("close") {
+                    keep = false;
+                } else if token.eq_ignore_ascii_case("keep-alive") && version == Version::HTTP_10 {
+                    keep = true;
                 }
             }
         }
-        false
+        map.append(name, value);
     }
+    let framing = if status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
+    {
+        Framing::Length(0)
+    } else if encoded {
+        if chunked {
+            Framing::Chunked(Chunk::Size)
+        } else {
+            Framing::UntilClose
+        }
+    } else {
+        match length {
+            Some(n) => Framing::Length(n),
+            None => Framing::UntilClose,
+        }
+    };
+    if matches!(framing, Framing::UntilClose) || (encoded && length.is_some()) {
+        keep = false;
+    }
+    let mut parts = Response::new(()).into_parts().0;
+    parts.status = status;
+    parts.version = version;
+    parts.headers = map;
+    Ok(Some((used, parts, framing, keep)))
+}
 
-    /// Waits until the connection can take a request; an error if it is closed.
-    async fn ready(&mut self) -> Result<(), UpstreamError> {
-        poll_fn(|cx| {
-            let open = self.drive(cx);
-            match self.sender.poll_ready(cx) {
-                Poll::Ready(Ok(())) => Poll::Ready(Ok(())),
-                Poll::Ready(Err(err)) => Poll::Ready(Err(err.into())),
-                Poll::Pending if !open => Poll::Ready(Err(std::io::Error::new(
-                    std::io::ErrorKind::ConnectionReset,
-                    "the engine closed the connection",
-                )
-                .into())),
-                Poll::Pending => Poll::Pending,
+/// How an answer's body ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Framing {
+    /// This many bytes are left.
+    Length(u64),
+    /// Chunked, at this point of the encoding.
+    Chunked(Chunk),
+    /// When the engine closes the connection.
+    UntilClose,
+}
+
+/// Where a chunked body's decoding stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Chunk {
+    /// At a chunk-size line.
+    Size,
+    /// Inside a chunk's data, this many bytes left.
+    Data(u64),
+    /// At the CRLF after a chunk's data.
+    DataEnd,
+    /// In the trailer section, after the last chunk.
+    Trailers,
+    /// The body has ended.
+    Done,
+}
+
+/// One step of chunked decoding over `buf`: the data that is there, if the encoding is at
+/// some (and `data` asks for it); advances `chunk` over sizes, CRLFs and trailers. `Ok(None)`
+/// with `chunk` not `Done`: more bytes are needed, or data is next and was not asked for.
+fn decode_chunked(chunk: &mut Chunk, buf: &mut BytesMut, data: bool) -> io::Result<Option<Bytes>> {
+    loop {
+        match *chunk {
+            Chunk::Done => return Ok(None),
+            Chunk::Data(left) => {
+                if buf.is_empty() || !data {
+                    return Ok(None);
+                }
+                let n = (buf.len() as u64).min(left) as usize;
+                let data = buf.split_to(n).freeze();
+                *chunk = if left == n as u64 {
+                    Chunk::DataEnd
+                } else {
+                    Chunk::Data(left - n as u64)
+                };
+                return Ok(Some(data));
             }
-        })
-        .await
+            Chunk::DataEnd => {
+                if buf.len() < 2 {
+                    return Ok(None);
+                }
+                if &buf[..2] != b"\r\n" {
+                    return Err(invalid(
+                        "the engine's chunked answer: no CRLF after a chunk",
+                    ));
+                }
+                buf.advance(2);
+                *chunk = Chunk::Size;
+            }
+            Chunk::Size => {
+                let Some(end) = memchr::memchr(b'\n', buf) else {
+                    if buf.len() > MAX_CHUNK_LINE {
+                        return Err(invalid(
+                            "the engine's chunked answer: a chunk-size line too long",
+                        ));
+                    }
+                    return Ok(None);
+                };
+                let line = &buf[..end];
+                let line = line.strip_suffix(b"\r").unwrap_or(line);
+                let digits = line
+                    .iter()
+                    .position(|b| !b.is_ascii_hexdigit())
+                    .unwrap_or(line.len());
+                let rest = &line[digits..];
+                if digits == 0
+                    || digits > 15
+                    || !(rest.is_empty() || matches!(rest[0], b';' | b' ' | b'\t'))
+                {
+                    return Err(invalid("the engine's chunked answer: a bad chunk size"));
+                }
+                let size = std::str::from_utf8(&line[..digits])
+                    .ok()
+                    .and_then(|d| u64::from_str_radix(d, 16).ok())
+                    .ok_or_else(|| invalid("the engine's chunked answer: a bad chunk size"))?;
+                buf.advance(end + 1);
+                *chunk = if size == 0 {
+                    Chunk::Trailers
+                } else {
+                    Chunk::Data(size)
+                };
+            }
+            Chunk::Trailers => {
+                // Trailer lines up to an empty line; dropped.
+                let Some(end) = memchr::memchr(b'\n', buf) else {
+                    if buf.len() > MAX_TRAILERS {
+                        return Err(invalid("the engine's chunked answer: trailers too long"));
+                    }
+                    return Ok(None);
+                };
+                let empty = end == 0 || (end == 1 && buf[0] == b'\r');
+                buf.advance(end + 1);
+                if empty {
+                    *chunk = Chunk::Done;
+                }
+            }
+        }
     }
+}
+
+/// Encodes a request head: request line, `Host`, the end-to-end headers, `Content-Length`.
+fn encode_head(parts: &http::request::Parts, host: &HeaderValue, length: usize) -> Vec<u8> {
+    let target = parts
+        .uri
+        .path_and_query()
+        .map_or("/", http::uri::PathAndQuery::as_str);
+    let mut head = Vec::with_capacity(256 + parts.headers.len() * 48);
+    head.extend_from_slice(parts.method.as_str().as_bytes());
+    head.push(b' ');
+    head.extend_from_slice(target.as_bytes());
+    head.extend_from_slice(b" HTTP/1.1\r\nhost: ");
+    head.extend_from_slice(host.as_bytes());
+    head.extend_from_slice(b"\r\n");
+    for (name, value) in &parts.headers {
+        if name == header::HOST
+            || name == header::CONTENT_LENGTH
+            || name == header::TRANSFER_ENCODING
+            || name == header::CONNECTION
+        {
+            continue;
+        }
+        head.extend_from_slice(name.as_str().as_bytes());
+        head.extend_from_slice(b": ");
+        head.extend_from_slice(value.as_bytes());
+        head.extend_from_slice(b"\r\n");
+    }
+    head.extend_from_slice(b"content-length: ");
+    head.extend_from_slice(length.to_string().as_bytes());
+    head.extend_from_slice(b"\r\n\r\n");
+    head
 }
 
 /// The idle connections of one engine address, and its `Host` header.
 struct Idle {
-    conns: Vec<(Conn, Instant)>,
+    conns: Vec<(Box<Conn>, Instant)>,
     host: HeaderValue,
 }
 
@@ -136,7 +429,10 @@ impl Pool {
 
     /// `addr`'s `Host` header and, if there is one, its most recently used idle connection
     /// that is still fresh.
-    fn take_idle(&self, addr: SocketAddr) -> Result<(HeaderValue, Option<Conn>), UpstreamError> {
+    fn take_idle(
+        &self,
+        addr: SocketAddr,
+    ) -> Result<(HeaderValue, Option<Box<Conn>>), UpstreamError> {
         let now = Instant::now();
         let mut lists = self.lock();
         let idle = match lists.by_addr.entry(addr) {
@@ -158,9 +454,11 @@ impl Pool {
         Ok((host, Some(conn)))
     }
 
-    /// Puts a connection whose answer was read to the end back.
-    fn put(&self, conn: Conn) {
-        if conn.driver.is_none() || conn.sender.is_closed() {
+    /// Puts a connection whose answer was read to the end, and that the engine keeps open,
+    /// back.
+    fn put(&self, conn: Box<Conn>) {
+        if !conn.buf.is_empty() {
+            // Bytes after the answer: nothing they could belong to.
             return;
         }
         let mut lists = self.lock();
@@ -188,153 +486,587 @@ impl Pool {
         });
     }
 
-    async fn connect(&self, addr: SocketAddr) -> Result<Conn, UpstreamError> {
-        let stream =
-            match tokio::time::timeout(self.connect_timeout, TcpStream::connect(addr)).await {
-                Ok(stream) => stream?,
-                Err(_) => {
-                    return Err(format!(
-                        "no connection to the engine at {addr} within {} ms",
-                        self.connect_timeout.as_millis()
-                    )
-                    .into());
-                }
-            };
-        if let Err(err) = stream.set_nodelay(true) {
+    async fn connect(&self, addr: SocketAddr) -> Result<Box<Conn>, UpstreamError> {
+        let io = match tokio::time::timeout(self.connect_timeout, TcpStream::connect(addr)).await {
+            Ok(stream) => stream?,
+            Err(_) => {
+                return Err(format!(
+                    "no connection to the engine at {addr} within {} ms",
+                    self.connect_timeout.as_millis()
+                )
+                .into());
+            }
+        };
+        if let Err(err) = io.set_nodelay(true) {
             tracing::debug!(error = %err, "TCP_NODELAY");
         }
-        let (sender, driver) = http1::handshake(TokioIo::new(stream)).await?;
-        Ok(Conn {
-            sender,
-            driver: Some(Box::pin(driver)),
+        Ok(Box::new(Conn {
+            io,
+            buf: BytesMut::with_capacity(READ_SIZE),
             addr,
-        })
+        }))
     }
 
-    /// A connection to `addr` ready for a request (an idle one, or a new one), and `addr`'s
-    /// `Host` header.
-    async fn checkout(&self, addr: SocketAddr) -> Result<(Conn, bool, HeaderValue), UpstreamError> {
+    /// A connection to `addr` (an idle one that is still usable, or a new one), whether it
+    /// was reused, and `addr`'s `Host` header.
+    async fn checkout(
+        &self,
+        addr: SocketAddr,
+    ) -> Result<(Box<Conn>, bool, HeaderValue), UpstreamError> {
         loop {
             let (host, idle) = self.take_idle(addr)?;
             match idle {
                 Some(mut conn) => {
-                    if conn.ready().await.is_ok() {
+                    if conn.usable() {
                         return Ok((conn, true, host));
                     }
                 }
                 None => {
                     self.sweep(addr);
-                    let mut conn = self.connect(addr).await?;
-                    conn.ready().await?;
-                    return Ok((conn, false, host));
+                    return Ok((self.connect(addr).await?, false, host));
                 }
             }
         }
     }
 
-    /// Sends `request` (origin-form URI; `Host` is set here) to `addr` and waits for the
-    /// response head, polling the connection meanwhile. The body keeps the connection.
+    /// Sends `request` (origin-form URI; `Host` is set here) to `addr` and reads the response
+    /// head. The body keeps the connection.
     pub(crate) async fn request(
         self: &Arc<Self>,
         addr: SocketAddr,
-        mut request: Request<Full<Bytes>>,
+        request: Request<Bytes>,
     ) -> Result<Response<UpstreamBody>, UpstreamError> {
+        let (parts, body) = request.into_parts();
         let (mut conn, reused, host) = self.checkout(addr).await?;
-        request.headers_mut().insert(header::HOST, host);
-        let mut sent = Box::pin(conn.sender.try_send_request(request));
-        let result = poll_fn(|cx| {
-            conn.drive(cx);
-            sent.as_mut().poll(cx)
-        })
-        .await;
-        drop(sent);
-        let response = match result {
-            Ok(response) => response,
-            Err(mut err) => match err.take_message() {
-                // Not written: the connection closed just then. Once more, on a fresh one.
-                Some(request) if reused => {
-                    drop(conn);
-                    let mut fresh = self.connect(addr).await?;
-                    fresh.ready().await?;
-                    conn = fresh;
-                    let mut sent = Box::pin(conn.sender.send_request(request));
-                    poll_fn(|cx| {
-                        conn.drive(cx);
-                        sent.as_mut().poll(cx)
-                    })
-                    .await?
-                }
-                _ => return Err(err.into_error().into()),
-            },
-        };
-        let (head, body) = response.into_parts();
+        let head = encode_head(&parts, &host, body.len());
+        if let Err(err) = conn.write(&head, &body).await {
+            if !reused {
+                return Err(err.into());
+            }
+            // A reused connection the engine closed just then: the request did not get
+            // through whole, so once more, on a fresh one.
+            tracing::debug!(error = %err, "engine connection closed; sending on a fresh one");
+            conn = self.connect(addr).await?;
+            conn.write(&head, &body).await?;
+        }
+        let (parts, framing, keep) = conn.read_head().await?;
         let mut body = UpstreamBody {
-            body,
             conn: Some(conn),
+            framing,
+            keep,
             pool: Arc::clone(self),
         };
-        body.give_back_if_ended();
-        Ok(Response::from_parts(head, body))
+        body.advance();
+        Ok(Response::from_parts(parts, body))
     }
 }
 
-/// An engine's response body, holding (and driving) its connection; the connection goes back
-/// to the pool when the body has been read to the end, and is closed when the body is dropped
-/// before that.
+/// An engine's response body, holding (and reading) its connection; the connection goes back
+/// to the pool when the body has been read to the end (and the engine keeps it open), and is
+/// closed when the body is dropped before that.
 pub(crate) struct UpstreamBody {
-    body: Incoming,
-    conn: Option<Conn>,
+    /// `None` once the body ended (given back or closed) or failed. Boxed: the body lives in
+    /// the response future while it streams.
+    conn: Option<Box<Conn>>,
+    framing: Framing,
+    /// Whether the engine keeps the connection open after this answer.
+    keep: bool,
     pool: Arc<Pool>,
 }
 
 impl UpstreamBody {
-    fn give_back_if_ended(&mut self) {
-        if self.body.is_end_stream()
-            && let Some(conn) = self.conn.take()
+    /// Whether the body has ended.
+    fn ended(&self) -> bool {
+        matches!(
+            self.framing,
+            Framing::Length(0) | Framing::Chunked(Chunk::Done)
+        ) || self.conn.is_none()
+    }
+
+    /// Moves a chunked body over what needs no more data (CRLFs, the last chunk, trailers)
+    /// and gives the connection back once the body has ended, so that the end is seen
+    /// without one more poll.
+    fn advance(&mut self) {
+        if let (Framing::Chunked(chunk), Some(conn)) = (&mut self.framing, self.conn.as_mut())
+            && decode_chunked(chunk, &mut conn.buf, false).is_err()
+        {
+            // Reported when the body is read next.
+            return;
+        }
+        if matches!(
+            self.framing,
+            Framing::Length(0) | Framing::Chunked(Chunk::Done)
+        ) && let Some(conn) = self.conn.take()
+            && self.keep
         {
             self.pool.put(conn);
         }
     }
-}
 
-impl Drop for UpstreamBody {
-    fn drop(&mut self) {
-        // Read to the end without a last poll (hyper stops at `is_end_stream`): reusable.
-        self.give_back_if_ended();
+    /// The next frame, with the connection at hand.
+    fn poll_data(&mut self, cx: &mut Context<'_>) -> Poll<Option<io::Result<Bytes>>> {
+        loop {
+            let Some(conn) = self.conn.as_mut() else {
+                return Poll::Ready(None);
+            };
+            match &mut self.framing {
+                Framing::Length(0) | Framing::Chunked(Chunk::Done) => {
+                    self.advance();
+                    return Poll::Ready(None);
+                }
+                Framing::Length(left) => {
+                    if !conn.buf.is_empty() {
+                        let n = (conn.buf.len() as u64).min(*left) as usize;
+                        *left -= n as u64;
+                        let data = conn.buf.split_to(n).freeze();
+                        self.advance();
+                        return Poll::Ready(Some(Ok(data)));
+                    }
+                }
+                Framing::Chunked(chunk) => {
+                    if let Some(data) = decode_chunked(chunk, &mut conn.buf, true)? {
+                        self.advance();
+                        return Poll::Ready(Some(Ok(data)));
+                    }
+                    if *chunk == Chunk::Done {
+                        continue;
+                    }
+                }
+                Framing::UntilClose => {
+                    if !conn.buf.is_empty() {
+                        return Poll::Ready(Some(Ok(conn.buf.split().freeze())));
+                    }
+                }
+            }
+            if ready!(conn.poll_fill(cx))? == 0 {
+                if self.framing == Framing::UntilClose {
+                    self.conn = None;
+                    return Poll::Ready(None);
+                }
+                return Poll::Ready(Some(Err(closed_early())));
+            }
+        }
     }
 }
 
 impl Body for UpstreamBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = io::Error;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
         let this = self.get_mut();
-        if let Some(conn) = this.conn.as_mut() {
-            conn.drive(cx);
-        }
-        let polled = Pin::new(&mut this.body).poll_frame(cx);
-        match &polled {
-            Poll::Ready(Some(Ok(_))) => this.give_back_if_ended(),
-            Poll::Ready(None) => {
-                if let Some(conn) = this.conn.take() {
-                    this.pool.put(conn);
-                }
+        match ready!(this.poll_data(cx)) {
+            Some(Ok(data)) => Poll::Ready(Some(Ok(Frame::data(data)))),
+            Some(Err(err)) => {
+                // The connection is in no known state: closed.
+                this.conn = None;
+                Poll::Ready(Some(Err(err)))
             }
-            Poll::Ready(Some(Err(_))) => this.conn = None,
-            Poll::Pending => {}
+            None => Poll::Ready(None),
         }
-        polled
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        self.ended()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
+        match self.framing {
+            Framing::Length(n) => SizeHint::with_exact(n),
+            _ => SizeHint::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use http_body_util::BodyExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
+    use super::*;
+
+    fn parse(text: &str) -> io::Result<Option<(usize, http::response::Parts, Framing, bool)>> {
+        parse_head(text.as_bytes())
+    }
+
+    #[test]
+    fn a_head_is_parsed_only_when_complete() {
+        let head = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{\"ok\":true}";
+        for cut in 0..head.len() - 11 {
+            assert!(parse(&head[..cut]).unwrap().is_none(), "{cut}");
+        }
+        let (used, parts, framing, keep) = parse(head).unwrap().unwrap();
+        assert_eq!(used, head.len() - 11);
+        assert_eq!(parts.status, StatusCode::OK);
+        assert_eq!(parts.headers["content-type"], "application/json");
+        assert_eq!(framing, Framing::Length(11));
+        assert!(keep);
+    }
+
+    #[test]
+    fn the_body_length_follows_rfc_9112() {
+        let framing = |head: &str| {
+            let (_, _, framing, keep) = parse(head).unwrap().unwrap();
+            (framing, keep)
+        };
+        assert_eq!(
+            framing("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"),
+            (Framing::Chunked(Chunk::Size), true)
+        );
+        assert_eq!(
+            framing("HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, Chunked\r\n\r\n"),
+            (Framing::Chunked(Chunk::Size), true)
+        );
+        // Both: the encoding wins, and the connection is not trusted again.
+        assert_eq!(
+            framing("HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n"),
+            (Framing::Chunked(Chunk::Size), false)
+        );
+        assert_eq!(
+            framing("HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n"),
+            (Framing::UntilClose, false)
+        );
+        assert_eq!(
+            framing("HTTP/1.1 200 OK\r\n\r\n"),
+            (Framing::UntilClose, false)
+        );
+        assert_eq!(
+            framing("HTTP/1.1 204 No Content\r\n\r\n"),
+            (Framing::Length(0), true)
+        );
+        assert_eq!(
+            framing("HTTP/1.1 304 Not Modified\r\ncontent-length: 7\r\n\r\n"),
+            (Framing::Length(0), true)
+        );
+        assert_eq!(
+            framing("HTTP/1.1 200 OK\r\ncontent-length: 3\r\ncontent-length: 3\r\n\r\n"),
+            (Framing::Length(3), true)
+        );
+        assert_eq!(
+            framing("HTTP/1.1 200 OK\r\ncontent-length: 3\r\nconnection: close\r\n\r\n"),
+            (Framing::Length(3), false)
+        );
+        assert_eq!(
+            framing("HTTP/1.0 200 OK\r\ncontent-length: 3\r\n\r\n"),
+            (Framing::Length(3), false)
+        );
+        assert_eq!(
+            framing("HTTP/1.0 200 OK\r\ncontent-length: 3\r\nconnection: keep-alive\r\n\r\n"),
+            (Framing::Length(3), true)
+        );
+    }
+
+    #[test]
+    fn a_bad_head_is_an_error_that_says_what() {
+        let err = |head: &str| parse(head).unwrap_err().to_string();
+        assert!(
+            err("HTTP/1.1 200 OK\r\ncontent-length: 3\r\ncontent-length: 4\r\n\r\n")
+                .contains("two different Content-Lengths")
+        );
+        assert!(err("HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n").contains("not a number"));
+        assert!(err("HTTP/1.1 2000 OK\r\n\r\n").contains("response head"));
+        assert!(err("HTTQ/1.1 200 OK\r\n\r\n").contains("response head"));
+    }
+
+    /// Decodes `encoded` fed in pieces of `step` bytes: the data and whether it ended.
+    fn decode_in_steps(encoded: &[u8], step: usize) -> io::Result<(Vec<u8>, bool)> {
+        let mut chunk = Chunk::Size;
+        let mut buf = BytesMut::new();
+        let mut out = Vec::new();
+        for piece in encoded.chunks(step) {
+            buf.extend_from_slice(piece);
+            while let Some(data) = decode_chunked(&mut chunk, &mut buf, true)? {
+                out.extend_from_slice(&data);
+            }
+        }
+        Ok((out, chunk == Chunk::Done && buf.is_empty()))
+    }
+
+    #[test]
+    fn chunked_bodies_decode_however_they_are_split() {
+        let encoded =
+            b"5\r\nhello\r\n1;name=value\r\n \r\nB \r\ndata: world\r\n0\r\ntrailer: x\r\n\r\n";
+        for step in 1..=encoded.len() {
+            let (data, ended) = decode_in_steps(encoded, step).unwrap();
+            assert_eq!(data, b"hello data: world", "step {step}");
+            assert!(ended, "step {step}");
+        }
+        let (data, ended) = decode_in_steps(b"3\r\nabc\r\n0\r\n", 4).unwrap();
+        assert_eq!(data, b"abc");
+        assert!(!ended, "the last CRLF has not come");
+    }
+
+    #[test]
+    fn a_bad_chunked_body_is_an_error() {
+        for bad in [
+            &b"x\r\nabc\r\n"[..],
+            b"3\r\nabcd\r\n",
+            b"10000000000000000\r\n",
+            b"-3\r\nabc\r\n",
+        ] {
+            assert!(decode_in_steps(bad, bad.len()).is_err(), "{bad:?}");
+        }
+        let long = vec![b'1'; MAX_CHUNK_LINE + 2];
+        assert!(decode_in_steps(&long, long.len()).is_err());
+    }
+
+    #[test]
+    fn the_request_head_carries_host_the_end_to_end_headers_and_its_own_length() {
+        let request = Request::post("/v1/completions?x=1")
+            .header("content-type", "application/json")
+            .header("x-request-id", "abc")
+            .header("content-length", "999")
+            .header("transfer-encoding", "chunked")
+            .header("host", "client.example")
+            .header("connection", "keep-alive")
+            .body(())
+            .unwrap();
+        let (parts, ()) = request.into_parts();
+        let head = encode_head(&parts, &HeaderValue::from_static("127.0.0.1:8000"), 42);
+        assert_eq!(
+            String::from_utf8(head).unwrap(),
+            "POST /v1/completions?x=1 HTTP/1.1\r\nhost: 127.0.0.1:8000\r\ncontent-type: application/json\r\nx-request-id: abc\r\ncontent-length: 42\r\n\r\n"
+        );
+    }
+
+    /// An engine that answers every request on a connection with the next of `answers`
+    /// (each written in pieces of `step` bytes), and closes the connection after the answers
+    /// marked so; counts the connections.
+    async fn engine(
+        answers: Vec<(&'static str, bool)>,
+        step: usize,
+    ) -> (SocketAddr, Arc<AtomicUsize>, Arc<Mutex<Vec<String>>>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let requests = Arc::new(Mutex::new(Vec::new()));
+        let (count, seen) = (Arc::clone(&accepted), Arc::clone(&requests));
+        let answers = Arc::new(Mutex::new(answers.into_iter()));
+        tokio::spawn(async move {
+            loop {
+                let (mut stream, _) = listener.accept().await.unwrap();
+                count.fetch_add(1, Ordering::SeqCst);
+                let (answers, seen) = (Arc::clone(&answers), Arc::clone(&seen));
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    loop {
+                        // One request: the head, then its Content-Length.
+                        let request = loop {
+                            if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                                let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+                                let length: usize = head
+                                    .lines()
+                                    .find_map(|l| l.strip_prefix("content-length: "))
+                                    .map_or(0, |v| v.parse().unwrap());
+                                if buf.len() >= end + 4 + length {
+                                    let whole = buf.drain(..end + 4 + length).collect::<Vec<_>>();
+                                    break String::from_utf8(whole).unwrap();
+                                }
+                            }
+                            let mut more = [0u8; 4096];
+                            match stream.read(&mut more).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&more[..n]),
+                            }
+                        };
+                        seen.lock().unwrap().push(request);
+                        let Some((answer, close)) = answers.lock().unwrap().next() else {
+                            return;
+                        };
+                        for piece in answer.as_bytes().chunks(step) {
+                            if stream.write_all(piece).await.is_err() {
+                                return;
+                            }
+                            stream.flush().await.unwrap();
+                        }
+                        if close {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (addr, accepted, requests)
+    }
+
+    fn pool() -> Arc<Pool> {
+        Pool::new(8, IDLE_TIMEOUT, Duration::from_secs(5))
+    }
+
+    async fn ask(pool: &Arc<Pool>, addr: SocketAddr) -> Result<(StatusCode, Bytes), String> {
+        let request = Request::post("/v1/completions")
+            .header("content-type", "application/json")
+            .body(Bytes::from_static(b"{\"model\":\"m\"}"))
+            .unwrap();
+        let response = pool
+            .request(addr, request)
+            .await
+            .map_err(|e| e.to_string())?;
+        let status = response.status();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok((status, body.to_bytes()))
+    }
+
+    const CHUNKED: &str = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n9\r\ndata: a\n\n\r\n9\r\ndata: b\n\n\r\n0\r\nx-trailer: 1\r\n\r\n";
+    const LENGTH: &str = "HTTP/1.1 200 OK\r\ncontent-length: 11\r\n\r\n{\"ok\":true}";
+
+    #[tokio::test]
+    async fn answers_in_small_pieces_are_read_whole_and_the_connection_is_reused() {
+        let (addr, accepted, requests) =
+            engine(vec![(CHUNKED, false), (LENGTH, false), (CHUNKED, false)], 3).await;
+        let pool = pool();
+        assert_eq!(
+            ask(&pool, addr).await.unwrap(),
+            (
+                StatusCode::OK,
+                Bytes::from_static(b"data: a\n\ndata: b\n\n")
+            )
+        );
+        assert_eq!(
+            ask(&pool, addr).await.unwrap().1,
+            Bytes::from_static(b"{\"ok\":true}")
+        );
+        assert_eq!(
+            ask(&pool, addr).await.unwrap().1,
+            Bytes::from_static(b"data: a\n\ndata: b\n\n")
+        );
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+        let requests = requests.lock().unwrap();
+        assert_eq!(
+            requests[0],
+            format!(
+                "POST /v1/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: 13\r\n\r\n{{\"model\":\"m\"}}"
+            )
+        );
+    }
+
+    #[tokio::test]
+    async fn an_informational_answer_is_skipped() {
+        let (addr, _, _) = engine(
+            vec![(
+                "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
+                false,
+            )],
+            5,
+        )
+        .await;
+        assert_eq!(
+            ask(&pool(), addr).await.unwrap(),
+            (StatusCode::OK, Bytes::from_static(b"ok"))
+        );
+    }
+
+    #[tokio::test]
+    async fn a_body_until_close_is_read_to_the_close_and_the_connection_not_reused() {
+        let (addr, accepted, _) = engine(
+            vec![
+                ("HTTP/1.1 200 OK\r\n\r\nall of it", true),
+                (
+                    "HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 4\r\n\r\nmore",
+                    true,
+                ),
+                (LENGTH, false),
+            ],
+            4,
+        )
+        .await;
+        let pool = pool();
+        assert_eq!(
+            ask(&pool, addr).await.unwrap().1,
+            Bytes::from_static(b"all of it")
+        );
+        assert_eq!(
+            ask(&pool, addr).await.unwrap().1,
+            Bytes::from_static(b"more")
+        );
+        assert_eq!(
+            ask(&pool, addr).await.unwrap().1,
+            Bytes::from_static(b"{\"ok\":true}")
+        );
+        assert_eq!(accepted.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn an_answer_cut_short_is_an_error() {
+        let (addr, _, _) = engine(
+            vec![
+                ("HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhalf", true),
+                (
+                    "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhel",
+                    true,
+                ),
+                ("HTTP/1.1 200 O", true),
+            ],
+            64,
+        )
+        .await;
+        let pool = pool();
+        for _ in 0..3 {
+            let err = ask(&pool, addr).await.unwrap_err();
+            assert!(err.contains("before the end of its answer"), "{err}");
+        }
+    }
+
+    #[tokio::test]
+    async fn an_idle_connection_the_engine_closed_costs_no_request() {
+        // The engine closes after each answer, though it says it keeps the connection.
+        let (addr, accepted, _) = engine(vec![(LENGTH, true), (LENGTH, true)], 64).await;
+        let pool = pool();
+        assert!(ask(&pool, addr).await.is_ok());
+        // Until the close shows on the idle connection (the runtime's I/O driver sees it).
+        while pool.lock().by_addr[&addr].conns.iter().all(|(conn, _)| {
+            let mut probe = [0u8; 1];
+            matches!(conn.io.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+        }) && !pool.lock().by_addr[&addr].conns.is_empty()
+        {
+            tokio::task::yield_now().await;
+        }
+        assert!(ask(&pool, addr).await.is_ok());
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn bytes_after_an_answer_keep_its_connection_from_reuse() {
+        let (addr, accepted, _) = engine(
+            vec![
+                ("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokEXTRA", false),
+                (LENGTH, false),
+            ],
+            64,
+        )
+        .await;
+        let pool = pool();
+        assert_eq!(ask(&pool, addr).await.unwrap().1, Bytes::from_static(b"ok"));
+        assert_eq!(
+            ask(&pool, addr).await.unwrap().1,
+            Bytes::from_static(b"{\"ok\":true}")
+        );
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_response_head_too_long_is_refused() {
+        let long: &'static str = Box::leak(
+            format!(
+                "HTTP/1.1 200 OK\r\n{}\r\n\r\n",
+                "x-pad: ".to_string() + &"a".repeat(MAX_HEAD)
+            )
+            .into_boxed_str(),
+        );
+        let (addr, _, _) = engine(vec![(long, false)], 8192).await;
+        let err = ask(&pool(), addr).await.unwrap_err();
+        assert!(err.contains("longer than 65536 bytes"), "{err}");
     }
 }
