@@ -58,6 +58,8 @@ pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 const MAX_HEAD: usize = 64 * 1024;
 /// The most header lines in a response head.
 const MAX_HEADERS: usize = 100;
+/// The header lines a first parse has room for.
+const FEW_HEADERS: usize = 16;
 /// The longest chunk-size line (size, extensions).
 const MAX_CHUNK_LINE: usize = 4096;
 /// The longest trailer section of a chunked answer.
@@ -161,13 +163,36 @@ impl Conn {
     }
 }
 
-/// Parses a complete response head at the start of `buf`: the bytes it took, its parts, the
-/// body's framing and whether the connection stays open; `None` if it is not complete yet.
-#[allow(clippy::type_complexity)]
-fn parse_head(buf: &[u8]) -> io::Result<Option<(usize, http::response::Parts, Framing, bool)>> {
-    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let mut response = httparse::Response::new(&mut headers);
-    let used = match response.parse(buf) {
+/// A parsed response head: the bytes it took, its parts, the body's framing and whether the
+/// connection stays open after the answer.
+type Head = (usize, http::response::Parts, Framing, bool);
+
+/// Parses a complete response head at the start of `buf`; `None` if it is not complete yet.
+/// Room for a few header lines first (engines send about six), for [`MAX_HEADERS`] only when
+/// that is too few.
+fn parse_head(buf: &[u8]) -> io::Result<Option<Head>> {
+    if buf.is_empty() {
+        return Ok(None);
+    }
+    let mut few = [httparse::EMPTY_HEADER; FEW_HEADERS];
+    let mut response = httparse::Response::new(&mut few);
+    match response.parse(buf) {
+        Err(httparse::Error::TooManyHeaders) => {
+            let mut many = [httparse::EMPTY_HEADER; MAX_HEADERS];
+            let mut response = httparse::Response::new(&mut many);
+            let parsed = response.parse(buf);
+            head_of(parsed, &response)
+        }
+        parsed => head_of(parsed, &response),
+    }
+}
+
+/// The head `parse_head` parsed.
+fn head_of(
+    parsed: httparse::Result<usize>,
+    response: &httparse::Response<'_, '_>,
+) -> io::Result<Option<Head>> {
+    let used = match parsed {
         Ok(httparse::Status::Complete(used)) => used,
         Ok(httparse::Status::Partial) => return Ok(None),
         Err(err) => return Err(invalid(format!("the engine's response head: {err}"))),
@@ -693,7 +718,7 @@ mod tests {
 
     use super::*;
 
-    fn parse(text: &str) -> io::Result<Option<(usize, http::response::Parts, Framing, bool)>> {
+    fn parse(text: &str) -> io::Result<Option<Head>> {
         parse_head(text.as_bytes())
     }
 
@@ -713,54 +738,81 @@ mod tests {
 
     #[test]
     fn the_body_length_follows_rfc_9112() {
-        let framing = |head: &str| {
-            let (_, _, framing, keep) = parse(head).unwrap().unwrap();
-            (framing, keep)
+        let chunked = Framing::Chunked(Chunk::Size);
+        let cases = [
+            (
+                "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n",
+                chunked,
+                true,
+            ),
+            (
+                "HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, Chunked\r\n",
+                chunked,
+                true,
+            ),
+            // Both: the encoding wins, and the connection is not trusted again.
+            (
+                "HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n",
+                chunked,
+                false,
+            ),
+            (
+                "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n",
+                Framing::UntilClose,
+                false,
+            ),
+            ("HTTP/1.1 200 OK\r\n", Framing::UntilClose, false),
+            ("HTTP/1.1 204 No Content\r\n", Framing::Length(0), true),
+            (
+                "HTTP/1.1 304 Not Modified\r\ncontent-length: 7\r\n",
+                Framing::Length(0),
+                true,
+            ),
+            (
+                "HTTP/1.1 200 OK\r\ncontent-length: 3\r\ncontent-length: 3\r\n",
+                Framing::Length(3),
+                true,
+            ),
+            (
+                "HTTP/1.1 200 OK\r\ncontent-length: 3\r\nconnection: close\r\n",
+                Framing::Length(3),
+                false,
+            ),
+            (
+                "HTTP/1.0 200 OK\r\ncontent-length: 3\r\n",
+                Framing::Length(3),
+                false,
+            ),
+            (
+                "HTTP/1.0 200 OK\r\ncontent-length: 3\r\nconnection: keep-alive\r\n",
+                Framing::Length(3),
+                true,
+            ),
+        ];
+        for (head, framing, keep) in cases {
+            let (_, _, got, kept) = parse(&format!("{head}\r\n")).unwrap().unwrap();
+            assert_eq!((got, kept), (framing, keep), "{head}");
+        }
+    }
+
+    #[test]
+    fn a_head_with_many_lines_is_read_up_to_the_bound() {
+        let lines = |n: usize| {
+            (0..n)
+                .map(|i| format!("x-h{i}: {i}\r\n"))
+                .collect::<String>()
         };
-        assert_eq!(
-            framing("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"),
-            (Framing::Chunked(Chunk::Size), true)
-        );
-        assert_eq!(
-            framing("HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, Chunked\r\n\r\n"),
-            (Framing::Chunked(Chunk::Size), true)
-        );
-        // Both: the encoding wins, and the connection is not trusted again.
-        assert_eq!(
-            framing("HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n"),
-            (Framing::Chunked(Chunk::Size), false)
-        );
-        assert_eq!(
-            framing("HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n"),
-            (Framing::UntilClose, false)
-        );
-        assert_eq!(
-            framing("HTTP/1.1 200 OK\r\n\r\n"),
-            (Framing::UntilClose, false)
-        );
-        assert_eq!(
-            framing("HTTP/1.1 204 No Content\r\n\r\n"),
-            (Framing::Length(0), true)
-        );
-        assert_eq!(
-            framing("HTTP/1.1 304 Not Modified\r\ncontent-length: 7\r\n\r\n"),
-            (Framing::Length(0), true)
-        );
-        assert_eq!(
-            framing("HTTP/1.1 200 OK\r\ncontent-length: 3\r\ncontent-length: 3\r\n\r\n"),
-            (Framing::Length(3), true)
-        );
-        assert_eq!(
-            framing("HTTP/1.1 200 OK\r\ncontent-length: 3\r\nconnection: close\r\n\r\n"),
-            (Framing::Length(3), false)
-        );
-        assert_eq!(
-            framing("HTTP/1.0 200 OK\r\ncontent-length: 3\r\n\r\n"),
-            (Framing::Length(3), false)
-        );
-        assert_eq!(
-            framing("HTTP/1.0 200 OK\r\ncontent-length: 3\r\nconnection: keep-alive\r\n\r\n"),
-            (Framing::Length(3), true)
+        let head = format!("HTTP/1.1 200 OK\r\n{}content-length: 0\r\n\r\n", lines(60));
+        let (_, parts, framing, _) = parse(&head).unwrap().unwrap();
+        assert_eq!(parts.headers.len(), 61);
+        assert_eq!(parts.headers["x-h59"], "59");
+        assert_eq!(framing, Framing::Length(0));
+        let head = format!("HTTP/1.1 200 OK\r\n{}\r\n", lines(MAX_HEADERS + 1));
+        assert!(
+            parse(&head)
+                .unwrap_err()
+                .to_string()
+                .contains("too many headers")
         );
     }
 
