@@ -119,10 +119,13 @@ impl Conn {
         while !head.is_empty() || !body.is_empty() {
             let slices = [io::IoSlice::new(head), io::IoSlice::new(body)];
             let n = poll_fn(|cx| {
-                ready!(self.io.poll_write_ready(cx))?;
-                match self.io.try_write_vectored(&slices) {
-                    Err(err) if err.kind() == io::ErrorKind::WouldBlock => Poll::Pending,
-                    other => Poll::Ready(other),
+                loop {
+                    ready!(self.io.poll_write_ready(cx))?;
+                    match self.io.try_write_vectored(&slices) {
+                        // The readiness is cleared now: the next poll registers the waker.
+                        Err(err) if err.kind() == io::ErrorKind::WouldBlock => continue,
+                        other => return Poll::Ready(other),
+                    }
                 }
             })
             .await;
@@ -1001,6 +1004,24 @@ mod tests {
             format!(
                 "POST /v1/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: 13\r\n\r\n{{\"model\":\"m\"}}"
             )
+        );
+    }
+
+    #[tokio::test]
+    async fn a_body_larger_than_the_socket_buffers_is_written_whole() {
+        let (addr, _, requests) = engine(vec![(LENGTH, false)], 64).await;
+        let body = Bytes::from(vec![b'x'; 16 << 20]);
+        let request = Request::post("/v1/completions").body(body).unwrap();
+        let response = pool().request(addr, request).await.unwrap();
+        let answer = response.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(answer, Bytes::from_static(b"{\"ok\":true}"));
+        let requests = requests.lock().unwrap();
+        let received = &requests[0];
+        assert!(received.ends_with(&"x".repeat(1 << 20)));
+        assert!(received.contains(&format!("content-length: {}\r\n", 16 << 20)));
+        assert_eq!(
+            received.len() - received.find("\r\n\r\n").unwrap() - 4,
+            16 << 20
         );
     }
 
