@@ -32,8 +32,10 @@
 //! - A connect that takes longer than `connect_timeout` fails (an engine that is black-holed
 //!   must not hold a permit until the request deadline).
 //!   The listener's timeout is [`IDLE_TIMEOUT`], below the 5 s after which vLLM's and SGLang's
-//!   server (uvicorn) closes an idle connection: a connection is never reused just as the
-//!   engine closes it.
+//!   server (uvicorn) closes an idle connection, so that a connection is seldom reused just
+//!   as the engine closes it (uvicorn counts from its last write, the pool from our last read).
+//!   Should it happen after the request was written, the request fails (502
+//!   `upstream_unavailable`, retryable) rather than risk reaching the engine twice.
 
 use std::collections::HashMap;
 use std::future::poll_fn;
@@ -62,7 +64,7 @@ const MAX_HEADERS: usize = 100;
 const FEW_HEADERS: usize = 16;
 /// The longest chunk-size line (size, extensions).
 const MAX_CHUNK_LINE: usize = 4096;
-/// The longest trailer section of a chunked answer.
+/// The longest trailer line of a chunked answer.
 const MAX_TRAILERS: usize = 64 * 1024;
 /// What one read asks of the socket at least.
 const READ_SIZE: usize = 16 * 1024;
@@ -213,6 +215,7 @@ fn head_of(
     let mut chunked = false;
     let mut encoded = false;
     let mut keep = version == Version::HTTP_11;
+    let mut close = false;
     for h in response.headers.iter() {
         let name = HeaderName::from_bytes(h.name.as_bytes())
             .map_err(|_| invalid(format!("the engine's header name {:?}", h.name)))?;
@@ -221,7 +224,9 @@ fn head_of(
         if name == header::CONTENT_LENGTH {
             let n = std::str::from_utf8(h.value)
                 .ok()
-                .and_then(|v| v.trim().parse::<u64>().ok())
+                .map(str::trim)
+                .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|v| v.parse::<u64>().ok())
                 .ok_or_else(|| invalid("the engine's Content-Length is not a number"))?;
             if length.is_some_and(|l| l != n) {
                 return Err(invalid("the engine sent two different Content-Lengths"));
@@ -238,7 +243,7 @@ fn head_of(
             let tokens = value.to_str().unwrap_or("");
             for token in tokens.split(',').map(str::trim) {
                 if token.eq_ignore_ascii_case("close") {
-                    keep = false;
+                    close = true;
                 } else if token.eq_ignore_ascii_case("keep-alive") && version == Version::HTTP_10 {
                     keep = true;
                 }
@@ -263,7 +268,10 @@ fn head_of(
             None => Framing::UntilClose,
         }
     };
-    if matches!(framing, Framing::UntilClose) || (encoded && length.is_some()) {
+    if close
+        || matches!(framing, Framing::UntilClose)
+        || (encoded && (length.is_some() || version == Version::HTTP_10))
+    {
         keep = false;
     }
     let mut parts = Response::new(()).into_parts().0;
@@ -490,9 +498,20 @@ impl Pool {
             return;
         }
         let mut lists = self.lock();
-        if let Some(idle) = lists.by_addr.get_mut(&conn.addr)
-            && idle.conns.len() < self.max_idle
-        {
+        // The address may have been swept while all its connections were in use.
+        let idle = match lists.by_addr.entry(conn.addr) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let Ok(host) = HeaderValue::from_str(&conn.addr.to_string()) else {
+                    return;
+                };
+                e.insert(Idle {
+                    conns: Vec::new(),
+                    host,
+                })
+            }
+        };
+        if idle.conns.len() < self.max_idle {
             idle.conns.push((conn, Instant::now()));
         }
     }
@@ -791,6 +810,16 @@ mod tests {
                 Framing::Length(3),
                 true,
             ),
+            (
+                "HTTP/1.0 200 OK\r\ncontent-length: 3\r\nconnection: close, keep-alive\r\n",
+                Framing::Length(3),
+                false,
+            ),
+            (
+                "HTTP/1.0 200 OK\r\nconnection: keep-alive\r\ntransfer-encoding: chunked\r\n",
+                chunked,
+                false,
+            ),
         ];
         for (head, framing, keep) in cases {
             let (_, _, got, kept) = parse(&format!("{head}\r\n")).unwrap().unwrap();
@@ -826,7 +855,10 @@ mod tests {
             err("HTTP/1.1 200 OK\r\ncontent-length: 3\r\ncontent-length: 4\r\n\r\n")
                 .contains("two different Content-Lengths")
         );
-        assert!(err("HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n").contains("not a number"));
+        for length in ["-1", "+5", "", "0x10", "1 2"] {
+            let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {length}\r\n\r\n");
+            assert!(err(&head).contains("not a number"), "{length:?}");
+        }
         assert!(err("HTTP/1.1 2000 OK\r\n\r\n").contains("response head"));
         assert!(err("HTTQ/1.1 200 OK\r\n\r\n").contains("response head"));
     }
@@ -1023,6 +1055,69 @@ mod tests {
             received.len() - received.find("\r\n\r\n").unwrap() - 4,
             16 << 20
         );
+    }
+
+    #[tokio::test]
+    async fn the_end_is_seen_with_the_last_byte_and_the_connection_is_back_at_once() {
+        const WHOLE: &str =
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n";
+        const EMPTY: &str = "HTTP/1.1 204 No Content\r\n\r\n";
+        // Each answer in one write, so the whole of it is read with its head.
+        let (addr, accepted, _) = engine(vec![(WHOLE, false), (EMPTY, false)], 4096).await;
+        let pool = pool();
+        let idle = |pool: &Arc<Pool>| pool.lock().by_addr.get(&addr).map_or(0, |i| i.conns.len());
+
+        let request = || Request::post("/v1/completions").body(Bytes::new()).unwrap();
+        let mut body = pool.request(addr, request()).await.unwrap().into_body();
+        assert!(!body.is_end_stream());
+        let frame = body.frame().await.unwrap().unwrap();
+        assert_eq!(frame.into_data().unwrap(), Bytes::from_static(b"abc"));
+        assert!(
+            body.is_end_stream(),
+            "ended with its last data, no further poll"
+        );
+        assert_eq!(
+            idle(&pool),
+            1,
+            "the connection is back before the body is dropped"
+        );
+        drop(body);
+
+        let body = pool.request(addr, request()).await.unwrap().into_body();
+        assert!(body.is_end_stream(), "a 204 has no body");
+        assert_eq!(idle(&pool), 1);
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_body_dropped_halfway_closes_its_connection() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (closed_tx, closed_rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let mut buf = [0u8; 4096];
+            let _ = stream.read(&mut buf).await.unwrap();
+            stream
+                .write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhel")
+                .await
+                .unwrap();
+            // What the engine sees next: the end of the connection.
+            let n = stream.read(&mut buf).await.unwrap_or(0);
+            let _ = closed_tx.send(n);
+        });
+        let pool = pool();
+        let request = Request::post("/v1/completions").body(Bytes::new()).unwrap();
+        let mut body = pool.request(addr, request).await.unwrap().into_body();
+        let frame = body.frame().await.unwrap().unwrap();
+        assert_eq!(frame.into_data().unwrap(), Bytes::from_static(b"hel"));
+        drop(body);
+        assert_eq!(
+            closed_rx.await.unwrap(),
+            0,
+            "the engine sees the disconnect"
+        );
+        assert_eq!(pool.lock().by_addr[&addr].conns.len(), 0);
     }
 
     #[tokio::test]
