@@ -292,6 +292,13 @@ enum Framing {
     UntilClose,
 }
 
+impl Framing {
+    /// Whether the body has been read to its end (an until-close body ends with the close).
+    fn complete(self) -> bool {
+        matches!(self, Framing::Length(0) | Framing::Chunked(Chunk::Done))
+    }
+}
+
 /// Where a chunked body's decoding stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Chunk {
@@ -624,10 +631,7 @@ pub(crate) struct UpstreamBody {
 impl UpstreamBody {
     /// Whether the body has ended.
     fn ended(&self) -> bool {
-        matches!(
-            self.framing,
-            Framing::Length(0) | Framing::Chunked(Chunk::Done)
-        ) || self.conn.is_none()
+        self.framing.complete() || self.conn.is_none()
     }
 
     /// Moves a chunked body over what needs no more data (CRLFs, the last chunk, trailers)
@@ -640,10 +644,8 @@ impl UpstreamBody {
             // Reported when the body is read next.
             return;
         }
-        if matches!(
-            self.framing,
-            Framing::Length(0) | Framing::Chunked(Chunk::Done)
-        ) && let Some(conn) = self.conn.take()
+        if self.framing.complete()
+            && let Some(conn) = self.conn.take()
             && self.keep
         {
             self.pool.put(conn);
@@ -653,14 +655,14 @@ impl UpstreamBody {
     /// The next frame, with the connection at hand.
     fn poll_data(&mut self, cx: &mut Context<'_>) -> Poll<Option<io::Result<Bytes>>> {
         loop {
+            if self.framing.complete() {
+                self.advance();
+                return Poll::Ready(None);
+            }
             let Some(conn) = self.conn.as_mut() else {
                 return Poll::Ready(None);
             };
             match &mut self.framing {
-                Framing::Length(0) | Framing::Chunked(Chunk::Done) => {
-                    self.advance();
-                    return Poll::Ready(None);
-                }
                 Framing::Length(left) => {
                     if !conn.buf.is_empty() {
                         let n = (conn.buf.len() as u64).min(*left) as usize;
@@ -1194,11 +1196,12 @@ mod tests {
         let pool = pool();
         assert!(ask(&pool, addr).await.is_ok());
         // Until the close shows on the idle connection (the runtime's I/O driver sees it).
-        while pool.lock().by_addr[&addr].conns.iter().all(|(conn, _)| {
-            let mut probe = [0u8; 1];
-            matches!(conn.io.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
-        }) && !pool.lock().by_addr[&addr].conns.is_empty()
-        {
+        let still_usable = |pool: &Arc<Pool>| {
+            let mut lists = pool.lock();
+            let conns = &mut lists.by_addr.get_mut(&addr).unwrap().conns;
+            !conns.is_empty() && conns.iter_mut().all(|(conn, _)| conn.usable())
+        };
+        while still_usable(&pool) {
             tokio::task::yield_now().await;
         }
         assert!(ask(&pool, addr).await.is_ok());
