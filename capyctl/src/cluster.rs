@@ -149,12 +149,9 @@ pub(crate) async fn deploy_object(
     doc: &DeploymentDoc,
     timeout: Duration,
 ) -> Result<DeployReceipt, CommandError> {
-    let Some((kube, namespace)) = client.cluster() else {
-        return Err(CommandError::Failed("not under kubectl".to_string()));
-    };
+    let (api, namespace) = objects(client)?;
     let name = doc.name.as_str();
     let before = view_of(client, name).await?;
-    let api: Api<Deployment> = Api::namespaced(kube, namespace);
     let object = format!("Deployment object {namespace}/{name}");
     let fail = |what: &str, e: kube::Error| {
         CommandError::Failed(format!("cannot {what} the {object}: {}", kube_message(&e)))
@@ -234,14 +231,11 @@ pub(crate) async fn delete_object(
     name_or_id: &str,
     timeout: Duration,
 ) -> Result<DeploymentView, CommandError> {
-    let Some((kube, namespace)) = client.cluster() else {
-        return Err(CommandError::Failed("not under kubectl".to_string()));
-    };
+    let (api, namespace) = objects(client)?;
     let answer = client
         .get(&format!("/deployments/{}", segment(name_or_id)))
         .await?;
     let view: DeploymentView = answer.json(client.server())?;
-    let api: Api<Deployment> = Api::namespaced(kube, namespace);
     let object = format!("Deployment object {namespace}/{}", view.name);
     match api.delete(&view.name, &DeleteParams::default()).await {
         Ok(_) => {}
@@ -269,6 +263,14 @@ pub(crate) async fn delete_object(
         tokio::time::sleep(POLL).await;
     }
     Ok(view)
+}
+
+/// The `Deployment` objects of the namespace the plugin works in, and that namespace.
+fn objects(client: &Client) -> Result<(Api<Deployment>, &str), CommandError> {
+    let (kube, namespace) = client
+        .cluster()
+        .ok_or_else(|| CommandError::Failed("not under kubectl".to_string()))?;
+    Ok((Api::namespaced(kube, namespace), namespace))
 }
 
 /// Why the operator does not take the object's spec (its `Accepted=False` condition).
