@@ -513,7 +513,9 @@ pub(crate) async fn start_stream(
                             StreamBody::new(upstream, charge, scanner, held.freeze(), settings);
                         return Start::Stream(body);
                     }
-                    Ok(false) if held.len() <= settings.max_piece => continue,
+                    // The event still coming is bounded by the scanner; the complete ones
+                    // before it, none of them output, here.
+                    Ok(false) if event_start <= settings.max_piece => continue,
                     // Many small pieces and still no output: held back as one piece.
                     Ok(false) => false,
                     Err(Oversized) => true,
