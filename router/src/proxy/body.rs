@@ -8,13 +8,13 @@
 //!   over, so a body a stuck client never finishes never holds a permit past the cut.
 //! - A non-streamed answer goes through [`DirectBody`], a streamed one (`text/event-stream`)
 //!   through [`StreamBody`]. Both poll the engine's body themselves, in the client
-//!   connection's task, when hyper asks for the next frame: nothing is copied through a
+//!   connection's task, when the server (`super::server`) asks for the next frame: nothing is copied through a
 //!   channel, no task is spawned, and a client that does not take what was sent keeps the
 //!   engine's bytes in the engine's socket (back-pressure).
 //! - A streamed answer is held back until its first output by [`start_stream`], in the
 //!   handler, so that a deadline before it is still a plain 503.
-//! - A client that reads nothing cannot be seen from here (hyper stops polling a body whose
-//!   bytes the socket does not take): the connection watches its socket (`super::conn`) and
+//! - A client that reads nothing cannot be seen from here (the server stops polling a body
+//!   whose bytes the socket does not take): the connection watches its socket (`super::conn`) and
 //!   closes it; the body, dropped, then reports `read_stall` instead of `client_gone`.
 
 use std::io;
@@ -348,7 +348,7 @@ impl DirectBody {
     }
 
     /// Ends the request once the engine's body is complete, without waiting for a last poll
-    /// that hyper may never make.
+    /// that the server never makes once the body says it has ended.
     fn finish_if_ended(&mut self) {
         if self.inner.as_ref().is_some_and(Body::is_end_stream) {
             self.inner = None;
@@ -559,8 +559,8 @@ fn first_output(
     Ok(false)
 }
 
-/// A streamed answer after its first output: forwards the engine's pieces as hyper asks for
-/// them (what the engine already sent is gathered into one frame), and ends early, with an SSE
+/// A streamed answer after its first output: forwards the engine's pieces as the server asks
+/// for them (what the engine already sent is gathered into one frame), and ends early, with an SSE
 /// error event, on a piece past `max_piece`, a silence past `stream_idle_timeout` or an engine
 /// that breaks off.
 pub(crate) struct StreamBody {

@@ -18,7 +18,6 @@
 //! take for `read_stall` without a break ([`ConnWatch`]), which is `read_stall` after the
 //! client stopped reading plus the time the engine takes to fill those buffers.
 
-use std::convert::Infallible;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
@@ -27,9 +26,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use http::Request;
-use hyper::body::Incoming;
-use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, watch};
@@ -40,11 +36,11 @@ use super::Proxy;
 use crate::admission::Admission;
 
 /// What a client connection's socket says about its reader, shared by the socket's writer
-/// (hyper, through [`WatchedIo`]) and the streamed answers on the connection, and read by the
-/// connection's task after each poll of the connection: once a stream's bytes were refused for
-/// `read_stall` without a break, the task closes the connection.
+/// (`server`) and the streamed answers on the connection, and read by the connection's task
+/// after each poll of the connection: once a stream's bytes were refused for `read_stall`
+/// without a break, the task closes the connection.
 ///
-/// NB: everything that changes it runs inside the connection's own poll (hyper writes and
+/// NB: everything that changes it runs inside the connection's own poll (the server writes and
 /// polls the bodies there), so the task sees a new blocked episode right after the poll that
 /// began it, and needs no wake-up of its own.
 pub(crate) struct ConnWatch {
@@ -59,7 +55,7 @@ pub(crate) struct ConnWatch {
 }
 
 impl ConnWatch {
-    fn new() -> Arc<Self> {
+    pub(super) fn new() -> Arc<Self> {
         Arc::new(ConnWatch {
             base: Instant::now(),
             blocked_since: AtomicU64::new(0),
@@ -75,14 +71,14 @@ impl ConnWatch {
     }
 
     /// A write found no room.
-    fn refused(&self) {
+    pub(super) fn refused(&self) {
         if self.blocked_since.load(Ordering::Relaxed) == 0 {
             self.blocked_since.store(self.now(), Ordering::Relaxed);
         }
     }
 
     /// A write was taken.
-    fn taken(&self) {
+    pub(super) fn taken(&self) {
         if self.blocked_since.load(Ordering::Relaxed) != 0 {
             self.blocked_since.store(0, Ordering::Relaxed);
         }
@@ -153,7 +149,7 @@ impl StopSignal {
 }
 
 /// One connection's view of the [`StopSignal`].
-struct StopWatch {
+pub(super) struct StopWatch {
     signal: Arc<StopSignal>,
     id: u64,
     /// The waker last registered.
@@ -161,7 +157,13 @@ struct StopWatch {
 }
 
 impl StopWatch {
-    fn poll_stopped(&mut self, cx: &mut Context<'_>) -> bool {
+    /// Whether the listener stops (without waiting for it).
+    pub(super) fn stopped(&self) -> bool {
+        self.signal.stopped.load(Ordering::Acquire)
+    }
+
+    /// Whether the listener stops; if not, the task is woken when it does.
+    pub(super) fn poll_stopped(&mut self, cx: &mut Context<'_>) -> bool {
         if self.signal.stopped.load(Ordering::Acquire) {
             return true;
         }
@@ -183,69 +185,6 @@ impl Drop for StopWatch {
         if self.registered.is_some() {
             self.signal.lock().remove(&self.id);
         }
-    }
-}
-
-/// The client's socket (TCP, or TLS over TCP) as hyper sees it, telling the [`ConnWatch`]
-/// whether writes are taken.
-struct WatchedIo<S> {
-    io: TokioIo<S>,
-    watch: Arc<ConnWatch>,
-}
-
-impl<S> WatchedIo<S> {
-    fn note(&self, polled: &Poll<io::Result<usize>>) {
-        match polled {
-            Poll::Ready(Ok(n)) if *n > 0 => self.watch.taken(),
-            Poll::Pending => self.watch.refused(),
-            Poll::Ready(_) => {}
-        }
-    }
-}
-
-impl<S: AsyncRead + AsyncWrite + Unpin> hyper::rt::Read for WatchedIo<S> {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: hyper::rt::ReadBufCursor<'_>,
-    ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
-    }
-}
-
-impl<S: AsyncRead + AsyncWrite + Unpin> hyper::rt::Write for WatchedIo<S> {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        let polled = Pin::new(&mut this.io).poll_write(cx, buf);
-        this.note(&polled);
-        polled
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        let polled = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
-        this.note(&polled);
-        polled
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        hyper::rt::Write::is_write_vectored(&self.io)
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
     }
 }
 
@@ -362,8 +301,7 @@ async fn serve_here<A: Admission>(
 ///
 /// NB (why): tokio's timer wakes its driver (a write to the runtime's eventfd and one more
 /// `epoll_wait`) whenever a timer is registered that fires before everything the driver
-/// already waits for, or while it waits for none. Every request registers timers (hyper's
-/// header read timeout while the connection waits for the next request head, the request
+/// already waits for, or while it waits for none. Every request registers a timer (the request
 /// deadline while it waits for the engine), so without a floor each request paid for that
 /// wake-up; with a timer never more than a second away, a timer of 30 s or 600 s is never the
 /// earliest.
@@ -421,67 +359,39 @@ async fn serve_tls<A: Admission>(
     }
 }
 
-/// Serves HTTP/1.1 on a client connection's stream (see [`connection`]).
+/// Serves HTTP/1.1 on a client connection's stream (see [`connection`] and `server`).
 async fn serve_stream<A: Admission, S>(stream: S, proxy: Proxy<A>, mut stop: StopWatch)
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let config = proxy.config();
-    let read_stall = config.read_stall;
-    let header_read_timeout = config.header_read_timeout;
+    let read_stall = proxy.config().read_stall;
     let watch = ConnWatch::new();
-    let service = {
-        let watch = Arc::clone(&watch);
-        hyper::service::service_fn(move |request: Request<Incoming>| {
-            let proxy = proxy.clone();
-            let watch = Arc::clone(&watch);
-            async move { Ok::<_, Infallible>(proxy.handle_on(request, Some(watch)).await) }
-        })
-    };
-    let io = WatchedIo {
-        io: TokioIo::new(stream),
-        watch: Arc::clone(&watch),
-    };
-    let conn = hyper::server::conn::http1::Builder::new()
-        .timer(TokioTimer::new())
-        .header_read_timeout(header_read_timeout)
-        .serve_connection(io, service);
+    let conn = super::server::serve(stream, proxy, Arc::clone(&watch), &mut stop);
     let mut conn = std::pin::pin!(conn);
-    let mut stopping = false;
     // The read-stall timer of the current blocked episode (its start, as stored).
     let mut stall: Option<(u64, Pin<Box<tokio::time::Sleep>>)> = None;
     std::future::poll_fn(|cx| {
-        loop {
-            if let Poll::Ready(result) = conn.as_mut().poll(cx) {
-                if let Err(err) = result {
-                    tracing::debug!(error = %err, "client connection ended");
-                }
-                return Poll::Ready(());
-            }
-            if !stopping && stop.poll_stopped(cx) {
-                stopping = true;
-                conn.as_mut().graceful_shutdown();
-                continue;
-            }
-            let Some((since, at)) = watch.stall_at(read_stall) else {
-                stall = None;
-                return Poll::Pending;
-            };
-            let timer = match &mut stall {
-                Some((episode, timer)) if *episode == since => timer,
-                _ => {
-                    &mut stall
-                        .insert((since, Box::pin(tokio::time::sleep_until(at))))
-                        .1
-                }
-            };
-            if timer.as_mut().poll(cx).is_ready() {
-                // Closing the connection drops the answer's body, which reports the cut.
-                watch.stalled.store(true, Ordering::Release);
-                return Poll::Ready(());
-            }
-            return Poll::Pending;
+        if conn.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(());
         }
+        let Some((since, at)) = watch.stall_at(read_stall) else {
+            stall = None;
+            return Poll::Pending;
+        };
+        let timer = match &mut stall {
+            Some((episode, timer)) if *episode == since => timer,
+            _ => {
+                &mut stall
+                    .insert((since, Box::pin(tokio::time::sleep_until(at))))
+                    .1
+            }
+        };
+        if timer.as_mut().poll(cx).is_ready() {
+            // Closing the connection drops the answer's body, which reports the cut.
+            watch.stalled.store(true, Ordering::Release);
+            return Poll::Ready(());
+        }
+        Poll::Pending
     })
     .await;
 }

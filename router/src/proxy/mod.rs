@@ -26,17 +26,19 @@
 //!   `502 upstream_unavailable` (`ApiError::UpstreamUnavailable`). Every abnormal end calls
 //!   `Permit::cut`.
 //! - A client that sends its request head slower than `header_read_timeout` is disconnected
-//!   (hyper's own bound); its body is bounded by the request deadline (400 when it does not
-//!   arrive in time).
+//!   (see `server`); its body is read whole before routing, bounded by the request deadline
+//!   (400 when it does not arrive in time) and `max_body_bytes` (413).
 //! - An observer ([`Proxy::with_observer`]) hears of every request once, when it ends (see
 //!   [`crate::observe`]).
 
 mod body;
 mod conn;
+mod server;
 mod sse;
 mod upstream;
 
 use std::borrow::Cow;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -236,21 +238,29 @@ impl<A: Admission> Proxy<A> {
         B: Body<Data = Bytes> + Send,
         B::Error: std::fmt::Display,
     {
-        self.handle_on(request, None).await
+        let arrival = Instant::now();
+        let (parts, body) = request.into_parts();
+        let config = self.config();
+        let (limit, deadline) = (config.max_body_bytes, arrival + config.request_deadline);
+        let body = async move {
+            tokio::time::timeout_at(deadline, read_body(body, limit))
+                .await
+                .unwrap_or_else(|_| Err(Failure::body_late()))
+        };
+        self.respond(parts, arrival, body, None).await
     }
 
-    async fn handle_on<B>(
+    /// Answers one request whose head arrived at `arrival`; `body` reads its body (within
+    /// the request deadline, and at most `max_body_bytes`). The observer hears of it once.
+    pub(crate) async fn respond(
         &self,
-        request: Request<B>,
+        parts: http::request::Parts,
+        arrival: Instant,
+        body: impl Future<Output = Result<Bytes, Failure>> + Send,
         conn: Option<Arc<ConnWatch>>,
-    ) -> Response<ProxyBody>
-    where
-        B: Body<Data = Bytes> + Send,
-        B::Error: std::fmt::Display,
-    {
-        let arrival = Instant::now();
+    ) -> Response<ProxyBody> {
         let mut watch = Watch::new(self.observer.as_ref());
-        match self.answer(request, arrival, conn, &mut watch).await {
+        match self.answer(parts, body, arrival, conn, &mut watch).await {
             Ok(response) => {
                 // A fixed body (`/v1/models`, a stream that ended before output): over now.
                 watch.end(response.status().as_u16(), None);
@@ -263,20 +273,16 @@ impl<A: Admission> Proxy<A> {
         }
     }
 
-    async fn answer<B>(
+    async fn answer(
         &self,
-        request: Request<B>,
+        mut parts: http::request::Parts,
+        body: impl Future<Output = Result<Bytes, Failure>>,
         arrival: Instant,
         conn: Option<Arc<ConnWatch>>,
         watch: &mut Watch,
-    ) -> Result<Response<ProxyBody>, Failure>
-    where
-        B: Body<Data = Bytes> + Send,
-        B::Error: std::fmt::Display,
-    {
+    ) -> Result<Response<ProxyBody>, Failure> {
         let shared = &*self.shared;
         let config = &shared.config;
-        let (mut parts, body) = request.into_parts();
         match (route(parts.uri.path()), &parts.method) {
             (Some(Route::Forward), &Method::POST) => {}
             (Some(Route::Models), &Method::GET) => return Ok(self.models()),
@@ -289,15 +295,7 @@ impl<A: Admission> Proxy<A> {
         }
 
         let deadline = arrival + config.request_deadline;
-        let body =
-            match tokio::time::timeout_at(deadline, read_body(body, config.max_body_bytes)).await {
-                Ok(body) => body?,
-                Err(_) => {
-                    return Err(Failure::Api(ApiError::InvalidRequest {
-                        detail: "the body did not arrive within the request deadline".to_string(),
-                    }));
-                }
-            };
+        let body = body.await?;
         let model = model_of(&body)?;
         watch.model(&model);
         let Some(deployment) = shared.admission.resolve(&model) else {
@@ -438,6 +436,25 @@ pub(crate) enum Failure {
 }
 
 impl Failure {
+    /// A request body over `limit` bytes.
+    pub(crate) fn too_large(limit: u64) -> Self {
+        Failure::Api(ApiError::RequestTooLarge { limit })
+    }
+
+    /// A request body that could not be read (cut short, badly framed).
+    pub(crate) fn unreadable(err: &dyn std::fmt::Display) -> Self {
+        Failure::Api(ApiError::InvalidRequest {
+            detail: format!("the body could not be read: {err}"),
+        })
+    }
+
+    /// A request body still arriving at the request deadline.
+    pub(crate) fn body_late() -> Self {
+        Failure::Api(ApiError::InvalidRequest {
+            detail: "the body did not arrive within the request deadline".to_string(),
+        })
+    }
+
     /// The engine could not be reached or broke off before any output.
     fn upstream(err: &dyn std::fmt::Display) -> Self {
         Failure::Api(ApiError::UpstreamUnavailable {
@@ -533,7 +550,7 @@ where
     B: Body<Data = Bytes>,
     B::Error: std::fmt::Display,
 {
-    let too_large = || Failure::Api(ApiError::RequestTooLarge { limit });
+    let too_large = || Failure::too_large(limit);
     if body.size_hint().lower() > limit {
         return Err(too_large());
     }
@@ -542,11 +559,7 @@ where
     let mut more: Option<BytesMut> = None;
     let mut total: u64 = 0;
     while let Some(frame) = body.as_mut().frame().await {
-        let frame = frame.map_err(|err| {
-            Failure::Api(ApiError::InvalidRequest {
-                detail: format!("the body could not be read: {err}"),
-            })
-        })?;
+        let frame = frame.map_err(|err| Failure::unreadable(&err))?;
         let Ok(data) = frame.into_data() else {
             continue;
         };

@@ -57,15 +57,17 @@ use tokio::time::Instant;
 pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// The longest response head read from an engine.
-const MAX_HEAD: usize = 64 * 1024;
+pub(super) const MAX_HEAD: usize = 64 * 1024;
 /// The most header lines in a response head.
-const MAX_HEADERS: usize = 100;
+pub(super) const MAX_HEADERS: usize = 100;
 /// The header lines a first parse has room for.
-const FEW_HEADERS: usize = 16;
+pub(super) const FEW_HEADERS: usize = 16;
 /// The longest chunk-size line (size, extensions).
 const MAX_CHUNK_LINE: usize = 4096;
 /// The longest trailer line of a chunked answer.
 const MAX_TRAILERS: usize = 64 * 1024;
+/// Whose chunked body [`decode_chunked`] reads here.
+const ANSWER: &str = "the engine's chunked answer";
 /// What one read asks of the socket at least.
 const READ_SIZE: usize = 16 * 1024;
 
@@ -211,46 +213,25 @@ fn head_of(
         Version::HTTP_11
     };
     let mut map = HeaderMap::with_capacity(response.headers.len());
-    let mut length: Option<u64> = None;
-    let mut chunked = false;
-    let mut encoded = false;
-    let mut keep = version == Version::HTTP_11;
-    let mut close = false;
+    let mut framing_headers = FramingHeaders::default();
     for h in response.headers.iter() {
         let name = HeaderName::from_bytes(h.name.as_bytes())
             .map_err(|_| invalid(format!("the engine's header name {:?}", h.name)))?;
         let value = HeaderValue::from_bytes(h.value)
             .map_err(|_| invalid(format!("the engine's header {name}: a value not allowed")))?;
-        if name == header::CONTENT_LENGTH {
-            let n = std::str::from_utf8(h.value)
-                .ok()
-                .map(str::trim)
-                .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
-                .and_then(|v| v.parse::<u64>().ok())
-                .ok_or_else(|| invalid("the engine's Content-Length is not a number"))?;
-            if length.is_some_and(|l| l != n) {
-                return Err(invalid("the engine sent two different Content-Lengths"));
-            }
-            length = Some(n);
-        } else if name == header::TRANSFER_ENCODING {
-            encoded = true;
-            chunked = value
-                .to_str()
-                .ok()
-                .and_then(|v| v.rsplit(',').next())
-                .is_some_and(|last| last.trim().eq_ignore_ascii_case("chunked"));
-        } else if name == header::CONNECTION {
-            let tokens = value.to_str().unwrap_or("");
-            for token in tokens.split(',').map(str::trim) {
-                if token.eq_ignore_ascii_case("close") {
-                    close = true;
-                } else if token.eq_ignore_ascii_case("keep-alive") && version == Version::HTTP_10 {
-                    keep = true;
-                }
-            }
-        }
+        framing_headers
+            .note(&name, &value)
+            .map_err(|what| invalid(format!("the engine's answer {what}")))?;
         map.append(name, value);
     }
+    let FramingHeaders {
+        length,
+        encoded,
+        chunked,
+        close,
+        keep_alive,
+    } = framing_headers;
+    let mut keep = version == Version::HTTP_11 || keep_alive;
     let framing = if status.is_informational()
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED
@@ -299,9 +280,61 @@ impl Framing {
     }
 }
 
+/// What a message's framing headers say (RFC 9112 6), gathered header by header; the same
+/// for a request (`super::server`) and an answer (here).
+#[derive(Debug, Default)]
+pub(super) struct FramingHeaders {
+    /// `Content-Length` (several must agree).
+    pub(super) length: Option<u64>,
+    /// A `Transfer-Encoding` is there.
+    pub(super) encoded: bool,
+    /// The last `Transfer-Encoding` ends in `chunked`.
+    pub(super) chunked: bool,
+    /// `Connection: close`.
+    pub(super) close: bool,
+    /// `Connection: keep-alive`.
+    pub(super) keep_alive: bool,
+}
+
+impl FramingHeaders {
+    /// Notes one header; what is wrong (to follow "the request" or "the engine's answer") when
+    /// a `Content-Length` is not a number or disagrees with an earlier one.
+    pub(super) fn note(
+        &mut self,
+        name: &HeaderName,
+        value: &HeaderValue,
+    ) -> Result<(), &'static str> {
+        if name == header::CONTENT_LENGTH {
+            let n = std::str::from_utf8(value.as_bytes())
+                .ok()
+                .map(str::trim)
+                .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|v| v.parse::<u64>().ok())
+                .ok_or("has a Content-Length that is not a number")?;
+            if self.length.is_some_and(|l| l != n) {
+                return Err("has two different Content-Lengths");
+            }
+            self.length = Some(n);
+        } else if name == header::TRANSFER_ENCODING {
+            self.encoded = true;
+            self.chunked = value
+                .to_str()
+                .ok()
+                .and_then(|v| v.rsplit(',').next())
+                .is_some_and(|last| last.trim().eq_ignore_ascii_case("chunked"));
+        } else if name == header::CONNECTION {
+            for token in value.to_str().unwrap_or("").split(',').map(str::trim) {
+                self.close |= token.eq_ignore_ascii_case("close");
+                self.keep_alive |= token.eq_ignore_ascii_case("keep-alive");
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Where a chunked body's decoding stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Chunk {
+pub(super) enum Chunk {
     /// At a chunk-size line.
     Size,
     /// Inside a chunk's data, this many bytes left.
@@ -317,7 +350,13 @@ enum Chunk {
 /// One step of chunked decoding over `buf`: the data that is there, if the encoding is at
 /// some (and `data` asks for it); advances `chunk` over sizes, CRLFs and trailers. `Ok(None)`
 /// with `chunk` not `Done`: more bytes are needed, or data is next and was not asked for.
-fn decode_chunked(chunk: &mut Chunk, buf: &mut BytesMut, data: bool) -> io::Result<Option<Bytes>> {
+/// Errors begin with `what` (whose body it is).
+pub(super) fn decode_chunked(
+    chunk: &mut Chunk,
+    buf: &mut BytesMut,
+    data: bool,
+    what: &str,
+) -> io::Result<Option<Bytes>> {
     loop {
         match *chunk {
             Chunk::Done => return Ok(None),
@@ -339,9 +378,7 @@ fn decode_chunked(chunk: &mut Chunk, buf: &mut BytesMut, data: bool) -> io::Resu
                     return Ok(None);
                 }
                 if &buf[..2] != b"\r\n" {
-                    return Err(invalid(
-                        "the engine's chunked answer: no CRLF after a chunk",
-                    ));
+                    return Err(invalid(format!("{what}: no CRLF after a chunk")));
                 }
                 buf.advance(2);
                 *chunk = Chunk::Size;
@@ -349,9 +386,7 @@ fn decode_chunked(chunk: &mut Chunk, buf: &mut BytesMut, data: bool) -> io::Resu
             Chunk::Size => {
                 let Some(end) = memchr::memchr(b'\n', buf) else {
                     if buf.len() > MAX_CHUNK_LINE {
-                        return Err(invalid(
-                            "the engine's chunked answer: a chunk-size line too long",
-                        ));
+                        return Err(invalid(format!("{what}: a chunk-size line too long")));
                     }
                     return Ok(None);
                 };
@@ -366,12 +401,12 @@ fn decode_chunked(chunk: &mut Chunk, buf: &mut BytesMut, data: bool) -> io::Resu
                     || digits > 15
                     || !(rest.is_empty() || matches!(rest[0], b';' | b' ' | b'\t'))
                 {
-                    return Err(invalid("the engine's chunked answer: a bad chunk size"));
+                    return Err(invalid(format!("{what}: a bad chunk size")));
                 }
                 let size = std::str::from_utf8(&line[..digits])
                     .ok()
                     .and_then(|d| u64::from_str_radix(d, 16).ok())
-                    .ok_or_else(|| invalid("the engine's chunked answer: a bad chunk size"))?;
+                    .ok_or_else(|| invalid(format!("{what}: a bad chunk size")))?;
                 buf.advance(end + 1);
                 *chunk = if size == 0 {
                     Chunk::Trailers
@@ -383,7 +418,7 @@ fn decode_chunked(chunk: &mut Chunk, buf: &mut BytesMut, data: bool) -> io::Resu
                 // Trailer lines up to an empty line; dropped.
                 let Some(end) = memchr::memchr(b'\n', buf) else {
                     if buf.len() > MAX_TRAILERS {
-                        return Err(invalid("the engine's chunked answer: trailers too long"));
+                        return Err(invalid(format!("{what}: trailers too long")));
                     }
                     return Ok(None);
                 };
@@ -639,7 +674,7 @@ impl UpstreamBody {
     /// without one more poll.
     fn advance(&mut self) {
         if let (Framing::Chunked(chunk), Some(conn)) = (&mut self.framing, self.conn.as_mut())
-            && decode_chunked(chunk, &mut conn.buf, false).is_err()
+            && decode_chunked(chunk, &mut conn.buf, false, ANSWER).is_err()
         {
             // Reported when the body is read next.
             return;
@@ -673,7 +708,7 @@ impl UpstreamBody {
                     }
                 }
                 Framing::Chunked(chunk) => {
-                    if let Some(data) = decode_chunked(chunk, &mut conn.buf, true)? {
+                    if let Some(data) = decode_chunked(chunk, &mut conn.buf, true, ANSWER)? {
                         self.advance();
                         return Poll::Ready(Some(Ok(data)));
                     }
@@ -872,7 +907,7 @@ mod tests {
         let mut out = Vec::new();
         for piece in encoded.chunks(step) {
             buf.extend_from_slice(piece);
-            while let Some(data) = decode_chunked(&mut chunk, &mut buf, true)? {
+            while let Some(data) = decode_chunked(&mut chunk, &mut buf, true, ANSWER)? {
                 out.extend_from_slice(&data);
             }
         }

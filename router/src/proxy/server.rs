@@ -1,0 +1,757 @@
+//! The listener's own server side of HTTP/1.1: one client connection's requests, one after
+//! another, each read whole, answered by [`Proxy::respond`] and written back frame by frame.
+//!
+//! NB (why not hyper's server): hyper's server connection hands each request body through a
+//! channel, arms and drops a boxed timer per request for its header read timeout, and parses
+//! and encodes in general form; by callgrind's count it was about 37% of the user-space
+//! instructions the listener spent per request (32 clients, not streamed). Here one read
+//! buffer per connection holds the head and the body (the request's `Uri`, header values and
+//! body are slices of it), the head timer is one per connection and only ever moved later,
+//! and an answer goes out in one `writev` per frame (see `router/DESIGN.md`, "Speed").
+//!
+//! The rules (RFC 9112):
+//! - **Head.** At most [`MAX_HEAD`] bytes and [`MAX_HEADERS`] lines, within
+//!   `header_read_timeout` from when the connection begins to wait for it (a connection idle
+//!   that long between requests is closed too). A head that cannot be parsed is answered
+//!   `400 invalid_request` saying what is wrong, and the connection is closed.
+//! - **Body.** Chunked when `Transfer-Encoding` ends in `chunked` (any other coding, chunked
+//!   together with `Content-Length`, or chunked in HTTP/1.0 is refused with 400), else
+//!   `Content-Length` (several must agree), else none. It is read whole before the request is
+//!   answered, within the request deadline: a declared length over `max_body_bytes` is refused
+//!   (413) before anything of it is read, and no `100 Continue` is sent; a chunked body is
+//!   refused once it passes the bound. `Expect: 100-continue` is answered when the body is
+//!   waited for. A body not read to its end closes the connection after the answer.
+//! - **While answering.** Until the answer is complete, the socket is read for the client's
+//!   end of stream, as hyper does: a client that closes its connection gives its request up
+//!   (its answer, or the wait for it, is dropped, which cuts the request). Bytes of a next
+//!   (pipelined) request stop that reading and wait for their turn.
+//! - **Answer.** `Content-Length` when the body's size is known, else chunked (for an HTTP/1.0
+//!   client: until the connection closes); a `Date`; `Connection: close` when the connection
+//!   ends after it (the client asked, HTTP/1.0 without keep-alive, a body not read to its end,
+//!   an answer shorter than its length, the listener stopping). A body frame goes out as soon
+//!   as the body yields it, and the next is asked for only once the socket took it, so a
+//!   client that reads nothing holds the engine's answer back (see `conn`'s read stall).
+//! - **Stopping.** A graceful stop closes a connection waiting for a request at once, and one
+//!   in a request after its answer.
+
+use std::future::{Future, poll_fn};
+use std::io::{self, IoSlice, Write as _};
+use std::pin::{Pin, pin};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use capyctl_crds::errors::ApiError;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Response, StatusCode, Uri, Version};
+use http_body::Body;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
+use tokio::time::{Instant, Sleep};
+
+use super::conn::{ConnWatch, StopWatch};
+use super::upstream::{Chunk, FEW_HEADERS, FramingHeaders, MAX_HEAD, MAX_HEADERS, decode_chunked};
+use super::{Failure, Proxy, ProxyBody};
+use crate::admission::Admission;
+
+/// What one read asks of the socket at least.
+const READ_SIZE: usize = 8 * 1024;
+/// Whose chunked body [`decode_chunked`] reads here.
+const REQUEST_BODY: &str = "the chunked request body";
+/// How long, and for how many bytes, a connection closed with a request body not read to its
+/// end keeps reading (and dropping) what the client still sends, so that its answer is not
+/// lost to a reset (the kernel resets a connection closed with unread bytes).
+const LINGER: Duration = Duration::from_secs(1);
+const LINGER_BYTES: usize = 1024 * 1024;
+/// Room for a chunk-size line: 16 hex digits and CRLF.
+const SIZE_LINE: usize = 18;
+
+/// Serves HTTP/1.1 on a client connection until it closes, the client goes away or `stop`
+/// says so between requests.
+pub(super) async fn serve<A: Admission, S>(
+    io: S,
+    proxy: Proxy<A>,
+    watch: Arc<ConnWatch>,
+    stop: &mut StopWatch,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let config = proxy.config();
+    let (limit, request_deadline) = (config.max_body_bytes, config.request_deadline);
+    let header_read_timeout = config.header_read_timeout;
+    let mut conn = Server {
+        io,
+        buf: BytesMut::new(),
+        out: Vec::new(),
+        spans: Vec::new(),
+        watch,
+        head_timer: None,
+        read_closed: false,
+    };
+    loop {
+        let mut request = match conn.next_head(stop, header_read_timeout).await {
+            Next::Head(request) => request,
+            Next::Bad(detail) => {
+                tracing::debug!(%detail, "a request head that cannot be parsed");
+                let response = super::error_response(&ApiError::InvalidRequest { detail });
+                let exchange = Exchange {
+                    head: false,
+                    version: Version::HTTP_11,
+                    keep: false,
+                };
+                if conn.write_answer(response, &exchange, true).await.is_ok() {
+                    // The rest of what the client sent was not read.
+                    conn.close(true).await;
+                }
+                return;
+            }
+            Next::Closed => {
+                conn.close(false).await;
+                return;
+            }
+        };
+        let arrival = Instant::now();
+        let deadline = arrival + request_deadline;
+        let body = conn.read_body(&mut request, limit, deadline).await;
+        let Incoming {
+            parts,
+            keep,
+            unread,
+            ..
+        } = request;
+        let exchange = Exchange {
+            head: parts.method == Method::HEAD,
+            version: parts.version,
+            keep: keep && !unread,
+        };
+        let watch = Some(Arc::clone(&conn.watch));
+        let answered = conn
+            .until_gone(proxy.respond(parts, arrival, std::future::ready(body), watch))
+            .await;
+        let Some(response) = answered else {
+            tracing::debug!("the client went away before its answer");
+            return;
+        };
+        match conn.write_answer(response, &exchange, stop.stopped()).await {
+            Ok(true) => {}
+            Ok(false) => {
+                conn.close(unread).await;
+                return;
+            }
+            Err(err) => {
+                tracing::debug!(error = %err, "client connection ended");
+                return;
+            }
+        }
+    }
+}
+
+/// A request's head as the server keeps it.
+struct Incoming {
+    parts: http::request::Parts,
+    framing: Framing,
+    /// The client keeps the connection open after this exchange.
+    keep: bool,
+    /// `Expect: 100-continue`.
+    expect_continue: bool,
+    /// The body was not read to its end (refused, cut, late): the connection closes after
+    /// the answer.
+    unread: bool,
+}
+
+/// How a request body is framed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Framing {
+    Length(u64),
+    Chunked,
+}
+
+/// What the answer's framing depends on.
+struct Exchange {
+    /// A `HEAD` request: the answer has no body.
+    head: bool,
+    version: Version,
+    /// The connection may stay open after the answer.
+    keep: bool,
+}
+
+/// What waiting for a request head came to.
+// Moved once per request; boxing the head would cost an allocation per request instead.
+#[allow(clippy::large_enum_variant)]
+enum Next {
+    Head(Incoming),
+    /// A head that cannot be parsed, and what is wrong with it.
+    Bad(String),
+    /// The client closed the connection, was too slow, or the listener stops.
+    Closed,
+}
+
+/// Where a header's name and value lie in the head's bytes.
+#[derive(Debug, Clone, Copy)]
+struct Span {
+    name: (usize, usize),
+    value: (usize, usize),
+}
+
+/// A parsed request line, with the head's length.
+struct Line {
+    used: usize,
+    method: Method,
+    target: (usize, usize),
+    version: Version,
+}
+
+/// One client connection.
+struct Server<S> {
+    io: S,
+    /// Bytes read and not used yet.
+    buf: BytesMut,
+    /// The answer's head being written (kept for its capacity).
+    out: Vec<u8>,
+    /// The header lines of the head being parsed (kept for its capacity).
+    spans: Vec<Span>,
+    watch: Arc<ConnWatch>,
+    /// `header_read_timeout` for the head waited for; made at the first wait, then moved.
+    head_timer: Option<Pin<Box<Sleep>>>,
+    /// The client's side has ended (or failed): nothing more comes.
+    read_closed: bool,
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
+    /// Reads what the socket has into the buffer: the number of bytes (0: end of stream).
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        if self.buf.capacity() - self.buf.len() < READ_SIZE / 4 {
+            self.buf.reserve(READ_SIZE);
+        }
+        let polled = pin!(self.io.read_buf(&mut self.buf)).poll(cx);
+        if matches!(polled, Poll::Ready(Ok(0) | Err(_))) {
+            self.read_closed = true;
+        }
+        polled
+    }
+
+    /// Whether the client has gone: reads for its end of stream while nothing of a next
+    /// request is buffered (what it reads is kept for that request).
+    fn poll_gone(&mut self, cx: &mut Context<'_>) -> bool {
+        if self.read_closed {
+            return true;
+        }
+        if !self.buf.is_empty() {
+            return false;
+        }
+        matches!(self.poll_fill(cx), Poll::Ready(Ok(0) | Err(_)))
+    }
+
+    /// Waits for the next request head.
+    async fn next_head(&mut self, stop: &mut StopWatch, timeout: Duration) -> Next {
+        let mut waiting = false;
+        poll_fn(|cx| {
+            loop {
+                if !self.buf.is_empty() {
+                    match self.parse_head() {
+                        Ok(Some(request)) => return Poll::Ready(Next::Head(request)),
+                        Ok(None) if self.buf.len() >= MAX_HEAD => {
+                            return Poll::Ready(Next::Bad(format!(
+                                "the request head is longer than {} KiB",
+                                MAX_HEAD / 1024
+                            )));
+                        }
+                        Ok(None) => {}
+                        Err(detail) => return Poll::Ready(Next::Bad(detail)),
+                    }
+                } else if stop.poll_stopped(cx) {
+                    return Poll::Ready(Next::Closed);
+                }
+                if self.read_closed {
+                    return Poll::Ready(Next::Closed);
+                }
+                match self.poll_fill(cx) {
+                    Poll::Ready(Ok(n)) if n > 0 => continue,
+                    Poll::Ready(_) => return Poll::Ready(Next::Closed),
+                    Poll::Pending => {}
+                }
+                let timer = self
+                    .head_timer
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+                if !waiting {
+                    waiting = true;
+                    // Only ever later while the connection is busy: a cheap move in tokio's
+                    // timer wheel, not a new registration.
+                    timer.as_mut().reset(Instant::now() + timeout);
+                }
+                if timer.as_mut().poll(cx).is_ready() {
+                    tracing::debug!("no request head within header_read_timeout");
+                    return Poll::Ready(Next::Closed);
+                }
+                return Poll::Pending;
+            }
+        })
+        .await
+    }
+
+    /// Parses a complete head at the start of the buffer and takes it out; `None` if it is not
+    /// complete yet.
+    fn parse_head(&mut self) -> Result<Option<Incoming>, String> {
+        let Some(line) = parse_line(&self.buf, &mut self.spans)? else {
+            return Ok(None);
+        };
+        let head = self.buf.split_to(line.used).freeze();
+        incoming(&head, &line, &self.spans).map(Some)
+    }
+
+    /// Reads the request's body whole, within `deadline` and `limit` (see the module's notes).
+    async fn read_body(
+        &mut self,
+        request: &mut Incoming,
+        limit: u64,
+        deadline: Instant,
+    ) -> Result<Bytes, Failure> {
+        match request.framing {
+            Framing::Length(0) => return Ok(Bytes::new()),
+            Framing::Length(n) if n > limit => {
+                request.unread = true;
+                return Err(Failure::too_large(limit));
+            }
+            Framing::Length(n) if self.buf.len() as u64 >= n => {
+                return Ok(self.buf.split_to(n as usize).freeze());
+            }
+            _ => {}
+        }
+        let read = async {
+            if request.expect_continue {
+                self.send(&[b"HTTP/1.1 100 Continue\r\n\r\n"])
+                    .await
+                    .map_err(|err| Failure::unreadable(&err))?;
+            }
+            match request.framing {
+                Framing::Length(n) => self.read_length(n as usize).await,
+                Framing::Chunked => self.read_chunked(limit).await,
+            }
+        };
+        let read = match tokio::time::timeout_at(deadline, read).await {
+            Ok(read) => read,
+            Err(_) => Err(Failure::body_late()),
+        };
+        if read.is_err() {
+            request.unread = true;
+        }
+        read
+    }
+
+    async fn read_length(&mut self, n: usize) -> Result<Bytes, Failure> {
+        while self.buf.len() < n {
+            let missing = n - self.buf.len();
+            if self.buf.capacity() - self.buf.len() < missing.min(READ_SIZE) {
+                self.buf.reserve(missing.min(1024 * 1024));
+            }
+            match poll_fn(|cx| self.poll_fill(cx)).await {
+                Ok(0) => return Err(Failure::unreadable(&ClosedEarly)),
+                Ok(_) => {}
+                Err(err) => return Err(Failure::unreadable(&err)),
+            }
+        }
+        Ok(self.buf.split_to(n).freeze())
+    }
+
+    async fn read_chunked(&mut self, limit: u64) -> Result<Bytes, Failure> {
+        let mut chunk = Chunk::Size;
+        let mut body = BytesMut::new();
+        loop {
+            match decode_chunked(&mut chunk, &mut self.buf, true, REQUEST_BODY) {
+                Ok(Some(data)) => {
+                    if (body.len() + data.len()) as u64 > limit {
+                        return Err(Failure::too_large(limit));
+                    }
+                    body.extend_from_slice(&data);
+                    continue;
+                }
+                Ok(None) if chunk == Chunk::Done => return Ok(body.freeze()),
+                Ok(None) => {}
+                Err(err) => return Err(Failure::unreadable(&err)),
+            }
+            match poll_fn(|cx| self.poll_fill(cx)).await {
+                Ok(0) => return Err(Failure::unreadable(&ClosedEarly)),
+                Ok(_) => {}
+                Err(err) => return Err(Failure::unreadable(&err)),
+            }
+        }
+    }
+
+    /// Runs `answer` while watching for the client's end of stream: `None` if the client went
+    /// away first (`answer` is dropped then).
+    async fn until_gone<F: Future>(&mut self, answer: F) -> Option<F::Output> {
+        let mut answer = pin!(answer);
+        poll_fn(|cx| {
+            if let Poll::Ready(out) = answer.as_mut().poll(cx) {
+                return Poll::Ready(Some(out));
+            }
+            if self.poll_gone(cx) {
+                return Poll::Ready(None);
+            }
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// Writes an answer: its head, then its body frame by frame. `Ok(true)`: the connection
+    /// can take another request.
+    async fn write_answer(
+        &mut self,
+        response: Response<ProxyBody>,
+        exchange: &Exchange,
+        stopping: bool,
+    ) -> io::Result<bool> {
+        let (parts, body) = response.into_parts();
+        let mut body = pin!(body);
+        let status = parts.status;
+        let bodiless = exchange.head
+            || status.is_informational()
+            || status == StatusCode::NO_CONTENT
+            || status == StatusCode::NOT_MODIFIED;
+        let size = body.size_hint().exact();
+        let chunked = !bodiless && size.is_none() && exchange.version == Version::HTTP_11;
+        let until_close = !bodiless && size.is_none() && !chunked;
+        let mut keep = exchange.keep && !stopping && !until_close;
+
+        let mut out = std::mem::take(&mut self.out);
+        out.clear();
+        encode_head(&mut out, status, &parts.headers, size, chunked);
+        if !keep {
+            out.extend_from_slice(b"connection: close\r\n");
+        } else if exchange.version == Version::HTTP_10 {
+            out.extend_from_slice(b"connection: keep-alive\r\n");
+        }
+        out.extend_from_slice(b"\r\n");
+        drop(parts);
+
+        let written = self
+            .write_body(&out, body.as_mut(), bodiless, chunked)
+            .await;
+        self.out = out;
+        let written = written?;
+        if size.is_some_and(|size| !bodiless && written != size) {
+            keep = false;
+        }
+        poll_fn(|cx| Pin::new(&mut self.io).poll_flush(cx)).await?;
+        Ok(keep)
+    }
+
+    /// Writes `head` and the body's frames: the body bytes written.
+    async fn write_body(
+        &mut self,
+        head: &[u8],
+        mut body: Pin<&mut ProxyBody>,
+        bodiless: bool,
+        chunked: bool,
+    ) -> io::Result<u64> {
+        if bodiless {
+            self.send(&[head]).await?;
+            return Ok(0);
+        }
+        let mut head = Some(head);
+        let mut written = 0u64;
+        let mut size_line = [0u8; SIZE_LINE];
+        loop {
+            if body.is_end_stream() {
+                let end: &[u8] = if chunked { b"0\r\n\r\n" } else { b"" };
+                self.send(&[head.take().unwrap_or_default(), end]).await?;
+                return Ok(written);
+            }
+            let frame = match poll_fn(|cx| Poll::Ready(body.as_mut().poll_frame(cx))).await {
+                Poll::Ready(frame) => frame,
+                Poll::Pending => {
+                    // The body is not ready: what is written goes out now (the head, alone,
+                    // if it has not; a TLS stream's last record).
+                    if let Some(head) = head.take() {
+                        self.send(&[head]).await?;
+                    }
+                    poll_fn(|cx| Pin::new(&mut self.io).poll_flush(cx)).await?;
+                    self.until_gone(poll_fn(|cx| body.as_mut().poll_frame(cx)))
+                        .await
+                        .ok_or_else(|| io::Error::from(io::ErrorKind::ConnectionAborted))?
+                }
+            };
+            let data = match frame {
+                None => {
+                    let end: &[u8] = if chunked { b"0\r\n\r\n" } else { b"" };
+                    self.send(&[head.take().unwrap_or_default(), end]).await?;
+                    return Ok(written);
+                }
+                Some(Err(err)) => return Err(err),
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) if !data.is_empty() => data,
+                    // Trailers, or nothing: nothing to send.
+                    _ => continue,
+                },
+            };
+            let head_bytes = head.take().unwrap_or_default();
+            if chunked {
+                let mut line = &mut size_line[..];
+                write!(line, "{:x}\r\n", data.len())?;
+                let line_len = SIZE_LINE - line.len();
+                let tail: &[u8] = if body.is_end_stream() {
+                    b"\r\n0\r\n\r\n"
+                } else {
+                    b"\r\n"
+                };
+                self.send(&[head_bytes, &size_line[..line_len], &data, tail])
+                    .await?;
+            } else {
+                self.send(&[head_bytes, &data]).await?;
+            }
+            written += data.len() as u64;
+            if body.is_end_stream() {
+                return Ok(written);
+            }
+        }
+    }
+
+    /// Writes every byte of `bufs`, with as few writes as the socket allows, telling the
+    /// connection's watch whether the socket takes them.
+    async fn send(&mut self, bufs: &[&[u8]]) -> io::Result<()> {
+        let mut storage = [IoSlice::new(&[]); 4];
+        let count = bufs.len().min(storage.len());
+        for (slot, buf) in storage.iter_mut().zip(bufs) {
+            *slot = IoSlice::new(buf);
+        }
+        let mut slices = &mut storage[..count];
+        IoSlice::advance_slices(&mut slices, 0);
+        while !slices.is_empty() {
+            let n = poll_fn(|cx| {
+                let polled = Pin::new(&mut self.io).poll_write_vectored(cx, slices);
+                match &polled {
+                    Poll::Ready(Ok(n)) if *n > 0 => self.watch.taken(),
+                    Poll::Pending => self.watch.refused(),
+                    Poll::Ready(_) => {}
+                }
+                polled
+            })
+            .await?;
+            if n == 0 {
+                return Err(io::ErrorKind::WriteZero.into());
+            }
+            IoSlice::advance_slices(&mut slices, n);
+        }
+        Ok(())
+    }
+
+    /// Ends the connection: shuts the writing side down and, when the client may still be
+    /// sending a body nobody read, reads and drops it for a while (see [`LINGER`]).
+    async fn close(&mut self, unread: bool) {
+        if poll_fn(|cx| Pin::new(&mut self.io).poll_shutdown(cx))
+            .await
+            .is_err()
+            || !unread
+            || self.read_closed
+        {
+            return;
+        }
+        let _ = tokio::time::timeout(LINGER, async {
+            let mut dropped = 0;
+            while dropped < LINGER_BYTES {
+                self.buf.clear();
+                match poll_fn(|cx| self.poll_fill(cx)).await {
+                    Ok(n) if n > 0 => dropped += n,
+                    _ => return,
+                }
+            }
+        })
+        .await;
+    }
+}
+
+/// The client closed its connection in the middle of a request body.
+#[derive(Debug)]
+struct ClosedEarly;
+
+impl std::fmt::Display for ClosedEarly {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the client closed the connection before the end of the body")
+    }
+}
+
+/// Parses a request line and header lines at the start of `buf`, noting where the header
+/// lines lie in `spans`; `None` if the head is not complete yet. Room for a few header lines
+/// first (clients send about six), for [`MAX_HEADERS`] only when that is too few.
+fn parse_line(buf: &[u8], spans: &mut Vec<Span>) -> Result<Option<Line>, String> {
+    let mut few = [httparse::EMPTY_HEADER; FEW_HEADERS];
+    let mut request = httparse::Request::new(&mut few);
+    match request.parse(buf) {
+        Err(httparse::Error::TooManyHeaders) => {
+            let mut many = [httparse::EMPTY_HEADER; MAX_HEADERS];
+            let mut request = httparse::Request::new(&mut many);
+            let parsed = request.parse(buf);
+            line_of(parsed, &request, buf, spans)
+        }
+        parsed => line_of(parsed, &request, buf, spans),
+    }
+}
+
+/// The line `parse_line` parsed.
+fn line_of(
+    parsed: httparse::Result<usize>,
+    request: &httparse::Request<'_, '_>,
+    buf: &[u8],
+    spans: &mut Vec<Span>,
+) -> Result<Option<Line>, String> {
+    let used = match parsed {
+        Ok(httparse::Status::Complete(used)) => used,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(httparse::Error::TooManyHeaders) => {
+            return Err(format!(
+                "the request head has more than {MAX_HEADERS} header lines"
+            ));
+        }
+        Err(err) => return Err(format!("the request head cannot be parsed: {err}")),
+    };
+    let base = buf.as_ptr() as usize;
+    let at = |part: &[u8]| {
+        let start = part.as_ptr() as usize - base;
+        (start, start + part.len())
+    };
+    let method = request.method.unwrap_or_default();
+    let method = Method::from_bytes(method.as_bytes())
+        .map_err(|_| format!("the request method {method:?} is not valid"))?;
+    let target = at(request.path.unwrap_or_default().as_bytes());
+    let version = if request.version == Some(0) {
+        Version::HTTP_10
+    } else {
+        Version::HTTP_11
+    };
+    spans.clear();
+    spans.extend(request.headers.iter().map(|h| Span {
+        name: at(h.name.as_bytes()),
+        value: at(h.value),
+    }));
+    Ok(Some(Line {
+        used,
+        method,
+        target,
+        version,
+    }))
+}
+
+/// The request's head from its bytes: its parts (the target and header values are slices of
+/// `head`), its body's framing and whether the connection stays open after it.
+fn incoming(head: &Bytes, line: &Line, spans: &[Span]) -> Result<Incoming, String> {
+    let version = line.version;
+    let uri = Uri::from_maybe_shared(head.slice(line.target.0..line.target.1))
+        .map_err(|err| format!("the request target is not valid: {err}"))?;
+    let mut headers = HeaderMap::with_capacity(spans.len());
+    let mut framing_headers = FramingHeaders::default();
+    let mut expect_continue = false;
+    for span in spans {
+        let raw_name = &head[span.name.0..span.name.1];
+        let name = HeaderName::from_bytes(raw_name).map_err(|_| {
+            format!(
+                "the header name {:?} is not valid",
+                String::from_utf8_lossy(raw_name)
+            )
+        })?;
+        let value = HeaderValue::from_maybe_shared(head.slice(span.value.0..span.value.1))
+            .map_err(|_| format!("the header {name} has a value that is not allowed"))?;
+        framing_headers
+            .note(&name, &value)
+            .map_err(|what| format!("the request {what}"))?;
+        if name == header::EXPECT {
+            expect_continue = value.as_bytes().eq_ignore_ascii_case(b"100-continue");
+        }
+        headers.append(name, value);
+    }
+    let FramingHeaders {
+        length,
+        encoded,
+        chunked,
+        close,
+        keep_alive,
+    } = framing_headers;
+    let framing = if encoded {
+        if !chunked {
+            return Err(
+                "the request has a Transfer-Encoding that does not end in chunked".to_string(),
+            );
+        }
+        if length.is_some() {
+            return Err("the request has both Transfer-Encoding and Content-Length".to_string());
+        }
+        if version == Version::HTTP_10 {
+            return Err("an HTTP/1.0 request cannot be chunked".to_string());
+        }
+        Framing::Chunked
+    } else {
+        Framing::Length(length.unwrap_or(0))
+    };
+    let mut parts = http::Request::new(()).into_parts().0;
+    parts.method = line.method.clone();
+    parts.uri = uri;
+    parts.version = version;
+    parts.headers = headers;
+    Ok(Incoming {
+        parts,
+        framing,
+        keep: if version == Version::HTTP_11 {
+            !close
+        } else {
+            keep_alive && !close
+        },
+        expect_continue: expect_continue && version == Version::HTTP_11,
+        unread: false,
+    })
+}
+
+/// Encodes an answer's status line and headers (without the closing empty line): the answer's
+/// own end-to-end headers, then its framing and a `Date` when it has none.
+fn encode_head(
+    out: &mut Vec<u8>,
+    status: StatusCode,
+    headers: &HeaderMap,
+    size: Option<u64>,
+    chunked: bool,
+) {
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\n");
+    for (name, value) in headers {
+        if name == header::CONTENT_LENGTH
+            || name == header::TRANSFER_ENCODING
+            || name == header::CONNECTION
+        {
+            continue;
+        }
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    if let Some(size) = size {
+        let _ = write!(out, "content-length: {size}\r\n");
+    } else if chunked {
+        out.extend_from_slice(b"transfer-encoding: chunked\r\n");
+    }
+    if !headers.contains_key(header::DATE) {
+        out.extend_from_slice(b"date: ");
+        date(out);
+        out.extend_from_slice(b"\r\n");
+    }
+}
+
+/// Appends the time now as an HTTP date, formatted at most once a second per thread.
+fn date(out: &mut Vec<u8>) {
+    thread_local! {
+        static DATE: std::cell::RefCell<(u64, String)> =
+            const { std::cell::RefCell::new((u64::MAX, String::new())) };
+    }
+    let now = std::time::SystemTime::now();
+    let secs = now
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    DATE.with(|date| {
+        let mut date = date.borrow_mut();
+        if date.0 != secs {
+            *date = (secs, httpdate::fmt_http_date(now));
+        }
+        out.extend_from_slice(date.1.as_bytes());
+    });
+}

@@ -1,0 +1,325 @@
+//! The listener's own HTTP/1.1 server side, through raw sockets: pipelining, `Expect:
+//! 100-continue`, HTTP/1.0 clients, chunked request bodies, and heads it refuses (with a 400
+//! that says what is wrong, and the connection closed).
+
+#![allow(clippy::unwrap_used)]
+
+mod proxy_support;
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+
+use capyctl_router::proxy::ProxyConfig;
+use proxy_support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+fn chat(stream: bool) -> String {
+    format!(
+        r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Hello"}}],"max_tokens":8,"stream":{stream}}}"#
+    )
+}
+
+fn post_head(body: &str) -> String {
+    format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    )
+}
+
+/// One answer as read off the wire.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    /// Header names in lower case.
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Answer {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap()
+    }
+}
+
+/// A client connection that reads answers one at a time (framed by `Content-Length`,
+/// chunked, or until close).
+struct Raw {
+    stream: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl Raw {
+    async fn open(addr: SocketAddr) -> Raw {
+        Raw {
+            stream: TcpStream::connect(addr).await.unwrap(),
+            buf: Vec::new(),
+        }
+    }
+
+    async fn send(&mut self, bytes: &[u8]) {
+        self.stream.write_all(bytes).await.unwrap();
+    }
+
+    /// Reads more; false at the end of the stream (or a reset).
+    async fn fill(&mut self) -> bool {
+        let mut chunk = [0u8; 16 * 1024];
+        let n = tokio::time::timeout(PATIENCE, self.stream.read(&mut chunk))
+            .await
+            .expect("the listener answers")
+            .unwrap_or(0);
+        self.buf.extend_from_slice(&chunk[..n]);
+        n > 0
+    }
+
+    async fn line(&mut self) -> String {
+        loop {
+            if let Some(end) = self.buf.windows(2).position(|w| w == b"\r\n") {
+                let line = String::from_utf8(self.buf[..end].to_vec()).unwrap();
+                self.buf.drain(..end + 2);
+                return line;
+            }
+            assert!(self.fill().await, "closed in a line: {:?}", self.buf);
+        }
+    }
+
+    async fn exactly(&mut self, n: usize) -> Vec<u8> {
+        while self.buf.len() < n {
+            assert!(self.fill().await, "closed in a body");
+        }
+        self.buf.drain(..n).collect()
+    }
+
+    async fn answer(&mut self) -> Answer {
+        let status_line = self.line().await;
+        let status = status_line
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("a status line: {status_line:?}"));
+        let mut headers = Vec::new();
+        loop {
+            let line = self.line().await;
+            if line.is_empty() {
+                break;
+            }
+            let (name, value) = line.split_once(':').unwrap();
+            headers.push((name.to_ascii_lowercase(), value.trim().to_string()));
+        }
+        let mut answer = Answer {
+            status,
+            headers,
+            body: Vec::new(),
+        };
+        if status == 100 {
+            return answer;
+        }
+        if let Some(length) = answer.header("content-length") {
+            let length = length.parse().unwrap();
+            answer.body = self.exactly(length).await;
+        } else if answer.header("transfer-encoding") == Some("chunked") {
+            loop {
+                let size = usize::from_str_radix(&self.line().await, 16).unwrap();
+                let data = self.exactly(size).await;
+                assert_eq!(self.line().await, "");
+                if size == 0 {
+                    break;
+                }
+                answer.body.extend_from_slice(&data);
+            }
+        } else {
+            while self.fill().await {}
+            answer.body = std::mem::take(&mut self.buf);
+        }
+        answer
+    }
+
+    /// Whether the listener closed the connection (after what it sent was read).
+    async fn closed(&mut self) -> bool {
+        !self.fill().await && self.buf.is_empty()
+    }
+}
+
+#[tokio::test]
+async fn pipelined_requests_are_answered_in_their_order() {
+    let sim = start_sim(&[]).await;
+    let proxy = start_proxy(TestAdmission::new(sim), ProxyConfig::default()).await;
+    let mut raw = Raw::open(proxy).await;
+    let body = chat(false);
+    let requests = format!(
+        "GET /v1/models HTTP/1.1\r\nhost: t\r\n\r\n{}{body}GET /v1/nothing HTTP/1.1\r\nhost: t\r\n\r\n{}{body}",
+        post_head(&body),
+        post_head(&body),
+    );
+    raw.send(requests.as_bytes()).await;
+    let models = raw.answer().await;
+    assert_eq!(models.status, 200);
+    assert_eq!(models.json()["object"], "list");
+    // The listener's own answers carry a date, as the engine's do.
+    assert!(models.header("date").is_some(), "{models:?}");
+    let first = raw.answer().await;
+    assert_eq!(first.status, 200);
+    assert_eq!(first.json()["object"], "chat.completion");
+    let missing = raw.answer().await;
+    assert_eq!(missing.status, 404);
+    assert_eq!(missing.json()["code"], "not_found");
+    let second = raw.answer().await;
+    assert_eq!(second.status, 200);
+    assert_eq!(second.json()["object"], "chat.completion");
+    assert!(second.header("connection").is_none(), "kept open");
+}
+
+#[tokio::test]
+async fn expect_100_continue_is_answered_before_the_body_is_sent() {
+    let sim = start_sim(&[]).await;
+    let proxy = start_proxy(TestAdmission::new(sim), ProxyConfig::default()).await;
+    let mut raw = Raw::open(proxy).await;
+    let body = chat(false);
+    let head = post_head(&body).replace("\r\n\r\n", "\r\nexpect: 100-continue\r\n\r\n");
+    raw.send(head.as_bytes()).await;
+    let go_on = raw.answer().await;
+    assert_eq!(go_on.status, 100);
+    raw.send(body.as_bytes()).await;
+    let answer = raw.answer().await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.json()["object"], "chat.completion");
+}
+
+#[tokio::test]
+async fn a_declared_body_over_the_bound_is_refused_before_it_is_sent() {
+    let sim = start_sim(&[]).await;
+    let admission = TestAdmission::new(sim);
+    let record = std::sync::Arc::clone(&admission.record);
+    let config = ProxyConfig {
+        max_body_bytes: 1024,
+        ..ProxyConfig::default()
+    };
+    let proxy = start_proxy(admission, config).await;
+    let mut raw = Raw::open(proxy).await;
+    raw.send(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-length: 5000\r\nexpect: 100-continue\r\n\r\n",
+    )
+    .await;
+    // No `100 Continue`: the refusal itself, and the connection ends.
+    let answer = raw.answer().await;
+    assert_eq!(answer.status, 413);
+    assert_eq!(answer.json()["code"], "request_too_large");
+    assert_eq!(answer.header("connection"), Some("close"));
+    assert!(raw.closed().await);
+    assert_eq!(record.entered.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn a_chunked_request_body_is_read_whole_however_it_arrives() {
+    let sim = start_sim(&[]).await;
+    let proxy = start_proxy(TestAdmission::new(sim), ProxyConfig::default()).await;
+    let mut raw = Raw::open(proxy).await;
+    let body = chat(false);
+    let (a, b) = body.split_at(10);
+    raw.send(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n",
+    )
+    .await;
+    raw.send(format!("{:x};ext=1\r\n{a}\r\n", a.len()).as_bytes())
+        .await;
+    raw.send(format!("{:x}\r\n{b}\r\n0\r\nx-trailer: 1\r\n", b.len()).as_bytes())
+        .await;
+    raw.send(b"\r\n").await;
+    let answer = raw.answer().await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    assert_eq!(answer.json()["object"], "chat.completion");
+}
+
+#[tokio::test]
+async fn an_http_1_0_client_gets_its_answer_and_the_connection_closes() {
+    let sim = start_sim(&[]).await;
+    let proxy = start_proxy(TestAdmission::new(sim), ProxyConfig::default()).await;
+    for streamed in [false, true] {
+        let mut raw = Raw::open(proxy).await;
+        let body = chat(streamed);
+        let head = post_head(&body).replace("HTTP/1.1", "HTTP/1.0");
+        raw.send(format!("{head}{body}").as_bytes()).await;
+        let answer = raw.answer().await;
+        assert_eq!(answer.status, 200, "{answer:?}");
+        assert_eq!(answer.header("connection"), Some("close"));
+        // Never chunked: HTTP/1.0 has no chunked coding; a stream runs until the close.
+        assert!(answer.header("transfer-encoding").is_none(), "{answer:?}");
+        if streamed {
+            assert!(answer.body.ends_with(b"data: [DONE]\n\n"), "{answer:?}");
+        } else {
+            assert_eq!(answer.json()["object"], "chat.completion");
+        }
+        assert!(raw.closed().await);
+    }
+    // With keep-alive asked for, the connection stays for the next request.
+    let mut raw = Raw::open(proxy).await;
+    let body = chat(false);
+    let head = post_head(&body)
+        .replace("HTTP/1.1", "HTTP/1.0")
+        .replace("\r\n\r\n", "\r\nconnection: keep-alive\r\n\r\n");
+    raw.send(format!("{head}{body}").as_bytes()).await;
+    let answer = raw.answer().await;
+    assert_eq!(answer.header("connection"), Some("keep-alive"));
+    raw.send(b"GET /v1/models HTTP/1.0\r\n\r\n").await;
+    assert_eq!(raw.answer().await.status, 200);
+}
+
+#[tokio::test]
+async fn a_head_that_cannot_be_read_is_a_400_that_says_why() {
+    let sim = start_sim(&[]).await;
+    let admission = TestAdmission::new(sim);
+    let record = std::sync::Arc::clone(&admission.record);
+    let proxy = start_proxy(admission, ProxyConfig::default()).await;
+    let many: String = (0..101).map(|i| format!("x-h{i}: 1\r\n")).collect();
+    let long = format!("x-long: {}\r\n", "a".repeat(70 * 1024));
+    let cases = [
+        (
+            "transfer-encoding: gzip\r\n".to_string(),
+            "does not end in chunked",
+        ),
+        (
+            "transfer-encoding: chunked\r\ncontent-length: 3\r\n".to_string(),
+            "both Transfer-Encoding and Content-Length",
+        ),
+        (
+            "content-length: 3\r\ncontent-length: 4\r\n".to_string(),
+            "two different Content-Lengths",
+        ),
+        ("content-length: 3x\r\n".to_string(), "not a number"),
+        (many, "more than 100 header lines"),
+        (long, "longer than 64 KiB"),
+        ("bad header\r\n".to_string(), "cannot be parsed"),
+    ];
+    for (headers, says) in cases {
+        let mut raw = Raw::open(proxy).await;
+        let head = format!("POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\n{headers}\r\n");
+        raw.send(head.as_bytes()).await;
+        let answer = raw.answer().await;
+        assert_eq!(answer.status, 400, "{says}: {answer:?}");
+        let body = answer.json();
+        assert_eq!(body["code"], "invalid_request", "{says}");
+        let message = body["message"].as_str().unwrap();
+        assert!(message.contains(says), "{says}: {message}");
+        assert_eq!(answer.header("connection"), Some("close"));
+        assert!(raw.closed().await, "{says}: still open");
+    }
+    let mut raw = Raw::open(proxy).await;
+    raw.send(b"POST /v1/chat/completions HTTP/1.0\r\ntransfer-encoding: chunked\r\n\r\n")
+        .await;
+    let answer = raw.answer().await;
+    assert_eq!(answer.status, 400);
+    assert!(
+        answer.json()["message"]
+            .as_str()
+            .unwrap()
+            .contains("HTTP/1.0 request cannot be chunked")
+    );
+    assert_eq!(record.entered.load(Ordering::SeqCst), 0);
+}
