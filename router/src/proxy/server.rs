@@ -50,7 +50,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::time::{Instant, Sleep};
 
 use super::conn::{ConnWatch, StopWatch};
-use super::upstream::{Chunk, FEW_HEADERS, FramingHeaders, MAX_HEAD, MAX_HEADERS, decode_chunked};
+use super::upstream::{
+    Chunk, FEW_HEADERS, FramingHeaders, MAX_HEAD, MAX_HEADERS, decode_chunked, push_headers,
+};
 use super::{Failure, Proxy, ProxyBody};
 use crate::admission::Admission;
 
@@ -713,18 +715,7 @@ fn encode_head(
     out.push(b' ');
     out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
     out.extend_from_slice(b"\r\n");
-    for (name, value) in headers {
-        if name == header::CONTENT_LENGTH
-            || name == header::TRANSFER_ENCODING
-            || name == header::CONNECTION
-        {
-            continue;
-        }
-        out.extend_from_slice(name.as_str().as_bytes());
-        out.extend_from_slice(b": ");
-        out.extend_from_slice(value.as_bytes());
-        out.extend_from_slice(b"\r\n");
-    }
+    push_headers(out, headers, false);
     if let Some(size) = size {
         let _ = write!(out, "content-length: {size}\r\n");
     } else if chunked {

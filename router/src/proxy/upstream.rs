@@ -432,6 +432,25 @@ pub(super) fn decode_chunked(
     }
 }
 
+/// Appends `headers` as header lines, but for the framing ones (`Content-Length`,
+/// `Transfer-Encoding`, `Connection`), which each side of the listener writes itself, and
+/// `Host` when `host` (it is written first).
+pub(super) fn push_headers(out: &mut Vec<u8>, headers: &HeaderMap, host: bool) {
+    for (name, value) in headers {
+        if name == header::CONTENT_LENGTH
+            || name == header::TRANSFER_ENCODING
+            || name == header::CONNECTION
+            || (host && name == header::HOST)
+        {
+            continue;
+        }
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+}
+
 /// Encodes a request head: request line, `Host`, the end-to-end headers, `Content-Length`.
 fn encode_head(parts: &http::request::Parts, host: &HeaderValue, length: usize) -> Vec<u8> {
     let target = parts
@@ -445,19 +464,7 @@ fn encode_head(parts: &http::request::Parts, host: &HeaderValue, length: usize) 
     head.extend_from_slice(b" HTTP/1.1\r\nhost: ");
     head.extend_from_slice(host.as_bytes());
     head.extend_from_slice(b"\r\n");
-    for (name, value) in &parts.headers {
-        if name == header::HOST
-            || name == header::CONTENT_LENGTH
-            || name == header::TRANSFER_ENCODING
-            || name == header::CONNECTION
-        {
-            continue;
-        }
-        head.extend_from_slice(name.as_str().as_bytes());
-        head.extend_from_slice(b": ");
-        head.extend_from_slice(value.as_bytes());
-        head.extend_from_slice(b"\r\n");
-    }
+    push_headers(&mut head, &parts.headers, true);
     head.extend_from_slice(b"content-length: ");
     head.extend_from_slice(length.to_string().as_bytes());
     head.extend_from_slice(b"\r\n\r\n");
