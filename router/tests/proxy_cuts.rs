@@ -266,6 +266,61 @@ async fn an_oversized_piece_ends_the_stream() {
 }
 
 #[tokio::test]
+async fn an_oversized_piece_after_the_role_chunk_is_output_however_it_is_framed() {
+    // An engine that sends the opening role chunk, then one 72 KiB event in 16 KiB chunks of
+    // the chunked coding: the listener sees it as frames of at most 16 KiB, whose sum passes
+    // the 64 KiB bound before the event ends. That is one oversized piece (output: the model
+    // parks), not many small pieces held back before any output (the model would stop).
+    let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = engine.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut socket, _) = engine.accept().await.unwrap();
+        let mut buf = vec![0; 4096];
+        let mut seen = Vec::new();
+        while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = socket.read(&mut buf).await.unwrap();
+            seen.extend_from_slice(&buf[..n]);
+        }
+        let role = b"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"},\"index\":0}]}\n\n";
+        let mut event = b"data: {\"choices\":[{\"delta\":{\"content\":\"".to_vec();
+        event.resize(72 * 1024, b'a');
+        event.extend_from_slice(b"\"},\"index\":0}]}\n\n");
+        let mut answer =
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                .to_vec();
+        for chunk in std::iter::once(&role[..]).chain(event.chunks(16 * 1024)) {
+            answer.extend_from_slice(format!("{:x}\r\n", chunk.len()).as_bytes());
+            answer.extend_from_slice(chunk);
+            answer.extend_from_slice(b"\r\n");
+        }
+        // Sent whole: however the bytes arrive, each chunk is a frame of its own.
+        let _ = socket.write_all(&answer).await;
+        loop {
+            match socket.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+    });
+    let admission = TestAdmission::new(addr);
+    let record = Arc::clone(&admission.record);
+    let proxy = start_proxy(admission, ProxyConfig::default()).await;
+    let (status, _, body) = post(proxy, "/v1/chat/completions", &chat(true, 5)).await;
+    assert_eq!(status, StatusCode::OK);
+    let text = String::from_utf8_lossy(&body);
+    assert!(text.contains(r#""role":"assistant""#), "{text}");
+    assert!(text.contains("piece_too_large"), "{text}");
+    record
+        .wait("the cut", |r| r.cut_count() == 1 && live(r) == 0)
+        .await;
+    assert_eq!(
+        *record.cuts.lock().unwrap(),
+        [true],
+        "an oversized piece is output"
+    );
+}
+
+#[tokio::test]
 async fn an_oversized_piece_later_in_the_stream_ends_it_too() {
     let sim = start_sim(&[]).await;
     // Completions: no role in the first piece, so pieces differ only by their words.
