@@ -22,6 +22,15 @@ fn chat(stream: bool, max_tokens: u64) -> String {
     )
 }
 
+/// A whole chat request as a client writes it on the wire.
+fn raw_chat(stream: bool, max_tokens: u64) -> String {
+    let body = chat(stream, max_tokens);
+    format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+}
+
 fn live(record: &Record) -> usize {
     record.live.load(Ordering::SeqCst)
 }
@@ -91,12 +100,10 @@ async fn a_client_that_stops_reading_is_cut_and_its_connection_closed() {
     let proxy = start_proxy(admission, config).await;
 
     let mut stream = tokio::net::TcpStream::connect(proxy).await.unwrap();
-    let body = chat(true, 100_000_000);
-    let request = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).await.unwrap();
+    stream
+        .write_all(raw_chat(true, 100_000_000).as_bytes())
+        .await
+        .unwrap();
     // Read nothing until the proxy gives up.
     record
         .wait("the stall cut", |r| r.cut_count() == 1 && live(r) == 0)
@@ -127,12 +134,10 @@ async fn stream_with_small_receive_buffer(
     let socket = tokio::net::TcpSocket::new_v4().unwrap();
     socket.set_recv_buffer_size(4096).unwrap();
     let mut stream = socket.connect(proxy).await.unwrap();
-    let body = chat(true, max_tokens);
-    let request = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).await.unwrap();
+    stream
+        .write_all(raw_chat(true, max_tokens).as_bytes())
+        .await
+        .unwrap();
     let mut seen = Vec::new();
     let mut buf = vec![0; 4096];
     while !String::from_utf8_lossy(&seen).contains("data: ") {
@@ -271,37 +276,20 @@ async fn an_oversized_piece_after_the_role_chunk_is_output_however_it_is_framed(
     // the chunked coding: the listener sees it as frames of at most 16 KiB, whose sum passes
     // the 64 KiB bound before the event ends. That is one oversized piece (output: the model
     // parks), not many small pieces held back before any output (the model would stop).
-    let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = engine.local_addr().unwrap();
-    tokio::spawn(async move {
-        let (mut socket, _) = engine.accept().await.unwrap();
-        let mut buf = vec![0; 4096];
-        let mut seen = Vec::new();
-        while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
-            let n = socket.read(&mut buf).await.unwrap();
-            seen.extend_from_slice(&buf[..n]);
-        }
-        let role = b"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"},\"index\":0}]}\n\n";
-        let mut event = b"data: {\"choices\":[{\"delta\":{\"content\":\"".to_vec();
-        event.resize(72 * 1024, b'a');
-        event.extend_from_slice(b"\"},\"index\":0}]}\n\n");
-        let mut answer =
-            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-                .to_vec();
-        for chunk in std::iter::once(&role[..]).chain(event.chunks(16 * 1024)) {
-            answer.extend_from_slice(format!("{:x}\r\n", chunk.len()).as_bytes());
-            answer.extend_from_slice(chunk);
-            answer.extend_from_slice(b"\r\n");
-        }
-        // Sent whole: however the bytes arrive, each chunk is a frame of its own.
-        let _ = socket.write_all(&answer).await;
-        loop {
-            match socket.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(_) => {}
-            }
-        }
-    });
+    let role = b"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"},\"index\":0}]}\n\n";
+    let mut event = b"data: {\"choices\":[{\"delta\":{\"content\":\"".to_vec();
+    event.resize(72 * 1024, b'a');
+    event.extend_from_slice(b"\"},\"index\":0}]}\n\n");
+    let mut answer =
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            .to_vec();
+    for chunk in std::iter::once(&role[..]).chain(event.chunks(16 * 1024)) {
+        answer.extend_from_slice(format!("{:x}\r\n", chunk.len()).as_bytes());
+        answer.extend_from_slice(chunk);
+        answer.extend_from_slice(b"\r\n");
+    }
+    // Sent whole: however the bytes arrive, each chunk is a frame of its own.
+    let (addr, _closed) = raw_engine(answer).await;
     let admission = TestAdmission::new(addr);
     let record = Arc::clone(&admission.record);
     let proxy = start_proxy(admission, ProxyConfig::default()).await;
@@ -514,30 +502,11 @@ async fn an_admission_that_never_answers_is_the_503_one_grace_after_the_deadline
 #[tokio::test]
 async fn a_non_streamed_body_silent_past_the_idle_bound_is_cut() {
     // An engine that sends the head and part of a non-streamed body, then nothing.
-    let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = engine.local_addr().unwrap();
-    let (closed_tx, closed_rx) = tokio::sync::oneshot::channel();
-    tokio::spawn(async move {
-        let (mut socket, _) = engine.accept().await.unwrap();
-        let mut buf = vec![0; 4096];
-        let mut seen = Vec::new();
-        while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
-            let n = socket.read(&mut buf).await.unwrap();
-            seen.extend_from_slice(&buf[..n]);
-        }
-        socket
-            .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"partial\":")
-            .await
-            .unwrap();
-        // Read until the router gives the connection up.
-        loop {
-            match socket.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(_) => {}
-            }
-        }
-        let _ = closed_tx.send(());
-    });
+    let (addr, closed_rx) = raw_engine(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"partial\":"
+            .to_vec(),
+    )
+    .await;
     let admission = TestAdmission::new(addr);
     let record = Arc::clone(&admission.record);
     let config = ProxyConfig {
@@ -606,4 +575,43 @@ async fn never_more_than_the_permit_limit_at_the_engine() {
     assert_eq!(record.cut_count(), 0);
     let state = sim_state(sim).await;
     assert_eq!(state["completed"], 40, "{state}");
+}
+
+#[tokio::test]
+async fn a_client_that_reads_nothing_of_a_large_whole_answer_is_cut_too() {
+    // An engine with an 8 MiB non-streamed answer, more than every buffer between it and a
+    // client with a small receive buffer that reads nothing: the listener does not hold the
+    // permit for as long as the client likes.
+    let size = 8 * 1024 * 1024;
+    let mut answer = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {size}\r\n\r\n"
+    )
+    .into_bytes();
+    answer.resize(answer.len() + size, b' ');
+    let (addr, closed_rx) = raw_engine(answer).await;
+    let admission = TestAdmission::new(addr);
+    let record = Arc::clone(&admission.record);
+    let config = ProxyConfig {
+        read_stall: Duration::from_secs(1),
+        client_unsent_limit: 1024,
+        ..ProxyConfig::default()
+    };
+    let proxy = start_proxy(admission, config).await;
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stream = socket.connect(proxy).await.unwrap();
+    stream
+        .write_all(raw_chat(false, 5).as_bytes())
+        .await
+        .unwrap();
+    // From here on the client reads nothing.
+    record
+        .wait("the stall cut", |r| r.cut_count() == 1 && live(r) == 0)
+        .await;
+    assert_eq!(*record.cuts.lock().unwrap(), [true], "cut after output");
+    tokio::time::timeout(PATIENCE, closed_rx)
+        .await
+        .expect("the engine's connection is closed")
+        .unwrap();
+    drop(stream);
 }

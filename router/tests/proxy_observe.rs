@@ -101,11 +101,7 @@ async fn every_request_is_reported_once_with_its_outcome() {
     // Nothing more comes: once the listener has stopped, every connection (and everything a
     // request held) is gone, and there were still five reports.
     stop.send(()).unwrap();
-    tokio::time::timeout(PATIENCE, server)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    until_stopped(server).await;
     assert_eq!(recorder.events.lock().unwrap().len(), 5);
 }
 
@@ -184,4 +180,41 @@ async fn hang_ups_are_reported_as_client_gone() {
     );
     assert_eq!(events[1].deployment_id.as_deref(), Some(DEPLOYMENT));
     assert!(events[1].waited > Duration::ZERO);
+}
+
+#[tokio::test]
+async fn a_request_dropped_while_its_body_arrives_is_reported_too() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let sim = start_sim(&[]).await;
+    let recorder = Arc::new(Recorder::default());
+    let (stop, stopped) = tokio::sync::oneshot::channel();
+    let config = ProxyConfig {
+        shutdown_grace: Duration::from_millis(100),
+        ..ProxyConfig::default()
+    };
+    let (proxy, server) =
+        start_observed_proxy_until(TestAdmission::new(sim), config, recorder.clone(), stopped)
+            .await;
+    let mut stream = tokio::net::TcpStream::connect(proxy).await.unwrap();
+    stream
+        .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-length: 100\r\nexpect: 100-continue\r\n\r\n")
+        .await
+        .unwrap();
+    // The `100 Continue` says that the listener waits for the body.
+    let mut buf = [0u8; 64];
+    let n = tokio::time::timeout(PATIENCE, stream.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(buf[..n].starts_with(b"HTTP/1.1 100 Continue"));
+    stream.write_all(b"{\"model\":").await.unwrap();
+    // The listener stops; its grace runs out with the body still not there.
+    stop.send(()).unwrap();
+    until_stopped(server).await;
+    let events = recorder.events.lock().unwrap().clone();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(
+        (events[0].status, events[0].code),
+        (observe::STATUS_CLIENT_GONE, Some(observe::CLIENT_GONE))
+    );
 }

@@ -53,11 +53,7 @@ async fn answers_in_progress_finish_after_the_signal() {
     stop.send(()).unwrap();
     let rest = body.collect().await.unwrap().to_bytes();
     assert!(rest.ends_with(b"data: [DONE]\n\n"), "{first:?} {rest:?}");
-    tokio::time::timeout(PATIENCE, server)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    until_stopped(server).await;
     assert!(
         tokio::net::TcpStream::connect(proxy).await.is_err(),
         "still accepting"
@@ -72,11 +68,7 @@ async fn the_grace_bounds_the_shutdown() {
     let response = conn.post("/v1/chat/completions", &chat(1000)).await;
     assert_eq!(response.status(), StatusCode::OK);
     stop.send(()).unwrap();
-    tokio::time::timeout(PATIENCE, server)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    until_stopped(server).await;
     // The answer was dropped: the engine sees its client go away.
     wait_sim(sim, "aborted", 1).await;
     drop(response);

@@ -334,14 +334,22 @@ pub(crate) struct DirectBody {
     /// `None` once the request ended.
     charge: Option<Box<dyn Track>>,
     idle: IdleTimer,
+    /// Its client's connection, which tells whether it was closed for a read stall.
+    conn: Option<Arc<ConnWatch>>,
 }
 
 impl DirectBody {
-    pub(crate) fn new(inner: UpstreamBody, charge: Box<dyn Track>, idle: Duration) -> Self {
+    pub(crate) fn new(
+        inner: UpstreamBody,
+        charge: Box<dyn Track>,
+        idle: Duration,
+        conn: Option<Arc<ConnWatch>>,
+    ) -> Self {
         let mut body = Self {
             inner: Some(inner),
             charge: Some(charge),
             idle: IdleTimer::new(idle),
+            conn,
         };
         body.finish_if_ended();
         body
@@ -404,8 +412,14 @@ impl DirectBody {
 
 impl Drop for DirectBody {
     fn drop(&mut self) {
-        // Still charged: the client went away before the answer was complete.
-        self.give_up(observe::CLIENT_GONE);
+        // Still charged: the client went away before the answer was complete, or its
+        // connection was closed because it took nothing for `read_stall`.
+        let stalled = self.conn.as_ref().is_some_and(|c| c.stalled());
+        self.give_up(if stalled {
+            observe::READ_STALL
+        } else {
+            observe::CLIENT_GONE
+        });
     }
 }
 
@@ -575,7 +589,7 @@ pub(crate) struct StreamBody {
     over: bool,
     idle: IdleTimer,
     max_piece: usize,
-    /// Counts this answer as a stream in progress on its connection, while it lasts.
+    /// Its client's connection, which tells whether it was closed for a read stall.
     conn: Option<Arc<ConnWatch>>,
 }
 
@@ -587,9 +601,6 @@ impl StreamBody {
         first: Bytes,
         settings: StreamSettings,
     ) -> Self {
-        if let Some(conn) = &settings.conn {
-            conn.stream_began();
-        }
         Self {
             upstream: Some(upstream),
             charge: Some(charge),
@@ -739,9 +750,6 @@ impl Drop for StreamBody {
             } else {
                 observe::CLIENT_GONE
             });
-        }
-        if let Some(conn) = &self.conn {
-            conn.stream_ended();
         }
     }
 }

@@ -1,10 +1,12 @@
 //! Client connections: the accept loops, each connection's HTTP/1.1 server, and the watch on
 //! its socket that ends a streamed answer whose client reads nothing.
 //!
-//! NB (threads): with `listener_threads` > 0, [`serve`] runs that many accept loops, each on a
-//! current-thread runtime of its own (one per CPU by default), all on the one listening
-//! socket: whichever loop is free takes the next connection, and everything a connection does
-//! (its requests, its engine connections, its streamed answers) then happens on that one
+//! NB (threads): with `listener_threads` > 0, [`serve`] runs that many loops, each on a
+//! current-thread runtime of its own (one per CPU by default). The first accepts, and hands
+//! each connection to the loop with the fewest open connections (itself included): keep-alive
+//! clients spread evenly, where loops that each took whatever connection they woke for first
+//! split 32 clients about 20 to 12 and the busier thread set the pace. Everything a connection
+//! does (its requests, its engine connections, its streamed answers) then happens on that one
 //! thread, with no hand-over between threads. Each loop has its own pool of engine
 //! connections. The coordinator stays on the caller's runtime; a request reaches it only when
 //! it cannot take a lent slot (see `router/DESIGN.md`).
@@ -28,7 +30,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{oneshot, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
@@ -84,17 +86,17 @@ impl ConnWatch {
         }
     }
 
-    /// A streamed answer begins on the connection (its stall, if the socket is already full,
-    /// counts from now).
-    pub(crate) fn stream_began(&self) {
+    /// An answer begins to be written on the connection (its stall, if the socket is already
+    /// full, counts from now).
+    pub(crate) fn answer_began(&self) {
         self.streams.fetch_add(1, Ordering::Relaxed);
         if self.blocked_since.load(Ordering::Relaxed) != 0 {
             self.blocked_since.store(self.now(), Ordering::Relaxed);
         }
     }
 
-    /// A streamed answer on the connection ended.
-    pub(crate) fn stream_ended(&self) {
+    /// The answer being written on the connection ended (written, or given up).
+    pub(crate) fn answer_ended(&self) {
         self.streams.fetch_sub(1, Ordering::Relaxed);
     }
 
@@ -103,8 +105,8 @@ impl ConnWatch {
         self.stalled.load(Ordering::Acquire)
     }
 
-    /// When the current stall of a streamed answer reaches `read_stall`: the blocked episode
-    /// (its start, as stored) and that instant; `None` while nothing streamed is refused.
+    /// When the current stall of an answer being written reaches `read_stall`: the blocked
+    /// episode (its start, as stored) and that instant; `None` while nothing is refused.
     fn stall_at(&self, read_stall: Duration) -> Option<(u64, Instant)> {
         let since = self.blocked_since.load(Ordering::Relaxed);
         if since == 0 || self.streams.load(Ordering::Relaxed) == 0 {
@@ -201,14 +203,29 @@ pub async fn serve<A: Admission>(
 ) -> io::Result<()> {
     let threads = proxy.config().listener_threads;
     if threads == 0 {
-        return serve_here(listener, proxy, shutdown, std::future::pending()).await;
+        let source = Source::Listener {
+            listener,
+            handed: Vec::new(),
+            open: Arc::new([]),
+        };
+        return serve_here(source, 0, proxy, shutdown, std::future::pending()).await;
     }
-    let listener = listener.into_std()?;
+    let mut listener = Some(listener.into_std()?);
+    let open: Arc<[AtomicUsize]> = (0..threads).map(|_| AtomicUsize::new(0)).collect();
+    let (senders, mut receivers): (Vec<_>, Vec<_>) = (0..threads)
+        .map(|_| {
+            let (tx, rx) = mpsc::unbounded_channel::<std::net::TcpStream>();
+            (tx, Some(rx))
+        })
+        .unzip();
     // `true`: stop gracefully. Dropped (this future was): stop at once.
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut done = Vec::with_capacity(threads);
-    for i in 0..threads {
-        let listener = listener.try_clone()?;
+    for (i, receiver) in receivers.iter_mut().enumerate() {
+        // The first thread accepts; the others are handed their connections.
+        let accepting = listener.take().map(|listener| (listener, senders.clone()));
+        let receiver = receiver.take();
+        let open = Arc::clone(&open);
         let proxy = proxy.for_thread();
         let mut graceful = stop_rx.clone();
         let mut abort = stop_rx.clone();
@@ -221,19 +238,27 @@ pub async fn serve<A: Admission>(
                     .build()
                     .and_then(|runtime| {
                         runtime.block_on(async move {
-                            let listener = TcpListener::from_std(listener)?;
+                            let source = match (accepting, receiver) {
+                                (Some((listener, handed)), _) => Source::Listener {
+                                    listener: TcpListener::from_std(listener)?,
+                                    handed,
+                                    open,
+                                },
+                                (None, Some(receiver)) => Source::Handed(receiver, open),
+                                (None, None) => unreachable!("every thread has a receiver"),
+                            };
                             let shutdown = async move {
                                 let _ = graceful.wait_for(|stop| *stop).await;
                             };
                             let abort = async move { while abort.changed().await.is_ok() {} };
-                            serve_here(listener, proxy, shutdown, abort).await
+                            serve_here(source, i, proxy, shutdown, abort).await
                         })
                     });
                 let _ = tx.send(served);
             })?;
         done.push(rx);
     }
-    drop(listener);
+    drop(senders);
     shutdown.await;
     let _ = stop_tx.send(true);
     let mut result = Ok(());
@@ -247,9 +272,77 @@ pub async fn serve<A: Admission>(
     result
 }
 
-/// One accept loop, on the current runtime. `abort` ends everything at once.
+/// Where an accept loop's connections come from.
+enum Source {
+    /// The listening socket: each connection goes to the loop with the fewest open connections
+    /// (the lowest-numbered on a tie), this one or another (`handed`, by loop; empty when this
+    /// loop is the only one).
+    Listener {
+        listener: TcpListener,
+        handed: Vec<mpsc::UnboundedSender<std::net::TcpStream>>,
+        /// Open connections, by loop: counted up here when one is handed out, down by the
+        /// loop that served it when it ends.
+        open: Arc<[AtomicUsize]>,
+    },
+    /// Connections handed over by the loop that accepts.
+    Handed(
+        mpsc::UnboundedReceiver<std::net::TcpStream>,
+        Arc<[AtomicUsize]>,
+    ),
+}
+
+impl Source {
+    /// The next connection for loop `me`; `Ok(None)` once no more will come.
+    async fn next(&mut self, me: usize) -> io::Result<Option<TcpStream>> {
+        match self {
+            Source::Handed(receiver, _) => match receiver.recv().await {
+                Some(stream) => TcpStream::from_std(stream).map(Some),
+                None => Ok(None),
+            },
+            Source::Listener {
+                listener,
+                handed,
+                open,
+            } => loop {
+                let (stream, _) = listener.accept().await?;
+                let Some(to) = open
+                    .iter()
+                    .enumerate()
+                    .min_by_key(|(_, n)| n.load(Ordering::Relaxed))
+                    .map(|(i, _)| i)
+                else {
+                    return Ok(Some(stream));
+                };
+                open[to].fetch_add(1, Ordering::Relaxed);
+                if to == me {
+                    return Ok(Some(stream));
+                }
+                // Taken out of this loop's reactor, registered in the other's when received.
+                let handed_over = stream
+                    .into_std()
+                    .and_then(|stream| handed[to].send(stream).map_err(io::Error::other));
+                if let Err(err) = handed_over {
+                    open[to].fetch_sub(1, Ordering::Relaxed);
+                    tracing::warn!(error = %err, "handing a connection to a listener thread failed");
+                }
+            },
+        }
+    }
+
+    /// A connection of loop `me` ended.
+    fn ended(&self, me: usize) {
+        let (Source::Listener { open, .. } | Source::Handed(_, open)) = self;
+        if let Some(n) = open.get(me) {
+            n.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// One accept loop, on the current runtime, the `me`th of the listener's. `abort` ends
+/// everything at once.
 async fn serve_here<A: Admission>(
-    listener: TcpListener,
+    mut source: Source,
+    me: usize,
     proxy: Proxy<A>,
     shutdown: impl Future<Output = ()>,
     abort: impl Future<Output = ()>,
@@ -259,16 +352,18 @@ async fn serve_here<A: Admission>(
     let mut connections = JoinSet::new();
     let mut shutdown = std::pin::pin!(shutdown);
     let mut abort = std::pin::pin!(abort);
+    let mut more = true;
     loop {
         tokio::select! {
             biased;
             () = &mut abort => return Ok(()),
             () = &mut shutdown => break,
-            Some(_) = connections.join_next(), if !connections.is_empty() => {}
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => {
+            Some(_) = connections.join_next(), if !connections.is_empty() => source.ended(me),
+            accepted = source.next(me), if more => match accepted {
+                Ok(Some(stream)) => {
                     connections.spawn(connection(stream, proxy.clone(), stop.watch()));
                 }
+                Ok(None) => more = false,
                 Err(err) => {
                     // Out of file descriptors and the like: back off a little.
                     tracing::warn!(error = %err, "accepting a connection failed");
@@ -277,7 +372,7 @@ async fn serve_here<A: Admission>(
             },
         }
     }
-    drop(listener);
+    drop(source);
     stop.stop();
     let grace = proxy.config().shutdown_grace;
     let drained = tokio::select! {

@@ -180,6 +180,11 @@ enum Route {
     Models,
 }
 
+/// Whether a request is one the listener forwards (so that its body is read).
+fn forwarded(parts: &http::request::Parts) -> bool {
+    parts.method == Method::POST && route(parts.uri.path()) == Some(Route::Forward)
+}
+
 fn route(path: &str) -> Option<Route> {
     match path {
         "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" => Some(Route::Forward),
@@ -247,19 +252,25 @@ impl<A: Admission> Proxy<A> {
                 .await
                 .unwrap_or_else(|_| Err(Failure::body_late()))
         };
-        self.respond(parts, arrival, body, None).await
+        self.respond(self.watch(), parts, arrival, body, None).await
+    }
+
+    /// The observer's report of a request whose head just arrived: made once, by
+    /// [`Proxy::respond`] or, should the request be dropped before, as `499 client_gone`.
+    pub(crate) fn watch(&self) -> Watch {
+        Watch::new(self.observer.as_ref())
     }
 
     /// Answers one request whose head arrived at `arrival`; `body` reads its body (within
-    /// the request deadline, and at most `max_body_bytes`). The observer hears of it once.
+    /// the request deadline, and at most `max_body_bytes`); `watch` reports it.
     pub(crate) async fn respond(
         &self,
+        mut watch: Watch,
         parts: http::request::Parts,
         arrival: Instant,
         body: impl Future<Output = Result<Bytes, Failure>> + Send,
         conn: Option<Arc<ConnWatch>>,
     ) -> Response<ProxyBody> {
-        let mut watch = Watch::new(self.observer.as_ref());
         match self.answer(parts, body, arrival, conn, &mut watch).await {
             Ok(response) => {
                 // A fixed body (`/v1/models`, a stream that ended before output): over now.
@@ -361,7 +372,7 @@ impl<A: Admission> Proxy<A> {
             charge.output();
             let mut charge: Box<dyn Track> = Box::new(charge);
             watch.hand_to(&mut *charge, head.status.as_u16(), false);
-            let body = DirectBody::new(upstream, charge, config.stream_idle_timeout);
+            let body = DirectBody::new(upstream, charge, config.stream_idle_timeout, conn);
             return Ok(Response::from_parts(head, ProxyBody::direct(body)));
         }
 

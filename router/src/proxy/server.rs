@@ -10,17 +10,20 @@
 //! and an answer goes out in one `writev` per frame (see `router/DESIGN.md`, "Speed").
 //!
 //! The rules (RFC 9112):
-//! - **Head.** At most [`MAX_HEAD`] bytes and [`MAX_HEADERS`] lines, within
-//!   `header_read_timeout` from when the connection begins to wait for it (a connection idle
-//!   that long between requests is closed too). A head that cannot be parsed is answered
-//!   `400 invalid_request` saying what is wrong, and the connection is closed.
+//! - **Head.** At most [`MAX_HEAD`] bytes and [`MAX_HEADERS`] lines, exactly one `Host` in
+//!   HTTP/1.1, within `header_read_timeout` from when the connection begins to wait for it (a
+//!   connection idle that long between requests is closed too; empty lines between requests
+//!   are skipped). A head that cannot be read is answered `400 invalid_request` saying what
+//!   is wrong, and the connection is closed.
 //! - **Body.** Chunked when `Transfer-Encoding` ends in `chunked` (any other coding, chunked
 //!   together with `Content-Length`, or chunked in HTTP/1.0 is refused with 400), else
 //!   `Content-Length` (several must agree), else none. It is read whole before the request is
 //!   answered, within the request deadline: a declared length over `max_body_bytes` is refused
 //!   (413) before anything of it is read, and no `100 Continue` is sent; a chunked body is
 //!   refused once it passes the bound. `Expect: 100-continue` is answered when the body is
-//!   waited for. A body not read to its end closes the connection after the answer.
+//!   waited for. Only the routes that forward read a body; elsewhere (404, 405,
+//!   `/v1/models`) it is not read, and no `100 Continue` is sent for it. A body not read to its
+//!   end closes the connection after the answer.
 //! - **While answering.** Until the answer is complete, the socket is read for the client's
 //!   end of stream, as hyper does: a client that closes its connection gives its request up
 //!   (its answer, or the wait for it, is dropped, which cuts the request). Bytes of a next
@@ -28,9 +31,12 @@
 //! - **Answer.** `Content-Length` when the body's size is known, else chunked (for an HTTP/1.0
 //!   client: until the connection closes); a `Date`; `Connection: close` when the connection
 //!   ends after it (the client asked, HTTP/1.0 without keep-alive, a body not read to its end,
-//!   an answer shorter than its length, the listener stopping). A body frame goes out as soon
-//!   as the body yields it, and the next is asked for only once the socket took it, so a
-//!   client that reads nothing holds the engine's answer back (see `conn`'s read stall).
+//!   an answer shorter than its length, the listener stopping); no length on 1xx and 204. A
+//!   body frame goes out as soon as the body yields it, and the next is asked for only once
+//!   the socket took it, so a client that reads nothing holds the engine's answer back: while
+//!   any answer is written (streamed or not, its final flush included) the connection is
+//!   watched for a read stall (see `conn`), which closes it and cuts the request.
+//! - **Closing** takes at most [`LINGER`] (a client that does not read cannot hold it).
 //! - **Stopping.** A graceful stop closes a connection waiting for a request at once, and one
 //!   in a request after its answer.
 
@@ -50,23 +56,28 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::time::{Instant, Sleep};
 
 use super::conn::{ConnWatch, StopWatch};
-use super::upstream::{
-    Chunk, FEW_HEADERS, FramingHeaders, MAX_HEAD, MAX_HEADERS, decode_chunked, push_headers,
-};
-use super::{Failure, Proxy, ProxyBody};
+use super::upstream::{Chunk, FramingHeaders, MAX_HEAD, MAX_HEADERS, decode_chunked, push_headers};
+use super::{Failure, Proxy, ProxyBody, forwarded};
 use crate::admission::Admission;
 
 /// What one read asks of the socket at least.
 const READ_SIZE: usize = 8 * 1024;
 /// Whose chunked body [`decode_chunked`] reads here.
 const REQUEST_BODY: &str = "the chunked request body";
-/// How long, and for how many bytes, a connection closed with a request body not read to its
-/// end keeps reading (and dropping) what the client still sends, so that its answer is not
+/// How long closing a connection may take: writing the answer to a head that cannot be read,
+/// shutting the connection down, and (when the client may still be sending what nobody read)
+/// reading and dropping what it sends, at most [`LINGER_BYTES`], so that its answer is not
 /// lost to a reset (the kernel resets a connection closed with unread bytes).
 const LINGER: Duration = Duration::from_secs(1);
 const LINGER_BYTES: usize = 1024 * 1024;
 /// Room for a chunk-size line: 16 hex digits and CRLF.
 const SIZE_LINE: usize = 18;
+/// The header lines a first parse of a request head has room for (the OpenAI SDKs send about
+/// 17); [`MAX_HEADERS`] only when that is too few.
+const SOME_HEADERS: usize = 32;
+/// A request body larger than this gets a read buffer of its own afterwards, so that a
+/// keep-alive connection does not keep a large body's memory for as long as it lives.
+const LARGE_BODY: usize = 64 * 1024;
 
 /// Serves HTTP/1.1 on a client connection until it closes, the client goes away or `stop`
 /// says so between requests.
@@ -101,7 +112,9 @@ pub(super) async fn serve<A: Admission, S>(
                     version: Version::HTTP_11,
                     keep: false,
                 };
-                if conn.write_answer(response, &exchange, true).await.is_ok() {
+                let written =
+                    tokio::time::timeout(LINGER, conn.write_answer(response, &exchange, true));
+                if matches!(written.await, Ok(Ok(_))) {
                     // The rest of what the client sent was not read.
                     conn.close(true).await;
                 }
@@ -114,7 +127,16 @@ pub(super) async fn serve<A: Admission, S>(
         };
         let arrival = Instant::now();
         let deadline = arrival + request_deadline;
-        let body = conn.read_body(&mut request, limit, deadline).await;
+        // Made before the body is read, so that a request dropped meanwhile (the listener's
+        // grace ran out) is still reported.
+        let report = proxy.watch();
+        let body = if forwarded(&request.parts) {
+            conn.read_body(&mut request, limit, deadline).await
+        } else {
+            // Not read (a route that takes none, or none at all): no `100 Continue` for it.
+            request.unread = request.framing != Framing::Length(0);
+            Ok(Bytes::new())
+        };
         let Incoming {
             parts,
             keep,
@@ -128,7 +150,7 @@ pub(super) async fn serve<A: Admission, S>(
         };
         let watch = Some(Arc::clone(&conn.watch));
         let answered = conn
-            .until_gone(proxy.respond(parts, arrival, std::future::ready(body), watch))
+            .until_gone(proxy.respond(report, parts, arrival, std::future::ready(body), watch))
             .await;
         let Some(response) = answered else {
             tracing::debug!("the client went away before its answer");
@@ -137,7 +159,8 @@ pub(super) async fn serve<A: Admission, S>(
         match conn.write_answer(response, &exchange, stop.stopped()).await {
             Ok(true) => {}
             Ok(false) => {
-                conn.close(unread).await;
+                let pipelined = !conn.buf.is_empty();
+                conn.close(unread || pipelined).await;
                 return;
             }
             Err(err) => {
@@ -238,10 +261,24 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
         if self.read_closed {
             return true;
         }
+        self.skip_empty_lines();
         if !self.buf.is_empty() {
             return false;
         }
         matches!(self.poll_fill(cx), Poll::Ready(Ok(0) | Err(_)))
+    }
+
+    /// Drops the empty lines a client may send between requests (RFC 9112 2.2), so that they
+    /// count as nothing buffered.
+    fn skip_empty_lines(&mut self) {
+        let blank = self
+            .buf
+            .iter()
+            .take_while(|b| matches!(b, b'\r' | b'\n'))
+            .count();
+        if blank > 0 {
+            let _ = self.buf.split_to(blank);
+        }
     }
 
     /// Waits for the next request head.
@@ -249,6 +286,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
         let mut waiting = false;
         poll_fn(|cx| {
             loop {
+                self.skip_empty_lines();
                 if !self.buf.is_empty() {
                     match self.parse_head() {
                         Ok(Some(request)) => return Poll::Ready(Next::Head(request)),
@@ -324,6 +362,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
                 self.send(&[b"HTTP/1.1 100 Continue\r\n\r\n"])
                     .await
                     .map_err(|err| Failure::unreadable(&err))?;
+                poll_fn(|cx| Pin::new(&mut self.io).poll_flush(cx))
+                    .await
+                    .map_err(|err| Failure::unreadable(&err))?;
             }
             match request.framing {
                 Framing::Length(n) => self.read_length(n as usize).await,
@@ -352,7 +393,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
                 Err(err) => return Err(Failure::unreadable(&err)),
             }
         }
-        Ok(self.buf.split_to(n).freeze())
+        let body = self.buf.split_to(n).freeze();
+        if n > LARGE_BODY {
+            self.buf = BytesMut::from(&self.buf[..]);
+        }
+        Ok(body)
     }
 
     async fn read_chunked(&mut self, limit: u64) -> Result<Bytes, Failure> {
@@ -417,7 +462,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
 
         let mut out = std::mem::take(&mut self.out);
         out.clear();
-        encode_head(&mut out, status, &parts.headers, size, chunked);
+        // No length on an answer that cannot have one (RFC 9110 8.6).
+        let length =
+            size.filter(|_| !status.is_informational() && status != StatusCode::NO_CONTENT);
+        encode_head(&mut out, status, &parts.headers, length, chunked);
         if !keep {
             out.extend_from_slice(b"connection: close\r\n");
         } else if exchange.version == Version::HTTP_10 {
@@ -426,15 +474,21 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
         out.extend_from_slice(b"\r\n");
         drop(parts);
 
+        // Watched for a read stall until written, flush included (see `conn`).
+        self.watch.answer_began();
         let written = self
-            .write_body(&out, body.as_mut(), bodiless, chunked)
+            .write_body(&out, body.as_mut(), size, bodiless, chunked)
             .await;
         self.out = out;
+        let written = match written {
+            Ok(written) => self.flush().await.map(|()| written),
+            Err(err) => Err(err),
+        };
+        self.watch.answer_ended();
         let written = written?;
         if size.is_some_and(|size| !bodiless && written != size) {
             keep = false;
         }
-        poll_fn(|cx| Pin::new(&mut self.io).poll_flush(cx)).await?;
         Ok(keep)
     }
 
@@ -443,6 +497,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
         &mut self,
         head: &[u8],
         mut body: Pin<&mut ProxyBody>,
+        size: Option<u64>,
         bodiless: bool,
         chunked: bool,
     ) -> io::Result<u64> {
@@ -467,7 +522,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
                     if let Some(head) = head.take() {
                         self.send(&[head]).await?;
                     }
-                    poll_fn(|cx| Pin::new(&mut self.io).poll_flush(cx)).await?;
+                    self.flush().await?;
                     self.until_gone(poll_fn(|cx| body.as_mut().poll_frame(cx)))
                         .await
                         .ok_or_else(|| io::Error::from(io::ErrorKind::ConnectionAborted))?
@@ -486,6 +541,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
                     _ => continue,
                 },
             };
+            if size.is_some_and(|size| written + data.len() as u64 > size) {
+                return Err(io::Error::other(
+                    "the answer's body is longer than its length",
+                ));
+            }
             let head_bytes = head.take().unwrap_or_default();
             if chunked {
                 let mut line = &mut size_line[..];
@@ -537,18 +597,29 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
         Ok(())
     }
 
-    /// Ends the connection: shuts the writing side down and, when the client may still be
-    /// sending a body nobody read, reads and drops it for a while (see [`LINGER`]).
+    /// Flushes what the stream holds (a TLS stream's records), telling the connection's
+    /// watch whether the socket takes it.
+    async fn flush(&mut self) -> io::Result<()> {
+        poll_fn(|cx| {
+            let polled = Pin::new(&mut self.io).poll_flush(cx);
+            match &polled {
+                Poll::Ready(Ok(())) => self.watch.taken(),
+                Poll::Pending => self.watch.refused(),
+                Poll::Ready(Err(_)) => {}
+            }
+            polled
+        })
+        .await
+    }
+
+    /// Ends the connection, within [`LINGER`]: shuts the writing side down and, when the
+    /// client may still be sending what nobody read, reads and drops it.
     async fn close(&mut self, unread: bool) {
-        if poll_fn(|cx| Pin::new(&mut self.io).poll_shutdown(cx))
-            .await
-            .is_err()
-            || !unread
-            || self.read_closed
-        {
-            return;
-        }
         let _ = tokio::time::timeout(LINGER, async {
+            let shut = poll_fn(|cx| Pin::new(&mut self.io).poll_shutdown(cx)).await;
+            if shut.is_err() || !unread || self.read_closed {
+                return;
+            }
             let mut dropped = 0;
             while dropped < LINGER_BYTES {
                 self.buf.clear();
@@ -573,10 +644,10 @@ impl std::fmt::Display for ClosedEarly {
 }
 
 /// Parses a request line and header lines at the start of `buf`, noting where the header
-/// lines lie in `spans`; `None` if the head is not complete yet. Room for a few header lines
-/// first (clients send about six), for [`MAX_HEADERS`] only when that is too few.
+/// lines lie in `spans`; `None` if the head is not complete yet. Room for
+/// [`SOME_HEADERS`] first, for [`MAX_HEADERS`] only when that is too few.
 fn parse_line(buf: &[u8], spans: &mut Vec<Span>) -> Result<Option<Line>, String> {
-    let mut few = [httparse::EMPTY_HEADER; FEW_HEADERS];
+    let mut few = [httparse::EMPTY_HEADER; SOME_HEADERS];
     let mut request = httparse::Request::new(&mut few);
     match request.parse(buf) {
         Err(httparse::Error::TooManyHeaders) => {
@@ -606,6 +677,12 @@ fn line_of(
         }
         Err(err) => return Err(format!("the request head cannot be parsed: {err}")),
     };
+    if used > MAX_HEAD {
+        return Err(format!(
+            "the request head is longer than {} KiB",
+            MAX_HEAD / 1024
+        ));
+    }
     let base = buf.as_ptr() as usize;
     let at = |part: &[u8]| {
         let start = part.as_ptr() as usize - base;
@@ -642,6 +719,7 @@ fn incoming(head: &Bytes, line: &Line, spans: &[Span]) -> Result<Incoming, Strin
     let mut headers = HeaderMap::with_capacity(spans.len());
     let mut framing_headers = FramingHeaders::default();
     let mut expect_continue = false;
+    let mut hosts = 0;
     for span in spans {
         let raw_name = &head[span.name.0..span.name.1];
         let name = HeaderName::from_bytes(raw_name).map_err(|_| {
@@ -657,6 +735,8 @@ fn incoming(head: &Bytes, line: &Line, spans: &[Span]) -> Result<Incoming, Strin
             .map_err(|what| format!("the request {what}"))?;
         if name == header::EXPECT {
             expect_continue = value.as_bytes().eq_ignore_ascii_case(b"100-continue");
+        } else if name == header::HOST {
+            hosts += 1;
         }
         headers.append(name, value);
     }
@@ -667,6 +747,14 @@ fn incoming(head: &Bytes, line: &Line, spans: &[Span]) -> Result<Incoming, Strin
         close,
         keep_alive,
     } = framing_headers;
+    // RFC 9112 3.2: exactly one `Host` in HTTP/1.1.
+    if version == Version::HTTP_11 && hosts != 1 {
+        return Err(if hosts == 0 {
+            "the request has no Host header".to_string()
+        } else {
+            "the request has more than one Host header".to_string()
+        });
+    }
     let framing = if encoded {
         if !chunked {
             return Err(

@@ -61,7 +61,7 @@ pub(super) const MAX_HEAD: usize = 64 * 1024;
 /// The most header lines in a response head.
 pub(super) const MAX_HEADERS: usize = 100;
 /// The header lines a first parse has room for.
-pub(super) const FEW_HEADERS: usize = 16;
+const FEW_HEADERS: usize = 16;
 /// The longest chunk-size line (size, extensions).
 const MAX_CHUNK_LINE: usize = 4096;
 /// The longest trailer line of a chunked answer.

@@ -323,6 +323,45 @@ pub async fn start_observed_proxy_until(
     (addr, server)
 }
 
+/// Waits (at most [`PATIENCE`]) for a listener started by [`start_observed_proxy_until`] to
+/// have stopped, with every connection ended.
+pub async fn until_stopped(server: tokio::task::JoinHandle<std::io::Result<()>>) {
+    tokio::time::timeout(PATIENCE, server)
+        .await
+        .expect("the listener stops")
+        .unwrap()
+        .unwrap();
+}
+
+/// An engine of raw bytes: takes one connection, reads the request head, writes `answer`
+/// (as far as the connection takes it), then reads until the connection is closed; the
+/// receiver hears when it was.
+pub async fn raw_engine(answer: Vec<u8>) -> (SocketAddr, tokio::sync::oneshot::Receiver<()>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let engine = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = engine.local_addr().unwrap();
+    let (closed_tx, closed_rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let (mut socket, _) = engine.accept().await.unwrap();
+        let mut buf = vec![0; 4096];
+        let mut seen = Vec::new();
+        while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = socket.read(&mut buf).await.unwrap();
+            seen.extend_from_slice(&buf[..n]);
+        }
+        if socket.write_all(&answer).await.is_ok() {
+            loop {
+                match socket.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {}
+                }
+            }
+        }
+        let _ = closed_tx.send(());
+    });
+    (addr, closed_rx)
+}
+
 /// One HTTP/1.1 keep-alive connection; dropping it closes the socket.
 pub struct Conn {
     sender: hyper::client::conn::http1::SendRequest<Full<Bytes>>,
