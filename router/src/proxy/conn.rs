@@ -490,3 +490,49 @@ where
     })
     .await;
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[tokio::test]
+    async fn each_connection_goes_to_the_loop_with_the_fewest_open() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (to_other, mut other) = mpsc::unbounded_channel();
+        let (to_self, _) = mpsc::unbounded_channel();
+        let open: Arc<[AtomicUsize]> = (0..2).map(|_| AtomicUsize::new(0)).collect();
+        let mut source = Source::Listener {
+            listener,
+            handed: vec![to_self, to_other],
+            open: Arc::clone(&open),
+        };
+        let counts = || -> Vec<usize> { open.iter().map(|n| n.load(Ordering::Relaxed)).collect() };
+        let mut clients = Vec::new();
+        for _ in 0..4 {
+            clients.push(TcpStream::connect(addr).await.unwrap());
+        }
+        // A tie goes to the lowest-numbered loop: this one (0), then the other, then this.
+        let first = source.next(0).await.unwrap().unwrap();
+        assert_eq!(counts(), [1, 0]);
+        let third = source.next(0).await.unwrap().unwrap();
+        assert_eq!(counts(), [2, 1]);
+        let second = other.try_recv().unwrap();
+        assert_ne!(first.peer_addr().unwrap(), third.peer_addr().unwrap());
+        assert_ne!(second.peer_addr().unwrap(), third.peer_addr().unwrap());
+        // Two of this loop's connections end: the next one is this loop's again.
+        source.ended(0);
+        source.ended(0);
+        assert_eq!(counts(), [0, 1]);
+        let _fourth = source.next(0).await.unwrap().unwrap();
+        assert_eq!(counts(), [1, 1]);
+        assert!(other.try_recv().is_err());
+
+        // The loop that is handed connections counts its own down.
+        let handed = Source::Handed(other, Arc::clone(&open));
+        handed.ended(1);
+        assert_eq!(counts(), [1, 0]);
+    }
+}
