@@ -118,14 +118,7 @@ fn error_body(body: &[u8]) -> serde_json::Value {
 
 #[tokio::test]
 async fn bad_requests_get_their_catalogue_errors() {
-    let sim = start_sim(&[]).await;
-    let admission = TestAdmission::new(sim);
-    let record = std::sync::Arc::clone(&admission.record);
-    let config = ProxyConfig {
-        max_body_bytes: 1024,
-        ..ProxyConfig::default()
-    };
-    let proxy = start_proxy(admission, config).await;
+    let (proxy, record) = start_bounded_proxy(1024).await;
 
     let (status, _, body) = post(proxy, "/v1/chat/completions", "not json").await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
@@ -193,12 +186,7 @@ async fn bad_requests_get_their_catalogue_errors() {
 
 #[tokio::test]
 async fn a_chunked_body_over_the_bound_is_refused_too() {
-    let sim = start_sim(&[]).await;
-    let config = ProxyConfig {
-        max_body_bytes: 1024,
-        ..ProxyConfig::default()
-    };
-    let proxy = start_proxy(TestAdmission::new(sim), config).await;
+    let (proxy, _) = start_bounded_proxy(1024).await;
     // No content-length: the bound is found while reading.
     let stream = tokio::net::TcpStream::connect(proxy).await.unwrap();
     let (mut read, mut write) = stream.into_split();

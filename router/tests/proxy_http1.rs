@@ -194,14 +194,7 @@ async fn expect_100_continue_is_answered_before_the_body_is_sent() {
 
 #[tokio::test]
 async fn a_declared_body_over_the_bound_is_refused_before_it_is_sent() {
-    let sim = start_sim(&[]).await;
-    let admission = TestAdmission::new(sim);
-    let record = std::sync::Arc::clone(&admission.record);
-    let config = ProxyConfig {
-        max_body_bytes: 1024,
-        ..ProxyConfig::default()
-    };
-    let proxy = start_proxy(admission, config).await;
+    let (proxy, record) = start_bounded_proxy(1024).await;
     let mut raw = Raw::open(proxy).await;
     raw.send(
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-length: 5000\r\nexpect: 100-continue\r\n\r\n",

@@ -8,14 +8,15 @@
 //!   over, so a body a stuck client never finishes never holds a permit past the cut.
 //! - A non-streamed answer goes through [`DirectBody`], a streamed one (`text/event-stream`)
 //!   through [`StreamBody`]. Both poll the engine's body themselves, in the client
-//!   connection's task, when the server (`super::server`) asks for the next frame: nothing is copied through a
-//!   channel, no task is spawned, and a client that does not take what was sent keeps the
-//!   engine's bytes in the engine's socket (back-pressure).
+//!   connection's task, when the server (`super::server`) asks for the next frame: nothing
+//!   is copied through a channel, no task is spawned, and a client that does not take what
+//!   was sent keeps the engine's bytes in the engine's socket (back-pressure).
 //! - A streamed answer is held back until its first output by [`start_stream`], in the
 //!   handler, so that a deadline before it is still a plain 503.
 //! - A client that reads nothing cannot be seen from here (the server stops polling a body
-//!   whose bytes the socket does not take): the connection watches its socket (`super::conn`) and
-//!   closes it; the body, dropped, then reports `read_stall` instead of `client_gone`.
+//!   whose bytes the socket does not take): the connection watches its socket
+//!   (`super::conn`) and closes it; the body, dropped, then reports `read_stall` instead of
+//!   `client_gone`.
 
 use std::io;
 use std::pin::Pin;
@@ -414,12 +415,7 @@ impl Drop for DirectBody {
     fn drop(&mut self) {
         // Still charged: the client went away before the answer was complete, or its
         // connection was closed because it took nothing for `read_stall`.
-        let stalled = self.conn.as_ref().is_some_and(|c| c.stalled());
-        self.give_up(if stalled {
-            observe::READ_STALL
-        } else {
-            observe::CLIENT_GONE
-        });
+        self.give_up(ConnWatch::cut_code(self.conn.as_ref()));
     }
 }
 
@@ -574,9 +570,9 @@ fn first_output(
 }
 
 /// A streamed answer after its first output: forwards the engine's pieces as the server asks
-/// for them (what the engine already sent is gathered into one frame), and ends early, with an SSE
-/// error event, on a piece past `max_piece`, a silence past `stream_idle_timeout` or an engine
-/// that breaks off.
+/// for them (what the engine already sent is gathered into one frame), and ends early, with an
+/// SSE error event, on a piece past `max_piece`, a silence past `stream_idle_timeout` or an
+/// engine that breaks off.
 pub(crate) struct StreamBody {
     /// The engine's body; `None` once it ended or was given up.
     upstream: Option<UpstreamBody>,
@@ -741,15 +737,9 @@ impl Drop for StreamBody {
         if let Some(mut charge) = self.charge.take() {
             // The client's connection went away before the end: closed by its client, or by
             // the connection because the client read nothing for `read_stall`.
-            let stalled = self.conn.as_ref().is_some_and(|c| c.stalled());
-            if stalled {
-                tracing::debug!("client read nothing for read_stall; streamed answer cut");
-            }
-            charge.cut(if stalled {
-                observe::READ_STALL
-            } else {
-                observe::CLIENT_GONE
-            });
+            let code = ConnWatch::cut_code(self.conn.as_ref());
+            tracing::debug!(code, "streamed answer cut before its end");
+            charge.cut(code);
         }
     }
 }

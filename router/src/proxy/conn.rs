@@ -1,5 +1,5 @@
 //! Client connections: the accept loops, each connection's HTTP/1.1 server, and the watch on
-//! its socket that ends a streamed answer whose client reads nothing.
+//! its socket that ends an answer whose client reads nothing.
 //!
 //! NB (threads): with `listener_threads` > 0, [`serve`] runs that many loops, each on a
 //! current-thread runtime of its own (one per CPU by default). The first accepts, and hands
@@ -50,8 +50,8 @@ pub(crate) struct ConnWatch {
     /// Since when a write found no room: nanoseconds since `base`, plus one; 0 while the
     /// socket takes what is written.
     blocked_since: AtomicU64,
-    /// Streamed answers in progress on the connection.
-    streams: AtomicUsize,
+    /// Answers being written on the connection.
+    writing: AtomicUsize,
     /// The connection was closed for a read stall.
     stalled: AtomicBool,
 }
@@ -61,7 +61,7 @@ impl ConnWatch {
         Arc::new(ConnWatch {
             base: Instant::now(),
             blocked_since: AtomicU64::new(0),
-            streams: AtomicUsize::new(0),
+            writing: AtomicUsize::new(0),
             stalled: AtomicBool::new(false),
         })
     }
@@ -89,7 +89,7 @@ impl ConnWatch {
     /// An answer begins to be written on the connection (its stall, if the socket is already
     /// full, counts from now).
     pub(crate) fn answer_began(&self) {
-        self.streams.fetch_add(1, Ordering::Relaxed);
+        self.writing.fetch_add(1, Ordering::Relaxed);
         if self.blocked_since.load(Ordering::Relaxed) != 0 {
             self.blocked_since.store(self.now(), Ordering::Relaxed);
         }
@@ -97,19 +97,24 @@ impl ConnWatch {
 
     /// The answer being written on the connection ended (written, or given up).
     pub(crate) fn answer_ended(&self) {
-        self.streams.fetch_sub(1, Ordering::Relaxed);
+        self.writing.fetch_sub(1, Ordering::Relaxed);
     }
 
-    /// Whether the connection was closed because its client read nothing for `read_stall`.
-    pub(crate) fn stalled(&self) -> bool {
-        self.stalled.load(Ordering::Acquire)
+    /// Why an answer on `conn` was given up before its end: `read_stall` if the connection was
+    /// closed because its client read nothing for that long, else `client_gone`.
+    pub(crate) fn cut_code(conn: Option<&Arc<ConnWatch>>) -> &'static str {
+        if conn.is_some_and(|c| c.stalled.load(Ordering::Acquire)) {
+            crate::observe::READ_STALL
+        } else {
+            crate::observe::CLIENT_GONE
+        }
     }
 
     /// When the current stall of an answer being written reaches `read_stall`: the blocked
     /// episode (its start, as stored) and that instant; `None` while nothing is refused.
     fn stall_at(&self, read_stall: Duration) -> Option<(u64, Instant)> {
         let since = self.blocked_since.load(Ordering::Relaxed);
-        if since == 0 || self.streams.load(Ordering::Relaxed) == 0 {
+        if since == 0 || self.writing.load(Ordering::Relaxed) == 0 {
             return None;
         }
         Some((

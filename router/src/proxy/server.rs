@@ -290,12 +290,6 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
                 if !self.buf.is_empty() {
                     match self.parse_head() {
                         Ok(Some(request)) => return Poll::Ready(Next::Head(request)),
-                        Ok(None) if self.buf.len() >= MAX_HEAD => {
-                            return Poll::Ready(Next::Bad(format!(
-                                "the request head is longer than {} KiB",
-                                MAX_HEAD / 1024
-                            )));
-                        }
                         Ok(None) => {}
                         Err(detail) => return Poll::Ready(Next::Bad(detail)),
                     }
@@ -509,12 +503,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
         let mut written = 0u64;
         let mut size_line = [0u8; SIZE_LINE];
         loop {
-            if body.is_end_stream() {
-                let end: &[u8] = if chunked { b"0\r\n\r\n" } else { b"" };
-                self.send(&[head.take().unwrap_or_default(), end]).await?;
-                return Ok(written);
-            }
-            let frame = match poll_fn(|cx| Poll::Ready(body.as_mut().poll_frame(cx))).await {
+            let polled = if body.is_end_stream() {
+                Poll::Ready(None)
+            } else {
+                poll_fn(|cx| Poll::Ready(body.as_mut().poll_frame(cx))).await
+            };
+            let frame = match polled {
                 Poll::Ready(frame) => frame,
                 Poll::Pending => {
                     // The body is not ready: what is written goes out now (the head, alone,
@@ -667,8 +661,10 @@ fn line_of(
     buf: &[u8],
     spans: &mut Vec<Span>,
 ) -> Result<Option<Line>, String> {
+    let too_long = || format!("the request head is longer than {} KiB", MAX_HEAD / 1024);
     let used = match parsed {
         Ok(httparse::Status::Complete(used)) => used,
+        Ok(httparse::Status::Partial) if buf.len() >= MAX_HEAD => return Err(too_long()),
         Ok(httparse::Status::Partial) => return Ok(None),
         Err(httparse::Error::TooManyHeaders) => {
             return Err(format!(
@@ -678,10 +674,7 @@ fn line_of(
         Err(err) => return Err(format!("the request head cannot be parsed: {err}")),
     };
     if used > MAX_HEAD {
-        return Err(format!(
-            "the request head is longer than {} KiB",
-            MAX_HEAD / 1024
-        ));
+        return Err(too_long());
     }
     let base = buf.as_ptr() as usize;
     let at = |part: &[u8]| {

@@ -293,6 +293,19 @@ pub async fn start_proxy(admission: TestAdmission, config: ProxyConfig) -> Socke
     addr
 }
 
+/// A proxy in front of a fresh simulator that takes request bodies of at most `limit` bytes,
+/// with the record of its admission.
+pub async fn start_bounded_proxy(limit: u64) -> (SocketAddr, Arc<Record>) {
+    let sim = start_sim(&[]).await;
+    let admission = TestAdmission::new(sim);
+    let record = Arc::clone(&admission.record);
+    let config = ProxyConfig {
+        max_body_bytes: limit,
+        ..ProxyConfig::default()
+    };
+    (start_proxy(admission, config).await, record)
+}
+
 /// Like [`start_proxy`], telling `observer` of every request.
 pub async fn start_observed_proxy(
     admission: TestAdmission,
