@@ -7,6 +7,7 @@
 pub mod admission;
 pub mod config;
 pub mod coordinator;
+mod fast_hash;
 pub mod lifecycle;
 pub mod observe;
 pub mod proxy;

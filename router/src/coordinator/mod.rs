@@ -31,6 +31,7 @@ use tokio::time::Instant;
 
 use crate::admission::{Admission, Permit};
 use crate::config::RouterConfig;
+use crate::fast_hash::FastHash;
 use crate::lifecycle::{
     DeploymentId, DeploymentRef, DrainReport, InstanceKey, Lifecycle, Plan, SwitchOrder, Upstream,
 };
@@ -123,7 +124,7 @@ fn nanos_since(base: Instant, at: Instant) -> u64 {
 
 /// The lanes of every deployment that ever had one, for the handles.
 struct Lanes {
-    by_deployment: RwLock<HashMap<DeploymentId, Arc<Lane>>>,
+    by_deployment: RwLock<HashMap<DeploymentId, Arc<Lane>, FastHash>>,
     /// The origin of `Lane::last_start` and `Lane::last_end`.
     base: Instant,
 }
@@ -214,7 +215,7 @@ impl Coordinator {
         let (inbox_tx, inbox_rx) = mpsc::channel(INBOX_CAPACITY);
         let (endings_tx, endings_rx) = mpsc::unbounded_channel();
         let lanes = Arc::new(Lanes {
-            by_deployment: RwLock::new(HashMap::new()),
+            by_deployment: RwLock::new(HashMap::default()),
             base: Instant::now(),
         });
         let driver = Driver {

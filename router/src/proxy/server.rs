@@ -56,7 +56,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::time::{Instant, Sleep};
 
 use super::conn::{ConnWatch, StopWatch};
-use super::upstream::{Chunk, FramingHeaders, MAX_HEAD, MAX_HEADERS, decode_chunked, push_headers};
+use super::upstream::{
+    Chunk, FramingHeaders, MAX_HEAD, MAX_HEADERS, Span, decode_chunked, note_spans, push_headers,
+};
 use super::{Failure, Proxy, ProxyBody, forwarded};
 use crate::admission::Admission;
 
@@ -149,9 +151,10 @@ pub(super) async fn serve<A: Admission, S>(
             keep: keep && !unread,
         };
         let watch = Some(Arc::clone(&conn.watch));
-        let answered = conn
-            .until_gone(proxy.respond(report, parts, arrival, std::future::ready(body), watch))
-            .await;
+        // Pinned where it is made: the answer's future is large (about 2.5 KiB), and each move
+        // of it is a copy.
+        let answer = pin!(proxy.respond(report, parts, arrival, std::future::ready(body), watch));
+        let answered = conn.until_gone(answer).await;
         let Some(response) = answered else {
             tracing::debug!("the client went away before its answer");
             return;
@@ -209,13 +212,6 @@ enum Next {
     Bad(String),
     /// The client closed the connection, was too slow, or the listener stops.
     Closed,
-}
-
-/// Where a header's name and value lie in the head's bytes.
-#[derive(Debug, Clone, Copy)]
-struct Span {
-    name: (usize, usize),
-    value: (usize, usize),
 }
 
 /// A parsed request line, with the head's length.
@@ -420,8 +416,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
 
     /// Runs `answer` while watching for the client's end of stream: `None` if the client went
     /// away first (`answer` is dropped then).
-    async fn until_gone<F: Future>(&mut self, answer: F) -> Option<F::Output> {
-        let mut answer = pin!(answer);
+    async fn until_gone<F: Future>(&mut self, mut answer: Pin<&mut F>) -> Option<F::Output> {
         poll_fn(|cx| {
             if let Poll::Ready(out) = answer.as_mut().poll(cx) {
                 return Poll::Ready(Some(out));
@@ -517,7 +512,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
                         self.send(&[head]).await?;
                     }
                     self.flush().await?;
-                    self.until_gone(poll_fn(|cx| body.as_mut().poll_frame(cx)))
+                    self.until_gone(pin!(poll_fn(|cx| body.as_mut().poll_frame(cx))))
                         .await
                         .ok_or_else(|| io::Error::from(io::ErrorKind::ConnectionAborted))?
                 }
@@ -690,11 +685,7 @@ fn line_of(
     } else {
         Version::HTTP_11
     };
-    spans.clear();
-    spans.extend(request.headers.iter().map(|h| Span {
-        name: at(h.name.as_bytes()),
-        value: at(h.value),
-    }));
+    note_spans(buf, request.headers, spans);
     Ok(Some(Line {
         used,
         method,

@@ -38,10 +38,10 @@
 //!   `upstream_unavailable`, retryable) rather than risk reaching the engine twice.
 
 use std::collections::HashMap;
-use std::future::poll_fn;
-use std::io;
+use std::future::{Future, poll_fn};
+use std::io::{self, Write as _};
 use std::net::SocketAddr;
-use std::pin::Pin;
+use std::pin::{Pin, pin};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
@@ -50,8 +50,11 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
+use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
+
+use crate::fast_hash::FastHash;
 
 /// How long an idle connection is kept: under uvicorn's `timeout_keep_alive` (5 s).
 pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(4);
@@ -90,25 +93,29 @@ pub(crate) struct Conn {
     io: TcpStream,
     buf: BytesMut,
     addr: SocketAddr,
+    /// The header lines of the response head being parsed (kept for its capacity).
+    spans: Vec<Span>,
+    /// The request head being written (kept for its capacity).
+    head: Vec<u8>,
 }
 
 impl Conn {
     /// Reads what the socket has into the buffer: the number of bytes (0: end of stream).
+    ///
+    /// Through `AsyncRead`: a read that leaves room in the buffer tells tokio the socket is
+    /// drained, so that [`Conn::usable`] finds it not readable without a system call, until
+    /// the engine sends or closes (`try_read` would leave it readable, and the probe would
+    /// cost a `recvfrom` per request).
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         if self.buf.capacity() - self.buf.len() < READ_SIZE / 4 {
             self.buf.reserve(READ_SIZE);
         }
-        loop {
-            ready!(self.io.poll_read_ready(cx))?;
-            match self.io.try_read_buf(&mut self.buf) {
-                Err(err) if err.kind() == io::ErrorKind::WouldBlock => continue,
-                other => return Poll::Ready(other),
-            }
-        }
+        pin!(self.io.read_buf(&mut self.buf)).poll(cx)
     }
 
     /// Whether an idle connection can take a request: the engine has not closed it and sent
-    /// nothing since its last answer.
+    /// nothing since its last answer. The socket is read only when the runtime has seen it
+    /// become readable since the last read (the end of stream or bytes nobody asked for).
     fn usable(&mut self) -> bool {
         if !self.buf.is_empty() {
             return false;
@@ -149,8 +156,7 @@ impl Conn {
     /// whether the engine keeps the connection open after it.
     async fn read_head(&mut self) -> io::Result<(http::response::Parts, Framing, bool)> {
         loop {
-            let parsed = parse_head(&self.buf)?;
-            let Some((used, parts, framing, keep)) = parsed else {
+            let Some((parts, framing, keep)) = take_head(&mut self.buf, &mut self.spans)? else {
                 if self.buf.len() >= MAX_HEAD {
                     return Err(invalid(format!(
                         "the engine's response head is longer than {MAX_HEAD} bytes"
@@ -161,7 +167,6 @@ impl Conn {
                 }
                 continue;
             };
-            self.buf.advance(used);
             if parts.status.is_informational() {
                 continue;
             }
@@ -170,14 +175,46 @@ impl Conn {
     }
 }
 
-/// A parsed response head: the bytes it took, its parts, the body's framing and whether the
-/// connection stays open after the answer.
-type Head = (usize, http::response::Parts, Framing, bool);
+/// A parsed response head: its parts, the body's framing and whether the connection stays
+/// open after the answer.
+type Head = (http::response::Parts, Framing, bool);
 
-/// Parses a complete response head at the start of `buf`; `None` if it is not complete yet.
-/// Room for a few header lines first (engines send about six), for [`MAX_HEADERS`] only when
-/// that is too few.
-fn parse_head(buf: &[u8]) -> io::Result<Option<Head>> {
+/// Where a header's name and value lie in a head's bytes.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Span {
+    pub(super) name: (usize, usize),
+    pub(super) value: (usize, usize),
+}
+
+/// Notes in `spans` where the `headers` parsed from `buf` lie in it.
+pub(super) fn note_spans(buf: &[u8], headers: &[httparse::Header<'_>], spans: &mut Vec<Span>) {
+    let base = buf.as_ptr() as usize;
+    let at = |part: &[u8]| {
+        let start = part.as_ptr() as usize - base;
+        (start, start + part.len())
+    };
+    spans.clear();
+    spans.extend(headers.iter().map(|h| Span {
+        name: at(h.name.as_bytes()),
+        value: at(h.value),
+    }));
+}
+
+/// Takes a complete response head off the start of `buf` (its header values are slices of
+/// the bytes taken, not copies); `None` if it is not complete yet.
+fn take_head(buf: &mut BytesMut, spans: &mut Vec<Span>) -> io::Result<Option<Head>> {
+    let Some((used, code, version)) = parse_head(buf, spans)? else {
+        return Ok(None);
+    };
+    let head = buf.split_to(used).freeze();
+    head_of(&head, code, version, spans).map(Some)
+}
+
+/// Parses a complete response head at the start of `buf`, noting where its header lines lie
+/// in `spans`: the bytes it takes, its status code and version; `None` if it is not complete
+/// yet. Room for a few header lines first (engines send about six), for [`MAX_HEADERS`] only
+/// when that is too few.
+fn parse_head(buf: &[u8], spans: &mut Vec<Span>) -> io::Result<Option<(usize, u16, Version)>> {
     if buf.is_empty() {
         return Ok(None);
     }
@@ -188,36 +225,49 @@ fn parse_head(buf: &[u8]) -> io::Result<Option<Head>> {
             let mut many = [httparse::EMPTY_HEADER; MAX_HEADERS];
             let mut response = httparse::Response::new(&mut many);
             let parsed = response.parse(buf);
-            head_of(parsed, &response)
+            status_of(parsed, &response, buf, spans)
         }
-        parsed => head_of(parsed, &response),
+        parsed => status_of(parsed, &response, buf, spans),
     }
 }
 
-/// The head `parse_head` parsed.
-fn head_of(
+/// The status line `parse_head` parsed.
+fn status_of(
     parsed: httparse::Result<usize>,
     response: &httparse::Response<'_, '_>,
-) -> io::Result<Option<Head>> {
+    buf: &[u8],
+    spans: &mut Vec<Span>,
+) -> io::Result<Option<(usize, u16, Version)>> {
     let used = match parsed {
         Ok(httparse::Status::Complete(used)) => used,
         Ok(httparse::Status::Partial) => return Ok(None),
         Err(err) => return Err(invalid(format!("the engine's response head: {err}"))),
     };
-    let code = response.code.unwrap_or(0);
-    let status = StatusCode::from_u16(code)
-        .map_err(|_| invalid(format!("the engine's response status {code}")))?;
     let version = if response.version == Some(0) {
         Version::HTTP_10
     } else {
         Version::HTTP_11
     };
-    let mut map = HeaderMap::with_capacity(response.headers.len());
+    note_spans(buf, response.headers, spans);
+    Ok(Some((used, response.code.unwrap_or(0), version)))
+}
+
+/// The response's head from its bytes: its parts (header values are slices of `head`), its
+/// body's framing and whether the connection stays open after it.
+fn head_of(head: &Bytes, code: u16, version: Version, spans: &[Span]) -> io::Result<Head> {
+    let status = StatusCode::from_u16(code)
+        .map_err(|_| invalid(format!("the engine's response status {code}")))?;
+    let mut map = HeaderMap::with_capacity(spans.len());
     let mut framing_headers = FramingHeaders::default();
-    for h in response.headers.iter() {
-        let name = HeaderName::from_bytes(h.name.as_bytes())
-            .map_err(|_| invalid(format!("the engine's header name {:?}", h.name)))?;
-        let value = HeaderValue::from_bytes(h.value)
+    for span in spans {
+        let raw_name = &head[span.name.0..span.name.1];
+        let name = HeaderName::from_bytes(raw_name).map_err(|_| {
+            invalid(format!(
+                "the engine's header name {:?}",
+                String::from_utf8_lossy(raw_name)
+            ))
+        })?;
+        let value = HeaderValue::from_maybe_shared(head.slice(span.value.0..span.value.1))
             .map_err(|_| invalid(format!("the engine's header {name}: a value not allowed")))?;
         framing_headers
             .note(&name, &value)
@@ -259,7 +309,7 @@ fn head_of(
     parts.status = status;
     parts.version = version;
     parts.headers = map;
-    Ok(Some((used, parts, framing, keep)))
+    Ok((parts, framing, keep))
 }
 
 /// How an answer's body ends.
@@ -451,24 +501,28 @@ pub(super) fn push_headers(out: &mut Vec<u8>, headers: &HeaderMap, host: bool) {
     }
 }
 
-/// Encodes a request head: request line, `Host`, the end-to-end headers, `Content-Length`.
-fn encode_head(parts: &http::request::Parts, host: &HeaderValue, length: usize) -> Vec<u8> {
+/// Encodes a request head into `head`: request line, `Host`, the end-to-end headers,
+/// `Content-Length`.
+fn encode_head(
+    head: &mut Vec<u8>,
+    parts: &http::request::Parts,
+    host: &HeaderValue,
+    length: usize,
+) {
     let target = parts
         .uri
         .path_and_query()
         .map_or("/", http::uri::PathAndQuery::as_str);
-    let mut head = Vec::with_capacity(256 + parts.headers.len() * 48);
+    head.clear();
+    head.reserve(256 + parts.headers.len() * 48);
     head.extend_from_slice(parts.method.as_str().as_bytes());
     head.push(b' ');
     head.extend_from_slice(target.as_bytes());
     head.extend_from_slice(b" HTTP/1.1\r\nhost: ");
     head.extend_from_slice(host.as_bytes());
     head.extend_from_slice(b"\r\n");
-    push_headers(&mut head, &parts.headers, true);
-    head.extend_from_slice(b"content-length: ");
-    head.extend_from_slice(length.to_string().as_bytes());
-    head.extend_from_slice(b"\r\n\r\n");
-    head
+    push_headers(head, &parts.headers, true);
+    let _ = write!(head, "content-length: {length}\r\n\r\n");
 }
 
 /// The idle connections of one engine address, and its `Host` header.
@@ -486,7 +540,7 @@ pub(crate) struct Pool {
 }
 
 struct Lists {
-    by_addr: HashMap<SocketAddr, Idle>,
+    by_addr: HashMap<SocketAddr, Idle, FastHash>,
     /// The last sweep over every address.
     swept: Instant,
 }
@@ -499,7 +553,7 @@ impl Pool {
     ) -> Arc<Self> {
         Arc::new(Pool {
             idle: Mutex::new(Lists {
-                by_addr: HashMap::new(),
+                by_addr: HashMap::default(),
                 swept: Instant::now(),
             }),
             max_idle,
@@ -600,6 +654,8 @@ impl Pool {
             io,
             buf: BytesMut::with_capacity(READ_SIZE),
             addr,
+            spans: Vec::new(),
+            head: Vec::new(),
         }))
     }
 
@@ -634,7 +690,8 @@ impl Pool {
     ) -> Result<Response<UpstreamBody>, UpstreamError> {
         let (parts, body) = request.into_parts();
         let (mut conn, reused, host) = self.checkout(addr).await?;
-        let head = encode_head(&parts, &host, body.len());
+        let mut head = std::mem::take(&mut conn.head);
+        encode_head(&mut head, &parts, &host, body.len());
         if let Err(err) = conn.write(&head, &body).await {
             if !reused {
                 return Err(err.into());
@@ -645,6 +702,7 @@ impl Pool {
             conn = self.connect(addr).await?;
             conn.write(&head, &body).await?;
         }
+        conn.head = head;
         let (parts, framing, keep) = conn.read_head().await?;
         let mut body = UpstreamBody {
             conn: Some(conn),
@@ -784,8 +842,10 @@ mod tests {
 
     use super::*;
 
-    fn parse(text: &str) -> io::Result<Option<Head>> {
-        parse_head(text.as_bytes())
+    fn parse(text: &str) -> io::Result<Option<(usize, http::response::Parts, Framing, bool)>> {
+        let mut buf = BytesMut::from(text);
+        let taken = take_head(&mut buf, &mut Vec::new())?;
+        Ok(taken.map(|(parts, framing, keep)| (text.len() - buf.len(), parts, framing, keep)))
     }
 
     #[test]
@@ -961,7 +1021,13 @@ mod tests {
             .body(())
             .unwrap();
         let (parts, ()) = request.into_parts();
-        let head = encode_head(&parts, &HeaderValue::from_static("127.0.0.1:8000"), 42);
+        let mut head = Vec::new();
+        encode_head(
+            &mut head,
+            &parts,
+            &HeaderValue::from_static("127.0.0.1:8000"),
+            42,
+        );
         assert_eq!(
             String::from_utf8(head).unwrap(),
             "POST /v1/completions?x=1 HTTP/1.1\r\nhost: 127.0.0.1:8000\r\ncontent-type: application/json\r\nx-request-id: abc\r\ncontent-length: 42\r\n\r\n"
