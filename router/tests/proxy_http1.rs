@@ -348,3 +348,81 @@ async fn a_head_that_cannot_be_read_is_a_400_that_says_why() {
     }
     assert_eq!(record.entered.load(Ordering::SeqCst), 0);
 }
+
+/// An engine that takes one request, sends its head (as it came) to the receiver, and
+/// answers it.
+async fn recording_engine() -> (SocketAddr, tokio::sync::oneshot::Receiver<String>) {
+    let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = engine.local_addr().unwrap();
+    let (head_tx, head_rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let (mut socket, _) = engine.accept().await.unwrap();
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 4096];
+        let end = loop {
+            if let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
+                break end;
+            }
+            let n = socket.read(&mut buf).await.unwrap();
+            assert!(n > 0, "the head is sent whole");
+            seen.extend_from_slice(&buf[..n]);
+        };
+        let _ = head_tx.send(String::from_utf8(seen[..end + 2].to_vec()).unwrap());
+        let answer = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{\"ok\":true}";
+        socket.write_all(answer.as_bytes()).await.unwrap();
+        while socket.read(&mut buf).await.is_ok_and(|n| n > 0) {}
+    });
+    (addr, head_rx)
+}
+
+#[tokio::test]
+async fn only_end_to_end_headers_reach_the_engine_as_the_client_sent_them() {
+    let (engine, head) = recording_engine().await;
+    let proxy = start_proxy(TestAdmission::new(engine), ProxyConfig::default()).await;
+    let body = chat(false);
+    let request = format!(
+        "POST http://client.example/v1/chat/completions?trace=1 HTTP/1.1\r\n\
+         Host: client.example\r\n\
+         Content-Type: application/json\r\n\
+         Authorization: Bearer k-1\r\n\
+         Connection: keep-alive, X-Drop-Me\r\n\
+         X-Drop-Me: 1\r\n\
+         x-drop-me: 2\r\n\
+         X-Request-Id:   r-1  \r\n\
+         Keep-Alive: timeout=5\r\n\
+         Proxy-Connection: keep-alive\r\n\
+         TE: trailers\r\n\
+         Trailer: x-t\r\n\
+         Upgrade: h2c\r\n\
+         Proxy-Authorization: Basic eA==\r\n\
+         Expect: 100-continue\r\n\
+         Content-Length: {}\r\n\
+         X-Last: z\r\n\r\n{body}",
+        body.len()
+    );
+    let mut raw = Raw::open(proxy).await;
+    raw.send(request.as_bytes()).await;
+    let mut answer = raw.answer().await;
+    if answer.status == 100 {
+        answer = raw.answer().await;
+    }
+    assert_eq!(answer.status, 200, "{answer:?}");
+    assert_eq!(answer.body, b"{\"ok\":true}");
+    let head = head.await.unwrap();
+    assert_eq!(
+        head,
+        format!(
+            "POST /v1/chat/completions?trace=1 HTTP/1.1\r\n\
+             host: {engine}\r\n\
+             Content-Type: application/json\r\n\
+             Authorization: Bearer k-1\r\n\
+             X-Request-Id: r-1\r\n\
+             X-Last: z\r\n\
+             content-length: {}\r\n",
+            body.len()
+        ),
+        "the request line in origin form, the engine's Host, the end-to-end headers in \
+         their order and spelling, the router's own length; none of one hop, nor those \
+         Connection names"
+    );
+}

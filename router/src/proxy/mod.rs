@@ -181,8 +181,36 @@ enum Route {
 }
 
 /// Whether a request is one the listener forwards (so that its body is read).
-fn forwarded(parts: &http::request::Parts) -> bool {
-    parts.method == Method::POST && route(parts.uri.path()) == Some(Route::Forward)
+fn forwarded(head: &RequestHead) -> bool {
+    head.method == Method::POST && route(head.uri.path()) == Some(Route::Forward)
+}
+
+/// A request's head as the listener forwards it to an engine.
+pub(crate) struct RequestHead {
+    pub(crate) method: Method,
+    /// As the client sent it; the engine gets its path and query.
+    pub(crate) uri: Uri,
+    /// The client's end-to-end header lines, each `name: value\r\n`, in their order: not
+    /// those of one hop (and those its `Connection` names), `Host`, `Expect`,
+    /// `Content-Length` or `Transfer-Encoding`.
+    pub(crate) lines: Bytes,
+}
+
+impl RequestHead {
+    /// A request's head from its parts (the oneshot [`Proxy::handle`]; [`serve`] gathers the
+    /// lines as it parses the head).
+    fn from_parts(parts: http::request::Parts) -> Self {
+        let mut headers = parts.headers;
+        strip_hop_by_hop(&mut headers);
+        headers.remove(header::EXPECT);
+        let mut lines = Vec::new();
+        upstream::push_headers(&mut lines, &headers, true);
+        RequestHead {
+            method: parts.method,
+            uri: parts.uri,
+            lines: Bytes::from(lines),
+        }
+    }
 }
 
 fn route(path: &str) -> Option<Route> {
@@ -252,7 +280,8 @@ impl<A: Admission> Proxy<A> {
                 .await
                 .unwrap_or_else(|_| Err(Failure::body_late()))
         };
-        self.respond(self.watch(), parts, arrival, body, None).await
+        let head = RequestHead::from_parts(parts);
+        self.respond(self.watch(), head, arrival, body, None).await
     }
 
     /// The observer's report of a request whose head just arrived: made once, by
@@ -266,12 +295,12 @@ impl<A: Admission> Proxy<A> {
     pub(crate) async fn respond(
         &self,
         mut watch: Watch,
-        parts: http::request::Parts,
+        head: RequestHead,
         arrival: Instant,
         body: impl Future<Output = Result<Bytes, Failure>> + Send,
         conn: Option<Arc<ConnWatch>>,
     ) -> Response<ProxyBody> {
-        match self.answer(parts, body, arrival, conn, &mut watch).await {
+        match self.answer(head, body, arrival, conn, &mut watch).await {
             Ok(response) => {
                 // A fixed body (`/v1/models`, a stream that ended before output): over now.
                 watch.end(response.status().as_u16(), None);
@@ -286,7 +315,7 @@ impl<A: Admission> Proxy<A> {
 
     async fn answer(
         &self,
-        mut parts: http::request::Parts,
+        request: RequestHead,
         body: impl Future<Output = Result<Bytes, Failure>>,
         arrival: Instant,
         conn: Option<Arc<ConnWatch>>,
@@ -294,13 +323,13 @@ impl<A: Admission> Proxy<A> {
     ) -> Result<Response<ProxyBody>, Failure> {
         let shared = &*self.shared;
         let config = &shared.config;
-        match (route(parts.uri.path()), &parts.method) {
+        match (route(request.uri.path()), &request.method) {
             (Some(Route::Forward), &Method::POST) => {}
             (Some(Route::Models), &Method::GET) => return Ok(self.models()),
             (Some(_), _) => return Err(Failure::MethodNotAllowed),
             (None, _) => {
                 return Err(Failure::Api(ApiError::NotFound {
-                    what: format!("route {} {}", parts.method, parts.uri.path()),
+                    what: format!("route {} {}", request.method, request.uri.path()),
                 }));
             }
         }
@@ -340,17 +369,10 @@ impl<A: Admission> Proxy<A> {
         let addr = permit.upstream().addr;
         // Dropped without an end (the client went away meanwhile): cut, `client_gone`.
         let mut charge = Charge::new(permit);
-        let uri = origin_form(&parts.uri);
-        strip_hop_by_hop(&mut parts.headers);
-        parts.headers.remove(header::HOST);
-        parts.headers.remove(header::EXPECT);
-        parts.uri = uri;
-        parts.version = http::Version::HTTP_11;
-        let forward = Request::from_parts(parts, body);
 
         // Boxed: this future is large and lives only from here on, so the request's future
         // stays small while it waits for its admission (4096 may wait).
-        let sent = Box::pin(self.pool.request(addr, forward));
+        let sent = Box::pin(self.pool.request(addr, &request, body));
         let response = match tokio::time::timeout_at(deadline, sent).await {
             Ok(Ok(response)) => response,
             Ok(Err(err)) => {
@@ -749,18 +771,6 @@ impl<'a> JsonScan<'a> {
             }
         }
     }
-}
-
-/// The request's path and query (origin-form, as an HTTP/1.1 request line to the engine has it).
-fn origin_form(original: &Uri) -> Uri {
-    let mut parts = http::uri::Parts::default();
-    parts.path_and_query = Some(
-        original
-            .path_and_query()
-            .cloned()
-            .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")),
-    );
-    Uri::from_parts(parts).unwrap_or_else(|_| Uri::from_static("/"))
 }
 
 /// Headers of one hop only, never forwarded (RFC 9110 §7.6.1).

@@ -49,7 +49,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use capyctl_crds::errors::ApiError;
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::header::{self, HeaderMap};
 use http::{Method, Response, StatusCode, Uri, Version};
 use http_body::Body;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
@@ -59,7 +59,7 @@ use super::conn::{ConnWatch, StopWatch};
 use super::upstream::{
     Chunk, FramingHeaders, MAX_HEAD, MAX_HEADERS, Span, decode_chunked, note_spans, push_headers,
 };
-use super::{Failure, Proxy, ProxyBody, forwarded};
+use super::{Failure, Proxy, ProxyBody, RequestHead, forwarded};
 use crate::admission::Admission;
 
 /// What one read asks of the socket at least.
@@ -99,6 +99,7 @@ pub(super) async fn serve<A: Admission, S>(
         buf: BytesMut::new(),
         out: Vec::new(),
         spans: Vec::new(),
+        lines: BytesMut::new(),
         watch,
         head_timer: None,
         read_closed: false,
@@ -132,7 +133,7 @@ pub(super) async fn serve<A: Admission, S>(
         // Made before the body is read, so that a request dropped meanwhile (the listener's
         // grace ran out) is still reported.
         let report = proxy.watch();
-        let body = if forwarded(&request.parts) {
+        let body = if forwarded(&request.head) {
             conn.read_body(&mut request, limit, deadline).await
         } else {
             // Not read (a route that takes none, or none at all): no `100 Continue` for it.
@@ -140,20 +141,21 @@ pub(super) async fn serve<A: Admission, S>(
             Ok(Bytes::new())
         };
         let Incoming {
-            parts,
+            head,
+            version,
             keep,
             unread,
             ..
         } = request;
         let exchange = Exchange {
-            head: parts.method == Method::HEAD,
-            version: parts.version,
+            head: head.method == Method::HEAD,
+            version,
             keep: keep && !unread,
         };
         let watch = Some(Arc::clone(&conn.watch));
         // Pinned where it is made: the answer's future is large (about 2.5 KiB), and each move
         // of it is a copy.
-        let answer = pin!(proxy.respond(report, parts, arrival, std::future::ready(body), watch));
+        let answer = pin!(proxy.respond(report, head, arrival, std::future::ready(body), watch));
         let answered = conn.until_gone(answer).await;
         let Some(response) = answered else {
             tracing::debug!("the client went away before its answer");
@@ -176,7 +178,8 @@ pub(super) async fn serve<A: Admission, S>(
 
 /// A request's head as the server keeps it.
 struct Incoming {
-    parts: http::request::Parts,
+    head: RequestHead,
+    version: Version,
     framing: Framing,
     /// The client keeps the connection open after this exchange.
     keep: bool,
@@ -231,6 +234,8 @@ struct Server<S> {
     out: Vec<u8>,
     /// The header lines of the head being parsed (kept for its capacity).
     spans: Vec<Span>,
+    /// Where the header lines to forward are gathered (each request's are split off).
+    lines: BytesMut,
     watch: Arc<ConnWatch>,
     /// `header_read_timeout` for the head waited for; made at the first wait, then moved.
     head_timer: Option<Pin<Box<Sleep>>>,
@@ -326,7 +331,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
             return Ok(None);
         };
         let head = self.buf.split_to(line.used).freeze();
-        incoming(&head, &line, &self.spans).map(Some)
+        incoming(&head, &line, &self.spans, &mut self.lines).map(Some)
     }
 
     /// Reads the request's body whole, within `deadline` and `limit` (see the module's notes).
@@ -694,35 +699,63 @@ fn line_of(
     }))
 }
 
-/// The request's head from its bytes: its parts (the target and header values are slices of
-/// `head`), its body's framing and whether the connection stays open after it.
-fn incoming(head: &Bytes, line: &Line, spans: &[Span]) -> Result<Incoming, String> {
+/// The request's head from its bytes: its method, target (a slice of `head`) and the header
+/// lines to forward (gathered in `lines`, whose bytes are split off), its body's framing and
+/// whether the connection stays open after it.
+///
+/// NB: the header lines are forwarded as they came (`name: value`), not built into a
+/// `HeaderMap` and encoded again: that was about a tenth of the listener's user-space
+/// instructions per request (see `router/DESIGN.md`, "Speed"). `httparse` has checked them
+/// already: a name is a token and a value has no control characters but tabs, so no line can
+/// split the head sent on.
+fn incoming(
+    head: &Bytes,
+    line: &Line,
+    spans: &[Span],
+    lines: &mut BytesMut,
+) -> Result<Incoming, String> {
     let version = line.version;
     let uri = Uri::from_maybe_shared(head.slice(line.target.0..line.target.1))
         .map_err(|err| format!("the request target is not valid: {err}"))?;
-    let mut headers = HeaderMap::with_capacity(spans.len());
     let mut framing_headers = FramingHeaders::default();
     let mut expect_continue = false;
     let mut hosts = 0;
+    // Headers a `Connection` header names are of this hop only too (RFC 9110 7.6.1).
+    let mut connection_names = false;
     for span in spans {
-        let raw_name = &head[span.name.0..span.name.1];
-        let name = HeaderName::from_bytes(raw_name).map_err(|_| {
-            format!(
-                "the header name {:?} is not valid",
-                String::from_utf8_lossy(raw_name)
-            )
-        })?;
-        let value = HeaderValue::from_maybe_shared(head.slice(span.value.0..span.value.1))
-            .map_err(|_| format!("the header {name} has a value that is not allowed"))?;
+        let name = &head[span.name.0..span.name.1];
+        let value = &head[span.value.0..span.value.1];
         framing_headers
-            .note(&name, &value)
+            .note(name, value)
             .map_err(|what| format!("the request {what}"))?;
-        if name == header::EXPECT {
-            expect_continue = value.as_bytes().eq_ignore_ascii_case(b"100-continue");
-        } else if name == header::HOST {
+        if name.eq_ignore_ascii_case(b"expect") {
+            expect_continue = value.eq_ignore_ascii_case(b"100-continue");
+        } else if name.eq_ignore_ascii_case(b"host") {
             hosts += 1;
+        } else if name.eq_ignore_ascii_case(b"connection") {
+            connection_names |= tokens(value).any(|token| {
+                !token.eq_ignore_ascii_case(b"close") && !token.eq_ignore_ascii_case(b"keep-alive")
+            });
         }
-        headers.append(name, value);
+    }
+    let named_by_connection = |name: &[u8]| {
+        connection_names
+            && spans.iter().any(|span| {
+                head[span.name.0..span.name.1].eq_ignore_ascii_case(b"connection")
+                    && tokens(&head[span.value.0..span.value.1])
+                        .any(|token| token.eq_ignore_ascii_case(name))
+            })
+    };
+    lines.clear();
+    for span in spans {
+        let name = &head[span.name.0..span.name.1];
+        if not_forwarded(name) || named_by_connection(name) {
+            continue;
+        }
+        lines.extend_from_slice(name);
+        lines.extend_from_slice(b": ");
+        lines.extend_from_slice(&head[span.value.0..span.value.1]);
+        lines.extend_from_slice(b"\r\n");
     }
     let FramingHeaders {
         length,
@@ -755,13 +788,13 @@ fn incoming(head: &Bytes, line: &Line, spans: &[Span]) -> Result<Incoming, Strin
     } else {
         Framing::Length(length.unwrap_or(0))
     };
-    let mut parts = http::Request::new(()).into_parts().0;
-    parts.method = line.method.clone();
-    parts.uri = uri;
-    parts.version = version;
-    parts.headers = headers;
     Ok(Incoming {
-        parts,
+        head: RequestHead {
+            method: line.method.clone(),
+            uri,
+            lines: lines.split().freeze(),
+        },
+        version,
         framing,
         keep: if version == Version::HTTP_11 {
             !close
@@ -771,6 +804,35 @@ fn incoming(head: &Bytes, line: &Line, spans: &[Span]) -> Result<Incoming, Strin
         expect_continue: expect_continue && version == Version::HTTP_11,
         unread: false,
     })
+}
+
+/// The request headers the router does not forward: those it sets itself (`Host`, the
+/// framing) or answers (`Expect`), and those of one hop (RFC 9110 7.6.1).
+fn not_forwarded(name: &[u8]) -> bool {
+    const NAMES: [&[u8]; 11] = [
+        b"host",
+        b"expect",
+        b"content-length",
+        b"transfer-encoding",
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"proxy-authorization",
+    ];
+    NAMES
+        .iter()
+        .any(|known| known.len() == name.len() && known.eq_ignore_ascii_case(name))
+}
+
+/// The comma-separated tokens of a header value, trimmed, empty ones left out.
+fn tokens(value: &[u8]) -> impl Iterator<Item = &[u8]> {
+    value
+        .split(|&b| b == b',')
+        .map(<[u8]>::trim_ascii)
+        .filter(|token| !token.is_empty())
 }
 
 /// Encodes an answer's status line and headers (without the closing empty line): the answer's

@@ -12,9 +12,11 @@
 //! "Speed"). The request's own task reads the engine's socket: the engine's answer wakes the
 //! task that forwards it to the client, and nothing else runs.
 //!
-//! - The request goes out with `Host`, the client's end-to-end headers (hop-by-hop ones,
-//!   `Content-Length` and `Transfer-Encoding` never) and its own `Content-Length`; `http`'s
-//!   header types cannot hold CR or LF, so nothing a client sends can split the head.
+//! - The request goes out with `Host`, the client's end-to-end header lines as the server
+//!   side gathered them ([`RequestHead`]: hop-by-hop ones, `Host`, `Expect`, `Content-Length`
+//!   and `Transfer-Encoding` never) and its own `Content-Length`. Those lines were parsed by
+//!   `httparse` (or encoded from `http`'s header types), neither of which lets CR or LF into a
+//!   name or value, so nothing a client sends can split the head.
 //! - The answer's length follows RFC 9112 6.3: none for 1xx (skipped), 204 and 304; chunked
 //!   when `Transfer-Encoding` ends in `chunked` (extensions and trailers read and dropped);
 //!   else `Content-Length` (several must agree); else until the engine closes.
@@ -48,12 +50,13 @@ use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::{Request, Response, StatusCode, Version};
+use http::{Response, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
+use super::RequestHead;
 use crate::fast_hash::FastHash;
 
 /// How long an idle connection is kept: under uvicorn's `timeout_keep_alive` (5 s).
@@ -267,11 +270,12 @@ fn head_of(head: &Bytes, code: u16, version: Version, spans: &[Span]) -> io::Res
                 String::from_utf8_lossy(raw_name)
             ))
         })?;
+        let raw_value = &head[span.value.0..span.value.1];
+        framing_headers
+            .note(raw_name, raw_value)
+            .map_err(|what| invalid(format!("the engine's answer {what}")))?;
         let value = HeaderValue::from_maybe_shared(head.slice(span.value.0..span.value.1))
             .map_err(|_| invalid(format!("the engine's header {name}: a value not allowed")))?;
-        framing_headers
-            .note(&name, &value)
-            .map_err(|what| invalid(format!("the engine's answer {what}")))?;
         map.append(name, value);
     }
     let FramingHeaders {
@@ -349,13 +353,9 @@ pub(super) struct FramingHeaders {
 impl FramingHeaders {
     /// Notes one header; what is wrong (to follow "the request" or "the engine's answer") when
     /// a `Content-Length` is not a number or disagrees with an earlier one.
-    pub(super) fn note(
-        &mut self,
-        name: &HeaderName,
-        value: &HeaderValue,
-    ) -> Result<(), &'static str> {
-        if name == header::CONTENT_LENGTH {
-            let n = std::str::from_utf8(value.as_bytes())
+    pub(super) fn note(&mut self, name: &[u8], value: &[u8]) -> Result<(), &'static str> {
+        if name.eq_ignore_ascii_case(b"content-length") {
+            let n = std::str::from_utf8(value)
                 .ok()
                 .map(str::trim)
                 .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
@@ -365,17 +365,16 @@ impl FramingHeaders {
                 return Err("has two different Content-Lengths");
             }
             self.length = Some(n);
-        } else if name == header::TRANSFER_ENCODING {
+        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
             self.encoded = true;
             self.chunked = value
-                .to_str()
-                .ok()
-                .and_then(|v| v.rsplit(',').next())
-                .is_some_and(|last| last.trim().eq_ignore_ascii_case("chunked"));
-        } else if name == header::CONNECTION {
-            for token in value.to_str().unwrap_or("").split(',').map(str::trim) {
-                self.close |= token.eq_ignore_ascii_case("close");
-                self.keep_alive |= token.eq_ignore_ascii_case("keep-alive");
+                .rsplit(|&b| b == b',')
+                .next()
+                .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+        } else if name.eq_ignore_ascii_case(b"connection") {
+            for token in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
+                self.close |= token.eq_ignore_ascii_case(b"close");
+                self.keep_alive |= token.eq_ignore_ascii_case(b"keep-alive");
             }
         }
         Ok(())
@@ -501,27 +500,22 @@ pub(super) fn push_headers(out: &mut Vec<u8>, headers: &HeaderMap, host: bool) {
     }
 }
 
-/// Encodes a request head into `head`: request line, `Host`, the end-to-end headers,
-/// `Content-Length`.
-fn encode_head(
-    head: &mut Vec<u8>,
-    parts: &http::request::Parts,
-    host: &HeaderValue,
-    length: usize,
-) {
-    let target = parts
+/// Encodes a request head into `head`: request line (origin-form: the target's path and
+/// query), `Host`, the client's header lines, `Content-Length`.
+fn encode_head(head: &mut Vec<u8>, request: &RequestHead, host: &HeaderValue, length: usize) {
+    let target = request
         .uri
         .path_and_query()
         .map_or("/", http::uri::PathAndQuery::as_str);
     head.clear();
-    head.reserve(256 + parts.headers.len() * 48);
-    head.extend_from_slice(parts.method.as_str().as_bytes());
+    head.reserve(128 + target.len() + request.lines.len());
+    head.extend_from_slice(request.method.as_str().as_bytes());
     head.push(b' ');
     head.extend_from_slice(target.as_bytes());
     head.extend_from_slice(b" HTTP/1.1\r\nhost: ");
     head.extend_from_slice(host.as_bytes());
     head.extend_from_slice(b"\r\n");
-    push_headers(head, &parts.headers, true);
+    head.extend_from_slice(&request.lines);
     let _ = write!(head, "content-length: {length}\r\n\r\n");
 }
 
@@ -681,17 +675,18 @@ impl Pool {
         }
     }
 
-    /// Sends `request` (origin-form URI; `Host` is set here) to `addr` and reads the response
-    /// head. The body keeps the connection.
+    /// Sends a request (`request`'s method, its target's path and query, `Host` and
+    /// `Content-Length` set here, its header lines) with `body` to `addr` and reads the
+    /// response head. The body keeps the connection.
     pub(crate) async fn request(
         self: &Arc<Self>,
         addr: SocketAddr,
-        request: Request<Bytes>,
+        request: &RequestHead,
+        body: Bytes,
     ) -> Result<Response<UpstreamBody>, UpstreamError> {
-        let (parts, body) = request.into_parts();
         let (mut conn, reused, host) = self.checkout(addr).await?;
         let mut head = std::mem::take(&mut conn.head);
-        encode_head(&mut head, &parts, &host, body.len());
+        encode_head(&mut head, request, &host, body.len());
         if let Err(err) = conn.write(&head, &body).await {
             if !reused {
                 return Err(err.into());
@@ -836,6 +831,7 @@ mod tests {
 
     use std::sync::atomic::{AtomicUsize, Ordering};
 
+    use http::Request;
     use http_body_util::BodyExt;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
@@ -1024,7 +1020,7 @@ mod tests {
         let mut head = Vec::new();
         encode_head(
             &mut head,
-            &parts,
+            &RequestHead::from_parts(parts),
             &HeaderValue::from_static("127.0.0.1:8000"),
             42,
         );
@@ -1098,15 +1094,23 @@ mod tests {
         Pool::new(8, IDLE_TIMEOUT, Duration::from_secs(5))
     }
 
+    /// Sends `request` through `pool` to `addr`.
+    async fn send(
+        pool: &Arc<Pool>,
+        addr: SocketAddr,
+        request: Request<Bytes>,
+    ) -> Result<Response<UpstreamBody>, UpstreamError> {
+        let (parts, body) = request.into_parts();
+        pool.request(addr, &RequestHead::from_parts(parts), body)
+            .await
+    }
+
     async fn ask(pool: &Arc<Pool>, addr: SocketAddr) -> Result<(StatusCode, Bytes), String> {
         let request = Request::post("/v1/completions")
             .header("content-type", "application/json")
             .body(Bytes::from_static(b"{\"model\":\"m\"}"))
             .unwrap();
-        let response = pool
-            .request(addr, request)
-            .await
-            .map_err(|e| e.to_string())?;
+        let response = send(pool, addr, request).await.map_err(|e| e.to_string())?;
         let status = response.status();
         let body = response
             .into_body()
@@ -1154,7 +1158,7 @@ mod tests {
         let (addr, _, requests) = engine(vec![(LENGTH, false)], 64).await;
         let body = Bytes::from(vec![b'x'; 16 << 20]);
         let request = Request::post("/v1/completions").body(body).unwrap();
-        let response = pool().request(addr, request).await.unwrap();
+        let response = send(&pool(), addr, request).await.unwrap();
         let answer = response.into_body().collect().await.unwrap().to_bytes();
         assert_eq!(answer, Bytes::from_static(b"{\"ok\":true}"));
         let requests = requests.lock().unwrap();
@@ -1178,7 +1182,7 @@ mod tests {
         let idle = |pool: &Arc<Pool>| pool.lock().by_addr.get(&addr).map_or(0, |i| i.conns.len());
 
         let request = || Request::post("/v1/completions").body(Bytes::new()).unwrap();
-        let mut body = pool.request(addr, request()).await.unwrap().into_body();
+        let mut body = send(&pool, addr, request()).await.unwrap().into_body();
         assert!(!body.is_end_stream());
         let frame = body.frame().await.unwrap().unwrap();
         assert_eq!(frame.into_data().unwrap(), Bytes::from_static(b"abc"));
@@ -1193,7 +1197,7 @@ mod tests {
         );
         drop(body);
 
-        let body = pool.request(addr, request()).await.unwrap().into_body();
+        let body = send(&pool, addr, request()).await.unwrap().into_body();
         assert!(body.is_end_stream(), "a 204 has no body");
         assert_eq!(idle(&pool), 1);
         assert_eq!(accepted.load(Ordering::SeqCst), 1);
@@ -1218,7 +1222,7 @@ mod tests {
         });
         let pool = pool();
         let request = Request::post("/v1/completions").body(Bytes::new()).unwrap();
-        let mut body = pool.request(addr, request).await.unwrap().into_body();
+        let mut body = send(&pool, addr, request).await.unwrap().into_body();
         let frame = body.frame().await.unwrap().unwrap();
         assert_eq!(frame.into_data().unwrap(), Bytes::from_static(b"hel"));
         drop(body);
