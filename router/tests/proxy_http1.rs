@@ -350,8 +350,10 @@ async fn a_head_that_cannot_be_read_is_a_400_that_says_why() {
 }
 
 /// An engine that takes one request, sends its head (as it came) to the receiver, and
-/// answers it.
-async fn recording_engine() -> (SocketAddr, tokio::sync::oneshot::Receiver<String>) {
+/// answers it with `answer`.
+async fn recording_engine(
+    answer: &'static str,
+) -> (SocketAddr, tokio::sync::oneshot::Receiver<String>) {
     let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = engine.local_addr().unwrap();
     let (head_tx, head_rx) = tokio::sync::oneshot::channel();
@@ -368,7 +370,6 @@ async fn recording_engine() -> (SocketAddr, tokio::sync::oneshot::Receiver<Strin
             seen.extend_from_slice(&buf[..n]);
         };
         let _ = head_tx.send(String::from_utf8(seen[..end + 2].to_vec()).unwrap());
-        let answer = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{\"ok\":true}";
         socket.write_all(answer.as_bytes()).await.unwrap();
         while socket.read(&mut buf).await.is_ok_and(|n| n > 0) {}
     });
@@ -376,8 +377,18 @@ async fn recording_engine() -> (SocketAddr, tokio::sync::oneshot::Receiver<Strin
 }
 
 #[tokio::test]
-async fn only_end_to_end_headers_reach_the_engine_as_the_client_sent_them() {
-    let (engine, head) = recording_engine().await;
+async fn only_end_to_end_headers_pass_the_router_as_they_were_sent() {
+    let (engine, head) = recording_engine(
+        "HTTP/1.1 200 OK\r\n\
+         Content-Type: application/json\r\n\
+         X-Engine: e-1\r\n\
+         Connection: keep-alive, X-Engine-Hop\r\n\
+         X-Engine-Hop: 1\r\n\
+         Keep-Alive: timeout=5\r\n\
+         Date: Thu, 03 Dec 2026 00:00:00 GMT\r\n\
+         Content-Length: 11\r\n\r\n{\"ok\":true}",
+    )
+    .await;
     let proxy = start_proxy(TestAdmission::new(engine), ProxyConfig::default()).await;
     let body = chat(false);
     let request = format!(
@@ -408,6 +419,14 @@ async fn only_end_to_end_headers_reach_the_engine_as_the_client_sent_them() {
     }
     assert_eq!(answer.status, 200, "{answer:?}");
     assert_eq!(answer.body, b"{\"ok\":true}");
+    let names: Vec<&str> = answer.headers.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        ["content-type", "x-engine", "date", "content-length"],
+        "the engine's end-to-end headers, then the router's length; the engine's Date kept"
+    );
+    assert_eq!(answer.header("date"), Some("Thu, 03 Dec 2026 00:00:00 GMT"));
+    assert_eq!(answer.header("content-length"), Some("11"));
     let head = head.await.unwrap();
     assert_eq!(
         head,

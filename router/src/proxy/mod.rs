@@ -185,6 +185,80 @@ fn forwarded(head: &RequestHead) -> bool {
     head.method == Method::POST && route(head.uri.path()) == Some(Route::Forward)
 }
 
+/// An answer as the listener writes it.
+pub(crate) struct Answer {
+    pub(crate) status: StatusCode,
+    pub(crate) head: AnswerHead,
+    pub(crate) body: ProxyBody,
+}
+
+/// An answer's headers: those the router sets and those the engine sent.
+#[derive(Default)]
+pub(crate) struct AnswerHead {
+    /// The router's own (its error answers, `/v1/models`).
+    pub(crate) headers: HeaderMap,
+    /// The engine's header lines, passed on as it sent them (see `upstream::EngineHead`).
+    pub(crate) lines: Bytes,
+    /// The lines hold a `Date`.
+    pub(crate) dated: bool,
+}
+
+impl From<Response<ProxyBody>> for Answer {
+    fn from(response: Response<ProxyBody>) -> Self {
+        let (parts, body) = response.into_parts();
+        Answer {
+            status: parts.status,
+            head: AnswerHead {
+                headers: parts.headers,
+                ..AnswerHead::default()
+            },
+            body,
+        }
+    }
+}
+
+impl Answer {
+    /// An engine's answer (`engine`) passed on with `body`.
+    fn engine(engine: upstream::EngineHead, body: ProxyBody) -> Self {
+        Answer {
+            status: engine.status,
+            head: AnswerHead {
+                headers: HeaderMap::new(),
+                lines: engine.lines,
+                dated: engine.dated,
+            },
+            body,
+        }
+    }
+
+    /// As an `http` response (the oneshot [`Proxy::handle`]): the engine's header lines
+    /// become headers, and a body of known size gets its `Content-Length`.
+    fn into_response(self) -> Response<ProxyBody> {
+        let mut headers = self.head.headers;
+        for line in self.head.lines.split(|&b| b == b'\n') {
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            let Some(colon) = line.iter().position(|&b| b == b':') else {
+                continue;
+            };
+            if let (Ok(name), Ok(value)) = (
+                HeaderName::from_bytes(&line[..colon]),
+                HeaderValue::from_bytes(line[colon + 1..].trim_ascii()),
+            ) {
+                headers.append(name, value);
+            }
+        }
+        if let Some(size) = self.body.size_hint().exact()
+            && !headers.contains_key(header::CONTENT_LENGTH)
+        {
+            headers.insert(header::CONTENT_LENGTH, HeaderValue::from(size));
+        }
+        let mut response = Response::new(self.body);
+        *response.status_mut() = self.status;
+        *response.headers_mut() = headers;
+        response
+    }
+}
+
 /// A request's head as the listener forwards it to an engine.
 pub(crate) struct RequestHead {
     pub(crate) method: Method,
@@ -281,7 +355,9 @@ impl<A: Admission> Proxy<A> {
                 .unwrap_or_else(|_| Err(Failure::body_late()))
         };
         let head = RequestHead::from_parts(parts);
-        self.respond(self.watch(), head, arrival, body, None).await
+        self.respond(self.watch(), head, arrival, body, None)
+            .await
+            .into_response()
     }
 
     /// The observer's report of a request whose head just arrived: made once, by
@@ -299,16 +375,16 @@ impl<A: Admission> Proxy<A> {
         arrival: Instant,
         body: impl Future<Output = Result<Bytes, Failure>> + Send,
         conn: Option<Arc<ConnWatch>>,
-    ) -> Response<ProxyBody> {
+    ) -> Answer {
         match self.answer(head, body, arrival, conn, &mut watch).await {
-            Ok(response) => {
+            Ok(answer) => {
                 // A fixed body (`/v1/models`, a stream that ended before output): over now.
-                watch.end(response.status().as_u16(), None);
-                response
+                watch.end(answer.status.as_u16(), None);
+                answer
             }
             Err(failure) => {
                 watch.end(failure.status(), Some(failure.code()));
-                failure.response()
+                failure.response().into()
             }
         }
     }
@@ -320,12 +396,12 @@ impl<A: Admission> Proxy<A> {
         arrival: Instant,
         conn: Option<Arc<ConnWatch>>,
         watch: &mut Watch,
-    ) -> Result<Response<ProxyBody>, Failure> {
+    ) -> Result<Answer, Failure> {
         let shared = &*self.shared;
         let config = &shared.config;
         match (route(request.uri.path()), &request.method) {
             (Some(Route::Forward), &Method::POST) => {}
-            (Some(Route::Models), &Method::GET) => return Ok(self.models()),
+            (Some(Route::Models), &Method::GET) => return Ok(self.models().into()),
             (Some(_), _) => return Err(Failure::MethodNotAllowed),
             (None, _) => {
                 return Err(Failure::Api(ApiError::NotFound {
@@ -373,8 +449,8 @@ impl<A: Admission> Proxy<A> {
         // Boxed: this future is large and lives only from here on, so the request's future
         // stays small while it waits for its admission (4096 may wait).
         let sent = Box::pin(self.pool.request(addr, &request, body));
-        let response = match tokio::time::timeout_at(deadline, sent).await {
-            Ok(Ok(response)) => response,
+        let (engine, upstream) = match tokio::time::timeout_at(deadline, sent).await {
+            Ok(Ok(answered)) => answered,
             Ok(Err(err)) => {
                 tracing::debug!(error = %err, "engine unreachable");
                 charge.cut("upstream_unavailable");
@@ -387,18 +463,15 @@ impl<A: Admission> Proxy<A> {
                 }));
             }
         };
-        let (mut head, upstream) = response.into_parts();
-        strip_hop_by_hop(&mut head.headers);
-
-        if !is_event_stream(&head.headers) {
+        let status = engine.status;
+        if !engine.event_stream {
             charge.output();
             let mut charge: Box<dyn Track> = Box::new(charge);
-            watch.hand_to(&mut *charge, head.status.as_u16(), false);
+            watch.hand_to(&mut *charge, status.as_u16(), false);
             let body = DirectBody::new(upstream, charge, config.stream_idle_timeout, conn);
-            return Ok(Response::from_parts(head, ProxyBody::direct(body)));
+            return Ok(Answer::engine(engine, ProxyBody::direct(body)));
         }
 
-        head.headers.remove(header::CONTENT_LENGTH);
         let settings = StreamSettings {
             deadline,
             idle: config.stream_idle_timeout,
@@ -408,15 +481,11 @@ impl<A: Admission> Proxy<A> {
         match body::start_stream(upstream, Box::new(charge), &deployment_id, settings).await {
             Start::Stream(mut body) => {
                 if let Some(charge) = body.charge_mut() {
-                    watch.hand_to(charge, head.status.as_u16(), true);
+                    watch.hand_to(charge, status.as_u16(), true);
                 }
-                Ok(Response::from_parts(head, ProxyBody::stream(body)))
+                Ok(Answer::engine(engine, ProxyBody::stream(body)))
             }
-            Start::Whole(bytes) => {
-                head.headers
-                    .insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
-                Ok(Response::from_parts(head, ProxyBody::full(bytes)))
-            }
+            Start::Whole(bytes) => Ok(Answer::engine(engine, ProxyBody::full(bytes))),
             Start::Fail(failure) => Err(failure),
         }
     }
@@ -820,13 +889,6 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-fn is_event_stream(headers: &HeaderMap) -> bool {
-    headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.as_bytes().get(..17))
-        .is_some_and(|v| v.eq_ignore_ascii_case(b"text/event-stream"))
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -898,6 +960,27 @@ mod tests {
         strip_hop_by_hop(&mut headers);
         assert_eq!(headers.len(), 1);
         assert!(headers.contains_key(header::AUTHORIZATION));
+    }
+
+    #[test]
+    fn an_engine_answer_as_an_http_response_has_the_engines_headers_and_its_length() {
+        let answer = Answer {
+            status: StatusCode::CREATED,
+            head: AnswerHead {
+                headers: HeaderMap::new(),
+                lines: Bytes::from_static(b"Content-Type: text/plain\r\nx-a: 1\r\nx-a:  2 \r\n"),
+                dated: false,
+            },
+            body: ProxyBody::full(Bytes::from_static(b"abc")),
+        };
+        let response = answer.into_response();
+        assert_eq!(response.status(), StatusCode::CREATED);
+        let headers = response.headers();
+        assert_eq!(headers[header::CONTENT_TYPE], "text/plain");
+        let a: Vec<_> = headers.get_all("x-a").iter().collect();
+        assert_eq!(a, ["1", "2"]);
+        assert_eq!(headers[header::CONTENT_LENGTH], "3");
+        assert_eq!(headers.len(), 4);
     }
 
     #[test]

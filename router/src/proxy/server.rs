@@ -49,17 +49,18 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use capyctl_crds::errors::ApiError;
-use http::header::{self, HeaderMap};
-use http::{Method, Response, StatusCode, Uri, Version};
+use http::header;
+use http::{Method, StatusCode, Uri, Version};
 use http_body::Body;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::time::{Instant, Sleep};
 
 use super::conn::{ConnWatch, StopWatch};
 use super::upstream::{
-    Chunk, FramingHeaders, MAX_HEAD, MAX_HEADERS, Span, decode_chunked, note_spans, push_headers,
+    Chunk, FramingHeaders, MAX_HEAD, MAX_HEADERS, Span, decode_chunked, gather_lines, note_spans,
+    push_decimal, push_headers,
 };
-use super::{Failure, Proxy, ProxyBody, RequestHead, forwarded};
+use super::{Answer, AnswerHead, Failure, Proxy, ProxyBody, RequestHead, forwarded};
 use crate::admission::Admission;
 
 /// What one read asks of the socket at least.
@@ -109,7 +110,7 @@ pub(super) async fn serve<A: Admission, S>(
             Next::Head(request) => request,
             Next::Bad(detail) => {
                 tracing::debug!(%detail, "a request head that cannot be parsed");
-                let response = super::error_response(&ApiError::InvalidRequest { detail });
+                let response = super::error_response(&ApiError::InvalidRequest { detail }).into();
                 let exchange = Exchange {
                     head: false,
                     version: Version::HTTP_11,
@@ -438,13 +439,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
     /// can take another request.
     async fn write_answer(
         &mut self,
-        response: Response<ProxyBody>,
+        answer: Answer,
         exchange: &Exchange,
         stopping: bool,
     ) -> io::Result<bool> {
-        let (parts, body) = response.into_parts();
-        let mut body = pin!(body);
-        let status = parts.status;
+        let mut body = pin!(answer.body);
+        let status = answer.status;
         let bodiless = exchange.head
             || status.is_informational()
             || status == StatusCode::NO_CONTENT
@@ -459,14 +459,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
         // No length on an answer that cannot have one (RFC 9110 8.6).
         let length =
             size.filter(|_| !status.is_informational() && status != StatusCode::NO_CONTENT);
-        encode_head(&mut out, status, &parts.headers, length, chunked);
+        encode_head(&mut out, status, &answer.head, length, chunked);
         if !keep {
             out.extend_from_slice(b"connection: close\r\n");
         } else if exchange.version == Version::HTTP_10 {
             out.extend_from_slice(b"connection: keep-alive\r\n");
         }
         out.extend_from_slice(b"\r\n");
-        drop(parts);
+        drop(answer.head);
 
         // Watched for a read stall until written, flush included (see `conn`).
         self.watch.answer_began();
@@ -700,14 +700,13 @@ fn line_of(
 }
 
 /// The request's head from its bytes: its method, target (a slice of `head`) and the header
-/// lines to forward (gathered in `lines`, whose bytes are split off), its body's framing and
-/// whether the connection stays open after it.
+/// lines to forward (see [`gather_lines`]; gathered in `lines`, whose bytes are split off),
+/// its body's framing and whether the connection stays open after it.
 ///
-/// NB: the header lines are forwarded as they came (`name: value`), not built into a
-/// `HeaderMap` and encoded again: that was about a tenth of the listener's user-space
-/// instructions per request (see `router/DESIGN.md`, "Speed"). `httparse` has checked them
-/// already: a name is a token and a value has no control characters but tabs, so no line can
-/// split the head sent on.
+/// NB: the header lines are forwarded as they came, not built into a `HeaderMap` and encoded
+/// again: that was about a tenth of the listener's user-space instructions per request (see
+/// `router/DESIGN.md`, "Speed"). `httparse` has checked them already: a name is a token and a
+/// value has no control character but tab, so no line can split the head sent on.
 fn incoming(
     head: &Bytes,
     line: &Line,
@@ -720,8 +719,6 @@ fn incoming(
     let mut framing_headers = FramingHeaders::default();
     let mut expect_continue = false;
     let mut hosts = 0;
-    // Headers a `Connection` header names are of this hop only too (RFC 9110 7.6.1).
-    let mut connection_names = false;
     for span in spans {
         let name = &head[span.name.0..span.name.1];
         let value = &head[span.value.0..span.value.1];
@@ -732,31 +729,9 @@ fn incoming(
             expect_continue = value.eq_ignore_ascii_case(b"100-continue");
         } else if name.eq_ignore_ascii_case(b"host") {
             hosts += 1;
-        } else if name.eq_ignore_ascii_case(b"connection") {
-            connection_names |= tokens(value).any(|token| {
-                !token.eq_ignore_ascii_case(b"close") && !token.eq_ignore_ascii_case(b"keep-alive")
-            });
         }
     }
-    let named_by_connection = |name: &[u8]| {
-        connection_names
-            && spans.iter().any(|span| {
-                head[span.name.0..span.name.1].eq_ignore_ascii_case(b"connection")
-                    && tokens(&head[span.value.0..span.value.1])
-                        .any(|token| token.eq_ignore_ascii_case(name))
-            })
-    };
-    lines.clear();
-    for span in spans {
-        let name = &head[span.name.0..span.name.1];
-        if not_forwarded(name) || named_by_connection(name) {
-            continue;
-        }
-        lines.extend_from_slice(name);
-        lines.extend_from_slice(b": ");
-        lines.extend_from_slice(&head[span.value.0..span.value.1]);
-        lines.extend_from_slice(b"\r\n");
-    }
+    gather_lines(head, spans, lines);
     let FramingHeaders {
         length,
         encoded,
@@ -806,41 +781,12 @@ fn incoming(
     })
 }
 
-/// The request headers the router does not forward: those it sets itself (`Host`, the
-/// framing) or answers (`Expect`), and those of one hop (RFC 9110 7.6.1).
-fn not_forwarded(name: &[u8]) -> bool {
-    const NAMES: [&[u8]; 11] = [
-        b"host",
-        b"expect",
-        b"content-length",
-        b"transfer-encoding",
-        b"connection",
-        b"keep-alive",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"upgrade",
-        b"proxy-authorization",
-    ];
-    NAMES
-        .iter()
-        .any(|known| known.len() == name.len() && known.eq_ignore_ascii_case(name))
-}
-
-/// The comma-separated tokens of a header value, trimmed, empty ones left out.
-fn tokens(value: &[u8]) -> impl Iterator<Item = &[u8]> {
-    value
-        .split(|&b| b == b',')
-        .map(<[u8]>::trim_ascii)
-        .filter(|token| !token.is_empty())
-}
-
 /// Encodes an answer's status line and headers (without the closing empty line): the answer's
 /// own end-to-end headers, then its framing and a `Date` when it has none.
 fn encode_head(
     out: &mut Vec<u8>,
     status: StatusCode,
-    headers: &HeaderMap,
+    head: &AnswerHead,
     size: Option<u64>,
     chunked: bool,
 ) {
@@ -849,13 +795,16 @@ fn encode_head(
     out.push(b' ');
     out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
     out.extend_from_slice(b"\r\n");
-    push_headers(out, headers, false);
+    push_headers(out, &head.headers, false);
+    out.extend_from_slice(&head.lines);
     if let Some(size) = size {
-        let _ = write!(out, "content-length: {size}\r\n");
+        out.extend_from_slice(b"content-length: ");
+        push_decimal(out, size);
+        out.extend_from_slice(b"\r\n");
     } else if chunked {
         out.extend_from_slice(b"transfer-encoding: chunked\r\n");
     }
-    if !headers.contains_key(header::DATE) {
+    if !head.dated && !head.headers.contains_key(header::DATE) {
         out.extend_from_slice(b"date: ");
         date(out);
         out.extend_from_slice(b"\r\n");

@@ -41,7 +41,7 @@
 
 use std::collections::HashMap;
 use std::future::{Future, poll_fn};
-use std::io::{self, Write as _};
+use std::io;
 use std::net::SocketAddr;
 use std::pin::{Pin, pin};
 use std::sync::{Arc, Mutex};
@@ -49,8 +49,8 @@ use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::{Response, StatusCode, Version};
+use http::header::{self, HeaderMap, HeaderValue};
+use http::{StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
@@ -100,6 +100,8 @@ pub(crate) struct Conn {
     spans: Vec<Span>,
     /// The request head being written (kept for its capacity).
     head: Vec<u8>,
+    /// Where the header lines of each answer are gathered (and split off).
+    lines: BytesMut,
 }
 
 impl Conn {
@@ -157,9 +159,10 @@ impl Conn {
 
     /// Reads the response head (skipping 1xx answers): its parts, how its body is framed, and
     /// whether the engine keeps the connection open after it.
-    async fn read_head(&mut self) -> io::Result<(http::response::Parts, Framing, bool)> {
+    async fn read_head(&mut self) -> io::Result<Head> {
         loop {
-            let Some((parts, framing, keep)) = take_head(&mut self.buf, &mut self.spans)? else {
+            let taken = take_head(&mut self.buf, &mut self.spans, &mut self.lines)?;
+            let Some((engine, framing, keep)) = taken else {
                 if self.buf.len() >= MAX_HEAD {
                     return Err(invalid(format!(
                         "the engine's response head is longer than {MAX_HEAD} bytes"
@@ -170,17 +173,30 @@ impl Conn {
                 }
                 continue;
             };
-            if parts.status.is_informational() {
+            if engine.status.is_informational() {
                 continue;
             }
-            return Ok((parts, framing, keep));
+            return Ok((engine, framing, keep));
         }
     }
 }
 
-/// A parsed response head: its parts, the body's framing and whether the connection stays
-/// open after the answer.
-type Head = (http::response::Parts, Framing, bool);
+/// A parsed response head: what goes on to the client, the body's framing and whether the
+/// connection stays open after the answer.
+type Head = (EngineHead, Framing, bool);
+
+/// An engine's response head, as the listener passes it on.
+#[derive(Debug)]
+pub(crate) struct EngineHead {
+    pub(crate) status: StatusCode,
+    /// The engine's end-to-end header lines, each `name: value\r\n` as it sent them (see
+    /// [`gather_lines`]): not the framing, nor those of one hop.
+    pub(crate) lines: Bytes,
+    /// A `Content-Type` of `text/event-stream`: the answer is a stream of events.
+    pub(crate) event_stream: bool,
+    /// The lines hold a `Date`.
+    pub(crate) dated: bool,
+}
 
 /// Where a header's name and value lie in a head's bytes.
 #[derive(Debug, Clone, Copy)]
@@ -203,14 +219,19 @@ pub(super) fn note_spans(buf: &[u8], headers: &[httparse::Header<'_>], spans: &m
     }));
 }
 
-/// Takes a complete response head off the start of `buf` (its header values are slices of
-/// the bytes taken, not copies); `None` if it is not complete yet.
-fn take_head(buf: &mut BytesMut, spans: &mut Vec<Span>) -> io::Result<Option<Head>> {
+/// Takes a complete response head off the start of `buf`, its header lines to pass on
+/// gathered in `lines` (and split off); `None` if it is not complete yet.
+fn take_head(
+    buf: &mut BytesMut,
+    spans: &mut Vec<Span>,
+    lines: &mut BytesMut,
+) -> io::Result<Option<Head>> {
     let Some((used, code, version)) = parse_head(buf, spans)? else {
         return Ok(None);
     };
-    let head = buf.split_to(used).freeze();
-    head_of(&head, code, version, spans).map(Some)
+    let taken = head_of(&buf[..used], code, version, spans, lines);
+    buf.advance(used);
+    taken.map(Some)
 }
 
 /// Parses a complete response head at the start of `buf`, noting where its header lines lie
@@ -255,29 +276,38 @@ fn status_of(
     Ok(Some((used, response.code.unwrap_or(0), version)))
 }
 
-/// The response's head from its bytes: its parts (header values are slices of `head`), its
-/// body's framing and whether the connection stays open after it.
-fn head_of(head: &Bytes, code: u16, version: Version, spans: &[Span]) -> io::Result<Head> {
+/// The response's head from its bytes: what goes on to the client (its header lines gathered
+/// in `lines`), its body's framing and whether the connection stays open after it.
+///
+/// NB: the lines are passed on as the engine sent them, not built into a `HeaderMap` and
+/// encoded again (see `router/DESIGN.md`, "Speed"); `httparse` has checked them (a name is a
+/// token, a value has no control character but tab).
+fn head_of(
+    head: &[u8],
+    code: u16,
+    version: Version,
+    spans: &[Span],
+    lines: &mut BytesMut,
+) -> io::Result<Head> {
     let status = StatusCode::from_u16(code)
         .map_err(|_| invalid(format!("the engine's response status {code}")))?;
-    let mut map = HeaderMap::with_capacity(spans.len());
     let mut framing_headers = FramingHeaders::default();
+    let (mut event_stream, mut dated) = (false, false);
     for span in spans {
-        let raw_name = &head[span.name.0..span.name.1];
-        let name = HeaderName::from_bytes(raw_name).map_err(|_| {
-            invalid(format!(
-                "the engine's header name {:?}",
-                String::from_utf8_lossy(raw_name)
-            ))
-        })?;
-        let raw_value = &head[span.value.0..span.value.1];
+        let name = &head[span.name.0..span.name.1];
+        let value = &head[span.value.0..span.value.1];
         framing_headers
-            .note(raw_name, raw_value)
+            .note(name, value)
             .map_err(|what| invalid(format!("the engine's answer {what}")))?;
-        let value = HeaderValue::from_maybe_shared(head.slice(span.value.0..span.value.1))
-            .map_err(|_| invalid(format!("the engine's header {name}: a value not allowed")))?;
-        map.append(name, value);
+        if name.eq_ignore_ascii_case(b"content-type") {
+            event_stream = value
+                .get(..17)
+                .is_some_and(|v| v.eq_ignore_ascii_case(b"text/event-stream"));
+        } else if name.eq_ignore_ascii_case(b"date") {
+            dated = true;
+        }
     }
+    gather_lines(head, spans, lines);
     let FramingHeaders {
         length,
         encoded,
@@ -309,11 +339,77 @@ fn head_of(head: &Bytes, code: u16, version: Version, spans: &[Span]) -> io::Res
     {
         keep = false;
     }
-    let mut parts = Response::new(()).into_parts().0;
-    parts.status = status;
-    parts.version = version;
-    parts.headers = map;
-    Ok((parts, framing, keep))
+    let engine = EngineHead {
+        status,
+        lines: lines.split().freeze(),
+        event_stream,
+        dated,
+    };
+    Ok((engine, framing, keep))
+}
+
+/// Gathers into `out` the header lines of `head` (where `spans` says they lie) that go on to
+/// the next hop, each `name: value\r\n` as it came: not those of one hop nor those a
+/// `Connection` header names (RFC 9110 7.6.1), and not those the router sets itself (see
+/// [`not_forwarded`]).
+pub(super) fn gather_lines(head: &[u8], spans: &[Span], out: &mut BytesMut) {
+    let name_of = |span: &Span| &head[span.name.0..span.name.1];
+    let value_of = |span: &Span| &head[span.value.0..span.value.1];
+    let connection = |span: &&Span| name_of(span).eq_ignore_ascii_case(b"connection");
+    // Mostly `Connection` names no header, or only `close` or `keep-alive`.
+    let names_any = spans.iter().filter(connection).any(|span| {
+        tokens(value_of(span)).any(|token| {
+            !token.eq_ignore_ascii_case(b"close") && !token.eq_ignore_ascii_case(b"keep-alive")
+        })
+    });
+    let named = |name: &[u8]| {
+        names_any
+            && spans
+                .iter()
+                .filter(connection)
+                .any(|span| tokens(value_of(span)).any(|token| token.eq_ignore_ascii_case(name)))
+    };
+    out.clear();
+    for span in spans {
+        let name = name_of(span);
+        if not_forwarded(name) || named(name) {
+            continue;
+        }
+        out.extend_from_slice(name);
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value_of(span));
+        out.extend_from_slice(b"\r\n");
+    }
+}
+
+/// The headers the router never passes on: those of one hop (RFC 9110 7.6.1), the framing,
+/// which it sets itself, and `Host` and `Expect` (a request's; it sets the one and answers the
+/// other).
+fn not_forwarded(name: &[u8]) -> bool {
+    const NAMES: [&[u8]; 11] = [
+        b"host",
+        b"expect",
+        b"content-length",
+        b"transfer-encoding",
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"proxy-authorization",
+    ];
+    NAMES
+        .iter()
+        .any(|known| known.len() == name.len() && known.eq_ignore_ascii_case(name))
+}
+
+/// The comma-separated tokens of a header value, trimmed, empty ones left out.
+fn tokens(value: &[u8]) -> impl Iterator<Item = &[u8]> {
+    value
+        .split(|&b| b == b',')
+        .map(<[u8]>::trim_ascii)
+        .filter(|token| !token.is_empty())
 }
 
 /// How an answer's body ends.
@@ -516,7 +612,25 @@ fn encode_head(head: &mut Vec<u8>, request: &RequestHead, host: &HeaderValue, le
     head.extend_from_slice(host.as_bytes());
     head.extend_from_slice(b"\r\n");
     head.extend_from_slice(&request.lines);
-    let _ = write!(head, "content-length: {length}\r\n\r\n");
+    head.extend_from_slice(b"content-length: ");
+    push_decimal(head, length as u64);
+    head.extend_from_slice(b"\r\n\r\n");
+}
+
+/// Appends `n` in decimal: what `write!` does, without the formatting machinery (a few hundred
+/// instructions per head).
+pub(super) fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[at..]);
 }
 
 /// The idle connections of one engine address, and its `Host` header.
@@ -650,6 +764,7 @@ impl Pool {
             addr,
             spans: Vec::new(),
             head: Vec::new(),
+            lines: BytesMut::new(),
         }))
     }
 
@@ -683,7 +798,7 @@ impl Pool {
         addr: SocketAddr,
         request: &RequestHead,
         body: Bytes,
-    ) -> Result<Response<UpstreamBody>, UpstreamError> {
+    ) -> Result<(EngineHead, UpstreamBody), UpstreamError> {
         let (mut conn, reused, host) = self.checkout(addr).await?;
         let mut head = std::mem::take(&mut conn.head);
         encode_head(&mut head, request, &host, body.len());
@@ -698,7 +813,7 @@ impl Pool {
             conn.write(&head, &body).await?;
         }
         conn.head = head;
-        let (parts, framing, keep) = conn.read_head().await?;
+        let (engine, framing, keep) = conn.read_head().await?;
         let mut body = UpstreamBody {
             conn: Some(conn),
             framing,
@@ -706,7 +821,7 @@ impl Pool {
             pool: Arc::clone(self),
         };
         body.advance();
-        Ok(Response::from_parts(parts, body))
+        Ok((engine, body))
     }
 }
 
@@ -838,10 +953,14 @@ mod tests {
 
     use super::*;
 
-    fn parse(text: &str) -> io::Result<Option<(usize, http::response::Parts, Framing, bool)>> {
+    fn parse(text: &str) -> io::Result<Option<(usize, EngineHead, Framing, bool)>> {
         let mut buf = BytesMut::from(text);
-        let taken = take_head(&mut buf, &mut Vec::new())?;
-        Ok(taken.map(|(parts, framing, keep)| (text.len() - buf.len(), parts, framing, keep)))
+        let taken = take_head(&mut buf, &mut Vec::new(), &mut BytesMut::new())?;
+        Ok(taken.map(|(engine, framing, keep)| (text.len() - buf.len(), engine, framing, keep)))
+    }
+
+    fn lines(engine: &EngineHead) -> &str {
+        std::str::from_utf8(&engine.lines).unwrap()
     }
 
     #[test]
@@ -850,10 +969,11 @@ mod tests {
         for cut in 0..head.len() - 11 {
             assert!(parse(&head[..cut]).unwrap().is_none(), "{cut}");
         }
-        let (used, parts, framing, keep) = parse(head).unwrap().unwrap();
+        let (used, engine, framing, keep) = parse(head).unwrap().unwrap();
         assert_eq!(used, head.len() - 11);
-        assert_eq!(parts.status, StatusCode::OK);
-        assert_eq!(parts.headers["content-type"], "application/json");
+        assert_eq!(engine.status, StatusCode::OK);
+        assert_eq!(lines(&engine), "content-type: application/json\r\n");
+        assert!(!engine.event_stream && !engine.dated);
         assert_eq!(framing, Framing::Length(11));
         assert!(keep);
     }
@@ -929,17 +1049,19 @@ mod tests {
 
     #[test]
     fn a_head_with_many_lines_is_read_up_to_the_bound() {
-        let lines = |n: usize| {
+        let lines_of = |n: usize| {
             (0..n)
                 .map(|i| format!("x-h{i}: {i}\r\n"))
                 .collect::<String>()
         };
-        let head = format!("HTTP/1.1 200 OK\r\n{}content-length: 0\r\n\r\n", lines(60));
-        let (_, parts, framing, _) = parse(&head).unwrap().unwrap();
-        assert_eq!(parts.headers.len(), 61);
-        assert_eq!(parts.headers["x-h59"], "59");
+        let head = format!(
+            "HTTP/1.1 200 OK\r\n{}content-length: 0\r\n\r\n",
+            lines_of(60)
+        );
+        let (_, engine, framing, _) = parse(&head).unwrap().unwrap();
+        assert_eq!(lines(&engine), lines_of(60), "all but the length");
         assert_eq!(framing, Framing::Length(0));
-        let head = format!("HTTP/1.1 200 OK\r\n{}\r\n", lines(MAX_HEADERS + 1));
+        let head = format!("HTTP/1.1 200 OK\r\n{}\r\n", lines_of(MAX_HEADERS + 1));
         assert!(
             parse(&head)
                 .unwrap_err()
@@ -1003,6 +1125,15 @@ mod tests {
         }
         let long = vec![b'1'; MAX_CHUNK_LINE + 2];
         assert!(decode_in_steps(&long, long.len()).is_err());
+    }
+
+    #[test]
+    fn decimals_are_written_as_write_writes_them() {
+        for n in [0, 7, 10, 99, 1000, 4_294_967_296, u64::MAX] {
+            let mut out = b"x".to_vec();
+            push_decimal(&mut out, n);
+            assert_eq!(out, format!("x{n}").into_bytes());
+        }
     }
 
     #[test]
@@ -1099,7 +1230,7 @@ mod tests {
         pool: &Arc<Pool>,
         addr: SocketAddr,
         request: Request<Bytes>,
-    ) -> Result<Response<UpstreamBody>, UpstreamError> {
+    ) -> Result<(EngineHead, UpstreamBody), UpstreamError> {
         let (parts, body) = request.into_parts();
         pool.request(addr, &RequestHead::from_parts(parts), body)
             .await
@@ -1111,12 +1242,8 @@ mod tests {
             .body(Bytes::from_static(b"{\"model\":\"m\"}"))
             .unwrap();
         let response = send(pool, addr, request).await.map_err(|e| e.to_string())?;
-        let status = response.status();
-        let body = response
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| e.to_string())?;
+        let status = response.0.status;
+        let body = response.1.collect().await.map_err(|e| e.to_string())?;
         Ok((status, body.to_bytes()))
     }
 
@@ -1159,7 +1286,7 @@ mod tests {
         let body = Bytes::from(vec![b'x'; 16 << 20]);
         let request = Request::post("/v1/completions").body(body).unwrap();
         let response = send(&pool(), addr, request).await.unwrap();
-        let answer = response.into_body().collect().await.unwrap().to_bytes();
+        let answer = response.1.collect().await.unwrap().to_bytes();
         assert_eq!(answer, Bytes::from_static(b"{\"ok\":true}"));
         let requests = requests.lock().unwrap();
         let received = &requests[0];
@@ -1182,7 +1309,7 @@ mod tests {
         let idle = |pool: &Arc<Pool>| pool.lock().by_addr.get(&addr).map_or(0, |i| i.conns.len());
 
         let request = || Request::post("/v1/completions").body(Bytes::new()).unwrap();
-        let mut body = send(&pool, addr, request()).await.unwrap().into_body();
+        let mut body = send(&pool, addr, request()).await.unwrap().1;
         assert!(!body.is_end_stream());
         let frame = body.frame().await.unwrap().unwrap();
         assert_eq!(frame.into_data().unwrap(), Bytes::from_static(b"abc"));
@@ -1197,7 +1324,7 @@ mod tests {
         );
         drop(body);
 
-        let body = send(&pool, addr, request()).await.unwrap().into_body();
+        let body = send(&pool, addr, request()).await.unwrap().1;
         assert!(body.is_end_stream(), "a 204 has no body");
         assert_eq!(idle(&pool), 1);
         assert_eq!(accepted.load(Ordering::SeqCst), 1);
@@ -1222,7 +1349,7 @@ mod tests {
         });
         let pool = pool();
         let request = Request::post("/v1/completions").body(Bytes::new()).unwrap();
-        let mut body = send(&pool, addr, request).await.unwrap().into_body();
+        let mut body = send(&pool, addr, request).await.unwrap().1;
         let frame = body.frame().await.unwrap().unwrap();
         assert_eq!(frame.into_data().unwrap(), Bytes::from_static(b"hel"));
         drop(body);
