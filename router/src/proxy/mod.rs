@@ -272,13 +272,18 @@ pub(crate) struct RequestHead {
 
 impl RequestHead {
     /// A request's head from its parts (the oneshot [`Proxy::handle`]; [`serve`] gathers the
-    /// lines as it parses the head).
+    /// lines as it parses the head): the same lines as `upstream::gather_lines` keeps.
     fn from_parts(parts: http::request::Parts) -> Self {
-        let mut headers = parts.headers;
-        strip_hop_by_hop(&mut headers);
-        headers.remove(header::EXPECT);
+        let headers = &parts.headers;
+        let named: Vec<&[u8]> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .flat_map(|value| upstream::tokens(value.as_bytes()))
+            .collect();
         let mut lines = Vec::new();
-        upstream::push_headers(&mut lines, &headers, true);
+        upstream::push_headers(&mut lines, headers, |name| {
+            upstream::not_forwarded(name) || named.iter().any(|n| n.eq_ignore_ascii_case(name))
+        });
         RequestHead {
             method: parts.method,
             uri: parts.uri,
@@ -842,53 +847,6 @@ impl<'a> JsonScan<'a> {
     }
 }
 
-/// Headers of one hop only, never forwarded (RFC 9110 §7.6.1).
-const HOP_BY_HOP: [HeaderName; 6] = [
-    header::CONNECTION,
-    header::TE,
-    header::TRAILER,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-    header::PROXY_AUTHORIZATION,
-];
-
-fn is_hop_by_hop(name: &HeaderName) -> bool {
-    HOP_BY_HOP.contains(name) || name == "keep-alive" || name == "proxy-connection"
-}
-
-fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // Most requests and answers carry none (or only `transfer-encoding`): one pass over the
-    // names, and removals only of what is there.
-    let mut found: [Option<HeaderName>; 8] = Default::default();
-    let mut n = 0;
-    for name in headers.keys() {
-        if is_hop_by_hop(name)
-            && let Some(slot) = found.get_mut(n)
-        {
-            *slot = Some(name.clone());
-            n += 1;
-        }
-    }
-    if n == 0 {
-        return;
-    }
-    // Headers the `Connection` header names are hop-by-hop too.
-    if let Some(connection) = headers.get(header::CONNECTION) {
-        let named: Vec<HeaderName> = connection
-            .to_str()
-            .unwrap_or_default()
-            .split(',')
-            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-            .collect();
-        for name in named {
-            headers.remove(name);
-        }
-    }
-    for name in found.into_iter().flatten() {
-        headers.remove(name);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -932,34 +890,27 @@ mod tests {
     }
 
     #[test]
-    fn hop_by_hop_headers_are_dropped_only_when_there() {
-        let mut headers = HeaderMap::new();
-        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("x"));
-        strip_hop_by_hop(&mut headers);
-        assert_eq!(headers.len(), 1);
-        headers.insert("proxy-connection", HeaderValue::from_static("keep-alive"));
-        headers.insert(header::TE, HeaderValue::from_static("trailers"));
-        strip_hop_by_hop(&mut headers);
-        assert_eq!(headers.len(), 1);
-    }
-
-    #[test]
-    fn hop_by_hop_headers_are_dropped() {
-        let mut headers = HeaderMap::new();
-        headers.insert(
-            header::CONNECTION,
-            HeaderValue::from_static("keep-alive, x-hop"),
+    fn a_request_from_parts_keeps_only_its_end_to_end_headers() {
+        let request = Request::post("http://client.example/v1/completions?x=1")
+            .header(header::HOST, "client.example")
+            .header(header::CONNECTION, "keep-alive, X-Hop")
+            .header("x-hop", "1")
+            .header("keep-alive", "timeout=5")
+            .header(header::TRANSFER_ENCODING, "chunked")
+            .header(header::CONTENT_LENGTH, "9")
+            .header(header::EXPECT, "100-continue")
+            .header(header::TE, "trailers")
+            .header(header::AUTHORIZATION, "Bearer x")
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(())
+            .unwrap();
+        let head = RequestHead::from_parts(request.into_parts().0);
+        assert_eq!(head.method, Method::POST);
+        assert_eq!(head.uri.path(), "/v1/completions");
+        assert_eq!(
+            head.lines,
+            "authorization: Bearer x\r\ncontent-type: application/json\r\n"
         );
-        headers.insert("x-hop", HeaderValue::from_static("1"));
-        headers.insert("keep-alive", HeaderValue::from_static("timeout=5"));
-        headers.insert(
-            header::TRANSFER_ENCODING,
-            HeaderValue::from_static("chunked"),
-        );
-        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer x"));
-        strip_hop_by_hop(&mut headers);
-        assert_eq!(headers.len(), 1);
-        assert!(headers.contains_key(header::AUTHORIZATION));
     }
 
     #[test]

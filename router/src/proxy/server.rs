@@ -795,7 +795,12 @@ fn encode_head(
     out.push(b' ');
     out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
     out.extend_from_slice(b"\r\n");
-    push_headers(out, &head.headers, false);
+    // The framing is written below.
+    push_headers(out, &head.headers, |name| {
+        [&b"content-length"[..], b"transfer-encoding", b"connection"]
+            .iter()
+            .any(|framing| framing.eq_ignore_ascii_case(name))
+    });
     out.extend_from_slice(&head.lines);
     if let Some(size) = size {
         out.extend_from_slice(b"content-length: ");

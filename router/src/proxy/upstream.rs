@@ -49,7 +49,7 @@ use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
-use http::header::{self, HeaderMap, HeaderValue};
+use http::header::{HeaderMap, HeaderValue};
 use http::{StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
 use tokio::io::AsyncReadExt;
@@ -385,7 +385,7 @@ pub(super) fn gather_lines(head: &[u8], spans: &[Span], out: &mut BytesMut) {
 /// The headers the router never passes on: those of one hop (RFC 9110 7.6.1), the framing,
 /// which it sets itself, and `Host` and `Expect` (a request's; it sets the one and answers the
 /// other).
-fn not_forwarded(name: &[u8]) -> bool {
+pub(super) fn not_forwarded(name: &[u8]) -> bool {
     const NAMES: [&[u8]; 11] = [
         b"host",
         b"expect",
@@ -405,7 +405,7 @@ fn not_forwarded(name: &[u8]) -> bool {
 }
 
 /// The comma-separated tokens of a header value, trimmed, empty ones left out.
-fn tokens(value: &[u8]) -> impl Iterator<Item = &[u8]> {
+pub(super) fn tokens(value: &[u8]) -> impl Iterator<Item = &[u8]> {
     value
         .split(|&b| b == b',')
         .map(<[u8]>::trim_ascii)
@@ -577,16 +577,10 @@ pub(super) fn decode_chunked(
     }
 }
 
-/// Appends `headers` as header lines, but for the framing ones (`Content-Length`,
-/// `Transfer-Encoding`, `Connection`), which each side of the listener writes itself, and
-/// `Host` when `host` (it is written first).
-pub(super) fn push_headers(out: &mut Vec<u8>, headers: &HeaderMap, host: bool) {
+/// Appends `headers` as header lines, but for those `skip` names.
+pub(super) fn push_headers(out: &mut Vec<u8>, headers: &HeaderMap, skip: impl Fn(&[u8]) -> bool) {
     for (name, value) in headers {
-        if name == header::CONTENT_LENGTH
-            || name == header::TRANSFER_ENCODING
-            || name == header::CONNECTION
-            || (host && name == header::HOST)
-        {
+        if skip(name.as_str().as_bytes()) {
             continue;
         }
         out.extend_from_slice(name.as_str().as_bytes());
