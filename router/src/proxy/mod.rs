@@ -232,7 +232,8 @@ impl Answer {
     }
 
     /// As an `http` response (the oneshot [`Proxy::handle`]): the engine's header lines
-    /// become headers, and a body of known size gets its `Content-Length`.
+    /// become headers, and a body of known size gets its `Content-Length` (but for statuses
+    /// that have none, RFC 9110 8.6).
     fn into_response(self) -> Response<ProxyBody> {
         let mut headers = self.head.headers;
         for line in self.head.lines.split(|&b| b == b'\n') {
@@ -249,6 +250,7 @@ impl Answer {
         }
         if let Some(size) = self.body.size_hint().exact()
             && !headers.contains_key(header::CONTENT_LENGTH)
+            && !bodiless_status(self.status)
         {
             headers.insert(header::CONTENT_LENGTH, HeaderValue::from(size));
         }
@@ -257,6 +259,14 @@ impl Answer {
         *response.headers_mut() = headers;
         response
     }
+}
+
+/// A status whose answers have no body and carry no `Content-Length` (1xx, 204; 304, whose
+/// length would be the 200's), RFC 9110 8.6 and RFC 9112 6.3.
+fn bodiless_status(status: StatusCode) -> bool {
+    status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
 }
 
 /// A request's head as the listener forwards it to an engine.
@@ -932,6 +942,19 @@ mod tests {
         assert_eq!(a, ["1", "2"]);
         assert_eq!(headers[header::CONTENT_LENGTH], "3");
         assert_eq!(headers.len(), 4);
+
+        for status in [StatusCode::NO_CONTENT, StatusCode::NOT_MODIFIED] {
+            let answer = Answer {
+                status,
+                head: AnswerHead::default(),
+                body: ProxyBody::full(Bytes::new()),
+            };
+            let response = answer.into_response();
+            assert!(
+                !response.headers().contains_key(header::CONTENT_LENGTH),
+                "{status}"
+            );
+        }
     }
 
     #[test]

@@ -5,9 +5,10 @@
 //! channel, arms and drops a boxed timer per request for its header read timeout, and parses
 //! and encodes in general form; by callgrind's count it was about 37% of the user-space
 //! instructions the listener spent per request (32 clients, not streamed). Here one read
-//! buffer per connection holds the head and the body (the request's `Uri`, header values and
-//! body are slices of it), the head timer is one per connection and only ever moved later,
-//! and an answer goes out in one `writev` per frame (see `router/DESIGN.md`, "Speed").
+//! buffer per connection holds the head and the body (the request's `Uri` and body are slices
+//! of it; the header lines to forward are gathered as they came, no `HeaderMap` built), the
+//! head timer is one per connection and only ever moved later, and an answer goes out in one
+//! `writev` per frame (see `router/DESIGN.md`, "Speed").
 //!
 //! The rules (RFC 9112):
 //! - **Head.** At most [`MAX_HEAD`] bytes and [`MAX_HEADERS`] lines, exactly one `Host` in
@@ -57,10 +58,12 @@ use tokio::time::{Instant, Sleep};
 
 use super::conn::{ConnWatch, StopWatch};
 use super::upstream::{
-    Chunk, FramingHeaders, MAX_HEAD, MAX_HEADERS, Span, decode_chunked, gather_lines, note_spans,
-    push_decimal, push_headers,
+    Chunk, FramingHeaders, KEEP_BUFFER, MAX_HEAD, MAX_HEADERS, Span, decode_chunked, gather_lines,
+    note_spans, push_decimal, push_headers, take_lines,
 };
-use super::{Answer, AnswerHead, Failure, Proxy, ProxyBody, RequestHead, forwarded};
+use super::{
+    Answer, AnswerHead, Failure, Proxy, ProxyBody, RequestHead, bodiless_status, forwarded,
+};
 use crate::admission::Admission;
 
 /// What one read asks of the socket at least.
@@ -78,9 +81,10 @@ const SIZE_LINE: usize = 18;
 /// The header lines a first parse of a request head has room for (the OpenAI SDKs send about
 /// 17); [`MAX_HEADERS`] only when that is too few.
 const SOME_HEADERS: usize = 32;
-/// A request body larger than this gets a read buffer of its own afterwards, so that a
-/// keep-alive connection does not keep a large body's memory for as long as it lives.
-const LARGE_BODY: usize = 64 * 1024;
+/// A request body larger than this leaves the read buffer it arrived in behind: the next
+/// request then starts in a buffer of its own, rather than in what is left of a large one,
+/// which its head and body (slices of the buffer) would keep whole while it waits.
+const LARGE_BODY: usize = READ_SIZE;
 
 /// Serves HTTP/1.1 on a client connection until it closes, the client goes away or `stop`
 /// says so between requests.
@@ -349,7 +353,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
                 return Err(Failure::too_large(limit));
             }
             Framing::Length(n) if self.buf.len() as u64 >= n => {
-                return Ok(self.buf.split_to(n as usize).freeze());
+                let body = self.buf.split_to(n as usize).freeze();
+                self.leave_large(body.len());
+                return Ok(body);
             }
             _ => {}
         }
@@ -390,10 +396,16 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
             }
         }
         let body = self.buf.split_to(n).freeze();
+        self.leave_large(n);
+        Ok(body)
+    }
+
+    /// After a body of `n` bytes, leaves the read buffer behind if the body was large (see
+    /// [`LARGE_BODY`]).
+    fn leave_large(&mut self, n: usize) {
         if n > LARGE_BODY {
             self.buf = BytesMut::from(&self.buf[..]);
         }
-        Ok(body)
     }
 
     async fn read_chunked(&mut self, limit: u64) -> Result<Bytes, Failure> {
@@ -408,7 +420,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
                     body.extend_from_slice(&data);
                     continue;
                 }
-                Ok(None) if chunk == Chunk::Done => return Ok(body.freeze()),
+                Ok(None) if chunk == Chunk::Done => {
+                    self.leave_large(body.len());
+                    return Ok(body.freeze());
+                }
                 Ok(None) => {}
                 Err(err) => return Err(Failure::unreadable(&err)),
             }
@@ -445,10 +460,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
     ) -> io::Result<bool> {
         let mut body = pin!(answer.body);
         let status = answer.status;
-        let bodiless = exchange.head
-            || status.is_informational()
-            || status == StatusCode::NO_CONTENT
-            || status == StatusCode::NOT_MODIFIED;
+        let bodiless = exchange.head || bodiless_status(status);
         let size = body.size_hint().exact();
         let chunked = !bodiless && size.is_none() && exchange.version == Version::HTTP_11;
         let until_close = !bodiless && size.is_none() && !chunked;
@@ -457,8 +469,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
         let mut out = std::mem::take(&mut self.out);
         out.clear();
         // No length on an answer that cannot have one (RFC 9110 8.6).
-        let length =
-            size.filter(|_| !status.is_informational() && status != StatusCode::NO_CONTENT);
+        let length = size.filter(|_| !bodiless_status(status));
         encode_head(&mut out, status, &answer.head, length, chunked);
         if !keep {
             out.extend_from_slice(b"connection: close\r\n");
@@ -473,7 +484,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
         let written = self
             .write_body(&out, body.as_mut(), size, bodiless, chunked)
             .await;
-        self.out = out;
+        if out.capacity() <= KEEP_BUFFER {
+            self.out = out;
+        }
         let written = match written {
             Ok(written) => self.flush().await.map(|()| written),
             Err(err) => Err(err),
@@ -731,7 +744,7 @@ fn incoming(
             hosts += 1;
         }
     }
-    gather_lines(head, spans, lines);
+    gather_lines(head, spans, lines, |_, _| {});
     let FramingHeaders {
         length,
         encoded,
@@ -767,7 +780,7 @@ fn incoming(
         head: RequestHead {
             method: line.method.clone(),
             uri,
-            lines: lines.split().freeze(),
+            lines: take_lines(lines),
         },
         version,
         framing,

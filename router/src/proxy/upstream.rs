@@ -25,7 +25,9 @@
 //!   follows the answer; an answer given up (client gone, deadline, oversized piece) drops it,
 //!   which closes the socket: the engine sees the disconnect and aborts the request.
 //! - An idle connection is not read; one the engine closed meanwhile shows it on checkout (a
-//!   read that finds the end of stream, or bytes nobody asked for) and is dropped. A request
+//!   read that finds the end of stream, or bytes nobody asked for) and is dropped, but for a
+//!   close in the last moments before a connection idle under [`PEEK_AFTER`] is reused (see
+//!   [`Conn::usable`]). A request
 //!   that a reused connection refuses while it is written (closed just then) is sent again on a
 //!   fresh one; once written, it is never sent twice.
 //! - At most `max_idle` idle connections per address; idle longer than `idle_timeout` they are
@@ -58,6 +60,10 @@ use tokio::time::Instant;
 
 use super::RequestHead;
 use crate::fast_hash::FastHash;
+
+/// An idle connection's socket is peeked at before reuse once it has been idle this long (see
+/// [`Conn::usable`]).
+const PEEK_AFTER: Duration = Duration::from_millis(5);
 
 /// How long an idle connection is kept: under uvicorn's `timeout_keep_alive` (5 s).
 pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(4);
@@ -108,9 +114,9 @@ impl Conn {
     /// Reads what the socket has into the buffer: the number of bytes (0: end of stream).
     ///
     /// Through `AsyncRead`: a read that leaves room in the buffer tells tokio the socket is
-    /// drained, so that [`Conn::usable`] finds it not readable without a system call, until
-    /// the engine sends or closes (`try_read` would leave it readable, and the probe would
-    /// cost a `recvfrom` per request).
+    /// drained, so that [`Conn::usable`] finds a connection reused at once not readable without
+    /// a system call (`try_read` would leave it readable, and the probe would cost a
+    /// `recvfrom` per request).
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         if self.buf.capacity() - self.buf.len() < READ_SIZE / 4 {
             self.buf.reserve(READ_SIZE);
@@ -118,15 +124,28 @@ impl Conn {
         pin!(self.io.read_buf(&mut self.buf)).poll(cx)
     }
 
-    /// Whether an idle connection can take a request: the engine has not closed it and sent
-    /// nothing since its last answer. The socket is read only when the runtime has seen it
-    /// become readable since the last read (the end of stream or bytes nobody asked for).
-    fn usable(&mut self) -> bool {
+    /// Whether a connection idle for `idle` can take a request: the engine has not closed it
+    /// and sent nothing since its last answer.
+    ///
+    /// NB: a connection idle for less than [`PEEK_AFTER`] is read only when the runtime has
+    /// seen it become readable since its last read (tokio's readiness), which costs no system
+    /// call; a close that arrived since the runtime last polled its events is missed then, and
+    /// a request written to that connection fails (502, retryable: an engine closing a
+    /// connection it just answered on is stopping). One idle longer is peeked at whatever the
+    /// runtime has seen, as every connection was before: an engine's idle timeout (uvicorn's
+    /// 5 s) closes connections long idle, and that close is always seen.
+    fn usable(&mut self, idle: Duration) -> bool {
         if !self.buf.is_empty() {
             return false;
         }
-        let mut probe = [0u8; 1];
-        matches!(self.io.try_read(&mut probe), Err(err) if err.kind() == io::ErrorKind::WouldBlock)
+        let probed = if idle >= PEEK_AFTER {
+            let mut probe = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+            socket2::SockRef::from(&self.io).peek(&mut probe)
+        } else {
+            let mut probe = [0u8; 1];
+            self.io.try_read(&mut probe)
+        };
+        matches!(probed, Err(err) if err.kind() == io::ErrorKind::WouldBlock)
     }
 
     /// Writes the head and the body, with as few `writev`s as the socket allows.
@@ -292,22 +311,26 @@ fn head_of(
     let status = StatusCode::from_u16(code)
         .map_err(|_| invalid(format!("the engine's response status {code}")))?;
     let mut framing_headers = FramingHeaders::default();
-    let (mut event_stream, mut dated) = (false, false);
     for span in spans {
-        let name = &head[span.name.0..span.name.1];
-        let value = &head[span.value.0..span.value.1];
         framing_headers
-            .note(name, value)
+            .note(
+                &head[span.name.0..span.name.1],
+                &head[span.value.0..span.value.1],
+            )
             .map_err(|what| invalid(format!("the engine's answer {what}")))?;
+    }
+    // Read from the lines the client gets (not from one a `Connection` header names away).
+    let (mut content_type, mut dated) = (None, false);
+    gather_lines(head, spans, lines, |name, value| {
         if name.eq_ignore_ascii_case(b"content-type") {
-            event_stream = value
-                .get(..17)
-                .is_some_and(|v| v.eq_ignore_ascii_case(b"text/event-stream"));
+            content_type.get_or_insert(value);
         } else if name.eq_ignore_ascii_case(b"date") {
             dated = true;
         }
-    }
-    gather_lines(head, spans, lines);
+    });
+    let event_stream = content_type
+        .and_then(|v| v.get(..17))
+        .is_some_and(|v| v.eq_ignore_ascii_case(b"text/event-stream"));
     let FramingHeaders {
         length,
         encoded,
@@ -316,10 +339,7 @@ fn head_of(
         keep_alive,
     } = framing_headers;
     let mut keep = version == Version::HTTP_11 || keep_alive;
-    let framing = if status.is_informational()
-        || status == StatusCode::NO_CONTENT
-        || status == StatusCode::NOT_MODIFIED
-    {
+    let framing = if super::bodiless_status(status) {
         Framing::Length(0)
     } else if encoded {
         if chunked {
@@ -341,18 +361,38 @@ fn head_of(
     }
     let engine = EngineHead {
         status,
-        lines: lines.split().freeze(),
+        lines: take_lines(lines),
         event_stream,
         dated,
     };
     Ok((engine, framing, keep))
 }
 
+/// The most a connection keeps, between messages, of a buffer it reuses (a head being written,
+/// header lines being gathered): one a large head made grow past it is let go.
+pub(super) const KEEP_BUFFER: usize = 16 * 1024;
+
+/// Splits off the header lines gathered in `lines`, and lets its buffer go if it grew past
+/// [`KEEP_BUFFER`].
+pub(super) fn take_lines(lines: &mut BytesMut) -> Bytes {
+    let taken = lines.split().freeze();
+    if lines.capacity() > KEEP_BUFFER {
+        *lines = BytesMut::new();
+    }
+    taken
+}
+
 /// Gathers into `out` the header lines of `head` (where `spans` says they lie) that go on to
-/// the next hop, each `name: value\r\n` as it came: not those of one hop nor those a
-/// `Connection` header names (RFC 9110 7.6.1), and not those the router sets itself (see
-/// [`not_forwarded`]).
-pub(super) fn gather_lines(head: &[u8], spans: &[Span], out: &mut BytesMut) {
+/// the next hop, each `name: value\r\n` (the value as `httparse` gave it, without the
+/// whitespace around it): not those of one hop nor those a `Connection` header names
+/// (RFC 9110 7.6.1), and not those the router sets itself (see [`not_forwarded`]). `kept`
+/// hears of each line gathered.
+pub(super) fn gather_lines<'h>(
+    head: &'h [u8],
+    spans: &[Span],
+    out: &mut BytesMut,
+    mut kept: impl FnMut(&'h [u8], &'h [u8]),
+) {
     let name_of = |span: &Span| &head[span.name.0..span.name.1];
     let value_of = |span: &Span| &head[span.value.0..span.value.1];
     let connection = |span: &&Span| name_of(span).eq_ignore_ascii_case(b"connection");
@@ -375,9 +415,11 @@ pub(super) fn gather_lines(head: &[u8], spans: &[Span], out: &mut BytesMut) {
         if not_forwarded(name) || named(name) {
             continue;
         }
+        let value = value_of(span);
+        kept(name, value);
         out.extend_from_slice(name);
         out.extend_from_slice(b": ");
-        out.extend_from_slice(value_of(span));
+        out.extend_from_slice(value);
         out.extend_from_slice(b"\r\n");
     }
 }
@@ -633,6 +675,9 @@ struct Idle {
     host: HeaderValue,
 }
 
+/// An idle connection taken from the pool, and how long it was idle.
+type IdleConn = (Box<Conn>, Duration);
+
 /// The idle connections.
 pub(crate) struct Pool {
     idle: Mutex<Lists>,
@@ -669,11 +714,11 @@ impl Pool {
     }
 
     /// `addr`'s `Host` header and, if there is one, its most recently used idle connection
-    /// that is still fresh.
+    /// that is still fresh, and how long it was idle.
     fn take_idle(
         &self,
         addr: SocketAddr,
-    ) -> Result<(HeaderValue, Option<Box<Conn>>), UpstreamError> {
+    ) -> Result<(HeaderValue, Option<IdleConn>), UpstreamError> {
         let now = Instant::now();
         let mut lists = self.lock();
         let idle = match lists.by_addr.entry(addr) {
@@ -687,12 +732,13 @@ impl Pool {
         let Some((conn, since)) = idle.conns.pop() else {
             return Ok((host, None));
         };
-        if now.saturating_duration_since(since) > self.idle_timeout {
+        let idle_for = now.saturating_duration_since(since);
+        if idle_for > self.idle_timeout {
             // The rest are older still.
             idle.conns.clear();
             return Ok((host, None));
         }
-        Ok((host, Some(conn)))
+        Ok((host, Some((conn, idle_for))))
     }
 
     /// Puts a connection whose answer was read to the end, and that the engine keeps open,
@@ -771,8 +817,8 @@ impl Pool {
         loop {
             let (host, idle) = self.take_idle(addr)?;
             match idle {
-                Some(mut conn) => {
-                    if conn.usable() {
+                Some((mut conn, idle_for)) => {
+                    if conn.usable(idle_for) {
                         return Ok((conn, true, host));
                     }
                 }
@@ -806,7 +852,9 @@ impl Pool {
             conn = self.connect(addr).await?;
             conn.write(&head, &body).await?;
         }
-        conn.head = head;
+        if head.capacity() <= KEEP_BUFFER {
+            conn.head = head;
+        }
         let (engine, framing, keep) = conn.read_head().await?;
         let mut body = UpstreamBody {
             conn: Some(conn),
@@ -970,6 +1018,29 @@ mod tests {
         assert!(!engine.event_stream && !engine.dated);
         assert_eq!(framing, Framing::Length(11));
         assert!(keep);
+    }
+
+    #[test]
+    fn the_lines_the_client_gets_decide_whether_a_stream_and_dated() {
+        let head = |lines: &str| {
+            parse(&format!(
+                "HTTP/1.1 200 OK\r\n{lines}content-length: 0\r\n\r\n"
+            ))
+            .unwrap()
+            .unwrap()
+            .1
+        };
+        let stream = head("Content-Type: text/event-stream; charset=utf-8\r\nDate: d\r\n");
+        assert!(stream.event_stream && stream.dated);
+        // Named by `Connection`, so not passed on: neither counts.
+        let hop = head(
+            "Connection: Date, content-type\r\nContent-Type: text/event-stream\r\nDate: d\r\nX-A: 1\r\n",
+        );
+        assert!(!hop.event_stream && !hop.dated);
+        assert_eq!(lines(&hop), "X-A: 1\r\n");
+        // The first `Content-Type` decides, as `HeaderMap::get` did.
+        let first = head("Content-Type: application/json\r\nContent-Type: text/event-stream\r\n");
+        assert!(!first.event_stream);
     }
 
     #[test]
@@ -1432,13 +1503,56 @@ mod tests {
         let still_usable = |pool: &Arc<Pool>| {
             let mut lists = pool.lock();
             let conns = &mut lists.by_addr.get_mut(&addr).unwrap().conns;
-            !conns.is_empty() && conns.iter_mut().all(|(conn, _)| conn.usable())
+            !conns.is_empty()
+                && conns
+                    .iter_mut()
+                    .all(|(conn, _)| conn.usable(Duration::ZERO))
         };
         while still_usable(&pool) {
             tokio::task::yield_now().await;
         }
         assert!(ask(&pool, addr).await.is_ok());
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_close_the_runtime_has_not_seen_yet_is_found_on_a_connection_idle_a_while() {
+        use std::io::{Read as _, Write as _};
+        // An engine on a thread of its own: answers one request, then closes when told.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (close_tx, close_rx) = std::sync::mpsc::channel::<()>();
+        let (closed_tx, closed_rx) = std::sync::mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            let (mut socket, _) = listener.accept().unwrap();
+            let mut seen = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = socket.read(&mut buf).unwrap();
+                seen.extend_from_slice(&buf[..n]);
+            }
+            socket.write_all(LENGTH.as_bytes()).unwrap();
+            close_rx.recv().unwrap();
+            drop(socket);
+            closed_tx.send(()).unwrap();
+        });
+        let pool = pool();
+        assert!(ask(&pool, addr).await.is_ok());
+        // From here on the runtime does not run: its I/O driver cannot see the close.
+        close_tx.send(()).unwrap();
+        closed_rx.recv().unwrap();
+        std::thread::sleep(PEEK_AFTER + Duration::from_millis(5));
+        let (_, idle) = pool.take_idle(addr).unwrap();
+        let (mut conn, idle_for) = idle.unwrap();
+        assert!(idle_for >= PEEK_AFTER);
+        assert!(
+            conn.usable(Duration::ZERO),
+            "tokio's readiness has not seen the close (else this test shows nothing)"
+        );
+        assert!(
+            !conn.usable(idle_for),
+            "a connection idle a while is peeked at: the close is found"
+        );
     }
 
     #[tokio::test]
