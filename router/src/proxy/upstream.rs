@@ -27,9 +27,8 @@
 //! - An idle connection is not read; one the engine closed meanwhile shows it on checkout (a
 //!   read that finds the end of stream, or bytes nobody asked for) and is dropped, but for a
 //!   close in the last moments before a connection idle under [`PEEK_AFTER`] is reused (see
-//!   [`Conn::usable`]). A request
-//!   that a reused connection refuses while it is written (closed just then) is sent again on a
-//!   fresh one; once written, it is never sent twice.
+//!   [`Conn::usable`]). A request that a reused connection refuses while it is written (closed
+//!   just then) is sent again on a fresh one; once written, it is never sent twice.
 //! - At most `max_idle` idle connections per address; idle longer than `idle_timeout` they are
 //!   dropped at the next checkout (and addresses nobody asks for any more on a connect, at most
 //!   once per `idle_timeout`).
