@@ -28,7 +28,9 @@
 //!   read that finds the end of stream, or bytes nobody asked for) and is dropped, but for a
 //!   close in the last moments before a connection idle under [`PEEK_AFTER`] is reused (see
 //!   [`Conn::usable`]). A request that a reused connection refuses while it is written (closed
-//!   just then) is sent again on a fresh one; once written, it is never sent twice.
+//!   just then) is sent again on a fresh one; once written, it is never sent twice. When the
+//!   write fails because the engine answered and closed before reading the request whole (a
+//!   body it refuses), that answer is the request's, not a failure.
 //! - At most `max_idle` idle connections per address; idle longer than `idle_timeout` they are
 //!   dropped at the next checkout (and addresses nobody asks for any more on a connect, at most
 //!   once per `idle_timeout`).
@@ -63,6 +65,11 @@ use crate::fast_hash::FastHash;
 /// An idle connection's socket is peeked at before reuse once it has been idle this long (see
 /// [`Conn::usable`]).
 const PEEK_AFTER: Duration = Duration::from_millis(5);
+
+/// How long an answer the engine sent before it stopped reading the request may take to be
+/// read, once writing the request failed (the connection is broken then: its reads end at
+/// once; this only bounds the unexpected).
+const EARLY_ANSWER_WAIT: Duration = Duration::from_secs(1);
 
 /// How long an idle connection is kept: under uvicorn's `timeout_keep_alive` (5 s).
 pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(4);
@@ -838,10 +845,22 @@ impl Pool {
         request: &RequestHead,
         body: Bytes,
     ) -> Result<(EngineHead, UpstreamBody), UpstreamError> {
-        let (mut conn, reused, host) = self.checkout(addr).await?;
+        let (mut conn, mut reused, host) = self.checkout(addr).await?;
         let mut head = std::mem::take(&mut conn.head);
         encode_head(&mut head, request, &host, body.len());
-        if let Err(err) = conn.write(&head, &body).await {
+        let (engine, framing, keep) = loop {
+            let err = match conn.write(&head, &body).await {
+                Ok(()) => break conn.read_head().await?,
+                Err(err) => err,
+            };
+            // The engine may have answered before it stopped reading (refusing a body it did
+            // not want, then closing): that answer is the request's.
+            if let Ok(Ok((engine, framing, _))) =
+                tokio::time::timeout(EARLY_ANSWER_WAIT, conn.read_head()).await
+            {
+                tracing::debug!(error = %err, "the engine answered before it read the request whole");
+                break (engine, framing, false);
+            }
             if !reused {
                 return Err(err.into());
             }
@@ -849,12 +868,11 @@ impl Pool {
             // through whole, so once more, on a fresh one.
             tracing::debug!(error = %err, "engine connection closed; sending on a fresh one");
             conn = self.connect(addr).await?;
-            conn.write(&head, &body).await?;
-        }
+            reused = false;
+        };
         if head.capacity() <= KEEP_BUFFER {
             conn.head = head;
         }
-        let (engine, framing, keep) = conn.read_head().await?;
         let mut body = UpstreamBody {
             conn: Some(conn),
             framing,
@@ -1359,6 +1377,41 @@ mod tests {
         assert_eq!(
             received.len() - received.find("\r\n\r\n").unwrap() - 4,
             16 << 20
+        );
+    }
+
+    #[tokio::test]
+    async fn an_engine_that_refuses_a_large_body_unread_is_answered_with_its_refusal() {
+        use std::io::{Read as _, Write as _};
+        // An engine that reads the head only, refuses, and closes with the body unread (its
+        // kernel resets the connection then, and our write of the body fails).
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || {
+            let (mut socket, _) = listener.accept().unwrap();
+            let mut seen = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = socket.read(&mut buf).unwrap();
+                seen.extend_from_slice(&buf[..n]);
+            }
+            socket
+                .write_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 7\r\n\r\ntoo big")
+                .unwrap();
+        });
+        let body = Bytes::from(vec![b'x'; 64 << 20]);
+        let request = Request::post("/v1/embeddings").body(body).unwrap();
+        let pool = pool();
+        let (engine, body) = send(&pool, addr, request).await.unwrap();
+        assert_eq!(engine.status, StatusCode::PAYLOAD_TOO_LARGE);
+        assert_eq!(
+            body.collect().await.unwrap().to_bytes(),
+            Bytes::from_static(b"too big")
+        );
+        assert_eq!(
+            pool.lock().by_addr.get(&addr).map_or(0, |i| i.conns.len()),
+            0,
+            "a broken connection is not kept"
         );
     }
 
