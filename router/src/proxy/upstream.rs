@@ -516,7 +516,7 @@ impl FramingHeaders {
                 .next()
                 .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
         } else if name.eq_ignore_ascii_case(b"connection") {
-            for token in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
+            for token in tokens(value) {
                 self.close |= token.eq_ignore_ascii_case(b"close");
                 self.keep_alive |= token.eq_ignore_ascii_case(b"keep-alive");
             }
