@@ -1380,11 +1380,10 @@ mod tests {
         );
     }
 
-    #[tokio::test]
-    async fn an_engine_that_refuses_a_large_body_unread_is_answered_with_its_refusal() {
-        use std::io::{Read as _, Write as _};
-        // An engine that reads the head only, refuses, and closes with the body unread (its
-        // kernel resets the connection then, and our write of the body fails).
+    /// An engine on a thread of its own (it runs whether the test's runtime does or not):
+    /// takes one connection, reads the request head, then hands the socket to `then`.
+    fn thread_engine(then: impl FnOnce(std::net::TcpStream) + Send + 'static) -> SocketAddr {
+        use std::io::Read as _;
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         std::thread::spawn(move || {
@@ -1395,6 +1394,17 @@ mod tests {
                 let n = socket.read(&mut buf).unwrap();
                 seen.extend_from_slice(&buf[..n]);
             }
+            then(socket);
+        });
+        addr
+    }
+
+    #[tokio::test]
+    async fn an_engine_that_refuses_a_large_body_unread_is_answered_with_its_refusal() {
+        use std::io::Write as _;
+        // An engine that reads the head only, refuses, and closes with the body unread (its
+        // kernel resets the connection then, and our write of the body fails).
+        let addr = thread_engine(|mut socket| {
             socket
                 .write_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 7\r\n\r\ntoo big")
                 .unwrap();
@@ -1569,20 +1579,11 @@ mod tests {
 
     #[tokio::test]
     async fn a_close_the_runtime_has_not_seen_yet_is_found_on_a_connection_idle_a_while() {
-        use std::io::{Read as _, Write as _};
-        // An engine on a thread of its own: answers one request, then closes when told.
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
+        use std::io::Write as _;
+        // An engine that answers one request, then closes when told.
         let (close_tx, close_rx) = std::sync::mpsc::channel::<()>();
         let (closed_tx, closed_rx) = std::sync::mpsc::channel::<()>();
-        std::thread::spawn(move || {
-            let (mut socket, _) = listener.accept().unwrap();
-            let mut seen = Vec::new();
-            let mut buf = [0u8; 4096];
-            while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
-                let n = socket.read(&mut buf).unwrap();
-                seen.extend_from_slice(&buf[..n]);
-            }
+        let addr = thread_engine(move |mut socket| {
             socket.write_all(LENGTH.as_bytes()).unwrap();
             close_rx.recv().unwrap();
             drop(socket);
