@@ -121,8 +121,8 @@ pub(crate) fn is_output(event: &[u8]) -> bool {
 // field of the wrong type fails the chunk, a value they skip is not checked), which only moves
 // when a malformed stream is counted as having begun.
 
-/// An OpenAI-style streamed chunk, as far as `is_output` needs it: an object (derived
-/// `Deserialize` would take an array too).
+/// An OpenAI-style streamed chunk, as far as `is_output` needs it.
+#[derive(Default)]
 struct Chunk {
     /// `None`: no `choices` (or `null`).
     choices: Option<AllRoleOnly>,
@@ -131,10 +131,21 @@ struct Chunk {
 /// Whether every choice of an array only names the role.
 struct AllRoleOnly(bool);
 
-/// Whether a choice (an object) carries nothing but the role: no finish reason, no `text` but
-/// an empty one, and a `delta` (if any) whose fields but `role` are empty. A field of the
-/// choice given twice counts as its last, as in a `serde_json::Value`.
-struct RoleOnlyChoice(bool);
+/// What a choice carries besides the role: a finish reason, a `text` that is not empty, a
+/// `delta` with more than the role. A field given twice counts as its last, as in a
+/// `serde_json::Value`.
+#[derive(Default)]
+struct Choice {
+    finish_reason: bool,
+    text: bool,
+    delta: bool,
+}
+
+/// Whether a `delta` has a field, but `role`, that is not empty.
+#[derive(Default)]
+struct Delta {
+    carries: bool,
+}
 
 /// The field names `is_output` looks at, read without allocating (a key with escapes too).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -173,8 +184,115 @@ impl<'de> serde::Deserialize<'de> for Key {
 /// Whether a value is empty: `null`, `""` or `[]`.
 struct Empty(bool);
 
-/// Whether a `delta` is an object whose fields but `role` are empty.
-struct RoleOnlyDelta(bool);
+/// A JSON object read field by field: the chunk, a choice, a delta. An object only (derived
+/// `Deserialize` would take an array too; anything else, `null` included, fails the chunk,
+/// which makes it output).
+trait Object: Default {
+    /// What the error says was expected.
+    const WHAT: &'static str;
+
+    /// Takes the value of the field `key` from `map`, or skips it.
+    fn field<'de, A: serde::de::MapAccess<'de>>(
+        &mut self,
+        key: Key,
+        map: &mut A,
+    ) -> Result<(), A::Error>;
+}
+
+/// Reads an [`Object`], field by field.
+fn deserialize_object<'de, D: serde::Deserializer<'de>, T: Object>(
+    deserializer: D,
+) -> Result<T, D::Error> {
+    struct Visit<T>(std::marker::PhantomData<T>);
+    impl<'de, T: Object> serde::de::Visitor<'de> for Visit<T> {
+        type Value = T;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(T::WHAT)
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<T, A::Error> {
+            let mut object = T::default();
+            while let Some(key) = map.next_key::<Key>()? {
+                object.field(key, &mut map)?;
+            }
+            Ok(object)
+        }
+    }
+    deserializer.deserialize_map(Visit(std::marker::PhantomData))
+}
+
+impl Object for Chunk {
+    const WHAT: &'static str = "a chunk";
+
+    fn field<'de, A: serde::de::MapAccess<'de>>(
+        &mut self,
+        key: Key,
+        map: &mut A,
+    ) -> Result<(), A::Error> {
+        if key == Key::Choices {
+            self.choices = map.next_value::<Option<AllRoleOnly>>()?;
+        } else {
+            map.next_value::<serde::de::IgnoredAny>()?;
+        }
+        Ok(())
+    }
+}
+
+impl Object for Choice {
+    const WHAT: &'static str = "a choice";
+
+    fn field<'de, A: serde::de::MapAccess<'de>>(
+        &mut self,
+        key: Key,
+        map: &mut A,
+    ) -> Result<(), A::Error> {
+        match key {
+            Key::FinishReason => {
+                self.finish_reason = map.next_value::<Option<serde::de::IgnoredAny>>()?.is_some();
+            }
+            Key::Text => self.text = !map.next_value::<Empty>()?.0,
+            Key::Delta => self.delta = map.next_value::<Delta>()?.carries,
+            _ => {
+                map.next_value::<serde::de::IgnoredAny>()?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Object for Delta {
+    const WHAT: &'static str = "a delta";
+
+    fn field<'de, A: serde::de::MapAccess<'de>>(
+        &mut self,
+        key: Key,
+        map: &mut A,
+    ) -> Result<(), A::Error> {
+        if key == Key::Role {
+            map.next_value::<serde::de::IgnoredAny>()?;
+        } else {
+            self.carries |= !map.next_value::<Empty>()?.0;
+        }
+        Ok(())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Chunk {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_object(deserializer)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Choice {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_object(deserializer)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Delta {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_object(deserializer)
+    }
+}
 
 impl<'de> serde::Deserialize<'de> for AllRoleOnly {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -189,103 +307,13 @@ impl<'de> serde::Deserialize<'de> for AllRoleOnly {
                 mut seq: A,
             ) -> Result<AllRoleOnly, A::Error> {
                 let mut all = true;
-                while let Some(choice) = seq.next_element::<RoleOnlyChoice>()? {
-                    all &= choice.0;
+                while let Some(choice) = seq.next_element::<Choice>()? {
+                    all &= !(choice.finish_reason || choice.text || choice.delta);
                 }
                 Ok(AllRoleOnly(all))
             }
         }
         deserializer.deserialize_seq(Visit)
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for Chunk {
-    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct Visit;
-        impl<'de> serde::de::Visitor<'de> for Visit {
-            type Value = Chunk;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a chunk")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut map: A,
-            ) -> Result<Chunk, A::Error> {
-                let mut choices = None;
-                while let Some(key) = map.next_key::<Key>()? {
-                    if key == Key::Choices {
-                        choices = map.next_value::<Option<AllRoleOnly>>()?;
-                    } else {
-                        map.next_value::<serde::de::IgnoredAny>()?;
-                    }
-                }
-                Ok(Chunk { choices })
-            }
-        }
-        deserializer.deserialize_map(Visit)
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for RoleOnlyChoice {
-    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct Visit;
-        impl<'de> serde::de::Visitor<'de> for Visit {
-            type Value = RoleOnlyChoice;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a choice")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut map: A,
-            ) -> Result<RoleOnlyChoice, A::Error> {
-                let (mut finished, mut text, mut delta) = (false, true, true);
-                while let Some(key) = map.next_key::<Key>()? {
-                    match key {
-                        Key::FinishReason => {
-                            finished = map.next_value::<Option<serde::de::IgnoredAny>>()?.is_some();
-                        }
-                        Key::Text => text = map.next_value::<Empty>()?.0,
-                        Key::Delta => delta = map.next_value::<RoleOnlyDelta>()?.0,
-                        _ => {
-                            map.next_value::<serde::de::IgnoredAny>()?;
-                        }
-                    }
-                }
-                Ok(RoleOnlyChoice(!finished && text && delta))
-            }
-        }
-        deserializer.deserialize_map(Visit)
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for RoleOnlyDelta {
-    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct Visit;
-        impl<'de> serde::de::Visitor<'de> for Visit {
-            type Value = RoleOnlyDelta;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a delta")
-            }
-            fn visit_unit<E>(self) -> Result<RoleOnlyDelta, E> {
-                // `"delta": null` is not a role-only delta.
-                Ok(RoleOnlyDelta(false))
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut map: A,
-            ) -> Result<RoleOnlyDelta, A::Error> {
-                let mut role_only = true;
-                while let Some(key) = map.next_key::<Key>()? {
-                    if key == Key::Role {
-                        map.next_value::<serde::de::IgnoredAny>()?;
-                    } else {
-                        role_only &= map.next_value::<Empty>()?.0;
-                    }
-                }
-                Ok(RoleOnlyDelta(role_only))
-            }
-        }
-        deserializer.deserialize_any(Visit)
     }
 }
 
