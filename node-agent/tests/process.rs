@@ -79,6 +79,20 @@ async fn pid_in(file: &Path) -> u32 {
     panic!("no pid in {}", file.display());
 }
 
+/// The environment of `pid`, once it can be read (bounded: 10 s). A worker whose pid was just
+/// written may still be in its `exec` of `sleep`, and the kernel reads its environment as empty
+/// until the exec is done.
+async fn environ_of(pid: u32) -> Vec<u8> {
+    for _ in 0..500 {
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+        if !environ.is_empty() {
+            return environ;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("no environment for {pid}");
+}
+
 /// Whether `pid` is gone within `bound` (polled).
 async fn gone_within(pid: u32, bound: Duration) -> bool {
     let deadline = tokio::time::Instant::now() + bound;
@@ -110,7 +124,7 @@ async fn workers_carry_the_instance_and_a_stop_takes_the_whole_group() {
     let dir = common::temp_dir("group-stop");
     let rt = ProcessRuntime::new(&dir).unwrap();
     let (rec, worker) = engine_with_worker(&rt, &dir, "e1").await;
-    let environ = std::fs::read(format!("/proc/{worker}/environ")).unwrap();
+    let environ = environ_of(worker).await;
     let marker = format!("{INSTANCE_ENV}=e1");
     assert!(environ.split(|b| *b == 0).any(|v| v == marker.as_bytes()));
     let group = EngineGroup::of(&rec);
