@@ -19,6 +19,11 @@
 //! | `capyctl_queue_waiting` | gauge | `deployment` | requests waiting in CapyCTL now |
 //! | `capyctl_in_flight` | gauge | `deployment` | requests being forwarded now (bound 32 per instance) |
 //! | `capyctl_kube_api_request_seconds` | histogram | `verb`, `resource`, `outcome` | a call to the Kubernetes API server, to its response's head (operator only) |
+//! | `capyctl_build_info` | gauge | `version` | always 1: the CapyCTL release that answers |
+//!
+//! Every family is listed (its `HELP`, `TYPE` and `UNIT` lines) from the first scrape on, before
+//! anything was observed: a scraper and its alerting rules see what exists, not only what
+//! happened (prometheus-client leaves out an empty family by itself; [`Listed`] keeps it).
 //!
 //! NB: label values are what the caller passes; the lifecycle passes deployment IDs (ULIDs), not
 //! names, so a re-deploy under the same name keeps one series.
@@ -28,11 +33,12 @@ use std::fmt;
 use std::sync::RwLock;
 use std::time::Duration;
 
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::{MetricType, TypedMetric};
 use prometheus_client::registry::{Registry, Unit};
 
 /// The content type of [`Metrics::encode`]'s text.
@@ -70,6 +76,11 @@ struct TierOutcomeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct VersionLabels {
+    version: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct KubeApiLabels {
     verb: String,
     resource: String,
@@ -77,6 +88,25 @@ struct KubeApiLabels {
 }
 
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// A metric registered so that it is always encoded: its descriptor (`HELP`, `TYPE`, `UNIT`)
+/// even while it holds no sample yet, which prometheus-client would otherwise leave out.
+#[derive(Debug)]
+struct Listed<M>(M);
+
+impl<M: EncodeMetric + TypedMetric> EncodeMetric for Listed<M> {
+    fn encode(&self, encoder: MetricEncoder) -> Result<(), fmt::Error> {
+        self.0.encode(encoder)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        M::TYPE
+    }
+
+    fn is_empty(&self) -> bool {
+        false
+    }
+}
 
 /// 1 ms, 2 ms, 4 ms, … 524 s (20 buckets, then `+Inf`).
 fn seconds_histogram() -> Histogram {
@@ -167,69 +197,81 @@ impl Metrics {
         registry.register(
             "requests",
             "Inference requests that ended, by deployment, HTTP status and error code (ok for a success)",
-            requests.clone(),
+            Listed(requests.clone()),
         );
         registry.register_with_unit(
             "request_wait",
             "How long an ended request waited in CapyCTL before it was forwarded or refused",
             Unit::Seconds,
-            request_wait.clone(),
+            Listed(request_wait.clone()),
         );
         registry.register(
             "switches",
             "Switches that ended, by outcome",
-            switches.clone(),
+            Listed(switches.clone()),
         );
         registry.register_with_unit(
             "switch",
             "Duration of a whole switch (the sum of its phases), by outcome",
             Unit::Seconds,
-            switch_duration.clone(),
+            Listed(switch_duration.clone()),
         );
         registry.register_with_unit(
             "switch_phase",
             "Duration of one phase of a switch: window, drain, release or bring_up",
             Unit::Seconds,
-            switch_phase.clone(),
+            Listed(switch_phase.clone()),
         );
         registry.register(
             "parks",
             "Parks that ended, by tier and outcome",
-            parks.clone(),
+            Listed(parks.clone()),
         );
         registry.register_with_unit(
             "park",
             "How long a park took, by tier and outcome",
             Unit::Seconds,
-            park_duration.clone(),
+            Listed(park_duration.clone()),
         );
         registry.register(
             "wakes",
             "Wakes that ended, by tier and outcome",
-            wakes.clone(),
+            Listed(wakes.clone()),
         );
         registry.register_with_unit(
             "wake",
             "How long a wake took (check prompt included), by tier and outcome",
             Unit::Seconds,
-            wake_duration.clone(),
+            Listed(wake_duration.clone()),
         );
         registry.register(
             "queue_waiting",
             "Requests waiting in CapyCTL now, by deployment",
-            queue_waiting.clone(),
+            Listed(queue_waiting.clone()),
         );
         registry.register(
             "in_flight",
             "Requests being forwarded now, by deployment",
-            in_flight.clone(),
+            Listed(in_flight.clone()),
         );
 
         registry.register_with_unit(
             "kube_api_request",
             "A call to the Kubernetes API server, to its response's head, by verb, resource and outcome",
             Unit::Seconds,
-            kube_api.clone(),
+            Listed(kube_api.clone()),
+        );
+
+        let build_info = Family::<VersionLabels, Gauge>::default();
+        build_info
+            .get_or_create(&VersionLabels {
+                version: env!("CARGO_PKG_VERSION").to_string(),
+            })
+            .set(1);
+        registry.register(
+            "build_info",
+            "The CapyCTL release that answers (always 1)",
+            build_info,
         );
 
         Self {
@@ -407,6 +449,47 @@ impl capyctl_router::observe::RequestObserver for Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every family the server exports, by its name in the text.
+    const FAMILIES: [(&str, &str); 13] = [
+        ("capyctl_requests", "counter"),
+        ("capyctl_request_wait_seconds", "histogram"),
+        ("capyctl_switches", "counter"),
+        ("capyctl_switch_seconds", "histogram"),
+        ("capyctl_switch_phase_seconds", "histogram"),
+        ("capyctl_parks", "counter"),
+        ("capyctl_park_seconds", "histogram"),
+        ("capyctl_wakes", "counter"),
+        ("capyctl_wake_seconds", "histogram"),
+        ("capyctl_queue_waiting", "gauge"),
+        ("capyctl_in_flight", "gauge"),
+        ("capyctl_kube_api_request_seconds", "histogram"),
+        ("capyctl_build_info", "gauge"),
+    ];
+
+    #[test]
+    fn every_family_is_listed_before_anything_is_observed() {
+        let text = Metrics::new().encode();
+        for (name, kind) in FAMILIES {
+            assert!(
+                text.contains(&format!("# HELP {name} ")),
+                "HELP of {name} missing in:\n{text}"
+            );
+            assert!(
+                text.contains(&format!("# TYPE {name} {kind}\n")),
+                "TYPE of {name} missing in:\n{text}"
+            );
+        }
+        assert_eq!(text.matches("# TYPE ").count(), FAMILIES.len(), "{text}");
+        assert!(
+            text.contains(&format!(
+                "capyctl_build_info{{version=\"{}\"}} 1\n",
+                env!("CARGO_PKG_VERSION")
+            )),
+            "{text}"
+        );
+        assert!(text.ends_with("# EOF\n"), "{text}");
+    }
 
     #[test]
     fn every_metric_is_named_after_it_is_observed() {
