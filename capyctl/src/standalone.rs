@@ -1,16 +1,18 @@
-//! `capyctl start standalone`: a whole CapyCTL in this process until SIGINT or SIGTERM.
+//! `capyctl start standalone`: a whole CapyCTL in this process until SIGINT or SIGTERM; SIGHUP
+//! deploys the document's deployments again ([`reload`]).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use capyctl_crds::documents;
 use capyctl_crds::overrides::Overrides;
+use capyctl_node_agent::inventory::default_probe;
 use capyctl_operator::standalone::Standalone;
 
 /// Loads the document (or the defaults with the overrides alone), starts, prints where it
 /// listens, runs until a signal, then shuts down cleanly (engines stopped).
 pub async fn run(file: Option<PathBuf>, set: Vec<String>, data_dir: PathBuf) -> Result<(), String> {
     let overrides =
-        Overrides::from_args_and_env(set, std::env::vars()).map_err(|e| e.to_string())?;
+        Overrides::from_args_and_env(set.clone(), std::env::vars()).map_err(|e| e.to_string())?;
     let config = match &file {
         Some(path) => documents::load_standalone_file(path, &overrides),
         None => documents::standalone_from_overrides(&overrides),
@@ -32,19 +34,43 @@ pub async fn run(file: Option<PathBuf>, set: Vec<String>, data_dir: PathBuf) -> 
     } else {
         "http"
     };
-    // Installed first: a signal while it starts stops it cleanly, never by the default action.
+    // Installed first: a signal while it starts stops it at once, never by the default action
+    // (SIGTERM and SIGINT end it, SIGHUP reads the document again once it runs).
     let signal = capyctl_node_agent::cli::shutdown_signal();
-    let standalone = Standalone::start(config, data_dir.clone())
-        .await
-        .map_err(|e| e.to_string())?;
+    tokio::pin!(signal);
+    let mut hangup = Hangup::install();
+    let mut config = config;
+    let deployments = std::mem::take(&mut config.deployments);
+    let settings = config.clone();
+    let standalone = tokio::select! {
+        started = Standalone::listen(config, data_dir.clone(), default_probe()) => {
+            started.map_err(|e| e.to_string())?
+        }
+        () = &mut signal => {
+            // Nothing is deployed or started yet; engines a previous run left are adopted by
+            // the next start, as after a kill.
+            tracing::info!("signal received while starting: exiting");
+            return Ok(());
+        }
+    };
+    // Listening, not ready (`/readyz` 503) until the document's deployments exist.
+    tokio::select! {
+        deployed = standalone.deploy_document(deployments) => deployed.map_err(|e| e.to_string())?,
+        () = &mut signal => {
+            tracing::info!("signal received while deploying the document: stopping");
+            standalone.shutdown().await;
+            return Ok(());
+        }
+    }
+    // Every deployment, the document's and those deployed before (kept in the data directory),
+    // by name: the lifecycle keeps them by ID, and IDs made in the same millisecond are in no
+    // particular order.
     let mut names: Vec<String> = standalone
         .server()
         .models()
         .into_iter()
         .map(|m| m.id)
         .collect();
-    // By name: the lifecycle keeps them by ID, and IDs made in the same millisecond are in no
-    // particular order.
     names.sort();
     println!(
         "capyctl standalone: inference {scheme}://{}  management {scheme}://{}",
@@ -61,8 +87,80 @@ pub async fn run(file: Option<PathBuf>, set: Vec<String>, data_dir: PathBuf) -> 
     } else {
         println!("deployments: {}", names.join(", "));
     }
-    signal.await;
+    loop {
+        tokio::select! {
+            () = &mut signal => break,
+            () = hangup.next() => reload(&standalone, &settings, file.as_deref(), &set).await,
+        }
+    }
     tracing::info!("signal received: stopping engines and listeners");
     standalone.shutdown().await;
     Ok(())
+}
+
+/// SIGHUP, which operators send for a reload (and a closing terminal sends): never the default
+/// action, which would end CapyCTL and leave its engines running.
+struct Hangup(Option<tokio::signal::unix::Signal>);
+
+impl Hangup {
+    fn install() -> Hangup {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::hangup()) {
+            Ok(s) => Hangup(Some(s)),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot watch SIGHUP; it would end CapyCTL");
+                Hangup(None)
+            }
+        }
+    }
+
+    /// The next SIGHUP (never, when it cannot be watched).
+    async fn next(&mut self) {
+        match &mut self.0 {
+            Some(s) => {
+                s.recv().await;
+            }
+            None => std::future::pending().await,
+        }
+    }
+}
+
+/// On SIGHUP: reads the document again (with the same `--set` and `CAPYCTL_SET__…`) and deploys
+/// its deployments: new ones are added, changed ones get a new revision, the same ones change
+/// nothing. Deployments no longer in the document stay (delete them with `capyctl delete`), and
+/// changed `server:` or `host:` settings wait for the next start (logged). A document that does
+/// not load changes nothing.
+async fn reload(
+    standalone: &Standalone,
+    running: &capyctl_crds::settings::StandaloneConfig,
+    file: Option<&Path>,
+    set: &[String],
+) {
+    let Some(path) = file else {
+        tracing::warn!("SIGHUP: started without --file, there is no document to read again");
+        return;
+    };
+    let loaded = Overrides::from_args_and_env(set.to_vec(), std::env::vars())
+        .map_err(|e| e.to_string())
+        .and_then(|o| documents::load_standalone_file(path, &o).map_err(|e| e.to_string()));
+    let config = match loaded {
+        Ok(config) => config,
+        Err(e) => {
+            tracing::error!("SIGHUP: {e}; nothing changed");
+            return;
+        }
+    };
+    if config.server != running.server || config.host != running.host {
+        tracing::warn!(
+            file = %path.display(),
+            "SIGHUP: the server: and host: settings changed; they take effect at the next start"
+        );
+    }
+    let count = config.deployments.len();
+    match standalone.deploy_document(config.deployments).await {
+        Ok(()) => {
+            tracing::info!(file = %path.display(), deployments = count, "SIGHUP: document deployed again")
+        }
+        Err(e) => tracing::error!("SIGHUP: {e}"),
+    }
 }

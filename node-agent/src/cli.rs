@@ -208,6 +208,27 @@ pub fn agent_token() -> Result<String, String> {
     }
 }
 
+/// Ignores SIGHUP from now on, logging each one: `what` (the host agent, the operator) has no
+/// document to read again, and the default action would end it and leave its engines running
+/// (operators send SIGHUP for a reload; a closing terminal sends it too). Call it in a runtime.
+/// `capyctl start standalone` reads its document again on SIGHUP instead.
+pub fn ignore_hangup(what: &'static str) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::hangup()) {
+            Ok(mut hangup) => {
+                tokio::spawn(async move {
+                    while hangup.recv().await.is_some() {
+                        tracing::info!("SIGHUP ignored: {what} has nothing to reload");
+                    }
+                });
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot watch SIGHUP; it would end {what}"),
+        }
+    }
+}
+
 /// Resolves on SIGTERM or SIGINT. NB: the handlers are installed when this is called, not when
 /// the future is first polled, so that a signal that comes while the agent starts up is not
 /// the default action's (an exit without stopping the engines). Call it in a runtime.
@@ -254,6 +275,7 @@ pub fn reported_timing(config: &AgentConfig, runtime: EngineRuntime) -> AgentTim
 
 /// Runs the agent of `args` until SIGTERM or SIGINT (see the module doc).
 pub async fn run(args: Args) -> Result<(), CliError> {
+    ignore_hangup("the host agent");
     run_until(args, shutdown_signal()).await
 }
 

@@ -1,10 +1,13 @@
 //! `capyctl start standalone`: the server and one host in one process.
 //!
-//! [`Standalone::start`] builds, in order: the host agent ([`LocalHostAgent`], engines as child
+//! [`Standalone::listen`] builds, in order: the host agent ([`LocalHostAgent`], engines as child
 //! processes, GPUs from the default probe or `host.gpus`), the state file ([`FileStore`]), the
 //! lifecycle ([`Server`], which loads the state and adopts engines a previous run left), the
-//! switch coordinator, the inference listener and the management listener; then it deploys the
-//! document's deployments (deployed, not started).
+//! switch coordinator, the inference listener and the management listener; then
+//! [`Standalone::deploy_document`] deploys the document's deployments (deployed, not started),
+//! and only then does `/readyz` answer ready. [`Standalone::start`] is both. The same
+//! `deploy_document` applies the document again on a reload (`capyctl start standalone` on
+//! SIGHUP).
 //!
 //! Crash-only: a clean [`Standalone::shutdown`] stops the engines; after a kill they keep
 //! running and the next start adopts them (or stops those it cannot use).
@@ -228,6 +231,20 @@ impl Standalone {
 
     /// [`Standalone::start`] with a given GPU probe.
     pub async fn start_with_probe(
+        mut config: StandaloneConfig,
+        data_dir: PathBuf,
+        probe: Arc<dyn GpuProbe>,
+    ) -> Result<Standalone, StandaloneError> {
+        let deployments = std::mem::take(&mut config.deployments);
+        let standalone = Self::listen(config, data_dir, probe).await?;
+        standalone.deploy_document(deployments).await?;
+        Ok(standalone)
+    }
+
+    /// Everything of [`Standalone::start`] but the document's deployments (`config.deployments`
+    /// is not read): the listeners answer, and `/readyz` says not ready until
+    /// [`Standalone::deploy_document`] has deployed them.
+    pub async fn listen(
         config: StandaloneConfig,
         data_dir: PathBuf,
         probe: Arc<dyn GpuProbe>,
@@ -252,6 +269,8 @@ impl Standalone {
             lifecycle_config(&config, metrics.clone()),
         )
         .await?;
+        // Not ready until the document's deployments exist (`deploy_document`).
+        server.set_ready(false);
         let admin_token = crate::management::load_or_create_token(
             config.server.admin_token_file.as_deref(),
             &data_dir,
@@ -325,14 +344,7 @@ impl Standalone {
                 }
             }));
         }
-        for doc in config.deployments {
-            let name = doc.name.clone();
-            server
-                .deploy(doc)
-                .await
-                .map_err(|source| StandaloneError::Deploy { name, source })?;
-        }
-        tracing::info!(%inference_addr, %management_addr, "standalone started");
+        tracing::info!(%inference_addr, %management_addr, "standalone listening");
         Ok(Standalone {
             _lock: lock,
             server,
@@ -343,6 +355,26 @@ impl Standalone {
             stop,
             tasks,
         })
+    }
+
+    /// Deploys the document's deployments in order (a changed document bumps its revision, the
+    /// same one changes nothing), then lets `/readyz` answer ready. Stops at the first refusal,
+    /// naming that deployment: those before it stay deployed, and `/readyz` stays as it was.
+    pub async fn deploy_document(
+        &self,
+        deployments: Vec<capyctl_crds::documents::DeploymentDoc>,
+    ) -> Result<(), StandaloneError> {
+        let count = deployments.len();
+        for doc in deployments {
+            let name = doc.name.clone();
+            self.server
+                .deploy(doc)
+                .await
+                .map_err(|source| StandaloneError::Deploy { name, source })?;
+        }
+        self.server.set_ready(true);
+        tracing::info!(deployments = count, "standalone ready");
+        Ok(())
     }
 
     /// Where the inference listener listens.

@@ -63,6 +63,7 @@ struct Cli {
 }
 
 async fn main_async(cli: Cli) -> Result<(), String> {
+    capyctl_node_agent::cli::ignore_hangup("the operator");
     let overrides = Overrides::from_args_and_env(cli.set.clone(), std::env::vars())
         .map_err(|e| e.to_string())?;
     let server = match &cli.file {

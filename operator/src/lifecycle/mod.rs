@@ -744,6 +744,12 @@ impl Server {
         }
     }
 
+    /// Holds `/readyz` at not ready (`false`), or lets it answer ready again (`true`): standalone
+    /// holds it while it deploys its document's deployments. ([`Server::open`] leaves it ready.)
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.store(ready, Ordering::SeqCst);
+    }
+
     /// Stops the background work and lets go of the router (engines are left as they are;
     /// stop them through the host agent for a clean shutdown).
     pub fn close(&self) {
