@@ -49,9 +49,10 @@ use kube::{Api, Client, ResourceExt};
 use tokio::sync::broadcast;
 
 use super::pods::{
-    EnginePod, EnginePodSettings, LABEL_DEPLOYMENT, LABEL_GENERATION, LABEL_INSTANCE, engine_pod,
-    visible_gpus,
+    EnginePod, EnginePodSettings, LABEL_DEPLOYMENT, LABEL_GENERATION, LABEL_INSTANCE,
+    engine_pod_in, visible_gpus,
 };
+use super::watch::Claims;
 
 /// The launch a parkability answer calls for (what the node agent's own launch does).
 pub fn launch_for(choice: &Result<ParkChoice, AgentError>) -> LaunchParking {
@@ -139,7 +140,11 @@ pub fn footprint(before: &Inventory, after: &Inventory) -> Option<u64> {
 pub struct PodHostAgent {
     inner: Arc<dyn HostAgent>,
     pods: Api<Pod>,
-    crs: Api<Deployment>,
+    client: Client,
+    namespace: String,
+    /// Which namespace's object holds each deployment name; without, the CRs are in
+    /// `namespace`.
+    claims: Option<Arc<Claims>>,
     hosts: Api<Host>,
     settings: EnginePodSettings,
     host: HostSettings,
@@ -174,7 +179,9 @@ impl PodHostAgent {
         Self {
             inner,
             pods: Api::namespaced(client.clone(), namespace),
-            crs: Api::namespaced(client.clone(), namespace),
+            client: client.clone(),
+            namespace: namespace.to_string(),
+            claims: None,
             hosts: Api::all(client),
             settings,
             host,
@@ -183,6 +190,23 @@ impl PodHostAgent {
             moves: Mutex::new(Moves::default()),
             footprints: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Finds the CR of each deployment by `claims` (the operator watches several namespaces;
+    /// the engine Pods stay in this agent's namespace, see [`engine_pod_in`]).
+    pub fn with_claims(mut self, claims: Arc<Claims>) -> Self {
+        self.claims = Some(claims);
+        self
+    }
+
+    /// The CRs of the namespace whose object holds deployment name `name`.
+    fn crs_of(&self, name: &str) -> Api<Deployment> {
+        let namespace = self
+            .claims
+            .as_ref()
+            .and_then(|c| c.holder(name))
+            .unwrap_or_else(|| self.namespace.clone());
+        Api::namespaced(self.client.clone(), &namespace)
     }
 
     fn begin(&self) -> Move<'_> {
@@ -283,7 +307,7 @@ impl PodHostAgent {
             + 1;
         self.delete_pods(&old).await;
         let owner = self
-            .crs
+            .crs_of(&spec.name)
             .get(&spec.name)
             .await
             .map_err(|e| kube_error(&format!("reading Deployment {}", spec.name), e))?;
@@ -305,7 +329,7 @@ impl PodHostAgent {
             }
         };
         let gpus = visible_gpus(host.as_ref());
-        let pod = engine_pod(
+        let pod = engine_pod_in(
             &EnginePod {
                 owner: &owner,
                 instance_id: instance,
@@ -318,6 +342,7 @@ impl PodHostAgent {
                 host_ram_copy,
             },
             &self.settings,
+            &self.namespace,
         )
         .map_err(|e| AgentError::InvalidSpec {
             detail: e.to_string(),
@@ -335,7 +360,7 @@ impl PodHostAgent {
 
     /// The footprint the CR's status holds for the current generation of deployment `spec`.
     async fn footprint_in_status(&self, spec: &InstanceSpec) -> Option<u64> {
-        let cr = self.crs.get_opt(&spec.name).await.ok()??;
+        let cr = self.crs_of(&spec.name).get_opt(&spec.name).await.ok()??;
         let status = cr.status.as_ref()?;
         if status.deployment_id.as_deref() != Some(spec.deployment_id.as_str())
             || status.observed_generation != cr.metadata.generation
