@@ -45,9 +45,13 @@ struct Global {
     /// capyctl`: the release's management Service through the API server].
     #[arg(long, global = true, env = "CAPYCTL_SERVER")]
     server: Option<String>,
-    /// As `kubectl capyctl`: the namespace of the release [default: the kubeconfig's].
+    /// As `kubectl capyctl`: the namespace of the Deployment objects, and of the release unless
+    /// --release-namespace says another [default: the kubeconfig's].
     #[arg(long, short = 'n', global = true, env = "CAPYCTL_NAMESPACE")]
     namespace: Option<String>,
+    /// As `kubectl capyctl`: the namespace of the Helm release [default: --namespace].
+    #[arg(long, global = true, env = "CAPYCTL_RELEASE_NAMESPACE")]
+    release_namespace: Option<String>,
     /// As `kubectl capyctl`: the Helm release.
     #[arg(
         long,
@@ -324,7 +328,13 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(120);
 async fn remote(global: Global, command: Command) -> Result<(), String> {
     let client = match global.server {
         None if invoked_as().starts_with("kubectl-") => {
-            cluster::connect(global.namespace, &global.release, global.token).await?
+            cluster::connect(
+                global.namespace,
+                global.release_namespace,
+                &global.release,
+                global.token,
+            )
+            .await?
         }
         server => {
             let token = client::resolve_token(global.token, &client::default_data_dir())
@@ -377,6 +387,10 @@ async fn remote(global: Global, command: Command) -> Result<(), String> {
                 } else {
                     let list: DeploymentList = answer.json(client.server())?;
                     print!("{}", render::deployments(&list.deployments));
+                }
+                // Under kubectl: what the operator does not take from the user's namespace.
+                for note in cluster::list_notes(&client).await {
+                    eprintln!("{note}");
                 }
                 Ok(())
             }
