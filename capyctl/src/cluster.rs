@@ -151,9 +151,15 @@ pub async fn connect(
     release: &str,
     token: Option<String>,
 ) -> Result<Client, String> {
-    let config = kube::Config::infer()
+    let mut config = kube::Config::infer()
         .await
         .map_err(|e| format!("cannot find the cluster (kubeconfig or in-cluster): {e}"))?;
+    // No retries of 503, 504 and 429 answers: through the service proxy they are the
+    // management API's answers (or the proxy's, for a release with no operator ready) and
+    // are printed at once; kube's default retries them up to 15 times with a backoff growing
+    // to minutes (a `list` against a release whose operator is down took 380 s), and would
+    // send a refused `start` again.
+    config.default_retry = false;
     let objects_namespace = namespace
         .filter(|n| !n.is_empty())
         .unwrap_or_else(|| config.default_namespace.clone());

@@ -508,6 +508,54 @@ fn a_refused_object_is_reported_with_the_operators_reason() {
     assert!(began.elapsed() < std::time::Duration::from_secs(60));
 }
 
+/// A 503 through the service proxy (an operator not ready, or the management API's own
+/// `unavailable`) is printed at once and never sent again: kube's client retried it 15 times
+/// with a backoff growing to minutes (the cluster test's `list` took 380 s), and a refused
+/// `start` would have been sent again. Fails without `default_retry = false` (16 calls of each).
+#[test]
+fn a_503_through_the_proxy_is_printed_at_once_and_never_sent_again() {
+    let proxy = "/api/v1/namespaces/gpu/services/capyctl-management:management/proxy/management/v1";
+    let (url, seen) = fake_api_server(move |req| {
+        if req.path.starts_with(proxy) {
+            (
+                503,
+                r#"{"code":"unavailable","message":"the management API is not ready","retryable":true}"#
+                    .to_string(),
+            )
+        } else {
+            (404, NOT_FOUND_KUBE.to_string())
+        }
+    });
+    let dir = std::env::temp_dir().join(format!("kubectl-capyctl-503-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = kubeconfig(&dir, &url);
+    let began = std::time::Instant::now();
+    for args in [
+        &["list", "deployments", "--token", "t"][..],
+        &["start", "deployment", "my-model", "--token", "t"][..],
+    ] {
+        let (code, _, stderr) = run_plugin(&config, args);
+        assert_eq!(code, 1, "{stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+        assert!(
+            stderr.contains("the management API is not ready"),
+            "{stderr}"
+        );
+    }
+    let calls: Vec<String> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|s| s.path.starts_with(proxy))
+        .map(|s| format!("{} {}", s.method, s.path.trim_start_matches(proxy)))
+        .collect();
+    assert_eq!(
+        calls,
+        ["GET /deployments", "POST /deployments/my-model/start"]
+    );
+    assert!(began.elapsed() < std::time::Duration::from_secs(30));
+}
+
 /// The operator watches the namespaces the management Service's annotation names: `deploy` in
 /// another writes nothing and says where models go; `list` says so too, with the objects it
 /// ignores there; in a watched namespace `list` names the objects the operator refuses.
