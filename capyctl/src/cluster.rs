@@ -317,16 +317,53 @@ pub(crate) async fn deploy_object(
     }
 }
 
+/// What `kubectl capyctl delete deployment` deleted.
+#[derive(Debug)]
+pub(crate) enum Deleted {
+    /// The object of a served deployment, whose view from before this is.
+    Served(Box<DeploymentView>),
+    /// An object the operator did not serve: `object` (`namespace/name`), and why not.
+    NotServed {
+        /// `namespace/name`.
+        object: String,
+        /// Why it was not served (its namespace is not watched, or its name is another
+        /// namespace's object's).
+        why: String,
+    },
+}
+
 /// `kubectl capyctl delete deployment`: deletes the `Deployment` object (its finalizer stops
 /// the engines), then waits, within `timeout`, until the operator has forgotten the
-/// deployment. Answers its view from before.
+/// deployment. An object the operator does not serve (in a namespace it does not watch, or
+/// refused because another namespace's object holds its name) is deleted without waiting, and
+/// the deployment of that name, another namespace's, is left alone.
 pub(crate) async fn delete_object(
     client: &Client,
     name_or_id: &str,
     timeout: Duration,
-) -> Result<DeploymentView, CommandError> {
+) -> Result<Deleted, CommandError> {
     let (api, target) = objects(client)?;
     let namespace = target.namespace.as_str();
+    let unserved = match api.get_opt(name_or_id).await {
+        Ok(Some(o)) => match target.unwatched() {
+            Some(_) => Some(format!("the operator does not watch namespace {namespace}")),
+            None => name_taken(&o),
+        },
+        _ => None,
+    };
+    if let Some(why) = unserved {
+        let object = format!("Deployment object {namespace}/{name_or_id}");
+        return match api.delete(name_or_id, &DeleteParams::default()).await {
+            Ok(_) => Ok(Deleted::NotServed {
+                object: format!("{namespace}/{name_or_id}"),
+                why,
+            }),
+            Err(e) => Err(CommandError::Failed(format!(
+                "cannot delete the {object}: {}",
+                kube_message(&e)
+            ))),
+        };
+    }
     let answer = client
         .get(&format!("/deployments/{}", segment(name_or_id)))
         .await?;
@@ -336,7 +373,8 @@ pub(crate) async fn delete_object(
         Ok(_) => {}
         Err(kube::Error::Api(s)) if s.is_not_found() => {
             return Err(CommandError::Failed(format!(
-                "there is no {object}: the operator serves a deployment no object asks for; it goes at the operator's next restart"
+                "there is no {object}: deployment {} is served from another namespace's object (delete it with -n NAMESPACE), or from none, and then it goes at the operator's next restart",
+                view.name
             )));
         }
         Err(e) => {
@@ -357,7 +395,18 @@ pub(crate) async fn delete_object(
         }
         tokio::time::sleep(POLL).await;
     }
-    Ok(view)
+    Ok(Deleted::Served(Box::new(view)))
+}
+
+/// Why the operator refuses `object` for its name (`Accepted=False`, reason `name_taken`).
+fn name_taken(object: &Deployment) -> Option<String> {
+    object
+        .status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Accepted" && c.status == "False" && c.reason == "name_taken")
+        .map(|c| c.message.clone())
 }
 
 /// The `Deployment` objects of the namespace the plugin works in, and where it works.

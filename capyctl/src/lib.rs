@@ -359,11 +359,22 @@ async fn remote(global: Global, command: Command) -> Result<(), String> {
                 action(&client, "preinitialize", &name, json).await
             }
             Command::Delete(Target::Deployment { name }) if client.cluster().is_some() => {
-                let d = cluster::delete_object(&client, &name, CALL_TIMEOUT).await?;
-                if json {
-                    println!("{}", pretty(&d));
-                } else {
-                    println!("deleted deployment {} ({})", d.name, d.id);
+                match cluster::delete_object(&client, &name, CALL_TIMEOUT).await? {
+                    cluster::Deleted::Served(d) if json => println!("{}", pretty(&d)),
+                    cluster::Deleted::Served(d) => {
+                        println!("deleted deployment {} ({})", d.name, d.id)
+                    }
+                    cluster::Deleted::NotServed { object, why } if json => println!(
+                        "{}",
+                        pretty(
+                            &serde_json::json!({"deleted_object": object, "served": false, "why": why})
+                        )
+                    ),
+                    cluster::Deleted::NotServed { object, why } => {
+                        println!(
+                            "deleted the Deployment object {object}, which was not served: {why}"
+                        )
+                    }
                 }
                 Ok(())
             }

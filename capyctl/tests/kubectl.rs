@@ -580,6 +580,8 @@ fn a_namespace_the_operator_does_not_watch_is_told_where_models_go() {
             "reason": "name_taken", "lastTransitionTime": "2026-12-04T00:00:00Z",
             "message": "the deployment name chat is taken by the Deployment object ops/chat"}]}),
     )]);
+    let refused_one =
+        serde_json::from_str::<serde_json::Value>(&refused).unwrap()["items"][0].clone();
     let (crs_x, crs_a) = (crs("team-x"), crs("team-a"));
     let (url, seen) = fake_api_server(move |req| {
         let path = req.path.split('?').next().unwrap();
@@ -598,6 +600,8 @@ fn a_namespace_the_operator_does_not_watch_is_told_where_models_go() {
             ) => (200, LIST.to_string()),
             ("GET", p) if p == crs_x => (200, ignored.clone()),
             ("GET", p) if p == crs_a => (200, refused.clone()),
+            ("GET", p) if p == format!("{crs_a}/chat") => (200, refused_one.to_string()),
+            ("DELETE", p) if p == format!("{crs_a}/chat") => (200, refused_one.to_string()),
             _ => (404, NOT_FOUND_KUBE.to_string()),
         }
     });
@@ -653,5 +657,22 @@ fn a_namespace_the_operator_does_not_watch_is_told_where_models_go() {
     assert_eq!(
         stderr,
         "note: the Deployment object team-a/chat is not accepted: the deployment name chat is taken by the Deployment object ops/chat\n"
+    );
+    // Deleting that object deletes it at once and leaves ops/chat's deployment alone: the
+    // operator is not asked, nothing waits for the deployment to go.
+    let mut args = vec!["delete", "deployment", "chat"];
+    args.extend(at("team-a"));
+    let (code, stdout, stderr) = run_plugin(&config, &args);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(
+        stdout,
+        "deleted the Deployment object team-a/chat, which was not served: the deployment name chat is taken by the Deployment object ops/chat\n"
+    );
+    let seen = seen.lock().unwrap();
+    assert!(seen.iter().any(|s| s.method == "DELETE"));
+    assert!(
+        !seen
+            .iter()
+            .any(|s| s.path.contains("/proxy/management/v1/deployments/chat"))
     );
 }
