@@ -756,6 +756,42 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn the_pod_of_another_namespaces_object_is_found_by_the_claims_and_not_owned() {
+        let (client, handle) = mock::client();
+        let mut object = cr();
+        object["metadata"]["namespace"] = "team-a".into();
+        object["metadata"]["creationTimestamp"] = "2026-12-01T00:00:00Z".into();
+        let created = pod("chat-a-0-g1", "01KDEP-0", 1, "gpu-1");
+        let server = mock::serve(
+            handle,
+            vec![
+                Exchange::ok(Method::GET, PODS, list(vec![])),
+                // The object is read where its name is held, ...
+                Exchange::ok(
+                    Method::GET,
+                    "/apis/capyctl.io/v1alpha1/namespaces/team-a/deployments/chat-a",
+                    object.clone(),
+                ),
+                Exchange::ok(Method::GET, HOST, host()),
+                // ... the Pod created in the operator's namespace.
+                Exchange::new(Method::POST, PODS, 201, created),
+            ],
+        );
+        let claims = Arc::new(Claims::default());
+        claims.seed([&serde_json::from_value::<Deployment>(object).unwrap()]);
+        let a = agent(client, Arc::new(Agent::default())).with_claims(claims);
+        a.create_pod("01KDEP-0", &spec()).await.unwrap();
+        let seen = server.await.unwrap();
+        let meta = &seen[3].body["metadata"];
+        assert_eq!(meta["namespace"], "capyctl");
+        assert!(meta.get("ownerReferences").is_none(), "{meta}");
+        assert_eq!(
+            meta["labels"][super::super::pods::LABEL_DEPLOYMENT_NAMESPACE],
+            "team-a"
+        );
+    }
+
+    #[tokio::test]
     async fn start_replaces_old_pods_by_the_next_generation_and_a_failed_start_deletes_it() {
         let (client, handle) = mock::client();
         let created = pod("chat-a-0-g3", "01KDEP-0", 3, "gpu-1");
