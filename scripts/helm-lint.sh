@@ -282,13 +282,17 @@ def check_objects(docs, values, case):
             if key not in d:
                 fail(f"{case}: an object without {key}: {d}")
         meta = d.get("metadata", {})
-        ident = (d.get("apiVersion"), d.get("kind"), meta.get("name"))
+        ident = (d.get("apiVersion"), d.get("kind"), meta.get("namespace"), meta.get("name"))
         if ident in names:
             fail(f"{case}: {ident} rendered twice")
         names.add(ident)
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", meta.get("name", "")):
             fail(f"{case}: {d.get('kind')} has an invalid name {meta.get('name')!r}")
-        if d["kind"] not in ("ClusterRole", "ClusterRoleBinding") and meta.get("namespace") != NAMESPACE:
+        # Only the Roles of operator.watchNamespaces are elsewhere: in those namespaces.
+        watched = values.get("operator", {}).get("watchNamespaces") or []
+        elsewhere = d["kind"] in ("Role", "RoleBinding") and meta.get("namespace") in watched
+        if d["kind"] not in ("ClusterRole", "ClusterRoleBinding") and meta.get("namespace") != NAMESPACE \
+                and not elsewhere:
             fail(f"{case}: {d['kind']} {meta.get('name')} is not in the release namespace")
         labels = meta.get("labels", {})
         for label in ("app.kubernetes.io/name", "app.kubernetes.io/instance",
@@ -397,7 +401,9 @@ def check_objects(docs, values, case):
                     fail(f"{case}: init container {init['name']} has capabilities {caps}")
             check_mounts(dict(pod, containers=pod.get("initContainers", [])), case, "node agent init")
 
-    # RBAC: no wildcards, ClusterRoles only for cluster-scoped kinds.
+    # RBAC: no wildcards, ClusterRoles only for cluster-scoped kinds (and, with
+    # operator.watchNamespaces ["*"], for the Deployment objects of every namespace).
+    watch_all = values.get("operator", {}).get("watchNamespaces") == ["*"]
     for role in by_kind(docs, "Role") + by_kind(docs, "ClusterRole"):
         for rule in role.get("rules", []):
             for key in ("apiGroups", "resources", "verbs"):
@@ -405,6 +411,9 @@ def check_objects(docs, values, case):
                     fail(f"{case}: {role['kind']} {role['metadata']['name']} has a wildcard in {key}")
             if role["kind"] == "ClusterRole":
                 for r in rule.get("resources", []):
+                    if (watch_all and role["metadata"]["name"].endswith("-operator-deployments")
+                            and r in ("deployments", "deployments/status", "events")):
+                        continue
                     if r.split("/")[0] not in ("hosts", "nodes"):
                         fail(f"{case}: ClusterRole {role['metadata']['name']} grants {r}, which is namespaced (only hosts and nodes are cluster-scoped)")
     for b in by_kind(docs, "RoleBinding") + by_kind(docs, "ClusterRoleBinding"):
@@ -502,6 +511,63 @@ if docs:
                                  and d["metadata"]["name"].endswith("-operator"))["data"]["server.yaml"])
     if "tls" not in server["listen"] or "lifecycle_defaults" not in server:
         fail("all-on: server.yaml lacks listen.tls or lifecycle_defaults")
+
+print("== operator.watchNamespaces: the operator's setting, the RBAC and the management Service's annotation", flush=True)
+
+
+def watch_render(values, case):
+    docs, err = render(values)
+    if err:
+        fail(f"{case}: {err}")
+        return None, None, None
+    check_objects(docs, values, case)
+    dep = one(docs, "Deployment", "-operator")
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0].get("env", [])}
+    svc = one(docs, "Service", "-management")
+    return docs, env.get("CAPYCTL_WATCH_NAMESPACES"), svc["metadata"].get("annotations", {}).get("capyctl.io/watch-namespaces")
+
+
+WATCHED_RULES = {("capyctl.io", "deployments"): ["get", "list", "watch", "patch"],
+                 ("capyctl.io", "deployments/status"): ["patch"],
+                 ("events.k8s.io", "events"): ["create", "patch"]}
+
+
+def rules_of(role):
+    return {(g, r): rule["verbs"] for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+
+
+docs, env, note = watch_render({}, "watchNamespaces default")
+if docs is not None:
+    if env != "" or note != NAMESPACE:
+        fail(f"watchNamespaces default: CAPYCTL_WATCH_NAMESPACES={env!r}, annotation {note!r}; want '' and {NAMESPACE!r}")
+    if any(d["metadata"].get("namespace", NAMESPACE) != NAMESPACE for d in docs):
+        fail("watchNamespaces default: an object outside the release namespace")
+listed = {"operator": {"watchNamespaces": ["team-a", "team-b", NAMESPACE, "team-a"]}}
+docs, env, note = watch_render(listed, "watchNamespaces [team-a, team-b]")
+if docs is not None:
+    if env != "team-a,team-b" or note != f"{NAMESPACE},team-a,team-b":
+        fail(f"watchNamespaces list: CAPYCTL_WATCH_NAMESPACES={env!r}, annotation {note!r}")
+    sa = one(docs, "ServiceAccount", "-operator")["metadata"]["name"]
+    for ns in ("team-a", "team-b"):
+        roles = [r for r in by_kind(docs, "Role") if r["metadata"]["namespace"] == ns]
+        binds = [b for b in by_kind(docs, "RoleBinding") if b["metadata"]["namespace"] == ns]
+        if len(roles) != 1 or rules_of(roles[0]) != WATCHED_RULES:
+            fail(f"watchNamespaces list: namespace {ns}: Roles {[rules_of(r) for r in roles]}; want one with {WATCHED_RULES}")
+        elif len(binds) != 1 or binds[0]["roleRef"]["name"] != roles[0]["metadata"]["name"] or \
+                binds[0]["subjects"] != [{"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}]:
+            fail(f"watchNamespaces list: namespace {ns}: the RoleBinding does not bind the operator's ServiceAccount to its Role")
+    if any(r["metadata"]["name"].endswith("-operator-deployments") for r in by_kind(docs, "ClusterRole")):
+        fail("watchNamespaces list: a ClusterRole for every namespace")
+docs, env, note = watch_render({"operator": {"watchNamespaces": ["*"]}}, "watchNamespaces [*]")
+if docs is not None:
+    if env != "*" or note != "*":
+        fail(f"watchNamespaces *: CAPYCTL_WATCH_NAMESPACES={env!r}, annotation {note!r}")
+    role = one(docs, "ClusterRole", "-operator-deployments")
+    bind = one(docs, "ClusterRoleBinding", "-operator-deployments")
+    if not role or rules_of(role) != WATCHED_RULES or not bind or bind["roleRef"]["name"] != role["metadata"]["name"]:
+        fail("watchNamespaces *: no ClusterRole and ClusterRoleBinding for the Deployment objects of every namespace")
+    if any(r["metadata"]["namespace"] != NAMESPACE for r in by_kind(docs, "Role")):
+        fail("watchNamespaces *: a Role outside the release namespace")
 
 print("== a host value change rolls the operator (its checksum covers host.yaml)", flush=True)
 
@@ -656,6 +722,12 @@ BAD = [
      "nodeAgent.dataDir.hostPath: must not be empty"),
     ({"nodeAgent": {"engineRuntime": "docker"}},
      "nodeAgent.engineRuntime: `docker` is not one of pod, process"),
+    ({"operator": {"watchNamespaces": ["*", "team-a"]}},
+     "operator.watchNamespaces: \"*\" (every namespace) cannot be combined with namespaces"),
+    ({"operator": {"watchNamespaces": ["Team_A"]}},
+     "operator.watchNamespaces: `Team_A` is not a namespace name"),
+    ({"operator": {"watchNamespaces": "team-a"}},
+     "operator.watchNamespaces: must be a list of namespaces"),
 ]
 for values, want in BAD:
     docs, err = render(values)

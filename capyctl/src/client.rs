@@ -179,9 +179,9 @@ enum Transport {
     /// or `--ca-file`).
     Direct(Box<HyperClient<HttpsConnector<HttpConnector>, Full<Bytes>>>),
     /// Through the Kubernetes API server's service proxy, authenticated by the kubeconfig; the
-    /// admin token then travels in [`capyctl_crds::auth::TOKEN_HEADER`]. With the release's
-    /// namespace.
-    Kube(kube::Client, String),
+    /// admin token then travels in [`capyctl_crds::auth::TOKEN_HEADER`]. With where the
+    /// user's Deployment objects go.
+    Kube(kube::Client, std::sync::Arc<crate::cluster::Target>),
 }
 
 /// One answer: status and body.
@@ -263,21 +263,21 @@ impl Client {
     /// `/api/v1/namespaces/{namespace}/services/{name}:{port}/proxy`.
     pub fn through_kube(
         client: kube::Client,
-        namespace: String,
+        target: crate::cluster::Target,
         base: String,
         token: String,
     ) -> Client {
         Client {
             base,
             token,
-            transport: Transport::Kube(client, namespace),
+            transport: Transport::Kube(client, std::sync::Arc::new(target)),
         }
     }
 
-    /// Under `kubectl capyctl`: the Kubernetes client and the release's namespace.
-    pub fn cluster(&self) -> Option<(kube::Client, &str)> {
+    /// Under `kubectl capyctl`: the Kubernetes client and where the Deployment objects go.
+    pub fn cluster(&self) -> Option<(kube::Client, &crate::cluster::Target)> {
         match &self.transport {
-            Transport::Kube(client, namespace) => Some((client.clone(), namespace.as_str())),
+            Transport::Kube(client, target) => Some((client.clone(), target.as_ref())),
             Transport::Direct(_) => None,
         }
     }

@@ -45,9 +45,13 @@ struct Global {
     /// capyctl`: the release's management Service through the API server].
     #[arg(long, global = true, env = "CAPYCTL_SERVER")]
     server: Option<String>,
-    /// As `kubectl capyctl`: the namespace of the release [default: the kubeconfig's].
+    /// As `kubectl capyctl`: the namespace of the Deployment objects, and of the release unless
+    /// --release-namespace says another [default: the kubeconfig's].
     #[arg(long, short = 'n', global = true, env = "CAPYCTL_NAMESPACE")]
     namespace: Option<String>,
+    /// As `kubectl capyctl`: the namespace of the Helm release [default: --namespace].
+    #[arg(long, global = true, env = "CAPYCTL_RELEASE_NAMESPACE")]
+    release_namespace: Option<String>,
     /// As `kubectl capyctl`: the Helm release.
     #[arg(
         long,
@@ -324,7 +328,13 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(120);
 async fn remote(global: Global, command: Command) -> Result<(), String> {
     let client = match global.server {
         None if invoked_as().starts_with("kubectl-") => {
-            cluster::connect(global.namespace, &global.release, global.token).await?
+            cluster::connect(
+                global.namespace,
+                global.release_namespace,
+                &global.release,
+                global.token,
+            )
+            .await?
         }
         server => {
             let token = client::resolve_token(global.token, &client::default_data_dir())
@@ -349,11 +359,22 @@ async fn remote(global: Global, command: Command) -> Result<(), String> {
                 action(&client, "preinitialize", &name, json).await
             }
             Command::Delete(Target::Deployment { name }) if client.cluster().is_some() => {
-                let d = cluster::delete_object(&client, &name, CALL_TIMEOUT).await?;
-                if json {
-                    println!("{}", pretty(&d));
-                } else {
-                    println!("deleted deployment {} ({})", d.name, d.id);
+                match cluster::delete_object(&client, &name, CALL_TIMEOUT).await? {
+                    cluster::Deleted::Served(d) if json => println!("{}", pretty(&d)),
+                    cluster::Deleted::Served(d) => {
+                        println!("deleted deployment {} ({})", d.name, d.id)
+                    }
+                    cluster::Deleted::NotServed { object, why } if json => println!(
+                        "{}",
+                        pretty(
+                            &serde_json::json!({"deleted_object": object, "served": false, "why": why})
+                        )
+                    ),
+                    cluster::Deleted::NotServed { object, why } => {
+                        println!(
+                            "deleted the Deployment object {object}, which was not served: {why}"
+                        )
+                    }
                 }
                 Ok(())
             }
@@ -377,6 +398,10 @@ async fn remote(global: Global, command: Command) -> Result<(), String> {
                 } else {
                     let list: DeploymentList = answer.json(client.server())?;
                     print!("{}", render::deployments(&list.deployments));
+                }
+                // Under kubectl: what the operator does not take from the user's namespace.
+                for note in cluster::list_notes(&client).await {
+                    eprintln!("{note}");
                 }
                 Ok(())
             }

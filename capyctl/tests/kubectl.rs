@@ -507,3 +507,172 @@ fn a_refused_object_is_reported_with_the_operators_reason() {
     // Not the 120 s wait.
     assert!(began.elapsed() < std::time::Duration::from_secs(60));
 }
+
+/// A 503 through the service proxy (an operator not ready, or the management API's own
+/// `unavailable`) is printed at once and never sent again: kube's client retried it 15 times
+/// with a backoff growing to minutes (the cluster test's `list` took 380 s), and a refused
+/// `start` would have been sent again. Fails without `default_retry = false` (16 calls of each).
+#[test]
+fn a_503_through_the_proxy_is_printed_at_once_and_never_sent_again() {
+    let proxy = "/api/v1/namespaces/gpu/services/capyctl-management:management/proxy/management/v1";
+    let (url, seen) = fake_api_server(move |req| {
+        if req.path.starts_with(proxy) {
+            (
+                503,
+                r#"{"code":"unavailable","message":"the management API is not ready","retryable":true}"#
+                    .to_string(),
+            )
+        } else {
+            (404, NOT_FOUND_KUBE.to_string())
+        }
+    });
+    let dir = std::env::temp_dir().join(format!("kubectl-capyctl-503-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = kubeconfig(&dir, &url);
+    let began = std::time::Instant::now();
+    for args in [
+        &["list", "deployments", "--token", "t"][..],
+        &["start", "deployment", "my-model", "--token", "t"][..],
+    ] {
+        let (code, _, stderr) = run_plugin(&config, args);
+        assert_eq!(code, 1, "{stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+        assert!(
+            stderr.contains("the management API is not ready"),
+            "{stderr}"
+        );
+    }
+    let calls: Vec<String> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|s| s.path.starts_with(proxy))
+        .map(|s| format!("{} {}", s.method, s.path.trim_start_matches(proxy)))
+        .collect();
+    assert_eq!(
+        calls,
+        ["GET /deployments", "POST /deployments/my-model/start"]
+    );
+    assert!(began.elapsed() < std::time::Duration::from_secs(30));
+}
+
+/// The operator watches the namespaces the management Service's annotation names: `deploy` in
+/// another writes nothing and says where models go; `list` says so too, with the objects it
+/// ignores there; in a watched namespace `list` names the objects the operator refuses.
+#[test]
+fn a_namespace_the_operator_does_not_watch_is_told_where_models_go() {
+    let crs = |ns: &str| format!("/apis/capyctl.io/v1alpha1/namespaces/{ns}/deployments");
+    let object = |ns: &str, name: &str, status: serde_json::Value| {
+        serde_json::json!({"apiVersion": "capyctl.io/v1alpha1", "kind": "Deployment",
+            "metadata": {"name": name, "namespace": ns, "generation": 1},
+            "spec": {"engine": "vllm", "model": "m"}, "status": status})
+    };
+    let list = |items: Vec<serde_json::Value>| {
+        serde_json::json!({"apiVersion": "capyctl.io/v1alpha1", "kind": "DeploymentList",
+            "metadata": {}, "items": items})
+        .to_string()
+    };
+    let ignored = list(vec![object("team-x", "chat-x", serde_json::json!({}))]);
+    let refused = list(vec![object(
+        "team-a",
+        "chat",
+        serde_json::json!({"conditions": [{"type": "Accepted", "status": "False",
+            "reason": "name_taken", "lastTransitionTime": "2026-12-04T00:00:00Z",
+            "message": "the deployment name chat is taken by the Deployment object ops/chat"}]}),
+    )]);
+    let refused_one =
+        serde_json::from_str::<serde_json::Value>(&refused).unwrap()["items"][0].clone();
+    let (crs_x, crs_a) = (crs("team-x"), crs("team-a"));
+    let (url, seen) = fake_api_server(move |req| {
+        let path = req.path.split('?').next().unwrap();
+        match (req.method.as_str(), path) {
+            ("GET", "/api/v1/namespaces/ops/services/capyctl-management") => (
+                200,
+                serde_json::json!({"apiVersion": "v1", "kind": "Service",
+                    "metadata": {"name": "capyctl-management", "namespace": "ops",
+                        "annotations": {"capyctl.io/watch-namespaces": "ops,team-a"}},
+                    "spec": {"ports": [{"name": "management", "port": 7443}]}})
+                .to_string(),
+            ),
+            (
+                "GET",
+                "/api/v1/namespaces/ops/services/capyctl-management:management/proxy/management/v1/deployments",
+            ) => (200, LIST.to_string()),
+            ("GET", p) if p == crs_x => (200, ignored.clone()),
+            ("GET", p) if p == crs_a => (200, refused.clone()),
+            ("GET", p) if p == format!("{crs_a}/chat") => (200, refused_one.to_string()),
+            ("DELETE", p) if p == format!("{crs_a}/chat") => (200, refused_one.to_string()),
+            _ => (404, NOT_FOUND_KUBE.to_string()),
+        }
+    });
+    let dir = std::env::temp_dir().join(format!("kubectl-capyctl-watch-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = kubeconfig(&dir, &url);
+    let doc = dir.join("chat-x.yaml");
+    std::fs::write(&doc, "name: chat-x\nengine: vllm\nmodel: m\n").unwrap();
+    let at = |ns: &'static str| ["-n", ns, "--release-namespace", "ops", "--token", "t"];
+
+    let mut args = vec!["deploy", "model", "--file", doc.to_str().unwrap()];
+    args.extend(at("team-x"));
+    let (code, _, stderr) = run_plugin(&config, &args);
+    assert_eq!(code, 1, "{stderr}");
+    assert_eq!(
+        stderr,
+        "capyctl: the CapyCTL operator of release capyctl (namespace ops) does not watch namespace team-x: it takes Deployment objects from ops, team-a only; deploy in one of those (kubectl capyctl -n ops --release-namespace ops deploy model --file F), or add team-x to the chart value operator.watchNamespaces\n"
+    );
+    // Nothing was written, nor asked of the operator.
+    assert!(
+        seen.lock()
+            .unwrap()
+            .iter()
+            .all(|s| s.method == "GET" && !s.path.contains("/proxy/")),
+        "{:?}",
+        seen.lock()
+            .unwrap()
+            .iter()
+            .map(|s| &s.path)
+            .collect::<Vec<_>>()
+    );
+
+    let mut args = vec!["list", "deployments"];
+    args.extend(at("team-x"));
+    let (code, stdout, stderr) = run_plugin(&config, &args);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(stdout, "NAME   STATE   READY   REVISION   HOSTS\n");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 2, "{stderr}");
+    assert!(
+        lines[0].starts_with("note: the CapyCTL operator of release capyctl (namespace ops) does not watch namespace team-x"),
+        "{stderr}"
+    );
+    assert_eq!(
+        lines[1],
+        "note: so the Deployment objects of team-x are not served: chat-x"
+    );
+
+    let mut args = vec!["list", "deployments"];
+    args.extend(at("team-a"));
+    let (code, _, stderr) = run_plugin(&config, &args);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(
+        stderr,
+        "note: the Deployment object team-a/chat is not accepted: the deployment name chat is taken by the Deployment object ops/chat\n"
+    );
+    // Deleting that object deletes it at once and leaves ops/chat's deployment alone: the
+    // operator is not asked, nothing waits for the deployment to go.
+    let mut args = vec!["delete", "deployment", "chat"];
+    args.extend(at("team-a"));
+    let (code, stdout, stderr) = run_plugin(&config, &args);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(
+        stdout,
+        "deleted the Deployment object team-a/chat, which was not served: the deployment name chat is taken by the Deployment object ops/chat\n"
+    );
+    let seen = seen.lock().unwrap();
+    assert!(seen.iter().any(|s| s.method == "DELETE"));
+    assert!(
+        !seen
+            .iter()
+            .any(|s| s.path.contains("/proxy/management/v1/deployments/chat"))
+    );
+}

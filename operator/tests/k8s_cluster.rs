@@ -399,6 +399,139 @@ async fn the_finalizer_holds_a_deleted_cr_until_the_lifecycle_let_go() {
     assert!(api.get_opt("my-model").await.unwrap().is_none());
 }
 
+/// Polls `api` for object `name` until `done` holds (within 30 s).
+async fn wait_for(
+    api: &Api<Deployment>,
+    name: &str,
+    what: &str,
+    done: impl Fn(&Deployment) -> bool,
+) -> Deployment {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let last = api.get_opt(name).await.unwrap();
+        if let Some(cr) = &last
+            && done(cr)
+        {
+            return cr.clone();
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what}: not within 30 s; the object is {last:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn accepted_reason(cr: &Deployment) -> Option<(String, String)> {
+    cr.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Accepted")
+        .map(|c| (c.reason.clone(), c.message.clone()))
+}
+
+/// The controllers watch two namespaces besides the operator's (`--watch-namespaces`): a model
+/// applied in either is reconciled; the same name applied in the second is refused naming the
+/// first (the router routes by name), and takes the name when the first is deleted.
+#[tokio::test]
+#[ignore = "needs cluster"]
+async fn models_of_watched_namespaces_are_reconciled_and_a_name_is_served_from_one() {
+    use capyctl_operator::k8s::watch::{Claims, Watch};
+
+    let Some(release) = namespace_with_crds().await else {
+        return;
+    };
+    let (kubeconfig, client) = k8s_support::cluster().await.unwrap();
+    let team_a = TestNamespace::create(&kubeconfig, &client, "capyctl-team-a").await;
+    let team_b = TestNamespace::create(&kubeconfig, &client, "capyctl-team-b").await;
+    let unwatched = TestNamespace::create(&kubeconfig, &client, "capyctl-team-x").await;
+    let watch = Watch::parse(
+        &release.name,
+        &format!("{},{}", team_a.name, team_b.name),
+        "test",
+    )
+    .unwrap();
+    let lifecycle = Arc::new(Recording::default());
+    let reconciler = Arc::new(
+        Reconciler::new(
+            lifecycle.clone(),
+            release.api(),
+            Some(Reconciler::recorder(client.clone(), Some("test".into()))),
+            None,
+            ReconcilerConfig::default(),
+        )
+        .with_watch(&watch, Arc::new(Claims::default())),
+    );
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let controllers = tokio::spawn(reconciler.clone().run_controller(stopped));
+
+    let a: Api<Deployment> = team_a.api();
+    let b: Api<Deployment> = team_b.api();
+    let x: Api<Deployment> = unwatched.api();
+    a.create(&PostParams::default(), &manifest(&team_a.name))
+        .await
+        .unwrap();
+    let served = |cr: &Deployment| {
+        cr.status
+            .as_ref()
+            .is_some_and(|s| s.deployment_id.is_some() && s.observed_generation.is_some())
+    };
+    wait_for(&a, "my-model", "team-a's object deployed", served).await;
+    b.create(&PostParams::default(), &manifest(&team_b.name))
+        .await
+        .unwrap();
+    let refused = wait_for(&b, "my-model", "team-b's object refused", |cr| {
+        accepted_reason(cr).is_some()
+    })
+    .await;
+    let (reason, message) = accepted_reason(&refused).unwrap();
+    assert_eq!(reason, "name_taken");
+    assert!(
+        message.contains(&format!("the Deployment object {}/my-model", team_a.name)),
+        "{message}"
+    );
+    assert!(refused.status.as_ref().unwrap().deployment_id.is_none());
+    // An Event on team-b's object says so.
+    let events: Api<Event> = team_b.api();
+    let list = events.list(&ListParams::default()).await.unwrap();
+    assert!(
+        list.items
+            .iter()
+            .any(|e| e.reason.as_deref() == Some("NameTaken")),
+        "{:?}",
+        list.items
+    );
+    // Not watched: left alone (no finalizer, no status).
+    x.create(&PostParams::default(), &manifest(&unwatched.name))
+        .await
+        .unwrap();
+
+    // team-a's goes: its finalizer deletes the deployment, and team-b's takes the name.
+    a.delete("my-model", &DeleteParams::default())
+        .await
+        .unwrap();
+    let taken = wait_for(&b, "my-model", "team-b's object deployed", |cr| {
+        served(cr) && accepted_reason(cr).is_none()
+    })
+    .await;
+    assert!(taken.finalizers().iter().any(|f| f == FINALIZER));
+    assert!(a.get_opt("my-model").await.unwrap().is_none());
+    assert_eq!(lifecycle.deleted.lock().unwrap().as_slice(), ["my-model"]);
+    assert!(lifecycle.deps.lock().unwrap().contains_key("my-model"));
+    let ignored = x.get("my-model").await.unwrap();
+    assert!(
+        ignored.finalizers().is_empty() && ignored.status.is_none(),
+        "{ignored:?}"
+    );
+
+    stop.send_replace(true);
+    tokio::time::timeout(Duration::from_secs(30), controllers)
+        .await
+        .unwrap()
+        .unwrap();
+}
+
 #[tokio::test]
 #[ignore = "needs cluster"]
 async fn one_replica_holds_the_lease_and_the_other_takes_it_after_a_release() {

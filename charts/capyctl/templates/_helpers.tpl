@@ -225,3 +225,54 @@ A duration within bounds, printed as given (trimmed). (dict "value" V "default" 
 {{- end -}}
 {{- $port -}}
 {{- end -}}
+
+{{- /*
+The namespaces whose Deployment objects the operator reconciles besides the release namespace
+(operator.watchNamespaces), checked: "" (none), "*" (every namespace), or the names separated
+by commas, without the release namespace and without repeats. The operator's
+CAPYCTL_WATCH_NAMESPACES, the RBAC (templates/rbac.yaml) and the management Service's
+annotation capyctl.io/watch-namespaces all come from it.
+*/ -}}
+{{- define "capyctl.watchNamespaces" -}}
+{{- $v := .Values.operator.watchNamespaces -}}
+{{- if not (kindIs "slice" $v) -}}
+{{- fail (printf "operator.watchNamespaces: must be a list of namespaces, or [\"*\"] for every namespace, not `%v`" $v) -}}
+{{- end -}}
+{{- $out := list -}}
+{{- range $v -}}
+{{- $ns := toString . -}}
+{{- if eq $ns "*" -}}
+{{- if ne (len $v) 1 -}}
+{{- fail "operator.watchNamespaces: \"*\" (every namespace) cannot be combined with namespaces" -}}
+{{- end -}}
+{{- $out = append $out "*" -}}
+{{- else if not (regexMatch "^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$" $ns) -}}
+{{- fail (printf "operator.watchNamespaces: `%s` is not a namespace name (lowercase letters, digits and '-', at most 63), nor \"*\"" $ns) -}}
+{{- else if and (ne $ns $.Release.Namespace) (not (has $ns $out)) -}}
+{{- $out = append $out $ns -}}
+{{- end -}}
+{{- end -}}
+{{- join "," $out -}}
+{{- end -}}
+
+{{- /* Every watched namespace, the release namespace first, or "*": the annotation's value. */ -}}
+{{- define "capyctl.watchAnnotation" -}}
+{{- $w := include "capyctl.watchNamespaces" . -}}
+{{- if eq $w "*" -}}*{{- else -}}{{- join "," (compact (prepend (splitList "," $w) .Release.Namespace)) -}}{{- end -}}
+{{- end -}}
+
+{{- /* The operator's rules on the Deployment objects of a watched namespace besides its own. */ -}}
+{{- define "capyctl.watchedRules" -}}
+# Deployment objects: watched, reconciled (the finalizer by merge patch), read.
+- apiGroups: [capyctl.io]
+  resources: [deployments]
+  verbs: [get, list, watch, patch]
+# Their status: server-side apply.
+- apiGroups: [capyctl.io]
+  resources: [deployments/status]
+  verbs: [patch]
+# Their Events (a repeated one is a series: patch).
+- apiGroups: [events.k8s.io]
+  resources: [events]
+  verbs: [create, patch]
+{{- end -}}

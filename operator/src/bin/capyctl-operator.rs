@@ -13,6 +13,7 @@ use capyctl_operator::k8s::leader::LeaseConfig;
 use capyctl_operator::k8s::operator::{OperatorOptions, run};
 use capyctl_operator::k8s::pods::EnginePodSettings;
 use capyctl_operator::k8s::reconcile::ReconcilerConfig;
+use capyctl_operator::k8s::watch::Watch;
 use capyctl_operator::metrics::Metrics;
 use clap::Parser;
 
@@ -31,6 +32,11 @@ struct Cli {
     /// `POD_NAMESPACE`, else the kubeconfig's).
     #[arg(long, env = "POD_NAMESPACE")]
     namespace: Option<String>,
+    /// The namespaces whose Deployment objects are reconciled besides the operator's own:
+    /// comma-separated, or `*` for every namespace (the chart's `operator.watchNamespaces`;
+    /// its RBAC must grant the same).
+    #[arg(long, env = "CAPYCTL_WATCH_NAMESPACES", default_value = "")]
+    watch_namespaces: String,
     /// This replica's identity in the Lease (default: `POD_NAME`, else the hostname).
     #[arg(long, env = "POD_NAME")]
     identity: Option<String>,
@@ -100,15 +106,21 @@ async fn main_async(cli: Cli) -> Result<(), String> {
         .clone()
         .filter(|n| !n.is_empty())
         .unwrap_or_else(|| client.default_namespace().to_string());
+    let watch = Watch::parse(
+        &namespace,
+        &cli.watch_namespaces,
+        "--watch-namespaces (CAPYCTL_WATCH_NAMESPACES)",
+    )?;
     let identity = cli
         .identity
         .clone()
         .filter(|n| !n.is_empty())
         .unwrap_or_else(capyctl_crds::settings::default_host_id);
-    tracing::info!(%namespace, %identity, lease = %cli.lease_name, "capyctl-operator starting");
+    tracing::info!(%namespace, watch = %watch.describe(), %identity, lease = %cli.lease_name, "capyctl-operator starting");
     let options = OperatorOptions {
         server,
         namespace,
+        watch,
         lease: LeaseConfig::new(cli.lease_name.clone(), identity),
         leader_label: cli.leader_label.clone().filter(|l| !l.is_empty()),
         node_agent_url: cli.node_agent.clone().filter(|u| !u.is_empty()),

@@ -49,9 +49,10 @@ use kube::{Api, Client, ResourceExt};
 use tokio::sync::broadcast;
 
 use super::pods::{
-    EnginePod, EnginePodSettings, LABEL_DEPLOYMENT, LABEL_GENERATION, LABEL_INSTANCE, engine_pod,
-    visible_gpus,
+    EnginePod, EnginePodSettings, LABEL_DEPLOYMENT, LABEL_GENERATION, LABEL_INSTANCE,
+    engine_pod_in, visible_gpus,
 };
+use super::watch::Claims;
 
 /// The launch a parkability answer calls for (what the node agent's own launch does).
 pub fn launch_for(choice: &Result<ParkChoice, AgentError>) -> LaunchParking {
@@ -139,7 +140,11 @@ pub fn footprint(before: &Inventory, after: &Inventory) -> Option<u64> {
 pub struct PodHostAgent {
     inner: Arc<dyn HostAgent>,
     pods: Api<Pod>,
-    crs: Api<Deployment>,
+    client: Client,
+    namespace: String,
+    /// Which namespace's object holds each deployment name; without, the CRs are in
+    /// `namespace`.
+    claims: Option<Arc<Claims>>,
     hosts: Api<Host>,
     settings: EnginePodSettings,
     host: HostSettings,
@@ -174,7 +179,9 @@ impl PodHostAgent {
         Self {
             inner,
             pods: Api::namespaced(client.clone(), namespace),
-            crs: Api::namespaced(client.clone(), namespace),
+            client: client.clone(),
+            namespace: namespace.to_string(),
+            claims: None,
             hosts: Api::all(client),
             settings,
             host,
@@ -183,6 +190,23 @@ impl PodHostAgent {
             moves: Mutex::new(Moves::default()),
             footprints: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Finds the CR of each deployment by `claims` (the operator watches several namespaces;
+    /// the engine Pods stay in this agent's namespace, see [`engine_pod_in`]).
+    pub fn with_claims(mut self, claims: Arc<Claims>) -> Self {
+        self.claims = Some(claims);
+        self
+    }
+
+    /// The CRs of the namespace whose object holds deployment name `name`.
+    fn crs_of(&self, name: &str) -> Api<Deployment> {
+        let namespace = self
+            .claims
+            .as_ref()
+            .and_then(|c| c.holder(name))
+            .unwrap_or_else(|| self.namespace.clone());
+        Api::namespaced(self.client.clone(), &namespace)
     }
 
     fn begin(&self) -> Move<'_> {
@@ -283,7 +307,7 @@ impl PodHostAgent {
             + 1;
         self.delete_pods(&old).await;
         let owner = self
-            .crs
+            .crs_of(&spec.name)
             .get(&spec.name)
             .await
             .map_err(|e| kube_error(&format!("reading Deployment {}", spec.name), e))?;
@@ -305,7 +329,7 @@ impl PodHostAgent {
             }
         };
         let gpus = visible_gpus(host.as_ref());
-        let pod = engine_pod(
+        let pod = engine_pod_in(
             &EnginePod {
                 owner: &owner,
                 instance_id: instance,
@@ -318,6 +342,7 @@ impl PodHostAgent {
                 host_ram_copy,
             },
             &self.settings,
+            &self.namespace,
         )
         .map_err(|e| AgentError::InvalidSpec {
             detail: e.to_string(),
@@ -335,7 +360,7 @@ impl PodHostAgent {
 
     /// The footprint the CR's status holds for the current generation of deployment `spec`.
     async fn footprint_in_status(&self, spec: &InstanceSpec) -> Option<u64> {
-        let cr = self.crs.get_opt(&spec.name).await.ok()??;
+        let cr = self.crs_of(&spec.name).get_opt(&spec.name).await.ok()??;
         let status = cr.status.as_ref()?;
         if status.deployment_id.as_deref() != Some(spec.deployment_id.as_str())
             || status.observed_generation != cr.metadata.generation
@@ -728,6 +753,42 @@ mod tests {
             host,
             "gpu-1",
         )
+    }
+
+    #[tokio::test]
+    async fn the_pod_of_another_namespaces_object_is_found_by_the_claims_and_not_owned() {
+        let (client, handle) = mock::client();
+        let mut object = cr();
+        object["metadata"]["namespace"] = "team-a".into();
+        object["metadata"]["creationTimestamp"] = "2026-12-01T00:00:00Z".into();
+        let created = pod("chat-a-0-g1", "01KDEP-0", 1, "gpu-1");
+        let server = mock::serve(
+            handle,
+            vec![
+                Exchange::ok(Method::GET, PODS, list(vec![])),
+                // The object is read where its name is held, ...
+                Exchange::ok(
+                    Method::GET,
+                    "/apis/capyctl.io/v1alpha1/namespaces/team-a/deployments/chat-a",
+                    object.clone(),
+                ),
+                Exchange::ok(Method::GET, HOST, host()),
+                // ... the Pod created in the operator's namespace.
+                Exchange::new(Method::POST, PODS, 201, created),
+            ],
+        );
+        let claims = Arc::new(Claims::default());
+        claims.seed([&serde_json::from_value::<Deployment>(object).unwrap()]);
+        let a = agent(client, Arc::new(Agent::default())).with_claims(claims);
+        a.create_pod("01KDEP-0", &spec()).await.unwrap();
+        let seen = server.await.unwrap();
+        let meta = &seen[3].body["metadata"];
+        assert_eq!(meta["namespace"], "capyctl");
+        assert!(meta.get("ownerReferences").is_none(), "{meta}");
+        assert_eq!(
+            meta["labels"][super::super::pods::LABEL_DEPLOYMENT_NAMESPACE],
+            "team-a"
+        );
     }
 
     #[tokio::test]

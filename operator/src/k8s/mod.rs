@@ -15,6 +15,8 @@
 //! - [`engines`]: [`engines::PodHostAgent`], the node agent's client plus the engine Pods the
 //!   operator creates and deletes (`--engine-runtime pod`);
 //! - [`store`]: the lifecycle's records rebuilt from the CRs (a new leader's state);
+//! - [`watch`]: the namespaces whose `Deployment` objects are reconciled, and which object
+//!   serves a name several namespaces use;
 //! - [`operator`]: `capyctl-operator`'s assembly: election, management listener (which refuses
 //!   deploys and deletes: the `Deployment` objects say what is deployed), and while leading the
 //!   lifecycle, router and reconciler.
@@ -38,6 +40,7 @@ pub mod pods;
 pub mod reconcile;
 pub mod status;
 pub mod store;
+pub mod watch;
 
 /// The one field manager of everything the operator writes (server-side apply).
 pub const FIELD_MANAGER: &str = "capyctl-operator";

@@ -59,6 +59,7 @@ use super::leader::{LeaderElector, LeaseConfig, clear_leader_label, set_leader_l
 use super::pods::EnginePodSettings;
 use super::reconcile::{Reconciler, ReconcilerConfig};
 use super::store::CrStore;
+use super::watch::{Claims, Watch};
 use crate::api::{BoxFuture, ManagementApi};
 use crate::lifecycle::{HostEntry, LifecycleConfig, Server};
 use crate::management::ManagementOptions;
@@ -78,8 +79,12 @@ pub const NODE_AGENT_SELECTOR: &str = "app.kubernetes.io/component=node-agent";
 pub struct OperatorOptions {
     /// The server document, resolved (listeners, drain and wake timeouts, idle timers).
     pub server: ServerConfig,
-    /// The namespace of the CRs, engine Pods, Lease and node agents (`POD_NAMESPACE`).
+    /// The operator's own namespace (`POD_NAMESPACE`, the release namespace): engine Pods,
+    /// Lease, node agents, and Deployment objects.
     pub namespace: String,
+    /// The namespaces whose Deployment objects are reconciled (`--watch-namespaces`): the
+    /// release namespace, and a list or every namespace.
+    pub watch: Watch,
     /// The election's settings (`CAPYCTL_LEASE_NAME`, `POD_NAME`).
     pub lease: LeaseConfig,
     /// `CAPYCTL_LEADER_LABEL`: the label the leader sets on its own Pod; `None` = none.
@@ -514,6 +519,7 @@ struct Joined {
 async fn join(
     client: &Client,
     options: &OperatorOptions,
+    claims: &Arc<Claims>,
     url: &str,
 ) -> Result<Joined, OperatorError> {
     let mut remote = RemoteConfig::new(url.to_string(), options.agent_token.clone());
@@ -543,14 +549,17 @@ async fn join(
         .unwrap_or_default();
     // With the pod runtime the operator creates and deletes the engine Pods.
     let dyn_agent: Arc<dyn HostAgent> = if info.engine_runtime == "pod" {
-        Arc::new(PodHostAgent::new(
-            agent.clone(),
-            client.clone(),
-            &options.namespace,
-            options.engine_pods.clone(),
-            settings.clone(),
-            host_id.clone(),
-        ))
+        Arc::new(
+            PodHostAgent::new(
+                agent.clone(),
+                client.clone(),
+                &options.namespace,
+                options.engine_pods.clone(),
+                settings.clone(),
+                host_id.clone(),
+            )
+            .with_claims(claims.clone()),
+        )
     } else {
         agent
     };
@@ -573,6 +582,8 @@ struct Following {
     client: Client,
     options: OperatorOptions,
     server: Arc<Server>,
+    /// Which object holds each deployment name (engine Pods find their object by it).
+    claims: Arc<Claims>,
     /// The policies the leader runs with (a joining host is added).
     running: RunningPolicies,
     /// The node agents joined, by Pod name: their URLs.
@@ -591,6 +602,7 @@ async fn follow_node_agents(following: Following, mut stop: watch::Receiver<bool
         client,
         options,
         server,
+        claims,
         running,
         mut known,
         router_queue,
@@ -615,7 +627,7 @@ async fn follow_node_agents(following: Following, mut stop: watch::Receiver<bool
             if known.get(&pod) == Some(&url) {
                 continue;
             }
-            let joined = match join(&client, &options, &url).await {
+            let joined = match join(&client, &options, &claims, &url).await {
                 Ok(j) => j,
                 Err(e) => {
                     tracing::info!(%pod, %url, error = %e, "a node agent does not answer yet");
@@ -671,6 +683,9 @@ pub async fn lead(
     mut stop: watch::Receiver<bool>,
 ) -> Result<(), OperatorError> {
     let ns = options.namespace.as_str();
+    // Which object holds each deployment name: seeded below from the list of the CRs, before
+    // anything asks.
+    let claims = Arc::new(Claims::default());
     // The node agents: one named (`--node-agent`), or every Running node agent Pod; the leader
     // waits for at least one, and the others join as they answer (`follow_node_agents`).
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
@@ -682,7 +697,7 @@ pub async fn lead(
         let mut joined = Vec::new();
         let mut known = BTreeMap::new();
         for (pod, url) in &found {
-            match join(&client, options, url).await {
+            match join(&client, options, &claims, url).await {
                 Ok(j) => {
                     joined.push(j);
                     known.insert(pod.clone(), url.clone());
@@ -718,10 +733,17 @@ pub async fn lead(
     let activation = first.activation;
     let host_ids: Vec<String> = joined.iter().map(|j| j.entry.id.clone()).collect();
 
-    // The lifecycle, its records rebuilt from the CRs.
+    // The lifecycle, its records rebuilt from the CRs of every watched namespace (of a name
+    // several namespaces use, the holder's: `super::watch`).
     let crs: Api<Deployment> = Api::namespaced(client.clone(), ns);
-    let existing = crs.list(&ListParams::default()).await?;
-    let store = Arc::new(CrStore::from_crs(&existing.items));
+    let mut existing = Vec::new();
+    for api in options.watch.apis(&client) {
+        existing.extend(api.list(&ListParams::default()).await?.items);
+    }
+    claims.seed(&existing);
+    let store = Arc::new(CrStore::from_crs(
+        existing.iter().filter(|cr| claims.holds(cr)),
+    ));
     let server = Server::open_hosts(
         joined.into_iter().map(|j| j.entry).collect(),
         store.clone(),
@@ -794,7 +816,8 @@ pub async fn lead(
             options.reconciler.clone(),
         )
         .with_store(store)
-        .with_events(feed, views),
+        .with_events(feed, views)
+        .with_watch(&options.watch, claims.clone()),
     );
     tasks.push(tokio::spawn(
         reconciler.clone().run_controller(stop_tasks.subscribe()),
@@ -813,6 +836,7 @@ pub async fn lead(
             client: client.clone(),
             options: options.clone(),
             server: server.clone(),
+            claims: claims.clone(),
             running: running.clone(),
             known,
             router_queue: queue,
@@ -828,7 +852,7 @@ pub async fn lead(
     {
         tracing::warn!(pod = %pod_name, error = %e, "the leader label could not be set");
     }
-    tracing::info!(hosts = ?host_ids, "leading: lifecycle, router and reconciler running");
+    tracing::info!(hosts = ?host_ids, watch = %options.watch.describe(), "leading: lifecycle, router and reconciler running");
 
     let hosts: Api<Host> = Api::all(client.clone());
     let policy_change = host_policy_change(hosts, running.clone());

@@ -48,6 +48,9 @@ use serde::{Deserialize, Serialize};
 
 /// Label of every engine Pod: its CR's name.
 pub const LABEL_DEPLOYMENT: &str = "capyctl.io/deployment";
+/// Label of an engine Pod whose CR is in another namespace than the Pod (see
+/// [`engine_pod_in`]): the CR's namespace.
+pub const LABEL_DEPLOYMENT_NAMESPACE: &str = "capyctl.io/deployment-namespace";
 /// Label of every engine Pod: the deployment's ID.
 pub const LABEL_DEPLOYMENT_ID: &str = "capyctl.io/deployment-id";
 /// Label of every engine Pod: the instance's ID.
@@ -439,8 +442,22 @@ pub fn pod_name(cr_name: &str, instance_id: &str, generation: u64) -> String {
     format!("{cr_name}-{index}-g{generation}")
 }
 
-/// The engine Pod of `input` (see the module doc).
+/// The engine Pod of `input` (see the module doc), in its CR's namespace.
 pub fn engine_pod(input: &EnginePod<'_>, settings: &EnginePodSettings) -> Result<Pod, PodError> {
+    let namespace = input.owner.namespace().unwrap_or_default();
+    engine_pod_in(input, settings, &namespace)
+}
+
+/// The engine Pod of `input` in `namespace` (the operator's). A Pod cannot be owned by an
+/// object of another namespace (the garbage collector would take the owner for missing and
+/// delete the Pod): a CR of another watched namespace does not own its engine Pods, which
+/// carry its namespace in [`LABEL_DEPLOYMENT_NAMESPACE`] instead and go when the CR's
+/// finalizer deletes the deployment.
+pub fn engine_pod_in(
+    input: &EnginePod<'_>,
+    settings: &EnginePodSettings,
+    namespace: &str,
+) -> Result<Pod, PodError> {
     let owner = input.owner;
     let image = settings
         .images
@@ -528,6 +545,13 @@ pub fn engine_pod(input: &EnginePod<'_>, settings: &EnginePodSettings) -> Result
     let deployment_id = &input.spec.deployment_id;
     let mut labels = settings.labels.clone();
     labels.insert(LABEL_DEPLOYMENT.to_string(), cr_name.clone());
+    let owner_namespace = owner.namespace().unwrap_or_default();
+    let owner_references = if owner_namespace == namespace {
+        Some(vec![owner_ref])
+    } else {
+        labels.insert(LABEL_DEPLOYMENT_NAMESPACE.to_string(), owner_namespace);
+        None
+    };
     labels.insert(LABEL_DEPLOYMENT_ID.to_string(), deployment_id.clone());
     labels.insert(LABEL_INSTANCE.to_string(), input.instance_id.to_string());
     labels.insert(LABEL_GENERATION.to_string(), input.generation.to_string());
@@ -552,10 +576,10 @@ pub fn engine_pod(input: &EnginePod<'_>, settings: &EnginePodSettings) -> Result
     Ok(Pod {
         metadata: ObjectMeta {
             name: Some(pod_name(&cr_name, input.instance_id, input.generation)),
-            namespace: owner.namespace(),
+            namespace: Some(namespace.to_string()),
             labels: Some(labels),
             annotations: Some(annotations),
-            owner_references: Some(vec![owner_ref]),
+            owner_references,
             ..ObjectMeta::default()
         },
         spec: Some(PodSpec {
@@ -667,6 +691,45 @@ mod tests {
             .into_iter()
             .map(|e| (e.name, e.value.unwrap_or_default()))
             .collect()
+    }
+
+    #[test]
+    fn a_cr_of_another_namespace_does_not_own_its_pod_but_is_named_by_a_label() {
+        let o = owner();
+        let s = spec(&o);
+        let input = EnginePod {
+            owner: &o,
+            instance_id: "01KDEP-0",
+            generation: 1,
+            spec: &s,
+            engine: &EngineLaunch::default_for(EngineKind::Vllm),
+            parking: LaunchParking {
+                may_park: true,
+                host_ram: false,
+            },
+            node_name: "gpu-node-1",
+            gpus: &[],
+            host_ram_copy: None,
+        };
+        let settings = EnginePodSettings::default();
+        // The operator's namespace is another one: no owner reference (the garbage collector
+        // would delete the Pod), the CR's namespace in a label.
+        let pod = engine_pod_in(&input, &settings, "capyctl-system").unwrap();
+        assert_eq!(pod.metadata.namespace.as_deref(), Some("capyctl-system"));
+        assert!(pod.metadata.owner_references.is_none());
+        let labels = pod.metadata.labels.as_ref().unwrap();
+        assert_eq!(labels[LABEL_DEPLOYMENT_NAMESPACE], "capyctl");
+        assert_eq!(labels[LABEL_DEPLOYMENT], "chat-a");
+        // The same namespace: owned, no label.
+        let pod = engine_pod_in(&input, &settings, "capyctl").unwrap();
+        assert_eq!(pod.metadata.owner_references.as_ref().unwrap().len(), 1);
+        assert!(
+            !pod.metadata
+                .labels
+                .as_ref()
+                .unwrap()
+                .contains_key(LABEL_DEPLOYMENT_NAMESPACE)
+        );
     }
 
     #[test]

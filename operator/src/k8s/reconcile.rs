@@ -1,13 +1,22 @@
 //! `Deployment` CRs into the lifecycle, and the lifecycle's state back into their status.
 //!
+//! The CRs come from the watched namespaces ([`Reconciler::with_watch`]: the operator's own,
+//! and a list or every namespace), one controller per namespace or one for all. The router
+//! routes by name, so of several CRs with one name only the holder ([`super::watch`], the
+//! oldest) is the lifecycle's deployment; every CR is reconciled again when a name changes
+//! hands.
+//!
 //! [`Reconciler::reconcile`] handles one CR (the controller calls it on every change, and
 //! every [`ReconcilerConfig::requeue`]):
 //!
-//! 1. deleted (a `deletionTimestamp`) with the finalizer [`FINALIZER`]: delete the deployment
-//!    from the lifecycle through [`ManagementApi::delete`] (its engines stop; an unknown name is
-//!    fine), then remove the finalizer; Kubernetes then deletes the object;
+//! 1. deleted (a `deletionTimestamp`) with the finalizer [`FINALIZER`]: if it holds its name,
+//!    delete the deployment from the lifecycle through [`ManagementApi::delete`] (its engines
+//!    stop; an unknown name is fine); then remove the finalizer; Kubernetes then deletes the
+//!    object, and the name goes to the next object of that name, if any;
 //! 2. without the finalizer: add it first (a merge patch carrying the `resourceVersion` read,
-//!    so it never overwrites a concurrent change);
+//!    so it never overwrites a concurrent change); a CR whose name another namespace's CR
+//!    holds is then refused (`Accepted=False`, reason `name_taken`, naming the holder, and a
+//!    `NameTaken` Warning) and nothing else happens;
 //! 3. the spec as a deployment document ([`Deployment::to_document`], every rule of the
 //!    document): deployed through [`ManagementApi::deploy`], which changes nothing for the same
 //!    document and bumps the revision for a changed one, so a changed generation re-deploys; a
@@ -49,8 +58,11 @@ use kube::{Api, Resource, ResourceExt};
 use tokio::sync::{mpsc, watch};
 
 use super::events::{EventFeed, Observed, Views};
-use super::status::{Parkability, StatusInput, apply_status, deployment_status, needs_write};
+use super::status::{
+    Parkability, StatusInput, apply_status, deployment_status, name_taken_status, needs_write,
+};
 use super::store::CrStore;
+use super::watch::{Claims, Watch};
 use super::{CONTROLLER_NAME, FINALIZER};
 use crate::api::ManagementApi;
 
@@ -317,10 +329,19 @@ struct Known {
     parkability_revision: Option<u64>,
 }
 
-/// Reconciles the CRs of one namespace into one lifecycle.
+/// Reconciles the CRs of the watched namespaces into one lifecycle.
 pub struct Reconciler {
     lifecycle: Arc<dyn ManagementApi>,
-    crs: Api<Deployment>,
+    /// The client of every CR's own namespace.
+    client: kube::Client,
+    /// The namespace of `crs` (the release namespace): where a CR without one is.
+    release: String,
+    /// The APIs the controller watches (one per namespace, or one of every namespace).
+    watched: Vec<Api<Deployment>>,
+    /// Which object holds each deployment name.
+    claims: Arc<Claims>,
+    /// Bumped when a name changes hands: every CR is reconciled again.
+    retrigger: watch::Sender<u64>,
     recorder: Option<Recorder>,
     host: Option<Arc<dyn HostAgent>>,
     config: ReconcilerConfig,
@@ -359,7 +380,8 @@ fn finalizers_patch(finalizers: Vec<String>, resource_version: Option<&str>) -> 
 }
 
 impl Reconciler {
-    /// A reconciler of the CRs behind `crs` (the operator's namespace) into `lifecycle`.
+    /// A reconciler of the CRs behind `crs` (the operator's namespace) into `lifecycle`;
+    /// [`Reconciler::with_watch`] makes it watch more namespaces.
     /// `recorder` publishes Events (none without); `host` answers how deployments park (the
     /// `Parkable` condition; the document alone says less without it).
     pub fn new(
@@ -369,9 +391,14 @@ impl Reconciler {
         host: Option<Arc<dyn HostAgent>>,
         config: ReconcilerConfig,
     ) -> Self {
+        let release = crs.namespace().unwrap_or("default").to_string();
         Self {
             lifecycle,
-            crs,
+            client: crs.clone().into_client(),
+            release,
+            watched: vec![crs],
+            claims: Arc::new(Claims::default()),
+            retrigger: watch::channel(0).0,
             recorder,
             host,
             config,
@@ -381,6 +408,35 @@ impl Reconciler {
             told: Mutex::new(HashMap::new()),
             refusals: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Watches the CRs of `watch`'s namespaces, with the claims of their names `claims`
+    /// (seeded by the leader from its list of the CRs, and shared with the engine Pods' side,
+    /// which finds a deployment's object by them).
+    pub fn with_watch(mut self, watch: &Watch, claims: Arc<Claims>) -> Self {
+        self.watched = watch.apis(&self.client);
+        self.release = watch.release().to_string();
+        self.claims = claims;
+        self
+    }
+
+    /// The CRs of `namespace`.
+    fn api(&self, namespace: &str) -> Api<Deployment> {
+        Api::namespaced(self.client.clone(), namespace)
+    }
+
+    fn namespace_of(&self, cr: &Deployment) -> String {
+        cr.namespace().unwrap_or_else(|| self.release.clone())
+    }
+
+    /// The CRs of the namespace of the object `reference`.
+    fn api_of(&self, reference: &ObjectReference) -> Api<Deployment> {
+        self.api(reference.namespace.as_deref().unwrap_or(&self.release))
+    }
+
+    /// Has every CR reconciled again (a name changed hands).
+    fn retrigger(&self) {
+        self.retrigger.send_modify(|n| *n = n.wrapping_add(1));
     }
 
     /// Tells Events from the happenings of `feed` ([`Reconciler::run_events`]); the status
@@ -522,23 +578,33 @@ impl Reconciler {
     /// Reconciles one CR (see the module doc). `Ok` tells the controller when to look again.
     pub async fn reconcile(&self, cr: &Deployment) -> Result<Action, ReconcileError> {
         let name = cr.name_any();
+        let namespace = self.namespace_of(cr);
+        let crs = self.api(&namespace);
         let reference = cr.object_ref(&());
+        let claim = self.claims.observe(cr);
+        if claim.changed {
+            self.retrigger();
+        }
+        let holds = claim.holds(&namespace);
         if cr.metadata.deletion_timestamp.is_some() {
             if has_finalizer(cr) {
-                match self.lifecycle.delete(&name).await {
-                    Ok(_) => {
-                        self.publish(
-                            &reference,
-                            &Happening::normal(
-                                "Deleted",
-                                "Delete",
-                                format!("deployment {name} deleted; its engines stopped"),
-                            ),
-                        )
-                        .await;
+                // Only the holder of the name is the lifecycle's deployment.
+                if holds {
+                    match self.lifecycle.delete(&name).await {
+                        Ok(_) => {
+                            self.publish(
+                                &reference,
+                                &Happening::normal(
+                                    "Deleted",
+                                    "Delete",
+                                    format!("deployment {name} deleted; its engines stopped"),
+                                ),
+                            )
+                            .await;
+                        }
+                        Err(ApiError::NotFound { .. } | ApiError::ModelNotFound { .. }) => {}
+                        Err(e) => return Err(ReconcileError::Lifecycle(e)),
                     }
-                    Err(ApiError::NotFound { .. } | ApiError::ModelNotFound { .. }) => {}
-                    Err(e) => return Err(ReconcileError::Lifecycle(e)),
                 }
                 let rest: Vec<String> = cr
                     .finalizers()
@@ -547,8 +613,7 @@ impl Reconciler {
                     .cloned()
                     .collect();
                 let patch = finalizers_patch(rest, cr.resource_version().as_deref());
-                match self
-                    .crs
+                match crs
                     .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await
                 {
@@ -557,8 +622,13 @@ impl Reconciler {
                     Err(e) => return Err(e.into()),
                 }
             }
-            self.known().remove(&name);
-            self.told().remove(&name);
+            if holds {
+                self.known().remove(&name);
+                self.told().remove(&name);
+            }
+            if self.claims.forget(&namespace, &name) {
+                self.retrigger();
+            }
             return Ok(Action::await_change());
         }
 
@@ -567,15 +637,22 @@ impl Reconciler {
             let mut finalizers = cr.finalizers().to_vec();
             finalizers.push(FINALIZER.to_string());
             let patch = finalizers_patch(finalizers, cr.resource_version().as_deref());
-            let patched = self
-                .crs
+            let patched = crs
                 .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await?;
             cr = std::borrow::Cow::Owned(patched);
         }
+        if !holds {
+            return self.refuse_taken_name(&cr, claim.holder).await;
+        }
         let generation = cr.metadata.generation;
 
-        let previous = self.known().get(&name).cloned();
+        // What is known of the name belongs to this object only if it held the name before.
+        let previous = self
+            .known()
+            .get(&name)
+            .filter(|k| k.reference.namespace.as_deref() == Some(namespace.as_str()))
+            .cloned();
         let mut observed_generation = previous
             .as_ref()
             .and_then(|k| k.observed_generation)
@@ -653,6 +730,60 @@ impl Reconciler {
         Ok(Action::requeue(self.config.requeue))
     }
 
+    /// An object whose name another namespace's object holds (`holder`): checked that the
+    /// holder is still there (an object whose finalizer was removed by hand is gone without
+    /// the reconciler seeing it), then refused with `Accepted=False` (reason
+    /// [`super::watch::REASON_NAME_TAKEN`]) naming the holder, once as a Warning Event;
+    /// nothing else changes.
+    async fn refuse_taken_name(
+        &self,
+        cr: &Deployment,
+        holder: Option<String>,
+    ) -> Result<Action, ReconcileError> {
+        let name = cr.name_any();
+        let namespace = self.namespace_of(cr);
+        let mut holder = holder;
+        if let Some(h) = holder.clone()
+            && h != namespace
+        {
+            match self.api(&h).get_opt(&name).await? {
+                Some(object) => {
+                    self.claims.observe(&object);
+                }
+                None => {
+                    // Gone: the name is free for the oldest remaining object.
+                    self.claims.forget(&h, &name);
+                    self.retrigger();
+                    holder = self.claims.holder(&name);
+                    if holder.as_deref() == Some(namespace.as_str()) {
+                        return Ok(Action::requeue(Duration::ZERO));
+                    }
+                }
+            }
+        }
+        let by = holder.unwrap_or_else(|| "?".to_string());
+        let message = format!(
+            "the deployment name {name} is taken by the Deployment object {by}/{name}: the router routes requests by model name, so one namespace's object serves a name (the oldest); delete or rename one of them"
+        );
+        let now = Timestamp::from_second(Timestamp::now().as_second())
+            .unwrap_or_else(|_| Timestamp::now());
+        let desired = name_taken_status(cr.status.as_ref(), &message, now);
+        if needs_write(cr.status.as_ref(), &desired) {
+            tracing::warn!(deployment = %name, %namespace, holder = %by, "the deployment name is taken by another namespace's object");
+            self.publish(
+                &cr.object_ref(&()),
+                &Happening::warning("NameTaken", "Deploy", message),
+            )
+            .await;
+            match apply_status(&self.api(&namespace), &name, &desired).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(s)) if s.is_not_found() => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(Action::requeue(self.config.requeue))
+    }
+
     /// Asks the host how the deployment parks, once per revision.
     async fn refresh_parkability(&self, known: &mut Known, view: &DeploymentView) {
         if known.parkability_revision == Some(view.revision) {
@@ -705,7 +836,7 @@ impl Reconciler {
             lifecycle_record: record.as_deref(),
         });
         if needs_write(known.status.as_ref(), &desired) {
-            match apply_status(&self.crs, name, &desired).await {
+            match apply_status(&self.api_of(&known.reference), name, &desired).await {
                 Ok(written) => known.status = written.status.or(Some(desired)),
                 Err(kube::Error::Api(s)) if s.is_not_found() => {}
                 Err(e) => return Err(e.into()),
@@ -774,24 +905,33 @@ impl Reconciler {
         }
     }
 
-    /// Runs the controller (a watch of the CRs, [`Reconciler::reconcile`] on each change) until
-    /// `shutdown` turns `true`.
-    pub async fn run_controller(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
+    /// Runs the controllers (a watch of the CRs of each watched namespace, or one of every
+    /// namespace; [`Reconciler::reconcile`] on each change, and on every CR when a name
+    /// changes hands) until `shutdown` turns `true`.
+    pub async fn run_controller(self: Arc<Self>, shutdown: watch::Receiver<bool>) {
         let retry = self.config.retry;
-        Controller::new(self.crs.clone(), watcher::Config::default())
-            .graceful_shutdown_on(async move {
-                let _ = shutdown.wait_for(|s| *s).await;
-            })
-            .run(
-                |cr, ctx: Arc<Reconciler>| async move { ctx.reconcile(&cr).await },
-                move |cr, error, _ctx| {
-                    tracing::warn!(deployment = %cr.name_any(), error = %error, "reconcile failed; retrying");
-                    Action::requeue(retry)
-                },
-                self,
-            )
-            .for_each(|_| async {})
-            .await;
+        let controllers = self.watched.clone().into_iter().map(|api| {
+            let mut shutdown = shutdown.clone();
+            let names_moved = futures_util::stream::unfold(self.retrigger.subscribe(), |mut rx| async move {
+                rx.changed().await.ok()?;
+                Some(((), rx))
+            });
+            Controller::new(api, watcher::Config::default())
+                .reconcile_all_on(names_moved)
+                .graceful_shutdown_on(async move {
+                    let _ = shutdown.wait_for(|s| *s).await;
+                })
+                .run(
+                    |cr, ctx: Arc<Reconciler>| async move { ctx.reconcile(&cr).await },
+                    move |cr, error, _ctx| {
+                        tracing::warn!(deployment = %cr.name_any(), namespace = ?cr.namespace(), error = %error, "reconcile failed; retrying");
+                        Action::requeue(retry)
+                    },
+                    self.clone(),
+                )
+                .for_each(|_| async {})
+        });
+        futures_util::future::join_all(controllers).await;
     }
 }
 
@@ -1270,6 +1410,176 @@ mod tests {
             "{}",
             seen[4].body["note"]
         );
+    }
+
+    fn ns_path(ns: &str, rest: &str) -> String {
+        format!("/apis/capyctl.io/v1alpha1/namespaces/{ns}/deployments/chat-a{rest}")
+    }
+
+    fn cr_in(ns: &str, created: &str, finalizers: &[&str], model: &str) -> serde_json::Value {
+        let mut v = cr_json(
+            finalizers,
+            1,
+            serde_json::json!({"engine": "vllm", "model": model}),
+        );
+        v["metadata"]["namespace"] = ns.into();
+        v["metadata"]["uid"] = format!("uid-{ns}").into();
+        v["metadata"]["creationTimestamp"] = created.into();
+        v
+    }
+
+    fn watching(client: kube::Client, lifecycle: Arc<FakeApi>, claims: Arc<Claims>) -> Reconciler {
+        let watch = Watch::parse("capyctl", "team-a,team-b", "test").unwrap();
+        Reconciler::new(
+            lifecycle,
+            Api::namespaced(client.clone(), "capyctl"),
+            Some(Reconciler::recorder(client, None)),
+            None,
+            ReconcilerConfig::default(),
+        )
+        .with_watch(&watch, claims)
+    }
+
+    #[tokio::test]
+    async fn a_name_another_namespace_holds_is_refused_naming_it_and_taken_over_when_it_goes() {
+        let lifecycle = Arc::new(FakeApi::default());
+        let claims = Arc::new(Claims::default());
+        let a = cr_in("team-a", "2026-12-01T00:00:00Z", &[FINALIZER], "model-a");
+        let b = cr_in("team-b", "2026-12-02T00:00:00Z", &[FINALIZER], "model-b");
+        let mut a_deleting = a.clone();
+        a_deleting["metadata"]["deletionTimestamp"] = "2026-12-03T08:00:00Z".into();
+        let events = |ns: &str| format!("/apis/events.k8s.io/v1/namespaces/{ns}/events");
+        let (client, handle) = mock::client();
+        let server = mock::serve(
+            handle,
+            vec![
+                // team-a's object: deployed, its status written in team-a.
+                Exchange::ok(Method::POST, &events("team-a"), serde_json::json!({})),
+                Exchange::ok(Method::PATCH, &ns_path("team-a", "/status"), a.clone()),
+                // team-b's: the holder is read (still there), then refused in team-b.
+                Exchange::ok(Method::GET, &ns_path("team-a", ""), a.clone()),
+                Exchange::ok(Method::POST, &events("team-b"), serde_json::json!({})),
+                Exchange::ok(Method::PATCH, &ns_path("team-b", "/status"), b.clone()),
+                // team-a's deleted: the deployment goes, then the finalizer.
+                Exchange::ok(Method::POST, &events("team-a"), serde_json::json!({})),
+                Exchange::ok(Method::PATCH, &ns_path("team-a", ""), a.clone()),
+                // team-b's, reconciled again: now it holds the name and is deployed.
+                Exchange::ok(Method::POST, &events("team-b"), serde_json::json!({})),
+                Exchange::ok(Method::PATCH, &ns_path("team-b", "/status"), b.clone()),
+            ],
+        );
+        let r = watching(client, lifecycle.clone(), claims.clone());
+        let mut moved = r.retrigger.subscribe();
+        r.reconcile(&cr(a.clone())).await.unwrap();
+        moved.borrow_and_update();
+        r.reconcile(&cr(b.clone())).await.unwrap();
+        // Refused: nothing reached the lifecycle, the name did not move.
+        assert_eq!(lifecycle.calls(), ["deploy chat-a"]);
+        assert_eq!(
+            lifecycle.deps.lock().unwrap()["chat-a"].spec.model,
+            "model-a"
+        );
+        assert!(!moved.has_changed().unwrap());
+        r.reconcile(&cr(a_deleting)).await.unwrap();
+        assert_eq!(lifecycle.calls(), ["deploy chat-a", "delete chat-a"]);
+        // The name moved: every object is reconciled again.
+        assert!(moved.has_changed().unwrap());
+        assert_eq!(claims.holder("chat-a").as_deref(), Some("team-b"));
+        r.reconcile(&cr(b)).await.unwrap();
+        assert_eq!(
+            lifecycle.calls(),
+            ["deploy chat-a", "delete chat-a", "deploy chat-a"]
+        );
+        assert_eq!(
+            lifecycle.deps.lock().unwrap()["chat-a"].spec.model,
+            "model-b"
+        );
+
+        let seen = server.await.unwrap();
+        let taken = &seen[4].body["status"];
+        let accepted = &taken["conditions"][0];
+        assert_eq!(accepted["type"], "Accepted");
+        assert_eq!(accepted["status"], "False");
+        assert_eq!(accepted["reason"], "name_taken");
+        assert!(
+            accepted["message"]
+                .as_str()
+                .unwrap()
+                .contains("taken by the Deployment object team-a/chat-a"),
+            "{accepted}"
+        );
+        assert!(taken.get("deploymentId").is_none(), "{taken}");
+        assert_eq!(seen[3].body["reason"], "NameTaken");
+        assert_eq!(seen[3].body["type"], "Warning");
+        assert_eq!(seen[5].body["reason"], "Deleted");
+        assert_eq!(seen[7].body["reason"], "Deployed");
+        assert_eq!(seen[8].body["status"]["deploymentId"], "01KCHAT-A");
+        assert!(
+            seen[8].body["status"]["conditions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|c| c["type"] != "Accepted")
+        );
+    }
+
+    #[tokio::test]
+    async fn deleting_an_object_refused_for_its_name_leaves_the_holders_deployment() {
+        let lifecycle = Arc::new(FakeApi::default());
+        let claims = Arc::new(Claims::default());
+        let a = cr_in("team-a", "2026-12-01T00:00:00Z", &[FINALIZER], "model-a");
+        let mut b = cr_in("team-b", "2026-12-02T00:00:00Z", &[FINALIZER], "model-b");
+        b["metadata"]["deletionTimestamp"] = "2026-12-03T08:00:00Z".into();
+        claims.seed([&cr(a.clone()), &cr(b.clone())]);
+        let (client, handle) = mock::client();
+        let server = mock::serve(
+            handle,
+            vec![Exchange::ok(
+                Method::PATCH,
+                &ns_path("team-b", ""),
+                b.clone(),
+            )],
+        );
+        let r = watching(client, lifecycle.clone(), claims.clone());
+        r.reconcile(&cr(b)).await.unwrap();
+        // Only its finalizer went; the lifecycle was not asked.
+        assert!(lifecycle.calls().is_empty());
+        assert_eq!(claims.holder("chat-a").as_deref(), Some("team-a"));
+        let seen = server.await.unwrap();
+        assert_eq!(
+            seen[0].body["metadata"]["finalizers"],
+            serde_json::json!([])
+        );
+    }
+
+    #[tokio::test]
+    async fn a_holder_gone_unseen_frees_the_name() {
+        // team-a's object lost its finalizer by hand and is gone: team-b's finds out when it
+        // reads it, and takes the name.
+        let lifecycle = Arc::new(FakeApi::default());
+        let claims = Arc::new(Claims::default());
+        let a = cr_in("team-a", "2026-12-01T00:00:00Z", &[FINALIZER], "model-a");
+        let b = cr_in("team-b", "2026-12-02T00:00:00Z", &[FINALIZER], "model-b");
+        claims.seed([&cr(a), &cr(b.clone())]);
+        let (client, handle) = mock::client();
+        let server = mock::serve(
+            handle,
+            vec![Exchange::new(
+                Method::GET,
+                &ns_path("team-a", ""),
+                404,
+                status_body(404, "NotFound", "gone"),
+            )],
+        );
+        let r = watching(client, lifecycle.clone(), claims.clone());
+        let mut moved = r.retrigger.subscribe();
+        let action = r.reconcile(&cr(b)).await.unwrap();
+        assert_eq!(action, Action::requeue(Duration::ZERO));
+        assert!(moved.has_changed().unwrap());
+        moved.borrow_and_update();
+        assert_eq!(claims.holder("chat-a").as_deref(), Some("team-b"));
+        assert!(lifecycle.calls().is_empty());
+        server.await.unwrap();
     }
 
     fn with_instance(

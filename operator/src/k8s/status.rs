@@ -282,6 +282,29 @@ pub fn deployment_status(input: StatusInput<'_>) -> DeploymentStatus {
     status
 }
 
+/// The status of an object whose name another namespace's object holds
+/// ([`super::watch`]): nothing of the lifecycle's (no ID, state, record: that deployment is
+/// the holder's), `Accepted=False` with reason [`super::watch::REASON_NAME_TAKEN`] and
+/// `message`, and the `observedGeneration` it had.
+pub fn name_taken_status(
+    previous: Option<&DeploymentStatus>,
+    message: &str,
+    now: Timestamp,
+) -> DeploymentStatus {
+    let accepted = ConditionView {
+        kind: ACCEPTED.to_string(),
+        status: "False".to_string(),
+        reason: super::watch::REASON_NAME_TAKEN.to_string(),
+        message: message.to_string(),
+    };
+    let observed_generation = previous.and_then(|p| p.observed_generation);
+    DeploymentStatus {
+        observed_generation,
+        conditions: vec![k8s_condition(&accepted, previous, observed_generation, now)],
+        ..DeploymentStatus::default()
+    }
+}
+
 /// Whether `desired` differs from the status the API server holds (`current`): only then is
 /// it written.
 pub fn needs_write(current: Option<&DeploymentStatus>, desired: &DeploymentStatus) -> bool {
@@ -556,6 +579,31 @@ mod tests {
             ("False", REASON_INVALID_SPEC)
         );
         assert!(c.message.contains("maxConcurrentRequests"));
+    }
+
+    #[test]
+    fn a_name_taken_elsewhere_says_whose_and_keeps_nothing_of_the_lifecycle() {
+        let previous = DeploymentStatus {
+            deployment_id: Some("01KOLD".into()),
+            revision: Some(3),
+            observed_generation: Some(2),
+            lifecycle_record: Some("{}".into()),
+            ..Default::default()
+        };
+        let s = name_taken_status(Some(&previous), "taken by team-a/chat", at(5));
+        assert_eq!(s.deployment_id, None);
+        assert_eq!(s.revision, None);
+        assert_eq!(s.lifecycle_record, None);
+        assert_eq!(s.observed_generation, Some(2));
+        let c = &s.conditions[0];
+        assert_eq!(
+            (c.type_.as_str(), c.status.as_str(), c.reason.as_str()),
+            (ACCEPTED, "False", "name_taken")
+        );
+        assert_eq!(c.message, "taken by team-a/chat");
+        // The same again keeps its transition time: nothing to write.
+        let again = name_taken_status(Some(&s), "taken by team-a/chat", at(60));
+        assert!(!needs_write(Some(&s), &again));
     }
 
     #[test]
