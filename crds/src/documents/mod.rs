@@ -26,6 +26,7 @@ pub use check::is_dns_label;
 pub use error::{DocumentError, Origin, Problem};
 pub(crate) use error::{KeyPath, Seg};
 
+use crate::engine_args;
 use crate::kinds::{Activation, EngineKind, Residency};
 use crate::overrides::Overrides;
 use crate::settings::{
@@ -828,10 +829,55 @@ pub fn max_running_flag(engine: EngineKind) -> Option<&'static str> {
     }
 }
 
-/// The rules of a deployment document across its keys (after each key's own): a
-/// `max_concurrent_requests` needs an engine option to pass it as (TensorFold has none) and
-/// must not be said twice (the option also in `extra_args`).
+/// The rules of a deployment document across its keys (after each key's own), for every way
+/// a deployment comes in (a file, `deployments:` of a standalone document, the management API,
+/// a Kubernetes spec):
+/// - a `max_concurrent_requests` needs an engine option to pass it as (TensorFold has none)
+///   and must not be said twice (the option also in `extra_args`);
+/// - `extra_args` must not set a flag CapyCTL passes the engine itself
+///   ([`engine_args::owned_flag`]: where it listens, the model, its served name, parking);
+/// - `residency: host_backed` is refused for SGLang with speculative decoding
+///   ([`engine_args::speculative`]);
+/// - `resources.weights_memory` is part of `resources.gpu_memory`, so not above it.
 fn check_deployment(doc: &DeploymentDoc) -> Result<(), (KeyPath, Problem)> {
+    check_max_concurrent_requests(doc)?;
+    if let Some((i, owned)) = engine_args::owned_flag(doc.engine, &doc.extra_args) {
+        return Err((
+            KeyPath::keys(&["extra_args"]).index(i),
+            Problem::Conflict(format!(
+                "`{}`: CapyCTL sets {} itself ({}); remove it from extra_args",
+                doc.extra_args[i], owned.flag, owned.sets
+            )),
+        ));
+    }
+    if doc.residency == Some(Residency::HostBacked)
+        && engine_args::speculative(doc.engine, &doc.extra_args)
+    {
+        return Err((
+            KeyPath::keys(&["residency"]),
+            Problem::Conflict(format!(
+                "{}; remove residency (CapyCTL then parks only the KV cache) or set deep or restart_only",
+                engine_args::HOST_BACKED_SPECULATIVE
+            )),
+        ));
+    }
+    if let Some(ResourcesDoc {
+        gpu_memory: Some(gpu),
+        weights_memory: Some(weights),
+    }) = doc.resources
+        && weights > gpu
+    {
+        return Err((
+            KeyPath::keys(&["resources", "weights_memory"]),
+            Problem::Conflict(format!(
+                "{weights} is above resources.gpu_memory ({gpu}): the weights are part of the GPU memory the loaded model holds; raise gpu_memory or correct weights_memory"
+            )),
+        ));
+    }
+    Ok(())
+}
+
+fn check_max_concurrent_requests(doc: &DeploymentDoc) -> Result<(), (KeyPath, Problem)> {
     let Some(n) = doc.max_concurrent_requests else {
         return Ok(());
     };
@@ -843,11 +889,7 @@ fn check_deployment(doc: &DeploymentDoc) -> Result<(), (KeyPath, Problem)> {
                 doc.engine
             )),
         )),
-        Some(flag) => match doc
-            .extra_args
-            .iter()
-            .position(|a| a == flag || a.starts_with(&format!("{flag}=")))
-        {
+        Some(flag) => match engine_args::flag_position(&doc.extra_args, flag) {
             Some(i) => Err((
                 KeyPath::keys(&["extra_args"]).index(i),
                 Problem::Conflict(format!(
