@@ -1156,3 +1156,146 @@ fn weights_memory_above_gpu_memory_is_refused() {
         "{e}"
     );
 }
+
+/// A text nested deeper than the limit is refused before the YAML parser reads it (the parser
+/// takes seconds on 100 KB of `[[[[...`), naming the limit and the line, for every kind of
+/// document and for JSON bodies.
+#[test]
+fn deeply_nested_documents_are_refused_before_parsing() {
+    let limit = documents::MAX_DEPTH;
+    let want = |file: &str, line: usize| {
+        format!(
+            "{file}:{line}: nested deeper than {limit} levels, the limit for documents and request bodies"
+        )
+    };
+    let half = 50 * 1024;
+    let flow = format!(
+        "name: a\nengine: vllm\nmodel: m\nextra_args: {}{}\n",
+        "[".repeat(half),
+        "]".repeat(half)
+    );
+    let mapping = format!(
+        "name: a\nengine: vllm\nmodel: m\nenv:\n  {}1{}\n",
+        "{a: ".repeat(half / 4),
+        "}".repeat(half / 4)
+    );
+    let block: String = format!(
+        "name: a\nengine: vllm\nmodel: m\nenv:\n{}",
+        (0..300)
+            .map(|i| format!("{}k{i}:\n", "  ".repeat(i + 1)))
+            .collect::<String>()
+    );
+    let json = format!(
+        "{{\"name\":\"a\",\"engine\":\"vllm\",\n\"model\":{}1{}}}",
+        "[".repeat(half),
+        "]".repeat(half)
+    );
+    assert!(flow.len() > 100_000 && json.len() > 100_000);
+    let started = std::time::Instant::now();
+    for (text, line) in [(&flow, 4), (&mapping, 5), (&block, 5 + limit - 1)] {
+        let e = parse_deployment_str("d.yaml", text).unwrap_err();
+        assert_eq!(e.to_string(), want("d.yaml", line));
+        assert!(matches!(e.problem, Problem::TooDeep(l) if l == limit));
+    }
+    let e = documents::parse_deployment_json("body", &json).unwrap_err();
+    assert_eq!(e.to_string(), want("body", 2));
+    let e = parse_standalone_str(
+        "s.yaml",
+        &format!("host:\n  gpus: {}\n", "[".repeat(half)),
+        &none(),
+    )
+    .unwrap_err();
+    assert_eq!(e.to_string(), want("s.yaml", 2));
+    let e =
+        parse_host_str("h.yaml", &format!("gpus: {}\n", "[".repeat(half)), &none()).unwrap_err();
+    assert_eq!(e.to_string(), want("h.yaml", 1));
+    let e = parse_server_str(
+        "v.yaml",
+        &format!("listen: {}\n", "{a: ".repeat(half)),
+        &none(),
+    )
+    .unwrap_err();
+    assert_eq!(e.to_string(), want("v.yaml", 1));
+    let e = capyctl_crds::k8s::parse_deployment_manifest_str(
+        "m.yaml",
+        &format!(
+            "apiVersion: capyctl.io/v1alpha1\nkind: Deployment\nspec: {}\n",
+            "[".repeat(half)
+        ),
+    )
+    .unwrap_err();
+    assert_eq!(e.to_string(), want("m.yaml", 3));
+    // An override's value nested that deep is taken as the string it is (then refused as one).
+    let set = format!(
+        "resource_policy.queue.max_pending_total={}",
+        "[".repeat(half)
+    );
+    let e = parse_host_str("h.yaml", "id: box\n", &overrides(&[set.as_str()], &[])).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("--set resource_policy.queue.max_pending_total=[[[[")
+            && e.to_string().contains("wrong type: string"),
+        "{e}"
+    );
+    println!(
+        "8 nested texts of about 100 KB refused in {:?}",
+        started.elapsed()
+    );
+
+    // Nesting up to the limit is read as usual (and refused for what it is).
+    let at_limit = format!(
+        "name: a\nengine: vllm\nmodel: m\nextra_args: {}{}\n",
+        "[".repeat(limit - 1),
+        "]".repeat(limit - 1)
+    );
+    let e = parse_deployment_str("d.yaml", &at_limit).unwrap_err();
+    assert!(matches!(e.problem, Problem::WrongType(_)), "{e}");
+}
+
+/// The management API's JSON body gets every rule of a deployment document, as YAML does.
+#[test]
+fn json_documents_get_every_rule() {
+    let e = documents::parse_deployment_json(
+        "request body",
+        r#"{"name":"a","engine":"sglang","model":"m","residency":"host_backed","extra_args":["--speculative-algorithm","EAGLE"]}"#,
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string().starts_with(
+            "request body: residency: host_backed is refused for SGLang with speculative decoding"
+        ),
+        "{e}"
+    );
+    let e = documents::parse_deployment_json(
+        "request body",
+        r#"{"name":"a","engine":"tensorfold","model":"m","max_concurrent_requests":4}"#,
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("request body: max_concurrent_requests: 4 cannot be passed"),
+        "{e}"
+    );
+    let e = documents::parse_deployment_json("request body", r#"{"name":"a","engine":"vllm","model":"m","resources":{"gpu_memory":"1GiB","weights_mem":"1GiB"}}"#).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("request body: resources.weights_mem: unknown key"),
+        "{e}"
+    );
+    let e = documents::parse_deployment_json("request body", "[1]").unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "request body: the document is an array, not a JSON object"
+    );
+    let e = documents::parse_deployment_json("request body", r#"{"name":"#).unwrap_err();
+    assert!(
+        e.to_string().starts_with("request body: not valid JSON: "),
+        "{e}"
+    );
+    let doc = documents::parse_deployment_json(
+        "request body",
+        r#"{"name":"a","engine":"vllm","model":"m"}"#,
+    )
+    .unwrap();
+    assert_eq!(doc.engine, EngineKind::Vllm);
+}
