@@ -125,15 +125,26 @@ pub fn owned_flags(engine: EngineKind) -> &'static [OwnedFlag] {
 }
 
 /// The first argument of `extra_args` that sets a flag CapyCTL passes `engine` itself, in any
-/// spelling the engines read: `--port 1`, `--port=1`, and with `_` for `-` (`--served_model_name`,
-/// which vLLM reads as `--served-model-name`). Returns its index and the flag.
+/// spelling the engines read: `--port 1`, `--port=1`, with `_` for `-` (`--served_model_name`,
+/// which vLLM reads as `--served-model-name`), and shortened (`--hos`, which Python's argparse
+/// reads as `--host` when no other flag starts so). Returns its index and the flag.
 pub fn owned_flag(engine: EngineKind, extra_args: &[String]) -> Option<(usize, OwnedFlag)> {
     extra_args.iter().enumerate().find_map(|(i, arg)| {
         let name = arg.split_once('=').map_or(arg.as_str(), |(name, _)| name);
         let name = name.strip_prefix("--")?.replace('_', "-");
-        owned_flags(engine)
+        if name.len() < 2 {
+            return None;
+        }
+        let owned = owned_flags(engine);
+        // The whole name first: `--model` is SGLang's `--model`, not short for `--model-path`.
+        owned
             .iter()
-            .find(|f| f.flag.strip_prefix("--") == Some(name.as_str()))
+            .find(|f| f.flag.trim_start_matches('-') == name)
+            .or_else(|| {
+                owned
+                    .iter()
+                    .find(|f| f.flag.trim_start_matches('-').starts_with(&name))
+            })
             .map(|f| (i, *f))
     })
 }
@@ -187,7 +198,16 @@ mod tests {
             at(EngineKind::Tensorfold, &["--host", "::"]),
             Some((0, "--host"))
         );
+        assert_eq!(
+            at(EngineKind::Sglang, &["--hos", "::"]),
+            Some((0, "--host"))
+        );
+        assert_eq!(
+            at(EngineKind::Vllm, &["--served-model=x"]),
+            Some((0, "--served-model-name"))
+        );
         assert_eq!(at(EngineKind::Vllm, &["--max-model-len", "8192"]), None);
+        assert_eq!(at(EngineKind::Vllm, &["--", "-", "--h"]), None);
         assert_eq!(
             at(EngineKind::Vllm, &["--portal", "--hosts=2", "port"]),
             None

@@ -1079,6 +1079,8 @@ fn extra_args_must_not_set_what_capyctl_passes_the_engine() {
         ("vllm", "--port=8000", "--port"),
         ("vllm", "--served-model-name", "--served-model-name"),
         ("vllm", "--served_model_name=x", "--served-model-name"),
+        ("vllm", "--served-model=x", "--served-model-name"),
+        ("sglang", "--hos", "--host"),
         ("vllm", "--model", "--model"),
         ("vllm", "--enable-sleep-mode", "--enable-sleep-mode"),
         ("sglang", "--port", "--port"),

@@ -140,7 +140,7 @@ impl Scan {
     fn skip_to_token(&mut self) {
         loop {
             if self.col == 0 && self.cur() == '\u{feff}' {
-                self.i += 1;
+                self.step();
             }
             while self.cur() == ' ' || ((self.flow > 0 || !self.key_allowed) && self.cur() == '\t')
             {
@@ -249,7 +249,7 @@ impl Scan {
                     self.save_key();
                     self.key_allowed = false;
                     self.step();
-                    while self.cur().is_alphanumeric() || matches!(self.cur(), '_' | '-') {
+                    while self.cur().is_ascii_alphanumeric() || matches!(self.cur(), '_' | '-') {
                         self.step();
                     }
                 }
