@@ -5,6 +5,8 @@
 //!   "Settings" table, per [`settings::Mode`]), fixed constants and the multi-host rule;
 //! - [`documents`]: the YAML documents (deployment, host, server, standalone), their loaders and
 //!   the one error type that names file, line and key;
+//! - [`engine_args`]: the engine flags read in `extra_args` (speculative decoding, the flags
+//!   CapyCTL passes itself), for the document checks and the node agent;
 //! - [`overrides`]: `--set a.b=c` and `CAPYCTL_SET__A__B=c`;
 //! - [`k8s`]: the `capyctl.io/v1alpha1` custom resources (`Deployment`, `Host`) and the CRD YAML;
 //! - [`api`]: the management API's JSON bodies, shared by server and CLI;
@@ -16,6 +18,7 @@
 pub mod api;
 pub mod auth;
 pub mod documents;
+pub mod engine_args;
 pub mod errors;
 pub mod k8s;
 mod kinds;

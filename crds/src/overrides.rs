@@ -47,7 +47,11 @@ fn read_value(text: &str) -> Value {
     if text.trim().is_empty() {
         return Value::Null;
     }
-    // A value YAML cannot read (`a: b: c`) is taken as the string it is.
+    // A value YAML cannot read (`a: b: c`), or nested too deep to read quickly, is taken as the
+    // string it is.
+    if !crate::documents::within_depth(text) {
+        return Value::String(text.to_string());
+    }
     serde_yaml_ng::from_str(text).unwrap_or_else(|_| Value::String(text.to_string()))
 }
 

@@ -1004,3 +1004,300 @@ fn several_hosts_use_the_tightest_waiting_limits() {
     assert_eq!(b.queue.admission_window, Duration::from_secs(10));
     assert_eq!(a.queue.admission_window, Duration::from_secs(2));
 }
+
+/// Product page: "SGLang with speculative decoding (--speculative-algorithm) ... residency:
+/// host_backed is refused for it." Refused when the document is checked, naming `residency` and
+/// why, in both spellings of the flag, in a deployment document and in `deployments:`.
+#[test]
+fn host_backed_is_refused_for_sglang_with_speculative_decoding() {
+    let doc = |args: &str, residency: &str| {
+        format!("name: a\nengine: sglang\nmodel: m\nresidency: {residency}\nextra_args: {args}\n")
+    };
+    let why = "residency: host_backed is refused for SGLang with speculative decoding (--speculative-algorithm): it parks with its weights in memory, giving back only the KV cache, because releasing them would drop the draft model's weights; remove residency (CapyCTL then parks only the KV cache) or set deep or restart_only";
+    for args in [
+        "[--speculative-algorithm, EAGLE]",
+        "[--tp, \"2\", --speculative-algorithm=EAGLE3]",
+    ] {
+        let e = parse_deployment_str("d.yaml", &doc(args, "host_backed")).unwrap_err();
+        assert_eq!(e.to_string(), format!("d.yaml:4: {why}"));
+        assert!(matches!(e.problem, Problem::Conflict(_)));
+        // Any other residency, or none, is fine; so is host_backed without it, or on vLLM.
+        for residency in ["deep", "restart_only"] {
+            parse_deployment_str("d.yaml", &doc(args, residency)).unwrap();
+        }
+    }
+    parse_deployment_str(
+        "d.yaml",
+        "name: a\nengine: sglang\nmodel: m\nextra_args: [--speculative-algorithm, EAGLE]\n",
+    )
+    .unwrap();
+    parse_deployment_str(
+        "d.yaml",
+        &doc("[--speculative-num-steps, \"3\"]", "host_backed"),
+    )
+    .unwrap();
+    parse_deployment_str(
+        "d.yaml",
+        "name: a\nengine: vllm\nmodel: m\nresidency: host_backed\nextra_args: [--speculative-algorithm, x]\n",
+    )
+    .unwrap();
+
+    let e = parse_standalone_str(
+        "s.yaml",
+        "deployments:\n  - name: ok\n    engine: vllm\n    model: m\n  - name: spec\n    engine: sglang\n    model: m\n    extra_args: [--speculative-algorithm=EAGLE]\n    residency: host_backed\n",
+        &none(),
+    )
+    .unwrap_err();
+    assert_eq!(e.to_string(), format!("s.yaml:9: deployments[1].{why}"));
+}
+
+/// CapyCTL passes each engine where to listen, the model and its served name, and the parking
+/// switches (DESIGN.md 4.2): `extra_args` setting one of them, in any spelling, is refused,
+/// naming the argument and saying that CapyCTL sets it.
+#[test]
+fn extra_args_must_not_set_what_capyctl_passes_the_engine() {
+    let doc = |engine: &str, args: &str| {
+        format!(
+            "name: a\nengine: {engine}\nmodel: m\nextra_args:\n  - --max-model-len\n  - \"8192\"\n{args}"
+        )
+    };
+    let refused = |engine: &str, args: &str| {
+        parse_deployment_str("d.yaml", &doc(engine, args))
+            .unwrap_err()
+            .to_string()
+    };
+    assert_eq!(
+        refused("vllm", "  - --port\n  - \"1\"\n"),
+        "d.yaml:7: extra_args[2]: `--port`: CapyCTL sets --port itself (the loopback port it picks for the engine); remove it from extra_args"
+    );
+    assert_eq!(
+        refused("sglang", "  - --host=0.0.0.0\n"),
+        "d.yaml:7: extra_args[2]: `--host=0.0.0.0`: CapyCTL sets --host itself (the engine's address: 127.0.0.1, so that its control endpoints stay on loopback); remove it from extra_args"
+    );
+    for (engine, arg, flag) in [
+        ("vllm", "--host", "--host"),
+        ("vllm", "--port=8000", "--port"),
+        ("vllm", "--served-model-name", "--served-model-name"),
+        ("vllm", "--served_model_name=x", "--served-model-name"),
+        ("vllm", "--served-model=x", "--served-model-name"),
+        ("sglang", "--hos", "--host"),
+        ("vllm", "--model", "--model"),
+        ("vllm", "--enable-sleep-mode", "--enable-sleep-mode"),
+        ("sglang", "--port", "--port"),
+        ("sglang", "--model-path=/m", "--model-path"),
+        ("sglang", "--model", "--model"),
+        ("sglang", "--served-model-name", "--served-model-name"),
+        ("sglang", "--enable-memory-saver", "--enable-memory-saver"),
+        (
+            "sglang",
+            "--enable-weights-cpu-backup",
+            "--enable-weights-cpu-backup",
+        ),
+        ("tensorfold", "--port", "--port"),
+        ("tensorfold", "--host=127.0.0.2", "--host"),
+        ("tensorfold", "--model=x", "--model"),
+    ] {
+        let e = refused(engine, &format!("  - {arg}\n"));
+        assert!(
+            e.starts_with(&format!(
+                "d.yaml:7: extra_args[2]: `{arg}`: CapyCTL sets {flag} itself ("
+            )),
+            "{engine} {arg}: {e}"
+        );
+    }
+    // Flags CapyCTL does not pass are the engine's business.
+    parse_deployment_str("d.yaml", &doc("vllm", "  - --portal\n  - --hosts=2\n")).unwrap();
+    parse_deployment_str("d.yaml", &doc("tensorfold", "  - --enable-sleep-mode\n")).unwrap();
+
+    let e = parse_standalone_str(
+        "s.yaml",
+        "deployments:\n  - name: a\n    engine: vllm\n    model: m\n    extra_args: [--host, 0.0.0.0]\n",
+        &none(),
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string().starts_with(
+            "s.yaml:5: deployments[0].extra_args[0]: `--host`: CapyCTL sets --host itself"
+        ),
+        "{e}"
+    );
+}
+
+/// The weights are part of what a loaded model holds in GPU memory.
+#[test]
+fn weights_memory_above_gpu_memory_is_refused() {
+    let doc = |gpu: &str, weights: &str| {
+        format!(
+            "name: a\nengine: vllm\nmodel: m\nresources:\n  gpu_memory: {gpu}\n  weights_memory: {weights}\n"
+        )
+    };
+    let e = parse_deployment_str("d.yaml", &doc("8GiB", "16GiB")).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "d.yaml:6: resources.weights_memory: 16GiB is above resources.gpu_memory (8GiB): the weights are part of the GPU memory the loaded model holds; raise gpu_memory or correct weights_memory"
+    );
+    assert!(matches!(e.problem, Problem::Conflict(_)));
+    parse_deployment_str("d.yaml", &doc("8GiB", "8GiB")).unwrap();
+    parse_deployment_str("d.yaml", &doc("40GiB", "8GiB")).unwrap();
+    // One of them alone says nothing about the other.
+    parse_deployment_str(
+        "d.yaml",
+        "name: a\nengine: vllm\nmodel: m\nresources: {weights_memory: 1TiB}\n",
+    )
+    .unwrap();
+
+    let e = parse_standalone_str(
+        "s.yaml",
+        "deployments:\n  - name: a\n    engine: vllm\n    model: m\n    resources: {gpu_memory: 1GiB, weights_memory: 2GiB}\n",
+        &none(),
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("s.yaml:5: deployments[0].resources.weights_memory: 2GiB is above resources.gpu_memory (1GiB)"),
+        "{e}"
+    );
+}
+
+/// A text nested deeper than the limit is refused before the YAML parser reads it (the parser
+/// takes seconds on 100 KB of `[[[[...`), naming the limit and the line, for every kind of
+/// document and for JSON bodies.
+#[test]
+fn deeply_nested_documents_are_refused_before_parsing() {
+    let limit = documents::MAX_DEPTH;
+    let want = |file: &str, line: usize| {
+        format!(
+            "{file}:{line}: nested deeper than {limit} levels, the limit for documents and request bodies"
+        )
+    };
+    let half = 50 * 1024;
+    let flow = format!(
+        "name: a\nengine: vllm\nmodel: m\nextra_args: {}{}\n",
+        "[".repeat(half),
+        "]".repeat(half)
+    );
+    let mapping = format!(
+        "name: a\nengine: vllm\nmodel: m\nenv:\n  {}1{}\n",
+        "{a: ".repeat(half / 4),
+        "}".repeat(half / 4)
+    );
+    let block: String = format!(
+        "name: a\nengine: vllm\nmodel: m\nenv:\n{}",
+        (0..300)
+            .map(|i| format!("{}k{i}:\n", "  ".repeat(i + 1)))
+            .collect::<String>()
+    );
+    let json = format!(
+        "{{\"name\":\"a\",\"engine\":\"vllm\",\n\"model\":{}1{}}}",
+        "[".repeat(half),
+        "]".repeat(half)
+    );
+    assert!(flow.len() > 100_000 && json.len() > 100_000);
+    let started = std::time::Instant::now();
+    for (text, line) in [(&flow, 4), (&mapping, 5), (&block, 5 + limit - 1)] {
+        let e = parse_deployment_str("d.yaml", text).unwrap_err();
+        assert_eq!(e.to_string(), want("d.yaml", line));
+        assert!(matches!(e.problem, Problem::TooDeep(l) if l == limit));
+    }
+    let e = documents::parse_deployment_json("body", &json).unwrap_err();
+    assert_eq!(e.to_string(), want("body", 2));
+    let e = parse_standalone_str(
+        "s.yaml",
+        &format!("host:\n  gpus: {}\n", "[".repeat(half)),
+        &none(),
+    )
+    .unwrap_err();
+    assert_eq!(e.to_string(), want("s.yaml", 2));
+    let e =
+        parse_host_str("h.yaml", &format!("gpus: {}\n", "[".repeat(half)), &none()).unwrap_err();
+    assert_eq!(e.to_string(), want("h.yaml", 1));
+    let e = parse_server_str(
+        "v.yaml",
+        &format!("listen: {}\n", "{a: ".repeat(half)),
+        &none(),
+    )
+    .unwrap_err();
+    assert_eq!(e.to_string(), want("v.yaml", 1));
+    let e = capyctl_crds::k8s::parse_deployment_manifest_str(
+        "m.yaml",
+        &format!(
+            "apiVersion: capyctl.io/v1alpha1\nkind: Deployment\nspec: {}\n",
+            "[".repeat(half)
+        ),
+    )
+    .unwrap_err();
+    assert_eq!(e.to_string(), want("m.yaml", 3));
+    // An override's value nested that deep is taken as the string it is (then refused as one).
+    let set = format!(
+        "resource_policy.queue.max_pending_total={}",
+        "[".repeat(half)
+    );
+    let e = parse_host_str("h.yaml", "id: box\n", &overrides(&[set.as_str()], &[])).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("--set resource_policy.queue.max_pending_total=[[[[")
+            && e.to_string().contains("wrong type: string"),
+        "{e}"
+    );
+    println!(
+        "8 nested texts of about 100 KB refused in {:?}",
+        started.elapsed()
+    );
+
+    // Nesting up to the limit is read as usual (and refused for what it is).
+    let at_limit = format!(
+        "name: a\nengine: vllm\nmodel: m\nextra_args: {}{}\n",
+        "[".repeat(limit - 1),
+        "]".repeat(limit - 1)
+    );
+    let e = parse_deployment_str("d.yaml", &at_limit).unwrap_err();
+    assert!(matches!(e.problem, Problem::WrongType(_)), "{e}");
+}
+
+/// The management API's JSON body gets every rule of a deployment document, as YAML does.
+#[test]
+fn json_documents_get_every_rule() {
+    let e = documents::parse_deployment_json(
+        "request body",
+        r#"{"name":"a","engine":"sglang","model":"m","residency":"host_backed","extra_args":["--speculative-algorithm","EAGLE"]}"#,
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string().starts_with(
+            "request body: residency: host_backed is refused for SGLang with speculative decoding"
+        ),
+        "{e}"
+    );
+    let e = documents::parse_deployment_json(
+        "request body",
+        r#"{"name":"a","engine":"tensorfold","model":"m","max_concurrent_requests":4}"#,
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("request body: max_concurrent_requests: 4 cannot be passed"),
+        "{e}"
+    );
+    let e = documents::parse_deployment_json("request body", r#"{"name":"a","engine":"vllm","model":"m","resources":{"gpu_memory":"1GiB","weights_mem":"1GiB"}}"#).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("request body: resources.weights_mem: unknown key"),
+        "{e}"
+    );
+    let e = documents::parse_deployment_json("request body", "[1]").unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "request body: the document is an array, not a JSON object"
+    );
+    let e = documents::parse_deployment_json("request body", r#"{"name":"#).unwrap_err();
+    assert!(
+        e.to_string().starts_with("request body: not valid JSON: "),
+        "{e}"
+    );
+    let doc = documents::parse_deployment_json(
+        "request body",
+        r#"{"name":"a","engine":"vllm","model":"m"}"#,
+    )
+    .unwrap();
+    assert_eq!(doc.engine, EngineKind::Vllm);
+}

@@ -328,6 +328,59 @@ fn objects_from_the_api_are_validated_with_spec_paths() {
         .to_document("chat", Origin::Object("Deployment chat".into()))
         .unwrap();
     assert_eq!(doc.engine, EngineKind::Sglang);
+
+    // The rules across keys, named as the object's fields (what the operator reports in the
+    // Accepted condition and a Refused event).
+    spec.extra_args = vec!["--speculative-algorithm=EAGLE".into()];
+    spec.residency = Some(capyctl_crds::Residency::HostBacked);
+    let e = spec
+        .to_document("chat", Origin::Object("Deployment chat".into()))
+        .unwrap_err();
+    assert!(
+        e.to_string().starts_with(
+            "Deployment chat: spec.residency: host_backed is refused for SGLang with speculative decoding (--speculative-algorithm): it parks with its weights in memory"
+        ),
+        "{e}"
+    );
+    spec.residency = None;
+    spec.extra_args = vec!["--served-model-name".into(), "x".into()];
+    let e = spec
+        .to_document("chat", Origin::Object("Deployment chat".into()))
+        .unwrap_err();
+    assert!(
+        e.to_string().starts_with(
+            "Deployment chat: spec.extraArgs[0]: `--served-model-name`: CapyCTL sets --served-model-name itself"
+        ),
+        "{e}"
+    );
+    spec.extra_args.clear();
+    spec.resources = Some(k8s::ResourcesSpec {
+        gpu_memory: Some(capyctl_crds::units::ByteSize::bytes(1 << 30)),
+        weights_memory: Some(capyctl_crds::units::ByteSize::bytes(2 << 30)),
+    });
+    let e = spec
+        .to_document("chat", Origin::Object("Deployment chat".into()))
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("Deployment chat: spec.resources.weightsMemory: 2GiB is above resources.gpu_memory (1GiB)"),
+        "{e}"
+    );
+}
+
+/// A manifest file gets the same rules, with the line of the field.
+#[test]
+fn manifest_refuses_host_backed_with_speculative_decoding() {
+    let e = parse_deployment_manifest_str(
+        "m.yaml",
+        "apiVersion: capyctl.io/v1alpha1\nkind: Deployment\nmetadata: {name: a}\nspec:\n  engine: sglang\n  model: m\n  extraArgs: [--speculative-algorithm, EAGLE]\n  residency: host_backed\n",
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("m.yaml:8: spec.residency: host_backed is refused for SGLang"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -108,7 +108,7 @@ impl InstanceSpec {
 
     /// Whether `extra_args` turns on SGLang's speculative decoding (`--speculative-algorithm`).
     pub fn speculative(&self) -> bool {
-        self.engine == EngineKind::Sglang && has_flag(&self.extra_args, "--speculative-algorithm")
+        capyctl_crds::engine_args::speculative(self.engine, &self.extra_args)
     }
 }
 
@@ -233,27 +233,5 @@ impl From<&capyctl_crds::settings::HostConfig> for HostSettings {
     }
 }
 
-/// Whether `args` holds `flag`, alone or as `flag=value`.
-pub fn has_flag(args: &[String], flag: &str) -> bool {
-    flag_value(args, flag).is_some() || args.iter().any(|a| a == flag)
-}
-
-/// The value of `flag` in `args` (`flag value` or `flag=value`); the last one wins, as in the
-/// engines' argument parsers.
-pub fn flag_value<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
-    let mut found = None;
-    let mut i = 0;
-    while i < args.len() {
-        let a = &args[i];
-        if a == flag {
-            if let Some(v) = args.get(i + 1) {
-                found = Some(v.as_str());
-                i += 1;
-            }
-        } else if let Some(v) = a.strip_prefix(flag).and_then(|r| r.strip_prefix('=')) {
-            found = Some(v);
-        }
-        i += 1;
-    }
-    found
-}
+/// A flag in `args`: alone or as `flag=value`, and its value (the last one wins).
+pub use capyctl_crds::engine_args::{flag_value, has_flag};

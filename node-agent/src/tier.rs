@@ -30,6 +30,7 @@
 //! memory is decided by the GPUs the engine uses (`CUDA_VISIBLE_DEVICES`), any unified GPU when
 //! that is not set.
 
+use capyctl_crds::engine_args::HOST_BACKED_SPECULATIVE;
 use capyctl_crds::{EngineKind, Residency};
 use serde::{Deserialize, Serialize};
 
@@ -136,9 +137,7 @@ pub fn choose_tier(input: &TierInput) -> Result<ParkChoice, AgentError> {
     if input.residency == Some(Residency::HostBacked) {
         if speculative {
             return Err(AgentError::ResidencyRefused {
-                reason: "residency: host_backed is refused for SGLang with speculative decoding \
-                         (--speculative-algorithm): it parks with its weights in memory"
-                    .to_string(),
+                reason: format!("residency: {HOST_BACKED_SPECULATIVE}"),
             });
         }
         if input.unified_memory {

@@ -50,7 +50,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use capyctl_crds::api::{DeployOutcome, PREFIX, StartRequest};
 use capyctl_crds::auth;
-use capyctl_crds::documents::{DeploymentDoc, parse_deployment_str};
+use capyctl_crds::documents::{DeploymentDoc, parse_deployment_json, parse_deployment_str};
 use capyctl_crds::errors::ApiError;
 use http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
@@ -371,47 +371,10 @@ fn document_format(headers: &HeaderMap, body: &[u8]) -> Result<Format, ApiError>
     }
 }
 
-fn json_kind(v: &serde_json::Value) -> &'static str {
-    match v {
-        serde_json::Value::Null => "null",
-        serde_json::Value::Bool(_) => "a boolean",
-        serde_json::Value::Number(_) => "a number",
-        serde_json::Value::String(_) => "a string",
-        serde_json::Value::Array(_) => "an array",
-        serde_json::Value::Object(_) => "an object",
-    }
-}
-
-/// A deployment document from JSON. On success the JSON is read by serde_json alone; on a
-/// refusal the value is read again by the document parser, whose error names the key path
-/// (`resources.gpu_memory: ...`) and the problem as for a YAML file, without a line (the
-/// lines would be those of the re-written text, not the client's).
+/// A deployment document from JSON, with every rule of a YAML one (see
+/// [`parse_deployment_json`]).
 fn parse_json_document(text: &str) -> Result<DeploymentDoc, String> {
-    let json_err = match serde_json::from_str::<DeploymentDoc>(text) {
-        Ok(doc) => return Ok(doc),
-        Err(e) => e,
-    };
-    let value: serde_json::Value = match serde_json::from_str(text) {
-        Ok(v) => v,
-        Err(e) => return Err(format!("{BODY_NAME} is not valid JSON: {e}")),
-    };
-    if !value.is_object() {
-        return Err(format!(
-            "{BODY_NAME} is {}, not a JSON object (a deployment document)",
-            json_kind(&value)
-        ));
-    }
-    // JSON is YAML: the pretty form (spaces, no tabs) goes through the same parser as a file.
-    let Ok(pretty) = serde_json::to_string_pretty(&value) else {
-        return Err(format!("{BODY_NAME}: {json_err}"));
-    };
-    match parse_deployment_str(BODY_NAME, &pretty) {
-        Err(e) => Err(match e.path {
-            Some(path) => format!("{BODY_NAME}: {path}: {}", e.problem),
-            None => format!("{BODY_NAME}: {}", e.problem),
-        }),
-        Ok(_) => Err(format!("{BODY_NAME}: {json_err}")),
-    }
+    parse_deployment_json(BODY_NAME, text).map_err(|e| e.to_string())
 }
 
 fn parse_document(format: Format, body: &[u8]) -> Result<DeploymentDoc, String> {

@@ -712,6 +712,86 @@ async fn a_bad_document_is_400_naming_the_key_and_changes_nothing() {
     s.shutdown().await;
 }
 
+/// Issue 16: what the product page refuses is refused at deploy through the API too, in YAML
+/// and JSON, naming the key; and a 100 KB deeply nested body (seconds of the YAML parser's CPU
+/// before) is refused by its nesting, naming the limit and the line.
+#[tokio::test]
+async fn the_document_rules_and_the_nesting_bound_hold_for_api_bodies() {
+    let s = start_server().await;
+    let url = format!("{V1}/deployments");
+
+    let yaml = "name: spec\nengine: sglang\nmodel: m\nextra_args: [--speculative-algorithm, EAGLE]\nresidency: host_backed\n";
+    let r = s.authed_body("POST", &url, "application/yaml", yaml).await;
+    let message = r.error(400, "invalid_request");
+    assert!(
+        message.starts_with(
+            "request body:5: residency: host_backed is refused for SGLang with speculative decoding"
+        ),
+        "{message}"
+    );
+    let json = r#"{"name":"spec","engine":"sglang","model":"m","residency":"host_backed","extra_args":["--speculative-algorithm=EAGLE"]}"#;
+    let r = s.authed_body("POST", &url, "application/json", json).await;
+    let message = r.error(400, "invalid_request");
+    assert!(
+        message.starts_with("request body: residency: host_backed is refused for SGLang"),
+        "{message}"
+    );
+    let json = r#"{"name":"m","engine":"vllm","model":"m","extra_args":["--host","0.0.0.0"]}"#;
+    let r = s.authed_body("POST", &url, "application/json", json).await;
+    let message = r.error(400, "invalid_request");
+    assert!(
+        message.starts_with("request body: extra_args[0]: `--host`: CapyCTL sets --host itself"),
+        "{message}"
+    );
+    let json = r#"{"name":"m","engine":"vllm","model":"m","resources":{"gpu_memory":"1GiB","weights_memory":"2GiB"}}"#;
+    let r = s.authed_body("POST", &url, "application/json", json).await;
+    let message = r.error(400, "invalid_request");
+    assert!(
+        message.starts_with(
+            "request body: resources.weights_memory: 2GiB is above resources.gpu_memory (1GiB)"
+        ),
+        "{message}"
+    );
+
+    let limit = capyctl_crds::documents::MAX_DEPTH;
+    let half = 50 * 1024;
+    let yaml = format!(
+        "name: m\nengine: vllm\nmodel: m\nextra_args: {}{}\n",
+        "[".repeat(half),
+        "]".repeat(half)
+    );
+    let json = format!(
+        "{{\"name\":\"m\",\"engine\":\"vllm\",\"model\":\"m\",\n\"env\":{}1{}}}",
+        "{\"a\":".repeat(17 * 1024),
+        "}".repeat(17 * 1024)
+    );
+    assert!(yaml.len() > 100_000 && json.len() > 100_000);
+    let started = std::time::Instant::now();
+    let r = s.authed_body("POST", &url, "application/yaml", &yaml).await;
+    let message = r.error(400, "invalid_request");
+    assert_eq!(
+        message,
+        format!(
+            "request body:4: nested deeper than {limit} levels, the limit for documents and request bodies"
+        )
+    );
+    let r = s.authed_body("POST", &url, "application/json", &json).await;
+    let message = r.error(400, "invalid_request");
+    assert_eq!(
+        message,
+        format!(
+            "request body:2: nested deeper than {limit} levels, the limit for documents and request bodies"
+        )
+    );
+    println!(
+        "two nested 100 KB bodies refused in {:?}",
+        started.elapsed()
+    );
+
+    assert!(s.fake.calls().is_empty(), "{:?}", s.fake.calls());
+    s.shutdown().await;
+}
+
 #[tokio::test]
 async fn start_reads_its_optional_body_and_refuses_unknown_keys() {
     let s = start_server().await;

@@ -47,6 +47,16 @@ pub enum Problem {
     /// The document is YAML but not a mapping at the top level.
     #[error("the document is {0}, not a mapping of keys")]
     NotAMapping(&'static str),
+    /// The text is not JSON (a body sent as JSON).
+    #[error("not valid JSON: {0}")]
+    Json(String),
+    /// The JSON is not an object at the top level.
+    #[error("the document is {0}, not a JSON object")]
+    NotAnObject(&'static str),
+    /// Collections nested deeper than the limit (checked before parsing, which would take
+    /// long on such a text).
+    #[error("nested deeper than {0} levels, the limit for documents and request bodies")]
+    TooDeep(usize),
     /// A key the document does not have.
     #[error("unknown key; {}", expected_keys(.expected))]
     UnknownKey {
@@ -81,6 +91,9 @@ impl Problem {
             Problem::Empty => "empty",
             Problem::Syntax(_) => "syntax",
             Problem::NotAMapping(_) => "not_a_mapping",
+            Problem::Json(_) => "json",
+            Problem::NotAnObject(_) => "not_an_object",
+            Problem::TooDeep(_) => "too_deep",
             Problem::UnknownKey { .. } => "unknown_key",
             Problem::MissingKey => "missing_key",
             Problem::WrongType(_) => "wrong_type",

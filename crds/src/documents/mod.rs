@@ -11,6 +11,7 @@
 //! `my-model.yaml:3: resdency: unknown key; expected one of name, engine, model, ...`.
 
 mod check;
+mod depth;
 mod error;
 mod locate;
 
@@ -23,9 +24,11 @@ use serde::{Deserialize, Serialize};
 use serde_yaml_ng::Value;
 
 pub use check::is_dns_label;
+pub use depth::MAX_DEPTH;
 pub use error::{DocumentError, Origin, Problem};
 pub(crate) use error::{KeyPath, Seg};
 
+use crate::engine_args;
 use crate::kinds::{Activation, EngineKind, Residency};
 use crate::overrides::Overrides;
 use crate::settings::{
@@ -735,8 +738,21 @@ fn tracked_error(
     }
 }
 
-/// Reads `text` (syntax, not empty, a mapping), deserializes it with line-accurate errors, then
-/// applies `overrides` and deserializes again.
+/// Refuses a text nested deeper than [`MAX_DEPTH`], naming the line, before a parser reads it
+/// (see [`depth`]: parsing such a text takes long).
+fn check_depth(file: &str, text: &str) -> Result<(), DocumentError> {
+    depth::check(text)
+        .map_err(|line| DocumentError::file(file, Some(line), Problem::TooDeep(MAX_DEPTH)))
+}
+
+/// Whether `text` nests at most [`MAX_DEPTH`] collections deep, for YAML read outside the
+/// document loaders (override values).
+pub(crate) fn within_depth(text: &str) -> bool {
+    depth::check(text).is_ok()
+}
+
+/// Reads `text` (nesting, syntax, not empty, a mapping), deserializes it with line-accurate
+/// errors, then applies `overrides` and deserializes again.
 fn parse_with<T: DeserializeOwned>(
     file: &str,
     text: Option<&str>,
@@ -745,6 +761,7 @@ fn parse_with<T: DeserializeOwned>(
     let no_overrides = Overrides::none();
     let mut value = match text {
         Some(text) => {
+            check_depth(file, text)?;
             let value: Value = serde_yaml_ng::from_str(text).map_err(|e| {
                 let (msg, line) = error::yaml_message(&e);
                 DocumentError::file(file, line, Problem::Syntax(msg))
@@ -828,10 +845,55 @@ pub fn max_running_flag(engine: EngineKind) -> Option<&'static str> {
     }
 }
 
-/// The rules of a deployment document across its keys (after each key's own): a
-/// `max_concurrent_requests` needs an engine option to pass it as (TensorFold has none) and
-/// must not be said twice (the option also in `extra_args`).
+/// The rules of a deployment document across its keys (after each key's own), for every way
+/// a deployment comes in (a file, `deployments:` of a standalone document, the management API,
+/// a Kubernetes spec):
+/// - a `max_concurrent_requests` needs an engine option to pass it as (TensorFold has none)
+///   and must not be said twice (the option also in `extra_args`);
+/// - `extra_args` must not set a flag CapyCTL passes the engine itself
+///   ([`engine_args::owned_flag`]: where it listens, the model, its served name, parking);
+/// - `residency: host_backed` is refused for SGLang with speculative decoding
+///   ([`engine_args::speculative`]);
+/// - `resources.weights_memory` is part of `resources.gpu_memory`, so not above it.
 fn check_deployment(doc: &DeploymentDoc) -> Result<(), (KeyPath, Problem)> {
+    check_max_concurrent_requests(doc)?;
+    if let Some((i, owned)) = engine_args::owned_flag(doc.engine, &doc.extra_args) {
+        return Err((
+            KeyPath::keys(&["extra_args"]).index(i),
+            Problem::Conflict(format!(
+                "`{}`: CapyCTL sets {} itself ({}); remove it from extra_args",
+                doc.extra_args[i], owned.flag, owned.sets
+            )),
+        ));
+    }
+    if doc.residency == Some(Residency::HostBacked)
+        && engine_args::speculative(doc.engine, &doc.extra_args)
+    {
+        return Err((
+            KeyPath::keys(&["residency"]),
+            Problem::Conflict(format!(
+                "{}; remove residency (CapyCTL then parks only the KV cache) or set deep or restart_only",
+                engine_args::HOST_BACKED_SPECULATIVE
+            )),
+        ));
+    }
+    if let Some(ResourcesDoc {
+        gpu_memory: Some(gpu),
+        weights_memory: Some(weights),
+    }) = doc.resources
+        && weights > gpu
+    {
+        return Err((
+            KeyPath::keys(&["resources", "weights_memory"]),
+            Problem::Conflict(format!(
+                "{weights} is above resources.gpu_memory ({gpu}): the weights are part of the GPU memory the loaded model holds; raise gpu_memory or correct weights_memory"
+            )),
+        ));
+    }
+    Ok(())
+}
+
+fn check_max_concurrent_requests(doc: &DeploymentDoc) -> Result<(), (KeyPath, Problem)> {
     let Some(n) = doc.max_concurrent_requests else {
         return Ok(());
     };
@@ -843,11 +905,7 @@ fn check_deployment(doc: &DeploymentDoc) -> Result<(), (KeyPath, Problem)> {
                 doc.engine
             )),
         )),
-        Some(flag) => match doc
-            .extra_args
-            .iter()
-            .position(|a| a == flag || a.starts_with(&format!("{flag}=")))
-        {
+        Some(flag) => match engine_args::flag_position(&doc.extra_args, flag) {
             Some(i) => Err((
                 KeyPath::keys(&["extra_args"]).index(i),
                 Problem::Conflict(format!(
@@ -949,6 +1007,68 @@ pub fn standalone_from_overrides(overrides: &Overrides) -> Result<StandaloneConf
         overrides,
     };
     resolve_standalone(&doc, &src)
+}
+
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
+/// Parses a deployment document sent as JSON (`POST /management/v1/deployments`), with every
+/// rule of a deployment document; `file` names it in errors. A refusal names the key path
+/// (`resources.gpu_memory: ...`) and the problem as for a YAML file, without a line (the value
+/// is read again as YAML from a re-written text, whose lines are not the client's), except a
+/// refusal of the nesting, which names the client's line.
+pub fn parse_deployment_json(file: &str, text: &str) -> Result<DeploymentDoc, DocumentError> {
+    check_depth(file, text)?;
+    let no_line = |e: DocumentError| DocumentError {
+        origin: Origin::File {
+            name: file.to_string(),
+            line: None,
+        },
+        ..e
+    };
+    let json_err = match serde_json::from_str::<DeploymentDoc>(text) {
+        Ok(doc) => {
+            // The rules across keys, which serde alone does not apply.
+            return check_deployment(&doc)
+                .map(|()| doc)
+                .map_err(|(path, problem)| DocumentError {
+                    origin: Origin::File {
+                        name: file.to_string(),
+                        line: None,
+                    },
+                    path: path.display(),
+                    problem,
+                });
+        }
+        Err(e) => e,
+    };
+    let value: serde_json::Value = serde_json::from_str(text)
+        .map_err(|e| DocumentError::file(file, None, Problem::Json(e.to_string())))?;
+    if !value.is_object() {
+        return Err(DocumentError::file(
+            file,
+            None,
+            Problem::NotAnObject(json_kind(&value)),
+        ));
+    }
+    // JSON is YAML: the pretty form (spaces, no tabs) goes through the same parser as a file,
+    // whose error names the key path.
+    let plain = || DocumentError::file(file, None, Problem::BadValue(json_err.to_string()));
+    let Ok(pretty) = serde_json::to_string_pretty(&value) else {
+        return Err(plain());
+    };
+    match parse_deployment_str(file, &pretty) {
+        Err(e) => Err(no_line(e)),
+        Ok(_) => Err(plain()),
+    }
 }
 
 /// Reads a deployment document held as JSON (the management API, a Kubernetes spec turned into
