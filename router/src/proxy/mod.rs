@@ -701,11 +701,14 @@ where
     })
 }
 
-/// The body's `model`: the value of the top-level object's first `model` key.
+/// The body's `model`: the value of the top-level object's `model` key, which must be there
+/// once (one reading of `model`: the router routes by the one it reads, and an engine whose
+/// JSON reader keeps the last of two would serve the other).
 ///
-/// NB: a structural scan that stops there (strings are skipped with `memchr`), so neither
-/// the rest of the document is built nor is the part after `model` checked: a body broken
-/// after its `model` goes to the engine, which answers it with its own 400.
+/// NB: a structural scan of the top-level object's keys, with no document built: values are
+/// walked over (strings skipped with `memchr`, brackets balanced), so a `model` inside one is
+/// not a key of the request; what the walk does not check (a bad literal or number, bytes
+/// after the object) goes to the engine, which answers it with its own 400.
 fn model_of(body: &[u8]) -> Result<Cow<'_, str>, Failure> {
     let invalid = |detail: &str| {
         Failure::Api(ApiError::InvalidRequest {
@@ -727,6 +730,7 @@ fn model_of(body: &[u8]) -> Result<Cow<'_, str>, Failure> {
             ));
         }
     }
+    let mut model = None;
     let mut first = true;
     loop {
         match scan.skip_ws() {
@@ -740,24 +744,29 @@ fn model_of(body: &[u8]) -> Result<Cow<'_, str>, Failure> {
         }
         scan.i += 1;
         if is_model_key(key) {
-            return match scan.skip_ws() {
+            if model.is_some() {
+                return Err(invalid(
+                    "the body has `model` more than once: it must name one model (the router would route by the first and the engine read the last)",
+                ));
+            }
+            model = Some(match scan.skip_ws() {
                 Some(b'"') => {
                     let raw = scan.string().ok_or_else(not_json)?;
                     let model = json_string(raw).ok_or_else(not_json)?;
                     if model.is_empty() {
-                        Err(invalid("the body's `model` is empty"))
-                    } else {
-                        Ok(model)
+                        return Err(invalid("the body's `model` is empty"));
                     }
+                    model
                 }
-                None => Err(not_json()),
-                Some(_) => Err(invalid("the body's `model` must be a string")),
-            };
+                None => return Err(not_json()),
+                Some(_) => return Err(invalid("the body's `model` must be a string")),
+            });
+        } else {
+            scan.value().ok_or_else(not_json)?;
         }
-        scan.value().ok_or_else(not_json)?;
         match scan.skip_ws() {
             Some(b',') => scan.i += 1,
-            Some(b'}') => return Err(invalid("the body has no `model`")),
+            Some(b'}') => return model.ok_or_else(|| invalid("the body has no `model`")),
             _ => return Err(not_json()),
         }
         first = false;
@@ -880,8 +889,23 @@ mod tests {
             model_of(br#"{"x":{"model":"inner"},"model":"outer"}"#).unwrap(),
             "outer"
         );
-        // Nothing after the first top-level `model` is looked at.
-        assert_eq!(model_of(br#"{"model":"a","model":"b""#).unwrap(), "a");
+        // Only the top-level object's keys count: `model` inside a message or an array is
+        // not a second one.
+        let nested = br#"{"model":"a","messages":[{"role":"user","content":"x","model":"b"}],"tools":[{"model":"c"}],"m":{"model":{"model":"d"}},"s":"\"model\":\"e\""}"#;
+        assert_eq!(model_of(nested).unwrap(), "a");
+    }
+
+    #[test]
+    fn a_second_model_is_refused() {
+        for body in [
+            &br#"{"model":"a","model":"b"}"#[..],
+            br#"{"model":"a","messages":[],"model":"a"}"#,
+            br#"{"model":"a","mod\u0065l":"b"}"#,
+            br#"{"x":1,"model":"a","stream":true,"model":5}"#,
+        ] {
+            let detail = detail(model_of(body));
+            assert!(detail.contains("`model` more than once"), "{detail}");
+        }
     }
 
     #[test]
