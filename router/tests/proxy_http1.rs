@@ -304,8 +304,8 @@ async fn a_head_that_cannot_be_read_is_a_400_that_says_why() {
     let long = format!("x-long: {}\r\n", "a".repeat(70 * 1024));
     let cases = [
         (
-            "transfer-encoding: gzip\r\n".to_string(),
-            "does not end in chunked",
+            "transfer-encoding: chunked, chunked\r\n".to_string(),
+            "chunked more than once",
         ),
         (
             "transfer-encoding: chunked\r\ncontent-length: 3\r\n".to_string(),
@@ -347,6 +347,89 @@ async fn a_head_that_cannot_be_read_is_a_400_that_says_why() {
         assert!(raw.closed().await, "{says}: still open");
     }
     assert_eq!(record.entered.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn rfc_9112_refusals_a_coding_not_implemented_a_bad_chunk_size_a_long_target() {
+    let sim = start_sim(&[]).await;
+    let admission = TestAdmission::new(sim);
+    let record = std::sync::Arc::clone(&admission.record);
+    let proxy = start_proxy(admission, ProxyConfig::default()).await;
+    let refused = |status: u16, code: &'static str, says: &'static str| (status, code, says);
+    let post = "POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\n";
+    let long = "a".repeat(8 * 1024);
+    let cases = [
+        // RFC 9112 6.1: a transfer coding the server does not understand is a 501.
+        (
+            format!("{post}transfer-encoding: gzip\r\n\r\n"),
+            refused(
+                501,
+                "not_implemented",
+                r#"transfer coding "gzip" is not implemented"#,
+            ),
+        ),
+        (
+            format!("{post}transfer-encoding: gzip, chunked\r\n\r\n"),
+            refused(501, "not_implemented", r#"transfer coding "gzip""#),
+        ),
+        (
+            format!("{post}transfer-encoding: chunked\r\ntransfer-encoding: br\r\n\r\n"),
+            refused(501, "not_implemented", r#"transfer coding "br""#),
+        ),
+        // RFC 9112 7.1: after the size, only an extension (`;`).
+        (
+            format!("{post}transfer-encoding: chunked\r\n\r\n5x\r\nhello\r\n0\r\n\r\n"),
+            refused(400, "invalid_request", "a bad chunk size"),
+        ),
+        (
+            format!("{post}transfer-encoding: chunked\r\n\r\n5 junk\r\nhello\r\n0\r\n\r\n"),
+            refused(400, "invalid_request", "a bad chunk size"),
+        ),
+        // RFC 9112 3: a target over 8 KiB is a 414, whole or still arriving.
+        (
+            format!("GET /{long} HTTP/1.1\r\nhost: t\r\n\r\n"),
+            refused(414, "uri_too_long", "longer than 8192 bytes"),
+        ),
+        (
+            format!("POST /v1/chat/completions?q={long}"),
+            refused(414, "uri_too_long", "longer than 8192 bytes"),
+        ),
+    ];
+    for (request, (status, code, says)) in cases {
+        let mut raw = Raw::open(proxy).await;
+        raw.send(request.as_bytes()).await;
+        let answer = raw.answer().await;
+        assert_eq!(answer.status, status, "{says}: {answer:?}");
+        let body = answer.json();
+        assert_eq!(body["code"], code, "{says}");
+        assert_eq!(body["retryable"], false, "{says}");
+        let message = body["message"].as_str().unwrap();
+        assert!(message.contains(says), "{says}: {message}");
+        assert_eq!(answer.header("connection"), Some("close"), "{says}");
+        assert!(raw.closed().await, "{says}: still open");
+    }
+    assert_eq!(record.entered.load(Ordering::SeqCst), 0);
+
+    // At the bound itself: read, and answered as any request (here a 404 of the route), and
+    // a chunk size with whitespace before its end or its extension is a size.
+    let mut raw = Raw::open(proxy).await;
+    let target = format!("/{}", "a".repeat(8 * 1024 - 1));
+    raw.send(format!("GET {target} HTTP/1.1\r\nhost: t\r\n\r\n").as_bytes())
+        .await;
+    assert_eq!(raw.answer().await.status, 404);
+    let body = chat(false);
+    let (a, b) = body.split_at(10);
+    raw.send(
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n{:x} \r\n{a}\r\n{:x}\t;x=1\r\n{b}\r\n0\r\n\r\n",
+            a.len(),
+            b.len()
+        )
+        .as_bytes(),
+    )
+    .await;
+    let answer = raw.answer().await;
+    assert_eq!(answer.status, 200, "{answer:?}");
 }
 
 /// An engine that takes one request, sends its head (as it came) to the receiver, and

@@ -589,11 +589,15 @@ pub(super) fn decode_chunked(
                     .iter()
                     .position(|b| !b.is_ascii_hexdigit())
                     .unwrap_or(line.len());
+                // After the size only whitespace, then an extension (RFC 9112 7.1: BWS before
+                // `;`), or nothing: "5x" or "5 x" is not a size.
                 let rest = &line[digits..];
-                if digits == 0
-                    || digits > 15
-                    || !(rest.is_empty() || matches!(rest[0], b';' | b' ' | b'\t'))
-                {
+                let blank = rest
+                    .iter()
+                    .take_while(|b| matches!(b, b' ' | b'\t'))
+                    .count();
+                let rest = &rest[blank..];
+                if digits == 0 || digits > 15 || !(rest.is_empty() || rest[0] == b';') {
                     return Err(invalid(format!("{what}: a bad chunk size")));
                 }
                 let size = std::str::from_utf8(&line[..digits])
@@ -1202,6 +1206,11 @@ mod tests {
             b"3\r\nabcd\r\n",
             b"10000000000000000\r\n",
             b"-3\r\nabc\r\n",
+            // Junk after the size that is not an extension.
+            b"3x\r\nabc\r\n",
+            b"3 x\r\nabc\r\n",
+            b"3\t,\r\nabc\r\n",
+            b"3\x0c\r\nabc\r\n",
         ] {
             assert!(decode_in_steps(bad, bad.len()).is_err(), "{bad:?}");
         }
