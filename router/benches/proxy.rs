@@ -246,6 +246,9 @@ impl Permit for TrivialPermit {
     }
     fn first_output(&self) {}
     fn cut(&self) {}
+    fn waited_at_bound(&self) -> std::time::Duration {
+        std::time::Duration::ZERO
+    }
 }
 
 impl Admission for Trivial {
@@ -680,6 +683,9 @@ mod server_like {
         }
         fn cut(&self) {
             self.inner.cut();
+        }
+        fn waited_at_bound(&self) -> std::time::Duration {
+            self.inner.waited_at_bound()
         }
     }
 

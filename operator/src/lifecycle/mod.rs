@@ -3044,6 +3044,10 @@ impl Permit for TrackedPermit {
     fn cut(&self) {
         self.inner.cut();
     }
+
+    fn waited_at_bound(&self) -> std::time::Duration {
+        self.inner.waited_at_bound()
+    }
 }
 
 impl Drop for TrackedPermit {

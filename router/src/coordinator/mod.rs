@@ -334,6 +334,7 @@ impl CoordinatorHandle {
                 }),
                 first_output: AtomicBool::new(false),
                 cut: AtomicBool::new(false),
+                at_bound: Duration::ZERO,
                 endings: Some(self.endings.clone()),
             });
         }
@@ -396,6 +397,8 @@ pub struct CoordinatorPermit {
     first_output: AtomicBool,
     /// Set by `cut`; read once, in `Drop`.
     cut: AtomicBool,
+    /// How long it waited at its deployment's in-flight bound (see [`Grant::at_bound`]).
+    at_bound: Duration,
     /// Where the end goes; `None` once defused (never handed out).
     endings: Option<mpsc::UnboundedSender<Ending>>,
 }
@@ -435,6 +438,10 @@ impl Permit for CoordinatorPermit {
 
     fn cut(&self) {
         self.cut.store(true, Ordering::Relaxed);
+    }
+
+    fn waited_at_bound(&self) -> Duration {
+        self.at_bound
     }
 }
 
@@ -821,6 +828,7 @@ impl Effects for TaskEffects {
             lane: None,
             first_output: AtomicBool::new(false),
             cut: AtomicBool::new(false),
+            at_bound: grant.at_bound,
             endings: Some(self.endings.clone()),
         };
         match reply.send(Ok(permit)) {

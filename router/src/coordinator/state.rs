@@ -15,6 +15,7 @@ use std::time::Duration;
 use capyctl_crds::errors::ApiError;
 use tokio::time::Instant;
 
+use crate::admission::deadline_error;
 use crate::config::RouterConfig;
 use crate::lifecycle::{DeploymentId, DrainReport, InstanceKey, Plan, SwitchOrder, Upstream};
 
@@ -45,6 +46,9 @@ pub(crate) struct Grant {
     pub upstream: Arc<Upstream>,
     /// The serial of the instance entry it is charged to (see [`Inst::serial`]).
     pub serial: u64,
+    /// How long it waited for one of the in-flight slots of its deployment while that was
+    /// servable (see [`crate::admission::deadline_error`]).
+    pub at_bound: Duration,
 }
 
 /// How a granted request ended (reported by the permit's `Drop`).
@@ -163,11 +167,30 @@ struct Dep {
     wanted_since: Option<Instant>,
     /// Why it is not planned now.
     blocked: Option<Blocked>,
+    /// Since when it has had an open instance without a break (`None`: it has none).
+    servable_since: Option<Instant>,
 }
 
 impl Dep {
     fn has_open(&self) -> bool {
         self.instances.values().any(|i| i.open)
+    }
+
+    /// Notes whether it has an open instance, after its instances opened or closed.
+    fn note_servable(&mut self, now: Instant) {
+        self.servable_since = if self.has_open() {
+            Some(self.servable_since.unwrap_or(now))
+        } else {
+            None
+        };
+    }
+
+    /// How long the waiter `w` has waited, until `now`, for one of its in-flight slots while
+    /// it was servable.
+    fn at_bound(&self, w: &Waiter, now: Instant) -> Duration {
+        self.servable_since.map_or(Duration::ZERO, |since| {
+            now.saturating_duration_since(since.max(w.enqueued_at))
+        })
     }
 
     fn has_closed(&self) -> bool {
@@ -301,18 +324,6 @@ pub(crate) fn window_closes_at(
     }
 }
 
-/// The error for a request that waited until its deadline: `InFlightDeadline` when the
-/// deployment is servable (it waited only for one of the in-flight slots), `QueueDeadline`
-/// otherwise.
-pub(crate) fn deadline_error(deployment: &str, servable: bool) -> ApiError {
-    let deployment = deployment.to_string();
-    if servable {
-        ApiError::InFlightDeadline { deployment }
-    } else {
-        ApiError::QueueDeadline { deployment }
-    }
-}
-
 impl State {
     /// Empty state.
     pub(crate) fn new(config: RouterConfig) -> Self {
@@ -340,7 +351,7 @@ impl State {
         let dep = self.deployments.entry(req.deployment.clone()).or_default();
         if dep.has_open() {
             if dep.queue.is_empty() && dep.in_flight < limit {
-                self.grant_now(now, &req.deployment, req.ticket, fx);
+                self.grant_now(now, &req.deployment, req.ticket, Duration::ZERO, fx);
             } else if no_wait {
                 fx.refuse(
                     req.ticket,
@@ -504,6 +515,7 @@ impl State {
                 );
             }
         }
+        dep.note_servable(now);
         dep.wanted_since = None;
         self.unblock(true);
         // The target became ready by other means: the switch is not needed any more.
@@ -516,6 +528,7 @@ impl State {
     pub(crate) fn instance_gone(&mut self, now: Instant, key: InstanceKey, fx: &mut impl Effects) {
         if let Some(dep) = self.deployments.get_mut(&key.deployment) {
             dep.instances.remove(&key);
+            dep.note_servable(now);
         }
         // NB: a victim that went away stays in its switch's or release's list: it counts as
         // drained (nothing charged) and is still named in the order, so that the lifecycle
@@ -806,6 +819,7 @@ impl State {
         now: Instant,
         deployment: &DeploymentId,
         ticket: Ticket,
+        at_bound: Duration,
         fx: &mut impl Effects,
     ) -> bool {
         let Some(dep) = self.deployments.get_mut(deployment) else {
@@ -818,6 +832,7 @@ impl State {
         let grant = Grant {
             upstream: Arc::clone(&inst.upstream),
             serial: inst.serial,
+            at_bound,
         };
         if fx.grant(ticket, grant) {
             inst.in_flight += 1;
@@ -884,8 +899,9 @@ impl State {
             let Some(w) = dep.queue.pop_front() else {
                 return;
             };
+            let at_bound = dep.at_bound(&w, now);
             self.forget_waiter(&w);
-            self.grant_now(now, deployment, w.ticket, fx);
+            self.grant_now(now, deployment, w.ticket, at_bound, fx);
         }
     }
 
@@ -914,12 +930,13 @@ impl State {
             let Some(dep) = self.deployments.get_mut(&deployment) else {
                 continue;
             };
-            let servable = dep.has_open();
             if let Some(pos) = dep.queue.iter().position(|w| w.ticket == ticket)
                 && let Some(w) = dep.queue.remove(pos)
             {
+                let at_bound = dep.at_bound(&w, now);
+                let waited = now.saturating_duration_since(w.enqueued_at);
                 self.forget_waiter(&w);
-                fx.refuse(ticket, deadline_error(&deployment, servable));
+                fx.refuse(ticket, deadline_error(&deployment, at_bound, waited));
             }
         }
     }
@@ -939,6 +956,11 @@ impl State {
             }
         }
         for d in touched {
+            if let Some(dep) = self.deployments.get_mut(&d)
+                && !dep.has_open()
+            {
+                dep.servable_since = None;
+            }
             if self.deployments.get(&d).is_some_and(|dep| !dep.has_open()) {
                 let e = ApiError::DispatchClosed {
                     deployment: d.clone(),
@@ -962,6 +984,9 @@ impl State {
             }
         }
         for d in touched {
+            if let Some(dep) = self.deployments.get_mut(&d) {
+                dep.note_servable(now);
+            }
             self.dispatch(now, &d, fx);
         }
     }
@@ -971,6 +996,7 @@ impl State {
         for k in keys {
             if let Some(dep) = self.deployments.get_mut(&k.deployment) {
                 dep.instances.remove(k);
+                // Only ever closed instances: `servable_since` stays as it is.
             }
         }
     }
@@ -1395,22 +1421,6 @@ mod tests {
     fn window_without_open_victims_is_empty() {
         let t = Instant::now();
         assert_eq!(window_closes_at(t, W, []), t);
-    }
-
-    #[test]
-    fn deadline_error_depends_on_servable() {
-        assert_eq!(
-            deadline_error("d", true),
-            ApiError::InFlightDeadline {
-                deployment: "d".into()
-            }
-        );
-        assert_eq!(
-            deadline_error("d", false),
-            ApiError::QueueDeadline {
-                deployment: "d".into()
-            }
-        );
     }
 
     #[test]

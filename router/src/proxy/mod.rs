@@ -458,6 +458,8 @@ impl<A: Admission> Proxy<A> {
         };
 
         let addr = permit.upstream().addr;
+        // Which error a deadline before the first output is (one rule with the coordinator's).
+        let waits = (deadline - arrival, permit.waited_at_bound());
         // Dropped without an end (the client went away meanwhile): cut, `client_gone`.
         let mut charge = Charge::new(permit);
 
@@ -472,10 +474,9 @@ impl<A: Admission> Proxy<A> {
                 return Err(Failure::upstream(&err));
             }
             Err(_) => {
-                charge.cut("queue_deadline");
-                return Err(Failure::Api(ApiError::QueueDeadline {
-                    deployment: deployment_id,
-                }));
+                let error = crate::admission::deadline_error(&deployment_id, waits.1, waits.0);
+                charge.cut(error.metric_label());
+                return Err(Failure::Api(error));
             }
         };
         let status = engine.status;
@@ -489,6 +490,7 @@ impl<A: Admission> Proxy<A> {
 
         let settings = StreamSettings {
             deadline,
+            waits,
             idle: config.stream_idle_timeout,
             max_piece: config.max_piece,
             conn,
