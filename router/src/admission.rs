@@ -23,13 +23,13 @@ pub trait Admission: Clone + Send + Sync + 'static {
     fn resolve(&self, model: &str) -> Option<DeploymentRef>;
 
     /// Waits (queueing, switching, the 32 in-flight bound) until the request may be forwarded,
-    /// or fails with the product page's error. `body_bytes` counts against
-    /// `max_buffered_bytes_total` while the request waits. `deadline` is the request deadline
-    /// (arrival + `request_deadline`): past it the wait fails with [`deadline_error`]'s error.
+    /// or fails with the product page's error. `deadline` is the request deadline (arrival +
+    /// `request_deadline`): past it the wait fails with [`deadline_error`]'s error. (The
+    /// bodies of waiting requests are bounded by the listener, which holds every body it
+    /// reads within one budget of `max_buffered_bytes_total`: see `proxy::budget`.)
     fn admit(
         &self,
         deployment: DeploymentRef,
-        body_bytes: u64,
         deadline: Instant,
     ) -> impl Future<Output = Result<Self::Permit, ApiError>> + Send;
 }

@@ -3010,7 +3010,6 @@ impl Admission for TrackedAdmission {
     fn admit(
         &self,
         deployment: DeploymentRef,
-        body_bytes: u64,
         deadline: Instant,
     ) -> impl std::future::Future<Output = Result<Self::Permit, ApiError>> + Send {
         let inner = self.inner.clone();
@@ -3020,7 +3019,7 @@ impl Admission for TrackedAdmission {
             let used = names.used(&deployment, &server);
             // NB: requests are counted by the listener's observer (the metrics), which knows
             // the status sent; here only the use of the deployment is recorded.
-            let permit = inner.admit(deployment, body_bytes, deadline).await?;
+            let permit = inner.admit(deployment, deadline).await?;
             names.touch(&server, &permit.upstream().key.deployment, &used);
             Ok(TrackedPermit {
                 inner: permit,

@@ -319,7 +319,6 @@ impl CoordinatorHandle {
     async fn admit_inner(
         self,
         deployment: DeploymentRef,
-        body_bytes: u64,
         deadline: Instant,
     ) -> Result<CoordinatorPermit, ApiError> {
         // A ready deployment with room and nobody waiting: a lent slot, no round trip.
@@ -353,7 +352,6 @@ impl CoordinatorHandle {
                 request: AdmitRequest {
                     ticket,
                     deployment: deployment.id.clone(),
-                    body_bytes,
                     deadline,
                 },
                 reply,
@@ -376,10 +374,9 @@ impl Admission for CoordinatorHandle {
     fn admit(
         &self,
         deployment: DeploymentRef,
-        body_bytes: u64,
         deadline: Instant,
     ) -> impl Future<Output = Result<Self::Permit, ApiError>> + Send {
-        self.clone().admit_inner(deployment, body_bytes, deadline)
+        self.clone().admit_inner(deployment, deadline)
     }
 }
 

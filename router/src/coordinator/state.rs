@@ -71,8 +71,6 @@ pub(crate) struct AdmitRequest {
     pub ticket: Ticket,
     /// The deployment it names.
     pub deployment: DeploymentId,
-    /// Its body's size, charged to `max_buffered_bytes_total` while it waits.
-    pub body_bytes: u64,
     /// Past this it fails with `QueueDeadline` or `InFlightDeadline`.
     pub deadline: Instant,
 }
@@ -118,7 +116,6 @@ struct Waiter {
     ticket: Ticket,
     enqueued_at: Instant,
     deadline: Instant,
-    body_bytes: u64,
 }
 
 /// A ready instance the router routes to.
@@ -289,8 +286,6 @@ pub(crate) struct State {
     waiting: HashMap<Ticket, DeploymentId>,
     /// Waiting requests over all deployments.
     waiting_total: usize,
-    /// The bodies of all waiting requests.
-    buffered_bytes: u64,
     /// Waiting requests by deadline.
     deadlines: BTreeSet<(Instant, Ticket)>,
     switch: Option<Switch>,
@@ -332,7 +327,6 @@ impl State {
             deployments: BTreeMap::new(),
             waiting: HashMap::new(),
             waiting_total: 0,
-            buffered_bytes: 0,
             deadlines: BTreeSet::new(),
             switch: None,
             bring_ups: BTreeMap::new(),
@@ -860,20 +854,13 @@ impl State {
             );
             return;
         }
-        if self.buffered_bytes.saturating_add(req.body_bytes) > self.config.max_buffered_bytes_total
-        {
-            fx.refuse(req.ticket, ApiError::BufferedBytes);
-            return;
-        }
         dep.queue.push_back(Waiter {
             ticket: req.ticket,
             enqueued_at: now,
             deadline: req.deadline,
-            body_bytes: req.body_bytes,
         });
         self.waiting.insert(req.ticket, req.deployment);
         self.waiting_total += 1;
-        self.buffered_bytes += req.body_bytes;
         self.deadlines.insert((req.deadline, req.ticket));
     }
 
@@ -881,7 +868,6 @@ impl State {
     fn forget_waiter(&mut self, w: &Waiter) {
         self.waiting.remove(&w.ticket);
         self.waiting_total = self.waiting_total.saturating_sub(1);
-        self.buffered_bytes = self.buffered_bytes.saturating_sub(w.body_bytes);
         self.deadlines.remove(&(w.deadline, w.ticket));
     }
 
@@ -1387,7 +1373,6 @@ mod tests {
         AdmitRequest {
             ticket,
             deployment: d.into(),
-            body_bytes: 1,
             deadline,
         }
     }
@@ -1512,6 +1497,5 @@ mod tests {
             )]
         );
         assert_eq!(s.waiting_total, 0);
-        assert_eq!(s.buffered_bytes, 0);
     }
 }

@@ -22,9 +22,11 @@
 //!   `Content-Length`, or chunked in HTTP/1.0 is refused with 400; a chunk-size line with
 //!   anything but whitespace and an extension after the size is a 400), else
 //!   `Content-Length` (several must agree), else none. It is read whole before the request is
-//!   answered, within the request deadline: a declared length over `max_body_bytes` is refused
-//!   (413) before anything of it is read, and no `100 Continue` is sent; a chunked body is
-//!   refused once it passes the bound. `Expect: 100-continue` is answered when the body is
+//!   answered, within the request deadline and the listener's one budget for the bodies it
+//!   holds (see `budget`): a declared length takes its room before anything of it is read,
+//!   and is refused (413 over the bound alone, 429 when others hold the room) without a
+//!   `100 Continue`; a chunked body takes its buffer's room as it grows, and is refused the
+//!   same way once that does not fit. `Expect: 100-continue` is answered when the body is
 //!   waited for. Only the routes that forward read a body; elsewhere (404, 405,
 //!   `/v1/models`) it is not read, and no `100 Continue` is sent for it. A body not read to its
 //!   end closes the connection after the answer.
@@ -59,6 +61,7 @@ use http_body::Body;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::time::{Instant, Sleep};
 
+use super::budget::{Budget, Gather, Hold, RequestBody};
 use super::conn::{ConnWatch, StopWatch};
 use super::upstream::{
     Chunk, FramingHeaders, KEEP_BUFFER, MAX_HEAD, MAX_HEADERS, Span, decode_chunked, gather_lines,
@@ -104,7 +107,8 @@ pub(super) async fn serve<A: Admission, S>(
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
     let config = proxy.config();
-    let (limit, request_deadline) = (config.max_body_bytes, config.request_deadline);
+    let request_deadline = config.request_deadline;
+    let budget = Arc::clone(proxy.budget());
     let header_read_timeout = config.header_read_timeout;
     let mut conn = Server {
         io,
@@ -146,11 +150,11 @@ pub(super) async fn serve<A: Admission, S>(
         // grace ran out) is still reported.
         let report = proxy.watch();
         let body = if forwarded(&request.head) {
-            conn.read_body(&mut request, limit, deadline).await
+            conn.read_body(&mut request, &budget, deadline).await
         } else {
             // Not read (a route that takes none, or none at all): no `100 Continue` for it.
             request.unread = request.framing != Framing::Length(0);
-            Ok(Bytes::new())
+            Ok(RequestBody::default())
         };
         let Incoming {
             head,
@@ -347,25 +351,30 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
         incoming(&head, &line, &self.spans, &mut self.lines).map(Some)
     }
 
-    /// Reads the request's body whole, within `deadline` and `limit` (see the module's notes).
+    /// Reads the request's body whole, within `deadline` and the listener's `budget` (see the
+    /// module's notes).
     async fn read_body(
         &mut self,
         request: &mut Incoming,
-        limit: u64,
+        budget: &Arc<Budget>,
         deadline: Instant,
-    ) -> Result<Bytes, Failure> {
+    ) -> Result<RequestBody, Failure> {
+        let mut hold = Hold::new(budget);
         match request.framing {
-            Framing::Length(0) => return Ok(Bytes::new()),
-            Framing::Length(n) if n > limit => {
-                request.unread = true;
-                return Err(Failure::too_large(limit));
+            Framing::Length(0) => return Ok(RequestBody::default()),
+            // Its room is taken before anything of it is read (or asked for).
+            Framing::Length(n) => {
+                if let Err(refused) = hold.grow_to(n) {
+                    request.unread = true;
+                    return Err(Failure::Api(refused));
+                }
+                if self.buf.len() as u64 >= n {
+                    let body = self.buf.split_to(n as usize).freeze();
+                    self.leave_large(body.len());
+                    return Ok(RequestBody::new(body, hold));
+                }
             }
-            Framing::Length(n) if self.buf.len() as u64 >= n => {
-                let body = self.buf.split_to(n as usize).freeze();
-                self.leave_large(body.len());
-                return Ok(body);
-            }
-            _ => {}
+            Framing::Chunked => {}
         }
         let read = async {
             if request.expect_continue {
@@ -377,8 +386,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
                     .map_err(|err| Failure::unreadable(&err))?;
             }
             match request.framing {
-                Framing::Length(n) => self.read_length(n as usize).await,
-                Framing::Chunked => self.read_chunked(limit).await,
+                Framing::Length(n) => self.read_length(n as usize, hold).await,
+                Framing::Chunked => self.read_chunked(Gather::new(budget)).await,
             }
         };
         let read = match tokio::time::timeout_at(deadline, read).await {
@@ -391,21 +400,31 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
         read
     }
 
-    async fn read_length(&mut self, n: usize) -> Result<Bytes, Failure> {
+    /// Reads a body of `n` bytes into the read buffer, allocated whole at once (its room in
+    /// the budget, `hold`, is taken already), reading nothing past it.
+    async fn read_length(&mut self, n: usize, hold: Hold) -> Result<RequestBody, Failure> {
+        self.buf.reserve(n - self.buf.len());
         while self.buf.len() < n {
-            let missing = n - self.buf.len();
-            if self.buf.capacity() - self.buf.len() < missing.min(READ_SIZE) {
-                self.buf.reserve(missing.min(1024 * 1024));
-            }
-            match poll_fn(|cx| self.poll_fill(cx)).await {
-                Ok(0) => return Err(Failure::unreadable(&ClosedEarly)),
+            let read = poll_fn(|cx| {
+                // At most the body: what follows it is the next request's.
+                let mut rest = (&mut self.io).take((n - self.buf.len()) as u64);
+                pin!(rest.read_buf(&mut self.buf)).poll(cx)
+            });
+            match read.await {
+                Ok(0) => {
+                    self.read_closed = true;
+                    return Err(Failure::unreadable(&ClosedEarly));
+                }
                 Ok(_) => {}
-                Err(err) => return Err(Failure::unreadable(&err)),
+                Err(err) => {
+                    self.read_closed = true;
+                    return Err(Failure::unreadable(&err));
+                }
             }
         }
         let body = self.buf.split_to(n).freeze();
         self.leave_large(n);
-        Ok(body)
+        Ok(RequestBody::new(body, hold))
     }
 
     /// After a body of `n` bytes, leaves the read buffer behind if the body was large (see
@@ -416,21 +435,21 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
         }
     }
 
-    async fn read_chunked(&mut self, limit: u64) -> Result<Bytes, Failure> {
+    /// Reads a chunked body into `body`, whose buffer takes its room in the budget as it
+    /// grows.
+    async fn read_chunked(&mut self, mut body: Gather) -> Result<RequestBody, Failure> {
         let mut chunk = Chunk::Size;
-        let mut body = BytesMut::new();
+        let mut read = 0;
         loop {
             match decode_chunked(&mut chunk, &mut self.buf, true, REQUEST_BODY) {
                 Ok(Some(data)) => {
-                    if (body.len() + data.len()) as u64 > limit {
-                        return Err(Failure::too_large(limit));
-                    }
-                    body.extend_from_slice(&data);
+                    read += data.len();
+                    body.push(&data).map_err(Failure::Api)?;
                     continue;
                 }
                 Ok(None) if chunk == Chunk::Done => {
-                    self.leave_large(body.len());
-                    return Ok(body.freeze());
+                    self.leave_large(read);
+                    return Ok(body.finish());
                 }
                 Ok(None) => {}
                 Err(err) => return Err(Failure::unreadable(&err)),

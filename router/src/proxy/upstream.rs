@@ -60,6 +60,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::RequestHead;
+use super::budget::RequestBody;
 use crate::fast_hash::FastHash;
 
 /// An idle connection's socket is peeked at before reuse once it has been idle this long (see
@@ -842,19 +843,28 @@ impl Pool {
 
     /// Sends a request (`request`'s method, its target's path and query, `Host` and
     /// `Content-Length` set here, its header lines) with `body` to `addr` and reads the
-    /// response head. The body keeps the connection.
+    /// response head. The body is dropped (its part of the listener's budget given back) once
+    /// it is written, before the answer is waited for. The answer's body keeps the connection.
     pub(crate) async fn request(
         self: &Arc<Self>,
         addr: SocketAddr,
         request: &RequestHead,
-        body: Bytes,
+        body: RequestBody,
     ) -> Result<(EngineHead, UpstreamBody), UpstreamError> {
         let (mut conn, mut reused, host) = self.checkout(addr).await?;
         let mut head = std::mem::take(&mut conn.head);
         encode_head(&mut head, request, &host, body.len());
+        let mut body = Some(body);
         let (engine, framing, keep) = loop {
-            let err = match conn.write(&head, &body).await {
-                Ok(()) => break conn.read_head().await?,
+            let written = match &body {
+                Some(bytes) => conn.write(&head, bytes).await,
+                None => Ok(()),
+            };
+            let err = match written {
+                Ok(()) => {
+                    drop(body.take());
+                    break conn.read_head().await?;
+                }
                 Err(err) => err,
             };
             // The engine may have answered before it stopped reading (refusing a body it did
@@ -1323,7 +1333,7 @@ mod tests {
         request: Request<Bytes>,
     ) -> Result<(EngineHead, UpstreamBody), UpstreamError> {
         let (parts, body) = request.into_parts();
-        pool.request(addr, &RequestHead::from_parts(parts), body)
+        pool.request(addr, &RequestHead::from_parts(parts), body.into())
             .await
     }
 
