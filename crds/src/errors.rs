@@ -140,6 +140,18 @@ pub enum ApiError {
         /// The bound in bytes.
         limit: u64,
     },
+    /// 414 `uri_too_long`: the request target (path and query) is longer than the listener
+    /// reads (RFC 9112 3).
+    UriTooLong {
+        /// The bound in bytes.
+        limit: usize,
+    },
+    /// 501 `not_implemented`: the request asks for something the listener does not implement,
+    /// e.g. a transfer coding other than chunked (RFC 9112 6.1).
+    NotImplemented {
+        /// What is asked for, as a phrase (e.g. `the transfer coding gzip`).
+        what: String,
+    },
     /// 401 `unauthorized`: the management API needs `Authorization: Bearer <admin token>`.
     Unauthorized,
     /// 409 `awaiting_measurement`: a start without `--wait` of a checkpoint not measured yet.
@@ -205,6 +217,8 @@ impl ApiError {
             ApiError::ModelNotFound { .. } | ApiError::NotFound { .. } => 404,
             ApiError::InvalidRequest { .. } => 400,
             ApiError::RequestTooLarge { .. } => 413,
+            ApiError::UriTooLong { .. } => 414,
+            ApiError::NotImplemented { .. } => 501,
             ApiError::Unauthorized => 401,
         }
     }
@@ -229,6 +243,8 @@ impl ApiError {
             ApiError::InvalidRequest { .. } => "invalid_request",
             ApiError::NotFound { .. } => "not_found",
             ApiError::RequestTooLarge { .. } => "request_too_large",
+            ApiError::UriTooLong { .. } => "uri_too_long",
+            ApiError::NotImplemented { .. } => "not_implemented",
             ApiError::Unauthorized => "unauthorized",
             ApiError::AwaitingMeasurement { .. } => "awaiting_measurement",
             ApiError::DoesNotFit { .. } => "does_not_fit",
@@ -308,6 +324,10 @@ impl ApiError {
             ApiError::RequestTooLarge { limit } => {
                 format!("request body exceeds the buffered-bytes bound of {limit} bytes")
             }
+            ApiError::UriTooLong { limit } => {
+                format!("the request target is longer than {limit} bytes")
+            }
+            ApiError::NotImplemented { what } => format!("{what} is not implemented"),
             ApiError::Unauthorized => {
                 "the management API needs `Authorization: Bearer <admin token>`".to_string()
             }
@@ -362,6 +382,8 @@ impl ApiError {
             ApiError::InvalidRequest { .. } => "invalid_request",
             ApiError::NotFound { .. } => "not_found",
             ApiError::RequestTooLarge { .. } => "request_too_large",
+            ApiError::UriTooLong { .. } => "uri_too_long",
+            ApiError::NotImplemented { .. } => "not_implemented",
             ApiError::Unauthorized => "unauthorized",
             ApiError::AwaitingMeasurement { .. } => "awaiting_measurement",
             ApiError::DoesNotFit { .. } => "does_not_fit",
@@ -663,6 +685,28 @@ mod tests {
             413,
             "request_too_large",
             "request body exceeds the buffered-bytes bound of 67108864 bytes",
+        );
+    }
+
+    #[test]
+    fn uri_too_long_message() {
+        check(
+            ApiError::UriTooLong { limit: 8192 },
+            414,
+            "uri_too_long",
+            "the request target is longer than 8192 bytes",
+        );
+    }
+
+    #[test]
+    fn not_implemented_message() {
+        check(
+            ApiError::NotImplemented {
+                what: "the transfer coding gzip".into(),
+            },
+            501,
+            "not_implemented",
+            "the transfer coding gzip is not implemented",
         );
     }
 

@@ -152,7 +152,6 @@ pub fn router_config(config: &StandaloneConfig) -> RouterConfig {
         stream_idle_timeout: q.stream_idle_timeout,
         max_pending_per_deployment: q.max_pending_per_deployment as usize,
         max_pending_total: q.max_pending_total as usize,
-        max_buffered_bytes_total: q.max_buffered_bytes_total,
         execute_timeout: execute_timeout(&config.server),
         ..RouterConfig::default()
     }
@@ -175,7 +174,7 @@ pub fn proxy_config(config: &StandaloneConfig) -> ProxyConfig {
     ProxyConfig {
         request_deadline: q.request_deadline,
         stream_idle_timeout: q.stream_idle_timeout,
-        max_body_bytes: q.max_buffered_bytes_total,
+        max_buffered_bytes_total: q.max_buffered_bytes_total,
         ..ProxyConfig::default()
     }
 }

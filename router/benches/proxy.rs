@@ -246,6 +246,9 @@ impl Permit for TrivialPermit {
     }
     fn first_output(&self) {}
     fn cut(&self) {}
+    fn waited_at_bound(&self) -> std::time::Duration {
+        std::time::Duration::ZERO
+    }
 }
 
 impl Admission for Trivial {
@@ -261,7 +264,6 @@ impl Admission for Trivial {
     async fn admit(
         &self,
         _deployment: DeploymentRef,
-        _body_bytes: u64,
         _deadline: tokio::time::Instant,
     ) -> Result<TrivialPermit, ApiError> {
         Ok(TrivialPermit(Arc::clone(&self.0)))
@@ -478,7 +480,7 @@ async fn start_proxy(
     let addr = listener.local_addr().unwrap();
     let config = ProxyConfig {
         request_deadline: router_config.request_deadline,
-        max_body_bytes: router_config.max_buffered_bytes_total,
+        max_buffered_bytes_total: ProxyConfig::default().max_buffered_bytes_total,
         ..ProxyConfig::default()
     };
     let config = with_listener_threads(config, setup.listener_threads);
@@ -654,11 +656,10 @@ mod server_like {
         async fn admit(
             &self,
             deployment: DeploymentRef,
-            body_bytes: u64,
             deadline: Instant,
         ) -> Result<TrackedPermit, ApiError> {
             let used = self.names.used(&deployment);
-            let inner = self.inner.admit(deployment, body_bytes, deadline).await?;
+            let inner = self.inner.admit(deployment, deadline).await?;
             self.names
                 .touch(&self.lifecycle, &inner.upstream().key.deployment, &used);
             let _ = &self.lifecycle.changes;
@@ -680,6 +681,9 @@ mod server_like {
         }
         fn cut(&self) {
             self.inner.cut();
+        }
+        fn waited_at_bound(&self) -> std::time::Duration {
+            self.inner.waited_at_bound()
         }
     }
 

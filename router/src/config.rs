@@ -39,9 +39,6 @@ pub struct RouterConfig {
     /// Waiting requests over all deployments (`resource_policy.queue.max_pending_total`,
     /// default 256).
     pub max_pending_total: usize,
-    /// The bodies of waiting requests, in bytes, over all deployments
-    /// (`resource_policy.queue.max_buffered_bytes_total`, default 64 MiB).
-    pub max_buffered_bytes_total: u64,
     /// Requests forwarded at once per deployment. Fixed at [`IN_FLIGHT_PER_DEPLOYMENT`] by the
     /// product; a field only so that the load read and tests can name it.
     pub in_flight_per_deployment: usize,
@@ -70,7 +67,6 @@ impl Default for RouterConfig {
             stream_idle_timeout: Duration::from_secs(120),
             max_pending_per_deployment: 64,
             max_pending_total: 256,
-            max_buffered_bytes_total: 64 * 1024 * 1024,
             in_flight_per_deployment: IN_FLIGHT_PER_DEPLOYMENT,
             execute_timeout: Duration::from_secs(20 * 60),
         }
@@ -89,7 +85,6 @@ mod tests {
         assert_eq!(c.stream_idle_timeout, Duration::from_secs(120));
         assert_eq!(c.max_pending_per_deployment, 64);
         assert_eq!(c.max_pending_total, 256);
-        assert_eq!(c.max_buffered_bytes_total, 67_108_864);
         assert_eq!(c.in_flight_per_deployment, 32);
         assert!(!c.no_wait());
     }

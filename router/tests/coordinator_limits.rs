@@ -4,10 +4,14 @@
 mod coordinator_support;
 
 use capyctl_crds::errors::ApiError;
+use capyctl_router::admission::{Admission, Permit, deadline_error};
 use capyctl_router::config::RouterConfig;
+use capyctl_router::coordinator::testing::FakeState;
 use capyctl_router::coordinator::testing::FakeTimings;
 use capyctl_router::lifecycle::Plan;
 use coordinator_support::*;
+use std::time::Duration;
+use tokio::time::Instant;
 
 fn config(f: impl FnOnce(&mut RouterConfig)) -> RouterConfig {
     let mut c = RouterConfig::default();
@@ -68,42 +72,10 @@ async fn limit_max_pending_total() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn limit_max_buffered_bytes_total() {
-    let r = rig_with(
-        config(|c| c.max_buffered_bytes_total = 1000),
-        FakeTimings::default(),
-        1,
-    )
-    .await;
-    let big = r.send_sized(&r.b, 600, hold(1.0));
-    let mut fits = r.send_sized(&r.b, 400, hold(1.0));
-    r.until(0.0).await;
-    let mut over = r.send_sized(&r.b, 1, hold(1.0));
-    r.until(0.0).await;
-    assert!(fits.waiting());
-    let (_, e) = over.refused();
-    assert_eq!(e, ApiError::BufferedBytes);
-    assert_eq!(
-        e.message(),
-        "waiting requests exceed the buffered-bytes bound"
-    );
-    // A waiter that hangs up gives its bytes back.
-    big.end();
-    r.until(0.1).await;
-    let mut again = r.send_sized(&r.b, 500, hold(1.0));
-    r.until(0.2).await;
-    assert!(again.waiting());
-    // A request admitted at once buffers nothing: chat-a is ready.
-    let mut a = r.send_sized(&r.a, 5000, hold(1.0));
-    r.until(0.3).await;
-    assert_eq!(a.admitted_at(), secs(0.2));
-}
-
-#[tokio::test(start_paused = true)]
 async fn deadline_queue_when_never_servable() {
     let r = rig().await;
     r.fake.script_plan(B, Ok(Plan::Later));
-    let mut q = r.send_full(&r.b, 10, r.t0 + secs(10.0), hold(1.0));
+    let mut q = r.send_full(&r.b, r.t0 + secs(10.0), hold(1.0));
     r.until(9.999).await;
     assert!(q.waiting());
     r.until(10.0).await;
@@ -127,7 +99,7 @@ async fn deadline_in_flight_when_32_running() {
     let r = rig().await;
     let _running: Vec<Req> = (0..32).map(|_| r.send(&r.a, Hold::Forever)).collect();
     r.until(0.0).await;
-    let mut q = r.send_full(&r.a, 10, r.t0 + secs(5.0), hold(1.0));
+    let mut q = r.send_full(&r.a, r.t0 + secs(5.0), hold(1.0));
     r.until(4.999).await;
     assert!(q.waiting());
     r.until(5.0).await;
@@ -144,6 +116,61 @@ async fn deadline_in_flight_when_32_running() {
         format!("deployment {A} stayed at its in-flight bound for the queue deadline")
     );
     assert_eq!(e.status(), 429);
+}
+
+/// The 32 requests ahead end a moment before the waiter's deadline (as requests the engine
+/// never answers reach their own deadlines first): the waiter gets its slot then, with the
+/// time it waited at the bound, and the one deadline rule names the in-flight bound should
+/// its own deadline pass at the engine (through the listener: `proxy_coordinator.rs`).
+#[tokio::test(start_paused = true)]
+async fn a_slot_freed_just_before_the_deadline_carries_the_wait_at_the_bound() {
+    let r = rig().await;
+    let _running: Vec<Req> = (0..32).map(|_| r.send(&r.a, hold(4.9))).collect();
+    r.until(0.0).await;
+    let deadline = r.t0 + secs(5.0);
+    let permit = r.h.admit(r.a.clone(), deadline).await.unwrap();
+    assert_eq!(Instant::now() - r.t0, secs(4.9));
+    assert_eq!(permit.waited_at_bound(), secs(4.9));
+    assert_eq!(
+        deadline_error(A, permit.waited_at_bound(), secs(5.0)),
+        ApiError::InFlightDeadline {
+            deployment: A.into()
+        }
+    );
+    // Admitted at once: nothing at the bound.
+    drop(permit);
+    r.until(5.0).await;
+    let permit = r.h.admit(r.a.clone(), r.t0 + secs(10.0)).await.unwrap();
+    assert_eq!(permit.waited_at_bound(), Duration::ZERO);
+}
+
+/// Waiting for a wake most of the deadline, then briefly at the bound of the woken model:
+/// the deadline is the queue's (503), not the in-flight bound's.
+#[tokio::test(start_paused = true)]
+async fn deadline_queue_when_servable_only_at_the_end() {
+    let r = rig().await;
+    // chat-b wakes at 9 s (its plan answers `Later` until then), 32 requests take its slots
+    // at once and hold them; one more waited 9 s for the wake and 1 s at the bound.
+    r.fake.script_plan(B, Ok(Plan::Later));
+    let _running: Vec<Req> = (0..32)
+        .map(|_| r.send_full(&r.b, r.t0 + secs(600.0), Hold::Forever))
+        .collect();
+    r.until(0.0).await;
+    let mut late = r.send_full(&r.b, r.t0 + secs(10.0), hold(1.0));
+    r.until(9.0).await;
+    r.fake.set_state(B, FakeState::Ready);
+    r.fake.announce(B).await;
+    r.until(9.999).await;
+    assert!(late.waiting());
+    r.until(10.0).await;
+    let (at, e) = late.refused();
+    assert_eq!(at, secs(10.0));
+    assert_eq!(
+        e,
+        ApiError::QueueDeadline {
+            deployment: B.into()
+        }
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -341,7 +368,7 @@ async fn every_request_ends_once_under_churn() {
     for i in 0..60u32 {
         let dep = [&r.a, &r.b, &r.c][(i % 3) as usize].clone();
         let deadline = tokio::time::Instant::now() + secs(4.0 + f64::from(i % 7));
-        reqs.push(r.send_full(&dep, 10, deadline, hold(0.3)));
+        reqs.push(r.send_full(&dep, deadline, hold(0.3)));
         deadlines.push(deadline - r.t0);
         if i.is_multiple_of(11) {
             let victim = i as usize / 2;

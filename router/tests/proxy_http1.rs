@@ -9,7 +9,7 @@ mod proxy_support;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 
-use capyctl_router::proxy::ProxyConfig;
+use capyctl_router::proxy::{Proxy, ProxyConfig, serve};
 use proxy_support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -304,8 +304,8 @@ async fn a_head_that_cannot_be_read_is_a_400_that_says_why() {
     let long = format!("x-long: {}\r\n", "a".repeat(70 * 1024));
     let cases = [
         (
-            "transfer-encoding: gzip\r\n".to_string(),
-            "does not end in chunked",
+            "transfer-encoding: chunked, chunked\r\n".to_string(),
+            "chunked more than once",
         ),
         (
             "transfer-encoding: chunked\r\ncontent-length: 3\r\n".to_string(),
@@ -347,6 +347,245 @@ async fn a_head_that_cannot_be_read_is_a_400_that_says_why() {
         assert!(raw.closed().await, "{says}: still open");
     }
     assert_eq!(record.entered.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn rfc_9112_refusals_a_coding_not_implemented_a_bad_chunk_size_a_long_target() {
+    let sim = start_sim(&[]).await;
+    let admission = TestAdmission::new(sim);
+    let record = std::sync::Arc::clone(&admission.record);
+    let proxy = start_proxy(admission, ProxyConfig::default()).await;
+    let refused = |status: u16, code: &'static str, says: &'static str| (status, code, says);
+    let post = "POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\n";
+    let long = "a".repeat(8 * 1024);
+    let cases = [
+        // RFC 9112 6.1: a transfer coding the server does not understand is a 501.
+        (
+            format!("{post}transfer-encoding: gzip\r\n\r\n"),
+            refused(
+                501,
+                "not_implemented",
+                r#"transfer coding "gzip" is not implemented"#,
+            ),
+        ),
+        (
+            format!("{post}transfer-encoding: gzip, chunked\r\n\r\n"),
+            refused(501, "not_implemented", r#"transfer coding "gzip""#),
+        ),
+        (
+            format!("{post}transfer-encoding: chunked\r\ntransfer-encoding: br\r\n\r\n"),
+            refused(501, "not_implemented", r#"transfer coding "br""#),
+        ),
+        // RFC 9112 7.1: after the size, only an extension (`;`).
+        (
+            format!("{post}transfer-encoding: chunked\r\n\r\n5x\r\nhello\r\n0\r\n\r\n"),
+            refused(400, "invalid_request", "a bad chunk size"),
+        ),
+        (
+            format!("{post}transfer-encoding: chunked\r\n\r\n5 junk\r\nhello\r\n0\r\n\r\n"),
+            refused(400, "invalid_request", "a bad chunk size"),
+        ),
+        // RFC 9112 3: a target over 8 KiB is a 414, whole or still arriving.
+        (
+            format!("GET /{long} HTTP/1.1\r\nhost: t\r\n\r\n"),
+            refused(414, "uri_too_long", "longer than 8192 bytes"),
+        ),
+        (
+            format!("POST /v1/chat/completions?q={long}"),
+            refused(414, "uri_too_long", "longer than 8192 bytes"),
+        ),
+    ];
+    for (request, (status, code, says)) in cases {
+        let mut raw = Raw::open(proxy).await;
+        raw.send(request.as_bytes()).await;
+        let answer = raw.answer().await;
+        assert_eq!(answer.status, status, "{says}: {answer:?}");
+        let body = answer.json();
+        assert_eq!(body["code"], code, "{says}");
+        assert_eq!(body["retryable"], false, "{says}");
+        let message = body["message"].as_str().unwrap();
+        assert!(message.contains(says), "{says}: {message}");
+        assert_eq!(answer.header("connection"), Some("close"), "{says}");
+        assert!(raw.closed().await, "{says}: still open");
+    }
+    assert_eq!(record.entered.load(Ordering::SeqCst), 0);
+
+    // At the bound itself: read, and answered as any request (here a 404 of the route), and
+    // a chunk size with whitespace before its end or its extension is a size.
+    let mut raw = Raw::open(proxy).await;
+    let target = format!("/{}", "a".repeat(8 * 1024 - 1));
+    raw.send(format!("GET {target} HTTP/1.1\r\nhost: t\r\n\r\n").as_bytes())
+        .await;
+    assert_eq!(raw.answer().await.status, 404);
+    let body = chat(false);
+    let (a, b) = body.split_at(10);
+    raw.send(
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n{:x} \r\n{a}\r\n{:x}\t;x=1\r\n{b}\r\n0\r\n\r\n",
+            a.len(),
+            b.len()
+        )
+        .as_bytes(),
+    )
+    .await;
+    let answer = raw.answer().await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+}
+
+/// A listener in front of `admission` whose bodies share a budget of `limit` bytes; the
+/// listener itself, to read what its bodies hold.
+async fn budget_proxy(admission: TestAdmission, limit: u64) -> (SocketAddr, Proxy<TestAdmission>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let config = ProxyConfig {
+        max_buffered_bytes_total: limit,
+        ..ProxyConfig::default()
+    };
+    let proxy = Proxy::new(admission, catalog, config);
+    tokio::spawn(serve(listener, proxy.clone(), std::future::pending()));
+    (addr, proxy)
+}
+
+/// Waits until the listener's bodies hold `bytes`.
+async fn until_held(proxy: &Proxy<TestAdmission>, bytes: u64) {
+    let end = tokio::time::Instant::now() + PATIENCE;
+    while proxy.buffered_bytes() != bytes {
+        assert!(
+            tokio::time::Instant::now() < end,
+            "bodies hold {} bytes, not {bytes}",
+            proxy.buffered_bytes()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+}
+
+const KIB: usize = 1024;
+
+/// A chat body of exactly `len` bytes.
+fn chat_of(len: usize) -> String {
+    let empty = chat(false).replace("Hello", "");
+    chat(false).replace("Hello", &"a".repeat(len - empty.len()))
+}
+
+/// A head declaring a body of `len` bytes.
+fn head_of(len: usize, more: &str) -> String {
+    format!("POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\n{more}content-length: {len}\r\n\r\n")
+}
+
+fn expect_refusal(answer: &Answer, status: u16, message: &str) {
+    assert_eq!(answer.status, status, "{answer:?}");
+    let body = answer.json();
+    assert_eq!(
+        body["code"],
+        if status == 429 {
+            "queue_full"
+        } else {
+            "request_too_large"
+        }
+    );
+    assert_eq!(body["message"], message);
+    assert_eq!(
+        answer.header("retry-after"),
+        (status == 429).then_some("1"),
+        "{answer:?}"
+    );
+    assert_eq!(answer.header("connection"), Some("close"));
+}
+
+#[tokio::test]
+async fn bodies_being_read_share_one_budget_and_the_ones_that_do_not_fit_are_refused_at_once() {
+    let sim = start_sim(&[]).await;
+    let admission = TestAdmission::new(sim);
+    let record = std::sync::Arc::clone(&admission.record);
+    let (addr, proxy) = budget_proxy(admission, 1024 * KIB as u64).await;
+    let full = "waiting requests exceed the buffered-bytes bound";
+
+    // Two clients send 400 KiB bodies slowly: each holds its declared length at once.
+    let mut slow = Vec::new();
+    for i in 1..=2 {
+        let mut raw = Raw::open(addr).await;
+        raw.send(head_of(400 * KIB, "").as_bytes()).await;
+        raw.send(&chat_of(400 * KIB).as_bytes()[..100 * KIB]).await;
+        until_held(&proxy, (i * 400 * KIB) as u64).await;
+        slow.push(raw);
+    }
+    // A third does not fit: refused before `100 Continue`, without a byte of it read.
+    let mut third = Raw::open(addr).await;
+    third
+        .send(head_of(400 * KIB, "expect: 100-continue\r\n").as_bytes())
+        .await;
+    expect_refusal(&third.answer().await, 429, full);
+    assert!(third.closed().await);
+    // One that could never fit, whatever the others do: 413.
+    let mut huge = Raw::open(addr).await;
+    huge.send(head_of(2048 * KIB, "").as_bytes()).await;
+    expect_refusal(
+        &huge.answer().await,
+        413,
+        "request body exceeds the buffered-bytes bound of 1048576 bytes",
+    );
+    // A chunked one holds its buffer as it grows, and is refused once that passes what is
+    // left (224 KiB), while it is still being sent.
+    let mut chunked = Raw::open(addr).await;
+    chunked
+        .send(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n",
+        )
+        .await;
+    let piece = "a".repeat(32 * KIB);
+    for _ in 0..8 {
+        chunked
+            .send(format!("{:x}\r\n{piece}\r\n", piece.len()).as_bytes())
+            .await;
+    }
+    expect_refusal(&chunked.answer().await, 429, full);
+    assert!(chunked.closed().await);
+    until_held(&proxy, (800 * KIB) as u64).await;
+    assert_eq!(record.entered.load(Ordering::SeqCst), 0);
+
+    // The slow clients go away mid-body: everything is given back.
+    drop(slow);
+    until_held(&proxy, 0).await;
+    // And a body as large as the bound alone fits again, is forwarded and then given back.
+    let mut whole = Raw::open(addr).await;
+    let body = chat_of(1024 * KIB);
+    whole
+        .send(format!("{}{body}", head_of(body.len(), "")).as_bytes())
+        .await;
+    let answer = whole.answer().await;
+    assert!(![413, 429].contains(&answer.status), "{answer:?}");
+    assert_eq!(record.entered.load(Ordering::SeqCst), 1);
+    until_held(&proxy, 0).await;
+}
+
+#[tokio::test]
+async fn a_waiting_body_holds_its_part_of_the_budget_until_its_request_ends() {
+    let sim = start_sim(&[]).await;
+    let admission = TestAdmission::new(sim).with_mode(Mode::Never);
+    let (addr, proxy) = budget_proxy(admission, 1024 * KIB as u64).await;
+    // Read whole, and waiting for its admission (which never comes).
+    let mut waiting = Raw::open(addr).await;
+    let body = chat_of(700 * KIB);
+    waiting
+        .send(format!("{}{body}", head_of(body.len(), "")).as_bytes())
+        .await;
+    until_held(&proxy, (700 * KIB) as u64).await;
+    // The same budget: a body that fits beside it is read, one that does not is refused.
+    let mut refused = Raw::open(addr).await;
+    refused.send(head_of(400 * KIB, "").as_bytes()).await;
+    expect_refusal(
+        &refused.answer().await,
+        429,
+        "waiting requests exceed the buffered-bytes bound",
+    );
+    // The waiting client hangs up: its body is given back.
+    drop(waiting);
+    until_held(&proxy, 0).await;
+    let mut fits = Raw::open(addr).await;
+    let body = chat_of(400 * KIB);
+    fits.send(format!("{}{body}", head_of(body.len(), "")).as_bytes())
+        .await;
+    until_held(&proxy, (400 * KIB) as u64).await;
 }
 
 /// An engine that takes one request, sends its head (as it came) to the receiver, and

@@ -275,7 +275,6 @@ pub fn router_config(server: &ServerConfig, queue: &QueueSettings) -> RouterConf
         stream_idle_timeout: queue.stream_idle_timeout,
         max_pending_per_deployment: queue.max_pending_per_deployment as usize,
         max_pending_total: queue.max_pending_total as usize,
-        max_buffered_bytes_total: queue.max_buffered_bytes_total,
         execute_timeout: crate::standalone::execute_timeout(server),
         ..RouterConfig::default()
     }
@@ -286,7 +285,7 @@ pub fn proxy_config(queue: &QueueSettings) -> ProxyConfig {
     ProxyConfig {
         request_deadline: queue.request_deadline,
         stream_idle_timeout: queue.stream_idle_timeout,
-        max_body_bytes: queue.max_buffered_bytes_total,
+        max_buffered_bytes_total: queue.max_buffered_bytes_total,
         ..ProxyConfig::default()
     }
 }
@@ -1197,6 +1196,6 @@ mod tests {
         assert_eq!(r.max_pending_per_deployment, 3);
         assert_eq!(r.drain_timeout, server.switching.drain_timeout);
         assert_eq!(r.request_deadline, Duration::from_secs(600));
-        assert_eq!(proxy_config(&queue).max_body_bytes, 64 << 20);
+        assert_eq!(proxy_config(&queue).max_buffered_bytes_total, 64 << 20);
     }
 }

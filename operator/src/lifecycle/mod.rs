@@ -3016,7 +3016,6 @@ impl Admission for TrackedAdmission {
     fn admit(
         &self,
         deployment: DeploymentRef,
-        body_bytes: u64,
         deadline: Instant,
     ) -> impl std::future::Future<Output = Result<Self::Permit, ApiError>> + Send {
         let inner = self.inner.clone();
@@ -3026,7 +3025,7 @@ impl Admission for TrackedAdmission {
             let used = names.used(&deployment, &server);
             // NB: requests are counted by the listener's observer (the metrics), which knows
             // the status sent; here only the use of the deployment is recorded.
-            let permit = inner.admit(deployment, body_bytes, deadline).await?;
+            let permit = inner.admit(deployment, deadline).await?;
             names.touch(&server, &permit.upstream().key.deployment, &used);
             Ok(TrackedPermit {
                 inner: permit,
@@ -3049,6 +3048,10 @@ impl Permit for TrackedPermit {
 
     fn cut(&self) {
         self.inner.cut();
+    }
+
+    fn waited_at_bound(&self) -> std::time::Duration {
+        self.inner.waited_at_bound()
     }
 }
 

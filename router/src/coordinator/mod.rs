@@ -319,7 +319,6 @@ impl CoordinatorHandle {
     async fn admit_inner(
         self,
         deployment: DeploymentRef,
-        body_bytes: u64,
         deadline: Instant,
     ) -> Result<CoordinatorPermit, ApiError> {
         // A ready deployment with room and nobody waiting: a lent slot, no round trip.
@@ -334,6 +333,7 @@ impl CoordinatorHandle {
                 }),
                 first_output: AtomicBool::new(false),
                 cut: AtomicBool::new(false),
+                at_bound: Duration::ZERO,
                 endings: Some(self.endings.clone()),
             });
         }
@@ -352,7 +352,6 @@ impl CoordinatorHandle {
                 request: AdmitRequest {
                     ticket,
                     deployment: deployment.id.clone(),
-                    body_bytes,
                     deadline,
                 },
                 reply,
@@ -375,10 +374,9 @@ impl Admission for CoordinatorHandle {
     fn admit(
         &self,
         deployment: DeploymentRef,
-        body_bytes: u64,
         deadline: Instant,
     ) -> impl Future<Output = Result<Self::Permit, ApiError>> + Send {
-        self.clone().admit_inner(deployment, body_bytes, deadline)
+        self.clone().admit_inner(deployment, deadline)
     }
 }
 
@@ -396,6 +394,8 @@ pub struct CoordinatorPermit {
     first_output: AtomicBool,
     /// Set by `cut`; read once, in `Drop`.
     cut: AtomicBool,
+    /// How long it waited at its deployment's in-flight bound (see [`Grant::at_bound`]).
+    at_bound: Duration,
     /// Where the end goes; `None` once defused (never handed out).
     endings: Option<mpsc::UnboundedSender<Ending>>,
 }
@@ -435,6 +435,10 @@ impl Permit for CoordinatorPermit {
 
     fn cut(&self) {
         self.cut.store(true, Ordering::Relaxed);
+    }
+
+    fn waited_at_bound(&self) -> Duration {
+        self.at_bound
     }
 }
 
@@ -821,6 +825,7 @@ impl Effects for TaskEffects {
             lane: None,
             first_output: AtomicBool::new(false),
             cut: AtomicBool::new(false),
+            at_bound: grant.at_bound,
             endings: Some(self.endings.clone()),
         };
         match reply.send(Ok(permit)) {

@@ -15,6 +15,7 @@ use std::time::Duration;
 use capyctl_crds::errors::ApiError;
 use tokio::time::Instant;
 
+use crate::admission::deadline_error;
 use crate::config::RouterConfig;
 use crate::lifecycle::{DeploymentId, DrainReport, InstanceKey, Plan, SwitchOrder, Upstream};
 
@@ -45,6 +46,9 @@ pub(crate) struct Grant {
     pub upstream: Arc<Upstream>,
     /// The serial of the instance entry it is charged to (see [`Inst::serial`]).
     pub serial: u64,
+    /// How long it waited for one of the in-flight slots of its deployment while that was
+    /// servable (see [`crate::admission::deadline_error`]).
+    pub at_bound: Duration,
 }
 
 /// How a granted request ended (reported by the permit's `Drop`).
@@ -67,8 +71,6 @@ pub(crate) struct AdmitRequest {
     pub ticket: Ticket,
     /// The deployment it names.
     pub deployment: DeploymentId,
-    /// Its body's size, charged to `max_buffered_bytes_total` while it waits.
-    pub body_bytes: u64,
     /// Past this it fails with `QueueDeadline` or `InFlightDeadline`.
     pub deadline: Instant,
 }
@@ -114,7 +116,6 @@ struct Waiter {
     ticket: Ticket,
     enqueued_at: Instant,
     deadline: Instant,
-    body_bytes: u64,
 }
 
 /// A ready instance the router routes to.
@@ -163,11 +164,30 @@ struct Dep {
     wanted_since: Option<Instant>,
     /// Why it is not planned now.
     blocked: Option<Blocked>,
+    /// Since when it has had an open instance without a break (`None`: it has none).
+    servable_since: Option<Instant>,
 }
 
 impl Dep {
     fn has_open(&self) -> bool {
         self.instances.values().any(|i| i.open)
+    }
+
+    /// Notes whether it has an open instance, after its instances opened or closed.
+    fn note_servable(&mut self, now: Instant) {
+        self.servable_since = if self.has_open() {
+            Some(self.servable_since.unwrap_or(now))
+        } else {
+            None
+        };
+    }
+
+    /// How long the waiter `w` has waited, until `now`, for one of its in-flight slots while
+    /// it was servable.
+    fn at_bound(&self, w: &Waiter, now: Instant) -> Duration {
+        self.servable_since.map_or(Duration::ZERO, |since| {
+            now.saturating_duration_since(since.max(w.enqueued_at))
+        })
     }
 
     fn has_closed(&self) -> bool {
@@ -266,8 +286,6 @@ pub(crate) struct State {
     waiting: HashMap<Ticket, DeploymentId>,
     /// Waiting requests over all deployments.
     waiting_total: usize,
-    /// The bodies of all waiting requests.
-    buffered_bytes: u64,
     /// Waiting requests by deadline.
     deadlines: BTreeSet<(Instant, Ticket)>,
     switch: Option<Switch>,
@@ -301,18 +319,6 @@ pub(crate) fn window_closes_at(
     }
 }
 
-/// The error for a request that waited until its deadline: `InFlightDeadline` when the
-/// deployment is servable (it waited only for one of the in-flight slots), `QueueDeadline`
-/// otherwise.
-pub(crate) fn deadline_error(deployment: &str, servable: bool) -> ApiError {
-    let deployment = deployment.to_string();
-    if servable {
-        ApiError::InFlightDeadline { deployment }
-    } else {
-        ApiError::QueueDeadline { deployment }
-    }
-}
-
 impl State {
     /// Empty state.
     pub(crate) fn new(config: RouterConfig) -> Self {
@@ -321,7 +327,6 @@ impl State {
             deployments: BTreeMap::new(),
             waiting: HashMap::new(),
             waiting_total: 0,
-            buffered_bytes: 0,
             deadlines: BTreeSet::new(),
             switch: None,
             bring_ups: BTreeMap::new(),
@@ -340,7 +345,7 @@ impl State {
         let dep = self.deployments.entry(req.deployment.clone()).or_default();
         if dep.has_open() {
             if dep.queue.is_empty() && dep.in_flight < limit {
-                self.grant_now(now, &req.deployment, req.ticket, fx);
+                self.grant_now(now, &req.deployment, req.ticket, Duration::ZERO, fx);
             } else if no_wait {
                 fx.refuse(
                     req.ticket,
@@ -504,6 +509,7 @@ impl State {
                 );
             }
         }
+        dep.note_servable(now);
         dep.wanted_since = None;
         self.unblock(true);
         // The target became ready by other means: the switch is not needed any more.
@@ -516,6 +522,7 @@ impl State {
     pub(crate) fn instance_gone(&mut self, now: Instant, key: InstanceKey, fx: &mut impl Effects) {
         if let Some(dep) = self.deployments.get_mut(&key.deployment) {
             dep.instances.remove(&key);
+            dep.note_servable(now);
         }
         // NB: a victim that went away stays in its switch's or release's list: it counts as
         // drained (nothing charged) and is still named in the order, so that the lifecycle
@@ -806,6 +813,7 @@ impl State {
         now: Instant,
         deployment: &DeploymentId,
         ticket: Ticket,
+        at_bound: Duration,
         fx: &mut impl Effects,
     ) -> bool {
         let Some(dep) = self.deployments.get_mut(deployment) else {
@@ -818,6 +826,7 @@ impl State {
         let grant = Grant {
             upstream: Arc::clone(&inst.upstream),
             serial: inst.serial,
+            at_bound,
         };
         if fx.grant(ticket, grant) {
             inst.in_flight += 1;
@@ -845,20 +854,13 @@ impl State {
             );
             return;
         }
-        if self.buffered_bytes.saturating_add(req.body_bytes) > self.config.max_buffered_bytes_total
-        {
-            fx.refuse(req.ticket, ApiError::BufferedBytes);
-            return;
-        }
         dep.queue.push_back(Waiter {
             ticket: req.ticket,
             enqueued_at: now,
             deadline: req.deadline,
-            body_bytes: req.body_bytes,
         });
         self.waiting.insert(req.ticket, req.deployment);
         self.waiting_total += 1;
-        self.buffered_bytes += req.body_bytes;
         self.deadlines.insert((req.deadline, req.ticket));
     }
 
@@ -866,7 +868,6 @@ impl State {
     fn forget_waiter(&mut self, w: &Waiter) {
         self.waiting.remove(&w.ticket);
         self.waiting_total = self.waiting_total.saturating_sub(1);
-        self.buffered_bytes = self.buffered_bytes.saturating_sub(w.body_bytes);
         self.deadlines.remove(&(w.deadline, w.ticket));
     }
 
@@ -884,8 +885,9 @@ impl State {
             let Some(w) = dep.queue.pop_front() else {
                 return;
             };
+            let at_bound = dep.at_bound(&w, now);
             self.forget_waiter(&w);
-            self.grant_now(now, deployment, w.ticket, fx);
+            self.grant_now(now, deployment, w.ticket, at_bound, fx);
         }
     }
 
@@ -914,12 +916,13 @@ impl State {
             let Some(dep) = self.deployments.get_mut(&deployment) else {
                 continue;
             };
-            let servable = dep.has_open();
             if let Some(pos) = dep.queue.iter().position(|w| w.ticket == ticket)
                 && let Some(w) = dep.queue.remove(pos)
             {
+                let at_bound = dep.at_bound(&w, now);
+                let waited = now.saturating_duration_since(w.enqueued_at);
                 self.forget_waiter(&w);
-                fx.refuse(ticket, deadline_error(&deployment, servable));
+                fx.refuse(ticket, deadline_error(&deployment, at_bound, waited));
             }
         }
     }
@@ -939,6 +942,11 @@ impl State {
             }
         }
         for d in touched {
+            if let Some(dep) = self.deployments.get_mut(&d)
+                && !dep.has_open()
+            {
+                dep.servable_since = None;
+            }
             if self.deployments.get(&d).is_some_and(|dep| !dep.has_open()) {
                 let e = ApiError::DispatchClosed {
                     deployment: d.clone(),
@@ -962,6 +970,9 @@ impl State {
             }
         }
         for d in touched {
+            if let Some(dep) = self.deployments.get_mut(&d) {
+                dep.note_servable(now);
+            }
             self.dispatch(now, &d, fx);
         }
     }
@@ -971,6 +982,7 @@ impl State {
         for k in keys {
             if let Some(dep) = self.deployments.get_mut(&k.deployment) {
                 dep.instances.remove(k);
+                // Only ever closed instances: `servable_since` stays as it is.
             }
         }
     }
@@ -1361,7 +1373,6 @@ mod tests {
         AdmitRequest {
             ticket,
             deployment: d.into(),
-            body_bytes: 1,
             deadline,
         }
     }
@@ -1395,22 +1406,6 @@ mod tests {
     fn window_without_open_victims_is_empty() {
         let t = Instant::now();
         assert_eq!(window_closes_at(t, W, []), t);
-    }
-
-    #[test]
-    fn deadline_error_depends_on_servable() {
-        assert_eq!(
-            deadline_error("d", true),
-            ApiError::InFlightDeadline {
-                deployment: "d".into()
-            }
-        );
-        assert_eq!(
-            deadline_error("d", false),
-            ApiError::QueueDeadline {
-                deployment: "d".into()
-            }
-        );
     }
 
     #[test]
@@ -1502,6 +1497,5 @@ mod tests {
             )]
         );
         assert_eq!(s.waiting_total, 0);
-        assert_eq!(s.buffered_bytes, 0);
     }
 }

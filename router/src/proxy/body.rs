@@ -424,6 +424,10 @@ impl Drop for DirectBody {
 pub(crate) struct StreamSettings {
     /// The request deadline (arrival + `request_deadline`): bounds the wait for first output.
     pub(crate) deadline: Instant,
+    /// From arrival to `deadline`, and how much of it the request waited at its deployment's
+    /// in-flight bound: which error a deadline before the first output is
+    /// ([`crate::admission::deadline_error`]).
+    pub(crate) waits: (Duration, Duration),
     /// `stream_idle_timeout`.
     pub(crate) idle: Duration,
     /// `max_piece`.
@@ -502,9 +506,11 @@ pub(crate) async fn start_stream(
             () = &mut timer => None,
         };
         let failure = match next {
-            None => Failure::Api(capyctl_crds::errors::ApiError::QueueDeadline {
-                deployment: deployment.to_string(),
-            }),
+            None => Failure::Api(crate::admission::deadline_error(
+                deployment,
+                settings.waits.1,
+                settings.waits.0,
+            )),
             Some(None) => {
                 charge.finish();
                 return Start::Whole(held.freeze());

@@ -15,13 +15,18 @@
 //!   HTTP/1.1, within `header_read_timeout` from when the connection begins to wait for it (a
 //!   connection idle that long between requests is closed too; empty lines between requests
 //!   are skipped). A head that cannot be read is answered `400 invalid_request` saying what
-//!   is wrong, and the connection is closed.
-//! - **Body.** Chunked when `Transfer-Encoding` ends in `chunked` (any other coding, chunked
-//!   together with `Content-Length`, or chunked in HTTP/1.0 is refused with 400), else
+//!   is wrong, a request target over [`MAX_TARGET`] `414 uri_too_long` (as soon as the part
+//!   that arrived is longer), and the connection is closed.
+//! - **Body.** Chunked when `Transfer-Encoding` is `chunked` (any other transfer coding is
+//!   `501 not_implemented`, naming it; chunked twice or not last, chunked together with
+//!   `Content-Length`, or chunked in HTTP/1.0 is refused with 400; a chunk-size line with
+//!   anything but whitespace and an extension after the size is a 400), else
 //!   `Content-Length` (several must agree), else none. It is read whole before the request is
-//!   answered, within the request deadline: a declared length over `max_body_bytes` is refused
-//!   (413) before anything of it is read, and no `100 Continue` is sent; a chunked body is
-//!   refused once it passes the bound. `Expect: 100-continue` is answered when the body is
+//!   answered, within the request deadline and the listener's one budget for the bodies it
+//!   holds (see `budget`): a declared length takes its room before anything of it is read,
+//!   and is refused (413 over the bound alone, 429 when others hold the room) without a
+//!   `100 Continue`; a chunked body takes its buffer's room as it grows, and is refused the
+//!   same way once that does not fit. `Expect: 100-continue` is answered when the body is
 //!   waited for. Only the routes that forward read a body; elsewhere (404, 405,
 //!   `/v1/models`) it is not read, and no `100 Continue` is sent for it. A body not read to its
 //!   end closes the connection after the answer.
@@ -56,16 +61,21 @@ use http_body::Body;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::time::{Instant, Sleep};
 
+use super::budget::{Budget, Gather, Hold, RequestBody};
 use super::conn::{ConnWatch, StopWatch};
 use super::upstream::{
     Chunk, FramingHeaders, KEEP_BUFFER, MAX_HEAD, MAX_HEADERS, Span, decode_chunked, gather_lines,
-    note_spans, push_decimal, push_headers, take_lines,
+    note_spans, push_decimal, push_headers, take_lines, tokens,
 };
 use super::{
     Answer, AnswerHead, Failure, Proxy, ProxyBody, RequestHead, bodiless_status, forwarded,
 };
 use crate::admission::Admission;
 
+/// The longest request target read (RFC 9112 3: a server answers a longer one 414): 8 KiB,
+/// the size of the buffer nginx reads a request line into by default. The OpenAI API's
+/// targets are short paths; a longer one is a mistake or a probe.
+const MAX_TARGET: usize = 8 * 1024;
 /// What one read asks of the socket at least.
 const READ_SIZE: usize = 8 * 1024;
 /// Whose chunked body [`decode_chunked`] reads here.
@@ -97,7 +107,8 @@ pub(super) async fn serve<A: Admission, S>(
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
     let config = proxy.config();
-    let (limit, request_deadline) = (config.max_body_bytes, config.request_deadline);
+    let request_deadline = config.request_deadline;
+    let budget = Arc::clone(proxy.budget());
     let header_read_timeout = config.header_read_timeout;
     let mut conn = Server {
         io,
@@ -112,9 +123,9 @@ pub(super) async fn serve<A: Admission, S>(
     loop {
         let mut request = match conn.next_head(stop, header_read_timeout).await {
             Next::Head(request) => request,
-            Next::Bad(detail) => {
-                tracing::debug!(%detail, "a request head that cannot be parsed");
-                let response = super::error_response(&ApiError::InvalidRequest { detail }).into();
+            Next::Bad(error) => {
+                tracing::debug!(%error, "a request head that is refused");
+                let response = super::error_response(&error).into();
                 let exchange = Exchange {
                     head: false,
                     version: Version::HTTP_11,
@@ -139,11 +150,11 @@ pub(super) async fn serve<A: Admission, S>(
         // grace ran out) is still reported.
         let report = proxy.watch();
         let body = if forwarded(&request.head) {
-            conn.read_body(&mut request, limit, deadline).await
+            conn.read_body(&mut request, &budget, deadline).await
         } else {
             // Not read (a route that takes none, or none at all): no `100 Continue` for it.
             request.unread = request.framing != Framing::Length(0);
-            Ok(Bytes::new())
+            Ok(RequestBody::default())
         };
         let Incoming {
             head,
@@ -216,8 +227,9 @@ struct Exchange {
 #[allow(clippy::large_enum_variant)]
 enum Next {
     Head(Incoming),
-    /// A head that cannot be parsed, and what is wrong with it.
-    Bad(String),
+    /// A head that is refused: `400 invalid_request` saying what is wrong with it, `414` for
+    /// a target over [`MAX_TARGET`], `501` for a transfer coding other than chunked.
+    Bad(ApiError),
     /// The client closed the connection, was too slow, or the listener stops.
     Closed,
 }
@@ -331,7 +343,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
 
     /// Parses a complete head at the start of the buffer and takes it out; `None` if it is not
     /// complete yet.
-    fn parse_head(&mut self) -> Result<Option<Incoming>, String> {
+    fn parse_head(&mut self) -> Result<Option<Incoming>, ApiError> {
         let Some(line) = parse_line(&self.buf, &mut self.spans)? else {
             return Ok(None);
         };
@@ -339,25 +351,30 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
         incoming(&head, &line, &self.spans, &mut self.lines).map(Some)
     }
 
-    /// Reads the request's body whole, within `deadline` and `limit` (see the module's notes).
+    /// Reads the request's body whole, within `deadline` and the listener's `budget` (see the
+    /// module's notes).
     async fn read_body(
         &mut self,
         request: &mut Incoming,
-        limit: u64,
+        budget: &Arc<Budget>,
         deadline: Instant,
-    ) -> Result<Bytes, Failure> {
+    ) -> Result<RequestBody, Failure> {
+        let mut hold = Hold::new(budget);
         match request.framing {
-            Framing::Length(0) => return Ok(Bytes::new()),
-            Framing::Length(n) if n > limit => {
-                request.unread = true;
-                return Err(Failure::too_large(limit));
+            Framing::Length(0) => return Ok(RequestBody::default()),
+            // Its room is taken before anything of it is read (or asked for).
+            Framing::Length(n) => {
+                if let Err(refused) = hold.grow_to(n) {
+                    request.unread = true;
+                    return Err(Failure::Api(refused));
+                }
+                if self.buf.len() as u64 >= n {
+                    let body = self.buf.split_to(n as usize).freeze();
+                    self.leave_large(body.len());
+                    return Ok(RequestBody::new(body, hold));
+                }
             }
-            Framing::Length(n) if self.buf.len() as u64 >= n => {
-                let body = self.buf.split_to(n as usize).freeze();
-                self.leave_large(body.len());
-                return Ok(body);
-            }
-            _ => {}
+            Framing::Chunked => {}
         }
         let read = async {
             if request.expect_continue {
@@ -369,8 +386,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
                     .map_err(|err| Failure::unreadable(&err))?;
             }
             match request.framing {
-                Framing::Length(n) => self.read_length(n as usize).await,
-                Framing::Chunked => self.read_chunked(limit).await,
+                Framing::Length(n) => self.read_length(n as usize, hold).await,
+                Framing::Chunked => self.read_chunked(Gather::new(budget)).await,
             }
         };
         let read = match tokio::time::timeout_at(deadline, read).await {
@@ -383,21 +400,31 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
         read
     }
 
-    async fn read_length(&mut self, n: usize) -> Result<Bytes, Failure> {
+    /// Reads a body of `n` bytes into the read buffer, allocated whole at once (its room in
+    /// the budget, `hold`, is taken already), reading nothing past it.
+    async fn read_length(&mut self, n: usize, hold: Hold) -> Result<RequestBody, Failure> {
+        self.buf.reserve(n - self.buf.len());
         while self.buf.len() < n {
-            let missing = n - self.buf.len();
-            if self.buf.capacity() - self.buf.len() < missing.min(READ_SIZE) {
-                self.buf.reserve(missing.min(1024 * 1024));
-            }
-            match poll_fn(|cx| self.poll_fill(cx)).await {
-                Ok(0) => return Err(Failure::unreadable(&ClosedEarly)),
+            let read = poll_fn(|cx| {
+                // At most the body: what follows it is the next request's.
+                let mut rest = (&mut self.io).take((n - self.buf.len()) as u64);
+                pin!(rest.read_buf(&mut self.buf)).poll(cx)
+            });
+            match read.await {
+                Ok(0) => {
+                    self.read_closed = true;
+                    return Err(Failure::unreadable(&ClosedEarly));
+                }
                 Ok(_) => {}
-                Err(err) => return Err(Failure::unreadable(&err)),
+                Err(err) => {
+                    self.read_closed = true;
+                    return Err(Failure::unreadable(&err));
+                }
             }
         }
         let body = self.buf.split_to(n).freeze();
         self.leave_large(n);
-        Ok(body)
+        Ok(RequestBody::new(body, hold))
     }
 
     /// After a body of `n` bytes, leaves the read buffer behind if the body was large (see
@@ -408,21 +435,21 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
         }
     }
 
-    async fn read_chunked(&mut self, limit: u64) -> Result<Bytes, Failure> {
+    /// Reads a chunked body into `body`, whose buffer takes its room in the budget as it
+    /// grows.
+    async fn read_chunked(&mut self, mut body: Gather) -> Result<RequestBody, Failure> {
         let mut chunk = Chunk::Size;
-        let mut body = BytesMut::new();
+        let mut read = 0;
         loop {
             match decode_chunked(&mut chunk, &mut self.buf, true, REQUEST_BODY) {
                 Ok(Some(data)) => {
-                    if (body.len() + data.len()) as u64 > limit {
-                        return Err(Failure::too_large(limit));
-                    }
-                    body.extend_from_slice(&data);
+                    read += data.len();
+                    body.push(&data).map_err(Failure::Api)?;
                     continue;
                 }
                 Ok(None) if chunk == Chunk::Done => {
-                    self.leave_large(body.len());
-                    return Ok(body.freeze());
+                    self.leave_large(read);
+                    return Ok(body.finish());
                 }
                 Ok(None) => {}
                 Err(err) => return Err(Failure::unreadable(&err)),
@@ -653,7 +680,7 @@ impl std::fmt::Display for ClosedEarly {
 /// Parses a request line and header lines at the start of `buf`, noting where the header
 /// lines lie in `spans`; `None` if the head is not complete yet. Room for
 /// [`SOME_HEADERS`] first, for [`MAX_HEADERS`] only when that is too few.
-fn parse_line(buf: &[u8], spans: &mut Vec<Span>) -> Result<Option<Line>, String> {
+fn parse_line(buf: &[u8], spans: &mut Vec<Span>) -> Result<Option<Line>, ApiError> {
     let mut few = [httparse::EMPTY_HEADER; SOME_HEADERS];
     let mut request = httparse::Request::new(&mut few);
     match request.parse(buf) {
@@ -673,18 +700,26 @@ fn line_of(
     request: &httparse::Request<'_, '_>,
     buf: &[u8],
     spans: &mut Vec<Span>,
-) -> Result<Option<Line>, String> {
-    let too_long = || format!("the request head is longer than {} KiB", MAX_HEAD / 1024);
+) -> Result<Option<Line>, ApiError> {
+    let too_long = || {
+        bad(format!(
+            "the request head is longer than {} KiB",
+            MAX_HEAD / 1024
+        ))
+    };
     let used = match parsed {
         Ok(httparse::Status::Complete(used)) => used,
+        Ok(httparse::Status::Partial) if buf.len() > MAX_TARGET && target_too_long(buf) => {
+            return Err(ApiError::UriTooLong { limit: MAX_TARGET });
+        }
         Ok(httparse::Status::Partial) if buf.len() >= MAX_HEAD => return Err(too_long()),
         Ok(httparse::Status::Partial) => return Ok(None),
         Err(httparse::Error::TooManyHeaders) => {
-            return Err(format!(
+            return Err(bad(format!(
                 "the request head has more than {MAX_HEADERS} header lines"
-            ));
+            )));
         }
-        Err(err) => return Err(format!("the request head cannot be parsed: {err}")),
+        Err(err) => return Err(bad(format!("the request head cannot be parsed: {err}"))),
     };
     if used > MAX_HEAD {
         return Err(too_long());
@@ -696,8 +731,11 @@ fn line_of(
     };
     let method = request.method.unwrap_or_default();
     let method = Method::from_bytes(method.as_bytes())
-        .map_err(|_| format!("the request method {method:?} is not valid"))?;
+        .map_err(|_| bad(format!("the request method {method:?} is not valid")))?;
     let target = at(request.path.unwrap_or_default().as_bytes());
+    if target.1 - target.0 > MAX_TARGET {
+        return Err(ApiError::UriTooLong { limit: MAX_TARGET });
+    }
     let version = if request.version == Some(0) {
         Version::HTTP_10
     } else {
@@ -710,6 +748,23 @@ fn line_of(
         target,
         version,
     }))
+}
+
+/// Whether the request line at the start of `buf`, not complete yet, already has a target
+/// longer than [`MAX_TARGET`] (so that a long one is answered 414 as soon as that is known,
+/// rather than 400 once the head passes [`MAX_HEAD`]).
+fn target_too_long(buf: &[u8]) -> bool {
+    let line = memchr::memchr(b'\n', buf).map_or(buf, |end| &buf[..end]);
+    let Some(start) = memchr::memchr(b' ', line) else {
+        return false;
+    };
+    let target = &line[start + 1..];
+    memchr::memchr(b' ', target).unwrap_or(target.len()) > MAX_TARGET
+}
+
+/// A `400 invalid_request` saying what is wrong with a request head.
+fn bad(detail: String) -> ApiError {
+    ApiError::InvalidRequest { detail }
 }
 
 /// The request's head from its bytes: its method, target (a slice of `head`) and the header
@@ -725,10 +780,10 @@ fn incoming(
     line: &Line,
     spans: &[Span],
     lines: &mut BytesMut,
-) -> Result<Incoming, String> {
+) -> Result<Incoming, ApiError> {
     let version = line.version;
     let uri = Uri::from_maybe_shared(head.slice(line.target.0..line.target.1))
-        .map_err(|err| format!("the request target is not valid: {err}"))?;
+        .map_err(|err| bad(format!("the request target is not valid: {err}")))?;
     let mut framing_headers = FramingHeaders::default();
     let mut expect_continue = false;
     let mut hosts = 0;
@@ -737,7 +792,7 @@ fn incoming(
         let value = &head[span.value.0..span.value.1];
         framing_headers
             .note(name, value)
-            .map_err(|what| format!("the request {what}"))?;
+            .map_err(|what| bad(format!("the request {what}")))?;
         if name.eq_ignore_ascii_case(b"expect") {
             expect_continue = value.eq_ignore_ascii_case(b"100-continue");
         } else if name.eq_ignore_ascii_case(b"host") {
@@ -754,23 +809,26 @@ fn incoming(
     } = framing_headers;
     // RFC 9112 3.2: exactly one `Host` in HTTP/1.1.
     if version == Version::HTTP_11 && hosts != 1 {
-        return Err(if hosts == 0 {
+        return Err(bad(if hosts == 0 {
             "the request has no Host header".to_string()
         } else {
             "the request has more than one Host header".to_string()
-        });
+        }));
     }
     let framing = if encoded {
+        transfer_codings(head, spans)?;
         if !chunked {
-            return Err(
+            return Err(bad(
                 "the request has a Transfer-Encoding that does not end in chunked".to_string(),
-            );
+            ));
         }
         if length.is_some() {
-            return Err("the request has both Transfer-Encoding and Content-Length".to_string());
+            return Err(bad(
+                "the request has both Transfer-Encoding and Content-Length".to_string(),
+            ));
         }
         if version == Version::HTTP_10 {
-            return Err("an HTTP/1.0 request cannot be chunked".to_string());
+            return Err(bad("an HTTP/1.0 request cannot be chunked".to_string()));
         }
         Framing::Chunked
     } else {
@@ -792,6 +850,37 @@ fn incoming(
         expect_continue: expect_continue && version == Version::HTTP_11,
         unread: false,
     })
+}
+
+/// Checks a request's `Transfer-Encoding` lines (RFC 9112 6.1, 7): chunked, once, is the only
+/// coding the listener reads; any other is `501 not_implemented` naming it, chunked twice or
+/// no coding at all a `400`. (Whether chunked comes last is checked by the caller.) Only read
+/// for a request that has a `Transfer-Encoding`.
+fn transfer_codings(head: &[u8], spans: &[Span]) -> Result<(), ApiError> {
+    let mut chunked = 0;
+    for span in spans {
+        if !head[span.name.0..span.name.1].eq_ignore_ascii_case(b"transfer-encoding") {
+            continue;
+        }
+        for coding in tokens(&head[span.value.0..span.value.1]) {
+            if !coding.eq_ignore_ascii_case(b"chunked") {
+                return Err(ApiError::NotImplemented {
+                    what: format!(
+                        "the request's transfer coding {:?}",
+                        String::from_utf8_lossy(coding)
+                    ),
+                });
+            }
+            chunked += 1;
+        }
+    }
+    match chunked {
+        1 => Ok(()),
+        0 => Err(bad("the request has an empty Transfer-Encoding".to_string())),
+        _ => Err(bad(
+            "the request has chunked more than once in Transfer-Encoding".to_string(),
+        )),
+    }
 }
 
 /// Encodes an answer's status line and headers (without the closing empty line): the answer's

@@ -60,6 +60,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::RequestHead;
+use super::budget::RequestBody;
 use crate::fast_hash::FastHash;
 
 /// An idle connection's socket is peeked at before reuse once it has been idle this long (see
@@ -589,11 +590,15 @@ pub(super) fn decode_chunked(
                     .iter()
                     .position(|b| !b.is_ascii_hexdigit())
                     .unwrap_or(line.len());
+                // After the size only whitespace, then an extension (RFC 9112 7.1: BWS before
+                // `;`), or nothing: "5x" or "5 x" is not a size.
                 let rest = &line[digits..];
-                if digits == 0
-                    || digits > 15
-                    || !(rest.is_empty() || matches!(rest[0], b';' | b' ' | b'\t'))
-                {
+                let blank = rest
+                    .iter()
+                    .take_while(|b| matches!(b, b' ' | b'\t'))
+                    .count();
+                let rest = &rest[blank..];
+                if digits == 0 || digits > 15 || !(rest.is_empty() || rest[0] == b';') {
                     return Err(invalid(format!("{what}: a bad chunk size")));
                 }
                 let size = std::str::from_utf8(&line[..digits])
@@ -838,19 +843,28 @@ impl Pool {
 
     /// Sends a request (`request`'s method, its target's path and query, `Host` and
     /// `Content-Length` set here, its header lines) with `body` to `addr` and reads the
-    /// response head. The body keeps the connection.
+    /// response head. The body is dropped (its part of the listener's budget given back) once
+    /// it is written, before the answer is waited for. The answer's body keeps the connection.
     pub(crate) async fn request(
         self: &Arc<Self>,
         addr: SocketAddr,
         request: &RequestHead,
-        body: Bytes,
+        body: RequestBody,
     ) -> Result<(EngineHead, UpstreamBody), UpstreamError> {
         let (mut conn, mut reused, host) = self.checkout(addr).await?;
         let mut head = std::mem::take(&mut conn.head);
         encode_head(&mut head, request, &host, body.len());
+        let mut body = Some(body);
         let (engine, framing, keep) = loop {
-            let err = match conn.write(&head, &body).await {
-                Ok(()) => break conn.read_head().await?,
+            let written = match &body {
+                Some(bytes) => conn.write(&head, bytes).await,
+                None => Ok(()),
+            };
+            let err = match written {
+                Ok(()) => {
+                    drop(body.take());
+                    break conn.read_head().await?;
+                }
                 Err(err) => err,
             };
             // The engine may have answered before it stopped reading (refusing a body it did
@@ -1202,6 +1216,11 @@ mod tests {
             b"3\r\nabcd\r\n",
             b"10000000000000000\r\n",
             b"-3\r\nabc\r\n",
+            // Junk after the size that is not an extension.
+            b"3x\r\nabc\r\n",
+            b"3 x\r\nabc\r\n",
+            b"3\t,\r\nabc\r\n",
+            b"3\x0c\r\nabc\r\n",
         ] {
             assert!(decode_in_steps(bad, bad.len()).is_err(), "{bad:?}");
         }
@@ -1314,7 +1333,7 @@ mod tests {
         request: Request<Bytes>,
     ) -> Result<(EngineHead, UpstreamBody), UpstreamError> {
         let (parts, body) = request.into_parts();
-        pool.request(addr, &RequestHead::from_parts(parts), body)
+        pool.request(addr, &RequestHead::from_parts(parts), body.into())
             .await
     }
 

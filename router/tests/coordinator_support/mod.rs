@@ -72,23 +72,18 @@ impl Rig {
 
     /// Sends a request that holds its permit for `hold`.
     pub fn send(&self, dep: &DeploymentRef, hold: Hold) -> Req {
-        self.send_sized(dep, 100, hold)
-    }
-
-    /// Sends a request with a body of `bytes`.
-    pub fn send_sized(&self, dep: &DeploymentRef, bytes: u64, hold: Hold) -> Req {
         let deadline = Instant::now() + self.config.request_deadline;
-        self.send_full(dep, bytes, deadline, hold)
+        self.send_full(dep, deadline, hold)
     }
 
     /// Sends a request with everything chosen.
-    pub fn send_full(&self, dep: &DeploymentRef, bytes: u64, deadline: Instant, hold: Hold) -> Req {
+    pub fn send_full(&self, dep: &DeploymentRef, deadline: Instant, hold: Hold) -> Req {
         let (tx, rx) = oneshot::channel();
         let h = self.h.clone();
         let dep = dep.clone();
         let t0 = self.t0;
         let task = tokio::spawn(async move {
-            let r = h.admit(dep, bytes, deadline).await;
+            let r = h.admit(dep, deadline).await;
             let at = Instant::now() - t0;
             match r {
                 Err(e) => {

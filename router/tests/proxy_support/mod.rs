@@ -207,6 +207,10 @@ impl Permit for TestPermit {
         self.record.cuts.lock().unwrap().push(had_output);
         self.record.changed.notify_waiters();
     }
+
+    fn waited_at_bound(&self) -> Duration {
+        Duration::ZERO
+    }
 }
 
 impl Drop for TestPermit {
@@ -229,7 +233,6 @@ impl Admission for TestAdmission {
     async fn admit(
         &self,
         deployment: DeploymentRef,
-        _body_bytes: u64,
         deadline: Instant,
     ) -> Result<TestPermit, ApiError> {
         self.record.entered.fetch_add(1, Ordering::SeqCst);
@@ -300,7 +303,7 @@ pub async fn start_bounded_proxy(limit: u64) -> (SocketAddr, Arc<Record>) {
     let admission = TestAdmission::new(sim);
     let record = Arc::clone(&admission.record);
     let config = ProxyConfig {
-        max_body_bytes: limit,
+        max_buffered_bytes_total: limit,
         ..ProxyConfig::default()
     };
     (start_proxy(admission, config).await, record)
