@@ -500,12 +500,13 @@ async fn bodies_being_read_share_one_budget_and_the_ones_that_do_not_fit_are_ref
     let (addr, proxy) = budget_proxy(admission, 1024 * KIB as u64).await;
     let full = "waiting requests exceed the buffered-bytes bound";
 
-    // Two clients send 400 KiB bodies slowly: each holds its declared length at once.
+    // Two clients send most of 400 KiB bodies, then stall: each holds its buffer, which has
+    // grown to the declared length.
     let mut slow = Vec::new();
     for i in 1..=2 {
         let mut raw = Raw::open(addr).await;
         raw.send(head_of(400 * KIB, "").as_bytes()).await;
-        raw.send(&chat_of(400 * KIB).as_bytes()[..100 * KIB]).await;
+        raw.send(&chat_of(400 * KIB).as_bytes()[..300 * KIB]).await;
         until_held(&proxy, (i * 400 * KIB) as u64).await;
         slow.push(raw);
     }
@@ -555,6 +556,36 @@ async fn bodies_being_read_share_one_budget_and_the_ones_that_do_not_fit_are_ref
     let answer = whole.answer().await;
     assert!(![413, 429].contains(&answer.status), "{answer:?}");
     assert_eq!(record.entered.load(Ordering::SeqCst), 1);
+    until_held(&proxy, 0).await;
+}
+
+/// A client that declares a large body and sends little or nothing of it holds only what it
+/// sent: it cannot have every other body refused for as long as its deadline runs.
+#[tokio::test]
+async fn a_declared_body_holds_only_what_has_arrived() {
+    let sim = start_sim(&[]).await;
+    let admission = TestAdmission::new(sim);
+    let record = std::sync::Arc::clone(&admission.record);
+    let (addr, proxy) = budget_proxy(admission, 1024 * KIB as u64).await;
+    let mut idle = Raw::open(addr).await;
+    idle.send(head_of(1000 * KIB, "").as_bytes()).await;
+    let mut trickle = Raw::open(addr).await;
+    trickle.send(head_of(1000 * KIB, "").as_bytes()).await;
+    trickle
+        .send(&chat_of(1000 * KIB).as_bytes()[..20 * KIB])
+        .await;
+    until_held(&proxy, (32 * KIB) as u64).await;
+    // Another body is read and forwarded meanwhile.
+    let mut other = Raw::open(addr).await;
+    let body = chat_of(600 * KIB);
+    other
+        .send(format!("{}{body}", head_of(body.len(), "")).as_bytes())
+        .await;
+    let answer = other.answer().await;
+    assert!(![413, 429].contains(&answer.status), "{answer:?}");
+    assert_eq!(record.entered.load(Ordering::SeqCst), 1);
+    until_held(&proxy, (32 * KIB) as u64).await;
+    drop((idle, trickle));
     until_held(&proxy, 0).await;
 }
 

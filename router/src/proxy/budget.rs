@@ -4,15 +4,18 @@
 //! admission, being sent). So the memory of bodies is bounded whatever clients send, and the
 //! waiting bodies the product page bounds are bounded by the same count (no second one).
 //!
-//! - A body whose length is declared takes its whole length before anything of it is read
-//!   (before `100 Continue`): one over the bound alone is `413 request_too_large`; one that
-//!   does not fit beside what others hold is `429 queue_full` "waiting requests exceed the
-//!   buffered-bytes bound" (`Retry-After: 1`). Its bytes are then read into that room.
-//! - A chunked body (length unknown) takes what its buffer allocates, before it allocates it,
-//!   as its chunks arrive ([`Gather`]): the buffer doubles while the budget has room for
-//!   that, else grows to just what the data needs; when even that does not fit, the same
-//!   413 or 429. So what a chunked body holds is at most twice its data, and all of it is
-//!   counted.
+//! - A body whose length is declared is checked before anything of it is read (before
+//!   `100 Continue`): one over the bound alone is `413 request_too_large`; one that does not
+//!   fit beside what others hold now is `429 queue_full` "waiting requests exceed the
+//!   buffered-bytes bound" (`Retry-After: 1`). Nothing is taken yet: a client that declares a
+//!   large body and then sends nothing (or sends it slowly) must not hold room it has not
+//!   used, or one such client would have every other body refused.
+//! - Every body then takes what its buffer allocates, before it allocates it, as its bytes
+//!   arrive ([`Gather`]): the buffer doubles while the budget has room for that (never past a
+//!   declared length), else grows to just what the data needs; when even that does not fit,
+//!   the same 413 or 429, while the body is still arriving. So what a body holds is at most
+//!   twice its data (its whole length, when declared), and all of it is counted. A body that
+//!   came whole with its head takes its length at once.
 //! - What a body took is given back exactly once, when its [`Hold`] is dropped: with the
 //!   body (written to the engine, refused, answered without it) or with the connection.
 
@@ -41,6 +44,18 @@ impl Budget {
     /// The bytes held now.
     pub(crate) fn used(&self) -> u64 {
         self.used.load(Ordering::Acquire)
+    }
+
+    /// Whether a body of `n` bytes fits beside what is held now (nothing is taken): `413` over
+    /// the bound alone, `429 queue_full` when others hold the room.
+    pub(crate) fn fits_now(&self, n: u64) -> Result<(), ApiError> {
+        if n > self.limit {
+            return Err(ApiError::RequestTooLarge { limit: self.limit });
+        }
+        if self.used().saturating_add(n) > self.limit {
+            return Err(ApiError::BufferedBytes);
+        }
+        Ok(())
     }
 
     /// Takes `n` bytes if they fit beside what is held.
@@ -144,28 +159,37 @@ impl std::ops::Deref for RequestBody {
 pub(crate) struct Gather {
     data: Vec<u8>,
     hold: Hold,
+    /// The most its buffer grows to by doubling: the declared length, when there is one.
+    cap: usize,
 }
 
 /// The least room a gathered body starts with.
 const FIRST_ROOM: usize = 8 * 1024;
 
 impl Gather {
-    /// An empty body on `budget`.
+    /// An empty body of unknown length on `budget`.
     pub(crate) fn new(budget: &Arc<Budget>) -> Self {
         Gather {
             data: Vec::new(),
             hold: Hold::new(budget),
+            cap: usize::MAX,
         }
     }
 
-    /// Takes the room of a body whose length is declared before any of it arrives (413 or
-    /// 429 as [`Hold::grow_to`] says), and allocates it.
-    pub(crate) fn expect(&mut self, length: u64) -> Result<(), ApiError> {
-        self.hold.grow_to(length)?;
-        let length = usize::try_from(length).unwrap_or(usize::MAX);
-        self.data
-            .reserve_exact(length.saturating_sub(self.data.len()));
-        Ok(())
+    /// An empty body whose length is declared: refused at once when it does not fit now (413
+    /// or 429, as [`Budget::fits_now`] says), else its buffer grows as its bytes arrive, to
+    /// that length at the most. Nothing is taken yet.
+    pub(crate) fn declared(budget: &Arc<Budget>, length: u64) -> Result<Self, ApiError> {
+        budget.fits_now(length)?;
+        Ok(Gather {
+            cap: usize::try_from(length).unwrap_or(usize::MAX),
+            ..Gather::new(budget)
+        })
+    }
+
+    /// The bytes gathered so far.
+    pub(crate) fn len(&self) -> usize {
+        self.data.len()
     }
 
     /// Appends `piece`, growing the buffer (and what it holds) first if it has no room.
@@ -173,7 +197,10 @@ impl Gather {
         let needed = self.data.len() + piece.len();
         if needed > self.data.capacity() {
             let limit = usize::try_from(self.hold.budget.limit).unwrap_or(usize::MAX);
-            let doubled = (self.data.capacity() * 2).max(FIRST_ROOM).min(limit);
+            let doubled = (self.data.capacity() * 2)
+                .max(FIRST_ROOM)
+                .min(limit)
+                .min(self.cap);
             let room = if doubled > needed && self.hold.grow_to(doubled as u64).is_ok() {
                 doubled
             } else {
@@ -235,6 +262,33 @@ mod tests {
         let body = g.finish();
         assert_eq!(body.len(), 300_000);
         assert!(body.iter().all(|&b| b == 7));
+        drop(body);
+        assert_eq!(budget.used(), 0);
+    }
+
+    #[test]
+    fn a_declared_body_holds_what_arrived_not_what_it_declared() {
+        let budget = Budget::new(100_000);
+        let mut g = Gather::declared(&budget, 60_000).unwrap();
+        assert_eq!(budget.used(), 0, "a declared length alone takes nothing");
+        // Another declared body fits while the first has sent nothing.
+        let other = Gather::declared(&budget, 90_000).unwrap();
+        assert_eq!(
+            Gather::declared(&budget, 100_001).err(),
+            Some(ApiError::RequestTooLarge { limit: 100_000 })
+        );
+        g.push(&[1; 40_000]).unwrap();
+        g.push(&[2; 20_000]).unwrap();
+        // Doubling stops at the declared length.
+        assert_eq!(budget.used(), 60_000);
+        assert_eq!(
+            Gather::declared(&budget, 50_000).err(),
+            Some(ApiError::BufferedBytes),
+            "refused while the room is held"
+        );
+        drop(other);
+        let body = g.finish();
+        assert_eq!(body.len(), 60_000);
         drop(body);
         assert_eq!(budget.used(), 0);
     }

@@ -677,18 +677,18 @@ fn json_response(status: StatusCode, body: Vec<u8>) -> Response<ProxyBody> {
     response
 }
 
-/// Reads the request body within the listener's budget: a declared length takes its room
-/// before anything is read (413 over the bound, 429 when others hold it), and what arrives
-/// is gathered with its buffer's room taken as it grows (see `budget`).
+/// Reads the request body within the listener's budget: a declared length that does not fit
+/// now is refused before anything is read (413 over the bound, 429 when others hold it), and
+/// what arrives is gathered with its buffer's room taken as it grows (see `budget`).
 async fn read_body<B>(body: B, budget: &Arc<budget::Budget>) -> Result<RequestBody, Failure>
 where
     B: Body<Data = Bytes>,
     B::Error: std::fmt::Display,
 {
-    let mut gathered = budget::Gather::new(budget);
-    if let Some(declared) = body.size_hint().exact() {
-        gathered.expect(declared).map_err(Failure::Api)?;
-    }
+    let mut gathered = match body.size_hint().exact() {
+        Some(declared) => budget::Gather::declared(budget, declared).map_err(Failure::Api)?,
+        None => budget::Gather::new(budget),
+    };
     let mut body = std::pin::pin!(body);
     while let Some(frame) = body.as_mut().frame().await {
         let frame = frame.map_err(|err| Failure::unreadable(&err))?;

@@ -23,10 +23,10 @@
 //!   anything but whitespace and an extension after the size is a 400), else
 //!   `Content-Length` (several must agree), else none. It is read whole before the request is
 //!   answered, within the request deadline and the listener's one budget for the bodies it
-//!   holds (see `budget`): a declared length takes its room before anything of it is read,
-//!   and is refused (413 over the bound alone, 429 when others hold the room) without a
-//!   `100 Continue`; a chunked body takes its buffer's room as it grows, and is refused the
-//!   same way once that does not fit. `Expect: 100-continue` is answered when the body is
+//!   holds (see `budget`): a declared length that does not fit is refused before anything of
+//!   it is read (413 over the bound alone, 429 when others hold the room), without a
+//!   `100 Continue`; every body takes its buffer's room as it grows, and is refused the same
+//!   way once that does not fit. `Expect: 100-continue` is answered when the body is
 //!   waited for. Only the routes that forward read a body; elsewhere (404, 405,
 //!   `/v1/models`) it is not read, and no `100 Continue` is sent for it. A body not read to its
 //!   end closes the connection after the answer.
@@ -359,23 +359,33 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
         budget: &Arc<Budget>,
         deadline: Instant,
     ) -> Result<RequestBody, Failure> {
-        let mut hold = Hold::new(budget);
-        match request.framing {
+        let gather = match request.framing {
             Framing::Length(0) => return Ok(RequestBody::default()),
-            // Its room is taken before anything of it is read (or asked for).
+            // Refused before anything of it is read (or asked for) when it does not fit now;
+            // it takes its room as it arrives, or at once when it came whole with its head.
             Framing::Length(n) => {
-                if let Err(refused) = hold.grow_to(n) {
-                    request.unread = true;
-                    return Err(Failure::Api(refused));
-                }
-                if self.buf.len() as u64 >= n {
-                    let body = self.buf.split_to(n as usize).freeze();
-                    self.leave_large(body.len());
-                    return Ok(RequestBody::new(body, hold));
+                let whole = self.buf.len() as u64 >= n;
+                let fits = if whole {
+                    let mut hold = Hold::new(budget);
+                    hold.grow_to(n).map(|()| Err(hold))
+                } else {
+                    Gather::declared(budget, n).map(Ok)
+                };
+                match fits {
+                    Err(refused) => {
+                        request.unread = true;
+                        return Err(Failure::Api(refused));
+                    }
+                    Ok(Err(hold)) => {
+                        let body = self.buf.split_to(n as usize).freeze();
+                        self.leave_large(body.len());
+                        return Ok(RequestBody::new(body, hold));
+                    }
+                    Ok(Ok(gather)) => gather,
                 }
             }
-            Framing::Chunked => {}
-        }
+            Framing::Chunked => Gather::new(budget),
+        };
         let read = async {
             if request.expect_continue {
                 self.send(&[b"HTTP/1.1 100 Continue\r\n\r\n"])
@@ -386,8 +396,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
                     .map_err(|err| Failure::unreadable(&err))?;
             }
             match request.framing {
-                Framing::Length(n) => self.read_length(n as usize, hold).await,
-                Framing::Chunked => self.read_chunked(Gather::new(budget)).await,
+                Framing::Length(n) => self.read_length(n as usize, gather).await,
+                Framing::Chunked => self.read_chunked(gather).await,
             }
         };
         let read = match tokio::time::timeout_at(deadline, read).await {
@@ -400,31 +410,26 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
         read
     }
 
-    /// Reads a body of `n` bytes into the read buffer, allocated whole at once (its room in
-    /// the budget, `hold`, is taken already), reading nothing past it.
-    async fn read_length(&mut self, n: usize, hold: Hold) -> Result<RequestBody, Failure> {
-        self.buf.reserve(n - self.buf.len());
-        while self.buf.len() < n {
-            let read = poll_fn(|cx| {
-                // At most the body: what follows it is the next request's.
-                let mut rest = (&mut self.io).take((n - self.buf.len()) as u64);
-                pin!(rest.read_buf(&mut self.buf)).poll(cx)
-            });
-            match read.await {
-                Ok(0) => {
-                    self.read_closed = true;
-                    return Err(Failure::unreadable(&ClosedEarly));
-                }
+    /// Reads a body of `n` bytes into `body`, whose buffer takes its room in the budget as it
+    /// grows (to `n` at the most); what follows it stays in the read buffer for the next
+    /// request.
+    async fn read_length(&mut self, n: usize, mut body: Gather) -> Result<RequestBody, Failure> {
+        loop {
+            let take = self.buf.len().min(n - body.len());
+            if take > 0 {
+                let piece = self.buf.split_to(take);
+                body.push(&piece).map_err(Failure::Api)?;
+            }
+            if body.len() == n {
+                self.leave_large(n);
+                return Ok(body.finish());
+            }
+            match poll_fn(|cx| self.poll_fill(cx)).await {
+                Ok(0) => return Err(Failure::unreadable(&ClosedEarly)),
                 Ok(_) => {}
-                Err(err) => {
-                    self.read_closed = true;
-                    return Err(Failure::unreadable(&err));
-                }
+                Err(err) => return Err(Failure::unreadable(&err)),
             }
         }
-        let body = self.buf.split_to(n).freeze();
-        self.leave_large(n);
-        Ok(RequestBody::new(body, hold))
     }
 
     /// After a body of `n` bytes, leaves the read buffer behind if the body was large (see
