@@ -819,16 +819,30 @@ async fn parked_engines_hold_gpu_memory_and_placement_counts_it() {
         .iter()
         .map(|v| (v.name.as_str(), v.released))
         .collect();
-    assert_eq!(got, [("d", Released::Stopped), ("c", Released::Stopped)]);
+    // Both stopped for want of room to keep them parked, and said so.
+    assert_eq!(
+        got,
+        [
+            ("d", Released::StoppedNoRoomToPark),
+            ("c", Released::StoppedNoRoomToPark)
+        ]
+    );
     for name in ["c", "d"] {
         let v = h.server.get(name).await.unwrap();
         assert_eq!(v.state, InstanceState::Stopped, "{name}");
+        assert_eq!(
+            v.instances[0].last_error.as_deref(),
+            Some("released: stopped (no room to park)"),
+            "{name}"
+        );
     }
     // f (9.75 GiB) by a request: e must stop rather than park (its residue would leave 9.5).
     assert_eq!(h.chat("f").await.0, 200);
+    let e = h.server.get("e").await.unwrap();
+    assert_eq!(e.state, InstanceState::Stopped);
     assert_eq!(
-        h.server.get("e").await.unwrap().state,
-        InstanceState::Stopped
+        e.instances[0].last_error.as_deref(),
+        Some("released: stopped (no room to park)")
     );
     h.shutdown().await;
 }

@@ -213,10 +213,7 @@ impl Dep {
     /// What it would still hold on the GPU once parked: the agent's estimate of a parked
     /// engine's residue, or 0 when it stops instead of parking.
     fn residue_if_parked(&self) -> u64 {
-        let parks = self.spec.engine != EngineKind::Tensorfold
-            && self.spec.residency != Some(Residency::RestartOnly)
-            && self.spec.decision.is_none();
-        if !parks {
+        if !self.parks() {
             return 0;
         }
         capyctl_node_agent::measure::parked_estimate(
@@ -224,6 +221,13 @@ impl Dep {
             self.spec.speculative(),
         )
         .unwrap_or(0)
+    }
+
+    /// Whether it parks when released (not TensorFold, `restart_only` or a decision model).
+    fn parks(&self) -> bool {
+        self.spec.engine != EngineKind::Tensorfold
+            && self.spec.residency != Some(Residency::RestartOnly)
+            && self.spec.decision.is_none()
     }
 
     /// Running or on its way (what explicit activation admits requests for).
@@ -359,6 +363,33 @@ enum NoRoom {
     /// Stop it instead (`released: stopped (no room to park)`): a switch's victim, whose
     /// memory a waiting model needs.
     Stop,
+}
+
+/// Whether a drained instance parks or stops, and why it stops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Put {
+    /// It parks (the agent may still stop it where it does not park, or for want of host RAM).
+    Park,
+    /// It stops: an operator's stop, or a request cut before output.
+    Stop,
+    /// It stops because the GPU has no room to keep it parked: a victim whose parked residue
+    /// would be in the way, or a parked engine stopped for what it holds. Said as
+    /// `released: stopped (no room to park)` when it would otherwise park.
+    StopNoRoom,
+}
+
+impl Put {
+    /// How a victim is put away: stopped after a cut before output, stopped for room when
+    /// `no_room`, else parked.
+    fn victim(cut: bool, no_room: bool) -> Put {
+        if cut {
+            Put::Stop
+        } else if no_room {
+            Put::StopNoRoom
+        } else {
+            Put::Park
+        }
+    }
 }
 
 /// How a drained instance was put away.
@@ -1351,7 +1382,7 @@ impl Server {
                         Err(_) => InstanceState::Failed,
                     };
                     d.last_error = Some(match &result {
-                        Ok(()) => "released: stopped (no room to park)".to_string(),
+                        Ok(()) => Released::StoppedNoRoomToPark.status_line(),
                         Err(e) => format!("stop failed: {e}"),
                     });
                 }
@@ -1375,37 +1406,45 @@ impl Server {
         Ok(stopped)
     }
 
-    /// Parks (or stops, with `stop` or where it does not park) an instance whose requests have
+    /// Parks (or stops, per `put` or where it does not park) an instance whose requests have
     /// drained: state `Closed`/`Ready`/`Parked`, reserved by the caller or idle. Says how it
     /// was released, and which parked copies were stopped to make room for its copy;
     /// `ParkedCapacity` leaves it ready (announced again).
-    async fn put_away(&self, id: &str, stop: bool, no_room: NoRoom) -> Result<PutAway, ApiError> {
-        let room = if stop {
-            Ok(Vec::new())
-        } else {
+    async fn put_away(&self, id: &str, put: Put, no_room: NoRoom) -> Result<PutAway, ApiError> {
+        let room = if put == Put::Park {
             self.make_parked_room(id).await
+        } else {
+            Ok(Vec::new())
         };
-        let (room, stop, stopped_for_room) = match room {
-            Ok(room) => (room, stop, false),
+        let (room, put) = match room {
+            Ok(room) => (room, put),
             Err(ApiError::ParkedCapacity { .. }) if no_room == NoRoom::Stop => {
-                (Vec::new(), true, true)
+                (Vec::new(), Put::StopNoRoom)
             }
             Err(e) => {
                 self.put_back(id).await;
                 return Err(e);
             }
         };
+        // Stopped for room only says so of a model that would have parked.
+        let parks = self.read(|inner| {
+            inner
+                .deps
+                .get(id)
+                .is_some_and(|d| d.state == InstanceState::Parked || d.parks())
+        });
         let began = Instant::now();
-        let released = self.release_drained(id, stop).await?;
-        if stopped_for_room && released == Released::Stopped {
+        let released = self.release_drained(id, put != Put::Park).await?;
+        if put == Put::StopNoRoom && parks && released == Released::Stopped {
             self.write(|inner| {
                 if let Some(d) = inner.deps.get_mut(id) {
-                    d.last_error = Some("released: stopped (no room to park)".into());
+                    d.last_error = Some(Released::StoppedNoRoomToPark.status_line());
                 }
             });
             self.config
                 .metrics
                 .park("none", "stopped_no_room_to_park", began.elapsed());
+            tracing::info!(instance = %instance_id(id), released = Released::StoppedNoRoomToPark.words(), "released: the GPU has no room to keep it parked");
             return Ok(PutAway {
                 released: Released::StoppedNoRoomToPark,
                 room,
@@ -1501,7 +1540,7 @@ impl Server {
                         d.addr = None;
                         d.pid = None;
                         if *r == Released::StoppedNoRoomToPark {
-                            d.last_error = Some("released: stopped (no room to park)".into());
+                            d.last_error = Some(Released::StoppedNoRoomToPark.status_line());
                         }
                     }
                     Err(e) => {
@@ -1770,7 +1809,7 @@ impl Server {
             match self
                 .put_away(
                     &key.deployment,
-                    stop_all || report.cut_before_output,
+                    Put::victim(report.cut_before_output, stop_all),
                     NoRoom::Stop,
                 )
                 .await
@@ -1802,8 +1841,10 @@ impl Server {
                 .collect()
         });
         for v in parked {
-            match self.put_away(&v, true, NoRoom::Stop).await {
-                Ok(_) => tracing::info!(victim = %v, "parked engine stopped for its GPU memory"),
+            match self.put_away(&v, Put::StopNoRoom, NoRoom::Stop).await {
+                Ok(put) => {
+                    tracing::info!(victim = %v, released = put.released.words(), "parked engine stopped for its GPU memory")
+                }
                 Err(e) => {
                     tracing::warn!(victim = %v, error = %e, "stopping a parked victim failed")
                 }
@@ -2056,9 +2097,10 @@ impl Server {
                 let released_at = Instant::now();
                 for v in &victims {
                     // A parked victim is stopped for what it holds on the GPU.
-                    let stop = stop_all
-                        || !ready.contains(v)
-                        || reports.get(v).is_some_and(|r| r.cut_before_output);
+                    let put = Put::victim(
+                        reports.get(v).is_some_and(|r| r.cut_before_output),
+                        stop_all || !ready.contains(v),
+                    );
                     let (name, iid) = self
                         .read(|inner| {
                             inner
@@ -2067,7 +2109,7 @@ impl Server {
                                 .map(|d| (d.name().to_string(), d.instance_id()))
                         })
                         .unwrap_or_default();
-                    match self.put_away(v, stop, NoRoom::Stop).await {
+                    match self.put_away(v, put, NoRoom::Stop).await {
                         Ok(put) => {
                             receipt_victims.push(Victim {
                                 deployment_id: v.clone(),
@@ -2270,7 +2312,7 @@ impl Server {
         match down {
             None => Ok(None),
             Some(false) => self
-                .put_away(id, true, NoRoom::Refuse)
+                .put_away(id, Put::Stop, NoRoom::Refuse)
                 .await
                 .map(|p| Some(p.released)),
             Some(true) => {
@@ -2281,7 +2323,8 @@ impl Server {
                 };
                 let reports = self.drain(&[id.to_string()], shown).await?;
                 let cut = reports.get(id).is_some_and(|r| r.cut_before_output);
-                self.put_away(id, stop || cut, NoRoom::Refuse)
+                let put = if stop || cut { Put::Stop } else { Put::Park };
+                self.put_away(id, put, NoRoom::Refuse)
                     .await
                     .map(|p| Some(p.released))
             }
@@ -2467,7 +2510,7 @@ impl Server {
                 });
                 self.save_logged();
                 // Parked, or stopped when its copy finds no room.
-                if let Err(e) = self.put_away(id, false, NoRoom::Stop).await {
+                if let Err(e) = self.put_away(id, Put::Park, NoRoom::Stop).await {
                     tracing::warn!(deployment = %id, error = %e, "preinitialize: parking failed");
                 }
             }
