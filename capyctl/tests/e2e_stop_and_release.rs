@@ -1,10 +1,57 @@
-//! A victim stopped for want of room to keep it parked, end to end: the real `capyctl` binary
-//! (`start standalone` and the commands), real sockets, the engine simulator as every engine.
+//! Ending a start or a wake in progress, and a victim stopped for want of room in host RAM, end
+//! to end: the real `capyctl` binary (`start standalone` and the commands), real sockets, the
+//! engine simulator as every engine.
 #![allow(clippy::unwrap_used)]
 
 mod support;
 
-use support::{Capy, document, model, temp_dir};
+use std::time::{Duration, Instant};
+
+use support::{Capy, alive, assert_error, chat, document, model, temp_dir};
+
+/// What a command that ends a start in progress may take at most (the engine's ready timeout
+/// is 1800 s, its stop grace 10 s; engine-sim ends on SIGTERM at once).
+const PROMPT: Duration = Duration::from_secs(8);
+
+/// The engine's pid of `name` while it starts: `status` shows it starting, and the agent's
+/// record (`<data dir>/engines/<instance>.json`) names the process it launched.
+fn starting_pid(capy: &Capy, name: &str) -> u64 {
+    let s = capy.status_until(name, "showed a start", |s| s["state"] == "starting");
+    let instance = s["instances"][0]["instance_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let record = capy.dir.join("engines").join(format!("{instance}.json"));
+    let start = Instant::now();
+    loop {
+        if let Some(pid) = std::fs::read_to_string(&record)
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .and_then(|v| v["pid"].as_u64())
+        {
+            return pid;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "no engine record at {}",
+            record.display()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Waits (bounded) for `pid` to be gone.
+#[track_caller]
+fn gone_within(pid: u64, bound: Duration) {
+    let start = Instant::now();
+    while alive(pid) {
+        assert!(
+            start.elapsed() < bound,
+            "engine {pid} still runs after {bound:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
 
 /// `start deployment NAME --evict --wait --json`: its receipt, which says it is ready.
 #[track_caller]
@@ -88,4 +135,76 @@ fn a_victim_without_room_for_its_copy_is_stopped_and_says_so() {
             "{status:#}"
         );
     }
+}
+
+/// Item 5 of issue 16: `capyctl stop` while the engine hangs in its start answers at once, the
+/// engine process is gone, and a request that waited for the start gets `deployment_stopped`.
+#[test]
+fn stop_ends_a_start_that_hangs() {
+    let dir = temp_dir("stop-hung-start");
+    let hangs = "env: {ENGINE_SIM_WEIGHTS_BYTES: 64MiB, ENGINE_SIM_STARTUP_DELAY: 3600s}\n";
+    let doc = document(
+        "",
+        "",
+        &[&model("my-model", "").replace("env: {ENGINE_SIM_WEIGHTS_BYTES: 64MiB}\n", hangs)],
+    );
+    let capy = Capy::start(&dir, &doc);
+    // A request waits for the start.
+    let inference = capy.inference;
+    let waiting = std::thread::spawn(move || chat(inference, "my-model", false));
+    let pid = starting_pid(&capy, "my-model");
+    let began = Instant::now();
+    let out = capy.cli(&["stop", "deployment", "my-model"]).ok();
+    let took = began.elapsed();
+    assert!(took < PROMPT, "stop took {took:?}: {out}");
+    assert!(out.contains("state stopped"), "{out}");
+    gone_within(pid, Duration::from_secs(2));
+    let r = waiting.join().unwrap();
+    assert_error(&r, 409, "deployment_stopped", false);
+    assert_eq!(capy.status("my-model")["state"], "stopped");
+    // It starts again on the operator's word (and hangs again: stopped once more).
+    capy.cli(&["start", "deployment", "my-model"]).ok();
+    let pid = starting_pid(&capy, "my-model");
+    let began = Instant::now();
+    capy.cli(&["delete", "deployment", "my-model"]).ok();
+    assert!(
+        began.elapsed() < PROMPT,
+        "delete took {:?}",
+        began.elapsed()
+    );
+    gone_within(pid, Duration::from_secs(2));
+}
+
+/// `start --evict` of a model that needs the memory of one whose start hangs (no request
+/// waiting for it) ends that start: the engine is stopped and named a victim, and the
+/// evicting start goes on.
+#[test]
+fn start_evict_ends_a_start_that_hangs() {
+    let dir = temp_dir("evict-hung-start");
+    let hangs = "env: {ENGINE_SIM_WEIGHTS_BYTES: 64MiB, ENGINE_SIM_STARTUP_DELAY: 3600s}\n";
+    let doc = document(
+        "",
+        "",
+        &[
+            &model("my-model", "").replace("env: {ENGINE_SIM_WEIGHTS_BYTES: 64MiB}\n", hangs),
+            &model("other-model", ""),
+        ],
+    );
+    let capy = Capy::start(&dir, &doc);
+    capy.cli(&["start", "deployment", "my-model"]).ok();
+    let pid = starting_pid(&capy, "my-model");
+    let began = Instant::now();
+    let receipt = capy
+        .cli(&["start", "deployment", "other-model", "--evict", "--wait"])
+        .ok();
+    assert!(began.elapsed() < PROMPT + PROMPT, "{receipt}");
+    assert!(receipt.contains("state ready, ready 1/1"), "{receipt}");
+    assert!(
+        receipt.contains("(my-model)\n") && receipt.contains("    released: stopped\n"),
+        "{receipt}"
+    );
+    gone_within(pid, Duration::from_secs(2));
+    let s = capy.status("my-model");
+    assert_eq!(s["state"], "stopped", "{s:#}");
+    assert_eq!(capy.status("other-model")["state"], "ready");
 }

@@ -1000,7 +1000,7 @@ async fn a_wake_that_fails_its_check_stops_the_model_and_the_next_request_starts
 }
 
 #[tokio::test]
-async fn a_host_wide_explicit_activation_refuses_requests_and_stop_waits_out_a_start() {
+async fn a_host_wide_explicit_activation_refuses_requests_and_stop_ends_a_start() {
     let dir = temp_dir("host-explicit");
     let opts = Opts {
         activation: Activation::Explicit,
@@ -1018,7 +1018,7 @@ async fn a_host_wide_explicit_activation_refuses_requests_and_stop_waits_out_a_s
         (status, body["code"].as_str()),
         (409, Some("deployment_inactive"))
     );
-    // A start in the background, then a stop at once: the stop waits for the start to end.
+    // A start in the background, then a stop at once: the stop ends the start.
     let r = h
         .server
         .start("chat-a", StartRequest::default())

@@ -136,6 +136,11 @@ struct Dep {
     /// The record changed in a way only the next bring-up's end saves (a pending start
     /// taken).
     save_due: bool,
+    /// Set (once per bring-up) to end the start or wake in progress: what its waiting requests
+    /// and the bring-up's caller get (`deployment_stopped` for a stop, `model_not_found` for
+    /// a delete, `unavailable` for `start --evict` of another model). See
+    /// [`Server::end_bring_up`].
+    end: watch::Sender<Option<ApiError>>,
 }
 
 impl Dep {
@@ -158,7 +163,13 @@ impl Dep {
             last_used: Instant::now(),
             max_running: None,
             save_due: false,
+            end: watch::channel(None).0,
         }
+    }
+
+    /// A start or a wake is in progress.
+    fn bringing_up(&self) -> bool {
+        self.busy && matches!(self.state, InstanceState::Starting | InstanceState::Waking)
     }
 
     fn id(&self) -> &str {
@@ -350,6 +361,10 @@ impl Inner {
     }
 }
 
+/// How often an ended start or wake is asked to stop again until it has ended (see
+/// [`Server::unless_ended`]).
+const STOP_AGAIN: Duration = Duration::from_millis(500);
+
 /// The longest [`Server::idle_engine`] waits: the drain bound's maximum (600 s).
 const IDLE_ENGINE_BOUND: Duration = Duration::from_secs(600);
 
@@ -400,6 +415,27 @@ struct PutAway {
     /// Parked copies stopped to make room in host RAM for its copy
     /// (`released: stopped (no room to park)`).
     room: Vec<Victim>,
+}
+
+/// How a start or a wake in progress was ended ([`Server::end_bring_up`]).
+#[derive(Debug)]
+struct Ended {
+    /// What its waiting requests and its caller get.
+    refusal: ApiError,
+    /// The agent's stop of its engine.
+    stopped: Result<(), capyctl_node_agent::AgentError>,
+}
+
+/// Whom a placement may name as victims.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Victims {
+    /// Nobody: a start without `--evict` (and a pending one) waits for memory instead.
+    None,
+    /// Idle ready instances and parked engines (a request's switch).
+    Idle,
+    /// Those, and starts or wakes in progress that no request waits for (`start --evict`):
+    /// they are ended, their engines stopped.
+    IdleAndBringUps,
 }
 
 /// How an instance is to be brought up.
@@ -994,7 +1030,7 @@ impl Server {
         inner: &Inner,
         target: &str,
         protected: &BTreeSet<String>,
-        evict: bool,
+        victims: Victims,
     ) -> (Option<String>, Fit) {
         let Some(d) = inner.deps.get(target) else {
             return (
@@ -1010,8 +1046,8 @@ impl Server {
                 continue;
             }
             let need = d.need(host.capacity);
-            let holders = self.holders(inner, id, target, protected);
-            let fit = place(host.capacity, need, &holders, evict);
+            let holders = self.holders(inner, id, target, protected, victims);
+            let fit = place(host.capacity, need, &holders, victims != Victims::None);
             let rank = match &fit {
                 Fit::Now => {
                     let used: u64 = holders.iter().map(|h| h.bytes).sum();
@@ -1066,6 +1102,7 @@ impl Server {
         host: &str,
         target: &str,
         protected: &BTreeSet<String>,
+        victims: Victims,
     ) -> Vec<Holder> {
         let now = Instant::now();
         let capacity = inner.hosts.get(host).map_or(0, |h| h.capacity);
@@ -1084,10 +1121,14 @@ impl Server {
                     || matches!(d.state, InstanceState::Parking | InstanceState::Stopping);
                 // A parked target a switch has claimed is about to take its whole memory.
                 let parked = d.state == InstanceState::Parked && d.claim.is_none();
+                // A start or wake no request waits for, which `start --evict` ends (it stops).
+                let ends = victims == Victims::IdleAndBringUps
+                    && d.bringing_up()
+                    && d.end.borrow().is_none();
                 let hold = if (self.explicit(d) || d.warm()) && !leaving {
                     Hold::Pinned
-                } else if matches!(d.state, InstanceState::Ready | InstanceState::Parked)
-                    && !d.busy
+                } else if (ends
+                    || matches!(d.state, InstanceState::Ready | InstanceState::Parked) && !d.busy)
                     && d.reserved.is_none()
                     && d.claim.is_none()
                     && !protected.contains(d.id())
@@ -1107,7 +1148,11 @@ impl Server {
                     hold,
                     idle_for: now.saturating_duration_since(d.last_used),
                     parked,
-                    keeps: if parked { 0 } else { d.residue_if_parked() },
+                    keeps: if parked || ends {
+                        0
+                    } else {
+                        d.residue_if_parked()
+                    },
                 }
             })
             .collect()
@@ -1121,6 +1166,7 @@ impl Server {
         d.busy = true;
         d.last_error = None;
         d.last_used = Instant::now();
+        d.end = watch::channel(None).0;
         if d.state == InstanceState::Parked {
             d.parked_gpu = None;
             d.state = InstanceState::Waking;
@@ -1170,42 +1216,50 @@ impl Server {
         }
         let began = Instant::now();
         let woken_from = self.read(|inner| inner.deps.get(id).and_then(|d| d.tier));
-        let outcome: Result<Option<capyctl_node_agent::agent::StartedInstance>, ApiError> = match up
-        {
-            Up::Start => match agent.start(&iid, &spec).await {
-                Ok(s) if engine_addr(&s.base_url).is_none() => {
-                    // Requests could never reach it: a failed start, not a ready instance.
-                    let _ = agent.stop(&iid).await;
-                    Err(ApiError::EngineFailed {
-                        deployment: id.to_string(),
-                        detail: format!(
-                            "the engine answers at {}, which is not an IP address and port",
-                            s.base_url
-                        ),
-                    })
-                }
-                Ok(s) => Ok(Some(s)),
-                Err(e) => Err(ApiError::EngineFailed {
-                    deployment: id.to_string(),
-                    detail: e.to_string(),
-                }),
-            },
-            Up::Wake => match agent.wake(&iid).await {
-                Ok(report) => match report.into_result() {
-                    Ok(()) => Ok(None),
-                    Err(e) => Err(e.to_api_error(id).unwrap_or(ApiError::EngineFailed {
+        let bring_up = async {
+            match up {
+                Up::Start => match agent.start(&iid, &spec).await {
+                    Ok(s) if engine_addr(&s.base_url).is_none() => {
+                        // Requests could never reach it: a failed start, not a ready instance.
+                        let _ = agent.stop(&iid).await;
+                        Err(ApiError::EngineFailed {
+                            deployment: id.to_string(),
+                            detail: format!(
+                                "the engine answers at {}, which is not an IP address and port",
+                                s.base_url
+                            ),
+                        })
+                    }
+                    Ok(s) => Ok(Some(s)),
+                    Err(e) => Err(ApiError::EngineFailed {
                         deployment: id.to_string(),
                         detail: e.to_string(),
-                    })),
+                    }),
                 },
-                Err(e) => {
-                    let _ = agent.stop(&iid).await;
-                    Err(ApiError::EngineFailed {
-                        deployment: id.to_string(),
-                        detail: e.to_string(),
-                    })
-                }
-            },
+                Up::Wake => match agent.wake(&iid).await {
+                    Ok(report) => match report.into_result() {
+                        Ok(()) => Ok(None),
+                        Err(e) => Err(e.to_api_error(id).unwrap_or(ApiError::EngineFailed {
+                            deployment: id.to_string(),
+                            detail: e.to_string(),
+                        })),
+                    },
+                    Err(e) => {
+                        let _ = agent.stop(&iid).await;
+                        Err(ApiError::EngineFailed {
+                            deployment: id.to_string(),
+                            detail: e.to_string(),
+                        })
+                    }
+                },
+            }
+        };
+        let (outcome, ended): (
+            Result<Option<capyctl_node_agent::agent::StartedInstance>, ApiError>,
+            _,
+        ) = match self.unless_ended(id, agent.as_ref(), &iid, bring_up).await {
+            Ok(outcome) => (outcome, None),
+            Err(ended) => (Err(ended.refusal.clone()), Some(ended)),
         };
         if up == Up::Wake {
             let code = match &outcome {
@@ -1243,6 +1297,27 @@ impl Server {
                     d.addr = None;
                     d.pid = None;
                     d.last_error = Some(format!("{}: {}", e.code(), e.message()));
+                    if let Some(ended) = &ended {
+                        let what = match up {
+                            Up::Start => "start",
+                            Up::Wake => "wake",
+                        };
+                        match &ended.stopped {
+                            Ok(()) => {
+                                d.state = InstanceState::Stopped;
+                                d.last_error = Some(format!(
+                                    "{what} ended and engine stopped: {}",
+                                    e.message()
+                                ));
+                            }
+                            Err(stop) => {
+                                d.last_error = Some(format!(
+                                    "{what} ended ({}), but stopping the engine failed: {stop}",
+                                    e.message()
+                                ));
+                            }
+                        }
+                    }
                     Some(Err(self.key(d)))
                 }
             }
@@ -1271,6 +1346,90 @@ impl Server {
             None => {}
         }
         outcome.map(|_| ())
+    }
+
+    /// Runs `op`, the start or the wake of `id` (instance `iid` on `agent`) that
+    /// [`Server::begin_up`] began, unless it is ended meanwhile ([`Server::end_bring_up`]):
+    /// then the agent is asked to stop the engine, which ends `op` (the agent answers it
+    /// `cancelled`), and both are awaited: when this answers, the engine is gone. Ended before
+    /// it began, `op` is never run (and the engine of a wake, parked, is stopped).
+    async fn unless_ended<T>(
+        &self,
+        id: &str,
+        agent: &dyn HostAgent,
+        iid: &str,
+        op: impl std::future::Future<Output = T>,
+    ) -> Result<T, Ended> {
+        let Some(mut end) = self.read(|inner| inner.deps.get(id).map(|d| d.end.subscribe())) else {
+            return Ok(op.await);
+        };
+        let asked_before = end.borrow().clone();
+        let refusal = match asked_before {
+            // Ended before it began: it never runs (a parked engine is stopped below).
+            Some(refusal) => refusal,
+            None => {
+                let asked = async {
+                    end.wait_for(Option::is_some)
+                        .await
+                        .ok()
+                        .and_then(|w| w.clone())
+                };
+                tokio::pin!(op);
+                let refusal = tokio::select! {
+                    out = &mut op => return Ok(out),
+                    Some(refusal) = asked => refusal,
+                };
+                tracing::info!(instance = %iid, reason = %refusal.message(), "ending the start or wake in progress: stopping its engine");
+                // The agent's stop ends the operation and waits for it, so both run together.
+                // A call still on its way to a node agent when the stop arrives is not ended by
+                // it: the stop is asked again until the operation has ended.
+                let stops = async {
+                    loop {
+                        let _ = agent.stop(iid).await;
+                        tokio::time::sleep(STOP_AGAIN).await;
+                    }
+                };
+                tokio::select! {
+                    _ = &mut op => {}
+                    () = stops => {}
+                }
+                refusal
+            }
+        };
+        // Once more, for an engine a start finished just before the stop could end it, or the
+        // parked engine of a wake ended before it began.
+        let stopped = match agent.stop(iid).await {
+            Err(capyctl_node_agent::AgentError::UnknownInstance { .. }) => Ok(()),
+            other => other,
+        };
+        if let Err(e) = &stopped {
+            tracing::warn!(instance = %iid, error = %e, "stopping the engine of an ended start or wake failed");
+        }
+        Err(Ended { refusal, stopped })
+    }
+
+    /// Ends the start or wake of `id` in progress, if any: its requests and its caller get
+    /// `refusal`, its engine is stopped. Waits until no operation is in progress on `id`
+    /// (whatever it was); `false` when `id` is gone.
+    async fn end_bring_up(&self, id: &str, refusal: &ApiError) -> bool {
+        let mut rx = self.changes.subscribe();
+        loop {
+            let busy = self.read(|inner| {
+                let d = inner.deps.get(id)?;
+                if d.bringing_up() && d.end.borrow().is_none() {
+                    d.end.send_replace(Some(refusal.clone()));
+                }
+                Some(d.busy)
+            });
+            match busy {
+                None => return false,
+                Some(false) => return true,
+                Some(true) => {}
+            }
+            if rx.changed().await.is_err() {
+                return false;
+            }
+        }
     }
 
     /// Makes room in host RAM for `id`'s parked copy: stops the longest-idle non-explicit
@@ -1628,7 +1787,8 @@ impl Server {
                         {
                             return None;
                         }
-                        let (host, fit) = me.place_target(inner, &id, &BTreeSet::new(), false);
+                        let (host, fit) =
+                            me.place_target(inner, &id, &BTreeSet::new(), Victims::None);
                         if fit != Fit::Now {
                             return None;
                         }
@@ -1685,7 +1845,7 @@ impl Server {
             }
             _ => {}
         }
-        let (host, fit) = self.place_target(&inner, target, protected, true);
+        let (host, fit) = self.place_target(&inner, target, protected, Victims::Idle);
         let switch_id = self.fresh_id("sw");
         let plan = match fit {
             Fit::Now => {
@@ -2014,7 +2174,12 @@ impl Server {
             ) || d.claim.is_some()
                 // A start that waits for memory is taken over by a start with --evict.
                 || (d.rec.pending_start && !req.evict);
-            let (host, fit) = self.place_target(inner, &id, &protected, req.evict);
+            let victims = if req.evict {
+                Victims::IdleAndBringUps
+            } else {
+                Victims::None
+            };
+            let (host, fit) = self.place_target(inner, &id, &protected, victims);
             let d = inner.deps.get_mut(&id).ok_or_else(|| not_found(&id))?;
             d.rec.operator_stopped = false;
             d.rec.operator_started = true;
@@ -2070,7 +2235,24 @@ impl Server {
             Next::Evict(rid, victims, stop_all) => {
                 // A switch like a request's, without the admission window: counted the same.
                 let began = Instant::now();
-                // Parked victims (stopped for what they hold on the GPU) have nothing to drain.
+                // Starts and wakes in progress among the victims (no request waits for them)
+                // are ended: their engines stop. A request that came for one meanwhile gets
+                // the retryable `unavailable`; later ones wait for the next switch.
+                let bringing_up: Vec<String> = self.read(|inner| {
+                    victims
+                        .iter()
+                        .filter(|v| inner.deps.get(*v).is_some_and(Dep::bringing_up))
+                        .cloned()
+                        .collect()
+                });
+                for v in &bringing_up {
+                    let refusal = ApiError::DispatchClosed {
+                        deployment: v.clone(),
+                    };
+                    self.end_bring_up(v, &refusal).await;
+                }
+                // Only ready victims drain: parked ones (stopped for what they hold on the GPU)
+                // and ended starts have nothing to drain (a start that ended ready drains).
                 let ready: Vec<String> = self.read(|inner| {
                     victims
                         .iter()
@@ -2078,7 +2260,7 @@ impl Server {
                             inner
                                 .deps
                                 .get(*v)
-                                .is_some_and(|d| d.state != InstanceState::Parked)
+                                .is_some_and(|d| d.state == InstanceState::Ready)
                         })
                         .cloned()
                         .collect()
@@ -2109,6 +2291,22 @@ impl Server {
                                 .map(|d| (d.name().to_string(), d.instance_id()))
                         })
                         .unwrap_or_default();
+                    let ended = bringing_up.contains(v)
+                        && self.read(|inner| {
+                            inner.deps.get(v).is_none_or(|d| {
+                                matches!(d.state, InstanceState::Stopped | InstanceState::Failed)
+                            })
+                        });
+                    if ended {
+                        tracing::info!(victim = %v, "released: stopped (its start or wake ended)");
+                        receipt_victims.push(Victim {
+                            deployment_id: v.clone(),
+                            name,
+                            instance_id: iid,
+                            released: Released::Stopped,
+                        });
+                        continue;
+                    }
                     match self.put_away(v, put, NoRoom::Stop).await {
                         Ok(put) => {
                             receipt_victims.push(Victim {
@@ -2243,8 +2441,9 @@ impl Server {
     }
 
     /// An operator's stop or delete begins: marks `id` operator-stopped (requests get
-    /// `deployment_stopped`), fails its waiting requests with `refusal`, waits for an operation
-    /// in progress on it (a start, a wake, a switch it is part of) to end, then begins taking it
+    /// `deployment_stopped`), fails its waiting requests with `refusal`, ends a start or a wake
+    /// in progress (its engine is stopped at once, see [`Server::end_bring_up`]), waits for
+    /// another operation on it (a park, a switch it is part of) to end, then begins taking it
     /// down (see [`Server::begin_down`]).
     async fn begin_operator_stop(
         &self,
@@ -2261,15 +2460,18 @@ impl Server {
         })?;
         self.save_logged();
         if let Some(r) = self.router() {
-            r.deployment_refused(id.to_string(), refusal).await;
+            r.deployment_refused(id.to_string(), refusal.clone()).await;
         }
         let mut rx = self.changes.subscribe();
         loop {
             let settled = self.read(|inner| {
-                inner
-                    .deps
-                    .get(id)
-                    .map(|d| !d.busy && d.reserved.is_none() && d.claim.is_none())
+                inner.deps.get(id).map(|d| {
+                    // A start or wake begun after the stop (a switch claimed it before) too.
+                    if d.bringing_up() && d.end.borrow().is_none() {
+                        d.end.send_replace(Some(refusal.clone()));
+                    }
+                    !d.busy && d.reserved.is_none() && d.claim.is_none()
+                })
             });
             match settled {
                 None => return Err(not_found(id)),
@@ -2452,7 +2654,7 @@ impl Server {
                 return Ok(false);
             }
             let name = d.name().to_string();
-            let (host, fit) = self.place_target(inner, &id, &BTreeSet::new(), false);
+            let (host, fit) = self.place_target(inner, &id, &BTreeSet::new(), Victims::None);
             match fit {
                 Fit::Now => {
                     if let Some(d) = inner.deps.get_mut(&id) {
@@ -2490,7 +2692,31 @@ impl Server {
         };
         self.save_logged();
         let started = match self.agent_of(id) {
-            Ok(agent) => agent.start(&iid, &spec).await.map_err(|e| e.to_string()),
+            Ok(agent) => match self
+                .unless_ended(id, agent.as_ref(), &iid, agent.start(&iid, &spec))
+                .await
+            {
+                Ok(started) => started.map_err(|e| e.to_string()),
+                Err(ended) => {
+                    self.write(|inner| {
+                        if let Some(d) = inner.deps.get_mut(id) {
+                            d.busy = false;
+                            d.state = if ended.stopped.is_ok() {
+                                InstanceState::Stopped
+                            } else {
+                                InstanceState::Failed
+                            };
+                            d.last_error = Some(format!(
+                                "preinitialize: start ended: {}",
+                                ended.refusal.message()
+                            ));
+                        }
+                    });
+                    self.announce_gone(key).await;
+                    self.memory_freed();
+                    return;
+                }
+            },
             Err(e) => Err(e.message()),
         };
         match started {
