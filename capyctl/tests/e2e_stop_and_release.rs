@@ -208,3 +208,33 @@ fn start_evict_ends_a_start_that_hangs() {
     assert_eq!(s["state"], "stopped", "{s:#}");
     assert_eq!(capy.status("other-model")["state"], "ready");
 }
+
+/// Issue 16, item 7: a document needing more GPU memory than the host has is refused at
+/// deploy, naming the key and the host's GPU memory; refused as an update, the working
+/// revision stays.
+#[test]
+fn a_deployment_no_host_can_place_is_refused_at_deploy() {
+    let dir = temp_dir("too-large");
+    let capy = Capy::start(&dir, &document("", "", &[&model("my-model", "")]));
+    let file = dir.join("my-model.yaml");
+    std::fs::write(
+        &file,
+        model("my-model", "").replace("gpu_memory: 6GiB", "gpu_memory: 12GiB"),
+    )
+    .unwrap();
+    let err = capy
+        .cli(&["deploy", "model", "--file", file.to_str().unwrap()])
+        .fails();
+    assert!(
+        err.contains("resources.gpu_memory: 12.0 GiB")
+            && err.contains("the largest: 10.0 GiB on host gpu-box")
+            && err.ends_with("(does_not_fit)"),
+        "{err}"
+    );
+    let status = capy.status("my-model");
+    assert_eq!(status["revision"], 1, "{status:#}");
+    assert_eq!(
+        status["spec"]["resources"]["gpu_memory"], "6GiB",
+        "{status:#}"
+    );
+}

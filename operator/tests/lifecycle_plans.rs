@@ -563,3 +563,34 @@ async fn start_evict_ends_a_start_in_progress() {
         agent.calls()
     );
 }
+
+/// Issue 16, item 7: standalone (no host joins later), a deployment needing more GPU memory
+/// than the host has is refused at deploy, naming the key and the largest host; a changed
+/// document refused so leaves the working revision in place, running.
+#[tokio::test]
+async fn a_document_no_host_can_place_is_refused_and_the_working_revision_stays() {
+    let (s, _, _) = server().await;
+    let a = s.deploy(doc("x", 6, "")).await.unwrap().deployment;
+    ready(&s, "x").await;
+    let e = s.deploy(doc("x", 12, "")).await.unwrap_err();
+    assert_eq!(e.code(), "does_not_fit", "{e:?}");
+    let message = e.message();
+    assert!(
+        message.contains("resources.gpu_memory: 12.0 GiB")
+            && message.contains("the largest: 10.0 GiB on host h"),
+        "{message}"
+    );
+    let now = s.get("x").await.unwrap();
+    assert_eq!(now.revision, 1);
+    assert_eq!(now.spec, a.spec, "the working document stays");
+    assert_eq!(now.state, InstanceState::Ready);
+    // A new one is not created.
+    assert_eq!(
+        s.deploy(doc("z", 12, "")).await.unwrap_err().code(),
+        "does_not_fit"
+    );
+    assert_eq!(s.get("z").await.unwrap_err().code(), "not_found");
+    assert_eq!(s.list().await.deployments.len(), 1);
+    // The whole GPU is still taken.
+    s.deploy(doc("w", 10, "")).await.unwrap();
+}

@@ -469,6 +469,10 @@ pub struct Server {
     closed: watch::Sender<bool>,
     /// `/readyz`.
     ready: AtomicBool,
+    /// No host joins after the open (standalone, [`Server::open`]): a deployment no host can
+    /// place is refused at deploy. Hosts may join otherwise ([`Server::upsert_host`]: a
+    /// cluster's nodes), so placement answers `does_not_fit` per request instead.
+    hosts_fixed: AtomicBool,
     /// Switch and release numbers.
     next_id: AtomicU64,
     /// Itself, for the background work it spawns.
@@ -497,7 +501,8 @@ fn not_found(key: &str) -> ApiError {
 
 impl Server {
     /// Opens the server on one host (standalone; `config.host_*` describe it): see
-    /// [`Server::open_hosts`].
+    /// [`Server::open_hosts`]. No other host ever joins: a deployment needing more GPU memory
+    /// than this one has is refused at deploy.
     pub async fn open(
         agent: Arc<dyn HostAgent>,
         store: Arc<dyn Store>,
@@ -511,7 +516,9 @@ impl Server {
             admission_window: None,
             remote: false,
         };
-        Self::open_hosts(vec![host], store, config).await
+        let server = Self::open_hosts(vec![host], store, config).await?;
+        server.hosts_fixed.store(true, Ordering::Relaxed);
+        Ok(server)
     }
 
     /// Opens the server: loads the stored deployments, then for each host reads its
@@ -544,6 +551,7 @@ impl Server {
             changes,
             closed,
             ready: AtomicBool::new(false),
+            hosts_fixed: AtomicBool::new(false),
             next_id: AtomicU64::new(1),
             me: me.clone(),
         });
@@ -2093,49 +2101,112 @@ impl Server {
         })
     }
 
+    /// Deploys `doc`: creates the deployment, or makes `doc` its next revision. It is measured
+    /// and checked against the hosts first, so that a document that cannot work (no host could
+    /// ever place it, where no other host can join) is refused and changes nothing: an existing
+    /// deployment keeps its working revision.
     async fn do_deploy(&self, doc: DeploymentDoc) -> Result<DeployReceipt, ApiError> {
-        let (id, outcome) = self.write(|inner| {
-            if let Some(d) = inner.deps.values_mut().find(|d| d.name() == doc.name) {
-                if d.rec.doc == doc {
-                    return (d.rec.id.clone(), DeployOutcome::Unchanged);
-                }
-                d.rec.revision += 1;
-                d.rec.doc = doc.clone();
-                d.spec = InstanceSpec::from_doc(d.rec.id.clone(), &doc);
-                (d.rec.id.clone(), DeployOutcome::Updated)
-            } else {
-                let id = ulid::Ulid::new().to_string();
-                let rec = DeploymentRecord {
-                    id: id.clone(),
-                    revision: 1,
-                    doc: doc.clone(),
-                    operator_stopped: false,
-                    operator_started: false,
-                    pending_start: false,
-                    generation: 0,
-                    first_answer: None,
-                };
-                inner.deps.insert(id.clone(), Dep::new(rec));
-                (id, DeployOutcome::Created)
+        let existing = self.read(|inner| {
+            inner
+                .deps
+                .values()
+                .find(|d| d.name() == doc.name)
+                .map(|d| (d.rec.id.clone(), d.rec.doc == doc))
+        });
+        let id = match existing {
+            Some((id, true)) => {
+                return Ok(DeployReceipt {
+                    outcome: DeployOutcome::Unchanged,
+                    deployment: self.view(&id).ok_or_else(|| not_found(&id))?,
+                });
             }
+            Some((id, false)) => id,
+            None => ulid::Ulid::new().to_string(),
+        };
+        let spec = InstanceSpec::from_doc(id.clone(), &doc);
+        // No host known yet (a cluster before its first node agent): measured at the start.
+        let measured = match self.agent_of(&id) {
+            Ok(agent) => agent.measure(&spec).await.ok(),
+            Err(_) => None,
+        };
+        if self.hosts_fixed.load(Ordering::Relaxed) {
+            self.read(|inner| Self::some_host_fits(inner, &doc.name, &spec, measured.as_ref()))?;
+        }
+        let (id, outcome) = self.write(|inner| {
+            let (id, outcome) =
+                if let Some(d) = inner.deps.values_mut().find(|d| d.name() == doc.name) {
+                    if d.rec.doc == doc {
+                        return (d.rec.id.clone(), DeployOutcome::Unchanged);
+                    }
+                    d.rec.revision += 1;
+                    d.rec.doc = doc.clone();
+                    d.spec = InstanceSpec::from_doc(d.rec.id.clone(), &doc);
+                    (d.rec.id.clone(), DeployOutcome::Updated)
+                } else {
+                    let rec = DeploymentRecord {
+                        id: id.clone(),
+                        revision: 1,
+                        doc: doc.clone(),
+                        operator_stopped: false,
+                        operator_started: false,
+                        pending_start: false,
+                        generation: 0,
+                        first_answer: None,
+                    };
+                    inner.deps.insert(id.clone(), Dep::new(rec));
+                    (id.clone(), DeployOutcome::Created)
+                };
+            // A measurement still awaited does not replace one known (the same checkpoint).
+            if let (Some(d), Some(m)) = (inner.deps.get_mut(&id), measured)
+                && (!m.awaiting() || d.measurement.awaiting())
+            {
+                d.measurement = m;
+            }
+            (id, outcome)
         });
         if outcome != DeployOutcome::Unchanged {
             self.save_logged();
-            let spec = self.read(|inner| inner.deps.get(&id).map(|d| d.spec.clone()));
-            if let Some(spec) = spec {
-                let measured = self.agent_of(&id)?.measure(&spec).await;
-                self.write(|inner| {
-                    if let (Some(d), Ok(m)) = (inner.deps.get_mut(&id), measured)
-                        && !(m.awaiting() && !d.measurement.awaiting() && d.spec == spec)
-                    {
-                        d.measurement = m;
-                    }
-                });
-            }
         }
         Ok(DeployReceipt {
             outcome,
             deployment: self.view(&id).ok_or_else(|| not_found(&id))?,
+        })
+    }
+
+    /// `does_not_fit` when the GPU memory `spec` needs (declared, or `measured`) is more than
+    /// any host has: no host could ever place it. Unknown needs and no hosts pass.
+    fn some_host_fits(
+        inner: &Inner,
+        name: &str,
+        spec: &InstanceSpec,
+        measured: Option<&Measurement>,
+    ) -> Result<(), ApiError> {
+        let (need, whence) = match (
+            spec.resources.gpu_memory,
+            measured.and_then(|m| m.gpu_memory),
+        ) {
+            (Some(declared), _) => (declared, "resources.gpu_memory"),
+            (None, Some(m)) => (m.bytes, "its measured GPU memory"),
+            (None, None) => return Ok(()),
+        };
+        let Some((host, largest)) = inner
+            .hosts
+            .iter()
+            .map(|(id, h)| (id, h.capacity))
+            .max_by_key(|(_, capacity)| *capacity)
+        else {
+            return Ok(());
+        };
+        if need <= largest {
+            return Ok(());
+        }
+        Err(ApiError::DoesNotFit {
+            deployment: name.to_string(),
+            detail: format!(
+                "{whence}: {} is more than the GPU memory of any host (the largest: {} on host {host}); no host can ever place it",
+                placement::gib(need),
+                placement::gib(largest)
+            ),
         })
     }
 
