@@ -172,6 +172,12 @@ impl Released {
             Released::StoppedNoRoomToPark => "stopped (no room to park)",
         }
     }
+
+    /// What the released instance's status says (`last_error`), e.g. `released: stopped (no
+    /// room to park)`: events read the reason back from it.
+    pub fn status_line(self) -> String {
+        format!("released: {}", self.words())
+    }
 }
 
 /// One instance a start released.

@@ -227,7 +227,9 @@ pub struct EngineExit {
 /// ([`broadcast::error::RecvError::Lagged`]).
 const EXIT_EVENTS: usize = 64;
 
-/// What the lifecycle asks of a host. One call at a time per instance.
+/// What the lifecycle asks of a host. One call at a time per instance, except
+/// [`HostAgent::stop`], which may come while a start or a wake of the same instance is in
+/// progress: it ends that operation (see its doc).
 pub trait HostAgent: Send + Sync {
     /// GPUs and host RAM.
     fn inventory(&self) -> BoxFuture<'_, Result<Inventory, AgentError>>;
@@ -255,7 +257,10 @@ pub trait HostAgent: Send + Sync {
     fn park<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<ParkResult, AgentError>>;
     /// Wakes a parked instance and verifies it before anything is released.
     fn wake<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<WakeReport, AgentError>>;
-    /// Stops an instance.
+    /// Stops an instance. A start or a wake of it in progress is ended first: the agent stops
+    /// its engine (the process group, or the Pod), that call answers
+    /// [`AgentError::Cancelled`], and this one answers once the engine is gone. Over HTTP the
+    /// same holds: the node agent serves a stop while the start's call is still open.
     fn stop<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<(), AgentError>>;
     /// The latest load sample; `None` when none is held.
     fn sample(&self, instance: &str) -> Option<LoadSample>;
@@ -445,6 +450,56 @@ pub struct LocalHostAgent {
     /// Taken while a park's tier is chosen and its host-RAM copy reserved; never held across an
     /// `.await`.
     park_choice: Mutex<()>,
+    /// Starts and wakes in progress, by instance ID: a stop ends them.
+    in_progress: Arc<Mutex<HashMap<String, Arc<InProgress>>>>,
+}
+
+/// A start or a wake in progress, which a stop of the same instance ends.
+struct InProgress {
+    /// Set by a stop: the operation stops its engine and answers [`AgentError::Cancelled`].
+    cancel: watch::Sender<bool>,
+    /// Never sent on; closed when the operation has ended (its [`OpGuard`] dropped).
+    ended: watch::Receiver<()>,
+}
+
+/// Registers a start or a wake in [`LocalHostAgent::in_progress`] for as long as it lives.
+struct OpGuard {
+    map: Weak<Mutex<HashMap<String, Arc<InProgress>>>>,
+    id: String,
+    entry: Arc<InProgress>,
+    /// Dropped with the guard: a stop waiting for the operation's end learns it.
+    _ended: watch::Sender<()>,
+}
+
+impl OpGuard {
+    /// Fires once a stop has asked the operation to end (never, otherwise).
+    fn cancelled(&self) -> impl Future<Output = ()> + Send + 'static {
+        let mut rx = self.entry.cancel.subscribe();
+        async move {
+            if rx.wait_for(|c| *c).await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
+    /// Whether a stop has asked the operation to end.
+    fn is_cancelled(&self) -> bool {
+        *self.entry.cancel.borrow()
+    }
+}
+
+impl Drop for OpGuard {
+    fn drop(&mut self) {
+        if let Some(map) = self.map.upgrade() {
+            let mut map = map.lock().unwrap_or_else(PoisonError::into_inner);
+            if map
+                .get(&self.id)
+                .is_some_and(|e| Arc::ptr_eq(e, &self.entry))
+            {
+                map.remove(&self.id);
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for LocalHostAgent {
@@ -509,7 +564,53 @@ impl LocalHostAgent {
             versions: Mutex::new(HashMap::new()),
             learned: Mutex::new(HashMap::new()),
             park_choice: Mutex::new(()),
+            in_progress: Arc::default(),
         }
+    }
+
+    /// Registers a start or a wake of `id`; `WrongState` while another one is in progress.
+    fn begin_op(&self, id: &str, what: &str) -> Result<OpGuard, AgentError> {
+        let mut map = self
+            .in_progress
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if map.contains_key(id) {
+            return Err(AgentError::WrongState {
+                instance: id.to_string(),
+                detail: format!("a start or a wake is in progress; cannot {what} it now"),
+            });
+        }
+        let (ended_tx, ended) = watch::channel(());
+        let entry = Arc::new(InProgress {
+            cancel: watch::channel(false).0,
+            ended,
+        });
+        map.insert(id.to_string(), Arc::clone(&entry));
+        Ok(OpGuard {
+            map: Arc::downgrade(&self.in_progress),
+            id: id.to_string(),
+            entry,
+            _ended: ended_tx,
+        })
+    }
+
+    /// Ends a start or a wake of `id` in progress (it stops its engine) and waits until it has
+    /// ended; `false` when none was in progress.
+    async fn end_op(&self, id: &str) -> bool {
+        let entry = self
+            .in_progress
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(id)
+            .cloned();
+        let Some(entry) = entry else { return false };
+        tracing::info!(instance = id, "a stop ends the start or wake in progress");
+        entry.cancel.send_replace(true);
+        let mut ended = entry.ended.clone();
+        drop(entry);
+        // Answers an error once the operation's guard is dropped (nothing is ever sent).
+        let _ = ended.changed().await;
+        true
     }
 
     /// How this agent runs engines (`process` or `pod`).
@@ -783,12 +884,21 @@ impl LocalHostAgent {
                 detail: "already running".into(),
             });
         }
+        let op = self.begin_op(id, "start")?;
+        let cancelled = || AgentError::Cancelled {
+            instance: id.to_string(),
+            what: "start",
+        };
+        let prepared = tokio::select! {
+            p = self.prepare(spec) => p?,
+            () = op.cancelled() => return Err(cancelled()),
+        };
         let Prepared {
             inv,
             measurement,
             refusal,
             facts,
-        } = self.prepare(spec).await?;
+        } = prepared;
         let input = TierInput {
             engine: spec.engine,
             residency: spec.residency,
@@ -801,6 +911,7 @@ impl LocalHostAgent {
             launched: None,
         };
         let parking = launch_parking(&input);
+        // Not cut by a stop: a launch dropped half-way could leave a process nobody knows.
         let Launched {
             record,
             base_url,
@@ -819,26 +930,28 @@ impl LocalHostAgent {
         let port = record.port;
         let endpoint = endpoint_at(spec, base_url);
         let log = self.runtime.log_location(&record);
-        let ready = tokio::select! {
-            r = self.driver.wait_ready(&endpoint, self.config.ready_timeout) => r,
-            status = exit.wait_for(Option::is_some) => Err(AgentError::EngineExited {
-                engine: spec.engine,
-                instance: id.to_string(),
-                status: status.ok().and_then(|s| s.clone()).unwrap_or_default(),
-                log: None,
-            }),
+        let ready_and_answer = async {
+            tokio::select! {
+                r = self.driver.wait_ready(&endpoint, self.config.ready_timeout) => r,
+                status = exit.wait_for(Option::is_some) => Err(AgentError::EngineExited {
+                    engine: spec.engine,
+                    instance: id.to_string(),
+                    status: status.ok().and_then(|s| s.clone()).unwrap_or_default(),
+                    log: None,
+                }),
+            }?;
+            self.driver
+                .check_answer(
+                    &endpoint,
+                    spec.decision.as_ref(),
+                    self.config.timeouts.check,
+                )
+                .await
         };
-        let first = match ready {
-            Ok(()) => {
-                self.driver
-                    .check_answer(
-                        &endpoint,
-                        spec.decision.as_ref(),
-                        self.config.timeouts.check,
-                    )
-                    .await
-            }
-            Err(e) => Err(e),
+        let first = tokio::select! {
+            biased;
+            () = op.cancelled() => Err(cancelled()),
+            r = ready_and_answer => r,
         };
         let first = match first {
             Ok(f) => f,
@@ -863,6 +976,10 @@ impl LocalHostAgent {
         let mut record = record;
         record.first_answer = Some(first.clone());
         record.measurement = Some(measurement);
+        if op.is_cancelled() {
+            let _ = self.runtime.stop(id, self.config.stop_grace).await;
+            return Err(cancelled());
+        }
         // Before the exit watcher starts (in `register`), so a record is never written back
         // for an engine already forgotten.
         if let Err(e) = self.runtime.write_record(&record) {
@@ -942,13 +1059,13 @@ impl LocalHostAgent {
                 parked
             }
             ParkChoice::Park(_) => {
-                self.do_stop(id).await?;
+                self.stop_engine(id).await?;
                 Ok(ParkResult::Stopped {
                     reason: NoParkReason::NoRoomToPark,
                 })
             }
             ParkChoice::Stop(reason) => {
-                self.do_stop(id).await?;
+                self.stop_engine(id).await?;
                 Ok(ParkResult::Stopped { reason })
             }
         }
@@ -985,19 +1102,30 @@ impl LocalHostAgent {
                 detail: "not parked".into(),
             });
         };
+        let op = self.begin_op(id, "wake")?;
         self.save(&inst, |r| r.transition = Some(Transition::Waking(tier)))?;
         let guard = WakeGuard::new(id, &inst, self.runtime.exit_watch(id), self.reporter());
         let began = Instant::now();
-        let attempt = self
-            .driver
-            .wake_and_verify(
+        let attempt = tokio::select! {
+            biased;
+            () = op.cancelled() => None,
+            a = self.driver.wake_and_verify(
                 &inst.endpoint,
                 tier,
                 inst.spec.decision.as_ref(),
                 first.as_ref(),
                 self.config.wake_window,
-            )
-            .await;
+            ) => Some(a),
+        };
+        let Some(attempt) = attempt else {
+            // Forgotten before the guard reports: the exit that follows is the stop's own.
+            let _ = self.stop_engine(id).await;
+            drop(guard);
+            return Err(AgentError::Cancelled {
+                instance: id.to_string(),
+                what: "wake",
+            });
+        };
         let mut outcome = attempt.outcome;
         if outcome != WakeOutcome::Pass
             && let Some(status) = self.exited(id, attempt.engine_unreachable).await
@@ -1015,7 +1143,7 @@ impl LocalHostAgent {
             });
         } else {
             tracing::warn!(instance = id, outcome = ?outcome, "wake failed; stopping the instance");
-            let _ = self.do_stop(id).await;
+            let _ = self.stop_engine(id).await;
         }
         drop(guard);
         Ok(WakeReport {
@@ -1034,7 +1162,19 @@ impl LocalHostAgent {
         exited_within(&mut exit, Duration::from_secs(2)).await
     }
 
+    /// [`HostAgent::stop`]: ends a start or a wake in progress, then stops the engine.
     async fn do_stop(&self, id: &str) -> Result<(), AgentError> {
+        let ended = self.end_op(id).await;
+        match self.stop_engine(id).await {
+            // The start or wake that was ended has stopped its engine itself.
+            Err(AgentError::UnknownInstance { .. }) if ended => Ok(()),
+            other => other,
+        }
+    }
+
+    /// Stops the engine of `id` (not a start or wake of it in progress: see
+    /// [`LocalHostAgent::do_stop`]).
+    async fn stop_engine(&self, id: &str) -> Result<(), AgentError> {
         let known = self.instances().remove(id);
         let stopped = self.runtime.stop(id, self.config.stop_grace).await;
         match (known, stopped) {

@@ -136,6 +136,14 @@ pub enum AgentError {
         /// The instance ID.
         instance: String,
     },
+    /// A start or a wake that a stop of the same instance ended: the engine was stopped.
+    #[error("instance {instance}: its {what} was ended by a stop; the engine was stopped")]
+    Cancelled {
+        /// The instance's ID.
+        instance: String,
+        /// `start` or `wake`.
+        what: &'static str,
+    },
     /// The instance is not in a state that allows the operation.
     #[error("instance {instance}: {detail}")]
     WrongState {
@@ -240,6 +248,7 @@ impl AgentError {
             AgentError::WakeFailed { failure, .. } => failure.code(),
             AgentError::UnknownInstance { .. } => "unknown_instance",
             AgentError::WrongState { .. } => "wrong_state",
+            AgentError::Cancelled { .. } => "cancelled",
             AgentError::Checkpoint { .. } => "checkpoint",
             AgentError::Io { .. } => "io",
             AgentError::Json { .. } => "json",
@@ -298,7 +307,9 @@ impl AgentError {
                 status,
                 log,
             },
-            e @ (AgentError::EngineExited { .. } | AgentError::EngineNotReady { .. }) => e,
+            e @ (AgentError::EngineExited { .. }
+            | AgentError::EngineNotReady { .. }
+            | AgentError::Cancelled { .. }) => e,
             e => AgentError::EngineNotReady {
                 engine,
                 instance: instance.to_string(),

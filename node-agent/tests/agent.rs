@@ -713,3 +713,75 @@ async fn an_engine_that_claims_to_park_but_does_not_fails_the_park() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Polls `f` every 20 ms until it holds (bounded: 20 s).
+async fn until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !f() {
+        assert!(std::time::Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Issue 16, item 5: a stop during a start that never becomes ready (the engine hangs in its
+/// start-up) and during a wake that never ends stops the engine at once; the start or wake
+/// answers `cancelled`, and nothing is left behind.
+#[tokio::test]
+async fn a_stop_ends_a_start_or_a_wake_in_progress() {
+    let dir = common::temp_dir("stop-ends");
+    let a = Arc::new(agent(&dir, 1024 * MIB, false));
+    let mut hangs = spec(EngineKind::Vllm, "");
+    hangs
+        .env
+        .insert("ENGINE_SIM_STARTUP_DELAY".into(), "3600s".into());
+    let starting = {
+        let (a, hangs) = (a.clone(), hangs.clone());
+        tokio::spawn(async move { a.start("s", &hangs).await })
+    };
+    until("the engine is launched", || a.pid("s").is_some()).await;
+    let pid = a.pid("s").unwrap();
+    let began = std::time::Instant::now();
+    a.stop("s").await.unwrap();
+    // The stop grace is 5 s; the engine ends on SIGTERM at once.
+    assert!(
+        began.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        began.elapsed()
+    );
+    assert!(!alive(pid));
+    let e = starting.await.unwrap().unwrap_err();
+    assert!(
+        matches!(e, AgentError::Cancelled { what: "start", .. }),
+        "{e:?}"
+    );
+    assert_no_records(&dir);
+
+    // A wake that never answers.
+    let started = a.start("w", &spec(EngineKind::Sglang, "")).await.unwrap();
+    assert!(a.park("w").await.unwrap().tier().is_some());
+    set_fault(&a, "w", "wake_hangs").await;
+    let waking = {
+        let a = a.clone();
+        tokio::spawn(async move { a.wake("w").await })
+    };
+    until("the wake is under way", || {
+        common::agents::record(&dir, "w").transition.is_some()
+    })
+    .await;
+    let began = std::time::Instant::now();
+    a.stop("w").await.unwrap();
+    assert!(
+        began.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        began.elapsed()
+    );
+    assert!(!alive(started.pid));
+    let e = waking.await.unwrap().unwrap_err();
+    assert!(
+        matches!(e, AgentError::Cancelled { what: "wake", .. }),
+        "{e:?}"
+    );
+    assert!(a.sample("w").is_none());
+    assert_no_records(&dir);
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -209,6 +209,38 @@ async fn start_sample_park_wake_stop_over_http() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Issue 16, item 5, across the wire: a stop while the start's call is still open ends the
+/// start on the node agent (the engine is stopped), and the start's caller gets `cancelled`.
+#[tokio::test]
+async fn a_stop_over_http_ends_a_start_in_progress() {
+    let dir = common::temp_dir("remote-stop-start");
+    let s = served(&dir).await;
+    let r = Arc::new(remote(&s.url, TOKEN));
+    let mut hangs = spec(EngineKind::Vllm);
+    hangs
+        .env
+        .insert("ENGINE_SIM_STARTUP_DELAY".into(), "3600s".into());
+    let starting = {
+        let r = r.clone();
+        tokio::spawn(async move { r.start("i-1", &hangs).await })
+    };
+    let pid = eventually("the engine is launched", || s.local.pid("i-1")).await;
+    let began = Instant::now();
+    r.stop("i-1").await.unwrap();
+    assert!(
+        began.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        began.elapsed()
+    );
+    assert!(!alive(pid));
+    let e = starting.await.unwrap().unwrap_err();
+    assert!(
+        matches!(e, AgentError::Cancelled { what: "start", .. }),
+        "{e:?}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[tokio::test]
 async fn an_engine_killed_is_reported_on_the_remote_side() {
     let dir = common::temp_dir("remote-exit");
@@ -417,6 +449,10 @@ fn every_error_round_trips_through_its_body() {
         AgentError::WrongState {
             instance: "i".into(),
             detail: "already parked".into(),
+        },
+        AgentError::Cancelled {
+            instance: "i".into(),
+            what: "start",
         },
         AgentError::Checkpoint {
             path: PathBuf::from("/m/model.safetensors"),

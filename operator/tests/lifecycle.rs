@@ -819,16 +819,30 @@ async fn parked_engines_hold_gpu_memory_and_placement_counts_it() {
         .iter()
         .map(|v| (v.name.as_str(), v.released))
         .collect();
-    assert_eq!(got, [("d", Released::Stopped), ("c", Released::Stopped)]);
+    // Both stopped for want of room to keep them parked, and said so.
+    assert_eq!(
+        got,
+        [
+            ("d", Released::StoppedNoRoomToPark),
+            ("c", Released::StoppedNoRoomToPark)
+        ]
+    );
     for name in ["c", "d"] {
         let v = h.server.get(name).await.unwrap();
         assert_eq!(v.state, InstanceState::Stopped, "{name}");
+        assert_eq!(
+            v.instances[0].last_error.as_deref(),
+            Some("released: stopped (no room to park)"),
+            "{name}"
+        );
     }
     // f (9.75 GiB) by a request: e must stop rather than park (its residue would leave 9.5).
     assert_eq!(h.chat("f").await.0, 200);
+    let e = h.server.get("e").await.unwrap();
+    assert_eq!(e.state, InstanceState::Stopped);
     assert_eq!(
-        h.server.get("e").await.unwrap().state,
-        InstanceState::Stopped
+        e.instances[0].last_error.as_deref(),
+        Some("released: stopped (no room to park)")
     );
     h.shutdown().await;
 }
@@ -986,7 +1000,7 @@ async fn a_wake_that_fails_its_check_stops_the_model_and_the_next_request_starts
 }
 
 #[tokio::test]
-async fn a_host_wide_explicit_activation_refuses_requests_and_stop_waits_out_a_start() {
+async fn a_host_wide_explicit_activation_refuses_requests_and_stop_ends_a_start() {
     let dir = temp_dir("host-explicit");
     let opts = Opts {
         activation: Activation::Explicit,
@@ -1004,7 +1018,7 @@ async fn a_host_wide_explicit_activation_refuses_requests_and_stop_waits_out_a_s
         (status, body["code"].as_str()),
         (409, Some("deployment_inactive"))
     );
-    // A start in the background, then a stop at once: the stop waits for the start to end.
+    // A start in the background, then a stop at once: the stop ends the start.
     let r = h
         .server
         .start("chat-a", StartRequest::default())

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use capyctl_crds::EngineKind;
 use capyctl_crds::InstanceState;
-use capyctl_crds::api::StartRequest;
+use capyctl_crds::api::{Released, StartRequest};
 use capyctl_crds::documents::{DeploymentDoc, parse_deployment_str};
 use capyctl_node_agent::agent::{
     BoxFuture, ParkResult, RecoveryReport, StartedInstance, WakeReport,
@@ -29,15 +29,45 @@ use capyctl_router::lifecycle::{DrainReport, Lifecycle, Plan, SwitchOrder};
 
 const GIB: u64 = 1 << 30;
 
-/// A host agent whose engines start, park, wake and stop at once; it records the calls.
+/// A host agent whose engines start, park, wake and stop at once; it records the calls. The
+/// starts and wakes of deployments named in `hangs` never end by themselves: a stop of their
+/// instance ends them (`cancelled`), as the real agents do.
 #[derive(Default)]
 struct FakeAgent {
     calls: Mutex<Vec<String>>,
+    hangs: Mutex<BTreeSet<String>>,
+    stops: tokio::sync::Notify,
 }
 
 impl FakeAgent {
     fn record(&self, call: String) {
         self.calls.lock().unwrap().push(call);
+    }
+
+    fn calls(&self) -> Vec<String> {
+        self.calls.lock().unwrap().clone()
+    }
+
+    /// Hangs when `name`'s operations hang, until its instance is stopped.
+    async fn maybe_hang(
+        &self,
+        name: &str,
+        instance: &str,
+        what: &'static str,
+    ) -> Result<(), AgentError> {
+        if !self.hangs.lock().unwrap().contains(name) {
+            return Ok(());
+        }
+        loop {
+            let stopped = self.stops.notified();
+            if self.calls().contains(&format!("stop {instance}")) {
+                return Err(AgentError::Cancelled {
+                    instance: instance.to_string(),
+                    what,
+                });
+            }
+            stopped.await;
+        }
     }
 }
 
@@ -101,6 +131,7 @@ impl HostAgent for FakeAgent {
     ) -> BoxFuture<'a, Result<StartedInstance, AgentError>> {
         Box::pin(async move {
             self.record(format!("start {instance}"));
+            self.maybe_hang(&spec.name, instance, "start").await?;
             Ok(StartedInstance {
                 instance: instance.to_string(),
                 pid: 1,
@@ -131,6 +162,8 @@ impl HostAgent for FakeAgent {
     fn wake<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<WakeReport, AgentError>> {
         Box::pin(async move {
             self.record(format!("wake {instance}"));
+            // Wakes hang by instance ID.
+            self.maybe_hang(instance, instance, "wake").await?;
             Ok(WakeReport {
                 outcome: WakeOutcome::Pass,
                 took: std::time::Duration::ZERO,
@@ -141,6 +174,7 @@ impl HostAgent for FakeAgent {
     fn stop<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<(), AgentError>> {
         Box::pin(async move {
             self.record(format!("stop {instance}"));
+            self.stops.notify_waiters();
             Ok(())
         })
     }
@@ -368,4 +402,195 @@ async fn refusals_come_from_the_operator_and_activation() {
         .unwrap_err();
     assert_eq!(err.code(), "does_not_fit");
     assert_eq!(s.get("w").await.unwrap().state, InstanceState::Ready);
+}
+
+/// What a command that ends a start or a wake may take, on the paused clock: the fake agent's
+/// hanging operations end only through a stop, so a command that waited for them instead
+/// would run into this bound (the clock jumps to it once everything idles).
+const PROMPT: Duration = Duration::from_secs(5);
+
+async fn state_of(s: &Server, name: &str) -> InstanceState {
+    s.get(name).await.unwrap().state
+}
+
+/// Waits (on the paused clock, bounded) until the agent was called `call` (`start <iid>`): the
+/// operation is in progress in the agent, not only marked in the lifecycle.
+async fn called(agent: &FakeAgent, call: &str) {
+    let deadline = tokio::time::Instant::now() + PROMPT;
+    while !agent.calls().iter().any(|c| c == call) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never called: {call}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Waits (on the paused clock) until `name` shows `state`.
+async fn becomes(s: &Server, name: &str, state: InstanceState) {
+    if let Err(last) = s.wait_for_state(name, &[state], PROMPT).await {
+        panic!("{name} never became {state}: {last:?}");
+    }
+}
+
+/// Issue 16, item 5: a stop during a start that never ends answers at once; the engine is
+/// stopped and the start's caller gets `deployment_stopped`.
+#[tokio::test(start_paused = true)]
+async fn a_stop_ends_a_start_in_progress() {
+    let (s, agent, _) = server().await;
+    s.deploy(doc("x", 6, "")).await.unwrap();
+    agent.hangs.lock().unwrap().insert("x".into());
+    let starting = {
+        let s = s.clone();
+        tokio::spawn(async move {
+            s.start(
+                "x",
+                StartRequest {
+                    evict: false,
+                    wait: true,
+                },
+            )
+            .await
+        })
+    };
+    becomes(&s, "x", InstanceState::Starting).await;
+    let id = s.get("x").await.unwrap().id;
+    called(&agent, &format!("start {id}-0")).await;
+    let receipt = tokio::time::timeout(PROMPT, s.stop("x"))
+        .await
+        .expect("the stop waited for the start")
+        .unwrap();
+    assert_eq!(receipt.deployment.state, InstanceState::Stopped);
+    let iid = format!("{}-0", receipt.deployment.id);
+    assert!(
+        agent.calls().contains(&format!("stop {iid}")),
+        "{:?}",
+        agent.calls()
+    );
+    let e = starting.await.unwrap().unwrap_err();
+    assert_eq!(e.code(), "deployment_stopped", "{e:?}");
+    let v = s.get("x").await.unwrap();
+    assert!(v.operator_stopped);
+    assert!(
+        v.instances[0]
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.starts_with("start ended and engine stopped")),
+        "{:?}",
+        v.instances[0].last_error
+    );
+    // It starts again on the operator's word.
+    agent.hangs.lock().unwrap().clear();
+    ready(&s, "x").await;
+}
+
+/// A delete during a wake that never ends: the wake is ended, the engine stopped, the
+/// deployment gone.
+#[tokio::test(start_paused = true)]
+async fn a_delete_ends_a_wake_in_progress() {
+    let (s, agent, _) = server().await;
+    s.deploy(doc("x", 6, "")).await.unwrap();
+    let id = ready(&s, "x").await;
+    s.park("x").await.unwrap();
+    becomes(&s, "x", InstanceState::Parked).await;
+    let iid = format!("{id}-0");
+    agent.hangs.lock().unwrap().insert(iid.clone());
+    s.start("x", StartRequest::default()).await.unwrap();
+    becomes(&s, "x", InstanceState::Waking).await;
+    called(&agent, &format!("wake {iid}")).await;
+    tokio::time::timeout(PROMPT, s.delete("x"))
+        .await
+        .expect("the delete waited for the wake")
+        .unwrap();
+    assert!(
+        agent.calls().contains(&format!("stop {iid}")),
+        "{:?}",
+        agent.calls()
+    );
+    assert_eq!(s.get("x").await.unwrap_err().code(), "not_found");
+}
+
+/// `start --evict` of a model that needs the memory of one whose start never ends (and no
+/// request waits for it): that start is ended, its engine stopped and named a victim; the
+/// evicting start goes on.
+#[tokio::test(start_paused = true)]
+async fn start_evict_ends_a_start_in_progress() {
+    let (s, agent, _) = server().await;
+    s.deploy(doc("x", 6, "")).await.unwrap();
+    s.deploy(doc("y", 6, "")).await.unwrap();
+    agent.hangs.lock().unwrap().insert("x".into());
+    let x = s
+        .start("x", StartRequest::default())
+        .await
+        .unwrap()
+        .deployment;
+    becomes(&s, "x", InstanceState::Starting).await;
+    called(&agent, &format!("start {}-0", x.id)).await;
+    // Without --evict: y waits for memory, x goes on starting.
+    let r = s.start("y", StartRequest::default()).await.unwrap();
+    assert_eq!(r.deployment.state, InstanceState::Stopped);
+    assert_eq!(state_of(&s, "x").await, InstanceState::Starting);
+    let r = tokio::time::timeout(
+        PROMPT,
+        s.start(
+            "y",
+            StartRequest {
+                evict: true,
+                wait: true,
+            },
+        ),
+    )
+    .await
+    .expect("the evicting start waited for x's start")
+    .unwrap();
+    assert_eq!(r.deployment.state, InstanceState::Ready);
+    let victims: Vec<(&str, Released)> = r
+        .victims
+        .iter()
+        .map(|v| (v.name.as_str(), v.released))
+        .collect();
+    assert_eq!(victims, [("x", Released::Stopped)]);
+    assert!(r.switch_id.is_some());
+    let x = s.get("x").await.unwrap();
+    assert_eq!(x.state, InstanceState::Stopped);
+    assert!(
+        !x.operator_stopped,
+        "an evicted start is not an operator stop"
+    );
+    assert!(
+        agent.calls().contains(&format!("stop {}-0", x.id)),
+        "{:?}",
+        agent.calls()
+    );
+}
+
+/// Issue 16, item 7: standalone (no host joins later), a deployment needing more GPU memory
+/// than the host has is refused at deploy, naming the key and the largest host; a changed
+/// document refused so leaves the working revision in place, running.
+#[tokio::test]
+async fn a_document_no_host_can_place_is_refused_and_the_working_revision_stays() {
+    let (s, _, _) = server().await;
+    let a = s.deploy(doc("x", 6, "")).await.unwrap().deployment;
+    ready(&s, "x").await;
+    let e = s.deploy(doc("x", 12, "")).await.unwrap_err();
+    assert_eq!(e.code(), "does_not_fit", "{e:?}");
+    let message = e.message();
+    assert!(
+        message.contains("resources.gpu_memory: 12.0 GiB")
+            && message.contains("the largest: 10.0 GiB on host h"),
+        "{message}"
+    );
+    let now = s.get("x").await.unwrap();
+    assert_eq!(now.revision, 1);
+    assert_eq!(now.spec, a.spec, "the working document stays");
+    assert_eq!(now.state, InstanceState::Ready);
+    // A new one is not created.
+    assert_eq!(
+        s.deploy(doc("z", 12, "")).await.unwrap_err().code(),
+        "does_not_fit"
+    );
+    assert_eq!(s.get("z").await.unwrap_err().code(), "not_found");
+    assert_eq!(s.list().await.deployments.len(), 1);
+    // The whole GPU is still taken.
+    s.deploy(doc("w", 10, "")).await.unwrap();
 }

@@ -131,6 +131,10 @@ pub enum ErrorFields {
         instance: String,
         detail: String,
     },
+    Cancelled {
+        instance: String,
+        what: String,
+    },
     Checkpoint {
         path: PathBuf,
         detail: String,
@@ -175,7 +179,7 @@ pub enum ErrorFields {
 pub fn status_of(e: &AgentError) -> u16 {
     match e {
         AgentError::UnknownInstance { .. } => 404,
-        AgentError::WrongState { .. } => 409,
+        AgentError::WrongState { .. } | AgentError::Cancelled { .. } => 409,
         AgentError::CapabilityMissing { .. }
         | AgentError::ResidencyRefused { .. }
         | AgentError::InvalidSpec { .. }
@@ -300,6 +304,10 @@ impl ErrorBody {
             },
             AgentError::UnknownInstance { instance } => ErrorFields::UnknownInstance {
                 instance: instance.clone(),
+            },
+            AgentError::Cancelled { instance, what } => ErrorFields::Cancelled {
+                instance: instance.clone(),
+                what: (*what).to_string(),
             },
             AgentError::WrongState { instance, detail } => ErrorFields::WrongState {
                 instance: instance.clone(),
@@ -450,6 +458,10 @@ impl ErrorBody {
                 None => remote(self.code, self.message, self.retryable),
             },
             ErrorFields::UnknownInstance { instance } => AgentError::UnknownInstance { instance },
+            ErrorFields::Cancelled { instance, what } => AgentError::Cancelled {
+                instance,
+                what: intern(&what),
+            },
             ErrorFields::WrongState { instance, detail } => {
                 AgentError::WrongState { instance, detail }
             }

@@ -158,8 +158,14 @@ fn released_words(v: Option<&DeploymentView>) -> String {
     let Some(i) = v.and_then(|v| v.instances.first()) else {
         return "released".to_string();
     };
+    let no_room = capyctl_crds::api::Released::StoppedNoRoomToPark;
     match (i.state, i.parked_tier.as_deref()) {
         (capyctl_crds::InstanceState::Parked, Some(tier)) => format!("parked ({tier})"),
+        (capyctl_crds::InstanceState::Stopped, _)
+            if i.last_error.as_deref() == Some(no_room.status_line().as_str()) =>
+        {
+            no_room.words().to_string()
+        }
         (state, _) => state.to_string(),
     }
 }
@@ -642,6 +648,16 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    /// The switch's event says why a victim stopped: `stopped (no room to park)`.
+    #[test]
+    fn a_victim_stopped_for_want_of_room_is_told_so() {
+        let mut v = view("chat-b", InstanceState::Stopped, None);
+        assert_eq!(released_words(Some(&v)), "stopped");
+        v.instances[0].last_error =
+            Some(capyctl_crds::api::Released::StoppedNoRoomToPark.status_line());
+        assert_eq!(released_words(Some(&v)), "stopped (no room to park)");
     }
 
     #[test]

@@ -136,6 +136,11 @@ struct Dep {
     /// The record changed in a way only the next bring-up's end saves (a pending start
     /// taken).
     save_due: bool,
+    /// Set (once per bring-up) to end the start or wake in progress: what its waiting requests
+    /// and the bring-up's caller get (`deployment_stopped` for a stop, `model_not_found` for
+    /// a delete, `unavailable` for `start --evict` of another model). See
+    /// [`Server::end_bring_up`].
+    end: watch::Sender<Option<ApiError>>,
 }
 
 impl Dep {
@@ -158,7 +163,13 @@ impl Dep {
             last_used: Instant::now(),
             max_running: None,
             save_due: false,
+            end: watch::channel(None).0,
         }
+    }
+
+    /// A start or a wake is in progress.
+    fn bringing_up(&self) -> bool {
+        self.busy && matches!(self.state, InstanceState::Starting | InstanceState::Waking)
     }
 
     fn id(&self) -> &str {
@@ -213,10 +224,7 @@ impl Dep {
     /// What it would still hold on the GPU once parked: the agent's estimate of a parked
     /// engine's residue, or 0 when it stops instead of parking.
     fn residue_if_parked(&self) -> u64 {
-        let parks = self.spec.engine != EngineKind::Tensorfold
-            && self.spec.residency != Some(Residency::RestartOnly)
-            && self.spec.decision.is_none();
-        if !parks {
+        if !self.parks() {
             return 0;
         }
         capyctl_node_agent::measure::parked_estimate(
@@ -224,6 +232,13 @@ impl Dep {
             self.spec.speculative(),
         )
         .unwrap_or(0)
+    }
+
+    /// Whether it parks when released (not TensorFold, `restart_only` or a decision model).
+    fn parks(&self) -> bool {
+        self.spec.engine != EngineKind::Tensorfold
+            && self.spec.residency != Some(Residency::RestartOnly)
+            && self.spec.decision.is_none()
     }
 
     /// Running or on its way (what explicit activation admits requests for).
@@ -346,6 +361,10 @@ impl Inner {
     }
 }
 
+/// How often an ended start or wake is asked to stop again until it has ended (see
+/// [`Server::unless_ended`]).
+const STOP_AGAIN: Duration = Duration::from_millis(500);
+
 /// The longest [`Server::idle_engine`] waits: the drain bound's maximum (600 s).
 const IDLE_ENGINE_BOUND: Duration = Duration::from_secs(600);
 
@@ -361,6 +380,33 @@ enum NoRoom {
     Stop,
 }
 
+/// Whether a drained instance parks or stops, and why it stops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Put {
+    /// It parks (the agent may still stop it where it does not park, or for want of host RAM).
+    Park,
+    /// It stops: an operator's stop, or a request cut before output.
+    Stop,
+    /// It stops because the GPU has no room to keep it parked: a victim whose parked residue
+    /// would be in the way, or a parked engine stopped for what it holds. Said as
+    /// `released: stopped (no room to park)` when it would otherwise park.
+    StopNoRoom,
+}
+
+impl Put {
+    /// How a victim is put away: stopped after a cut before output, stopped for room when
+    /// `no_room`, else parked.
+    fn victim(cut: bool, no_room: bool) -> Put {
+        if cut {
+            Put::Stop
+        } else if no_room {
+            Put::StopNoRoom
+        } else {
+            Put::Park
+        }
+    }
+}
+
 /// How a drained instance was put away.
 #[derive(Debug)]
 struct PutAway {
@@ -369,6 +415,27 @@ struct PutAway {
     /// Parked copies stopped to make room in host RAM for its copy
     /// (`released: stopped (no room to park)`).
     room: Vec<Victim>,
+}
+
+/// How a start or a wake in progress was ended ([`Server::end_bring_up`]).
+#[derive(Debug)]
+struct Ended {
+    /// What its waiting requests and its caller get.
+    refusal: ApiError,
+    /// The agent's stop of its engine.
+    stopped: Result<(), capyctl_node_agent::AgentError>,
+}
+
+/// Whom a placement may name as victims.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Victims {
+    /// Nobody: a start without `--evict` (and a pending one) waits for memory instead.
+    None,
+    /// Idle ready instances and parked engines (a request's switch).
+    Idle,
+    /// Those, and starts or wakes in progress that no request waits for (`start --evict`):
+    /// they are ended, their engines stopped.
+    IdleAndBringUps,
 }
 
 /// How an instance is to be brought up.
@@ -402,6 +469,10 @@ pub struct Server {
     closed: watch::Sender<bool>,
     /// `/readyz`.
     ready: AtomicBool,
+    /// No host joins after the open (standalone, [`Server::open`]): a deployment no host can
+    /// place is refused at deploy. Hosts may join otherwise ([`Server::upsert_host`]: a
+    /// cluster's nodes), so placement answers `does_not_fit` per request instead.
+    hosts_fixed: AtomicBool,
     /// Switch and release numbers.
     next_id: AtomicU64,
     /// Itself, for the background work it spawns.
@@ -430,7 +501,8 @@ fn not_found(key: &str) -> ApiError {
 
 impl Server {
     /// Opens the server on one host (standalone; `config.host_*` describe it): see
-    /// [`Server::open_hosts`].
+    /// [`Server::open_hosts`]. No other host ever joins: a deployment needing more GPU memory
+    /// than this one has is refused at deploy.
     pub async fn open(
         agent: Arc<dyn HostAgent>,
         store: Arc<dyn Store>,
@@ -444,7 +516,9 @@ impl Server {
             admission_window: None,
             remote: false,
         };
-        Self::open_hosts(vec![host], store, config).await
+        let server = Self::open_hosts(vec![host], store, config).await?;
+        server.hosts_fixed.store(true, Ordering::Relaxed);
+        Ok(server)
     }
 
     /// Opens the server: loads the stored deployments, then for each host reads its
@@ -477,6 +551,7 @@ impl Server {
             changes,
             closed,
             ready: AtomicBool::new(false),
+            hosts_fixed: AtomicBool::new(false),
             next_id: AtomicU64::new(1),
             me: me.clone(),
         });
@@ -969,7 +1044,7 @@ impl Server {
         inner: &Inner,
         target: &str,
         protected: &BTreeSet<String>,
-        evict: bool,
+        victims: Victims,
     ) -> (Option<String>, Fit) {
         let Some(d) = inner.deps.get(target) else {
             return (
@@ -985,8 +1060,8 @@ impl Server {
                 continue;
             }
             let need = d.need(host.capacity);
-            let holders = self.holders(inner, id, target, protected);
-            let fit = place(host.capacity, need, &holders, evict);
+            let holders = self.holders(inner, id, target, protected, victims);
+            let fit = place(host.capacity, need, &holders, victims != Victims::None);
             let rank = match &fit {
                 Fit::Now => {
                     let used: u64 = holders.iter().map(|h| h.bytes).sum();
@@ -1041,6 +1116,7 @@ impl Server {
         host: &str,
         target: &str,
         protected: &BTreeSet<String>,
+        victims: Victims,
     ) -> Vec<Holder> {
         let now = Instant::now();
         let capacity = inner.hosts.get(host).map_or(0, |h| h.capacity);
@@ -1059,10 +1135,14 @@ impl Server {
                     || matches!(d.state, InstanceState::Parking | InstanceState::Stopping);
                 // A parked target a switch has claimed is about to take its whole memory.
                 let parked = d.state == InstanceState::Parked && d.claim.is_none();
+                // A start or wake no request waits for, which `start --evict` ends (it stops).
+                let ends = victims == Victims::IdleAndBringUps
+                    && d.bringing_up()
+                    && d.end.borrow().is_none();
                 let hold = if (self.explicit(d) || d.warm()) && !leaving {
                     Hold::Pinned
-                } else if matches!(d.state, InstanceState::Ready | InstanceState::Parked)
-                    && !d.busy
+                } else if (ends
+                    || matches!(d.state, InstanceState::Ready | InstanceState::Parked) && !d.busy)
                     && d.reserved.is_none()
                     && d.claim.is_none()
                     && !protected.contains(d.id())
@@ -1082,7 +1162,11 @@ impl Server {
                     hold,
                     idle_for: now.saturating_duration_since(d.last_used),
                     parked,
-                    keeps: if parked { 0 } else { d.residue_if_parked() },
+                    keeps: if parked || ends {
+                        0
+                    } else {
+                        d.residue_if_parked()
+                    },
                 }
             })
             .collect()
@@ -1096,6 +1180,7 @@ impl Server {
         d.busy = true;
         d.last_error = None;
         d.last_used = Instant::now();
+        d.end = watch::channel(None).0;
         if d.state == InstanceState::Parked {
             d.parked_gpu = None;
             d.state = InstanceState::Waking;
@@ -1145,42 +1230,50 @@ impl Server {
         }
         let began = Instant::now();
         let woken_from = self.read(|inner| inner.deps.get(id).and_then(|d| d.tier));
-        let outcome: Result<Option<capyctl_node_agent::agent::StartedInstance>, ApiError> = match up
-        {
-            Up::Start => match agent.start(&iid, &spec).await {
-                Ok(s) if engine_addr(&s.base_url).is_none() => {
-                    // Requests could never reach it: a failed start, not a ready instance.
-                    let _ = agent.stop(&iid).await;
-                    Err(ApiError::EngineFailed {
-                        deployment: id.to_string(),
-                        detail: format!(
-                            "the engine answers at {}, which is not an IP address and port",
-                            s.base_url
-                        ),
-                    })
-                }
-                Ok(s) => Ok(Some(s)),
-                Err(e) => Err(ApiError::EngineFailed {
-                    deployment: id.to_string(),
-                    detail: e.to_string(),
-                }),
-            },
-            Up::Wake => match agent.wake(&iid).await {
-                Ok(report) => match report.into_result() {
-                    Ok(()) => Ok(None),
-                    Err(e) => Err(e.to_api_error(id).unwrap_or(ApiError::EngineFailed {
+        let bring_up = async {
+            match up {
+                Up::Start => match agent.start(&iid, &spec).await {
+                    Ok(s) if engine_addr(&s.base_url).is_none() => {
+                        // Requests could never reach it: a failed start, not a ready instance.
+                        let _ = agent.stop(&iid).await;
+                        Err(ApiError::EngineFailed {
+                            deployment: id.to_string(),
+                            detail: format!(
+                                "the engine answers at {}, which is not an IP address and port",
+                                s.base_url
+                            ),
+                        })
+                    }
+                    Ok(s) => Ok(Some(s)),
+                    Err(e) => Err(ApiError::EngineFailed {
                         deployment: id.to_string(),
                         detail: e.to_string(),
-                    })),
+                    }),
                 },
-                Err(e) => {
-                    let _ = agent.stop(&iid).await;
-                    Err(ApiError::EngineFailed {
-                        deployment: id.to_string(),
-                        detail: e.to_string(),
-                    })
-                }
-            },
+                Up::Wake => match agent.wake(&iid).await {
+                    Ok(report) => match report.into_result() {
+                        Ok(()) => Ok(None),
+                        Err(e) => Err(e.to_api_error(id).unwrap_or(ApiError::EngineFailed {
+                            deployment: id.to_string(),
+                            detail: e.to_string(),
+                        })),
+                    },
+                    Err(e) => {
+                        let _ = agent.stop(&iid).await;
+                        Err(ApiError::EngineFailed {
+                            deployment: id.to_string(),
+                            detail: e.to_string(),
+                        })
+                    }
+                },
+            }
+        };
+        let (outcome, ended): (
+            Result<Option<capyctl_node_agent::agent::StartedInstance>, ApiError>,
+            _,
+        ) = match self.unless_ended(id, agent.as_ref(), &iid, bring_up).await {
+            Ok(outcome) => (outcome, None),
+            Err(ended) => (Err(ended.refusal.clone()), Some(ended)),
         };
         if up == Up::Wake {
             let code = match &outcome {
@@ -1218,6 +1311,27 @@ impl Server {
                     d.addr = None;
                     d.pid = None;
                     d.last_error = Some(format!("{}: {}", e.code(), e.message()));
+                    if let Some(ended) = &ended {
+                        let what = match up {
+                            Up::Start => "start",
+                            Up::Wake => "wake",
+                        };
+                        match &ended.stopped {
+                            Ok(()) => {
+                                d.state = InstanceState::Stopped;
+                                d.last_error = Some(format!(
+                                    "{what} ended and engine stopped: {}",
+                                    e.message()
+                                ));
+                            }
+                            Err(stop) => {
+                                d.last_error = Some(format!(
+                                    "{what} ended ({}), but stopping the engine failed: {stop}",
+                                    e.message()
+                                ));
+                            }
+                        }
+                    }
                     Some(Err(self.key(d)))
                 }
             }
@@ -1246,6 +1360,90 @@ impl Server {
             None => {}
         }
         outcome.map(|_| ())
+    }
+
+    /// Runs `op`, the start or the wake of `id` (instance `iid` on `agent`) that
+    /// [`Server::begin_up`] began, unless it is ended meanwhile ([`Server::end_bring_up`]):
+    /// then the agent is asked to stop the engine, which ends `op` (the agent answers it
+    /// `cancelled`), and both are awaited: when this answers, the engine is gone. Ended before
+    /// it began, `op` is never run (and the engine of a wake, parked, is stopped).
+    async fn unless_ended<T>(
+        &self,
+        id: &str,
+        agent: &dyn HostAgent,
+        iid: &str,
+        op: impl std::future::Future<Output = T>,
+    ) -> Result<T, Ended> {
+        let Some(mut end) = self.read(|inner| inner.deps.get(id).map(|d| d.end.subscribe())) else {
+            return Ok(op.await);
+        };
+        let asked_before = end.borrow().clone();
+        let refusal = match asked_before {
+            // Ended before it began: it never runs (a parked engine is stopped below).
+            Some(refusal) => refusal,
+            None => {
+                let asked = async {
+                    end.wait_for(Option::is_some)
+                        .await
+                        .ok()
+                        .and_then(|w| w.clone())
+                };
+                tokio::pin!(op);
+                let refusal = tokio::select! {
+                    out = &mut op => return Ok(out),
+                    Some(refusal) = asked => refusal,
+                };
+                tracing::info!(instance = %iid, reason = %refusal.message(), "ending the start or wake in progress: stopping its engine");
+                // The agent's stop ends the operation and waits for it, so both run together.
+                // A call still on its way to a node agent when the stop arrives is not ended by
+                // it: the stop is asked again until the operation has ended.
+                let stops = async {
+                    loop {
+                        let _ = agent.stop(iid).await;
+                        tokio::time::sleep(STOP_AGAIN).await;
+                    }
+                };
+                tokio::select! {
+                    _ = &mut op => {}
+                    () = stops => {}
+                }
+                refusal
+            }
+        };
+        // Once more, for an engine a start finished just before the stop could end it, or the
+        // parked engine of a wake ended before it began.
+        let stopped = match agent.stop(iid).await {
+            Err(capyctl_node_agent::AgentError::UnknownInstance { .. }) => Ok(()),
+            other => other,
+        };
+        if let Err(e) = &stopped {
+            tracing::warn!(instance = %iid, error = %e, "stopping the engine of an ended start or wake failed");
+        }
+        Err(Ended { refusal, stopped })
+    }
+
+    /// Ends the start or wake of `id` in progress, if any: its requests and its caller get
+    /// `refusal`, its engine is stopped. Waits until no operation is in progress on `id`
+    /// (whatever it was); `false` when `id` is gone.
+    async fn end_bring_up(&self, id: &str, refusal: &ApiError) -> bool {
+        let mut rx = self.changes.subscribe();
+        loop {
+            let busy = self.read(|inner| {
+                let d = inner.deps.get(id)?;
+                if d.bringing_up() && d.end.borrow().is_none() {
+                    d.end.send_replace(Some(refusal.clone()));
+                }
+                Some(d.busy)
+            });
+            match busy {
+                None => return false,
+                Some(false) => return true,
+                Some(true) => {}
+            }
+            if rx.changed().await.is_err() {
+                return false;
+            }
+        }
     }
 
     /// Makes room in host RAM for `id`'s parked copy: stops the longest-idle non-explicit
@@ -1357,7 +1555,7 @@ impl Server {
                         Err(_) => InstanceState::Failed,
                     };
                     d.last_error = Some(match &result {
-                        Ok(()) => "released: stopped (no room to park)".to_string(),
+                        Ok(()) => Released::StoppedNoRoomToPark.status_line(),
                         Err(e) => format!("stop failed: {e}"),
                     });
                 }
@@ -1381,37 +1579,45 @@ impl Server {
         Ok(stopped)
     }
 
-    /// Parks (or stops, with `stop` or where it does not park) an instance whose requests have
+    /// Parks (or stops, per `put` or where it does not park) an instance whose requests have
     /// drained: state `Closed`/`Ready`/`Parked`, reserved by the caller or idle. Says how it
     /// was released, and which parked copies were stopped to make room for its copy;
     /// `ParkedCapacity` leaves it ready (announced again).
-    async fn put_away(&self, id: &str, stop: bool, no_room: NoRoom) -> Result<PutAway, ApiError> {
-        let room = if stop {
-            Ok(Vec::new())
-        } else {
+    async fn put_away(&self, id: &str, put: Put, no_room: NoRoom) -> Result<PutAway, ApiError> {
+        let room = if put == Put::Park {
             self.make_parked_room(id).await
+        } else {
+            Ok(Vec::new())
         };
-        let (room, stop, stopped_for_room) = match room {
-            Ok(room) => (room, stop, false),
+        let (room, put) = match room {
+            Ok(room) => (room, put),
             Err(ApiError::ParkedCapacity { .. }) if no_room == NoRoom::Stop => {
-                (Vec::new(), true, true)
+                (Vec::new(), Put::StopNoRoom)
             }
             Err(e) => {
                 self.put_back(id).await;
                 return Err(e);
             }
         };
+        // Stopped for room only says so of a model that would have parked.
+        let parks = self.read(|inner| {
+            inner
+                .deps
+                .get(id)
+                .is_some_and(|d| d.state == InstanceState::Parked || d.parks())
+        });
         let began = Instant::now();
-        let released = self.release_drained(id, stop).await?;
-        if stopped_for_room && released == Released::Stopped {
+        let released = self.release_drained(id, put != Put::Park).await?;
+        if put == Put::StopNoRoom && parks && released == Released::Stopped {
             self.write(|inner| {
                 if let Some(d) = inner.deps.get_mut(id) {
-                    d.last_error = Some("released: stopped (no room to park)".into());
+                    d.last_error = Some(Released::StoppedNoRoomToPark.status_line());
                 }
             });
             self.config
                 .metrics
                 .park("none", "stopped_no_room_to_park", began.elapsed());
+            tracing::info!(instance = %instance_id(id), released = Released::StoppedNoRoomToPark.words(), "released: the GPU has no room to keep it parked");
             return Ok(PutAway {
                 released: Released::StoppedNoRoomToPark,
                 room,
@@ -1507,7 +1713,7 @@ impl Server {
                         d.addr = None;
                         d.pid = None;
                         if *r == Released::StoppedNoRoomToPark {
-                            d.last_error = Some("released: stopped (no room to park)".into());
+                            d.last_error = Some(Released::StoppedNoRoomToPark.status_line());
                         }
                     }
                     Err(e) => {
@@ -1595,7 +1801,8 @@ impl Server {
                         {
                             return None;
                         }
-                        let (host, fit) = me.place_target(inner, &id, &BTreeSet::new(), false);
+                        let (host, fit) =
+                            me.place_target(inner, &id, &BTreeSet::new(), Victims::None);
                         if fit != Fit::Now {
                             return None;
                         }
@@ -1652,7 +1859,7 @@ impl Server {
             }
             _ => {}
         }
-        let (host, fit) = self.place_target(&inner, target, protected, true);
+        let (host, fit) = self.place_target(&inner, target, protected, Victims::Idle);
         let switch_id = self.fresh_id("sw");
         let plan = match fit {
             Fit::Now => {
@@ -1776,7 +1983,7 @@ impl Server {
             match self
                 .put_away(
                     &key.deployment,
-                    stop_all || report.cut_before_output,
+                    Put::victim(report.cut_before_output, stop_all),
                     NoRoom::Stop,
                 )
                 .await
@@ -1808,8 +2015,10 @@ impl Server {
                 .collect()
         });
         for v in parked {
-            match self.put_away(&v, true, NoRoom::Stop).await {
-                Ok(_) => tracing::info!(victim = %v, "parked engine stopped for its GPU memory"),
+            match self.put_away(&v, Put::StopNoRoom, NoRoom::Stop).await {
+                Ok(put) => {
+                    tracing::info!(victim = %v, released = put.released.words(), "parked engine stopped for its GPU memory")
+                }
                 Err(e) => {
                     tracing::warn!(victim = %v, error = %e, "stopping a parked victim failed")
                 }
@@ -1898,49 +2107,112 @@ impl Server {
         })
     }
 
+    /// Deploys `doc`: creates the deployment, or makes `doc` its next revision. It is measured
+    /// and checked against the hosts first, so that a document that cannot work (no host could
+    /// ever place it, where no other host can join) is refused and changes nothing: an existing
+    /// deployment keeps its working revision.
     async fn do_deploy(&self, doc: DeploymentDoc) -> Result<DeployReceipt, ApiError> {
-        let (id, outcome) = self.write(|inner| {
-            if let Some(d) = inner.deps.values_mut().find(|d| d.name() == doc.name) {
-                if d.rec.doc == doc {
-                    return (d.rec.id.clone(), DeployOutcome::Unchanged);
-                }
-                d.rec.revision += 1;
-                d.rec.doc = doc.clone();
-                d.spec = InstanceSpec::from_doc(d.rec.id.clone(), &doc);
-                (d.rec.id.clone(), DeployOutcome::Updated)
-            } else {
-                let id = ulid::Ulid::new().to_string();
-                let rec = DeploymentRecord {
-                    id: id.clone(),
-                    revision: 1,
-                    doc: doc.clone(),
-                    operator_stopped: false,
-                    operator_started: false,
-                    pending_start: false,
-                    generation: 0,
-                    first_answer: None,
-                };
-                inner.deps.insert(id.clone(), Dep::new(rec));
-                (id, DeployOutcome::Created)
+        let existing = self.read(|inner| {
+            inner
+                .deps
+                .values()
+                .find(|d| d.name() == doc.name)
+                .map(|d| (d.rec.id.clone(), d.rec.doc == doc))
+        });
+        let id = match existing {
+            Some((id, true)) => {
+                return Ok(DeployReceipt {
+                    outcome: DeployOutcome::Unchanged,
+                    deployment: self.view(&id).ok_or_else(|| not_found(&id))?,
+                });
             }
+            Some((id, false)) => id,
+            None => ulid::Ulid::new().to_string(),
+        };
+        let spec = InstanceSpec::from_doc(id.clone(), &doc);
+        // No host known yet (a cluster before its first node agent): measured at the start.
+        let measured = match self.agent_of(&id) {
+            Ok(agent) => agent.measure(&spec).await.ok(),
+            Err(_) => None,
+        };
+        if self.hosts_fixed.load(Ordering::Relaxed) {
+            self.read(|inner| Self::some_host_fits(inner, &doc.name, &spec, measured.as_ref()))?;
+        }
+        let (id, outcome) = self.write(|inner| {
+            let (id, outcome) =
+                if let Some(d) = inner.deps.values_mut().find(|d| d.name() == doc.name) {
+                    if d.rec.doc == doc {
+                        return (d.rec.id.clone(), DeployOutcome::Unchanged);
+                    }
+                    d.rec.revision += 1;
+                    d.rec.doc = doc.clone();
+                    d.spec = InstanceSpec::from_doc(d.rec.id.clone(), &doc);
+                    (d.rec.id.clone(), DeployOutcome::Updated)
+                } else {
+                    let rec = DeploymentRecord {
+                        id: id.clone(),
+                        revision: 1,
+                        doc: doc.clone(),
+                        operator_stopped: false,
+                        operator_started: false,
+                        pending_start: false,
+                        generation: 0,
+                        first_answer: None,
+                    };
+                    inner.deps.insert(id.clone(), Dep::new(rec));
+                    (id.clone(), DeployOutcome::Created)
+                };
+            // A measurement still awaited does not replace one known (the same checkpoint).
+            if let (Some(d), Some(m)) = (inner.deps.get_mut(&id), measured)
+                && (!m.awaiting() || d.measurement.awaiting())
+            {
+                d.measurement = m;
+            }
+            (id, outcome)
         });
         if outcome != DeployOutcome::Unchanged {
             self.save_logged();
-            let spec = self.read(|inner| inner.deps.get(&id).map(|d| d.spec.clone()));
-            if let Some(spec) = spec {
-                let measured = self.agent_of(&id)?.measure(&spec).await;
-                self.write(|inner| {
-                    if let (Some(d), Ok(m)) = (inner.deps.get_mut(&id), measured)
-                        && !(m.awaiting() && !d.measurement.awaiting() && d.spec == spec)
-                    {
-                        d.measurement = m;
-                    }
-                });
-            }
         }
         Ok(DeployReceipt {
             outcome,
             deployment: self.view(&id).ok_or_else(|| not_found(&id))?,
+        })
+    }
+
+    /// `does_not_fit` when the GPU memory `spec` needs (declared, or `measured`) is more than
+    /// any host has: no host could ever place it. Unknown needs and no hosts pass.
+    fn some_host_fits(
+        inner: &Inner,
+        name: &str,
+        spec: &InstanceSpec,
+        measured: Option<&Measurement>,
+    ) -> Result<(), ApiError> {
+        let (need, whence) = match (
+            spec.resources.gpu_memory,
+            measured.and_then(|m| m.gpu_memory),
+        ) {
+            (Some(declared), _) => (declared, "resources.gpu_memory"),
+            (None, Some(m)) => (m.bytes, "its measured GPU memory"),
+            (None, None) => return Ok(()),
+        };
+        let Some((host, largest)) = inner
+            .hosts
+            .iter()
+            .map(|(id, h)| (id, h.capacity))
+            .max_by_key(|(_, capacity)| *capacity)
+        else {
+            return Ok(());
+        };
+        if need <= largest {
+            return Ok(());
+        }
+        Err(ApiError::DoesNotFit {
+            deployment: name.to_string(),
+            detail: format!(
+                "{whence}: {} is more than the GPU memory of any host (the largest: {} on host {host}); no host can ever place it",
+                placement::gib(need),
+                placement::gib(largest)
+            ),
         })
     }
 
@@ -1979,7 +2251,12 @@ impl Server {
             ) || d.claim.is_some()
                 // A start that waits for memory is taken over by a start with --evict.
                 || (d.rec.pending_start && !req.evict);
-            let (host, fit) = self.place_target(inner, &id, &protected, req.evict);
+            let victims = if req.evict {
+                Victims::IdleAndBringUps
+            } else {
+                Victims::None
+            };
+            let (host, fit) = self.place_target(inner, &id, &protected, victims);
             let d = inner.deps.get_mut(&id).ok_or_else(|| not_found(&id))?;
             d.rec.operator_stopped = false;
             d.rec.operator_started = true;
@@ -2035,7 +2312,24 @@ impl Server {
             Next::Evict(rid, victims, stop_all) => {
                 // A switch like a request's, without the admission window: counted the same.
                 let began = Instant::now();
-                // Parked victims (stopped for what they hold on the GPU) have nothing to drain.
+                // Starts and wakes in progress among the victims (no request waits for them)
+                // are ended: their engines stop. A request that came for one meanwhile gets
+                // the retryable `unavailable`; later ones wait for the next switch.
+                let bringing_up: Vec<String> = self.read(|inner| {
+                    victims
+                        .iter()
+                        .filter(|v| inner.deps.get(*v).is_some_and(Dep::bringing_up))
+                        .cloned()
+                        .collect()
+                });
+                for v in &bringing_up {
+                    let refusal = ApiError::DispatchClosed {
+                        deployment: v.clone(),
+                    };
+                    self.end_bring_up(v, &refusal).await;
+                }
+                // Only ready victims drain: parked ones (stopped for what they hold on the GPU)
+                // and ended starts have nothing to drain (a start that ended ready drains).
                 let ready: Vec<String> = self.read(|inner| {
                     victims
                         .iter()
@@ -2043,7 +2337,7 @@ impl Server {
                             inner
                                 .deps
                                 .get(*v)
-                                .is_some_and(|d| d.state != InstanceState::Parked)
+                                .is_some_and(|d| d.state == InstanceState::Ready)
                         })
                         .cloned()
                         .collect()
@@ -2062,9 +2356,10 @@ impl Server {
                 let released_at = Instant::now();
                 for v in &victims {
                     // A parked victim is stopped for what it holds on the GPU.
-                    let stop = stop_all
-                        || !ready.contains(v)
-                        || reports.get(v).is_some_and(|r| r.cut_before_output);
+                    let put = Put::victim(
+                        reports.get(v).is_some_and(|r| r.cut_before_output),
+                        stop_all || !ready.contains(v),
+                    );
                     let (name, iid) = self
                         .read(|inner| {
                             inner
@@ -2073,7 +2368,23 @@ impl Server {
                                 .map(|d| (d.name().to_string(), d.instance_id()))
                         })
                         .unwrap_or_default();
-                    match self.put_away(v, stop, NoRoom::Stop).await {
+                    let ended = bringing_up.contains(v)
+                        && self.read(|inner| {
+                            inner.deps.get(v).is_none_or(|d| {
+                                matches!(d.state, InstanceState::Stopped | InstanceState::Failed)
+                            })
+                        });
+                    if ended {
+                        tracing::info!(victim = %v, "released: stopped (its start or wake ended)");
+                        receipt_victims.push(Victim {
+                            deployment_id: v.clone(),
+                            name,
+                            instance_id: iid,
+                            released: Released::Stopped,
+                        });
+                        continue;
+                    }
+                    match self.put_away(v, put, NoRoom::Stop).await {
                         Ok(put) => {
                             receipt_victims.push(Victim {
                                 deployment_id: v.clone(),
@@ -2207,8 +2518,9 @@ impl Server {
     }
 
     /// An operator's stop or delete begins: marks `id` operator-stopped (requests get
-    /// `deployment_stopped`), fails its waiting requests with `refusal`, waits for an operation
-    /// in progress on it (a start, a wake, a switch it is part of) to end, then begins taking it
+    /// `deployment_stopped`), fails its waiting requests with `refusal`, ends a start or a wake
+    /// in progress (its engine is stopped at once, see [`Server::end_bring_up`]), waits for
+    /// another operation on it (a park, a switch it is part of) to end, then begins taking it
     /// down (see [`Server::begin_down`]).
     async fn begin_operator_stop(
         &self,
@@ -2225,15 +2537,18 @@ impl Server {
         })?;
         self.save_logged();
         if let Some(r) = self.router() {
-            r.deployment_refused(id.to_string(), refusal).await;
+            r.deployment_refused(id.to_string(), refusal.clone()).await;
         }
         let mut rx = self.changes.subscribe();
         loop {
             let settled = self.read(|inner| {
-                inner
-                    .deps
-                    .get(id)
-                    .map(|d| !d.busy && d.reserved.is_none() && d.claim.is_none())
+                inner.deps.get(id).map(|d| {
+                    // A start or wake begun after the stop (a switch claimed it before) too.
+                    if d.bringing_up() && d.end.borrow().is_none() {
+                        d.end.send_replace(Some(refusal.clone()));
+                    }
+                    !d.busy && d.reserved.is_none() && d.claim.is_none()
+                })
             });
             match settled {
                 None => return Err(not_found(id)),
@@ -2276,7 +2591,7 @@ impl Server {
         match down {
             None => Ok(None),
             Some(false) => self
-                .put_away(id, true, NoRoom::Refuse)
+                .put_away(id, Put::Stop, NoRoom::Refuse)
                 .await
                 .map(|p| Some(p.released)),
             Some(true) => {
@@ -2287,7 +2602,8 @@ impl Server {
                 };
                 let reports = self.drain(&[id.to_string()], shown).await?;
                 let cut = reports.get(id).is_some_and(|r| r.cut_before_output);
-                self.put_away(id, stop || cut, NoRoom::Refuse)
+                let put = if stop || cut { Put::Stop } else { Put::Park };
+                self.put_away(id, put, NoRoom::Refuse)
                     .await
                     .map(|p| Some(p.released))
             }
@@ -2415,7 +2731,7 @@ impl Server {
                 return Ok(false);
             }
             let name = d.name().to_string();
-            let (host, fit) = self.place_target(inner, &id, &BTreeSet::new(), false);
+            let (host, fit) = self.place_target(inner, &id, &BTreeSet::new(), Victims::None);
             match fit {
                 Fit::Now => {
                     if let Some(d) = inner.deps.get_mut(&id) {
@@ -2453,7 +2769,31 @@ impl Server {
         };
         self.save_logged();
         let started = match self.agent_of(id) {
-            Ok(agent) => agent.start(&iid, &spec).await.map_err(|e| e.to_string()),
+            Ok(agent) => match self
+                .unless_ended(id, agent.as_ref(), &iid, agent.start(&iid, &spec))
+                .await
+            {
+                Ok(started) => started.map_err(|e| e.to_string()),
+                Err(ended) => {
+                    self.write(|inner| {
+                        if let Some(d) = inner.deps.get_mut(id) {
+                            d.busy = false;
+                            d.state = if ended.stopped.is_ok() {
+                                InstanceState::Stopped
+                            } else {
+                                InstanceState::Failed
+                            };
+                            d.last_error = Some(format!(
+                                "preinitialize: start ended: {}",
+                                ended.refusal.message()
+                            ));
+                        }
+                    });
+                    self.announce_gone(key).await;
+                    self.memory_freed();
+                    return;
+                }
+            },
             Err(e) => Err(e.message()),
         };
         match started {
@@ -2473,7 +2813,7 @@ impl Server {
                 });
                 self.save_logged();
                 // Parked, or stopped when its copy finds no room.
-                if let Err(e) = self.put_away(id, false, NoRoom::Stop).await {
+                if let Err(e) = self.put_away(id, Put::Park, NoRoom::Stop).await {
                     tracing::warn!(deployment = %id, error = %e, "preinitialize: parking failed");
                 }
             }
