@@ -90,7 +90,13 @@ pub async fn run(file: Option<PathBuf>, set: Vec<String>, data_dir: PathBuf) -> 
     loop {
         tokio::select! {
             () = &mut signal => break,
-            () = hangup.next() => reload(&standalone, &settings, file.as_deref(), &set).await,
+            () = hangup.next() => {
+                // SIGTERM still ends it while the document is deployed again.
+                tokio::select! {
+                    () = reload(&standalone, &settings, file.as_deref(), &set) => {}
+                    () = &mut signal => break,
+                }
+            }
         }
     }
     tracing::info!("signal received: stopping engines and listeners");

@@ -47,11 +47,22 @@ pub fn flag_value<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
 /// SGLang's flag that turns on speculative decoding.
 pub const SPECULATIVE_FLAG: &str = "--speculative-algorithm";
 
+/// The shortest spelling of [`SPECULATIVE_FLAG`] SGLang's argparse reads as it: shorter ones
+/// (`--speculative-a`) are shared with `--speculative-accept-threshold-…` and
+/// `--speculative-attention-mode`, so argparse refuses them as ambiguous.
+const SPECULATIVE_SHORTEST: &str = "--speculative-al";
+
 /// Whether a deployment of `engine` with `extra_args` runs SGLang with speculative decoding
-/// (`--speculative-algorithm X` or `--speculative-algorithm=X`). Such a model parks with its
-/// weights in memory: only the KV cache is given back (product page, "How a model parks").
+/// (`--speculative-algorithm X` or `--speculative-algorithm=X`, shortened as argparse allows:
+/// `--speculative-algo EAGLE`; `_` for `-`). Such a model parks with its weights in memory:
+/// only the KV cache is given back (product page, "How a model parks").
 pub fn speculative(engine: EngineKind, extra_args: &[String]) -> bool {
-    engine == EngineKind::Sglang && has_flag(extra_args, SPECULATIVE_FLAG)
+    engine == EngineKind::Sglang
+        && extra_args.iter().any(|arg| {
+            let name = arg.split_once('=').map_or(arg.as_str(), |(name, _)| name);
+            let name = name.replace('_', "-");
+            name.len() >= SPECULATIVE_SHORTEST.len() && SPECULATIVE_FLAG.starts_with(&name)
+        })
 }
 
 /// Why `residency: host_backed` is refused for SGLang with speculative decoding (the product
@@ -168,6 +179,27 @@ mod tests {
         assert!(speculative(EngineKind::Sglang, &spaced));
         assert!(speculative(EngineKind::Sglang, &joined));
         assert!(!speculative(EngineKind::Vllm, &spaced));
+        // Shortened as argparse reads it, but not into another flag's prefix.
+        for short in [
+            "--speculative-algo",
+            "--speculative-al=EAGLE",
+            "--speculative_algorithm",
+        ] {
+            assert!(
+                speculative(EngineKind::Sglang, &args(&[short, "EAGLE"])),
+                "{short}"
+            );
+        }
+        for other in [
+            "--speculative-a",
+            "--speculative-accept-threshold-single",
+            "--spec",
+        ] {
+            assert!(
+                !speculative(EngineKind::Sglang, &args(&[other, "1"])),
+                "{other}"
+            );
+        }
         assert!(!speculative(
             EngineKind::Sglang,
             &args(&[

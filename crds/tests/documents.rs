@@ -1017,6 +1017,7 @@ fn host_backed_is_refused_for_sglang_with_speculative_decoding() {
     for args in [
         "[--speculative-algorithm, EAGLE]",
         "[--tp, \"2\", --speculative-algorithm=EAGLE3]",
+        "[--speculative-algo, EAGLE]",
     ] {
         let e = parse_deployment_str("d.yaml", &doc(args, "host_backed")).unwrap_err();
         assert_eq!(e.to_string(), format!("d.yaml:4: {why}"));

@@ -37,7 +37,7 @@ pub trait Admission: Clone + Send + Sync + 'static {
 /// The product page's error for a request whose deadline passed before its first output, one
 /// rule for the coordinator (a request still waiting at its deadline) and the listener (one
 /// forwarded, still without output): `429 queue_full` "stayed at its in-flight bound for the
-/// queue deadline" when it spent at least half of `waited` (its time until the deadline)
+/// queue deadline" when it spent at least half of `waited` (from its admission to its deadline)
 /// waiting for one of the 32 in-flight slots of its deployment while that was servable
 /// (`at_bound`): the page's "32 requests kept running for the whole request deadline";
 /// otherwise `503 unavailable` "did not become servable within the queue deadline" (it

@@ -460,6 +460,9 @@ impl<A: Admission> Proxy<A> {
         let deployment_id = deployment.id.clone();
         watch.deployment(&deployment_id);
         watch.asking();
+        // Where the coordinator counts a waiter's time from, so that the deadline's error is
+        // decided on the same span here (below) as there.
+        let asked = Instant::now();
         // The admission enforces the deadline itself (and tells which error applies); the
         // grace only keeps a request from hanging should it not.
         let admitted = tokio::time::timeout_at(
@@ -478,8 +481,12 @@ impl<A: Admission> Proxy<A> {
         };
 
         let addr = permit.upstream().addr;
-        // Which error a deadline before the first output is (one rule with the coordinator's).
-        let waits = (deadline - arrival, permit.waited_at_bound());
+        // Which error a deadline before the first output is (one rule with the coordinator's,
+        // on the same span: from the request's admission to its deadline).
+        let waits = (
+            deadline.saturating_duration_since(asked),
+            permit.waited_at_bound(),
+        );
         // Dropped without an end (the client went away meanwhile): cut, `client_gone`.
         let mut charge = Charge::new(permit);
 
