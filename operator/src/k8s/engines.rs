@@ -11,7 +11,13 @@
 //!   the first answer goes into the Pod's annotations;
 //! - `park` and `wake` go to the node agent; the Pod's [`ANNOTATION_PARKED`] follows (a
 //!   parked engine keeps its Pod); a failed wake and a park that stopped delete the Pod;
-//! - `stop`: lets the node agent stop the engine, then deletes the instance's Pods;
+//! - `stop`: lets the node agent stop the engine, then deletes the instance's Pods (after an
+//!   error from the agent too). The agent's stop is prompt even while a start waits for its Pod
+//!   to run (it cuts the launch, which only watches). Not the other way round: a Pod deleted
+//!   first is an exit the agent reports, and its stop then answers "unknown instance", which a
+//!   release counts as a failed stop. A stop that comes before the start has reached the agent
+//!   (it answers "unknown instance") deletes the new Pod: the start then fails at once ("engine
+//!   Pod ... was deleted"), or is ended by the lifecycle's next stop, and never takes that Pod;
 //! - `recover`: lets the node agent adopt what it can (from its records, else from the Pods'
 //!   annotations), then deletes the engine Pods of the node that belong to no adopted
 //!   instance (nothing is leaked).
