@@ -9,21 +9,20 @@
 //!
 //! - the runtime watches only its own node's engine Pods (namespace `POD_NAMESPACE`, field
 //!   selector `spec.nodeName=<node>`, label selector [`LABEL_INSTANCE`]);
-//! - "launch" waits, at most the agent's ready timeout, for the operator's Pod of the instance
-//!   to be Running with a Pod IP (the newest generation it has not let go of); a Pod that
-//!   never runs (no kubelet, an image that does not pull) fails the launch with
-//!   `EngineTimeout` at step "engine Pod running", and one deleted (without a newer Pod in its
-//!   place) fails it with `EngineExited` "engine Pod <ns>/<name> was deleted". A stop ends a
-//!   launch at once (`launch_cancellable`: it only watches). The agent then waits up to the ready timeout
-//!   again for the engine to answer, so the agent reports twice the ready timeout to the
-//!   operator (`capyctl_node_agent::cli::reported_timing`), whose start call waits for both;
+//! - "launch" waits, at most the agent's ready timeout, for the operator's Pod of the instance to
+//!   be Running with a Pod IP (the newest generation it has not let go of); a Pod that never runs
+//!   (no kubelet, an image that does not pull) fails the launch with `EngineTimeout` at step
+//!   "engine Pod running", and one deleted (without a newer Pod in its place) fails it with
+//!   `EngineExited` "engine Pod <ns>/<name> was deleted". A stop ends a launch at once
+//!   (`launch_cancellable`: it only watches). The agent then waits up to the ready timeout again
+//!   for the engine to answer, so the agent reports twice the ready timeout to the operator
+//!   (`capyctl_node_agent::cli::reported_timing`), whose start call waits for both;
 //! - an engine's exit is its Pod leaving Running: the engine container terminated, the Pod
 //!   failed or succeeded, is being deleted, or is gone; it feeds the agent's exit reports;
-//! - "stop" forgets the Pod (and never takes it, nor any other Pod of the instance seen by
-//!   then, again) and removes the record: the OPERATOR
-//!   deletes it. The node agent has no permission to delete Pods (the chart grants it
-//!   `get`/`list`/`watch` on Pods), by design: the Pod's owner is its `Deployment` CR. A parked
-//!   engine keeps its Pod;
+//! - "stop" forgets the Pod (and never takes it, nor any other Pod of the instance seen by then,
+//!   again) and removes the record: the OPERATOR deletes it. The node agent has no permission to
+//!   delete Pods (the chart grants it `get`/`list`/`watch` on Pods), by design: the Pod's owner is
+//!   its `Deployment` CR. A parked engine keeps its Pod;
 //! - records are kept as the process runtime keeps them, in `<data dir>/engines/`, with `pid`
 //!   0, `port` the engine's port and `command` `["pod", "<namespace>/<name>"]`; the chart keeps
 //!   the data directory on a hostPath, so the records outlive the agent's Pod. Recovery after
