@@ -911,22 +911,35 @@ impl LocalHostAgent {
             launched: None,
         };
         let parking = launch_parking(&input);
-        // Not cut by a stop: a launch dropped half-way could leave a process nobody knows.
+        let launch = self.runtime.launch(LaunchRequest {
+            instance: id,
+            spec,
+            engine: self.settings.engine(spec.engine),
+            parking,
+            ready_timeout: self.config.ready_timeout,
+            now_ms: now_ms(),
+        });
+        // Cut by a stop only where the runtime says a launch may be dropped (an engine Pod's
+        // launch waits, up to the ready timeout, for a Pod the operator deletes): a process
+        // launch dropped half-way could leave a process nobody knows.
+        let launched = if self.runtime.launch_cancellable() {
+            tokio::select! {
+                biased;
+                () = op.cancelled() => None,
+                l = launch => Some(l),
+            }
+        } else {
+            Some(launch.await)
+        };
+        let Some(launched) = launched else {
+            let _ = self.runtime.stop(id, self.config.stop_grace).await;
+            return Err(cancelled());
+        };
         let Launched {
             record,
             base_url,
             mut exit,
-        } = self
-            .runtime
-            .launch(LaunchRequest {
-                instance: id,
-                spec,
-                engine: self.settings.engine(spec.engine),
-                parking,
-                ready_timeout: self.config.ready_timeout,
-                now_ms: now_ms(),
-            })
-            .await?;
+        } = launched?;
         let port = record.port;
         let endpoint = endpoint_at(spec, base_url);
         let log = self.runtime.log_location(&record);

@@ -58,6 +58,14 @@ pub trait EngineRuntime: Send + Sync + std::fmt::Debug {
     fn name(&self) -> &'static str;
     /// Gets an engine running for the request and writes its record.
     fn launch<'a>(&'a self, req: LaunchRequest<'a>) -> BoxFuture<'a, Result<Launched, AgentError>>;
+    /// Whether a launch may be dropped half-way (a stop ends the start in progress) without
+    /// leaving an engine nobody knows: true where the launch only waits for an engine someone
+    /// else runs (an engine Pod the operator creates and deletes); the runtime's
+    /// [`EngineRuntime::stop`] is called after such a drop. False by default: a launch that
+    /// spawns a process is not cut.
+    fn launch_cancellable(&self) -> bool {
+        false
+    }
     /// Where the engine of a tracked (or recovered) record answers.
     fn base_url(&self, record: &PidRecord) -> String;
     /// Where the engine's output can be read, for error messages: the record's log file when

@@ -163,3 +163,83 @@ async fn the_agent_drives_the_engine_of_its_pod_and_reports_the_pod_going_away()
     let _ = engine.kill().await;
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Issue 16, item 5, in Pod mode: the engine Pod of a start never runs (an image that does not
+/// pull, a Pod nobody schedules), so the start waits in the runtime's launch, up to the ready
+/// timeout. A stop ends it at once: the stop answers, the start answers `cancelled`, nothing is
+/// left, and the Pod is never taken again. (Before: the launch was not cut by a stop, which
+/// waited for the start, here 1800 s.)
+#[tokio::test]
+async fn a_stop_ends_a_start_whose_pod_never_runs() {
+    let dir = common::temp_dir("pods-pending");
+    let mut pending = pod(8000);
+    pending["status"] = json!({"phase": "Pending"});
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let api_server = tokio::spawn(async move {
+        let mut handle = pin!(handle);
+        let (_list, reply) = handle.next_request().await.unwrap();
+        let list = json!({"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "10"}, "items": [pending]});
+        reply.send_response(
+            Response::builder()
+                .header(http::header::CONTENT_TYPE, "application/json")
+                .body(Body::from(serde_json::to_vec(&list).unwrap()))
+                .unwrap(),
+        );
+        // The watch stays open and says nothing: the Pod stays pending.
+        let mut held = Vec::new();
+        while let Some(call) = handle.next_request().await {
+            held.push(call);
+        }
+    });
+    let runtime =
+        PodRuntime::new(Client::new(service, "capyctl"), "capyctl", "gpu-1", &dir).unwrap();
+    runtime.wait_synced(Duration::from_secs(10)).await.unwrap();
+    let mut config = AgentConfig::new(&dir);
+    config.ready_timeout = Duration::from_secs(1800);
+    let agent = Arc::new(LocalHostAgent::with_runtime(
+        config,
+        settings(),
+        Arc::new(NoGpus),
+        Arc::new(runtime),
+    ));
+
+    let start = tokio::spawn({
+        let agent = Arc::clone(&agent);
+        async move { agent.start("01KPODS-0", &spec()).await }
+    });
+    // As the operator does: a stop that comes before the start has begun finds nothing, and
+    // is asked again.
+    let stopped = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match agent.stop("01KPODS-0").await {
+                Err(AgentError::UnknownInstance { .. }) if !start.is_finished() => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                other => return other,
+            }
+        }
+    })
+    .await
+    .expect("the stop answers while the Pod is pending");
+    stopped.unwrap();
+    let started = tokio::time::timeout(Duration::from_secs(5), start)
+        .await
+        .expect("the start has answered")
+        .unwrap();
+    match started {
+        Err(AgentError::Cancelled { instance, what }) => {
+            assert_eq!((instance.as_str(), what), ("01KPODS-0", "start"));
+        }
+        other => panic!("the start answered {other:?}"),
+    }
+    assert!(agent.sample("01KPODS-0").is_none());
+    assert!(
+        std::fs::read_dir(dir.join("engines"))
+            .map(|d| d.count())
+            .unwrap_or(0)
+            == 0,
+        "no record is left"
+    );
+    api_server.abort();
+    let _ = std::fs::remove_dir_all(dir);
+}

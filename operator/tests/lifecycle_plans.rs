@@ -31,11 +31,13 @@ const GIB: u64 = 1 << 30;
 
 /// A host agent whose engines start, park, wake and stop at once; it records the calls. The
 /// starts and wakes of deployments named in `hangs` never end by themselves: a stop of their
-/// instance ends them (`cancelled`), as the real agents do.
+/// instance ends them (`cancelled`), as the real agents do. The stops of instances named in
+/// `failing_stops` end such an operation, then fail (the engine could not be stopped).
 #[derive(Default)]
 struct FakeAgent {
     calls: Mutex<Vec<String>>,
     hangs: Mutex<BTreeSet<String>>,
+    failing_stops: Mutex<BTreeSet<String>>,
     stops: tokio::sync::Notify,
 }
 
@@ -175,6 +177,12 @@ impl HostAgent for FakeAgent {
         Box::pin(async move {
             self.record(format!("stop {instance}"));
             self.stops.notify_waiters();
+            if self.failing_stops.lock().unwrap().contains(instance) {
+                return Err(AgentError::AgentUnreachable {
+                    url: "http://gpu-1:9100".into(),
+                    detail: "the engine's process group would not die".into(),
+                });
+            }
             Ok(())
         })
     }
@@ -562,6 +570,70 @@ async fn start_evict_ends_a_start_in_progress() {
         "{:?}",
         agent.calls()
     );
+}
+
+/// `start --evict` that ends a victim's start whose engine then cannot be stopped: the evict
+/// fails, naming the victim and the failed stop, and the target is not started on memory the
+/// old engine may still hold (as `stop` answers an error when its stop fails). Before: the
+/// victim was named `released: stopped` and the target started.
+#[tokio::test(start_paused = true)]
+async fn start_evict_fails_when_an_ended_start_could_not_be_stopped() {
+    let (s, agent, _) = server().await;
+    s.deploy(doc("x", 6, "")).await.unwrap();
+    s.deploy(doc("y", 6, "")).await.unwrap();
+    agent.hangs.lock().unwrap().insert("x".into());
+    let x = s
+        .start("x", StartRequest::default())
+        .await
+        .unwrap()
+        .deployment;
+    let (x_iid, y_iid) = (
+        format!("{}-0", x.id),
+        format!("{}-0", s.get("y").await.unwrap().id),
+    );
+    agent.failing_stops.lock().unwrap().insert(x_iid.clone());
+    called(&agent, &format!("start {x_iid}")).await;
+    let evict = StartRequest {
+        evict: true,
+        wait: true,
+    };
+    let err = tokio::time::timeout(PROMPT, s.start("y", evict))
+        .await
+        .expect("the evicting start answers")
+        .unwrap_err();
+    assert_eq!(err.code(), "engine_failed", "{err:?}");
+    let message = err.message();
+    assert!(
+        message.contains(&format!("deployment {}", x.id))
+            && message.contains("start --evict of y could not stop x")
+            && message.contains("the engine's process group would not die")
+            && message.contains("y was not started"),
+        "{message}"
+    );
+    assert!(
+        !agent.calls().contains(&format!("start {y_iid}")),
+        "{:?}",
+        agent.calls()
+    );
+    assert_eq!(state_of(&s, "y").await, InstanceState::Stopped);
+    let x = s.get("x").await.unwrap();
+    assert_eq!(x.state, InstanceState::Failed);
+    assert!(
+        x.instances[0]
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("stopping the engine failed")),
+        "{:?}",
+        x.instances[0].last_error
+    );
+    // Nothing stays reserved: once the stop works, y starts.
+    agent.failing_stops.lock().unwrap().clear();
+    s.stop("x").await.unwrap();
+    let r = tokio::time::timeout(PROMPT, s.start("y", evict))
+        .await
+        .expect("the start answers")
+        .unwrap();
+    assert_eq!(r.deployment.state, InstanceState::Ready);
 }
 
 /// Issue 16, item 7: standalone (no host joins later), a deployment needing more GPU memory

@@ -9,18 +9,20 @@
 //!
 //! - the runtime watches only its own node's engine Pods (namespace `POD_NAMESPACE`, field
 //!   selector `spec.nodeName=<node>`, label selector [`LABEL_INSTANCE`]);
-//! - "launch" waits, at most the agent's ready timeout, for the operator's Pod of the instance
-//!   to be Running with a Pod IP (the newest generation it has not let go of); a Pod that
-//!   never runs (no kubelet, an image that does not pull) fails the launch with
-//!   `EngineTimeout` at step "engine Pod running". The agent then waits up to the ready timeout
-//!   again for the engine to answer, so the agent reports twice the ready timeout to the
-//!   operator (`capyctl_node_agent::cli::reported_timing`), whose start call waits for both;
+//! - "launch" waits, at most the agent's ready timeout, for the operator's Pod of the instance to
+//!   be Running with a Pod IP (the newest generation it has not let go of); a Pod that never runs
+//!   (no kubelet, an image that does not pull) fails the launch with `EngineTimeout` at step
+//!   "engine Pod running", and one deleted (without a newer Pod in its place) fails it with
+//!   `EngineExited` "engine Pod <ns>/<name> was deleted". A stop ends a launch at once
+//!   (`launch_cancellable`: it only watches). The agent then waits up to the ready timeout again
+//!   for the engine to answer, so the agent reports twice the ready timeout to the operator
+//!   (`capyctl_node_agent::cli::reported_timing`), whose start call waits for both;
 //! - an engine's exit is its Pod leaving Running: the engine container terminated, the Pod
 //!   failed or succeeded, is being deleted, or is gone; it feeds the agent's exit reports;
-//! - "stop" forgets the Pod (and never takes it again) and removes the record: the OPERATOR
-//!   deletes it. The node agent has no permission to delete Pods (the chart grants it
-//!   `get`/`list`/`watch` on Pods), by design: the Pod's owner is its `Deployment` CR. A parked
-//!   engine keeps its Pod;
+//! - "stop" forgets the Pod (and never takes it, nor any other Pod of the instance seen by then,
+//!   again) and removes the record: the OPERATOR deletes it. The node agent has no permission to
+//!   delete Pods (the chart grants it `get`/`list`/`watch` on Pods), by design: the Pod's owner is
+//!   its `Deployment` CR. A parked engine keeps its Pod;
 //! - records are kept as the process runtime keeps them, in `<data dir>/engines/`, with `pid`
 //!   0, `port` the engine's port and `command` `["pod", "<namespace>/<name>"]`; the chart keeps
 //!   the data directory on a hostPath, so the records outlive the agent's Pod. Recovery after
@@ -438,6 +440,17 @@ impl PodRuntime {
         Some(t)
     }
 
+    /// Lets go of every Pod of `instance` seen now.
+    fn retire_all(&self, instance: &str) {
+        let seen = self.shared.seen.borrow();
+        let mut retired = lock(&self.shared.retired);
+        for p in seen.pods.values().filter(|p| p.instance == instance) {
+            if !p.uid.is_empty() {
+                retired.insert(p.uid.clone());
+            }
+        }
+    }
+
     /// The newest Pod of `instance` not let go of and not in `skip`.
     fn candidate(
         &self,
@@ -494,11 +507,31 @@ impl PodRuntime {
             .filter(|p| p.instance == id && matches!(p.state, PodState::Ended(_)))
             .map(|p| p.key.clone())
             .collect();
+        // The Pod this launch waits for: deleted without a newer one in its place (the
+        // operator deleted it: a stop or a delete), the engine has ended.
+        let mut watching: Option<EnginePodView> = None;
         loop {
-            let found = {
+            let (found, deleted) = {
                 let seen = rx.borrow_and_update();
-                self.candidate(&seen, id, &stale)
+                let found = self.candidate(&seen, id, &stale);
+                let deleted = watching
+                    .as_ref()
+                    .filter(|w| seen.synced && !seen.pods.contains_key(&w.key))
+                    .filter(|w| found.as_ref().is_none_or(|f| f.generation <= w.generation))
+                    .map(|w| w.key.clone());
+                (found, deleted)
             };
+            if let Some(key) = deleted {
+                return Err(AgentError::EngineExited {
+                    engine: req.spec.engine,
+                    instance: id.to_string(),
+                    status: format!("engine Pod {key} was deleted"),
+                    log: None,
+                });
+            }
+            if found.is_some() {
+                watching.clone_from(&found);
+            }
             match found {
                 Some(pod) if pod.usable() => {
                     let base_url = pod.base_url().unwrap_or_default();
@@ -704,6 +737,11 @@ impl EngineRuntime for PodRuntime {
         Box::pin(self.do_launch(req))
     }
 
+    /// A launch only watches for the operator's Pod: dropping it leaves nothing behind.
+    fn launch_cancellable(&self) -> bool {
+        true
+    }
+
     fn base_url(&self, record: &PidRecord) -> String {
         if let Some(t) = lock(&self.shared.tracked).get(&record.instance) {
             return t.base_url.clone();
@@ -743,6 +781,10 @@ impl EngineRuntime for PodRuntime {
         Box::pin(async move {
             let known = self.untrack(instance);
             self.records.forget(instance);
+            // Every Pod of the instance seen now is let go of, running or not: the Pod of a
+            // start this stop ended (or that has not reached the agent yet) is never taken
+            // by a later start, whose Pod is a new one.
+            self.retire_all(instance);
             match known {
                 Some(t) => {
                     tracing::info!(instance, pod = %t.key, "engine let go of; the operator deletes its Pod");
@@ -944,14 +986,12 @@ mod tests {
         });
         let (_, pairs, reply) = next(&mut handle).await;
         assert_eq!(get(&pairs, "watch"), Some("true"));
-        reply.send_response(
-            Response::builder()
-                .status(200)
-                .body(events(&[
-                    ("MODIFIED", pod("Running", None)),
-                    ("MODIFIED", pod("Running", Some("10.1.2.3"))),
-                ]))
-                .unwrap(),
+        events_reply(
+            reply,
+            &[
+                ("MODIFIED", pod("Running", None)),
+                ("MODIFIED", pod("Running", Some("10.1.2.3"))),
+            ],
         );
         let launched = launch.await.unwrap().unwrap();
         assert_eq!(launched.base_url, "http://10.1.2.3:8001");
@@ -978,12 +1018,7 @@ mod tests {
         let mut exit = launched.exit;
 
         let (_, _, reply) = next(&mut handle).await;
-        reply.send_response(
-            Response::builder()
-                .status(200)
-                .body(events(&[("DELETED", pod("Running", Some("10.1.2.3")))]))
-                .unwrap(),
-        );
+        events_reply(reply, &[("DELETED", pod("Running", Some("10.1.2.3")))]);
         let status = exit.wait_for(Option::is_some).await.unwrap().clone();
         assert_eq!(
             status.as_deref(),
@@ -1028,6 +1063,23 @@ mod tests {
         p
     }
 
+    /// A launch of `dep1-0` with this bound, in a task.
+    fn spawn_launch(
+        rt: &Arc<PodRuntime>,
+        bound: Duration,
+    ) -> tokio::task::JoinHandle<Result<Launched, AgentError>> {
+        let rt = Arc::clone(rt);
+        tokio::spawn(async move {
+            let (spec, engine) = (spec(), EngineLaunch::default_for(EngineKind::Vllm));
+            rt.launch(request(&spec, &engine, bound)).await
+        })
+    }
+
+    /// Answers a watch call with these events.
+    fn events_reply(reply: Reply, list: &[(&str, Value)]) {
+        reply.send_response(Response::builder().status(200).body(events(list)).unwrap());
+    }
+
     #[tokio::test]
     async fn a_pod_failing_during_the_launch_fails_it_and_an_older_failed_one_does_not() {
         let dir = tempdir();
@@ -1037,23 +1089,14 @@ mod tests {
         let (_, _, reply) = next(&mut handle).await;
         json_reply(reply, &list(vec![generation(1, "Failed")]));
         rt.wait_synced(Duration::from_secs(5)).await.unwrap();
-        let launch = tokio::spawn({
-            let rt = Arc::clone(&rt);
-            async move {
-                let (spec, engine) = (spec(), EngineLaunch::default_for(EngineKind::Vllm));
-                rt.launch(request(&spec, &engine, Duration::from_secs(600)))
-                    .await
-            }
-        });
+        let launch = spawn_launch(&rt, Duration::from_secs(600));
         let (_, _, reply) = next(&mut handle).await;
-        reply.send_response(
-            Response::builder()
-                .status(200)
-                .body(events(&[
-                    ("ADDED", generation(2, "Pending")),
-                    ("MODIFIED", generation(2, "Failed")),
-                ]))
-                .unwrap(),
+        events_reply(
+            reply,
+            &[
+                ("ADDED", generation(2, "Pending")),
+                ("MODIFIED", generation(2, "Failed")),
+            ],
         );
         let err = launch.await.unwrap().unwrap_err();
         match err {
@@ -1062,6 +1105,57 @@ mod tests {
             }
             other => panic!("{other}"),
         }
+    }
+
+    /// The operator deleted the Pod a launch waits for (a stop or a delete that came before
+    /// the start reached the agent): the launch ends at once, and a stop lets go of every Pod
+    /// of the instance seen. (Before: a deleted Pod only left `seen`, and the launch waited for
+    /// it up to the ready timeout.)
+    #[tokio::test(start_paused = true)]
+    async fn a_launch_whose_pod_is_deleted_ends_and_a_stop_lets_go_of_every_pod_seen() {
+        let dir = tempdir();
+        let (rt, handle) = runtime(&dir);
+        let rt = Arc::new(rt);
+        let mut handle = pin!(handle);
+        let (_, _, reply) = next(&mut handle).await;
+        json_reply(reply, &list(vec![generation(1, "Pending")]));
+        rt.wait_synced(Duration::from_secs(5)).await.unwrap();
+        let launch = spawn_launch(&rt, Duration::from_secs(1800));
+        let (_, _, reply) = next(&mut handle).await;
+        events_reply(reply, &[("DELETED", generation(1, "Pending"))]);
+        let began = tokio::time::Instant::now();
+        let err = launch.await.unwrap().unwrap_err();
+        match err {
+            AgentError::EngineExited { status, .. } => {
+                assert_eq!(status, "engine Pod capyctl/chat-a-0-g1 was deleted");
+            }
+            other => panic!("{other}"),
+        }
+        assert!(began.elapsed() < Duration::from_secs(1));
+
+        // A Pod of the instance seen when a stop comes (pending: its start was ended, or has
+        // not reached the agent) is never taken by a later start.
+        let (_, _, reply) = next(&mut handle).await;
+        events_reply(reply, &[("ADDED", generation(2, "Pending"))]);
+        let mut seen = rt.shared.seen.subscribe();
+        seen.wait_for(|s| s.pods.len() == 1).await.unwrap();
+        assert!(matches!(
+            rt.stop("dep1-0", Duration::from_secs(1)).await,
+            Err(AgentError::UnknownInstance { .. })
+        ));
+        let mut running = generation(2, "Running");
+        running["status"]["podIP"] = json!("10.1.2.4");
+        let (_, _, reply) = next(&mut handle).await;
+        events_reply(reply, &[("MODIFIED", running)]);
+        seen.wait_for(|s| s.pods.values().any(EnginePodView::usable))
+            .await
+            .unwrap();
+        let (spec, engine) = (spec(), EngineLaunch::default_for(EngineKind::Vllm));
+        let err = rt
+            .launch(request(&spec, &engine, Duration::from_secs(5)))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, AgentError::EngineTimeout { .. }), "{err}");
     }
 
     #[tokio::test]
@@ -1084,12 +1178,7 @@ mod tests {
             "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}
         }]);
         let (_, _, reply) = next(&mut handle).await;
-        reply.send_response(
-            Response::builder()
-                .status(200)
-                .body(events(&[("MODIFIED", ended)]))
-                .unwrap(),
-        );
+        events_reply(reply, &[("MODIFIED", ended)]);
         let status = exit.wait_for(Option::is_some).await.unwrap().clone();
         assert_eq!(
             status.as_deref(),

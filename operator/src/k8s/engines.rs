@@ -11,7 +11,13 @@
 //!   the first answer goes into the Pod's annotations;
 //! - `park` and `wake` go to the node agent; the Pod's [`ANNOTATION_PARKED`] follows (a
 //!   parked engine keeps its Pod); a failed wake and a park that stopped delete the Pod;
-//! - `stop`: lets the node agent stop the engine, then deletes the instance's Pods;
+//! - `stop`: lets the node agent stop the engine, then deletes the instance's Pods (after an
+//!   error from the agent too). The agent's stop is prompt even while a start waits for its Pod
+//!   to run (it cuts the launch, which only watches). Not the other way round: a Pod deleted
+//!   first is an exit the agent reports, and its stop then answers "unknown instance", which a
+//!   release counts as a failed stop. A stop that comes before the start has reached the agent
+//!   (it answers "unknown instance") deletes the new Pod: the start then fails at once ("engine
+//!   Pod ... was deleted"), or is ended by the lifecycle's next stop, and never takes that Pod;
 //! - `recover`: lets the node agent adopt what it can (from its records, else from the Pods'
 //!   annotations), then deletes the engine Pods of the node that belong to no adopted
 //!   instance (nothing is leaked).
@@ -1032,6 +1038,172 @@ mod tests {
             "{}",
             seen[0].query
         );
+    }
+
+    /// The engine Pods' API as the operator uses it, answered from what it holds (calls may
+    /// interleave): the list, the create (the Pod gets a UID and is sent on `created`), the
+    /// delete (the name is sent on `deleted`), the CR and the Host.
+    fn pods_api(
+        handle: tower_test::mock::Handle<
+            http::Request<kube::client::Body>,
+            http::Response<kube::client::Body>,
+        >,
+        created: tokio::sync::mpsc::UnboundedSender<serde_json::Value>,
+        deleted: tokio::sync::mpsc::UnboundedSender<String>,
+    ) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(async move {
+            let mut handle = std::pin::pin!(handle);
+            let mut held: BTreeMap<String, serde_json::Value> = BTreeMap::new();
+            while let Some((request, send)) = handle.next_request().await {
+                let (parts, body) = request.into_parts();
+                let path = parts.uri.path().to_string();
+                let body = body.collect_bytes().await.unwrap();
+                let answer = match (parts.method.clone(), path.as_str()) {
+                    (Method::GET, PODS) => list(held.values().cloned().collect()),
+                    (Method::POST, PODS) => {
+                        let mut pod: serde_json::Value = serde_json::from_slice(&body).unwrap();
+                        let name = pod["metadata"]["name"].as_str().unwrap().to_string();
+                        pod["metadata"]["uid"] = format!("uid-{name}").into();
+                        pod["metadata"]["namespace"] = "capyctl".into();
+                        held.insert(name, pod.clone());
+                        let _ = created.send(pod.clone());
+                        pod
+                    }
+                    (Method::DELETE, p) if p.starts_with(PODS) => {
+                        let name = p.rsplit('/').next().unwrap().to_string();
+                        let _ = deleted.send(name.clone());
+                        held.remove(&name).unwrap_or_else(|| serde_json::json!({}))
+                    }
+                    (Method::GET, CR) => cr(),
+                    (Method::GET, HOST) => host(),
+                    other => panic!("unexpected call {other:?}"),
+                };
+                send.send_response(
+                    http::Response::builder()
+                        .status(if parts.method == Method::POST {
+                            201
+                        } else {
+                            200
+                        })
+                        .header(http::header::CONTENT_TYPE, "application/json")
+                        .body(kube::client::Body::from(
+                            serde_json::to_vec(&answer).unwrap(),
+                        ))
+                        .unwrap(),
+                );
+            }
+        })
+    }
+
+    /// Issue 16, item 5, in Pod mode end to end (the operator's side over a real node agent
+    /// with the Pod runtime, each on a scripted API server): the engine Pod never runs, and a
+    /// stop (asked again while the start has not reached the agent, as the lifecycle does)
+    /// answers promptly, the Pod is deleted and the start answers `cancelled`. Before: the
+    /// agent's stop waited for the start, whose launch waited up to the ready timeout (1800 s)
+    /// for the Pod, and the Pod was deleted only after that.
+    #[tokio::test]
+    async fn a_stop_ends_a_start_whose_pod_never_runs_and_deletes_the_pod() {
+        use capyctl_node_agent::agent::AgentConfig;
+        use capyctl_node_agent::inventory::NoGpus;
+        use capyctl_node_agent::k8s::pods::PodRuntime;
+        use capyctl_node_agent::spec::GpuOverride;
+
+        let dir =
+            std::env::temp_dir().join(format!("capyctl-engines-pending-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        // The node agent's watch of its Pods: it lists the Pod the operator created, pending,
+        // and then hears nothing (its deletion included).
+        let (created_tx, mut created_rx) = tokio::sync::mpsc::unbounded_channel();
+        let (service, agent_api) = tower_test::mock::pair::<
+            http::Request<kube::client::Body>,
+            http::Response<kube::client::Body>,
+        >();
+        let agent_api = tokio::spawn(async move {
+            let mut handle = std::pin::pin!(agent_api);
+            let (_, reply) = handle.next_request().await.unwrap();
+            let mut pod: serde_json::Value = created_rx.recv().await.unwrap();
+            pod["status"] = serde_json::json!({"phase": "Pending"});
+            let list = serde_json::json!({"apiVersion": "v1", "kind": "PodList",
+                "metadata": {"resourceVersion": "10"}, "items": [pod]});
+            reply.send_response(
+                http::Response::builder()
+                    .header(http::header::CONTENT_TYPE, "application/json")
+                    .body(kube::client::Body::from(serde_json::to_vec(&list).unwrap()))
+                    .unwrap(),
+            );
+            let mut held = Vec::new();
+            while let Some(call) = handle.next_request().await {
+                held.push(call);
+            }
+        });
+        let runtime = PodRuntime::new(
+            kube::Client::new(service, "capyctl"),
+            "capyctl",
+            "gpu-1",
+            &dir,
+        )
+        .unwrap();
+        let mut config = AgentConfig::new(&dir);
+        config.ready_timeout = Duration::from_secs(1800);
+        let settings = HostSettings {
+            gpus: Some(vec![GpuOverride {
+                memory: 80 << 30,
+                unified: false,
+                uuid: None,
+            }]),
+            host_memory: Some(64 << 30),
+            ..HostSettings::default()
+        };
+        let node_agent = capyctl_node_agent::LocalHostAgent::with_runtime(
+            config,
+            settings,
+            Arc::new(NoGpus),
+            Arc::new(runtime),
+        );
+
+        let (client, handle) = mock::client();
+        let (deleted_tx, mut deleted) = tokio::sync::mpsc::unbounded_channel();
+        let api = pods_api(handle, created_tx, deleted_tx);
+        let mut host = HostSettings::default();
+        host.vllm.command = vec!["/opt/vllm/bin/vllm".into()];
+        let a = Arc::new(PodHostAgent::new(
+            Arc::new(node_agent),
+            client,
+            "capyctl",
+            EnginePodSettings::default(),
+            host,
+            "gpu-1",
+        ));
+        let start = tokio::spawn({
+            let a = Arc::clone(&a);
+            async move { a.start("01KDEP-0", &spec()).await }
+        });
+        let stopped = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                match a.stop("01KDEP-0").await {
+                    Err(AgentError::UnknownInstance { .. }) if !start.is_finished() => {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    other => return other,
+                }
+            }
+        })
+        .await
+        .expect("the stop answers while the engine Pod is pending");
+        stopped.unwrap();
+        let started = tokio::time::timeout(Duration::from_secs(5), start)
+            .await
+            .expect("the start has answered")
+            .unwrap();
+        assert!(
+            matches!(started, Err(AgentError::Cancelled { what: "start", .. })),
+            "{started:?}"
+        );
+        assert_eq!(deleted.recv().await.as_deref(), Some("chat-a-0-g1"));
+        assert!(a.names().is_empty());
+        api.abort();
+        agent_api.abort();
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     #[test]

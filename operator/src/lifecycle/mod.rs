@@ -141,6 +141,10 @@ struct Dep {
     /// a delete, `unavailable` for `start --evict` of another model). See
     /// [`Server::end_bring_up`].
     end: watch::Sender<Option<ApiError>>,
+    /// The start or wake last ended could not stop its engine (the agent's error): the engine
+    /// may still hold its GPU memory, so `start --evict` does not count it as released.
+    /// Cleared when the next bring-up begins.
+    ended_stop_failed: Option<String>,
 }
 
 impl Dep {
@@ -164,6 +168,7 @@ impl Dep {
             max_running: None,
             save_due: false,
             end: watch::channel(None).0,
+            ended_stop_failed: None,
         }
     }
 
@@ -364,6 +369,24 @@ impl Inner {
 /// How often an ended start or wake is asked to stop again until it has ended (see
 /// [`Server::unless_ended`]).
 const STOP_AGAIN: Duration = Duration::from_millis(500);
+
+/// The error of a `start --evict` of deployment `target` (its name) whose victims in
+/// `not_released` (ID, name, why) could not be stopped; `None` when every victim was released.
+fn evict_failed(target: &str, not_released: &[(String, String, String)]) -> Option<ApiError> {
+    let ((first, name, why), rest) = not_released.split_first()?;
+    let others: Vec<&str> = rest.iter().map(|(_, n, _)| n.as_str()).collect();
+    let also = if others.is_empty() {
+        String::new()
+    } else {
+        format!(" (and of {})", others.join(", "))
+    };
+    Some(ApiError::EngineFailed {
+        deployment: first.clone(),
+        detail: format!(
+            "start --evict of {target} could not stop {name}{also}: {why}; {target} was not started"
+        ),
+    })
+}
 
 /// The longest [`Server::idle_engine`] waits: the drain bound's maximum (600 s).
 const IDLE_ENGINE_BOUND: Duration = Duration::from_secs(600);
@@ -1181,6 +1204,7 @@ impl Server {
         d.last_error = None;
         d.last_used = Instant::now();
         d.end = watch::channel(None).0;
+        d.ended_stop_failed = None;
         if d.state == InstanceState::Parked {
             d.parked_gpu = None;
             d.state = InstanceState::Waking;
@@ -1329,6 +1353,7 @@ impl Server {
                                     "{what} ended ({}), but stopping the engine failed: {stop}",
                                     e.message()
                                 ));
+                                d.ended_stop_failed = Some(stop.to_string());
                             }
                         }
                     }
@@ -2354,6 +2379,9 @@ impl Server {
                 };
                 evict_phases.push(("drain", began.elapsed()));
                 let released_at = Instant::now();
+                // Victims whose engine could not be stopped (its name, why): the target is not
+                // placed on memory their engines may still hold.
+                let mut not_released: Vec<(String, String, String)> = Vec::new();
                 for v in &victims {
                     // A parked victim is stopped for what it holds on the GPU.
                     let put = Put::victim(
@@ -2374,6 +2402,18 @@ impl Server {
                                 matches!(d.state, InstanceState::Stopped | InstanceState::Failed)
                             })
                         });
+                    let stop_failed = ended
+                        .then(|| {
+                            self.read(|inner| {
+                                inner.deps.get(v).and_then(|d| d.ended_stop_failed.clone())
+                            })
+                        })
+                        .flatten();
+                    if let Some(why) = stop_failed {
+                        tracing::warn!(victim = %v, error = %why, "its start or wake ended, but stopping its engine failed");
+                        not_released.push((v.clone(), name, why));
+                        continue;
+                    }
                     if ended {
                         tracing::info!(victim = %v, "released: stopped (its start or wake ended)");
                         receipt_victims.push(Victim {
@@ -2397,16 +2437,23 @@ impl Server {
                         }
                         Err(e) => {
                             tracing::warn!(victim = %v, error = %e, "releasing a victim failed");
-                            receipt_victims.push(Victim {
-                                deployment_id: v.clone(),
-                                name,
-                                instance_id: iid,
-                                released: Released::Stopped,
-                            });
+                            not_released.push((v.clone(), name, e.message()));
                         }
                     }
                 }
                 evict_phases.push(("release", released_at.elapsed()));
+                // A stop that failed fails the evict, as it fails `stop`: the victim shows
+                // `failed` with the error, and the target is not started.
+                let target = self
+                    .read(|inner| inner.deps.get(&id).map(|d| d.name().to_string()))
+                    .unwrap_or_else(|| id.clone());
+                if let Some(e) = evict_failed(&target, &not_released) {
+                    self.write(|inner| inner.release_reservation(&rid));
+                    self.config
+                        .metrics
+                        .switch_finished(e.metric_label(), &evict_phases);
+                    return Err(e);
+                }
                 switch_id = Some(rid.clone());
                 self.write(|inner| {
                     inner.release_reservation(&rid);
