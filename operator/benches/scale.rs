@@ -32,10 +32,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use capyctl_crds::EngineKind;
-use capyctl_crds::documents::parse_standalone_str;
-use capyctl_crds::k8s::Deployment;
-use capyctl_crds::overrides::Overrides;
+use capyctl_crds::Deployment;
 use capyctl_node_agent::agent::{
     BoxFuture, ParkResult, RecoveryReport, StartedInstance, WakeReport,
 };
@@ -55,6 +52,9 @@ use capyctl_operator::standalone::Standalone;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::Coordinator;
 use capyctl_router::proxy::{self, Proxy, ProxyConfig};
+use capyctl_spec::EngineKind;
+use capyctl_spec::documents::parse_standalone_str;
+use capyctl_spec::overrides::Overrides;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -690,7 +690,7 @@ async fn fake_cluster(hosts: usize, n: usize, latency: Duration) -> (Arc<Server>
                 upstream: up,
                 latency,
             }),
-            activation: capyctl_crds::Activation::OnDemand,
+            activation: capyctl_spec::Activation::OnDemand,
             settings: settings.clone(),
             admission_window: None,
             remote: true,

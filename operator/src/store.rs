@@ -13,8 +13,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 
-use capyctl_crds::documents::DeploymentDoc;
 use capyctl_node_agent::verify::FirstAnswer;
+use capyctl_spec::documents::DeploymentDoc;
 use serde::{Deserialize, Serialize};
 
 /// The state file's format version.
@@ -223,7 +223,7 @@ mod tests {
     }
 
     fn doc(name: &str) -> DeploymentDoc {
-        capyctl_crds::documents::parse_deployment_str(
+        capyctl_spec::documents::parse_deployment_str(
             "t.yaml",
             &format!("name: {name}\nengine: vllm\nmodel: Qwen3-4B\n"),
         )

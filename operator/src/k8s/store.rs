@@ -17,8 +17,8 @@
 
 use std::sync::{Mutex, PoisonError};
 
-use capyctl_crds::documents::DeploymentDoc;
-use capyctl_crds::k8s::Deployment;
+use capyctl_crds::Deployment;
+use capyctl_spec::documents::DeploymentDoc;
 use kube::ResourceExt;
 
 use crate::store::{DeploymentRecord, STATE_VERSION, Store, StoreError, StoredState};
@@ -201,7 +201,7 @@ mod tests {
     }
 
     fn doc(text: &str) -> DeploymentDoc {
-        capyctl_crds::documents::parse_deployment_str("t.yaml", text).unwrap()
+        capyctl_spec::documents::parse_deployment_str("t.yaml", text).unwrap()
     }
 
     #[test]
