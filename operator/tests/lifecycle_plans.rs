@@ -2,7 +2,7 @@
 //! in-memory host agent: reservations, the protected set, refusals. No processes, no sockets.
 #![allow(clippy::unwrap_used)]
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -24,7 +24,7 @@ use capyctl_node_agent::verify::{FirstAnswer, WakeOutcome};
 use capyctl_node_agent::{AgentError, HostAgent};
 use capyctl_operator::api::ManagementApi;
 use capyctl_operator::lifecycle::{LifecycleConfig, Server};
-use capyctl_operator::store::{Store, StoreError, StoredState};
+use capyctl_operator::store::{Changes, DeploymentRecord, Store, StoreError};
 use capyctl_router::lifecycle::{DrainReport, Lifecycle, Plan, SwitchOrder};
 
 const GIB: u64 = 1 << 30;
@@ -196,15 +196,39 @@ impl HostAgent for FakeAgent {
     }
 }
 
+/// The records by ID, and every write it was given.
 #[derive(Default)]
-struct MemStore(Mutex<StoredState>);
+struct MemStore {
+    records: Mutex<BTreeMap<String, DeploymentRecord>>,
+    writes: Mutex<Vec<Changes>>,
+}
+
+impl MemStore {
+    /// The writes since the last call: (names written, IDs removed) of each.
+    fn take_writes(&self) -> Vec<(Vec<String>, Vec<String>)> {
+        std::mem::take(&mut *self.writes.lock().unwrap())
+            .into_iter()
+            .map(|c| {
+                let names = c.put.iter().map(|r| r.doc.name.clone()).collect();
+                (names, c.remove)
+            })
+            .collect()
+    }
+}
 
 impl Store for MemStore {
-    fn load(&self) -> Result<StoredState, StoreError> {
-        Ok(self.0.lock().unwrap().clone())
+    fn load(&self) -> Result<Vec<DeploymentRecord>, StoreError> {
+        Ok(self.records.lock().unwrap().values().cloned().collect())
     }
-    fn save(&self, state: &StoredState) -> Result<(), StoreError> {
-        *self.0.lock().unwrap() = state.clone();
+    fn write(&self, changes: &Changes) -> Result<(), StoreError> {
+        let mut records = self.records.lock().unwrap();
+        for r in &changes.put {
+            records.insert(r.id.clone(), r.clone());
+        }
+        for id in &changes.remove {
+            records.remove(id);
+        }
+        self.writes.lock().unwrap().push(changes.clone());
         Ok(())
     }
 }
@@ -362,6 +386,59 @@ async fn execute_parks_the_victims_then_starts_the_target() {
     );
 }
 
+/// Each change writes the records it changed and no other; a document deployed whole is one
+/// write; deploying what is deployed writes nothing, also after a restart.
+#[tokio::test]
+async fn a_change_writes_its_own_records_and_the_same_documents_write_nothing() {
+    let (s, agent, store) = server().await;
+    let docs = || vec![doc("a", 4, ""), doc("b", 4, ""), doc("c", 4, "")];
+    s.deploy_all(docs()).await.unwrap();
+    let names = |n: &[&str]| n.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+    let mut written = store.take_writes();
+    written[0].0.sort();
+    assert_eq!(written, [(names(&["a", "b", "c"]), vec![])], "one write");
+
+    s.deploy_all(docs()).await.unwrap();
+    s.deploy(doc("a", 4, "")).await.unwrap();
+    assert_eq!(store.take_writes(), [], "nothing changed");
+
+    let b = s
+        .deploy(doc("b", 4, "max_concurrent_requests: 4\n"))
+        .await
+        .unwrap();
+    assert_eq!(b.deployment.revision, 2);
+    assert_eq!(store.take_writes(), [(names(&["b"]), vec![])]);
+    s.stop("a").await.unwrap();
+    assert_eq!(store.take_writes(), [(names(&["a"]), vec![])]);
+    // A delete: its stop first, then its removal.
+    let c = s.delete("c").await.unwrap().id;
+    assert_eq!(
+        store.take_writes(),
+        [(names(&["c"]), vec![]), (vec![], vec![c])]
+    );
+
+    // A refusal ends a batch: those before it are deployed and written, those after it not.
+    let (name, err) = s
+        .deploy_all(vec![doc("d", 4, ""), doc("e", 99, ""), doc("f", 4, "")])
+        .await
+        .unwrap_err();
+    assert_eq!((name.as_str(), err.code()), ("e", "does_not_fit"));
+    assert_eq!(store.take_writes(), [(names(&["d"]), vec![])]);
+    assert!(s.get("f").await.is_err());
+
+    // A restart: the records come back, and the same documents write nothing.
+    s.close();
+    let s = Server::open(agent, store.clone(), LifecycleConfig::new("h"))
+        .await
+        .unwrap();
+    assert_eq!(s.get("b").await.unwrap().revision, 2);
+    assert!(s.get("a").await.unwrap().operator_stopped);
+    s.deploy_all(vec![doc("a", 4, ""), doc("d", 4, "")])
+        .await
+        .unwrap();
+    assert_eq!(store.take_writes(), []);
+}
+
 #[tokio::test]
 async fn refusals_come_from_the_operator_and_activation() {
     let (s, _, store) = server().await;
@@ -386,7 +463,6 @@ async fn refusals_come_from_the_operator_and_activation() {
         store
             .load()
             .unwrap()
-            .deployments
             .iter()
             .any(|d| d.id == a && d.operator_stopped)
     );

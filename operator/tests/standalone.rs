@@ -1,5 +1,5 @@
 //! `Standalone` end to end: the document's deployments, the inference and management listeners
-//! on real sockets, the state file across a restart, engines stopped on a clean shutdown.
+//! on real sockets, the state database across a restart, engines stopped on a clean shutdown.
 #![allow(clippy::unwrap_used)]
 
 #[path = "lifecycle_support/mod.rs"]
