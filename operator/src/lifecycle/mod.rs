@@ -261,6 +261,11 @@ pub fn instance_id(deployment_id: &str) -> String {
     format!("{deployment_id}-0")
 }
 
+/// The deployment ID of an [`instance_id`].
+fn deployment_of(instance_id: &str) -> Option<&str> {
+    instance_id.strip_suffix("-0")
+}
+
 /// A plan's or an operator release's reservation.
 #[derive(Debug, Default)]
 struct Reservation {
@@ -669,9 +674,7 @@ impl Server {
             let mut adopted_here = BTreeSet::new();
             let mut changed = BTreeSet::new();
             for adopted in &report.adopted {
-                let Some(d) = adopted
-                    .instance
-                    .strip_suffix("-0")
+                let Some(d) = deployment_of(&adopted.instance)
                     .and_then(|id| inner.deps.get_mut(id))
                     .filter(|d| d.instance_id() == adopted.instance)
                 else {
