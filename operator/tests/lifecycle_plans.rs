@@ -196,12 +196,17 @@ impl HostAgent for FakeAgent {
     }
 }
 
-/// The records by ID, and every write it was given.
+/// The records by ID, and every write it was given. With a gate, the first write says it began
+/// and waits until the gate is opened (a slow disk).
 #[derive(Default)]
 struct MemStore {
     records: Mutex<BTreeMap<String, DeploymentRecord>>,
     writes: Mutex<Vec<Changes>>,
+    gate: Mutex<Option<Gate>>,
 }
+
+/// (The write began, the gate is open.)
+type Gate = (std::sync::mpsc::Sender<()>, std::sync::mpsc::Receiver<()>);
 
 impl MemStore {
     /// The writes since the last call: (names written, IDs removed) of each.
@@ -221,6 +226,11 @@ impl Store for MemStore {
         Ok(self.records.lock().unwrap().values().cloned().collect())
     }
     fn write(&self, changes: &Changes) -> Result<(), StoreError> {
+        let gate = self.gate.lock().unwrap().take();
+        if let Some((began, open)) = gate {
+            began.send(()).unwrap();
+            open.recv().unwrap();
+        }
         let mut records = self.records.lock().unwrap();
         for r in &changes.put {
             records.insert(r.id.clone(), r.clone());
@@ -437,6 +447,48 @@ async fn a_change_writes_its_own_records_and_the_same_documents_write_nothing() 
         .await
         .unwrap();
     assert_eq!(store.take_writes(), []);
+}
+
+/// Saves that meet while one writes coalesce: the next holder of the persist lock writes every
+/// record changed meanwhile in one write, and each deploy answers only once its record is
+/// written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn saves_that_meet_are_one_write_and_each_answers_once_written() {
+    let (s, _, store) = server().await;
+    let (began_tx, began) = std::sync::mpsc::channel();
+    let (open, gate) = std::sync::mpsc::channel();
+    *store.gate.lock().unwrap() = Some((began_tx, gate));
+    let deploy = |name: &'static str| {
+        let s = s.clone();
+        tokio::spawn(async move { s.deploy(doc(name, 4, "")).await.unwrap() })
+    };
+    let a = deploy("a");
+    // a's write holds the persist lock (the gate); b and c are deployed meanwhile, and wait.
+    while began.try_recv().is_err() {
+        tokio::task::yield_now().await;
+    }
+    let (b, c) = (deploy("b"), deploy("c"));
+    // Listed means changed and marked for the next save (the same lock section).
+    while s.get("b").await.is_err() || s.get("c").await.is_err() {
+        tokio::task::yield_now().await;
+    }
+    assert!(
+        !b.is_finished() && !c.is_finished(),
+        "answered before written"
+    );
+    open.send(()).unwrap();
+    for d in [a, b, c] {
+        d.await.unwrap();
+    }
+    let mut written = store.take_writes();
+    for w in &mut written {
+        w.0.sort();
+    }
+    let names = |n: &[&str]| n.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+    assert_eq!(
+        written,
+        [(names(&["a"]), vec![]), (names(&["b", "c"]), vec![])]
+    );
 }
 
 #[tokio::test]
