@@ -44,7 +44,7 @@ pub enum StandaloneError {
     #[error("host agent: {0}")]
     Agent(#[from] AgentError),
     /// The state database could not be opened (or a `state.json` to import could not be read).
-    #[error("state: {0}")]
+    #[error("{0}")]
     Store(#[from] StoreError),
     /// The lifecycle could not start (state, inventory, recovery).
     #[error("{0}")]
