@@ -43,6 +43,7 @@ use capyctl_router::lifecycle::{
     Upstream,
 };
 use capyctl_router::proxy::ModelEntry;
+use futures_util::StreamExt;
 use tokio::sync::{broadcast, mpsc, watch};
 use tokio::time::Instant;
 use tracing::Instrument;
@@ -51,6 +52,9 @@ use crate::api::ManagementApi;
 use crate::metrics::Metrics;
 use crate::store::{Changes, DeploymentRecord, Store, StoreError};
 use placement::{Fit, Hold, Holder, place};
+
+/// How many deployments [`Server::open_hosts`] measures at once.
+const MEASURE_AT_ONCE: usize = 16;
 
 /// The lifecycle's settings.
 #[derive(Debug, Clone)]
@@ -612,19 +616,28 @@ impl Server {
                 .map(|d| (d.rec.id.clone(), d.spec.clone()))
                 .collect()
         });
-        for (id, spec) in specs {
-            let Ok(agent) = server.agent_of(&id) else {
-                break;
-            };
-            let m = agent.measure(&spec).await.unwrap_or_default();
-            server.write(|inner| {
+        // A few at a time: each is a call to a host agent (a blocking task of a local one).
+        let measured: Vec<(String, Measurement)> = futures_util::stream::iter(specs)
+            .map(|(id, spec)| {
+                let server = &server;
+                async move {
+                    let agent = server.agent_of(&id).ok()?;
+                    Some((id, agent.measure(&spec).await.unwrap_or_default()))
+                }
+            })
+            .buffer_unordered(MEASURE_AT_ONCE)
+            .filter_map(std::future::ready)
+            .collect()
+            .await;
+        server.write(|inner| {
+            for (id, m) in measured {
                 if let Some(d) = inner.deps.get_mut(&id)
                     && d.measurement.awaiting()
                 {
                     d.measurement = m;
                 }
-            });
-        }
+            }
+        });
         server.ready.store(true, Ordering::SeqCst);
         Ok(server)
     }
