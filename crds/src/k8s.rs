@@ -651,7 +651,7 @@ pub fn crd_files() -> Result<Vec<(&'static str, String)>, serde_yaml_ng::Error> 
 /// One CRD as YAML, with a header saying it is generated.
 pub fn crd_yaml(crd: &CustomResourceDefinition) -> Result<String, serde_yaml_ng::Error> {
     Ok(format!(
-        "# Generated from the Rust types in crds/src/k8s.rs by `{CRDGEN_COMMAND}`; do not edit.\n{}",
+        "# Generated from the Rust types in crds/src/lib.rs by `{CRDGEN_COMMAND}`; do not edit.\n{}",
         serde_yaml_ng::to_string(crd)?
     ))
 }

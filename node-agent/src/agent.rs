@@ -23,7 +23,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use capyctl_crds::EngineKind;
+use capyctl_spec::EngineKind;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{broadcast, watch};
 use tokio::task::{AbortHandle, JoinHandle};

@@ -9,8 +9,8 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use capyctl_crds::EngineKind;
-use capyctl_crds::Residency;
+use capyctl_spec::EngineKind;
+use capyctl_spec::Residency;
 use capyctl_node_agent::agent::{AgentConfig, EngineExit, ParkResult};
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::launch::MaxRunningSource;

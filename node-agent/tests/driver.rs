@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use capyctl_crds::EngineKind;
+use capyctl_spec::EngineKind;
 use capyctl_engine_sim::{SimConfig, serve};
 use capyctl_node_agent::AgentError;
 use capyctl_node_agent::agent::endpoint_of;

@@ -11,7 +11,7 @@ use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use capyctl_crds::EngineKind;
+use capyctl_spec::EngineKind;
 use capyctl_node_agent::agent::AgentConfig;
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::k8s::pods::PodRuntime;

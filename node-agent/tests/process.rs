@@ -10,7 +10,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use capyctl_crds::EngineKind;
+use capyctl_spec::EngineKind;
 use capyctl_node_agent::launch::LaunchCommand;
 use capyctl_node_agent::process::{
     EngineGroup, INSTANCE_ENV, PidRecord, ProcessRuntime, alive, start_ticks,

@@ -6,7 +6,7 @@
 
 mod common;
 
-use capyctl_crds::EngineKind;
+use capyctl_spec::EngineKind;
 use capyctl_node_agent::HostAgent;
 use capyctl_node_agent::measure::GpuHeldSource;
 use capyctl_node_agent::process::alive;

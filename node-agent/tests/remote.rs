@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use capyctl_crds::EngineKind;
-use capyctl_crds::errors::WakeFailure;
+use capyctl_spec::EngineKind;
+use capyctl_spec::errors::WakeFailure;
 use capyctl_node_agent::agent::{AgentConfig, EngineExit};
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::load::LoadSample;

@@ -18,8 +18,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use capyctl_crds::errors::ApiError;
-use capyctl_crds::settings::StandaloneConfig;
+use capyctl_spec::errors::ApiError;
+use capyctl_spec::settings::StandaloneConfig;
 use capyctl_node_agent::agent::AgentConfig;
 use capyctl_node_agent::inventory::{GpuProbe, default_probe};
 use capyctl_node_agent::spec::HostSettings;
@@ -161,7 +161,7 @@ pub fn router_config(config: &StandaloneConfig) -> RouterConfig {
 /// The router's bound on a switch's execution, which only catches a lifecycle that never
 /// answers: a cold start's ready timeout plus a wake window and a drain, for the parks before
 /// it, and a minute to spare (the request deadline bounds what a request waits anyway).
-pub fn execute_timeout(server: &capyctl_crds::settings::ServerConfig) -> Duration {
+pub fn execute_timeout(server: &capyctl_spec::settings::ServerConfig) -> Duration {
     capyctl_node_agent::agent::DEFAULT_READY_TIMEOUT
         + server.switching.wake_timeout
         + server.switching.drain_timeout
@@ -364,7 +364,7 @@ impl Standalone {
     /// write nothing.
     pub async fn deploy_document(
         &self,
-        deployments: Vec<capyctl_crds::documents::DeploymentDoc>,
+        deployments: Vec<capyctl_spec::documents::DeploymentDoc>,
     ) -> Result<(), StandaloneError> {
         let count = deployments.len();
         self.server

@@ -21,7 +21,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 
-use capyctl_crds::documents::DeploymentDoc;
+use capyctl_spec::documents::DeploymentDoc;
 use capyctl_node_agent::verify::FirstAnswer;
 use redb::{ReadableDatabase, ReadableTable, TableDefinition, TableError};
 use serde::{Deserialize, Serialize};
@@ -479,7 +479,7 @@ mod tests {
     }
 
     fn doc(name: &str) -> DeploymentDoc {
-        capyctl_crds::documents::parse_deployment_str(
+        capyctl_spec::documents::parse_deployment_str(
             "t.yaml",
             &format!("name: {name}\nengine: vllm\nmodel: Qwen3-4B\n"),
         )

@@ -21,8 +21,8 @@ mod support;
 
 use std::time::Duration;
 
-use capyctl_crds::InstanceState;
-use capyctl_crds::k8s::Deployment;
+use capyctl_spec::InstanceState;
+use capyctl_crds::Deployment;
 use capyctl_operator::k8s::FINALIZER;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::events::v1::Event;

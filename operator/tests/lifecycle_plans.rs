@@ -6,10 +6,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use capyctl_crds::EngineKind;
-use capyctl_crds::InstanceState;
-use capyctl_crds::api::{Released, StartRequest};
-use capyctl_crds::documents::{DeploymentDoc, parse_deployment_str};
+use capyctl_spec::EngineKind;
+use capyctl_spec::InstanceState;
+use capyctl_spec::api::{Released, StartRequest};
+use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
 use capyctl_node_agent::agent::{
     BoxFuture, ParkResult, RecoveryReport, StartedInstance, WakeReport,
 };

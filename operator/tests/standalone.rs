@@ -9,10 +9,10 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
-use capyctl_crds::InstanceState;
-use capyctl_crds::documents::parse_standalone_str;
-use capyctl_crds::overrides::Overrides;
-use capyctl_crds::settings::StandaloneConfig;
+use capyctl_spec::InstanceState;
+use capyctl_spec::documents::parse_standalone_str;
+use capyctl_spec::overrides::Overrides;
+use capyctl_spec::settings::StandaloneConfig;
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::process::alive;
 use capyctl_operator::standalone::Standalone;

@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use capyctl_crds::errors::ApiError;
+use capyctl_spec::errors::ApiError;
 use capyctl_router::admission::{Admission, Permit};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::{Coordinator, CoordinatorHandle};
@@ -537,7 +537,7 @@ mod server_like {
 
     use tokio::sync::watch;
 
-    use capyctl_crds::errors::ApiError;
+    use capyctl_spec::errors::ApiError;
     use capyctl_router::admission::{Admission, Permit};
     use capyctl_router::coordinator::{CoordinatorHandle, CoordinatorPermit};
     use capyctl_router::lifecycle::{DeploymentRef, Upstream};

@@ -3,7 +3,7 @@
 
 mod coordinator_support;
 
-use capyctl_crds::errors::ApiError;
+use capyctl_spec::errors::ApiError;
 use capyctl_router::admission::{Admission, Permit, deadline_error};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::testing::FakeState;

@@ -4,7 +4,7 @@
 
 mod coordinator_support;
 
-use capyctl_crds::errors::ApiError;
+use capyctl_spec::errors::ApiError;
 use capyctl_router::coordinator::testing::FakeState;
 use capyctl_router::lifecycle::DrainReport;
 use coordinator_support::*;

@@ -9,7 +9,7 @@ mod proxy_support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use capyctl_crds::errors::ApiError;
+use capyctl_spec::errors::ApiError;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::CoordinatorHandle;
 use capyctl_router::coordinator::testing::{FakeLifecycle, FakeState, FakeTimings};

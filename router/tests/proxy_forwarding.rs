@@ -5,7 +5,7 @@
 
 mod proxy_support;
 
-use capyctl_crds::errors::ApiError;
+use capyctl_spec::errors::ApiError;
 use capyctl_router::proxy::ProxyConfig;
 use http::StatusCode;
 use proxy_support::*;

@@ -21,7 +21,7 @@ use std::time::Duration;
 use axum::extract::{Request, State};
 use axum::middleware::{self, Next};
 use axum::response::Response;
-use capyctl_crds::errors::ApiError;
+use capyctl_spec::errors::ApiError;
 use capyctl_engine_sim::{EngineSim, SimConfig};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::{Coordinator, CoordinatorHandle, DeploymentLoad};

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use capyctl_crds::EngineKind;
+use capyctl_spec::EngineKind;
 use capyctl_node_agent::agent::AgentConfig;
 use capyctl_node_agent::http::{Call, EngineClient};
 use capyctl_node_agent::inventory::{GpuProbe, NoGpus};

@@ -19,8 +19,8 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
 
-use capyctl_crds::documents::DeploymentDoc;
-use capyctl_crds::k8s::Deployment;
+use capyctl_spec::documents::DeploymentDoc;
+use capyctl_crds::Deployment;
 use kube::ResourceExt;
 
 use crate::store::{Changes, DeploymentRecord, Store, StoreError};
@@ -214,7 +214,7 @@ mod tests {
     }
 
     fn doc(text: &str) -> DeploymentDoc {
-        capyctl_crds::documents::parse_deployment_str("t.yaml", text).unwrap()
+        capyctl_spec::documents::parse_deployment_str("t.yaml", text).unwrap()
     }
 
     #[test]

@@ -22,14 +22,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
-use capyctl_crds::api::{
+use capyctl_spec::api::{
     ActionReceipt, DeployOutcome, DeployReceipt, DeploymentList, DeploymentView, EngineList,
     EngineView, HostList, LoadReport, Released, StartRequest, Victim,
 };
-use capyctl_crds::documents::DeploymentDoc;
-use capyctl_crds::errors::ApiError;
-use capyctl_crds::settings::LifecycleDefaults;
-use capyctl_crds::{Activation, EngineKind, InstanceState, Residency};
+use capyctl_spec::documents::DeploymentDoc;
+use capyctl_spec::errors::ApiError;
+use capyctl_spec::settings::LifecycleDefaults;
+use capyctl_spec::{Activation, EngineKind, InstanceState, Residency};
 use capyctl_node_agent::HostAgent;
 use capyctl_node_agent::agent::{EngineExit, ParkResult};
 use capyctl_node_agent::launch::MaxRunning;
@@ -2965,7 +2965,7 @@ impl Server {
             };
             Ok(LoadReport {
                 observed_at_ms: now,
-                stale_after_ms: capyctl_crds::api::STALE_AFTER_MS,
+                stale_after_ms: capyctl_spec::api::STALE_AFTER_MS,
                 deployments: deps
                     .into_iter()
                     .map(|d| {

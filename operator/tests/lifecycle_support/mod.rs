@@ -8,9 +8,9 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use capyctl_crds::Activation;
-use capyctl_crds::documents::{DeploymentDoc, parse_deployment_str};
-use capyctl_crds::settings::LifecycleDefaults;
+use capyctl_spec::Activation;
+use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
+use capyctl_spec::settings::LifecycleDefaults;
 use capyctl_node_agent::LocalHostAgent;
 use capyctl_node_agent::agent::AgentConfig;
 use capyctl_node_agent::inventory::NoGpus;
@@ -270,9 +270,9 @@ impl Harness {
         name: &str,
         evict: bool,
         wait: bool,
-    ) -> Result<capyctl_crds::api::ActionReceipt, capyctl_crds::errors::ApiError> {
+    ) -> Result<capyctl_spec::api::ActionReceipt, capyctl_spec::errors::ApiError> {
         use capyctl_operator::api::ManagementApi;
-        let request = capyctl_crds::api::StartRequest { evict, wait };
+        let request = capyctl_spec::api::StartRequest { evict, wait };
         self.server.start(name, request).await
     }
 

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use capyctl_crds::errors::ApiError;
+use capyctl_spec::errors::ApiError;
 use capyctl_router::admission::{Admission, Permit};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::CoordinatorHandle;

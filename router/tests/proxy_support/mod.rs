@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use capyctl_crds::errors::ApiError;
+use capyctl_spec::errors::ApiError;
 use capyctl_engine_sim::SimConfig;
 use capyctl_router::admission::{Admission, Permit};
 use capyctl_router::lifecycle::{DeploymentRef, InstanceKey, Upstream};
