@@ -3,11 +3,11 @@
 
 use std::path::PathBuf;
 
-use capyctl_spec::documents::{Origin, Problem, parse_deployment_str};
 use capyctl_crds::{
     self, Deployment, DeploymentSpec, Host, QueueSpec, load_deployment_manifest_file,
     parse_deployment_manifest_str,
 };
+use capyctl_spec::documents::{Origin, Problem, parse_deployment_str};
 use capyctl_spec::settings::{Mode, QueueSettings};
 use capyctl_spec::{Activation, EngineKind, Residency};
 use kube::CustomResourceExt;

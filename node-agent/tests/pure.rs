@@ -4,8 +4,6 @@
 
 mod common;
 
-use capyctl_spec::errors::WakeFailure;
-use capyctl_spec::{EngineKind, Residency};
 use capyctl_node_agent::AgentError;
 use capyctl_node_agent::capability::{DeepPark, REFUSALS, engine_info, refusal_for};
 use capyctl_node_agent::checkpoint::{ModelFacts, checkpoint_size};
@@ -23,6 +21,8 @@ use capyctl_node_agent::verify::{
     DecisionAnswer, FirstAnswer, WakeOutcome, compare_answers, compare_decisions,
     decision_from_completion,
 };
+use capyctl_spec::errors::WakeFailure;
+use capyctl_spec::{EngineKind, Residency};
 use serde_json::json;
 
 fn s(v: &[&str]) -> Vec<String> {

@@ -18,8 +18,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use capyctl_spec::errors::ApiError;
-use capyctl_spec::settings::StandaloneConfig;
 use capyctl_node_agent::agent::AgentConfig;
 use capyctl_node_agent::inventory::{GpuProbe, default_probe};
 use capyctl_node_agent::spec::HostSettings;
@@ -27,6 +25,8 @@ use capyctl_node_agent::{AgentError, LocalHostAgent};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::Coordinator;
 use capyctl_router::proxy::{self, Proxy, ProxyConfig};
+use capyctl_spec::errors::ApiError;
+use capyctl_spec::settings::StandaloneConfig;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;

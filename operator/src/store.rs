@@ -21,8 +21,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 
-use capyctl_spec::documents::DeploymentDoc;
 use capyctl_node_agent::verify::FirstAnswer;
+use capyctl_spec::documents::DeploymentDoc;
 use redb::{ReadableDatabase, ReadableTable, TableDefinition, TableError};
 use serde::{Deserialize, Serialize};
 

@@ -11,12 +11,12 @@ mod support;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use capyctl_spec::InstanceState;
 use capyctl_crds::Deployment;
 use capyctl_node_agent::HostAgent;
 use capyctl_operator::api::ManagementApi;
 use capyctl_operator::k8s::FINALIZER;
 use capyctl_operator::k8s::reconcile::{Reconciler, ReconcilerConfig};
+use capyctl_spec::InstanceState;
 use http::{Method, Request, Response};
 use kube::client::Body;
 use kube::{Api, Client};

@@ -8,10 +8,10 @@ mod support;
 
 use std::time::Duration;
 
-use capyctl_spec::api::{DeployOutcome, Released, StartRequest};
-use capyctl_spec::{Activation, InstanceState};
 use capyctl_node_agent::HostAgent;
 use capyctl_operator::api::ManagementApi;
+use capyctl_spec::api::{DeployOutcome, Released, StartRequest};
+use capyctl_spec::{Activation, InstanceState};
 use support::{Harness, Opts, doc, temp_dir};
 
 const T: Duration = Duration::from_secs(30);

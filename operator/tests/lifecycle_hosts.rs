@@ -7,10 +7,10 @@
 #[path = "lifecycle_support/mod.rs"]
 mod support;
 
-use capyctl_spec::InstanceState;
 use capyctl_node_agent::HostAgent;
 use capyctl_operator::api::ManagementApi;
 use capyctl_operator::lifecycle::HostEntry;
+use capyctl_spec::InstanceState;
 use support::{Harness, Opts, doc, temp_dir};
 
 /// The host each deployment's instance is on.

@@ -6,10 +6,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use capyctl_spec::EngineKind;
-use capyctl_spec::InstanceState;
-use capyctl_spec::api::{Released, StartRequest};
-use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
 use capyctl_node_agent::agent::{
     BoxFuture, ParkResult, RecoveryReport, StartedInstance, WakeReport,
 };
@@ -26,6 +22,10 @@ use capyctl_operator::api::ManagementApi;
 use capyctl_operator::lifecycle::{LifecycleConfig, Server};
 use capyctl_operator::store::{Changes, DeploymentRecord, Store, StoreError};
 use capyctl_router::lifecycle::{DrainReport, Lifecycle, Plan, SwitchOrder};
+use capyctl_spec::EngineKind;
+use capyctl_spec::InstanceState;
+use capyctl_spec::api::{Released, StartRequest};
+use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
 
 const GIB: u64 = 1 << 30;
 

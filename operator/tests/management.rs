@@ -9,6 +9,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use capyctl_operator::api::{BoxFuture, ManagementApi};
+use capyctl_operator::management::{
+    self, ManagementOptions, TokenError, load_or_create_token, token_path,
+};
+use capyctl_operator::metrics::Metrics;
 use capyctl_spec::api::{
     ActionReceipt, DeployOutcome, DeployReceipt, DeploymentList, DeploymentView, EngineList,
     EngineView, HostList, HostView, LoadReport, STALE_AFTER_MS, StartRequest,
@@ -16,11 +21,6 @@ use capyctl_spec::api::{
 use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
 use capyctl_spec::errors::ApiError;
 use capyctl_spec::{Activation, EngineKind, InstanceState};
-use capyctl_operator::api::{BoxFuture, ManagementApi};
-use capyctl_operator::management::{
-    self, ManagementOptions, TokenError, load_or_create_token, token_path,
-};
-use capyctl_operator::metrics::Metrics;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};

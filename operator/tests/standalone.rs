@@ -9,14 +9,14 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
-use capyctl_spec::InstanceState;
-use capyctl_spec::documents::parse_standalone_str;
-use capyctl_spec::overrides::Overrides;
-use capyctl_spec::settings::StandaloneConfig;
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::process::alive;
 use capyctl_operator::standalone::Standalone;
 use capyctl_operator::store::DeploymentRecord;
+use capyctl_spec::InstanceState;
+use capyctl_spec::documents::parse_standalone_str;
+use capyctl_spec::overrides::Overrides;
+use capyctl_spec::settings::StandaloneConfig;
 use support::{engine_sim_binary, management, post_json, temp_dir};
 
 fn config() -> StandaloneConfig {

@@ -20,11 +20,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use capyctl_spec::Activation;
 use capyctl_crds::{
     EngineSpec, GpuSpec, Host, HostLifecycleSpec, HostSpec, HostStatus, QueueSpec,
     ResourcePolicySpec, conditions,
 };
+use capyctl_spec::Activation;
 use capyctl_spec::settings::HostConfig;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, OwnerReference, Time};

@@ -6,8 +6,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use capyctl_spec::documents;
-use capyctl_spec::overrides::Overrides;
 use capyctl_operator::k8s::api_client;
 use capyctl_operator::k8s::leader::LeaseConfig;
 use capyctl_operator::k8s::operator::{OperatorOptions, run};
@@ -15,6 +13,8 @@ use capyctl_operator::k8s::pods::EnginePodSettings;
 use capyctl_operator::k8s::reconcile::ReconcilerConfig;
 use capyctl_operator::k8s::watch::Watch;
 use capyctl_operator::metrics::Metrics;
+use capyctl_spec::documents;
+use capyctl_spec::overrides::Overrides;
 use clap::Parser;
 
 /// CapyCTL's server on Kubernetes: reconciles Deployment objects into the lifecycle and runs

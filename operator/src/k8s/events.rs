@@ -33,16 +33,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use capyctl_router::lifecycle::{
+    BoxFuture as RouterFuture, DeploymentId, DeploymentRef, InstanceKey, Lifecycle, Plan,
+    SwitchOrder,
+};
 use capyctl_spec::api::{
     ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostList, LoadReport,
     StartRequest,
 };
 use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::errors::ApiError;
-use capyctl_router::lifecycle::{
-    BoxFuture as RouterFuture, DeploymentId, DeploymentRef, InstanceKey, Lifecycle, Plan,
-    SwitchOrder,
-};
 use tokio::sync::mpsc;
 
 use crate::api::{BoxFuture, ManagementApi};
@@ -463,8 +463,8 @@ mod tests {
     use std::collections::BTreeSet;
     use std::sync::atomic::AtomicBool;
 
-    use capyctl_spec::InstanceState;
     use capyctl_router::lifecycle::DrainReport;
+    use capyctl_spec::InstanceState;
 
     use super::super::mock::view_of;
     use super::*;

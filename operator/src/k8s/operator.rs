@@ -28,6 +28,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use capyctl_crds::{Deployment, Host};
+use capyctl_node_agent::HostAgent;
+use capyctl_node_agent::remote::{RemoteConfig, RemoteHostAgent};
+use capyctl_node_agent::spec::HostSettings;
+use capyctl_router::config::RouterConfig;
+use capyctl_router::coordinator::Coordinator;
+use capyctl_router::proxy::{self, Proxy, ProxyConfig};
 use capyctl_spec::Activation;
 use capyctl_spec::api::{
     ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostList, LoadReport,
@@ -35,14 +42,7 @@ use capyctl_spec::api::{
 };
 use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::errors::ApiError;
-use capyctl_crds::{Deployment, Host};
 use capyctl_spec::settings::{HostConfig, Mode, QueueSettings, ServerConfig};
-use capyctl_node_agent::HostAgent;
-use capyctl_node_agent::remote::{RemoteConfig, RemoteHostAgent};
-use capyctl_node_agent::spec::HostSettings;
-use capyctl_router::config::RouterConfig;
-use capyctl_router::coordinator::Coordinator;
-use capyctl_router::proxy::{self, Proxy, ProxyConfig};
 use futures_util::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;

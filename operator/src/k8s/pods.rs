@@ -31,12 +31,12 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use capyctl_spec::EngineKind;
 use capyctl_crds::Deployment;
 use capyctl_node_agent::k8s::pods::{ANNOTATION_LAUNCH_PARKING, ANNOTATION_SPEC};
 use capyctl_node_agent::launch::launch_command;
 use capyctl_node_agent::spec::{EngineLaunch, InstanceSpec};
 use capyctl_node_agent::tier::LaunchParking;
+use capyctl_spec::EngineKind;
 use k8s_openapi::api::core::v1::{
     Container, ContainerPort, EmptyDirVolumeSource, EnvVar, HostPathVolumeSource,
     LocalObjectReference, Pod, PodSpec, ResourceRequirements, Toleration, Volume, VolumeMount,

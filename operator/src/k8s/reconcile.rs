@@ -41,12 +41,12 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use capyctl_spec::InstanceState;
-use capyctl_spec::api::{ActionReceipt, DeployOutcome, DeploymentView};
-use capyctl_spec::errors::ApiError;
 use capyctl_crds::{Deployment, DeploymentStatus};
 use capyctl_node_agent::HostAgent;
 use capyctl_node_agent::spec::InstanceSpec;
+use capyctl_spec::InstanceState;
+use capyctl_spec::api::{ActionReceipt, DeployOutcome, DeploymentView};
+use capyctl_spec::errors::ApiError;
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::jiff::Timestamp;

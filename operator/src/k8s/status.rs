@@ -14,15 +14,15 @@
 //! refused adds `Accepted=False` (reason `invalid_spec`) and keeps `observedGeneration` at the
 //! generation that is still running.
 
-use capyctl_spec::api::{ConditionView, DeploymentView, InstanceView, MeasurementView};
-use capyctl_spec::documents::DeploymentDoc;
 use capyctl_crds::{
     Deployment, DeploymentStatus, InstanceStatus, MeasurementSource, MeasurementState,
     MeasurementStatus, conditions,
 };
-use capyctl_spec::{EngineKind, Residency};
 use capyctl_node_agent::AgentError;
 use capyctl_node_agent::tier::{NoParkReason, ParkChoice, ParkTier};
+use capyctl_spec::api::{ConditionView, DeploymentView, InstanceView, MeasurementView};
+use capyctl_spec::documents::DeploymentDoc;
+use capyctl_spec::{EngineKind, Residency};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::Api;

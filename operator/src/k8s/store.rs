@@ -19,8 +19,8 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
 
-use capyctl_spec::documents::DeploymentDoc;
 use capyctl_crds::Deployment;
+use capyctl_spec::documents::DeploymentDoc;
 use kube::ResourceExt;
 
 use crate::store::{Changes, DeploymentRecord, Store, StoreError};

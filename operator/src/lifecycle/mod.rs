@@ -22,14 +22,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
-use capyctl_spec::api::{
-    ActionReceipt, DeployOutcome, DeployReceipt, DeploymentList, DeploymentView, EngineList,
-    EngineView, HostList, LoadReport, Released, StartRequest, Victim,
-};
-use capyctl_spec::documents::DeploymentDoc;
-use capyctl_spec::errors::ApiError;
-use capyctl_spec::settings::LifecycleDefaults;
-use capyctl_spec::{Activation, EngineKind, InstanceState, Residency};
 use capyctl_node_agent::HostAgent;
 use capyctl_node_agent::agent::{EngineExit, ParkResult};
 use capyctl_node_agent::launch::MaxRunning;
@@ -43,6 +35,14 @@ use capyctl_router::lifecycle::{
     Upstream,
 };
 use capyctl_router::proxy::ModelEntry;
+use capyctl_spec::api::{
+    ActionReceipt, DeployOutcome, DeployReceipt, DeploymentList, DeploymentView, EngineList,
+    EngineView, HostList, LoadReport, Released, StartRequest, Victim,
+};
+use capyctl_spec::documents::DeploymentDoc;
+use capyctl_spec::errors::ApiError;
+use capyctl_spec::settings::LifecycleDefaults;
+use capyctl_spec::{Activation, EngineKind, InstanceState, Residency};
 use futures_util::StreamExt;
 use tokio::sync::{broadcast, mpsc, watch};
 use tokio::time::Instant;

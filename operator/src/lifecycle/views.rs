@@ -3,18 +3,18 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use capyctl_spec::api::{
-    ConditionView, DeploymentLoadView, DeploymentView, EngineLoadView, GpuView, HostView,
-    InstanceLoadView, InstanceView, MaxRunningView, MeasurementView, RouterLoadView,
-    STALE_AFTER_MS, STALE_SAMPLE_KEPT_MS, SampleView,
-};
-use capyctl_spec::{Activation, InstanceState};
 use capyctl_node_agent::inventory::Inventory;
 use capyctl_node_agent::launch::{MaxRunning, MaxRunningInput, MaxRunningSource, max_running};
 use capyctl_node_agent::load::LoadSample;
 use capyctl_node_agent::measure::{MeasureSource, Measurement};
 use capyctl_node_agent::tier::ParkTier;
 use capyctl_router::coordinator::DeploymentLoad;
+use capyctl_spec::api::{
+    ConditionView, DeploymentLoadView, DeploymentView, EngineLoadView, GpuView, HostView,
+    InstanceLoadView, InstanceView, MaxRunningView, MeasurementView, RouterLoadView,
+    STALE_AFTER_MS, STALE_SAMPLE_KEPT_MS, SampleView,
+};
+use capyctl_spec::{Activation, InstanceState};
 
 use super::{Dep, Host, Inner, LifecycleConfig};
 
