@@ -148,7 +148,7 @@ enum Start {
         /// An override, `a.b=c` (repeatable); wins over `CAPYCTL_SET__A__B=c`.
         #[arg(long = "set")]
         set: Vec<String>,
-        /// Where the state file, the admin token and engine logs live (default
+        /// Where the state (`state.redb`), the admin token and engine logs live (default
         /// `$XDG_STATE_HOME/capyctl`, or `~/.local/state/capyctl`).
         #[arg(long, env = "CAPYCTL_DATA_DIR")]
         data_dir: Option<PathBuf>,

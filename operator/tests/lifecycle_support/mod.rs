@@ -13,7 +13,7 @@ use capyctl_node_agent::agent::AgentConfig;
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::spec::{GpuOverride, HostSettings};
 use capyctl_operator::lifecycle::{HostEntry, LifecycleConfig, Server};
-use capyctl_operator::store::FileStore;
+use capyctl_operator::store::RedbStore;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::{Coordinator, CoordinatorHandle};
 use capyctl_router::proxy::{self, Proxy, ProxyConfig};
@@ -190,7 +190,7 @@ impl Harness {
             })
             .collect();
         let agent = agents[0].1.clone();
-        let store = Arc::new(FileStore::new(dir).unwrap());
+        let store = Arc::new(RedbStore::open(dir).unwrap());
         let mut lc = LifecycleConfig::new(ids[0]);
         lc.host_activation = opts.activation;
         lc.lifecycle_defaults = opts.lifecycle_defaults;
