@@ -1364,6 +1364,29 @@ impl Server {
                 began.elapsed(),
             );
         }
+        // A started engine's address (a woken one keeps the one it had).
+        let started_addr = match &outcome {
+            Ok(Some(s)) => Some(engine_addr(&s.base_url)),
+            _ => None,
+        };
+        // The router hears of a ready instance before anyone can see it ready (status, `start
+        // --wait`): a client that saw `ready` and asks at once finds the router routing to it.
+        let announced = match &outcome {
+            Ok(_) => {
+                let at = self.read(|inner| {
+                    let d = inner.deps.get(id)?;
+                    Some((self.key(d), started_addr.unwrap_or(d.addr)?))
+                });
+                match at {
+                    Some((key, addr)) => {
+                        self.announce_ready(key.clone(), addr).await;
+                        Some(key)
+                    }
+                    None => None,
+                }
+            }
+            Err(_) => None,
+        };
         let ready = self.write(|inner| {
             let d = inner.deps.get_mut(id)?;
             d.busy = false;
@@ -1371,7 +1394,7 @@ impl Server {
             match &outcome {
                 Ok(started) => {
                     if let Some(s) = started {
-                        d.addr = engine_addr(&s.base_url);
+                        d.addr = started_addr.flatten();
                         d.pid = Some(s.pid);
                         d.max_running = Some(s.max_running);
                         if !s.measurement.awaiting() {
@@ -1423,7 +1446,9 @@ impl Server {
         }
         match ready {
             Some(Ok((key, Some(addr)))) => {
-                self.announce_ready(key, addr).await;
+                if announced.as_ref() != Some(&key) {
+                    self.announce_ready(key, addr).await;
+                }
             }
             Some(Ok((_, None))) => {}
             Some(Err(key)) => {
@@ -1431,7 +1456,12 @@ impl Server {
                 self.announce_gone(key).await;
                 self.memory_freed();
             }
-            None => {}
+            // Gone meanwhile (deleted): the router forgets what it was told.
+            None => {
+                if let Some(key) = announced {
+                    self.announce_gone(key).await;
+                }
+            }
         }
         outcome.map(|_| ())
     }
