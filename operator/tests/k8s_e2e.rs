@@ -16,13 +16,13 @@
 mod crds;
 #[path = "k8s_support/mod.rs"]
 mod k8s_support;
-#[path = "lifecycle_support/mod.rs"]
+#[path = "../../lifecycle/tests/lifecycle_support/mod.rs"]
 mod support;
 
 use std::time::Duration;
 
 use capyctl_crds::Deployment;
-use capyctl_operator::k8s::FINALIZER;
+use capyctl_operator::FINALIZER;
 use capyctl_spec::InstanceState;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::events::v1::Event;

@@ -5,17 +5,17 @@
 //! CRs' status and Events show the park and the wake; deleting a CR removes its deployment.
 #![allow(clippy::unwrap_used)]
 
-#[path = "lifecycle_support/mod.rs"]
+#[path = "../../lifecycle/tests/lifecycle_support/mod.rs"]
 mod support;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use capyctl_crds::Deployment;
+use capyctl_lifecycle::api::ManagementApi;
 use capyctl_node_agent::HostAgent;
-use capyctl_operator::api::ManagementApi;
-use capyctl_operator::k8s::FINALIZER;
-use capyctl_operator::k8s::reconcile::{Reconciler, ReconcilerConfig};
+use capyctl_operator::FINALIZER;
+use capyctl_operator::reconcile::{Reconciler, ReconcilerConfig};
 use capyctl_spec::InstanceState;
 use http::{Method, Request, Response};
 use kube::client::Body;

@@ -527,8 +527,8 @@ fn with_listener_threads(mut config: ProxyConfig, threads: Option<usize>) -> Pro
 /// (`TrackedAdmission`: the name lookup through a cache, the deployment's last use recorded at
 /// the start and the end) and its request observer (`Metrics`: a request counter by
 /// deployment, status and code, and the wait histogram, through handles cached per
-/// deployment). Keep it in step with `operator/src/lifecycle/mod.rs` and
-/// `operator/src/metrics.rs`.
+/// deployment). Keep it in step with `lifecycle/src/lib.rs` and
+/// `lifecycle/src/metrics.rs`.
 mod server_like {
     use std::collections::HashMap;
     use std::sync::atomic::{AtomicU64, Ordering};

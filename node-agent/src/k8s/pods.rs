@@ -1,7 +1,7 @@
 //! [`PodRuntime`]: engines in engine Pods (`--engine-runtime pod`).
 //!
 //! On Kubernetes the OPERATOR creates one engine Pod per running instance, on the node the
-//! lifecycle chose (operator/src/k8s/pods.rs), labelled [`LABEL_INSTANCE`]` = <instance id>`
+//! lifecycle chose (operator/src/pods.rs), labelled [`LABEL_INSTANCE`]` = <instance id>`
 //! and [`LABEL_GENERATION`]; the engine listens on the Pod's IP, on the port of the container
 //! [`CONTAINER`] named [`PORT_NAME`] (else its first port, else the annotation
 //! [`ANNOTATION_PORT`], else [`DEFAULT_PORT`]). The node agent drives the engine in it over
@@ -57,7 +57,7 @@ use crate::spec::InstanceSpec;
 use crate::tier::{LaunchParking, ParkTier};
 use crate::verify::FirstAnswer;
 
-/// Label of every engine Pod: the instance's ID (operator/src/k8s/pods.rs `LABEL_INSTANCE`).
+/// Label of every engine Pod: the instance's ID (operator/src/pods.rs `LABEL_INSTANCE`).
 pub const LABEL_INSTANCE: &str = "capyctl.io/instance";
 /// Label of every engine Pod: the instance's generation (a fresh start is a new Pod).
 pub const LABEL_GENERATION: &str = "capyctl.io/generation";

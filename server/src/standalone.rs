@@ -31,11 +31,11 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::api::ManagementApi;
-use crate::lifecycle::{LifecycleConfig, Server, ServerError};
 use crate::management::ManagementOptions;
-use crate::metrics::Metrics;
-use crate::store::{RedbStore, StoreError};
+use capyctl_lifecycle::api::ManagementApi;
+use capyctl_lifecycle::metrics::Metrics;
+use capyctl_lifecycle::store::{RedbStore, StoreError};
+use capyctl_lifecycle::{LifecycleConfig, Server, ServerError};
 
 /// What can go wrong starting standalone. Each names what failed and where.
 #[derive(Debug, thiserror::Error)]

@@ -45,7 +45,7 @@ use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::errors::ApiError;
 use tokio::sync::mpsc;
 
-use crate::api::{BoxFuture, ManagementApi};
+use capyctl_lifecycle::api::{BoxFuture, ManagementApi};
 
 /// How many happenings wait for the reconciler at most.
 pub const FEED_CAPACITY: usize = 1024;
@@ -147,9 +147,9 @@ pub trait Views: Send + Sync {
     fn view(&self, name_or_id: &str) -> Option<DeploymentView>;
 }
 
-impl Views for crate::lifecycle::Server {
+impl Views for capyctl_lifecycle::Server {
     fn view(&self, name_or_id: &str) -> Option<DeploymentView> {
-        crate::lifecycle::Server::view(self, name_or_id)
+        capyctl_lifecycle::Server::view(self, name_or_id)
     }
 }
 

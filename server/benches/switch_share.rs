@@ -1,4 +1,4 @@
-//! `cargo bench -p capyctl-operator --bench switch_share`: CapyCTL's own share of a switch.
+//! `cargo bench -p capyctl-server --bench switch_share`: CapyCTL's own share of a switch.
 //!
 //! A real standalone CapyCTL runs in this process ([`Standalone::start`]) with two deployments
 //! that do not fit on the (overridden) GPU together, every engine the engine simulator. The
@@ -53,7 +53,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use capyctl_operator::standalone::Standalone;
+use capyctl_server::standalone::Standalone;
 use capyctl_spec::InstanceState;
 use capyctl_spec::documents::parse_standalone_str;
 use capyctl_spec::overrides::Overrides;
@@ -66,7 +66,7 @@ const HELP: &str = "\
 switch_share: CapyCTL's own share of a switch (target under 20 ms)
 
 USAGE:
-    cargo bench -p capyctl-operator --bench switch_share -- [OPTIONS]
+    cargo bench -p capyctl-server --bench switch_share -- [OPTIONS]
 
 OPTIONS:
     --switches N           measured switches, alternating A->B->A... (default 20)

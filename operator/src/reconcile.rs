@@ -64,7 +64,7 @@ use super::status::{
 use super::store::CrStore;
 use super::watch::{Claims, Watch};
 use super::{CONTROLLER_NAME, FINALIZER};
-use crate::api::ManagementApi;
+use capyctl_lifecycle::api::ManagementApi;
 
 /// The reconciler's settings.
 #[derive(Debug, Clone, PartialEq, Eq)]

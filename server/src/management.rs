@@ -58,8 +58,8 @@ use serde::Serialize;
 
 use capyctl_router::tls::TlsIncoming;
 
-use crate::api::ManagementApi;
-use crate::metrics::{self, Metrics};
+use capyctl_lifecycle::api::ManagementApi;
+use capyctl_lifecycle::metrics::{self, Metrics};
 
 pub use token::{TOKEN_BYTES, TOKEN_FILE, TokenError, load_or_create_token, token_path};
 

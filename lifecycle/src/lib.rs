@@ -1,4 +1,14 @@
-//! The lifecycle: the one writer of deployment and instance state (see `operator/DESIGN.md`).
+//! CapyCTL's lifecycle, without Kubernetes and without sockets: the one writer of deployment and
+//! instance state (see `lifecycle/DESIGN.md`).
+//!
+//! - [`api`]: [`api::ManagementApi`], what the management listener asks of the server; the
+//!   lifecycle implements it (the Kubernetes operator wraps it, management tests use a fake).
+//! - [`store`]: where the state lives, behind the [`store::Store`] trait (the standalone store;
+//!   on Kubernetes the operator's CR-backed one).
+//! - [`metrics`]: the server's Prometheus metrics.
+//!
+//! The store and the host agents are traits: this crate does not know whether it runs under
+//! Kubernetes, and a test checks that kube is not in its dependency tree.
 //!
 //! [`Server`] holds every deployment and its instance (one per deployment on one host, index
 //! 0) behind one std mutex that is never held across an `.await`. An engine operation (start,
@@ -13,7 +23,10 @@
 //! releases ready instances it parks or stops itself with [`CoordinatorHandle::release`], so
 //! that running requests always finish first.
 
+pub mod api;
+pub mod metrics;
 mod placement;
+pub mod store;
 mod views;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};

@@ -23,7 +23,7 @@ use kube::client::Body;
 use tokio::task::JoinHandle;
 use tower_test::mock::{self, Handle};
 
-use crate::api::{BoxFuture, ManagementApi};
+use capyctl_lifecycle::api::{BoxFuture, ManagementApi};
 
 /// One expected call and its answer.
 #[derive(Debug, Clone)]

@@ -60,10 +60,10 @@ use super::pods::EnginePodSettings;
 use super::reconcile::{Reconciler, ReconcilerConfig};
 use super::store::CrStore;
 use super::watch::{Claims, Watch};
-use crate::api::{BoxFuture, ManagementApi};
-use crate::lifecycle::{HostEntry, LifecycleConfig, Server};
-use crate::management::ManagementOptions;
-use crate::metrics::Metrics;
+use capyctl_lifecycle::api::{BoxFuture, ManagementApi};
+use capyctl_lifecycle::metrics::Metrics;
+use capyctl_lifecycle::{HostEntry, LifecycleConfig, Server};
+use capyctl_server::management::ManagementOptions;
 
 /// How often the leader looks for node agents that joined or moved.
 pub const NODE_AGENT_RECHECK: Duration = Duration::from_secs(10);
@@ -233,7 +233,7 @@ pub enum OperatorError {
     Agent(#[from] capyctl_node_agent::AgentError),
     /// The lifecycle could not start.
     #[error("{0}")]
-    Server(#[from] crate::lifecycle::ServerError),
+    Server(#[from] capyctl_lifecycle::ServerError),
     /// The API server refused a call the operator cannot do without.
     #[error("Kubernetes API: {0}")]
     Kube(#[from] kube::Error),
@@ -275,7 +275,7 @@ pub fn router_config(server: &ServerConfig, queue: &QueueSettings) -> RouterConf
         stream_idle_timeout: queue.stream_idle_timeout,
         max_pending_per_deployment: queue.max_pending_per_deployment as usize,
         max_pending_total: queue.max_pending_total as usize,
-        execute_timeout: crate::standalone::execute_timeout(server),
+        execute_timeout: capyctl_server::standalone::execute_timeout(server),
         ..RouterConfig::default()
     }
 }
@@ -916,7 +916,8 @@ pub async fn run(
             let shutdown = async move {
                 super::until(&mut rx, true).await;
             };
-            let served = crate::management::serve_listener(management, tls, api, opts, shutdown);
+            let served =
+                capyctl_server::management::serve_listener(management, tls, api, opts, shutdown);
             if let Err(e) = served.await {
                 tracing::error!(error = %e, "the management listener failed");
             }

@@ -1,4 +1,4 @@
-//! `cargo bench -p capyctl-operator --bench scale`: the lifecycle at scale (issue 17's table).
+//! `cargo bench -p capyctl-server --bench scale`: the lifecycle at scale (issue 17's table).
 //!
 //! Each case runs in a child process of its own (this binary again, with `--case`), so that its
 //! RSS is its own; the parent prints the figures as tables. Three kinds of case:
@@ -15,10 +15,10 @@
 //!   request through the listener ("each used once"), then: load reads full and by ID, and the
 //!   latency of a request that gets 409 `deployment_stopped` (its model stopped by the
 //!   operator), quiet and while another task reads the full load without pause.
-//! - **hosts H**: `--host-deployments` deployments (10,000 by default) over H fake hosts, as a
-//!   new leader on Kubernetes opens them (the CR store). Each host's `inventory` and `engines`
-//!   calls take `--host-latency-ms` (default 1 ms, a round trip to a node agent on a LAN), its
-//!   starts none. Figures: the open, the lists with the RSS after the deployments list, and the
+//! - **hosts H**: `--host-deployments` deployments (10,000 by default) over H fake hosts, opened
+//!   from an in-memory store (as a new leader on Kubernetes opens them from the CRs). Each host's
+//!   `inventory` and `engines` calls take `--host-latency-ms` (default 1 ms, a round trip to a
+//!   node agent on a LAN), its starts none. Figures: the open, the lists with the RSS after the deployments list, and the
 //!   time of a first request to a stopped model (sequential, distinct models): with the fake
 //!   engine and upstream answering at once, that is CapyCTL's own time.
 //!
@@ -32,7 +32,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use capyctl_crds::Deployment;
+use capyctl_lifecycle::api::ManagementApi;
+use capyctl_lifecycle::store::{Changes, DeploymentRecord, Store, StoreError};
+use capyctl_lifecycle::{HostEntry, LifecycleConfig, Server};
 use capyctl_node_agent::agent::{
     BoxFuture, ParkResult, RecoveryReport, StartedInstance, WakeReport,
 };
@@ -45,15 +47,12 @@ use capyctl_node_agent::spec::{HostSettings, InstanceSpec};
 use capyctl_node_agent::tier::{LaunchParking, ParkChoice, ParkTier};
 use capyctl_node_agent::verify::{FirstAnswer, WakeOutcome};
 use capyctl_node_agent::{AgentError, HostAgent};
-use capyctl_operator::api::ManagementApi;
-use capyctl_operator::k8s::store::CrStore;
-use capyctl_operator::lifecycle::{HostEntry, LifecycleConfig, Server};
-use capyctl_operator::standalone::Standalone;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::Coordinator;
 use capyctl_router::proxy::{self, Proxy, ProxyConfig};
+use capyctl_server::standalone::Standalone;
 use capyctl_spec::EngineKind;
-use capyctl_spec::documents::parse_standalone_str;
+use capyctl_spec::documents::{parse_deployment_str, parse_standalone_str};
 use capyctl_spec::overrides::Overrides;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
@@ -66,7 +65,7 @@ const HELP: &str = "\
 scale: the lifecycle at scale (start, RSS, load reads, lists, first request)
 
 USAGE:
-    cargo bench -p capyctl-operator --bench scale -- [OPTIONS]
+    cargo bench -p capyctl-server --bench scale -- [OPTIONS]
 
 OPTIONS:
     --standalone LIST       deployments of the standalone cases (default 100,1000,10000)
@@ -650,24 +649,52 @@ async fn upstream() -> SocketAddr {
     addr
 }
 
-/// The CRs of `n` deployments as a new leader lists them (each with its deployment ID).
-fn crs(n: usize) -> Vec<Deployment> {
+/// The records of `n` deployments, as a store holds them when the server opens (on Kubernetes:
+/// a new leader's, rebuilt from the CRs).
+fn records(n: usize) -> BTreeMap<String, DeploymentRecord> {
     (0..n)
         .map(|i| {
-            serde_json::from_value(serde_json::json!({
-                "apiVersion": "capyctl.io/v1alpha1",
-                "kind": "Deployment",
-                "metadata": {"name": name(i), "namespace": "default", "uid": format!("uid-{i}")},
-                "spec": {
-                    "engine": "vllm",
-                    "model": "Qwen3-4B",
-                    "resources": {"gpuMemory": "1GiB", "weightsMemory": "64MiB"},
-                },
-                "status": {"deploymentId": format!("01SCALE{i:019}"), "revision": 1},
-            }))
-            .unwrap()
+            let id = format!("01SCALE{i:019}");
+            let rec = DeploymentRecord {
+                id: id.clone(),
+                revision: 1,
+                doc: parse_deployment_str(
+                    "scale.yaml",
+                    &format!(
+                        "name: {}\nengine: vllm\nmodel: Qwen3-4B\nresources: {{gpu_memory: 1GiB, weights_memory: 64MiB}}\n",
+                        name(i)
+                    ),
+                )
+                .unwrap(),
+                operator_stopped: false,
+                operator_started: false,
+                pending_start: false,
+                generation: 0,
+                first_answer: None,
+            };
+            (id, rec)
         })
         .collect()
+}
+
+/// The store of the fake-host cases: in memory, as on Kubernetes (where the CRs are the store).
+struct MemStore(std::sync::Mutex<BTreeMap<String, DeploymentRecord>>);
+
+impl Store for MemStore {
+    fn load(&self) -> Result<Vec<DeploymentRecord>, StoreError> {
+        Ok(self.0.lock().unwrap().values().cloned().collect())
+    }
+
+    fn write(&self, changes: &Changes) -> Result<(), StoreError> {
+        let mut records = self.0.lock().unwrap();
+        for r in &changes.put {
+            records.insert(r.id.clone(), r.clone());
+        }
+        for id in &changes.remove {
+            records.remove(id);
+        }
+        Ok(())
+    }
 }
 
 /// The lifecycle over `hosts` fake hosts with `n` deployments from the CR store, the real
@@ -698,9 +725,8 @@ async fn fake_cluster(hosts: usize, n: usize, latency: Duration) -> (Arc<Server>
         .collect();
     let mut lc = LifecycleConfig::new("gpu-0000");
     lc.host_settings = settings;
-    let crs = crs(n);
+    let store = Arc::new(MemStore(std::sync::Mutex::new(records(n))));
     let t = Instant::now();
-    let store = Arc::new(CrStore::from_crs(crs.iter()));
     let server = Server::open_hosts(entries, store, lc).await.unwrap();
     let open_ms = ms(t.elapsed());
     let router = Coordinator::spawn(server.clone(), RouterConfig::default());
