@@ -470,6 +470,29 @@ impl MockApi {
         })
     }
 
+    /// Answers exactly `calls` calls with `answer` in a task; the task's result is every call
+    /// seen. It panics (failing the test that joins it) when the client goes before.
+    pub fn serve_calls(
+        mut self,
+        calls: usize,
+        mut answer: impl FnMut(&Seen) -> Answer + Send + 'static,
+    ) -> JoinHandle<Vec<Seen>> {
+        tokio::spawn(async move {
+            let mut seen = Vec::with_capacity(calls);
+            for n in 1..=calls {
+                let Some((call, reply)) = self.next_call().await else {
+                    panic!(
+                        "mock API server: call {n} of {calls} expected, but no call came (the client is gone)"
+                    );
+                };
+                let a = answer(&call);
+                self.respond(&call, reply, a);
+                seen.push(call);
+            }
+            seen
+        })
+    }
+
     /// The mock behind a loopback HTTP/1 listener (for a program that reads a kubeconfig):
     /// its URL (`http://127.0.0.1:PORT`) and the mock. The listener runs until the runtime
     /// ends; a call it cannot hand to the mock is answered 502.
