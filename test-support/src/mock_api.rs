@@ -45,6 +45,14 @@ pub enum Answer {
         /// The JSON body.
         body: serde_json::Value,
     },
+    /// This status with these bytes as they are, as `application/json` (a body a test wrote
+    /// as text).
+    Raw {
+        /// The HTTP status.
+        status: u16,
+        /// The body.
+        body: Bytes,
+    },
     /// A watch stream: 200 with one `{"type": ..., "object": ...}` line per event, then its end
     /// (the client watches again).
     Events(Vec<(String, serde_json::Value)>),
@@ -59,6 +67,9 @@ impl fmt::Debug for Answer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Json { status, body } => write!(f, "{status} {body}"),
+            Self::Raw { status, body } => {
+                write!(f, "{status} {}", String::from_utf8_lossy(body))
+            }
             Self::Events(events) => write!(f, "a watch of {} event(s)", events.len()),
             Self::With(_) => f.write_str("an answer computed from the call"),
             Self::Hang => f.write_str("no answer"),
@@ -225,6 +236,8 @@ pub struct Seen {
     pub headers: HeaderMap,
     /// Its JSON body; `Null` when there was none, a string when it was not JSON.
     pub body: serde_json::Value,
+    /// Its body as it came.
+    pub raw_body: Bytes,
 }
 
 impl Seen {
@@ -380,6 +393,7 @@ impl MockApi {
                 .map(str::to_string),
             headers: parts.headers,
             body,
+            raw_body: bytes,
         };
         Some((seen, reply))
     }
@@ -415,6 +429,11 @@ impl MockApi {
         };
         let response = match answer {
             Answer::Json { status, body } => json(status, &body),
+            Answer::Raw { status, body } => Response::builder()
+                .status(status)
+                .header(http::header::CONTENT_TYPE, "application/json")
+                .body(Body::from(body))
+                .unwrap_or_else(|e| panic!("mock API server: status {status}: {e}")),
             Answer::With(f) => {
                 let (status, body) = f(seen);
                 json(status, &body)
@@ -734,6 +753,7 @@ mod tests {
             content_type: None,
             headers: HeaderMap::new(),
             body: serde_json::Value::Null,
+            raw_body: Bytes::new(),
         };
         assert_eq!(
             seen.query_pairs(),
