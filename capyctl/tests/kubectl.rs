@@ -133,8 +133,7 @@ fn deploy_through(
     test: &str,
     text: &str,
 ) -> (std::path::PathBuf, (i32, String, String)) {
-    let dir = std::env::temp_dir().join(format!("kubectl-capyctl-{test}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = capyctl_test_support::temp_dir(&format!("kubectl-capyctl-{test}"));
     let config = kubeconfig(&dir, url);
     let file = dir.join("my-model.yaml");
     std::fs::write(&file, text).unwrap();
@@ -278,8 +277,7 @@ fn the_plugin_goes_through_the_service_proxy_with_the_secrets_token() {
         _ => (404, r#"{"kind":"Status","apiVersion":"v1","status":"Failure","message":"not found","reason":"NotFound","code":404}"#.to_string()),
     }
     });
-    let dir = std::env::temp_dir().join(format!("kubectl-capyctl-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = capyctl_test_support::temp_dir("kubectl-capyctl");
     let config = kubeconfig(&dir, &url);
 
     let (code, stdout, stderr) = run_plugin(&config, &["list", "deployments"]);
@@ -314,8 +312,7 @@ fn namespace_release_and_token_flags_pick_the_service() {
             (403, r#"{"kind":"Status","apiVersion":"v1","status":"Failure","message":"services \"x\" is forbidden: User \"me\" cannot get resource \"services/proxy\"","reason":"Forbidden","code":403}"#.to_string())
         }
     });
-    let dir = std::env::temp_dir().join(format!("kubectl-capyctl-ns-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = capyctl_test_support::temp_dir("kubectl-capyctl-ns");
     let config = kubeconfig(&dir, &url);
     let (code, stdout, stderr) = run_plugin(
         &config,
@@ -366,8 +363,7 @@ fn a_tls_management_listener_is_reached_with_https_through_the_proxy() {
         _ => (404, r#"{"kind":"Status","apiVersion":"v1","status":"Failure","message":"not found","reason":"NotFound","code":404}"#.to_string()),
     }
     });
-    let dir = std::env::temp_dir().join(format!("kubectl-capyctl-tls-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = capyctl_test_support::temp_dir("kubectl-capyctl-tls");
     let config = kubeconfig(&dir, &url);
     let (code, stdout, stderr) = run_plugin(&config, &["list", "deployments", "--token", "t"]);
     assert_eq!(code, 0, "{stderr}");
@@ -509,8 +505,7 @@ fn a_503_through_the_proxy_is_printed_at_once_and_never_sent_again() {
             (404, NOT_FOUND_KUBE.to_string())
         }
     });
-    let dir = std::env::temp_dir().join(format!("kubectl-capyctl-503-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = capyctl_test_support::temp_dir("kubectl-capyctl-503");
     let config = kubeconfig(&dir, &url);
     let began = std::time::Instant::now();
     for args in [
@@ -588,8 +583,7 @@ fn a_namespace_the_operator_does_not_watch_is_told_where_models_go() {
             _ => (404, NOT_FOUND_KUBE.to_string()),
         }
     });
-    let dir = std::env::temp_dir().join(format!("kubectl-capyctl-watch-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = capyctl_test_support::temp_dir("kubectl-capyctl-watch");
     let config = kubeconfig(&dir, &url);
     let doc = dir.join("chat-x.yaml");
     std::fs::write(&doc, "name: chat-x\nengine: vllm\nmodel: m\n").unwrap();

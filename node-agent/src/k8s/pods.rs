@@ -1344,13 +1344,8 @@ mod tests {
             .collect()
     }
 
-    /// A fresh directory under the system temp directory.
+    /// A fresh, empty temporary directory.
     fn tempdir() -> std::path::PathBuf {
-        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("capyctl-pods-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
+        capyctl_test_support::temp_dir("pods")
     }
 }

@@ -1094,9 +1094,7 @@ mod tests {
         use capyctl_node_agent::k8s::pods::PodRuntime;
         use capyctl_node_agent::spec::GpuOverride;
 
-        let dir =
-            std::env::temp_dir().join(format!("capyctl-engines-pending-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let dir = capyctl_test_support::temp_dir("engines-pending");
         // The node agent's watch of its Pods: it lists the Pod the operator created, pending,
         // and then hears nothing (its deletion included).
         let (created_tx, mut created_rx) = tokio::sync::mpsc::unbounded_channel();
