@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::process::alive;
-use capyctl_operator::standalone::Standalone;
+use capyctl_server::standalone::Standalone;
 use capyctl_spec::InstanceState;
 use capyctl_spec::documents::parse_standalone_str;
 use capyctl_spec::overrides::Overrides;
