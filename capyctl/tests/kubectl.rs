@@ -1,16 +1,17 @@
 //! `kubectl capyctl`: the real `kubectl-capyctl` binary finds the cluster in the kubeconfig and
-//! reaches the management API through the API server's service proxy. Here the API server is a
-//! small fake on a real socket that checks what a real one would see; the `needs cluster` test
-//! runs against a real one.
+//! reaches the management API through the API server's service proxy. Here the API server is the
+//! shared mock API server (`capyctl_test_support::MockApi`) behind a loopback listener, answering
+//! as a real one would and recording what it saw; the `needs cluster` test runs against a real
+//! one.
 #![allow(clippy::unwrap_used)]
 
 #[path = "../../operator/tests/k8s_support/mod.rs"]
 mod k8s_support;
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpListener;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
+
+use capyctl_test_support::{Answer, MockApi};
 
 const PLUGIN: &str = env!("CARGO_BIN_EXE_kubectl-capyctl");
 
@@ -32,68 +33,50 @@ impl Seen {
     }
 }
 
-/// Serves each connection's requests with `answer(path) -> (status, body)`, recording them.
+/// The shared mock API server ([`MockApi::listen`]) on a loopback port, with a runtime of its
+/// own for the test's life: each request is answered with `answer(request) -> (status, body)`
+/// and recorded.
 fn fake_api_server(
     answer: impl Fn(&Seen) -> (u16, String) + Send + Sync + 'static,
 ) -> (String, Arc<Mutex<Vec<Seen>>>) {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
     let seen = Arc::new(Mutex::new(Vec::new()));
     let log = seen.clone();
-    let answer = Arc::new(answer);
+    let (url_tx, url_rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut stream) = stream else { return };
-            let (log, answer) = (log.clone(), answer.clone());
-            std::thread::spawn(move || {
-                let mut reader = BufReader::new(stream.try_clone().unwrap());
-                loop {
-                    let mut line = String::new();
-                    if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                        return;
-                    }
-                    let mut parts = line.split_whitespace();
-                    let method = parts.next().unwrap_or_default().to_string();
-                    let path = parts.next().unwrap_or_default().to_string();
-                    let mut headers = Vec::new();
-                    let mut length = 0usize;
-                    loop {
-                        let mut h = String::new();
-                        reader.read_line(&mut h).unwrap();
-                        let h = h.trim_end();
-                        if h.is_empty() {
-                            break;
-                        }
-                        if let Some((k, v)) = h.split_once(':') {
-                            let (k, v) = (k.trim().to_ascii_lowercase(), v.trim().to_string());
-                            if k == "content-length" {
-                                length = v.parse().unwrap();
-                            }
-                            headers.push((k, v));
-                        }
-                    }
-                    let mut body = vec![0; length];
-                    reader.read_exact(&mut body).unwrap();
-                    let seen = Seen {
-                        method,
-                        path,
-                        headers,
-                        body: String::from_utf8_lossy(&body).into_owned(),
-                    };
-                    let (status, body) = answer(&seen);
-                    log.lock().unwrap().push(seen);
-                    let response = format!(
-                        "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-                        body.len()
-                    );
-                    if stream.write_all(response.as_bytes()).is_err() {
-                        return;
-                    }
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async move {
+            let (url, api) = MockApi::listen().await;
+            let server = api.serve_with(move |call| {
+                let path = if call.query.is_empty() {
+                    call.path.clone()
+                } else {
+                    format!("{}?{}", call.path, call.query)
+                };
+                let seen = Seen {
+                    method: call.method.to_string(),
+                    path,
+                    headers: call
+                        .headers
+                        .iter()
+                        .map(|(k, v)| (k.as_str().to_string(), v.to_str().unwrap().to_string()))
+                        .collect(),
+                    body: String::from_utf8_lossy(&call.raw_body).into_owned(),
+                };
+                let (status, body) = answer(&seen);
+                log.lock().unwrap().push(seen);
+                Answer::Raw {
+                    status,
+                    body: body.into(),
                 }
             });
-        }
+            url_tx.send(url).unwrap();
+            let _ = server.await;
+        });
     });
-    (url, seen)
+    (url_rx.recv().unwrap(), seen)
 }
 
 fn kubeconfig(dir: &std::path::Path, server: &str) -> std::path::PathBuf {
@@ -150,8 +133,7 @@ fn deploy_through(
     test: &str,
     text: &str,
 ) -> (std::path::PathBuf, (i32, String, String)) {
-    let dir = std::env::temp_dir().join(format!("kubectl-capyctl-{test}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = capyctl_test_support::temp_dir(&format!("kubectl-capyctl-{test}"));
     let config = kubeconfig(&dir, url);
     let file = dir.join("my-model.yaml");
     std::fs::write(&file, text).unwrap();
@@ -295,8 +277,7 @@ fn the_plugin_goes_through_the_service_proxy_with_the_secrets_token() {
         _ => (404, r#"{"kind":"Status","apiVersion":"v1","status":"Failure","message":"not found","reason":"NotFound","code":404}"#.to_string()),
     }
     });
-    let dir = std::env::temp_dir().join(format!("kubectl-capyctl-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = capyctl_test_support::temp_dir("kubectl-capyctl");
     let config = kubeconfig(&dir, &url);
 
     let (code, stdout, stderr) = run_plugin(&config, &["list", "deployments"]);
@@ -331,8 +312,7 @@ fn namespace_release_and_token_flags_pick_the_service() {
             (403, r#"{"kind":"Status","apiVersion":"v1","status":"Failure","message":"services \"x\" is forbidden: User \"me\" cannot get resource \"services/proxy\"","reason":"Forbidden","code":403}"#.to_string())
         }
     });
-    let dir = std::env::temp_dir().join(format!("kubectl-capyctl-ns-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = capyctl_test_support::temp_dir("kubectl-capyctl-ns");
     let config = kubeconfig(&dir, &url);
     let (code, stdout, stderr) = run_plugin(
         &config,
@@ -383,8 +363,7 @@ fn a_tls_management_listener_is_reached_with_https_through_the_proxy() {
         _ => (404, r#"{"kind":"Status","apiVersion":"v1","status":"Failure","message":"not found","reason":"NotFound","code":404}"#.to_string()),
     }
     });
-    let dir = std::env::temp_dir().join(format!("kubectl-capyctl-tls-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = capyctl_test_support::temp_dir("kubectl-capyctl-tls");
     let config = kubeconfig(&dir, &url);
     let (code, stdout, stderr) = run_plugin(&config, &["list", "deployments", "--token", "t"]);
     assert_eq!(code, 0, "{stderr}");
@@ -526,8 +505,7 @@ fn a_503_through_the_proxy_is_printed_at_once_and_never_sent_again() {
             (404, NOT_FOUND_KUBE.to_string())
         }
     });
-    let dir = std::env::temp_dir().join(format!("kubectl-capyctl-503-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = capyctl_test_support::temp_dir("kubectl-capyctl-503");
     let config = kubeconfig(&dir, &url);
     let began = std::time::Instant::now();
     for args in [
@@ -605,8 +583,7 @@ fn a_namespace_the_operator_does_not_watch_is_told_where_models_go() {
             _ => (404, NOT_FOUND_KUBE.to_string()),
         }
     });
-    let dir = std::env::temp_dir().join(format!("kubectl-capyctl-watch-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = capyctl_test_support::temp_dir("kubectl-capyctl-watch");
     let config = kubeconfig(&dir, &url);
     let doc = dir.join("chat-x.yaml");
     std::fs::write(&doc, "name: chat-x\nengine: vllm\nmodel: m\n").unwrap();

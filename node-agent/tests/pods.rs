@@ -1,5 +1,5 @@
 //! The local host agent over [`PodRuntime`]: the "engine Pod" is the real `engine-sim` binary
-//! on a loopback port, and a scripted mock API server (`tower_test::mock::pair`) says the Pod
+//! on a loopback port, and a scripted mock API server (the shared `capyctl_test_support::MockApi`) says the Pod
 //! of the instance runs on `127.0.0.1`. The agent starts (waits for the Pod, then readiness and
 //! the first answer), parks and wakes the engine over HTTP, and reports an exit when the Pod is
 //! deleted.
@@ -7,7 +7,6 @@
 
 mod common;
 
-use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,13 +19,14 @@ use capyctl_node_agent::tier::{LaunchParking, ParkTier};
 use capyctl_node_agent::verify::WakeOutcome;
 use capyctl_node_agent::{AgentError, HostAgent, LocalHostAgent};
 use capyctl_spec::EngineKind;
-use http::{Request, Response};
-use kube::Client;
-use kube::client::Body;
+use capyctl_test_support::{Exchange, MockApi};
+use http::Method;
 use serde_json::json;
-use tower_test::mock;
 
 const MIB: u64 = 1024 * 1024;
+
+/// The engine Pods of namespace `capyctl`, as the runtime lists and watches them.
+const PODS: &str = "/api/v1/namespaces/capyctl/pods";
 
 fn settings() -> HostSettings {
     let bin = common::engine_sim_binary();
@@ -91,35 +91,23 @@ async fn the_agent_drives_the_engine_of_its_pod_and_reports_the_pod_going_away()
         .spawn()
         .unwrap();
 
-    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let (client, mut api) = MockApi::client("capyctl");
     let (delete_tx, delete_rx) = tokio::sync::oneshot::channel::<()>();
     let api_server = tokio::spawn(async move {
-        let mut handle = pin!(handle);
-        let (_list, reply) = handle.next_request().await.unwrap();
         let list = json!({"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "10"}, "items": [pod(port)]});
-        reply.send_response(
-            Response::builder()
-                .header(http::header::CONTENT_TYPE, "application/json")
-                .body(Body::from(serde_json::to_vec(&list).unwrap()))
-                .unwrap(),
-        );
-        let (_watch, reply) = handle.next_request().await.unwrap();
+        api.answer(Exchange::ok(Method::GET, PODS, list)).await;
+        // The watch: the Pod's deletion once the test says so.
         delete_rx.await.unwrap();
-        let event = format!("{}\n", json!({"type": "DELETED", "object": pod(port)}));
-        reply.send_response(
-            Response::builder()
-                .body(Body::from(event.into_bytes()))
-                .unwrap(),
-        );
+        api.answer(Exchange::watch(PODS, &[("DELETED", pod(port))]))
+            .await;
         // Later calls (the watcher's next watch) stay unanswered.
         let mut held = Vec::new();
-        while let Some(call) = handle.next_request().await {
+        while let Some(call) = api.next_call().await {
             held.push(call);
         }
     });
 
-    let runtime =
-        PodRuntime::new(Client::new(service, "capyctl"), "capyctl", "gpu-1", &dir).unwrap();
+    let runtime = PodRuntime::new(client, "capyctl", "gpu-1", &dir).unwrap();
     let mut config = AgentConfig::new(&dir);
     config.ready_timeout = Duration::from_secs(20);
     config.wake_window = Duration::from_secs(20);
@@ -174,25 +162,17 @@ async fn a_stop_ends_a_start_whose_pod_never_runs() {
     let dir = common::temp_dir("pods-pending");
     let mut pending = pod(8000);
     pending["status"] = json!({"phase": "Pending"});
-    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let (client, mut api) = MockApi::client("capyctl");
     let api_server = tokio::spawn(async move {
-        let mut handle = pin!(handle);
-        let (_list, reply) = handle.next_request().await.unwrap();
         let list = json!({"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "10"}, "items": [pending]});
-        reply.send_response(
-            Response::builder()
-                .header(http::header::CONTENT_TYPE, "application/json")
-                .body(Body::from(serde_json::to_vec(&list).unwrap()))
-                .unwrap(),
-        );
+        api.answer(Exchange::ok(Method::GET, PODS, list)).await;
         // The watch stays open and says nothing: the Pod stays pending.
         let mut held = Vec::new();
-        while let Some(call) = handle.next_request().await {
+        while let Some(call) = api.next_call().await {
             held.push(call);
         }
     });
-    let runtime =
-        PodRuntime::new(Client::new(service, "capyctl"), "capyctl", "gpu-1", &dir).unwrap();
+    let runtime = PodRuntime::new(client, "capyctl", "gpu-1", &dir).unwrap();
     runtime.wait_synced(Duration::from_secs(10)).await.unwrap();
     let mut config = AgentConfig::new(&dir);
     config.ready_timeout = Duration::from_secs(1800);

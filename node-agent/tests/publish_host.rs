@@ -1,5 +1,5 @@
 //! `capyctl-node-agent --engine-runtime process --publish-host` against a stand-in API server
-//! on a loopback socket (a kubeconfig pointing at it): the agent's `Host` object arrives as a
+//! (the shared mock API server) on a loopback socket (a kubeconfig pointing at it): the agent's `Host` object arrives as a
 //! server-side apply.
 #![allow(clippy::unwrap_used)]
 
@@ -8,65 +8,58 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use axum::Router;
-use axum::body::Bytes;
-use axum::extract::{OriginalUri, State};
-use axum::routing::{get, patch};
+use capyctl_test_support::{Answer, MockApi, status_body};
+use http::Method;
 use tokio::sync::mpsc;
 
 /// What the stand-in API server saw: path, query and JSON body of each PATCH.
 type Seen = (String, String, serde_json::Value);
 
-async fn apply(
-    State(tx): State<mpsc::UnboundedSender<Seen>>,
-    OriginalUri(uri): OriginalUri,
-    body: Bytes,
-) -> ([(&'static str, &'static str); 1], Bytes) {
-    let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
-    let _ = tx.send((
-        uri.path().to_string(),
-        uri.query().unwrap_or_default().to_string(),
-        json,
-    ));
-    // An apply answers the object.
-    ([("content-type", "application/json")], body)
-}
-
-/// Engine Pods: an empty list, and a watch that never sends anything. Each call's path and
-/// query go to `tx` (with a `Null` body).
-async fn pods(
-    State(tx): State<mpsc::UnboundedSender<Seen>>,
-    OriginalUri(uri): OriginalUri,
-) -> axum::response::Response {
-    let query = uri.query().unwrap_or_default().to_string();
-    let watch = query.contains("watch=true");
-    let _ = tx.send((uri.path().to_string(), query, serde_json::Value::Null));
-    let body = if watch {
-        axum::body::Body::from_stream(
-            futures_util::stream::pending::<Result<Bytes, std::io::Error>>(),
-        )
-    } else {
-        axum::body::Body::from(
-            r#"{"apiVersion":"v1","kind":"PodList","metadata":{"resourceVersion":"1"},"items":[]}"#,
-        )
-    };
-    axum::response::Response::builder()
-        .header("content-type", "application/json")
-        .body(body)
-        .unwrap()
-}
-
-/// A stand-in API server: its address, and what it saw.
+/// A stand-in API server (the shared mock API server behind a loopback listener): its
+/// address, and what it saw. A Host apply answers the object; the engine Pods are an empty
+/// list, and a watch that never answers. Each call's path, query and body (`Null` for the
+/// Pods) go to the receiver; anything else (the Node, the Host's status) is 404.
 async fn stand_in() -> (std::net::SocketAddr, mpsc::UnboundedReceiver<Seen>) {
     let (tx, rx) = mpsc::unbounded_channel();
-    let app = Router::new()
-        .route("/apis/capyctl.io/v1alpha1/hosts/{name}", patch(apply))
-        .route("/api/v1/namespaces/{ns}/pods", get(pods))
-        .with_state(tx);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let api = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    (api, rx)
+    let (url, api) = MockApi::listen().await;
+    api.serve_with(move |call| {
+        let pods = call.path.starts_with("/api/v1/namespaces/") && call.path.ends_with("/pods");
+        let host = call
+            .path
+            .strip_prefix("/apis/capyctl.io/v1alpha1/hosts/")
+            .is_some_and(|name| !name.contains('/'));
+        if call.method == Method::PATCH && host {
+            let _ = tx.send((call.path.clone(), call.query.clone(), call.body.clone()));
+            // An apply answers the object.
+            Answer::Raw {
+                status: 200,
+                body: call.raw_body.clone(),
+            }
+        } else if call.method == Method::GET && pods {
+            let _ = tx.send((
+                call.path.clone(),
+                call.query.clone(),
+                serde_json::Value::Null,
+            ));
+            if call.query_value("watch").as_deref() == Some("true") {
+                Answer::Hang
+            } else {
+                Answer::Json {
+                    status: 200,
+                    body: serde_json::json!({"apiVersion": "v1", "kind": "PodList",
+                        "metadata": {"resourceVersion": "1"}, "items": []}),
+                }
+            }
+        } else {
+            // Anything else (the Node, the Host's status) is not there.
+            Answer::Json {
+                status: 404,
+                body: status_body(404, "NotFound", &format!("{} not found", call.path)),
+            }
+        }
+    });
+    let addr = url.trim_start_matches("http://").parse().unwrap();
+    (addr, rx)
 }
 
 /// The agent's command line: `runtime`, node `node-9`, the kubeconfig of `api`.
@@ -133,7 +126,7 @@ fn stop(mut child: std::process::Child) -> std::process::ExitStatus {
     }
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_process_runtime_publishes_the_host_with_publish_host() {
     let (api, mut rx) = stand_in().await;
     let dir = common::temp_dir("publish-host");
@@ -161,7 +154,7 @@ async fn the_process_runtime_publishes_the_host_with_publish_host() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_pod_runtime_watches_its_nodes_engine_pods_and_publishes_the_host() {
     let (api, mut rx) = stand_in().await;
     let dir = common::temp_dir("pod-runtime");

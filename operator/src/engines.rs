@@ -891,7 +891,9 @@ mod tests {
                     Exchange::ok(Method::PATCH, &pod_path, created.clone()),
                 ],
             ]
-            .concat(),
+            .into_iter()
+            .flatten()
+            .collect(),
         );
         let inner = Arc::new(Agent {
             starts: true,
@@ -941,7 +943,9 @@ mod tests {
                     Exchange::ok(Method::GET, CR, cr()),
                 ],
             ]
-            .concat(),
+            .into_iter()
+            .flatten()
+            .collect(),
         );
         let inner = Arc::new(Agent {
             starts: true,
@@ -1044,54 +1048,36 @@ mod tests {
     /// interleave): the list, the create (the Pod gets a UID and is sent on `created`), the
     /// delete (the name is sent on `deleted`), the CR and the Host.
     fn pods_api(
-        handle: tower_test::mock::Handle<
-            http::Request<kube::client::Body>,
-            http::Response<kube::client::Body>,
-        >,
+        api: mock::MockApi,
         created: tokio::sync::mpsc::UnboundedSender<serde_json::Value>,
         deleted: tokio::sync::mpsc::UnboundedSender<String>,
-    ) -> tokio::task::JoinHandle<()> {
-        tokio::spawn(async move {
-            let mut handle = std::pin::pin!(handle);
-            let mut held: BTreeMap<String, serde_json::Value> = BTreeMap::new();
-            while let Some((request, send)) = handle.next_request().await {
-                let (parts, body) = request.into_parts();
-                let path = parts.uri.path().to_string();
-                let body = body.collect_bytes().await.unwrap();
-                let answer = match (parts.method.clone(), path.as_str()) {
-                    (Method::GET, PODS) => list(held.values().cloned().collect()),
-                    (Method::POST, PODS) => {
-                        let mut pod: serde_json::Value = serde_json::from_slice(&body).unwrap();
-                        let name = pod["metadata"]["name"].as_str().unwrap().to_string();
-                        pod["metadata"]["uid"] = format!("uid-{name}").into();
-                        pod["metadata"]["namespace"] = "capyctl".into();
-                        held.insert(name, pod.clone());
-                        let _ = created.send(pod.clone());
-                        pod
-                    }
-                    (Method::DELETE, p) if p.starts_with(PODS) => {
-                        let name = p.rsplit('/').next().unwrap().to_string();
-                        let _ = deleted.send(name.clone());
-                        held.remove(&name).unwrap_or_else(|| serde_json::json!({}))
-                    }
-                    (Method::GET, CR) => cr(),
-                    (Method::GET, HOST) => host(),
-                    other => panic!("unexpected call {other:?}"),
-                };
-                send.send_response(
-                    http::Response::builder()
-                        .status(if parts.method == Method::POST {
-                            201
-                        } else {
-                            200
-                        })
-                        .header(http::header::CONTENT_TYPE, "application/json")
-                        .body(kube::client::Body::from(
-                            serde_json::to_vec(&answer).unwrap(),
-                        ))
-                        .unwrap(),
-                );
-            }
+    ) -> tokio::task::JoinHandle<Vec<mock::Seen>> {
+        let mut held: BTreeMap<String, serde_json::Value> = BTreeMap::new();
+        api.serve_with(move |call| {
+            let (status, body) = match (call.method.clone(), call.path.as_str()) {
+                (Method::GET, PODS) => (200, list(held.values().cloned().collect())),
+                (Method::POST, PODS) => {
+                    let mut pod = call.body.clone();
+                    let name = pod["metadata"]["name"].as_str().unwrap().to_string();
+                    pod["metadata"]["uid"] = format!("uid-{name}").into();
+                    pod["metadata"]["namespace"] = "capyctl".into();
+                    held.insert(name, pod.clone());
+                    let _ = created.send(pod.clone());
+                    (201, pod)
+                }
+                (Method::DELETE, p) if p.starts_with(PODS) => {
+                    let name = p.rsplit('/').next().unwrap().to_string();
+                    let _ = deleted.send(name.clone());
+                    (
+                        200,
+                        held.remove(&name).unwrap_or_else(|| serde_json::json!({})),
+                    )
+                }
+                (Method::GET, CR) => (200, cr()),
+                (Method::GET, HOST) => (200, host()),
+                _ => panic!("unexpected call {call}"),
+            };
+            mock::Answer::Json { status, body }
         })
     }
 
@@ -1108,31 +1094,22 @@ mod tests {
         use capyctl_node_agent::k8s::pods::PodRuntime;
         use capyctl_node_agent::spec::GpuOverride;
 
-        let dir =
-            std::env::temp_dir().join(format!("capyctl-engines-pending-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let dir = capyctl_test_support::temp_dir("engines-pending");
         // The node agent's watch of its Pods: it lists the Pod the operator created, pending,
         // and then hears nothing (its deletion included).
         let (created_tx, mut created_rx) = tokio::sync::mpsc::unbounded_channel();
-        let (service, agent_api) = tower_test::mock::pair::<
-            http::Request<kube::client::Body>,
-            http::Response<kube::client::Body>,
-        >();
+        let (service, mut agent_api) = mock::MockApi::pair();
         let agent_api = tokio::spawn(async move {
-            let mut handle = std::pin::pin!(agent_api);
-            let (_, reply) = handle.next_request().await.unwrap();
             let mut pod: serde_json::Value = created_rx.recv().await.unwrap();
             pod["status"] = serde_json::json!({"phase": "Pending"});
             let list = serde_json::json!({"apiVersion": "v1", "kind": "PodList",
                 "metadata": {"resourceVersion": "10"}, "items": [pod]});
-            reply.send_response(
-                http::Response::builder()
-                    .header(http::header::CONTENT_TYPE, "application/json")
-                    .body(kube::client::Body::from(serde_json::to_vec(&list).unwrap()))
-                    .unwrap(),
-            );
+            agent_api
+                .answer(Exchange::ok(Method::GET, PODS, list))
+                .await;
+            // Every later call (the watch) is held unanswered.
             let mut held = Vec::new();
-            while let Some(call) = handle.next_request().await {
+            while let Some(call) = agent_api.next_call().await {
                 held.push(call);
             }
         });

@@ -674,34 +674,27 @@ mod tests {
     async fn a_hung_renewal_steps_the_leader_down_at_its_renew_deadline() {
         let (client, handle) = mock::client();
         let server = tokio::spawn(async move {
-            let mut handle = Box::pin(handle);
+            let mut handle = handle;
             // Acquired: the Lease is missing, then created.
-            let (_, send) = handle.next_request().await.unwrap();
-            send.send_response(
-                http::Response::builder()
-                    .status(404)
-                    .body(kube::client::Body::from(
-                        serde_json::to_vec(&status_body(404, "NotFound", "not found")).unwrap(),
-                    ))
-                    .unwrap(),
-            );
-            let (_, send) = handle.next_request().await.unwrap();
-            send.send_response(
-                http::Response::builder()
-                    .status(201)
-                    .body(kube::client::Body::from(
-                        serde_json::to_vec(&lease(
-                            Some("operator-a"),
-                            "10",
-                            "2026-12-01T10:00:00.000000Z",
-                        ))
-                        .unwrap(),
-                    ))
-                    .unwrap(),
-            );
+            handle
+                .answer(Exchange::new(
+                    Method::GET,
+                    PATH,
+                    404,
+                    status_body(404, "NotFound", "not found"),
+                ))
+                .await;
+            handle
+                .answer(Exchange::new(
+                    Method::POST,
+                    COLLECTION,
+                    201,
+                    lease(Some("operator-a"), "10", "2026-12-01T10:00:00.000000Z"),
+                ))
+                .await;
             // The renewal's read never gets an answer.
-            let (hung, reply) = handle.next_request().await.unwrap();
-            (hung.uri().path().to_string(), reply, handle)
+            let (hung, reply) = handle.next_call().await.unwrap();
+            (hung.path, reply, handle)
         });
         let (leading_tx, mut leading) = watch::channel(false);
         let (stop_tx, stop) = watch::channel(false);

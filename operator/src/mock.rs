@@ -1,12 +1,11 @@
-//! A scripted mock API server for the unit tests (`tower_test::mock::pair`): each expected
-//! call names its method and path and gets a status and a JSON body; what was asked is kept
-//! for the test's assertions. A call that is not the next one expected fails the test.
-//! Besides, [`FakeApi`]: the lifecycle's management API as the adapter's tests need it.
+//! The shared scripted mock API server ([`capyctl_test_support::MockApi`]) as the operator's
+//! unit tests use it: a client through the operator's
+//! [`ApiCallLayer`](capyctl_node_agent::k8s::api::ApiCallLayer), and a script answered in
+//! order. Besides, [`FakeApi`]: the lifecycle's management API as the adapter's tests need it.
 
 #![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeMap;
-use std::pin::pin;
 use std::sync::Mutex;
 
 use capyctl_spec::Activation;
@@ -17,135 +16,24 @@ use capyctl_spec::api::{
 };
 use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::errors::ApiError;
-use http::{Method, Request, Response};
+pub(crate) use capyctl_test_support::{Answer, Exchange, MockApi, Seen, status_body};
 use kube::Client;
-use kube::client::Body;
 use tokio::task::JoinHandle;
-use tower_test::mock::{self, Handle};
 
 use capyctl_lifecycle::api::{BoxFuture, ManagementApi};
 
-/// One expected call and its answer.
-#[derive(Debug, Clone)]
-pub(crate) struct Exchange {
-    pub method: Method,
-    /// The path (without the query).
-    pub path: String,
-    /// `path` is a prefix of the call's path (a name the client makes up).
-    pub prefix: bool,
-    pub status: u16,
-    pub body: serde_json::Value,
-}
-
-impl Exchange {
-    pub(crate) fn new(method: Method, path: &str, status: u16, body: serde_json::Value) -> Self {
-        Self {
-            method,
-            path: path.to_string(),
-            prefix: false,
-            status,
-            body,
-        }
-    }
-
-    /// A 200 with `body` for a call whose path begins with `prefix`.
-    pub(crate) fn ok_under(method: Method, prefix: &str, body: serde_json::Value) -> Self {
-        Self {
-            prefix: true,
-            ..Self::ok(method, prefix, body)
-        }
-    }
-
-    /// A 200 with `body`.
-    pub(crate) fn ok(method: Method, path: &str, body: serde_json::Value) -> Self {
-        Self::new(method, path, 200, body)
-    }
-}
-
-/// A call as the mock saw it.
-#[derive(Debug, Clone)]
-pub(crate) struct Seen {
-    pub method: Method,
-    pub path: String,
-    pub query: String,
-    pub content_type: Option<String>,
-    /// The JSON body; `Null` when there was none.
-    pub body: serde_json::Value,
-}
-
-/// A `Status` error body as the API server sends it.
-pub(crate) fn status_body(code: u16, reason: &str, message: &str) -> serde_json::Value {
-    serde_json::json!({
-        "kind": "Status",
-        "apiVersion": "v1",
-        "metadata": {},
-        "status": "Failure",
-        "message": message,
-        "reason": reason,
-        "code": code,
-    })
-}
-
-/// A client whose calls go to the returned handle, through the operator's
+/// A client whose calls go to the returned mock, through the operator's
 /// [`ApiCallLayer`](capyctl_node_agent::k8s::api::ApiCallLayer) as in production.
-pub(crate) fn client() -> (Client, Handle<Request<Body>, Response<Body>>) {
-    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+pub(crate) fn client() -> (Client, MockApi) {
+    let (service, api) = MockApi::pair();
     let layer = capyctl_node_agent::k8s::api::ApiCallLayer::new(super::API_CALL_TIMEOUT, None);
-    (Client::new(layer.service(service), "capyctl"), handle)
+    (Client::new(layer.service(service), "capyctl"), api)
 }
 
-/// Answers `script` in order; the task's result is every call seen. It panics (failing the
-/// test that joins it) on a call that is not the next expected one.
-pub(crate) fn serve(
-    handle: Handle<Request<Body>, Response<Body>>,
-    script: Vec<Exchange>,
-) -> JoinHandle<Vec<Seen>> {
-    tokio::spawn(async move {
-        let mut handle = pin!(handle);
-        let mut seen = Vec::new();
-        for ex in script {
-            let (request, send) = handle
-                .next_request()
-                .await
-                .unwrap_or_else(|| panic!("expected {} {}, no call came", ex.method, ex.path));
-            let (parts, body) = request.into_parts();
-            let bytes = body.collect_bytes().await.unwrap();
-            let body = if bytes.is_empty() {
-                serde_json::Value::Null
-            } else {
-                serde_json::from_slice(&bytes).unwrap()
-            };
-            let call = Seen {
-                method: parts.method.clone(),
-                path: parts.uri.path().to_string(),
-                query: parts.uri.query().unwrap_or_default().to_string(),
-                content_type: parts
-                    .headers
-                    .get(http::header::CONTENT_TYPE)
-                    .and_then(|v| v.to_str().ok())
-                    .map(str::to_string),
-                body,
-            };
-            let path = if ex.prefix && call.path.starts_with(&ex.path) {
-                ex.path.as_str()
-            } else {
-                call.path.as_str()
-            };
-            assert_eq!(
-                (&call.method, path),
-                (&ex.method, ex.path.as_str()),
-                "unexpected call {call:?}"
-            );
-            seen.push(call);
-            let response = Response::builder()
-                .status(ex.status)
-                .header(http::header::CONTENT_TYPE, "application/json")
-                .body(Body::from(serde_json::to_vec(&ex.body).unwrap()))
-                .unwrap();
-            send.send_response(response);
-        }
-        seen
-    })
+/// Answers `script` in order ([`MockApi::serve`]); the task's result is every call seen. It
+/// panics (failing the test that joins it) on a call that is not the next expected one.
+pub(crate) fn serve(api: MockApi, script: Vec<Exchange>) -> JoinHandle<Vec<Seen>> {
+    api.serve(script)
 }
 
 /// A view of deployment `doc` at `revision`: stopped, instance 0 on `gpu-1`.

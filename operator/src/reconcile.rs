@@ -1062,25 +1062,17 @@ mod tests {
         let server = {
             let finalized = finalized.clone();
             tokio::spawn(async move {
-                let mut handle = std::pin::pin!(handle);
-                let (req, send) = handle.next_request().await.unwrap();
-                assert_eq!(req.uri().path(), STATUS_PATH);
-                let body: serde_json::Value =
-                    serde_json::from_slice(&req.into_body().collect_bytes().await.unwrap())
-                        .unwrap();
-                let answer = with_status(finalized, &body["status"]);
-                status_tx.send(body["status"].clone()).unwrap();
-                send.send_response(
-                    http::Response::builder()
-                        .status(200)
-                        .body(kube::client::Body::from(
-                            serde_json::to_vec(&answer).unwrap(),
-                        ))
-                        .unwrap(),
-                );
+                let mut handle = handle;
+                handle
+                    .answer(Exchange::with(Method::PATCH, STATUS_PATH, move |call| {
+                        let answer = with_status(finalized, &call.body["status"]);
+                        status_tx.send(call.body["status"].clone()).unwrap();
+                        (200, answer)
+                    }))
+                    .await;
                 // Nothing else may come before the client is dropped.
-                if let Some((req, _)) = handle.next_request().await {
-                    panic!("a second call: {} {}", req.method(), req.uri());
+                if let Some((call, _)) = handle.next_call().await {
+                    panic!("a second call: {call}");
                 }
             })
         };

@@ -1,6 +1,6 @@
 //! The Kubernetes adapter on the real lifecycle: `Deployment` CRs reconciled into the same
 //! lifecycle, router and listener the standalone mode uses, with the real `engine-sim` binary
-//! as the engines (in-process host agent), and a mock API server (tower-test) that answers
+//! as the engines (in-process host agent), and a mock API server (the shared `MockApi`, on tower-test) that answers
 //! every call and keeps what it was sent. A request through the router switches the GPU; the
 //! CRs' status and Events show the park and the wake; deleting a CR removes its deployment.
 #![allow(clippy::unwrap_used)]
@@ -17,8 +17,7 @@ use capyctl_node_agent::HostAgent;
 use capyctl_operator::FINALIZER;
 use capyctl_operator::reconcile::{Reconciler, ReconcilerConfig};
 use capyctl_spec::InstanceState;
-use http::{Method, Request, Response};
-use kube::client::Body;
+use http::Method;
 use kube::{Api, Client};
 use support::{Harness, Opts, temp_dir};
 
@@ -88,35 +87,18 @@ impl MockApi {
     }
 
     fn client(&self) -> Client {
-        let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let (client, api) = capyctl_test_support::MockApi::client("capyctl");
         let me = self.clone();
-        tokio::spawn(async move {
-            let mut handle = std::pin::pin!(handle);
-            while let Some((request, send)) = handle.next_request().await {
-                let (parts, body) = request.into_parts();
-                let bytes = body.collect_bytes().await.unwrap();
-                let body: serde_json::Value = if bytes.is_empty() {
-                    serde_json::Value::Null
-                } else {
-                    serde_json::from_slice(&bytes).unwrap()
-                };
-                let path = parts.uri.path().to_string();
-                let (status, answer) = me.answer(&parts.method, &path, &body);
-                me.calls.lock().unwrap().push(Call {
-                    method: parts.method,
-                    path,
-                    body,
-                });
-                send.send_response(
-                    Response::builder()
-                        .status(status)
-                        .header(http::header::CONTENT_TYPE, "application/json")
-                        .body(Body::from(serde_json::to_vec(&answer).unwrap()))
-                        .unwrap(),
-                );
-            }
+        api.serve_with(move |call| {
+            let (status, body) = me.answer(&call.method, &call.path, &call.body);
+            me.calls.lock().unwrap().push(Call {
+                method: call.method.clone(),
+                path: call.path.clone(),
+                body: call.body.clone(),
+            });
+            capyctl_test_support::Answer::Json { status, body }
         });
-        Client::new(service, "capyctl")
+        client
     }
 
     /// The reasons of the Events about `name`, in order.

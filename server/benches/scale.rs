@@ -378,23 +378,6 @@ fn cpu_time() -> Duration {
     Duration::from_millis(ticks * 10)
 }
 
-fn temp_dir(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "capyctl-scale-{name}-{}-{}",
-        std::process::id(),
-        ulid_like()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn ulid_like() -> u128 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos()
-}
-
 fn name(i: usize) -> String {
     format!("model-{i:05}")
 }
@@ -482,7 +465,7 @@ deployments:
 
 async fn standalone_case(n: usize, reads: usize) -> Figures {
     let mut f = Figures::new();
-    let dir = temp_dir("standalone");
+    let dir = capyctl_test_support::temp_dir("scale-standalone");
     let text = standalone_document(n);
     let t = Instant::now();
     let config = parse_standalone_str("scale.yaml", &text, &Overrides::none()).unwrap();

@@ -7,8 +7,8 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
-use std::time::{Duration, Instant, SystemTime};
+
+use std::time::{Duration, Instant};
 
 /// The real `capyctl`.
 pub const CAPYCTL: &str = env!("CARGO_BIN_EXE_capyctl");
@@ -16,53 +16,15 @@ pub const CAPYCTL: &str = env!("CARGO_BIN_EXE_capyctl");
 /// How long any state the tests wait for may take.
 pub const PATIENCE: Duration = Duration::from_secs(60);
 
-/// A fresh directory under the target directory.
+/// A fresh, empty temporary directory (the shared test-support's).
 pub fn temp_dir(name: &str) -> PathBuf {
-    let nanos = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("e2e-{name}-{}-{nanos}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    capyctl_test_support::temp_dir(&format!("e2e-{name}"))
 }
 
-fn newest_source(dir: &Path) -> SystemTime {
-    let mut newest = SystemTime::UNIX_EPOCH;
-    for entry in std::fs::read_dir(dir).unwrap().flatten() {
-        let path = entry.path();
-        let t = if path.is_dir() {
-            newest_source(&path)
-        } else {
-            entry.metadata().and_then(|m| m.modified()).unwrap()
-        };
-        newest = newest.max(t);
-    }
-    newest
-}
-
-/// The `engine-sim` binary of this workspace, built first when missing or stale (under
-/// `cargo test --workspace` it is already built).
-pub fn engine_sim() -> &'static Path {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        let bin = Path::new(CAPYCTL).with_file_name("engine-sim");
-        let sources = Path::new(env!("CARGO_MANIFEST_DIR")).join("../engine-sim/src");
-        let fresh = std::fs::metadata(&bin)
-            .and_then(|m| m.modified())
-            .is_ok_and(|t| t >= newest_source(&sources));
-        if !fresh {
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            let ok = Command::new(cargo)
-                .args(["build", "-p", "capyctl-engine-sim", "--bin", "engine-sim"])
-                .status()
-                .unwrap()
-                .success();
-            assert!(ok, "building engine-sim failed");
-        }
-        bin
-    })
+/// The `engine-sim` binary of this workspace, built first when missing or stale (the shared
+/// test-support's).
+pub fn engine_sim() -> PathBuf {
+    capyctl_test_support::engine_sim_binary()
 }
 
 /// A standalone document: one 10 GiB GPU on host `gpu-box`, 1 GiB of host RAM, every engine

@@ -4,8 +4,8 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use capyctl_lifecycle::store::RedbStore;
@@ -31,62 +31,20 @@ use tokio::task::JoinHandle;
 pub const MIB: u64 = 1024 * 1024;
 pub const GIB: u64 = 1024 * MIB;
 
-/// A fresh, empty temporary directory.
+/// A fresh, empty temporary directory (the shared test-support's).
 pub fn temp_dir(name: &str) -> PathBuf {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let dir = std::env::temp_dir().join(format!(
-        "capyctl-operator-{name}-{}-{nanos}",
-        std::process::id()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    capyctl_test_support::temp_dir(&format!("operator-{name}"))
 }
 
+/// The newest modification time under `dir` (the shared test-support's).
 fn newest_source(dir: &Path) -> SystemTime {
-    let mut newest = UNIX_EPOCH;
-    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        let path = entry.path();
-        let t = if path.is_dir() {
-            newest_source(&path)
-        } else {
-            entry
-                .metadata()
-                .and_then(|m| m.modified())
-                .unwrap_or(UNIX_EPOCH)
-        };
-        newest = newest.max(t);
-    }
-    newest
+    capyctl_test_support::newest_source(dir)
 }
 
-/// The `engine-sim` binary (built when missing or older than its sources), as node-agent's
-/// tests find it.
+/// The `engine-sim` binary, built when missing or older than its sources (the shared
+/// test-support's).
 pub fn engine_sim_binary() -> PathBuf {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        let exe = std::env::current_exe().unwrap();
-        let profile_dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
-        let bin = profile_dir.join("engine-sim");
-        let sources = Path::new(env!("CARGO_MANIFEST_DIR")).join("../engine-sim");
-        let fresh = std::fs::metadata(&bin)
-            .and_then(|m| m.modified())
-            .is_ok_and(|t| t >= newest_source(&sources.join("src")));
-        if !fresh {
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            let status = std::process::Command::new(cargo)
-                .args(["build", "-p", "capyctl-engine-sim", "--bin", "engine-sim"])
-                .current_dir(env!("CARGO_MANIFEST_DIR"))
-                .status()
-                .unwrap();
-            assert!(status.success(), "building engine-sim failed");
-        }
-        assert!(bin.exists(), "no engine-sim at {}", bin.display());
-        bin
-    })
-    .clone()
+    capyctl_test_support::engine_sim_binary()
 }
 
 /// The host: one GPU of `gpu` bytes, `host_memory` of host RAM, every engine the simulator.

@@ -253,7 +253,6 @@ mod tests {
 
     use k8s_openapi::api::core::v1::Pod;
     use kube::Api;
-    use kube::client::Body;
 
     use super::*;
 
@@ -307,28 +306,27 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_call_past_its_bound_fails_and_every_call_is_observed() {
-        let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let (service, mut api) = capyctl_test_support::MockApi::pair();
         let seen = Arc::new(Seen::default());
         let layer = ApiCallLayer::new(Duration::from_secs(5), Some(seen.clone()));
         let client = kube::Client::new(layer.layer(service), "ns");
         let pods: Api<Pod> = Api::namespaced(client, "ns");
         let server = tokio::spawn(async move {
-            let mut handle = std::pin::pin!(handle);
-            // The first call is never answered; the second is, at once.
-            let (_hung, _reply) = handle.next_request().await.unwrap();
-            let (_, reply) = handle.next_request().await.unwrap();
-            reply.send_response(
-                Response::builder()
-                    .status(404)
-                    .body(Body::from(
-                        serde_json::to_vec(&serde_json::json!({
-                            "kind": "Status", "apiVersion": "v1", "metadata": {},
-                            "status": "Failure", "reason": "NotFound", "code": 404,
-                            "message": "pods \"p\" not found"}))
-                        .unwrap(),
-                    ))
-                    .unwrap(),
-            );
+            use capyctl_test_support::{Exchange, status_body};
+            // The first call is never answered (held while the mock lives); the second is, at
+            // once.
+            api.answer(Exchange::hang(
+                http::Method::GET,
+                "/api/v1/namespaces/ns/pods/p",
+            ))
+            .await;
+            api.answer(Exchange::new(
+                http::Method::GET,
+                "/api/v1/namespaces/ns/pods/p",
+                404,
+                status_body(404, "NotFound", "pods \"p\" not found"),
+            ))
+            .await;
             // Keep the first call's reply alive until the test is done with it.
             std::future::pending::<()>().await;
         });

@@ -339,12 +339,9 @@ impl HostPublisher {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use std::pin::pin;
-
     use capyctl_spec::EngineKind;
-    use http::{Request, Response};
-    use kube::client::Body;
-    use tower_test::mock;
+    use capyctl_test_support::{Answer, Exchange, MockApi, Seen, status_body};
+    use http::Method;
 
     use super::*;
     use crate::capability::engine_info;
@@ -413,68 +410,34 @@ mod tests {
     /// its status answers its body; `fail_first` answers the first Host write 403. Returns
     /// what it saw: method, path, query and body.
     fn serve(
-        handle: mock::Handle<Request<Body>, Response<Body>>,
+        api: MockApi,
         calls: usize,
         node: Option<serde_json::Value>,
         fail_first: bool,
-    ) -> tokio::task::JoinHandle<Vec<(String, String, String, serde_json::Value)>> {
-        tokio::spawn(async move {
-            let mut handle = pin!(handle);
-            let mut seen = Vec::new();
-            let mut generation = 0;
-            let mut failed = !fail_first;
-            for _ in 0..calls {
-                let (request, send) = handle.next_request().await.unwrap();
-                let (parts, body) = request.into_parts();
-                let bytes = body.collect_bytes().await.unwrap();
-                let body: serde_json::Value = if bytes.is_empty() {
-                    serde_json::Value::Null
-                } else {
-                    serde_json::from_slice(&bytes).unwrap()
-                };
-                let path = parts.uri.path().to_string();
-                seen.push((
-                    parts.method.to_string(),
-                    path.clone(),
-                    parts.uri.query().unwrap_or_default().to_string(),
-                    body.clone(),
-                ));
-                let (status, answer) = if path.starts_with("/api/v1/nodes/") {
-                    match &node {
-                        Some(n) => (200, n.clone()),
-                        None => (
-                            404,
-                            serde_json::json!({"kind": "Status", "apiVersion": "v1", "metadata": {},
-                                "status": "Failure", "reason": "NotFound", "code": 404, "message": "not found"}),
-                        ),
-                    }
-                } else if !failed {
-                    failed = true;
-                    (
-                        403,
-                        serde_json::json!({"kind": "Status", "apiVersion": "v1", "metadata": {},
-                            "status": "Failure", "message": "forbidden", "reason": "Forbidden", "code": 403}),
-                    )
-                } else if path.ends_with("/status") {
-                    let mut b = body;
-                    b["metadata"] = serde_json::json!({"name": "gpu-node-1"});
-                    b["spec"] = serde_json::json!({});
-                    (200, b)
-                } else {
-                    generation += 1;
-                    let mut b = body;
-                    b["metadata"]["generation"] = generation.into();
-                    (200, b)
-                };
-                send.send_response(
-                    Response::builder()
-                        .status(status)
-                        .header(http::header::CONTENT_TYPE, "application/json")
-                        .body(Body::from(serde_json::to_vec(&answer).unwrap()))
-                        .unwrap(),
-                );
-            }
-            seen
+    ) -> tokio::task::JoinHandle<Vec<Seen>> {
+        let mut generation = 0;
+        let mut failed = !fail_first;
+        api.serve_calls(calls, move |call| {
+            let (status, body) = if call.path.starts_with("/api/v1/nodes/") {
+                match &node {
+                    Some(n) => (200, n.clone()),
+                    None => (404, status_body(404, "NotFound", "not found")),
+                }
+            } else if !failed {
+                failed = true;
+                (403, status_body(403, "Forbidden", "forbidden"))
+            } else if call.path.ends_with("/status") {
+                let mut b = call.body.clone();
+                b["metadata"] = serde_json::json!({"name": "gpu-node-1"});
+                b["spec"] = serde_json::json!({});
+                (200, b)
+            } else {
+                generation += 1;
+                let mut b = call.body.clone();
+                b["metadata"]["generation"] = generation.into();
+                (200, b)
+            };
+            Answer::Json { status, body }
         })
     }
 
@@ -483,12 +446,9 @@ mod tests {
             "metadata": {"name": "gpu-node-1", "uid": "node-uid-1"}})
     }
 
-    fn publisher() -> (HostPublisher, mock::Handle<Request<Body>, Response<Body>>) {
-        let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
-        (
-            HostPublisher::new(Client::new(service, "capyctl"), "gpu-node-1"),
-            handle,
-        )
+    fn publisher() -> (HostPublisher, MockApi) {
+        let (client, api) = MockApi::client("capyctl");
+        (HostPublisher::new(client, "gpu-node-1"), api)
     }
 
     #[tokio::test]
@@ -497,9 +457,15 @@ mod tests {
         let server = serve(handle, 3, Some(node()), false);
         assert!(publisher.publish(spec(80 << 30)).await.unwrap());
         let seen = server.await.unwrap();
-        assert_eq!(seen[0].0, "GET");
-        assert_eq!(seen[0].1, "/api/v1/nodes/gpu-node-1");
-        let (method, path, query, body) = &seen[1];
+        assert_eq!(seen[0].method, "GET");
+        assert_eq!(seen[0].path, "/api/v1/nodes/gpu-node-1");
+        let Seen {
+            method,
+            path,
+            query,
+            body,
+            ..
+        } = &seen[1];
         assert_eq!(method, "PATCH");
         assert_eq!(path, "/apis/capyctl.io/v1alpha1/hosts/gpu-node-1");
         let mut pairs: Vec<&str> = query.split('&').filter(|p| !p.is_empty()).collect();
@@ -523,7 +489,13 @@ mod tests {
         assert!(body["spec"]["resourcePolicy"]["queue"].is_object());
         assert!(body.get("status").is_none_or(serde_json::Value::is_null));
         // The status: Ready=True for the generation written.
-        let (method, path, query, body) = &seen[2];
+        let Seen {
+            method,
+            path,
+            query,
+            body,
+            ..
+        } = &seen[2];
         assert_eq!(method, "PATCH");
         assert_eq!(path, "/apis/capyctl.io/v1alpha1/hosts/gpu-node-1/status");
         assert!(query.contains("fieldManager=capyctl-node-agent"), "{query}");
@@ -547,7 +519,7 @@ mod tests {
         let seen = server.await.unwrap();
         let calls: Vec<(&str, &str)> = seen
             .iter()
-            .map(|(m, p, _, _)| (m.as_str(), p.rsplit('/').next().unwrap()))
+            .map(|s| (s.method.as_str(), s.path.rsplit('/').next().unwrap()))
             .collect();
         assert_eq!(
             calls,
@@ -559,13 +531,13 @@ mod tests {
                 ("PATCH", "status")
             ]
         );
-        assert!(seen[1].3["metadata"].get("ownerReferences").is_none());
-        assert_eq!(seen[3].3["spec"]["gpus"][0]["memory"], "40GiB");
-        assert_eq!(seen[4].3["status"]["observedGeneration"], 2);
+        assert!(seen[1].body["metadata"].get("ownerReferences").is_none());
+        assert_eq!(seen[3].body["spec"]["gpus"][0]["memory"], "40GiB");
+        assert_eq!(seen[4].body["status"]["observedGeneration"], 2);
         // The transition time stays: Ready did not change.
         assert_eq!(
-            seen[2].3["status"]["conditions"][0]["lastTransitionTime"],
-            seen[4].3["status"]["conditions"][0]["lastTransitionTime"]
+            seen[2].body["status"]["conditions"][0]["lastTransitionTime"],
+            seen[4].body["status"]["conditions"][0]["lastTransitionTime"]
         );
         assert_eq!(publisher.last(), Some(&spec(40 << 30)));
     }
@@ -581,12 +553,12 @@ mod tests {
         // The Node is read once.
         assert_eq!(
             seen.iter()
-                .filter(|s| s.1.starts_with("/api/v1/nodes"))
+                .filter(|s| s.path.starts_with("/api/v1/nodes"))
                 .count(),
             1
         );
         assert_eq!(
-            seen[3].1,
+            seen[3].path,
             "/apis/capyctl.io/v1alpha1/hosts/gpu-node-1/status"
         );
     }
@@ -661,43 +633,34 @@ mod tests {
 
     #[tokio::test]
     async fn a_stopping_publisher_says_ready_false() {
-        let (publisher, handle) = publisher();
-        let mut handle = Box::pin(handle);
+        let (publisher, mut handle) = publisher();
         let running = publisher.spawn(Arc::new(Fixed), policy(), Duration::from_secs(3600));
-        let answer = |send: mock::SendResponse<Response<Body>>, mut body: serde_json::Value| {
+        // Every write is answered with its body, named, with a spec.
+        let echo = |mut body: serde_json::Value| {
             body["metadata"]["name"] = "gpu-node-1".into();
             if body.get("spec").is_none() {
                 body["spec"] = serde_json::json!({});
             }
-            send.send_response(
-                Response::builder()
-                    .status(200)
-                    .body(Body::from(serde_json::to_vec(&body).unwrap()))
-                    .unwrap(),
-            );
+            (200, body)
         };
+        const NODE: &str = "/api/v1/nodes/gpu-node-1";
+        const HOST: &str = "/apis/capyctl.io/v1alpha1/hosts/gpu-node-1";
+        const STATUS: &str = "/apis/capyctl.io/v1alpha1/hosts/gpu-node-1/status";
         // The first tick publishes at once: the Node, the spec, Ready=True.
         let mut paths = Vec::new();
-        let mut last = serde_json::Value::Null;
-        for i in 0..3 {
-            let (request, send) = handle.next_request().await.unwrap();
-            paths.push(request.uri().path().to_string());
-            let bytes = request.into_body().collect_bytes().await.unwrap();
-            let body: serde_json::Value = if i == 0 {
-                node()
-            } else {
-                serde_json::from_slice(&bytes).unwrap()
-            };
-            last = body.clone();
-            answer(send, body);
-        }
-        assert_eq!(last["status"]["conditions"][0]["status"], "True");
+        let node_read = Exchange::with(Method::GET, NODE, move |_| echo(node()));
+        paths.push(handle.answer(node_read).await.path);
+        let spec_write = Exchange::with(Method::PATCH, HOST, move |c| echo(c.body.clone()));
+        paths.push(handle.answer(spec_write).await.path);
+        let status_write = Exchange::with(Method::PATCH, STATUS, move |c| echo(c.body.clone()));
+        let last = handle.answer(status_write).await;
+        paths.push(last.path);
+        assert_eq!(last.body["status"]["conditions"][0]["status"], "True");
         let stopping = tokio::spawn(running.stop());
-        let (request, send) = handle.next_request().await.unwrap();
-        paths.push(request.uri().path().to_string());
-        let body: serde_json::Value =
-            serde_json::from_slice(&request.into_body().collect_bytes().await.unwrap()).unwrap();
-        answer(send, body.clone());
+        let status_write = Exchange::with(Method::PATCH, STATUS, move |c| echo(c.body.clone()));
+        let stopped = handle.answer(status_write).await;
+        paths.push(stopped.path);
+        let body = stopped.body;
         stopping.await.unwrap();
         assert_eq!(
             paths,

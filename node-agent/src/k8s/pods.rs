@@ -822,25 +822,22 @@ impl EngineRuntime for PodRuntime {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use std::pin::pin;
-
     use capyctl_spec::EngineKind;
-    use http::{Request, Response};
-    use kube::client::Body;
+    use capyctl_test_support::{Exchange, MockApi};
+    use http::Method;
     use serde_json::{Value, json};
-    use tower_test::mock;
 
     use super::*;
     use crate::spec::{EngineLaunch, InstanceSpec};
     use crate::tier::LaunchParking;
 
-    type Handle = mock::Handle<Request<Body>, Response<Body>>;
-    type Reply = tower_test::mock::SendResponse<Response<Body>>;
+    /// The engine Pods of namespace `capyctl`, as the runtime lists and watches them.
+    const PODS: &str = "/api/v1/namespaces/capyctl/pods";
 
-    fn runtime(dir: &Path) -> (PodRuntime, Handle) {
-        let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
-        let rt = PodRuntime::new(Client::new(service, "capyctl"), "capyctl", "gpu-1", dir).unwrap();
-        (rt, handle)
+    fn runtime(dir: &Path) -> (PodRuntime, MockApi) {
+        let (client, api) = MockApi::client("capyctl");
+        let rt = PodRuntime::new(client, "capyctl", "gpu-1", dir).unwrap();
+        (rt, api)
     }
 
     fn pod(phase: &str, ip: Option<&str>) -> Value {
@@ -861,51 +858,8 @@ mod tests {
         })
     }
 
-    fn json_reply(reply: Reply, body: &Value) {
-        reply.send_response(
-            Response::builder()
-                .status(200)
-                .header(http::header::CONTENT_TYPE, "application/json")
-                .body(Body::from(serde_json::to_vec(body).unwrap()))
-                .unwrap(),
-        );
-    }
-
     fn list(items: Vec<Value>) -> Value {
         json!({"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "10"}, "items": items})
-    }
-
-    fn events(events: &[(&str, Value)]) -> Body {
-        let mut text = String::new();
-        for (kind, object) in events {
-            text.push_str(&json!({"type": kind, "object": object}).to_string());
-            text.push('\n');
-        }
-        Body::from(text.into_bytes())
-    }
-
-    /// The next call: its path and decoded query pairs.
-    async fn next(
-        handle: &mut std::pin::Pin<&mut Handle>,
-    ) -> (String, Vec<(String, String)>, Reply) {
-        let (request, reply) = handle.next_request().await.unwrap();
-        let query = request.uri().query().unwrap_or_default().to_string();
-        let pairs = query
-            .split('&')
-            .filter(|p| !p.is_empty())
-            .map(|p| {
-                let (k, v) = p.split_once('=').unwrap_or((p, ""));
-                (k.to_string(), v.replace("%3D", "=").replace("%2F", "/"))
-            })
-            .collect();
-        (request.uri().path().to_string(), pairs, reply)
-    }
-
-    fn get<'a>(pairs: &'a [(String, String)], key: &str) -> Option<&'a str> {
-        pairs
-            .iter()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_str())
     }
 
     fn spec() -> InstanceSpec {
@@ -933,31 +887,40 @@ mod tests {
     #[tokio::test]
     async fn the_watch_lists_and_watches_only_this_nodes_engine_pods() {
         let dir = tempdir();
-        let (rt, handle) = runtime(&dir);
-        let mut handle = pin!(handle);
-        let (path, pairs, reply) = next(&mut handle).await;
-        assert_eq!(path, "/api/v1/namespaces/capyctl/pods");
-        assert_eq!(get(&pairs, "fieldSelector"), Some("spec.nodeName=gpu-1"));
-        assert_eq!(get(&pairs, "labelSelector"), Some("capyctl.io/instance"));
-        assert_eq!(get(&pairs, "watch"), None);
-        json_reply(reply, &list(vec![]));
-        let (path, pairs, _reply) = next(&mut handle).await;
-        assert_eq!(path, "/api/v1/namespaces/capyctl/pods");
-        assert_eq!(get(&pairs, "watch"), Some("true"));
-        assert_eq!(get(&pairs, "resourceVersion"), Some("10"));
-        assert_eq!(get(&pairs, "fieldSelector"), Some("spec.nodeName=gpu-1"));
-        assert_eq!(get(&pairs, "labelSelector"), Some("capyctl.io/instance"));
+        let (rt, mut handle) = runtime(&dir);
+        handle
+            .answer(
+                Exchange::ok(Method::GET, PODS, list(vec![]))
+                    .query("fieldSelector", "spec.nodeName=gpu-1")
+                    .query("labelSelector", "capyctl.io/instance")
+                    .no_query("watch"),
+            )
+            .await;
+        // The watch is held open (unanswered) while the mock lives.
+        handle
+            .answer(
+                Exchange::hang(Method::GET, PODS)
+                    .query("watch", "true")
+                    .query("resourceVersion", "10")
+                    .query("fieldSelector", "spec.nodeName=gpu-1")
+                    .query("labelSelector", "capyctl.io/instance"),
+            )
+            .await;
         assert!(rt.seen().synced);
     }
 
     #[tokio::test(start_paused = true)]
     async fn launch_waits_for_the_pod_to_run_with_an_ip() {
         let dir = tempdir();
-        let (rt, handle) = runtime(&dir);
+        let (rt, mut handle) = runtime(&dir);
         let rt = Arc::new(rt);
-        let mut handle = pin!(handle);
-        let (_, _, reply) = next(&mut handle).await;
-        json_reply(reply, &list(vec![pod("Pending", None)]));
+        handle
+            .answer(Exchange::ok(
+                Method::GET,
+                PODS,
+                list(vec![pod("Pending", None)]),
+            ))
+            .await;
         rt.wait_synced(Duration::from_secs(5)).await.unwrap();
         let (spec, engine) = (spec(), EngineLaunch::default_for(EngineKind::Vllm));
 
@@ -984,15 +947,15 @@ mod tests {
                     .await
             }
         });
-        let (_, pairs, reply) = next(&mut handle).await;
-        assert_eq!(get(&pairs, "watch"), Some("true"));
-        events_reply(
-            reply,
-            &[
-                ("MODIFIED", pod("Running", None)),
-                ("MODIFIED", pod("Running", Some("10.1.2.3"))),
-            ],
-        );
+        handle
+            .answer(Exchange::watch(
+                PODS,
+                &[
+                    ("MODIFIED", pod("Running", None)),
+                    ("MODIFIED", pod("Running", Some("10.1.2.3"))),
+                ],
+            ))
+            .await;
         let launched = launch.await.unwrap().unwrap();
         assert_eq!(launched.base_url, "http://10.1.2.3:8001");
         assert_eq!(launched.record.port, 8001);
@@ -1005,10 +968,14 @@ mod tests {
     #[tokio::test]
     async fn an_exit_is_the_pod_going_away_and_a_stopped_pod_is_never_taken_again() {
         let dir = tempdir();
-        let (rt, handle) = runtime(&dir);
-        let mut handle = pin!(handle);
-        let (_, _, reply) = next(&mut handle).await;
-        json_reply(reply, &list(vec![pod("Running", Some("10.1.2.3"))]));
+        let (rt, mut handle) = runtime(&dir);
+        handle
+            .answer(Exchange::ok(
+                Method::GET,
+                PODS,
+                list(vec![pod("Running", Some("10.1.2.3"))]),
+            ))
+            .await;
         rt.wait_synced(Duration::from_secs(5)).await.unwrap();
         let (spec, engine) = (spec(), EngineLaunch::default_for(EngineKind::Vllm));
         let launched = rt
@@ -1017,8 +984,12 @@ mod tests {
             .unwrap();
         let mut exit = launched.exit;
 
-        let (_, _, reply) = next(&mut handle).await;
-        events_reply(reply, &[("DELETED", pod("Running", Some("10.1.2.3")))]);
+        handle
+            .answer(Exchange::watch(
+                PODS,
+                &[("DELETED", pod("Running", Some("10.1.2.3")))],
+            ))
+            .await;
         let status = exit.wait_for(Option::is_some).await.unwrap().clone();
         assert_eq!(
             status.as_deref(),
@@ -1037,10 +1008,14 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_pod_let_go_of_is_not_taken_again() {
         let dir = tempdir();
-        let (rt, handle) = runtime(&dir);
-        let mut handle = pin!(handle);
-        let (_, _, reply) = next(&mut handle).await;
-        json_reply(reply, &list(vec![pod("Running", Some("10.1.2.3"))]));
+        let (rt, mut handle) = runtime(&dir);
+        handle
+            .answer(Exchange::ok(
+                Method::GET,
+                PODS,
+                list(vec![pod("Running", Some("10.1.2.3"))]),
+            ))
+            .await;
         rt.wait_synced(Duration::from_secs(5)).await.unwrap();
         let (spec, engine) = (spec(), EngineLaunch::default_for(EngineKind::Vllm));
         rt.launch(request(&spec, &engine, Duration::from_secs(5)))
@@ -1075,29 +1050,29 @@ mod tests {
         })
     }
 
-    /// Answers a watch call with these events.
-    fn events_reply(reply: Reply, list: &[(&str, Value)]) {
-        reply.send_response(Response::builder().status(200).body(events(list)).unwrap());
-    }
-
     #[tokio::test]
     async fn a_pod_failing_during_the_launch_fails_it_and_an_older_failed_one_does_not() {
         let dir = tempdir();
-        let (rt, handle) = runtime(&dir);
+        let (rt, mut handle) = runtime(&dir);
         let rt = Arc::new(rt);
-        let mut handle = pin!(handle);
-        let (_, _, reply) = next(&mut handle).await;
-        json_reply(reply, &list(vec![generation(1, "Failed")]));
+        handle
+            .answer(Exchange::ok(
+                Method::GET,
+                PODS,
+                list(vec![generation(1, "Failed")]),
+            ))
+            .await;
         rt.wait_synced(Duration::from_secs(5)).await.unwrap();
         let launch = spawn_launch(&rt, Duration::from_secs(600));
-        let (_, _, reply) = next(&mut handle).await;
-        events_reply(
-            reply,
-            &[
-                ("ADDED", generation(2, "Pending")),
-                ("MODIFIED", generation(2, "Failed")),
-            ],
-        );
+        handle
+            .answer(Exchange::watch(
+                PODS,
+                &[
+                    ("ADDED", generation(2, "Pending")),
+                    ("MODIFIED", generation(2, "Failed")),
+                ],
+            ))
+            .await;
         let err = launch.await.unwrap().unwrap_err();
         match err {
             AgentError::EngineExited { status, .. } => {
@@ -1114,15 +1089,23 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_launch_whose_pod_is_deleted_ends_and_a_stop_lets_go_of_every_pod_seen() {
         let dir = tempdir();
-        let (rt, handle) = runtime(&dir);
+        let (rt, mut handle) = runtime(&dir);
         let rt = Arc::new(rt);
-        let mut handle = pin!(handle);
-        let (_, _, reply) = next(&mut handle).await;
-        json_reply(reply, &list(vec![generation(1, "Pending")]));
+        handle
+            .answer(Exchange::ok(
+                Method::GET,
+                PODS,
+                list(vec![generation(1, "Pending")]),
+            ))
+            .await;
         rt.wait_synced(Duration::from_secs(5)).await.unwrap();
         let launch = spawn_launch(&rt, Duration::from_secs(1800));
-        let (_, _, reply) = next(&mut handle).await;
-        events_reply(reply, &[("DELETED", generation(1, "Pending"))]);
+        handle
+            .answer(Exchange::watch(
+                PODS,
+                &[("DELETED", generation(1, "Pending"))],
+            ))
+            .await;
         let began = tokio::time::Instant::now();
         let err = launch.await.unwrap().unwrap_err();
         match err {
@@ -1135,8 +1118,12 @@ mod tests {
 
         // A Pod of the instance seen when a stop comes (pending: its start was ended, or has
         // not reached the agent) is never taken by a later start.
-        let (_, _, reply) = next(&mut handle).await;
-        events_reply(reply, &[("ADDED", generation(2, "Pending"))]);
+        handle
+            .answer(Exchange::watch(
+                PODS,
+                &[("ADDED", generation(2, "Pending"))],
+            ))
+            .await;
         let mut seen = rt.shared.seen.subscribe();
         seen.wait_for(|s| s.pods.len() == 1).await.unwrap();
         assert!(matches!(
@@ -1145,8 +1132,9 @@ mod tests {
         ));
         let mut running = generation(2, "Running");
         running["status"]["podIP"] = json!("10.1.2.4");
-        let (_, _, reply) = next(&mut handle).await;
-        events_reply(reply, &[("MODIFIED", running)]);
+        handle
+            .answer(Exchange::watch(PODS, &[("MODIFIED", running)]))
+            .await;
         seen.wait_for(|s| s.pods.values().any(EnginePodView::usable))
             .await
             .unwrap();
@@ -1161,10 +1149,14 @@ mod tests {
     #[tokio::test]
     async fn a_terminated_engine_container_is_an_exit() {
         let dir = tempdir();
-        let (rt, handle) = runtime(&dir);
-        let mut handle = pin!(handle);
-        let (_, _, reply) = next(&mut handle).await;
-        json_reply(reply, &list(vec![pod("Running", Some("10.1.2.3"))]));
+        let (rt, mut handle) = runtime(&dir);
+        handle
+            .answer(Exchange::ok(
+                Method::GET,
+                PODS,
+                list(vec![pod("Running", Some("10.1.2.3"))]),
+            ))
+            .await;
         rt.wait_synced(Duration::from_secs(5)).await.unwrap();
         let (spec, engine) = (spec(), EngineLaunch::default_for(EngineKind::Vllm));
         let mut exit = rt
@@ -1177,8 +1169,9 @@ mod tests {
             "name": "engine", "ready": false, "restartCount": 0, "image": "vllm", "imageID": "",
             "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}
         }]);
-        let (_, _, reply) = next(&mut handle).await;
-        events_reply(reply, &[("MODIFIED", ended)]);
+        handle
+            .answer(Exchange::watch(PODS, &[("MODIFIED", ended)]))
+            .await;
         let status = exit.wait_for(Option::is_some).await.unwrap().clone();
         assert_eq!(
             status.as_deref(),
@@ -1202,18 +1195,23 @@ mod tests {
         record.command = vec!["pod".into(), "capyctl/chat-b-0-g1".into()];
         store.write_record(&record).unwrap();
 
-        let (rt, handle) = runtime(&dir);
-        let mut handle = pin!(handle);
+        let (rt, mut handle) = runtime(&dir);
         let recover = rt.recover(
             Arc::new(|_record, url: String| Box::pin(async move { url == "http://10.1.2.3:8001" })),
             Duration::from_secs(1),
         );
         let serve = async {
-            let (path, pairs, reply) = next(&mut handle).await;
-            assert_eq!(path, "/api/v1/namespaces/capyctl/pods");
-            assert_eq!(get(&pairs, "fieldSelector"), Some("spec.nodeName=gpu-1"));
-            assert_eq!(get(&pairs, "labelSelector"), Some("capyctl.io/instance"));
-            json_reply(reply, &list(vec![pod("Running", Some("10.1.2.3"))]));
+            handle
+                .answer(
+                    Exchange::ok(
+                        Method::GET,
+                        PODS,
+                        list(vec![pod("Running", Some("10.1.2.3"))]),
+                    )
+                    .query("fieldSelector", "spec.nodeName=gpu-1")
+                    .query("labelSelector", "capyctl.io/instance"),
+                )
+                .await;
         };
         let (recovery, ()) = tokio::join!(recover, serve);
         let recovery = recovery.unwrap();
@@ -1262,15 +1260,19 @@ mod tests {
         bare["metadata"]["uid"] = json!("uid-b");
         bare["metadata"]["labels"]["capyctl.io/instance"] = json!("dep2-0");
 
-        let (rt, handle) = runtime(&dir);
-        let mut handle = pin!(handle);
+        let (rt, mut handle) = runtime(&dir);
         let recover = rt.recover(
             Arc::new(|_record, url: String| Box::pin(async move { url != "http://10.1.2.9:8001" })),
             Duration::from_secs(1),
         );
         let serve = async {
-            let (_, _, reply) = next(&mut handle).await;
-            json_reply(reply, &list(vec![parked, silent, bare]));
+            handle
+                .answer(Exchange::ok(
+                    Method::GET,
+                    PODS,
+                    list(vec![parked, silent, bare]),
+                ))
+                .await;
         };
         let (recovery, ()) = tokio::join!(recover, serve);
         let recovery = recovery.unwrap();
@@ -1342,13 +1344,8 @@ mod tests {
             .collect()
     }
 
-    /// A fresh directory under the system temp directory.
+    /// A fresh, empty temporary directory.
     fn tempdir() -> std::path::PathBuf {
-        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("capyctl-pods-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
+        capyctl_test_support::temp_dir("pods")
     }
 }

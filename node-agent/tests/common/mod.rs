@@ -4,67 +4,12 @@
 pub mod agents;
 
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
-use std::time::{SystemTime, UNIX_EPOCH};
 
-/// A fresh, empty temporary directory.
+pub use capyctl_test_support::engine_sim_binary;
+
+/// A fresh, empty temporary directory (the shared test-support's).
 pub fn temp_dir(name: &str) -> PathBuf {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let dir = std::env::temp_dir().join(format!(
-        "capyctl-node-agent-{name}-{}-{nanos}",
-        std::process::id()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn newest_source(dir: &Path) -> SystemTime {
-    let mut newest = UNIX_EPOCH;
-    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        let path = entry.path();
-        let t = if path.is_dir() {
-            newest_source(&path)
-        } else {
-            entry
-                .metadata()
-                .and_then(|m| m.modified())
-                .unwrap_or(UNIX_EPOCH)
-        };
-        newest = newest.max(t);
-    }
-    newest
-}
-
-/// The `engine-sim` binary: `target/debug/engine-sim` next to this test binary's directory,
-/// built with `cargo build -p capyctl-engine-sim --bin engine-sim` when missing or older than
-/// the simulator's sources.
-pub fn engine_sim_binary() -> PathBuf {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        let exe = std::env::current_exe().unwrap();
-        // target/debug/deps/<test> → target/debug
-        let profile_dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
-        let bin = profile_dir.join("engine-sim");
-        let sources = Path::new(env!("CARGO_MANIFEST_DIR")).join("../engine-sim");
-        let fresh = std::fs::metadata(&bin)
-            .and_then(|m| m.modified())
-            .is_ok_and(|t| t >= newest_source(&sources.join("src")));
-        if !fresh {
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            let status = std::process::Command::new(cargo)
-                .args(["build", "-p", "capyctl-engine-sim", "--bin", "engine-sim"])
-                .current_dir(env!("CARGO_MANIFEST_DIR"))
-                .status()
-                .unwrap();
-            assert!(status.success(), "building engine-sim failed");
-        }
-        assert!(bin.exists(), "no engine-sim at {}", bin.display());
-        bin
-    })
-    .clone()
+    capyctl_test_support::temp_dir(&format!("node-agent-{name}"))
 }
 
 /// Writes a safetensors file with `tensors` (name, dtype, shape); the data is zeros.
