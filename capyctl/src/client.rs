@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 
 use bytes::Bytes;
-use capyctl_crds::api::PREFIX;
+use capyctl_spec::api::PREFIX;
 use http::{Method, Request, StatusCode, Uri, header};
 use http_body_util::{BodyExt, Full};
 use hyper_rustls::HttpsConnector;
@@ -179,7 +179,7 @@ enum Transport {
     /// or `--ca-file`).
     Direct(Box<HyperClient<HttpsConnector<HttpConnector>, Full<Bytes>>>),
     /// Through the Kubernetes API server's service proxy, authenticated by the kubeconfig; the
-    /// admin token then travels in [`capyctl_crds::auth::TOKEN_HEADER`]. With where the
+    /// admin token then travels in [`capyctl_spec::auth::TOKEN_HEADER`]. With where the
     /// user's Deployment objects go.
     Kube(kube::Client, std::sync::Arc<crate::cluster::Target>),
 }
@@ -329,7 +329,7 @@ impl Client {
             Transport::Direct(_) => {
                 request.header(header::AUTHORIZATION, format!("Bearer {}", self.token))
             }
-            Transport::Kube(..) => request.header(capyctl_crds::auth::TOKEN_HEADER, &self.token),
+            Transport::Kube(..) => request.header(capyctl_spec::auth::TOKEN_HEADER, &self.token),
         };
         let body = match body {
             Some((kind, bytes)) => {

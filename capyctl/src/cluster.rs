@@ -27,9 +27,9 @@
 
 use std::time::Duration;
 
-use capyctl_crds::api::{DeployOutcome, DeployReceipt, DeploymentView};
-use capyctl_crds::documents::DeploymentDoc;
-use capyctl_crds::k8s::Deployment;
+use capyctl_crds::Deployment;
+use capyctl_spec::api::{DeployOutcome, DeployReceipt, DeploymentView};
+use capyctl_spec::documents::DeploymentDoc;
 use k8s_openapi::api::core::v1::{Secret, Service};
 use kube::Api;
 use kube::api::{DeleteParams, PostParams};

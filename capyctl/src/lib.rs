@@ -18,12 +18,12 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use capyctl_crds::InstanceState;
-use capyctl_crds::api::{
+use capyctl_spec::InstanceState;
+use capyctl_spec::api::{
     ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, StartRequest,
 };
-use capyctl_crds::documents;
-use capyctl_crds::overrides::Overrides;
+use capyctl_spec::documents;
+use capyctl_spec::overrides::Overrides;
 use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
 
 use client::{Client, ClientError, segment};
@@ -148,7 +148,7 @@ enum Start {
         /// An override, `a.b=c` (repeatable); wins over `CAPYCTL_SET__A__B=c`.
         #[arg(long = "set")]
         set: Vec<String>,
-        /// Where the state file, the admin token and engine logs live (default
+        /// Where the state (`state.redb`), the admin token and engine logs live (default
         /// `$XDG_STATE_HOME/capyctl`, or `~/.local/state/capyctl`).
         #[arg(long, env = "CAPYCTL_DATA_DIR")]
         data_dir: Option<PathBuf>,
@@ -564,8 +564,8 @@ async fn with_progress(
                 let measured = match &d.measurement {
                     Some(m) => format!(
                         "measured (gpu {}, weights {})",
-                        capyctl_crds::units::format_bytes(m.gpu_memory),
-                        capyctl_crds::units::format_bytes(m.weights_memory)
+                        capyctl_spec::units::format_bytes(m.gpu_memory),
+                        capyctl_spec::units::format_bytes(m.weights_memory)
                     ),
                     None => "awaiting measurement".to_string(),
                 };

@@ -1,10 +1,10 @@
 //! What the commands print: the product page's tables, receipts and the status page.
 
-use capyctl_crds::InstanceState;
-use capyctl_crds::api::{
+use capyctl_spec::InstanceState;
+use capyctl_spec::api::{
     ActionReceipt, DeployOutcome, DeployReceipt, DeploymentView, EngineView, Released,
 };
-use capyctl_crds::units::format_bytes;
+use capyctl_spec::units::format_bytes;
 
 /// A table as the product page prints it: every column as wide as its widest cell plus three
 /// spaces, the last one unpadded, no trailing spaces.

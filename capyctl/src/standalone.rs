@@ -3,10 +3,10 @@
 
 use std::path::{Path, PathBuf};
 
-use capyctl_crds::documents;
-use capyctl_crds::overrides::Overrides;
 use capyctl_node_agent::inventory::default_probe;
 use capyctl_operator::standalone::Standalone;
+use capyctl_spec::documents;
+use capyctl_spec::overrides::Overrides;
 
 /// Loads the document (or the defaults with the overrides alone), starts, prints where it
 /// listens, runs until a signal, then shuts down cleanly (engines stopped).
@@ -138,7 +138,7 @@ impl Hangup {
 /// not load changes nothing.
 async fn reload(
     standalone: &Standalone,
-    running: &capyctl_crds::settings::StandaloneConfig,
+    running: &capyctl_spec::settings::StandaloneConfig,
     file: Option<&Path>,
     set: &[String],
 ) {

@@ -5,7 +5,7 @@ use std::process::Command;
 
 fn fixture(name: &str) -> String {
     format!(
-        "{}/../crds/tests/fixtures/{name}",
+        "{}/../spec/tests/fixtures/{name}",
         env!("CARGO_MANIFEST_DIR")
     )
 }

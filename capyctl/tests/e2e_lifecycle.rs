@@ -385,10 +385,10 @@ fn start_host_runs_a_host_agent() {
     assert!(status.success(), "{status:?}");
 }
 
-/// The test CA, server certificate and key (`crds/tests/fixtures/tls/README.md`).
+/// The test CA, server certificate and key (`spec/tests/fixtures/tls/README.md`).
 fn tls_fixture(name: &str) -> String {
     format!(
-        "{}/../crds/tests/fixtures/tls/{name}",
+        "{}/../spec/tests/fixtures/tls/{name}",
         env!("CARGO_MANIFEST_DIR")
     )
 }

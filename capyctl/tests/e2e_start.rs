@@ -11,10 +11,10 @@ use std::time::{Duration, Instant};
 
 use support::{CAPYCTL, Capy, PATIENCE, Response, document, model, request, signal, temp_dir};
 
-/// Deployments in the large document: enough that deploying them takes seconds (each deploy
-/// writes the whole state file today), few enough for CI. NB: when deploys get fast, raise it,
-/// so that the tests still see CapyCTL while it deploys (they fail rather than pass vacuously).
-const MANY: usize = 1000;
+/// Deployments in the large document: enough that the tests see CapyCTL while it deploys them
+/// (they fail rather than pass vacuously), few enough for CI. The document is one transaction,
+/// so this is mostly the time to read the document and build the deployments.
+const MANY: usize = 10_000;
 
 /// A loopback address free a moment ago, for a listener the test must know before the banner.
 fn free_addr() -> SocketAddr {

@@ -3,19 +3,19 @@
 
 use std::path::PathBuf;
 
-use capyctl_crds::documents::{Origin, Problem, parse_deployment_str};
-use capyctl_crds::k8s::{
-    self, Deployment, DeploymentSpec, Host, QueueSpec, load_deployment_manifest_file,
+use capyctl_crds::{
+    self as k8s, Deployment, DeploymentSpec, Host, QueueSpec, load_deployment_manifest_file,
     parse_deployment_manifest_str,
 };
-use capyctl_crds::settings::{Mode, QueueSettings};
-use capyctl_crds::{Activation, EngineKind, Residency};
+use capyctl_spec::documents::{Origin, Problem, parse_deployment_str};
+use capyctl_spec::settings::{Mode, QueueSettings};
+use capyctl_spec::{Activation, EngineKind, Residency};
 use kube::CustomResourceExt;
 use serde_json::Value;
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
+        .join("../spec/tests/fixtures")
         .join(name)
 }
 
@@ -31,7 +31,7 @@ fn checked_in_crds_match_the_types() {
         let on_disk = std::fs::read_to_string(&path).unwrap_or_default();
         assert!(
             on_disk == text,
-            "{} is out of date with crds/src/k8s.rs; run `{}` and commit the result",
+            "{} is out of date with crds/src/lib.rs; run `{}` and commit the result",
             path.display(),
             k8s::CRDGEN_COMMAND
         );
@@ -313,7 +313,7 @@ fn objects_from_the_api_are_validated_with_spec_paths() {
     );
     spec.env.clear();
     spec.resources = Some(k8s::ResourcesSpec {
-        gpu_memory: Some(capyctl_crds::units::ByteSize::bytes(0)),
+        gpu_memory: Some(capyctl_spec::units::ByteSize::bytes(0)),
         weights_memory: None,
     });
     let e = spec
@@ -332,7 +332,7 @@ fn objects_from_the_api_are_validated_with_spec_paths() {
     // The rules across keys, named as the object's fields (what the operator reports in the
     // Accepted condition and a Refused event).
     spec.extra_args = vec!["--speculative-algorithm=EAGLE".into()];
-    spec.residency = Some(capyctl_crds::Residency::HostBacked);
+    spec.residency = Some(capyctl_spec::Residency::HostBacked);
     let e = spec
         .to_document("chat", Origin::Object("Deployment chat".into()))
         .unwrap_err();
@@ -355,8 +355,8 @@ fn objects_from_the_api_are_validated_with_spec_paths() {
     );
     spec.extra_args.clear();
     spec.resources = Some(k8s::ResourcesSpec {
-        gpu_memory: Some(capyctl_crds::units::ByteSize::bytes(1 << 30)),
-        weights_memory: Some(capyctl_crds::units::ByteSize::bytes(2 << 30)),
+        gpu_memory: Some(capyctl_spec::units::ByteSize::bytes(1 << 30)),
+        weights_memory: Some(capyctl_spec::units::ByteSize::bytes(2 << 30)),
     });
     let e = spec
         .to_document("chat", Origin::Object("Deployment chat".into()))

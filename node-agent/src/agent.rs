@@ -1,7 +1,7 @@
 //! The host agent the lifecycle calls: [`HostAgent`], and [`LocalHostAgent`], which drives
 //! the engines of this machine through an [`EngineRuntime`]: child processes
 //! ([`ProcessRuntime`]: standalone, the node agent's `process` runtime) or the operator's engine
-//! Pods ([`PodRuntime`](crate::k8s::pods::PodRuntime): the node agent's `pod` runtime).
+//! Pods (`k8s::pods::PodRuntime` (feature `kubernetes`): the node agent's `pod` runtime).
 //! [`RemoteHostAgent`](crate::remote::RemoteHostAgent) implements the same trait over HTTP (a
 //! node agent on another machine).
 //!
@@ -23,7 +23,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use capyctl_crds::EngineKind;
+use capyctl_spec::EngineKind;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{broadcast, watch};
 use tokio::task::{AbortHandle, JoinHandle};

@@ -18,7 +18,7 @@
 //! Nemotron row names vLLM 0.31.0) says so in its reason, and gets its `fixed_in` once a release
 //! wakes the model correctly.
 
-use capyctl_crds::EngineKind;
+use capyctl_spec::EngineKind;
 
 use crate::checkpoint::ModelFacts;
 
@@ -192,7 +192,7 @@ pub struct EngineInfo {
     /// Whether it parks.
     pub deep_park: DeepPark,
     /// The refusal table's reasons for this engine (models it will not park). NB: the
-    /// management API's engine row ([`capyctl_crds::api::EngineView`]) has no field for them,
+    /// management API's engine row ([`capyctl_spec::api::EngineView`]) has no field for them,
     /// so [`EngineInfo::view`] leaves them out; users meet a reason in the
     /// `capability_missing:deep_park` error and the `Parkable` condition of the model concerned.
     #[serde(deserialize_with = "crate::remote::wire::static_strs")]
@@ -202,8 +202,8 @@ pub struct EngineInfo {
 impl EngineInfo {
     /// The management API's row for host `host_id`, whose launch command of this engine is
     /// `command`.
-    pub fn view(&self, host_id: &str, command: &[String]) -> capyctl_crds::api::EngineView {
-        capyctl_crds::api::EngineView {
+    pub fn view(&self, host_id: &str, command: &[String]) -> capyctl_spec::api::EngineView {
+        capyctl_spec::api::EngineView {
             engine: self.engine,
             version: self.version.clone(),
             command: command.to_vec(),

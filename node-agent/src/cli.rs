@@ -54,8 +54,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use capyctl_crds::documents;
-use capyctl_crds::overrides::Overrides;
+use capyctl_spec::documents;
+use capyctl_spec::overrides::Overrides;
 use clap::{Parser, ValueEnum};
 
 use crate::k8s::api::{self, API_CALL_TIMEOUT};

@@ -30,7 +30,7 @@
 
 use std::time::Duration;
 
-use capyctl_crds::EngineKind;
+use capyctl_spec::EngineKind;
 use http::Method;
 use serde_json::{Value, json};
 use tokio::time::Instant;

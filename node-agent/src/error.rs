@@ -3,8 +3,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use capyctl_crds::EngineKind;
-use capyctl_crds::errors::{ApiError, WakeFailure};
+use capyctl_spec::EngineKind;
+use capyctl_spec::errors::{ApiError, WakeFailure};
 
 /// `; its output is in <log>` when the engine's log is known.
 fn log_hint(log: &Option<String>) -> String {

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use capyctl_crds::EngineKind;
+use capyctl_spec::EngineKind;
 use http::{Method, Request, header};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;

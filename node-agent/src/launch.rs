@@ -24,7 +24,7 @@
 
 use std::collections::BTreeMap;
 
-use capyctl_crds::EngineKind;
+use capyctl_spec::EngineKind;
 use serde::{Deserialize, Serialize};
 
 use crate::error::AgentError;
@@ -57,7 +57,7 @@ impl LaunchCommand {
 }
 
 /// The flag that sets how many requests `engine` runs at once.
-pub use capyctl_crds::documents::max_running_flag;
+pub use capyctl_spec::documents::max_running_flag;
 
 /// The engine's launch command for `spec` on loopback port `port`.
 ///
@@ -208,7 +208,7 @@ impl std::fmt::Display for MaxRunningSource {
     }
 }
 
-impl From<MaxRunning> for capyctl_crds::api::MaxRunningView {
+impl From<MaxRunning> for capyctl_spec::api::MaxRunningView {
     fn from(m: MaxRunning) -> Self {
         Self {
             count: m.count,

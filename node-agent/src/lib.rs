@@ -15,8 +15,11 @@
 //!   parked, or stop);
 //! - [`agent`]: the [`HostAgent`] trait the lifecycle calls and [`LocalHostAgent`];
 //! - [`remote`]: the node agent's HTTP server and [`RemoteHostAgent`], its client;
-//! - [`k8s`]: the node agent on Kubernetes: its `Host` object and engine Pods;
-//! - [`cli`]: the `capyctl-node-agent` program (also `capyctl start host`).
+//! - `k8s`: the node agent on Kubernetes: its `Host` object and engine Pods;
+//! - `cli`: the `capyctl-node-agent` program (also `capyctl start host`).
+//!
+//! `k8s` and `cli` come with the `kubernetes` feature (on by default); without it this crate is
+//! the host agent as a library, with no kube in its dependency tree (the lifecycle uses it so).
 //!
 //! Pure decisions (launch arguments, tier, refusals, `max_running`, comparisons) are plain
 //! functions tested without processes; the rest is tested against the engine simulator.
@@ -24,11 +27,13 @@
 pub mod agent;
 pub mod capability;
 pub mod checkpoint;
+#[cfg(feature = "kubernetes")]
 pub mod cli;
 pub mod driver;
 pub mod error;
 pub mod http;
 pub mod inventory;
+#[cfg(feature = "kubernetes")]
 pub mod k8s;
 pub mod launch;
 pub mod load;

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use capyctl_crds::EngineKind;
+use capyctl_spec::EngineKind;
 use serde::{Deserialize, Serialize};
 
 /// The metric names of one engine.
@@ -78,17 +78,17 @@ impl LoadSample {
         now_ms.saturating_sub(self.sampled_at_ms)
     }
 
-    /// Fresh at `now_ms`: younger than [`STALE_AFTER_MS`](capyctl_crds::api::STALE_AFTER_MS).
+    /// Fresh at `now_ms`: younger than [`STALE_AFTER_MS`](capyctl_spec::api::STALE_AFTER_MS).
     pub fn fresh(&self, now_ms: u64) -> bool {
-        self.age_ms(now_ms) < capyctl_crds::api::STALE_AFTER_MS
+        self.age_ms(now_ms) < capyctl_spec::api::STALE_AFTER_MS
     }
 
     /// Still held at `now_ms`: fresh, or stale for at most
-    /// [`STALE_SAMPLE_KEPT_MS`](capyctl_crds::api::STALE_SAMPLE_KEPT_MS) (so dropped once older
+    /// [`STALE_SAMPLE_KEPT_MS`](capyctl_spec::api::STALE_SAMPLE_KEPT_MS) (so dropped once older
     /// than 33 s).
     pub fn held(&self, now_ms: u64) -> bool {
         self.age_ms(now_ms)
-            <= capyctl_crds::api::STALE_AFTER_MS + capyctl_crds::api::STALE_SAMPLE_KEPT_MS
+            <= capyctl_spec::api::STALE_AFTER_MS + capyctl_spec::api::STALE_SAMPLE_KEPT_MS
     }
 
     /// The sample as the load read shows it at `now_ms`, with `ingress_in_flight` (what the
@@ -98,18 +98,18 @@ impl LoadSample {
         &self,
         now_ms: u64,
         ingress_in_flight: u64,
-    ) -> Option<capyctl_crds::api::SampleView> {
+    ) -> Option<capyctl_spec::api::SampleView> {
         if !self.held(now_ms) {
             return None;
         }
         let engine = self.engine.and_then(|e| {
-            Some(capyctl_crds::api::EngineLoadView {
+            Some(capyctl_spec::api::EngineLoadView {
                 running: e.running?,
                 waiting: e.waiting?,
                 kv_usage_ppm: u64::from(e.kv_usage_ppm?),
             })
         });
-        Some(capyctl_crds::api::SampleView {
+        Some(capyctl_spec::api::SampleView {
             sampled_at_ms: self.sampled_at_ms,
             age_ms: self.age_ms(now_ms),
             fresh: self.fresh(now_ms),

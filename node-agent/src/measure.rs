@@ -71,7 +71,7 @@ impl Measurement {
     /// The management API's view, once the GPU memory is known (the weights fall back to it
     /// as in [`Measurement::weights_bytes`]); `source` is the latest-coming source of the two
     /// figures (declared, then measured, then observed).
-    pub fn view(&self) -> Option<capyctl_crds::api::MeasurementView> {
+    pub fn view(&self) -> Option<capyctl_spec::api::MeasurementView> {
         let gpu = self.gpu_memory?;
         let weights = self.weights.unwrap_or(gpu);
         let rank = |s: MeasureSource| match s {
@@ -84,7 +84,7 @@ impl Measurement {
         } else {
             gpu.source
         };
-        Some(capyctl_crds::api::MeasurementView {
+        Some(capyctl_spec::api::MeasurementView {
             gpu_memory: gpu.bytes,
             weights_memory: weights.bytes,
             source: source.api_name().to_string(),

@@ -32,7 +32,7 @@ use std::process::Stdio;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use capyctl_crds::EngineKind;
+use capyctl_spec::EngineKind;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 

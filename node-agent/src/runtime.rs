@@ -3,7 +3,7 @@
 //!
 //! - [`ProcessRuntime`]: engines as child processes on loopback ports (standalone, the node
 //!   agent's `--engine-runtime process`);
-//! - [`PodRuntime`](crate::k8s::pods::PodRuntime): engine Pods the operator creates on this
+//! - `k8s::pods::PodRuntime` (feature `kubernetes`): engine Pods the operator creates on this
 //!   node (`--engine-runtime pod`).
 //!
 //! Every runtime keeps a [`PidRecord`] per engine in `<data dir>/engines/` (what the agent needs

@@ -3,13 +3,13 @@
 //!
 //! NB: these are the agent's own input types, kept small on purpose (only what launching, parking
 //! and checking need, with sizes in plain bytes). They are built from the `capyctl-crds` types:
-//! [`InstanceSpec::from_doc`] from a [`DeploymentDoc`](capyctl_crds::documents::DeploymentDoc)
+//! [`InstanceSpec::from_doc`] from a [`DeploymentDoc`](capyctl_spec::documents::DeploymentDoc)
 //! and `HostSettings::from(&HostConfig)` from the resolved host settings. The same types go over
 //! the wire to a remote node agent later, so they do not follow every change of the documents.
 
 use std::collections::BTreeMap;
 
-use capyctl_crds::{EngineKind, Residency};
+use capyctl_spec::{EngineKind, Residency};
 use serde::{Deserialize, Serialize};
 
 /// A decision model's fixed decision (`decision: {prompt, options}`).
@@ -81,7 +81,7 @@ impl InstanceSpec {
     /// is the lifecycle's business, not the agent's.
     pub fn from_doc(
         deployment_id: impl Into<String>,
-        doc: &capyctl_crds::documents::DeploymentDoc,
+        doc: &capyctl_spec::documents::DeploymentDoc,
     ) -> Self {
         Self {
             deployment_id: deployment_id.into(),
@@ -108,7 +108,7 @@ impl InstanceSpec {
 
     /// Whether `extra_args` turns on SGLang's speculative decoding (`--speculative-algorithm`).
     pub fn speculative(&self) -> bool {
-        capyctl_crds::engine_args::speculative(self.engine, &self.extra_args)
+        capyctl_spec::engine_args::speculative(self.engine, &self.extra_args)
     }
 }
 
@@ -126,12 +126,12 @@ pub struct EngineLaunch {
 impl EngineLaunch {
     /// The default command of `kind` (DESIGN 4.2), as the host settings define it.
     pub fn default_for(kind: EngineKind) -> Self {
-        capyctl_crds::settings::EngineCommand::default_for(kind).into()
+        capyctl_spec::settings::EngineCommand::default_for(kind).into()
     }
 }
 
-impl From<capyctl_crds::settings::EngineCommand> for EngineLaunch {
-    fn from(c: capyctl_crds::settings::EngineCommand) -> Self {
+impl From<capyctl_spec::settings::EngineCommand> for EngineLaunch {
+    fn from(c: capyctl_spec::settings::EngineCommand) -> Self {
         Self {
             command: c.command,
             version: c.version,
@@ -151,8 +151,8 @@ pub struct GpuOverride {
     pub uuid: Option<String>,
 }
 
-impl From<&capyctl_crds::settings::GpuOverride> for GpuOverride {
-    fn from(g: &capyctl_crds::settings::GpuOverride) -> Self {
+impl From<&capyctl_spec::settings::GpuOverride> for GpuOverride {
+    fn from(g: &capyctl_spec::settings::GpuOverride) -> Self {
         Self {
             memory: g.memory,
             unified: g.unified,
@@ -216,10 +216,10 @@ impl Default for HostSettings {
     }
 }
 
-impl From<&capyctl_crds::settings::HostConfig> for HostSettings {
+impl From<&capyctl_spec::settings::HostConfig> for HostSettings {
     /// The engines' launch commands, `gpus` and `host_memory` of a host; the rest of the host
     /// settings (queue, activation, ID) belong to the router and the lifecycle.
-    fn from(h: &capyctl_crds::settings::HostConfig) -> Self {
+    fn from(h: &capyctl_spec::settings::HostConfig) -> Self {
         Self {
             vllm: h.engines.vllm.clone().into(),
             sglang: h.engines.sglang.clone().into(),
@@ -234,4 +234,4 @@ impl From<&capyctl_crds::settings::HostConfig> for HostSettings {
 }
 
 /// A flag in `args`: alone or as `flag=value`, and its value (the last one wins).
-pub use capyctl_crds::engine_args::{flag_value, has_flag};
+pub use capyctl_spec::engine_args::{flag_value, has_flag};

@@ -30,8 +30,8 @@
 //! memory is decided by the GPUs the engine uses (`CUDA_VISIBLE_DEVICES`), any unified GPU when
 //! that is not set.
 
-use capyctl_crds::engine_args::HOST_BACKED_SPECULATIVE;
-use capyctl_crds::{EngineKind, Residency};
+use capyctl_spec::engine_args::HOST_BACKED_SPECULATIVE;
+use capyctl_spec::{EngineKind, Residency};
 use serde::{Deserialize, Serialize};
 
 use crate::capability::RefusalRow;

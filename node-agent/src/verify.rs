@@ -18,7 +18,7 @@
 
 use std::collections::BTreeMap;
 
-use capyctl_crds::errors::WakeFailure;
+use capyctl_spec::errors::WakeFailure;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 

@@ -9,8 +9,6 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use capyctl_crds::EngineKind;
-use capyctl_crds::Residency;
 use capyctl_node_agent::agent::{AgentConfig, EngineExit, ParkResult};
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::launch::MaxRunningSource;
@@ -20,6 +18,8 @@ use capyctl_node_agent::spec::{DecisionSpec, GpuOverride, InstanceSpec};
 use capyctl_node_agent::tier::{NoParkReason, ParkChoice, ParkTier};
 use capyctl_node_agent::verify::WakeOutcome;
 use capyctl_node_agent::{AgentError, HostAgent, LocalHostAgent};
+use capyctl_spec::EngineKind;
+use capyctl_spec::Residency;
 use common::agents::{
     MIB, agent, agent_with_probe, assert_no_records, sample_arrives, set_fault, settings, spec,
 };

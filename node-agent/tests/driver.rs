@@ -4,7 +4,6 @@
 
 use std::time::Duration;
 
-use capyctl_crds::EngineKind;
 use capyctl_engine_sim::{SimConfig, serve};
 use capyctl_node_agent::AgentError;
 use capyctl_node_agent::agent::endpoint_of;
@@ -14,6 +13,7 @@ use capyctl_node_agent::launch::launch_command;
 use capyctl_node_agent::spec::{DecisionSpec, EngineLaunch, InstanceSpec};
 use capyctl_node_agent::tier::{LaunchParking, ParkTier};
 use capyctl_node_agent::verify::{FirstAnswer, WakeOutcome};
+use capyctl_spec::EngineKind;
 use http::Method;
 use serde_json::{Value, json};
 

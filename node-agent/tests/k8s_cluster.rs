@@ -21,8 +21,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use capyctl_crds::EngineKind;
-use capyctl_crds::k8s::Host;
+use capyctl_crds::Host;
+use capyctl_spec::EngineKind;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::PostParams;
 use kube::{Api, ResourceExt};

@@ -11,7 +11,6 @@ use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use capyctl_crds::EngineKind;
 use capyctl_node_agent::agent::AgentConfig;
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::k8s::pods::PodRuntime;
@@ -20,6 +19,7 @@ use capyctl_node_agent::spec::{GpuOverride, HostSettings, InstanceSpec};
 use capyctl_node_agent::tier::{LaunchParking, ParkTier};
 use capyctl_node_agent::verify::WakeOutcome;
 use capyctl_node_agent::{AgentError, HostAgent, LocalHostAgent};
+use capyctl_spec::EngineKind;
 use http::{Request, Response};
 use kube::Client;
 use kube::client::Body;

@@ -10,13 +10,13 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use capyctl_crds::EngineKind;
 use capyctl_node_agent::launch::LaunchCommand;
 use capyctl_node_agent::process::{
     EngineGroup, INSTANCE_ENV, PidRecord, ProcessRuntime, alive, start_ticks,
 };
 use capyctl_node_agent::spec::InstanceSpec;
 use capyctl_node_agent::tier::LaunchParking;
+use capyctl_spec::EngineKind;
 
 const GRACE: Duration = Duration::from_secs(2);
 

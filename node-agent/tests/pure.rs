@@ -4,8 +4,6 @@
 
 mod common;
 
-use capyctl_crds::errors::WakeFailure;
-use capyctl_crds::{EngineKind, Residency};
 use capyctl_node_agent::AgentError;
 use capyctl_node_agent::capability::{DeepPark, REFUSALS, engine_info, refusal_for};
 use capyctl_node_agent::checkpoint::{ModelFacts, checkpoint_size};
@@ -23,6 +21,8 @@ use capyctl_node_agent::verify::{
     DecisionAnswer, FirstAnswer, WakeOutcome, compare_answers, compare_decisions,
     decision_from_completion,
 };
+use capyctl_spec::errors::WakeFailure;
+use capyctl_spec::{EngineKind, Residency};
 use serde_json::json;
 
 fn s(v: &[&str]) -> Vec<String> {
@@ -810,7 +810,7 @@ fn a_renamed_metric_counts_once_and_ranks_combine() {
 
 #[test]
 fn samples_age_go_stale_and_are_dropped() {
-    use capyctl_crds::api::{EngineLoadView, STALE_AFTER_MS, STALE_SAMPLE_KEPT_MS};
+    use capyctl_spec::api::{EngineLoadView, STALE_AFTER_MS, STALE_SAMPLE_KEPT_MS};
     let at = 1_791_459_999_600;
     let full = EngineLoad {
         running: Some(3),
@@ -923,7 +923,7 @@ fn measurement_and_engine_views() {
 
 #[test]
 fn max_running_views_name_their_source() {
-    use capyctl_crds::api::MaxRunningView;
+    use capyctl_spec::api::MaxRunningView;
     for (source, name) in [
         (MaxRunningSource::Engine, "engine"),
         (MaxRunningSource::Declared, "declared"),

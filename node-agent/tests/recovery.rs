@@ -6,13 +6,13 @@
 
 mod common;
 
-use capyctl_crds::EngineKind;
 use capyctl_node_agent::HostAgent;
 use capyctl_node_agent::measure::GpuHeldSource;
 use capyctl_node_agent::process::alive;
 use capyctl_node_agent::recovery::Transition;
 use capyctl_node_agent::tier::ParkTier;
 use capyctl_node_agent::verify::WakeOutcome;
+use capyctl_spec::EngineKind;
 use common::agents::{MIB, agent, assert_no_records, engine_call, record, spec, tamper};
 
 /// The engines and their simulator faults: SGLang's `/health` waits while parked, as the real

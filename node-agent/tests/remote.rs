@@ -12,8 +12,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use capyctl_crds::EngineKind;
-use capyctl_crds::errors::WakeFailure;
 use capyctl_node_agent::agent::{AgentConfig, EngineExit};
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::load::LoadSample;
@@ -24,6 +22,8 @@ use capyctl_node_agent::spec::{GpuOverride, HostSettings, InstanceSpec};
 use capyctl_node_agent::tier::ParkTier;
 use capyctl_node_agent::verify::WakeOutcome;
 use capyctl_node_agent::{AgentError, HostAgent, LocalHostAgent};
+use capyctl_spec::EngineKind;
+use capyctl_spec::errors::WakeFailure;
 use http::{Request, StatusCode, header};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;

@@ -3,12 +3,12 @@
 
 use std::collections::BTreeMap;
 
-use capyctl_crds::documents::{parse_deployment_str, parse_host_str};
-use capyctl_crds::overrides::Overrides;
-use capyctl_crds::{EngineKind, Residency};
 use capyctl_node_agent::spec::{
     DecisionSpec, DeclaredResources, EngineLaunch, GpuOverride, HostSettings, InstanceSpec,
 };
+use capyctl_spec::documents::{parse_deployment_str, parse_host_str};
+use capyctl_spec::overrides::Overrides;
+use capyctl_spec::{EngineKind, Residency};
 
 const GIB: u64 = 1 << 30;
 

@@ -53,10 +53,10 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use capyctl_crds::InstanceState;
-use capyctl_crds::documents::parse_standalone_str;
-use capyctl_crds::overrides::Overrides;
 use capyctl_operator::standalone::Standalone;
+use capyctl_spec::InstanceState;
+use capyctl_spec::documents::parse_standalone_str;
+use capyctl_spec::overrides::Overrides;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;

@@ -1,17 +1,17 @@
 //! The seam between the management listener and the server: [`ManagementApi`].
 //!
-//! Every method answers a body of `capyctl_crds::api` or an [`ApiError`] (its status, code and
+//! Every method answers a body of `capyctl_spec::api` or an [`ApiError`] (its status, code and
 //! message are what the listener sends). `name_or_id` accepts a deployment's name or its ID.
 
 use std::future::Future;
 use std::pin::Pin;
 
-use capyctl_crds::api::{
+use capyctl_spec::api::{
     ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostList, LoadReport,
     StartRequest,
 };
-use capyctl_crds::documents::DeploymentDoc;
-use capyctl_crds::errors::ApiError;
+use capyctl_spec::documents::DeploymentDoc;
+use capyctl_spec::errors::ApiError;
 
 /// A boxed, sendable future (keeps the trait object-safe).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

@@ -6,7 +6,8 @@
 //! - [`lifecycle`]: the one writer of deployment and instance state; it implements the router's
 //!   `Lifecycle`, drives hosts through the node agent's `HostAgent`, and persists through a
 //!   [`store::Store`].
-//! - [`store`]: where the state lives (a state file in standalone; CR status on Kubernetes).
+//! - [`store`]: where the state lives (a database, `state.redb`, in standalone; CR status on
+//!   Kubernetes).
 //! - [`management`]: the `/management/v1` listener, its token, health and Prometheus metrics;
 //!   [`metrics`]: the metrics themselves.
 //! - [`standalone`]: `capyctl start standalone`.

@@ -1,7 +1,8 @@
 //! `capyctl start standalone`: the server and one host in one process.
 //!
 //! [`Standalone::listen`] builds, in order: the host agent ([`LocalHostAgent`], engines as child
-//! processes, GPUs from the default probe or `host.gpus`), the state file ([`FileStore`]), the
+//! processes, GPUs from the default probe or `host.gpus`), the state database ([`RedbStore`],
+//! `<data-dir>/state.redb`, which imports a `state.json` of an earlier CapyCTL), the
 //! lifecycle ([`Server`], which loads the state and adopts engines a previous run left), the
 //! switch coordinator, the inference listener and the management listener; then
 //! [`Standalone::deploy_document`] deploys the document's deployments (deployed, not started),
@@ -17,8 +18,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use capyctl_crds::errors::ApiError;
-use capyctl_crds::settings::StandaloneConfig;
 use capyctl_node_agent::agent::AgentConfig;
 use capyctl_node_agent::inventory::{GpuProbe, default_probe};
 use capyctl_node_agent::spec::HostSettings;
@@ -26,6 +25,8 @@ use capyctl_node_agent::{AgentError, LocalHostAgent};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::Coordinator;
 use capyctl_router::proxy::{self, Proxy, ProxyConfig};
+use capyctl_spec::errors::ApiError;
+use capyctl_spec::settings::StandaloneConfig;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -34,7 +35,7 @@ use crate::api::ManagementApi;
 use crate::lifecycle::{LifecycleConfig, Server, ServerError};
 use crate::management::ManagementOptions;
 use crate::metrics::Metrics;
-use crate::store::{FileStore, StoreError};
+use crate::store::{RedbStore, StoreError};
 
 /// What can go wrong starting standalone. Each names what failed and where.
 #[derive(Debug, thiserror::Error)]
@@ -42,8 +43,8 @@ pub enum StandaloneError {
     /// The host agent could not be set up (data directory, engines directory).
     #[error("host agent: {0}")]
     Agent(#[from] AgentError),
-    /// The state file could not be opened.
-    #[error("state: {0}")]
+    /// The state database could not be opened (or a `state.json` to import could not be read).
+    #[error("{0}")]
     Store(#[from] StoreError),
     /// The lifecycle could not start (state, inventory, recovery).
     #[error("{0}")]
@@ -160,7 +161,7 @@ pub fn router_config(config: &StandaloneConfig) -> RouterConfig {
 /// The router's bound on a switch's execution, which only catches a lifecycle that never
 /// answers: a cold start's ready timeout plus a wake window and a drain, for the parks before
 /// it, and a minute to spare (the request deadline bounds what a request waits anyway).
-pub fn execute_timeout(server: &capyctl_crds::settings::ServerConfig) -> Duration {
+pub fn execute_timeout(server: &capyctl_spec::settings::ServerConfig) -> Duration {
     capyctl_node_agent::agent::DEFAULT_READY_TIMEOUT
         + server.switching.wake_timeout
         + server.switching.drain_timeout
@@ -260,7 +261,7 @@ impl Standalone {
             HostSettings::from(&config.host),
             probe,
         )?);
-        let store = Arc::new(FileStore::new(&data_dir)?);
+        let store = Arc::new(RedbStore::open(&data_dir)?);
         let metrics = Arc::new(Metrics::new());
         let server = Server::open(
             agent.clone(),
@@ -359,18 +360,17 @@ impl Standalone {
     /// Deploys the document's deployments in order (a changed document bumps its revision, the
     /// same one changes nothing), then lets `/readyz` answer ready. Stops at the first refusal,
     /// naming that deployment: those before it stay deployed, and `/readyz` stays as it was.
+    /// What they change is written in one transaction ([`Server::deploy_all`]): unchanged ones
+    /// write nothing.
     pub async fn deploy_document(
         &self,
-        deployments: Vec<capyctl_crds::documents::DeploymentDoc>,
+        deployments: Vec<capyctl_spec::documents::DeploymentDoc>,
     ) -> Result<(), StandaloneError> {
         let count = deployments.len();
-        for doc in deployments {
-            let name = doc.name.clone();
-            self.server
-                .deploy(doc)
-                .await
-                .map_err(|source| StandaloneError::Deploy { name, source })?;
-        }
+        self.server
+            .deploy_all(deployments)
+            .await
+            .map_err(|(name, source)| StandaloneError::Deploy { name, source })?;
         self.server.set_ready(true);
         tracing::info!(deployments = count, "standalone ready");
         Ok(())

@@ -21,14 +21,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use capyctl_crds::api::{
-    ActionReceipt, ConditionView, DeployOutcome, DeployReceipt, DeploymentList, DeploymentView,
-    EngineList, HostList, InstanceView, LoadReport, StartRequest,
-};
-use capyctl_crds::documents::DeploymentDoc;
-use capyctl_crds::errors::ApiError;
-use capyctl_crds::k8s::{Deployment, parse_deployment_manifest_str};
-use capyctl_crds::{Activation, EngineKind, InstanceState};
+use capyctl_crds::{Deployment, parse_deployment_manifest_str};
 use capyctl_node_agent::spec::{EngineLaunch, InstanceSpec};
 use capyctl_node_agent::tier::LaunchParking;
 use capyctl_operator::api::{BoxFuture, ManagementApi};
@@ -37,6 +30,13 @@ use capyctl_operator::k8s::pods::{EnginePod, EnginePodSettings, engine_pod};
 use capyctl_operator::k8s::reconcile::{Reconciler, ReconcilerConfig};
 use capyctl_operator::k8s::status::{Parkability, StatusInput, apply_status, deployment_status};
 use capyctl_operator::k8s::{FIELD_MANAGER, FINALIZER};
+use capyctl_spec::api::{
+    ActionReceipt, ConditionView, DeployOutcome, DeployReceipt, DeploymentList, DeploymentView,
+    EngineList, HostList, InstanceView, LoadReport, StartRequest,
+};
+use capyctl_spec::documents::DeploymentDoc;
+use capyctl_spec::errors::ApiError;
+use capyctl_spec::{Activation, EngineKind, InstanceState};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
@@ -69,7 +69,7 @@ async fn namespace_with_the_manifest() -> Option<(TestNamespace, Deployment)> {
 fn manifest(ns: &str) -> Deployment {
     let text = std::fs::read_to_string(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../crds/tests/fixtures/deployment-cr.yaml"),
+            .join("../spec/tests/fixtures/deployment-cr.yaml"),
     )
     .unwrap();
     let mut cr = parse_deployment_manifest_str("deployment-cr.yaml", &text).unwrap();

@@ -21,9 +21,9 @@ mod support;
 
 use std::time::Duration;
 
-use capyctl_crds::InstanceState;
-use capyctl_crds::k8s::Deployment;
+use capyctl_crds::Deployment;
 use capyctl_operator::k8s::FINALIZER;
+use capyctl_spec::InstanceState;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{DeleteParams, ListParams, PostParams};
@@ -95,7 +95,9 @@ fn node_agent_binary() -> std::path::PathBuf {
         .unwrap()
         .join("capyctl-node-agent");
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let sources = newest(&root.join("node-agent/src")).max(newest(&root.join("crds/src")));
+    let sources = newest(&root.join("node-agent/src"))
+        .max(newest(&root.join("crds/src")))
+        .max(newest(&root.join("spec/src")));
     let fresh = std::fs::metadata(&bin)
         .and_then(|m| m.modified())
         .is_ok_and(|t| t >= sources);

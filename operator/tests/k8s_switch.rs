@@ -11,12 +11,12 @@ mod support;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use capyctl_crds::InstanceState;
-use capyctl_crds::k8s::Deployment;
+use capyctl_crds::Deployment;
 use capyctl_node_agent::HostAgent;
 use capyctl_operator::api::ManagementApi;
 use capyctl_operator::k8s::FINALIZER;
 use capyctl_operator::k8s::reconcile::{Reconciler, ReconcilerConfig};
+use capyctl_spec::InstanceState;
 use http::{Method, Request, Response};
 use kube::client::Body;
 use kube::{Api, Client};
@@ -234,7 +234,7 @@ async fn crs_switch_through_the_router_and_their_status_and_events_show_it() {
     assert_eq!(b.state, Some(InstanceState::Parked));
     assert_eq!(
         b.instances[0].residency,
-        Some(capyctl_crds::Residency::HostBacked)
+        Some(capyctl_spec::Residency::HostBacked)
     );
     assert_eq!(
         mock.events("chat-a"),

@@ -8,10 +8,10 @@ mod support;
 
 use std::time::Duration;
 
-use capyctl_crds::api::{DeployOutcome, Released, StartRequest};
-use capyctl_crds::{Activation, InstanceState};
 use capyctl_node_agent::HostAgent;
 use capyctl_operator::api::ManagementApi;
+use capyctl_spec::api::{DeployOutcome, Released, StartRequest};
+use capyctl_spec::{Activation, InstanceState};
 use support::{Harness, Opts, doc, temp_dir};
 
 const T: Duration = Duration::from_secs(30);
@@ -199,7 +199,7 @@ async fn a_request_waits_for_an_explicit_model_the_operator_is_parking() {
     let dir = temp_dir("explicit-leaving");
     let h = Harness::new(&dir, Opts::default()).await;
     // 64 MiB at 32 MiB/s: the park takes about 2 s.
-    let slow = capyctl_crds::documents::parse_deployment_str(
+    let slow = capyctl_spec::documents::parse_deployment_str(
         "chat-c.yaml",
         "name: chat-c\nengine: vllm\nmodel: Qwen3-4B\nresources: {gpu_memory: 6GiB, weights_memory: 64MiB}\nenv: {ENGINE_SIM_WEIGHTS_BYTES: 64MiB, ENGINE_SIM_HOST_BANDWIDTH: 32MiB}\nlifecycle: {activation: explicit}\n",
     )
@@ -352,7 +352,7 @@ async fn a_start_waiting_for_memory_survives_a_restart() {
         .await
         .unwrap();
     assert!(r.victims.is_empty());
-    let waiting = |v: &capyctl_crds::api::DeploymentView| {
+    let waiting = |v: &capyctl_spec::api::DeploymentView| {
         v.conditions
             .iter()
             .any(|c| c.kind == "Ready" && c.reason == "waiting_for_memory")
@@ -438,7 +438,7 @@ async fn a_pending_start_a_request_took_over_is_not_repeated_after_a_restart() {
 async fn idle_timers_park_then_stop_and_a_request_starts_again() {
     let dir = temp_dir("idle");
     let opts = Opts {
-        lifecycle_defaults: capyctl_crds::settings::LifecycleDefaults {
+        lifecycle_defaults: capyctl_spec::settings::LifecycleDefaults {
             ready_idle_timeout: Some(Duration::from_millis(300)),
             parked_idle_timeout: Some(Duration::from_millis(300)),
         },
@@ -754,7 +754,7 @@ async fn parked_engines_hold_gpu_memory_and_placement_counts_it() {
     };
     let h = Harness::new(&dir, opts).await;
     let model = |name: &str, gpu: &str| {
-        capyctl_crds::documents::parse_deployment_str(
+        capyctl_spec::documents::parse_deployment_str(
             "m.yaml",
             &format!(
                 "name: {name}\nengine: vllm\nmodel: Qwen3-4B\nresources: {{gpu_memory: {gpu}, weights_memory: 2GiB}}\nenv: {{ENGINE_SIM_WEIGHTS_BYTES: 2GiB}}\n"
@@ -896,7 +896,7 @@ async fn parked_copies_make_room_except_explicit_ones() {
     // A request for chat-d (16 GiB) needs chat-a's GPU memory, and chat-a's copy finds no
     // room: chat-a is stopped instead of parked and says so; chat-d is served; chat-c stays
     // parked.
-    let big = capyctl_crds::documents::parse_deployment_str(
+    let big = capyctl_spec::documents::parse_deployment_str(
         "chat-d.yaml",
         "name: chat-d\nengine: vllm\nmodel: Qwen3-4B\nresources: {gpu_memory: 16GiB, weights_memory: 64MiB}\nenv: {ENGINE_SIM_WEIGHTS_BYTES: 64MiB}\n",
     )
@@ -922,7 +922,7 @@ async fn refusals_of_start_and_park() {
     let dir = temp_dir("refusals");
     let h = Harness::new(&dir, Opts::default()).await;
     let text = "name: chat-m\nengine: vllm\nmodel: Qwen3-4B\n";
-    let m = capyctl_crds::documents::parse_deployment_str("m.yaml", text).unwrap();
+    let m = capyctl_spec::documents::parse_deployment_str("m.yaml", text).unwrap();
     let m = h.server.deploy(m).await.unwrap().deployment;
     assert_eq!(m.state, InstanceState::AwaitingMeasurement);
     let err = h
@@ -1042,7 +1042,7 @@ async fn preinitialize_measures_and_parks_without_serving() {
     let h = Harness::new(&dir, Opts::default()).await;
     let text =
         "name: chat-m\nengine: vllm\nmodel: Qwen3-4B\nenv: {ENGINE_SIM_WEIGHTS_BYTES: 64MiB}\n";
-    let m = capyctl_crds::documents::parse_deployment_str("m.yaml", text).unwrap();
+    let m = capyctl_spec::documents::parse_deployment_str("m.yaml", text).unwrap();
     h.server.deploy(m).await.unwrap();
     let r = h.server.preinitialize("chat-m").await.unwrap();
     assert_eq!(r.action, "preinitialize");

@@ -7,10 +7,10 @@
 #[path = "lifecycle_support/mod.rs"]
 mod support;
 
-use capyctl_crds::InstanceState;
 use capyctl_node_agent::HostAgent;
 use capyctl_operator::api::ManagementApi;
 use capyctl_operator::lifecycle::HostEntry;
+use capyctl_spec::InstanceState;
 use support::{Harness, Opts, doc, temp_dir};
 
 /// The host each deployment's instance is on.
@@ -32,7 +32,7 @@ async fn placement_spreads_models_over_hosts_and_switches_where_the_room_is() {
     let h = Harness::with_hosts(&dir, Opts::default(), &["gpu-a", "gpu-b"]).await;
     h.server.deploy(doc("chat-a", "")).await.unwrap();
     // chat-b is smaller: where it runs, chat-a would need fewer victim bytes.
-    let b = capyctl_crds::documents::parse_deployment_str(
+    let b = capyctl_spec::documents::parse_deployment_str(
         "chat-b.yaml",
         "name: chat-b\nengine: vllm\nmodel: Qwen3-4B\nresources: {gpu_memory: 5GiB, weights_memory: 64MiB}\nenv: {ENGINE_SIM_WEIGHTS_BYTES: 64MiB}\n",
     )
@@ -128,7 +128,7 @@ async fn a_host_added_later_takes_what_fits_nowhere_else() {
     let dir = temp_dir("hosts-added");
     let opts = Opts::default();
     let h = Harness::with_hosts(&dir, opts.clone(), &["gpu-a"]).await;
-    let big = capyctl_crds::documents::parse_deployment_str(
+    let big = capyctl_spec::documents::parse_deployment_str(
         "big.yaml",
         "name: big\nengine: vllm\nmodel: Qwen3-4B\nresources: {gpu_memory: 30GiB, weights_memory: 64MiB}\nenv: {ENGINE_SIM_WEIGHTS_BYTES: 64MiB}\n",
     )
@@ -147,7 +147,7 @@ async fn a_host_added_later_takes_what_fits_nowhere_else() {
         .upsert_host(HostEntry {
             id: "gpu-big".into(),
             agent: agent.clone(),
-            activation: capyctl_crds::Activation::OnDemand,
+            activation: capyctl_spec::Activation::OnDemand,
             settings: support::host_settings(roomy.gpu, roomy.host_memory),
             admission_window: None,
             remote: false,
@@ -172,7 +172,7 @@ async fn one_explicit_host_makes_every_model_explicit() {
         .upsert_host(HostEntry {
             id: "gpu-x".into(),
             agent: agent.clone(),
-            activation: capyctl_crds::Activation::Explicit,
+            activation: capyctl_spec::Activation::Explicit,
             settings: support::host_settings(opts.gpu, opts.host_memory),
             admission_window: None,
             remote: false,
@@ -186,7 +186,7 @@ async fn one_explicit_host_makes_every_model_explicit() {
     );
     assert_eq!(
         h.server.get("chat-a").await.unwrap().activation,
-        capyctl_crds::Activation::Explicit
+        capyctl_spec::Activation::Explicit
     );
     h.shutdown().await;
     agent.stop_all().await;
@@ -223,7 +223,7 @@ async fn a_host_that_comes_back_is_reconciled() {
             .upsert_host(HostEntry {
                 id: id.clone(),
                 agent: agent.clone(),
-                activation: capyctl_crds::Activation::OnDemand,
+                activation: capyctl_spec::Activation::OnDemand,
                 settings: support::host_settings(opts.gpu, opts.host_memory),
                 admission_window: None,
                 remote: false,

@@ -2,14 +2,10 @@
 //! in-memory host agent: reservations, the protected set, refusals. No processes, no sockets.
 #![allow(clippy::unwrap_used)]
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use capyctl_crds::EngineKind;
-use capyctl_crds::InstanceState;
-use capyctl_crds::api::{Released, StartRequest};
-use capyctl_crds::documents::{DeploymentDoc, parse_deployment_str};
 use capyctl_node_agent::agent::{
     BoxFuture, ParkResult, RecoveryReport, StartedInstance, WakeReport,
 };
@@ -24,8 +20,12 @@ use capyctl_node_agent::verify::{FirstAnswer, WakeOutcome};
 use capyctl_node_agent::{AgentError, HostAgent};
 use capyctl_operator::api::ManagementApi;
 use capyctl_operator::lifecycle::{LifecycleConfig, Server};
-use capyctl_operator::store::{Store, StoreError, StoredState};
+use capyctl_operator::store::{Changes, DeploymentRecord, Store, StoreError};
 use capyctl_router::lifecycle::{DrainReport, Lifecycle, Plan, SwitchOrder};
+use capyctl_spec::EngineKind;
+use capyctl_spec::InstanceState;
+use capyctl_spec::api::{Released, StartRequest};
+use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
 
 const GIB: u64 = 1 << 30;
 
@@ -196,15 +196,49 @@ impl HostAgent for FakeAgent {
     }
 }
 
+/// The records by ID, and every write it was given. With a gate, the first write says it began
+/// and waits until the gate is opened (a slow disk).
 #[derive(Default)]
-struct MemStore(Mutex<StoredState>);
+struct MemStore {
+    records: Mutex<BTreeMap<String, DeploymentRecord>>,
+    writes: Mutex<Vec<Changes>>,
+    gate: Mutex<Option<Gate>>,
+}
+
+/// (The write began, the gate is open.)
+type Gate = (std::sync::mpsc::Sender<()>, std::sync::mpsc::Receiver<()>);
+
+impl MemStore {
+    /// The writes since the last call: (names written, IDs removed) of each.
+    fn take_writes(&self) -> Vec<(Vec<String>, Vec<String>)> {
+        std::mem::take(&mut *self.writes.lock().unwrap())
+            .into_iter()
+            .map(|c| {
+                let names = c.put.iter().map(|r| r.doc.name.clone()).collect();
+                (names, c.remove)
+            })
+            .collect()
+    }
+}
 
 impl Store for MemStore {
-    fn load(&self) -> Result<StoredState, StoreError> {
-        Ok(self.0.lock().unwrap().clone())
+    fn load(&self) -> Result<Vec<DeploymentRecord>, StoreError> {
+        Ok(self.records.lock().unwrap().values().cloned().collect())
     }
-    fn save(&self, state: &StoredState) -> Result<(), StoreError> {
-        *self.0.lock().unwrap() = state.clone();
+    fn write(&self, changes: &Changes) -> Result<(), StoreError> {
+        let gate = self.gate.lock().unwrap().take();
+        if let Some((began, open)) = gate {
+            began.send(()).unwrap();
+            open.recv().unwrap();
+        }
+        let mut records = self.records.lock().unwrap();
+        for r in &changes.put {
+            records.insert(r.id.clone(), r.clone());
+        }
+        for id in &changes.remove {
+            records.remove(id);
+        }
+        self.writes.lock().unwrap().push(changes.clone());
         Ok(())
     }
 }
@@ -362,6 +396,101 @@ async fn execute_parks_the_victims_then_starts_the_target() {
     );
 }
 
+/// Each change writes the records it changed and no other; a document deployed whole is one
+/// write; deploying what is deployed writes nothing, also after a restart.
+#[tokio::test]
+async fn a_change_writes_its_own_records_and_the_same_documents_write_nothing() {
+    let (s, agent, store) = server().await;
+    let docs = || vec![doc("a", 4, ""), doc("b", 4, ""), doc("c", 4, "")];
+    s.deploy_all(docs()).await.unwrap();
+    let names = |n: &[&str]| n.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+    let mut written = store.take_writes();
+    written[0].0.sort();
+    assert_eq!(written, [(names(&["a", "b", "c"]), vec![])], "one write");
+
+    s.deploy_all(docs()).await.unwrap();
+    s.deploy(doc("a", 4, "")).await.unwrap();
+    assert_eq!(store.take_writes(), [], "nothing changed");
+
+    let b = s
+        .deploy(doc("b", 4, "max_concurrent_requests: 4\n"))
+        .await
+        .unwrap();
+    assert_eq!(b.deployment.revision, 2);
+    assert_eq!(store.take_writes(), [(names(&["b"]), vec![])]);
+    s.stop("a").await.unwrap();
+    assert_eq!(store.take_writes(), [(names(&["a"]), vec![])]);
+    // A delete: its stop first, then its removal.
+    let c = s.delete("c").await.unwrap().id;
+    assert_eq!(
+        store.take_writes(),
+        [(names(&["c"]), vec![]), (vec![], vec![c])]
+    );
+
+    // A refusal ends a batch: those before it are deployed and written, those after it not.
+    let (name, err) = s
+        .deploy_all(vec![doc("d", 4, ""), doc("e", 99, ""), doc("f", 4, "")])
+        .await
+        .unwrap_err();
+    assert_eq!((name.as_str(), err.code()), ("e", "does_not_fit"));
+    assert_eq!(store.take_writes(), [(names(&["d"]), vec![])]);
+    assert!(s.get("f").await.is_err());
+
+    // A restart: the records come back, and the same documents write nothing.
+    s.close();
+    let s = Server::open(agent, store.clone(), LifecycleConfig::new("h"))
+        .await
+        .unwrap();
+    assert_eq!(s.get("b").await.unwrap().revision, 2);
+    assert!(s.get("a").await.unwrap().operator_stopped);
+    s.deploy_all(vec![doc("a", 4, ""), doc("d", 4, "")])
+        .await
+        .unwrap();
+    assert_eq!(store.take_writes(), []);
+}
+
+/// Saves that meet while one writes coalesce: the next holder of the persist lock writes every
+/// record changed meanwhile in one write, and each deploy answers only once its record is
+/// written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn saves_that_meet_are_one_write_and_each_answers_once_written() {
+    let (s, _, store) = server().await;
+    let (began_tx, began) = std::sync::mpsc::channel();
+    let (open, gate) = std::sync::mpsc::channel();
+    *store.gate.lock().unwrap() = Some((began_tx, gate));
+    let deploy = |name: &'static str| {
+        let s = s.clone();
+        tokio::spawn(async move { s.deploy(doc(name, 4, "")).await.unwrap() })
+    };
+    let a = deploy("a");
+    // a's write holds the persist lock (the gate); b and c are deployed meanwhile, and wait.
+    while began.try_recv().is_err() {
+        tokio::task::yield_now().await;
+    }
+    let (b, c) = (deploy("b"), deploy("c"));
+    // Listed means changed and marked for the next save (the same lock section).
+    while s.get("b").await.is_err() || s.get("c").await.is_err() {
+        tokio::task::yield_now().await;
+    }
+    assert!(
+        !b.is_finished() && !c.is_finished(),
+        "answered before written"
+    );
+    open.send(()).unwrap();
+    for d in [a, b, c] {
+        d.await.unwrap();
+    }
+    let mut written = store.take_writes();
+    for w in &mut written {
+        w.0.sort();
+    }
+    let names = |n: &[&str]| n.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+    assert_eq!(
+        written,
+        [(names(&["a"]), vec![]), (names(&["b", "c"]), vec![])]
+    );
+}
+
 #[tokio::test]
 async fn refusals_come_from_the_operator_and_activation() {
     let (s, _, store) = server().await;
@@ -386,7 +515,6 @@ async fn refusals_come_from_the_operator_and_activation() {
         store
             .load()
             .unwrap()
-            .deployments
             .iter()
             .any(|d| d.id == a && d.operator_stopped)
     );

@@ -4,14 +4,11 @@
 //! follow deletes and deploys, and a deleted deployment leaves no router entry.
 #![allow(clippy::unwrap_used)]
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
-use capyctl_crds::api::StartRequest;
-use capyctl_crds::documents::{DeploymentDoc, parse_deployment_str};
-use capyctl_crds::{Activation, EngineKind, InstanceState};
 use capyctl_node_agent::agent::{
     BoxFuture, ParkResult, RecoveryReport, StartedInstance, WakeReport,
 };
@@ -26,11 +23,14 @@ use capyctl_node_agent::verify::{FirstAnswer, WakeOutcome};
 use capyctl_node_agent::{AgentError, HostAgent};
 use capyctl_operator::api::ManagementApi;
 use capyctl_operator::lifecycle::{HostEntry, LifecycleConfig, Server};
-use capyctl_operator::store::{Store, StoreError, StoredState};
+use capyctl_operator::store::{Changes, DeploymentRecord, Store, StoreError};
 use capyctl_router::admission::Admission;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::{Coordinator, CoordinatorHandle};
 use capyctl_router::lifecycle::Lifecycle;
+use capyctl_spec::api::StartRequest;
+use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
+use capyctl_spec::{Activation, EngineKind, InstanceState};
 
 const GIB: u64 = 1 << 30;
 
@@ -203,14 +203,20 @@ impl HostAgent for FakeAgent {
 }
 
 #[derive(Default)]
-struct MemStore(Mutex<StoredState>);
+struct MemStore(Mutex<BTreeMap<String, DeploymentRecord>>);
 
 impl Store for MemStore {
-    fn load(&self) -> Result<StoredState, StoreError> {
-        Ok(self.0.lock().unwrap().clone())
+    fn load(&self) -> Result<Vec<DeploymentRecord>, StoreError> {
+        Ok(self.0.lock().unwrap().values().cloned().collect())
     }
-    fn save(&self, state: &StoredState) -> Result<(), StoreError> {
-        *self.0.lock().unwrap() = state.clone();
+    fn write(&self, changes: &Changes) -> Result<(), StoreError> {
+        let mut records = self.0.lock().unwrap();
+        for r in &changes.put {
+            records.insert(r.id.clone(), r.clone());
+        }
+        for id in &changes.remove {
+            records.remove(id);
+        }
         Ok(())
     }
 }

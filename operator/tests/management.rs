@@ -9,18 +9,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use capyctl_crds::api::{
-    ActionReceipt, DeployOutcome, DeployReceipt, DeploymentList, DeploymentView, EngineList,
-    EngineView, HostList, HostView, LoadReport, STALE_AFTER_MS, StartRequest,
-};
-use capyctl_crds::documents::{DeploymentDoc, parse_deployment_str};
-use capyctl_crds::errors::ApiError;
-use capyctl_crds::{Activation, EngineKind, InstanceState};
 use capyctl_operator::api::{BoxFuture, ManagementApi};
 use capyctl_operator::management::{
     self, ManagementOptions, TokenError, load_or_create_token, token_path,
 };
 use capyctl_operator::metrics::Metrics;
+use capyctl_spec::api::{
+    ActionReceipt, DeployOutcome, DeployReceipt, DeploymentList, DeploymentView, EngineList,
+    EngineView, HostList, HostView, LoadReport, STALE_AFTER_MS, StartRequest,
+};
+use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
+use capyctl_spec::errors::ApiError;
+use capyctl_spec::{Activation, EngineKind, InstanceState};
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -753,7 +753,7 @@ async fn the_document_rules_and_the_nesting_bound_hold_for_api_bodies() {
         "{message}"
     );
 
-    let limit = capyctl_crds::documents::MAX_DEPTH;
+    let limit = capyctl_spec::documents::MAX_DEPTH;
     let half = 50 * 1024;
     let yaml = format!(
         "name: m\nengine: vllm\nmodel: m\nextra_args: {}{}\n",

@@ -1,5 +1,5 @@
 //! `Standalone` end to end: the document's deployments, the inference and management listeners
-//! on real sockets, the state file across a restart, engines stopped on a clean shutdown.
+//! on real sockets, the state database across a restart, engines stopped on a clean shutdown.
 #![allow(clippy::unwrap_used)]
 
 #[path = "lifecycle_support/mod.rs"]
@@ -9,13 +9,14 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
-use capyctl_crds::InstanceState;
-use capyctl_crds::documents::parse_standalone_str;
-use capyctl_crds::overrides::Overrides;
-use capyctl_crds::settings::StandaloneConfig;
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::process::alive;
 use capyctl_operator::standalone::Standalone;
+use capyctl_operator::store::DeploymentRecord;
+use capyctl_spec::InstanceState;
+use capyctl_spec::documents::parse_standalone_str;
+use capyctl_spec::overrides::Overrides;
+use capyctl_spec::settings::StandaloneConfig;
 use support::{engine_sim_binary, management, post_json, temp_dir};
 
 fn config() -> StandaloneConfig {
@@ -197,5 +198,67 @@ async fn a_second_standalone_on_the_same_data_directory_is_refused() {
     // Let go with the first one: the directory can be used again.
     let s = start(&dir).await;
     s.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The state of a CapyCTL before the state database (`state.json`) is imported on the first
+/// start: the deployments keep their IDs, revisions and operator stops (the same document
+/// changes nothing), and the file is renamed `state.json.migrated`; the next start does not
+/// import it again.
+#[tokio::test]
+async fn a_state_json_of_an_earlier_capyctl_is_imported_once() {
+    let dir = temp_dir("standalone-migrate");
+    let record = DeploymentRecord {
+        id: "01KOLDCHATA0000000000000000".into(),
+        revision: 3,
+        doc: config().deployments[0].clone(),
+        operator_stopped: true,
+        operator_started: false,
+        pending_start: false,
+        generation: 5,
+        first_answer: None,
+    };
+    let text = serde_json::to_string_pretty(&serde_json::json!({
+        "version": 1,
+        "deployments": [record],
+    }))
+    .unwrap();
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("state.json"), &text).unwrap();
+    for _ in 0..2 {
+        let s = start(&dir).await;
+        let a = s.server().view("chat-a").unwrap();
+        assert_eq!(
+            (a.id.as_str(), a.revision, a.operator_stopped),
+            (record.id.as_str(), 3, true)
+        );
+        assert_eq!(a.instances[0].generation, 5);
+        assert!(s.server().view("chat-b").is_some());
+        assert!(!dir.join("state.json").exists());
+        assert_eq!(
+            std::fs::read_to_string(dir.join("state.json.migrated")).unwrap(),
+            text
+        );
+        assert!(dir.join("state.redb").is_file());
+        s.shutdown().await;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A state database that is not one stops the start with an error naming the file.
+#[tokio::test]
+async fn a_damaged_state_database_is_named() {
+    let dir = temp_dir("standalone-damaged");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("state.redb"), b"not a database, not at all").unwrap();
+    let err = Standalone::start_with_probe(config(), dir.clone(), std::sync::Arc::new(NoGpus))
+        .await
+        .unwrap_err();
+    assert_eq!(err.metric_label(), "corrupt");
+    let text = err.to_string();
+    assert!(
+        text.contains(&dir.join("state.redb").display().to_string()),
+        "{text}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

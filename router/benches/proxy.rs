@@ -27,7 +27,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use capyctl_crds::errors::ApiError;
 use capyctl_router::admission::{Admission, Permit};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::{Coordinator, CoordinatorHandle};
@@ -35,6 +34,7 @@ use capyctl_router::lifecycle::{
     BoxFuture, DeploymentId, DeploymentRef, InstanceKey, Lifecycle, Plan, SwitchOrder, Upstream,
 };
 use capyctl_router::proxy::{ModelEntry, Proxy, ProxyConfig, serve};
+use capyctl_spec::errors::ApiError;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use std::future::Future;
@@ -537,11 +537,11 @@ mod server_like {
 
     use tokio::sync::watch;
 
-    use capyctl_crds::errors::ApiError;
     use capyctl_router::admission::{Admission, Permit};
     use capyctl_router::coordinator::{CoordinatorHandle, CoordinatorPermit};
     use capyctl_router::lifecycle::{DeploymentRef, Upstream};
     use capyctl_router::observe::{RequestEvent, RequestObserver};
+    use capyctl_spec::errors::ApiError;
     use prometheus_client::encoding::EncodeLabelSet;
     use prometheus_client::metrics::counter::Counter;
     use prometheus_client::metrics::family::Family;

@@ -9,7 +9,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use capyctl_crds::errors::ApiError;
+use capyctl_spec::errors::ApiError;
 use tokio::time::Instant;
 
 use crate::lifecycle::{DeploymentRef, Upstream};

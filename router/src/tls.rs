@@ -69,7 +69,7 @@ impl TlsError {
 
 /// The listeners' TLS configuration of `server.listen.tls`: `None` (plain HTTP) when absent.
 pub fn listen_config(
-    tls: Option<&capyctl_crds::settings::TlsFiles>,
+    tls: Option<&capyctl_spec::settings::TlsFiles>,
 ) -> Result<Option<Arc<ServerConfig>>, TlsError> {
     tls.map(|files| server_config(&files.cert, &files.key))
         .transpose()
@@ -199,7 +199,7 @@ mod tests {
 
     fn fixture(name: &str) -> PathBuf {
         Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../crds/tests/fixtures/tls")
+            .join("../spec/tests/fixtures/tls")
             .join(name)
     }
 

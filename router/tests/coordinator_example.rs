@@ -6,8 +6,8 @@
 
 mod coordinator_support;
 
-use capyctl_crds::errors::ApiError;
 use capyctl_router::lifecycle::DrainReport;
+use capyctl_spec::errors::ApiError;
 use coordinator_support::*;
 
 #[tokio::test(start_paused = true)]

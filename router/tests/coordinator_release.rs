@@ -4,9 +4,9 @@
 
 mod coordinator_support;
 
-use capyctl_crds::errors::ApiError;
 use capyctl_router::coordinator::testing::FakeState;
 use capyctl_router::lifecycle::DrainReport;
+use capyctl_spec::errors::ApiError;
 use coordinator_support::*;
 use tokio::time::Instant;
 

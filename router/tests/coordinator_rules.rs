@@ -6,10 +6,10 @@
 
 mod coordinator_support;
 
-use capyctl_crds::errors::{ApiError, WakeFailure};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::testing::{ExecuteFault, FakeState, FakeTimings};
 use capyctl_router::lifecycle::{DrainReport, Plan};
+use capyctl_spec::errors::{ApiError, WakeFailure};
 use coordinator_support::*;
 
 // ----- rule 1: waiting, waves, hang-ups -----

@@ -9,11 +9,11 @@ mod proxy_support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use capyctl_crds::errors::ApiError;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::CoordinatorHandle;
 use capyctl_router::coordinator::testing::{FakeLifecycle, FakeState, FakeTimings};
 use capyctl_router::proxy::{ModelEntry, Proxy, ProxyConfig, serve};
+use capyctl_spec::errors::ApiError;
 use http::StatusCode;
 use proxy_support::post;
 use tokio::net::TcpListener;

@@ -5,8 +5,8 @@
 
 mod proxy_support;
 
-use capyctl_crds::errors::ApiError;
 use capyctl_router::proxy::ProxyConfig;
+use capyctl_spec::errors::ApiError;
 use http::StatusCode;
 use proxy_support::*;
 

@@ -21,7 +21,6 @@ use std::time::Duration;
 use axum::extract::{Request, State};
 use axum::middleware::{self, Next};
 use axum::response::Response;
-use capyctl_crds::errors::ApiError;
 use capyctl_engine_sim::{EngineSim, SimConfig};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::{Coordinator, CoordinatorHandle, DeploymentLoad};
@@ -29,6 +28,7 @@ use capyctl_router::lifecycle::{
     BoxFuture, DeploymentId, DeploymentRef, InstanceKey, Lifecycle, Plan, SwitchOrder, Upstream,
 };
 use capyctl_router::proxy::{ModelEntry, Proxy, ProxyConfig, serve};
+use capyctl_spec::errors::ApiError;
 use http_body_util::BodyExt;
 use proxy_support::{Conn, PATIENCE, get};
 use tokio::net::TcpListener;

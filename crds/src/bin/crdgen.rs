@@ -1,6 +1,6 @@
 //! Writes the CRD YAML of CapyCTL's custom resources into `charts/capyctl/crds/` (or the folder
 //! given as the only argument). Run it as `cargo run -p capyctl-crds --bin crdgen` after changing
-//! the types in `crds/src/k8s.rs`; a test fails while the checked-in files differ.
+//! the types in `crds/src/lib.rs`; a test fails while the checked-in files differ.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -9,8 +9,8 @@ fn main() -> ExitCode {
     let dir = std::env::args_os()
         .nth(1)
         .map(PathBuf::from)
-        .unwrap_or_else(capyctl_crds::k8s::chart_crd_dir);
-    let files = match capyctl_crds::k8s::crd_files() {
+        .unwrap_or_else(capyctl_crds::chart_crd_dir);
+    let files = match capyctl_crds::crd_files() {
         Ok(files) => files,
         Err(e) => {
             eprintln!("crdgen: cannot write the CRDs as YAML: {e}");

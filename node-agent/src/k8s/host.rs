@@ -20,12 +20,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use capyctl_crds::Activation;
-use capyctl_crds::k8s::{
+use capyctl_crds::{
     EngineSpec, GpuSpec, Host, HostLifecycleSpec, HostSpec, HostStatus, QueueSpec,
     ResourcePolicySpec, conditions,
 };
-use capyctl_crds::settings::HostConfig;
+use capyctl_spec::Activation;
+use capyctl_spec::settings::HostConfig;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, OwnerReference, Time};
 use k8s_openapi::jiff::Timestamp;
@@ -270,7 +270,7 @@ impl HostPublisher {
                 .unwrap_or_else(|_| Timestamp::now()),
         };
         let body = serde_json::json!({
-            "apiVersion": capyctl_crds::k8s::API_VERSION,
+            "apiVersion": capyctl_crds::API_VERSION,
             "kind": "Host",
             "status": host_status(ready, self.generation, since),
         });
@@ -341,7 +341,7 @@ mod tests {
 
     use std::pin::pin;
 
-    use capyctl_crds::EngineKind;
+    use capyctl_spec::EngineKind;
     use http::{Request, Response};
     use kube::client::Body;
     use tower_test::mock;
@@ -371,7 +371,7 @@ mod tests {
 
     fn policy() -> HostPolicy {
         HostPolicy::from(&HostConfig::defaults(
-            capyctl_crds::settings::Mode::ServerAndHosts,
+            capyctl_spec::settings::Mode::ServerAndHosts,
         ))
     }
 

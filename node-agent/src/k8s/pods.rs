@@ -824,7 +824,7 @@ mod tests {
 
     use std::pin::pin;
 
-    use capyctl_crds::EngineKind;
+    use capyctl_spec::EngineKind;
     use http::{Request, Response};
     use kube::client::Body;
     use serde_json::{Value, json};

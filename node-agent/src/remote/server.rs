@@ -223,7 +223,7 @@ impl IntoResponse for Failure {
 type Reply<T> = Result<axum::Json<T>, Failure>;
 
 async fn authorize(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    let authorized = capyctl_crds::auth::bearer_matches(
+    let authorized = capyctl_spec::auth::bearer_matches(
         request
             .headers()
             .get(header::AUTHORIZATION)

@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
-use capyctl_crds::EngineKind;
-use capyctl_crds::errors::WakeFailure;
+use capyctl_spec::EngineKind;
+use capyctl_spec::errors::WakeFailure;
 use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::agent::{AgentConfig, EngineExit};

@@ -5,7 +5,6 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use capyctl_crds::EngineKind;
 use capyctl_node_agent::agent::AgentConfig;
 use capyctl_node_agent::http::{Call, EngineClient};
 use capyctl_node_agent::inventory::{GpuProbe, NoGpus};
@@ -13,6 +12,7 @@ use capyctl_node_agent::load::LoadSample;
 use capyctl_node_agent::process::{PidRecord, ProcessRuntime};
 use capyctl_node_agent::spec::{GpuOverride, HostSettings, InstanceSpec};
 use capyctl_node_agent::{HostAgent, LocalHostAgent};
+use capyctl_spec::EngineKind;
 
 /// One MiB.
 pub const MIB: u64 = 1024 * 1024;

@@ -6,8 +6,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use capyctl_crds::documents;
-use capyctl_crds::overrides::Overrides;
 use capyctl_operator::k8s::api_client;
 use capyctl_operator::k8s::leader::LeaseConfig;
 use capyctl_operator::k8s::operator::{OperatorOptions, run};
@@ -15,6 +13,8 @@ use capyctl_operator::k8s::pods::EnginePodSettings;
 use capyctl_operator::k8s::reconcile::ReconcilerConfig;
 use capyctl_operator::k8s::watch::Watch;
 use capyctl_operator::metrics::Metrics;
+use capyctl_spec::documents;
+use capyctl_spec::overrides::Overrides;
 use clap::Parser;
 
 /// CapyCTL's server on Kubernetes: reconciles Deployment objects into the lifecycle and runs
@@ -115,7 +115,7 @@ async fn main_async(cli: Cli) -> Result<(), String> {
         .identity
         .clone()
         .filter(|n| !n.is_empty())
-        .unwrap_or_else(capyctl_crds::settings::default_host_id);
+        .unwrap_or_else(capyctl_spec::settings::default_host_id);
     tracing::info!(%namespace, watch = %watch.describe(), %identity, lease = %cli.lease_name, "capyctl-operator starting");
     let options = OperatorOptions {
         server,

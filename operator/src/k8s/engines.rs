@@ -37,7 +37,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use capyctl_crds::k8s::{Deployment, Host, MeasurementSource, MeasurementState};
+use capyctl_crds::{Deployment, Host, MeasurementSource, MeasurementState};
 use capyctl_node_agent::agent::{
     BoxFuture, EngineExit, ParkResult, RecoveryReport, StartedInstance, WakeReport,
 };
@@ -740,7 +740,7 @@ mod tests {
         InstanceSpec::new(
             "01KDEP",
             "chat-a",
-            capyctl_crds::EngineKind::Vllm,
+            capyctl_spec::EngineKind::Vllm,
             "Qwen3-4B",
         )
     }

@@ -33,16 +33,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use capyctl_crds::api::{
-    ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostList, LoadReport,
-    StartRequest,
-};
-use capyctl_crds::documents::DeploymentDoc;
-use capyctl_crds::errors::ApiError;
 use capyctl_router::lifecycle::{
     BoxFuture as RouterFuture, DeploymentId, DeploymentRef, InstanceKey, Lifecycle, Plan,
     SwitchOrder,
 };
+use capyctl_spec::api::{
+    ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostList, LoadReport,
+    StartRequest,
+};
+use capyctl_spec::documents::DeploymentDoc;
+use capyctl_spec::errors::ApiError;
 use tokio::sync::mpsc;
 
 use crate::api::{BoxFuture, ManagementApi};
@@ -158,10 +158,10 @@ fn released_words(v: Option<&DeploymentView>) -> String {
     let Some(i) = v.and_then(|v| v.instances.first()) else {
         return "released".to_string();
     };
-    let no_room = capyctl_crds::api::Released::StoppedNoRoomToPark;
+    let no_room = capyctl_spec::api::Released::StoppedNoRoomToPark;
     match (i.state, i.parked_tier.as_deref()) {
-        (capyctl_crds::InstanceState::Parked, Some(tier)) => format!("parked ({tier})"),
-        (capyctl_crds::InstanceState::Stopped, _)
+        (capyctl_spec::InstanceState::Parked, Some(tier)) => format!("parked ({tier})"),
+        (capyctl_spec::InstanceState::Stopped, _)
             if i.last_error.as_deref() == Some(no_room.status_line().as_str()) =>
         {
             no_room.words().to_string()
@@ -463,14 +463,14 @@ mod tests {
     use std::collections::BTreeSet;
     use std::sync::atomic::AtomicBool;
 
-    use capyctl_crds::InstanceState;
     use capyctl_router::lifecycle::DrainReport;
+    use capyctl_spec::InstanceState;
 
     use super::super::mock::view_of;
     use super::*;
 
     fn view(name: &str, state: InstanceState, tier: Option<&str>) -> DeploymentView {
-        let doc = capyctl_crds::documents::parse_deployment_str(
+        let doc = capyctl_spec::documents::parse_deployment_str(
             "t.yaml",
             &format!("name: {name}\nengine: vllm\nmodel: m\n"),
         )
@@ -656,7 +656,7 @@ mod tests {
         let mut v = view("chat-b", InstanceState::Stopped, None);
         assert_eq!(released_words(Some(&v)), "stopped");
         v.instances[0].last_error =
-            Some(capyctl_crds::api::Released::StoppedNoRoomToPark.status_line());
+            Some(capyctl_spec::api::Released::StoppedNoRoomToPark.status_line());
         assert_eq!(released_words(Some(&v)), "stopped (no room to park)");
     }
 

@@ -9,14 +9,14 @@ use std::collections::BTreeMap;
 use std::pin::pin;
 use std::sync::Mutex;
 
-use capyctl_crds::Activation;
-use capyctl_crds::InstanceState;
-use capyctl_crds::api::{
+use capyctl_spec::Activation;
+use capyctl_spec::InstanceState;
+use capyctl_spec::api::{
     ActionReceipt, ConditionView, DeployOutcome, DeployReceipt, DeploymentList, DeploymentView,
     EngineList, HostList, InstanceView, LoadReport, StartRequest,
 };
-use capyctl_crds::documents::DeploymentDoc;
-use capyctl_crds::errors::ApiError;
+use capyctl_spec::documents::DeploymentDoc;
+use capyctl_spec::errors::ApiError;
 use http::{Method, Request, Response};
 use kube::Client;
 use kube::client::Body;

@@ -1,7 +1,7 @@
 //! The Kubernetes adapter (DESIGN.md 4.6): what turns the lifecycle into an operator.
 //!
 //! - [`status`]: the `Deployment` CR's `status` from the lifecycle's
-//!   [`DeploymentView`](capyctl_crds::api::DeploymentView), whether it needs writing, and the
+//!   [`DeploymentView`](capyctl_spec::api::DeploymentView), whether it needs writing, and the
 //!   server-side apply of it (field manager [`FIELD_MANAGER`]);
 //! - [`leader`]: leader election on a `coordination.k8s.io/v1` Lease, so that one replica runs
 //!   the lifecycle and the router while a standby waits;

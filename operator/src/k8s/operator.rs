@@ -28,21 +28,21 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use capyctl_crds::Activation;
-use capyctl_crds::api::{
-    ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostList, LoadReport,
-    StartRequest,
-};
-use capyctl_crds::documents::DeploymentDoc;
-use capyctl_crds::errors::ApiError;
-use capyctl_crds::k8s::{Deployment, Host};
-use capyctl_crds::settings::{HostConfig, Mode, QueueSettings, ServerConfig};
+use capyctl_crds::{Deployment, Host};
 use capyctl_node_agent::HostAgent;
 use capyctl_node_agent::remote::{RemoteConfig, RemoteHostAgent};
 use capyctl_node_agent::spec::HostSettings;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::Coordinator;
 use capyctl_router::proxy::{self, Proxy, ProxyConfig};
+use capyctl_spec::Activation;
+use capyctl_spec::api::{
+    ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostList, LoadReport,
+    StartRequest,
+};
+use capyctl_spec::documents::DeploymentDoc;
+use capyctl_spec::errors::ApiError;
+use capyctl_spec::settings::{HostConfig, Mode, QueueSettings, ServerConfig};
 use futures_util::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
@@ -200,7 +200,7 @@ pub fn merged_queue<'a>(
 ) -> Option<QueueSettings> {
     let policies: Vec<&HostPolicy> = policies.into_iter().collect();
     let first = policies.first()?;
-    let tight = capyctl_crds::settings::tightest(policies.iter().map(|p| &p.queue))?;
+    let tight = capyctl_spec::settings::tightest(policies.iter().map(|p| &p.queue))?;
     let mut queue = first.queue;
     queue.max_pending_per_deployment = tight.max_pending_per_deployment;
     queue.max_pending_total = tight.max_pending_total;
@@ -996,7 +996,7 @@ mod tests {
     #[tokio::test]
     async fn deploys_and_deletes_are_refused_naming_the_objects_and_nothing_reaches_the_lifecycle()
     {
-        let doc = capyctl_crds::documents::parse_deployment_str(
+        let doc = capyctl_spec::documents::parse_deployment_str(
             "t.yaml",
             "name: chat-a\nengine: vllm\nmodel: m\n",
         )
@@ -1116,7 +1116,7 @@ mod tests {
     }
 
     fn host_json(window: &str, activation: &str) -> serde_json::Value {
-        let mut queue = serde_json::to_value(capyctl_crds::k8s::QueueSpec::default()).unwrap();
+        let mut queue = serde_json::to_value(capyctl_crds::QueueSpec::default()).unwrap();
         queue["admissionWindow"] = window.into();
         serde_json::json!({"apiVersion": "capyctl.io/v1alpha1", "kind": "Host",
             "metadata": {"name": "gpu-1", "resourceVersion": "5"},

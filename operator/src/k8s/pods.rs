@@ -31,12 +31,12 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use capyctl_crds::EngineKind;
-use capyctl_crds::k8s::Deployment;
+use capyctl_crds::Deployment;
 use capyctl_node_agent::k8s::pods::{ANNOTATION_LAUNCH_PARKING, ANNOTATION_SPEC};
 use capyctl_node_agent::launch::launch_command;
 use capyctl_node_agent::spec::{EngineLaunch, InstanceSpec};
 use capyctl_node_agent::tier::LaunchParking;
+use capyctl_spec::EngineKind;
 use k8s_openapi::api::core::v1::{
     Container, ContainerPort, EmptyDirVolumeSource, EnvVar, HostPathVolumeSource,
     LocalObjectReference, Pod, PodSpec, ResourceRequirements, Toleration, Volume, VolumeMount,
@@ -379,7 +379,7 @@ pub struct EnginePod<'a> {
 
 /// The GPUs of a node for `NVIDIA_VISIBLE_DEVICES`, from its `Host` object: every UUID when
 /// each GPU has one, else the indices; empty (= `all`) without a `Host` or GPUs.
-pub fn visible_gpus(host: Option<&capyctl_crds::k8s::Host>) -> Vec<String> {
+pub fn visible_gpus(host: Option<&capyctl_crds::Host>) -> Vec<String> {
     let gpus = host.map(|h| h.spec.gpus.as_slice()).unwrap_or_default();
     let uuids: Option<Vec<String>> = gpus.iter().map(|g| g.uuid.clone()).collect();
     match uuids {
@@ -855,7 +855,7 @@ mod tests {
 
     #[test]
     fn nvidia_visible_devices_are_the_nodes_gpus_from_its_host() {
-        let host = |gpus: serde_json::Value| -> capyctl_crds::k8s::Host {
+        let host = |gpus: serde_json::Value| -> capyctl_crds::Host {
             serde_json::from_value(serde_json::json!({
                 "apiVersion": "capyctl.io/v1alpha1", "kind": "Host",
                 "metadata": {"name": "gpu-node-1"},

@@ -41,12 +41,12 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use capyctl_crds::InstanceState;
-use capyctl_crds::api::{ActionReceipt, DeployOutcome, DeploymentView};
-use capyctl_crds::errors::ApiError;
-use capyctl_crds::k8s::{Deployment, DeploymentStatus};
+use capyctl_crds::{Deployment, DeploymentStatus};
 use capyctl_node_agent::HostAgent;
 use capyctl_node_agent::spec::InstanceSpec;
+use capyctl_spec::InstanceState;
+use capyctl_spec::api::{ActionReceipt, DeployOutcome, DeploymentView};
+use capyctl_spec::errors::ApiError;
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::jiff::Timestamp;
@@ -1598,7 +1598,7 @@ mod tests {
 
     #[test]
     fn happenings_tell_parks_wakes_starts_stops_and_failures() {
-        let doc = capyctl_crds::documents::parse_deployment_str(
+        let doc = capyctl_spec::documents::parse_deployment_str(
             "t.yaml",
             "name: chat-a\nengine: vllm\nmodel: m\n",
         )
@@ -1641,7 +1641,7 @@ mod tests {
 
     #[test]
     fn a_receipt_with_a_switch_tells_its_victims() {
-        let doc = capyctl_crds::documents::parse_deployment_str(
+        let doc = capyctl_spec::documents::parse_deployment_str(
             "t.yaml",
             "name: chat-a\nengine: vllm\nmodel: m\n",
         )
@@ -1650,11 +1650,11 @@ mod tests {
             action: "start".into(),
             deployment: view_of(&doc, 1),
             switch_id: Some("sw-7".into()),
-            victims: vec![capyctl_crds::api::Victim {
+            victims: vec![capyctl_spec::api::Victim {
                 deployment_id: "01KB".into(),
                 name: "chat-b".into(),
                 instance_id: "01KB-0".into(),
-                released: capyctl_crds::api::Released::StoppedNoRoomToPark,
+                released: capyctl_spec::api::Released::StoppedNoRoomToPark,
             }],
         };
         let h = Happening::from_receipt(&receipt).unwrap();

@@ -14,15 +14,15 @@
 //! refused adds `Accepted=False` (reason `invalid_spec`) and keeps `observedGeneration` at the
 //! generation that is still running.
 
-use capyctl_crds::api::{ConditionView, DeploymentView, InstanceView, MeasurementView};
-use capyctl_crds::documents::DeploymentDoc;
-use capyctl_crds::k8s::{
+use capyctl_crds::{
     Deployment, DeploymentStatus, InstanceStatus, MeasurementSource, MeasurementState,
     MeasurementStatus, conditions,
 };
-use capyctl_crds::{EngineKind, Residency};
 use capyctl_node_agent::AgentError;
 use capyctl_node_agent::tier::{NoParkReason, ParkChoice, ParkTier};
+use capyctl_spec::api::{ConditionView, DeploymentView, InstanceView, MeasurementView};
+use capyctl_spec::documents::DeploymentDoc;
+use capyctl_spec::{EngineKind, Residency};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::Api;
@@ -317,7 +317,7 @@ pub fn needs_write(current: Option<&DeploymentStatus>, desired: &DeploymentStatu
 /// The server-side apply body of a status: `apiVersion`, `kind` and `status` only.
 pub fn apply_body(status: &DeploymentStatus) -> serde_json::Value {
     serde_json::json!({
-        "apiVersion": capyctl_crds::k8s::API_VERSION,
+        "apiVersion": capyctl_crds::API_VERSION,
         "kind": "Deployment",
         "status": status,
     })
@@ -339,13 +339,13 @@ pub async fn apply_status(
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use capyctl_crds::api::InstanceView;
-    use capyctl_crds::{Activation, InstanceState};
+    use capyctl_spec::api::InstanceView;
+    use capyctl_spec::{Activation, InstanceState};
 
     use super::*;
 
     fn doc(text: &str) -> DeploymentDoc {
-        capyctl_crds::documents::parse_deployment_str("t.yaml", text).unwrap()
+        capyctl_spec::documents::parse_deployment_str("t.yaml", text).unwrap()
     }
 
     fn cond(kind: &str, status: &str, reason: &str) -> ConditionView {

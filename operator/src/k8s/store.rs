@@ -6,8 +6,9 @@
 //! instance's `generation`, the first answer, and the document of the revision that runs. So
 //! the deployments keep their IDs, revisions and operator decisions across a restart or a
 //! failover, and the node agent's recovery adopts the engines the previous leader left.
-//! Saves are kept in memory: what the lifecycle records reaches the API server as the CRs'
-//! status (written by the reconciler), which the next leader reads.
+//! Writes are kept in memory, by ID (each record written or removed on its own, never the whole
+//! state): what the lifecycle records reaches the API server as the CRs' status (written by
+//! the reconciler), which the next leader reads.
 //!
 //! NB: a CR edited while no leader ran has a spec that is not its revision's. The record is
 //! rebuilt with the revision's document (from `lifecycleRecord`), so the reconciler's deploy
@@ -15,25 +16,26 @@
 //! live. A CR whose new spec is refused keeps running its revision. Records written before
 //! the document was kept fall back to the CR's spec.
 
+use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
 
-use capyctl_crds::documents::DeploymentDoc;
-use capyctl_crds::k8s::Deployment;
+use capyctl_crds::Deployment;
+use capyctl_spec::documents::DeploymentDoc;
 use kube::ResourceExt;
 
-use crate::store::{DeploymentRecord, STATE_VERSION, Store, StoreError, StoredState};
+use crate::store::{Changes, DeploymentRecord, Store, StoreError};
 
-/// The records rebuilt from the CRs, and what the lifecycle saved since.
+/// The records rebuilt from the CRs, and what the lifecycle wrote since, by deployment ID.
 #[derive(Debug, Default)]
 pub struct CrStore {
-    state: Mutex<StoredState>,
+    records: Mutex<HashMap<String, DeploymentRecord>>,
 }
 
 impl CrStore {
     /// The records of `crs`: every CR with a valid spec and a `status.deploymentId`, not being
     /// deleted. A CR without an ID yet is deployed fresh by the reconciler.
     pub fn from_crs<'a>(crs: impl IntoIterator<Item = &'a Deployment>) -> Self {
-        let mut deployments = Vec::new();
+        let mut records = HashMap::new();
         for cr in crs {
             if cr.metadata.deletion_timestamp.is_some() {
                 continue;
@@ -70,8 +72,8 @@ impl CrStore {
                     continue;
                 }
             };
-            deployments.push(DeploymentRecord {
-                id,
+            let record = DeploymentRecord {
+                id: id.clone(),
                 revision: status.revision.unwrap_or(1).max(1),
                 doc,
                 operator_stopped: kept.operator_stopped,
@@ -82,14 +84,11 @@ impl CrStore {
                     .or_else(|| status.instances.first().map(|i| i.generation))
                     .unwrap_or(0),
                 first_answer: kept.first_answer,
-            });
+            };
+            records.insert(id, record);
         }
-        deployments.sort_by(|a, b| a.doc.name.cmp(&b.doc.name));
         Self {
-            state: Mutex::new(StoredState {
-                version: STATE_VERSION,
-                deployments,
-            }),
+            records: Mutex::new(records),
         }
     }
 }
@@ -115,8 +114,8 @@ impl CrStore {
     /// The `lifecycleRecord` of deployment `id` as last saved by the lifecycle, for its CR's
     /// status; `None` when the lifecycle has no such deployment.
     pub fn lifecycle_record(&self, id: &str) -> Option<String> {
-        let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        let r = state.deployments.iter().find(|d| d.id == id)?;
+        let records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+        let r = records.get(id)?;
         serde_json::to_string(&Kept {
             operator_stopped: r.operator_stopped,
             operator_started: r.operator_started,
@@ -129,16 +128,27 @@ impl CrStore {
 }
 
 impl Store for CrStore {
-    fn load(&self) -> Result<StoredState, StoreError> {
-        Ok(self
-            .state
+    /// By name.
+    fn load(&self) -> Result<Vec<DeploymentRecord>, StoreError> {
+        let mut records: Vec<DeploymentRecord> = self
+            .records
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .clone())
+            .values()
+            .cloned()
+            .collect();
+        records.sort_by(|a, b| a.doc.name.cmp(&b.doc.name));
+        Ok(records)
     }
 
-    fn save(&self, state: &StoredState) -> Result<(), StoreError> {
-        *self.state.lock().unwrap_or_else(PoisonError::into_inner) = state.clone();
+    fn write(&self, changes: &Changes) -> Result<(), StoreError> {
+        let mut records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+        for r in &changes.put {
+            records.insert(r.id.clone(), r.clone());
+        }
+        for id in &changes.remove {
+            records.remove(id);
+        }
         Ok(())
     }
 }
@@ -185,23 +195,26 @@ mod tests {
             ),
         ];
         let store = CrStore::from_crs(&crs);
-        let state = store.load().unwrap();
-        let names: Vec<&str> = state
-            .deployments
-            .iter()
-            .map(|d| d.doc.name.as_str())
-            .collect();
+        let records = store.load().unwrap();
+        let names: Vec<&str> = records.iter().map(|d| d.doc.name.as_str()).collect();
         assert_eq!(names, ["chat-a", "chat-b"]);
-        let b = &state.deployments[1];
+        let b = &records[1];
         assert_eq!((b.id.as_str(), b.revision, b.generation), ("01KB", 3, 7));
-        assert_eq!(state.deployments[0].revision, 1);
-        // Saves are kept.
-        store.save(&StoredState::default()).unwrap();
-        assert!(store.load().unwrap().deployments.is_empty());
+        assert_eq!(records[0].revision, 1);
+        // Writes are kept, record by record.
+        let mut a = records[0].clone();
+        a.operator_stopped = true;
+        store
+            .write(&Changes {
+                put: vec![a.clone()],
+                remove: vec!["01KB".into()],
+            })
+            .unwrap();
+        assert_eq!(store.load().unwrap(), [a]);
     }
 
     fn doc(text: &str) -> DeploymentDoc {
-        capyctl_crds::documents::parse_deployment_str("t.yaml", text).unwrap()
+        capyctl_spec::documents::parse_deployment_str("t.yaml", text).unwrap()
     }
 
     #[test]
@@ -220,9 +233,9 @@ mod tests {
         };
         let store = CrStore::default();
         store
-            .save(&StoredState {
-                version: STATE_VERSION,
-                deployments: vec![record.clone()],
+            .write(&Changes {
+                put: vec![record.clone()],
+                remove: Vec::new(),
             })
             .unwrap();
         let text = store.lifecycle_record("01KA").unwrap();
@@ -232,7 +245,7 @@ mod tests {
         let spec = serde_json::json!({"engine": "vllm", "model": "Qwen3-4B",
             "maxConcurrentRequests": 8});
         let back = CrStore::from_crs(&[cr("chat-a", status, spec)]);
-        assert_eq!(back.load().unwrap().deployments, [record]);
+        assert_eq!(back.load().unwrap(), [record]);
     }
 
     #[test]
@@ -250,9 +263,9 @@ mod tests {
         };
         let store = CrStore::default();
         store
-            .save(&StoredState {
-                version: STATE_VERSION,
-                deployments: vec![record],
+            .write(&Changes {
+                put: vec![record],
+                remove: Vec::new(),
             })
             .unwrap();
         let kept = store.lifecycle_record("01KA").unwrap();
@@ -263,7 +276,7 @@ mod tests {
             "extraArgs": ["--max-model-len", "8192"]});
         let cr_edited = cr("chat-a", status.clone(), edited);
         let back = CrStore::from_crs(std::slice::from_ref(&cr_edited));
-        let r = &back.load().unwrap().deployments[0];
+        let r = &back.load().unwrap()[0];
         // The revision's document, not the new spec: the reconciler's deploy of the new spec is
         // then a change, which bumps the revision (2 -> 3).
         assert_eq!(r.doc, running);
@@ -273,6 +286,6 @@ mod tests {
         let refused = serde_json::json!({"engine": "vllm", "model": "Qwen3-4B",
             "maxConcurrentRequests": 0});
         let back = CrStore::from_crs(&[cr("chat-a", status, refused)]);
-        assert_eq!(back.load().unwrap().deployments[0].doc, running);
+        assert_eq!(back.load().unwrap()[0].doc, running);
     }
 }

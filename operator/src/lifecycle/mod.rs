@@ -23,14 +23,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
-use capyctl_crds::api::{
-    ActionReceipt, DeployOutcome, DeployReceipt, DeploymentList, DeploymentView, EngineList,
-    EngineView, HostList, LoadReport, Released, StartRequest, Victim,
-};
-use capyctl_crds::documents::DeploymentDoc;
-use capyctl_crds::errors::ApiError;
-use capyctl_crds::settings::LifecycleDefaults;
-use capyctl_crds::{Activation, EngineKind, InstanceState, Residency};
 use capyctl_node_agent::HostAgent;
 use capyctl_node_agent::agent::{EngineExit, ParkResult};
 use capyctl_node_agent::launch::MaxRunning;
@@ -44,6 +36,14 @@ use capyctl_router::lifecycle::{
     Upstream,
 };
 use capyctl_router::proxy::ModelEntry;
+use capyctl_spec::api::{
+    ActionReceipt, DeployOutcome, DeployReceipt, DeploymentList, DeploymentView, EngineList,
+    EngineView, HostList, LoadReport, Released, StartRequest, Victim,
+};
+use capyctl_spec::documents::DeploymentDoc;
+use capyctl_spec::errors::ApiError;
+use capyctl_spec::settings::LifecycleDefaults;
+use capyctl_spec::{Activation, EngineKind, InstanceState, Residency};
 use futures_util::StreamExt;
 use tokio::sync::{broadcast, mpsc, watch};
 use tokio::time::Instant;
@@ -51,8 +51,11 @@ use tracing::Instrument;
 
 use crate::api::ManagementApi;
 use crate::metrics::Metrics;
-use crate::store::{DeploymentRecord, Store, StoreError, StoredState};
+use crate::store::{Changes, DeploymentRecord, Store, StoreError};
 use placement::{Fit, Hold, Holder, place};
+
+/// How many deployments [`Server::open_hosts`] measures at once.
+const MEASURE_AT_ONCE: usize = 16;
 
 /// The lifecycle's settings.
 #[derive(Debug, Clone)]
@@ -135,9 +138,6 @@ struct Dep {
     /// The last request's start or end, or the last state change that counts as use.
     last_used: Instant,
     max_running: Option<MaxRunning>,
-    /// The record changed in a way only the next bring-up's end saves (a pending start
-    /// taken).
-    save_due: bool,
     /// Set (once per bring-up) to end the start or wake in progress: what its waiting requests
     /// and the bring-up's caller get (`deployment_stopped` for a stop, `model_not_found` for
     /// a delete, `unavailable` for `start --evict` of another model). See
@@ -174,7 +174,6 @@ impl Dep {
             last_error: None,
             last_used: Instant::now(),
             max_running: None,
-            save_due: false,
             end: watch::channel(None).0,
             ended_stop_failed: None,
             usage: UsageOf(Arc::new(Usage::new())),
@@ -284,6 +283,11 @@ pub fn instance_id(deployment_id: &str) -> String {
     format!("{deployment_id}-0")
 }
 
+/// The deployment ID of an [`instance_id`].
+fn deployment_of(instance_id: &str) -> Option<&str> {
+    instance_id.strip_suffix("-0")
+}
+
 /// A plan's or an operator release's reservation.
 #[derive(Debug, Default)]
 struct Reservation {
@@ -301,6 +305,12 @@ type Hosts = Arc<BTreeMap<String, Arc<Host>>>;
 struct Inner {
     /// By ID.
     deps: BTreeMap<String, Dep>,
+    /// Deployment IDs by name (kept by [`Inner::insert`] and [`Inner::remove`]; a name never
+    /// changes: a deploy of the same name is the same deployment).
+    by_name: HashMap<String, String>,
+    /// IDs whose records changed since they were last written (deleted ones too): the next
+    /// save writes them ([`Server::save`]).
+    dirty: BTreeSet<String>,
     reservations: HashMap<String, Reservation>,
     /// Every host, by ID.
     hosts: Hosts,
@@ -309,8 +319,7 @@ struct Inner {
     /// The deployments whose instance is on each host (`Dep::host`: claimed, running, parked,
     /// or last run there), by host ID: placement and the host view read a host's deployments
     /// without scanning all of them. Kept by [`Inner::set_host`], the one writer of
-    /// `Dep::host`. NB: a deleted deployment's ID may linger here; readers skip IDs that name
-    /// no deployment on that host ([`Inner::on_host`]).
+    /// `Dep::host` (and [`Inner::remove`]).
     by_host: HashMap<String, BTreeSet<String>>,
 }
 
@@ -371,9 +380,29 @@ impl std::fmt::Debug for HostEntry {
 
 impl Inner {
     fn by_name_or_id(&self, key: &str) -> Option<&Dep> {
-        self.deps
-            .get(key)
-            .or_else(|| self.deps.values().find(|d| d.name() == key))
+        self.deps.get(key).or_else(|| self.by_name(key))
+    }
+
+    fn by_name(&self, name: &str) -> Option<&Dep> {
+        self.by_name.get(name).and_then(|id| self.deps.get(id))
+    }
+
+    /// Adds `dep` (a name already known keeps its deployment: the first one loaded).
+    fn insert(&mut self, dep: Dep) {
+        self.by_name
+            .entry(dep.name().to_string())
+            .or_insert_with(|| dep.rec.id.clone());
+        self.deps.insert(dep.rec.id.clone(), dep);
+    }
+
+    /// Removes deployment `id`.
+    fn remove(&mut self, id: &str) -> Option<Dep> {
+        self.set_host(id, None);
+        let dep = self.deps.remove(id)?;
+        if self.by_name.get(dep.name()).is_some_and(|i| i == id) {
+            self.by_name.remove(dep.name());
+        }
+        Some(dep)
     }
 
     fn release_reservation(&mut self, rid: &str) {
@@ -629,11 +658,9 @@ impl Server {
         store: Arc<dyn Store>,
         config: LifecycleConfig,
     ) -> Result<Arc<Server>, ServerError> {
-        let stored = store.load()?;
         let mut inner = Inner::default();
-        for rec in stored.deployments {
-            let dep = Dep::new(rec);
-            inner.deps.insert(dep.rec.id.clone(), dep);
+        for rec in store.load()? {
+            inner.insert(Dep::new(rec));
         }
         let (changes, _) = watch::channel(0);
         let (closed, _) = watch::channel(false);
@@ -664,19 +691,28 @@ impl Server {
                 .map(|d| (d.rec.id.clone(), d.spec.clone()))
                 .collect()
         });
-        for (id, spec) in specs {
-            let Ok(agent) = server.agent_of(&id) else {
-                break;
-            };
-            let m = agent.measure(&spec).await.unwrap_or_default();
-            server.write(|inner| {
+        // A few at a time: each is a call to a host agent (a blocking task of a local one).
+        let measured: Vec<(String, Measurement)> = futures_util::stream::iter(specs)
+            .map(|(id, spec)| {
+                let server = &server;
+                async move {
+                    let agent = server.agent_of(&id).ok()?;
+                    Some((id, agent.measure(&spec).await.unwrap_or_default()))
+                }
+            })
+            .buffer_unordered(MEASURE_AT_ONCE)
+            .filter_map(std::future::ready)
+            .collect()
+            .await;
+        server.write(|inner| {
+            for (id, m) in measured {
                 if let Some(d) = inner.deps.get_mut(&id)
                     && d.measurement.awaiting()
                 {
                     d.measurement = m;
                 }
-            });
-        }
+            }
+        });
         server.ready.store(true, Ordering::SeqCst);
         Ok(server)
     }
@@ -725,11 +761,9 @@ impl Server {
             let mut adopted_here = BTreeSet::new();
             let mut changed = BTreeSet::new();
             for adopted in &report.adopted {
-                // An instance's ID is its deployment's ID and `-0` (`instance_id`).
-                let Some(d) = adopted
-                    .instance
-                    .strip_suffix("-0")
+                let Some(d) = deployment_of(&adopted.instance)
                     .and_then(|id| inner.deps.get_mut(id))
+                    .filter(|d| d.instance_id() == adopted.instance)
                 else {
                     tracing::info!(host = %host_id, instance = %adopted.instance, "stopping an engine of a deployment that no longer exists");
                     to_stop.push(adopted.instance.clone());
@@ -766,7 +800,7 @@ impl Server {
                 if adopted.parked.is_none() && d.rec.pending_start {
                     // It runs: a start that waited for memory has happened.
                     d.rec.pending_start = false;
-                    d.save_due = true;
+                    inner.dirty.insert(d.rec.id.clone());
                 }
                 let id = d.rec.id.clone();
                 if (d.state, d.addr) != was {
@@ -923,8 +957,11 @@ impl Server {
     }
 
     /// Stops the background work and lets go of the router (engines are left as they are;
-    /// stop them through the host agent for a clean shutdown).
+    /// stop them through the host agent for a clean shutdown); writes what is not written yet
+    /// (a batch of deploys cut short) and closes the store: nothing is written after it.
     pub fn close(&self) {
+        self.flush_due();
+        self.store.close();
         self.closed.send_replace(true);
         self.ready.store(false, Ordering::SeqCst);
         self.router
@@ -1091,41 +1128,53 @@ impl Server {
         format!("{what}-{}-{n}", ulid::Ulid::new())
     }
 
-    /// Saves when a change only a later save writes is due (`Dep::save_due`).
+    /// Saves the records changed and not written yet (`Inner::dirty`), if any: those a
+    /// change marked for a later save (a pending start taken, an adoption, a batch of
+    /// deploys).
     fn flush_due(&self) {
-        let due = self.write(|inner| {
-            let mut due = false;
-            for d in inner.deps.values_mut() {
-                due |= std::mem::take(&mut d.save_due);
-            }
-            due
-        });
-        if due {
-            self.save_logged();
+        if self.read(|inner| !inner.dirty.is_empty()) {
+            self.log_failed(self.save());
         }
     }
 
-    /// [`Server::save`] where a failure must not undo what was decided: it is logged (the next
-    /// save writes it all again).
-    fn save_logged(&self) {
-        if let Err(e) = self.save() {
-            tracing::warn!(error = %e, "the state file was not written; the next change writes it again");
+    /// Saves deployment `id`'s record (or its removal, when it is gone) and every other one
+    /// changed and not written yet: it is durable when this returns, unless the write failed,
+    /// which is logged and must not undo what was decided (the next save writes it again).
+    fn save_logged(&self, id: &str) {
+        self.lock().dirty.insert(id.to_string());
+        self.log_failed(self.save());
+    }
+
+    fn log_failed(&self, saved: Result<(), ApiError>) {
+        if let Err(e) = saved {
+            tracing::warn!(error = %e, "the state was not written; the next change writes it again");
         }
     }
 
-    /// Saves every record (snapshot and write under the persist lock, so saves land in order).
+    /// Writes every record in `Inner::dirty` (and removes the deleted ones) in one transaction,
+    /// under the persist lock: saves land in order, each with the records as they are when it
+    /// takes them, and a save whose records the one before it took (group commit) finds
+    /// nothing left to write once that one has written them. A failed write gives its records
+    /// back to `dirty`, for the next save.
     fn save(&self) -> Result<(), ApiError> {
         let _order = self.persist.lock().unwrap_or_else(PoisonError::into_inner);
-        let state = self.read(|inner| {
-            let mut deployments: Vec<DeploymentRecord> =
-                inner.deps.values().map(|d| d.rec.clone()).collect();
-            deployments.sort_by(|a, b| a.doc.name.cmp(&b.doc.name));
-            StoredState {
-                deployments,
-                ..Default::default()
+        let (ids, changes) = {
+            let mut inner = self.lock();
+            let ids = std::mem::take(&mut inner.dirty);
+            let mut changes = Changes::default();
+            for id in &ids {
+                match inner.deps.get(id) {
+                    Some(d) => changes.put.push(d.rec.clone()),
+                    None => changes.remove.push(id.clone()),
+                }
             }
-        });
-        self.store.save(&state).map_err(|e| {
+            (ids, changes)
+        };
+        if changes.is_empty() {
+            return Ok(());
+        }
+        self.store.write(&changes).map_err(|e| {
+            self.lock().dirty.extend(ids);
             tracing::error!(error = %e, "saving the state failed");
             internal(format!("saving the state: {e}"))
         })
@@ -1310,7 +1359,10 @@ impl Server {
     /// Marks `id` as coming up (under the lock) and says how.
     fn begin_up(inner: &mut Inner, id: &str) -> Option<Up> {
         let d = inner.deps.get_mut(id)?;
-        d.save_due |= std::mem::take(&mut d.rec.pending_start);
+        if std::mem::take(&mut d.rec.pending_start) || d.state != InstanceState::Parked {
+            // A pending start taken, a new generation: saved by the bring-up.
+            inner.dirty.insert(id.to_string());
+        }
         d.claim = None;
         d.busy = true;
         d.last_error = None;
@@ -1362,7 +1414,7 @@ impl Server {
         };
         if up == Up::Start {
             // The generation is part of the record.
-            self.save_logged();
+            self.save_logged(id);
         }
         let began = Instant::now();
         let woken_from = self.read(|inner| inner.deps.get(id).and_then(|d| d.tier));
@@ -1475,14 +1527,9 @@ impl Server {
         });
         // A start records its generation and first answer; a pending start taken is saved
         // whatever came of it.
-        let due = self.write(|inner| {
-            inner
-                .deps
-                .get_mut(id)
-                .is_some_and(|d| std::mem::take(&mut d.save_due))
-        });
+        let due = self.read(|inner| inner.dirty.contains(id));
         if up == Up::Start || due {
-            self.save_logged();
+            self.save_logged(id);
         }
         match ready {
             Some(Ok((key, Some(addr)))) => {
@@ -2248,20 +2295,50 @@ impl Server {
     /// ever place it, where no other host can join) is refused and changes nothing: an existing
     /// deployment keeps its working revision.
     async fn do_deploy(&self, doc: DeploymentDoc) -> Result<DeployReceipt, ApiError> {
+        let (id, outcome) = self.deploy_unsaved(doc).await?;
+        if outcome != DeployOutcome::Unchanged {
+            self.save_logged(&id);
+        }
+        Ok(DeployReceipt {
+            outcome,
+            deployment: self.view(&id).ok_or_else(|| not_found(&id))?,
+        })
+    }
+
+    /// Deploys `docs` in order, each as [`ManagementApi::deploy`] does, and writes the records
+    /// they change in one transaction at the end: a whole document (standalone) is one write.
+    /// The first refusal ends it, `Err` with the refused deployment's name; those before it
+    /// stay deployed (and are written).
+    pub async fn deploy_all(&self, docs: Vec<DeploymentDoc>) -> Result<(), (String, ApiError)> {
+        for (i, doc) in docs.into_iter().enumerate() {
+            if i % 256 == 255 {
+                // Unchanged ones await nothing: a caller's other branches (a signal) get
+                // their turn.
+                tokio::task::yield_now().await;
+            }
+            let name = doc.name.clone();
+            if let Err(e) = self.deploy_unsaved(doc).await {
+                self.flush_due();
+                return Err((name, e));
+            }
+        }
+        self.flush_due();
+        Ok(())
+    }
+
+    /// [`Server::do_deploy`] but the write: a changed record is left in `Inner::dirty` for the
+    /// next save.
+    async fn deploy_unsaved(
+        &self,
+        doc: DeploymentDoc,
+    ) -> Result<(String, DeployOutcome), ApiError> {
         let existing = self.read(|inner| {
             inner
-                .deps
-                .values()
-                .find(|d| d.name() == doc.name)
+                .by_name(&doc.name)
                 .map(|d| (d.rec.id.clone(), d.rec.doc == doc))
         });
         let id = match existing {
-            Some((id, true)) => {
-                return Ok(DeployReceipt {
-                    outcome: DeployOutcome::Unchanged,
-                    deployment: self.view(&id).ok_or_else(|| not_found(&id))?,
-                });
-            }
+            Some((id, true)) => return Ok((id, DeployOutcome::Unchanged)),
             Some((id, false)) => id,
             None => ulid::Ulid::new().to_string(),
         };
@@ -2275,29 +2352,30 @@ impl Server {
             self.read(|inner| Self::some_host_fits(inner, &doc.name, &spec, measured.as_ref()))?;
         }
         let (id, outcome) = self.write(|inner| {
-            let (id, outcome) =
-                if let Some(d) = inner.deps.values_mut().find(|d| d.name() == doc.name) {
-                    if d.rec.doc == doc {
-                        return (d.rec.id.clone(), DeployOutcome::Unchanged);
-                    }
-                    d.rec.revision += 1;
-                    d.rec.doc = doc.clone();
-                    d.spec = InstanceSpec::from_doc(d.rec.id.clone(), &doc);
-                    (d.rec.id.clone(), DeployOutcome::Updated)
-                } else {
-                    let rec = DeploymentRecord {
-                        id: id.clone(),
-                        revision: 1,
-                        doc: doc.clone(),
-                        operator_stopped: false,
-                        operator_started: false,
-                        pending_start: false,
-                        generation: 0,
-                        first_answer: None,
-                    };
-                    inner.deps.insert(id.clone(), Dep::new(rec));
-                    (id.clone(), DeployOutcome::Created)
+            let known = inner.by_name.get(&doc.name).cloned();
+            let (id, outcome) = if let Some(d) = known.and_then(|id| inner.deps.get_mut(&id)) {
+                if d.rec.doc == doc {
+                    return (d.rec.id.clone(), DeployOutcome::Unchanged);
+                }
+                d.rec.revision += 1;
+                d.rec.doc = doc.clone();
+                d.spec = InstanceSpec::from_doc(d.rec.id.clone(), &doc);
+                (d.rec.id.clone(), DeployOutcome::Updated)
+            } else {
+                let rec = DeploymentRecord {
+                    id: id.clone(),
+                    revision: 1,
+                    doc: doc.clone(),
+                    operator_stopped: false,
+                    operator_started: false,
+                    pending_start: false,
+                    generation: 0,
+                    first_answer: None,
                 };
+                inner.insert(Dep::new(rec));
+                (id.clone(), DeployOutcome::Created)
+            };
+            inner.dirty.insert(id.clone());
             // A measurement still awaited does not replace one known (the same checkpoint).
             if let (Some(d), Some(m)) = (inner.deps.get_mut(&id), measured)
                 && (!m.awaiting() || d.measurement.awaiting())
@@ -2306,13 +2384,7 @@ impl Server {
             }
             (id, outcome)
         });
-        if outcome != DeployOutcome::Unchanged {
-            self.save_logged();
-        }
-        Ok(DeployReceipt {
-            outcome,
-            deployment: self.view(&id).ok_or_else(|| not_found(&id))?,
-        })
+        Ok((id, outcome))
     }
 
     /// `does_not_fit` when the GPU memory `spec` needs (declared, or `measured`) is more than
@@ -2438,7 +2510,7 @@ impl Server {
                 }),
             }
         })?;
-        self.save_logged();
+        self.save_logged(&id);
         let mut receipt_victims = Vec::new();
         let mut switch_id = None;
         let mut evict_phases: Vec<(&'static str, Duration)> = Vec::new();
@@ -2693,7 +2765,7 @@ impl Server {
             d.rec.pending_start = false;
             Ok::<_, ApiError>(())
         })?;
-        self.save_logged();
+        self.save_logged(id);
         if let Some(r) = self.router() {
             r.deployment_refused(id.to_string(), refusal.clone()).await;
         }
@@ -2817,7 +2889,7 @@ impl Server {
         if down.is_none() {
             return self.receipt("park", &id);
         }
-        self.save_logged();
+        self.save_logged(&id);
         let receipt = self.receipt("park", &id)?;
         let target = id.clone();
         self.spawn(move |me| {
@@ -2844,12 +2916,12 @@ impl Server {
         self.write(|inner| {
             inner.release_reservation(&rid);
             if result.is_ok() {
-                inner.deps.remove(&id);
+                inner.remove(&id);
             }
         });
         result?;
         self.config.metrics.forget_deployment(&id);
-        self.save_logged();
+        self.save_logged(&id);
         Ok(view)
     }
 
@@ -2923,7 +2995,7 @@ impl Server {
         }) else {
             return;
         };
-        self.save_logged();
+        self.save_logged(id);
         let started = match self.agent_of(id) {
             Ok(agent) => match self
                 .unless_ended(id, agent.as_ref(), &iid, agent.start(&iid, &spec))
@@ -2967,7 +3039,7 @@ impl Server {
                         d.state = InstanceState::Closed;
                     }
                 });
-                self.save_logged();
+                self.save_logged(id);
                 // Parked, or stopped when its copy finds no room.
                 if let Err(e) = self.put_away(id, Put::Park, NoRoom::Stop).await {
                     tracing::warn!(deployment = %id, error = %e, "preinitialize: parking failed");
@@ -3016,7 +3088,7 @@ impl Server {
         };
         Ok(LoadReport {
             observed_at_ms: now,
-            stale_after_ms: capyctl_crds::api::STALE_AFTER_MS,
+            stale_after_ms: capyctl_spec::api::STALE_AFTER_MS,
             deployments,
         })
     }
@@ -3501,12 +3573,7 @@ impl Drop for UsageOf {
 
 /// The deployment named `name` (by name only).
 fn named<'a>(inner: &'a Inner, name: &str) -> Option<&'a Dep> {
-    match inner.by_name_or_id(name) {
-        Some(d) if d.name() == name => Some(d),
-        // An ID that is also some other deployment's name.
-        Some(_) => inner.deps.values().find(|d| d.name() == name),
-        None => None,
-    }
+    inner.by_name(name)
 }
 
 impl std::fmt::Debug for NameCache {

@@ -11,13 +11,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use capyctl_crds::api::{
-    ConditionView, DeploymentLoadView, DeploymentView, EngineLoadView, GpuView, HostView,
-    InstanceLoadView, InstanceView, MaxRunningView, MeasurementView, RouterLoadView,
-    STALE_AFTER_MS, STALE_SAMPLE_KEPT_MS, SampleView,
-};
-use capyctl_crds::documents::DeploymentDoc;
-use capyctl_crds::{Activation, InstanceState};
 use capyctl_node_agent::inventory::Inventory;
 use capyctl_node_agent::launch::{MaxRunning, MaxRunningInput, MaxRunningSource, max_running};
 use capyctl_node_agent::load::LoadSample;
@@ -25,6 +18,13 @@ use capyctl_node_agent::measure::{MeasureSource, Measurement};
 use capyctl_node_agent::spec::InstanceSpec;
 use capyctl_node_agent::tier::ParkTier;
 use capyctl_router::coordinator::DeploymentLoad;
+use capyctl_spec::api::{
+    ConditionView, DeploymentLoadView, DeploymentView, EngineLoadView, GpuView, HostView,
+    InstanceLoadView, InstanceView, MaxRunningView, MeasurementView, RouterLoadView,
+    STALE_AFTER_MS, STALE_SAMPLE_KEPT_MS, SampleView,
+};
+use capyctl_spec::documents::DeploymentDoc;
+use capyctl_spec::{Activation, InstanceState};
 
 use super::{Dep, Host, Hosts, LifecycleConfig};
 use crate::store::DeploymentRecord;
@@ -388,7 +388,7 @@ pub(crate) fn load_view(
         router: RouterLoadView {
             in_flight: router.map_or(0, |r| r.in_flight as u64),
             in_flight_limit: router.map_or(
-                u64::from(capyctl_crds::settings::IN_FLIGHT_PER_DEPLOYMENT),
+                u64::from(capyctl_spec::settings::IN_FLIGHT_PER_DEPLOYMENT),
                 |r| r.in_flight_limit as u64,
             ),
             waiting: router.map_or(0, |r| r.waiting as u64),

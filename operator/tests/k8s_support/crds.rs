@@ -12,7 +12,7 @@ use kube::{Api, Client, ResourceExt};
 /// established.
 pub async fn install_crds(client: &Client) {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let dir = capyctl_crds::k8s::chart_crd_dir();
+    let dir = capyctl_crds::chart_crd_dir();
     let mut names = Vec::new();
     for entry in std::fs::read_dir(&dir).unwrap() {
         let path = entry.unwrap().path();

@@ -138,7 +138,7 @@ impl TestNamespace {
 
 /// Deletes namespace `ns` and what the tests leave in it, then the objects at `extra`.
 pub async fn clean_up(client: &Client, ns: &str, extra: &[String]) {
-    let crs: Api<capyctl_crds::k8s::Deployment> = Api::namespaced(client.clone(), ns);
+    let crs: Api<capyctl_crds::Deployment> = Api::namespaced(client.clone(), ns);
     if let Ok(list) = crs.list(&ListParams::default()).await {
         for cr in list.items {
             let name = cr.name_any();

@@ -8,18 +8,18 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use capyctl_crds::Activation;
-use capyctl_crds::documents::{DeploymentDoc, parse_deployment_str};
-use capyctl_crds::settings::LifecycleDefaults;
 use capyctl_node_agent::LocalHostAgent;
 use capyctl_node_agent::agent::AgentConfig;
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::spec::{GpuOverride, HostSettings};
 use capyctl_operator::lifecycle::{HostEntry, LifecycleConfig, Server};
-use capyctl_operator::store::FileStore;
+use capyctl_operator::store::RedbStore;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::{Coordinator, CoordinatorHandle};
 use capyctl_router::proxy::{self, Proxy, ProxyConfig};
+use capyctl_spec::Activation;
+use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
+use capyctl_spec::settings::LifecycleDefaults;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -190,7 +190,7 @@ impl Harness {
             })
             .collect();
         let agent = agents[0].1.clone();
-        let store = Arc::new(FileStore::new(dir).unwrap());
+        let store = Arc::new(RedbStore::open(dir).unwrap());
         let mut lc = LifecycleConfig::new(ids[0]);
         lc.host_activation = opts.activation;
         lc.lifecycle_defaults = opts.lifecycle_defaults;
@@ -270,9 +270,9 @@ impl Harness {
         name: &str,
         evict: bool,
         wait: bool,
-    ) -> Result<capyctl_crds::api::ActionReceipt, capyctl_crds::errors::ApiError> {
+    ) -> Result<capyctl_spec::api::ActionReceipt, capyctl_spec::errors::ApiError> {
         use capyctl_operator::api::ManagementApi;
-        let request = capyctl_crds::api::StartRequest { evict, wait };
+        let request = capyctl_spec::api::StartRequest { evict, wait };
         self.server.start(name, request).await
     }
 

@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
 use std::time::Duration;
 
-use capyctl_crds::errors::ApiError;
+use capyctl_spec::errors::ApiError;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 

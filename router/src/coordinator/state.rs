@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use capyctl_crds::errors::ApiError;
+use capyctl_spec::errors::ApiError;
 use tokio::time::Instant;
 
 use crate::admission::deadline_error;

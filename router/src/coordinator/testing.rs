@@ -20,7 +20,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
-use capyctl_crds::errors::ApiError;
+use capyctl_spec::errors::ApiError;
 use tokio::time::Instant;
 
 use crate::config::RouterConfig;

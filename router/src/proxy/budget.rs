@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
-use capyctl_crds::errors::ApiError;
+use capyctl_spec::errors::ApiError;
 
 /// The bytes request bodies may hold at once, and what they hold now.
 #[derive(Debug)]

@@ -46,7 +46,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use capyctl_crds::errors::ApiError;
+use capyctl_spec::errors::ApiError;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri};
 use http_body::Body;

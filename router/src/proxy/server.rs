@@ -54,7 +54,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use capyctl_crds::errors::ApiError;
+use capyctl_spec::errors::ApiError;
 use http::header;
 use http::{Method, StatusCode, Uri, Version};
 use http_body::Body;

@@ -9,11 +9,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use capyctl_crds::errors::ApiError;
 use capyctl_engine_sim::SimConfig;
 use capyctl_router::admission::{Admission, Permit};
 use capyctl_router::lifecycle::{DeploymentRef, InstanceKey, Upstream};
 use capyctl_router::proxy::{ModelEntry, Proxy, ProxyConfig, serve};
+use capyctl_spec::errors::ApiError;
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;

@@ -164,7 +164,7 @@ impl DocumentError {
 
 /// One step of a key path.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Seg {
+pub enum Seg {
     /// A mapping key.
     Key(String),
     /// A sequence index.
@@ -173,10 +173,11 @@ pub(crate) enum Seg {
 
 /// A key path from a document's root.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub(crate) struct KeyPath(pub(crate) Vec<Seg>);
+pub struct KeyPath(pub Vec<Seg>);
 
 impl KeyPath {
-    pub(crate) fn keys(keys: &[&str]) -> Self {
+    /// The path of these mapping keys, in order.
+    pub fn keys(keys: &[&str]) -> Self {
         Self(keys.iter().map(|k| Seg::Key((*k).to_string())).collect())
     }
 
@@ -206,8 +207,8 @@ impl KeyPath {
         )
     }
 
-    /// `None` for the root.
-    pub(crate) fn display(&self) -> Option<String> {
+    /// The path as written in errors (`a.b[2]`); `None` for the root.
+    pub fn display(&self) -> Option<String> {
         if self.0.is_empty() {
             return None;
         }

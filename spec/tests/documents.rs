@@ -4,17 +4,17 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use capyctl_crds::documents::{
+use capyctl_spec::documents::{
     self, DocumentError, Problem, load_deployment_file, load_host_file, load_server_file,
     load_standalone_file, parse_deployment_str, parse_host_str, parse_server_str,
     parse_standalone_str,
 };
-use capyctl_crds::overrides::Overrides;
-use capyctl_crds::settings::{
+use capyctl_spec::overrides::Overrides;
+use capyctl_spec::settings::{
     self, HostConfig, LifecycleDefaults, ListenSettings, Mode, QueueSettings, ServerConfig,
     SwitchingSettings,
 };
-use capyctl_crds::{Activation, EngineKind, Residency};
+use capyctl_spec::{Activation, EngineKind, Residency};
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -444,12 +444,12 @@ fn check_bounds(
             let shown = if v.starts_with('-') || v.chars().all(|c| c.is_ascii_digit()) {
                 match b.keys.last() {
                     Some(&"max_buffered_bytes_total") => {
-                        capyctl_crds::units::format_bytes(v.parse().unwrap())
+                        capyctl_spec::units::format_bytes(v.parse().unwrap())
                     }
                     _ => v.to_string(),
                 }
             } else {
-                v.parse::<capyctl_crds::units::DurationSetting>()
+                v.parse::<capyctl_spec::units::DurationSetting>()
                     .unwrap()
                     .to_string()
             };
@@ -548,7 +548,7 @@ fn max_concurrent_requests_needs_an_engine_option_and_is_said_once() {
         "{e}"
     );
 
-    let object = capyctl_crds::k8s::parse_deployment_manifest_str(
+    let object = capyctl_crds::parse_deployment_manifest_str(
         "m.yaml",
         "apiVersion: capyctl.io/v1alpha1\nkind: Deployment\nmetadata: {name: a}\nspec:\n  engine: tensorfold\n  model: m\n  maxConcurrentRequests: 4\n",
     );
@@ -1219,7 +1219,7 @@ fn deeply_nested_documents_are_refused_before_parsing() {
     )
     .unwrap_err();
     assert_eq!(e.to_string(), want("v.yaml", 1));
-    let e = capyctl_crds::k8s::parse_deployment_manifest_str(
+    let e = capyctl_crds::parse_deployment_manifest_str(
         "m.yaml",
         &format!(
             "apiVersion: capyctl.io/v1alpha1\nkind: Deployment\nspec: {}\n",

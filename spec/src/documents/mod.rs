@@ -26,7 +26,7 @@ use serde_yaml_ng::Value;
 pub use check::is_dns_label;
 pub use depth::MAX_DEPTH;
 pub use error::{DocumentError, Origin, Problem};
-pub(crate) use error::{KeyPath, Seg};
+pub use error::{KeyPath, Seg};
 
 use crate::engine_args;
 use crate::kinds::{Activation, EngineKind, Residency};
@@ -1073,9 +1073,7 @@ pub fn parse_deployment_json(file: &str, text: &str) -> Result<DeploymentDoc, Do
 
 /// Reads a deployment document held as JSON (the management API, a Kubernetes spec turned into
 /// document form), returning the raw key path of a refusal for the caller to rename.
-pub(crate) fn deployment_from_json(
-    value: serde_json::Value,
-) -> Result<DeploymentDoc, (KeyPath, Problem)> {
+pub fn deployment_from_json(value: serde_json::Value) -> Result<DeploymentDoc, (KeyPath, Problem)> {
     let doc: DeploymentDoc = serde_path_to_error::deserialize(value).map_err(|e| {
         let raw = KeyPath::from_serde(e.path());
         let c = error::classify(&e.inner().to_string());
@@ -1090,12 +1088,12 @@ pub(crate) fn deployment_from_json(
 }
 
 /// The line of `path` in block-style YAML `text`, for callers that validate after parsing.
-pub(crate) fn line_of(text: &str, path: &KeyPath) -> Option<usize> {
+pub fn line_of(text: &str, path: &KeyPath) -> Option<usize> {
     locate::find_line(text, path)
 }
 
 /// Shared by the Kubernetes manifest loader: syntax, emptiness and mapping checks, then a
 /// line-accurate typed parse.
-pub(crate) fn parse_plain<T: DeserializeOwned>(file: &str, text: &str) -> Result<T, DocumentError> {
+pub fn parse_plain<T: DeserializeOwned>(file: &str, text: &str) -> Result<T, DocumentError> {
     parse_with(file, Some(text), &Overrides::none())
 }

@@ -1,0 +1,845 @@
+//! `cargo bench -p capyctl-operator --bench scale`: the lifecycle at scale (issue 17's table).
+//!
+//! Each case runs in a child process of its own (this binary again, with `--case`), so that its
+//! RSS is its own; the parent prints the figures as tables. Three kinds of case:
+//!
+//! - **standalone N**: a real [`Standalone`] (listeners, the local host agent, the standalone
+//!   store in a fresh data directory) started with a document of N deployments, every engine
+//!   stopped. Figures: the start (open + listeners + every deployment deployed, i.e. until
+//!   `/readyz` would answer ready), a second start on the same directory (nothing changed), RSS,
+//!   full and by-ID load reads (`ManagementApi::load`, serialized to JSON as the management
+//!   listener does), and the deployments, engines and hosts lists.
+//! - **used N**: N deployments on one in-process fake host (its engines start, park and stop at
+//!   once; every engine's address is one in-process HTTP server that answers at once), the real
+//!   coordinator and inference listener on loopback sockets. Every deployment gets one chat
+//!   request through the listener ("each used once"), then: load reads full and by ID, and the
+//!   latency of a request that gets 409 `deployment_stopped` (its model stopped by the
+//!   operator), quiet and while another task reads the full load without pause.
+//! - **hosts H**: `--host-deployments` deployments (10,000 by default) over H fake hosts, as a
+//!   new leader on Kubernetes opens them (the CR store). Each host's `inventory` and `engines`
+//!   calls take `--host-latency-ms` (default 1 ms, a round trip to a node agent on a LAN), its
+//!   starts none. Figures: the open, the lists with the RSS after the deployments list, and the
+//!   time of a first request to a stopped model (sequential, distinct models): with the fake
+//!   engine and upstream answering at once, that is CapyCTL's own time.
+//!
+//! Exit status 0 whatever the figures (it is a benchmark); a case that fails prints why.
+#![allow(missing_docs, clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::process::{Command, ExitCode};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use capyctl_crds::Deployment;
+use capyctl_node_agent::agent::{
+    BoxFuture, ParkResult, RecoveryReport, StartedInstance, WakeReport,
+};
+use capyctl_node_agent::capability::{EngineInfo, engine_info};
+use capyctl_node_agent::inventory::{GpuInfo, HostMemory, Inventory, NoGpus};
+use capyctl_node_agent::launch::{MaxRunning, MaxRunningSource};
+use capyctl_node_agent::load::LoadSample;
+use capyctl_node_agent::measure::{MeasureSource, Measured, Measurement};
+use capyctl_node_agent::spec::{HostSettings, InstanceSpec};
+use capyctl_node_agent::tier::{LaunchParking, ParkChoice, ParkTier};
+use capyctl_node_agent::verify::{FirstAnswer, WakeOutcome};
+use capyctl_node_agent::{AgentError, HostAgent};
+use capyctl_operator::api::ManagementApi;
+use capyctl_operator::k8s::store::CrStore;
+use capyctl_operator::lifecycle::{HostEntry, LifecycleConfig, Server};
+use capyctl_operator::standalone::Standalone;
+use capyctl_router::config::RouterConfig;
+use capyctl_router::coordinator::Coordinator;
+use capyctl_router::proxy::{self, Proxy, ProxyConfig};
+use capyctl_spec::EngineKind;
+use capyctl_spec::documents::parse_standalone_str;
+use capyctl_spec::overrides::Overrides;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+const GIB: u64 = 1 << 30;
+
+const HELP: &str = "\
+scale: the lifecycle at scale (start, RSS, load reads, lists, first request)
+
+USAGE:
+    cargo bench -p capyctl-operator --bench scale -- [OPTIONS]
+
+OPTIONS:
+    --standalone LIST       deployments of the standalone cases (default 100,1000,10000)
+    --used LIST             deployments of the used-once cases (default 100,1000,10000)
+    --hosts LIST            hosts of the fake-host cases (default 1,10,100,1000)
+    --host-deployments N    deployments of each fake-host case (default 10000)
+    --host-latency-ms X     each fake host's inventory/engines round trip (default 1)
+    --reads N               full load reads per figure (default 40)
+    --quick                 --standalone 100,1000 --used 100,1000 --hosts 1,10,100
+                            --host-deployments 1000
+    -h, --help              this text
+
+An empty LIST (e.g. --used '') skips that kind of case.
+";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if let Some(i) = args.iter().position(|a| a == "--case") {
+        let case: Vec<String> = args[i + 1..].to_vec();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let figures = rt.block_on(run_case(&case));
+        println!("SCALE {}", serde_json::to_string(&figures).unwrap());
+        // Leave at once: the cases leave servers and listeners behind on purpose.
+        std::process::exit(0);
+    }
+    match Opts::parse(&args) {
+        Ok(Some(opts)) => {
+            parent(&opts);
+            ExitCode::SUCCESS
+        }
+        Ok(None) => {
+            print!("{HELP}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("scale: {e}\n\n{HELP}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+struct Opts {
+    standalone: Vec<usize>,
+    used: Vec<usize>,
+    hosts: Vec<usize>,
+    host_deployments: usize,
+    host_latency_ms: f64,
+    reads: usize,
+}
+
+fn list(v: &str) -> Result<Vec<usize>, String> {
+    v.split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| s.trim().parse().map_err(|e| format!("{s:?}: {e}")))
+        .collect()
+}
+
+impl Opts {
+    fn parse(args: &[String]) -> Result<Option<Opts>, String> {
+        let mut o = Opts {
+            standalone: vec![100, 1000, 10_000],
+            used: vec![100, 1000, 10_000],
+            hosts: vec![1, 10, 100, 1000],
+            host_deployments: 10_000,
+            host_latency_ms: 1.0,
+            reads: 40,
+        };
+        let mut it = args.iter();
+        while let Some(a) = it.next() {
+            let mut value = || {
+                it.next()
+                    .cloned()
+                    .ok_or_else(|| format!("{a} needs a value"))
+            };
+            match a.as_str() {
+                "-h" | "--help" => return Ok(None),
+                // `cargo bench` passes this to every bench binary.
+                "--bench" => {}
+                "--quick" => {
+                    o.standalone = vec![100, 1000];
+                    o.used = vec![100, 1000];
+                    o.hosts = vec![1, 10, 100];
+                    o.host_deployments = 1000;
+                }
+                "--standalone" => o.standalone = list(&value()?)?,
+                "--used" => o.used = list(&value()?)?,
+                "--hosts" => o.hosts = list(&value()?)?,
+                "--host-deployments" => {
+                    o.host_deployments = value()?.parse().map_err(|e| format!("{a}: {e}"))?
+                }
+                "--host-latency-ms" => {
+                    o.host_latency_ms = value()?.parse().map_err(|e| format!("{a}: {e}"))?
+                }
+                "--reads" => o.reads = value()?.parse().map_err(|e| format!("{a}: {e}"))?,
+                other => return Err(format!("unknown option {other:?}")),
+            }
+        }
+        Ok(Some(o))
+    }
+}
+
+type Figures = BTreeMap<String, f64>;
+
+/// Runs one case in a child process; its figures, or why it failed.
+fn child(case: &[String]) -> Result<Figures, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let out = Command::new(exe)
+        .arg("--case")
+        .args(case)
+        .output()
+        .map_err(|e| e.to_string())?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    match stdout.lines().find_map(|l| l.strip_prefix("SCALE ")) {
+        Some(json) => serde_json::from_str(json).map_err(|e| e.to_string()),
+        None => Err(format!(
+            "the case ended ({}) without figures: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .rev()
+                .take(8)
+                .collect::<Vec<_>>()
+                .join(" | ")
+        )),
+    }
+}
+
+fn cell(f: &Figures, key: &str) -> String {
+    match f.get(key) {
+        None => "-".into(),
+        Some(v) if key.ends_with("_mb") => format!("{v:.0}"),
+        Some(v) if *v >= 100.0 => format!("{v:.0}"),
+        Some(v) if *v >= 1.0 => format!("{v:.1}"),
+        Some(v) => format!("{v:.3}"),
+    }
+}
+
+fn table(
+    title: &str,
+    what: &str,
+    cols: &[(&str, &str)],
+    rows: &[(String, Result<Figures, String>)],
+) {
+    println!("\n{title}");
+    let mut header = format!("| {what} |");
+    let mut rule = "|---|".to_string();
+    for (name, _) in cols {
+        header.push_str(&format!(" {name} |"));
+        rule.push_str("---|");
+    }
+    println!("{header}\n{rule}");
+    for (label, r) in rows {
+        match r {
+            Ok(f) => {
+                let mut line = format!("| {label} |");
+                for (_, key) in cols {
+                    line.push_str(&format!(" {} |", cell(f, key)));
+                }
+                println!("{line}");
+            }
+            Err(e) => println!("| {label} | failed: {e} |"),
+        }
+    }
+}
+
+fn parent(o: &Opts) {
+    println!(
+        "scale: each case in its own process; times in ms, RSS in MB (VmRSS, peak VmHWM); {} full reads per figure",
+        o.reads
+    );
+    let reads = o.reads.to_string();
+    let run = |kind: &str, n: usize, extra: &[String]| {
+        let mut case = vec![kind.to_string(), n.to_string(), reads.clone()];
+        case.extend_from_slice(extra);
+        eprintln!("scale: running {kind} {n} ...");
+        (format!("{n}"), child(&case))
+    };
+    if !o.standalone.is_empty() {
+        let rows: Vec<_> = o
+            .standalone
+            .iter()
+            .map(|&n| run("standalone", n, &[]))
+            .collect();
+        table(
+            "standalone: a document of N deployments (real standalone store, local host agent, no engine started)",
+            "N",
+            &[
+                ("start ms", "start_ms"),
+                ("restart ms", "restart_ms"),
+                ("RSS MB", "rss_mb"),
+                ("peak MB", "hwm_mb"),
+                ("load p50", "load_p50_ms"),
+                ("load p99", "load_p99_ms"),
+                ("by ID p50", "by_id_p50_ms"),
+                ("by ID p99", "by_id_p99_ms"),
+                ("deployments list", "list_ms"),
+                ("engines list", "engines_ms"),
+                ("hosts list", "hosts_ms"),
+            ],
+            &rows,
+        );
+    }
+    if !o.used.is_empty() {
+        let rows: Vec<_> = o.used.iter().map(|&n| run("used", n, &[])).collect();
+        table(
+            "used: N deployments on one fake host, each used once through the listener",
+            "N",
+            &[
+                ("use all s", "use_all_s"),
+                ("RSS MB", "rss_mb"),
+                ("load p50", "load_p50_ms"),
+                ("load p99", "load_p99_ms"),
+                ("load CPU ms", "load_cpu_ms"),
+                ("by ID p50", "by_id_p50_ms"),
+                ("by ID p99", "by_id_p99_ms"),
+                ("409 p50 quiet", "refused_p50_ms"),
+                ("409 p99 quiet", "refused_p99_ms"),
+                ("409 p50 polled", "refused_polled_p50_ms"),
+                ("409 p99 polled", "refused_polled_p99_ms"),
+            ],
+            &rows,
+        );
+    }
+    if !o.hosts.is_empty() {
+        let extra = [
+            o.host_deployments.to_string(),
+            o.host_latency_ms.to_string(),
+        ];
+        let rows: Vec<_> = o.hosts.iter().map(|&h| run("hosts", h, &extra)).collect();
+        table(
+            &format!(
+                "hosts: {} deployments over H fake hosts ({} ms per inventory/engines call)",
+                o.host_deployments, o.host_latency_ms
+            ),
+            "H",
+            &[
+                ("open ms", "open_ms"),
+                ("deployments list", "list_ms"),
+                ("RSS after list MB", "rss_mb"),
+                ("peak MB", "hwm_mb"),
+                ("engines list", "engines_ms"),
+                ("hosts list", "hosts_ms"),
+                ("load p50", "load_p50_ms"),
+                ("first request p50", "first_p50_ms"),
+                ("first request p99", "first_p99_ms"),
+            ],
+            &rows,
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The cases (child side).
+
+async fn run_case(case: &[String]) -> Figures {
+    let n: usize = case[1].parse().unwrap();
+    let reads: usize = case[2].parse().unwrap();
+    match case[0].as_str() {
+        "standalone" => standalone_case(n, reads).await,
+        "used" => used_case(n, reads).await,
+        "hosts" => {
+            let deployments: usize = case[3].parse().unwrap();
+            let latency_ms: f64 = case[4].parse().unwrap();
+            hosts_case(n, deployments, reads, latency_ms).await
+        }
+        other => panic!("unknown case {other}"),
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// (p50, p99) in ms.
+fn percentiles(mut v: Vec<Duration>) -> (f64, f64) {
+    v.sort();
+    let at = |q: f64| ms(v[((v.len() as f64 * q) as usize).min(v.len() - 1)]);
+    (at(0.50), at(0.99))
+}
+
+/// VmRSS and VmHWM of this process, MB.
+fn rss_mb() -> (f64, f64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+            .map_or(0.0, |kb| kb / 1024.0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// This process's CPU time (user + system).
+fn cpu_time() -> Duration {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the command's closing parenthesis: utime is the 14th field overall.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    let ticks = f.iter().sum::<u64>();
+    // USER_HZ is 100 on Linux.
+    Duration::from_millis(ticks * 10)
+}
+
+fn temp_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "capyctl-scale-{name}-{}-{}",
+        std::process::id(),
+        ulid_like()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn ulid_like() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
+
+fn name(i: usize) -> String {
+    format!("model-{i:05}")
+}
+
+/// Full load reads (serialized, as the management listener does) and reads by ID, timed.
+async fn load_reads(api: &dyn ManagementApi, n: usize, reads: usize, f: &mut Figures) {
+    let mut full = Vec::with_capacity(reads);
+    let cpu0 = cpu_time();
+    for _ in 0..reads {
+        let t = Instant::now();
+        let r = api.load(None).await.unwrap();
+        let body = serde_json::to_vec(&r).unwrap();
+        std::hint::black_box(body);
+        full.push(t.elapsed());
+    }
+    f.insert(
+        "load_cpu_ms".into(),
+        ms(cpu_time() - cpu0) / reads.max(1) as f64,
+    );
+    let (p50, p99) = percentiles(full);
+    f.insert("load_p50_ms".into(), p50);
+    f.insert("load_p99_ms".into(), p99);
+    let mut by_id = Vec::with_capacity(500);
+    for i in 0..500 {
+        let key = name((i * 7919) % n);
+        let t = Instant::now();
+        let r = api.load(Some(&key)).await.unwrap();
+        let body = serde_json::to_vec(&r).unwrap();
+        std::hint::black_box(body);
+        by_id.push(t.elapsed());
+    }
+    let (p50, p99) = percentiles(by_id);
+    f.insert("by_id_p50_ms".into(), p50);
+    f.insert("by_id_p99_ms".into(), p99);
+}
+
+/// The three lists, timed (serialized); the RSS after the deployments list.
+async fn lists(api: &dyn ManagementApi, f: &mut Figures) {
+    let t = Instant::now();
+    let l = api.list().await;
+    let body = serde_json::to_vec(&l).unwrap();
+    f.insert("list_ms".into(), ms(t.elapsed()));
+    f.insert("list_bytes".into(), body.len() as f64);
+    let (rss, hwm) = rss_mb();
+    f.insert("rss_mb".into(), rss);
+    f.insert("hwm_mb".into(), hwm);
+    drop((l, body));
+    let t = Instant::now();
+    let e = api.engines().await;
+    std::hint::black_box(serde_json::to_vec(&e).unwrap());
+    f.insert("engines_ms".into(), ms(t.elapsed()));
+    let t = Instant::now();
+    let h = api.hosts().await;
+    std::hint::black_box(serde_json::to_vec(&h).unwrap());
+    f.insert("hosts_ms".into(), ms(t.elapsed()));
+}
+
+fn standalone_document(n: usize) -> String {
+    // Engines are never started: the command only has to exist.
+    let exe = std::env::current_exe().unwrap();
+    let mut text = format!(
+        r#"
+server:
+  listen:
+    inference: "127.0.0.1:0"
+    management: "127.0.0.1:0"
+host:
+  id: gpu-box
+  gpus: [{{memory: 80GiB}}]
+  host_memory: 64GiB
+  engines:
+    vllm: {{command: ["{}"]}}
+deployments:
+"#,
+        exe.display()
+    );
+    for i in 0..n {
+        text.push_str(&format!(
+            "  - {{name: {}, engine: vllm, model: Qwen3-4B, resources: {{gpu_memory: 1GiB, weights_memory: 64MiB}}}}\n",
+            name(i)
+        ));
+    }
+    text
+}
+
+async fn standalone_case(n: usize, reads: usize) -> Figures {
+    let mut f = Figures::new();
+    let dir = temp_dir("standalone");
+    let text = standalone_document(n);
+    let t = Instant::now();
+    let config = parse_standalone_str("scale.yaml", &text, &Overrides::none()).unwrap();
+    f.insert("parse_ms".into(), ms(t.elapsed()));
+
+    let t = Instant::now();
+    let s = Standalone::start_with_probe(config.clone(), dir.clone(), Arc::new(NoGpus))
+        .await
+        .unwrap();
+    f.insert("start_ms".into(), ms(t.elapsed()));
+    assert_eq!(s.server().list().await.deployments.len(), n);
+    let api: &dyn ManagementApi = s.server().as_ref();
+    load_reads(api, n, reads, &mut f).await;
+    lists(api, &mut f).await;
+    s.shutdown().await;
+
+    let t = Instant::now();
+    let s = Standalone::start_with_probe(config, dir.clone(), Arc::new(NoGpus))
+        .await
+        .unwrap();
+    f.insert("restart_ms".into(), ms(t.elapsed()));
+    s.shutdown().await;
+    let _ = std::fs::remove_dir_all(dir);
+    f
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fake hosts.
+
+/// A host agent whose engines start, park, wake and stop at once, every one answering at
+/// `upstream`; its inventory and engines calls take `latency`.
+struct FakeHost {
+    gpu: u64,
+    upstream: SocketAddr,
+    latency: Duration,
+}
+
+fn declared(spec: &InstanceSpec) -> Measurement {
+    Measurement {
+        weights: spec.resources.weights_memory.map(|bytes| Measured {
+            bytes,
+            source: MeasureSource::Declared,
+        }),
+        gpu_memory: spec.resources.gpu_memory.map(|bytes| Measured {
+            bytes,
+            source: MeasureSource::Declared,
+        }),
+    }
+}
+
+impl HostAgent for FakeHost {
+    fn inventory(&self) -> BoxFuture<'_, Result<Inventory, AgentError>> {
+        Box::pin(async move {
+            tokio::time::sleep(self.latency).await;
+            Ok(Inventory {
+                gpus: vec![GpuInfo {
+                    index: 0,
+                    uuid: None,
+                    name: None,
+                    total_bytes: self.gpu,
+                    free_bytes: None,
+                    unified: false,
+                }],
+                gpus_overridden: true,
+                host_memory: HostMemory {
+                    total_bytes: 64 * GIB,
+                    available_bytes: 64 * GIB,
+                    overridden: true,
+                },
+            })
+        })
+    }
+
+    fn engines(&self) -> BoxFuture<'_, Vec<EngineInfo>> {
+        Box::pin(async move {
+            tokio::time::sleep(self.latency).await;
+            vec![engine_info(EngineKind::Vllm, None)]
+        })
+    }
+
+    fn measure<'a>(
+        &'a self,
+        spec: &'a InstanceSpec,
+    ) -> BoxFuture<'a, Result<Measurement, AgentError>> {
+        Box::pin(async move { Ok(declared(spec)) })
+    }
+
+    fn parkability<'a>(
+        &'a self,
+        _: &'a InstanceSpec,
+    ) -> BoxFuture<'a, Result<ParkChoice, AgentError>> {
+        Box::pin(async { Ok(ParkChoice::Park(ParkTier::HostRam)) })
+    }
+
+    fn start<'a>(
+        &'a self,
+        instance: &'a str,
+        spec: &'a InstanceSpec,
+    ) -> BoxFuture<'a, Result<StartedInstance, AgentError>> {
+        Box::pin(async move {
+            Ok(StartedInstance {
+                instance: instance.to_string(),
+                pid: 1,
+                port: self.upstream.port(),
+                base_url: format!("http://{}", self.upstream),
+                version: None,
+                measurement: declared(spec),
+                first_answer: FirstAnswer::Text { text: "x".into() },
+                max_running: MaxRunning {
+                    count: Some(32),
+                    source: MaxRunningSource::Default,
+                },
+                parking: LaunchParking::default(),
+            })
+        })
+    }
+
+    fn park<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<ParkResult, AgentError>> {
+        Box::pin(async {
+            Ok(ParkResult::Parked {
+                tier: ParkTier::HostRam,
+                gpu_held: None,
+            })
+        })
+    }
+
+    fn wake<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<WakeReport, AgentError>> {
+        Box::pin(async {
+            Ok(WakeReport {
+                outcome: WakeOutcome::Pass,
+                took: Duration::ZERO,
+            })
+        })
+    }
+
+    fn stop<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<(), AgentError>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn sample(&self, _: &str) -> Option<LoadSample> {
+        None
+    }
+
+    fn recover(&self) -> BoxFuture<'_, Result<RecoveryReport, AgentError>> {
+        Box::pin(async { Ok(RecoveryReport::default()) })
+    }
+}
+
+/// An engine that answers every request at once with one chat completion.
+async fn upstream() -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = axum::Router::new().fallback(|| async {
+        axum::Json(serde_json::json!({
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }))
+    });
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    addr
+}
+
+/// The CRs of `n` deployments as a new leader lists them (each with its deployment ID).
+fn crs(n: usize) -> Vec<Deployment> {
+    (0..n)
+        .map(|i| {
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "capyctl.io/v1alpha1",
+                "kind": "Deployment",
+                "metadata": {"name": name(i), "namespace": "default", "uid": format!("uid-{i}")},
+                "spec": {
+                    "engine": "vllm",
+                    "model": "Qwen3-4B",
+                    "resources": {"gpuMemory": "1GiB", "weightsMemory": "64MiB"},
+                },
+                "status": {"deploymentId": format!("01SCALE{i:019}"), "revision": 1},
+            }))
+            .unwrap()
+        })
+        .collect()
+}
+
+/// The lifecycle over `hosts` fake hosts with `n` deployments from the CR store, the real
+/// coordinator and inference listener; the server and the listener's address.
+async fn fake_cluster(hosts: usize, n: usize, latency: Duration) -> (Arc<Server>, SocketAddr, f64) {
+    let up = upstream().await;
+    // Every deployment fits at once on any host: no case here waits for a switch.
+    let gpu = (n as u64 + 2) * GIB;
+    let settings = HostSettings::all_engines(vec![
+        std::env::current_exe()
+            .unwrap()
+            .to_string_lossy()
+            .into_owned(),
+    ]);
+    let entries: Vec<HostEntry> = (0..hosts)
+        .map(|i| HostEntry {
+            id: format!("gpu-{i:04}"),
+            agent: Arc::new(FakeHost {
+                gpu,
+                upstream: up,
+                latency,
+            }),
+            activation: capyctl_spec::Activation::OnDemand,
+            settings: settings.clone(),
+            admission_window: None,
+            remote: true,
+        })
+        .collect();
+    let mut lc = LifecycleConfig::new("gpu-0000");
+    lc.host_settings = settings;
+    let crs = crs(n);
+    let t = Instant::now();
+    let store = Arc::new(CrStore::from_crs(crs.iter()));
+    let server = Server::open_hosts(entries, store, lc).await.unwrap();
+    let open_ms = ms(t.elapsed());
+    let router = Coordinator::spawn(server.clone(), RouterConfig::default());
+    server.attach_router(router.clone()).await;
+    server.set_ready(true);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let catalog = {
+        let s = Arc::downgrade(&server);
+        move || s.upgrade().map(|s| s.models()).unwrap_or_default()
+    };
+    let proxy = Proxy::new(server.admission(router), catalog, ProxyConfig::default());
+    tokio::spawn(async move {
+        let _ = proxy::serve(listener, proxy, std::future::pending()).await;
+    });
+    (server, addr, open_ms)
+}
+
+type HttpClient = Client<HttpConnector, Full<bytes::Bytes>>;
+
+fn client() -> HttpClient {
+    Client::builder(TokioExecutor::new()).build(HttpConnector::new())
+}
+
+/// One chat request for `model`; its status and time.
+async fn chat(client: &HttpClient, addr: SocketAddr, model: &str) -> (u16, Duration) {
+    let body = serde_json::to_vec(&serde_json::json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 1,
+    }))
+    .unwrap();
+    let req = http::Request::post(format!("http://{addr}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(Full::new(bytes::Bytes::from(body)))
+        .unwrap();
+    let t = Instant::now();
+    let resp = client.request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let _ = resp.into_body().collect().await;
+    (status, t.elapsed())
+}
+
+async fn used_case(n: usize, reads: usize) -> Figures {
+    let mut f = Figures::new();
+    let (server, addr, _) = fake_cluster(1, n, Duration::ZERO).await;
+    let client = client();
+    let t = Instant::now();
+    // Every deployment used once, 8 at a time.
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let workers: Vec<_> = (0..8)
+        .map(|_| {
+            let next = next.clone();
+            let client = client.clone();
+            tokio::spawn(async move {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= n {
+                        return;
+                    }
+                    let (status, _) = chat(&client, addr, &name(i)).await;
+                    assert_eq!(status, 200, "{}", name(i));
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.await.unwrap();
+    }
+    f.insert("use_all_s".into(), t.elapsed().as_secs_f64());
+    let (rss, _) = rss_mb();
+    f.insert("rss_mb".into(), rss);
+    let api: &dyn ManagementApi = server.as_ref();
+    load_reads(api, n, reads, &mut f).await;
+
+    // A request refused at once: its model stopped by the operator.
+    let stopped = name(0);
+    api.stop(&stopped).await.unwrap();
+    let refused = |count: usize| {
+        let client = client.clone();
+        let stopped = stopped.clone();
+        async move {
+            let mut v = Vec::with_capacity(count);
+            for _ in 0..count {
+                let (status, took) = chat(&client, addr, &stopped).await;
+                assert_eq!(status, 409);
+                v.push(took);
+            }
+            v
+        }
+    };
+    let (p50, p99) = percentiles(refused(300).await);
+    f.insert("refused_p50_ms".into(), p50);
+    f.insert("refused_p99_ms".into(), p99);
+    let polling = Arc::new(AtomicBool::new(true));
+    let poller = {
+        let server = server.clone();
+        let polling = polling.clone();
+        tokio::spawn(async move {
+            while polling.load(Ordering::Relaxed) {
+                let r = server.load(None).await.unwrap();
+                std::hint::black_box(serde_json::to_vec(&r).unwrap());
+                tokio::task::yield_now().await;
+            }
+        })
+    };
+    let (p50, p99) = percentiles(refused(300).await);
+    polling.store(false, Ordering::Relaxed);
+    let _ = poller.await;
+    f.insert("refused_polled_p50_ms".into(), p50);
+    f.insert("refused_polled_p99_ms".into(), p99);
+    f
+}
+
+async fn hosts_case(hosts: usize, n: usize, reads: usize, latency_ms: f64) -> Figures {
+    let mut f = Figures::new();
+    let latency = Duration::from_secs_f64(latency_ms / 1e3);
+    let (server, addr, open_ms) = fake_cluster(hosts, n, latency).await;
+    f.insert("open_ms".into(), open_ms);
+    let api: &dyn ManagementApi = server.as_ref();
+    lists(api, &mut f).await;
+    // First requests to stopped models, one at a time, each model a different one.
+    let client = client();
+    let mut first = Vec::new();
+    for i in 0..40.min(n) {
+        let (status, took) = chat(&client, addr, &name((i * 7919) % n)).await;
+        assert_eq!(status, 200);
+        first.push(took);
+    }
+    let (p50, p99) = percentiles(first);
+    f.insert("first_p50_ms".into(), p50);
+    f.insert("first_p99_ms".into(), p99);
+    let mut full = Vec::new();
+    for _ in 0..reads.min(10) {
+        let t = Instant::now();
+        let r = api.load(None).await.unwrap();
+        std::hint::black_box(serde_json::to_vec(&r).unwrap());
+        full.push(t.elapsed());
+    }
+    f.insert("load_p50_ms".into(), percentiles(full).0);
+    f
+}
