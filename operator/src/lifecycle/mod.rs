@@ -3703,7 +3703,81 @@ impl Drop for TrackedPermit {
 
 #[cfg(test)]
 mod tests {
-    use super::engine_addr;
+    #![allow(clippy::unwrap_used)]
+
+    use super::{Dep, Inner, Usage, UsageOf, engine_addr};
+    use crate::store::DeploymentRecord;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    fn dep(id: &str, name: &str) -> Dep {
+        let doc = capyctl_spec::documents::parse_deployment_str(
+            "t.yaml",
+            &format!("name: {name}\nengine: vllm\nmodel: m\n"),
+        )
+        .unwrap();
+        Dep::new(DeploymentRecord {
+            id: id.to_string(),
+            revision: 1,
+            doc,
+            operator_stopped: false,
+            operator_started: false,
+            pending_start: false,
+            generation: 0,
+            first_answer: None,
+        })
+    }
+
+    fn on(inner: &Inner, host: &str) -> Vec<String> {
+        inner.on_host(host).map(|d| d.rec.id.clone()).collect()
+    }
+
+    #[test]
+    fn the_by_host_index_follows_binds_moves_and_removals() {
+        let mut inner = Inner::default();
+        inner.insert(dep("a", "chat-a"));
+        inner.insert(dep("b", "chat-b"));
+        inner.insert(dep("c", "chat-c"));
+        inner.set_host("b", Some("gpu-1".into()));
+        inner.set_host("a", Some("gpu-1".into()));
+        inner.set_host("c", Some("gpu-2".into()));
+        assert_eq!(on(&inner, "gpu-1"), ["a", "b"], "by ID");
+        assert_eq!(on(&inner, "gpu-2"), ["c"]);
+        inner.set_host("a", Some("gpu-2".into()));
+        assert_eq!(on(&inner, "gpu-1"), ["b"]);
+        assert_eq!(on(&inner, "gpu-2"), ["a", "c"]);
+        inner.remove("c");
+        assert_eq!(on(&inner, "gpu-2"), ["a"]);
+        inner.set_host("b", None);
+        assert_eq!(on(&inner, "gpu-1"), Vec::<String>::new());
+        assert!(
+            !inner.by_host.contains_key("gpu-1"),
+            "an empty host's set goes"
+        );
+        assert_eq!(on(&inner, "gpu-9"), Vec::<String>::new());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_requests_use_is_recorded_without_the_lock_and_read_as_the_last_use() {
+        let d = dep("a", "chat-a");
+        let changed = d.last_used;
+        assert_eq!(d.used_at(), changed);
+        tokio::time::advance(Duration::from_secs(5)).await;
+        d.usage.0.record();
+        assert_eq!(d.used_at(), changed + Duration::from_secs(5));
+        // A later state change that counts as use wins when it is the later one.
+        let mut d = d;
+        tokio::time::advance(Duration::from_secs(1)).await;
+        d.last_used = tokio::time::Instant::now();
+        assert_eq!(d.used_at(), changed + Duration::from_secs(6));
+        // Dropped with its deployment, it says so to whoever still holds it.
+        let usage: Arc<Usage> = Arc::clone(&d.usage.0);
+        assert!(!usage.gone());
+        drop(d);
+        assert!(usage.gone());
+        let own = UsageOf(Arc::new(Usage::new()));
+        assert_eq!(own.0.last(), None);
+    }
 
     #[test]
     fn an_engines_address_comes_from_its_base_url_loopback_or_pod_ip() {
