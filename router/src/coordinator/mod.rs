@@ -769,6 +769,7 @@ impl Driver {
                 armed = next;
             }
             let returned = self.state.returns();
+            let began = nanos_since(self.lanes.base, Instant::now());
             tokio::select! {
                 biased;
                 Some(ending) = endings.recv() => {
@@ -792,7 +793,11 @@ impl Driver {
                 // A deployment is blocked `Later` now: no slot may go back without the owner
                 // hearing of it (see `State::returns`), so every lane is lent again without.
                 let all: Vec<DeploymentId> = self.lent.keys().cloned().collect();
-                self.reclaim(&all);
+                let last_end = self.reclaim(&all);
+                if last_end > began {
+                    // A request ended on a lane while this turn decided: it is heard now.
+                    self.state.lent_ended(Instant::now(), &mut self.fx);
+                }
             }
             self.publish();
             for cell in self.begun.drain(..) {
@@ -870,10 +875,12 @@ impl Driver {
     }
 
     /// Closes the lanes of `ids` that are open and charges the slots taken from them and given
-    /// back to them as started and ended requests.
-    fn reclaim(&mut self, ids: &[DeploymentId]) {
+    /// back to them as started and ended requests. The latest end given back to one of them
+    /// (nanoseconds since `Lanes::base`; 0 for none).
+    fn reclaim(&mut self, ids: &[DeploymentId]) -> u64 {
         let now = Instant::now();
         let base = self.lanes.base;
+        let mut last_end = 0;
         for id in ids {
             let Some(lent) = self.lent.remove(id) else {
                 continue;
@@ -891,14 +898,13 @@ impl Driver {
             // an instant can repeat under a paused clock, so "it moved" cannot be told apart).
             let net = i64::try_from(lent.credits).unwrap_or(i64::MAX)
                 - i64::try_from(left).unwrap_or(i64::MAX);
-            let nanos = lent
-                .lane
-                .last_start
-                .load(Ordering::Relaxed)
-                .max(lent.lane.last_end.load(Ordering::Acquire));
+            let ended = lent.lane.last_end.load(Ordering::Acquire);
+            last_end = last_end.max(ended);
+            let nanos = lent.lane.last_start.load(Ordering::Relaxed).max(ended);
             let last = (base + Duration::from_nanos(nanos)).min(now);
             self.state.lent_settled(id, lent.serial, net, last);
         }
+        last_end
     }
 
     /// Opens `deployment`'s lane if its free slots may be lent and it is not open already.

@@ -567,6 +567,14 @@ impl State {
         }
     }
 
+    /// A request that had taken a lent slot gave it back while the owner decided the event
+    /// that blocked a deployment `Later` (its lane still took the end): as [`State::finished`]
+    /// would, the deployments blocked `Later` plan again.
+    pub(crate) fn lent_ended(&mut self, now: Instant, fx: &mut impl Effects) {
+        self.unblock(false);
+        self.settle(now, fx);
+    }
+
     /// A waiting client went away: it gives up its own place only.
     pub(crate) fn cancel(&mut self, now: Instant, ticket: Ticket, fx: &mut impl Effects) {
         if let Some(deployment) = self.waiting.remove(&ticket)
