@@ -112,7 +112,7 @@ pub fn resolve_token(given: Option<String>, data_dir: &Path) -> Result<String, C
     {
         return Ok(token);
     }
-    let path = capyctl_operator::management::token_path(data_dir);
+    let path = capyctl_server::management::token_path(data_dir);
     match std::fs::read_to_string(&path) {
         Ok(text) if !text.trim().is_empty() => Ok(text.trim().to_string()),
         Ok(_) => Err(ClientError::NoToken { path }),

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use capyctl_node_agent::inventory::default_probe;
-use capyctl_operator::standalone::Standalone;
+use capyctl_server::standalone::Standalone;
 use capyctl_spec::documents;
 use capyctl_spec::overrides::Overrides;
 
@@ -28,7 +28,7 @@ pub async fn run(file: Option<PathBuf>, set: Vec<String>, data_dir: PathBuf) -> 
         .server
         .admin_token_file
         .clone()
-        .unwrap_or_else(|| capyctl_operator::management::token_path(&data_dir));
+        .unwrap_or_else(|| capyctl_server::management::token_path(&data_dir));
     let scheme = if config.server.listen.tls.is_some() {
         "https"
     } else {

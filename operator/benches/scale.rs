@@ -33,6 +33,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use capyctl_crds::Deployment;
+use capyctl_lifecycle::api::ManagementApi;
+use capyctl_lifecycle::{HostEntry, LifecycleConfig, Server};
 use capyctl_node_agent::agent::{
     BoxFuture, ParkResult, RecoveryReport, StartedInstance, WakeReport,
 };
@@ -45,13 +47,11 @@ use capyctl_node_agent::spec::{HostSettings, InstanceSpec};
 use capyctl_node_agent::tier::{LaunchParking, ParkChoice, ParkTier};
 use capyctl_node_agent::verify::{FirstAnswer, WakeOutcome};
 use capyctl_node_agent::{AgentError, HostAgent};
-use capyctl_operator::api::ManagementApi;
-use capyctl_operator::k8s::store::CrStore;
-use capyctl_operator::lifecycle::{HostEntry, LifecycleConfig, Server};
-use capyctl_operator::standalone::Standalone;
+use capyctl_operator::store::CrStore;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::Coordinator;
 use capyctl_router::proxy::{self, Proxy, ProxyConfig};
+use capyctl_server::standalone::Standalone;
 use capyctl_spec::EngineKind;
 use capyctl_spec::documents::parse_standalone_str;
 use capyctl_spec::overrides::Overrides;

@@ -53,7 +53,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use capyctl_operator::standalone::Standalone;
+use capyctl_server::standalone::Standalone;
 use capyctl_spec::InstanceState;
 use capyctl_spec::documents::parse_standalone_str;
 use capyctl_spec::overrides::Overrides;

@@ -22,14 +22,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use capyctl_crds::{Deployment, parse_deployment_manifest_str};
+use capyctl_lifecycle::api::{BoxFuture, ManagementApi};
 use capyctl_node_agent::spec::{EngineLaunch, InstanceSpec};
 use capyctl_node_agent::tier::LaunchParking;
-use capyctl_operator::api::{BoxFuture, ManagementApi};
-use capyctl_operator::k8s::leader::{Attempt, LeaderElector, LeaseConfig};
-use capyctl_operator::k8s::pods::{EnginePod, EnginePodSettings, engine_pod};
-use capyctl_operator::k8s::reconcile::{Reconciler, ReconcilerConfig};
-use capyctl_operator::k8s::status::{Parkability, StatusInput, apply_status, deployment_status};
-use capyctl_operator::k8s::{FIELD_MANAGER, FINALIZER};
+use capyctl_operator::leader::{Attempt, LeaderElector, LeaseConfig};
+use capyctl_operator::pods::{EnginePod, EnginePodSettings, engine_pod};
+use capyctl_operator::reconcile::{Reconciler, ReconcilerConfig};
+use capyctl_operator::status::{Parkability, StatusInput, apply_status, deployment_status};
+use capyctl_operator::{FIELD_MANAGER, FINALIZER};
 use capyctl_spec::api::{
     ActionReceipt, ConditionView, DeployOutcome, DeployReceipt, DeploymentList, DeploymentView,
     EngineList, HostList, InstanceView, LoadReport, StartRequest,
@@ -437,7 +437,7 @@ fn accepted_reason(cr: &Deployment) -> Option<(String, String)> {
 #[tokio::test]
 #[ignore = "needs cluster"]
 async fn models_of_watched_namespaces_are_reconciled_and_a_name_is_served_from_one() {
-    use capyctl_operator::k8s::watch::{Claims, Watch};
+    use capyctl_operator::watch::{Claims, Watch};
 
     let Some(release) = namespace_with_crds().await else {
         return;
@@ -613,8 +613,8 @@ async fn an_engine_pod_that_never_runs_fails_the_start_clearly_and_is_owned_and_
     use capyctl_node_agent::agent::AgentConfig;
     use capyctl_node_agent::k8s::pods::{ANNOTATION_SPEC, PodRuntime};
     use capyctl_node_agent::spec::{GpuOverride, HostSettings};
-    use capyctl_operator::k8s::engines::PodHostAgent;
-    use capyctl_operator::k8s::pods::{LABEL_DEPLOYMENT, LABEL_GENERATION, LABEL_INSTANCE};
+    use capyctl_operator::engines::PodHostAgent;
+    use capyctl_operator::pods::{LABEL_DEPLOYMENT, LABEL_GENERATION, LABEL_INSTANCE};
 
     let Some((ns, cr)) = namespace_with_the_manifest().await else {
         return;

@@ -22,7 +22,7 @@ mod support;
 use std::time::Duration;
 
 use capyctl_crds::Deployment;
-use capyctl_operator::k8s::FINALIZER;
+use capyctl_operator::FINALIZER;
 use capyctl_spec::InstanceState;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::events::v1::Event;

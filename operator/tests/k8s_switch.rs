@@ -12,10 +12,10 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use capyctl_crds::Deployment;
+use capyctl_lifecycle::api::ManagementApi;
 use capyctl_node_agent::HostAgent;
-use capyctl_operator::api::ManagementApi;
-use capyctl_operator::k8s::FINALIZER;
-use capyctl_operator::k8s::reconcile::{Reconciler, ReconcilerConfig};
+use capyctl_operator::FINALIZER;
+use capyctl_operator::reconcile::{Reconciler, ReconcilerConfig};
 use capyctl_spec::InstanceState;
 use http::{Method, Request, Response};
 use kube::client::Body;

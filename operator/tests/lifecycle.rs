@@ -8,8 +8,8 @@ mod support;
 
 use std::time::Duration;
 
+use capyctl_lifecycle::api::ManagementApi;
 use capyctl_node_agent::HostAgent;
-use capyctl_operator::api::ManagementApi;
 use capyctl_spec::api::{DeployOutcome, Released, StartRequest};
 use capyctl_spec::{Activation, InstanceState};
 use support::{Harness, Opts, doc, temp_dir};

@@ -7,9 +7,9 @@
 #[path = "lifecycle_support/mod.rs"]
 mod support;
 
+use capyctl_lifecycle::HostEntry;
+use capyctl_lifecycle::api::ManagementApi;
 use capyctl_node_agent::HostAgent;
-use capyctl_operator::api::ManagementApi;
-use capyctl_operator::lifecycle::HostEntry;
 use capyctl_spec::InstanceState;
 use support::{Harness, Opts, doc, temp_dir};
 

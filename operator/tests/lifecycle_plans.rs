@@ -6,6 +6,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use capyctl_lifecycle::api::ManagementApi;
+use capyctl_lifecycle::store::{Changes, DeploymentRecord, Store, StoreError};
+use capyctl_lifecycle::{LifecycleConfig, Server};
 use capyctl_node_agent::agent::{
     BoxFuture, ParkResult, RecoveryReport, StartedInstance, WakeReport,
 };
@@ -18,9 +21,6 @@ use capyctl_node_agent::spec::InstanceSpec;
 use capyctl_node_agent::tier::{LaunchParking, ParkChoice, ParkTier};
 use capyctl_node_agent::verify::{FirstAnswer, WakeOutcome};
 use capyctl_node_agent::{AgentError, HostAgent};
-use capyctl_operator::api::ManagementApi;
-use capyctl_operator::lifecycle::{LifecycleConfig, Server};
-use capyctl_operator::store::{Changes, DeploymentRecord, Store, StoreError};
 use capyctl_router::lifecycle::{DrainReport, Lifecycle, Plan, SwitchOrder};
 use capyctl_spec::EngineKind;
 use capyctl_spec::InstanceState;

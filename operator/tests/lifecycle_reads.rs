@@ -9,6 +9,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
+use capyctl_lifecycle::api::ManagementApi;
+use capyctl_lifecycle::store::{Changes, DeploymentRecord, Store, StoreError};
+use capyctl_lifecycle::{HostEntry, LifecycleConfig, Server};
 use capyctl_node_agent::agent::{
     BoxFuture, ParkResult, RecoveryReport, StartedInstance, WakeReport,
 };
@@ -21,9 +24,6 @@ use capyctl_node_agent::spec::{HostSettings, InstanceSpec};
 use capyctl_node_agent::tier::{LaunchParking, ParkChoice, ParkTier};
 use capyctl_node_agent::verify::{FirstAnswer, WakeOutcome};
 use capyctl_node_agent::{AgentError, HostAgent};
-use capyctl_operator::api::ManagementApi;
-use capyctl_operator::lifecycle::{HostEntry, LifecycleConfig, Server};
-use capyctl_operator::store::{Changes, DeploymentRecord, Store, StoreError};
 use capyctl_router::admission::Admission;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::{Coordinator, CoordinatorHandle};

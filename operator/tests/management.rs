@@ -9,11 +9,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use capyctl_operator::api::{BoxFuture, ManagementApi};
-use capyctl_operator::management::{
+use capyctl_lifecycle::api::{BoxFuture, ManagementApi};
+use capyctl_lifecycle::metrics::Metrics;
+use capyctl_server::management::{
     self, ManagementOptions, TokenError, load_or_create_token, token_path,
 };
-use capyctl_operator::metrics::Metrics;
 use capyctl_spec::api::{
     ActionReceipt, DeployOutcome, DeployReceipt, DeploymentList, DeploymentView, EngineList,
     EngineView, HostList, HostView, LoadReport, STALE_AFTER_MS, StartRequest,

@@ -9,10 +9,10 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
+use capyctl_lifecycle::store::DeploymentRecord;
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::process::alive;
-use capyctl_operator::standalone::Standalone;
-use capyctl_operator::store::DeploymentRecord;
+use capyctl_server::standalone::Standalone;
 use capyctl_spec::InstanceState;
 use capyctl_spec::documents::parse_standalone_str;
 use capyctl_spec::overrides::Overrides;

@@ -1,18 +1,18 @@
 //! `capyctl-operator`: CapyCTL's server on Kubernetes (DESIGN.md 4.1): in-cluster, or out of
 //! cluster with `KUBECONFIG`; the namespace from `--namespace` / `POD_NAMESPACE`. See
-//! `capyctl_operator::k8s::operator` for what runs where.
+//! `capyctl_operator::operator` for what runs where.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use capyctl_operator::k8s::api_client;
-use capyctl_operator::k8s::leader::LeaseConfig;
-use capyctl_operator::k8s::operator::{OperatorOptions, run};
-use capyctl_operator::k8s::pods::EnginePodSettings;
-use capyctl_operator::k8s::reconcile::ReconcilerConfig;
-use capyctl_operator::k8s::watch::Watch;
-use capyctl_operator::metrics::Metrics;
+use capyctl_lifecycle::metrics::Metrics;
+use capyctl_operator::api_client;
+use capyctl_operator::leader::LeaseConfig;
+use capyctl_operator::operator::{OperatorOptions, run};
+use capyctl_operator::pods::EnginePodSettings;
+use capyctl_operator::reconcile::ReconcilerConfig;
+use capyctl_operator::watch::Watch;
 use capyctl_spec::documents;
 use capyctl_spec::overrides::Overrides;
 use clap::Parser;
@@ -90,7 +90,7 @@ async fn main_async(cli: Cli) -> Result<(), String> {
     let tls = capyctl_router::tls::listen_config(server.listen.tls.as_ref())
         .map_err(|e| e.to_string())?;
     let agent_token = capyctl_node_agent::cli::agent_token()?;
-    let admin_token = capyctl_operator::management::load_or_create_token(
+    let admin_token = capyctl_server::management::load_or_create_token(
         server.admin_token_file.as_deref(),
         &cli.data_dir,
     )

@@ -8,12 +8,12 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
+use capyctl_lifecycle::store::RedbStore;
+use capyctl_lifecycle::{HostEntry, LifecycleConfig, Server};
 use capyctl_node_agent::LocalHostAgent;
 use capyctl_node_agent::agent::AgentConfig;
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::spec::{GpuOverride, HostSettings};
-use capyctl_operator::lifecycle::{HostEntry, LifecycleConfig, Server};
-use capyctl_operator::store::RedbStore;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::{Coordinator, CoordinatorHandle};
 use capyctl_router::proxy::{self, Proxy, ProxyConfig};
@@ -136,7 +136,7 @@ impl Default for Opts {
 pub struct Harness {
     pub server: Arc<Server>,
     /// The server's metrics.
-    pub metrics: Arc<capyctl_operator::metrics::Metrics>,
+    pub metrics: Arc<capyctl_lifecycle::metrics::Metrics>,
     /// The first host's agent.
     pub agent: Arc<LocalHostAgent>,
     /// Every host's agent, by host ID.
@@ -271,7 +271,7 @@ impl Harness {
         evict: bool,
         wait: bool,
     ) -> Result<capyctl_spec::api::ActionReceipt, capyctl_spec::errors::ApiError> {
-        use capyctl_operator::api::ManagementApi;
+        use capyctl_lifecycle::api::ManagementApi;
         let request = capyctl_spec::api::StartRequest { evict, wait };
         self.server.start(name, request).await
     }
