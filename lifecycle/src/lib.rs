@@ -31,6 +31,7 @@ mod views;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
+use std::ops::Bound;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
@@ -159,11 +160,17 @@ struct Dep {
     /// may still hold its GPU memory, so `start --evict` does not count it as released.
     /// Cleared when the next bring-up begins.
     ended_stop_failed: Option<String>,
+    /// Its requests' starts and ends, recorded by the listener without this lock.
+    usage: UsageOf,
+    /// What the views show of its record that only a deploy changes, shared with the reads
+    /// that build views outside the lock (renewed when the revision moves on).
+    fixed: Arc<views::Fixed>,
 }
 
 impl Dep {
     fn new(rec: DeploymentRecord) -> Self {
         let spec = InstanceSpec::from_doc(rec.id.clone(), &rec.doc);
+        let fixed = Arc::new(views::Fixed::of(&rec, spec.clone()));
         Self {
             rec,
             spec,
@@ -182,7 +189,18 @@ impl Dep {
             max_running: None,
             end: watch::channel(None).0,
             ended_stop_failed: None,
+            usage: UsageOf(Arc::new(Usage::new())),
+            fixed,
         }
+    }
+
+    /// Its last use: the later of a request's start or end (as the listener records it) and
+    /// the last state change that counts as use.
+    fn used_at(&self) -> Instant {
+        self.usage
+            .0
+            .last()
+            .map_or(self.last_used, |t| t.max(self.last_used))
     }
 
     /// A start or a wake is in progress.
@@ -292,6 +310,10 @@ struct Reservation {
     stop: bool,
 }
 
+/// Every host, by ID: shared as a whole with the reads that build views outside the lock
+/// (replaced, copy on write, when a host joins).
+type Hosts = Arc<BTreeMap<String, Arc<Host>>>;
+
 #[derive(Debug, Default)]
 struct Inner {
     /// By ID.
@@ -304,7 +326,14 @@ struct Inner {
     dirty: BTreeSet<String>,
     reservations: HashMap<String, Reservation>,
     /// Every host, by ID.
-    hosts: BTreeMap<String, Host>,
+    hosts: Hosts,
+    /// The task forwarding each host's engine exits (replaced with its agent).
+    host_exits: HashMap<String, tokio::task::AbortHandle>,
+    /// The deployments whose instance is on each host (`Dep::host`: claimed, running, parked,
+    /// or last run there), by host ID: placement and the host view read a host's deployments
+    /// without scanning all of them. Kept by [`Inner::set_host`], the one writer of
+    /// `Dep::host` (and [`Inner::remove`]).
+    by_host: HashMap<String, BTreeSet<String>>,
 }
 
 /// A host the lifecycle places instances on.
@@ -323,8 +352,6 @@ struct Host {
     remote: bool,
     /// Total GPU memory, bytes.
     capacity: u64,
-    /// The task forwarding its agent's engine exits (replaced with the agent).
-    exits: Option<tokio::task::AbortHandle>,
 }
 
 impl std::fmt::Debug for Host {
@@ -383,6 +410,7 @@ impl Inner {
 
     /// Removes deployment `id`.
     fn remove(&mut self, id: &str) -> Option<Dep> {
+        self.set_host(id, None);
         let dep = self.deps.remove(id)?;
         if self.by_name.get(dep.name()).is_some_and(|i| i == id) {
             self.by_name.remove(dep.name());
@@ -408,6 +436,53 @@ impl Inner {
         }
     }
 }
+
+/// The by-host index.
+impl Inner {
+    /// Binds (or unbinds) deployment `id`'s instance to `host`, keeping the by-host index.
+    fn set_host(&mut self, id: &str, host: Option<String>) {
+        let Some(d) = self.deps.get_mut(id) else {
+            return;
+        };
+        if d.host == host {
+            return;
+        }
+        if let Some(old) = d.host.take()
+            && let Some(ids) = self.by_host.get_mut(&old)
+        {
+            ids.remove(id);
+            if ids.is_empty() {
+                self.by_host.remove(&old);
+            }
+        }
+        if let Some(new) = &host {
+            self.by_host
+                .entry(new.clone())
+                .or_default()
+                .insert(id.to_string());
+        }
+        d.host = host;
+    }
+
+    /// The deployments whose instance is on `host` (`Dep::host`), by ID.
+    fn on_host<'a>(&'a self, host: &'a str) -> impl Iterator<Item = &'a Dep> + 'a {
+        self.by_host
+            .get(host)
+            .into_iter()
+            .flatten()
+            .filter_map(|id| self.deps.get(id))
+            .filter(move |d| d.host.as_deref() == Some(host))
+    }
+}
+
+/// How many deployments a read copies per hold of the lock ([`Server::shots`]).
+const SHOT_CHUNK: usize = 256;
+
+/// How many calls to host agents a read (`engine list`, `hosts`) makes at once.
+const HOST_CALLS_AT_ONCE: usize = 64;
+
+/// How many hosts' deployments the host view sums per hold of the lock.
+const HOSTS_PER_HOLD: usize = 32;
 
 /// How often an ended start or wake is asked to stop again until it has ended (see
 /// [`Server::unless_ended`]).
@@ -681,19 +756,18 @@ impl Server {
         let mut came: Vec<(InstanceKey, SocketAddr)> = Vec::new();
         let mut lost: Vec<InstanceKey> = Vec::new();
         self.write(|inner| {
-            let old = inner.hosts.insert(
+            Arc::make_mut(&mut inner.hosts).insert(
                 host_id.clone(),
-                Host {
+                Arc::new(Host {
                     agent: agent.clone(),
                     activation,
                     settings,
                     admission_window,
                     remote,
                     capacity,
-                    exits: None,
-                },
+                }),
             );
-            if let Some(exits) = old.and_then(|h| h.exits) {
+            if let Some(exits) = inner.host_exits.remove(&host_id) {
                 // The replaced agent's exits are no longer this host's.
                 exits.abort();
             }
@@ -732,7 +806,6 @@ impl Server {
                 } else {
                     InstanceState::Ready
                 };
-                d.host = Some(host_id.clone());
                 d.tier = adopted.parked;
                 d.parked_gpu = adopted.gpu_held.map(|g| g.bytes);
                 d.pid = Some(adopted.pid);
@@ -742,13 +815,21 @@ impl Server {
                     d.rec.pending_start = false;
                     inner.dirty.insert(d.rec.id.clone());
                 }
+                let id = d.rec.id.clone();
                 if (d.state, d.addr) != was {
-                    changed.insert(d.rec.id.clone());
+                    changed.insert(id.clone());
                 }
-                adopted_here.insert(d.rec.id.clone());
                 tracing::info!(host = %host_id, instance = %adopted.instance, state = %d.state, "adopted an engine");
+                inner.set_host(&id, Some(host_id.clone()));
+                adopted_here.insert(id);
             }
-            for d in inner.deps.values_mut() {
+            // Only deployments on this host can be adopted here or lost by it.
+            let on_this_host: Vec<String> =
+                inner.on_host(&host_id).map(|d| d.rec.id.clone()).collect();
+            for id in &on_this_host {
+                let Some(d) = inner.deps.get_mut(id) else {
+                    continue;
+                };
                 if adopted_here.contains(d.id()) {
                     if changed.contains(d.id())
                         && d.state == InstanceState::Ready
@@ -758,9 +839,8 @@ impl Server {
                     }
                     continue;
                 }
-                let here = d.host.as_deref() == Some(host_id.as_str());
                 let held = d.occupies() || d.state == InstanceState::Parked;
-                if here && held && !d.busy && d.reserved.is_none() && d.claim.is_none() {
+                if held && !d.busy && d.reserved.is_none() && d.claim.is_none() {
                     lost.push(Self::key_of(d, &host_id));
                     d.state = InstanceState::Failed;
                     d.tier = None;
@@ -791,9 +871,7 @@ impl Server {
         );
         let exits = self.forward_exits(host_id.clone(), agent.subscribe_exits());
         self.write(|inner| {
-            if let Some(h) = inner.hosts.get_mut(&host_id) {
-                h.exits = Some(exits);
-            }
+            inner.host_exits.insert(host_id.clone(), exits);
         });
         self.flush_due();
         for key in lost {
@@ -838,15 +916,9 @@ impl Server {
         task.abort_handle()
     }
 
-    /// Every host (ID and a copy of its entry), by ID.
-    fn hosts_now(&self) -> Vec<(String, Host)> {
-        self.read(|inner| {
-            inner
-                .hosts
-                .iter()
-                .map(|(id, h)| (id.clone(), h.clone()))
-                .collect()
-        })
+    /// Every host, by ID (shared: one `Arc` copied under the lock).
+    fn hosts_now(&self) -> Hosts {
+        self.read(|inner| Arc::clone(&inner.hosts))
     }
 
     /// The agent of the host `id`'s instance is bound to; the first host's when it is bound
@@ -913,17 +985,15 @@ impl Server {
 
     /// The deployments for `GET /v1/models`.
     pub fn models(&self) -> Vec<ModelEntry> {
-        let mut models: Vec<ModelEntry> = self.read(|inner| {
-            inner
-                .deps
-                .values()
-                .map(|d| ModelEntry {
-                    id: d.name().to_string(),
-                    deployment_id: d.id().to_string(),
-                    state: views::shown_state(d).to_string(),
-                })
-                .collect()
-        });
+        let (shots, _) = self.shots();
+        let mut models: Vec<ModelEntry> = shots
+            .iter()
+            .map(|d| ModelEntry {
+                id: d.name().to_string(),
+                deployment_id: d.id().to_string(),
+                state: d.shown_state().to_string(),
+            })
+            .collect();
         // By name (IDs made in the same millisecond are in no particular order).
         models.sort_by(|a, b| a.id.cmp(&b.id));
         models
@@ -936,10 +1006,8 @@ impl Server {
             inner: router,
             server: self.me.clone(),
             names: Arc::new(NameCache {
-                base: Instant::now(),
                 names: std::sync::RwLock::new(Names {
                     seen: self.changes.subscribe(),
-                    built: false,
                     by_name: HashMap::new(),
                 }),
             }),
@@ -972,11 +1040,57 @@ impl Server {
 
     /// The view of one deployment, if it exists.
     pub fn view(&self, name_or_id: &str) -> Option<DeploymentView> {
-        self.read(|inner| {
-            inner
-                .by_name_or_id(name_or_id)
-                .map(|d| views::deployment_view(d, &self.config, inner))
-        })
+        let (d, hosts) = self.shot(name_or_id)?;
+        Some(views::deployment_view(
+            &d,
+            &views::Ctx::new(&self.config, &hosts),
+        ))
+    }
+
+    // ----- reads: snapshots copied under the lock, views built outside it -----
+
+    /// Every deployment as the views need it (by ID), and the hosts: copied under the lock
+    /// [`SHOT_CHUNK`] deployments at a time, the lock let go between chunks, so that a request
+    /// or a switch waits for one chunk at most, never for a whole read. NB: so the copies are
+    /// not of one instant; each deployment's is of one.
+    fn shots(&self) -> (Vec<views::DepShot>, Hosts) {
+        let mut shots: Vec<views::DepShot> = Vec::new();
+        let mut hosts = None;
+        loop {
+            let mut inner = self.lock();
+            let inner = &mut *inner;
+            let hosts = hosts.get_or_insert_with(|| {
+                shots.reserve(inner.deps.len());
+                Arc::clone(&inner.hosts)
+            });
+            let after = shots.last().map(|d| Arc::clone(&d.fixed));
+            let from = after
+                .as_ref()
+                .map_or(Bound::Unbounded, |f| Bound::Excluded(f.id.as_str()));
+            let before = shots.len();
+            shots.extend(
+                inner
+                    .deps
+                    .range_mut::<str, _>((from, Bound::Unbounded))
+                    .take(SHOT_CHUNK)
+                    .map(|(_, d)| views::DepShot::of(d)),
+            );
+            if shots.len() - before < SHOT_CHUNK {
+                let hosts = Arc::clone(hosts);
+                return (shots, hosts);
+            }
+        }
+    }
+
+    /// Deployment `name_or_id` as the views need it, and the hosts.
+    fn shot(&self, name_or_id: &str) -> Option<(views::DepShot, Hosts)> {
+        let mut inner = self.lock();
+        let id = inner.by_name_or_id(name_or_id)?.rec.id.clone();
+        let hosts = Arc::clone(&inner.hosts);
+        inner
+            .deps
+            .get_mut(&id)
+            .map(|d| (views::DepShot::of(d), hosts))
     }
 
     // ----- plumbing -----
@@ -1084,12 +1198,6 @@ impl Server {
             .ok_or_else(|| not_found(name_or_id))
     }
 
-    fn touch(&self, id: &str) {
-        if let Some(d) = self.lock().deps.get_mut(id) {
-            d.last_used = Instant::now();
-        }
-    }
-
     fn spawn(&self, work: impl FnOnce(Arc<Server>) -> BoxFuture<'static, ()>) {
         if let Some(me) = self.me.upgrade() {
             tokio::spawn(work(me));
@@ -1142,10 +1250,14 @@ impl Server {
         let bound = d.bound_host();
         let mut best: Option<((u8, u64), &String, Fit)> = None;
         let mut never = Vec::new();
-        for (id, host) in &inner.hosts {
-            if bound.is_some_and(|b| b != id) {
-                continue;
-            }
+        // Bound: its host only. NB: each host's holders come from the by-host index, so a
+        // placement reads the hosts and the deployments on them, never every deployment per
+        // host.
+        let candidates: Box<dyn Iterator<Item = (&String, &Arc<Host>)>> = match bound {
+            Some(b) => Box::new(inner.hosts.get_key_value(b).into_iter()),
+            None => Box::new(inner.hosts.iter()),
+        };
+        for (id, host) in candidates {
             let need = d.need(host.capacity);
             let holders = self.holders(inner, id, target, protected, victims);
             let fit = place(host.capacity, need, &holders, victims != Victims::None);
@@ -1159,7 +1271,7 @@ impl Server {
                     if matches!(fit, Fit::After(_)) { 1 } else { 2 },
                     holders
                         .iter()
-                        .filter(|h| victims.contains(&h.id))
+                        .filter(|h| victims.iter().any(|v| v == h.id))
                         .map(|h| h.bytes)
                         .sum(),
                 ),
@@ -1197,20 +1309,18 @@ impl Server {
     }
 
     /// The GPU holders of `host` as placement sees them, for bringing up `target`.
-    fn holders(
+    fn holders<'a>(
         &self,
-        inner: &Inner,
-        host: &str,
+        inner: &'a Inner,
+        host: &'a str,
         target: &str,
         protected: &BTreeSet<String>,
         victims: Victims,
-    ) -> Vec<Holder> {
+    ) -> Vec<Holder<'a>> {
         let now = Instant::now();
         let capacity = inner.hosts.get(host).map_or(0, |h| h.capacity);
         inner
-            .deps
-            .values()
-            .filter(|d| d.host.as_deref() == Some(host))
+            .on_host(host)
             .filter(|d| {
                 d.id() != target && (d.occupies() || d.claim.is_some() || d.parked_holds() > 0)
             })
@@ -1239,15 +1349,15 @@ impl Server {
                     Hold::Busy
                 };
                 Holder {
-                    id: d.id().to_string(),
-                    name: d.name().to_string(),
+                    id: d.id(),
+                    name: d.name(),
                     bytes: if parked {
                         d.parked_holds()
                     } else {
                         d.need(capacity)
                     },
                     hold,
-                    idle_for: now.saturating_duration_since(d.last_used),
+                    idle_for: now.saturating_duration_since(d.used_at()),
                     parked,
                     keeps: if parked || ends {
                         0
@@ -1589,12 +1699,13 @@ impl Server {
             if !to_host_ram {
                 return None;
             }
-            let copies: Vec<(&Dep, u64)> = inner
-                .deps
-                .values()
+            let copies: Vec<(&Dep, u64)> = d
+                .host
+                .as_deref()
+                .into_iter()
+                .flat_map(|h| inner.on_host(h))
                 .filter(|o| {
                     o.id() != id
-                        && o.host == d.host
                         && o.state == InstanceState::Parked
                         && o.tier == Some(ParkTier::HostRam)
                 })
@@ -1632,7 +1743,7 @@ impl Server {
                 .into_iter()
                 .filter(|(o, _)| !kept(o) && o.claim.is_none())
                 .collect();
-            removable.sort_by_key(|(o, _)| o.last_used);
+            removable.sort_by_key(|(o, _)| o.used_at());
             let mut free = room;
             let mut out = Vec::new();
             for (o, b) in removable {
@@ -1923,9 +2034,7 @@ impl Server {
                         if fit != Fit::Now {
                             return None;
                         }
-                        if let Some(d) = inner.deps.get_mut(&id) {
-                            d.host = host;
-                        }
+                        inner.set_host(&id, host);
                         Self::begin_up(inner, &id)
                     });
                     if let Some(up) = up {
@@ -1992,8 +2101,8 @@ impl Server {
                 // (`begin_up` takes it): a switch given back leaves it waiting as before.
                 if let Some(d) = inner.deps.get_mut(target) {
                     d.claim = Some(switch_id.clone());
-                    d.host = host;
                 }
+                inner.set_host(target, host);
                 Plan::BringUp { switch_id }
             }
             Fit::After(ref victims) | Fit::AfterStopping(ref victims) => {
@@ -2016,8 +2125,8 @@ impl Server {
                 }
                 if let Some(d) = inner.deps.get_mut(target) {
                     d.claim = Some(switch_id.clone());
-                    d.host = host;
                 }
+                inner.set_host(target, host);
                 inner.reservations.insert(
                     switch_id.clone(),
                     Reservation {
@@ -2406,7 +2515,7 @@ impl Server {
                 return Ok(Next::Nothing);
             }
             if matches!(fit, Fit::Now | Fit::After(_) | Fit::AfterStopping(_)) {
-                d.host = host;
+                inner.set_host(&id, host);
             }
             match fit {
                 Fit::Now => Ok(Self::begin_up(inner, &id).map_or(Next::Nothing, Next::Up)),
@@ -2898,9 +3007,7 @@ impl Server {
             let (host, fit) = self.place_target(inner, &id, &BTreeSet::new(), Victims::None);
             match fit {
                 Fit::Now => {
-                    if let Some(d) = inner.deps.get_mut(&id) {
-                        d.host = host;
-                    }
+                    inner.set_host(&id, host);
                     Ok(Self::begin_up(inner, &id).is_some())
                 }
                 Fit::Later | Fit::After(_) | Fit::AfterStopping(_) => Err(ApiError::Conflict {
@@ -2995,30 +3102,63 @@ impl Server {
         }
     }
 
-    fn do_load(
-        &self,
-        key: Option<&str>,
-        router: Vec<capyctl_router::coordinator::DeploymentLoad>,
-    ) -> Result<LoadReport, ApiError> {
+    /// The load read (`GET /metrics/load`): every deployment, or the one `key` names. Built
+    /// from snapshots: of the lifecycle (see [`Server::shots`]) and of the router (each
+    /// deployment's published load, `CoordinatorHandle::load_shared`, read without a turn of
+    /// its task); one deployment's read copies one deployment and looks up one router entry.
+    fn do_load(&self, key: Option<&str>) -> Result<LoadReport, ApiError> {
+        let router = self.router();
         let now = views::now_ms();
-        self.read(|inner| {
-            let deps: Vec<&Dep> = match key {
-                Some(k) => vec![inner.by_name_or_id(k).ok_or_else(|| not_found(k))?],
-                None => inner.deps.values().collect(),
-            };
-            Ok(LoadReport {
-                observed_at_ms: now,
-                stale_after_ms: capyctl_spec::api::STALE_AFTER_MS,
-                deployments: deps
-                    .into_iter()
+        let deployments = match key {
+            Some(k) => {
+                let (d, hosts) = self.shot(k).ok_or_else(|| not_found(k))?;
+                let load = router.as_ref().and_then(|r| r.load_shared(d.id()));
+                let cx = views::Ctx::new(&self.config, &hosts);
+                vec![views::load_view(&d, load.as_deref(), &cx, now)]
+            }
+            None => {
+                let (shots, hosts) = self.shots();
+                let cx = views::Ctx::new(&self.config, &hosts);
+                // The router's load of each, looked up by ID (shared, not copied).
+                shots
+                    .iter()
                     .map(|d| {
-                        let r = router.iter().find(|l| l.deployment_id == d.rec.id);
-                        views::load_view(d, r, &self.config, inner, now)
+                        let load = router.as_ref().and_then(|r| r.load_shared(d.id()));
+                        views::load_view(d, load.as_deref(), &cx, now)
                     })
-                    .collect(),
-            })
+                    .collect()
+            }
+        };
+        Ok(LoadReport {
+            observed_at_ms: now,
+            stale_after_ms: capyctl_spec::api::STALE_AFTER_MS,
+            deployments,
         })
     }
+
+    /// What each of `hosts`' deployments hold (in the hosts' order), summed under the lock from
+    /// the by-host index a few hosts at a time.
+    fn host_uses(&self, hosts: &Hosts) -> Vec<views::HostUse> {
+        let all: Vec<(&String, &Arc<Host>)> = hosts.iter().collect();
+        let mut used = Vec::with_capacity(all.len());
+        for chunk in all.chunks(HOSTS_PER_HOLD) {
+            let inner = self.lock();
+            used.extend(
+                chunk
+                    .iter()
+                    .map(|(id, h)| views::HostUse::of(h.capacity, inner.on_host(id))),
+            );
+        }
+        used
+    }
+}
+
+/// Each host (ID and entry) as owned values, for futures that outlive the borrow.
+fn owned(hosts: &Hosts) -> Vec<(String, Arc<Host>)> {
+    hosts
+        .iter()
+        .map(|(id, h)| (id.clone(), Arc::clone(h)))
+        .collect()
 }
 
 /// The socket address of an engine's `base_url` (`http://<ip>:<port>`, `http://[<ipv6>]:<port>`);
@@ -3070,10 +3210,8 @@ impl Server {
     /// it afresh (unless it is explicit).
     async fn engine_exited(&self, host: &str, exit: EngineExit) {
         let key = self.write(|inner| {
-            let d = inner
-                .deps
-                .values_mut()
-                .find(|d| d.instance_id() == exit.instance)?;
+            // An instance's ID is its deployment's ID and `-0` (`instance_id`).
+            let d = inner.deps.get_mut(exit.instance.strip_suffix("-0")?)?;
             if d.host.as_deref() != Some(host) {
                 // Not the engine it runs now (a host it left).
                 return None;
@@ -3133,7 +3271,7 @@ impl Server {
                 .filter(|d| !self.explicit(d) && !d.warm() && !d.busy && d.reserved.is_none())
                 .filter(|d| d.claim.is_none() && !d.rec.pending_start && !busy.contains(d.id()))
                 .filter_map(|d| {
-                    let idle = now.saturating_duration_since(d.last_used);
+                    let idle = now.saturating_duration_since(d.used_at());
                     match d.state {
                         InstanceState::Ready if ready_idle_timeout.is_some_and(|t| idle >= t) => {
                             Some((d.rec.id.clone(), true))
@@ -3164,7 +3302,7 @@ impl Server {
             // request, a switch or a command may have moved the model since.
             let down = self.write(|inner| {
                 let d = inner.deps.get(&id)?;
-                let idle = Instant::now().saturating_duration_since(d.last_used);
+                let idle = Instant::now().saturating_duration_since(d.used_at());
                 let still_due = match d.state {
                     InstanceState::Ready => ready && ready_idle_timeout.is_some_and(|t| idle >= t),
                     InstanceState::Parked => {
@@ -3203,14 +3341,10 @@ impl Server {
 impl Lifecycle for Server {
     fn resolve(&self, model: &str) -> Option<DeploymentRef> {
         self.read(|inner| {
-            inner
-                .deps
-                .values()
-                .find(|d| d.name() == model)
-                .map(|d| DeploymentRef {
-                    id: d.rec.id.clone(),
-                    name: d.name().to_string(),
-                })
+            named(inner, model).map(|d| DeploymentRef {
+                id: d.rec.id.clone(),
+                name: d.name().to_string(),
+            })
         })
     }
 
@@ -3250,15 +3384,14 @@ impl Lifecycle for Server {
 impl ManagementApi for Server {
     fn list(&self) -> crate::api::BoxFuture<'_, DeploymentList> {
         Box::pin(async move {
-            self.read(|inner| {
-                let mut deployments: Vec<DeploymentView> = inner
-                    .deps
-                    .values()
-                    .map(|d| views::deployment_view(d, &self.config, inner))
-                    .collect();
-                deployments.sort_by(|a, b| a.name.cmp(&b.name));
-                DeploymentList { deployments }
-            })
+            let (shots, hosts) = self.shots();
+            let cx = views::Ctx::new(&self.config, &hosts);
+            let mut deployments: Vec<DeploymentView> = shots
+                .iter()
+                .map(|d| views::deployment_view(d, &cx))
+                .collect();
+            deployments.sort_by(|a, b| a.name.cmp(&b.name));
+            DeploymentList { deployments }
         })
     }
 
@@ -3280,7 +3413,14 @@ impl ManagementApi for Server {
         &'a self,
         name_or_id: &'a str,
     ) -> crate::api::BoxFuture<'a, Result<DeploymentView, ApiError>> {
-        Box::pin(self.do_delete(name_or_id))
+        Box::pin(async move {
+            let view = self.do_delete(name_or_id).await?;
+            // Router entries go when their deployment goes: its load and counters.
+            if let Some(r) = self.router() {
+                r.forget(view.id.clone()).await;
+            }
+            Ok(view)
+        })
     }
 
     fn start<'a>(
@@ -3314,35 +3454,52 @@ impl ManagementApi for Server {
 
     fn engines(&self) -> crate::api::BoxFuture<'_, EngineList> {
         Box::pin(async move {
-            let mut engines = Vec::new();
-            for (host_id, host) in self.hosts_now() {
-                engines.extend(host.agent.engines().await.into_iter().map(|e| EngineView {
-                    command: host.settings.engine(e.engine).command.clone(),
-                    engine: e.engine,
-                    version: e.version,
-                    deep_park: e.deep_park.to_string(),
-                    host_id: host_id.clone(),
-                }));
+            let hosts = owned(&self.hosts_now());
+            // Every host asked at once, a bounded number at a time; listed in host order.
+            let per_host: Vec<Vec<EngineView>> = futures_util::stream::iter(hosts)
+                .map(|(host_id, host)| async move {
+                    host.agent
+                        .engines()
+                        .await
+                        .into_iter()
+                        .map(|e| EngineView {
+                            command: host.settings.engine(e.engine).command.clone(),
+                            engine: e.engine,
+                            version: e.version,
+                            deep_park: e.deep_park.to_string(),
+                            host_id: host_id.clone(),
+                        })
+                        .collect()
+                })
+                .buffered(HOST_CALLS_AT_ONCE)
+                .collect()
+                .await;
+            EngineList {
+                engines: per_host.into_iter().flatten().collect(),
             }
-            EngineList { engines }
         })
     }
 
     fn hosts(&self) -> crate::api::BoxFuture<'_, HostList> {
         Box::pin(async move {
-            let mut inventories = Vec::new();
-            for (host_id, host) in self.hosts_now() {
-                inventories.push((host_id, host.agent.inventory().await.ok()));
-            }
-            self.read(|inner| HostList {
+            let hosts = self.hosts_now();
+            // Every host asked at once, a bounded number at a time; listed in host order.
+            let inventories: Vec<_> = futures_util::stream::iter(owned(&hosts))
+                .map(|(id, host)| async move {
+                    let inventory = host.agent.inventory().await.ok();
+                    (id, host, inventory)
+                })
+                .buffered(HOST_CALLS_AT_ONCE)
+                .collect()
+                .await;
+            let used = self.host_uses(&hosts);
+            HostList {
                 hosts: inventories
                     .iter()
-                    .filter_map(|(id, inv)| {
-                        let host = inner.hosts.get(id)?;
-                        Some(views::host_view(id, host, inv.as_ref(), inner))
-                    })
+                    .zip(used)
+                    .map(|((id, host, inv), used)| views::host_view(id, host, inv.as_ref(), used))
                     .collect(),
-            })
+            }
         })
     }
 
@@ -3350,16 +3507,7 @@ impl ManagementApi for Server {
         &'a self,
         deployment: Option<&'a str>,
     ) -> crate::api::BoxFuture<'a, Result<LoadReport, ApiError>> {
-        Box::pin(async move {
-            if let Some(k) = deployment {
-                self.find(k)?;
-            }
-            let router = match self.router() {
-                Some(r) => r.load().await,
-                None => Vec::new(),
-            };
-            self.do_load(deployment, router)
-        })
+        Box::pin(async move { self.do_load(deployment) })
     }
 
     fn ready(&self) -> bool {
@@ -3374,12 +3522,12 @@ impl ManagementApi for Server {
 /// The listener's [`Admission`]: the coordinator's, recording each request's start and end as
 /// use of its deployment (what the idle timers count from).
 ///
-/// NB (the request path): a model name is resolved through a name → deployment map that is
-/// rebuilt only when the lifecycle's state changed (`changes`), under a read lock, not through
-/// the lifecycle's mutex; a request's use of its deployment is recorded under that mutex at
-/// most once per [`TOUCH_EVERY`] per deployment (the idle timers tick once a second and
-/// always spare a deployment with requests in flight, so a record up to that much old
-/// changes nothing they decide).
+/// NB (the request path takes no lock of the lifecycle's): a model name is resolved through a
+/// name → deployment cache (a read lock of its own); an entry stays good until its deployment is
+/// dropped (its [`Usage`] says so), and a name not found is looked up again only after the
+/// lifecycle's state changed (`changes`). A request's use of its deployment is two atomic writes
+/// (its start and its end) into the deployment's [`Usage`], which the lifecycle reads as its
+/// last use.
 #[derive(Clone)]
 pub struct TrackedAdmission {
     inner: CoordinatorHandle,
@@ -3387,28 +3535,88 @@ pub struct TrackedAdmission {
     names: Arc<NameCache>,
 }
 
-/// How often a deployment's use is written into the lifecycle's record, at most.
-pub const TOUCH_EVERY: Duration = Duration::from_millis(100);
+/// The most names [`NameCache`] keeps as not found (names no deployment has, as clients sent
+/// them): past it, those are forgotten.
+const NOT_FOUND_KEPT: usize = 4096;
 
 /// The model names the lifecycle knows, for [`TrackedAdmission::resolve`].
 struct NameCache {
-    /// The origin of [`Use`]'s instants.
-    base: Instant,
     names: std::sync::RwLock<Names>,
 }
 
 struct Names {
-    /// The lifecycle's change counter, as of the last rebuild.
+    /// The lifecycle's change counter, as of the last time the names not found were forgotten.
     seen: watch::Receiver<u64>,
-    built: bool,
-    by_name: HashMap<String, (DeploymentRef, Arc<Use>)>,
+    /// By name: its deployment, or `None`: not found (as of `seen`).
+    by_name: HashMap<String, Option<Named>>,
 }
 
-/// When a deployment's use was last written into the lifecycle's record.
-#[derive(Debug, Default)]
-struct Use {
-    /// Nanoseconds since [`NameCache::base`].
-    recorded: AtomicU64,
+/// A name's deployment, and the record of its use.
+#[derive(Clone)]
+struct Named {
+    deployment: DeploymentRef,
+    usage: Arc<Usage>,
+}
+
+/// When a deployment's requests last started or ended, as the listener records them: atomics, so
+/// that a request never takes the lifecycle's lock to say so. Read as part of the deployment's
+/// last use ([`Dep::used_at`]).
+#[derive(Debug)]
+struct Usage {
+    /// The origin of `last`.
+    base: Instant,
+    /// Nanoseconds after `base`, plus one, of the latest start or end; 0: none yet.
+    last: AtomicU64,
+    /// Its deployment was dropped (deleted): a name cache entry holding this is stale.
+    gone: AtomicBool,
+}
+
+impl Usage {
+    fn new() -> Self {
+        Usage {
+            base: Instant::now(),
+            last: AtomicU64::new(0),
+            gone: AtomicBool::new(false),
+        }
+    }
+
+    /// Records a request's start or end now.
+    fn record(&self) {
+        let nanos = Instant::now()
+            .saturating_duration_since(self.base)
+            .as_nanos();
+        let at = u64::try_from(nanos)
+            .unwrap_or(u64::MAX - 1)
+            .saturating_add(1);
+        self.last.fetch_max(at, Ordering::Relaxed);
+    }
+
+    /// The latest start or end recorded.
+    fn last(&self) -> Option<Instant> {
+        match self.last.load(Ordering::Relaxed) {
+            0 => None,
+            at => Some(self.base + Duration::from_nanos(at - 1)),
+        }
+    }
+
+    fn gone(&self) -> bool {
+        self.gone.load(Ordering::Acquire)
+    }
+}
+
+/// A deployment's own [`Usage`]: marks it gone when the deployment is dropped.
+#[derive(Debug)]
+struct UsageOf(Arc<Usage>);
+
+impl Drop for UsageOf {
+    fn drop(&mut self) {
+        self.0.gone.store(true, Ordering::Release);
+    }
+}
+
+/// The deployment named `name` (by name only).
+fn named<'a>(inner: &'a Inner, name: &str) -> Option<&'a Dep> {
+    inner.by_name(name)
 }
 
 impl std::fmt::Debug for NameCache {
@@ -3419,79 +3627,54 @@ impl std::fmt::Debug for NameCache {
 
 impl NameCache {
     /// The deployment `model` names, and its use record.
-    fn get(&self, model: &str, server: &Weak<Server>) -> Option<(DeploymentRef, Arc<Use>)> {
+    fn get(&self, model: &str, server: &Weak<Server>) -> Option<Named> {
         {
             let names = self.names.read().unwrap_or_else(PoisonError::into_inner);
-            if names.built && !names.seen.has_changed().unwrap_or(true) {
-                return names
-                    .by_name
-                    .get(model)
-                    .map(|(d, u)| (d.clone(), Arc::clone(u)));
+            match names.by_name.get(model) {
+                Some(Some(n)) if !n.usage.gone() => return Some(n.clone()),
+                Some(None) if !names.seen.has_changed().unwrap_or(true) => return None,
+                _ => {}
             }
         }
         let server = server.upgrade()?;
         let mut names = self.names.write().unwrap_or_else(PoisonError::into_inner);
-        // Marked first: a change while the map is rebuilt makes the next call rebuild again.
-        names.seen.borrow_and_update();
-        let fresh: Vec<(String, String)> = server.read(|inner| {
-            inner
-                .deps
-                .values()
-                .map(|d| (d.name().to_string(), d.rec.id.clone()))
-                .collect()
-        });
-        let mut old = std::mem::take(&mut names.by_name);
-        for (name, id) in fresh {
-            let used = old
-                .remove(&name)
-                .filter(|(d, _)| d.id == id)
-                .map_or_else(Arc::default, |(_, u)| u);
-            let dref = DeploymentRef {
-                id,
-                name: name.clone(),
-            };
-            names.by_name.insert(name, (dref, used));
+        if names.seen.has_changed().unwrap_or(true) {
+            // Marked first: a change during the look-up below makes the next one look again.
+            names.seen.borrow_and_update();
+            names
+                .by_name
+                .retain(|_, n| n.as_ref().is_some_and(|n| !n.usage.gone()));
         }
-        names.built = true;
-        names
-            .by_name
-            .get(model)
-            .map(|(d, u)| (d.clone(), Arc::clone(u)))
+        let found = server.read(|inner| {
+            named(inner, model).map(|d| Named {
+                deployment: DeploymentRef {
+                    id: d.rec.id.clone(),
+                    name: d.name().to_string(),
+                },
+                usage: Arc::clone(&d.usage.0),
+            })
+        });
+        if found.is_none() && names.by_name.len() >= NOT_FOUND_KEPT {
+            names.by_name.retain(|_, n| n.is_some());
+        }
+        names.by_name.insert(model.to_string(), found.clone());
+        found
     }
 
-    /// The use record of the deployment `deployment` names (a fresh one if the name now
-    /// means another deployment).
-    fn used(&self, deployment: &DeploymentRef, server: &Weak<Server>) -> Arc<Use> {
+    /// The use record of the deployment `deployment` names (a fresh one, recording nothing the
+    /// lifecycle reads, if the name now means another deployment or none).
+    fn usage(&self, deployment: &DeploymentRef, server: &Weak<Server>) -> Arc<Usage> {
         {
             let names = self.names.read().unwrap_or_else(PoisonError::into_inner);
-            if let Some((d, used)) = names.by_name.get(&deployment.name)
-                && d.id == deployment.id
+            if let Some(Some(n)) = names.by_name.get(&deployment.name)
+                && n.deployment.id == deployment.id
             {
-                return Arc::clone(used);
+                return Arc::clone(&n.usage);
             }
         }
         self.get(&deployment.name, server)
-            .filter(|(d, _)| d.id == deployment.id)
-            .map_or_else(Arc::default, |(_, u)| u)
-    }
-
-    /// Records a use of `deployment` in the lifecycle, unless one was recorded less than
-    /// [`TOUCH_EVERY`] ago.
-    fn touch(&self, server: &Weak<Server>, deployment: &str, used: &Use) {
-        let now = u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        let last = used.recorded.load(Ordering::Relaxed);
-        let every = u64::try_from(TOUCH_EVERY.as_nanos()).unwrap_or(u64::MAX);
-        if last != 0 && now.saturating_sub(last) < every {
-            return;
-        }
-        if used
-            .recorded
-            .compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
-            .is_ok()
-            && let Some(s) = server.upgrade()
-        {
-            s.touch(deployment);
-        }
+            .filter(|n| n.deployment.id == deployment.id)
+            .map_or_else(|| Arc::new(Usage::new()), |n| n.usage)
     }
 }
 
@@ -3505,16 +3688,14 @@ impl std::fmt::Debug for TrackedAdmission {
 #[derive(Debug)]
 pub struct TrackedPermit {
     inner: CoordinatorPermit,
-    server: Weak<Server>,
-    names: Arc<NameCache>,
-    used: Arc<Use>,
+    usage: Arc<Usage>,
 }
 
 impl Admission for TrackedAdmission {
     type Permit = TrackedPermit;
 
     fn resolve(&self, model: &str) -> Option<DeploymentRef> {
-        self.names.get(model, &self.server).map(|(d, _)| d)
+        self.names.get(model, &self.server).map(|n| n.deployment)
     }
 
     fn admit(
@@ -3526,16 +3707,14 @@ impl Admission for TrackedAdmission {
         let server = self.server.clone();
         let names = Arc::clone(&self.names);
         async move {
-            let used = names.used(&deployment, &server);
+            let usage = names.usage(&deployment, &server);
             // NB: requests are counted by the listener's observer (the metrics), which knows
             // the status sent; here only the use of the deployment is recorded.
             let permit = inner.admit(deployment, deadline).await?;
-            names.touch(&server, &permit.upstream().key.deployment, &used);
+            usage.record();
             Ok(TrackedPermit {
                 inner: permit,
-                server,
-                names,
-                used,
+                usage,
             })
         }
     }
@@ -3561,14 +3740,87 @@ impl Permit for TrackedPermit {
 
 impl Drop for TrackedPermit {
     fn drop(&mut self) {
-        let id = &self.inner.upstream().key.deployment;
-        self.names.touch(&self.server, id, &self.used);
+        self.usage.record();
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::engine_addr;
+    #![allow(clippy::unwrap_used)]
+
+    use super::{Dep, Inner, Usage, UsageOf, engine_addr};
+    use crate::store::DeploymentRecord;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    fn dep(id: &str, name: &str) -> Dep {
+        let doc = capyctl_spec::documents::parse_deployment_str(
+            "t.yaml",
+            &format!("name: {name}\nengine: vllm\nmodel: m\n"),
+        )
+        .unwrap();
+        Dep::new(DeploymentRecord {
+            id: id.to_string(),
+            revision: 1,
+            doc,
+            operator_stopped: false,
+            operator_started: false,
+            pending_start: false,
+            generation: 0,
+            first_answer: None,
+        })
+    }
+
+    fn on(inner: &Inner, host: &str) -> Vec<String> {
+        inner.on_host(host).map(|d| d.rec.id.clone()).collect()
+    }
+
+    #[test]
+    fn the_by_host_index_follows_binds_moves_and_removals() {
+        let mut inner = Inner::default();
+        inner.insert(dep("a", "chat-a"));
+        inner.insert(dep("b", "chat-b"));
+        inner.insert(dep("c", "chat-c"));
+        inner.set_host("b", Some("gpu-1".into()));
+        inner.set_host("a", Some("gpu-1".into()));
+        inner.set_host("c", Some("gpu-2".into()));
+        assert_eq!(on(&inner, "gpu-1"), ["a", "b"], "by ID");
+        assert_eq!(on(&inner, "gpu-2"), ["c"]);
+        inner.set_host("a", Some("gpu-2".into()));
+        assert_eq!(on(&inner, "gpu-1"), ["b"]);
+        assert_eq!(on(&inner, "gpu-2"), ["a", "c"]);
+        inner.remove("c");
+        assert_eq!(on(&inner, "gpu-2"), ["a"]);
+        inner.set_host("b", None);
+        assert_eq!(on(&inner, "gpu-1"), Vec::<String>::new());
+        assert!(
+            !inner.by_host.contains_key("gpu-1"),
+            "an empty host's set goes"
+        );
+        assert_eq!(on(&inner, "gpu-9"), Vec::<String>::new());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_requests_use_is_recorded_without_the_lock_and_read_as_the_last_use() {
+        let d = dep("a", "chat-a");
+        let changed = d.last_used;
+        assert_eq!(d.used_at(), changed);
+        tokio::time::advance(Duration::from_secs(5)).await;
+        d.usage.0.record();
+        assert_eq!(d.used_at(), changed + Duration::from_secs(5));
+        // A later state change that counts as use wins when it is the later one.
+        let mut d = d;
+        tokio::time::advance(Duration::from_secs(1)).await;
+        d.last_used = tokio::time::Instant::now();
+        assert_eq!(d.used_at(), changed + Duration::from_secs(6));
+        // Dropped with its deployment, it says so to whoever still holds it.
+        let usage: Arc<Usage> = Arc::clone(&d.usage.0);
+        assert!(!usage.gone());
+        drop(d);
+        assert!(usage.gone());
+        let own = UsageOf(Arc::new(Usage::new()));
+        assert_eq!(own.0.last(), None);
+    }
 
     #[test]
     fn an_engines_address_comes_from_its_base_url_loopback_or_pod_ip() {

@@ -15,13 +15,14 @@ pub(crate) enum Hold {
     Pinned,
 }
 
-/// One deployment holding (or about to hold) GPU memory.
+/// One deployment holding (or about to hold) GPU memory (borrowed from the lifecycle's state:
+/// a placement copies no strings but its victims' IDs).
 #[derive(Debug, Clone)]
-pub(crate) struct Holder {
+pub(crate) struct Holder<'a> {
     /// The deployment's ID.
-    pub id: String,
+    pub id: &'a str,
     /// Its name, for messages.
-    pub name: String,
+    pub name: &'a str,
     /// The bytes it holds.
     pub bytes: u64,
     /// How it may be treated.
@@ -59,7 +60,7 @@ pub(crate) fn gib(bytes: u64) -> String {
 
 /// Where `need` bytes fit on a host with `capacity` bytes held by `holders`. With `evict`
 /// false no victim is ever named (`Later` instead).
-pub(crate) fn place(capacity: u64, need: u64, holders: &[Holder], evict: bool) -> Fit {
+pub(crate) fn place(capacity: u64, need: u64, holders: &[Holder<'_>], evict: bool) -> Fit {
     if need > capacity {
         return Fit::Never(format!(
             "it needs {} and the GPU has {}",
@@ -72,10 +73,10 @@ pub(crate) fn place(capacity: u64, need: u64, holders: &[Holder], evict: bool) -
     if free >= need {
         return Fit::Now;
     }
-    let pinned: Vec<&Holder> = holders.iter().filter(|h| h.hold == Hold::Pinned).collect();
+    let pinned: Vec<&Holder<'_>> = holders.iter().filter(|h| h.hold == Hold::Pinned).collect();
     let pinned_bytes: u64 = pinned.iter().map(|h| h.bytes).sum();
     if need > capacity.saturating_sub(pinned_bytes) {
-        let names: Vec<&str> = pinned.iter().map(|h| h.name.as_str()).collect();
+        let names: Vec<&str> = pinned.iter().map(|h| h.name).collect();
         return Fit::Never(format!(
             "it needs {}, and {} of the GPU's {} is held by explicit or warm deployments that are never released for room ({})",
             gib(need),
@@ -87,7 +88,7 @@ pub(crate) fn place(capacity: u64, need: u64, holders: &[Holder], evict: bool) -
     if !evict {
         return Fit::Later;
     }
-    let mut candidates: Vec<&Holder> = holders
+    let mut candidates: Vec<&Holder<'_>> = holders
         .iter()
         .filter(|h| h.hold == Hold::Releasable)
         .collect();
@@ -97,7 +98,7 @@ pub(crate) fn place(capacity: u64, need: u64, holders: &[Holder], evict: bool) -
         a.parked
             .cmp(&b.parked)
             .then(b.idle_for.cmp(&a.idle_for))
-            .then(a.id.cmp(&b.id))
+            .then(a.id.cmp(b.id))
     });
     // First as they park (keeping their residue), then, if that is not enough, as they stop.
     for stopping in [false, true] {
@@ -109,7 +110,7 @@ pub(crate) fn place(capacity: u64, need: u64, holders: &[Holder], evict: bool) -
             }
             let keeps = if stopping { 0 } else { c.keeps };
             freed = freed.saturating_add(c.bytes.saturating_sub(keeps));
-            victims.push(c.id.clone());
+            victims.push(c.id.to_string());
         }
         if freed >= need {
             return if stopping {
@@ -128,10 +129,10 @@ mod tests {
 
     const G: u64 = 1 << 30;
 
-    fn h(id: &str, gb: u64, hold: Hold, idle_s: u64) -> Holder {
+    fn h(id: &'static str, gb: u64, hold: Hold, idle_s: u64) -> Holder<'static> {
         Holder {
-            id: id.into(),
-            name: format!("n-{id}"),
+            id,
+            name: Box::leak(format!("n-{id}").into_boxed_str()),
             bytes: gb * G,
             hold,
             idle_for: Duration::from_secs(idle_s),

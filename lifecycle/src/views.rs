@@ -1,12 +1,21 @@
 //! What the management API shows: deployment views, the load read and the host view, as pure
-//! functions of the lifecycle's state.
+//! functions of snapshots.
+//!
+//! NB (reads at scale): a read never builds its views under the lifecycle's lock. It copies each
+//! deployment into a [`DepShot`] under the lock (O(1) per deployment: the document and the spec
+//! are shared through [`Fixed`], not copied), a chunk of deployments at a time, and the hosts as
+//! one shared map ([`Hosts`]); the views, the JSON and the host agents' calls all happen after
+//! the lock is let go (`Server::shots`).
 
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use capyctl_node_agent::inventory::Inventory;
 use capyctl_node_agent::launch::{MaxRunning, MaxRunningInput, MaxRunningSource, max_running};
 use capyctl_node_agent::load::LoadSample;
 use capyctl_node_agent::measure::{MeasureSource, Measurement};
+use capyctl_node_agent::spec::InstanceSpec;
 use capyctl_node_agent::tier::ParkTier;
 use capyctl_router::coordinator::DeploymentLoad;
 use capyctl_spec::api::{
@@ -14,24 +23,133 @@ use capyctl_spec::api::{
     InstanceLoadView, InstanceView, MaxRunningView, MeasurementView, RouterLoadView,
     STALE_AFTER_MS, STALE_SAMPLE_KEPT_MS, SampleView,
 };
+use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::{Activation, InstanceState};
 
-use super::{Dep, Host, Inner, LifecycleConfig};
+use super::{Dep, Host, Hosts, LifecycleConfig};
+use crate::store::DeploymentRecord;
 
-/// Some host says `lifecycle.activation: explicit`.
-fn any_host_explicit(inner: &Inner) -> bool {
-    inner
-        .hosts
-        .values()
-        .any(|h| h.activation == Activation::Explicit)
+/// What a deployment's views show that only a deploy changes: shared (one `Arc`) between the
+/// deployment and every snapshot of it, renewed when its revision moves on.
+#[derive(Debug)]
+pub(crate) struct Fixed {
+    /// The revision it was taken at.
+    pub revision: u64,
+    /// The deployment's ID.
+    pub id: String,
+    /// Its document.
+    pub doc: DeploymentDoc,
+    /// Its instance spec (from the document).
+    pub spec: InstanceSpec,
 }
 
-/// The host of `d`'s instance, else the first host (one host in standalone).
-fn host_of<'a>(d: &Dep, inner: &'a Inner) -> Option<(&'a String, &'a Host)> {
-    d.host
-        .as_deref()
-        .and_then(|h| inner.hosts.get_key_value(h))
-        .or_else(|| inner.hosts.iter().next())
+impl Fixed {
+    /// Of `rec`, whose instance spec is `spec`.
+    pub(crate) fn of(rec: &DeploymentRecord, spec: InstanceSpec) -> Self {
+        Fixed {
+            revision: rec.revision,
+            id: rec.id.clone(),
+            doc: rec.doc.clone(),
+            spec,
+        }
+    }
+
+    fn name(&self) -> &str {
+        &self.doc.name
+    }
+}
+
+/// One deployment as the views show it, copied under the lifecycle's lock in O(1) (see the
+/// module's NB).
+#[derive(Debug, Clone)]
+pub(crate) struct DepShot {
+    /// Its ID, document and spec (shared).
+    pub fixed: Arc<Fixed>,
+    state: InstanceState,
+    measurement: Measurement,
+    generation: u64,
+    operator_stopped: bool,
+    pending_start: bool,
+    first_answered: bool,
+    tier: Option<ParkTier>,
+    addr: Option<SocketAddr>,
+    pid: Option<u32>,
+    last_error: Option<String>,
+    /// `Dep::host`: where its instance is, or last was.
+    host: Option<String>,
+    /// Its instance is bound to `host` (holds memory there, is parked there, or is on its way).
+    bound: bool,
+    max_running: Option<MaxRunning>,
+}
+
+impl DepShot {
+    /// A copy of `d` (renewing its shared part first when a deploy changed it).
+    pub(crate) fn of(d: &mut Dep) -> Self {
+        if d.fixed.revision != d.rec.revision || d.fixed.id != d.rec.id {
+            d.fixed = Arc::new(Fixed::of(&d.rec, d.spec.clone()));
+        }
+        DepShot {
+            fixed: Arc::clone(&d.fixed),
+            state: d.state,
+            measurement: d.measurement,
+            generation: d.rec.generation,
+            operator_stopped: d.rec.operator_stopped,
+            pending_start: d.rec.pending_start,
+            first_answered: d.rec.first_answer.is_some(),
+            tier: d.tier,
+            addr: d.addr,
+            pid: d.pid,
+            last_error: d.last_error.clone(),
+            host: d.host.clone(),
+            bound: d.bound_host().is_some(),
+            max_running: d.max_running,
+        }
+    }
+
+    /// Its ID.
+    pub(crate) fn id(&self) -> &str {
+        &self.fixed.id
+    }
+
+    /// Its name.
+    pub(crate) fn name(&self) -> &str {
+        self.fixed.name()
+    }
+
+    /// The state shown (see [`shown_state`]).
+    pub(crate) fn shown_state(&self) -> InstanceState {
+        shown(self.state, &self.measurement)
+    }
+
+    fn instance_id(&self) -> String {
+        super::instance_id(&self.fixed.id)
+    }
+
+    /// The host of its instance, else the first host (one host in standalone).
+    fn host<'a>(&self, hosts: &'a Hosts) -> Option<(&'a String, &'a Arc<Host>)> {
+        self.host
+            .as_deref()
+            .and_then(|h| hosts.get_key_value(h))
+            .or_else(|| hosts.iter().next())
+    }
+}
+
+/// What every view of one read shares: the settings, and the hosts as of the read.
+pub(crate) struct Ctx<'a> {
+    config: &'a LifecycleConfig,
+    hosts: &'a Hosts,
+    /// Some host says `lifecycle.activation: explicit`.
+    any_host_explicit: bool,
+}
+
+impl<'a> Ctx<'a> {
+    pub(crate) fn new(config: &'a LifecycleConfig, hosts: &'a Hosts) -> Self {
+        Ctx {
+            config,
+            hosts,
+            any_host_explicit: hosts.values().any(|h| h.activation == Activation::Explicit),
+        }
+    }
 }
 
 /// Milliseconds since the Unix epoch.
@@ -45,10 +163,14 @@ pub(crate) fn now_ms() -> u64 {
 /// The state shown: the instance's, with `awaiting_measurement` for a stopped deployment whose
 /// checkpoint is not measured yet.
 pub(crate) fn shown_state(d: &Dep) -> InstanceState {
-    if d.state == InstanceState::Stopped && d.measurement.awaiting() {
+    shown(d.state, &d.measurement)
+}
+
+fn shown(state: InstanceState, measurement: &Measurement) -> InstanceState {
+    if state == InstanceState::Stopped && measurement.awaiting() {
         InstanceState::AwaitingMeasurement
     } else {
-        d.state
+        state
     }
 }
 
@@ -83,21 +205,32 @@ fn condition(kind: &str, ok: bool, reason: &str, message: String) -> ConditionVi
     }
 }
 
+/// The hosts a deployment's view names (`hosts`, the HOSTS column): the host its instance is
+/// bound to (running, parked, or on its way there); when it is bound to none, the one host
+/// there is. NB: none (`-`) when it is bound to none and there are several hosts: placement
+/// chooses among all of them when it starts. (Listing every host there instead made each
+/// unplaced deployment's view as long as the host list: 10,000 deployments on 1,000 hosts
+/// answered 10 million host names per list.)
+fn view_hosts(d: &DepShot, hosts: &Hosts) -> Vec<String> {
+    match (&d.host, d.bound) {
+        (Some(h), true) => vec![h.clone()],
+        _ if hosts.len() == 1 => hosts.keys().cloned().collect(),
+        _ => Vec::new(),
+    }
+}
+
 /// One deployment's view.
-pub(crate) fn deployment_view(d: &Dep, config: &LifecycleConfig, inner: &Inner) -> DeploymentView {
-    let state = shown_state(d);
-    let explicit = d.rec.doc.activation() == Activation::Explicit || any_host_explicit(inner);
-    // Where it is, or where it may run.
-    let hosts: Vec<String> = match d.bound_host() {
-        Some(h) => vec![h.to_string()],
-        None => inner.hosts.keys().cloned().collect(),
-    };
-    let instance_host =
-        host_of(d, inner).map_or_else(|| config.host_id.clone(), |(h, _)| h.clone());
+pub(crate) fn deployment_view(d: &DepShot, cx: &Ctx<'_>) -> DeploymentView {
+    let doc = &d.fixed.doc;
+    let state = d.shown_state();
+    let explicit = doc.activation() == Activation::Explicit || cx.any_host_explicit;
+    let instance_host = d
+        .host(cx.hosts)
+        .map_or_else(|| cx.config.host_id.clone(), |(h, _)| h.clone());
     let ready = d.state == InstanceState::Ready;
     let (ready_reason, ready_message) = if ready {
         ("ready", "the instance serves requests".to_string())
-    } else if d.rec.pending_start {
+    } else if d.pending_start {
         (
             "waiting_for_memory",
             "an operator start waits for GPU memory (start --evict parks idle models to make room)"
@@ -110,28 +243,28 @@ pub(crate) fn deployment_view(d: &Dep, config: &LifecycleConfig, inner: &Inner) 
     };
     let measured = !d.measurement.awaiting();
     DeploymentView {
-        id: d.rec.id.clone(),
-        name: d.rec.doc.name.clone(),
+        id: d.fixed.id.clone(),
+        name: doc.name.clone(),
         state,
         ready: format!("{}/1", u8::from(ready)),
-        revision: d.rec.revision,
-        hosts,
+        revision: d.fixed.revision,
+        hosts: view_hosts(d, cx.hosts),
         activation: if explicit {
             Activation::Explicit
         } else {
             Activation::OnDemand
         },
-        warm: d.rec.doc.warm(),
-        operator_stopped: d.rec.operator_stopped,
-        engine: d.rec.doc.engine,
-        model: d.rec.doc.model.clone(),
-        residency: d.rec.doc.residency,
+        warm: doc.warm(),
+        operator_stopped: d.operator_stopped,
+        engine: doc.engine,
+        model: doc.model.clone(),
+        residency: doc.residency,
         measurement: measurement_view(&d.measurement),
         instances: vec![InstanceView {
             instance_id: d.instance_id(),
             index: 0,
             host_id: instance_host,
-            generation: d.rec.generation,
+            generation: d.generation,
             state,
             parked_tier: d.tier.map(|t| tier_words(t).to_string()),
             port: d.addr.map(|a| a.port()),
@@ -150,7 +283,7 @@ pub(crate) fn deployment_view(d: &Dep, config: &LifecycleConfig, inner: &Inner) 
                 },
                 if measured {
                     "the checkpoint's memory is known".to_string()
-                } else if d.rec.first_answer.is_some() {
+                } else if d.first_answered {
                     // Started, and still unknown: the host cannot read a process's GPU memory
                     // (no NVML, or GPUs declared in the host document).
                     "the engine's GPU footprint could not be read on this host; it is placed as needing the whole GPU: declare resources.gpu_memory".to_string()
@@ -159,7 +292,7 @@ pub(crate) fn deployment_view(d: &Dep, config: &LifecycleConfig, inner: &Inner) 
                 },
             ),
         ],
-        spec: d.rec.doc.clone(),
+        spec: doc.clone(),
     }
 }
 
@@ -184,13 +317,17 @@ fn max_running_view(m: MaxRunning) -> MaxRunningView {
 }
 
 /// What CapyCTL passes or expects before the engine says (the deployment's figure).
-fn expected_max_running(d: &Dep, config: &LifecycleConfig, host: Option<&Host>) -> MaxRunning {
+fn expected_max_running(
+    spec: &InstanceSpec,
+    config: &LifecycleConfig,
+    host: Option<&Host>,
+) -> MaxRunning {
     let settings = host.map_or(&config.host_settings, |h| &h.settings);
     max_running(&MaxRunningInput {
-        engine: d.spec.engine,
-        declared: d.spec.max_concurrent_requests,
-        extra_args: &d.spec.extra_args,
-        host_command: &settings.engine(d.spec.engine).command,
+        engine: spec.engine,
+        declared: spec.max_concurrent_requests,
+        extra_args: &spec.extra_args,
+        host_command: &settings.engine(spec.engine).command,
         engine_reported: None,
         hybrid_checkpoint: false,
         sized_on_host: host.is_some_and(|h| h.remote),
@@ -223,20 +360,19 @@ pub(crate) fn sample_view(s: &LoadSample, now_ms: u64, ingress: u64) -> Option<S
 
 /// One deployment's load.
 pub(crate) fn load_view(
-    d: &Dep,
+    d: &DepShot,
     router: Option<&DeploymentLoad>,
-    config: &LifecycleConfig,
-    inner: &Inner,
+    cx: &Ctx<'_>,
     now_ms: u64,
 ) -> DeploymentLoadView {
-    let host = host_of(d, inner);
-    let expected = expected_max_running(d, config, host.map(|(_, h)| h));
+    let host = d.host(cx.hosts);
+    let expected = expected_max_running(&d.fixed.spec, cx.config, host.map(|(_, h)| &**h));
     let instance_mr = d.max_running.unwrap_or(expected);
     let router_in_flight = router
         .and_then(|r| {
             r.instances
                 .iter()
-                .find(|i| i.key.generation == d.rec.generation)
+                .find(|i| i.key.generation == d.generation)
         })
         .map_or(0, |i| i.router_in_flight as u64);
     let loaded = matches!(d.state, InstanceState::Ready | InstanceState::Closed);
@@ -247,8 +383,8 @@ pub(crate) fn load_view(
         None
     };
     DeploymentLoadView {
-        deployment_id: d.rec.id.clone(),
-        name: d.rec.doc.name.clone(),
+        deployment_id: d.fixed.id.clone(),
+        name: d.name().to_string(),
         router: RouterLoadView {
             in_flight: router.map_or(0, |r| r.in_flight as u64),
             in_flight_limit: router.map_or(
@@ -256,17 +392,18 @@ pub(crate) fn load_view(
                 |r| r.in_flight_limit as u64,
             ),
             waiting: router.map_or(0, |r| r.waiting as u64),
-            waiting_limit: router
-                .map_or(u64::from(config.waiting_limit), |r| r.waiting_limit as u64),
+            waiting_limit: router.map_or(u64::from(cx.config.waiting_limit), |r| {
+                r.waiting_limit as u64
+            }),
         },
         // The deployment's figure is what CapyCTL passed or expects; the instance's is the
         // engine's own where it said (SGLang).
         max_running: max_running_view(expected),
         instances: vec![InstanceLoadView {
             index: 0,
-            host_id: host.map_or_else(|| config.host_id.clone(), |(id, _)| id.clone()),
-            generation: d.rec.generation,
-            observed_state: shown_state(d),
+            host_id: host.map_or_else(|| cx.config.host_id.clone(), |(id, _)| id.clone()),
+            generation: d.generation,
+            observed_state: d.shown_state(),
             router_in_flight,
             max_running: max_running_view(instance_mr),
             sample,
@@ -274,30 +411,36 @@ pub(crate) fn load_view(
     }
 }
 
-/// A host's view.
-pub(crate) fn host_view(id: &str, host: &Host, inv: Option<&Inventory>, inner: &Inner) -> HostView {
-    let here = |d: &&Dep| d.host.as_deref() == Some(id);
-    // Loaded instances, and what parked engines still hold.
-    let used: u64 = inner
-        .deps
-        .values()
-        .filter(here)
-        .map(|d| {
-            if d.occupies() {
-                d.need(host.capacity)
+/// What a host's deployments hold, for its view (summed under the lock from the by-host index).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct HostUse {
+    /// GPU memory: loaded instances, and what parked engines still hold.
+    pub gpu: u64,
+    /// Host RAM: the copies of engines parked there.
+    pub parked_in_host_ram: u64,
+}
+
+impl HostUse {
+    /// What `deps`, the deployments on a host of `capacity` bytes, hold.
+    pub(crate) fn of<'a>(capacity: u64, deps: impl Iterator<Item = &'a Dep>) -> Self {
+        let mut used = HostUse::default();
+        for d in deps {
+            used.gpu += if d.occupies() {
+                d.need(capacity)
             } else {
                 d.parked_holds()
+            };
+            if d.state == InstanceState::Parked && d.tier == Some(ParkTier::HostRam) {
+                used.parked_in_host_ram += d.measurement.weights_bytes().unwrap_or(0);
             }
-        })
-        .sum();
-    let parked: u64 = inner
-        .deps
-        .values()
-        .filter(here)
-        .filter(|d| d.state == InstanceState::Parked && d.tier == Some(ParkTier::HostRam))
-        .map(|d| d.measurement.weights_bytes().unwrap_or(0))
-        .sum();
-    let mut left = used;
+        }
+        used
+    }
+}
+
+/// A host's view.
+pub(crate) fn host_view(id: &str, host: &Host, inv: Option<&Inventory>, used: HostUse) -> HostView {
+    let mut left = used.gpu;
     HostView {
         id: id.to_string(),
         gpus: inv
@@ -319,7 +462,7 @@ pub(crate) fn host_view(id: &str, host: &Host, inv: Option<&Inventory>, inner: &
             })
             .unwrap_or_default(),
         host_memory: inv.map_or(0, |i| i.host_memory.total_bytes),
-        host_memory_used: parked,
+        host_memory_used: used.parked_in_host_ram,
         activation: host.activation,
     }
 }

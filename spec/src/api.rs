@@ -83,7 +83,9 @@ pub struct DeploymentView {
     pub ready: String,
     /// REVISION: bumped by a re-deploy of a changed document.
     pub revision: u64,
-    /// HOSTS its instances run on.
+    /// HOSTS: the host its instance is bound to (running, parked, or on its way there); when it
+    /// is bound to none, the one host there is, and none (`-`) among several hosts (placement
+    /// chooses one when it starts).
     pub hosts: Vec<String>,
     /// `explicit` when the deployment or a host it may run on says so.
     pub activation: Activation,

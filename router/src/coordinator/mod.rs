@@ -6,11 +6,16 @@
 //! writes them. Everything reaches it as an event:
 //!
 //! - through the bounded inbox (senders await room): admissions, the lifecycle's
-//!   `instance_ready` / `instance_gone` / `deployment_refused` / `release`, load reads, and the
+//!   `instance_ready` / `instance_gone` / `deployment_refused` / `release` / `forget`, and the
 //!   results of the lifecycle futures it started (plan, execute, engine idle);
 //! - through the endings channel, which is sent to from `Drop` and so cannot await: a waiting
 //!   client that went away, a permit that ended. It is unbounded in type but not in use: each
 //!   request sends at most one ending, so it never holds more than the requests alive.
+//!
+//! The load read never goes through the inbox: after each event the task publishes the load of
+//! the deployments the event changed (`Loads`), and a read copies what is published, without a
+//! turn of the task (so no admission ever waits behind a read, however many deployments there
+//! are).
 //!
 //! The rules themselves are in `state` (pure functions over the state, behind an `Effects`
 //! trait); see `router/DESIGN.md` for the phases of a switch and how each rule maps to code.
@@ -21,8 +26,9 @@ pub mod testing;
 
 use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
 use std::time::Duration;
 
 use capyctl_spec::errors::ApiError;
@@ -64,7 +70,6 @@ const LANE_CREDITS: u64 = LANE_RETURNS - 1;
 /// is never read outside the task, and every decision of the task is made on exact counts: no
 /// lane is open while it decides.
 struct Lane {
-    deployment: DeploymentId,
     /// Generation (upper 32 bits) | `LANE_OPEN` | `LANE_RETURNS` | credits.
     word: AtomicU64,
     /// The instance the slots are on; replaced (with the next generation) when that changes.
@@ -73,9 +78,23 @@ struct Lane {
     last_start: AtomicU64,
     /// The latest end given back to the lane, in nanoseconds since `Lanes::base`.
     last_end: AtomicU64,
+    /// The slots lent when the lane was last opened (for the load read: the slots taken since
+    /// are this less the credits left).
+    lent: AtomicU64,
 }
 
 impl Lane {
+    /// Requests started through the lane less those ended through it, since it was opened (the
+    /// owner has not counted them yet); 0 while it is closed.
+    fn net(&self) -> i64 {
+        let word = self.word.load(Ordering::SeqCst);
+        if word & LANE_OPEN == 0 {
+            return 0;
+        }
+        let lent = self.lent.load(Ordering::SeqCst);
+        i64::try_from(lent).unwrap_or(i64::MAX) - i64::try_from(word & LANE_CREDITS).unwrap_or(0)
+    }
+
     /// Gives back a slot taken under `generation`: true if the lane took it (open, returns
     /// allowed, same binding), false if the end must go to the owner as an event.
     fn give_back(&self, generation: u32, base: Instant) -> bool {
@@ -171,6 +190,162 @@ struct Lent {
     credits: u64,
 }
 
+/// Shards of [`Loads`]: a read holds one shard's lock only to copy its cells' `Arc`s, and the
+/// owner one shard's to add or drop a cell.
+const LOAD_SHARDS: usize = 16;
+
+/// The load of every deployment the router knows, as the owner published it after its last
+/// event that changed it: the load read copies it without a turn of the task.
+///
+/// NB (an exact read without the owner): between two events the requests that took and gave
+/// back lent slots are counted by their lane, not the owner (see `Lane`); a read adds the lane's
+/// count to the published load. The owner changes the two together (it takes a lane back, and
+/// publishes the load that now counts its requests) only between two bumps of the cell's
+/// `seq` (odd meanwhile), within one synchronous turn; a read that sees `seq` odd, or changed
+/// across its copy, copies again (a seqlock). The owner never waits for a read: a read holds a
+/// cell's mutex only to clone one deployment's load.
+struct Loads {
+    shards: Vec<RwLock<HashMap<DeploymentId, Arc<LoadCell>, FastHash>>>,
+    hasher: FastHash,
+}
+
+/// One deployment's published load.
+struct LoadCell {
+    /// Even: settled; odd: the owner is changing the load and the lane's count together.
+    seq: AtomicU64,
+    /// As of the owner's last event that changed it (shared with reads that need no copy).
+    load: Mutex<Arc<DeploymentLoad>>,
+    /// Its lane, once it has one.
+    lane: OnceLock<Arc<Lane>>,
+}
+
+impl Loads {
+    fn new() -> Self {
+        Loads {
+            shards: (0..LOAD_SHARDS)
+                .map(|_| RwLock::new(HashMap::default()))
+                .collect(),
+            hasher: FastHash::default(),
+        }
+    }
+
+    fn shard(&self, deployment: &str) -> &RwLock<HashMap<DeploymentId, Arc<LoadCell>, FastHash>> {
+        let i = usize::try_from(self.hasher.hash_one(deployment) % LOAD_SHARDS as u64).unwrap_or(0);
+        &self.shards[i]
+    }
+
+    fn cell(&self, deployment: &str) -> Option<Arc<LoadCell>> {
+        let shard = self
+            .shard(deployment)
+            .read()
+            .unwrap_or_else(PoisonError::into_inner);
+        shard.get(deployment).cloned()
+    }
+
+    fn insert(&self, deployment: DeploymentId, cell: Arc<LoadCell>) {
+        let mut shard = self
+            .shard(&deployment)
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        shard.insert(deployment, cell);
+    }
+
+    fn remove(&self, deployment: &str) {
+        let mut shard = self
+            .shard(deployment)
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        shard.remove(deployment);
+    }
+
+    fn clear(&self) {
+        for shard in &self.shards {
+            shard
+                .write()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clear();
+        }
+    }
+
+    /// Every deployment's load, by deployment ID.
+    fn all(&self) -> Vec<DeploymentLoad> {
+        let mut cells: Vec<Arc<LoadCell>> = Vec::new();
+        for shard in &self.shards {
+            let shard = shard.read().unwrap_or_else(PoisonError::into_inner);
+            cells.extend(shard.values().cloned());
+        }
+        let mut loads: Vec<DeploymentLoad> = cells
+            .iter()
+            .map(|c| Arc::unwrap_or_clone(c.read()))
+            .collect();
+        loads.sort_by(|a, b| a.deployment_id.cmp(&b.deployment_id));
+        loads
+    }
+}
+
+impl LoadCell {
+    fn new(load: DeploymentLoad) -> Self {
+        LoadCell {
+            seq: AtomicU64::new(0),
+            load: Mutex::new(Arc::new(load)),
+            lane: OnceLock::new(),
+        }
+    }
+
+    /// The load now: the published one, with the requests its lane counts (see [`Loads`]);
+    /// shared, unless lent slots are in use now.
+    fn read(&self) -> Arc<DeploymentLoad> {
+        let mut spins = 0u32;
+        loop {
+            let before = self.seq.load(Ordering::SeqCst);
+            if before & 1 == 0 {
+                let mut load =
+                    Arc::clone(&self.load.lock().unwrap_or_else(PoisonError::into_inner));
+                let net = self.lane.get().map_or(0, |lane| lane.net());
+                if self.seq.load(Ordering::SeqCst) == before {
+                    if net != 0 {
+                        let load = Arc::make_mut(&mut load);
+                        let add = |n: usize| {
+                            let m = usize::try_from(net.unsigned_abs()).unwrap_or(usize::MAX);
+                            if net > 0 {
+                                n.saturating_add(m)
+                            } else {
+                                n.saturating_sub(m)
+                            }
+                        };
+                        load.in_flight = add(load.in_flight);
+                        // A lane is open only on a deployment's one instance.
+                        if let [only] = load.instances.as_mut_slice() {
+                            only.router_in_flight = add(only.router_in_flight);
+                        }
+                    }
+                    return load;
+                }
+            }
+            // The owner is within one synchronous turn: copy again.
+            spins += 1;
+            if spins.is_multiple_of(64) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// The owner begins changing it (`seq` odd), once per turn: noted in `begun`.
+    fn begin(self: &Arc<Self>, begun: &mut Vec<Arc<LoadCell>>) {
+        if self.seq.load(Ordering::Relaxed) & 1 == 0 {
+            self.seq.fetch_add(1, Ordering::SeqCst);
+            begun.push(Arc::clone(self));
+        }
+    }
+
+    /// The owner is done changing it (`seq` even).
+    fn end(&self) {
+        self.seq.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
 /// What a lifecycle-initiated release answers: the drained instances with how their requests
 /// ended, or `DrainTimeout` (they serve again).
 pub type ReleaseResult = Result<Vec<(InstanceKey, DrainReport)>, ApiError>;
@@ -218,11 +393,15 @@ impl Coordinator {
             by_deployment: RwLock::new(HashMap::default()),
             base: Instant::now(),
         });
+        let loads = Arc::new(Loads::new());
         let driver = Driver {
             state: State::new(config.clone()),
             lanes: Arc::clone(&lanes),
             lane_of: HashMap::new(),
-            lent: Vec::new(),
+            lent: HashMap::new(),
+            loads: Arc::clone(&loads),
+            cell_of: HashMap::new(),
+            begun: Vec::new(),
             fx: TaskEffects {
                 plan_timeout: config.drain_timeout,
                 execute_timeout: config.execute_timeout,
@@ -242,6 +421,7 @@ impl Coordinator {
             lifecycle,
             next_ticket: Arc::new(AtomicU64::new(0)),
             lanes,
+            loads,
         }
     }
 }
@@ -260,6 +440,8 @@ pub struct CoordinatorHandle {
     next_ticket: Arc<AtomicU64>,
     /// Slots the coordinator lends between its events.
     lanes: Arc<Lanes>,
+    /// The load the coordinator publishes after its events.
+    loads: Arc<Loads>,
 }
 
 impl std::fmt::Debug for CoordinatorHandle {
@@ -286,12 +468,33 @@ impl CoordinatorHandle {
         self.send(Command::Refused { deployment, error }).await;
     }
 
-    /// The router half of the load read: every deployment the router has seen. Empty when the
-    /// coordinator has stopped.
+    /// The router half of the load read: every deployment the router knows, by ID. Empty when
+    /// the coordinator has stopped. A copy of what the coordinator published after its last
+    /// event (with the requests on lent slots since): it takes no turn of its task, so no
+    /// admission waits behind it.
     pub async fn load(&self) -> Vec<DeploymentLoad> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Command::Load { reply }).await;
-        rx.await.unwrap_or_default()
+        self.loads.all()
+    }
+
+    /// The router half of the load read of one deployment (see [`CoordinatorHandle::load`]);
+    /// `None` when the router does not know it (nothing ever waited for it or ran on it, or
+    /// it was forgotten).
+    pub async fn load_of(&self, deployment: &str) -> Option<DeploymentLoad> {
+        self.load_shared(deployment).map(Arc::unwrap_or_clone)
+    }
+
+    /// [`CoordinatorHandle::load_of`], shared: the published load itself (no copy) unless lent
+    /// slots of the deployment are in use now. For reads of many deployments (the lifecycle's
+    /// load read looks each of its deployments up).
+    pub fn load_shared(&self, deployment: &str) -> Option<Arc<DeploymentLoad>> {
+        self.loads.cell(deployment).map(|cell| cell.read())
+    }
+
+    /// The lifecycle deleted `deployment`: its waiting requests fail (`not_found`), a switch
+    /// to it that has not begun executing is given up, and its entry (load, counters) goes
+    /// once nothing is charged to it any more.
+    pub async fn forget(&self, deployment: DeploymentId) {
+        self.send(Command::Forget(deployment)).await;
     }
 
     /// For releases the lifecycle starts itself (operator park or stop, `start --evict`, idle
@@ -495,9 +698,7 @@ enum Command {
         deployment: DeploymentId,
         error: ApiError,
     },
-    Load {
-        reply: oneshot::Sender<Vec<DeploymentLoad>>,
-    },
+    Forget(DeploymentId),
     Release {
         victims: Vec<InstanceKey>,
         reply: oneshot::Sender<ReleaseResult>,
@@ -534,8 +735,14 @@ struct Driver {
     lanes: Arc<Lanes>,
     /// The same lanes, for the task.
     lane_of: HashMap<DeploymentId, Arc<Lane>>,
-    /// The lanes open now (between two events).
-    lent: Vec<Lent>,
+    /// The lanes open now, by deployment.
+    lent: HashMap<DeploymentId, Lent>,
+    /// Shared with the handles.
+    loads: Arc<Loads>,
+    /// The same cells, for the task.
+    cell_of: HashMap<DeploymentId, Arc<LoadCell>>,
+    /// The cells being changed in this turn (`seq` odd until the turn ends).
+    begun: Vec<Arc<LoadCell>>,
     /// Replies and lifecycle calls.
     fx: TaskEffects,
     /// Release numbers.
@@ -561,10 +768,11 @@ impl Driver {
                 }
                 armed = next;
             }
+            let returned = self.state.returns();
+            let began = nanos_since(self.lanes.base, Instant::now());
             tokio::select! {
                 biased;
                 Some(ending) = endings.recv() => {
-                    self.reclaim();
                     self.on_ending(ending);
                     // Every ending already there, before anything else (as `biased` would).
                     while let Ok(ending) = endings.try_recv() {
@@ -572,32 +780,115 @@ impl Driver {
                     }
                 }
                 command = inbox.recv() => match command {
-                    Some(command) => {
-                        self.reclaim();
-                        self.on_command(command);
-                    }
+                    Some(command) => self.on_command(command),
                     None => break,
                 },
                 () = &mut timer, if armed.is_some() => {
                     armed = None;
-                    self.reclaim();
+                    self.reclaim_watched();
                     self.state.tick(Instant::now(), &mut self.fx);
                 }
             }
-            self.lend();
+            if returned && !self.state.returns() {
+                // A deployment is blocked `Later` now: no slot may go back without the owner
+                // hearing of it (see `State::returns`), so every lane is lent again without.
+                let all: Vec<DeploymentId> = self.lent.keys().cloned().collect();
+                let last_end = self.reclaim(&all);
+                if last_end > began {
+                    // A request ended on a lane while this turn decided: it is heard now.
+                    self.state.lent_ended(Instant::now(), &mut self.fx);
+                }
+            }
+            self.publish();
+            for cell in self.begun.drain(..) {
+                cell.end();
+            }
         }
-        self.reclaim();
+        let all: Vec<DeploymentId> = self.lent.keys().cloned().collect();
+        self.reclaim(&all);
+        for cell in self.begun.drain(..) {
+            cell.end();
+        }
     }
 
-    /// Closes every open lane and charges the slots taken from it and given back to it as
-    /// started and ended requests.
-    fn reclaim(&mut self) {
+    /// Publishes the load of the deployments this turn changed (and drops the cells of those
+    /// whose entry went, with their lanes), and lends the free slots of those that may lend.
+    fn publish(&mut self) {
+        for (id, load) in self.state.take_changed() {
+            match (load, self.cell_of.get(&id)) {
+                (Some(load), Some(cell)) => {
+                    cell.begin(&mut self.begun);
+                    *cell.load.lock().unwrap_or_else(PoisonError::into_inner) = Arc::new(load);
+                }
+                (Some(load), None) => {
+                    let cell = Arc::new(LoadCell::new(load));
+                    if let Some(lane) = self.lane_of.get(&id) {
+                        let _ = cell.lane.set(Arc::clone(lane));
+                    }
+                    self.loads.insert(id.clone(), Arc::clone(&cell));
+                    self.cell_of.insert(id.clone(), cell);
+                }
+                (None, _) => {
+                    if self.cell_of.remove(&id).is_some() {
+                        self.loads.remove(&id);
+                    }
+                    if self.lane_of.remove(&id).is_some()
+                        && let Ok(mut shared) = self.lanes.by_deployment.write()
+                    {
+                        shared.remove(&id);
+                    }
+                    continue;
+                }
+            }
+            self.lend(&id);
+        }
+    }
+
+    /// Takes back, before an event, the lanes of the deployments whose counts it may read or
+    /// change: those it names, and those the rules read at any event ([`State::watched`]).
+    ///
+    /// NB (why not every lane): no rule reads another deployment's counts, so a lane of a
+    /// deployment an event does not concern stays open through it (its requests are counted
+    /// when its own next event, or a read of the load, comes); an event costs the lanes it
+    /// concerns, not one per ready deployment.
+    fn reclaim_for<'a>(&mut self, named: impl IntoIterator<Item = &'a DeploymentId>) {
         if self.lent.is_empty() {
             return;
         }
+        let mut ids: Vec<DeploymentId> = named
+            .into_iter()
+            .filter(|id| self.lent.contains_key(*id))
+            .cloned()
+            .collect();
+        ids.extend(
+            self.state
+                .watched()
+                .filter(|id| self.lent.contains_key(*id))
+                .cloned(),
+        );
+        self.reclaim(&ids);
+    }
+
+    /// [`Driver::reclaim_for`] an event that names no deployment (a timer).
+    fn reclaim_watched(&mut self) {
+        self.reclaim_for(std::iter::empty());
+    }
+
+    /// Closes the lanes of `ids` that are open and charges the slots taken from them and given
+    /// back to them as started and ended requests. The latest end given back to one of them
+    /// (nanoseconds since `Lanes::base`; 0 for none).
+    fn reclaim(&mut self, ids: &[DeploymentId]) -> u64 {
         let now = Instant::now();
         let base = self.lanes.base;
-        for lent in self.lent.drain(..) {
+        let mut last_end = 0;
+        for id in ids {
+            let Some(lent) = self.lent.remove(id) else {
+                continue;
+            };
+            // The lane's count moves into the state: readers of its load copy again meanwhile.
+            if let Some(cell) = self.cell_of.get(id) {
+                cell.begin(&mut self.begun);
+            }
             let word = lent
                 .lane
                 .word
@@ -607,75 +898,89 @@ impl Driver {
             // an instant can repeat under a paused clock, so "it moved" cannot be told apart).
             let net = i64::try_from(lent.credits).unwrap_or(i64::MAX)
                 - i64::try_from(left).unwrap_or(i64::MAX);
-            let nanos = lent
-                .lane
-                .last_start
-                .load(Ordering::Relaxed)
-                .max(lent.lane.last_end.load(Ordering::Acquire));
+            let ended = lent.lane.last_end.load(Ordering::Acquire);
+            last_end = last_end.max(ended);
+            let nanos = lent.lane.last_start.load(Ordering::Relaxed).max(ended);
             let last = (base + Duration::from_nanos(nanos)).min(now);
-            self.state
-                .lent_settled(&lent.lane.deployment, lent.serial, net, last);
+            self.state.lent_settled(id, lent.serial, net, last);
         }
+        last_end
     }
 
-    /// Opens a lane for every deployment whose free slots may be lent.
-    fn lend(&mut self) {
-        let lanes = &self.lanes;
-        let lane_of = &mut self.lane_of;
-        let lent = &mut self.lent;
-        self.state.each_lendable(|upstream, serial, free, returns| {
-            let lane = match lane_of.get(&upstream.key.deployment) {
-                Some(lane) => Arc::clone(lane),
-                None => {
-                    let lane = Arc::new(Lane {
-                        deployment: upstream.key.deployment.clone(),
-                        word: AtomicU64::new(0),
-                        grant: Mutex::new(Arc::new(LaneGrant {
-                            generation: 0,
-                            upstream: Arc::clone(upstream),
-                            serial,
-                        })),
-                        last_start: AtomicU64::new(0),
-                        last_end: AtomicU64::new(0),
-                    });
-                    lane_of.insert(lane.deployment.clone(), Arc::clone(&lane));
-                    if let Ok(mut shared) = lanes.by_deployment.write() {
-                        shared.insert(lane.deployment.clone(), Arc::clone(&lane));
-                    }
-                    lane
-                }
-            };
-            let generation = {
-                let mut grant = match lane.grant.lock() {
-                    Ok(g) => g,
-                    Err(poisoned) => poisoned.into_inner(),
-                };
-                if grant.serial != serial || !Arc::ptr_eq(&grant.upstream, upstream) {
-                    *grant = Arc::new(LaneGrant {
-                        generation: grant.generation.wrapping_add(1),
+    /// Opens `deployment`'s lane if its free slots may be lent and it is not open already.
+    fn lend(&mut self, deployment: &DeploymentId) {
+        if self.lent.contains_key(deployment) {
+            return;
+        }
+        let returns = self.state.returns();
+        let Some((upstream, serial, free)) = self.state.lendable(deployment) else {
+            return;
+        };
+        let lane = match self.lane_of.get(deployment) {
+            Some(lane) => Arc::clone(lane),
+            None => {
+                let lane = Arc::new(Lane {
+                    word: AtomicU64::new(0),
+                    grant: Mutex::new(Arc::new(LaneGrant {
+                        generation: 0,
                         upstream: Arc::clone(upstream),
                         serial,
-                    });
+                    })),
+                    last_start: AtomicU64::new(0),
+                    last_end: AtomicU64::new(0),
+                    lent: AtomicU64::new(0),
+                });
+                self.lane_of.insert(deployment.clone(), Arc::clone(&lane));
+                if let Some(cell) = self.cell_of.get(deployment) {
+                    let _ = cell.lane.set(Arc::clone(&lane));
                 }
-                grant.generation
+                if let Ok(mut shared) = self.lanes.by_deployment.write() {
+                    shared.insert(deployment.clone(), Arc::clone(&lane));
+                }
+                lane
+            }
+        };
+        let generation = {
+            let mut grant = match lane.grant.lock() {
+                Ok(g) => g,
+                Err(poisoned) => poisoned.into_inner(),
             };
-            let credits = u64::try_from(free)
-                .unwrap_or(LANE_CREDITS)
-                .min(LANE_CREDITS);
-            let returns = if returns { LANE_RETURNS } else { 0 };
-            lane.word.store(
-                (u64::from(generation) << 32) | LANE_OPEN | returns | credits,
-                Ordering::Release,
-            );
-            lent.push(Lent {
+            if grant.serial != serial || !Arc::ptr_eq(&grant.upstream, upstream) {
+                *grant = Arc::new(LaneGrant {
+                    generation: grant.generation.wrapping_add(1),
+                    upstream: Arc::clone(upstream),
+                    serial,
+                });
+            }
+            grant.generation
+        };
+        let credits = u64::try_from(free)
+            .unwrap_or(LANE_CREDITS)
+            .min(LANE_CREDITS);
+        let returns = if returns { LANE_RETURNS } else { 0 };
+        lane.lent.store(credits, Ordering::SeqCst);
+        lane.word.store(
+            (u64::from(generation) << 32) | LANE_OPEN | returns | credits,
+            Ordering::SeqCst,
+        );
+        self.lent.insert(
+            deployment.clone(),
+            Lent {
                 lane,
                 serial,
                 credits,
-            });
-        });
+            },
+        );
     }
 
     fn on_ending(&mut self, ending: Ending) {
+        match &ending {
+            Ending::Cancel(ticket) => {
+                let waits_for = self.state.waits_for(*ticket).cloned();
+                self.reclaim_for(waits_for.as_ref());
+            }
+            Ending::Finished(f) => self.reclaim_for([&f.key.deployment]),
+        }
         let now = Instant::now();
         match ending {
             Ending::Cancel(ticket) => {
@@ -687,6 +992,28 @@ impl Driver {
     }
 
     fn on_command(&mut self, command: Command) {
+        match &command {
+            Command::Admit { request, .. } => self.reclaim_for([&request.deployment]),
+            Command::InstanceReady(up) => self.reclaim_for([&up.key.deployment]),
+            Command::InstanceGone(key) => self.reclaim_for([&key.deployment]),
+            Command::Refused { deployment, .. } | Command::Forget(deployment) => {
+                self.reclaim_for([deployment]);
+            }
+            Command::Release { victims, .. } => {
+                let named: Vec<DeploymentId> =
+                    victims.iter().map(|k| k.deployment.clone()).collect();
+                self.reclaim_for(&named);
+            }
+            Command::PlanDone { result, .. } => {
+                let named: Vec<DeploymentId> = self.state.named_by_plan(result).cloned().collect();
+                self.reclaim_for(&named);
+            }
+            Command::ExecuteDone { seq, .. } => {
+                let named: Vec<DeploymentId> = self.state.targets_of(*seq).cloned().collect();
+                self.reclaim_for(&named);
+            }
+            Command::EngineIdle { key, .. } => self.reclaim_for([&key.deployment]),
+        }
         let now = Instant::now();
         let fx = &mut self.fx;
         match command {
@@ -703,9 +1030,7 @@ impl Driver {
             Command::Refused { deployment, error } => {
                 self.state.deployment_refused(now, &deployment, error, fx)
             }
-            Command::Load { reply } => {
-                let _ = reply.send(self.state.load());
-            }
+            Command::Forget(deployment) => self.state.forget_deployment(now, &deployment, fx),
             Command::Release { victims, reply } => {
                 let id = self.next_release;
                 self.next_release += 1;
@@ -725,11 +1050,13 @@ impl Drop for Driver {
     /// A task that stops (its runtime shut down) lends nothing any more: handles then go to
     /// the closed inbox and answer `DispatchClosed`.
     fn drop(&mut self) {
-        for lent in &self.lent {
+        for lent in self.lent.values() {
             lent.lane
                 .word
                 .fetch_and(!(LANE_OPEN | LANE_RETURNS | LANE_CREDITS), Ordering::AcqRel);
         }
+        // The load read of a stopped coordinator is empty.
+        self.loads.clear();
     }
 }
 

@@ -162,10 +162,11 @@ struct Dep {
     /// No-wait mode: a refused request asked for its wake or start at this instant (a wave of
     /// zero).
     wanted_since: Option<Instant>,
-    /// Why it is not planned now.
-    blocked: Option<Blocked>,
     /// Since when it has had an open instance without a break (`None`: it has none).
     servable_since: Option<Instant>,
+    /// Its deployment is gone (deleted, or unknown to the lifecycle): the entry is dropped as
+    /// soon as nothing is charged to it or waits for it ([`State::forget_deployment`]).
+    forget: bool,
 }
 
 impl Dep {
@@ -201,6 +202,36 @@ impl Dep {
             .filter(|(_, i)| i.open)
             .min_by_key(|(_, i)| i.in_flight)
             .map(|(k, _)| k.clone())
+    }
+
+    /// Nothing is charged to it, waits for it or runs for it here: dropping the entry loses
+    /// nothing (but a switch, a bring-up or a release may still name it: see
+    /// [`State::droppable`]).
+    fn holds_nothing(&self) -> bool {
+        self.instances.is_empty()
+            && self.in_flight == 0
+            && self.queue.is_empty()
+            && self.wanted_since.is_none()
+    }
+
+    /// The router half of its load read.
+    fn load(&self, id: &DeploymentId, config: &RouterConfig) -> DeploymentLoad {
+        DeploymentLoad {
+            deployment_id: id.clone(),
+            in_flight: self.in_flight,
+            in_flight_limit: config.in_flight_per_deployment,
+            waiting: self.queue.len(),
+            waiting_limit: config.max_pending_per_deployment,
+            instances: self
+                .instances
+                .iter()
+                .map(|(k, i)| InstanceLoad {
+                    key: k.clone(),
+                    router_in_flight: i.in_flight,
+                    open: i.open,
+                })
+                .collect(),
+        }
     }
 
     /// When its demand began: its oldest waiter, or its no-wait wish.
@@ -278,10 +309,46 @@ struct Release {
     drain: Drain,
 }
 
+/// The router's deployments, noting which ones each event changed, so that only their load is
+/// published again after it (see `Loads` in `mod.rs`).
+///
+/// NB: every change goes through [`Deps::get_mut`] or [`Deps::entry`], which note it.
+#[derive(Debug, Default)]
+struct Deps {
+    map: BTreeMap<DeploymentId, Dep>,
+    /// Changed since the last [`State::take_changed`].
+    changed: BTreeSet<DeploymentId>,
+}
+
+impl Deps {
+    fn note(&mut self, id: &str) {
+        if !self.changed.contains(id) {
+            self.changed.insert(id.to_string());
+        }
+    }
+
+    fn get(&self, id: &str) -> Option<&Dep> {
+        self.map.get(id)
+    }
+
+    fn get_mut(&mut self, id: &str) -> Option<&mut Dep> {
+        if self.map.contains_key(id) {
+            self.note(id);
+        }
+        self.map.get_mut(id)
+    }
+
+    /// Its entry, made empty where there is none.
+    fn entry(&mut self, id: &DeploymentId) -> &mut Dep {
+        self.note(id);
+        self.map.entry(id.clone()).or_default()
+    }
+}
+
 /// All routing state. Owned by the coordinator's task alone.
 pub(crate) struct State {
     config: RouterConfig,
-    deployments: BTreeMap<DeploymentId, Dep>,
+    deployments: Deps,
     /// Which deployment each waiting ticket waits for.
     waiting: HashMap<Ticket, DeploymentId>,
     /// Waiting requests over all deployments.
@@ -289,6 +356,11 @@ pub(crate) struct State {
     /// Waiting requests by deadline.
     deadlines: BTreeSet<(Instant, Ticket)>,
     switch: Option<Switch>,
+    /// Why deployments are not planned now (see [`Blocked`]).
+    blocked: BTreeMap<DeploymentId, Blocked>,
+    /// The deployments with demand (waiters, or a no-wait wish): the candidates of the next
+    /// switch. Kept from the deployments each event changes ([`State::note_demand`]).
+    demand: BTreeSet<DeploymentId>,
     /// Bring-ups (plans without victims) being executed, by switch number: their targets.
     /// They do not hold the switch slot (see `plan_done`).
     bring_ups: BTreeMap<SwitchSeq, DeploymentId>,
@@ -324,11 +396,13 @@ impl State {
     pub(crate) fn new(config: RouterConfig) -> Self {
         State {
             config,
-            deployments: BTreeMap::new(),
+            deployments: Deps::default(),
             waiting: HashMap::new(),
             waiting_total: 0,
             deadlines: BTreeSet::new(),
             switch: None,
+            blocked: BTreeMap::new(),
+            demand: BTreeSet::new(),
             bring_ups: BTreeMap::new(),
             next_seq: 0,
             releases: BTreeMap::new(),
@@ -342,7 +416,7 @@ impl State {
     pub(crate) fn admit(&mut self, now: Instant, req: AdmitRequest, fx: &mut impl Effects) {
         let limit = self.config.in_flight_per_deployment;
         let no_wait = self.config.no_wait();
-        let dep = self.deployments.entry(req.deployment.clone()).or_default();
+        let dep = self.deployments.entry(&req.deployment);
         if dep.has_open() {
             if dep.queue.is_empty() && dep.in_flight < limit {
                 self.grant_now(now, &req.deployment, req.ticket, Duration::ZERO, fx);
@@ -370,6 +444,10 @@ impl State {
                 },
             );
         } else if let Err(e) = fx.admissible(&req.deployment) {
+            if matches!(e, ApiError::NotFound { .. }) {
+                // A deployment the lifecycle does not know (deleted meanwhile): no entry.
+                dep.forget = true;
+            }
             fx.refuse(req.ticket, e);
         } else if no_wait {
             // A wave of zero: refuse now, but ask for the wake or start all the same.
@@ -388,37 +466,76 @@ impl State {
         self.settle(now, fx);
     }
 
-    /// Every deployment whose free slots may be lent to the handles (see `Lane` in `mod.rs`):
-    /// exactly one instance, open, nobody waiting, and fewer than the bound in flight. `f` gets
-    /// the instance, its entry's serial, the free slots, and whether a request that took a lent
-    /// slot may give it back to the lane when it ends (without telling the owner). A request
-    /// taking a lent slot is what `admit` would do at once (`grant_now`), ahead of time.
+    /// Whether `deployment`'s free slots may be lent to the handles (see `Lane` in `mod.rs`):
+    /// exactly one instance, open, nobody waiting, and fewer than the bound in flight. Its
+    /// instance, its entry's serial and the free slots. A request taking a lent slot is what
+    /// `admit` would do at once (`grant_now`), ahead of time.
+    pub(crate) fn lendable(&self, deployment: &str) -> Option<(&Arc<Upstream>, u64, usize)> {
+        let limit = self.config.in_flight_per_deployment;
+        let dep = self.deployments.get(deployment)?;
+        if !dep.queue.is_empty() || dep.in_flight >= limit || dep.instances.len() != 1 {
+            return None;
+        }
+        let inst = dep.instances.values().next().filter(|i| i.open)?;
+        Some((&inst.upstream, inst.serial, limit - dep.in_flight))
+    }
+
+    /// Whether a request that took a lent slot may give it back to the lane when it ends
+    /// (without telling the owner).
     ///
     /// NB (when a slot may go back without an event): [`State::finished`] of a request that
     /// was not cut changes only counts and `last_activity`, which the owner takes from the lane
-    /// before its next event ([`State::lent_settled`]), with three exceptions, none of which
-    /// applies to a lent slot's end: it hands the slot to a waiter (a lane is open only while
-    /// nobody waits), it moves a drain on (a draining instance is closed, so it has no lane),
-    /// and it lets deployments whose plan said `Later` plan again. That last one is why a
-    /// slot may go back only while no deployment is blocked `Later`. (A finish during an
+    /// before an event that reads them ([`State::lent_settled`]), with three exceptions, none
+    /// of which applies to a lent slot's end: it hands the slot to a waiter (a lane is open
+    /// only while nobody waits), it moves a drain on (a draining instance is closed, so it has
+    /// no lane), and it lets deployments whose plan said `Later` plan again. That last one is
+    /// why a slot may go back only while no deployment is blocked `Later`. (A finish during an
     /// admission window moves nothing either: a request that ran at or after the switch's
     /// start already holds the window open to its full length, see [`window_closes_at`].)
-    pub(crate) fn each_lendable(&self, mut f: impl FnMut(&Arc<Upstream>, u64, usize, bool)) {
-        let limit = self.config.in_flight_per_deployment;
-        let returns = !self
-            .deployments
-            .values()
-            .any(|d| d.blocked == Some(Blocked::Later));
-        for dep in self.deployments.values() {
-            if !dep.queue.is_empty() || dep.in_flight >= limit || dep.instances.len() != 1 {
-                continue;
-            }
-            if let Some(inst) = dep.instances.values().next()
-                && inst.open
-            {
-                f(&inst.upstream, inst.serial, limit - dep.in_flight, returns);
-            }
-        }
+    pub(crate) fn returns(&self) -> bool {
+        !self.blocked.values().any(|b| *b == Blocked::Later)
+    }
+
+    /// The deployments whose counts the rules read at any event: the victims of the switch
+    /// in progress (its window and drain) and of the releases (their drains).
+    pub(crate) fn watched(&self) -> impl Iterator<Item = &DeploymentId> {
+        let switch = self.switch.iter().flat_map(|sw| match &sw.phase {
+            Phase::Window { victims, .. } => victims.as_slice(),
+            Phase::Draining { drain, .. } => drain.victims.as_slice(),
+            Phase::Planning | Phase::Executing => &[],
+        });
+        let releases = self.releases.values().flat_map(|r| r.drain.victims.iter());
+        switch.chain(releases).map(|k| &k.deployment)
+    }
+
+    /// The deployment whose queue `ticket` waits in.
+    pub(crate) fn waits_for(&self, ticket: Ticket) -> Option<&DeploymentId> {
+        self.waiting.get(&ticket)
+    }
+
+    /// The target of switch or bring-up `seq`, if it is in progress.
+    pub(crate) fn targets_of(&self, seq: SwitchSeq) -> impl Iterator<Item = &DeploymentId> {
+        let switch = self
+            .switch
+            .iter()
+            .filter(move |sw| sw.seq == seq)
+            .map(|sw| &sw.target);
+        switch.chain(self.bring_ups.get(&seq))
+    }
+
+    /// The deployments a plan's answer names: the switch's target and the plan's victims.
+    pub(crate) fn named_by_plan<'a>(
+        &'a self,
+        result: &'a Result<Plan, ApiError>,
+    ) -> impl Iterator<Item = &'a DeploymentId> {
+        let victims = match result {
+            Ok(Plan::Switch { victims, .. }) => victims.as_slice(),
+            _ => &[],
+        };
+        self.switch
+            .iter()
+            .map(|sw| &sw.target)
+            .chain(victims.iter().map(|k| &k.deployment))
     }
 
     /// While the instance entry `serial` of `deployment` lent its slots, `net` more requests
@@ -448,6 +565,14 @@ impl State {
             inst.in_flight = apply(inst.in_flight);
             inst.last_activity = inst.last_activity.max(last_activity);
         }
+    }
+
+    /// A request that had taken a lent slot gave it back while the owner decided the event
+    /// that blocked a deployment `Later` (its lane still took the end): as [`State::finished`]
+    /// would, the deployments blocked `Later` plan again.
+    pub(crate) fn lent_ended(&mut self, now: Instant, fx: &mut impl Effects) {
+        self.unblock(false);
+        self.settle(now, fx);
     }
 
     /// A waiting client went away: it gives up its own place only.
@@ -490,7 +615,8 @@ impl State {
     pub(crate) fn instance_ready(&mut self, now: Instant, up: Upstream, fx: &mut impl Effects) {
         let deployment = up.key.deployment.clone();
         let serial = self.next_serial;
-        let dep = self.deployments.entry(deployment.clone()).or_default();
+        let dep = self.deployments.entry(&deployment);
+        dep.forget = false;
         match dep.instances.get_mut(&up.key) {
             Some(inst) => inst.upstream = Arc::new(up),
             None => {
@@ -543,8 +669,8 @@ impl State {
         self.fail_waiters(deployment, &error, fx);
         if let Some(dep) = self.deployments.get_mut(deployment) {
             dep.wanted_since = None;
-            dep.blocked = None;
         }
+        self.blocked.remove(deployment);
         self.cancel_switch_to(now, deployment, fx);
         self.settle(now, fx);
     }
@@ -588,12 +714,12 @@ impl State {
                 // would otherwise plan each other in a loop).
                 if let Some(dep) = self.deployments.get_mut(&target) {
                     dep.wanted_since = None;
-                    dep.blocked = Some(Blocked::Coming);
+                    self.blocked.insert(target.clone(), Blocked::Coming);
                 }
             }
             Ok(Plan::Later) => {
-                if let Some(dep) = self.deployments.get_mut(&target) {
-                    dep.blocked = Some(Blocked::Later);
+                if self.deployments.get(&target).is_some() {
+                    self.blocked.insert(target.clone(), Blocked::Later);
                 }
             }
             Ok(Plan::BringUp { switch_id }) => {
@@ -681,7 +807,7 @@ impl State {
                     dep.wanted_since = None;
                     if !dep.has_open() {
                         // The lifecycle has not announced the instance yet.
-                        dep.blocked = Some(Blocked::Coming);
+                        self.blocked.insert(target.clone(), Blocked::Coming);
                     }
                 }
             }
@@ -773,25 +899,67 @@ impl State {
         next
     }
 
-    /// The load read: per deployment, in-flight and waiting requests with their bounds.
-    pub(crate) fn load(&self) -> Vec<DeploymentLoad> {
-        self.deployments
-            .iter()
-            .map(|(id, d)| DeploymentLoad {
-                deployment_id: id.clone(),
-                in_flight: d.in_flight,
-                in_flight_limit: self.config.in_flight_per_deployment,
-                waiting: d.queue.len(),
-                waiting_limit: self.config.max_pending_per_deployment,
-                instances: d
-                    .instances
-                    .iter()
-                    .map(|(k, i)| InstanceLoad {
-                        key: k.clone(),
-                        router_in_flight: i.in_flight,
-                        open: i.open,
-                    })
-                    .collect(),
+    /// The deployment's entry was deleted in the lifecycle (or is not known there): its
+    /// waiters fail, a switch to it that has not begun executing is given up, and its entry
+    /// (its load, its counters) goes once nothing is charged to it.
+    pub(crate) fn forget_deployment(
+        &mut self,
+        now: Instant,
+        deployment: &DeploymentId,
+        fx: &mut impl Effects,
+    ) {
+        let gone = ApiError::NotFound {
+            what: format!("deployment {deployment}"),
+        };
+        self.fail_waiters(deployment, &gone, fx);
+        if let Some(dep) = self.deployments.get_mut(deployment) {
+            dep.forget = true;
+            dep.wanted_since = None;
+        }
+        self.blocked.remove(deployment);
+        self.cancel_switch_to(now, deployment, fx);
+        self.settle(now, fx);
+    }
+
+    /// Whether the entry of `deployment` may be dropped: it is to be forgotten, it holds
+    /// nothing, and no switch, bring-up or release names it.
+    fn droppable(&self, deployment: &DeploymentId) -> bool {
+        let Some(dep) = self.deployments.get(deployment) else {
+            return false;
+        };
+        if !dep.forget || !dep.holds_nothing() {
+            return false;
+        }
+        let names = |keys: &[InstanceKey]| keys.iter().any(|k| &k.deployment == deployment);
+        let in_switch = self.switch.as_ref().is_some_and(|sw| {
+            sw.target == *deployment
+                || match &sw.phase {
+                    Phase::Window { victims, .. } => names(victims),
+                    Phase::Draining { drain, .. } => names(&drain.victims),
+                    Phase::Planning | Phase::Executing => false,
+                }
+        });
+        !in_switch
+            && !self.bring_ups.values().any(|t| t == deployment)
+            && !self.releases.values().any(|r| names(&r.drain.victims))
+    }
+
+    /// The deployments the events since the last call changed, each with its load now, or
+    /// `None` where its entry is gone (dropped here when it may be, see
+    /// [`State::forget_deployment`]).
+    pub(crate) fn take_changed(&mut self) -> Vec<(DeploymentId, Option<DeploymentLoad>)> {
+        self.note_demand();
+        let changed = std::mem::take(&mut self.deployments.changed);
+        changed
+            .into_iter()
+            .map(|id| {
+                if self.droppable(&id) {
+                    self.deployments.map.remove(&id);
+                    self.blocked.remove(&id);
+                    self.demand.remove(&id);
+                }
+                let load = self.deployments.get(&id).map(|d| d.load(&id, &self.config));
+                (id, load)
             })
             .collect()
     }
@@ -1200,20 +1368,27 @@ impl State {
         if self.switch.is_some() {
             return;
         }
+        self.note_demand();
+        // NB: only the deployments with demand are looked at, never every deployment.
         let next = self
-            .deployments
+            .demand
             .iter()
-            .filter(|(_, d)| d.blocked.is_none() && !d.has_open() && !d.has_closed())
+            .filter_map(|id| Some((id, self.deployments.get(id)?)))
+            .filter(|(id, d)| !self.blocked.contains_key(*id) && !d.has_open() && !d.has_closed())
             .filter(|(id, _)| !self.bring_ups.values().any(|t| t == *id))
             .filter_map(|(id, d)| d.waiting_since().map(|t| (t, id)))
             .min()
             .map(|(_, id)| id.clone());
         let Some(target) = next else { return };
         let mut protected: BTreeSet<DeploymentId> = self
-            .deployments
+            .demand
             .iter()
-            .filter(|(_, d)| !d.queue.is_empty())
-            .map(|(id, _)| id.clone())
+            .filter(|id| {
+                self.deployments
+                    .get(id)
+                    .is_some_and(|d| !d.queue.is_empty())
+            })
+            .cloned()
             .collect();
         protected.insert(target.clone());
         self.next_seq += 1;
@@ -1269,9 +1444,27 @@ impl State {
 
     /// Something changed: plan `Later` deployments again, and (`all`) `Coming` ones too.
     fn unblock(&mut self, all: bool) {
-        for d in self.deployments.values_mut() {
-            if d.blocked == Some(Blocked::Later) || all {
-                d.blocked = None;
+        if all {
+            self.blocked.clear();
+        } else {
+            self.blocked.retain(|_, b| *b != Blocked::Later);
+        }
+    }
+
+    /// Brings [`State::demand`] up to date with the deployments changed since the last
+    /// [`State::take_changed`] (every change of a queue or a no-wait wish is noted).
+    fn note_demand(&mut self) {
+        for id in &self.deployments.changed {
+            let wants = self
+                .deployments
+                .get(id)
+                .is_some_and(|d| !d.queue.is_empty() || d.wanted_since.is_some());
+            if wants {
+                if !self.demand.contains(id) {
+                    self.demand.insert(id.clone());
+                }
+            } else {
+                self.demand.remove(id);
             }
         }
     }

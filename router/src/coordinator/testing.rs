@@ -221,6 +221,11 @@ impl FakeLifecycle {
         }
     }
 
+    /// Deletes a deployment: `admissible` then answers `not_found` for it.
+    pub fn remove(&self, id: &str) {
+        self.lock().deployments.remove(id);
+    }
+
     /// Sets a deployment's state (e.g. `Coming` for an operator's start).
     pub fn set_state(&self, id: &str, state: FakeState) {
         if let Some(d) = self.lock().deployments.get_mut(id) {
