@@ -18,6 +18,8 @@
 //! - [`store`]: the lifecycle's records rebuilt from the CRs (a new leader's state);
 //! - [`watch`]: the namespaces whose `Deployment` objects are reconciled, and which object
 //!   serves a name several namespaces use;
+//! - [`args`]: `capyctl-operator`'s command line, and what turns it into the
+//!   [`operator::OperatorOptions`] the operator runs with (the binary parses and calls in);
 //! - [`operator`]: `capyctl-operator`'s assembly: election, management listener (which refuses
 //!   deploys and deletes: the `Deployment` objects say what is deployed), and while leading the
 //!   lifecycle, router and reconciler.
@@ -31,6 +33,7 @@
 //! its Lease, and get/list/watch on the cluster-scoped `hosts`. Every call is bounded
 //! ([`API_CALL_TIMEOUT`]) and observed ([`api_client`]).
 
+pub mod args;
 pub mod engines;
 pub mod events;
 pub mod leader;

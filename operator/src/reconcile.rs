@@ -9,14 +9,22 @@
 //! [`Reconciler::reconcile`] handles one CR (the controller calls it on every change, and
 //! every [`ReconcilerConfig::requeue`]):
 //!
-//! 1. deleted (a `deletionTimestamp`) with the finalizer [`FINALIZER`]: if it holds its name,
+//! The finalizer [`FINALIZER`] is kube-runtime's [`finalizer`] helper's: the reconcile runs
+//! inside it, as its `Apply` (a live object that has the finalizer) or its `Cleanup` (an
+//! object being deleted that still has it). It patches with JSON patches whose `test`
+//! operation guards the finalizers list (not the whole object), so a concurrent change of the
+//! list fails the patch (the controller retries) and a change of anything else does not.
+//!
+//! 1. deleted (a `deletionTimestamp`) with the finalizer (`Cleanup`): if it holds its name,
 //!    delete the deployment from the lifecycle through [`ManagementApi::delete`] (its engines
-//!    stop; an unknown name is fine); then remove the finalizer; Kubernetes then deletes the
-//!    object, and the name goes to the next object of that name, if any;
-//! 2. without the finalizer: add it first (a merge patch carrying the `resourceVersion` read,
-//!    so it never overwrites a concurrent change); a CR whose name another namespace's CR
-//!    holds is then refused (`Accepted=False`, reason `name_taken`, naming the holder, and a
-//!    `NameTaken` Warning) and nothing else happens;
+//!    stop; an unknown name is fine); then the helper removes the finalizer (an object gone
+//!    meanwhile is fine); Kubernetes then deletes the object, and the name goes to the next
+//!    object of that name, if any. A failed delete keeps the finalizer. Deleted without it,
+//!    nothing but forgetting the object;
+//! 2. without the finalizer: the helper adds it, and nothing else happens in that pass (the
+//!    patch is a change the controller sees: the next pass is the `Apply`). With it (`Apply`),
+//!    a CR whose name another namespace's CR holds is refused (`Accepted=False`, reason
+//!    `name_taken`, naming the holder, and a `NameTaken` Warning) and nothing else happens;
 //! 3. the spec as a deployment document ([`Deployment::to_document`], every rule of the
 //!    document): deployed through [`ManagementApi::deploy`], which changes nothing for the same
 //!    document and bumps the revision for a changed one, so a changed generation re-deploys; a
@@ -50,9 +58,9 @@ use capyctl_spec::errors::ApiError;
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::finalizer::{self, Event as Finalize, finalizer};
 use kube::runtime::watcher;
 use kube::{Api, Resource, ResourceExt};
 use tokio::sync::{mpsc, watch};
@@ -105,14 +113,48 @@ pub enum ReconcileError {
     /// The lifecycle failed a call that must succeed (a delete).
     #[error("lifecycle: {0}")]
     Lifecycle(#[source] ApiError),
+    /// The API server refused or failed the patch adding or removing the finalizer
+    /// [`FINALIZER`]: among others a failed `test` (the object's finalizers changed since it
+    /// was read), which the next pass retries on the object as it is now.
+    #[error("{action} the finalizer {FINALIZER}: {source}")]
+    Finalizer {
+        /// `adding` or `removing`.
+        action: &'static str,
+        /// The API server's error.
+        #[source]
+        source: kube::Error,
+    },
+    /// The finalizer helper could not patch the object at all (it has no name).
+    #[error("the finalizer {FINALIZER} cannot be kept on this object: {0}")]
+    Unpatchable(String),
+}
+
+impl From<finalizer::Error<ReconcileError>> for ReconcileError {
+    fn from(e: finalizer::Error<ReconcileError>) -> Self {
+        match e {
+            finalizer::Error::ApplyFailed(e) | finalizer::Error::CleanupFailed(e) => e,
+            finalizer::Error::AddFinalizer(source) => ReconcileError::Finalizer {
+                action: "adding",
+                source,
+            },
+            finalizer::Error::RemoveFinalizer(source) => ReconcileError::Finalizer {
+                action: "removing",
+                source,
+            },
+            other @ (finalizer::Error::UnnamedObject | finalizer::Error::InvalidFinalizer) => {
+                ReconcileError::Unpatchable(other.to_string())
+            }
+        }
+    }
 }
 
 impl ReconcileError {
     /// A short, stable label for metrics and logs.
     pub fn metric_label(&self) -> &'static str {
         match self {
-            ReconcileError::Kube(_) => "kube",
+            ReconcileError::Kube(_) | ReconcileError::Finalizer { .. } => "kube",
             ReconcileError::Lifecycle(e) => e.metric_label(),
+            ReconcileError::Unpatchable(_) => "unpatchable",
         }
     }
 }
@@ -364,21 +406,6 @@ impl std::fmt::Debug for Reconciler {
     }
 }
 
-fn has_finalizer(cr: &Deployment) -> bool {
-    cr.finalizers().iter().any(|f| f == FINALIZER)
-}
-
-/// The merge patch that sets `finalizers`, failing (409) when the object changed since
-/// `resource_version`.
-fn finalizers_patch(finalizers: Vec<String>, resource_version: Option<&str>) -> serde_json::Value {
-    serde_json::json!({
-        "metadata": {
-            "finalizers": finalizers,
-            "resourceVersion": resource_version,
-        }
-    })
-}
-
 impl Reconciler {
     /// A reconciler of the CRs behind `crs` (the operator's namespace) into `lifecycle`;
     /// [`Reconciler::with_watch`] makes it watch more namespaces.
@@ -576,52 +603,32 @@ impl Reconciler {
     }
 
     /// Reconciles one CR (see the module doc). `Ok` tells the controller when to look again.
-    pub async fn reconcile(&self, cr: &Deployment) -> Result<Action, ReconcileError> {
+    pub async fn reconcile(&self, cr: Arc<Deployment>) -> Result<Action, ReconcileError> {
         let name = cr.name_any();
-        let namespace = self.namespace_of(cr);
-        let crs = self.api(&namespace);
-        let reference = cr.object_ref(&());
-        let claim = self.claims.observe(cr);
+        let namespace = self.namespace_of(&cr);
+        let claim = self.claims.observe(&cr);
         if claim.changed {
             self.retrigger();
         }
         let holds = claim.holds(&namespace);
-        if cr.metadata.deletion_timestamp.is_some() {
-            if has_finalizer(cr) {
-                // Only the holder of the name is the lifecycle's deployment.
-                if holds {
-                    match self.lifecycle.delete(&name).await {
-                        Ok(_) => {
-                            self.publish(
-                                &reference,
-                                &Happening::normal(
-                                    "Deleted",
-                                    "Delete",
-                                    format!("deployment {name} deleted; its engines stopped"),
-                                ),
-                            )
-                            .await;
-                        }
-                        Err(ApiError::NotFound { .. } | ApiError::ModelNotFound { .. }) => {}
-                        Err(e) => return Err(ReconcileError::Lifecycle(e)),
-                    }
-                }
-                let rest: Vec<String> = cr
-                    .finalizers()
-                    .iter()
-                    .filter(|f| *f != FINALIZER)
-                    .cloned()
-                    .collect();
-                let patch = finalizers_patch(rest, cr.resource_version().as_deref());
-                match crs
-                    .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                    .await
-                {
-                    Ok(_) => {}
-                    Err(kube::Error::Api(s)) if s.is_not_found() => {}
-                    Err(e) => return Err(e.into()),
-                }
+        let deleting = cr.metadata.deletion_timestamp.is_some();
+        let done = finalizer(&self.api(&namespace), FINALIZER, cr, |event| async move {
+            match event {
+                Finalize::Apply(cr) => self.apply(&cr, holds, claim.holder).await,
+                Finalize::Cleanup(cr) => self.clean_up(&cr, holds).await,
             }
+        })
+        .await;
+        let action = match done {
+            Ok(action) => action,
+            // Gone between the cleanup and the finalizer's removal: nothing holds it any more.
+            Err(finalizer::Error::RemoveFinalizer(kube::Error::Api(s))) if s.is_not_found() => {
+                Action::await_change()
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if deleting {
+            // The finalizer is gone (or was never there): the object is as good as gone.
             if holds {
                 self.known().remove(&name);
                 self.told().remove(&name);
@@ -629,22 +636,53 @@ impl Reconciler {
             if self.claims.forget(&namespace, &name) {
                 self.retrigger();
             }
+        }
+        Ok(action)
+    }
+
+    /// The finalizer helper's `Cleanup` of a CR being deleted: only the holder of the name is
+    /// the lifecycle's deployment, deleted there (an unknown name is fine). An error keeps the
+    /// finalizer.
+    async fn clean_up(&self, cr: &Deployment, holds: bool) -> Result<Action, ReconcileError> {
+        if !holds {
             return Ok(Action::await_change());
         }
+        let name = cr.name_any();
+        match self.lifecycle.delete(&name).await {
+            Ok(_) => {
+                self.publish(
+                    &cr.object_ref(&()),
+                    &Happening::normal(
+                        "Deleted",
+                        "Delete",
+                        format!("deployment {name} deleted; its engines stopped"),
+                    ),
+                )
+                .await;
+                Ok(Action::await_change())
+            }
+            Err(ApiError::NotFound { .. } | ApiError::ModelNotFound { .. }) => {
+                Ok(Action::await_change())
+            }
+            Err(e) => Err(ReconcileError::Lifecycle(e)),
+        }
+    }
 
-        let mut cr = std::borrow::Cow::Borrowed(cr);
-        if !has_finalizer(&cr) {
-            let mut finalizers = cr.finalizers().to_vec();
-            finalizers.push(FINALIZER.to_string());
-            let patch = finalizers_patch(finalizers, cr.resource_version().as_deref());
-            let patched = crs
-                .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                .await?;
-            cr = std::borrow::Cow::Owned(patched);
-        }
+    /// The finalizer helper's `Apply` of a live CR that has the finalizer: refused when
+    /// another namespace's object holds its name (`holder`), else deployed and its status
+    /// written.
+    async fn apply(
+        &self,
+        cr: &Deployment,
+        holds: bool,
+        holder: Option<String>,
+    ) -> Result<Action, ReconcileError> {
         if !holds {
-            return self.refuse_taken_name(&cr, claim.holder).await;
+            return self.refuse_taken_name(cr, holder).await;
         }
+        let name = cr.name_any();
+        let namespace = self.namespace_of(cr);
+        let reference = cr.object_ref(&());
         let generation = cr.metadata.generation;
 
         // What is known of the name belongs to this object only if it held the name before.
@@ -922,7 +960,7 @@ impl Reconciler {
                     let _ = shutdown.wait_for(|s| *s).await;
                 })
                 .run(
-                    |cr, ctx: Arc<Reconciler>| async move { ctx.reconcile(&cr).await },
+                    |cr, ctx: Arc<Reconciler>| async move { ctx.reconcile(cr).await },
                     move |cr, error, _ctx| {
                         tracing::warn!(deployment = %cr.name_any(), namespace = ?cr.namespace(), error = %error, "reconcile failed; retrying");
                         Action::requeue(retry)
@@ -941,7 +979,7 @@ mod tests {
 
     use http::Method;
 
-    use super::super::mock::{self, Exchange, FakeApi, status_body, view_of};
+    use super::super::mock::{self, Exchange, FakeApi, Seen, status_body, view_of};
     use super::*;
 
     const CR_PATH: &str = "/apis/capyctl.io/v1alpha1/namespaces/capyctl/deployments/chat-a";
@@ -969,13 +1007,32 @@ mod tests {
         serde_json::json!({"engine": "vllm", "model": "Qwen3-4B"})
     }
 
-    fn cr(v: serde_json::Value) -> Deployment {
-        serde_json::from_value(v).unwrap()
+    fn cr(v: serde_json::Value) -> Arc<Deployment> {
+        Arc::new(serde_json::from_value(v).unwrap())
     }
 
     fn with_status(mut v: serde_json::Value, status: &serde_json::Value) -> serde_json::Value {
         v["status"] = status.clone();
         v
+    }
+
+    /// `object` with the JSON patch (RFC 6902) `seen` applied, as the API server would; a
+    /// failed `test` fails.
+    fn json_patched(object: &serde_json::Value, seen: &Seen) -> serde_json::Value {
+        assert_eq!(
+            seen.content_type.as_deref(),
+            Some("application/json-patch+json")
+        );
+        let patch: json_patch::Patch = serde_json::from_value(seen.body.clone()).unwrap();
+        let mut object = object.clone();
+        // NB: the API server's `test` takes an absent member as `null`; json-patch needs it
+        // spelled.
+        let metadata = object["metadata"].as_object_mut().unwrap();
+        metadata
+            .entry("finalizers")
+            .or_insert(serde_json::Value::Null);
+        json_patch::patch(&mut object, &patch).unwrap();
+        object
     }
 
     fn reconciler(client: kube::Client, lifecycle: Arc<FakeApi>, events: bool) -> Reconciler {
@@ -990,7 +1047,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_new_cr_gets_the_finalizer_is_deployed_and_its_status_written_once() {
+    async fn a_new_cr_gets_the_finalizer_then_is_deployed_and_its_status_written_once() {
         let (client, handle) = mock::client();
         let fresh = cr_json(&[], 1, spec());
         let finalized = cr_json(&[FINALIZER], 1, spec());
@@ -1006,19 +1063,31 @@ mod tests {
         );
         let lifecycle = Arc::new(FakeApi::default());
         let r = reconciler(client, lifecycle.clone(), true);
-        let action = r.reconcile(&cr(fresh)).await.unwrap();
+        // The first pass adds the finalizer and nothing else: its patch is a change the
+        // controller sees, and the next pass deploys.
+        let action = r.reconcile(cr(fresh.clone())).await.unwrap();
+        assert_eq!(action, Action::await_change());
+        assert!(lifecycle.calls().is_empty());
+        let action = r.reconcile(cr(finalized)).await.unwrap();
         assert_eq!(action, Action::requeue(Duration::from_secs(300)));
         assert_eq!(lifecycle.calls(), ["deploy chat-a"]);
         let seen = server.await.unwrap();
-        // The finalizer, guarded by the resourceVersion read.
+        // The finalizer, guarded by a test of the finalizers list read (none).
         assert_eq!(
-            seen[0].body["metadata"]["finalizers"],
-            serde_json::json!([FINALIZER])
+            seen[0].body,
+            serde_json::json!([
+                {"op": "test", "path": "/metadata/finalizers", "value": null},
+                {"op": "add", "path": "/metadata/finalizers", "value": [FINALIZER]},
+            ])
         );
-        assert_eq!(seen[0].body["metadata"]["resourceVersion"], "101");
+        let mut unset = fresh.clone();
+        unset["metadata"]
+            .as_object_mut()
+            .unwrap()
+            .remove("finalizers");
         assert_eq!(
-            seen[0].content_type.as_deref(),
-            Some("application/merge-patch+json")
+            json_patched(&unset, &seen[0])["metadata"]["finalizers"],
+            serde_json::json!([FINALIZER])
         );
         // The Event.
         assert_eq!(seen[1].body["reason"], "Deployed");
@@ -1077,11 +1146,11 @@ mod tests {
             })
         };
         let r = reconciler(client, lifecycle.clone(), false);
-        r.reconcile(&cr(finalized.clone())).await.unwrap();
+        r.reconcile(cr(finalized.clone())).await.unwrap();
         let written = status_rx.await.unwrap();
         // The watch delivers the object with its status; reconciling it again, and syncing
         // with no change in the lifecycle, writes nothing (the mock would see a call).
-        r.reconcile(&cr(with_status(finalized.clone(), &written)))
+        r.reconcile(cr(with_status(finalized.clone(), &written)))
             .await
             .unwrap();
         r.sync_status().await;
@@ -1102,7 +1171,7 @@ mod tests {
             vec![Exchange::ok(Method::PATCH, STATUS_PATH, finalized.clone())],
         );
         let first = reconciler(client, lifecycle.clone(), false);
-        first.reconcile(&cr(finalized.clone())).await.unwrap();
+        first.reconcile(cr(finalized.clone())).await.unwrap();
         let seen = server.await.unwrap();
         let status = seen[0].body["status"].clone();
 
@@ -1110,7 +1179,7 @@ mod tests {
         let server = mock::serve(handle, vec![]);
         let second = reconciler(client, lifecycle.clone(), false);
         second
-            .reconcile(&cr(with_status(finalized, &status)))
+            .reconcile(cr(with_status(finalized, &status)))
             .await
             .unwrap();
         assert!(server.await.unwrap().is_empty());
@@ -1134,8 +1203,8 @@ mod tests {
             ],
         );
         let r = reconciler(client, lifecycle.clone(), false);
-        r.reconcile(&cr(v1)).await.unwrap();
-        r.reconcile(&cr(v2)).await.unwrap();
+        r.reconcile(cr(v1)).await.unwrap();
+        r.reconcile(cr(v2)).await.unwrap();
         let seen = server.await.unwrap();
         assert_eq!(seen[1].body["status"]["revision"], 2);
         assert_eq!(seen[1].body["status"]["observedGeneration"], 2);
@@ -1162,12 +1231,12 @@ mod tests {
             ],
         );
         let r = reconciler(client.clone(), lifecycle.clone(), false);
-        r.reconcile(&cr(good)).await.unwrap();
+        r.reconcile(cr(good)).await.unwrap();
         let r = Reconciler {
             recorder: Some(Reconciler::recorder(client, None)),
             ..r
         };
-        r.reconcile(&cr(bad)).await.unwrap();
+        r.reconcile(cr(bad)).await.unwrap();
         let seen = server.await.unwrap();
         assert_eq!(seen[1].body["type"], "Warning");
         assert_eq!(seen[1].body["reason"], "Refused");
@@ -1196,7 +1265,7 @@ mod tests {
     async fn deletion_deletes_from_the_lifecycle_then_removes_the_finalizer() {
         let lifecycle = Arc::new(FakeApi::default());
         let (client, handle) = mock::client();
-        let live = cr_json(&[FINALIZER, "other.io/keep"], 1, spec());
+        let live = cr_json(&["other.io/keep", FINALIZER], 1, spec());
         let mut deleting = live.clone();
         deleting["metadata"]["deletionTimestamp"] = "2026-12-03T08:00:00Z".into();
         let server = mock::serve(
@@ -1207,20 +1276,79 @@ mod tests {
             ],
         );
         let r = reconciler(client, lifecycle.clone(), false);
-        r.reconcile(&cr(live)).await.unwrap();
-        let action = r.reconcile(&cr(deleting)).await.unwrap();
+        r.reconcile(cr(live)).await.unwrap();
+        let action = r.reconcile(cr(deleting.clone())).await.unwrap();
         assert_eq!(action, Action::await_change());
         assert_eq!(lifecycle.calls(), ["deploy chat-a", "delete chat-a"]);
         assert!(lifecycle.deps.lock().unwrap().is_empty());
         let seen = server.await.unwrap();
-        // Only our finalizer goes; another's stays.
+        // Only our finalizer goes, by its index, guarded by a test that it is ours there;
+        // another's stays.
         assert_eq!(
-            seen[1].body["metadata"]["finalizers"],
+            seen[1].body,
+            serde_json::json!([
+                {"op": "test", "path": "/metadata/finalizers/1", "value": FINALIZER},
+                {"op": "remove", "path": "/metadata/finalizers/1"},
+            ])
+        );
+        assert_eq!(
+            json_patched(&deleting, &seen[1])["metadata"]["finalizers"],
             serde_json::json!(["other.io/keep"])
         );
-        assert_eq!(seen[1].body["metadata"]["resourceVersion"], "101");
         // Forgotten: a sync reads nothing.
         r.sync_status().await;
+    }
+
+    #[tokio::test]
+    async fn the_finalizer_goes_after_the_others_and_a_changed_list_deploys_nothing() {
+        let lifecycle = Arc::new(FakeApi::default());
+        let (client, handle) = mock::client();
+        let other = cr_json(&["other.io/keep"], 1, spec());
+        // The server's list changed since it was read: the `test` fails (422).
+        let server = mock::serve(
+            handle,
+            vec![Exchange::new(
+                Method::PATCH,
+                CR_PATH,
+                422,
+                status_body(
+                    422,
+                    "Invalid",
+                    "the server rejected our request: test failed",
+                ),
+            )],
+        );
+        let r = reconciler(client, lifecycle.clone(), false);
+        let err = r.reconcile(cr(other.clone())).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ReconcileError::Finalizer {
+                    action: "adding",
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string()
+                .starts_with("adding the finalizer capyctl.io/finalizer: "),
+            "{err}"
+        );
+        assert_eq!(err.metric_label(), "kube");
+        assert!(lifecycle.calls().is_empty());
+        let seen = server.await.unwrap();
+        assert_eq!(
+            seen[0].body,
+            serde_json::json!([
+                {"op": "test", "path": "/metadata/finalizers", "value": ["other.io/keep"]},
+                {"op": "add", "path": "/metadata/finalizers/-", "value": FINALIZER},
+            ])
+        );
+        assert_eq!(
+            json_patched(&other, &seen[0])["metadata"]["finalizers"],
+            serde_json::json!(["other.io/keep", FINALIZER])
+        );
     }
 
     #[tokio::test]
@@ -1242,7 +1370,7 @@ mod tests {
         );
         let mut deleting = cr_json(&[FINALIZER], 1, spec());
         deleting["metadata"]["deletionTimestamp"] = "2026-12-03T08:00:00Z".into();
-        let err = r.reconcile(&cr(deleting)).await.unwrap_err();
+        let err = r.reconcile(cr(deleting)).await.unwrap_err();
         assert_eq!(err.metric_label(), "internal");
         // No call to the API server: the finalizer stays until the lifecycle let go.
         assert!(server.await.unwrap().is_empty());
@@ -1265,7 +1393,7 @@ mod tests {
         );
         let r = reconciler(client, lifecycle.clone(), false);
         assert_eq!(
-            r.reconcile(&cr(deleting)).await.unwrap(),
+            r.reconcile(cr(deleting)).await.unwrap(),
             Action::await_change()
         );
         assert_eq!(lifecycle.calls(), ["delete chat-a"]);
@@ -1288,7 +1416,7 @@ mod tests {
             ],
         );
         let r = reconciler(client.clone(), lifecycle.clone(), false);
-        r.reconcile(&cr(finalized)).await.unwrap();
+        r.reconcile(cr(finalized)).await.unwrap();
         let r = Reconciler {
             recorder: Some(Reconciler::recorder(client, None)),
             ..r
@@ -1333,7 +1461,7 @@ mod tests {
         ));
         let server = mock::serve(handle, script);
         let r = reconciler(client.clone(), lifecycle.clone(), false);
-        r.reconcile(&cr(finalized)).await.unwrap();
+        r.reconcile(cr(finalized)).await.unwrap();
         let r = Reconciler {
             recorder: Some(Reconciler::recorder(client, None)),
             ..r
@@ -1462,9 +1590,9 @@ mod tests {
         );
         let r = watching(client, lifecycle.clone(), claims.clone());
         let mut moved = r.retrigger.subscribe();
-        r.reconcile(&cr(a.clone())).await.unwrap();
+        r.reconcile(cr(a.clone())).await.unwrap();
         moved.borrow_and_update();
-        r.reconcile(&cr(b.clone())).await.unwrap();
+        r.reconcile(cr(b.clone())).await.unwrap();
         // Refused: nothing reached the lifecycle, the name did not move.
         assert_eq!(lifecycle.calls(), ["deploy chat-a"]);
         assert_eq!(
@@ -1472,12 +1600,12 @@ mod tests {
             "model-a"
         );
         assert!(!moved.has_changed().unwrap());
-        r.reconcile(&cr(a_deleting)).await.unwrap();
+        r.reconcile(cr(a_deleting.clone())).await.unwrap();
         assert_eq!(lifecycle.calls(), ["deploy chat-a", "delete chat-a"]);
         // The name moved: every object is reconciled again.
         assert!(moved.has_changed().unwrap());
         assert_eq!(claims.holder("chat-a").as_deref(), Some("team-b"));
-        r.reconcile(&cr(b)).await.unwrap();
+        r.reconcile(cr(b)).await.unwrap();
         assert_eq!(
             lifecycle.calls(),
             ["deploy chat-a", "delete chat-a", "deploy chat-a"]
@@ -1504,6 +1632,10 @@ mod tests {
         assert_eq!(seen[3].body["reason"], "NameTaken");
         assert_eq!(seen[3].body["type"], "Warning");
         assert_eq!(seen[5].body["reason"], "Deleted");
+        assert_eq!(
+            json_patched(&a_deleting, &seen[6])["metadata"]["finalizers"],
+            serde_json::json!([])
+        );
         assert_eq!(seen[7].body["reason"], "Deployed");
         assert_eq!(seen[8].body["status"]["deploymentId"], "01KCHAT-A");
         assert!(
@@ -1522,7 +1654,7 @@ mod tests {
         let a = cr_in("team-a", "2026-12-01T00:00:00Z", &[FINALIZER], "model-a");
         let mut b = cr_in("team-b", "2026-12-02T00:00:00Z", &[FINALIZER], "model-b");
         b["metadata"]["deletionTimestamp"] = "2026-12-03T08:00:00Z".into();
-        claims.seed([&cr(a.clone()), &cr(b.clone())]);
+        claims.seed([&*cr(a.clone()), &*cr(b.clone())]);
         let (client, handle) = mock::client();
         let server = mock::serve(
             handle,
@@ -1533,13 +1665,13 @@ mod tests {
             )],
         );
         let r = watching(client, lifecycle.clone(), claims.clone());
-        r.reconcile(&cr(b)).await.unwrap();
+        r.reconcile(cr(b.clone())).await.unwrap();
         // Only its finalizer went; the lifecycle was not asked.
         assert!(lifecycle.calls().is_empty());
         assert_eq!(claims.holder("chat-a").as_deref(), Some("team-a"));
         let seen = server.await.unwrap();
         assert_eq!(
-            seen[0].body["metadata"]["finalizers"],
+            json_patched(&b, &seen[0])["metadata"]["finalizers"],
             serde_json::json!([])
         );
     }
@@ -1552,7 +1684,7 @@ mod tests {
         let claims = Arc::new(Claims::default());
         let a = cr_in("team-a", "2026-12-01T00:00:00Z", &[FINALIZER], "model-a");
         let b = cr_in("team-b", "2026-12-02T00:00:00Z", &[FINALIZER], "model-b");
-        claims.seed([&cr(a), &cr(b.clone())]);
+        claims.seed([&*cr(a), &*cr(b.clone())]);
         let (client, handle) = mock::client();
         let server = mock::serve(
             handle,
@@ -1565,7 +1697,7 @@ mod tests {
         );
         let r = watching(client, lifecycle.clone(), claims.clone());
         let mut moved = r.retrigger.subscribe();
-        let action = r.reconcile(&cr(b)).await.unwrap();
+        let action = r.reconcile(cr(b)).await.unwrap();
         assert_eq!(action, Action::requeue(Duration::ZERO));
         assert!(moved.has_changed().unwrap());
         moved.borrow_and_update();

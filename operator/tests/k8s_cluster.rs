@@ -360,12 +360,19 @@ async fn the_finalizer_holds_a_deleted_cr_until_the_lifecycle_let_go() {
         None,
         ReconcilerConfig::default(),
     );
-    reconciler
-        .reconcile(&api.get("my-model").await.unwrap())
+    // The first pass adds the finalizer and nothing else (the controller would see its patch
+    // and reconcile again); the second deploys.
+    let action = reconciler
+        .reconcile(Arc::new(api.get("my-model").await.unwrap()))
         .await
         .unwrap();
+    assert_eq!(action, kube::runtime::controller::Action::await_change());
     let cr = api.get("my-model").await.unwrap();
     assert!(cr.finalizers().iter().any(|f| f == FINALIZER));
+    assert!(cr.status.is_none(), "{cr:?}");
+    assert!(lifecycle.deps.lock().unwrap().is_empty());
+    reconciler.reconcile(Arc::new(cr)).await.unwrap();
+    let cr = api.get("my-model").await.unwrap();
     let status = cr.status.clone().unwrap();
     assert_eq!(
         status.deployment_id.as_deref(),
@@ -373,7 +380,7 @@ async fn the_finalizer_holds_a_deleted_cr_until_the_lifecycle_let_go() {
     );
     assert_eq!(status.observed_generation, cr.metadata.generation);
     // The same object again writes nothing: the resourceVersion stays.
-    reconciler.reconcile(&cr).await.unwrap();
+    reconciler.reconcile(Arc::new(cr.clone())).await.unwrap();
     assert_eq!(
         api.get("my-model").await.unwrap().resource_version(),
         cr.resource_version()
@@ -394,7 +401,7 @@ async fn the_finalizer_holds_a_deleted_cr_until_the_lifecycle_let_go() {
         .unwrap();
     let deleting = api.get("my-model").await.unwrap();
     assert!(deleting.metadata.deletion_timestamp.is_some());
-    reconciler.reconcile(&deleting).await.unwrap();
+    reconciler.reconcile(Arc::new(deleting)).await.unwrap();
     assert_eq!(lifecycle.deleted.lock().unwrap().as_slice(), ["my-model"]);
     assert!(api.get_opt("my-model").await.unwrap().is_none());
 }

@@ -610,7 +610,8 @@ async fn against_a_cluster_the_standby_takes_over_and_adopts_the_engine() {
 }
 
 /// A small fake of the Kubernetes API server: objects in memory by path, resource versions,
-/// merge patches with a `resourceVersion` precondition, server-side apply of `status`, updates
+/// merge patches with a `resourceVersion` precondition, JSON patches (with `test`),
+/// server-side apply of `status`, updates
 /// (409 on a stale `resourceVersion`), deletion held by finalizers, and watches.
 mod fake {
     use std::collections::BTreeMap;
@@ -902,6 +903,31 @@ mod fake {
                 if sub == Some("status") {
                     // Server-side apply of the status: the applied status replaces ours.
                     cur["status"] = body["status"].clone();
+                } else if body.is_array() {
+                    // A JSON patch (the finalizer helper's): all or nothing, 422 on a failed
+                    // `test`. NB: the API server's `test` takes an absent member as `null`;
+                    // json-patch needs it spelled.
+                    let patch: json_patch::Patch = match serde_json::from_value(body.clone()) {
+                        Ok(p) => p,
+                        Err(e) => return status(400, "BadRequest", &e.to_string()),
+                    };
+                    let mut patched = cur.clone();
+                    if let Some(m) = patched["metadata"].as_object_mut() {
+                        m.entry("finalizers").or_insert(Value::Null);
+                    }
+                    if let Err(e) = json_patch::patch(&mut patched, &patch) {
+                        return status(422, "Invalid", &e.to_string());
+                    }
+                    if patched["spec"] != cur["spec"] {
+                        let g = patched["metadata"]["generation"].as_i64().unwrap_or(1) + 1;
+                        patched["metadata"]["generation"] = g.into();
+                    }
+                    if let Some(m) = patched["metadata"].as_object_mut()
+                        && m.get("finalizers").is_some_and(Value::is_null)
+                    {
+                        m.remove("finalizers");
+                    }
+                    cur = patched;
                 } else {
                     let want = &body["metadata"]["resourceVersion"];
                     if want.is_string() && *want != cur["metadata"]["resourceVersion"] {

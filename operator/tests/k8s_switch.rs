@@ -66,7 +66,22 @@ impl MockApi {
                 if status {
                     cr["status"] = body["status"].clone();
                 } else {
-                    cr["metadata"]["finalizers"] = body["metadata"]["finalizers"].clone();
+                    // The finalizer helper's JSON patch; the API server's `test` takes an
+                    // absent member as `null`, json-patch needs it spelled.
+                    let patch: json_patch::Patch = serde_json::from_value(body.clone()).unwrap();
+                    let mut patched = cr.clone();
+                    patched["metadata"]
+                        .as_object_mut()
+                        .unwrap()
+                        .entry("finalizers")
+                        .or_insert(serde_json::Value::Null);
+                    if let Err(e) = json_patch::patch(&mut patched, &patch) {
+                        return (
+                            422,
+                            serde_json::json!({"kind": "Status", "code": 422, "reason": "Invalid", "message": e.to_string()}),
+                        );
+                    }
+                    *cr = patched;
                 }
                 let rv: u64 = cr["metadata"]["resourceVersion"]
                     .as_str()
@@ -159,9 +174,16 @@ async fn crs_switch_through_the_router_and_their_status_and_events_show_it() {
         ReconcilerConfig::default(),
     );
 
-    // New CRs: finalizer, deployed into the lifecycle, status written.
-    r.reconcile(&mock.cr("chat-a")).await.unwrap();
-    r.reconcile(&mock.cr("chat-b")).await.unwrap();
+    // New CRs: the finalizer first (a pass that does nothing else), then the pass its patch
+    // triggers deploys into the lifecycle and writes the status.
+    for name in ["chat-a", "chat-b"] {
+        r.reconcile(Arc::new(mock.cr(name))).await.unwrap();
+        assert!(
+            h.server.get(name).await.is_err(),
+            "not deployed before its finalizer"
+        );
+        r.reconcile(Arc::new(mock.cr(name))).await.unwrap();
+    }
     for name in ["chat-a", "chat-b"] {
         let cr = mock.cr(name);
         assert!(
@@ -228,7 +250,7 @@ async fn crs_switch_through_the_router_and_their_status_and_events_show_it() {
     let mut deleting = mock.crs.lock().unwrap()["chat-b"].clone();
     deleting["metadata"]["deletionTimestamp"] = "2026-12-03T08:00:00Z".into();
     let deleting: Deployment = serde_json::from_value(deleting).unwrap();
-    r.reconcile(&deleting).await.unwrap();
+    r.reconcile(Arc::new(deleting)).await.unwrap();
     assert!(h.server.get("chat-b").await.is_err());
     assert!(
         h.agent
