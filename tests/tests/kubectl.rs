@@ -13,7 +13,10 @@ use std::sync::{Arc, Mutex};
 
 use capyctl_test_support::{Answer, MockApi};
 
-const PLUGIN: &str = env!("CARGO_BIN_EXE_kubectl-capyctl");
+/// The real `kubectl-capyctl` of this workspace, built first when missing or stale.
+fn plugin() -> std::path::PathBuf {
+    capyctl_test_support::workspace_binary("capyctl", "kubectl-capyctl")
+}
 
 /// One request the fake API server saw.
 #[derive(Debug, Clone)]
@@ -93,7 +96,7 @@ fn kubeconfig(dir: &std::path::Path, server: &str) -> std::path::PathBuf {
 }
 
 fn run_plugin(kubeconfig: &std::path::Path, args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(PLUGIN)
+    let out = Command::new(plugin())
         .args(args)
         .env("KUBECONFIG", kubeconfig)
         .env_remove("CAPYCTL_SERVER")
