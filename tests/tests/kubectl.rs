@@ -475,6 +475,9 @@ fn a_refused_object_is_reported_with_the_operators_reason() {
             _ => (404, NOT_FOUND_API.to_string()),
         }
     });
+    // The plugin is built (when missing or stale) before the clock starts: the bound is on
+    // its answers, not on a build.
+    plugin();
     let began = std::time::Instant::now();
     let (_, (code, _, stderr)) = deploy_through(
         &url,
@@ -510,6 +513,9 @@ fn a_503_through_the_proxy_is_printed_at_once_and_never_sent_again() {
     });
     let dir = capyctl_test_support::temp_dir("kubectl-capyctl-503");
     let config = kubeconfig(&dir, &url);
+    // The plugin is built (when missing or stale) before the clock starts: the bound is on
+    // its answers, not on a build.
+    plugin();
     let began = std::time::Instant::now();
     for args in [
         &["list", "deployments", "--token", "t"][..],
