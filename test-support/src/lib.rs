@@ -1,7 +1,8 @@
 //! What the workspace's tests share (a dev-dependency only, never shipped):
 //!
-//! - [`engine_sim_binary`]: the `engine-sim` binary, built when missing or older than its
-//!   sources;
+//! - [`workspace_binary`]: any binary of the workspace (the end-to-end tests' `capyctl`,
+//!   `kubectl-capyctl`, `capyctl-node-agent`, …), built when missing or older than its sources;
+//!   [`engine_sim_binary`] is the `engine-sim` one;
 //! - [`temp_dir`]: a fresh, empty, unique temporary directory;
 //! - [`mock_api`]: one scripted mock Kubernetes API server on `tower_test::mock::pair` (a
 //!   [`kube::Client`] without a socket), which also serves behind a loopback HTTP listener for
@@ -12,9 +13,10 @@
 
 pub mod mock_api;
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 pub use mock_api::{Answer, Exchange, MockApi, Seen, status_body};
@@ -60,48 +62,156 @@ pub fn newest_source(path: &Path) -> SystemTime {
         .unwrap_or(UNIX_EPOCH)
 }
 
-/// The `engine-sim` binary of this workspace, in the profile directory of the running test or
-/// benchmark (`target/<profile>/deps/<test>` → `target/<profile>/engine-sim`). It is built
-/// first (`cargo build -p capyctl-engine-sim --bin engine-sim`, in that profile and target
-/// directory) when it is missing or older than the simulator's sources (`engine-sim/src` and
-/// its `Cargo.toml`); under `cargo test --workspace` it is already built. Once per process.
+/// The `engine-sim` binary of this workspace: [`workspace_binary`] of package
+/// `capyctl-engine-sim`, binary `engine-sim`.
 pub fn engine_sim_binary() -> PathBuf {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        let exe = std::env::current_exe()
-            .unwrap_or_else(|e| panic!("cannot find the test executable: {e}"));
-        // target/<profile>/deps/<test> → target/<profile>
-        let profile_dir = exe
-            .parent()
-            .and_then(Path::parent)
-            .unwrap_or_else(|| panic!("{} is not under target/<profile>/deps", exe.display()))
-            .to_path_buf();
-        let bin = profile_dir.join(format!("engine-sim{}", std::env::consts::EXE_SUFFIX));
-        let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .parent()
-            .unwrap_or_else(|| panic!("test-support has no parent directory"));
-        let sources = workspace.join("engine-sim");
-        let newest =
-            newest_source(&sources.join("src")).max(newest_source(&sources.join("Cargo.toml")));
-        let fresh = std::fs::metadata(&bin)
-            .and_then(|m| m.modified())
-            .is_ok_and(|t| t >= newest);
-        if !fresh {
-            build_engine_sim(workspace, &profile_dir);
-        }
-        assert!(
-            bin.exists(),
-            "no engine-sim at {} after building it",
-            bin.display()
-        );
-        bin
-    })
-    .clone()
+    workspace_binary("capyctl-engine-sim", "engine-sim")
 }
 
-/// `cargo build -p capyctl-engine-sim --bin engine-sim` into `profile_dir`'s target directory
-/// and profile (`debug` is the dev profile, any other directory names its profile).
-fn build_engine_sim(workspace: &Path, profile_dir: &Path) {
+/// Binary `bin` of workspace package `package` (`capyctl`/`kubectl-capyctl`,
+/// `capyctl-node-agent`, `capyctl-operator`, `capyctl-engine-sim`/`engine-sim`, …), in the
+/// profile directory of the running test or benchmark (`target/<profile>/deps/<test>` →
+/// `target/<profile>/<bin>`). `CARGO_BIN_EXE_<bin>` names only the test's own package's
+/// binaries; this finds any.
+///
+/// It is built first (`cargo build -p <package> --bin <bin>`, in that profile and target
+/// directory) when it is missing or older than the sources it is built from: the `src/`,
+/// `build.rs` and `Cargo.toml` of its package and of every workspace package it depends on,
+/// directly or not (`cargo metadata` says which). Under `cargo test --workspace` it is
+/// already built. Once per binary and process.
+pub fn workspace_binary(package: &str, bin: &str) -> PathBuf {
+    static BINS: Mutex<BTreeMap<(String, String), PathBuf>> = Mutex::new(BTreeMap::new());
+    // Held while building, so that two tests of one process never build the same binary twice.
+    let mut bins = BINS.lock().unwrap_or_else(PoisonError::into_inner);
+    let key = (package.to_string(), bin.to_string());
+    if let Some(path) = bins.get(&key) {
+        return path.clone();
+    }
+    let profile_dir = profile_dir();
+    let path = profile_dir.join(format!("{bin}{}", std::env::consts::EXE_SUFFIX));
+    let newest = workspace_packages().newest_source(package);
+    let fresh = std::fs::metadata(&path)
+        .and_then(|m| m.modified())
+        .is_ok_and(|t| t >= newest);
+    if !fresh {
+        build(package, bin, &profile_dir);
+    }
+    assert!(
+        path.exists(),
+        "no {bin} of package {package} at {} after building it",
+        path.display()
+    );
+    bins.insert(key, path.clone());
+    path
+}
+
+/// The workspace's root directory (the parent of `test-support/`).
+fn workspace_root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap_or_else(|| panic!("test-support has no parent directory"))
+}
+
+/// The profile directory of the running test: `target/<profile>/deps/<test>` →
+/// `target/<profile>`.
+fn profile_dir() -> PathBuf {
+    let exe =
+        std::env::current_exe().unwrap_or_else(|e| panic!("cannot find the test executable: {e}"));
+    exe.parent()
+        .and_then(Path::parent)
+        .unwrap_or_else(|| panic!("{} is not under target/<profile>/deps", exe.display()))
+        .to_path_buf()
+}
+
+/// The workspace's packages, from `cargo metadata --no-deps`: each one's directory and the
+/// workspace packages it depends on (normal and build dependencies; dev-dependencies are not
+/// in its binaries).
+struct Packages {
+    /// By package name: (its directory, the names of its workspace dependencies).
+    by_name: BTreeMap<String, (PathBuf, Vec<String>)>,
+}
+
+/// [`Packages`], read once per process.
+fn workspace_packages() -> &'static Packages {
+    static PACKAGES: OnceLock<Packages> = OnceLock::new();
+    PACKAGES.get_or_init(|| {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut command = std::process::Command::new(cargo);
+        command
+            .args(["metadata", "--no-deps", "--format-version", "1"])
+            .current_dir(workspace_root());
+        let out = command
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {command:?}: {e}"));
+        assert!(
+            out.status.success(),
+            "{command:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let metadata: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{command:?} printed no JSON: {e}"));
+        Packages::from_metadata(&metadata)
+    })
+}
+
+impl Packages {
+    /// The packages of `cargo metadata --no-deps --format-version 1`'s output.
+    fn from_metadata(metadata: &serde_json::Value) -> Packages {
+        let mut by_name = BTreeMap::new();
+        for package in metadata["packages"].as_array().into_iter().flatten() {
+            let (Some(name), Some(manifest)) =
+                (package["name"].as_str(), package["manifest_path"].as_str())
+            else {
+                continue;
+            };
+            let dir = Path::new(manifest)
+                .parent()
+                .unwrap_or_else(|| panic!("{manifest} has no parent directory"))
+                .to_path_buf();
+            let dependencies = package["dependencies"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                // A path dependency is a workspace package; a dev-dependency is not in a binary.
+                .filter(|d| d["path"].is_string() && d["kind"].as_str() != Some("dev"))
+                .filter_map(|d| d["name"].as_str().map(str::to_string))
+                .collect();
+            by_name.insert(name.to_string(), (dir, dependencies));
+        }
+        Packages { by_name }
+    }
+
+    /// The newest modification time of the sources `package`'s binaries are built from: the
+    /// `src/`, `build.rs` and `Cargo.toml` of the package and of its workspace dependencies,
+    /// transitively.
+    fn newest_source(&self, package: &str) -> SystemTime {
+        assert!(
+            self.by_name.contains_key(package),
+            "{package} is not a package of this workspace (known: {:?})",
+            self.by_name.keys().collect::<Vec<_>>()
+        );
+        let mut seen = BTreeSet::new();
+        let mut todo = vec![package.to_string()];
+        let mut newest = UNIX_EPOCH;
+        while let Some(name) = todo.pop() {
+            let Some((dir, dependencies)) = self.by_name.get(&name) else {
+                continue;
+            };
+            if !seen.insert(name) {
+                continue;
+            }
+            for part in ["src", "build.rs", "Cargo.toml"] {
+                newest = newest.max(newest_source(&dir.join(part)));
+            }
+            todo.extend(dependencies.iter().cloned());
+        }
+        newest
+    }
+}
+
+/// `cargo build -p <package> --bin <bin>` into `profile_dir`'s target directory and profile
+/// (`debug` is the dev profile, any other directory names its profile).
+fn build(package: &str, bin: &str, profile_dir: &Path) {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
         Some("debug") | None => "dev",
@@ -109,16 +219,19 @@ fn build_engine_sim(workspace: &Path, profile_dir: &Path) {
     };
     let mut command = std::process::Command::new(cargo);
     command
-        .args(["build", "-p", "capyctl-engine-sim", "--bin", "engine-sim"])
+        .args(["build", "-p", package, "--bin", bin])
         .args(["--profile", profile])
-        .current_dir(workspace);
+        .current_dir(workspace_root());
     if let Some(target_dir) = profile_dir.parent() {
         command.arg("--target-dir").arg(target_dir);
     }
     let status = command
         .status()
         .unwrap_or_else(|e| panic!("cannot run {command:?}: {e}"));
-    assert!(status.success(), "building engine-sim failed: {command:?}");
+    assert!(
+        status.success(),
+        "building {bin} of package {package} failed: {command:?}"
+    );
 }
 
 #[cfg(test)]
@@ -172,5 +285,80 @@ mod tests {
             .output()
             .unwrap();
         assert!(out.status.success(), "{out:?}");
+    }
+
+    /// Sets `path`'s modification time `secs_ago` seconds in the past.
+    fn age(path: &Path, secs_ago: u64) -> SystemTime {
+        let t = SystemTime::now() - std::time::Duration::from_secs(secs_ago);
+        std::fs::File::options()
+            .write(true)
+            .open(path)
+            .unwrap()
+            .set_modified(t)
+            .unwrap();
+        t
+    }
+
+    #[test]
+    fn a_binary_is_as_new_as_the_newest_source_of_its_workspace_dependencies() {
+        let root = temp_dir("packages");
+        for (name, secs_ago) in [("app", 300), ("core", 200), ("other", 10), ("devonly", 5)] {
+            std::fs::create_dir_all(root.join(name).join("src")).unwrap();
+            std::fs::write(root.join(name).join("Cargo.toml"), "").unwrap();
+            std::fs::write(root.join(name).join("src/lib.rs"), "").unwrap();
+            age(&root.join(name).join("Cargo.toml"), 1000);
+            age(&root.join(name).join("src/lib.rs"), secs_ago);
+        }
+        // Not a source of any binary: a test's change does not make the binary stale.
+        std::fs::create_dir_all(root.join("app/tests")).unwrap();
+        std::fs::write(root.join("app/tests/t.rs"), "").unwrap();
+        let manifest = |name: &str| root.join(name).join("Cargo.toml").display().to_string();
+        let metadata = serde_json::json!({"packages": [
+            {"name": "app", "manifest_path": manifest("app"), "dependencies": [
+                {"name": "core", "path": root.join("core").display().to_string(), "kind": null},
+                {"name": "devonly", "path": root.join("devonly").display().to_string(), "kind": "dev"},
+                {"name": "serde", "kind": null},
+            ]},
+            {"name": "core", "manifest_path": manifest("core"), "dependencies": [
+                {"name": "app", "path": root.join("app").display().to_string(), "kind": "build"},
+            ]},
+            {"name": "other", "manifest_path": manifest("other"), "dependencies": []},
+            {"name": "devonly", "manifest_path": manifest("devonly"), "dependencies": []},
+        ]});
+        let packages = Packages::from_metadata(&metadata);
+        let core = std::fs::metadata(root.join("core/src/lib.rs"))
+            .unwrap()
+            .modified()
+            .unwrap();
+        // app's own source is older; core's (a dependency) is the newest; other and devonly
+        // (newer still) are not app's; the cycle back to app ends.
+        assert_eq!(packages.newest_source("app"), core);
+        assert_eq!(packages.newest_source("core"), core);
+        let build_rs = root.join("other/build.rs");
+        std::fs::write(&build_rs, "").unwrap();
+        let now = std::fs::metadata(&build_rs).unwrap().modified().unwrap();
+        assert_eq!(packages.newest_source("other"), now);
+        let unknown = std::panic::catch_unwind(|| packages.newest_source("nope")).unwrap_err();
+        let message = unknown.downcast_ref::<String>().unwrap();
+        assert!(
+            message.contains("nope is not a package of this workspace"),
+            "{message}"
+        );
+        std::fs::remove_dir_all(root).unwrap();
+    }
+
+    #[test]
+    fn this_workspace_s_packages_are_found() {
+        let packages = workspace_packages();
+        for name in ["capyctl", "capyctl-engine-sim", "capyctl-node-agent"] {
+            let (dir, _) = &packages.by_name[name];
+            assert!(
+                dir.join("Cargo.toml").is_file(),
+                "{name}: {}",
+                dir.display()
+            );
+        }
+        // The CLI is built from the node agent's sources, among others.
+        assert!(packages.newest_source("capyctl") >= packages.newest_source("capyctl-node-agent"));
     }
 }

@@ -1,5 +1,5 @@
-//! What the `needs cluster` tests share (also included by the node agent's and the CLI's
-//! cluster tests with `#[path]`; `crds.rs` beside it applies the chart's CRDs): the cluster of
+//! What the `needs cluster` tests share (also included by the node agent's cluster tests and
+//! the end-to-end `tests/tests/kubectl.rs` with `#[path]`; `crds.rs` beside it applies the chart's CRDs): the cluster of
 //! `CAPYCTL_TEST_KUBECONFIG` and [`TestNamespace`], a namespace of its own per test that is cleaned up when it is
 //! dropped, even after a failed assertion.
 //!

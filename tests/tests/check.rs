@@ -1,7 +1,13 @@
 //! Drives the real `capyctl` binary: settings precedence and one-line errors.
 #![allow(clippy::unwrap_used)]
 
+use std::path::PathBuf;
 use std::process::Command;
+
+/// The real `capyctl` of this workspace, built first when missing or stale.
+fn capyctl() -> PathBuf {
+    capyctl_test_support::workspace_binary("capyctl", "capyctl")
+}
 
 fn fixture(name: &str) -> String {
     format!(
@@ -12,7 +18,7 @@ fn fixture(name: &str) -> String {
 
 #[test]
 fn set_beats_variable_beats_document() {
-    let out = Command::new(env!("CARGO_BIN_EXE_capyctl"))
+    let out = Command::new(capyctl())
         .args(["check", "standalone", "--file", &fixture("standalone.yaml")])
         .args([
             "--set",
@@ -40,7 +46,7 @@ fn set_beats_variable_beats_document() {
 
 #[test]
 fn out_of_range_is_one_line_naming_file_line_and_key() {
-    let out = Command::new(env!("CARGO_BIN_EXE_capyctl"))
+    let out = Command::new(capyctl())
         .args([
             "check",
             "standalone",
@@ -74,18 +80,12 @@ fn a_command_line_that_does_not_parse_is_one_line_and_exit_2() {
             "capyctl: unexpected argument '--bogus' found; see `capyctl --help`",
         ),
     ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_capyctl"))
-            .args(args)
-            .output()
-            .unwrap();
+        let out = Command::new(capyctl()).args(args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}");
         let err = String::from_utf8(out.stderr).unwrap();
         assert_eq!(err, format!("{says}\n"), "{args:?}");
     }
-    let help = Command::new(env!("CARGO_BIN_EXE_capyctl"))
-        .arg("--help")
-        .output()
-        .unwrap();
+    let help = Command::new(capyctl()).arg("--help").output().unwrap();
     assert!(help.status.success());
     assert!(
         String::from_utf8(help.stdout)
@@ -107,7 +107,7 @@ fn every_example_document_checks() {
         } else {
             "deployment"
         };
-        let out = Command::new(env!("CARGO_BIN_EXE_capyctl"))
+        let out = Command::new(capyctl())
             .args(["check", kind, "--file"])
             .arg(&path)
             .output()

@@ -13,7 +13,10 @@ use std::sync::{Arc, Mutex};
 
 use capyctl_test_support::{Answer, MockApi};
 
-const PLUGIN: &str = env!("CARGO_BIN_EXE_kubectl-capyctl");
+/// The real `kubectl-capyctl` of this workspace, built first when missing or stale.
+fn plugin() -> std::path::PathBuf {
+    capyctl_test_support::workspace_binary("capyctl", "kubectl-capyctl")
+}
 
 /// One request the fake API server saw.
 #[derive(Debug, Clone)]
@@ -93,7 +96,7 @@ fn kubeconfig(dir: &std::path::Path, server: &str) -> std::path::PathBuf {
 }
 
 fn run_plugin(kubeconfig: &std::path::Path, args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(PLUGIN)
+    let out = Command::new(plugin())
         .args(args)
         .env("KUBECONFIG", kubeconfig)
         .env_remove("CAPYCTL_SERVER")
@@ -472,6 +475,9 @@ fn a_refused_object_is_reported_with_the_operators_reason() {
             _ => (404, NOT_FOUND_API.to_string()),
         }
     });
+    // The plugin is built (when missing or stale) before the clock starts: the bound is on
+    // its answers, not on a build.
+    plugin();
     let began = std::time::Instant::now();
     let (_, (code, _, stderr)) = deploy_through(
         &url,
@@ -507,6 +513,9 @@ fn a_503_through_the_proxy_is_printed_at_once_and_never_sent_again() {
     });
     let dir = capyctl_test_support::temp_dir("kubectl-capyctl-503");
     let config = kubeconfig(&dir, &url);
+    // The plugin is built (when missing or stale) before the clock starts: the bound is on
+    // its answers, not on a build.
+    plugin();
     let began = std::time::Instant::now();
     for args in [
         &["list", "deployments", "--token", "t"][..],

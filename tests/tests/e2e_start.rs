@@ -9,7 +9,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use support::{CAPYCTL, Capy, PATIENCE, Response, document, model, request, signal, temp_dir};
+use support::{Capy, PATIENCE, Response, document, model, request, signal, temp_dir};
 
 /// Deployments in the large document: enough that the tests see CapyCTL while it deploys them
 /// (they fail rather than pass vacuously), few enough for CI. The document is one transaction,
@@ -38,7 +38,7 @@ fn many_deployments(management: SocketAddr) -> String {
 fn spawn(dir: &std::path::Path, doc: &str) -> Child {
     let file = dir.join("standalone.yaml");
     std::fs::write(&file, doc).unwrap();
-    Command::new(CAPYCTL)
+    Command::new(support::capyctl())
         .args(["start", "standalone", "--file"])
         .arg(&file)
         .arg("--data-dir")

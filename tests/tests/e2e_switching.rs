@@ -600,7 +600,7 @@ fn start_wait_shows_progress_on_a_terminal() {
         .ok();
     let command = format!(
         "{} start deployment fresh --wait --server http://{}",
-        support::CAPYCTL,
+        support::capyctl().display(),
         capy.management
     );
     let out = std::process::Command::new("script")

@@ -7,7 +7,7 @@ mod support;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use support::{CAPYCTL, Capy, Out, alive, assert_error, chat, document, id_of, model, temp_dir};
+use support::{Capy, Out, alive, assert_error, chat, document, id_of, model, temp_dir};
 
 fn waiting_limit(capy: &Capy) -> u64 {
     let load = capy.management_get("/management/v1/metrics/load").json();
@@ -163,7 +163,7 @@ fn kill_and_restart_loses_nothing() {
 }
 
 fn capyctl(args: &[&str], env: &[(&str, &str)]) -> Out {
-    let mut c = Command::new(CAPYCTL);
+    let mut c = Command::new(support::capyctl());
     c.args(args)
         .env_remove("CAPYCTL_SERVER")
         .env_remove("CAPYCTL_ADMIN_TOKEN")
@@ -336,7 +336,7 @@ fn start_host_runs_a_host_agent() {
         .unwrap()
         .port();
     let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let mut child = std::process::Command::new(support::CAPYCTL)
+    let mut child = std::process::Command::new(support::capyctl())
         .args(["start", "host", "--file"])
         .arg(&doc)
         .args(["--listen", &addr.to_string(), "--data-dir"])

@@ -10,8 +10,11 @@ use std::process::{Child, Command, Stdio};
 
 use std::time::{Duration, Instant};
 
-/// The real `capyctl`.
-pub const CAPYCTL: &str = env!("CARGO_BIN_EXE_capyctl");
+/// The real `capyctl` of this workspace, built first when missing or stale (the shared
+/// test-support's [`capyctl_test_support::workspace_binary`]).
+pub fn capyctl() -> PathBuf {
+    capyctl_test_support::workspace_binary("capyctl", "capyctl")
+}
 
 /// How long any state the tests wait for may take.
 pub const PATIENCE: Duration = Duration::from_secs(60);
@@ -139,7 +142,7 @@ impl Capy {
             .unwrap();
         // Where this run's output begins in the shared log.
         let log_from = log.metadata().unwrap().len() as usize;
-        let mut command = Command::new(CAPYCTL);
+        let mut command = Command::new(capyctl());
         command
             .args(["start", "standalone", "--file"])
             .arg(&file)
@@ -206,7 +209,7 @@ impl Capy {
 
     /// `capyctl <args>` against this server, the token read from the data directory.
     pub fn cli(&self, args: &[&str]) -> Out {
-        let output = Command::new(CAPYCTL)
+        let output = Command::new(capyctl())
             .args(args)
             .arg("--server")
             .arg(format!("http://{}", self.management))
