@@ -45,7 +45,8 @@ use crate::recovery::{EngineState, RecoveryVerdict, Transition, recovery_verdict
 use crate::runtime::{Answers, EngineRuntime, LaunchRequest, Launched};
 use crate::spec::{HostSettings, InstanceSpec};
 use crate::tier::{
-    LaunchParking, NoParkReason, ParkChoice, ParkTier, TierInput, choose_tier, launch_parking,
+    LaunchParking, NoParkReason, ParkChoice, ParkTier, TierInput, choose_tier, host_ram_room,
+    launch_parking,
 };
 use crate::verify::{FirstAnswer, WakeOutcome};
 
@@ -679,24 +680,23 @@ impl LocalHostAgent {
         })
     }
 
-    /// Room in host RAM for one more copy: free host memory minus the copies of the other
-    /// instances parked in host RAM and of those parking there now. Free memory is the
-    /// `host_memory` override (which the copies made are taken from), or `MemAvailable`
-    /// (which already excludes the copies made, but not those still being made).
+    /// Room in host RAM for one more copy ([`host_ram_room`]): the copies of the other
+    /// instances parked in host RAM (held) and of those parking there now (copying).
     fn host_room(&self, inv: &Inventory, except: &str) -> u64 {
-        let overridden = inv.host_memory.overridden;
-        let copies: u64 = self
-            .instances()
-            .iter()
-            .filter(|(id, _)| id.as_str() != except)
-            .filter_map(|(_, i)| {
-                let s = i.state();
-                let copying = s.parking == Some(ParkTier::HostRam);
-                let copied = overridden && s.record.parked == Some(ParkTier::HostRam);
-                (copying || copied).then(|| s.measurement.weights_bytes().unwrap_or(0))
-            })
-            .sum();
-        inv.host_memory.available_bytes.saturating_sub(copies)
+        let (mut held, mut copying) = (0u64, 0u64);
+        for (id, i) in self.instances().iter() {
+            if id.as_str() == except {
+                continue;
+            }
+            let s = i.state();
+            let bytes = s.measurement.weights_bytes().unwrap_or(0);
+            if s.parking == Some(ParkTier::HostRam) {
+                copying = copying.saturating_add(bytes);
+            } else if s.record.parked == Some(ParkTier::HostRam) {
+                held = held.saturating_add(bytes);
+            }
+        }
+        host_ram_room(&inv.host_memory, held, copying)
     }
 
     /// The `CUDA_VISIBLE_DEVICES` an engine of `spec` starts with: the deployment's `env`, the

@@ -25,10 +25,15 @@
 //! model keeps the backup and parks in host RAM when that fits. Declaring
 //! `resources.weights_memory` gives the host-RAM tier from the first start.
 //!
-//! The room in host RAM is the free memory minus the copies of the other parked instances
-//! and of the parks under way (whose copy is reserved when their tier is chosen); unified
-//! memory is decided by the GPUs the engine uses (`CUDA_VISIBLE_DEVICES`), any unified GPU when
-//! that is not set.
+//! The room in host RAM ([`host_ram_room`]) is the free memory minus the copies of the other
+//! parked instances and of the parks under way (whose copy is reserved when their tier is
+//! chosen); unified memory is decided by the GPUs the engine uses (`CUDA_VISIBLE_DEVICES`), any
+//! unified GPU when that is not set.
+//!
+//! The rule is written once: [`tier_rule`] says where a park goes before the room is looked
+//! at (host RAM when the copy fits, or a fixed choice), and [`choose_tier`] adds the room. The
+//! lifecycle reads [`tier_rule`], [`never_parks`] and [`host_ram_for_copies`] to stop older
+//! parked copies for a new one's room (`capyctl-lifecycle`'s `parked_room`).
 
 use capyctl_spec::engine_args::HOST_BACKED_SPECULATIVE;
 use capyctl_spec::{EngineKind, Residency};
@@ -36,6 +41,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::capability::RefusalRow;
 use crate::error::AgentError;
+use crate::inventory::HostMemory;
 
 /// Where a parked model's memory goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -120,18 +126,61 @@ pub struct TierInput {
     pub launched: Option<LaunchParking>,
 }
 
-/// The tier choice (see the module doc). Errors: `residency` refused, or
-/// `capability_missing:deep_park`.
-pub fn choose_tier(input: &TierInput) -> Result<ParkChoice, AgentError> {
-    use ParkChoice::{Park, Stop};
+/// The tier choice before the copy's size and the room in host RAM are looked at: the one
+/// place where the page's rule says which parks go to host RAM. [`choose_tier`] finishes it
+/// with the room; the lifecycle reads it to know whether a park needs room in host RAM (and
+/// makes that room, stopping older parked copies, before the park).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TierRule {
+    /// This choice, whatever the room in host RAM.
+    Fixed(ParkChoice),
+    /// Host RAM when the copy is known and fits in the room left there; `otherwise` when not.
+    HostRamIfFits {
+        /// Deep (a discrete card's default), or stopped (no room to park) for `residency:
+        /// host_backed` and for SGLang launched with its CPU backup (it cannot park deep).
+        otherwise: ParkChoice,
+    },
+}
+
+impl TierRule {
+    /// The park goes to host RAM when its copy fits there.
+    pub fn host_ram_if_fits(self) -> bool {
+        matches!(self, TierRule::HostRamIfFits { .. })
+    }
+
+    /// The choice, given whether the copy fits in the room left in host RAM.
+    pub fn with_room(self, fits: bool) -> ParkChoice {
+        match self {
+            TierRule::Fixed(choice) => choice,
+            TierRule::HostRamIfFits { .. } if fits => ParkChoice::Park(ParkTier::HostRam),
+            TierRule::HostRamIfFits { otherwise } => otherwise,
+        }
+    }
+}
+
+/// Why a model of `input` never parks, whatever the host and the room: `residency:
+/// restart_only`, TensorFold, or a decision model. Reads only `residency`, `engine` and
+/// `decision_model`.
+pub fn never_parks(input: &TierInput) -> Option<NoParkReason> {
     if input.residency == Some(Residency::RestartOnly) {
-        return Ok(Stop(NoParkReason::RestartOnly));
+        Some(NoParkReason::RestartOnly)
+    } else if input.engine == EngineKind::Tensorfold {
+        Some(NoParkReason::EngineDoesNotPark)
+    } else if input.decision_model {
+        Some(NoParkReason::DecisionModel)
+    } else {
+        None
     }
-    if input.engine == EngineKind::Tensorfold {
-        return Ok(Stop(NoParkReason::EngineDoesNotPark));
-    }
-    if input.decision_model {
-        return Ok(Stop(NoParkReason::DecisionModel));
+}
+
+/// The tier rule of `input` (see the module doc and [`TierRule`]); reads neither
+/// `weights_bytes` nor `host_room`. Errors: `residency` refused, or
+/// `capability_missing:deep_park`.
+pub fn tier_rule(input: &TierInput) -> Result<TierRule, AgentError> {
+    use ParkChoice::{Park, Stop};
+    use TierRule::{Fixed, HostRamIfFits};
+    if let Some(reason) = never_parks(input) {
+        return Ok(Fixed(Stop(reason)));
     }
     let speculative = input.speculative && input.engine == EngineKind::Sglang;
     if input.residency == Some(Residency::HostBacked) {
@@ -151,31 +200,66 @@ pub fn choose_tier(input: &TierInput) -> Result<ParkChoice, AgentError> {
         return Err(AgentError::CapabilityMissing { reason: row.reason });
     }
     if speculative {
-        return Ok(Park(ParkTier::KvOnly));
+        return Ok(Fixed(Park(ParkTier::KvOnly)));
     }
-    if input.residency == Some(Residency::Deep) || input.unified_memory {
-        return Ok(match input.launched {
-            // SGLang with the backup always copies: it cannot park deep.
-            Some(l) if input.engine == EngineKind::Sglang && l.host_ram => {
-                Stop(NoParkReason::NoRoomToPark)
-            }
-            _ => Park(ParkTier::Deep),
-        });
-    }
-    let fits = matches!((input.weights_bytes, input.host_room), (Some(w), Some(room)) if w <= room);
     let sglang_backup = match input.launched {
         Some(l) if input.engine == EngineKind::Sglang => Some(l.host_ram),
         _ => None,
     };
-    Ok(match (fits, input.residency, sglang_backup) {
-        (true, _, None | Some(true)) => Park(ParkTier::HostRam),
-        // Launched without the backup: its weights can only be dropped.
-        (_, Some(Residency::HostBacked), Some(false)) => Stop(NoParkReason::NoRoomToPark),
-        (_, _, Some(false)) => Park(ParkTier::Deep),
-        (false, Some(Residency::HostBacked), _) => Stop(NoParkReason::NoRoomToPark),
-        (false, _, Some(true)) => Stop(NoParkReason::NoRoomToPark),
-        (false, _, None) => Park(ParkTier::Deep),
-    })
+    let host_backed = input.residency == Some(Residency::HostBacked);
+    Ok(
+        if input.residency == Some(Residency::Deep) || input.unified_memory {
+            // SGLang with the backup always copies: it cannot park deep.
+            Fixed(match sglang_backup {
+                Some(true) => Stop(NoParkReason::NoRoomToPark),
+                _ => Park(ParkTier::Deep),
+            })
+        } else if sglang_backup == Some(false) {
+            // Launched without the backup: its weights can only be dropped.
+            Fixed(if host_backed {
+                Stop(NoParkReason::NoRoomToPark)
+            } else {
+                Park(ParkTier::Deep)
+            })
+        } else {
+            HostRamIfFits {
+                otherwise: if host_backed || sglang_backup == Some(true) {
+                    Stop(NoParkReason::NoRoomToPark)
+                } else {
+                    Park(ParkTier::Deep)
+                },
+            }
+        },
+    )
+}
+
+/// The tier choice (see the module doc): [`tier_rule`], with the copy fitting when its size is
+/// known and at most the room left. Errors: `residency` refused, or
+/// `capability_missing:deep_park`.
+pub fn choose_tier(input: &TierInput) -> Result<ParkChoice, AgentError> {
+    let fits = matches!((input.weights_bytes, input.host_room), (Some(w), Some(room)) if w <= room);
+    Ok(tier_rule(input)?.with_room(fits))
+}
+
+/// Host RAM that parked copies may use, counting the `held` bytes of the copies already made
+/// as free: the `host_memory` override (which the copies made are taken from; it is both the
+/// total and the available figure), or `MemAvailable` (which already excludes the copies
+/// made) plus `held`. What a copy larger than it never fits in, whatever is stopped.
+pub fn host_ram_for_copies(memory: &HostMemory, held: u64) -> u64 {
+    if memory.overridden {
+        memory.total_bytes
+    } else {
+        memory.available_bytes.saturating_add(held)
+    }
+}
+
+/// Room in host RAM for one more copy: [`host_ram_for_copies`] less the `held` bytes of the
+/// copies already made and the `copying` bytes of the copies being made now (reserved when
+/// their tier is chosen).
+pub fn host_ram_room(memory: &HostMemory, held: u64, copying: u64) -> u64 {
+    host_ram_for_copies(memory, held)
+        .saturating_sub(held)
+        .saturating_sub(copying)
 }
 
 /// How to launch the engine so that the tier chosen now is possible: whether it may park, and

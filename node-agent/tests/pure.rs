@@ -7,7 +7,7 @@ mod common;
 use capyctl_node_agent::AgentError;
 use capyctl_node_agent::capability::{DeepPark, REFUSALS, engine_info, refusal_for};
 use capyctl_node_agent::checkpoint::{ModelFacts, checkpoint_size};
-use capyctl_node_agent::inventory::parse_meminfo;
+use capyctl_node_agent::inventory::{HostMemory, parse_meminfo};
 use capyctl_node_agent::launch::{
     MaxRunning, MaxRunningInput, MaxRunningSource, launch_command, max_running,
 };
@@ -15,7 +15,8 @@ use capyctl_node_agent::load::{EngineLoad, LoadSample, parse_metrics};
 use capyctl_node_agent::measure::{MeasureSource, measure_before_start, parse_ppid};
 use capyctl_node_agent::spec::{DecisionSpec, EngineLaunch, InstanceSpec};
 use capyctl_node_agent::tier::{
-    LaunchParking, NoParkReason, ParkChoice, ParkTier, TierInput, choose_tier, launch_parking,
+    LaunchParking, NoParkReason, ParkChoice, ParkTier, TierInput, TierRule, choose_tier,
+    host_ram_for_copies, host_ram_room, launch_parking, never_parks, tier_rule,
 };
 use capyctl_node_agent::verify::{
     DecisionAnswer, FirstAnswer, WakeOutcome, compare_answers, compare_decisions,
@@ -416,6 +417,148 @@ fn tiers() {
     );
     assert_eq!(launch_parking(&spec_in), no_backup);
     assert_eq!(launch_parking(&input(Tensorfold)), LaunchParking::default());
+}
+
+#[test]
+fn the_tier_rule_before_the_room_is_looked_at() {
+    use EngineKind::{Sglang, Tensorfold, Vllm};
+    let deep = ParkChoice::Park(ParkTier::Deep);
+    let no_room = ParkChoice::Stop(NoParkReason::NoRoomToPark);
+    let if_fits = |otherwise| TierRule::HostRamIfFits { otherwise };
+    // The rule reads neither the copy's size nor the room.
+    for (weights_bytes, host_room) in [(Some(10), Some(100)), (Some(10), Some(1)), (None, None)] {
+        let sized = |i: TierInput| TierInput {
+            weights_bytes,
+            host_room,
+            ..i
+        };
+        assert_eq!(tier_rule(&sized(input(Vllm))).unwrap(), if_fits(deep));
+        assert_eq!(
+            tier_rule(&sized(TierInput {
+                residency: Some(Residency::HostBacked),
+                ..input(Vllm)
+            }))
+            .unwrap(),
+            if_fits(no_room)
+        );
+        assert_eq!(
+            tier_rule(&sized(TierInput {
+                unified_memory: true,
+                ..input(Vllm)
+            }))
+            .unwrap(),
+            TierRule::Fixed(deep)
+        );
+    }
+    assert!(tier_rule(&input(Sglang)).unwrap().host_ram_if_fits());
+    for fixed in [
+        TierInput {
+            residency: Some(Residency::Deep),
+            ..input(Vllm)
+        },
+        TierInput {
+            speculative: true,
+            ..input(Sglang)
+        },
+        TierInput {
+            decision_model: true,
+            ..input(Vllm)
+        },
+        input(Tensorfold),
+        TierInput {
+            residency: Some(Residency::RestartOnly),
+            ..input(Vllm)
+        },
+        // SGLang launched without its CPU backup can only drop its weights.
+        TierInput {
+            launched: Some(LaunchParking {
+                may_park: true,
+                host_ram: false,
+            }),
+            ..input(Sglang)
+        },
+    ] {
+        let rule = tier_rule(&fixed).unwrap();
+        assert!(!rule.host_ram_if_fits(), "{fixed:?}: {rule:?}");
+        // A fixed choice is the choice whatever the room.
+        assert_eq!(rule.with_room(true), rule.with_room(false), "{fixed:?}");
+        assert_eq!(choose_tier(&fixed).unwrap(), rule.with_room(true));
+    }
+    // SGLang launched with the backup: host RAM, or stopped when the copy does not fit.
+    let backup = TierInput {
+        launched: Some(LaunchParking {
+            may_park: true,
+            host_ram: true,
+        }),
+        ..input(Sglang)
+    };
+    assert_eq!(tier_rule(&backup).unwrap(), if_fits(no_room));
+    assert_eq!(if_fits(no_room).with_room(true), park(ParkTier::HostRam));
+    assert_eq!(if_fits(no_room).with_room(false), no_room);
+    // Refusals are the rule's too.
+    assert!(
+        tier_rule(&TierInput {
+            residency: Some(Residency::HostBacked),
+            unified_memory: true,
+            ..input(Vllm)
+        })
+        .is_err()
+    );
+}
+
+#[test]
+fn models_that_never_park_whatever_the_host() {
+    use EngineKind::{Sglang, Tensorfold, Vllm};
+    assert_eq!(never_parks(&input(Vllm)), None);
+    assert_eq!(
+        never_parks(&TierInput {
+            residency: Some(Residency::Deep),
+            unified_memory: true,
+            ..input(Sglang)
+        }),
+        None
+    );
+    assert_eq!(
+        never_parks(&input(Tensorfold)),
+        Some(NoParkReason::EngineDoesNotPark)
+    );
+    assert_eq!(
+        never_parks(&TierInput {
+            residency: Some(Residency::RestartOnly),
+            ..input(Vllm)
+        }),
+        Some(NoParkReason::RestartOnly)
+    );
+    assert_eq!(
+        never_parks(&TierInput {
+            decision_model: true,
+            ..input(Vllm)
+        }),
+        Some(NoParkReason::DecisionModel)
+    );
+}
+
+#[test]
+fn host_ram_for_parked_copies() {
+    let meminfo = HostMemory {
+        total_bytes: 64,
+        available_bytes: 10,
+        overridden: false,
+    };
+    let overridden = HostMemory {
+        total_bytes: 40,
+        available_bytes: 40,
+        overridden: true,
+    };
+    // MemAvailable already excludes the copies made: they are added back for the total.
+    assert_eq!(host_ram_for_copies(&meminfo, 20), 30);
+    assert_eq!(host_ram_room(&meminfo, 20, 0), 10);
+    // ...but not the copies still being made.
+    assert_eq!(host_ram_room(&meminfo, 20, 4), 6);
+    // The override is the whole host RAM for the copies; those made are taken from it.
+    assert_eq!(host_ram_for_copies(&overridden, 20), 40);
+    assert_eq!(host_ram_room(&overridden, 20, 4), 16);
+    assert_eq!(host_ram_room(&overridden, 30, 20), 0, "never below zero");
 }
 
 fn named(model: &str) -> ModelFacts {
