@@ -25,6 +25,7 @@
 
 pub mod api;
 pub mod metrics;
+mod parked_room;
 mod placement;
 pub mod store;
 mod views;
@@ -56,7 +57,7 @@ use capyctl_spec::api::{
 use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::errors::ApiError;
 use capyctl_spec::settings::LifecycleDefaults;
-use capyctl_spec::{Activation, EngineKind, InstanceState, Residency};
+use capyctl_spec::{Activation, InstanceState};
 use futures_util::StreamExt;
 use tokio::sync::{broadcast, mpsc, watch};
 use tokio::time::Instant;
@@ -272,9 +273,7 @@ impl Dep {
 
     /// Whether it parks when released (not TensorFold, `restart_only` or a decision model).
     fn parks(&self) -> bool {
-        self.spec.engine != EngineKind::Tensorfold
-            && self.spec.residency != Some(Residency::RestartOnly)
-            && self.spec.decision.is_none()
+        parked_room::parks(&self.spec)
     }
 
     /// Running or on its way (what explicit activation admits requests for).
@@ -1673,10 +1672,11 @@ impl Server {
         }
     }
 
-    /// Makes room in host RAM for `id`'s parked copy: stops the longest-idle non-explicit
-    /// parked copies while the copy does not fit; `ParkedCapacity` when only explicit copies
-    /// stand in the way. Nothing is done when the copy would not go to host RAM, or does not
-    /// fit even in empty host RAM (the agent then parks deep or stops it).
+    /// Makes room in host RAM for `id`'s parked copy: stops the copies the pure
+    /// [`parked_room::parked_room`] names (least recently used first, never explicit, warm,
+    /// busy, reserved or claimed ones), or `ParkedCapacity` when only copies never stopped
+    /// for room stand in the way. Nothing is done when the copy would not go to host RAM, or
+    /// does not fit even in empty host RAM (the agent then parks deep or stops it).
     async fn make_parked_room(&self, id: &str) -> Result<Vec<Victim>, ApiError> {
         let Ok(agent) = self.agent_of(id) else {
             return Ok(Vec::new());
@@ -1687,19 +1687,11 @@ impl Server {
         let unified = inv.unified_memory();
         let plan = self.read(|inner| {
             let d = inner.deps.get(id)?;
-            let to_host_ram = !unified
-                && d.spec.engine != EngineKind::Tensorfold
-                && !matches!(
-                    d.spec.residency,
-                    Some(Residency::Deep | Residency::RestartOnly)
-                )
-                && d.spec.decision.is_none()
-                && !d.spec.speculative();
-            let copy = d.measurement.weights_bytes()?;
-            if !to_host_ram {
-                return None;
-            }
-            let copies: Vec<(&Dep, u64)> = d
+            let copy = parked_room::NewCopy {
+                bytes: d.measurement.weights_bytes(),
+                to_host_ram: parked_room::parks_in_host_ram(&d.spec, unified),
+            };
+            let copies: Vec<parked_room::ParkedCopy<'_>> = d
                 .host
                 .as_deref()
                 .into_iter()
@@ -1709,55 +1701,24 @@ impl Server {
                         && o.state == InstanceState::Parked
                         && o.tier == Some(ParkTier::HostRam)
                 })
-                .map(|o| (o, o.measurement.weights_bytes().unwrap_or(0)))
+                .map(|o| parked_room::ParkedCopy {
+                    id: o.id(),
+                    bytes: o.measurement.weights_bytes().unwrap_or(0),
+                    used_at: o.used_at(),
+                    kept: self.explicit(o) || o.warm() || o.busy || o.reserved.is_some(),
+                    claimed: o.claim.is_some(),
+                })
                 .collect();
-            let held: u64 = copies.iter().map(|(_, b)| b).sum();
-            let total = if inv.host_memory.overridden {
-                inv.host_memory.total_bytes
-            } else {
-                inv.host_memory.available_bytes.saturating_add(held)
-            };
-            if copy > total {
-                return None;
-            }
-            let room = total.saturating_sub(held);
-            if copy <= room {
-                return Some(Ok(Vec::new()));
-            }
-            // Copies never stopped for room: explicit and warm ones, and those busy or reserved.
-            // A copy a switch has claimed is about to wake (and leave host RAM): not stopped
-            // either, and not held against this one: the agent parks deep, or stops it, if it
-            // still does not fit when the park runs.
-            let kept = |o: &Dep| self.explicit(o) || o.warm() || o.busy || o.reserved.is_some();
-            let explicit: u64 = copies
-                .iter()
-                .filter(|(o, _)| kept(o) && o.claim.is_none())
-                .map(|(_, b)| b)
-                .sum();
-            if copy > total.saturating_sub(explicit) {
-                return Some(Err(ApiError::ParkedCapacity {
-                    deployment: id.to_string(),
-                }));
-            }
-            let mut removable: Vec<(&Dep, u64)> = copies
-                .into_iter()
-                .filter(|(o, _)| !kept(o) && o.claim.is_none())
-                .collect();
-            removable.sort_by_key(|(o, _)| o.used_at());
-            let mut free = room;
-            let mut out = Vec::new();
-            for (o, b) in removable {
-                if free >= copy {
-                    break;
-                }
-                free += b;
-                out.push(o.id().to_string());
-            }
-            Some(Ok(out))
+            Some(parked_room::parked_room(copy, &inv.host_memory, &copies))
         });
         let victims = match plan {
-            None => return Ok(Vec::new()),
-            Some(r) => r?,
+            None | Some(parked_room::ParkedRoom::NothingToStop) => return Ok(Vec::new()),
+            Some(parked_room::ParkedRoom::Capacity) => {
+                return Err(ApiError::ParkedCapacity {
+                    deployment: id.to_string(),
+                });
+            }
+            Some(parked_room::ParkedRoom::Stop(victims)) => victims,
         };
         let mut stopped = Vec::new();
         for v in victims {

@@ -1,0 +1,359 @@
+//! Room in host RAM for a parked copy, as a pure function: before a deployment parks, which
+//! older parked host-RAM copies on its host are stopped so that its copy fits (least recently
+//! used first), or `parked_capacity` when only copies never stopped for room stand in the way.
+//!
+//! Whether a model parks at all, whether its park goes to host RAM, and how much host RAM the
+//! copies may use are the host agent's rules (`capyctl_node_agent::tier`: [`never_parks`],
+//! [`tier_rule`], [`host_ram_for_copies`]); this module only reads them.
+
+use capyctl_node_agent::inventory::HostMemory;
+use capyctl_node_agent::spec::InstanceSpec;
+use capyctl_node_agent::tier::{TierInput, TierRule, host_ram_for_copies, never_parks, tier_rule};
+use tokio::time::Instant;
+
+/// The copy a park is about to make.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct NewCopy {
+    /// Its size (the weights); unknown, it never fits and the agent parks deep or stops.
+    pub bytes: Option<u64>,
+    /// The tier rule sends the park to host RAM when the copy fits ([`parks_in_host_ram`]).
+    pub to_host_ram: bool,
+}
+
+/// Another deployment's copy parked in host RAM on the same host (borrowed from the
+/// lifecycle's state).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ParkedCopy<'a> {
+    /// The deployment's ID.
+    pub id: &'a str,
+    /// The bytes its copy holds in host RAM.
+    pub bytes: u64,
+    /// Its last use (the least recently used is stopped first).
+    pub used_at: Instant,
+    /// Never stopped for room: explicit or warm, or busy or reserved.
+    pub kept: bool,
+    /// A switch has claimed it: it is about to wake (and leave host RAM). Never stopped, and
+    /// not held against the new copy when deciding `parked_capacity`: if the copy still does
+    /// not fit when the park runs, the agent parks deep or stops it.
+    pub claimed: bool,
+}
+
+/// The answer of [`parked_room`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum ParkedRoom {
+    /// Nothing to stop: the park does not go to host RAM, the copy's size is unknown, it fits
+    /// already, or it is larger than all the host RAM the copies may use (the agent's call:
+    /// it parks deep or stops the model), or only claimed copies stand in the way.
+    NothingToStop,
+    /// Stop these copies, in this order (least recently used first, only as many as needed).
+    Stop(Vec<String>),
+    /// Only copies never stopped for room stand in the way (`parked_capacity`).
+    Capacity,
+}
+
+/// The host agent's tier input for a park of `spec`, as far as the lifecycle knows it: the
+/// deployment's spec and whether the host's GPUs have `unified_memory`. Two facts of the agent
+/// are not known here and taken as absent: the refusal table's row (the agent refuses such a
+/// park; the lifecycle then stops the model) and how the engine was launched (so the rule is
+/// read as at launch). The copy's size and the room are not part of the rule.
+fn tier_input(spec: &InstanceSpec, unified_memory: bool) -> TierInput {
+    TierInput {
+        engine: spec.engine,
+        residency: spec.residency,
+        speculative: spec.speculative(),
+        decision_model: spec.decision.is_some(),
+        unified_memory,
+        weights_bytes: None,
+        host_room: None,
+        refusal: None,
+        launched: None,
+    }
+}
+
+/// Whether `spec`'s model parks when released, on any host (not `residency: restart_only`,
+/// TensorFold or a decision model: [`never_parks`]).
+pub(crate) fn parks(spec: &InstanceSpec) -> bool {
+    never_parks(&tier_input(spec, false)).is_none()
+}
+
+/// Whether a park of `spec` goes to host RAM when its copy fits there: the host agent's tier
+/// rule ([`tier_rule`]), with `unified_memory` read from the host's inventory.
+pub(crate) fn parks_in_host_ram(spec: &InstanceSpec, unified_memory: bool) -> bool {
+    tier_rule(&tier_input(spec, unified_memory)).is_ok_and(TierRule::host_ram_if_fits)
+}
+
+/// Which of `copies` (the other copies parked in host RAM on the host whose memory is
+/// `memory`) to stop so that `copy` fits.
+pub(crate) fn parked_room(
+    copy: NewCopy,
+    memory: &HostMemory,
+    copies: &[ParkedCopy<'_>],
+) -> ParkedRoom {
+    let Some(bytes) = copy.bytes.filter(|_| copy.to_host_ram) else {
+        return ParkedRoom::NothingToStop;
+    };
+    let sum = |keep: &dyn Fn(&ParkedCopy<'_>) -> bool| {
+        copies
+            .iter()
+            .filter(|c| keep(c))
+            .fold(0u64, |n, c| n.saturating_add(c.bytes))
+    };
+    let held = sum(&|_| true);
+    let total = host_ram_for_copies(memory, held);
+    if bytes > total || bytes <= total.saturating_sub(held) {
+        return ParkedRoom::NothingToStop;
+    }
+    if bytes > total.saturating_sub(sum(&|c| c.kept && !c.claimed)) {
+        return ParkedRoom::Capacity;
+    }
+    let mut removable: Vec<&ParkedCopy<'_>> =
+        copies.iter().filter(|c| !c.kept && !c.claimed).collect();
+    removable.sort_by_key(|c| c.used_at);
+    let mut free = total.saturating_sub(held);
+    let mut stop = Vec::new();
+    for c in removable {
+        if free >= bytes {
+            break;
+        }
+        free = free.saturating_add(c.bytes);
+        stop.push(c.id.to_string());
+    }
+    if stop.is_empty() {
+        ParkedRoom::NothingToStop
+    } else {
+        ParkedRoom::Stop(stop)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use capyctl_node_agent::spec::InstanceSpec;
+    use capyctl_spec::{EngineKind, Residency};
+
+    use super::*;
+
+    const G: u64 = 1 << 30;
+
+    /// `MemAvailable` of `available` GiB (the copies made are not in it).
+    fn meminfo(available: u64) -> HostMemory {
+        HostMemory {
+            total_bytes: 256 * G,
+            available_bytes: available * G,
+            overridden: false,
+        }
+    }
+
+    /// The `host_memory` override of `gib` GiB.
+    fn overridden(gib: u64) -> HostMemory {
+        HostMemory {
+            total_bytes: gib * G,
+            available_bytes: gib * G,
+            overridden: true,
+        }
+    }
+
+    fn to_host_ram(gib: u64) -> NewCopy {
+        NewCopy {
+            bytes: Some(gib * G),
+            to_host_ram: true,
+        }
+    }
+
+    /// A removable copy of `gib` GiB, last used `age` seconds before the others' zero.
+    fn parked(id: &'static str, gib: u64, age: u64) -> ParkedCopy<'static> {
+        let base = Instant::now() + Duration::from_secs(1_000);
+        ParkedCopy {
+            id,
+            bytes: gib * G,
+            used_at: base - Duration::from_secs(age),
+            kept: false,
+            claimed: false,
+        }
+    }
+
+    fn kept(c: ParkedCopy<'static>) -> ParkedCopy<'static> {
+        ParkedCopy { kept: true, ..c }
+    }
+
+    fn claimed(c: ParkedCopy<'static>) -> ParkedCopy<'static> {
+        ParkedCopy { claimed: true, ..c }
+    }
+
+    fn stop(ids: &[&str]) -> ParkedRoom {
+        ParkedRoom::Stop(ids.iter().map(|s| s.to_string()).collect())
+    }
+
+    #[test]
+    fn least_recently_used_first_and_only_as_many_as_needed() {
+        // MemAvailable 4 GiB with 3 copies of 4 GiB made: 16 GiB for copies, 4 free.
+        let copies = [parked("a", 4, 10), parked("b", 4, 300), parked("c", 4, 50)];
+        assert_eq!(
+            parked_room(to_host_ram(4), &meminfo(4), &copies),
+            ParkedRoom::NothingToStop,
+            "it fits"
+        );
+        assert_eq!(
+            parked_room(to_host_ram(8), &meminfo(4), &copies),
+            stop(&["b"])
+        );
+        assert_eq!(
+            parked_room(to_host_ram(12), &meminfo(4), &copies),
+            stop(&["b", "c"])
+        );
+        assert_eq!(
+            parked_room(to_host_ram(16), &meminfo(4), &copies),
+            stop(&["b", "c", "a"])
+        );
+    }
+
+    #[test]
+    fn kept_copies_are_never_chosen() {
+        // The oldest is kept (explicit, warm, busy or reserved): the next oldest goes.
+        let copies = [
+            kept(parked("old", 4, 900)),
+            parked("a", 4, 10),
+            parked("b", 4, 20),
+        ];
+        assert_eq!(
+            parked_room(to_host_ram(6), &overridden(14), &copies),
+            stop(&["b"])
+        );
+        // Even stopping every other copy leaves too little: parked_capacity.
+        assert_eq!(
+            parked_room(to_host_ram(11), &overridden(14), &copies),
+            ParkedRoom::Capacity
+        );
+        assert_eq!(
+            parked_room(to_host_ram(10), &overridden(14), &copies),
+            stop(&["b", "a"])
+        );
+    }
+
+    #[test]
+    fn claimed_copies_are_neither_stopped_nor_counted_against_it() {
+        // 12 GiB: a kept 4, a claimed 6 (about to wake) and a removable 2 hold all of it.
+        let copies = [
+            kept(parked("k", 4, 900)),
+            claimed(parked("w", 6, 800)),
+            parked("r", 2, 10),
+        ];
+        // 8 GiB: with the claimed copy gone there is room, so no parked_capacity; only the
+        // removable copy is stopped (the agent parks deep or stops it if 8 still do not fit).
+        assert_eq!(
+            parked_room(to_host_ram(8), &overridden(12), &copies),
+            stop(&["r"])
+        );
+        // Had the claimed copy been kept instead, the 8 GiB could never fit.
+        let copies = [kept(parked("k", 4, 900)), kept(parked("w", 6, 800))];
+        assert_eq!(
+            parked_room(to_host_ram(8), &overridden(12), &copies),
+            ParkedRoom::Capacity
+        );
+        // Only a claimed copy in the way: nothing to stop.
+        let copies = [claimed(parked("w", 6, 800))];
+        assert_eq!(
+            parked_room(to_host_ram(8), &overridden(12), &copies),
+            ParkedRoom::NothingToStop
+        );
+    }
+
+    #[test]
+    fn overridden_host_memory_is_the_total_for_the_copies() {
+        // Overridden: the 16 GiB hold the copies made; MemAvailable would add them back.
+        let copies = [parked("a", 6, 10)];
+        assert_eq!(
+            parked_room(to_host_ram(12), &overridden(16), &copies),
+            stop(&["a"])
+        );
+        assert_eq!(
+            parked_room(to_host_ram(12), &meminfo(16), &copies),
+            ParkedRoom::NothingToStop
+        );
+    }
+
+    #[test]
+    fn a_copy_larger_than_host_ram_or_not_for_host_ram_stops_nothing() {
+        let copies = [parked("a", 6, 10)];
+        // Larger than all of host RAM for copies: the agent parks deep (or stops it).
+        assert_eq!(
+            parked_room(to_host_ram(17), &overridden(16), &copies),
+            ParkedRoom::NothingToStop
+        );
+        assert_eq!(
+            parked_room(to_host_ram(17), &meminfo(10), &copies),
+            ParkedRoom::NothingToStop
+        );
+        // Exactly all of it: the others make room.
+        assert_eq!(
+            parked_room(to_host_ram(16), &meminfo(10), &copies),
+            stop(&["a"])
+        );
+        // Not to host RAM, or of unknown size.
+        let deep = NewCopy {
+            to_host_ram: false,
+            ..to_host_ram(12)
+        };
+        assert_eq!(
+            parked_room(deep, &overridden(16), &copies),
+            ParkedRoom::NothingToStop
+        );
+        let unknown = NewCopy {
+            bytes: None,
+            to_host_ram: true,
+        };
+        assert_eq!(
+            parked_room(unknown, &overridden(16), &copies),
+            ParkedRoom::NothingToStop
+        );
+    }
+
+    fn spec(yaml: &str) -> InstanceSpec {
+        let doc = capyctl_spec::documents::parse_deployment_str("t.yaml", yaml)
+            .unwrap_or_else(|e| panic!("{e}"));
+        InstanceSpec::from_doc("d".to_string(), &doc)
+    }
+
+    #[test]
+    fn the_agents_tier_rule_says_which_parks_go_to_host_ram() {
+        let vllm = spec("name: m\nengine: vllm\nmodel: m\n");
+        assert_eq!(vllm.engine, EngineKind::Vllm);
+        assert!(parks_in_host_ram(&vllm, false));
+        assert!(!parks_in_host_ram(&vllm, true), "unified memory parks deep");
+        let deep = InstanceSpec {
+            residency: Some(Residency::Deep),
+            ..vllm.clone()
+        };
+        assert!(!parks_in_host_ram(&deep, false));
+        let host_backed = InstanceSpec {
+            residency: Some(Residency::HostBacked),
+            ..vllm.clone()
+        };
+        assert!(parks_in_host_ram(&host_backed, false));
+        assert!(!parks_in_host_ram(&host_backed, true), "refused there");
+        let restart = InstanceSpec {
+            residency: Some(Residency::RestartOnly),
+            ..vllm.clone()
+        };
+        assert!(!parks_in_host_ram(&restart, false));
+        assert!(!parks(&restart));
+        assert!(parks(&deep) && parks(&host_backed) && parks(&vllm));
+        let tensorfold = InstanceSpec {
+            engine: EngineKind::Tensorfold,
+            ..vllm.clone()
+        };
+        assert!(!parks_in_host_ram(&tensorfold, false));
+        assert!(!parks(&tensorfold));
+        let decision =
+            spec("name: m\nengine: vllm\nmodel: m\ndecision:\n  prompt: p\n  options: [yes, no]\n");
+        assert!(decision.decision.is_some());
+        assert!(!parks(&decision) && !parks_in_host_ram(&decision, false));
+        let speculative = spec(
+            "name: m\nengine: sglang\nmodel: m\nextra_args: [\"--speculative-algorithm\", \"EAGLE\"]\n",
+        );
+        assert!(speculative.speculative());
+        assert!(!parks_in_host_ram(&speculative, false), "KV cache only");
+        assert!(parks(&speculative));
+    }
+}
