@@ -784,12 +784,7 @@ impl State {
             }) => {
                 // Invariant: a victim is never protected. A request may have begun waiting for
                 // a victim's deployment while the plan ran: give the plan back, plan again.
-                let protected_victim = victims.iter().any(|v| {
-                    self.deployments
-                        .get(&v.deployment)
-                        .is_some_and(|d| !d.queue.is_empty())
-                });
-                if protected_victim {
+                if self.names_protected(&victims) {
                     fx.abandon(&switch_id);
                 } else {
                     // A victim whose deployment has another ready instance outside the victims
@@ -1489,6 +1484,16 @@ impl State {
         fx.plan(seq, target, protected, who);
     }
 
+    /// Whether a plan's `victims` name a deployment that has begun waiting since the plan was
+    /// asked for (the plan is then given back: a victim is never protected).
+    fn names_protected(&self, victims: &[InstanceKey]) -> bool {
+        victims.iter().any(|v| {
+            self.deployments
+                .get(&v.deployment)
+                .is_some_and(|d| !d.queue.is_empty())
+        })
+    }
+
     /// The deployments with waiting requests now: never a victim (rule 6).
     fn protected(&self) -> BTreeSet<DeploymentId> {
         self.demand
@@ -1557,11 +1562,7 @@ impl State {
                 // Invariant: a victim is never protected. A request may have begun waiting for
                 // a victim's deployment while the plan ran: give the plan back and plan again,
                 // in the same turn.
-                if victims.iter().any(|v| {
-                    self.deployments
-                        .get(&v.deployment)
-                        .is_some_and(|d| !d.queue.is_empty())
-                }) {
+                if self.names_protected(&victims) {
                     fx.abandon(&switch_id);
                     self.operators.push_front(OperatorWait {
                         id,
