@@ -44,10 +44,12 @@ use capyctl_node_agent::measure::Measurement;
 use capyctl_node_agent::spec::{HostSettings, InstanceSpec};
 use capyctl_node_agent::tier::{NoParkReason, ParkTier};
 use capyctl_router::admission::{Admission, Permit};
-use capyctl_router::coordinator::{CoordinatorHandle, CoordinatorPermit};
+use capyctl_router::coordinator::{
+    CoordinatorHandle, CoordinatorPermit, OperatorResult, OperatorStart,
+};
 use capyctl_router::lifecycle::{
-    BoxFuture, DeploymentId, DeploymentRef, DrainReport, InstanceKey, Lifecycle, Plan, SwitchOrder,
-    Upstream,
+    BoxFuture, DeploymentId, DeploymentRef, DrainReport, Executed, InstanceKey, Lifecycle, Plan,
+    PlanFor, SwitchOrder, Upstream,
 };
 use capyctl_router::proxy::ModelEntry;
 use capyctl_spec::api::{
@@ -59,7 +61,7 @@ use capyctl_spec::errors::ApiError;
 use capyctl_spec::settings::LifecycleDefaults;
 use capyctl_spec::{Activation, InstanceState};
 use futures_util::StreamExt;
-use tokio::sync::{broadcast, mpsc, watch};
+use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -2025,9 +2027,20 @@ impl Server {
         Ok(())
     }
 
-    fn plan_now(&self, target: &str, protected: &BTreeSet<String>) -> Result<Plan, ApiError> {
+    /// Plans bringing `target` up for `who` (see [`PlanFor`]): reserves the victims and
+    /// claims the target. An operator's plan (`start --evict`) may also name starts and wakes
+    /// in progress that no request waits for ([`Victims::IdleAndBringUps`]); it does not ask
+    /// whether requests may bring the target up (the operator's start is what does).
+    fn plan_now(
+        &self,
+        target: &str,
+        protected: &BTreeSet<String>,
+        who: PlanFor,
+    ) -> Result<Plan, ApiError> {
         let mut inner = self.lock();
-        self.admissible_now(&inner, target)?;
+        if who == PlanFor::Requests {
+            self.admissible_now(&inner, target)?;
+        }
         let Some(d) = inner.deps.get(target) else {
             return Err(not_found(target));
         };
@@ -2046,7 +2059,11 @@ impl Server {
             }
             _ => {}
         }
-        let (host, fit) = self.place_target(&inner, target, protected, Victims::Idle);
+        let policy = match who {
+            PlanFor::Requests => Victims::Idle,
+            PlanFor::Operator => Victims::IdleAndBringUps,
+        };
+        let (host, fit) = self.place_target(&inner, target, protected, policy);
         let switch_id = self.fresh_id("sw");
         let plan = match fit {
             Fit::Now => {
@@ -2074,12 +2091,13 @@ impl Server {
                     .and_then(|h| inner.hosts.get(h))
                     .and_then(|h| h.admission_window);
                 // The router drains the ready victims; parked ones (stopped for what they still
-                // hold on the GPU) are the lifecycle's alone.
+                // hold on the GPU) and starts or wakes in progress (ended) are the lifecycle's
+                // alone.
                 let mut keys = Vec::new();
                 for v in &victims {
                     if let Some(vd) = inner.deps.get_mut(v) {
                         vd.reserved = Some(switch_id.clone());
-                        if vd.state != InstanceState::Parked {
+                        if vd.state == InstanceState::Ready {
                             keys.push(self.key(vd));
                         }
                     }
@@ -2120,7 +2138,12 @@ impl Server {
         Ok(plan)
     }
 
-    async fn execute_order(&self, order: SwitchOrder) -> Result<(), ApiError> {
+    /// Carries out a switch's order (see [`Lifecycle::execute`]): releases the victims, then
+    /// brings the target up. An operator's order answers once the bring-up has begun; the
+    /// bring-up goes on in a task of its own, whose outcome [`Executed::bring_up`] carries (a
+    /// failure also fails the requests waiting for the target). The switch is counted in the
+    /// metrics once the bring-up has ended.
+    async fn execute_order(&self, order: SwitchOrder) -> Result<Executed, ApiError> {
         let span =
             tracing::info_span!("switch", switch_id = %order.switch_id, target = %order.target);
         let mut phases = Vec::with_capacity(4);
@@ -2128,97 +2151,206 @@ impl Server {
             phases.push(("window", order.window));
             phases.push(("drain", order.drain));
         }
-        let result = self
+        let released = self
             .execute_inner(&order, &mut phases)
-            .instrument(span)
+            .instrument(span.clone())
             .await;
-        self.config.metrics.switch_finished(
-            match &result {
-                Ok(()) => "ok",
-                Err(e) => e.metric_label(),
-            },
-            &phases,
-        );
-        result
+        let count =
+            |me: &Server, phases: &[(&'static str, Duration)], result: Result<(), &ApiError>| {
+                me.config.metrics.switch_finished(
+                    match result {
+                        Ok(()) => "ok",
+                        Err(e) => e.metric_label(),
+                    },
+                    phases,
+                );
+            };
+        let (released, up) = match released {
+            Ok(r) => r,
+            Err(e) => {
+                count(self, &phases, Err(&e));
+                return Err(e);
+            }
+        };
+        let Some(up) = up else {
+            // The target is up or on its way already.
+            phases.push(("bring_up", Duration::ZERO));
+            count(self, &phases, Ok(()));
+            return Ok(Executed {
+                released,
+                bring_up: None,
+            });
+        };
+        let began = Instant::now();
+        if !order.operator {
+            let result = self.finish_up(&order.target, up).instrument(span).await;
+            phases.push(("bring_up", began.elapsed()));
+            count(self, &phases, result.as_ref().map(|_| ()));
+            return result.map(|()| Executed {
+                released,
+                bring_up: None,
+            });
+        }
+        let (tx, rx) = oneshot::channel();
+        let target = order.target.clone();
+        self.spawn(move |me| {
+            Box::pin(
+                async move {
+                    let result = me.finish_up(&target, up).await;
+                    phases.push(("bring_up", began.elapsed()));
+                    count(&me, &phases, result.as_ref().map(|_| ()));
+                    if let Err(e) = &result
+                        && let Some(r) = me.router()
+                    {
+                        r.deployment_refused(target, e.clone()).await;
+                    }
+                    let _ = tx.send(result);
+                }
+                .instrument(span),
+            )
+        });
+        Ok(Executed {
+            released,
+            bring_up: Some(rx),
+        })
     }
 
-    /// Releases the victims, then brings the target up; `phases` gets `release` and
-    /// `bring_up` (those reached) with their durations.
+    /// Releases the victims of `order`, then begins bringing the target up; `phases` gets
+    /// `release`. The victims released, and how the target's bring-up began (`None`: it is up
+    /// or on its way already).
+    ///
+    /// The victims are the switch's reservation's, in its order: the ready ones the router
+    /// drained (`order.victims`, with their reports) park or stop; parked engines are stopped
+    /// for what they still hold on the GPU; starts and wakes in progress (only an operator's
+    /// plan names them) are ended and their engines stopped (a request that came for one
+    /// meanwhile gets the retryable `unavailable`); one that became ready before it could be
+    /// ended is drained here (through the router) and released like the others. A victim that
+    /// could not be released fails an operator's order (`evict_failed`: the target is not
+    /// brought up on memory its engine may still hold); a request's switch goes on.
     async fn execute_inner(
         &self,
         order: &SwitchOrder,
         phases: &mut Vec<(&'static str, Duration)>,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(Vec<Victim>, Option<Up>), ApiError> {
         let began = Instant::now();
-        for (key, report) in &order.victims {
-            let ours = self.read(|inner| {
-                inner.deps.get(&key.deployment).is_some_and(|d| {
-                    d.reserved.as_deref() == Some(order.switch_id.as_str())
-                        && d.rec.generation == key.generation
-                        && matches!(d.state, InstanceState::Ready | InstanceState::Closed)
-                })
-            });
-            if !ours {
-                continue;
-            }
-            let stop_all = self.read(|inner| {
-                inner
-                    .reservations
-                    .get(&order.switch_id)
-                    .is_some_and(|r| r.stop)
-            });
-            match self
-                .put_away(
-                    &key.deployment,
-                    Put::victim(report.cut_before_output, stop_all),
-                    NoRoom::Stop,
-                )
-                .await
-            {
-                Ok(put) => {
-                    tracing::info!(victim = %key.deployment, released = put.released.words(), room = ?put.room.iter().map(|v| &v.name).collect::<Vec<_>>(), "victim released")
-                }
-                Err(e) => {
-                    tracing::warn!(victim = %key.deployment, error = %e, "releasing a victim failed")
-                }
-            }
-        }
-        // Parked engines this switch stops for what they still hold on the GPU (victims that
-        // were parked when it was planned: the router drained none of them).
-        let parked: Vec<String> = self.read(|inner| {
-            let Some(r) = inner.reservations.get(&order.switch_id) else {
-                return Vec::new();
-            };
-            r.victims
-                .iter()
-                .filter(|v| !order.victims.iter().any(|(k, _)| &k.deployment == *v))
-                .filter(|v| {
-                    inner.deps.get(*v).is_some_and(|d| {
-                        d.state == InstanceState::Parked
-                            && d.reserved.as_deref() == Some(order.switch_id.as_str())
-                    })
-                })
-                .cloned()
-                .collect()
+        let switch_id = order.switch_id.as_str();
+        let (victims, stop_all) = self.read(|inner| {
+            inner
+                .reservations
+                .get(switch_id)
+                .map_or((Vec::new(), false), |r| (r.victims.clone(), r.stop))
         });
-        for v in parked {
-            match self.put_away(&v, Put::StopNoRoom, NoRoom::Stop).await {
+        let mut released = Vec::new();
+        // Victims whose engine could not be released (ID, name, why).
+        let mut not_released: Vec<(String, String, String)> = Vec::new();
+        for v in &victims {
+            let ours = |d: &Dep| d.reserved.as_deref() == Some(switch_id);
+            let Some((name, iid, bringing_up)) = self.read(|inner| {
+                let d = inner.deps.get(v).filter(|d| ours(d))?;
+                Some((d.name().to_string(), d.instance_id(), d.bringing_up()))
+            }) else {
+                continue;
+            };
+            if bringing_up {
+                let refusal = ApiError::DispatchClosed {
+                    deployment: v.clone(),
+                };
+                self.end_bring_up(v, &refusal).await;
+                let ended = self.read(|inner| {
+                    inner.deps.get(v).map(|d| {
+                        (
+                            matches!(d.state, InstanceState::Stopped | InstanceState::Failed),
+                            d.ended_stop_failed.clone(),
+                        )
+                    })
+                });
+                match ended {
+                    None => continue,
+                    Some((true, Some(why))) => {
+                        tracing::warn!(victim = %v, error = %why, "its start or wake ended, but stopping its engine failed");
+                        not_released.push((v.clone(), name, why));
+                        continue;
+                    }
+                    Some((true, None)) => {
+                        tracing::info!(victim = %v, "released: stopped (its start or wake ended)");
+                        released.push(Victim {
+                            deployment_id: v.clone(),
+                            name,
+                            instance_id: iid,
+                            released: Released::Stopped,
+                        });
+                        continue;
+                    }
+                    // It became ready before it could be ended: drained below.
+                    Some((false, _)) => {}
+                }
+            }
+            let drained = order.victims.iter().find(|(k, _)| &k.deployment == v);
+            let state = self.read(|inner| {
+                let d = inner.deps.get(v).filter(|d| ours(d))?;
+                let generation = drained.is_none_or(|(k, _)| d.rec.generation == k.generation);
+                Some((d.state, generation))
+            });
+            let put = match (state, drained) {
+                (Some((InstanceState::Parked, _)), _) => Put::StopNoRoom,
+                (Some((InstanceState::Ready | InstanceState::Closed, true)), Some((_, report))) => {
+                    Put::victim(report.cut_before_output, stop_all)
+                }
+                (Some((InstanceState::Ready, _)), None) => {
+                    // Not drained by the switch (it was starting when planned): drained now.
+                    match self
+                        .drain(std::slice::from_ref(v), InstanceState::Closed)
+                        .await
+                    {
+                        Ok(reports) => Put::victim(
+                            reports.get(v).is_some_and(|r| r.cut_before_output),
+                            stop_all,
+                        ),
+                        Err(e) => {
+                            tracing::warn!(victim = %v, error = %e, "draining a victim failed");
+                            not_released.push((v.clone(), name, e.message()));
+                            continue;
+                        }
+                    }
+                }
+                _ => continue,
+            };
+            match self.put_away(v, put, NoRoom::Stop).await {
                 Ok(put) => {
-                    tracing::info!(victim = %v, released = put.released.words(), "parked engine stopped for its GPU memory")
+                    tracing::info!(victim = %v, released = put.released.words(), room = ?put.room.iter().map(|v| &v.name).collect::<Vec<_>>(), "victim released");
+                    released.push(Victim {
+                        deployment_id: v.clone(),
+                        name,
+                        instance_id: iid,
+                        released: put.released,
+                    });
+                    // Parked copies stopped to make room for this one's copy.
+                    released.extend(put.room);
                 }
                 Err(e) => {
-                    tracing::warn!(victim = %v, error = %e, "stopping a parked victim failed")
+                    tracing::warn!(victim = %v, error = %e, "releasing a victim failed");
+                    not_released.push((v.clone(), name, e.message()));
                 }
             }
         }
         phases.push(("release", began.elapsed()));
-        let began = Instant::now();
+        if order.operator {
+            // A stop that failed fails the evict, as it fails `stop`: the victim shows
+            // `failed` with the error, and the target is not started.
+            let target = self
+                .read(|inner| inner.deps.get(&order.target).map(|d| d.name().to_string()))
+                .unwrap_or_else(|| order.target.clone());
+            if let Some(e) = evict_failed(&target, &not_released) {
+                self.write(|inner| inner.release_reservation(switch_id));
+                return Err(e);
+            }
+        }
         let up = self.write(|inner| {
             let claimed = inner
                 .deps
                 .get(&order.target)
-                .is_some_and(|d| d.claim.as_deref() == Some(order.switch_id.as_str()));
-            inner.release_reservation(&order.switch_id);
+                .is_some_and(|d| d.claim.as_deref() == Some(switch_id));
+            inner.release_reservation(switch_id);
             if !claimed {
                 return Err(ApiError::Conflict {
                     detail: format!(
@@ -2237,12 +2369,7 @@ impl Server {
             }
             Ok(Self::begin_up(inner, &order.target))
         })?;
-        let result = match up {
-            Some(up) => self.finish_up(&order.target, up).await,
-            None => Ok(()),
-        };
-        phases.push(("bring_up", began.elapsed()));
-        result
+        Ok((released, up))
     }
 
     /// Waits until the engine of `key` reports no running and no waiting requests in a sample
@@ -2430,11 +2557,10 @@ impl Server {
 
     async fn do_start(&self, key: &str, req: StartRequest) -> Result<ActionReceipt, ApiError> {
         let id = self.find(key)?;
-        let protected = self.waiting_in_router().await;
         enum Next {
             Nothing,
             Up(Up),
-            Evict(String, Vec<String>, bool),
+            Evict,
             Pending,
         }
         let next = self.write(|inner| -> Result<Next, ApiError> {
@@ -2463,46 +2589,26 @@ impl Server {
             ) || d.claim.is_some()
                 // A start that waits for memory is taken over by a start with --evict.
                 || (d.rec.pending_start && !req.evict);
-            let victims = if req.evict {
-                Victims::IdleAndBringUps
-            } else {
-                Victims::None
-            };
-            let (host, fit) = self.place_target(inner, &id, &protected, victims);
+            // With --evict the placement is the switch's (`operator_switch`); without, nothing
+            // is released.
+            let fit = (!req.evict)
+                .then(|| self.place_target(inner, &id, &BTreeSet::new(), Victims::None));
             let d = inner.deps.get_mut(&id).ok_or_else(|| not_found(&id))?;
             d.rec.operator_stopped = false;
             d.rec.operator_started = true;
             if coming {
                 return Ok(Next::Nothing);
             }
-            if matches!(fit, Fit::Now | Fit::After(_) | Fit::AfterStopping(_)) {
-                inner.set_host(&id, host);
-            }
+            let Some((host, fit)) = fit else {
+                return Ok(Next::Evict);
+            };
             match fit {
-                Fit::Now => Ok(Self::begin_up(inner, &id).map_or(Next::Nothing, Next::Up)),
-                Fit::After(ref victims) | Fit::AfterStopping(ref victims) => {
-                    let stop = matches!(fit, Fit::AfterStopping(_));
-                    let victims = victims.clone();
-                    let rid = self.fresh_id("sw");
-                    for v in &victims {
-                        if let Some(vd) = inner.deps.get_mut(v) {
-                            vd.reserved = Some(rid.clone());
-                        }
-                    }
-                    if let Some(d) = inner.deps.get_mut(&id) {
-                        d.claim = Some(rid.clone());
-                    }
-                    inner.reservations.insert(
-                        rid.clone(),
-                        Reservation {
-                            target: Some(id.clone()),
-                            victims: victims.clone(),
-                            stop,
-                        },
-                    );
-                    Ok(Next::Evict(rid, victims, stop))
+                Fit::Now => {
+                    inner.set_host(&id, host);
+                    Ok(Self::begin_up(inner, &id).map_or(Next::Nothing, Next::Up))
                 }
-                Fit::Later => {
+                // Without --evict nothing is released: placement never names victims then.
+                Fit::Later | Fit::After(_) | Fit::AfterStopping(_) => {
                     if let Some(d) = inner.deps.get_mut(&id) {
                         d.rec.pending_start = true;
                     }
@@ -2517,169 +2623,55 @@ impl Server {
         self.save_logged(&id);
         let mut receipt_victims = Vec::new();
         let mut switch_id = None;
-        let mut evict_phases: Vec<(&'static str, Duration)> = Vec::new();
-        let up = match next {
-            Next::Nothing | Next::Pending => None,
-            Next::Up(up) => Some(up),
-            Next::Evict(rid, victims, stop_all) => {
-                // A switch like a request's, without the admission window: counted the same.
-                let began = Instant::now();
-                // Starts and wakes in progress among the victims (no request waits for them)
-                // are ended: their engines stop. A request that came for one meanwhile gets
-                // the retryable `unavailable`; later ones wait for the next switch.
-                let bringing_up: Vec<String> = self.read(|inner| {
-                    victims
-                        .iter()
-                        .filter(|v| inner.deps.get(*v).is_some_and(Dep::bringing_up))
-                        .cloned()
-                        .collect()
-                });
-                for v in &bringing_up {
-                    let refusal = ApiError::DispatchClosed {
-                        deployment: v.clone(),
-                    };
-                    self.end_bring_up(v, &refusal).await;
-                }
-                // Only ready victims drain: parked ones (stopped for what they hold on the GPU)
-                // and ended starts have nothing to drain (a start that ended ready drains).
-                let ready: Vec<String> = self.read(|inner| {
-                    victims
-                        .iter()
-                        .filter(|v| {
-                            inner
-                                .deps
-                                .get(*v)
-                                .is_some_and(|d| d.state == InstanceState::Ready)
+        match next {
+            Next::Nothing | Next::Pending => {}
+            Next::Up(up) => {
+                if req.wait {
+                    self.finish_up(&id, up).await?;
+                } else {
+                    let target = id.clone();
+                    self.spawn(move |me| {
+                        Box::pin(async move {
+                            if let Err(e) = me.finish_up(&target, up).await
+                                && let Some(r) = me.router()
+                            {
+                                r.deployment_refused(target, e).await;
+                            }
                         })
-                        .cloned()
-                        .collect()
-                });
-                let reports = match self.drain(&ready, InstanceState::Closed).await {
-                    Ok(r) => r,
-                    Err(e) => {
-                        self.write(|inner| inner.release_reservation(&rid));
-                        self.config
-                            .metrics
-                            .switch_finished(e.metric_label(), &[("drain", began.elapsed())]);
-                        return Err(e);
-                    }
-                };
-                evict_phases.push(("drain", began.elapsed()));
-                let released_at = Instant::now();
-                // Victims whose engine could not be stopped (its name, why): the target is not
-                // placed on memory their engines may still hold.
-                let mut not_released: Vec<(String, String, String)> = Vec::new();
-                for v in &victims {
-                    // A parked victim is stopped for what it holds on the GPU.
-                    let put = Put::victim(
-                        reports.get(v).is_some_and(|r| r.cut_before_output),
-                        stop_all || !ready.contains(v),
-                    );
-                    let (name, iid) = self
-                        .read(|inner| {
-                            inner
-                                .deps
-                                .get(v)
-                                .map(|d| (d.name().to_string(), d.instance_id()))
-                        })
-                        .unwrap_or_default();
-                    let ended = bringing_up.contains(v)
-                        && self.read(|inner| {
-                            inner.deps.get(v).is_none_or(|d| {
-                                matches!(d.state, InstanceState::Stopped | InstanceState::Failed)
-                            })
-                        });
-                    let stop_failed = ended
-                        .then(|| {
-                            self.read(|inner| {
-                                inner.deps.get(v).and_then(|d| d.ended_stop_failed.clone())
-                            })
-                        })
-                        .flatten();
-                    if let Some(why) = stop_failed {
-                        tracing::warn!(victim = %v, error = %why, "its start or wake ended, but stopping its engine failed");
-                        not_released.push((v.clone(), name, why));
-                        continue;
-                    }
-                    if ended {
-                        tracing::info!(victim = %v, "released: stopped (its start or wake ended)");
-                        receipt_victims.push(Victim {
-                            deployment_id: v.clone(),
-                            name,
-                            instance_id: iid,
-                            released: Released::Stopped,
-                        });
-                        continue;
-                    }
-                    match self.put_away(v, put, NoRoom::Stop).await {
-                        Ok(put) => {
-                            receipt_victims.push(Victim {
-                                deployment_id: v.clone(),
-                                name,
-                                instance_id: iid,
-                                released: put.released,
-                            });
-                            // Parked copies stopped to make room for this one's copy.
-                            receipt_victims.extend(put.room);
-                        }
-                        Err(e) => {
-                            tracing::warn!(victim = %v, error = %e, "releasing a victim failed");
-                            not_released.push((v.clone(), name, e.message()));
-                        }
-                    }
+                    });
                 }
-                evict_phases.push(("release", released_at.elapsed()));
-                // A stop that failed fails the evict, as it fails `stop`: the victim shows
-                // `failed` with the error, and the target is not started.
-                let target = self
-                    .read(|inner| inner.deps.get(&id).map(|d| d.name().to_string()))
-                    .unwrap_or_else(|| id.clone());
-                if let Some(e) = evict_failed(&target, &not_released) {
-                    self.write(|inner| inner.release_reservation(&rid));
-                    self.config
-                        .metrics
-                        .switch_finished(e.metric_label(), &evict_phases);
-                    return Err(e);
-                }
-                switch_id = Some(rid.clone());
-                self.write(|inner| {
-                    inner.release_reservation(&rid);
-                    Self::begin_up(inner, &id)
-                })
             }
-        };
-        if let Some(up) = up {
-            // The phases so far, when this start is a switch; counted once the target is up.
-            let phases = (!evict_phases.is_empty()).then_some(evict_phases);
-            let up_at = Instant::now();
-            let finish = move |me: &Server, result: &Result<(), ApiError>| {
-                if let Some(mut phases) = phases {
-                    phases.push(("bring_up", up_at.elapsed()));
-                    let outcome = match result {
-                        Ok(()) => "ok",
-                        Err(e) => e.metric_label(),
-                    };
-                    me.config.metrics.switch_finished(outcome, &phases);
+            Next::Evict => match self.operator_switch(&id).await? {
+                OperatorStart::AlreadyComing => {}
+                OperatorStart::Later => {
+                    // Nothing can be released for it now: it waits for memory, as a start
+                    // without --evict does.
+                    let pending = self.write(|inner| {
+                        let d = inner.deps.get_mut(&id)?;
+                        let idle = !d.busy && d.claim.is_none() && !d.occupies();
+                        (idle && !d.rec.pending_start).then(|| d.rec.pending_start = true)
+                    });
+                    if pending.is_some() {
+                        self.save_logged(&id);
+                    }
                 }
-            };
-            if req.wait {
-                let result = self.finish_up(&id, up).await;
-                finish(self, &result);
-                result?;
-            } else {
-                let target = id.clone();
-                self.spawn(move |me| {
-                    Box::pin(async move {
-                        let result = me.finish_up(&target, up).await;
-                        finish(&me, &result);
-                        if let Err(e) = result
-                            && let Some(r) = me.router()
-                        {
-                            r.deployment_refused(target, e).await;
-                        }
-                    })
-                });
-            }
+                OperatorStart::Switched {
+                    switch_id: sw,
+                    executed,
+                } => {
+                    if !executed.released.is_empty() {
+                        switch_id = Some(sw);
+                        receipt_victims = executed.released;
+                    }
+                    if req.wait
+                        && let Some(bring_up) = executed.bring_up
+                    {
+                        bring_up
+                            .await
+                            .unwrap_or_else(|_| Err(internal("the start was given up")))?;
+                    }
+                }
+            },
         }
         if req.wait {
             self.wait_ready(&id).await?;
@@ -2688,6 +2680,44 @@ impl Server {
         receipt.switch_id = switch_id;
         receipt.victims = receipt_victims;
         Ok(receipt)
+    }
+
+    /// An operator's switch (`start --evict`): submitted to the router's coordinator, the one
+    /// owner of switches, which takes the switch slot in turn, protects the deployments with
+    /// waiting requests, asks [`Server::plan_now`] for it, drains the ready victims and has
+    /// [`Server::execute_order`] carry it out.
+    ///
+    /// NB: a server without a router (some tests) has no requests, waiting or in flight, and
+    /// no other switch: the same plan is asked for and executed here directly, with nothing
+    /// protected and nothing to drain.
+    async fn operator_switch(&self, id: &str) -> OperatorResult {
+        if let Some(router) = self.router() {
+            return router.operator_start(id.to_string()).await;
+        }
+        let (switch_id, victims) = match self.plan_now(id, &BTreeSet::new(), PlanFor::Operator)? {
+            Plan::AlreadyComing => return Ok(OperatorStart::AlreadyComing),
+            Plan::Later => return Ok(OperatorStart::Later),
+            Plan::BringUp { switch_id } => (switch_id, Vec::new()),
+            Plan::Switch {
+                switch_id, victims, ..
+            } => (switch_id, victims),
+        };
+        let order = SwitchOrder {
+            switch_id: switch_id.clone(),
+            target: id.to_string(),
+            victims: victims
+                .into_iter()
+                .map(|k| (k, DrainReport::default()))
+                .collect(),
+            window: Duration::ZERO,
+            drain: Duration::ZERO,
+            operator: true,
+        };
+        let executed = self.execute_order(order).await?;
+        Ok(OperatorStart::Switched {
+            switch_id,
+            executed,
+        })
     }
 
     /// Waits until `id` is ready; its failure otherwise.
@@ -3317,11 +3347,12 @@ impl Lifecycle for Server {
         &'a self,
         deployment: &'a DeploymentId,
         protected: &'a BTreeSet<DeploymentId>,
+        who: PlanFor,
     ) -> BoxFuture<'a, Result<Plan, ApiError>> {
-        Box::pin(async move { self.plan_now(deployment, protected) })
+        Box::pin(async move { self.plan_now(deployment, protected, who) })
     }
 
-    fn execute(&self, order: SwitchOrder) -> BoxFuture<'_, Result<(), ApiError>> {
+    fn execute(&self, order: SwitchOrder) -> BoxFuture<'_, Result<Executed, ApiError>> {
         Box::pin(self.execute_order(order))
     }
 

@@ -21,7 +21,7 @@ use capyctl_node_agent::spec::InstanceSpec;
 use capyctl_node_agent::tier::{LaunchParking, ParkChoice, ParkTier};
 use capyctl_node_agent::verify::{FirstAnswer, WakeOutcome};
 use capyctl_node_agent::{AgentError, HostAgent};
-use capyctl_router::lifecycle::{DrainReport, Lifecycle, Plan, SwitchOrder};
+use capyctl_router::lifecycle::{DrainReport, Lifecycle, Plan, PlanFor, SwitchOrder};
 use capyctl_spec::EngineKind;
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::{Released, StartRequest};
@@ -295,17 +295,20 @@ async fn two_plans_never_name_the_same_victim_and_protected_ones_are_never_named
     let d = s.get("d").await.unwrap().id;
     let none = BTreeSet::new();
 
-    let p1 = s.plan(&c, &none).await.unwrap();
+    let p1 = s.plan(&c, &none, PlanFor::Requests).await.unwrap();
     let v1 = victims(&p1);
     assert_eq!(v1.len(), 1);
-    let p2 = s.plan(&d, &none).await.unwrap();
+    let p2 = s.plan(&d, &none, PlanFor::Requests).await.unwrap();
     let v2 = victims(&p2);
     assert_eq!(v2.len(), 1);
     assert_ne!(v1, v2, "a reserved victim is not named twice");
     // Every releasable instance is reserved now: a third plan waits.
     s.deploy(doc("e", 4, "")).await.unwrap();
     let e = s.get("e").await.unwrap().id;
-    assert_eq!(s.plan(&e, &none).await.unwrap(), Plan::Later);
+    assert_eq!(
+        s.plan(&e, &none, PlanFor::Requests).await.unwrap(),
+        Plan::Later
+    );
 
     // Given back, the victims may be named again; never a protected one.
     if let Plan::Switch { switch_id, .. } = &p1 {
@@ -315,10 +318,13 @@ async fn two_plans_never_name_the_same_victim_and_protected_ones_are_never_named
         s.abandon(switch_id);
     }
     let protected: BTreeSet<String> = [a.clone(), c.clone()].into_iter().collect();
-    let p = s.plan(&c, &protected).await.unwrap();
+    let p = s.plan(&c, &protected, PlanFor::Requests).await.unwrap();
     assert_eq!(victims(&p), vec![b.clone()]);
     // The target is claimed: asked again, it is already coming.
-    assert_eq!(s.plan(&c, &none).await.unwrap(), Plan::AlreadyComing);
+    assert_eq!(
+        s.plan(&c, &none, PlanFor::Requests).await.unwrap(),
+        Plan::AlreadyComing
+    );
 }
 
 #[tokio::test]
@@ -328,7 +334,10 @@ async fn execute_parks_the_victims_then_starts_the_target() {
     s.deploy(doc("b", 6, "")).await.unwrap();
     let a = ready(&s, "a").await;
     let b = s.get("b").await.unwrap().id;
-    let plan = s.plan(&b, &BTreeSet::new()).await.unwrap();
+    let plan = s
+        .plan(&b, &BTreeSet::new(), PlanFor::Requests)
+        .await
+        .unwrap();
     let Plan::Switch {
         switch_id, victims, ..
     } = plan
@@ -346,6 +355,7 @@ async fn execute_parks_the_victims_then_starts_the_target() {
             .collect(),
         window: Duration::ZERO,
         drain: Duration::ZERO,
+        operator: false,
     })
     .await
     .unwrap();
@@ -361,7 +371,10 @@ async fn execute_parks_the_victims_then_starts_the_target() {
         ]
     );
     // A cut before output: the victim is stopped, not parked.
-    let plan = s.plan(&a, &BTreeSet::new()).await.unwrap();
+    let plan = s
+        .plan(&a, &BTreeSet::new(), PlanFor::Requests)
+        .await
+        .unwrap();
     let Plan::Switch {
         switch_id, victims, ..
     } = plan
@@ -384,6 +397,7 @@ async fn execute_parks_the_victims_then_starts_the_target() {
             .collect(),
         window: Duration::ZERO,
         drain: Duration::ZERO,
+        operator: false,
     })
     .await
     .unwrap();
@@ -506,7 +520,10 @@ async fn refusals_come_from_the_operator_and_activation() {
     assert_eq!(s.admissible(&a), Ok(()));
     assert_eq!(s.admissible(&x).unwrap_err().code(), "deployment_inactive");
     assert_eq!(
-        s.plan(&x, &BTreeSet::new()).await.unwrap_err().code(),
+        s.plan(&x, &BTreeSet::new(), PlanFor::Requests)
+            .await
+            .unwrap_err()
+            .code(),
         "deployment_inactive"
     );
     s.stop("a").await.unwrap();
@@ -524,7 +541,10 @@ async fn refusals_come_from_the_operator_and_activation() {
     // A warm model is kept loaded like an explicit one: never a victim.
     s.stop("a").await.unwrap();
     ready(&s, "w").await;
-    let err = s.plan(&x, &BTreeSet::new()).await.unwrap_err();
+    let err = s
+        .plan(&x, &BTreeSet::new(), PlanFor::Requests)
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), "deployment_inactive");
     let err = s
         .start(

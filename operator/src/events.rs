@@ -34,8 +34,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use capyctl_router::lifecycle::{
-    BoxFuture as RouterFuture, DeploymentId, DeploymentRef, InstanceKey, Lifecycle, Plan,
-    SwitchOrder,
+    BoxFuture as RouterFuture, DeploymentId, DeploymentRef, Executed, InstanceKey, Lifecycle, Plan,
+    PlanFor, SwitchOrder,
 };
 use capyctl_spec::api::{
     ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostList, LoadReport,
@@ -234,9 +234,15 @@ impl Lifecycle for ObservedLifecycle {
         &'a self,
         deployment: &'a DeploymentId,
         protected: &'a std::collections::BTreeSet<DeploymentId>,
+        who: PlanFor,
     ) -> RouterFuture<'a, Result<Plan, ApiError>> {
         Box::pin(async move {
-            let r = self.inner.plan(deployment, protected).await;
+            let r = self.inner.plan(deployment, protected, who).await;
+            // NB: an operator's switch (`start --evict`) is told by [`ObservedApi`], from the
+            // command's receipt or refusal: not twice.
+            if who == PlanFor::Operator {
+                return r;
+            }
             match &r {
                 Err(e) => self.refused(deployment, e),
                 Ok(Plan::BringUp { switch_id } | Plan::Switch { switch_id, .. }) => {
@@ -248,8 +254,12 @@ impl Lifecycle for ObservedLifecycle {
         })
     }
 
-    fn execute(&self, order: SwitchOrder) -> RouterFuture<'_, Result<(), ApiError>> {
+    fn execute(&self, order: SwitchOrder) -> RouterFuture<'_, Result<Executed, ApiError>> {
         Box::pin(async move {
+            if order.operator {
+                // Told by [`ObservedApi`] (see `plan`).
+                return self.inner.execute(order).await;
+            }
             let switch_id = order.switch_id.clone();
             let target = order.target.clone();
             let victims: Vec<String> = order
@@ -267,7 +277,7 @@ impl Lifecycle for ObservedLifecycle {
             self.feed.views(self.views.as_ref(), &keys);
             let target_name = self.name_of(&target);
             match &r {
-                Ok(()) if !victims.is_empty() => {
+                Ok(_) if !victims.is_empty() => {
                     let victims = victims
                         .iter()
                         .map(|id| {
@@ -282,7 +292,7 @@ impl Lifecycle for ObservedLifecycle {
                         victims,
                     });
                 }
-                Ok(()) => {}
+                Ok(_) => {}
                 // A wake failure is the target's own (its view says it).
                 Err(ApiError::WakeFailed { .. }) => {}
                 Err(e) => self.feed.send(Observed::SwitchFailed {
@@ -525,6 +535,7 @@ mod tests {
             &'a self,
             _: &'a DeploymentId,
             _: &'a BTreeSet<DeploymentId>,
+            _: PlanFor,
         ) -> RouterFuture<'a, Result<Plan, ApiError>> {
             Box::pin(async {
                 Ok(Plan::Switch {
@@ -534,10 +545,10 @@ mod tests {
                 })
             })
         }
-        fn execute(&self, _: SwitchOrder) -> RouterFuture<'_, Result<(), ApiError>> {
+        fn execute(&self, _: SwitchOrder) -> RouterFuture<'_, Result<Executed, ApiError>> {
             Box::pin(async {
                 self.0.switched.store(true, Ordering::SeqCst);
-                Ok(())
+                Ok(Executed::default())
             })
         }
         fn abandon(&self, _: &str) {}
@@ -569,7 +580,11 @@ mod tests {
         let (feed, mut rx) = EventFeed::channel(16);
         let lc = ObservedLifecycle::new(Arc::new(Fake(scene.clone())), scene.clone(), feed);
         let plan = lc
-            .plan(&"01KCHAT-A".to_string(), &BTreeSet::new())
+            .plan(
+                &"01KCHAT-A".to_string(),
+                &BTreeSet::new(),
+                PlanFor::Requests,
+            )
             .await
             .unwrap();
         assert!(matches!(plan, Plan::Switch { .. }));
@@ -579,6 +594,7 @@ mod tests {
             victims: vec![(key("01KCHAT-B"), DrainReport::default())],
             window: Duration::ZERO,
             drain: Duration::ZERO,
+            operator: false,
         })
         .await
         .unwrap();
@@ -616,9 +632,13 @@ mod tests {
         let lc = ObservedLifecycle::new(Arc::new(Fake(scene.clone())), scene.clone(), feed);
         assert!(lc.admissible(&"01KCHAT-C".to_string()).is_err());
         assert!(lc.admissible(&"01KCHAT-A".to_string()).is_ok());
-        lc.plan(&"01KCHAT-B".to_string(), &BTreeSet::new())
-            .await
-            .unwrap();
+        lc.plan(
+            &"01KCHAT-B".to_string(),
+            &BTreeSet::new(),
+            PlanFor::Requests,
+        )
+        .await
+        .unwrap();
         let error = ApiError::DrainTimeout {
             deployment: "01KCHAT-B".into(),
             drain_ms: 30_000,

@@ -31,7 +31,8 @@ use capyctl_router::admission::{Admission, Permit};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::{Coordinator, CoordinatorHandle};
 use capyctl_router::lifecycle::{
-    BoxFuture, DeploymentId, DeploymentRef, InstanceKey, Lifecycle, Plan, SwitchOrder, Upstream,
+    BoxFuture, DeploymentId, DeploymentRef, Executed, InstanceKey, Lifecycle, Plan, PlanFor,
+    SwitchOrder, Upstream,
 };
 use capyctl_router::proxy::{ModelEntry, Proxy, ProxyConfig, serve};
 use capyctl_spec::errors::ApiError;
@@ -296,11 +297,12 @@ impl Lifecycle for BenchLifecycle {
         &'a self,
         _deployment: &'a DeploymentId,
         _protected: &'a BTreeSet<DeploymentId>,
+        _who: PlanFor,
     ) -> BoxFuture<'a, Result<Plan, ApiError>> {
         Box::pin(async { Ok(Plan::AlreadyComing) })
     }
 
-    fn execute(&self, _order: SwitchOrder) -> BoxFuture<'_, Result<(), ApiError>> {
+    fn execute(&self, _order: SwitchOrder) -> BoxFuture<'_, Result<Executed, ApiError>> {
         Box::pin(std::future::pending())
     }
 

@@ -16,7 +16,9 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::time::Duration;
 
+use capyctl_spec::api::Victim;
 use capyctl_spec::errors::ApiError;
+use tokio::sync::oneshot;
 
 /// A boxed future, so that the trait stays object-safe (`Arc<dyn Lifecycle>`).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -84,6 +86,18 @@ pub enum Plan {
     Later,
 }
 
+/// Whom a plan is for, which decides whom it may name as victims.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlanFor {
+    /// A wave of waiting requests: idle ready instances and parked engines, never one that
+    /// `protected` names. The target must be admissible.
+    Requests,
+    /// An operator's `start --evict`: those, and starts or wakes in progress that no request
+    /// waits for (they are ended, their engines stopped, when the order is executed). The
+    /// operator's start is what makes the target admissible, so that is not asked.
+    Operator,
+}
+
 /// How the requests of a drained victim ended; decides between parking and stopping.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct DrainReport {
@@ -107,6 +121,22 @@ pub struct SwitchOrder {
     pub window: Duration,
     /// How long the drain took; zero without victims.
     pub drain: Duration,
+    /// An operator's switch (`start --evict`, planned with [`PlanFor::Operator`]): `execute`
+    /// answers once the victims are released and the target's start or wake has begun (the
+    /// operator's `--wait` decides whether to wait for the rest, [`Executed::bring_up`]); a
+    /// victim that could not be released fails it and the target is not brought up.
+    pub operator: bool,
+}
+
+/// What [`Lifecycle::execute`] did.
+#[derive(Debug, Default)]
+pub struct Executed {
+    /// The instances released, and how (for an operator's receipt); parked copies stopped to
+    /// make room for a victim's copy come after it.
+    pub released: Vec<Victim>,
+    /// For an operator's switch ([`SwitchOrder::operator`]): the target's start or wake, which
+    /// goes on after `execute` answered; resolves with its outcome. `None` otherwise.
+    pub bring_up: Option<oneshot::Receiver<Result<(), ApiError>>>,
 }
 
 /// The lifecycle, as the router sees it. Implemented by the server's lifecycle (standalone and
@@ -121,20 +151,23 @@ pub trait Lifecycle: Send + Sync + 'static {
     /// running or coming), answered at once with nothing queued.
     fn admissible(&self, deployment: &DeploymentId) -> Result<(), ApiError>;
 
-    /// Plans bringing `deployment` up. `protected` are the deployments that have waiting
-    /// requests now: none of their instances may be chosen as a victim. An `Err` fails every
-    /// request waiting for `deployment` with that error.
+    /// Plans bringing `deployment` up, for `who` (which decides whom it may name as victims).
+    /// `protected` are the deployments that have waiting requests now: none of their
+    /// instances may be chosen as a victim. An `Err` fails every request waiting for
+    /// `deployment` with that error (or, for an operator, answers the operator's command).
     fn plan<'a>(
         &'a self,
         deployment: &'a DeploymentId,
         protected: &'a BTreeSet<DeploymentId>,
+        who: PlanFor,
     ) -> BoxFuture<'a, Result<Plan, ApiError>>;
 
     /// Releases the victims (park, or stop where parking is impossible or a report says so),
     /// then wakes or starts the target. Resolves once the target has a ready instance (which
     /// the lifecycle also announces with `instance_ready`), or with the error that fails the
-    /// waiting requests (e.g. `wake_mismatch`).
-    fn execute(&self, order: SwitchOrder) -> BoxFuture<'_, Result<(), ApiError>>;
+    /// waiting requests (e.g. `wake_mismatch`). An operator's order answers earlier (see
+    /// [`SwitchOrder::operator`]).
+    fn execute(&self, order: SwitchOrder) -> BoxFuture<'_, Result<Executed, ApiError>>;
 
     /// Gives back a plan the router will not carry out (the drain failed, or every waiting
     /// request went away before the switch began): its victims serve again.

@@ -25,7 +25,8 @@ use capyctl_engine_sim::{EngineSim, SimConfig};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::{Coordinator, CoordinatorHandle, DeploymentLoad};
 use capyctl_router::lifecycle::{
-    BoxFuture, DeploymentId, DeploymentRef, InstanceKey, Lifecycle, Plan, SwitchOrder, Upstream,
+    BoxFuture, DeploymentId, DeploymentRef, Executed, InstanceKey, Lifecycle, Plan, PlanFor,
+    SwitchOrder, Upstream,
 };
 use capyctl_router::proxy::{ModelEntry, Proxy, ProxyConfig, serve};
 use capyctl_spec::errors::ApiError;
@@ -150,6 +151,7 @@ impl Lifecycle for SimLifecycle {
         &'a self,
         _deployment: &'a DeploymentId,
         _protected: &'a BTreeSet<DeploymentId>,
+        _who: PlanFor,
     ) -> BoxFuture<'a, Result<Plan, ApiError>> {
         Box::pin(async move {
             let n = self.plans.fetch_add(1, Ordering::SeqCst);
@@ -162,7 +164,7 @@ impl Lifecycle for SimLifecycle {
         })
     }
 
-    fn execute(&self, _order: SwitchOrder) -> BoxFuture<'_, Result<(), ApiError>> {
+    fn execute(&self, _order: SwitchOrder) -> BoxFuture<'_, Result<Executed, ApiError>> {
         Box::pin(async move {
             self.executes.fetch_add(1, Ordering::SeqCst);
             self.gate.acquire().await.unwrap().forget();
@@ -170,7 +172,7 @@ impl Lifecycle for SimLifecycle {
             if let Some(handle) = self.handle.get() {
                 handle.instance_ready(self.upstream.clone()).await;
             }
-            Ok(())
+            Ok(Executed::default())
         })
     }
 

@@ -39,11 +39,13 @@ use crate::admission::{Admission, Permit};
 use crate::config::RouterConfig;
 use crate::fast_hash::FastHash;
 use crate::lifecycle::{
-    DeploymentId, DeploymentRef, DrainReport, InstanceKey, Lifecycle, Plan, SwitchOrder, Upstream,
+    DeploymentId, DeploymentRef, DrainReport, Executed, InstanceKey, Lifecycle, Plan, PlanFor,
+    SwitchOrder, Upstream,
 };
 
 use state::{
-    AdmitRequest, DrainOwner, Effects, Finished, Grant, ReleaseId, State, SwitchSeq, Ticket,
+    AdmitRequest, DrainOwner, Effects, Finished, Grant, OperatorId, ReleaseId, State, SwitchSeq,
+    Ticket,
 };
 
 /// Room in the inbox. Senders wait when it is full (back-pressure), never the coordinator.
@@ -350,6 +352,28 @@ impl LoadCell {
 /// ended, or `DrainTimeout` (they serve again).
 pub type ReleaseResult = Result<Vec<(InstanceKey, DrainReport)>, ApiError>;
 
+/// What an operator's switch answers ([`CoordinatorHandle::operator_start`]): how it went, or
+/// the error of its plan, its drain (`DrainTimeout`: the victims serve again) or its execute.
+pub type OperatorResult = Result<OperatorStart, ApiError>;
+
+/// How an operator's switch (`start --evict`) went.
+#[derive(Debug)]
+pub enum OperatorStart {
+    /// The plan was carried out: the victims (if any) drained and released, the target's start
+    /// or wake begun (see [`crate::lifecycle::SwitchOrder::operator`]).
+    Switched {
+        /// The switch's ID (from the plan).
+        switch_id: String,
+        /// What the lifecycle's execute did.
+        executed: Executed,
+    },
+    /// Nothing can be released for it now (the plan said `Later`): the operator's start waits
+    /// for memory.
+    Later,
+    /// It is ready, or already starting or waking.
+    AlreadyComing,
+}
+
 /// The router's live load of one deployment (the `router` half of the load read).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeploymentLoad {
@@ -411,8 +435,10 @@ impl Coordinator {
                 endings: endings_tx.clone(),
                 replies: HashMap::new(),
                 release_replies: HashMap::new(),
+                operator_replies: HashMap::new(),
             },
             next_release: 0,
+            next_operator: 0,
         };
         tokio::spawn(driver.run(inbox_rx, endings_rx));
         CoordinatorHandle {
@@ -497,7 +523,7 @@ impl CoordinatorHandle {
         self.send(Command::Forget(deployment)).await;
     }
 
-    /// For releases the lifecycle starts itself (operator park or stop, `start --evict`, idle
+    /// For releases the lifecycle starts itself (operator park or stop, delete, idle
     /// timers): closes `victims` to new requests (requests for them get `DispatchClosed` while
     /// no other instance is open), waits for their running requests within `drain_timeout`
     /// (and, after a cut answer, for `engine_idle`), forgets them and answers their reports.
@@ -509,6 +535,24 @@ impl CoordinatorHandle {
             .unwrap_or_default();
         let (reply, rx) = oneshot::channel();
         self.send(Command::Release { victims, reply }).await;
+        rx.await
+            .unwrap_or(Err(ApiError::DispatchClosed { deployment }))
+    }
+
+    /// An operator's `start --evict` of `deployment`: a switch like a wave's, ordered by the
+    /// operator, that takes the one switch slot in turn (after the switch in progress). The
+    /// deployments with waiting requests are protected (decided in the coordinator, on its own
+    /// state), the plan is asked for with [`PlanFor::Operator`], there is no admission window
+    /// (the victims close at once), the victims drain as a switch's do (within
+    /// `drain_timeout`), and the order is executed by the lifecycle. A stopped coordinator
+    /// answers `DispatchClosed`.
+    pub async fn operator_start(&self, deployment: DeploymentId) -> OperatorResult {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::OperatorStart {
+            deployment: deployment.clone(),
+            reply,
+        })
+        .await;
         rx.await
             .unwrap_or(Err(ApiError::DispatchClosed { deployment }))
     }
@@ -703,13 +747,17 @@ enum Command {
         victims: Vec<InstanceKey>,
         reply: oneshot::Sender<ReleaseResult>,
     },
+    OperatorStart {
+        deployment: DeploymentId,
+        reply: oneshot::Sender<OperatorResult>,
+    },
     PlanDone {
         seq: SwitchSeq,
         result: Result<Plan, ApiError>,
     },
     ExecuteDone {
         seq: SwitchSeq,
-        result: Result<(), ApiError>,
+        result: Result<Executed, ApiError>,
     },
     EngineIdle {
         owner: DrainOwner,
@@ -747,6 +795,8 @@ struct Driver {
     fx: TaskEffects,
     /// Release numbers.
     next_release: ReleaseId,
+    /// Operators' switch numbers.
+    next_operator: OperatorId,
 }
 
 impl Driver {
@@ -996,7 +1046,9 @@ impl Driver {
             Command::Admit { request, .. } => self.reclaim_for([&request.deployment]),
             Command::InstanceReady(up) => self.reclaim_for([&up.key.deployment]),
             Command::InstanceGone(key) => self.reclaim_for([&key.deployment]),
-            Command::Refused { deployment, .. } | Command::Forget(deployment) => {
+            Command::Refused { deployment, .. }
+            | Command::Forget(deployment)
+            | Command::OperatorStart { deployment, .. } => {
                 self.reclaim_for([deployment]);
             }
             Command::Release { victims, .. } => {
@@ -1036,6 +1088,12 @@ impl Driver {
                 self.next_release += 1;
                 fx.release_replies.insert(id, reply);
                 self.state.release(now, id, victims, fx);
+            }
+            Command::OperatorStart { deployment, reply } => {
+                let id = self.next_operator;
+                self.next_operator += 1;
+                fx.operator_replies.insert(id, reply);
+                self.state.operator_start(now, id, deployment, fx);
             }
             Command::PlanDone { seq, result } => self.state.plan_done(now, seq, result, fx),
             Command::ExecuteDone { seq, result } => self.state.execute_done(now, seq, result, fx),
@@ -1077,6 +1135,8 @@ struct TaskEffects {
     replies: HashMap<Ticket, oneshot::Sender<Result<CoordinatorPermit, ApiError>>>,
     /// The reply channels of releases in progress.
     release_replies: HashMap<ReleaseId, oneshot::Sender<ReleaseResult>>,
+    /// The reply channels of operators' switches in progress.
+    operator_replies: HashMap<OperatorId, oneshot::Sender<OperatorResult>>,
 }
 
 impl TaskEffects {
@@ -1177,13 +1237,14 @@ impl Effects for TaskEffects {
         seq: SwitchSeq,
         deployment: DeploymentId,
         protected: BTreeSet<DeploymentId>,
+        who: PlanFor,
     ) {
         let lifecycle = self.lifecycle.clone();
         self.report_back(
             "plan",
             self.plan_timeout,
             async move {
-                let result = lifecycle.plan(&deployment, &protected).await;
+                let result = lifecycle.plan(&deployment, &protected, who).await;
                 Command::PlanDone { seq, result }
             },
             move |error| Command::PlanDone {
@@ -1245,6 +1306,12 @@ impl Effects for TaskEffects {
 
     fn released(&mut self, id: ReleaseId, result: ReleaseResult) {
         if let Some(reply) = self.release_replies.remove(&id) {
+            let _ = reply.send(result);
+        }
+    }
+
+    fn operator_done(&mut self, id: OperatorId, result: OperatorResult) {
+        if let Some(reply) = self.operator_replies.remove(&id) {
             let _ = reply.send(result);
         }
     }

@@ -17,9 +17,11 @@ use tokio::time::Instant;
 
 use crate::admission::deadline_error;
 use crate::config::RouterConfig;
-use crate::lifecycle::{DeploymentId, DrainReport, InstanceKey, Plan, SwitchOrder, Upstream};
+use crate::lifecycle::{
+    DeploymentId, DrainReport, Executed, InstanceKey, Plan, PlanFor, SwitchOrder, Upstream,
+};
 
-use super::{DeploymentLoad, InstanceLoad};
+use super::{DeploymentLoad, InstanceLoad, OperatorResult, OperatorStart};
 
 /// One request's number, unique per coordinator (allocated by the handle).
 pub(crate) type Ticket = u64;
@@ -29,6 +31,9 @@ pub(crate) type SwitchSeq = u64;
 
 /// A lifecycle-initiated release's number.
 pub(crate) type ReleaseId = u64;
+
+/// An operator's switch's number (`start --evict`, see [`State::operator_start`]).
+pub(crate) type OperatorId = u64;
 
 /// Whose drain an `engine_idle` answer belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,9 +90,17 @@ pub(crate) trait Effects {
     /// Answers a request with an error.
     fn refuse(&mut self, ticket: Ticket, error: ApiError);
     /// Starts `Lifecycle::plan`; its result comes back as [`State::plan_done`].
-    fn plan(&mut self, seq: SwitchSeq, deployment: DeploymentId, protected: BTreeSet<DeploymentId>);
+    fn plan(
+        &mut self,
+        seq: SwitchSeq,
+        deployment: DeploymentId,
+        protected: BTreeSet<DeploymentId>,
+        who: PlanFor,
+    );
     /// Starts `Lifecycle::execute`; its result comes back as [`State::execute_done`].
     fn execute(&mut self, seq: SwitchSeq, order: SwitchOrder);
+    /// Answers an operator's switch.
+    fn operator_done(&mut self, id: OperatorId, result: OperatorResult);
     /// `Lifecycle::abandon`.
     fn abandon(&mut self, switch_id: &str);
     /// `Lifecycle::switch_failed`.
@@ -284,7 +297,7 @@ enum Phase {
     Draining { switch_id: String, drain: Drain },
     /// `Lifecycle::execute` is running: the victims are being released (forgotten here), the
     /// target wakes or starts.
-    Executing,
+    Executing { switch_id: String },
 }
 
 /// The one switch in progress that holds the switch slot: planning, or with victims (window,
@@ -301,9 +314,23 @@ struct Switch {
     phase: Phase,
     /// The target was refused or became ready while planning: give the plan back.
     cancelled: bool,
+    /// Why it was refused while planning (an operator's switch is answered with it; `None`:
+    /// it became ready).
+    refusal: Option<ApiError>,
+    /// An operator's switch (`start --evict`): whom to answer, and since when it waited for
+    /// the switch slot.
+    operator: Option<(OperatorId, Instant)>,
 }
 
-/// A lifecycle-initiated release (operator park/stop, start --evict, idle timers).
+/// An operator's switch waiting for the switch slot.
+#[derive(Debug)]
+struct OperatorWait {
+    id: OperatorId,
+    target: DeploymentId,
+    since: Instant,
+}
+
+/// A lifecycle-initiated release (operator park/stop/delete, idle timers).
 #[derive(Debug)]
 struct Release {
     drain: Drain,
@@ -366,6 +393,8 @@ pub(crate) struct State {
     bring_ups: BTreeMap<SwitchSeq, DeploymentId>,
     next_seq: SwitchSeq,
     releases: BTreeMap<ReleaseId, Release>,
+    /// Operators' switches waiting for the switch slot, oldest first.
+    operators: VecDeque<OperatorWait>,
     next_serial: u64,
 }
 
@@ -406,6 +435,7 @@ impl State {
             bring_ups: BTreeMap::new(),
             next_seq: 0,
             releases: BTreeMap::new(),
+            operators: VecDeque::new(),
             next_serial: 0,
         }
     }
@@ -502,7 +532,7 @@ impl State {
         let switch = self.switch.iter().flat_map(|sw| match &sw.phase {
             Phase::Window { victims, .. } => victims.as_slice(),
             Phase::Draining { drain, .. } => drain.victims.as_slice(),
-            Phase::Planning | Phase::Executing => &[],
+            Phase::Planning | Phase::Executing { .. } => &[],
         });
         let releases = self.releases.values().flat_map(|r| r.drain.victims.iter());
         switch.chain(releases).map(|k| &k.deployment)
@@ -639,7 +669,7 @@ impl State {
         dep.wanted_since = None;
         self.unblock(true);
         // The target became ready by other means: the switch is not needed any more.
-        self.cancel_switch_to(now, &deployment, fx);
+        self.cancel_switch_to(now, &deployment, None, fx);
         self.dispatch(now, &deployment, fx);
         self.settle(now, fx);
     }
@@ -671,7 +701,8 @@ impl State {
             dep.wanted_since = None;
         }
         self.blocked.remove(deployment);
-        self.cancel_switch_to(now, deployment, fx);
+        self.refuse_operators(deployment, &error, fx);
+        self.cancel_switch_to(now, deployment, Some(&error), fx);
         self.settle(now, fx);
     }
 
@@ -699,7 +730,14 @@ impl State {
             if let Ok(Plan::BringUp { switch_id } | Plan::Switch { switch_id, .. }) = &result {
                 fx.abandon(switch_id);
             }
+            if let Some((id, _)) = sw.operator {
+                fx.operator_done(id, sw.refusal.map_or(Ok(OperatorStart::AlreadyComing), Err));
+            }
             self.settle(now, fx);
+            return;
+        }
+        if let Some(operator) = sw.operator {
+            self.operator_plan_done(now, sw, operator, result, fx);
             return;
         }
         match result {
@@ -735,6 +773,7 @@ impl State {
                         victims: Vec::new(),
                         window: Duration::ZERO,
                         drain: Duration::ZERO,
+                        operator: false,
                     },
                 );
             }
@@ -745,12 +784,7 @@ impl State {
             }) => {
                 // Invariant: a victim is never protected. A request may have begun waiting for
                 // a victim's deployment while the plan ran: give the plan back, plan again.
-                let protected_victim = victims.iter().any(|v| {
-                    self.deployments
-                        .get(&v.deployment)
-                        .is_some_and(|d| !d.queue.is_empty())
-                });
-                if protected_victim {
+                if self.names_protected(&victims) {
                     fx.abandon(&switch_id);
                 } else {
                     // A victim whose deployment has another ready instance outside the victims
@@ -786,23 +820,46 @@ impl State {
         &mut self,
         now: Instant,
         seq: SwitchSeq,
-        result: Result<(), ApiError>,
+        result: Result<Executed, ApiError>,
         fx: &mut impl Effects,
     ) {
         let target = if let Some(target) = self.bring_ups.remove(&seq) {
             self.unblock(true);
             target
         } else {
-            let Some(sw) = &self.switch else { return };
-            if sw.seq != seq || !matches!(sw.phase, Phase::Executing) {
+            let Some(sw) = self
+                .switch
+                .take_if(|sw| sw.seq == seq && matches!(sw.phase, Phase::Executing { .. }))
+            else {
+                return;
+            };
+            self.end_switch();
+            if let (Some((id, _)), Phase::Executing { switch_id }) = (sw.operator, sw.phase) {
+                // An operator's switch answers the operator; the target's waiters (if any) are
+                // not the operator's: on an error they plan a switch of their own.
+                let answer = match result {
+                    Ok(executed) => {
+                        if let Some(dep) = self.deployments.get_mut(&sw.target)
+                            && !dep.has_open()
+                        {
+                            // Its start or wake goes on in the lifecycle.
+                            self.blocked.insert(sw.target.clone(), Blocked::Coming);
+                        }
+                        Ok(OperatorStart::Switched {
+                            switch_id,
+                            executed,
+                        })
+                    }
+                    Err(e) => Err(e),
+                };
+                fx.operator_done(id, answer);
+                self.settle(now, fx);
                 return;
             }
-            let target = sw.target.clone();
-            self.end_switch();
-            target
+            sw.target
         };
         match result {
-            Ok(()) => {
+            Ok(_) => {
                 if let Some(dep) = self.deployments.get_mut(&target) {
                     dep.wanted_since = None;
                     if !dep.has_open() {
@@ -890,7 +947,7 @@ impl State {
                     at(self.window_end(sw.began, sw.window, victims));
                 }
                 Phase::Draining { drain, .. } => at(drain.deadline),
-                Phase::Planning | Phase::Executing => {}
+                Phase::Planning | Phase::Executing { .. } => {}
             }
         }
         for r in self.releases.values() {
@@ -917,7 +974,8 @@ impl State {
             dep.wanted_since = None;
         }
         self.blocked.remove(deployment);
-        self.cancel_switch_to(now, deployment, fx);
+        self.refuse_operators(deployment, &gone, fx);
+        self.cancel_switch_to(now, deployment, Some(&gone), fx);
         self.settle(now, fx);
     }
 
@@ -936,7 +994,7 @@ impl State {
                 || match &sw.phase {
                     Phase::Window { victims, .. } => names(victims),
                     Phase::Draining { drain, .. } => names(&drain.victims),
-                    Phase::Planning | Phase::Executing => false,
+                    Phase::Planning | Phase::Executing { .. } => false,
                 }
         });
         !in_switch
@@ -1288,9 +1346,13 @@ impl State {
                         };
                         let (window, drained) = self.phases(sw.began, &drain, now);
                         fx.switch_failed(&switch_id, &e, window, drained);
-                        self.fail_waiters(&sw.target, &e, fx);
-                        if let Some(dep) = self.deployments.get_mut(&sw.target) {
-                            dep.wanted_since = None;
+                        if let Some((id, _)) = sw.operator {
+                            fx.operator_done(id, Err(e));
+                        } else {
+                            self.fail_waiters(&sw.target, &e, fx);
+                            if let Some(dep) = self.deployments.get_mut(&sw.target) {
+                                dep.wanted_since = None;
+                            }
                         }
                         self.unblock(true);
                         return;
@@ -1302,22 +1364,23 @@ impl State {
                         fx.execute(
                             sw.seq,
                             SwitchOrder {
-                                switch_id,
+                                switch_id: switch_id.clone(),
                                 target: sw.target.clone(),
                                 victims: reports,
                                 window,
                                 drain: drained,
+                                operator: sw.operator.is_some(),
                             },
                         );
                         self.switch = Some(Switch {
-                            phase: Phase::Executing,
+                            phase: Phase::Executing { switch_id },
                             ..sw
                         });
                         self.unblock(true);
                         return;
                     }
                 },
-                phase @ (Phase::Planning | Phase::Executing) => {
+                phase @ (Phase::Planning | Phase::Executing { .. }) => {
                     self.switch = Some(Switch { phase, ..sw });
                     return;
                 }
@@ -1363,7 +1426,8 @@ impl State {
     }
 
     /// Starts the next switch when none is in progress: the deployment, among those waiting
-    /// with no open instance, whose oldest request has waited longest (rule 6).
+    /// with no open instance, whose oldest request has waited longest (rule 6), or the oldest
+    /// operator's switch when it has waited longer.
     fn maybe_plan(&mut self, now: Instant, fx: &mut impl Effects) {
         if self.switch.is_some() {
             return;
@@ -1378,18 +1442,32 @@ impl State {
             .filter(|(id, _)| !self.bring_ups.values().any(|t| t == *id))
             .filter_map(|(id, d)| d.waiting_since().map(|t| (t, id)))
             .min()
-            .map(|(_, id)| id.clone());
-        let Some(target) = next else { return };
-        let mut protected: BTreeSet<DeploymentId> = self
-            .demand
-            .iter()
-            .filter(|id| {
-                self.deployments
-                    .get(id)
-                    .is_some_and(|d| !d.queue.is_empty())
-            })
-            .cloned()
-            .collect();
+            .map(|(t, id)| (t, id.clone()));
+        let operator_first = self
+            .operators
+            .front()
+            .is_some_and(|o| next.as_ref().is_none_or(|(t, _)| o.since <= *t));
+        let (target, window, who, operator) = if operator_first {
+            let Some(o) = self.operators.pop_front() else {
+                return;
+            };
+            // An operator's switch has no admission window: its victims close at once.
+            (
+                o.target,
+                Duration::ZERO,
+                PlanFor::Operator,
+                Some((o.id, o.since)),
+            )
+        } else {
+            let Some((_, target)) = next else { return };
+            (
+                target,
+                self.config.admission_window,
+                PlanFor::Requests,
+                None,
+            )
+        };
+        let mut protected = self.protected();
         protected.insert(target.clone());
         self.next_seq += 1;
         let seq = self.next_seq;
@@ -1397,16 +1475,138 @@ impl State {
             seq,
             target: target.clone(),
             began: now,
-            window: self.config.admission_window,
+            window,
             phase: Phase::Planning,
             cancelled: false,
+            refusal: None,
+            operator,
         });
-        fx.plan(seq, target, protected);
+        fx.plan(seq, target, protected, who);
+    }
+
+    /// Whether a plan's `victims` name a deployment that has begun waiting since the plan was
+    /// asked for (the plan is then given back: a victim is never protected).
+    fn names_protected(&self, victims: &[InstanceKey]) -> bool {
+        victims.iter().any(|v| {
+            self.deployments
+                .get(&v.deployment)
+                .is_some_and(|d| !d.queue.is_empty())
+        })
+    }
+
+    /// The deployments with waiting requests now: never a victim (rule 6).
+    fn protected(&self) -> BTreeSet<DeploymentId> {
+        self.demand
+            .iter()
+            .filter(|id| {
+                self.deployments
+                    .get(id)
+                    .is_some_and(|d| !d.queue.is_empty())
+            })
+            .cloned()
+            .collect()
+    }
+
+    /// An operator asks to start `target`, releasing what it needs (`start --evict`): a switch
+    /// like a wave's, without an admission window, that takes the switch slot in turn.
+    pub(crate) fn operator_start(
+        &mut self,
+        now: Instant,
+        id: OperatorId,
+        target: DeploymentId,
+        fx: &mut impl Effects,
+    ) {
+        self.operators.push_back(OperatorWait {
+            id,
+            target,
+            since: now,
+        });
+        self.settle(now, fx);
+    }
+
+    /// `Lifecycle::plan` answered for an operator's switch (`sw`, taken from the slot).
+    fn operator_plan_done(
+        &mut self,
+        now: Instant,
+        mut sw: Switch,
+        (id, since): (OperatorId, Instant),
+        result: Result<Plan, ApiError>,
+        fx: &mut impl Effects,
+    ) {
+        match result {
+            Err(e) => fx.operator_done(id, Err(e)),
+            Ok(Plan::AlreadyComing) => fx.operator_done(id, Ok(OperatorStart::AlreadyComing)),
+            Ok(Plan::Later) => fx.operator_done(id, Ok(OperatorStart::Later)),
+            Ok(Plan::BringUp { switch_id }) => {
+                // Nothing to release: executed at once (the lifecycle answers once the start
+                // or wake has begun).
+                fx.execute(
+                    sw.seq,
+                    SwitchOrder {
+                        switch_id: switch_id.clone(),
+                        target: sw.target.clone(),
+                        victims: Vec::new(),
+                        window: Duration::ZERO,
+                        drain: Duration::ZERO,
+                        operator: true,
+                    },
+                );
+                sw.phase = Phase::Executing { switch_id };
+                self.switch = Some(sw);
+            }
+            Ok(Plan::Switch {
+                switch_id,
+                victims,
+                window: _,
+            }) => {
+                // Invariant: a victim is never protected. A request may have begun waiting for
+                // a victim's deployment while the plan ran: give the plan back and plan again,
+                // in the same turn.
+                if self.names_protected(&victims) {
+                    fx.abandon(&switch_id);
+                    self.operators.push_front(OperatorWait {
+                        id,
+                        target: sw.target,
+                        since,
+                    });
+                } else {
+                    // No window (`sw.window` is zero): the victims close at once, then drain.
+                    sw.phase = Phase::Window { switch_id, victims };
+                    self.switch = Some(sw);
+                }
+            }
+        }
+        self.settle(now, fx);
+    }
+
+    /// Answers the operators' switches to `deployment` that wait for the slot with `error`.
+    fn refuse_operators(
+        &mut self,
+        deployment: &DeploymentId,
+        error: &ApiError,
+        fx: &mut impl Effects,
+    ) {
+        self.operators.retain(|o| {
+            if o.target == *deployment {
+                fx.operator_done(o.id, Err(error.clone()));
+                false
+            } else {
+                true
+            }
+        });
     }
 
     /// Gives up the switch to `target` unless it has begun executing: while planning, the plan
     /// is given back when it arrives; in the window or the drain, the victims serve again now.
-    fn cancel_switch_to(&mut self, now: Instant, target: &DeploymentId, fx: &mut impl Effects) {
+    /// An operator's switch is answered `why`, or (`None`: the target became ready)
+    /// `AlreadyComing`.
+    fn cancel_switch_to(
+        &mut self,
+        now: Instant,
+        target: &DeploymentId,
+        why: Option<&ApiError>,
+        fx: &mut impl Effects,
+    ) {
         let Some(sw) = self.switch.take() else { return };
         if sw.target != *target {
             self.switch = Some(sw);
@@ -1416,6 +1616,7 @@ impl State {
             Phase::Planning => {
                 self.switch = Some(Switch {
                     cancelled: true,
+                    refusal: why.cloned(),
                     ..sw
                 });
                 return;
@@ -1428,10 +1629,16 @@ impl State {
                 fx.abandon(&switch_id);
                 self.reopen(now, &drain.victims, fx);
             }
-            Phase::Executing => {
+            Phase::Executing { .. } => {
                 self.switch = Some(sw);
                 return;
             }
+        }
+        if let Some((id, _)) = sw.operator {
+            fx.operator_done(
+                id,
+                why.cloned().map_or(Ok(OperatorStart::AlreadyComing), Err),
+            );
         }
         self.unblock(true);
     }
@@ -1501,6 +1708,7 @@ mod tests {
         Abandon(String),
         EngineIdle(InstanceKey),
         Released(ReleaseId),
+        Operator(OperatorId),
     }
 
     #[derive(Default)]
@@ -1525,8 +1733,11 @@ mod tests {
         fn refuse(&mut self, ticket: Ticket, error: ApiError) {
             self.calls.push(Fx::Refuse(ticket, error));
         }
-        fn plan(&mut self, seq: SwitchSeq, d: DeploymentId, p: BTreeSet<DeploymentId>) {
+        fn plan(&mut self, seq: SwitchSeq, d: DeploymentId, p: BTreeSet<DeploymentId>, _: PlanFor) {
             self.calls.push(Fx::Plan(seq, d, p));
+        }
+        fn operator_done(&mut self, id: OperatorId, _: OperatorResult) {
+            self.calls.push(Fx::Operator(id));
         }
         fn execute(&mut self, seq: SwitchSeq, order: SwitchOrder) {
             self.calls.push(Fx::Execute(seq, order));
@@ -1630,7 +1841,7 @@ mod tests {
         );
         s.instance_ready(t + W, up("b"), &mut fx);
         assert_eq!(fx.take(), vec![Fx::Grant(1), Fx::Grant(2)]);
-        s.execute_done(t + W, 1, Ok(()), &mut fx);
+        s.execute_done(t + W, 1, Ok(Executed::default()), &mut fx);
         assert!(fx.take().is_empty());
         assert_eq!(s.next_timer(), None);
     }

@@ -10,7 +10,8 @@
 //! - `execute`: waits `park_delay` per switch with victims (they become parked, or stopped when
 //!   a report says `cut_before_output`), then `wake_delay` (parked target) or `start_delay`
 //!   (stopped target), then announces the target's instances with `instance_ready` and
-//!   answers `Ok` (or the scripted error).
+//!   answers `Ok` (or the scripted error). An operator's order (`start --evict`) answers after
+//!   the park, naming the victims released, and its bring-up goes on (`Executed::bring_up`).
 //! - `engine_idle`: answers `engine_idle_answer` after `engine_idle_delay`.
 //!
 //! Call [`FakeLifecycle::attach`] with the coordinator's handle before the first request.
@@ -20,12 +21,15 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
+use capyctl_spec::api::{Released, Victim};
 use capyctl_spec::errors::ApiError;
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::config::RouterConfig;
 use crate::lifecycle::{
-    BoxFuture, DeploymentId, DeploymentRef, InstanceKey, Lifecycle, Plan, SwitchOrder, Upstream,
+    BoxFuture, DeploymentId, DeploymentRef, Executed, InstanceKey, Lifecycle, Plan, PlanFor,
+    SwitchOrder, Upstream,
 };
 
 use super::{Coordinator, CoordinatorHandle};
@@ -48,12 +52,14 @@ pub enum FakeState {
 pub enum Call {
     /// `admissible(deployment)`.
     Admissible(DeploymentId),
-    /// `plan(deployment, protected)`.
+    /// `plan(deployment, protected, who)`.
     Plan {
         /// The deployment to bring up.
         deployment: DeploymentId,
         /// The deployments with waiting requests.
         protected: BTreeSet<DeploymentId>,
+        /// Whom it plans for.
+        who: PlanFor,
     },
     /// `execute(order)`.
     Execute(SwitchOrder),
@@ -294,13 +300,26 @@ impl FakeLifecycle {
 
     /// The recorded plans: `(instant, deployment, protected)`.
     pub fn plans(&self) -> Vec<(Instant, DeploymentId, BTreeSet<DeploymentId>)> {
+        self.plans_for(|_| true)
+    }
+
+    /// The recorded plans for operators' switches: `(instant, deployment, protected)`.
+    pub fn operator_plans(&self) -> Vec<(Instant, DeploymentId, BTreeSet<DeploymentId>)> {
+        self.plans_for(|who| who == PlanFor::Operator)
+    }
+
+    fn plans_for(
+        &self,
+        wanted: impl Fn(PlanFor) -> bool,
+    ) -> Vec<(Instant, DeploymentId, BTreeSet<DeploymentId>)> {
         self.calls()
             .into_iter()
             .filter_map(|(t, c)| match c {
                 Call::Plan {
                     deployment,
                     protected,
-                } => Some((t, deployment, protected)),
+                    who,
+                } if wanted(who) => Some((t, deployment, protected)),
                 _ => None,
             })
             .collect()
@@ -430,11 +449,13 @@ impl Lifecycle for FakeLifecycle {
         &'a self,
         deployment: &'a DeploymentId,
         protected: &'a BTreeSet<DeploymentId>,
+        who: PlanFor,
     ) -> BoxFuture<'a, Result<Plan, ApiError>> {
         Box::pin(async move {
             self.record(Call::Plan {
                 deployment: deployment.clone(),
                 protected: protected.clone(),
+                who,
             });
             if self.lock().hang_plans {
                 std::future::pending::<()>().await;
@@ -457,7 +478,7 @@ impl Lifecycle for FakeLifecycle {
         })
     }
 
-    fn execute(&self, order: SwitchOrder) -> BoxFuture<'_, Result<(), ApiError>> {
+    fn execute(&self, order: SwitchOrder) -> BoxFuture<'_, Result<Executed, ApiError>> {
         Box::pin(async move {
             self.record(Call::Execute(order.clone()));
             let fault = self.lock().execute_fault.take();
@@ -477,18 +498,64 @@ impl Lifecycle for FakeLifecycle {
                 }
                 from
             };
+            let mut released = Vec::new();
             if !order.victims.is_empty() {
                 tokio::time::sleep(self.timings.park_delay).await;
                 let mut inner = self.lock();
                 for (k, report) in &order.victims {
                     if let Some(d) = inner.deployments.get_mut(&k.deployment) {
-                        d.state = if report.cut_before_output {
-                            FakeState::Stopped
+                        let (state, how) = if report.cut_before_output {
+                            (FakeState::Stopped, Released::Stopped)
                         } else {
-                            FakeState::Parked
+                            (FakeState::Parked, Released::Parked)
                         };
+                        d.state = state;
+                        released.push(Victim {
+                            deployment_id: k.deployment.clone(),
+                            name: d.name.clone(),
+                            instance_id: format!("{}-{}", k.deployment, k.index),
+                            released: how,
+                        });
                     }
                 }
+            }
+            if order.operator {
+                // An operator's order answers now; its bring-up goes on.
+                let failed = self.lock().execute_errors.remove(&order.target);
+                if let Some(e) = failed {
+                    self.lock().reserved.remove(&order.switch_id);
+                    return Err(e);
+                }
+                let (tx, rx) = oneshot::channel();
+                let me = self.handle.get().cloned();
+                let delay = match from {
+                    FakeState::Stopped => self.timings.start_delay,
+                    _ => self.timings.wake_delay,
+                };
+                let n = {
+                    let mut inner = self.lock();
+                    inner.reserved.remove(&order.switch_id);
+                    // NB: counted as loaded from now on (a victim of a later plan once ready).
+                    let d = inner.deployments.get_mut(&order.target);
+                    d.map_or(0, |d| {
+                        d.state = FakeState::Ready;
+                        d.instances
+                    })
+                };
+                let up: Vec<Upstream> = (0..n).map(|i| self.upstream(&order.target, i)).collect();
+                tokio::spawn(async move {
+                    tokio::time::sleep(delay).await;
+                    if let Some(h) = me {
+                        for u in up {
+                            h.instance_ready(u).await;
+                        }
+                    }
+                    let _ = tx.send(Ok(()));
+                });
+                return Ok(Executed {
+                    released,
+                    bring_up: Some(rx),
+                });
             }
             tokio::time::sleep(match from {
                 FakeState::Stopped => self.timings.start_delay,
@@ -512,7 +579,10 @@ impl Lifecycle for FakeLifecycle {
                 return Err(e);
             }
             self.announce(&order.target).await;
-            Ok(())
+            Ok(Executed {
+                released,
+                bring_up: None,
+            })
         })
     }
 
