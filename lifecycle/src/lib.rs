@@ -21,7 +21,10 @@
 //! The server implements the router's [`Lifecycle`] and [`ManagementApi`]; it tells the router
 //! about instances through the [`CoordinatorHandle`] given to [`Server::attach_router`], and
 //! releases ready instances it parks or stops itself with [`CoordinatorHandle::release`], so
-//! that running requests always finish first.
+//! that running requests always finish first (its idle timers with
+//! [`CoordinatorHandle::release_if_idle`]: the router decides, on its own state, that nothing
+//! waits, runs or came since). A request's last use is the router's record
+//! ([`CoordinatorHandle::last_uses`]), which `Dep::used_at` reads.
 
 pub mod api;
 pub mod metrics;
@@ -34,7 +37,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::ops::Bound;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
 use capyctl_node_agent::HostAgent;
@@ -43,9 +46,8 @@ use capyctl_node_agent::launch::MaxRunning;
 use capyctl_node_agent::measure::Measurement;
 use capyctl_node_agent::spec::{HostSettings, InstanceSpec};
 use capyctl_node_agent::tier::{NoParkReason, ParkTier};
-use capyctl_router::admission::{Admission, Permit};
 use capyctl_router::coordinator::{
-    CoordinatorHandle, CoordinatorPermit, OperatorResult, OperatorStart,
+    CoordinatorHandle, IdleRelease, LastUses, OperatorResult, OperatorStart,
 };
 use capyctl_router::lifecycle::{
     BoxFuture, DeploymentId, DeploymentRef, DrainReport, Executed, InstanceKey, Lifecycle, Plan,
@@ -151,7 +153,8 @@ struct Dep {
     pid: Option<u32>,
     tier: Option<ParkTier>,
     last_error: Option<String>,
-    /// The last request's start or end, or the last state change that counts as use.
+    /// The last state change that counts as use (a request's start or end is the router's to
+    /// record: [`Dep::used_at`] reads both).
     last_used: Instant,
     max_running: Option<MaxRunning>,
     /// Set (once per bring-up) to end the start or wake in progress: what its waiting requests
@@ -163,8 +166,11 @@ struct Dep {
     /// may still hold its GPU memory, so `start --evict` does not count it as released.
     /// Cleared when the next bring-up begins.
     ended_stop_failed: Option<String>,
-    /// Its requests' starts and ends, recorded by the listener without this lock.
-    usage: UsageOf,
+    /// Where its requests' last use is read: the router's record ([`RouterUses`]; set by
+    /// [`Inner::insert`]).
+    uses: RouterUses,
+    /// Marked gone when it is dropped: the name cache's entries for it are stale then.
+    presence: PresenceOf,
     /// What the views show of its record that only a deploy changes, shared with the reads
     /// that build views outside the lock (renewed when the revision moves on).
     fixed: Arc<views::Fixed>,
@@ -192,17 +198,17 @@ impl Dep {
             max_running: None,
             end: watch::channel(None).0,
             ended_stop_failed: None,
-            usage: UsageOf(Arc::new(Usage::new())),
+            uses: RouterUses::default(),
+            presence: PresenceOf(Arc::new(AtomicBool::new(false))),
             fixed,
         }
     }
 
-    /// Its last use: the later of a request's start or end (as the listener records it) and
-    /// the last state change that counts as use.
+    /// Its last use: the later of a request's start or end (as the router records it, read
+    /// without a turn of its task) and the last state change that counts as use.
     fn used_at(&self) -> Instant {
-        self.usage
-            .0
-            .last()
+        self.uses
+            .of(self.id())
             .map_or(self.last_used, |t| t.max(self.last_used))
     }
 
@@ -302,6 +308,16 @@ fn deployment_of(instance_id: &str) -> Option<&str> {
     instance_id.strip_suffix("-0")
 }
 
+/// How the router is asked to release instances the lifecycle puts away itself.
+#[derive(Debug, Clone, Copy)]
+enum Ask {
+    /// Whatever runs drains first (an operator's command, `start --evict`).
+    Always,
+    /// Only if its coordinator finds the deployment idle, with no use after this instant (the
+    /// idle timers): see `CoordinatorHandle::release_if_idle`.
+    IfIdleSince(Instant),
+}
+
 /// A plan's or an operator release's reservation.
 #[derive(Debug, Default)]
 struct Reservation {
@@ -335,6 +351,29 @@ struct Inner {
     /// without scanning all of them. Kept by [`Inner::set_host`], the one writer of
     /// `Dep::host` (and [`Inner::remove`]).
     by_host: HashMap<String, BTreeSet<String>>,
+    /// The router's record of last uses, shared with every deployment ([`Dep::used_at`]).
+    uses: RouterUses,
+}
+
+/// The router's record of each deployment's last use (its requests' starts and ends,
+/// [`CoordinatorHandle::last_used`]), once a router is attached: one shared cell, so that
+/// [`Dep::used_at`] reads it wherever a deployment is at hand. Reading it takes a read lock of
+/// its own and no turn of the router's task.
+#[derive(Debug, Clone, Default)]
+struct RouterUses(Arc<RwLock<Option<LastUses>>>);
+
+impl RouterUses {
+    fn of(&self, deployment: &str) -> Option<Instant> {
+        self.0
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()?
+            .of(deployment)
+    }
+
+    fn attach(&self, uses: LastUses) {
+        *self.0.write().unwrap_or_else(PoisonError::into_inner) = Some(uses);
+    }
 }
 
 /// A host the lifecycle places instances on.
@@ -402,7 +441,8 @@ impl Inner {
     }
 
     /// Adds `dep` (a name already known keeps its deployment: the first one loaded).
-    fn insert(&mut self, dep: Dep) {
+    fn insert(&mut self, mut dep: Dep) {
+        dep.uses = self.uses.clone();
         self.by_name
             .entry(dep.name().to_string())
             .or_insert_with(|| dep.rec.id.clone());
@@ -607,6 +647,8 @@ pub struct Server {
     router: Mutex<Option<CoordinatorHandle>>,
     /// Bumped on every state change (waiters of `--wait` and tests watch it).
     changes: watch::Sender<u64>,
+    /// Model names → deployments, for the router's `resolve` without this server's lock.
+    names: NameCache,
     /// Set by `close`: background tasks end.
     closed: watch::Sender<bool>,
     /// `/readyz`.
@@ -688,6 +730,7 @@ impl Server {
             inner: Mutex::new(inner),
             persist: Mutex::new(()),
             router: Mutex::new(None),
+            names: NameCache::new(changes.subscribe()),
             changes,
             closed,
             ready: AtomicBool::new(false),
@@ -939,6 +982,7 @@ impl Server {
     /// exits).
     pub async fn attach_router(&self, router: CoordinatorHandle) {
         *self.router.lock().unwrap_or_else(PoisonError::into_inner) = Some(router.clone());
+        self.lock().uses.attach(router.last_uses());
         let ready: Vec<(InstanceKey, SocketAddr)> = self.read(|inner| {
             inner
                 .deps
@@ -998,21 +1042,6 @@ impl Server {
         // By name (IDs made in the same millisecond are in no particular order).
         models.sort_by(|a, b| a.id.cmp(&b.id));
         models
-    }
-
-    /// An [`Admission`] for the listener that forwards to `router` and records each request's
-    /// start and end as use of its deployment (the idle timers count from the last one).
-    pub fn admission(&self, router: CoordinatorHandle) -> TrackedAdmission {
-        TrackedAdmission {
-            inner: router,
-            server: self.me.clone(),
-            names: Arc::new(NameCache {
-                names: std::sync::RwLock::new(Names {
-                    seen: self.changes.subscribe(),
-                    by_name: HashMap::new(),
-                }),
-            }),
-        }
     }
 
     /// Waits until deployment `name_or_id` is in one of `states`, for at most `within`; its
@@ -1214,20 +1243,6 @@ impl Server {
     async fn announce_gone(&self, key: InstanceKey) {
         if let Some(r) = self.router() {
             r.instance_gone(key).await;
-        }
-    }
-
-    /// The deployments with requests waiting in the router now.
-    async fn waiting_in_router(&self) -> BTreeSet<String> {
-        match self.router() {
-            Some(r) => r
-                .load()
-                .await
-                .into_iter()
-                .filter(|l| l.waiting > 0 || l.in_flight > 0)
-                .map(|l| l.deployment_id)
-                .collect(),
-            None => BTreeSet::new(),
         }
     }
 
@@ -1934,37 +1949,82 @@ impl Server {
         ids: &[String],
         shown: InstanceState,
     ) -> Result<HashMap<String, DrainReport>, ApiError> {
-        let keys: Vec<InstanceKey> = self.write(|inner| {
+        self.drain_as(ids, Some(shown), Ask::Always)
+            .await
+            .map(Option::unwrap_or_default)
+    }
+
+    /// [`Server::drain`], asked as `ask` says: `Ok(None)` (and they serve on, as they were)
+    /// when the router finds them in use. `shown: None`: a parked deployment, no instance to
+    /// drain (the router is still asked, for `Ask::IfIdleSince`: nothing may wait for it).
+    /// NB: with `Ask::IfIdleSince` they show `shown` only once the router has released them,
+    /// so that a refusal shows nothing.
+    async fn drain_as(
+        &self,
+        ids: &[String],
+        shown: Option<InstanceState>,
+        ask: Ask,
+    ) -> Result<Option<HashMap<String, DrainReport>>, ApiError> {
+        let show = |inner: &mut Inner, shown: InstanceState| {
             ids.iter()
                 .filter_map(|id| {
                     let d = inner.deps.get_mut(id)?;
                     d.state = shown;
                     Some(self.key(d))
                 })
-                .collect()
-        });
-        let Some(router) = self.router() else {
-            return Ok(ids
-                .iter()
-                .map(|i| (i.clone(), DrainReport::default()))
-                .collect());
+                .collect::<Vec<InstanceKey>>()
         };
-        match router.release(keys).await {
-            Ok(reports) => Ok(reports
-                .into_iter()
-                .map(|(k, r)| (k.deployment, r))
-                .collect()),
-            Err(e) => {
-                self.write(|inner| {
-                    for id in ids {
-                        if let Some(d) = inner.deps.get_mut(id)
-                            && d.state == shown
-                        {
-                            d.state = InstanceState::Ready;
+        let keys = match (shown, ask) {
+            (None, _) => Vec::new(),
+            (Some(shown), Ask::Always) => self.write(|inner| show(inner, shown)),
+            (Some(_), Ask::IfIdleSince(_)) => self.read(|inner| {
+                ids.iter()
+                    .filter_map(|id| Some(self.key(inner.deps.get(id)?)))
+                    .collect()
+            }),
+        };
+        let Some(router) = self.router() else {
+            return Ok(Some(
+                ids.iter()
+                    .map(|i| (i.clone(), DrainReport::default()))
+                    .collect(),
+            ));
+        };
+        let answer = match ask {
+            Ask::Always => Some(router.release(keys).await),
+            Ask::IfIdleSince(since) => {
+                let deployment = ids.first().cloned().unwrap_or_default();
+                match router.release_if_idle(deployment, keys, since).await {
+                    IdleRelease::InUse => None,
+                    IdleRelease::Released(result) => Some(result),
+                }
+            }
+        };
+        match answer {
+            Some(Ok(reports)) => {
+                if let (Some(shown), Ask::IfIdleSince(_)) = (shown, ask) {
+                    self.write(|inner| show(inner, shown));
+                }
+                Ok(Some(
+                    reports
+                        .into_iter()
+                        .map(|(k, r)| (k.deployment, r))
+                        .collect(),
+                ))
+            }
+            answer => {
+                if let Some(shown) = shown {
+                    self.write(|inner| {
+                        for id in ids {
+                            if let Some(d) = inner.deps.get_mut(id)
+                                && d.state == shown
+                            {
+                                d.state = InstanceState::Ready;
+                            }
                         }
-                    }
-                });
-                Err(e)
+                    });
+                }
+                answer.transpose().map(|_| None)
             }
         }
     }
@@ -2865,13 +2925,51 @@ impl Server {
                     InstanceState::Parking
                 };
                 let reports = self.drain(&[id.to_string()], shown).await?;
-                let cut = reports.get(id).is_some_and(|r| r.cut_before_output);
-                let put = if stop || cut { Put::Stop } else { Put::Park };
-                self.put_away(id, put, NoRoom::Refuse)
-                    .await
-                    .map(|p| Some(p.released))
+                self.put_away_drained(id, stop, &reports).await.map(Some)
             }
         }
+    }
+
+    /// Parks a drained ready `id` (or stops it: `stop`, or a request on it was cut before
+    /// output, `reports`).
+    async fn put_away_drained(
+        &self,
+        id: &str,
+        stop: bool,
+        reports: &HashMap<String, DrainReport>,
+    ) -> Result<Released, ApiError> {
+        let cut = reports.get(id).is_some_and(|r| r.cut_before_output);
+        let put = if stop || cut { Put::Stop } else { Put::Park };
+        self.put_away(id, put, NoRoom::Refuse)
+            .await
+            .map(|p| p.released)
+    }
+
+    /// The idle timers' [`Server::take_down`] (`down` from [`Server::begin_down`]: a ready
+    /// `id` is parked, a parked one stopped), once the router's coordinator has found it idle
+    /// since `idle_since`, deciding on its own state, and released it. `Ok(false)`, nothing
+    /// done, when it is in use (a request waits, runs, or came after `idle_since`).
+    async fn take_down_if_idle(
+        &self,
+        id: &str,
+        down: Option<bool>,
+        idle_since: Instant,
+    ) -> Result<bool, ApiError> {
+        let Some(ready) = down else { return Ok(true) };
+        let shown = ready.then_some(InstanceState::Parking);
+        let ids = [id.to_string()];
+        let Some(reports) = self
+            .drain_as(&ids, shown, Ask::IfIdleSince(idle_since))
+            .await?
+        else {
+            return Ok(false);
+        };
+        if ready {
+            self.put_away_drained(id, false, &reports).await?;
+        } else {
+            self.put_away(id, Put::Stop, NoRoom::Refuse).await?;
+        }
+        Ok(true)
     }
 
     async fn do_park(&self, key: &str) -> Result<ActionReceipt, ApiError> {
@@ -3241,6 +3339,10 @@ impl Server {
             ready_idle_timeout,
             parked_idle_timeout,
         } = self.config.lifecycle_defaults;
+        // NB (a snapshot only narrows the candidates): the router's load says which deployments
+        // are in use now, so that the timers do not ask about those; whether one is released
+        // is decided by the router's coordinator on its own state (`release_if_idle`).
+        let mut busy = BTreeSet::new();
         if let Some(r) = self.router() {
             for l in r.load().await {
                 self.config.metrics.set_queue(
@@ -3248,12 +3350,14 @@ impl Server {
                     l.waiting as u64,
                     l.in_flight as u64,
                 );
+                if l.waiting > 0 || l.in_flight > 0 {
+                    busy.insert(l.deployment_id);
+                }
             }
         }
         if ready_idle_timeout.is_none() && parked_idle_timeout.is_none() {
             return;
         }
-        let busy = self.waiting_in_router().await;
         let now = Instant::now();
         let due: Vec<(String, bool)> = self.read(|inner| {
             inner
@@ -3289,29 +3393,31 @@ impl Server {
                 continue;
             }
             let rid = self.fresh_id("idle");
-            // Decided again on the state it changes: the list above is a snapshot, and a
-            // request, a switch or a command may have moved the model since.
+            // Decided again on the lifecycle's state it changes (the list above is a snapshot,
+            // and a switch or a command may have moved the model since), and reserved; then
+            // the router decides on its own state whether it is idle (`take_down_if_idle`).
             let down = self.write(|inner| {
                 let d = inner.deps.get(&id)?;
-                let idle = Instant::now().saturating_duration_since(d.used_at());
-                let still_due = match d.state {
-                    InstanceState::Ready => ready && ready_idle_timeout.is_some_and(|t| idle >= t),
-                    InstanceState::Parked => {
-                        !ready && parked_idle_timeout.is_some_and(|t| idle >= t)
-                    }
-                    _ => false,
+                let now = Instant::now();
+                let timeout = match d.state {
+                    InstanceState::Ready if ready => ready_idle_timeout?,
+                    InstanceState::Parked if !ready => parked_idle_timeout?,
+                    _ => return None,
                 };
-                if !still_due || d.rec.pending_start {
+                // No use after this instant: the rule, as the router checks it.
+                let idle_since = now.checked_sub(timeout)?;
+                if d.used_at() > idle_since || d.rec.pending_start {
                     return None;
                 }
-                self.begin_down(inner, &id, &rid).ok()
+                Some((self.begin_down(inner, &id, &rid).ok()?, idle_since))
             });
-            let Some(down) = down else { continue };
-            tracing::info!(deployment = %id, ready, "idle timer");
+            let Some((down, idle_since)) = down else {
+                continue;
+            };
             // In its own task: engine exits and the next ticks are not held up by a drain.
             self.spawn(move |me| {
                 Box::pin(async move {
-                    let result = me.take_down(&id, &rid, down, !ready).await;
+                    let result = me.take_down_if_idle(&id, down, idle_since).await;
                     me.write(|inner| {
                         inner.release_reservation(&rid);
                         if result.is_err()
@@ -3320,8 +3426,14 @@ impl Server {
                             d.last_used = Instant::now();
                         }
                     });
-                    if let Err(e) = result {
-                        tracing::warn!(deployment = %id, error = %e, "idle park or stop failed");
+                    match result {
+                        Ok(true) => tracing::info!(deployment = %id, ready, "idle timer"),
+                        Ok(false) => {
+                            tracing::debug!(deployment = %id, "idle timer: in use, not released");
+                        }
+                        Err(e) => {
+                            tracing::warn!(deployment = %id, error = %e, "idle park or stop failed");
+                        }
                     }
                 })
             });
@@ -3330,11 +3442,18 @@ impl Server {
 }
 
 impl Lifecycle for Server {
+    /// Through the name cache: the request path takes no lock of this server's (see
+    /// [`NameCache`]).
     fn resolve(&self, model: &str) -> Option<DeploymentRef> {
-        self.read(|inner| {
-            named(inner, model).map(|d| DeploymentRef {
-                id: d.rec.id.clone(),
-                name: d.name().to_string(),
+        self.names.get(model, || {
+            self.read(|inner| {
+                named(inner, model).map(|d| Named {
+                    deployment: DeploymentRef {
+                        id: d.rec.id.clone(),
+                        name: d.name().to_string(),
+                    },
+                    gone: Arc::clone(&d.presence.0),
+                })
             })
         })
     }
@@ -3511,29 +3630,20 @@ impl ManagementApi for Server {
     }
 }
 
-/// The listener's [`Admission`]: the coordinator's, recording each request's start and end as
-/// use of its deployment (what the idle timers count from).
-///
-/// NB (the request path takes no lock of the lifecycle's): a model name is resolved through a
-/// name → deployment cache (a read lock of its own); an entry stays good until its deployment is
-/// dropped (its [`Usage`] says so), and a name not found is looked up again only after the
-/// lifecycle's state changed (`changes`). A request's use of its deployment is two atomic writes
-/// (its start and its end) into the deployment's [`Usage`], which the lifecycle reads as its
-/// last use.
-#[derive(Clone)]
-pub struct TrackedAdmission {
-    inner: CoordinatorHandle,
-    server: Weak<Server>,
-    names: Arc<NameCache>,
-}
-
 /// The most names [`NameCache`] keeps as not found (names no deployment has, as clients sent
 /// them): past it, those are forgotten.
 const NOT_FOUND_KEPT: usize = 4096;
 
-/// The model names the lifecycle knows, for [`TrackedAdmission::resolve`].
+/// The model names the lifecycle knows, for the router's [`Lifecycle::resolve`] (each request
+/// asks).
+///
+/// NB (the request path takes no lock of the lifecycle's): a name is resolved through this
+/// cache (a read lock of its own); an entry stays good until its deployment is dropped (its
+/// [`PresenceOf`] says so), and a name not found is looked up again only after the lifecycle's
+/// state changed (`changes`). A request's use of its deployment is the router's to record
+/// (`DeploymentLoad::last_used`), not the lifecycle's.
 struct NameCache {
-    names: std::sync::RwLock<Names>,
+    names: RwLock<Names>,
 }
 
 struct Names {
@@ -3543,66 +3653,28 @@ struct Names {
     by_name: HashMap<String, Option<Named>>,
 }
 
-/// A name's deployment, and the record of its use.
+/// A name's deployment, and whether that deployment is gone.
 #[derive(Clone)]
 struct Named {
     deployment: DeploymentRef,
-    usage: Arc<Usage>,
+    /// Set when its deployment is dropped (deleted): an entry holding this is stale.
+    gone: Arc<AtomicBool>,
 }
 
-/// When a deployment's requests last started or ended, as the listener records them: atomics, so
-/// that a request never takes the lifecycle's lock to say so. Read as part of the deployment's
-/// last use ([`Dep::used_at`]).
-#[derive(Debug)]
-struct Usage {
-    /// The origin of `last`.
-    base: Instant,
-    /// Nanoseconds after `base`, plus one, of the latest start or end; 0: none yet.
-    last: AtomicU64,
-    /// Its deployment was dropped (deleted): a name cache entry holding this is stale.
-    gone: AtomicBool,
-}
-
-impl Usage {
-    fn new() -> Self {
-        Usage {
-            base: Instant::now(),
-            last: AtomicU64::new(0),
-            gone: AtomicBool::new(false),
-        }
-    }
-
-    /// Records a request's start or end now.
-    fn record(&self) {
-        let nanos = Instant::now()
-            .saturating_duration_since(self.base)
-            .as_nanos();
-        let at = u64::try_from(nanos)
-            .unwrap_or(u64::MAX - 1)
-            .saturating_add(1);
-        self.last.fetch_max(at, Ordering::Relaxed);
-    }
-
-    /// The latest start or end recorded.
-    fn last(&self) -> Option<Instant> {
-        match self.last.load(Ordering::Relaxed) {
-            0 => None,
-            at => Some(self.base + Duration::from_nanos(at - 1)),
-        }
-    }
-
+impl Named {
     fn gone(&self) -> bool {
         self.gone.load(Ordering::Acquire)
     }
 }
 
-/// A deployment's own [`Usage`]: marks it gone when the deployment is dropped.
+/// A deployment's presence flag for the name cache: marks it gone when the deployment is
+/// dropped.
 #[derive(Debug)]
-struct UsageOf(Arc<Usage>);
+struct PresenceOf(Arc<AtomicBool>);
 
-impl Drop for UsageOf {
+impl Drop for PresenceOf {
     fn drop(&mut self) {
-        self.0.gone.store(true, Ordering::Release);
+        self.0.store(true, Ordering::Release);
     }
 }
 
@@ -3618,121 +3690,40 @@ impl std::fmt::Debug for NameCache {
 }
 
 impl NameCache {
-    /// The deployment `model` names, and its use record.
-    fn get(&self, model: &str, server: &Weak<Server>) -> Option<Named> {
+    fn new(seen: watch::Receiver<u64>) -> Self {
+        NameCache {
+            names: RwLock::new(Names {
+                seen,
+                by_name: HashMap::new(),
+            }),
+        }
+    }
+
+    /// The deployment `model` names; `look_up` reads it from the lifecycle's state (under its
+    /// lock) when the cache cannot answer.
+    fn get(&self, model: &str, look_up: impl FnOnce() -> Option<Named>) -> Option<DeploymentRef> {
         {
             let names = self.names.read().unwrap_or_else(PoisonError::into_inner);
             match names.by_name.get(model) {
-                Some(Some(n)) if !n.usage.gone() => return Some(n.clone()),
+                Some(Some(n)) if !n.gone() => return Some(n.deployment.clone()),
                 Some(None) if !names.seen.has_changed().unwrap_or(true) => return None,
                 _ => {}
             }
         }
-        let server = server.upgrade()?;
         let mut names = self.names.write().unwrap_or_else(PoisonError::into_inner);
         if names.seen.has_changed().unwrap_or(true) {
             // Marked first: a change during the look-up below makes the next one look again.
             names.seen.borrow_and_update();
             names
                 .by_name
-                .retain(|_, n| n.as_ref().is_some_and(|n| !n.usage.gone()));
+                .retain(|_, n| n.as_ref().is_some_and(|n| !n.gone()));
         }
-        let found = server.read(|inner| {
-            named(inner, model).map(|d| Named {
-                deployment: DeploymentRef {
-                    id: d.rec.id.clone(),
-                    name: d.name().to_string(),
-                },
-                usage: Arc::clone(&d.usage.0),
-            })
-        });
+        let found = look_up();
         if found.is_none() && names.by_name.len() >= NOT_FOUND_KEPT {
             names.by_name.retain(|_, n| n.is_some());
         }
         names.by_name.insert(model.to_string(), found.clone());
-        found
-    }
-
-    /// The use record of the deployment `deployment` names (a fresh one, recording nothing the
-    /// lifecycle reads, if the name now means another deployment or none).
-    fn usage(&self, deployment: &DeploymentRef, server: &Weak<Server>) -> Arc<Usage> {
-        {
-            let names = self.names.read().unwrap_or_else(PoisonError::into_inner);
-            if let Some(Some(n)) = names.by_name.get(&deployment.name)
-                && n.deployment.id == deployment.id
-            {
-                return Arc::clone(&n.usage);
-            }
-        }
-        self.get(&deployment.name, server)
-            .filter(|n| n.deployment.id == deployment.id)
-            .map_or_else(|| Arc::new(Usage::new()), |n| n.usage)
-    }
-}
-
-impl std::fmt::Debug for TrackedAdmission {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TrackedAdmission").finish_non_exhaustive()
-    }
-}
-
-/// A [`CoordinatorPermit`] that records its end as use of its deployment.
-#[derive(Debug)]
-pub struct TrackedPermit {
-    inner: CoordinatorPermit,
-    usage: Arc<Usage>,
-}
-
-impl Admission for TrackedAdmission {
-    type Permit = TrackedPermit;
-
-    fn resolve(&self, model: &str) -> Option<DeploymentRef> {
-        self.names.get(model, &self.server).map(|n| n.deployment)
-    }
-
-    fn admit(
-        &self,
-        deployment: DeploymentRef,
-        deadline: Instant,
-    ) -> impl std::future::Future<Output = Result<Self::Permit, ApiError>> + Send {
-        let inner = self.inner.clone();
-        let server = self.server.clone();
-        let names = Arc::clone(&self.names);
-        async move {
-            let usage = names.usage(&deployment, &server);
-            // NB: requests are counted by the listener's observer (the metrics), which knows
-            // the status sent; here only the use of the deployment is recorded.
-            let permit = inner.admit(deployment, deadline).await?;
-            usage.record();
-            Ok(TrackedPermit {
-                inner: permit,
-                usage,
-            })
-        }
-    }
-}
-
-impl Permit for TrackedPermit {
-    fn upstream(&self) -> &Upstream {
-        self.inner.upstream()
-    }
-
-    fn first_output(&self) {
-        self.inner.first_output();
-    }
-
-    fn cut(&self) {
-        self.inner.cut();
-    }
-
-    fn waited_at_bound(&self) -> std::time::Duration {
-        self.inner.waited_at_bound()
-    }
-}
-
-impl Drop for TrackedPermit {
-    fn drop(&mut self) {
-        self.usage.record();
+        found.map(|n| n.deployment)
     }
 }
 
@@ -3740,9 +3731,10 @@ impl Drop for TrackedPermit {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use super::{Dep, Inner, Usage, UsageOf, engine_addr};
+    use super::{Dep, Inner, engine_addr};
     use crate::store::DeploymentRecord;
     use std::sync::Arc;
+    use std::sync::atomic::Ordering;
     use std::time::Duration;
 
     fn dep(id: &str, name: &str) -> Dep {
@@ -3793,25 +3785,41 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_requests_use_is_recorded_without_the_lock_and_read_as_the_last_use() {
-        let d = dep("a", "chat-a");
-        let changed = d.last_used;
-        assert_eq!(d.used_at(), changed);
-        tokio::time::advance(Duration::from_secs(5)).await;
-        d.usage.0.record();
-        assert_eq!(d.used_at(), changed + Duration::from_secs(5));
+    async fn the_last_use_is_the_routers_record_of_requests_or_a_later_state_change() {
+        use capyctl_router::admission::Admission;
+        use capyctl_router::config::RouterConfig;
+        use capyctl_router::coordinator::testing::{FakeLifecycle, FakeState, FakeTimings};
+        use tokio::time::{Instant, advance};
+
+        let fake = FakeLifecycle::new(FakeTimings::default());
+        let a = fake.add("a", "chat-a", FakeState::Ready, 1);
+        let router = fake.spawn(RouterConfig::default());
+        fake.announce("a").await;
+        let mut inner = Inner::default();
+        inner.insert(dep("a", "chat-a"));
+        let changed = inner.deps["a"].last_used;
+        assert_eq!(inner.deps["a"].used_at(), changed, "no router yet");
+        inner.uses.attach(router.last_uses());
+        assert_eq!(inner.deps["a"].used_at(), changed, "no request yet");
+
+        // A request's start and end, as the router records them (on its lane: no turn of its
+        // task), are the deployment's last use.
+        advance(Duration::from_secs(5)).await;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let permit = router.admit(a, deadline).await.unwrap();
+        assert_eq!(inner.deps["a"].used_at(), changed + Duration::from_secs(5));
+        advance(Duration::from_secs(1)).await;
+        drop(permit);
+        assert_eq!(inner.deps["a"].used_at(), changed + Duration::from_secs(6));
         // A later state change that counts as use wins when it is the later one.
-        let mut d = d;
-        tokio::time::advance(Duration::from_secs(1)).await;
-        d.last_used = tokio::time::Instant::now();
-        assert_eq!(d.used_at(), changed + Duration::from_secs(6));
-        // Dropped with its deployment, it says so to whoever still holds it.
-        let usage: Arc<Usage> = Arc::clone(&d.usage.0);
-        assert!(!usage.gone());
-        drop(d);
-        assert!(usage.gone());
-        let own = UsageOf(Arc::new(Usage::new()));
-        assert_eq!(own.0.last(), None);
+        advance(Duration::from_secs(1)).await;
+        inner.deps.get_mut("a").unwrap().last_used = Instant::now();
+        assert_eq!(inner.deps["a"].used_at(), changed + Duration::from_secs(7));
+        // Dropped, a deployment says so to the name cache entries that still hold it.
+        let gone = Arc::clone(&inner.deps["a"].presence.0);
+        assert!(!gone.load(Ordering::Acquire));
+        inner.remove("a");
+        assert!(gone.load(Ordering::Acquire));
     }
 
     #[test]

@@ -467,6 +467,41 @@ async fn idle_timers_park_then_stop_and_a_request_starts_again() {
     h.shutdown().await;
 }
 
+/// The idle timer counts from the last request as the router records it (the lifecycle keeps no
+/// copy): a model asked every 200 ms is never parked by a 2 s timer; once left alone, it is.
+#[tokio::test]
+async fn a_model_in_use_is_not_parked_by_its_idle_timer() {
+    let dir = temp_dir("idle-in-use");
+    let opts = Opts {
+        lifecycle_defaults: capyctl_spec::settings::LifecycleDefaults {
+            ready_idle_timeout: Some(Duration::from_secs(2)),
+            parked_idle_timeout: None,
+        },
+        ..Opts::default()
+    };
+    let h = Harness::new(&dir, opts).await;
+    h.server.deploy(doc("chat-a", "")).await.unwrap();
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    // Every state it passes through while it is asked (a park would show `parking`, and the
+    // next request would wake it).
+    let server = h.server.clone();
+    let parked = tokio::spawn(async move {
+        let down = [InstanceState::Parking, InstanceState::Parked];
+        server
+            .wait_for_state("chat-a", &down, Duration::from_secs(5))
+            .await
+    });
+    let began = std::time::Instant::now();
+    while began.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(h.chat("chat-a").await.0, 200);
+    }
+    let seen = parked.await.unwrap();
+    assert!(seen.is_err(), "in use, never parked: {seen:?}");
+    state_becomes(&h, "chat-a", InstanceState::Parked).await;
+    h.shutdown().await;
+}
+
 #[tokio::test]
 async fn the_load_read_has_router_and_sample_halves() {
     let dir = temp_dir("load");
@@ -1065,7 +1100,7 @@ async fn the_listener_resolves_names_deployed_and_deleted_after_it_started() {
     use capyctl_router::admission::Admission;
     let dir = temp_dir("names");
     let h = Harness::new(&dir, Opts::default()).await;
-    let admission = h.server.admission(h.router.clone());
+    let admission = h.router.clone();
     let a = h.server.deploy(doc("chat-a", "")).await.unwrap();
     assert_eq!(admission.resolve("chat-a").unwrap().id, a.deployment.id);
     assert!(admission.resolve("chat-b").is_none());

@@ -364,7 +364,7 @@ async fn an_unplaced_deployment_names_no_host_among_several_and_its_host_once_pl
 #[tokio::test]
 async fn names_follow_deletes_and_deploys_and_a_deleted_deployment_leaves_no_router_entry() {
     let c = cluster(1, Duration::ZERO).await;
-    let admission = c.server.admission(c.router.clone());
+    let admission = c.router.clone();
     assert_eq!(admission.resolve("chat-a"), None);
     c.server.deploy(doc("chat-a")).await.unwrap();
     let first = admission.resolve("chat-a").expect("deployed").id;

@@ -777,7 +777,7 @@ pub async fn lead(
         move || s.upgrade().map(|s| s.models()).unwrap_or_default()
     };
     let proxy = Proxy::new(
-        server.admission(router.clone()),
+        router.clone(),
         catalog,
         ProxyConfig {
             tls: options.tls.clone(),

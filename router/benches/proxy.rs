@@ -504,14 +504,14 @@ async fn start_proxy(
             (addr, None)
         }
         AdmissionKind::Coordinator => {
-            let handle = Coordinator::spawn(Arc::new(BenchLifecycle), router_config);
-            handle.instance_ready(upstream(sim)).await;
-            if setup.observer {
-                let tracked = server_like::Tracked::new(handle.clone());
-                go(listener, tracked, config, true);
+            let lifecycle: Arc<dyn Lifecycle> = if setup.observer {
+                Arc::new(server_like::Names::new())
             } else {
-                go(listener, handle.clone(), config, false);
-            }
+                Arc::new(BenchLifecycle)
+            };
+            let handle = Coordinator::spawn(lifecycle, router_config);
+            handle.instance_ready(upstream(sim)).await;
+            go(listener, handle.clone(), config, setup.observer);
             (addr, Some(handle))
         }
     }
@@ -525,64 +525,43 @@ fn with_listener_threads(mut config: ProxyConfig, threads: Option<usize>) -> Pro
 }
 
 /// What the server (`capyctl-operator`) adds to every request, rebuilt here because the bench
-/// cannot depend on the operator (it depends on this crate): its `Admission` wrapper
-/// (`TrackedAdmission`: the name lookup through a cache, the deployment's last use recorded at
-/// the start and the end) and its request observer (`Metrics`: a request counter by
-/// deployment, status and code, and the wait histogram, through handles cached per
-/// deployment). Keep it in step with `lifecycle/src/lib.rs` and
-/// `lifecycle/src/metrics.rs`.
+/// cannot depend on the operator (it depends on this crate): its lifecycle's `resolve` (the
+/// name lookup through a cache, `NameCache` in `lifecycle/src/lib.rs`; the listener's
+/// `Admission` is the coordinator's own, which records each request's use itself) and its
+/// request observer (`Metrics`: a request counter by deployment, status and code, and the wait
+/// histogram, through handles cached per deployment). Keep it in step with
+/// `lifecycle/src/lib.rs` and `lifecycle/src/metrics.rs`.
 mod server_like {
-    use std::collections::HashMap;
-    use std::sync::atomic::{AtomicU64, Ordering};
-    use std::sync::{Arc, Mutex, RwLock};
+    use std::collections::{BTreeSet, HashMap};
+    use std::sync::RwLock;
     use std::time::Duration;
 
     use tokio::sync::watch;
 
-    use capyctl_router::admission::{Admission, Permit};
-    use capyctl_router::coordinator::{CoordinatorHandle, CoordinatorPermit};
-    use capyctl_router::lifecycle::{DeploymentRef, Upstream};
+    use capyctl_router::lifecycle::{
+        BoxFuture, DeploymentId, DeploymentRef, Executed, InstanceKey, Lifecycle, Plan, PlanFor,
+        SwitchOrder,
+    };
     use capyctl_router::observe::{RequestEvent, RequestObserver};
     use capyctl_spec::errors::ApiError;
     use prometheus_client::encoding::EncodeLabelSet;
     use prometheus_client::metrics::counter::Counter;
     use prometheus_client::metrics::family::Family;
     use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
-    use tokio::time::Instant;
 
-    /// When a deployment's use was last written into the lifecycle's record.
-    #[derive(Default)]
-    struct Use {
-        recorded: AtomicU64,
+    /// The lifecycle as the request path sees it: `resolve` through its name cache (a read
+    /// lock of its own, and the change counter that says when names not found are looked up
+    /// again); the rest as [`super::BenchLifecycle`].
+    pub struct Names {
+        inner: super::BenchLifecycle,
+        _changes: watch::Sender<u64>,
+        names: RwLock<(watch::Receiver<u64>, HashMap<String, DeploymentRef>)>,
     }
 
-    type Names = HashMap<String, (DeploymentRef, Arc<Use>)>;
-
-    /// The lifecycle as the request path sees it: its change counter and its mutex-held
-    /// records of each deployment's last use.
-    struct Lifecycle {
-        changes: watch::Sender<u64>,
-        last_used: Mutex<HashMap<String, Instant>>,
-    }
-
-    struct NameCache {
-        base: Instant,
-        names: RwLock<(watch::Receiver<u64>, Names)>,
-    }
-
-    /// `TrackedAdmission`.
-    #[derive(Clone)]
-    pub struct Tracked {
-        inner: CoordinatorHandle,
-        lifecycle: Arc<Lifecycle>,
-        names: Arc<NameCache>,
-    }
-
-    impl Tracked {
-        pub fn new(inner: CoordinatorHandle) -> Self {
+    impl Names {
+        pub fn new() -> Self {
             let (changes, seen) = watch::channel(0);
             let mut names = HashMap::new();
-            let mut last_used = HashMap::new();
             for (name, id) in [
                 (super::MODEL, super::DEPLOYMENT),
                 (super::PARKED, super::PARKED_DEPLOYMENT),
@@ -591,108 +570,47 @@ mod server_like {
                     id: id.to_string(),
                     name: name.to_string(),
                 };
-                names.insert(name.to_string(), (dref, Arc::default()));
-                last_used.insert(id.to_string(), Instant::now());
+                names.insert(name.to_string(), dref);
             }
-            Tracked {
-                inner,
-                lifecycle: Arc::new(Lifecycle {
-                    changes,
-                    last_used: Mutex::new(last_used),
-                }),
-                names: Arc::new(NameCache {
-                    base: Instant::now(),
-                    names: RwLock::new((seen, names)),
-                }),
+            Names {
+                inner: super::BenchLifecycle,
+                _changes: changes,
+                names: RwLock::new((seen, names)),
             }
         }
     }
 
-    impl NameCache {
-        fn get(&self, model: &str) -> Option<(DeploymentRef, Arc<Use>)> {
-            let names = self.names.read().unwrap();
-            // The operator rebuilds the map when this says so (never, here).
-            assert!(!names.0.has_changed().unwrap_or(true));
-            names.1.get(model).map(|(d, u)| (d.clone(), Arc::clone(u)))
-        }
-
-        fn used(&self, deployment: &DeploymentRef) -> Arc<Use> {
-            let names = self.names.read().unwrap();
-            match names.1.get(&deployment.name) {
-                Some((d, used)) if d.id == deployment.id => Arc::clone(used),
-                _ => Arc::default(),
-            }
-        }
-
-        fn touch(&self, lifecycle: &Lifecycle, deployment: &str, used: &Use) {
-            let now = u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX);
-            let last = used.recorded.load(Ordering::Relaxed);
-            if last != 0 && now.saturating_sub(last) < 100_000_000 {
-                return;
-            }
-            if used
-                .recorded
-                .compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-                && let Some(at) = lifecycle.last_used.lock().unwrap().get_mut(deployment)
-            {
-                *at = Instant::now();
-            }
-        }
-    }
-
-    pub struct TrackedPermit {
-        inner: CoordinatorPermit,
-        lifecycle: Arc<Lifecycle>,
-        names: Arc<NameCache>,
-        used: Arc<Use>,
-    }
-
-    impl Admission for Tracked {
-        type Permit = TrackedPermit;
-
+    impl Lifecycle for Names {
         fn resolve(&self, model: &str) -> Option<DeploymentRef> {
-            self.names.get(model).map(|(d, _)| d)
+            let names = self.names.read().unwrap();
+            // The server looks names up again when this says so (never, here).
+            assert!(!names.0.has_changed().unwrap_or(true));
+            names.1.get(model).cloned()
         }
 
-        async fn admit(
-            &self,
-            deployment: DeploymentRef,
-            deadline: Instant,
-        ) -> Result<TrackedPermit, ApiError> {
-            let used = self.names.used(&deployment);
-            let inner = self.inner.admit(deployment, deadline).await?;
-            self.names
-                .touch(&self.lifecycle, &inner.upstream().key.deployment, &used);
-            let _ = &self.lifecycle.changes;
-            Ok(TrackedPermit {
-                inner,
-                lifecycle: Arc::clone(&self.lifecycle),
-                names: Arc::clone(&self.names),
-                used,
-            })
+        fn admissible(&self, deployment: &DeploymentId) -> Result<(), ApiError> {
+            self.inner.admissible(deployment)
         }
-    }
 
-    impl Permit for TrackedPermit {
-        fn upstream(&self) -> &Upstream {
-            self.inner.upstream()
+        fn plan<'a>(
+            &'a self,
+            deployment: &'a DeploymentId,
+            protected: &'a BTreeSet<DeploymentId>,
+            who: PlanFor,
+        ) -> BoxFuture<'a, Result<Plan, ApiError>> {
+            self.inner.plan(deployment, protected, who)
         }
-        fn first_output(&self) {
-            self.inner.first_output();
-        }
-        fn cut(&self) {
-            self.inner.cut();
-        }
-        fn waited_at_bound(&self) -> std::time::Duration {
-            self.inner.waited_at_bound()
-        }
-    }
 
-    impl Drop for TrackedPermit {
-        fn drop(&mut self) {
-            let id = &self.inner.upstream().key.deployment;
-            self.names.touch(&self.lifecycle, id, &self.used);
+        fn execute(&self, order: SwitchOrder) -> BoxFuture<'_, Result<Executed, ApiError>> {
+            self.inner.execute(order)
+        }
+
+        fn abandon(&self, switch_id: &str) {
+            self.inner.abandon(switch_id);
+        }
+
+        fn engine_idle<'a>(&'a self, instance: &'a InstanceKey) -> BoxFuture<'a, bool> {
+            self.inner.engine_idle(instance)
         }
     }
 

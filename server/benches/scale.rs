@@ -721,7 +721,7 @@ async fn fake_cluster(hosts: usize, n: usize, latency: Duration) -> (Arc<Server>
         let s = Arc::downgrade(&server);
         move || s.upgrade().map(|s| s.models()).unwrap_or_default()
     };
-    let proxy = Proxy::new(server.admission(router), catalog, ProxyConfig::default());
+    let proxy = Proxy::new(router, catalog, ProxyConfig::default());
     tokio::spawn(async move {
         let _ = proxy::serve(listener, proxy, std::future::pending()).await;
     });

@@ -305,7 +305,7 @@ impl Standalone {
             move || s.upgrade().map(|s| s.models()).unwrap_or_default()
         };
         let proxy = Proxy::new(
-            server.admission(router.clone()),
+            router.clone(),
             catalog,
             ProxyConfig {
                 tls: tls.clone(),

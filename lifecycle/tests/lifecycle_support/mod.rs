@@ -176,7 +176,7 @@ impl Harness {
             move || s.upgrade().map(|s| s.models()).unwrap_or_default()
         };
         let proxy = Proxy::new(
-            server.admission(router.clone()),
+            router.clone(),
             catalog,
             ProxyConfig {
                 request_deadline: Duration::from_secs(60),

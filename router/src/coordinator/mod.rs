@@ -125,6 +125,16 @@ impl Lane {
         }
     }
 
+    /// The latest start or end through the lane (`None`: none yet).
+    fn last_use(&self, base: Instant) -> Option<Instant> {
+        let nanos = self
+            .last_start
+            .load(Ordering::Relaxed)
+            .max(self.last_end.load(Ordering::Acquire));
+        // NB: `Lanes::base` is a moment before the task began, so 0 is no instant of a request.
+        (nanos > 0).then(|| base + Duration::from_nanos(nanos))
+    }
+
     fn takes_back(word: u64, generation: u32) -> bool {
         (word >> 32) as u32 == generation
             && word & (LANE_OPEN | LANE_RETURNS) == LANE_OPEN | LANE_RETURNS
@@ -146,7 +156,8 @@ fn nanos_since(base: Instant, at: Instant) -> u64 {
 /// The lanes of every deployment that ever had one, for the handles.
 struct Lanes {
     by_deployment: RwLock<HashMap<DeploymentId, Arc<Lane>, FastHash>>,
-    /// The origin of `Lane::last_start` and `Lane::last_end`.
+    /// The origin of `Lane::last_start` and `Lane::last_end`: a moment (1 ns) before the task
+    /// began, so that 0 stands for "none yet".
     base: Instant,
 }
 
@@ -219,6 +230,8 @@ struct LoadCell {
     load: Mutex<Arc<DeploymentLoad>>,
     /// Its lane, once it has one.
     lane: OnceLock<Arc<Lane>>,
+    /// `Lanes::base`, to read the lane's instants.
+    base: Instant,
 }
 
 impl Loads {
@@ -286,12 +299,27 @@ impl Loads {
 }
 
 impl LoadCell {
-    fn new(load: DeploymentLoad) -> Self {
+    fn new(load: DeploymentLoad, base: Instant) -> Self {
         LoadCell {
             seq: AtomicU64::new(0),
             load: Mutex::new(Arc::new(load)),
             lane: OnceLock::new(),
+            base,
         }
+    }
+
+    /// The deployment's last use now: the later of the owner's (published) and its lane's.
+    ///
+    /// NB (no seqlock needed): both only ever grow, and a lane's instants stay in it after the
+    /// owner takes them, so the later of the two is right whichever the owner moved last.
+    fn last_used(&self) -> Option<Instant> {
+        let published = self
+            .load
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .last_used;
+        let lane = self.lane.get().and_then(|lane| lane.last_use(self.base));
+        published.max(lane)
     }
 
     /// The load now: the published one, with the requests its lane counts (see [`Loads`]);
@@ -304,7 +332,11 @@ impl LoadCell {
                 let mut load =
                     Arc::clone(&self.load.lock().unwrap_or_else(PoisonError::into_inner));
                 let net = self.lane.get().map_or(0, |lane| lane.net());
+                let lane_used = self.lane.get().and_then(|lane| lane.last_use(self.base));
                 if self.seq.load(Ordering::SeqCst) == before {
+                    if lane_used > load.last_used {
+                        Arc::make_mut(&mut load).last_used = lane_used;
+                    }
                     if net != 0 {
                         let load = Arc::make_mut(&mut load);
                         let add = |n: usize| {
@@ -374,6 +406,39 @@ pub enum OperatorStart {
     AlreadyComing,
 }
 
+/// What [`CoordinatorHandle::release_if_idle`] answers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IdleRelease {
+    /// Not idle (a request waits or runs, or one started or ended after the instant, or a
+    /// switch or release names it): nothing changed, it serves on.
+    InUse,
+    /// Idle: released as [`CoordinatorHandle::release`] releases (closed, drained, forgotten),
+    /// with its answer.
+    Released(ReleaseResult),
+}
+
+/// Reads each deployment's last use as the router recorded it ([`CoordinatorHandle::last_used`])
+/// without a handle that keeps the coordinator alive. Cheap to clone.
+#[derive(Clone)]
+pub struct LastUses {
+    loads: Arc<Loads>,
+}
+
+impl std::fmt::Debug for LastUses {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LastUses").finish_non_exhaustive()
+    }
+}
+
+impl LastUses {
+    /// See [`CoordinatorHandle::last_used`] (`None` as well once the coordinator has stopped).
+    pub fn of(&self, deployment: &str) -> Option<Instant> {
+        self.loads
+            .cell(deployment)
+            .and_then(|cell| cell.last_used())
+    }
+}
+
 /// The router's live load of one deployment (the `router` half of the load read).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeploymentLoad {
@@ -389,6 +454,10 @@ pub struct DeploymentLoad {
     pub waiting_limit: usize,
     /// Its instances the router routes to (open) or drains (closed).
     pub instances: Vec<InstanceLoad>,
+    /// When one of its requests last started or ended (`None`: none since the router has known
+    /// it): the one record of its last use, which the lifecycle's idle timers and
+    /// least-recently-used choice read (see [`CoordinatorHandle::last_uses`]).
+    pub last_used: Option<Instant>,
 }
 
 /// The router's live load of one instance.
@@ -413,9 +482,10 @@ impl Coordinator {
     pub fn spawn(lifecycle: Arc<dyn Lifecycle>, config: RouterConfig) -> CoordinatorHandle {
         let (inbox_tx, inbox_rx) = mpsc::channel(INBOX_CAPACITY);
         let (endings_tx, endings_rx) = mpsc::unbounded_channel();
+        let now = Instant::now();
         let lanes = Arc::new(Lanes {
             by_deployment: RwLock::new(HashMap::default()),
-            base: Instant::now(),
+            base: now.checked_sub(Duration::from_nanos(1)).unwrap_or(now),
         });
         let loads = Arc::new(Loads::new());
         let driver = Driver {
@@ -436,6 +506,7 @@ impl Coordinator {
                 replies: HashMap::new(),
                 release_replies: HashMap::new(),
                 operator_replies: HashMap::new(),
+                idle_replies: HashMap::new(),
             },
             next_release: 0,
             next_operator: 0,
@@ -555,6 +626,49 @@ impl CoordinatorHandle {
         .await;
         rx.await
             .unwrap_or(Err(ApiError::DispatchClosed { deployment }))
+    }
+
+    /// For the lifecycle's idle timers: releases `deployment` (its instances `victims`, none
+    /// for a parked one) as [`CoordinatorHandle::release`] does, but only if the coordinator
+    /// finds it idle on its own state: nothing waits for it, nothing runs on it, none of its
+    /// requests started or ended after `idle_since`, and no switch or release names it.
+    /// Otherwise it changes nothing and answers [`IdleRelease::InUse`]. The lifecycle reserves
+    /// the deployment before it asks (so that a request coming after the answer plans a wake
+    /// only once it has been put away).
+    pub async fn release_if_idle(
+        &self,
+        deployment: DeploymentId,
+        victims: Vec<InstanceKey>,
+        idle_since: Instant,
+    ) -> IdleRelease {
+        let closed = ApiError::DispatchClosed {
+            deployment: deployment.clone(),
+        };
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::ReleaseIfIdle {
+            deployment,
+            victims,
+            idle_since,
+            reply,
+        })
+        .await;
+        rx.await.unwrap_or(IdleRelease::Released(Err(closed)))
+    }
+
+    /// When a request of `deployment` last started or ended (see
+    /// [`DeploymentLoad::last_used`]): `None` when none did while the router knew it. Takes no
+    /// turn of the task, as the load read.
+    pub fn last_used(&self, deployment: &str) -> Option<Instant> {
+        self.loads
+            .cell(deployment)
+            .and_then(|cell| cell.last_used())
+    }
+
+    /// A reader of [`CoordinatorHandle::last_used`] that does not keep the coordinator alive.
+    pub fn last_uses(&self) -> LastUses {
+        LastUses {
+            loads: Arc::clone(&self.loads),
+        }
     }
 
     /// Sends a command; a stopped coordinator drops it (its replies then fail).
@@ -751,6 +865,12 @@ enum Command {
         deployment: DeploymentId,
         reply: oneshot::Sender<OperatorResult>,
     },
+    ReleaseIfIdle {
+        deployment: DeploymentId,
+        victims: Vec<InstanceKey>,
+        idle_since: Instant,
+        reply: oneshot::Sender<IdleRelease>,
+    },
     PlanDone {
         seq: SwitchSeq,
         result: Result<Plan, ApiError>,
@@ -871,7 +991,7 @@ impl Driver {
                     *cell.load.lock().unwrap_or_else(PoisonError::into_inner) = Arc::new(load);
                 }
                 (Some(load), None) => {
-                    let cell = Arc::new(LoadCell::new(load));
+                    let cell = Arc::new(LoadCell::new(load, self.lanes.base));
                     if let Some(lane) = self.lane_of.get(&id) {
                         let _ = cell.lane.set(Arc::clone(lane));
                     }
@@ -953,6 +1073,9 @@ impl Driver {
             let nanos = lent.lane.last_start.load(Ordering::Relaxed).max(ended);
             let last = (base + Duration::from_nanos(nanos)).min(now);
             self.state.lent_settled(id, lent.serial, net, last);
+            if nanos > 0 {
+                self.state.lent_used(id, last);
+            }
         }
         last_end
     }
@@ -1065,6 +1188,7 @@ impl Driver {
                 self.reclaim_for(&named);
             }
             Command::EngineIdle { key, .. } => self.reclaim_for([&key.deployment]),
+            Command::ReleaseIfIdle { deployment, .. } => self.reclaim_for([deployment]),
         }
         let now = Instant::now();
         let fx = &mut self.fx;
@@ -1100,6 +1224,36 @@ impl Driver {
             Command::EngineIdle { owner, key, idle } => {
                 self.state.engine_idle_done(now, owner, key, idle, fx)
             }
+            Command::ReleaseIfIdle {
+                deployment,
+                victims,
+                idle_since,
+                reply,
+            } => self.release_if_idle(now, deployment, victims, idle_since, reply),
+        }
+    }
+
+    /// [`CoordinatorHandle::release_if_idle`], decided by [`State::release_if_idle`] (its
+    /// lane, if any, is taken back first: the counts and the last use are exact).
+    fn release_if_idle(
+        &mut self,
+        now: Instant,
+        deployment: DeploymentId,
+        victims: Vec<InstanceKey>,
+        idle_since: Instant,
+        reply: oneshot::Sender<IdleRelease>,
+    ) {
+        let id = self.next_release;
+        self.next_release += 1;
+        // Before the decision: a release that ends at once answers within it.
+        self.fx.idle_replies.insert(id, reply);
+        let fx = &mut self.fx;
+        if !self
+            .state
+            .release_if_idle(now, id, &deployment, victims, idle_since, fx)
+            && let Some(reply) = self.fx.idle_replies.remove(&id)
+        {
+            let _ = reply.send(IdleRelease::InUse);
         }
     }
 }
@@ -1137,6 +1291,8 @@ struct TaskEffects {
     release_replies: HashMap<ReleaseId, oneshot::Sender<ReleaseResult>>,
     /// The reply channels of operators' switches in progress.
     operator_replies: HashMap<OperatorId, oneshot::Sender<OperatorResult>>,
+    /// The reply channels of idle releases in progress (same numbers as `release_replies`).
+    idle_replies: HashMap<ReleaseId, oneshot::Sender<IdleRelease>>,
 }
 
 impl TaskEffects {
@@ -1305,6 +1461,10 @@ impl Effects for TaskEffects {
     }
 
     fn released(&mut self, id: ReleaseId, result: ReleaseResult) {
+        if let Some(reply) = self.idle_replies.remove(&id) {
+            let _ = reply.send(IdleRelease::Released(result));
+            return;
+        }
         if let Some(reply) = self.release_replies.remove(&id) {
             let _ = reply.send(result);
         }

@@ -180,6 +180,11 @@ struct Dep {
     /// Its deployment is gone (deleted, or unknown to the lifecycle): the entry is dropped as
     /// soon as nothing is charged to it or waits for it ([`State::forget_deployment`]).
     forget: bool,
+    /// The latest start or end of one of its requests (on any instance, also one that went
+    /// away; those on lent slots once their lane is taken back, [`State::lent_used`]): its
+    /// last use, which the lifecycle's idle timers and least-recently-used choice read
+    /// (`DeploymentLoad::last_used`), and what [`State::release_if_idle`] decides on.
+    last_used: Option<Instant>,
 }
 
 impl Dep {
@@ -235,6 +240,7 @@ impl Dep {
             in_flight_limit: config.in_flight_per_deployment,
             waiting: self.queue.len(),
             waiting_limit: config.max_pending_per_deployment,
+            last_used: self.last_used,
             instances: self
                 .instances
                 .iter()
@@ -597,6 +603,14 @@ impl State {
         }
     }
 
+    /// A request started or ended on a lent slot of `deployment` at `at` (the latest such
+    /// instant its lane holds, taken with its count by [`State::lent_settled`]): its last use.
+    pub(crate) fn lent_used(&mut self, deployment: &DeploymentId, at: Instant) {
+        if let Some(dep) = self.deployments.get_mut(deployment) {
+            dep.last_used = dep.last_used.max(Some(at));
+        }
+    }
+
     /// A request that had taken a lent slot gave it back while the owner decided the event
     /// that blocked a deployment `Later` (its lane still took the end): as [`State::finished`]
     /// would, the deployments blocked `Later` plan again.
@@ -621,6 +635,7 @@ impl State {
     pub(crate) fn finished(&mut self, now: Instant, f: Finished, fx: &mut impl Effects) {
         if let Some(dep) = self.deployments.get_mut(&f.key.deployment) {
             dep.in_flight = dep.in_flight.saturating_sub(1);
+            dep.last_used = Some(now);
             if let Some(inst) = dep.instances.get_mut(&f.key)
                 && inst.serial == f.serial
             {
@@ -932,6 +947,62 @@ impl State {
         self.settle(now, fx);
     }
 
+    /// The lifecycle's idle timer asks to release `deployment` (its instances `victims`; none
+    /// for a parked one) only if it is idle: nothing waits for it (no queue, no no-wait wish),
+    /// nothing runs on it, no request of it started or ended after `idle_since`, and no
+    /// switch, bring-up or release names it. Decided here, on the state the release changes
+    /// (the lifecycle's view of the load is a snapshot): if idle, the release begins as
+    /// [`State::release`] (its answer comes through `Effects::released`) and this says `true`;
+    /// otherwise nothing changes and this says `false`.
+    ///
+    /// NB: the lifecycle reserves the deployment before it asks, so a request that comes after
+    /// this answer finds it reserved when its switch is planned (`Later`, and planned again
+    /// once it is parked or stopped).
+    pub(crate) fn release_if_idle(
+        &mut self,
+        now: Instant,
+        id: ReleaseId,
+        deployment: &DeploymentId,
+        victims: Vec<InstanceKey>,
+        idle_since: Instant,
+        fx: &mut impl Effects,
+    ) -> bool {
+        if !self.idle(deployment, &victims, idle_since) {
+            return false;
+        }
+        self.release(now, id, victims, fx);
+        true
+    }
+
+    /// See [`State::release_if_idle`].
+    fn idle(
+        &self,
+        deployment: &DeploymentId,
+        victims: &[InstanceKey],
+        idle_since: Instant,
+    ) -> bool {
+        let named = self.watched().any(|d| d == deployment)
+            || self
+                .switch
+                .as_ref()
+                .is_some_and(|sw| sw.target == *deployment)
+            || self.bring_ups.values().any(|t| t == deployment);
+        if named || victims.iter().any(|k| k.deployment != *deployment) {
+            return false;
+        }
+        self.deployments.get(deployment).is_none_or(|dep| {
+            dep.queue.is_empty()
+                && dep.wanted_since.is_none()
+                && dep.in_flight == 0
+                && dep.last_used.is_none_or(|t| t <= idle_since)
+                && victims.iter().all(|k| {
+                    dep.instances
+                        .get(k)
+                        .is_none_or(|i| i.open && i.in_flight == 0)
+                })
+        })
+    }
+
     /// Timers: call when [`State::next_timer`] has passed.
     pub(crate) fn tick(&mut self, now: Instant, fx: &mut impl Effects) {
         self.settle(now, fx);
@@ -1058,6 +1129,7 @@ impl State {
             inst.in_flight += 1;
             inst.last_activity = now;
             dep.in_flight += 1;
+            dep.last_used = Some(now);
             true
         } else {
             false
