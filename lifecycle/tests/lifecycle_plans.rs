@@ -1,5 +1,7 @@
-//! The lifecycle's answers to the router (admissible, plan, abandon, execute) against a scripted
-//! in-memory host agent: reservations, the protected set, refusals. No processes, no sockets.
+//! The lifecycle's answers to the router (admissible, plan, abandon, execute) against the
+//! in-memory fake host agent (`FakeHost`: engines start, park, wake and stop at once, the calls
+//! recorded, operations that hang until a stop, stops that fail): reservations, the protected
+//! set, refusals. No processes, no sockets.
 #![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -9,192 +11,11 @@ use std::time::Duration;
 use capyctl_lifecycle::api::ManagementApi;
 use capyctl_lifecycle::store::{Changes, DeploymentRecord, Store, StoreError};
 use capyctl_lifecycle::{LifecycleConfig, Server};
-use capyctl_node_agent::agent::{
-    BoxFuture, ParkResult, RecoveryReport, StartedInstance, WakeReport,
-};
-use capyctl_node_agent::capability::{EngineInfo, engine_info};
-use capyctl_node_agent::inventory::{GpuInfo, HostMemory, Inventory};
-use capyctl_node_agent::launch::{MaxRunning, MaxRunningSource};
-use capyctl_node_agent::load::LoadSample;
-use capyctl_node_agent::measure::{MeasureSource, Measured, Measurement};
-use capyctl_node_agent::spec::InstanceSpec;
-use capyctl_node_agent::tier::{LaunchParking, ParkChoice, ParkTier};
-use capyctl_node_agent::verify::{FirstAnswer, WakeOutcome};
-use capyctl_node_agent::{AgentError, HostAgent};
 use capyctl_router::lifecycle::{DrainReport, Lifecycle, Plan, PlanFor, SwitchOrder};
-use capyctl_spec::EngineKind;
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::{Released, StartRequest};
 use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
-
-const GIB: u64 = 1 << 30;
-
-/// A host agent whose engines start, park, wake and stop at once; it records the calls. The
-/// starts and wakes of deployments named in `hangs` never end by themselves: a stop of their
-/// instance ends them (`cancelled`), as the real agents do. The stops of instances named in
-/// `failing_stops` end such an operation, then fail (the engine could not be stopped).
-#[derive(Default)]
-struct FakeAgent {
-    calls: Mutex<Vec<String>>,
-    hangs: Mutex<BTreeSet<String>>,
-    failing_stops: Mutex<BTreeSet<String>>,
-    stops: tokio::sync::Notify,
-}
-
-impl FakeAgent {
-    fn record(&self, call: String) {
-        self.calls.lock().unwrap().push(call);
-    }
-
-    fn calls(&self) -> Vec<String> {
-        self.calls.lock().unwrap().clone()
-    }
-
-    /// Hangs when `name`'s operations hang, until its instance is stopped.
-    async fn maybe_hang(
-        &self,
-        name: &str,
-        instance: &str,
-        what: &'static str,
-    ) -> Result<(), AgentError> {
-        if !self.hangs.lock().unwrap().contains(name) {
-            return Ok(());
-        }
-        loop {
-            let stopped = self.stops.notified();
-            if self.calls().contains(&format!("stop {instance}")) {
-                return Err(AgentError::Cancelled {
-                    instance: instance.to_string(),
-                    what,
-                });
-            }
-            stopped.await;
-        }
-    }
-}
-
-fn declared(spec: &InstanceSpec) -> Measurement {
-    Measurement {
-        weights: spec.resources.weights_memory.map(|bytes| Measured {
-            bytes,
-            source: MeasureSource::Declared,
-        }),
-        gpu_memory: spec.resources.gpu_memory.map(|bytes| Measured {
-            bytes,
-            source: MeasureSource::Declared,
-        }),
-    }
-}
-
-impl HostAgent for FakeAgent {
-    fn inventory(&self) -> BoxFuture<'_, Result<Inventory, AgentError>> {
-        Box::pin(async {
-            Ok(Inventory {
-                gpus: vec![GpuInfo {
-                    index: 0,
-                    uuid: None,
-                    name: None,
-                    total_bytes: 10 * GIB,
-                    free_bytes: None,
-                    unified: false,
-                }],
-                gpus_overridden: true,
-                host_memory: HostMemory {
-                    total_bytes: 64 * GIB,
-                    available_bytes: 64 * GIB,
-                    overridden: true,
-                },
-            })
-        })
-    }
-
-    fn engines(&self) -> BoxFuture<'_, Vec<EngineInfo>> {
-        Box::pin(async { vec![engine_info(EngineKind::Vllm, None)] })
-    }
-
-    fn measure<'a>(
-        &'a self,
-        spec: &'a InstanceSpec,
-    ) -> BoxFuture<'a, Result<Measurement, AgentError>> {
-        Box::pin(async move { Ok(declared(spec)) })
-    }
-
-    fn parkability<'a>(
-        &'a self,
-        _: &'a InstanceSpec,
-    ) -> BoxFuture<'a, Result<ParkChoice, AgentError>> {
-        Box::pin(async { Ok(ParkChoice::Park(ParkTier::HostRam)) })
-    }
-
-    fn start<'a>(
-        &'a self,
-        instance: &'a str,
-        spec: &'a InstanceSpec,
-    ) -> BoxFuture<'a, Result<StartedInstance, AgentError>> {
-        Box::pin(async move {
-            self.record(format!("start {instance}"));
-            self.maybe_hang(&spec.name, instance, "start").await?;
-            Ok(StartedInstance {
-                instance: instance.to_string(),
-                pid: 1,
-                port: 9,
-                base_url: "http://127.0.0.1:9".into(),
-                version: None,
-                measurement: declared(spec),
-                first_answer: FirstAnswer::Text { text: "x".into() },
-                max_running: MaxRunning {
-                    count: Some(32),
-                    source: MaxRunningSource::Default,
-                },
-                parking: LaunchParking::default(),
-            })
-        })
-    }
-
-    fn park<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<ParkResult, AgentError>> {
-        Box::pin(async move {
-            self.record(format!("park {instance}"));
-            Ok(ParkResult::Parked {
-                tier: ParkTier::HostRam,
-                gpu_held: None,
-            })
-        })
-    }
-
-    fn wake<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<WakeReport, AgentError>> {
-        Box::pin(async move {
-            self.record(format!("wake {instance}"));
-            // Wakes hang by instance ID.
-            self.maybe_hang(instance, instance, "wake").await?;
-            Ok(WakeReport {
-                outcome: WakeOutcome::Pass,
-                took: std::time::Duration::ZERO,
-            })
-        })
-    }
-
-    fn stop<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<(), AgentError>> {
-        Box::pin(async move {
-            self.record(format!("stop {instance}"));
-            self.stops.notify_waiters();
-            if self.failing_stops.lock().unwrap().contains(instance) {
-                return Err(AgentError::AgentUnreachable {
-                    url: "http://gpu-1:9100".into(),
-                    detail: "the engine's process group would not die".into(),
-                });
-            }
-            Ok(())
-        })
-    }
-
-    fn sample(&self, _: &str) -> Option<LoadSample> {
-        None
-    }
-
-    fn recover(&self) -> BoxFuture<'_, Result<RecoveryReport, AgentError>> {
-        Box::pin(async { Ok(RecoveryReport::default()) })
-    }
-}
+use capyctl_test_support::FakeHost;
 
 /// The records by ID, and every write it was given. With a gate, the first write says it began
 /// and waits until the gate is opened (a slow disk).
@@ -253,8 +74,8 @@ fn doc(name: &str, gib: u64, extra: &str) -> DeploymentDoc {
     .unwrap()
 }
 
-async fn server() -> (Arc<Server>, Arc<FakeAgent>, Arc<MemStore>) {
-    let agent = Arc::new(FakeAgent::default());
+async fn server() -> (Arc<Server>, Arc<FakeHost>, Arc<MemStore>) {
+    let agent = Arc::new(FakeHost::new());
     let store = Arc::new(MemStore::default());
     let s = Server::open(agent.clone(), store.clone(), LifecycleConfig::new("h"))
         .await
@@ -361,7 +182,7 @@ async fn execute_parks_the_victims_then_starts_the_target() {
     .unwrap();
     assert_eq!(s.get("a").await.unwrap().state, InstanceState::Parked);
     assert_eq!(s.get("b").await.unwrap().state, InstanceState::Ready);
-    let calls = agent.calls.lock().unwrap().clone();
+    let calls = agent.calls();
     assert_eq!(
         calls,
         vec![
@@ -571,7 +392,7 @@ async fn state_of(s: &Server, name: &str) -> InstanceState {
 
 /// Waits (on the paused clock, bounded) until the agent was called `call` (`start <iid>`): the
 /// operation is in progress in the agent, not only marked in the lifecycle.
-async fn called(agent: &FakeAgent, call: &str) {
+async fn called(agent: &FakeHost, call: &str) {
     let deadline = tokio::time::Instant::now() + PROMPT;
     while !agent.calls().iter().any(|c| c == call) {
         assert!(
@@ -595,7 +416,7 @@ async fn becomes(s: &Server, name: &str, state: InstanceState) {
 async fn a_stop_ends_a_start_in_progress() {
     let (s, agent, _) = server().await;
     s.deploy(doc("x", 6, "")).await.unwrap();
-    agent.hangs.lock().unwrap().insert("x".into());
+    agent.hang("x");
     let starting = {
         let s = s.clone();
         tokio::spawn(async move {
@@ -636,7 +457,7 @@ async fn a_stop_ends_a_start_in_progress() {
         v.instances[0].last_error
     );
     // It starts again on the operator's word.
-    agent.hangs.lock().unwrap().clear();
+    agent.stop_hanging();
     ready(&s, "x").await;
 }
 
@@ -650,7 +471,7 @@ async fn a_delete_ends_a_wake_in_progress() {
     s.park("x").await.unwrap();
     becomes(&s, "x", InstanceState::Parked).await;
     let iid = format!("{id}-0");
-    agent.hangs.lock().unwrap().insert(iid.clone());
+    agent.hang(&iid);
     s.start("x", StartRequest::default()).await.unwrap();
     becomes(&s, "x", InstanceState::Waking).await;
     called(&agent, &format!("wake {iid}")).await;
@@ -674,7 +495,7 @@ async fn start_evict_ends_a_start_in_progress() {
     let (s, agent, _) = server().await;
     s.deploy(doc("x", 6, "")).await.unwrap();
     s.deploy(doc("y", 6, "")).await.unwrap();
-    agent.hangs.lock().unwrap().insert("x".into());
+    agent.hang("x");
     let x = s
         .start("x", StartRequest::default())
         .await
@@ -729,7 +550,7 @@ async fn start_evict_fails_when_an_ended_start_could_not_be_stopped() {
     let (s, agent, _) = server().await;
     s.deploy(doc("x", 6, "")).await.unwrap();
     s.deploy(doc("y", 6, "")).await.unwrap();
-    agent.hangs.lock().unwrap().insert("x".into());
+    agent.hang("x");
     let x = s
         .start("x", StartRequest::default())
         .await
@@ -739,7 +560,7 @@ async fn start_evict_fails_when_an_ended_start_could_not_be_stopped() {
         format!("{}-0", x.id),
         format!("{}-0", s.get("y").await.unwrap().id),
     );
-    agent.failing_stops.lock().unwrap().insert(x_iid.clone());
+    agent.fail_stops(&x_iid);
     called(&agent, &format!("start {x_iid}")).await;
     let evict = StartRequest {
         evict: true,
@@ -775,7 +596,7 @@ async fn start_evict_fails_when_an_ended_start_could_not_be_stopped() {
         x.instances[0].last_error
     );
     // Nothing stays reserved: once the stop works, y starts.
-    agent.failing_stops.lock().unwrap().clear();
+    agent.stop_failing();
     s.stop("x").await.unwrap();
     let r = tokio::time::timeout(PROMPT, s.start("y", evict))
         .await

@@ -1,206 +1,25 @@
-//! The management API's reads at scale, against in-memory host agents: views are built outside
+//! The management API's reads at scale, against in-memory host agents (`FakeHost`): views are built outside
 //! the lifecycle's lock (a host agent's call never runs under it), host calls are concurrent and
 //! bounded, the deployment view names no host for an unplaced deployment among several, names
 //! follow deletes and deploys, and a deleted deployment leaves no router entry.
 #![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use capyctl_lifecycle::api::ManagementApi;
 use capyctl_lifecycle::store::{Changes, DeploymentRecord, Store, StoreError};
 use capyctl_lifecycle::{HostEntry, LifecycleConfig, Server};
-use capyctl_node_agent::agent::{
-    BoxFuture, ParkResult, RecoveryReport, StartedInstance, WakeReport,
-};
-use capyctl_node_agent::capability::{EngineInfo, engine_info};
-use capyctl_node_agent::inventory::{GpuInfo, HostMemory, Inventory};
-use capyctl_node_agent::launch::{MaxRunning, MaxRunningSource};
-use capyctl_node_agent::load::LoadSample;
-use capyctl_node_agent::measure::{MeasureSource, Measured, Measurement};
-use capyctl_node_agent::spec::{HostSettings, InstanceSpec};
-use capyctl_node_agent::tier::{LaunchParking, ParkChoice, ParkTier};
-use capyctl_node_agent::verify::{FirstAnswer, WakeOutcome};
-use capyctl_node_agent::{AgentError, HostAgent};
+use capyctl_node_agent::spec::HostSettings;
 use capyctl_router::admission::Admission;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::{Coordinator, CoordinatorHandle};
 use capyctl_router::lifecycle::Lifecycle;
 use capyctl_spec::api::StartRequest;
 use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
-use capyctl_spec::{Activation, EngineKind, InstanceState};
-
-const GIB: u64 = 1 << 30;
-
-/// Calls in progress now, and the most at once.
-#[derive(Default)]
-struct Concurrency {
-    now: AtomicUsize,
-    most: AtomicUsize,
-}
-
-impl Concurrency {
-    async fn during<T>(&self, work: impl std::future::Future<Output = T>) -> T {
-        let n = self.now.fetch_add(1, Ordering::SeqCst) + 1;
-        self.most.fetch_max(n, Ordering::SeqCst);
-        let out = work.await;
-        self.now.fetch_sub(1, Ordering::SeqCst);
-        out
-    }
-}
-
-/// A host agent whose engines start, park, wake and stop at once. Its `inventory` and `engines`
-/// calls take `latency`; every call made while the lifecycle's lock is held is recorded (the
-/// agent asks the lifecycle a question that takes the lock, from another thread, and notes
-/// whether it was answered).
-struct FakeAgent {
-    latency: Duration,
-    calls: Arc<Concurrency>,
-    server: OnceLock<Weak<Server>>,
-    under_lock: Mutex<Vec<String>>,
-}
-
-impl FakeAgent {
-    fn new(latency: Duration, calls: Arc<Concurrency>) -> Arc<Self> {
-        Arc::new(FakeAgent {
-            latency,
-            calls,
-            server: OnceLock::new(),
-            under_lock: Mutex::new(Vec::new()),
-        })
-    }
-
-    /// Notes `call` if the lifecycle's lock is held now (by the caller, say).
-    fn check_lock(&self, call: &str) {
-        let Some(server) = self.server.get().and_then(Weak::upgrade) else {
-            return;
-        };
-        let (tx, rx) = std::sync::mpsc::channel();
-        // `admissible` takes the lock; asked from another thread, it answers only once the
-        // lock is free.
-        std::thread::spawn(move || {
-            let _ = server.admissible(&"no-such-deployment".to_string());
-            let _ = tx.send(());
-        });
-        if rx.recv_timeout(Duration::from_secs(2)).is_err() {
-            self.under_lock.lock().unwrap().push(call.to_string());
-        }
-    }
-}
-
-fn declared(spec: &InstanceSpec) -> Measurement {
-    Measurement {
-        weights: spec.resources.weights_memory.map(|bytes| Measured {
-            bytes,
-            source: MeasureSource::Declared,
-        }),
-        gpu_memory: spec.resources.gpu_memory.map(|bytes| Measured {
-            bytes,
-            source: MeasureSource::Declared,
-        }),
-    }
-}
-
-impl HostAgent for FakeAgent {
-    fn inventory(&self) -> BoxFuture<'_, Result<Inventory, AgentError>> {
-        Box::pin(self.calls.during(async move {
-            tokio::time::sleep(self.latency).await;
-            Ok(Inventory {
-                gpus: vec![GpuInfo {
-                    index: 0,
-                    uuid: None,
-                    name: None,
-                    total_bytes: 10 * GIB,
-                    free_bytes: None,
-                    unified: false,
-                }],
-                gpus_overridden: true,
-                host_memory: HostMemory {
-                    total_bytes: 64 * GIB,
-                    available_bytes: 64 * GIB,
-                    overridden: true,
-                },
-            })
-        }))
-    }
-
-    fn engines(&self) -> BoxFuture<'_, Vec<EngineInfo>> {
-        Box::pin(self.calls.during(async move {
-            tokio::time::sleep(self.latency).await;
-            vec![engine_info(EngineKind::Vllm, None)]
-        }))
-    }
-
-    fn measure<'a>(
-        &'a self,
-        spec: &'a InstanceSpec,
-    ) -> BoxFuture<'a, Result<Measurement, AgentError>> {
-        Box::pin(async move { Ok(declared(spec)) })
-    }
-
-    fn parkability<'a>(
-        &'a self,
-        _: &'a InstanceSpec,
-    ) -> BoxFuture<'a, Result<ParkChoice, AgentError>> {
-        Box::pin(async { Ok(ParkChoice::Park(ParkTier::HostRam)) })
-    }
-
-    fn start<'a>(
-        &'a self,
-        instance: &'a str,
-        spec: &'a InstanceSpec,
-    ) -> BoxFuture<'a, Result<StartedInstance, AgentError>> {
-        Box::pin(async move {
-            Ok(StartedInstance {
-                instance: instance.to_string(),
-                pid: 1,
-                port: 9,
-                base_url: "http://127.0.0.1:9".into(),
-                version: None,
-                measurement: declared(spec),
-                first_answer: FirstAnswer::Text { text: "x".into() },
-                max_running: MaxRunning {
-                    count: Some(32),
-                    source: MaxRunningSource::Default,
-                },
-                parking: LaunchParking::default(),
-            })
-        })
-    }
-
-    fn park<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<ParkResult, AgentError>> {
-        Box::pin(async {
-            Ok(ParkResult::Parked {
-                tier: ParkTier::HostRam,
-                gpu_held: None,
-            })
-        })
-    }
-
-    fn wake<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<WakeReport, AgentError>> {
-        Box::pin(async {
-            Ok(WakeReport {
-                outcome: WakeOutcome::Pass,
-                took: Duration::ZERO,
-            })
-        })
-    }
-
-    fn stop<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<(), AgentError>> {
-        Box::pin(async { Ok(()) })
-    }
-
-    fn sample(&self, instance: &str) -> Option<LoadSample> {
-        self.check_lock(&format!("sample {instance}"));
-        None
-    }
-
-    fn recover(&self) -> BoxFuture<'_, Result<RecoveryReport, AgentError>> {
-        Box::pin(async { Ok(RecoveryReport::default()) })
-    }
-}
+use capyctl_spec::{Activation, InstanceState};
+use capyctl_test_support::{Concurrency, FakeHost};
 
 #[derive(Default)]
 struct MemStore(Mutex<BTreeMap<String, DeploymentRecord>>);
@@ -232,15 +51,24 @@ fn doc(name: &str) -> DeploymentDoc {
 struct Cluster {
     server: Arc<Server>,
     router: CoordinatorHandle,
-    agents: Vec<Arc<FakeAgent>>,
     calls: Arc<Concurrency>,
+    /// The host calls made while the lifecycle's lock was held.
+    under_lock: Arc<Mutex<Vec<String>>>,
 }
 
-/// A server over `hosts` fake hosts (`gpu-000`, ...) with the real coordinator attached.
+/// A server over `hosts` fake hosts (`gpu-000`, ...) with the real coordinator attached. Each
+/// host's `inventory` and `engines` calls take `latency` and are counted in `calls`; every
+/// `sample` asked while the lifecycle's lock is held is noted in `under_lock`.
 async fn cluster(hosts: usize, latency: Duration) -> Cluster {
     let calls = Arc::new(Concurrency::default());
-    let agents: Vec<Arc<FakeAgent>> = (0..hosts)
-        .map(|_| FakeAgent::new(latency, calls.clone()))
+    let agents: Vec<Arc<FakeHost>> = (0..hosts)
+        .map(|_| {
+            Arc::new(
+                FakeHost::new()
+                    .with_latency(latency)
+                    .counting(calls.clone()),
+            )
+        })
         .collect();
     let entries = agents
         .iter()
@@ -261,17 +89,41 @@ async fn cluster(hosts: usize, latency: Duration) -> Cluster {
     )
     .await
     .unwrap();
+    let under_lock = Arc::new(Mutex::new(Vec::new()));
     for a in &agents {
-        let _ = a.server.set(Arc::downgrade(&server));
+        let server = Arc::downgrade(&server);
+        let under_lock = under_lock.clone();
+        a.on_sample(move |instance| {
+            if held(&server) {
+                under_lock
+                    .lock()
+                    .unwrap()
+                    .push(format!("sample {instance}"));
+            }
+        });
     }
     let router = Coordinator::spawn(server.clone(), RouterConfig::default());
     server.attach_router(router.clone()).await;
     Cluster {
         server,
         router,
-        agents,
         calls,
+        under_lock,
     }
+}
+
+/// Whether the lifecycle's lock is held now (by the caller, say): `admissible` takes the lock;
+/// asked from another thread, it answers only once the lock is free.
+fn held(server: &Weak<Server>) -> bool {
+    let Some(server) = server.upgrade() else {
+        return false;
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = server.admissible(&"no-such-deployment".to_string());
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(Duration::from_secs(2)).is_err()
 }
 
 async fn start(s: &Server, name: &str) -> String {
@@ -286,7 +138,7 @@ async fn start(s: &Server, name: &str) -> String {
 async fn host_calls_of_a_list_are_concurrent_and_bounded() {
     // 200 hosts whose calls take 10 ms each: one at a time would take 2 s.
     let c = cluster(200, Duration::from_millis(10)).await;
-    c.calls.most.store(0, Ordering::SeqCst);
+    c.calls.reset_most();
     let t = tokio::time::Instant::now();
     let hosts = c.server.hosts().await;
     let took = t.elapsed();
@@ -294,11 +146,11 @@ async fn host_calls_of_a_list_are_concurrent_and_bounded() {
     let expected: Vec<String> = (0..200).map(|i| format!("gpu-{i:03}")).collect();
     assert_eq!(ids, expected, "in host order");
     assert!(hosts.hosts.iter().all(|h| h.gpus.len() == 1));
-    let most = c.calls.most.load(Ordering::SeqCst);
+    let most = c.calls.most();
     assert!(most > 1 && most <= 64, "{most} calls at once");
     assert!(took <= Duration::from_millis(40), "{took:?}");
 
-    c.calls.most.store(0, Ordering::SeqCst);
+    c.calls.reset_most();
     let t = tokio::time::Instant::now();
     let engines = c.server.engines().await;
     assert!(
@@ -309,7 +161,7 @@ async fn host_calls_of_a_list_are_concurrent_and_bounded() {
     assert_eq!(engines.engines.len(), 200);
     assert_eq!(engines.engines[0].host_id, "gpu-000");
     assert_eq!(engines.engines[199].host_id, "gpu-199");
-    let most = c.calls.most.load(Ordering::SeqCst);
+    let most = c.calls.most();
     assert!(most > 1 && most <= 64, "{most} calls at once");
 }
 
@@ -327,11 +179,7 @@ async fn the_load_read_calls_no_host_agent_under_the_lock() {
     assert_eq!(one.deployments[0].deployment_id, a);
     let by_name = c.server.load(Some("chat-a")).await.unwrap();
     assert_eq!(by_name.deployments[0].deployment_id, a);
-    let asked: Vec<String> = c
-        .agents
-        .iter()
-        .flat_map(|g| g.under_lock.lock().unwrap().clone())
-        .collect();
+    let asked = c.under_lock.lock().unwrap().clone();
     assert_eq!(
         asked,
         Vec::<String>::new(),

@@ -35,25 +35,15 @@ use std::time::{Duration, Instant};
 use capyctl_lifecycle::api::ManagementApi;
 use capyctl_lifecycle::store::{Changes, DeploymentRecord, Store, StoreError};
 use capyctl_lifecycle::{HostEntry, LifecycleConfig, Server};
-use capyctl_node_agent::agent::{
-    BoxFuture, ParkResult, RecoveryReport, StartedInstance, WakeReport,
-};
-use capyctl_node_agent::capability::{EngineInfo, engine_info};
-use capyctl_node_agent::inventory::{GpuInfo, HostMemory, Inventory, NoGpus};
-use capyctl_node_agent::launch::{MaxRunning, MaxRunningSource};
-use capyctl_node_agent::load::LoadSample;
-use capyctl_node_agent::measure::{MeasureSource, Measured, Measurement};
-use capyctl_node_agent::spec::{HostSettings, InstanceSpec};
-use capyctl_node_agent::tier::{LaunchParking, ParkChoice, ParkTier};
-use capyctl_node_agent::verify::{FirstAnswer, WakeOutcome};
-use capyctl_node_agent::{AgentError, HostAgent};
+use capyctl_node_agent::inventory::NoGpus;
+use capyctl_node_agent::spec::HostSettings;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::Coordinator;
 use capyctl_router::proxy::{self, Proxy, ProxyConfig};
 use capyctl_server::standalone::Standalone;
-use capyctl_spec::EngineKind;
 use capyctl_spec::documents::{parse_deployment_str, parse_standalone_str};
 use capyctl_spec::overrides::Overrides;
+use capyctl_test_support::FakeHost;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -493,126 +483,7 @@ async fn standalone_case(n: usize, reads: usize) -> Figures {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Fake hosts.
-
-/// A host agent whose engines start, park, wake and stop at once, every one answering at
-/// `upstream`; its inventory and engines calls take `latency`.
-struct FakeHost {
-    gpu: u64,
-    upstream: SocketAddr,
-    latency: Duration,
-}
-
-fn declared(spec: &InstanceSpec) -> Measurement {
-    Measurement {
-        weights: spec.resources.weights_memory.map(|bytes| Measured {
-            bytes,
-            source: MeasureSource::Declared,
-        }),
-        gpu_memory: spec.resources.gpu_memory.map(|bytes| Measured {
-            bytes,
-            source: MeasureSource::Declared,
-        }),
-    }
-}
-
-impl HostAgent for FakeHost {
-    fn inventory(&self) -> BoxFuture<'_, Result<Inventory, AgentError>> {
-        Box::pin(async move {
-            tokio::time::sleep(self.latency).await;
-            Ok(Inventory {
-                gpus: vec![GpuInfo {
-                    index: 0,
-                    uuid: None,
-                    name: None,
-                    total_bytes: self.gpu,
-                    free_bytes: None,
-                    unified: false,
-                }],
-                gpus_overridden: true,
-                host_memory: HostMemory {
-                    total_bytes: 64 * GIB,
-                    available_bytes: 64 * GIB,
-                    overridden: true,
-                },
-            })
-        })
-    }
-
-    fn engines(&self) -> BoxFuture<'_, Vec<EngineInfo>> {
-        Box::pin(async move {
-            tokio::time::sleep(self.latency).await;
-            vec![engine_info(EngineKind::Vllm, None)]
-        })
-    }
-
-    fn measure<'a>(
-        &'a self,
-        spec: &'a InstanceSpec,
-    ) -> BoxFuture<'a, Result<Measurement, AgentError>> {
-        Box::pin(async move { Ok(declared(spec)) })
-    }
-
-    fn parkability<'a>(
-        &'a self,
-        _: &'a InstanceSpec,
-    ) -> BoxFuture<'a, Result<ParkChoice, AgentError>> {
-        Box::pin(async { Ok(ParkChoice::Park(ParkTier::HostRam)) })
-    }
-
-    fn start<'a>(
-        &'a self,
-        instance: &'a str,
-        spec: &'a InstanceSpec,
-    ) -> BoxFuture<'a, Result<StartedInstance, AgentError>> {
-        Box::pin(async move {
-            Ok(StartedInstance {
-                instance: instance.to_string(),
-                pid: 1,
-                port: self.upstream.port(),
-                base_url: format!("http://{}", self.upstream),
-                version: None,
-                measurement: declared(spec),
-                first_answer: FirstAnswer::Text { text: "x".into() },
-                max_running: MaxRunning {
-                    count: Some(32),
-                    source: MaxRunningSource::Default,
-                },
-                parking: LaunchParking::default(),
-            })
-        })
-    }
-
-    fn park<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<ParkResult, AgentError>> {
-        Box::pin(async {
-            Ok(ParkResult::Parked {
-                tier: ParkTier::HostRam,
-                gpu_held: None,
-            })
-        })
-    }
-
-    fn wake<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<WakeReport, AgentError>> {
-        Box::pin(async {
-            Ok(WakeReport {
-                outcome: WakeOutcome::Pass,
-                took: Duration::ZERO,
-            })
-        })
-    }
-
-    fn stop<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<(), AgentError>> {
-        Box::pin(async { Ok(()) })
-    }
-
-    fn sample(&self, _: &str) -> Option<LoadSample> {
-        None
-    }
-
-    fn recover(&self) -> BoxFuture<'_, Result<RecoveryReport, AgentError>> {
-        Box::pin(async { Ok(RecoveryReport::default()) })
-    }
-}
+// Fake hosts: `capyctl_test_support::FakeHost`, every engine answering at `upstream`.
 
 /// An engine that answers every request at once with one chat completion.
 async fn upstream() -> SocketAddr {
@@ -695,11 +566,14 @@ async fn fake_cluster(hosts: usize, n: usize, latency: Duration) -> (Arc<Server>
     let entries: Vec<HostEntry> = (0..hosts)
         .map(|i| HostEntry {
             id: format!("gpu-{i:04}"),
-            agent: Arc::new(FakeHost {
-                gpu,
-                upstream: up,
-                latency,
-            }),
+            // No call log: the RSS figures count no test bookkeeping.
+            agent: Arc::new(
+                FakeHost::new()
+                    .with_gpu(gpu)
+                    .with_upstream(up)
+                    .with_latency(latency)
+                    .without_call_log(),
+            ),
             activation: capyctl_spec::Activation::OnDemand,
             settings: settings.clone(),
             admission_window: None,

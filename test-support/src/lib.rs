@@ -6,11 +6,15 @@
 //! - [`temp_dir`]: a fresh, empty, unique temporary directory;
 //! - [`mock_api`]: one scripted mock Kubernetes API server on `tower_test::mock::pair` (a
 //!   [`kube::Client`] without a socket), which also serves behind a loopback HTTP listener for
-//!   the programs that need a real URL.
+//!   the programs that need a real URL;
+//! - [`fake_host`]: one in-process fake host agent ([`FakeHost`]) for the lifecycle's tests and
+//!   the scale benchmark: engines that start, park, wake and stop at once, a latency per
+//!   inventory/engines call, the calls logged, operations that hang and stops that fail.
 //!
 //! Test helpers panic on what a test cannot go on from (a directory that cannot be made, a
 //! build that fails), naming what failed.
 
+pub mod fake_host;
 pub mod mock_api;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -19,6 +23,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+pub use fake_host::{Concurrency, FakeHost};
 pub use mock_api::{Answer, Exchange, MockApi, Seen, status_body};
 
 /// A fresh, empty temporary directory, unique to this call: `capyctl-<name>-<pid>-<nanos>-<n>`

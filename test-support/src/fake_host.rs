@@ -1,0 +1,423 @@
+//! [`FakeHost`]: one in-process host agent for the lifecycle's tests and the scale benchmark.
+//!
+//! Its host has one GPU (10 GiB unless [`FakeHost::with_gpu`]) and 64 GiB of host RAM, and
+//! runs vLLM. Measurements are the declared resources; engines start, park (in host RAM), wake
+//! (verified) and stop at once, every one answering at one address (`127.0.0.1:9` unless
+//! [`FakeHost::with_upstream`]). What the tests need besides:
+//!
+//! - a latency for each `inventory` and `engines` call ([`FakeHost::with_latency`]: a round
+//!   trip to a node agent), and a count of such calls in progress shared by several hosts
+//!   ([`FakeHost::counting`], [`Concurrency`]);
+//! - the calls `start <iid>`, `park <iid>`, `wake <iid>`, `stop <iid>` in order
+//!   ([`FakeHost::calls`]; [`FakeHost::without_call_log`] keeps none, for figures of memory);
+//! - operations that never end by themselves ([`FakeHost::hang`]): the starts of a deployment
+//!   named so, the wakes of an instance so named; a stop of their instance ends them
+//!   (`cancelled`), as the real agents do;
+//! - stops that fail ([`FakeHost::fail_stops`]): the engine could not be stopped (after ending
+//!   a hanging operation of its instance);
+//! - a hook called on every `sample` ([`FakeHost::on_sample`]), which answers none.
+//!
+//! Mutex poisoning is a test's panic elsewhere: the fake goes on with the data.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::time::Duration;
+
+use capyctl_node_agent::agent::{
+    BoxFuture, ParkResult, RecoveryReport, StartedInstance, WakeReport,
+};
+use capyctl_node_agent::capability::{EngineInfo, engine_info};
+use capyctl_node_agent::inventory::{GpuInfo, HostMemory, Inventory};
+use capyctl_node_agent::launch::{MaxRunning, MaxRunningSource};
+use capyctl_node_agent::load::LoadSample;
+use capyctl_node_agent::measure::{MeasureSource, Measured, Measurement};
+use capyctl_node_agent::spec::InstanceSpec;
+use capyctl_node_agent::tier::{LaunchParking, ParkChoice, ParkTier};
+use capyctl_node_agent::verify::{FirstAnswer, WakeOutcome};
+use capyctl_node_agent::{AgentError, HostAgent};
+use capyctl_spec::EngineKind;
+
+const GIB: u64 = 1 << 30;
+
+/// Calls in progress now, and the most at once (of every host that shares it).
+#[derive(Debug, Default)]
+pub struct Concurrency {
+    now: AtomicUsize,
+    most: AtomicUsize,
+}
+
+impl Concurrency {
+    /// Runs `work`, counted while it runs.
+    pub async fn during<T>(&self, work: impl Future<Output = T>) -> T {
+        let n = self.now.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most.fetch_max(n, Ordering::SeqCst);
+        let out = work.await;
+        self.now.fetch_sub(1, Ordering::SeqCst);
+        out
+    }
+
+    /// The most calls at once since the last [`Concurrency::reset_most`].
+    pub fn most(&self) -> usize {
+        self.most.load(Ordering::SeqCst)
+    }
+
+    /// Forgets the most so far.
+    pub fn reset_most(&self) {
+        self.most.store(0, Ordering::SeqCst);
+    }
+}
+
+/// What [`FakeHost::on_sample`] calls, with the instance ID.
+type SampleHook = Box<dyn Fn(&str) + Send + Sync>;
+
+/// An in-process host agent whose engines start, park, wake and stop at once (see the
+/// module's doc). Build it with [`FakeHost::new`] and the `with_…` methods.
+pub struct FakeHost {
+    gpu_bytes: u64,
+    upstream: SocketAddr,
+    /// `None`: the inventory and engines calls answer without a sleep.
+    latency: Option<Duration>,
+    in_progress: Option<Arc<Concurrency>>,
+    /// `None`: no call log.
+    calls: Option<Mutex<Vec<String>>>,
+    hangs: Mutex<BTreeSet<String>>,
+    failing_stops: Mutex<BTreeSet<String>>,
+    /// The instances stopped so far (what ends their hanging operations).
+    stopped: Mutex<BTreeSet<String>>,
+    stops: tokio::sync::Notify,
+    sample_hook: OnceLock<SampleHook>,
+}
+
+impl Default for FakeHost {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for FakeHost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FakeHost")
+            .field("gpu_bytes", &self.gpu_bytes)
+            .field("upstream", &self.upstream)
+            .field("latency", &self.latency)
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The declared resources of `spec`, as measured.
+fn declared(spec: &InstanceSpec) -> Measurement {
+    let declared = |b: Option<u64>| {
+        b.map(|bytes| Measured {
+            bytes,
+            source: MeasureSource::Declared,
+        })
+    };
+    Measurement {
+        weights: declared(spec.resources.weights_memory),
+        gpu_memory: declared(spec.resources.gpu_memory),
+    }
+}
+
+impl FakeHost {
+    /// One 10 GiB GPU, engines at `127.0.0.1:9`, no latency, the calls logged.
+    pub fn new() -> Self {
+        FakeHost {
+            gpu_bytes: 10 * GIB,
+            upstream: SocketAddr::from(([127, 0, 0, 1], 9)),
+            latency: None,
+            in_progress: None,
+            calls: Some(Mutex::new(Vec::new())),
+            hangs: Mutex::new(BTreeSet::new()),
+            failing_stops: Mutex::new(BTreeSet::new()),
+            stopped: Mutex::new(BTreeSet::new()),
+            stops: tokio::sync::Notify::new(),
+            sample_hook: OnceLock::new(),
+        }
+    }
+
+    /// The GPU's memory.
+    pub fn with_gpu(mut self, bytes: u64) -> Self {
+        self.gpu_bytes = bytes;
+        self
+    }
+
+    /// Where every started engine answers.
+    pub fn with_upstream(mut self, addr: SocketAddr) -> Self {
+        self.upstream = addr;
+        self
+    }
+
+    /// Each `inventory` and `engines` call sleeps `latency` (a sleep even when zero).
+    pub fn with_latency(mut self, latency: Duration) -> Self {
+        self.latency = Some(latency);
+        self
+    }
+
+    /// Each `inventory` and `engines` call is counted in `calls` while it runs.
+    pub fn counting(mut self, calls: Arc<Concurrency>) -> Self {
+        self.in_progress = Some(calls);
+        self
+    }
+
+    /// Keeps no call log ([`FakeHost::calls`] is then empty): a benchmark's memory figures
+    /// count no test bookkeeping.
+    pub fn without_call_log(mut self) -> Self {
+        self.calls = None;
+        self
+    }
+
+    /// Calls `hook` with the instance ID on every `sample`; set once (later hooks are
+    /// ignored). A hook set after the host was handed out (it may need the server built on
+    /// it) is fine.
+    pub fn on_sample(&self, hook: impl Fn(&str) + Send + Sync + 'static) {
+        let _ = self.sample_hook.set(Box::new(hook));
+    }
+
+    /// The calls so far: `start <iid>`, `park <iid>`, `wake <iid>`, `stop <iid>`.
+    pub fn calls(&self) -> Vec<String> {
+        self.calls
+            .as_ref()
+            .map(|c| lock(c).clone())
+            .unwrap_or_default()
+    }
+
+    /// From now on, the starts of the deployment named `name` and the wakes of the instance
+    /// with the ID `name` never end by themselves: a stop of their instance ends them.
+    pub fn hang(&self, name: &str) {
+        lock(&self.hangs).insert(name.to_string());
+    }
+
+    /// Operations that begin from now on end again at once.
+    pub fn stop_hanging(&self) {
+        lock(&self.hangs).clear();
+    }
+
+    /// From now on, stops of `instance` fail (after ending a hanging operation of it).
+    pub fn fail_stops(&self, instance: &str) {
+        lock(&self.failing_stops).insert(instance.to_string());
+    }
+
+    /// Stops succeed again.
+    pub fn stop_failing(&self) {
+        lock(&self.failing_stops).clear();
+    }
+
+    fn record(&self, call: String) {
+        if let Some(calls) = &self.calls {
+            lock(calls).push(call);
+        }
+    }
+
+    /// Hangs when `name`'s operations hang, until `instance` is stopped.
+    async fn maybe_hang(
+        &self,
+        name: &str,
+        instance: &str,
+        what: &'static str,
+    ) -> Result<(), AgentError> {
+        if !lock(&self.hangs).contains(name) {
+            return Ok(());
+        }
+        loop {
+            let stopped = self.stops.notified();
+            if lock(&self.stopped).contains(instance) {
+                return Err(AgentError::Cancelled {
+                    instance: instance.to_string(),
+                    what,
+                });
+            }
+            stopped.await;
+        }
+    }
+
+    /// A round trip: the latency, counted while it runs.
+    async fn round_trip<T>(&self, answer: impl FnOnce() -> T) -> T {
+        let trip = async {
+            if let Some(latency) = self.latency {
+                tokio::time::sleep(latency).await;
+            }
+            answer()
+        };
+        match &self.in_progress {
+            Some(calls) => calls.during(trip).await,
+            None => trip.await,
+        }
+    }
+}
+
+impl HostAgent for FakeHost {
+    fn inventory(&self) -> BoxFuture<'_, Result<Inventory, AgentError>> {
+        Box::pin(self.round_trip(|| {
+            Ok(Inventory {
+                gpus: vec![GpuInfo {
+                    index: 0,
+                    uuid: None,
+                    name: None,
+                    total_bytes: self.gpu_bytes,
+                    free_bytes: None,
+                    unified: false,
+                }],
+                gpus_overridden: true,
+                host_memory: HostMemory {
+                    total_bytes: 64 * GIB,
+                    available_bytes: 64 * GIB,
+                    overridden: true,
+                },
+            })
+        }))
+    }
+
+    fn engines(&self) -> BoxFuture<'_, Vec<EngineInfo>> {
+        Box::pin(self.round_trip(|| vec![engine_info(EngineKind::Vllm, None)]))
+    }
+
+    fn measure<'a>(
+        &'a self,
+        spec: &'a InstanceSpec,
+    ) -> BoxFuture<'a, Result<Measurement, AgentError>> {
+        Box::pin(async move { Ok(declared(spec)) })
+    }
+
+    fn parkability<'a>(
+        &'a self,
+        _: &'a InstanceSpec,
+    ) -> BoxFuture<'a, Result<ParkChoice, AgentError>> {
+        Box::pin(async { Ok(ParkChoice::Park(ParkTier::HostRam)) })
+    }
+
+    fn start<'a>(
+        &'a self,
+        instance: &'a str,
+        spec: &'a InstanceSpec,
+    ) -> BoxFuture<'a, Result<StartedInstance, AgentError>> {
+        Box::pin(async move {
+            self.record(format!("start {instance}"));
+            // Starts hang by deployment name.
+            self.maybe_hang(&spec.name, instance, "start").await?;
+            Ok(StartedInstance {
+                instance: instance.to_string(),
+                pid: 1,
+                port: self.upstream.port(),
+                base_url: format!("http://{}", self.upstream),
+                version: None,
+                measurement: declared(spec),
+                first_answer: FirstAnswer::Text { text: "x".into() },
+                max_running: MaxRunning {
+                    count: Some(32),
+                    source: MaxRunningSource::Default,
+                },
+                parking: LaunchParking::default(),
+            })
+        })
+    }
+
+    fn park<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<ParkResult, AgentError>> {
+        Box::pin(async move {
+            self.record(format!("park {instance}"));
+            Ok(ParkResult::Parked {
+                tier: ParkTier::HostRam,
+                gpu_held: None,
+            })
+        })
+    }
+
+    fn wake<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<WakeReport, AgentError>> {
+        Box::pin(async move {
+            self.record(format!("wake {instance}"));
+            // Wakes hang by instance ID.
+            self.maybe_hang(instance, instance, "wake").await?;
+            Ok(WakeReport {
+                outcome: WakeOutcome::Pass,
+                took: Duration::ZERO,
+            })
+        })
+    }
+
+    fn stop<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<(), AgentError>> {
+        Box::pin(async move {
+            self.record(format!("stop {instance}"));
+            lock(&self.stopped).insert(instance.to_string());
+            self.stops.notify_waiters();
+            if lock(&self.failing_stops).contains(instance) {
+                return Err(AgentError::AgentUnreachable {
+                    url: "http://gpu-1:9100".into(),
+                    detail: "the engine's process group would not die".into(),
+                });
+            }
+            Ok(())
+        })
+    }
+
+    fn sample(&self, instance: &str) -> Option<LoadSample> {
+        if let Some(hook) = self.sample_hook.get() {
+            hook(instance);
+        }
+        None
+    }
+
+    fn recover(&self) -> BoxFuture<'_, Result<RecoveryReport, AgentError>> {
+        Box::pin(async { Ok(RecoveryReport::default()) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn spec(name: &str) -> InstanceSpec {
+        InstanceSpec::new("01KDEP", name, EngineKind::Vllm, "m")
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hanging_start_ends_with_a_stop_and_the_calls_are_logged() {
+        let host = Arc::new(FakeHost::new());
+        host.hang("x");
+        let starting = {
+            let host = host.clone();
+            tokio::spawn(async move { host.start("i-0", &spec("x")).await })
+        };
+        while host.calls().is_empty() {
+            tokio::task::yield_now().await;
+        }
+        assert!(!starting.is_finished());
+        host.stop("i-0").await.unwrap();
+        let ended = starting.await.unwrap();
+        assert!(
+            matches!(ended, Err(AgentError::Cancelled { what: "start", .. })),
+            "{ended:?}"
+        );
+        host.fail_stops("i-1");
+        assert!(host.stop("i-1").await.is_err());
+        host.stop_failing();
+        host.stop("i-1").await.unwrap();
+        assert_eq!(
+            host.calls(),
+            ["start i-0", "stop i-0", "stop i-1", "stop i-1"]
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn inventory_and_engines_take_the_latency_and_are_counted() {
+        let calls = Arc::new(Concurrency::default());
+        let host = FakeHost::new()
+            .with_gpu(3 * GIB)
+            .with_latency(Duration::from_millis(10))
+            .counting(calls.clone());
+        let t = tokio::time::Instant::now();
+        let (inv, engines) = tokio::join!(host.inventory(), host.engines());
+        assert_eq!(t.elapsed(), Duration::from_millis(10));
+        assert_eq!(inv.unwrap().gpus[0].total_bytes, 3 * GIB);
+        assert_eq!(engines.len(), 1);
+        assert_eq!(calls.most(), 2);
+        calls.reset_most();
+        assert_eq!(calls.most(), 0);
+    }
+}
