@@ -1084,31 +1084,47 @@ impl Server {
     /// or a switch waits for one chunk at most, never for a whole read. NB: so the copies are
     /// not of one instant; each deployment's is of one.
     fn shots(&self) -> (Vec<views::DepShot>, Hosts) {
-        let mut shots: Vec<views::DepShot> = Vec::new();
-        let mut hosts = None;
+        let mut all: Vec<views::DepShot> = Vec::new();
+        let hosts = self.shot_chunks(|chunk, _, total| {
+            all.reserve(total.saturating_sub(all.len()));
+            all.append(chunk);
+        });
+        (all, hosts)
+    }
+
+    /// [`Server::shots`] a chunk at a time: `each` gets every chunk (in ID order; it may take
+    /// the copies) once the lock is let go, with the hosts and the number of deployments at
+    /// the chunk's copy. A read that builds its views chunk by chunk keeps no copy of every
+    /// deployment at once.
+    fn shot_chunks(&self, mut each: impl FnMut(&mut Vec<views::DepShot>, &Hosts, usize)) -> Hosts {
+        let mut chunk: Vec<views::DepShot> = Vec::with_capacity(SHOT_CHUNK);
+        let mut hosts: Option<Hosts> = None;
+        let mut after: Option<Arc<views::Fixed>> = None;
         loop {
-            let mut inner = self.lock();
-            let inner = &mut *inner;
-            let hosts = hosts.get_or_insert_with(|| {
-                shots.reserve(inner.deps.len());
-                Arc::clone(&inner.hosts)
-            });
-            let after = shots.last().map(|d| Arc::clone(&d.fixed));
-            let from = after
-                .as_ref()
-                .map_or(Bound::Unbounded, |f| Bound::Excluded(f.id.as_str()));
-            let before = shots.len();
-            shots.extend(
-                inner
-                    .deps
-                    .range_mut::<str, _>((from, Bound::Unbounded))
-                    .take(SHOT_CHUNK)
-                    .map(|(_, d)| views::DepShot::of(d)),
-            );
-            if shots.len() - before < SHOT_CHUNK {
-                let hosts = Arc::clone(hosts);
-                return (shots, hosts);
+            let (hosts, total) = {
+                let mut inner = self.lock();
+                let inner = &mut *inner;
+                let hosts = Arc::clone(hosts.get_or_insert_with(|| Arc::clone(&inner.hosts)));
+                let total = inner.deps.len();
+                let from = after
+                    .as_ref()
+                    .map_or(Bound::Unbounded, |f| Bound::Excluded(f.id.as_str()));
+                chunk.extend(
+                    inner
+                        .deps
+                        .range_mut::<str, _>((from, Bound::Unbounded))
+                        .take(SHOT_CHUNK)
+                        .map(|(_, d)| views::DepShot::of(d)),
+                );
+                (hosts, total)
+            };
+            let last = chunk.len() < SHOT_CHUNK;
+            after = chunk.last().map(|d| Arc::clone(&d.fixed));
+            each(&mut chunk, &hosts, total);
+            if last {
+                return hosts;
             }
+            chunk.clear();
         }
     }
 
@@ -3206,16 +3222,19 @@ impl Server {
                 vec![views::load_view(&d, load.as_deref(), &cx, now)]
             }
             None => {
-                let (shots, hosts) = self.shots();
-                let cx = views::Ctx::new(&self.config, &hosts);
-                // The router's load of each, looked up by ID (shared, not copied).
-                shots
-                    .iter()
-                    .map(|d| {
-                        let load = router.as_ref().and_then(|r| r.load_shared(d.id()));
+                // The router's loads in ID order, joined with the lifecycle's deployments (also
+                // in ID order) in one pass; each chunk's views are built as it is copied.
+                let mut loads = router.as_ref().map(CoordinatorHandle::loads_in_order);
+                let mut out = Vec::new();
+                self.shot_chunks(|chunk, hosts, total| {
+                    out.reserve_exact(total.saturating_sub(out.len()));
+                    let cx = views::Ctx::new(&self.config, hosts);
+                    out.extend(chunk.iter().map(|d| {
+                        let load = loads.as_mut().and_then(|l| l.get(d.id()));
                         views::load_view(d, load.as_deref(), &cx, now)
-                    })
-                    .collect()
+                    }));
+                });
+                out
             }
         };
         Ok(LoadReport {

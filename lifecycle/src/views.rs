@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use capyctl_node_agent::inventory::Inventory;
-use capyctl_node_agent::launch::{MaxRunning, MaxRunningInput, MaxRunningSource, max_running};
+use capyctl_node_agent::launch::{MaxRunning, MaxRunningInput, max_running};
 use capyctl_node_agent::load::LoadSample;
 use capyctl_node_agent::measure::{MeasureSource, Measurement};
 use capyctl_node_agent::spec::InstanceSpec;
@@ -41,6 +41,8 @@ pub(crate) struct Fixed {
     pub doc: DeploymentDoc,
     /// Its instance spec (from the document).
     pub spec: InstanceSpec,
+    /// Its instance's ID (`super::instance_id`).
+    pub instance_id: String,
 }
 
 impl Fixed {
@@ -51,6 +53,7 @@ impl Fixed {
             id: rec.id.clone(),
             doc: rec.doc.clone(),
             spec,
+            instance_id: super::instance_id(&rec.id),
         }
     }
 
@@ -121,8 +124,8 @@ impl DepShot {
         shown(self.state, &self.measurement)
     }
 
-    fn instance_id(&self) -> String {
-        super::instance_id(&self.fixed.id)
+    fn instance_id(&self) -> &str {
+        &self.fixed.instance_id
     }
 
     /// The host of its instance, else the first host (one host in standalone).
@@ -261,7 +264,7 @@ pub(crate) fn deployment_view(d: &DepShot, cx: &Ctx<'_>) -> DeploymentView {
         residency: doc.residency,
         measurement: measurement_view(&d.measurement),
         instances: vec![InstanceView {
-            instance_id: d.instance_id(),
+            instance_id: d.instance_id().to_string(),
             index: 0,
             host_id: instance_host,
             generation: d.generation,
@@ -293,26 +296,6 @@ pub(crate) fn deployment_view(d: &DepShot, cx: &Ctx<'_>) -> DeploymentView {
             ),
         ],
         spec: doc.clone(),
-    }
-}
-
-fn source_words(s: MaxRunningSource) -> &'static str {
-    match s {
-        MaxRunningSource::Engine => "engine",
-        MaxRunningSource::Declared => "declared",
-        MaxRunningSource::Default => "default",
-        MaxRunningSource::StateCache => "state_cache",
-        MaxRunningSource::ExtraArgs => "extra_args",
-        MaxRunningSource::HostFixed => "host_fixed",
-        MaxRunningSource::EngineDefault => "engine_default",
-        MaxRunningSource::OnHost => "on_host",
-    }
-}
-
-fn max_running_view(m: MaxRunning) -> MaxRunningView {
-    MaxRunningView {
-        count: m.count,
-        source: source_words(m.source).to_string(),
     }
 }
 
@@ -377,7 +360,7 @@ pub(crate) fn load_view(
         .map_or(0, |i| i.router_in_flight as u64);
     let loaded = matches!(d.state, InstanceState::Ready | InstanceState::Closed);
     let sample = if loaded {
-        host.and_then(|(_, h)| h.agent.sample(&d.instance_id()))
+        host.and_then(|(_, h)| h.agent.sample(d.instance_id()))
             .and_then(|s| sample_view(&s, now_ms, router_in_flight))
     } else {
         None
@@ -398,14 +381,14 @@ pub(crate) fn load_view(
         },
         // The deployment's figure is what CapyCTL passed or expects; the instance's is the
         // engine's own where it said (SGLang).
-        max_running: max_running_view(expected),
+        max_running: MaxRunningView::from(expected),
         instances: vec![InstanceLoadView {
             index: 0,
             host_id: host.map_or_else(|| cx.config.host_id.clone(), |(id, _)| id.clone()),
             generation: d.generation,
             observed_state: d.shown_state(),
             router_in_flight,
-            max_running: max_running_view(instance_mr),
+            max_running: MaxRunningView::from(instance_mr),
             sample,
         }],
     }

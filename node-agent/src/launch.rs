@@ -212,7 +212,7 @@ impl From<MaxRunning> for capyctl_spec::api::MaxRunningView {
     fn from(m: MaxRunning) -> Self {
         Self {
             count: m.count,
-            source: m.source.as_str().to_string(),
+            source: m.source.as_str().into(),
         }
     }
 }

@@ -232,7 +232,14 @@ where
 // ---------------------------------------------------------------------------------------------
 
 fn json<T: Serialize>(status: StatusCode, body: &T) -> Response {
-    match serde_json::to_vec(body) {
+    json_sized(status, body, 128)
+}
+
+/// [`json`] into a buffer of `capacity` bytes to begin with (a large answer, sized beforehand,
+/// is written without the buffer growing and being copied on the way).
+fn json_sized<T: Serialize>(status: StatusCode, body: &T, capacity: usize) -> Response {
+    let mut bytes = Vec::with_capacity(capacity);
+    match serde_json::to_writer(&mut bytes, body).map(|()| bytes) {
         Ok(bytes) => (
             status,
             [(header::CONTENT_TYPE, "application/json")],
@@ -598,9 +605,19 @@ fn percent_decode(s: &str) -> Result<String, String> {
     String::from_utf8(out).map_err(|_| format!("the query is not UTF-8 once decoded: {s:?}"))
 }
 
+/// About what one deployment's entry of the load read takes in JSON (some 400 to 550 bytes),
+/// to size the answer's buffer once.
+const LOAD_JSON_BYTES_PER_DEPLOYMENT: usize = 576;
+
 async fn load(State(s): State<AppState>, RawQuery(raw): RawQuery) -> Response {
     match load_query(raw.as_deref()) {
-        Ok(deployment) => answer(StatusCode::OK, s.api.load(deployment.as_deref()).await),
+        Ok(deployment) => match s.api.load(deployment.as_deref()).await {
+            Ok(report) => {
+                let capacity = LOAD_JSON_BYTES_PER_DEPLOYMENT * report.deployments.len() + 128;
+                json_sized(StatusCode::OK, &report, capacity)
+            }
+            Err(e) => error(e),
+        },
         Err(detail) => invalid(detail),
     }
 }

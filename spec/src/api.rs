@@ -4,6 +4,8 @@
 //! Errors are [`crate::errors::ApiError`]'s JSON (`{"code","message","retryable"}`).
 //! Optional figures are absent (`null`) when unknown, never zero.
 
+use std::borrow::Cow;
+
 use serde::{Deserialize, Serialize};
 
 use crate::documents::DeploymentDoc;
@@ -317,8 +319,8 @@ pub struct MaxRunningView {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub count: Option<u32>,
     /// `engine`, `declared`, `default`, `state_cache`, `extra_args`, `host_fixed`,
-    /// `engine_default`, `on_host`.
-    pub source: String,
+    /// `engine_default`, `on_host`. (A `Cow`: the load read names a fixed word without a copy.)
+    pub source: Cow<'static, str>,
 }
 
 /// One instance's load.

@@ -220,7 +220,15 @@ const LOAD_SHARDS: usize = 16;
 struct Loads {
     shards: Vec<RwLock<HashMap<DeploymentId, Arc<LoadCell>, FastHash>>>,
     hasher: FastHash,
+    /// Bumped by the owner after each cell it adds or drops (one atomic add: it never waits).
+    cells_changed: AtomicU64,
+    /// Every cell in deployment ID order, as of `cells_changed`'s value, for reads of every
+    /// deployment; sorted again by the first such read after a change (readers only lock it).
+    ordered: Mutex<(u64, Arc<OrderedCells>)>,
 }
+
+/// Every deployment's cell, by deployment ID in ascending order.
+type OrderedCells = [(DeploymentId, Arc<LoadCell>)];
 
 /// One deployment's published load.
 struct LoadCell {
@@ -241,6 +249,8 @@ impl Loads {
                 .map(|_| RwLock::new(HashMap::default()))
                 .collect(),
             hasher: FastHash::default(),
+            cells_changed: AtomicU64::new(0),
+            ordered: Mutex::new((0, Arc::from(Vec::new()))),
         }
     }
 
@@ -263,6 +273,8 @@ impl Loads {
             .write()
             .unwrap_or_else(PoisonError::into_inner);
         shard.insert(deployment, cell);
+        drop(shard);
+        self.cells_changed.fetch_add(1, Ordering::Release);
     }
 
     fn remove(&self, deployment: &str) {
@@ -271,6 +283,8 @@ impl Loads {
             .write()
             .unwrap_or_else(PoisonError::into_inner);
         shard.remove(deployment);
+        drop(shard);
+        self.cells_changed.fetch_add(1, Ordering::Release);
     }
 
     fn clear(&self) {
@@ -280,21 +294,78 @@ impl Loads {
                 .unwrap_or_else(PoisonError::into_inner)
                 .clear();
         }
+        self.cells_changed.fetch_add(1, Ordering::Release);
+    }
+
+    /// Every cell in deployment ID order: the list kept since the last change of the cells
+    /// (one lock and one `Arc` copy), else the shards copied (one read lock each) and sorted.
+    fn ordered(&self) -> Arc<OrderedCells> {
+        let mut kept = self.ordered.lock().unwrap_or_else(PoisonError::into_inner);
+        let changed = self.cells_changed.load(Ordering::Acquire);
+        if kept.0 != changed {
+            let mut cells: Vec<(DeploymentId, Arc<LoadCell>)> = Vec::new();
+            for shard in &self.shards {
+                let shard = shard.read().unwrap_or_else(PoisonError::into_inner);
+                cells.extend(shard.iter().map(|(id, c)| (id.clone(), Arc::clone(c))));
+            }
+            cells.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+            *kept = (changed, Arc::from(cells));
+        }
+        Arc::clone(&kept.1)
     }
 
     /// Every deployment's load, by deployment ID.
     fn all(&self) -> Vec<DeploymentLoad> {
-        let mut cells: Vec<Arc<LoadCell>> = Vec::new();
-        for shard in &self.shards {
-            let shard = shard.read().unwrap_or_else(PoisonError::into_inner);
-            cells.extend(shard.values().cloned());
-        }
-        let mut loads: Vec<DeploymentLoad> = cells
+        self.ordered()
             .iter()
-            .map(|c| Arc::unwrap_or_clone(c.read()))
-            .collect();
-        loads.sort_by(|a, b| a.deployment_id.cmp(&b.deployment_id));
-        loads
+            .map(|(_, c)| Arc::unwrap_or_clone(c.read()))
+            .collect()
+    }
+}
+
+/// The router's published loads of every deployment, looked up in ascending order of
+/// deployment ID (see [`CoordinatorHandle::loads_in_order`]).
+pub struct LoadsInOrder {
+    cells: Arc<OrderedCells>,
+    /// The first cell not yet passed.
+    next: usize,
+}
+
+impl std::fmt::Debug for LoadsInOrder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadsInOrder")
+            .field("deployments", &self.cells.len())
+            .field("next", &self.next)
+            .finish()
+    }
+}
+
+impl LoadsInOrder {
+    /// The load of `deployment` now, shared as [`CoordinatorHandle::load_shared`]'s; `None`
+    /// when the router did not know it when the reader was made. Asked in ascending order of
+    /// ID, each look-up moves on from the last (a merge: one pass over the router's
+    /// deployments for them all); an ID below the last one asked is found by binary search.
+    pub fn get(&mut self, deployment: &str) -> Option<Arc<DeploymentLoad>> {
+        if self
+            .next
+            .checked_sub(1)
+            .is_some_and(|last| self.cells[last].0.as_str() >= deployment)
+        {
+            self.next = self
+                .cells
+                .partition_point(|(id, _)| id.as_str() < deployment);
+        }
+        while let Some((id, cell)) = self.cells.get(self.next) {
+            match id.as_str().cmp(deployment) {
+                std::cmp::Ordering::Less => self.next += 1,
+                std::cmp::Ordering::Equal => {
+                    self.next += 1;
+                    return Some(cell.read());
+                }
+                std::cmp::Ordering::Greater => return None,
+            }
+        }
+        None
     }
 }
 
@@ -585,6 +656,17 @@ impl CoordinatorHandle {
     /// load read looks each of its deployments up).
     pub fn load_shared(&self, deployment: &str) -> Option<Arc<DeploymentLoad>> {
         self.loads.cell(deployment).map(|cell| cell.read())
+    }
+
+    /// [`CoordinatorHandle::load_shared`] of every deployment, for a read that asks for them in
+    /// ascending order of ID (the lifecycle's full load read): no map look-up per deployment,
+    /// and the list of cells in ID order is kept between reads until a deployment joins or
+    /// leaves the router. Like every load read it takes no turn of the task.
+    pub fn loads_in_order(&self) -> LoadsInOrder {
+        LoadsInOrder {
+            cells: self.loads.ordered(),
+            next: 0,
+        }
     }
 
     /// The lifecycle deleted `deployment`: its waiting requests fail (`not_found`), a switch
@@ -1474,5 +1556,67 @@ impl Effects for TaskEffects {
         if let Some(reply) = self.operator_replies.remove(&id) {
             let _ = reply.send(result);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cell(id: &str, waiting: usize) -> Arc<LoadCell> {
+        Arc::new(LoadCell::new(
+            DeploymentLoad {
+                deployment_id: id.to_string(),
+                in_flight: 0,
+                in_flight_limit: 32,
+                waiting,
+                waiting_limit: 8,
+                instances: Vec::new(),
+                last_used: None,
+            },
+            Instant::now(),
+        ))
+    }
+
+    fn in_order(loads: &Loads) -> LoadsInOrder {
+        LoadsInOrder {
+            cells: loads.ordered(),
+            next: 0,
+        }
+    }
+
+    fn waiting(r: &mut LoadsInOrder, id: &str) -> Option<usize> {
+        r.get(id).map(|l| l.waiting)
+    }
+
+    #[test]
+    fn loads_in_order_merge_by_id_and_see_cells_added_and_dropped() {
+        let loads = Loads::new();
+        for (i, id) in ["d", "b", "a", "c"].iter().enumerate() {
+            loads.insert((*id).to_string(), cell(id, i));
+        }
+        let ids: Vec<String> = loads.all().into_iter().map(|l| l.deployment_id).collect();
+        assert_eq!(ids, ["a", "b", "c", "d"]);
+
+        // In ascending order, with IDs the router does not know between them.
+        let mut r = in_order(&loads);
+        assert_eq!(waiting(&mut r, "a"), Some(2));
+        assert_eq!(waiting(&mut r, "aa"), None);
+        assert_eq!(waiting(&mut r, "c"), Some(3));
+        assert_eq!(waiting(&mut r, "d"), Some(0));
+        assert_eq!(waiting(&mut r, "e"), None);
+        // Out of order: found all the same.
+        assert_eq!(waiting(&mut r, "b"), Some(1));
+        assert_eq!(waiting(&mut r, "a"), Some(2));
+
+        // The kept order is renewed after a cell is added or dropped.
+        loads.insert("bb".to_string(), cell("bb", 7));
+        loads.remove("c");
+        let mut r = in_order(&loads);
+        assert_eq!(waiting(&mut r, "bb"), Some(7));
+        assert_eq!(waiting(&mut r, "c"), None);
+        assert_eq!(waiting(&mut r, "d"), Some(0));
+        loads.clear();
+        assert!(loads.all().is_empty());
     }
 }
