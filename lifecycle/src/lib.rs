@@ -46,6 +46,8 @@ use capyctl_node_agent::launch::MaxRunning;
 use capyctl_node_agent::measure::Measurement;
 use capyctl_node_agent::spec::{HostSettings, InstanceSpec};
 use capyctl_node_agent::tier::{NoParkReason, ParkTier};
+use capyctl_router::config::RouterConfig;
+use capyctl_router::coordinator::Coordinator;
 use capyctl_router::coordinator::{
     CoordinatorHandle, IdleRelease, LastUses, OperatorResult, OperatorStart,
 };
@@ -53,7 +55,7 @@ use capyctl_router::lifecycle::{
     BoxFuture, DeploymentId, DeploymentRef, DrainReport, Executed, InstanceKey, Lifecycle, Plan,
     PlanFor, SwitchOrder, Upstream,
 };
-use capyctl_router::proxy::ModelEntry;
+use capyctl_router::proxy::{ModelEntry, Proxy, ProxyConfig};
 use capyctl_spec::api::{
     ActionReceipt, DeployOutcome, DeployReceipt, DeploymentList, DeploymentView, EngineList,
     EngineView, HostList, LoadReport, Released, StartRequest, Victim,
@@ -1006,6 +1008,31 @@ impl Server {
         if let (Some(me), Some(exits)) = (self.me.upgrade(), exits) {
             tokio::spawn(background(me, exits));
         }
+    }
+
+    /// The router of one assembly, as standalone, the operator, the tests and the benches
+    /// build it: the coordinator over `lifecycle` (this server, or a wrapper of it such as the
+    /// operator's observer), spawned and attached to this server ([`Server::attach_router`]).
+    pub async fn spawn_router(
+        &self,
+        lifecycle: Arc<dyn Lifecycle>,
+        config: RouterConfig,
+    ) -> CoordinatorHandle {
+        let router = Coordinator::spawn(lifecycle, config);
+        self.attach_router(router.clone()).await;
+        router
+    }
+
+    /// The inference listener's [`Proxy`] over `router`, whose catalog (`GET /v1/models`) is
+    /// this server's models ([`Server::models`]; none once the server is gone).
+    pub fn proxy(
+        &self,
+        router: CoordinatorHandle,
+        config: ProxyConfig,
+    ) -> Proxy<CoordinatorHandle> {
+        let server = self.me.clone();
+        let catalog = move || server.upgrade().map(|s| s.models()).unwrap_or_default();
+        Proxy::new(router, catalog, config)
     }
 
     /// Holds `/readyz` at not ready (`false`), or lets it answer ready again (`true`): standalone

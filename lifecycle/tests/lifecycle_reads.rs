@@ -14,7 +14,7 @@ use capyctl_lifecycle::{HostEntry, LifecycleConfig, Server};
 use capyctl_node_agent::spec::HostSettings;
 use capyctl_router::admission::Admission;
 use capyctl_router::config::RouterConfig;
-use capyctl_router::coordinator::{Coordinator, CoordinatorHandle};
+use capyctl_router::coordinator::CoordinatorHandle;
 use capyctl_router::lifecycle::Lifecycle;
 use capyctl_spec::api::StartRequest;
 use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
@@ -102,8 +102,9 @@ async fn cluster(hosts: usize, latency: Duration) -> Cluster {
             }
         });
     }
-    let router = Coordinator::spawn(server.clone(), RouterConfig::default());
-    server.attach_router(router.clone()).await;
+    let router = server
+        .spawn_router(server.clone(), RouterConfig::default())
+        .await;
     Cluster {
         server,
         router,

@@ -33,8 +33,7 @@ use capyctl_node_agent::HostAgent;
 use capyctl_node_agent::remote::{RemoteConfig, RemoteHostAgent};
 use capyctl_node_agent::spec::HostSettings;
 use capyctl_router::config::RouterConfig;
-use capyctl_router::coordinator::Coordinator;
-use capyctl_router::proxy::{self, Proxy, ProxyConfig};
+use capyctl_router::proxy::{self, ProxyConfig};
 use capyctl_spec::Activation;
 use capyctl_spec::api::{
     ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostList, LoadReport,
@@ -770,21 +769,18 @@ pub async fn lead(
         views.clone(),
         feed.clone(),
     ));
-    let router = Coordinator::spawn(observed, router_config(&options.server, &queue));
-    server.attach_router(router.clone()).await;
-    let catalog = {
-        let s = Arc::downgrade(&server);
-        move || s.upgrade().map(|s| s.models()).unwrap_or_default()
-    };
-    let proxy = Proxy::new(
-        router.clone(),
-        catalog,
-        ProxyConfig {
-            tls: options.tls.clone(),
-            ..proxy_config(&queue)
-        },
-    )
-    .with_observer(metrics.clone());
+    let router = server
+        .spawn_router(observed, router_config(&options.server, &queue))
+        .await;
+    let proxy = server
+        .proxy(
+            router.clone(),
+            ProxyConfig {
+                tls: options.tls.clone(),
+                ..proxy_config(&queue)
+            },
+        )
+        .with_observer(metrics.clone());
     let (stop_tasks, _) = watch::channel(false);
     let mut tasks: Vec<JoinHandle<()>> = Vec::new();
     {

@@ -38,8 +38,7 @@ use capyctl_lifecycle::{HostEntry, LifecycleConfig, Server};
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::spec::HostSettings;
 use capyctl_router::config::RouterConfig;
-use capyctl_router::coordinator::Coordinator;
-use capyctl_router::proxy::{self, Proxy, ProxyConfig};
+use capyctl_router::proxy::{self, ProxyConfig};
 use capyctl_server::standalone::Standalone;
 use capyctl_spec::documents::{parse_deployment_str, parse_standalone_str};
 use capyctl_spec::overrides::Overrides;
@@ -586,16 +585,13 @@ async fn fake_cluster(hosts: usize, n: usize, latency: Duration) -> (Arc<Server>
     let t = Instant::now();
     let server = Server::open_hosts(entries, store, lc).await.unwrap();
     let open_ms = ms(t.elapsed());
-    let router = Coordinator::spawn(server.clone(), RouterConfig::default());
-    server.attach_router(router.clone()).await;
+    let router = server
+        .spawn_router(server.clone(), RouterConfig::default())
+        .await;
     server.set_ready(true);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let catalog = {
-        let s = Arc::downgrade(&server);
-        move || s.upgrade().map(|s| s.models()).unwrap_or_default()
-    };
-    let proxy = Proxy::new(router, catalog, ProxyConfig::default());
+    let proxy = server.proxy(router, ProxyConfig::default());
     tokio::spawn(async move {
         let _ = proxy::serve(listener, proxy, std::future::pending()).await;
     });

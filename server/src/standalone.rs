@@ -23,8 +23,7 @@ use capyctl_node_agent::inventory::{GpuProbe, default_probe};
 use capyctl_node_agent::spec::HostSettings;
 use capyctl_node_agent::{AgentError, LocalHostAgent};
 use capyctl_router::config::RouterConfig;
-use capyctl_router::coordinator::Coordinator;
-use capyctl_router::proxy::{self, Proxy, ProxyConfig};
+use capyctl_router::proxy::{self, ProxyConfig};
 use capyctl_spec::errors::ApiError;
 use capyctl_spec::settings::StandaloneConfig;
 use tokio::net::TcpListener;
@@ -298,21 +297,18 @@ impl Standalone {
             config.server.listen.management,
         )?;
 
-        let router = Coordinator::spawn(server.clone(), router_config(&config));
-        server.attach_router(router.clone()).await;
-        let catalog = {
-            let s = Arc::downgrade(&server);
-            move || s.upgrade().map(|s| s.models()).unwrap_or_default()
-        };
-        let proxy = Proxy::new(
-            router.clone(),
-            catalog,
-            ProxyConfig {
-                tls: tls.clone(),
-                ..proxy_config(&config)
-            },
-        )
-        .with_observer(metrics.clone());
+        let router = server
+            .spawn_router(server.clone(), router_config(&config))
+            .await;
+        let proxy = server
+            .proxy(
+                router.clone(),
+                ProxyConfig {
+                    tls: tls.clone(),
+                    ..proxy_config(&config)
+                },
+            )
+            .with_observer(metrics.clone());
         let (stop, _) = watch::channel(false);
         let mut tasks = Vec::new();
         {

@@ -15,8 +15,8 @@ use capyctl_node_agent::agent::AgentConfig;
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::spec::{GpuOverride, HostSettings};
 use capyctl_router::config::RouterConfig;
-use capyctl_router::coordinator::{Coordinator, CoordinatorHandle};
-use capyctl_router::proxy::{self, Proxy, ProxyConfig};
+use capyctl_router::coordinator::CoordinatorHandle;
+use capyctl_router::proxy::{self, ProxyConfig};
 use capyctl_spec::Activation;
 use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
 use capyctl_spec::settings::LifecycleDefaults;
@@ -167,17 +167,11 @@ impl Harness {
             })
             .collect();
         let server = Server::open_hosts(hosts, store, lc).await.unwrap();
-        let router = Coordinator::spawn(server.clone(), router_config());
-        server.attach_router(router.clone()).await;
+        let router = server.spawn_router(server.clone(), router_config()).await;
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let catalog = {
-            let s = Arc::downgrade(&server);
-            move || s.upgrade().map(|s| s.models()).unwrap_or_default()
-        };
-        let proxy = Proxy::new(
+        let proxy = server.proxy(
             router.clone(),
-            catalog,
             ProxyConfig {
                 request_deadline: Duration::from_secs(60),
                 ..ProxyConfig::default()
