@@ -18,6 +18,7 @@
 //! it (and no state database) imports it in one transaction and renames it
 //! `state.json.migrated`.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 
@@ -90,6 +91,50 @@ impl Changes {
     /// Nothing to write.
     pub fn is_empty(&self) -> bool {
         self.put.is_empty() && self.remove.is_empty()
+    }
+}
+
+/// A store that keeps its records in memory, by ID: each write changes only the records it
+/// names. The Kubernetes store is one (its records reach the API server as the CRs' status),
+/// and so are the tests' and the benches' stores.
+#[derive(Debug, Default)]
+pub struct MemoryStore {
+    records: Mutex<BTreeMap<String, DeploymentRecord>>,
+}
+
+impl MemoryStore {
+    /// A store holding `records`.
+    pub fn new(records: impl IntoIterator<Item = DeploymentRecord>) -> Self {
+        Self {
+            records: Mutex::new(records.into_iter().map(|r| (r.id.clone(), r)).collect()),
+        }
+    }
+
+    /// The record of deployment `id`, as last written.
+    pub fn get(&self, id: &str) -> Option<DeploymentRecord> {
+        self.lock().get(id).cloned()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, DeploymentRecord>> {
+        self.records.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Store for MemoryStore {
+    /// By ID.
+    fn load(&self) -> Result<Vec<DeploymentRecord>, StoreError> {
+        Ok(self.lock().values().cloned().collect())
+    }
+
+    fn write(&self, changes: &Changes) -> Result<(), StoreError> {
+        let mut records = self.lock();
+        for r in &changes.put {
+            records.insert(r.id.clone(), r.clone());
+        }
+        for id in &changes.remove {
+            records.remove(id);
+        }
+        Ok(())
     }
 }
 
@@ -502,6 +547,25 @@ mod tests {
     fn sorted(mut records: Vec<DeploymentRecord>) -> Vec<DeploymentRecord> {
         records.sort_by(|a, b| a.id.cmp(&b.id));
         records
+    }
+
+    #[test]
+    fn the_memory_store_writes_only_the_records_named_and_loads_by_id() {
+        let store = MemoryStore::new([record("b", "two"), record("a", "one")]);
+        let mut changed = record("b", "two");
+        changed.revision = 2;
+        store
+            .write(&Changes {
+                put: vec![changed, record("c", "three")],
+                remove: vec!["a".into(), "not-stored".into()],
+            })
+            .unwrap();
+        let loaded = store.load().unwrap();
+        let ids: Vec<&str> = loaded.iter().map(|r| r.id.as_str()).collect();
+        assert_eq!(ids, ["b", "c"]);
+        assert_eq!(store.get("b").unwrap().revision, 2);
+        assert_eq!(store.get("c").unwrap().doc.name, "three");
+        assert!(store.get("a").is_none());
     }
 
     /// The raw JSON of every record in the database at `path` (the store closed), by ID.

@@ -4,12 +4,12 @@
 //! set, refusals. No processes, no sockets.
 #![allow(clippy::unwrap_used)]
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use capyctl_lifecycle::api::ManagementApi;
-use capyctl_lifecycle::store::{Changes, DeploymentRecord, Store, StoreError};
+use capyctl_lifecycle::store::{Changes, DeploymentRecord, MemoryStore, Store, StoreError};
 use capyctl_lifecycle::{LifecycleConfig, Server};
 use capyctl_router::lifecycle::{DrainReport, Lifecycle, Plan, PlanFor, SwitchOrder};
 use capyctl_spec::InstanceState;
@@ -21,7 +21,7 @@ use capyctl_test_support::FakeHost;
 /// and waits until the gate is opened (a slow disk).
 #[derive(Default)]
 struct MemStore {
-    records: Mutex<BTreeMap<String, DeploymentRecord>>,
+    records: MemoryStore,
     writes: Mutex<Vec<Changes>>,
     gate: Mutex<Option<Gate>>,
 }
@@ -44,7 +44,7 @@ impl MemStore {
 
 impl Store for MemStore {
     fn load(&self) -> Result<Vec<DeploymentRecord>, StoreError> {
-        Ok(self.records.lock().unwrap().values().cloned().collect())
+        self.records.load()
     }
     fn write(&self, changes: &Changes) -> Result<(), StoreError> {
         let gate = self.gate.lock().unwrap().take();
@@ -52,13 +52,7 @@ impl Store for MemStore {
             began.send(()).unwrap();
             open.recv().unwrap();
         }
-        let mut records = self.records.lock().unwrap();
-        for r in &changes.put {
-            records.insert(r.id.clone(), r.clone());
-        }
-        for id in &changes.remove {
-            records.remove(id);
-        }
+        self.records.write(changes)?;
         self.writes.lock().unwrap().push(changes.clone());
         Ok(())
     }

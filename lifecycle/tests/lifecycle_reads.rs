@@ -4,12 +4,12 @@
 //! follow deletes and deploys, and a deleted deployment leaves no router entry.
 #![allow(clippy::unwrap_used)]
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use capyctl_lifecycle::api::ManagementApi;
-use capyctl_lifecycle::store::{Changes, DeploymentRecord, Store, StoreError};
+use capyctl_lifecycle::store::MemoryStore;
 use capyctl_lifecycle::{HostEntry, LifecycleConfig, Server};
 use capyctl_node_agent::spec::HostSettings;
 use capyctl_router::admission::Admission;
@@ -20,25 +20,6 @@ use capyctl_spec::api::StartRequest;
 use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
 use capyctl_spec::{Activation, InstanceState};
 use capyctl_test_support::{Concurrency, FakeHost};
-
-#[derive(Default)]
-struct MemStore(Mutex<BTreeMap<String, DeploymentRecord>>);
-
-impl Store for MemStore {
-    fn load(&self) -> Result<Vec<DeploymentRecord>, StoreError> {
-        Ok(self.0.lock().unwrap().values().cloned().collect())
-    }
-    fn write(&self, changes: &Changes) -> Result<(), StoreError> {
-        let mut records = self.0.lock().unwrap();
-        for r in &changes.put {
-            records.insert(r.id.clone(), r.clone());
-        }
-        for id in &changes.remove {
-            records.remove(id);
-        }
-        Ok(())
-    }
-}
 
 fn doc(name: &str) -> DeploymentDoc {
     parse_deployment_str(
@@ -84,7 +65,7 @@ async fn cluster(hosts: usize, latency: Duration) -> Cluster {
         .collect();
     let server = Server::open_hosts(
         entries,
-        Arc::new(MemStore::default()),
+        Arc::new(MemoryStore::default()),
         LifecycleConfig::new("gpu-000"),
     )
     .await

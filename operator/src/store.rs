@@ -16,26 +16,23 @@
 //! live. A CR whose new spec is refused keeps running its revision. Records written before
 //! the document was kept fall back to the CR's spec.
 
-use std::collections::HashMap;
-use std::sync::{Mutex, PoisonError};
-
 use capyctl_crds::Deployment;
 use capyctl_spec::documents::DeploymentDoc;
 use kube::ResourceExt;
 
-use capyctl_lifecycle::store::{Changes, DeploymentRecord, Store, StoreError};
+use capyctl_lifecycle::store::{Changes, DeploymentRecord, MemoryStore, Store, StoreError};
 
 /// The records rebuilt from the CRs, and what the lifecycle wrote since, by deployment ID.
 #[derive(Debug, Default)]
 pub struct CrStore {
-    records: Mutex<HashMap<String, DeploymentRecord>>,
+    records: MemoryStore,
 }
 
 impl CrStore {
     /// The records of `crs`: every CR with a valid spec and a `status.deploymentId`, not being
     /// deleted. A CR without an ID yet is deployed fresh by the reconciler.
     pub fn from_crs<'a>(crs: impl IntoIterator<Item = &'a Deployment>) -> Self {
-        let mut records = HashMap::new();
+        let mut records = Vec::new();
         for cr in crs {
             if cr.metadata.deletion_timestamp.is_some() {
                 continue;
@@ -73,7 +70,7 @@ impl CrStore {
                 }
             };
             let record = DeploymentRecord {
-                id: id.clone(),
+                id,
                 revision: status.revision.unwrap_or(1).max(1),
                 doc,
                 operator_stopped: kept.operator_stopped,
@@ -85,10 +82,10 @@ impl CrStore {
                     .unwrap_or(0),
                 first_answer: kept.first_answer,
             };
-            records.insert(id, record);
+            records.push(record);
         }
         Self {
-            records: Mutex::new(records),
+            records: MemoryStore::new(records),
         }
     }
 }
@@ -114,8 +111,7 @@ impl CrStore {
     /// The `lifecycleRecord` of deployment `id` as last saved by the lifecycle, for its CR's
     /// status; `None` when the lifecycle has no such deployment.
     pub fn lifecycle_record(&self, id: &str) -> Option<String> {
-        let records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
-        let r = records.get(id)?;
+        let r = self.records.get(id)?;
         serde_json::to_string(&Kept {
             operator_stopped: r.operator_stopped,
             operator_started: r.operator_started,
@@ -130,26 +126,13 @@ impl CrStore {
 impl Store for CrStore {
     /// By name.
     fn load(&self) -> Result<Vec<DeploymentRecord>, StoreError> {
-        let mut records: Vec<DeploymentRecord> = self
-            .records
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .values()
-            .cloned()
-            .collect();
+        let mut records = self.records.load()?;
         records.sort_by(|a, b| a.doc.name.cmp(&b.doc.name));
         Ok(records)
     }
 
     fn write(&self, changes: &Changes) -> Result<(), StoreError> {
-        let mut records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
-        for r in &changes.put {
-            records.insert(r.id.clone(), r.clone());
-        }
-        for id in &changes.remove {
-            records.remove(id);
-        }
-        Ok(())
+        self.records.write(changes)
     }
 }
 

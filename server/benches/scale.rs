@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use capyctl_lifecycle::api::ManagementApi;
-use capyctl_lifecycle::store::{Changes, DeploymentRecord, Store, StoreError};
+use capyctl_lifecycle::store::{DeploymentRecord, MemoryStore};
 use capyctl_lifecycle::{HostEntry, LifecycleConfig, Server};
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::spec::HostSettings;
@@ -504,12 +504,12 @@ async fn upstream() -> SocketAddr {
 
 /// The records of `n` deployments, as a store holds them when the server opens (on Kubernetes:
 /// a new leader's, rebuilt from the CRs).
-fn records(n: usize) -> BTreeMap<String, DeploymentRecord> {
+/// The fake-host cases' records (in memory, as on Kubernetes, where the CRs are the store).
+fn records(n: usize) -> Vec<DeploymentRecord> {
     (0..n)
         .map(|i| {
-            let id = format!("01SCALE{i:019}");
-            let rec = DeploymentRecord {
-                id: id.clone(),
+            DeploymentRecord {
+                id: format!("01SCALE{i:019}"),
                 revision: 1,
                 doc: parse_deployment_str(
                     "scale.yaml",
@@ -524,30 +524,9 @@ fn records(n: usize) -> BTreeMap<String, DeploymentRecord> {
                 pending_start: false,
                 generation: 0,
                 first_answer: None,
-            };
-            (id, rec)
+            }
         })
         .collect()
-}
-
-/// The store of the fake-host cases: in memory, as on Kubernetes (where the CRs are the store).
-struct MemStore(std::sync::Mutex<BTreeMap<String, DeploymentRecord>>);
-
-impl Store for MemStore {
-    fn load(&self) -> Result<Vec<DeploymentRecord>, StoreError> {
-        Ok(self.0.lock().unwrap().values().cloned().collect())
-    }
-
-    fn write(&self, changes: &Changes) -> Result<(), StoreError> {
-        let mut records = self.0.lock().unwrap();
-        for r in &changes.put {
-            records.insert(r.id.clone(), r.clone());
-        }
-        for id in &changes.remove {
-            records.remove(id);
-        }
-        Ok(())
-    }
 }
 
 /// The lifecycle over `hosts` fake hosts with `n` deployments from the CR store, the real
@@ -581,7 +560,7 @@ async fn fake_cluster(hosts: usize, n: usize, latency: Duration) -> (Arc<Server>
         .collect();
     let mut lc = LifecycleConfig::new("gpu-0000");
     lc.host_settings = settings;
-    let store = Arc::new(MemStore(std::sync::Mutex::new(records(n))));
+    let store = Arc::new(MemoryStore::new(records(n)));
     let t = Instant::now();
     let server = Server::open_hosts(entries, store, lc).await.unwrap();
     let open_ms = ms(t.elapsed());
