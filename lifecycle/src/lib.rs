@@ -28,12 +28,14 @@
 
 pub mod api;
 pub mod metrics;
+mod owner;
 mod parked_room;
 mod placement;
+mod state;
 pub mod store;
 mod views;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::ops::Bound;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -42,15 +44,12 @@ use std::time::Duration;
 
 use capyctl_node_agent::HostAgent;
 use capyctl_node_agent::agent::{EngineExit, ParkResult};
-use capyctl_node_agent::launch::MaxRunning;
 use capyctl_node_agent::measure::Measurement;
 use capyctl_node_agent::spec::{HostSettings, InstanceSpec};
 use capyctl_node_agent::tier::{NoParkReason, ParkTier};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::Coordinator;
-use capyctl_router::coordinator::{
-    CoordinatorHandle, IdleRelease, LastUses, OperatorResult, OperatorStart,
-};
+use capyctl_router::coordinator::{CoordinatorHandle, IdleRelease, OperatorResult, OperatorStart};
 use capyctl_router::lifecycle::{
     BoxFuture, DeploymentId, DeploymentRef, DrainReport, Executed, InstanceKey, Lifecycle, Plan,
     PlanFor, SwitchOrder, Upstream,
@@ -72,7 +71,7 @@ use tracing::Instrument;
 use crate::api::ManagementApi;
 use crate::metrics::Metrics;
 use crate::store::{Changes, DeploymentRecord, Store, StoreError};
-use placement::{Fit, Hold, Holder, place};
+use state::{Dep, Host, Hosts, StartNext, State, Up};
 
 /// How many deployments [`Server::open_hosts`] measures at once.
 const MEASURE_AT_ONCE: usize = 16;
@@ -132,182 +131,9 @@ impl ServerError {
     }
 }
 
-/// One deployment and its instance (index 0 on this host).
-#[derive(Debug)]
-struct Dep {
-    rec: DeploymentRecord,
-    spec: InstanceSpec,
-    measurement: Measurement,
-    state: InstanceState,
-    /// An engine operation is in progress (the state says which).
-    busy: bool,
-    /// Reserved as a victim by this switch or release.
-    reserved: Option<String>,
-    /// The target of this switch (memory promised, not yet starting).
-    claim: Option<String>,
-    /// The host its instance is placed on (claimed, running, parked, or last run on).
-    host: Option<String>,
-    /// What its engine still holds on the GPU while parked (the agent's reading or estimate).
-    parked_gpu: Option<u64>,
-    /// Where the engine answers (from the host agent's `base_url`: loopback for child
-    /// processes, the Pod's IP for engine Pods).
-    addr: Option<SocketAddr>,
-    pid: Option<u32>,
-    tier: Option<ParkTier>,
-    last_error: Option<String>,
-    /// The last state change that counts as use (a request's start or end is the router's to
-    /// record: [`Dep::used_at`] reads both).
-    last_used: Instant,
-    max_running: Option<MaxRunning>,
-    /// Set (once per bring-up) to end the start or wake in progress: what its waiting requests
-    /// and the bring-up's caller get (`deployment_stopped` for a stop, `model_not_found` for
-    /// a delete, `unavailable` for `start --evict` of another model). See
-    /// [`Server::end_bring_up`].
-    end: watch::Sender<Option<ApiError>>,
-    /// The start or wake last ended could not stop its engine (the agent's error): the engine
-    /// may still hold its GPU memory, so `start --evict` does not count it as released.
-    /// Cleared when the next bring-up begins.
-    ended_stop_failed: Option<String>,
-    /// Where its requests' last use is read: the router's record ([`RouterUses`]; set by
-    /// [`Inner::insert`]).
-    uses: RouterUses,
-    /// Marked gone when it is dropped: the name cache's entries for it are stale then.
-    presence: PresenceOf,
-    /// What the views show of its record that only a deploy changes, shared with the reads
-    /// that build views outside the lock (renewed when the revision moves on).
-    fixed: Arc<views::Fixed>,
-}
-
-impl Dep {
-    fn new(rec: DeploymentRecord) -> Self {
-        let spec = InstanceSpec::from_doc(rec.id.clone(), &rec.doc);
-        let fixed = Arc::new(views::Fixed::of(&rec, spec.clone()));
-        Self {
-            rec,
-            spec,
-            measurement: Measurement::default(),
-            state: InstanceState::Stopped,
-            busy: false,
-            reserved: None,
-            claim: None,
-            host: None,
-            parked_gpu: None,
-            addr: None,
-            pid: None,
-            tier: None,
-            last_error: None,
-            last_used: Instant::now(),
-            max_running: None,
-            end: watch::channel(None).0,
-            ended_stop_failed: None,
-            uses: RouterUses::default(),
-            presence: PresenceOf(Arc::new(AtomicBool::new(false))),
-            fixed,
-        }
-    }
-
-    /// Its last use: the later of a request's start or end (as the router records it, read
-    /// without a turn of its task) and the last state change that counts as use.
-    fn used_at(&self) -> Instant {
-        self.uses
-            .of(self.id())
-            .map_or(self.last_used, |t| t.max(self.last_used))
-    }
-
-    /// A start or a wake is in progress.
-    fn bringing_up(&self) -> bool {
-        self.busy && matches!(self.state, InstanceState::Starting | InstanceState::Waking)
-    }
-
-    fn id(&self) -> &str {
-        &self.rec.id
-    }
-
-    fn name(&self) -> &str {
-        &self.rec.doc.name
-    }
-
-    fn instance_id(&self) -> String {
-        instance_id(&self.rec.id)
-    }
-
-    /// Whether the engine holds GPU memory now.
-    fn occupies(&self) -> bool {
-        matches!(
-            self.state,
-            InstanceState::Starting
-                | InstanceState::Ready
-                | InstanceState::Closed
-                | InstanceState::Parking
-                | InstanceState::Waking
-                | InstanceState::Stopping
-        )
-    }
-
-    /// GPU memory it needs awake: the measurement, or the whole GPU when unknown.
-    fn need(&self, capacity: u64) -> u64 {
-        self.measurement
-            .gpu_memory
-            .map(|m| m.bytes)
-            .unwrap_or(capacity)
-    }
-
-    /// The host its instance is bound to: where it holds GPU memory, is parked, or is claimed
-    /// or on its way. `None` when it may be placed on any host.
-    fn bound_host(&self) -> Option<&str> {
-        let bound = self.occupies() || self.state == InstanceState::Parked || self.claim.is_some();
-        if bound { self.host.as_deref() } else { None }
-    }
-
-    /// GPU memory its parked engine holds (0 unless parked).
-    fn parked_holds(&self) -> u64 {
-        if self.state == InstanceState::Parked {
-            self.parked_gpu.unwrap_or(0)
-        } else {
-            0
-        }
-    }
-
-    /// What it would still hold on the GPU once parked: the agent's estimate of a parked
-    /// engine's residue, or 0 when it stops instead of parking.
-    fn residue_if_parked(&self) -> u64 {
-        if !self.parks() {
-            return 0;
-        }
-        capyctl_node_agent::measure::parked_estimate(
-            self.measurement.weights_bytes(),
-            self.spec.speculative(),
-        )
-        .unwrap_or(0)
-    }
-
-    /// Whether it parks when released (not TensorFold, `restart_only` or a decision model).
-    fn parks(&self) -> bool {
-        parked_room::parks(&self.spec)
-    }
-
-    /// Running or on its way (what explicit activation admits requests for).
-    fn running_or_coming(&self) -> bool {
-        matches!(
-            self.state,
-            InstanceState::Starting | InstanceState::Ready | InstanceState::Waking
-        ) || self.claim.is_some()
-            || self.rec.pending_start
-    }
-
-    fn warm(&self) -> bool {
-        self.rec.doc.warm()
-    }
-}
-
 /// The ID of a deployment's instance: `<deployment id>-0`.
 pub fn instance_id(deployment_id: &str) -> String {
     format!("{deployment_id}-0")
-}
-
-/// The deployment ID of an [`instance_id`].
-fn deployment_of(instance_id: &str) -> Option<&str> {
-    instance_id.strip_suffix("-0")
 }
 
 /// How the router is asked to release instances the lifecycle puts away itself.
@@ -318,91 +144,6 @@ enum Ask {
     /// Only if its coordinator finds the deployment idle, with no use after this instant (the
     /// idle timers): see `CoordinatorHandle::release_if_idle`.
     IfIdleSince(Instant),
-}
-
-/// A plan's or an operator release's reservation.
-#[derive(Debug, Default)]
-struct Reservation {
-    target: Option<String>,
-    victims: Vec<String>,
-    /// The victims stop instead of parking (a parked engine's residue would be in the way).
-    stop: bool,
-}
-
-/// Every host, by ID: shared as a whole with the reads that build views outside the lock
-/// (replaced, copy on write, when a host joins).
-type Hosts = Arc<BTreeMap<String, Arc<Host>>>;
-
-#[derive(Debug, Default)]
-struct Inner {
-    /// By ID.
-    deps: BTreeMap<String, Dep>,
-    /// Deployment IDs by name (kept by [`Inner::insert`] and [`Inner::remove`]; a name never
-    /// changes: a deploy of the same name is the same deployment).
-    by_name: HashMap<String, String>,
-    /// IDs whose records changed since they were last written (deleted ones too): the next
-    /// save writes them ([`Server::save`]).
-    dirty: BTreeSet<String>,
-    reservations: HashMap<String, Reservation>,
-    /// Every host, by ID.
-    hosts: Hosts,
-    /// The task forwarding each host's engine exits (replaced with its agent).
-    host_exits: HashMap<String, tokio::task::AbortHandle>,
-    /// The deployments whose instance is on each host (`Dep::host`: claimed, running, parked,
-    /// or last run there), by host ID: placement and the host view read a host's deployments
-    /// without scanning all of them. Kept by [`Inner::set_host`], the one writer of
-    /// `Dep::host` (and [`Inner::remove`]).
-    by_host: HashMap<String, BTreeSet<String>>,
-    /// The router's record of last uses, shared with every deployment ([`Dep::used_at`]).
-    uses: RouterUses,
-}
-
-/// The router's record of each deployment's last use (its requests' starts and ends,
-/// [`CoordinatorHandle::last_used`]), once a router is attached: one shared cell, so that
-/// [`Dep::used_at`] reads it wherever a deployment is at hand. Reading it takes a read lock of
-/// its own and no turn of the router's task.
-#[derive(Debug, Clone, Default)]
-struct RouterUses(Arc<RwLock<Option<LastUses>>>);
-
-impl RouterUses {
-    fn of(&self, deployment: &str) -> Option<Instant> {
-        self.0
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .as_ref()?
-            .of(deployment)
-    }
-
-    fn attach(&self, uses: LastUses) {
-        *self.0.write().unwrap_or_else(PoisonError::into_inner) = Some(uses);
-    }
-}
-
-/// A host the lifecycle places instances on.
-#[derive(Clone)]
-struct Host {
-    /// Its agent (in-process, or a node agent over HTTP).
-    agent: Arc<dyn HostAgent>,
-    /// Its `lifecycle.activation`.
-    activation: Activation,
-    /// Its engine commands (shown by `engine list`, and what `max_running` expects).
-    settings: HostSettings,
-    /// Its admission window, where it differs from the router's: given to the router with
-    /// each switch on this host.
-    admission_window: Option<Duration>,
-    /// A node agent reached over HTTP: its engines' launch inputs are the host's to read.
-    remote: bool,
-    /// Total GPU memory, bytes.
-    capacity: u64,
-}
-
-impl std::fmt::Debug for Host {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Host")
-            .field("activation", &self.activation)
-            .field("capacity", &self.capacity)
-            .finish_non_exhaustive()
-    }
 }
 
 /// A host as given to [`Server::open_hosts`] and [`Server::upsert_host`].
@@ -430,91 +171,6 @@ impl std::fmt::Debug for HostEntry {
             .field("id", &self.id)
             .field("activation", &self.activation)
             .finish_non_exhaustive()
-    }
-}
-
-impl Inner {
-    fn by_name_or_id(&self, key: &str) -> Option<&Dep> {
-        self.deps.get(key).or_else(|| self.by_name(key))
-    }
-
-    fn by_name(&self, name: &str) -> Option<&Dep> {
-        self.by_name.get(name).and_then(|id| self.deps.get(id))
-    }
-
-    /// Adds `dep` (a name already known keeps its deployment: the first one loaded).
-    fn insert(&mut self, mut dep: Dep) {
-        dep.uses = self.uses.clone();
-        self.by_name
-            .entry(dep.name().to_string())
-            .or_insert_with(|| dep.rec.id.clone());
-        self.deps.insert(dep.rec.id.clone(), dep);
-    }
-
-    /// Removes deployment `id`.
-    fn remove(&mut self, id: &str) -> Option<Dep> {
-        self.set_host(id, None);
-        let dep = self.deps.remove(id)?;
-        if self.by_name.get(dep.name()).is_some_and(|i| i == id) {
-            self.by_name.remove(dep.name());
-        }
-        Some(dep)
-    }
-
-    fn release_reservation(&mut self, rid: &str) {
-        if let Some(r) = self.reservations.remove(rid) {
-            for v in r.victims {
-                if let Some(d) = self.deps.get_mut(&v)
-                    && d.reserved.as_deref() == Some(rid)
-                {
-                    d.reserved = None;
-                }
-            }
-            if let Some(t) = r.target
-                && let Some(d) = self.deps.get_mut(&t)
-                && d.claim.as_deref() == Some(rid)
-            {
-                d.claim = None;
-            }
-        }
-    }
-}
-
-/// The by-host index.
-impl Inner {
-    /// Binds (or unbinds) deployment `id`'s instance to `host`, keeping the by-host index.
-    fn set_host(&mut self, id: &str, host: Option<String>) {
-        let Some(d) = self.deps.get_mut(id) else {
-            return;
-        };
-        if d.host == host {
-            return;
-        }
-        if let Some(old) = d.host.take()
-            && let Some(ids) = self.by_host.get_mut(&old)
-        {
-            ids.remove(id);
-            if ids.is_empty() {
-                self.by_host.remove(&old);
-            }
-        }
-        if let Some(new) = &host {
-            self.by_host
-                .entry(new.clone())
-                .or_default()
-                .insert(id.to_string());
-        }
-        d.host = host;
-    }
-
-    /// The deployments whose instance is on `host` (`Dep::host`), by ID.
-    fn on_host<'a>(&'a self, host: &'a str) -> impl Iterator<Item = &'a Dep> + 'a {
-        self.by_host
-            .get(host)
-            .into_iter()
-            .flatten()
-            .filter_map(|id| self.deps.get(id))
-            .filter(move |d| d.host.as_deref() == Some(host))
     }
 }
 
@@ -610,45 +266,26 @@ struct Ended {
     stopped: Result<(), capyctl_node_agent::AgentError>,
 }
 
-/// Whom a placement may name as victims.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Victims {
-    /// Nobody: a start without `--evict` (and a pending one) waits for memory instead.
-    None,
-    /// Idle ready instances and parked engines (a request's switch).
-    Idle,
-    /// Those, and starts or wakes in progress that no request waits for (`start --evict`):
-    /// they are ended, their engines stopped.
-    IdleAndBringUps,
-}
-
-/// How an instance is to be brought up.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Up {
-    Wake,
-    Start,
-}
-
 /// The server's lifecycle and placement on one host. Shared as `Arc<Server>`.
 pub struct Server {
     /// Read-only.
     config: LifecycleConfig,
-    /// Some host says `lifecycle.activation: explicit` (every deployment is then explicit).
-    any_host_explicit: AtomicBool,
-    /// Engine exits of every host, forwarded (host ID, exit) for the background task.
+    /// Engine exits of every host, forwarded (host ID, exit) to the owner's task.
     exits_tx: mpsc::Sender<(String, EngineExit)>,
-    /// Taken by the background task when the router is attached.
-    exits_rx: Mutex<Option<mpsc::Receiver<(String, EngineExit)>>>,
     /// Where the records go.
     store: Arc<dyn Store>,
-    /// All state; a std mutex, never held across an `.await`.
-    inner: Mutex<Inner>,
+    /// The owner of all state: its one writer (see `owner.rs`).
+    owner: owner::Owner,
+    /// The idle timers are running (a tick while they run does nothing).
+    timers_running: Arc<AtomicBool>,
+    /// The task forwarding each host's engine exits (replaced with its agent).
+    host_exits: Mutex<HashMap<String, tokio::task::AbortHandle>>,
     /// Serialises saves (snapshot and write in order).
     persist: Mutex<()>,
     /// The router, once attached; taken by `close`.
     router: Mutex<Option<CoordinatorHandle>>,
-    /// Bumped on every state change (waiters of `--wait` and tests watch it).
-    changes: watch::Sender<u64>,
+    /// Bumped after every turn of the owner (waiters of `--wait` and tests watch it).
+    changes: Arc<watch::Sender<u64>>,
     /// Model names → deployments, for the router's `resolve` without this server's lock.
     names: NameCache,
     /// Set by `close`: background tasks end.
@@ -679,7 +316,7 @@ fn internal(e: impl std::fmt::Display) -> ApiError {
     }
 }
 
-fn not_found(key: &str) -> ApiError {
+pub(crate) fn not_found(key: &str) -> ApiError {
     ApiError::NotFound {
         what: format!("deployment {key}"),
     }
@@ -716,20 +353,30 @@ impl Server {
         store: Arc<dyn Store>,
         config: LifecycleConfig,
     ) -> Result<Arc<Server>, ServerError> {
-        let mut inner = Inner::default();
+        let mut inner = State {
+            host_id: config.host_id.clone(),
+            ..State::default()
+        };
         for rec in store.load()? {
             inner.insert(Dep::new(rec));
         }
-        let (changes, _) = watch::channel(0);
+        let changes = Arc::new(watch::channel(0).0);
         let (closed, _) = watch::channel(false);
         let (exits_tx, exits_rx) = mpsc::channel(256);
-        let server = Arc::new_cyclic(|me| Server {
+        let server = Arc::new_cyclic(|me: &Weak<Server>| Server {
+            owner: owner::Owner::spawn(
+                inner,
+                Arc::clone(&changes),
+                exits_rx,
+                config.timer_tick,
+                me.clone(),
+                closed.subscribe(),
+            ),
+            timers_running: Arc::new(AtomicBool::new(false)),
             config,
-            any_host_explicit: AtomicBool::new(false),
             exits_tx,
-            exits_rx: Mutex::new(Some(exits_rx)),
             store,
-            inner: Mutex::new(inner),
+            host_exits: Mutex::new(HashMap::new()),
             persist: Mutex::new(()),
             router: Mutex::new(None),
             names: NameCache::new(changes.subscribe()),
@@ -763,15 +410,17 @@ impl Server {
             .filter_map(std::future::ready)
             .collect()
             .await;
-        server.write(|inner| {
-            for (id, m) in measured {
-                if let Some(d) = inner.deps.get_mut(&id)
-                    && d.measurement.awaiting()
-                {
-                    d.measurement = m;
+        server
+            .write(move |inner| {
+                for (id, m) in measured {
+                    if let Some(d) = inner.deps.get_mut(&id)
+                        && d.measurement.awaiting()
+                    {
+                        d.measurement = m;
+                    }
                 }
-            }
-        });
+            })
+            .await;
         server.ready.store(true, Ordering::SeqCst);
         Ok(server)
     }
@@ -798,107 +447,28 @@ impl Server {
         let inventory = agent.inventory().await?;
         let capacity = inventory.gpus.iter().map(|g| g.total_bytes).sum();
         let report = agent.recover().await?;
-        let mut to_stop: Vec<String> = Vec::new();
-        let mut came: Vec<(InstanceKey, SocketAddr)> = Vec::new();
-        let mut lost: Vec<InstanceKey> = Vec::new();
-        self.write(|inner| {
-            Arc::make_mut(&mut inner.hosts).insert(
-                host_id.clone(),
-                Arc::new(Host {
-                    agent: agent.clone(),
-                    activation,
-                    settings,
-                    admission_window,
-                    remote,
-                    capacity,
-                }),
-            );
-            if let Some(exits) = inner.host_exits.remove(&host_id) {
-                // The replaced agent's exits are no longer this host's.
-                exits.abort();
-            }
-            let mut adopted_here = BTreeSet::new();
-            let mut changed = BTreeSet::new();
-            for adopted in &report.adopted {
-                let Some(d) = deployment_of(&adopted.instance)
-                    .and_then(|id| inner.deps.get_mut(id))
-                    .filter(|d| d.instance_id() == adopted.instance)
-                else {
-                    tracing::info!(host = %host_id, instance = %adopted.instance, "stopping an engine of a deployment that no longer exists");
-                    to_stop.push(adopted.instance.clone());
-                    continue;
-                };
-                let elsewhere = d.bound_host().is_some_and(|h| h != host_id);
-                if elsewhere {
-                    tracing::info!(host = %host_id, instance = %adopted.instance, "stopping a second engine of a deployment that runs elsewhere");
-                    to_stop.push(adopted.instance.clone());
-                    continue;
-                }
-                if d.busy || d.reserved.is_some() || d.claim.is_some() {
-                    // An operation on it is in flight (a start, a wake, a drain, a park): it
-                    // decides the state; only where the engine answers is learnt.
-                    if d.host.as_deref() == Some(host_id.as_str()) {
-                        d.pid = Some(adopted.pid);
-                        if let Some(addr) = engine_addr(&adopted.base_url) {
-                            d.addr = Some(addr);
-                        }
-                        adopted_here.insert(d.rec.id.clone());
-                    }
-                    continue;
-                }
-                let was = (d.state, d.addr);
-                d.state = if adopted.parked.is_some() {
-                    InstanceState::Parked
-                } else {
-                    InstanceState::Ready
-                };
-                d.tier = adopted.parked;
-                d.parked_gpu = adopted.gpu_held.map(|g| g.bytes);
-                d.pid = Some(adopted.pid);
-                d.addr = engine_addr(&adopted.base_url);
-                if adopted.parked.is_none() && d.rec.pending_start {
-                    // It runs: a start that waited for memory has happened.
-                    d.rec.pending_start = false;
-                    inner.dirty.insert(d.rec.id.clone());
-                }
-                let id = d.rec.id.clone();
-                if (d.state, d.addr) != was {
-                    changed.insert(id.clone());
-                }
-                tracing::info!(host = %host_id, instance = %adopted.instance, state = %d.state, "adopted an engine");
-                inner.set_host(&id, Some(host_id.clone()));
-                adopted_here.insert(id);
-            }
-            // Only deployments on this host can be adopted here or lost by it.
-            let on_this_host: Vec<String> =
-                inner.on_host(&host_id).map(|d| d.rec.id.clone()).collect();
-            for id in &on_this_host {
-                let Some(d) = inner.deps.get_mut(id) else {
-                    continue;
-                };
-                if adopted_here.contains(d.id()) {
-                    if changed.contains(d.id())
-                        && d.state == InstanceState::Ready
-                        && let Some(addr) = d.addr
-                    {
-                        came.push((Self::key_of(d, &host_id), addr));
-                    }
-                    continue;
-                }
-                let held = d.occupies() || d.state == InstanceState::Parked;
-                if held && !d.busy && d.reserved.is_none() && d.claim.is_none() {
-                    lost.push(Self::key_of(d, &host_id));
-                    d.state = InstanceState::Failed;
-                    d.tier = None;
-                    d.addr = None;
-                    d.pid = None;
-                    d.last_error = Some(format!(
-                        "its engine is gone: host {host_id} no longer has it"
-                    ));
-                }
-            }
-        });
-        for gone in report.stopped.iter().chain(report.gone.iter()) {
+        let host = Host {
+            agent: agent.clone(),
+            activation,
+            settings,
+            admission_window,
+            remote,
+            capacity,
+        };
+        let (adopted, stopped, gone) = (report.adopted, report.stopped, report.gone);
+        if let Some(exits) = self.host_exits_of().remove(&host_id) {
+            // The replaced agent's exits are no longer this host's.
+            exits.abort();
+        }
+        let hid = host_id.clone();
+        let state::Adoption {
+            to_stop,
+            came,
+            lost,
+        } = self
+            .write(move |inner| inner.add_host(hid, host, &adopted))
+            .await;
+        for gone in stopped.iter().chain(gone.iter()) {
             tracing::info!(host = %host_id, instance = %gone, "an engine a previous run left is gone or did not answer");
         }
         for iid in to_stop {
@@ -906,19 +476,8 @@ impl Server {
                 tracing::warn!(host = %host_id, instance = %iid, error = %e, "stopping a left engine failed");
             }
         }
-        self.any_host_explicit.store(
-            self.read(|inner| {
-                inner
-                    .hosts
-                    .values()
-                    .any(|h| h.activation == Activation::Explicit)
-            }),
-            Ordering::SeqCst,
-        );
         let exits = self.forward_exits(host_id.clone(), agent.subscribe_exits());
-        self.write(|inner| {
-            inner.host_exits.insert(host_id.clone(), exits);
-        });
+        self.host_exits_of().insert(host_id.clone(), exits);
         self.flush_due();
         for key in lost {
             self.announce_gone(key).await;
@@ -984,13 +543,13 @@ impl Server {
     /// exits).
     pub async fn attach_router(&self, router: CoordinatorHandle) {
         *self.router.lock().unwrap_or_else(PoisonError::into_inner) = Some(router.clone());
-        self.lock().uses.attach(router.last_uses());
+        self.read(|inner| inner.uses.attach(router.last_uses()));
         let ready: Vec<(InstanceKey, SocketAddr)> = self.read(|inner| {
             inner
                 .deps
                 .values()
                 .filter(|d| d.state == InstanceState::Ready)
-                .filter_map(|d| Some((self.key(d), d.addr?)))
+                .filter_map(|d| Some((d.key(&inner.host_id), d.addr?)))
                 .collect()
         });
         for (key, addr) in ready {
@@ -999,14 +558,6 @@ impl Server {
         // Operator starts that waited for memory when the previous run ended wait again.
         if self.read(|inner| inner.deps.values().any(|d| d.rec.pending_start)) {
             self.memory_freed();
-        }
-        let exits = self
-            .exits_rx
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let (Some(me), Some(exits)) = (self.me.upgrade(), exits) {
-            tokio::spawn(background(me, exits));
         }
     }
 
@@ -1129,8 +680,7 @@ impl Server {
         let mut after: Option<Arc<views::Fixed>> = None;
         loop {
             let (hosts, total) = {
-                let mut inner = self.lock();
-                let inner = &mut *inner;
+                let inner = self.owner.state();
                 let hosts = Arc::clone(hosts.get_or_insert_with(|| Arc::clone(&inner.hosts)));
                 let total = inner.deps.len();
                 let from = after
@@ -1139,7 +689,7 @@ impl Server {
                 chunk.extend(
                     inner
                         .deps
-                        .range_mut::<str, _>((from, Bound::Unbounded))
+                        .range::<str, _>((from, Bound::Unbounded))
                         .take(SHOT_CHUNK)
                         .map(|(_, d)| views::DepShot::of(d)),
                 );
@@ -1157,29 +707,54 @@ impl Server {
 
     /// Deployment `name_or_id` as the views need it, and the hosts.
     fn shot(&self, name_or_id: &str) -> Option<(views::DepShot, Hosts)> {
-        let mut inner = self.lock();
-        let id = inner.by_name_or_id(name_or_id)?.rec.id.clone();
-        let hosts = Arc::clone(&inner.hosts);
-        inner
-            .deps
-            .get_mut(&id)
-            .map(|d| (views::DepShot::of(d), hosts))
+        let inner = self.owner.state();
+        let d = inner.by_name_or_id(name_or_id)?;
+        Some((views::DepShot::of(d), Arc::clone(&inner.hosts)))
     }
 
     // ----- plumbing -----
 
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    /// Reads the state (see [`owner::Owner::read`]).
+    fn read<R>(&self, f: impl FnOnce(&State) -> R) -> R {
+        self.owner.read(f)
     }
 
-    fn read<R>(&self, f: impl FnOnce(&Inner) -> R) -> R {
-        f(&self.lock())
+    /// [`Server::write`] of deployment `id`'s change: `f` gets the state and `id`.
+    async fn on<R: Send + 'static>(
+        &self,
+        id: &str,
+        f: impl FnOnce(&mut State, &str) -> R + Send + 'static,
+    ) -> R {
+        let id = id.to_string();
+        self.owner.call(move |inner| f(inner, &id)).await
     }
 
-    fn write<R>(&self, f: impl FnOnce(&mut Inner) -> R) -> R {
-        let r = f(&mut self.lock());
-        self.changes.send_modify(|n| *n = n.wrapping_add(1));
-        r
+    /// Changes the state: `f` runs on the owner's task, in its turn (see
+    /// [`owner::Owner::call`]).
+    async fn write<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut State) -> R + Send + 'static,
+    ) -> R {
+        self.owner.call(f).await
+    }
+
+    fn host_exits_of(&self) -> MutexGuard<'_, HashMap<String, tokio::task::AbortHandle>> {
+        self.host_exits
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Plans bringing `target` up for `who` (see [`State::plan`]).
+    async fn plan_now(
+        &self,
+        target: &str,
+        protected: &BTreeSet<String>,
+        who: PlanFor,
+    ) -> Result<Plan, ApiError> {
+        let switch_id = self.fresh_id("sw");
+        let (target, protected) = (target.to_string(), protected.clone());
+        self.write(move |inner| inner.plan(&target, &protected, who, switch_id, Instant::now()))
+            .await
     }
 
     fn router(&self) -> Option<CoordinatorHandle> {
@@ -1189,36 +764,16 @@ impl Server {
             .clone()
     }
 
-    fn key(&self, d: &Dep) -> InstanceKey {
-        let host = d.host.as_deref().unwrap_or(self.config.host_id.as_str());
-        Self::key_of(d, host)
-    }
-
-    fn key_of(d: &Dep, host: &str) -> InstanceKey {
-        InstanceKey {
-            deployment: d.rec.id.clone(),
-            index: 0,
-            host_id: host.to_string(),
-            generation: d.rec.generation,
-        }
-    }
-
-    /// "A model is explicit when its deployment or any host it may run on says so."
-    fn explicit(&self, d: &Dep) -> bool {
-        d.rec.doc.activation() == Activation::Explicit
-            || self.any_host_explicit.load(Ordering::SeqCst)
-    }
-
     fn fresh_id(&self, what: &str) -> String {
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
         format!("{what}-{}-{n}", ulid::Ulid::new())
     }
 
-    /// Saves the records changed and not written yet (`Inner::dirty`), if any: those a
+    /// Saves the records changed and not written yet (`State::dirty`), if any: those a
     /// change marked for a later save (a pending start taken, an adoption, a batch of
     /// deploys).
     fn flush_due(&self) {
-        if self.read(|inner| !inner.dirty.is_empty()) {
+        if self.read(|inner| inner.dirty.any()) {
             self.log_failed(self.save());
         }
     }
@@ -1227,7 +782,7 @@ impl Server {
     /// changed and not written yet: it is durable when this returns, unless the write failed,
     /// which is logged and must not undo what was decided (the next save writes it again).
     fn save_logged(&self, id: &str) {
-        self.lock().dirty.insert(id.to_string());
+        self.read(|inner| inner.dirty.give_back(BTreeSet::from([id.to_string()])));
         self.log_failed(self.save());
     }
 
@@ -1237,7 +792,7 @@ impl Server {
         }
     }
 
-    /// Writes every record in `Inner::dirty` (and removes the deleted ones) in one transaction,
+    /// Writes every record in `State::dirty` (and removes the deleted ones) in one transaction,
     /// under the persist lock: saves land in order, each with the records as they are when it
     /// takes them, and a save whose records the one before it took (group commit) finds
     /// nothing left to write once that one has written them. A failed write gives its records
@@ -1245,8 +800,8 @@ impl Server {
     fn save(&self) -> Result<(), ApiError> {
         let _order = self.persist.lock().unwrap_or_else(PoisonError::into_inner);
         let (ids, changes) = {
-            let mut inner = self.lock();
-            let ids = std::mem::take(&mut inner.dirty);
+            let inner = self.owner.state();
+            let ids = inner.dirty.take();
             let mut changes = Changes::default();
             for id in &ids {
                 match inner.deps.get(id) {
@@ -1260,7 +815,7 @@ impl Server {
             return Ok(());
         }
         self.store.write(&changes).map_err(|e| {
-            self.lock().dirty.extend(ids);
+            self.read(|inner| inner.dirty.give_back(ids));
             tracing::error!(error = %e, "saving the state failed");
             internal(format!("saving the state: {e}"))
         })
@@ -1289,170 +844,6 @@ impl Server {
         }
     }
 
-    /// Where `target` fits: on the host its instance is bound to (parked there, say), or on the
-    /// best of all hosts: one with room now (the fullest that fits: large models keep room
-    /// elsewhere), else the one needing the fewest victim bytes, else `Later` where some host
-    /// could take it once memory frees. `Never` only when no host can ever take it.
-    fn place_target(
-        &self,
-        inner: &Inner,
-        target: &str,
-        protected: &BTreeSet<String>,
-        victims: Victims,
-    ) -> (Option<String>, Fit) {
-        let Some(d) = inner.deps.get(target) else {
-            return (
-                None,
-                Fit::Never(format!("deployment {target} is not known")),
-            );
-        };
-        let bound = d.bound_host();
-        let mut best: Option<((u8, u64), &String, Fit)> = None;
-        let mut never = Vec::new();
-        // Bound: its host only. NB: each host's holders come from the by-host index, so a
-        // placement reads the hosts and the deployments on them, never every deployment per
-        // host.
-        let candidates: Box<dyn Iterator<Item = (&String, &Arc<Host>)>> = match bound {
-            Some(b) => Box::new(inner.hosts.get_key_value(b).into_iter()),
-            None => Box::new(inner.hosts.iter()),
-        };
-        for (id, host) in candidates {
-            let need = d.need(host.capacity);
-            let holders = self.holders(inner, id, target, protected, victims);
-            let fit = place(host.capacity, need, &holders, victims != Victims::None);
-            let rank = match &fit {
-                Fit::Now => {
-                    let used: u64 = holders.iter().map(|h| h.bytes).sum();
-                    (0, host.capacity.saturating_sub(used).saturating_sub(need))
-                }
-                // Victims that park before victims that must stop; fewest bytes first.
-                Fit::After(victims) | Fit::AfterStopping(victims) => (
-                    if matches!(fit, Fit::After(_)) { 1 } else { 2 },
-                    holders
-                        .iter()
-                        .filter(|h| victims.iter().any(|v| v == h.id))
-                        .map(|h| h.bytes)
-                        .sum(),
-                ),
-                Fit::Later => (3, 0),
-                Fit::Never(why) => {
-                    never.push((id, why.clone()));
-                    continue;
-                }
-            };
-            if best.as_ref().is_none_or(|(r, _, _)| rank < *r) {
-                best = Some((rank, id, fit));
-            }
-        }
-        match best {
-            Some((_, id, fit)) => (Some(id.clone()), fit),
-            None if never.is_empty() => (
-                None,
-                Fit::Never(match bound {
-                    Some(b) => format!("its host {b} is not known"),
-                    None => "no host is known".to_string(),
-                }),
-            ),
-            None if inner.hosts.len() == 1 => (None, Fit::Never(never.remove(0).1)),
-            None => (
-                None,
-                Fit::Never(
-                    never
-                        .iter()
-                        .map(|(h, why)| format!("on host {h}: {why}"))
-                        .collect::<Vec<_>>()
-                        .join("; "),
-                ),
-            ),
-        }
-    }
-
-    /// The GPU holders of `host` as placement sees them, for bringing up `target`.
-    fn holders<'a>(
-        &self,
-        inner: &'a Inner,
-        host: &'a str,
-        target: &str,
-        protected: &BTreeSet<String>,
-        victims: Victims,
-    ) -> Vec<Holder<'a>> {
-        let now = Instant::now();
-        let capacity = inner.hosts.get(host).map_or(0, |h| h.capacity);
-        inner
-            .on_host(host)
-            .filter(|d| {
-                d.id() != target && (d.occupies() || d.claim.is_some() || d.parked_holds() > 0)
-            })
-            .map(|d| {
-                // NB: an explicit or warm model that is draining, parking or stopping on an
-                // operator's command (reserved by it; never by a switch) is on its way out:
-                // its memory frees soon, so others wait for it instead of being refused.
-                let leaving = d.reserved.is_some()
-                    || matches!(d.state, InstanceState::Parking | InstanceState::Stopping);
-                // A parked target a switch has claimed is about to take its whole memory.
-                let parked = d.state == InstanceState::Parked && d.claim.is_none();
-                // A start or wake no request waits for, which `start --evict` ends (it stops).
-                let ends = victims == Victims::IdleAndBringUps
-                    && d.bringing_up()
-                    && d.end.borrow().is_none();
-                let hold = if (self.explicit(d) || d.warm()) && !leaving {
-                    Hold::Pinned
-                } else if (ends
-                    || matches!(d.state, InstanceState::Ready | InstanceState::Parked) && !d.busy)
-                    && d.reserved.is_none()
-                    && d.claim.is_none()
-                    && !protected.contains(d.id())
-                {
-                    Hold::Releasable
-                } else {
-                    Hold::Busy
-                };
-                Holder {
-                    id: d.id(),
-                    name: d.name(),
-                    bytes: if parked {
-                        d.parked_holds()
-                    } else {
-                        d.need(capacity)
-                    },
-                    hold,
-                    idle_for: now.saturating_duration_since(d.used_at()),
-                    parked,
-                    keeps: if parked || ends {
-                        0
-                    } else {
-                        d.residue_if_parked()
-                    },
-                }
-            })
-            .collect()
-    }
-
-    /// Marks `id` as coming up (under the lock) and says how.
-    fn begin_up(inner: &mut Inner, id: &str) -> Option<Up> {
-        let d = inner.deps.get_mut(id)?;
-        if std::mem::take(&mut d.rec.pending_start) || d.state != InstanceState::Parked {
-            // A pending start taken, a new generation: saved by the bring-up.
-            inner.dirty.insert(id.to_string());
-        }
-        d.claim = None;
-        d.busy = true;
-        d.last_error = None;
-        d.last_used = Instant::now();
-        d.end = watch::channel(None).0;
-        d.ended_stop_failed = None;
-        if d.state == InstanceState::Parked {
-            d.parked_gpu = None;
-            d.state = InstanceState::Waking;
-            Some(Up::Wake)
-        } else {
-            d.state = InstanceState::Starting;
-            d.rec.generation += 1;
-            d.rec.first_answer = None;
-            Some(Up::Start)
-        }
-    }
-
     /// Runs the start or wake begun by [`Server::begin_up`]; announces the instance when ready.
     async fn finish_up(&self, id: &str, up: Up) -> Result<(), ApiError> {
         let name = self
@@ -1474,13 +865,15 @@ impl Server {
         let agent = match self.agent_of(id) {
             Ok(a) => a,
             Err(e) => {
-                self.write(|inner| {
-                    if let Some(d) = inner.deps.get_mut(id) {
+                let (id, why) = (id.to_string(), e.message());
+                self.write(move |inner| {
+                    if let Some(d) = inner.deps.get_mut(&id) {
                         d.busy = false;
                         d.state = InstanceState::Failed;
-                        d.last_error = Some(e.message());
+                        d.last_error = Some(why);
                     }
-                });
+                })
+                .await;
                 return Err(e);
             }
         };
@@ -1557,7 +950,7 @@ impl Server {
             Ok(_) => {
                 let at = self.read(|inner| {
                     let d = inner.deps.get(id)?;
-                    Some((self.key(d), started_addr.unwrap_or(d.addr)?))
+                    Some((d.key(&inner.host_id), started_addr.unwrap_or(d.addr)?))
                 });
                 match at {
                     Some((key, addr)) => {
@@ -1569,60 +962,28 @@ impl Server {
             }
             Err(_) => None,
         };
-        let ready = self.write(|inner| {
-            let d = inner.deps.get_mut(id)?;
-            d.busy = false;
-            d.last_used = Instant::now();
-            match &outcome {
-                Ok(started) => {
-                    if let Some(s) = started {
-                        d.addr = started_addr.flatten();
-                        d.pid = Some(s.pid);
-                        d.max_running = Some(s.max_running);
-                        if !s.measurement.awaiting() {
-                            d.measurement = s.measurement;
-                        }
-                        d.rec.first_answer = Some(s.first_answer.clone());
-                    }
-                    d.state = InstanceState::Ready;
-                    d.tier = None;
-                    Some(Ok((self.key(d), d.addr)))
-                }
-                Err(e) => {
-                    d.state = InstanceState::Failed;
-                    d.tier = None;
-                    d.addr = None;
-                    d.pid = None;
-                    d.last_error = Some(format!("{}: {}", e.code(), e.message()));
-                    if let Some(ended) = &ended {
-                        let what = match up {
-                            Up::Start => "start",
-                            Up::Wake => "wake",
-                        };
-                        match &ended.stopped {
-                            Ok(()) => {
-                                d.state = InstanceState::Stopped;
-                                d.last_error = Some(format!(
-                                    "{what} ended and engine stopped: {}",
-                                    e.message()
-                                ));
-                            }
-                            Err(stop) => {
-                                d.last_error = Some(format!(
-                                    "{what} ended ({}), but stopping the engine failed: {stop}",
-                                    e.message()
-                                ));
-                                d.ended_stop_failed = Some(stop.to_string());
-                            }
-                        }
-                    }
-                    Some(Err(self.key(d)))
-                }
-            }
-        });
+        let done = match &outcome {
+            Ok(started) => state::UpDone::Ready(started.as_ref().map(|s| state::Started {
+                addr: started_addr.flatten(),
+                pid: s.pid,
+                max_running: s.max_running,
+                measurement: s.measurement,
+                first_answer: s.first_answer.clone(),
+            })),
+            Err(e) => state::UpDone::Failed {
+                error: e.clone(),
+                ended: ended
+                    .as_ref()
+                    .map(|ended| ended.stopped.as_ref().map_err(ToString::to_string).copied()),
+            },
+        };
+        let target = id.to_string();
+        let ready = self
+            .write(move |inner| inner.up_done(&target, up, done, Instant::now()))
+            .await;
         // A start records its generation and first answer; a pending start taken is saved
         // whatever came of it.
-        let due = self.read(|inner| inner.dirty.contains(id));
+        let due = self.read(|inner| inner.dirty.has(id));
         if up == Up::Start || due {
             self.save_logged(id);
         }
@@ -1745,6 +1106,7 @@ impl Server {
             return Ok(Vec::new());
         };
         let unified = inv.unified_memory();
+        let planned = Instant::now();
         let plan = self.read(|inner| {
             let d = inner.deps.get(id)?;
             let copy = parked_room::NewCopy {
@@ -1765,7 +1127,7 @@ impl Server {
                     id: o.id(),
                     bytes: o.measurement.weights_bytes().unwrap_or(0),
                     used_at: o.used_at(),
-                    kept: self.explicit(o) || o.warm() || o.busy || o.reserved.is_some(),
+                    kept: inner.explicit(o) || o.warm() || o.busy || o.reserved.is_some(),
                     claimed: o.claim.is_some(),
                 })
                 .collect();
@@ -1780,50 +1142,49 @@ impl Server {
             }
             Some(parked_room::ParkedRoom::Stop(victims)) => victims,
         };
+        // Each copy named is stopped only if the router's coordinator, deciding on its own
+        // state, finds nobody waiting for it and no use of it since the room was planned (a
+        // request that came meanwhile wakes it instead): as an idle timer's stop.
         let mut stopped = Vec::new();
         for v in victims {
-            let begun = self.write(|inner| {
-                let d = inner.deps.get_mut(&v)?;
-                (d.state == InstanceState::Parked && !d.busy && d.reserved.is_none()).then(|| {
-                    d.busy = true;
-                    d.state = InstanceState::Stopping;
-                    (d.instance_id(), d.name().to_string())
-                })
-            });
-            let Some((iid, name)) = begun else { continue };
-            tracing::info!(instance = %iid, "released: stopped (no room to park) to make room for a newer parked copy");
-            let result = agent.stop(&iid).await;
-            self.write(|inner| {
-                if let Some(d) = inner.deps.get_mut(&v) {
-                    d.busy = false;
-                    d.tier = None;
-                    d.addr = None;
-                    d.pid = None;
-                    d.state = match &result {
-                        Ok(()) => InstanceState::Stopped,
-                        Err(_) => InstanceState::Failed,
-                    };
-                    d.last_error = Some(match &result {
-                        Ok(()) => Released::StoppedNoRoomToPark.status_line(),
-                        Err(e) => format!("stop failed: {e}"),
-                    });
+            let rid = self.fresh_id("room");
+            let r = rid.clone();
+            let reserved = self
+                .on(&v, move |inner, v| inner.reserve_parked_copy(v, &r))
+                .await;
+            let Some(name) = reserved else { continue };
+            let idle = match self.router() {
+                Some(r) => r.release_if_idle(v.clone(), Vec::new(), planned).await,
+                None => IdleRelease::Released(Ok(Vec::new())),
+            };
+            let result = match idle {
+                IdleRelease::Released(Ok(_)) => {
+                    tracing::info!(instance = %instance_id(&v), "stopping a parked copy to make room for a newer one");
+                    let began = Instant::now();
+                    Some(match self.release_drained(&v, true).await {
+                        Ok(_) => Ok(self.stopped_for_room(&v, began).await),
+                        Err(e) => Err(e),
+                    })
                 }
-            });
-            self.config.metrics.park(
-                "none",
-                if result.is_ok() {
-                    "stopped_no_room_to_park"
-                } else {
-                    "failed"
-                },
-                Duration::ZERO,
-            );
-            stopped.push(Victim {
-                deployment_id: v,
-                name,
-                instance_id: iid,
-                released: Released::StoppedNoRoomToPark,
-            });
+                IdleRelease::Released(Err(e)) => Some(Err(e)),
+                IdleRelease::InUse => None,
+            };
+            self.write(move |inner| inner.release_reservation(&rid))
+                .await;
+            match result {
+                Some(Ok(released)) => stopped.push(Victim {
+                    instance_id: instance_id(&v),
+                    deployment_id: v,
+                    name,
+                    released,
+                }),
+                Some(Err(e)) => {
+                    tracing::warn!(deployment = %v, error = %e, "stopping a parked copy for room failed");
+                }
+                None => {
+                    tracing::info!(deployment = %v, "a parked copy in use is kept: no room made for a newer one");
+                }
+            }
         }
         Ok(stopped)
     }
@@ -1858,31 +1219,40 @@ impl Server {
         let began = Instant::now();
         let released = self.release_drained(id, put != Put::Park).await?;
         if put == Put::StopNoRoom && parks && released == Released::Stopped {
-            self.write(|inner| {
-                if let Some(d) = inner.deps.get_mut(id) {
-                    d.last_error = Some(Released::StoppedNoRoomToPark.status_line());
-                }
-            });
-            self.config
-                .metrics
-                .park("none", "stopped_no_room_to_park", began.elapsed());
-            tracing::info!(instance = %instance_id(id), released = Released::StoppedNoRoomToPark.words(), "released: the GPU has no room to keep it parked");
             return Ok(PutAway {
-                released: Released::StoppedNoRoomToPark,
+                released: self.stopped_for_room(id, began).await,
                 room,
             });
         }
         Ok(PutAway { released, room })
     }
 
+    /// Says of `id`, stopped where it would have parked, that it was stopped for want of room
+    /// (its status, the metrics, the log), as its release reads.
+    async fn stopped_for_room(&self, id: &str, began: Instant) -> Released {
+        self.on(id, |inner, id| {
+            if let Some(d) = inner.deps.get_mut(id) {
+                d.last_error = Some(Released::StoppedNoRoomToPark.status_line());
+            }
+        })
+        .await;
+        self.config
+            .metrics
+            .park("none", "stopped_no_room_to_park", began.elapsed());
+        tracing::info!(instance = %instance_id(id), released = Released::StoppedNoRoomToPark.words(), "released: no room to keep it parked");
+        Released::StoppedNoRoomToPark
+    }
+
     /// Serves a drained instance again (a park refused before it began).
     async fn put_back(&self, id: &str) {
-        let back = self.write(|inner| {
-            let d = inner.deps.get_mut(id)?;
-            d.busy = false;
-            d.state = InstanceState::Ready;
-            Some((self.key(d), d.addr?))
-        });
+        let back = self
+            .on(id, |inner, id| {
+                let d = inner.deps.get_mut(id)?;
+                d.busy = false;
+                d.state = InstanceState::Ready;
+                Some((d.key(&inner.host_id), d.addr?))
+            })
+            .await;
         if let Some((key, addr)) = back {
             self.announce_ready(key, addr).await;
         }
@@ -1891,17 +1261,20 @@ impl Server {
     /// The engine half of [`Server::put_away`].
     async fn release_drained(&self, id: &str, stop: bool) -> Result<Released, ApiError> {
         let agent = self.agent_of(id)?;
-        let Some((iid, key, parked)) = self.write(|inner| {
-            let d = inner.deps.get_mut(id)?;
-            let parked = d.state == InstanceState::Parked;
-            d.busy = true;
-            d.state = if stop || parked {
-                InstanceState::Stopping
-            } else {
-                InstanceState::Parking
-            };
-            Some((d.instance_id(), self.key(d), parked))
-        }) else {
+        let begun = self
+            .on(id, move |inner, id| {
+                let d = inner.deps.get_mut(id)?;
+                let parked = d.state == InstanceState::Parked;
+                d.busy = true;
+                d.state = if stop || parked {
+                    InstanceState::Stopping
+                } else {
+                    InstanceState::Parking
+                };
+                Some((d.instance_id(), d.key(&inner.host_id), parked))
+            })
+            .await;
+        let Some((iid, key, parked)) = begun else {
             return Err(not_found(id));
         };
         let began = Instant::now();
@@ -1913,12 +1286,13 @@ impl Server {
                     self.config
                         .metrics
                         .park(views::tier_words(tier), "ok", began.elapsed());
-                    self.write(|inner| {
+                    self.on(id, move |inner, id| {
                         if let Some(d) = inner.deps.get_mut(id) {
                             d.tier = Some(tier);
                             d.parked_gpu = gpu_held.map(|g| g.bytes);
                         }
-                    });
+                    })
+                    .await;
                     Ok(Released::Parked)
                 }
                 Ok(ParkResult::Stopped {
@@ -1950,11 +1324,12 @@ impl Server {
                 }
             }
         };
-        self.write(|inner| {
+        let outcome = result.as_ref().copied().map_err(ToString::to_string);
+        self.on(id, move |inner, id| {
             if let Some(d) = inner.deps.get_mut(id) {
                 d.busy = false;
                 d.last_used = Instant::now();
-                match &result {
+                match &outcome {
                     Ok(Released::Parked) => d.state = InstanceState::Parked,
                     Ok(r) => {
                         d.state = InstanceState::Stopped;
@@ -1974,7 +1349,8 @@ impl Server {
                     }
                 }
             }
-        });
+        })
+        .await;
         tracing::info!(instance = %iid, released = ?result.as_ref().map(|r| r.words()), "released");
         self.announce_gone(key).await;
         self.memory_freed();
@@ -2008,21 +1384,24 @@ impl Server {
         shown: Option<InstanceState>,
         ask: Ask,
     ) -> Result<Option<HashMap<String, DrainReport>>, ApiError> {
-        let show = |inner: &mut Inner, shown: InstanceState| {
-            ids.iter()
-                .filter_map(|id| {
-                    let d = inner.deps.get_mut(id)?;
-                    d.state = shown;
-                    Some(self.key(d))
-                })
-                .collect::<Vec<InstanceKey>>()
+        let show = |shown: InstanceState| {
+            let ids = ids.to_vec();
+            self.write(move |inner| {
+                ids.iter()
+                    .filter_map(|id| {
+                        let d = inner.deps.get_mut(id)?;
+                        d.state = shown;
+                        Some(d.key(&inner.host_id))
+                    })
+                    .collect::<Vec<InstanceKey>>()
+            })
         };
         let keys = match (shown, ask) {
             (None, _) => Vec::new(),
-            (Some(shown), Ask::Always) => self.write(|inner| show(inner, shown)),
+            (Some(shown), Ask::Always) => show(shown).await,
             (Some(_), Ask::IfIdleSince(_)) => self.read(|inner| {
                 ids.iter()
-                    .filter_map(|id| Some(self.key(inner.deps.get(id)?)))
+                    .filter_map(|id| Some(inner.deps.get(id)?.key(&inner.host_id)))
                     .collect()
             }),
         };
@@ -2046,7 +1425,7 @@ impl Server {
         match answer {
             Some(Ok(reports)) => {
                 if let (Some(shown), Ask::IfIdleSince(_)) = (shown, ask) {
-                    self.write(|inner| show(inner, shown));
+                    show(shown).await;
                 }
                 Ok(Some(
                     reports
@@ -2057,15 +1436,17 @@ impl Server {
             }
             answer => {
                 if let Some(shown) = shown {
-                    self.write(|inner| {
-                        for id in ids {
+                    let ids = ids.to_vec();
+                    self.write(move |inner| {
+                        for id in &ids {
                             if let Some(d) = inner.deps.get_mut(id)
                                 && d.state == shown
                             {
                                 d.state = InstanceState::Ready;
                             }
                         }
-                    });
+                    })
+                    .await;
                 }
                 answer.transpose().map(|_| None)
             }
@@ -2086,23 +1467,9 @@ impl Server {
                         .collect()
                 });
                 for id in pending {
-                    let up = me.write(|inner| {
-                        let d = inner.deps.get(&id)?;
-                        if !d.rec.pending_start
-                            || d.busy
-                            || d.reserved.is_some()
-                            || d.claim.is_some()
-                        {
-                            return None;
-                        }
-                        let (host, fit) =
-                            me.place_target(inner, &id, &BTreeSet::new(), Victims::None);
-                        if fit != Fit::Now {
-                            return None;
-                        }
-                        inner.set_host(&id, host);
-                        Self::begin_up(inner, &id)
-                    });
+                    let up = me
+                        .on(&id, |inner, id| inner.start_pending(id, Instant::now()))
+                        .await;
                     if let Some(up) = up {
                         let _ = me.finish_up(&id, up).await;
                     }
@@ -2112,134 +1479,6 @@ impl Server {
     }
 
     // ----- the router's questions -----
-
-    fn admissible_now(&self, inner: &Inner, id: &str) -> Result<(), ApiError> {
-        let Some(d) = inner.deps.get(id) else {
-            return Err(not_found(id));
-        };
-        if d.rec.operator_stopped {
-            return Err(ApiError::DeploymentStopped {
-                deployment: id.to_string(),
-            });
-        }
-        if self.explicit(d) && !d.running_or_coming() {
-            return Err(ApiError::DeploymentInactive {
-                deployment: id.to_string(),
-            });
-        }
-        Ok(())
-    }
-
-    /// Plans bringing `target` up for `who` (see [`PlanFor`]): reserves the victims and
-    /// claims the target. An operator's plan (`start --evict`) may also name starts and wakes
-    /// in progress that no request waits for ([`Victims::IdleAndBringUps`]); it does not ask
-    /// whether requests may bring the target up (the operator's start is what does).
-    fn plan_now(
-        &self,
-        target: &str,
-        protected: &BTreeSet<String>,
-        who: PlanFor,
-    ) -> Result<Plan, ApiError> {
-        let mut inner = self.lock();
-        if who == PlanFor::Requests {
-            self.admissible_now(&inner, target)?;
-        }
-        let Some(d) = inner.deps.get(target) else {
-            return Err(not_found(target));
-        };
-        // NB: an operator start that waits for memory (`pending_start`) never evicts; a
-        // request for the same deployment plans as usual and may, taking the start over.
-        if d.claim.is_some() {
-            return Ok(Plan::AlreadyComing);
-        }
-        match d.state {
-            InstanceState::Ready | InstanceState::Starting | InstanceState::Waking => {
-                return Ok(Plan::AlreadyComing);
-            }
-            _ if d.busy || d.reserved.is_some() => return Ok(Plan::Later),
-            InstanceState::Closed | InstanceState::Parking | InstanceState::Stopping => {
-                return Ok(Plan::Later);
-            }
-            _ => {}
-        }
-        let policy = match who {
-            PlanFor::Requests => Victims::Idle,
-            PlanFor::Operator => Victims::IdleAndBringUps,
-        };
-        let (host, fit) = self.place_target(&inner, target, protected, policy);
-        let switch_id = self.fresh_id("sw");
-        let plan = match fit {
-            Fit::Now => {
-                inner.reservations.insert(
-                    switch_id.clone(),
-                    Reservation {
-                        target: Some(target.to_string()),
-                        victims: Vec::new(),
-                        stop: false,
-                    },
-                );
-                // NB: a pending operator start stays pending until the bring-up begins
-                // (`begin_up` takes it): a switch given back leaves it waiting as before.
-                if let Some(d) = inner.deps.get_mut(target) {
-                    d.claim = Some(switch_id.clone());
-                }
-                inner.set_host(target, host);
-                Plan::BringUp { switch_id }
-            }
-            Fit::After(ref victims) | Fit::AfterStopping(ref victims) => {
-                let stop = matches!(fit, Fit::AfterStopping(_));
-                let victims = victims.clone();
-                let window = host
-                    .as_ref()
-                    .and_then(|h| inner.hosts.get(h))
-                    .and_then(|h| h.admission_window);
-                // The router drains the ready victims; parked ones (stopped for what they still
-                // hold on the GPU) and starts or wakes in progress (ended) are the lifecycle's
-                // alone.
-                let mut keys = Vec::new();
-                for v in &victims {
-                    if let Some(vd) = inner.deps.get_mut(v) {
-                        vd.reserved = Some(switch_id.clone());
-                        if vd.state == InstanceState::Ready {
-                            keys.push(self.key(vd));
-                        }
-                    }
-                }
-                if let Some(d) = inner.deps.get_mut(target) {
-                    d.claim = Some(switch_id.clone());
-                }
-                inner.set_host(target, host);
-                inner.reservations.insert(
-                    switch_id.clone(),
-                    Reservation {
-                        target: Some(target.to_string()),
-                        victims,
-                        stop,
-                    },
-                );
-                if keys.is_empty() {
-                    Plan::BringUp { switch_id }
-                } else {
-                    Plan::Switch {
-                        switch_id,
-                        victims: keys,
-                        // The window of the host where the switch happens.
-                        window,
-                    }
-                }
-            }
-            Fit::Later => Plan::Later,
-            Fit::Never(detail) => {
-                return Err(ApiError::DoesNotFit {
-                    deployment: target.to_string(),
-                    detail,
-                });
-            }
-        };
-        drop(inner);
-        self.changes.send_modify(|n| *n = n.wrapping_add(1));
-        Ok(plan)
-    }
 
     /// Carries out a switch's order (see [`Lifecycle::execute`]): releases the victims, then
     /// brings the target up. An operator's order answers once the bring-up has begun; the
@@ -2444,34 +1683,16 @@ impl Server {
                 .read(|inner| inner.deps.get(&order.target).map(|d| d.name().to_string()))
                 .unwrap_or_else(|| order.target.clone());
             if let Some(e) = evict_failed(&target, &not_released) {
-                self.write(|inner| inner.release_reservation(switch_id));
+                let switch = switch_id.to_string();
+                self.write(move |inner| inner.release_reservation(&switch))
+                    .await;
                 return Err(e);
             }
         }
-        let up = self.write(|inner| {
-            let claimed = inner
-                .deps
-                .get(&order.target)
-                .is_some_and(|d| d.claim.as_deref() == Some(switch_id));
-            inner.release_reservation(switch_id);
-            if !claimed {
-                return Err(ApiError::Conflict {
-                    detail: format!(
-                        "switch {} to deployment {} was given up",
-                        order.switch_id, order.target
-                    ),
-                });
-            }
-            self.admissible_now(inner, &order.target)?;
-            let d = inner
-                .deps
-                .get(&order.target)
-                .ok_or_else(|| not_found(&order.target))?;
-            if d.busy || d.occupies() {
-                return Ok(None);
-            }
-            Ok(Self::begin_up(inner, &order.target))
-        })?;
+        let (switch, target) = (order.switch_id.clone(), order.target.clone());
+        let up = self
+            .write(move |inner| inner.switch_target_up(&switch, &target, Instant::now()))
+            .await?;
         Ok((released, up))
     }
 
@@ -2560,7 +1781,7 @@ impl Server {
         Ok(())
     }
 
-    /// [`Server::do_deploy`] but the write: a changed record is left in `Inner::dirty` for the
+    /// [`Server::do_deploy`] but the write: a changed record is left in `State::dirty` for the
     /// next save.
     async fn deploy_unsaved(
         &self,
@@ -2585,46 +1806,49 @@ impl Server {
         if self.hosts_fixed.load(Ordering::Relaxed) {
             self.read(|inner| Self::some_host_fits(inner, &doc.name, &spec, measured.as_ref()))?;
         }
-        let (id, outcome) = self.write(|inner| {
-            let known = inner.by_name.get(&doc.name).cloned();
-            let (id, outcome) = if let Some(d) = known.and_then(|id| inner.deps.get_mut(&id)) {
-                if d.rec.doc == doc {
-                    return (d.rec.id.clone(), DeployOutcome::Unchanged);
-                }
-                d.rec.revision += 1;
-                d.rec.doc = doc.clone();
-                d.spec = InstanceSpec::from_doc(d.rec.id.clone(), &doc);
-                (d.rec.id.clone(), DeployOutcome::Updated)
-            } else {
-                let rec = DeploymentRecord {
-                    id: id.clone(),
-                    revision: 1,
-                    doc: doc.clone(),
-                    operator_stopped: false,
-                    operator_started: false,
-                    pending_start: false,
-                    generation: 0,
-                    first_answer: None,
+        let (id, outcome) = self
+            .write(move |inner| {
+                let known = inner.by_name.get(&doc.name).cloned();
+                let (id, outcome) = if let Some(d) = known.and_then(|id| inner.deps.get_mut(&id)) {
+                    if d.rec.doc == doc {
+                        return (d.rec.id.clone(), DeployOutcome::Unchanged);
+                    }
+                    d.rec.revision += 1;
+                    d.rec.doc = doc.clone();
+                    d.spec = InstanceSpec::from_doc(d.rec.id.clone(), &doc);
+                    d.renew_fixed();
+                    (d.rec.id.clone(), DeployOutcome::Updated)
+                } else {
+                    let rec = DeploymentRecord {
+                        id: id.clone(),
+                        revision: 1,
+                        doc: doc.clone(),
+                        operator_stopped: false,
+                        operator_started: false,
+                        pending_start: false,
+                        generation: 0,
+                        first_answer: None,
+                    };
+                    inner.insert(Dep::new(rec));
+                    (id.clone(), DeployOutcome::Created)
                 };
-                inner.insert(Dep::new(rec));
-                (id.clone(), DeployOutcome::Created)
-            };
-            inner.dirty.insert(id.clone());
-            // A measurement still awaited does not replace one known (the same checkpoint).
-            if let (Some(d), Some(m)) = (inner.deps.get_mut(&id), measured)
-                && (!m.awaiting() || d.measurement.awaiting())
-            {
-                d.measurement = m;
-            }
-            (id, outcome)
-        });
+                inner.dirty.mark(&id);
+                // A measurement still awaited does not replace one known (the same checkpoint).
+                if let (Some(d), Some(m)) = (inner.deps.get_mut(&id), measured)
+                    && (!m.awaiting() || d.measurement.awaiting())
+                {
+                    d.measurement = m;
+                }
+                (id, outcome)
+            })
+            .await;
         Ok((id, outcome))
     }
 
     /// `does_not_fit` when the GPU memory `spec` needs (declared, or `measured`) is more than
     /// any host has: no host could ever place it. Unknown needs and no hosts pass.
     fn some_host_fits(
-        inner: &Inner,
+        inner: &State,
         name: &str,
         spec: &InstanceSpec,
         measured: Option<&Measurement>,
@@ -2660,75 +1884,18 @@ impl Server {
 
     async fn do_start(&self, key: &str, req: StartRequest) -> Result<ActionReceipt, ApiError> {
         let id = self.find(key)?;
-        enum Next {
-            Nothing,
-            Up(Up),
-            Evict,
-            Pending,
-        }
-        let next = self.write(|inner| -> Result<Next, ApiError> {
-            let d = inner.deps.get(&id).ok_or_else(|| not_found(&id))?;
-            if d.measurement.awaiting() && !req.wait && d.state != InstanceState::Ready {
-                return Err(ApiError::AwaitingMeasurement {
-                    deployment: id.clone(),
-                });
-            }
-            if matches!(
-                d.state,
-                InstanceState::Closed | InstanceState::Parking | InstanceState::Stopping
-            ) || d.reserved.is_some()
-            {
-                return Err(ApiError::Conflict {
-                    detail: format!(
-                        "deployment {} is {} now; start it again once that has finished",
-                        d.name(),
-                        views::shown_state(d)
-                    ),
-                });
-            }
-            let coming = matches!(
-                d.state,
-                InstanceState::Ready | InstanceState::Starting | InstanceState::Waking
-            ) || d.claim.is_some()
-                // A start that waits for memory is taken over by a start with --evict.
-                || (d.rec.pending_start && !req.evict);
-            // With --evict the placement is the switch's (`operator_switch`); without, nothing
-            // is released.
-            let fit = (!req.evict)
-                .then(|| self.place_target(inner, &id, &BTreeSet::new(), Victims::None));
-            let d = inner.deps.get_mut(&id).ok_or_else(|| not_found(&id))?;
-            d.rec.operator_stopped = false;
-            d.rec.operator_started = true;
-            if coming {
-                return Ok(Next::Nothing);
-            }
-            let Some((host, fit)) = fit else {
-                return Ok(Next::Evict);
-            };
-            match fit {
-                Fit::Now => {
-                    inner.set_host(&id, host);
-                    Ok(Self::begin_up(inner, &id).map_or(Next::Nothing, Next::Up))
-                }
-                // Without --evict nothing is released: placement never names victims then.
-                Fit::Later | Fit::After(_) | Fit::AfterStopping(_) => {
-                    if let Some(d) = inner.deps.get_mut(&id) {
-                        d.rec.pending_start = true;
-                    }
-                    Ok(Next::Pending)
-                }
-                Fit::Never(detail) => Err(ApiError::DoesNotFit {
-                    deployment: id.clone(),
-                    detail,
-                }),
-            }
-        })?;
+        let (wait, evict) = (req.wait, req.evict);
+        let next = self
+            .on(&id, move |inner, id| {
+                inner.start(id, wait, evict, Instant::now())
+            })
+            .await?;
         self.save_logged(&id);
         let mut receipt_victims = Vec::new();
         let mut switch_id = None;
         match next {
-            Next::Nothing | Next::Pending => {}
-            Next::Up(up) => {
+            StartNext::Nothing | StartNext::Pending => {}
+            StartNext::Up(up) => {
                 if req.wait {
                     self.finish_up(&id, up).await?;
                 } else {
@@ -2744,16 +1911,18 @@ impl Server {
                     });
                 }
             }
-            Next::Evict => match self.operator_switch(&id).await? {
+            StartNext::Evict => match self.operator_switch(&id).await? {
                 OperatorStart::AlreadyComing => {}
                 OperatorStart::Later => {
                     // Nothing can be released for it now: it waits for memory, as a start
                     // without --evict does.
-                    let pending = self.write(|inner| {
-                        let d = inner.deps.get_mut(&id)?;
-                        let idle = !d.busy && d.claim.is_none() && !d.occupies();
-                        (idle && !d.rec.pending_start).then(|| d.rec.pending_start = true)
-                    });
+                    let pending = self
+                        .on(&id, |inner, id| {
+                            let d = inner.deps.get_mut(id)?;
+                            let idle = !d.busy && d.claim.is_none() && !d.occupies();
+                            (idle && !d.rec.pending_start).then(|| d.rec.pending_start = true)
+                        })
+                        .await;
                     if pending.is_some() {
                         self.save_logged(&id);
                     }
@@ -2797,7 +1966,10 @@ impl Server {
         if let Some(router) = self.router() {
             return router.operator_start(id.to_string()).await;
         }
-        let (switch_id, victims) = match self.plan_now(id, &BTreeSet::new(), PlanFor::Operator)? {
+        let (switch_id, victims) = match self
+            .plan_now(id, &BTreeSet::new(), PlanFor::Operator)
+            .await?
+        {
             Plan::AlreadyComing => return Ok(OperatorStart::AlreadyComing),
             Plan::Later => return Ok(OperatorStart::Later),
             Plan::BringUp { switch_id } => (switch_id, Vec::new()),
@@ -2852,38 +2024,6 @@ impl Server {
         }
     }
 
-    /// Begins taking `id` down (under the lock): `Ok(Some(true))` ready (drain first),
-    /// `Ok(Some(false))` parked (stop directly), `Ok(None)` nothing runs.
-    fn begin_down(&self, inner: &mut Inner, id: &str, rid: &str) -> Result<Option<bool>, ApiError> {
-        let d = inner.deps.get_mut(id).ok_or_else(|| not_found(id))?;
-        if d.busy || d.reserved.is_some() || d.claim.is_some() {
-            return Err(ApiError::Conflict {
-                detail: format!(
-                    "deployment {} is {} now; try again once that has finished",
-                    d.name(),
-                    views::shown_state(d)
-                ),
-            });
-        }
-        d.rec.pending_start = false;
-        let down = match d.state {
-            InstanceState::Ready => Some(true),
-            InstanceState::Parked => Some(false),
-            _ => return Ok(None),
-        };
-        // Reserved like a switch's victim: nothing else wakes, plans or stops it meanwhile.
-        d.reserved = Some(rid.to_string());
-        inner.reservations.insert(
-            rid.to_string(),
-            Reservation {
-                target: None,
-                victims: vec![id.to_string()],
-                ..Reservation::default()
-            },
-        );
-        Ok(down)
-    }
-
     /// An operator's stop or delete begins: marks `id` operator-stopped (requests get
     /// `deployment_stopped`), fails its waiting requests with `refusal`, ends a start or a wake
     /// in progress (its engine is stopped at once, see [`Server::end_bring_up`]), waits for
@@ -2895,13 +2035,14 @@ impl Server {
         rid: &str,
         refusal: ApiError,
     ) -> Result<Option<bool>, ApiError> {
-        self.write(|inner| {
+        self.on(id, |inner, id| {
             let d = inner.deps.get_mut(id).ok_or_else(|| not_found(id))?;
             d.rec.operator_stopped = true;
             d.rec.operator_started = false;
             d.rec.pending_start = false;
             Ok::<_, ApiError>(())
-        })?;
+        })
+        .await?;
         self.save_logged(id);
         if let Some(r) = self.router() {
             r.deployment_refused(id.to_string(), refusal.clone()).await;
@@ -2920,7 +2061,11 @@ impl Server {
             match settled {
                 None => return Err(not_found(id)),
                 Some(true) => {
-                    match self.write(|inner| self.begin_down(inner, id, rid)) {
+                    let rid = rid.to_string();
+                    match self
+                        .on(id, move |inner, id| inner.begin_down(id, &rid))
+                        .await
+                    {
                         Err(ApiError::Conflict { .. }) => {}
                         other => return other,
                     }
@@ -2942,7 +2087,8 @@ impl Server {
         };
         let down = self.begin_operator_stop(&id, &rid, refusal).await?;
         let result = self.take_down(&id, &rid, down, true).await;
-        self.write(|inner| inner.release_reservation(&rid));
+        self.write(move |inner| inner.release_reservation(&rid))
+            .await;
         result?;
         self.receipt("stop", &id)
     }
@@ -3044,23 +2190,8 @@ impl Server {
         // Refused at once (and it serves on) when only explicit parked copies hold the room.
         self.make_parked_room(&id).await?;
         let rid = self.fresh_id("park");
-        let down = self.write(|inner| {
-            if inner
-                .deps
-                .get(&id)
-                .is_none_or(|d| d.state != InstanceState::Ready)
-            {
-                // Parked meanwhile (a switch), or gone: nothing for this park to do.
-                return Ok::<_, ApiError>(None);
-            }
-            let down = self.begin_down(inner, &id, &rid)?;
-            if let Some(d) = inner.deps.get_mut(&id) {
-                d.rec.operator_started = false;
-                // Shown at once: parking runs in the background.
-                d.state = InstanceState::Parking;
-            }
-            Ok(down)
-        })?;
+        let r = rid.clone();
+        let down = self.on(&id, move |inner, id| inner.park(id, &r)).await?;
         if down.is_none() {
             return self.receipt("park", &id);
         }
@@ -3070,7 +2201,7 @@ impl Server {
         self.spawn(move |me| {
             Box::pin(async move {
                 let result = me.take_down(&target, &rid, down, false).await;
-                me.write(|inner| inner.release_reservation(&rid));
+                me.write(move |inner| inner.release_reservation(&rid)).await;
                 if let Err(e) = result {
                     tracing::warn!(deployment = %target, error = %e, "park failed");
                 }
@@ -3088,12 +2219,14 @@ impl Server {
         };
         let down = self.begin_operator_stop(&id, &rid, refusal).await?;
         let result = self.take_down(&id, &rid, down, true).await;
-        self.write(|inner| {
+        let removed = result.is_ok();
+        self.on(&id, move |inner, id| {
             inner.release_reservation(&rid);
-            if result.is_ok() {
-                inner.remove(&id);
+            if removed {
+                inner.remove(id);
             }
-        });
+        })
+        .await;
         result?;
         self.config.metrics.forget_deployment(&id);
         self.save_logged(&id);
@@ -3122,37 +2255,11 @@ impl Server {
         {
             return Err(api);
         }
-        let begun = self.write(|inner| {
-            let d = inner.deps.get_mut(&id).ok_or_else(|| not_found(&id))?;
-            if !measured.awaiting() {
-                d.measurement = measured;
-            }
-            let idle = matches!(d.state, InstanceState::Stopped | InstanceState::Failed)
-                && !d.busy
-                && d.reserved.is_none()
-                && d.claim.is_none()
-                && !d.rec.pending_start;
-            if !d.measurement.awaiting() || !idle {
-                return Ok(false);
-            }
-            let name = d.name().to_string();
-            let (host, fit) = self.place_target(inner, &id, &BTreeSet::new(), Victims::None);
-            match fit {
-                Fit::Now => {
-                    inner.set_host(&id, host);
-                    Ok(Self::begin_up(inner, &id).is_some())
-                }
-                Fit::Later | Fit::After(_) | Fit::AfterStopping(_) => Err(ApiError::Conflict {
-                    detail: format!(
-                        "no GPU memory is free to measure deployment {name} now; park or stop the others, or start it with --wait"
-                    ),
-                }),
-                Fit::Never(detail) => Err(ApiError::DoesNotFit {
-                    deployment: id.clone(),
-                    detail,
-                }),
-            }
-        })?;
+        let begun = self
+            .on(&id, move |inner, id| {
+                inner.preinitialize(id, measured, Instant::now())
+            })
+            .await?;
         if begun {
             let target = id.clone();
             self.spawn(move |me| Box::pin(async move { me.preinitialize_run(&target).await }));
@@ -3166,7 +2273,7 @@ impl Server {
             inner
                 .deps
                 .get(id)
-                .map(|d| (d.instance_id(), d.spec.clone(), self.key(d)))
+                .map(|d| (d.instance_id(), d.spec.clone(), d.key(&inner.host_id)))
         }) else {
             return;
         };
@@ -3178,20 +2285,19 @@ impl Server {
             {
                 Ok(started) => started.map_err(|e| e.to_string()),
                 Err(ended) => {
-                    self.write(|inner| {
+                    let (stopped, why) = (ended.stopped.is_ok(), ended.refusal.message());
+                    self.on(id, move |inner, id| {
                         if let Some(d) = inner.deps.get_mut(id) {
                             d.busy = false;
-                            d.state = if ended.stopped.is_ok() {
+                            d.state = if stopped {
                                 InstanceState::Stopped
                             } else {
                                 InstanceState::Failed
                             };
-                            d.last_error = Some(format!(
-                                "preinitialize: start ended: {}",
-                                ended.refusal.message()
-                            ));
+                            d.last_error = Some(format!("preinitialize: start ended: {why}"));
                         }
-                    });
+                    })
+                    .await;
                     self.announce_gone(key).await;
                     self.memory_freed();
                     return;
@@ -3201,7 +2307,7 @@ impl Server {
         };
         match started {
             Ok(started) => {
-                self.write(|inner| {
+                self.on(id, move |inner, id| {
                     if let Some(d) = inner.deps.get_mut(id) {
                         d.addr = engine_addr(&started.base_url);
                         d.pid = Some(started.pid);
@@ -3213,7 +2319,8 @@ impl Server {
                         // Not `ready`: it never serves before it is parked.
                         d.state = InstanceState::Closed;
                     }
-                });
+                })
+                .await;
                 self.save_logged(id);
                 // Parked, or stopped when its copy finds no room.
                 if let Err(e) = self.put_away(id, Put::Park, NoRoom::Stop).await {
@@ -3221,13 +2328,14 @@ impl Server {
                 }
             }
             Err(e) => {
-                self.write(|inner| {
+                self.on(id, move |inner, id| {
                     if let Some(d) = inner.deps.get_mut(id) {
                         d.busy = false;
                         d.state = InstanceState::Failed;
                         d.last_error = Some(format!("preinitialize: {e}"));
                     }
-                });
+                })
+                .await;
                 self.announce_gone(key).await;
                 self.memory_freed();
             }
@@ -3277,7 +2385,7 @@ impl Server {
         let all: Vec<(&String, &Arc<Host>)> = hosts.iter().collect();
         let mut used = Vec::with_capacity(all.len());
         for chunk in all.chunks(HOSTS_PER_HOLD) {
-            let inner = self.lock();
+            let inner = self.owner.state();
             used.extend(
                 chunk
                     .iter()
@@ -3298,7 +2406,7 @@ fn owned(hosts: &Hosts) -> Vec<(String, Arc<Host>)> {
 
 /// The socket address of an engine's `base_url` (`http://<ip>:<port>`, `http://[<ipv6>]:<port>`);
 /// `None` (logged) when it names no IP address and port.
-fn engine_addr(base_url: &str) -> Option<SocketAddr> {
+pub(crate) fn engine_addr(base_url: &str) -> Option<SocketAddr> {
     let rest = base_url
         .strip_prefix("http://")
         .unwrap_or(base_url)
@@ -3313,71 +2421,40 @@ fn engine_addr(base_url: &str) -> Option<SocketAddr> {
     addr
 }
 
-/// Idle timers and engine exits, until the server closes.
-async fn background(server: Arc<Server>, mut exits: mpsc::Receiver<(String, EngineExit)>) {
-    let mut closed = server.closed.subscribe();
-    let tick = server.config.timer_tick;
-    let weak = Arc::downgrade(&server);
-    drop(server);
-    let mut exits_open = true;
-    let mut interval = tokio::time::interval(tick);
-    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = closed.changed() => return,
-            exit = exits.recv(), if exits_open => match exit {
-                Some((host, exit)) => {
-                    let Some(s) = weak.upgrade() else { return };
-                    s.engine_exited(&host, exit).await;
-                }
-                None => exits_open = false,
-            },
-            _ = interval.tick() => {
-                let Some(s) = weak.upgrade() else { return };
-                s.idle_timers().await;
-            }
+/// What the owner's task hands back: engine exits, and the timer's ticks.
+impl owner::Ticks for Server {
+    /// An engine exited by itself: the instance is failed and gone (see
+    /// [`State::engine_exited`]); the router hears of it, and the starts waiting for memory
+    /// try again.
+    fn engine_exited(&self, state: &mut State, host: String, exit: EngineExit) {
+        let Some(key) = state.engine_exited(&host, &exit) else {
+            return;
+        };
+        tracing::warn!(instance = %exit.instance, status = ?exit.status, "engine exited unexpectedly");
+        self.spawn(move |me| {
+            Box::pin(async move {
+                me.announce_gone(key).await;
+                me.memory_freed();
+            })
+        });
+    }
+
+    /// Idle timers (once a router is attached), in a task of their own; a tick while the
+    /// last one's run goes on does nothing.
+    fn tick(&self) {
+        if self.router().is_none() || self.timers_running.swap(true, Ordering::SeqCst) {
+            return;
         }
+        self.spawn(|me| {
+            Box::pin(async move {
+                me.idle_timers().await;
+                me.timers_running.store(false, Ordering::SeqCst);
+            })
+        });
     }
 }
 
 impl Server {
-    /// An engine exited by itself: the instance is failed and gone; the next request starts
-    /// it afresh (unless it is explicit).
-    async fn engine_exited(&self, host: &str, exit: EngineExit) {
-        let key = self.write(|inner| {
-            // An instance's ID is its deployment's ID and `-0` (`instance_id`).
-            let d = inner.deps.get_mut(exit.instance.strip_suffix("-0")?)?;
-            if d.host.as_deref() != Some(host) {
-                // Not the engine it runs now (a host it left).
-                return None;
-            }
-            if d.busy {
-                // The operation in progress sees the failure itself.
-                return None;
-            }
-            if !matches!(
-                d.state,
-                InstanceState::Ready | InstanceState::Parked | InstanceState::Closed
-            ) {
-                return None;
-            }
-            d.state = InstanceState::Failed;
-            d.tier = None;
-            d.addr = None;
-            d.pid = None;
-            d.last_error = Some(format!(
-                "the engine exited: {}",
-                exit.status.as_deref().unwrap_or("status unknown")
-            ));
-            Some(self.key(d))
-        });
-        if let Some(key) = key {
-            tracing::warn!(instance = %exit.instance, status = ?exit.status, "engine exited unexpectedly");
-            self.announce_gone(key).await;
-            self.memory_freed();
-        }
-    }
-
     /// Parks ready instances idle past `ready_idle_timeout` and stops parked ones idle past
     /// `parked_idle_timeout` (pressure decisions: a later request starts them again).
     async fn idle_timers(&self) {
@@ -3405,58 +2482,32 @@ impl Server {
             return;
         }
         let now = Instant::now();
-        let due: Vec<(String, bool)> = self.read(|inner| {
-            inner
-                .deps
-                .values()
-                .filter(|d| !self.explicit(d) && !d.warm() && !d.busy && d.reserved.is_none())
-                .filter(|d| d.claim.is_none() && !d.rec.pending_start && !busy.contains(d.id()))
-                .filter_map(|d| {
-                    let idle = now.saturating_duration_since(d.used_at());
-                    match d.state {
-                        InstanceState::Ready if ready_idle_timeout.is_some_and(|t| idle >= t) => {
-                            Some((d.rec.id.clone(), true))
-                        }
-                        InstanceState::Parked if parked_idle_timeout.is_some_and(|t| idle >= t) => {
-                            Some((d.rec.id.clone(), false))
-                        }
-                        _ => None,
-                    }
-                })
-                .collect()
-        });
+        let timeouts = self.config.lifecycle_defaults;
+        let due = self.read(|inner| inner.idle_due(&timeouts, &busy, now));
         for (id, ready) in due {
             // Checked before the drain, as an operator park is: when only explicit parked
             // copies hold host RAM the park is refused (`parked_capacity`) and the model keeps
             // serving, undisturbed; its timer starts over instead of closing it every tick.
             if ready && let Err(e) = self.make_parked_room(&id).await {
                 tracing::info!(deployment = %id, error = %e, "idle timer: not parked");
-                self.write(|inner| {
-                    if let Some(d) = inner.deps.get_mut(&id) {
+                self.on(&id, |inner, id| {
+                    if let Some(d) = inner.deps.get_mut(id) {
                         d.last_used = Instant::now();
                     }
-                });
+                })
+                .await;
                 continue;
             }
             let rid = self.fresh_id("idle");
             // Decided again on the lifecycle's state it changes (the list above is a snapshot,
             // and a switch or a command may have moved the model since), and reserved; then
             // the router decides on its own state whether it is idle (`take_down_if_idle`).
-            let down = self.write(|inner| {
-                let d = inner.deps.get(&id)?;
-                let now = Instant::now();
-                let timeout = match d.state {
-                    InstanceState::Ready if ready => ready_idle_timeout?,
-                    InstanceState::Parked if !ready => parked_idle_timeout?,
-                    _ => return None,
-                };
-                // No use after this instant: the rule, as the router checks it.
-                let idle_since = now.checked_sub(timeout)?;
-                if d.used_at() > idle_since || d.rec.pending_start {
-                    return None;
-                }
-                Some((self.begin_down(inner, &id, &rid).ok()?, idle_since))
-            });
+            let r = rid.clone();
+            let down = self
+                .on(&id, move |inner, id| {
+                    inner.begin_idle_down(id, ready, &timeouts, &r, Instant::now())
+                })
+                .await;
             let Some((down, idle_since)) = down else {
                 continue;
             };
@@ -3464,14 +2515,14 @@ impl Server {
             self.spawn(move |me| {
                 Box::pin(async move {
                     let result = me.take_down_if_idle(&id, down, idle_since).await;
-                    me.write(|inner| {
+                    let failed = result.is_err();
+                    me.on(&id, move |inner, id| {
                         inner.release_reservation(&rid);
-                        if result.is_err()
-                            && let Some(d) = inner.deps.get_mut(&id)
-                        {
+                        if failed && let Some(d) = inner.deps.get_mut(id) {
                             d.last_used = Instant::now();
                         }
-                    });
+                    })
+                    .await;
                     match result {
                         Ok(true) => tracing::info!(deployment = %id, ready, "idle timer"),
                         Ok(false) => {
@@ -3505,7 +2556,7 @@ impl Lifecycle for Server {
     }
 
     fn admissible(&self, deployment: &DeploymentId) -> Result<(), ApiError> {
-        self.read(|inner| self.admissible_now(inner, deployment))
+        self.read(|inner| inner.admissible(deployment))
     }
 
     fn plan<'a>(
@@ -3514,7 +2565,7 @@ impl Lifecycle for Server {
         protected: &'a BTreeSet<DeploymentId>,
         who: PlanFor,
     ) -> BoxFuture<'a, Result<Plan, ApiError>> {
-        Box::pin(async move { self.plan_now(deployment, protected, who) })
+        Box::pin(self.plan_now(deployment, protected, who))
     }
 
     fn execute(&self, order: SwitchOrder) -> BoxFuture<'_, Result<Executed, ApiError>> {
@@ -3522,7 +2573,9 @@ impl Lifecycle for Server {
     }
 
     fn abandon(&self, switch_id: &str) {
-        self.write(|inner| inner.release_reservation(switch_id));
+        let switch_id = switch_id.to_string();
+        self.owner
+            .tell(move |inner| inner.release_reservation(&switch_id));
     }
 
     fn switch_failed(&self, switch_id: &str, error: &ApiError, window: Duration, drain: Duration) {
@@ -3713,19 +2766,8 @@ impl Named {
     }
 }
 
-/// A deployment's presence flag for the name cache: marks it gone when the deployment is
-/// dropped.
-#[derive(Debug)]
-struct PresenceOf(Arc<AtomicBool>);
-
-impl Drop for PresenceOf {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::Release);
-    }
-}
-
 /// The deployment named `name` (by name only).
-fn named<'a>(inner: &'a Inner, name: &str) -> Option<&'a Dep> {
+fn named<'a>(inner: &'a State, name: &str) -> Option<&'a Dep> {
     inner.by_name(name)
 }
 
@@ -3777,7 +2819,7 @@ impl NameCache {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use super::{Dep, Inner, engine_addr};
+    use super::{Dep, State, engine_addr};
     use crate::store::DeploymentRecord;
     use std::sync::Arc;
     use std::sync::atomic::Ordering;
@@ -3801,13 +2843,13 @@ mod tests {
         })
     }
 
-    fn on(inner: &Inner, host: &str) -> Vec<String> {
+    fn on(inner: &State, host: &str) -> Vec<String> {
         inner.on_host(host).map(|d| d.rec.id.clone()).collect()
     }
 
     #[test]
     fn the_by_host_index_follows_binds_moves_and_removals() {
-        let mut inner = Inner::default();
+        let mut inner = State::default();
         inner.insert(dep("a", "chat-a"));
         inner.insert(dep("b", "chat-b"));
         inner.insert(dep("c", "chat-c"));
@@ -3841,7 +2883,7 @@ mod tests {
         let a = fake.add("a", "chat-a", FakeState::Ready, 1);
         let router = fake.spawn(RouterConfig::default());
         fake.announce("a").await;
-        let mut inner = Inner::default();
+        let mut inner = State::default();
         inner.insert(dep("a", "chat-a"));
         let changed = inner.deps["a"].last_used;
         assert_eq!(inner.deps["a"].used_at(), changed, "no router yet");

@@ -86,11 +86,10 @@ pub(crate) struct DepShot {
 }
 
 impl DepShot {
-    /// A copy of `d` (renewing its shared part first when a deploy changed it).
-    pub(crate) fn of(d: &mut Dep) -> Self {
-        if d.fixed.revision != d.rec.revision || d.fixed.id != d.rec.id {
-            d.fixed = Arc::new(Fixed::of(&d.rec, d.spec.clone()));
-        }
+    /// A copy of `d` (its shared part is renewed by the deploy that changes it:
+    /// `Dep::renew_fixed`).
+    pub(crate) fn of(d: &Dep) -> Self {
+        debug_assert_eq!(d.fixed.revision, d.rec.revision, "renewed by the deploy");
         DepShot {
             fixed: Arc::clone(&d.fixed),
             state: d.state,

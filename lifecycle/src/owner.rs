@@ -1,0 +1,168 @@
+//! The lifecycle's owner: one task, the only writer of [`State`] (see `lifecycle/DESIGN.md`,
+//! "One owner").
+//!
+//! Everything that changes the lifecycle's state is a call of [`State`]'s rules sent to this
+//! task's inbox ([`Owner::call`], or [`Owner::tell`] when nobody waits for the answer) and run
+//! there, one at a time, in the order sent; engine exits and the timer's ticks come to the same
+//! task. A call never waits (the rules call no host agent, router or store); the engine calls
+//! of an operation run on the caller's task between two calls (mark busy; call the agent;
+//! write the outcome). After each turn the owner bumps the change counter (`changes`), which
+//! `start --wait`, a stop waiting out a start and the tests watch.
+//!
+//! Reads ([`Owner::read`]: the views, the load read, the router's `resolve` and
+//! `admissible`) do not take a turn: the state is published to them behind a read-write lock
+//! that only the owner takes for writing, for one turn at a time (one call, or the calls
+//! already waiting in the inbox, at most [`TURN`]); so a read waits for at most one short
+//! turn, and no read ever waits for a host call, a save or another read.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::state::State;
+
+/// A call of the rules, run by the owner.
+type Job = Box<dyn FnOnce(&mut State) + Send>;
+
+/// The most calls the owner runs in one turn (one hold of the write lock).
+const TURN: usize = 64;
+
+/// What the owner's task also listens to: engine exits and a timer (see [`Owner::spawn`]).
+pub(crate) trait Ticks: Send + Sync + 'static {
+    /// An engine exited on `host` (from `HostAgent::subscribe_exits`); called on the owner's
+    /// task, between turns; must not wait (it may spawn).
+    fn engine_exited(&self, state: &mut State, host: String, exit: super::EngineExit);
+    /// The timer fired (idle timers, queue gauges): called between turns; must not wait.
+    fn tick(&self);
+}
+
+/// The handle of the owner's task: how the lifecycle's state is read and changed.
+pub(crate) struct Owner {
+    state: Arc<RwLock<State>>,
+    inbox: mpsc::UnboundedSender<Job>,
+}
+
+impl std::fmt::Debug for Owner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Owner").finish_non_exhaustive()
+    }
+}
+
+impl Owner {
+    /// Starts the owner's task over `state`. It bumps `changes` after every turn, hands
+    /// engine exits from `exits` and the ticks of a `tick`-long timer to `ticks`, and ends
+    /// when every handle is dropped or `closed` turns true.
+    pub(crate) fn spawn(
+        state: State,
+        changes: Arc<watch::Sender<u64>>,
+        exits: mpsc::Receiver<(String, super::EngineExit)>,
+        tick: Duration,
+        ticks: std::sync::Weak<dyn Ticks>,
+        closed: watch::Receiver<bool>,
+    ) -> Owner {
+        let state = Arc::new(RwLock::new(state));
+        let (inbox, rx) = mpsc::unbounded_channel();
+        tokio::spawn(run(
+            Arc::clone(&state),
+            rx,
+            changes,
+            exits,
+            tick,
+            ticks,
+            closed,
+        ));
+        Owner { state, inbox }
+    }
+
+    /// Reads the state (no turn of the owner's task; waits at most for one turn).
+    pub(crate) fn read<R>(&self, f: impl FnOnce(&State) -> R) -> R {
+        f(&self.state())
+    }
+
+    /// The state, read-locked (see [`Owner::read`]): never held across an `.await`.
+    pub(crate) fn state(&self) -> RwLockReadGuard<'_, State> {
+        self.state.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs `f` on the owner's task, in its turn; its answer. Panics only when the owner's
+    /// task is gone (the runtime shutting down).
+    pub(crate) async fn call<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut State) -> R + Send + 'static,
+    ) -> R {
+        let (tx, rx) = oneshot::channel();
+        self.tell(move |s| {
+            let _ = tx.send(f(s));
+        });
+        match rx.await {
+            Ok(r) => r,
+            // The call panicked (logged by the owner), or the task is gone with the runtime.
+            Err(_) => panic!("the lifecycle's owner did not answer"),
+        }
+    }
+
+    /// Sends `f` to the owner's task (run in turn, after what was sent before); nobody waits.
+    pub(crate) fn tell(&self, f: impl FnOnce(&mut State) + Send + 'static) {
+        let _ = self.inbox.send(Box::new(f));
+    }
+}
+
+async fn run(
+    state: Arc<RwLock<State>>,
+    mut inbox: mpsc::UnboundedReceiver<Job>,
+    changes: Arc<watch::Sender<u64>>,
+    mut exits: mpsc::Receiver<(String, super::EngineExit)>,
+    tick: Duration,
+    ticks: std::sync::Weak<dyn Ticks>,
+    mut closed: watch::Receiver<bool>,
+) {
+    let mut interval = tokio::time::interval(tick);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut exits_open = true;
+    let mut open = true;
+    let mut jobs: Vec<Job> = Vec::with_capacity(TURN);
+    loop {
+        tokio::select! {
+            biased;
+            n = inbox.recv_many(&mut jobs, TURN) => {
+                if n == 0 {
+                    return;
+                }
+                {
+                    let mut s = state.write().unwrap_or_else(PoisonError::into_inner);
+                    for job in jobs.drain(..) {
+                        // A rule that panics is a bug; it must not stop the lifecycle. Its
+                        // caller's answer is dropped (the caller panics in turn).
+                        if std::panic::catch_unwind(AssertUnwindSafe(|| job(&mut s))).is_err() {
+                            tracing::error!("a lifecycle rule panicked; its change is lost");
+                        }
+                    }
+                }
+                changes.send_modify(|n| *n = n.wrapping_add(1));
+            }
+            exit = exits.recv(), if exits_open => match exit {
+                Some((host, exit)) => {
+                    let Some(t) = ticks.upgrade() else { return };
+                    {
+                        let mut s = state.write().unwrap_or_else(PoisonError::into_inner);
+                        t.engine_exited(&mut s, host, exit);
+                    }
+                    changes.send_modify(|n| *n = n.wrapping_add(1));
+                }
+                None => exits_open = false,
+            },
+            _ = interval.tick(), if open => {
+                let Some(t) = ticks.upgrade() else { return };
+                t.tick();
+            }
+            _ = closed.wait_for(|c| *c), if open => {
+                // Closed: no more engine exits or ticks; calls still run (the lifecycle's
+                // callers finish), until every handle is gone.
+                open = false;
+                exits_open = false;
+            }
+        }
+    }
+}

@@ -1,0 +1,1633 @@
+//! The lifecycle's state and its rules: [`State`], owned by the lifecycle's owner task
+//! (`owner.rs`), the one writer. Its methods decide on the state they change, take the time
+//! (`now`) where a rule reads it, and never wait: no host agent, no router, no store is called
+//! here. A record a rule changes is noted in [`State::dirty`] and written by the next save;
+//! engine calls run between two calls, on the caller's task (see `lifecycle/DESIGN.md`).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
+use std::time::Duration;
+
+use capyctl_node_agent::HostAgent;
+use capyctl_node_agent::launch::MaxRunning;
+use capyctl_node_agent::measure::Measurement;
+use capyctl_node_agent::spec::{HostSettings, InstanceSpec};
+use capyctl_node_agent::tier::ParkTier;
+use capyctl_router::coordinator::LastUses;
+use capyctl_router::lifecycle::{InstanceKey, Plan, PlanFor};
+use capyctl_spec::errors::ApiError;
+use capyctl_spec::{Activation, InstanceState};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::placement::{Fit, Hold, Holder, place};
+use crate::store::DeploymentRecord;
+use crate::{engine_addr, instance_id, not_found, parked_room, views};
+
+/// One deployment and its instance (index 0 on this host).
+#[derive(Debug)]
+pub(crate) struct Dep {
+    pub(crate) rec: DeploymentRecord,
+    pub(crate) spec: InstanceSpec,
+    pub(crate) measurement: Measurement,
+    pub(crate) state: InstanceState,
+    /// An engine operation is in progress (the state says which).
+    pub(crate) busy: bool,
+    /// Reserved as a victim by this switch or release.
+    pub(crate) reserved: Option<String>,
+    /// The target of this switch (memory promised, not yet starting).
+    pub(crate) claim: Option<String>,
+    /// The host its instance is placed on (claimed, running, parked, or last run on).
+    pub(crate) host: Option<String>,
+    /// What its engine still holds on the GPU while parked (the agent's reading or estimate).
+    pub(crate) parked_gpu: Option<u64>,
+    /// Where the engine answers (from the host agent's `base_url`: loopback for child
+    /// processes, the Pod's IP for engine Pods).
+    pub(crate) addr: Option<SocketAddr>,
+    pub(crate) pid: Option<u32>,
+    pub(crate) tier: Option<ParkTier>,
+    pub(crate) last_error: Option<String>,
+    /// The last state change that counts as use (a request's start or end is the router's to
+    /// record: [`Dep::used_at`] reads both).
+    pub(crate) last_used: Instant,
+    pub(crate) max_running: Option<MaxRunning>,
+    /// Set (once per bring-up) to end the start or wake in progress: what its waiting requests
+    /// and the bring-up's caller get (`deployment_stopped` for a stop, `model_not_found` for
+    /// a delete, `unavailable` for `start --evict` of another model). See
+    /// [`Server::end_bring_up`].
+    pub(crate) end: watch::Sender<Option<ApiError>>,
+    /// The start or wake last ended could not stop its engine (the agent's error): the engine
+    /// may still hold its GPU memory, so `start --evict` does not count it as released.
+    /// Cleared when the next bring-up begins.
+    pub(crate) ended_stop_failed: Option<String>,
+    /// Where its requests' last use is read: the router's record ([`RouterUses`]; set by
+    /// [`State::insert`]).
+    pub(crate) uses: RouterUses,
+    /// Marked gone when it is dropped: the name cache's entries for it are stale then.
+    pub(crate) presence: PresenceOf,
+    /// What the views show of its record that only a deploy changes, shared with the reads
+    /// that build views outside the lock (renewed when the revision moves on).
+    pub(crate) fixed: Arc<views::Fixed>,
+}
+
+impl Dep {
+    pub(crate) fn new(rec: DeploymentRecord) -> Self {
+        let spec = InstanceSpec::from_doc(rec.id.clone(), &rec.doc);
+        let fixed = Arc::new(views::Fixed::of(&rec, spec.clone()));
+        Self {
+            rec,
+            spec,
+            measurement: Measurement::default(),
+            state: InstanceState::Stopped,
+            busy: false,
+            reserved: None,
+            claim: None,
+            host: None,
+            parked_gpu: None,
+            addr: None,
+            pid: None,
+            tier: None,
+            last_error: None,
+            last_used: Instant::now(),
+            max_running: None,
+            end: watch::channel(None).0,
+            ended_stop_failed: None,
+            uses: RouterUses::default(),
+            presence: PresenceOf(Arc::new(AtomicBool::new(false))),
+            fixed,
+        }
+    }
+
+    /// Renews what the views share of its record after a deploy changed it.
+    pub(crate) fn renew_fixed(&mut self) {
+        self.fixed = Arc::new(views::Fixed::of(&self.rec, self.spec.clone()));
+    }
+
+    /// Its last use: the later of a request's start or end (as the router records it, read
+    /// without a turn of its task) and the last state change that counts as use.
+    pub(crate) fn used_at(&self) -> Instant {
+        self.uses
+            .of(self.id())
+            .map_or(self.last_used, |t| t.max(self.last_used))
+    }
+
+    /// A start or a wake is in progress.
+    pub(crate) fn bringing_up(&self) -> bool {
+        self.busy && matches!(self.state, InstanceState::Starting | InstanceState::Waking)
+    }
+
+    pub(crate) fn id(&self) -> &str {
+        &self.rec.id
+    }
+
+    pub(crate) fn name(&self) -> &str {
+        &self.rec.doc.name
+    }
+
+    pub(crate) fn instance_id(&self) -> String {
+        instance_id(&self.rec.id)
+    }
+
+    /// Whether the engine holds GPU memory now.
+    pub(crate) fn occupies(&self) -> bool {
+        matches!(
+            self.state,
+            InstanceState::Starting
+                | InstanceState::Ready
+                | InstanceState::Closed
+                | InstanceState::Parking
+                | InstanceState::Waking
+                | InstanceState::Stopping
+        )
+    }
+
+    /// GPU memory it needs awake: the measurement, or the whole GPU when unknown.
+    pub(crate) fn need(&self, capacity: u64) -> u64 {
+        self.measurement
+            .gpu_memory
+            .map(|m| m.bytes)
+            .unwrap_or(capacity)
+    }
+
+    /// The host its instance is bound to: where it holds GPU memory, is parked, or is claimed
+    /// or on its way. `None` when it may be placed on any host.
+    pub(crate) fn bound_host(&self) -> Option<&str> {
+        let bound = self.occupies() || self.state == InstanceState::Parked || self.claim.is_some();
+        if bound { self.host.as_deref() } else { None }
+    }
+
+    /// GPU memory its parked engine holds (0 unless parked).
+    pub(crate) fn parked_holds(&self) -> u64 {
+        if self.state == InstanceState::Parked {
+            self.parked_gpu.unwrap_or(0)
+        } else {
+            0
+        }
+    }
+
+    /// What it would still hold on the GPU once parked: the agent's estimate of a parked
+    /// engine's residue, or 0 when it stops instead of parking.
+    pub(crate) fn residue_if_parked(&self) -> u64 {
+        if !self.parks() {
+            return 0;
+        }
+        capyctl_node_agent::measure::parked_estimate(
+            self.measurement.weights_bytes(),
+            self.spec.speculative(),
+        )
+        .unwrap_or(0)
+    }
+
+    /// Whether it parks when released (not TensorFold, `restart_only` or a decision model).
+    pub(crate) fn parks(&self) -> bool {
+        parked_room::parks(&self.spec)
+    }
+
+    /// Running or on its way (what explicit activation admits requests for).
+    pub(crate) fn running_or_coming(&self) -> bool {
+        matches!(
+            self.state,
+            InstanceState::Starting | InstanceState::Ready | InstanceState::Waking
+        ) || self.claim.is_some()
+            || self.rec.pending_start
+    }
+
+    /// The key of its instance, on its host (`default_host` while it has none).
+    pub(crate) fn key(&self, default_host: &str) -> InstanceKey {
+        State::key_of(self, self.host.as_deref().unwrap_or(default_host))
+    }
+
+    pub(crate) fn warm(&self) -> bool {
+        self.rec.doc.warm()
+    }
+}
+
+/// The deployment ID of an [`instance_id`].
+pub(crate) fn deployment_of(instance_id: &str) -> Option<&str> {
+    instance_id.strip_suffix("-0")
+}
+
+/// A plan's or an operator release's reservation.
+#[derive(Debug, Default)]
+pub(crate) struct Reservation {
+    pub(crate) target: Option<String>,
+    pub(crate) victims: Vec<String>,
+    /// The victims stop instead of parking (a parked engine's residue would be in the way).
+    pub(crate) stop: bool,
+}
+
+/// Every host, by ID: shared as a whole with the reads that build views outside the lock
+/// (replaced, copy on write, when a host joins).
+/// The IDs of the records changed and not written yet (deleted ones too). The rules mark them
+/// (`&mut`, no lock); a save takes them under the state's read lock (the one thing a reader
+/// changes, behind a mutex of its own), and gives them back when its write fails.
+#[derive(Debug, Default)]
+pub(crate) struct Dirty(std::sync::Mutex<BTreeSet<String>>);
+
+impl Dirty {
+    /// Marks `id`'s record for the next save.
+    pub(crate) fn mark(&mut self, id: &str) {
+        let set = self.0.get_mut().unwrap_or_else(PoisonError::into_inner);
+        if !set.contains(id) {
+            set.insert(id.to_string());
+        }
+    }
+
+    /// Whether `id`'s record waits for a save.
+    pub(crate) fn has(&self, id: &str) -> bool {
+        self.lock().contains(id)
+    }
+
+    /// Whether any record waits for a save.
+    pub(crate) fn any(&self) -> bool {
+        !self.lock().is_empty()
+    }
+
+    /// Takes the IDs marked (a save).
+    pub(crate) fn take(&self) -> BTreeSet<String> {
+        std::mem::take(&mut *self.lock())
+    }
+
+    /// Gives back the IDs of a save whose write failed.
+    pub(crate) fn give_back(&self, ids: BTreeSet<String>) {
+        self.lock().extend(ids);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeSet<String>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+pub(crate) type Hosts = Arc<BTreeMap<String, Arc<Host>>>;
+
+#[derive(Debug, Default)]
+pub(crate) struct State {
+    /// By ID.
+    pub(crate) deps: BTreeMap<String, Dep>,
+    /// Deployment IDs by name (kept by [`State::insert`] and [`State::remove`]; a name never
+    /// changes: a deploy of the same name is the same deployment).
+    pub(crate) by_name: HashMap<String, String>,
+    /// IDs whose records changed since they were last written (deleted ones too): the next
+    /// save writes them ([`Server::save`]).
+    pub(crate) dirty: Dirty,
+    pub(crate) reservations: HashMap<String, Reservation>,
+    /// Every host, by ID.
+    pub(crate) hosts: Hosts,
+    /// The deployments whose instance is on each host (`Dep::host`: claimed, running, parked,
+    /// or last run there), by host ID: placement and the host view read a host's deployments
+    /// without scanning all of them. Kept by [`State::set_host`], the one writer of
+    /// `Dep::host` (and [`State::remove`]).
+    pub(crate) by_host: HashMap<String, BTreeSet<String>>,
+    /// The router's record of last uses, shared with every deployment ([`Dep::used_at`]).
+    pub(crate) uses: RouterUses,
+    /// The host an instance's key names while it is on none (standalone's one host).
+    pub(crate) host_id: String,
+    /// Some host says `lifecycle.activation: explicit`: every deployment is explicit then.
+    pub(crate) any_host_explicit: bool,
+}
+
+/// The router's record of each deployment's last use (its requests' starts and ends,
+/// [`CoordinatorHandle::last_used`]), once a router is attached: one shared cell, so that
+/// [`Dep::used_at`] reads it wherever a deployment is at hand. Reading it takes a read lock of
+/// its own and no turn of the router's task.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct RouterUses(pub(crate) Arc<RwLock<Option<LastUses>>>);
+
+impl RouterUses {
+    pub(crate) fn of(&self, deployment: &str) -> Option<Instant> {
+        self.0
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()?
+            .of(deployment)
+    }
+
+    pub(crate) fn attach(&self, uses: LastUses) {
+        *self.0.write().unwrap_or_else(PoisonError::into_inner) = Some(uses);
+    }
+}
+
+/// A host the lifecycle places instances on.
+#[derive(Clone)]
+pub(crate) struct Host {
+    /// Its agent (in-process, or a node agent over HTTP).
+    pub(crate) agent: Arc<dyn HostAgent>,
+    /// Its `lifecycle.activation`.
+    pub(crate) activation: Activation,
+    /// Its engine commands (shown by `engine list`, and what `max_running` expects).
+    pub(crate) settings: HostSettings,
+    /// Its admission window, where it differs from the router's: given to the router with
+    /// each switch on this host.
+    pub(crate) admission_window: Option<Duration>,
+    /// A node agent reached over HTTP: its engines' launch inputs are the host's to read.
+    pub(crate) remote: bool,
+    /// Total GPU memory, bytes.
+    pub(crate) capacity: u64,
+}
+
+impl std::fmt::Debug for Host {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Host")
+            .field("activation", &self.activation)
+            .field("capacity", &self.capacity)
+            .finish_non_exhaustive()
+    }
+}
+
+impl State {
+    pub(crate) fn by_name_or_id(&self, key: &str) -> Option<&Dep> {
+        self.deps.get(key).or_else(|| self.by_name(key))
+    }
+
+    pub(crate) fn by_name(&self, name: &str) -> Option<&Dep> {
+        self.by_name.get(name).and_then(|id| self.deps.get(id))
+    }
+
+    /// Adds `dep` (a name already known keeps its deployment: the first one loaded).
+    pub(crate) fn insert(&mut self, mut dep: Dep) {
+        dep.uses = self.uses.clone();
+        self.by_name
+            .entry(dep.name().to_string())
+            .or_insert_with(|| dep.rec.id.clone());
+        self.deps.insert(dep.rec.id.clone(), dep);
+    }
+
+    /// Removes deployment `id`.
+    pub(crate) fn remove(&mut self, id: &str) -> Option<Dep> {
+        self.set_host(id, None);
+        let dep = self.deps.remove(id)?;
+        if self.by_name.get(dep.name()).is_some_and(|i| i == id) {
+            self.by_name.remove(dep.name());
+        }
+        Some(dep)
+    }
+
+    pub(crate) fn release_reservation(&mut self, rid: &str) {
+        if let Some(r) = self.reservations.remove(rid) {
+            for v in r.victims {
+                if let Some(d) = self.deps.get_mut(&v)
+                    && d.reserved.as_deref() == Some(rid)
+                {
+                    d.reserved = None;
+                }
+            }
+            if let Some(t) = r.target
+                && let Some(d) = self.deps.get_mut(&t)
+                && d.claim.as_deref() == Some(rid)
+            {
+                d.claim = None;
+            }
+        }
+    }
+}
+
+/// The by-host index.
+impl State {
+    /// Binds (or unbinds) deployment `id`'s instance to `host`, keeping the by-host index.
+    pub(crate) fn set_host(&mut self, id: &str, host: Option<String>) {
+        let Some(d) = self.deps.get_mut(id) else {
+            return;
+        };
+        if d.host == host {
+            return;
+        }
+        if let Some(old) = d.host.take()
+            && let Some(ids) = self.by_host.get_mut(&old)
+        {
+            ids.remove(id);
+            if ids.is_empty() {
+                self.by_host.remove(&old);
+            }
+        }
+        if let Some(new) = &host {
+            self.by_host
+                .entry(new.clone())
+                .or_default()
+                .insert(id.to_string());
+        }
+        d.host = host;
+    }
+
+    /// The deployments whose instance is on `host` (`Dep::host`), by ID.
+    pub(crate) fn on_host<'a>(&'a self, host: &'a str) -> impl Iterator<Item = &'a Dep> + 'a {
+        self.by_host
+            .get(host)
+            .into_iter()
+            .flatten()
+            .filter_map(|id| self.deps.get(id))
+            .filter(move |d| d.host.as_deref() == Some(host))
+    }
+}
+
+/// Whom a placement may name as victims.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Victims {
+    /// Nobody: a start without `--evict` (and a pending one) waits for memory instead.
+    None,
+    /// Idle ready instances and parked engines (a request's switch).
+    Idle,
+    /// Those, and starts or wakes in progress that no request waits for (`start --evict`):
+    /// they are ended, their engines stopped.
+    IdleAndBringUps,
+}
+
+/// How an instance is to be brought up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Up {
+    Wake,
+    Start,
+}
+
+/// A deployment's presence flag for the name cache: marks it gone when the deployment is
+/// dropped.
+#[derive(Debug)]
+pub(crate) struct PresenceOf(pub(crate) Arc<AtomicBool>);
+
+impl Drop for PresenceOf {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
+/// The rules.
+impl State {
+    /// The key of `d`'s instance on `host`.
+    pub(crate) fn key_of(d: &Dep, host: &str) -> InstanceKey {
+        InstanceKey {
+            deployment: d.rec.id.clone(),
+            index: 0,
+            host_id: host.to_string(),
+            generation: d.rec.generation,
+        }
+    }
+
+    /// "A model is explicit when its deployment or any host it may run on says so."
+    pub(crate) fn explicit(&self, d: &Dep) -> bool {
+        d.rec.doc.activation() == Activation::Explicit || self.any_host_explicit
+    }
+
+    /// Where `target` fits: on the host its instance is bound to (parked there, say), or on the
+    /// best of all hosts: one with room now (the fullest that fits: large models keep room
+    /// elsewhere), else the one needing the fewest victim bytes, else `Later` where some host
+    /// could take it once memory frees. `Never` only when no host can ever take it.
+    pub(crate) fn place_target(
+        &self,
+        target: &str,
+        protected: &BTreeSet<String>,
+        victims: Victims,
+        now: Instant,
+    ) -> (Option<String>, Fit) {
+        let Some(d) = self.deps.get(target) else {
+            return (
+                None,
+                Fit::Never(format!("deployment {target} is not known")),
+            );
+        };
+        let bound = d.bound_host();
+        let mut best: Option<((u8, u64), &String, Fit)> = None;
+        let mut never = Vec::new();
+        // Bound: its host only. NB: each host's holders come from the by-host index, so a
+        // placement reads the hosts and the deployments on them, never every deployment per
+        // host.
+        let candidates: Box<dyn Iterator<Item = (&String, &Arc<Host>)>> = match bound {
+            Some(b) => Box::new(self.hosts.get_key_value(b).into_iter()),
+            None => Box::new(self.hosts.iter()),
+        };
+        for (id, host) in candidates {
+            let need = d.need(host.capacity);
+            let holders = self.holders(id, target, protected, victims, now);
+            let fit = place(host.capacity, need, &holders, victims != Victims::None);
+            let rank = match &fit {
+                Fit::Now => {
+                    let used: u64 = holders.iter().map(|h| h.bytes).sum();
+                    (0, host.capacity.saturating_sub(used).saturating_sub(need))
+                }
+                // Victims that park before victims that must stop; fewest bytes first.
+                Fit::After(victims) | Fit::AfterStopping(victims) => (
+                    if matches!(fit, Fit::After(_)) { 1 } else { 2 },
+                    holders
+                        .iter()
+                        .filter(|h| victims.iter().any(|v| v == h.id))
+                        .map(|h| h.bytes)
+                        .sum(),
+                ),
+                Fit::Later => (3, 0),
+                Fit::Never(why) => {
+                    never.push((id, why.clone()));
+                    continue;
+                }
+            };
+            if best.as_ref().is_none_or(|(r, _, _)| rank < *r) {
+                best = Some((rank, id, fit));
+            }
+        }
+        match best {
+            Some((_, id, fit)) => (Some(id.clone()), fit),
+            None if never.is_empty() => (
+                None,
+                Fit::Never(match bound {
+                    Some(b) => format!("its host {b} is not known"),
+                    None => "no host is known".to_string(),
+                }),
+            ),
+            None if self.hosts.len() == 1 => (None, Fit::Never(never.remove(0).1)),
+            None => (
+                None,
+                Fit::Never(
+                    never
+                        .iter()
+                        .map(|(h, why)| format!("on host {h}: {why}"))
+                        .collect::<Vec<_>>()
+                        .join("; "),
+                ),
+            ),
+        }
+    }
+
+    /// The GPU holders of `host` as placement sees them, for bringing up `target`.
+    pub(crate) fn holders<'a>(
+        &'a self,
+        host: &'a str,
+        target: &str,
+        protected: &BTreeSet<String>,
+        victims: Victims,
+        now: Instant,
+    ) -> Vec<Holder<'a>> {
+        let capacity = self.hosts.get(host).map_or(0, |h| h.capacity);
+        self.on_host(host)
+            .filter(|d| {
+                d.id() != target && (d.occupies() || d.claim.is_some() || d.parked_holds() > 0)
+            })
+            .map(|d| {
+                // NB: an explicit or warm model that is draining, parking or stopping on an
+                // operator's command (reserved by it; never by a switch) is on its way out:
+                // its memory frees soon, so others wait for it instead of being refused.
+                let leaving = d.reserved.is_some()
+                    || matches!(d.state, InstanceState::Parking | InstanceState::Stopping);
+                // A parked target a switch has claimed is about to take its whole memory.
+                let parked = d.state == InstanceState::Parked && d.claim.is_none();
+                // A start or wake no request waits for, which `start --evict` ends (it stops).
+                let ends = victims == Victims::IdleAndBringUps
+                    && d.bringing_up()
+                    && d.end.borrow().is_none();
+                let hold = if (self.explicit(d) || d.warm()) && !leaving {
+                    Hold::Pinned
+                } else if (ends
+                    || matches!(d.state, InstanceState::Ready | InstanceState::Parked) && !d.busy)
+                    && d.reserved.is_none()
+                    && d.claim.is_none()
+                    && !protected.contains(d.id())
+                {
+                    Hold::Releasable
+                } else {
+                    Hold::Busy
+                };
+                Holder {
+                    id: d.id(),
+                    name: d.name(),
+                    bytes: if parked {
+                        d.parked_holds()
+                    } else {
+                        d.need(capacity)
+                    },
+                    hold,
+                    idle_for: now.saturating_duration_since(d.used_at()),
+                    parked,
+                    keeps: if parked || ends {
+                        0
+                    } else {
+                        d.residue_if_parked()
+                    },
+                }
+            })
+            .collect()
+    }
+
+    /// Marks `id` as coming up (under the lock) and says how.
+    pub(crate) fn begin_up(&mut self, id: &str, now: Instant) -> Option<Up> {
+        let d = self.deps.get_mut(id)?;
+        if std::mem::take(&mut d.rec.pending_start) || d.state != InstanceState::Parked {
+            // A pending start taken, a new generation: saved by the bring-up.
+            self.dirty.mark(id);
+        }
+        d.claim = None;
+        d.busy = true;
+        d.last_error = None;
+        d.last_used = now;
+        d.end = watch::channel(None).0;
+        d.ended_stop_failed = None;
+        if d.state == InstanceState::Parked {
+            d.parked_gpu = None;
+            d.state = InstanceState::Waking;
+            Some(Up::Wake)
+        } else {
+            d.state = InstanceState::Starting;
+            d.rec.generation += 1;
+            d.rec.first_answer = None;
+            Some(Up::Start)
+        }
+    }
+
+    /// Whether requests may bring deployment `id` up now (see [`crate::Lifecycle`]'s
+    /// `admissible`).
+    pub(crate) fn admissible(&self, id: &str) -> Result<(), ApiError> {
+        let Some(d) = self.deps.get(id) else {
+            return Err(not_found(id));
+        };
+        if d.rec.operator_stopped {
+            return Err(ApiError::DeploymentStopped {
+                deployment: id.to_string(),
+            });
+        }
+        if self.explicit(d) && !d.running_or_coming() {
+            return Err(ApiError::DeploymentInactive {
+                deployment: id.to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Plans bringing `target` up for `who` (see [`PlanFor`]): reserves the victims and
+    /// claims the target. An operator's plan (`start --evict`) may also name starts and wakes
+    /// in progress that no request waits for ([`Victims::IdleAndBringUps`]); it does not ask
+    /// whether requests may bring the target up (the operator's start is what does).
+    pub(crate) fn plan(
+        &mut self,
+        target: &str,
+        protected: &BTreeSet<String>,
+        who: PlanFor,
+        switch_id: String,
+        now: Instant,
+    ) -> Result<Plan, ApiError> {
+        if who == PlanFor::Requests {
+            self.admissible(target)?;
+        }
+        let Some(d) = self.deps.get(target) else {
+            return Err(not_found(target));
+        };
+        // NB: an operator start that waits for memory (`pending_start`) never evicts; a
+        // request for the same deployment plans as usual and may, taking the start over.
+        if d.claim.is_some() {
+            return Ok(Plan::AlreadyComing);
+        }
+        match d.state {
+            InstanceState::Ready | InstanceState::Starting | InstanceState::Waking => {
+                return Ok(Plan::AlreadyComing);
+            }
+            _ if d.busy || d.reserved.is_some() => return Ok(Plan::Later),
+            InstanceState::Closed | InstanceState::Parking | InstanceState::Stopping => {
+                return Ok(Plan::Later);
+            }
+            _ => {}
+        }
+        let policy = match who {
+            PlanFor::Requests => Victims::Idle,
+            PlanFor::Operator => Victims::IdleAndBringUps,
+        };
+        let (host, fit) = self.place_target(target, protected, policy, now);
+        let plan = match fit {
+            Fit::Now => {
+                self.reservations.insert(
+                    switch_id.clone(),
+                    Reservation {
+                        target: Some(target.to_string()),
+                        victims: Vec::new(),
+                        stop: false,
+                    },
+                );
+                // NB: a pending operator start stays pending until the bring-up begins
+                // (`begin_up` takes it): a switch given back leaves it waiting as before.
+                if let Some(d) = self.deps.get_mut(target) {
+                    d.claim = Some(switch_id.clone());
+                }
+                self.set_host(target, host);
+                Plan::BringUp { switch_id }
+            }
+            Fit::After(ref victims) | Fit::AfterStopping(ref victims) => {
+                let stop = matches!(fit, Fit::AfterStopping(_));
+                let victims = victims.clone();
+                let window = host
+                    .as_ref()
+                    .and_then(|h| self.hosts.get(h))
+                    .and_then(|h| h.admission_window);
+                // The router drains the ready victims; parked ones (stopped for what they still
+                // hold on the GPU) and starts or wakes in progress (ended) are the lifecycle's
+                // alone.
+                let mut keys = Vec::new();
+                for v in &victims {
+                    if let Some(vd) = self.deps.get_mut(v) {
+                        vd.reserved = Some(switch_id.clone());
+                        if vd.state == InstanceState::Ready {
+                            let host = vd.host.as_deref().unwrap_or(self.host_id.as_str());
+                            keys.push(Self::key_of(vd, host));
+                        }
+                    }
+                }
+                if let Some(d) = self.deps.get_mut(target) {
+                    d.claim = Some(switch_id.clone());
+                }
+                self.set_host(target, host);
+                self.reservations.insert(
+                    switch_id.clone(),
+                    Reservation {
+                        target: Some(target.to_string()),
+                        victims,
+                        stop,
+                    },
+                );
+                if keys.is_empty() {
+                    Plan::BringUp { switch_id }
+                } else {
+                    Plan::Switch {
+                        switch_id,
+                        victims: keys,
+                        // The window of the host where the switch happens.
+                        window,
+                    }
+                }
+            }
+            Fit::Later => Plan::Later,
+            Fit::Never(detail) => {
+                return Err(ApiError::DoesNotFit {
+                    deployment: target.to_string(),
+                    detail,
+                });
+            }
+        };
+        Ok(plan)
+    }
+
+    /// Begins taking `id` down (under the lock): `Ok(Some(true))` ready (drain first),
+    /// `Ok(Some(false))` parked (stop directly), `Ok(None)` nothing runs.
+    pub(crate) fn begin_down(&mut self, id: &str, rid: &str) -> Result<Option<bool>, ApiError> {
+        let d = self.deps.get_mut(id).ok_or_else(|| not_found(id))?;
+        if d.busy || d.reserved.is_some() || d.claim.is_some() {
+            return Err(ApiError::Conflict {
+                detail: format!(
+                    "deployment {} is {} now; try again once that has finished",
+                    d.name(),
+                    views::shown_state(d)
+                ),
+            });
+        }
+        d.rec.pending_start = false;
+        let down = match d.state {
+            InstanceState::Ready => Some(true),
+            InstanceState::Parked => Some(false),
+            _ => return Ok(None),
+        };
+        // Reserved like a switch's victim: nothing else wakes, plans or stops it meanwhile.
+        d.reserved = Some(rid.to_string());
+        self.reservations.insert(
+            rid.to_string(),
+            Reservation {
+                target: None,
+                victims: vec![id.to_string()],
+                ..Reservation::default()
+            },
+        );
+        Ok(down)
+    }
+}
+
+/// Engine exits.
+impl State {
+    /// An engine exited by itself on `host`: a ready, draining or parked instance there is
+    /// `failed` (the next request starts it afresh, unless it is explicit); the key to tell
+    /// the router is gone. Nothing for an instance with an operation in progress (the
+    /// operation sees the failure itself), nor for an engine of a host it left.
+    pub(crate) fn engine_exited(
+        &mut self,
+        host: &str,
+        exit: &capyctl_node_agent::agent::EngineExit,
+    ) -> Option<InstanceKey> {
+        let d = self.deps.get_mut(deployment_of(&exit.instance)?)?;
+        if d.host.as_deref() != Some(host) || d.busy {
+            return None;
+        }
+        if !matches!(
+            d.state,
+            InstanceState::Ready | InstanceState::Parked | InstanceState::Closed
+        ) {
+            return None;
+        }
+        d.state = InstanceState::Failed;
+        d.tier = None;
+        d.addr = None;
+        d.pid = None;
+        d.last_error = Some(format!(
+            "the engine exited: {}",
+            exit.status.as_deref().unwrap_or("status unknown")
+        ));
+        Some(d.key(&self.host_id))
+    }
+}
+
+/// What adding a host leaves to do ([`State::add_host`]).
+#[derive(Debug, Default)]
+pub(crate) struct Adoption {
+    /// Engines to stop there: of deployments that no longer exist, or run elsewhere.
+    pub(crate) to_stop: Vec<String>,
+    /// Instances adopted ready (or at a new address): the router is told.
+    pub(crate) came: Vec<(InstanceKey, SocketAddr)>,
+    /// Instances believed on that host that it no longer has: failed, the router is told.
+    pub(crate) lost: Vec<InstanceKey>,
+}
+
+/// Hosts.
+impl State {
+    /// Adds host `host_id` (or replaces its agent) and reconciles the deployments with the
+    /// engines it reports (`adopted`): engines it holds are adopted (ready or parked) unless
+    /// an operation on them is in flight (then only where the engine answers is learnt);
+    /// engines of unknown deployments, or of a deployment bound elsewhere, are to be stopped;
+    /// instances believed on that host that it no longer has are failed.
+    pub(crate) fn add_host(
+        &mut self,
+        host_id: String,
+        host: Host,
+        adopted: &[capyctl_node_agent::agent::AdoptedInstance],
+    ) -> Adoption {
+        Arc::make_mut(&mut self.hosts).insert(host_id.clone(), Arc::new(host));
+        self.any_host_explicit = self
+            .hosts
+            .values()
+            .any(|h| h.activation == Activation::Explicit);
+        let mut to_stop = Vec::new();
+        let mut came = Vec::new();
+        let mut lost = Vec::new();
+        let mut adopted_here = BTreeSet::new();
+        let mut changed = BTreeSet::new();
+        for adopted in adopted {
+            let Some(d) = deployment_of(&adopted.instance)
+                .and_then(|id| self.deps.get_mut(id))
+                .filter(|d| d.instance_id() == adopted.instance)
+            else {
+                tracing::info!(host = %host_id, instance = %adopted.instance, "stopping an engine of a deployment that no longer exists");
+                to_stop.push(adopted.instance.clone());
+                continue;
+            };
+            let elsewhere = d.bound_host().is_some_and(|h| h != host_id);
+            if elsewhere {
+                tracing::info!(host = %host_id, instance = %adopted.instance, "stopping a second engine of a deployment that runs elsewhere");
+                to_stop.push(adopted.instance.clone());
+                continue;
+            }
+            if d.busy || d.reserved.is_some() || d.claim.is_some() {
+                // An operation on it is in flight (a start, a wake, a drain, a park): it
+                // decides the state; only where the engine answers is learnt.
+                if d.host.as_deref() == Some(host_id.as_str()) {
+                    d.pid = Some(adopted.pid);
+                    if let Some(addr) = engine_addr(&adopted.base_url) {
+                        d.addr = Some(addr);
+                    }
+                    adopted_here.insert(d.rec.id.clone());
+                }
+                continue;
+            }
+            let was = (d.state, d.addr);
+            d.state = if adopted.parked.is_some() {
+                InstanceState::Parked
+            } else {
+                InstanceState::Ready
+            };
+            d.tier = adopted.parked;
+            d.parked_gpu = adopted.gpu_held.map(|g| g.bytes);
+            d.pid = Some(adopted.pid);
+            d.addr = engine_addr(&adopted.base_url);
+            if adopted.parked.is_none() && d.rec.pending_start {
+                // It runs: a start that waited for memory has happened.
+                d.rec.pending_start = false;
+                self.dirty.mark(&d.rec.id);
+            }
+            let id = d.rec.id.clone();
+            if (d.state, d.addr) != was {
+                changed.insert(id.clone());
+            }
+            tracing::info!(host = %host_id, instance = %adopted.instance, state = %d.state, "adopted an engine");
+            self.set_host(&id, Some(host_id.clone()));
+            adopted_here.insert(id);
+        }
+        // Only deployments on this host can be adopted here or lost by it.
+        let on_this_host: Vec<String> = self.on_host(&host_id).map(|d| d.rec.id.clone()).collect();
+        for id in &on_this_host {
+            let Some(d) = self.deps.get_mut(id) else {
+                continue;
+            };
+            if adopted_here.contains(d.id()) {
+                if changed.contains(d.id())
+                    && d.state == InstanceState::Ready
+                    && let Some(addr) = d.addr
+                {
+                    came.push((Self::key_of(d, &host_id), addr));
+                }
+                continue;
+            }
+            let held = d.occupies() || d.state == InstanceState::Parked;
+            if held && !d.busy && d.reserved.is_none() && d.claim.is_none() {
+                lost.push(Self::key_of(d, &host_id));
+                d.state = InstanceState::Failed;
+                d.tier = None;
+                d.addr = None;
+                d.pid = None;
+                d.last_error = Some(format!(
+                    "its engine is gone: host {host_id} no longer has it"
+                ));
+            }
+        }
+        Adoption {
+            to_stop,
+            came,
+            lost,
+        }
+    }
+}
+
+/// What a started engine reports ([`UpDone::Ready`]).
+#[derive(Debug)]
+pub(crate) struct Started {
+    /// Where it answers (`None`: not an IP address and port).
+    pub(crate) addr: Option<SocketAddr>,
+    pub(crate) pid: u32,
+    pub(crate) max_running: MaxRunning,
+    pub(crate) measurement: Measurement,
+    pub(crate) first_answer: capyctl_node_agent::verify::FirstAnswer,
+}
+
+/// How a start or a wake ended ([`State::up_done`]).
+#[derive(Debug)]
+pub(crate) enum UpDone {
+    /// It is ready: what a started engine reports (`None` for a wake: it keeps its engine).
+    Ready(Option<Started>),
+    /// It failed with `error`; `ended`: it was ended ([`Dep::end`]), and the agent's stop of
+    /// its engine answered this.
+    Failed {
+        error: ApiError,
+        ended: Option<Result<(), String>>,
+    },
+}
+
+/// Bring-ups.
+impl State {
+    /// Writes how the start or wake of `id` (`up`, begun by [`State::begin_up`]) ended:
+    /// `ready`, or `failed` with the error (`stopped` when it was ended and its engine
+    /// stopped). The key to announce, with the address, when ready; `Err(key)` to tell the
+    /// router it is gone; `None` when `id` is gone (deleted meanwhile).
+    pub(crate) fn up_done(
+        &mut self,
+        id: &str,
+        up: Up,
+        done: UpDone,
+        now: Instant,
+    ) -> Option<Result<(InstanceKey, Option<SocketAddr>), InstanceKey>> {
+        let d = self.deps.get_mut(id)?;
+        d.busy = false;
+        d.last_used = now;
+        match done {
+            UpDone::Ready(started) => {
+                if let Some(s) = started {
+                    d.addr = s.addr;
+                    d.pid = Some(s.pid);
+                    d.max_running = Some(s.max_running);
+                    if !s.measurement.awaiting() {
+                        d.measurement = s.measurement;
+                    }
+                    d.rec.first_answer = Some(s.first_answer);
+                }
+                d.state = InstanceState::Ready;
+                d.tier = None;
+                Some(Ok((d.key(&self.host_id), d.addr)))
+            }
+            UpDone::Failed { error: e, ended } => {
+                d.state = InstanceState::Failed;
+                d.tier = None;
+                d.addr = None;
+                d.pid = None;
+                d.last_error = Some(format!("{}: {}", e.code(), e.message()));
+                if let Some(stopped) = ended {
+                    let what = match up {
+                        Up::Start => "start",
+                        Up::Wake => "wake",
+                    };
+                    match stopped {
+                        Ok(()) => {
+                            d.state = InstanceState::Stopped;
+                            d.last_error =
+                                Some(format!("{what} ended and engine stopped: {}", e.message()));
+                        }
+                        Err(stop) => {
+                            d.last_error = Some(format!(
+                                "{what} ended ({}), but stopping the engine failed: {stop}",
+                                e.message()
+                            ));
+                            d.ended_stop_failed = Some(stop);
+                        }
+                    }
+                }
+                Some(Err(d.key(&self.host_id)))
+            }
+        }
+    }
+}
+
+/// Operator starts that wait for memory.
+impl State {
+    /// Begins the operator's start of `id` that waits for memory (`pending_start`) when it
+    /// fits now, without victims (as a start without `--evict`); how it comes up. `None`
+    /// when it no longer waits, something else has it, or it does not fit yet.
+    pub(crate) fn start_pending(&mut self, id: &str, now: Instant) -> Option<Up> {
+        let d = self.deps.get(id)?;
+        if !d.rec.pending_start || d.busy || d.reserved.is_some() || d.claim.is_some() {
+            return None;
+        }
+        let (host, fit) = self.place_target(id, &BTreeSet::new(), Victims::None, now);
+        if fit != Fit::Now {
+            return None;
+        }
+        self.set_host(id, host);
+        self.begin_up(id, now)
+    }
+}
+
+/// Switches.
+impl State {
+    /// The end of switch `switch_id`'s release: its reservation goes, and its target comes up
+    /// (how; `None` when it is up or on its way already). `conflict` when the switch was
+    /// given up meanwhile (the target no longer claimed by it); the target's `admissible`
+    /// error when requests may no longer bring it up.
+    pub(crate) fn switch_target_up(
+        &mut self,
+        switch_id: &str,
+        target: &str,
+        now: Instant,
+    ) -> Result<Option<Up>, ApiError> {
+        let claimed = self
+            .deps
+            .get(target)
+            .is_some_and(|d| d.claim.as_deref() == Some(switch_id));
+        self.release_reservation(switch_id);
+        if !claimed {
+            return Err(ApiError::Conflict {
+                detail: format!("switch {switch_id} to deployment {target} was given up"),
+            });
+        }
+        self.admissible(target)?;
+        let d = self.deps.get(target).ok_or_else(|| not_found(target))?;
+        if d.busy || d.occupies() {
+            return Ok(None);
+        }
+        Ok(self.begin_up(target, now))
+    }
+}
+
+/// What an operator's start does next ([`State::start`]).
+#[derive(Debug)]
+pub(crate) enum StartNext {
+    /// Nothing: it is ready or on its way.
+    Nothing,
+    /// Bring it up so (begun).
+    Up(Up),
+    /// A `start --evict`: an operator's switch, through the router's coordinator.
+    Evict,
+    /// It waits for memory (`pending_start`).
+    Pending,
+}
+
+/// Operator commands.
+impl State {
+    /// An operator's start of `id` (`wait`: `--wait`; `evict`: `--evict`): clears the operator
+    /// stop and decides. `awaiting_measurement` unless `wait` (or it runs); `conflict` while it
+    /// is going away; without `--evict`, placement without victims: it comes up now, or waits
+    /// for memory; with it, the switch is the coordinator's.
+    pub(crate) fn start(
+        &mut self,
+        id: &str,
+        wait: bool,
+        evict: bool,
+        now: Instant,
+    ) -> Result<StartNext, ApiError> {
+        let d = self.deps.get(id).ok_or_else(|| not_found(id))?;
+        if d.measurement.awaiting() && !wait && d.state != InstanceState::Ready {
+            return Err(ApiError::AwaitingMeasurement {
+                deployment: id.to_string(),
+            });
+        }
+        if matches!(
+            d.state,
+            InstanceState::Closed | InstanceState::Parking | InstanceState::Stopping
+        ) || d.reserved.is_some()
+        {
+            return Err(ApiError::Conflict {
+                detail: format!(
+                    "deployment {} is {} now; start it again once that has finished",
+                    d.name(),
+                    views::shown_state(d)
+                ),
+            });
+        }
+        let coming = matches!(
+            d.state,
+            InstanceState::Ready | InstanceState::Starting | InstanceState::Waking
+        ) || d.claim.is_some()
+            // A start that waits for memory is taken over by a start with --evict.
+            || (d.rec.pending_start && !evict);
+        // With --evict the placement is the switch's (`operator_switch`); without, nothing
+        // is released.
+        let fit = (!evict).then(|| self.place_target(id, &BTreeSet::new(), Victims::None, now));
+        let d = self.deps.get_mut(id).ok_or_else(|| not_found(id))?;
+        d.rec.operator_stopped = false;
+        d.rec.operator_started = true;
+        if coming {
+            return Ok(StartNext::Nothing);
+        }
+        let Some((host, fit)) = fit else {
+            return Ok(StartNext::Evict);
+        };
+        match fit {
+            Fit::Now => {
+                self.set_host(id, host);
+                Ok(self
+                    .begin_up(id, now)
+                    .map_or(StartNext::Nothing, StartNext::Up))
+            }
+            // Without --evict nothing is released: placement never names victims then.
+            Fit::Later | Fit::After(_) | Fit::AfterStopping(_) => {
+                if let Some(d) = self.deps.get_mut(id) {
+                    d.rec.pending_start = true;
+                }
+                Ok(StartNext::Pending)
+            }
+            Fit::Never(detail) => Err(ApiError::DoesNotFit {
+                deployment: id.to_string(),
+                detail,
+            }),
+        }
+    }
+}
+
+impl State {
+    /// An operator's park of ready `id` begins (reserved by `rid`, shown `parking` at once:
+    /// it drains and parks in the background; see [`State::begin_down`]). `None`: nothing to
+    /// do (parked meanwhile by a switch, or gone).
+    pub(crate) fn park(&mut self, id: &str, rid: &str) -> Result<Option<bool>, ApiError> {
+        if self
+            .deps
+            .get(id)
+            .is_none_or(|d| d.state != InstanceState::Ready)
+        {
+            return Ok(None);
+        }
+        let down = self.begin_down(id, rid)?;
+        if let Some(d) = self.deps.get_mut(id) {
+            d.rec.operator_started = false;
+            d.state = InstanceState::Parking;
+        }
+        Ok(down)
+    }
+}
+
+impl State {
+    /// A preinitialize of `id` with its fresh measurement: when still unmeasured, idle and the
+    /// GPU has room now (no victims), its start begins (`true`: run it without serving, then
+    /// park); `conflict` when no memory is free, `does_not_fit` when none ever is.
+    pub(crate) fn preinitialize(
+        &mut self,
+        id: &str,
+        measured: Measurement,
+        now: Instant,
+    ) -> Result<bool, ApiError> {
+        let d = self.deps.get_mut(id).ok_or_else(|| not_found(id))?;
+        if !measured.awaiting() {
+            d.measurement = measured;
+        }
+        let idle = matches!(d.state, InstanceState::Stopped | InstanceState::Failed)
+            && !d.busy
+            && d.reserved.is_none()
+            && d.claim.is_none()
+            && !d.rec.pending_start;
+        if !d.measurement.awaiting() || !idle {
+            return Ok(false);
+        }
+        let name = d.name().to_string();
+        let (host, fit) = self.place_target(id, &BTreeSet::new(), Victims::None, now);
+        match fit {
+            Fit::Now => {
+                self.set_host(id, host);
+                Ok(self.begin_up(id, now).is_some())
+            }
+            Fit::Later | Fit::After(_) | Fit::AfterStopping(_) => Err(ApiError::Conflict {
+                detail: format!(
+                    "no GPU memory is free to measure deployment {name} now; park or stop the others, or start it with --wait"
+                ),
+            }),
+            Fit::Never(detail) => Err(ApiError::DoesNotFit {
+                deployment: id.to_string(),
+                detail,
+            }),
+        }
+    }
+}
+
+/// The idle timers (`server.lifecycle_defaults`).
+impl State {
+    /// The deployments whose idle timer is due at `now`: ready ones idle for
+    /// `ready_idle_timeout` (`true`: to park), parked ones for `parked_idle_timeout` (`false`:
+    /// to stop). Never explicit or warm ones, never one busy, reserved, claimed or waiting for
+    /// memory, never one in `in_use` (requests wait or run, as the router's load says). Only
+    /// candidates: each is decided again by [`State::begin_idle_down`], and then by the router.
+    pub(crate) fn idle_due(
+        &self,
+        timeouts: &capyctl_spec::settings::LifecycleDefaults,
+        in_use: &BTreeSet<String>,
+        now: Instant,
+    ) -> Vec<(String, bool)> {
+        self.deps
+            .values()
+            .filter(|d| !self.explicit(d) && !d.warm() && !d.busy && d.reserved.is_none())
+            .filter(|d| d.claim.is_none() && !d.rec.pending_start && !in_use.contains(d.id()))
+            .filter_map(|d| {
+                let idle = now.saturating_duration_since(d.used_at());
+                let due = |t: Option<Duration>| t.is_some_and(|t| idle >= t);
+                match d.state {
+                    InstanceState::Ready if due(timeouts.ready_idle_timeout) => {
+                        Some((d.rec.id.clone(), true))
+                    }
+                    InstanceState::Parked if due(timeouts.parked_idle_timeout) => {
+                        Some((d.rec.id.clone(), false))
+                    }
+                    _ => None,
+                }
+            })
+            .collect()
+    }
+
+    /// The idle timer of `id` (`ready`: its ready timer, else its parked one) takes it down,
+    /// decided again at `now` on the state it changes: still in that state, not used since
+    /// `now - timeout`, not waiting for memory; reserved by `rid` (see [`State::begin_down`]).
+    /// What [`State::begin_down`] says, and the instant the router checks that nothing used
+    /// it after; `None` when it is not due after all.
+    pub(crate) fn begin_idle_down(
+        &mut self,
+        id: &str,
+        ready: bool,
+        timeouts: &capyctl_spec::settings::LifecycleDefaults,
+        rid: &str,
+        now: Instant,
+    ) -> Option<(Option<bool>, Instant)> {
+        let d = self.deps.get(id)?;
+        let timeout = match d.state {
+            InstanceState::Ready if ready => timeouts.ready_idle_timeout?,
+            InstanceState::Parked if !ready => timeouts.parked_idle_timeout?,
+            _ => return None,
+        };
+        // No use after this instant: the rule, as the router checks it.
+        let idle_since = now.checked_sub(timeout)?;
+        if d.used_at() > idle_since || d.rec.pending_start {
+            return None;
+        }
+        Some((self.begin_down(id, rid).ok()?, idle_since))
+    }
+}
+
+/// The parked set's room in host RAM.
+impl State {
+    /// Reserves `id`'s parked copy in host RAM (by `rid`), to be stopped for room: only while
+    /// it is parked there, with no operation, reservation or claim on it (see
+    /// [`State::begin_down`]). Its name; `None` when it is not such a copy now.
+    pub(crate) fn reserve_parked_copy(&mut self, id: &str, rid: &str) -> Option<String> {
+        let d = self.deps.get(id)?;
+        if d.state != InstanceState::Parked || d.tier != Some(ParkTier::HostRam) {
+            return None;
+        }
+        let name = d.name().to_string();
+        matches!(self.begin_down(id, rid), Ok(Some(false))).then_some(name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The rules on plain state, with the time given (no owner task, no host calls).
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use capyctl_node_agent::agent::EngineExit;
+    use capyctl_node_agent::measure::{MeasureSource, Measured};
+    use capyctl_spec::settings::LifecycleDefaults;
+
+    const GIB: u64 = 1 << 30;
+
+    /// One host, `gpu-1`, of 10 GiB, and deployments `a`, `b`, `c` needing 6 GiB each.
+    fn state(now: Instant) -> State {
+        let mut s = State {
+            host_id: "gpu-1".into(),
+            ..State::default()
+        };
+        let host = Host {
+            agent: Arc::new(capyctl_test_support::FakeHost::new()),
+            activation: Activation::OnDemand,
+            settings: HostSettings::default(),
+            admission_window: None,
+            remote: false,
+            capacity: 10 * GIB,
+        };
+        s.add_host("gpu-1".into(), host, &[]);
+        for id in ["a", "b", "c"] {
+            s.insert(dep(id, &format!("chat-{id}"), "", now));
+        }
+        s
+    }
+
+    fn dep(id: &str, name: &str, extra: &str, now: Instant) -> Dep {
+        let doc = capyctl_spec::documents::parse_deployment_str(
+            "t.yaml",
+            &format!("name: {name}\nengine: vllm\nmodel: m\n{extra}"),
+        )
+        .unwrap();
+        let mut d = Dep::new(DeploymentRecord {
+            id: id.to_string(),
+            revision: 1,
+            doc,
+            operator_stopped: false,
+            operator_started: false,
+            pending_start: false,
+            generation: 0,
+            first_answer: None,
+        });
+        d.measurement.gpu_memory = Some(Measured {
+            bytes: 6 * GIB,
+            source: MeasureSource::Declared,
+        });
+        d.last_used = now;
+        d
+    }
+
+    /// Makes `id` ready on `gpu-1`, last used at `used`.
+    fn ready(s: &mut State, id: &str, used: Instant) {
+        s.set_host(id, Some("gpu-1".into()));
+        let d = s.deps.get_mut(id).unwrap();
+        d.state = InstanceState::Ready;
+        d.addr = Some(([127, 0, 0, 1], 9).into());
+        d.last_used = used;
+    }
+
+    fn none() -> BTreeSet<String> {
+        BTreeSet::new()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_plan_reserves_its_victim_so_a_second_plan_waits_instead_of_naming_it_again() {
+        let now = Instant::now();
+        let mut s = state(now);
+        ready(&mut s, "a", now);
+        let plan = s
+            .plan("b", &none(), PlanFor::Requests, "sw-1".into(), now)
+            .unwrap();
+        let Plan::Switch {
+            switch_id, victims, ..
+        } = plan
+        else {
+            panic!("a switch: {plan:?}");
+        };
+        assert_eq!(switch_id, "sw-1");
+        assert_eq!(victims.len(), 1);
+        assert_eq!(victims[0].deployment, "a");
+        assert_eq!(s.deps["a"].reserved.as_deref(), Some("sw-1"));
+        assert_eq!(s.deps["b"].claim.as_deref(), Some("sw-1"));
+        // `a` is reserved and `b` claims the rest: `c` waits for memory.
+        let later = s
+            .plan("c", &none(), PlanFor::Requests, "sw-2".into(), now)
+            .unwrap();
+        assert!(matches!(later, Plan::Later), "{later:?}");
+        assert_eq!(s.deps["a"].reserved.as_deref(), Some("sw-1"));
+        // `b` already has its switch.
+        let again = s
+            .plan("b", &none(), PlanFor::Requests, "sw-3".into(), now)
+            .unwrap();
+        assert!(matches!(again, Plan::AlreadyComing), "{again:?}");
+        // Given back, the victim serves on and the target is no longer claimed.
+        s.release_reservation("sw-1");
+        assert_eq!(s.deps["a"].reserved, None);
+        assert_eq!(s.deps["b"].claim, None);
+        // A switch given up does not bring its target up.
+        let err = s.switch_target_up("sw-1", "b", now).unwrap_err();
+        assert_eq!(err.code(), "conflict");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_longest_idle_is_the_victim_never_a_protected_or_warm_one() {
+        let t0 = Instant::now();
+        let now = t0 + Duration::from_secs(60);
+        let mut s = state(t0);
+        // `p` and `q` (3 GiB each) hold 6 of 10 GiB; `b` needs 6: one of them must go (parked,
+        // it still holds its residue, 512 MiB).
+        for id in ["p", "q"] {
+            let mut d = dep(id, &format!("chat-{id}"), "", t0);
+            d.measurement.gpu_memory = Some(Measured {
+                bytes: 3 * GIB,
+                source: MeasureSource::Declared,
+            });
+            s.insert(d);
+        }
+        ready(&mut s, "p", t0 + Duration::from_secs(30));
+        ready(&mut s, "q", t0 + Duration::from_secs(10));
+        let victims = |plan: Plan| match plan {
+            Plan::Switch { victims, .. } => victims
+                .into_iter()
+                .map(|k| k.deployment)
+                .collect::<Vec<_>>(),
+            other => panic!("a switch: {other:?}"),
+        };
+        let plan = s
+            .plan("b", &none(), PlanFor::Requests, "sw-1".into(), now)
+            .unwrap();
+        assert_eq!(victims(plan), ["q"], "idle for 50 s, p for 30 s");
+        s.release_reservation("sw-1");
+        // Requests wait for `q`: `p` goes instead.
+        let protected = BTreeSet::from(["q".to_string()]);
+        let plan = s
+            .plan("b", &protected, PlanFor::Requests, "sw-2".into(), now)
+            .unwrap();
+        assert_eq!(victims(plan), ["p"]);
+        s.release_reservation("sw-2");
+        // A warm model is pinned: with `q` protected and `p` warm, nothing can be released,
+        // and nothing ever can while they hold the GPU.
+        s.deps.get_mut("p").unwrap().rec.doc =
+            dep("p", "chat-p", "lifecycle:\n  warm: true\n", t0).rec.doc;
+        let plan = s
+            .plan("b", &protected, PlanFor::Requests, "sw-3".into(), now)
+            .unwrap();
+        assert!(matches!(plan, Plan::Later), "q is only protected: {plan:?}");
+        s.deps.get_mut("q").unwrap().rec.doc =
+            dep("q", "chat-q", "lifecycle:\n  warm: true\n", t0).rec.doc;
+        let err = s
+            .plan("b", &none(), PlanFor::Requests, "sw-4".into(), now)
+            .unwrap_err();
+        assert_eq!(err.code(), "does_not_fit", "{err:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn requests_may_not_bring_up_an_explicit_model_but_an_operators_switch_may() {
+        let now = Instant::now();
+        let mut s = state(now);
+        s.insert(dep(
+            "x",
+            "chat-x",
+            "lifecycle:\n  activation: explicit\n",
+            now,
+        ));
+        let err = s
+            .plan("x", &none(), PlanFor::Requests, "sw-1".into(), now)
+            .unwrap_err();
+        assert_eq!(err.code(), "deployment_inactive");
+        let plan = s
+            .plan("x", &none(), PlanFor::Operator, "sw-2".into(), now)
+            .unwrap();
+        assert!(matches!(plan, Plan::BringUp { .. }), "{plan:?}");
+        s.deps.get_mut("b").unwrap().rec.operator_stopped = true;
+        assert_eq!(s.admissible("b").unwrap_err().code(), "deployment_stopped");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn idle_timers_are_due_by_the_last_use_and_are_decided_again_before_they_act() {
+        let t0 = Instant::now();
+        let mut s = state(t0);
+        let timeouts = LifecycleDefaults {
+            ready_idle_timeout: Some(Duration::from_secs(300)),
+            parked_idle_timeout: Some(Duration::from_secs(3600)),
+        };
+        ready(&mut s, "a", t0);
+        ready(&mut s, "b", t0 + Duration::from_secs(200));
+        s.deps.get_mut("c").unwrap().state = InstanceState::Parked;
+        let now = t0 + Duration::from_secs(301);
+        assert_eq!(
+            s.idle_due(&timeouts, &none(), now),
+            [("a".to_string(), true)],
+            "b was used 101 s ago; c is parked for less than an hour"
+        );
+        let in_use = BTreeSet::from(["a".to_string()]);
+        assert!(s.idle_due(&timeouts, &in_use, now).is_empty(), "in use");
+        assert_eq!(
+            s.idle_due(&timeouts, &none(), t0 + Duration::from_secs(3600)),
+            [
+                ("a".to_string(), true),
+                ("b".to_string(), true),
+                ("c".to_string(), false)
+            ]
+        );
+        // Used again since the list was made: not taken down.
+        s.deps.get_mut("a").unwrap().last_used = now;
+        assert_eq!(s.begin_idle_down("a", true, &timeouts, "idle-1", now), None);
+        // Due: reserved, and the router is told the instant to check.
+        let later = now + Duration::from_secs(300);
+        let (down, since) = s
+            .begin_idle_down("a", true, &timeouts, "idle-2", later)
+            .unwrap();
+        assert_eq!(down, Some(true), "ready: drained first");
+        assert_eq!(since, now);
+        assert_eq!(s.deps["a"].reserved.as_deref(), Some("idle-2"));
+        // A reserved one is nobody else's candidate.
+        assert!(
+            !s.idle_due(&timeouts, &none(), later)
+                .iter()
+                .any(|(id, _)| id == "a")
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_engine_exit_fails_an_idle_instance_on_its_host_only() {
+        let now = Instant::now();
+        let mut s = state(now);
+        ready(&mut s, "a", now);
+        ready(&mut s, "b", now);
+        let exit = |instance: &str| EngineExit {
+            instance: instance.to_string(),
+            status: Some("signal 9".into()),
+        };
+        assert_eq!(s.engine_exited("gpu-2", &exit("a-0")), None, "not its host");
+        s.deps.get_mut("b").unwrap().busy = true;
+        assert_eq!(
+            s.engine_exited("gpu-1", &exit("b-0")),
+            None,
+            "its operation sees it"
+        );
+        let key = s.engine_exited("gpu-1", &exit("a-0")).unwrap();
+        assert_eq!(
+            (key.deployment.as_str(), key.host_id.as_str()),
+            ("a", "gpu-1")
+        );
+        let a = &s.deps["a"];
+        assert_eq!(a.state, InstanceState::Failed);
+        assert_eq!(a.addr, None);
+        assert_eq!(a.last_error.as_deref(), Some("the engine exited: signal 9"));
+        assert_eq!(s.engine_exited("gpu-1", &exit("a-0")), None, "once");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_start_without_evict_waits_for_memory_and_begins_once_it_is_free() {
+        let now = Instant::now();
+        let mut s = state(now);
+        ready(&mut s, "a", now);
+        let next = s.start("b", false, false, now).unwrap();
+        assert!(matches!(next, StartNext::Pending), "{next:?}");
+        assert!(s.deps["b"].rec.pending_start);
+        assert!(s.deps["b"].rec.operator_started);
+        assert_eq!(s.start_pending("b", now), None, "a still holds the GPU");
+        s.deps.get_mut("a").unwrap().state = InstanceState::Stopped;
+        assert_eq!(s.start_pending("b", now), Some(Up::Start));
+        let b = &s.deps["b"];
+        assert_eq!(b.state, InstanceState::Starting);
+        assert!(b.busy && !b.rec.pending_start);
+        assert_eq!(b.rec.generation, 1);
+        assert!(s.dirty.has("b"), "the taken start and generation are saved");
+        // With --evict the start is the coordinator's switch.
+        assert!(matches!(
+            s.start("c", false, true, now).unwrap(),
+            StartNext::Evict
+        ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_ended_bring_up_is_stopped_or_failed_with_its_reason() {
+        let now = Instant::now();
+        let mut s = state(now);
+        s.set_host("a", Some("gpu-1".into()));
+        assert_eq!(s.begin_up("a", now), Some(Up::Start));
+        let refusal = ApiError::DeploymentStopped {
+            deployment: "a".into(),
+        };
+        let gone = s
+            .up_done(
+                "a",
+                Up::Start,
+                UpDone::Failed {
+                    error: refusal.clone(),
+                    ended: Some(Ok(())),
+                },
+                now,
+            )
+            .unwrap();
+        assert!(gone.is_err(), "the router is told it is gone");
+        assert_eq!(s.deps["a"].state, InstanceState::Stopped);
+        assert!(
+            s.deps["a"]
+                .last_error
+                .as_deref()
+                .unwrap()
+                .starts_with("start ended and engine stopped")
+        );
+        assert_eq!(s.begin_up("a", now), Some(Up::Start));
+        s.up_done(
+            "a",
+            Up::Start,
+            UpDone::Failed {
+                error: refusal,
+                ended: Some(Err("connection refused".into())),
+            },
+            now,
+        );
+        let a = &s.deps["a"];
+        assert_eq!(a.state, InstanceState::Failed);
+        assert_eq!(a.ended_stop_failed.as_deref(), Some("connection refused"));
+    }
+}
