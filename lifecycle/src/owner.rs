@@ -144,7 +144,9 @@ async fn run(
             }
             exit = exits.recv(), if exits_open => match exit {
                 Some((host, exit)) => {
-                    let Some(t) = ticks.upgrade() else { return };
+                    // NB: not upgradable while the server is being built (the task starts
+                    // first) or once it is dropped (then the inbox closes, and the task ends).
+                    let Some(t) = ticks.upgrade() else { continue };
                     {
                         let mut s = state.write().unwrap_or_else(PoisonError::into_inner);
                         t.engine_exited(&mut s, host, exit);
@@ -154,8 +156,9 @@ async fn run(
                 None => exits_open = false,
             },
             _ = interval.tick(), if open => {
-                let Some(t) = ticks.upgrade() else { return };
-                t.tick();
+                if let Some(t) = ticks.upgrade() {
+                    t.tick();
+                }
             }
             _ = closed.wait_for(|c| *c), if open => {
                 // Closed: no more engine exits or ticks; calls still run (the lifecycle's

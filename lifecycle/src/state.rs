@@ -158,6 +158,12 @@ impl Dep {
         if bound { self.host.as_deref() } else { None }
     }
 
+    /// Whether it holds GPU memory, or is promised it: its engine holds memory, it is claimed by
+    /// a switch, or it is parked with a residue on the GPU (what placement counts).
+    pub(crate) fn holds_gpu(&self) -> bool {
+        self.occupies() || self.claim.is_some() || self.parked_holds() > 0
+    }
+
     /// GPU memory its parked engine holds (0 unless parked).
     pub(crate) fn parked_holds(&self) -> u64 {
         if self.state == InstanceState::Parked {
@@ -280,6 +286,9 @@ pub(crate) struct State {
     /// without scanning all of them. Kept by [`State::set_host`], the one writer of
     /// `Dep::host` (and [`State::remove`]).
     pub(crate) by_host: HashMap<String, BTreeSet<String>>,
+    /// The deployments that may hold GPU memory on each host (bound there since
+    /// [`State::prune_holding`] last found them holding): what placement reads.
+    pub(crate) holding: HashMap<String, BTreeSet<String>>,
     /// The router's record of last uses, shared with every deployment ([`Dep::used_at`]).
     pub(crate) uses: RouterUses,
     /// The host an instance's key names while it is on none (standalone's one host).
@@ -385,29 +394,61 @@ impl State {
 
 /// The by-host index.
 impl State {
-    /// Binds (or unbinds) deployment `id`'s instance to `host`, keeping the by-host index.
+    /// Binds (or unbinds) deployment `id`'s instance to `host`, keeping the by-host indexes:
+    /// a deployment bound to a host is among its possible GPU holders (`holding`) until
+    /// [`State::prune_holding`] finds it holds nothing there.
     pub(crate) fn set_host(&mut self, id: &str, host: Option<String>) {
         let Some(d) = self.deps.get_mut(id) else {
             return;
         };
-        if d.host == host {
-            return;
-        }
-        if let Some(old) = d.host.take()
-            && let Some(ids) = self.by_host.get_mut(&old)
+        if d.host != host
+            && let Some(old) = d.host.take()
         {
-            ids.remove(id);
-            if ids.is_empty() {
-                self.by_host.remove(&old);
+            for index in [&mut self.by_host, &mut self.holding] {
+                if let Some(ids) = index.get_mut(&old) {
+                    ids.remove(id);
+                    if ids.is_empty() {
+                        index.remove(&old);
+                    }
+                }
             }
         }
         if let Some(new) = &host {
-            self.by_host
-                .entry(new.clone())
-                .or_default()
-                .insert(id.to_string());
+            for index in [&mut self.by_host, &mut self.holding] {
+                let ids = index.entry(new.clone()).or_default();
+                if !ids.contains(id) {
+                    ids.insert(id.to_string());
+                }
+            }
         }
         d.host = host;
+    }
+
+    /// Lets go, in the GPU holders' index, of the deployments that hold nothing on their host
+    /// any more (stopped, failed, or parked with nothing left on the GPU): placement then reads
+    /// a host's holders without going through every deployment that ever ran there. Run by
+    /// the rules that place (`plan`, `start`, `start_pending`, `preinitialize`) before they do;
+    /// each deployment is let go once, so it costs what changed since the last one.
+    pub(crate) fn prune_holding(&mut self) {
+        let deps = &self.deps;
+        self.holding.retain(|host, ids| {
+            ids.retain(|id| {
+                deps.get(id)
+                    .is_some_and(|d| d.host.as_deref() == Some(host.as_str()) && d.holds_gpu())
+            });
+            !ids.is_empty()
+        });
+    }
+
+    /// The deployments that may hold GPU memory on `host` (a superset of those that do,
+    /// until [`State::prune_holding`]), by ID.
+    fn holding_on<'a>(&'a self, host: &'a str) -> impl Iterator<Item = &'a Dep> + 'a {
+        self.holding
+            .get(host)
+            .into_iter()
+            .flatten()
+            .filter_map(|id| self.deps.get(id))
+            .filter(move |d| d.host.as_deref() == Some(host))
     }
 
     /// The deployments whose instance is on `host` (`Dep::host`), by ID.
@@ -473,12 +514,13 @@ impl State {
     /// elsewhere), else the one needing the fewest victim bytes, else `Later` where some host
     /// could take it once memory frees. `Never` only when no host can ever take it.
     pub(crate) fn place_target(
-        &self,
+        &mut self,
         target: &str,
         protected: &BTreeSet<String>,
         victims: Victims,
         now: Instant,
     ) -> (Option<String>, Fit) {
+        self.prune_holding();
         let Some(d) = self.deps.get(target) else {
             return (
                 None,
@@ -488,9 +530,9 @@ impl State {
         let bound = d.bound_host();
         let mut best: Option<((u8, u64), &String, Fit)> = None;
         let mut never = Vec::new();
-        // Bound: its host only. NB: each host's holders come from the by-host index, so a
-        // placement reads the hosts and the deployments on them, never every deployment per
-        // host.
+        // Bound: its host only. NB: each host's holders come from the holders' index
+        // (`holding`, pruned above), so a placement reads the hosts and what holds memory on
+        // them, never every deployment per host, nor every one that ever ran there.
         let candidates: Box<dyn Iterator<Item = (&String, &Arc<Host>)>> = match bound {
             Some(b) => Box::new(self.hosts.get_key_value(b).into_iter()),
             None => Box::new(self.hosts.iter()),
@@ -556,10 +598,8 @@ impl State {
         now: Instant,
     ) -> Vec<Holder<'a>> {
         let capacity = self.hosts.get(host).map_or(0, |h| h.capacity);
-        self.on_host(host)
-            .filter(|d| {
-                d.id() != target && (d.occupies() || d.claim.is_some() || d.parked_holds() > 0)
-            })
+        self.holding_on(host)
+            .filter(|d| d.id() != target && d.holds_gpu())
             .map(|d| {
                 // NB: an explicit or warm model that is draining, parking or stopping on an
                 // operator's command (reserved by it; never by a switch) is on its way out:
@@ -1464,6 +1504,42 @@ mod tests {
             .plan("b", &none(), PlanFor::Requests, "sw-4".into(), now)
             .unwrap_err();
         assert_eq!(err.code(), "does_not_fit", "{err:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn placement_reads_only_what_may_hold_the_gpu_and_lets_go_of_what_no_longer_does() {
+        let now = Instant::now();
+        let mut s = state(now);
+        ready(&mut s, "a", now);
+        ready(&mut s, "b", now);
+        let holding = |s: &State| -> Vec<String> {
+            s.holding
+                .get("gpu-1")
+                .into_iter()
+                .flatten()
+                .cloned()
+                .collect()
+        };
+        assert_eq!(holding(&s), ["a", "b"]);
+        // `a` stops (no GPU memory any more), `b` parks with nothing left on the GPU: both
+        // stay bound to gpu-1 (b's copy is there) but hold nothing.
+        s.deps.get_mut("a").unwrap().state = InstanceState::Stopped;
+        s.deps.get_mut("b").unwrap().state = InstanceState::Parked;
+        let plan = s
+            .plan("c", &none(), PlanFor::Requests, "sw-1".into(), now)
+            .unwrap();
+        assert!(matches!(plan, Plan::BringUp { .. }), "{plan:?}");
+        assert_eq!(holding(&s), ["c"], "let go of a and b; c is claimed");
+        let on: Vec<&str> = s.on_host("gpu-1").map(|d| d.id()).collect();
+        assert_eq!(on, ["a", "b", "c"], "the by-host index still has them all");
+        // Woken, `b` is bound again: a holder again.
+        s.release_reservation("sw-1");
+        s.deps.get_mut("c").unwrap().state = InstanceState::Stopped;
+        let plan = s
+            .plan("b", &none(), PlanFor::Requests, "sw-2".into(), now)
+            .unwrap();
+        assert!(matches!(plan, Plan::BringUp { .. }), "{plan:?}");
+        assert_eq!(holding(&s), ["b"]);
     }
 
     #[tokio::test(start_paused = true)]
