@@ -20,7 +20,8 @@ use std::time::Duration;
 
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::{
-    ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, StartRequest,
+    ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostDrainReceipt,
+    StartRequest,
 };
 use capyctl_spec::documents;
 use capyctl_spec::overrides::Overrides;
@@ -107,6 +108,13 @@ enum Command {
     /// Measure and prepare a deployment without serving it.
     #[command(subcommand)]
     Preinitialize(Target),
+    /// Take a host out of service: nothing new is placed on it, and every instance there is
+    /// drained (running requests finish) and stopped, explicit ones too.
+    #[command(subcommand)]
+    Drain(HostTarget),
+    /// Put a drained host back in service.
+    #[command(subcommand)]
+    Uncordon(HostTarget),
     /// Deploy a model from a deployment document (a changed document bumps REVISION).
     #[command(subcommand)]
     Deploy(Deploy),
@@ -176,6 +184,15 @@ enum Target {
     Deployment {
         /// Its name or ID.
         name: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum HostTarget {
+    /// A host, by ID (`host.id`; the node's name on Kubernetes).
+    Host {
+        /// Its ID.
+        id: String,
     },
 }
 
@@ -358,6 +375,12 @@ async fn remote(global: Global, command: Command) -> Result<(), String> {
             Command::Preinitialize(Target::Deployment { name }) => {
                 action(&client, "preinitialize", &name, json).await
             }
+            Command::Drain(HostTarget::Host { id }) => {
+                host_action(&client, "drain", &id, json).await
+            }
+            Command::Uncordon(HostTarget::Host { id }) => {
+                host_action(&client, "uncordon", &id, json).await
+            }
             Command::Delete(Target::Deployment { name }) if client.cluster().is_some() => {
                 match cluster::delete_object(&client, &name, CALL_TIMEOUT).await? {
                     cluster::Deleted::Served(d) if json => println!("{}", pretty(&d)),
@@ -483,6 +506,28 @@ async fn action(client: &Client, verb: &str, name: &str, json: bool) -> Result<(
     } else {
         let receipt: ActionReceipt = answer.json(client.server())?;
         print!("{}", render::receipt(&receipt));
+    }
+    Ok(())
+}
+
+async fn host_action(
+    client: &Client,
+    verb: &str,
+    id: &str,
+    json: bool,
+) -> Result<(), CommandError> {
+    let path = format!("/hosts/{}/{verb}", segment(id));
+    let answer = tokio::time::timeout(
+        CALL_TIMEOUT,
+        client.post_json(&path, &serde_json::json!({})),
+    )
+    .await
+    .map_err(|_| timed_out(client, verb))??;
+    if json {
+        println!("{}", answer.pretty());
+    } else {
+        let receipt: HostDrainReceipt = answer.json(client.server())?;
+        print!("{}", render::host_receipt(&receipt));
     }
     Ok(())
 }

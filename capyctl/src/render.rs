@@ -2,7 +2,8 @@
 
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::{
-    ActionReceipt, DeployOutcome, DeployReceipt, DeploymentView, EngineView, Released,
+    ActionReceipt, DeployOutcome, DeployReceipt, DeploymentView, EngineView, HostDrainReceipt,
+    Released, Victim,
 };
 use capyctl_spec::units::format_bytes;
 
@@ -107,28 +108,50 @@ pub fn receipt(receipt: &ActionReceipt) -> String {
     if let Some(id) = &receipt.switch_id {
         out.push_str(&format!("switch_id: {id}\n"));
     }
-    if !receipt.victims.is_empty() {
-        out.push_str("victims:\n");
-        for v in &receipt.victims {
-            out.push_str(&format!(
-                "  - deployment: {} ({})\n    instance: {}\n    released: {}\n",
-                v.deployment_id,
-                v.name,
-                v.instance_id,
-                v.released.words()
-            ));
-        }
-        if receipt
-            .victims
-            .iter()
-            .any(|v| v.released == Released::StoppedNoRoomToPark)
-        {
-            out.push_str(&format!(
-                "released: {}\n",
-                Released::StoppedNoRoomToPark.words()
-            ));
-        }
+    victims(&mut out, &receipt.victims);
+    out
+}
+
+/// The instances a command released: deployment and instance IDs, and how.
+fn victims(out: &mut String, victims: &[Victim]) {
+    if victims.is_empty() {
+        return;
     }
+    out.push_str("victims:\n");
+    for v in victims {
+        out.push_str(&format!(
+            "  - deployment: {} ({})\n    instance: {}\n    released: {}\n",
+            v.deployment_id,
+            v.name,
+            v.instance_id,
+            v.released.words()
+        ));
+    }
+    if victims
+        .iter()
+        .any(|v| v.released == Released::StoppedNoRoomToPark)
+    {
+        out.push_str(&format!(
+            "released: {}\n",
+            Released::StoppedNoRoomToPark.words()
+        ));
+    }
+}
+
+/// `capyctl drain host ID` and `capyctl uncordon host ID`.
+pub fn host_receipt(receipt: &HostDrainReceipt) -> String {
+    let mut out = match (receipt.action.as_str(), receipt.victims.len()) {
+        ("drain", 0) => format!(
+            "drained host {}: out of service, nothing was running there\n",
+            receipt.host_id
+        ),
+        ("drain", n) => format!(
+            "drained host {}: out of service, {n} instance(s) stopped\n",
+            receipt.host_id
+        ),
+        _ => format!("uncordoned host {}: in service\n", receipt.host_id),
+    };
+    victims(&mut out, &receipt.victims);
     out
 }
 

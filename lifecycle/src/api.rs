@@ -7,8 +7,8 @@ use std::future::Future;
 use std::pin::Pin;
 
 use capyctl_spec::api::{
-    ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostList, LoadReport,
-    StartRequest,
+    ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostDrainReceipt,
+    HostList, LoadReport, StartRequest,
 };
 use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::errors::ApiError;
@@ -47,6 +47,15 @@ pub trait ManagementApi: Send + Sync + 'static {
     fn engines(&self) -> BoxFuture<'_, EngineList>;
     /// `GET /hosts`.
     fn hosts(&self) -> BoxFuture<'_, HostList>;
+    /// `POST /hosts/{id}/drain` (`drain`): takes host `host_id` out of service (nothing is
+    /// placed on it) and stops every instance on it, each drained first as `stop` does,
+    /// explicit ones too; requests for them are placed elsewhere, or refused while no host
+    /// may take them. `POST /hosts/{id}/uncordon` (`!drain`): puts it back in service.
+    fn drain_host<'a>(
+        &'a self,
+        host_id: &'a str,
+        drain: bool,
+    ) -> BoxFuture<'a, Result<HostDrainReceipt, ApiError>>;
     /// `GET /metrics/load[?deployment=ID]`; an ID that names no deployment is 404 `not_found`.
     fn load<'a>(
         &'a self,

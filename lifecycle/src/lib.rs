@@ -57,7 +57,7 @@ use capyctl_router::lifecycle::{
 use capyctl_router::proxy::{ModelEntry, Proxy, ProxyConfig};
 use capyctl_spec::api::{
     ActionReceipt, DeployOutcome, DeployReceipt, DeploymentList, DeploymentView, EngineList,
-    EngineView, HostList, LoadReport, Released, StartRequest, Victim,
+    EngineView, HostDrainReceipt, HostList, LoadReport, Released, StartRequest, Victim,
 };
 use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::errors::ApiError;
@@ -204,6 +204,9 @@ fn evict_failed(target: &str, not_released: &[(String, String, String)]) -> Opti
         ),
     })
 }
+
+/// How many deployments a host drain stops at once.
+const DRAINS_AT_ONCE: usize = 16;
 
 /// The longest [`Server::idle_engine`] waits: the drain bound's maximum (600 s).
 const IDLE_ENGINE_BOUND: Duration = Duration::from_secs(600);
@@ -2025,10 +2028,8 @@ impl Server {
     }
 
     /// An operator's stop or delete begins: marks `id` operator-stopped (requests get
-    /// `deployment_stopped`), fails its waiting requests with `refusal`, ends a start or a wake
-    /// in progress (its engine is stopped at once, see [`Server::end_bring_up`]), waits for
-    /// another operation on it (a park, a switch it is part of) to end, then begins taking it
-    /// down (see [`Server::begin_down`]).
+    /// `deployment_stopped`), fails its waiting requests with `refusal`, then
+    /// [`Server::settle_down`].
     async fn begin_operator_stop(
         &self,
         id: &str,
@@ -2047,6 +2048,19 @@ impl Server {
         if let Some(r) = self.router() {
             r.deployment_refused(id.to_string(), refusal.clone()).await;
         }
+        self.settle_down(id, rid, refusal).await
+    }
+
+    /// Ends a start or a wake of `id` in progress (its engine is stopped at once, its caller
+    /// and requests get `refusal`: see [`Server::end_bring_up`]), waits for another operation
+    /// on it (a park, a switch it is part of) to end, then begins taking it down, reserved by
+    /// `rid` (see [`State::begin_down`]).
+    async fn settle_down(
+        &self,
+        id: &str,
+        rid: &str,
+        refusal: ApiError,
+    ) -> Result<Option<bool>, ApiError> {
         let mut rx = self.changes.subscribe();
         loop {
             let settled = self.read(|inner| {
@@ -2077,6 +2091,134 @@ impl Server {
                 return Err(internal("the server is shutting down"));
             }
         }
+    }
+
+    /// A host drain (`drain`) or uncordon (see [`ManagementApi::drain_host`]): the drain
+    /// cordons the host first (placement passes it by from then on), then stops every
+    /// deployment bound to it, a few at a time, each as a stop does (a start or a wake in
+    /// progress is ended, a ready one drained through the router, then stopped) but without
+    /// the operator's stop: its requests are placed elsewhere, or refused while no host may
+    /// take them. The host stays cordoned when a stop fails (the error names it).
+    async fn do_drain_host(
+        &self,
+        host_id: &str,
+        drain: bool,
+    ) -> Result<HostDrainReceipt, ApiError> {
+        if !self.read(|inner| inner.hosts.contains_key(host_id)) {
+            return Err(ApiError::NotFound {
+                what: format!("host {host_id}"),
+            });
+        }
+        let host = host_id.to_string();
+        if !drain {
+            self.write(move |inner| inner.cordoned.remove(&host)).await;
+            tracing::info!(host = %host_id, "uncordoned: the host is in service again");
+            // Starts that waited for memory may find it there.
+            self.memory_freed();
+            return Ok(HostDrainReceipt {
+                action: "uncordon".into(),
+                host_id: host_id.to_string(),
+                cordoned: false,
+                victims: Vec::new(),
+            });
+        }
+        let bound = self
+            .write(move |inner| {
+                inner.cordoned.insert(host.clone());
+                inner
+                    .on_host(&host)
+                    .filter(|d| d.bound_host() == Some(host.as_str()))
+                    .map(|d| d.rec.id.clone())
+                    .collect::<Vec<String>>()
+            })
+            .await;
+        tracing::info!(host = %host_id, deployments = bound.len(), "draining the host: it takes nothing new, and what runs there stops");
+        let outcomes: Vec<(String, Result<Option<Victim>, ApiError>)> =
+            futures_util::stream::iter(bound)
+                .map(|id| async move {
+                    let outcome = self.drain_one(&id).await;
+                    (id, outcome)
+                })
+                .buffer_unordered(DRAINS_AT_ONCE)
+                .collect()
+                .await;
+        let mut victims = Vec::new();
+        let mut failed = Vec::new();
+        for (id, outcome) in outcomes {
+            match outcome {
+                Ok(Some(v)) => victims.push(v),
+                Ok(None) | Err(ApiError::NotFound { .. }) => {}
+                Err(e) => failed.push((id, e.message())),
+            }
+        }
+        if let Some((id, why)) = failed.first() {
+            return Err(ApiError::EngineFailed {
+                deployment: id.clone(),
+                detail: format!(
+                    "the drain of host {host_id} could not stop it ({why}){}; the host stays cordoned, drain it again",
+                    if failed.len() > 1 {
+                        format!(" nor {} other deployment(s)", failed.len() - 1)
+                    } else {
+                        String::new()
+                    }
+                ),
+            });
+        }
+        victims.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(HostDrainReceipt {
+            action: "drain".into(),
+            host_id: host_id.to_string(),
+            cordoned: true,
+            victims,
+        })
+    }
+
+    /// Stops deployment `id` for a host drain (see [`Server::do_drain_host`]); how it was
+    /// released, `None` when nothing ran.
+    async fn drain_one(&self, id: &str) -> Result<Option<Victim>, ApiError> {
+        let rid = self.fresh_id("drain");
+        let refusal = ApiError::DispatchClosed {
+            deployment: id.to_string(),
+        };
+        let (name, iid) = self
+            .read(|inner| {
+                let d = inner.deps.get(id)?;
+                Some((d.name().to_string(), d.instance_id()))
+            })
+            .ok_or_else(|| not_found(id))?;
+        let ran = self.read(|inner| inner.deps.get(id).is_some_and(Dep::bringing_up));
+        let down = self.settle_down(id, &rid, refusal).await;
+        let result = match down {
+            Ok(down) => self.take_down(id, &rid, down, true).await,
+            Err(e) => Err(e),
+        };
+        self.write(move |inner| inner.release_reservation(&rid))
+            .await;
+        let released = match result? {
+            Some(r) => r,
+            // A start or wake it ended stopped its engine, unless that stop failed.
+            None if ran => {
+                let stop_failed =
+                    self.read(|inner| inner.deps.get(id).and_then(|d| d.ended_stop_failed.clone()));
+                if let Some(why) = stop_failed {
+                    return Err(ApiError::EngineFailed {
+                        deployment: id.to_string(),
+                        detail: format!(
+                            "its start or wake ended, but stopping its engine failed: {why}"
+                        ),
+                    });
+                }
+                Released::Stopped
+            }
+            None => return Ok(None),
+        };
+        tracing::info!(deployment = %id, released = released.words(), "drained");
+        Ok(Some(Victim {
+            deployment_id: id.to_string(),
+            name,
+            instance_id: iid,
+            released,
+        }))
     }
 
     async fn do_stop(&self, key: &str) -> Result<ActionReceipt, ApiError> {
@@ -2707,10 +2849,21 @@ impl ManagementApi for Server {
                 hosts: inventories
                     .iter()
                     .zip(used)
-                    .map(|((id, host, inv), used)| views::host_view(id, host, inv.as_ref(), used))
+                    .map(|((id, host, inv), used)| {
+                        let cordoned = self.read(|inner| inner.cordoned.contains(id));
+                        views::host_view(id, host, inv.as_ref(), used, cordoned)
+                    })
                     .collect(),
             }
         })
+    }
+
+    fn drain_host<'a>(
+        &'a self,
+        host_id: &'a str,
+        drain: bool,
+    ) -> crate::api::BoxFuture<'a, Result<HostDrainReceipt, ApiError>> {
+        Box::pin(self.do_drain_host(host_id, drain))
     }
 
     fn load<'a>(

@@ -286,6 +286,8 @@ pub(crate) struct State {
     /// without scanning all of them. Kept by [`State::set_host`], the one writer of
     /// `Dep::host` (and [`State::remove`]).
     pub(crate) by_host: HashMap<String, BTreeSet<String>>,
+    /// The hosts drained and out of service (`capyctl drain host`): placement passes them by.
+    pub(crate) cordoned: BTreeSet<String>,
     /// The deployments that may hold GPU memory on each host (bound there since
     /// [`State::prune_holding`] last found them holding): what placement reads.
     pub(crate) holding: HashMap<String, BTreeSet<String>>,
@@ -492,6 +494,18 @@ impl Drop for PresenceOf {
     }
 }
 
+/// Why nothing is placed on the drained `hosts`.
+fn cordoned_words(hosts: &[&str]) -> String {
+    let (which, them) = match hosts {
+        [one] => (format!("host {one} is"), format!("host {one}")),
+        _ => (
+            format!("every host ({}) is", hosts.join(", ")),
+            "one of them".to_string(),
+        ),
+    };
+    format!("{which} drained and out of service; `capyctl uncordon host` puts {them} back")
+}
+
 /// The rules.
 impl State {
     /// The key of `d`'s instance on `host`.
@@ -533,9 +547,26 @@ impl State {
         // Bound: its host only. NB: each host's holders come from the holders' index
         // (`holding`, pruned above), so a placement reads the hosts and what holds memory on
         // them, never every deployment per host, nor every one that ever ran there.
+        // A drained host (cordoned) takes nothing: a deployment bound to one waits until the
+        // drain has stopped it (then it may go elsewhere), and one free to go anywhere goes
+        // elsewhere; nowhere else to go is said at once.
+        if bound.is_some_and(|b| self.cordoned.contains(b)) {
+            return (None, Fit::Later);
+        }
+        if bound.is_none()
+            && !self.hosts.is_empty()
+            && self.hosts.keys().all(|h| self.cordoned.contains(h))
+        {
+            let all: Vec<&str> = self.hosts.keys().map(String::as_str).collect();
+            return (None, Fit::Never(cordoned_words(&all)));
+        }
         let candidates: Box<dyn Iterator<Item = (&String, &Arc<Host>)>> = match bound {
             Some(b) => Box::new(self.hosts.get_key_value(b).into_iter()),
-            None => Box::new(self.hosts.iter()),
+            None => Box::new(
+                self.hosts
+                    .iter()
+                    .filter(|(id, _)| !self.cordoned.contains(*id)),
+            ),
         };
         for (id, host) in candidates {
             let need = d.need(host.capacity);
@@ -1540,6 +1571,40 @@ mod tests {
             .unwrap();
         assert!(matches!(plan, Plan::BringUp { .. }), "{plan:?}");
         assert_eq!(holding(&s), ["b"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_cordoned_host_takes_nothing_and_what_is_bound_there_waits() {
+        let now = Instant::now();
+        let mut s = state(now);
+        ready(&mut s, "a", now);
+        s.deps.get_mut("a").unwrap().state = InstanceState::Parked;
+        s.cordoned.insert("gpu-1".into());
+        let plan = s
+            .plan("a", &none(), PlanFor::Requests, "sw-1".into(), now)
+            .unwrap();
+        assert!(
+            matches!(plan, Plan::Later),
+            "bound there: waits for the drain {plan:?}"
+        );
+        let err = s
+            .plan("b", &none(), PlanFor::Requests, "sw-2".into(), now)
+            .unwrap_err();
+        assert_eq!(err.code(), "does_not_fit");
+        assert!(
+            err.message()
+                .ends_with("host gpu-1 is drained and out of service; `capyctl uncordon host` puts host gpu-1 back"),
+            "{}",
+            err.message()
+        );
+        s.cordoned.clear();
+        let plan = s
+            .plan("b", &none(), PlanFor::Requests, "sw-3".into(), now)
+            .unwrap();
+        assert!(
+            matches!(plan, Plan::Switch { .. } | Plan::BringUp { .. }),
+            "{plan:?}"
+        );
     }
 
     #[tokio::test(start_paused = true)]

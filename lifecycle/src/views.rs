@@ -421,7 +421,13 @@ impl HostUse {
 }
 
 /// A host's view.
-pub(crate) fn host_view(id: &str, host: &Host, inv: Option<&Inventory>, used: HostUse) -> HostView {
+pub(crate) fn host_view(
+    id: &str,
+    host: &Host,
+    inv: Option<&Inventory>,
+    used: HostUse,
+    cordoned: bool,
+) -> HostView {
     let mut left = used.gpu;
     HostView {
         id: id.to_string(),
@@ -446,6 +452,7 @@ pub(crate) fn host_view(id: &str, host: &Host, inv: Option<&Inventory>, used: Ho
         host_memory: inv.map_or(0, |i| i.host_memory.total_bytes),
         host_memory_used: used.parked_in_host_ram,
         activation: host.activation,
+        cordoned,
     }
 }
 

@@ -253,3 +253,74 @@ async fn a_host_that_comes_back_is_reconciled() {
     );
     h.shutdown().await;
 }
+
+/// A host drain: the host takes nothing new, what runs there (explicit models too) is drained
+/// and stopped, and its models come back elsewhere on their next request; with no host left in
+/// service a request is refused at once, naming the drained host; an uncordon puts it back.
+#[tokio::test]
+async fn a_drained_host_takes_nothing_and_its_models_come_back_elsewhere() {
+    let dir = temp_dir("hosts-drain");
+    let h = Harness::with_hosts(&dir, Opts::default(), &["gpu-a", "gpu-b"]).await;
+    h.server.deploy(doc("chat-a", "")).await.unwrap();
+    h.server
+        .deploy(doc("chat-x", "lifecycle: {activation: explicit}\n"))
+        .await
+        .unwrap();
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    assert_eq!(host_of(&h, "chat-a").await, "gpu-a");
+    // The explicit model (started by the operator) does not fit beside it (6 + 6 > 10 GiB).
+    h.start("chat-x", false, true).await.unwrap();
+    assert_eq!(host_of(&h, "chat-x").await, "gpu-b");
+
+    let drained = h.server.drain_host("gpu-b", true).await.unwrap();
+    assert_eq!((drained.action.as_str(), drained.cordoned), ("drain", true));
+    let names: Vec<&str> = drained.victims.iter().map(|v| v.name.as_str()).collect();
+    assert_eq!(names, ["chat-x"], "an explicit model too");
+    assert_eq!(
+        drained.victims[0].released,
+        capyctl_spec::api::Released::Stopped
+    );
+    assert_eq!(state(&h, "chat-x").await, InstanceState::Stopped);
+    assert_eq!(
+        state(&h, "chat-a").await,
+        InstanceState::Ready,
+        "gpu-a untouched"
+    );
+    let hosts = h.server.hosts().await;
+    let cordoned: Vec<(&str, bool)> = hosts
+        .hosts
+        .iter()
+        .map(|x| (x.id.as_str(), x.cordoned))
+        .collect();
+    assert_eq!(cordoned, [("gpu-a", false), ("gpu-b", true)]);
+
+    // Drained gpu-a too: chat-a stops; a request for it finds no host in service.
+    let drained = h.server.drain_host("gpu-a", true).await.unwrap();
+    assert_eq!(drained.victims.len(), 1);
+    assert_eq!(drained.victims[0].name, "chat-a");
+    let (status, body) = h.chat("chat-a").await;
+    assert_eq!((status, body["code"].as_str()), (409, Some("does_not_fit")));
+    let message = body["message"].as_str().unwrap();
+    assert!(
+        message.contains("drained") && message.contains("gpu-a") && message.contains("uncordon"),
+        "{message}"
+    );
+    // A second drain finds nothing to stop.
+    assert!(
+        h.server
+            .drain_host("gpu-a", true)
+            .await
+            .unwrap()
+            .victims
+            .is_empty()
+    );
+    let unknown = h.server.drain_host("gpu-z", true).await.unwrap_err();
+    assert_eq!(unknown.code(), "not_found");
+
+    // gpu-b back in service: chat-a comes back there (a fresh start).
+    let back = h.server.drain_host("gpu-b", false).await.unwrap();
+    assert_eq!((back.action.as_str(), back.cordoned), ("uncordon", false));
+    assert_eq!(h.chat("chat-a").await.0, 200);
+    assert_eq!(host_of(&h, "chat-a").await, "gpu-b");
+    h.shutdown().await;
+}

@@ -38,8 +38,8 @@ use capyctl_router::lifecycle::{
     PlanFor, SwitchOrder,
 };
 use capyctl_spec::api::{
-    ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostList, LoadReport,
-    StartRequest,
+    ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostDrainReceipt,
+    HostList, LoadReport, StartRequest,
 };
 use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::errors::ApiError;
@@ -448,6 +448,14 @@ impl ManagementApi for ObservedApi {
 
     fn hosts(&self) -> BoxFuture<'_, HostList> {
         self.inner.hosts()
+    }
+
+    fn drain_host<'a>(
+        &'a self,
+        host_id: &'a str,
+        drain: bool,
+    ) -> BoxFuture<'a, Result<HostDrainReceipt, ApiError>> {
+        self.inner.drain_host(host_id, drain)
     }
 
     fn load<'a>(

@@ -12,7 +12,7 @@ use capyctl_spec::Activation;
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::{
     ActionReceipt, ConditionView, DeployOutcome, DeployReceipt, DeploymentList, DeploymentView,
-    EngineList, HostList, InstanceView, LoadReport, StartRequest,
+    EngineList, HostDrainReceipt, HostList, InstanceView, LoadReport, StartRequest,
 };
 use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::errors::ApiError;
@@ -211,6 +211,13 @@ impl ManagementApi for FakeApi {
     }
     fn hosts(&self) -> BoxFuture<'_, HostList> {
         Box::pin(async { HostList { hosts: vec![] } })
+    }
+    fn drain_host<'a>(
+        &'a self,
+        host_id: &'a str,
+        _: bool,
+    ) -> BoxFuture<'a, Result<HostDrainReceipt, ApiError>> {
+        self.unscripted("drain_host", host_id)
     }
     fn load<'a>(&'a self, name: Option<&'a str>) -> BoxFuture<'a, Result<LoadReport, ApiError>> {
         self.unscripted("load", name.unwrap_or("*"))

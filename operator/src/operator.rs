@@ -36,8 +36,8 @@ use capyctl_router::config::RouterConfig;
 use capyctl_router::proxy::{self, ProxyConfig};
 use capyctl_spec::Activation;
 use capyctl_spec::api::{
-    ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostList, LoadReport,
-    StartRequest,
+    ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostDrainReceipt,
+    HostList, LoadReport, StartRequest,
 };
 use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::errors::ApiError;
@@ -460,6 +460,19 @@ impl ManagementApi for SwitchableApi {
                 Some(a) => a.hosts().await,
                 None => HostList { hosts: Vec::new() },
             }
+        })
+    }
+
+    fn drain_host<'a>(
+        &'a self,
+        host_id: &'a str,
+        drain: bool,
+    ) -> BoxFuture<'a, Result<HostDrainReceipt, ApiError>> {
+        let api = self.current();
+        Box::pin(async move {
+            api.ok_or_else(standby_error)?
+                .drain_host(host_id, drain)
+                .await
         })
     }
 

@@ -32,7 +32,7 @@ use capyctl_operator::status::{Parkability, StatusInput, apply_status, deploymen
 use capyctl_operator::{FIELD_MANAGER, FINALIZER};
 use capyctl_spec::api::{
     ActionReceipt, ConditionView, DeployOutcome, DeployReceipt, DeploymentList, DeploymentView,
-    EngineList, HostList, InstanceView, LoadReport, StartRequest,
+    EngineList, HostDrainReceipt, HostList, InstanceView, LoadReport, StartRequest,
 };
 use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::errors::ApiError;
@@ -207,6 +207,17 @@ impl ManagementApi for Recording {
     }
     fn hosts(&self) -> BoxFuture<'_, HostList> {
         Box::pin(async { HostList { hosts: vec![] } })
+    }
+    fn drain_host<'a>(
+        &'a self,
+        _: &'a str,
+        _: bool,
+    ) -> BoxFuture<'a, Result<HostDrainReceipt, ApiError>> {
+        Box::pin(async {
+            Err(ApiError::Internal {
+                detail: "not in this test".into(),
+            })
+        })
     }
     fn load<'a>(&'a self, _: Option<&'a str>) -> BoxFuture<'a, Result<LoadReport, ApiError>> {
         Box::pin(async {

@@ -15,6 +15,7 @@
 //! | `POST /management/v1/deployments/{name-or-id}/{stop,park,preinitialize}` | 200 `ActionReceipt` |
 //! | `GET /management/v1/engines` | 200 `EngineList` |
 //! | `GET /management/v1/hosts` | 200 `HostList` |
+//! | `POST /management/v1/hosts/{id}/{drain,uncordon}` | 200 `HostDrainReceipt` |
 //! | `GET /management/v1/metrics/load[?deployment=ID]` | 200 `LoadReport` |
 //! | `GET /healthz` | 200 `ok` (no token) |
 //! | `GET /readyz` | 200 `ready` once [`ManagementApi::ready`], else 503 (no token) |
@@ -113,6 +114,8 @@ pub fn router(api: Arc<dyn ManagementApi>, options: ManagementOptions) -> Router
         )
         .route("/engines", get(engines))
         .route("/hosts", get(hosts))
+        .route("/hosts/{id}/drain", post(drain_host))
+        .route("/hosts/{id}/uncordon", post(uncordon_host))
         .route("/metrics/load", get(load))
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
@@ -545,6 +548,38 @@ async fn engines(State(s): State<AppState>) -> Response {
 
 async fn hosts(State(s): State<AppState>) -> Response {
     json(StatusCode::OK, &s.api.hosts().await)
+}
+
+async fn drain_host(
+    State(s): State<AppState>,
+    id: Result<Path<String>, PathRejection>,
+) -> Response {
+    host_action(s, id, true).await
+}
+
+async fn uncordon_host(
+    State(s): State<AppState>,
+    id: Result<Path<String>, PathRejection>,
+) -> Response {
+    host_action(s, id, false).await
+}
+
+/// A drain (`drain`) or an uncordon of a host, run to its end whatever the client does.
+async fn host_action(
+    s: AppState,
+    id: Result<Path<String>, PathRejection>,
+    drain: bool,
+) -> Response {
+    match id {
+        Ok(Path(id)) => {
+            let api = s.api.clone();
+            answer(
+                StatusCode::OK,
+                to_the_end(async move { api.drain_host(&id, drain).await }).await,
+            )
+        }
+        Err(r) => bad_path(r),
+    }
 }
 
 /// The `deployment` of `?deployment=ID`, refusing other keys, repeats and an empty value.

@@ -16,7 +16,7 @@ use capyctl_server::management::{
 };
 use capyctl_spec::api::{
     ActionReceipt, DeployOutcome, DeployReceipt, DeploymentList, DeploymentView, EngineList,
-    EngineView, HostList, HostView, LoadReport, STALE_AFTER_MS, StartRequest,
+    EngineView, HostDrainReceipt, HostList, HostView, LoadReport, STALE_AFTER_MS, StartRequest,
 };
 use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
 use capyctl_spec::errors::ApiError;
@@ -195,8 +195,30 @@ impl ManagementApi for Fake {
                     host_memory: 64 << 30,
                     host_memory_used: 0,
                     activation: Activation::OnDemand,
+                    cordoned: false,
                 }],
             }
+        })
+    }
+
+    fn drain_host<'a>(
+        &'a self,
+        host_id: &'a str,
+        drain: bool,
+    ) -> BoxFuture<'a, Result<HostDrainReceipt, ApiError>> {
+        self.record(format!("drain_host {host_id} {drain}"));
+        Box::pin(async move {
+            if host_id != "gpu-box" {
+                return Err(ApiError::NotFound {
+                    what: format!("host {host_id}"),
+                });
+            }
+            Ok(HostDrainReceipt {
+                action: if drain { "drain" } else { "uncordon" }.into(),
+                host_id: host_id.to_string(),
+                cordoned: drain,
+                victims: Vec::new(),
+            })
         })
     }
 
@@ -387,6 +409,8 @@ async fn every_management_route_needs_the_token() {
         ("POST", "/deployments/chat-a/preinitialize"),
         ("GET", "/engines"),
         ("GET", "/hosts"),
+        ("POST", "/hosts/gpu-box/drain"),
+        ("POST", "/hosts/gpu-box/uncordon"),
         ("GET", "/metrics/load"),
         ("GET", "/no-such-route"),
     ];
@@ -486,6 +510,22 @@ async fn every_route_dispatches_with_its_status_and_json() {
     let hosts: HostList = serde_json::from_str(&r.body).unwrap();
     assert_eq!(hosts.hosts[0].id, "gpu-box");
 
+    for (action, cordoned) in [("drain", true), ("uncordon", false)] {
+        let r = s
+            .authed("POST", &format!("{V1}/hosts/gpu-box/{action}"))
+            .await;
+        assert_eq!(r.status, 200, "{action}: {}", r.body);
+        let receipt: HostDrainReceipt = serde_json::from_str(&r.body).unwrap();
+        assert_eq!(
+            (receipt.action.as_str(), receipt.cordoned),
+            (action, cordoned)
+        );
+        let r = s
+            .authed("POST", &format!("{V1}/hosts/gpu-z/{action}"))
+            .await;
+        assert_eq!(r.error(404, "not_found"), "host gpu-z not found");
+    }
+
     let r = s.authed("GET", &format!("{V1}/metrics/load")).await;
     assert_eq!(r.status, 200, "{}", r.body);
     let load: LoadReport = serde_json::from_str(&r.body).unwrap();
@@ -513,6 +553,10 @@ async fn every_route_dispatches_with_its_status_and_json() {
             "preinitialize nope".into(),
             "engines".into(),
             "hosts".into(),
+            "drain_host gpu-box true".into(),
+            "drain_host gpu-z true".into(),
+            "drain_host gpu-box false".into(),
+            "drain_host gpu-z false".into(),
             "load None".into(),
             format!("load Some(\"{ID}\")"),
         ]

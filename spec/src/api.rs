@@ -264,6 +264,24 @@ pub struct HostView {
     pub host_memory_used: u64,
     /// The host's `lifecycle.activation`.
     pub activation: Activation,
+    /// Drained and taken out of service (`capyctl drain host`): nothing is placed on it until
+    /// `capyctl uncordon host`.
+    #[serde(default)]
+    pub cordoned: bool,
+}
+
+/// The answer to `POST /hosts/{id}/drain` and `POST /hosts/{id}/uncordon`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostDrainReceipt {
+    /// `drain` or `uncordon`.
+    pub action: String,
+    /// The host's ID.
+    pub host_id: String,
+    /// Whether it is out of service now.
+    pub cordoned: bool,
+    /// The instances a drain stopped (deployment and instance IDs, `released: stopped`).
+    #[serde(default)]
+    pub victims: Vec<Victim>,
 }
 
 /// `GET /hosts`.

@@ -238,3 +238,49 @@ fn a_deployment_no_host_can_place_is_refused_at_deploy() {
         "{status:#}"
     );
 }
+
+/// A host drain, end to end: `capyctl drain host` stops what runs there (an explicit model
+/// too, whose engine process goes away), a request then is refused at once naming the
+/// drained host, and `capyctl uncordon host` puts it back in service.
+#[test]
+fn a_drained_host_stops_its_engines_and_serves_again_once_uncordoned() {
+    let dir = temp_dir("drain");
+    let doc = document(
+        "",
+        "",
+        &[
+            &model("chat-a", ""),
+            &model("chat-x", "lifecycle: {activation: explicit}\n"),
+        ],
+    );
+    let capy = Capy::start(&dir, &doc);
+    capy.cli(&["start", "deployment", "chat-x", "--wait"]).ok();
+    let pid = capy.status("chat-x")["instances"][0]["pid"]
+        .as_u64()
+        .unwrap();
+    assert!(alive(pid));
+
+    let receipt = capy.cli(&["drain", "host", "gpu-box"]).ok();
+    assert!(
+        receipt.starts_with("drained host gpu-box: out of service, 1 instance(s) stopped\n"),
+        "{receipt}"
+    );
+    assert!(receipt.contains("(chat-x)\n"), "{receipt}");
+    assert!(receipt.contains("    released: stopped\n"), "{receipt}");
+    gone_within(pid, PROMPT);
+    assert_eq!(capy.status("chat-x")["state"], "stopped");
+    let r = chat(capy.inference, "chat-a", false);
+    let message = assert_error(&r, 409, "does_not_fit", false);
+    assert!(
+        message.contains("host gpu-box is drained") && message.contains("uncordon"),
+        "{message}"
+    );
+    let hosts = capy.management_get("/management/v1/hosts").json();
+    assert_eq!(hosts["hosts"][0]["cordoned"], true, "{hosts:#}");
+
+    let back = capy.cli(&["uncordon", "host", "gpu-box"]).ok();
+    assert_eq!(back, "uncordoned host gpu-box: in service\n");
+    assert_eq!(chat(capy.inference, "chat-a", false).status, 200);
+    let e = capy.cli(&["drain", "host", "gpu-z"]).fails();
+    assert!(e.contains("host gpu-z not found"), "{e}");
+}
