@@ -9,7 +9,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use support::{Capy, assert_error, chat, document, id_of, metric, model, temp_dir};
+use support::{
+    Capy, assert_error, chat, document, id_of, metric, metric_reaching, model, temp_dir,
+};
 
 const MY_MODEL_PARKED: &str = "NAME       STATE    READY   REVISION   HOSTS\n\
                                my-model   parked   0/1     1          gpu-box\n";
@@ -229,7 +231,11 @@ fn two_apps_one_gpu() {
     }
     // One switch for the wave, its window the full 500 ms (App 1 kept chat-a busy).
     assert_eq!(
-        metric(&capy, r#"capyctl_switches_total{outcome="ok"}"#),
+        metric_reaching(
+            &capy,
+            r#"capyctl_switches_total{outcome="ok"}"#,
+            switches_before + 1.0
+        ),
         switches_before + 1.0
     );
     let window = metric(&capy, r#"capyctl_switch_phase_seconds_sum{phase="window"}"#);

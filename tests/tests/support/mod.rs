@@ -467,6 +467,20 @@ pub fn id_of(capy: &Capy, name: &str) -> String {
     capy.status(name)["id"].as_str().unwrap().to_string()
 }
 
+/// The value of a Prometheus sample once it has reached `want` (a switch is counted once its
+/// bring-up has ended, a moment after the router has let its requests through), or the last
+/// value read after 5 s.
+pub fn metric_reaching(capy: &Capy, series: &str, want: f64) -> f64 {
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let v = metric(capy, series);
+        if v >= want || std::time::Instant::now() >= until {
+            return v;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 /// The value of a Prometheus sample (`name{labels}`) in `/metrics`, 0 when absent.
 pub fn metric(capy: &Capy, series: &str) -> f64 {
     let text = capy.management_get("/metrics").body;
