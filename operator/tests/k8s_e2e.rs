@@ -1,7 +1,9 @@
 //! End to end: `capyctl-operator` out of cluster, a `capyctl-node-agent --engine-runtime process`
 //! whose engines are the engine simulator, two model manifests; a request through the router
 //! switches them and the CRs' status and Events show the park and the wake; deleting a CR stops
-//! its engine (the finalizer) and lets the object go.
+//! its engine (the finalizer) and lets the object go. Then faults: a standby takes over from a
+//! leader that releases its Lease, and from one killed mid-switch; a node agent goes away with
+//! its engines.
 //!
 //! The same test body runs twice:
 //! - against a small in-process fake API server (always; see [`fake`]): the Kubernetes calls the
@@ -509,6 +511,243 @@ async fn failover(client: Client, kubeconfig: &std::path::Path, ns: &str) {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Kills `p` with SIGKILL (no clean shutdown: the Lease is not released, nothing is stopped).
+fn kill9(p: &Proc) {
+    let _ = std::process::Command::new("kill")
+        .args(["-KILL", &p.0.id().to_string()])
+        .status();
+}
+
+/// A model CR whose engine takes `delay` to start (the simulator's start-up delay).
+fn slow_model_cr(ns: &str, name: &str, delay: &str) -> Deployment {
+    let mut cr = serde_json::to_value(model_cr(ns, name)).unwrap();
+    cr["spec"]["env"]["ENGINE_SIM_STARTUP_DELAY"] = serde_json::json!(delay);
+    serde_json::from_value(cr).unwrap()
+}
+
+/// One engine process of a node agent (a child of its process): its instance (from the
+/// agent's record of it, `None` when the agent has no record: a leak) and whether it holds
+/// its GPU memory now (started and not asleep, as the simulator says).
+#[derive(Debug)]
+struct EngineProc {
+    pid: u32,
+    instance: Option<String>,
+    awake: bool,
+}
+
+/// The engine processes of the node agent `agent_pid` whose records are in `agent_dir`.
+async fn engines_of(agent_dir: &std::path::Path, agent_pid: u32) -> Vec<EngineProc> {
+    let mut records = std::collections::HashMap::new();
+    for entry in std::fs::read_dir(agent_dir.join("engines"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        if let Some(r) = std::fs::read_to_string(entry.path())
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            && let (Some(pid), Some(instance), Some(port)) = (
+                r["pid"].as_u64(),
+                r["instance"].as_str(),
+                r["port"].as_u64(),
+            )
+        {
+            records.insert(pid as u32, (instance.to_string(), port as u16));
+        }
+    }
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // `pid (comm) state ppid ...`: the fields after the last ')'.
+        let after = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or("");
+        let fields: Vec<&str> = after.split_whitespace().collect();
+        let (state, ppid) = (fields.first().copied(), fields.get(1).copied());
+        if ppid != Some(agent_pid.to_string().as_str()) || state == Some("Z") {
+            continue;
+        }
+        let record = records.get(&pid).cloned();
+        let mut awake = false;
+        if let Some((_, port)) = &record {
+            let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+            if let Ok((200, state)) = support::try_get_json(addr, "/sim/state").await {
+                awake = state["started"] == true && state["asleep"] == false;
+            }
+        }
+        out.push(EngineProc {
+            pid,
+            instance: record.map(|(i, _)| i),
+            awake,
+        });
+    }
+    out
+}
+
+/// No engine leaked (each engine process is one the agent knows, at most one per instance),
+/// and at most one holds its GPU memory: each model needs 6 GiB of the node's 10 GiB, so two
+/// awake would be the GPU double-booked.
+#[track_caller]
+fn assert_no_leak_no_double_booking(engines: &[EngineProc]) {
+    let mut seen = std::collections::BTreeSet::new();
+    for e in engines {
+        let instance = e
+            .instance
+            .as_ref()
+            .unwrap_or_else(|| panic!("engine {} has no record: leaked ({engines:?})", e.pid));
+        assert!(
+            seen.insert(instance.clone()),
+            "two engines of {instance}: {engines:?}"
+        );
+    }
+    let awake = engines.iter().filter(|e| e.awake).count();
+    assert!(
+        awake <= 1,
+        "{awake} engines awake on one 10 GiB GPU: {engines:?}"
+    );
+}
+
+/// The leader is killed (SIGKILL) in the middle of a switch, while the target's engine starts:
+/// the standby takes over once the Lease expires, serves both models, and the node's engines
+/// are the ones the agent knows, one per deployment at most, within the GPU's memory.
+async fn leader_killed_mid_switch(client: Client, kubeconfig: &std::path::Path, ns: &str) {
+    let dir = support::temp_dir("k8s-kill");
+    let (agent, agent_port) = start_node_agent(&dir);
+    let (a, inference_a) = start_operator(&dir, kubeconfig, ns, "op-a", agent_port);
+    let api: Api<Deployment> = Api::namespaced(client.clone(), ns);
+    api.create(&PostParams::default(), &model_cr(ns, "chat-a"))
+        .await
+        .unwrap();
+    api.create(&PostParams::default(), &slow_model_cr(ns, "chat-b", "4s"))
+        .await
+        .unwrap();
+    let t = Duration::from_secs(60);
+    for name in ["chat-a", "chat-b"] {
+        eventually(&format!("{name} deployed"), t, || async {
+            api.get(name).await.ok()?.status?.deployment_id.map(|_| ())
+        })
+        .await;
+    }
+    let (_b, inference_b) = start_operator(&dir, kubeconfig, ns, "op-b", agent_port);
+    let (status, body) = chat(inference_a, "chat-a").await;
+    assert_eq!(status, 200, "{body}");
+    // The switch to chat-b: chat-a parks, chat-b's engine starts (4 s).
+    let switching = tokio::spawn(async move {
+        let body = serde_json::json!({"model": "chat-b",
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4});
+        support::try_post_json(inference_a, "/v1/chat/completions", body).await
+    });
+    eventually("chat-b starting in the status", t, || async {
+        (state_of(&api, "chat-b").await == Some(InstanceState::Starting)).then_some(())
+    })
+    .await;
+    kill9(&a);
+    // The request in flight ends with the leader (its connection is cut), never hangs.
+    let ended = tokio::time::timeout(Duration::from_secs(10), switching).await;
+    assert!(
+        ended.is_ok(),
+        "the request to the killed leader did not end"
+    );
+
+    eventually("op-b holds the Lease", t, || async {
+        (lease_holder(&client, ns).await.as_deref() == Some("op-b")).then_some(())
+    })
+    .await;
+    for name in ["chat-b", "chat-a", "chat-b"] {
+        let (status, body) = eventually(&format!("op-b serves {name}"), t, || async {
+            let body = serde_json::json!({"model": name,
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4});
+            support::try_post_json(inference_b, "/v1/chat/completions", body)
+                .await
+                .ok()
+                .filter(|(status, _)| *status == 200)
+        })
+        .await;
+        assert_eq!(status, 200, "{name}: {body}");
+    }
+    let engines = engines_of(&dir.join("agent-e2e-node"), agent.0.id()).await;
+    assert_no_leak_no_double_booking(&engines);
+    assert_eq!(
+        engines.iter().filter(|e| e.awake).count(),
+        1,
+        "chat-b serves: {engines:?}"
+    );
+    drop(a);
+    drop(_b);
+    drop(agent);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The node agent is gone (killed with its engines): a request for a model that ran there is
+/// answered with one of the page's errors, promptly (never hung).
+async fn node_agent_gone(client: Client, kubeconfig: &std::path::Path, ns: &str) {
+    let dir = support::temp_dir("k8s-agent-gone");
+    let (agent, agent_port) = start_node_agent(&dir);
+    let (_operator, inference) = start_operator(&dir, kubeconfig, ns, "op-gone", agent_port);
+    let api: Api<Deployment> = Api::namespaced(client.clone(), ns);
+    api.create(&PostParams::default(), &model_cr(ns, "chat-a"))
+        .await
+        .unwrap();
+    let t = Duration::from_secs(60);
+    eventually("chat-a deployed", t, || async {
+        api.get("chat-a")
+            .await
+            .ok()?
+            .status?
+            .deployment_id
+            .map(|_| ())
+    })
+    .await;
+    let (status, body) = chat(inference, "chat-a").await;
+    assert_eq!(status, 200, "{body}");
+    let engines = engines_of(&dir.join("agent-e2e-node"), agent.0.id()).await;
+    assert_eq!(engines.len(), 1, "{engines:?}");
+    // The node goes: its agent and its engine, without a word.
+    kill9(&agent);
+    for e in &engines {
+        let _ = std::process::Command::new("kill")
+            .args(["-KILL", "--", &format!("-{}", e.pid)])
+            .status();
+    }
+    drop(agent);
+    for e in &engines {
+        eventually(&format!("engine {} gone", e.pid), t, || async {
+            let stat = std::fs::read_to_string(format!("/proc/{}/stat", e.pid)).ok();
+            // Gone, or a zombie its dead parent left.
+            stat.is_none_or(|s| {
+                s.rsplit_once(')')
+                    .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+            })
+            .then_some(())
+        })
+        .await;
+    }
+    for attempt in 0..3 {
+        let asked = std::time::Instant::now();
+        let answer = tokio::time::timeout(Duration::from_secs(30), chat(inference, "chat-a")).await;
+        let (status, body) = answer.unwrap_or_else(|_| panic!("request {attempt} hung"));
+        let code = body["code"].as_str().unwrap_or_default().to_string();
+        assert!(
+            matches!(status, 502 | 503),
+            "request {attempt}: {status} {body}"
+        );
+        assert!(
+            ["upstream_unavailable", "unavailable", "engine_failed"].contains(&code.as_str()),
+            "request {attempt}: {body}"
+        );
+        assert!(asked.elapsed() < Duration::from_secs(30));
+    }
+    drop(_operator);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// A kubeconfig for the fake API server at `addr`, written in `dir`.
 fn fake_kubeconfig(dir: &std::path::Path, addr: std::net::SocketAddr) -> std::path::PathBuf {
     let kubeconfig = dir.join("kubeconfig");
@@ -607,6 +846,48 @@ async fn against_a_cluster_the_standby_takes_over_and_adopts_the_engine() {
         return;
     };
     failover(ns.client.clone(), &kubeconfig, &ns.name).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn against_a_fake_api_server_a_leader_killed_mid_switch_is_taken_over_cleanly() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let addr = fake::Fake::start().await;
+    let dir = support::temp_dir("k8s-kill-fake");
+    let kubeconfig = fake_kubeconfig(&dir, addr);
+    let client = client_of(&kubeconfig).await;
+    leader_killed_mid_switch(client, &kubeconfig, "capyctl").await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn against_a_fake_api_server_a_node_agent_gone_fails_its_requests_promptly() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let addr = fake::Fake::start().await;
+    let dir = support::temp_dir("k8s-gone-fake");
+    let kubeconfig = fake_kubeconfig(&dir, addr);
+    let client = client_of(&kubeconfig).await;
+    node_agent_gone(client, &kubeconfig, "capyctl").await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs cluster"]
+async fn against_a_cluster_a_leader_killed_mid_switch_is_taken_over_cleanly() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let Some((kubeconfig, ns)) = cluster_namespace().await else {
+        return;
+    };
+    leader_killed_mid_switch(ns.client.clone(), &kubeconfig, &ns.name).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs cluster"]
+async fn against_a_cluster_a_node_agent_gone_fails_its_requests_promptly() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let Some((kubeconfig, ns)) = cluster_namespace().await else {
+        return;
+    };
+    node_agent_gone(ns.client.clone(), &kubeconfig, &ns.name).await;
 }
 
 /// A small fake of the Kubernetes API server: objects in memory by path, resource versions,

@@ -276,6 +276,29 @@ pub async fn try_post_json(
     Ok((status, json))
 }
 
+/// `GET http://addr/path`: the status and the JSON answer (a string when it is not JSON).
+pub async fn try_get_json(
+    addr: SocketAddr,
+    path: &str,
+) -> Result<(u16, serde_json::Value), hyper_util::client::legacy::Error> {
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let req = http::Request::get(format!("http://{addr}{path}"))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let resp = client.request(req).await?;
+    let status = resp.status().as_u16();
+    let bytes = resp
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    let json = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|_| serde_json::Value::String(String::from_utf8_lossy(&bytes).into()));
+    Ok((status, json))
+}
+
 /// A management request: `method` on `http://addr/path` with the admin token and an optional
 /// JSON body; the status and the JSON answer.
 pub async fn management(
