@@ -20,8 +20,7 @@ use std::time::Duration;
 
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::{
-    ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostDrainReceipt,
-    StartRequest,
+    ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, StartRequest,
 };
 use capyctl_spec::documents;
 use capyctl_spec::overrides::Overrides;
@@ -495,19 +494,7 @@ async fn deploy(client: &Client, file: &std::path::Path, json: bool) -> Result<(
 
 async fn action(client: &Client, verb: &str, name: &str, json: bool) -> Result<(), CommandError> {
     let path = format!("/deployments/{}/{verb}", segment(name));
-    let answer = tokio::time::timeout(
-        CALL_TIMEOUT,
-        client.post_json(&path, &serde_json::json!({})),
-    )
-    .await
-    .map_err(|_| timed_out(client, verb))??;
-    if json {
-        println!("{}", answer.pretty());
-    } else {
-        let receipt: ActionReceipt = answer.json(client.server())?;
-        print!("{}", render::receipt(&receipt));
-    }
-    Ok(())
+    post_command(client, &path, verb, json, render::receipt).await
 }
 
 async fn host_action(
@@ -517,17 +504,25 @@ async fn host_action(
     json: bool,
 ) -> Result<(), CommandError> {
     let path = format!("/hosts/{}/{verb}", segment(id));
-    let answer = tokio::time::timeout(
-        CALL_TIMEOUT,
-        client.post_json(&path, &serde_json::json!({})),
-    )
-    .await
-    .map_err(|_| timed_out(client, verb))??;
+    post_command(client, &path, verb, json, render::host_receipt).await
+}
+
+/// A command without a body (`verb` on `path`): prints its receipt `R`, as JSON or by `text`.
+async fn post_command<R: serde::de::DeserializeOwned>(
+    client: &Client,
+    path: &str,
+    verb: &str,
+    json: bool,
+    text: fn(&R) -> String,
+) -> Result<(), CommandError> {
+    let answer = tokio::time::timeout(CALL_TIMEOUT, client.post_json(path, &serde_json::json!({})))
+        .await
+        .map_err(|_| timed_out(client, verb))??;
     if json {
         println!("{}", answer.pretty());
     } else {
-        let receipt: HostDrainReceipt = answer.json(client.server())?;
-        print!("{}", render::host_receipt(&receipt));
+        let receipt: R = answer.json(client.server())?;
+        print!("{}", text(&receipt));
     }
     Ok(())
 }

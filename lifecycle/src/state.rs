@@ -1771,4 +1771,71 @@ mod tests {
         assert_eq!(a.state, InstanceState::Failed);
         assert_eq!(a.ended_stop_failed.as_deref(), Some("connection refused"));
     }
+
+    fn on(inner: &State, host: &str) -> Vec<String> {
+        inner.on_host(host).map(|d| d.rec.id.clone()).collect()
+    }
+
+    #[test]
+    fn the_by_host_index_follows_binds_moves_and_removals() {
+        let mut inner = State::default();
+        inner.insert(dep("a", "chat-a", "", Instant::now()));
+        inner.insert(dep("b", "chat-b", "", Instant::now()));
+        inner.insert(dep("c", "chat-c", "", Instant::now()));
+        inner.set_host("b", Some("gpu-1".into()));
+        inner.set_host("a", Some("gpu-1".into()));
+        inner.set_host("c", Some("gpu-2".into()));
+        assert_eq!(on(&inner, "gpu-1"), ["a", "b"], "by ID");
+        assert_eq!(on(&inner, "gpu-2"), ["c"]);
+        inner.set_host("a", Some("gpu-2".into()));
+        assert_eq!(on(&inner, "gpu-1"), ["b"]);
+        assert_eq!(on(&inner, "gpu-2"), ["a", "c"]);
+        inner.remove("c");
+        assert_eq!(on(&inner, "gpu-2"), ["a"]);
+        inner.set_host("b", None);
+        assert_eq!(on(&inner, "gpu-1"), Vec::<String>::new());
+        assert!(
+            !inner.by_host.contains_key("gpu-1"),
+            "an empty host's set goes"
+        );
+        assert_eq!(on(&inner, "gpu-9"), Vec::<String>::new());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_last_use_is_the_routers_record_of_requests_or_a_later_state_change() {
+        use capyctl_router::admission::Admission;
+        use capyctl_router::config::RouterConfig;
+        use capyctl_router::coordinator::testing::{FakeLifecycle, FakeState, FakeTimings};
+        use tokio::time::{Instant, advance};
+
+        let fake = FakeLifecycle::new(FakeTimings::default());
+        let a = fake.add("a", "chat-a", FakeState::Ready, 1);
+        let router = fake.spawn(RouterConfig::default());
+        fake.announce("a").await;
+        let mut inner = State::default();
+        inner.insert(dep("a", "chat-a", "", Instant::now()));
+        let changed = inner.deps["a"].last_used;
+        assert_eq!(inner.deps["a"].used_at(), changed, "no router yet");
+        inner.uses.attach(router.last_uses());
+        assert_eq!(inner.deps["a"].used_at(), changed, "no request yet");
+
+        // A request's start and end, as the router records them (on its lane: no turn of its
+        // task), are the deployment's last use.
+        advance(Duration::from_secs(5)).await;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let permit = router.admit(a, deadline).await.unwrap();
+        assert_eq!(inner.deps["a"].used_at(), changed + Duration::from_secs(5));
+        advance(Duration::from_secs(1)).await;
+        drop(permit);
+        assert_eq!(inner.deps["a"].used_at(), changed + Duration::from_secs(6));
+        // A later state change that counts as use wins when it is the later one.
+        advance(Duration::from_secs(1)).await;
+        inner.deps.get_mut("a").unwrap().last_used = Instant::now();
+        assert_eq!(inner.deps["a"].used_at(), changed + Duration::from_secs(7));
+        // Dropped, a deployment says so to the name cache entries that still hold it.
+        let gone = Arc::clone(&inner.deps["a"].presence.0);
+        assert!(!gone.load(Ordering::Acquire));
+        inner.remove("a");
+        assert!(gone.load(Ordering::Acquire));
+    }
 }

@@ -251,29 +251,18 @@ pub async fn post_json(
     try_post_json(addr, path, body).await.unwrap()
 }
 
-/// [`post_json`], with the client's error when the connection broke.
+/// `POST http://addr/path` with a JSON body: the status and the JSON answer (a string when it
+/// is not JSON).
 pub async fn try_post_json(
     addr: SocketAddr,
     path: &str,
     body: serde_json::Value,
 ) -> Result<(u16, serde_json::Value), hyper_util::client::legacy::Error> {
-    let client: Client<HttpConnector, Full<Bytes>> =
-        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
     let req = http::Request::post(format!("http://{addr}{path}"))
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body.to_string())))
         .unwrap();
-    let resp = client.request(req).await?;
-    let status = resp.status().as_u16();
-    let bytes = resp
-        .into_body()
-        .collect()
-        .await
-        .map(|b| b.to_bytes())
-        .unwrap_or_default();
-    let json = serde_json::from_slice(&bytes)
-        .unwrap_or_else(|_| serde_json::Value::String(String::from_utf8_lossy(&bytes).into()));
-    Ok((status, json))
+    try_request(req).await
 }
 
 /// `GET http://addr/path`: the status and the JSON answer (a string when it is not JSON).
@@ -281,11 +270,17 @@ pub async fn try_get_json(
     addr: SocketAddr,
     path: &str,
 ) -> Result<(u16, serde_json::Value), hyper_util::client::legacy::Error> {
-    let client: Client<HttpConnector, Full<Bytes>> =
-        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
     let req = http::Request::get(format!("http://{addr}{path}"))
         .body(Full::new(Bytes::new()))
         .unwrap();
+    try_request(req).await
+}
+
+async fn try_request(
+    req: http::Request<Full<Bytes>>,
+) -> Result<(u16, serde_json::Value), hyper_util::client::legacy::Error> {
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
     let resp = client.request(req).await?;
     let status = resp.status().as_u16();
     let bytes = resp
