@@ -269,6 +269,8 @@ struct Run {
     chaos: Mutex<BTreeMap<String, u64>>,
     /// The document revision of each model (a redeploy bumps it).
     revisions: Vec<AtomicU64>,
+    /// Requests sent beside the clients (before a crash, before a kill): awaited at the end.
+    side: Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
 impl Run {
@@ -293,8 +295,8 @@ impl Run {
     fn deployment_doc(&self, m: &Model, rev: u64) -> String {
         format!(
             "name: {}\nengine: {}\nmodel: {}\nresources: {{gpu_memory: {}, weights_memory: 96MiB}}\n\
-             env: {{ENGINE_SIM_WEIGHTS_BYTES: 96MiB, ENGINE_SIM_TOKEN_RATE: \"{TOKEN_RATE}\", ENGINE_SIM_STARTUP_DELAY: 300ms, SOAK_RUN: \"{}\", SOAK_MODEL: {}, SOAK_REV: \"{rev}\"}}\n",
-            m.name, m.engine, m.model, m.gpu_memory, self.run_id, m.name
+             env: {{ENGINE_SIM_WEIGHTS_BYTES: 96MiB, ENGINE_SIM_GPU_MEMORY_BYTES: {}, ENGINE_SIM_TOKEN_RATE: \"{TOKEN_RATE}\", ENGINE_SIM_STARTUP_DELAY: 300ms, SOAK_RUN: \"{}\", SOAK_MODEL: {}, SOAK_REV: \"{rev}\"}}\n",
+            m.name, m.engine, m.model, m.gpu_memory, m.gpu_memory, self.run_id, m.name
         )
     }
 
@@ -462,19 +464,35 @@ fn engines(run_id: &str) -> Vec<(u32, String, Option<u16>)> {
     found
 }
 
+/// Which model a request asks for.
+#[derive(Clone, Copy)]
+enum Pick {
+    /// Any, at random.
+    Random,
+    /// This one.
+    Model(usize),
+    /// This one, a long streamed answer read to its end.
+    LongStream(usize),
+}
+
 /// One request: its plan, sent, its end classified and recorded.
-async fn request(run: Arc<Run>, rng: &mut Rng) {
-    let m = rng.below(MODELS.len() as u64) as usize;
+async fn request(run: Arc<Run>, rng: &mut Rng, pick: Pick) {
+    let (m, long_stream_for) = match pick {
+        Pick::Random => (rng.below(MODELS.len() as u64) as usize, None),
+        Pick::Model(m) => (m, None),
+        Pick::LongStream(m) => (m, Some(m)),
+    };
     let model = &MODELS[m];
-    let stream = rng.percent(50);
+    let stream = long_stream_for.is_some() || rng.percent(50);
     let chat = rng.percent(50);
-    let long = rng.percent(4);
+    let long = long_stream_for.is_some() || rng.percent(4);
     let max_tokens = if long {
         200 + rng.below(400)
     } else {
         1 + rng.below(48)
     };
     let client = match rng.below(100) {
+        _ if long_stream_for.is_some() => Client::Reads,
         0..=7 => Client::HangsUpAfter(rng.millis(0, 3000)),
         8..=13 => Client::HangsUpMidAnswer,
         14..=16 => Client::Stalls(rng.millis(1000, 4000)),
@@ -660,7 +678,7 @@ async fn client(run: Arc<Run>, index: u64) {
         if run.stopping() {
             return;
         }
-        request(run.clone(), &mut rng).await;
+        request(run.clone(), &mut rng, Pick::Random).await;
         tokio::time::sleep(rng.millis(0, 400)).await;
     }
 }
@@ -678,6 +696,7 @@ async fn cli(run: &Run, args: &[&str], wait: Duration) -> String {
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .kill_on_drop(true);
+    let life = run.life.load(Ordering::SeqCst);
     let Ok(child) = command.spawn() else {
         return "not started".into();
     };
@@ -688,9 +707,20 @@ async fn cli(run: &Run, args: &[&str], wait: Duration) -> String {
         Ok(Ok(out)) => {
             let err = String::from_utf8_lossy(&out.stderr);
             let line = err.trim_end();
-            match line.rsplit_once('(') {
-                Some((_, code)) if code.ends_with(')') => code.trim_end_matches(')').to_owned(),
-                _ => "failed without a code".into(),
+            let code = line
+                .rsplit_once('(')
+                .and_then(|(_, c)| c.strip_suffix(')'))
+                .filter(|c| {
+                    !c.is_empty()
+                        && c.chars()
+                            .all(|ch| ch.is_ascii_lowercase() || ch == '_' || ch == ':')
+                });
+            match code {
+                Some(code) => code.to_owned(),
+                None if run.life.load(Ordering::SeqCst) != life || !*run.up.borrow() => {
+                    "no answer (CapyCTL killed)".into()
+                }
+                None => format!("failed without a code: {line}"),
             }
         }
     }
@@ -780,6 +810,16 @@ async fn chaos(run: Arc<Run>) {
                 run.note(format!("op redeploy (new revision): {out}"));
             }
             9..=10 => {
+                // A long stream for the model, then its engine crashes under it.
+                let r = run.clone();
+                let mut side = Rng::new(rng.next(), 11);
+                let task =
+                    tokio::spawn(async move { request(r, &mut side, Pick::LongStream(m)).await });
+                run.side
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(task);
+                tokio::time::sleep(rng.millis(1000, 4000)).await;
                 let set = fault(&run, m, "crash").await;
                 run.note(format!(
                     "fault crash mid-answer: {}",
@@ -823,14 +863,198 @@ async fn redeploy(run: &Run, m: usize, bump: bool, wait: Duration) -> String {
     cli(run, &["deploy", "model", "--file", &file], wait).await
 }
 
+/// After the traffic: every model, deployed and started again where the chaos left it deleted
+/// or stopped, must answer (correctly) within two minutes. Returns the models that did not.
+async fn all_serve(run: &Run) -> Vec<String> {
+    let mut failed = Vec::new();
+    for (m, model) in MODELS.iter().enumerate() {
+        let deployed = redeploy(run, m, false, Duration::from_secs(60)).await;
+        let started = cli(
+            run,
+            &["start", "deployment", model.name],
+            Duration::from_secs(60),
+        )
+        .await;
+        let prompt = format!("soak {} final check", run.seed);
+        let body = serde_json::json!({"model": model.name, "max_tokens": 8, "prompt": prompt});
+        let body = serde_json::to_vec(&body).unwrap_or_default();
+        let until = Instant::now() + Duration::from_secs(120);
+        let mut last = String::new();
+        let ok = loop {
+            let raw = tokio::time::timeout(
+                REQUEST_DEADLINE + MARGIN,
+                http::exchange(run.inference, "/v1/completions", &body, Client::Reads),
+            )
+            .await;
+            match raw {
+                Ok(Raw::Complete { bytes, extra }) => {
+                    match classify(&bytes, &extra, false, false, model, &prompt, 8, |w| {
+                        End::Cut(w)
+                    }) {
+                        End::Answered => break true,
+                        other => last = format!("{other:?}"),
+                    }
+                }
+                other => last = format!("{other:?}"),
+            }
+            if Instant::now() > until {
+                break false;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        };
+        if !ok {
+            failed.push(format!(
+                "{} (deploy: {deployed}, start: {started}, last: {last})",
+                model.name
+            ));
+        }
+    }
+    failed
+}
+
+/// The GPUs of the run's document, in bytes.
+const GPUS: [u64; 2] = [12 << 30, 6 << 30];
+
+/// Whether engines holding `held` bytes of GPU memory each can sit on [`GPUS`] (each engine on
+/// one GPU).
+fn fits(held: &[u64]) -> bool {
+    let n = held.len();
+    (0u32..(1 << n)).any(|mask| {
+        let mut used = [0u64; 2];
+        for (i, b) in held.iter().enumerate() {
+            used[((mask >> i) & 1) as usize] += b;
+        }
+        used.iter().zip(GPUS).all(|(u, g)| *u <= g)
+    })
+}
+
+/// The GPU memory every engine of the run holds now (engine-sim's `/sim/state`), by pid.
+async fn gpu_held(run_id: &str) -> BTreeMap<u32, (String, u64)> {
+    let mut held = BTreeMap::new();
+    for (pid, model, port) in engines(run_id) {
+        let Some(port) = port else { continue };
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        if let Ok(Ok((200, body))) =
+            tokio::time::timeout(Duration::from_secs(2), get(addr, "/sim/state", None)).await
+        {
+            let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+            if let Some(b) = v["gpu_memory_bytes"].as_u64() {
+                held.insert(pid, (model, b));
+            }
+        }
+    }
+    held
+}
+
+/// Samples the engines' GPU memory twice a second: the engines that hold memory must fit on the
+/// GPUs. A sample that does not fit counts only when the next one, 200 ms later, shows the same
+/// engines still holding it (the engines are read one after another, not at one instant).
+async fn booking(run: Arc<Run>) {
+    let mut up = run.up.subscribe();
+    while !run.stopping() {
+        if up.wait_for(|u| *u).await.is_err() {
+            return;
+        }
+        let a = gpu_held(&run.run_id).await;
+        let bytes: Vec<u64> = a.values().map(|(_, b)| *b).filter(|b| *b > 0).collect();
+        if !fits(&bytes) {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let b = gpu_held(&run.run_id).await;
+            if a.iter()
+                .all(|(pid, (_, x))| b.get(pid).is_some_and(|(_, y)| y >= x))
+            {
+                let what: Vec<String> = a
+                    .values()
+                    .filter(|(_, b)| *b > 0)
+                    .map(|(m, b)| format!("{m} {} MiB", b >> 20))
+                    .collect();
+                run.note(OVERBOOKED.to_owned());
+                let mut l = run.ledger.inner.lock().unwrap_or_else(|e| e.into_inner());
+                if l.examples.len() < 20 {
+                    l.examples
+                        .push(format!("{OVERBOOKED}: {}", what.join(", ")));
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+const OVERBOOKED: &str = "GPU memory over-booked (samples)";
+
 /// Kills CapyCTL with SIGKILL right after asking for a switch, and restarts it on the same data
 /// directory; returns the new child.
 async fn kill_and_restart(run: &Arc<Run>, child: &mut Child, rng: &mut Rng) -> Result<()> {
     // A request for a random model begins a switch (or not: then the kill hits whatever runs).
+    let token = run.token();
+    let not_ready: Vec<usize> =
+        match get(run.management, "/management/v1/deployments", Some(&token)).await {
+            Ok((200, body)) => {
+                let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+                MODELS
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, m)| {
+                        v["deployments"].as_array().into_iter().flatten().any(|d| {
+                            d["name"].as_str() == Some(m.name)
+                                && d["state"].as_str() != Some("ready")
+                        })
+                    })
+                    .map(|(i, _)| i)
+                    .collect()
+            }
+            _ => Vec::new(),
+        };
+    let pick = if not_ready.is_empty() {
+        Pick::Random
+    } else {
+        Pick::Model(not_ready[rng.below(not_ready.len() as u64) as usize])
+    };
     let r = run.clone();
     let mut side = Rng::new(rng.next(), 3);
-    let trigger = tokio::spawn(async move { request(r, &mut side).await });
-    tokio::time::sleep(rng.millis(50, 2500)).await;
+    let trigger = tokio::spawn(async move { request(r, &mut side, pick).await });
+    // Kill as soon as a switch is seen under way (a deployment closed, parking, waking,
+    // starting or stopping), else after a few seconds.
+    let watch_until = Instant::now() + rng.millis(1000, 4000);
+    let mut in_switch = None;
+    while Instant::now() < watch_until {
+        if let Ok((200, body)) =
+            get(run.management, "/management/v1/deployments", Some(&token)).await
+        {
+            let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+            let moving: Vec<String> = v["deployments"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|d| {
+                    matches!(
+                        d["state"].as_str(),
+                        Some("closed" | "parking" | "waking" | "starting" | "stopping")
+                    )
+                })
+                .map(|d| {
+                    format!(
+                        "{} {}",
+                        d["name"].as_str().unwrap_or("?"),
+                        d["state"].as_str().unwrap_or("?")
+                    )
+                })
+                .collect();
+            if !moving.is_empty() {
+                in_switch = Some(moving.join(", "));
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(rng.millis(0, 150)).await;
+    run.note(match &in_switch {
+        Some(_) => "kill -9 with a switch under way".to_owned(),
+        None => "kill -9 with no switch seen under way".to_owned(),
+    });
+    if let Some(states) = in_switch {
+        println!("kill -9 of CapyCTL while {states}");
+    }
     run.life.fetch_add(1, Ordering::SeqCst);
     run.up.send_replace(false);
     child.start_kill()?;
@@ -914,6 +1138,7 @@ async fn soak(args: Args) -> Result<bool> {
         stops: MODELS.iter().map(|_| AtomicU64::new(0)).collect(),
         chaos: Mutex::new(BTreeMap::new()),
         revisions: MODELS.iter().map(|_| AtomicU64::new(0)).collect(),
+        side: Mutex::new(Vec::new()),
     });
     std::fs::write(dir.join("standalone.yaml"), run.document(&engine_sim))?;
     let mut child = start_capyctl(&run).await?;
@@ -927,6 +1152,7 @@ async fn soak(args: Args) -> Result<bool> {
         tasks.spawn(client(run.clone(), i as u64));
     }
     tasks.spawn(chaos(run.clone()));
+    tasks.spawn(booking(run.clone()));
     // The kills, in the first 60% of the run, then the rest of the time.
     let mut rng = Rng::new(seed, 5);
     let kill_until = started + args.duration.mul_f64(0.6);
@@ -955,6 +1181,15 @@ async fn soak(args: Args) -> Result<bool> {
     run.stopping.store(true, Ordering::SeqCst);
     run.up.send_replace(true);
     while tasks.join_next().await.is_some() {}
+    let side: Vec<_> = std::mem::take(&mut *run.side.lock().unwrap_or_else(|e| e.into_inner()));
+    for task in side {
+        let _ = task.await;
+    }
+    let not_serving = if failure.is_none() {
+        all_serve(&run).await
+    } else {
+        Vec::new()
+    };
     // The quiet end: connections closed, then RSS and descriptors.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let pid = child.id().unwrap_or(0);
@@ -1007,6 +1242,18 @@ async fn soak(args: Args) -> Result<bool> {
         (WRONG, l.counts.get(WRONG).copied().unwrap_or(0)),
         (BAD_REFUSAL, l.counts.get(BAD_REFUSAL).copied().unwrap_or(0)),
         ("engine processes leaked after the run", leaked.len() as u64),
+        (
+            "models not answering after the run",
+            not_serving.len() as u64,
+        ),
+        (
+            OVERBOOKED,
+            run.chaos
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(OVERBOOKED)
+                .unwrap_or(0),
+        ),
     ];
     let mut failed = Vec::new();
     for (name, n) in inv {
@@ -1078,6 +1325,9 @@ async fn soak(args: Args) -> Result<bool> {
     for (k, v) in &report.rows {
         println!("| {k:width$} | {v} |");
     }
+    for m in &not_serving {
+        println!("not answering after the run: {m}");
+    }
     for e in &l.examples {
         println!("example: {e}");
     }
@@ -1094,5 +1344,30 @@ async fn soak(args: Args) -> Result<bool> {
         }
         println!("files kept in {}", dir.display());
         Ok(false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placements() {
+        const G: u64 = 1 << 30;
+        assert!(fits(&[6 * G, 6 * G, 6 * G]));
+        assert!(fits(&[10 * G, 6 * G]));
+        assert!(!fits(&[10 * G, 6 * G, 6 * G]));
+        assert!(!fits(&[6 * G, 6 * G, 6 * G, 6 * G]));
+        assert!(fits(&[]));
+    }
+
+    #[test]
+    fn seeded() {
+        let (mut a, mut b) = (Rng::new(7, 1), Rng::new(7, 1));
+        assert_eq!(
+            (0..5).map(|_| a.next()).collect::<Vec<_>>(),
+            (0..5).map(|_| b.next()).collect::<Vec<_>>()
+        );
+        assert_ne!(Rng::new(7, 1).next(), Rng::new(7, 2).next());
     }
 }
