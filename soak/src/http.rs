@@ -2,8 +2,9 @@
 //! hang up at any moment, stop reading (a stalled reader), and see exactly what the server sent,
 //! including anything after the end of an answer (an answer ended twice).
 //!
-//! Every request carries `Connection: close`; the answer's end is found from its framing
-//! (`Content-Length` or the last chunk), then the socket is read a little longer for extra bytes.
+//! One request per connection, with `Connection: close` or without (then the connection stays
+//! open after the answer); the answer's end is found from its framing (`Content-Length` or the
+//! last chunk), then the socket is read a little longer for extra bytes.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -154,15 +155,22 @@ fn has_output(bytes: &[u8]) -> bool {
 
 /// Sends one POST with `body` to `addr` and reads the answer as `client` says. The caller
 /// bounds the whole exchange with its deadline.
-pub async fn exchange(addr: SocketAddr, path: &str, body: &[u8], client: Client) -> Raw {
+pub async fn exchange(
+    addr: SocketAddr,
+    path: &str,
+    body: &[u8],
+    client: Client,
+    close: bool,
+) -> Raw {
     let mut stream = match TcpStream::connect(addr).await {
         Ok(s) => s,
         Err(e) => return Raw::ConnectFailed(e.to_string()),
     };
     let _ = stream.set_nodelay(true);
     let head = format!(
-        "POST {path} HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
+        "POST {path} HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{}\r\n",
+        body.len(),
+        if close { "Connection: close\r\n" } else { "" }
     );
     let mut request = head.into_bytes();
     request.extend_from_slice(body);

@@ -532,8 +532,12 @@ async fn request(run: Arc<Run>, rng: &mut Rng, pick: Pick) {
     let stops = run.stops[m].load(Ordering::SeqCst);
     let id = run.ledger.begin(what);
     let body = serde_json::to_vec(&body).unwrap_or_default();
-    let raw =
-        tokio::time::timeout(deadline, http::exchange(run.inference, path, &body, client)).await;
+    let close = rng.percent(50);
+    let raw = tokio::time::timeout(
+        deadline,
+        http::exchange(run.inference, path, &body, client, close),
+    )
+    .await;
     let killed = run.life.load(Ordering::SeqCst) != life || !*run.up.borrow();
     let crashed = run.crashes[m].load(Ordering::SeqCst) != crashes;
     let stopped = run.stops[m].load(Ordering::SeqCst) != stops;
@@ -771,7 +775,7 @@ async fn chaos(run: Arc<Run>) {
         let m = rng.below(MODELS.len() as u64) as usize;
         let name = MODELS[m].name;
         let short = Duration::from_secs(60);
-        match rng.below(16) {
+        match rng.below(19) {
             0..=2 => {
                 let wait = rng.percent(30);
                 let mut args = vec!["start", "deployment", name, "--evict"];
@@ -826,11 +830,14 @@ async fn chaos(run: Arc<Run>) {
                     if set { "set" } else { "no engine" }
                 ));
             }
-            f @ 11..=15 => {
+            f @ 11..=16 => {
                 let name_f = match f {
                     11 | 12 => "wake_mismatch",
                     13 => "reload_fails",
-                    _ => "wake_hangs",
+                    14 => "wake_hangs",
+                    // Beyond the list: a park or wake that claims success and does
+                    // nothing, and a crash in the middle of a wake.
+                    _ => ["sleep_ignored", "wake_ignored", "crash_on_wake"][rng.below(3) as usize],
                 };
                 let set = fault(&run, m, name_f).await;
                 run.note(format!(
@@ -843,7 +850,21 @@ async fn chaos(run: Arc<Run>) {
                     run.note(format!("op park (after a fault): {out}"));
                 }
             }
-            _ => {}
+            _ => {
+                // A burst: more requests for one model than it runs at once (32).
+                let n = 20 + rng.below(40);
+                for i in 0..n {
+                    let r = run.clone();
+                    let mut side = Rng::new(rng.next(), 100 + i);
+                    let task =
+                        tokio::spawn(async move { request(r, &mut side, Pick::Model(m)).await });
+                    run.side
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(task);
+                }
+                run.note("burst of 20 to 59 requests for one model".to_owned());
+            }
         }
     }
 }
@@ -883,7 +904,7 @@ async fn all_serve(run: &Run) -> Vec<String> {
         let ok = loop {
             let raw = tokio::time::timeout(
                 REQUEST_DEADLINE + MARGIN,
-                http::exchange(run.inference, "/v1/completions", &body, Client::Reads),
+                http::exchange(run.inference, "/v1/completions", &body, Client::Reads, true),
             )
             .await;
             match raw {
