@@ -347,6 +347,8 @@ async fn start_capyctl(run: &Run) -> Result<Child> {
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(log)
+        // Its own process group: a Ctrl-C of the soak ends the run, it does not reach CapyCTL.
+        .process_group(0)
         .kill_on_drop(true)
         .spawn()
         .context("starting capyctl")?;
@@ -411,6 +413,35 @@ fn footprint(pid: u32) -> Option<(u64, i64)> {
         * 1024;
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count() as i64;
     Some((rss, fds))
+}
+
+/// A process's open descriptors by kind (`socket`, `pipe`, `anon_inode:[pidfd]` and the like,
+/// or the file's directory), e.g. `socket 12, pipe 4, /tmp/x 2`.
+fn fd_kinds(pid: u32) -> String {
+    let mut kinds: BTreeMap<String, u64> = BTreeMap::new();
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let target = std::fs::read_link(entry.path())
+            .map(|t| t.display().to_string())
+            .unwrap_or_default();
+        let kind = match target.split_once(':') {
+            Some(_) if target.starts_with("anon_inode:") => target.clone(),
+            Some((k, _)) if !target.starts_with('/') => k.to_owned(),
+            _ => Path::new(&target)
+                .parent()
+                .map(|p| p.display().to_string())
+                .unwrap_or(target),
+        };
+        *kinds.entry(kind).or_default() += 1;
+    }
+    kinds
+        .iter()
+        .map(|(k, n)| format!("{k} {n}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// The engine processes of this run: (pid, model name, port), found by the `SOAK_RUN` variable
@@ -1085,6 +1116,18 @@ async fn kill_and_restart(run: &Arc<Run>, child: &mut Child, rng: &mut Rng) -> R
     Ok(())
 }
 
+/// Sleeps until `until`; true when Ctrl-C came first (the run then ends early, as at the end
+/// of its time: traffic stopped, CapyCTL stopped cleanly, the table printed).
+async fn interrupted(until: Instant) -> bool {
+    tokio::select! {
+        () = tokio::time::sleep_until(until.into()) => false,
+        _ = tokio::signal::ctrl_c() => {
+            println!("capyctl-soak: interrupted; ending the run");
+            true
+        }
+    }
+}
+
 /// The run's result: the table's rows, and the names of the failed invariants.
 struct Report {
     rows: Vec<(String, String)>,
@@ -1166,6 +1209,7 @@ async fn soak(args: Args) -> Result<bool> {
     let first_pid = child.id().unwrap_or(0);
     let first = footprint(first_pid);
     let mut last_start = first;
+    let mut last_start_fds = fd_kinds(first_pid);
     run.up.send_replace(true);
     let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
@@ -1179,6 +1223,7 @@ async fn soak(args: Args) -> Result<bool> {
     let kill_until = started + args.duration.mul_f64(0.6);
     let end_at = started + args.duration;
     let mut kills = 0u64;
+    let mut ended_early = false;
     let mut failure: Option<String> = None;
     loop {
         let gap = Duration::from_secs(args.kill_every / 2 + rng.below(args.kill_every.max(1)));
@@ -1186,17 +1231,21 @@ async fn soak(args: Args) -> Result<bool> {
         if next >= kill_until {
             break;
         }
-        tokio::time::sleep_until(next.into()).await;
+        if interrupted(next).await {
+            ended_early = true;
+            break;
+        }
         if let Err(e) = kill_and_restart(&run, &mut child, &mut rng).await {
             failure = Some(format!("{e:#}"));
             break;
         }
         kills += 1;
         last_start = footprint(child.id().unwrap_or(0));
+        last_start_fds = fd_kinds(child.id().unwrap_or(0));
         run.up.send_replace(true);
     }
-    if failure.is_none() {
-        tokio::time::sleep_until(end_at.into()).await;
+    if failure.is_none() && !ended_early {
+        interrupted(end_at).await;
     }
     // Stop: no new request; every one ends by its own deadline.
     run.stopping.store(true, Ordering::SeqCst);
@@ -1215,6 +1264,7 @@ async fn soak(args: Args) -> Result<bool> {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let pid = child.id().unwrap_or(0);
     let end = footprint(pid);
+    let end_fds = fd_kinds(pid);
     let metrics = get(run.management, "/metrics", None)
         .await
         .map(|(_, b)| String::from_utf8_lossy(&b).into_owned())
@@ -1312,6 +1362,11 @@ async fn soak(args: Args) -> Result<bool> {
                 "CapyCTL at the end: RSS, fds",
                 format!("{}, {fd1}", mib(rss1)),
             );
+            row(
+                "CapyCTL's descriptors at its last start",
+                last_start_fds.clone(),
+            );
+            row("CapyCTL's descriptors at the end", end_fds.clone());
             let ok = rss1 <= rss0 + RSS_GROWTH_BOUND && fd1 <= fd0 + FD_GROWTH_BOUND;
             row(
                 &format!(
