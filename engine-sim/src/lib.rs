@@ -40,6 +40,8 @@ pub use config::{
 };
 pub use engine::{CRASH_EXIT_CODE, EngineSim, SimSnapshot};
 pub use state::{Corruption, Counters, Tag, WeightsState};
+/// The answers' words, so that a client can check an answer (the soak does).
+pub use text::{INTACT, Words};
 
 /// Largest request body accepted.
 const BODY_LIMIT: usize = 64 * 1024 * 1024;

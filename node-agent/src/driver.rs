@@ -301,8 +301,8 @@ impl Driver {
     }
 
     /// Where an engine left behind says it is ([`crate::recovery`]), without making a parked
-    /// engine generate: vLLM `GET /is_sleeping` (`/health` when it was launched without sleep
-    /// mode and has no such endpoint); SGLang a `/health` probe, bounded by the step timeout
+    /// engine generate: vLLM `GET /is_sleeping`, then, when it is not asleep (or was launched
+    /// without sleep mode and has no such endpoint), `/health`; SGLang a `/health` probe, bounded by the step timeout
     /// when it is expected awake (`expect_awake`) and by the short idle probe otherwise, then
     /// `/server_info` when it does not generate; TensorFold `/health`.
     pub async fn engine_state(&self, ep: &Endpoint, expect_awake: bool) -> EngineState {
@@ -318,8 +318,9 @@ impl Driver {
         match ep.engine {
             EngineKind::Vllm => match self.vllm_is_sleeping(ep, self.timeouts.step).await {
                 Ok(true) => EngineState::Asleep,
-                Ok(false) => EngineState::Awake,
-                Err(AgentError::EngineStatus { status: 404, .. }) => health().await,
+                // Not asleep is not serving: an engine still starting (its agent killed before
+                // it was ready) answers `is_sleeping` too. It serves once `/health` says so.
+                Ok(false) | Err(AgentError::EngineStatus { status: 404, .. }) => health().await,
                 Err(e) => EngineState::NoAnswer(e.to_string()),
             },
             EngineKind::Sglang => {

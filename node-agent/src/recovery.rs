@@ -41,7 +41,8 @@ pub enum Transition {
 /// Where an engine says it is, asked without making a parked engine generate.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EngineState {
-    /// It serves: vLLM `is_sleeping` false (or `/health` 200 without sleep mode), SGLang and
+    /// It serves: vLLM `is_sleeping` false (or absent without sleep mode) and `/health` 200
+    /// (an engine still starting answers `is_sleeping` false and `/health` 503), SGLang and
     /// TensorFold `/health` 200.
     Awake,
     /// It says it is asleep: vLLM `is_sleeping` true.

@@ -86,6 +86,64 @@ async fn a_vllm_left_asleep_mid_park_is_adopted_parked_not_ready() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Whether the engine on `port` answers `GET /is_sleeping` with 200.
+fn answers_is_sleeping(port: u16) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = s.write_all(b"GET /is_sleeping HTTP/1.1\r\nHost: e\r\nConnection: close\r\n\r\n");
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out.starts_with("HTTP/1.1 200")
+}
+
+#[tokio::test]
+async fn a_vllm_left_mid_start_is_stopped_not_adopted_ready() {
+    // Found by the soak (seed 6): CapyCTL killed while an engine was starting. The engine
+    // already answers `is_sleeping` (false) but not yet requests (503 "starting up"); adopted
+    // as ready, it got requests and passed its 503 on. Unsure: stopped.
+    let dir = common::temp_dir("recover-mid-start");
+    let first = std::sync::Arc::new(agent(&dir, 1024 * MIB, false));
+    let mut s = spec(EngineKind::Vllm, "");
+    s.env
+        .insert("ENGINE_SIM_STARTUP_DELAY".into(), "600s".into());
+    let starting = {
+        let first = first.clone();
+        tokio::spawn(async move { first.start("s", &s).await })
+    };
+    // The engine is up and answers `is_sleeping`, while its start waits for it to be ready.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let pid = loop {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the engine never answered"
+        );
+        let records = capyctl_node_agent::process::ProcessRuntime::new(&dir)
+            .unwrap()
+            .records()
+            .unwrap();
+        if let Some(r) = records.first()
+            && answers_is_sleeping(r.port)
+        {
+            break r.pid;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    starting.abort(); // CapyCTL is killed mid-start: nothing is stopped.
+    let _ = starting.await;
+    drop(first);
+    assert!(alive(pid), "the engine outlives its agent");
+
+    let second = agent(&dir, 1024 * MIB, false);
+    let report = second.recover().await.unwrap();
+    assert!(report.adopted.is_empty(), "{report:?}");
+    assert_eq!(report.stopped, ["s"]);
+    assert!(!alive(pid));
+    assert_no_records(&dir);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[tokio::test]
 async fn an_engine_left_between_intent_and_call_or_mid_wake_is_stopped() {
     for (engine, faults) in ENGINES {
