@@ -11,6 +11,9 @@
 //! a deployment document and names the bad field as `spec.<field>`. The CRD schema carries the
 //! simple bounds too, so the API server refuses most bad objects up front.
 
+#[doc(hidden)]
+pub mod fuzz;
+
 use std::collections::BTreeMap;
 use std::path::Path;
 

@@ -209,7 +209,7 @@ impl Conn {
 
 /// A parsed response head: what goes on to the client, the body's framing and whether the
 /// connection stays open after the answer.
-type Head = (EngineHead, Framing, bool);
+pub(super) type Head = (EngineHead, Framing, bool);
 
 /// An engine's response head, as the listener passes it on.
 #[derive(Debug)]
@@ -247,7 +247,7 @@ pub(super) fn note_spans(buf: &[u8], headers: &[httparse::Header<'_>], spans: &m
 
 /// Takes a complete response head off the start of `buf`, its header lines to pass on
 /// gathered in `lines` (and split off); `None` if it is not complete yet.
-fn take_head(
+pub(super) fn take_head(
     buf: &mut BytesMut,
     spans: &mut Vec<Span>,
     lines: &mut BytesMut,
@@ -463,7 +463,7 @@ pub(super) fn tokens(value: &[u8]) -> impl Iterator<Item = &[u8]> {
 
 /// How an answer's body ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Framing {
+pub(super) enum Framing {
     /// This many bytes are left.
     Length(u64),
     /// Chunked, at this point of the encoding.
@@ -645,7 +645,12 @@ pub(super) fn push_headers(out: &mut Vec<u8>, headers: &HeaderMap, skip: impl Fn
 
 /// Encodes a request head into `head`: request line (origin-form: the target's path and
 /// query), `Host`, the client's header lines, `Content-Length`.
-fn encode_head(head: &mut Vec<u8>, request: &RequestHead, host: &HeaderValue, length: usize) {
+pub(super) fn encode_head(
+    head: &mut Vec<u8>,
+    request: &RequestHead,
+    host: &HeaderValue,
+    length: usize,
+) {
     let target = request
         .uri
         .path_and_query()
