@@ -578,10 +578,13 @@ pub(super) fn decode_chunked(
                 *chunk = Chunk::Size;
             }
             Chunk::Size => {
-                let Some(end) = memchr::memchr(b'\n', buf) else {
-                    if buf.len() > MAX_CHUNK_LINE {
-                        return Err(invalid(format!("{what}: a chunk-size line too long")));
-                    }
+                // NB: the bound holds for a line that came whole too, so that whether a line is
+                // refused does not depend on how its bytes arrived.
+                let end = memchr::memchr(b'\n', buf);
+                if end.unwrap_or(buf.len()) > MAX_CHUNK_LINE {
+                    return Err(invalid(format!("{what}: a chunk-size line too long")));
+                }
+                let Some(end) = end else {
                     return Ok(None);
                 };
                 let line = &buf[..end];
@@ -614,10 +617,11 @@ pub(super) fn decode_chunked(
             }
             Chunk::Trailers => {
                 // Trailer lines up to an empty line; dropped.
-                let Some(end) = memchr::memchr(b'\n', buf) else {
-                    if buf.len() > MAX_TRAILERS {
-                        return Err(invalid(format!("{what}: trailers too long")));
-                    }
+                let end = memchr::memchr(b'\n', buf);
+                if end.unwrap_or(buf.len()) > MAX_TRAILERS {
+                    return Err(invalid(format!("{what}: trailers too long")));
+                }
+                let Some(end) = end else {
                     return Ok(None);
                 };
                 let empty = end == 0 || (end == 1 && buf[0] == b'\r');
@@ -1231,6 +1235,32 @@ mod tests {
         }
         let long = vec![b'1'; MAX_CHUNK_LINE + 2];
         assert!(decode_in_steps(&long, long.len()).is_err());
+    }
+
+    /// Found by the `request` fuzz target: a chunk-size line (or a trailer line) over its bound
+    /// was refused when it arrived in pieces, and read when it came whole with its LF.
+    #[test]
+    fn a_long_line_is_refused_however_it_arrives() {
+        let ext = "x".repeat(MAX_CHUNK_LINE);
+        let size_line = format!("2;e={ext}\r\n{{}}\r\n0\r\n\r\n");
+        let trailer = format!("2\r\n{{}}\r\n0\r\nt: {}\r\n\r\n", "y".repeat(MAX_TRAILERS));
+        for encoded in [size_line, trailer] {
+            for step in [1, 1000, encoded.len()] {
+                assert!(
+                    decode_in_steps(encoded.as_bytes(), step).is_err(),
+                    "step {step}"
+                );
+            }
+        }
+        // At the bound, a line is read however it arrives.
+        let ext = "x".repeat(MAX_CHUNK_LINE - 5);
+        let at_bound = format!("2;e={ext}\r\n{{}}\r\n0\r\n\r\n");
+        for step in [1, 1000, at_bound.len()] {
+            assert_eq!(
+                decode_in_steps(at_bound.as_bytes(), step).unwrap(),
+                (b"{}".to_vec(), true)
+            );
+        }
     }
 
     #[test]
