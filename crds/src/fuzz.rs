@@ -30,6 +30,7 @@ pub fn specs(data: &[u8]) {
     if let Ok(host) = serde_json::from_slice::<Host>(data) {
         let queue = QueueSettings::from(&host.spec.resource_policy.queue);
         assert!(ADMISSION_WINDOW_BOUNDS.contains(queue.admission_window));
+        assert!(queue.admission_window <= queue.request_deadline);
         assert!(REQUEST_DEADLINE_BOUNDS.contains(queue.request_deadline));
         assert!(STREAM_IDLE_TIMEOUT_BOUNDS.contains(queue.stream_idle_timeout));
         assert!(MAX_PENDING_PER_DEPLOYMENT_BOUNDS.contains(queue.max_pending_per_deployment));
