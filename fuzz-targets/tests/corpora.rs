@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 use capyctl_fuzz_targets::{Mutator, TARGETS, corpus, corpus_dir};
 
 /// Mutated inputs per target (stopping early past [`TIME_PER_TARGET`]).
-const MUTATIONS: usize = 3000;
+const MUTATIONS: usize = 20_000;
 /// The most time one target's mutated inputs take (a debug build on a slow machine).
-const TIME_PER_TARGET: Duration = Duration::from_secs(4);
+const TIME_PER_TARGET: Duration = Duration::from_secs(3);
 /// The longest mutated input.
 const MAX_LEN: usize = 16 * 1024;
 
