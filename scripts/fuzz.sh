@@ -28,12 +28,13 @@ cargo +nightly fuzz build -a --target-dir "$TARGET_DIR"
 
 run_one() {
     local target=$1
+    local rc=0
     mkdir -p "$WORK/$target/corpus"
     cargo +nightly fuzz run -a --target-dir "$TARGET_DIR" "$target" \
         "$WORK/$target/corpus" "corpus/$target" -- \
         -max_total_time="$SECONDS_EACH" -timeout=10 -rss_limit_mb=2048 -max_len=65536 \
-        -print_final_stats=1 >"$WORK/$target/log" 2>&1
-    echo $? >"$WORK/$target/rc"
+        -print_final_stats=1 >"$WORK/$target/log" 2>&1 || rc=$?
+    echo "$rc" >"$WORK/$target/rc"
 }
 
 running=0
@@ -57,7 +58,7 @@ for target in "${TARGETS[@]}"; do
     execs=$(echo "$runs_line" | awk '{print $2}')
     secs=$(echo "$runs_line" | awk '{print $5}')
     rate=$(echo "$done_line" | grep -oE 'exec/s: [0-9]+' | grep -oE '[0-9]+' || true)
-    if [ "$(cat "$WORK/$target/rc")" = 0 ] && [ -n "$done_line" ]; then
+    if [ "$(cat "$WORK/$target/rc" 2>/dev/null)" = 0 ] && [ -n "$done_line" ]; then
         result=ok
     else
         result="FAILED (see $log)"
