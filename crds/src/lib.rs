@@ -11,6 +11,9 @@
 //! a deployment document and names the bad field as `spec.<field>`. The CRD schema carries the
 //! simple bounds too, so the API server refuses most bad objects up front.
 
+#[doc(hidden)]
+pub mod fuzz;
+
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -21,7 +24,10 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use capyctl_spec::documents::{DeploymentDoc, DocumentError, KeyPath, Origin, Problem, Seg};
-use capyctl_spec::settings::QueueSettings;
+use capyctl_spec::settings::{
+    ADMISSION_WINDOW_BOUNDS, MAX_BUFFERED_BYTES_TOTAL_BOUNDS, MAX_PENDING_PER_DEPLOYMENT_BOUNDS,
+    MAX_PENDING_TOTAL_BOUNDS, QueueSettings, REQUEST_DEADLINE_BOUNDS, STREAM_IDLE_TIMEOUT_BOUNDS,
+};
 use capyctl_spec::units::{ByteSize, DurationSetting};
 use capyctl_spec::{Activation, EngineKind, InstanceState, Residency};
 
@@ -598,15 +604,25 @@ impl From<&QueueSettings> for QueueSpec {
     }
 }
 
+/// The settings a published `Host` says, each brought within its range (and the admission
+/// window not above the request deadline), as a host document's are: the CRD's schema bounds
+/// neither the durations nor the sizes, so an object edited by hand can hold any.
 impl From<&QueueSpec> for QueueSettings {
     fn from(q: &QueueSpec) -> Self {
+        let request_deadline = REQUEST_DEADLINE_BOUNDS.clamp(q.request_deadline.as_duration());
         Self {
-            admission_window: q.admission_window.as_duration(),
-            request_deadline: q.request_deadline.as_duration(),
-            stream_idle_timeout: q.stream_idle_timeout.as_duration(),
-            max_pending_per_deployment: q.max_pending_per_deployment,
-            max_pending_total: q.max_pending_total,
-            max_buffered_bytes_total: q.max_buffered_bytes_total.as_u64(),
+            admission_window: ADMISSION_WINDOW_BOUNDS
+                .clamp(q.admission_window.as_duration())
+                .min(request_deadline),
+            request_deadline,
+            stream_idle_timeout: STREAM_IDLE_TIMEOUT_BOUNDS
+                .clamp(q.stream_idle_timeout.as_duration()),
+            max_pending_per_deployment: MAX_PENDING_PER_DEPLOYMENT_BOUNDS
+                .clamp(q.max_pending_per_deployment),
+            max_pending_total: MAX_PENDING_TOTAL_BOUNDS.clamp(q.max_pending_total),
+            max_buffered_bytes_total: MAX_BUFFERED_BYTES_TOTAL_BOUNDS
+                .clamp(q.max_buffered_bytes_total)
+                .as_u64(),
         }
     }
 }
@@ -659,4 +675,44 @@ pub fn crd_yaml(crd: &CustomResourceDefinition) -> Result<String, serde_yaml_ng:
 /// The folder of the CRD files in this repository.
 pub fn chart_crd_dir() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../charts/capyctl/crds")
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    /// Found by the `crd` fuzz target: the queue policy the operator takes from a `Host` was
+    /// whatever the object said (`admissionWindow: 99999999h`, `maxBufferedBytesTotal: 0B`),
+    /// past every range a host document is held to.
+    #[test]
+    fn a_hosts_queue_policy_is_brought_within_its_ranges() {
+        let spec =
+            |queue: serde_json::Value| -> QueueSpec { serde_json::from_value(queue).unwrap() };
+        let wild = spec(serde_json::json!({
+            "admissionWindow": "99999999h",
+            "requestDeadline": "0s",
+            "streamIdleTimeout": "18446744073709551615ms",
+            "maxPendingPerDeployment": 4_000_000_000u32,
+            "maxPendingTotal": 4_000_000_000u32,
+            "maxBufferedBytesTotal": "0B",
+        }));
+        let q = QueueSettings::from(&wild);
+        assert_eq!(q.request_deadline, REQUEST_DEADLINE_BOUNDS.min);
+        assert_eq!(q.admission_window, REQUEST_DEADLINE_BOUNDS.min);
+        assert_eq!(q.stream_idle_timeout, STREAM_IDLE_TIMEOUT_BOUNDS.max);
+        assert_eq!(
+            q.max_pending_per_deployment,
+            MAX_PENDING_PER_DEPLOYMENT_BOUNDS.max
+        );
+        assert_eq!(q.max_pending_total, MAX_PENDING_TOTAL_BOUNDS.max);
+        assert_eq!(
+            q.max_buffered_bytes_total,
+            MAX_BUFFERED_BYTES_TOTAL_BOUNDS.min.as_u64()
+        );
+        // A policy within its ranges is taken as it is.
+        let defaults = QueueSettings::defaults(capyctl_spec::settings::Mode::ServerAndHosts);
+        assert_eq!(QueueSettings::from(&QueueSpec::from(&defaults)), defaults);
+    }
 }

@@ -70,8 +70,14 @@ pub fn safetensors_file_size(path: &Path) -> Result<(u64, u64), AgentError> {
     let mut header = vec![0u8; usize::try_from(len).map_err(|_| bad(path, "header too long"))?];
     file.read_exact(&mut header)
         .map_err(|e| AgentError::io(format!("read the header of {}", path.display()), e))?;
+    header_size(path, &header)
+}
+
+/// The (bytes of its tensors, number of tensors) a safetensors header says (the JSON after
+/// the length; `path` names the file in errors).
+pub(crate) fn header_size(path: &Path, header: &[u8]) -> Result<(u64, u64), AgentError> {
     let header: serde_json::Map<String, Value> =
-        serde_json::from_slice(&header).map_err(|e| AgentError::Json {
+        serde_json::from_slice(header).map_err(|e| AgentError::Json {
             what: format!("the safetensors header of {}", path.display()),
             source: e,
         })?;

@@ -192,14 +192,12 @@ impl Driver {
                 None,
             )
             .await?;
-        v.get("is_sleeping")
-            .and_then(Value::as_bool)
-            .ok_or_else(|| AgentError::EngineAnswer {
-                engine: ep.engine,
-                step: "is_sleeping",
-                url,
-                detail: format!("no boolean `is_sleeping` in {v}"),
-            })
+        is_sleeping_of(&v).ok_or_else(|| AgentError::EngineAnswer {
+            engine: ep.engine,
+            step: "is_sleeping",
+            url,
+            detail: format!("no boolean `is_sleeping` in {v}"),
+        })
     }
 
     async fn confirm_vllm(
@@ -563,10 +561,7 @@ impl Driver {
     /// top level or in `internal_states[0]`.
     pub async fn sglang_max_running(&self, ep: &Endpoint) -> Option<u32> {
         let info = self.sglang_server_info(ep).await.ok()?;
-        info.get("max_running_requests")
-            .or_else(|| info.pointer("/internal_states/0/max_running_requests"))
-            .and_then(Value::as_u64)
-            .and_then(|n| u32::try_from(n).ok())
+        max_running_of(&info)
     }
 
     /// The engine's version: vLLM `GET /version`, SGLang `/server_info`'s `version`,
@@ -578,7 +573,7 @@ impl Driver {
                 self.get_json(ep, "version", "/version").await?
             }
         };
-        v.get("version").and_then(Value::as_str).map(str::to_string)
+        version_of(&v)
     }
 
     /// Wakes a parked engine and verifies it: the wake steps of `tier`, then the check prompt
@@ -680,4 +675,26 @@ pub struct WakeAttempt {
     pub outcome: WakeOutcome,
     /// It failed because the engine could not be reached (refused or broken connection).
     pub engine_unreachable: bool,
+}
+
+/// vLLM's `/is_sleeping` answer: its boolean `is_sleeping`.
+pub(crate) fn is_sleeping_of(answer: &Value) -> Option<bool> {
+    answer.get("is_sleeping").and_then(Value::as_bool)
+}
+
+/// SGLang's `max_running_requests` in a `/server_info` answer: top level or in
+/// `internal_states[0]`.
+pub(crate) fn max_running_of(info: &Value) -> Option<u32> {
+    info.get("max_running_requests")
+        .or_else(|| info.pointer("/internal_states/0/max_running_requests"))
+        .and_then(Value::as_u64)
+        .and_then(|n| u32::try_from(n).ok())
+}
+
+/// The `version` of a `/version` or `/server_info` answer.
+pub(crate) fn version_of(answer: &Value) -> Option<String> {
+    answer
+        .get("version")
+        .and_then(Value::as_str)
+        .map(str::to_string)
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use capyctl_spec::EngineKind;
 use http::{Method, Request, header};
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -16,6 +16,9 @@ use crate::error::AgentError;
 
 /// How much of an error body an error message keeps.
 const BODY_IN_ERROR: usize = 300;
+/// The largest answer read from an engine (its `/metrics` text is the largest, some hundred
+/// KiB): an engine that sends more is answered an error rather than held in memory whole.
+pub const MAX_ANSWER_BYTES: usize = 16 * 1024 * 1024;
 
 /// One engine call: which engine, which step, where.
 #[derive(Debug, Clone, Copy)]
@@ -86,16 +89,30 @@ impl EngineClient {
                 }
             })?;
             let status = response.status().as_u16();
-            // A body that breaks off is a connection lost mid-answer (the engine went away).
-            let bytes = response
-                .into_body()
+            // A body that breaks off is a connection lost mid-answer (the engine went away); one
+            // over MAX_ANSWER_BYTES is not read further.
+            let bytes = Limited::new(response.into_body(), MAX_ANSWER_BYTES)
                 .collect()
                 .await
-                .map_err(|source| AgentError::EngineUnreachable {
-                    engine: call.engine,
-                    step: call.step,
-                    url: call.url.to_string(),
-                    source: Box::new(source),
+                .map_err(|source| {
+                    if source.downcast_ref::<LengthLimitError>().is_some() {
+                        AgentError::EngineAnswer {
+                            engine: call.engine,
+                            step: call.step,
+                            url: call.url.to_string(),
+                            detail: format!(
+                                "the answer is longer than {} MiB",
+                                MAX_ANSWER_BYTES >> 20
+                            ),
+                        }
+                    } else {
+                        AgentError::EngineUnreachable {
+                            engine: call.engine,
+                            step: call.step,
+                            url: call.url.to_string(),
+                            source,
+                        }
+                    }
                 })?
                 .to_bytes();
             Ok((status, bytes))

@@ -31,6 +31,8 @@ pub mod checkpoint;
 pub mod cli;
 pub mod driver;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod http;
 pub mod inventory;
 #[cfg(feature = "kubernetes")]

@@ -133,10 +133,14 @@ pub fn decision_from_completion(options: &[String], answer: &Value) -> DecisionA
     let probabilities = top.map(|top| {
         let mut p: BTreeMap<String, f64> = options.iter().map(|o| (o.clone(), 0.0)).collect();
         for (token, lp) in top {
+            // A probability stays within 0 and 1 whatever the engine sends: a log probability
+            // above 0 counts as 0, and the tokens of one option (` yes`, `y`) sum to at most
+            // 1. (An infinite one, from a large log probability, would not even write to the
+            // state store: JSON has no infinity.)
             if let (Some(i), Some(lp)) = (option_of(token), lp.as_f64())
                 && let Some(slot) = p.get_mut(&options[i])
             {
-                *slot += lp.exp();
+                *slot = (*slot + lp.min(0.0).exp()).min(1.0);
             }
         }
         p

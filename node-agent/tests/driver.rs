@@ -416,3 +416,47 @@ async fn a_steps_own_timeout_inside_the_window_says_which_step() {
     );
     assert_eq!(outcome.failure().unwrap().code(), "wake_uncertain");
 }
+
+/// An engine whose answer has no end (chunks sent until the client goes) is answered an
+/// error once the answer passes `MAX_ANSWER_BYTES`, rather than read into memory whole.
+#[tokio::test]
+async fn an_endless_answer_is_cut_at_the_bound() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let sent = tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let mut head = [0u8; 1024];
+        let _ = socket.read(&mut head).await.unwrap();
+        socket
+            .write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            .await
+            .unwrap();
+        let chunk = format!("{:x}\r\n{}\r\n", 64 * 1024, "x".repeat(64 * 1024));
+        let mut sent = 0usize;
+        while socket.write_all(chunk.as_bytes()).await.is_ok() {
+            sent += 64 * 1024;
+        }
+        sent
+    });
+    let url = format!("http://127.0.0.1:{port}/metrics");
+    let call = Call {
+        engine: EngineKind::Vllm,
+        step: "metrics",
+        url: &url,
+        timeout: Duration::from_secs(30),
+    };
+    let err = EngineClient::new()
+        .expect_ok(call, Method::GET, None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, AgentError::EngineAnswer { detail, .. } if detail.contains("longer than 16 MiB")),
+        "{err}"
+    );
+    let sent = sent.await.unwrap();
+    assert!(
+        sent < 4 * capyctl_node_agent::http::MAX_ANSWER_BYTES,
+        "{sent} bytes sent"
+    );
+}

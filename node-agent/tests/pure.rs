@@ -1136,6 +1136,24 @@ fn decisions_compare_option_and_probabilities() {
     };
 }
 
+/// Found by the `engine_json` fuzz target: the tokens of one option summed past 1 (` yes` at
+/// log probability 0 and `y`), and a log probability above 0 gave any probability, infinity
+/// too, which the state store cannot write back (JSON has no infinity).
+#[test]
+fn a_decisions_probabilities_stay_within_0_and_1() {
+    let options = s(&["yes", "no"]);
+    let answer = json!({"choices": [{"text": " yes", "logprobs": {"top_logprobs": [
+        {" yes": -0.0, "y": -3.0, " no": 800.0, "No": 1e300}
+    ]}}]});
+    let d = decision_from_completion(&options, &answer);
+    let p = d.probabilities.clone().unwrap();
+    assert_eq!((p["yes"], p["no"]), (1.0, 1.0));
+    let first = FirstAnswer::Decision { answer: d };
+    let stored = serde_json::to_string(&first).unwrap();
+    let again: FirstAnswer = serde_json::from_str(&stored).unwrap();
+    assert!(compare_answers(&first, &again).is_ok());
+}
+
 #[test]
 fn wake_outcomes_map_to_the_catalogue() {
     assert_eq!(WakeOutcome::Pass.failure(), None);

@@ -36,6 +36,8 @@
 //! shows counts and durations labelled by deployment ID, never documents or the token. The
 //! listener is on loopback by default; put it behind a NetworkPolicy where it is not.
 
+#[doc(hidden)]
+pub mod fuzz;
 mod token;
 
 use std::future::{Future, IntoFuture};
@@ -625,8 +627,10 @@ fn percent_decode(s: &str) -> Result<String, String> {
         match b {
             b'+' => out.push(b' '),
             b'%' => {
+                // Two hex digits (`u8::from_str_radix` alone also takes `+5` and `-0`).
                 let hex = bytes
                     .get(i + 1..i + 3)
+                    .filter(|h| h.iter().all(u8::is_ascii_hexdigit))
                     .and_then(|h| std::str::from_utf8(h).ok())
                     .and_then(|h| u8::from_str_radix(h, 16).ok())
                     .ok_or_else(|| format!("bad percent-encoding in the query: {s:?}"))?;
@@ -701,6 +705,16 @@ mod tests {
         assert!(load_query(Some("deployment=a&deployment=b")).is_err_and(|e| e.contains("twice")));
         assert!(load_query(Some("deployment=")).is_err_and(|e| e.contains("empty")));
         assert!(load_query(Some("deployment=%zz")).is_err_and(|e| e.contains("percent")));
+    }
+
+    /// Found by the `management` fuzz target: `%+5` and `%-0` decoded (to 0x05 and 0x00), as
+    /// `u8::from_str_radix` takes a sign.
+    #[test]
+    fn a_percent_escape_is_two_hex_digits() {
+        for bad in ["a%+5", "%-0", "%+b%41", "%4", "%"] {
+            assert!(percent_decode(bad).is_err(), "{bad}");
+        }
+        assert_eq!(percent_decode("%41%2d+%e2%82%ac"), Ok("A- €".to_string()));
     }
 
     #[test]

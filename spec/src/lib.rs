@@ -20,6 +20,8 @@ pub mod auth;
 pub mod documents;
 pub mod engine_args;
 pub mod errors;
+#[doc(hidden)]
+pub mod fuzz;
 mod kinds;
 pub mod overrides;
 pub mod settings;

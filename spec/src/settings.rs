@@ -50,6 +50,17 @@ impl<T: PartialOrd + Copy> Bounds<T> {
     pub fn contains(&self, value: T) -> bool {
         self.min <= value && value <= self.max
     }
+
+    /// `value`, or the nearest end when it lies outside the bounds.
+    pub fn clamp(&self, value: T) -> T {
+        if value < self.min {
+            self.min
+        } else if value > self.max {
+            self.max
+        } else {
+            value
+        }
+    }
 }
 
 /// A bound as the product page writes it: whole seconds up to an hour in `s` (`600s`,

@@ -36,6 +36,8 @@
 mod body;
 mod budget;
 mod conn;
+#[doc(hidden)]
+pub mod fuzz;
 mod server;
 mod sse;
 mod upstream;
@@ -717,7 +719,7 @@ where
 /// follow ([`another_model_key_may_follow`]); what the walk does not check (a bad literal or
 /// number, what follows `model` in a body that has no second one, bytes after the object)
 /// goes to the engine, which answers it with its own 400.
-fn model_of(body: &[u8]) -> Result<Cow<'_, str>, Failure> {
+pub(super) fn model_of(body: &[u8]) -> Result<Cow<'_, str>, Failure> {
     let invalid = |detail: &str| {
         Failure::Api(ApiError::InvalidRequest {
             detail: detail.to_string(),

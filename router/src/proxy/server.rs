@@ -79,7 +79,7 @@ const MAX_TARGET: usize = 8 * 1024;
 /// What one read asks of the socket at least.
 const READ_SIZE: usize = 8 * 1024;
 /// Whose chunked body [`decode_chunked`] reads here.
-const REQUEST_BODY: &str = "the chunked request body";
+pub(super) const REQUEST_BODY: &str = "the chunked request body";
 /// How long closing a connection may take: writing the answer to a head that cannot be read,
 /// shutting the connection down, and (when the client may still be sending what nobody read)
 /// reading and dropping what it sends, at most [`LINGER_BYTES`], so that its answer is not
@@ -193,12 +193,12 @@ pub(super) async fn serve<A: Admission, S>(
 }
 
 /// A request's head as the server keeps it.
-struct Incoming {
-    head: RequestHead,
-    version: Version,
-    framing: Framing,
+pub(super) struct Incoming {
+    pub(super) head: RequestHead,
+    pub(super) version: Version,
+    pub(super) framing: Framing,
     /// The client keeps the connection open after this exchange.
-    keep: bool,
+    pub(super) keep: bool,
     /// `Expect: 100-continue`.
     expect_continue: bool,
     /// The body was not read to its end (refused, cut, late): the connection closes after
@@ -208,7 +208,7 @@ struct Incoming {
 
 /// How a request body is framed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Framing {
+pub(super) enum Framing {
     Length(u64),
     Chunked,
 }
@@ -235,11 +235,11 @@ enum Next {
 }
 
 /// A parsed request line, with the head's length.
-struct Line {
-    used: usize,
-    method: Method,
-    target: (usize, usize),
-    version: Version,
+pub(super) struct Line {
+    pub(super) used: usize,
+    pub(super) method: Method,
+    pub(super) target: (usize, usize),
+    pub(super) version: Version,
 }
 
 /// One client connection.
@@ -685,7 +685,7 @@ impl std::fmt::Display for ClosedEarly {
 /// Parses a request line and header lines at the start of `buf`, noting where the header
 /// lines lie in `spans`; `None` if the head is not complete yet. Room for
 /// [`SOME_HEADERS`] first, for [`MAX_HEADERS`] only when that is too few.
-fn parse_line(buf: &[u8], spans: &mut Vec<Span>) -> Result<Option<Line>, ApiError> {
+pub(super) fn parse_line(buf: &[u8], spans: &mut Vec<Span>) -> Result<Option<Line>, ApiError> {
     let mut few = [httparse::EMPTY_HEADER; SOME_HEADERS];
     let mut request = httparse::Request::new(&mut few);
     match request.parse(buf) {
@@ -780,7 +780,7 @@ fn bad(detail: String) -> ApiError {
 /// again: that was about a tenth of the listener's user-space instructions per request (see
 /// `router/DESIGN.md`, "Speed"). `httparse` has checked them already: a name is a token and a
 /// value has no control character but tab, so no line can split the head sent on.
-fn incoming(
+pub(super) fn incoming(
     head: &Bytes,
     line: &Line,
     spans: &[Span],

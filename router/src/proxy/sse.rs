@@ -376,6 +376,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+    use crate::proxy::fuzz::is_output_by_value;
 
     #[test]
     fn finds_event_ends_across_frames() {
@@ -422,47 +423,6 @@ mod tests {
         let mut s = EventScanner::new(16);
         assert_eq!(s.measure(b"data: 12345678"), Ok(()));
         assert_eq!(s.measure(b"12345678\n\n"), Err(Oversized));
-    }
-
-    /// The reading of `is_output` before it had types of its own: the oracle for the one
-    /// now, on whatever a chunk's JSON can be.
-    fn is_output_by_value(data: &[u8]) -> bool {
-        fn empty(value: &serde_json::Value) -> bool {
-            match value {
-                serde_json::Value::Null => true,
-                serde_json::Value::String(s) => s.is_empty(),
-                serde_json::Value::Array(a) => a.is_empty(),
-                _ => false,
-            }
-        }
-        fn role_only(choice: &serde_json::Value) -> bool {
-            let Some(choice) = choice.as_object() else {
-                return false;
-            };
-            if !choice
-                .get("finish_reason")
-                .is_none_or(serde_json::Value::is_null)
-            {
-                return false;
-            }
-            if choice.get("text").is_some_and(|t| !empty(t)) {
-                return false;
-            }
-            match choice.get("delta") {
-                None => true,
-                Some(serde_json::Value::Object(delta)) => delta
-                    .iter()
-                    .all(|(key, value)| key == "role" || empty(value)),
-                Some(_) => false,
-            }
-        }
-        let Ok(value) = serde_json::from_slice::<serde_json::Value>(data) else {
-            return true;
-        };
-        let Some(choices) = value.get("choices").and_then(|c| c.as_array()) else {
-            return true;
-        };
-        !choices.iter().all(role_only)
     }
 
     #[test]

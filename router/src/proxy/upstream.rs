@@ -209,7 +209,7 @@ impl Conn {
 
 /// A parsed response head: what goes on to the client, the body's framing and whether the
 /// connection stays open after the answer.
-type Head = (EngineHead, Framing, bool);
+pub(super) type Head = (EngineHead, Framing, bool);
 
 /// An engine's response head, as the listener passes it on.
 #[derive(Debug)]
@@ -247,7 +247,7 @@ pub(super) fn note_spans(buf: &[u8], headers: &[httparse::Header<'_>], spans: &m
 
 /// Takes a complete response head off the start of `buf`, its header lines to pass on
 /// gathered in `lines` (and split off); `None` if it is not complete yet.
-fn take_head(
+pub(super) fn take_head(
     buf: &mut BytesMut,
     spans: &mut Vec<Span>,
     lines: &mut BytesMut,
@@ -463,7 +463,7 @@ pub(super) fn tokens(value: &[u8]) -> impl Iterator<Item = &[u8]> {
 
 /// How an answer's body ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Framing {
+pub(super) enum Framing {
     /// This many bytes are left.
     Length(u64),
     /// Chunked, at this point of the encoding.
@@ -578,10 +578,13 @@ pub(super) fn decode_chunked(
                 *chunk = Chunk::Size;
             }
             Chunk::Size => {
-                let Some(end) = memchr::memchr(b'\n', buf) else {
-                    if buf.len() > MAX_CHUNK_LINE {
-                        return Err(invalid(format!("{what}: a chunk-size line too long")));
-                    }
+                // NB: the bound holds for a line that came whole too, so that whether a line is
+                // refused does not depend on how its bytes arrived.
+                let end = memchr::memchr(b'\n', buf);
+                if end.unwrap_or(buf.len()) > MAX_CHUNK_LINE {
+                    return Err(invalid(format!("{what}: a chunk-size line too long")));
+                }
+                let Some(end) = end else {
                     return Ok(None);
                 };
                 let line = &buf[..end];
@@ -614,10 +617,11 @@ pub(super) fn decode_chunked(
             }
             Chunk::Trailers => {
                 // Trailer lines up to an empty line; dropped.
-                let Some(end) = memchr::memchr(b'\n', buf) else {
-                    if buf.len() > MAX_TRAILERS {
-                        return Err(invalid(format!("{what}: trailers too long")));
-                    }
+                let end = memchr::memchr(b'\n', buf);
+                if end.unwrap_or(buf.len()) > MAX_TRAILERS {
+                    return Err(invalid(format!("{what}: trailers too long")));
+                }
+                let Some(end) = end else {
                     return Ok(None);
                 };
                 let empty = end == 0 || (end == 1 && buf[0] == b'\r');
@@ -645,7 +649,12 @@ pub(super) fn push_headers(out: &mut Vec<u8>, headers: &HeaderMap, skip: impl Fn
 
 /// Encodes a request head into `head`: request line (origin-form: the target's path and
 /// query), `Host`, the client's header lines, `Content-Length`.
-fn encode_head(head: &mut Vec<u8>, request: &RequestHead, host: &HeaderValue, length: usize) {
+pub(super) fn encode_head(
+    head: &mut Vec<u8>,
+    request: &RequestHead,
+    host: &HeaderValue,
+    length: usize,
+) {
     let target = request
         .uri
         .path_and_query()
@@ -1226,6 +1235,32 @@ mod tests {
         }
         let long = vec![b'1'; MAX_CHUNK_LINE + 2];
         assert!(decode_in_steps(&long, long.len()).is_err());
+    }
+
+    /// Found by the `request` fuzz target: a chunk-size line (or a trailer line) over its bound
+    /// was refused when it arrived in pieces, and read when it came whole with its LF.
+    #[test]
+    fn a_long_line_is_refused_however_it_arrives() {
+        let ext = "x".repeat(MAX_CHUNK_LINE);
+        let size_line = format!("2;e={ext}\r\n{{}}\r\n0\r\n\r\n");
+        let trailer = format!("2\r\n{{}}\r\n0\r\nt: {}\r\n\r\n", "y".repeat(MAX_TRAILERS));
+        for encoded in [size_line, trailer] {
+            for step in [1, 1000, encoded.len()] {
+                assert!(
+                    decode_in_steps(encoded.as_bytes(), step).is_err(),
+                    "step {step}"
+                );
+            }
+        }
+        // At the bound, a line is read however it arrives.
+        let ext = "x".repeat(MAX_CHUNK_LINE - 5);
+        let at_bound = format!("2;e={ext}\r\n{{}}\r\n0\r\n\r\n");
+        for step in [1, 1000, at_bound.len()] {
+            assert_eq!(
+                decode_in_steps(at_bound.as_bytes(), step).unwrap(),
+                (b"{}".to_vec(), true)
+            );
+        }
     }
 
     #[test]

@@ -11,7 +11,7 @@
 //! `my-model.yaml:3: resdency: unknown key; expected one of name, engine, model, ...`.
 
 mod check;
-mod depth;
+pub(crate) mod depth;
 mod error;
 mod locate;
 
