@@ -10,13 +10,14 @@
 //! The store and the host agents are traits: this crate does not know whether it runs under
 //! Kubernetes, and a test checks that kube is not in its dependency tree.
 //!
-//! [`Server`] holds every deployment and its instance (one per deployment on one host, index
-//! 0) behind one std mutex that is never held across an `.await`. An engine operation (start,
-//! park, wake, stop) first marks the instance busy under the lock (`starting`, `parking`, ...),
-//! runs the host agent's call without the lock, then writes the outcome under the lock; a busy
-//! or reserved instance is never touched by anything else. A plan the router asks for reserves
-//! its victims (and claims the target) inside the lock, so two plans or an operator command
-//! never name the same victim.
+//! [`Server`]'s state (every deployment and its instance: one per deployment on one host, index
+//! 0) has one writer, the owner task (`owner.rs`), which runs the rules of `state.rs` one call
+//! at a time; reads take a read lock, no turn of the task. An engine operation (start, park,
+//! wake, stop) is a call that marks the instance busy (`starting`, `parking`, ...), the host
+//! agent's call on the caller's task, and a call that writes the outcome; a busy or reserved
+//! instance is never touched by anything else. A plan the router asks for reserves its victims
+//! (and claims the target) in one call, so two plans or an operator command never name the
+//! same victim.
 //!
 //! The server implements the router's [`Lifecycle`] and [`ManagementApi`]; it tells the router
 //! about instances through the [`CoordinatorHandle`] given to [`Server::attach_router`], and
@@ -524,7 +525,7 @@ impl Server {
         task.abort_handle()
     }
 
-    /// Every host, by ID (shared: one `Arc` copied under the lock).
+    /// Every host, by ID (shared: one `Arc` copied under the read lock).
     fn hosts_now(&self) -> Hosts {
         self.read(|inner| Arc::clone(&inner.hosts))
     }
@@ -658,9 +659,9 @@ impl Server {
         ))
     }
 
-    // ----- reads: snapshots copied under the lock, views built outside it -----
+    // ----- reads: snapshots copied under the read lock, views built outside it -----
 
-    /// Every deployment as the views need it (by ID), and the hosts: copied under the lock
+    /// Every deployment as the views need it (by ID), and the hosts: copied under the read lock
     /// [`SHOT_CHUNK`] deployments at a time, the lock let go between chunks, so that a request
     /// or a switch waits for one chunk at most, never for a whole read. NB: so the copies are
     /// not of one instant; each deployment's is of one.
@@ -847,7 +848,7 @@ impl Server {
         }
     }
 
-    /// Runs the start or wake begun by [`Server::begin_up`]; announces the instance when ready.
+    /// Runs the start or wake begun by [`State::begin_up`]; announces the instance when ready.
     async fn finish_up(&self, id: &str, up: Up) -> Result<(), ApiError> {
         let name = self
             .read(|inner| inner.deps.get(id).map(|d| d.name().to_string()))
@@ -1013,7 +1014,7 @@ impl Server {
     }
 
     /// Runs `op`, the start or the wake of `id` (instance `iid` on `agent`) that
-    /// [`Server::begin_up`] began, unless it is ended meanwhile ([`Server::end_bring_up`]):
+    /// [`State::begin_up`] began, unless it is ended meanwhile ([`Server::end_bring_up`]):
     /// then the agent is asked to stop the engine, which ends `op` (the agent answers it
     /// `cancelled`), and both are awaited: when this answers, the engine is gone. Ended before
     /// it began, `op` is never run (and the engine of a wake, parked, is stopped).
@@ -2235,7 +2236,7 @@ impl Server {
         self.receipt("stop", &id)
     }
 
-    /// Drains (when ready) and parks or stops `id`, as begun by [`Server::begin_down`].
+    /// Drains (when ready) and parks or stops `id`, as begun by [`State::begin_down`].
     async fn take_down(
         &self,
         id: &str,
@@ -2276,7 +2277,7 @@ impl Server {
             .map(|p| p.released)
     }
 
-    /// The idle timers' [`Server::take_down`] (`down` from [`Server::begin_down`]: a ready
+    /// The idle timers' [`Server::take_down`] (`down` from [`State::begin_down`]: a ready
     /// `id` is parked, a parked one stopped), once the router's coordinator has found it idle
     /// since `idle_since`, deciding on its own state, and released it. `Ok(false)`, nothing
     /// done, when it is in use (a request waits, runs, or came after `idle_since`).
@@ -2521,7 +2522,7 @@ impl Server {
         })
     }
 
-    /// What each of `hosts`' deployments hold (in the hosts' order), summed under the lock from
+    /// What each of `hosts`' deployments hold (in the hosts' order), summed under the read lock from
     /// the by-host index a few hosts at a time.
     fn host_uses(&self, hosts: &Hosts) -> Vec<views::HostUse> {
         let all: Vec<(&String, &Arc<Host>)> = hosts.iter().collect();

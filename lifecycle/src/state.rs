@@ -676,7 +676,7 @@ impl State {
             .collect()
     }
 
-    /// Marks `id` as coming up (under the lock) and says how.
+    /// Marks `id` as coming up and says how.
     pub(crate) fn begin_up(&mut self, id: &str, now: Instant) -> Option<Up> {
         let d = self.deps.get_mut(id)?;
         if std::mem::take(&mut d.rec.pending_start) || d.state != InstanceState::Parked {
@@ -830,7 +830,7 @@ impl State {
         Ok(plan)
     }
 
-    /// Begins taking `id` down (under the lock): `Ok(Some(true))` ready (drain first),
+    /// Begins taking `id` down: `Ok(Some(true))` ready (drain first),
     /// `Ok(Some(false))` parked (stop directly), `Ok(None)` nothing runs.
     pub(crate) fn begin_down(&mut self, id: &str, rid: &str) -> Result<Option<bool>, ApiError> {
         let d = self.deps.get_mut(id).ok_or_else(|| not_found(id))?;
