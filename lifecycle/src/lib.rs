@@ -2181,13 +2181,13 @@ impl Server {
         let refusal = ApiError::DispatchClosed {
             deployment: id.to_string(),
         };
-        let (name, iid) = self
+        // `ran`: a start or wake in progress, which the drain ends.
+        let (name, iid, ran) = self
             .read(|inner| {
                 let d = inner.deps.get(id)?;
-                Some((d.name().to_string(), d.instance_id()))
+                Some((d.name().to_string(), d.instance_id(), d.bringing_up()))
             })
             .ok_or_else(|| not_found(id))?;
-        let ran = self.read(|inner| inner.deps.get(id).is_some_and(Dep::bringing_up));
         let down = self.settle_down(id, &rid, refusal).await;
         let result = match down {
             Ok(down) => self.take_down(id, &rid, down, true).await,
@@ -2846,13 +2846,13 @@ impl ManagementApi for Server {
                 .collect()
                 .await;
             let used = self.host_uses(&hosts);
+            let cordoned = self.read(|inner| inner.cordoned.clone());
             HostList {
                 hosts: inventories
                     .iter()
                     .zip(used)
                     .map(|((id, host, inv), used)| {
-                        let cordoned = self.read(|inner| inner.cordoned.contains(id));
-                        views::host_view(id, host, inv.as_ref(), used, cordoned)
+                        views::host_view(id, host, inv.as_ref(), used, cordoned.contains(id))
                     })
                     .collect(),
             }

@@ -564,14 +564,7 @@ async fn engines_of(agent_dir: &std::path::Path, agent_pid: u32) -> Vec<EnginePr
         else {
             continue;
         };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        // `pid (comm) state ppid ...`: the fields after the last ')'.
-        let after = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or("");
-        let fields: Vec<&str> = after.split_whitespace().collect();
-        let (state, ppid) = (fields.first().copied(), fields.get(1).copied());
-        if ppid != Some(agent_pid.to_string().as_str()) || state == Some("Z") {
+        if capyctl_test_support::live_parent(u64::from(pid)) != Some(u64::from(agent_pid)) {
             continue;
         }
         let record = records.get(&pid).cloned();
@@ -718,14 +711,9 @@ async fn node_agent_gone(client: Client, kubeconfig: &std::path::Path, ns: &str)
     }
     drop(agent);
     for e in &engines {
+        // Gone, or a zombie its dead parent left.
         eventually(&format!("engine {} gone", e.pid), t, || async {
-            let stat = std::fs::read_to_string(format!("/proc/{}/stat", e.pid)).ok();
-            // Gone, or a zombie its dead parent left.
-            stat.is_none_or(|s| {
-                s.rsplit_once(')')
-                    .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
-            })
-            .then_some(())
+            (!capyctl_test_support::alive(u64::from(e.pid))).then_some(())
         })
         .await;
     }

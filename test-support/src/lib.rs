@@ -67,6 +67,23 @@ pub fn newest_source(path: &Path) -> SystemTime {
         .unwrap_or(UNIX_EPOCH)
 }
 
+/// The parent of process `pid` while it lives (from `/proc/<pid>/stat`); `None` once it is
+/// gone or a zombie.
+pub fn live_parent(pid: u64) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // `pid (comm) state ppid ...`: the fields after the last ')' (a name may hold one).
+    let (_, rest) = stat.rsplit_once(')')?;
+    let mut fields = rest.split_whitespace();
+    let state = fields.next()?;
+    let ppid = fields.next()?.parse().ok()?;
+    (state != "Z").then_some(ppid)
+}
+
+/// Whether process `pid` is alive (and not a zombie).
+pub fn alive(pid: u64) -> bool {
+    live_parent(pid).is_some()
+}
+
 /// The `engine-sim` binary of this workspace: [`workspace_binary`] of package
 /// `capyctl-engine-sim`, binary `engine-sim`.
 pub fn engine_sim_binary() -> PathBuf {

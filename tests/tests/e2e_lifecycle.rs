@@ -7,7 +7,8 @@ mod support;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use support::{Capy, Out, alive, assert_error, chat, document, id_of, model, temp_dir};
+use capyctl_test_support::alive;
+use support::{Capy, Out, assert_error, chat, document, id_of, model, temp_dir};
 
 fn waiting_limit(capy: &Capy) -> u64 {
     let load = capy.management_get("/management/v1/metrics/load").json();

@@ -7,7 +7,8 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use support::{Capy, alive, assert_error, chat, document, model, temp_dir};
+use capyctl_test_support::alive;
+use support::{Capy, assert_error, chat, document, model, temp_dir};
 
 /// What a command that ends a start in progress may take at most (the engine's ready timeout
 /// is 1800 s, its stop grace 10 s; engine-sim ends on SIGTERM at once).

@@ -324,15 +324,6 @@ pub fn signal(pid: u32, name: &str) {
         .status();
 }
 
-/// Whether process `pid` is alive (and not a zombie).
-pub fn alive(pid: u64) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-        s.rsplit(')')
-            .next()
-            .is_some_and(|r| !r.trim_start().starts_with('Z'))
-    })
-}
-
 /// An HTTP answer.
 #[derive(Debug, Clone)]
 pub struct Response {
