@@ -44,7 +44,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
 use capyctl_node_agent::HostAgent;
-use capyctl_node_agent::agent::{EngineExit, ParkResult};
+use capyctl_node_agent::agent::{AgentHealth, EngineExit, ParkResult};
 use capyctl_node_agent::measure::Measurement;
 use capyctl_node_agent::spec::{HostSettings, InstanceSpec};
 use capyctl_node_agent::tier::{NoParkReason, ParkTier};
@@ -480,7 +480,11 @@ impl Server {
                 tracing::warn!(host = %host_id, instance = %iid, error = %e, "stopping a left engine failed");
             }
         }
-        let exits = self.forward_exits(host_id.clone(), agent.subscribe_exits());
+        let exits = self.forward_exits(
+            host_id.clone(),
+            agent.subscribe_exits(),
+            agent.subscribe_health(),
+        );
         self.host_exits_of().insert(host_id.clone(), exits);
         self.flush_due();
         for key in lost {
@@ -495,19 +499,46 @@ impl Server {
         Ok(())
     }
 
-    /// Forwards `host`'s engine exits to the background task, until the server closes or the
-    /// agent's channel does.
+    /// Forwards `host`'s engine exits to the owner's task, until the server closes or the
+    /// agent's channel does; follows the agent's health: reconciles the host again
+    /// ([`Server::resync_host`]) each time its agent says it may have lost track of engines
+    /// (`resyncs`: a node agent that restarted, or missed exits), and tells the views' readers
+    /// (the status writer) when it becomes unreachable or answers again.
     fn forward_exits(
         &self,
         host: String,
         mut exits: broadcast::Receiver<EngineExit>,
+        mut health: watch::Receiver<AgentHealth>,
     ) -> tokio::task::AbortHandle {
         let tx = self.exits_tx.clone();
         let mut closed = self.closed.subscribe();
+        let me = self.me.clone();
+        let mut health_open = true;
+        let mut resyncs = health.borrow_and_update().resyncs;
         let task = tokio::spawn(async move {
             loop {
                 tokio::select! {
                     _ = closed.changed() => return,
+                    changed = health.changed(), if health_open => {
+                        if changed.is_err() {
+                            // An agent that never tells (in this process).
+                            health_open = false;
+                            continue;
+                        }
+                        let Some(server) = me.upgrade() else { return };
+                        let now = health.borrow_and_update().resyncs;
+                        if now == resyncs {
+                            // Unreachable, or answering again: the views say so.
+                            server.changes.send_modify(|n| *n = n.wrapping_add(1));
+                            continue;
+                        }
+                        resyncs = now;
+                        // Run apart and awaited: the reconciliation replaces this very task
+                        // (it aborts it once the agent's report is in), which must not cut
+                        // the reconciliation short.
+                        let host = host.clone();
+                        let _ = tokio::spawn(async move { server.resync_host(&host).await }).await;
+                    }
                     exit = exits.recv() => match exit {
                         Ok(exit) => {
                             if tx.send((host.clone(), exit)).await.is_err() {
@@ -523,6 +554,42 @@ impl Server {
             }
         });
         task.abort_handle()
+    }
+
+    /// Reconciles host `host_id` with its agent again, as [`Server::upsert_host`] does with
+    /// the agent it already has: what the agent still runs is adopted, instances it no longer
+    /// has are failed (the router hears of both). Retried while the agent cannot answer
+    /// (every second, then up to every 30 s), until it does or the host is replaced.
+    async fn resync_host(&self, host_id: &str) {
+        let mut pause = Duration::from_secs(1);
+        let mut closed = self.closed.subscribe();
+        loop {
+            let Some(host) = self.read(|inner| inner.hosts.get(host_id).cloned()) else {
+                return;
+            };
+            let entry = HostEntry {
+                id: host_id.to_string(),
+                agent: host.agent.clone(),
+                activation: host.activation,
+                settings: host.settings.clone(),
+                admission_window: host.admission_window,
+                remote: host.remote,
+            };
+            match self.add_host(entry).await {
+                Ok(()) => {
+                    tracing::info!(host = %host_id, "host reconciled again with its agent");
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(host = %host_id, error = %e, "reconciling the host again failed; retrying");
+                }
+            }
+            tokio::select! {
+                _ = closed.changed() => return,
+                () = tokio::time::sleep(pause) => {}
+            }
+            pause = (pause * 2).min(Duration::from_secs(30));
+        }
     }
 
     /// Every host, by ID (shared: one `Arc` copied under the read lock).

@@ -230,7 +230,20 @@ pub(crate) fn deployment_view(d: &DepShot, cx: &Ctx<'_>) -> DeploymentView {
         .host(cx.hosts)
         .map_or_else(|| cx.config.host_id.clone(), |(h, _)| h.clone());
     let ready = d.state == InstanceState::Ready;
-    let (ready_reason, ready_message) = if ready {
+    // An engine believed on a host whose node agent does not answer: what is shown is the
+    // last known, and the `Ready` condition says it is unknown now, and why.
+    let agent_lost = (!matches!(d.state, InstanceState::Stopped | InstanceState::Failed))
+        .then(|| d.host.as_deref().and_then(|h| cx.hosts.get_key_value(h)))
+        .flatten()
+        .and_then(|(id, h)| Some((id, h.agent.unreachable()?)));
+    let (ready_reason, ready_message) = if let Some((host, why)) = &agent_lost {
+        (
+            "node_agent_unreachable",
+            format!(
+                "the node agent of host {host} cannot be reached, so the instance's state ({state}) is the last known: {why}"
+            ),
+        )
+    } else if ready {
         ("ready", "the instance serves requests".to_string())
     } else if d.pending_start {
         (
@@ -274,7 +287,14 @@ pub(crate) fn deployment_view(d: &DepShot, cx: &Ctx<'_>) -> DeploymentView {
             last_error: d.last_error.clone(),
         }],
         conditions: vec![
-            condition("Ready", ready, ready_reason, ready_message),
+            if agent_lost.is_some() {
+                ConditionView {
+                    status: "Unknown".to_string(),
+                    ..condition("Ready", false, ready_reason, ready_message)
+                }
+            } else {
+                condition("Ready", ready, ready_reason, ready_message)
+            },
             condition(
                 "Measured",
                 measured,
@@ -453,6 +473,7 @@ pub(crate) fn host_view(
         host_memory_used: used.parked_in_host_ram,
         activation: host.activation,
         cordoned,
+        unreachable: host.agent.unreachable(),
     }
 }
 

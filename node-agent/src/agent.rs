@@ -224,6 +224,18 @@ pub struct EngineExit {
     pub status: Option<String>,
 }
 
+/// What a host agent says of itself ([`HostAgent::subscribe_health`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AgentHealth {
+    /// Bumped each time the agent may have lost track of engines it reported: a node agent
+    /// over HTTP that came back as a new process (the exits of its old life are gone, and it
+    /// drives no engine until a [`HostAgent::recover`]), or exits that were missed.
+    pub resyncs: u64,
+    /// Since when, and why (the last error), the agent cannot be reached; `None` while it
+    /// answers.
+    pub unreachable: Option<(std::time::Instant, String)>,
+}
+
 /// How many exits a slow subscriber may fall behind before it misses some
 /// ([`broadcast::error::RecvError::Lagged`]).
 const EXIT_EVENTS: usize = 64;
@@ -280,6 +292,19 @@ pub trait HostAgent: Send + Sync {
     /// instances, is empty.
     fn samples(&self) -> BTreeMap<String, LoadSample> {
         BTreeMap::new()
+    }
+    /// What the agent says of itself, as it changes ([`AgentHealth`]): a caller reconciles
+    /// the host again when `resyncs` grows, and shows the host unreachable while it is. The
+    /// default, for agents in this process, never changes (its sender is dropped: `changed`
+    /// answers an error at once, which means "never").
+    fn subscribe_health(&self) -> watch::Receiver<AgentHealth> {
+        watch::channel(AgentHealth::default()).1
+    }
+    /// `Some(why)` while the agent cannot be reached (a node agent over HTTP whose calls have
+    /// failed for some time: what it last answered stands, and may be stale); `None` when it
+    /// answers, and always for agents in this process.
+    fn unreachable(&self) -> Option<String> {
+        None
     }
 }
 

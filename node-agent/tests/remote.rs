@@ -71,9 +71,14 @@ struct Served {
 }
 
 async fn served(dir: &Path) -> Served {
+    served_at(dir, "127.0.0.1:0").await
+}
+
+/// [`served`] on `addr` (a port of an earlier server, for a restart).
+async fn served_at(dir: &Path, addr: &str) -> Served {
     let config = agent_config(dir);
     let local = Arc::new(LocalHostAgent::new(config, settings(), Arc::new(NoGpus)).unwrap());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
     let addr = listener.local_addr().unwrap();
     let options = ServerOptions {
         token: TOKEN.into(),
@@ -279,6 +284,43 @@ async fn an_engine_killed_is_reported_on_the_remote_side() {
         r.park("i-crash").await,
         Err(AgentError::UnknownInstance { .. })
     ));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A node agent that stops answering is reported unreachable (why, and for how long); when it
+/// comes back as a new process at the same address, the client says so once (`resyncs`), at
+/// once rather than after its long poll, and the agent is reachable again.
+#[tokio::test]
+async fn an_agent_gone_is_unreachable_and_its_new_life_asks_for_a_resync() {
+    let dir = common::temp_dir("remote-restart");
+    let s = served(&dir).await;
+    let r = remote(&s.url, TOKEN);
+    let mut health = r.subscribe_health();
+    r.watching_exits().await;
+    assert_eq!(r.unreachable(), None);
+    assert_eq!(health.borrow_and_update().resyncs, 0);
+
+    let addr = s.url.trim_start_matches("http://").to_string();
+    drop(s);
+    let why = eventually("reported unreachable", || r.unreachable()).await;
+    assert!(why.starts_with("no answer for "), "{why}");
+    assert!(why.contains(&addr), "{why}");
+    assert!(health.has_changed().unwrap(), "the change is told");
+    assert_eq!(health.borrow_and_update().resyncs, 0, "no resync yet");
+
+    // The exits' long poll is 5 s here: the new life is seen well before one runs out.
+    let back = Instant::now();
+    let s = served_at(&dir, &addr).await;
+    eventually("a resync asked", || {
+        (health.borrow().resyncs == 1 && r.unreachable().is_none()).then_some(())
+    })
+    .await;
+    assert!(
+        back.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        back.elapsed()
+    );
+    drop(s);
     let _ = std::fs::remove_dir_all(dir);
 }
 

@@ -678,9 +678,22 @@ async fn leader_killed_mid_switch(client: Client, kubeconfig: &std::path::Path, 
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// The node agent is gone (killed with its engines): a request for a model that ran there is
-/// answered with one of the page's errors, promptly (never hung).
-async fn node_agent_gone(client: Client, kubeconfig: &std::path::Path, ns: &str) {
+/// The `Ready` condition of CR `name`: (status, reason).
+async fn ready_condition(api: &Api<Deployment>, name: &str) -> Option<(String, String)> {
+    let status = api.get(name).await.ok()?.status?;
+    let c = status.conditions.iter().find(|c| c.type_ == "Ready")?;
+    Some((c.status.clone(), c.reason.clone()))
+}
+
+/// The node agent is gone (SIGKILL), with its engine (`engine_too`) or alone. Its instance is
+/// reported (the CR's `Ready` condition turns `Unknown`, reason `node_agent_unreachable`).
+/// - With its engine: a request for the model is answered with one of the page's errors,
+///   promptly (never hung). When the node agent comes back (a new process at the same
+///   address), the host is reconciled again: the lost instance is failed, and the next request
+///   starts it afresh and is served.
+/// - Alone: the model is still served by its engine meanwhile, and the agent's new life adopts
+///   the same engine (served, `Ready` again, never started twice).
+async fn node_agent_gone(client: Client, kubeconfig: &std::path::Path, ns: &str, engine_too: bool) {
     let dir = support::temp_dir("k8s-agent-gone");
     let (agent, agent_port) = start_node_agent(&dir);
     let (_operator, inference) = start_operator(&dir, kubeconfig, ns, "op-gone", agent_port);
@@ -702,37 +715,85 @@ async fn node_agent_gone(client: Client, kubeconfig: &std::path::Path, ns: &str)
     assert_eq!(status, 200, "{body}");
     let engines = engines_of(&dir.join("agent-e2e-node"), agent.0.id()).await;
     assert_eq!(engines.len(), 1, "{engines:?}");
-    // The node goes: its agent and its engine, without a word.
+    // The node agent goes without a word, and with it (a node lost) its engine.
     kill9(&agent);
-    for e in &engines {
-        let _ = std::process::Command::new("kill")
-            .args(["-KILL", "--", &format!("-{}", e.pid)])
-            .status();
-    }
     drop(agent);
-    for e in &engines {
-        // Gone, or a zombie its dead parent left.
-        eventually(&format!("engine {} gone", e.pid), t, || async {
-            (!capyctl_test_support::alive(u64::from(e.pid))).then_some(())
-        })
-        .await;
+    if engine_too {
+        for e in &engines {
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", e.pid)])
+                .status();
+        }
+        for e in &engines {
+            // Gone, or a zombie its dead parent left.
+            eventually(&format!("engine {} gone", e.pid), t, || async {
+                (!capyctl_test_support::alive(u64::from(e.pid))).then_some(())
+            })
+            .await;
+        }
+        for attempt in 0..3 {
+            let asked = std::time::Instant::now();
+            let answer =
+                tokio::time::timeout(Duration::from_secs(30), chat(inference, "chat-a")).await;
+            let (status, body) = answer.unwrap_or_else(|_| panic!("request {attempt} hung"));
+            let code = body["code"].as_str().unwrap_or_default().to_string();
+            assert!(
+                matches!(status, 502 | 503),
+                "request {attempt}: {status} {body}"
+            );
+            assert!(
+                ["upstream_unavailable", "unavailable", "engine_failed"].contains(&code.as_str()),
+                "request {attempt}: {body}"
+            );
+            assert!(asked.elapsed() < Duration::from_secs(30));
+        }
     }
-    for attempt in 0..3 {
-        let asked = std::time::Instant::now();
-        let answer = tokio::time::timeout(Duration::from_secs(30), chat(inference, "chat-a")).await;
-        let (status, body) = answer.unwrap_or_else(|_| panic!("request {attempt} hung"));
-        let code = body["code"].as_str().unwrap_or_default().to_string();
+    eventually(
+        "chat-a reported: its node agent is unreachable",
+        t,
+        || async {
+            let (status, reason) = ready_condition(&api, "chat-a").await?;
+            (status == "Unknown" && reason == "node_agent_unreachable").then_some(())
+        },
+    )
+    .await;
+    if !engine_too {
+        let (status, body) = chat(inference, "chat-a").await;
+        assert_eq!(status, 200, "served by its engine meanwhile: {body}");
+    }
+    // The node agent comes back, a new process at the same address.
+    let agent = start_node_agent_at(&dir, "e2e-node", "127.0.0.1", agent_port);
+    let served = eventually(
+        "chat-a served after its node agent came back",
+        t,
+        || async {
+            let (status, body) = chat(inference, "chat-a").await;
+            (status == 200).then_some(body)
+        },
+    )
+    .await;
+    assert!(served["choices"].is_array(), "{served}");
+    eventually("chat-a ready again", t, || async {
+        let (status, reason) = ready_condition(&api, "chat-a").await?;
+        (status == "True" && reason == "ready").then_some(())
+    })
+    .await;
+    let started = engines_of(&dir.join("agent-e2e-node"), agent.0.id()).await;
+    if engine_too {
+        // One engine, started afresh by the agent's new life.
+        assert_eq!(started.len(), 1, "{started:?}");
         assert!(
-            matches!(status, 502 | 503),
-            "request {attempt}: {status} {body}"
+            engines.iter().all(|e| e.pid != started[0].pid),
+            "{started:?}"
         );
-        assert!(
-            ["upstream_unavailable", "unavailable", "engine_failed"].contains(&code.as_str()),
-            "request {attempt}: {body}"
-        );
-        assert!(asked.elapsed() < Duration::from_secs(30));
+    } else {
+        // The same engine, adopted by the agent's new life: alive, and not started twice (the
+        // new life has no engine child of its own; the adopted one's parent is init now).
+        assert!(capyctl_test_support::alive(u64::from(engines[0].pid)));
+        assert!(started.is_empty(), "started again: {started:?}");
     }
     drop(_operator);
+    drop(agent);
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -848,13 +909,13 @@ async fn against_a_fake_api_server_a_leader_killed_mid_switch_is_taken_over_clea
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn against_a_fake_api_server_a_node_agent_gone_fails_its_requests_promptly() {
+async fn against_a_fake_api_server_a_node_agent_gone_is_reported_and_served_again_when_back() {
     let _one = ONE_AT_A_TIME.lock().await;
     let addr = fake::Fake::start().await;
     let dir = support::temp_dir("k8s-gone-fake");
     let kubeconfig = fake_kubeconfig(&dir, addr);
     let client = client_of(&kubeconfig).await;
-    node_agent_gone(client, &kubeconfig, "capyctl").await;
+    node_agent_gone(client, &kubeconfig, "capyctl", true).await;
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -870,12 +931,33 @@ async fn against_a_cluster_a_leader_killed_mid_switch_is_taken_over_cleanly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs cluster"]
-async fn against_a_cluster_a_node_agent_gone_fails_its_requests_promptly() {
+async fn against_a_cluster_a_node_agent_gone_is_reported_and_served_again_when_back() {
     let _one = ONE_AT_A_TIME.lock().await;
     let Some((kubeconfig, ns)) = cluster_namespace().await else {
         return;
     };
-    node_agent_gone(ns.client.clone(), &kubeconfig, &ns.name).await;
+    node_agent_gone(ns.client.clone(), &kubeconfig, &ns.name, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn against_a_fake_api_server_a_node_agent_gone_alone_is_adopted_again_when_back() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let addr = fake::Fake::start().await;
+    let dir = support::temp_dir("k8s-alone-fake");
+    let kubeconfig = fake_kubeconfig(&dir, addr);
+    let client = client_of(&kubeconfig).await;
+    node_agent_gone(client, &kubeconfig, "capyctl", false).await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs cluster"]
+async fn against_a_cluster_a_node_agent_gone_alone_is_adopted_again_when_back() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let Some((kubeconfig, ns)) = cluster_namespace().await else {
+        return;
+    };
+    node_agent_gone(ns.client.clone(), &kubeconfig, &ns.name, false).await;
 }
 
 /// A small fake of the Kubernetes API server: objects in memory by path, resource versions,

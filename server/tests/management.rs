@@ -196,6 +196,7 @@ impl ManagementApi for Fake {
                     host_memory_used: 0,
                     activation: Activation::OnDemand,
                     cordoned: false,
+                    unreachable: None,
                 }],
             }
         })

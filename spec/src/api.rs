@@ -268,6 +268,10 @@ pub struct HostView {
     /// `capyctl uncordon host`.
     #[serde(default)]
     pub cordoned: bool,
+    /// Why its node agent cannot be reached now (for how long, and the last error); absent
+    /// while it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unreachable: Option<String>,
 }
 
 /// The answer to `POST /hosts/{id}/drain` and `POST /hosts/{id}/uncordon`.

@@ -18,8 +18,8 @@ use tokio::task::AbortHandle;
 
 use super::wire::{AgentInfo, AgentTiming, ErrorBody, ExitsPage, SamplesPage};
 use crate::agent::{
-    AgentConfig, BoxFuture, EngineExit, HostAgent, ParkResult, RecoveryReport, StartedInstance,
-    WakeReport,
+    AgentConfig, AgentHealth, BoxFuture, EngineExit, HostAgent, ParkResult, RecoveryReport,
+    StartedInstance, WakeReport,
 };
 use crate::capability::{EngineInfo, engine_info};
 use crate::error::AgentError;
@@ -136,6 +136,9 @@ struct Inner {
     exits: broadcast::Sender<EngineExit>,
     /// `true` once the exits watcher holds a cursor (exits from then on reach subscribers).
     watching: watch::Sender<bool>,
+    /// Resyncs (the agent came back as a new process, or exits were missed) and since when
+    /// the exits watcher cannot reach it ([`HostAgent::subscribe_health`]).
+    health: watch::Sender<AgentHealth>,
 }
 
 /// A [`HostAgent`] served by a node agent over HTTP (`capyctl-node-agent`, [`super::router`]).
@@ -357,8 +360,17 @@ impl Inner {
             match self.get::<ExitsPage>(&path, bound).await {
                 Ok(page) => {
                     failing = false;
+                    self.health
+                        .send_if_modified(|h| h.unreachable.take().is_some());
+                    // NB (a new life, or a gap): a node agent that restarted keeps no exit of
+                    // its old life and drives no engine until a recovery, and missed exits
+                    // are engines gone unnoticed. Either way the caller reconciles the host.
+                    let restarted = cursor.is_some_and(|(epoch, _)| epoch != page.epoch);
                     if page.missed > 0 {
                         tracing::warn!(url = %self.base_url, missed = page.missed, "node agent: engine exits were missed");
+                    }
+                    if restarted {
+                        tracing::warn!(url = %self.base_url, "node agent: it restarted; its host is reconciled again");
                     }
                     for e in page.exits {
                         self.forget(&e.exit.instance);
@@ -366,12 +378,28 @@ impl Inner {
                     }
                     cursor = Some((page.epoch, page.next));
                     self.watching.send_replace(true);
+                    if restarted || page.missed > 0 {
+                        self.health.send_modify(|h| h.resyncs += 1);
+                    }
                 }
                 Err(e) => {
                     if !failing {
                         tracing::warn!(error = %e, "node agent: cannot watch the engine exits");
                         failing = true;
                     }
+                    // The first failure makes it unreachable (a change subscribers hear); a
+                    // later one only updates the error.
+                    let why = e.to_string();
+                    self.health.send_if_modified(|h| match &mut h.unreachable {
+                        Some((_, last)) => {
+                            *last = why;
+                            false
+                        }
+                        None => {
+                            h.unreachable = Some((std::time::Instant::now(), why));
+                            true
+                        }
+                    });
                     tokio::time::sleep(self.config.retry_after).await;
                 }
             }
@@ -417,6 +445,7 @@ impl RemoteHostAgent {
             samples: Mutex::new(SampleCache::default()),
             exits: broadcast::channel(64).0,
             watching: watch::channel(false).0,
+            health: watch::channel(AgentHealth::default()).0,
         });
         let tasks = vec![
             tokio::spawn(Arc::clone(&inner).poll_samples()).abort_handle(),
@@ -602,6 +631,15 @@ impl HostAgent for RemoteHostAgent {
 
     fn subscribe_exits(&self) -> broadcast::Receiver<EngineExit> {
         self.inner.exits.subscribe()
+    }
+
+    fn subscribe_health(&self) -> watch::Receiver<AgentHealth> {
+        self.inner.health.subscribe()
+    }
+
+    fn unreachable(&self) -> Option<String> {
+        let held = self.inner.health.borrow().unreachable.clone();
+        held.map(|(since, why)| format!("no answer for {} s ({why})", since.elapsed().as_secs()))
     }
 
     fn samples(&self) -> BTreeMap<String, LoadSample> {

@@ -30,7 +30,9 @@
 //! "from now on" begins (`next`); with `after` it answers as soon as an exit numbered `after`
 //! or later is held, or after `wait_ms` (default 25 s, at most 60 s) with none; `missed`
 //! counts exits no longer held. `epoch` identifies the server's life: a cursor of another life
-//! (the agent restarted) reads from the oldest exit held. Engine operations run to their end
+//! (the agent restarted) is answered at once from the oldest exit held, and the client, seeing
+//! a new epoch (or `missed`), has its host reconciled again ([`crate::HostAgent::subscribe_health`]:
+//! the new life drives no engine until a recovery). Engine operations run to their end
 //! in a task of their own even when the caller goes away.
 
 pub mod client;
