@@ -159,6 +159,12 @@ enum Start {
         /// `$XDG_STATE_HOME/capyctl`, or `~/.local/state/capyctl`).
         #[arg(long, env = "CAPYCTL_DATA_DIR")]
         data_dir: Option<PathBuf>,
+        /// Also drive the GPUs of the node agent at this URL (`http://host:port`, as `capyctl
+        /// start host --listen` serves; repeatable): one more host each, under its own host
+        /// document's `host.id`. The agent token is `CAPYCTL_AGENT_TOKEN_FILE` or
+        /// `CAPYCTL_AGENT_TOKEN`, as the agents have it.
+        #[arg(long = "node-agent", value_name = "URL")]
+        node_agents: Vec<String>,
     },
     /// Run a host agent for a CapyCTL server: the program `capyctl-node-agent`, with its flags
     /// (engines as child processes unless `--engine-runtime pod`; the agent token from
@@ -235,6 +241,7 @@ pub fn main() -> ExitCode {
             file,
             set,
             data_dir,
+            node_agents,
         }) => {
             init_logging();
             runtime().and_then(|rt| {
@@ -242,6 +249,7 @@ pub fn main() -> ExitCode {
                     file,
                     set,
                     data_dir.unwrap_or_else(client::default_data_dir),
+                    node_agents,
                 ))
             })
         }

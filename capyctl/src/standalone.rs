@@ -4,13 +4,18 @@
 use std::path::{Path, PathBuf};
 
 use capyctl_node_agent::inventory::default_probe;
-use capyctl_server::standalone::Standalone;
+use capyctl_server::standalone::{NodeAgentLink, Standalone};
 use capyctl_spec::documents;
 use capyctl_spec::overrides::Overrides;
 
 /// Loads the document (or the defaults with the overrides alone), starts, prints where it
 /// listens, runs until a signal, then shuts down cleanly (engines stopped).
-pub async fn run(file: Option<PathBuf>, set: Vec<String>, data_dir: PathBuf) -> Result<(), String> {
+pub async fn run(
+    file: Option<PathBuf>,
+    set: Vec<String>,
+    data_dir: PathBuf,
+    node_agents: Vec<String>,
+) -> Result<(), String> {
     let overrides =
         Overrides::from_args_and_env(set.clone(), std::env::vars()).map_err(|e| e.to_string())?;
     let config = match &file {
@@ -18,6 +23,18 @@ pub async fn run(file: Option<PathBuf>, set: Vec<String>, data_dir: PathBuf) -> 
         None => documents::standalone_from_overrides(&overrides),
     }
     .map_err(|e| e.to_string())?;
+    let node_agents = if node_agents.is_empty() {
+        Vec::new()
+    } else {
+        let token = capyctl_node_agent::cli::agent_token()?;
+        node_agents
+            .into_iter()
+            .map(|url| NodeAgentLink {
+                url,
+                token: token.clone(),
+            })
+            .collect()
+    };
     std::fs::create_dir_all(&data_dir).map_err(|e| {
         format!(
             "cannot create the data directory {}: {e}",
@@ -43,7 +60,7 @@ pub async fn run(file: Option<PathBuf>, set: Vec<String>, data_dir: PathBuf) -> 
     let deployments = std::mem::take(&mut config.deployments);
     let settings = config.clone();
     let standalone = tokio::select! {
-        started = Standalone::listen(config, data_dir.clone(), default_probe()) => {
+        started = Standalone::listen_with(config, data_dir.clone(), default_probe(), &node_agents) => {
             started.map_err(|e| e.to_string())?
         }
         () = &mut signal => {

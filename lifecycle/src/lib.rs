@@ -109,6 +109,19 @@ impl LifecycleConfig {
             metrics: Arc::new(Metrics::new()),
         }
     }
+
+    /// The host these settings describe (`host_id`, its activation and engine commands,
+    /// the router's admission window), served by `agent` in this process.
+    pub fn own_host(&self, agent: Arc<dyn HostAgent>) -> HostEntry {
+        HostEntry {
+            id: self.host_id.clone(),
+            agent,
+            activation: self.host_activation,
+            settings: self.host_settings.clone(),
+            admission_window: None,
+            remote: false,
+        }
+    }
 }
 
 /// What can go wrong opening the server.
@@ -335,15 +348,19 @@ impl Server {
         store: Arc<dyn Store>,
         config: LifecycleConfig,
     ) -> Result<Arc<Server>, ServerError> {
-        let host = HostEntry {
-            id: config.host_id.clone(),
-            agent,
-            activation: config.host_activation,
-            settings: config.host_settings.clone(),
-            admission_window: None,
-            remote: false,
-        };
-        let server = Self::open_hosts(vec![host], store, config).await?;
+        let host = config.own_host(agent);
+        Self::open_fixed_hosts(vec![host], store, config).await
+    }
+
+    /// [`Server::open_hosts`] for hosts that are all known now and never join later
+    /// (standalone, with its own host and the node agents it was given): a deployment that fits
+    /// none of them is refused at deploy.
+    pub async fn open_fixed_hosts(
+        hosts: Vec<HostEntry>,
+        store: Arc<dyn Store>,
+        config: LifecycleConfig,
+    ) -> Result<Arc<Server>, ServerError> {
+        let server = Self::open_hosts(hosts, store, config).await?;
         server.hosts_fixed.store(true, Ordering::Relaxed);
         Ok(server)
     }

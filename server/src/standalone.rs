@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use capyctl_node_agent::agent::AgentConfig;
 use capyctl_node_agent::inventory::{GpuProbe, default_probe};
+use capyctl_node_agent::remote::{RemoteConfig, RemoteHostAgent};
 use capyctl_node_agent::spec::HostSettings;
 use capyctl_node_agent::{AgentError, LocalHostAgent};
 use capyctl_router::config::RouterConfig;
@@ -34,7 +35,7 @@ use crate::management::ManagementOptions;
 use capyctl_lifecycle::api::ManagementApi;
 use capyctl_lifecycle::metrics::Metrics;
 use capyctl_lifecycle::store::{RedbStore, StoreError};
-use capyctl_lifecycle::{LifecycleConfig, Server, ServerError};
+use capyctl_lifecycle::{HostEntry, LifecycleConfig, Server, ServerError};
 
 /// What can go wrong starting standalone. Each names what failed and where.
 #[derive(Debug, thiserror::Error)]
@@ -86,6 +87,14 @@ pub enum StandaloneError {
         #[source]
         source: std::io::Error,
     },
+    /// A node agent given with `--node-agent` could not be used.
+    #[error("node agent {url} (--node-agent): {detail}")]
+    NodeAgent {
+        /// Its URL.
+        url: String,
+        /// Why.
+        detail: String,
+    },
     /// A deployment of the document was refused.
     #[error("deployment {name} of the standalone document: {source}")]
     Deploy {
@@ -110,6 +119,7 @@ impl StandaloneError {
             StandaloneError::DataDirInUse { .. } => "data_dir_in_use",
             StandaloneError::Lock { .. } => "lock",
             StandaloneError::Tls(e) => e.metric_label(),
+            StandaloneError::NodeAgent { .. } => "node_agent",
         }
     }
 }
@@ -192,6 +202,71 @@ pub fn lifecycle_config(config: &StandaloneConfig, metrics: Arc<Metrics>) -> Lif
     }
 }
 
+/// A node agent that a standalone server drives besides its own host (`capyctl start
+/// standalone --node-agent URL`): another box's GPUs, as `capyctl start host` serves them.
+#[derive(Clone)]
+pub struct NodeAgentLink {
+    /// `http://host:port` of its agent API.
+    pub url: String,
+    /// Its agent token (`CAPYCTL_AGENT_TOKEN` of both sides).
+    pub token: String,
+}
+
+impl std::fmt::Debug for NodeAgentLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeAgentLink")
+            .field("url", &self.url)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The hosts of the node agents `links`, each under the `host.id` of its own host document,
+/// with the activation and engine commands of `own` (the standalone document's host; as the
+/// operator gives a node agent named by URL its host document's). Fails naming the agent that
+/// cannot be reached, runs its engines as Pods, or has a host ID already taken.
+async fn node_agent_hosts(
+    links: &[NodeAgentLink],
+    own: &HostEntry,
+) -> Result<Vec<HostEntry>, StandaloneError> {
+    let mut taken = vec![own.id.clone()];
+    let mut hosts = Vec::new();
+    for link in links {
+        let failed = |detail: String| StandaloneError::NodeAgent {
+            url: link.url.clone(),
+            detail,
+        };
+        let mut remote = RemoteConfig::new(link.url.clone(), link.token.clone());
+        remote.follow_agent_timing = true;
+        let agent = RemoteHostAgent::new(remote).map_err(|e| failed(e.to_string()))?;
+        let info = agent.info().await.map_err(|e| failed(e.to_string()))?;
+        if info.engine_runtime == "pod" {
+            return Err(failed(
+                "it runs engines as Pods (--engine-runtime pod), which needs the operator on Kubernetes; start it with --engine-runtime process".into(),
+            ));
+        }
+        let id = if info.host_id.is_empty() {
+            info.node_name.clone()
+        } else {
+            info.host_id.clone()
+        };
+        if taken.contains(&id) {
+            return Err(failed(format!(
+                "its host.id {id} is already another host's; give each host document its own host.id"
+            )));
+        }
+        taken.push(id.clone());
+        hosts.push(HostEntry {
+            id,
+            agent: Arc::new(agent),
+            activation: own.activation,
+            settings: own.settings.clone(),
+            admission_window: own.admission_window,
+            remote: true,
+        });
+    }
+    Ok(hosts)
+}
+
 /// A running standalone server.
 pub struct Standalone {
     /// The data directory's lock, held while this runs.
@@ -248,6 +323,19 @@ impl Standalone {
         data_dir: PathBuf,
         probe: Arc<dyn GpuProbe>,
     ) -> Result<Standalone, StandaloneError> {
+        Self::listen_with(config, data_dir, probe, &[]).await
+    }
+
+    /// [`Standalone::listen`] with the hosts of node agents besides its own
+    /// ([`NodeAgentLink`]): placement chooses among all of them. Their engines are theirs: a
+    /// clean shutdown stops this host's engines and leaves theirs running, for the next start
+    /// to adopt (stop a node agent to stop its engines).
+    pub async fn listen_with(
+        config: StandaloneConfig,
+        data_dir: PathBuf,
+        probe: Arc<dyn GpuProbe>,
+        node_agents: &[NodeAgentLink],
+    ) -> Result<Standalone, StandaloneError> {
         // Read before anything is touched: unusable TLS files change nothing.
         let tls = capyctl_router::tls::listen_config(config.server.listen.tls.as_ref())?;
         // Then: a second CapyCTL on the same directory would adopt (or stop) the first one's
@@ -260,14 +348,13 @@ impl Standalone {
             HostSettings::from(&config.host),
             probe,
         )?);
-        let store = Arc::new(RedbStore::open(&data_dir)?);
         let metrics = Arc::new(Metrics::new());
-        let server = Server::open(
-            agent.clone(),
-            store,
-            lifecycle_config(&config, metrics.clone()),
-        )
-        .await?;
+        let lifecycle = lifecycle_config(&config, metrics.clone());
+        let own = lifecycle.own_host(agent.clone());
+        let mut hosts = node_agent_hosts(node_agents, &own).await?;
+        hosts.insert(0, own);
+        let store = Arc::new(RedbStore::open(&data_dir)?);
+        let server = Server::open_fixed_hosts(hosts, store, lifecycle).await?;
         // Not ready until the document's deployments exist (`deploy_document`).
         server.set_ready(false);
         let admin_token = crate::management::load_or_create_token(

@@ -1,0 +1,153 @@
+//! A standalone server that drives node agents besides its own host (`capyctl start standalone
+//! --node-agent URL`), end to end with the real binaries: two models that cannot share one GPU
+//! run at once, one on each host; a kill -9 of the server and a restart adopt the node agent's
+//! engine (same process); an agent that cannot be reached stops the start with one clear line.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use support::{Capy, PATIENCE, chat, document, model, temp_dir};
+
+const AGENT_TOKEN: &str = "e2e-node-agent-token";
+
+/// `capyctl start host` (the node agent program) with its own 10 GiB GPU as host `box-a`,
+/// engines as child processes, on a free loopback port; killed when dropped.
+struct Agent {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        support::signal(self.child.id(), "TERM");
+        let _ = self.child.wait();
+    }
+}
+
+fn start_agent(dir: &Path) -> Agent {
+    let bin = support::engine_sim().display().to_string();
+    let host = dir.join("host-a.yaml");
+    std::fs::write(
+        &host,
+        format!(
+            "id: box-a\ngpus: [{{memory: 10GiB}}]\nhost_memory: 1GiB\nengines:\n  vllm: {{command: [\"{bin}\"]}}\n"
+        ),
+    )
+    .unwrap();
+    let addr: SocketAddr = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let log = std::fs::File::create(dir.join("agent.log")).unwrap();
+    let child = Command::new(support::capyctl())
+        .args(["start", "host", "--file"])
+        .arg(&host)
+        .args(["--node-name", "node-a", "--engine-runtime", "process"])
+        .args(["--listen", &addr.to_string(), "--data-dir"])
+        .arg(dir.join("agent"))
+        .env("CAPYCTL_AGENT_TOKEN", AGENT_TOKEN)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    // Up once its listener takes connections.
+    let deadline = Instant::now() + PATIENCE;
+    while TcpStream::connect(addr).is_err() {
+        assert!(Instant::now() < deadline, "the node agent did not listen");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Agent {
+        child,
+        url: format!("http://{addr}"),
+    }
+}
+
+/// The host and pid of `name`'s instance, once it is ready.
+fn placed(capy: &Capy, name: &str) -> (String, u64) {
+    let s = capy.status_until(name, "ready", |s| s["state"] == "ready");
+    let i = &s["instances"][0];
+    (
+        i["host_id"].as_str().unwrap().to_string(),
+        i["pid"].as_u64().unwrap(),
+    )
+}
+
+#[test]
+fn standalone_drives_a_node_agent_as_a_second_host_and_adopts_its_engine_after_a_kill() {
+    let dir = temp_dir("e2e-node-agents");
+    let agent = start_agent(&dir);
+    let doc = document("", "", &[&model("chat-a", ""), &model("chat-b", "")]);
+    let args = ["--node-agent", agent.url.as_str()];
+    let env = [("CAPYCTL_AGENT_TOKEN", AGENT_TOKEN)];
+    let capy = Capy::start_with(&dir, &doc, &args, &env);
+
+    let hosts = capy.management_get("/management/v1/hosts").json();
+    let ids: Vec<&str> = hosts["hosts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["box-a", "gpu-box"], "{hosts}");
+
+    // 6 GiB each: one per 10 GiB GPU, both at once, with no switch.
+    for name in ["chat-a", "chat-b"] {
+        let r = chat(capy.inference, name, false);
+        assert_eq!(r.status, 200, "{name}: {}", r.body);
+    }
+    let (host_a, pid_a) = placed(&capy, "chat-a");
+    let (host_b, _) = placed(&capy, "chat-b");
+    let mut both = [host_a.clone(), host_b.clone()];
+    both.sort();
+    assert_eq!(both, ["box-a", "gpu-box"]);
+    let (remote, remote_pid) = if host_a == "box-a" {
+        ("chat-a", pid_a)
+    } else {
+        ("chat-b", placed(&capy, "chat-b").1)
+    };
+    // The remote model's engine is the node agent's child.
+    assert_eq!(
+        capyctl_test_support::live_parent(remote_pid),
+        Some(u64::from(agent.child.id()))
+    );
+
+    // kill -9 and a restart on the same data directory: the node agent's engine is adopted as
+    // it is (same process), and both models are served again.
+    capy.kill();
+    let capy = Capy::start_with(&dir, &doc, &args, &env);
+    let (host, pid) = placed(&capy, remote);
+    assert_eq!((host.as_str(), pid), ("box-a", remote_pid));
+    for name in ["chat-a", "chat-b"] {
+        let r = chat(capy.inference, name, false);
+        assert_eq!(r.status, 200, "{name}: {}", r.body);
+    }
+    drop(capy);
+    drop(agent);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_node_agent_that_cannot_be_reached_stops_the_start_naming_it() {
+    let dir = temp_dir("e2e-node-agent-gone");
+    let doc = document("", "", &[]);
+    let url = "http://127.0.0.1:9";
+    let out = Capy::try_start(
+        &dir,
+        &doc,
+        &["--node-agent", url],
+        &[("CAPYCTL_AGENT_TOKEN", AGENT_TOKEN)],
+    )
+    .map(|_| ())
+    .expect_err("started without its node agent");
+    let line = out.fails();
+    assert!(line.contains(url), "{line}");
+    assert!(line.contains("--node-agent"), "{line}");
+    let _ = std::fs::remove_dir_all(dir);
+}
