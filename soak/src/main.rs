@@ -1,4 +1,5 @@
-//! `capyctl-soak`: runs a real standalone CapyCTL (`capyctl start standalone`) whose engines are
+//! `capyctl-soak`: runs a real standalone CapyCTL (`capyctl start standalone`) with its own host
+//! and two node agents (`capyctl start host`, driven with `--node-agent`), whose engines are
 //! real `engine-sim` processes, for `--duration`, under random traffic from a seeded RNG, with
 //! engine faults, operator commands racing the requests, and kill -9 of CapyCTL followed by a
 //! restart on the same data directory. Every request's end is recorded once, in the [`Ledger`];
@@ -31,7 +32,7 @@ use http::{Client, Raw};
 #[derive(Parser, Debug)]
 #[command(
     name = "capyctl-soak",
-    about = "Runs a standalone CapyCTL with engine-sim engines under random traffic, engine faults, operator commands and kill -9, and checks that no request is lost, cut, hung, ended twice or answered wrongly"
+    about = "Runs a standalone CapyCTL and two node agents with engine-sim engines under random traffic, engine faults, operator commands and kill -9, and checks that no request is lost, cut, hung, ended twice or answered wrongly"
 )]
 struct Args {
     /// How long the traffic runs (`30m`, `180s`).
@@ -256,6 +257,8 @@ struct Run {
     data: PathBuf,
     inference: SocketAddr,
     management: SocketAddr,
+    /// The node agents' listeners (`capyctl start host`): two more hosts besides CapyCTL's own.
+    agents: [SocketAddr; 2],
     ledger: Ledger,
     /// CapyCTL's life: moves before every kill -9.
     life: AtomicU64,
@@ -304,7 +307,7 @@ impl Run {
         let bin = engine_sim.display();
         let mut doc = format!(
             "server:\n  listen:\n    inference: \"{}\"\n    management: \"{}\"\n  switching:\n    drain_timeout: {}s\n    wake_timeout: 10s\n\
-             host:\n  id: soak-box\n  gpus: [{{memory: 12GiB}}, {{memory: 6GiB}}]\n  host_memory: 256MiB\n  resource_policy:\n    queue:\n      admission_window: 300ms\n      request_deadline: {}s\n      stream_idle_timeout: 30s\n\
+             host:\n  id: soak-box\n  gpus: [{{memory: 12GiB}}]\n  host_memory: 256MiB\n  resource_policy:\n    queue:\n      admission_window: 300ms\n      request_deadline: {}s\n      stream_idle_timeout: 30s\n\
              \x20 engines:\n    vllm: {{command: [\"{bin}\"]}}\n    sglang: {{command: [\"{bin}\", \"--engine\", \"sglang\"]}}\ndeployments:\n",
             self.inference,
             self.management,
@@ -320,6 +323,60 @@ impl Run {
         }
         doc
     }
+}
+
+/// The host document of node agent `i` (`soak-node-0`, `soak-node-1`): one 6 GiB GPU.
+fn agent_document(i: usize, engine_sim: &Path) -> String {
+    let bin = engine_sim.display();
+    format!(
+        "id: soak-node-{i}\ngpus: [{{memory: 6GiB}}]\nhost_memory: 256MiB\n\
+         engines:\n  vllm: {{command: [\"{bin}\"]}}\n  sglang: {{command: [\"{bin}\", \"--engine\", \"sglang\"]}}\n"
+    )
+}
+
+/// The agent token the node agents and CapyCTL share.
+const AGENT_TOKEN: &str = "soak-agent-token";
+
+/// Starts the two node agents (`capyctl start host`, engines as child processes), each on its
+/// host document and data directory, and waits until both take connections. They live for the
+/// whole run: CapyCTL's kill -9 leaves them and their engines, and its restart adopts those.
+async fn start_agents(run: &Run, engine_sim: &Path) -> Result<Vec<Child>> {
+    let mut agents = Vec::new();
+    for (i, addr) in run.agents.iter().enumerate() {
+        let file = run.dir.join(format!("host-{i}.yaml"));
+        std::fs::write(&file, agent_document(i, engine_sim))?;
+        let log = std::fs::File::create(run.dir.join(format!("agent-{i}.log")))?;
+        let child = Command::new(&run.capyctl)
+            .args(["start", "host", "--file"])
+            .arg(&file)
+            .args(["--node-name", &format!("soak-node-{i}")])
+            .args(["--engine-runtime", "process", "--listen", &addr.to_string()])
+            .arg("--data-dir")
+            .arg(run.dir.join(format!("agent-{i}")))
+            .env("CAPYCTL_AGENT_TOKEN", AGENT_TOKEN)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .process_group(0)
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting a node agent")?;
+        agents.push(child);
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for addr in &run.agents {
+        while tokio::net::TcpStream::connect(addr).await.is_err() {
+            if Instant::now() > deadline {
+                bail!(
+                    "node agent {addr} not listening within 60 s (see {}/agent-*.log)",
+                    run.dir.display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    Ok(agents)
 }
 
 /// A free loopback port.
@@ -341,6 +398,12 @@ async fn start_capyctl(run: &Run) -> Result<Child> {
         .arg(run.dir.join("standalone.yaml"))
         .arg("--data-dir")
         .arg(&run.data)
+        .args(
+            run.agents
+                .iter()
+                .flat_map(|a| ["--node-agent".to_string(), format!("http://{a}")]),
+        )
+        .env("CAPYCTL_AGENT_TOKEN", AGENT_TOKEN)
         .env("RUST_LOG", "info")
         .env_remove("CAPYCTL_SERVER")
         .env_remove("CAPYCTL_ADMIN_TOKEN")
@@ -964,17 +1027,20 @@ async fn all_serve(run: &Run) -> Vec<String> {
     failed
 }
 
-/// The GPUs of the run's document, in bytes.
-const GPUS: [u64; 2] = [12 << 30, 6 << 30];
+/// The GPUs of the run, in bytes: CapyCTL's own host's, then each node agent's.
+const GPUS: [u64; 3] = [12 << 30, 6 << 30, 6 << 30];
 
 /// Whether engines holding `held` bytes of GPU memory each can sit on [`GPUS`] (each engine on
-/// one GPU).
+/// one GPU; every assignment is tried: a necessary condition, as the engines' hosts are not
+/// read).
 fn fits(held: &[u64]) -> bool {
-    let n = held.len();
-    (0u32..(1 << n)).any(|mask| {
-        let mut used = [0u64; 2];
-        for (i, b) in held.iter().enumerate() {
-            used[((mask >> i) & 1) as usize] += b;
+    let n = u32::try_from(held.len()).unwrap_or(u32::MAX).min(12);
+    let gpus = GPUS.len() as u64;
+    (0..gpus.pow(n)).any(|mut choice| {
+        let mut used = [0u64; GPUS.len()];
+        for b in held {
+            used[(choice % gpus) as usize] += b;
+            choice /= gpus;
         }
         used.iter().zip(GPUS).all(|(u, g)| *u <= g)
     })
@@ -1193,6 +1259,10 @@ async fn soak(args: Args) -> Result<bool> {
         data: dir.join("data"),
         inference: SocketAddr::from(([127, 0, 0, 1], free_port()?)),
         management: SocketAddr::from(([127, 0, 0, 1], free_port()?)),
+        agents: [
+            SocketAddr::from(([127, 0, 0, 1], free_port()?)),
+            SocketAddr::from(([127, 0, 0, 1], free_port()?)),
+        ],
         dir: dir.clone(),
         ledger: Ledger::default(),
         life: AtomicU64::new(0),
@@ -1205,6 +1275,7 @@ async fn soak(args: Args) -> Result<bool> {
         side: Mutex::new(Vec::new()),
     });
     std::fs::write(dir.join("standalone.yaml"), run.document(&engine_sim))?;
+    let agents = start_agents(&run, &engine_sim).await?;
     let mut child = start_capyctl(&run).await?;
     let first_pid = child.id().unwrap_or(0);
     let first = footprint(first_pid);
@@ -1274,6 +1345,17 @@ async fn soak(args: Args) -> Result<bool> {
         .args(["-TERM", &pid.to_string()])
         .status();
     let clean = tokio::time::timeout(Duration::from_secs(60), child.wait()).await;
+    // Then the node agents, which stop their engines on SIGTERM (CapyCTL leaves theirs).
+    let mut agents_clean = true;
+    for mut agent in agents {
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &agent.id().unwrap_or(0).to_string()])
+            .status();
+        agents_clean &= matches!(
+            tokio::time::timeout(Duration::from_secs(60), agent.wait()).await,
+            Ok(Ok(s)) if s.success()
+        );
+    }
     let mut leaked = engines(&run.run_id);
     for _ in 0..50 {
         if leaked.is_empty() {
@@ -1390,6 +1472,13 @@ async fn soak(args: Args) -> Result<bool> {
             row("clean shutdown (SIGTERM)", format!("{other:?}"));
             failed.push("clean shutdown".into());
         }
+    }
+    row(
+        "node agents' clean shutdown (SIGTERM)",
+        if agents_clean { "exit 0" } else { "failed" }.into(),
+    );
+    if !agents_clean {
+        failed.push("node agents' clean shutdown".into());
     }
     if let Some(f) = &failure {
         row("aborted", f.clone());
