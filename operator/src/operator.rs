@@ -537,6 +537,9 @@ async fn join(
     remote.follow_agent_timing = true;
     let agent = Arc::new(RemoteHostAgent::new(remote)?);
     let info = agent.info().await?;
+    // Exits are watched before the recovery reads what runs there (an engine that exits in
+    // between is then reported, not missed); bounded, as the agent just answered.
+    let _ = tokio::time::timeout(Duration::from_secs(30), agent.watching_exits()).await;
     // The chart's host ID is the node's name.
     let host_id = if info.node_name.is_empty() {
         info.host_id.clone()

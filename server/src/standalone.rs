@@ -239,6 +239,16 @@ async fn node_agent_hosts(
         remote.follow_agent_timing = true;
         let agent = RemoteHostAgent::new(remote).map_err(|e| failed(e.to_string()))?;
         let info = agent.info().await.map_err(|e| failed(e.to_string()))?;
+        // Exits are watched before the recovery reads what runs there: an engine that exits
+        // in between is then reported, not missed.
+        if tokio::time::timeout(Duration::from_secs(30), agent.watching_exits())
+            .await
+            .is_err()
+        {
+            return Err(failed(
+                "its engine exits could not be watched within 30 s".into(),
+            ));
+        }
         if info.engine_runtime == "pod" {
             return Err(failed(
                 "it runs engines as Pods (--engine-runtime pod), which needs the operator on Kubernetes; start it with --engine-runtime process".into(),
