@@ -682,6 +682,16 @@ fn table(rows: &[Vec<String>]) -> String {
     out
 }
 
+/// A compared setting as a column shows it: its key's last segment and the value
+/// (`admission_window=5s`).
+fn short(setting: Option<&str>) -> String {
+    let s = setting.unwrap_or_default();
+    match s.split_once('=') {
+        Some((key, value)) => format!("{}={value}", key.rsplit('.').next().unwrap_or(key)),
+        None => s.to_string(),
+    }
+}
+
 /// The reports as text: one row per model (and compared value), then the GPU time.
 pub fn render(reports: &[Report]) -> String {
     let compare = reports.iter().any(|r| r.setting.is_some());
@@ -708,7 +718,7 @@ pub fn render(reports: &[Report]) -> String {
         for m in &r.models {
             let mut row = Vec::new();
             if compare {
-                row.push(r.setting.clone().unwrap_or_default());
+                row.push(short(r.setting.as_deref()));
             }
             let errors = if m.errors.is_empty() {
                 "-".to_string()
@@ -748,7 +758,7 @@ pub fn render(reports: &[Report]) -> String {
     for r in reports {
         let mut row = Vec::new();
         if compare {
-            row.push(r.setting.clone().unwrap_or_default());
+            row.push(short(r.setting.as_deref()));
         }
         row.extend([
             human(r.span_ms),
