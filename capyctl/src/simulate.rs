@@ -225,7 +225,12 @@ struct Setup {
 }
 
 /// Splits `--set` into document overrides and `simulate.…` settings, and resolves both.
-fn setup(file: Option<&Path>, set: &[String], requests: &[TraceRequest]) -> Result<Setup, String> {
+fn setup(
+    file: Option<&Path>,
+    set: &[String],
+    trace_name: &str,
+    requests: &[TraceRequest],
+) -> Result<Setup, String> {
     let mut doc_sets = Vec::new();
     let mut sim = SimSettings::default();
     for s in set {
@@ -279,8 +284,8 @@ fn setup(file: Option<&Path>, set: &[String], requests: &[TraceRequest]) -> Resu
             && sim.token_rate(&r.model).is_none()
         {
             return Err(format!(
-                "{}:{}: `output_tokens` needs the engine's token rate: --set simulate.token_rate=N (tokens per second per request) or simulate.models.{}.token_rate=N",
-                "the trace", r.line, r.model
+                "{trace_name}:{}: `output_tokens` needs the engine's token rate: --set simulate.token_rate=N (tokens per second per request) or simulate.models.{}.token_rate=N",
+                r.line, r.model
             ));
         }
     }
@@ -816,7 +821,8 @@ pub fn runs(args: &SimulateArgs) -> Result<Vec<(Option<String>, Run)>, String> {
     for v in variants {
         let mut set = args.set.clone();
         set.extend(v.clone());
-        let setup = setup(args.file.as_deref(), &set, &requests)?;
+        let name = args.trace.display().to_string();
+        let setup = setup(args.file.as_deref(), &set, &name, &requests)?;
         out.push((v, simulate_once(setup, &requests, args.cold)?));
     }
     Ok(out)
