@@ -937,6 +937,20 @@ mod tests {
         assert!(g.switching > 0.15 && g.serving > 0.03, "{g:?}");
         let text = render(&[report]);
         assert!(text.contains("MODEL   REQUESTS   WAIT P50"), "{text}");
+        // The timeline: a row per model, b's park and a's wake as bars, the waiting line.
+        let svg = crate::simulate_svg::render(&runs);
+        assert!(
+            svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""),
+            "{svg}"
+        );
+        for needle in [
+            "<title>b park: 2.00 s</title>",
+            "<title>a wake: 2.50 s</title>",
+            "waiting (max 2)",
+            ">c</text>",
+        ] {
+            assert!(svg.contains(needle), "{needle} missing in {svg}");
+        }
     }
 
     #[test]
