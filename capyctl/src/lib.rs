@@ -11,7 +11,11 @@
 pub mod client;
 pub mod cluster;
 pub mod render;
+pub mod simulate;
+pub mod simulate_host;
+pub mod simulate_svg;
 pub mod standalone;
+pub mod trace;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -138,6 +142,39 @@ enum Command {
         #[arg(long = "set")]
         set: Vec<String>,
     },
+    /// Replay a request trace through CapyCTL's switching code on a virtual clock and print,
+    /// per model, the waits, errors and switches, and the GPU time serving vs switching.
+    Simulate {
+        /// The trace: one JSON object a line, `{"at_ms": 0, "model": "chat", "duration_ms":
+        /// 1200}` (or `"output_tokens": 64` instead of `duration_ms`).
+        #[arg(long)]
+        trace: PathBuf,
+        /// The standalone document (deployments, GPUs, settings); without it, each model of
+        /// the trace on one 80GiB GPU.
+        #[arg(long)]
+        file: Option<PathBuf>,
+        /// An override, `a.b=c` (repeatable): a document key as for `start standalone`, or a
+        /// `simulate.…` key (engine times and token rates; see the README).
+        #[arg(long = "set")]
+        set: Vec<String>,
+        /// Run once per value and print one row each: `key=v1,v2,...`.
+        #[arg(long)]
+        compare: Option<String>,
+        /// Draw the simulated timeline into this SVG file.
+        #[arg(long)]
+        svg: Option<PathBuf>,
+        /// Begin with every deployment stopped (default: each started once, in document
+        /// order, as on a server that has run a while).
+        #[arg(long)]
+        cold: bool,
+    },
+    /// Switches; `--export-trace FILE` writes the server's recent requests as a trace for
+    /// `capyctl simulate` (`-`: standard output).
+    Switches {
+        /// Where to write the trace of the recent requests (`-`: standard output).
+        #[arg(long, value_name = "FILE")]
+        export_trace: PathBuf,
+    },
     /// Print a shell completion script (e.g. `capyctl completion bash > /etc/bash_completion.d/capyctl`).
     Completion {
         /// The shell.
@@ -253,6 +290,22 @@ pub fn main() -> ExitCode {
                 ))
             })
         }
+        Command::Simulate {
+            trace,
+            file,
+            set,
+            compare,
+            svg,
+            cold,
+        } => simulate::run(simulate::SimulateArgs {
+            trace,
+            file,
+            set,
+            compare,
+            svg,
+            json: cli.global.json,
+            cold,
+        }),
         Command::Start(Start::Host(args)) => {
             init_logging();
             runtime().and_then(|rt| {
@@ -457,7 +510,13 @@ async fn remote(global: Global, command: Command) -> Result<(), String> {
                 }
                 Ok(())
             }
-            Command::Check { .. } | Command::Completion { .. } | Command::Start(_) => {
+            Command::Switches { export_trace } => trace::export(&client, &export_trace)
+                .await
+                .map_err(CommandError::Failed),
+            Command::Check { .. }
+            | Command::Completion { .. }
+            | Command::Start(_)
+            | Command::Simulate { .. } => {
                 unreachable!("handled before the client")
             }
         }

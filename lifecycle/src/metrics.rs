@@ -3,7 +3,8 @@
 //!
 //! Every metric is named `capyctl_…`; durations are `_seconds` histograms with buckets from 1 ms
 //! doubling to about 9 minutes. The lifecycle and the router report through the methods of
-//! [`Metrics`]; nothing here keeps state of its own beyond the metric values.
+//! [`Metrics`]; nothing here keeps state of its own beyond the metric values and the ring of
+//! recent requests ([`Metrics::recent_requests`]).
 //!
 //! | metric | type | labels | what |
 //! |---|---|---|---|
@@ -33,6 +34,7 @@ use std::fmt;
 use std::sync::RwLock;
 use std::time::Duration;
 
+use capyctl_router::recent::RecentRequests;
 use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -156,6 +158,8 @@ pub struct Metrics {
     /// the families (the handles share their values with the families' metrics, which are
     /// never removed: only gauges are).
     request_handles: RwLock<HashMap<String, RequestHandles>>,
+    /// The last requests that named a model (`GET /management/v1/switches/trace`).
+    recent: RecentRequests,
 }
 
 /// One deployment's request metrics, as handles.
@@ -289,7 +293,14 @@ impl Metrics {
             in_flight,
             kube_api,
             request_handles: RwLock::new(HashMap::new()),
+            recent: RecentRequests::default(),
         }
+    }
+
+    /// The last requests that named a model, recorded as each ended (the trace `capyctl
+    /// switches --export-trace` writes).
+    pub fn recent_requests(&self) -> &RecentRequests {
+        &self.recent
     }
 
     /// One inference request ended with `status` and `code` (`ok` for a success, else the
@@ -443,6 +454,7 @@ impl capyctl_router::observe::RequestObserver for Metrics {
             event.code.unwrap_or("ok"),
             event.waited,
         );
+        self.recent.record(event);
     }
 }
 

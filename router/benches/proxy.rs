@@ -636,6 +636,8 @@ mod server_like {
         requests: Family<RequestLabels, Counter>,
         request_wait: Family<DeploymentLabels, Histogram, fn() -> Histogram>,
         handles: RwLock<HashMap<String, Handles>>,
+        /// The ring of recent requests (`lifecycle/src/metrics.rs` keeps one too).
+        recent: capyctl_router::recent::RecentRequests,
     }
 
     fn seconds_histogram() -> Histogram {
@@ -648,6 +650,7 @@ mod server_like {
                 requests: Family::default(),
                 request_wait: Family::new_with_constructor(seconds_histogram as fn() -> Histogram),
                 handles: RwLock::new(HashMap::new()),
+                recent: capyctl_router::recent::RecentRequests::default(),
             }
         }
     }
@@ -711,6 +714,7 @@ mod server_like {
                 event.code.unwrap_or("ok"),
                 event.waited,
             );
+            self.recent.record(event);
         }
     }
 }

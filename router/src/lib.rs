@@ -11,4 +11,5 @@ mod fast_hash;
 pub mod lifecycle;
 pub mod observe;
 pub mod proxy;
+pub mod recent;
 pub mod tls;

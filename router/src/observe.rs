@@ -39,6 +39,9 @@ pub struct RequestEvent {
     /// How long it waited for its admission (queue, switch and the in-flight bound); zero if it
     /// never asked for one.
     pub waited: Duration,
+    /// From its admission (its dispatch to the engine) to its end; zero if it was never
+    /// admitted.
+    pub served: Duration,
     /// Whether the answer was a stream (`text/event-stream`).
     pub streamed: bool,
 }

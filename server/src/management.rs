@@ -17,6 +17,7 @@
 //! | `GET /management/v1/hosts` | 200 `HostList` |
 //! | `POST /management/v1/hosts/{id}/{drain,uncordon}` | 200 `HostDrainReceipt` |
 //! | `GET /management/v1/metrics/load[?deployment=ID]` | 200 `LoadReport` |
+//! | `GET /management/v1/switches/trace` | 200 JSON lines: the recent requests as a trace (`capyctl simulate`'s format) |
 //! | `GET /healthz` | 200 `ok` (no token) |
 //! | `GET /readyz` | 200 `ready` once [`ManagementApi::ready`], else 503 (no token) |
 //! | `GET /metrics` | 200 OpenMetrics text of [`Metrics`] (no token) |
@@ -119,6 +120,7 @@ pub fn router(api: Arc<dyn ManagementApi>, options: ManagementOptions) -> Router
         .route("/hosts/{id}/drain", post(drain_host))
         .route("/hosts/{id}/uncordon", post(uncordon_host))
         .route("/metrics/load", get(load))
+        .route("/switches/trace", get(request_trace))
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), require_token));
@@ -681,6 +683,18 @@ async fn readyz(State(s): State<AppState>) -> Response {
         )
             .into_response()
     }
+}
+
+/// The last requests that named a model (at most 10,000), oldest first, as a trace: one JSON
+/// object a line, `at_ms` from the first one's arrival (see
+/// [`capyctl_router::recent::TraceLine`]).
+async fn request_trace(State(s): State<AppState>) -> Response {
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/jsonl")],
+        s.metrics.recent_requests().trace_lines(),
+    )
+        .into_response()
 }
 
 async fn prometheus(State(s): State<AppState>) -> Response {

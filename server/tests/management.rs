@@ -413,6 +413,7 @@ async fn every_management_route_needs_the_token() {
         ("POST", "/hosts/gpu-box/drain"),
         ("POST", "/hosts/gpu-box/uncordon"),
         ("GET", "/metrics/load"),
+        ("GET", "/switches/trace"),
         ("GET", "/no-such-route"),
     ];
     let bad: [&[(&str, &str)]; 7] = [
@@ -940,6 +941,61 @@ async fn metrics_text_names_what_was_observed() {
     ] {
         assert!(r.body.contains(&needle), "{needle} missing in:\n{}", r.body);
     }
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_trace_route_answers_the_recent_requests_as_json_lines() {
+    use capyctl_router::observe::{RequestEvent, RequestObserver};
+    let s = start_server().await;
+    let auth = format!("Bearer {TOKEN}");
+    let r = s
+        .send(
+            "GET",
+            &format!("{V1}/switches/trace"),
+            &[("Authorization", &auth)],
+            b"",
+        )
+        .await;
+    assert_eq!((r.status, r.body.as_str()), (200, ""));
+    let event = |model: Option<&str>, code: Option<&'static str>| RequestEvent {
+        deployment_id: Some(ID.to_string()),
+        model: model.map(str::to_string),
+        status: if code.is_some() { 503 } else { 200 },
+        code,
+        waited: Duration::from_millis(4_000),
+        served: Duration::from_millis(1_500),
+        streamed: false,
+    };
+    s.metrics.finished(&event(Some("chat-a"), None));
+    // Without a model there is nothing to replay: not kept.
+    s.metrics.finished(&event(None, Some("invalid_request")));
+    s.metrics
+        .finished(&event(Some("chat-b"), Some("wake_mismatch")));
+    let r = s
+        .send(
+            "GET",
+            &format!("{V1}/switches/trace"),
+            &[("Authorization", &auth)],
+            b"",
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("content-type"), Some("application/jsonl"));
+    let lines: Vec<Value> = r
+        .body
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2, "{}", r.body);
+    assert_eq!(lines[0]["model"], "chat-a");
+    assert_eq!(lines[0]["at_ms"], 0);
+    assert_eq!(lines[0]["duration_ms"], 1_500);
+    assert_eq!(lines[0]["waited_ms"], 4_000);
+    assert_eq!(lines[0]["outcome"], "ok");
+    assert_eq!(lines[1]["model"], "chat-b");
+    assert_eq!(lines[1]["outcome"], "wake_mismatch");
+    assert_eq!(lines[1]["status"], 503);
     s.shutdown().await;
 }
 

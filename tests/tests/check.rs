@@ -94,7 +94,8 @@ fn a_command_line_that_does_not_parse_is_one_line_and_exit_2() {
     );
 }
 
-/// Every example document in `examples/` is valid as the README uses it.
+/// Every example document in `examples/` is valid as the README uses it (a trace, `.jsonl`,
+/// simulates on the standalone example).
 #[test]
 fn every_example_document_checks() {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples");
@@ -102,6 +103,23 @@ fn every_example_document_checks() {
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if name.ends_with(".jsonl") {
+            // A request trace: the README simulates it on the standalone example.
+            let out = Command::new(capyctl())
+                .args(["simulate", "--set", "simulate.token_rate=20", "--trace"])
+                .arg(&path)
+                .arg("--file")
+                .arg(path.with_file_name("standalone.yaml"))
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{name}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            checked += 1;
+            continue;
+        }
         let kind = if name.starts_with("standalone") {
             "standalone"
         } else {

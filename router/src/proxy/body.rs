@@ -43,12 +43,17 @@ pub(crate) struct Observation {
     event: RequestEvent,
     /// When the request began to wait for its admission (for `waited` if it ends meanwhile).
     asked: Option<Instant>,
+    /// When it was admitted (for `served`).
+    admitted: Option<Instant>,
 }
 
 impl Observation {
     fn emit(mut self, code: Option<&'static str>) {
         if let Some(asked) = self.asked.take() {
             self.event.waited = asked.elapsed();
+        }
+        if let Some(admitted) = self.admitted {
+            self.event.served = admitted.elapsed();
         }
         self.event.code = code;
         self.observer.finished(&self.event);
@@ -69,9 +74,11 @@ impl Watch {
                 status: observe::STATUS_CLIENT_GONE,
                 code: None,
                 waited: Duration::ZERO,
+                served: Duration::ZERO,
                 streamed: false,
             },
             asked: None,
+            admitted: None,
         }))
     }
 
@@ -97,7 +104,9 @@ impl Watch {
         if let Some(o) = &mut self.0
             && let Some(asked) = o.asked.take()
         {
-            o.event.waited = asked.elapsed();
+            let now = Instant::now();
+            o.event.waited = now.saturating_duration_since(asked);
+            o.admitted = Some(now);
         }
     }
 

@@ -1,0 +1,1004 @@
+//! `capyctl simulate`: replays a request trace through the production switching code under a
+//! virtual clock.
+//!
+//! What runs is what `capyctl start standalone` runs: the lifecycle ([`Server`], its owner task,
+//! placement, victims, idle timers) and the router's coordinator (admission, waves, windows,
+//! drains), assembled by the same functions ([`lifecycle_config`], [`router_config`]) from the
+//! same document and overrides. Only the host agent is simulated ([`SimHost`]: park, wake,
+//! start and stop take time and start nothing) and the engines' answers (a request holds its
+//! permit for its duration). The runtime is a current-thread tokio runtime with paused time,
+//! which jumps to the next timer whenever every task waits: an hour of trace runs in seconds.
+//!
+//! A simulated request does what the listener does (`router/src/proxy`): it resolves its model,
+//! asks the coordinator for a permit with its deadline (arrival + `request_deadline`), holds
+//! the permit for its duration and drops it. Its wait is its admission less its arrival; an
+//! admission refused is an error with the product page's code.
+//!
+//! The simulation begins, unless `--cold`, with every deployment of the document started in
+//! order with `--evict` (the last ones ready, the others parked or stopped as room allows: a
+//! server that has run a while); time 0 of the trace is then.
+//!
+//! Engine times, per model (`simulate.models.<name>.<key>` wins over `simulate.<key>`):
+//!
+//! | key | default |
+//! |---|---|
+//! | `park` | host RAM: weights / `simulate.host_bandwidth` (16GiB/s); deep or KV only: 0 s |
+//! | `wake` | host RAM: weights / `host_bandwidth`; deep: weights / `simulate.disk_bandwidth` (2GiB/s); KV only: 0 s; plus `wake_check` |
+//! | `wake_check` | the check prompt and the warm-up: 17 tokens at `token_rate` when that is known, else 0 s |
+//! | `start` | 30s |
+//! | `stop` | 1s |
+//! | `token_rate` | none: a trace with `output_tokens` needs it (tokens per second per request) |
+//!
+//! The weights are the deployment's `resources.weights_memory`; a deployment without
+//! `resources` is taken as 90% of the largest GPU with 16GiB of weights. Without `host.gpus` the
+//! host has one 80GiB GPU, without `host.host_memory` 256GiB of RAM. Without `--file`, each
+//! model the trace names is a vLLM deployment of that name without `resources`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use capyctl_lifecycle::Server;
+use capyctl_lifecycle::api::ManagementApi;
+use capyctl_lifecycle::metrics::Metrics;
+use capyctl_lifecycle::store::MemoryStore;
+use capyctl_router::admission::{Admission, Permit};
+use capyctl_router::lifecycle::Lifecycle;
+use capyctl_server::standalone::{lifecycle_config, router_config};
+use capyctl_spec::api::StartRequest;
+use capyctl_spec::documents::{self, DeploymentDoc, ResourcesDoc};
+use capyctl_spec::overrides::Overrides;
+use capyctl_spec::settings::{GpuOverride, StandaloneConfig};
+use capyctl_spec::units::{ByteSize, DurationSetting};
+use serde::Serialize;
+use tokio::time::Instant;
+
+use crate::simulate_host::{Op, OpKind, SimHost, Timings};
+use crate::trace::{self, Size, TraceRequest};
+
+const GIB: u64 = 1 << 30;
+
+/// The check prompt's tokens and the warm-up's one, run after every wake.
+const CHECK_TOKENS: f64 = capyctl_node_agent::verify::CHECK_MAX_TOKENS as f64 + 1.0;
+
+/// A request "waited" (the report's WAITED columns) when it waited at least this long.
+pub const WAITED_AT_LEAST: Duration = Duration::from_millis(100);
+
+/// What `capyctl simulate` was asked.
+#[derive(Debug, Clone)]
+pub struct SimulateArgs {
+    /// The trace.
+    pub trace: PathBuf,
+    /// The standalone document.
+    pub file: Option<PathBuf>,
+    /// `--set` overrides: document keys, and `simulate.…` keys.
+    pub set: Vec<String>,
+    /// `--compare key=v1,v2,…`.
+    pub compare: Option<String>,
+    /// `--svg FILE`.
+    pub svg: Option<PathBuf>,
+    /// `--json`.
+    pub json: bool,
+    /// `--cold`: every deployment stopped at time 0.
+    pub cold: bool,
+}
+
+/// The engine times one model's settings give (each `None`: the default).
+#[derive(Debug, Clone, Default, PartialEq)]
+struct EngineKeys {
+    park: Option<Duration>,
+    wake: Option<Duration>,
+    wake_check: Option<Duration>,
+    start: Option<Duration>,
+    stop: Option<Duration>,
+    token_rate: Option<f64>,
+}
+
+/// The `simulate.…` settings.
+#[derive(Debug, Clone, PartialEq)]
+struct SimSettings {
+    host_bandwidth: u64,
+    disk_bandwidth: u64,
+    all: EngineKeys,
+    models: BTreeMap<String, EngineKeys>,
+}
+
+impl Default for SimSettings {
+    fn default() -> Self {
+        SimSettings {
+            host_bandwidth: 16 * GIB,
+            disk_bandwidth: 2 * GIB,
+            all: EngineKeys::default(),
+            models: BTreeMap::new(),
+        }
+    }
+}
+
+impl SimSettings {
+    /// Applies one `simulate.…=value` (`key` without `simulate.`).
+    fn apply(&mut self, key: &str, value: &str, source: &str) -> Result<(), String> {
+        let bad = |what: String| format!("{source}: {what}");
+        let duration = |v: &str| {
+            v.trim()
+                .parse::<DurationSetting>()
+                .map(Duration::from)
+                .map_err(|e| bad(e.to_string()))
+        };
+        let bandwidth = |v: &str| {
+            let v = v.trim();
+            let v = v.strip_suffix("/s").unwrap_or(v);
+            match v.parse::<ByteSize>() {
+                Ok(b) if b.as_u64() > 0 => Ok(b.as_u64()),
+                Ok(_) => Err(bad("a bandwidth must be above 0".into())),
+                Err(e) => Err(bad(e.to_string())),
+            }
+        };
+        let parts: Vec<&str> = key.split('.').collect();
+        let (keys, leaf) = match parts.as_slice() {
+            ["host_bandwidth"] => {
+                self.host_bandwidth = bandwidth(value)?;
+                return Ok(());
+            }
+            ["disk_bandwidth"] => {
+                self.disk_bandwidth = bandwidth(value)?;
+                return Ok(());
+            }
+            [leaf] => (&mut self.all, *leaf),
+            ["models", model, leaf] => {
+                (self.models.entry((*model).to_string()).or_default(), *leaf)
+            }
+            _ => {
+                return Err(bad(format!(
+                    "unknown key simulate.{key}; expected simulate.host_bandwidth, simulate.disk_bandwidth, simulate.<park|wake|wake_check|start|stop|token_rate> or simulate.models.<name>.<park|wake|wake_check|start|stop|token_rate>"
+                )));
+            }
+        };
+        match leaf {
+            "park" => keys.park = Some(duration(value)?),
+            "wake" => keys.wake = Some(duration(value)?),
+            "wake_check" => keys.wake_check = Some(duration(value)?),
+            "start" => keys.start = Some(duration(value)?),
+            "stop" => keys.stop = Some(duration(value)?),
+            "token_rate" => match value.trim().parse::<f64>() {
+                Ok(r) if r.is_finite() && r > 0.0 => keys.token_rate = Some(r),
+                _ => {
+                    return Err(bad(format!(
+                        "`{value}` is not a token rate: a number of tokens per second above 0"
+                    )));
+                }
+            },
+            other => {
+                return Err(bad(format!(
+                    "unknown key `{other}`; expected park, wake, wake_check, start, stop or token_rate"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The token rate of `model`, if any.
+    fn token_rate(&self, model: &str) -> Option<f64> {
+        self.models
+            .get(model)
+            .and_then(|k| k.token_rate)
+            .or(self.all.token_rate)
+    }
+
+    /// The engine times of a deployment.
+    fn timings(&self, doc: &DeploymentDoc) -> Timings {
+        let weights = doc
+            .resources
+            .and_then(|r| r.weights_memory)
+            .map_or(16 * GIB, ByteSize::as_u64);
+        self.timings_of(&doc.name, weights)
+    }
+
+    /// The engine times of model `name` with `weights` bytes of weights.
+    fn timings_of(&self, name: &str, weights: u64) -> Timings {
+        let own = self.models.get(name);
+        let pick = |f: fn(&EngineKeys) -> Option<Duration>| own.and_then(f).or(f(&self.all));
+        let copy = |bandwidth: u64| Duration::from_secs_f64(weights as f64 / bandwidth as f64);
+        let check = pick(|k| k.wake_check).unwrap_or_else(|| {
+            self.token_rate(name).map_or(Duration::ZERO, |r| {
+                Duration::from_secs_f64(CHECK_TOKENS / r)
+            })
+        });
+        let wake = pick(|k| k.wake);
+        let park = pick(|k| k.park);
+        Timings {
+            start: pick(|k| k.start).unwrap_or(Duration::from_secs(30)),
+            park_host_ram: park.unwrap_or_else(|| copy(self.host_bandwidth)),
+            park_deep: park.unwrap_or(Duration::ZERO),
+            wake_host_ram: wake.unwrap_or_else(|| copy(self.host_bandwidth) + check),
+            wake_deep: wake.unwrap_or_else(|| copy(self.disk_bandwidth) + check),
+            wake_kv_only: wake.unwrap_or(check),
+            stop: pick(|k| k.stop).unwrap_or(Duration::from_secs(1)),
+        }
+    }
+}
+
+/// One run's inputs: the resolved document and the simulation settings.
+struct Setup {
+    config: StandaloneConfig,
+    sim: SimSettings,
+}
+
+/// Splits `--set` into document overrides and `simulate.…` settings, and resolves both.
+fn setup(
+    file: Option<&Path>,
+    set: &[String],
+    trace_name: &str,
+    requests: &[TraceRequest],
+) -> Result<Setup, String> {
+    let mut doc_sets = Vec::new();
+    let mut sim = SimSettings::default();
+    for s in set {
+        match s.split_once('=') {
+            Some((k, v)) if k.trim().starts_with("simulate.") => {
+                sim.apply(&k.trim()["simulate.".len()..], v, &format!("--set {s}"))?;
+            }
+            _ => doc_sets.push(s.clone()),
+        }
+    }
+    let overrides =
+        Overrides::from_args_and_env(doc_sets, std::env::vars()).map_err(|e| e.to_string())?;
+    let mut config = match file {
+        Some(path) => documents::load_standalone_file(path, &overrides),
+        None => documents::standalone_from_overrides(&overrides),
+    }
+    .map_err(|e| e.to_string())?;
+    let gpus = config.host.gpus.get_or_insert_with(|| {
+        vec![GpuOverride {
+            memory: 80 * GIB,
+            unified: false,
+            uuid: None,
+        }]
+    });
+    let largest = gpus.iter().map(|g| g.memory).max().unwrap_or(80 * GIB);
+    config.host.host_memory.get_or_insert(256 * GIB);
+    if file.is_none() {
+        let mut names: Vec<&str> = requests.iter().map(|r| r.model.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        for name in names {
+            let text = format!("name: {name}\nengine: vllm\nmodel: {name}\n");
+            let doc = documents::parse_deployment_str(&format!("the trace's model {name}"), &text)
+                .map_err(|e| e.to_string())?;
+            config.deployments.push(doc);
+        }
+    }
+    for d in &mut config.deployments {
+        let r = d.resources.get_or_insert_with(ResourcesDoc::default);
+        if r.gpu_memory.is_none() {
+            r.gpu_memory = Some(ByteSize::bytes(largest / 10 * 9));
+        }
+        if r.weights_memory.is_none() {
+            let gpu = r.gpu_memory.map_or(16 * GIB, ByteSize::as_u64);
+            r.weights_memory = Some(ByteSize::bytes(gpu.min(16 * GIB)));
+        }
+    }
+    // A request sized in tokens needs its model's rate.
+    for r in requests {
+        if let Size::Tokens(_) = r.size
+            && sim.token_rate(&r.model).is_none()
+        {
+            return Err(format!(
+                "{trace_name}:{}: `output_tokens` needs the engine's token rate: --set simulate.token_rate=N (tokens per second per request) or simulate.models.{}.token_rate=N",
+                r.line, r.model
+            ));
+        }
+    }
+    Ok(Setup { config, sim })
+}
+
+/// How one simulated request went.
+#[derive(Debug, Clone)]
+pub struct Served {
+    /// Its model.
+    pub model: String,
+    /// When it arrived.
+    pub arrival: Instant,
+    /// When it was admitted; `None` when refused.
+    pub admitted: Option<Instant>,
+    /// When it ended (its refusal, or its permit dropped).
+    pub ended: Instant,
+    /// The refusal's code.
+    pub error: Option<&'static str>,
+}
+
+/// Everything one run produced.
+#[derive(Debug)]
+pub struct Run {
+    /// Time 0 of the trace.
+    pub t0: Instant,
+    /// When the last request ended.
+    pub end: Instant,
+    /// Every request, in trace order.
+    pub requests: Vec<Served>,
+    /// Every engine operation from time 0 on (those under way then included).
+    pub ops: Vec<Op>,
+    /// The deployments, in document order.
+    pub models: Vec<String>,
+    /// What went wrong before time 0 (a deployment that could not be started).
+    pub notes: Vec<String>,
+}
+
+/// Runs the trace once on a fresh paused runtime.
+fn simulate_once(setup: Setup, requests: &[TraceRequest], cold: bool) -> Result<Run, String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))?;
+    rt.block_on(simulate_in(setup, requests, cold))
+}
+
+async fn simulate_in(setup: Setup, requests: &[TraceRequest], cold: bool) -> Result<Run, String> {
+    let Setup { mut config, sim } = setup;
+    let timings: BTreeMap<String, Timings> = config
+        .deployments
+        .iter()
+        .map(|d| (d.name.clone(), sim.timings(d)))
+        .collect();
+    let host = Arc::new(SimHost::new(
+        capyctl_node_agent::spec::HostSettings::from(&config.host),
+        timings,
+        sim.timings_of("", 16 * GIB),
+    ));
+    let models: Vec<String> = config.deployments.iter().map(|d| d.name.clone()).collect();
+    let deployments = std::mem::take(&mut config.deployments);
+    let metrics = Arc::new(Metrics::new());
+    let server = Server::open(
+        host.clone(),
+        Arc::new(MemoryStore::new([])),
+        lifecycle_config(&config, metrics),
+    )
+    .await
+    .map_err(|e| format!("the simulated server did not open: {e}"))?;
+    let lifecycle: Arc<dyn Lifecycle> = server.clone();
+    let router = server.spawn_router(lifecycle, router_config(&config)).await;
+    server
+        .deploy_all(deployments)
+        .await
+        .map_err(|(name, e)| format!("deployment {name}: {}", e.message()))?;
+    let mut notes = Vec::new();
+    if !cold {
+        for name in &models {
+            let started = server
+                .start(
+                    name,
+                    StartRequest {
+                        evict: true,
+                        wait: true,
+                    },
+                )
+                .await;
+            if let Err(e) = started {
+                notes.push(format!(
+                    "{name} could not be started before the trace: {}",
+                    e.message()
+                ));
+            }
+        }
+    }
+    let t0 = Instant::now();
+    let deadline_after = config.host.queue.request_deadline;
+    let mut tasks = Vec::with_capacity(requests.len());
+    for r in requests {
+        let duration = match r.size {
+            Size::Duration(d) => d,
+            Size::Tokens(n) => {
+                let rate = sim.token_rate(&r.model).unwrap_or(1.0);
+                Duration::from_secs_f64(n as f64 / rate)
+            }
+        };
+        let model = r.model.clone();
+        let at = t0 + r.at;
+        let router = router.clone();
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep_until(at).await;
+            let arrival = Instant::now();
+            let refused = |error: &'static str| Served {
+                model: model.clone(),
+                arrival,
+                admitted: None,
+                ended: Instant::now(),
+                error: Some(error),
+            };
+            let Some(deployment) = router.resolve(&model) else {
+                return refused("model_not_found");
+            };
+            match router.admit(deployment, arrival + deadline_after).await {
+                Ok(permit) => {
+                    let admitted = Instant::now();
+                    permit.first_output();
+                    tokio::time::sleep(duration).await;
+                    drop(permit);
+                    Served {
+                        model,
+                        arrival,
+                        admitted: Some(admitted),
+                        ended: Instant::now(),
+                        error: None,
+                    }
+                }
+                Err(e) => refused(e.code()),
+            }
+        }));
+    }
+    let mut served = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        served.push(
+            t.await
+                .map_err(|e| format!("a simulated request failed: {e}"))?,
+        );
+    }
+    let end = served.iter().map(|s| s.ended).max().unwrap_or(t0);
+    server.close();
+    let ops = host.ops().into_iter().filter(|o| o.ended > t0).collect();
+    Ok(Run {
+        t0,
+        end,
+        requests: served,
+        ops,
+        models,
+        notes,
+    })
+}
+
+// ----- the report -----
+
+/// One model's figures.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ModelReport {
+    /// The model.
+    pub model: String,
+    /// Requests of the trace for it.
+    pub requests: usize,
+    /// Requests admitted (served).
+    pub served: usize,
+    /// Waits of the admitted requests, in milliseconds: median.
+    pub wait_p50_ms: u64,
+    /// 99th percentile.
+    pub wait_p99_ms: u64,
+    /// Mean.
+    pub wait_mean_ms: u64,
+    /// Admitted requests that waited at least 100 ms.
+    pub waited: usize,
+    /// Their median wait.
+    pub waited_p50_ms: u64,
+    /// Their mean wait.
+    pub waited_mean_ms: u64,
+    /// Refusals by code.
+    pub errors: BTreeMap<String, usize>,
+    /// Times it was woken or started during the trace.
+    pub switches: usize,
+}
+
+/// Shares of the host's GPU time from time 0 to the last request's end.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq)]
+pub struct GpuShares {
+    /// Some request running, no engine operation under way.
+    pub serving: f64,
+    /// An engine operation (park, wake, start, stop) under way.
+    pub switching: f64,
+    /// Neither.
+    pub idle: f64,
+}
+
+/// One run's report.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Report {
+    /// `--compare`'s `key=value`; `None` without `--compare`.
+    pub setting: Option<String>,
+    /// From time 0 to the last request's end, in milliseconds of simulated time.
+    pub span_ms: u64,
+    /// Per model, in document order (then models the document does not have).
+    pub models: Vec<ModelReport>,
+    /// The GPU time.
+    pub gpu: GpuShares,
+    /// What went wrong before time 0.
+    pub notes: Vec<String>,
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// The nearest-rank percentile `p` (0..1] of sorted `v`.
+fn percentile(v: &[Duration], p: f64) -> Duration {
+    if v.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = ((p * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    v[rank - 1]
+}
+
+fn mean(v: &[Duration]) -> Duration {
+    if v.is_empty() {
+        return Duration::ZERO;
+    }
+    v.iter().sum::<Duration>() / u32::try_from(v.len()).unwrap_or(u32::MAX)
+}
+
+/// Merged intervals' total length.
+fn union_len(mut spans: Vec<(Duration, Duration)>) -> Duration {
+    spans.sort();
+    let mut total = Duration::ZERO;
+    let mut current: Option<(Duration, Duration)> = None;
+    for (a, b) in spans {
+        match &mut current {
+            Some((_, end)) if a <= *end => *end = (*end).max(b),
+            _ => {
+                if let Some((s, e)) = current.take() {
+                    total += e - s;
+                }
+                current = Some((a, b));
+            }
+        }
+    }
+    if let Some((s, e)) = current {
+        total += e - s;
+    }
+    total
+}
+
+impl Run {
+    fn rel(&self, at: Instant) -> Duration {
+        at.saturating_duration_since(self.t0)
+    }
+
+    /// The engine operations as spans from time 0.
+    fn op_spans(&self) -> Vec<(Duration, Duration)> {
+        self.ops
+            .iter()
+            .map(|o| (self.rel(o.began), self.rel(o.ended)))
+            .collect()
+    }
+
+    /// The admitted requests' service as spans from time 0.
+    fn serving_spans(&self) -> Vec<(Duration, Duration)> {
+        self.requests
+            .iter()
+            .filter_map(|r| Some((self.rel(r.admitted?), self.rel(r.ended))))
+            .collect()
+    }
+
+    /// The report (see [`Report`]).
+    pub fn report(&self, setting: Option<String>) -> Report {
+        let mut names = self.models.clone();
+        for r in &self.requests {
+            if !names.contains(&r.model) {
+                names.push(r.model.clone());
+            }
+        }
+        let models = names
+            .iter()
+            .filter(|n| self.requests.iter().any(|r| &r.model == *n))
+            .map(|name| {
+                let of: Vec<&Served> = self.requests.iter().filter(|r| &r.model == name).collect();
+                let mut waits: Vec<Duration> = of
+                    .iter()
+                    .filter_map(|r| Some(r.admitted?.saturating_duration_since(r.arrival)))
+                    .collect();
+                waits.sort();
+                let waited: Vec<Duration> = waits
+                    .iter()
+                    .copied()
+                    .filter(|w| *w >= WAITED_AT_LEAST)
+                    .collect();
+                let mut errors = BTreeMap::new();
+                for r in &of {
+                    if let Some(code) = r.error {
+                        *errors.entry(code.to_string()).or_insert(0) += 1;
+                    }
+                }
+                ModelReport {
+                    model: name.clone(),
+                    requests: of.len(),
+                    served: waits.len(),
+                    wait_p50_ms: ms(percentile(&waits, 0.5)),
+                    wait_p99_ms: ms(percentile(&waits, 0.99)),
+                    wait_mean_ms: ms(mean(&waits)),
+                    waited: waited.len(),
+                    waited_p50_ms: ms(percentile(&waited, 0.5)),
+                    waited_mean_ms: ms(mean(&waited)),
+                    errors,
+                    switches: self
+                        .ops
+                        .iter()
+                        .filter(|o| {
+                            &o.model == name
+                                && matches!(o.kind, OpKind::Wake | OpKind::Start)
+                                && o.began >= self.t0
+                        })
+                        .count(),
+                }
+            })
+            .collect();
+        let span = self.rel(self.end);
+        let switching = union_len(self.op_spans());
+        let mut both = self.op_spans();
+        both.extend(self.serving_spans());
+        let busy = union_len(both);
+        let share = |d: Duration| {
+            if span.is_zero() {
+                0.0
+            } else {
+                d.as_secs_f64() / span.as_secs_f64()
+            }
+        };
+        // Serving only: what serving adds to the union beyond the switching.
+        let serving = busy.saturating_sub(switching);
+        Report {
+            setting,
+            span_ms: ms(span),
+            models,
+            gpu: GpuShares {
+                serving: share(serving),
+                switching: share(switching),
+                idle: share(span.saturating_sub(busy)),
+            },
+            notes: self.notes.clone(),
+        }
+    }
+}
+
+/// A wait as people read it: `0ms`, `850ms`, `5.9s`, `2m05s`.
+fn human(ms: u64) -> String {
+    if ms < 1000 {
+        format!("{ms}ms")
+    } else if ms < 60_000 {
+        format!("{:.1}s", ms as f64 / 1000.0)
+    } else {
+        format!("{}m{:02}s", ms / 60_000, (ms % 60_000) / 1000)
+    }
+}
+
+fn pct(x: f64) -> String {
+    format!("{:.0}%", x * 100.0)
+}
+
+/// Left-aligned columns, three spaces apart.
+fn table(rows: &[Vec<String>]) -> String {
+    let cols = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..cols)
+        .map(|c| {
+            rows.iter()
+                .filter_map(|r| r.get(c))
+                .map(|s| s.chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut out = String::new();
+    for r in rows {
+        let mut line = String::new();
+        for (c, cell) in r.iter().enumerate() {
+            line.push_str(cell);
+            if c + 1 < r.len() {
+                line.push_str(&" ".repeat(widths[c] - cell.chars().count() + 3));
+            }
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+/// A compared setting as a column shows it: its key's last segment and the value
+/// (`admission_window=5s`).
+fn short(setting: Option<&str>) -> String {
+    let s = setting.unwrap_or_default();
+    match s.split_once('=') {
+        Some((key, value)) => format!("{}={value}", key.rsplit('.').next().unwrap_or(key)),
+        None => s.to_string(),
+    }
+}
+
+/// The reports as text: one row per model (and compared value), then the GPU time.
+pub fn render(reports: &[Report]) -> String {
+    let compare = reports.iter().any(|r| r.setting.is_some());
+    let mut rows = Vec::new();
+    let mut head: Vec<String> = Vec::new();
+    if compare {
+        head.push("SETTING".into());
+    }
+    head.extend(
+        [
+            "MODEL",
+            "REQUESTS",
+            "WAIT P50",
+            "WAIT P99",
+            "WAITED",
+            "WAITED P50",
+            "ERRORS",
+            "SWITCHES",
+        ]
+        .map(String::from),
+    );
+    rows.push(head);
+    for r in reports {
+        for m in &r.models {
+            let mut row = Vec::new();
+            if compare {
+                row.push(short(r.setting.as_deref()));
+            }
+            let errors = if m.errors.is_empty() {
+                "-".to_string()
+            } else {
+                m.errors
+                    .iter()
+                    .map(|(c, n)| format!("{c}:{n}"))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            };
+            row.extend([
+                m.model.clone(),
+                m.requests.to_string(),
+                human(m.wait_p50_ms),
+                human(m.wait_p99_ms),
+                m.waited.to_string(),
+                if m.waited == 0 {
+                    "-".into()
+                } else {
+                    human(m.waited_p50_ms)
+                },
+                errors,
+                m.switches.to_string(),
+            ]);
+            rows.push(row);
+        }
+    }
+    let mut out = table(&rows);
+    out.push('\n');
+    let mut rows = Vec::new();
+    let mut head: Vec<String> = Vec::new();
+    if compare {
+        head.push("SETTING".into());
+    }
+    head.extend(["SPAN", "GPU SERVING", "SWITCHING", "IDLE"].map(String::from));
+    rows.push(head);
+    for r in reports {
+        let mut row = Vec::new();
+        if compare {
+            row.push(short(r.setting.as_deref()));
+        }
+        row.extend([
+            human(r.span_ms),
+            pct(r.gpu.serving),
+            pct(r.gpu.switching),
+            pct(r.gpu.idle),
+        ]);
+        rows.push(row);
+    }
+    out.push_str(&table(&rows));
+    for r in reports {
+        for n in &r.notes {
+            let at = r
+                .setting
+                .as_ref()
+                .map(|s| format!("{s}: "))
+                .unwrap_or_default();
+            out.push_str(&format!("note: {at}{n}\n"));
+        }
+    }
+    out
+}
+
+/// `--compare key=v1,v2`: the key and its values.
+fn compare_values(compare: &str) -> Result<(String, Vec<String>), String> {
+    let (key, values) = compare.split_once('=').ok_or_else(|| {
+        format!("--compare {compare}: expected key=v1,v2,… e.g. host.resource_policy.queue.admission_window=5s,20s")
+    })?;
+    let values: Vec<String> = values
+        .split(',')
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+        .map(str::to_string)
+        .collect();
+    if key.trim().is_empty() || values.is_empty() {
+        return Err(format!("--compare {compare}: expected key=v1,v2,…"));
+    }
+    Ok((key.trim().to_string(), values))
+}
+
+/// Every run of `args`: one, or one per compared value; with its `key=value`.
+pub fn runs(args: &SimulateArgs) -> Result<Vec<(Option<String>, Run)>, String> {
+    let requests = trace::load(&args.trace)?;
+    let variants: Vec<Option<String>> = match &args.compare {
+        None => vec![None],
+        Some(c) => {
+            let (key, values) = compare_values(c)?;
+            values
+                .into_iter()
+                .map(|v| Some(format!("{key}={v}")))
+                .collect()
+        }
+    };
+    let mut out = Vec::new();
+    for v in variants {
+        let mut set = args.set.clone();
+        set.extend(v.clone());
+        let name = args.trace.display().to_string();
+        let setup = setup(args.file.as_deref(), &set, &name, &requests)?;
+        out.push((v, simulate_once(setup, &requests, args.cold)?));
+    }
+    Ok(out)
+}
+
+/// `capyctl simulate`.
+pub fn run(args: SimulateArgs) -> Result<(), String> {
+    let started = std::time::Instant::now();
+    let runs = runs(&args)?;
+    let reports: Vec<Report> = runs.iter().map(|(s, r)| r.report(s.clone())).collect();
+    if let Some(path) = &args.svg {
+        let svg = crate::simulate_svg::render(&runs);
+        std::fs::write(path, svg).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    }
+    if args.json {
+        let text = serde_json::to_string_pretty(&reports).map_err(|e| e.to_string())?;
+        println!("{text}");
+    } else {
+        let requests: usize = reports
+            .first()
+            .map_or(0, |r| r.models.iter().map(|m| m.requests).sum());
+        let span = reports.first().map_or(0, |r| r.span_ms);
+        println!(
+            "simulated {requests} requests over {} of trace in {:.1} s",
+            human(span),
+            started.elapsed().as_secs_f64()
+        );
+        print!("{}", render(&reports));
+        if let Some(path) = &args.svg {
+            println!("timeline: {}", path.display());
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    fn dir(name: &str) -> PathBuf {
+        let d =
+            std::env::temp_dir().join(format!("capyctl-simulate-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    const DOC: &str = "server:\n  switching:\n    drain_timeout: 30s\nhost:\n  id: box\n  gpus: [{memory: 10GiB}]\n  host_memory: 8GiB\n  resource_policy:\n    queue:\n      admission_window: 1s\ndeployments:\n  - name: a\n    engine: vllm\n    model: m\n    resources: {gpu_memory: 6GiB, weights_memory: 2GiB}\n  - name: b\n    engine: vllm\n    model: m\n    resources: {gpu_memory: 6GiB, weights_memory: 2GiB}\n";
+
+    fn args(trace: PathBuf, file: Option<PathBuf>, set: &[&str]) -> SimulateArgs {
+        SimulateArgs {
+            trace,
+            file,
+            set: set.iter().map(|s| s.to_string()).collect(),
+            compare: None,
+            svg: None,
+            json: false,
+            cold: false,
+        }
+    }
+
+    /// Two models on a GPU that holds one: b is ready after the warm-up, so a's wave waits for
+    /// the window (1 s), the park of b (2 GiB at 1 GiB/s) and the wake of a (2 s + 0.5 s check);
+    /// b's wave after it waits for the park and the wake.
+    #[test]
+    fn a_wave_waits_for_the_window_the_park_and_the_wake() {
+        let d = dir("wave");
+        let file = write(&d, "s.yaml", DOC);
+        let trace = write(
+            &d,
+            "t.jsonl",
+            "{\"at_ms\": 0, \"model\": \"a\", \"duration_ms\": 1000}\n\
+             {\"at_ms\": 0, \"model\": \"a\", \"duration_ms\": 1000}\n\
+             {\"at_ms\": 20000, \"model\": \"b\", \"duration_ms\": 1000}\n\
+             {\"at_ms\": 40000, \"model\": \"c\", \"duration_ms\": 1000}\n",
+        );
+        let runs = runs(&args(
+            trace,
+            Some(file),
+            &[
+                "simulate.host_bandwidth=1GiB/s",
+                "simulate.wake_check=500ms",
+            ],
+        ))
+        .unwrap();
+        let report = runs[0].1.report(None);
+        let a = &report.models[0];
+        assert_eq!(a.model, "a");
+        assert_eq!(a.requests, 2);
+        assert_eq!(a.waited, 2);
+        // window 1 s (nothing runs on b) + park 2 s + wake 2.5 s.
+        assert!((5_400..=5_600).contains(&a.wait_p50_ms), "{report:#?}");
+        assert_eq!(a.switches, 1);
+        // a has been idle for longer than the window when b's wave comes: no window.
+        let b = &report.models[1];
+        assert!((4_400..=4_600).contains(&b.wait_p50_ms), "{report:#?}");
+        let c = &report.models[2];
+        assert_eq!(c.errors.get("model_not_found"), Some(&1), "{report:#?}");
+        let g = report.gpu;
+        assert!(
+            (g.serving + g.switching + g.idle - 1.0).abs() < 1e-6,
+            "{g:?}"
+        );
+        assert!(g.switching > 0.15 && g.serving > 0.03, "{g:?}");
+        let text = render(&[report]);
+        assert!(text.contains("MODEL   REQUESTS   WAIT P50"), "{text}");
+        // The timeline: a row per model, b's park and a's wake as bars, the waiting line.
+        let svg = crate::simulate_svg::render(&runs);
+        assert!(
+            svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""),
+            "{svg}"
+        );
+        for needle in [
+            "<title>b park: 2.00 s</title>",
+            "<title>a wake: 2.50 s</title>",
+            "waiting (max 2)",
+            ">c</text>",
+        ] {
+            assert!(svg.contains(needle), "{needle} missing in {svg}");
+        }
+    }
+
+    #[test]
+    fn compare_runs_once_per_value_and_the_window_moves_the_waits() {
+        let d = dir("compare");
+        let file = write(&d, "s.yaml", DOC);
+        let trace = write(
+            &d,
+            "t.jsonl",
+            "{\"at_ms\": 0, \"model\": \"a\", \"output_tokens\": 40}\n",
+        );
+        let mut a = args(trace, Some(file), &["simulate.token_rate=40"]);
+        a.compare = Some("host.resource_policy.queue.admission_window=1s,5s".into());
+        let runs = runs(&a).unwrap();
+        let reports: Vec<Report> = runs.iter().map(|(s, r)| r.report(s.clone())).collect();
+        assert_eq!(reports.len(), 2);
+        let w = |i: usize| reports[i].models[0].wait_p50_ms;
+        // The window's 4 s more, to within a millisecond or two of the paused clock.
+        assert!((w(1) - w(0)).abs_diff(4_000) <= 5, "{reports:#?}");
+        assert_eq!(
+            reports[1].setting.as_deref(),
+            Some("host.resource_policy.queue.admission_window=5s")
+        );
+        let text = render(&reports);
+        assert!(text.starts_with("SETTING"), "{text}");
+    }
+
+    #[test]
+    fn without_a_document_the_trace_names_the_models_and_bad_keys_are_named() {
+        let d = dir("nodoc");
+        let trace = write(
+            &d,
+            "t.jsonl",
+            "{\"at_ms\": 0, \"model\": \"x\", \"output_tokens\": 10}\n{\"at_ms\": 0, \"model\": \"y\", \"duration_ms\": 10}\n",
+        );
+        let e = runs(&args(trace.clone(), None, &[])).unwrap_err();
+        assert!(
+            e.contains(":1: `output_tokens` needs the engine's token rate"),
+            "{e}"
+        );
+        let e = runs(&args(trace.clone(), None, &["simulate.wake_time=1s"])).unwrap_err();
+        assert!(e.contains("unknown key `wake_time`"), "{e}");
+        let runs = runs(&args(trace, None, &["simulate.models.x.token_rate=10"])).unwrap();
+        let report = runs[0].1.report(None);
+        assert_eq!(report.models.len(), 2);
+        assert!(
+            report.models.iter().all(|m| m.errors.is_empty()),
+            "{report:#?}"
+        );
+    }
+}
