@@ -213,6 +213,7 @@ impl SimSettings {
             wake_host_ram: wake.unwrap_or_else(|| copy(self.host_bandwidth) + check),
             wake_deep: wake.unwrap_or_else(|| copy(self.disk_bandwidth) + check),
             wake_kv_only: wake.unwrap_or(check),
+            wake_check: check,
             stop: pick(|k| k.stop).unwrap_or(Duration::from_secs(1)),
         }
     }

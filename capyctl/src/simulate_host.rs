@@ -43,6 +43,8 @@ pub struct Timings {
     pub wake_deep: Duration,
     /// A wake from a KV-only park, check included.
     pub wake_kv_only: Duration,
+    /// The wake check (check prompt and warm-up), the last part of every wake.
+    pub wake_check: Duration,
     /// A stop.
     pub stop: Duration,
 }
@@ -369,6 +371,7 @@ impl HostAgent for SimHost {
             Ok(WakeReport {
                 outcome: WakeOutcome::Pass,
                 took,
+                checked: Some(t.wake_check.min(took)),
             })
         })
     }

@@ -490,6 +490,15 @@ impl ManagementApi for SwitchableApi {
             None => self.standby_ready.load(Ordering::SeqCst),
         }
     }
+
+    /// The leader's records (kept in its memory: a new leader begins with none).
+    fn switches(
+        &self,
+        query: capyctl_spec::api::SwitchQuery,
+    ) -> BoxFuture<'_, Result<capyctl_spec::api::SwitchList, ApiError>> {
+        let api = self.current();
+        Box::pin(async move { api.ok_or_else(standby_error)?.switches(query).await })
+    }
 }
 
 /// The URLs of the Running node agent Pods of the namespace, by Pod name (one per GPU node).
@@ -769,6 +778,9 @@ pub async fn lead(
             waiting_limit: queue.max_pending_per_deployment,
             timer_tick: Duration::from_secs(1),
             metrics: metrics.clone(),
+            // NB: the leader's switch records are kept in its memory (a new leader begins
+            // with none): CRs and ConfigMaps are no place for a ring of 1,000 records.
+            switch_log: None,
         },
     )
     .await?;
@@ -1004,6 +1016,17 @@ mod tests {
         assert!(err.message().contains("standby"), "{}", err.message());
         assert!(api.list().await.deployments.is_empty());
         assert!(!SwitchableApi::new(false).ready());
+        // The switch records are the leader's.
+        let query = capyctl_spec::api::SwitchQuery {
+            after: Some(7),
+            ..Default::default()
+        };
+        let err = api.switches(query.clone()).await.unwrap_err();
+        assert!(err.message().contains("standby"), "{}", err.message());
+        api.set(Some(Arc::new(FakeApi::default())));
+        let list = api.switches(query).await.unwrap();
+        assert!(list.switches.is_empty());
+        assert_eq!(list.next, 7);
     }
 
     #[tokio::test]

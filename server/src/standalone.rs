@@ -199,6 +199,7 @@ pub fn lifecycle_config(config: &StandaloneConfig, metrics: Arc<Metrics>) -> Lif
         waiting_limit: config.host.queue.max_pending_per_deployment,
         timer_tick: Duration::from_secs(1),
         metrics,
+        switch_log: None,
     }
 }
 
@@ -359,7 +360,9 @@ impl Standalone {
             probe,
         )?);
         let metrics = Arc::new(Metrics::new());
-        let lifecycle = lifecycle_config(&config, metrics.clone());
+        let mut lifecycle = lifecycle_config(&config, metrics.clone());
+        // The switch records, kept across restarts beside the state.
+        lifecycle.switch_log = Some(data_dir.join(capyctl_lifecycle::switches::FILE));
         let own = lifecycle.own_host(agent.clone());
         let mut hosts = node_agent_hosts(node_agents, &own).await?;
         hosts.insert(0, own);

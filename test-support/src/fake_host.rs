@@ -76,6 +76,8 @@ type SampleHook = Box<dyn Fn(&str) + Send + Sync>;
 /// module's doc). Build it with [`FakeHost::new`] and the `with_…` methods.
 pub struct FakeHost {
     gpu_bytes: u64,
+    /// The GPU's UUID in the inventory (none by default).
+    gpu_uuid: Option<String>,
     upstream: SocketAddr,
     /// `None`: the inventory and engines calls answer without a sleep.
     latency: Option<Duration>,
@@ -88,6 +90,22 @@ pub struct FakeHost {
     stopped: Mutex<BTreeSet<String>>,
     stops: tokio::sync::Notify,
     sample_hook: OnceLock<SampleHook>,
+    /// How long engine operations take (none by default).
+    times: OpTimes,
+}
+
+/// How long a [`FakeHost`]'s engine operations take (in tokio's time: virtual under a paused
+/// clock), see [`FakeHost::with_times`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OpTimes {
+    /// A start.
+    pub start: Duration,
+    /// A park.
+    pub park: Duration,
+    /// A wake, before its check.
+    pub wake: Duration,
+    /// A wake's check (reported as the wake's `checked`).
+    pub check: Duration,
 }
 
 impl Default for FakeHost {
@@ -110,6 +128,13 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Sleeps `d`, unless it is zero (then nothing: no yield either).
+async fn pause(d: Duration) {
+    if !d.is_zero() {
+        tokio::time::sleep(d).await;
+    }
+}
+
 /// The declared resources of `spec`, as measured.
 fn declared(spec: &InstanceSpec) -> Measurement {
     let declared = |b: Option<u64>| {
@@ -129,6 +154,7 @@ impl FakeHost {
     pub fn new() -> Self {
         FakeHost {
             gpu_bytes: 10 * GIB,
+            gpu_uuid: None,
             upstream: SocketAddr::from(([127, 0, 0, 1], 9)),
             latency: None,
             in_progress: None,
@@ -138,12 +164,25 @@ impl FakeHost {
             stopped: Mutex::new(BTreeSet::new()),
             stops: tokio::sync::Notify::new(),
             sample_hook: OnceLock::new(),
+            times: OpTimes::default(),
         }
+    }
+
+    /// Starts, parks and wakes take `times` (a wake reports its check's part).
+    pub fn with_times(mut self, times: OpTimes) -> Self {
+        self.times = times;
+        self
     }
 
     /// The GPU's memory.
     pub fn with_gpu(mut self, bytes: u64) -> Self {
         self.gpu_bytes = bytes;
+        self
+    }
+
+    /// The GPU's UUID, as its inventory says.
+    pub fn with_gpu_uuid(mut self, uuid: &str) -> Self {
+        self.gpu_uuid = Some(uuid.to_string());
         self
     }
 
@@ -257,7 +296,7 @@ impl HostAgent for FakeHost {
             Ok(Inventory {
                 gpus: vec![GpuInfo {
                     index: 0,
-                    uuid: None,
+                    uuid: self.gpu_uuid.clone(),
                     name: None,
                     total_bytes: self.gpu_bytes,
                     free_bytes: None,
@@ -300,6 +339,7 @@ impl HostAgent for FakeHost {
             self.record(format!("start {instance}"));
             // Starts hang by deployment name.
             self.maybe_hang(&spec.name, instance, "start").await?;
+            pause(self.times.start).await;
             Ok(StartedInstance {
                 instance: instance.to_string(),
                 pid: 1,
@@ -320,6 +360,7 @@ impl HostAgent for FakeHost {
     fn park<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<ParkResult, AgentError>> {
         Box::pin(async move {
             self.record(format!("park {instance}"));
+            pause(self.times.park).await;
             Ok(ParkResult::Parked {
                 tier: ParkTier::HostRam,
                 gpu_held: None,
@@ -332,9 +373,12 @@ impl HostAgent for FakeHost {
             self.record(format!("wake {instance}"));
             // Wakes hang by instance ID.
             self.maybe_hang(instance, instance, "wake").await?;
+            let OpTimes { wake, check, .. } = self.times;
+            pause(wake + check).await;
             Ok(WakeReport {
                 outcome: WakeOutcome::Pass,
-                took: Duration::ZERO,
+                took: wake + check,
+                checked: Some(check),
             })
         })
     }

@@ -104,14 +104,12 @@ pub(crate) trait Effects {
     /// `Lifecycle::abandon`.
     fn abandon(&mut self, switch_id: &str);
     /// `Lifecycle::switch_failed`.
-    fn switch_failed(
-        &mut self,
-        switch_id: &str,
-        error: &ApiError,
-        window: Duration,
-        drain: Duration,
-    ) {
-        let _ = (switch_id, error, window, drain);
+    fn switch_failed(&mut self, failed: &SwitchOrder, error: &ApiError) {
+        let _ = (failed, error);
+    }
+    /// `Lifecycle::switch_draining`.
+    fn switch_draining(&mut self, switch_id: &str) {
+        let _ = switch_id;
     }
     /// Starts `Lifecycle::engine_idle`; its answer comes back as [`State::engine_idle_done`].
     fn engine_idle(&mut self, owner: DrainOwner, instance: InstanceKey);
@@ -314,6 +312,8 @@ struct Switch {
     target: DeploymentId,
     /// When it began (the plan was asked for): the admission window counts from here.
     began: Instant,
+    /// The requests waiting for the target when it began (its wave, for its record).
+    wave: usize,
     /// The admission window that applies: the plan's (the host where the switch happens), or
     /// the router's.
     window: Duration,
@@ -788,6 +788,8 @@ impl State {
                         victims: Vec::new(),
                         window: Duration::ZERO,
                         drain: Duration::ZERO,
+                        began: sw.began,
+                        wave: sw.wave,
                         operator: false,
                     },
                 );
@@ -1385,6 +1387,7 @@ impl State {
                         return;
                     }
                     self.close(&victims, fx);
+                    fx.switch_draining(&switch_id);
                     self.switch = Some(Switch {
                         phase: Phase::Draining {
                             switch_id,
@@ -1409,7 +1412,6 @@ impl State {
                         return;
                     }
                     DrainPoll::TimedOut { charged } => {
-                        fx.abandon(&switch_id);
                         self.reopen(now, &drain.victims, fx);
                         let e = ApiError::DrainTimeout {
                             deployment: sw.target.clone(),
@@ -1417,7 +1419,24 @@ impl State {
                             charged,
                         };
                         let (window, drained) = self.phases(sw.began, &drain, now);
-                        fx.switch_failed(&switch_id, &e, window, drained);
+                        let failed = SwitchOrder {
+                            switch_id: switch_id.clone(),
+                            target: sw.target.clone(),
+                            victims: drain
+                                .victims
+                                .iter()
+                                .map(|k| (k.clone(), DrainReport::default()))
+                                .collect(),
+                            window,
+                            drain: drained,
+                            began: sw.began,
+                            wave: sw.wave,
+                            operator: sw.operator.is_some(),
+                        };
+                        // Told before the plan is given back: its record ends failed, not
+                        // given up.
+                        fx.switch_failed(&failed, &e);
+                        fx.abandon(&switch_id);
                         if let Some((id, _)) = sw.operator {
                             fx.operator_done(id, Err(e));
                         } else {
@@ -1441,6 +1460,8 @@ impl State {
                                 victims: reports,
                                 window,
                                 drain: drained,
+                                began: sw.began,
+                                wave: sw.wave,
                                 operator: sw.operator.is_some(),
                             },
                         );
@@ -1543,10 +1564,12 @@ impl State {
         protected.insert(target.clone());
         self.next_seq += 1;
         let seq = self.next_seq;
+        let wave = self.deployments.get(&target).map_or(0, |d| d.queue.len());
         self.switch = Some(Switch {
             seq,
             target: target.clone(),
             began: now,
+            wave,
             window,
             phase: Phase::Planning,
             cancelled: false,
@@ -1620,6 +1643,8 @@ impl State {
                         victims: Vec::new(),
                         window: Duration::ZERO,
                         drain: Duration::ZERO,
+                        began: sw.began,
+                        wave: sw.wave,
                         operator: true,
                     },
                 );
