@@ -100,6 +100,9 @@ pub struct LifecycleConfig {
     /// Where the switch records are kept across restarts (standalone:
     /// `<data dir>/switches.jsonl`, [`switches::FILE`]); `None`: in memory only.
     pub switch_log: Option<std::path::PathBuf>,
+    /// The wake window of every wake, on every host (`server.switching.wake_timeout`: the
+    /// node agents get it with each wake); `None`: each agent's own.
+    pub wake_window: Option<Duration>,
 }
 
 impl LifecycleConfig {
@@ -114,6 +117,7 @@ impl LifecycleConfig {
             timer_tick: Duration::from_secs(1),
             metrics: Arc::new(Metrics::new()),
             switch_log: None,
+            wake_window: None,
         }
     }
 
@@ -640,6 +644,19 @@ impl Server {
         task.abort_handle()
     }
 
+    /// Wakes `iid` on `agent` within the server's wake window when one is set (every host's
+    /// wake then has the same bound, `server.switching.wake_timeout`), else the agent's own.
+    async fn wake(
+        &self,
+        agent: &Arc<dyn HostAgent>,
+        iid: &str,
+    ) -> Result<capyctl_node_agent::agent::WakeReport, capyctl_node_agent::AgentError> {
+        match self.config.wake_window {
+            Some(window) => agent.wake_within(iid, window).await,
+            None => agent.wake(iid).await,
+        }
+    }
+
     /// Reconciles host `host_id` with its agent again, as [`Server::upsert_host`] does with
     /// the agent it already has: what the agent still runs is adopted, instances it no longer
     /// has are failed (the router hears of both). Retried while the agent cannot answer
@@ -1147,7 +1164,7 @@ impl Server {
                         detail: e.to_string(),
                     }),
                 },
-                Up::Wake => match agent.wake(&iid).await {
+                Up::Wake => match self.wake(&agent, &iid).await {
                     Ok(report) => {
                         checked = report.checked;
                         match report.into_result() {

@@ -274,6 +274,18 @@ pub trait HostAgent: Send + Sync {
     fn park<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<ParkResult, AgentError>>;
     /// Wakes a parked instance and verifies it before anything is released.
     fn wake<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<WakeReport, AgentError>>;
+    /// [`HostAgent::wake`] within the caller's wake window (the server's
+    /// `server.switching.wake_timeout`) instead of the agent's own: past it the wake is
+    /// `wake_uncertain` and the engine is stopped. The default, for agents without a window of
+    /// their own to replace, is [`HostAgent::wake`].
+    fn wake_within<'a>(
+        &'a self,
+        instance: &'a str,
+        window: Duration,
+    ) -> BoxFuture<'a, Result<WakeReport, AgentError>> {
+        let _ = window;
+        self.wake(instance)
+    }
     /// Stops an instance. A start or a wake of it in progress is ended first: the agent stops
     /// its engine (the process group, or the Pod), that call answers
     /// [`AgentError::Cancelled`], and this one answers once the engine is gone. Over HTTP the
@@ -1132,7 +1144,7 @@ impl LocalHostAgent {
         Ok(ParkResult::Parked { tier, gpu_held })
     }
 
-    async fn do_wake(&self, id: &str) -> Result<WakeReport, AgentError> {
+    async fn do_wake(&self, id: &str, window: Duration) -> Result<WakeReport, AgentError> {
         let inst = self.instance(id)?;
         let (tier, first) = {
             let s = inst.state();
@@ -1156,7 +1168,7 @@ impl LocalHostAgent {
                 tier,
                 inst.spec.decision.as_ref(),
                 first.as_ref(),
-                self.config.wake_window,
+                window,
             ) => Some(a),
         };
         let Some(attempt) = attempt else {
@@ -1408,7 +1420,15 @@ impl HostAgent for LocalHostAgent {
     }
 
     fn wake<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<WakeReport, AgentError>> {
-        Box::pin(self.do_wake(instance))
+        Box::pin(self.do_wake(instance, self.config.wake_window))
+    }
+
+    fn wake_within<'a>(
+        &'a self,
+        instance: &'a str,
+        window: Duration,
+    ) -> BoxFuture<'a, Result<WakeReport, AgentError>> {
+        Box::pin(self.do_wake(instance, window))
     }
 
     fn stop<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<(), AgentError>> {

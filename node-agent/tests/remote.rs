@@ -324,6 +324,41 @@ async fn an_agent_gone_is_unreachable_and_its_new_life_asks_for_a_resync() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// The caller's wake window replaces the agent's own (20 s here): a wake that hangs is
+/// `wake_uncertain` once the caller's 1 s has passed, and its engine is stopped.
+#[tokio::test]
+async fn a_wake_within_the_callers_window_ends_a_hanging_wake_at_that_window() {
+    let dir = common::temp_dir("remote-wake-window");
+    let s = served(&dir).await;
+    let r = remote(&s.url, TOKEN);
+    let mut hangs = spec(EngineKind::Vllm);
+    hangs
+        .env
+        .insert("ENGINE_SIM_FAULTS".into(), "wake_hangs".into());
+    let started = r.start("i-hang", &hangs).await.unwrap();
+    assert_eq!(
+        r.park("i-hang").await.unwrap().tier(),
+        Some(ParkTier::HostRam)
+    );
+    let asked = Instant::now();
+    let report = r
+        .wake_within("i-hang", Duration::from_secs(1))
+        .await
+        .unwrap();
+    let took = asked.elapsed();
+    assert!(
+        matches!(report.outcome, WakeOutcome::Uncertain(_)),
+        "{report:?}"
+    );
+    assert!(
+        took < Duration::from_secs(10),
+        "the agent's own window ran: {took:?}"
+    );
+    eventually("the engine stopped", || (!alive(started.pid)).then_some(())).await;
+    assert!(s.local.pid("i-hang").is_none());
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[tokio::test]
 async fn a_wrong_token_is_refused() {
     let dir = common::temp_dir("remote-token");

@@ -781,6 +781,8 @@ pub async fn lead(
             // NB: the leader's switch records are kept in its memory (a new leader begins
             // with none): CRs and ConfigMaps are no place for a ring of 1,000 records.
             switch_log: None,
+            // The server document's wake window governs the node agents' wakes too.
+            wake_window: Some(options.server.switching.wake_timeout),
         },
     )
     .await?;

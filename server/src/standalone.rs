@@ -200,6 +200,7 @@ pub fn lifecycle_config(config: &StandaloneConfig, metrics: Arc<Metrics>) -> Lif
         timer_tick: Duration::from_secs(1),
         metrics,
         switch_log: None,
+        wake_window: Some(config.server.switching.wake_timeout),
     }
 }
 

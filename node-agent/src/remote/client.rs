@@ -509,6 +509,28 @@ impl RemoteHostAgent {
     }
 }
 
+impl RemoteHostAgent {
+    /// `POST …/wake`, within `window` (sent as `window_ms`) or the agent's own; the call is
+    /// bounded by the longer of the two plus the margins.
+    async fn wake_call(
+        &self,
+        instance: &str,
+        window: Option<Duration>,
+    ) -> Result<WakeReport, AgentError> {
+        let mut path = Self::instance_path(instance, "wake");
+        let mut bound = self.timeouts().wake;
+        if let Some(w) = window {
+            path.push_str(&format!("?window_ms={}", w.as_millis()));
+            bound = bound.max(w + RemoteTimeouts::MARGIN * 2);
+        }
+        let r: WakeReport = self.post(&path, None::<&()>, bound).await?;
+        if r.outcome != WakeOutcome::Pass {
+            self.inner.forget(instance);
+        }
+        Ok(r)
+    }
+}
+
 impl HostAgent for RemoteHostAgent {
     fn inventory(&self) -> BoxFuture<'_, Result<Inventory, AgentError>> {
         Box::pin(async move {
@@ -589,19 +611,15 @@ impl HostAgent for RemoteHostAgent {
     }
 
     fn wake<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<WakeReport, AgentError>> {
-        Box::pin(async move {
-            let r: WakeReport = self
-                .post(
-                    &Self::instance_path(instance, "wake"),
-                    None::<&()>,
-                    self.timeouts().wake,
-                )
-                .await?;
-            if r.outcome != WakeOutcome::Pass {
-                self.inner.forget(instance);
-            }
-            Ok(r)
-        })
+        Box::pin(self.wake_call(instance, None))
+    }
+
+    fn wake_within<'a>(
+        &'a self,
+        instance: &'a str,
+        window: Duration,
+    ) -> BoxFuture<'a, Result<WakeReport, AgentError>> {
+        Box::pin(self.wake_call(instance, Some(window)))
     }
 
     fn stop<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<(), AgentError>> {

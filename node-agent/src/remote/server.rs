@@ -336,11 +336,28 @@ async fn park(
     run(async move { s.agent.park(&instance).await }).await
 }
 
+/// `POST /agent/v1/instances/{id}/wake` parameters: the caller's wake window
+/// (`window_ms`, 1 s to 3600 s as `server.switching.wake_timeout`; the agent's own without it).
+#[derive(Debug, Deserialize)]
+struct WakeQuery {
+    window_ms: Option<u64>,
+}
+
 async fn wake(
     State(s): State<AppState>,
     Path(instance): Path<String>,
+    Query(q): Query<WakeQuery>,
 ) -> Reply<crate::agent::WakeReport> {
-    run(async move { s.agent.wake(&instance).await }).await
+    run(async move {
+        match q.window_ms {
+            Some(ms) => {
+                let window = Duration::from_millis(ms.clamp(1_000, 3_600_000));
+                s.agent.wake_within(&instance, window).await
+            }
+            None => s.agent.wake(&instance).await,
+        }
+    })
+    .await
 }
 
 async fn stop(State(s): State<AppState>, Path(instance): Path<String>) -> Reply<serde_json::Value> {
