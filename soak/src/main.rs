@@ -259,6 +259,8 @@ struct Run {
     management: SocketAddr,
     /// The node agents' listeners (`capyctl start host`): two more hosts besides CapyCTL's own.
     agents: [SocketAddr; 2],
+    /// The node agents' process IDs (which host an engine is on: its parent).
+    agent_pids: Mutex<Vec<u32>>,
     ledger: Ledger,
     /// CapyCTL's life: moves before every kill -9.
     life: AtomicU64,
@@ -332,6 +334,74 @@ fn agent_document(i: usize, engine_sim: &Path) -> String {
         "id: soak-node-{i}\ngpus: [{{memory: 6GiB}}]\nhost_memory: 256MiB\n\
          engines:\n  vllm: {{command: [\"{bin}\"]}}\n  sglang: {{command: [\"{bin}\", \"--engine\", \"sglang\"]}}\n"
     )
+}
+
+/// The parent of process `pid` (from `/proc/<pid>/stat`), when it is alive.
+fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(") ")?
+        .1
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+impl Run {
+    /// Which host runs engine `pid`: a node agent's (its parent), else CapyCTL's own.
+    fn host_of(&self, pid: u32) -> String {
+        let parent = parent_of(pid);
+        let agents = self.agent_pids.lock().unwrap_or_else(|e| e.into_inner());
+        match agents.iter().position(|a| Some(*a) == parent) {
+            Some(i) => format!("soak-node-{i}"),
+            None => format!("own host or adopted (parent {parent:?})"),
+        }
+    }
+}
+
+/// The engines the node agents still run (their records, `<agent dir>/engines/<instance>.json`,
+/// whose pid is alive) that CapyCTL does not drive: of a deployment it no longer has
+/// (`live` holds the IDs it has), or a second one of the same deployment. Read after CapyCTL's
+/// clean shutdown, which leaves the node agents' engines running by design.
+fn agents_orphans(run: &Run, live: &std::collections::BTreeSet<String>) -> Vec<String> {
+    let mut seen = std::collections::BTreeSet::new();
+    let mut orphans = Vec::new();
+    for i in 0..run.agents.len() {
+        let dir = run.dir.join(format!("agent-{i}")).join("engines");
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.extension().and_then(|e| e.to_str()) != Some("json") {
+                continue;
+            }
+            let Some(record) = std::fs::read_to_string(&path)
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            else {
+                continue;
+            };
+            let (Some(pid), Some(instance)) = (record["pid"].as_u64(), record["instance"].as_str())
+            else {
+                continue;
+            };
+            if parent_of(pid as u32).is_none() {
+                continue;
+            }
+            let deployment = instance.rsplit_once('-').map_or(instance, |(d, _)| d);
+            if !live.contains(deployment) {
+                orphans.push(format!(
+                    "soak-node-{i}: {instance} (pid {pid}): its deployment is gone"
+                ));
+            } else if !seen.insert(deployment.to_owned()) {
+                orphans.push(format!(
+                    "soak-node-{i}: {instance} (pid {pid}): a second engine of its deployment"
+                ));
+            }
+        }
+    }
+    orphans
 }
 
 /// The agent token the node agents and CapyCTL share.
@@ -1082,9 +1152,11 @@ async fn booking(run: Arc<Run>) {
                 .all(|(pid, (_, x))| b.get(pid).is_some_and(|(_, y)| y >= x))
             {
                 let what: Vec<String> = a
-                    .values()
-                    .filter(|(_, b)| *b > 0)
-                    .map(|(m, b)| format!("{m} {} MiB", b >> 20))
+                    .iter()
+                    .filter(|(_, (_, b))| *b > 0)
+                    .map(|(pid, (m, b))| {
+                        format!("{m} {} MiB (pid {pid}, {})", b >> 20, run.host_of(*pid))
+                    })
                     .collect();
                 run.note(OVERBOOKED.to_owned());
                 let mut l = run.ledger.inner.lock().unwrap_or_else(|e| e.into_inner());
@@ -1263,6 +1335,7 @@ async fn soak(args: Args) -> Result<bool> {
             SocketAddr::from(([127, 0, 0, 1], free_port()?)),
             SocketAddr::from(([127, 0, 0, 1], free_port()?)),
         ],
+        agent_pids: Mutex::new(Vec::new()),
         dir: dir.clone(),
         ledger: Ledger::default(),
         life: AtomicU64::new(0),
@@ -1276,6 +1349,8 @@ async fn soak(args: Args) -> Result<bool> {
     });
     std::fs::write(dir.join("standalone.yaml"), run.document(&engine_sim))?;
     let agents = start_agents(&run, &engine_sim).await?;
+    *run.agent_pids.lock().unwrap_or_else(|e| e.into_inner()) =
+        agents.iter().filter_map(Child::id).collect();
     let mut child = start_capyctl(&run).await?;
     let first_pid = child.id().unwrap_or(0);
     let first = footprint(first_pid);
@@ -1340,11 +1415,38 @@ async fn soak(args: Args) -> Result<bool> {
         .await
         .map(|(_, b)| String::from_utf8_lossy(&b).into_owned())
         .unwrap_or_default();
+    // The deployments CapyCTL has at the end, for the node agents' engines below.
+    let live: std::collections::BTreeSet<String> = match get(
+        run.management,
+        "/management/v1/deployments",
+        Some(&run.token()),
+    )
+    .await
+    {
+        Ok((200, body)) => serde_json::from_slice::<serde_json::Value>(&body)
+            .ok()
+            .and_then(|v| {
+                v["deployments"].as_array().map(|ds| {
+                    ds.iter()
+                        .filter_map(|d| d["id"].as_str().map(str::to_owned))
+                        .collect()
+                })
+            })
+            .unwrap_or_default(),
+        _ => Default::default(),
+    };
     // A clean shutdown: SIGTERM, then no engine of this run may be left.
     let _ = std::process::Command::new("kill")
         .args(["-TERM", &pid.to_string()])
         .status();
     let clean = tokio::time::timeout(Duration::from_secs(60), child.wait()).await;
+    // What the node agents still run that CapyCTL does not drive (its clean shutdown leaves
+    // their engines running, by design; the agents' own shutdown below stops every one).
+    let orphans = if live.is_empty() {
+        vec!["the deployments could not be read at the end".to_owned()]
+    } else {
+        agents_orphans(&run, &live)
+    };
     // Then the node agents, which stop their engines on SIGTERM (CapyCTL leaves theirs).
     let mut agents_clean = true;
     for mut agent in agents {
@@ -1395,6 +1497,10 @@ async fn soak(args: Args) -> Result<bool> {
         (WRONG, l.counts.get(WRONG).copied().unwrap_or(0)),
         (BAD_REFUSAL, l.counts.get(BAD_REFUSAL).copied().unwrap_or(0)),
         ("engine processes leaked after the run", leaked.len() as u64),
+        (
+            "engines on node agents that CapyCTL does not drive",
+            orphans.len() as u64,
+        ),
         (
             "models not answering after the run",
             not_serving.len() as u64,
@@ -1492,6 +1598,9 @@ async fn soak(args: Args) -> Result<bool> {
     }
     for m in &not_serving {
         println!("not answering after the run: {m}");
+    }
+    for o in &orphans {
+        println!("engine on a node agent that CapyCTL does not drive: {o}");
     }
     for e in &l.examples {
         println!("example: {e}");
