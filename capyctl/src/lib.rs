@@ -172,6 +172,11 @@ enum Command {
         /// order, as on a server that has run a while).
         #[arg(long)]
         cold: bool,
+        /// Take each model's park, wake, wake check, start and stop times from a running
+        /// server's switch records (the median of each phase; `--server` and `--token` as for
+        /// the other commands); `--set` still wins.
+        #[arg(long)]
+        measured: bool,
     },
     /// Print a shell completion script (e.g. `capyctl completion bash > /etc/bash_completion.d/capyctl`).
     Completion {
@@ -306,19 +311,32 @@ pub fn main() -> ExitCode {
         Command::Simulate {
             trace,
             file,
-            set,
+            mut set,
             compare,
             svg,
             cold,
-        } => simulate::run(simulate::SimulateArgs {
-            trace,
-            file,
-            set,
-            compare,
-            svg,
-            json: cli.global.json,
-            cold,
-        }),
+            measured,
+        } => {
+            let json = cli.global.json;
+            let measured = if measured {
+                runtime().and_then(|rt| rt.block_on(measured_sets(cli.global)))
+            } else {
+                Ok(Vec::new())
+            };
+            measured.and_then(|mut keys| {
+                // The measured times first: a `--set` of the same key comes later and wins.
+                keys.append(&mut set);
+                simulate::run(simulate::SimulateArgs {
+                    trace,
+                    file,
+                    set: keys,
+                    compare,
+                    svg,
+                    json,
+                    cold,
+                })
+            })
+        }
         Command::Start(Start::Host(args)) => {
             init_logging();
             runtime().and_then(|rt| {
@@ -415,24 +433,49 @@ fn pretty(body: &impl serde::Serialize) -> String {
 const CALL_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Every command that talks to the management API.
-async fn remote(global: Global, command: Command) -> Result<(), String> {
-    let client = match global.server {
+/// `capyctl simulate --measured`: every switch record of the server, as engine-time keys.
+async fn measured_sets(global: Global) -> Result<Vec<String>, String> {
+    let client = connect(&global).await?;
+    let mut records = Vec::new();
+    let mut after = 0;
+    loop {
+        let page = switches_page(&client, None, after)
+            .await
+            .map_err(|e| e.to_string())?;
+        let full = page.switches.len() >= capyctl_spec::api::SWITCHES_PAGE_MAX;
+        after = page.next;
+        records.extend(page.switches);
+        if !full {
+            break;
+        }
+    }
+    Ok(simulate::measured_sets(&records))
+}
+
+/// The management API's client: the kubeconfig's service proxy under kubectl, else `--server`
+/// (or the default) with the token resolved.
+async fn connect(global: &Global) -> Result<Client, String> {
+    Ok(match global.server.clone() {
         None if invoked_as().starts_with("kubectl-") => {
             cluster::connect(
-                global.namespace,
-                global.release_namespace,
+                global.namespace.clone(),
+                global.release_namespace.clone(),
                 &global.release,
-                global.token,
+                global.token.clone(),
             )
             .await?
         }
         server => {
-            let token = client::resolve_token(global.token, &client::default_data_dir())
+            let token = client::resolve_token(global.token.clone(), &client::default_data_dir())
                 .map_err(|e| e.to_string())?;
             let server = server.unwrap_or_else(|| client::DEFAULT_SERVER.to_string());
             Client::with_ca(&server, token, global.ca_file.as_deref()).map_err(|e| e.to_string())?
         }
-    };
+    })
+}
+
+async fn remote(global: Global, command: Command) -> Result<(), String> {
+    let client = connect(&global).await?;
     let json = global.json;
     let call = async {
         match command {

@@ -29,6 +29,9 @@
 //! | `stop` | 1s |
 //! | `token_rate` | none: a trace with `output_tokens` needs it (tokens per second per request) |
 //!
+//! With `--measured`, each model's times are those its switches took on a running server: the
+//! median of each phase of its switch records ([`measured_sets`]; `--set` still wins).
+//!
 //! The weights are the deployment's `resources.weights_memory`; a deployment without
 //! `resources` is taken as 90% of the largest GPU with 16GiB of weights. Without `host.gpus` the
 //! host has one 80GiB GPU, without `host.host_memory` 256GiB of RAM. Without `--file`, each
@@ -829,6 +832,63 @@ pub fn runs(args: &SimulateArgs) -> Result<Vec<(Option<String>, Run)>, String> {
     Ok(out)
 }
 
+/// The `--set` keys of the engine times that switch `records` measured, per model: the median
+/// of each phase that ended (`park` and `stop` of the victims, `start`, `wake` and `wake_check`
+/// of the targets; the simulated `wake` includes its check, as the record's two phases do
+/// together), as `simulate.models.<name>.<key>=<ms>ms`, in model then key order.
+pub fn measured_sets(records: &[capyctl_spec::api::SwitchRecord]) -> Vec<String> {
+    use capyctl_spec::api::SwitchPhaseKind as Kind;
+    let mut took: BTreeMap<(String, &'static str), Vec<u64>> = BTreeMap::new();
+    for r in records {
+        let name_of = |instance: &str| {
+            if instance == r.instance {
+                return Some(r.deployment.clone());
+            }
+            r.victims
+                .iter()
+                .find(|v| v.instance == instance)
+                .map(|v| v.deployment.clone())
+        };
+        for p in &r.phases {
+            let key = match p.phase {
+                Kind::Park => "park",
+                Kind::Stop => "stop",
+                Kind::Start => "start",
+                Kind::Wake => "wake",
+                Kind::WakeCheck => "wake_check",
+                Kind::AdmissionWindow | Kind::Drain | Kind::Release => continue,
+            };
+            if let (Some(end), Some(name)) = (p.ended_ms, name_of(&p.instance)) {
+                took.entry((name, key))
+                    .or_default()
+                    .push(end.saturating_sub(p.began_ms));
+            }
+        }
+    }
+    let median = |v: &mut Vec<u64>| {
+        v.sort_unstable();
+        v[v.len() / 2]
+    };
+    let mut medians: BTreeMap<(String, &'static str), u64> = took
+        .into_iter()
+        .map(|(k, mut v)| (k, median(&mut v)))
+        .collect();
+    let checks: Vec<(String, u64)> = medians
+        .iter()
+        .filter(|((_, k), _)| *k == "wake_check")
+        .map(|((n, _), ms)| (n.clone(), *ms))
+        .collect();
+    for (name, check) in checks {
+        if let Some(wake) = medians.get_mut(&(name, "wake")) {
+            *wake += check;
+        }
+    }
+    medians
+        .into_iter()
+        .map(|((name, key), ms)| format!("simulate.models.{name}.{key}={ms}ms"))
+        .collect()
+}
+
 /// `capyctl simulate`.
 pub fn run(args: SimulateArgs) -> Result<(), String> {
     let started = std::time::Instant::now();
@@ -864,6 +924,78 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    /// A switch record of `target` (instance `t-0`) with `victim` (instance `v-0`) parked,
+    /// its phases as (phase, began, ended) in ms.
+    fn record(target: &str, victim: &str, phases: &[(&str, u64, u64)]) -> String {
+        let phases: Vec<String> = phases
+            .iter()
+            .map(|(p, b, e)| {
+                let instance = if matches!(*p, "park" | "stop") {
+                    "v-0"
+                } else {
+                    "t-0"
+                };
+                format!(
+                    r#"{{"phase":"{p}","instance":"{instance}","began_ms":{b},"ended_ms":{e}}}"#
+                )
+            })
+            .collect();
+        format!(
+            r#"{{"seq":1,"switch_id":"s","deployment":"{target}","deployment_id":"t","instance":"t-0","host_id":"h","gpus":[],"cause":"wave","wave":1,"began_ms":0,"ended_ms":9000,"outcome":"ok","error":null,"victims":[{{"deployment":"{victim}","deployment_id":"v","instance":"v-0","action":"park","result":"parked","error":null}}],"phases":[{}]}}"#,
+            phases.join(",")
+        )
+    }
+
+    #[test]
+    fn measured_times_are_each_phases_median_per_model_the_wake_with_its_check() {
+        let records: Vec<capyctl_spec::api::SwitchRecord> = [
+            record(
+                "a",
+                "b",
+                &[
+                    ("drain", 0, 50),
+                    ("park", 50, 1050),
+                    ("wake", 1050, 3050),
+                    ("wake_check", 3050, 3550),
+                ],
+            ),
+            record(
+                "a",
+                "b",
+                &[
+                    ("park", 0, 3000),
+                    ("wake", 3000, 4000),
+                    ("wake_check", 4000, 4300),
+                ],
+            ),
+            record(
+                "a",
+                "b",
+                &[
+                    ("park", 0, 2000),
+                    ("wake", 2000, 5000),
+                    ("wake_check", 5000, 5400),
+                ],
+            ),
+            record("b", "a", &[("stop", 0, 700), ("start", 700, 30700)]),
+        ]
+        .iter()
+        .map(|r| serde_json::from_str(r).unwrap())
+        .collect();
+        assert_eq!(
+            measured_sets(&records),
+            [
+                "simulate.models.a.stop=700ms",
+                // wake 2000 (of 1000, 2000, 3000) + its check 400 (of 300, 400, 500)
+                "simulate.models.a.wake=2400ms",
+                "simulate.models.a.wake_check=400ms",
+                // park 2000 (of 1000, 2000, 3000)
+                "simulate.models.b.park=2000ms",
+                "simulate.models.b.start=30000ms",
+            ]
+        );
+    }
 
     fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
         let p = dir.join(name);
