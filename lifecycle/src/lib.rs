@@ -28,6 +28,7 @@
 //! ([`CoordinatorHandle::last_uses`]), which `Dep::used_at` reads.
 
 pub mod api;
+mod holdover;
 pub mod metrics;
 mod owner;
 mod parked_room;
@@ -1490,6 +1491,8 @@ impl Server {
     /// failure also fails the requests waiting for the target). The switch is counted in the
     /// metrics once the bring-up has ended.
     async fn execute_order(&self, order: SwitchOrder) -> Result<Executed, ApiError> {
+        // Held (the operator's hold-over): no switch is carried out.
+        self.refuse_held_order(&order).await?;
         let span =
             tracing::info_span!("switch", switch_id = %order.switch_id, target = %order.target);
         let mut phases = Vec::with_capacity(4);
@@ -1888,6 +1891,7 @@ impl Server {
 
     async fn do_start(&self, key: &str, req: StartRequest) -> Result<ActionReceipt, ApiError> {
         let id = self.find(key)?;
+        self.read(|inner| inner.held_refusal())?;
         let (wait, evict) = (req.wait, req.evict);
         let next = self
             .on(&id, move |inner, id| {
@@ -2105,6 +2109,7 @@ impl Server {
         host_id: &str,
         drain: bool,
     ) -> Result<HostDrainReceipt, ApiError> {
+        self.read(|inner| inner.held_refusal())?;
         if !self.read(|inner| inner.hosts.contains_key(host_id)) {
             return Err(ApiError::NotFound {
                 what: format!("host {host_id}"),
@@ -2224,6 +2229,7 @@ impl Server {
 
     async fn do_stop(&self, key: &str) -> Result<ActionReceipt, ApiError> {
         let id = self.find(key)?;
+        self.read(|inner| inner.command_refusal(&id))?;
         let rid = self.fresh_id("stop");
         let refusal = ApiError::DeploymentStopped {
             deployment: id.clone(),
@@ -2306,6 +2312,7 @@ impl Server {
 
     async fn do_park(&self, key: &str) -> Result<ActionReceipt, ApiError> {
         let id = self.find(key)?;
+        self.read(|inner| inner.command_refusal(&id))?;
         let spec = self
             .read(|inner| inner.deps.get(&id).map(|d| (d.spec.clone(), d.state)))
             .ok_or_else(|| not_found(&id))?;
@@ -2355,6 +2362,7 @@ impl Server {
 
     async fn do_delete(&self, key: &str) -> Result<DeploymentView, ApiError> {
         let id = self.find(key)?;
+        self.read(|inner| inner.command_refusal(&id))?;
         let rid = self.fresh_id("delete");
         let view = self.view(&id).ok_or_else(|| not_found(&id))?;
         let refusal = ApiError::ModelNotFound {
@@ -2382,6 +2390,7 @@ impl Server {
     /// not park). A request then wakes it.
     async fn do_preinitialize(&self, key: &str) -> Result<ActionReceipt, ApiError> {
         let id = self.find(key)?;
+        self.read(|inner| inner.held_refusal())?;
         let spec = self
             .read(|inner| inner.deps.get(&id).map(|d| d.spec.clone()))
             .ok_or_else(|| not_found(&id))?;
