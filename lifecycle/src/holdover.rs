@@ -19,10 +19,26 @@ impl Server {
     /// Holds every switch with `refusal` (a 503 `unavailable` naming the cause; see
     /// [`crate::state::State::hold`]): ready instances serve on, nothing is started, woken,
     /// parked or stopped, and the requests waiting for a deployment that is not ready are
-    /// refused with it now (the router plans them again).
+    /// refused with it now (a switch planned and not begun is given up; the router plans the
+    /// others again).
     pub async fn hold_switches(&self, refusal: ApiError) {
-        self.write(move |s| s.hold(refusal)).await;
+        let held = refusal.clone();
+        // The targets of switches planned and not begun: given up now (their victims serve
+        // on, their requests get the refusal), not carried out after their window and drain.
+        let claimed: Vec<String> = self
+            .write(move |s| {
+                s.hold(held);
+                s.deps
+                    .values()
+                    .filter(|d| d.claim.is_some())
+                    .map(|d| d.rec.id.clone())
+                    .collect()
+            })
+            .await;
         if let Some(r) = self.router() {
+            for id in claimed {
+                r.deployment_refused(id, refusal.clone()).await;
+            }
             r.replan().await;
         }
     }
