@@ -14,6 +14,7 @@ use capyctl_lifecycle::{LifecycleConfig, Server};
 use capyctl_router::admission::Admission;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::CoordinatorHandle;
+use capyctl_router::lifecycle::{DrainReport, Lifecycle, Plan, PlanFor, SwitchOrder};
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::StartRequest;
 use capyctl_spec::documents::parse_deployment_str;
@@ -134,4 +135,38 @@ async fn a_fenced_instance_is_no_victim_until_the_fence_ends_then_the_waiter_is_
     drop(admitted);
     assert_eq!(state_of(&s, "y").await, InstanceState::Ready);
     assert_eq!(state_of(&s, "x").await, InstanceState::Parked);
+}
+
+/// A switch the router drained before the hold began is not carried out: it fails with the
+/// hold's refusal, its victim stays ready and unreserved (it serves on), its target unclaimed.
+#[tokio::test(start_paused = true)]
+async fn a_switch_drained_before_the_hold_is_not_carried_out() {
+    let (s, _router) = lifecycle().await;
+    let y = s.get("y").await.unwrap().id;
+    let plan = s.plan(&y, &Default::default(), PlanFor::Requests).await;
+    // The router's order once `x` is drained (no window, no drain on the paused clock).
+    let order = match plan.unwrap() {
+        Plan::Switch {
+            switch_id, victims, ..
+        } => SwitchOrder {
+            victims: victims
+                .into_iter()
+                .map(|k| (k, DrainReport::default()))
+                .collect(),
+            window: Duration::ZERO,
+            drain: Duration::ZERO,
+            operator: false,
+            target: y,
+            switch_id,
+        },
+        other => panic!("a switch: {other:?}"),
+    };
+    s.hold_switches(held()).await;
+    let e = s.execute(order).await.unwrap_err();
+    assert_eq!(e.code(), "unavailable");
+    assert_eq!(state_of(&s, "x").await, InstanceState::Ready);
+    assert_eq!(state_of(&s, "y").await, InstanceState::Stopped);
+    // Nothing is left reserved: once resumed, `x` parks on the operator's word.
+    s.resume_switches().await;
+    s.park("x").await.unwrap();
 }
