@@ -4,7 +4,9 @@
 //! needs a switch and a management command that changes something are refused at once with
 //! 503 `unavailable` naming the cause, an engine that exits is still noticed, and the standby
 //! does not take over. Once it is restored, the same leader goes on, a switch works again, and
-//! the CR status of what changed during the cut is written.
+//! the CR status of what changed during the cut is written. And the fence: with only the
+//! leader cut off, the standby takes over, serves the models it adopted but neither parks them
+//! nor lets a switch take their memory until the old leader has surely stopped serving.
 //!
 //! The same body runs against the in-process fake API server (always, with short election
 //! timing and a 12 s cut) and against a real API server (`#[ignore = "needs cluster"]`, with
@@ -126,9 +128,34 @@ async fn lease_of(client: &Client, ns: &str) -> (Option<String>, Option<i32>) {
     (spec.holder_identity, spec.lease_transitions)
 }
 
-/// The scenario (see the module doc) in namespace `ns` of the API server of `kubeconfig`,
-/// whose client (`client`, not proxied) the test itself uses.
-async fn apiserver_gone(client: Client, kubeconfig: &std::path::Path, ns: &str, timing: Timing) {
+/// What both scenarios begin with.
+struct Setup {
+    dir: std::path::PathBuf,
+    proxy: CutProxy,
+    _agent: Proc,
+    /// The leader, behind the proxy.
+    a: Operator,
+    /// The standby, behind the proxy or not.
+    b: Operator,
+    api: Api<Deployment>,
+    /// chat-b's answer.
+    answer: String,
+    /// op-a's admin token.
+    token: String,
+    /// The Lease's transitions before the cut.
+    transitions: Option<i32>,
+}
+
+/// The leader op-a behind the proxy, the standby op-b (behind it too when
+/// `standby_behind_proxy`), one node agent with a GPU of 10 GiB, and three models: chat-a
+/// (6 GiB) parked, chat-b (6 GiB) and chat-c (3 GiB) ready.
+async fn setup(
+    client: &Client,
+    kubeconfig: &std::path::Path,
+    ns: &str,
+    timing: Timing,
+    standby_behind_proxy: bool,
+) -> Setup {
     let dir = support::temp_dir("k8s-apiserver-gone");
     let proxy = CutProxy::start(api_server_addr(kubeconfig)).await;
     let proxied = proxied_kubeconfig(&dir, kubeconfig, proxy.addr());
@@ -138,10 +165,22 @@ async fn apiserver_gone(client: Client, kubeconfig: &std::path::Path, ns: &str, 
     let a = start_operator_env(&dir, &proxied, ns, "op-a", AgentsBy::Url(agent_port), &env);
     let t = Duration::from_secs(90);
     eventually("op-a holds the Lease", t, || async {
-        (lease_of(&client, ns).await.0.as_deref() == Some("op-a")).then_some(())
+        (lease_of(client, ns).await.0.as_deref() == Some("op-a")).then_some(())
     })
     .await;
-    let b = start_operator_env(&dir, &proxied, ns, "op-b", AgentsBy::Url(agent_port), &env);
+    let standby_config = if standby_behind_proxy {
+        &proxied
+    } else {
+        kubeconfig
+    };
+    let b = start_operator_env(
+        &dir,
+        standby_config,
+        ns,
+        "op-b",
+        AgentsBy::Url(agent_port),
+        &env,
+    );
 
     // chat-a (6 GiB) parked; chat-b (6 GiB) and chat-c (3 GiB) ready: the GPU has 10 GiB.
     let api: Api<Deployment> = Api::namespaced(client.clone(), ns);
@@ -173,8 +212,36 @@ async fn apiserver_gone(client: Client, kubeconfig: &std::path::Path, ns: &str, 
     let answer = text_of(&body);
     assert!(!answer.is_empty(), "{body}");
     let token = eventually("op-a's admin token", t, || async { a.admin_token() }).await;
-    let (_, transitions) = lease_of(&client, ns).await;
+    let (_, transitions) = lease_of(client, ns).await;
 
+    Setup {
+        dir,
+        proxy,
+        _agent,
+        a,
+        b,
+        api,
+        answer,
+        token,
+        transitions,
+    }
+}
+
+/// The scenario (see the module doc) in namespace `ns` of the API server of `kubeconfig`,
+/// whose client (`client`, not proxied) the test itself uses.
+async fn apiserver_gone(client: Client, kubeconfig: &std::path::Path, ns: &str, timing: Timing) {
+    let Setup {
+        dir,
+        proxy,
+        _agent,
+        a,
+        b,
+        api,
+        answer,
+        token,
+        transitions,
+    } = setup(&client, kubeconfig, ns, timing, true).await;
+    let t = Duration::from_secs(90);
     // The API server goes: refused for the first half of the cut, then black-holed
     // (nothing moves, nothing closes: every call hangs until its own timeout).
     proxy.cut(Cut::Refuse);
@@ -300,6 +367,78 @@ async fn apiserver_gone(client: Client, kubeconfig: &std::path::Path, ns: &str, 
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Only the leader cut off: the standby takes the Lease over once it expires, fenced. The old
+/// leader, held over, keeps serving its ready models; the new one serves them too, refuses to
+/// park them, and switches a waiting request onto their memory only at the fence's end, by
+/// which time the old leader has stopped serving (it stepped down at its last renewal + the
+/// renew deadline + the hold-over). So no engine is parked while a leader forwards to it.
+async fn fenced_takeover(client: Client, kubeconfig: &std::path::Path, ns: &str, timing: Timing) {
+    let up = setup(&client, kubeconfig, ns, timing, false).await;
+    let (a, b, answer) = (&up.a, &up.b, up.answer.clone());
+    let t = Duration::from_secs(90);
+    up.proxy.cut(Cut::Refuse);
+    eventually("op-b takes the expired Lease over", t, || async {
+        (lease_of(&client, ns).await.0.as_deref() == Some("op-b")).then_some(())
+    })
+    .await;
+    let took = Instant::now();
+    // The new leader serves the adopted model at once; a park of it is refused, naming the
+    // fence.
+    let (status, body) = eventually("op-b serves chat-b", t, || async {
+        let body = serde_json::json!({"model": "chat-b",
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4});
+        support::try_post_json(b.inference, "/v1/chat/completions", body)
+            .await
+            .ok()
+            .filter(|(status, _)| *status == 200)
+    })
+    .await;
+    assert_eq!((status, text_of(&body)), (200, answer.clone()), "{body}");
+    let token_b = eventually("op-b's admin token", t, || async { b.admin_token() }).await;
+    let (status, body) = support::management(
+        "POST",
+        b.management,
+        "/management/v1/deployments/chat-b/park",
+        &token_b,
+        None,
+    )
+    .await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (503, Some("unavailable")),
+        "{body}"
+    );
+    assert!(
+        body["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("previous leader"),
+        "{body}"
+    );
+    // The old leader, held over, still serves chat-b meanwhile.
+    let (status, body) = chat(a.inference, "chat-b").await;
+    assert_eq!((status, text_of(&body)), (200, answer), "{body}");
+    // A request for chat-a needs chat-b's and chat-c's memory: it waits for the fence's end.
+    let (status, body) = chat(b.inference, "chat-a").await;
+    let switched = took.elapsed();
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        switched + Duration::from_secs(1) >= timing.holdover,
+        "switched {switched:?} after the takeover, within the fence ({:?})",
+        timing.holdover
+    );
+    // By then the old leader has stopped serving.
+    assert!(
+        support::try_post_json(a.inference, "/v1/chat/completions", serde_json::json!({}))
+            .await
+            .is_err(),
+        "the old leader still serves after the fence"
+    );
+    let dir = up.dir.clone();
+    drop(up);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// The scenarios run one at a time (each runs operators, a node agent and engines).
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
@@ -322,11 +461,9 @@ async fn against_a_fake_api_server_the_leader_serves_ready_models_through_a_cut_
 #[ignore = "needs cluster"]
 async fn against_a_cluster_the_leader_serves_ready_models_through_a_60s_cut_and_catches_up() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let Some((kubeconfig, client)) = k8s_support::cluster().await else {
+    let Some((kubeconfig, ns)) = cluster_namespace().await else {
         return;
     };
-    crds::install_crds(&client).await;
-    let ns = k8s_support::TestNamespace::create(&kubeconfig, &client, "capyctl-test").await;
     // The chart's timing: 15 s, 10 s, 2 s, a hold-over of 90 s; the API server gone 60 s.
     let timing = Timing {
         lease_duration: Duration::from_secs(15),
@@ -337,3 +474,31 @@ async fn against_a_cluster_the_leader_serves_ready_models_through_a_60s_cut_and_
     };
     apiserver_gone(ns.client.clone(), &kubeconfig, &ns.name, timing).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn against_a_fake_api_server_a_standby_takes_over_from_a_cut_off_leader_fenced() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (dir, kubeconfig, client) = fake_api_server("k8s-fenced-takeover-fake").await;
+    fenced_takeover(client, &kubeconfig, "capyctl", FENCE_TIMING).await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs cluster"]
+async fn against_a_cluster_a_standby_takes_over_from_a_cut_off_leader_fenced() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let Some((kubeconfig, ns)) = cluster_namespace().await else {
+        return;
+    };
+    fenced_takeover(ns.client.clone(), &kubeconfig, &ns.name, FENCE_TIMING).await;
+}
+
+/// Short election timing and a short hold-over (the fence lasts as long): the takeover comes
+/// 6 s after the last renewal at the earliest, the fence ends 12 s after it.
+const FENCE_TIMING: Timing = Timing {
+    lease_duration: Duration::from_secs(6),
+    renew_deadline: Duration::from_secs(4),
+    retry_period: Duration::from_secs(1),
+    holdover: Duration::from_secs(12),
+    cut: Duration::ZERO,
+};

@@ -532,16 +532,6 @@ async fn against_a_fake_api_server_two_node_agents_are_two_hosts() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// The cluster of `CAPYCTL_TEST_KUBECONFIG` with the chart's CRDs applied and established, and
-/// a fresh namespace, cleaned up when dropped (the finalizers the stopped operator left
-/// included); `None` when the variable is unset.
-async fn cluster_namespace() -> Option<(std::path::PathBuf, k8s_support::TestNamespace)> {
-    let (kubeconfig, client) = k8s_support::cluster().await?;
-    crds::install_crds(&client).await;
-    let ns = k8s_support::TestNamespace::create(&kubeconfig, &client, "capyctl-test").await;
-    Some((kubeconfig, ns))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs cluster"]
 async fn against_a_cluster_the_operator_switches_two_models_and_the_crs_show_it() {

@@ -332,3 +332,14 @@ pub async fn fake_api_server(name: &str) -> (std::path::PathBuf, std::path::Path
     let client = client_of(&kubeconfig).await;
     (dir, kubeconfig, client)
 }
+
+/// The cluster of `CAPYCTL_TEST_KUBECONFIG` with the chart's CRDs applied and established, and
+/// a fresh namespace, cleaned up when dropped (the finalizers the stopped operator left
+/// included); `None` when the variable is unset.
+pub async fn cluster_namespace() -> Option<(std::path::PathBuf, super::k8s_support::TestNamespace)>
+{
+    let (kubeconfig, client) = super::k8s_support::cluster().await?;
+    super::crds::install_crds(&client).await;
+    let ns = super::k8s_support::TestNamespace::create(&kubeconfig, &client, "capyctl-test").await;
+    Some((kubeconfig, ns))
+}
