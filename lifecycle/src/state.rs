@@ -1012,6 +1012,12 @@ impl State {
                 changed.insert(id.clone());
             }
             tracing::info!(host = %host_id, instance = %adopted.instance, state = %d.state, "adopted an engine");
+            if let Some(f) = &mut self.fence
+                && d.state == InstanceState::Ready
+            {
+                // A host that joins while the fence lasts: what it holds ready is inherited too.
+                f.ids.insert(id.clone());
+            }
             self.set_host(&id, Some(host_id.clone()));
             adopted_here.insert(id);
         }
@@ -1521,19 +1527,23 @@ mod tests {
             host_id: "gpu-1".into(),
             ..State::default()
         };
-        let host = Host {
+        s.add_host("gpu-1".into(), host(), &[]);
+        for id in ["a", "b", "c"] {
+            s.insert(dep(id, &format!("chat-{id}"), "", now));
+        }
+        s
+    }
+
+    /// A host of 10 GiB (the fake host agent).
+    fn host() -> Host {
+        Host {
             agent: Arc::new(capyctl_test_support::FakeHost::new()),
             activation: Activation::OnDemand,
             settings: HostSettings::default(),
             admission_window: None,
             remote: false,
             capacity: 10 * GIB,
-        };
-        s.add_host("gpu-1".into(), host, &[]);
-        for id in ["a", "b", "c"] {
-            s.insert(dep(id, &format!("chat-{id}"), "", now));
         }
-        s
     }
 
     fn dep(id: &str, name: &str, extra: &str, now: Instant) -> Dep {
@@ -1691,6 +1701,29 @@ mod tests {
         // A fence that ends before it begins (a hold-over of 0) fences nothing.
         assert!(s.set_fence(until, until).is_empty());
         assert!(s.fence.is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_host_that_joins_during_the_fence_has_what_it_holds_ready_fenced_too() {
+        let now = Instant::now();
+        let mut s = state(now);
+        ready(&mut s, "a", now);
+        s.set_fence(now + Duration::from_secs(90), now);
+        let adopted = capyctl_node_agent::agent::AdoptedInstance {
+            instance: instance_id("b"),
+            spec: s.deps["b"].spec.clone(),
+            base_url: "http://127.0.0.1:9".into(),
+            pid: 4242,
+            parked: None,
+            gpu_held: None,
+        };
+        s.add_host("gpu-2".into(), host(), &[adopted]);
+        assert_eq!(s.deps["b"].state, InstanceState::Ready);
+        assert!(s.fenced("b"));
+        assert_eq!(
+            s.begin_down("b", "stop-1").unwrap_err().code(),
+            "unavailable"
+        );
     }
 
     #[tokio::test(start_paused = true)]
