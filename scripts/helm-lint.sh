@@ -728,6 +728,10 @@ BAD = [
      "operator.watchNamespaces: `Team_A` is not a namespace name"),
     ({"operator": {"watchNamespaces": "team-a"}},
      "operator.watchNamespaces: must be a list of namespaces"),
+    ({"operator": {"leaderElection": {"holdover": "2h"}}},
+     "operator.leaderElection.holdover: 2h is out of range (0s to 3600s)"),
+    ({"operator": {"leaderElection": {"holdover": 90}}},
+     "operator.leaderElection.holdover: `90` is not a duration such as 500ms, 2s, 5m or 1h (a bare number is refused"),
 ]
 for values, want in BAD:
     docs, err = render(values)

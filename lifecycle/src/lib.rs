@@ -28,6 +28,7 @@
 //! ([`CoordinatorHandle::last_uses`]), which `Dep::used_at` reads.
 
 pub mod api;
+mod holdover;
 pub mod metrics;
 mod owner;
 mod parked_room;
@@ -1816,6 +1817,8 @@ impl Server {
     /// failure also fails the requests waiting for the target). The switch's record (begun
     /// here, with the router's window and drain) ends once the bring-up has ended.
     async fn execute_order(&self, order: SwitchOrder) -> Result<Executed, ApiError> {
+        // Held (the operator's hold-over): no switch is carried out.
+        self.refuse_held_order(&order).await?;
         let rec = self.record_order(&order);
         let released = rec.scope(self.execute_inner(&order)).await;
         let (released, up) = match released {
@@ -2305,6 +2308,7 @@ impl Server {
 
     async fn do_start(&self, key: &str, req: StartRequest) -> Result<ActionReceipt, ApiError> {
         let id = self.find(key)?;
+        self.read(|inner| inner.held_refusal())?;
         let (wait, evict) = (req.wait, req.evict);
         let next = self
             .on(&id, move |inner, id| {
@@ -2524,6 +2528,7 @@ impl Server {
         host_id: &str,
         drain: bool,
     ) -> Result<HostDrainReceipt, ApiError> {
+        self.read(|inner| inner.held_refusal())?;
         if !self.read(|inner| inner.hosts.contains_key(host_id)) {
             return Err(ApiError::NotFound {
                 what: format!("host {host_id}"),
@@ -2646,6 +2651,7 @@ impl Server {
 
     async fn do_stop(&self, key: &str) -> Result<ActionReceipt, ApiError> {
         let id = self.find(key)?;
+        self.read(|inner| inner.command_refusal(&id))?;
         let rid = self.fresh_id("stop");
         let refusal = ApiError::DeploymentStopped {
             deployment: id.clone(),
@@ -2752,6 +2758,7 @@ impl Server {
 
     async fn do_park(&self, key: &str) -> Result<ActionReceipt, ApiError> {
         let id = self.find(key)?;
+        self.read(|inner| inner.command_refusal(&id))?;
         let spec = self
             .read(|inner| inner.deps.get(&id).map(|d| (d.spec.clone(), d.state)))
             .ok_or_else(|| not_found(&id))?;
@@ -2803,6 +2810,7 @@ impl Server {
 
     async fn do_delete(&self, key: &str) -> Result<DeploymentView, ApiError> {
         let id = self.find(key)?;
+        self.read(|inner| inner.command_refusal(&id))?;
         let rid = self.fresh_id("delete");
         let view = self.view(&id).ok_or_else(|| not_found(&id))?;
         let refusal = ApiError::ModelNotFound {
@@ -2832,6 +2840,7 @@ impl Server {
     /// not park). A request then wakes it.
     async fn do_preinitialize(&self, key: &str) -> Result<ActionReceipt, ApiError> {
         let id = self.find(key)?;
+        self.read(|inner| inner.held_refusal())?;
         let spec = self
             .read(|inner| inner.deps.get(&id).map(|d| d.spec.clone()))
             .ok_or_else(|| not_found(&id))?;

@@ -297,6 +297,21 @@ pub(crate) struct State {
     pub(crate) host_id: String,
     /// Some host says `lifecycle.activation: explicit`: every deployment is explicit then.
     pub(crate) any_host_explicit: bool,
+    /// Switches are held (the operator's leader cannot reach the API server: hold-over):
+    /// every switch, start, wake, park and stop is refused with this (see [`State::hold`]).
+    pub(crate) held: Option<ApiError>,
+    /// The fence after a takeover (see [`State::set_fence`]).
+    pub(crate) fence: Option<Fence>,
+}
+
+/// The instances a new leader adopted as ready from a leader that may still serve them (it
+/// did not release its Lease): not parked or stopped until `until` ([`State::set_fence`]).
+#[derive(Debug, Clone)]
+pub(crate) struct Fence {
+    /// When the previous leader has stopped serving at the latest.
+    pub(crate) until: Instant,
+    /// The deployments adopted ready.
+    pub(crate) ids: BTreeSet<String>,
 }
 
 /// The router's record of each deployment's last use (its requests' starts and ends,
@@ -652,6 +667,9 @@ impl State {
                     && d.reserved.is_none()
                     && d.claim.is_none()
                     && !protected.contains(d.id())
+                    // A fenced instance (adopted from a leader that may still serve it) is
+                    // released only once the fence ends: meanwhile placement waits (`Later`).
+                    && !self.fenced(d.id())
                 {
                     Hold::Releasable
                 } else {
@@ -680,6 +698,10 @@ impl State {
 
     /// Marks `id` as coming up and says how.
     pub(crate) fn begin_up(&mut self, id: &str, now: Instant) -> Option<Up> {
+        if let Some(f) = &mut self.fence {
+            // Brought up by this leader: no longer the previous leader's.
+            f.ids.remove(id);
+        }
         let d = self.deps.get_mut(id)?;
         if std::mem::take(&mut d.rec.pending_start) || d.state != InstanceState::Parked {
             // A pending start taken, a new generation: saved by the bring-up.
@@ -719,6 +741,15 @@ impl State {
                 deployment: id.to_string(),
             });
         }
+        // Held: only what is ready or already on its way serves; nothing is switched.
+        if let Some(e) = &self.held
+            && !matches!(
+                d.state,
+                InstanceState::Ready | InstanceState::Starting | InstanceState::Waking
+            )
+        {
+            return Err(e.clone());
+        }
         Ok(())
     }
 
@@ -754,6 +785,9 @@ impl State {
                 return Ok(Plan::Later);
             }
             _ => {}
+        }
+        if let Some(e) = &self.held {
+            return Err(e.clone());
         }
         let policy = match who {
             PlanFor::Requests => Victims::Idle,
@@ -835,6 +869,7 @@ impl State {
     /// Begins taking `id` down: `Ok(Some(true))` ready (drain first),
     /// `Ok(Some(false))` parked (stop directly), `Ok(None)` nothing runs.
     pub(crate) fn begin_down(&mut self, id: &str, rid: &str) -> Result<Option<bool>, ApiError> {
+        self.command_refusal(id)?;
         let d = self.deps.get_mut(id).ok_or_else(|| not_found(id))?;
         if d.busy || d.reserved.is_some() || d.claim.is_some() {
             return Err(ApiError::Conflict {
@@ -979,6 +1014,12 @@ impl State {
                 changed.insert(id.clone());
             }
             tracing::info!(host = %host_id, instance = %adopted.instance, state = %d.state, "adopted an engine");
+            if let Some(f) = &mut self.fence
+                && d.state == InstanceState::Ready
+            {
+                // A host that joins while the fence lasts: what it holds ready is inherited too.
+                f.ids.insert(id.clone());
+            }
             self.set_host(&id, Some(host_id.clone()));
             adopted_here.insert(id);
         }
@@ -1114,6 +1155,9 @@ impl State {
         if !d.rec.pending_start || d.busy || d.reserved.is_some() || d.claim.is_some() {
             return None;
         }
+        if self.held.is_some() {
+            return None;
+        }
         let (host, fit) = self.place_target(id, &BTreeSet::new(), Victims::None, now);
         if fit != Fit::Now {
             return None;
@@ -1144,6 +1188,9 @@ impl State {
             return Err(ApiError::Conflict {
                 detail: format!("switch {switch_id} to deployment {target} was given up"),
             });
+        }
+        if let Some(e) = &self.held {
+            return Err(e.clone());
         }
         self.admissible(target)?;
         let d = self.deps.get(target).ok_or_else(|| not_found(target))?;
@@ -1180,6 +1227,7 @@ impl State {
         evict: bool,
         now: Instant,
     ) -> Result<StartNext, ApiError> {
+        self.held_refusal()?;
         let d = self.deps.get(id).ok_or_else(|| not_found(id))?;
         if d.measurement.awaiting() && !wait && d.state != InstanceState::Ready {
             return Err(ApiError::AwaitingMeasurement {
@@ -1270,6 +1318,7 @@ impl State {
         measured: Measurement,
         now: Instant,
     ) -> Result<bool, ApiError> {
+        self.held_refusal()?;
         let d = self.deps.get_mut(id).ok_or_else(|| not_found(id))?;
         if !measured.awaiting() {
             d.measurement = measured;
@@ -1319,6 +1368,8 @@ impl State {
             .values()
             .filter(|d| !self.explicit(d) && !d.warm() && !d.busy && d.reserved.is_none())
             .filter(|d| d.claim.is_none() && !d.rec.pending_start && !in_use.contains(d.id()))
+            // Held or fenced: no idle timer parks or stops either.
+            .filter(|d| self.held.is_none() && !self.fenced(d.id()))
             .filter_map(|d| {
                 let idle = now.saturating_duration_since(d.used_at());
                 let due = |t: Option<Duration>| t.is_some_and(|t| idle >= t);
@@ -1378,6 +1429,88 @@ impl State {
     }
 }
 
+/// The operator's hold-over and fence (see `lifecycle/DESIGN.md`, "Leadership on
+/// Kubernetes").
+impl State {
+    /// Holds every switch with `refusal` (503 `unavailable`): a request for a deployment that
+    /// is not ready (or already starting or waking) is refused at once, plans fail with it,
+    /// and no operator command, idle timer or pending start changes anything. Ready instances
+    /// serve on; engine exits are still recorded.
+    pub(crate) fn hold(&mut self, refusal: ApiError) {
+        self.held = Some(refusal);
+    }
+
+    /// Ends the hold: switching resumes.
+    pub(crate) fn resume(&mut self) {
+        self.held = None;
+    }
+
+    /// Fences the instances ready now (adopted from a leader that did not release its Lease):
+    /// until `until` they are not victims of any switch, no idle timer takes them down, and an
+    /// operator's park or stop of them is refused ([`State::command_refusal`]). Their names.
+    pub(crate) fn set_fence(&mut self, until: Instant, now: Instant) -> Vec<String> {
+        if until <= now {
+            self.fence = None;
+            return Vec::new();
+        }
+        let ids: BTreeSet<String> = self
+            .deps
+            .values()
+            .filter(|d| d.state == InstanceState::Ready)
+            .map(|d| d.rec.id.clone())
+            .collect();
+        let names = ids
+            .iter()
+            .filter_map(|id| self.deps.get(id).map(|d| d.name().to_string()))
+            .collect();
+        self.fence = Some(Fence { until, ids });
+        names
+    }
+
+    /// Ends the fence once `now` has reached its end; whether it ended now.
+    pub(crate) fn end_fence(&mut self, now: Instant) -> bool {
+        if self.fence.as_ref().is_some_and(|f| now >= f.until) {
+            self.fence = None;
+            return true;
+        }
+        false
+    }
+
+    /// Whether deployment `id` is fenced ([`State::set_fence`]; the fence is dropped at its
+    /// end by [`State::end_fence`]).
+    pub(crate) fn fenced(&self, id: &str) -> bool {
+        self.fence.as_ref().is_some_and(|f| f.ids.contains(id))
+    }
+
+    /// The refusal of every change while switches are held ([`State::hold`]).
+    pub(crate) fn held_refusal(&self) -> Result<(), ApiError> {
+        match &self.held {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// Why taking deployment `id` down (an operator's stop, park or delete, a host drain, an
+    /// idle timer) is refused now: held, or `id` fenced (answered with the fence's end).
+    pub(crate) fn command_refusal(&self, id: &str) -> Result<(), ApiError> {
+        self.held_refusal()?;
+        match &self.fence {
+            Some(f) if f.ids.contains(id) => {
+                let left = f.until.saturating_duration_since(Instant::now());
+                let name = self.deps.get(id).map_or(id, |d| d.name());
+                Err(ApiError::Unavailable {
+                    detail: format!(
+                        "deployment {name} was adopted from the previous leader, which may still serve it; it is not parked or stopped for another {} s (until that leader's hold-over has surely ended)",
+                        left.as_secs() + 1
+                    ),
+                    retry_after: u32::try_from(left.as_secs() + 1).unwrap_or(u32::MAX),
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     //! The rules on plain state, with the time given (no owner task, no host calls).
@@ -1396,7 +1529,16 @@ mod tests {
             host_id: "gpu-1".into(),
             ..State::default()
         };
-        let host = Host {
+        s.add_host("gpu-1".into(), host(), &[]);
+        for id in ["a", "b", "c"] {
+            s.insert(dep(id, &format!("chat-{id}"), "", now));
+        }
+        s
+    }
+
+    /// A host of 10 GiB (the fake host agent).
+    fn host() -> Host {
+        Host {
             agent: Arc::new(capyctl_test_support::FakeHost::new()),
             activation: Activation::OnDemand,
             settings: HostSettings::default(),
@@ -1404,12 +1546,7 @@ mod tests {
             remote: false,
             capacity: 10 * GIB,
             gpus: Vec::new(),
-        };
-        s.add_host("gpu-1".into(), host, &[]);
-        for id in ["a", "b", "c"] {
-            s.insert(dep(id, &format!("chat-{id}"), "", now));
         }
-        s
     }
 
     fn dep(id: &str, name: &str, extra: &str, now: Instant) -> Dep {
@@ -1447,6 +1584,149 @@ mod tests {
 
     fn none() -> BTreeSet<String> {
         BTreeSet::new()
+    }
+
+    fn held() -> ApiError {
+        ApiError::Unavailable {
+            detail: "the Kubernetes API server cannot be reached; this replica serves ready models only until it can renew its leadership".into(),
+            retry_after: 2,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn held_switches_refuse_every_change_but_ready_models_serve_on() {
+        let now = Instant::now();
+        let mut s = state(now);
+        ready(&mut s, "a", now);
+        let mut c = s.deps.remove("c").unwrap();
+        c.rec.pending_start = true;
+        s.insert(c);
+        s.hold(held());
+        // A request for a model that is not ready is refused at once, with the cause.
+        let e = s.admissible("b").unwrap_err();
+        assert_eq!(
+            (e.status(), e.code(), e.retry_after()),
+            (503, "unavailable", Some(2))
+        );
+        assert!(
+            e.message().contains("API server cannot be reached"),
+            "{}",
+            e.message()
+        );
+        // The ready one is admissible (its requests are forwarded, not switched).
+        assert!(s.admissible("a").is_ok());
+        // Plans fail with it (requests and an operator's --evict): nothing reserved.
+        for who in [PlanFor::Requests, PlanFor::Operator] {
+            let e = s.plan("b", &none(), who, "sw-1".into(), now).unwrap_err();
+            assert_eq!(e.code(), "unavailable");
+        }
+        assert_eq!(s.deps["a"].reserved, None);
+        assert_eq!(s.deps["b"].claim, None);
+        // Operator commands: start, preinitialize, park/stop (begin_down) refused.
+        assert_eq!(
+            s.start("b", true, false, now).unwrap_err().code(),
+            "unavailable"
+        );
+        assert_eq!(s.park("a", "park-1").unwrap_err().code(), "unavailable");
+        assert_eq!(
+            s.begin_down("a", "stop-1").unwrap_err().code(),
+            "unavailable"
+        );
+        assert_eq!(s.deps["a"].state, InstanceState::Ready);
+        assert_eq!(s.deps["a"].reserved, None);
+        // No idle timer, no pending start.
+        let timers = LifecycleDefaults {
+            ready_idle_timeout: Some(Duration::from_secs(1)),
+            ..LifecycleDefaults::default()
+        };
+        let later = now + Duration::from_secs(60);
+        assert!(s.idle_due(&timers, &none(), later).is_empty());
+        assert!(s.start_pending("c", later).is_none());
+        // An engine exit is still recorded.
+        let exit = EngineExit {
+            instance: instance_id("a"),
+            status: Some("signal 9".into()),
+        };
+        assert!(s.engine_exited("gpu-1", &exit).is_some());
+        assert_eq!(s.deps["a"].state, InstanceState::Failed);
+        // Resumed: switching again.
+        s.resume();
+        assert!(s.admissible("b").is_ok());
+        let plan = s
+            .plan("b", &none(), PlanFor::Requests, "sw-2".into(), later)
+            .unwrap();
+        assert!(matches!(plan, Plan::BringUp { .. }), "{plan:?}");
+        assert_eq!(s.idle_due(&timers, &none(), later).len(), 0, "a failed");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_fenced_ready_instance_is_no_victim_until_the_fence_ends() {
+        let now = Instant::now();
+        let mut s = state(now);
+        ready(&mut s, "a", now);
+        let until = now + Duration::from_secs(90);
+        assert_eq!(s.set_fence(until, now), ["chat-a"]);
+        // `b` needs `a`'s memory: it waits (`Later`), never `does_not_fit`.
+        let plan = s
+            .plan("b", &none(), PlanFor::Requests, "sw-1".into(), now)
+            .unwrap();
+        assert!(matches!(plan, Plan::Later), "{plan:?}");
+        let plan = s
+            .plan("b", &none(), PlanFor::Operator, "sw-2".into(), now)
+            .unwrap();
+        assert!(matches!(plan, Plan::Later), "{plan:?}");
+        // No operator park or stop of it, naming the fence; no idle timer.
+        let e = s.park("a", "park-1").unwrap_err();
+        assert_eq!((e.status(), e.code()), (503, "unavailable"));
+        assert!(e.message().contains("previous leader"), "{}", e.message());
+        assert_eq!(e.retry_after(), Some(91));
+        assert_eq!(s.deps["a"].state, InstanceState::Ready);
+        let timers = LifecycleDefaults {
+            ready_idle_timeout: Some(Duration::from_secs(1)),
+            ..LifecycleDefaults::default()
+        };
+        assert!(
+            s.idle_due(&timers, &none(), now + Duration::from_secs(60))
+                .is_empty()
+        );
+        // Not yet over 1 s before its end.
+        assert!(!s.end_fence(until - Duration::from_secs(1)));
+        assert!(s.fenced("a"));
+        // Its end: `a` is the victim as usual.
+        assert!(s.end_fence(until));
+        let plan = s
+            .plan("b", &none(), PlanFor::Requests, "sw-3".into(), until)
+            .unwrap();
+        let Plan::Switch { victims, .. } = plan else {
+            panic!("a switch: {plan:?}");
+        };
+        assert_eq!(victims[0].deployment, "a");
+        // A fence that ends before it begins (a hold-over of 0) fences nothing.
+        assert!(s.set_fence(until, until).is_empty());
+        assert!(s.fence.is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_host_that_joins_during_the_fence_has_what_it_holds_ready_fenced_too() {
+        let now = Instant::now();
+        let mut s = state(now);
+        ready(&mut s, "a", now);
+        s.set_fence(now + Duration::from_secs(90), now);
+        let adopted = capyctl_node_agent::agent::AdoptedInstance {
+            instance: instance_id("b"),
+            spec: s.deps["b"].spec.clone(),
+            base_url: "http://127.0.0.1:9".into(),
+            pid: 4242,
+            parked: None,
+            gpu_held: None,
+        };
+        s.add_host("gpu-2".into(), host(), &[adopted]);
+        assert_eq!(s.deps["b"].state, InstanceState::Ready);
+        assert!(s.fenced("b"));
+        assert_eq!(
+            s.begin_down("b", "stop-1").unwrap_err().code(),
+            "unavailable"
+        );
     }
 
     #[tokio::test(start_paused = true)]

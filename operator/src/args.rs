@@ -8,6 +8,7 @@ use std::sync::Arc;
 use capyctl_lifecycle::metrics::Metrics;
 use capyctl_spec::documents;
 use capyctl_spec::overrides::Overrides;
+use capyctl_spec::units::DurationSetting;
 use clap::Parser;
 
 use super::api_client;
@@ -43,6 +44,22 @@ pub struct Args {
     /// The Lease the replicas elect their leader on.
     #[arg(long, env = "CAPYCTL_LEASE_NAME", default_value = "capyctl-operator")]
     pub lease_name: String,
+    /// How long a Lease not renewed stays its holder's (`leaseDurationSeconds`).
+    #[arg(long, env = "CAPYCTL_LEASE_DURATION", default_value = "15s")]
+    pub lease_duration: String,
+    /// A leader that has not renewed its Lease for this long stops switching: it steps down,
+    /// or is held over when the API server cannot be reached. Shorter than the lease duration.
+    #[arg(long, env = "CAPYCTL_LEASE_RENEW_DEADLINE", default_value = "10s")]
+    pub lease_renew_deadline: String,
+    /// Between two tries of the election (a leader's renewals, a standby's attempts).
+    #[arg(long, env = "CAPYCTL_LEASE_RETRY_PERIOD", default_value = "2s")]
+    pub lease_retry_period: String,
+    /// How long past the renew deadline a leader that cannot reach the API server keeps
+    /// serving its ready models (switching nothing) before it steps down; also how long a new
+    /// leader that took an unreleased Lease over leaves the instances it adopted alone. `0s`:
+    /// step down at the renew deadline.
+    #[arg(long, env = "CAPYCTL_LEADER_HOLDOVER", default_value = "90s")]
+    pub leader_holdover: String,
     /// A label the leader sets to "true" on its own Pod (the Services select it).
     #[arg(long, env = "CAPYCTL_LEADER_LABEL")]
     pub leader_label: Option<String>,
@@ -68,7 +85,42 @@ pub struct Args {
     pub host_file: Option<PathBuf>,
 }
 
+/// Reads duration setting `text` of `name` (`CAPYCTL_…`, and its flag `flag`).
+fn duration_of(name: &str, flag: &str, text: &str) -> Result<std::time::Duration, String> {
+    text.parse::<DurationSetting>()
+        .map(std::time::Duration::from)
+        .map_err(|e| format!("{name} ({flag}) is not a duration: {e}"))
+}
+
 impl Args {
+    /// The election's settings for replica `identity`, checked (each error names its
+    /// setting).
+    pub fn lease_config(&self, identity: String) -> Result<LeaseConfig, String> {
+        let mut lease = LeaseConfig::new(self.lease_name.clone(), identity);
+        lease.lease_duration = duration_of(
+            "CAPYCTL_LEASE_DURATION",
+            "--lease-duration",
+            &self.lease_duration,
+        )?;
+        lease.renew_deadline = duration_of(
+            "CAPYCTL_LEASE_RENEW_DEADLINE",
+            "--lease-renew-deadline",
+            &self.lease_renew_deadline,
+        )?;
+        lease.retry_period = duration_of(
+            "CAPYCTL_LEASE_RETRY_PERIOD",
+            "--lease-retry-period",
+            &self.lease_retry_period,
+        )?;
+        lease.holdover = duration_of(
+            "CAPYCTL_LEADER_HOLDOVER",
+            "--leader-holdover",
+            &self.leader_holdover,
+        )?;
+        lease.validate()?;
+        Ok(lease)
+    }
+
     /// Reads the documents and the tokens, finds the API server, and runs the operator
     /// ([`run`]) until SIGTERM or Ctrl-C; every error names what is wrong.
     pub async fn run(self) -> Result<(), String> {
@@ -119,12 +171,13 @@ impl Args {
             .clone()
             .filter(|n| !n.is_empty())
             .unwrap_or_else(capyctl_spec::settings::default_host_id);
+        let lease = self.lease_config(identity.clone())?;
         tracing::info!(%namespace, watch = %watch.describe(), %identity, lease = %self.lease_name, "capyctl-operator starting");
         let options = OperatorOptions {
             server,
             namespace,
             watch,
-            lease: LeaseConfig::new(self.lease_name.clone(), identity),
+            lease,
             leader_label: self.leader_label.clone().filter(|l| !l.is_empty()),
             node_agent_url: self.node_agent.clone().filter(|u| !u.is_empty()),
             node_agent_port: self.node_agent_port,
@@ -139,5 +192,39 @@ impl Args {
         run(client, options, capyctl_node_agent::cli::shutdown_signal())
             .await
             .map_err(|e| e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn args(extra: &[&str]) -> Args {
+        let mut argv = vec!["capyctl-operator"];
+        argv.extend_from_slice(extra);
+        Args::try_parse_from(argv).unwrap()
+    }
+
+    #[test]
+    fn the_holdover_and_the_lease_timing_are_read_and_checked_naming_the_setting() {
+        let lease = args(&[]).lease_config("op-a".into()).unwrap();
+        assert_eq!(lease.holdover, std::time::Duration::from_secs(90));
+        assert_eq!(lease.renew_deadline, std::time::Duration::from_secs(10));
+        let lease = args(&["--leader-holdover", "0s", "--lease-duration", "20s"])
+            .lease_config("op-a".into())
+            .unwrap();
+        assert_eq!(lease.holdover, std::time::Duration::ZERO);
+        assert_eq!(lease.lease_duration, std::time::Duration::from_secs(20));
+        let e = args(&["--leader-holdover", "soon"])
+            .lease_config("op-a".into())
+            .unwrap_err();
+        assert!(e.contains("CAPYCTL_LEADER_HOLDOVER"), "{e}");
+        let e = args(&["--lease-duration", "10s"])
+            .lease_config("op-a".into())
+            .unwrap_err();
+        assert!(e.contains("CAPYCTL_LEASE_DURATION"), "{e}");
+        assert!(e.contains("renew deadline"), "{e}");
     }
 }

@@ -10,13 +10,31 @@
 //!   wait;
 //! - it is free (no holder), ours, or its record has not changed for `lease_duration`: write
 //!   it with us as holder (an update carrying the `resourceVersion` read, so that of two
-//!   replicas racing for it one gets 409 Conflict and stays standby);
+//!   replicas racing for it one gets 409 Conflict and stays standby). A standby whose try
+//!   failed counts the expiry again from its next read (it could not see renewals meanwhile);
 //! - a leader renews every `retry_period`, and steps down when it has not renewed for
-//!   `renew_deadline` (shorter than `lease_duration`, so it has stopped before a standby may
-//!   take over), or at once when the Lease names another holder. As in client-go, every try
-//!   is bounded: a leader's by what is left of its renew deadline (a hung call never keeps a
-//!   replica leading past it), a standby's by `renew_deadline`; a try past its bound counts as
-//!   failed;
+//!   `renew_deadline` (shorter than `lease_duration`, so it has stopped switching before a
+//!   standby may take over), or at once when the Lease names another holder. As in client-go,
+//!   every try is bounded: a leader's by what is left of its renew deadline (a hung call never
+//!   keeps a replica leading past it), a standby's by `renew_deadline`; a try past its bound
+//!   counts as failed. A renewal counts from when its try began (its write is committed
+//!   after that), so a standby, which dates what it observes by when its read answered, never
+//!   sees a record older than the leader believes it is;
+//! - **hold-over**: a leader whose last try failed because the API server cannot be reached
+//!   (a transport error, a try past its bound, 5xx, 429) does not step down at
+//!   `renew_deadline`: it is *held over* ([`Leadership::held`]) and keeps serving its ready
+//!   instances, but makes no switch (the operator tells the lifecycle so). It keeps trying;
+//!   a renewal ends the hold-over, a Lease read that names another holder (or any other
+//!   failure: the API server answers, but not as it should) steps it down at once, and it
+//!   steps down at `last renewal + renew_deadline + holdover` at the latest. `holdover` 0 is
+//!   client-go's rule;
+//! - **fence**: a replica that takes over a Lease another replica held and did not release
+//!   (it expired) cannot know whether that replica is dead or held over and still forwarding
+//!   to the engines it adopts; it reports [`Leadership::fence_until`] (its takeover plus
+//!   `holdover`), until which it must not park or stop the instances it adopts as ready. The
+//!   old leader's hold-over has ended by then: it began no later than the takeover less
+//!   `lease_duration` and lasts at most `renew_deadline + holdover`. A Lease released (no
+//!   holder) or taken from nobody gives no fence;
 //! - on shutdown the leader releases the Lease (no holder, `leaseDurationSeconds` 1), so that a
 //!   standby takes over at its next try instead of after `lease_duration`.
 //!
@@ -51,10 +69,15 @@ pub struct LeaseConfig {
     pub renew_deadline: Duration,
     /// Between two tries (renewals of a leader, attempts of a standby). Default 2 s.
     pub retry_period: Duration,
+    /// How long past `renew_deadline` a leader that cannot reach the API server stays held
+    /// over (serving its ready instances, switching nothing) before it steps down; also the
+    /// length of the fence after a takeover (see the module doc). Default 90 s; 0 = step
+    /// down at the renew deadline (`CAPYCTL_LEADER_HOLDOVER`).
+    pub holdover: Duration,
 }
 
 impl LeaseConfig {
-    /// client-go's defaults: 15 s, 10 s, 2 s.
+    /// client-go's defaults: 15 s, 10 s, 2 s; a hold-over of 90 s.
     pub fn new(name: impl Into<String>, identity: impl Into<String>) -> Self {
         Self {
             name: name.into(),
@@ -62,7 +85,60 @@ impl LeaseConfig {
             lease_duration: Duration::from_secs(15),
             renew_deadline: Duration::from_secs(10),
             retry_period: Duration::from_secs(2),
+            holdover: DEFAULT_HOLDOVER,
         }
+    }
+
+    /// Checks the timing: `lease_duration` > `renew_deadline` > `retry_period` > 0 (the
+    /// fence's guarantee needs the first), each naming its setting.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.retry_period.is_zero() {
+            return Err(
+                "CAPYCTL_LEASE_RETRY_PERIOD (--lease-retry-period) must be more than 0s".into(),
+            );
+        }
+        if self.renew_deadline <= self.retry_period {
+            return Err(format!(
+                "CAPYCTL_LEASE_RENEW_DEADLINE (--lease-renew-deadline, {}) must be longer than the retry period ({})",
+                capyctl_spec::units::format_duration(self.renew_deadline),
+                capyctl_spec::units::format_duration(self.retry_period)
+            ));
+        }
+        if self.lease_duration <= self.renew_deadline {
+            return Err(format!(
+                "CAPYCTL_LEASE_DURATION (--lease-duration, {}) must be longer than the renew deadline ({})",
+                capyctl_spec::units::format_duration(self.lease_duration),
+                capyctl_spec::units::format_duration(self.renew_deadline)
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The hold-over's default (`CAPYCTL_LEADER_HOLDOVER`, the chart's `leaderElection.holdover`).
+pub const DEFAULT_HOLDOVER: Duration = Duration::from_secs(90);
+
+/// What [`LeaderElector::run`] publishes: whether this replica leads, whether it is held over,
+/// and the fence of its takeover.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Leadership {
+    /// This replica leads (renewing, or held over).
+    pub leading: bool,
+    /// It leads held over: its renewals fail because the API server cannot be reached; it
+    /// serves its ready instances and switches nothing (see the module doc).
+    pub held: bool,
+    /// It took the Lease over from a replica that did not release it: until then it must not
+    /// park or stop the instances it adopts as ready (see the module doc).
+    pub fence_until: Option<Instant>,
+}
+
+/// Whether `e` says the API server cannot be reached (or cannot answer now): a transport
+/// error, 5xx or 429. Such failures hold a leader over; any other steps it down.
+pub fn unreachable(e: &kube::Error) -> bool {
+    match e {
+        kube::Error::Api(s) => s.code >= 500 || s.code == 429,
+        kube::Error::HyperError(_) | kube::Error::Service(_) | kube::Error::ReadEvents(_) => true,
+        _ => false,
     }
 }
 
@@ -94,8 +170,13 @@ pub struct LeaderElector {
     api: Api<Lease>,
     config: LeaseConfig,
     observed: Option<Observed>,
-    /// When this replica last wrote the Lease as its holder.
+    /// When this replica last wrote the Lease as its holder (when that try began).
     last_renew: Option<Instant>,
+    /// The last try failed because the API server cannot be reached: past the renew deadline
+    /// the leader is held over rather than stepping down.
+    unreachable: bool,
+    /// The fence of this replica's takeover (see [`Leadership::fence_until`]).
+    fence_until: Option<Instant>,
 }
 
 fn holder_of(lease: &Lease) -> Option<String> {
@@ -118,6 +199,8 @@ impl LeaderElector {
             config,
             observed: None,
             last_renew: None,
+            unreachable: false,
+            fence_until: None,
         }
     }
 
@@ -127,14 +210,43 @@ impl LeaderElector {
     }
 
     /// Whether this replica may act as leader now: it holds the Lease and renewed it within
-    /// `renew_deadline`.
+    /// `renew_deadline`, or within `renew_deadline + holdover` while its last try could not
+    /// reach the API server (held over).
     pub fn is_leading(&self) -> bool {
-        self.last_renew
-            .is_some_and(|t| t.elapsed() < self.config.renew_deadline)
+        self.lead_left().is_some()
+    }
+
+    /// Whether this replica leads held over (see the module doc).
+    pub fn is_held(&self) -> bool {
+        self.is_leading()
             && self
-                .observed
-                .as_ref()
-                .is_some_and(|o| o.holder.as_deref() == Some(self.config.identity.as_str()))
+                .last_renew
+                .is_some_and(|t| t.elapsed() >= self.config.renew_deadline)
+    }
+
+    /// What this replica publishes now.
+    pub fn leadership(&self) -> Leadership {
+        let leading = self.is_leading();
+        Leadership {
+            leading,
+            held: self.is_held(),
+            fence_until: self.fence_until.filter(|_| leading),
+        }
+    }
+
+    /// How long this replica may still lead without a renewal; `None` when it does not lead.
+    fn lead_left(&self) -> Option<Duration> {
+        let ours = self
+            .observed
+            .as_ref()
+            .is_some_and(|o| o.holder.as_deref() == Some(self.config.identity.as_str()));
+        let since = self.last_renew?.elapsed();
+        let bound = if self.unreachable {
+            self.config.renew_deadline + self.config.holdover
+        } else {
+            self.config.renew_deadline
+        };
+        (ours && since < bound).then(|| bound - since)
     }
 
     fn observe(&mut self, lease: &Lease) {
@@ -190,15 +302,22 @@ impl LeaderElector {
         }
     }
 
-    fn held(&mut self, written: &Lease) -> Attempt {
+    fn held(&mut self, written: &Lease, began: Instant, from: Option<&str>) -> Attempt {
         self.observe(written);
-        self.last_renew = Some(Instant::now());
+        if self.last_renew.is_none() {
+            // Taken over from a replica that did not release it: fenced (see the module doc);
+            // taken free or created: not.
+            self.fence_until = from.map(|_| Instant::now() + self.config.holdover);
+        }
+        self.last_renew = Some(began);
+        self.unreachable = false;
         Attempt::Held
     }
 
     /// One try: acquire the Lease when it is missing, free, ours or expired, renew it when it is
     /// ours (see the module doc).
     pub async fn try_acquire_or_renew(&mut self) -> Result<Attempt, kube::Error> {
+        let began = Instant::now();
         let current = match self.api.get_opt(&self.config.name).await? {
             Some(l) => l,
             None => {
@@ -210,7 +329,7 @@ impl LeaderElector {
                     spec: Some(self.our_spec(None)),
                 };
                 return match self.api.create(&PostParams::default(), &lease).await {
-                    Ok(written) => Ok(self.held(&written)),
+                    Ok(written) => Ok(self.held(&written, began, None)),
                     Err(kube::Error::Api(s)) if s.is_already_exists() || s.is_conflict() => {
                         Ok(Attempt::Conflict)
                     }
@@ -231,6 +350,7 @@ impl LeaderElector {
             }
             tracing::info!(lease = %self.config.name, previous = %other, "the Lease expired; taking it over");
         }
+        let from = holder.filter(|_| !ours);
         let mut lease = current.clone();
         lease.spec = Some(self.our_spec(current.spec.as_ref()));
         match self
@@ -238,7 +358,7 @@ impl LeaderElector {
             .replace(&self.config.name, &PostParams::default(), &lease)
             .await
         {
-            Ok(written) => Ok(self.held(&written)),
+            Ok(written) => Ok(self.held(&written, began, from.as_deref())),
             Err(kube::Error::Api(s)) if s.is_conflict() => Ok(Attempt::Conflict),
             Err(e) => Err(e),
         }
@@ -266,37 +386,82 @@ impl LeaderElector {
         Ok(())
     }
 
-    /// What is left of the renew deadline while this replica leads; `None` while it does not.
+    /// What is left of the renew deadline while this replica leads (of its hold-over while
+    /// held over); `None` while it does not lead.
     fn renew_left(&self) -> Option<Duration> {
-        if !self.is_leading() {
-            return None;
+        let left = self.lead_left()?;
+        if self.is_held() {
+            return Some(left);
         }
         self.last_renew
             .map(|t| self.config.renew_deadline.saturating_sub(t.elapsed()))
     }
 
-    /// One try bounded as the module doc says; `Err(None)` when it ran past its bound.
+    /// One try bounded as the module doc says; `Err(None)` when it ran past its bound. Notes
+    /// whether a failure says the API server cannot be reached (see [`unreachable`]).
     async fn bounded_try(&mut self) -> Result<Attempt, Option<kube::Error>> {
-        let bound = self.renew_left().unwrap_or(self.config.renew_deadline);
-        match tokio::time::timeout(bound, self.try_acquire_or_renew()).await {
+        let bound = self
+            .renew_left()
+            .unwrap_or(self.config.renew_deadline)
+            .min(self.config.renew_deadline);
+        let outcome = match tokio::time::timeout(bound, self.try_acquire_or_renew()).await {
             Ok(r) => r.map_err(Some),
             Err(_) => Err(None),
+        };
+        match &outcome {
+            Ok(Attempt::Held) => {}
+            Ok(_) => self.unreachable = false,
+            Err(None) => self.unreachable = true,
+            Err(Some(e)) => self.unreachable = unreachable(e),
+        }
+        if outcome.is_err() && !self.is_leading() {
+            // A standby that could not read the Lease cannot tell whether its holder renewed
+            // meanwhile: it counts the expiry again from its next read, so that a leader held
+            // over by the same outage has a whole `lease_duration` after it to renew.
+            self.observed = None;
+        }
+        outcome
+    }
+
+    /// Sends what this replica is now on `leading` when it changed, with a log line.
+    fn publish(&self, leading: &watch::Sender<Leadership>) {
+        let now = self.leadership();
+        let was = *leading.borrow();
+        if now != was {
+            if now.leading && !was.leading {
+                tracing::info!(lease = %self.config.name, identity = %self.config.identity, fence_until = ?now.fence_until, "leading");
+            } else if !now.leading {
+                tracing::warn!(lease = %self.config.name, identity = %self.config.identity, "no longer leading");
+            } else if now.held {
+                tracing::warn!(lease = %self.config.name, holdover = ?self.config.holdover, "the API server cannot be reached: held over (serving ready models, switching nothing)");
+            } else {
+                tracing::info!(lease = %self.config.name, "the Lease is renewed again: the hold-over ends");
+            }
+            leading.send_replace(now);
         }
     }
 
     /// Tries every `retry_period` until `shutdown` turns `true`, sending on `leading` whether
-    /// this replica leads (see the module doc); on shutdown a leader releases the Lease and
-    /// `false` is sent. A standby keeps trying for as long as it runs.
-    pub async fn run(mut self, leading: watch::Sender<bool>, mut shutdown: watch::Receiver<bool>) {
+    /// this replica leads, is held over, and its fence (see the module doc); on shutdown a
+    /// leader releases the Lease and [`Leadership::default`] is sent. A standby keeps trying
+    /// for as long as it runs.
+    pub async fn run(
+        mut self,
+        leading: watch::Sender<Leadership>,
+        mut shutdown: watch::Receiver<bool>,
+    ) {
         loop {
             if *shutdown.borrow() {
                 break;
             }
+            // Before the try too: a try may take up to its bound, and the hold-over begins (or
+            // the leadership ends) at the renew deadline, not when the try gives up.
+            self.publish(&leading);
             let attempt = self.bounded_try().await;
             match &attempt {
                 Ok(Attempt::Held) => {}
                 Ok(Attempt::HeldBy(other)) => {
-                    if *leading.borrow() {
+                    if leading.borrow().leading {
                         tracing::warn!(lease = %self.config.name, holder = %other, "another replica holds the Lease; stepping down");
                     }
                     self.last_renew = None;
@@ -309,18 +474,11 @@ impl LeaderElector {
                     tracing::warn!(lease = %self.config.name, "a Lease call did not finish within its bound (the renew deadline)");
                 }
             }
-            let now_leading = self.is_leading();
-            if now_leading != *leading.borrow() {
-                if now_leading {
-                    tracing::info!(lease = %self.config.name, identity = %self.config.identity, "leading");
-                } else {
-                    tracing::warn!(lease = %self.config.name, identity = %self.config.identity, "no longer leading");
-                }
-                leading.send_replace(now_leading);
-            }
-            // A leader tries again no later than its renew deadline, so that it steps down on
-            // time even when its last tries failed fast.
+            self.publish(&leading);
+            // A leader tries again no later than its renew deadline (its hold-over's end), so
+            // that it is held over or steps down on time even when its last tries failed fast.
             let pause = match self.renew_left() {
+                Some(left) if left.is_zero() => self.config.retry_period,
                 Some(left) => self.config.retry_period.min(left),
                 None => self.config.retry_period,
             };
@@ -329,7 +487,7 @@ impl LeaderElector {
                 _ = super::until(&mut shutdown, true) => break,
             }
         }
-        leading.send_replace(false);
+        leading.send_replace(Leadership::default());
         if self.last_renew.is_some() {
             match tokio::time::timeout(self.config.renew_deadline, self.release()).await {
                 Ok(Ok(())) => tracing::info!(lease = %self.config.name, "released the Lease"),
@@ -407,6 +565,219 @@ mod tests {
         )
     }
 
+    /// An elector with hold-over `holdover` (0: client-go's rule).
+    fn elector_with(client: kube::Client, holdover: Duration) -> LeaderElector {
+        let mut config = LeaseConfig::new("capyctl-operator", "operator-a");
+        config.holdover = holdover;
+        LeaderElector::new(Api::namespaced(client, "capyctl"), config)
+    }
+
+    /// What the fake Lease server of [`lease_server`] does now.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum ApiMode {
+        /// Keeps the Lease: get, create, replace.
+        Up,
+        /// Answers every call 503 (the API server cannot answer).
+        Down,
+        /// Answers every call 403 (it answers, but refuses).
+        Forbidden,
+        /// The Lease is another replica's (read: held by operator-b, renewed every read).
+        OtherHolder,
+    }
+
+    /// A fake API server keeping one Lease, whose behaviour the test switches.
+    fn lease_server(
+        api: mock::MockApi,
+    ) -> (
+        std::sync::Arc<std::sync::Mutex<ApiMode>>,
+        tokio::task::JoinHandle<Vec<mock::Seen>>,
+    ) {
+        let mode = std::sync::Arc::new(std::sync::Mutex::new(ApiMode::Up));
+        let m = mode.clone();
+        let mut stored: Option<serde_json::Value> = None;
+        let mut rv = 10u64;
+        let server = api.serve_with(move |call| {
+            let now = *m.lock().unwrap();
+            match now {
+                ApiMode::Down => {
+                    return mock::Answer::Json {
+                        status: 503,
+                        body: status_body(503, "ServiceUnavailable", "the server is down"),
+                    };
+                }
+                ApiMode::Forbidden => {
+                    return mock::Answer::Json {
+                        status: 403,
+                        body: status_body(403, "Forbidden", "leases is forbidden"),
+                    };
+                }
+                ApiMode::OtherHolder => {
+                    rv += 1;
+                    return mock::Answer::Json {
+                        status: 200,
+                        body: lease(
+                            Some("operator-b"),
+                            &rv.to_string(),
+                            "2026-12-01T10:00:00.000000Z",
+                        ),
+                    };
+                }
+                ApiMode::Up => {}
+            }
+            match (call.method.clone(), stored.clone()) {
+                (Method::GET, None) => mock::Answer::Json {
+                    status: 404,
+                    body: status_body(404, "NotFound", "not found"),
+                },
+                (Method::GET, Some(l)) => mock::Answer::Json {
+                    status: 200,
+                    body: l,
+                },
+                _ => {
+                    rv += 1;
+                    let mut l = call.body.clone();
+                    l["metadata"]["resourceVersion"] = rv.to_string().into();
+                    stored = Some(l.clone());
+                    mock::Answer::Json {
+                        status: if call.method == Method::POST {
+                            201
+                        } else {
+                            200
+                        },
+                        body: l,
+                    }
+                }
+            }
+        });
+        (mode, server)
+    }
+
+    fn set(mode: &std::sync::Mutex<ApiMode>, to: ApiMode) {
+        *mode.lock().unwrap() = to;
+    }
+
+    /// An elector with hold-over `holdover` running against [`lease_server`], leading.
+    struct Leading {
+        mode: std::sync::Arc<std::sync::Mutex<ApiMode>>,
+        leading: watch::Receiver<Leadership>,
+        stop: watch::Sender<bool>,
+        run: tokio::task::JoinHandle<()>,
+    }
+
+    impl Leading {
+        async fn start(holdover: Duration) -> Leading {
+            let (client, handle) = mock::client();
+            let (mode, _server) = lease_server(handle);
+            let (leading_tx, mut leading) = watch::channel(Leadership::default());
+            let (stop, stopped) = watch::channel(false);
+            let run = tokio::spawn(elector_with(client, holdover).run(leading_tx, stopped));
+            leading.wait_for(|l| l.leading).await.unwrap();
+            Leading {
+                mode,
+                leading,
+                stop,
+                run,
+            }
+        }
+
+        fn set(&self, to: ApiMode) {
+            set(&self.mode, to);
+        }
+
+        async fn finish(self) {
+            self.stop.send_replace(true);
+            self.run.await.unwrap();
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_unreachable_api_server_holds_the_leader_over_and_a_renewal_ends_it() {
+        let mut l = Leading::start(Duration::from_secs(30)).await;
+        assert!(!l.leading.borrow().held);
+        // Renewed at least once more, then the API server goes.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        l.set(ApiMode::Down);
+        let down = Instant::now();
+        l.leading.wait_for(|l| l.held).await.unwrap();
+        // Held over at the renew deadline (10 s after the last renewal began, at most 2 s
+        // before the API server went), not stepped down.
+        let after = down.elapsed();
+        assert!(after <= Duration::from_secs(10), "held after {after:?}");
+        assert!(after >= Duration::from_secs(8), "held after {after:?}");
+        assert!(l.leading.borrow().leading);
+        // 20 s into the hold-over: still leading, held.
+        tokio::time::sleep(Duration::from_secs(20)).await;
+        assert_eq!(
+            *l.leading.borrow(),
+            Leadership {
+                leading: true,
+                held: true,
+                fence_until: None
+            }
+        );
+        // Back: the next renewal ends the hold-over.
+        l.set(ApiMode::Up);
+        let back = Instant::now();
+        l.leading.wait_for(|l| !l.held).await.unwrap();
+        assert!(
+            back.elapsed() <= Duration::from_secs(2),
+            "{:?}",
+            back.elapsed()
+        );
+        assert!(l.leading.borrow().leading);
+        l.finish().await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_holdover_ends_at_the_renew_deadline_plus_the_holdover_at_the_latest() {
+        let mut l = Leading::start(Duration::from_secs(30)).await;
+        l.set(ApiMode::Down);
+        let down = Instant::now();
+        l.leading.wait_for(|l| l.held).await.unwrap();
+        l.leading.wait_for(|l| !l.leading).await.unwrap();
+        // The last renewal began at most 2 s before the API server went: stepped down at its
+        // 10 s + 30 s.
+        let after = down.elapsed();
+        assert!(
+            after <= Duration::from_secs(40),
+            "stepped down after {after:?}"
+        );
+        assert!(
+            after >= Duration::from_secs(38),
+            "stepped down after {after:?}"
+        );
+        l.finish().await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn another_holder_read_during_the_holdover_steps_the_leader_down_at_once() {
+        let mut l = Leading::start(Duration::from_secs(90)).await;
+        l.set(ApiMode::Down);
+        l.leading.wait_for(|l| l.held).await.unwrap();
+        l.set(ApiMode::OtherHolder);
+        let read = Instant::now();
+        l.leading.wait_for(|l| !l.leading).await.unwrap();
+        // At the next try (every 2 s), not at the hold-over's end.
+        assert!(
+            read.elapsed() <= Duration::from_secs(2),
+            "{:?}",
+            read.elapsed()
+        );
+        l.finish().await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refusal_that_is_not_an_outage_steps_the_leader_down_at_the_renew_deadline() {
+        let mut l = Leading::start(Duration::from_secs(90)).await;
+        // The API server answers, but refuses (RBAC taken away): no hold-over.
+        l.set(ApiMode::Forbidden);
+        let refused = Instant::now();
+        l.leading.wait_for(|l| !l.leading || l.held).await.unwrap();
+        assert!(!l.leading.borrow().leading, "{:?}", *l.leading.borrow());
+        assert!(refused.elapsed() <= Duration::from_secs(10));
+        l.finish().await;
+    }
+
     fn lease(holder: Option<&str>, rv: &str, renew: &str) -> serde_json::Value {
         serde_json::json!({
             "apiVersion": "coordination.k8s.io/v1",
@@ -446,6 +817,7 @@ mod tests {
         let mut e = elector(client);
         assert_eq!(e.try_acquire_or_renew().await.unwrap(), Attempt::Held);
         assert!(e.is_leading());
+        assert_eq!(e.leadership().fence_until, None);
         let seen = server.await.unwrap();
         let body = &seen[1].body;
         assert_eq!(body["spec"]["holderIdentity"], "operator-a");
@@ -474,6 +846,8 @@ mod tests {
         );
         let mut e = elector(client);
         assert_eq!(e.try_acquire_or_renew().await.unwrap(), Attempt::Held);
+        // Released (no holder): nobody may still serve from it, no fence.
+        assert_eq!(e.leadership().fence_until, None);
         let seen = server.await.unwrap();
         let put = &seen[1].body;
         assert_eq!(put["metadata"]["resourceVersion"], "7");
@@ -516,10 +890,57 @@ mod tests {
         tokio::time::advance(Duration::from_secs(2)).await;
         assert_eq!(e.try_acquire_or_renew().await.unwrap(), Attempt::Held);
         assert!(e.is_leading());
+        // Taken from a holder that did not release it: fenced for the hold-over (90 s), as
+        // that holder may be held over and still serving.
+        assert_eq!(
+            e.leadership().fence_until,
+            Some(Instant::now() + Duration::from_secs(90))
+        );
         let seen = server.await.unwrap();
         assert_eq!(seen.len(), 4);
         assert_eq!(seen[3].body["spec"]["holderIdentity"], "operator-a");
         assert_eq!(seen[3].body["spec"]["leaseTransitions"], 4);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_standby_that_could_not_read_counts_the_expiry_again_from_its_next_read() {
+        let (client, handle) = mock::client();
+        let held = lease(Some("operator-b"), "7", "2026-12-01T10:00:00.000000Z");
+        let down = Exchange::new(
+            Method::GET,
+            PATH,
+            503,
+            status_body(503, "ServiceUnavailable", "the server is down"),
+        );
+        let server = mock::serve(
+            handle,
+            vec![
+                Exchange::ok(Method::GET, PATH, held.clone()),
+                down,
+                // Back after 20 s (longer than the Lease): the same record, which the holder,
+                // held over by the same outage, has not been able to renew.
+                Exchange::ok(Method::GET, PATH, held.clone()),
+                Exchange::ok(Method::GET, PATH, held),
+                Exchange::ok(
+                    Method::PUT,
+                    PATH,
+                    lease(Some("operator-a"), "8", "2026-12-01T10:00:40.000000Z"),
+                ),
+            ],
+        );
+        let mut e = elector(client);
+        assert!(e.bounded_try().await.is_ok());
+        tokio::time::advance(Duration::from_secs(5)).await;
+        assert!(e.bounded_try().await.is_err());
+        tokio::time::advance(Duration::from_secs(15)).await;
+        // Not taken at once: the holder gets a whole Lease duration from this read.
+        assert_eq!(
+            e.bounded_try().await.unwrap(),
+            Attempt::HeldBy("operator-b".into())
+        );
+        tokio::time::advance(Duration::from_secs(16)).await;
+        assert_eq!(e.bounded_try().await.unwrap(), Attempt::Held);
+        server.await.unwrap();
     }
 
     #[tokio::test(start_paused = true)]
@@ -627,7 +1048,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_leader_that_cannot_renew_steps_down_within_the_renew_deadline() {
+    async fn without_holdover_a_leader_that_cannot_renew_steps_down_within_the_renew_deadline() {
         let (client, handle) = mock::client();
         let mut script = vec![
             not_found(),
@@ -648,12 +1069,12 @@ mod tests {
             ));
         }
         let server = mock::serve(handle, script);
-        let (leading_tx, mut leading) = watch::channel(false);
+        let (leading_tx, mut leading) = watch::channel(Leadership::default());
         let (stop_tx, stop) = watch::channel(false);
-        let run = tokio::spawn(elector(client).run(leading_tx, stop));
-        leading.wait_for(|l| *l).await.unwrap();
+        let run = tokio::spawn(elector_with(client, Duration::ZERO).run(leading_tx, stop));
+        leading.wait_for(|l| l.leading).await.unwrap();
         let since = Instant::now();
-        leading.wait_for(|l| !*l).await.unwrap();
+        leading.wait_for(|l| !l.leading).await.unwrap();
         let after = since.elapsed();
         assert!(
             after <= Duration::from_secs(10),
@@ -671,7 +1092,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_hung_renewal_steps_the_leader_down_at_its_renew_deadline() {
+    async fn without_holdover_a_hung_renewal_steps_the_leader_down_at_its_renew_deadline() {
         let (client, handle) = mock::client();
         let server = tokio::spawn(async move {
             let mut handle = handle;
@@ -696,12 +1117,12 @@ mod tests {
             let (hung, reply) = handle.next_call().await.unwrap();
             (hung.path, reply, handle)
         });
-        let (leading_tx, mut leading) = watch::channel(false);
+        let (leading_tx, mut leading) = watch::channel(Leadership::default());
         let (stop_tx, stop) = watch::channel(false);
-        let run = tokio::spawn(elector(client).run(leading_tx, stop));
-        leading.wait_for(|l| *l).await.unwrap();
+        let run = tokio::spawn(elector_with(client, Duration::ZERO).run(leading_tx, stop));
+        leading.wait_for(|l| l.leading).await.unwrap();
         let since = Instant::now();
-        leading.wait_for(|l| !*l).await.unwrap();
+        leading.wait_for(|l| !l.leading).await.unwrap();
         // Stepped down exactly at the renew deadline, although the call still hangs (before
         // the Lease's 15 s, after which a standby may take it).
         assert_eq!(since.elapsed(), Duration::from_secs(10));
@@ -763,13 +1184,13 @@ mod tests {
                 ),
             ],
         );
-        let (leading_tx, mut leading) = watch::channel(false);
+        let (leading_tx, mut leading) = watch::channel(Leadership::default());
         let (stop_tx, stop) = watch::channel(false);
         let run = tokio::spawn(elector(client).run(leading_tx, stop));
-        leading.wait_for(|l| *l).await.unwrap();
+        leading.wait_for(|l| l.leading).await.unwrap();
         stop_tx.send_replace(true);
         run.await.unwrap();
-        assert!(!*leading.borrow());
+        assert!(!leading.borrow().leading);
         let seen = server.await.unwrap();
         let put = &seen[3].body;
         assert!(put["spec"]["holderIdentity"].is_null());

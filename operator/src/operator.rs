@@ -20,6 +20,20 @@
 //! A leader that loses the Lease stops everything it started and [`run`] returns
 //! [`OperatorError::LostLeadership`]: crash-only, the process exits and comes back as a standby
 //! (the engines keep running for the next leader to adopt). A shutdown releases the Lease.
+//!
+//! A leader that cannot reach the API server is **held over** (see [`super::leader`]) instead
+//! of losing the Lease at its renew deadline: [`follow_holdover`] tells the lifecycle to hold
+//! every switch (`Server::hold_switches`: its ready models serve on, a request that needs a
+//! switch and every operator command that changes something get 503 `unavailable`, "the
+//! Kubernetes API server cannot be reached; …", with `Retry-After`), and [`SwitchableApi`]
+//! refuses the changes of the management API with the same answer; engine exits are still
+//! recorded. A renewal ends it: switching resumes and the reconciler writes every CR's status
+//! again (what changed meanwhile could not be written). The Lease read naming another holder,
+//! or `renew_deadline + holdover` without a renewal, ends the leadership as above. A leader
+//! that took the Lease over from one that did not release it fences what it adopted as ready
+//! (`Server::fence`) until its takeover plus `holdover`: those instances serve at once but
+//! are not parked or stopped (not victims, no idle timer, an operator's park or stop is 503
+//! `unavailable` naming the fence's end) before the old leader's hold-over has surely ended.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -54,7 +68,7 @@ use tokio::task::JoinHandle;
 
 use super::engines::PodHostAgent;
 use super::events::{EventFeed, FEED_CAPACITY, ObservedApi, ObservedLifecycle, Views};
-use super::leader::{LeaderElector, LeaseConfig, clear_leader_label, set_leader_label};
+use super::leader::{LeaderElector, Leadership, LeaseConfig, clear_leader_label, set_leader_label};
 use super::pods::EnginePodSettings;
 use super::reconcile::{Reconciler, ReconcilerConfig};
 use super::store::CrStore;
@@ -328,9 +342,23 @@ pub fn delete_refused(name_or_id: &str) -> ApiError {
 /// Services select the leader by its label) AND its own Pod is known to carry no leader label
 /// ([`SwitchableApi::set_standby_ready`]), so that a Pod with a stale label never receives the
 /// Services' traffic.
+///
+/// While the leader is held over ([`SwitchableApi::set_held`]) every command that changes
+/// something (deploy, delete, start, stop, park, preinitialize, drain) is refused with the
+/// hold-over's 503 `unavailable` before it reaches the lifecycle; reads answer.
 pub struct SwitchableApi {
     leader: RwLock<Option<Arc<dyn ManagementApi>>>,
     standby_ready: AtomicBool,
+    held: RwLock<Option<ApiError>>,
+}
+
+/// The refusal of every switch and command while the leader is held over (see
+/// [`super::leader`]): 503 `unavailable`, retryable, `Retry-After` the election's retry period.
+pub fn holdover_refusal(retry_period: Duration) -> ApiError {
+    ApiError::Unavailable {
+        detail: "the Kubernetes API server cannot be reached; this replica serves ready models only until it can renew its leadership; retry shortly".to_string(),
+        retry_after: u32::try_from(retry_period.as_secs().max(1)).unwrap_or(u32::MAX),
+    }
 }
 
 impl std::fmt::Debug for SwitchableApi {
@@ -348,6 +376,27 @@ impl SwitchableApi {
         Self {
             leader: RwLock::new(None),
             standby_ready: AtomicBool::new(standby_ready),
+            held: RwLock::new(None),
+        }
+    }
+
+    /// Held over: commands that change something get `refusal` (`None`: they go through).
+    pub fn set_held(&self, refusal: Option<ApiError>) {
+        *self
+            .held
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = refusal;
+    }
+
+    /// `Err` with the hold-over's refusal while held over.
+    fn changes_allowed(&self) -> Result<(), ApiError> {
+        match &*self
+            .held
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
         }
     }
 
@@ -386,7 +435,11 @@ impl ManagementApi for SwitchableApi {
     }
 
     fn deploy(&self, doc: DeploymentDoc) -> BoxFuture<'_, Result<DeployReceipt, ApiError>> {
-        Box::pin(async move { Err(deploy_refused(&doc.name)) })
+        let held = self.changes_allowed();
+        Box::pin(async move {
+            held?;
+            Err(deploy_refused(&doc.name))
+        })
     }
 
     fn get<'a>(&'a self, name_or_id: &'a str) -> BoxFuture<'a, Result<DeploymentView, ApiError>> {
@@ -399,9 +452,11 @@ impl ManagementApi for SwitchableApi {
         name_or_id: &'a str,
     ) -> BoxFuture<'a, Result<DeploymentView, ApiError>> {
         let api = self.current();
+        let held = self.changes_allowed();
         Box::pin(async move {
             // An unknown name is still 404, as everywhere.
             api.ok_or_else(standby_error)?.get(name_or_id).await?;
+            held?;
             Err(delete_refused(name_or_id))
         })
     }
@@ -412,21 +467,32 @@ impl ManagementApi for SwitchableApi {
         request: StartRequest,
     ) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
         let api = self.current();
+        let held = self.changes_allowed();
         Box::pin(async move {
-            api.ok_or_else(standby_error)?
-                .start(name_or_id, request)
-                .await
+            let api = api.ok_or_else(standby_error)?;
+            held?;
+            api.start(name_or_id, request).await
         })
     }
 
     fn stop<'a>(&'a self, name_or_id: &'a str) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
         let api = self.current();
-        Box::pin(async move { api.ok_or_else(standby_error)?.stop(name_or_id).await })
+        let held = self.changes_allowed();
+        Box::pin(async move {
+            let api = api.ok_or_else(standby_error)?;
+            held?;
+            api.stop(name_or_id).await
+        })
     }
 
     fn park<'a>(&'a self, name_or_id: &'a str) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
         let api = self.current();
-        Box::pin(async move { api.ok_or_else(standby_error)?.park(name_or_id).await })
+        let held = self.changes_allowed();
+        Box::pin(async move {
+            let api = api.ok_or_else(standby_error)?;
+            held?;
+            api.park(name_or_id).await
+        })
     }
 
     fn preinitialize<'a>(
@@ -434,10 +500,11 @@ impl ManagementApi for SwitchableApi {
         name_or_id: &'a str,
     ) -> BoxFuture<'a, Result<ActionReceipt, ApiError>> {
         let api = self.current();
+        let held = self.changes_allowed();
         Box::pin(async move {
-            api.ok_or_else(standby_error)?
-                .preinitialize(name_or_id)
-                .await
+            let api = api.ok_or_else(standby_error)?;
+            held?;
+            api.preinitialize(name_or_id).await
         })
     }
 
@@ -469,10 +536,11 @@ impl ManagementApi for SwitchableApi {
         drain: bool,
     ) -> BoxFuture<'a, Result<HostDrainReceipt, ApiError>> {
         let api = self.current();
+        let held = self.changes_allowed();
         Box::pin(async move {
-            api.ok_or_else(standby_error)?
-                .drain_host(host_id, drain)
-                .await
+            let api = api.ok_or_else(standby_error)?;
+            held?;
+            api.drain_host(host_id, drain).await
         })
     }
 
@@ -686,11 +754,56 @@ async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, Opera
         .map_err(|source| OperatorError::Bind { what, addr, source })
 }
 
+/// What [`follow_holdover`] tells of a hold-over.
+struct Holding {
+    server: Arc<Server>,
+    api: Arc<SwitchableApi>,
+    reconciler: Arc<Reconciler>,
+    refusal: ApiError,
+}
+
+/// Follows the leader's hold-over (see [`super::leader`]) until `stop`: held, the lifecycle
+/// holds every switch and the management API refuses every change; renewed again, switching
+/// resumes and every CR's status is written again (what changed meanwhile, an engine that
+/// exited say, could not be written).
+async fn follow_holdover(
+    holding: Holding,
+    mut leading: watch::Receiver<Leadership>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut held = false;
+    loop {
+        let now = leading.borrow_and_update().held;
+        if now != held {
+            held = now;
+            if held {
+                tracing::warn!(
+                    "held over: serving the ready models, refusing every switch and command until the Lease is renewed"
+                );
+                holding.api.set_held(Some(holding.refusal.clone()));
+                holding.server.hold_switches(holding.refusal.clone()).await;
+            } else {
+                tracing::info!("the Lease is renewed: switching resumes, the statuses catch up");
+                holding.server.resume_switches().await;
+                holding.api.set_held(None);
+                holding.reconciler.rewrite_statuses();
+            }
+        }
+        tokio::select! {
+            changed = leading.changed() => if changed.is_err() { return },
+            _ = super::until(&mut stop, true) => return,
+        }
+    }
+}
+
 /// Waits until `rx` says `false` (leadership lost) or `stop` says `true`; answers whether the
 /// leadership was lost.
-async fn lost_or_stopped(rx: &mut watch::Receiver<bool>, stop: &mut watch::Receiver<bool>) -> bool {
+async fn lost_or_stopped(
+    rx: &mut watch::Receiver<Leadership>,
+    stop: &mut watch::Receiver<bool>,
+) -> bool {
     tokio::select! {
-        _ = super::until(rx, false) => true,
+        _ = rx.wait_for(|l| !l.leading) => true,
         _ = super::until(stop, true) => false,
     }
 }
@@ -701,8 +814,8 @@ pub async fn lead(
     client: Client,
     options: &OperatorOptions,
     metrics: Arc<Metrics>,
-    api: &SwitchableApi,
-    mut leading: watch::Receiver<bool>,
+    api: &Arc<SwitchableApi>,
+    mut leading: watch::Receiver<Leadership>,
     mut stop: watch::Receiver<bool>,
 ) -> Result<(), OperatorError> {
     let ns = options.namespace.as_str();
@@ -736,7 +849,7 @@ pub async fn lead(
         }
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_secs(2)) => {}
-            _ = super::until(&mut leading, false) => return Err(OperatorError::LostLeadership),
+            _ = leading.wait_for(|l| !l.leading) => return Err(OperatorError::LostLeadership),
             _ = super::until(&mut stop, true) => return Ok(()),
         }
     };
@@ -786,6 +899,15 @@ pub async fn lead(
         },
     )
     .await?;
+    // Taken over from a leader that did not release the Lease: what it adopted as ready is
+    // fenced (that leader may be held over and still serving it; see `super::leader`).
+    let fence_until = leading.borrow().fence_until;
+    if let Some(until) = fence_until {
+        let fenced = server.fence(until).await;
+        if !fenced.is_empty() {
+            tracing::warn!(deployments = ?fenced, for_s = until.saturating_duration_since(tokio::time::Instant::now()).as_secs(), "taken over from a leader that did not release the Lease: the instances adopted ready are not parked or stopped until its hold-over has surely ended");
+        }
+    }
 
     // What happens, for the Events (`super::events`): the router's lifecycle and the
     // management API observed.
@@ -853,8 +975,18 @@ pub async fn lead(
             .run_events(happenings, stop_tasks.subscribe()),
     ));
     tasks.push(tokio::spawn(
-        reconciler.run_status_sync(stop_tasks.subscribe()),
+        reconciler.clone().run_status_sync(stop_tasks.subscribe()),
     ));
+    tasks.push(tokio::spawn(follow_holdover(
+        Holding {
+            server: server.clone(),
+            api: api.clone(),
+            reconciler: reconciler.clone(),
+            refusal: holdover_refusal(options.lease.retry_period),
+        },
+        leading.clone(),
+        stop_tasks.subscribe(),
+    )));
     let (step_down_tx, mut step_down) = tokio::sync::mpsc::channel(1);
     if options.node_agent_url.is_none() {
         let following = Following {
@@ -968,7 +1100,7 @@ pub async fn run(
         }
     }
 
-    let (leading_tx, mut leading) = watch::channel(false);
+    let (leading_tx, mut leading) = watch::channel(Leadership::default());
     let elector = LeaderElector::new(
         Api::<Lease>::namespaced(client.clone(), &options.namespace),
         options.lease.clone(),
@@ -977,7 +1109,7 @@ pub async fn run(
 
     let mut stopping = stop.subscribe();
     let became_leader = tokio::select! {
-        _ = super::until(&mut leading, true) => true,
+        _ = leading.wait_for(|l| l.leading) => true,
         _ = super::until(&mut stopping, true) => false,
     };
     // A replica leads once: losing the leadership ends the process (crash-only).

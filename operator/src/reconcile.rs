@@ -396,6 +396,8 @@ pub struct Reconciler {
     told: Mutex<HashMap<String, DeploymentView>>,
     /// When a refusal was last told, by deployment, source and code.
     refusals: Mutex<HashMap<(String, &'static str, &'static str), tokio::time::Instant>>,
+    /// The next status sync writes every status ([`Reconciler::rewrite_statuses`]).
+    rewrite: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Reconciler {
@@ -434,6 +436,7 @@ impl Reconciler {
             events: None,
             told: Mutex::new(HashMap::new()),
             refusals: Mutex::new(HashMap::new()),
+            rewrite: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -763,7 +766,7 @@ impl Reconciler {
                 .entry(v.name.clone())
                 .or_insert_with(|| v.clone());
         }
-        self.write_status(&name, &mut known, view).await?;
+        self.write_status(&name, &mut known, view, false).await?;
         self.known().insert(name, known);
         Ok(Action::requeue(self.config.requeue))
     }
@@ -854,6 +857,7 @@ impl Reconciler {
         name: &str,
         known: &mut Known,
         view: Option<DeploymentView>,
+        rewrite: bool,
     ) -> Result<(), ReconcileError> {
         if let Some(v) = &view {
             self.refresh_parkability(known, v).await;
@@ -873,7 +877,7 @@ impl Reconciler {
                 .unwrap_or_else(|_| Timestamp::now()),
             lifecycle_record: record.as_deref(),
         });
-        if needs_write(known.status.as_ref(), &desired) {
+        if rewrite || needs_write(known.status.as_ref(), &desired) {
             match apply_status(&self.api_of(&known.reference), name, &desired).await {
                 Ok(written) => known.status = written.status.or(Some(desired)),
                 Err(kube::Error::Api(s)) if s.is_not_found() => {}
@@ -887,6 +891,10 @@ impl Reconciler {
     /// Reads every known CR's deployment from the lifecycle, writes the statuses that changed
     /// and publishes what happened since the last read.
     pub async fn sync_status(&self) {
+        let rewrite = self
+            .rewrite
+            .swap(false, std::sync::atomic::Ordering::SeqCst);
+        let mut failed = false;
         let names: Vec<String> = self.known().keys().cloned().collect();
         for name in names {
             let Some(mut known) = self.known().get(&name).cloned() else {
@@ -903,8 +911,9 @@ impl Reconciler {
                     }
                 }
             }
-            if let Err(e) = self.write_status(&name, &mut known, view).await {
+            if let Err(e) = self.write_status(&name, &mut known, view, rewrite).await {
                 tracing::warn!(deployment = %name, error = %e, "the status could not be written");
+                failed = true;
                 continue;
             }
             // Keep it only if the CR was not deleted meanwhile.
@@ -912,6 +921,18 @@ impl Reconciler {
                 *k = known;
             }
         }
+        if rewrite && failed {
+            // Not every status was written again: the next sync tries them all again.
+            self.rewrite_statuses();
+        }
+    }
+
+    /// The next [`Reconciler::sync_status`] writes every CR's status, changed or not (after a
+    /// hold-over: what the API server kept may be older than what this replica last wrote or
+    /// tried to write).
+    pub fn rewrite_statuses(&self) {
+        self.rewrite
+            .store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Runs [`Reconciler::sync_status`] whenever the lifecycle's state changes (at most every

@@ -184,6 +184,16 @@ pub enum ApiError {
         /// What the connection to the engine reported.
         detail: String,
     },
+    /// 503 `unavailable` (the page's code for "not now, retry shortly") with CapyCTL's own
+    /// words and a `Retry-After`: on Kubernetes, a leader that cannot reach the API server
+    /// serves its ready models but switches nothing (hold-over), and a new leader does not
+    /// park or stop what it adopted from one that may still serve it (fence).
+    Unavailable {
+        /// Why, as a sentence.
+        detail: String,
+        /// The `Retry-After` seconds.
+        retry_after: u32,
+    },
     /// 500 `internal`: CapyCTL itself failed (e.g. it could not write its state file).
     Internal {
         /// What failed.
@@ -199,6 +209,7 @@ impl ApiError {
             | ApiError::DrainTimeout { .. }
             | ApiError::DispatchClosed { .. }
             | ApiError::WakeFailed { .. }
+            | ApiError::Unavailable { .. }
             | ApiError::EngineFailed { .. } => 503,
             ApiError::TooManyWaiting { .. }
             | ApiError::BufferedBytes
@@ -228,7 +239,8 @@ impl ApiError {
         match self {
             ApiError::QueueDeadline { .. }
             | ApiError::DrainTimeout { .. }
-            | ApiError::DispatchClosed { .. } => "unavailable",
+            | ApiError::DispatchClosed { .. }
+            | ApiError::Unavailable { .. } => "unavailable",
             ApiError::TooManyWaiting { .. }
             | ApiError::BufferedBytes
             | ApiError::InFlightDeadline { .. }
@@ -260,8 +272,12 @@ impl ApiError {
         matches!(self.status(), 503 | 502 | 429)
     }
 
-    /// The `Retry-After` header's seconds: 1 on every 429, none otherwise.
+    /// The `Retry-After` header's seconds: 1 on every 429, the hold-over's or fence's own on
+    /// [`ApiError::Unavailable`], none otherwise.
     pub fn retry_after(&self) -> Option<u32> {
+        if let ApiError::Unavailable { retry_after, .. } = self {
+            return Some(*retry_after);
+        }
         (self.status() == 429).then_some(RETRY_AFTER_SECONDS)
     }
 
@@ -344,6 +360,7 @@ impl ApiError {
             ApiError::UpstreamUnavailable { detail } => {
                 format!("the engine could not answer: {detail}")
             }
+            ApiError::Unavailable { detail, .. } => detail.clone(),
             ApiError::Internal { detail } => format!("internal error: {detail}"),
         }
     }
@@ -390,6 +407,7 @@ impl ApiError {
             ApiError::Conflict { .. } => "conflict",
             ApiError::EngineFailed { .. } => "engine_failed",
             ApiError::UpstreamUnavailable { .. } => "upstream_unavailable",
+            ApiError::Unavailable { .. } => "unavailable",
             ApiError::Internal { .. } => "internal",
         }
     }
@@ -736,6 +754,25 @@ mod tests {
         assert_eq!(
             ApiError::DispatchClosed { deployment: id() }.retry_after(),
             None
+        );
+    }
+
+    #[test]
+    fn unavailable_says_its_words_and_its_retry_after() {
+        let err = ApiError::Unavailable {
+            detail: "the Kubernetes API server cannot be reached; retry shortly".into(),
+            retry_after: 2,
+        };
+        assert_eq!(
+            (err.status(), err.code(), err.retryable()),
+            (503, "unavailable", true)
+        );
+        assert_eq!(err.retry_after(), Some(2));
+        assert_eq!(
+            err.body(),
+            serde_json::json!({"code": "unavailable",
+                "message": "the Kubernetes API server cannot be reached; retry shortly",
+                "retryable": true})
         );
     }
 }

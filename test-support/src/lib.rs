@@ -9,11 +9,14 @@
 //!   the programs that need a real URL;
 //! - [`fake_host`]: one in-process fake host agent ([`FakeHost`]) for the lifecycle's tests and
 //!   the scale benchmark: engines that start, park, wake and stop at once, a latency per
-//!   inventory/engines call, the calls logged, operations that hang and stops that fail.
+//!   inventory/engines call, the calls logged, operations that hang and stops that fail;
+//! - [`cut_proxy`]: a TCP proxy a test cuts (refused, or black-holed) and restores, between a
+//!   program and a server it calls (the operators and the Kubernetes API server).
 //!
 //! Test helpers panic on what a test cannot go on from (a directory that cannot be made, a
 //! build that fails), naming what failed.
 
+pub mod cut_proxy;
 pub mod fake_host;
 pub mod mock_api;
 
@@ -23,6 +26,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+pub use cut_proxy::{Cut, CutProxy};
 pub use fake_host::{Concurrency, FakeHost, OpTimes};
 pub use mock_api::{Answer, Exchange, MockApi, Seen, status_body};
 

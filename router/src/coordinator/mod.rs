@@ -636,6 +636,14 @@ impl CoordinatorHandle {
         self.send(Command::Refused { deployment, error }).await;
     }
 
+    /// Something the lifecycle decides by changed without an instance coming or going (its
+    /// switches held or resumed, a fence ended): every deployment waiting is planned again,
+    /// so that its requests get the new answer (a refusal, or a switch) without waiting for
+    /// their deadline.
+    pub async fn replan(&self) {
+        self.send(Command::Replan).await;
+    }
+
     /// The router half of the load read: every deployment the router knows, by ID. Empty when
     /// the coordinator has stopped. A copy of what the coordinator published after its last
     /// event (with the requests on lent slots since): it takes no turn of its task, so no
@@ -934,6 +942,7 @@ enum Command {
     },
     InstanceReady(Upstream),
     InstanceGone(InstanceKey),
+    Replan,
     Refused {
         deployment: DeploymentId,
         error: ApiError,
@@ -1251,6 +1260,7 @@ impl Driver {
             Command::Admit { request, .. } => self.reclaim_for([&request.deployment]),
             Command::InstanceReady(up) => self.reclaim_for([&up.key.deployment]),
             Command::InstanceGone(key) => self.reclaim_for([&key.deployment]),
+            Command::Replan => {}
             Command::Refused { deployment, .. }
             | Command::Forget(deployment)
             | Command::OperatorStart { deployment, .. } => {
@@ -1285,6 +1295,7 @@ impl Driver {
             }
             Command::InstanceReady(up) => self.state.instance_ready(now, up, fx),
             Command::InstanceGone(key) => self.state.instance_gone(now, key, fx),
+            Command::Replan => self.state.replan(now, fx),
             Command::Refused { deployment, error } => {
                 self.state.deployment_refused(now, &deployment, error, fx)
             }

@@ -702,6 +702,13 @@ impl State {
         self.settle(now, fx);
     }
 
+    /// The lifecycle's rules changed (see `CoordinatorHandle::replan`): everything blocked
+    /// plans again.
+    pub(crate) fn replan(&mut self, now: Instant, fx: &mut impl Effects) {
+        self.unblock(true);
+        self.settle(now, fx);
+    }
+
     /// Fails every request waiting for `deployment` with `error` (e.g. an operator stop), and
     /// gives up a switch to it that has not begun executing.
     pub(crate) fn deployment_refused(
