@@ -469,15 +469,22 @@
   // The timeline's rows: one per GPU (host and GPUs of the target) or, when a record names no
   // GPU, one per instance. Within a row, one lane per instance seen on it.
   function layoutRows(records) {
-    // instance -> row key, learnt from the records whose target names its GPUs.
+    // instance -> row key: the GPUs it had the last time it was a switch's target.
     const rowOf = new Map();
     const rows = new Map();
     const rowFor = (instance) => rowOf.get(instance) || 'instance:' + instance;
-    for (const r of records) {
-      if (r.gpus && r.gpus.length) rowOf.set(r.instance, `gpu:${r.host_id}:${r.gpus.join('+')}`);
+    const gpuRow = (r) => (r.gpus && r.gpus.length ? `gpu:${r.host_id}:${r.gpus.join('+')}` : null);
+    for (const r of [...state.switches.values()].sort((a, b) => a.seq - b.seq)) {
+      if (gpuRow(r)) rowOf.set(r.instance, gpuRow(r));
       state.instanceNames.set(r.instance, r.deployment);
       if (r.host_id) state.instanceHosts.set(r.instance, r.host_id);
       for (const v of r.victims || []) state.instanceNames.set(v.instance, v.deployment);
+    }
+    // A victim never seen as a target gave room on its switch's GPU: it is drawn there.
+    for (const r of records) {
+      for (const v of r.victims || []) {
+        if (!rowOf.has(v.instance) && gpuRow(r)) rowOf.set(v.instance, gpuRow(r));
+      }
     }
     const lane = (instance) => {
       const key = rowFor(instance);
@@ -528,7 +535,7 @@
 
     const LEFT = 200;
     const RIGHT = 14;
-    const LANE = 15;
+    const LANE = 18;
     const ROW_PAD = 6;
     const WAIT_H = 64;
     const AXIS_H = 22;
