@@ -21,6 +21,7 @@ use std::time::Duration;
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::{
     ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, StartRequest,
+    SwitchList, SwitchOutcome, SwitchRecord,
 };
 use capyctl_spec::documents;
 use capyctl_spec::overrides::Overrides;
@@ -126,6 +127,10 @@ enum Command {
     /// The engines of every host: ENGINE VERSION DEEP PARK HOST.
     #[command(subcommand)]
     Engine(Engine),
+    /// The recent switches, phase by phase (the last 1,000 at least, kept across restarts):
+    /// TIME DEPLOYMENT CAUSE WAVE VICTIMS PHASES OUTCOME; `--json` prints the records as JSON
+    /// lines.
+    Switches(Switches),
     /// Validate a document, with `--set` and `CAPYCTL_SET__…` overrides applied, and print the
     /// effective settings; exits non-zero with one line naming the file, line and key on error.
     Check {
@@ -209,6 +214,17 @@ enum Deploy {
 enum List {
     /// Every deployment.
     Deployments,
+}
+
+/// `capyctl switches`.
+#[derive(Args)]
+struct Switches {
+    /// Only the switches of this deployment (its name or ID).
+    #[arg(long)]
+    deployment: Option<String>,
+    /// Keep polling (every second) and print each new switch once it has ended.
+    #[arg(long)]
+    follow: bool,
 }
 
 #[derive(Subcommand)]
@@ -449,12 +465,83 @@ async fn remote(global: Global, command: Command) -> Result<(), String> {
                 }
                 Ok(())
             }
+            Command::Switches(args) => switches(&client, &args, json).await,
             Command::Check { .. } | Command::Completion { .. } | Command::Start(_) => {
                 unreachable!("handled before the client")
             }
         }
     };
     call.await.map_err(|e: CommandError| e.to_string())
+}
+
+/// One page of `GET /switches` after `after`.
+async fn switches_page(
+    client: &Client,
+    deployment: Option<&str>,
+    after: u64,
+) -> Result<SwitchList, CommandError> {
+    let mut path = format!("/switches?after={after}");
+    if let Some(d) = deployment {
+        path.push_str(&format!("&deployment={}", segment(d)));
+    }
+    Ok(client.get(&path).await?.json(client.server())?)
+}
+
+/// `capyctl switches [--deployment NAME] [--follow]`: every record there is (page after page),
+/// then, with `--follow`, each new one once it has ended. A record still in progress is printed
+/// as such, except by `--follow`, which waits for its end: it polls from just before the
+/// oldest record still in progress, so that none is missed or printed twice.
+async fn switches(client: &Client, args: &Switches, json: bool) -> Result<(), CommandError> {
+    use std::collections::BTreeSet;
+    use std::io::Write;
+    let deployment = args.deployment.as_deref();
+    let mut after = 0;
+    let mut printed: BTreeSet<u64> = BTreeSet::new();
+    let mut header = true;
+    loop {
+        let mut batch = Vec::new();
+        let mut next = after;
+        // Every page there is now.
+        loop {
+            let page = switches_page(client, deployment, next).await?;
+            let full = page.switches.len() >= capyctl_spec::api::SWITCHES_PAGE_MAX;
+            next = page.next;
+            batch.extend(page.switches);
+            if !full {
+                break;
+            }
+        }
+        let running = |r: &SwitchRecord| r.outcome == SwitchOutcome::InProgress;
+        let show: Vec<SwitchRecord> = batch
+            .iter()
+            .filter(|r| !printed.contains(&r.seq))
+            .filter(|r| !args.follow || !running(r))
+            .cloned()
+            .collect();
+        if json {
+            let mut out = std::io::stdout().lock();
+            for r in &show {
+                let line = serde_json::to_string(r).unwrap_or_default();
+                let _ = writeln!(out, "{line}");
+            }
+            let _ = out.flush();
+        } else if !show.is_empty() || (header && !args.follow) {
+            print!("{}", render::switches(&show, header));
+            let _ = std::io::stdout().flush();
+            header = false;
+        }
+        if !args.follow {
+            return Ok(());
+        }
+        printed.extend(show.iter().map(|r| r.seq));
+        // From just before the oldest one still running (it is printed when it ends).
+        after = batch
+            .iter()
+            .find(|r| running(r))
+            .map_or(next, |r| r.seq.saturating_sub(1));
+        printed.retain(|seq| *seq > after);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
 }
 
 /// A command's failure: the client's, or what the answer said.

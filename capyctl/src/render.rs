@@ -3,7 +3,7 @@
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::{
     ActionReceipt, DeployOutcome, DeployReceipt, DeploymentView, EngineView, HostDrainReceipt,
-    Released, Victim,
+    Released, SwitchPhaseKind, SwitchRecord, Victim, VictimResult,
 };
 use capyctl_spec::units::format_bytes;
 
@@ -235,6 +235,110 @@ pub fn status(d: &DeploymentView) -> String {
     out
 }
 
+/// `capyctl switches`: one row per switch, `TIME DEPLOYMENT CAUSE WAVE VICTIMS PHASES OUTCOME`
+/// (TIME in UTC; PHASES each phase's duration in order, `…` for one still running).
+pub fn switches(records: &[SwitchRecord], header: bool) -> String {
+    let rows: Vec<Vec<String>> = records.iter().map(switch_row).collect();
+    let text = table(
+        &[
+            "TIME",
+            "DEPLOYMENT",
+            "CAUSE",
+            "WAVE",
+            "VICTIMS",
+            "PHASES",
+            "OUTCOME",
+        ],
+        &rows,
+    );
+    if header {
+        text
+    } else {
+        text.split_once('\n')
+            .map(|(_, rest)| rest.to_string())
+            .unwrap_or_default()
+    }
+}
+
+fn switch_row(r: &SwitchRecord) -> Vec<String> {
+    let victims = if r.victims.is_empty() {
+        "-".to_string()
+    } else {
+        r.victims
+            .iter()
+            .map(|v| {
+                let result = match v.result {
+                    VictimResult::Parked => "parked",
+                    VictimResult::Stopped => "stopped",
+                    VictimResult::Kept => "kept",
+                    VictimResult::Failed => "failed",
+                };
+                format!("{} {result}", v.deployment)
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let phases = if r.phases.is_empty() {
+        "-".to_string()
+    } else {
+        r.phases
+            .iter()
+            .map(|p| {
+                let name = match p.phase {
+                    SwitchPhaseKind::AdmissionWindow => "window",
+                    SwitchPhaseKind::WakeCheck => "check",
+                    other => other.word(),
+                };
+                match p.ended_ms {
+                    Some(end) => format!("{name} {}", seconds(end.saturating_sub(p.began_ms))),
+                    None => format!("{name} …"),
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let outcome = match &r.error {
+        Some(e) => format!("{} {}", r.outcome.word(), e.code),
+        None => r.outcome.word().to_string(),
+    };
+    vec![
+        utc_time(r.began_ms),
+        r.deployment.clone(),
+        r.cause.word().to_string(),
+        r.wave.to_string(),
+        victims,
+        phases,
+        outcome,
+    ]
+}
+
+/// Milliseconds as seconds with two decimals: `0.50s`, `12.34s`.
+fn seconds(ms: u64) -> String {
+    format!("{}.{:02}s", ms / 1000, (ms % 1000) / 10)
+}
+
+/// Unix milliseconds as `YYYY-MM-DD HH:MM:SS` in UTC.
+pub fn utc_time(ms: u64) -> String {
+    let secs = ms / 1000;
+    let (days, rest) = (secs / 86_400, secs % 86_400);
+    // Days since 1970-01-01 to a civil date (H. Hinnant's `civil_from_days`).
+    let z = i64::try_from(days).unwrap_or(0) + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}",
+        rest / 3600,
+        (rest % 3600) / 60,
+        rest % 60
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -282,5 +386,84 @@ mod tests {
     #[test]
     fn an_empty_table_is_its_header() {
         assert_eq!(table(&["A", "BB"], &[]), "A   BB\n");
+    }
+
+    #[test]
+    fn a_switch_is_one_row_with_its_phases_in_order() {
+        use capyctl_spec::api::{
+            SwitchCause, SwitchError, SwitchOutcome, SwitchPhase, SwitchVictim, VictimAction,
+        };
+        let phase = |phase, began_ms, ended_ms| SwitchPhase {
+            phase,
+            instance: "01KB-0".into(),
+            began_ms,
+            ended_ms,
+        };
+        let mut r = SwitchRecord {
+            seq: 7,
+            switch_id: "sw-1".into(),
+            deployment: "chat-b".into(),
+            deployment_id: "01KB".into(),
+            instance: "01KB-0".into(),
+            host_id: "gpu-box".into(),
+            gpus: Vec::new(),
+            cause: SwitchCause::Wave,
+            wave: 3,
+            began_ms: 1_764_950_000_000,
+            ended_ms: Some(1_764_950_004_123),
+            outcome: SwitchOutcome::Ok,
+            error: None,
+            victims: vec![SwitchVictim {
+                deployment: "chat-a".into(),
+                deployment_id: "01KA".into(),
+                instance: "01KA-0".into(),
+                action: VictimAction::Park,
+                result: VictimResult::Parked,
+                error: None,
+            }],
+            phases: vec![
+                phase(
+                    SwitchPhaseKind::AdmissionWindow,
+                    1_764_950_000_000,
+                    Some(1_764_950_000_500),
+                ),
+                phase(
+                    SwitchPhaseKind::Drain,
+                    1_764_950_000_500,
+                    Some(1_764_950_000_510),
+                ),
+                phase(
+                    SwitchPhaseKind::Park,
+                    1_764_950_000_510,
+                    Some(1_764_950_001_710),
+                ),
+                phase(
+                    SwitchPhaseKind::Wake,
+                    1_764_950_001_710,
+                    Some(1_764_950_003_900),
+                ),
+                phase(
+                    SwitchPhaseKind::WakeCheck,
+                    1_764_950_003_900,
+                    Some(1_764_950_004_120),
+                ),
+                phase(SwitchPhaseKind::Release, 1_764_950_004_120, None),
+            ],
+        };
+        assert_eq!(
+            switches(std::slice::from_ref(&r), true),
+            "TIME                  DEPLOYMENT   CAUSE   WAVE   VICTIMS         PHASES                                                                 OUTCOME\n\
+             2025-12-05 15:53:20   chat-b       wave    3      chat-a parked   window 0.50s drain 0.01s park 1.20s wake 2.19s check 0.22s release …   ok\n"
+        );
+        r.outcome = SwitchOutcome::Failed;
+        r.error = Some(SwitchError {
+            code: "drain_timeout".into(),
+            message: "…".into(),
+        });
+        let row = switches(&[r], false);
+        assert!(!row.contains("TIME"), "{row}");
+        assert!(row.trim_end().ends_with("failed drain_timeout"), "{row}");
+        assert_eq!(utc_time(0), "1970-01-01 00:00:00");
+        assert_eq!(utc_time(951_782_400_000), "2000-02-29 00:00:00");
     }
 }

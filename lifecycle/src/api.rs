@@ -8,7 +8,7 @@ use std::pin::Pin;
 
 use capyctl_spec::api::{
     ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostDrainReceipt,
-    HostList, LoadReport, StartRequest,
+    HostList, LoadReport, StartRequest, SwitchList, SwitchQuery,
 };
 use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::errors::ApiError;
@@ -63,6 +63,18 @@ pub trait ManagementApi: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<LoadReport, ApiError>>;
     /// `/readyz`: whether the server has finished starting (state loaded, engines recovered).
     fn ready(&self) -> bool;
+
+    /// `GET /switches`: the switch records with `seq > after`, oldest first (DESIGN 4.8).
+    /// `deployment` (a name or an ID) keeps that deployment's. An implementation that keeps
+    /// no records answers none.
+    fn switches(&self, query: SwitchQuery) -> BoxFuture<'_, Result<SwitchList, ApiError>> {
+        Box::pin(async move {
+            Ok(SwitchList {
+                switches: Vec::new(),
+                next: query.after.unwrap_or(0),
+            })
+        })
+    }
 
     /// A receiver that changes whenever the server's state does (a counter; its value means
     /// nothing), for those who mirror the views (the Kubernetes status writer); `None` when the

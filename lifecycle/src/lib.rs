@@ -34,6 +34,7 @@ mod parked_room;
 mod placement;
 mod state;
 pub mod store;
+pub mod switches;
 mod views;
 
 use std::collections::{BTreeSet, HashMap};
@@ -58,7 +59,8 @@ use capyctl_router::lifecycle::{
 use capyctl_router::proxy::{ModelEntry, Proxy, ProxyConfig};
 use capyctl_spec::api::{
     ActionReceipt, DeployOutcome, DeployReceipt, DeploymentList, DeploymentView, EngineList,
-    EngineView, HostDrainReceipt, HostList, LoadReport, Released, StartRequest, Victim,
+    EngineView, HostDrainReceipt, HostList, LoadReport, Released, StartRequest, SwitchCause,
+    SwitchError, SwitchPhaseKind, Victim, VictimResult,
 };
 use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::errors::ApiError;
@@ -72,6 +74,7 @@ use tracing::Instrument;
 use crate::api::ManagementApi;
 use crate::metrics::Metrics;
 use crate::store::{Changes, DeploymentRecord, Store, StoreError};
+use crate::switches::{Recording, SwitchLog, Target, victim_entry};
 use state::{Dep, Host, Hosts, StartNext, State, Up};
 
 /// How many deployments [`Server::open_hosts`] measures at once.
@@ -94,6 +97,9 @@ pub struct LifecycleConfig {
     pub timer_tick: Duration,
     /// Where parks, wakes, switches, requests and queues are counted.
     pub metrics: Arc<Metrics>,
+    /// Where the switch records are kept across restarts (standalone:
+    /// `<data dir>/switches.jsonl`, [`switches::FILE`]); `None`: in memory only.
+    pub switch_log: Option<std::path::PathBuf>,
 }
 
 impl LifecycleConfig {
@@ -107,6 +113,7 @@ impl LifecycleConfig {
             waiting_limit: 64,
             timer_tick: Duration::from_secs(1),
             metrics: Arc::new(Metrics::new()),
+            switch_log: None,
         }
     }
 }
@@ -120,6 +127,9 @@ pub enum ServerError {
     /// The host agent failed (inventory, recovery).
     #[error("host agent: {0}")]
     Agent(#[from] capyctl_node_agent::AgentError),
+    /// The switch records could not be read or written.
+    #[error("{0}")]
+    Switches(#[from] switches::SwitchLogError),
 }
 
 impl ServerError {
@@ -128,6 +138,7 @@ impl ServerError {
         match self {
             ServerError::Store(e) => e.metric_label(),
             ServerError::Agent(e) => e.metric_label(),
+            ServerError::Switches(_) => "switch_records",
         }
     }
 }
@@ -302,6 +313,8 @@ pub struct Server {
     hosts_fixed: AtomicBool,
     /// Switch and release numbers.
     next_id: AtomicU64,
+    /// The switch records (`GET /switches`).
+    switches: Arc<SwitchLog>,
     /// Itself, for the background work it spawns.
     me: Weak<Server>,
 }
@@ -364,6 +377,10 @@ impl Server {
         for rec in store.load()? {
             inner.insert(Dep::new(rec));
         }
+        let switches = Arc::new(match &config.switch_log {
+            Some(path) => SwitchLog::open(path, Arc::clone(&config.metrics))?,
+            None => SwitchLog::in_memory(Arc::clone(&config.metrics)),
+        });
         let changes = Arc::new(watch::channel(0).0);
         let (closed, _) = watch::channel(false);
         let (exits_tx, exits_rx) = mpsc::channel(256);
@@ -389,6 +406,7 @@ impl Server {
             ready: AtomicBool::new(false),
             hosts_fixed: AtomicBool::new(false),
             next_id: AtomicU64::new(1),
+            switches,
             me: me.clone(),
         });
         for host in hosts {
@@ -601,6 +619,9 @@ impl Server {
     /// (a batch of deploys cut short) and closes the store: nothing is written after it.
     pub fn close(&self) {
         self.flush_due();
+        // The switch records changed so far are on disk (a switch still running is read back
+        // as interrupted).
+        self.switches.flush();
         self.store.close();
         self.closed.send_replace(true);
         self.ready.store(false, Ordering::SeqCst);
@@ -849,12 +870,27 @@ impl Server {
     }
 
     /// Runs the start or wake begun by [`State::begin_up`]; announces the instance when ready.
+    /// Its phases go to the record of the switch it is part of; outside every switch (an
+    /// operator's start, a pending start taken) it is a `bring_up` record of its own.
     async fn finish_up(&self, id: &str, up: Up) -> Result<(), ApiError> {
         let name = self
             .read(|inner| inner.deps.get(id).map(|d| d.name().to_string()))
             .unwrap_or_default();
         let span = tracing::info_span!("bring_up", deployment = %name, how = ?up);
-        self.finish_up_inner(id, up).instrument(span).await
+        if switches::current().is_some() {
+            return self.finish_up_inner(id, up).instrument(span).await;
+        }
+        let switch_id = self.fresh_id("up");
+        let rec = self.switches.begin(
+            self.target_of(id, &switch_id, 0),
+            SwitchCause::BringUp,
+            Instant::now(),
+        );
+        let result = rec
+            .scope(self.finish_up_inner(id, up).instrument(span))
+            .await;
+        rec.finish(result.as_ref().map(|_| ()), Instant::now());
+        result
     }
 
     async fn finish_up_inner(&self, id: &str, up: Up) -> Result<(), ApiError> {
@@ -886,7 +922,23 @@ impl Server {
             self.save_logged(id);
         }
         let began = Instant::now();
-        let woken_from = self.read(|inner| inner.deps.get(id).and_then(|d| d.tier));
+        let (woken_from, host) =
+            self.read(|inner| inner.deps.get(id).map(|d| (d.tier, d.host.clone())).unzip());
+        let rec = switches::current();
+        let engine = spec.engine.as_str();
+        let mark = rec.as_ref().map(|r| {
+            if let Some(host) = host.flatten() {
+                r.placed(&host);
+            }
+            let phase = match up {
+                Up::Start => SwitchPhaseKind::Start,
+                Up::Wake => SwitchPhaseKind::Wake,
+            };
+            r.begin_phase(phase, &iid, engine, began)
+        });
+        let woken_from = woken_from.flatten();
+        // How long the wake's check took (the end of the wake), as the agent says.
+        let mut checked = None;
         let bring_up = async {
             match up {
                 Up::Start => match agent.start(&iid, &spec).await {
@@ -908,13 +960,16 @@ impl Server {
                     }),
                 },
                 Up::Wake => match agent.wake(&iid).await {
-                    Ok(report) => match report.into_result() {
-                        Ok(()) => Ok(None),
-                        Err(e) => Err(e.to_api_error(id).unwrap_or(ApiError::EngineFailed {
-                            deployment: id.to_string(),
-                            detail: e.to_string(),
-                        })),
-                    },
+                    Ok(report) => {
+                        checked = report.checked;
+                        match report.into_result() {
+                            Ok(()) => Ok(None),
+                            Err(e) => Err(e.to_api_error(id).unwrap_or(ApiError::EngineFailed {
+                                deployment: id.to_string(),
+                                detail: e.to_string(),
+                            })),
+                        }
+                    }
                     Err(e) => {
                         let _ = agent.stop(&iid).await;
                         Err(ApiError::EngineFailed {
@@ -932,6 +987,22 @@ impl Server {
             Ok(outcome) => (outcome, None),
             Err(ended) => (Err(ended.refusal.clone()), Some(ended)),
         };
+        let up_ended = Instant::now();
+        if let (Some(rec), Some(mark)) = (&rec, &mark) {
+            let check_began = checked
+                .and_then(|c| up_ended.checked_sub(c))
+                .map(|c| c.max(began));
+            rec.end_phase(mark, check_began.unwrap_or(up_ended));
+            if let Some(check_began) = check_began {
+                rec.phase(
+                    SwitchPhaseKind::WakeCheck,
+                    &iid,
+                    engine,
+                    check_began,
+                    up_ended,
+                );
+            }
+        }
         if up == Up::Wake {
             let code = match &outcome {
                 Ok(_) => "ok",
@@ -959,6 +1030,16 @@ impl Server {
                 match at {
                     Some((key, addr)) => {
                         self.announce_ready(key.clone(), addr).await;
+                        // The router opened it and released its waiters.
+                        if let Some(rec) = &rec {
+                            rec.phase(
+                                SwitchPhaseKind::Release,
+                                &iid,
+                                engine,
+                                up_ended,
+                                Instant::now(),
+                            );
+                        }
                         Some(key)
                     }
                     None => None,
@@ -1275,13 +1356,24 @@ impl Server {
                 } else {
                     InstanceState::Parking
                 };
-                Some((d.instance_id(), d.key(&inner.host_id), parked))
+                let noted = (d.name().to_string(), d.spec.engine.as_str());
+                Some((d.instance_id(), d.key(&inner.host_id), parked, noted))
             })
             .await;
-        let Some((iid, key, parked)) = begun else {
+        let Some((iid, key, parked, (name, engine))) = begun else {
             return Err(not_found(id));
         };
         let began = Instant::now();
+        // The park or stop is a phase of the switch it is part of, and this a victim of it.
+        let rec = switches::current();
+        let phase = if stop || parked {
+            SwitchPhaseKind::Stop
+        } else {
+            SwitchPhaseKind::Park
+        };
+        let mark = rec
+            .as_ref()
+            .map(|r| r.begin_phase(phase, &iid, engine, began));
         let result = if stop || parked {
             agent.stop(&iid).await.map(|()| Released::Stopped)
         } else {
@@ -1356,6 +1448,21 @@ impl Server {
         })
         .await;
         tracing::info!(instance = %iid, released = ?result.as_ref().map(|r| r.words()), "released");
+        if let (Some(rec), Some(mark)) = (rec, mark) {
+            rec.end_phase(&mark, Instant::now());
+            let (noted, error) = match &result {
+                Ok(Released::Parked) => (VictimResult::Parked, None),
+                Ok(_) => (VictimResult::Stopped, None),
+                Err(e) => (
+                    VictimResult::Failed,
+                    Some(SwitchError {
+                        code: "engine_failed".into(),
+                        message: e.to_string(),
+                    }),
+                ),
+            };
+            rec.victim(victim_entry(&name, id, stop || parked, noted, error));
+        }
         self.announce_gone(key).await;
         self.memory_freed();
         result.map_err(|e| ApiError::EngineFailed {
@@ -1416,6 +1523,17 @@ impl Server {
                     .collect(),
             ));
         };
+        // A release's drain is a phase of its record (a switch's drain is the router's, noted
+        // from its order).
+        let rec = switches::current();
+        let mark = rec.as_ref().map(|r| {
+            r.begin_phase(
+                SwitchPhaseKind::Drain,
+                r.instance(),
+                r.engine(),
+                Instant::now(),
+            )
+        });
         let answer = match ask {
             Ask::Always => Some(router.release(keys).await),
             Ask::IfIdleSince(since) => {
@@ -1426,6 +1544,9 @@ impl Server {
                 }
             }
         };
+        if let (Some(rec), Some(mark)) = (&rec, &mark) {
+            rec.end_phase(mark, Instant::now());
+        }
         match answer {
             Some(Ok(reports)) => {
                 if let (Some(shown), Ask::IfIdleSince(_)) = (shown, ask) {
@@ -1487,51 +1608,29 @@ impl Server {
     /// Carries out a switch's order (see [`Lifecycle::execute`]): releases the victims, then
     /// brings the target up. An operator's order answers once the bring-up has begun; the
     /// bring-up goes on in a task of its own, whose outcome [`Executed::bring_up`] carries (a
-    /// failure also fails the requests waiting for the target). The switch is counted in the
-    /// metrics once the bring-up has ended.
+    /// failure also fails the requests waiting for the target). The switch's record (begun
+    /// here, with the router's window and drain) ends once the bring-up has ended.
     async fn execute_order(&self, order: SwitchOrder) -> Result<Executed, ApiError> {
-        let span =
-            tracing::info_span!("switch", switch_id = %order.switch_id, target = %order.target);
-        let mut phases = Vec::with_capacity(4);
-        if !order.victims.is_empty() {
-            phases.push(("window", order.window));
-            phases.push(("drain", order.drain));
-        }
-        let released = self
-            .execute_inner(&order, &mut phases)
-            .instrument(span.clone())
-            .await;
-        let count =
-            |me: &Server, phases: &[(&'static str, Duration)], result: Result<(), &ApiError>| {
-                me.config.metrics.switch_finished(
-                    match result {
-                        Ok(()) => "ok",
-                        Err(e) => e.metric_label(),
-                    },
-                    phases,
-                );
-            };
+        let rec = self.record_order(&order);
+        let released = rec.scope(self.execute_inner(&order)).await;
         let (released, up) = match released {
             Ok(r) => r,
             Err(e) => {
-                count(self, &phases, Err(&e));
+                rec.finish(Err(&e), Instant::now());
                 return Err(e);
             }
         };
         let Some(up) = up else {
             // The target is up or on its way already.
-            phases.push(("bring_up", Duration::ZERO));
-            count(self, &phases, Ok(()));
+            rec.finish(Ok(()), Instant::now());
             return Ok(Executed {
                 released,
                 bring_up: None,
             });
         };
-        let began = Instant::now();
         if !order.operator {
-            let result = self.finish_up(&order.target, up).instrument(span).await;
-            phases.push(("bring_up", began.elapsed()));
-            count(self, &phases, result.as_ref().map(|_| ()));
+            let result = rec.scope(self.finish_up(&order.target, up)).await;
+            rec.finish(result.as_ref().map(|_| ()), Instant::now());
             return result.map(|()| Executed {
                 released,
                 bring_up: None,
@@ -1540,20 +1639,16 @@ impl Server {
         let (tx, rx) = oneshot::channel();
         let target = order.target.clone();
         self.spawn(move |me| {
-            Box::pin(
-                async move {
-                    let result = me.finish_up(&target, up).await;
-                    phases.push(("bring_up", began.elapsed()));
-                    count(&me, &phases, result.as_ref().map(|_| ()));
-                    if let Err(e) = &result
-                        && let Some(r) = me.router()
-                    {
-                        r.deployment_refused(target, e.clone()).await;
-                    }
-                    let _ = tx.send(result);
+            Box::pin(async move {
+                let result = rec.scope(me.finish_up(&target, up)).await;
+                rec.finish(result.as_ref().map(|_| ()), Instant::now());
+                if let Err(e) = &result
+                    && let Some(r) = me.router()
+                {
+                    r.deployment_refused(target, e.clone()).await;
                 }
-                .instrument(span),
-            )
+                let _ = tx.send(result);
+            })
         });
         Ok(Executed {
             released,
@@ -1561,9 +1656,101 @@ impl Server {
         })
     }
 
-    /// Releases the victims of `order`, then begins bringing the target up; `phases` gets
-    /// `release`. The victims released, and how the target's bring-up began (`None`: it is up
-    /// or on its way already).
+    /// What a switch's record says of its target `id` (`switch_id`, `wave`).
+    fn target_of(&self, id: &str, switch_id: &str, wave: usize) -> Target {
+        self.read(|inner| {
+            let d = inner.deps.get(id);
+            Target {
+                switch_id: switch_id.to_string(),
+                deployment: d.map_or_else(|| id.to_string(), |d| d.name().to_string()),
+                deployment_id: id.to_string(),
+                instance: instance_id(id),
+                host_id: d.and_then(|d| d.host.clone()).unwrap_or_default(),
+                engine: d.map_or("unknown", |d| d.spec.engine.as_str()),
+                wave: u64::try_from(wave).unwrap_or(u64::MAX),
+            }
+        })
+    }
+
+    /// Begins the record of a switch the router ordered (or failed: `switch_failed`): `wave`
+    /// or `operator` when it releases victims, else `bring_up`; its admission window (none for
+    /// an operator's) and its drain, as the router timed them, when it has victims.
+    fn record_order(&self, order: &SwitchOrder) -> Recording {
+        let reserved = self.read(|inner| {
+            inner
+                .reservations
+                .get(&order.switch_id)
+                .is_some_and(|r| !r.victims.is_empty())
+        });
+        let victims = reserved || !order.victims.is_empty();
+        let cause = match (victims, order.operator) {
+            (false, _) => SwitchCause::BringUp,
+            (true, true) => SwitchCause::Operator,
+            (true, false) => SwitchCause::Wave,
+        };
+        let target = self.target_of(&order.target, &order.switch_id, order.wave);
+        let rec = self.switches.begin(target, cause, order.began);
+        if victims {
+            let (instance, engine) = (rec.instance().to_string(), rec.engine());
+            let closed = order.began + order.window;
+            if !order.operator {
+                rec.phase(
+                    SwitchPhaseKind::AdmissionWindow,
+                    &instance,
+                    engine,
+                    order.began,
+                    closed,
+                );
+            }
+            rec.phase(
+                SwitchPhaseKind::Drain,
+                &instance,
+                engine,
+                closed,
+                closed + order.drain,
+            );
+        }
+        rec
+    }
+
+    /// [`Server::take_down`] of `id` (reserved by `rid`) for `cause`, recorded as a switch of
+    /// its own ([`Server::release_recorded`]).
+    async fn take_down_recorded(
+        &self,
+        cause: SwitchCause,
+        id: &str,
+        rid: &str,
+        down: Option<bool>,
+        stop: bool,
+    ) -> Result<Option<Released>, ApiError> {
+        self.release_recorded(cause, id, rid, down, self.take_down(id, rid, down, stop))
+            .await
+    }
+
+    /// Runs `work`, the release of `id` (reserved by `rid`) that `cause` asked for, as a switch
+    /// of its own: its record says the drain, the park or stop, and how it ended. Nothing to
+    /// release (`down` is `None`): no record.
+    async fn release_recorded<T>(
+        &self,
+        cause: SwitchCause,
+        id: &str,
+        rid: &str,
+        down: Option<bool>,
+        work: impl std::future::Future<Output = Result<T, ApiError>>,
+    ) -> Result<T, ApiError> {
+        if down.is_none() {
+            return work.await;
+        }
+        let rec = self
+            .switches
+            .begin(self.target_of(id, rid, 0), cause, Instant::now());
+        let result = rec.scope(work).await;
+        rec.finish(result.as_ref().map(|_| ()), Instant::now());
+        result
+    }
+
+    /// Releases the victims of `order`, then begins bringing the target up. The victims
+    /// released, and how the target's bring-up began (`None`: it is up or on its way already).
     ///
     /// The victims are the switch's reservation's, in its order: the ready ones the router
     /// drained (`order.victims`, with their reports) park or stop; parked engines are stopped
@@ -1576,9 +1763,7 @@ impl Server {
     async fn execute_inner(
         &self,
         order: &SwitchOrder,
-        phases: &mut Vec<(&'static str, Duration)>,
     ) -> Result<(Vec<Victim>, Option<Up>), ApiError> {
-        let began = Instant::now();
         let switch_id = order.switch_id.as_str();
         let (victims, stop_all) = self.read(|inner| {
             inner
@@ -1619,6 +1804,9 @@ impl Server {
                     }
                     Some((true, None)) => {
                         tracing::info!(victim = %v, "released: stopped (its start or wake ended)");
+                        if let Some(rec) = switches::current() {
+                            rec.victim(victim_entry(&name, v, true, VictimResult::Stopped, None));
+                        }
                         released.push(Victim {
                             deployment_id: v.clone(),
                             name,
@@ -1679,7 +1867,20 @@ impl Server {
                 }
             }
         }
-        phases.push(("release", began.elapsed()));
+        if let Some(rec) = switches::current() {
+            for (id, name, why) in &not_released {
+                rec.victim(victim_entry(
+                    name,
+                    id,
+                    true,
+                    VictimResult::Failed,
+                    Some(SwitchError {
+                        code: "engine_failed".into(),
+                        message: why.clone(),
+                    }),
+                ));
+            }
+        }
         if order.operator {
             // A stop that failed fails the evict, as it fails `stop`: the victim shows
             // `failed` with the error, and the target is not started.
@@ -1990,6 +2191,8 @@ impl Server {
                 .collect(),
             window: Duration::ZERO,
             drain: Duration::ZERO,
+            began: Instant::now(),
+            wave: 0,
             operator: true,
         };
         let executed = self.execute_order(order).await?;
@@ -2190,7 +2393,10 @@ impl Server {
             .ok_or_else(|| not_found(id))?;
         let down = self.settle_down(id, &rid, refusal).await;
         let result = match down {
-            Ok(down) => self.take_down(id, &rid, down, true).await,
+            Ok(down) => {
+                self.take_down_recorded(SwitchCause::Drain, id, &rid, down, true)
+                    .await
+            }
             Err(e) => Err(e),
         };
         self.write(move |inner| inner.release_reservation(&rid))
@@ -2229,7 +2435,9 @@ impl Server {
             deployment: id.clone(),
         };
         let down = self.begin_operator_stop(&id, &rid, refusal).await?;
-        let result = self.take_down(&id, &rid, down, true).await;
+        let result = self
+            .take_down_recorded(SwitchCause::Release, &id, &rid, down, true)
+            .await;
         self.write(move |inner| inner.release_reservation(&rid))
             .await;
         result?;
@@ -2290,18 +2498,40 @@ impl Server {
         let Some(ready) = down else { return Ok(true) };
         let shown = ready.then_some(InstanceState::Parking);
         let ids = [id.to_string()];
+        let asked = Instant::now();
         let Some(reports) = self
             .drain_as(&ids, shown, Ask::IfIdleSince(idle_since))
             .await?
         else {
             return Ok(false);
         };
+        // A record only once the router has released it (nothing ran on it: its drain is
+        // the router's answer): an idle timer that finds it in use records nothing.
+        let rid = self.fresh_id("idle");
+        let rec = self
+            .switches
+            .begin(self.target_of(id, &rid, 0), SwitchCause::Idle, asked);
         if ready {
-            self.put_away_drained(id, false, &reports).await?;
-        } else {
-            self.put_away(id, Put::Stop, NoRoom::Refuse).await?;
+            rec.phase(
+                SwitchPhaseKind::Drain,
+                rec.instance(),
+                rec.engine(),
+                asked,
+                Instant::now(),
+            );
         }
-        Ok(true)
+        let put = async {
+            if ready {
+                self.put_away_drained(id, false, &reports).await.map(|_| ())
+            } else {
+                self.put_away(id, Put::Stop, NoRoom::Refuse)
+                    .await
+                    .map(|_| ())
+            }
+        };
+        let result = rec.scope(put).await;
+        rec.finish(result.as_ref().map(|_| ()), Instant::now());
+        result.map(|()| true)
     }
 
     async fn do_park(&self, key: &str) -> Result<ActionReceipt, ApiError> {
@@ -2343,7 +2573,9 @@ impl Server {
         let target = id.clone();
         self.spawn(move |me| {
             Box::pin(async move {
-                let result = me.take_down(&target, &rid, down, false).await;
+                let result = me
+                    .take_down_recorded(SwitchCause::Release, &target, &rid, down, false)
+                    .await;
                 me.write(move |inner| inner.release_reservation(&rid)).await;
                 if let Err(e) = result {
                     tracing::warn!(deployment = %target, error = %e, "park failed");
@@ -2361,7 +2593,9 @@ impl Server {
             model: view.name.clone(),
         };
         let down = self.begin_operator_stop(&id, &rid, refusal).await?;
-        let result = self.take_down(&id, &rid, down, true).await;
+        let result = self
+            .take_down_recorded(SwitchCause::Release, &id, &rid, down, true)
+            .await;
         let removed = result.is_ok();
         self.on(&id, move |inner, id| {
             inner.release_reservation(&rid);
@@ -2721,12 +2955,26 @@ impl Lifecycle for Server {
             .tell(move |inner| inner.release_reservation(&switch_id));
     }
 
-    fn switch_failed(&self, switch_id: &str, error: &ApiError, window: Duration, drain: Duration) {
-        tracing::warn!(%switch_id, %error, "switch failed in the router");
-        self.config.metrics.switch_finished(
-            error.metric_label(),
-            &[("window", window), ("drain", drain)],
-        );
+    fn switch_failed(&self, failed: &SwitchOrder, error: &ApiError) {
+        tracing::warn!(switch_id = %failed.switch_id, %error, "switch failed in the router");
+        let rec = self.record_order(failed);
+        // Its victims serve again.
+        self.read(|inner| {
+            for (k, _) in &failed.victims {
+                let name = inner
+                    .deps
+                    .get(&k.deployment)
+                    .map_or(k.deployment.as_str(), |d| d.name());
+                rec.victim(victim_entry(
+                    name,
+                    &k.deployment,
+                    false,
+                    VictimResult::Kept,
+                    None,
+                ));
+            }
+        });
+        rec.finish(Err(error), failed.began + failed.window + failed.drain);
     }
 
     fn engine_idle<'a>(&'a self, instance: &'a InstanceKey) -> BoxFuture<'a, bool> {
@@ -2735,6 +2983,20 @@ impl Lifecycle for Server {
 }
 
 impl ManagementApi for Server {
+    fn switches(
+        &self,
+        mut query: capyctl_spec::api::SwitchQuery,
+    ) -> crate::api::BoxFuture<'_, Result<capyctl_spec::api::SwitchList, ApiError>> {
+        // A deployment named by its name or ID matches its records by either (the records
+        // of a deleted one by what was asked).
+        if let Some(d) = &query.deployment
+            && let Some(id) = self.read(|inner| inner.by_name_or_id(d).map(|d| d.rec.id.clone()))
+        {
+            query.deployment = Some(id);
+        }
+        Box::pin(std::future::ready(Ok(self.switches.list(&query))))
+    }
+
     fn list(&self) -> crate::api::BoxFuture<'_, DeploymentList> {
         Box::pin(async move {
             let (shots, hosts) = self.shots();

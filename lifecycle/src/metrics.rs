@@ -10,8 +10,8 @@
 //! | `capyctl_requests_total` | counter | `deployment`, `status`, `code` | inference requests that ended, by HTTP status and error code (`ok` for a success) |
 //! | `capyctl_request_wait_seconds` | histogram | `deployment` | how long an ended request waited in CapyCTL before it was forwarded (or refused) |
 //! | `capyctl_switches_total` | counter | `outcome` | switches that ended (`ok`, `drain_timeout`, …): a request's, and a `start --evict` (no window) |
-//! | `capyctl_switch_seconds` | histogram | `outcome` | a whole switch: the sum of its phases |
-//! | `capyctl_switch_phase_seconds` | histogram | `phase` | one phase of a switch: `window`, `drain`, `release`, `bring_up` |
+//! | `capyctl_switch_seconds` | histogram | `outcome` | a whole switch, from its begin (its admission window's) to its end |
+//! | `capyctl_switch_phase_seconds` | histogram | `phase`, `engine` | one phase of a switch (its record's: `admission_window`, `drain`, `park`, `stop`, `wake`, `start`, `wake_check`, `release`), by the engine of the instance it moved (`vllm`, `sglang`, `tensorfold`) |
 //! | `capyctl_parks_total` | counter | `tier`, `outcome` | parks that ended, by tier (`host_ram`, `deep`, `kv_only`) and outcome (`ok`, or the error's label); a release that stopped instead of parking counts under tier `none` with outcome `stopped` (the model does not park), `stopped_no_room_to_park` or `capability_missing` |
 //! | `capyctl_park_seconds` | histogram | `tier`, `outcome` | how long a park took |
 //! | `capyctl_wakes_total` | counter | `tier`, `outcome` | wakes that ended, by the tier woken from and outcome (`ok`, `wake_mismatch`, …) |
@@ -67,6 +67,7 @@ struct OutcomeLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PhaseLabels {
     phase: String,
+    engine: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -212,13 +213,13 @@ impl Metrics {
         );
         registry.register_with_unit(
             "switch",
-            "Duration of a whole switch (the sum of its phases), by outcome",
+            "Duration of a whole switch (from its begin to its end), by outcome",
             Unit::Seconds,
             Listed(switch_duration.clone()),
         );
         registry.register_with_unit(
             "switch_phase",
-            "Duration of one phase of a switch: window, drain, release or bring_up",
+            "Duration of one phase of a switch, by phase and engine",
             Unit::Seconds,
             Listed(switch_phase.clone()),
         );
@@ -349,26 +350,27 @@ impl Metrics {
         h.wait.observe(waited.as_secs_f64());
     }
 
-    /// A switch ended with `outcome` after `phases` (`window`, `drain`, `release`,
-    /// `bring_up`; those it reached): `capyctl_switches_total`, `capyctl_switch_seconds`,
-    /// `capyctl_switch_phase_seconds`.
-    pub fn switch_finished(&self, outcome: &str, phases: &[(&str, Duration)]) {
+    /// A switch ended with `outcome` after `took` (from its begin to its end):
+    /// `capyctl_switches_total`, `capyctl_switch_seconds`.
+    pub fn switch_finished(&self, outcome: &str, took: Duration) {
         let outcome = OutcomeLabels {
             outcome: outcome.to_string(),
         };
         self.switches.get_or_create(&outcome).inc();
-        let mut total = Duration::ZERO;
-        for (phase, took) in phases {
-            total = total.saturating_add(*took);
-            self.switch_phase
-                .get_or_create(&PhaseLabels {
-                    phase: (*phase).to_string(),
-                })
-                .observe(took.as_secs_f64());
-        }
         self.switch_duration
             .get_or_create(&outcome)
-            .observe(total.as_secs_f64());
+            .observe(took.as_secs_f64());
+    }
+
+    /// A phase of a switch (its record's word: `admission_window`, `park`, ...) ended after
+    /// `took`, on an instance of `engine` (`vllm`, ...): `capyctl_switch_phase_seconds`.
+    pub fn switch_phase(&self, phase: &str, engine: &str, took: Duration) {
+        self.switch_phase
+            .get_or_create(&PhaseLabels {
+                phase: phase.to_string(),
+                engine: engine.to_string(),
+            })
+            .observe(took.as_secs_f64());
     }
 
     /// A park to `tier` ended with `outcome` after `took`: `capyctl_parks_total`,
@@ -495,15 +497,8 @@ mod tests {
     fn every_metric_is_named_after_it_is_observed() {
         let m = Metrics::new();
         m.request("01K", 429, "queue_full", Duration::from_millis(3));
-        m.switch_finished(
-            "ok",
-            &[
-                ("window", Duration::from_millis(2000)),
-                ("drain", Duration::from_millis(10)),
-                ("release", Duration::from_millis(300)),
-                ("bring_up", Duration::from_millis(1500)),
-            ],
-        );
+        m.switch_finished("ok", Duration::from_millis(3810));
+        m.switch_phase("wake", "vllm", Duration::from_millis(1500));
         m.park("host_ram", "ok", Duration::from_millis(700));
         m.wake("host_ram", "wake_mismatch", Duration::from_secs(2));
         m.set_queue("01K", 5, 32);
@@ -519,7 +514,7 @@ mod tests {
             r#"capyctl_request_wait_seconds_count{deployment="01K"} 1"#,
             r#"capyctl_switches_total{outcome="ok"} 1"#,
             r#"capyctl_switch_seconds_sum{outcome="ok"} 3.81"#,
-            r#"capyctl_switch_phase_seconds_count{phase="bring_up"} 1"#,
+            r#"capyctl_switch_phase_seconds_count{phase="wake",engine="vllm"} 1"#,
             r#"capyctl_parks_total{tier="host_ram",outcome="ok"} 1"#,
             r#"capyctl_park_seconds_sum{tier="host_ram",outcome="ok"} 0.7"#,
             r#"capyctl_wakes_total{tier="host_ram",outcome="wake_mismatch"} 1"#,

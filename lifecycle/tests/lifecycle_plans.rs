@@ -170,6 +170,8 @@ async fn execute_parks_the_victims_then_starts_the_target() {
             .collect(),
         window: Duration::ZERO,
         drain: Duration::ZERO,
+        began: tokio::time::Instant::now(),
+        wave: 1,
         operator: false,
     })
     .await
@@ -212,6 +214,8 @@ async fn execute_parks_the_victims_then_starts_the_target() {
             .collect(),
         window: Duration::ZERO,
         drain: Duration::ZERO,
+        began: tokio::time::Instant::now(),
+        wave: 1,
         operator: false,
     })
     .await

@@ -164,6 +164,10 @@ pub struct WakeReport {
     pub outcome: WakeOutcome,
     /// How long it took.
     pub took: Duration,
+    /// How long its last part, the wake check (the answer compared with the first one, the
+    /// warm-up), took; `None` when it did not get there or the agent does not say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checked: Option<Duration>,
 }
 
 impl WakeReport {
@@ -1139,6 +1143,7 @@ impl LocalHostAgent {
                 what: "wake",
             });
         };
+        let checked = attempt.check_began.map(|b| b.elapsed());
         let mut outcome = attempt.outcome;
         if outcome != WakeOutcome::Pass
             && let Some(status) = self.exited(id, attempt.engine_unreachable).await
@@ -1162,6 +1167,7 @@ impl LocalHostAgent {
         Ok(WakeReport {
             outcome,
             took: began.elapsed(),
+            checked,
         })
     }
 

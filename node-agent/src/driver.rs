@@ -596,12 +596,20 @@ impl Driver {
         window: Duration,
     ) -> WakeAttempt {
         let mut lost = false;
+        let mut check_began = None;
         let outcome = self
-            .wake_outcome(ep, (tier, decision, first), window, &mut lost)
+            .wake_outcome(
+                ep,
+                (tier, decision, first),
+                window,
+                &mut lost,
+                &mut check_began,
+            )
             .await;
         WakeAttempt {
             outcome,
             engine_unreachable: lost,
+            check_began,
         }
     }
 
@@ -611,6 +619,7 @@ impl Driver {
         (tier, decision, first): (ParkTier, Option<&DecisionSpec>, Option<&FirstAnswer>),
         window: Duration,
         lost: &mut bool,
+        check_began: &mut Option<Instant>,
     ) -> WakeOutcome {
         let deadline = Instant::now() + window;
         let window_ms = window.as_millis();
@@ -639,6 +648,7 @@ impl Driver {
             }
             Ok(Ok(())) => {}
         }
+        *check_began = Some(Instant::now());
         let check = async {
             let left = || {
                 deadline
@@ -675,6 +685,9 @@ pub struct WakeAttempt {
     pub outcome: WakeOutcome,
     /// It failed because the engine could not be reached (refused or broken connection).
     pub engine_unreachable: bool,
+    /// When the wake check (the answer compared, the warm-up) began; `None` when the wake
+    /// failed before it.
+    pub check_began: Option<Instant>,
 }
 
 /// vLLM's `/is_sleeping` answer: its boolean `is_sleeping`.

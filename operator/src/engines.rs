@@ -685,6 +685,7 @@ mod tests {
                 Ok(WakeReport {
                     outcome: WakeOutcome::Pass,
                     took: Duration::from_secs(1),
+                    checked: None,
                 })
             })
         }

@@ -31,7 +31,6 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
 
 use capyctl_router::lifecycle::{
     BoxFuture as RouterFuture, DeploymentId, DeploymentRef, Executed, InstanceKey, Lifecycle, Plan,
@@ -310,8 +309,9 @@ impl Lifecycle for ObservedLifecycle {
         self.inner.abandon(switch_id);
     }
 
-    fn switch_failed(&self, switch_id: &str, error: &ApiError, window: Duration, drain: Duration) {
-        self.inner.switch_failed(switch_id, error, window, drain);
+    fn switch_failed(&self, failed: &SwitchOrder, error: &ApiError) {
+        self.inner.switch_failed(failed, error);
+        let switch_id = failed.switch_id.as_str();
         let target = self.targets().remove(switch_id);
         if let Some(target) = target {
             self.feed.send(Observed::SwitchFailed {
@@ -472,6 +472,13 @@ impl ManagementApi for ObservedApi {
     fn changes(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
         self.inner.changes()
     }
+
+    fn switches(
+        &self,
+        query: capyctl_spec::api::SwitchQuery,
+    ) -> BoxFuture<'_, Result<capyctl_spec::api::SwitchList, ApiError>> {
+        self.inner.switches(query)
+    }
 }
 
 #[cfg(test)]
@@ -480,6 +487,7 @@ mod tests {
 
     use std::collections::BTreeSet;
     use std::sync::atomic::AtomicBool;
+    use std::time::Duration;
 
     use capyctl_router::lifecycle::DrainReport;
     use capyctl_spec::InstanceState;
@@ -602,6 +610,8 @@ mod tests {
             victims: vec![(key("01KCHAT-B"), DrainReport::default())],
             window: Duration::ZERO,
             drain: Duration::ZERO,
+            began: tokio::time::Instant::now(),
+            wave: 0,
             operator: false,
         })
         .await
@@ -652,7 +662,19 @@ mod tests {
             drain_ms: 30_000,
             charged: 2,
         };
-        lc.switch_failed("sw-1", &error, Duration::ZERO, Duration::from_secs(30));
+        lc.switch_failed(
+            &SwitchOrder {
+                switch_id: "sw-1".into(),
+                target: "01KCHAT-B".into(),
+                victims: Vec::new(),
+                window: Duration::ZERO,
+                drain: Duration::from_secs(30),
+                began: tokio::time::Instant::now(),
+                wave: 1,
+                operator: false,
+            },
+            &error,
+        );
         let seen = drain(&mut rx);
         assert_eq!(seen.len(), 2, "{seen:?}");
         match &seen[0] {

@@ -490,6 +490,15 @@ impl ManagementApi for SwitchableApi {
             None => self.standby_ready.load(Ordering::SeqCst),
         }
     }
+
+    /// The leader's records (kept in its memory: a new leader begins with none).
+    fn switches(
+        &self,
+        query: capyctl_spec::api::SwitchQuery,
+    ) -> BoxFuture<'_, Result<capyctl_spec::api::SwitchList, ApiError>> {
+        let api = self.current();
+        Box::pin(async move { api.ok_or_else(standby_error)?.switches(query).await })
+    }
 }
 
 /// The URLs of the Running node agent Pods of the namespace, by Pod name (one per GPU node).
@@ -766,6 +775,9 @@ pub async fn lead(
             waiting_limit: queue.max_pending_per_deployment,
             timer_tick: Duration::from_secs(1),
             metrics: metrics.clone(),
+            // NB: the leader's switch records are kept in its memory (a new leader begins
+            // with none): CRs and ConfigMaps are no place for a ring of 1,000 records.
+            switch_log: None,
         },
     )
     .await?;

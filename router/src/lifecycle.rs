@@ -19,6 +19,7 @@ use std::time::Duration;
 use capyctl_spec::api::Victim;
 use capyctl_spec::errors::ApiError;
 use tokio::sync::oneshot;
+use tokio::time::Instant;
 
 /// A boxed future, so that the trait stays object-safe (`Arc<dyn Lifecycle>`).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -121,6 +122,11 @@ pub struct SwitchOrder {
     pub window: Duration,
     /// How long the drain took; zero without victims.
     pub drain: Duration,
+    /// When the switch began (the plan was asked for): its admission window began then, and
+    /// its drain `window` later (for the switch's record).
+    pub began: Instant,
+    /// The requests waiting for the target when the switch began (its wave).
+    pub wave: usize,
     /// An operator's switch (`start --evict`, planned with [`PlanFor::Operator`]): `execute`
     /// answers once the victims are released and the target's start or wake has begun (the
     /// operator's `--wait` decides whether to wait for the rest, [`Executed::bring_up`]); a
@@ -174,10 +180,11 @@ pub trait Lifecycle: Send + Sync + 'static {
     fn abandon(&self, switch_id: &str);
 
     /// A switch failed in the router before it reached the lifecycle (the drain timed out,
-    /// `error`), after a window of `window` and a drain of `drain`; for metrics. Called after
-    /// [`Lifecycle::abandon`].
-    fn switch_failed(&self, switch_id: &str, error: &ApiError, window: Duration, drain: Duration) {
-        let _ = (switch_id, error, window, drain);
+    /// `error`): `failed` is the order it would have executed (its victims, not released,
+    /// its window and drain up to the failure); for metrics and the switch's record. Called
+    /// after [`Lifecycle::abandon`].
+    fn switch_failed(&self, failed: &SwitchOrder, error: &ApiError) {
+        let _ = (failed, error);
     }
 
     /// Resolves once the instance's engine reports no running and no waiting requests, or

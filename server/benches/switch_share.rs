@@ -11,7 +11,7 @@
 //!   `/is_sleeping`; wake: `/wake_up`, `/is_sleeping`; check prompt and warm-up:
 //!   `/v1/completions`), as the engine itself timed them. Background load scrapes
 //!   (`GET /metrics`) are off the switch's path and not counted;
-//! - **window + drain**: from `capyctl_switch_phase_seconds{phase="window"|"drain"}` at
+//! - **window + drain**: from `capyctl_switch_phase_seconds{phase="admission_window"|"drain"}` (every engine summed) at
 //!   `GET /metrics` on the management listener, when the server reports those phases;
 //! - **answer**: the engine's own time for the forwarded answer (the same request, as the
 //!   engine timed it); a direct request to the engine is also timed from the client, for
@@ -440,8 +440,8 @@ fn phases(metrics: &str) -> BTreeMap<String, (f64, u64)> {
         };
         let e = out.entry(phase).or_default();
         match name {
-            "capyctl_switch_phase_seconds_sum" => e.0 = value.parse().unwrap_or(0.0),
-            "capyctl_switch_phase_seconds_count" => e.1 = value.parse().unwrap_or(0),
+            "capyctl_switch_phase_seconds_sum" => e.0 += value.parse().unwrap_or(0.0),
+            "capyctl_switch_phase_seconds_count" => e.1 += value.parse().unwrap_or(0),
             _ => {}
         }
     }
@@ -690,7 +690,7 @@ async fn measure(s: &Standalone, calls: &Path, o: &Opts) -> Result<Vec<Sample>, 
         );
         sample.target = target.to_string();
         sample.direct = direct;
-        sample.window = phase_delta_us(&before, &after, "window").unwrap_or(0);
+        sample.window = phase_delta_us(&before, &after, "admission_window").unwrap_or(0);
         sample.drain = phase_delta_us(&before, &after, "drain").unwrap_or(0);
         sample.release_and_bring_up = phase_delta_us(&before, &after, "release_and_bring_up")
             .or_else(|| {
@@ -719,7 +719,7 @@ async fn measure(s: &Standalone, calls: &Path, o: &Opts) -> Result<Vec<Sample>, 
             }
         );
     }
-    for p in ["window", "drain"] {
+    for p in ["admission_window", "drain"] {
         if !last.contains_key(p) {
             println!(
                 "  (no `{p}` phase reported: counted as 0; the idle gap makes it 0 by the spec's rule, and any wait shows in `intake`)"

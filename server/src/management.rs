@@ -17,6 +17,7 @@
 //! | `GET /management/v1/hosts` | 200 `HostList` |
 //! | `POST /management/v1/hosts/{id}/{drain,uncordon}` | 200 `HostDrainReceipt` |
 //! | `GET /management/v1/metrics/load[?deployment=ID]` | 200 `LoadReport` |
+//! | `GET /management/v1/switches[?deployment=NAME-or-ID][&after=SEQ][&limit=N]` | 200 `SwitchList` (DESIGN 4.8) |
 //! | `GET /healthz` | 200 `ok` (no token) |
 //! | `GET /readyz` | 200 `ready` once [`ManagementApi::ready`], else 503 (no token) |
 //! | `GET /metrics` | 200 OpenMetrics text of [`Metrics`] (no token) |
@@ -53,7 +54,7 @@ use axum::extract::{OriginalUri, Path, RawQuery, Request, State};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use capyctl_spec::api::{DeployOutcome, PREFIX, StartRequest};
+use capyctl_spec::api::{DeployOutcome, PREFIX, SWITCHES_PAGE_MAX, StartRequest, SwitchQuery};
 use capyctl_spec::auth;
 use capyctl_spec::documents::{DeploymentDoc, parse_deployment_json, parse_deployment_str};
 use capyctl_spec::errors::ApiError;
@@ -121,6 +122,7 @@ pub fn router(api: Arc<dyn ManagementApi>, options: ManagementOptions) -> Router
         .route("/hosts/{id}/drain", post(drain_host))
         .route("/hosts/{id}/uncordon", post(uncordon_host))
         .route("/metrics/load", get(load))
+        .route("/switches", get(switches))
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), require_token));
@@ -611,6 +613,62 @@ fn load_query(raw: Option<&str>) -> Result<Option<String>, String> {
     Ok(deployment)
 }
 
+/// The query of `GET /switches`: `deployment`, `after` (a number), `limit` (1 to
+/// [`SWITCHES_PAGE_MAX`]), each at most once.
+fn switches_query(raw: Option<&str>) -> Result<SwitchQuery, String> {
+    let mut query = SwitchQuery::default();
+    let Some(raw) = raw.filter(|q| !q.is_empty()) else {
+        return Ok(query);
+    };
+    let twice = |key: &str| format!("query parameter `{key}` is given twice");
+    let number = |key: &str, value: &str| {
+        value
+            .parse::<u64>()
+            .map_err(|_| format!("query parameter `{key}` is `{value}`; expected a whole number"))
+    };
+    for (key, value) in query_pairs(raw)? {
+        match key.as_str() {
+            "deployment" => {
+                if value.is_empty() {
+                    return Err(
+                        "query parameter `deployment` is empty; give a deployment's name or ID"
+                            .to_string(),
+                    );
+                }
+                if query.deployment.replace(value).is_some() {
+                    return Err(twice("deployment"));
+                }
+            }
+            "after" => {
+                if query.after.replace(number("after", &value)?).is_some() {
+                    return Err(twice("after"));
+                }
+            }
+            "limit" => {
+                let limit = number("limit", &value)?;
+                if limit == 0 || limit > SWITCHES_PAGE_MAX as u64 {
+                    return Err(format!(
+                        "query parameter `limit` is {limit}; expected 1 to {SWITCHES_PAGE_MAX}"
+                    ));
+                }
+                if query
+                    .limit
+                    .replace(usize::try_from(limit).unwrap_or(SWITCHES_PAGE_MAX))
+                    .is_some()
+                {
+                    return Err(twice("limit"));
+                }
+            }
+            _ => {
+                return Err(format!(
+                    "unknown query parameter `{key}`; expected `deployment`, `after` or `limit`"
+                ));
+            }
+        }
+    }
+    Ok(query)
+}
+
 /// Splits and percent-decodes a query string (`+` is a space).
 fn query_pairs(raw: &str) -> Result<Vec<(String, String)>, String> {
     raw.split('&')
@@ -664,6 +722,19 @@ async fn load(State(s): State<AppState>, RawQuery(raw): RawQuery) -> Response {
     }
 }
 
+async fn switches(State(s): State<AppState>, RawQuery(raw): RawQuery) -> Response {
+    match switches_query(raw.as_deref()) {
+        Ok(query) => match s.api.switches(query).await {
+            Ok(list) => {
+                let capacity = 1024 * list.switches.len() + 64;
+                json_sized(StatusCode::OK, &list, capacity)
+            }
+            Err(e) => error(e),
+        },
+        Err(detail) => invalid(detail),
+    }
+}
+
 async fn healthz() -> Response {
     (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain")], "ok").into_response()
 }
@@ -698,6 +769,32 @@ async fn prometheus(State(s): State<AppState>) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn switches_query_reads_deployment_after_and_limit() {
+        assert_eq!(switches_query(None), Ok(SwitchQuery::default()));
+        assert_eq!(
+            switches_query(Some("deployment=chat&after=41&limit=5")),
+            Ok(SwitchQuery {
+                deployment: Some("chat".into()),
+                after: Some(41),
+                limit: Some(5),
+            })
+        );
+        for (bad, says) in [
+            ("after=-1", "whole number"),
+            ("limit=0", "1 to 1000"),
+            ("limit=1001", "1 to 1000"),
+            ("after=1&after=2", "twice"),
+            ("deployment=", "empty"),
+            ("deploy=chat", "deploy"),
+        ] {
+            assert!(
+                switches_query(Some(bad)).is_err_and(|e| e.contains(says)),
+                "{bad}"
+            );
+        }
+    }
 
     #[test]
     fn load_query_refuses_unknown_repeated_and_empty() {

@@ -189,6 +189,7 @@ pub fn lifecycle_config(config: &StandaloneConfig, metrics: Arc<Metrics>) -> Lif
         waiting_limit: config.host.queue.max_pending_per_deployment,
         timer_tick: Duration::from_secs(1),
         metrics,
+        switch_log: None,
     }
 }
 
@@ -262,12 +263,10 @@ impl Standalone {
         )?);
         let store = Arc::new(RedbStore::open(&data_dir)?);
         let metrics = Arc::new(Metrics::new());
-        let server = Server::open(
-            agent.clone(),
-            store,
-            lifecycle_config(&config, metrics.clone()),
-        )
-        .await?;
+        let mut lifecycle = lifecycle_config(&config, metrics.clone());
+        // The switch records, kept across restarts beside the state.
+        lifecycle.switch_log = Some(data_dir.join(capyctl_lifecycle::switches::FILE));
+        let server = Server::open(agent.clone(), store, lifecycle).await?;
         // Not ready until the document's deployments exist (`deploy_document`).
         server.set_ready(false);
         let admin_token = crate::management::load_or_create_token(

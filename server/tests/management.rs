@@ -902,15 +902,11 @@ async fn metrics_text_names_what_was_observed() {
     let s = start_server().await;
     s.metrics
         .request(ID, 503, "wake_mismatch", Duration::from_millis(250));
-    s.metrics.switch_finished(
-        "ok",
-        &[
-            ("window", Duration::from_secs(2)),
-            ("drain", Duration::from_millis(40)),
-            ("release", Duration::from_millis(700)),
-            ("bring_up", Duration::from_secs(3)),
-        ],
-    );
+    s.metrics.switch_finished("ok", Duration::from_millis(5740));
+    s.metrics
+        .switch_phase("admission_window", "vllm", Duration::from_secs(2));
+    s.metrics
+        .switch_phase("wake", "vllm", Duration::from_secs(3));
     s.metrics.park("host_ram", "ok", Duration::from_millis(700));
     s.metrics.wake("deep", "ok", Duration::from_secs(4));
     s.metrics.set_queue(ID, 7, 32);
@@ -929,8 +925,9 @@ async fn metrics_text_names_what_was_observed() {
         ),
         format!(r#"capyctl_request_wait_seconds_count{{deployment="{ID}"}} 1"#),
         r#"capyctl_switches_total{outcome="ok"} 1"#.to_string(),
-        r#"capyctl_switch_phase_seconds_count{phase="window"} 1"#.to_string(),
-        r#"capyctl_switch_phase_seconds_count{phase="bring_up"} 1"#.to_string(),
+        r#"capyctl_switch_phase_seconds_count{phase="admission_window",engine="vllm"} 1"#
+            .to_string(),
+        r#"capyctl_switch_phase_seconds_count{phase="wake",engine="vllm"} 1"#.to_string(),
         r#"capyctl_parks_total{tier="host_ram",outcome="ok"} 1"#.to_string(),
         r#"capyctl_wake_seconds_count{tier="deep",outcome="ok"} 1"#.to_string(),
         format!(r#"capyctl_queue_waiting{{deployment="{ID}"}} 7"#),

@@ -441,3 +441,232 @@ mod tests {
         assert_eq!(back, orig);
     }
 }
+
+// ----- switch records (`GET /switches`, DESIGN 4.8) -----
+
+/// The most records `GET /switches` answers at once (and its default `limit`).
+pub const SWITCHES_PAGE_MAX: usize = 1000;
+
+/// What started a switch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SwitchCause {
+    /// The router planned it for waiting requests.
+    Wave,
+    /// An operator's `start --evict`.
+    Operator,
+    /// An idle timer's park or stop.
+    Idle,
+    /// An operator's park, stop or delete.
+    Release,
+    /// A host drain's stop.
+    Drain,
+    /// A start or wake with no victims (a cold start, a wake into free room).
+    BringUp,
+}
+
+impl SwitchCause {
+    /// The word on the wire.
+    pub fn word(self) -> &'static str {
+        match self {
+            SwitchCause::Wave => "wave",
+            SwitchCause::Operator => "operator",
+            SwitchCause::Idle => "idle",
+            SwitchCause::Release => "release",
+            SwitchCause::Drain => "drain",
+            SwitchCause::BringUp => "bring_up",
+        }
+    }
+}
+
+/// How a switch ended (`in_progress` while it runs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SwitchOutcome {
+    /// Still running.
+    InProgress,
+    /// Done: the target is ready (or the victims released).
+    Ok,
+    /// Failed: `error` says why.
+    Failed,
+    /// Given up before its end (nothing failed: e.g. the target came up by other means).
+    Abandoned,
+}
+
+impl SwitchOutcome {
+    /// The word on the wire.
+    pub fn word(self) -> &'static str {
+        match self {
+            SwitchOutcome::InProgress => "in_progress",
+            SwitchOutcome::Ok => "ok",
+            SwitchOutcome::Failed => "failed",
+            SwitchOutcome::Abandoned => "abandoned",
+        }
+    }
+}
+
+/// A phase of a switch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SwitchPhaseKind {
+    /// The admission window: the victims still take requests.
+    AdmissionWindow,
+    /// The victims take no new requests and finish their running ones.
+    Drain,
+    /// A victim parks.
+    Park,
+    /// A victim stops.
+    Stop,
+    /// The target wakes.
+    Wake,
+    /// The target starts.
+    Start,
+    /// The woken target's answer is checked.
+    WakeCheck,
+    /// From the target's instance ready to its waiters released (the router's open).
+    Release,
+}
+
+impl SwitchPhaseKind {
+    /// The word on the wire (and the metrics' `phase` label).
+    pub fn word(self) -> &'static str {
+        match self {
+            SwitchPhaseKind::AdmissionWindow => "admission_window",
+            SwitchPhaseKind::Drain => "drain",
+            SwitchPhaseKind::Park => "park",
+            SwitchPhaseKind::Stop => "stop",
+            SwitchPhaseKind::Wake => "wake",
+            SwitchPhaseKind::Start => "start",
+            SwitchPhaseKind::WakeCheck => "wake_check",
+            SwitchPhaseKind::Release => "release",
+        }
+    }
+}
+
+/// A switch's error: the API error's code and message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SwitchError {
+    /// The error's code (`drain_timeout`, `wake_mismatch`, `interrupted`, ...).
+    pub code: String,
+    /// Its message.
+    pub message: String,
+}
+
+/// What a switch asked of a victim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VictimAction {
+    /// Park it.
+    Park,
+    /// Stop it.
+    Stop,
+}
+
+/// What became of a victim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VictimResult {
+    /// Parked.
+    Parked,
+    /// Stopped.
+    Stopped,
+    /// Kept (serves on: the switch was given up before it was released).
+    Kept,
+    /// Its park or stop failed.
+    Failed,
+}
+
+/// A victim of a switch and what became of it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SwitchVictim {
+    /// Its deployment's name.
+    pub deployment: String,
+    /// Its deployment's ID.
+    pub deployment_id: String,
+    /// Its instance.
+    pub instance: String,
+    /// Park or stop.
+    pub action: VictimAction,
+    /// What became of it.
+    pub result: VictimResult,
+    /// Why its release failed.
+    #[serde(default)]
+    pub error: Option<SwitchError>,
+}
+
+/// One phase of a switch, with its times (Unix milliseconds).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SwitchPhase {
+    /// Which phase.
+    pub phase: SwitchPhaseKind,
+    /// The victim's instance for `park`/`stop`, else the target's.
+    pub instance: String,
+    /// When it began.
+    pub began_ms: u64,
+    /// When it ended; `None` while it runs.
+    #[serde(default)]
+    pub ended_ms: Option<u64>,
+}
+
+/// One switch, phase by phase (`GET /switches`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SwitchRecord {
+    /// Increases by one per record, across restarts.
+    pub seq: u64,
+    /// The switch's ID (the one receipts carry).
+    pub switch_id: String,
+    /// The deployment it served (a release's: the one released).
+    pub deployment: String,
+    /// Its ID.
+    pub deployment_id: String,
+    /// Its instance (`<deployment id>-0`).
+    pub instance: String,
+    /// The host where the target went (empty when unknown).
+    pub host_id: String,
+    /// The GPUs it went to (empty when unknown).
+    #[serde(default)]
+    pub gpus: Vec<String>,
+    /// What started it.
+    pub cause: SwitchCause,
+    /// The requests waiting for the target when it began.
+    pub wave: u64,
+    /// When it began (Unix milliseconds).
+    pub began_ms: u64,
+    /// When it ended; `None` while in progress.
+    #[serde(default)]
+    pub ended_ms: Option<u64>,
+    /// How it ended.
+    pub outcome: SwitchOutcome,
+    /// Why it failed.
+    #[serde(default)]
+    pub error: Option<SwitchError>,
+    /// Its victims, in the order they were released.
+    #[serde(default)]
+    pub victims: Vec<SwitchVictim>,
+    /// Its phases, in the order they began.
+    #[serde(default)]
+    pub phases: Vec<SwitchPhase>,
+}
+
+/// `GET /switches`: records oldest first, and the highest `seq` answered (or `after`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SwitchList {
+    /// The records with `seq > after`, oldest first.
+    pub switches: Vec<SwitchRecord>,
+    /// The highest `seq` answered, or `after` when none: the next poll's `after`.
+    pub next: u64,
+}
+
+/// The query of `GET /switches`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SwitchQuery {
+    /// Only the switches of this deployment (name or ID).
+    #[serde(default)]
+    pub deployment: Option<String>,
+    /// Only records with a higher `seq`.
+    #[serde(default)]
+    pub after: Option<u64>,
+    /// At most this many (default and maximum [`SWITCHES_PAGE_MAX`]).
+    #[serde(default)]
+    pub limit: Option<usize>,
+}

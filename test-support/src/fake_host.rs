@@ -88,6 +88,22 @@ pub struct FakeHost {
     stopped: Mutex<BTreeSet<String>>,
     stops: tokio::sync::Notify,
     sample_hook: OnceLock<SampleHook>,
+    /// How long engine operations take (none by default).
+    times: OpTimes,
+}
+
+/// How long a [`FakeHost`]'s engine operations take (in tokio's time: virtual under a paused
+/// clock), see [`FakeHost::with_times`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OpTimes {
+    /// A start.
+    pub start: Duration,
+    /// A park.
+    pub park: Duration,
+    /// A wake, before its check.
+    pub wake: Duration,
+    /// A wake's check (reported as the wake's `checked`).
+    pub check: Duration,
 }
 
 impl Default for FakeHost {
@@ -108,6 +124,13 @@ impl std::fmt::Debug for FakeHost {
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Sleeps `d`, unless it is zero (then nothing: no yield either).
+async fn pause(d: Duration) {
+    if !d.is_zero() {
+        tokio::time::sleep(d).await;
+    }
 }
 
 /// The declared resources of `spec`, as measured.
@@ -138,7 +161,14 @@ impl FakeHost {
             stopped: Mutex::new(BTreeSet::new()),
             stops: tokio::sync::Notify::new(),
             sample_hook: OnceLock::new(),
+            times: OpTimes::default(),
         }
+    }
+
+    /// Starts, parks and wakes take `times` (a wake reports its check's part).
+    pub fn with_times(mut self, times: OpTimes) -> Self {
+        self.times = times;
+        self
     }
 
     /// The GPU's memory.
@@ -300,6 +330,7 @@ impl HostAgent for FakeHost {
             self.record(format!("start {instance}"));
             // Starts hang by deployment name.
             self.maybe_hang(&spec.name, instance, "start").await?;
+            pause(self.times.start).await;
             Ok(StartedInstance {
                 instance: instance.to_string(),
                 pid: 1,
@@ -320,6 +351,7 @@ impl HostAgent for FakeHost {
     fn park<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<ParkResult, AgentError>> {
         Box::pin(async move {
             self.record(format!("park {instance}"));
+            pause(self.times.park).await;
             Ok(ParkResult::Parked {
                 tier: ParkTier::HostRam,
                 gpu_held: None,
@@ -332,9 +364,12 @@ impl HostAgent for FakeHost {
             self.record(format!("wake {instance}"));
             // Wakes hang by instance ID.
             self.maybe_hang(instance, instance, "wake").await?;
+            let OpTimes { wake, check, .. } = self.times;
+            pause(wake + check).await;
             Ok(WakeReport {
                 outcome: WakeOutcome::Pass,
-                took: Duration::ZERO,
+                took: wake + check,
+                checked: Some(check),
             })
         })
     }

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-pub use fake_host::{Concurrency, FakeHost};
+pub use fake_host::{Concurrency, FakeHost, OpTimes};
 pub use mock_api::{Answer, Exchange, MockApi, Seen, status_body};
 
 /// A fresh, empty temporary directory, unique to this call: `capyctl-<name>-<pid>-<nanos>-<n>`

@@ -238,12 +238,16 @@ fn two_apps_one_gpu() {
         ),
         switches_before + 1.0
     );
-    let window = metric(&capy, r#"capyctl_switch_phase_seconds_sum{phase="window"}"#);
+    let window = metric(
+        &capy,
+        r#"capyctl_switch_phase_seconds_sum{phase="admission_window",engine="vllm"}"#,
+    );
     assert!((0.45..5.0).contains(&window), "window {window} s");
-    for phase in ["drain", "release", "bring_up"] {
+    // chat-a parks, chat-b starts cold.
+    for phase in ["drain", "park", "start", "release"] {
         let count = metric(
             &capy,
-            &format!(r#"capyctl_switch_phase_seconds_count{{phase="{phase}"}}"#),
+            &format!(r#"capyctl_switch_phase_seconds_count{{phase="{phase}",engine="vllm"}}"#),
         );
         assert!(count >= 1.0, "{phase}: {count}");
     }

@@ -1512,15 +1512,8 @@ impl Effects for TaskEffects {
         self.lifecycle.abandon(switch_id);
     }
 
-    fn switch_failed(
-        &mut self,
-        switch_id: &str,
-        error: &ApiError,
-        window: Duration,
-        drain: Duration,
-    ) {
-        self.lifecycle
-            .switch_failed(switch_id, error, window, drain);
+    fn switch_failed(&mut self, failed: &SwitchOrder, error: &ApiError) {
+        self.lifecycle.switch_failed(failed, error);
     }
 
     fn engine_idle(&mut self, owner: DrainOwner, key: InstanceKey) {

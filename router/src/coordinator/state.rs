@@ -104,14 +104,8 @@ pub(crate) trait Effects {
     /// `Lifecycle::abandon`.
     fn abandon(&mut self, switch_id: &str);
     /// `Lifecycle::switch_failed`.
-    fn switch_failed(
-        &mut self,
-        switch_id: &str,
-        error: &ApiError,
-        window: Duration,
-        drain: Duration,
-    ) {
-        let _ = (switch_id, error, window, drain);
+    fn switch_failed(&mut self, failed: &SwitchOrder, error: &ApiError) {
+        let _ = (failed, error);
     }
     /// Starts `Lifecycle::engine_idle`; its answer comes back as [`State::engine_idle_done`].
     fn engine_idle(&mut self, owner: DrainOwner, instance: InstanceKey);
@@ -314,6 +308,8 @@ struct Switch {
     target: DeploymentId,
     /// When it began (the plan was asked for): the admission window counts from here.
     began: Instant,
+    /// The requests waiting for the target when it began (its wave, for its record).
+    wave: usize,
     /// The admission window that applies: the plan's (the host where the switch happens), or
     /// the router's.
     window: Duration,
@@ -788,6 +784,8 @@ impl State {
                         victims: Vec::new(),
                         window: Duration::ZERO,
                         drain: Duration::ZERO,
+                        began: sw.began,
+                        wave: sw.wave,
                         operator: false,
                     },
                 );
@@ -1417,7 +1415,21 @@ impl State {
                             charged,
                         };
                         let (window, drained) = self.phases(sw.began, &drain, now);
-                        fx.switch_failed(&switch_id, &e, window, drained);
+                        let failed = SwitchOrder {
+                            switch_id: switch_id.clone(),
+                            target: sw.target.clone(),
+                            victims: drain
+                                .victims
+                                .iter()
+                                .map(|k| (k.clone(), DrainReport::default()))
+                                .collect(),
+                            window,
+                            drain: drained,
+                            began: sw.began,
+                            wave: sw.wave,
+                            operator: sw.operator.is_some(),
+                        };
+                        fx.switch_failed(&failed, &e);
                         if let Some((id, _)) = sw.operator {
                             fx.operator_done(id, Err(e));
                         } else {
@@ -1441,6 +1453,8 @@ impl State {
                                 victims: reports,
                                 window,
                                 drain: drained,
+                                began: sw.began,
+                                wave: sw.wave,
                                 operator: sw.operator.is_some(),
                             },
                         );
@@ -1543,10 +1557,12 @@ impl State {
         protected.insert(target.clone());
         self.next_seq += 1;
         let seq = self.next_seq;
+        let wave = self.deployments.get(&target).map_or(0, |d| d.queue.len());
         self.switch = Some(Switch {
             seq,
             target: target.clone(),
             began: now,
+            wave,
             window,
             phase: Phase::Planning,
             cancelled: false,
@@ -1620,6 +1636,8 @@ impl State {
                         victims: Vec::new(),
                         window: Duration::ZERO,
                         drain: Duration::ZERO,
+                        began: sw.began,
+                        wave: sw.wave,
                         operator: true,
                     },
                 );

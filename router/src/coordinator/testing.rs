@@ -591,12 +591,12 @@ impl Lifecycle for FakeLifecycle {
         self.lock().reserved.remove(switch_id);
     }
 
-    fn switch_failed(&self, switch_id: &str, error: &ApiError, window: Duration, drain: Duration) {
+    fn switch_failed(&self, failed: &SwitchOrder, error: &ApiError) {
         self.record(Call::SwitchFailed(
-            switch_id.to_string(),
+            failed.switch_id.clone(),
             error.clone(),
-            window,
-            drain,
+            failed.window,
+            failed.drain,
         ));
     }
 

@@ -1,0 +1,416 @@
+//! Switch records (DESIGN 4.8) under tokio's paused clock: the real coordinator and lifecycle
+//! over the in-memory fake host, whose starts, parks and wakes take set (virtual) times, so that
+//! every phase's instants are exact. Plus the records kept across a restart.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use capyctl_lifecycle::api::ManagementApi;
+use capyctl_lifecycle::metrics::Metrics;
+use capyctl_lifecycle::store::MemoryStore;
+use capyctl_lifecycle::switches::{KEEP, SwitchLog, Target};
+use capyctl_lifecycle::{LifecycleConfig, Server};
+use capyctl_router::admission::Admission;
+use capyctl_router::config::RouterConfig;
+use capyctl_router::coordinator::{CoordinatorHandle, CoordinatorPermit};
+use capyctl_spec::api::{
+    StartRequest, SwitchCause, SwitchOutcome, SwitchPhaseKind, SwitchQuery, SwitchRecord,
+    VictimAction, VictimResult,
+};
+use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
+use capyctl_spec::errors::ApiError;
+use capyctl_spec::settings::LifecycleDefaults;
+use capyctl_test_support::{FakeHost, OpTimes};
+use tokio::time::Instant;
+
+const START: Duration = Duration::from_secs(4);
+const PARK: Duration = Duration::from_secs(1);
+const WAKE: Duration = Duration::from_secs(2);
+const CHECK: Duration = Duration::from_millis(500);
+const WINDOW: Duration = Duration::from_millis(500);
+
+/// Two of these do not fit the fake host's 10 GiB GPU together.
+fn doc(name: &str) -> DeploymentDoc {
+    parse_deployment_str(
+        "t.yaml",
+        &format!("name: {name}\nengine: vllm\nmodel: m\nresources: {{gpu_memory: 6GiB}}\n"),
+    )
+    .unwrap()
+}
+
+struct Scene {
+    server: Arc<Server>,
+    router: CoordinatorHandle,
+    agent: Arc<FakeHost>,
+}
+
+async fn scene(drain_timeout: Duration, defaults: LifecycleDefaults) -> Scene {
+    let agent = Arc::new(FakeHost::new().with_times(OpTimes {
+        start: START,
+        park: PARK,
+        wake: WAKE,
+        check: CHECK,
+    }));
+    let mut lc = LifecycleConfig::new("h");
+    lc.lifecycle_defaults = defaults;
+    lc.timer_tick = Duration::from_millis(100);
+    let server = Server::open(agent.clone(), Arc::new(MemoryStore::default()), lc)
+        .await
+        .unwrap();
+    let router = server
+        .spawn_router(
+            server.clone(),
+            RouterConfig {
+                admission_window: WINDOW,
+                drain_timeout,
+                request_deadline: Duration::from_secs(600),
+                ..RouterConfig::default()
+            },
+        )
+        .await;
+    for name in ["a", "b"] {
+        server.deploy(doc(name)).await.unwrap();
+    }
+    Scene {
+        server,
+        router,
+        agent,
+    }
+}
+
+impl Scene {
+    /// A request for `model`, admitted (it runs while the permit is held).
+    async fn request(&self, model: &str) -> Result<CoordinatorPermit, ApiError> {
+        let d = self.router.resolve(model).unwrap();
+        self.router
+            .admit(d, Instant::now() + Duration::from_secs(600))
+            .await
+    }
+
+    async fn records(&self) -> Vec<SwitchRecord> {
+        self.server
+            .switches(SwitchQuery::default())
+            .await
+            .unwrap()
+            .switches
+    }
+
+    /// The record of the switch to `deployment` of cause `cause` (the last one), once ended.
+    async fn ended(&self, deployment: &str, cause: SwitchCause) -> SwitchRecord {
+        loop {
+            let found = self.records().await.into_iter().rev().find(|r| {
+                r.deployment == deployment
+                    && r.cause == cause
+                    && r.outcome != SwitchOutcome::InProgress
+            });
+            if let Some(r) = found {
+                return r;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// The phases as (kind, began, ended) in milliseconds from the record's begin.
+fn phases(r: &SwitchRecord) -> Vec<(SwitchPhaseKind, u64, u64)> {
+    r.phases
+        .iter()
+        .map(|p| {
+            (
+                p.phase,
+                p.began_ms - r.began_ms,
+                p.ended_ms.expect("ended") - r.began_ms,
+            )
+        })
+        .collect()
+}
+
+/// `got` equals `want` within 1 ms on each instant (milliseconds are truncated).
+fn assert_phases(got: &[(SwitchPhaseKind, u64, u64)], want: &[(SwitchPhaseKind, u64, u64)]) {
+    let close = |a: u64, b: u64| a.abs_diff(b) <= 1;
+    assert!(
+        got.len() == want.len()
+            && got
+                .iter()
+                .zip(want)
+                .all(|(g, w)| g.0 == w.0 && close(g.1, w.1) && close(g.2, w.2)),
+        "phases {got:?}, expected {want:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waves_switch_records_each_phase_at_its_instant() {
+    use SwitchPhaseKind::*;
+    let s = scene(Duration::from_secs(10), LifecycleDefaults::default()).await;
+    // b starts cold (a bring-up), then an operator parks it (a release).
+    drop(s.request("b").await.unwrap());
+    let up = s.ended("b", SwitchCause::BringUp).await;
+    assert_eq!(up.outcome, SwitchOutcome::Ok, "{up:?}");
+    assert!(up.victims.is_empty(), "{up:?}");
+    assert_eq!(up.wave, 1);
+    assert_phases(&phases(&up), &[(Start, 0, 4000), (Release, 4000, 4000)]);
+    s.server.park("b").await.unwrap();
+    let parked = s.ended("b", SwitchCause::Release).await;
+    assert_eq!(parked.outcome, SwitchOutcome::Ok, "{parked:?}");
+    assert_eq!(
+        parked.phases.iter().map(|p| p.phase).collect::<Vec<_>>(),
+        [Drain, Park]
+    );
+    assert_eq!(parked.victims.len(), 1);
+    assert_eq!(parked.victims[0].deployment, "b");
+    assert_eq!(parked.victims[0].result, VictimResult::Parked);
+
+    // a runs a request while b's wave comes: the window is its full length, the drain lasts
+    // until a's request ends (700 ms after the switch began), then a parks and b wakes.
+    let running = s.request("a").await.unwrap();
+    let t0 = Instant::now();
+    let waiting = {
+        let router = s.router.clone();
+        tokio::spawn(async move {
+            let d = router.resolve("b").unwrap();
+            router
+                .admit(d, Instant::now() + Duration::from_secs(600))
+                .await
+                .map(drop)
+        })
+    };
+    tokio::time::sleep_until(t0 + Duration::from_millis(700)).await;
+    drop(running);
+    waiting.await.unwrap().unwrap();
+    let served = t0.elapsed();
+    let r = s.ended("b", SwitchCause::Wave).await;
+    assert_eq!(r.outcome, SwitchOutcome::Ok, "{r:?}");
+    assert_eq!(r.error, None);
+    assert_eq!(r.wave, 1);
+    assert_eq!(r.host_id, "h");
+    assert_eq!(r.instance, format!("{}-0", r.deployment_id));
+    assert_phases(
+        &phases(&r),
+        &[
+            (AdmissionWindow, 0, 500),
+            (Drain, 500, 700),
+            (Park, 700, 1700),
+            (Wake, 1700, 3700),
+            (WakeCheck, 3700, 4200),
+            (Release, 4200, 4200),
+        ],
+    );
+    assert_eq!(r.ended_ms.unwrap() - r.began_ms, 4200);
+    assert_eq!(served, Duration::from_millis(4200));
+    let a_id = s.server.get("a").await.unwrap().id;
+    assert_eq!(
+        r.phases[2].instance,
+        format!("{a_id}-0"),
+        "park is the victim's"
+    );
+    assert_eq!(r.phases[3].instance, r.instance, "wake is the target's");
+    assert_eq!(r.victims.len(), 1);
+    let v = &r.victims[0];
+    assert_eq!(
+        (v.deployment.as_str(), v.action, v.result),
+        ("a", VictimAction::Park, VictimResult::Parked)
+    );
+    // Oldest first, numbered one by one; `after` pages; `deployment` filters.
+    let all = s.records().await;
+    let seqs: Vec<u64> = all.iter().map(|r| r.seq).collect();
+    let first = seqs[0];
+    assert_eq!(seqs, (first..first + seqs.len() as u64).collect::<Vec<_>>());
+    let page = s
+        .server
+        .switches(SwitchQuery {
+            after: Some(first),
+            limit: Some(1),
+            ..SwitchQuery::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(page.switches.len(), 1);
+    assert_eq!(page.switches[0].seq, first + 1);
+    assert_eq!(page.next, first + 1);
+    let only_a = s
+        .server
+        .switches(SwitchQuery {
+            deployment: Some("a".into()),
+            ..SwitchQuery::default()
+        })
+        .await
+        .unwrap();
+    assert!(only_a.switches.iter().all(|r| r.deployment == "a"));
+    assert_eq!(only_a.switches.len(), 1, "a's cold start: {only_a:?}");
+    let none = s
+        .server
+        .switches(SwitchQuery {
+            after: Some(seqs[seqs.len() - 1]),
+            ..SwitchQuery::default()
+        })
+        .await
+        .unwrap();
+    assert!(none.switches.is_empty());
+    assert_eq!(none.next, seqs[seqs.len() - 1]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_operators_start_evict_has_no_admission_window() {
+    use SwitchPhaseKind::*;
+    let s = scene(Duration::from_secs(10), LifecycleDefaults::default()).await;
+    drop(s.request("a").await.unwrap());
+    s.ended("a", SwitchCause::BringUp).await;
+    s.server
+        .start(
+            "b",
+            StartRequest {
+                evict: true,
+                wait: true,
+            },
+        )
+        .await
+        .unwrap();
+    let r = s.ended("b", SwitchCause::Operator).await;
+    assert_eq!(r.outcome, SwitchOutcome::Ok, "{r:?}");
+    assert_eq!(r.wave, 0);
+    assert_phases(
+        &phases(&r),
+        &[
+            (Drain, 0, 0),
+            (Park, 0, 1000),
+            (Start, 1000, 5000),
+            (Release, 5000, 5000),
+        ],
+    );
+    assert_eq!(r.victims[0].deployment, "a");
+    assert_eq!(r.victims[0].result, VictimResult::Parked);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_drain_timeout_is_a_failed_record_with_its_code() {
+    use SwitchPhaseKind::*;
+    let s = scene(Duration::from_secs(2), LifecycleDefaults::default()).await;
+    let running = s.request("a").await.unwrap();
+    let e = s.request("b").await.err().unwrap();
+    assert_eq!(e.metric_label(), "drain_timeout", "{e:?}");
+    let r = s.ended("b", SwitchCause::Wave).await;
+    assert_eq!(r.outcome, SwitchOutcome::Failed, "{r:?}");
+    let error = r.error.clone().unwrap();
+    assert_eq!(error.code, "drain_timeout");
+    assert_eq!(error.message, e.message());
+    assert_phases(
+        &phases(&r),
+        &[(AdmissionWindow, 0, 500), (Drain, 500, 2500)],
+    );
+    assert_eq!(r.ended_ms.unwrap() - r.began_ms, 2500);
+    assert_eq!(r.victims.len(), 1);
+    assert_eq!(r.victims[0].result, VictimResult::Kept);
+    drop(running);
+    // Nothing was parked or woken for it.
+    assert!(
+        !s.agent.calls().iter().any(|c| c.starts_with("park")),
+        "{:?}",
+        s.agent.calls()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_idle_timers_park_is_an_idle_record() {
+    use SwitchPhaseKind::*;
+    let s = scene(
+        Duration::from_secs(10),
+        LifecycleDefaults {
+            ready_idle_timeout: Some(Duration::from_secs(5)),
+            parked_idle_timeout: None,
+        },
+    )
+    .await;
+    drop(s.request("a").await.unwrap());
+    let r = s.ended("a", SwitchCause::Idle).await;
+    assert_eq!(r.outcome, SwitchOutcome::Ok, "{r:?}");
+    assert_eq!(
+        r.phases.iter().map(|p| p.phase).collect::<Vec<_>>(),
+        [Drain, Park]
+    );
+    let park = &r.phases[1];
+    assert_eq!(park.ended_ms.unwrap() - park.began_ms, 1000);
+    assert_eq!(r.victims[0].result, VictimResult::Parked);
+    assert_eq!(r.wave, 0);
+}
+
+fn target(i: u64) -> Target {
+    Target {
+        switch_id: format!("sw-{i}"),
+        deployment: "chat".into(),
+        deployment_id: "01KCHAT".into(),
+        instance: "01KCHAT-0".into(),
+        host_id: "h".into(),
+        engine: "vllm",
+        wave: 2,
+    }
+}
+
+/// Kept across restarts: a bounded ring (the newest [`KEEP`] of 1,100 come back, and after
+/// many more the file was compacted), a record in progress comes back interrupted, a torn
+/// last line is skipped, and numbering goes on.
+#[test]
+fn records_survive_a_restart_bounded_and_an_interrupted_one_says_so() {
+    let dir = capyctl_test_support::temp_dir("switch-records");
+    let path = dir.join(capyctl_lifecycle::switches::FILE);
+    let metrics = Arc::new(Metrics::new());
+    {
+        let log = Arc::new(SwitchLog::open(&path, metrics.clone()).unwrap());
+        for i in 0..1100 {
+            let at = Instant::now();
+            let rec = log.begin(target(i), SwitchCause::Wave, at);
+            rec.phase(SwitchPhaseKind::Wake, "01KCHAT-0", "vllm", at, at);
+            rec.finish(Ok(()), at);
+        }
+        // One in progress when the server "dies".
+        let at = Instant::now();
+        let rec = log.begin(target(1100), SwitchCause::Operator, at);
+        rec.begin_phase(SwitchPhaseKind::Park, "01KOTHER-0", "vllm", at);
+        log.flush();
+    }
+    // A write cut short.
+    {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        f.write_all(b"{\"seq\":99999,\"switch_").unwrap();
+    }
+    let log = Arc::new(SwitchLog::open(&path, metrics.clone()).unwrap());
+    let all = log.list(&SwitchQuery::default()).switches;
+    assert_eq!(all.len(), KEEP);
+    assert_eq!(all[0].seq, 102);
+    let last = all.last().unwrap();
+    assert_eq!(last.seq, 1101);
+    assert_eq!(last.switch_id, "sw-1100");
+    assert_eq!(last.outcome, SwitchOutcome::Failed);
+    let error = last.error.clone().unwrap();
+    assert_eq!(
+        (error.code.as_str(), error.message.as_str()),
+        ("interrupted", "the server stopped during this switch")
+    );
+    assert!(last.ended_ms.is_some());
+    assert!(last.phases.iter().all(|p| p.ended_ms.is_some()));
+    assert!(
+        all[..KEEP - 1]
+            .iter()
+            .all(|r| r.outcome == SwitchOutcome::Ok && r.phases.len() == 1)
+    );
+    // Numbering goes on; the file stays bounded however many come.
+    for i in 0..3000 {
+        let at = Instant::now();
+        log.begin(target(2000 + i), SwitchCause::Idle, at)
+            .finish(Ok(()), at);
+    }
+    log.flush();
+    let lines = std::fs::read_to_string(&path).unwrap().lines().count();
+    assert!(lines <= 4 * KEEP + 100, "{lines} lines");
+    drop(log);
+    let log = SwitchLog::open(&path, metrics).unwrap();
+    let all = log.list(&SwitchQuery::default()).switches;
+    assert_eq!(all.len(), KEEP);
+    assert_eq!(all.last().unwrap().seq, 1101 + 3000);
+    assert_eq!(all[0].seq, 1101 + 3000 - KEEP as u64 + 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
