@@ -114,21 +114,32 @@ fn the_page_is_served_without_a_token_and_the_api_still_needs_one() {
     assert_eq!(r.status, 200, "{r:?}");
 }
 
-/// The latest switch record that served `name`, when the server keeps switch records
-/// (`GET /management/v1/switches`); `None` when it answers 404 (no such route).
+/// The latest switch record that served `name`, once it has ended, when the server keeps
+/// switch records (`GET /management/v1/switches`); `None` when it answers 404 (no such route).
 fn last_switch_of(capy: &Capy, name: &str) -> Option<Value> {
-    let r = capy.management_get(&format!("/management/v1/switches?deployment={name}"));
-    if r.status == 404
-        && r.json()["message"]
-            .as_str()
-            .is_some_and(|m| m.contains("route"))
-    {
-        return None;
+    let start = std::time::Instant::now();
+    loop {
+        let r = capy.management_get(&format!("/management/v1/switches?deployment={name}"));
+        if r.status == 404
+            && r.json()["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("route"))
+        {
+            return None;
+        }
+        assert_eq!(r.status, 200, "{r:?}");
+        let v = r.json();
+        let last = v["switches"].as_array().and_then(|s| s.last()).cloned();
+        let last = last.unwrap_or_else(|| panic!("no switch record for {name}: {v:#}"));
+        if last["outcome"] != "in_progress" {
+            return Some(last);
+        }
+        assert!(
+            start.elapsed() < PATIENCE,
+            "the switch never ended: {last:#}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
     }
-    assert_eq!(r.status, 200, "{r:?}");
-    let v = r.json();
-    let last = v["switches"].as_array().and_then(|s| s.last()).cloned();
-    Some(last.unwrap_or_else(|| panic!("no switch record for {name}: {v:#}")))
 }
 
 /// Chromium opens `/ui/#token=...`; the page shows both deployments; requests for the parked
@@ -225,7 +236,16 @@ fn the_page_in_a_browser_shows_a_switch() {
             );
             assert_eq!(shown["outcome"], record["outcome"], "{shown:#}");
             let title = shown["title"].as_str().unwrap();
-            assert!(title.contains(&id) && title.contains("cause "), "{title}");
+            assert_eq!(record["cause"], "wave", "{record:#}");
+            assert_eq!(record["victims"][0]["deployment"], "code", "{record:#}");
+            for part in [
+                id.clone(),
+                "cause wave".to_string(),
+                format!("wave {}", record["wave"]),
+                format!("outcome: {}", record["outcome"].as_str().unwrap()),
+            ] {
+                assert!(title.contains(&part), "{part:?} not in the title {title:?}");
+            }
             let bars = shown["bars"].as_array().unwrap();
             let bar_phases: Vec<&str> = bars.iter().map(|b| b[0].as_str().unwrap()).collect();
             assert_eq!(bar_phases, phases, "{shown:#}");
