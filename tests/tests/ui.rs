@@ -286,6 +286,14 @@ fn the_page_in_a_browser_shows_a_switch() {
         }
     }
 
+    // Nothing the page did was refused by its CSP or failed (the 401s come after this).
+    let console = session.console();
+    let bad: Vec<_> = console
+        .iter()
+        .filter(|(level, message)| level == "SEVERE" || message.contains("Content Security Policy"))
+        .collect();
+    assert!(bad.is_empty(), "the browser's console: {bad:#?}");
+
     // The screenshot of the README.
     let png = session.screenshot();
     assert_eq!(png_size(&png), Some(VIEWPORT), "a {VIEWPORT:?} PNG");

@@ -164,6 +164,7 @@ impl Session {
             "/session",
             Some(json!({"capabilities": {"alwaysMatch": {
                 "browserName": "chrome",
+                "goog:loggingPrefs": {"browser": "ALL"},
                 "goog:chromeOptions": {
                     "binary": browser.chromium.display().to_string(),
                     "args": args,
@@ -322,6 +323,27 @@ impl Session {
             &self.at(&format!("/element/{e}/click")),
             Some(json!({})),
         );
+    }
+
+    /// The browser's console messages since the last call (chromedriver's log extension):
+    /// `(level, message)`, e.g. `("SEVERE", "... violates the following Content Security Policy
+    /// directive ...")`.
+    pub fn console(&self) -> Vec<(String, String)> {
+        let v = self.call(
+            "POST",
+            &self.at("/se/log"),
+            Some(json!({"type": "browser"})),
+        );
+        v.as_array()
+            .unwrap_or_else(|| panic!("browser log: {v}"))
+            .iter()
+            .map(|e| {
+                (
+                    e["level"].as_str().unwrap_or("").to_string(),
+                    e["message"].as_str().unwrap_or("").to_string(),
+                )
+            })
+            .collect()
     }
 
     /// A PNG screenshot of the viewport.

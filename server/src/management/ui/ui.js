@@ -444,8 +444,7 @@
       const rows = recent.map((r) => el('tr', { 'data-switch-id': r.switch_id,
         'data-outcome': r.outcome, title: describe(r) },
       el('td', {}, clock(r.began_ms)),
-      el('td', { class: 'mono' }, r.switch_id.length > 12 ? '…' + r.switch_id.slice(-10)
-        : r.switch_id),
+      el('td', { class: 'mono' }, r.switch_id),
       el('td', {}, r.deployment),
       el('td', {}, r.cause),
       el('td', { class: 'num' }, r.wave),
