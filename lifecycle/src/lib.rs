@@ -281,6 +281,15 @@ struct Ended {
     stopped: Result<(), capyctl_node_agent::AgentError>,
 }
 
+/// The record of a switch the router planned, while its window and drain run.
+struct Planned {
+    rec: Recording,
+    /// Its window's or drain's phase, as seen live.
+    open: Option<switches::PhaseMark>,
+    /// Its victims (ID, name): `kept` if it is given back.
+    victims: Vec<(String, String)>,
+}
+
 /// The server's lifecycle and placement on one host. Shared as `Arc<Server>`.
 pub struct Server {
     /// Read-only.
@@ -315,6 +324,9 @@ pub struct Server {
     next_id: AtomicU64,
     /// The switch records (`GET /switches`).
     switches: Arc<SwitchLog>,
+    /// The records of the router's switches planned and not yet executed, failed or given
+    /// back, by switch ID (shown while their window and drain run).
+    planned: Mutex<HashMap<String, Planned>>,
     /// Itself, for the background work it spawns.
     me: Weak<Server>,
 }
@@ -407,6 +419,7 @@ impl Server {
             hosts_fixed: AtomicBool::new(false),
             next_id: AtomicU64::new(1),
             switches,
+            planned: Mutex::new(HashMap::new()),
             me: me.clone(),
         });
         for host in hosts {
@@ -777,9 +790,59 @@ impl Server {
         who: PlanFor,
     ) -> Result<Plan, ApiError> {
         let switch_id = self.fresh_id("sw");
-        let (target, protected) = (target.to_string(), protected.clone());
-        self.write(move |inner| inner.plan(&target, &protected, who, switch_id, Instant::now()))
-            .await
+        let (id, protected) = (target.to_string(), protected.clone());
+        let plan = self
+            .write(move |inner| inner.plan(&id, &protected, who, switch_id, Instant::now()))
+            .await;
+        if let Ok(Plan::BringUp { switch_id } | Plan::Switch { switch_id, .. }) = &plan {
+            self.record_plan(target, switch_id, who, &plan);
+        }
+        plan
+    }
+
+    /// Begins the record of a switch the router planned, shown while it runs: a request's
+    /// window begins now (an operator's switch has none: its drain begins when the router
+    /// says, [`Lifecycle::switch_draining`]). [`Server::record_order`] gives it the router's
+    /// exact times.
+    fn record_plan(
+        &self,
+        target: &str,
+        switch_id: &str,
+        who: PlanFor,
+        plan: &Result<Plan, ApiError>,
+    ) {
+        let now = Instant::now();
+        let victims: Vec<(String, String)> = match plan {
+            Ok(Plan::Switch { victims, .. }) => self.read(|inner| {
+                victims
+                    .iter()
+                    .map(|k| {
+                        let name = inner
+                            .deps
+                            .get(&k.deployment)
+                            .map_or(k.deployment.as_str(), |d| d.name());
+                        (k.deployment.clone(), name.to_string())
+                    })
+                    .collect()
+            }),
+            _ => Vec::new(),
+        };
+        let cause = match (victims.is_empty(), who) {
+            (true, _) => SwitchCause::BringUp,
+            (false, PlanFor::Operator) => SwitchCause::Operator,
+            (false, PlanFor::Requests) => SwitchCause::Wave,
+        };
+        let rec = self
+            .switches
+            .begin(self.target_of(target, switch_id, 0), cause, now);
+        let open = (cause == SwitchCause::Wave)
+            .then(|| rec.begin_live_phase(SwitchPhaseKind::AdmissionWindow, rec.engine(), now));
+        self.planned_of()
+            .insert(switch_id.to_string(), Planned { rec, open, victims });
+    }
+
+    fn planned_of(&self) -> MutexGuard<'_, HashMap<String, Planned>> {
+        self.planned.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn router(&self) -> Option<CoordinatorHandle> {
@@ -1688,8 +1751,18 @@ impl Server {
             (true, true) => SwitchCause::Operator,
             (true, false) => SwitchCause::Wave,
         };
-        let target = self.target_of(&order.target, &order.switch_id, order.wave);
-        let rec = self.switches.begin(target, cause, order.began);
+        let wave = u64::try_from(order.wave).unwrap_or(u64::MAX);
+        let planned = self.planned_of().remove(&order.switch_id);
+        let rec = match planned {
+            Some(p) => {
+                p.rec.rebase(order.began, wave);
+                p.rec
+            }
+            None => {
+                let target = self.target_of(&order.target, &order.switch_id, order.wave);
+                self.switches.begin(target, cause, order.began)
+            }
+        };
         if victims {
             let (instance, engine) = (rec.instance().to_string(), rec.engine());
             let closed = order.began + order.window;
@@ -2950,9 +3023,31 @@ impl Lifecycle for Server {
     }
 
     fn abandon(&self, switch_id: &str) {
+        // A plan given back before it ran (not one that failed: its record has ended): its
+        // victims serve on.
+        if let Some(p) = self.planned_of().remove(switch_id) {
+            for (id, name) in &p.victims {
+                p.rec
+                    .victim(victim_entry(name, id, false, VictimResult::Kept, None));
+            }
+            p.rec.abandon(Instant::now());
+        }
         let switch_id = switch_id.to_string();
         self.owner
             .tell(move |inner| inner.release_reservation(&switch_id));
+    }
+
+    fn switch_draining(&self, switch_id: &str) {
+        let now = Instant::now();
+        if let Some(p) = self.planned_of().get_mut(switch_id) {
+            if let Some(window) = p.open.take() {
+                p.rec.end_phase(&window, now);
+            }
+            p.open = Some(
+                p.rec
+                    .begin_live_phase(SwitchPhaseKind::Drain, p.rec.engine(), now),
+            );
+        }
     }
 
     fn switch_failed(&self, failed: &SwitchOrder, error: &ApiError) {

@@ -262,7 +262,6 @@ impl SwitchLog {
         Recording(Arc::new(Rec {
             log: Arc::clone(self),
             seq,
-            began,
             engine: target.engine,
             instance: target.instance,
             span,
@@ -308,7 +307,6 @@ pub struct Target {
 struct Rec {
     log: Arc<SwitchLog>,
     seq: u64,
-    began: Instant,
     engine: &'static str,
     instance: String,
     span: tracing::Span,
@@ -333,6 +331,8 @@ pub struct PhaseMark {
     began: Instant,
     kind: SwitchPhaseKind,
     engine: &'static str,
+    /// Shown while it runs only: no span, no metric (see [`Recording::begin_live_phase`]).
+    live: bool,
 }
 
 tokio::task_local! {
@@ -398,7 +398,35 @@ impl Recording {
             began,
             kind,
             engine,
+            live: false,
         }
+    }
+
+    /// [`Recording::begin_phase`] of a phase shown while it runs, whose exact times come later
+    /// (the router's window and drain, replaced by [`Recording::rebase`]): its end is neither
+    /// a span nor a metric.
+    pub fn begin_live_phase(
+        &self,
+        kind: SwitchPhaseKind,
+        engine: &'static str,
+        began: Instant,
+    ) -> PhaseMark {
+        let instance = self.0.instance.clone();
+        PhaseMark {
+            live: true,
+            ..self.begin_phase(kind, &instance, engine, began)
+        }
+    }
+
+    /// Starts the record over at `began` with `wave` (the router's exact times, known once it
+    /// orders or fails the switch): the phases noted so far, live ones, are dropped.
+    pub fn rebase(&self, began: Instant, wave: u64) {
+        let began_ms = self.0.log.ms(began);
+        self.0.log.change(self.0.seq, |r| {
+            r.began_ms = began_ms;
+            r.wave = wave;
+            r.phases.clear();
+        });
     }
 
     /// Ends a phase noted by [`Recording::begin_phase`] at `ended`: its child span and its
@@ -412,7 +440,9 @@ impl Recording {
                 instance.clone_from(&p.instance);
             }
         });
-        self.ended(mark.kind, mark.engine, &instance, mark.began, ended);
+        if !mark.live {
+            self.ended(mark.kind, mark.engine, &instance, mark.began, ended);
+        }
     }
 
     /// Notes a phase with both its ends known.
@@ -478,13 +508,13 @@ impl Recording {
             Ok(()) => SwitchOutcome::Ok,
             Err(_) => SwitchOutcome::Failed,
         };
-        self.end(outcome, result.err().map(error_of), ended);
+        let took = self.end(outcome, result.err().map(error_of), ended);
         self.0.log.metrics.switch_finished(
             match result {
                 Ok(()) => "ok",
                 Err(e) => e.metric_label(),
             },
-            ended.saturating_duration_since(self.0.began),
+            took,
         );
         let _entered = self.0.span.enter();
         match result {
@@ -495,15 +525,20 @@ impl Recording {
 
     /// Ends the record as given up (`abandoned`), not counted as a switch.
     pub fn abandon(&self, ended: Instant) {
+        let _entered = self.0.span.enter();
+        tracing::info!("switch given up");
         self.end(SwitchOutcome::Abandoned, None, ended);
     }
 
-    fn end(&self, outcome: SwitchOutcome, error: Option<SwitchError>, ended: Instant) {
+    /// Ends the record (once); how long it lasted.
+    fn end(&self, outcome: SwitchOutcome, error: Option<SwitchError>, ended: Instant) -> Duration {
         let ended_ms = self.0.log.ms(ended);
+        let mut took = Duration::ZERO;
         self.0.log.change(self.0.seq, |r| {
             if r.outcome != SwitchOutcome::InProgress {
                 return;
             }
+            took = Duration::from_millis(ended_ms.saturating_sub(r.began_ms));
             for p in &mut r.phases {
                 p.ended_ms.get_or_insert(ended_ms);
             }
@@ -511,6 +546,7 @@ impl Recording {
             r.outcome = outcome;
             r.error = error;
         });
+        took
     }
 }
 

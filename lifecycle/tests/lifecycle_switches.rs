@@ -175,6 +175,24 @@ async fn a_waves_switch_records_each_phase_at_its_instant() {
                 .map(drop)
         })
     };
+    // Shown while it runs: its window, then its drain, still open.
+    let live = |phase: SwitchPhaseKind| {
+        let s = &s;
+        async move {
+            let r = s.records().await.pop().unwrap();
+            assert_eq!(
+                (r.deployment.as_str(), r.cause, r.outcome, r.ended_ms),
+                ("b", SwitchCause::Wave, SwitchOutcome::InProgress, None),
+                "{r:?}"
+            );
+            let last = r.phases.last().unwrap();
+            assert_eq!((last.phase, last.ended_ms), (phase, None), "{r:?}");
+        }
+    };
+    tokio::time::sleep_until(t0 + Duration::from_millis(300)).await;
+    live(AdmissionWindow).await;
+    tokio::time::sleep_until(t0 + Duration::from_millis(600)).await;
+    live(Drain).await;
     tokio::time::sleep_until(t0 + Duration::from_millis(700)).await;
     drop(running);
     waiting.await.unwrap().unwrap();

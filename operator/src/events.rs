@@ -309,6 +309,10 @@ impl Lifecycle for ObservedLifecycle {
         self.inner.abandon(switch_id);
     }
 
+    fn switch_draining(&self, switch_id: &str) {
+        self.inner.switch_draining(switch_id);
+    }
+
     fn switch_failed(&self, failed: &SwitchOrder, error: &ApiError) {
         self.inner.switch_failed(failed, error);
         let switch_id = failed.switch_id.as_str();

@@ -182,9 +182,15 @@ pub trait Lifecycle: Send + Sync + 'static {
     /// A switch failed in the router before it reached the lifecycle (the drain timed out,
     /// `error`): `failed` is the order it would have executed (its victims, not released,
     /// its window and drain up to the failure); for metrics and the switch's record. Called
-    /// after [`Lifecycle::abandon`].
+    /// just before [`Lifecycle::abandon`] gives its plan back.
     fn switch_failed(&self, failed: &SwitchOrder, error: &ApiError) {
         let _ = (failed, error);
+    }
+
+    /// The admission window of switch `switch_id` has closed now: its victims drain (for the
+    /// switch's record while it runs; the order carries the exact times).
+    fn switch_draining(&self, switch_id: &str) {
+        let _ = switch_id;
     }
 
     /// Resolves once the instance's engine reports no running and no waiting requests, or

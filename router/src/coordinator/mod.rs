@@ -1516,6 +1516,10 @@ impl Effects for TaskEffects {
         self.lifecycle.switch_failed(failed, error);
     }
 
+    fn switch_draining(&mut self, switch_id: &str) {
+        self.lifecycle.switch_draining(switch_id);
+    }
+
     fn engine_idle(&mut self, owner: DrainOwner, key: InstanceKey) {
         let lifecycle = self.lifecycle.clone();
         let lost_key = key.clone();

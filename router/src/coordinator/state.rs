@@ -107,6 +107,10 @@ pub(crate) trait Effects {
     fn switch_failed(&mut self, failed: &SwitchOrder, error: &ApiError) {
         let _ = (failed, error);
     }
+    /// `Lifecycle::switch_draining`.
+    fn switch_draining(&mut self, switch_id: &str) {
+        let _ = switch_id;
+    }
     /// Starts `Lifecycle::engine_idle`; its answer comes back as [`State::engine_idle_done`].
     fn engine_idle(&mut self, owner: DrainOwner, instance: InstanceKey);
     /// Answers a release.
@@ -1383,6 +1387,7 @@ impl State {
                         return;
                     }
                     self.close(&victims, fx);
+                    fx.switch_draining(&switch_id);
                     self.switch = Some(Switch {
                         phase: Phase::Draining {
                             switch_id,
@@ -1407,7 +1412,6 @@ impl State {
                         return;
                     }
                     DrainPoll::TimedOut { charged } => {
-                        fx.abandon(&switch_id);
                         self.reopen(now, &drain.victims, fx);
                         let e = ApiError::DrainTimeout {
                             deployment: sw.target.clone(),
@@ -1429,7 +1433,10 @@ impl State {
                             wave: sw.wave,
                             operator: sw.operator.is_some(),
                         };
+                        // Told before the plan is given back: its record ends failed, not
+                        // given up.
                         fx.switch_failed(&failed, &e);
+                        fx.abandon(&switch_id);
                         if let Some((id, _)) = sw.operator {
                             fx.operator_done(id, Err(e));
                         } else {
