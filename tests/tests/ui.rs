@@ -16,13 +16,13 @@ use support::{Capy, chat, document, request, temp_dir};
 use webdriver::{Browser, Session, VIEWPORT, png_size};
 
 /// A deployment for the simulator: 6 GiB of GPU (two do not fit on the 10 GiB GPU together)
-/// and 256 MiB of weights copied at 128 MiB/s: a park or a wake takes some 2 s, long enough
-/// for the page to see requests wait.
+/// and 256 MiB of weights copied at 64 MiB/s: a park or a wake takes some 4 s, long enough
+/// for the page (polling every second) to see the switch in progress and requests wait.
 fn slow_model(name: &str) -> String {
     format!(
         "name: {name}\nengine: vllm\nmodel: Qwen3-4B\n\
          resources: {{gpu_memory: 6GiB, weights_memory: 256MiB}}\n\
-         env: {{ENGINE_SIM_WEIGHTS_BYTES: 256MiB, ENGINE_SIM_HOST_BANDWIDTH: 128MiB, ENGINE_SIM_TOKEN_RATE: \"20\"}}\n"
+         env: {{ENGINE_SIM_WEIGHTS_BYTES: 256MiB, ENGINE_SIM_HOST_BANDWIDTH: 64MiB, ENGINE_SIM_TOKEN_RATE: \"20\"}}\n"
     )
 }
 
@@ -199,6 +199,29 @@ fn the_page_in_a_browser_shows_a_switch() {
     let requests: Vec<_> = (0..4)
         .map(|_| std::thread::spawn(move || chat(inference, "chat", false)))
         .collect();
+    // While it runs, the page draws it in progress, up to now.
+    let running = session.wait_for(
+        "the switch in progress",
+        PATIENCE,
+        r#"const s = document.querySelector('#timeline rect.switch[data-deployment="chat"][data-outcome="in_progress"]');
+           if (!s) return null;
+           const now = Number(document.querySelector('#timeline line.now').getAttribute('x1'));
+           const end = Number(s.getAttribute('x')) + Number(s.getAttribute('width'));
+           const open = [...document.querySelectorAll(`#timeline rect.phase.in-progress[data-switch-id="${s.dataset.switchId}"]`)]
+             .map(b => Number(b.getAttribute('x')) + Number(b.getAttribute('width')));
+           return {now, end, open};"#,
+    );
+    let now = running["now"].as_f64().unwrap();
+    assert!(
+        (running["end"].as_f64().unwrap() - now).abs() <= 2.0,
+        "the switch in progress ends at now: {running}"
+    );
+    let open = running["open"].as_array().unwrap();
+    assert!(
+        open.iter()
+            .all(|e| (e.as_f64().unwrap() - now).abs() <= 1.0),
+        "its phases in progress end at now: {running}"
+    );
     for r in requests {
         let r = r.join().unwrap();
         assert_eq!(r.status, 200, "{r:?}");
