@@ -172,7 +172,11 @@ fn the_page_in_a_browser_shows_a_switch() {
     );
     // The token left the address bar and lives in the tab's sessionStorage.
     let href = session.eval("return location.href;");
-    assert_eq!(href, Value::String(page.clone()), "the fragment stays");
+    assert_eq!(
+        href,
+        Value::String(page.clone()),
+        "the #token= fragment is removed"
+    );
     assert_eq!(
         session.eval("return sessionStorage.getItem('capyctl.admin_token');"),
         Value::String(token.clone())
@@ -186,7 +190,27 @@ fn the_page_in_a_browser_shows_a_switch() {
     session.wait_for(
         "the host's GPU",
         PATIENCE,
-        r#"return !!document.querySelector('[data-host="gpu-box"] .gpu');"#,
+        r#"return !!document.querySelector('[data-host="gpu-box"] .gpu meter');"#,
+    );
+    let load = session.eval(
+        r#"return [...document.querySelectorAll('#deployments tr[data-deployment="code"] td[data-load]')]
+             .map(td => td.textContent);"#,
+    );
+    let read = capy.management_get("/management/v1/metrics/load").json();
+    let code = read["deployments"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["name"] == "code")
+        .unwrap();
+    let r = &code["router"];
+    assert_eq!(
+        load,
+        serde_json::json!([
+            format!("{} / {}", r["in_flight"], r["in_flight_limit"]),
+            format!("{} / {}", r["waiting"], r["waiting_limit"]),
+        ]),
+        "in flight and waiting as the load read has them"
     );
     // A one-minute window, as a user would pick it (the switches are seconds long).
     session.eval(
