@@ -143,6 +143,41 @@ impl ServerError {
     }
 }
 
+/// The UUIDs of the GPUs `d`'s engine uses on its host (those its `CUDA_VISIBLE_DEVICES`
+/// names, the deployment's or the host's engine setting, else every GPU of the host), where
+/// the host's inventory knows them.
+fn gpus_of(inner: &State, d: &Dep) -> Vec<String> {
+    const VAR: &str = "CUDA_VISIBLE_DEVICES";
+    let Some(host) = d.host.as_deref().and_then(|h| inner.hosts.get(h)) else {
+        return Vec::new();
+    };
+    let visible = d
+        .spec
+        .env
+        .get(VAR)
+        .or_else(|| host.settings.engine(d.spec.engine).env.get(VAR))
+        .map(|v| v.trim())
+        .filter(|v| !v.is_empty());
+    let used = |g: &capyctl_node_agent::inventory::GpuInfo| {
+        visible.is_none_or(|v| {
+            v.split(',')
+                .map(str::trim)
+                .any(|name| match name.parse::<u32>() {
+                    Ok(index) => g.index == index,
+                    Err(_) => g
+                        .uuid
+                        .as_deref()
+                        .is_some_and(|u| u.eq_ignore_ascii_case(name)),
+                })
+        })
+    };
+    host.gpus
+        .iter()
+        .filter(|g| used(g))
+        .filter_map(|g| g.uuid.clone())
+        .collect()
+}
+
 /// The ID of a deployment's instance: `<deployment id>-0`.
 pub fn instance_id(deployment_id: &str) -> String {
     format!("{deployment_id}-0")
@@ -489,6 +524,7 @@ impl Server {
             admission_window,
             remote,
             capacity,
+            gpus: inventory.gpus,
         };
         let (adopted, stopped, gone) = (report.adopted, report.stopped, report.gone);
         if let Some(exits) = self.host_exits_of().remove(&host_id) {
@@ -985,13 +1021,18 @@ impl Server {
             self.save_logged(id);
         }
         let began = Instant::now();
-        let (woken_from, host) =
-            self.read(|inner| inner.deps.get(id).map(|d| (d.tier, d.host.clone())).unzip());
+        let (woken_from, host) = self.read(|inner| {
+            inner
+                .deps
+                .get(id)
+                .map(|d| (d.tier, d.host.clone().map(|h| (h, gpus_of(inner, d)))))
+                .unzip()
+        });
         let rec = switches::current();
         let engine = spec.engine.as_str();
         let mark = rec.as_ref().map(|r| {
-            if let Some(host) = host.flatten() {
-                r.placed(&host);
+            if let Some((host, gpus)) = host.flatten() {
+                r.placed(&host, gpus);
             }
             let phase = match up {
                 Up::Start => SwitchPhaseKind::Start,
@@ -1729,6 +1770,7 @@ impl Server {
                 deployment_id: id.to_string(),
                 instance: instance_id(id),
                 host_id: d.and_then(|d| d.host.clone()).unwrap_or_default(),
+                gpus: d.map(|d| gpus_of(inner, d)).unwrap_or_default(),
                 engine: d.map_or("unknown", |d| d.spec.engine.as_str()),
                 wave: u64::try_from(wave).unwrap_or(u64::MAX),
             }

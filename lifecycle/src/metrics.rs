@@ -9,7 +9,7 @@
 //! |---|---|---|---|
 //! | `capyctl_requests_total` | counter | `deployment`, `status`, `code` | inference requests that ended, by HTTP status and error code (`ok` for a success) |
 //! | `capyctl_request_wait_seconds` | histogram | `deployment` | how long an ended request waited in CapyCTL before it was forwarded (or refused) |
-//! | `capyctl_switches_total` | counter | `outcome` | switches that ended (`ok`, `drain_timeout`, …): a request's, and a `start --evict` (no window) |
+//! | `capyctl_switches_total` | counter | `outcome` | switches that ended (`ok`, `drain_timeout`, …): one per switch record that ended `ok` or `failed` (not one given up), whatever its cause (a wave, `start --evict`, a bring-up, a release, an idle timer, a host drain) |
 //! | `capyctl_switch_seconds` | histogram | `outcome` | a whole switch, from its begin (its admission window's) to its end |
 //! | `capyctl_switch_phase_seconds` | histogram | `phase`, `engine` | one phase of a switch (its record's: `admission_window`, `drain`, `park`, `stop`, `wake`, `start`, `wake_check`, `release`), by the engine of the instance it moved (`vllm`, `sglang`, `tensorfold`) |
 //! | `capyctl_parks_total` | counter | `tier`, `outcome` | parks that ended, by tier (`host_ram`, `deep`, `kv_only`) and outcome (`ok`, or the error's label); a release that stopped instead of parking counts under tier `none` with outcome `stopped` (the model does not park), `stopped_no_room_to_park` or `capability_missing` |

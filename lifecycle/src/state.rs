@@ -336,6 +336,8 @@ pub(crate) struct Host {
     pub(crate) remote: bool,
     /// Total GPU memory, bytes.
     pub(crate) capacity: u64,
+    /// Its GPUs, as its inventory said when it joined (the switch records name them).
+    pub(crate) gpus: Vec<capyctl_node_agent::inventory::GpuInfo>,
 }
 
 impl std::fmt::Debug for Host {
@@ -1401,6 +1403,7 @@ mod tests {
             admission_window: None,
             remote: false,
             capacity: 10 * GIB,
+            gpus: Vec::new(),
         };
         s.add_host("gpu-1".into(), host, &[]);
         for id in ["a", "b", "c"] {

@@ -231,7 +231,7 @@ impl SwitchLog {
             deployment_id: target.deployment_id.clone(),
             instance: target.instance.clone(),
             host_id: target.host_id.clone(),
-            gpus: Vec::new(),
+            gpus: target.gpus.clone(),
             cause,
             wave: target.wave,
             began_ms: self.ms(began),
@@ -298,6 +298,8 @@ pub struct Target {
     pub instance: String,
     /// The host where it goes.
     pub host_id: String,
+    /// The UUIDs of the GPUs it goes to (empty when unknown).
+    pub gpus: Vec<String>,
     /// Its engine (`vllm`, ...): the metrics' label of its phases.
     pub engine: &'static str,
     /// The requests waiting for it when the switch began.
@@ -492,11 +494,14 @@ impl Recording {
         });
     }
 
-    /// Sets where the target went (its host), once known.
-    pub fn placed(&self, host_id: &str) {
+    /// Sets where the target went (its host and GPUs), once known.
+    pub fn placed(&self, host_id: &str, gpus: Vec<String>) {
         self.0.log.change(self.0.seq, |r| {
             if r.host_id.is_empty() {
                 r.host_id = host_id.to_string();
+            }
+            if r.gpus.is_empty() {
+                r.gpus = gpus;
             }
         });
     }

@@ -46,12 +46,16 @@ struct Scene {
 }
 
 async fn scene(drain_timeout: Duration, defaults: LifecycleDefaults) -> Scene {
-    let agent = Arc::new(FakeHost::new().with_times(OpTimes {
-        start: START,
-        park: PARK,
-        wake: WAKE,
-        check: CHECK,
-    }));
+    let agent = Arc::new(
+        FakeHost::new()
+            .with_gpu_uuid("GPU-0f1e")
+            .with_times(OpTimes {
+                start: START,
+                park: PARK,
+                wake: WAKE,
+                check: CHECK,
+            }),
+    );
     let mut lc = LifecycleConfig::new("h");
     lc.lifecycle_defaults = defaults;
     lc.timer_tick = Duration::from_millis(100);
@@ -202,6 +206,7 @@ async fn a_waves_switch_records_each_phase_at_its_instant() {
     assert_eq!(r.error, None);
     assert_eq!(r.wave, 1);
     assert_eq!(r.host_id, "h");
+    assert_eq!(r.gpus, ["GPU-0f1e"]);
     assert_eq!(r.instance, format!("{}-0", r.deployment_id));
     assert_phases(
         &phases(&r),
@@ -359,6 +364,7 @@ fn target(i: u64) -> Target {
         deployment_id: "01KCHAT".into(),
         instance: "01KCHAT-0".into(),
         host_id: "h".into(),
+        gpus: vec!["GPU-0f1e".into()],
         engine: "vllm",
         wave: 2,
     }

@@ -1013,6 +1013,17 @@ mod tests {
         assert!(err.message().contains("standby"), "{}", err.message());
         assert!(api.list().await.deployments.is_empty());
         assert!(!SwitchableApi::new(false).ready());
+        // The switch records are the leader's.
+        let query = capyctl_spec::api::SwitchQuery {
+            after: Some(7),
+            ..Default::default()
+        };
+        let err = api.switches(query.clone()).await.unwrap_err();
+        assert!(err.message().contains("standby"), "{}", err.message());
+        api.set(Some(Arc::new(FakeApi::default())));
+        let list = api.switches(query).await.unwrap();
+        assert!(list.switches.is_empty());
+        assert_eq!(list.next, 7);
     }
 
     #[tokio::test]

@@ -234,6 +234,43 @@ async fn crs_switch_through_the_router_and_their_status_and_events_show_it() {
     assert_eq!(a.state, Some(InstanceState::Ready));
     assert_eq!(a.ready.as_deref(), Some("1/1"));
     assert_eq!(a.instances[0].generation, 1, "woken, not restarted");
+    // The switch back to chat-a is recorded phase by phase, its wake check apart from the
+    // wake (the agent's report says how long the check took).
+    let back = loop {
+        let list = h
+            .server
+            .switches(capyctl_spec::api::SwitchQuery::default())
+            .await
+            .unwrap();
+        let found = list.switches.into_iter().rev().find(|r| {
+            r.deployment == "chat-a"
+                && r.cause == capyctl_spec::api::SwitchCause::Wave
+                && r.outcome != capyctl_spec::api::SwitchOutcome::InProgress
+        });
+        if let Some(r) = found {
+            break r;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    assert_eq!(
+        back.outcome,
+        capyctl_spec::api::SwitchOutcome::Ok,
+        "{back:?}"
+    );
+    let phases: Vec<&str> = back.phases.iter().map(|p| p.phase.word()).collect();
+    assert_eq!(
+        phases,
+        [
+            "admission_window",
+            "drain",
+            "park",
+            "wake",
+            "wake_check",
+            "release"
+        ],
+        "{back:?}"
+    );
+    assert_eq!(back.victims[0].deployment, "chat-b", "{back:?}");
     let b = mock.cr("chat-b").status.unwrap();
     assert_eq!(b.state, Some(InstanceState::Parked));
     assert_eq!(

@@ -76,6 +76,8 @@ type SampleHook = Box<dyn Fn(&str) + Send + Sync>;
 /// module's doc). Build it with [`FakeHost::new`] and the `with_…` methods.
 pub struct FakeHost {
     gpu_bytes: u64,
+    /// The GPU's UUID in the inventory (none by default).
+    gpu_uuid: Option<String>,
     upstream: SocketAddr,
     /// `None`: the inventory and engines calls answer without a sleep.
     latency: Option<Duration>,
@@ -152,6 +154,7 @@ impl FakeHost {
     pub fn new() -> Self {
         FakeHost {
             gpu_bytes: 10 * GIB,
+            gpu_uuid: None,
             upstream: SocketAddr::from(([127, 0, 0, 1], 9)),
             latency: None,
             in_progress: None,
@@ -174,6 +177,12 @@ impl FakeHost {
     /// The GPU's memory.
     pub fn with_gpu(mut self, bytes: u64) -> Self {
         self.gpu_bytes = bytes;
+        self
+    }
+
+    /// The GPU's UUID, as its inventory says.
+    pub fn with_gpu_uuid(mut self, uuid: &str) -> Self {
+        self.gpu_uuid = Some(uuid.to_string());
         self
     }
 
@@ -287,7 +296,7 @@ impl HostAgent for FakeHost {
             Ok(Inventory {
                 gpus: vec![GpuInfo {
                     index: 0,
-                    uuid: None,
+                    uuid: self.gpu_uuid.clone(),
                     name: None,
                     total_bytes: self.gpu_bytes,
                     free_bytes: None,

@@ -200,7 +200,7 @@ fn a_switch_is_recorded_phase_by_phase_and_kept_across_a_restart() {
     // What was there already comes first: chat-a's cold start.
     let old = rx.recv_timeout(Duration::from_secs(10)).unwrap();
     assert_eq!(old["seq"], up["seq"], "{old:#}");
-    // A request for chat-a (stopped by the restart? parked: then a wake) is a new record.
+    // A request for chat-a is a new record.
     assert_eq!(chat(capy.inference, "chat-a", false).status, 200);
     let new = loop {
         let r = rx.recv_timeout(Duration::from_secs(20)).unwrap();
@@ -211,6 +211,9 @@ fn a_switch_is_recorded_phase_by_phase_and_kept_across_a_restart() {
     assert_eq!(new["deployment"], "chat-a", "{new:#}");
     assert_ne!(new["outcome"], "in_progress", "{new:#}");
     assert_eq!(new["outcome"], "ok", "{new:#}");
+    // A clean shutdown stopped the engines: chat-a starts into free room.
+    assert_eq!(new["cause"], "bring_up", "{new:#}");
+    assert_eq!(phases(&new), ["start", "release"], "{new:#}");
     follow.kill().unwrap();
     follow.wait().unwrap();
 }
