@@ -22,6 +22,7 @@
 //! | `GET /healthz` | 200 `ok` (no token) |
 //! | `GET /readyz` | 200 `ready` once [`ManagementApi::ready`], else 503 (no token) |
 //! | `GET /metrics` | 200 OpenMetrics text of [`Metrics`] (no token) |
+//! | `GET /ui/` and its files | the web page ([`ui`]; no token: the page asks for it) |
 //!
 //! Errors are [`ApiError`] JSON (`{"code","message","retryable"}`) with its status, and
 //! `Retry-After` on a 429. An unknown route is 404 `not_found`, a known route with another
@@ -41,6 +42,7 @@
 #[doc(hidden)]
 pub mod fuzz;
 mod token;
+pub mod ui;
 
 use std::future::{Future, IntoFuture};
 use std::sync::Arc;
@@ -131,6 +133,7 @@ pub fn router(api: Arc<dyn ManagementApi>, options: ManagementOptions) -> Router
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(prometheus))
+        .merge(ui::routes())
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
         .with_state(state)
