@@ -69,7 +69,8 @@ pub struct Args {
     /// The node agents' port, for a node agent found by its Pod.
     #[arg(long, env = "CAPYCTL_NODE_AGENT_PORT", default_value_t = 7444)]
     pub node_agent_port: u16,
-    /// Where the admin token is generated when the server document names no token file.
+    /// Where the admin token is generated when the server document names no token file, and
+    /// where the leader keeps its switch records (`switches.jsonl`).
     #[arg(
         long,
         env = "CAPYCTL_DATA_DIR",
@@ -188,6 +189,7 @@ impl Args {
             metrics,
             host,
             tls,
+            switch_log: Some(self.data_dir.join(capyctl_lifecycle::switches::FILE)),
         };
         run(client, options, capyctl_node_agent::cli::shutdown_signal())
             .await

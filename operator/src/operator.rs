@@ -125,6 +125,10 @@ pub struct OperatorOptions {
     /// Both listeners' TLS (`server.listen.tls`, read by
     /// `capyctl_router::tls::listen_config`); `None`: plain HTTP.
     pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// Where the leader keeps its switch records across its restarts (`<data dir>/switches.jsonl`;
+    /// the chart's data directory is the Pod's `emptyDir`, which a container restart keeps and a
+    /// new Pod, or the standby taking over, does not); `None`: in memory only.
+    pub switch_log: Option<std::path::PathBuf>,
 }
 
 /// What the router and the lifecycle take from the host: its queue settings and activation.
@@ -891,9 +895,10 @@ pub async fn lead(
             waiting_limit: queue.max_pending_per_deployment,
             timer_tick: Duration::from_secs(1),
             metrics: metrics.clone(),
-            // NB: the leader's switch records are kept in its memory (a new leader begins
-            // with none): CRs and ConfigMaps are no place for a ring of 1,000 records.
-            switch_log: None,
+            // NB: the leader's switch records are kept in its data directory, not in the API
+            // server (CRs and ConfigMaps are no place for a ring of 1,000 records): a standby
+            // that takes over begins with its own.
+            switch_log: options.switch_log.clone(),
             // The server document's wake window governs the node agents' wakes too.
             wake_window: Some(options.server.switching.wake_timeout),
         },

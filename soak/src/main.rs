@@ -1628,10 +1628,14 @@ mod tests {
     #[test]
     fn placements() {
         const G: u64 = 1 << 30;
-        assert!(fits(&[6 * G, 6 * G, 6 * G]));
-        assert!(fits(&[10 * G, 6 * G]));
-        assert!(!fits(&[10 * G, 6 * G, 6 * G]));
-        assert!(!fits(&[6 * G, 6 * G, 6 * G, 6 * G]));
+        // GPUs of 12, 6 and 6 GiB.
+        const M: u64 = 1 << 20;
+        assert!(fits(&[6 * G, 6 * G, 6 * G, 6 * G]));
+        assert!(fits(&[10 * G, 6 * G, 6 * G]));
+        assert!(fits(&[6 * G, 6 * G, 6 * G, 24 * M]));
+        assert!(!fits(&[10 * G, 10 * G]));
+        assert!(!fits(&[10 * G, 6 * G, 6 * G, 6 * G]));
+        assert!(!fits(&[6 * G, 6 * G, 6 * G, 6 * G, 24 * M]));
         assert!(fits(&[]));
     }
 

@@ -302,7 +302,10 @@ impl Inner {
         let mut tick = tokio::time::interval(self.config.sample_poll);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut timing_known = !self.config.follow_agent_timing;
-        let mut failing = false;
+        // NB: quiet until the agent has answered once: an agent never reached is the caller's
+        // to report (its first call fails, naming the agent), not a warning of every poller.
+        let mut failing = true;
+        let mut reached = false;
         loop {
             tick.tick().await;
             if !timing_known && let Ok(info) = self.info().await {
@@ -316,10 +319,11 @@ impl Inner {
                 .await
             {
                 Ok(page) => {
-                    if failing {
+                    if failing && reached {
                         tracing::info!(url = %self.base_url, "node agent: samples again");
-                        failing = false;
                     }
+                    failing = false;
+                    reached = true;
                     let mut c = self.cache();
                     if c.forgets == forgets {
                         c.by_instance = page.samples.into_iter().collect();
@@ -347,7 +351,8 @@ impl Inner {
     /// Long-polls the exits until the agent is dropped.
     async fn watch_exits(self: Arc<Self>) {
         let mut cursor: Option<(u64, u64)> = None;
-        let mut failing = false;
+        // Quiet until the agent has answered once (see `poll_samples`).
+        let mut failing = true;
         loop {
             let path = match cursor {
                 None => "/agent/v1/exits".to_string(),
