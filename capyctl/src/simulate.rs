@@ -65,6 +65,13 @@ const GIB: u64 = 1 << 30;
 /// The check prompt's tokens and the warm-up's one, run after every wake.
 const CHECK_TOKENS: f64 = capyctl_node_agent::verify::CHECK_MAX_TOKENS as f64 + 1.0;
 
+/// `x` seconds, at most ten years (an engine time or a request's length from a rate: a
+/// tiny rate must not overflow the virtual clock).
+fn secs(x: f64) -> Duration {
+    const MAX: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+    Duration::try_from_secs_f64(x).map_or(MAX, |d| d.min(MAX))
+}
+
 /// A request "waited" (the report's WAITED columns) when it waited at least this long.
 pub const WAITED_AT_LEAST: Duration = Duration::from_millis(100);
 
@@ -201,11 +208,10 @@ impl SimSettings {
     fn timings_of(&self, name: &str, weights: u64) -> Timings {
         let own = self.models.get(name);
         let pick = |f: fn(&EngineKeys) -> Option<Duration>| own.and_then(f).or(f(&self.all));
-        let copy = |bandwidth: u64| Duration::from_secs_f64(weights as f64 / bandwidth as f64);
+        let copy = |bandwidth: u64| secs(weights as f64 / bandwidth as f64);
         let check = pick(|k| k.wake_check).unwrap_or_else(|| {
-            self.token_rate(name).map_or(Duration::ZERO, |r| {
-                Duration::from_secs_f64(CHECK_TOKENS / r)
-            })
+            self.token_rate(name)
+                .map_or(Duration::ZERO, |r| secs(CHECK_TOKENS / r))
         });
         let wake = pick(|k| k.wake);
         let park = pick(|k| k.park);
@@ -394,7 +400,7 @@ async fn simulate_in(setup: Setup, requests: &[TraceRequest], cold: bool) -> Res
             Size::Duration(d) => d,
             Size::Tokens(n) => {
                 let rate = sim.token_rate(&r.model).unwrap_or(1.0);
-                Duration::from_secs_f64(n as f64 / rate)
+                secs(n as f64 / rate)
             }
         };
         let model = r.model.clone();

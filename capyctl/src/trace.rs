@@ -55,9 +55,26 @@ struct Line {
     outcome: Option<String>,
 }
 
+/// The latest arrival a trace may have: a year, in milliseconds (past it the virtual clock
+/// would overflow).
+pub const MAX_AT_MS: u64 = 365 * 24 * 3600 * 1000;
+/// The longest request: a week, in milliseconds.
+pub const MAX_DURATION_MS: u64 = 7 * 24 * 3600 * 1000;
+/// The most output tokens of one request.
+pub const MAX_OUTPUT_TOKENS: u64 = 100_000_000;
+
 fn whole(key: &str, v: &serde_json::Value) -> Result<u64, String> {
     v.as_u64()
         .ok_or_else(|| format!("`{key}` must be a whole number of at least 0, not {v}"))
+}
+
+/// [`whole`], at most `max`.
+fn at_most(key: &str, v: &serde_json::Value, max: u64) -> Result<u64, String> {
+    let n = whole(key, v)?;
+    if n > max {
+        return Err(format!("`{key}` is {n}; at most {max}"));
+    }
+    Ok(n)
 }
 
 /// Reads a trace's text; `name` names it in errors (`requests.jsonl:3: ...`).
@@ -78,17 +95,19 @@ pub fn parse(name: &str, text: &str) -> Result<Vec<TraceRequest>, String> {
             .at_ms
             .as_ref()
             .ok_or_else(|| at("`at_ms` is missing (milliseconds from the trace's start)".into()))
-            .and_then(|v| whole("at_ms", v).map_err(&at))?;
+            .and_then(|v| at_most("at_ms", v, MAX_AT_MS).map_err(&at))?;
         let model = match &l.model {
             Some(serde_json::Value::String(s)) if !s.is_empty() => s.clone(),
             Some(v) => return Err(at(format!("`model` must be a non-empty string, not {v}"))),
             None => return Err(at("`model` is missing".into())),
         };
         let size = match (&l.duration_ms, &l.output_tokens) {
-            (Some(d), None) => {
-                Size::Duration(Duration::from_millis(whole("duration_ms", d).map_err(&at)?))
+            (Some(d), None) => Size::Duration(Duration::from_millis(
+                at_most("duration_ms", d, MAX_DURATION_MS).map_err(&at)?,
+            )),
+            (None, Some(t)) => {
+                Size::Tokens(at_most("output_tokens", t, MAX_OUTPUT_TOKENS).map_err(&at)?)
             }
-            (None, Some(t)) => Size::Tokens(whole("output_tokens", t).map_err(&at)?),
             (Some(_), Some(_)) => {
                 return Err(at("give `duration_ms` or `output_tokens`, not both".into()));
             }
@@ -113,6 +132,29 @@ pub fn parse(name: &str, text: &str) -> Result<Vec<TraceRequest>, String> {
     }
     out.sort_by_key(|r| (r.at, r.line));
     Ok(out)
+}
+
+/// Fuzz target of the trace reader (`fuzz/` and `fuzz-targets/`): arbitrary bytes as a trace.
+/// A trace read is in arrival order, every request within the bounds and naming a model, and
+/// an error names the trace. Not part of the crate's API.
+#[doc(hidden)]
+pub fn fuzz(data: &[u8]) {
+    let text = String::from_utf8_lossy(data);
+    match parse("t.jsonl", &text) {
+        Ok(requests) => {
+            assert!(!requests.is_empty());
+            assert!(requests.windows(2).all(|w| w[0].at <= w[1].at));
+            for r in &requests {
+                assert!(!r.model.is_empty());
+                assert!(r.at <= Duration::from_millis(MAX_AT_MS));
+                match r.size {
+                    Size::Duration(d) => assert!(d <= Duration::from_millis(MAX_DURATION_MS)),
+                    Size::Tokens(n) => assert!(n <= MAX_OUTPUT_TOKENS),
+                }
+            }
+        }
+        Err(e) => assert!(e.starts_with("t.jsonl"), "{e}"),
+    }
 }
 
 /// Reads a trace file.
@@ -180,6 +222,14 @@ mod tests {
             e.starts_with("t.jsonl:1: `at_ms` must be a whole number"),
             "{e}"
         );
+        // Past the bounds (the virtual clock would overflow): refused, naming the bound.
+        let e = bad("{\"at_ms\": 18446744073709551615, \"model\": \"a\", \"duration_ms\": 1}");
+        assert_eq!(
+            e,
+            format!("t.jsonl:1: `at_ms` is 18446744073709551615; at most {MAX_AT_MS}")
+        );
+        let e = bad("{\"at_ms\": 1, \"model\": \"a\", \"output_tokens\": 100000001}");
+        assert!(e.contains("`output_tokens` is 100000001; at most"), "{e}");
         let e = bad("{\"at_ms\": 1, \"model\": 3, \"duration_ms\": 1}");
         assert!(e.contains("`model` must be a non-empty string"), "{e}");
         let e = bad("{\"at_ms\": 1, \"model\": \"a\"}");

@@ -30,6 +30,8 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("management", capyctl_server::management::fuzz::bodies),
     // The custom resources' specs.
     ("crd", capyctl_crds::fuzz::specs),
+    // A request trace (`capyctl simulate --trace`).
+    ("trace", capyctl::trace::fuzz),
 ];
 
 /// The target named `name`.

@@ -1,12 +1,12 @@
 //! Fuzz target of the management API's request parsing (see `fuzz/` and `fuzz-targets/`):
 //! arbitrary bytes as the body of a deploy (JSON and YAML, by `Content-Type` and by sniffing),
-//! of a start, and as the load read's query. Panics only when an invariant fails. Not part of
+//! of a start, and as the load read's and the switch list's queries. Panics only when an invariant fails. Not part of
 //! the crate's API.
 
 use capyctl_spec::api::StartRequest;
 use http::{HeaderMap, HeaderValue, header};
 
-use super::{Format, document_format, load_query, parse_document, percent_decode};
+use super::{Format, document_format, load_query, parse_document, percent_decode, switches_query};
 
 /// A management request's parts from `data`: the first line is a `Content-Type` (used when
 /// it is a valid header value) and a query, the rest the body. Checks that a document read
@@ -39,6 +39,14 @@ pub fn bodies(data: &[u8]) {
     }
     if let Ok(query) = std::str::from_utf8(first) {
         let _ = load_query(Some(query));
+        if let Ok(q) = switches_query(Some(query)) {
+            assert!(
+                q.limit
+                    .is_none_or(|l| (1..=capyctl_spec::api::SWITCHES_PAGE_MAX).contains(&l)),
+                "{query:?} reads a limit out of range"
+            );
+            assert!(q.deployment.as_ref().is_none_or(|d| !d.is_empty()));
+        }
         let decoded = percent_decode(query);
         let escapes_valid = query.split('%').skip(1).all(|after| {
             after.len() >= 2 && after.as_bytes()[..2].iter().all(u8::is_ascii_hexdigit)
