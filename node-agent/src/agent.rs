@@ -706,6 +706,14 @@ impl LocalHostAgent {
         self.instances().get(instance).map(|i| i.endpoint.clone())
     }
 
+    /// Whether a start or a wake of an instance is in progress.
+    pub fn in_progress(&self, instance: &str) -> bool {
+        self.in_progress
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains_key(instance)
+    }
+
     /// The tier an instance is parked in.
     pub fn parked_tier(&self, instance: &str) -> Option<ParkTier> {
         self.instances()
@@ -1240,6 +1248,27 @@ impl LocalHostAgent {
     }
 
     async fn do_recover(&self) -> Result<RecoveryReport, AgentError> {
+        // NB (a caller that restarted): a start or wake still in progress was asked by a caller
+        // that is gone, and nobody waits for its outcome. Reported as it is (parked, while its
+        // wake runs), the new caller would wake it again, be refused (an operation in
+        // progress), fail it and start the model elsewhere, while this engine runs on to the
+        // end of its window: two engines of one deployment. So it is ended and its engine
+        // stopped (as a stop does), and reported `stopped`: the next request starts it afresh.
+        let busy: Vec<String> = self
+            .in_progress
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .keys()
+            .cloned()
+            .collect();
+        let mut ended = Vec::new();
+        for id in busy {
+            tracing::warn!(instance = %id, "a recovery ends the start or wake its caller left in progress");
+            if let Err(e) = self.do_stop(&id).await {
+                tracing::warn!(instance = %id, error = %e, "stopping it failed");
+            }
+            ended.push(id);
+        }
         // Engines this agent already drives (a node agent that outlived its caller: the
         // operator restarted or failed over) are reported as adopted too, as they are now.
         let held: Vec<AdoptedInstance> = self
@@ -1291,7 +1320,10 @@ impl LocalHostAgent {
             .recover(answers, self.config.stop_grace)
             .await?;
         let mut report = RecoveryReport {
-            stopped: recovery.stopped.into_iter().map(|r| r.instance).collect(),
+            stopped: ended
+                .into_iter()
+                .chain(recovery.stopped.into_iter().map(|r| r.instance))
+                .collect(),
             gone: recovery.gone.into_iter().map(|r| r.instance).collect(),
             ..Default::default()
         };

@@ -359,6 +359,44 @@ async fn a_wake_within_the_callers_window_ends_a_hanging_wake_at_that_window() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A caller that restarted while its wake was in progress: the new caller's recovery ends that
+/// wake and stops its engine (reported `stopped`, not adopted as parked), so that the model is
+/// started afresh once, not a second engine beside one still waking.
+#[tokio::test]
+async fn a_recovery_ends_a_wake_its_caller_left_in_progress() {
+    let dir = common::temp_dir("remote-recover-waking");
+    let s = served(&dir).await;
+    let r = Arc::new(remote(&s.url, TOKEN));
+    let mut hangs = spec(EngineKind::Vllm);
+    hangs
+        .env
+        .insert("ENGINE_SIM_FAULTS".into(), "wake_hangs".into());
+    let started = r.start("i-waking", &hangs).await.unwrap();
+    assert_eq!(
+        r.park("i-waking").await.unwrap().tier(),
+        Some(ParkTier::HostRam)
+    );
+    let waking = {
+        let r = Arc::clone(&r);
+        tokio::spawn(async move { r.wake("i-waking").await })
+    };
+    eventually("the wake in progress", || {
+        s.local.in_progress("i-waking").then_some(())
+    })
+    .await;
+    // The caller "restarts": a new client recovers.
+    let second = remote(&s.url, TOKEN);
+    let report = second.recover().await.unwrap();
+    assert_eq!(report.stopped, ["i-waking"], "{report:?}");
+    assert!(report.adopted.is_empty(), "{report:?}");
+    assert!(matches!(
+        waking.await.unwrap(),
+        Err(AgentError::Cancelled { .. })
+    ));
+    eventually("the engine stopped", || (!alive(started.pid)).then_some(())).await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[tokio::test]
 async fn a_wrong_token_is_refused() {
     let dir = common::temp_dir("remote-token");
