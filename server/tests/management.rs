@@ -945,15 +945,7 @@ async fn metrics_text_names_what_was_observed() {
 async fn the_trace_route_answers_the_recent_requests_as_json_lines() {
     use capyctl_router::observe::{RequestEvent, RequestObserver};
     let s = start_server().await;
-    let auth = format!("Bearer {TOKEN}");
-    let r = s
-        .send(
-            "GET",
-            &format!("{V1}/switches/trace"),
-            &[("Authorization", &auth)],
-            b"",
-        )
-        .await;
+    let r = s.authed("GET", &format!("{V1}/switches/trace")).await;
     assert_eq!((r.status, r.body.as_str()), (200, ""));
     let event = |model: Option<&str>, code: Option<&'static str>| RequestEvent {
         deployment_id: Some(ID.to_string()),
@@ -969,14 +961,7 @@ async fn the_trace_route_answers_the_recent_requests_as_json_lines() {
     s.metrics.finished(&event(None, Some("invalid_request")));
     s.metrics
         .finished(&event(Some("chat-b"), Some("wake_mismatch")));
-    let r = s
-        .send(
-            "GET",
-            &format!("{V1}/switches/trace"),
-            &[("Authorization", &auth)],
-            b"",
-        )
-        .await;
+    let r = s.authed("GET", &format!("{V1}/switches/trace")).await;
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.header("content-type"), Some("application/jsonl"));
     let lines: Vec<Value> = r
