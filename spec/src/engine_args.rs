@@ -100,6 +100,14 @@ const MODEL_PATH: OwnedFlag = OwnedFlag {
     flag: "--model-path",
     sets: "the deployment's `model`",
 };
+const TENSOR_PARALLEL_SIZE: OwnedFlag = OwnedFlag {
+    flag: "--tensor-parallel-size",
+    sets: "how many GPUs each instance spans, from `gpus_per_instance`",
+};
+const TP_SIZE: OwnedFlag = OwnedFlag {
+    flag: "--tp-size",
+    sets: "how many GPUs each instance spans, from `gpus_per_instance`",
+};
 const SLEEP_MODE: OwnedFlag = OwnedFlag {
     flag: "--enable-sleep-mode",
     sets: "whether the engine can park, from `residency` and the parking tier",
@@ -114,12 +122,20 @@ const WEIGHTS_CPU_BACKUP: OwnedFlag = OwnedFlag {
 };
 
 /// The flags CapyCTL passes `engine` (DESIGN.md 4.2) that `extra_args` would contradict: where
-/// the engine listens, the model and its served name, and the parking switches. (The flag for
-/// how many requests run at once is `max_concurrent_requests`'s, checked with it.)
+/// the engine listens, the model and its served name, the parking switches, and how many GPUs
+/// an instance spans (`gpus_per_instance`, which also decides how many GPUs it is given). (The
+/// flag for how many requests run at once is `max_concurrent_requests`'s, checked with it.)
 pub fn owned_flags(engine: EngineKind) -> &'static [OwnedFlag] {
     match engine {
         // vLLM reads `--model` too, over the `serve <model>` CapyCTL passes.
-        EngineKind::Vllm => &[HOST, PORT, SERVED_MODEL_NAME, MODEL, SLEEP_MODE],
+        EngineKind::Vllm => &[
+            HOST,
+            PORT,
+            SERVED_MODEL_NAME,
+            MODEL,
+            SLEEP_MODE,
+            TENSOR_PARALLEL_SIZE,
+        ],
         // SGLang's `--model` is another name of `--model-path`.
         EngineKind::Sglang => &[
             HOST,
@@ -129,19 +145,35 @@ pub fn owned_flags(engine: EngineKind) -> &'static [OwnedFlag] {
             MODEL,
             MEMORY_SAVER,
             WEIGHTS_CPU_BACKUP,
+            TP_SIZE,
+            TENSOR_PARALLEL_SIZE,
         ],
         // CapyCTL passes TensorFold no `--host`, and its engines listen on loopback all the same.
         EngineKind::Tensorfold => &[HOST, PORT, MODEL],
     }
 }
 
+/// The engine option that spreads one instance over several GPUs (tensor parallelism), passed
+/// with `gpus_per_instance` when it is above 1; TensorFold has none.
+pub fn tensor_parallel_flag(engine: EngineKind) -> Option<&'static str> {
+    match engine {
+        EngineKind::Vllm => Some(TENSOR_PARALLEL_SIZE.flag),
+        EngineKind::Sglang => Some(TP_SIZE.flag),
+        EngineKind::Tensorfold => None,
+    }
+}
+
 /// The first argument of `extra_args` that sets a flag CapyCTL passes `engine` itself, in any
 /// spelling the engines read: `--port 1`, `--port=1`, with `_` for `-` (`--served_model_name`,
 /// which vLLM reads as `--served-model-name`), and shortened (`--hos`, which Python's argparse
-/// reads as `--host` when no other flag starts so). Returns its index and the flag.
+/// reads as `--host` when no other flag starts so), and vLLM's short `-tp`. Returns its index
+/// and the flag.
 pub fn owned_flag(engine: EngineKind, extra_args: &[String]) -> Option<(usize, OwnedFlag)> {
     extra_args.iter().enumerate().find_map(|(i, arg)| {
         let name = arg.split_once('=').map_or(arg.as_str(), |(name, _)| name);
+        if engine == EngineKind::Vllm && name == "-tp" {
+            return Some((i, TENSOR_PARALLEL_SIZE));
+        }
         let name = name.strip_prefix("--")?.replace('_', "-");
         if name.len() < 2 {
             return None;
@@ -215,9 +247,26 @@ mod tests {
         let at = |engine, a: &[&str]| owned_flag(engine, &args(a)).map(|(i, f)| (i, f.flag));
         assert_eq!(at(EngineKind::Vllm, &["--port", "1"]), Some((0, "--port")));
         assert_eq!(
-            at(EngineKind::Sglang, &["--tp", "2", "--host=0.0.0.0"]),
+            at(
+                EngineKind::Sglang,
+                &["--mem-fraction-static", "0.8", "--host=0.0.0.0"]
+            ),
             Some((2, "--host"))
         );
+        // How many GPUs an instance spans is `gpus_per_instance`'s, in every spelling.
+        assert_eq!(
+            at(EngineKind::Sglang, &["--tp", "2"]),
+            Some((0, "--tp-size"))
+        );
+        assert_eq!(
+            at(EngineKind::Sglang, &["--tensor-parallel-size=2"]),
+            Some((0, "--tensor-parallel-size"))
+        );
+        assert_eq!(
+            at(EngineKind::Vllm, &["--dtype", "auto", "-tp", "2"]),
+            Some((2, "--tensor-parallel-size"))
+        );
+        assert_eq!(at(EngineKind::Tensorfold, &["--tp", "2"]), None);
         assert_eq!(
             at(EngineKind::Vllm, &["--served_model_name", "x"]),
             Some((0, "--served-model-name"))

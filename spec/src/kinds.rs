@@ -103,6 +103,26 @@ impl Default for Activation {
 }
 
 string_enum! {
+    /// How a deployment's requests are spread over its ready instances (`routing:`).
+    Routing {
+        /// To the instance with the least load: CapyCTL's requests on it plus the requests its
+        /// engine has waiting (the default).
+        LeastLoaded => "least_loaded",
+        /// Prompts that share a prefix go to one instance while its load stays within a bound
+        /// (consistent hashing with bounded load), so the engine's prefix cache is reused.
+        Prefix => "prefix",
+    }
+}
+
+// The derives come from `string_enum!`, shared with enums that have no default.
+#[allow(clippy::derivable_impls)]
+impl Default for Routing {
+    fn default() -> Self {
+        Self::LeastLoaded
+    }
+}
+
+string_enum! {
     /// The state of one instance (one engine process of a deployment on one host).
     InstanceState {
         /// Not running.

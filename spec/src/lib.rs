@@ -27,4 +27,4 @@ pub mod overrides;
 pub mod settings;
 pub mod units;
 
-pub use kinds::{Activation, EngineKind, InstanceState, Residency, UnknownValue};
+pub use kinds::{Activation, EngineKind, InstanceState, Residency, Routing, UnknownValue};

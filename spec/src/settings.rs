@@ -145,6 +145,29 @@ pub const IDLE_TIMEOUT_BOUNDS: Bounds<Duration> = Bounds {
 };
 /// A deployment's `max_concurrent_requests`: 1 to 4096.
 pub const MAX_CONCURRENT_REQUESTS_BOUNDS: Bounds<u32> = Bounds { min: 1, max: 4096 };
+/// A deployment's `replicas`: 1 to 64.
+pub const REPLICAS_BOUNDS: Bounds<u32> = Bounds { min: 1, max: 64 };
+/// A deployment's `scale.min`: 0 to 64 (and not above `replicas`).
+pub const SCALE_MIN_BOUNDS: Bounds<u32> = Bounds { min: 0, max: 64 };
+/// A deployment's `scale.target_in_flight`: 1 to 32 (an instance runs at most
+/// [`IN_FLIGHT_PER_INSTANCE`] requests).
+pub const TARGET_IN_FLIGHT_BOUNDS: Bounds<u32> = Bounds { min: 1, max: 32 };
+/// A deployment's `scale.scale_down_delay`: 1 s to 24 h.
+pub const SCALE_DOWN_DELAY_BOUNDS: Bounds<Duration> = Bounds {
+    min: secs(1),
+    max: secs(24 * 3600),
+};
+/// A deployment's `gpus_per_instance`: 1 to 16.
+pub const GPUS_PER_INSTANCE_BOUNDS: Bounds<u32> = Bounds { min: 1, max: 16 };
+/// Requests CapyCTL forwards to one instance at once (the product page's 32 per model, per
+/// instance); the deployment's bound is this times its ready instances.
+pub const IN_FLIGHT_PER_INSTANCE: usize = 32;
+/// `scale.min` when a `scale:` leaves it out.
+pub const DEFAULT_SCALE_MIN: u32 = 1;
+/// `scale.target_in_flight` when a `scale:` leaves it out.
+pub const DEFAULT_TARGET_IN_FLIGHT: u32 = 24;
+/// `scale.scale_down_delay` when a `scale:` leaves it out.
+pub const DEFAULT_SCALE_DOWN_DELAY: Duration = secs(60);
 
 /// The queue settings of one host (`resource_policy.queue.*`), resolved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -48,7 +48,7 @@ fn deployment_fixture_errors() {
         e.to_string(),
         at(
             "deployment-unknown-key.yaml",
-            ":3: resdency: unknown key; expected one of name, engine, model, residency, max_concurrent_requests, extra_args, env, resources, lifecycle, decision"
+            ":3: resdency: unknown key; expected one of name, engine, model, residency, max_concurrent_requests, extra_args, env, resources, lifecycle, decision, replicas, scale, gpus_per_instance, routing"
         )
     );
     assert!(matches!(e.problem, Problem::UnknownKey { .. }));
@@ -139,7 +139,7 @@ fn standalone_fixture_errors() {
         e.to_string(),
         at(
             "standalone-unknown-key.yaml",
-            ":8: deployments[0].resdency: unknown key; expected one of name, engine, model, residency, max_concurrent_requests, extra_args, env, resources, lifecycle, decision"
+            ":8: deployments[0].resdency: unknown key; expected one of name, engine, model, residency, max_concurrent_requests, extra_args, env, resources, lifecycle, decision, replicas, scale, gpus_per_instance, routing"
         )
     );
     let e = load_standalone_file(fixture("standalone-wrong-type.yaml"), &none()).unwrap_err();
@@ -1016,7 +1016,7 @@ fn host_backed_is_refused_for_sglang_with_speculative_decoding() {
     let why = "residency: host_backed is refused for SGLang with speculative decoding (--speculative-algorithm): it parks with its weights in memory, giving back only the KV cache, because releasing them would drop the draft model's weights; remove residency (CapyCTL then parks only the KV cache) or set deep or restart_only";
     for args in [
         "[--speculative-algorithm, EAGLE]",
-        "[--tp, \"2\", --speculative-algorithm=EAGLE3]",
+        "[--mem-fraction-static, \"0.8\", --speculative-algorithm=EAGLE3]",
         "[--speculative-algo, EAGLE]",
     ] {
         let e = parse_deployment_str("d.yaml", &doc(args, "host_backed")).unwrap_err();
@@ -1301,4 +1301,94 @@ fn json_documents_get_every_rule() {
     )
     .unwrap();
     assert_eq!(doc.engine, EngineKind::Vllm);
+}
+
+// ---- replicas, scale, gpus_per_instance, routing (DESIGN 4.7) ----
+
+fn deployment(extra: &str) -> Result<documents::DeploymentDoc, DocumentError> {
+    parse_deployment_str(
+        "d.yaml",
+        &format!("name: m\nengine: vllm\nmodel: org/m\n{extra}"),
+    )
+}
+
+#[test]
+fn replicas_scale_gpus_and_routing_are_read_with_their_defaults() {
+    let d = deployment("").unwrap();
+    assert_eq!(d.replicas(), 1);
+    assert_eq!(d.gpus_per_instance(), 1);
+    assert_eq!(d.routing(), capyctl_spec::Routing::LeastLoaded);
+    assert_eq!(d.scale(), None);
+
+    let d = deployment(
+        "replicas: 4\ngpus_per_instance: 2\nrouting: prefix\nscale: {min: 0, target_in_flight: 8, scale_down_delay: 90s}\n",
+    )
+    .unwrap();
+    assert_eq!(d.replicas(), 4);
+    assert_eq!(d.gpus_per_instance(), 2);
+    assert_eq!(d.routing(), capyctl_spec::Routing::Prefix);
+    let s = d.scale().unwrap();
+    assert_eq!(
+        (s.min, s.target_in_flight, s.scale_down_delay),
+        (0, 8, Duration::from_secs(90))
+    );
+    let s = deployment("replicas: 3\nscale: {}\n")
+        .unwrap()
+        .scale()
+        .unwrap();
+    assert_eq!(
+        (s.min, s.target_in_flight, s.scale_down_delay),
+        (1, 24, Duration::from_secs(60))
+    );
+}
+
+#[test]
+fn replicas_scale_gpus_and_routing_refuse_bad_values_naming_the_key() {
+    let err = |extra: &str| deployment(extra).unwrap_err().to_string();
+    assert_eq!(
+        err("replicas: 65\n"),
+        "d.yaml:4: replicas: 65 is out of range (1 to 64)"
+    );
+    assert_eq!(
+        err("replicas: 0\n"),
+        "d.yaml:4: replicas: 0 is out of range (1 to 64)"
+    );
+    assert_eq!(
+        err("scale: {target_in_flight: 33}\n"),
+        "d.yaml:4: scale.target_in_flight: 33 is out of range (1 to 32)"
+    );
+    assert_eq!(
+        err("scale: {scale_down_delay: 0s}\n"),
+        "d.yaml:4: scale.scale_down_delay: 0s is out of range (1s to 24h)"
+    );
+    assert_eq!(
+        err("scale: {max: 3}\n"),
+        "d.yaml:4: scale.max: unknown key; expected one of min, target_in_flight, scale_down_delay"
+    );
+    assert_eq!(
+        err("gpus_per_instance: 17\n"),
+        "d.yaml:4: gpus_per_instance: 17 is out of range (1 to 16)"
+    );
+    assert!(
+        err("routing: round_robin\n").starts_with("d.yaml:4: routing: "),
+        "{}",
+        err("routing: round_robin\n")
+    );
+    assert_eq!(
+        err("replicas: 2\nscale: {min: 3}\n"),
+        "d.yaml:5: scale.min: 3 is above replicas (2): the deployment scales between scale.min and replicas; raise replicas or lower scale.min"
+    );
+    assert_eq!(
+        parse_deployment_str(
+            "d.yaml",
+            "name: m\nengine: tensorfold\nmodel: org/m\ngpus_per_instance: 2\n"
+        )
+        .unwrap_err()
+        .to_string(),
+        "d.yaml:4: gpus_per_instance: 2 cannot be passed to tensorfold: it has no tensor-parallel option, so an instance runs on one GPU; remove gpus_per_instance"
+    );
+    assert_eq!(
+        err("extra_args: [\"--tensor-parallel-size\", \"2\"]\n"),
+        "d.yaml:4: extra_args[0]: `--tensor-parallel-size`: CapyCTL sets --tensor-parallel-size itself (how many GPUs each instance spans, from `gpus_per_instance`); remove it from extra_args"
+    );
 }

@@ -425,6 +425,11 @@ opt_fns! {
     max_pending_per_deployment: u32 = U32In(&settings::MAX_PENDING_PER_DEPLOYMENT_BOUNDS);
     max_pending_total: u32 = U32In(&settings::MAX_PENDING_TOTAL_BOUNDS);
     max_concurrent_requests: u32 = U32In(&settings::MAX_CONCURRENT_REQUESTS_BOUNDS);
+    replicas: u32 = U32In(&settings::REPLICAS_BOUNDS);
+    scale_min: u32 = U32In(&settings::SCALE_MIN_BOUNDS);
+    target_in_flight: u32 = U32In(&settings::TARGET_IN_FLIGHT_BOUNDS);
+    scale_down_delay: DurationSetting = DurationIn(&settings::SCALE_DOWN_DELAY_BOUNDS);
+    gpus_per_instance: u32 = U32In(&settings::GPUS_PER_INSTANCE_BOUNDS);
     max_buffered_bytes_total: ByteSize = BytesIn(&settings::MAX_BUFFERED_BYTES_TOTAL_BOUNDS);
     nonzero_bytes_opt: ByteSize = NonZeroBytes;
     socket_addr: SocketAddr = Addr;

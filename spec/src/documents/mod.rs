@@ -18,6 +18,7 @@ mod locate;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -29,7 +30,7 @@ pub use error::{DocumentError, Origin, Problem};
 pub use error::{KeyPath, Seg};
 
 use crate::engine_args;
-use crate::kinds::{Activation, EngineKind, Residency};
+use crate::kinds::{Activation, EngineKind, Residency, Routing};
 use crate::overrides::Overrides;
 use crate::settings::{
     EngineCommand, EngineCommands, GpuOverride, HostConfig, LifecycleDefaults, ListenSettings,
@@ -84,6 +85,69 @@ pub struct DeploymentDoc {
     /// Makes this a decision model: a fixed prompt answered by one of the options.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decision: Option<DecisionDoc>,
+    /// Instances that run while the model is in use, each on its own GPU (or GPUs), 1 to 64.
+    /// Default 1.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::replicas"
+    )]
+    pub replicas: Option<u32>,
+    /// Autoscaling between `scale.min` and `replicas` on the requests in flight per ready
+    /// instance. Without it every instance runs while the model is in use.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale: Option<ScaleDoc>,
+    /// GPUs each instance spans, 1 to 16 (above 1 the engine's tensor-parallel option is
+    /// passed). Default 1.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::gpus_per_instance"
+    )]
+    pub gpus_per_instance: Option<u32>,
+    /// How requests are spread over the ready instances. Default `least_loaded`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub routing: Option<Routing>,
+}
+
+/// `scale:` of a deployment document.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScaleDoc {
+    /// Instances kept running while the model is in use, 0 to `replicas`. Default 1.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::scale_min"
+    )]
+    pub min: Option<u32>,
+    /// One more instance is woken or started when the requests in flight per ready instance
+    /// pass this, 1 to 32. Default 24.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::target_in_flight"
+    )]
+    pub target_in_flight: Option<u32>,
+    /// How long the load stays below the target before one instance is parked, 1 s to 24 h.
+    /// Default 60 s.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::scale_down_delay"
+    )]
+    pub scale_down_delay: Option<DurationSetting>,
+}
+
+/// A deployment's autoscaling, resolved ([`DeploymentDoc::scale`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scale {
+    /// Instances kept running while the model is in use.
+    pub min: u32,
+    /// In-flight requests per ready instance above which one more comes up.
+    pub target_in_flight: u32,
+    /// How long the load stays below the target before one instance goes.
+    pub scale_down_delay: Duration,
 }
 
 /// `resources:` of a deployment document.
@@ -143,6 +207,35 @@ impl DeploymentDoc {
     /// Whether `lifecycle.warm` is set.
     pub fn warm(&self) -> bool {
         self.lifecycle.and_then(|l| l.warm).unwrap_or(false)
+    }
+
+    /// `replicas` (1 when unset).
+    pub fn replicas(&self) -> u32 {
+        self.replicas.unwrap_or(1)
+    }
+
+    /// `gpus_per_instance` (1 when unset).
+    pub fn gpus_per_instance(&self) -> u32 {
+        self.gpus_per_instance.unwrap_or(1)
+    }
+
+    /// `routing` (`least_loaded` when unset).
+    pub fn routing(&self) -> Routing {
+        self.routing.unwrap_or_default()
+    }
+
+    /// `scale` with its defaults, or `None` without autoscaling.
+    pub fn scale(&self) -> Option<Scale> {
+        self.scale.map(|s| Scale {
+            min: s.min.unwrap_or(crate::settings::DEFAULT_SCALE_MIN),
+            target_in_flight: s
+                .target_in_flight
+                .unwrap_or(crate::settings::DEFAULT_TARGET_IN_FLIGHT),
+            scale_down_delay: s.scale_down_delay.map_or(
+                crate::settings::DEFAULT_SCALE_DOWN_DELAY,
+                DurationSetting::as_duration,
+            ),
+        })
     }
 }
 
@@ -857,6 +950,7 @@ pub fn max_running_flag(engine: EngineKind) -> Option<&'static str> {
 /// - `resources.weights_memory` is part of `resources.gpu_memory`, so not above it.
 fn check_deployment(doc: &DeploymentDoc) -> Result<(), (KeyPath, Problem)> {
     check_max_concurrent_requests(doc)?;
+    check_replicas(doc)?;
     if let Some((i, owned)) = engine_args::owned_flag(doc.engine, &doc.extra_args) {
         return Err((
             KeyPath::keys(&["extra_args"]).index(i),
@@ -887,6 +981,33 @@ fn check_deployment(doc: &DeploymentDoc) -> Result<(), (KeyPath, Problem)> {
             KeyPath::keys(&["resources", "weights_memory"]),
             Problem::Conflict(format!(
                 "{weights} is above resources.gpu_memory ({gpu}): the weights are part of the GPU memory the loaded model holds; raise gpu_memory or correct weights_memory"
+            )),
+        ));
+    }
+    Ok(())
+}
+
+/// `scale.min` is not above `replicas`, and an instance spans several GPUs only on an engine
+/// with a tensor-parallel option.
+fn check_replicas(doc: &DeploymentDoc) -> Result<(), (KeyPath, Problem)> {
+    if let Some(min) = doc.scale.and_then(|s| s.min)
+        && min > doc.replicas()
+    {
+        return Err((
+            KeyPath::keys(&["scale", "min"]),
+            Problem::Conflict(format!(
+                "{min} is above replicas ({}): the deployment scales between scale.min and replicas; raise replicas or lower scale.min",
+                doc.replicas()
+            )),
+        ));
+    }
+    let gpus = doc.gpus_per_instance();
+    if gpus > 1 && engine_args::tensor_parallel_flag(doc.engine).is_none() {
+        return Err((
+            KeyPath::keys(&["gpus_per_instance"]),
+            Problem::Conflict(format!(
+                "{gpus} cannot be passed to {}: it has no tensor-parallel option, so an instance runs on one GPU; remove gpus_per_instance",
+                doc.engine
             )),
         ));
     }
