@@ -103,7 +103,7 @@ impl Server {
                 victims
                     .into_iter()
                     .filter_map(|k| {
-                        let d = s.deps.get(&k.deployment)?;
+                        let d = s.deps.get(&crate::state::unit_of_key(&k))?;
                         (d.state == InstanceState::Ready && d.rec.generation == k.generation)
                             .then_some(())?;
                         Some((k, d.addr?))

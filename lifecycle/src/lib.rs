@@ -33,6 +33,7 @@ pub mod metrics;
 mod owner;
 mod parked_room;
 mod placement;
+mod scale;
 mod state;
 pub mod store;
 pub mod switches;
@@ -76,7 +77,7 @@ use crate::api::ManagementApi;
 use crate::metrics::Metrics;
 use crate::store::{Changes, DeploymentRecord, Store, StoreError};
 use crate::switches::{Recording, SwitchLog, Target, victim_entry};
-use state::{Dep, Host, Hosts, StartNext, State, Up};
+use state::{Dep, Host, Hosts, StartNext, State, Up, unit_instance, unit_of_key};
 
 /// How many deployments [`Server::open_hosts`] measures at once.
 const MEASURE_AT_ONCE: usize = 16;
@@ -165,12 +166,12 @@ impl ServerError {
 /// names, the deployment's or the host's engine setting, else every GPU of the host), where
 /// the host's inventory knows them.
 fn gpus_of(inner: &State, d: &Dep) -> Vec<String> {
-    const VAR: &str = "CUDA_VISIBLE_DEVICES";
+    const VAR: &str = VISIBLE_DEVICES;
     let Some(host) = d.host.as_deref().and_then(|h| inner.hosts.get(h)) else {
         return Vec::new();
     };
-    let visible = d
-        .spec
+    let spec = d.launch_spec();
+    let visible = spec
         .env
         .get(VAR)
         .or_else(|| host.settings.engine(d.spec.engine).env.get(VAR))
@@ -196,9 +197,17 @@ fn gpus_of(inner: &State, d: &Dep) -> Vec<String> {
         .collect()
 }
 
+/// The variable that gives an engine its GPUs.
+pub(crate) const VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
+
 /// The ID of a deployment's instance: `<deployment id>-0`.
 pub fn instance_id(deployment_id: &str) -> String {
-    format!("{deployment_id}-0")
+    instance_id_at(deployment_id, 0)
+}
+
+/// The ID of a deployment's instance `index`: `<deployment id>-<index>`.
+pub fn instance_id_at(deployment_id: &str, index: u32) -> String {
+    format!("{deployment_id}-{index}")
 }
 
 /// How the router is asked to release instances the lifecycle puts away itself.
@@ -355,6 +364,10 @@ pub struct Server {
     owner: owner::Owner,
     /// The idle timers are running (a tick while they run does nothing).
     timers_running: Arc<AtomicBool>,
+    /// A scaler's run is under way (`Server::scale_run`).
+    scaling: Arc<AtomicBool>,
+    /// Per deployment, since when its load has allowed one fewer instance (the scaler's).
+    below_since: Mutex<HashMap<String, Instant>>,
     /// The task forwarding each host's engine exits (replaced with its agent).
     host_exits: Mutex<HashMap<String, tokio::task::AbortHandle>>,
     /// Serialises saves (snapshot and write in order).
@@ -463,6 +476,8 @@ impl Server {
                 closed.subscribe(),
             ),
             timers_running: Arc::new(AtomicBool::new(false)),
+            scaling: Arc::new(AtomicBool::new(false)),
+            below_since: Mutex::new(HashMap::new()),
             config,
             exits_tx,
             store,
@@ -788,9 +803,9 @@ impl Server {
         let mut models: Vec<ModelEntry> = shots
             .iter()
             .map(|d| ModelEntry {
-                id: d.name().to_string(),
-                deployment_id: d.id().to_string(),
-                state: d.shown_state().to_string(),
+                id: d[0].name().to_string(),
+                deployment_id: d[0].id().to_string(),
+                state: views::deployment_state(d).to_string(),
             })
             .collect();
         // By name (IDs made in the same millisecond are in no particular order).
@@ -837,8 +852,8 @@ impl Server {
     /// [`SHOT_CHUNK`] deployments at a time, the lock let go between chunks, so that a request
     /// or a switch waits for one chunk at most, never for a whole read. NB: so the copies are
     /// not of one instant; each deployment's is of one.
-    fn shots(&self) -> (Vec<views::DepShot>, Hosts) {
-        let mut all: Vec<views::DepShot> = Vec::new();
+    fn shots(&self) -> (Vec<Vec<views::DepShot>>, Hosts) {
+        let mut all: Vec<Vec<views::DepShot>> = Vec::new();
         let hosts = self.shot_chunks(|chunk, _, total| {
             all.reserve(total.saturating_sub(all.len()));
             all.append(chunk);
@@ -847,45 +862,63 @@ impl Server {
     }
 
     /// [`Server::shots`] a chunk at a time: `each` gets every chunk (in ID order; it may take
-    /// the copies) once the lock is let go, with the hosts and the number of deployments at
+    /// the copies) once the lock is let go, with the hosts and the number of instances at
     /// the chunk's copy. A read that builds its views chunk by chunk keeps no copy of every
-    /// deployment at once.
-    fn shot_chunks(&self, mut each: impl FnMut(&mut Vec<views::DepShot>, &Hosts, usize)) -> Hosts {
-        let mut chunk: Vec<views::DepShot> = Vec::with_capacity(SHOT_CHUNK);
+    /// deployment at once. A chunk holds whole deployments: every instance of each.
+    fn shot_chunks(
+        &self,
+        mut each: impl FnMut(&mut Vec<Vec<views::DepShot>>, &Hosts, usize),
+    ) -> Hosts {
+        let mut taken: Vec<views::DepShot> = Vec::with_capacity(SHOT_CHUNK);
         let mut hosts: Option<Hosts> = None;
-        let mut after: Option<Arc<views::Fixed>> = None;
+        let mut after: Option<String> = None;
         loop {
-            let (hosts, total) = {
+            let (hosts, total, last) = {
                 let inner = self.owner.state();
                 let hosts = Arc::clone(hosts.get_or_insert_with(|| Arc::clone(&inner.hosts)));
                 let total = inner.deps.len();
                 let from = after
                     .as_ref()
-                    .map_or(Bound::Unbounded, |f| Bound::Excluded(f.id.as_str()));
-                chunk.extend(
-                    inner
-                        .deps
-                        .range::<str, _>((from, Bound::Unbounded))
-                        .take(SHOT_CHUNK)
-                        .map(|(_, d)| views::DepShot::of(d)),
-                );
-                (hosts, total)
+                    .map_or(Bound::Unbounded, |k| Bound::Excluded(k.as_str()));
+                let mut it = inner
+                    .deps
+                    .range::<str, _>((from, Bound::Unbounded))
+                    .peekable();
+                while taken.len() < SHOT_CHUNK
+                    && let Some((_, d)) = it.next()
+                {
+                    taken.push(views::DepShot::of(d));
+                }
+                // The rest of the last deployment's instances (they follow it in key order).
+                while let Some((_, d)) = it.peek()
+                    && d.index > 0
+                    && taken.last().is_some_and(|t| t.fixed.id == d.rec.id)
+                {
+                    taken.push(views::DepShot::of(d));
+                    it.next();
+                }
+                after = it.peek().is_some().then(|| {
+                    let l = taken.last().map(|t| &t.fixed);
+                    l.map(|f| state::unit_id(&f.id, f.index))
+                        .unwrap_or_default()
+                });
+                (hosts, total, it.peek().is_none())
             };
-            let last = chunk.len() < SHOT_CHUNK;
-            after = chunk.last().map(|d| Arc::clone(&d.fixed));
+            let mut chunk = views::group(std::mem::take(&mut taken));
             each(&mut chunk, &hosts, total);
             if last {
                 return hosts;
             }
-            chunk.clear();
         }
     }
 
-    /// Deployment `name_or_id` as the views need it, and the hosts.
-    fn shot(&self, name_or_id: &str) -> Option<(views::DepShot, Hosts)> {
+    /// Deployment `name_or_id` as the views need it (every instance, index 0 first), and the
+    /// hosts.
+    fn shot(&self, name_or_id: &str) -> Option<(Vec<views::DepShot>, Hosts)> {
         let inner = self.owner.state();
         let d = inner.by_name_or_id(name_or_id)?;
-        Some((views::DepShot::of(d), Arc::clone(&inner.hosts)))
+        let units = inner.units_of(d.dep_id()).map(views::DepShot::of).collect();
+        Some((views::group(units).remove(0), Arc::clone(&inner.hosts)))
     }
 
     // ----- plumbing -----
@@ -955,11 +988,13 @@ impl Server {
                 victims
                     .iter()
                     .map(|k| {
+                        let unit = unit_of_key(k);
                         let name = inner
                             .deps
-                            .get(&k.deployment)
-                            .map_or(k.deployment.as_str(), |d| d.name());
-                        (k.deployment.clone(), name.to_string())
+                            .get(&unit)
+                            .map_or(k.deployment.as_str(), |d| d.name())
+                            .to_string();
+                        (unit, name)
                     })
                     .collect()
             }),
@@ -1099,7 +1134,7 @@ impl Server {
             inner
                 .deps
                 .get(id)
-                .map(|d| (d.instance_id(), d.spec.clone()))
+                .map(|d| (d.instance_id(), d.launch_spec()))
         }) else {
             return Err(not_found(id));
         };
@@ -1283,6 +1318,8 @@ impl Server {
                 if announced.as_ref() != Some(&key) {
                     self.announce_ready(key, addr).await;
                 }
+                // Its deployment's other replicas follow, as room allows.
+                self.scale_soon();
             }
             Some(Ok((_, None))) => {}
             Some(Err(key)) => {
@@ -1450,7 +1487,7 @@ impl Server {
             };
             let result = match idle {
                 IdleRelease::Released(Ok(_)) => {
-                    tracing::info!(instance = %instance_id(&v), "stopping a parked copy to make room for a newer one");
+                    tracing::info!(instance = %unit_instance(&v), "stopping a parked copy to make room for a newer one");
                     let began = Instant::now();
                     Some(match self.release_drained(&v, true).await {
                         Ok(_) => Ok(self.stopped_for_room(&v, began).await),
@@ -1464,7 +1501,7 @@ impl Server {
                 .await;
             match result {
                 Some(Ok(released)) => stopped.push(Victim {
-                    instance_id: instance_id(&v),
+                    instance_id: unit_instance(&v),
                     deployment_id: v,
                     name,
                     released,
@@ -1530,7 +1567,7 @@ impl Server {
         self.config
             .metrics
             .park("none", "stopped_no_room_to_park", began.elapsed());
-        tracing::info!(instance = %instance_id(id), released = Released::StoppedNoRoomToPark.words(), "released: no room to keep it parked");
+        tracing::info!(instance = %unit_instance(id), released = Released::StoppedNoRoomToPark.words(), "released: no room to keep it parked");
         Released::StoppedNoRoomToPark
     }
 
@@ -1743,7 +1780,10 @@ impl Server {
         let answer = match ask {
             Ask::Always => Some(router.release(keys).await),
             Ask::IfIdleSince(since) => {
-                let deployment = ids.first().cloned().unwrap_or_default();
+                let deployment = ids
+                    .first()
+                    .map(|u| state::dep_of_unit(u).to_string())
+                    .unwrap_or_default();
                 match router.release_if_idle(deployment, keys, since).await {
                     IdleRelease::InUse => None,
                     IdleRelease::Released(result) => Some(result),
@@ -1761,7 +1801,7 @@ impl Server {
                 Ok(Some(
                     reports
                         .into_iter()
-                        .map(|(k, r)| (k.deployment, r))
+                        .map(|(k, r)| (unit_of_key(&k), r))
                         .collect(),
                 ))
             }
@@ -1794,7 +1834,7 @@ impl Server {
                         .deps
                         .values()
                         .filter(|d| d.rec.pending_start)
-                        .map(|d| d.rec.id.clone())
+                        .map(|d| d.id().to_string())
                         .collect()
                 });
                 for id in pending {
@@ -1816,9 +1856,19 @@ impl Server {
     /// bring-up goes on in a task of its own, whose outcome [`Executed::bring_up`] carries (a
     /// failure also fails the requests waiting for the target). The switch's record (begun
     /// here, with the router's window and drain) ends once the bring-up has ended.
-    async fn execute_order(&self, order: SwitchOrder) -> Result<Executed, ApiError> {
+    async fn execute_order(&self, mut order: SwitchOrder) -> Result<Executed, ApiError> {
         // Held (the operator's hold-over): no switch is carried out.
         self.refuse_held_order(&order).await?;
+        // The instance the plan chose (its reservation's target); the router names the
+        // deployment.
+        if let Some(unit) = self.read(|inner| {
+            inner
+                .reservations
+                .get(&order.switch_id)
+                .and_then(|r| r.target.clone())
+        }) {
+            order.target = unit;
+        }
         let rec = self.record_order(&order);
         let released = rec.scope(self.execute_inner(&order)).await;
         let (released, up) = match released {
@@ -1872,7 +1922,7 @@ impl Server {
                 switch_id: switch_id.to_string(),
                 deployment: d.map_or_else(|| id.to_string(), |d| d.name().to_string()),
                 deployment_id: id.to_string(),
-                instance: instance_id(id),
+                instance: unit_instance(id),
                 host_id: d.and_then(|d| d.host.clone()).unwrap_or_default(),
                 gpus: d.map(|d| gpus_of(inner, d)).unwrap_or_default(),
                 engine: d.map_or("unknown", |d| d.spec.engine.as_str()),
@@ -2038,7 +2088,7 @@ impl Server {
                     Some((false, _)) => {}
                 }
             }
-            let drained = order.victims.iter().find(|(k, _)| &k.deployment == v);
+            let drained = order.victims.iter().find(|(k, _)| unit_of_key(k) == *v);
             let state = self.read(|inner| {
                 let d = inner.deps.get(v).filter(|d| ours(d))?;
                 let generation = drained.is_none_or(|(k, _)| d.rec.generation == k.generation);
@@ -2126,7 +2176,7 @@ impl Server {
     /// [`IDLE_ENGINE_BOUND`]; the router bounds the wait by its drain bound anyway.
     async fn idle_engine(&self, key: &InstanceKey) -> bool {
         let asked = views::now_ms();
-        let iid = instance_id(&key.deployment);
+        let iid = instance_id_at(&key.deployment, key.index);
         let mut rx = self.closed.subscribe();
         let give_up = Instant::now() + IDLE_ENGINE_BOUND;
         let Some(agent) = self.read(|inner| inner.hosts.get(&key.host_id).map(|h| h.agent.clone()))
@@ -2553,7 +2603,7 @@ impl Server {
                 inner
                     .on_host(&host)
                     .filter(|d| d.bound_host() == Some(host.as_str()))
-                    .map(|d| d.rec.id.clone())
+                    .map(|d| d.id().to_string())
                     .collect::<Vec<String>>()
             })
             .await;
@@ -2875,7 +2925,7 @@ impl Server {
             inner
                 .deps
                 .get(id)
-                .map(|d| (d.instance_id(), d.spec.clone(), d.key(&inner.host_id)))
+                .map(|d| (d.instance_id(), d.launch_spec(), d.key(&inner.host_id)))
         }) else {
             return;
         };
@@ -2954,7 +3004,7 @@ impl Server {
         let deployments = match key {
             Some(k) => {
                 let (d, hosts) = self.shot(k).ok_or_else(|| not_found(k))?;
-                let load = router.as_ref().and_then(|r| r.load_shared(d.id()));
+                let load = router.as_ref().and_then(|r| r.load_shared(d[0].id()));
                 let cx = views::Ctx::new(&self.config, &hosts);
                 vec![views::load_view(&d, load.as_deref(), &cx, now)]
             }
@@ -2967,7 +3017,7 @@ impl Server {
                     out.reserve_exact(total.saturating_sub(out.len()));
                     let cx = views::Ctx::new(&self.config, hosts);
                     out.extend(chunk.iter().map(|d| {
-                        let load = loads.as_mut().and_then(|l| l.get(d.id()));
+                        let load = loads.as_mut().and_then(|l| l.get(d[0].id()));
                         views::load_view(d, load.as_deref(), &cx, now)
                     }));
                 });
@@ -3044,7 +3094,11 @@ impl owner::Ticks for Server {
     /// Idle timers (once a router is attached), in a task of their own; a tick while the
     /// last one's run goes on does nothing.
     fn tick(&self) {
-        if self.router().is_none() || self.timers_running.swap(true, Ordering::SeqCst) {
+        if self.router().is_none() {
+            return;
+        }
+        self.scale_soon();
+        if self.timers_running.swap(true, Ordering::SeqCst) {
             return;
         }
         self.spawn(|me| {
@@ -3057,6 +3111,104 @@ impl owner::Ticks for Server {
 }
 
 impl Server {
+    /// Runs the scaler in a task of its own, unless a run is under way.
+    fn scale_soon(&self) {
+        if self.router().is_none() || self.scaling.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        self.spawn(|me| {
+            Box::pin(async move {
+                me.scale_run().await;
+                me.scaling.store(false, Ordering::SeqCst);
+            })
+        });
+    }
+
+    /// One run of the scaler (`scale.rs`) over the deployments with several instances: each
+    /// decision (bring one more up into free room, take one down) is begun here and carried
+    /// out in a task of its own, so that a start does not hold up the next run.
+    async fn scale_run(&self) {
+        let now = Instant::now();
+        let inputs = self.read(|inner| inner.scale_inputs(now));
+        if inputs.is_empty() {
+            self.below_since_of().clear();
+            return;
+        }
+        let Some(router) = self.router() else { return };
+        for input in inputs {
+            let load = router.load_shared(&input.deployment);
+            let (in_flight, waiting) = load.as_deref().map_or((0, 0), |l| (l.in_flight, l.waiting));
+            let below_since = self.below_since_of().get(&input.deployment).copied();
+            let answer = scale::decide(
+                &scale::Input {
+                    replicas: input.replicas,
+                    scale: input.scale,
+                    stopped: input.stopped,
+                    units: &input.units,
+                    in_flight,
+                    waiting,
+                    below_since,
+                },
+                now,
+            );
+            match answer.below_since {
+                Some(t) => self.below_since_of().insert(input.deployment.clone(), t),
+                None => self.below_since_of().remove(&input.deployment),
+            };
+            match answer.decision {
+                scale::Decision::Nothing => {}
+                scale::Decision::Up(unit) => {
+                    let up = self
+                        .on(&unit, |inner, id| inner.scale_up(id, Instant::now()))
+                        .await;
+                    let Some(up) = up else { continue };
+                    tracing::info!(instance = %unit_instance(&unit), how = ?up, in_flight, waiting, "scale: one more instance");
+                    self.spawn(move |me| {
+                        Box::pin(async move {
+                            let switch_id = me.fresh_id("scale");
+                            let rec = me.switches.begin(
+                                me.target_of(&unit, &switch_id, waiting),
+                                SwitchCause::Scale,
+                                Instant::now(),
+                            );
+                            let result = rec.scope(me.finish_up(&unit, up)).await;
+                            rec.finish(result.as_ref().map(|_| ()), Instant::now());
+                            if let Err(e) = result {
+                                tracing::warn!(instance = %unit_instance(&unit), error = %e, "scale: the instance did not come up");
+                            }
+                        })
+                    });
+                }
+                scale::Decision::Down { unit, stop } => {
+                    let rid = self.fresh_id("scale");
+                    let r = rid.clone();
+                    let down = self
+                        .on(&unit, move |inner, id| inner.begin_down(id, &r))
+                        .await;
+                    let Ok(down) = down else { continue };
+                    tracing::info!(instance = %unit_instance(&unit), stop, in_flight, waiting, "scale: one fewer instance");
+                    self.spawn(move |me| {
+                        Box::pin(async move {
+                            let result = me
+                                .take_down_recorded(SwitchCause::Scale, &unit, &rid, down, stop)
+                                .await;
+                            me.write(move |inner| inner.release_reservation(&rid)).await;
+                            if let Err(e) = result {
+                                tracing::warn!(instance = %unit_instance(&unit), error = %e, "scale: the instance was not taken down");
+                            }
+                        })
+                    });
+                }
+            }
+        }
+    }
+
+    fn below_since_of(&self) -> MutexGuard<'_, HashMap<String, Instant>> {
+        self.below_since
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// Parks ready instances idle past `ready_idle_timeout` and stops parked ones idle past
     /// `parked_idle_timeout` (pressure decisions: a later request starts them again).
     async fn idle_timers(&self) {
@@ -3208,17 +3360,12 @@ impl Lifecycle for Server {
         // Its victims serve again.
         self.read(|inner| {
             for (k, _) in &failed.victims {
+                let unit = unit_of_key(k);
                 let name = inner
                     .deps
-                    .get(&k.deployment)
+                    .get(&unit)
                     .map_or(k.deployment.as_str(), |d| d.name());
-                rec.victim(victim_entry(
-                    name,
-                    &k.deployment,
-                    false,
-                    VictimResult::Kept,
-                    None,
-                ));
+                rec.victim(victim_entry(name, &unit, false, VictimResult::Kept, None));
             }
         });
         rec.finish(Err(error), failed.began + failed.window + failed.drain);

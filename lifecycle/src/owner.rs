@@ -139,6 +139,7 @@ async fn run(
                             tracing::error!("a lifecycle rule panicked; its change is lost");
                         }
                     }
+                    s.sync_touched();
                 }
                 changes.send_modify(|n| *n = n.wrapping_add(1));
             }

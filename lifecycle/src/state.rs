@@ -24,11 +24,22 @@ use tokio::time::Instant;
 
 use crate::placement::{Fit, Hold, Holder, place};
 use crate::store::DeploymentRecord;
-use crate::{engine_addr, instance_id, not_found, parked_room, views};
+use crate::{engine_addr, not_found, parked_room, views};
 
-/// One deployment and its instance (index 0 on this host).
+/// One instance of a deployment (a *unit*: the lifecycle's rules take one instance at a time),
+/// with its deployment's record. Index 0 is keyed by the deployment's ID, index `i` by its
+/// instance ID `<deployment id>-<i>` ([`unit_id`]); the units of one deployment share what the
+/// deployment's record says (the document, the operator's flags: [`State::sync_units`]) and
+/// keep their own generation and first answer.
 #[derive(Debug)]
 pub(crate) struct Dep {
+    /// Its key in [`State::deps`] ([`unit_id`]).
+    pub(crate) unit: String,
+    /// Its instance's index within the deployment.
+    pub(crate) index: u32,
+    /// The GPUs (indexes on its host) its engine is given, when its host has several; empty:
+    /// the whole host (one GPU, or none known).
+    pub(crate) gpus: Vec<u32>,
     pub(crate) rec: DeploymentRecord,
     pub(crate) spec: InstanceSpec,
     pub(crate) measurement: Measurement,
@@ -74,9 +85,17 @@ pub(crate) struct Dep {
 
 impl Dep {
     pub(crate) fn new(rec: DeploymentRecord) -> Self {
+        Self::replica(rec, 0)
+    }
+
+    /// Instance `index` of the deployment `rec` records.
+    pub(crate) fn replica(rec: DeploymentRecord, index: u32) -> Self {
         let spec = InstanceSpec::from_doc(rec.id.clone(), &rec.doc);
-        let fixed = Arc::new(views::Fixed::of(&rec, spec.clone()));
+        let fixed = Arc::new(views::Fixed::of(&rec, spec.clone(), index));
         Self {
+            unit: unit_id(&rec.id, index),
+            index,
+            gpus: Vec::new(),
             rec,
             spec,
             measurement: Measurement::default(),
@@ -102,15 +121,38 @@ impl Dep {
 
     /// Renews what the views share of its record after a deploy changed it.
     pub(crate) fn renew_fixed(&mut self) {
-        self.fixed = Arc::new(views::Fixed::of(&self.rec, self.spec.clone()));
+        self.fixed = Arc::new(views::Fixed::of(&self.rec, self.spec.clone(), self.index));
     }
 
     /// Its last use: the later of a request's start or end (as the router records it, read
     /// without a turn of its task) and the last state change that counts as use.
     pub(crate) fn used_at(&self) -> Instant {
         self.uses
-            .of(self.id())
+            .of(&self.rec.id)
             .map_or(self.last_used, |t| t.max(self.last_used))
+    }
+
+    /// The spec its engine starts with: its deployment's, on the GPUs placement chose for it
+    /// (`CUDA_VISIBLE_DEVICES`) when its host has several.
+    pub(crate) fn launch_spec(&self) -> InstanceSpec {
+        let mut spec = self.spec.clone();
+        if !self.gpus.is_empty() {
+            let list: Vec<String> = self.gpus.iter().map(u32::to_string).collect();
+            spec.env
+                .insert(crate::VISIBLE_DEVICES.to_string(), list.join(","));
+        }
+        spec
+    }
+
+    /// Nothing runs, is on its way or is reserved for it: dropping it loses nothing.
+    pub(crate) fn holds_nothing(&self) -> bool {
+        !self.busy
+            && self.reserved.is_none()
+            && self.claim.is_none()
+            && matches!(
+                self.state,
+                InstanceState::Stopped | InstanceState::Failed | InstanceState::AwaitingMeasurement
+            )
     }
 
     /// A start or a wake is in progress.
@@ -118,7 +160,13 @@ impl Dep {
         self.busy && matches!(self.state, InstanceState::Starting | InstanceState::Waking)
     }
 
+    /// Its key in [`State::deps`]: the deployment's ID for index 0, else its instance ID.
     pub(crate) fn id(&self) -> &str {
+        &self.unit
+    }
+
+    /// Its deployment's ID.
+    pub(crate) fn dep_id(&self) -> &str {
         &self.rec.id
     }
 
@@ -127,7 +175,7 @@ impl Dep {
     }
 
     pub(crate) fn instance_id(&self) -> String {
-        instance_id(&self.rec.id)
+        crate::instance_id_at(&self.rec.id, self.index)
     }
 
     /// Whether the engine holds GPU memory now.
@@ -210,9 +258,56 @@ impl Dep {
     }
 }
 
-/// The deployment ID of an [`instance_id`].
-pub(crate) fn deployment_of(instance_id: &str) -> Option<&str> {
-    instance_id.strip_suffix("-0")
+/// The key in [`State::deps`] of instance `index` of deployment `deployment`: the deployment's
+/// ID for index 0 (so every rule that names a deployment names its first instance), its
+/// instance ID `<deployment id>-<index>` otherwise.
+pub(crate) fn unit_id(deployment: &str, index: u32) -> String {
+    if index == 0 {
+        deployment.to_string()
+    } else {
+        crate::instance_id_at(deployment, index)
+    }
+}
+
+/// The deployment ID and index an instance ID (`<deployment id>-<index>`) names.
+pub(crate) fn split_instance(instance_id: &str) -> Option<(&str, u32)> {
+    let (dep, index) = instance_id.rsplit_once('-')?;
+    let index: u32 = index.parse().ok()?;
+    (!dep.is_empty()).then_some((dep, index))
+}
+
+/// The unit ([`unit_id`]) an instance ID names.
+pub(crate) fn deployment_of(instance_id: &str) -> Option<String> {
+    split_instance(instance_id).map(|(dep, index)| unit_id(dep, index))
+}
+
+/// The deployment ID of a unit key ([`unit_id`]).
+pub(crate) fn dep_of_unit(unit: &str) -> &str {
+    split_instance(unit).map_or(unit, |(dep, _)| dep)
+}
+
+/// The instance ID of a unit key ([`unit_id`]).
+pub(crate) fn unit_instance(unit: &str) -> String {
+    let (dep, index) = split_instance(unit).unwrap_or((unit, 0));
+    crate::instance_id_at(dep, index)
+}
+
+/// The unit an instance key names.
+pub(crate) fn unit_of_key(key: &InstanceKey) -> String {
+    unit_id(&key.deployment, key.index)
+}
+
+/// How long the scaler leaves a failed instance before it brings it up again.
+pub(crate) const FAILED_BACKOFF: Duration = Duration::from_secs(30);
+
+/// One deployment as the scaler reads it ([`State::scale_inputs`]).
+#[derive(Debug, Clone)]
+pub(crate) struct ScaleInput {
+    pub(crate) deployment: String,
+    pub(crate) replicas: u32,
+    pub(crate) scale: Option<capyctl_spec::documents::Scale>,
+    pub(crate) stopped: bool,
+    pub(crate) units: Vec<crate::scale::UnitInfo>,
 }
 
 /// A plan's or an operator release's reservation.
@@ -230,11 +325,17 @@ pub(crate) struct Reservation {
 /// (`&mut`, no lock); a save takes them under the state's read lock (the one thing a reader
 /// changes, behind a mutex of its own), and gives them back when its write fails.
 #[derive(Debug, Default)]
-pub(crate) struct Dirty(std::sync::Mutex<BTreeSet<String>>);
+pub(crate) struct Dirty(std::sync::Mutex<BTreeSet<String>>, BTreeSet<String>);
 
 impl Dirty {
-    /// Marks `id`'s record for the next save.
+    /// Marks `id`'s record for the next save (a unit's: its deployment's record), and its
+    /// deployment's instances to be brought in step at the end of the owner's turn
+    /// ([`State::sync_touched`]).
     pub(crate) fn mark(&mut self, id: &str) {
+        let id = dep_of_unit(id);
+        if !self.1.contains(id) {
+            self.1.insert(id.to_string());
+        }
         let set = self.0.get_mut().unwrap_or_else(PoisonError::into_inner);
         if !set.contains(id) {
             set.insert(id.to_string());
@@ -293,6 +394,12 @@ pub(crate) struct State {
     pub(crate) holding: HashMap<String, BTreeSet<String>>,
     /// The router's record of last uses, shared with every deployment ([`Dep::used_at`]).
     pub(crate) uses: RouterUses,
+    /// The GPUs the last [`State::place_target`] chose on its host (taken by
+    /// [`State::set_placed`]).
+    pub(crate) placed_gpus: Vec<u32>,
+    /// The deployments with more than one instance (or instances past their `replicas`):
+    /// what the scaler reads (kept by [`State::sync_units`] and [`State::remove`]).
+    pub(crate) replicated: BTreeSet<String>,
     /// The host an instance's key names while it is on none (standalone's one host).
     pub(crate) host_id: String,
     /// Some host says `lifecycle.activation: explicit`: every deployment is explicit then.
@@ -373,17 +480,185 @@ impl State {
         self.by_name.get(name).and_then(|id| self.deps.get(id))
     }
 
-    /// Adds `dep` (a name already known keeps its deployment: the first one loaded).
+    /// Every instance of deployment `dep` (its units: [`unit_id`]), in key order.
+    pub(crate) fn units_of<'a>(&'a self, dep: &'a str) -> impl Iterator<Item = &'a Dep> + 'a {
+        self.deps
+            .range::<str, _>((std::ops::Bound::Included(dep), std::ops::Bound::Unbounded))
+            .take_while(move |(k, _)| {
+                k.as_str() == dep || k.strip_prefix(dep).is_some_and(|r| r.starts_with('-'))
+            })
+            .map(|(_, d)| d)
+            .filter(move |d| d.rec.id == dep)
+    }
+
+    /// The unit keys of deployment `dep`'s instances.
+    pub(crate) fn unit_ids(&self, dep: &str) -> Vec<String> {
+        self.units_of(dep).map(|d| d.unit.clone()).collect()
+    }
+
+    /// Adds `dep` (a name already known keeps its deployment: the first one loaded), with its
+    /// other instances ([`State::sync_units`]).
     pub(crate) fn insert(&mut self, mut dep: Dep) {
         dep.uses = self.uses.clone();
         self.by_name
             .entry(dep.name().to_string())
             .or_insert_with(|| dep.rec.id.clone());
-        self.deps.insert(dep.rec.id.clone(), dep);
+        let id = dep.rec.id.clone();
+        self.deps.insert(id.clone(), dep);
+        self.sync_units(&id);
     }
 
-    /// Removes deployment `id`.
+    /// Brings the instances of every deployment whose record changed in this turn in step
+    /// with it ([`State::sync_units`]); the owner runs it after each turn.
+    pub(crate) fn sync_touched(&mut self) {
+        for id in std::mem::take(&mut self.dirty.1) {
+            self.sync_units(&id);
+        }
+    }
+
+    /// Keeps deployment `dep`'s instances in step with its record (instance 0's): one unit per
+    /// replica, each with the record's document, revision and operator's flags (its
+    /// generation, first answer and pending start are its own) and the deployment's
+    /// measurement; units past `replicas` that hold nothing are dropped (those still running
+    /// are stopped by the scaler first: [`State::surplus`]).
+    pub(crate) fn sync_units(&mut self, dep: &str) {
+        let Some(first) = self.deps.get(dep).filter(|d| d.index == 0) else {
+            return;
+        };
+        let replicas = first.rec.doc.replicas();
+        let mut measurement = first.measurement;
+        let learnt = self
+            .units_of(dep)
+            .map(|d| d.measurement)
+            .find(|m| m.gpu_memory.is_some());
+        if measurement.gpu_memory.is_none()
+            && let Some(m) = learnt
+        {
+            measurement = m;
+            if let Some(first) = self.deps.get_mut(dep) {
+                first.measurement = m;
+            }
+        }
+        let Some(first) = self.deps.get(dep) else {
+            return;
+        };
+        let rec = first.rec.clone();
+        for index in 1..replicas {
+            let unit = unit_id(dep, index);
+            match self.deps.get_mut(&unit) {
+                Some(d) => {
+                    if d.rec.revision != rec.revision || d.rec.doc != rec.doc {
+                        d.rec.doc = rec.doc.clone();
+                        d.rec.revision = rec.revision;
+                        d.spec = InstanceSpec::from_doc(rec.id.clone(), &rec.doc);
+                        d.renew_fixed();
+                    }
+                    d.rec.operator_stopped = rec.operator_stopped;
+                    d.rec.operator_started = rec.operator_started;
+                    if d.measurement.gpu_memory.is_none() {
+                        d.measurement = measurement;
+                    }
+                }
+                None => {
+                    let mut own = rec.clone();
+                    own.generation = 0;
+                    own.first_answer = None;
+                    own.pending_start = false;
+                    let mut d = Dep::replica(own, index);
+                    d.measurement = measurement;
+                    d.uses = self.uses.clone();
+                    self.deps.insert(unit, d);
+                }
+            }
+        }
+        let gone: Vec<String> = self
+            .units_of(dep)
+            .filter(|d| d.index >= replicas && d.holds_nothing())
+            .map(|d| d.unit.clone())
+            .collect();
+        for unit in gone {
+            self.set_host(&unit, None);
+            self.deps.remove(&unit);
+        }
+        if self.units_of(dep).nth(1).is_some() {
+            if !self.replicated.contains(dep) {
+                self.replicated.insert(dep.to_string());
+            }
+        } else {
+            self.replicated.remove(dep);
+        }
+    }
+
+    /// What the scaler reads of each deployment with several instances
+    /// ([`crate::scale::decide`]): its replicas, scale, operator's stop and instances.
+    pub(crate) fn scale_inputs(&self, now: Instant) -> Vec<ScaleInput> {
+        self.replicated
+            .iter()
+            .filter_map(|id| {
+                let first = self.deps.get(id)?;
+                let mut units: Vec<crate::scale::UnitInfo> = self
+                    .units_of(id)
+                    .map(|u| crate::scale::UnitInfo {
+                        unit: u.unit.clone(),
+                        index: u.index,
+                        state: u.state,
+                        // A failed instance is brought up again only after a back-off: an
+                        // engine that crashes at once is not restarted every tick.
+                        held: u.busy
+                            || u.reserved.is_some()
+                            || u.claim.is_some()
+                            || (u.state == InstanceState::Failed
+                                && now.saturating_duration_since(u.last_used) < FAILED_BACKOFF),
+                        claimed: u.claim.is_some(),
+                    })
+                    .collect();
+                units.sort_by_key(|u| u.index);
+                Some(ScaleInput {
+                    deployment: id.clone(),
+                    replicas: first.rec.doc.replicas(),
+                    scale: first.rec.doc.scale(),
+                    // Held or fenced: the scaler moves nothing either.
+                    stopped: first.rec.operator_stopped
+                        || self.held.is_some()
+                        || self.fence.is_some(),
+                    units,
+                })
+            })
+            .collect()
+    }
+
+    /// The scaler's bring-up of `unit` (see [`crate::scale`]): into free room only, never
+    /// naming a victim; `None` when there is none now, or it is not free to come up.
+    pub(crate) fn scale_up(&mut self, unit: &str, now: Instant) -> Option<Up> {
+        let d = self.deps.get(unit)?;
+        let free = !d.busy
+            && d.reserved.is_none()
+            && d.claim.is_none()
+            && !d.rec.operator_stopped
+            && matches!(
+                d.state,
+                InstanceState::Parked | InstanceState::Stopped | InstanceState::Failed
+            );
+        if !free || self.held.is_some() {
+            return None;
+        }
+        let (host, fit) = self.place_target(unit, &BTreeSet::new(), Victims::None, now);
+        if fit != Fit::Now {
+            return None;
+        }
+        self.set_placed(unit, host);
+        self.begin_up(unit, now)
+    }
+
+    /// Removes deployment `id` (every instance; the first is returned).
     pub(crate) fn remove(&mut self, id: &str) -> Option<Dep> {
+        self.replicated.remove(id);
+        for unit in self.unit_ids(id) {
+            if unit != id {
+                self.set_host(&unit, None);
+                self.deps.remove(&unit);
+            }
+        }
         self.set_host(id, None);
         let dep = self.deps.remove(id)?;
         if self.by_name.get(dep.name()).is_some_and(|i| i == id) {
@@ -441,6 +716,15 @@ impl State {
             }
         }
         d.host = host;
+    }
+
+    /// Binds unit `id` to `host` as the last placement chose, on the GPUs it chose there.
+    pub(crate) fn set_placed(&mut self, id: &str, host: Option<String>) {
+        let gpus = std::mem::take(&mut self.placed_gpus);
+        self.set_host(id, host);
+        if let Some(d) = self.deps.get_mut(id) {
+            d.gpus = gpus;
+        }
     }
 
     /// Lets go, in the GPU holders' index, of the deployments that hold nothing on their host
@@ -511,6 +795,31 @@ impl Drop for PresenceOf {
     }
 }
 
+/// A placement on some GPUs of a host: the GPUs, the fit, and its rank ([`rank_of`]).
+type GpuPlacement = (Vec<u32>, Fit, (u8, u64));
+
+/// How good a placement on a host (or GPU) of `capacity` is, lower first: room now (the
+/// fullest that fits), then victims that park before victims that must stop (fewest bytes
+/// first), then later. `None` for `Never`.
+fn rank_of(fit: &Fit, capacity: u64, need: u64, holders: &[Holder<'_>]) -> Option<(u8, u64)> {
+    Some(match fit {
+        Fit::Now => {
+            let used: u64 = holders.iter().map(|h| h.bytes).sum();
+            (0, capacity.saturating_sub(used).saturating_sub(need))
+        }
+        Fit::After(victims) | Fit::AfterStopping(victims) => (
+            if matches!(fit, Fit::After(_)) { 1 } else { 2 },
+            holders
+                .iter()
+                .filter(|h| victims.iter().any(|v| v == h.id))
+                .map(|h| h.bytes)
+                .sum(),
+        ),
+        Fit::Later => (3, 0),
+        Fit::Never(_) => return None,
+    })
+}
+
 /// Why nothing is placed on the drained `hosts`.
 fn cordoned_words(hosts: &[&str]) -> String {
     let (which, them) = match hosts {
@@ -529,7 +838,7 @@ impl State {
     pub(crate) fn key_of(d: &Dep, host: &str) -> InstanceKey {
         InstanceKey {
             deployment: d.rec.id.clone(),
-            index: 0,
+            index: d.index,
             host_id: host.to_string(),
             generation: d.rec.generation,
         }
@@ -551,15 +860,29 @@ impl State {
         victims: Victims,
         now: Instant,
     ) -> (Option<String>, Fit) {
+        let (host, gpus, fit) = self.place_target_gpus(target, protected, victims, now);
+        self.placed_gpus = gpus;
+        (host, fit)
+    }
+
+    /// [`State::place_target`], with the GPUs chosen on the host (empty: the host as a whole).
+    fn place_target_gpus(
+        &mut self,
+        target: &str,
+        protected: &BTreeSet<String>,
+        victims: Victims,
+        now: Instant,
+    ) -> (Option<String>, Vec<u32>, Fit) {
         self.prune_holding();
         let Some(d) = self.deps.get(target) else {
             return (
                 None,
+                Vec::new(),
                 Fit::Never(format!("deployment {target} is not known")),
             );
         };
         let bound = d.bound_host();
-        let mut best: Option<((u8, u64), &String, Fit)> = None;
+        let mut best: Option<((u8, u8, u64), &String, Fit)> = None;
         let mut never = Vec::new();
         // Bound: its host only. NB: each host's holders come from the holders' index
         // (`holding`, pruned above), so a placement reads the hosts and what holds memory on
@@ -568,14 +891,14 @@ impl State {
         // drain has stopped it (then it may go elsewhere), and one free to go anywhere goes
         // elsewhere; nowhere else to go is said at once.
         if bound.is_some_and(|b| self.cordoned.contains(b)) {
-            return (None, Fit::Later);
+            return (None, Vec::new(), Fit::Later);
         }
         if bound.is_none()
             && !self.hosts.is_empty()
             && self.hosts.keys().all(|h| self.cordoned.contains(h))
         {
             let all: Vec<&str> = self.hosts.keys().map(String::as_str).collect();
-            return (None, Fit::Never(cordoned_words(&all)));
+            return (None, Vec::new(), Fit::Never(cordoned_words(&all)));
         }
         let candidates: Box<dyn Iterator<Item = (&String, &Arc<Host>)>> = match bound {
             Some(b) => Box::new(self.hosts.get_key_value(b).into_iter()),
@@ -585,46 +908,55 @@ impl State {
                     .filter(|(id, _)| !self.cordoned.contains(*id)),
             ),
         };
+        // Instances go to hosts that run none of their deployment's yet, where they can: among
+        // hosts with the same kind of fit (room now, victims, later), one that does ranks
+        // after every one that does not.
+        let siblings_on = |host: &str| {
+            self.units_of(&d.rec.id)
+                .any(|u| u.unit != d.unit && u.holds_gpu() && u.host.as_deref() == Some(host))
+        };
+        let mut best_gpus: Vec<u32> = Vec::new();
         for (id, host) in candidates {
-            let need = d.need(host.capacity);
             let holders = self.holders(id, target, protected, victims, now);
-            let fit = place(host.capacity, need, &holders, victims != Victims::None);
-            let rank = match &fit {
-                Fit::Now => {
-                    let used: u64 = holders.iter().map(|h| h.bytes).sum();
-                    (0, host.capacity.saturating_sub(used).saturating_sub(need))
+            let (gpus, fit, rank) = if host.gpus.len() > 1 {
+                match self.place_on_gpus(d, id, host, &holders, victims != Victims::None) {
+                    Ok(placed) => placed,
+                    Err(why) => {
+                        never.push((id, why));
+                        continue;
+                    }
                 }
-                // Victims that park before victims that must stop; fewest bytes first.
-                Fit::After(victims) | Fit::AfterStopping(victims) => (
-                    if matches!(fit, Fit::After(_)) { 1 } else { 2 },
-                    holders
-                        .iter()
-                        .filter(|h| victims.iter().any(|v| v == h.id))
-                        .map(|h| h.bytes)
-                        .sum(),
-                ),
-                Fit::Later => (3, 0),
-                Fit::Never(why) => {
-                    never.push((id, why.clone()));
+            } else {
+                let need = d.need(host.capacity);
+                let fit = place(host.capacity, need, &holders, victims != Victims::None);
+                let Some(rank) = rank_of(&fit, host.capacity, need, &holders) else {
+                    if let Fit::Never(why) = fit {
+                        never.push((id, why));
+                    }
                     continue;
-                }
+                };
+                (Vec::new(), fit, rank)
             };
+            let rank = (rank.0, u8::from(siblings_on(id)), rank.1);
             if best.as_ref().is_none_or(|(r, _, _)| rank < *r) {
                 best = Some((rank, id, fit));
+                best_gpus = gpus;
             }
         }
         match best {
-            Some((_, id, fit)) => (Some(id.clone()), fit),
+            Some((_, id, fit)) => (Some(id.clone()), best_gpus, fit),
             None if never.is_empty() => (
                 None,
+                Vec::new(),
                 Fit::Never(match bound {
                     Some(b) => format!("its host {b} is not known"),
                     None => "no host is known".to_string(),
                 }),
             ),
-            None if self.hosts.len() == 1 => (None, Fit::Never(never.remove(0).1)),
+            None if self.hosts.len() == 1 => (None, Vec::new(), Fit::Never(never.remove(0).1)),
             None => (
                 None,
+                Vec::new(),
                 Fit::Never(
                     never
                         .iter()
@@ -634,6 +966,125 @@ impl State {
                 ),
             ),
         }
+    }
+
+    /// Where `d`'s instance fits on the GPUs of `host` (a host with several): on
+    /// `gpus_per_instance` GPUs that run no other instance of its deployment (the ones it is
+    /// bound to, when parked there), each taking its share of the instance's memory, chosen
+    /// as a host is (room now, the fullest that fits; else the fewest victim bytes). `holders`
+    /// are the host's; one whose GPUs are not known counts on every GPU. `Err` says why it
+    /// never fits there.
+    fn place_on_gpus(
+        &self,
+        d: &Dep,
+        host_id: &str,
+        host: &Host,
+        holders: &[Holder<'_>],
+        evict: bool,
+    ) -> Result<GpuPlacement, String> {
+        let want = d.rec.doc.gpus_per_instance() as usize;
+        if want > host.gpus.len() {
+            return Err(format!(
+                "it needs {want} GPUs (gpus_per_instance) and the host has {}",
+                host.gpus.len()
+            ));
+        }
+        let bound: &[u32] = if d.bound_host().is_some() {
+            &d.gpus
+        } else {
+            &[]
+        };
+        let taken: BTreeSet<u32> = self
+            .units_of(&d.rec.id)
+            .filter(|u| u.unit != d.unit && u.holds_gpu() && u.host.as_deref() == Some(host_id))
+            .flat_map(|u| u.gpus.iter().copied())
+            .collect();
+        let gpus_of = |id: &str| -> &[u32] { self.deps.get(id).map_or(&[], |h| h.gpus.as_slice()) };
+        let mut each: Vec<(u32, Fit, (u8, u64))> = Vec::new();
+        let mut never = Vec::new();
+        for gpu in &host.gpus {
+            if !bound.is_empty() && !bound.contains(&gpu.index) {
+                continue;
+            }
+            if bound.is_empty() && taken.contains(&gpu.index) {
+                continue;
+            }
+            let cap = gpu.total_bytes;
+            let need = d
+                .measurement
+                .gpu_memory
+                .map_or(cap, |m| m.bytes.div_ceil(want as u64));
+            let on_gpu: Vec<Holder<'_>> = holders
+                .iter()
+                .filter_map(|h| {
+                    let theirs = gpus_of(h.id);
+                    if !theirs.is_empty() && !theirs.contains(&gpu.index) {
+                        return None;
+                    }
+                    let n = theirs.len().max(1) as u64;
+                    Some(Holder {
+                        bytes: (h.bytes / n).min(cap),
+                        keeps: h.keeps / n,
+                        ..h.clone()
+                    })
+                })
+                .collect();
+            let fit = place(cap, need, &on_gpu, evict);
+            match rank_of(&fit, cap, need, &on_gpu) {
+                Some(rank) => each.push((gpu.index, fit, rank)),
+                None => {
+                    if let Fit::Never(why) = fit {
+                        never.push(format!("GPU {}: {why}", gpu.index));
+                    }
+                }
+            }
+        }
+        if each.len() < want {
+            let free = each.len();
+            return Err(if never.is_empty() || taken.len() + free >= want {
+                format!(
+                    "its other instances already run on {} of the host's {} GPUs, and each instance needs GPUs of its own",
+                    taken.len(),
+                    host.gpus.len()
+                )
+            } else {
+                never.join("; ")
+            });
+        }
+        each.sort_by_key(|(index, _, rank)| (*rank, *index));
+        each.truncate(want);
+        let gpus: Vec<u32> = each.iter().map(|(i, _, _)| *i).collect();
+        let worst = each.iter().map(|(_, _, r)| *r).max().unwrap_or((0, 0));
+        let mut stop = false;
+        let mut victims: Vec<String> = Vec::new();
+        let mut later = false;
+        for (_, fit, _) in each {
+            match fit {
+                Fit::Now => {}
+                Fit::After(v) => victims.extend(v),
+                Fit::AfterStopping(v) => {
+                    stop = true;
+                    victims.extend(v);
+                }
+                Fit::Later | Fit::Never(_) => later = true,
+            }
+        }
+        victims.sort();
+        victims.dedup();
+        let fit = if later {
+            Fit::Later
+        } else if victims.is_empty() {
+            Fit::Now
+        } else if stop {
+            Fit::AfterStopping(victims)
+        } else {
+            Fit::After(victims)
+        };
+        let rank = match fit {
+            Fit::Now => (0, worst.1),
+            _ => worst,
+        };
+        Ok((gpus, fit, rank))
     }
 
     /// The GPU holders of `host` as placement sees them, for bringing up `target`.
@@ -646,6 +1097,7 @@ impl State {
         now: Instant,
     ) -> Vec<Holder<'a>> {
         let capacity = self.hosts.get(host).map_or(0, |h| h.capacity);
+        let target_dep = dep_of_unit(target);
         self.holding_on(host)
             .filter(|d| d.id() != target && d.holds_gpu())
             .map(|d| {
@@ -662,11 +1114,14 @@ impl State {
                     && d.end.borrow().is_none();
                 let hold = if (self.explicit(d) || d.warm()) && !leaving {
                     Hold::Pinned
+                } else if d.dep_id() == target_dep {
+                    // Another instance of the target's own deployment: never its victim.
+                    Hold::Busy
                 } else if (ends
                     || matches!(d.state, InstanceState::Ready | InstanceState::Parked) && !d.busy)
                     && d.reserved.is_none()
                     && d.claim.is_none()
-                    && !protected.contains(d.id())
+                    && !protected.contains(d.dep_id())
                     // A fenced instance (adopted from a leader that may still serve it) is
                     // released only once the fence ends: meanwhile placement waits (`Later`).
                     && !self.fenced(d.id())
@@ -736,17 +1191,20 @@ impl State {
                 deployment: id.to_string(),
             });
         }
-        if self.explicit(d) && !d.running_or_coming() {
+        let dep = dep_of_unit(id);
+        if self.explicit(d) && !self.units_of(dep).any(Dep::running_or_coming) {
             return Err(ApiError::DeploymentInactive {
                 deployment: id.to_string(),
             });
         }
         // Held: only what is ready or already on its way serves; nothing is switched.
         if let Some(e) = &self.held
-            && !matches!(
-                d.state,
-                InstanceState::Ready | InstanceState::Starting | InstanceState::Waking
-            )
+            && !self.units_of(dep).any(|u| {
+                matches!(
+                    u.state,
+                    InstanceState::Ready | InstanceState::Starting | InstanceState::Waking
+                )
+            })
         {
             return Err(e.clone());
         }
@@ -768,6 +1226,16 @@ impl State {
         if who == PlanFor::Requests {
             self.admissible(target)?;
         }
+        if !self.deps.contains_key(target) {
+            return Err(not_found(target));
+        }
+        // The instance to bring up: one already on its way says so; else a parked one (a wake
+        // is quicker than a start), else a stopped one; `Later` while every one is busy.
+        let target = match self.unit_to_bring_up(target) {
+            Some(unit) => unit,
+            None => return Ok(Plan::AlreadyComing),
+        };
+        let target = target.as_str();
         let Some(d) = self.deps.get(target) else {
             return Err(not_found(target));
         };
@@ -809,7 +1277,7 @@ impl State {
                 if let Some(d) = self.deps.get_mut(target) {
                     d.claim = Some(switch_id.clone());
                 }
-                self.set_host(target, host);
+                self.set_placed(target, host);
                 Plan::BringUp { switch_id }
             }
             Fit::After(ref victims) | Fit::AfterStopping(ref victims) => {
@@ -835,7 +1303,7 @@ impl State {
                 if let Some(d) = self.deps.get_mut(target) {
                     d.claim = Some(switch_id.clone());
                 }
-                self.set_host(target, host);
+                self.set_placed(target, host);
                 self.reservations.insert(
                     switch_id.clone(),
                     Reservation {
@@ -864,6 +1332,32 @@ impl State {
             }
         };
         Ok(plan)
+    }
+
+    /// The instance of deployment `dep` a plan brings up: `None` when one is ready, coming or
+    /// claimed (the plan is "already coming"); else the first parked one that nothing holds,
+    /// else the first stopped or failed one, else the first instance (whose state then says
+    /// `Later`). Only instances within `replicas` count.
+    pub(crate) fn unit_to_bring_up(&self, dep: &str) -> Option<String> {
+        let replicas = self.deps.get(dep).map_or(1, |d| d.rec.doc.replicas());
+        let units: Vec<&Dep> = self.units_of(dep).filter(|u| u.index < replicas).collect();
+        if units.iter().any(|u| {
+            u.claim.is_some()
+                || matches!(
+                    u.state,
+                    InstanceState::Ready | InstanceState::Starting | InstanceState::Waking
+                )
+        }) {
+            return None;
+        }
+        let free = |u: &&&Dep| !u.busy && u.reserved.is_none();
+        let mut ordered: Vec<&&Dep> = units.iter().filter(free).collect();
+        ordered.sort_by_key(|u| (u.state != InstanceState::Parked, u.index));
+        Some(
+            ordered
+                .first()
+                .map_or_else(|| dep.to_string(), |u| u.unit.clone()),
+        )
     }
 
     /// Begins taking `id` down: `Ok(Some(true))` ready (drain first),
@@ -911,7 +1405,7 @@ impl State {
         host: &str,
         exit: &capyctl_node_agent::agent::EngineExit,
     ) -> Option<InstanceKey> {
-        let d = self.deps.get_mut(deployment_of(&exit.instance)?)?;
+        let d = self.deps.get_mut(&deployment_of(&exit.instance)?)?;
         if d.host.as_deref() != Some(host) || d.busy {
             return None;
         }
@@ -925,6 +1419,7 @@ impl State {
         d.tier = None;
         d.addr = None;
         d.pid = None;
+        d.last_used = Instant::now();
         d.last_error = Some(format!(
             "the engine exited: {}",
             exit.status.as_deref().unwrap_or("status unknown")
@@ -967,9 +1462,10 @@ impl State {
         let mut lost = Vec::new();
         let mut adopted_here = BTreeSet::new();
         let mut changed = BTreeSet::new();
+        let multi_gpu = self.hosts.get(&host_id).is_some_and(|h| h.gpus.len() > 1);
         for adopted in adopted {
             let Some(d) = deployment_of(&adopted.instance)
-                .and_then(|id| self.deps.get_mut(id))
+                .and_then(|id| self.deps.get_mut(&id))
                 .filter(|d| d.instance_id() == adopted.instance)
             else {
                 tracing::info!(host = %host_id, instance = %adopted.instance, "stopping an engine of a deployment that no longer exists");
@@ -990,7 +1486,7 @@ impl State {
                     if let Some(addr) = engine_addr(&adopted.base_url) {
                         d.addr = Some(addr);
                     }
-                    adopted_here.insert(d.rec.id.clone());
+                    adopted_here.insert(d.id().to_string());
                 }
                 continue;
             }
@@ -1003,13 +1499,24 @@ impl State {
             d.tier = adopted.parked;
             d.parked_gpu = adopted.gpu_held.map(|g| g.bytes);
             d.pid = Some(adopted.pid);
+            // The GPUs it was given (placement on a host of several GPUs sets them).
+            d.gpus = if multi_gpu {
+                adopted
+                    .spec
+                    .env
+                    .get(crate::VISIBLE_DEVICES)
+                    .map(|v| v.split(',').filter_map(|g| g.trim().parse().ok()).collect())
+                    .unwrap_or_default()
+            } else {
+                Vec::new()
+            };
             d.addr = engine_addr(&adopted.base_url);
             if adopted.parked.is_none() && d.rec.pending_start {
                 // It runs: a start that waited for memory has happened.
                 d.rec.pending_start = false;
                 self.dirty.mark(&d.rec.id);
             }
-            let id = d.rec.id.clone();
+            let id = d.id().to_string();
             if (d.state, d.addr) != was {
                 changed.insert(id.clone());
             }
@@ -1024,7 +1531,8 @@ impl State {
             adopted_here.insert(id);
         }
         // Only deployments on this host can be adopted here or lost by it.
-        let on_this_host: Vec<String> = self.on_host(&host_id).map(|d| d.rec.id.clone()).collect();
+        let on_this_host: Vec<String> =
+            self.on_host(&host_id).map(|d| d.id().to_string()).collect();
         for id in &on_this_host {
             let Some(d) = self.deps.get_mut(id) else {
                 continue;
@@ -1162,7 +1670,7 @@ impl State {
         if fit != Fit::Now {
             return None;
         }
-        self.set_host(id, host);
+        self.set_placed(id, host);
         self.begin_up(id, now)
     }
 }
@@ -1267,7 +1775,7 @@ impl State {
         };
         match fit {
             Fit::Now => {
-                self.set_host(id, host);
+                self.set_placed(id, host);
                 Ok(self
                     .begin_up(id, now)
                     .map_or(StartNext::Nothing, StartNext::Up))
@@ -1335,7 +1843,7 @@ impl State {
         let (host, fit) = self.place_target(id, &BTreeSet::new(), Victims::None, now);
         match fit {
             Fit::Now => {
-                self.set_host(id, host);
+                self.set_placed(id, host);
                 Ok(self.begin_up(id, now).is_some())
             }
             Fit::Later | Fit::After(_) | Fit::AfterStopping(_) => Err(ApiError::Conflict {
@@ -1375,10 +1883,10 @@ impl State {
                 let due = |t: Option<Duration>| t.is_some_and(|t| idle >= t);
                 match d.state {
                     InstanceState::Ready if due(timeouts.ready_idle_timeout) => {
-                        Some((d.rec.id.clone(), true))
+                        Some((d.id().to_string(), true))
                     }
                     InstanceState::Parked if due(timeouts.parked_idle_timeout) => {
-                        Some((d.rec.id.clone(), false))
+                        Some((d.id().to_string(), false))
                     }
                     _ => None,
                 }
@@ -1457,7 +1965,7 @@ impl State {
             .deps
             .values()
             .filter(|d| d.state == InstanceState::Ready)
-            .map(|d| d.rec.id.clone())
+            .map(|d| d.id().to_string())
             .collect();
         let names = ids
             .iter()
@@ -1517,6 +2025,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+    use crate::instance_id;
     use capyctl_node_agent::agent::EngineExit;
     use capyctl_node_agent::measure::{MeasureSource, Measured};
     use capyctl_spec::settings::LifecycleDefaults;
@@ -2056,7 +2565,7 @@ mod tests {
     }
 
     fn on(inner: &State, host: &str) -> Vec<String> {
-        inner.on_host(host).map(|d| d.rec.id.clone()).collect()
+        inner.on_host(host).map(|d| d.id().to_string()).collect()
     }
 
     #[test]

@@ -555,18 +555,20 @@ impl Recording {
     }
 }
 
-/// A victim's entry, as a switch notes it.
+/// A victim's entry, as a switch notes it; `unit` is the victim's key in the lifecycle (its
+/// deployment's ID for instance 0, else its instance ID).
 pub fn victim_entry(
     name: &str,
-    deployment_id: &str,
+    unit: &str,
     stop: bool,
     result: VictimResult,
     error: Option<SwitchError>,
 ) -> SwitchVictim {
+    let (deployment_id, index) = crate::state::split_instance(unit).unwrap_or((unit, 0));
     SwitchVictim {
         deployment: name.to_string(),
         deployment_id: deployment_id.to_string(),
-        instance: crate::instance_id(deployment_id),
+        instance: crate::instance_id_at(deployment_id, index),
         action: if stop {
             VictimAction::Stop
         } else {

@@ -41,19 +41,22 @@ pub(crate) struct Fixed {
     pub doc: DeploymentDoc,
     /// Its instance spec (from the document).
     pub spec: InstanceSpec,
-    /// Its instance's ID (`super::instance_id`).
+    /// Its instance's ID (`super::instance_id_at`).
     pub instance_id: String,
+    /// Its instance's index.
+    pub index: u32,
 }
 
 impl Fixed {
     /// Of `rec`, whose instance spec is `spec`.
-    pub(crate) fn of(rec: &DeploymentRecord, spec: InstanceSpec) -> Self {
+    pub(crate) fn of(rec: &DeploymentRecord, spec: InstanceSpec, index: u32) -> Self {
         Fixed {
             revision: rec.revision,
             id: rec.id.clone(),
             doc: rec.doc.clone(),
             spec,
-            instance_id: super::instance_id(&rec.id),
+            instance_id: super::instance_id_at(&rec.id, index),
+            index,
         }
     }
 
@@ -221,49 +224,94 @@ fn view_hosts(d: &DepShot, hosts: &Hosts) -> Vec<String> {
     }
 }
 
-/// One deployment's view.
-pub(crate) fn deployment_view(d: &DepShot, cx: &Ctx<'_>) -> DeploymentView {
+/// The state a deployment shows, from its instances' (one instance: its own): the most
+/// serving one, in this order.
+pub(crate) fn deployment_state(units: &[DepShot]) -> InstanceState {
+    const ORDER: [InstanceState; 11] = [
+        InstanceState::Ready,
+        InstanceState::Waking,
+        InstanceState::Starting,
+        InstanceState::Closed,
+        InstanceState::Parking,
+        InstanceState::Stopping,
+        InstanceState::Parked,
+        InstanceState::Failed,
+        InstanceState::AwaitingMeasurement,
+        InstanceState::Stopped,
+        InstanceState::Stopped,
+    ];
+    let shown: Vec<InstanceState> = units.iter().map(DepShot::shown_state).collect();
+    ORDER
+        .iter()
+        .copied()
+        .find(|s| shown.contains(s))
+        .unwrap_or(InstanceState::Stopped)
+}
+
+/// One deployment's view, from its instances' snapshots (index 0 first: [`group`]).
+pub(crate) fn deployment_view(units: &[DepShot], cx: &Ctx<'_>) -> DeploymentView {
+    let d = &units[0];
     let doc = &d.fixed.doc;
-    let state = d.shown_state();
+    let state = deployment_state(units);
     let explicit = doc.activation() == Activation::Explicit || cx.any_host_explicit;
-    let instance_host = d
-        .host(cx.hosts)
-        .map_or_else(|| cx.config.host_id.clone(), |(h, _)| h.clone());
-    let ready = d.state == InstanceState::Ready;
+    let ready_count = units
+        .iter()
+        .filter(|u| u.state == InstanceState::Ready)
+        .count();
+    let replicas = doc.replicas() as usize;
     // An engine believed on a host whose node agent does not answer: what is shown is the
     // last known, and the `Ready` condition says it is unknown now, and why.
-    let agent_lost = (!matches!(d.state, InstanceState::Stopped | InstanceState::Failed))
-        .then(|| d.host.as_deref().and_then(|h| cx.hosts.get_key_value(h)))
-        .flatten()
-        .and_then(|(id, h)| Some((id, h.agent.unreachable()?)));
-    let (ready_reason, ready_message) = if let Some((host, why)) = &agent_lost {
+    let agent_lost = units.iter().find_map(|u| {
+        (!matches!(u.state, InstanceState::Stopped | InstanceState::Failed))
+            .then(|| u.host.as_deref().and_then(|h| cx.hosts.get_key_value(h)))
+            .flatten()
+            .and_then(|(id, h)| Some((id, h.agent.unreachable()?, u.shown_state())))
+    });
+    let pending = units.iter().any(|u| u.pending_start);
+    let last_error = units.iter().find_map(|u| u.last_error.clone());
+    let (ready_reason, ready_message) = if let Some((host, why, was)) = &agent_lost {
         (
             "node_agent_unreachable",
             format!(
-                "the node agent of host {host} cannot be reached, so the instance's state ({state}) is the last known: {why}"
+                "the node agent of host {host} cannot be reached, so the instance's state ({was}) is the last known: {why}"
             ),
         )
-    } else if ready {
-        ("ready", "the instance serves requests".to_string())
-    } else if d.pending_start {
+    } else if ready_count > 0 {
+        (
+            "ready",
+            if replicas == 1 && units.len() == 1 {
+                "the instance serves requests".to_string()
+            } else {
+                format!("{ready_count} of {replicas} instances serve requests")
+            },
+        )
+    } else if pending {
         (
             "waiting_for_memory",
             "an operator start waits for GPU memory (start --evict parks idle models to make room)"
                 .to_string(),
         )
-    } else if let Some(e) = &d.last_error {
-        ("failed", e.clone())
+    } else if let Some(e) = last_error {
+        ("failed", e)
     } else {
         ("not_running", format!("the instance is {state}"))
     };
     let measured = !d.measurement.awaiting();
+    let mut hosts: Vec<String> = Vec::new();
+    for u in units {
+        for h in view_hosts(u, cx.hosts) {
+            if !hosts.contains(&h) {
+                hosts.push(h);
+            }
+        }
+    }
     DeploymentView {
         id: d.fixed.id.clone(),
         name: doc.name.clone(),
         state,
-        ready: format!("{}/1", u8::from(ready)),
+        ready: format!("{ready_count}/{replicas}"),
         revision: d.fixed.revision,
-        hosts: view_hosts(d, cx.hosts),
+        hosts,
         activation: if explicit {
             Activation::Explicit
         } else {
@@ -275,17 +323,22 @@ pub(crate) fn deployment_view(d: &DepShot, cx: &Ctx<'_>) -> DeploymentView {
         model: doc.model.clone(),
         residency: doc.residency,
         measurement: measurement_view(&d.measurement),
-        instances: vec![InstanceView {
-            instance_id: d.instance_id().to_string(),
-            index: 0,
-            host_id: instance_host,
-            generation: d.generation,
-            state,
-            parked_tier: d.tier.map(|t| tier_words(t).to_string()),
-            port: d.addr.map(|a| a.port()),
-            pid: d.pid,
-            last_error: d.last_error.clone(),
-        }],
+        instances: units
+            .iter()
+            .map(|u| InstanceView {
+                instance_id: u.instance_id().to_string(),
+                index: u.fixed.index,
+                host_id: u
+                    .host(cx.hosts)
+                    .map_or_else(|| cx.config.host_id.clone(), |(h, _)| h.clone()),
+                generation: u.generation,
+                state: u.shown_state(),
+                parked_tier: u.tier.map(|t| tier_words(t).to_string()),
+                port: u.addr.map(|a| a.port()),
+                pid: u.pid,
+                last_error: u.last_error.clone(),
+            })
+            .collect(),
         conditions: vec![
             if agent_lost.is_some() {
                 ConditionView {
@@ -293,7 +346,7 @@ pub(crate) fn deployment_view(d: &DepShot, cx: &Ctx<'_>) -> DeploymentView {
                     ..condition("Ready", false, ready_reason, ready_message)
                 }
             } else {
-                condition("Ready", ready, ready_reason, ready_message)
+                condition("Ready", ready_count > 0, ready_reason, ready_message)
             },
             condition(
                 "Measured",
@@ -305,7 +358,7 @@ pub(crate) fn deployment_view(d: &DepShot, cx: &Ctx<'_>) -> DeploymentView {
                 },
                 if measured {
                     "the checkpoint's memory is known".to_string()
-                } else if d.first_answered {
+                } else if units.iter().any(|u| u.first_answered) {
                     // Started, and still unknown: the host cannot read a process's GPU memory
                     // (no NVML, or GPUs declared in the host document).
                     "the engine's GPU footprint could not be read on this host; it is placed as needing the whole GPU: declare resources.gpu_memory".to_string()
@@ -316,6 +369,22 @@ pub(crate) fn deployment_view(d: &DepShot, cx: &Ctx<'_>) -> DeploymentView {
         ],
         spec: doc.clone(),
     }
+}
+
+/// Groups snapshots taken in key order (`State::deps`: a deployment's ID, then its other
+/// instances' IDs) by deployment, each group's instances in index order.
+pub(crate) fn group(shots: Vec<DepShot>) -> Vec<Vec<DepShot>> {
+    let mut out: Vec<Vec<DepShot>> = Vec::new();
+    for s in shots {
+        match out.last_mut() {
+            Some(g) if s.fixed.index > 0 && g[0].fixed.id == s.fixed.id => g.push(s),
+            _ => out.push(vec![s]),
+        }
+    }
+    for g in &mut out {
+        g.sort_by_key(|s| s.fixed.index);
+    }
+    out
 }
 
 /// What CapyCTL passes or expects before the engine says (the deployment's figure).
@@ -360,30 +429,48 @@ pub(crate) fn sample_view(s: &LoadSample, now_ms: u64, ingress: u64) -> Option<S
     })
 }
 
-/// One deployment's load.
+/// One deployment's load, from its instances' snapshots (index 0 first).
 pub(crate) fn load_view(
-    d: &DepShot,
+    units: &[DepShot],
     router: Option<&DeploymentLoad>,
     cx: &Ctx<'_>,
     now_ms: u64,
 ) -> DeploymentLoadView {
+    let d = &units[0];
     let host = d.host(cx.hosts);
     let expected = expected_max_running(&d.fixed.spec, cx.config, host.map(|(_, h)| &**h));
-    let instance_mr = d.max_running.unwrap_or(expected);
-    let router_in_flight = router
-        .and_then(|r| {
-            r.instances
-                .iter()
-                .find(|i| i.key.generation == d.generation)
+    let instances = units
+        .iter()
+        .map(|u| {
+            let host = u.host(cx.hosts);
+            let instance_mr = u.max_running.unwrap_or_else(|| {
+                expected_max_running(&u.fixed.spec, cx.config, host.map(|(_, h)| &**h))
+            });
+            let router_in_flight = router
+                .and_then(|r| {
+                    r.instances
+                        .iter()
+                        .find(|i| i.key.index == u.fixed.index && i.key.generation == u.generation)
+                })
+                .map_or(0, |i| i.router_in_flight as u64);
+            let loaded = matches!(u.state, InstanceState::Ready | InstanceState::Closed);
+            let sample = if loaded {
+                host.and_then(|(_, h)| h.agent.sample(u.instance_id()))
+                    .and_then(|s| sample_view(&s, now_ms, router_in_flight))
+            } else {
+                None
+            };
+            InstanceLoadView {
+                index: u.fixed.index,
+                host_id: host.map_or_else(|| cx.config.host_id.clone(), |(id, _)| id.clone()),
+                generation: u.generation,
+                observed_state: u.shown_state(),
+                router_in_flight,
+                max_running: MaxRunningView::from(instance_mr),
+                sample,
+            }
         })
-        .map_or(0, |i| i.router_in_flight as u64);
-    let loaded = matches!(d.state, InstanceState::Ready | InstanceState::Closed);
-    let sample = if loaded {
-        host.and_then(|(_, h)| h.agent.sample(d.instance_id()))
-            .and_then(|s| sample_view(&s, now_ms, router_in_flight))
-    } else {
-        None
-    };
+        .collect();
     DeploymentLoadView {
         deployment_id: d.fixed.id.clone(),
         name: d.name().to_string(),
@@ -401,15 +488,7 @@ pub(crate) fn load_view(
         // The deployment's figure is what CapyCTL passed or expects; the instance's is the
         // engine's own where it said (SGLang).
         max_running: MaxRunningView::from(expected),
-        instances: vec![InstanceLoadView {
-            index: 0,
-            host_id: host.map_or_else(|| cx.config.host_id.clone(), |(id, _)| id.clone()),
-            generation: d.generation,
-            observed_state: d.shown_state(),
-            router_in_flight,
-            max_running: MaxRunningView::from(instance_mr),
-            sample,
-        }],
+        instances,
     }
 }
 

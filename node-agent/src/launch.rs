@@ -156,6 +156,14 @@ pub fn launch_command(
             }
         }
     }
+    // One instance over several GPUs (`gpus_per_instance`): the engine's tensor-parallel
+    // option (the document refuses it for TensorFold, and in `extra_args`).
+    if let Some(n) = spec.tensor_parallel
+        && let Some(flag) = capyctl_spec::engine_args::tensor_parallel_flag(spec.engine)
+    {
+        args.push(flag.to_string());
+        args.push(n.to_string());
+    }
     args.extend(spec.extra_args.iter().cloned());
     Ok(LaunchCommand {
         program: program.clone(),

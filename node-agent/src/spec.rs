@@ -53,6 +53,9 @@ pub struct InstanceSpec {
     pub resources: DeclaredResources,
     /// `decision`, for a decision model.
     pub decision: Option<DecisionSpec>,
+    /// `gpus_per_instance` above 1: the engine's tensor-parallel option is passed with it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensor_parallel: Option<u32>,
 }
 
 impl InstanceSpec {
@@ -74,6 +77,7 @@ impl InstanceSpec {
             env: BTreeMap::new(),
             resources: DeclaredResources::default(),
             decision: None,
+            tensor_parallel: None,
         }
     }
 
@@ -103,6 +107,7 @@ impl InstanceSpec {
                 prompt: d.prompt.clone(),
                 options: d.options.clone(),
             }),
+            tensor_parallel: doc.gpus_per_instance.filter(|n| *n > 1),
         }
     }
 

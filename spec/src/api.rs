@@ -467,6 +467,9 @@ pub enum SwitchCause {
     Drain,
     /// A start or wake with no victims (a cold start, a wake into free room).
     BringUp,
+    /// Replicas: one more instance of a deployment in use (its `replicas`, or `scale` on
+    /// load), or one fewer (`scale` below its target, or `replicas` lowered).
+    Scale,
 }
 
 impl SwitchCause {
@@ -479,6 +482,7 @@ impl SwitchCause {
             SwitchCause::Release => "release",
             SwitchCause::Drain => "drain",
             SwitchCause::BringUp => "bring_up",
+            SwitchCause::Scale => "scale",
         }
     }
 }
