@@ -2515,6 +2515,8 @@ impl Server {
             d.rec.operator_stopped = true;
             d.rec.operator_started = false;
             d.rec.pending_start = false;
+            // Its other instances take the stop at the end of the turn.
+            inner.dirty.mark(id);
             Ok::<_, ApiError>(())
         })
         .await?;
@@ -2706,14 +2708,52 @@ impl Server {
         let refusal = ApiError::DeploymentStopped {
             deployment: id.clone(),
         };
-        let down = self.begin_operator_stop(&id, &rid, refusal).await?;
+        let down = self.begin_operator_stop(&id, &rid, refusal.clone()).await?;
         let result = self
             .take_down_recorded(SwitchCause::Release, &id, &rid, down, true)
             .await;
         self.write(move |inner| inner.release_reservation(&rid))
             .await;
+        let others = self.take_down_others(&id, refusal, true).await;
         result?;
+        others?;
         self.receipt("stop", &id)
+    }
+
+    /// Takes down deployment `id`'s instances other than the first (ended when coming up,
+    /// drained when ready, then stopped, or parked when `stop` is false), all at once, each
+    /// recorded as a release; the first error, once every one has ended.
+    async fn take_down_others(
+        &self,
+        id: &str,
+        refusal: ApiError,
+        stop: bool,
+    ) -> Result<(), ApiError> {
+        let units: Vec<String> = self.read(|inner| {
+            inner
+                .units_of(id)
+                .filter(|u| u.index > 0)
+                .map(|u| u.unit.clone())
+                .collect()
+        });
+        let each = units.into_iter().map(|unit| {
+            let refusal = refusal.clone();
+            async move {
+                let rid = self.fresh_id(if stop { "stop" } else { "park" });
+                let down = self.settle_down(&unit, &rid, refusal).await?;
+                let result = self
+                    .take_down_recorded(SwitchCause::Release, &unit, &rid, down, stop)
+                    .await;
+                self.write(move |inner| inner.release_reservation(&rid))
+                    .await;
+                result.map(|_| ())
+            }
+        });
+        futures_util::future::join_all(each)
+            .await
+            .into_iter()
+            .collect::<Result<Vec<()>, ApiError>>()
+            .map(|_| ())
     }
 
     /// Drains (when ready) and parks or stops `id`, as begun by [`State::begin_down`].
@@ -2809,6 +2849,42 @@ impl Server {
     async fn do_park(&self, key: &str) -> Result<ActionReceipt, ApiError> {
         let id = self.find(key)?;
         self.read(|inner| inner.command_refusal(&id))?;
+        // Every ready instance parks (one instance: the deployment's own rules below).
+        let units: Vec<(String, InstanceState)> = self.read(|inner| {
+            inner
+                .units_of(&id)
+                .map(|u| (u.unit.clone(), u.state))
+                .collect()
+        });
+        if units.len() > 1 {
+            let ready: Vec<String> = units
+                .iter()
+                .filter(|(_, s)| *s == InstanceState::Ready)
+                .map(|(u, _)| u.clone())
+                .collect();
+            if ready.is_empty() {
+                return self.park_unit(&id).await;
+            }
+            // The operator's park also ends the operator's start (as for one instance).
+            self.on(&id, |inner, id| {
+                if let Some(d) = inner.deps.get_mut(id) {
+                    d.rec.operator_started = false;
+                    inner.dirty.mark(id);
+                }
+            })
+            .await;
+            let parks = ready.iter().map(|u| self.park_unit(u));
+            for r in futures_util::future::join_all(parks).await {
+                r?;
+            }
+            return self.receipt("park", &id);
+        }
+        self.park_unit(&id).await
+    }
+
+    /// [`Server::do_park`] of one instance (`id`: its unit).
+    async fn park_unit(&self, id: &str) -> Result<ActionReceipt, ApiError> {
+        let id = id.to_string();
         let spec = self
             .read(|inner| inner.deps.get(&id).map(|d| (d.spec.clone(), d.state)))
             .ok_or_else(|| not_found(&id))?;
@@ -2866,10 +2942,14 @@ impl Server {
         let refusal = ApiError::ModelNotFound {
             model: view.name.clone(),
         };
-        let down = self.begin_operator_stop(&id, &rid, refusal).await?;
+        let down = self.begin_operator_stop(&id, &rid, refusal.clone()).await?;
         let result = self
             .take_down_recorded(SwitchCause::Release, &id, &rid, down, true)
             .await;
+        let result = match self.take_down_others(&id, refusal, true).await {
+            Ok(()) => result,
+            Err(e) => result.and(Err(e)),
+        };
         let removed = result.is_ok();
         self.on(&id, move |inner, id| {
             inner.release_reservation(&rid);

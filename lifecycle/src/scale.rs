@@ -37,8 +37,9 @@ pub(crate) struct UnitInfo {
 }
 
 impl UnitInfo {
+    /// Ready and staying: one reserved by a switch or a release is on its way out.
     fn ready(&self) -> bool {
-        self.state == InstanceState::Ready
+        self.state == InstanceState::Ready && !self.held
     }
 
     fn coming(&self) -> bool {
@@ -271,6 +272,11 @@ mod tests {
         let mut i = input(&u, scale(1, 10), 15);
         i.waiting = 6;
         assert_eq!(decide(&i, now).decision, Decision::Up("d-2".into()));
+        // One being released (reserved) is not counted as staying: nothing comes for it
+        // unless a free instance can.
+        let mut u = units(&[Ready, Ready, Ready, Ready]);
+        u[3].held = true;
+        assert_eq!(decide(&input(&u, None, 0), now).decision, Decision::Nothing);
         // Never past replicas.
         let u = units(&[Ready, Ready, Ready, Ready]);
         assert_eq!(

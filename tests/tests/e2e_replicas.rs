@@ -108,3 +108,148 @@ fn replicas_come_up_on_distinct_gpus_and_memory_pressure_takes_one_instance() {
         "{s:#}"
     );
 }
+
+/// Whether process `pid` is alive (and not a zombie).
+fn alive(pid: u64) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        !s.rsplit(')')
+            .next()
+            .unwrap_or("")
+            .trim_start()
+            .starts_with('Z')
+    })
+}
+
+/// Polls `pred` until it holds (within the suite's patience).
+fn until(what: &str, mut pred: impl FnMut() -> bool) {
+    let start = std::time::Instant::now();
+    while !pred() {
+        assert!(start.elapsed() < Duration::from_secs(60), "never {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+use std::time::Duration;
+
+#[test]
+fn a_crashed_instance_fails_alone_and_stop_and_park_take_every_instance() {
+    let dir = temp_dir("replicas-fail");
+    let doc = four_gpus(&[&model("chat-r", "replicas: 3")]);
+    let capy = Capy::start(&dir, &doc);
+    assert_eq!(chat(capy.inference, "chat-r", false).status, 200);
+    let s = capy.status_until("chat-r", "had 3 ready instances", |s| ready(s).len() == 3);
+
+    // One engine dies: only its instance fails; the deployment serves from the other two.
+    let victim = ready(&s)[1].clone();
+    support::signal(victim["pid"].as_u64().unwrap() as u32, "KILL");
+    let s = capy.status_until("chat-r", "showed the crash", |s| {
+        s["instances"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|i| i["instance_id"] == victim["instance_id"] && i["state"] == "failed")
+    });
+    assert_eq!(ready(&s).len(), 2, "{s:#}");
+    assert_eq!(s["ready"], "2/3", "{s:#}");
+    for _ in 0..6 {
+        assert_eq!(chat(capy.inference, "chat-r", false).status, 200);
+    }
+
+    // A park parks every ready instance; a stop stops every engine.
+    let pids: Vec<u64> = ready(&s)
+        .iter()
+        .map(|i| i["pid"].as_u64().unwrap())
+        .collect();
+    capy.cli(&["park", "deployment", "chat-r"]).ok();
+    let s = capy.status_until("chat-r", "parked both", |s| {
+        s["instances"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|i| i["state"] == "parked")
+            .count()
+            == 2
+    });
+    assert_eq!(s["ready"], "0/3", "{s:#}");
+    capy.cli(&["stop", "deployment", "chat-r"]).ok();
+    let s = capy.status("chat-r");
+    assert!(
+        s["instances"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|i| i["state"] == "stopped" || i["state"] == "failed"),
+        "{s:#}"
+    );
+    until("every engine of chat-r exited", || {
+        pids.iter().all(|p| !alive(*p))
+    });
+    support::assert_error(
+        &chat(capy.inference, "chat-r", false),
+        409,
+        "deployment_stopped",
+        false,
+    );
+}
+
+#[test]
+fn scale_brings_instances_up_on_load_and_parks_them_after_the_delay() {
+    let dir = temp_dir("replicas-scale");
+    // 20 tokens a second: a request of 40 tokens runs for 2 s.
+    let doc = four_gpus(&[&model(
+        "chat-s",
+        "replicas: 3\nscale: {min: 1, target_in_flight: 1, scale_down_delay: 1s}",
+    )
+    .replace(
+        "env: {ENGINE_SIM_WEIGHTS_BYTES: 64MiB}",
+        "env: {ENGINE_SIM_WEIGHTS_BYTES: 64MiB, ENGINE_SIM_TOKEN_RATE: \"20\"}",
+    )]);
+    let capy = Capy::start(&dir, &doc);
+    assert_eq!(chat(capy.inference, "chat-s", false).status, 200);
+    // In use with no load: min (1) runs.
+    let s = capy.status_until("chat-s", "had one ready instance", |s| ready(s).len() == 1);
+    assert_eq!(s["ready"], "1/3", "{s:#}");
+
+    // Three long requests at once: more than one per ready instance, so instances come, one
+    // at a time, up to replicas.
+    let addr = capy.inference;
+    let long = || {
+        std::thread::spawn(move || {
+            let body = serde_json::json!({
+                "model": "chat-s",
+                "messages": [{"role": "user", "content": "Count slowly."}],
+                "max_tokens": 120,
+                "stream": true,
+            });
+            support::request(
+                addr,
+                "POST",
+                "/v1/chat/completions",
+                &[("content-type", "application/json")],
+                body.to_string().as_bytes(),
+            )
+            .status
+        })
+    };
+    let running: Vec<_> = (0..3).map(|_| long()).collect();
+    let s = capy.status_until("chat-s", "scaled up", |s| ready(s).len() >= 2);
+    assert!(ready(&s).len() >= 2, "{s:#}");
+    for r in running {
+        assert_eq!(r.join().unwrap(), 200);
+    }
+    // The load gone, one goes after each delay, down to min.
+    let s = capy.status_until("chat-s", "scaled down to min", |s| ready(s).len() == 1);
+    assert!(
+        s["instances"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|i| i["state"] == "parked"),
+        "scaled down instances park: {s:#}"
+    );
+    let records = capy.cli(&["switches", "--json"]).ok();
+    assert!(
+        records.lines().any(|l| l.contains("\"cause\":\"scale\"")),
+        "scaling is recorded: {records}"
+    );
+}
