@@ -1000,7 +1000,9 @@ impl State {
             .flat_map(|u| u.gpus.iter().copied())
             .collect();
         let gpus_of = |id: &str| -> &[u32] { self.deps.get(id).map_or(&[], |h| h.gpus.as_slice()) };
-        let mut each: Vec<(u32, Fit, (u8, u64))> = Vec::new();
+        // Each GPU that may take it: its index, the fit there, its rank, and how long the
+        // victims it names have been idle (among equal ranks the longest idle go first).
+        let mut each: Vec<(u32, Fit, (u8, u64), Duration)> = Vec::new();
         let mut never = Vec::new();
         for gpu in &host.gpus {
             if !bound.is_empty() && !bound.contains(&gpu.index) {
@@ -1030,8 +1032,17 @@ impl State {
                 })
                 .collect();
             let fit = place(cap, need, &on_gpu, evict);
+            let idle = match &fit {
+                Fit::After(v) | Fit::AfterStopping(v) => on_gpu
+                    .iter()
+                    .filter(|h| v.iter().any(|id| id == h.id))
+                    .map(|h| h.idle_for)
+                    .min()
+                    .unwrap_or_default(),
+                _ => Duration::ZERO,
+            };
             match rank_of(&fit, cap, need, &on_gpu) {
-                Some(rank) => each.push((gpu.index, fit, rank)),
+                Some(rank) => each.push((gpu.index, fit, rank, idle)),
                 None => {
                     if let Fit::Never(why) = fit {
                         never.push(format!("GPU {}: {why}", gpu.index));
@@ -1051,14 +1062,14 @@ impl State {
                 never.join("; ")
             });
         }
-        each.sort_by_key(|(index, _, rank)| (*rank, *index));
+        each.sort_by_key(|(index, _, rank, idle)| (*rank, std::cmp::Reverse(*idle), *index));
         each.truncate(want);
-        let gpus: Vec<u32> = each.iter().map(|(i, _, _)| *i).collect();
-        let worst = each.iter().map(|(_, _, r)| *r).max().unwrap_or((0, 0));
+        let gpus: Vec<u32> = each.iter().map(|(i, _, _, _)| *i).collect();
+        let worst = each.iter().map(|(_, _, r, _)| *r).max().unwrap_or((0, 0));
         let mut stop = false;
         let mut victims: Vec<String> = Vec::new();
         let mut later = false;
-        for (_, fit, _) in each {
+        for (_, fit, _, _) in each {
             match fit {
                 Fit::Now => {}
                 Fit::After(v) => victims.extend(v),
@@ -2100,6 +2111,143 @@ mod tests {
             detail: "the Kubernetes API server cannot be reached; this replica serves ready models only until it can renew its leadership".into(),
             retry_after: 2,
         }
+    }
+
+    /// A host of `n` GPUs of `gib` GiB each.
+    fn gpus_host(n: u32, gib: u64) -> Host {
+        Host {
+            capacity: u64::from(n) * gib * GIB,
+            gpus: (0..n)
+                .map(|index| capyctl_node_agent::inventory::GpuInfo {
+                    index,
+                    uuid: None,
+                    name: None,
+                    total_bytes: gib * GIB,
+                    free_bytes: None,
+                    unified: false,
+                })
+                .collect(),
+            ..host()
+        }
+    }
+
+    /// Brings unit `unit` up as a plan would (placed, claimed, then ready).
+    fn bring_up(s: &mut State, unit: &str, now: Instant) -> (Option<String>, Vec<u32>) {
+        let (host, fit) = s.place_target(unit, &none(), Victims::Idle, now);
+        assert_eq!(fit, Fit::Now, "{unit}");
+        s.set_placed(unit, host.clone());
+        let d = s.deps.get_mut(unit).unwrap();
+        d.state = InstanceState::Ready;
+        (host, d.gpus.clone())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn replicas_are_units_on_distinct_gpus_and_never_each_others_victims() {
+        let now = Instant::now();
+        let mut s = State {
+            host_id: "box".into(),
+            ..State::default()
+        };
+        s.add_host("box".into(), gpus_host(4, 10), &[]);
+        s.insert(dep("r", "chat-r", "replicas: 3", now));
+        s.insert(dep("b", "chat-b", "", now));
+        // One unit per replica, keyed `r`, `r-1`, `r-2`; one deployment to the views.
+        assert_eq!(s.unit_ids("r"), ["r", "r-1", "r-2"]);
+        assert_eq!(s.deps["r-2"].instance_id(), "r-2");
+        assert_eq!(s.deps["r"].instance_id(), "r-0");
+        // Each on a GPU of its own (6 of 10 GiB: two would fit no GPU anyway; with 3 GiB they
+        // would, and still go apart).
+        let mut used = BTreeSet::new();
+        for unit in ["r", "r-1", "r-2"] {
+            let (host, gpus) = bring_up(&mut s, unit, now);
+            assert_eq!(host.as_deref(), Some("box"));
+            assert_eq!(gpus.len(), 1);
+            assert!(used.insert(gpus[0]), "{unit} on a GPU of its own: {gpus:?}");
+            assert_eq!(
+                s.deps[unit].launch_spec().env["CUDA_VISIBLE_DEVICES"],
+                gpus[0].to_string()
+            );
+        }
+        // A fourth (replicas raised) finds the free GPU only.
+        let mut d = s.deps.get(&"r".to_string()).unwrap().rec.clone();
+        d.doc.replicas = Some(4);
+        d.revision = 2;
+        s.deps.get_mut("r").unwrap().rec = d;
+        s.deps.get_mut("r").unwrap().renew_fixed();
+        s.sync_units("r");
+        let (_, gpus) = bring_up(&mut s, "r-3", now);
+        assert!(!used.contains(&gpus[0]));
+        // Every GPU now holds an instance of r: chat-b names one instance (the longest idle),
+        // never two; r's own plan never names its siblings.
+        s.deps.get_mut("r-1").unwrap().last_used = now - Duration::from_secs(60);
+        let plan = s
+            .plan("b", &none(), PlanFor::Requests, "sw-1".into(), now)
+            .unwrap();
+        match plan {
+            Plan::Switch { victims, .. } => {
+                assert_eq!(victims.len(), 1, "{victims:?}");
+                assert_eq!((victims[0].deployment.as_str(), victims[0].index), ("r", 1));
+            }
+            other => panic!("{other:?}"),
+        }
+        // Lowering replicas leaves the running units to the scaler; stopped ones go at once.
+        s.release_reservation("sw-1");
+        s.deps.get_mut("r-3").unwrap().state = InstanceState::Stopped;
+        let mut d = s.deps["r"].rec.clone();
+        d.doc.replicas = Some(2);
+        d.revision = 3;
+        s.deps.get_mut("r").unwrap().rec = d;
+        s.deps.get_mut("r").unwrap().renew_fixed();
+        s.sync_units("r");
+        assert_eq!(s.unit_ids("r"), ["r", "r-1", "r-2"]);
+        s.remove("r");
+        assert!(s.unit_ids("r").is_empty());
+        assert!(s.replicated.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn instances_prefer_hosts_without_a_sibling_and_span_gpus_per_instance() {
+        let now = Instant::now();
+        let mut s = State {
+            host_id: "a".into(),
+            ..State::default()
+        };
+        s.add_host("a".into(), gpus_host(1, 40), &[]);
+        s.add_host("b".into(), gpus_host(1, 40), &[]);
+        s.insert(dep("r", "chat-r", "replicas: 2", now));
+        let (first, _) = bring_up(&mut s, "r", now);
+        let (second, _) = bring_up(&mut s, "r-1", now);
+        assert_ne!(first, second, "the second instance goes to the other host");
+
+        // gpus_per_instance: 2 on a host of 4 GPUs: two GPUs, each with half the memory.
+        let mut s = State {
+            host_id: "box".into(),
+            ..State::default()
+        };
+        s.add_host("box".into(), gpus_host(4, 10), &[]);
+        let mut d = dep("t", "chat-t", "replicas: 2\ngpus_per_instance: 2", now);
+        d.measurement.gpu_memory = Some(Measured {
+            bytes: 16 * GIB,
+            source: MeasureSource::Declared,
+        });
+        s.insert(d);
+        assert_eq!(s.deps["t-1"].spec.tensor_parallel, Some(2));
+        let (_, g0) = bring_up(&mut s, "t", now);
+        let (_, g1) = bring_up(&mut s, "t-1", now);
+        assert_eq!((g0.len(), g1.len()), (2, 2));
+        assert!(g0.iter().all(|g| !g1.contains(g)), "{g0:?} {g1:?}");
+        // Three GPUs: never.
+        let mut s = State {
+            host_id: "small".into(),
+            ..State::default()
+        };
+        s.add_host("small".into(), gpus_host(2, 10), &[]);
+        s.insert(dep("w", "chat-w", "gpus_per_instance: 3", now));
+        let (_, fit) = s.place_target("w", &none(), Victims::Idle, now);
+        assert_eq!(
+            fit,
+            Fit::Never("it needs 3 GPUs (gpus_per_instance) and the host has 2".into())
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -1329,3 +1329,30 @@ fn unified_memory_is_decided_by_the_gpus_an_engine_uses() {
     };
     assert!(!discrete.unified_memory() && !discrete.unified_for(Some("3")));
 }
+
+/// `gpus_per_instance` above 1: the engine's tensor-parallel option, before `extra_args`
+/// (vLLM `--tensor-parallel-size`, SGLang `--tp-size`); none at 1.
+#[test]
+fn tensor_parallel_from_gpus_per_instance() {
+    for (engine, flag) in [
+        (EngineKind::Vllm, "--tensor-parallel-size"),
+        (EngineKind::Sglang, "--tp-size"),
+    ] {
+        let mut sp = spec(engine, "m");
+        sp.tensor_parallel = Some(4);
+        sp.extra_args = s(&["--dtype", "auto"]);
+        let cmd = launch_command(&sp, &EngineLaunch::default_for(engine), 1, PARK).unwrap();
+        assert_eq!(
+            capyctl_node_agent::spec::flag_value(&cmd.args, flag),
+            Some("4"),
+            "{engine}: {:?}",
+            cmd.args
+        );
+        let at = cmd.args.iter().position(|a| a == flag).unwrap();
+        let extra = cmd.args.iter().position(|a| a == "--dtype").unwrap();
+        assert!(at < extra, "{:?}", cmd.args);
+        let one = spec(engine, "m");
+        let cmd = launch_command(&one, &EngineLaunch::default_for(engine), 1, PARK).unwrap();
+        assert!(!cmd.args.iter().any(|a| a == flag), "{:?}", cmd.args);
+    }
+}

@@ -30,12 +30,17 @@ impl Drop for Agent {
 }
 
 fn start_agent(dir: &Path) -> Agent {
+    start_agent_as(dir, "a")
+}
+
+/// [`start_agent`] as host `box-<x>` (node `node-<x>`), its files under `dir` named by `x`.
+fn start_agent_as(dir: &Path, x: &str) -> Agent {
     let bin = support::engine_sim().display().to_string();
-    let host = dir.join("host-a.yaml");
+    let host = dir.join(format!("host-{x}.yaml"));
     std::fs::write(
         &host,
         format!(
-            "id: box-a\ngpus: [{{memory: 10GiB}}]\nhost_memory: 1GiB\nengines:\n  vllm: {{command: [\"{bin}\"]}}\n"
+            "id: box-{x}\ngpus: [{{memory: 10GiB}}]\nhost_memory: 1GiB\nengines:\n  vllm: {{command: [\"{bin}\"]}}\n"
         ),
     )
     .unwrap();
@@ -43,13 +48,18 @@ fn start_agent(dir: &Path) -> Agent {
         .unwrap()
         .local_addr()
         .unwrap();
-    let log = std::fs::File::create(dir.join("agent.log")).unwrap();
+    let log = std::fs::File::create(dir.join(format!("agent-{x}.log"))).unwrap();
     let child = Command::new(support::capyctl())
         .args(["start", "host", "--file"])
         .arg(&host)
-        .args(["--node-name", "node-a", "--engine-runtime", "process"])
+        .args([
+            "--node-name",
+            &format!("node-{x}"),
+            "--engine-runtime",
+            "process",
+        ])
         .args(["--listen", &addr.to_string(), "--data-dir"])
-        .arg(dir.join("agent"))
+        .arg(dir.join(format!("agent-{x}")))
         .env("CAPYCTL_AGENT_TOKEN", AGENT_TOKEN)
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
@@ -149,5 +159,69 @@ fn a_node_agent_that_cannot_be_reached_stops_the_start_naming_it() {
     let line = out.fails();
     assert!(line.contains(url), "{line}");
     assert!(line.contains("--node-agent"), "{line}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Replicas over hosts (DESIGN 4.7): two node agents (process runtime) beside the
+/// standalone's own host, whose 4 GiB GPU is too small for the model. A deployment of two
+/// replicas runs one instance on each agent, each engine the child of its agent; a kill -9 of
+/// one agent's engine fails that instance alone, and the deployment serves from the other.
+#[test]
+fn replicas_run_one_instance_on_each_of_two_node_agents() {
+    let dir = temp_dir("e2e-node-agents-replicas");
+    let (a, b) = (start_agent_as(&dir, "a"), start_agent_as(&dir, "b"));
+    let doc = document("", "", &[&model("chat-r", "replicas: 2")])
+        .replace("gpus: [{memory: 10GiB}]", "gpus: [{memory: 4GiB}]");
+    let args = [
+        "--node-agent",
+        a.url.as_str(),
+        "--node-agent",
+        b.url.as_str(),
+    ];
+    let env = [("CAPYCTL_AGENT_TOKEN", AGENT_TOKEN)];
+    let capy = Capy::start_with(&dir, &doc, &args, &env);
+
+    assert_eq!(chat(capy.inference, "chat-r", false).status, 200);
+    let s = capy.status_until("chat-r", "had two ready instances", |s| s["ready"] == "2/2");
+    let instances: Vec<(String, u64)> = s["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| {
+            (
+                i["host_id"].as_str().unwrap().to_string(),
+                i["pid"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let mut hosts: Vec<&str> = instances.iter().map(|(h, _)| h.as_str()).collect();
+    hosts.sort_unstable();
+    hosts.dedup();
+    assert_eq!(hosts, ["box-a", "box-b"], "one instance per agent: {s:#}");
+    for (host, pid) in &instances {
+        let agent = if host == "box-a" { &a } else { &b };
+        assert_eq!(
+            capyctl_test_support::live_parent(*pid),
+            Some(u64::from(agent.child.id())),
+            "{host}'s engine is its agent's child"
+        );
+    }
+
+    // One engine dies: its instance fails alone, and the deployment keeps serving.
+    support::signal(instances[0].1 as u32, "KILL");
+    let s = capy.status_until("chat-r", "showed one failed instance", |s| {
+        s["instances"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|i| i["state"] == "failed")
+    });
+    assert_eq!(s["ready"], "1/2", "{s:#}");
+    for _ in 0..4 {
+        let r = chat(capy.inference, "chat-r", false);
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    drop(capy);
+    drop((a, b));
     let _ = std::fs::remove_dir_all(dir);
 }
