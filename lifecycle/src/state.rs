@@ -2169,7 +2169,7 @@ mod tests {
             );
         }
         // A fourth (replicas raised) finds the free GPU only.
-        let mut d = s.deps.get(&"r".to_string()).unwrap().rec.clone();
+        let mut d = s.deps["r"].rec.clone();
         d.doc.replicas = Some(4);
         d.revision = 2;
         s.deps.get_mut("r").unwrap().rec = d;
