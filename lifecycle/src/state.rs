@@ -429,6 +429,15 @@ pub(crate) struct Fence {
 pub(crate) struct RouterUses(pub(crate) Arc<RwLock<Option<LastUses>>>);
 
 impl RouterUses {
+    /// Requests the router forwards to instance `index` of `deployment` now.
+    pub(crate) fn in_flight_of(&self, deployment: &str, index: u32) -> usize {
+        self.0
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .map_or(0, |u| u.in_flight_of(deployment, index))
+    }
+
     pub(crate) fn of(&self, deployment: &str) -> Option<Instant> {
         self.0
             .read()
@@ -1000,9 +1009,11 @@ impl State {
             .flat_map(|u| u.gpus.iter().copied())
             .collect();
         let gpus_of = |id: &str| -> &[u32] { self.deps.get(id).map_or(&[], |h| h.gpus.as_slice()) };
-        // Each GPU that may take it: its index, the fit there, its rank, and how long the
-        // victims it names have been idle (among equal ranks the longest idle go first).
-        let mut each: Vec<(u32, Fit, (u8, u64), Duration)> = Vec::new();
+        // Each GPU that may take it: its index, the fit there, its rank, whether a victim it
+        // names runs requests now (the router's count: a deployment's last use is every one of
+        // its instances'), and how long they have been idle; among equal ranks the victims
+        // that run nothing, then the longest idle, go first.
+        let mut each: Vec<(u32, Fit, (u8, u64), (bool, std::cmp::Reverse<Duration>))> = Vec::new();
         let mut never = Vec::new();
         for gpu in &host.gpus {
             if !bound.is_empty() && !bound.contains(&gpu.index) {
@@ -1033,13 +1044,22 @@ impl State {
                 .collect();
             let fit = place(cap, need, &on_gpu, evict);
             let idle = match &fit {
-                Fit::After(v) | Fit::AfterStopping(v) => on_gpu
-                    .iter()
-                    .filter(|h| v.iter().any(|id| id == h.id))
-                    .map(|h| h.idle_for)
-                    .min()
-                    .unwrap_or_default(),
-                _ => Duration::ZERO,
+                Fit::After(v) | Fit::AfterStopping(v) => (
+                    v.iter().any(|id| {
+                        self.deps
+                            .get(id)
+                            .is_some_and(|u| u.uses.in_flight_of(u.dep_id(), u.index) > 0)
+                    }),
+                    std::cmp::Reverse(
+                        on_gpu
+                            .iter()
+                            .filter(|h| v.iter().any(|id| id == h.id))
+                            .map(|h| h.idle_for)
+                            .min()
+                            .unwrap_or_default(),
+                    ),
+                ),
+                _ => (false, std::cmp::Reverse(Duration::ZERO)),
             };
             match rank_of(&fit, cap, need, &on_gpu) {
                 Some(rank) => each.push((gpu.index, fit, rank, idle)),
@@ -1062,7 +1082,7 @@ impl State {
                 never.join("; ")
             });
         }
-        each.sort_by_key(|(index, _, rank, idle)| (*rank, std::cmp::Reverse(*idle), *index));
+        each.sort_by_key(|(index, _, rank, idle)| (*rank, *idle, *index));
         each.truncate(want);
         let gpus: Vec<u32> = each.iter().map(|(i, _, _, _)| *i).collect();
         let worst = each.iter().map(|(_, _, r, _)| *r).max().unwrap_or((0, 0));

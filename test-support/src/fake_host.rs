@@ -76,6 +76,8 @@ type SampleHook = Box<dyn Fn(&str) + Send + Sync>;
 /// module's doc). Build it with [`FakeHost::new`] and the `with_…` methods.
 pub struct FakeHost {
     gpu_bytes: u64,
+    /// How many GPUs of `gpu_bytes` it has (1 by default).
+    gpu_count: u32,
     /// The GPU's UUID in the inventory (none by default).
     gpu_uuid: Option<String>,
     upstream: SocketAddr,
@@ -154,6 +156,7 @@ impl FakeHost {
     pub fn new() -> Self {
         FakeHost {
             gpu_bytes: 10 * GIB,
+            gpu_count: 1,
             gpu_uuid: None,
             upstream: SocketAddr::from(([127, 0, 0, 1], 9)),
             latency: None,
@@ -177,6 +180,12 @@ impl FakeHost {
     /// The GPU's memory.
     pub fn with_gpu(mut self, bytes: u64) -> Self {
         self.gpu_bytes = bytes;
+        self
+    }
+
+    /// `count` GPUs of the same memory (`with_gpu`), indexes 0 to `count - 1`.
+    pub fn with_gpus(mut self, count: u32) -> Self {
+        self.gpu_count = count;
         self
     }
 
@@ -294,14 +303,16 @@ impl HostAgent for FakeHost {
     fn inventory(&self) -> BoxFuture<'_, Result<Inventory, AgentError>> {
         Box::pin(self.round_trip(|| {
             Ok(Inventory {
-                gpus: vec![GpuInfo {
-                    index: 0,
-                    uuid: self.gpu_uuid.clone(),
-                    name: None,
-                    total_bytes: self.gpu_bytes,
-                    free_bytes: None,
-                    unified: false,
-                }],
+                gpus: (0..self.gpu_count)
+                    .map(|index| GpuInfo {
+                        index,
+                        uuid: self.gpu_uuid.clone(),
+                        name: None,
+                        total_bytes: self.gpu_bytes,
+                        free_bytes: None,
+                        unified: false,
+                    })
+                    .collect(),
                 gpus_overridden: true,
                 host_memory: HostMemory {
                     total_bytes: 64 * GIB,

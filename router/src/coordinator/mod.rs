@@ -508,6 +508,21 @@ impl LastUses {
             .cell(deployment)
             .and_then(|cell| cell.last_used())
     }
+
+    /// Requests the router forwards to instance `index` of `deployment` now, as last
+    /// published (0 when it knows none): which of a deployment's instances is in use.
+    pub fn in_flight_of(&self, deployment: &str, index: u32) -> usize {
+        self.loads.cell(deployment).map_or(0, |cell| {
+            cell.load
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .instances
+                .iter()
+                .filter(|i| i.key.index == index)
+                .map(|i| i.router_in_flight)
+                .sum()
+        })
+    }
 }
 
 /// The router's live load of one deployment (the `router` half of the load read).

@@ -1,0 +1,192 @@
+//! Replicas under tokio's paused clock (DESIGN 4.7): the real coordinator and lifecycle over the
+//! in-memory fake host, with two GPUs, whose starts and parks take set (virtual) times. A
+//! deployment of two replicas comes up on both GPUs at once; another model's wave takes
+//! one instance only, with no admission window (its deployment keeps the other), while the
+//! deployment's own requests are admitted at once; instances name `<id>-<index>`.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use capyctl_lifecycle::api::ManagementApi;
+use capyctl_lifecycle::store::MemoryStore;
+use capyctl_lifecycle::{LifecycleConfig, Server};
+use capyctl_router::admission::{Admission, Permit};
+use capyctl_router::config::RouterConfig;
+use capyctl_router::coordinator::CoordinatorHandle;
+use capyctl_spec::InstanceState;
+use capyctl_spec::api::{SwitchCause, SwitchOutcome, SwitchQuery, SwitchRecord};
+use capyctl_spec::documents::parse_deployment_str;
+use capyctl_test_support::{FakeHost, OpTimes};
+use tokio::time::Instant;
+
+const START: Duration = Duration::from_secs(4);
+const PARK: Duration = Duration::from_secs(1);
+const WINDOW: Duration = Duration::from_secs(2);
+
+struct Scene {
+    server: Arc<Server>,
+    router: CoordinatorHandle,
+}
+
+/// Two GPUs of 10 GiB; `r` (two replicas) and `b`, 6 GiB each: one instance per GPU.
+async fn scene() -> Scene {
+    let agent = Arc::new(FakeHost::new().with_gpus(2).with_times(OpTimes {
+        start: START,
+        park: PARK,
+        wake: Duration::from_secs(2),
+        check: Duration::from_millis(500),
+    }));
+    let mut lc = LifecycleConfig::new("h");
+    lc.timer_tick = Duration::from_millis(100);
+    let server = Server::open(agent, Arc::new(MemoryStore::default()), lc)
+        .await
+        .unwrap();
+    let router = server
+        .spawn_router(
+            server.clone(),
+            RouterConfig {
+                admission_window: WINDOW,
+                drain_timeout: Duration::from_secs(30),
+                request_deadline: Duration::from_secs(600),
+                ..RouterConfig::default()
+            },
+        )
+        .await;
+    for (name, more) in [("r", "replicas: 2\n"), ("b", "")] {
+        let doc = parse_deployment_str(
+            "t.yaml",
+            &format!(
+                "name: {name}\nengine: vllm\nmodel: m\nresources: {{gpu_memory: 6GiB}}\n{more}"
+            ),
+        )
+        .unwrap();
+        server.deploy(doc).await.unwrap();
+    }
+    Scene { server, router }
+}
+
+impl Scene {
+    /// Admits a request for `model` and holds it for `hold` (virtual time), in a task: how
+    /// long it waited, and the index of the instance it ran on.
+    fn request(&self, model: &str, hold: Duration) -> tokio::task::JoinHandle<(Duration, u32)> {
+        let router = self.router.clone();
+        let model = model.to_string();
+        tokio::spawn(async move {
+            let asked = Instant::now();
+            let d = router.resolve(&model).unwrap();
+            let permit = router
+                .admit(d, Instant::now() + Duration::from_secs(600))
+                .await
+                .unwrap();
+            let waited = asked.elapsed();
+            let index = permit.upstream().key.index;
+            tokio::time::sleep(hold).await;
+            drop(permit);
+            (waited, index)
+        })
+    }
+
+    /// The states of `name`'s instances, by index.
+    fn states(&self, name: &str) -> Vec<InstanceState> {
+        let v = self.server.view(name).unwrap();
+        v.instances.iter().map(|i| i.state).collect()
+    }
+
+    async fn until(&self, what: &str, pred: impl Fn(&Self) -> bool) {
+        let give_up = Instant::now() + Duration::from_secs(120);
+        while !pred(self) {
+            assert!(Instant::now() < give_up, "never {what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    async fn records(&self) -> Vec<SwitchRecord> {
+        self.server
+            .switches(SwitchQuery::default())
+            .await
+            .unwrap()
+            .switches
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_wave_takes_one_instance_without_a_window_while_the_deployment_serves_on() {
+    use InstanceState::{Parked, Ready, Stopped};
+    let s = scene().await;
+    assert_eq!(s.states("r"), [Stopped, Stopped]);
+    assert_eq!(s.server.view("r").unwrap().ready, "0/2");
+
+    // A request starts one instance (4 s); the scaler starts the other meanwhile, on the
+    // other GPU, at its next tick (100 ms): both are ready within a tick of each other.
+    let t0 = Instant::now();
+    let (waited, _) = s.request("r", Duration::ZERO).await.unwrap();
+    assert_eq!(waited, START);
+    s.until("both instances ready", |s| s.states("r") == [Ready, Ready])
+        .await;
+    let both = t0.elapsed();
+    assert!(
+        both > START && both <= START + Duration::from_millis(200),
+        "{both:?}"
+    );
+    let v = s.server.view("r").unwrap();
+    assert_eq!(v.ready, "2/2");
+    assert_eq!(
+        v.instances
+            .iter()
+            .map(|i| i.instance_id.clone())
+            .collect::<Vec<_>>(),
+        [format!("{}-0", v.id), format!("{}-1", v.id)]
+    );
+    let up = s
+        .records()
+        .await
+        .into_iter()
+        .find(|r| r.cause == SwitchCause::Scale)
+        .expect("the second instance's bring-up is a scale record");
+    assert_eq!(up.instance, format!("{}-1", v.id));
+
+    // r runs a long request on one instance; b's wave comes. Both GPUs hold r: the switch
+    // takes one instance only (the idle one), with no admission window since r keeps the
+    // other: b is ready after the park and the start alone.
+    let long = s.request("r", Duration::from_secs(30));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    // A short request goes to the other instance (the least loaded) and ends just before the
+    // wave: as a model's one instance, it would now keep a full window (2 s) from there.
+    let (quick, on) = s.request("r", Duration::from_millis(10)).await.unwrap();
+    assert_eq!(quick, Duration::ZERO);
+    let t1 = Instant::now();
+    let b = s.request("b", Duration::ZERO);
+    // Meanwhile r's requests are admitted at once (its other instance serves).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (now_too, _) = s.request("r", Duration::ZERO).await.unwrap();
+    assert_eq!(now_too, Duration::ZERO);
+    let (b_waited, _) = b.await.unwrap();
+    assert_eq!(b_waited, PARK + START, "no window: {:?}", t1.elapsed());
+    let states = s.states("r");
+    assert_eq!(
+        states.iter().filter(|s| **s == Ready).count(),
+        1,
+        "{states:?}"
+    );
+    assert!(states.contains(&Parked), "{states:?}");
+    assert_eq!(s.server.view("r").unwrap().ready, "1/2");
+    let wave = s
+        .records()
+        .await
+        .into_iter()
+        .rev()
+        .find(|r| r.cause == SwitchCause::Wave)
+        .unwrap();
+    assert_eq!(wave.outcome, SwitchOutcome::Ok, "{wave:?}");
+    assert_eq!(wave.victims.len(), 1, "{wave:?}");
+    assert_eq!(wave.victims[0].deployment, "r");
+    assert_eq!(
+        wave.victims[0].instance,
+        format!("{}-{on}", v.id),
+        "the idle instance is the victim, not the busy one"
+    );
+    let (long_waited, long_on) = long.await.unwrap();
+    assert_eq!(long_waited, Duration::ZERO);
+    assert_ne!(long_on, on, "the short request went to the other instance");
+}
