@@ -804,6 +804,10 @@ impl Drop for PresenceOf {
     }
 }
 
+/// Among GPUs of equal rank, which victims go first: those that run no request now, then the
+/// longest idle.
+type VictimOrder = (bool, std::cmp::Reverse<Duration>);
+
 /// A placement on some GPUs of a host: the GPUs, the fit, and its rank ([`rank_of`]).
 type GpuPlacement = (Vec<u32>, Fit, (u8, u64));
 
@@ -1013,7 +1017,7 @@ impl State {
         // names runs requests now (the router's count: a deployment's last use is every one of
         // its instances'), and how long they have been idle; among equal ranks the victims
         // that run nothing, then the longest idle, go first.
-        let mut each: Vec<(u32, Fit, (u8, u64), (bool, std::cmp::Reverse<Duration>))> = Vec::new();
+        let mut each: Vec<(u32, Fit, (u8, u64), VictimOrder)> = Vec::new();
         let mut never = Vec::new();
         for gpu in &host.gpus {
             if !bound.is_empty() && !bound.contains(&gpu.index) {
