@@ -80,6 +80,26 @@ fn replicas_come_up_on_distinct_gpus_and_memory_pressure_takes_one_instance() {
         capy.list()
     );
 
+    // kill -9 and a restart on the same data directory: every instance's engine is adopted
+    // as it is (same process, same GPU).
+    let pids: BTreeSet<u64> = ready(&s)
+        .iter()
+        .map(|i| i["pid"].as_u64().unwrap())
+        .collect();
+    capy.kill();
+    let capy = Capy::start(&dir, &doc);
+    let s = capy.status_until("chat-r", "adopted 4 instances", |s| ready(s).len() == 4);
+    let adopted: BTreeSet<u64> = ready(&s)
+        .iter()
+        .map(|i| i["pid"].as_u64().unwrap())
+        .collect();
+    assert_eq!(adopted, pids, "{s:#}");
+    let again: BTreeSet<String> = ready(&s)
+        .iter()
+        .map(|i| visible_devices(i["pid"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(again, gpus);
+
     // chat-b needs 6 GiB of a GPU: one instance of chat-r gives its GPU, the others serve on.
     assert_eq!(chat(capy.inference, "chat-b", false).status, 200);
     let s = capy.status_until("chat-r", "had 3 ready instances", |s| ready(s).len() == 3);
