@@ -271,3 +271,31 @@ async fn an_operator_switch_waits_for_every_switch_in_progress_and_runs_alone() 
     assert_eq!((r.since(plans[3].0), plans[3].1.as_str()), (secs(8.5), A));
     assert!(a.waiting());
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_wave_answered_later_beside_a_switch_is_not_planned_at_each_request_end() {
+    // One GPU: chat-b's switch holds it from 0 s. chat-c, asked for at 0.5 s, is answered
+    // `Later`; chat-a's five requests ending between 0.6 s and 1 s free nothing, so chat-c is
+    // planned again only when chat-b's switch moves on: its drain ends at 2 s (`Later` again:
+    // the park and wake go on), it ends at 6 s (a switch, chat-b its victim).
+    let r = rig().await;
+    let _running: Vec<Req> = (0..5)
+        .map(|i| r.send(&r.a, hold(0.6 + 0.1 * f64::from(i))))
+        .collect();
+    let _b = r.send(&r.b, hold(1.0));
+    r.until(0.5).await;
+    let _c = r.send(&r.c, hold(1.0));
+    r.until(6.0).await;
+    let later: Vec<_> = r
+        .fake
+        .later_plans()
+        .into_iter()
+        .map(|(t, d)| (r.since(t), d))
+        .collect();
+    assert_eq!(
+        later,
+        [(secs(0.5), C.to_string()), (secs(2.0), C.to_string())]
+    );
+    let plans = r.fake.plans_not_later();
+    assert_eq!((r.since(plans[1].0), plans[1].1.as_str()), (secs(6.0), C));
+}

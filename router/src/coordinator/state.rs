@@ -158,6 +158,11 @@ enum Blocked {
     /// The plan said `AlreadyComing` (or the switch for it ended before its instance opened):
     /// wait for the instance; plan again when a switch ends or an instance opens or closes.
     Coming,
+    /// The plan said `Later` while other switches with victims were in progress: what it waits
+    /// for is most likely what they hold. Plan again when a switch moves on (its drain ends, or
+    /// it ends) or an instance opens or closes, not at each request's end (see
+    /// [`State::plan_done`]).
+    LaterSwitching,
 }
 
 /// The router's view of one deployment.
@@ -793,8 +798,20 @@ impl State {
                 }
             }
             Ok(Plan::Later) => {
+                // NB (no plan per request end while other switches run): the lifecycle answers
+                // `Later` for memory held by other switches (reserved victims, claimed
+                // targets) or by instances it is operating on; a request's end frees neither.
+                // With other switches with victims in progress, the wave is planned again when
+                // one of them moves on, which is never later than with one switch at a time
+                // (it was planned only once the switch in progress ended), and the lent slots
+                // keep giving ends back meanwhile ([`State::returns`]).
                 if self.deployments.get(&target).is_some() {
-                    self.blocked.insert(target.clone(), Blocked::Later);
+                    let why = if self.switches.is_empty() {
+                        Blocked::Later
+                    } else {
+                        Blocked::LaterSwitching
+                    };
+                    self.blocked.insert(target.clone(), why);
                 }
             }
             Ok(Plan::BringUp { switch_id }) => {
@@ -1558,8 +1575,9 @@ impl State {
     /// no other switch, and `Later` means what it meant with one switch at a time.
     ///
     /// NB (fairness): the oldest eligible wave is always the next one planned, and everything
-    /// that may free memory (a switch ends, an instance opens or closes, a request finishes)
-    /// lets the `Later` ones plan again, oldest first. So a newer wave is planned before an
+    /// that may free memory (a switch's drain ends or it ends, an instance opens or closes;
+    /// with no other switch in progress, a request's end too, see [`Blocked`]) lets the
+    /// blocked `Later` ones plan again, oldest first. So a newer wave is planned before an
     /// older one only while the older is blocked (`Later`: nothing can be released for it now;
     /// `Coming`), and what a switch frees when it ends is offered to the oldest first.
     fn maybe_plan(&mut self, now: Instant, fx: &mut impl Effects) {
