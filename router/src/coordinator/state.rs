@@ -815,7 +815,7 @@ impl State {
                 }
             }
             Ok(Plan::BringUp { switch_id }) => {
-                // NB: a bring-up releases nothing, so it leaves the switch slot now: a cold
+                // NB: a bring-up releases nothing, so it leaves `switches` now: a cold
                 // start that takes minutes does not hold up other switches. The lifecycle's
                 // claim on the target and its memory reservation keep placements apart.
                 self.bring_ups.insert(seq, target.clone());
@@ -1705,7 +1705,8 @@ impl State {
     }
 
     /// An operator asks to start `target`, releasing what it needs (`start --evict`): a switch
-    /// like a wave's, without an admission window, that takes the switch slot in turn.
+    /// like a wave's, without an admission window, that runs alone in its turn (see
+    /// [`State::maybe_plan`]).
     pub(crate) fn operator_start(
         &mut self,
         now: Instant,
