@@ -19,6 +19,8 @@ use coordinator_support::*;
 const D: &str = "01KDDDDDDDDDDDDDDDDDDDDDDD";
 /// `chat-e`'s ID.
 const E: &str = "01KEEEEEEEEEEEEEEEEEEEEEEE";
+/// `chat-f`'s ID.
+const F: &str = "01KFFFFFFFFFFFFFFFFFFFFFFF";
 
 /// Two GPUs (room for two deployments): chat-a and chat-d ready on them, chat-b, chat-c and
 /// chat-e parked. The fake's natural plans name disjoint victims (a plan never names one
@@ -298,4 +300,31 @@ async fn a_wave_answered_later_beside_a_switch_is_not_planned_at_each_request_en
     );
     let plans = r.fake.plans_not_later();
     assert_eq!((r.since(plans[1].0), plans[1].1.as_str()), (secs(6.0), C));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_oldest_wave_answered_later_is_planned_first_when_switches_end() {
+    let (r, d, e) = two_gpus().await;
+    let f = r.fake.add(F, "chat-f", FakeState::Parked, 1);
+    let (mut b, mut c, _running) = two_waves(&r, &d, 1.5);
+    r.until(0.5).await;
+    let mut e = r.send(&e, hold(1.0));
+    r.until(0.7).await;
+    let mut f = r.send(&f, hold(1.0));
+    r.until(5.999).await;
+    assert!(r.fake.later_plans().iter().any(|(_, dep)| dep == F));
+    assert_eq!(r.fake.plans_not_later().len(), 2);
+    // The two switches end at 6 s and free both GPUs: chat-e (waiting since 0.5 s) is planned
+    // first and gets one, chat-f the other; both switch at once (window to 8 s, chat-b's and
+    // chat-c's requests end at 7 s; park 1 s, wake 3 s).
+    r.until(6.0).await;
+    assert_eq!((b.admitted_at(), c.admitted_at()), (secs(6.0), secs(6.0)));
+    let plans = r.fake.plans_not_later();
+    let planned: Vec<(std::time::Duration, &str)> = plans[2..]
+        .iter()
+        .map(|(t, dep, _)| (r.since(*t), dep.as_str()))
+        .collect();
+    assert_eq!(planned, [(secs(6.0), E), (secs(6.0), F)]);
+    r.until(12.0).await;
+    assert_eq!((e.admitted_at(), f.admitted_at()), (secs(12.0), secs(12.0)));
 }
