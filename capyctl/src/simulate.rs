@@ -1092,6 +1092,48 @@ mod tests {
         }
     }
 
+    /// A GPU with room for two of four models: two waves that come together switch at once
+    /// (the lifecycle gives each its own victim), so the second waits no longer than the first
+    /// (one after the other, it waited 2.5 s more: c and d 6.5 s and 9.0 s, a and b 7.5 s and
+    /// 10.0 s).
+    #[test]
+    fn two_waves_on_a_gpu_with_room_for_two_switch_at_once() {
+        let d = dir("concurrent");
+        let models: String = ["a", "b", "c", "d"]
+            .iter()
+            .map(|m| {
+                format!(
+                    "  - name: {m}\n    engine: vllm\n    model: m\n    resources: {{gpu_memory: 6GiB, weights_memory: 2GiB}}\n"
+                )
+            })
+            .collect();
+        let doc = DOC
+            .replace("gpus: [{memory: 10GiB}]", "gpus: [{memory: 12GiB}]")
+            .replace("host_memory: 8GiB", "host_memory: 16GiB");
+        let doc = format!("{}{models}", &doc[..doc.find("  - name: a").unwrap()]);
+        let file = write(&d, "s.yaml", &doc);
+        // a and b at 0 s (they are loaded), then c and d together at 20 s.
+        let lines: String = [(0, "a"), (0, "b"), (20_000, "c"), (20_000, "d")]
+            .iter()
+            .map(|(at, m)| {
+                format!("{{\"at_ms\": {at}, \"model\": \"{m}\", \"duration_ms\": 1000}}\n")
+            })
+            .collect();
+        let trace = write(&d, "t.jsonl", &lines);
+        let set = [
+            "simulate.host_bandwidth=1GiB/s",
+            "simulate.wake_check=500ms",
+        ];
+        let runs = runs(&args(trace, Some(file), &set)).unwrap();
+        let report = runs[0].1.report(None);
+        let wait = |i: usize| report.models[i].wait_p50_ms;
+        assert_eq!(report.models.len(), 4, "{report:#?}");
+        assert!(report.models.iter().all(|m| m.switches == 1), "{report:#?}");
+        assert!(wait(0) > 1_000 && wait(2) > 1_000, "{report:#?}");
+        assert!(wait(0).abs_diff(wait(1)) <= 100, "{report:#?}");
+        assert!(wait(2).abs_diff(wait(3)) <= 100, "{report:#?}");
+    }
+
     #[test]
     fn compare_runs_once_per_value_and_the_window_moves_the_waits() {
         let d = dir("compare");

@@ -2,7 +2,7 @@
 //!
 //! [`Coordinator::spawn`] starts the task and returns a [`CoordinatorHandle`]. The task owns the
 //! ready instances of every deployment and their in-flight counts, the per-deployment waiting
-//! queues, the buffered bytes, the one switch in progress and its timers; nothing else reads or
+//! queues, the buffered bytes, the switches in progress and their timers; nothing else reads or
 //! writes them. Everything reaches it as an event:
 //!
 //! - through the bounded inbox (senders await room): admissions, the lifecycle's
@@ -716,7 +716,7 @@ impl CoordinatorHandle {
     }
 
     /// An operator's `start --evict` of `deployment`: a switch like a wave's, ordered by the
-    /// operator, that takes the one switch slot in turn (after the switch in progress). The
+    /// operator, that runs alone in its turn (after the switches in progress). The
     /// deployments with waiting requests are protected (decided in the coordinator, on its own
     /// state), the plan is asked for with [`PlanFor::Operator`], there is no admission window
     /// (the victims close at once), the victims drain as a switch's do (within

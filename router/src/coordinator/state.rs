@@ -158,6 +158,11 @@ enum Blocked {
     /// The plan said `AlreadyComing` (or the switch for it ended before its instance opened):
     /// wait for the instance; plan again when a switch ends or an instance opens or closes.
     Coming,
+    /// The plan said `Later` while other switches with victims were in progress: what it waits
+    /// for is most likely what they hold. Plan again when a switch moves on (its drain ends, or
+    /// it ends) or an instance opens or closes, not at each request's end (see
+    /// [`State::plan_done`]).
+    LaterSwitching,
 }
 
 /// The router's view of one deployment.
@@ -300,12 +305,17 @@ enum Phase {
     /// The victims take no new requests and finish their running ones.
     Draining { switch_id: String, drain: Drain },
     /// `Lifecycle::execute` is running: the victims are being released (forgotten here), the
-    /// target wakes or starts.
-    Executing { switch_id: String },
+    /// target wakes or starts. `victims`: whom it releases (no wave of theirs is planned until
+    /// it has answered: the lifecycle holds them).
+    Executing {
+        switch_id: String,
+        victims: Vec<InstanceKey>,
+    },
 }
 
-/// The one switch in progress that holds the switch slot: planning, or with victims (window,
-/// drain, execute). A bring-up (no victims) leaves the slot once it executes.
+/// A switch in progress: planning, or with victims (window, drain, execute). Several run at
+/// once (switches on different GPUs or hosts, see [`State::maybe_plan`]); a bring-up (no
+/// victims) leaves [`State::switches`] once it executes.
 #[derive(Debug)]
 struct Switch {
     seq: SwitchSeq,
@@ -324,11 +334,23 @@ struct Switch {
     /// it became ready).
     refusal: Option<ApiError>,
     /// An operator's switch (`start --evict`): whom to answer, and since when it waited for
-    /// the switch slot.
+    /// its turn.
     operator: Option<(OperatorId, Instant)>,
 }
 
-/// An operator's switch waiting for the switch slot.
+impl Switch {
+    /// Its victims the router still routes to or drains (window, drain); none while planning
+    /// (not known yet) or executing (forgotten: the lifecycle releases them).
+    fn routed_victims(&self) -> &[InstanceKey] {
+        match &self.phase {
+            Phase::Window { victims, .. } => victims,
+            Phase::Draining { drain, .. } => &drain.victims,
+            Phase::Planning | Phase::Executing { .. } => &[],
+        }
+    }
+}
+
+/// An operator's switch waiting for its turn (see [`State::maybe_plan`]).
 #[derive(Debug)]
 struct OperatorWait {
     id: OperatorId,
@@ -388,18 +410,21 @@ pub(crate) struct State {
     waiting_total: usize,
     /// Waiting requests by deadline.
     deadlines: BTreeSet<(Instant, Ticket)>,
-    switch: Option<Switch>,
+    /// The switches in progress, by number: at most one planning, any number with victims
+    /// (window, drain, execute), each with its own phase, victims and deadlines. Never two to
+    /// one target; an operator's switch runs alone (see [`State::maybe_plan`]).
+    switches: BTreeMap<SwitchSeq, Switch>,
     /// Why deployments are not planned now (see [`Blocked`]).
     blocked: BTreeMap<DeploymentId, Blocked>,
     /// The deployments with demand (waiters, or a no-wait wish): the candidates of the next
     /// switch. Kept from the deployments each event changes ([`State::note_demand`]).
     demand: BTreeSet<DeploymentId>,
     /// Bring-ups (plans without victims) being executed, by switch number: their targets.
-    /// They do not hold the switch slot (see `plan_done`).
+    /// They leave [`State::switches`] once executing (see `plan_done`).
     bring_ups: BTreeMap<SwitchSeq, DeploymentId>,
     next_seq: SwitchSeq,
     releases: BTreeMap<ReleaseId, Release>,
-    /// Operators' switches waiting for the switch slot, oldest first.
+    /// Operators' switches waiting for their turn, oldest first.
     operators: VecDeque<OperatorWait>,
     next_serial: u64,
 }
@@ -435,7 +460,7 @@ impl State {
             waiting: HashMap::new(),
             waiting_total: 0,
             deadlines: BTreeSet::new(),
-            switch: None,
+            switches: BTreeMap::new(),
             blocked: BTreeMap::new(),
             demand: BTreeSet::new(),
             bring_ups: BTreeMap::new(),
@@ -532,14 +557,10 @@ impl State {
         !self.blocked.values().any(|b| *b == Blocked::Later)
     }
 
-    /// The deployments whose counts the rules read at any event: the victims of the switch
-    /// in progress (its window and drain) and of the releases (their drains).
+    /// The deployments whose counts the rules read at any event: the victims of the switches
+    /// in progress (their windows and drains) and of the releases (their drains).
     pub(crate) fn watched(&self) -> impl Iterator<Item = &DeploymentId> {
-        let switch = self.switch.iter().flat_map(|sw| match &sw.phase {
-            Phase::Window { victims, .. } => victims.as_slice(),
-            Phase::Draining { drain, .. } => drain.victims.as_slice(),
-            Phase::Planning | Phase::Executing { .. } => &[],
-        });
+        let switch = self.switches.values().flat_map(Switch::routed_victims);
         let releases = self.releases.values().flat_map(|r| r.drain.victims.iter());
         switch.chain(releases).map(|k| &k.deployment)
     }
@@ -551,15 +572,12 @@ impl State {
 
     /// The target of switch or bring-up `seq`, if it is in progress.
     pub(crate) fn targets_of(&self, seq: SwitchSeq) -> impl Iterator<Item = &DeploymentId> {
-        let switch = self
-            .switch
-            .iter()
-            .filter(move |sw| sw.seq == seq)
-            .map(|sw| &sw.target);
-        switch.chain(self.bring_ups.get(&seq))
+        let switch = self.switches.get(&seq).map(|sw| &sw.target);
+        switch.into_iter().chain(self.bring_ups.get(&seq))
     }
 
-    /// The deployments a plan's answer names: the switch's target and the plan's victims.
+    /// The deployments a plan's answer names: the target of the switch being planned and the
+    /// plan's victims.
     pub(crate) fn named_by_plan<'a>(
         &'a self,
         result: &'a Result<Plan, ApiError>,
@@ -568,8 +586,9 @@ impl State {
             Ok(Plan::Switch { victims, .. }) => victims.as_slice(),
             _ => &[],
         };
-        self.switch
-            .iter()
+        self.switches
+            .values()
+            .filter(|sw| matches!(sw.phase, Phase::Planning))
             .map(|sw| &sw.target)
             .chain(victims.iter().map(|k| &k.deployment))
     }
@@ -736,10 +755,11 @@ impl State {
         result: Result<Plan, ApiError>,
         fx: &mut impl Effects,
     ) {
-        let Some(mut sw) = self
-            .switch
-            .take_if(|sw| sw.seq == seq && matches!(sw.phase, Phase::Planning))
-        else {
+        let planning = self
+            .switches
+            .get(&seq)
+            .is_some_and(|sw| matches!(sw.phase, Phase::Planning));
+        let Some(mut sw) = planning.then(|| self.switches.remove(&seq)).flatten() else {
             // Stale: give back whatever it reserved.
             if let Ok(Plan::BringUp { switch_id } | Plan::Switch { switch_id, .. }) = &result {
                 fx.abandon(switch_id);
@@ -778,12 +798,24 @@ impl State {
                 }
             }
             Ok(Plan::Later) => {
+                // NB (no plan per request end while other switches run): the lifecycle answers
+                // `Later` for memory held by other switches (reserved victims, claimed
+                // targets) or by instances it is operating on; a request's end frees neither.
+                // With other switches with victims in progress, the wave is planned again when
+                // one of them moves on, which is never later than with one switch at a time
+                // (it was planned only once the switch in progress ended), and the lent slots
+                // keep giving ends back meanwhile ([`State::returns`]).
                 if self.deployments.get(&target).is_some() {
-                    self.blocked.insert(target.clone(), Blocked::Later);
+                    let why = if self.switches.is_empty() {
+                        Blocked::Later
+                    } else {
+                        Blocked::LaterSwitching
+                    };
+                    self.blocked.insert(target.clone(), why);
                 }
             }
             Ok(Plan::BringUp { switch_id }) => {
-                // NB: a bring-up releases nothing, so it leaves the switch slot now: a cold
+                // NB: a bring-up releases nothing, so it leaves `switches` now: a cold
                 // start that takes minutes does not hold up other switches. The lifecycle's
                 // claim on the target and its memory reservation keep placements apart.
                 self.bring_ups.insert(seq, target.clone());
@@ -811,26 +843,15 @@ impl State {
                 if self.names_protected(&victims) {
                     fx.abandon(&switch_id);
                 } else {
-                    // A victim whose deployment has another ready instance outside the victims
-                    // has no window: close it now.
-                    let mut closing = Vec::new();
-                    for v in &victims {
-                        let Some(dep) = self.deployments.get(&v.deployment) else {
-                            continue;
-                        };
-                        let elsewhere = dep
-                            .instances
-                            .iter()
-                            .any(|(k, i)| i.open && !victims.contains(k));
-                        if elsewhere {
-                            closing.push(v.clone());
-                        }
-                    }
+                    // A victim whose deployment has another open instance that no switch
+                    // names as a victim has no window: close it now (its deployment's requests
+                    // go to the other instances; its running ones drain).
+                    let closing = self.without_window(&victims);
                     if let Some(window) = window {
                         sw.window = window;
                     }
                     sw.phase = Phase::Window { switch_id, victims };
-                    self.switch = Some(sw);
+                    self.switches.insert(seq, sw);
                     self.close(&closing, fx);
                 }
             }
@@ -851,14 +872,15 @@ impl State {
             self.unblock(true);
             target
         } else {
-            let Some(sw) = self
-                .switch
-                .take_if(|sw| sw.seq == seq && matches!(sw.phase, Phase::Executing { .. }))
-            else {
+            let executing = self
+                .switches
+                .get(&seq)
+                .is_some_and(|sw| matches!(sw.phase, Phase::Executing { .. }));
+            let Some(sw) = executing.then(|| self.switches.remove(&seq)).flatten() else {
                 return;
             };
             self.end_switch();
-            if let (Some((id, _)), Phase::Executing { switch_id }) = (sw.operator, sw.phase) {
+            if let (Some((id, _)), Phase::Executing { switch_id, .. }) = (sw.operator, sw.phase) {
                 // An operator's switch answers the operator; the target's waiters (if any) are
                 // not the operator's: on an error they plan a switch of their own.
                 let answer = match result {
@@ -912,12 +934,8 @@ impl State {
         fx: &mut impl Effects,
     ) {
         let drain = match owner {
-            DrainOwner::Switch(seq) => match &mut self.switch {
-                Some(Switch {
-                    seq: s,
-                    phase: Phase::Draining { drain, .. },
-                    ..
-                }) if *s == seq => Some(drain),
+            DrainOwner::Switch(seq) => match self.switches.get_mut(&seq).map(|sw| &mut sw.phase) {
+                Some(Phase::Draining { drain, .. }) => Some(drain),
                 _ => None,
             },
             DrainOwner::Release(id) => self.releases.get_mut(&id).map(|r| &mut r.drain),
@@ -991,10 +1009,7 @@ impl State {
         idle_since: Instant,
     ) -> bool {
         let named = self.watched().any(|d| d == deployment)
-            || self
-                .switch
-                .as_ref()
-                .is_some_and(|sw| sw.target == *deployment)
+            || self.switches.values().any(|sw| sw.target == *deployment)
             || self.bring_ups.values().any(|t| t == deployment);
         if named || victims.iter().any(|k| k.deployment != *deployment) {
             return false;
@@ -1021,7 +1036,7 @@ impl State {
     pub(crate) fn next_timer(&self) -> Option<Instant> {
         let mut next = self.deadlines.first().map(|(t, _)| *t);
         let mut at = |t: Instant| next = Some(next.map_or(t, |n: Instant| n.min(t)));
-        if let Some(sw) = &self.switch {
+        for sw in self.switches.values() {
             match &sw.phase {
                 Phase::Window { victims, .. } => {
                     at(self.window_end(sw.began, sw.window, victims));
@@ -1069,14 +1084,10 @@ impl State {
             return false;
         }
         let names = |keys: &[InstanceKey]| keys.iter().any(|k| &k.deployment == deployment);
-        let in_switch = self.switch.as_ref().is_some_and(|sw| {
-            sw.target == *deployment
-                || match &sw.phase {
-                    Phase::Window { victims, .. } => names(victims),
-                    Phase::Draining { drain, .. } => names(&drain.victims),
-                    Phase::Planning | Phase::Executing { .. } => false,
-                }
-        });
+        let in_switch = self
+            .switches
+            .values()
+            .any(|sw| sw.target == *deployment || names(sw.routed_victims()));
         !in_switch
             && !self.bring_ups.values().any(|t| t == deployment)
             && !self.releases.values().any(|r| names(&r.drain.victims))
@@ -1104,11 +1115,11 @@ impl State {
 
     // ----- the rules' machinery -----
 
-    /// Brings everything up to date at `now`: deadlines, the switch's phases, releases, and
+    /// Brings everything up to date at `now`: deadlines, the switches' phases, releases, and
     /// starting the next switch.
     fn settle(&mut self, now: Instant, fx: &mut impl Effects) {
         self.expire(now, fx);
-        self.advance_switch(now, fx);
+        self.advance_switches(now, fx);
         self.advance_releases(now, fx);
         self.maybe_plan(now, fx);
     }
@@ -1380,42 +1391,62 @@ impl State {
         DrainPoll::Done(std::mem::take(&mut s.reports))
     }
 
-    /// Moves the switch through window → drain → execute.
-    fn advance_switch(&mut self, now: Instant, fx: &mut impl Effects) {
+    /// Moves every switch in progress on, oldest first.
+    fn advance_switches(&mut self, now: Instant, fx: &mut impl Effects) {
+        let mut from = 0;
+        while let Some(seq) = self.switches.range(from..).next().map(|(seq, _)| *seq) {
+            self.advance_switch(now, seq, fx);
+            from = seq + 1;
+        }
+    }
+
+    /// Moves switch `seq` through window → drain → execute.
+    fn advance_switch(&mut self, now: Instant, seq: SwitchSeq, fx: &mut impl Effects) {
         loop {
-            let Some(sw) = self.switch.take() else { return };
+            let Some(sw) = self.switches.remove(&seq) else {
+                return;
+            };
             match sw.phase {
                 Phase::Window { switch_id, victims } => {
                     if now < self.window_end(sw.began, sw.window, &victims) {
-                        self.switch = Some(Switch {
-                            phase: Phase::Window { switch_id, victims },
-                            ..sw
-                        });
+                        self.switches.insert(
+                            seq,
+                            Switch {
+                                phase: Phase::Window { switch_id, victims },
+                                ..sw
+                            },
+                        );
                         return;
                     }
                     self.close(&victims, fx);
                     fx.switch_draining(&switch_id);
-                    self.switch = Some(Switch {
-                        phase: Phase::Draining {
-                            switch_id,
-                            drain: Drain {
-                                victims,
-                                deadline: now + self.config.drain_timeout,
-                                settled: None,
+                    self.switches.insert(
+                        seq,
+                        Switch {
+                            phase: Phase::Draining {
+                                switch_id,
+                                drain: Drain {
+                                    victims,
+                                    deadline: now + self.config.drain_timeout,
+                                    settled: None,
+                                },
                             },
+                            ..sw
                         },
-                        ..sw
-                    });
+                    );
                 }
                 Phase::Draining {
                     switch_id,
                     mut drain,
                 } => match self.poll_drain(now, &mut drain, DrainOwner::Switch(sw.seq), fx) {
                     DrainPoll::Pending => {
-                        self.switch = Some(Switch {
-                            phase: Phase::Draining { switch_id, drain },
-                            ..sw
-                        });
+                        self.switches.insert(
+                            seq,
+                            Switch {
+                                phase: Phase::Draining { switch_id, drain },
+                                ..sw
+                            },
+                        );
                         return;
                     }
                     DrainPoll::TimedOut { charged } => {
@@ -1472,16 +1503,20 @@ impl State {
                                 operator: sw.operator.is_some(),
                             },
                         );
-                        self.switch = Some(Switch {
-                            phase: Phase::Executing { switch_id },
-                            ..sw
-                        });
+                        let victims = drain.victims;
+                        self.switches.insert(
+                            seq,
+                            Switch {
+                                phase: Phase::Executing { switch_id, victims },
+                                ..sw
+                            },
+                        );
                         self.unblock(true);
                         return;
                     }
                 },
                 phase @ (Phase::Planning | Phase::Executing { .. }) => {
-                    self.switch = Some(Switch { phase, ..sw });
+                    self.switches.insert(seq, Switch { phase, ..sw });
                     return;
                 }
             }
@@ -1525,11 +1560,32 @@ impl State {
         }
     }
 
-    /// Starts the next switch when none is in progress: the deployment, among those waiting
-    /// with no open instance, whose oldest request has waited longest (rule 6), or the oldest
-    /// operator's switch when it has waited longer.
+    /// Starts planning the next switch, while other switches run (rule 6 and "switches on
+    /// different GPUs or hosts run at the same time"): the deployment, among those waiting with
+    /// no open or draining instance, not blocked and not already switched to, whose oldest
+    /// request has waited longest, or the oldest operator's switch when it has waited longer.
+    ///
+    /// NB (what runs at once): one plan at a time (a plan is quick, and the lifecycle decides
+    /// on its own state, keeping the victims and memory of concurrent plans apart: a plan that
+    /// needs what another switch holds answers `Later`); once it has answered, the next one is
+    /// planned while the first drains or executes. An operator's switch runs alone: it is
+    /// planned once no other switch is in progress (no wave newer than it is planned while it
+    /// waits, so it waits only for the switches in progress when its turn came, each bounded),
+    /// and nothing else is planned until its execute answered; so its plan sees the memory of
+    /// no other switch, and `Later` means what it meant with one switch at a time.
+    ///
+    /// NB (fairness): the oldest eligible wave is always the next one planned, and everything
+    /// that may free memory (a switch's drain ends or it ends, an instance opens or closes;
+    /// with no other switch in progress, a request's end too, see [`Blocked`]) lets the
+    /// blocked `Later` ones plan again, oldest first. So a newer wave is planned before an
+    /// older one only while the older is blocked (`Later`: nothing can be released for it now;
+    /// `Coming`), and what a switch frees when it ends is offered to the oldest first.
     fn maybe_plan(&mut self, now: Instant, fx: &mut impl Effects) {
-        if self.switch.is_some() {
+        let planning_or_operator = self
+            .switches
+            .values()
+            .any(|sw| matches!(sw.phase, Phase::Planning) || sw.operator.is_some());
+        if planning_or_operator {
             return;
         }
         self.note_demand();
@@ -1539,7 +1595,7 @@ impl State {
             .iter()
             .filter_map(|id| Some((id, self.deployments.get(id)?)))
             .filter(|(id, d)| !self.blocked.contains_key(*id) && !d.has_open() && !d.has_closed())
-            .filter(|(id, _)| !self.bring_ups.values().any(|t| t == *id))
+            .filter(|(id, _)| !self.switching(id))
             .filter_map(|(id, d)| d.waiting_since().map(|t| (t, id)))
             .min()
             .map(|(t, id)| (t, id.clone()));
@@ -1548,6 +1604,10 @@ impl State {
             .front()
             .is_some_and(|o| next.as_ref().is_none_or(|(t, _)| o.since <= *t));
         let (target, window, who, operator) = if operator_first {
+            if !self.switches.is_empty() {
+                // Its turn: it waits for the switches in progress; nothing newer starts.
+                return;
+            }
             let Some(o) = self.operators.pop_front() else {
                 return;
             };
@@ -1572,18 +1632,53 @@ impl State {
         self.next_seq += 1;
         let seq = self.next_seq;
         let wave = self.deployments.get(&target).map_or(0, |d| d.queue.len());
-        self.switch = Some(Switch {
+        self.switches.insert(
             seq,
-            target: target.clone(),
-            began: now,
-            wave,
-            window,
-            phase: Phase::Planning,
-            cancelled: false,
-            refusal: None,
-            operator,
-        });
+            Switch {
+                seq,
+                target: target.clone(),
+                began: now,
+                wave,
+                window,
+                phase: Phase::Planning,
+                cancelled: false,
+                refusal: None,
+                operator,
+            },
+        );
         fx.plan(seq, target, protected, who);
+    }
+
+    /// Whether `deployment` is the target of a switch or bring-up in progress, or a victim of
+    /// a switch executing (the lifecycle releases it; its wave is planned once that answered).
+    fn switching(&self, deployment: &DeploymentId) -> bool {
+        self.bring_ups.values().any(|t| t == deployment)
+            || self.switches.values().any(|sw| {
+                sw.target == *deployment
+                    || matches!(&sw.phase, Phase::Executing { victims, .. }
+                        if victims.iter().any(|k| k.deployment == *deployment))
+            })
+    }
+
+    /// The victims (of a plan just answered) that get no admission window: those whose
+    /// deployment keeps another open instance that neither these victims nor another switch's
+    /// (in its window) name. Victims of a deployment with no such instance keep the window.
+    fn without_window(&self, victims: &[InstanceKey]) -> Vec<InstanceKey> {
+        let windowed = |k: &InstanceKey| {
+            victims.contains(k)
+                || self.switches.values().any(
+                    |sw| matches!(&sw.phase, Phase::Window { victims, .. } if victims.contains(k)),
+                )
+        };
+        victims
+            .iter()
+            .filter(|v| {
+                self.deployments
+                    .get(&v.deployment)
+                    .is_some_and(|dep| dep.instances.iter().any(|(k, i)| i.open && !windowed(k)))
+            })
+            .cloned()
+            .collect()
     }
 
     /// Whether a plan's `victims` name a deployment that has begun waiting since the plan was
@@ -1610,7 +1705,8 @@ impl State {
     }
 
     /// An operator asks to start `target`, releasing what it needs (`start --evict`): a switch
-    /// like a wave's, without an admission window, that takes the switch slot in turn.
+    /// like a wave's, without an admission window, that runs alone in its turn (see
+    /// [`State::maybe_plan`]).
     pub(crate) fn operator_start(
         &mut self,
         now: Instant,
@@ -1655,8 +1751,11 @@ impl State {
                         operator: true,
                     },
                 );
-                sw.phase = Phase::Executing { switch_id };
-                self.switch = Some(sw);
+                sw.phase = Phase::Executing {
+                    switch_id,
+                    victims: Vec::new(),
+                };
+                self.switches.insert(sw.seq, sw);
             }
             Ok(Plan::Switch {
                 switch_id,
@@ -1676,14 +1775,14 @@ impl State {
                 } else {
                     // No window (`sw.window` is zero): the victims close at once, then drain.
                     sw.phase = Phase::Window { switch_id, victims };
-                    self.switch = Some(sw);
+                    self.switches.insert(sw.seq, sw);
                 }
             }
         }
         self.settle(now, fx);
     }
 
-    /// Answers the operators' switches to `deployment` that wait for the slot with `error`.
+    /// Answers the operators' switches to `deployment` that wait for their turn with `error`.
     fn refuse_operators(
         &mut self,
         deployment: &DeploymentId,
@@ -1711,18 +1810,28 @@ impl State {
         why: Option<&ApiError>,
         fx: &mut impl Effects,
     ) {
-        let Some(sw) = self.switch.take() else { return };
-        if sw.target != *target {
-            self.switch = Some(sw);
+        // NB: a deployment is the target of one switch at most.
+        let Some(seq) = self
+            .switches
+            .iter()
+            .find(|(_, sw)| sw.target == *target)
+            .map(|(seq, _)| *seq)
+        else {
             return;
-        }
+        };
+        let Some(sw) = self.switches.remove(&seq) else {
+            return;
+        };
         match sw.phase {
             Phase::Planning => {
-                self.switch = Some(Switch {
-                    cancelled: true,
-                    refusal: why.cloned(),
-                    ..sw
-                });
+                self.switches.insert(
+                    seq,
+                    Switch {
+                        cancelled: true,
+                        refusal: why.cloned(),
+                        ..sw
+                    },
+                );
                 return;
             }
             Phase::Window { switch_id, victims } => {
@@ -1734,7 +1843,7 @@ impl State {
                 self.reopen(now, &drain.victims, fx);
             }
             Phase::Executing { .. } => {
-                self.switch = Some(sw);
+                self.switches.insert(seq, sw);
                 return;
             }
         }
@@ -1747,9 +1856,9 @@ impl State {
         self.unblock(true);
     }
 
-    /// Ends the switch in progress; everything blocked may be planned again.
+    /// A switch ended (taken out of [`State::switches`]); everything blocked may be planned
+    /// again.
     fn end_switch(&mut self) {
-        self.switch = None;
         self.unblock(true);
     }
 

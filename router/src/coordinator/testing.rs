@@ -61,6 +61,9 @@ pub enum Call {
         /// Whom it plans for.
         who: PlanFor,
     },
+    /// What `plan` answered (recorded just after its `Plan` call; plans are asked one at a
+    /// time).
+    Planned(DeploymentId, Result<Plan, ApiError>),
     /// `execute(order)`.
     Execute(SwitchOrder),
     /// `abandon(switch_id)`.
@@ -308,6 +311,42 @@ impl FakeLifecycle {
         self.plans_for(|who| who == PlanFor::Operator)
     }
 
+    /// The recorded plans that were not answered `Later` (a switch, a bring-up, an error, or
+    /// `AlreadyComing`): `(instant, deployment, protected)`.
+    pub fn plans_not_later(&self) -> Vec<(Instant, DeploymentId, BTreeSet<DeploymentId>)> {
+        let mut out = Vec::new();
+        let mut asked = None;
+        for (t, c) in self.calls() {
+            match c {
+                Call::Plan {
+                    deployment,
+                    protected,
+                    ..
+                } => asked = Some((t, deployment, protected)),
+                Call::Planned(_, answer) => {
+                    if let Some(p) = asked.take()
+                        && !matches!(answer, Ok(Plan::Later))
+                    {
+                        out.push(p);
+                    }
+                }
+                _ => {}
+            }
+        }
+        out
+    }
+
+    /// The recorded plans answered `Later`: `(instant, deployment)`.
+    pub fn later_plans(&self) -> Vec<(Instant, DeploymentId)> {
+        self.calls()
+            .into_iter()
+            .filter_map(|(t, c)| match c {
+                Call::Planned(d, Ok(Plan::Later)) => Some((t, d)),
+                _ => None,
+            })
+            .collect()
+    }
+
     fn plans_for(
         &self,
         wanted: impl Fn(PlanFor) -> bool,
@@ -460,21 +499,26 @@ impl Lifecycle for FakeLifecycle {
             if self.lock().hang_plans {
                 std::future::pending::<()>().await;
             }
-            let mut inner = self.lock();
-            if let Some(r) = inner
-                .scripted_plans
-                .get_mut(deployment)
-                .and_then(|q| q.pop_front())
-            {
-                if let Ok(Plan::Switch {
-                    switch_id, victims, ..
-                }) = &r
+            let answer = {
+                let mut inner = self.lock();
+                if let Some(r) = inner
+                    .scripted_plans
+                    .get_mut(deployment)
+                    .and_then(|q| q.pop_front())
                 {
-                    inner.reserved.insert(switch_id.clone(), victims.clone());
+                    if let Ok(Plan::Switch {
+                        switch_id, victims, ..
+                    }) = &r
+                    {
+                        inner.reserved.insert(switch_id.clone(), victims.clone());
+                    }
+                    r
+                } else {
+                    Ok(self.natural_plan(&mut inner, deployment, protected))
                 }
-                return r;
-            }
-            Ok(self.natural_plan(&mut inner, deployment, protected))
+            };
+            self.record(Call::Planned(deployment.clone(), answer.clone()));
+            answer
         })
     }
 
