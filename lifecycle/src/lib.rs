@@ -2430,7 +2430,7 @@ impl Server {
     }
 
     /// An operator's switch (`start --evict`): submitted to the router's coordinator, the one
-    /// owner of switches, which takes the switch slot in turn, protects the deployments with
+    /// owner of switches, which runs it alone once the switches in progress have ended, protects the deployments with
     /// waiting requests, asks [`Server::plan_now`] for it, drains the ready victims and has
     /// [`Server::execute_order`] carry it out.
     ///
