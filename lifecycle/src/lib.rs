@@ -2430,8 +2430,9 @@ impl Server {
     }
 
     /// An operator's switch (`start --evict`): submitted to the router's coordinator, the one
-    /// owner of switches, which runs it alone once the switches in progress have ended, protects the deployments with
-    /// waiting requests, asks [`Server::plan_now`] for it, drains the ready victims and has
+    /// owner of switches, which runs it alone once the switches in progress have ended,
+    /// protects the deployments with waiting requests, asks [`Server::plan_now`] for it,
+    /// drains the ready victims and has
     /// [`Server::execute_order`] carry it out.
     ///
     /// NB: a server without a router (some tests) has no requests, waiting or in flight, and
