@@ -190,3 +190,74 @@ async fn a_wave_takes_one_instance_without_a_window_while_the_deployment_serves_
     assert_eq!(long_waited, Duration::ZERO);
     assert_ne!(long_on, on, "the short request went to the other instance");
 }
+
+/// Two GPUs of 10 GiB, each holding one of `a`, `b`; waves for `c` and `d` (6 GiB each) come
+/// together: the two switches (one on each GPU) run at the same time, so both models are
+/// ready one park and one start after their waves (no window: `a` and `b` are idle), not one
+/// switch after the other.
+#[tokio::test(start_paused = true)]
+async fn switches_on_different_gpus_run_at_the_same_time() {
+    let agent = Arc::new(
+        FakeHost::new()
+            .with_gpus(2)
+            .with_gpu_uuid("GPU-t")
+            .with_times(OpTimes {
+                start: START,
+                park: PARK,
+                wake: Duration::from_secs(2),
+                check: Duration::from_millis(500),
+            }),
+    );
+    let mut lc = LifecycleConfig::new("h");
+    lc.timer_tick = Duration::from_millis(100);
+    let server = Server::open(agent, Arc::new(MemoryStore::default()), lc)
+        .await
+        .unwrap();
+    let router = server
+        .spawn_router(
+            server.clone(),
+            RouterConfig {
+                admission_window: WINDOW,
+                drain_timeout: Duration::from_secs(30),
+                request_deadline: Duration::from_secs(600),
+                ..RouterConfig::default()
+            },
+        )
+        .await;
+    for name in ["a", "b", "c", "d"] {
+        let doc = parse_deployment_str(
+            "t.yaml",
+            &format!("name: {name}\nengine: vllm\nmodel: m\nresources: {{gpu_memory: 6GiB}}\n"),
+        )
+        .unwrap();
+        server.deploy(doc).await.unwrap();
+    }
+    let s = Scene { server, router };
+    for name in ["a", "b"] {
+        s.request(name, Duration::ZERO).await.unwrap();
+    }
+    assert_eq!(s.states("a"), [InstanceState::Ready]);
+    assert_eq!(s.states("b"), [InstanceState::Ready]);
+    // Idle for longer than a window: they yield at once.
+    tokio::time::sleep(WINDOW * 2).await;
+    let (c, d) = (
+        s.request("c", Duration::ZERO),
+        s.request("d", Duration::ZERO),
+    );
+    let (c, d) = (c.await.unwrap().0, d.await.unwrap().0);
+    assert_eq!((c, d), (PARK + START, PARK + START), "both at once");
+    let waves: Vec<SwitchRecord> = s
+        .records()
+        .await
+        .into_iter()
+        .filter(|r| r.cause == SwitchCause::Wave)
+        .collect();
+    assert_eq!(waves.len(), 2, "{waves:?}");
+    assert!(
+        waves[0].began_ms.abs_diff(waves[1].began_ms) < 50,
+        "{waves:?}"
+    );
+    let mut gpus: Vec<Vec<String>> = waves.iter().map(|r| r.gpus.clone()).collect();
+    gpus.sort();
+    assert_eq!(gpus, [vec!["GPU-t"], vec!["GPU-t-1"]], "on two GPUs");
+}

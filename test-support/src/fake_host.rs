@@ -306,7 +306,11 @@ impl HostAgent for FakeHost {
                 gpus: (0..self.gpu_count)
                     .map(|index| GpuInfo {
                         index,
-                        uuid: self.gpu_uuid.clone(),
+                        // The first GPU's is the UUID given; the others' have `-<index>` added.
+                        uuid: self.gpu_uuid.as_ref().map(|u| match index {
+                            0 => u.clone(),
+                            _ => format!("{u}-{index}"),
+                        }),
                         name: None,
                         total_bytes: self.gpu_bytes,
                         free_bytes: None,
