@@ -259,6 +259,7 @@ impl Admission for Trivial {
         (model == MODEL).then(|| DeploymentRef {
             id: DEPLOYMENT.to_string(),
             name: MODEL.to_string(),
+            routing: capyctl_spec::Routing::LeastLoaded,
         })
     }
 
@@ -280,10 +281,12 @@ impl Lifecycle for BenchLifecycle {
             MODEL => Some(DeploymentRef {
                 id: DEPLOYMENT.to_string(),
                 name: MODEL.to_string(),
+                routing: capyctl_spec::Routing::LeastLoaded,
             }),
             PARKED => Some(DeploymentRef {
                 id: PARKED_DEPLOYMENT.to_string(),
                 name: PARKED.to_string(),
+                routing: capyctl_spec::Routing::LeastLoaded,
             }),
             _ => None,
         }
@@ -569,6 +572,7 @@ mod server_like {
                 let dref = DeploymentRef {
                     id: id.to_string(),
                     name: name.to_string(),
+                    routing: capyctl_spec::Routing::LeastLoaded,
                 };
                 names.insert(name.to_string(), dref);
             }

@@ -109,6 +109,8 @@ struct FakeDeployment {
     refusal: Option<ApiError>,
     /// Never chosen as a victim (explicit).
     pinned: bool,
+    /// Its `routing:` (`resolve` says it).
+    routing: capyctl_spec::Routing,
 }
 
 #[derive(Debug, Default)]
@@ -190,11 +192,28 @@ impl FakeLifecycle {
                 generation: 1,
                 refusal: None,
                 pinned: false,
+                routing: capyctl_spec::Routing::LeastLoaded,
             },
         );
         DeploymentRef {
             id: id.to_string(),
             name: name.to_string(),
+            routing: capyctl_spec::Routing::LeastLoaded,
+        }
+    }
+
+    /// Sets a deployment's `routing:`; its reference as `resolve` now answers it.
+    pub fn set_routing(&self, id: &str, routing: capyctl_spec::Routing) -> DeploymentRef {
+        let mut inner = self.lock();
+        let d = inner
+            .deployments
+            .get_mut(id)
+            .expect("set_routing: add the deployment first");
+        d.routing = routing;
+        DeploymentRef {
+            id: id.to_string(),
+            name: d.name.clone(),
+            routing,
         }
     }
 
@@ -432,6 +451,7 @@ impl Lifecycle for FakeLifecycle {
             .map(|(id, d)| DeploymentRef {
                 id: id.clone(),
                 name: d.name.clone(),
+                routing: d.routing,
             })
     }
 
