@@ -7,90 +7,22 @@
 
 mod proxy_support;
 
-use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use capyctl_engine_sim::{EngineSim, SimConfig};
 use capyctl_router::config::RouterConfig;
+use capyctl_router::coordinator::testing::AllReady;
 use capyctl_router::coordinator::{Coordinator, CoordinatorHandle};
-use capyctl_router::lifecycle::{
-    BoxFuture, DeploymentId, DeploymentRef, Executed, InstanceKey, Lifecycle, Plan, PlanFor,
-    SwitchOrder, Upstream,
-};
+use capyctl_router::lifecycle::{InstanceKey, Upstream};
 use capyctl_router::proxy::{ModelEntry, Proxy, ProxyConfig, serve};
 use capyctl_spec::Routing;
-use capyctl_spec::errors::ApiError;
 use http_body_util::BodyExt;
-use proxy_support::{Conn, PATIENCE};
+use proxy_support::{Conn, MODEL, PATIENCE, sim_state, start_sim};
 use tokio::net::TcpListener;
 use tokio::time::Instant;
 
 const DEPLOYMENT: &str = "01REP11CA5000000000000000A";
-const MODEL: &str = "chat-a";
-
-/// An engine simulator at `token_rate` tokens per second on a fresh port.
-async fn start_engine(token_rate: &str) -> (SocketAddr, Arc<EngineSim>) {
-    let config = SimConfig::try_parse_from([
-        "engine-sim",
-        "serve",
-        "Qwen3-4B",
-        "--served-model-name",
-        MODEL,
-        "--port",
-        "0",
-        "--sim-token-rate",
-        token_rate,
-    ])
-    .unwrap();
-    let sim = EngineSim::new(config);
-    let app = capyctl_engine_sim::app(Arc::clone(&sim));
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
-    (addr, sim)
-}
-
-/// One deployment with every instance ready from the start, routed by `routing`.
-struct Ready {
-    routing: Routing,
-}
-
-impl Lifecycle for Ready {
-    fn resolve(&self, model: &str) -> Option<DeploymentRef> {
-        (model == MODEL).then(|| DeploymentRef {
-            id: DEPLOYMENT.to_string(),
-            name: MODEL.to_string(),
-            routing: self.routing,
-        })
-    }
-
-    fn admissible(&self, _deployment: &DeploymentId) -> Result<(), ApiError> {
-        Ok(())
-    }
-
-    fn plan<'a>(
-        &'a self,
-        _deployment: &'a DeploymentId,
-        _protected: &'a BTreeSet<DeploymentId>,
-        _who: PlanFor,
-    ) -> BoxFuture<'a, Result<Plan, ApiError>> {
-        Box::pin(async { Ok(Plan::AlreadyComing) })
-    }
-
-    fn execute(&self, _order: SwitchOrder) -> BoxFuture<'_, Result<Executed, ApiError>> {
-        Box::pin(async { Ok(Executed::default()) })
-    }
-
-    fn abandon(&self, _switch_id: &str) {}
-
-    fn engine_idle<'a>(&'a self, _instance: &'a InstanceKey) -> BoxFuture<'a, bool> {
-        Box::pin(async { true })
-    }
-}
 
 fn catalog() -> Vec<ModelEntry> {
     vec![ModelEntry {
@@ -103,7 +35,12 @@ fn catalog() -> Vec<ModelEntry> {
 /// The coordinator with `engines` as the deployment's instances 0, 1, ..., and the listener in
 /// front of it on a fresh port.
 async fn start_router(routing: Routing, engines: &[SocketAddr]) -> (SocketAddr, CoordinatorHandle) {
-    let handle = Coordinator::spawn(Arc::new(Ready { routing }), RouterConfig::default());
+    let lifecycle = AllReady {
+        id: DEPLOYMENT.to_string(),
+        name: MODEL.to_string(),
+        routing,
+    };
+    let handle = Coordinator::spawn(Arc::new(lifecycle), RouterConfig::default());
     for (index, addr) in engines.iter().enumerate() {
         let key = InstanceKey {
             deployment: DEPLOYMENT.to_string(),
@@ -113,6 +50,14 @@ async fn start_router(routing: Routing, engines: &[SocketAddr]) -> (SocketAddr, 
         };
         handle.instance_ready(Upstream { key, addr: *addr }).await;
     }
+    // Announced once the coordinator has handled them (its load shows them).
+    until("every instance open", async || {
+        handle
+            .load_of(DEPLOYMENT)
+            .await
+            .is_some_and(|l| l.instances.iter().filter(|i| i.open).count() == engines.len())
+    })
+    .await;
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let proxy = Proxy::new(handle.clone(), catalog, ProxyConfig::default());
@@ -145,11 +90,20 @@ async fn ask(router: SocketAddr, body: String) {
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
 }
 
+/// The simulator's (running, completed) counters, read over its `/sim/state`.
+async fn counters(engine: SocketAddr) -> (u64, u64) {
+    let state = sim_state(engine).await;
+    (
+        state["running"].as_u64().unwrap(),
+        state["completed"].as_u64().unwrap(),
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixty_four_run_at_once_over_two_engines_32_each_and_the_65th_waits() {
     // 40 tokens at 20 per second: 2 s at the engine, far longer than handing out 64 slots.
-    let (e0, s0) = start_engine("20").await;
-    let (e1, s1) = start_engine("20").await;
+    let e0 = start_sim(&["--sim-token-rate", "20"]).await;
+    let e1 = start_sim(&["--sim-token-rate", "20"]).await;
     let (router, handle) = start_router(Routing::LeastLoaded, &[e0, e1]).await;
     let load = handle.load_of(DEPLOYMENT).await.unwrap();
     assert_eq!(load.in_flight_limit, 64);
@@ -159,35 +113,27 @@ async fn sixty_four_run_at_once_over_two_engines_32_each_and_the_65th_waits() {
         .collect();
     until("32 running on each engine and 1 waiting", async || {
         let l = handle.load_of(DEPLOYMENT).await.unwrap();
-        s0.snapshot().counters.running == 32
-            && s1.snapshot().counters.running == 32
+        counters(e0).await.0 == 32
+            && counters(e1).await.0 == 32
             && (l.in_flight, l.waiting) == (64, 1)
     })
     .await;
     // None had finished: the 64 were all out at once.
-    assert_eq!(
-        s0.snapshot().counters.completed + s1.snapshot().counters.completed,
-        0
-    );
+    assert_eq!(counters(e0).await.1 + counters(e1).await.1, 0);
     for client in clients {
         client.await.unwrap();
     }
-    let (c0, c1) = (s0.snapshot().counters, s1.snapshot().counters);
-    assert_eq!(c0.completed + c1.completed, 65);
-    assert!(c0.completed >= 32 && c1.completed >= 32, "{c0:?} {c1:?}");
+    let (c0, c1) = (counters(e0).await.1, counters(e1).await.1);
+    assert_eq!(c0 + c1, 65);
+    assert!(c0 >= 32 && c1 >= 32, "{c0} {c1}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefix_routing_keeps_a_shared_prefix_on_one_engine_and_spreads_the_others() {
-    let (e0, s0) = start_engine("0").await;
-    let (e1, s1) = start_engine("0").await;
+    let e0 = start_sim(&[]).await;
+    let e1 = start_sim(&[]).await;
     let (router, _handle) = start_router(Routing::Prefix, &[e0, e1]).await;
-    let completed = || {
-        (
-            s0.snapshot().counters.completed,
-            s1.snapshot().counters.completed,
-        )
-    };
+    let completed = async || (counters(e0).await.1, counters(e1).await.1);
 
     // One long shared system prompt (past the prefix's 256 bytes), different questions: one
     // engine serves them all.
@@ -195,14 +141,14 @@ async fn prefix_routing_keeps_a_shared_prefix_on_one_engine_and_spreads_the_othe
     for i in 0..12 {
         ask(router, chat(&system, &format!("question {i}"), 4)).await;
     }
-    let (a, b) = completed();
+    let (a, b) = completed().await;
     assert!((a, b) == (12, 0) || (a, b) == (0, 12), "{a} {b}");
 
     // Different prompts: both engines serve some.
     for i in 0..24 {
         ask(router, chat(&format!("system prompt number {i}"), "hi", 4)).await;
     }
-    let (a2, b2) = completed();
+    let (a2, b2) = completed().await;
     assert_eq!(a2 + b2, 36);
     assert!(a2 > a && b2 > b, "{a2} {b2} after {a} {b}");
 }

@@ -628,3 +628,50 @@ impl Lifecycle for FakeLifecycle {
         })
     }
 }
+
+/// A lifecycle of one deployment whose instances are all ready from the start (the caller
+/// announces them with `instance_ready`): `resolve` names it with its `routing`, a plan answers
+/// `AlreadyComing`, and nothing is ever parked or started. For the tests and the benchmark of
+/// routing among instances (`tests/replicas_engine_sim.rs`, `benches/proxy/replicas.rs`).
+#[derive(Debug, Clone)]
+pub struct AllReady {
+    /// The deployment's ID.
+    pub id: DeploymentId,
+    /// Its name (requests' `model`).
+    pub name: String,
+    /// Its `routing:`.
+    pub routing: capyctl_spec::Routing,
+}
+
+impl Lifecycle for AllReady {
+    fn resolve(&self, model: &str) -> Option<DeploymentRef> {
+        (model == self.name).then(|| DeploymentRef {
+            id: self.id.clone(),
+            name: self.name.clone(),
+            routing: self.routing,
+        })
+    }
+
+    fn admissible(&self, _deployment: &DeploymentId) -> Result<(), ApiError> {
+        Ok(())
+    }
+
+    fn plan<'a>(
+        &'a self,
+        _deployment: &'a DeploymentId,
+        _protected: &'a BTreeSet<DeploymentId>,
+        _who: PlanFor,
+    ) -> BoxFuture<'a, Result<Plan, ApiError>> {
+        Box::pin(async { Ok(Plan::AlreadyComing) })
+    }
+
+    fn execute(&self, _order: SwitchOrder) -> BoxFuture<'_, Result<Executed, ApiError>> {
+        Box::pin(async { Ok(Executed::default()) })
+    }
+
+    fn abandon(&self, _switch_id: &str) {}
+
+    fn engine_idle<'a>(&'a self, _instance: &'a InstanceKey) -> BoxFuture<'a, bool> {
+        Box::pin(async { true })
+    }
+}
