@@ -1094,6 +1094,19 @@ mod tests {
     }
 
     #[test]
+    fn the_prompt_prefix_agrees_with_serde_json() {
+        let long = "y".repeat(2 * PREFIX_BYTES);
+        for body in [
+            r#"{"model":"m","prompt":"Hello"}"#.to_string(),
+            format!(r#"{{"prompt":"{long}","model":"m"}}"#),
+            r#"{"messages":[{"content":"a"}],"prompt":"b"}"#.to_string(),
+            r#"{"model":"m","prompt":["x", 1]}"#.to_string(),
+        ] {
+            fuzz::model(body.as_bytes());
+        }
+    }
+
+    #[test]
     fn a_body_without_a_prompt_has_no_prefix_key() {
         for body in [
             r#"{"model":"m"}"#,
