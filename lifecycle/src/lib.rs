@@ -3383,6 +3383,7 @@ impl Lifecycle for Server {
                     deployment: DeploymentRef {
                         id: d.rec.id.clone(),
                         name: d.name().to_string(),
+                        routing: d.rec.doc.routing(),
                     },
                     gone: Arc::clone(&d.presence.0),
                 })

@@ -6,6 +6,7 @@
 //! cargo bench -p capyctl-router --bench proxy -- --memory     # router RSS, 4096 requests waiting
 //! cargo bench -p capyctl-router --bench proxy -- --nginx /usr/sbin/nginx  # nginx as a third side
 //! cargo bench -p capyctl-router --bench proxy -- --seconds 2 --rounds 5 --admission trivial
+//! cargo bench -p capyctl-router --bench proxy -- --replicas   # 1, 2, 4 instances (`proxy/replicas.rs`)
 //! ```
 //!
 //! The engine simulator runs in-process at token rate 0 (as fast as it can), with the proxy in
@@ -43,6 +44,9 @@ use tokio::net::{TcpListener, TcpStream};
 
 use tokio::runtime::Handle;
 
+#[path = "proxy/replicas.rs"]
+mod replicas;
+
 const MODEL: &str = "bench-model";
 const PARKED: &str = "parked-model";
 const DEPLOYMENT: &str = "01BENCH0000000000000000000";
@@ -77,6 +81,9 @@ usage: cargo bench -p capyctl-router --bench proxy -- [options]
   --memory                 the router's RSS with --waiting requests waiting for a parked deployment
                            (the clients run in a child process)
   --waiting N              for --memory (default 4096)
+  --replicas [--help]      requests per second with 1, 2 and 4 instances of one deployment, each
+                           against the same engines reached directly (its own options: see
+                           --replicas --help)
   -h, --help               this text
 
 Each case opens its clients' keep-alive connections once and warms them all together
@@ -259,6 +266,7 @@ impl Admission for Trivial {
         (model == MODEL).then(|| DeploymentRef {
             id: DEPLOYMENT.to_string(),
             name: MODEL.to_string(),
+            routing: capyctl_spec::Routing::LeastLoaded,
         })
     }
 
@@ -280,10 +288,12 @@ impl Lifecycle for BenchLifecycle {
             MODEL => Some(DeploymentRef {
                 id: DEPLOYMENT.to_string(),
                 name: MODEL.to_string(),
+                routing: capyctl_spec::Routing::LeastLoaded,
             }),
             PARKED => Some(DeploymentRef {
                 id: PARKED_DEPLOYMENT.to_string(),
                 name: PARKED.to_string(),
+                routing: capyctl_spec::Routing::LeastLoaded,
             }),
             _ => None,
         }
@@ -322,18 +332,25 @@ fn catalog() -> Vec<ModelEntry> {
 }
 
 async fn start_sim() -> SocketAddr {
-    let config = capyctl_engine_sim::SimConfig::try_parse_from([
+    start_sim_with(MODEL, &["--sim-token-rate", "0"]).await.0
+}
+
+/// The engine simulator serving `model`, with `extra` launch arguments, and its state.
+async fn start_sim_with(
+    model: &str,
+    extra: &[&str],
+) -> (SocketAddr, Arc<capyctl_engine_sim::EngineSim>) {
+    let mut args = vec![
         "engine-sim",
         "serve",
         "Qwen3-4B",
         "--served-model-name",
-        MODEL,
+        model,
         "--port",
         "0",
-        "--sim-token-rate",
-        "0",
-    ])
-    .unwrap();
+    ];
+    args.extend_from_slice(extra);
+    let config = capyctl_engine_sim::SimConfig::try_parse_from(args).unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     // The simulator's own `serve` leaves Nagle on, which costs a streamed answer 40 ms per
@@ -342,11 +359,12 @@ async fn start_sim() -> SocketAddr {
     let listener = listener.tap_io(|stream| {
         let _ = stream.set_nodelay(true);
     });
-    let app = capyctl_engine_sim::app(capyctl_engine_sim::EngineSim::new(config));
+    let sim = capyctl_engine_sim::EngineSim::new(config);
+    let app = capyctl_engine_sim::app(Arc::clone(&sim));
     tokio::spawn(async move {
         let _ = axum::serve(listener, app).await;
     });
-    addr
+    (addr, sim)
 }
 
 /// An upstream that answers at once with bytes shaped like the simulator's (a whole answer of
@@ -569,6 +587,7 @@ mod server_like {
                 let dref = DeploymentRef {
                     id: id.to_string(),
                     name: name.to_string(),
+                    routing: capyctl_spec::Routing::LeastLoaded,
                 };
                 names.insert(name.to_string(), dref);
             }
@@ -1049,6 +1068,10 @@ fn rss_kib() -> u64 {
 }
 
 fn main() {
+    if std::env::args().any(|a| a == "--replicas") {
+        replicas::main(std::env::args().skip(1));
+        return;
+    }
     let args = args();
     if let Some((router, waiting)) = args.memory_clients {
         memory_clients(router, waiting);

@@ -32,6 +32,20 @@ pub trait Admission: Clone + Send + Sync + 'static {
         deployment: DeploymentRef,
         deadline: Instant,
     ) -> impl Future<Output = Result<Self::Permit, ApiError>> + Send;
+
+    /// [`Admission::admit`] with the request's prompt prefix key (see
+    /// `coordinator::routing`), which a deployment routed by `prefix` uses to keep prompts
+    /// that share a prefix on one instance. An admission with one instance per deployment
+    /// ignores it.
+    fn admit_routed(
+        &self,
+        deployment: DeploymentRef,
+        deadline: Instant,
+        prefix: Option<u64>,
+    ) -> impl Future<Output = Result<Self::Permit, ApiError>> + Send {
+        let _ = prefix;
+        self.admit(deployment, deadline)
+    }
 }
 
 /// The product page's error for a request whose deadline passed before its first output, one

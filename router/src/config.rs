@@ -7,8 +7,10 @@
 
 use std::time::Duration;
 
-/// Requests running at once per deployment: fixed at 32 by the product page.
-pub const IN_FLIGHT_PER_DEPLOYMENT: usize = 32;
+/// Requests running at once per instance: fixed at 32 by the product page ("32 per model",
+/// per instance with replicas: DESIGN 4.7). A deployment's bound is this times its open
+/// (ready) instances.
+pub const IN_FLIGHT_PER_INSTANCE: usize = capyctl_spec::settings::IN_FLIGHT_PER_INSTANCE;
 
 /// The request deadline a standalone server uses by default (`host.resource_policy.queue.
 /// request_deadline`, 1800 s); [`RouterConfig::default`] has the server's 600 s.
@@ -39,9 +41,10 @@ pub struct RouterConfig {
     /// Waiting requests over all deployments (`resource_policy.queue.max_pending_total`,
     /// default 256).
     pub max_pending_total: usize,
-    /// Requests forwarded at once per deployment. Fixed at [`IN_FLIGHT_PER_DEPLOYMENT`] by the
-    /// product; a field only so that the load read and tests can name it.
-    pub in_flight_per_deployment: usize,
+    /// Requests forwarded at once to one instance. Fixed at [`IN_FLIGHT_PER_INSTANCE`] by the
+    /// product; a field only so that the load read and tests can name it. A deployment's
+    /// bound (the load read's `in_flight_limit`) is this times its open instances.
+    pub in_flight_per_instance: usize,
     /// How long the lifecycle may take to carry out a switch (release the victims, then wake
     /// or start the target) before the router gives up waiting for it: its waiting requests
     /// are answered `500 internal` and the switch no longer holds up others. The lifecycle
@@ -67,7 +70,7 @@ impl Default for RouterConfig {
             stream_idle_timeout: Duration::from_secs(120),
             max_pending_per_deployment: 64,
             max_pending_total: 256,
-            in_flight_per_deployment: IN_FLIGHT_PER_DEPLOYMENT,
+            in_flight_per_instance: IN_FLIGHT_PER_INSTANCE,
             execute_timeout: Duration::from_secs(20 * 60),
         }
     }
@@ -85,7 +88,7 @@ mod tests {
         assert_eq!(c.stream_idle_timeout, Duration::from_secs(120));
         assert_eq!(c.max_pending_per_deployment, 64);
         assert_eq!(c.max_pending_total, 256);
-        assert_eq!(c.in_flight_per_deployment, 32);
+        assert_eq!(c.in_flight_per_instance, 32);
         assert!(!c.no_wait());
     }
 }

@@ -56,6 +56,8 @@ pub struct DeploymentRef {
     pub id: DeploymentId,
     /// Its name (what requests put in `model`).
     pub name: String,
+    /// How its requests choose among its instances (the document's `routing:`).
+    pub routing: capyctl_spec::Routing,
 }
 
 /// How a deployment that has no ready instance can become servable.

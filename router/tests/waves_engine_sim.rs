@@ -140,6 +140,7 @@ impl Lifecycle for SimLifecycle {
         (model == MODEL).then(|| DeploymentRef {
             id: DEPLOYMENT.to_string(),
             name: MODEL.to_string(),
+            routing: capyctl_spec::Routing::LeastLoaded,
         })
     }
 

@@ -326,7 +326,7 @@ pub struct DeploymentLoadView {
 pub struct RouterLoadView {
     /// Requests being forwarded now.
     pub in_flight: u64,
-    /// Their bound (32).
+    /// Their bound: 32 per ready instance (32 × ready instances).
     pub in_flight_limit: u64,
     /// Requests waiting in CapyCTL.
     pub waiting: u64,

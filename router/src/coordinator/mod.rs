@@ -20,6 +20,7 @@
 //! The rules themselves are in `state` (pure functions over the state, behind an `Effects`
 //! trait); see `router/DESIGN.md` for the phases of a switch and how each rule maps to code.
 
+pub(crate) mod routing;
 mod state;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
@@ -532,7 +533,8 @@ pub struct DeploymentLoad {
     pub deployment_id: DeploymentId,
     /// Requests the router is forwarding to it now.
     pub in_flight: usize,
-    /// The bound on `in_flight` (32).
+    /// The bound on `in_flight`: 32 per open instance (`RouterConfig::in_flight_per_instance`
+    /// × open instances; 0 while none is open).
     pub in_flight_limit: usize,
     /// Requests waiting in the router for it (to load, or for one of the in-flight slots).
     pub waiting: usize,
@@ -657,6 +659,18 @@ impl CoordinatorHandle {
     /// their deadline.
     pub async fn replan(&self) {
         self.send(Command::Replan).await;
+    }
+
+    /// The lifecycle sampled instance `key`'s engine at `at` (on the coordinator's clock):
+    /// `waiting` requests wait there. least_loaded routing adds it to the router's own count
+    /// of the instance while the sample is fresh (no older than
+    /// [`ENGINE_SAMPLE_FRESH`](routing::ENGINE_SAMPLE_FRESH), 2 s; an older one counts as 0).
+    /// Never waits: when the inbox is full the sample is dropped (it is advice, and the next
+    /// one comes a moment later), and `false` says so.
+    pub fn note_engine_load(&self, key: InstanceKey, waiting: usize, at: Instant) -> bool {
+        self.inbox
+            .try_send(Command::EngineLoad { key, waiting, at })
+            .is_ok()
     }
 
     /// The router half of the load read: every deployment the router knows, by ID. Empty when
@@ -786,7 +800,10 @@ impl CoordinatorHandle {
         self,
         deployment: DeploymentRef,
         deadline: Instant,
+        prefix: Option<u64>,
     ) -> Result<CoordinatorPermit, ApiError> {
+        // A prefix key matters only to a deployment routed by `prefix`.
+        let prefix = prefix.filter(|_| deployment.routing == capyctl_spec::Routing::Prefix);
         // A ready deployment with room and nobody waiting: a lent slot, no round trip.
         if let Some((lane, grant)) = self.lanes.take(&deployment.id) {
             return Ok(CoordinatorPermit {
@@ -819,6 +836,7 @@ impl CoordinatorHandle {
                     ticket,
                     deployment: deployment.id.clone(),
                     deadline,
+                    prefix,
                 },
                 reply,
             })
@@ -842,7 +860,16 @@ impl Admission for CoordinatorHandle {
         deployment: DeploymentRef,
         deadline: Instant,
     ) -> impl Future<Output = Result<Self::Permit, ApiError>> + Send {
-        self.clone().admit_inner(deployment, deadline)
+        self.clone().admit_inner(deployment, deadline, None)
+    }
+
+    fn admit_routed(
+        &self,
+        deployment: DeploymentRef,
+        deadline: Instant,
+        prefix: Option<u64>,
+    ) -> impl Future<Output = Result<Self::Permit, ApiError>> + Send {
+        self.clone().admit_inner(deployment, deadline, prefix)
     }
 }
 
@@ -989,6 +1016,11 @@ enum Command {
         owner: DrainOwner,
         key: InstanceKey,
         idle: bool,
+    },
+    EngineLoad {
+        key: InstanceKey,
+        waiting: usize,
+        at: Instant,
     },
 }
 
@@ -1296,6 +1328,8 @@ impl Driver {
             }
             Command::EngineIdle { key, .. } => self.reclaim_for([&key.deployment]),
             Command::ReleaseIfIdle { deployment, .. } => self.reclaim_for([deployment]),
+            // Reads and changes no count: nothing to take back.
+            Command::EngineLoad { .. } => {}
         }
         let now = Instant::now();
         let fx = &mut self.fx;
@@ -1338,6 +1372,7 @@ impl Driver {
                 idle_since,
                 reply,
             } => self.release_if_idle(now, deployment, victims, idle_since, reply),
+            Command::EngineLoad { key, waiting, at } => self.state.engine_load(&key, waiting, at),
         }
     }
 

@@ -21,6 +21,7 @@ use crate::lifecycle::{
     DeploymentId, DrainReport, Executed, InstanceKey, Plan, PlanFor, SwitchOrder, Upstream,
 };
 
+use super::routing::{self, Load, Ring};
 use super::{DeploymentLoad, InstanceLoad, OperatorResult, OperatorStart};
 
 /// One request's number, unique per coordinator (allocated by the handle).
@@ -78,6 +79,9 @@ pub(crate) struct AdmitRequest {
     pub deployment: DeploymentId,
     /// Past this it fails with `QueueDeadline` or `InFlightDeadline`.
     pub deadline: Instant,
+    /// Its prompt's prefix key, for a deployment routed by `prefix` (`None`: least_loaded; see
+    /// [`routing`]).
+    pub prefix: Option<u64>,
 }
 
 /// What the state asks of the world. The task implements it with channels and spawned
@@ -127,6 +131,8 @@ struct Waiter {
     ticket: Ticket,
     enqueued_at: Instant,
     deadline: Instant,
+    /// See [`AdmitRequest::prefix`].
+    prefix: Option<u64>,
 }
 
 /// A ready instance the router routes to.
@@ -147,6 +153,21 @@ struct Inst {
     cut_before_output: bool,
     /// A request was cut after output since it opened: wait for `engine_idle` before releasing.
     cut_after_output: bool,
+    /// The engine's waiting requests as of its latest sample ([`State::engine_load`]), and
+    /// when that was taken: least_loaded counts it while fresh ([`routing::Load`]).
+    engine_waiting: usize,
+    engine_sampled: Option<Instant>,
+}
+
+impl Inst {
+    /// Its load for the routing policies (`None` while closed: it takes nothing).
+    fn load(&self) -> Option<Load> {
+        self.open.then_some(Load {
+            in_flight: self.in_flight,
+            engine_waiting: self.engine_waiting,
+            sampled_at: self.engine_sampled,
+        })
+    }
 }
 
 /// Why a deployment is not planned right now.
@@ -188,6 +209,9 @@ struct Dep {
     /// last use, which the lifecycle's idle timers and least-recently-used choice read
     /// (`DeploymentLoad::last_used`), and what [`State::release_if_idle`] decides on.
     last_used: Option<Instant>,
+    /// The prefix ring over its open instances, built by the first prefix-routed pick after
+    /// they changed ([`Dep::ring_for_open`]).
+    ring: Option<Ring<InstanceKey>>,
 }
 
 impl Dep {
@@ -216,13 +240,64 @@ impl Dep {
         self.instances.values().any(|i| !i.open)
     }
 
-    /// The open instance with the fewest requests (the lowest key on a tie).
-    fn pick(&self) -> Option<InstanceKey> {
-        self.instances
+    /// Its open instances.
+    fn open_count(&self) -> usize {
+        self.instances.values().filter(|i| i.open).count()
+    }
+
+    /// Whether an open instance runs fewer than `cap` requests: a request for it need not
+    /// wait (the bound is per instance: DESIGN 4.7).
+    fn has_room(&self, cap: usize) -> bool {
+        self.instances.values().any(|i| i.open && i.in_flight < cap)
+    }
+
+    /// The open instance a request goes to (see [`routing`]): by its prefix key on the ring
+    /// with bounded load when it has one and there is a choice, else least_loaded; never one
+    /// that runs `cap` already (`None` when every open instance does).
+    ///
+    /// NB: no allocation unless the open instances changed since the ring was built.
+    fn pick(&mut self, now: Instant, cap: usize, prefix: Option<u64>) -> Option<&mut Inst> {
+        if let Some(key) = prefix
+            && self.open_count() > 1
+        {
+            self.ring_for_open();
+            let Dep {
+                ring, instances, ..
+            } = self;
+            let ring = ring.as_ref()?;
+            let at = routing::bounded_pick(ring, key, cap, |k| {
+                instances.get(k).filter(|i| i.open).map(|i| i.in_flight)
+            })?;
+            return instances.get_mut(ring.members().get(at)?);
+        }
+        let at = routing::least_loaded(now, cap, self.instances.values().map(Inst::load))?;
+        self.instances.values_mut().nth(at)
+    }
+
+    /// Builds the prefix ring again if its members are not the open instances now. An
+    /// instance is placed by its index and host (not its generation), so one that comes back
+    /// gets its old share of prefixes.
+    fn ring_for_open(&mut self) {
+        let open = self
+            .instances
             .iter()
             .filter(|(_, i)| i.open)
-            .min_by_key(|(_, i)| i.in_flight)
-            .map(|(k, _)| k.clone())
+            .map(|(k, _)| k);
+        if self
+            .ring
+            .as_ref()
+            .is_some_and(|r| r.members().iter().eq(open.clone()))
+        {
+            return;
+        }
+        let members: Vec<InstanceKey> = open.cloned().collect();
+        self.ring = Some(Ring::new(members, |k| {
+            let mut h = routing::Fnv::new();
+            h.write(k.host_id.as_bytes());
+            h.write(&[0]);
+            h.write(&k.index.to_le_bytes());
+            h.finish()
+        }));
     }
 
     /// Nothing is charged to it, waits for it or runs for it here: dropping the entry loses
@@ -240,7 +315,7 @@ impl Dep {
         DeploymentLoad {
             deployment_id: id.clone(),
             in_flight: self.in_flight,
-            in_flight_limit: config.in_flight_per_deployment,
+            in_flight_limit: config.in_flight_per_instance * self.open_count(),
             waiting: self.queue.len(),
             waiting_limit: config.max_pending_per_deployment,
             last_used: self.last_used,
@@ -367,7 +442,8 @@ struct Release {
 /// The router's deployments, noting which ones each event changed, so that only their load is
 /// published again after it (see `Loads` in `mod.rs`).
 ///
-/// NB: every change goes through [`Deps::get_mut`] or [`Deps::entry`], which note it.
+/// NB: every change goes through [`Deps::get_mut`] or [`Deps::entry`], which note it (but an
+/// engine sample, which neither the published load nor the rules read: [`Deps::quiet_mut`]).
 #[derive(Debug, Default)]
 struct Deps {
     map: BTreeMap<DeploymentId, Dep>,
@@ -390,6 +466,12 @@ impl Deps {
         if self.map.contains_key(id) {
             self.note(id);
         }
+        self.map.get_mut(id)
+    }
+
+    /// Its entry, for a change that its published load and the rules do not read (an engine
+    /// sample): not noted.
+    fn quiet_mut(&mut self, id: &str) -> Option<&mut Dep> {
         self.map.get_mut(id)
     }
 
@@ -475,12 +557,14 @@ impl State {
 
     /// A request asks to be admitted (rule 1, rule 5, the limits, no-wait mode).
     pub(crate) fn admit(&mut self, now: Instant, req: AdmitRequest, fx: &mut impl Effects) {
-        let limit = self.config.in_flight_per_deployment;
+        let cap = self.config.in_flight_per_instance;
         let no_wait = self.config.no_wait();
         let dep = self.deployments.entry(&req.deployment);
         if dep.has_open() {
-            if dep.queue.is_empty() && dep.in_flight < limit {
-                self.grant_now(now, &req.deployment, req.ticket, Duration::ZERO, fx);
+            // Waits only when every open instance runs its 32 (or others wait already).
+            if dep.queue.is_empty() && dep.has_room(cap) {
+                let prefix = req.prefix;
+                self.grant_now(now, &req.deployment, req.ticket, Duration::ZERO, prefix, fx);
             } else if no_wait {
                 fx.refuse(
                     req.ticket,
@@ -528,17 +612,23 @@ impl State {
     }
 
     /// Whether `deployment`'s free slots may be lent to the handles (see `Lane` in `mod.rs`):
-    /// exactly one instance, open, nobody waiting, and fewer than the bound in flight. Its
-    /// instance, its entry's serial and the free slots. A request taking a lent slot is what
-    /// `admit` would do at once (`grant_now`), ahead of time.
+    /// exactly one instance, open, nobody waiting, and fewer than the per-instance bound
+    /// running on it. Its instance, its entry's serial and the free slots (the bound less what
+    /// runs on that instance: requests still charged to an instance that went away hold no
+    /// slot of this one). A request taking a lent slot is what `admit` would do at once
+    /// (`grant_now`: with one instance there is nothing to choose), ahead of time.
     pub(crate) fn lendable(&self, deployment: &str) -> Option<(&Arc<Upstream>, u64, usize)> {
-        let limit = self.config.in_flight_per_deployment;
+        let cap = self.config.in_flight_per_instance;
         let dep = self.deployments.get(deployment)?;
-        if !dep.queue.is_empty() || dep.in_flight >= limit || dep.instances.len() != 1 {
+        if !dep.queue.is_empty() || dep.instances.len() != 1 {
             return None;
         }
-        let inst = dep.instances.values().next().filter(|i| i.open)?;
-        Some((&inst.upstream, inst.serial, limit - dep.in_flight))
+        let inst = dep
+            .instances
+            .values()
+            .next()
+            .filter(|i| i.open && i.in_flight < cap)?;
+        Some((&inst.upstream, inst.serial, cap - inst.in_flight))
     }
 
     /// Whether a request that took a lent slot may give it back to the lane when it ends
@@ -630,6 +720,22 @@ impl State {
         }
     }
 
+    /// The lifecycle sampled instance `key`'s engine at `at`: `waiting` requests wait there.
+    /// Read by least_loaded while fresh ([`routing::ENGINE_SAMPLE_FRESH`]); an older sample
+    /// than the one kept changes nothing. Nothing else depends on it: no rule runs, and the
+    /// published load does not change.
+    pub(crate) fn engine_load(&mut self, key: &InstanceKey, waiting: usize, at: Instant) {
+        if let Some(inst) = self
+            .deployments
+            .quiet_mut(&key.deployment)
+            .and_then(|d| d.instances.get_mut(key))
+            && inst.engine_sampled.is_none_or(|t| t <= at)
+        {
+            inst.engine_waiting = waiting;
+            inst.engine_sampled = Some(at);
+        }
+    }
+
     /// A request that had taken a lent slot gave it back while the owner decided the event
     /// that blocked a deployment `Later` (its lane still took the end): as [`State::finished`]
     /// would, the deployments blocked `Later` plan again.
@@ -695,6 +801,8 @@ impl State {
                         last_activity: now,
                         cut_before_output: false,
                         cut_after_output: false,
+                        engine_waiting: 0,
+                        engine_sampled: None,
                     },
                 );
             }
@@ -1124,20 +1232,22 @@ impl State {
         self.maybe_plan(now, fx);
     }
 
-    /// Charges a request to the least-loaded open instance of `deployment` and answers it.
+    /// Charges a request to the open instance of `deployment` its routing picks (one with
+    /// room: see [`Dep::pick`]) and answers it.
     fn grant_now(
         &mut self,
         now: Instant,
         deployment: &DeploymentId,
         ticket: Ticket,
         at_bound: Duration,
+        prefix: Option<u64>,
         fx: &mut impl Effects,
     ) -> bool {
+        let cap = self.config.in_flight_per_instance;
         let Some(dep) = self.deployments.get_mut(deployment) else {
             return false;
         };
-        let Some(key) = dep.pick() else { return false };
-        let Some(inst) = dep.instances.get_mut(&key) else {
+        let Some(inst) = dep.pick(now, cap, prefix) else {
             return false;
         };
         let grant = Grant {
@@ -1176,6 +1286,7 @@ impl State {
             ticket: req.ticket,
             enqueued_at: now,
             deadline: req.deadline,
+            prefix: req.prefix,
         });
         self.waiting.insert(req.ticket, req.deployment);
         self.waiting_total += 1;
@@ -1189,15 +1300,15 @@ impl State {
         self.deadlines.remove(&(w.deadline, w.ticket));
     }
 
-    /// Releases `deployment`'s waiters, oldest first, while it has an open instance and a free
-    /// in-flight slot (rule 5).
+    /// Releases `deployment`'s waiters, oldest first, while one of its open instances has a
+    /// free in-flight slot (rule 5; the bound is per instance).
     fn dispatch(&mut self, now: Instant, deployment: &DeploymentId, fx: &mut impl Effects) {
-        let limit = self.config.in_flight_per_deployment;
+        let cap = self.config.in_flight_per_instance;
         loop {
             let Some(dep) = self.deployments.get_mut(deployment) else {
                 return;
             };
-            if !dep.has_open() || dep.in_flight >= limit {
+            if !dep.has_room(cap) {
                 return;
             }
             let Some(w) = dep.queue.pop_front() else {
@@ -1205,7 +1316,7 @@ impl State {
             };
             let at_bound = dep.at_bound(&w, now);
             self.forget_waiter(&w);
-            self.grant_now(now, deployment, w.ticket, at_bound, fx);
+            self.grant_now(now, deployment, w.ticket, at_bound, w.prefix, fx);
         }
     }
 
@@ -1991,6 +2102,7 @@ mod tests {
             ticket,
             deployment: d.into(),
             deadline,
+            prefix: None,
         }
     }
 

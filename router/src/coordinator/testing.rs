@@ -112,6 +112,8 @@ struct FakeDeployment {
     refusal: Option<ApiError>,
     /// Never chosen as a victim (explicit).
     pinned: bool,
+    /// Its `routing:` (`resolve` says it).
+    routing: capyctl_spec::Routing,
 }
 
 #[derive(Debug, Default)]
@@ -193,11 +195,28 @@ impl FakeLifecycle {
                 generation: 1,
                 refusal: None,
                 pinned: false,
+                routing: capyctl_spec::Routing::LeastLoaded,
             },
         );
         DeploymentRef {
             id: id.to_string(),
             name: name.to_string(),
+            routing: capyctl_spec::Routing::LeastLoaded,
+        }
+    }
+
+    /// Sets a deployment's `routing:`; its reference as `resolve` now answers it.
+    pub fn set_routing(&self, id: &str, routing: capyctl_spec::Routing) -> DeploymentRef {
+        let mut inner = self.lock();
+        let d = inner
+            .deployments
+            .get_mut(id)
+            .expect("set_routing: add the deployment first");
+        d.routing = routing;
+        DeploymentRef {
+            id: id.to_string(),
+            name: d.name.clone(),
+            routing,
         }
     }
 
@@ -471,6 +490,7 @@ impl Lifecycle for FakeLifecycle {
             .map(|(id, d)| DeploymentRef {
                 id: id.clone(),
                 name: d.name.clone(),
+                routing: d.routing,
             })
     }
 
@@ -650,5 +670,52 @@ impl Lifecycle for FakeLifecycle {
             tokio::time::sleep(self.timings.engine_idle_delay).await;
             self.lock().engine_idle_answer
         })
+    }
+}
+
+/// A lifecycle of one deployment whose instances are all ready from the start (the caller
+/// announces them with `instance_ready`): `resolve` names it with its `routing`, a plan answers
+/// `AlreadyComing`, and nothing is ever parked or started. For the tests and the benchmark of
+/// routing among instances (`tests/replicas_engine_sim.rs`, `benches/proxy/replicas.rs`).
+#[derive(Debug, Clone)]
+pub struct AllReady {
+    /// The deployment's ID.
+    pub id: DeploymentId,
+    /// Its name (requests' `model`).
+    pub name: String,
+    /// Its `routing:`.
+    pub routing: capyctl_spec::Routing,
+}
+
+impl Lifecycle for AllReady {
+    fn resolve(&self, model: &str) -> Option<DeploymentRef> {
+        (model == self.name).then(|| DeploymentRef {
+            id: self.id.clone(),
+            name: self.name.clone(),
+            routing: self.routing,
+        })
+    }
+
+    fn admissible(&self, _deployment: &DeploymentId) -> Result<(), ApiError> {
+        Ok(())
+    }
+
+    fn plan<'a>(
+        &'a self,
+        _deployment: &'a DeploymentId,
+        _protected: &'a BTreeSet<DeploymentId>,
+        _who: PlanFor,
+    ) -> BoxFuture<'a, Result<Plan, ApiError>> {
+        Box::pin(async { Ok(Plan::AlreadyComing) })
+    }
+
+    fn execute(&self, _order: SwitchOrder) -> BoxFuture<'_, Result<Executed, ApiError>> {
+        Box::pin(async { Ok(Executed::default()) })
+    }
+
+    fn abandon(&self, _switch_id: &str) {}
+
+    fn engine_idle<'a>(&'a self, _instance: &'a InstanceKey) -> BoxFuture<'a, bool> {
+        Box::pin(async { true })
     }
 }

@@ -244,8 +244,10 @@ fn forwarded_reads_back(request: &Incoming, body: &[u8]) {
 
 /// The body's `model` scan against `serde_json`: a model found is not empty, and is the
 /// top-level `model` string of a body `serde_json` reads; a body `serde_json` reads as an
-/// object with one `model` key, a string not empty, has that model found.
+/// object with one `model` key, a string not empty, has that model found. Also the prompt's
+/// prefix key ([`prompt_prefix`]), the other scan of the same body: see there.
 pub fn model(data: &[u8]) {
+    prompt_prefix(data);
     let found = super::model_of(data);
     if let Ok(model) = &found {
         assert!(!model.is_empty());
@@ -266,6 +268,32 @@ pub fn model(data: &[u8]) {
         }
         (_, Ok(model)) => panic!("the model {model:?} is found in a body without one model"),
         _ => {}
+    }
+}
+
+/// The prompt's prefix key against `serde_json`: for a body with no escape that `serde_json`
+/// reads as an object whose first `prompt` or `messages` key is a `prompt` string not empty,
+/// the key is the hash of that string's first `PREFIX_BYTES` bytes.
+fn prompt_prefix(data: &[u8]) {
+    let found = super::prompt_prefix(data);
+    if data.contains(&b'\\') {
+        return;
+    }
+    let Ok(keys) = serde_json::from_slice::<TopKeys>(data) else {
+        return;
+    };
+    let first = keys
+        .0
+        .iter()
+        .find(|(key, _)| key == "prompt" || key == "messages");
+    if let Some((key, serde_json::Value::String(prompt))) = first
+        && key == "prompt"
+        && !prompt.is_empty()
+    {
+        let bytes = prompt.as_bytes();
+        let mut want = crate::coordinator::routing::Fnv::new();
+        want.write(&bytes[..bytes.len().min(crate::coordinator::routing::PREFIX_BYTES)]);
+        assert_eq!(found, Some(want.finish()), "prompt {prompt:?}");
     }
 }
 

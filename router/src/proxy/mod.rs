@@ -58,6 +58,8 @@ use tokio::time::Instant;
 
 pub use body::ProxyBody;
 use budget::RequestBody;
+
+use crate::coordinator::routing::{Fnv, PREFIX_BYTES};
 pub use conn::serve;
 
 use crate::admission::{Admission, Permit};
@@ -459,6 +461,12 @@ impl<A: Admission> Proxy<A> {
             }));
         };
         drop(model);
+        // Only a deployment routed by `prefix` pays for the prompt's scan.
+        let prefix = if deployment.routing == capyctl_spec::Routing::Prefix {
+            prompt_prefix(&body)
+        } else {
+            None
+        };
         let deployment_id = deployment.id.clone();
         watch.deployment(&deployment_id);
         watch.asking();
@@ -469,7 +477,7 @@ impl<A: Admission> Proxy<A> {
         // grace only keeps a request from hanging should it not.
         let admitted = tokio::time::timeout_at(
             deadline + ADMIT_GRACE,
-            shared.admission.admit(deployment, deadline),
+            shared.admission.admit_routed(deployment, deadline, prefix),
         )
         .await;
         watch.answered();
@@ -820,6 +828,125 @@ fn json_string(raw: &[u8]) -> Option<Cow<'_, str>> {
         .map(Cow::Owned)
 }
 
+/// The prefix key of a request's prompt, for a deployment routed by `prefix` (DESIGN 4.7): the
+/// hash of the first [`PREFIX_BYTES`] bytes of its prompt text: the top-level `prompt`
+/// (completions) or the `content` of each of the top-level `messages` in turn, concatenated
+/// (chat). `None` when the body has neither (the request is routed least_loaded).
+///
+/// NB: the text is taken as the body writes it (string contents with their escapes, not
+/// decoded; a `prompt` of token IDs or a `content` of parts as its raw JSON): the same prompt
+/// written the same way gives the same key, which is all affinity needs, and nothing is
+/// allocated. Keys are matched as written (an escaped key is not recognised). The scan stops
+/// once it has its bytes; what it does not read is the engine's to check.
+pub(super) fn prompt_prefix(body: &[u8]) -> Option<u64> {
+    let mut scan = JsonScan { b: body, i: 0 };
+    if scan.skip_ws()? != b'{' {
+        return None;
+    }
+    scan.i += 1;
+    let mut text = PrefixText {
+        hash: Fnv::new(),
+        left: PREFIX_BYTES,
+        fed: false,
+    };
+    loop {
+        let key = scan.key()?;
+        match key {
+            b"prompt" => text.value(&mut scan)?,
+            b"messages" => text.messages(&mut scan)?,
+            _ => scan.value()?,
+        }
+        if text.fed && (text.left == 0 || matches!(key, b"prompt" | b"messages")) {
+            return Some(text.hash.finish());
+        }
+        match scan.skip_ws()? {
+            b',' => scan.i += 1,
+            _ => return None,
+        }
+    }
+}
+
+/// The prompt text [`prompt_prefix`] hashes, up to its budget.
+struct PrefixText {
+    hash: Fnv,
+    /// Bytes still to take.
+    left: usize,
+    /// Something was taken.
+    fed: bool,
+}
+
+impl PrefixText {
+    fn feed(&mut self, bytes: &[u8]) {
+        let take = &bytes[..bytes.len().min(self.left)];
+        if !take.is_empty() {
+            self.hash.write(take);
+            self.left -= take.len();
+            self.fed = true;
+        }
+    }
+
+    /// One value's text: a string's contents, anything else as its raw JSON.
+    fn value(&mut self, scan: &mut JsonScan<'_>) -> Option<()> {
+        if scan.skip_ws()? == b'"' {
+            let s = scan.string()?;
+            self.feed(s);
+        } else {
+            let start = scan.i;
+            scan.value()?;
+            self.feed(scan.b.get(start..scan.i)?);
+        }
+        Some(())
+    }
+
+    /// The `content` of each message of a `messages` array, in turn.
+    fn messages(&mut self, scan: &mut JsonScan<'_>) -> Option<()> {
+        if scan.skip_ws()? != b'[' {
+            return scan.value();
+        }
+        scan.i += 1;
+        if scan.skip_ws()? == b']' {
+            scan.i += 1;
+            return Some(());
+        }
+        loop {
+            if self.left == 0 {
+                return Some(());
+            }
+            if scan.skip_ws()? == b'{' {
+                scan.i += 1;
+                let mut first = true;
+                loop {
+                    if first && scan.skip_ws()? == b'}' {
+                        break;
+                    }
+                    if scan.key()? == b"content" {
+                        self.value(scan)?;
+                    } else {
+                        scan.value()?;
+                    }
+                    match scan.skip_ws()? {
+                        b',' => scan.i += 1,
+                        b'}' => break,
+                        _ => return None,
+                    }
+                    first = false;
+                }
+                scan.i += 1;
+            } else {
+                scan.value()?;
+            }
+            match scan.skip_ws()? {
+                b',' => scan.i += 1,
+                b']' => {
+                    scan.i += 1;
+                    return Some(());
+                }
+                _ => return None,
+            }
+        }
+    }
+}
+
 /// Just enough of JSON to walk over values without building them.
 struct JsonScan<'a> {
     b: &'a [u8],
@@ -852,6 +979,19 @@ impl<'a> JsonScan<'a> {
             self.i = found + 1;
             return self.b.get(start..found);
         }
+    }
+
+    /// At an object's key: the key's raw bytes, and the position past its `:`.
+    fn key(&mut self) -> Option<&'a [u8]> {
+        if self.skip_ws()? != b'"' {
+            return None;
+        }
+        let key = self.string()?;
+        if self.skip_ws()? != b':' {
+            return None;
+        }
+        self.i += 1;
+        Some(key)
     }
 
     /// Skips one value (object, array, string or literal), checking only that brackets
@@ -904,6 +1044,81 @@ mod tests {
         match result {
             Err(Failure::Api(ApiError::InvalidRequest { detail })) => detail,
             other => panic!("expected invalid_request, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_prompt_prefix_is_the_first_bytes_of_the_prompt_text() {
+        let key = |body: &str| prompt_prefix(body.as_bytes());
+        let hash = |text: &str| {
+            let mut h = Fnv::new();
+            h.write(text.as_bytes());
+            Some(h.finish())
+        };
+        // Completions: `prompt`, wherever it is among the keys.
+        assert_eq!(
+            key(r#"{"model":"m","prompt":"Hello there"}"#),
+            hash("Hello there")
+        );
+        assert_eq!(
+            key(r#"{"prompt" : "Hello there", "model":"m", "max_tokens": 3}"#),
+            hash("Hello there")
+        );
+        // Chat: the contents concatenated, other keys of each message skipped.
+        assert_eq!(
+            key(
+                r#"{"model":"m","messages":[{"role":"system","content":"Be brief. "},{"content":"Hi","role":"user","x":{"content":"no"}}]}"#
+            ),
+            hash("Be brief. Hi")
+        );
+        // Only the first PREFIX_BYTES bytes count: prompts that differ after them share a key.
+        let long = "x".repeat(PREFIX_BYTES);
+        let a = key(&format!(r#"{{"model":"m","prompt":"{long}tail one"}}"#));
+        let b = key(&format!(r#"{{"model":"m","prompt":"{long}tail two"}}"#));
+        assert_eq!(a, b);
+        assert_eq!(a, hash(&long));
+        let chat = |last: &str| {
+            key(&format!(
+                r#"{{"model":"m","messages":[{{"role":"system","content":"{long}"}},{{"role":"user","content":"{last}"}}]}}"#
+            ))
+        };
+        assert_eq!(chat("one"), chat("two"));
+        // Different prompts, different keys.
+        assert_ne!(key(r#"{"prompt":"a"}"#), key(r#"{"prompt":"b"}"#));
+        // Token IDs and content parts: their raw JSON.
+        assert_eq!(key(r#"{"prompt":[1, 2,3]}"#), hash("[1, 2,3]"));
+        assert_eq!(
+            key(r#"{"messages":[{"content":[{"type":"text","text":"t"}]}]}"#),
+            hash(r#"[{"type":"text","text":"t"}]"#)
+        );
+    }
+
+    #[test]
+    fn the_prompt_prefix_agrees_with_serde_json() {
+        let long = "y".repeat(2 * PREFIX_BYTES);
+        for body in [
+            r#"{"model":"m","prompt":"Hello"}"#.to_string(),
+            format!(r#"{{"prompt":"{long}","model":"m"}}"#),
+            r#"{"messages":[{"content":"a"}],"prompt":"b"}"#.to_string(),
+            r#"{"model":"m","prompt":["x", 1]}"#.to_string(),
+        ] {
+            fuzz::model(body.as_bytes());
+        }
+    }
+
+    #[test]
+    fn a_body_without_a_prompt_has_no_prefix_key() {
+        for body in [
+            r#"{"model":"m"}"#,
+            r#"{"model":"m","prompt":""}"#,
+            r#"{"model":"m","messages":[]}"#,
+            r#"{"model":"m","messages":[{"role":"user"}]}"#,
+            r#"{"model":"m","input":"not a prompt"}"#,
+            r#"{"model":"m","prompt":"unterminated"#,
+            r#"["prompt","x"]"#,
+            "",
+        ] {
+            assert_eq!(prompt_prefix(body.as_bytes()), None, "{body}");
         }
     }
 

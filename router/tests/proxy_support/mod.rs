@@ -227,6 +227,7 @@ impl Admission for TestAdmission {
         (model == MODEL).then(|| DeploymentRef {
             id: DEPLOYMENT.to_string(),
             name: MODEL.to_string(),
+            routing: capyctl_spec::Routing::LeastLoaded,
         })
     }
 
