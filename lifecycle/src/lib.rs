@@ -3216,6 +3216,7 @@ impl Server {
             return;
         }
         let Some(router) = self.router() else { return };
+        self.feed_engine_loads(&router);
         for input in inputs {
             let load = router.load_shared(&input.deployment);
             let (in_flight, waiting) = load.as_deref().map_or((0, 0), |l| (l.in_flight, l.waiting));
@@ -3281,6 +3282,25 @@ impl Server {
                     });
                 }
             }
+        }
+    }
+
+    /// Tells the router each ready instance's engine waiting count, from its host's latest
+    /// sample (with the sample's own time: the router counts a stale one as none), for the
+    /// `least_loaded` choice among a deployment's instances.
+    fn feed_engine_loads(&self, router: &CoordinatorHandle) {
+        let feeds = self.read(State::engine_feeds);
+        let (now, now_ms) = (Instant::now(), views::now_ms());
+        for (key, agent, iid) in feeds {
+            let Some(sample) = agent.sample(&iid) else {
+                continue;
+            };
+            let Some(waiting) = sample.engine.and_then(|e| e.waiting) else {
+                continue;
+            };
+            let age = Duration::from_millis(now_ms.saturating_sub(sample.sampled_at_ms));
+            let at = now.checked_sub(age).unwrap_or(now);
+            router.note_engine_load(key, usize::try_from(waiting).unwrap_or(usize::MAX), at);
         }
     }
 

@@ -636,6 +636,22 @@ impl State {
             .collect()
     }
 
+    /// The ready instances of the deployments with several, with their host's agent and
+    /// instance ID: whose engines' waiting counts the router's `least_loaded` reads
+    /// (`Server::feed_engine_loads`).
+    pub(crate) fn engine_feeds(&self) -> Vec<(InstanceKey, Arc<dyn HostAgent>, String)> {
+        self.replicated
+            .iter()
+            .flat_map(|id| self.units_of(id))
+            .filter(|u| u.state == InstanceState::Ready)
+            .filter_map(|u| {
+                let host = u.host.as_deref()?;
+                let agent = Arc::clone(&self.hosts.get(host)?.agent);
+                Some((Self::key_of(u, host), agent, u.instance_id()))
+            })
+            .collect()
+    }
+
     /// The scaler's bring-up of `unit` (see [`crate::scale`]): into free room only, never
     /// naming a victim; `None` when there is none now, or it is not free to come up.
     pub(crate) fn scale_up(&mut self, unit: &str, now: Instant) -> Option<Up> {

@@ -261,3 +261,43 @@ async fn switches_on_different_gpus_run_at_the_same_time() {
     gpus.sort();
     assert_eq!(gpus, [vec!["GPU-t"], vec!["GPU-t-1"]], "on two GPUs");
 }
+
+/// `least_loaded` reads the engines' waiting counts: the lifecycle passes each ready
+/// instance's latest sample to the router every tick, and requests go to the instance whose
+/// engine has nothing waiting while the other's has ten.
+#[tokio::test(start_paused = true)]
+async fn requests_go_where_the_engines_have_nothing_waiting() {
+    let agent = Arc::new(FakeHost::new().with_gpus(2));
+    let mut lc = LifecycleConfig::new("h");
+    lc.timer_tick = Duration::from_millis(100);
+    let server = Server::open(agent.clone(), Arc::new(MemoryStore::default()), lc)
+        .await
+        .unwrap();
+    let router = server
+        .spawn_router(server.clone(), RouterConfig::default())
+        .await;
+    let doc = parse_deployment_str(
+        "t.yaml",
+        "name: r\nengine: vllm\nmodel: m\nresources: {gpu_memory: 6GiB}\nreplicas: 2\n",
+    )
+    .unwrap();
+    server.deploy(doc).await.unwrap();
+    let s = Scene { server, router };
+    s.request("r", Duration::ZERO).await.unwrap();
+    s.until("both instances ready", |s| {
+        s.states("r") == [InstanceState::Ready, InstanceState::Ready]
+    })
+    .await;
+    let id = s.server.view("r").unwrap().id;
+    // Instance 0's engine has ten requests waiting (requests sent to it directly, say).
+    agent.set_engine_waiting(&format!("{id}-0"), 10);
+    agent.set_engine_waiting(&format!("{id}-1"), 0);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let held: Vec<_> = (0..5)
+        .map(|_| s.request("r", Duration::from_secs(5)))
+        .collect();
+    for h in held {
+        let (waited, on) = h.await.unwrap();
+        assert_eq!((waited, on), (Duration::ZERO, 1));
+    }
+}

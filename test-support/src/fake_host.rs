@@ -92,6 +92,9 @@ pub struct FakeHost {
     stopped: Mutex<BTreeSet<String>>,
     stops: tokio::sync::Notify,
     sample_hook: OnceLock<SampleHook>,
+    /// Engines whose samples say they have requests waiting ([`FakeHost::set_engine_waiting`]);
+    /// the others have no sample.
+    engine_waiting: Mutex<std::collections::HashMap<String, u64>>,
     /// How long engine operations take (none by default).
     times: OpTimes,
 }
@@ -167,6 +170,7 @@ impl FakeHost {
             stopped: Mutex::new(BTreeSet::new()),
             stops: tokio::sync::Notify::new(),
             sample_hook: OnceLock::new(),
+            engine_waiting: Mutex::new(std::collections::HashMap::new()),
             times: OpTimes::default(),
         }
     }
@@ -225,6 +229,15 @@ impl FakeHost {
     /// it) is fine.
     pub fn on_sample(&self, hook: impl Fn(&str) + Send + Sync + 'static) {
         let _ = self.sample_hook.set(Box::new(hook));
+    }
+
+    /// From now on `instance`'s samples (taken now) say its engine has `waiting` requests
+    /// waiting and none running.
+    pub fn set_engine_waiting(&self, instance: &str, waiting: u64) {
+        self.engine_waiting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(instance.to_string(), waiting);
     }
 
     /// The calls so far: `start <iid>`, `park <iid>`, `wake <iid>`, `stop <iid>`.
@@ -417,7 +430,23 @@ impl HostAgent for FakeHost {
         if let Some(hook) = self.sample_hook.get() {
             hook(instance);
         }
-        None
+        let waiting = *self
+            .engine_waiting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(instance)?;
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        Some(LoadSample {
+            sampled_at_ms: now_ms,
+            took: Duration::ZERO,
+            engine: Some(capyctl_node_agent::load::EngineLoad {
+                running: Some(0),
+                waiting: Some(waiting),
+                kv_usage_ppm: Some(0),
+            }),
+        })
     }
 
     fn recover(&self) -> BoxFuture<'_, Result<RecoveryReport, AgentError>> {

@@ -534,7 +534,7 @@ pub struct DeploymentLoad {
     /// Requests the router is forwarding to it now.
     pub in_flight: usize,
     /// The bound on `in_flight`: 32 per open instance (`RouterConfig::in_flight_per_instance`
-    /// × open instances; 0 while none is open).
+    /// × open instances; 32 while none is open).
     pub in_flight_limit: usize,
     /// Requests waiting in the router for it (to load, or for one of the in-flight slots).
     pub waiting: usize,

@@ -315,7 +315,9 @@ impl Dep {
         DeploymentLoad {
             deployment_id: id.clone(),
             in_flight: self.in_flight,
-            in_flight_limit: config.in_flight_per_instance * self.open_count(),
+            // 32 per ready instance; 32 while none is (the bound its first instance will
+            // have: the product page's figure for a model with one instance).
+            in_flight_limit: config.in_flight_per_instance * self.open_count().max(1),
             waiting: self.queue.len(),
             waiting_limit: config.max_pending_per_deployment,
             last_used: self.last_used,
