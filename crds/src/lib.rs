@@ -9,7 +9,8 @@
 //! Spec types deserialize leniently (types only) so that a controller can still read, and report
 //! on, an object that breaks a rule; [`DeploymentSpec::to_document`] runs the full validation of
 //! a deployment document and names the bad field as `spec.<field>`. The CRD schema carries the
-//! simple bounds too, so the API server refuses most bad objects up front.
+//! simple bounds too, and a CEL rule for `scale.min` over `replicas` (which `kubectl scale` can
+//! break), so the API server refuses most bad objects up front.
 
 #[doc(hidden)]
 pub mod fuzz;
@@ -39,6 +40,9 @@ pub const VERSION: &str = "v1alpha1";
 /// `apiVersion` of every CapyCTL object.
 pub const API_VERSION: &str = "capyctl.io/v1alpha1";
 
+/// The CRD's CEL rule (`x-kubernetes-validations` of `spec`): `scale.min` is not above
+/// `replicas`, as in a deployment document.
+pub const SCALE_MIN_RULE: &str = "!has(self.scale) || !has(self.scale.min) || self.scale.min <= (has(self.replicas) ? self.replicas : 1)";
 /// `spec.replicas` of a `Deployment` that does not say (the schema's default, which the API
 /// server fills in): the deployment document's unset `replicas`.
 pub const DEFAULT_REPLICAS: u32 = 1;
@@ -122,6 +126,14 @@ fn field_description_wins(schema: &mut schemars::Schema) {
     ),
     doc = "A CapyCTL deployment: a named model on one engine, parked, woken and switched by CapyCTL."
 )]
+// The rule across keys that `kubectl scale` can break (below scale.min), checked by the API
+// server too, so that the scale is refused at once rather than by the operator afterwards.
+#[schemars(extend("x-kubernetes-validations" = [{
+    "rule": SCALE_MIN_RULE,
+    "message": "scale.min is above replicas: the deployment scales between scale.min and replicas; raise replicas or lower scale.min",
+    "fieldPath": ".scale.min",
+    "reason": "FieldValueInvalid",
+}]))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct DeploymentSpec {
     /// The inference engine: vllm, sglang or tensorfold.

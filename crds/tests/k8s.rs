@@ -150,6 +150,16 @@ fn deployment_crd_shape() {
             .unwrap()
             .starts_with("How requests are spread")
     );
+    // The rule across keys that `kubectl scale` can break, checked by the API server too.
+    assert_eq!(
+        spec["x-kubernetes-validations"],
+        serde_json::json!([{
+            "rule": k8s::SCALE_MIN_RULE,
+            "message": "scale.min is above replicas: the deployment scales between scale.min and replicas; raise replicas or lower scale.min",
+            "fieldPath": ".scale.min",
+            "reason": "FieldValueInvalid",
+        }])
+    );
     let scale = &spec["properties"]["scale"]["properties"];
     assert_eq!(scale["min"]["maximum"], 64.0);
     assert_eq!(scale["targetInFlight"]["maximum"], 32.0);

@@ -104,6 +104,20 @@ async fn status_of(api: &Api<Deployment>, name: &str) -> Option<DeploymentStatus
     api.get(name).await.ok()?.status
 }
 
+/// The deployment `chat-r` as the operator holds it (its management API's view).
+async fn held(operator: &Operator, token: &str) -> serde_json::Value {
+    let (code, view) = support::management(
+        "GET",
+        operator.management,
+        "/management/v1/deployments/chat-r",
+        token,
+        None,
+    )
+    .await;
+    assert_eq!(code, 200, "{view}");
+    view
+}
+
 /// The scenario in namespace `ns` of the API server of `kubeconfig`.
 async fn scaled(client: kube::Client, kubeconfig: &Path, ns: &str) {
     let dir = support::temp_dir("k8s-scale");
@@ -154,15 +168,7 @@ async fn scaled(client: kube::Client, kubeconfig: &Path, ns: &str) {
     assert_eq!(after.ready.as_deref(), Some("0/3"));
     // The deployment the operator holds has 3 replicas.
     let token = eventually("the admin token", t, || async { operator.admin_token() }).await;
-    let (code, view) = support::management(
-        "GET",
-        operator.management,
-        "/management/v1/deployments/chat-r",
-        &token,
-        None,
-    )
-    .await;
-    assert_eq!(code, 200, "{view}");
+    let view = held(&operator, &token).await;
     assert_eq!(view["spec"]["replicas"], 3, "{view}");
     assert_eq!(view["revision"], 2, "{view}");
     // The scale subresource reads both sides.
@@ -196,16 +202,38 @@ async fn scaled(client: kube::Client, kubeconfig: &Path, ns: &str) {
         assert!(out.contains("spec.replicas"), "{out}");
     }
     assert_eq!(api.get("chat-r").await.unwrap().spec.replicas, Some(3));
+    // Below scale.min: the CRD's rule refuses it, naming spec.scale.min.
+    let merge = |patch: serde_json::Value| {
+        let api = api.clone();
+        async move {
+            api.patch("chat-r", &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .unwrap();
+        }
+    };
+    merge(serde_json::json!({"spec": {"scale": {"min": 2}}})).await;
+    let (ok, out) = scale_to(&api, kubeconfig, ns, "chat-r", 1).await;
+    assert!(!ok, "--replicas=1 below scale.min taken: {out}");
+    assert!(
+        out.contains("spec.scale.min") && out.contains("scale.min is above replicas"),
+        "{out}"
+    );
+    assert_eq!(api.get("chat-r").await.unwrap().spec.replicas, Some(3));
+    merge(serde_json::json!({"spec": {"scale": null}})).await;
 
     // Back to 1: the document's unset again, a new revision.
     let (ok, out) = scale_to(&api, kubeconfig, ns, "chat-r", 1).await;
     assert!(ok, "{out}");
+    let generation = api.get("chat-r").await.unwrap().metadata.generation;
     let back = eventually("status.replicas 1", t, || async {
         let s = status_of(&api, "chat-r").await?;
-        (s.replicas == Some(1)).then_some(s)
+        (s.replicas == Some(1) && s.observed_generation == generation).then_some(s)
     })
     .await;
-    assert_eq!(back.revision, Some(3));
+    assert!(back.revision.is_some_and(|r| r > 2), "{:?}", back.revision);
+    let view = held(&operator, &token).await;
+    assert!(view["spec"].get("replicas").is_none(), "{view}");
+    assert!(view["spec"].get("scale").is_none(), "{view}");
     assert!(
         back.ready.as_deref().is_some_and(|r| r.ends_with("/1")),
         "{:?}",
