@@ -5,7 +5,7 @@ use capyctl_spec::api::{
     ActionReceipt, DeployOutcome, DeployReceipt, DeploymentView, EngineView, HostDrainReceipt,
     Released, SwitchPhaseKind, SwitchRecord, Victim, VictimResult,
 };
-use capyctl_spec::units::format_bytes;
+use capyctl_spec::units::{format_bytes, format_duration};
 
 /// A table as the product page prints it: every column as wide as its widest cell plus three
 /// spaces, the last one unpadded, no trailing spaces.
@@ -34,6 +34,13 @@ pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
     out
 }
 
+/// READY: the ready instances over the deployment's `replicas` (`1/3`), as the `Deployment`
+/// object's printer column shows it.
+pub fn ready(d: &DeploymentView) -> String {
+    let (ready, replicas) = capyctl_crds::ready_replicas(d);
+    format!("{ready}/{replicas}")
+}
+
 /// `capyctl list deployments`: `NAME STATE READY REVISION HOSTS`.
 pub fn deployments(list: &[DeploymentView]) -> String {
     let rows: Vec<Vec<String>> = list
@@ -42,7 +49,7 @@ pub fn deployments(list: &[DeploymentView]) -> String {
             vec![
                 d.name.clone(),
                 d.state.to_string(),
-                d.ready.clone(),
+                ready(d),
                 d.revision.to_string(),
                 hosts(&d.hosts),
             ]
@@ -95,7 +102,11 @@ pub fn receipt(receipt: &ActionReceipt) -> String {
     let d = &receipt.deployment;
     let mut out = format!(
         "{} deployment {} ({}): state {}, ready {}\n",
-        receipt.action, d.name, d.id, d.state, d.ready
+        receipt.action,
+        d.name,
+        d.id,
+        d.state,
+        ready(d)
     );
     if d.state != InstanceState::Ready
         && let Some(c) = d
@@ -161,7 +172,7 @@ pub fn status(d: &DeploymentView) -> String {
         ("name", d.name.clone()),
         ("id", d.id.clone()),
         ("state", d.state.to_string()),
-        ("ready", d.ready.clone()),
+        ("ready", ready(d)),
         ("revision", d.revision.to_string()),
         ("hosts", hosts(&d.hosts)),
         ("engine", d.engine.to_string()),
@@ -187,6 +198,28 @@ pub fn status(d: &DeploymentView) -> String {
             },
         ),
     ];
+    // The replicas keys, when the document sets them.
+    let doc = &d.spec;
+    if let Some(n) = doc.replicas {
+        rows.push(("replicas", n.to_string()));
+    }
+    if let Some(s) = doc.scale() {
+        rows.push((
+            "scale",
+            format!(
+                "min {}, target_in_flight {}, scale_down_delay {}",
+                s.min,
+                s.target_in_flight,
+                format_duration(s.scale_down_delay)
+            ),
+        ));
+    }
+    if let Some(n) = doc.gpus_per_instance {
+        rows.push(("gpus_per_instance", n.to_string()));
+    }
+    if let Some(r) = doc.routing {
+        rows.push(("routing", r.to_string()));
+    }
     if d.operator_stopped {
         rows.push(("stopped by", "operator".to_string()));
     }
@@ -341,6 +374,8 @@ pub fn utc_time(ms: u64) -> String {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
+
     use super::*;
 
     fn rows(cells: &[[&str; 5]]) -> Vec<Vec<String>> {
@@ -381,6 +416,99 @@ mod tests {
              my-model      parked   0/1     1          gpu-box\n\
              other-model   ready    1/1     1          gpu-box\n"
         );
+    }
+
+    /// A deployment of `doc` with one instance per state in `states`.
+    fn view(doc: &str, states: &[InstanceState]) -> DeploymentView {
+        use capyctl_spec::api::InstanceView;
+        let spec = capyctl_spec::documents::parse_deployment_str("d.yaml", doc).unwrap();
+        DeploymentView {
+            id: "01KDEP".into(),
+            name: spec.name.clone(),
+            state: states.first().copied().unwrap_or(InstanceState::Stopped),
+            // What today's lifecycle says whatever the instances: READY is counted instead.
+            ready: "0/1".into(),
+            revision: 1,
+            hosts: vec!["gpu-box".into()],
+            activation: capyctl_spec::Activation::OnDemand,
+            warm: false,
+            operator_stopped: false,
+            engine: spec.engine,
+            model: spec.model.clone(),
+            residency: None,
+            measurement: None,
+            instances: states
+                .iter()
+                .enumerate()
+                .map(|(i, &state)| InstanceView {
+                    instance_id: format!("01KDEP-{i}"),
+                    index: u32::try_from(i).unwrap(),
+                    host_id: "gpu-box".into(),
+                    generation: 1,
+                    state,
+                    parked_tier: None,
+                    port: None,
+                    pid: None,
+                    last_error: None,
+                })
+                .collect(),
+            conditions: Vec::new(),
+            spec,
+        }
+    }
+
+    #[test]
+    fn ready_is_the_ready_instances_over_the_replicas() {
+        use InstanceState::{Parked, Ready, Starting};
+        let three = "name: chat\nengine: vllm\nmodel: m\nreplicas: 3\n";
+        let one = "name: solo\nengine: vllm\nmodel: m\n";
+        assert_eq!(
+            deployments(&[
+                view(three, &[Ready, Parked, Ready]),
+                view(one, &[Ready]),
+                view(three, &[Starting]),
+            ]),
+            "NAME   STATE      READY   REVISION   HOSTS\n\
+             chat   ready      2/3     1          gpu-box\n\
+             solo   ready      1/1     1          gpu-box\n\
+             chat   starting   0/3     1          gpu-box\n"
+        );
+        let receipt_text = receipt(&ActionReceipt {
+            action: "started".into(),
+            deployment: view(three, &[Ready, Ready, Ready]),
+            switch_id: None,
+            victims: Vec::new(),
+        });
+        assert!(
+            receipt_text.starts_with("started deployment chat (01KDEP): state ready, ready 3/3\n"),
+            "{receipt_text}"
+        );
+    }
+
+    #[test]
+    fn status_shows_the_replicas_keys_when_set() {
+        let plain = status(&view(
+            "name: solo\nengine: vllm\nmodel: m\n",
+            &[InstanceState::Ready],
+        ));
+        assert!(plain.contains("ready:       1/1\n"), "{plain}");
+        for key in ["replicas:", "scale:", "gpus_per_instance:", "routing:"] {
+            assert!(!plain.contains(key), "{key} in\n{plain}");
+        }
+        let text = status(&view(
+            "name: chat\nengine: vllm\nmodel: m\nreplicas: 4\nscale: {min: 2, target_in_flight: 16}\ngpus_per_instance: 2\nrouting: prefix\n",
+            &[InstanceState::Ready, InstanceState::Parked],
+        ));
+        for line in [
+            "ready:             1/4\n",
+            "replicas:          4\n",
+            "scale:             min 2, target_in_flight 16, scale_down_delay 1m\n",
+            "gpus_per_instance: 2\n",
+            "routing:           prefix\n",
+            "  01KDEP-1 host gpu-box index 1 generation 1: parked\n",
+        ] {
+            assert!(text.contains(line), "no {line:?} in\n{text}");
+        }
     }
 
     #[test]

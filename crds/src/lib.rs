@@ -9,7 +9,8 @@
 //! Spec types deserialize leniently (types only) so that a controller can still read, and report
 //! on, an object that breaks a rule; [`DeploymentSpec::to_document`] runs the full validation of
 //! a deployment document and names the bad field as `spec.<field>`. The CRD schema carries the
-//! simple bounds too, so the API server refuses most bad objects up front.
+//! simple bounds too, and a CEL rule for `scale.min` over `replicas` (which `kubectl scale` can
+//! break), so the API server refuses most bad objects up front.
 
 #[doc(hidden)]
 pub mod fuzz;
@@ -23,13 +24,14 @@ use kube::{CustomResource, CustomResourceExt};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use capyctl_spec::api::DeploymentView;
 use capyctl_spec::documents::{DeploymentDoc, DocumentError, KeyPath, Origin, Problem, Seg};
 use capyctl_spec::settings::{
     ADMISSION_WINDOW_BOUNDS, MAX_BUFFERED_BYTES_TOTAL_BOUNDS, MAX_PENDING_PER_DEPLOYMENT_BOUNDS,
     MAX_PENDING_TOTAL_BOUNDS, QueueSettings, REQUEST_DEADLINE_BOUNDS, STREAM_IDLE_TIMEOUT_BOUNDS,
 };
 use capyctl_spec::units::{ByteSize, DurationSetting};
-use capyctl_spec::{Activation, EngineKind, InstanceState, Residency};
+use capyctl_spec::{Activation, EngineKind, InstanceState, Residency, Routing};
 
 /// The API group.
 pub const GROUP: &str = "capyctl.io";
@@ -37,6 +39,13 @@ pub const GROUP: &str = "capyctl.io";
 pub const VERSION: &str = "v1alpha1";
 /// `apiVersion` of every CapyCTL object.
 pub const API_VERSION: &str = "capyctl.io/v1alpha1";
+
+/// The CRD's CEL rule (`x-kubernetes-validations` of `spec`): `scale.min` is not above
+/// `replicas`, as in a deployment document.
+pub const SCALE_MIN_RULE: &str = "!has(self.scale) || !has(self.scale.min) || self.scale.min <= (has(self.replicas) ? self.replicas : 1)";
+/// `spec.replicas` of a `Deployment` that does not say (the schema's default, which the API
+/// server fills in): the deployment document's unset `replicas`.
+pub const DEFAULT_REPLICAS: u32 = 1;
 
 /// Condition types and reasons written in `status.conditions`.
 pub mod conditions {
@@ -87,6 +96,10 @@ fn field_description_wins(schema: &mut schemars::Schema) {
     shortname = "cdeploy",
     shortname = "cdep",
     category = "capyctl",
+    scale(
+        spec_replicas_path = ".spec.replicas",
+        status_replicas_path = ".status.replicas"
+    ),
     printcolumn(
         name = "State",
         type_ = "string",
@@ -97,7 +110,7 @@ fn field_description_wins(schema: &mut schemars::Schema) {
         name = "Ready",
         type_ = "string",
         json_path = ".status.ready",
-        description = "Ready instances / instances"
+        description = "Ready instances / replicas"
     ),
     printcolumn(
         name = "Revision",
@@ -113,6 +126,14 @@ fn field_description_wins(schema: &mut schemars::Schema) {
     ),
     doc = "A CapyCTL deployment: a named model on one engine, parked, woken and switched by CapyCTL."
 )]
+// The rule across keys that `kubectl scale` can break (below scale.min), checked by the API
+// server too, so that the scale is refused at once rather than by the operator afterwards.
+#[schemars(extend("x-kubernetes-validations" = [{
+    "rule": SCALE_MIN_RULE,
+    "message": "scale.min is above replicas: the deployment scales between scale.min and replicas; raise replicas or lower scale.min",
+    "fieldPath": ".scale.min",
+    "reason": "FieldValueInvalid",
+}]))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct DeploymentSpec {
     /// The inference engine: vllm, sglang or tensorfold.
@@ -144,6 +165,45 @@ pub struct DeploymentSpec {
     /// Makes this a decision model: a fixed prompt answered by one of the options.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decision: Option<DecisionSpec>,
+    /// Instances that run while the model is in use, each on its own GPU (or GPUs) and on
+    /// different nodes where they can, 1 to 64 (default 1). The scale subresource's replicas:
+    /// `kubectl scale cdep NAME --replicas=3`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 64), extend("default" = 1))]
+    pub replicas: Option<u32>,
+    /// Autoscaling between scale.min and replicas on the requests in flight per ready
+    /// instance. Without it every instance runs while the model is in use.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale: Option<ScaleSpec>,
+    /// GPUs each instance spans, 1 to 16 (default 1); above 1 the engine's tensor-parallel
+    /// option is passed (vLLM and SGLang only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 16))]
+    pub gpus_per_instance: Option<u32>,
+    /// How requests are spread over the ready instances: least_loaded (default) or prefix
+    /// (prompts that share a prefix go to one instance while its load stays within a bound).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(transform = field_description_wins)]
+    pub routing: Option<Routing>,
+}
+
+/// Autoscaling of a deployment between `min` and `replicas` instances.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ScaleSpec {
+    /// Instances kept running while the model is in use, 0 to replicas (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 64))]
+    pub min: Option<u32>,
+    /// One more instance is woken or started when the requests in flight per ready instance
+    /// pass this, 1 to 32 (default 24).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 32))]
+    pub target_in_flight: Option<u32>,
+    /// How long the load stays below the target before one instance is parked, 1s to 24h
+    /// (default 60s).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale_down_delay: Option<DurationSetting>,
 }
 
 /// Memory a deployment needs.
@@ -195,9 +255,15 @@ pub struct DeploymentStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(transform = field_description_wins)]
     pub state: Option<InstanceState>,
-    /// Ready instances over instances, e.g. 0/1 (READY of capyctl list deployments).
+    /// Ready instances over replicas, e.g. 1/3 (READY of capyctl list deployments).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ready: Option<String>,
+    /// The replicas of the revision that runs (the scale subresource's status replicas).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<u32>,
+    /// Instances that are ready (serving requests).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_replicas: Option<u32>,
     /// The deployment's revision; it grows with every change of the spec.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub revision: Option<u64>,
@@ -290,6 +356,18 @@ pub struct MeasurementStatus {
     pub message: Option<String>,
 }
 
+/// The instances of deployment `v` that are ready, and the replicas of the revision that runs
+/// (its document's `replicas`): `status.readyReplicas` and `status.replicas`, and READY
+/// (`ready/replicas`) of the object and of `capyctl list deployments`.
+pub fn ready_replicas(v: &DeploymentView) -> (u32, u32) {
+    let ready = v
+        .instances
+        .iter()
+        .filter(|i| i.state == InstanceState::Ready)
+        .count();
+    (u32::try_from(ready).unwrap_or(u32::MAX), v.spec.replicas())
+}
+
 impl From<&DeploymentDoc> for DeploymentSpec {
     fn from(d: &DeploymentDoc) -> Self {
         Self {
@@ -311,6 +389,14 @@ impl From<&DeploymentDoc> for DeploymentSpec {
                 prompt: x.prompt.clone(),
                 options: x.options.clone(),
             }),
+            replicas: d.replicas,
+            scale: d.scale.map(|s| ScaleSpec {
+                min: s.min,
+                target_in_flight: s.target_in_flight,
+                scale_down_delay: s.scale_down_delay,
+            }),
+            gpus_per_instance: d.gpus_per_instance,
+            routing: d.routing,
         }
     }
 }
@@ -391,6 +477,17 @@ impl DeploymentSpec {
                 "prompt": d.prompt,
                 "options": d.options,
             })),
+            // The API server fills in the schema's default (1), which is the document's
+            // unset: an object it defaulted gives the same document as before (no new
+            // revision), and `replicas: 1` the same as no `replicas`.
+            "replicas": self.replicas.filter(|&n| n != DEFAULT_REPLICAS),
+            "scale": self.scale.map(|s| serde_json::json!({
+                "min": s.min,
+                "target_in_flight": s.target_in_flight,
+                "scale_down_delay": s.scale_down_delay,
+            })),
+            "gpus_per_instance": self.gpus_per_instance,
+            "routing": self.routing,
         });
         capyctl_spec::documents::deployment_from_json(value).map_err(|(path, problem)| {
             let path = object_path(&path);

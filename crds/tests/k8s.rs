@@ -9,7 +9,7 @@ use capyctl_crds::{
 };
 use capyctl_spec::documents::{Origin, Problem, parse_deployment_str};
 use capyctl_spec::settings::{Mode, QueueSettings};
-use capyctl_spec::{Activation, EngineKind, Residency};
+use capyctl_spec::{Activation, EngineKind, Residency, Routing};
 use kube::CustomResourceExt;
 use serde_json::Value;
 
@@ -78,6 +78,15 @@ fn deployment_crd_shape() {
     let version = &crd["spec"]["versions"][0];
     assert_eq!(version["name"], "v1alpha1");
     assert!(version["subresources"]["status"].is_object());
+    // `kubectl scale cdep NAME --replicas=3` (no label selector: the instances are not
+    // always Pods, nor Pods of the object's namespace).
+    assert_eq!(
+        version["subresources"]["scale"],
+        serde_json::json!({
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+        })
+    );
     let columns: Vec<(&str, &str)> = version["additionalPrinterColumns"]
         .as_array()
         .unwrap()
@@ -107,9 +116,54 @@ fn deployment_crd_shape() {
         "measurement",
         "conditions",
         "observedGeneration",
+        "replicas",
+        "readyReplicas",
     ] {
         assert!(status["properties"][key].is_object(), "status.{key}");
     }
+    for key in ["replicas", "readyReplicas"] {
+        assert_eq!(status["properties"][key]["type"], "integer", "status.{key}");
+    }
+    // Replicas: the document's range, and the API server fills in the default (what the scale
+    // subresource reads for an object that does not say).
+    let replicas = &spec["properties"]["replicas"];
+    assert_eq!(
+        (
+            &replicas["minimum"],
+            &replicas["maximum"],
+            &replicas["default"]
+        ),
+        (
+            &serde_json::json!(1.0),
+            &serde_json::json!(64.0),
+            &serde_json::json!(1)
+        )
+    );
+    assert_eq!(spec["properties"]["gpusPerInstance"]["maximum"], 16.0);
+    assert_eq!(
+        spec["properties"]["routing"]["enum"],
+        serde_json::json!(["least_loaded", "prefix"])
+    );
+    assert!(
+        spec["properties"]["routing"]["description"]
+            .as_str()
+            .unwrap()
+            .starts_with("How requests are spread")
+    );
+    // The rule across keys that `kubectl scale` can break, checked by the API server too.
+    assert_eq!(
+        spec["x-kubernetes-validations"],
+        serde_json::json!([{
+            "rule": k8s::SCALE_MIN_RULE,
+            "message": "scale.min is above replicas: the deployment scales between scale.min and replicas; raise replicas or lower scale.min",
+            "fieldPath": ".scale.min",
+            "reason": "FieldValueInvalid",
+        }])
+    );
+    let scale = &spec["properties"]["scale"]["properties"];
+    assert_eq!(scale["min"]["maximum"], 64.0);
+    assert_eq!(scale["targetInFlight"]["maximum"], 32.0);
+    assert_eq!(scale["scaleDownDelay"]["type"], "string");
     // Field descriptions come from the fields, even for optional enums.
     assert_eq!(
         spec["properties"]["residency"]["description"],
@@ -189,7 +243,7 @@ fn deployment_manifest_fixture_errors() {
         e.to_string(),
         at(
             "deployment-cr-unknown-key.yaml",
-            ":8: spec.max_concurrent_requests: unknown key; expected one of engine, model, residency, maxConcurrentRequests, extraArgs, env, resources, lifecycle, decision"
+            ":8: spec.max_concurrent_requests: unknown key; expected one of engine, model, residency, maxConcurrentRequests, extraArgs, env, resources, lifecycle, decision, replicas, scale, gpusPerInstance, routing"
         )
     );
     let e = load_deployment_manifest_file(fixture("deployment-cr-wrong-type.yaml")).unwrap_err();
@@ -294,6 +348,10 @@ fn objects_from_the_api_are_validated_with_spec_paths() {
         resources: None,
         lifecycle: None,
         decision: None,
+        replicas: None,
+        scale: None,
+        gpus_per_instance: None,
+        routing: None,
     };
     let mut object = Deployment::new("chat", spec.clone());
     object.metadata.namespace = Some("team-a".into());
@@ -396,4 +454,192 @@ fn queue_spec_round_trips_the_settings() {
     let json = serde_json::to_value(&spec).unwrap();
     assert_eq!(json["admissionWindow"], "2s");
     assert_eq!(json["maxPendingPerDeployment"], 0);
+}
+
+/// The replicas keys, from an object to the document and back.
+#[test]
+fn replicas_scale_gpus_and_routing_map_both_ways() {
+    let text = "apiVersion: capyctl.io/v1alpha1\nkind: Deployment\nmetadata: {name: chat, namespace: team-a}\nspec:\n  engine: vllm\n  model: m\n  replicas: 4\n  scale: {min: 2, targetInFlight: 16, scaleDownDelay: 30s}\n  gpusPerInstance: 2\n  routing: prefix\n";
+    let object = parse_deployment_manifest_str("m.yaml", text).unwrap();
+    assert_eq!(object.spec.replicas, Some(4));
+    let doc = object.to_document().unwrap();
+    assert_eq!(doc.replicas(), 4);
+    let scale = doc.scale().unwrap();
+    assert_eq!(
+        (scale.min, scale.target_in_flight, scale.scale_down_delay),
+        (2, 16, std::time::Duration::from_secs(30))
+    );
+    assert_eq!(doc.gpus_per_instance(), 2);
+    assert_eq!(doc.routing(), Routing::Prefix);
+    // The same document as a YAML deployment document.
+    let same = parse_deployment_str(
+        "d.yaml",
+        "name: chat\nengine: vllm\nmodel: m\nreplicas: 4\nscale: {min: 2, target_in_flight: 16, scale_down_delay: 30s}\ngpus_per_instance: 2\nrouting: prefix\n",
+    )
+    .unwrap();
+    assert_eq!(doc, same);
+    // Document -> object -> document is the identity, and the object's JSON is camelCase.
+    let back = Deployment::from_document(&doc);
+    assert_eq!(back.spec, object.spec);
+    assert_eq!(back.to_document().unwrap(), doc);
+    let json = serde_json::to_value(&back.spec).unwrap();
+    assert_eq!(json["replicas"], 4);
+    assert_eq!(json["scale"]["targetInFlight"], 16);
+    assert_eq!(json["scale"]["scaleDownDelay"], "30s");
+    assert_eq!(json["gpusPerInstance"], 2);
+    assert_eq!(json["routing"], "prefix");
+
+    // A scale with defaults only, and none of the keys: the document's defaults.
+    let mut bare = object.clone();
+    bare.spec.scale = Some(k8s::ScaleSpec::default());
+    bare.spec.replicas = None;
+    bare.spec.gpus_per_instance = None;
+    bare.spec.routing = None;
+    let doc = bare.to_document().unwrap();
+    assert_eq!(doc.replicas(), 1);
+    let scale = doc.scale().unwrap();
+    assert_eq!(
+        (scale.min, scale.target_in_flight, scale.scale_down_delay),
+        (1, 24, std::time::Duration::from_secs(60))
+    );
+    assert_eq!(doc.gpus_per_instance(), 1);
+    assert_eq!(doc.routing(), Routing::LeastLoaded);
+    assert_eq!(
+        serde_json::to_value(&bare.spec).unwrap()["scale"],
+        serde_json::json!({})
+    );
+}
+
+/// The API server fills in `replicas: 1` (the schema's default) on objects that do not say,
+/// also on objects stored before the key existed: that is the document's unset `replicas`, so
+/// the deployment it gives is the one already deployed (no new revision).
+#[test]
+fn the_defaulted_replicas_is_the_documents_unset() {
+    let bare = r#"{"apiVersion": "capyctl.io/v1alpha1", "kind": "Deployment", "metadata": {"name": "chat"}, "spec": {"engine": "vllm", "model": "m"}}"#;
+    let bare: Deployment = serde_json::from_str(bare).unwrap();
+    let mut defaulted = bare.clone();
+    defaulted.spec.replicas = Some(k8s::DEFAULT_REPLICAS);
+    let doc = defaulted.to_document().unwrap();
+    assert_eq!(doc.replicas, None);
+    assert_eq!(doc, bare.to_document().unwrap());
+    // A document that says 1 is the same deployment as one that does not.
+    let one = parse_deployment_str(
+        "d.yaml",
+        "name: chat\nengine: vllm\nmodel: m\nreplicas: 1\n",
+    )
+    .unwrap();
+    assert_eq!(
+        Deployment::from_document(&one)
+            .to_document()
+            .unwrap()
+            .replicas(),
+        1
+    );
+    // Scaled: the document says so.
+    defaulted.spec.replicas = Some(3);
+    assert_eq!(defaulted.to_document().unwrap().replicas, Some(3));
+}
+
+/// Refusals of the replicas keys name the object's field, as the operator reports them.
+#[test]
+fn replicas_errors_name_the_objects_fields() {
+    let object = |spec: Value| -> Deployment {
+        let mut o: Deployment = serde_json::from_value(serde_json::json!({
+            "apiVersion": "capyctl.io/v1alpha1",
+            "kind": "Deployment",
+            "metadata": {"name": "chat", "namespace": "team-a"},
+            "spec": spec,
+        }))
+        .unwrap();
+        o.metadata.namespace = Some("team-a".into());
+        o
+    };
+    let refused = |spec: Value| object(spec).to_document().unwrap_err();
+
+    let e = refused(serde_json::json!({"engine": "vllm", "model": "m", "replicas": 65}));
+    assert_eq!(
+        e.to_string(),
+        "Deployment team-a/chat: spec.replicas: 65 is out of range (1 to 64)"
+    );
+    let e = refused(serde_json::json!({"engine": "vllm", "model": "m", "replicas": 0}));
+    assert_eq!(
+        e.to_string(),
+        "Deployment team-a/chat: spec.replicas: 0 is out of range (1 to 64)"
+    );
+    assert!(matches!(e.problem, Problem::OutOfRange(_)));
+    let e = refused(serde_json::json!({"engine": "vllm", "model": "m", "gpusPerInstance": 17}));
+    assert_eq!(
+        e.to_string(),
+        "Deployment team-a/chat: spec.gpusPerInstance: 17 is out of range (1 to 16)"
+    );
+    let e = refused(
+        serde_json::json!({"engine": "vllm", "model": "m", "scale": {"targetInFlight": 33}}),
+    );
+    assert_eq!(
+        e.to_string(),
+        "Deployment team-a/chat: spec.scale.targetInFlight: 33 is out of range (1 to 32)"
+    );
+    let e = refused(
+        serde_json::json!({"engine": "vllm", "model": "m", "scale": {"scaleDownDelay": "0s"}}),
+    );
+    assert!(
+        e.to_string()
+            .starts_with("Deployment team-a/chat: spec.scale.scaleDownDelay: 0s is out of range"),
+        "{e}"
+    );
+    // Across keys: scale.min above replicas (what `kubectl scale` below scale.min gives), and
+    // several GPUs on an engine without a tensor-parallel option.
+    let e = refused(
+        serde_json::json!({"engine": "vllm", "model": "m", "replicas": 2, "scale": {"min": 3}}),
+    );
+    assert!(
+        e.to_string()
+            .starts_with("Deployment team-a/chat: spec.scale.min: 3 is above replicas (2)"),
+        "{e}"
+    );
+    assert!(matches!(e.problem, Problem::Conflict(_)));
+    // The defaulted replicas (1) counts as replicas too.
+    let e = refused(
+        serde_json::json!({"engine": "vllm", "model": "m", "replicas": 1, "scale": {"min": 2}}),
+    );
+    assert!(
+        e.to_string()
+            .starts_with("Deployment team-a/chat: spec.scale.min: 2 is above replicas (1)"),
+        "{e}"
+    );
+    let e =
+        refused(serde_json::json!({"engine": "tensorfold", "model": "m", "gpusPerInstance": 2}));
+    assert!(
+        e.to_string()
+            .starts_with("Deployment team-a/chat: spec.gpusPerInstance: 2 cannot be passed to"),
+        "{e}"
+    );
+    // Unknown keys and values are refused when read, naming the field and the line.
+    let e = parse_deployment_manifest_str(
+        "m.yaml",
+        "apiVersion: capyctl.io/v1alpha1\nkind: Deployment\nmetadata: {name: a}\nspec:\n  engine: vllm\n  model: m\n  routing: round_robin\n",
+    )
+    .unwrap_err();
+    assert!(e.to_string().starts_with("m.yaml:7: spec.routing: "), "{e}");
+    assert!(e.to_string().contains("round_robin"), "{e}");
+    let e = parse_deployment_manifest_str(
+        "m.yaml",
+        "apiVersion: capyctl.io/v1alpha1\nkind: Deployment\nmetadata: {name: a}\nspec:\n  engine: vllm\n  model: m\n  scale:\n    max: 3\n",
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("m.yaml:8: spec.scale.max: unknown key"),
+        "{e}"
+    );
+    let e = parse_deployment_manifest_str(
+        "m.yaml",
+        "apiVersion: capyctl.io/v1alpha1\nkind: Deployment\nmetadata: {name: a}\nspec:\n  engine: vllm\n  model: m\n  replicas: 2\n  scale: {min: 3}\n",
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("m.yaml:8: spec.scale.min: 3 is above replicas (2)"),
+        "{e}"
+    );
 }

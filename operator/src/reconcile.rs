@@ -1233,6 +1233,89 @@ mod tests {
         assert_eq!(spec.max_concurrent_requests, Some(8));
     }
 
+    /// `kubectl scale` changes `spec.replicas` through the scale subresource (a new
+    /// generation, like any spec change): redeployed with the new replicas, and the status's
+    /// `replicas` and READY follow; one below `scale.min` is refused and the running replicas
+    /// stay in the status.
+    #[tokio::test]
+    async fn a_scaled_cr_redeploys_its_replicas_and_the_status_follows() {
+        let lifecycle = Arc::new(FakeApi::default());
+        let (client, handle) = mock::client();
+        let with = |generation: i64, replicas: u32| {
+            cr_json(
+                &[FINALIZER],
+                generation,
+                serde_json::json!({"engine": "vllm", "model": "Qwen3-4B",
+                                   "scale": {"min": 2}, "replicas": replicas}),
+            )
+        };
+        // As the API server keeps it: `replicas: 2` written by the user, then scaled to 3,
+        // then to 1 (below scale.min).
+        let (v1, v2, v3) = (with(1, 2), with(2, 3), with(3, 1));
+        let server = mock::serve(
+            handle,
+            vec![
+                Exchange::ok(Method::PATCH, STATUS_PATH, v1.clone()),
+                Exchange::ok(Method::PATCH, STATUS_PATH, v2.clone()),
+                Exchange::ok(Method::PATCH, STATUS_PATH, v3.clone()),
+            ],
+        );
+        let r = reconciler(client, lifecycle.clone(), false);
+        r.reconcile(cr(v1)).await.unwrap();
+        r.reconcile(cr(v2)).await.unwrap();
+        let replicas = |l: &FakeApi| l.deps.lock().unwrap()["chat-a"].spec.replicas();
+        assert_eq!(replicas(&lifecycle), 3);
+        r.reconcile(cr(v3)).await.unwrap();
+        assert_eq!(replicas(&lifecycle), 3, "a refused scale changes nothing");
+        let seen = server.await.unwrap();
+        let status = |i: usize| seen[i].body["status"].clone();
+        assert_eq!(
+            (
+                &status(0)["replicas"],
+                &status(0)["readyReplicas"],
+                &status(0)["ready"]
+            ),
+            (
+                &serde_json::json!(2),
+                &serde_json::json!(0),
+                &serde_json::json!("0/2")
+            )
+        );
+        assert_eq!(
+            (
+                &status(1)["replicas"],
+                &status(1)["ready"],
+                &status(1)["revision"]
+            ),
+            (
+                &serde_json::json!(3),
+                &serde_json::json!("0/3"),
+                &serde_json::json!(2)
+            )
+        );
+        assert_eq!(status(1)["observedGeneration"], 2);
+        // Refused: still 3 replicas of generation 2, and why.
+        assert_eq!(status(2)["replicas"], 3);
+        assert_eq!(status(2)["observedGeneration"], 2);
+        let why = refusal(&status(2));
+        assert!(
+            why.contains("spec.scale.min: 2 is above replicas (1)"),
+            "{why}"
+        );
+    }
+
+    /// The message of a status's `Accepted=False` condition.
+    fn refusal(status: &serde_json::Value) -> String {
+        let accepted = status["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == "Accepted")
+            .unwrap();
+        assert_eq!(accepted["status"], "False");
+        accepted["message"].as_str().unwrap().to_string()
+    }
+
     #[tokio::test]
     async fn a_bad_spec_is_refused_and_changes_nothing() {
         let lifecycle = Arc::new(FakeApi::default());
@@ -1265,20 +1348,8 @@ mod tests {
         // Still revision 1 of generation 1, and why not 2.
         assert_eq!(status["revision"], 1);
         assert_eq!(status["observedGeneration"], 1);
-        let accepted = status["conditions"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["type"] == "Accepted")
-            .unwrap();
-        assert_eq!(accepted["status"], "False");
-        assert!(
-            accepted["message"]
-                .as_str()
-                .unwrap()
-                .contains("spec.maxConcurrentRequests"),
-            "{accepted}"
-        );
+        let why = refusal(status);
+        assert!(why.contains("spec.maxConcurrentRequests"), "{why}");
         assert_eq!(lifecycle.calls(), ["deploy chat-a"]);
     }
 

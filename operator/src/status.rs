@@ -8,6 +8,10 @@
 //! - [`apply_status`] writes it by server-side apply on the `status` subresource, with the one
 //!   field manager [`FIELD_MANAGER`] (forced: CapyCTL owns `status`).
 //!
+//! READY (`status.ready`) is `ready/replicas`: `status.readyReplicas`, the view's instances in
+//! state `ready`, over `status.replicas`, the `replicas` of the document that runs (what the
+//! scale subresource reads; a `kubectl scale` the lifecycle refused leaves it as it runs).
+//!
 //! Conditions: `Ready` and `Measured` come from the view; `Parkable` from the view when the
 //! lifecycle reports it, else from [`Parkability`] (the host agent's answer, or what the
 //! document alone says: `restart_only`, TensorFold, decision models). A spec the lifecycle
@@ -251,7 +255,10 @@ pub fn deployment_status(input: StatusInput<'_>) -> DeploymentStatus {
     if let Some(v) = input.view {
         status.deployment_id = Some(v.id.clone());
         status.state = Some(v.state);
-        status.ready = Some(v.ready.clone());
+        let (ready, replicas) = capyctl_crds::ready_replicas(v);
+        status.ready = Some(format!("{ready}/{replicas}"));
+        status.replicas = Some(replicas);
+        status.ready_replicas = Some(ready);
         status.revision = Some(v.revision);
         // As `capyctl list deployments` prints it: `-` for none.
         status.hosts = Some(if v.hosts.is_empty() {
@@ -433,6 +440,7 @@ mod tests {
         assert_eq!(s.deployment_id.as_deref(), Some("01KDEP"));
         assert_eq!(s.state, Some(InstanceState::Ready));
         assert_eq!(s.ready.as_deref(), Some("1/1"));
+        assert_eq!((s.replicas, s.ready_replicas), (Some(1), Some(1)));
         assert_eq!(s.revision, Some(2));
         assert_eq!(s.hosts.as_deref(), Some("gpu-1"));
         assert_eq!(s.observed_generation, Some(4));
@@ -475,6 +483,56 @@ mod tests {
         assert_eq!(s.state, Some(InstanceState::Parked));
         assert_eq!(s.ready.as_deref(), Some("0/1"));
         assert_eq!(s.instances[0].residency, Some(Residency::HostBacked));
+    }
+
+    #[test]
+    fn ready_counts_the_ready_instances_over_the_replicas() {
+        let mut v = view(InstanceState::Ready, true);
+        v.spec = doc("name: chat-a\nengine: vllm\nmodel: Qwen3-4B\nreplicas: 3\n");
+        // One instance of three (a lifecycle that has started only one so far).
+        let s = deployment_status(input(Some(&v), &Parkability::Unknown, None, at(0)));
+        assert_eq!(
+            (s.ready.as_deref(), s.replicas, s.ready_replicas),
+            (Some("1/3"), Some(3), Some(1))
+        );
+        // Three instances: two ready, one parked; every instance is counted, not the first.
+        let mut parked = v.instances[0].clone();
+        parked.index = 0;
+        parked.state = InstanceState::Parked;
+        let mut ready = v.instances[0].clone();
+        ready.index = 1;
+        let mut also_ready = ready.clone();
+        also_ready.index = 2;
+        v.instances = vec![parked, ready, also_ready];
+        let s = deployment_status(input(Some(&v), &Parkability::Unknown, None, at(0)));
+        assert_eq!(
+            (s.ready.as_deref(), s.replicas, s.ready_replicas),
+            (Some("2/3"), Some(3), Some(2))
+        );
+        assert_eq!(s.instances.len(), 3);
+        let json = serde_json::to_value(&s).unwrap();
+        assert_eq!(json["replicas"], 3);
+        assert_eq!(json["readyReplicas"], 2);
+        // Nothing ready: 0, written (the scale subresource and kubectl read integers).
+        for i in &mut v.instances {
+            i.state = InstanceState::Stopped;
+        }
+        let s = deployment_status(input(Some(&v), &Parkability::Unknown, None, at(0)));
+        assert_eq!(
+            (s.ready.as_deref(), s.replicas, s.ready_replicas),
+            (Some("0/3"), Some(3), Some(0))
+        );
+        assert_eq!(serde_json::to_value(&s).unwrap()["readyReplicas"], 0);
+        // A changed replicas (kubectl scale) is a status to write.
+        let mut scaled = v.clone();
+        scaled.spec = doc("name: chat-a\nengine: vllm\nmodel: Qwen3-4B\nreplicas: 5\n");
+        let after = deployment_status(input(Some(&scaled), &Parkability::Unknown, Some(&s), at(1)));
+        assert_eq!(after.replicas, Some(5));
+        assert!(needs_write(Some(&s), &after));
+        // No view (a spec refused before it ever ran): no replicas to say.
+        let p = Parkability::Unknown;
+        let none = deployment_status(input(None, &p, None, at(0)));
+        assert_eq!((none.replicas, none.ready_replicas), (None, None));
     }
 
     #[test]

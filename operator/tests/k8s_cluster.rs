@@ -258,7 +258,16 @@ async fn crds_install_and_a_model_manifest_applies_with_its_printer_columns() {
     .await
     .unwrap();
     let back = api.get("my-model").await.unwrap();
-    assert_eq!(back.spec, cr.spec);
+    // As applied, with the schema's default `replicas: 1` filled in: the same document.
+    assert_eq!(cr.spec.replicas, None);
+    assert_eq!(
+        back.spec,
+        capyctl_crds::DeploymentSpec {
+            replicas: Some(capyctl_crds::DEFAULT_REPLICAS),
+            ..cr.spec.clone()
+        }
+    );
+    assert_eq!(back.to_document().unwrap(), cr.to_document().unwrap());
     // A bad object is refused by the API server's schema (maxConcurrentRequests is 1..4096).
     let mut bad = serde_json::to_value(&cr).unwrap();
     bad["metadata"]["name"] = "bad-model".into();
