@@ -216,6 +216,120 @@ async fn two_hosts(client: Client, kubeconfig: &std::path::Path, ns: &str) {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Replicas over nodes (DESIGN 4.7): two node agents (two GPU nodes, one 10 GiB GPU each) and
+/// one CR with `replicas: 2` of a 6 GiB model: a request brings both instances up, one on each
+/// node; the status says `readyReplicas: 2` and both hosts. Scaled to 1 (the scale
+/// subresource's field), the instance past it is stopped and the status follows (`scale_down`:
+/// against the real API server only; the fake's watch of a merge-patched spec ends the
+/// operator's reflector, a gap of the fake).
+async fn replicas_over_nodes(
+    client: Client,
+    kubeconfig: &std::path::Path,
+    ns: &str,
+    scale_down: bool,
+) {
+    let dir = support::temp_dir("k8s-e2e-replicas");
+    let port = free_port();
+    let _a = start_node_agent_at(&dir, "node-a", "127.0.0.2", port);
+    let _b = start_node_agent_at(&dir, "node-b", "127.0.0.3", port);
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), ns);
+    for (name, ip) in [("agent-a", "127.0.0.2"), ("agent-b", "127.0.0.3")] {
+        let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": ns,
+                "labels": {"app.kubernetes.io/component": "node-agent"}},
+            "spec": {"containers": [{"name": "agent", "image": "capyctl-node-agent"}],
+                "automountServiceAccountToken": false},
+        }))
+        .unwrap();
+        pods.create(&PostParams::default(), &pod).await.unwrap();
+        let status = serde_json::json!({"status": {"phase": "Running", "podIP": ip,
+            "podIPs": [{"ip": ip}]}});
+        pods.patch_status(
+            name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&status),
+        )
+        .await
+        .unwrap();
+    }
+    let (_operator, inference) =
+        start_operator_with(&dir, kubeconfig, ns, "op-replicas", AgentsBy::Pods(port));
+    let api: Api<Deployment> = Api::namespaced(client.clone(), ns);
+    let mut cr = model_cr(ns, "chat-r");
+    cr.spec.replicas = Some(2);
+    api.create(&PostParams::default(), &cr).await.unwrap();
+    let t = Duration::from_secs(60);
+    eventually("chat-r deployed", t, || async {
+        api.get("chat-r")
+            .await
+            .ok()?
+            .status?
+            .deployment_id
+            .map(|_| ())
+    })
+    .await;
+    let (status, body) = chat(inference, "chat-r").await;
+    assert_eq!(status, 200, "{body}");
+    let hosts = eventually("both instances ready", t, || async {
+        let st = api.get("chat-r").await.ok()?.status?;
+        (st.ready_replicas == Some(2) && st.replicas == Some(2))
+            .then_some(st.hosts)
+            .flatten()
+    })
+    .await;
+    let mut nodes: Vec<&str> = hosts.split(',').map(str::trim).collect();
+    nodes.sort_unstable();
+    assert_eq!(nodes, ["node-a", "node-b"], "one instance on each node");
+    for _ in 0..4 {
+        let (status, body) = chat(inference, "chat-r").await;
+        assert_eq!(status, 200, "{body}");
+    }
+    if scale_down {
+        // Scaled to 1: the instance past it stops; the deployment serves from the other.
+        let patch = serde_json::json!({"spec": {"replicas": 1}});
+        api.patch(
+            "chat-r",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await
+        .unwrap();
+        eventually("scaled to one", t, || async {
+            let st = api.get("chat-r").await.ok()?.status?;
+            (st.ready_replicas == Some(1) && st.replicas == Some(1)).then_some(())
+        })
+        .await;
+        let (status, body) = chat(inference, "chat-r").await;
+        assert_eq!(status, 200, "{body}");
+    }
+    drop(_operator);
+    drop(_a);
+    drop(_b);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn against_a_fake_api_server_replicas_run_on_two_nodes() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let addr = fake::Fake::start().await;
+    let dir = support::temp_dir("k8s-replicas-fake");
+    let kubeconfig = fake_kubeconfig(&dir, addr);
+    let client = client_of(&kubeconfig).await;
+    replicas_over_nodes(client, &kubeconfig, "capyctl", false).await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs cluster"]
+async fn against_a_cluster_replicas_run_on_two_nodes_and_scale_down() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let Some((kubeconfig, ns)) = cluster_namespace().await else {
+        return;
+    };
+    replicas_over_nodes(ns.client.clone(), &kubeconfig, &ns.name, true).await;
+}
+
 /// Failover: the leader shuts down (it stops its work, then releases the Lease), the standby
 /// takes over, rebuilds the deployment from the CR's status (same ID) and adopts the running
 /// engine from the node agent (a request is served by the same engine, generation 1).
