@@ -227,7 +227,7 @@ fn view_hosts(d: &DepShot, hosts: &Hosts) -> Vec<String> {
 /// The state a deployment shows, from its instances' (one instance: its own): the most
 /// serving one, in this order.
 pub(crate) fn deployment_state(units: &[DepShot]) -> InstanceState {
-    const ORDER: [InstanceState; 11] = [
+    const ORDER: [InstanceState; 10] = [
         InstanceState::Ready,
         InstanceState::Waking,
         InstanceState::Starting,
@@ -237,7 +237,6 @@ pub(crate) fn deployment_state(units: &[DepShot]) -> InstanceState {
         InstanceState::Parked,
         InstanceState::Failed,
         InstanceState::AwaitingMeasurement,
-        InstanceState::Stopped,
         InstanceState::Stopped,
     ];
     let shown: Vec<InstanceState> = units.iter().map(DepShot::shown_state).collect();
