@@ -2420,6 +2420,10 @@ impl Server {
                 }
             },
         }
+        if evict {
+            self.fill_replicas(&id, req.wait, &mut receipt_victims, &mut switch_id)
+                .await?;
+        }
         if req.wait {
             self.wait_ready(&id).await?;
         }
@@ -2471,6 +2475,46 @@ impl Server {
             switch_id,
             executed,
         })
+    }
+
+    /// `start --evict` of a deployment with several instances: after the first, each other
+    /// instance a start runs (`replicas`, or `scale.min`) gets room too, one operator's switch
+    /// each (victims named as for the first; the receipt lists them all). A switch given back
+    /// because another instance came up meanwhile is asked again (at most twice per instance);
+    /// `Later` (nothing more can be released) ends it, and the rest come as room frees.
+    async fn fill_replicas(
+        &self,
+        id: &str,
+        wait: bool,
+        victims: &mut Vec<Victim>,
+        switch_id: &mut Option<String>,
+    ) -> Result<(), ApiError> {
+        let (wanted, _) = self.read(|inner| inner.filled(id));
+        for _ in 0..wanted.saturating_mul(2) {
+            let (wanted, up) = self.read(|inner| inner.filled(id));
+            if wanted <= 1 || up >= wanted {
+                break;
+            }
+            match self.operator_switch(id).await? {
+                OperatorStart::AlreadyComing => {}
+                OperatorStart::Later => break,
+                OperatorStart::Switched {
+                    switch_id: sw,
+                    executed,
+                } => {
+                    if !executed.released.is_empty() {
+                        switch_id.get_or_insert(sw);
+                        victims.extend(executed.released);
+                    }
+                    if wait && let Some(bring_up) = executed.bring_up {
+                        bring_up
+                            .await
+                            .unwrap_or_else(|_| Err(internal("the start was given up")))?;
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Waits until `id` is ready; its failure otherwise.

@@ -1281,8 +1281,14 @@ impl State {
             return Err(not_found(target));
         }
         // The instance to bring up: one already on its way says so; else a parked one (a wake
-        // is quicker than a start), else a stopped one; `Later` while every one is busy.
-        let target = match self.unit_to_bring_up(target) {
+        // is quicker than a start), else a stopped one; `Later` while every one is busy. An
+        // operator's `start --evict` makes room for every instance it starts
+        // ([`State::unit_to_fill`]).
+        let pick = match who {
+            PlanFor::Requests => self.unit_to_bring_up(target),
+            PlanFor::Operator => self.unit_to_fill(target),
+        };
+        let target = match pick {
             Some(unit) => unit,
             None => return Ok(Plan::AlreadyComing),
         };
@@ -1409,6 +1415,74 @@ impl State {
                 .first()
                 .map_or_else(|| dep.to_string(), |u| u.unit.clone()),
         )
+    }
+
+    /// The instance of deployment `dep` an operator's `start --evict` brings up next: one that
+    /// is not up while fewer than the instances a start runs (`replicas`, or `scale.min`, at
+    /// least one) are ready or on their way; `None` once they are. One instance: as
+    /// [`State::unit_to_bring_up`].
+    pub(crate) fn unit_to_fill(&self, dep: &str) -> Option<String> {
+        let Some(first) = self.deps.get(dep) else {
+            return Some(dep.to_string());
+        };
+        let replicas = first.rec.doc.replicas();
+        if replicas == 1 {
+            return self.unit_to_bring_up(dep);
+        }
+        let (wanted, up) = self.filled(dep);
+        if up >= wanted {
+            return None;
+        }
+        let units: Vec<&Dep> = self.units_of(dep).filter(|u| u.index < replicas).collect();
+        let mut free: Vec<&&Dep> = units
+            .iter()
+            .filter(|u| {
+                !u.busy
+                    && u.reserved.is_none()
+                    && u.claim.is_none()
+                    && matches!(
+                        u.state,
+                        InstanceState::Parked
+                            | InstanceState::Stopped
+                            | InstanceState::Failed
+                            | InstanceState::AwaitingMeasurement
+                    )
+            })
+            .collect();
+        free.sort_by_key(|u| (u.state != InstanceState::Parked, u.index));
+        // None free (every other one busy): the first instance, whose state says `Later` or
+        // "already coming".
+        Some(
+            free.first()
+                .map_or_else(|| dep.to_string(), |u| u.unit.clone()),
+        )
+    }
+
+    /// How many of deployment `dep`'s instances an operator's start wants up, and how many
+    /// are ready or on their way.
+    pub(crate) fn filled(&self, dep: &str) -> (usize, usize) {
+        let Some(first) = self.deps.get(dep) else {
+            return (0, 0);
+        };
+        let replicas = first.rec.doc.replicas();
+        let wanted = first
+            .rec
+            .doc
+            .scale()
+            .map_or(replicas, |s| s.min.max(1))
+            .min(replicas) as usize;
+        let up = self
+            .units_of(dep)
+            .filter(|u| u.index < replicas)
+            .filter(|u| {
+                u.claim.is_some()
+                    || matches!(
+                        u.state,
+                        InstanceState::Ready | InstanceState::Starting | InstanceState::Waking
+                    )
+            })
+            .count();
+        (wanted, up)
     }
 
     /// Begins taking `id` down: `Ok(Some(true))` ready (drain first),
@@ -2243,6 +2317,40 @@ mod tests {
         s.remove("r");
         assert!(s.unit_ids("r").is_empty());
         assert!(s.replicated.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_operators_evict_fills_every_replica() {
+        let now = Instant::now();
+        let mut s = State {
+            host_id: "box".into(),
+            ..State::default()
+        };
+        s.add_host("box".into(), gpus_host(4, 10), &[]);
+        for id in ["a", "b", "c"] {
+            s.insert(dep(id, &format!("chat-{id}"), "", now));
+            bring_up(&mut s, id, now);
+        }
+        s.insert(dep("r", "chat-r", "replicas: 3", now));
+        bring_up(&mut s, "r", now);
+        assert_eq!(s.filled("r"), (3, 1));
+        assert_eq!(s.unit_to_fill("r").as_deref(), Some("r-1"));
+        let mut protected = none();
+        protected.insert("r".to_string());
+        let plan = s
+            .plan("r", &protected, PlanFor::Operator, "sw-1".into(), now)
+            .unwrap();
+        match plan {
+            Plan::Switch { victims, .. } => assert_eq!(victims.len(), 1, "{victims:?}"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(s.deps["r-1"].claim.as_deref(), Some("sw-1"));
+        // Requests' plans do not fill: one instance is up.
+        assert_eq!(
+            s.plan("r", &none(), PlanFor::Requests, "sw-2".into(), now)
+                .unwrap(),
+            Plan::AlreadyComing
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -273,3 +273,44 @@ fn scale_brings_instances_up_on_load_and_parks_them_after_the_delay() {
         "scaling is recorded: {records}"
     );
 }
+
+/// `start --evict` of a deployment with several instances makes room for every one (DESIGN
+/// 4.7): on four GPUs, three held by other models and one free, `start --evict --wait` of a
+/// deployment of three replicas takes the free GPU and parks two of the others; the receipt
+/// names both victims.
+#[test]
+fn start_evict_makes_room_for_every_replica() {
+    let dir = temp_dir("replicas-evict");
+    let doc = four_gpus(&[
+        &model("chat-a", ""),
+        &model("chat-b", ""),
+        &model("chat-c", ""),
+        &model("chat-r", "replicas: 3"),
+    ]);
+    let capy = Capy::start(&dir, &doc);
+    for name in ["chat-a", "chat-b", "chat-c"] {
+        assert_eq!(chat(capy.inference, name, false).status, 200, "{name}");
+    }
+    let receipt: Value = serde_json::from_str(
+        &capy
+            .cli(&[
+                "start",
+                "deployment",
+                "chat-r",
+                "--evict",
+                "--wait",
+                "--json",
+            ])
+            .ok(),
+    )
+    .unwrap();
+    let s = capy.status_until("chat-r", "had 3 ready instances", |s| ready(s).len() == 3);
+    assert_eq!(s["ready"], "3/3", "{s:#}");
+    let victims = receipt["victims"].as_array().unwrap();
+    assert_eq!(victims.len(), 2, "{receipt:#}");
+    let parked = ["chat-a", "chat-b", "chat-c"]
+        .iter()
+        .filter(|n| capy.status(n)["state"] == "parked")
+        .count();
+    assert_eq!(parked, 2);
+}

@@ -877,7 +877,11 @@ impl State {
             return;
         };
         let target = sw.target.clone();
-        let target_ready = self.deployments.get(&target).is_some_and(|d| d.has_open());
+        // An operator's switch goes on when the deployment already serves: with several
+        // instances, `start --evict` makes room for each (the lifecycle's plan says "already
+        // coming" once every one it starts is up).
+        let target_ready =
+            sw.operator.is_none() && self.deployments.get(&target).is_some_and(|d| d.has_open());
         if sw.cancelled || target_ready {
             if let Ok(Plan::BringUp { switch_id } | Plan::Switch { switch_id, .. }) = &result {
                 fx.abandon(switch_id);
@@ -1923,11 +1927,13 @@ impl State {
         why: Option<&ApiError>,
         fx: &mut impl Effects,
     ) {
-        // NB: a deployment is the target of one switch at most.
+        // NB: a deployment is the target of one switch at most. An instance that opens does not
+        // end an operator's switch (`why` is `None`): it brings up another instance of its
+        // deployment (the plan claimed that one; nothing else brings it up).
         let Some(seq) = self
             .switches
             .iter()
-            .find(|(_, sw)| sw.target == *target)
+            .find(|(_, sw)| sw.target == *target && (why.is_some() || sw.operator.is_none()))
             .map(|(seq, _)| *seq)
         else {
             return;
