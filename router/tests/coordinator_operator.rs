@@ -205,3 +205,26 @@ async fn an_operator_switch_without_room_or_to_a_ready_deployment_says_so() {
     let (_, out) = operator_start(&r, A).await.unwrap();
     assert!(matches!(out, Ok(OperatorStart::AlreadyComing)), "{out:?}");
 }
+
+/// Replicas: an operator's switch to a deployment that already serves (one of its instances is
+/// open) goes on when the lifecycle plans one (another instance to bring up, for `start
+/// --evict` of every replica): it is carried out, not given back as "already coming".
+#[tokio::test(start_paused = true)]
+async fn an_operator_switch_to_a_deployment_that_serves_goes_on_when_planned() {
+    let r = rig().await;
+    r.fake.script_plan(
+        A,
+        Ok(Plan::BringUp {
+            switch_id: "sw-more".to_string(),
+        }),
+    );
+    let op = operator_start(&r, A);
+    r.until(1.0).await;
+    let (_, out) = op.await.unwrap();
+    assert!(
+        matches!(out, Ok(OperatorStart::Switched { ref switch_id, .. }) if switch_id == "sw-more"),
+        "{out:?}"
+    );
+    assert!(r.fake.abandons().is_empty(), "{:?}", r.fake.abandons());
+    assert_eq!(r.fake.executes().len(), 1);
+}
