@@ -31,15 +31,25 @@ struct Scene {
 
 /// Two GPUs of 10 GiB; `r` (two replicas) and `b`, 6 GiB each: one instance per GPU.
 async fn scene() -> Scene {
-    let agent = Arc::new(FakeHost::new().with_gpus(2).with_times(OpTimes {
+    scene_of(timed(), &[("r", "replicas: 2\n"), ("b", "")]).await
+}
+
+/// A fake host of two 10 GiB GPUs whose operations take the set times.
+fn timed() -> FakeHost {
+    FakeHost::new().with_gpus(2).with_times(OpTimes {
         start: START,
         park: PARK,
         wake: Duration::from_secs(2),
         check: Duration::from_millis(500),
-    }));
+    })
+}
+
+/// The lifecycle over `agent` with the router (the test's window), and `models` (name, more
+/// lines) of 6 GiB deployed.
+async fn scene_of(agent: impl Into<Arc<FakeHost>>, models: &[(&str, &str)]) -> Scene {
     let mut lc = LifecycleConfig::new("h");
     lc.timer_tick = Duration::from_millis(100);
-    let server = Server::open(agent, Arc::new(MemoryStore::default()), lc)
+    let server = Server::open(agent.into(), Arc::new(MemoryStore::default()), lc)
         .await
         .unwrap();
     let router = server
@@ -53,7 +63,7 @@ async fn scene() -> Scene {
             },
         )
         .await;
-    for (name, more) in [("r", "replicas: 2\n"), ("b", "")] {
+    for (name, more) in models {
         let doc = parse_deployment_str(
             "t.yaml",
             &format!(
@@ -197,42 +207,11 @@ async fn a_wave_takes_one_instance_without_a_window_while_the_deployment_serves_
 /// switch after the other.
 #[tokio::test(start_paused = true)]
 async fn switches_on_different_gpus_run_at_the_same_time() {
-    let agent = Arc::new(
-        FakeHost::new()
-            .with_gpus(2)
-            .with_gpu_uuid("GPU-t")
-            .with_times(OpTimes {
-                start: START,
-                park: PARK,
-                wake: Duration::from_secs(2),
-                check: Duration::from_millis(500),
-            }),
-    );
-    let mut lc = LifecycleConfig::new("h");
-    lc.timer_tick = Duration::from_millis(100);
-    let server = Server::open(agent, Arc::new(MemoryStore::default()), lc)
-        .await
-        .unwrap();
-    let router = server
-        .spawn_router(
-            server.clone(),
-            RouterConfig {
-                admission_window: WINDOW,
-                drain_timeout: Duration::from_secs(30),
-                request_deadline: Duration::from_secs(600),
-                ..RouterConfig::default()
-            },
-        )
-        .await;
-    for name in ["a", "b", "c", "d"] {
-        let doc = parse_deployment_str(
-            "t.yaml",
-            &format!("name: {name}\nengine: vllm\nmodel: m\nresources: {{gpu_memory: 6GiB}}\n"),
-        )
-        .unwrap();
-        server.deploy(doc).await.unwrap();
-    }
-    let s = Scene { server, router };
+    let s = scene_of(
+        timed().with_gpu_uuid("GPU-t"),
+        &[("a", ""), ("b", ""), ("c", ""), ("d", "")],
+    )
+    .await;
     for name in ["a", "b"] {
         s.request(name, Duration::ZERO).await.unwrap();
     }
@@ -268,21 +247,7 @@ async fn switches_on_different_gpus_run_at_the_same_time() {
 #[tokio::test(start_paused = true)]
 async fn requests_go_where_the_engines_have_nothing_waiting() {
     let agent = Arc::new(FakeHost::new().with_gpus(2));
-    let mut lc = LifecycleConfig::new("h");
-    lc.timer_tick = Duration::from_millis(100);
-    let server = Server::open(agent.clone(), Arc::new(MemoryStore::default()), lc)
-        .await
-        .unwrap();
-    let router = server
-        .spawn_router(server.clone(), RouterConfig::default())
-        .await;
-    let doc = parse_deployment_str(
-        "t.yaml",
-        "name: r\nengine: vllm\nmodel: m\nresources: {gpu_memory: 6GiB}\nreplicas: 2\n",
-    )
-    .unwrap();
-    server.deploy(doc).await.unwrap();
-    let s = Scene { server, router };
+    let s = scene_of(agent.clone(), &[("r", "replicas: 2\n")]).await;
     s.request("r", Duration::ZERO).await.unwrap();
     s.until("both instances ready", |s| {
         s.states("r") == [InstanceState::Ready, InstanceState::Ready]

@@ -126,32 +126,7 @@ async fn scenario(client: Client, kubeconfig: &std::path::Path, ns: &str) {
 /// switches on one node; the CRs' status names each instance's host.
 async fn two_hosts(client: Client, kubeconfig: &std::path::Path, ns: &str) {
     let dir = support::temp_dir("k8s-e2e-hosts");
-    // Both on one port, at two loopback addresses: the Pods' IPs.
-    let port = free_port();
-    let _a = start_node_agent_at(&dir, "node-a", "127.0.0.2", port);
-    let _b = start_node_agent_at(&dir, "node-b", "127.0.0.3", port);
-    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), ns);
-    for (name, ip) in [("agent-a", "127.0.0.2"), ("agent-b", "127.0.0.3")] {
-        let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(serde_json::json!({
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": ns,
-                "labels": {"app.kubernetes.io/component": "node-agent"}},
-            "spec": {"containers": [{"name": "agent", "image": "capyctl-node-agent"}],
-                "automountServiceAccountToken": false},
-        }))
-        .unwrap();
-        pods.create(&PostParams::default(), &pod).await.unwrap();
-        // No kubelet: the test says it runs.
-        let status = serde_json::json!({"status": {"phase": "Running", "podIP": ip,
-            "podIPs": [{"ip": ip}]}});
-        pods.patch_status(
-            name,
-            &kube::api::PatchParams::default(),
-            &kube::api::Patch::Merge(&status),
-        )
-        .await
-        .unwrap();
-    }
+    let (_a, _b, port) = two_node_agents(&client, &dir, ns).await;
     let (_operator, inference) =
         start_operator_with(&dir, kubeconfig, ns, "op-hosts", AgentsBy::Pods(port));
 
@@ -229,30 +204,7 @@ async fn replicas_over_nodes(
     scale_down: bool,
 ) {
     let dir = support::temp_dir("k8s-e2e-replicas");
-    let port = free_port();
-    let _a = start_node_agent_at(&dir, "node-a", "127.0.0.2", port);
-    let _b = start_node_agent_at(&dir, "node-b", "127.0.0.3", port);
-    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), ns);
-    for (name, ip) in [("agent-a", "127.0.0.2"), ("agent-b", "127.0.0.3")] {
-        let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(serde_json::json!({
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": ns,
-                "labels": {"app.kubernetes.io/component": "node-agent"}},
-            "spec": {"containers": [{"name": "agent", "image": "capyctl-node-agent"}],
-                "automountServiceAccountToken": false},
-        }))
-        .unwrap();
-        pods.create(&PostParams::default(), &pod).await.unwrap();
-        let status = serde_json::json!({"status": {"phase": "Running", "podIP": ip,
-            "podIPs": [{"ip": ip}]}});
-        pods.patch_status(
-            name,
-            &kube::api::PatchParams::default(),
-            &kube::api::Patch::Merge(&status),
-        )
-        .await
-        .unwrap();
-    }
+    let (_a, _b, port) = two_node_agents(&client, &dir, ns).await;
     let (_operator, inference) =
         start_operator_with(&dir, kubeconfig, ns, "op-replicas", AgentsBy::Pods(port));
     let api: Api<Deployment> = Api::namespaced(client.clone(), ns);
@@ -328,6 +280,37 @@ async fn against_a_cluster_replicas_run_on_two_nodes_and_scale_down() {
         return;
     };
     replicas_over_nodes(ns.client.clone(), &kubeconfig, &ns.name, true).await;
+}
+
+/// Two node agents (process runtime, one 10 GiB GPU each) as nodes `node-a` and `node-b`, on
+/// one port at two loopback addresses (their Pods' IPs), with their Pods created and marked
+/// running (no kubelet: the test says so); and the port.
+async fn two_node_agents(client: &Client, dir: &std::path::Path, ns: &str) -> (Proc, Proc, u16) {
+    let port = free_port();
+    let a = start_node_agent_at(dir, "node-a", "127.0.0.2", port);
+    let b = start_node_agent_at(dir, "node-b", "127.0.0.3", port);
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), ns);
+    for (name, ip) in [("agent-a", "127.0.0.2"), ("agent-b", "127.0.0.3")] {
+        let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": ns,
+                "labels": {"app.kubernetes.io/component": "node-agent"}},
+            "spec": {"containers": [{"name": "agent", "image": "capyctl-node-agent"}],
+                "automountServiceAccountToken": false},
+        }))
+        .unwrap();
+        pods.create(&PostParams::default(), &pod).await.unwrap();
+        let status = serde_json::json!({"status": {"phase": "Running", "podIP": ip,
+            "podIPs": [{"ip": ip}]}});
+        pods.patch_status(
+            name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&status),
+        )
+        .await
+        .unwrap();
+    }
+    (a, b, port)
 }
 
 /// Failover: the leader shuts down (it stops its work, then releases the Lease), the standby
