@@ -239,13 +239,17 @@ impl Dep {
         parked_room::parks(&self.spec)
     }
 
-    /// Running or on its way (what explicit activation admits requests for).
-    pub(crate) fn running_or_coming(&self) -> bool {
+    /// Ready, starting, waking, or claimed by a switch that brings it up.
+    pub(crate) fn up(&self) -> bool {
         matches!(
             self.state,
             InstanceState::Starting | InstanceState::Ready | InstanceState::Waking
         ) || self.claim.is_some()
-            || self.rec.pending_start
+    }
+
+    /// Running or on its way (what explicit activation admits requests for).
+    pub(crate) fn running_or_coming(&self) -> bool {
+        self.up() || self.rec.pending_start
     }
 
     /// The key of its instance, on its host (`default_host` while it has none).
@@ -394,9 +398,6 @@ pub(crate) struct State {
     pub(crate) holding: HashMap<String, BTreeSet<String>>,
     /// The router's record of last uses, shared with every deployment ([`Dep::used_at`]).
     pub(crate) uses: RouterUses,
-    /// The GPUs the last [`State::place_target`] chose on its host (taken by
-    /// [`State::set_placed`]).
-    pub(crate) placed_gpus: Vec<u32>,
     /// The deployments with more than one instance (or instances past their `replicas`):
     /// what the scaler reads (kept by [`State::sync_units`] and [`State::remove`]).
     pub(crate) replicated: BTreeSet<String>,
@@ -667,11 +668,11 @@ impl State {
         if !free || self.held.is_some() {
             return None;
         }
-        let (host, fit) = self.place_target(unit, &BTreeSet::new(), Victims::None, now);
+        let (placed, fit) = self.place_target(unit, &BTreeSet::new(), Victims::None, now);
         if fit != Fit::Now {
             return None;
         }
-        self.set_placed(unit, host);
+        self.set_placed(unit, placed);
         self.begin_up(unit, now)
     }
 
@@ -743,12 +744,11 @@ impl State {
         d.host = host;
     }
 
-    /// Binds unit `id` to `host` as the last placement chose, on the GPUs it chose there.
-    pub(crate) fn set_placed(&mut self, id: &str, host: Option<String>) {
-        let gpus = std::mem::take(&mut self.placed_gpus);
-        self.set_host(id, host);
+    /// Binds unit `id` where a placement chose: its host, and the GPUs there.
+    pub(crate) fn set_placed(&mut self, id: &str, placed: Placed) {
+        self.set_host(id, placed.host);
         if let Some(d) = self.deps.get_mut(id) {
-            d.gpus = gpus;
+            d.gpus = placed.gpus;
         }
     }
 
@@ -827,6 +827,14 @@ type VictimOrder = (bool, std::cmp::Reverse<Duration>);
 /// A placement on some GPUs of a host: the GPUs, the fit, and its rank ([`rank_of`]).
 type GpuPlacement = (Vec<u32>, Fit, (u8, u64));
 
+/// Where [`State::place_target`] would put an instance: the host (`None` when it fits nowhere
+/// now), and the GPUs there (empty: the host as a whole).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Placed {
+    pub(crate) host: Option<String>,
+    pub(crate) gpus: Vec<u32>,
+}
+
 /// How good a placement on a host (or GPU) of `capacity` is, lower first: room now (the
 /// fullest that fits), then victims that park before victims that must stop (fewest bytes
 /// first), then later. `None` for `Never`.
@@ -888,10 +896,9 @@ impl State {
         protected: &BTreeSet<String>,
         victims: Victims,
         now: Instant,
-    ) -> (Option<String>, Fit) {
+    ) -> (Placed, Fit) {
         let (host, gpus, fit) = self.place_target_gpus(target, protected, victims, now);
-        self.placed_gpus = gpus;
-        (host, fit)
+        (Placed { host, gpus }, fit)
     }
 
     /// [`State::place_target`], with the GPUs chosen on the host (empty: the host as a whole).
@@ -1318,7 +1325,7 @@ impl State {
             PlanFor::Requests => Victims::Idle,
             PlanFor::Operator => Victims::IdleAndBringUps,
         };
-        let (host, fit) = self.place_target(target, protected, policy, now);
+        let (placed, fit) = self.place_target(target, protected, policy, now);
         let plan = match fit {
             Fit::Now => {
                 self.reservations.insert(
@@ -1334,13 +1341,14 @@ impl State {
                 if let Some(d) = self.deps.get_mut(target) {
                     d.claim = Some(switch_id.clone());
                 }
-                self.set_placed(target, host);
+                self.set_placed(target, placed);
                 Plan::BringUp { switch_id }
             }
             Fit::After(ref victims) | Fit::AfterStopping(ref victims) => {
                 let stop = matches!(fit, Fit::AfterStopping(_));
                 let victims = victims.clone();
-                let window = host
+                let window = placed
+                    .host
                     .as_ref()
                     .and_then(|h| self.hosts.get(h))
                     .and_then(|h| h.admission_window);
@@ -1360,7 +1368,7 @@ impl State {
                 if let Some(d) = self.deps.get_mut(target) {
                     d.claim = Some(switch_id.clone());
                 }
-                self.set_placed(target, host);
+                self.set_placed(target, placed);
                 self.reservations.insert(
                     switch_id.clone(),
                     Reservation {
@@ -1398,13 +1406,7 @@ impl State {
     pub(crate) fn unit_to_bring_up(&self, dep: &str) -> Option<String> {
         let replicas = self.deps.get(dep).map_or(1, |d| d.rec.doc.replicas());
         let units: Vec<&Dep> = self.units_of(dep).filter(|u| u.index < replicas).collect();
-        if units.iter().any(|u| {
-            u.claim.is_some()
-                || matches!(
-                    u.state,
-                    InstanceState::Ready | InstanceState::Starting | InstanceState::Waking
-                )
-        }) {
+        if units.iter().any(|u| u.up()) {
             return None;
         }
         let free = |u: &&&Dep| !u.busy && u.reserved.is_none();
@@ -1474,13 +1476,7 @@ impl State {
         let up = self
             .units_of(dep)
             .filter(|u| u.index < replicas)
-            .filter(|u| {
-                u.claim.is_some()
-                    || matches!(
-                        u.state,
-                        InstanceState::Ready | InstanceState::Starting | InstanceState::Waking
-                    )
-            })
+            .filter(|u| u.up())
             .count();
         (wanted, up)
     }
@@ -1791,11 +1787,11 @@ impl State {
         if self.held.is_some() {
             return None;
         }
-        let (host, fit) = self.place_target(id, &BTreeSet::new(), Victims::None, now);
+        let (placed, fit) = self.place_target(id, &BTreeSet::new(), Victims::None, now);
         if fit != Fit::Now {
             return None;
         }
-        self.set_placed(id, host);
+        self.set_placed(id, placed);
         self.begin_up(id, now)
     }
 }
@@ -1895,12 +1891,12 @@ impl State {
         if coming {
             return Ok(StartNext::Nothing);
         }
-        let Some((host, fit)) = fit else {
+        let Some((placed, fit)) = fit else {
             return Ok(StartNext::Evict);
         };
         match fit {
             Fit::Now => {
-                self.set_placed(id, host);
+                self.set_placed(id, placed);
                 Ok(self
                     .begin_up(id, now)
                     .map_or(StartNext::Nothing, StartNext::Up))
@@ -1965,10 +1961,10 @@ impl State {
             return Ok(false);
         }
         let name = d.name().to_string();
-        let (host, fit) = self.place_target(id, &BTreeSet::new(), Victims::None, now);
+        let (placed, fit) = self.place_target(id, &BTreeSet::new(), Victims::None, now);
         match fit {
             Fit::Now => {
-                self.set_placed(id, host);
+                self.set_placed(id, placed);
                 Ok(self.begin_up(id, now).is_some())
             }
             Fit::Later | Fit::After(_) | Fit::AfterStopping(_) => Err(ApiError::Conflict {
@@ -2247,9 +2243,10 @@ mod tests {
 
     /// Brings unit `unit` up as a plan would (placed, claimed, then ready).
     fn bring_up(s: &mut State, unit: &str, now: Instant) -> (Option<String>, Vec<u32>) {
-        let (host, fit) = s.place_target(unit, &none(), Victims::Idle, now);
+        let (placed, fit) = s.place_target(unit, &none(), Victims::Idle, now);
         assert_eq!(fit, Fit::Now, "{unit}");
-        s.set_placed(unit, host.clone());
+        let host = placed.host.clone();
+        s.set_placed(unit, placed);
         let d = s.deps.get_mut(unit).unwrap();
         d.state = InstanceState::Ready;
         (host, d.gpus.clone())
