@@ -269,8 +269,7 @@ async fn engine_facts_are_read() {
 }
 
 fn closed_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
+    capyctl_test_support::free_port()
 }
 
 #[tokio::test]

@@ -44,10 +44,7 @@ fn host_document(dir: &Path, host_memory: &str) -> PathBuf {
     path
 }
 
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
-}
+use capyctl_test_support::free_port;
 
 /// Runs `capyctl-node-agent --engine-runtime process --publish-host` as node `node`.
 fn agent(kubeconfig: &Path, doc: &Path, node: &str, data: &Path) -> Child {

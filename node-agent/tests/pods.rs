@@ -66,11 +66,7 @@ fn pod(port: u16) -> serde_json::Value {
 async fn the_agent_drives_the_engine_of_its_pod_and_reports_the_pod_going_away() {
     let dir = common::temp_dir("pods");
     // The "engine Pod": the simulator, launched as the operator's Pod would launch it.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = capyctl_test_support::free_port();
     let settings = settings();
     let launch = launch_command(
         &spec(),

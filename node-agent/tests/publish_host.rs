@@ -82,11 +82,7 @@ fn agent_command(dir: &std::path::Path, api: std::net::SocketAddr, runtime: &str
         ),
     )
     .unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = capyctl_test_support::free_port();
     let mut c = Command::new(env!("CARGO_BIN_EXE_capyctl-node-agent"));
     c.env_remove("CAPYCTL_AGENT_TOKEN_FILE")
         .env_remove("CAPYCTL_PUBLISH_HOST")

@@ -474,10 +474,7 @@ async fn agent_errors_cross_the_wire_as_the_same_variant() {
 
 #[tokio::test]
 async fn an_unreachable_agent_is_a_clear_error() {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let port = capyctl_test_support::free_port();
     let url = format!("http://127.0.0.1:{port}");
     let r = remote(&url, TOKEN);
     let err = r.inventory().await.unwrap_err();
@@ -657,10 +654,7 @@ fn host_document(dir: &Path) -> PathBuf {
     path
 }
 
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
-}
+use capyctl_test_support::free_port;
 
 /// Waits (bounded) for the child's exit status.
 fn wait_exit(child: &mut std::process::Child, within: Duration) -> std::process::ExitStatus {

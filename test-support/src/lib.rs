@@ -4,6 +4,8 @@
 //!   `kubectl-capyctl`, `capyctl-node-agent`, …), built when missing or older than its sources;
 //!   [`engine_sim_binary`] is the `engine-sim` one;
 //! - [`temp_dir`]: a fresh, empty, unique temporary directory;
+//! - [`free_port`]: a loopback port for a listener a child process binds, outside the range
+//!   the kernel hands out for `bind(0)` and outgoing connections;
 //! - [`mock_api`]: one scripted mock Kubernetes API server on `tower_test::mock::pair` (a
 //!   [`kube::Client`] without a socket), which also serves behind a loopback HTTP listener for
 //!   the programs that need a real URL;
@@ -51,6 +53,52 @@ pub fn temp_dir(name: &str) -> PathBuf {
             ),
         }
     }
+}
+
+/// A loopback port nobody listens on, for a listener that a child process binds a moment
+/// later (a test must know the address before the child says it).
+///
+/// A port from `bind("127.0.0.1:0")` is taken from the kernel's ephemeral range, the range
+/// every outgoing connection and every other `bind(0)` also draws from: between this call and
+/// the child's bind, a connection of a test running beside it (or of its children) may take it,
+/// and the child fails with "Address already in use" (a CI run failed so). So the port comes
+/// from below that range (`/proc/sys/net/ipv4/ip_local_port_range`), where nothing is handed
+/// out: each call of this process takes the next one after a start drawn from its pid and the
+/// clock, and skips ports something listens on. Where that range cannot be read or leaves no
+/// room, it falls back to `bind(0)`.
+pub fn free_port() -> u16 {
+    /// The lowest port taken (above the well-known and most registered services').
+    const FLOOR: u16 = 20_000;
+    static NEXT: OnceLock<std::sync::atomic::AtomicU32> = OnceLock::new();
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok());
+    let Some(ceiling) = ephemeral_low.filter(|low| *low > FLOOR + 1_000) else {
+        return std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap_or_else(|e| panic!("cannot find a free loopback port: {e}"))
+            .port();
+    };
+    let next = NEXT.get_or_init(|| {
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        std::sync::atomic::AtomicU32::new(std::process::id().wrapping_mul(7_919) ^ nanos)
+    });
+    next_free_port(next, FLOOR, ceiling)
+        .unwrap_or_else(|| panic!("no free loopback port in {FLOOR}..{ceiling}"))
+}
+
+/// The first port of `floor..ceiling` from `next` on (taken modulo the span) that a listener
+/// can bind on the loopback address; `next` moves past it.
+fn next_free_port(next: &std::sync::atomic::AtomicU32, floor: u16, ceiling: u16) -> Option<u16> {
+    let span = u32::from(ceiling.saturating_sub(floor));
+    (0..span).find_map(|_| {
+        let port = floor + (next.fetch_add(1, Ordering::Relaxed) % span) as u16;
+        std::net::TcpListener::bind(("127.0.0.1", port))
+            .is_ok()
+            .then_some(port)
+    })
 }
 
 /// The newest modification time of the files under `path` (a file or a directory, walked
@@ -277,6 +325,42 @@ mod tests {
             assert!(d.starts_with(std::env::temp_dir()));
             std::fs::remove_dir_all(d).unwrap();
         }
+    }
+
+    #[test]
+    fn free_ports_are_distinct_bindable_and_outside_the_ephemeral_range() {
+        let ports: Vec<u16> = (0..200).map(|_| free_port()).collect();
+        let distinct: BTreeSet<u16> = ports.iter().copied().collect();
+        assert_eq!(distinct.len(), ports.len(), "{ports:?}");
+        let low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        for port in ports {
+            assert!(
+                (20_000..low).contains(&port),
+                "{port} (ephemeral from {low})"
+            );
+            drop(std::net::TcpListener::bind(("127.0.0.1", port)).unwrap());
+        }
+    }
+
+    #[test]
+    fn a_port_something_listens_on_is_skipped() {
+        let held = std::net::TcpListener::bind(("127.0.0.1", free_port())).unwrap();
+        let port = held.local_addr().unwrap().port();
+        // The span is the held port and the one after it; the walk starts at the held one.
+        let next = std::sync::atomic::AtomicU32::new(0);
+        let got = next_free_port(&next, port, port + 2);
+        if std::net::TcpListener::bind(("127.0.0.1", port + 1)).is_ok() {
+            assert_eq!(got, Some(port + 1));
+        }
+        // With both held, there is none.
+        let _also = std::net::TcpListener::bind(("127.0.0.1", port + 1));
+        assert_eq!(next_free_port(&next, port, port + 2), None);
     }
 
     #[test]

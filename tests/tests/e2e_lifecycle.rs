@@ -331,11 +331,7 @@ fn start_host_runs_a_host_agent() {
         ),
     )
     .unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = capyctl_test_support::free_port();
     let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let mut child = std::process::Command::new(support::capyctl())
         .args(["start", "host", "--file"])

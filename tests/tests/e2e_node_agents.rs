@@ -6,7 +6,7 @@
 
 mod support;
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -44,10 +44,7 @@ fn start_agent_as(dir: &Path, x: &str) -> Agent {
         ),
     )
     .unwrap();
-    let addr: SocketAddr = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let addr = SocketAddr::from(([127, 0, 0, 1], capyctl_test_support::free_port()));
     let log = std::fs::File::create(dir.join(format!("agent-{x}.log"))).unwrap();
     let child = Command::new(support::capyctl())
         .args(["start", "host", "--file"])

@@ -5,7 +5,7 @@
 
 mod support;
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -18,10 +18,7 @@ const MANY: usize = 10_000;
 
 /// A loopback address free a moment ago, for a listener the test must know before the banner.
 fn free_addr() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
+    SocketAddr::from(([127, 0, 0, 1], capyctl_test_support::free_port()))
 }
 
 /// A standalone document with [`MANY`] deployments whose management listener is `management`.

@@ -43,13 +43,9 @@ pub fn log_filter() -> String {
     std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".to_string())
 }
 
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+/// A loopback port for a child's listener (the shared test support's: outside the range
+/// that outgoing connections draw from).
+pub use capyctl_test_support::free_port;
 
 /// The newest modification time of the files under `dir`.
 pub fn newest(dir: &std::path::Path) -> std::time::SystemTime {
