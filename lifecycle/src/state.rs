@@ -323,13 +323,17 @@ pub(crate) struct Reservation {
     pub(crate) stop: bool,
 }
 
-/// Every host, by ID: shared as a whole with the reads that build views outside the lock
-/// (replaced, copy on write, when a host joins).
-/// The IDs of the records changed and not written yet (deleted ones too). The rules mark them
-/// (`&mut`, no lock); a save takes them under the state's read lock (the one thing a reader
-/// changes, behind a mutex of its own), and gives them back when its write fails.
+/// What the rules changed: the records to save, and the deployments whose instances the owner
+/// brings in step at the end of its turn.
 #[derive(Debug, Default)]
-pub(crate) struct Dirty(std::sync::Mutex<BTreeSet<String>>, BTreeSet<String>);
+pub(crate) struct Dirty {
+    /// The IDs of the records changed and not written yet (deleted ones too). The rules mark
+    /// them (`&mut`, no lock); a save takes them under the state's read lock (the one thing a
+    /// reader changes, behind a mutex of its own), and gives them back when its write fails.
+    unsaved: std::sync::Mutex<BTreeSet<String>>,
+    /// The deployments touched in this turn of the owner ([`State::sync_touched`] takes them).
+    touched: BTreeSet<String>,
+}
 
 impl Dirty {
     /// Marks `id`'s record for the next save (a unit's: its deployment's record), and its
@@ -337,10 +341,13 @@ impl Dirty {
     /// ([`State::sync_touched`]).
     pub(crate) fn mark(&mut self, id: &str) {
         let id = dep_of_unit(id);
-        if !self.1.contains(id) {
-            self.1.insert(id.to_string());
+        if !self.touched.contains(id) {
+            self.touched.insert(id.to_string());
         }
-        let set = self.0.get_mut().unwrap_or_else(PoisonError::into_inner);
+        let set = self
+            .unsaved
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner);
         if !set.contains(id) {
             set.insert(id.to_string());
         }
@@ -367,10 +374,12 @@ impl Dirty {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeSet<String>> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+        self.unsaved.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
+/// Every host, by ID: shared as a whole with the reads that build views outside the lock
+/// (replaced, copy on write, when a host joins).
 pub(crate) type Hosts = Arc<BTreeMap<String, Arc<Host>>>;
 
 #[derive(Debug, Default)]
@@ -521,7 +530,7 @@ impl State {
     /// Brings the instances of every deployment whose record changed in this turn in step
     /// with it ([`State::sync_units`]); the owner runs it after each turn.
     pub(crate) fn sync_touched(&mut self) {
-        for id in std::mem::take(&mut self.dirty.1) {
+        for id in std::mem::take(&mut self.dirty.touched) {
             self.sync_units(&id);
         }
     }

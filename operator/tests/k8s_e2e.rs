@@ -194,15 +194,8 @@ async fn two_hosts(client: Client, kubeconfig: &std::path::Path, ns: &str) {
 /// Replicas over nodes (DESIGN 4.7): two node agents (two GPU nodes, one 10 GiB GPU each) and
 /// one CR with `replicas: 2` of a 6 GiB model: a request brings both instances up, one on each
 /// node; the status says `readyReplicas: 2` and both hosts. Scaled to 1 (the scale
-/// subresource's field), the instance past it is stopped and the status follows (`scale_down`:
-/// against the real API server only; the fake's watch of a merge-patched spec ends the
-/// operator's reflector, a gap of the fake).
-async fn replicas_over_nodes(
-    client: Client,
-    kubeconfig: &std::path::Path,
-    ns: &str,
-    scale_down: bool,
-) {
+/// subresource's field), the instance past it is stopped and the status follows.
+async fn replicas_over_nodes(client: Client, kubeconfig: &std::path::Path, ns: &str) {
     let dir = support::temp_dir("k8s-e2e-replicas");
     let (_a, _b, port) = two_node_agents(&client, &dir, ns).await;
     let (_operator, inference) =
@@ -237,24 +230,22 @@ async fn replicas_over_nodes(
         let (status, body) = chat(inference, "chat-r").await;
         assert_eq!(status, 200, "{body}");
     }
-    if scale_down {
-        // Scaled to 1: the instance past it stops; the deployment serves from the other.
-        let patch = serde_json::json!({"spec": {"replicas": 1}});
-        api.patch(
-            "chat-r",
-            &kube::api::PatchParams::default(),
-            &kube::api::Patch::Merge(&patch),
-        )
-        .await
-        .unwrap();
-        eventually("scaled to one", t, || async {
-            let st = api.get("chat-r").await.ok()?.status?;
-            (st.ready_replicas == Some(1) && st.replicas == Some(1)).then_some(())
-        })
-        .await;
-        let (status, body) = chat(inference, "chat-r").await;
-        assert_eq!(status, 200, "{body}");
-    }
+    // Scaled to 1: the instance past it stops; the deployment serves from the other.
+    let patch = serde_json::json!({"spec": {"replicas": 1}});
+    api.patch(
+        "chat-r",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(&patch),
+    )
+    .await
+    .unwrap();
+    eventually("scaled to one", t, || async {
+        let st = api.get("chat-r").await.ok()?.status?;
+        (st.ready_replicas == Some(1) && st.replicas == Some(1)).then_some(())
+    })
+    .await;
+    let (status, body) = chat(inference, "chat-r").await;
+    assert_eq!(status, 200, "{body}");
     drop(_operator);
     drop(_a);
     drop(_b);
@@ -262,13 +253,13 @@ async fn replicas_over_nodes(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn against_a_fake_api_server_replicas_run_on_two_nodes() {
+async fn against_a_fake_api_server_replicas_run_on_two_nodes_and_scale_down() {
     let _one = ONE_AT_A_TIME.lock().await;
     let addr = fake::Fake::start().await;
     let dir = support::temp_dir("k8s-replicas-fake");
     let kubeconfig = fake_kubeconfig(&dir, addr);
     let client = client_of(&kubeconfig).await;
-    replicas_over_nodes(client, &kubeconfig, "capyctl", false).await;
+    replicas_over_nodes(client, &kubeconfig, "capyctl").await;
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -279,7 +270,7 @@ async fn against_a_cluster_replicas_run_on_two_nodes_and_scale_down() {
     let Some((kubeconfig, ns)) = cluster_namespace().await else {
         return;
     };
-    replicas_over_nodes(ns.client.clone(), &kubeconfig, &ns.name, true).await;
+    replicas_over_nodes(ns.client.clone(), &kubeconfig, &ns.name).await;
 }
 
 /// Two node agents (process runtime, one 10 GiB GPU each) as nodes `node-a` and `node-b`, on

@@ -320,7 +320,9 @@ async fn handle(State(fake): State<Fake>, method: Method, uri: Uri, body: Bytes)
                     return status(409, "Conflict", "the object has been modified");
                 }
                 let mut patch = body.clone();
-                if let Some(m) = patch["metadata"].as_object_mut() {
+                // `get_mut`, not `patch["metadata"]`: indexing a patch without metadata would
+                // add `"metadata": null` to it, which merges as "remove the metadata".
+                if let Some(m) = patch.get_mut("metadata").and_then(Value::as_object_mut) {
                     m.remove("resourceVersion");
                 }
                 let spec_before = cur["spec"].clone();
