@@ -26,7 +26,7 @@
 //! engine's instance in its environment ([`INSTANCE_ENV`], inherited by the workers) and have
 //! started after the leader. Otherwise the group is left alone.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::{Mutex, PoisonError};
@@ -102,6 +102,8 @@ const KILL_WAIT: Duration = Duration::from_secs(10);
 #[derive(Debug)]
 struct Tracked {
     pid: u32,
+    /// The port it was given (never given to another engine while this one is tracked).
+    port: u16,
     exit: ExitWatch,
     group: EngineGroup,
 }
@@ -280,7 +282,7 @@ pub fn cmdline(pid: u32) -> Option<Vec<String>> {
     Some(parts)
 }
 
-/// A free loopback port (bound and released; the engine binds it right after).
+/// A free loopback port (bound and released; the engine binds it once it has loaded).
 pub fn free_port() -> Result<u16, AgentError> {
     let listener = std::net::TcpListener::bind(("127.0.0.1", 0))
         .map_err(|e| AgentError::io("find a free loopback port", e))?;
@@ -288,6 +290,27 @@ pub fn free_port() -> Result<u16, AgentError> {
         .local_addr()
         .map(|a| a.port())
         .map_err(|e| AgentError::io("find a free loopback port", e))
+}
+
+/// The first port from `next` not in `given` (a few tries: the kernel's picks are spread over
+/// thousands of ports).
+fn unused_port(
+    given: &HashSet<u16>,
+    mut next: impl FnMut() -> Result<u16, AgentError>,
+) -> Result<u16, AgentError> {
+    const TRIES: usize = 64;
+    for _ in 0..TRIES {
+        let port = next()?;
+        if !given.contains(&port) {
+            return Ok(port);
+        }
+    }
+    Err(AgentError::io(
+        format!(
+            "find a free loopback port: the {TRIES} the kernel offered in a row were given to engines already"
+        ),
+        std::io::ErrorKind::AddrInUse.into(),
+    ))
 }
 
 /// Runs `kill -<signal> -- <target>` (a pid, or `-<pgid>` for a group).
@@ -462,11 +485,22 @@ impl ProcessRuntime {
             instance.to_string(),
             Tracked {
                 pid,
+                port: rec.port,
                 exit: rx.clone(),
                 group,
             },
         );
         Ok((rec, rx))
+    }
+
+    /// A port for a new engine: free now ([`free_port`]) and not given to an engine this
+    /// runtime tracks. An engine binds its port only once its weights are loaded (vLLM starts
+    /// its HTTP server last, tens of seconds later), and until then the port is free to the
+    /// kernel, which may hand it out again; two engines on one port would make one of them
+    /// fail, so the ports given out are remembered while their engines run.
+    pub fn engine_port(&self) -> Result<u16, AgentError> {
+        let given: HashSet<u16> = self.lock().values().map(|t| t.port).collect();
+        unused_port(&given, free_port)
     }
 
     /// The exit watch of a tracked engine.
@@ -483,7 +517,10 @@ impl ProcessRuntime {
     /// its record. The group is stopped even when the engine itself has already exited (its
     /// workers may still hold GPU memory).
     pub async fn stop(&self, instance: &str, grace: Duration) -> Result<(), AgentError> {
-        let Some(Tracked { pid, exit, group }) = self.lock().remove(instance) else {
+        let Some(Tracked {
+            pid, exit, group, ..
+        }) = self.lock().remove(instance)
+        else {
             self.remove_record(instance);
             return Err(AgentError::UnknownInstance {
                 instance: instance.to_string(),
@@ -542,6 +579,7 @@ impl ProcessRuntime {
                 record.instance.clone(),
                 Tracked {
                     pid,
+                    port: record.port,
                     exit: exit.clone(),
                     group,
                 },
@@ -586,4 +624,41 @@ fn file_stem(instance: &str) -> String {
             }
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn a_port_given_to_a_running_engine_is_not_given_again() {
+        let given: HashSet<u16> = [40_001, 40_003].into();
+        let mut picks = [40_001, 40_003, 40_005].into_iter();
+        let port = unused_port(&given, || Ok(picks.next().unwrap())).unwrap();
+        assert_eq!(port, 40_005);
+    }
+
+    #[test]
+    fn a_kernel_that_keeps_giving_taken_ports_is_an_error_not_a_loop() {
+        let given: HashSet<u16> = [40_001].into();
+        let mut tries = 0;
+        let err = unused_port(&given, || {
+            tries += 1;
+            Ok(40_001)
+        })
+        .unwrap_err();
+        assert_eq!(tries, 64);
+        assert!(
+            err.to_string().contains("given to engines already"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_free_port_can_be_bound() {
+        let port = free_port().unwrap();
+        drop(std::net::TcpListener::bind(("127.0.0.1", port)).unwrap());
+    }
 }

@@ -15,7 +15,7 @@ use std::time::Duration;
 use crate::agent::BoxFuture;
 use crate::error::AgentError;
 use crate::launch::launch_command;
-use crate::process::{ExitWatch, PidRecord, ProcessRuntime, Recovery, free_port};
+use crate::process::{ExitWatch, PidRecord, ProcessRuntime, Recovery};
 use crate::spec::{EngineLaunch, InstanceSpec};
 use crate::tier::LaunchParking;
 
@@ -113,7 +113,7 @@ impl EngineRuntime for ProcessRuntime {
 
     fn launch<'a>(&'a self, req: LaunchRequest<'a>) -> BoxFuture<'a, Result<Launched, AgentError>> {
         Box::pin(async move {
-            let port = free_port()?;
+            let port = self.engine_port()?;
             let launch = launch_command(req.spec, req.engine, port, req.parking)?;
             tracing::info!(instance = req.instance, command = ?launch.argv(), "starting engine");
             let (record, exit) =
