@@ -42,10 +42,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use capyctl_lifecycle::Server;
 use capyctl_lifecycle::api::ManagementApi;
 use capyctl_lifecycle::metrics::Metrics;
 use capyctl_lifecycle::store::MemoryStore;
+use capyctl_lifecycle::{Server, instance_id_at};
 use capyctl_router::admission::{Admission, Permit};
 use capyctl_router::lifecycle::Lifecycle;
 use capyctl_server::standalone::{lifecycle_config, router_config};
@@ -315,6 +315,10 @@ pub struct Served {
     pub ended: Instant,
     /// The refusal's code.
     pub error: Option<&'static str>,
+    /// The instance that served it (its index within the deployment); `None` when refused.
+    pub instance: Option<u32>,
+    /// The indices of the GPUs that instance used.
+    pub gpus: Vec<u32>,
 }
 
 /// Everything one run produced.
@@ -330,6 +334,8 @@ pub struct Run {
     pub ops: Vec<Op>,
     /// The deployments, in document order.
     pub models: Vec<String>,
+    /// The host's GPUs.
+    pub gpu_count: usize,
     /// What went wrong before time 0 (a deployment that could not be started).
     pub notes: Vec<String>,
 }
@@ -351,11 +357,14 @@ async fn simulate_in(setup: Setup, requests: &[TraceRequest], cold: bool) -> Res
         .iter()
         .map(|d| (d.name.clone(), sim.timings(d)))
         .collect();
-    let host = Arc::new(SimHost::new(
-        capyctl_node_agent::spec::HostSettings::from(&config.host),
-        timings,
-        sim.timings_of("", 16 * GIB),
-    ));
+    let host = Arc::new(
+        SimHost::new(
+            capyctl_node_agent::spec::HostSettings::from(&config.host),
+            timings,
+            sim.timings_of("", 16 * GIB),
+        )
+        .map_err(|e| format!("the simulated host: {e}"))?,
+    );
     let models: Vec<String> = config.deployments.iter().map(|d| d.name.clone()).collect();
     let deployments = std::mem::take(&mut config.deployments);
     let metrics = Arc::new(Metrics::new());
@@ -406,6 +415,7 @@ async fn simulate_in(setup: Setup, requests: &[TraceRequest], cold: bool) -> Res
         let model = r.model.clone();
         let at = t0 + r.at;
         let router = router.clone();
+        let host = host.clone();
         tasks.push(tokio::spawn(async move {
             tokio::time::sleep_until(at).await;
             let arrival = Instant::now();
@@ -415,6 +425,8 @@ async fn simulate_in(setup: Setup, requests: &[TraceRequest], cold: bool) -> Res
                 admitted: None,
                 ended: Instant::now(),
                 error: Some(error),
+                instance: None,
+                gpus: Vec::new(),
             };
             let Some(deployment) = router.resolve(&model) else {
                 return refused("model_not_found");
@@ -422,6 +434,11 @@ async fn simulate_in(setup: Setup, requests: &[TraceRequest], cold: bool) -> Res
             match router.admit(deployment, arrival + deadline_after).await {
                 Ok(permit) => {
                     let admitted = Instant::now();
+                    let key = &permit.upstream().key;
+                    let (instance, gpus) = (
+                        key.index,
+                        host.gpus_of_instance(&instance_id_at(&key.deployment, key.index)),
+                    );
                     permit.first_output();
                     tokio::time::sleep(duration).await;
                     drop(permit);
@@ -431,6 +448,8 @@ async fn simulate_in(setup: Setup, requests: &[TraceRequest], cold: bool) -> Res
                         admitted: Some(admitted),
                         ended: Instant::now(),
                         error: None,
+                        instance: Some(instance),
+                        gpus,
                     }
                 }
                 Err(e) => refused(e.code()),
@@ -453,6 +472,7 @@ async fn simulate_in(setup: Setup, requests: &[TraceRequest], cold: bool) -> Res
         requests: served,
         ops,
         models,
+        gpu_count: host.gpu_count(),
         notes,
     })
 }
@@ -486,15 +506,26 @@ pub struct ModelReport {
     pub switches: usize,
 }
 
-/// Shares of the host's GPU time from time 0 to the last request's end.
+/// Shares of GPU time from time 0 to the last request's end: of one GPU, or of all the host's
+/// (their mean).
 #[derive(Debug, Clone, Copy, Serialize, PartialEq)]
 pub struct GpuShares {
-    /// Some request running, no engine operation under way.
+    /// Some request running on it, no engine operation under way on it.
     pub serving: f64,
-    /// An engine operation (park, wake, start, stop) under way.
+    /// An engine operation (park, wake, start, stop) under way on it.
     pub switching: f64,
     /// Neither.
     pub idle: f64,
+}
+
+/// One GPU's shares.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq)]
+pub struct GpuShare {
+    /// Its index in `host.gpus`.
+    pub gpu: u32,
+    /// Its shares.
+    #[serde(flatten)]
+    pub shares: GpuShares,
 }
 
 /// One run's report.
@@ -508,6 +539,8 @@ pub struct Report {
     pub models: Vec<ModelReport>,
     /// The GPU time.
     pub gpu: GpuShares,
+    /// Each GPU's.
+    pub gpus: Vec<GpuShare>,
     /// What went wrong before time 0.
     pub notes: Vec<String>,
 }
@@ -559,20 +592,43 @@ impl Run {
         at.saturating_duration_since(self.t0)
     }
 
-    /// The engine operations as spans from time 0.
-    fn op_spans(&self) -> Vec<(Duration, Duration)> {
+    /// The engine operations on GPU `gpu` as spans from time 0.
+    fn op_spans(&self, gpu: u32) -> Vec<(Duration, Duration)> {
         self.ops
             .iter()
+            .filter(|o| o.gpus.contains(&gpu))
             .map(|o| (self.rel(o.began), self.rel(o.ended)))
             .collect()
     }
 
-    /// The admitted requests' service as spans from time 0.
-    fn serving_spans(&self) -> Vec<(Duration, Duration)> {
+    /// The service of the requests admitted on GPU `gpu` as spans from time 0.
+    fn serving_spans(&self, gpu: u32) -> Vec<(Duration, Duration)> {
         self.requests
             .iter()
+            .filter(|r| r.gpus.contains(&gpu))
             .filter_map(|r| Some((self.rel(r.admitted?), self.rel(r.ended))))
             .collect()
+    }
+
+    /// GPU `gpu`'s shares of `span`.
+    fn gpu_shares(&self, gpu: u32, span: Duration) -> GpuShares {
+        let switching = union_len(self.op_spans(gpu));
+        let mut both = self.op_spans(gpu);
+        both.extend(self.serving_spans(gpu));
+        let busy = union_len(both);
+        let share = |d: Duration| {
+            if span.is_zero() {
+                0.0
+            } else {
+                d.as_secs_f64() / span.as_secs_f64()
+            }
+        };
+        GpuShares {
+            // Serving only: what serving adds to the union beyond the switching.
+            serving: share(busy.saturating_sub(switching)),
+            switching: share(switching),
+            idle: share(span.saturating_sub(busy)),
+        }
     }
 
     /// The report (see [`Report`]).
@@ -628,28 +684,26 @@ impl Run {
             })
             .collect();
         let span = self.rel(self.end);
-        let switching = union_len(self.op_spans());
-        let mut both = self.op_spans();
-        both.extend(self.serving_spans());
-        let busy = union_len(both);
-        let share = |d: Duration| {
-            if span.is_zero() {
-                0.0
-            } else {
-                d.as_secs_f64() / span.as_secs_f64()
-            }
+        let gpus: Vec<GpuShare> = (0..self.gpu_count)
+            .filter_map(|g| u32::try_from(g).ok())
+            .map(|gpu| GpuShare {
+                gpu,
+                shares: self.gpu_shares(gpu, span),
+            })
+            .collect();
+        let mean = |f: fn(&GpuShares) -> f64| {
+            gpus.iter().map(|g| f(&g.shares)).sum::<f64>() / gpus.len().max(1) as f64
         };
-        // Serving only: what serving adds to the union beyond the switching.
-        let serving = busy.saturating_sub(switching);
         Report {
             setting,
             span_ms: ms(span),
             models,
             gpu: GpuShares {
-                serving: share(serving),
-                switching: share(switching),
-                idle: share(span.saturating_sub(busy)),
+                serving: mean(|s| s.serving),
+                switching: mean(|s| s.switching),
+                idle: mean(|s| s.idle),
             },
+            gpus,
             notes: self.notes.clone(),
         }
     }
@@ -768,20 +822,31 @@ pub fn render(reports: &[Report]) -> String {
     if compare {
         head.push("SETTING".into());
     }
-    head.extend(["SPAN", "GPU SERVING", "SWITCHING", "IDLE"].map(String::from));
+    // With several GPUs, a row for each and one for all of them (their mean).
+    let several = reports.iter().any(|r| r.gpus.len() > 1);
+    if several {
+        head.extend(["SPAN", "GPU", "SERVING", "SWITCHING", "IDLE"].map(String::from));
+    } else {
+        head.extend(["SPAN", "GPU SERVING", "SWITCHING", "IDLE"].map(String::from));
+    }
     rows.push(head);
     for r in reports {
-        let mut row = Vec::new();
-        if compare {
-            row.push(short(r.setting.as_deref()));
+        let mut lines = vec![(None, r.gpu)];
+        if several {
+            lines.extend(r.gpus.iter().map(|g| (Some(g.gpu), g.shares)));
         }
-        row.extend([
-            human(r.span_ms),
-            pct(r.gpu.serving),
-            pct(r.gpu.switching),
-            pct(r.gpu.idle),
-        ]);
-        rows.push(row);
+        for (gpu, shares) in lines {
+            let mut row = Vec::new();
+            if compare {
+                row.push(short(r.setting.as_deref()));
+            }
+            row.push(human(r.span_ms));
+            if several {
+                row.push(gpu.map_or_else(|| "all".to_string(), |g| g.to_string()));
+            }
+            row.extend([pct(shares.serving), pct(shares.switching), pct(shares.idle)]);
+            rows.push(row);
+        }
     }
     out.push_str(&table(&rows));
     for r in reports {
@@ -1028,6 +1093,85 @@ mod tests {
             svg: None,
             json: false,
             cold: false,
+        }
+    }
+
+    /// Replicas on a box of two GPUs, cold: a request for `a` (two replicas) starts both
+    /// instances, one on each GPU (10 s each), and runs 20 s on one of them. The GPU time is
+    /// counted per GPU: the one that served was switching a third of the 30 s and serving the
+    /// rest; the other switching a third and idle the rest; the whole box is their mean. The
+    /// timeline has a row per instance, and its bars name their GPU.
+    #[test]
+    fn replicas_are_counted_and_drawn_per_instance_and_gpu() {
+        let d = dir("replicas");
+        let doc = DOC
+            .replace(
+                "gpus: [{memory: 10GiB}]",
+                "gpus: [{memory: 10GiB}, {memory: 10GiB}]",
+            )
+            .replace("  - name: b\n", "    replicas: 2\n  - name: b\n");
+        let file = write(&d, "s.yaml", &doc);
+        let trace = write(
+            &d,
+            "t.jsonl",
+            "{\"at_ms\": 0, \"model\": \"a\", \"duration_ms\": 20000}\n",
+        );
+        let mut a = args(trace, Some(file), &["simulate.start=10s"]);
+        a.cold = true;
+        let runs = runs(&a).unwrap();
+        let run = &runs[0].1;
+        let mut started: Vec<(u32, Vec<u32>)> = run
+            .ops
+            .iter()
+            .filter(|o| o.kind == OpKind::Start)
+            .map(|o| (o.instance, o.gpus.clone()))
+            .collect();
+        started.sort();
+        assert_eq!(started, [(0, vec![0]), (1, vec![1])], "{:#?}", run.ops);
+        let served = &run.requests[0];
+        let on = served.gpus.clone();
+        assert_eq!(on.len(), 1, "{served:?}");
+        assert_eq!(
+            served.instance,
+            Some(on[0]),
+            "instance i runs on GPU i here"
+        );
+        let report = run.report(None);
+        assert_eq!(report.span_ms, 30_000);
+        let near = |x: f64, want: f64| (x - want).abs() < 0.01;
+        let third = 1.0 / 3.0;
+        for g in &report.gpus {
+            let s = g.shares;
+            assert!(near(s.switching, third), "{report:#?}");
+            if g.gpu == on[0] {
+                assert!(
+                    near(s.serving, 2.0 * third) && near(s.idle, 0.0),
+                    "{report:#?}"
+                );
+            } else {
+                assert!(
+                    near(s.serving, 0.0) && near(s.idle, 2.0 * third),
+                    "{report:#?}"
+                );
+            }
+        }
+        assert_eq!(report.gpus.len(), 2);
+        let all = report.gpu;
+        assert!(
+            near(all.serving, third) && near(all.switching, third) && near(all.idle, third),
+            "{report:#?}"
+        );
+        let text = render(std::slice::from_ref(&report));
+        assert!(text.contains("GPU   SERVING"), "{text}");
+        assert!(text.contains("all   33%"), "{text}");
+        let svg = crate::simulate_svg::render(&runs);
+        for needle in [
+            ">a #0</text>",
+            ">a #1</text>",
+            "a #1 start on GPU 1: 10.00 s",
+            ">b</text>",
+        ] {
+            assert!(svg.contains(needle), "{needle} missing in {svg}");
         }
     }
 

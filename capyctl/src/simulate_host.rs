@@ -79,6 +79,10 @@ impl OpKind {
 pub struct Op {
     /// The deployment's name.
     pub model: String,
+    /// The instance's index within its deployment (0 unless it has `replicas`).
+    pub instance: u32,
+    /// The indices of the GPUs the instance uses.
+    pub gpus: Vec<u32>,
     /// What it was.
     pub kind: OpKind,
     /// When it began.
@@ -108,6 +112,8 @@ pub struct SimHost {
     default_timings: Timings,
     instances: Mutex<BTreeMap<String, SimInstance>>,
     ops: Mutex<Vec<Op>>,
+    /// The host's GPUs (`host.gpus`), to read which an engine uses.
+    inventory: Inventory,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -144,12 +150,16 @@ fn tier_input(
 impl SimHost {
     /// The host of `settings`, whose `gpus` and `host_memory` must be set (they replace what
     /// a real agent reads); `timings` by deployment name, `default_timings` for any other.
+    /// An error only where they are not set and the machine cannot be read.
     pub fn new(
         settings: HostSettings,
         timings: BTreeMap<String, Timings>,
         default_timings: Timings,
-    ) -> Self {
-        SimHost {
+    ) -> Result<Self, AgentError> {
+        // `host.gpus` and `host.host_memory` are always set here: the probe is never asked.
+        let inventory = inventory(&settings, default_probe().as_ref())?;
+        Ok(SimHost {
+            inventory,
             unified: settings.gpus.iter().flatten().any(|g| g.unified),
             host_memory: settings.host_memory.unwrap_or(0),
             settings,
@@ -157,7 +167,7 @@ impl SimHost {
             default_timings,
             instances: Mutex::new(BTreeMap::new()),
             ops: Mutex::new(Vec::new()),
-        }
+        })
     }
 
     /// Every operation so far, in the order they ended.
@@ -186,12 +196,43 @@ impl SimHost {
         self.host_memory.saturating_sub(held)
     }
 
-    /// Takes `took` of simulated time, logged as `kind` of `model`.
-    async fn take(&self, model: &str, kind: OpKind, took: Duration) {
+    /// The number of GPUs of the host.
+    pub fn gpu_count(&self) -> usize {
+        self.inventory.gpus.len()
+    }
+
+    /// The indices of the GPUs an engine of `spec` uses: those its `CUDA_VISIBLE_DEVICES`
+    /// names (the lifecycle sets it on a host with several GPUs), else every GPU.
+    fn gpus_of(&self, spec: &InstanceSpec) -> Vec<u32> {
+        let visible = spec.env.get("CUDA_VISIBLE_DEVICES").or_else(|| {
+            self.settings
+                .engine(spec.engine)
+                .env
+                .get("CUDA_VISIBLE_DEVICES")
+        });
+        match self.inventory.gpus_named(visible.map(String::as_str)) {
+            Some(named) => named.iter().map(|g| g.index).collect(),
+            None => self.inventory.gpus.iter().map(|g| g.index).collect(),
+        }
+    }
+
+    /// The indices of the GPUs instance `instance` (an instance ID) uses now; empty when it
+    /// does not run.
+    pub fn gpus_of_instance(&self, instance: &str) -> Vec<u32> {
+        lock(&self.instances)
+            .get(instance)
+            .map(|i| self.gpus_of(&i.spec))
+            .unwrap_or_default()
+    }
+
+    /// Takes `took` of simulated time, logged as `kind` of instance `instance` of `spec`.
+    async fn take(&self, instance: &str, spec: &InstanceSpec, kind: OpKind, took: Duration) {
         let began = Instant::now();
         tokio::time::sleep(took).await;
         lock(&self.ops).push(Op {
-            model: model.to_string(),
+            model: spec.name.clone(),
+            instance: capyctl_lifecycle::split_instance_id(instance).map_or(0, |(_, i)| i),
+            gpus: self.gpus_of(spec),
             kind,
             began,
             ended: Instant::now(),
@@ -208,8 +249,7 @@ impl SimHost {
 
 impl HostAgent for SimHost {
     fn inventory(&self) -> BoxFuture<'_, Result<Inventory, AgentError>> {
-        // `host.gpus` and `host.host_memory` are always set here: the probe is never asked.
-        Box::pin(async move { inventory(&self.settings, default_probe().as_ref()) })
+        Box::pin(async move { Ok(self.inventory.clone()) })
     }
 
     fn engines(&self) -> BoxFuture<'_, Vec<EngineInfo>> {
@@ -261,8 +301,13 @@ impl HostAgent for SimHost {
                     None,
                 ))
             };
-            self.take(&spec.name, OpKind::Start, self.timings(&spec.name).start)
-                .await;
+            self.take(
+                instance,
+                spec,
+                OpKind::Start,
+                self.timings(&spec.name).start,
+            )
+            .await;
             let mut bound = max_running(&MaxRunningInput {
                 engine: spec.engine,
                 declared: spec.max_concurrent_requests,
@@ -301,7 +346,7 @@ impl HostAgent for SimHost {
 
     fn park<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<ParkResult, AgentError>> {
         Box::pin(async move {
-            let (name, choice, copy) = {
+            let (spec, choice, copy) = {
                 let instances = lock(&self.instances);
                 let inst = instances
                     .get(instance)
@@ -321,9 +366,9 @@ impl HostAgent for SimHost {
                     c => c,
                 };
                 let copy = inst.measurement.weights_bytes().unwrap_or(0);
-                (spec.name.clone(), choice, copy)
+                (spec.clone(), choice, copy)
             };
-            let t = self.timings(&name);
+            let t = self.timings(&spec.name);
             match choice {
                 ParkChoice::Park(tier) => {
                     let (took, held) = match tier {
@@ -334,14 +379,14 @@ impl HostAgent for SimHost {
                     if let Some(inst) = lock(&self.instances).get_mut(instance) {
                         inst.parked = Some((tier, held));
                     }
-                    self.take(&name, OpKind::Park, took).await;
+                    self.take(instance, &spec, OpKind::Park, took).await;
                     Ok(ParkResult::Parked {
                         tier,
                         gpu_held: None,
                     })
                 }
                 ParkChoice::Stop(reason) => {
-                    self.take(&name, OpKind::Stop, t.stop).await;
+                    self.take(instance, &spec, OpKind::Stop, t.stop).await;
                     lock(&self.instances).remove(instance);
                     Ok(ParkResult::Stopped { reason })
                 }
@@ -351,20 +396,20 @@ impl HostAgent for SimHost {
 
     fn wake<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<WakeReport, AgentError>> {
         Box::pin(async move {
-            let (name, tier) = {
+            let (spec, tier) = {
                 let instances = lock(&self.instances);
                 let inst = instances
                     .get(instance)
                     .ok_or_else(|| Self::gone(instance))?;
-                (inst.spec.name.clone(), inst.parked.map(|p| p.0))
+                (inst.spec.clone(), inst.parked.map(|p| p.0))
             };
-            let t = self.timings(&name);
+            let t = self.timings(&spec.name);
             let took = match tier {
                 Some(ParkTier::HostRam) | None => t.wake_host_ram,
                 Some(ParkTier::Deep) => t.wake_deep,
                 Some(ParkTier::KvOnly) => t.wake_kv_only,
             };
-            self.take(&name, OpKind::Wake, took).await;
+            self.take(instance, &spec, OpKind::Wake, took).await;
             if let Some(inst) = lock(&self.instances).get_mut(instance) {
                 inst.parked = None;
             }
@@ -378,11 +423,9 @@ impl HostAgent for SimHost {
 
     fn stop<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<(), AgentError>> {
         Box::pin(async move {
-            let name = lock(&self.instances)
-                .get(instance)
-                .map(|i| i.spec.name.clone());
-            if let Some(name) = name {
-                self.take(&name, OpKind::Stop, self.timings(&name).stop)
+            let spec = lock(&self.instances).get(instance).map(|i| i.spec.clone());
+            if let Some(spec) = spec {
+                self.take(instance, &spec, OpKind::Stop, self.timings(&spec.name).stop)
                     .await;
                 lock(&self.instances).remove(instance);
             }

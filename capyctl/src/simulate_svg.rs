@@ -1,8 +1,10 @@
 //! `capyctl simulate --svg FILE`: the simulated timeline as an SVG picture, like the `/ui/`
-//! page's: one row per model (its instance on the host's GPU), engine operations as coloured
-//! bars (start, park, wake, stop), its requests being served as a thin bar under them, and the
-//! requests waiting in CapyCTL as a line below the rows. With `--compare`, one panel per value.
+//! page's: one row per model (per instance, `name #i`, for a model that ran several), engine
+//! operations as coloured bars (start, park, wake, stop; their tooltip names the GPUs on a host
+//! with several), its requests being served as a thin bar under them, and the requests waiting
+//! in CapyCTL as a line below the rows. With `--compare`, one panel per value.
 
+use std::collections::BTreeSet;
 use std::fmt::Write;
 use std::time::Duration;
 
@@ -62,6 +64,52 @@ fn label_of(t: Duration) -> String {
     }
 }
 
+/// One row: its label, its model, and the instance it shows (`None`: the model's only one).
+struct Row {
+    label: String,
+    model: String,
+    instance: Option<u32>,
+}
+
+/// The rows of `run`: a model per row, or one per instance for a model that ran several.
+fn rows(run: &Run) -> Vec<Row> {
+    let mut names = run.models.clone();
+    for r in &run.requests {
+        if !names.contains(&r.model) {
+            names.push(r.model.clone());
+        }
+    }
+    let mut rows = Vec::new();
+    for name in names {
+        let instances: BTreeSet<u32> = run
+            .ops
+            .iter()
+            .filter(|o| o.model == name)
+            .map(|o| o.instance)
+            .chain(
+                run.requests
+                    .iter()
+                    .filter(|r| r.model == name)
+                    .filter_map(|r| r.instance),
+            )
+            .collect();
+        if instances.iter().any(|i| *i != 0) {
+            rows.extend(instances.into_iter().map(|i| Row {
+                label: format!("{name} #{i}"),
+                model: name.clone(),
+                instance: Some(i),
+            }));
+        } else {
+            rows.push(Row {
+                label: name.clone(),
+                model: name,
+                instance: None,
+            });
+        }
+    }
+    rows
+}
+
 fn panel(out: &mut String, top: f64, title: &str, run: &Run) -> f64 {
     let span = run
         .end
@@ -71,12 +119,7 @@ fn panel(out: &mut String, top: f64, title: &str, run: &Run) -> f64 {
     let x = |at: Instant| {
         LABEL + plot * at.saturating_duration_since(run.t0).as_secs_f64() / span.as_secs_f64()
     };
-    let mut names = run.models.clone();
-    for r in &run.requests {
-        if !names.contains(&r.model) {
-            names.push(r.model.clone());
-        }
-    }
+    let rows = rows(run);
     let _ = writeln!(
         out,
         r#"<text x="4" y="{:.1}" font-weight="bold">{}</text>"#,
@@ -84,17 +127,20 @@ fn panel(out: &mut String, top: f64, title: &str, run: &Run) -> f64 {
         esc(title)
     );
     let rows_top = top + TITLE;
-    for (i, name) in names.iter().enumerate() {
+    for (i, row) in rows.iter().enumerate() {
         let y = rows_top + i as f64 * ROW;
+        let shown = |model: &str, instance: Option<u32>| {
+            model == row.model && (row.instance.is_none() || instance == row.instance)
+        };
         let _ = writeln!(
             out,
             r##"<rect x="{LABEL}" y="{y:.1}" width="{plot:.1}" height="{:.1}" fill="#f4f4f4"/><text x="4" y="{:.1}">{}</text>"##,
             ROW - 4.0,
             y + ROW / 2.0 + 4.0,
-            esc(name)
+            esc(&row.label)
         );
         // Serving: a green band at the bottom of the row.
-        for r in run.requests.iter().filter(|r| &r.model == name) {
+        for r in run.requests.iter().filter(|r| shown(&r.model, r.instance)) {
             if let Some(a) = r.admitted {
                 let (x0, x1) = (x(a), x(r.ended));
                 let _ = writeln!(
@@ -105,24 +151,31 @@ fn panel(out: &mut String, top: f64, title: &str, run: &Run) -> f64 {
                 );
             }
         }
-        for o in run.ops.iter().filter(|o| &o.model == name) {
+        for o in run.ops.iter().filter(|o| shown(&o.model, Some(o.instance))) {
             let (x0, x1) = (x(o.began.max(run.t0)), x(o.ended));
             let took = o.ended.saturating_duration_since(o.began);
+            let on = if run.gpu_count > 1 {
+                let gpus: Vec<String> = o.gpus.iter().map(u32::to_string).collect();
+                format!(" on GPU {}", gpus.join(","))
+            } else {
+                String::new()
+            };
             let _ = writeln!(
                 out,
-                r#"<rect x="{x0:.2}" y="{:.1}" width="{:.2}" height="{:.1}" fill="{}"><title>{} {}: {:.2} s</title></rect>"#,
+                r#"<rect x="{x0:.2}" y="{:.1}" width="{:.2}" height="{:.1}" fill="{}"><title>{} {}{}: {:.2} s</title></rect>"#,
                 y + 2.0,
                 (x1 - x0).max(1.0),
                 ROW - 14.0,
                 colour(o.kind),
-                esc(name),
+                esc(&row.label),
                 o.kind.name(),
+                on,
                 took.as_secs_f64()
             );
         }
     }
     // Waiting requests: a step line.
-    let wait_top = rows_top + names.len() as f64 * ROW + 6.0;
+    let wait_top = rows_top + rows.len() as f64 * ROW + 6.0;
     let mut events: Vec<(Instant, i64)> = Vec::new();
     for r in &run.requests {
         events.push((r.arrival, 1));

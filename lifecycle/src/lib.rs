@@ -210,6 +210,13 @@ pub fn instance_id_at(deployment_id: &str, index: u32) -> String {
     format!("{deployment_id}-{index}")
 }
 
+/// The deployment ID and index an instance ID (`<deployment id>-<index>`) names.
+pub fn split_instance_id(instance_id: &str) -> Option<(&str, u32)> {
+    let (dep, index) = instance_id.rsplit_once('-')?;
+    let index: u32 = index.parse().ok()?;
+    (!dep.is_empty()).then_some((dep, index))
+}
+
 /// How the router is asked to release instances the lifecycle puts away itself.
 #[derive(Debug, Clone, Copy)]
 enum Ask {

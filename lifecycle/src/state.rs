@@ -273,12 +273,7 @@ pub(crate) fn unit_id(deployment: &str, index: u32) -> String {
     }
 }
 
-/// The deployment ID and index an instance ID (`<deployment id>-<index>`) names.
-pub(crate) fn split_instance(instance_id: &str) -> Option<(&str, u32)> {
-    let (dep, index) = instance_id.rsplit_once('-')?;
-    let index: u32 = index.parse().ok()?;
-    (!dep.is_empty()).then_some((dep, index))
-}
+pub(crate) use crate::split_instance_id as split_instance;
 
 /// The unit ([`unit_id`]) an instance ID names.
 pub(crate) fn deployment_of(instance_id: &str) -> Option<String> {

@@ -64,25 +64,29 @@ impl Inventory {
     /// NB: an index is matched with NVML's (PCI bus) order, which is CUDA's with
     /// `CUDA_DEVICE_ORDER=PCI_BUS_ID`; on mixed machines name GPUs by UUID.
     pub fn unified_for(&self, visible: Option<&str>) -> bool {
-        let Some(visible) = visible.map(str::trim).filter(|v| !v.is_empty()) else {
-            return self.unified_memory();
-        };
-        let mut used = Vec::new();
-        for name in visible.split(',').map(str::trim) {
-            let gpu = match name.parse::<u32>() {
+        match self.gpus_named(visible) {
+            Some(used) => used.iter().any(|g| g.unified),
+            None => self.unified_memory(),
+        }
+    }
+
+    /// The GPUs a `CUDA_VISIBLE_DEVICES` value (`visible`) names, by UUID or index (see
+    /// [`Inventory::unified_for`]); `None` without the variable, or when it names a GPU this
+    /// inventory does not know (the caller decides what that means).
+    pub fn gpus_named(&self, visible: Option<&str>) -> Option<Vec<&GpuInfo>> {
+        let visible = visible.map(str::trim).filter(|v| !v.is_empty())?;
+        visible
+            .split(',')
+            .map(str::trim)
+            .map(|name| match name.parse::<u32>() {
                 Ok(index) => self.gpus.iter().find(|g| g.index == index),
                 Err(_) => self.gpus.iter().find(|g| {
                     g.uuid
                         .as_deref()
                         .is_some_and(|u| u.eq_ignore_ascii_case(name))
                 }),
-            };
-            match gpu {
-                Some(g) => used.push(g),
-                None => return self.unified_memory(),
-            }
-        }
-        used.iter().any(|g| g.unified)
+            })
+            .collect()
     }
 }
 

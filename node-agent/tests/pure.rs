@@ -1323,6 +1323,15 @@ fn unified_memory_is_decided_by_the_gpus_an_engine_uses() {
     assert!(inv.unified_for(Some("0, 1")));
     // A GPU the inventory does not know: any unified GPU counts.
     assert!(inv.unified_for(Some("7")));
+    // The GPUs named, by index or UUID; none without the variable or with an unknown one.
+    let indices = |v: Option<&str>| {
+        inv.gpus_named(v)
+            .map(|g| g.iter().map(|g| g.index).collect::<Vec<_>>())
+    };
+    assert_eq!(indices(Some("1, gpu-AAAA")), Some(vec![1, 0]));
+    assert_eq!(indices(Some(" ")), None);
+    assert_eq!(indices(None), None);
+    assert_eq!(indices(Some("0,7")), None);
     let discrete = Inventory {
         gpus: vec![gpu(0, "GPU-aaaa", false)],
         ..inv
