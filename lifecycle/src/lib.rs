@@ -77,7 +77,7 @@ use crate::api::ManagementApi;
 use crate::metrics::Metrics;
 use crate::store::{Changes, DeploymentRecord, Store, StoreError};
 use crate::switches::{Recording, SwitchLog, Target, victim_entry};
-use state::{Dep, Host, Hosts, StartNext, State, Up, unit_instance, unit_of_key};
+use state::{Dep, Host, Hosts, StartNext, State, Up, dep_of_unit, unit_instance, unit_of_key};
 
 /// How many deployments [`Server::open_hosts`] measures at once.
 const MEASURE_AT_ONCE: usize = 16;
@@ -1049,8 +1049,11 @@ impl Server {
     /// Saves deployment `id`'s record (or its removal, when it is gone) and every other one
     /// changed and not written yet: it is durable when this returns, unless the write failed,
     /// which is logged and must not undo what was decided (the next save writes it again).
+    /// `id` may be an instance's unit: its deployment's record is the one stored (instance 0's;
+    /// the others' copies are never written over it).
     fn save_logged(&self, id: &str) {
-        self.read(|inner| inner.dirty.give_back(BTreeSet::from([id.to_string()])));
+        let id = dep_of_unit(id).to_string();
+        self.read(|inner| inner.dirty.give_back(BTreeSet::from([id])));
         self.log_failed(self.save());
     }
 
@@ -2524,28 +2527,44 @@ impl Server {
         Ok(())
     }
 
-    /// Waits until `id` is ready; its failure otherwise.
+    /// Waits until deployment `id` serves: one of its instances is ready (with several, the
+    /// one the start brought up may not be the first: another may have been taken as a victim
+    /// while a sibling serves); its failure once no instance is ready or on its way (failed,
+    /// stopped, or parked again since).
     async fn wait_ready(&self, id: &str) -> Result<(), ApiError> {
         let mut rx = self.changes.subscribe();
         loop {
             let now = self.read(|inner| {
-                let d = inner.deps.get(id)?;
-                Some((
-                    d.state,
-                    d.busy || d.rec.pending_start || d.claim.is_some(),
-                    d.last_error.clone(),
-                ))
+                inner.deps.get(id)?;
+                let mut error: Option<String> = None;
+                let mut settled = true;
+                for d in inner.units_of(id) {
+                    let busy = d.busy || d.rec.pending_start || d.claim.is_some();
+                    match (d.state, busy) {
+                        (InstanceState::Ready, _) => return Some(Ok(())),
+                        (
+                            InstanceState::Failed | InstanceState::Stopped | InstanceState::Parked,
+                            false,
+                        ) => {
+                            if error.is_none() {
+                                error.clone_from(&d.last_error);
+                            }
+                        }
+                        _ => settled = false,
+                    }
+                }
+                Some(Err(settled.then_some(error)))
             });
             match now {
                 None => return Err(not_found(id)),
-                Some((InstanceState::Ready, _, _)) => return Ok(()),
-                Some((InstanceState::Failed | InstanceState::Stopped, false, err)) => {
+                Some(Ok(())) => return Ok(()),
+                Some(Err(Some(err))) => {
                     return Err(ApiError::EngineFailed {
                         deployment: id.to_string(),
                         detail: err.unwrap_or_else(|| "it is not running".into()),
                     });
                 }
-                _ => {}
+                Some(Err(None)) => {}
             }
             if rx.changed().await.is_err() {
                 return Err(internal("the server is shutting down"));
@@ -2761,12 +2780,18 @@ impl Server {
             deployment: id.clone(),
         };
         let down = self.begin_operator_stop(&id, &rid, refusal.clone()).await?;
-        let result = self
-            .take_down_recorded(SwitchCause::Release, &id, &rid, down, true)
-            .await;
-        self.write(move |inner| inner.release_reservation(&rid))
-            .await;
-        let others = self.take_down_others(&id, refusal, true).await;
+        // Every instance at once: a sibling left open while the first drains would take new
+        // requests after the stop.
+        let first = async {
+            let result = self
+                .take_down_recorded(SwitchCause::Release, &id, &rid, down, true)
+                .await;
+            let rid = rid.clone();
+            self.write(move |inner| inner.release_reservation(&rid))
+                .await;
+            result
+        };
+        let (result, others) = tokio::join!(first, self.take_down_others(&id, refusal, true));
         result?;
         others?;
         self.receipt("stop", &id)
@@ -2917,11 +2942,13 @@ impl Server {
             if ready.is_empty() {
                 return self.park_unit(&id).await;
             }
-            // The operator's park also ends the operator's start (as for one instance).
+            // The operator's park also ends the operator's start (as for one instance), and
+            // the scaler brings none back until the deployment is used again.
             self.on(&id, |inner, id| {
                 if let Some(d) = inner.deps.get_mut(id) {
                     d.rec.operator_started = false;
                     inner.dirty.mark(id);
+                    inner.operator_parked.insert(id.to_string());
                 }
             })
             .await;
@@ -2929,9 +2956,49 @@ impl Server {
             for r in futures_util::future::join_all(parks).await {
                 r?;
             }
+            // Those on their way up are parked once they are ready.
+            let coming: Vec<String> = units
+                .iter()
+                .filter(|(_, s)| matches!(s, InstanceState::Starting | InstanceState::Waking))
+                .map(|(u, _)| u.clone())
+                .collect();
+            for unit in coming {
+                self.spawn(move |me| Box::pin(async move { me.park_when_up(&unit).await }));
+            }
             return self.receipt("park", &id);
         }
         self.park_unit(&id).await
+    }
+
+    /// Parks instance `unit` of an operator-parked deployment once its start or wake has
+    /// ended ready (nothing when it failed, or the deployment is in use again meanwhile).
+    async fn park_when_up(&self, unit: &str) {
+        let dep = dep_of_unit(unit).to_string();
+        let mut rx = self.changes.subscribe();
+        loop {
+            let now = self.read(|inner| {
+                let d = inner.deps.get(unit)?;
+                Some((
+                    d.bringing_up(),
+                    d.state,
+                    inner.operator_parked.contains(&dep),
+                ))
+            });
+            match now {
+                None | Some((_, _, false)) => return,
+                Some((true, _, true)) => {}
+                Some((false, InstanceState::Ready, true)) => {
+                    if let Err(e) = self.park_unit(unit).await {
+                        tracing::warn!(instance = %unit_instance(unit), error = %e, "park failed");
+                    }
+                    return;
+                }
+                Some((false, _, true)) => return,
+            }
+            if rx.changed().await.is_err() {
+                return;
+            }
+        }
     }
 
     /// [`Server::do_park`] of one instance (`id`: its unit).
@@ -2995,10 +3062,12 @@ impl Server {
             model: view.name.clone(),
         };
         let down = self.begin_operator_stop(&id, &rid, refusal.clone()).await?;
-        let result = self
-            .take_down_recorded(SwitchCause::Release, &id, &rid, down, true)
-            .await;
-        let result = match self.take_down_others(&id, refusal, true).await {
+        // Every instance at once (as a stop).
+        let (result, others) = tokio::join!(
+            self.take_down_recorded(SwitchCause::Release, &id, &rid, down, true),
+            self.take_down_others(&id, refusal, true)
+        );
+        let result = match others {
             Ok(()) => result,
             Err(e) => result.and(Err(e)),
         };
@@ -3260,6 +3329,17 @@ impl Server {
     /// decision (bring one more up into free room, take one down) is begun here and carried
     /// out in a task of its own, so that a start does not hold up the next run.
     async fn scale_run(&self) {
+        // Instances past a lowered `replicas` that hold nothing any more (stopped below, or
+        // failed) are dropped.
+        let surplus = self.read(State::settled_surplus);
+        if !surplus.is_empty() {
+            self.write(move |inner| {
+                for dep in &surplus {
+                    inner.sync_units(dep);
+                }
+            })
+            .await;
+        }
         let now = Instant::now();
         let inputs = self.read(|inner| inner.scale_inputs(now));
         if inputs.is_empty() {

@@ -405,6 +405,9 @@ pub(crate) struct State {
     /// The deployments with more than one instance (or instances past their `replicas`):
     /// what the scaler reads (kept by [`State::sync_units`] and [`State::remove`]).
     pub(crate) replicated: BTreeSet<String>,
+    /// The deployments with several instances an operator parked: the scaler brings none of
+    /// their instances up again until a request or a start brings one up ([`State::begin_up`]).
+    pub(crate) operator_parked: BTreeSet<String>,
     /// The host an instance's key names while it is on none (standalone's one host).
     pub(crate) host_id: String,
     /// Some host says `lifecycle.activation: explicit`: every deployment is explicit then.
@@ -603,6 +606,22 @@ impl State {
         }
     }
 
+    /// The deployments with an instance past `replicas` that holds nothing any more (the
+    /// scaler stopped it, or it failed): [`State::sync_units`] drops it.
+    pub(crate) fn settled_surplus(&self) -> Vec<String> {
+        self.replicated
+            .iter()
+            .filter(|id| {
+                self.deps.get(*id).is_some_and(|first| {
+                    let replicas = first.rec.doc.replicas();
+                    self.units_of(id)
+                        .any(|u| u.index >= replicas && u.holds_nothing())
+                })
+            })
+            .cloned()
+            .collect()
+    }
+
     /// What the scaler reads of each deployment with several instances
     /// ([`crate::scale::decide`]): its replicas, scale, operator's stop and instances.
     pub(crate) fn scale_inputs(&self, now: Instant) -> Vec<ScaleInput> {
@@ -631,8 +650,9 @@ impl State {
                     deployment: id.clone(),
                     replicas: first.rec.doc.replicas(),
                     scale: first.rec.doc.scale(),
-                    // Held or fenced: the scaler moves nothing either.
+                    // Parked by an operator, held or fenced: the scaler moves nothing either.
                     stopped: first.rec.operator_stopped
+                        || self.operator_parked.contains(id)
                         || self.held.is_some()
                         || self.fence.is_some(),
                     units,
@@ -669,7 +689,7 @@ impl State {
                 d.state,
                 InstanceState::Parked | InstanceState::Stopped | InstanceState::Failed
             );
-        if !free || self.held.is_some() {
+        if !free || self.held.is_some() || self.operator_parked.contains(dep_of_unit(unit)) {
             return None;
         }
         let (placed, fit) = self.place_target(unit, &BTreeSet::new(), Victims::None, now);
@@ -683,6 +703,7 @@ impl State {
     /// Removes deployment `id` (every instance; the first is returned).
     pub(crate) fn remove(&mut self, id: &str) -> Option<Dep> {
         self.replicated.remove(id);
+        self.operator_parked.remove(id);
         for unit in self.unit_ids(id) {
             if unit != id {
                 self.set_host(&unit, None);
@@ -1219,6 +1240,9 @@ impl State {
             // Brought up by this leader: no longer the previous leader's.
             f.ids.remove(id);
         }
+        // In use again: the scaler brings up the other instances (never called by the scaler
+        // for an operator-parked deployment: `scale_up`).
+        self.operator_parked.remove(dep_of_unit(id));
         let d = self.deps.get_mut(id)?;
         if std::mem::take(&mut d.rec.pending_start) || d.state != InstanceState::Parked {
             // A pending start taken, a new generation: saved by the bring-up.

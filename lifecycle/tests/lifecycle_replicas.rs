@@ -27,6 +27,7 @@ const WINDOW: Duration = Duration::from_secs(2);
 struct Scene {
     server: Arc<Server>,
     router: CoordinatorHandle,
+    store: Arc<MemoryStore>,
 }
 
 /// Two GPUs of 10 GiB; `r` (two replicas) and `b`, 6 GiB each: one instance per GPU.
@@ -49,9 +50,8 @@ fn timed() -> FakeHost {
 async fn scene_of(agent: impl Into<Arc<FakeHost>>, models: &[(&str, &str)]) -> Scene {
     let mut lc = LifecycleConfig::new("h");
     lc.timer_tick = Duration::from_millis(100);
-    let server = Server::open(agent.into(), Arc::new(MemoryStore::default()), lc)
-        .await
-        .unwrap();
+    let store = Arc::new(MemoryStore::default());
+    let server = Server::open(agent.into(), store.clone(), lc).await.unwrap();
     let router = server
         .spawn_router(
             server.clone(),
@@ -73,7 +73,11 @@ async fn scene_of(agent: impl Into<Arc<FakeHost>>, models: &[(&str, &str)]) -> S
         .unwrap();
         server.deploy(doc).await.unwrap();
     }
-    Scene { server, router }
+    Scene {
+        server,
+        router,
+        store,
+    }
 }
 
 impl Scene {
@@ -265,4 +269,142 @@ async fn requests_go_where_the_engines_have_nothing_waiting() {
         let (waited, on) = h.await.unwrap();
         assert_eq!((waited, on), (Duration::ZERO, 1));
     }
+}
+
+/// `replicas` lowered from 2 to 1: the scaler stops the instance past it, and the instance is
+/// then gone from the deployment (not left behind, stopped, under READY 1/1).
+#[tokio::test(start_paused = true)]
+async fn an_instance_past_a_lowered_replicas_is_stopped_and_gone() {
+    use InstanceState::Ready;
+    let s = scene_of(timed(), &[("r", "replicas: 2\n")]).await;
+    s.request("r", Duration::ZERO).await.unwrap();
+    s.until("both ready", |s| s.states("r") == [Ready, Ready])
+        .await;
+    let doc = parse_deployment_str(
+        "t.yaml",
+        "name: r\nengine: vllm\nmodel: m\nresources: {gpu_memory: 6GiB}\nreplicas: 1\n",
+    )
+    .unwrap();
+    s.server.deploy(doc).await.unwrap();
+    s.until("one instance left", |s| s.states("r") == [Ready])
+        .await;
+    assert_eq!(s.server.view("r").unwrap().ready, "1/1");
+}
+
+/// An operator's park while the second instance is still starting (it came a tick after the
+/// first): the ready one parks at once, the starting one once it is ready, and the scaler
+/// does not wake either again (the deployment is not in use); a request then wakes it, and
+/// the scaler brings up the other.
+#[tokio::test(start_paused = true)]
+async fn a_park_takes_an_instance_still_starting_and_the_scaler_leaves_it_parked() {
+    use InstanceState::{Parked, Ready, Starting};
+    let s = scene_of(timed(), &[("r", "replicas: 2\n")]).await;
+    s.request("r", Duration::ZERO).await.unwrap();
+    assert_eq!(s.states("r"), [Ready, Starting]);
+    s.server.park("r").await.unwrap();
+    s.until("both parked", |s| s.states("r") == [Parked, Parked])
+        .await;
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    assert_eq!(s.states("r"), [Parked, Parked], "nothing woke them");
+    s.request("r", Duration::ZERO).await.unwrap();
+    s.until("both ready again", |s| s.states("r") == [Ready, Ready])
+        .await;
+}
+
+/// `start --evict --wait` while instance 0 was taken as a victim and its sibling serves (with
+/// `scale.min: 1` one instance is what a start wants): the start answers at once, the
+/// deployment serving, instead of waiting for instance 0 forever.
+#[tokio::test(start_paused = true)]
+async fn a_waited_start_ends_when_a_sibling_serves_and_the_first_instance_is_parked() {
+    use InstanceState::{Parked, Ready};
+    let s = scene().await;
+    s.request("r", Duration::ZERO).await.unwrap();
+    s.until("both ready", |s| s.states("r") == [Ready, Ready])
+        .await;
+    // A short request (instance 0), then a long one (instance 1): b's wave takes the idle
+    // instance 0.
+    let short = s.request("r", Duration::from_millis(10));
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    let _long = s.request("r", Duration::from_secs(600));
+    short.await.unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    s.request("b", Duration::ZERO).await.unwrap();
+    assert_eq!(s.states("r"), [Parked, Ready]);
+    let doc = parse_deployment_str(
+        "t.yaml",
+        "name: r\nengine: vllm\nmodel: m\nresources: {gpu_memory: 6GiB}\nreplicas: 2\nscale: {min: 1, target_in_flight: 24, scale_down_delay: 600s}\n",
+    )
+    .unwrap();
+    s.server.deploy(doc).await.unwrap();
+    let started = tokio::time::timeout(
+        Duration::from_secs(120),
+        s.server.start(
+            "r",
+            capyctl_spec::api::StartRequest {
+                evict: true,
+                wait: true,
+            },
+        ),
+    )
+    .await;
+    let receipt = started.expect("start --evict --wait answers").unwrap();
+    assert_eq!(receipt.action, "start");
+    assert_eq!(s.states("r"), [Parked, Ready]);
+}
+
+/// `stop` of a deployment with two ready instances, one running a long request: from the
+/// stop on no instance admits a request (the other instance is closed with the first, not
+/// after its drain): while the first drains a request gets 503 `unavailable` (the router's
+/// answer for a deployment finishing its work, as for one instance), and once it is stopped
+/// `deployment_stopped`; the running request ends.
+#[tokio::test(start_paused = true)]
+async fn after_a_stop_begins_no_instance_admits_a_request() {
+    use InstanceState::Ready;
+    let s = scene_of(timed(), &[("r", "replicas: 2\n")]).await;
+    s.request("r", Duration::ZERO).await.unwrap();
+    s.until("both ready", |s| s.states("r") == [Ready, Ready])
+        .await;
+    let long = s.request("r", Duration::from_secs(20));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let server = s.server.clone();
+    let stop = tokio::spawn(async move { server.stop("r").await });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let ask = || async {
+        let d = s.router.resolve("r").unwrap();
+        s.router
+            .admit(d, Instant::now() + Duration::from_secs(600))
+            .await
+            .map(|p| p.upstream().key.index)
+            .map_err(|e| (e.status(), e.code()))
+    };
+    assert_eq!(ask().await, Err((503, "unavailable")));
+    long.await.unwrap();
+    stop.await.unwrap().unwrap();
+    assert_eq!(ask().await, Err((409, "deployment_stopped")));
+}
+
+/// The stored record of a deployment is its own (instance 0's), whatever instance changed: the
+/// scaler's start of instance 1 (whose copy has no first answer yet) does not write over it.
+#[tokio::test(start_paused = true)]
+async fn an_instance_coming_up_does_not_write_over_the_deployments_record() {
+    use InstanceState::{Ready, Starting};
+    let scale = "replicas: 2\nscale: {min: 1, target_in_flight: 1, scale_down_delay: 600s}\n";
+    let s = scene_of(timed(), &[("r", scale)]).await;
+    s.request("r", Duration::ZERO).await.unwrap();
+    let id = s.server.view("r").unwrap().id;
+    let stored = || s.store.get(&id).unwrap();
+    let before = stored();
+    assert_eq!(before.generation, 1);
+    assert!(before.first_answer.is_some(), "{before:?}");
+    // Two requests in flight on one instance, past the target of 1: the scaler starts the second.
+    let _a = s.request("r", Duration::from_secs(60));
+    let _b = s.request("r", Duration::from_secs(60));
+    s.until("the second instance starting", |s| {
+        s.states("r").get(1) == Some(&Starting)
+    })
+    .await;
+    assert_eq!(stored(), before);
+    s.until("both ready", |s| s.states("r") == [Ready, Ready])
+        .await;
+    assert_eq!(stored(), before);
 }
