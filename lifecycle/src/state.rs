@@ -133,13 +133,18 @@ impl Dep {
     }
 
     /// The spec its engine starts with: its deployment's, on the GPUs placement chose for it
-    /// (`CUDA_VISIBLE_DEVICES`) when its host has several.
+    /// (`CUDA_VISIBLE_DEVICES`) when its host has several. Those are NVML's indices (PCI bus
+    /// order, as `nvidia-smi` numbers them), so `CUDA_DEVICE_ORDER=PCI_BUS_ID` goes with them:
+    /// CUDA's own default order puts the fastest GPU first, which on a box of mixed GPUs would
+    /// give the engine other GPUs than the ones whose memory was counted for it.
     pub(crate) fn launch_spec(&self) -> InstanceSpec {
         let mut spec = self.spec.clone();
         if !self.gpus.is_empty() {
             let list: Vec<String> = self.gpus.iter().map(u32::to_string).collect();
             spec.env
                 .insert(crate::VISIBLE_DEVICES.to_string(), list.join(","));
+            spec.env
+                .insert("CUDA_DEVICE_ORDER".to_string(), "PCI_BUS_ID".to_string());
         }
         spec
     }
@@ -2302,10 +2307,9 @@ mod tests {
             assert_eq!(host.as_deref(), Some("box"));
             assert_eq!(gpus.len(), 1);
             assert!(used.insert(gpus[0]), "{unit} on a GPU of its own: {gpus:?}");
-            assert_eq!(
-                s.deps[unit].launch_spec().env["CUDA_VISIBLE_DEVICES"],
-                gpus[0].to_string()
-            );
+            let env = s.deps[unit].launch_spec().env;
+            assert_eq!(env["CUDA_VISIBLE_DEVICES"], gpus[0].to_string());
+            assert_eq!(env["CUDA_DEVICE_ORDER"], "PCI_BUS_ID", "NVML's numbering");
         }
         // A fourth (replicas raised) finds the free GPU only.
         let mut d = s.deps["r"].rec.clone();

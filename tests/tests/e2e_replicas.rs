@@ -30,14 +30,19 @@ fn ready(status: &Value) -> Vec<&Value> {
         .collect()
 }
 
-/// The `CUDA_VISIBLE_DEVICES` the engine process `pid` runs with.
+/// The `CUDA_VISIBLE_DEVICES` the engine process `pid` runs with (NVML's numbering: its
+/// `CUDA_DEVICE_ORDER` is `PCI_BUS_ID`).
 fn visible_devices(pid: u64) -> String {
     let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
-    env.split(|b| *b == 0)
-        .filter_map(|kv| std::str::from_utf8(kv).ok())
-        .find_map(|kv| kv.strip_prefix("CUDA_VISIBLE_DEVICES="))
-        .unwrap_or_default()
-        .to_string()
+    let var = |name: &str| {
+        env.split(|b| *b == 0)
+            .filter_map(|kv| std::str::from_utf8(kv).ok())
+            .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert_eq!(var("CUDA_DEVICE_ORDER"), "PCI_BUS_ID", "engine {pid}");
+    var("CUDA_VISIBLE_DEVICES")
 }
 
 #[test]
