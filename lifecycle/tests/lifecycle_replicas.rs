@@ -297,12 +297,31 @@ async fn an_instance_past_a_lowered_replicas_is_stopped_and_gone() {
 /// the scaler brings up the other.
 #[tokio::test(start_paused = true)]
 async fn a_park_takes_an_instance_still_starting_and_the_scaler_leaves_it_parked() {
-    use InstanceState::{Parked, Ready, Starting};
+    use InstanceState::{Parked, Ready, Starting, Waking};
     let s = scene_of(timed(), &[("r", "replicas: 2\n")]).await;
     s.request("r", Duration::ZERO).await.unwrap();
     assert_eq!(s.states("r"), [Ready, Starting]);
     s.server.park("r").await.unwrap();
     s.until("both parked", |s| s.states("r") == [Parked, Parked])
+        .await;
+    // Parked, then one instance woken by a request whose wave is under way: as for one
+    // instance, only a ready deployment parks (the one on its way is not left to come up
+    // while the park says it is done).
+    let woken = s.request("r", Duration::ZERO);
+    s.until("one waking", |s| s.states("r").contains(&Waking))
+        .await;
+    let e = s.server.park("r").await.unwrap_err();
+    assert_eq!(e.code(), "conflict", "{e:?}");
+    assert!(
+        e.message()
+            .contains("is waking; only a ready deployment parks"),
+        "{e:?}"
+    );
+    woken.await.unwrap();
+    s.until("both ready again", |s| s.states("r") == [Ready, Ready])
+        .await;
+    s.server.park("r").await.unwrap();
+    s.until("both parked again", |s| s.states("r") == [Parked, Parked])
         .await;
     tokio::time::sleep(Duration::from_secs(20)).await;
     assert_eq!(s.states("r"), [Parked, Parked], "nothing woke them");
@@ -407,4 +426,35 @@ async fn an_instance_coming_up_does_not_write_over_the_deployments_record() {
     s.until("both ready", |s| s.states("r") == [Ready, Ready])
         .await;
     assert_eq!(stored(), before);
+}
+
+/// An operator's park of two ready instances where one does not park (its drain passes the
+/// router's bound, 30 s here, and it serves again): the deployment is in use on that
+/// instance, so the scaler brings the parked sibling back (`replicas: 2`, no `scale`: both
+/// run while it is in use).
+#[tokio::test(start_paused = true)]
+async fn a_park_that_does_not_take_leaves_the_deployment_to_the_scaler() {
+    use InstanceState::{Parked, Parking, Ready};
+    let s = scene_of(timed(), &[("r", "replicas: 2\n")]).await;
+    s.request("r", Duration::ZERO).await.unwrap();
+    s.until("both ready", |s| s.states("r") == [Ready, Ready])
+        .await;
+    // A request longer than the drain bound on one instance.
+    let _long = s.request("r", Duration::from_secs(600));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    s.server.park("r").await.unwrap();
+    // The idle one parks; the busy one drains (parking).
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let mut st = s.states("r");
+    st.sort_by_key(|s| *s == Parked);
+    assert_eq!(st, [Parking, Parked]);
+    // Its drain passes the bound (30 s): it serves on, and the scaler wakes its sibling.
+    s.until("the parked instance back", |s| {
+        s.states("r") == [Ready, Ready]
+    })
+    .await;
+    for _ in 0..5 {
+        let (waited, _) = s.request("r", Duration::from_secs(1)).await.unwrap();
+        assert_eq!(waited, Duration::ZERO);
+    }
 }
