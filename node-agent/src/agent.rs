@@ -552,7 +552,8 @@ impl std::fmt::Debug for LocalHostAgent {
     }
 }
 
-fn now_ms() -> u64 {
+/// The wall clock in Unix milliseconds (what samples are dated with).
+pub(crate) fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))

@@ -952,6 +952,40 @@ fn a_renamed_metric_counts_once_and_ranks_combine() {
 }
 
 #[test]
+fn a_node_agents_samples_are_dated_on_the_callers_clock_from_their_age() {
+    use capyctl_node_agent::remote::wire::SamplesPage;
+    let sample = |at| LoadSample {
+        sampled_at_ms: at,
+        took: std::time::Duration::from_millis(2),
+        engine: None,
+    };
+    // The agent's clock 10 s ahead of the caller's: a sample 400 ms old there is 400 ms old
+    // here (dated on the agent's clock it would look 10 s newer than now, fresh for 13 s).
+    let page: SamplesPage = serde_json::from_value(json!({
+        "samples": {"a": sample(1_000_100_000), "b": sample(1_000_099_000)},
+        "now_ms": 1_000_100_400u64,
+    }))
+    .unwrap();
+    let here = page.rebased(1_000_090_400);
+    assert_eq!(here["a"].sampled_at_ms, 1_000_090_000);
+    assert_eq!(here["a"].age_ms(1_000_090_400), 400);
+    assert_eq!(here["b"].sampled_at_ms, 1_000_089_000);
+    // 20 s behind: the same ages (dated on the agent's clock, every sample would be stale).
+    let page = SamplesPage {
+        samples: [("a".to_string(), sample(1_000_100_000))].into(),
+        now_ms: 1_000_100_400,
+    };
+    let here = page.rebased(1_000_120_400);
+    assert!(here["a"].fresh(1_000_120_400));
+    assert_eq!(here["a"].sampled_at_ms, 1_000_120_000);
+    // An agent that does not say its clock: the samples as they came.
+    let page: SamplesPage =
+        serde_json::from_value(json!({"samples": {"a": sample(1_000_100_000)}})).unwrap();
+    assert_eq!(page.now_ms, 0);
+    assert_eq!(page.rebased(5)["a"].sampled_at_ms, 1_000_100_000);
+}
+
+#[test]
 fn samples_age_go_stale_and_are_dropped() {
     use capyctl_spec::api::{EngineLoadView, STALE_AFTER_MS, STALE_SAMPLE_KEPT_MS};
     let at = 1_791_459_999_600;

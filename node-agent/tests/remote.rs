@@ -416,6 +416,16 @@ async fn a_wrong_token_is_refused() {
     let (status, body) = raw_get(&format!("{}/agent/v1/samples", s.url), Some(TOKEN)).await;
     assert_eq!(status, StatusCode::OK);
     assert!(body["samples"].is_object());
+    // The agent's clock, for the caller to date the samples on its own.
+    let agent_now = body["now_ms"].as_u64().unwrap();
+    let before = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    assert!(
+        agent_now.abs_diff(before) < 60_000,
+        "{agent_now} vs {before}"
+    );
 
     let r = remote(&s.url, "nope");
     let err = r.inventory().await.unwrap_err();

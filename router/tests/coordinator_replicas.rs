@@ -208,11 +208,18 @@ async fn least_loaded_counts_a_fresh_engine_waiting_count_and_not_a_stale_one() 
     held.extend(admit_n(&h, &a, 1, None).await);
     assert_eq!((on(&held, 0), on(&held, 1)), (1, 11), "1 + 10 > 11 + 0");
 
-    // Past 2 s the sample counts as 0: the router's own counts decide (1 against 11).
-    tokio::time::sleep(Duration::from_millis(2001)).await;
+    // 3 s on (the load read's stale_after_ms) the sample counts as 0: the router's own
+    // counts decide.
+    tokio::time::sleep(Duration::from_millis(2999)).await;
+    quiesce().await;
+    // Still fresh 1 ms before: 1 + 10 against 11 is a tie (to instance 0), then 2 + 10
+    // against 11 (to instance 1); were it stale, both would go to instance 0.
+    held.extend(admit_n(&h, &a, 2, None).await);
+    assert_eq!((on(&held, 0), on(&held, 1)), (2, 12));
+    tokio::time::sleep(Duration::from_millis(1)).await;
     quiesce().await;
     held.extend(admit_n(&h, &a, 10, None).await);
-    assert_eq!((on(&held, 0), on(&held, 1)), (11, 11));
+    assert_eq!((on(&held, 0), on(&held, 1)), (12, 12));
 }
 
 #[tokio::test(start_paused = true)]
@@ -287,4 +294,41 @@ async fn prefix_spreads_different_prompts_and_a_waiter_keeps_its_key() {
     end_one(&mut held, 1).await;
     assert_eq!(waiter.permit().await.upstream().addr.port(), 9001);
     drop(first);
+}
+
+#[tokio::test(start_paused = true)]
+async fn waiters_end_when_the_last_open_instance_goes_while_another_drains() {
+    let (fake, h, a) = replicas(2).await;
+    fake.announce(A).await;
+    quiesce().await;
+    // Both full; a waiter.
+    let held = admit_n(&h, &a, 64, None).await;
+    let waiter = Ask::new(&h, &a, None);
+    quiesce().await;
+    assert!(waiter.waiting());
+    // Instance 0 is released (a scale-down, an operator's park): it drains its 32; the
+    // waiter still waits for instance 1's slots.
+    let release = {
+        let (h, key) = (h.clone(), fake.key(A, 0));
+        tokio::spawn(async move { h.release(vec![key]).await })
+    };
+    quiesce().await;
+    assert!(waiter.waiting());
+    // Instance 1 crashes: no open instance is left, so the waiter ends as one that comes
+    // now does (503 unavailable), not at its deadline.
+    h.instance_gone(fake.key(A, 1)).await;
+    quiesce().await;
+    let closed = ApiError::DispatchClosed {
+        deployment: A.into(),
+    };
+    assert!(!waiter.waiting());
+    assert_eq!(waiter.0.await.unwrap().unwrap_err(), closed);
+    let now = Ask::new(&h, &a, None);
+    quiesce().await;
+    assert_eq!(now.0.await.unwrap().unwrap_err(), closed);
+    // Instance 0's requests ran on; its drain ends with them.
+    assert!(!release.is_finished());
+    drop(held);
+    quiesce().await;
+    assert!(release.await.unwrap().is_ok());
 }

@@ -144,9 +144,10 @@ struct Inner {
 /// A [`HostAgent`] served by a node agent over HTTP (`capyctl-node-agent`, [`super::router`]).
 ///
 /// Two background tasks run while it lives: one polls `GET /agent/v1/samples` every
-/// [`RemoteConfig::sample_poll`] and keeps the latest sample per instance for [`HostAgent::sample`]
-/// (as the agent took it: its `sampled_at_ms` tells its age; a sample the agent no longer holds
-/// goes, one that merely ages while the agent is unreachable stays); the other long-polls
+/// [`RemoteConfig::sample_poll`] and keeps the latest sample per instance for
+/// [`HostAgent::sample`] (dated on this host's clock from its age on the agent's:
+/// [`SamplesPage::rebased`]; a sample the agent no longer holds goes, one that merely ages
+/// while the agent is unreachable stays); the other long-polls
 /// `GET /agent/v1/exits` and sends each exit to [`HostAgent::subscribe_exits`]. Connections are
 /// kept alive and reused. Every error of a call names the agent's URL.
 pub struct RemoteHostAgent {
@@ -324,14 +325,15 @@ impl Inner {
                     }
                     failing = false;
                     reached = true;
+                    let samples = page.rebased(crate::agent::now_ms());
                     let mut c = self.cache();
                     if c.forgets == forgets {
-                        c.by_instance = page.samples.into_iter().collect();
+                        c.by_instance = samples.into_iter().collect();
                     } else {
                         // Something was forgotten while the poll was in flight: update only
                         // what is still held.
-                        c.by_instance.retain(|id, _| page.samples.contains_key(id));
-                        for (id, s) in page.samples {
+                        c.by_instance.retain(|id, _| samples.contains_key(id));
+                        for (id, s) in samples {
                             if let Some(held) = c.by_instance.get_mut(&id) {
                                 *held = s;
                             }

@@ -21,7 +21,7 @@
 //! | `POST /agent/v1/instances/{id}/wake` | | [`WakeReport`](crate::agent::WakeReport) (a failed check is a 200 with its outcome) | 404, 409 |
 //! | `POST /agent/v1/instances/{id}/stop` | | `{"instance": id, "stopped": true}` | 404, 500 |
 //! | `GET /agent/v1/instances/{id}/sample` | | [`LoadSample`](crate::load::LoadSample) | 404 when none is held |
-//! | `GET /agent/v1/samples` | | [`wire::SamplesPage`]: `{"samples": {id: LoadSample}}`, every instance's latest | |
+//! | `GET /agent/v1/samples` | | [`wire::SamplesPage`]: `{"samples": {id: LoadSample}, "now_ms": the agent's clock}`, every instance's latest | |
 //! | `POST /agent/v1/recover` | | [`RecoveryReport`](crate::agent::RecoveryReport) | 500 |
 //! | `GET /agent/v1/exits?after=N&epoch=E&wait_ms=W` | | [`wire::ExitsPage`] | |
 //!

@@ -519,6 +519,28 @@ fn wake_failure(code: &str) -> Option<WakeFailure> {
 pub struct SamplesPage {
     /// By instance ID.
     pub samples: BTreeMap<String, LoadSample>,
+    /// The agent's clock when it answered (Unix milliseconds; 0, or absent, from an agent
+    /// before it): the caller takes each sample's age from it and dates the sample on its
+    /// own clock ([`SamplesPage::rebased`]), so that hosts whose clocks are apart neither age
+    /// nor freshen each other's samples.
+    #[serde(default)]
+    pub now_ms: u64,
+}
+
+impl SamplesPage {
+    /// The samples dated on the caller's clock: each `sampled_at_ms` is `local_now_ms` less
+    /// the sample's age on the agent's clock (the time the answer took counts as age). As
+    /// they came when the agent did not say its clock.
+    pub fn rebased(self, local_now_ms: u64) -> BTreeMap<String, LoadSample> {
+        let agent_now = self.now_ms;
+        let mut samples = self.samples;
+        if agent_now != 0 {
+            for s in samples.values_mut() {
+                s.sampled_at_ms = local_now_ms.saturating_sub(s.age_ms(agent_now));
+            }
+        }
+        samples
+    }
 }
 
 /// One exit in [`ExitsPage`], with its sequence number.

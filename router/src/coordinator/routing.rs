@@ -4,7 +4,7 @@
 //!
 //! - **least_loaded** (the default): the open instance with room (fewer than the per-instance
 //!   bound running) and the least `router in-flight + engine waiting`, the engine's waiting
-//!   count taken from a sample no older than [`ENGINE_SAMPLE_FRESH`] (an older one, or none,
+//!   count taken from a sample younger than [`ENGINE_SAMPLE_FRESH`] (an older one, or none,
 //!   counts as 0); ties go to the fewest router in-flight, then the lowest key.
 //! - **prefix**: consistent hashing with bounded load (Mirrokni, Thorup, Zadimoghaddam,
 //!   "Consistent Hashing with Bounded Loads", 2018). Each open instance has [`VNODES`] points
@@ -23,9 +23,14 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-/// An engine's waiting count older than this counts as 0 (the lifecycle samples each engine
-/// about once a second; two missed samples and the count says nothing about now).
-pub(crate) const ENGINE_SAMPLE_FRESH: Duration = Duration::from_secs(2);
+/// An engine's waiting count this old or older counts as 0: the load read's `stale_after_ms`,
+/// the product page's one meaning of a fresh sample. A host samples each engine about once a
+/// second, a node agent's samples are read about once a second, and the lifecycle passes them
+/// on about once a second, so a count read here is up to about 3 s old on a node agent's
+/// host (a tighter bound would drop a sample on its way rather than one that says nothing
+/// about now).
+pub(crate) const ENGINE_SAMPLE_FRESH: Duration =
+    Duration::from_millis(capyctl_spec::api::STALE_AFTER_MS);
 
 /// The bytes of a prompt that make its prefix key (`prompt` for completions, the
 /// concatenated `messages[].content` for chat; see `proxy::prompt_prefix`): a system prompt or
@@ -60,7 +65,7 @@ impl Load {
     /// The engine's waiting count, if its sample is fresh at `now`, else 0.
     pub(crate) fn waiting_at(&self, now: Instant) -> usize {
         match self.sampled_at {
-            Some(at) if now.saturating_duration_since(at) <= ENGINE_SAMPLE_FRESH => {
+            Some(at) if now.saturating_duration_since(at) < ENGINE_SAMPLE_FRESH => {
                 self.engine_waiting
             }
             _ => 0,
@@ -83,7 +88,12 @@ pub(crate) fn least_loaded(
         if load.in_flight >= cap {
             continue;
         }
-        let score = (load.in_flight + load.waiting_at(now), load.in_flight);
+        // NB: saturating: an engine's waiting count is whatever its metrics said (a count
+        // past `usize` is read as `usize::MAX`).
+        let score = (
+            load.in_flight.saturating_add(load.waiting_at(now)),
+            load.in_flight,
+        );
         if best.is_none_or(|(s, f, _)| score < (s, f)) {
             best = Some((score.0, score.1, i));
         }
@@ -271,8 +281,8 @@ mod tests {
     #[test]
     fn a_stale_engine_sample_counts_as_zero() {
         let now = Instant::now() + Duration::from_secs(10);
-        let stale = Some(now - ENGINE_SAMPLE_FRESH - Duration::from_millis(1));
-        let edge = Some(now - ENGINE_SAMPLE_FRESH);
+        let stale = Some(now - ENGINE_SAMPLE_FRESH);
+        let edge = Some(now - ENGINE_SAMPLE_FRESH + Duration::from_millis(1));
         assert_eq!(load(0, 7, stale).unwrap().waiting_at(now), 0);
         assert_eq!(load(0, 7, edge).unwrap().waiting_at(now), 7);
         assert_eq!(load(0, 7, None).unwrap().waiting_at(now), 0);
@@ -280,6 +290,18 @@ mod tests {
         assert_eq!(
             least_loaded(now, 32, [load(1, 50, stale), load(2, 0, None)]),
             Some(0)
+        );
+    }
+
+    #[test]
+    fn an_engine_waiting_count_past_usize_does_not_overflow_the_score() {
+        let now = Instant::now();
+        let fresh = Some(now);
+        // An engine whose metrics said 1e20 waiting (read as usize::MAX) while the router
+        // runs one there: the other instance, not a wrapped score.
+        assert_eq!(
+            least_loaded(now, 32, [load(1, usize::MAX, fresh), load(5, 0, fresh)]),
+            Some(1)
         );
     }
 

@@ -823,6 +823,15 @@ impl State {
         if let Some(dep) = self.deployments.get_mut(&key.deployment) {
             dep.instances.remove(&key);
             dep.note_servable(now);
+            if !dep.has_open() && dep.has_closed() {
+                // The last open instance went while others drain: its waiters (they waited
+                // for its in-flight slots) end as when it closes (`close`), and as a request
+                // that comes now does (`admit`).
+                let e = ApiError::DispatchClosed {
+                    deployment: key.deployment.clone(),
+                };
+                self.fail_waiters(&key.deployment, &e, fx);
+            }
         }
         // NB: a victim that went away stays in its switch's or release's list: it counts as
         // drained (nothing charged) and is still named in the order, so that the lifecycle
