@@ -300,7 +300,7 @@ enum NoRoom {
     /// idle timer).
     Refuse,
     /// Stop it instead (`released: stopped (no room to park)`): a switch's victim, whose
-    /// memory a waiting model needs.
+    /// memory a waiting model needs, or an instance the scaler takes away.
     Stop,
 }
 
@@ -2002,8 +2002,15 @@ impl Server {
         down: Option<bool>,
         stop: bool,
     ) -> Result<Option<Released>, ApiError> {
-        self.release_recorded(cause, id, rid, down, self.take_down(id, rid, down, stop))
-            .await
+        // The scaler's park is its own choice (one instance fewer): with no room to park, the
+        // instance stops instead of serving on (and being drained again at the next delay).
+        let no_room = if cause == SwitchCause::Scale {
+            NoRoom::Stop
+        } else {
+            NoRoom::Refuse
+        };
+        let work = self.take_down(id, rid, down, stop, no_room);
+        self.release_recorded(cause, id, rid, down, work).await
     }
 
     /// Runs `work`, the release of `id` (reserved by `rid`) that `cause` asked for, as a switch
@@ -2840,6 +2847,7 @@ impl Server {
         _rid: &str,
         down: Option<bool>,
         stop: bool,
+        no_room: NoRoom,
     ) -> Result<Option<Released>, ApiError> {
         match down {
             None => Ok(None),
@@ -2854,24 +2862,25 @@ impl Server {
                     InstanceState::Parking
                 };
                 let reports = self.drain(&[id.to_string()], shown).await?;
-                self.put_away_drained(id, stop, &reports).await.map(Some)
+                self.put_away_drained(id, stop, &reports, no_room)
+                    .await
+                    .map(Some)
             }
         }
     }
 
     /// Parks a drained ready `id` (or stops it: `stop`, or a request on it was cut before
-    /// output, `reports`).
+    /// output, `reports`; or there is no room to park it and `no_room` says stop).
     async fn put_away_drained(
         &self,
         id: &str,
         stop: bool,
         reports: &HashMap<String, DrainReport>,
+        no_room: NoRoom,
     ) -> Result<Released, ApiError> {
         let cut = reports.get(id).is_some_and(|r| r.cut_before_output);
         let put = if stop || cut { Put::Stop } else { Put::Park };
-        self.put_away(id, put, NoRoom::Refuse)
-            .await
-            .map(|p| p.released)
+        self.put_away(id, put, no_room).await.map(|p| p.released)
     }
 
     /// The idle timers' [`Server::take_down`] (`down` from [`State::begin_down`]: a ready
@@ -2911,7 +2920,9 @@ impl Server {
         }
         let put = async {
             if ready {
-                self.put_away_drained(id, false, &reports).await.map(|_| ())
+                self.put_away_drained(id, false, &reports, NoRoom::Refuse)
+                    .await
+                    .map(|_| ())
             } else {
                 self.put_away(id, Put::Stop, NoRoom::Refuse)
                     .await
@@ -3431,11 +3442,19 @@ impl Server {
             };
             match answer.decision {
                 scale::Decision::Nothing => {}
-                scale::Decision::Up(unit) => {
+                scale::Decision::Up(units) => {
+                    // The first that has room now (in one owner turn: no other change comes
+                    // between the tries).
                     let up = self
-                        .on(&unit, |inner, id| inner.scale_up(id, Instant::now()))
+                        .write(move |inner| {
+                            let now = Instant::now();
+                            units.into_iter().find_map(|unit| {
+                                let up = inner.scale_up(&unit, now)?;
+                                Some((unit, up))
+                            })
+                        })
                         .await;
-                    let Some(up) = up else { continue };
+                    let Some((unit, up)) = up else { continue };
                     tracing::info!(instance = %unit_instance(&unit), how = ?up, in_flight, waiting, "scale: one more instance");
                     self.spawn(move |me| {
                         Box::pin(async move {

@@ -69,8 +69,10 @@ pub(crate) struct Input<'a> {
 pub(crate) enum Decision {
     /// Nothing now.
     Nothing,
-    /// Bring this instance up (wake it, or start it), into free room.
-    Up(String),
+    /// Bring one of these instances up (wake it, or start it), into free room: the first
+    /// that has room now (a parked one can wake only where it parked, and another model may
+    /// have taken that GPU meanwhile: then the next is tried).
+    Up(Vec<String>),
     /// Take this ready instance down (park it; `stop`: stop it, an instance past `replicas`).
     Down { unit: String, stop: bool },
 }
@@ -109,7 +111,8 @@ pub(crate) fn decide(input: &Input<'_>, now: Instant) -> Answer {
     if input.stopped || ready + coming == 0 {
         return nothing(None);
     }
-    // The next instance to bring up: a parked one first (a wake is quicker), lowest index.
+    // The instances to bring up, best first: a parked one first (a wake is quicker), lowest
+    // index.
     let next_up = || {
         let mut free: Vec<&&UnitInfo> = within
             .iter()
@@ -122,14 +125,18 @@ pub(crate) fn decide(input: &Input<'_>, now: Instant) -> Answer {
             })
             .collect();
         free.sort_by_key(|u| (u.state != InstanceState::Parked, u.index));
-        free.first().map(|u| u.unit.clone())
+        free.iter().map(|u| u.unit.clone()).collect::<Vec<_>>()
     };
-    let up = |below_since| match next_up() {
-        Some(unit) => Answer {
-            decision: Decision::Up(unit),
-            below_since,
-        },
-        None => nothing(below_since),
+    let up = |below_since| {
+        let units = next_up();
+        if units.is_empty() {
+            nothing(below_since)
+        } else {
+            Answer {
+                decision: Decision::Up(units),
+                below_since,
+            }
+        }
     };
     let Some(scale) = input.scale else {
         return if ready + coming < replicas as usize {
@@ -237,7 +244,7 @@ mod tests {
         let u = units(&[Ready, Stopped, Parked, Stopped]);
         assert_eq!(
             decide(&input(&u, None, 0), now).decision,
-            Decision::Up("d-2".into())
+            Decision::Up(vec!["d-2".into(), "d-1".into(), "d-3".into()])
         );
         // All coming or ready: nothing; an operator's stop: nothing.
         let u = units(&[Ready, Starting, Starting, Ready]);
@@ -259,7 +266,7 @@ mod tests {
         );
         assert_eq!(
             decide(&input(&u, scale(1, 24), 25), now).decision,
-            Decision::Up("d-1".into())
+            Decision::Up(vec!["d-1".into(), "d-2".into(), "d-3".into()])
         );
         // While one is on its way, nothing more.
         let u = units(&[Ready, Starting, Stopped, Stopped]);
@@ -271,7 +278,10 @@ mod tests {
         let u = units(&[Ready, Ready, Stopped, Stopped]);
         let mut i = input(&u, scale(1, 10), 15);
         i.waiting = 6;
-        assert_eq!(decide(&i, now).decision, Decision::Up("d-2".into()));
+        assert_eq!(
+            decide(&i, now).decision,
+            Decision::Up(vec!["d-2".into(), "d-3".into()])
+        );
         // One being released (reserved) is not counted as staying: nothing comes for it
         // unless a free instance can.
         let mut u = units(&[Ready, Ready, Ready, Ready]);
@@ -287,7 +297,7 @@ mod tests {
         let u = units(&[Ready, Stopped, Stopped, Stopped]);
         assert_eq!(
             decide(&input(&u, scale(2, 24), 0), now).decision,
-            Decision::Up("d-1".into())
+            Decision::Up(vec!["d-1".into(), "d-2".into(), "d-3".into()])
         );
     }
 

@@ -413,6 +413,12 @@ pub(crate) struct State {
     /// The deployments with several instances an operator parked: the scaler brings none of
     /// their instances up again until a request or a start brings one up ([`State::begin_up`]).
     pub(crate) operator_parked: BTreeSet<String>,
+    /// The deployments with several instances whose idle timer took an instance down, and
+    /// when: the scaler brings none of their instances up again until the deployment is used
+    /// after that (a request: the router's last use; a start: [`State::begin_up`]). Else the
+    /// scaler woke each instance the timer parked (the others, ready, said the deployment was
+    /// in use), and a deployment of several instances never idled out.
+    pub(crate) idle_taken: HashMap<String, Instant>,
     /// The host an instance's key names while it is on none (standalone's one host).
     pub(crate) host_id: String,
     /// Some host says `lifecycle.activation: explicit`: every deployment is explicit then.
@@ -655,9 +661,10 @@ impl State {
                     deployment: id.clone(),
                     replicas: first.rec.doc.replicas(),
                     scale: first.rec.doc.scale(),
-                    // Parked by an operator, held or fenced: the scaler moves nothing either.
+                    // Parked by an operator or put away idle, held or fenced: the scaler
+                    // moves nothing either.
                     stopped: first.rec.operator_stopped
-                        || self.operator_parked.contains(id)
+                        || self.scaler_kept_off(id)
                         || self.held.is_some()
                         || self.fence.is_some(),
                     units,
@@ -682,6 +689,17 @@ impl State {
             .collect()
     }
 
+    /// The scaler brings none of `dep`'s instances up: an operator parked it
+    /// ([`State::operator_parked`]), or its idle timer took an instance down and nothing has
+    /// used it since ([`State::idle_taken`]).
+    fn scaler_kept_off(&self, dep: &str) -> bool {
+        self.operator_parked.contains(dep)
+            || self
+                .idle_taken
+                .get(dep)
+                .is_some_and(|at| self.uses.of(dep).is_none_or(|used| used <= *at))
+    }
+
     /// The scaler's bring-up of `unit` (see [`crate::scale`]): into free room only, never
     /// naming a victim; `None` when there is none now, or it is not free to come up.
     pub(crate) fn scale_up(&mut self, unit: &str, now: Instant) -> Option<Up> {
@@ -694,7 +712,7 @@ impl State {
                 d.state,
                 InstanceState::Parked | InstanceState::Stopped | InstanceState::Failed
             );
-        if !free || self.held.is_some() || self.operator_parked.contains(dep_of_unit(unit)) {
+        if !free || self.held.is_some() || self.scaler_kept_off(dep_of_unit(unit)) {
             return None;
         }
         let (placed, fit) = self.place_target(unit, &BTreeSet::new(), Victims::None, now);
@@ -709,6 +727,7 @@ impl State {
     pub(crate) fn remove(&mut self, id: &str) -> Option<Dep> {
         self.replicated.remove(id);
         self.operator_parked.remove(id);
+        self.idle_taken.remove(id);
         for unit in self.unit_ids(id) {
             if unit != id {
                 self.set_host(&unit, None);
@@ -992,6 +1011,16 @@ impl State {
                         continue;
                     }
                 }
+            } else if host.gpus.len() == 1 && d.rec.doc.gpus_per_instance() > 1 {
+                // A host of one GPU (one whose GPUs are not listed is taken as it says).
+                never.push((
+                    id,
+                    format!(
+                        "it needs {} GPUs (gpus_per_instance) and the host has 1",
+                        d.rec.doc.gpus_per_instance()
+                    ),
+                ));
+                continue;
             } else {
                 let need = d.need(host.capacity);
                 let fit = place(host.capacity, need, &holders, victims != Victims::None);
@@ -1062,7 +1091,9 @@ impl State {
         };
         let taken: BTreeSet<u32> = self
             .units_of(&d.rec.id)
-            .filter(|u| u.unit != d.unit && u.holds_gpu() && u.host.as_deref() == Some(host_id))
+            // NB: bound there, not only holding memory: a parked sibling whose residue is not
+            // known still wakes on its GPUs.
+            .filter(|u| u.unit != d.unit && u.bound_host() == Some(host_id))
             .flat_map(|u| u.gpus.iter().copied())
             .collect();
         let gpus_of = |id: &str| -> &[u32] { self.deps.get(id).map_or(&[], |h| h.gpus.as_slice()) };
@@ -1246,8 +1277,9 @@ impl State {
             f.ids.remove(id);
         }
         // In use again: the scaler brings up the other instances (never called by the scaler
-        // for an operator-parked deployment: `scale_up`).
+        // for a deployment it keeps off: `scale_up`).
         self.operator_parked.remove(dep_of_unit(id));
+        self.idle_taken.remove(dep_of_unit(id));
         let d = self.deps.get_mut(id)?;
         if std::mem::take(&mut d.rec.pending_start) || d.state != InstanceState::Parked {
             // A pending start taken, a new generation: saved by the bring-up.
@@ -2072,7 +2104,12 @@ impl State {
         if d.used_at() > idle_since || d.rec.pending_start {
             return None;
         }
-        Some((self.begin_down(id, rid).ok()?, idle_since))
+        let down = self.begin_down(id, rid).ok()?;
+        let dep = dep_of_unit(id);
+        if self.replicated.contains(dep) {
+            self.idle_taken.insert(dep.to_string(), now);
+        }
+        Some((down, idle_since))
     }
 }
 
@@ -2275,6 +2312,16 @@ mod tests {
     }
 
     /// Brings unit `unit` up as a plan would (placed, claimed, then ready).
+    /// A state with one host, `id`, of `gpus` GPUs of `gib` GiB each.
+    fn one_host(id: &str, gpus: u32, gib: u64) -> State {
+        let mut s = State {
+            host_id: id.into(),
+            ..State::default()
+        };
+        s.add_host(id.into(), gpus_host(gpus, gib), &[]);
+        s
+    }
+
     fn bring_up(s: &mut State, unit: &str, now: Instant) -> (Option<String>, Vec<u32>) {
         let (placed, fit) = s.place_target(unit, &none(), Victims::Idle, now);
         assert_eq!(fit, Fit::Now, "{unit}");
@@ -2288,11 +2335,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn replicas_are_units_on_distinct_gpus_and_never_each_others_victims() {
         let now = Instant::now();
-        let mut s = State {
-            host_id: "box".into(),
-            ..State::default()
-        };
-        s.add_host("box".into(), gpus_host(4, 10), &[]);
+        let mut s = one_host("box", 4, 10);
         s.insert(dep("r", "chat-r", "replicas: 3", now));
         s.insert(dep("b", "chat-b", "", now));
         // One unit per replica, keyed `r`, `r-1`, `r-2`; one deployment to the views.
@@ -2351,11 +2394,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn an_operators_evict_fills_every_replica() {
         let now = Instant::now();
-        let mut s = State {
-            host_id: "box".into(),
-            ..State::default()
-        };
-        s.add_host("box".into(), gpus_host(4, 10), &[]);
+        let mut s = one_host("box", 4, 10);
         for id in ["a", "b", "c"] {
             s.insert(dep(id, &format!("chat-{id}"), "", now));
             bring_up(&mut s, id, now);
@@ -2385,11 +2424,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn instances_prefer_hosts_without_a_sibling_and_span_gpus_per_instance() {
         let now = Instant::now();
-        let mut s = State {
-            host_id: "a".into(),
-            ..State::default()
-        };
-        s.add_host("a".into(), gpus_host(1, 40), &[]);
+        let mut s = one_host("a", 1, 40);
         s.add_host("b".into(), gpus_host(1, 40), &[]);
         s.insert(dep("r", "chat-r", "replicas: 2", now));
         let (first, _) = bring_up(&mut s, "r", now);
@@ -2397,11 +2432,7 @@ mod tests {
         assert_ne!(first, second, "the second instance goes to the other host");
 
         // gpus_per_instance: 2 on a host of 4 GPUs: two GPUs, each with half the memory.
-        let mut s = State {
-            host_id: "box".into(),
-            ..State::default()
-        };
-        s.add_host("box".into(), gpus_host(4, 10), &[]);
+        let mut s = one_host("box", 4, 10);
         let mut d = dep("t", "chat-t", "replicas: 2\ngpus_per_instance: 2", now);
         d.measurement.gpu_memory = Some(Measured {
             bytes: 16 * GIB,
@@ -2414,16 +2445,66 @@ mod tests {
         assert_eq!((g0.len(), g1.len()), (2, 2));
         assert!(g0.iter().all(|g| !g1.contains(g)), "{g0:?} {g1:?}");
         // Three GPUs: never.
-        let mut s = State {
-            host_id: "small".into(),
-            ..State::default()
-        };
-        s.add_host("small".into(), gpus_host(2, 10), &[]);
+        let mut s = one_host("small", 2, 10);
         s.insert(dep("w", "chat-w", "gpus_per_instance: 3", now));
         let (_, fit) = s.place_target("w", &none(), Victims::Idle, now);
         assert_eq!(
             fit,
             Fit::Never("it needs 3 GPUs (gpus_per_instance) and the host has 2".into())
+        );
+        // A host of one GPU: never either (its engine would start tensor-parallel on one).
+        let mut s = one_host("one", 1, 40);
+        s.insert(dep("w", "chat-w", "gpus_per_instance: 2", now));
+        let (_, fit) = s.place_target("w", &none(), Victims::Idle, now);
+        assert_eq!(
+            fit,
+            Fit::Never("it needs 2 GPUs (gpus_per_instance) and the host has 1".into())
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_scaler_starts_a_stopped_instance_where_a_parked_one_has_no_room() {
+        let now = Instant::now();
+        let mut s = one_host("box", 3, 10);
+        s.insert(dep("r", "chat-r", "replicas: 3", now));
+        s.insert(dep("b", "chat-b", "", now));
+        bring_up(&mut s, "r", now);
+        let (_, g1) = bring_up(&mut s, "r-1", now);
+        let d = s.deps.get_mut("r-1").unwrap();
+        d.state = InstanceState::Parked;
+        d.parked_gpu = Some(GIB);
+        // Another model takes the parked instance's GPU (the fullest that fits).
+        let (_, gb) = bring_up(&mut s, "b", now);
+        assert_eq!(gb, g1);
+        // The parked instance can wake only there: no room, so the scaler's next candidate,
+        // the stopped one, is started on the free GPU (`Server::scale_run` tries them in
+        // the order `scale::decide` gives).
+        assert_eq!(s.scale_up("r-1", now), None);
+        assert!(s.scale_up("r-2", now).is_some());
+        assert!(
+            !s.deps["r-2"].gpus.contains(&g1[0]),
+            "{:?}",
+            s.deps["r-2"].gpus
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_parked_instance_keeps_its_gpu_from_its_siblings_with_no_residue_known() {
+        let now = Instant::now();
+        let mut s = one_host("box", 3, 10);
+        s.insert(dep("r", "chat-r", "replicas: 3", now));
+        let (_, g0) = bring_up(&mut s, "r", now);
+        let (_, g1) = bring_up(&mut s, "r-1", now);
+        // r-1 parks, and what its engine keeps on the GPU is not known (no NVML reading):
+        // it holds nothing placement counts, yet it can only wake on that GPU.
+        let d = s.deps.get_mut("r-1").unwrap();
+        d.state = InstanceState::Parked;
+        d.parked_gpu = None;
+        assert!(!s.deps["r-1"].holds_gpu());
+        let (_, g2) = bring_up(&mut s, "r-2", now);
+        assert!(
+            !g2.contains(&g1[0]) && !g2.contains(&g0[0]),
+            "r-2 on a GPU of its own: {g0:?} {g1:?} {g2:?}"
         );
     }
 

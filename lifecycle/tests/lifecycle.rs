@@ -882,6 +882,84 @@ async fn parked_engines_hold_gpu_memory_and_placement_counts_it() {
     h.shutdown().await;
 }
 
+/// The scaler's park is its own choice: with no room in host RAM for the instance's copy (an
+/// explicit parked copy holds it, and is never stopped for room), the instance it takes away
+/// stops instead, `released: stopped (no room to park)`. It was put back ready, to be drained
+/// again at every `scale_down_delay`.
+#[tokio::test]
+async fn a_scale_down_with_no_room_to_park_stops_the_instance() {
+    use capyctl_router::admission::Admission;
+    let dir = temp_dir("scale-no-room");
+    // Host RAM for one 64 MiB copy; room on the GPU for two instances.
+    let opts = Opts {
+        host_memory: 100 * support::MIB,
+        gpu: 20 * support::GIB,
+        ..Opts::default()
+    };
+    let h = Harness::new(&dir, opts).await;
+    h.server
+        .deploy(doc("chat-c", "lifecycle: {activation: explicit}\n"))
+        .await
+        .unwrap();
+    h.start("chat-c", false, true).await.unwrap();
+    h.server.park("chat-c").await.unwrap();
+    state_becomes(&h, "chat-c", InstanceState::Parked).await;
+    h.server
+        .deploy(doc(
+            "chat-r",
+            "replicas: 2\nscale: {min: 1, target_in_flight: 1, scale_down_delay: 1s}\n",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(h.chat("chat-r").await.0, 200);
+    let instances = || async {
+        let v = h.server.get("chat-r").await.unwrap();
+        v.instances
+            .iter()
+            .map(|i| (i.state, i.last_error.clone()))
+            .collect::<Vec<_>>()
+    };
+    // Two requests held on the one instance: past the target, the scaler starts the second.
+    let r = h.router.resolve("chat-r").unwrap();
+    let deadline = tokio::time::Instant::now() + T;
+    let held = vec![
+        h.router.admit(r.clone(), deadline).await.unwrap(),
+        h.router.admit(r, deadline).await.unwrap(),
+    ];
+    let give_up = tokio::time::Instant::now() + T;
+    while instances().await[1].0 != InstanceState::Ready {
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "{:?}",
+            instances().await
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The load goes; after the delay the second is taken away, and with no room to park it,
+    // stopped.
+    drop(held);
+    while instances().await[1].0 != InstanceState::Stopped {
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "{:?}",
+            instances().await
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let now = instances().await;
+    assert_eq!(
+        now[1].1.as_deref(),
+        Some("released: stopped (no room to park)")
+    );
+    assert_eq!(now[0].0, InstanceState::Ready);
+    assert_eq!(
+        h.server.get("chat-c").await.unwrap().state,
+        InstanceState::Parked,
+        "an explicit copy is never stopped for room"
+    );
+    h.shutdown().await;
+}
+
 #[tokio::test]
 async fn parked_copies_make_room_except_explicit_ones() {
     let dir = temp_dir("parked-room");

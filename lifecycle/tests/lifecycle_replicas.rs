@@ -48,8 +48,18 @@ fn timed() -> FakeHost {
 /// The lifecycle over `agent` with the router (the test's window), and `models` (name, more
 /// lines) of 6 GiB deployed.
 async fn scene_of(agent: impl Into<Arc<FakeHost>>, models: &[(&str, &str)]) -> Scene {
+    scene_with(agent, models, |_| {}).await
+}
+
+/// [`scene_of`] with `tweak` applied to the lifecycle's configuration.
+async fn scene_with(
+    agent: impl Into<Arc<FakeHost>>,
+    models: &[(&str, &str)],
+    tweak: impl FnOnce(&mut LifecycleConfig),
+) -> Scene {
     let mut lc = LifecycleConfig::new("h");
     lc.timer_tick = Duration::from_millis(100);
+    tweak(&mut lc);
     let store = Arc::new(MemoryStore::default());
     let server = Server::open(agent.into(), store.clone(), lc).await.unwrap();
     let router = server
@@ -457,4 +467,62 @@ async fn a_park_that_does_not_take_leaves_the_deployment_to_the_scaler() {
         let (waited, _) = s.request("r", Duration::from_secs(1)).await.unwrap();
         assert_eq!(waited, Duration::ZERO);
     }
+}
+
+#[tokio::test(start_paused = true)]
+async fn idle_instances_are_parked_in_turn_and_the_scaler_leaves_them_until_a_request() {
+    use InstanceState::{Parked, Ready, Stopped};
+    const IDLE: Duration = Duration::from_secs(30);
+    let s = scene_with(timed(), &[("r", "replicas: 2\n"), ("b", "")], |lc| {
+        lc.lifecycle_defaults.ready_idle_timeout = Some(IDLE);
+    })
+    .await;
+    // b takes one GPU, r's first instance the other; its second has no room yet.
+    s.request("b", Duration::ZERO).await.unwrap();
+    s.request("r", Duration::ZERO).await.unwrap();
+    assert_eq!(s.states("r"), [Ready, Stopped]);
+    // b stops 10 s later: the scaler starts r's second instance there, ready 14 s after the
+    // first (their idle times are 14 s apart).
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    s.server.stop("b").await.unwrap();
+    s.until("both instances ready", |s| s.states("r") == [Ready, Ready])
+        .await;
+    let scaled = |records: &[SwitchRecord]| {
+        records
+            .iter()
+            .filter(|r| r.cause == SwitchCause::Scale)
+            .count()
+    };
+    let before = scaled(&s.records().await);
+
+    // Idle for the timeout: the timer parks each instance when its own time comes, and the
+    // scaler wakes neither (the deployment is not in use: the other instance being ready
+    // does not make it so).
+    s.until("the first instance parked", |s| {
+        s.states("r") == [Parked, Ready]
+    })
+    .await;
+    s.until("both instances parked", |s| {
+        s.states("r") == [Parked, Parked]
+    })
+    .await;
+    tokio::time::sleep(IDLE * 10).await;
+    assert_eq!(s.states("r"), [Parked, Parked]);
+    let records = s.records().await;
+    assert_eq!(scaled(&records), before, "no instance was brought back");
+    assert_eq!(
+        records
+            .iter()
+            .filter(|r| r.cause == SwitchCause::Idle)
+            .count(),
+        2
+    );
+
+    // A request wakes one; the deployment is in use, so the scaler wakes the other.
+    s.request("r", Duration::ZERO).await.unwrap();
+    s.until("both instances ready again", |s| {
+        s.states("r") == [Ready, Ready]
+    })
+    .await;
+    assert_eq!(scaled(&s.records().await), before + 1);
 }
