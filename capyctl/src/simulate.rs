@@ -612,8 +612,9 @@ impl Run {
 
     /// GPU `gpu`'s shares of `span`.
     fn gpu_shares(&self, gpu: u32, span: Duration) -> GpuShares {
-        let switching = union_len(self.op_spans(gpu));
-        let mut both = self.op_spans(gpu);
+        let ops = self.op_spans(gpu);
+        let switching = union_len(ops.clone());
+        let mut both = ops;
         both.extend(self.serving_spans(gpu));
         let busy = union_len(both);
         let share = |d: Duration| {
@@ -631,14 +632,20 @@ impl Run {
         }
     }
 
-    /// The report (see [`Report`]).
-    pub fn report(&self, setting: Option<String>) -> Report {
+    /// The deployments in document order, then any other model the trace asked for.
+    pub fn model_names(&self) -> Vec<String> {
         let mut names = self.models.clone();
         for r in &self.requests {
             if !names.contains(&r.model) {
                 names.push(r.model.clone());
             }
         }
+        names
+    }
+
+    /// The report (see [`Report`]).
+    pub fn report(&self, setting: Option<String>) -> Report {
+        let names = self.model_names();
         let models = names
             .iter()
             .filter(|n| self.requests.iter().any(|r| &r.model == *n))

@@ -73,14 +73,8 @@ struct Row {
 
 /// The rows of `run`: a model per row, or one per instance for a model that ran several.
 fn rows(run: &Run) -> Vec<Row> {
-    let mut names = run.models.clone();
-    for r in &run.requests {
-        if !names.contains(&r.model) {
-            names.push(r.model.clone());
-        }
-    }
     let mut rows = Vec::new();
-    for name in names {
+    for name in run.model_names() {
         let instances: BTreeSet<u32> = run
             .ops
             .iter()

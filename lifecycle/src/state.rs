@@ -24,7 +24,7 @@ use tokio::time::Instant;
 
 use crate::placement::{Fit, Hold, Holder, place};
 use crate::store::DeploymentRecord;
-use crate::{engine_addr, not_found, parked_room, views};
+use crate::{engine_addr, not_found, parked_room, split_instance_id, views};
 
 /// One instance of a deployment (a *unit*: the lifecycle's rules take one instance at a time),
 /// with its deployment's record. Index 0 is keyed by the deployment's ID, index `i` by its
@@ -278,21 +278,19 @@ pub(crate) fn unit_id(deployment: &str, index: u32) -> String {
     }
 }
 
-pub(crate) use crate::split_instance_id as split_instance;
-
 /// The unit ([`unit_id`]) an instance ID names.
 pub(crate) fn deployment_of(instance_id: &str) -> Option<String> {
-    split_instance(instance_id).map(|(dep, index)| unit_id(dep, index))
+    split_instance_id(instance_id).map(|(dep, index)| unit_id(dep, index))
 }
 
 /// The deployment ID of a unit key ([`unit_id`]).
 pub(crate) fn dep_of_unit(unit: &str) -> &str {
-    split_instance(unit).map_or(unit, |(dep, _)| dep)
+    split_instance_id(unit).map_or(unit, |(dep, _)| dep)
 }
 
 /// The instance ID of a unit key ([`unit_id`]).
 pub(crate) fn unit_instance(unit: &str) -> String {
-    let (dep, index) = split_instance(unit).unwrap_or((unit, 0));
+    let (dep, index) = split_instance_id(unit).unwrap_or((unit, 0));
     crate::instance_id_at(dep, index)
 }
 
@@ -1001,7 +999,20 @@ impl State {
                 .any(|u| u.unit != d.unit && u.holds_gpu() && u.host.as_deref() == Some(host))
         };
         let mut best_gpus: Vec<u32> = Vec::new();
+        let want = d.rec.doc.gpus_per_instance() as usize;
         for (id, host) in candidates {
+            // A host whose GPUs are listed has too few (one whose GPUs are not listed is
+            // taken as it says).
+            if !host.gpus.is_empty() && want > host.gpus.len() {
+                never.push((
+                    id,
+                    format!(
+                        "it needs {want} GPUs (gpus_per_instance) and the host has {}",
+                        host.gpus.len()
+                    ),
+                ));
+                continue;
+            }
             let holders = self.holders(id, target, protected, victims, now);
             let (gpus, fit, rank) = if host.gpus.len() > 1 {
                 match self.place_on_gpus(d, id, host, &holders, victims != Victims::None) {
@@ -1011,16 +1022,6 @@ impl State {
                         continue;
                     }
                 }
-            } else if host.gpus.len() == 1 && d.rec.doc.gpus_per_instance() > 1 {
-                // A host of one GPU (one whose GPUs are not listed is taken as it says).
-                never.push((
-                    id,
-                    format!(
-                        "it needs {} GPUs (gpus_per_instance) and the host has 1",
-                        d.rec.doc.gpus_per_instance()
-                    ),
-                ));
-                continue;
             } else {
                 let need = d.need(host.capacity);
                 let fit = place(host.capacity, need, &holders, victims != Victims::None);
@@ -1077,13 +1078,8 @@ impl State {
         holders: &[Holder<'_>],
         evict: bool,
     ) -> Result<GpuPlacement, String> {
+        // NB: `want` is at most the host's GPUs (`place_target_gpus`).
         let want = d.rec.doc.gpus_per_instance() as usize;
-        if want > host.gpus.len() {
-            return Err(format!(
-                "it needs {want} GPUs (gpus_per_instance) and the host has {}",
-                host.gpus.len()
-            ));
-        }
         let bound: &[u32] = if d.bound_host().is_some() {
             &d.gpus
         } else {
@@ -1470,18 +1466,21 @@ impl State {
     /// `Later`). Only instances within `replicas` count.
     pub(crate) fn unit_to_bring_up(&self, dep: &str) -> Option<String> {
         let replicas = self.deps.get(dep).map_or(1, |d| d.rec.doc.replicas());
-        let units: Vec<&Dep> = self.units_of(dep).filter(|u| u.index < replicas).collect();
-        if units.iter().any(|u| u.up()) {
+        if self.units_of(dep).any(|u| u.index < replicas && u.up()) {
             return None;
         }
-        let free = |u: &&&Dep| !u.busy && u.reserved.is_none();
-        let mut ordered: Vec<&&Dep> = units.iter().filter(free).collect();
-        ordered.sort_by_key(|u| (u.state != InstanceState::Parked, u.index));
-        Some(
-            ordered
-                .first()
-                .map_or_else(|| dep.to_string(), |u| u.unit.clone()),
-        )
+        Some(self.next_to_bring_up(dep, replicas, |_| true))
+    }
+
+    /// Of deployment `dep`'s instances within `replicas` that nothing holds (no operation, no
+    /// reservation) and that `may` come up, the one to bring up first: a parked one (a wake
+    /// is quicker than a start), else the lowest index; the first instance when there is none
+    /// (its state then says `Later` or "already coming").
+    fn next_to_bring_up(&self, dep: &str, replicas: u32, may: impl Fn(&Dep) -> bool) -> String {
+        self.units_of(dep)
+            .filter(|u| u.index < replicas && !u.busy && u.reserved.is_none() && may(u))
+            .min_by_key(|u| (u.state != InstanceState::Parked, u.index))
+            .map_or_else(|| dep.to_string(), |u| u.unit.clone())
     }
 
     /// The instance of deployment `dep` an operator's `start --evict` brings up next: one that
@@ -1500,29 +1499,16 @@ impl State {
         if up >= wanted {
             return None;
         }
-        let units: Vec<&Dep> = self.units_of(dep).filter(|u| u.index < replicas).collect();
-        let mut free: Vec<&&Dep> = units
-            .iter()
-            .filter(|u| {
-                !u.busy
-                    && u.reserved.is_none()
-                    && u.claim.is_none()
-                    && matches!(
-                        u.state,
-                        InstanceState::Parked
-                            | InstanceState::Stopped
-                            | InstanceState::Failed
-                            | InstanceState::AwaitingMeasurement
-                    )
-            })
-            .collect();
-        free.sort_by_key(|u| (u.state != InstanceState::Parked, u.index));
-        // None free (every other one busy): the first instance, whose state says `Later` or
-        // "already coming".
-        Some(
-            free.first()
-                .map_or_else(|| dep.to_string(), |u| u.unit.clone()),
-        )
+        Some(self.next_to_bring_up(dep, replicas, |u| {
+            u.claim.is_none()
+                && matches!(
+                    u.state,
+                    InstanceState::Parked
+                        | InstanceState::Stopped
+                        | InstanceState::Failed
+                        | InstanceState::AwaitingMeasurement
+                )
+        }))
     }
 
     /// How many of deployment `dep`'s instances an operator's start wants up, and how many
@@ -2311,7 +2297,6 @@ mod tests {
         }
     }
 
-    /// Brings unit `unit` up as a plan would (placed, claimed, then ready).
     /// A state with one host, `id`, of `gpus` GPUs of `gib` GiB each.
     fn one_host(id: &str, gpus: u32, gib: u64) -> State {
         let mut s = State {
@@ -2322,6 +2307,7 @@ mod tests {
         s
     }
 
+    /// Brings unit `unit` up as a plan would (placed, claimed, then ready).
     fn bring_up(s: &mut State, unit: &str, now: Instant) -> (Option<String>, Vec<u32>) {
         let (placed, fit) = s.place_target(unit, &none(), Victims::Idle, now);
         assert_eq!(fit, Fit::Now, "{unit}");

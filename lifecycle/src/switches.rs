@@ -564,7 +564,7 @@ pub fn victim_entry(
     result: VictimResult,
     error: Option<SwitchError>,
 ) -> SwitchVictim {
-    let (deployment_id, index) = crate::state::split_instance(unit).unwrap_or((unit, 0));
+    let (deployment_id, index) = crate::split_instance_id(unit).unwrap_or((unit, 0));
     SwitchVictim {
         deployment: name.to_string(),
         deployment_id: deployment_id.to_string(),

@@ -882,6 +882,15 @@ async fn parked_engines_hold_gpu_memory_and_placement_counts_it() {
     h.shutdown().await;
 }
 
+/// Host RAM for one 64 MiB copy only; room on the GPU for two models.
+fn room_for_one_copy() -> Opts {
+    Opts {
+        host_memory: 100 * support::MIB,
+        gpu: 20 * support::GIB,
+        ..Opts::default()
+    }
+}
+
 /// The scaler's park is its own choice: with no room in host RAM for the instance's copy (an
 /// explicit parked copy holds it, and is never stopped for room), the instance it takes away
 /// stops instead, `released: stopped (no room to park)`. It was put back ready, to be drained
@@ -890,13 +899,7 @@ async fn parked_engines_hold_gpu_memory_and_placement_counts_it() {
 async fn a_scale_down_with_no_room_to_park_stops_the_instance() {
     use capyctl_router::admission::Admission;
     let dir = temp_dir("scale-no-room");
-    // Host RAM for one 64 MiB copy; room on the GPU for two instances.
-    let opts = Opts {
-        host_memory: 100 * support::MIB,
-        gpu: 20 * support::GIB,
-        ..Opts::default()
-    };
-    let h = Harness::new(&dir, opts).await;
+    let h = Harness::new(&dir, room_for_one_copy()).await;
     h.server
         .deploy(doc("chat-c", "lifecycle: {activation: explicit}\n"))
         .await
@@ -927,25 +930,24 @@ async fn a_scale_down_with_no_room_to_park_stops_the_instance() {
         h.router.admit(r, deadline).await.unwrap(),
     ];
     let give_up = tokio::time::Instant::now() + T;
-    while instances().await[1].0 != InstanceState::Ready {
-        assert!(
-            tokio::time::Instant::now() < give_up,
-            "{:?}",
-            instances().await
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let second_becomes = |state: InstanceState| {
+        let instances = &instances;
+        async move {
+            while instances().await[1].0 != state {
+                assert!(
+                    tokio::time::Instant::now() < give_up,
+                    "{:?}",
+                    instances().await
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    second_becomes(InstanceState::Ready).await;
     // The load goes; after the delay the second is taken away, and with no room to park it,
     // stopped.
     drop(held);
-    while instances().await[1].0 != InstanceState::Stopped {
-        assert!(
-            tokio::time::Instant::now() < give_up,
-            "{:?}",
-            instances().await
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    second_becomes(InstanceState::Stopped).await;
     let now = instances().await;
     assert_eq!(
         now[1].1.as_deref(),
@@ -963,13 +965,7 @@ async fn a_scale_down_with_no_room_to_park_stops_the_instance() {
 #[tokio::test]
 async fn parked_copies_make_room_except_explicit_ones() {
     let dir = temp_dir("parked-room");
-    // Host RAM for one 64 MiB copy only.
-    let opts = Opts {
-        host_memory: 100 * support::MIB,
-        gpu: 20 * support::GIB,
-        ..Opts::default()
-    };
-    let h = Harness::new(&dir, opts).await;
+    let h = Harness::new(&dir, room_for_one_copy()).await;
     h.server.deploy(doc("chat-a", "")).await.unwrap();
     h.server.deploy(doc("chat-b", "")).await.unwrap();
     h.server

@@ -90,6 +90,17 @@ async fn scene_with(
     }
 }
 
+/// `r` alone, two replicas, brought up by a request: both instances ready.
+async fn two_ready() -> Scene {
+    let s = scene_of(timed(), &[("r", "replicas: 2\n")]).await;
+    s.request("r", Duration::ZERO).await.unwrap();
+    s.until("both ready", |s| {
+        s.states("r") == [InstanceState::Ready, InstanceState::Ready]
+    })
+    .await;
+    s
+}
+
 impl Scene {
     /// Admits a request for `model` and holds it for `hold` (virtual time), in a task: how
     /// long it waited, and the index of the instance it ran on.
@@ -286,10 +297,7 @@ async fn requests_go_where_the_engines_have_nothing_waiting() {
 #[tokio::test(start_paused = true)]
 async fn an_instance_past_a_lowered_replicas_is_stopped_and_gone() {
     use InstanceState::Ready;
-    let s = scene_of(timed(), &[("r", "replicas: 2\n")]).await;
-    s.request("r", Duration::ZERO).await.unwrap();
-    s.until("both ready", |s| s.states("r") == [Ready, Ready])
-        .await;
+    let s = two_ready().await;
     let doc = parse_deployment_str(
         "t.yaml",
         "name: r\nengine: vllm\nmodel: m\nresources: {gpu_memory: 6GiB}\nreplicas: 1\n",
@@ -388,11 +396,7 @@ async fn a_waited_start_ends_when_a_sibling_serves_and_the_first_instance_is_par
 /// `deployment_stopped`; the running request ends.
 #[tokio::test(start_paused = true)]
 async fn after_a_stop_begins_no_instance_admits_a_request() {
-    use InstanceState::Ready;
-    let s = scene_of(timed(), &[("r", "replicas: 2\n")]).await;
-    s.request("r", Duration::ZERO).await.unwrap();
-    s.until("both ready", |s| s.states("r") == [Ready, Ready])
-        .await;
+    let s = two_ready().await;
     let long = s.request("r", Duration::from_secs(20));
     tokio::time::sleep(Duration::from_millis(10)).await;
     let server = s.server.clone();
@@ -445,10 +449,7 @@ async fn an_instance_coming_up_does_not_write_over_the_deployments_record() {
 #[tokio::test(start_paused = true)]
 async fn a_park_that_does_not_take_leaves_the_deployment_to_the_scaler() {
     use InstanceState::{Parked, Parking, Ready};
-    let s = scene_of(timed(), &[("r", "replicas: 2\n")]).await;
-    s.request("r", Duration::ZERO).await.unwrap();
-    s.until("both ready", |s| s.states("r") == [Ready, Ready])
-        .await;
+    let s = two_ready().await;
     // A request longer than the drain bound on one instance.
     let _long = s.request("r", Duration::from_secs(600));
     tokio::time::sleep(Duration::from_millis(10)).await;

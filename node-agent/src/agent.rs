@@ -21,7 +21,7 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use capyctl_spec::EngineKind;
 use serde::{Deserialize, Serialize};
@@ -40,7 +40,7 @@ use crate::measure::{
     GpuHeld, GpuHeldSource, MeasureSource, Measurement, add_footprint, footprint,
     measure_before_start, parked_estimate,
 };
-use crate::process::{ExitWatch, PidRecord, ProcessRuntime};
+use crate::process::{ExitWatch, PidRecord, ProcessRuntime, now_ms};
 use crate::recovery::{EngineState, RecoveryVerdict, Transition, recovery_verdict, settled};
 use crate::runtime::{Answers, EngineRuntime, LaunchRequest, Launched};
 use crate::spec::{HostSettings, InstanceSpec};
@@ -550,14 +550,6 @@ impl std::fmt::Debug for LocalHostAgent {
             .field("config", &self.config)
             .finish_non_exhaustive()
     }
-}
-
-/// The wall clock in Unix milliseconds (what samples are dated with).
-pub(crate) fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
 }
 
 async fn blocking<T: Send + 'static>(

@@ -243,7 +243,8 @@ pub struct ProcessRuntime {
     tracked: Mutex<HashMap<String, Tracked>>,
 }
 
-fn now_ms() -> u64 {
+/// The wall clock in Unix milliseconds (what records and load samples are dated with).
+pub(crate) fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))

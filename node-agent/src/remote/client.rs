@@ -325,7 +325,7 @@ impl Inner {
                     }
                     failing = false;
                     reached = true;
-                    let samples = page.rebased(crate::agent::now_ms());
+                    let samples = page.rebased(crate::process::now_ms());
                     let mut c = self.cache();
                     if c.forgets == forgets {
                         c.by_instance = samples.into_iter().collect();

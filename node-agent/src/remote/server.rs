@@ -307,7 +307,7 @@ async fn recover(State(s): State<AppState>) -> Reply<crate::agent::RecoveryRepor
 async fn samples(State(s): State<AppState>) -> axum::Json<SamplesPage> {
     axum::Json(SamplesPage {
         samples: s.agent.samples(),
-        now_ms: crate::agent::now_ms(),
+        now_ms: crate::process::now_ms(),
     })
 }
 

@@ -823,14 +823,10 @@ impl State {
         if let Some(dep) = self.deployments.get_mut(&key.deployment) {
             dep.instances.remove(&key);
             dep.note_servable(now);
-            if !dep.has_open() && dep.has_closed() {
-                // The last open instance went while others drain: its waiters (they waited
-                // for its in-flight slots) end as when it closes (`close`), and as a request
-                // that comes now does (`admit`).
-                let e = ApiError::DispatchClosed {
-                    deployment: key.deployment.clone(),
-                };
-                self.fail_waiters(&key.deployment, &e, fx);
+            if dep.has_closed() {
+                // The last open instance may have gone while others drain: then its waiters
+                // end as when it closes, and as a request that comes now does (`admit`).
+                self.end_waiters_of_closed(&key.deployment, fx);
             }
         }
         // NB: a victim that went away stays in its switch's or release's list: it counts as
@@ -1391,12 +1387,22 @@ impl State {
             {
                 dep.servable_since = None;
             }
-            if self.deployments.get(&d).is_some_and(|dep| !dep.has_open()) {
-                let e = ApiError::DispatchClosed {
-                    deployment: d.clone(),
-                };
-                self.fail_waiters(&d, &e, fx);
-            }
+            self.end_waiters_of_closed(&d, fx);
+        }
+    }
+
+    /// The waiters of `deployment` when it has no open instance left (they waited for its
+    /// in-flight slots) get `DispatchClosed`.
+    fn end_waiters_of_closed(&mut self, deployment: &DeploymentId, fx: &mut impl Effects) {
+        if self
+            .deployments
+            .get(deployment)
+            .is_some_and(|d| !d.has_open())
+        {
+            let e = ApiError::DispatchClosed {
+                deployment: deployment.clone(),
+            };
+            self.fail_waiters(deployment, &e, fx);
         }
     }
 
