@@ -73,6 +73,14 @@ const STALL_CUT: Duration = Duration::from_secs(10);
 /// Bounds on the growth of CapyCTL between the start of its last life and the end of the run.
 const RSS_GROWTH_BOUND: u64 = 64 * 1024 * 1024;
 const FD_GROWTH_BOUND: i64 = 32;
+/// How long after the last request the soak waits, at most, for CapyCTL's descriptors and RSS
+/// to come within those bounds.
+const QUIET_END: Duration = Duration::from_secs(15);
+
+/// Whether CapyCTL's footprint `end` (RSS, descriptors) is within the growth bounds of `start`.
+fn within_bound((rss0, fd0): (u64, i64), (rss1, fd1): (u64, i64)) -> bool {
+    rss1 <= rss0 + RSS_GROWTH_BOUND && fd1 <= fd0 + FD_GROWTH_BOUND
+}
 
 /// A deployment of the run.
 struct Model {
@@ -548,9 +556,15 @@ fn footprint(pid: u32) -> Option<(u64, i64)> {
     Some((rss, fds))
 }
 
-/// A process's open descriptors by kind (`socket`, `pipe`, `anon_inode:[pidfd]` and the like,
-/// or the file's directory), e.g. `socket 12, pipe 4, /tmp/x 2`.
-fn fd_kinds(pid: u32) -> String {
+/// A process's open descriptors by kind (`pipe`, `anon_inode:[pidfd]` and the like, the
+/// file's directory, and TCP sockets by what is at their other end: see [`socket_kind`]), e.g.
+/// `socket tcp to an engine 12, pipe 4, /tmp/x 2`.
+fn fd_kinds(pid: u32, run: &Run) -> String {
+    let tcp = tcp_sockets(pid);
+    let engine_ports: Vec<u16> = engines(&run.run_id)
+        .into_iter()
+        .filter_map(|(_, _, port)| port)
+        .collect();
     let mut kinds: BTreeMap<String, u64> = BTreeMap::new();
     for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))
         .into_iter()
@@ -562,6 +576,13 @@ fn fd_kinds(pid: u32) -> String {
             .unwrap_or_default();
         let kind = match target.split_once(':') {
             Some(_) if target.starts_with("anon_inode:") => target.clone(),
+            Some(("socket", inode)) => {
+                let inode = inode.trim_matches(|c| c == '[' || c == ']');
+                match inode.parse::<u64>().ok().and_then(|i| tcp.get(&i)) {
+                    Some(s) => socket_kind(s, run, &engine_ports),
+                    None => "socket (not TCP)".to_owned(),
+                }
+            }
             Some((k, _)) if !target.starts_with('/') => k.to_owned(),
             _ => Path::new(&target)
                 .parent()
@@ -575,6 +596,72 @@ fn fd_kinds(pid: u32) -> String {
         .map(|(k, n)| format!("{k} {n}"))
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// A TCP socket of `/proc/<pid>/net/tcp{,6}`: its local and remote ports and its state.
+struct TcpSocket {
+    local: u16,
+    remote: u16,
+    /// The kernel's state number: 1 established, 8 close-wait (the peer closed), 10 listening.
+    state: u8,
+}
+
+/// The TCP sockets of `pid`'s network namespace, by inode.
+fn tcp_sockets(pid: u32) -> std::collections::HashMap<u64, TcpSocket> {
+    let mut found = std::collections::HashMap::new();
+    for table in ["tcp", "tcp6"] {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/net/{table}")).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let port = |addr: &str| {
+                addr.rsplit_once(':')
+                    .and_then(|(_, p)| u16::from_str_radix(p, 16).ok())
+            };
+            let (Some(local), Some(remote), Some(state), Some(inode)) = (
+                f.get(1).and_then(|a| port(a)),
+                f.get(2).and_then(|a| port(a)),
+                f.get(3).and_then(|s| u8::from_str_radix(s, 16).ok()),
+                f.get(9).and_then(|i| i.parse::<u64>().ok()),
+            ) else {
+                continue;
+            };
+            found.insert(
+                inode,
+                TcpSocket {
+                    local,
+                    remote,
+                    state,
+                },
+            );
+        }
+    }
+    found
+}
+
+/// What a TCP socket of CapyCTL is: a listener, a client's connection to one of its listeners,
+/// or a connection to a node agent, to an engine (`engine_ports`: the live engines' ports), or
+/// to something else; " (closed by the peer)" when the other end closed it.
+fn socket_kind(s: &TcpSocket, run: &Run, engine_ports: &[u16]) -> String {
+    const LISTEN: u8 = 10;
+    const CLOSE_WAIT: u8 = 8;
+    if s.state == LISTEN {
+        return "socket tcp listening".to_owned();
+    }
+    let ours = [run.inference.port(), run.management.port()];
+    let what = if ours.contains(&s.local) {
+        "socket tcp from a client"
+    } else if run.agents.iter().any(|a| a.port() == s.remote) {
+        "socket tcp to a node agent"
+    } else if engine_ports.contains(&s.remote) {
+        "socket tcp to an engine"
+    } else {
+        "socket tcp to another port"
+    };
+    if s.state == CLOSE_WAIT {
+        format!("{what} (closed by the peer)")
+    } else {
+        what.to_owned()
+    }
 }
 
 /// The engine processes of this run: (pid, model name, port), found by the `SOAK_RUN` variable
@@ -1355,7 +1442,7 @@ async fn soak(args: Args) -> Result<bool> {
     let first_pid = child.id().unwrap_or(0);
     let first = footprint(first_pid);
     let mut last_start = first;
-    let mut last_start_fds = fd_kinds(first_pid);
+    let mut last_start_fds = fd_kinds(first_pid, &run);
     run.up.send_replace(true);
     let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
@@ -1387,7 +1474,7 @@ async fn soak(args: Args) -> Result<bool> {
         }
         kills += 1;
         last_start = footprint(child.id().unwrap_or(0));
-        last_start_fds = fd_kinds(child.id().unwrap_or(0));
+        last_start_fds = fd_kinds(child.id().unwrap_or(0), &run);
         run.up.send_replace(true);
     }
     if failure.is_none() && !ended_early {
@@ -1406,11 +1493,20 @@ async fn soak(args: Args) -> Result<bool> {
     } else {
         Vec::new()
     };
-    // The quiet end: connections closed, then RSS and descriptors.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The quiet end: RSS and descriptors once they are within the bound, or as they are
+    // after QUIET_END (CapyCTL closes an engine connection idle past 4 s within about 9 s).
     let pid = child.id().unwrap_or(0);
-    let end = footprint(pid);
-    let end_fds = fd_kinds(pid);
+    let quiet_until = Instant::now() + QUIET_END;
+    let end = loop {
+        let end = footprint(pid);
+        let within =
+            matches!((last_start, end), (Some(start), Some(end)) if within_bound(start, end));
+        if within || Instant::now() >= quiet_until {
+            break end;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let end_fds = fd_kinds(pid, &run);
     let metrics = get(run.management, "/metrics", None)
         .await
         .map(|(_, b)| String::from_utf8_lossy(&b).into_owned())
@@ -1555,7 +1651,7 @@ async fn soak(args: Args) -> Result<bool> {
                 last_start_fds.clone(),
             );
             row("CapyCTL's descriptors at the end", end_fds.clone());
-            let ok = rss1 <= rss0 + RSS_GROWTH_BOUND && fd1 <= fd0 + FD_GROWTH_BOUND;
+            let ok = within_bound((rss0, fd0), (rss1, fd1));
             row(
                 &format!(
                     "growth within bound (RSS +{}, fds +{FD_GROWTH_BOUND})",

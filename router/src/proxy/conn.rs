@@ -23,8 +23,8 @@
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -34,7 +34,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use super::Proxy;
+use super::{Proxy, upstream};
 use crate::admission::Admission;
 
 /// What a client connection's socket says about its reader, shared by the socket's writer
@@ -353,7 +353,7 @@ async fn serve_here<A: Admission>(
     abort: impl Future<Output = ()>,
 ) -> io::Result<()> {
     let stop = Arc::new(StopSignal::default());
-    let _floor = TimerFloor::start();
+    let _floor = TimerFloor::start(Arc::downgrade(&proxy.pool));
     let mut connections = JoinSet::new();
     let mut shutdown = std::pin::pin!(shutdown);
     let mut abort = std::pin::pin!(abort);
@@ -397,7 +397,9 @@ async fn serve_here<A: Admission>(
     Ok(())
 }
 
-/// A timer that fires every second on the accept loop's runtime, for as long as the loop runs.
+/// A timer that fires every second on the accept loop's runtime, for as long as the loop runs;
+/// on its ticks the loop's pool drops the engine connections idle past its timeout
+/// ([`upstream::Pool::sweep`], at most once per idle timeout).
 ///
 /// NB (why): tokio's timer wakes its driver (a write to the runtime's eventfd and one more
 /// `epoll_wait`) whenever a timer is registered that fires before everything the driver
@@ -405,15 +407,18 @@ async fn serve_here<A: Admission>(
 /// deadline while it waits for the engine), so without a floor each request paid for that
 /// wake-up; with a timer never more than a second away, a timer of 30 s or 600 s is never the
 /// earliest.
-struct TimerFloor(tokio::task::JoinHandle<()>);
+pub(super) struct TimerFloor(tokio::task::JoinHandle<()>);
 
 impl TimerFloor {
-    fn start() -> Self {
-        TimerFloor(tokio::spawn(async {
+    pub(super) fn start(pool: Weak<upstream::Pool>) -> Self {
+        TimerFloor(tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(1));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
+                if let Some(pool) = pool.upgrade() {
+                    pool.sweep(None);
+                }
             }
         }))
     }

@@ -32,8 +32,9 @@
 //!   write fails because the engine answered and closed before reading the request whole (a
 //!   body it refuses), that answer is the request's, not a failure.
 //! - At most `max_idle` idle connections per address; idle longer than `idle_timeout` they are
-//!   dropped at the next checkout (and addresses nobody asks for any more on a connect, at most
-//!   once per `idle_timeout`).
+//!   dropped at the next checkout, and by a sweep at most once per `idle_timeout` (on a connect,
+//!   and on the listener thread's one-second tick, so that a quiet listener holds no connection
+//!   long after the engine closed its end); addresses nobody asks for any more go with them.
 //! - A connect that takes longer than `connect_timeout` fails (an engine that is black-holed
 //!   must not hold a permit until the request deadline).
 //!   The listener's timeout is [`IDLE_TIMEOUT`], below the 5 s after which vLLM's and SGLang's
@@ -788,8 +789,8 @@ impl Pool {
     }
 
     /// Drops the idle connections past the idle timeout, everywhere, and the addresses left
-    /// with none (at most once per idle timeout).
-    fn sweep(&self, keep: SocketAddr) {
+    /// with none but `keep` (at most once per idle timeout).
+    pub(super) fn sweep(&self, keep: Option<SocketAddr>) {
         let now = Instant::now();
         let timeout = self.idle_timeout;
         let mut lists = self.lock();
@@ -800,7 +801,7 @@ impl Pool {
         lists.by_addr.retain(|addr, idle| {
             idle.conns
                 .retain(|(_, since)| now.saturating_duration_since(*since) <= timeout);
-            !idle.conns.is_empty() || *addr == keep
+            !idle.conns.is_empty() || Some(*addr) == keep
         });
     }
 
@@ -843,7 +844,7 @@ impl Pool {
                     }
                 }
                 None => {
-                    self.sweep(addr);
+                    self.sweep(Some(addr));
                     return Ok((self.connect(addr).await?, false, host));
                 }
             }
@@ -1607,6 +1608,29 @@ mod tests {
             let err = ask(&pool, addr).await.unwrap_err();
             assert!(err.contains("before the end of its answer"), "{err}");
         }
+    }
+
+    #[tokio::test]
+    async fn the_listener_tick_closes_connections_idle_past_the_timeout_with_no_traffic() {
+        let (addr, _, _) = engine(vec![(LENGTH, false)], 64).await;
+        let pool = pool();
+        assert!(ask(&pool, addr).await.is_ok());
+        let held = |pool: &Arc<Pool>| {
+            let lists = pool.lock();
+            (
+                lists.by_addr.len(),
+                lists.by_addr.values().map(|i| i.conns.len()).sum::<usize>(),
+            )
+        };
+        assert_eq!(held(&pool), (1, 1));
+        tokio::time::pause();
+        let _tick = super::super::conn::TimerFloor::start(Arc::downgrade(&pool));
+        // Not yet past the timeout: kept for the next request.
+        tokio::time::sleep(IDLE_TIMEOUT - Duration::from_secs(1)).await;
+        assert_eq!(held(&pool), (1, 1));
+        // Past it, with no request since: the tick's sweep closed it and forgot the address.
+        tokio::time::sleep(IDLE_TIMEOUT + Duration::from_secs(2)).await;
+        assert_eq!(held(&pool), (0, 0));
     }
 
     #[tokio::test]
