@@ -1155,8 +1155,7 @@ impl Server {
                 self.write(move |inner| {
                     if let Some(d) = inner.deps.get_mut(&id) {
                         d.busy = false;
-                        d.state = InstanceState::Failed;
-                        d.last_error = Some(why);
+                        d.fail(why);
                     }
                 })
                 .await;
@@ -1689,13 +1688,7 @@ impl Server {
                             d.last_error = Some(Released::StoppedNoRoomToPark.status_line());
                         }
                     }
-                    Err(e) => {
-                        d.state = InstanceState::Failed;
-                        d.tier = None;
-                        d.addr = None;
-                        d.pid = None;
-                        d.last_error = Some(format!("park or stop failed: {e}"));
-                    }
+                    Err(e) => d.fail(format!("park or stop failed: {e}")),
                 }
             }
         })
@@ -3214,12 +3207,13 @@ impl Server {
                     self.on(id, move |inner, id| {
                         if let Some(d) = inner.deps.get_mut(id) {
                             d.busy = false;
-                            d.state = if stopped {
-                                InstanceState::Stopped
+                            let why = format!("preinitialize: start ended: {why}");
+                            if stopped {
+                                d.state = InstanceState::Stopped;
+                                d.last_error = Some(why);
                             } else {
-                                InstanceState::Failed
-                            };
-                            d.last_error = Some(format!("preinitialize: start ended: {why}"));
+                                d.fail(why);
+                            }
                         }
                     })
                     .await;
@@ -3256,8 +3250,7 @@ impl Server {
                 self.on(id, move |inner, id| {
                     if let Some(d) = inner.deps.get_mut(id) {
                         d.busy = false;
-                        d.state = InstanceState::Failed;
-                        d.last_error = Some(format!("preinitialize: {e}"));
+                        d.fail(format!("preinitialize: {e}"));
                     }
                 })
                 .await;

@@ -63,6 +63,10 @@ pub(crate) struct Dep {
     /// The last state change that counts as use (a request's start or end is the router's to
     /// record: [`Dep::used_at`] reads both).
     pub(crate) last_used: Instant,
+    /// When it last failed on its own (a start, wake, park or stop that failed, its engine
+    /// exited): the scaler's back-off ([`FAILED_BACKOFF`]) counts from here. `None` while it
+    /// never did, and when its host lost its engine ([`Dep::lost`]).
+    pub(crate) failed_at: Option<Instant>,
     pub(crate) max_running: Option<MaxRunning>,
     /// Set (once per bring-up) to end the start or wake in progress: what its waiting requests
     /// and the bring-up's caller get (`deployment_stopped` for a stop, `model_not_found` for
@@ -110,6 +114,7 @@ impl Dep {
             tier: None,
             last_error: None,
             last_used: Instant::now(),
+            failed_at: None,
             max_running: None,
             end: watch::channel(None).0,
             ended_stop_failed: None,
@@ -147,6 +152,32 @@ impl Dep {
                 .insert("CUDA_DEVICE_ORDER".to_string(), "PCI_BUS_ID".to_string());
         }
         spec
+    }
+
+    /// Marks it failed, with `why`: its engine is gone (no address, process or tier), and the
+    /// scaler's back-off starts now.
+    pub(crate) fn fail(&mut self, why: String) {
+        self.state = InstanceState::Failed;
+        self.tier = None;
+        self.addr = None;
+        self.pid = None;
+        self.last_error = Some(why);
+        self.failed_at = Some(Instant::now());
+    }
+
+    /// Marks it failed because its host no longer has its engine (a node agent that came
+    /// back without it): the engine did not fail on its own, so no back-off holds it.
+    pub(crate) fn lost(&mut self, why: String) {
+        self.fail(why);
+        self.failed_at = None;
+    }
+
+    /// In the scaler's back-off: failed on its own less than [`FAILED_BACKOFF`] before `now`.
+    pub(crate) fn backing_off(&self, now: Instant) -> bool {
+        self.state == InstanceState::Failed
+            && self
+                .failed_at
+                .is_some_and(|at| now.saturating_duration_since(at) < FAILED_BACKOFF)
     }
 
     /// Nothing runs, is on its way or is reserved for it: dropping it loses nothing.
@@ -649,8 +680,7 @@ impl State {
                         held: u.busy
                             || u.reserved.is_some()
                             || u.claim.is_some()
-                            || (u.state == InstanceState::Failed
-                                && now.saturating_duration_since(u.last_used) < FAILED_BACKOFF),
+                            || u.backing_off(now),
                         claimed: u.claim.is_some(),
                     })
                     .collect();
@@ -1587,12 +1617,8 @@ impl State {
         ) {
             return None;
         }
-        d.state = InstanceState::Failed;
-        d.tier = None;
-        d.addr = None;
-        d.pid = None;
         d.last_used = Instant::now();
-        d.last_error = Some(format!(
+        d.fail(format!(
             "the engine exited: {}",
             exit.status.as_deref().unwrap_or("status unknown")
         ));
@@ -1721,11 +1747,7 @@ impl State {
             let held = d.occupies() || d.state == InstanceState::Parked;
             if held && !d.busy && d.reserved.is_none() && d.claim.is_none() {
                 lost.push(Self::key_of(d, &host_id));
-                d.state = InstanceState::Failed;
-                d.tier = None;
-                d.addr = None;
-                d.pid = None;
-                d.last_error = Some(format!(
+                d.lost(format!(
                     "its engine is gone: host {host_id} no longer has it"
                 ));
             }
@@ -1794,11 +1816,7 @@ impl State {
                 Some(Ok((d.key(&self.host_id), d.addr)))
             }
             UpDone::Failed { error: e, ended } => {
-                d.state = InstanceState::Failed;
-                d.tier = None;
-                d.addr = None;
-                d.pid = None;
-                d.last_error = Some(format!("{}: {}", e.code(), e.message()));
+                d.fail(format!("{}: {}", e.code(), e.message()));
                 if let Some(stopped) = ended {
                     let what = match up {
                         Up::Start => "start",
@@ -2472,6 +2490,45 @@ mod tests {
             "{:?}",
             s.deps["r-2"].gpus
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_scaler_waits_out_the_back_off_of_an_engine_that_failed_not_one_its_host_lost() {
+        let long_ago = Instant::now();
+        tokio::time::advance(Duration::from_secs(600)).await;
+        let mut s = one_host("box", 3, 10);
+        s.insert(dep("r", "chat-r", "replicas: 3", long_ago));
+        for unit in ["r", "r-1", "r-2"] {
+            bring_up(&mut s, unit, long_ago);
+            s.deps.get_mut(unit).unwrap().last_used = long_ago;
+        }
+        let held = |s: &State, unit: &str| {
+            let now = Instant::now();
+            s.scale_inputs(now)[0]
+                .units
+                .iter()
+                .find(|u| u.unit == unit)
+                .unwrap()
+                .held
+        };
+        // r-1's engine exits, unused for ten minutes: the back-off counts from the exit.
+        let exit = capyctl_node_agent::agent::EngineExit {
+            instance: "r-1".into(),
+            status: Some("signal 9".into()),
+        };
+        assert!(s.engine_exited("box", &exit).is_some());
+        assert!(held(&s, "r-1"), "within the back-off");
+        tokio::time::advance(FAILED_BACKOFF - Duration::from_secs(1)).await;
+        assert!(held(&s, "r-1"), "still within it");
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(!held(&s, "r-1"), "past it");
+        // The host comes back (its agent restarted) without its engines: r-2 failed, but not
+        // on its own, so the scaler may bring it back at once, used a moment ago or not.
+        s.deps.get_mut("r-2").unwrap().last_used = Instant::now();
+        let lost = s.add_host("box".into(), gpus_host(3, 10), &[]).lost;
+        assert!(lost.iter().any(|k| k.index == 2), "{lost:?}");
+        assert_eq!(s.deps["r-2"].state, InstanceState::Failed);
+        assert!(!held(&s, "r-2"), "a lost engine is no failure of its own");
     }
 
     #[tokio::test(start_paused = true)]
