@@ -901,6 +901,51 @@ impl Drop for PresenceOf {
 /// longest idle.
 type VictimOrder = (bool, std::cmp::Reverse<Duration>);
 
+/// One GPU as [`State::place_on_gpus`] reads it: its bytes, the instance's share of its
+/// memory there, and what holds that GPU.
+type GpuRoom<'a> = (u64, u64, Vec<Holder<'a>>);
+
+/// `victims` (sorted), each GPU's choice for an instance over several GPUs (`rooms`), less
+/// those the others make unneeded: a victim that spans several of these GPUs frees its share on
+/// each, so the victim another GPU named beside it may not be needed at all. Tried for removal
+/// the most recently used first; one goes when every GPU still has room with the rest released
+/// (parked, keeping their residue; stopped, none, when `stop`).
+fn fewest_victims(rooms: &[GpuRoom<'_>], mut victims: Vec<String>, stop: bool) -> Vec<String> {
+    let idle_for = |id: &str| {
+        rooms
+            .iter()
+            .flat_map(|(_, _, on_gpu)| on_gpu.iter())
+            .find(|h| h.id == id)
+            .map_or(Duration::ZERO, |h| h.idle_for)
+    };
+    let room_with = |released: &[String]| {
+        rooms.iter().all(|(cap, need, on_gpu)| {
+            let held: u64 = on_gpu
+                .iter()
+                .map(|h| match released.iter().any(|v| v == h.id) {
+                    true if stop => 0,
+                    true => h.keeps.min(h.bytes),
+                    false => h.bytes,
+                })
+                .sum();
+            cap.saturating_sub(held) >= *need
+        })
+    };
+    let mut order = victims.clone();
+    order.sort_by_key(|id| (idle_for(id), id.clone()));
+    for id in order {
+        let without: Vec<String> = victims.iter().filter(|v| **v != id).cloned().collect();
+        if room_with(&without) {
+            victims = without;
+        }
+    }
+    victims
+}
+
+/// A GPU that may take an instance ([`State::place_on_gpus`]): its index, the fit there, its
+/// rank, the order of its victims, and its room.
+type GpuChoice<'a> = (u32, Fit, (u8, u64), VictimOrder, GpuRoom<'a>);
+
 /// A placement on some GPUs of a host: the GPUs, the fit, and its rank ([`rank_of`]).
 type GpuPlacement = (Vec<u32>, Fit, (u8, u64));
 
@@ -1127,7 +1172,7 @@ impl State {
         // names runs requests now (the router's count: a deployment's last use is every one of
         // its instances'), and how long they have been idle; among equal ranks the victims
         // that run nothing, then the longest idle, go first.
-        let mut each: Vec<(u32, Fit, (u8, u64), VictimOrder)> = Vec::new();
+        let mut each: Vec<GpuChoice<'_>> = Vec::new();
         let mut never = Vec::new();
         for gpu in &host.gpus {
             if !bound.is_empty() && !bound.contains(&gpu.index) {
@@ -1176,7 +1221,7 @@ impl State {
                 _ => (false, std::cmp::Reverse(Duration::ZERO)),
             };
             match rank_of(&fit, cap, need, &on_gpu) {
-                Some(rank) => each.push((gpu.index, fit, rank, idle)),
+                Some(rank) => each.push((gpu.index, fit, rank, idle, (cap, need, on_gpu))),
                 None => {
                     if let Fit::Never(why) = fit {
                         never.push(format!("GPU {}: {why}", gpu.index));
@@ -1196,14 +1241,20 @@ impl State {
                 never.join("; ")
             });
         }
-        each.sort_by_key(|(index, _, rank, idle)| (*rank, *idle, *index));
+        each.sort_by_key(|(index, _, rank, idle, _)| (*rank, *idle, *index));
         each.truncate(want);
-        let gpus: Vec<u32> = each.iter().map(|(i, _, _, _)| *i).collect();
-        let worst = each.iter().map(|(_, _, r, _)| *r).max().unwrap_or((0, 0));
+        let gpus: Vec<u32> = each.iter().map(|(i, _, _, _, _)| *i).collect();
+        let worst = each
+            .iter()
+            .map(|(_, _, r, _, _)| *r)
+            .max()
+            .unwrap_or((0, 0));
         let mut stop = false;
         let mut victims: Vec<String> = Vec::new();
         let mut later = false;
-        for (_, fit, _, _) in each {
+        let mut rooms: Vec<GpuRoom<'_>> = Vec::with_capacity(each.len());
+        for (_, fit, _, _, room) in each {
+            rooms.push(room);
             match fit {
                 Fit::Now => {}
                 Fit::After(v) => victims.extend(v),
@@ -1216,6 +1267,9 @@ impl State {
         }
         victims.sort();
         victims.dedup();
+        if !later && rooms.len() > 1 {
+            victims = fewest_victims(&rooms, victims, stop);
+        }
         let fit = if later {
             Fit::Later
         } else if victims.is_empty() {
@@ -2464,6 +2518,36 @@ mod tests {
             fit,
             Fit::Never("it needs 2 GPUs (gpus_per_instance) and the host has 1".into())
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_instance_over_several_gpus_names_no_victim_another_one_already_makes_room_for() {
+        let start = Instant::now();
+        tokio::time::advance(Duration::from_secs(600)).await;
+        let now = Instant::now();
+        let sized = |id: &str, name: &str, extra: &str, gib: u64, used: Instant| {
+            let mut d = dep(id, name, extra, used);
+            d.measurement.gpu_memory = Some(Measured {
+                bytes: gib * GIB,
+                source: MeasureSource::Declared,
+            });
+            d
+        };
+        let mut s = one_host("box", 2, 10);
+        // v spans both GPUs (7 GiB on each); x (2 GiB) shares one of them, idle longer.
+        s.insert(sized("v", "chat-v", "gpus_per_instance: 2", 14, start));
+        s.insert(sized("x", "chat-x", "", 2, start));
+        let (_, gv) = bring_up(&mut s, "v", start);
+        let (_, gx) = bring_up(&mut s, "x", start);
+        assert_eq!((gv.len(), gx.len()), (2, 1));
+        s.deps.get_mut("v").unwrap().last_used = now - Duration::from_secs(50);
+        s.deps.get_mut("x").unwrap().last_used = now - Duration::from_secs(500);
+        // t needs 4 GiB on each GPU. On x's GPU alone x goes first (the longest idle), and is
+        // not enough, so v too; on the other, v. Yet v, released, frees 7 GiB on both: x is
+        // not needed, and is no victim (it was, when each GPU chose alone).
+        s.insert(sized("t", "chat-t", "gpus_per_instance: 2", 8, now));
+        let (_, fit) = s.place_target("t", &none(), Victims::Idle, now);
+        assert_eq!(fit, Fit::After(vec!["v".into()]));
     }
 
     #[tokio::test(start_paused = true)]
