@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use capyctl_engine_sim::{INTACT, Words};
+use capyctl_test_support::free_port;
 use clap::Parser;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
@@ -455,13 +456,6 @@ async fn start_agents(run: &Run, engine_sim: &Path) -> Result<Vec<Child>> {
         }
     }
     Ok(agents)
-}
-
-/// A free loopback port.
-fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
 }
 
 /// Starts `capyctl start standalone` on the run's document and data directory and waits until
@@ -1416,11 +1410,11 @@ async fn soak(args: Args) -> Result<bool> {
         run_id: format!("{}-{seed}", std::process::id()),
         capyctl,
         data: dir.join("data"),
-        inference: SocketAddr::from(([127, 0, 0, 1], free_port()?)),
-        management: SocketAddr::from(([127, 0, 0, 1], free_port()?)),
+        inference: SocketAddr::from(([127, 0, 0, 1], free_port())),
+        management: SocketAddr::from(([127, 0, 0, 1], free_port())),
         agents: [
-            SocketAddr::from(([127, 0, 0, 1], free_port()?)),
-            SocketAddr::from(([127, 0, 0, 1], free_port()?)),
+            SocketAddr::from(([127, 0, 0, 1], free_port())),
+            SocketAddr::from(([127, 0, 0, 1], free_port())),
         ],
         agent_pids: Mutex::new(Vec::new()),
         dir: dir.clone(),
