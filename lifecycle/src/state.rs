@@ -266,6 +266,7 @@ impl Dep {
         capyctl_node_agent::measure::parked_estimate(
             self.measurement.weights_bytes(),
             self.spec.speculative(),
+            self.spec.tensor_parallel.unwrap_or(1),
         )
         .unwrap_or(0)
     }

@@ -795,7 +795,8 @@ impl LocalHostAgent {
             });
         }
         let weights = inst.state().measurement.weights_bytes();
-        parked_estimate(weights, tier == ParkTier::KvOnly).map(|bytes| GpuHeld {
+        let workers = inst.spec.tensor_parallel.unwrap_or(1);
+        parked_estimate(weights, tier == ParkTier::KvOnly, workers).map(|bytes| GpuHeld {
             bytes,
             source: GpuHeldSource::Estimated,
         })
