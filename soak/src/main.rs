@@ -90,40 +90,50 @@ struct Model {
     /// The engine's model (what its answers are made from).
     model: &'static str,
     gpu_memory: &'static str,
+    /// More of its deployment document (`replicas`, `scale`), empty for most.
+    extra: &'static str,
 }
 
-/// Two GPUs: 12 GiB (two 6 GiB models, or the 10 GiB one) and 6 GiB (one 6 GiB model); five
-/// models, so that the GPUs hold one or two and most requests switch.
+/// Three GPUs: CapyCTL's own host's 12 GiB (two 6 GiB models, or the 10 GiB one) and each node
+/// agent's 6 GiB (one 6 GiB model); five models, so that the GPUs hold one or two and most
+/// requests switch. One (3 GiB) has two instances, the second brought up on load into free room
+/// and parked after a short delay (`scale`), so that the scaler, routing among instances and
+/// per-instance switches run under the same chaos.
 const MODELS: &[Model] = &[
     Model {
         name: "soak-a",
         engine: "vllm",
         model: "Soak-A-1B",
         gpu_memory: "6GiB",
+        extra: "",
     },
     Model {
         name: "soak-b",
         engine: "vllm",
         model: "Soak-B-1B",
         gpu_memory: "6GiB",
+        extra: "",
     },
     Model {
         name: "soak-c",
         engine: "sglang",
         model: "Soak-C-1B",
         gpu_memory: "6GiB",
+        extra: "",
     },
     Model {
         name: "soak-d",
         engine: "vllm",
         model: "Soak-D-3B",
         gpu_memory: "10GiB",
+        extra: "",
     },
     Model {
         name: "soak-e",
         engine: "vllm",
         model: "Soak-E-1B",
-        gpu_memory: "6GiB",
+        gpu_memory: "3GiB",
+        extra: "replicas: 2\nscale: {min: 1, target_in_flight: 2, scale_down_delay: 10s}\n",
     },
 ];
 
@@ -309,8 +319,8 @@ impl Run {
     fn deployment_doc(&self, m: &Model, rev: u64) -> String {
         format!(
             "name: {}\nengine: {}\nmodel: {}\nresources: {{gpu_memory: {}, weights_memory: 96MiB}}\n\
-             env: {{ENGINE_SIM_WEIGHTS_BYTES: 96MiB, ENGINE_SIM_GPU_MEMORY_BYTES: {}, ENGINE_SIM_TOKEN_RATE: \"{TOKEN_RATE}\", ENGINE_SIM_STARTUP_DELAY: 300ms, SOAK_RUN: \"{}\", SOAK_MODEL: {}, SOAK_REV: \"{rev}\"}}\n",
-            m.name, m.engine, m.model, m.gpu_memory, m.gpu_memory, self.run_id, m.name
+             env: {{ENGINE_SIM_WEIGHTS_BYTES: 96MiB, ENGINE_SIM_GPU_MEMORY_BYTES: {}, ENGINE_SIM_TOKEN_RATE: \"{TOKEN_RATE}\", ENGINE_SIM_STARTUP_DELAY: 300ms, SOAK_RUN: \"{}\", SOAK_MODEL: {}, SOAK_REV: \"{rev}\"}}\n{}",
+            m.name, m.engine, m.model, m.gpu_memory, m.gpu_memory, self.run_id, m.name, m.extra
         )
     }
 
@@ -370,7 +380,7 @@ impl Run {
 
 /// The engines the node agents still run (their records, `<agent dir>/engines/<instance>.json`,
 /// whose pid is alive) that CapyCTL does not drive: of a deployment it no longer has
-/// (`live` holds the IDs it has), or a second one of the same deployment. Read after CapyCTL's
+/// (`live` holds the IDs it has), or a second one of the same instance. Read after CapyCTL's
 /// clean shutdown, which leaves the node agents' engines running by design.
 fn agents_orphans(run: &Run, live: &std::collections::BTreeSet<String>) -> Vec<String> {
     let mut seen = std::collections::BTreeSet::new();
@@ -403,9 +413,9 @@ fn agents_orphans(run: &Run, live: &std::collections::BTreeSet<String>) -> Vec<S
                 orphans.push(format!(
                     "soak-node-{i}: {instance} (pid {pid}): its deployment is gone"
                 ));
-            } else if !seen.insert(deployment.to_owned()) {
+            } else if !seen.insert(instance.to_owned()) {
                 orphans.push(format!(
-                    "soak-node-{i}: {instance} (pid {pid}): a second engine of its deployment"
+                    "soak-node-{i}: {instance} (pid {pid}): a second engine of its instance"
                 ));
             }
         }
@@ -1225,6 +1235,19 @@ async fn booking(run: Arc<Run>) {
             return;
         }
         let a = gpu_held(&run.run_id).await;
+        // The model of several instances at work: two of its engines awake at once (holding
+        // more than a parked engine's residue).
+        let mut awake: BTreeMap<&str, u32> = BTreeMap::new();
+        for (m, b) in a.values() {
+            if *b >= 1 << 30 {
+                *awake.entry(m.as_str()).or_default() += 1;
+            }
+        }
+        for (m, n) in awake {
+            if n > 1 {
+                run.note(format!("samples with {n} instances of {m} awake"));
+            }
+        }
         let bytes: Vec<u64> = a.values().map(|(_, b)| *b).filter(|b| *b > 0).collect();
         if !fits(&bytes) {
             tokio::time::sleep(Duration::from_millis(200)).await;
