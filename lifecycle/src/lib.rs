@@ -533,6 +533,13 @@ impl Server {
                         d.measurement = m;
                     }
                 }
+                // NB: measured by deployment, into its first instance: the others take it from
+                // there. Left unknown, each would count a whole GPU in placement until the next
+                // deploy (the soak found a GPU over-booked after a restart so, seed 42).
+                let replicated: Vec<String> = inner.replicated.iter().cloned().collect();
+                for dep in replicated {
+                    inner.sync_units(&dep);
+                }
             })
             .await;
         server.ready.store(true, Ordering::SeqCst);
@@ -3935,7 +3942,38 @@ impl NameCache {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
+    use std::sync::Arc;
+
     use super::engine_addr;
+    use crate::api::ManagementApi;
+
+    #[tokio::test]
+    async fn after_a_restart_every_instance_knows_its_deployments_measurement() {
+        let store = Arc::new(crate::store::MemoryStore::default());
+        let open = || async {
+            super::Server::open(
+                Arc::new(capyctl_test_support::FakeHost::new().with_gpus(2)),
+                store.clone(),
+                super::LifecycleConfig::new("h"),
+            )
+            .await
+            .unwrap()
+        };
+        let doc = capyctl_spec::documents::parse_deployment_str(
+            "t.yaml",
+            "name: r\nengine: vllm\nmodel: m\nresources: {gpu_memory: 6GiB}\nreplicas: 2\n",
+        )
+        .unwrap();
+        let id = open().await.deploy(doc).await.unwrap().deployment.id;
+        let server = open().await;
+        let known: Vec<Option<u64>> = server.read(|inner| {
+            inner
+                .units_of(&id)
+                .map(|d| d.measurement.gpu_memory.map(|m| m.bytes))
+                .collect()
+        });
+        assert_eq!(known, [Some(6 << 30), Some(6 << 30)]);
+    }
 
     #[test]
     fn an_engines_address_comes_from_its_base_url_loopback_or_pod_ip() {
