@@ -2308,7 +2308,13 @@ mod tests {
         }
     }
 
+    /// A deployment of 6 GiB (declared), last used at `now`.
     fn dep(id: &str, name: &str, extra: &str, now: Instant) -> Dep {
+        sized_dep(id, name, extra, 6, now)
+    }
+
+    /// A deployment of `gib` GiB (declared), last used at `now`.
+    fn sized_dep(id: &str, name: &str, extra: &str, gib: u64, now: Instant) -> Dep {
         let doc = capyctl_spec::documents::parse_deployment_str(
             "t.yaml",
             &format!("name: {name}\nengine: vllm\nmodel: m\n{extra}"),
@@ -2325,7 +2331,7 @@ mod tests {
             first_answer: None,
         });
         d.measurement.gpu_memory = Some(Measured {
-            bytes: 6 * GIB,
+            bytes: gib * GIB,
             source: MeasureSource::Declared,
         });
         d.last_used = now;
@@ -2492,33 +2498,36 @@ mod tests {
 
         // gpus_per_instance: 2 on a host of 4 GPUs: two GPUs, each with half the memory.
         let mut s = one_host("box", 4, 10);
-        let mut d = dep("t", "chat-t", "replicas: 2\ngpus_per_instance: 2", now);
-        d.measurement.gpu_memory = Some(Measured {
-            bytes: 16 * GIB,
-            source: MeasureSource::Declared,
-        });
-        s.insert(d);
+        s.insert(sized_dep(
+            "t",
+            "chat-t",
+            "replicas: 2\ngpus_per_instance: 2",
+            16,
+            now,
+        ));
         assert_eq!(s.deps["t-1"].spec.tensor_parallel, Some(2));
         let (_, g0) = bring_up(&mut s, "t", now);
         let (_, g1) = bring_up(&mut s, "t-1", now);
         assert_eq!((g0.len(), g1.len()), (2, 2));
         assert!(g0.iter().all(|g| !g1.contains(g)), "{g0:?} {g1:?}");
-        // Three GPUs: never.
-        let mut s = one_host("small", 2, 10);
-        s.insert(dep("w", "chat-w", "gpus_per_instance: 3", now));
-        let (_, fit) = s.place_target("w", &none(), Victims::Idle, now);
-        assert_eq!(
-            fit,
-            Fit::Never("it needs 3 GPUs (gpus_per_instance) and the host has 2".into())
-        );
-        // A host of one GPU: never either (its engine would start tensor-parallel on one).
-        let mut s = one_host("one", 1, 40);
-        s.insert(dep("w", "chat-w", "gpus_per_instance: 2", now));
-        let (_, fit) = s.place_target("w", &none(), Victims::Idle, now);
-        assert_eq!(
-            fit,
-            Fit::Never("it needs 2 GPUs (gpus_per_instance) and the host has 1".into())
-        );
+        // More GPUs than the host has: never (on a host of one GPU too: its engine would
+        // start tensor-parallel on one).
+        for (gpus, gib, want) in [(2, 10, 3), (1, 40, 2)] {
+            let mut s = one_host("h", gpus, gib);
+            s.insert(dep(
+                "w",
+                "chat-w",
+                &format!("gpus_per_instance: {want}"),
+                now,
+            ));
+            let (_, fit) = s.place_target("w", &none(), Victims::Idle, now);
+            assert_eq!(
+                fit,
+                Fit::Never(format!(
+                    "it needs {want} GPUs (gpus_per_instance) and the host has {gpus}"
+                ))
+            );
+        }
     }
 
     #[tokio::test(start_paused = true)]
@@ -2526,18 +2535,10 @@ mod tests {
         let start = Instant::now();
         tokio::time::advance(Duration::from_secs(600)).await;
         let now = Instant::now();
-        let sized = |id: &str, name: &str, extra: &str, gib: u64, used: Instant| {
-            let mut d = dep(id, name, extra, used);
-            d.measurement.gpu_memory = Some(Measured {
-                bytes: gib * GIB,
-                source: MeasureSource::Declared,
-            });
-            d
-        };
         let mut s = one_host("box", 2, 10);
         // v spans both GPUs (7 GiB on each); x (2 GiB) shares one of them, idle longer.
-        s.insert(sized("v", "chat-v", "gpus_per_instance: 2", 14, start));
-        s.insert(sized("x", "chat-x", "", 2, start));
+        s.insert(sized_dep("v", "chat-v", "gpus_per_instance: 2", 14, start));
+        s.insert(sized_dep("x", "chat-x", "", 2, start));
         let (_, gv) = bring_up(&mut s, "v", start);
         let (_, gx) = bring_up(&mut s, "x", start);
         assert_eq!((gv.len(), gx.len()), (2, 1));
@@ -2546,7 +2547,7 @@ mod tests {
         // t needs 4 GiB on each GPU. On x's GPU alone x goes first (the longest idle), and is
         // not enough, so v too; on the other, v. Yet v, released, frees 7 GiB on both: x is
         // not needed, and is no victim (it was, when each GPU chose alone).
-        s.insert(sized("t", "chat-t", "gpus_per_instance: 2", 8, now));
+        s.insert(sized_dep("t", "chat-t", "gpus_per_instance: 2", 8, now));
         let (_, fit) = s.place_target("t", &none(), Victims::Idle, now);
         assert_eq!(fit, Fit::After(vec!["v".into()]));
     }
@@ -2819,12 +2820,7 @@ mod tests {
         // `p` and `q` (3 GiB each) hold 6 of 10 GiB; `b` needs 6: one of them must go (parked,
         // it still holds its residue, 512 MiB).
         for id in ["p", "q"] {
-            let mut d = dep(id, &format!("chat-{id}"), "", t0);
-            d.measurement.gpu_memory = Some(Measured {
-                bytes: 3 * GIB,
-                source: MeasureSource::Declared,
-            });
-            s.insert(d);
+            s.insert(sized_dep(id, &format!("chat-{id}"), "", 3, t0));
         }
         ready(&mut s, "p", t0 + Duration::from_secs(30));
         ready(&mut s, "q", t0 + Duration::from_secs(10));
