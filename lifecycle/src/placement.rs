@@ -37,6 +37,18 @@ pub(crate) struct Holder<'a> {
     pub keeps: u64,
 }
 
+impl Holder<'_> {
+    /// What it still holds on the GPU once released: its residue when it parks, nothing when
+    /// it stops (`stopping`).
+    pub fn left_after_release(&self, stopping: bool) -> u64 {
+        if stopping {
+            0
+        } else {
+            self.keeps.min(self.bytes)
+        }
+    }
+}
+
 /// The answer of [`place`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Fit {
@@ -108,8 +120,7 @@ pub(crate) fn place(capacity: u64, need: u64, holders: &[Holder<'_>], evict: boo
             if freed >= need {
                 break;
             }
-            let keeps = if stopping { 0 } else { c.keeps };
-            freed = freed.saturating_add(c.bytes.saturating_sub(keeps));
+            freed = freed.saturating_add(c.bytes - c.left_after_release(stopping));
             victims.push(c.id.to_string());
         }
         if freed >= need {

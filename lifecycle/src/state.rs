@@ -923,10 +923,12 @@ fn fewest_victims(rooms: &[GpuRoom<'_>], mut victims: Vec<String>, stop: bool) -
         rooms.iter().all(|(cap, need, on_gpu)| {
             let held: u64 = on_gpu
                 .iter()
-                .map(|h| match released.iter().any(|v| v == h.id) {
-                    true if stop => 0,
-                    true => h.keeps.min(h.bytes),
-                    false => h.bytes,
+                .map(|h| {
+                    if released.iter().any(|v| v == h.id) {
+                        h.left_after_release(stop)
+                    } else {
+                        h.bytes
+                    }
                 })
                 .sum();
             cap.saturating_sub(held) >= *need
