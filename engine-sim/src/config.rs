@@ -39,8 +39,8 @@ impl Flavour {
     /// The version string reported when `--sim-version` is not given.
     pub fn default_version(self) -> &'static str {
         match self {
-            Flavour::Vllm => "0.31.0",
-            Flavour::Sglang => "0.5.9",
+            Flavour::Vllm => "0.32.0",
+            Flavour::Sglang => "0.5.23",
             Flavour::Tensorfold => "1.0.0",
         }
     }
@@ -98,6 +98,9 @@ pub enum Fault {
     /// `/resume_memory_occupation` and `/continue_generation` answer 200 and the engine stays
     /// asleep.
     WakeIgnored,
+    /// vLLM `/reset_prefix_cache` answers `{"success": false}` and resets nothing (as vLLM does
+    /// while blocks are still held).
+    PrefixCacheResetFails,
 }
 
 /// How long SGLang's `/health` waits for its token before answering 503 (SGLang's
@@ -106,7 +109,7 @@ pub const PAUSED_HEALTH_TIMEOUT: Duration = Duration::from_secs(20);
 
 impl Fault {
     /// Every fault, in the order of the docs.
-    pub const ALL: [Fault; 10] = [
+    pub const ALL: [Fault; 11] = [
         Fault::WakeMismatch,
         Fault::ReloadFails,
         Fault::WakeHangs,
@@ -117,6 +120,7 @@ impl Fault {
         Fault::PausedHealthHangs,
         Fault::SleepIgnored,
         Fault::WakeIgnored,
+        Fault::PrefixCacheResetFails,
     ];
 
     /// The fault's name, as written in `ENGINE_SIM_FAULTS` and `/sim/faults`.
@@ -132,6 +136,7 @@ impl Fault {
             Fault::PausedHealthHangs => "paused_health_hangs",
             Fault::SleepIgnored => "sleep_ignored",
             Fault::WakeIgnored => "wake_ignored",
+            Fault::PrefixCacheResetFails => "prefix_cache_reset_fails",
         }
     }
 }
@@ -306,6 +311,16 @@ struct SimArgs {
     )]
     vllm_dev_mode: Option<String>,
 
+    /// SGLang 0.5.6 and later: whether `/health` generates a token ("0" or "false" turns it
+    /// off: `/health` then answers 200 without generating; `/health_generate` always
+    /// generates).
+    #[arg(
+        long = "sim-sglang-health-endpoint-generation",
+        env = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION",
+        value_name = "0|1"
+    )]
+    sglang_health_endpoint_generation: Option<String>,
+
     /// Size of the weights (e.g. 8GiB or bytes); sets park and wake times.
     #[arg(long = "sim-weights-bytes", env = "ENGINE_SIM_WEIGHTS_BYTES", default_value = "8GiB", value_parser = parse_bytes)]
     weights_bytes: u64,
@@ -346,7 +361,8 @@ struct SimArgs {
     )]
     kv_capacity_tokens: u64,
 
-    /// Version string to report (default: vllm 0.31.0, sglang 0.5.9, tensorfold 1.0.0).
+    /// Version string to report (default: vllm 0.32.0, sglang 0.5.23, tensorfold 1.0.0); SGLang's
+    /// routes and bodies follow it (see the README).
     #[arg(long = "sim-version", env = "ENGINE_SIM_VERSION")]
     version_string: Option<String>,
 
@@ -374,6 +390,12 @@ pub struct SimConfig {
     pub enable_sleep_mode: bool,
     /// vLLM developer mode (`VLLM_SERVER_DEV_MODE=1`): the dev endpoints exist.
     pub vllm_dev_mode: bool,
+    /// SGLang `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION` (default on): `/health` generates a
+    /// token (0.5.6 and later; when off it answers 200 without generating).
+    pub sglang_health_generates: bool,
+    /// SGLang `--max-running-requests` as given (`null` in `/server_info` when absent: SGLang
+    /// sizes itself).
+    pub max_running_requests_arg: Option<usize>,
     /// SGLang `--enable-metrics` (vLLM and TensorFold always serve /metrics).
     pub enable_metrics: bool,
     /// SGLang `--enable-memory-saver`.
@@ -594,6 +616,13 @@ impl SimConfig {
         let vllm_dev_mode = a
             .vllm_dev_mode
             .is_some_and(|v| matches!(v.trim(), "1" | "true" | "True" | "TRUE"));
+        let sglang_health_generates = !a
+            .sglang_health_endpoint_generation
+            .is_some_and(|v| matches!(v.trim(), "0" | "false" | "False" | "FALSE"));
+        let max_running_requests_arg = match flavour {
+            Flavour::Sglang => a.max_running_requests,
+            Flavour::Vllm | Flavour::Tensorfold => None,
+        };
 
         Ok(SimConfig {
             flavour,
@@ -603,6 +632,8 @@ impl SimConfig {
             port: a.port.unwrap_or(flavour.default_port()),
             enable_sleep_mode: a.enable_sleep_mode,
             vllm_dev_mode,
+            sglang_health_generates,
+            max_running_requests_arg,
             enable_metrics: a.enable_metrics,
             enable_memory_saver: a.enable_memory_saver,
             enable_weights_cpu_backup: a.enable_weights_cpu_backup,
@@ -623,6 +654,24 @@ impl SimConfig {
             faults: a.faults,
             unknown_args,
         })
+    }
+
+    /// Whether the reported version is `floor` or later (dotted numbers; a part that is not a
+    /// number counts as 0, so `0.5.6rc1` is `0.5.6`).
+    pub fn version_at_least(&self, floor: [u64; 3]) -> bool {
+        let mut parts = self
+            .version
+            .trim_start_matches('v')
+            .split(['.', '-', '+'])
+            .map(|p| {
+                p.chars()
+                    .take_while(char::is_ascii_digit)
+                    .collect::<String>()
+                    .parse::<u64>()
+                    .unwrap_or(0)
+            });
+        let have = [(); 3].map(|()| parts.next().unwrap_or(0));
+        have >= floor
     }
 
     /// Like [`SimConfig::try_parse_from`], but prints the error (or `--help`) and exits, as
@@ -702,7 +751,7 @@ mod tests {
         assert_eq!(c.port, 0);
         assert!(c.enable_sleep_mode);
         assert_eq!(c.max_running, 8);
-        assert_eq!(c.version, "0.31.0");
+        assert_eq!(c.version, "0.32.0");
         assert_eq!(
             c.unknown_args,
             ["--max-model-len", "8192", "--trust-remote-code"]

@@ -82,9 +82,11 @@ pub fn app(sim: Arc<EngineSim>) -> Router {
             }
         }
         Flavour::Sglang => {
+            if c.version_at_least(control::SGLANG_BODIES_SINCE) {
+                router = router.route("/server_info", get(control::sglang_server_info));
+            }
             router = router
-                .route("/health_generate", get(control::health))
-                .route("/server_info", get(control::sglang_server_info))
+                .route("/health_generate", get(control::health_generate))
                 .route("/get_server_info", get(control::sglang_server_info))
                 .route("/get_model_info", get(control::sglang_model_info))
                 .route("/pause_generation", post(control::sglang_pause))

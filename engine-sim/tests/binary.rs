@@ -119,7 +119,7 @@ async fn sglang_binary_full_release_resume_cycle() {
     let info: Value = serde_json::from_str(&info).unwrap();
     assert_eq!(info["max_running_requests"], 16);
     let before = sim.chat_text("chat-b", "hello").await;
-    sim.post_ok("/pause_generation").await;
+    sim.pause().await;
     assert_eq!(
         sim.post("/release_memory_occupation", json!({})).await.0,
         StatusCode::OK
@@ -130,7 +130,7 @@ async fn sglang_binary_full_release_resume_cycle() {
         sim.post("/resume_memory_occupation", json!({})).await.0,
         StatusCode::OK
     );
-    sim.post_ok("/continue_generation").await;
+    sim.resume_generation().await;
     assert_eq!(sim.get("/health").await.0, StatusCode::OK);
     assert_eq!(sim.chat_text("chat-b", "hello").await, before);
     let (_, metrics) = sim.get("/metrics").await;

@@ -188,5 +188,5 @@ async fn startup_delay_refuses_until_ready() {
     assert_eq!(status, StatusCode::OK);
     let (status, body) = sim.get("/version").await;
     assert_eq!(status, StatusCode::OK);
-    assert_eq!(body, r#"{"version":"0.31.0"}"#);
+    assert_eq!(body, r#"{"version":"0.32.0"}"#);
 }

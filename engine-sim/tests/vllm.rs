@@ -414,3 +414,22 @@ async fn vllm_metrics_names_and_kv_usage() {
     stream.disconnect();
     sim.wait_state("aborted", |s| s["aborted"] == 1).await;
 }
+
+/// `/reset_prefix_cache` answers `{"success": bool}` as vLLM 0.32 does; with the
+/// `prefix_cache_reset_fails` fault it is `false` and nothing is reset.
+#[tokio::test]
+async fn reset_prefix_cache_says_whether_it_reset() {
+    let sim = start(VLLM).await;
+    let (status, body) = sim.post_empty("/reset_prefix_cache").await;
+    assert_eq!(
+        (status, body.as_str()),
+        (StatusCode::OK, r#"{"success":true}"#)
+    );
+    set_faults(&sim, json!({"set": ["prefix_cache_reset_fails"]})).await;
+    let (status, body) = sim.post_empty("/reset_prefix_cache").await;
+    assert_eq!(
+        (status, body.as_str()),
+        (StatusCode::OK, r#"{"success":false}"#)
+    );
+    assert_eq!(sim.state().await["cache_resets"], 1);
+}

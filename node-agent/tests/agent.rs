@@ -35,7 +35,7 @@ async fn start_sample_park_wake_stop() {
         .unwrap();
     assert_eq!(started.max_running.count, Some(32));
     assert_eq!(started.max_running.source, MaxRunningSource::Default);
-    assert_eq!(started.version.as_deref(), Some("0.31.0"));
+    assert_eq!(started.version.as_deref(), Some("0.32.0"));
     assert!(started.parking.may_park);
     let sample = sample_arrives(&a, "i-vllm").await;
     assert_eq!(sample.engine.unwrap().running, Some(0));
@@ -59,7 +59,7 @@ async fn start_sample_park_wake_stop() {
         .iter()
         .find(|e| e.engine == EngineKind::Vllm)
         .unwrap();
-    assert_eq!(vllm.version.as_deref(), Some("0.31.0"));
+    assert_eq!(vllm.version.as_deref(), Some("0.32.0"));
     assert_eq!(vllm.deep_park.to_string(), "enabled");
     let _ = std::fs::remove_dir_all(dir);
 }

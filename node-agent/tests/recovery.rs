@@ -201,7 +201,7 @@ async fn an_engine_that_changed_behind_the_agents_back_is_stopped() {
         "s",
         http::Method::POST,
         "/continue_generation",
-        None,
+        Some(serde_json::json!({})),
     )
     .await;
     drop(first);
