@@ -406,6 +406,9 @@ pub struct SimConfig {
     pub speculative_algorithm: Option<String>,
     /// Requests the engine runs at once; more wait.
     pub max_running: usize,
+    /// vLLM `--max-model-len` (kept in `unknown_args` too): a request asking for more
+    /// `max_tokens` is refused with vLLM's 400; `None` when not given.
+    pub max_model_len: Option<u64>,
     /// Size of the weights in bytes.
     pub weights_bytes: u64,
     /// GPU memory held while awake, in bytes (weights + KV pool + residue).
@@ -624,6 +627,24 @@ impl SimConfig {
             Flavour::Vllm | Flavour::Tensorfold => None,
         };
 
+        let max_model_len = match flavour {
+            Flavour::Vllm => unknown_args
+                .iter()
+                .enumerate()
+                .filter_map(|(i, a)| match a.strip_prefix("--max-model-len") {
+                    Some("") => unknown_args.get(i + 1).map(String::as_str),
+                    Some(rest) => rest.strip_prefix('='),
+                    None => None,
+                })
+                .next_back()
+                .map(|v| {
+                    v.parse::<u64>()
+                        .map_err(|_| invalid(format!("--max-model-len `{v}`: a number of tokens")))
+                })
+                .transpose()?,
+            Flavour::Sglang | Flavour::Tensorfold => None,
+        };
+
         Ok(SimConfig {
             flavour,
             served_model_name: a.served_model_name.unwrap_or_else(|| model.clone()),
@@ -639,6 +660,7 @@ impl SimConfig {
             enable_weights_cpu_backup: a.enable_weights_cpu_backup,
             speculative_algorithm: a.speculative_algorithm,
             max_running,
+            max_model_len,
             weights_bytes: a.weights_bytes,
             gpu_memory_bytes,
             sleep_residue_bytes,

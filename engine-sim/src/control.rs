@@ -133,7 +133,14 @@ pub(crate) async fn version(State(sim): State<Arc<EngineSim>>) -> Response {
 
 // ----- vLLM -----
 
-/// `POST /sleep?level=1|2`.
+/// vLLM's answer to a request FastAPI's validation or a handler refuses: 400, type
+/// `Bad Request`.
+fn vllm_bad_request(message: String, param: Option<&str>) -> Response {
+    crate::openai::api_error_on(StatusCode::BAD_REQUEST, "Bad Request", message, param)
+}
+
+/// `POST /sleep?level=0|1|2` → `{"status":"sleeping","level":N}` (vLLM validates the level:
+/// an integer from 0 to 2).
 pub(crate) async fn vllm_sleep(
     State(sim): State<Arc<EngineSim>>,
     RawQuery(q): RawQuery,
@@ -141,45 +148,83 @@ pub(crate) async fn vllm_sleep(
     let level = match query_values(&q, "level").first() {
         None => 1,
         Some(v) => match v.parse::<u8>() {
-            Ok(l) => l,
+            Ok(l) if l <= 2 => l,
+            Ok(_) => {
+                return vllm_bad_request(
+                    format!(
+                        "1 validation error:\n  {{'type': 'less_than_equal', 'loc': \
+                         'query.level', 'msg': 'Input should be less than or equal to 2', \
+                         'input': '{v}', 'ctx': {{'le': 2}}}}"
+                    ),
+                    Some("query.level"),
+                );
+            }
             Err(_) => {
-                return ControlError {
-                    status: 400,
-                    message: format!("bad level `{v}`"),
-                }
-                .into_response();
+                return vllm_bad_request(
+                    format!(
+                        "1 validation error:\n  {{'type': 'int_parsing', 'loc': \
+                         'query.level', 'msg': 'Input should be a valid integer, unable to \
+                         parse string as an integer', 'input': '{v}'}}"
+                    ),
+                    Some("query.level"),
+                );
             }
         },
     };
+    let answer = Json(json!({"status": "sleeping", "level": level})).into_response();
     if ignored(&sim, Fault::SleepIgnored, "sleep") {
-        return ok_empty();
+        return answer;
     }
-    done(
-        sim.control("sleep", move |s, c| s.begin_vllm_sleep(level, c))
-            .await,
-    )
+    match sim
+        .control("sleep", move |s, c| s.begin_vllm_sleep(level, c))
+        .await
+    {
+        Ok(()) => answer,
+        Err(e) => e.into_response(),
+    }
 }
 
-/// `POST /wake_up[?tags=weights|kv_cache]`.
+/// `POST /wake_up[?tags=weights|kv_cache]` → `{"status":"awake"|"sleeping","tags":…}`
+/// (`sleeping` while a tag is still asleep; `tags` as given, `null` for all).
 pub(crate) async fn vllm_wake_up(
     State(sim): State<Arc<EngineSim>>,
     RawQuery(q): RawQuery,
 ) -> Response {
-    let mut tags = match parse_tags(query_values(&q, "tags")) {
+    let asked: Vec<String> = query_values(&q, "tags")
+        .iter()
+        .map(|t| t.to_string())
+        .collect();
+    let mut tags = match parse_tags(asked.iter().map(String::as_str)) {
         Ok(t) => t,
         Err(e) => return e.into_response(),
     };
     if tags.is_empty() {
         tags = vec![Tag::Weights, Tag::KvCache];
     }
+    let named = if asked.is_empty() {
+        Value::Null
+    } else {
+        json!(asked)
+    };
+    let answer = |sim: &EngineSim| {
+        let status = if sim.with_state(|s| s.is_sleeping()) {
+            "sleeping"
+        } else {
+            "awake"
+        };
+        Json(json!({"status": status, "tags": named})).into_response()
+    };
     sim.hang_if_wake_hangs().await;
     if ignored(&sim, Fault::WakeIgnored, "wake_up") {
-        return ok_empty();
+        return answer(&sim);
     }
-    done(
-        sim.control("wake_up", move |s, c| Ok(s.begin_wake(&tags, c)))
-            .await,
-    )
+    match sim
+        .control("wake_up", move |s, c| Ok(s.begin_wake(&tags, c)))
+        .await
+    {
+        Ok(()) => answer(&sim),
+        Err(e) => e.into_response(),
+    }
 }
 
 /// `GET /is_sleeping`.
@@ -197,14 +242,17 @@ pub(crate) async fn vllm_collective_rpc(
     State(sim): State<Arc<EngineSim>>,
     body: Bytes,
 ) -> Response {
-    let rpc: CollectiveRpc = match serde_json::from_slice(&body) {
+    let value: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return vllm_bad_request(format!("JSON decode error: {e}"), None),
+    };
+    if !value.is_object() {
+        return vllm_bad_request("Request body must be a JSON object".into(), None);
+    }
+    let rpc: CollectiveRpc = match serde_json::from_value(value) {
         Ok(r) => r,
-        Err(e) => {
-            return ControlError {
-                status: 400,
-                message: format!("invalid body: {e}"),
-            }
-            .into_response();
+        Err(_) => {
+            return vllm_bad_request("Missing 'method' in request body".into(), None);
         }
     };
     if rpc.method != "reload_weights" {
@@ -516,6 +564,15 @@ pub(crate) async fn sim_faults(State(sim): State<Arc<EngineSim>>, body: Bytes) -
     });
     info!(?faults, "faults changed");
     Json(json!({"faults": faults})).into_response()
+}
+
+/// A route taken with another method: FastAPI's 405 (axum adds the `allow` header).
+pub(crate) async fn method_not_allowed() -> Response {
+    (
+        StatusCode::METHOD_NOT_ALLOWED,
+        Json(json!({"detail": "Method Not Allowed"})),
+    )
+        .into_response()
 }
 
 /// Anything else: FastAPI's 404.

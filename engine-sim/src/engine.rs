@@ -402,6 +402,11 @@ impl Generation {
         Ok(())
     }
 
+    /// Whether every token asked for was produced (the last one was the last).
+    pub(crate) fn exhausted(&self) -> bool {
+        self.produced >= self.max_tokens
+    }
+
     /// The next token, at the token rate; `None` after `max_tokens`.
     pub(crate) async fn next_token(&mut self) -> Result<Option<Token>, Stop> {
         if self.produced >= self.max_tokens {

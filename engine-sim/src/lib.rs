@@ -48,8 +48,8 @@ const BODY_LIMIT: usize = 64 * 1024 * 1024;
 
 /// The HTTP application of one simulated engine: the routes its flavour and flags provide.
 ///
-/// vLLM's `/sleep`, `/wake_up` and `/is_sleeping` exist only with `--enable-sleep-mode` and
-/// `VLLM_SERVER_DEV_MODE=1`; `/collective_rpc` and `/reset_prefix_cache` with the dev mode.
+/// vLLM's dev routes (`/sleep`, `/wake_up`, `/is_sleeping`, `/collective_rpc`,
+/// `/reset_prefix_cache`) exist with `VLLM_SERVER_DEV_MODE=1`, as in vLLM 0.32.
 /// SGLang's `/metrics` exists only with `--enable-metrics`. Anything else answers 404.
 pub fn app(sim: Arc<EngineSim>) -> Router {
     let c = sim.config();
@@ -66,16 +66,15 @@ pub fn app(sim: Arc<EngineSim>) -> Router {
             router = router
                 .route("/version", get(control::version))
                 .route("/metrics", get(metrics::metrics));
+            // vLLM 0.32 registers all its dev routes with VLLM_SERVER_DEV_MODE, with or without
+            // --enable-sleep-mode.
             if c.vllm_dev_mode {
                 router = router
                     .route("/collective_rpc", post(control::vllm_collective_rpc))
                     .route(
                         "/reset_prefix_cache",
                         post(control::vllm_reset_prefix_cache),
-                    );
-            }
-            if c.vllm_dev_mode && c.enable_sleep_mode {
-                router = router
+                    )
                     .route("/sleep", post(control::vllm_sleep))
                     .route("/wake_up", post(control::vllm_wake_up))
                     .route("/is_sleeping", get(control::vllm_is_sleeping));
@@ -111,6 +110,7 @@ pub fn app(sim: Arc<EngineSim>) -> Router {
     }
     router
         .fallback(control::not_found)
+        .method_not_allowed_fallback(control::method_not_allowed)
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .with_state(sim)
 }

@@ -50,6 +50,14 @@ fn escape(label: &str) -> String {
 /// The Prometheus text for one snapshot.
 pub fn render(s: &SimSnapshot) -> String {
     let label = format!("{{model_name=\"{}\"}}", escape(&s.served_model_name));
+    // vLLM labels its series with the engine (data-parallel rank) too.
+    let engine_label = match s.flavour {
+        Flavour::Vllm => format!(
+            "{{engine=\"0\",model_name=\"{}\"}}",
+            escape(&s.served_model_name)
+        ),
+        Flavour::Sglang | Flavour::Tensorfold => label.clone(),
+    };
     let [running, waiting, kv] = engine_metric_names(s.flavour);
     let c = &s.counters;
     let series: [(&str, &str, &str, String); 16] = [
@@ -152,6 +160,11 @@ pub fn render(s: &SimSnapshot) -> String {
     ];
     let mut out = String::new();
     for (name, kind, help, value) in series {
+        let label = if [running, waiting, kv].contains(&name) {
+            &engine_label
+        } else {
+            &label
+        };
         // Writing to a String cannot fail.
         let _ = write!(
             out,
@@ -167,7 +180,7 @@ pub(crate) async fn metrics(State(sim): State<Arc<EngineSim>>) -> Response {
         StatusCode::OK,
         [(
             header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
+            "text/plain; version=1.0.0; charset=utf-8",
         )],
         render(&sim.snapshot()),
     )
