@@ -103,6 +103,10 @@ pub enum Fault {
     PrefixCacheResetFails,
 }
 
+/// vLLM 0.32.0's contract extract (its flags among the rest), written from its source by
+/// `node-agent/contracts/extract.py`.
+const VLLM_CONTRACT: &str = include_str!("../../node-agent/contracts/vllm-0.32.0.txt");
+
 /// How long SGLang's `/health` waits for its token before answering 503 (SGLang's
 /// `SGLANG_HEALTH_CHECK_TIMEOUT`, 20 s by default), with the `paused_health_hangs` fault.
 pub const PAUSED_HEALTH_TIMEOUT: Duration = Duration::from_secs(20);
@@ -678,6 +682,42 @@ impl SimConfig {
         })
     }
 
+    /// The arguments `vllm serve` 0.32.0 would refuse as `unrecognized arguments` (flags it does
+    /// not have, each with its value), in order; empty for the other flavours. Its flags are
+    /// those of the contract extract `node-agent/contracts/vllm-0.32.0.txt` (from vLLM's own
+    /// argument parser); `_` for `-` is accepted, as vLLM's parser does, abbreviations are not.
+    pub fn vllm_unrecognized(&self) -> Vec<String> {
+        if self.flavour != Flavour::Vllm {
+            return Vec::new();
+        }
+        let known: BTreeSet<&str> = VLLM_CONTRACT
+            .lines()
+            .filter_map(|l| l.strip_prefix("flag\t"))
+            .filter_map(|l| l.split('\t').next())
+            .collect();
+        let mut out = Vec::new();
+        let mut args = self.unknown_args.iter().peekable();
+        while let Some(arg) = args.next() {
+            let Some(flag) = arg.strip_prefix("--") else {
+                continue;
+            };
+            let name = format!(
+                "--{}",
+                flag.split('=').next().unwrap_or(flag).replace('_', "-")
+            );
+            if known.contains(name.as_str()) {
+                continue;
+            }
+            out.push(arg.clone());
+            if !arg.contains('=')
+                && let Some(value) = args.next_if(|v| !v.starts_with("--"))
+            {
+                out.push(value.clone());
+            }
+        }
+        out
+    }
+
     /// Whether the reported version is `floor` or later (dotted numbers; a part that is not a
     /// number counts as 0, so `0.5.6rc1` is `0.5.6`).
     pub fn version_at_least(&self, floor: [u64; 3]) -> bool {
@@ -777,6 +817,29 @@ mod tests {
         assert_eq!(
             c.unknown_args,
             ["--max-model-len", "8192", "--trust-remote-code"]
+        );
+    }
+
+    #[test]
+    fn vllm_refuses_the_flags_vllm_does_not_have() {
+        let c = parse(&[
+            "serve",
+            "m",
+            "--max-model-len",
+            "256",
+            "--max_num_batched_tokens=512",
+            "--no-such-flag",
+            "3",
+            "--enforce-eager",
+            "--nope=1",
+            "--sim-weights-bytes",
+            "1MiB",
+        ]);
+        assert_eq!(c.vllm_unrecognized(), ["--no-such-flag", "3", "--nope=1"]);
+        let s = parse(&["--model-path", "m", "--no-such-flag", "3"]);
+        assert!(
+            s.vllm_unrecognized().is_empty(),
+            "SGLang's flags are not checked"
         );
     }
 

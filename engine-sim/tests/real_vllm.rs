@@ -312,3 +312,46 @@ async fn engine_sim_answers_as_vllm_0_32_0_did() {
         differences.join("\n")
     );
 }
+
+/// An unknown flag: vLLM's argparse exits at once with status 2 and names it on its last
+/// stderr line; so does engine-sim in vLLM's flavour. The flags vLLM has pass.
+#[tokio::test]
+async fn an_unknown_flag_is_refused_as_vllm_refuses_it() {
+    let real = fixture("unknown_flag");
+    let args: Vec<String> = real["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_string())
+        .collect();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_engine-sim"))
+        .args([
+            "serve",
+            "/models/tiny-a",
+            "--max-model-len",
+            "256",
+            "--dtype",
+        ])
+        .args(["float32", "--port", "0"])
+        .args(&args)
+        .env_remove("ENGINE_SIM_FAULTS")
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        real["exit_status"].as_i64().map(|c| c as i32)
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        stderr.lines().last(),
+        real["stderr_tail"]
+            .as_array()
+            .unwrap()
+            .last()
+            .unwrap()
+            .as_str(),
+        "{stderr}"
+    );
+    assert!(out.stdout.is_empty(), "it never listened");
+}
