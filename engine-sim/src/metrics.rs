@@ -60,7 +60,7 @@ pub fn render(s: &SimSnapshot) -> String {
     };
     let [running, waiting, kv] = engine_metric_names(s.flavour);
     let c = &s.counters;
-    let series: [(&str, &str, &str, String); 16] = [
+    let series: [(&str, &str, &str, String); 17] = [
         (
             running,
             "gauge",
@@ -96,6 +96,12 @@ pub fn render(s: &SimSnapshot) -> String {
             "counter",
             "Requests refused while asleep, released or paused.",
             c.refused_asleep.to_string(),
+        ),
+        (
+            "engine_sim_held_asleep_total",
+            "counter",
+            "Requests that waited while the engine was asleep, released or paused.",
+            c.held_asleep.to_string(),
         ),
         (
             "engine_sim_interrupted_total",

@@ -63,16 +63,19 @@ async fn vllm_binary_full_sleep_wake_cycles() {
     // Host-RAM park and wake.
     sim.post_ok("/sleep?level=1").await;
     assert_eq!(sim.get("/is_sleeping").await.1, r#"{"is_sleeping":true}"#);
-    assert_eq!(
-        sim.post(
-            "/v1/chat/completions",
-            common::chat("chat-a", "hello", false)
+    // A request while asleep waits for the wake, as vLLM's does.
+    let url = sim.url("/v1/chat/completions");
+    let held = tokio::spawn(async move {
+        common::call(
+            hyper::Method::POST,
+            &url,
+            Some(common::chat("chat-a", "hello", false)),
         )
         .await
-        .0,
-        StatusCode::SERVICE_UNAVAILABLE
-    );
+    });
+    sim.wait_state("held", |s| s["held_asleep"] == 1).await;
     sim.post_ok("/wake_up").await;
+    assert_eq!(held.await.unwrap().0, StatusCode::OK);
     assert_eq!(sim.get("/is_sleeping").await.1, r#"{"is_sleeping":false}"#);
     assert_eq!(sim.chat_text("chat-a", "hello").await, before);
 

@@ -355,3 +355,30 @@ async fn an_unknown_flag_is_refused_as_vllm_refuses_it() {
     );
     assert!(out.stdout.is_empty(), "it never listened");
 }
+
+/// A request sent while vLLM sleeps (level 1) is held by its paused scheduler and answered
+/// after `/wake_up` (the recording: still pending 5 s after it was sent, answered after the
+/// wake); engine-sim holds it the same way and answers in the same shape.
+#[tokio::test]
+async fn a_request_while_asleep_is_held_until_the_wake() {
+    let real = fixture("completions_while_asleep");
+    assert_eq!(real["pending_5s_after_sent"], true);
+    assert_eq!(real["answered_after_wake"], true);
+    let sim = std::sync::Arc::new(sim().await);
+    let sleep = serde_json::json!({"method": "POST", "path": "/sleep?level=1"});
+    assert_eq!(send(&sim, &sleep).await.status, 200);
+    let request = serde_json::json!({
+        "method": "POST", "path": "/v1/completions", "body": real["request"]["body"],
+    });
+    let asker = {
+        let sim = std::sync::Arc::clone(&sim);
+        tokio::spawn(async move { send(&sim, &request).await })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(!asker.is_finished(), "answered while asleep");
+    let wake = serde_json::json!({"method": "POST", "path": "/wake_up"});
+    assert_eq!(send(&sim, &wake).await.status, 200);
+    let got = asker.await.unwrap();
+    let differences = compare("completions_while_asleep", &real, &got);
+    assert!(differences.is_empty(), "{}", differences.join("\n"));
+}

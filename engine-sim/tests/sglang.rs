@@ -53,11 +53,17 @@ async fn release_and_resume_with_cpu_backup_keeps_answers() {
     assert_eq!(sim.get("/health").await.0, StatusCode::OK);
 
     sim.pause().await;
-    let (status, body) = sim
-        .post("/v1/chat/completions", chat("chat-b", PROMPT, false))
-        .await;
-    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-    assert!(body.contains("paused"), "{body}");
+    // Held while paused (SGLang's tokenizer waits for continue_generation), answered after.
+    let url = sim.url("/v1/chat/completions");
+    let held = tokio::spawn(async move {
+        common::call(
+            hyper::Method::POST,
+            &url,
+            Some(chat("chat-b", PROMPT, false)),
+        )
+        .await
+    });
+    sim.wait_state("held", |s| s["held_asleep"] == 1).await;
     let began = Instant::now();
     post_json_ok(&sim, "/release_memory_occupation", json!({})).await;
     assert!(began.elapsed() >= Duration::from_millis(45));
@@ -80,13 +86,22 @@ async fn release_and_resume_with_cpu_backup_keeps_answers() {
         StatusCode::SERVICE_UNAVAILABLE,
         "still paused"
     );
+    assert!(!held.is_finished(), "answered while paused");
     sim.resume_generation().await;
+    let (status, body) = held.await.unwrap();
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let answer: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(answer["choices"][0]["message"]["content"], before.as_str());
     assert_eq!(sim.get("/health").await.0, StatusCode::OK);
     assert_eq!(sim.chat_text("chat-b", PROMPT).await, before);
     let s = sim.state().await;
     assert_eq!(
-        (s["weights"].as_str(), s["refused_asleep"].as_u64()),
-        (Some("intact"), Some(1))
+        (
+            s["weights"].as_str(),
+            s["held_asleep"].as_u64(),
+            s["refused_asleep"].as_u64()
+        ),
+        (Some("intact"), Some(1), Some(0))
     );
 }
 

@@ -61,7 +61,7 @@ async fn set_faults(sim: &Sim, change: Value) -> Value {
 }
 
 #[tokio::test]
-async fn level1_cycle_keeps_answers_and_refuses_while_asleep() {
+async fn level1_cycle_keeps_answers_and_holds_requests_while_asleep() {
     let sim = start(VLLM).await;
     let before = sim.chat_text("chat-a", PROMPT).await;
     let awake = sim.state().await;
@@ -89,27 +89,43 @@ async fn level1_cycle_keeps_answers_and_refuses_while_asleep() {
         "vLLM is healthy while asleep"
     );
 
-    // Refused loudly, streamed or not.
-    let (status, body) = sim
-        .post("/v1/chat/completions", chat("chat-a", PROMPT, false))
+    // Held until the wake, streamed or not, as vLLM 0.32 holds them (its scheduler is paused),
+    // and counted loudly.
+    let held: Vec<_> = [
+        ("/v1/chat/completions", chat("chat-a", PROMPT, false)),
+        ("/v1/chat/completions", chat("chat-a", PROMPT, true)),
+        ("/v1/embeddings", json!({"input": "x"})),
+    ]
+    .into_iter()
+    .map(|(path, body)| {
+        let url = sim.url(path);
+        tokio::spawn(async move { common::call(hyper::Method::POST, &url, Some(body)).await })
+    })
+    .collect();
+    sim.wait_state("three held", |s| s["held_asleep"] == 3)
         .await;
-    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-    assert!(body.contains("sleeping"), "{body}");
-    let (status, _) = sim
-        .post("/v1/chat/completions", chat("chat-a", PROMPT, true))
-        .await;
-    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-    let (status, _) = sim.post("/v1/embeddings", json!({"input": "x"})).await;
-    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        held.iter().all(|h| !h.is_finished()),
+        "answered while asleep"
+    );
     let (_, metrics) = sim.get("/metrics").await;
     assert!(
-        metrics.contains("engine_sim_refused_asleep_total{model_name=\"chat-a\"} 3"),
+        metrics.contains("engine_sim_held_asleep_total{model_name=\"chat-a\"} 3"),
         "{metrics}"
     );
 
     let took = timed_post(&sim, "/wake_up").await;
     assert!(took >= HOST_COPY.mul_f64(0.9), "wake took {took:?}");
     assert!(!is_sleeping(&sim).await);
+    let mut answers = Vec::new();
+    for h in held {
+        let (status, body) = h.await.unwrap();
+        assert_eq!(status, StatusCode::OK, "{body}");
+        answers.push(body);
+    }
+    let first: Value = serde_json::from_str(&answers[0]).unwrap();
+    assert_eq!(first["choices"][0]["message"]["content"], before.as_str());
     assert_eq!(sim.chat_text("chat-a", PROMPT).await, before);
     let s = sim.state().await;
     assert_eq!(s["weights"], "intact");
@@ -118,9 +134,10 @@ async fn level1_cycle_keeps_answers_and_refuses_while_asleep() {
         (
             s["sleeps"].as_u64(),
             s["wakes"].as_u64(),
+            s["held_asleep"].as_u64(),
             s["refused_asleep"].as_u64()
         ),
-        (Some(1), Some(1), Some(3))
+        (Some(1), Some(1), Some(3), Some(0))
     );
 }
 
