@@ -122,6 +122,11 @@ impl EngineSim {
         Instant::now() >= self.ready_at
     }
 
+    /// Waits until start-up is over.
+    pub async fn wait_started(&self) {
+        tokio::time::sleep_until(self.ready_at).await;
+    }
+
     /// Runs `f` on the state under the lock. Never call it across an `.await`.
     pub(crate) fn with_state<R>(&self, f: impl FnOnce(&mut SimState) -> R) -> R {
         let mut guard = self.state.lock().unwrap_or_else(PoisonError::into_inner);

@@ -116,7 +116,9 @@ pub fn app(sim: Arc<EngineSim>) -> Router {
 }
 
 /// Serves one simulated engine on `listener` until the process ends. Accepted connections
-/// get `TCP_NODELAY`.
+/// get `TCP_NODELAY`. In vLLM's flavour the listener is closed during start-up
+/// (`--sim-startup-delay`) and bound again at the same address when it ends, as vLLM refuses
+/// connections until it is ready.
 ///
 /// NB: the `crash` and `crash_on_wake` faults exit the whole process (status
 /// [`CRASH_EXIT_CODE`]); in-process tests must not use them.
@@ -133,6 +135,16 @@ pub async fn serve(listener: tokio::net::TcpListener, config: SimConfig) -> anyh
         "engine-sim serving"
     );
     let sim = EngineSim::new(config);
+    let mut listener = listener;
+    if sim.config().flavour == Flavour::Vllm && !sim.started() {
+        // vLLM opens its HTTP port only once the engine is ready: during start-up a connection
+        // is refused (recorded from vLLM 0.32.0), where SGLang answers /health 503. The port is
+        // given back and taken again when start-up ends.
+        let addr = listener.local_addr()?;
+        drop(listener);
+        sim.wait_started().await;
+        listener = tokio::net::TcpListener::bind(addr).await?;
+    }
     // Small SSE chunks go out at once, not after Nagle's delay (as the engines' servers do).
     let listener = listener.tap_io(|tcp| {
         if let Err(e) = tcp.set_nodelay(true) {

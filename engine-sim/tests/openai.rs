@@ -179,7 +179,8 @@ async fn embeddings_and_models() {
 
 #[tokio::test]
 async fn startup_delay_refuses_until_ready() {
-    let sim = start(&["serve", "m", "--sim-startup-delay", "300ms"]).await;
+    // SGLang answers while it starts: /health and requests 503.
+    let sim = start(&["--model-path", "m", "--sim-startup-delay", "300ms"]).await;
     let (status, _) = sim.get("/health").await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     let (status, _) = sim
@@ -189,6 +190,8 @@ async fn startup_delay_refuses_until_ready() {
     sim.wait_state("started", |s| s["started"] == true).await;
     let (status, _) = sim.get("/health").await;
     assert_eq!(status, StatusCode::OK);
+    // vLLM refuses connections until it is ready (tests/real_vllm.rs), then answers.
+    let sim = start(&["serve", "m"]).await;
     let (status, body) = sim.get("/version").await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(body, r#"{"version":"0.32.0"}"#);

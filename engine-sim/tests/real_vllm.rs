@@ -382,3 +382,37 @@ async fn a_request_while_asleep_is_held_until_the_wake() {
     let differences = compare("completions_while_asleep", &real, &got);
     assert!(differences.is_empty(), "{}", differences.join("\n"));
 }
+
+/// vLLM refuses connections while it starts and answers `/health` and `/v1/models` together
+/// once ready (the recording's timeline); so does engine-sim with a start-up delay.
+#[tokio::test]
+async fn start_up_refuses_connections_until_ready() {
+    let real = fixture("startup");
+    let timeline = real["timeline"].as_array().unwrap();
+    let (first, last) = (&timeline[0], &timeline[timeline.len() - 1]);
+    assert_eq!(first["health"], "ConnectionRefusedError");
+    assert_eq!(first["v1_models"], "ConnectionRefusedError");
+    assert_eq!(
+        (last["health"].as_u64(), last["v1_models"].as_u64()),
+        (Some(200), Some(200))
+    );
+
+    let sim = start(&["serve", "m", "--port", "0", "--sim-startup-delay", "600ms"]).await;
+    // The in-process simulator is handed a bound listener and closes it as it begins: give it
+    // that moment (a connection made before would be reset, not refused).
+    tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+    let refused = tokio::net::TcpStream::connect(sim.addr).await;
+    assert_eq!(
+        refused.map(drop).map_err(|e| e.kind()),
+        Err(std::io::ErrorKind::ConnectionRefused)
+    );
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    while tokio::net::TcpStream::connect(sim.addr).await.is_err() {
+        assert!(tokio::time::Instant::now() < deadline, "never listened");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    for path in ["/health", "/v1/models"] {
+        let got = send(&sim, &serde_json::json!({"method": "GET", "path": path})).await;
+        assert_eq!(got.status, 200, "{path}");
+    }
+}
