@@ -93,7 +93,7 @@ pub struct DriverTimeouts {
     pub park: Duration,
     /// A check or warm-up request.
     pub check: Duration,
-    /// How long SGLang's `/health` may take to show that a parked engine still generates (see
+    /// How long SGLang's `/health_generate` may take to show that a parked engine still generates (see
     /// the module doc); no answer within it counts as "no longer generates". At most `step`.
     pub idle_probe: Duration,
 }
