@@ -93,8 +93,9 @@ pub struct DriverTimeouts {
     pub park: Duration,
     /// A check or warm-up request.
     pub check: Duration,
-    /// How long SGLang's `/health_generate` may take to show that a parked engine still generates (see
-    /// the module doc); no answer within it counts as "no longer generates". At most `step`.
+    /// How long SGLang's `/health_generate` may take to show that a parked engine still
+    /// generates (see the module doc); no answer within it counts as "no longer generates". At
+    /// most `step`.
     pub idle_probe: Duration,
 }
 
