@@ -30,9 +30,9 @@
 //! NB (SGLang's generation probe): `/health_generate` generates one token and, while generation
 //! is paused, waits for it up to `SGLANG_HEALTH_CHECK_TIMEOUT` (20 s by default) before
 //! answering 503; it answers 200 about a second after the call when the engine generates.
-//! `/health` is not used for it: in the 0.4 releases it answered 200 without generating, and since 0.5.6
-//! it generates only while `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION` is on (RL stacks turn it
-//! off). SGLang has no endpoint that says whether its memory is released. So a park is
+//! `/health` is not used for it: in the 0.4 releases it answered 200 without generating, and
+//! since 0.5.6 it generates only while `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION` is on (RL
+//! stacks turn it off). SGLang has no endpoint that says whether its memory is released. So a park is
 //! confirmed by a short probe ([`DriverTimeouts::idle_probe`], 2 s): `/health_generate`
 //! answering 200 within it means the engine still generates (the park did not take) and fails
 //! the park; any other status, or no answer within the probe, means it no longer generates.
