@@ -415,24 +415,41 @@ fn sglang_status_ok(message: &str) -> Response {
     Json(json!({"message": message, "status": "ok"})).into_response()
 }
 
-/// The `tags` of a memory request; absent (or an empty body) means all.
-fn body_tags(body: &Bytes) -> Result<Vec<Tag>, ControlError> {
-    let bad = |m: String| ControlError {
-        status: 400,
-        message: m,
+/// The `tags` of a memory request (`ReleaseMemoryOccupationReqInput`,
+/// `ResumeMemoryOccupationReqInput`: a JSON body is required in every release read, 0.5.3 to
+/// 0.5.23); absent or `null` means all.
+fn body_tags(body: &Bytes) -> Result<Vec<Tag>, BadTags> {
+    let bad = |m: String| {
+        BadTags::Tags(ControlError {
+            status: 400,
+            message: m,
+        })
     };
-    let value: Value = if body.iter().all(u8::is_ascii_whitespace) {
-        Value::Null
-    } else {
-        serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON body: {e}")))?
-    };
+    let value = Value::Object(sglang_body_object(body).map_err(BadTags::Body)?);
     match value.get("tags") {
         None | Some(Value::Null) => Ok(vec![Tag::Weights, Tag::KvCache, Tag::CudaGraph]),
         Some(Value::Array(names)) => {
             let names: Option<Vec<&str>> = names.iter().map(Value::as_str).collect();
             parse_tags(names.ok_or_else(|| bad("`tags` must be a list of strings".into()))?)
+                .map_err(BadTags::Tags)
         }
         Some(_) => Err(bad("`tags` must be a list of strings".into())),
+    }
+}
+
+/// Why a memory request's body is refused: no JSON object (SGLang's validation 400), or tags
+/// it does not know.
+enum BadTags {
+    Body(String),
+    Tags(ControlError),
+}
+
+impl IntoResponse for BadTags {
+    fn into_response(self) -> Response {
+        match self {
+            BadTags::Body(why) => sglang_bad_request(why),
+            BadTags::Tags(e) => e.into_response(),
+        }
     }
 }
 

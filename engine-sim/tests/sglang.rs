@@ -370,6 +370,13 @@ async fn pause_and_continue_need_a_body_from_0_5_6() {
     assert_eq!(sim.state().await["paused"], false);
     assert_eq!(sim.get("/server_info").await.0, StatusCode::OK);
 
+    // The memory calls require their body in every release read (0.5.3 to 0.5.23).
+    for path in ["/release_memory_occupation", "/resume_memory_occupation"] {
+        let (status, body) = sim.post_empty(path).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "POST {path}: {body}");
+        assert!(body.contains("Field required"), "{body}");
+    }
+
     let old = start(&sglang(&["--sim-version", "0.5.5"])).await;
     old.post_ok("/pause_generation").await;
     assert_eq!(old.state().await["paused"], true);
