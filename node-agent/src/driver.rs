@@ -714,8 +714,9 @@ impl Driver {
         match ep.engine {
             EngineKind::Vllm => match self.vllm_is_sleeping(ep, self.timeouts.step).await {
                 Ok(true) => EngineState::Asleep,
-                // Not asleep is not serving: an engine still starting (its agent killed before
-                // it was ready) answers `is_sleeping` too. It serves once `/health` says so.
+                // Not asleep is not serving: it serves once `/health` says so. (vLLM 0.32 answers
+                // nothing while it starts; an engine that answered `is_sleeping` before it was
+                // ready, as engine-sim once did, is not taken for a serving one.)
                 Ok(false) | Err(AgentError::EngineStatus { status: 404, .. }) => health().await,
                 Err(e) => EngineState::NoAnswer(e.to_string()),
             },
