@@ -43,8 +43,8 @@ pub enum Transition {
 pub enum EngineState {
     /// It serves: vLLM `is_sleeping` false (or absent without sleep mode) and `/health` 200
     /// (vLLM answers nothing while it starts; an engine answering `is_sleeping` false and
-    /// `/health` 503 is not awake either), SGLang
-    /// `/health_generate` 200, TensorFold `/health` 200.
+    /// `/health` 503 is not awake either), SGLang `/health_generate` 200, TensorFold `/health`
+    /// 200.
     Awake,
     /// It says it is asleep: vLLM `is_sleeping` true.
     Asleep,
