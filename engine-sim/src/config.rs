@@ -39,8 +39,8 @@ impl Flavour {
     /// The version string reported when `--sim-version` is not given.
     pub fn default_version(self) -> &'static str {
         match self {
-            Flavour::Vllm => "0.31.0",
-            Flavour::Sglang => "0.5.9",
+            Flavour::Vllm => "0.32.0",
+            Flavour::Sglang => "0.5.23",
             Flavour::Tensorfold => "1.0.0",
         }
     }
@@ -98,7 +98,14 @@ pub enum Fault {
     /// `/resume_memory_occupation` and `/continue_generation` answer 200 and the engine stays
     /// asleep.
     WakeIgnored,
+    /// vLLM `/reset_prefix_cache` answers `{"success": false}` and resets nothing (as vLLM does
+    /// while blocks are still held).
+    PrefixCacheResetFails,
 }
+
+/// vLLM 0.32.0's contract extract (its flags among the rest), written from its source by
+/// `node-agent/contracts/extract.py`.
+const VLLM_CONTRACT: &str = include_str!("../../node-agent/contracts/vllm-0.32.0.txt");
 
 /// How long SGLang's `/health` waits for its token before answering 503 (SGLang's
 /// `SGLANG_HEALTH_CHECK_TIMEOUT`, 20 s by default), with the `paused_health_hangs` fault.
@@ -106,7 +113,7 @@ pub const PAUSED_HEALTH_TIMEOUT: Duration = Duration::from_secs(20);
 
 impl Fault {
     /// Every fault, in the order of the docs.
-    pub const ALL: [Fault; 10] = [
+    pub const ALL: [Fault; 11] = [
         Fault::WakeMismatch,
         Fault::ReloadFails,
         Fault::WakeHangs,
@@ -117,6 +124,7 @@ impl Fault {
         Fault::PausedHealthHangs,
         Fault::SleepIgnored,
         Fault::WakeIgnored,
+        Fault::PrefixCacheResetFails,
     ];
 
     /// The fault's name, as written in `ENGINE_SIM_FAULTS` and `/sim/faults`.
@@ -132,6 +140,7 @@ impl Fault {
             Fault::PausedHealthHangs => "paused_health_hangs",
             Fault::SleepIgnored => "sleep_ignored",
             Fault::WakeIgnored => "wake_ignored",
+            Fault::PrefixCacheResetFails => "prefix_cache_reset_fails",
         }
     }
 }
@@ -306,6 +315,16 @@ struct SimArgs {
     )]
     vllm_dev_mode: Option<String>,
 
+    /// SGLang 0.5.6 and later: whether `/health` generates a token ("0" or "false" turns it
+    /// off: `/health` then answers 200 without generating; `/health_generate` always
+    /// generates).
+    #[arg(
+        long = "sim-sglang-health-endpoint-generation",
+        env = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION",
+        value_name = "0|1"
+    )]
+    sglang_health_endpoint_generation: Option<String>,
+
     /// Size of the weights (e.g. 8GiB or bytes); sets park and wake times.
     #[arg(long = "sim-weights-bytes", env = "ENGINE_SIM_WEIGHTS_BYTES", default_value = "8GiB", value_parser = parse_bytes)]
     weights_bytes: u64,
@@ -346,7 +365,8 @@ struct SimArgs {
     )]
     kv_capacity_tokens: u64,
 
-    /// Version string to report (default: vllm 0.31.0, sglang 0.5.9, tensorfold 1.0.0).
+    /// Version string to report (default: vllm 0.32.0, sglang 0.5.23, tensorfold 1.0.0); SGLang's
+    /// routes and bodies follow it (see the README).
     #[arg(long = "sim-version", env = "ENGINE_SIM_VERSION")]
     version_string: Option<String>,
 
@@ -374,6 +394,12 @@ pub struct SimConfig {
     pub enable_sleep_mode: bool,
     /// vLLM developer mode (`VLLM_SERVER_DEV_MODE=1`): the dev endpoints exist.
     pub vllm_dev_mode: bool,
+    /// SGLang `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION` (default on): `/health` generates a
+    /// token (0.5.6 and later; when off it answers 200 without generating).
+    pub sglang_health_generates: bool,
+    /// SGLang `--max-running-requests` as given (`null` in `/server_info` when absent: SGLang
+    /// sizes itself).
+    pub max_running_requests_arg: Option<usize>,
     /// SGLang `--enable-metrics` (vLLM and TensorFold always serve /metrics).
     pub enable_metrics: bool,
     /// SGLang `--enable-memory-saver`.
@@ -384,6 +410,9 @@ pub struct SimConfig {
     pub speculative_algorithm: Option<String>,
     /// Requests the engine runs at once; more wait.
     pub max_running: usize,
+    /// vLLM `--max-model-len` (kept in `unknown_args` too): a request asking for more
+    /// `max_tokens` is refused with vLLM's 400; `None` when not given.
+    pub max_model_len: Option<u64>,
     /// Size of the weights in bytes.
     pub weights_bytes: u64,
     /// GPU memory held while awake, in bytes (weights + KV pool + residue).
@@ -594,6 +623,31 @@ impl SimConfig {
         let vllm_dev_mode = a
             .vllm_dev_mode
             .is_some_and(|v| matches!(v.trim(), "1" | "true" | "True" | "TRUE"));
+        let sglang_health_generates = !a
+            .sglang_health_endpoint_generation
+            .is_some_and(|v| matches!(v.trim(), "0" | "false" | "False" | "FALSE"));
+        let max_running_requests_arg = match flavour {
+            Flavour::Sglang => a.max_running_requests,
+            Flavour::Vllm | Flavour::Tensorfold => None,
+        };
+
+        let max_model_len = match flavour {
+            Flavour::Vllm => unknown_args
+                .iter()
+                .enumerate()
+                .filter_map(|(i, a)| match a.strip_prefix("--max-model-len") {
+                    Some("") => unknown_args.get(i + 1).map(String::as_str),
+                    Some(rest) => rest.strip_prefix('='),
+                    None => None,
+                })
+                .next_back()
+                .map(|v| {
+                    v.parse::<u64>()
+                        .map_err(|_| invalid(format!("--max-model-len `{v}`: a number of tokens")))
+                })
+                .transpose()?,
+            Flavour::Sglang | Flavour::Tensorfold => None,
+        };
 
         Ok(SimConfig {
             flavour,
@@ -603,11 +657,14 @@ impl SimConfig {
             port: a.port.unwrap_or(flavour.default_port()),
             enable_sleep_mode: a.enable_sleep_mode,
             vllm_dev_mode,
+            sglang_health_generates,
+            max_running_requests_arg,
             enable_metrics: a.enable_metrics,
             enable_memory_saver: a.enable_memory_saver,
             enable_weights_cpu_backup: a.enable_weights_cpu_backup,
             speculative_algorithm: a.speculative_algorithm,
             max_running,
+            max_model_len,
             weights_bytes: a.weights_bytes,
             gpu_memory_bytes,
             sleep_residue_bytes,
@@ -623,6 +680,60 @@ impl SimConfig {
             faults: a.faults,
             unknown_args,
         })
+    }
+
+    /// The arguments `vllm serve` 0.32.0 would refuse as `unrecognized arguments` (flags it does
+    /// not have, each with its value), in order; empty for the other flavours. Its flags are
+    /// those of the contract extract `node-agent/contracts/vllm-0.32.0.txt` (from vLLM's own
+    /// argument parser); `_` for `-` is accepted, as vLLM's parser does, abbreviations are not.
+    pub fn vllm_unrecognized(&self) -> Vec<String> {
+        if self.flavour != Flavour::Vllm {
+            return Vec::new();
+        }
+        let known: BTreeSet<&str> = VLLM_CONTRACT
+            .lines()
+            .filter_map(|l| l.strip_prefix("flag\t"))
+            .filter_map(|l| l.split('\t').next())
+            .collect();
+        let mut out = Vec::new();
+        let mut args = self.unknown_args.iter().peekable();
+        while let Some(arg) = args.next() {
+            let Some(flag) = arg.strip_prefix("--") else {
+                continue;
+            };
+            let name = format!(
+                "--{}",
+                flag.split('=').next().unwrap_or(flag).replace('_', "-")
+            );
+            if known.contains(name.as_str()) {
+                continue;
+            }
+            out.push(arg.clone());
+            if !arg.contains('=')
+                && let Some(value) = args.next_if(|v| !v.starts_with("--"))
+            {
+                out.push(value.clone());
+            }
+        }
+        out
+    }
+
+    /// Whether the reported version is `floor` or later (dotted numbers; a part that is not a
+    /// number counts as 0, so `0.5.6rc1` is `0.5.6`).
+    pub fn version_at_least(&self, floor: [u64; 3]) -> bool {
+        let mut parts = self
+            .version
+            .trim_start_matches('v')
+            .split(['.', '-', '+'])
+            .map(|p| {
+                p.chars()
+                    .take_while(char::is_ascii_digit)
+                    .collect::<String>()
+                    .parse::<u64>()
+                    .unwrap_or(0)
+            });
+        let have = [(); 3].map(|()| parts.next().unwrap_or(0));
+        have >= floor
     }
 
     /// Like [`SimConfig::try_parse_from`], but prints the error (or `--help`) and exits, as
@@ -702,10 +813,33 @@ mod tests {
         assert_eq!(c.port, 0);
         assert!(c.enable_sleep_mode);
         assert_eq!(c.max_running, 8);
-        assert_eq!(c.version, "0.31.0");
+        assert_eq!(c.version, "0.32.0");
         assert_eq!(
             c.unknown_args,
             ["--max-model-len", "8192", "--trust-remote-code"]
+        );
+    }
+
+    #[test]
+    fn vllm_refuses_the_flags_vllm_does_not_have() {
+        let c = parse(&[
+            "serve",
+            "m",
+            "--max-model-len",
+            "256",
+            "--max_num_batched_tokens=512",
+            "--no-such-flag",
+            "3",
+            "--enforce-eager",
+            "--nope=1",
+            "--sim-weights-bytes",
+            "1MiB",
+        ]);
+        assert_eq!(c.vllm_unrecognized(), ["--no-such-flag", "3", "--nope=1"]);
+        let s = parse(&["--model-path", "m", "--no-such-flag", "3"]);
+        assert!(
+            s.vllm_unrecognized().is_empty(),
+            "SGLang's flags are not checked"
         );
     }
 

@@ -65,11 +65,35 @@ fn done(result: Result<(), ControlError>) -> Response {
     }
 }
 
-/// `GET /health`. vLLM and TensorFold: 200 once started (vLLM also while asleep). SGLang:
-/// 503 while memory is released or generation is paused (its health check generates a token);
-/// with the `paused_health_hangs` fault it waits for that token as the real server does: 200
-/// as soon as the engine serves again, 503 after [`PAUSED_HEALTH_TIMEOUT`].
+/// SGLang 0.5.6 and later: `/pause_generation` and `/continue_generation` take a JSON body
+/// (`PauseGenerationReqInput`, `ContinueGenerationReqInput`: FastAPI answers 400 to a POST
+/// without one), `/server_info` exists, and `/health` generates only while
+/// `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION` is on. Read in 0.5.5, 0.5.6 and 0.5.23.
+pub(crate) const SGLANG_BODIES_SINCE: [u64; 3] = [0, 5, 6];
+/// SGLang 0.5.9 and later report the figure they size themselves to in
+/// `internal_states[].effective_max_running_requests_per_dp` (absent in 0.5.6).
+const SGLANG_EFFECTIVE_MAX_RUNNING_SINCE: [u64; 3] = [0, 5, 9];
+
+/// `GET /health`. vLLM and TensorFold: 200 once started (vLLM also while asleep). SGLang: as
+/// [`health_generate`], except that from 0.5.6 with `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`
+/// off it answers 200 once started without generating (paused or released alike).
 pub(crate) async fn health(State(sim): State<Arc<EngineSim>>) -> Response {
+    let c = sim.config();
+    if c.flavour == Flavour::Sglang
+        && sim.started()
+        && !c.sglang_health_generates
+        && c.version_at_least(SGLANG_BODIES_SINCE)
+    {
+        return ok_empty();
+    }
+    health_generate(State(sim)).await
+}
+
+/// `GET /health_generate` (SGLang), and `/health` otherwise. vLLM and TensorFold: 200 once
+/// started. SGLang: 503 while memory is released or generation is paused (its check generates
+/// a token); with the `paused_health_hangs` fault it waits for that token as the real server
+/// does: 200 as soon as the engine serves again, 503 after [`PAUSED_HEALTH_TIMEOUT`].
+pub(crate) async fn health_generate(State(sim): State<Arc<EngineSim>>) -> Response {
     if !sim.started() {
         return StatusCode::SERVICE_UNAVAILABLE.into_response();
     }
@@ -109,7 +133,14 @@ pub(crate) async fn version(State(sim): State<Arc<EngineSim>>) -> Response {
 
 // ----- vLLM -----
 
-/// `POST /sleep?level=1|2`.
+/// vLLM's answer to a request FastAPI's validation or a handler refuses: 400, type
+/// `Bad Request`.
+fn vllm_bad_request(message: String, param: Option<&str>) -> Response {
+    crate::openai::api_error_on(StatusCode::BAD_REQUEST, "Bad Request", message, param)
+}
+
+/// `POST /sleep?level=0|1|2` → `{"status":"sleeping","level":N}` (vLLM validates the level:
+/// an integer from 0 to 2).
 pub(crate) async fn vllm_sleep(
     State(sim): State<Arc<EngineSim>>,
     RawQuery(q): RawQuery,
@@ -117,45 +148,83 @@ pub(crate) async fn vllm_sleep(
     let level = match query_values(&q, "level").first() {
         None => 1,
         Some(v) => match v.parse::<u8>() {
-            Ok(l) => l,
+            Ok(l) if l <= 2 => l,
+            Ok(_) => {
+                return vllm_bad_request(
+                    format!(
+                        "1 validation error:\n  {{'type': 'less_than_equal', 'loc': \
+                         'query.level', 'msg': 'Input should be less than or equal to 2', \
+                         'input': '{v}', 'ctx': {{'le': 2}}}}"
+                    ),
+                    Some("query.level"),
+                );
+            }
             Err(_) => {
-                return ControlError {
-                    status: 400,
-                    message: format!("bad level `{v}`"),
-                }
-                .into_response();
+                return vllm_bad_request(
+                    format!(
+                        "1 validation error:\n  {{'type': 'int_parsing', 'loc': \
+                         'query.level', 'msg': 'Input should be a valid integer, unable to \
+                         parse string as an integer', 'input': '{v}'}}"
+                    ),
+                    Some("query.level"),
+                );
             }
         },
     };
+    let answer = Json(json!({"status": "sleeping", "level": level})).into_response();
     if ignored(&sim, Fault::SleepIgnored, "sleep") {
-        return ok_empty();
+        return answer;
     }
-    done(
-        sim.control("sleep", move |s, c| s.begin_vllm_sleep(level, c))
-            .await,
-    )
+    match sim
+        .control("sleep", move |s, c| s.begin_vllm_sleep(level, c))
+        .await
+    {
+        Ok(()) => answer,
+        Err(e) => e.into_response(),
+    }
 }
 
-/// `POST /wake_up[?tags=weights|kv_cache]`.
+/// `POST /wake_up[?tags=weights|kv_cache]` → `{"status":"awake"|"sleeping","tags":…}`
+/// (`sleeping` while a tag is still asleep; `tags` as given, `null` for all).
 pub(crate) async fn vllm_wake_up(
     State(sim): State<Arc<EngineSim>>,
     RawQuery(q): RawQuery,
 ) -> Response {
-    let mut tags = match parse_tags(query_values(&q, "tags")) {
+    let asked: Vec<String> = query_values(&q, "tags")
+        .iter()
+        .map(|t| t.to_string())
+        .collect();
+    let mut tags = match parse_tags(asked.iter().map(String::as_str)) {
         Ok(t) => t,
         Err(e) => return e.into_response(),
     };
     if tags.is_empty() {
         tags = vec![Tag::Weights, Tag::KvCache];
     }
+    let named = if asked.is_empty() {
+        Value::Null
+    } else {
+        json!(asked)
+    };
+    let answer = |sim: &EngineSim| {
+        let status = if sim.with_state(|s| s.is_sleeping()) {
+            "sleeping"
+        } else {
+            "awake"
+        };
+        Json(json!({"status": status, "tags": named})).into_response()
+    };
     sim.hang_if_wake_hangs().await;
     if ignored(&sim, Fault::WakeIgnored, "wake_up") {
-        return ok_empty();
+        return answer(&sim);
     }
-    done(
-        sim.control("wake_up", move |s, c| Ok(s.begin_wake(&tags, c)))
-            .await,
-    )
+    match sim
+        .control("wake_up", move |s, c| Ok(s.begin_wake(&tags, c)))
+        .await
+    {
+        Ok(()) => answer(&sim),
+        Err(e) => e.into_response(),
+    }
 }
 
 /// `GET /is_sleeping`.
@@ -173,14 +242,17 @@ pub(crate) async fn vllm_collective_rpc(
     State(sim): State<Arc<EngineSim>>,
     body: Bytes,
 ) -> Response {
-    let rpc: CollectiveRpc = match serde_json::from_slice(&body) {
+    let value: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return vllm_bad_request(format!("JSON decode error: {e}"), None),
+    };
+    if !value.is_object() {
+        return vllm_bad_request("Request body must be a JSON object".into(), None);
+    }
+    let rpc: CollectiveRpc = match serde_json::from_value(value) {
         Ok(r) => r,
-        Err(e) => {
-            return ControlError {
-                status: 400,
-                message: format!("invalid body: {e}"),
-            }
-            .into_response();
+        Err(_) => {
+            return vllm_bad_request("Missing 'method' in request body".into(), None);
         }
     };
     if rpc.method != "reload_weights" {
@@ -202,30 +274,46 @@ pub(crate) async fn vllm_collective_rpc(
     }
 }
 
-/// `POST /reset_prefix_cache`.
+/// `POST /reset_prefix_cache` → `{"success": bool}` (false with the
+/// `prefix_cache_reset_fails` fault, as vLLM answers while blocks are still held).
 pub(crate) async fn vllm_reset_prefix_cache(State(sim): State<Arc<EngineSim>>) -> Response {
-    sim.with_state(|s| s.counters.cache_resets += 1);
-    ok_empty()
+    let success = sim.with_state(|s| {
+        let success = !s.has_fault(Fault::PrefixCacheResetFails);
+        if success {
+            s.counters.cache_resets += 1;
+        }
+        success
+    });
+    if !success {
+        warn!("fault prefix_cache_reset_fails: the prefix cache is not reset");
+    }
+    Json(json!({"success": success})).into_response()
 }
 
 // ----- SGLang -----
 
-/// `GET /server_info` and `GET /get_server_info`.
+/// `GET /server_info` (0.5.6 and later) and `GET /get_server_info`: every server argument at
+/// top level, `max_running_requests` among them (`null` when SGLang sizes itself), and
+/// `internal_states` with the figure it runs with (0.5.9 and later).
 pub(crate) async fn sglang_server_info(State(sim): State<Arc<EngineSim>>) -> Response {
     let c = sim.config();
     let loaded = sim.with_state(|s| s.loaded_model().to_owned());
+    let mut internal = json!({"max_running_requests": c.max_running_requests_arg});
+    if c.version_at_least(SGLANG_EFFECTIVE_MAX_RUNNING_SINCE) {
+        internal["effective_max_running_requests_per_dp"] = json!(c.max_running);
+    }
     Json(json!({
         "model_path": loaded,
         "served_model_name": c.served_model_name,
         "host": c.host,
         "port": c.port,
         "version": c.version,
-        "max_running_requests": c.max_running,
+        "max_running_requests": c.max_running_requests_arg,
         "speculative_algorithm": c.speculative_algorithm,
         "enable_memory_saver": c.enable_memory_saver,
         "enable_weights_cpu_backup": c.enable_weights_cpu_backup,
         "enable_metrics": c.enable_metrics,
-        "internal_states": [{"max_running_requests": c.max_running}],
+        "internal_states": [internal],
     }))
     .into_response()
 }
@@ -236,45 +324,132 @@ pub(crate) async fn sglang_model_info(State(sim): State<Arc<EngineSim>>) -> Resp
     Json(json!({"model_path": loaded, "is_generation": true})).into_response()
 }
 
-/// `POST /pause_generation`: new requests are refused, running ones are cut off (SGLang's
-/// default `abort` mode).
-pub(crate) async fn sglang_pause(State(sim): State<Arc<EngineSim>>) -> Response {
+/// SGLang's answer to a request that fails validation (its handler turns FastAPI's 422 into
+/// 400): `{"object":"error","message",...,"type":"Bad Request","param":null,"code":400}`.
+fn sglang_bad_request(message: String) -> Response {
+    (
+        StatusCode::BAD_REQUEST,
+        Json(json!({
+            "object": "error",
+            "message": message,
+            "type": "Bad Request",
+            "param": null,
+            "code": 400,
+        })),
+    )
+        .into_response()
+}
+
+/// The JSON object a body-taking SGLang control call requires (0.5.6 and later), or the
+/// message of SGLang's 400 ([`sglang_bad_request`]): a POST without a body is `Field required`.
+fn sglang_body_object(body: &Bytes) -> Result<serde_json::Map<String, Value>, String> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Err(
+            "1 validation error:\n  {'type': 'missing', 'loc': ('body',), 'msg': 'Field \
+             required', 'input': None}"
+                .into(),
+        );
+    }
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(map)) => Ok(map),
+        Ok(other) => Err(format!(
+            "1 validation error: the body must be a JSON object, not {other}"
+        )),
+        Err(e) => Err(format!("1 validation error: JSON decode error: {e}")),
+    }
+}
+
+/// `POST /pause_generation` (0.5.6 and later: `{"mode": "abort"|"retract"|"in_place"}`, a body
+/// required): new requests are refused, running ones are cut off (mode `abort`, SGLang's
+/// default). `retract` and `in_place` keep running requests inside the engine; the simulator
+/// does not model them and answers 501.
+pub(crate) async fn sglang_pause(State(sim): State<Arc<EngineSim>>, body: Bytes) -> Response {
+    if sim.config().version_at_least(SGLANG_BODIES_SINCE) {
+        let req = match sglang_body_object(&body) {
+            Ok(r) => r,
+            Err(why) => return sglang_bad_request(why),
+        };
+        match req.get("mode").map(|m| m.as_str()) {
+            None | Some(Some("abort")) => {}
+            Some(Some(mode @ ("retract" | "in_place"))) => {
+                return api_error(
+                    StatusCode::NOT_IMPLEMENTED,
+                    "NotImplementedError",
+                    format!("engine-sim models pause mode `abort` only, not `{mode}`"),
+                );
+            }
+            Some(other) => {
+                return sglang_bad_request(format!(
+                    "1 validation error: mode: Input should be 'abort', 'retract' or \
+                     'in_place', not {}",
+                    other.map_or_else(|| req["mode"].to_string(), str::to_string)
+                ));
+            }
+        }
+    }
     if ignored(&sim, Fault::SleepIgnored, "pause_generation") {
-        return ok_empty();
+        return sglang_status_ok("Generation paused successfully.");
     }
     sim.with_state(|s| s.set_paused(true));
     info!("generation paused");
-    ok_empty()
+    sglang_status_ok("Generation paused successfully.")
 }
 
-/// `POST /continue_generation`.
-pub(crate) async fn sglang_continue(State(sim): State<Arc<EngineSim>>) -> Response {
+/// `POST /continue_generation` (0.5.6 and later: `ContinueGenerationReqInput`, a body
+/// required; `{}` takes its defaults).
+pub(crate) async fn sglang_continue(State(sim): State<Arc<EngineSim>>, body: Bytes) -> Response {
+    if sim.config().version_at_least(SGLANG_BODIES_SINCE)
+        && let Err(why) = sglang_body_object(&body)
+    {
+        return sglang_bad_request(why);
+    }
     if ignored(&sim, Fault::WakeIgnored, "continue_generation") {
-        return ok_empty();
+        return sglang_status_ok("Generation continued successfully.");
     }
     sim.with_state(|s| s.set_paused(false));
     info!("generation continued");
-    ok_empty()
+    sglang_status_ok("Generation continued successfully.")
 }
 
-/// The `tags` of a memory request; absent (or an empty body) means all.
-fn body_tags(body: &Bytes) -> Result<Vec<Tag>, ControlError> {
-    let bad = |m: String| ControlError {
-        status: 400,
-        message: m,
+fn sglang_status_ok(message: &str) -> Response {
+    Json(json!({"message": message, "status": "ok"})).into_response()
+}
+
+/// The `tags` of a memory request (`ReleaseMemoryOccupationReqInput`,
+/// `ResumeMemoryOccupationReqInput`: a JSON body is required in every release read, 0.5.3 to
+/// 0.5.23); absent or `null` means all.
+fn body_tags(body: &Bytes) -> Result<Vec<Tag>, BadTags> {
+    let bad = |m: String| {
+        BadTags::Tags(ControlError {
+            status: 400,
+            message: m,
+        })
     };
-    let value: Value = if body.iter().all(u8::is_ascii_whitespace) {
-        Value::Null
-    } else {
-        serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON body: {e}")))?
-    };
+    let value = Value::Object(sglang_body_object(body).map_err(BadTags::Body)?);
     match value.get("tags") {
         None | Some(Value::Null) => Ok(vec![Tag::Weights, Tag::KvCache, Tag::CudaGraph]),
         Some(Value::Array(names)) => {
             let names: Option<Vec<&str>> = names.iter().map(Value::as_str).collect();
             parse_tags(names.ok_or_else(|| bad("`tags` must be a list of strings".into()))?)
+                .map_err(BadTags::Tags)
         }
         Some(_) => Err(bad("`tags` must be a list of strings".into())),
+    }
+}
+
+/// Why a memory request's body is refused: no JSON object (SGLang's validation 400), or tags
+/// it does not know.
+enum BadTags {
+    Body(String),
+    Tags(ControlError),
+}
+
+impl IntoResponse for BadTags {
+    fn into_response(self) -> Response {
+        match self {
+            BadTags::Body(why) => sglang_bad_request(why),
+            BadTags::Tags(e) => e.into_response(),
+        }
     }
 }
 
@@ -406,6 +581,15 @@ pub(crate) async fn sim_faults(State(sim): State<Arc<EngineSim>>, body: Bytes) -
     });
     info!(?faults, "faults changed");
     Json(json!({"faults": faults})).into_response()
+}
+
+/// A route taken with another method: FastAPI's 405 (axum adds the `allow` header).
+pub(crate) async fn method_not_allowed() -> Response {
+    (
+        StatusCode::METHOD_NOT_ALLOWED,
+        Json(json!({"detail": "Method Not Allowed"})),
+    )
+        .into_response()
 }
 
 /// Anything else: FastAPI's 404.

@@ -122,6 +122,11 @@ impl EngineSim {
         Instant::now() >= self.ready_at
     }
 
+    /// Waits until start-up is over.
+    pub async fn wait_started(&self) {
+        tokio::time::sleep_until(self.ready_at).await;
+    }
+
     /// Runs `f` on the state under the lock. Never call it across an `.await`.
     pub(crate) fn with_state<R>(&self, f: impl FnOnce(&mut SimState) -> R) -> R {
         let mut guard = self.state.lock().unwrap_or_else(PoisonError::into_inner);
@@ -162,10 +167,36 @@ impl EngineSim {
         })
     }
 
-    /// Can a new request be taken? A refusal while asleep is counted and logged loudly.
+    /// Whether a request that finds the engine asleep waits for its wake (vLLM, SGLang) rather
+    /// than being refused (TensorFold, which never parks).
+    pub(crate) fn holds_while_asleep(&self) -> bool {
+        self.config.flavour != Flavour::Tensorfold
+    }
+
+    /// Waits while the engine is asleep, released, paused or mid-operation, as vLLM and SGLang
+    /// hold a request then; the first wait is counted (`held_asleep`) and logged loudly, since
+    /// CapyCTL should never send a request to a parked engine.
+    pub(crate) async fn hold_while_asleep(&self) {
+        let mut held = false;
+        while let Err(why) = self.with_state(|s| s.servable()) {
+            if !held {
+                held = true;
+                self.with_state(|s| s.counters.held_asleep += 1);
+                error!(reason = %why, "a request arrived while the engine sleeps: held until it serves again");
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Can a new request be taken? Not while starting. Asleep: vLLM and SGLang take it (it
+    /// waits, [`EngineSim::hold_while_asleep`]); TensorFold refuses it, counted and logged
+    /// loudly.
     pub(crate) fn check_servable(&self) -> Result<(), Refusal> {
         if !self.started() {
             return Err(Refusal::Starting);
+        }
+        if self.holds_while_asleep() {
+            return Ok(());
         }
         self.with_state(|s| {
             s.servable().map_err(|why| {
@@ -369,7 +400,14 @@ impl Generation {
 
     /// Waits for a slot, then for the prefill.
     pub(crate) async fn start(&mut self) -> Result<(), Stop> {
+        if self.sim().holds_while_asleep() {
+            self.sim().hold_while_asleep().await;
+        }
         self.ticket.admit(self.prompt_tokens).await;
+        if self.sim().holds_while_asleep() {
+            // It may have gone to sleep while the request waited for its slot.
+            self.sim().hold_while_asleep().await;
+        }
         let salt = self.sim().with_state(|s| {
             s.servable().map(|()| {
                 (
@@ -400,6 +438,11 @@ impl Generation {
         }
         self.decode_start = Some(Instant::now());
         Ok(())
+    }
+
+    /// Whether every token asked for was produced (the last one was the last).
+    pub(crate) fn exhausted(&self) -> bool {
+        self.produced >= self.max_tokens
     }
 
     /// The next token, at the token rate; `None` after `max_tokens`.
@@ -449,7 +492,13 @@ pub(crate) async fn run_instant(
     prompt_tokens: u64,
 ) -> Result<(String, String), Stop> {
     let mut ticket = Ticket::new(Arc::clone(&sim));
+    if sim.holds_while_asleep() {
+        sim.hold_while_asleep().await;
+    }
     ticket.admit(prompt_tokens).await;
+    if sim.holds_while_asleep() {
+        sim.hold_while_asleep().await;
+    }
     match sim.with_state(|s| {
         s.servable()
             .map(|()| (s.loaded_model().to_owned(), s.answer_salt()))

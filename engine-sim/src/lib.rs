@@ -48,8 +48,8 @@ const BODY_LIMIT: usize = 64 * 1024 * 1024;
 
 /// The HTTP application of one simulated engine: the routes its flavour and flags provide.
 ///
-/// vLLM's `/sleep`, `/wake_up` and `/is_sleeping` exist only with `--enable-sleep-mode` and
-/// `VLLM_SERVER_DEV_MODE=1`; `/collective_rpc` and `/reset_prefix_cache` with the dev mode.
+/// vLLM's dev routes (`/sleep`, `/wake_up`, `/is_sleeping`, `/collective_rpc`,
+/// `/reset_prefix_cache`) exist with `VLLM_SERVER_DEV_MODE=1`, as in vLLM 0.32.
 /// SGLang's `/metrics` exists only with `--enable-metrics`. Anything else answers 404.
 pub fn app(sim: Arc<EngineSim>) -> Router {
     let c = sim.config();
@@ -66,25 +66,26 @@ pub fn app(sim: Arc<EngineSim>) -> Router {
             router = router
                 .route("/version", get(control::version))
                 .route("/metrics", get(metrics::metrics));
+            // vLLM 0.32 registers all its dev routes with VLLM_SERVER_DEV_MODE, with or without
+            // --enable-sleep-mode.
             if c.vllm_dev_mode {
                 router = router
                     .route("/collective_rpc", post(control::vllm_collective_rpc))
                     .route(
                         "/reset_prefix_cache",
                         post(control::vllm_reset_prefix_cache),
-                    );
-            }
-            if c.vllm_dev_mode && c.enable_sleep_mode {
-                router = router
+                    )
                     .route("/sleep", post(control::vllm_sleep))
                     .route("/wake_up", post(control::vllm_wake_up))
                     .route("/is_sleeping", get(control::vllm_is_sleeping));
             }
         }
         Flavour::Sglang => {
+            if c.version_at_least(control::SGLANG_BODIES_SINCE) {
+                router = router.route("/server_info", get(control::sglang_server_info));
+            }
             router = router
-                .route("/health_generate", get(control::health))
-                .route("/server_info", get(control::sglang_server_info))
+                .route("/health_generate", get(control::health_generate))
                 .route("/get_server_info", get(control::sglang_server_info))
                 .route("/get_model_info", get(control::sglang_model_info))
                 .route("/pause_generation", post(control::sglang_pause))
@@ -109,12 +110,15 @@ pub fn app(sim: Arc<EngineSim>) -> Router {
     }
     router
         .fallback(control::not_found)
+        .method_not_allowed_fallback(control::method_not_allowed)
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .with_state(sim)
 }
 
 /// Serves one simulated engine on `listener` until the process ends. Accepted connections
-/// get `TCP_NODELAY`.
+/// get `TCP_NODELAY`. In vLLM's flavour the listener is closed during start-up
+/// (`--sim-startup-delay`) and bound again at the same address when it ends, as vLLM refuses
+/// connections until it is ready.
 ///
 /// NB: the `crash` and `crash_on_wake` faults exit the whole process (status
 /// [`CRASH_EXIT_CODE`]); in-process tests must not use them.
@@ -131,6 +135,16 @@ pub async fn serve(listener: tokio::net::TcpListener, config: SimConfig) -> anyh
         "engine-sim serving"
     );
     let sim = EngineSim::new(config);
+    let mut listener = listener;
+    if sim.config().flavour == Flavour::Vllm && !sim.started() {
+        // vLLM opens its HTTP port only once the engine is ready: during start-up a connection
+        // is refused (recorded from vLLM 0.32.0), where SGLang answers /health 503. The port is
+        // given back and taken again when start-up ends.
+        let addr = listener.local_addr()?;
+        drop(listener);
+        sim.wait_started().await;
+        listener = tokio::net::TcpListener::bind(addr).await?;
+    }
     // Small SSE chunks go out at once, not after Nagle's delay (as the engines' servers do).
     let listener = listener.tap_io(|tcp| {
         if let Err(e) = tcp.set_nodelay(true) {

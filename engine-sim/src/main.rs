@@ -10,6 +10,17 @@ use tracing_subscriber::EnvFilter;
 async fn main() -> anyhow::Result<()> {
     let config =
         SimConfig::parse_from(std::env::args_os().map(|a| a.to_string_lossy().into_owned()));
+    // vLLM's argparse refuses a flag it does not have, before anything starts: status 2, its
+    // usage and this line last on stderr.
+    let unrecognized = config.vllm_unrecognized();
+    if !unrecognized.is_empty() {
+        eprintln!("usage: vllm serve [model_tag] [options]");
+        eprintln!(
+            "vllm: error: unrecognized arguments: {}",
+            unrecognized.join(" ")
+        );
+        std::process::exit(2);
+    }
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())

@@ -50,9 +50,17 @@ fn escape(label: &str) -> String {
 /// The Prometheus text for one snapshot.
 pub fn render(s: &SimSnapshot) -> String {
     let label = format!("{{model_name=\"{}\"}}", escape(&s.served_model_name));
+    // vLLM labels its series with the engine (data-parallel rank) too.
+    let engine_label = match s.flavour {
+        Flavour::Vllm => format!(
+            "{{engine=\"0\",model_name=\"{}\"}}",
+            escape(&s.served_model_name)
+        ),
+        Flavour::Sglang | Flavour::Tensorfold => label.clone(),
+    };
     let [running, waiting, kv] = engine_metric_names(s.flavour);
     let c = &s.counters;
-    let series: [(&str, &str, &str, String); 16] = [
+    let series: [(&str, &str, &str, String); 17] = [
         (
             running,
             "gauge",
@@ -88,6 +96,12 @@ pub fn render(s: &SimSnapshot) -> String {
             "counter",
             "Requests refused while asleep, released or paused.",
             c.refused_asleep.to_string(),
+        ),
+        (
+            "engine_sim_held_asleep_total",
+            "counter",
+            "Requests that waited while the engine was asleep, released or paused.",
+            c.held_asleep.to_string(),
         ),
         (
             "engine_sim_interrupted_total",
@@ -152,6 +166,11 @@ pub fn render(s: &SimSnapshot) -> String {
     ];
     let mut out = String::new();
     for (name, kind, help, value) in series {
+        let label = if [running, waiting, kv].contains(&name) {
+            &engine_label
+        } else {
+            &label
+        };
         // Writing to a String cannot fail.
         let _ = write!(
             out,
@@ -167,7 +186,7 @@ pub(crate) async fn metrics(State(sim): State<Arc<EngineSim>>) -> Response {
         StatusCode::OK,
         [(
             header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
+            "text/plain; version=1.0.0; charset=utf-8",
         )],
         render(&sim.snapshot()),
     )

@@ -17,6 +17,9 @@ use crate::config::{Fault, Flavour};
 use crate::engine::{EngineSim, Generation, Refusal, Stop, Token, run_instant};
 use crate::text::{TokenLogprobs, count_tokens, embedding};
 
+/// The `max_model_len` vLLM reports without `--max-model-len` (the model's own context).
+const VLLM_MODEL_MAX_LEN: u64 = 32768;
+
 /// Default `max_tokens`, as OpenAI's completions API.
 const DEFAULT_MAX_TOKENS: u64 = 16;
 
@@ -25,15 +28,42 @@ const MAX_LOGPROBS: u64 = 20;
 
 /// An error in the engines' OpenAI style: `{"error":{"message","type","param","code"}}`.
 pub(crate) fn api_error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
+    api_error_on(status, kind, message, None)
+}
+
+/// [`api_error`] naming the request's field at fault in `param`, as vLLM does
+/// (`"param": "max_tokens"`, `"body.messages"`).
+pub(crate) fn api_error_on(
+    status: StatusCode,
+    kind: &str,
+    message: impl Into<String>,
+    param: Option<&str>,
+) -> Response {
     let body = json!({
         "error": {
             "message": message.into(),
             "type": kind,
-            "param": null,
+            "param": param,
             "code": status.as_u16(),
         }
     });
     (status, Json(body)).into_response()
+}
+
+/// vLLM's answer to a request FastAPI's validation refuses (a body that is not JSON, a missing
+/// required field): 400, type `Bad Request`, the field's location in `param`.
+fn validation_error(param: &str, message: impl Into<String>) -> Response {
+    api_error_on(
+        StatusCode::BAD_REQUEST,
+        "Bad Request",
+        format!("1 validation error:\n  {}", message.into()),
+        Some(param),
+    )
+}
+
+/// The `system_fingerprint` vLLM puts on an answer: `vllm-<version>-<8 hex>`.
+fn system_fingerprint(sim: &EngineSim) -> String {
+    format!("vllm-{}-00000000", sim.config().version)
 }
 
 fn unavailable(message: impl Into<String>) -> Response {
@@ -55,6 +85,16 @@ impl IntoResponse for Refusal {
 
 fn bad_request(message: impl Into<String>) -> Response {
     api_error(StatusCode::BAD_REQUEST, "BadRequestError", message)
+}
+
+/// A request refused for one field (`param` names it).
+fn bad_field(param: &str, message: impl Into<String>) -> Response {
+    api_error_on(
+        StatusCode::BAD_REQUEST,
+        "BadRequestError",
+        message,
+        Some(param),
+    )
 }
 
 #[derive(Deserialize)]
@@ -84,15 +124,23 @@ struct GenerateRequest {
 /// Chat: `logprobs: true` with `top_logprobs: N` (default 0: only the token's own); a
 /// `top_logprobs` without `logprobs: true` is refused, as vLLM does. Completions:
 /// `logprobs: N`, and each token's `top_logprobs` holds N entries (at least the token itself).
-fn requested_logprobs(kind: Kind, req: &GenerateRequest) -> Result<Option<usize>, String> {
-    let count = |name: &str, v: &Value| -> Result<usize, String> {
+fn requested_logprobs(
+    kind: Kind,
+    req: &GenerateRequest,
+) -> Result<Option<usize>, (&'static str, String)> {
+    let count = |name: &'static str, v: &Value| -> Result<usize, (&'static str, String)> {
         match v.as_u64() {
             Some(n) if n <= MAX_LOGPROBS => Ok(usize::try_from(n).unwrap_or(0)),
-            Some(n) => Err(format!(
-                "`{name}`: requested {n} log probabilities, more than the maximum of {MAX_LOGPROBS}"
+            Some(n) => Err((
+                name,
+                format!(
+                    "`{name}`: requested {n} log probabilities, more than the maximum of \
+                     {MAX_LOGPROBS}"
+                ),
             )),
-            None => Err(format!(
-                "`{name}` must be an integer from 0 to {MAX_LOGPROBS}, got {v}"
+            None => Err((
+                name,
+                format!("`{name}` must be an integer from 0 to {MAX_LOGPROBS}, got {v}"),
             )),
         }
     };
@@ -104,15 +152,19 @@ fn requested_logprobs(kind: Kind, req: &GenerateRequest) -> Result<Option<usize>
                 None => false,
                 Some(Value::Bool(b)) => *b,
                 Some(other) => {
-                    return Err(format!("`logprobs` must be true or false, got {other}"));
+                    return Err((
+                        "logprobs",
+                        format!("`logprobs` must be true or false, got {other}"),
+                    ));
                 }
             };
             match (on, top) {
                 (true, Some(t)) => count("top_logprobs", t).map(Some),
                 (true, None) => Ok(Some(0)),
-                (false, Some(_)) => {
-                    Err("when using `top_logprobs`, `logprobs` must be set to true".into())
-                }
+                (false, Some(_)) => Err((
+                    "top_logprobs",
+                    "when using `top_logprobs`, `logprobs` must be set to true".into(),
+                )),
                 (false, None) => Ok(None),
             }
         }
@@ -165,13 +217,15 @@ fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
-/// A request naming another model gets the engine's 404.
+/// A request naming another model gets the engine's 404 (`"param": "model"`).
 fn check_model(sim: &EngineSim, model: Option<&str>) -> Option<Response> {
+    let served = &sim.config().served_model_name;
     match model {
-        Some(m) if m != sim.config().served_model_name => Some(api_error(
+        Some(m) if m != served => Some(api_error_on(
             StatusCode::NOT_FOUND,
             "NotFoundError",
-            format!("The model `{m}` does not exist."),
+            format!("The model `{m}` does not exist. Valid aliases: {served}."),
+            Some("model"),
         )),
         _ => None,
     }
@@ -233,8 +287,24 @@ fn render_prompt(prompt: &Value) -> Result<String, String> {
 async fn generate(sim: Arc<EngineSim>, body: Bytes, kind: Kind) -> Response {
     let req: GenerateRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
-        Err(e) => return bad_request(format!("invalid JSON body: {e}")),
+        Err(e) if e.is_syntax() || e.is_eof() => {
+            return validation_error(
+                &format!("body.{}", e.column()),
+                format!(
+                    "{{'type': 'json_invalid', 'loc': 'body.{}', 'msg': 'JSON decode error', \
+                     'input': '<dict of 0 items>', 'ctx': {{'error': '{e}'}}}}",
+                    e.column()
+                ),
+            );
+        }
+        Err(e) => return bad_request(format!("invalid body: {e}")),
     };
+    if kind == Kind::Chat && req.messages.is_none() {
+        return validation_error(
+            "body.messages",
+            "{'type': 'missing', 'loc': 'body.messages', 'msg': 'Field required'}",
+        );
+    }
     if let Some(r) = check_model(&sim, req.model.as_deref()) {
         return r;
     }
@@ -247,24 +317,44 @@ async fn generate(sim: Arc<EngineSim>, body: Bytes, kind: Kind) -> Response {
         Kind::Text => req
             .prompt
             .as_ref()
-            .ok_or_else(|| "`prompt` is required".to_owned())
+            .ok_or_else(|| {
+                "Either prompt or prompt_embeds must be provided and non-empty.".to_owned()
+            })
             .and_then(render_prompt),
     };
     let prompt = match prompt {
         Ok(p) => p,
-        Err(e) => return bad_request(e),
+        Err(e) => {
+            let param = if kind == Kind::Chat {
+                "messages"
+            } else {
+                "prompt"
+            };
+            return bad_field(param, format!("{e} (parameter={param})"));
+        }
     };
     let top_logprobs = match requested_logprobs(kind, &req) {
         Ok(n) => n,
-        Err(e) => return bad_request(e),
+        Err((param, e)) => return bad_field(param, format!("{e} (parameter={param})")),
     };
-    if let Err(refusal) = sim.check_servable() {
-        return refusal.into_response();
-    }
     let max_tokens = req
         .max_completion_tokens
         .or(req.max_tokens)
         .unwrap_or(DEFAULT_MAX_TOKENS);
+    if let Some(limit) = sim.config().max_model_len
+        && max_tokens > limit
+    {
+        return bad_field(
+            "max_tokens",
+            format!(
+                "max_tokens={max_tokens} cannot be greater than max_model_len={limit}. Please \
+                 request fewer output tokens. (parameter=max_tokens, value={max_tokens})"
+            ),
+        );
+    }
+    if let Err(refusal) = sim.check_servable() {
+        return refusal.into_response();
+    }
     let answer = Answer {
         id: format!(
             "{}-{}",
@@ -278,6 +368,7 @@ async fn generate(sim: Arc<EngineSim>, body: Bytes, kind: Kind) -> Response {
         created: unix_now(),
         model: sim.config().served_model_name.clone(),
         kind,
+        vllm: (sim.config().flavour == Flavour::Vllm).then(|| system_fingerprint(&sim)),
     };
     let opening = sim.config().flavour == Flavour::Tensorfold
         || sim.with_state(|s| s.has_fault(Fault::RoleChunk));
@@ -296,18 +387,31 @@ struct Answer {
     created: u64,
     model: String,
     kind: Kind,
+    /// vLLM's answers: its `system_fingerprint`, and the fields it always writes (`null` where
+    /// the simulator has nothing to say: `stop_reason`, `token_ids`, `kv_transfer_params`…).
+    vllm: Option<String>,
 }
 
 impl Answer {
     fn usage(&self, g: &Generation) -> Value {
-        json!({
+        let mut usage = json!({
             "prompt_tokens": g.prompt_tokens,
             "completion_tokens": g.produced,
             "total_tokens": g.prompt_tokens + g.produced,
-        })
+        });
+        if self.vllm.is_some() {
+            usage["prompt_tokens_details"] = Value::Null;
+            usage["completion_tokens_details"] = Value::Null;
+        }
+        usage
     }
 
     fn chunk(&self, choice: Value) -> Bytes {
+        self.chunk_with(choice, false)
+    }
+
+    /// A chunk; `last` puts vLLM's `system_fingerprint` on it (the stream's last chunk).
+    fn chunk_with(&self, choice: Value, last: bool) -> Bytes {
         let object = match self.kind {
             Kind::Chat => "chat.completion.chunk",
             Kind::Text => "text_completion",
@@ -317,9 +421,26 @@ impl Answer {
         } else {
             json!([choice])
         };
-        sse(&json!({
+        let mut chunk = json!({
             "id": self.id, "object": object, "created": self.created, "model": self.model,
             "choices": choices,
+        });
+        if let (Some(fingerprint), true) = (&self.vllm, last) {
+            chunk["system_fingerprint"] = json!(fingerprint);
+        }
+        sse(&chunk)
+    }
+
+    /// vLLM's chat stream opens with the role and an empty content, sent with the first token.
+    fn vllm_role_chunk(&self) -> Bytes {
+        let object = "chat.completion.chunk";
+        sse(&json!({
+            "id": self.id, "object": object, "created": self.created, "model": self.model,
+            "choices": [{
+                "index": 0, "delta": {"role": "assistant", "content": ""},
+                "logprobs": null, "finish_reason": null,
+            }],
+            "prompt_token_ids": null, "prompt_text": null,
         }))
     }
 
@@ -329,18 +450,26 @@ impl Answer {
     }
 
     /// The chunk of one token, with its log probabilities when asked for; `offset` is where
-    /// the token starts in the answer's text.
-    fn token_chunk(&self, token: &Token, role: bool, offset: usize) -> Bytes {
+    /// the token starts in the answer's text. `finish` ends the answer with it (vLLM sends the
+    /// finish reason with the last token; `last` also ends the stream's chunks).
+    fn token_chunk(
+        &self,
+        token: &Token,
+        role: bool,
+        offset: usize,
+        finish: Option<&str>,
+        last: bool,
+    ) -> Bytes {
         let logprobs = match (&token.logprobs, self.kind) {
             (None, _) => Value::Null,
             (Some(lp), Kind::Chat) => json!({"content": [chat_logprob(&token.text, lp)]}),
             (Some(lp), Kind::Text) => text_logprobs(std::iter::once((&*token.text, lp, offset))),
         };
-        self.chunk(self.text_choice(&token.text, role, None, logprobs))
+        self.chunk_with(self.text_choice(&token.text, role, finish, logprobs), last)
     }
 
     fn text_choice(&self, text: &str, role: bool, finish: Option<&str>, logprobs: Value) -> Value {
-        match self.kind {
+        let mut choice = match self.kind {
             Kind::Chat => {
                 let mut delta = json!({});
                 if role {
@@ -354,7 +483,17 @@ impl Answer {
             Kind::Text => {
                 json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
             }
+        };
+        if self.vllm.is_some() {
+            choice["token_ids"] = Value::Null;
+            if self.kind == Kind::Text || finish.is_some() {
+                choice["stop_reason"] = Value::Null;
+            }
+            if self.kind == Kind::Text {
+                choice["prompt_token_ids"] = Value::Null;
+            }
         }
+        choice
     }
 
     /// The opening chunk that only names the role (TensorFold; `role_chunk` fault).
@@ -372,10 +511,19 @@ impl Answer {
             Kind::Chat => "chat.completion.chunk",
             Kind::Text => "text_completion",
         };
-        sse(&json!({
+        // A stream's usage has no `*_details` (vLLM leaves them out there).
+        let mut usage = self.usage(g);
+        if let Some(u) = usage.as_object_mut() {
+            u.retain(|k, _| !k.ends_with("_details"));
+        }
+        let mut chunk = json!({
             "id": self.id, "object": object, "created": self.created, "model": self.model,
-            "choices": [], "usage": self.usage(g),
-        }))
+            "choices": [], "usage": usage,
+        });
+        if let Some(fingerprint) = &self.vllm {
+            chunk["system_fingerprint"] = json!(fingerprint);
+        }
+        sse(&chunk)
     }
 }
 
@@ -437,11 +585,47 @@ async fn whole_answer(answer: Answer, mut g: Generation) -> Response {
         Kind::Chat => "chat.completion",
         Kind::Text => "text_completion",
     };
-    Json(json!({
+    let mut choice = choice;
+    let mut whole = json!({
         "id": answer.id, "object": object, "created": answer.created, "model": answer.model,
-        "choices": [choice], "usage": answer.usage(&g),
-    }))
-    .into_response()
+        "usage": answer.usage(&g),
+    });
+    if let Some(fingerprint) = &answer.vllm {
+        for key in ["routed_experts", "stop_reason", "token_ids"] {
+            choice[key] = Value::Null;
+        }
+        for key in [
+            "ec_transfer_params",
+            "kv_transfer_params",
+            "metrics",
+            "service_tier",
+        ] {
+            whole[key] = Value::Null;
+        }
+        whole["system_fingerprint"] = json!(fingerprint);
+        match answer.kind {
+            Kind::Chat => {
+                for key in [
+                    "annotations",
+                    "audio",
+                    "function_call",
+                    "reasoning",
+                    "refusal",
+                ] {
+                    choice["message"][key] = Value::Null;
+                }
+                for key in ["prompt_logprobs", "prompt_text", "prompt_token_ids"] {
+                    whole[key] = Value::Null;
+                }
+            }
+            Kind::Text => {
+                choice["prompt_logprobs"] = Value::Null;
+                choice["prompt_token_ids"] = Value::Null;
+            }
+        }
+    }
+    whole["choices"] = json!([choice]);
+    Json(whole).into_response()
 }
 
 enum Phase {
@@ -493,10 +677,33 @@ fn stream_answer(answer: Answer, g: Generation, opening: bool, include_usage: bo
                     Err(stop) => stop_chunk(&mut st, &stop),
                 },
                 Phase::Tokens => match st.g.next_token().await {
+                    Ok(Some(t)) if st.answer.vllm.is_some() => {
+                        // vLLM: the role chunk with the first token, the finish reason with
+                        // the last, the fingerprint on the stream's last chunk.
+                        let first = st.g.produced == 1;
+                        let finish = st.g.exhausted().then_some("length");
+                        if finish.is_some() {
+                            st.phase = if st.include_usage {
+                                Phase::Usage
+                            } else {
+                                Phase::Done
+                            };
+                        }
+                        let last = finish.is_some() && !st.include_usage;
+                        let mut chunk = Vec::new();
+                        if first && st.answer.kind == Kind::Chat && !st.opening {
+                            chunk.extend_from_slice(&st.answer.vllm_role_chunk());
+                        }
+                        chunk.extend_from_slice(
+                            &st.answer.token_chunk(&t, false, st.offset, finish, last),
+                        );
+                        st.offset += t.text.chars().count();
+                        Bytes::from(chunk)
+                    }
                     Ok(Some(t)) => {
                         let role =
                             st.answer.kind == Kind::Chat && !st.opening && st.g.produced == 1;
-                        let chunk = st.answer.token_chunk(&t, role, st.offset);
+                        let chunk = st.answer.token_chunk(&t, role, st.offset, None, false);
                         st.offset += t.text.chars().count();
                         chunk
                     }
@@ -529,7 +736,7 @@ fn stream_answer(answer: Answer, g: Generation, opening: bool, include_usage: bo
         }
     });
     Response::builder()
-        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CONTENT_TYPE, "text/event-stream; charset=utf-8")
         .header(header::CACHE_CONTROL, "no-cache")
         .body(Body::from_stream(chunks))
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
@@ -613,17 +820,36 @@ pub(crate) async fn embeddings(State(sim): State<Arc<EngineSim>>, body: Bytes) -
 /// `GET /v1/models`: the served model.
 pub(crate) async fn models(State(sim): State<Arc<EngineSim>>) -> Response {
     let c = sim.config();
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": c.served_model_name,
-            "object": "model",
-            "created": unix_now(),
-            "owned_by": c.flavour.name(),
-            "root": c.model,
-            "parent": null,
-            "max_running_requests": c.max_running,
-        }],
-    }))
-    .into_response()
+    let created = unix_now();
+    let mut card = json!({
+        "id": c.served_model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": c.flavour.name(),
+        "root": c.model,
+        "parent": null,
+    });
+    match c.flavour {
+        Flavour::Vllm => {
+            card["max_model_len"] = json!(c.max_model_len.unwrap_or(VLLM_MODEL_MAX_LEN));
+            card["permission"] = json!([{
+                "id": format!("modelperm-{}", sim.next_id()),
+                "object": "model_permission",
+                "created": created,
+                "allow_create_engine": false,
+                "allow_sampling": true,
+                "allow_logprobs": true,
+                "allow_search_indices": false,
+                "allow_view": true,
+                "allow_fine_tuning": false,
+                "organization": "*",
+                "group": null,
+                "is_blocking": false,
+            }]);
+        }
+        Flavour::Sglang | Flavour::Tensorfold => {
+            card["max_running_requests"] = json!(c.max_running);
+        }
+    }
+    Json(json!({"object": "list", "data": [card]})).into_response()
 }

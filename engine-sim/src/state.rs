@@ -79,8 +79,13 @@ pub struct Counters {
     pub completed: u64,
     /// Requests whose client went away before the end.
     pub aborted: u64,
-    /// Requests refused with 503 because the engine was asleep, released or paused.
+    /// Requests refused with 503 because the engine was asleep, released or paused
+    /// (TensorFold's flavour; vLLM and SGLang hold them: `held_asleep`).
     pub refused_asleep: u64,
+    /// Requests that arrived (or came to run) while the engine was asleep, released, paused or
+    /// mid-operation, and waited for it to serve again, as vLLM (its scheduler is paused) and
+    /// SGLang (its tokenizer waits while generation is paused) hold them.
+    pub held_asleep: u64,
     /// Requests cut off because the engine slept or paused while they ran.
     pub interrupted: u64,
     /// Sleep / release_memory_occupation calls.

@@ -63,16 +63,19 @@ async fn vllm_binary_full_sleep_wake_cycles() {
     // Host-RAM park and wake.
     sim.post_ok("/sleep?level=1").await;
     assert_eq!(sim.get("/is_sleeping").await.1, r#"{"is_sleeping":true}"#);
-    assert_eq!(
-        sim.post(
-            "/v1/chat/completions",
-            common::chat("chat-a", "hello", false)
+    // A request while asleep waits for the wake, as vLLM's does.
+    let url = sim.url("/v1/chat/completions");
+    let held = tokio::spawn(async move {
+        common::call(
+            hyper::Method::POST,
+            &url,
+            Some(common::chat("chat-a", "hello", false)),
         )
         .await
-        .0,
-        StatusCode::SERVICE_UNAVAILABLE
-    );
+    });
+    sim.wait_state("held", |s| s["held_asleep"] == 1).await;
     sim.post_ok("/wake_up").await;
+    assert_eq!(held.await.unwrap().0, StatusCode::OK);
     assert_eq!(sim.get("/is_sleeping").await.1, r#"{"is_sleeping":false}"#);
     assert_eq!(sim.chat_text("chat-a", "hello").await, before);
 
@@ -119,7 +122,7 @@ async fn sglang_binary_full_release_resume_cycle() {
     let info: Value = serde_json::from_str(&info).unwrap();
     assert_eq!(info["max_running_requests"], 16);
     let before = sim.chat_text("chat-b", "hello").await;
-    sim.post_ok("/pause_generation").await;
+    sim.pause().await;
     assert_eq!(
         sim.post("/release_memory_occupation", json!({})).await.0,
         StatusCode::OK
@@ -130,7 +133,7 @@ async fn sglang_binary_full_release_resume_cycle() {
         sim.post("/resume_memory_occupation", json!({})).await.0,
         StatusCode::OK
     );
-    sim.post_ok("/continue_generation").await;
+    sim.resume_generation().await;
     assert_eq!(sim.get("/health").await.0, StatusCode::OK);
     assert_eq!(sim.chat_text("chat-b", "hello").await, before);
     let (_, metrics) = sim.get("/metrics").await;

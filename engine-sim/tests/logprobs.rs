@@ -79,7 +79,8 @@ async fn chat_logprobs_have_openai_shape_and_are_deterministic() {
         v["choices"]
     );
 
-    // Streamed: each token chunk carries its own entry; the finish chunk none.
+    // Streamed: each token chunk carries its own entry, the last one with the finish reason
+    // (as vLLM 0.32 streams); the opening role chunk none.
     req["stream"] = json!(true);
     let (status, body) = sim.post("/v1/chat/completions", req).await;
     assert_eq!(status, StatusCode::OK);
@@ -90,15 +91,17 @@ async fn chat_logprobs_have_openai_shape_and_are_deterministic() {
         .filter(|e| *e != "[DONE]")
         .map(|e| serde_json::from_str(e).unwrap())
         .collect();
-    let streamed: Vec<Value> = chunks
+    assert!(
+        chunks[0]["choices"][0]["logprobs"].is_null(),
+        "the role chunk"
+    );
+    let streamed: Vec<Value> = chunks[1..]
         .iter()
-        .filter(|c| c["choices"][0]["finish_reason"].is_null())
         .map(|c| c["choices"][0]["logprobs"]["content"][0].clone())
         .collect();
     assert_eq!(&streamed, content);
     let last = chunks.last().unwrap();
     assert_eq!(last["choices"][0]["finish_reason"], "length");
-    assert!(last["choices"][0]["logprobs"].is_null());
 
     // Not asked: null, as before; logprobs without top_logprobs: only the token's own.
     let plain = post_json(
@@ -148,7 +151,7 @@ async fn completion_logprobs_have_the_legacy_shape() {
         check_distribution(&lps);
     }
 
-    // Streamed: one token per chunk, offsets running on.
+    // Streamed: one token per chunk, offsets running on, the finish reason on the last.
     let (status, body) = sim
         .post("/v1/completions", completion("one two", 5, json!(4), true))
         .await;
@@ -158,9 +161,9 @@ async fn completion_logprobs_have_the_legacy_shape() {
         .iter()
         .filter(|e| *e != "[DONE]")
         .map(|e| serde_json::from_str(e).unwrap())
-        .filter(|c: &Value| c["choices"][0]["finish_reason"].is_null())
         .collect();
     assert_eq!(chunks.len(), 5);
+    assert_eq!(chunks[4]["choices"][0]["finish_reason"], "length");
     for (i, c) in chunks.iter().enumerate() {
         let l = &c["choices"][0]["logprobs"];
         assert_eq!(l["tokens"], json!([tokens[i]]));

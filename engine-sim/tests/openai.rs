@@ -45,7 +45,8 @@ async fn chat_and_completions_streamed_and_not_agree_and_are_deterministic() {
     assert_eq!(sim.chat_text("chat-a", "hello there").await, text);
     assert_ne!(sim.chat_text("chat-a", "something else").await, text);
 
-    // Streamed: the same text, role in the first chunk, finish chunk, usage, [DONE].
+    // Streamed: the same text; as vLLM 0.32: the role (with an empty content) in a chunk of its
+    // own sent with the first token, the finish reason with the last token, usage, [DONE].
     let mut req = chat("chat-a", "hello there", true);
     req["stream_options"] = json!({"include_usage": true});
     let (status, body) = sim.post("/v1/chat/completions", req).await;
@@ -56,8 +57,10 @@ async fn chat_and_completions_streamed_and_not_agree_and_are_deterministic() {
     let first: Value = serde_json::from_str(&events[0]).unwrap();
     assert_eq!(first["object"], "chat.completion.chunk");
     assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(first["choices"][0]["delta"]["content"], "");
+    let second: Value = serde_json::from_str(&events[1]).unwrap();
     assert!(
-        first["choices"][0]["delta"]["content"]
+        second["choices"][0]["delta"]["content"]
             .as_str()
             .is_some_and(|c| !c.is_empty())
     );
@@ -176,7 +179,8 @@ async fn embeddings_and_models() {
 
 #[tokio::test]
 async fn startup_delay_refuses_until_ready() {
-    let sim = start(&["serve", "m", "--sim-startup-delay", "300ms"]).await;
+    // SGLang answers while it starts: /health and requests 503.
+    let sim = start(&["--model-path", "m", "--sim-startup-delay", "300ms"]).await;
     let (status, _) = sim.get("/health").await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     let (status, _) = sim
@@ -186,7 +190,9 @@ async fn startup_delay_refuses_until_ready() {
     sim.wait_state("started", |s| s["started"] == true).await;
     let (status, _) = sim.get("/health").await;
     assert_eq!(status, StatusCode::OK);
+    // vLLM refuses connections until it is ready (tests/real_vllm.rs), then answers.
+    let sim = start(&["serve", "m"]).await;
     let (status, body) = sim.get("/version").await;
     assert_eq!(status, StatusCode::OK);
-    assert_eq!(body, r#"{"version":"0.31.0"}"#);
+    assert_eq!(body, r#"{"version":"0.32.0"}"#);
 }

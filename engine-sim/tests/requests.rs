@@ -47,11 +47,11 @@ async fn max_running_bound_makes_the_rest_wait() {
     assert!(s["kv_cache_usage"].as_f64().unwrap() > 0.0);
     let (_, metrics) = sim.get("/metrics").await;
     assert!(
-        metrics.contains("vllm:num_requests_running{model_name=\"m\"} 2"),
+        metrics.contains("vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 2"),
         "{metrics}"
     );
     assert!(
-        metrics.contains("vllm:num_requests_waiting{model_name=\"m\"} 2"),
+        metrics.contains("vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 2"),
         "{metrics}"
     );
     let mut answers = Vec::new();

@@ -52,12 +52,18 @@ async fn release_and_resume_with_cpu_backup_keeps_answers() {
     let before = sim.chat_text("chat-b", PROMPT).await;
     assert_eq!(sim.get("/health").await.0, StatusCode::OK);
 
-    sim.post_ok("/pause_generation").await;
-    let (status, body) = sim
-        .post("/v1/chat/completions", chat("chat-b", PROMPT, false))
-        .await;
-    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-    assert!(body.contains("paused"), "{body}");
+    sim.pause().await;
+    // Held while paused (SGLang's tokenizer waits for continue_generation), answered after.
+    let url = sim.url("/v1/chat/completions");
+    let held = tokio::spawn(async move {
+        common::call(
+            hyper::Method::POST,
+            &url,
+            Some(chat("chat-b", PROMPT, false)),
+        )
+        .await
+    });
+    sim.wait_state("held", |s| s["held_asleep"] == 1).await;
     let began = Instant::now();
     post_json_ok(&sim, "/release_memory_occupation", json!({})).await;
     assert!(began.elapsed() >= Duration::from_millis(45));
@@ -80,13 +86,22 @@ async fn release_and_resume_with_cpu_backup_keeps_answers() {
         StatusCode::SERVICE_UNAVAILABLE,
         "still paused"
     );
-    sim.post_ok("/continue_generation").await;
+    assert!(!held.is_finished(), "answered while paused");
+    sim.resume_generation().await;
+    let (status, body) = held.await.unwrap();
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let answer: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(answer["choices"][0]["message"]["content"], before.as_str());
     assert_eq!(sim.get("/health").await.0, StatusCode::OK);
     assert_eq!(sim.chat_text("chat-b", PROMPT).await, before);
     let s = sim.state().await;
     assert_eq!(
-        (s["weights"].as_str(), s["refused_asleep"].as_u64()),
-        (Some("intact"), Some(1))
+        (
+            s["weights"].as_str(),
+            s["held_asleep"].as_u64(),
+            s["refused_asleep"].as_u64()
+        ),
+        (Some("intact"), Some(1), Some(0))
     );
 }
 
@@ -94,7 +109,7 @@ async fn release_and_resume_with_cpu_backup_keeps_answers() {
 async fn release_without_cpu_backup_needs_update_weights_from_disk() {
     let sim = start(&sglang(&[])).await;
     let before = sim.chat_text("chat-b", PROMPT).await;
-    sim.post_ok("/pause_generation").await;
+    sim.pause().await;
     post_json_ok(
         &sim,
         "/release_memory_occupation",
@@ -109,7 +124,7 @@ async fn release_without_cpu_backup_needs_update_weights_from_disk() {
         json!({"tags": ["weights", "kv_cache"]}),
     )
     .await;
-    sim.post_ok("/continue_generation").await;
+    sim.resume_generation().await;
     assert_eq!(sim.state().await["weights"], "corrupted");
     assert_ne!(
         sim.chat_text("chat-b", PROMPT).await,
@@ -146,7 +161,7 @@ async fn speculative_decoding_survives_kv_release_but_not_weight_release() {
     let before = sim.chat_text("chat-b", PROMPT).await;
 
     // CapyCTL's speculative park: only the KV cache.
-    sim.post_ok("/pause_generation").await;
+    sim.pause().await;
     post_json_ok(
         &sim,
         "/release_memory_occupation",
@@ -164,7 +179,7 @@ async fn speculative_decoding_survives_kv_release_but_not_weight_release() {
         json!({"tags": ["kv_cache"]}),
     )
     .await;
-    sim.post_ok("/continue_generation").await;
+    sim.resume_generation().await;
     assert_eq!(sim.chat_text("chat-b", PROMPT).await, before);
 
     // Releasing the weights loses the draft model, and a reload does not bring it back.
@@ -228,7 +243,7 @@ async fn server_info_and_metrics() {
         assert_eq!(status, StatusCode::OK);
         let v: Value = serde_json::from_str(&body).unwrap();
         assert_eq!(v["max_running_requests"], 24);
-        assert_eq!(v["version"], "0.5.9");
+        assert_eq!(v["version"], "0.5.23");
         assert_eq!(v["model_path"], MODEL);
         assert_eq!(v["speculative_algorithm"], "EAGLE");
     }
@@ -263,7 +278,7 @@ async fn fault_paused_health_hangs_until_it_serves_again() {
     ]))
     .await;
     assert_eq!(sim.get("/health").await.0, StatusCode::OK);
-    sim.post_ok("/pause_generation").await;
+    sim.pause().await;
     post_json_ok(&sim, "/release_memory_occupation", json!({})).await;
     // Like the real server's, the health check waits for a token instead of answering.
     let health = sim.get("/health");
@@ -277,7 +292,7 @@ async fn fault_paused_health_hangs_until_it_serves_again() {
     // Non-generating endpoints still answer.
     assert_eq!(sim.get("/server_info").await.0, StatusCode::OK);
     post_json_ok(&sim, "/resume_memory_occupation", json!({})).await;
-    sim.post_ok("/continue_generation").await;
+    sim.resume_generation().await;
     // The waiting check gets its token now.
     let (status, _) = tokio::time::timeout(Duration::from_secs(5), health)
         .await
@@ -289,7 +304,7 @@ async fn fault_paused_health_hangs_until_it_serves_again() {
 async fn faults_sleep_ignored_and_wake_ignored_claim_success() {
     let sim = start(&sglang(&["--enable-weights-cpu-backup"])).await;
     set_faults(&sim, json!({"set": ["sleep_ignored"]})).await;
-    sim.post_ok("/pause_generation").await;
+    sim.pause().await;
     post_json_ok(&sim, "/release_memory_occupation", json!({})).await;
     let s = sim.state().await;
     assert_eq!(
@@ -303,10 +318,10 @@ async fn faults_sleep_ignored_and_wake_ignored_claim_success() {
         json!({"set": ["wake_ignored"], "clear": ["sleep_ignored"]}),
     )
     .await;
-    sim.post_ok("/pause_generation").await;
+    sim.pause().await;
     post_json_ok(&sim, "/release_memory_occupation", json!({})).await;
     post_json_ok(&sim, "/resume_memory_occupation", json!({})).await;
-    sim.post_ok("/continue_generation").await;
+    sim.resume_generation().await;
     let s = sim.state().await;
     assert_eq!(
         (s["weights"].as_str(), s["paused"].as_bool()),
@@ -318,4 +333,114 @@ async fn faults_sleep_ignored_and_wake_ignored_claim_success() {
 async fn set_faults(sim: &Sim, change: Value) {
     let (status, body) = sim.post("/sim/faults", change).await;
     assert_eq!(status, StatusCode::OK, "{body}");
+}
+
+/// SGLang 0.5.6 and later refuse a body-less `/pause_generation` and `/continue_generation`
+/// with FastAPI's 400, as the real server does; older releases take one without a body.
+#[tokio::test]
+async fn pause_and_continue_need_a_body_from_0_5_6() {
+    let sim = start(&sglang(&[])).await;
+    for path in ["/pause_generation", "/continue_generation"] {
+        let (status, body) = sim.post_empty(path).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "POST {path}: {body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            (v["object"].as_str(), v["code"].as_u64(), v["type"].as_str()),
+            (Some("error"), Some(400), Some("Bad Request")),
+            "{body}"
+        );
+        assert!(v["message"].as_str().unwrap().contains("Field required"));
+    }
+    assert_eq!(
+        sim.state().await["paused"],
+        false,
+        "a refused pause changes nothing"
+    );
+    let (status, body) = sim
+        .post("/pause_generation", json!({"mode": "later"}))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    let answer = post_json_ok(&sim, "/pause_generation", json!({"mode": "abort"})).await;
+    assert_eq!(
+        serde_json::from_str::<Value>(&answer).unwrap()["status"],
+        "ok"
+    );
+    assert_eq!(sim.state().await["paused"], true);
+    post_json_ok(&sim, "/continue_generation", json!({})).await;
+    assert_eq!(sim.state().await["paused"], false);
+    assert_eq!(sim.get("/server_info").await.0, StatusCode::OK);
+
+    // The memory calls require their body in every release read (0.5.3 to 0.5.23).
+    for path in ["/release_memory_occupation", "/resume_memory_occupation"] {
+        let (status, body) = sim.post_empty(path).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "POST {path}: {body}");
+        assert!(body.contains("Field required"), "{body}");
+    }
+
+    let old = start(&sglang(&["--sim-version", "0.5.5"])).await;
+    old.post_ok("/pause_generation").await;
+    assert_eq!(old.state().await["paused"], true);
+    old.post_ok("/continue_generation").await;
+    assert_eq!(old.state().await["paused"], false);
+    assert_eq!(
+        old.get("/server_info").await.0,
+        StatusCode::NOT_FOUND,
+        "/server_info came in 0.5.6"
+    );
+    assert_eq!(old.get("/get_server_info").await.0, StatusCode::OK);
+}
+
+/// With `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION` off (0.5.6 and later), `/health` answers 200
+/// without generating, paused or not; `/health_generate` still generates.
+#[tokio::test]
+async fn health_without_generation_answers_while_paused() {
+    let sim = start(&sglang(&["--sim-sglang-health-endpoint-generation", "0"])).await;
+    sim.pause().await;
+    assert_eq!(sim.get("/health").await.0, StatusCode::OK);
+    assert_eq!(
+        sim.get("/health_generate").await.0,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    sim.resume_generation().await;
+    assert_eq!(sim.get("/health_generate").await.0, StatusCode::OK);
+
+    let old = start(&sglang(&[
+        "--sim-sglang-health-endpoint-generation",
+        "0",
+        "--sim-version",
+        "0.5.5",
+    ]))
+    .await;
+    old.post_ok("/pause_generation").await;
+    assert_eq!(
+        old.get("/health").await.0,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "0.5.5 has no such switch: its /health generates"
+    );
+}
+
+/// Without `--max-running-requests`, `/server_info` has it as `null` at top level (every
+/// server argument is there, set or not); 0.5.9 and later say the figure SGLang sized itself
+/// to in `internal_states[0].effective_max_running_requests_per_dp`.
+#[tokio::test]
+async fn server_info_without_max_running_requests() {
+    let sim = start(&sglang(&[])).await;
+    let (_, body) = sim.get("/server_info").await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert!(v["max_running_requests"].is_null(), "{body}");
+    assert!(v["internal_states"][0]["max_running_requests"].is_null());
+    assert_eq!(
+        v["internal_states"][0]["effective_max_running_requests_per_dp"],
+        128
+    );
+    let old = start(&sglang(&["--sim-version", "0.5.6"])).await;
+    let (_, body) = old.get("/server_info").await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert!(v["max_running_requests"].is_null());
+    assert!(
+        v["internal_states"][0]
+            .get("effective_max_running_requests_per_dp")
+            .is_none(),
+        "{body}"
+    );
 }

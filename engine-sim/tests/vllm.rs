@@ -61,7 +61,7 @@ async fn set_faults(sim: &Sim, change: Value) -> Value {
 }
 
 #[tokio::test]
-async fn level1_cycle_keeps_answers_and_refuses_while_asleep() {
+async fn level1_cycle_keeps_answers_and_holds_requests_while_asleep() {
     let sim = start(VLLM).await;
     let before = sim.chat_text("chat-a", PROMPT).await;
     let awake = sim.state().await;
@@ -89,27 +89,43 @@ async fn level1_cycle_keeps_answers_and_refuses_while_asleep() {
         "vLLM is healthy while asleep"
     );
 
-    // Refused loudly, streamed or not.
-    let (status, body) = sim
-        .post("/v1/chat/completions", chat("chat-a", PROMPT, false))
+    // Held until the wake, streamed or not, as vLLM 0.32 holds them (its scheduler is paused),
+    // and counted loudly.
+    let held: Vec<_> = [
+        ("/v1/chat/completions", chat("chat-a", PROMPT, false)),
+        ("/v1/chat/completions", chat("chat-a", PROMPT, true)),
+        ("/v1/embeddings", json!({"input": "x"})),
+    ]
+    .into_iter()
+    .map(|(path, body)| {
+        let url = sim.url(path);
+        tokio::spawn(async move { common::call(hyper::Method::POST, &url, Some(body)).await })
+    })
+    .collect();
+    sim.wait_state("three held", |s| s["held_asleep"] == 3)
         .await;
-    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-    assert!(body.contains("sleeping"), "{body}");
-    let (status, _) = sim
-        .post("/v1/chat/completions", chat("chat-a", PROMPT, true))
-        .await;
-    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-    let (status, _) = sim.post("/v1/embeddings", json!({"input": "x"})).await;
-    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        held.iter().all(|h| !h.is_finished()),
+        "answered while asleep"
+    );
     let (_, metrics) = sim.get("/metrics").await;
     assert!(
-        metrics.contains("engine_sim_refused_asleep_total{model_name=\"chat-a\"} 3"),
+        metrics.contains("engine_sim_held_asleep_total{model_name=\"chat-a\"} 3"),
         "{metrics}"
     );
 
     let took = timed_post(&sim, "/wake_up").await;
     assert!(took >= HOST_COPY.mul_f64(0.9), "wake took {took:?}");
     assert!(!is_sleeping(&sim).await);
+    let mut answers = Vec::new();
+    for h in held {
+        let (status, body) = h.await.unwrap();
+        assert_eq!(status, StatusCode::OK, "{body}");
+        answers.push(body);
+    }
+    let first: Value = serde_json::from_str(&answers[0]).unwrap();
+    assert_eq!(first["choices"][0]["message"]["content"], before.as_str());
     assert_eq!(sim.chat_text("chat-a", PROMPT).await, before);
     let s = sim.state().await;
     assert_eq!(s["weights"], "intact");
@@ -118,9 +134,10 @@ async fn level1_cycle_keeps_answers_and_refuses_while_asleep() {
         (
             s["sleeps"].as_u64(),
             s["wakes"].as_u64(),
+            s["held_asleep"].as_u64(),
             s["refused_asleep"].as_u64()
         ),
-        (Some(1), Some(1), Some(3))
+        (Some(1), Some(1), Some(3), Some(0))
     );
 }
 
@@ -182,7 +199,7 @@ async fn level2_woken_without_reload_answers_garbage_until_reloaded() {
 }
 
 #[tokio::test]
-async fn sleep_endpoints_need_sleep_mode_and_dev_mode() {
+async fn sleep_endpoints_need_dev_mode() {
     let no_dev = start(&["serve", "m", "--enable-sleep-mode"]).await;
     let no_sleep = start(&[
         "serve",
@@ -193,16 +210,17 @@ async fn sleep_endpoints_need_sleep_mode_and_dev_mode() {
         "1MiB",
     ])
     .await;
-    for sim in [&no_dev, &no_sleep] {
-        for path in ["/sleep?level=1", "/wake_up"] {
-            assert_eq!(
-                sim.post_empty(path).await.0,
-                StatusCode::NOT_FOUND,
-                "{path}"
-            );
-        }
-        assert_eq!(sim.get("/is_sleeping").await.0, StatusCode::NOT_FOUND);
+    for path in ["/sleep?level=1", "/wake_up"] {
+        assert_eq!(
+            no_dev.post_empty(path).await.0,
+            StatusCode::NOT_FOUND,
+            "{path}"
+        );
     }
+    assert_eq!(no_dev.get("/is_sleeping").await.0, StatusCode::NOT_FOUND);
+    // vLLM 0.32 registers them with the dev mode alone (its CPU build refuses
+    // --enable-sleep-mode and still answers them).
+    assert_eq!(no_sleep.get("/is_sleeping").await.0, StatusCode::OK);
     assert_eq!(
         no_dev
             .post("/collective_rpc", json!({"method": "reload_weights"}))
@@ -397,13 +415,15 @@ async fn vllm_metrics_names_and_kv_usage() {
     assert_eq!(status, StatusCode::OK);
     assert!(metrics.contains("# TYPE vllm:num_requests_running gauge"));
     assert!(
-        metrics.contains("vllm:num_requests_running{model_name=\"chat-a\"} 1"),
+        metrics.contains("vllm:num_requests_running{engine=\"0\",model_name=\"chat-a\"} 1"),
         "{metrics}"
     );
-    assert!(metrics.contains("vllm:num_requests_waiting{model_name=\"chat-a\"} 0"));
+    assert!(metrics.contains("vllm:num_requests_waiting{engine=\"0\",model_name=\"chat-a\"} 0"));
     let kv: f64 = metrics
         .lines()
-        .find_map(|l| l.strip_prefix("vllm:kv_cache_usage_perc{model_name=\"chat-a\"} "))
+        .find_map(|l| {
+            l.strip_prefix("vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"chat-a\"} ")
+        })
         .unwrap()
         .parse()
         .unwrap();
@@ -413,4 +433,23 @@ async fn vllm_metrics_names_and_kv_usage() {
     );
     stream.disconnect();
     sim.wait_state("aborted", |s| s["aborted"] == 1).await;
+}
+
+/// `/reset_prefix_cache` answers `{"success": bool}` as vLLM 0.32 does; with the
+/// `prefix_cache_reset_fails` fault it is `false` and nothing is reset.
+#[tokio::test]
+async fn reset_prefix_cache_says_whether_it_reset() {
+    let sim = start(VLLM).await;
+    let (status, body) = sim.post_empty("/reset_prefix_cache").await;
+    assert_eq!(
+        (status, body.as_str()),
+        (StatusCode::OK, r#"{"success":true}"#)
+    );
+    set_faults(&sim, json!({"set": ["prefix_cache_reset_fails"]})).await;
+    let (status, body) = sim.post_empty("/reset_prefix_cache").await;
+    assert_eq!(
+        (status, body.as_str()),
+        (StatusCode::OK, r#"{"success":false}"#)
+    );
+    assert_eq!(sim.state().await["cache_resets"], 1);
 }

@@ -7,26 +7,44 @@
 //!   /wake_up`, confirm false.
 //! - vLLM deep: `POST /sleep?level=2`, confirm; wake `POST /wake_up?tags=weights`, `POST
 //!   /collective_rpc {"method":"reload_weights"}`, `POST /wake_up?tags=kv_cache`, `POST
-//!   /reset_prefix_cache`, confirm false.
-//! - SGLang: `POST /pause_generation`, `POST /release_memory_occupation {"tags":[...]}`
-//!   (`["kv_cache"]` alone for KV-only, else weights, kv_cache and cuda_graph), confirm that it
-//!   no longer generates (below); wake `POST /resume_memory_occupation` (same tags), after a
-//!   deep park `POST /update_weights_from_disk {"model_path": model}` and `POST /flush_cache`,
-//!   then `POST /continue_generation`, confirm `GET /health` 200.
+//!   /reset_prefix_cache`, whose answer is `{"success": bool}` (a `false` fails the wake at that
+//!   step; an empty answer, as older releases gave, counts as done), confirm false.
+//! - SGLang: `POST /pause_generation {"mode":"abort"}`, `POST /release_memory_occupation
+//!   {"tags":[...]}` (`["kv_cache"]` alone for KV-only, else weights, kv_cache and cuda_graph),
+//!   confirm that it no longer generates (below); wake `POST /resume_memory_occupation` (same
+//!   tags), after a deep park `POST /update_weights_from_disk {"model_path": model}` and `POST
+//!   /flush_cache`, then `POST /continue_generation {}`, confirm `GET /health_generate` 200.
 //!   NB: the reload runs before `continue_generation`, so the engine never generates on
 //!   dropped weights.
 //!
-//! NB (SGLang's `/health`): it generates one token and, while generation is paused, waits for
-//! it up to `SGLANG_HEALTH_CHECK_TIMEOUT` (20 s by default) before answering 503; it answers
-//! 200 about a second after the call when the engine generates. SGLang has no endpoint that
-//! says whether its memory is released. So a park is confirmed by a short probe
-//! ([`DriverTimeouts::idle_probe`], 2 s): `/health` answering 200 within it means the engine
-//! still generates (the park did not take) and fails the park; any other status, or no answer
-//! within the probe, means it no longer generates. Then `/server_info` (older:
-//! `/get_server_info`), which does not generate, must answer, so that a wedged or dead
-//! engine is not taken for a parked one. The release call's own success is SGLang's word that
-//! the memory went.
+//! NB (SGLang's pause body): since 0.5.6 `/pause_generation` and `/continue_generation` take a
+//! JSON body (`PauseGenerationReqInput {mode}`, `ContinueGenerationReqInput`) and answer 400
+//! to a POST without one; older releases ignore the body. The mode is `abort`, SGLang's
+//! default: the router drained the instance before the park, so nothing should be running,
+//! and anything that still is ends with an answer at once instead of being held inside a
+//! parked engine. `retract` would keep such a request queued in the engine until the wake
+//! (a wait nobody bounds, and the deep wake's `flush_cache` refuses to run while a request
+//! waits); `in_place` keeps it in the running batch, and `release_memory_occupation` asserts
+//! that the engine is idle.
+//!
+//! NB (SGLang's generation probe): `/health_generate` generates one token and, while generation
+//! is paused, waits for it up to `SGLANG_HEALTH_CHECK_TIMEOUT` (20 s by default) before
+//! answering 503; it answers 200 about a second after the call when the engine generates.
+//! `/health` is not used for it: in the 0.4 releases it answered 200 without generating, and
+//! since 0.5.6 it generates only while `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION` is on (RL
+//! stacks turn it off). SGLang has no endpoint that says whether its memory is released. So a park is
+//! confirmed by a short probe ([`DriverTimeouts::idle_probe`], 2 s): `/health_generate`
+//! answering 200 within it means the engine still generates (the park did not take) and fails
+//! the park; any other status, or no answer within the probe, means it no longer generates.
+//! Then `/server_info` (before 0.5.6: `/get_server_info`), which does not generate, must
+//! answer, so that a wedged or dead engine is not taken for a parked one. The release call's
+//! own success is SGLang's word that the memory went.
 //! - TensorFold does not park: it is stopped.
+//!
+//! Every call is one [`EngineCall`] of the tables below ([`VLLM_CALLS`], [`SGLANG_CALLS`],
+//! [`TENSORFOLD_CALLS`]): method, path with its query, and body. `tests/contract.rs` checks each
+//! against an extract of the engine's own source at the supported release
+//! (`node-agent/contracts/`).
 
 use std::time::Duration;
 
@@ -75,8 +93,9 @@ pub struct DriverTimeouts {
     pub park: Duration,
     /// A check or warm-up request.
     pub check: Duration,
-    /// How long SGLang's `/health` may take to show that a parked engine still generates (see
-    /// the module doc); no answer within it counts as "no longer generates". At most `step`.
+    /// How long SGLang's `/health_generate` may take to show that a parked engine still
+    /// generates (see the module doc); no answer within it counts as "no longer generates". At
+    /// most `step`.
     pub idle_probe: Duration,
 }
 
@@ -98,13 +117,333 @@ pub struct Driver {
     timeouts: DriverTimeouts,
 }
 
+/// The HTTP method of an [`EngineCall`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verb {
+    /// `GET`.
+    Get,
+    /// `POST`.
+    Post,
+}
+
+impl Verb {
+    /// As `http` spells it.
+    pub fn method(self) -> Method {
+        match self {
+            Verb::Get => Method::GET,
+            Verb::Post => Method::POST,
+        }
+    }
+
+    /// `GET` or `POST`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verb::Get => "GET",
+            Verb::Post => "POST",
+        }
+    }
+}
+
+/// What an [`EngineCall`] sends as its body.
+#[derive(Debug, Clone, Copy)]
+pub enum CallBody {
+    /// No body.
+    Empty,
+    /// A JSON body made from the endpoint (the only place the body is written).
+    Json(fn(&Endpoint) -> Value),
+    /// A completion request built by [`crate::verify`] (`check_request`, `decision_request`,
+    /// `warm_up_request`).
+    Completion,
+}
+
+/// One HTTP call CapyCTL makes to an engine: the engine's route, method, query and body, as
+/// the driver sends them. The driver makes no engine call that is not in these tables, and
+/// `tests/contract.rs` checks every one against the engine's source.
+#[derive(Debug, Clone, Copy)]
+pub struct EngineCall {
+    /// The engine.
+    pub engine: EngineKind,
+    /// The step's name in errors (`sleep`, `pause_generation`, ...).
+    pub step: &'static str,
+    /// The method.
+    pub verb: Verb,
+    /// The path, with the query string CapyCTL sends (`/sleep?level=1`).
+    pub target: &'static str,
+    /// The body.
+    pub body: CallBody,
+}
+
+impl EngineCall {
+    /// The path without its query.
+    pub fn path(&self) -> &'static str {
+        self.target.split_once('?').map_or(self.target, |(p, _)| p)
+    }
+
+    /// The query's `name=value` pairs.
+    pub fn query(&self) -> Vec<(&'static str, &'static str)> {
+        self.target
+            .split_once('?')
+            .map(|(_, q)| {
+                q.split('&')
+                    .map(|kv| kv.split_once('=').unwrap_or((kv, "")))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}
+
+const fn entry(
+    engine: EngineKind,
+    step: &'static str,
+    verb: Verb,
+    target: &'static str,
+    body: CallBody,
+) -> EngineCall {
+    EngineCall {
+        engine,
+        step,
+        verb,
+        target,
+        body,
+    }
+}
+
+use CallBody::{Completion, Empty, Json};
+use EngineKind::{Sglang, Tensorfold, Vllm};
+use Verb::{Get, Post};
+
+/// vLLM: readiness and the state after a restart.
+pub const VLLM_HEALTH: EngineCall = entry(Vllm, "health", Get, "/health", Empty);
+/// vLLM: whether it sleeps (`{"is_sleeping": bool}`).
+pub const VLLM_IS_SLEEPING: EngineCall = entry(Vllm, "is_sleeping", Get, "/is_sleeping", Empty);
+/// vLLM: the host-RAM park.
+pub const VLLM_SLEEP_1: EngineCall = entry(Vllm, "sleep", Post, "/sleep?level=1", Empty);
+/// vLLM: the deep park.
+pub const VLLM_SLEEP_2: EngineCall = entry(Vllm, "sleep", Post, "/sleep?level=2", Empty);
+/// vLLM: the host-RAM wake.
+pub const VLLM_WAKE_UP: EngineCall = entry(Vllm, "wake_up", Post, "/wake_up", Empty);
+/// vLLM deep wake: the weights' memory first.
+pub const VLLM_WAKE_WEIGHTS: EngineCall = entry(
+    Vllm,
+    "wake_up weights",
+    Post,
+    "/wake_up?tags=weights",
+    Empty,
+);
+/// vLLM deep wake: the weights reloaded from disk.
+pub const VLLM_RELOAD_WEIGHTS: EngineCall = entry(
+    Vllm,
+    "reload_weights",
+    Post,
+    "/collective_rpc",
+    Json(|_| json!({"method": "reload_weights"})),
+);
+/// vLLM deep wake: the KV cache.
+pub const VLLM_WAKE_KV: EngineCall = entry(
+    Vllm,
+    "wake_up kv_cache",
+    Post,
+    "/wake_up?tags=kv_cache",
+    Empty,
+);
+/// vLLM deep wake: the prefix cache emptied (`{"success": bool}`).
+pub const VLLM_RESET_PREFIX_CACHE: EngineCall = entry(
+    Vllm,
+    "reset_prefix_cache",
+    Post,
+    "/reset_prefix_cache",
+    Empty,
+);
+/// vLLM's version.
+pub const VLLM_VERSION: EngineCall = entry(Vllm, "version", Get, "/version", Empty);
+/// vLLM's load (Prometheus text).
+pub const VLLM_METRICS: EngineCall = entry(Vllm, "metrics", Get, "/metrics", Empty);
+/// vLLM: the check prompt, the decision and the warm-up.
+pub const VLLM_COMPLETIONS: EngineCall =
+    entry(Vllm, "completion", Post, "/v1/completions", Completion);
+
+/// Every vLLM call.
+pub const VLLM_CALLS: &[EngineCall] = &[
+    VLLM_HEALTH,
+    VLLM_IS_SLEEPING,
+    VLLM_SLEEP_1,
+    VLLM_SLEEP_2,
+    VLLM_WAKE_UP,
+    VLLM_WAKE_WEIGHTS,
+    VLLM_RELOAD_WEIGHTS,
+    VLLM_WAKE_KV,
+    VLLM_RESET_PREFIX_CACHE,
+    VLLM_VERSION,
+    VLLM_METRICS,
+    VLLM_COMPLETIONS,
+];
+
 const SGLANG_ALL_TAGS: [&str; 3] = ["weights", "kv_cache", "cuda_graph"];
 const SGLANG_KV_TAGS: [&str; 1] = ["kv_cache"];
 
-fn sglang_tags(tier: ParkTier) -> Value {
+/// SGLang: readiness (503 while starting).
+pub const SGLANG_HEALTH: EngineCall = entry(Sglang, "health", Get, "/health", Empty);
+/// SGLang: whether it generates (one token, whatever `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`
+/// says).
+pub const SGLANG_HEALTH_GENERATE: EngineCall =
+    entry(Sglang, "health_generate", Get, "/health_generate", Empty);
+/// SGLang's server arguments and state (since 0.5.6).
+pub const SGLANG_SERVER_INFO: EngineCall = entry(Sglang, "server_info", Get, "/server_info", Empty);
+/// SGLang's server arguments and state, as releases before 0.5.6 name it.
+pub const SGLANG_GET_SERVER_INFO: EngineCall =
+    entry(Sglang, "get_server_info", Get, "/get_server_info", Empty);
+/// SGLang park: stop generating (see the module doc for the mode).
+pub const SGLANG_PAUSE: EngineCall = entry(
+    Sglang,
+    "pause_generation",
+    Post,
+    "/pause_generation",
+    Json(|_| json!({"mode": "abort"})),
+);
+/// SGLang park: give back weights, KV cache and CUDA graphs.
+pub const SGLANG_RELEASE_ALL: EngineCall = entry(
+    Sglang,
+    "release_memory_occupation",
+    Post,
+    "/release_memory_occupation",
+    Json(|_| json!({"tags": SGLANG_ALL_TAGS})),
+);
+/// SGLang KV-only park: give back the KV cache.
+pub const SGLANG_RELEASE_KV: EngineCall = entry(
+    Sglang,
+    "release_memory_occupation",
+    Post,
+    "/release_memory_occupation",
+    Json(|_| json!({"tags": SGLANG_KV_TAGS})),
+);
+/// SGLang wake: take back what [`SGLANG_RELEASE_ALL`] gave.
+pub const SGLANG_RESUME_ALL: EngineCall = entry(
+    Sglang,
+    "resume_memory_occupation",
+    Post,
+    "/resume_memory_occupation",
+    Json(|_| json!({"tags": SGLANG_ALL_TAGS})),
+);
+/// SGLang wake: take back what [`SGLANG_RELEASE_KV`] gave.
+pub const SGLANG_RESUME_KV: EngineCall = entry(
+    Sglang,
+    "resume_memory_occupation",
+    Post,
+    "/resume_memory_occupation",
+    Json(|_| json!({"tags": SGLANG_KV_TAGS})),
+);
+/// SGLang deep wake: the weights reloaded from the model's checkpoint.
+pub const SGLANG_UPDATE_WEIGHTS: EngineCall = entry(
+    Sglang,
+    "update_weights_from_disk",
+    Post,
+    "/update_weights_from_disk",
+    Json(|ep| json!({"model_path": ep.model})),
+);
+/// SGLang deep wake: the radix cache emptied.
+pub const SGLANG_FLUSH_CACHE: EngineCall =
+    entry(Sglang, "flush_cache", Post, "/flush_cache", Empty);
+/// SGLang wake: generate again.
+pub const SGLANG_CONTINUE: EngineCall = entry(
+    Sglang,
+    "continue_generation",
+    Post,
+    "/continue_generation",
+    Json(|_| json!({})),
+);
+/// SGLang's load (Prometheus text, with `--enable-metrics`).
+pub const SGLANG_METRICS: EngineCall = entry(Sglang, "metrics", Get, "/metrics", Empty);
+/// SGLang: the check prompt, the decision and the warm-up.
+pub const SGLANG_COMPLETIONS: EngineCall =
+    entry(Sglang, "completion", Post, "/v1/completions", Completion);
+
+/// Every SGLang call.
+pub const SGLANG_CALLS: &[EngineCall] = &[
+    SGLANG_HEALTH,
+    SGLANG_HEALTH_GENERATE,
+    SGLANG_SERVER_INFO,
+    SGLANG_GET_SERVER_INFO,
+    SGLANG_PAUSE,
+    SGLANG_RELEASE_ALL,
+    SGLANG_RELEASE_KV,
+    SGLANG_RESUME_ALL,
+    SGLANG_RESUME_KV,
+    SGLANG_UPDATE_WEIGHTS,
+    SGLANG_FLUSH_CACHE,
+    SGLANG_CONTINUE,
+    SGLANG_METRICS,
+    SGLANG_COMPLETIONS,
+];
+
+/// TensorFold: readiness.
+pub const TENSORFOLD_HEALTH: EngineCall = entry(Tensorfold, "health", Get, "/health", Empty);
+/// TensorFold's version.
+pub const TENSORFOLD_VERSION: EngineCall = entry(Tensorfold, "version", Get, "/version", Empty);
+/// TensorFold's load.
+pub const TENSORFOLD_METRICS: EngineCall = entry(Tensorfold, "metrics", Get, "/metrics", Empty);
+/// TensorFold: the check prompt, the decision and the warm-up.
+pub const TENSORFOLD_COMPLETIONS: EngineCall = entry(
+    Tensorfold,
+    "completion",
+    Post,
+    "/v1/completions",
+    Completion,
+);
+
+/// Every TensorFold call (no source of it is published, so no contract test reads these).
+pub const TENSORFOLD_CALLS: &[EngineCall] = &[
+    TENSORFOLD_HEALTH,
+    TENSORFOLD_VERSION,
+    TENSORFOLD_METRICS,
+    TENSORFOLD_COMPLETIONS,
+];
+
+/// The calls of `engine`.
+pub fn engine_calls(engine: EngineKind) -> &'static [EngineCall] {
+    match engine {
+        Vllm => VLLM_CALLS,
+        Sglang => SGLANG_CALLS,
+        Tensorfold => TENSORFOLD_CALLS,
+    }
+}
+
+fn by_engine(
+    engine: EngineKind,
+    vllm: EngineCall,
+    sglang: EngineCall,
+    tf: EngineCall,
+) -> EngineCall {
+    match engine {
+        Vllm => vllm,
+        Sglang => sglang,
+        Tensorfold => tf,
+    }
+}
+
+fn health_call(engine: EngineKind) -> EngineCall {
+    by_engine(engine, VLLM_HEALTH, SGLANG_HEALTH, TENSORFOLD_HEALTH)
+}
+
+fn completions_call(engine: EngineKind) -> EngineCall {
+    by_engine(
+        engine,
+        VLLM_COMPLETIONS,
+        SGLANG_COMPLETIONS,
+        TENSORFOLD_COMPLETIONS,
+    )
+}
+
+fn sglang_release(tier: ParkTier) -> EngineCall {
     match tier {
-        ParkTier::KvOnly => json!({"tags": SGLANG_KV_TAGS}),
-        ParkTier::HostRam | ParkTier::Deep => json!({"tags": SGLANG_ALL_TAGS}),
+        ParkTier::KvOnly => SGLANG_RELEASE_KV,
+        ParkTier::HostRam | ParkTier::Deep => SGLANG_RELEASE_ALL,
+    }
+}
+
+fn sglang_resume(tier: ParkTier) -> EngineCall {
+    match tier {
+        ParkTier::KvOnly => SGLANG_RESUME_KV,
+        ParkTier::HostRam | ParkTier::Deep => SGLANG_RESUME_ALL,
     }
 }
 
@@ -131,19 +470,64 @@ impl Driver {
         }
     }
 
-    async fn post(
+    /// The body `c` sends to `ep` (`None` for a body-less call; a completion's body is the
+    /// caller's).
+    fn body_of(c: &EngineCall, ep: &Endpoint) -> Option<Value> {
+        match c.body {
+            CallBody::Json(make) => Some(make(ep)),
+            CallBody::Empty | CallBody::Completion => None,
+        }
+    }
+
+    /// Sends `c` (its own body) and returns the status and body, whatever the status.
+    async fn send(
         &self,
         ep: &Endpoint,
-        step: &'static str,
-        path: &str,
-        body: Option<Value>,
+        c: &EngineCall,
+        timeout: Duration,
+    ) -> Result<(u16, bytes::Bytes), AgentError> {
+        let url = ep.url(c.target);
+        let body = Self::body_of(c, ep);
+        self.client
+            .send(
+                self.call(ep, c.step, &url, timeout),
+                c.verb.method(),
+                body.as_ref(),
+            )
+            .await
+    }
+
+    /// Sends `c` and insists on a 2xx status; returns the body.
+    async fn send_ok(
+        &self,
+        ep: &Endpoint,
+        c: &EngineCall,
         timeout: Duration,
     ) -> Result<bytes::Bytes, AgentError> {
-        let url = ep.url(path);
+        let url = ep.url(c.target);
+        let body = Self::body_of(c, ep);
         self.client
             .expect_ok(
-                self.call(ep, step, &url, timeout),
-                Method::POST,
+                self.call(ep, c.step, &url, timeout),
+                c.verb.method(),
+                body.as_ref(),
+            )
+            .await
+    }
+
+    /// Sends `c`, insists on a 2xx status and a JSON answer.
+    async fn send_json(
+        &self,
+        ep: &Endpoint,
+        c: &EngineCall,
+        timeout: Duration,
+    ) -> Result<Value, AgentError> {
+        let url = ep.url(c.target);
+        let body = Self::body_of(c, ep);
+        self.client
+            .expect_json(
+                self.call(ep, c.step, &url, timeout),
+                c.verb.method(),
                 body.as_ref(),
             )
             .await
@@ -151,13 +535,13 @@ impl Driver {
 
     /// `GET /health` once: the status, or the error.
     pub async fn health(&self, ep: &Endpoint) -> Result<u16, AgentError> {
-        let url = ep.url("/health");
-        let call = self.call(ep, "health", &url, self.timeouts.step);
-        Ok(self.client.send(call, Method::GET, None).await?.0)
+        let c = health_call(ep.engine);
+        Ok(self.send(ep, &c, self.timeouts.step).await?.0)
     }
 
     /// Polls `GET /health` every 100 ms until it answers 200, for at most `bound`.
     pub async fn wait_ready(&self, ep: &Endpoint, bound: Duration) -> Result<(), AgentError> {
+        let c = health_call(ep.engine);
         let deadline = Instant::now() + bound;
         let mut last = String::from("no answer yet");
         loop {
@@ -166,13 +550,11 @@ impl Driver {
                 return Err(AgentError::EngineTimeout {
                     engine: ep.engine,
                     step: "readiness (GET /health until 200)",
-                    url: format!("{} (last: {last})", ep.url("/health")),
+                    url: format!("{} (last: {last})", ep.url(c.target)),
                     after: bound,
                 });
             }
-            let url = ep.url("/health");
-            let call = self.call(ep, "health", &url, remaining.min(self.timeouts.step));
-            match self.client.send(call, Method::GET, None).await {
+            match self.send(ep, &c, remaining.min(self.timeouts.step)).await {
                 Ok((200, _)) => return Ok(()),
                 Ok((status, _)) => last = format!("status {status}"),
                 Err(e) => last = e.to_string(),
@@ -183,19 +565,11 @@ impl Driver {
 
     /// vLLM `GET /is_sleeping`.
     async fn vllm_is_sleeping(&self, ep: &Endpoint, timeout: Duration) -> Result<bool, AgentError> {
-        let url = ep.url("/is_sleeping");
-        let v = self
-            .client
-            .expect_json(
-                self.call(ep, "is_sleeping", &url, timeout),
-                Method::GET,
-                None,
-            )
-            .await?;
+        let v = self.send_json(ep, &VLLM_IS_SLEEPING, timeout).await?;
         is_sleeping_of(&v).ok_or_else(|| AgentError::EngineAnswer {
             engine: ep.engine,
-            step: "is_sleeping",
-            url,
+            step: VLLM_IS_SLEEPING.step,
+            url: ep.url(VLLM_IS_SLEEPING.target),
             detail: format!("no boolean `is_sleeping` in {v}"),
         })
     }
@@ -217,57 +591,78 @@ impl Driver {
                 } else {
                     "confirm awake"
                 },
-                url: ep.url("/is_sleeping"),
+                url: ep.url(VLLM_IS_SLEEPING.target),
                 detail: format!("is_sleeping is {now}, expected {asleep}"),
             })
         }
     }
 
-    /// SGLang: whether `/health` answers 200 within `bound` (it generates a token). `false` for
-    /// any other status or no answer within `bound`; an error when the engine cannot be reached
-    /// (refused, or the connection broke).
+    /// vLLM `POST /reset_prefix_cache`: its `{"success": bool}` must not be false (an empty
+    /// answer, as older releases gave, counts as done).
+    async fn vllm_reset_prefix_cache(&self, ep: &Endpoint, t: Duration) -> Result<(), AgentError> {
+        let c = VLLM_RESET_PREFIX_CACHE;
+        let body = self.send_ok(ep, &c, t).await?;
+        if body.iter().all(u8::is_ascii_whitespace) {
+            return Ok(());
+        }
+        let failed = |detail: String| AgentError::EngineAnswer {
+            engine: ep.engine,
+            step: c.step,
+            url: ep.url(c.target),
+            detail,
+        };
+        let answer: Value = serde_json::from_slice(&body).map_err(|e| {
+            failed(format!(
+                "the answer is not JSON ({e}): {}",
+                crate::http::excerpt(&body)
+            ))
+        })?;
+        match answer.get("success").and_then(Value::as_bool) {
+            Some(true) => Ok(()),
+            Some(false) => Err(failed(format!(
+                "the engine did not reset its prefix cache (blocks still held): {answer}"
+            ))),
+            None => Err(failed(format!("no boolean `success` in {answer}"))),
+        }
+    }
+
+    /// SGLang: whether `/health_generate` answers 200 within `bound` (it generates a token).
+    /// `false` for any other status or no answer within `bound`; an error when the engine
+    /// cannot be reached (refused, or the connection broke).
     pub async fn sglang_generates(
         &self,
         ep: &Endpoint,
         bound: Duration,
     ) -> Result<bool, AgentError> {
-        let url = ep.url("/health");
-        match self
-            .client
-            .send(self.call(ep, "health", &url, bound), Method::GET, None)
-            .await
-        {
+        match self.send(ep, &SGLANG_HEALTH_GENERATE, bound).await {
             Ok((status, _)) => Ok(status == 200),
             Err(AgentError::EngineTimeout { .. }) => Ok(false),
             Err(e) => Err(e),
         }
     }
 
-    /// SGLang's `/server_info` (older: `/get_server_info`), which answers without generating.
+    /// SGLang's `/server_info` (before 0.5.6: `/get_server_info`), which answers without
+    /// generating.
     async fn sglang_server_info(&self, ep: &Endpoint) -> Result<Value, AgentError> {
-        let first = self
-            .get_json_checked(ep, "server_info", "/server_info")
-            .await;
-        match first {
-            Ok(v) => Ok(v),
+        let step = self.timeouts.step;
+        match self.send_json(ep, &SGLANG_SERVER_INFO, step).await {
             Err(AgentError::EngineStatus { status: 404, .. }) => {
-                self.get_json_checked(ep, "get_server_info", "/get_server_info")
-                    .await
+                self.send_json(ep, &SGLANG_GET_SERVER_INFO, step).await
             }
-            Err(e) => Err(e),
+            other => other,
         }
     }
 
-    /// SGLang no longer generates (a bounded `/health` probe) and still answers without
-    /// generating (`/server_info`): see the module doc.
+    /// SGLang no longer generates (a bounded `/health_generate` probe) and still answers
+    /// without generating (`/server_info`): see the module doc.
     async fn confirm_sglang_parked(&self, ep: &Endpoint) -> Result<(), AgentError> {
         let probe = self.timeouts.idle_probe.min(self.timeouts.step);
         if self.sglang_generates(ep, probe).await? {
             return Err(AgentError::EngineAnswer {
                 engine: ep.engine,
                 step: "confirm asleep",
-                url: ep.url("/health"),
-                detail: "GET /health answered 200: the engine still generates after \
+                url: ep.url(SGLANG_HEALTH_GENERATE.target),
+                detail: "GET /health_generate answered 200: the engine still generates after \
                          pause_generation and release_memory_occupation"
                     .into(),
             });
@@ -275,13 +670,14 @@ impl Driver {
         self.sglang_server_info(ep).await.map(drop)
     }
 
-    /// SGLang generates again: `/health` answers 200 within `t`.
+    /// SGLang generates again: `/health_generate` answers 200 within `t`.
     async fn confirm_sglang_awake(&self, ep: &Endpoint, t: Duration) -> Result<(), AgentError> {
-        let url = ep.url("/health");
+        let c = SGLANG_HEALTH_GENERATE;
         let step = "confirm awake";
+        let url = ep.url(c.target);
         let (status, body) = self
             .client
-            .send(self.call(ep, step, &url, t), Method::GET, None)
+            .send(self.call(ep, step, &url, t), c.verb.method(), None)
             .await?;
         if status == 200 {
             Ok(())
@@ -291,7 +687,7 @@ impl Driver {
                 step,
                 url,
                 detail: format!(
-                    "GET /health answered {status} ({}), expected 200",
+                    "GET /health_generate answered {status} ({}), expected 200",
                     crate::http::excerpt(&body)
                 ),
             })
@@ -300,24 +696,27 @@ impl Driver {
 
     /// Where an engine left behind says it is ([`crate::recovery`]), without making a parked
     /// engine generate: vLLM `GET /is_sleeping`, then, when it is not asleep (or was launched
-    /// without sleep mode and has no such endpoint), `/health`; SGLang a `/health` probe, bounded by the step timeout
-    /// when it is expected awake (`expect_awake`) and by the short idle probe otherwise, then
-    /// `/server_info` when it does not generate; TensorFold `/health`.
+    /// without sleep mode and has no such endpoint), `/health`; SGLang a `/health_generate`
+    /// probe, bounded by the step timeout when it is expected awake (`expect_awake`) and by the
+    /// short idle probe otherwise, then `/server_info` when it does not generate; TensorFold
+    /// `/health`.
     pub async fn engine_state(&self, ep: &Endpoint, expect_awake: bool) -> EngineState {
         let health = || async {
             match self.health(ep).await {
                 Ok(200) => EngineState::Awake,
-                Ok(status) => {
-                    EngineState::NoAnswer(format!("GET {} answered {status}", ep.url("/health")))
-                }
+                Ok(status) => EngineState::NoAnswer(format!(
+                    "GET {} answered {status}",
+                    ep.url(health_call(ep.engine).target)
+                )),
                 Err(e) => EngineState::NoAnswer(e.to_string()),
             }
         };
         match ep.engine {
             EngineKind::Vllm => match self.vllm_is_sleeping(ep, self.timeouts.step).await {
                 Ok(true) => EngineState::Asleep,
-                // Not asleep is not serving: an engine still starting (its agent killed before
-                // it was ready) answers `is_sleeping` too. It serves once `/health` says so.
+                // Not asleep is not serving: it serves once `/health` says so. (vLLM 0.32 answers
+                // nothing while it starts; an engine that answered `is_sleeping` before it was
+                // ready, as engine-sim once did, is not taken for a serving one.)
                 Ok(false) | Err(AgentError::EngineStatus { status: 404, .. }) => health().await,
                 Err(e) => EngineState::NoAnswer(e.to_string()),
             },
@@ -346,22 +745,17 @@ impl Driver {
         let (step, park) = (self.timeouts.step, self.timeouts.park);
         match (ep.engine, tier) {
             (EngineKind::Vllm, ParkTier::HostRam | ParkTier::Deep) => {
-                let level = if tier == ParkTier::HostRam { 1 } else { 2 };
-                self.post(ep, "sleep", &format!("/sleep?level={level}"), None, park)
-                    .await?;
+                let sleep = if tier == ParkTier::HostRam {
+                    VLLM_SLEEP_1
+                } else {
+                    VLLM_SLEEP_2
+                };
+                self.send_ok(ep, &sleep, park).await?;
                 self.confirm_vllm(ep, true, step).await
             }
             (EngineKind::Sglang, _) => {
-                self.post(ep, "pause_generation", "/pause_generation", None, step)
-                    .await?;
-                self.post(
-                    ep,
-                    "release_memory_occupation",
-                    "/release_memory_occupation",
-                    Some(sglang_tags(tier)),
-                    park,
-                )
-                .await?;
+                self.send_ok(ep, &SGLANG_PAUSE, step).await?;
+                self.send_ok(ep, &sglang_release(tier), park).await?;
                 self.confirm_sglang_parked(ep).await
             }
             (EngineKind::Vllm, ParkTier::KvOnly) => Err(AgentError::Unsupported {
@@ -387,76 +781,32 @@ impl Driver {
         let quick = || left().min(self.timeouts.step);
         match (ep.engine, tier) {
             (EngineKind::Vllm, ParkTier::HostRam) => {
-                self.post(ep, "wake_up", "/wake_up", None, left()).await?;
+                self.send_ok(ep, &VLLM_WAKE_UP, left()).await?;
                 self.confirm_vllm(ep, false, quick()).await
             }
             (EngineKind::Vllm, ParkTier::Deep) => {
-                self.post(ep, "wake_up weights", "/wake_up?tags=weights", None, left())
-                    .await?;
-                self.post(
-                    ep,
-                    "reload_weights",
-                    "/collective_rpc",
-                    Some(json!({"method": "reload_weights"})),
-                    left(),
-                )
-                .await?;
-                self.post(
-                    ep,
-                    "wake_up kv_cache",
-                    "/wake_up?tags=kv_cache",
-                    None,
-                    left(),
-                )
-                .await?;
-                self.post(
-                    ep,
-                    "reset_prefix_cache",
-                    "/reset_prefix_cache",
-                    None,
-                    quick(),
-                )
-                .await?;
+                self.send_ok(ep, &VLLM_WAKE_WEIGHTS, left()).await?;
+                self.send_ok(ep, &VLLM_RELOAD_WEIGHTS, left()).await?;
+                self.send_ok(ep, &VLLM_WAKE_KV, left()).await?;
+                self.vllm_reset_prefix_cache(ep, quick()).await?;
                 self.confirm_vllm(ep, false, quick()).await
             }
             (EngineKind::Sglang, _) => {
-                self.post(
-                    ep,
-                    "resume_memory_occupation",
-                    "/resume_memory_occupation",
-                    Some(sglang_tags(tier)),
-                    left(),
-                )
-                .await?;
+                self.send_ok(ep, &sglang_resume(tier), left()).await?;
                 if tier == ParkTier::Deep {
-                    let url = ep.url("/update_weights_from_disk");
-                    let answer = self
-                        .client
-                        .expect_json(
-                            self.call(ep, "update_weights_from_disk", &url, left()),
-                            Method::POST,
-                            Some(&json!({"model_path": ep.model})),
-                        )
-                        .await?;
+                    let c = SGLANG_UPDATE_WEIGHTS;
+                    let answer = self.send_json(ep, &c, left()).await?;
                     if answer.get("success").and_then(Value::as_bool) == Some(false) {
                         return Err(AgentError::EngineAnswer {
                             engine: ep.engine,
-                            step: "update_weights_from_disk",
-                            url,
+                            step: c.step,
+                            url: ep.url(c.target),
                             detail: format!("the reload failed: {answer}"),
                         });
                     }
-                    self.post(ep, "flush_cache", "/flush_cache", None, quick())
-                        .await?;
+                    self.send_ok(ep, &SGLANG_FLUSH_CACHE, quick()).await?;
                 }
-                self.post(
-                    ep,
-                    "continue_generation",
-                    "/continue_generation",
-                    None,
-                    quick(),
-                )
-                .await?;
+                self.send_ok(ep, &SGLANG_CONTINUE, quick()).await?;
                 self.confirm_sglang_awake(ep, quick()).await
             }
             (EngineKind::Vllm, ParkTier::KvOnly) | (EngineKind::Tensorfold, _) => {
@@ -475,9 +825,14 @@ impl Driver {
         body: &Value,
         timeout: Duration,
     ) -> Result<Value, AgentError> {
-        let url = ep.url("/v1/completions");
+        let c = completions_call(ep.engine);
+        let url = ep.url(c.target);
         self.client
-            .expect_json(self.call(ep, step, &url, timeout), Method::POST, Some(body))
+            .expect_json(
+                self.call(ep, step, &url, timeout),
+                c.verb.method(),
+                Some(body),
+            )
             .await
     }
 
@@ -509,7 +864,7 @@ impl Driver {
                 let text = completion_text(&answer).ok_or_else(|| AgentError::EngineAnswer {
                     engine: ep.engine,
                     step: "check prompt",
-                    url: ep.url("/v1/completions"),
+                    url: ep.url(completions_call(ep.engine).target),
                     detail: format!("no choices[0].text in {answer}"),
                 })?;
                 Ok(FirstAnswer::Text {
@@ -528,50 +883,31 @@ impl Driver {
 
     /// Scrapes `/metrics`; `None` when it cannot be read or holds none of the engine's figures.
     pub async fn scrape(&self, ep: &Endpoint, timeout: Duration) -> Option<EngineLoad> {
-        let url = ep.url("/metrics");
-        let body = self
-            .client
-            .expect_ok(self.call(ep, "metrics", &url, timeout), Method::GET, None)
-            .await
-            .ok()?;
+        let c = by_engine(ep.engine, VLLM_METRICS, SGLANG_METRICS, TENSORFOLD_METRICS);
+        let body = self.send_ok(ep, &c, timeout).await.ok()?;
         parse_metrics(ep.engine, &String::from_utf8_lossy(&body))
     }
 
-    async fn get_json_checked(
-        &self,
-        ep: &Endpoint,
-        step: &'static str,
-        path: &str,
-    ) -> Result<Value, AgentError> {
-        let url = ep.url(path);
-        self.client
-            .expect_json(
-                self.call(ep, step, &url, self.timeouts.step),
-                Method::GET,
-                None,
-            )
-            .await
-    }
-
-    async fn get_json(&self, ep: &Endpoint, step: &'static str, path: &str) -> Option<Value> {
-        self.get_json_checked(ep, step, path).await.ok()
-    }
-
-    /// SGLang's own `max_running_requests` from `/server_info` (older: `/get_server_info`),
-    /// top level or in `internal_states[0]`.
+    /// SGLang's own `max_running_requests` from `/server_info` (before 0.5.6:
+    /// `/get_server_info`): see [`max_running_of`].
     pub async fn sglang_max_running(&self, ep: &Endpoint) -> Option<u32> {
         let info = self.sglang_server_info(ep).await.ok()?;
         max_running_of(&info)
     }
 
-    /// The engine's version: vLLM `GET /version`, SGLang `/server_info`'s `version`,
-    /// TensorFold `GET /version`.
+    /// The engine's version: vLLM `GET /version`, SGLang `/server_info`'s `version` (before
+    /// 0.5.6: `/get_server_info`'s), TensorFold `GET /version`.
     pub async fn version(&self, ep: &Endpoint) -> Option<String> {
         let v = match ep.engine {
-            EngineKind::Sglang => self.get_json(ep, "server_info", "/server_info").await?,
-            EngineKind::Vllm | EngineKind::Tensorfold => {
-                self.get_json(ep, "version", "/version").await?
-            }
+            EngineKind::Sglang => self.sglang_server_info(ep).await.ok()?,
+            EngineKind::Vllm => self
+                .send_json(ep, &VLLM_VERSION, self.timeouts.step)
+                .await
+                .ok()?,
+            EngineKind::Tensorfold => self
+                .send_json(ep, &TENSORFOLD_VERSION, self.timeouts.step)
+                .await
+                .ok()?,
         };
         version_of(&v)
     }
@@ -695,13 +1031,20 @@ pub(crate) fn is_sleeping_of(answer: &Value) -> Option<bool> {
     answer.get("is_sleeping").and_then(Value::as_bool)
 }
 
-/// SGLang's `max_running_requests` in a `/server_info` answer: top level or in
-/// `internal_states[0]`.
+/// SGLang's `max_running_requests` in a `/server_info` answer: the top-level server argument
+/// when it is a number; when SGLang sized itself that argument is `null` (every server argument
+/// is spread at top level, set or not), and the figure it runs with is
+/// `internal_states[0].effective_max_running_requests_per_dp` (0.5.9 and later; one
+/// data-parallel rank, as CapyCTL launches it), else `internal_states[0].max_running_requests`.
 pub(crate) fn max_running_of(info: &Value) -> Option<u32> {
-    info.get("max_running_requests")
-        .or_else(|| info.pointer("/internal_states/0/max_running_requests"))
-        .and_then(Value::as_u64)
-        .and_then(|n| u32::try_from(n).ok())
+    [
+        "/max_running_requests",
+        "/internal_states/0/effective_max_running_requests_per_dp",
+        "/internal_states/0/max_running_requests",
+    ]
+    .iter()
+    .find_map(|at| info.pointer(at).and_then(Value::as_u64))
+    .and_then(|n| u32::try_from(n).ok())
 }
 
 /// The `version` of a `/version` or `/server_info` answer.

@@ -7,6 +7,20 @@ use capyctl_spec::EngineKind;
 use capyctl_spec::errors::{ApiError, WakeFailure};
 
 /// `; its output is in <log>` when the engine's log is known.
+/// The last line with text in the file at `path` (of its last 8 KiB, cut to 300 characters);
+/// `None` when it cannot be read or holds none.
+fn last_output_line(path: &str) -> Option<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = std::fs::File::open(path).ok()?;
+    let len = file.metadata().ok()?.len();
+    file.seek(SeekFrom::Start(len.saturating_sub(8192))).ok()?;
+    let mut tail = Vec::new();
+    file.read_to_end(&mut tail).ok()?;
+    let text = String::from_utf8_lossy(&tail);
+    let line = text.lines().rev().map(str::trim).find(|l| !l.is_empty())?;
+    Some(line.chars().take(300).collect())
+}
+
 fn log_hint(log: &Option<String>) -> String {
     match log {
         Some(log) => format!("; the engine's output is in {log}"),
@@ -301,12 +315,20 @@ impl AgentError {
                 instance,
                 status,
                 log: None,
-            } => AgentError::EngineExited {
-                engine,
-                instance,
-                status,
-                log,
-            },
+            } => {
+                // The engine's own word on why (an unknown flag: `vllm: error: unrecognized
+                // arguments: ...`), from the end of its output.
+                let status = match log.as_deref().and_then(last_output_line) {
+                    Some(line) => format!("{status}; its last output line: {line}"),
+                    None => status,
+                };
+                AgentError::EngineExited {
+                    engine,
+                    instance,
+                    status,
+                    log,
+                }
+            }
             e @ (AgentError::EngineExited { .. }
             | AgentError::EngineNotReady { .. }
             | AgentError::Cancelled { .. }) => e,

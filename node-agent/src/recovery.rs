@@ -42,12 +42,14 @@ pub enum Transition {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EngineState {
     /// It serves: vLLM `is_sleeping` false (or absent without sleep mode) and `/health` 200
-    /// (an engine still starting answers `is_sleeping` false and `/health` 503), SGLang and
-    /// TensorFold `/health` 200.
+    /// (vLLM answers nothing while it starts; an engine answering `is_sleeping` false and
+    /// `/health` 503 is not awake either), SGLang `/health_generate` 200, TensorFold `/health`
+    /// 200.
     Awake,
     /// It says it is asleep: vLLM `is_sleeping` true.
     Asleep,
-    /// SGLang: `/health` does not answer 200 within the short probe, `/server_info` answers. It
+    /// SGLang: `/health_generate` does not answer 200 within the short probe, `/server_info`
+    /// (or `/get_server_info`) answers. It
     /// does not generate; SGLang cannot say whether its memory is released.
     NotGenerating,
     /// It does not answer as expected; why.

@@ -35,7 +35,7 @@ async fn start_sample_park_wake_stop() {
         .unwrap();
     assert_eq!(started.max_running.count, Some(32));
     assert_eq!(started.max_running.source, MaxRunningSource::Default);
-    assert_eq!(started.version.as_deref(), Some("0.31.0"));
+    assert_eq!(started.version.as_deref(), Some("0.32.0"));
     assert!(started.parking.may_park);
     let sample = sample_arrives(&a, "i-vllm").await;
     assert_eq!(sample.engine.unwrap().running, Some(0));
@@ -59,7 +59,7 @@ async fn start_sample_park_wake_stop() {
         .iter()
         .find(|e| e.engine == EngineKind::Vllm)
         .unwrap();
-    assert_eq!(vllm.version.as_deref(), Some("0.31.0"));
+    assert_eq!(vllm.version.as_deref(), Some("0.32.0"));
     assert_eq!(vllm.deep_park.to_string(), "enabled");
     let _ = std::fs::remove_dir_all(dir);
 }
@@ -165,9 +165,27 @@ async fn a_failed_start_names_the_engines_log() {
         text.contains("exit status: 70") && text.contains(&log.display().to_string()),
         "{text}"
     );
-    // The log holds why.
+    // The log holds why, and the error says its last line.
     let output = std::fs::read_to_string(&log).unwrap();
     assert!(output.contains("simulated crash"), "{output}");
+    assert!(
+        text.contains("its last output line: engine-sim: simulated crash"),
+        "{text}"
+    );
+
+    // A flag the engine does not have: it exits at once (vLLM: status 2), and the error names
+    // the engine's own line.
+    let mut unknown = spec(EngineKind::Vllm, "");
+    unknown.extra_args = vec!["--no-such-flag".into(), "3".into()];
+    let err = a.start("flag", &unknown).await.unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("exit status: 2")
+            && text.contains(
+                "its last output line: vllm: error: unrecognized arguments: --no-such-flag 3"
+            ),
+        "{text}"
+    );
 
     // The engine never becomes ready within the bound: stopped, and the error says where its
     // output is.

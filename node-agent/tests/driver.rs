@@ -30,6 +30,16 @@ fn driver() -> Driver {
 
 /// Starts a simulator in this process from the launch command CapyCTL builds for `spec`.
 async fn start(spec: &InstanceSpec, parking: LaunchParking, faults: &str) -> Endpoint {
+    if faults.is_empty() {
+        start_sim(spec, parking, &[]).await
+    } else {
+        start_sim(spec, parking, &["--sim-faults", faults]).await
+    }
+}
+
+/// [`start`] with the simulator's own arguments `sim_args` (a version, a fault, an engine
+/// environment variable as its flag).
+async fn start_sim(spec: &InstanceSpec, parking: LaunchParking, sim_args: &[&str]) -> Endpoint {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     let launch = EngineLaunch {
@@ -44,9 +54,7 @@ async fn start(spec: &InstanceSpec, parking: LaunchParking, faults: &str) -> End
         argv.extend(["--sim-vllm-dev-mode".into(), "1".into()]);
     }
     argv.extend(["--sim-weights-bytes".into(), "64MiB".into()]);
-    if !faults.is_empty() {
-        argv.extend(["--sim-faults".into(), faults.into()]);
-    }
+    argv.extend(sim_args.iter().map(|a| a.to_string()));
     let config = SimConfig::try_parse_from(argv).unwrap();
     tokio::spawn(serve(listener, config));
     let ep = endpoint_of(spec, port);
@@ -263,9 +271,93 @@ async fn engine_facts_are_read() {
     sp.max_concurrent_requests = Some(12);
     let ep = start(&sp, LaunchParking::default(), "").await;
     assert_eq!(driver().sglang_max_running(&ep).await, Some(12));
-    assert_eq!(driver().version(&ep).await.as_deref(), Some("0.5.9"));
+    assert_eq!(driver().version(&ep).await.as_deref(), Some("0.5.23"));
     let ep = start(&spec(EngineKind::Vllm), LaunchParking::default(), "").await;
-    assert_eq!(driver().version(&ep).await.as_deref(), Some("0.31.0"));
+    assert_eq!(driver().version(&ep).await.as_deref(), Some("0.32.0"));
+}
+
+/// SGLang sized by itself: `/server_info` has `max_running_requests: null` at top level, and
+/// the figure it runs with in `internal_states[0]` (0.5.9 and later).
+#[tokio::test]
+async fn sglang_sized_by_itself_reports_its_figure() {
+    let ep = start(&spec(EngineKind::Sglang), LaunchParking::default(), "").await;
+    assert_eq!(driver().sglang_max_running(&ep).await, Some(128));
+}
+
+/// SGLang before 0.5.6 has `/get_server_info` only: the version and the figure come from it.
+#[tokio::test]
+async fn sglang_before_0_5_6_answers_get_server_info() {
+    let mut sp = spec(EngineKind::Sglang);
+    sp.max_concurrent_requests = Some(12);
+    let ep = start_sim(&sp, LaunchParking::default(), &["--sim-version", "0.5.5"]).await;
+    assert_eq!(driver().version(&ep).await.as_deref(), Some("0.5.5"));
+    assert_eq!(driver().sglang_max_running(&ep).await, Some(12));
+}
+
+/// The park and wake send the bodies SGLang 0.5.6 and later require, and older releases
+/// accept them: both park and wake.
+#[tokio::test]
+async fn sglang_parks_and_wakes_on_every_version() {
+    for version in ["0.5.5", "0.5.6", "0.5.23"] {
+        let ep = start_sim(
+            &spec(EngineKind::Sglang),
+            BACKUP,
+            &["--sim-version", version],
+        )
+        .await;
+        let (parked, outcome, after) = round_trip(&ep, ParkTier::HostRam).await;
+        assert_eq!(parked["paused"], true, "{version}");
+        assert_eq!(outcome, WakeOutcome::Pass, "{version}");
+        assert_eq!(after["paused"], false, "{version}");
+    }
+}
+
+/// With `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION` off, `/health` answers 200 without
+/// generating: the park is still confirmed, and a parked engine is still seen not generating.
+#[tokio::test]
+async fn sglang_without_health_generation_parks() {
+    let ep = start_sim(
+        &spec(EngineKind::Sglang),
+        BACKUP,
+        &["--sim-sglang-health-endpoint-generation", "0"],
+    )
+    .await;
+    let d = driver();
+    d.park(&ep, ParkTier::HostRam).await.unwrap();
+    assert_eq!(
+        d.engine_state(&ep, false).await,
+        capyctl_node_agent::recovery::EngineState::NotGenerating
+    );
+    let outcome = d
+        .wake_and_verify(&ep, ParkTier::HostRam, None, None, WINDOW)
+        .await
+        .outcome;
+    assert!(
+        matches!(&outcome, WakeOutcome::Uncertain(why) if why.contains("no first answer")),
+        "the wake steps passed and only the comparison is missing: {outcome:?}"
+    );
+}
+
+/// vLLM's `/reset_prefix_cache` answering `{"success": false}` fails the deep wake at that
+/// step.
+#[tokio::test]
+async fn vllm_prefix_cache_not_reset_fails_the_wake() {
+    let ep = start(&spec(EngineKind::Vllm), BACKUP, "").await;
+    let d = driver();
+    let first = d
+        .check_answer(&ep, None, Duration::from_secs(5))
+        .await
+        .unwrap();
+    d.park(&ep, ParkTier::Deep).await.unwrap();
+    set_fault(&ep, "prefix_cache_reset_fails").await;
+    let outcome = d
+        .wake_and_verify(&ep, ParkTier::Deep, None, Some(&first), WINDOW)
+        .await
+        .outcome;
+    assert!(
+        matches!(&outcome, WakeOutcome::ReloadFailed(why) if why.contains("reset_prefix_cache")),
+        "{outcome:?}"
+    );
 }
 
 fn closed_port() -> u16 {

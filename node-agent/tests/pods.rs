@@ -115,7 +115,7 @@ async fn the_agent_drives_the_engine_of_its_pod_and_reports_the_pod_going_away()
     assert_eq!(started.base_url, format!("http://127.0.0.1:{port}"));
     assert_eq!(started.port, port);
     assert_eq!(started.pid, 0);
-    assert_eq!(started.version.as_deref(), Some("0.31.0"));
+    assert_eq!(started.version.as_deref(), Some("0.32.0"));
     assert_eq!(
         agent.park("01KPODS-0").await.unwrap().tier(),
         Some(ParkTier::HostRam)

@@ -172,7 +172,7 @@ async fn start_sample_park_wake_stop_over_http() {
     let started = r.start("i-1", &spec(EngineKind::Vllm)).await.unwrap();
     assert_eq!(started.instance, "i-1");
     assert_eq!(Some(started.pid), s.local.pid("i-1"));
-    assert_eq!(started.version.as_deref(), Some("0.31.0"));
+    assert_eq!(started.version.as_deref(), Some("0.32.0"));
     assert!(started.parking.may_park);
 
     // The sample comes through the poller, as the agent took it.
@@ -191,7 +191,7 @@ async fn start_sample_park_wake_stop_over_http() {
         .iter()
         .find(|e| e.engine == EngineKind::Vllm)
         .unwrap();
-    assert_eq!(vllm.version.as_deref(), Some("0.31.0"));
+    assert_eq!(vllm.version.as_deref(), Some("0.32.0"));
     assert_eq!(engines, s.local.engines().await);
 
     // A new caller (an operator that restarted or failed over) learns the live engine.

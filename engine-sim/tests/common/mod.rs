@@ -114,6 +114,23 @@ impl Sim {
         assert_eq!(status, StatusCode::OK, "POST {path}: {body}");
     }
 
+    /// SGLang `POST /pause_generation {"mode":"abort"}`, which must answer 200 (0.5.6 and
+    /// later refuse it without a body).
+    pub async fn pause(&self) {
+        let (status, body) = self
+            .post("/pause_generation", serde_json::json!({"mode": "abort"}))
+            .await;
+        assert_eq!(status, StatusCode::OK, "POST /pause_generation: {body}");
+    }
+
+    /// SGLang `POST /continue_generation {}`, which must answer 200.
+    pub async fn resume_generation(&self) {
+        let (status, body) = self
+            .post("/continue_generation", serde_json::json!({}))
+            .await;
+        assert_eq!(status, StatusCode::OK, "POST /continue_generation: {body}");
+    }
+
     pub async fn state(&self) -> Value {
         let (status, body) = self.get("/sim/state").await;
         assert_eq!(status, StatusCode::OK);
