@@ -379,7 +379,7 @@ def check_objects(docs, values, case):
                 fail(f"{case}: the node agent gets CAPYCTL_OPERATOR_URL, which it does not use")
             for init in pod.get("initContainers", []):
                 caps = init.get("securityContext", {}).get("capabilities", {})
-                if caps.get("drop") != ["ALL"] or caps.get("add") != ["CHOWN"]:
+                if caps.get("drop") != ["ALL"] or caps.get("add") != ["CHOWN", "FOWNER"]:
                     fail(f"{case}: init container {init['name']} has capabilities {caps}")
             check_mounts(dict(pod, containers=pod.get("initContainers", [])), case, "node agent init")
 
