@@ -2,12 +2,11 @@
 # Lints and renders the Helm chart charts/capyctl with Helm's own library, without a helm binary
 # or a cluster, and checks what it renders. Run from anywhere: `bash scripts/helm-lint.sh`.
 #
-# Helm's library comes from the PyPI package helm-sdkpy (Python bindings over Helm's Go library;
-# it asks for a newer Python than Debian's but works with --ignore-requires-python). It is
-# installed into a virtual environment under target/helm-lint/ when missing; on a fresh Debian
-# machine (CI, as root) python3-venv is installed with apt-get first.
+# Helm's library comes from the PyPI package helm-sdkpy, installed into a virtual environment
+# under target/helm-lint/ when missing (scripts/helm-venv.sh, shared with scripts/helm).
 #
-# For the default values and for charts/capyctl/ci/all-on-values.yaml (every option on):
+# For the default values, for charts/capyctl/ci/all-on-values.yaml (every option on) and for
+# charts/capyctl/values-local.yaml (the local cluster's):
 #   1. render: Helm's install action against a fake API server in this script (discovery, and
 #      objects accepted and kept in memory), which gives the rendered manifest, `lookup` and
 #      all; every object is checked (names, labels, selectors, ports, RBAC without wildcards);
@@ -24,25 +23,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-HELM_SDKPY_VERSION=0.1.32
-PYYAML_VERSION=6.0.2
-VENV=target/helm-lint/venv
-
-if ! "$VENV/bin/python" -c 'import helm_sdkpy, yaml' >/dev/null 2>&1; then
-  echo "== helm-lint: installing helm-sdkpy $HELM_SDKPY_VERSION into $VENV"
-  if ! python3 -m venv --help >/dev/null 2>&1 || ! python3 -c 'import ensurepip' >/dev/null 2>&1; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
-    else
-      echo "helm-lint: python3 with the venv module is needed (Debian: apt-get install python3-venv)" >&2
-      exit 1
-    fi
-  fi
-  rm -rf "$VENV"
-  python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q --disable-pip-version-check --ignore-requires-python \
-    "helm-sdkpy==$HELM_SDKPY_VERSION" "PyYAML==$PYYAML_VERSION"
-fi
+# shellcheck source=scripts/helm-venv.sh
+. scripts/helm-venv.sh
 
 echo "== helm-lint: building capyctl (to check the rendered documents)"
 cargo build -q -p capyctl
@@ -397,7 +379,7 @@ def check_objects(docs, values, case):
                 fail(f"{case}: the node agent gets CAPYCTL_OPERATOR_URL, which it does not use")
             for init in pod.get("initContainers", []):
                 caps = init.get("securityContext", {}).get("capabilities", {})
-                if caps.get("drop") != ["ALL"] or caps.get("add") != ["CHOWN"]:
+                if caps.get("drop") != ["ALL"] or caps.get("add") != ["CHOWN", "FOWNER"]:
                     fail(f"{case}: init container {init['name']} has capabilities {caps}")
             check_mounts(dict(pod, containers=pod.get("initContainers", [])), case, "node agent init")
 
@@ -487,8 +469,11 @@ def lint(values, case):
 # ------------------------------------------------------------------------------------------
 with open(os.path.join(CHART, "ci", "all-on-values.yaml")) as f:
     ALL_ON = yaml.safe_load(f) or {}
+with open(os.path.join(CHART, "values-local.yaml")) as f:
+    LOCAL = yaml.safe_load(f) or {}
 
-for case, values in (("default values", {}), ("ci/all-on-values.yaml", ALL_ON)):
+for case, values in (("default values", {}), ("ci/all-on-values.yaml", ALL_ON),
+                     ("values-local.yaml", LOCAL)):
     print(f"== {case}: render", flush=True)
     docs, err = render(values)
     if err:

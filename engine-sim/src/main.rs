@@ -35,5 +35,17 @@ async fn main() -> anyhow::Result<()> {
     let mut stdout = std::io::stdout();
     writeln!(stdout, "engine-sim listening on {addr}")?;
     stdout.flush()?;
-    serve(listener, config).await
+    // SIGTERM ends the simulator at once, as it ends the engines' servers. It must be handled:
+    // in an engine Pod the simulator is the container's PID 1, for which an unhandled SIGTERM is
+    // ignored, so every stop of an engine Pod waited out its whole grace period (30 s) before
+    // the kubelet's SIGKILL (found on the local cluster).
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("cannot watch SIGTERM")?;
+    tokio::select! {
+        served = serve(listener, config) => served,
+        _ = terminate.recv() => {
+            tracing::info!("SIGTERM: exiting");
+            Ok(())
+        }
+    }
 }

@@ -47,6 +47,22 @@ async fn exit_code(sim: &mut Sim) -> Option<i32> {
     status.code()
 }
 
+/// SIGTERM ends the simulator with exit code 0: handled, as the engines' servers handle it, not
+/// left to the default action (in an engine Pod the simulator is PID 1, for which an unhandled
+/// SIGTERM is ignored: every stop of an engine Pod waited out its grace period).
+#[tokio::test]
+async fn sigterm_ends_the_simulator_cleanly() {
+    let mut sim = spawn_binary(&vllm_args("Qwen3-4B"), ENV).await;
+    assert_eq!(sim.get("/health").await.0, StatusCode::OK);
+    let pid = sim.child().id().unwrap().to_string();
+    let kill = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    assert_eq!(exit_code(&mut sim).await, Some(0));
+}
+
 #[tokio::test]
 async fn vllm_binary_full_sleep_wake_cycles() {
     let env = [ENV, &[("VLLM_SERVER_DEV_MODE", "1")]].concat();

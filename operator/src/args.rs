@@ -122,6 +122,17 @@ impl Args {
         Ok(lease)
     }
 
+    /// Creates the data directory when missing: the leader's switch records go there even when
+    /// the admin token is a mounted file (the chart's case, where nothing else creates it).
+    fn prepare_data_dir(&self) -> Result<(), String> {
+        std::fs::create_dir_all(&self.data_dir).map_err(|e| {
+            format!(
+                "--data-dir (CAPYCTL_DATA_DIR) {}: cannot create it: {e}",
+                self.data_dir.display()
+            )
+        })
+    }
+
     /// Reads the documents and the tokens, finds the API server, and runs the operator
     /// ([`run`]) until SIGTERM or Ctrl-C; every error names what is wrong.
     pub async fn run(self) -> Result<(), String> {
@@ -146,6 +157,7 @@ impl Args {
         let tls = capyctl_router::tls::listen_config(server.listen.tls.as_ref())
             .map_err(|e| e.to_string())?;
         let agent_token = capyctl_node_agent::cli::agent_token()?;
+        self.prepare_data_dir()?;
         let admin_token = capyctl_server::management::load_or_create_token(
             server.admin_token_file.as_deref(),
             &self.data_dir,
@@ -228,5 +240,25 @@ mod tests {
             .unwrap_err();
         assert!(e.contains("CAPYCTL_LEASE_DURATION"), "{e}");
         assert!(e.contains("renew deadline"), "{e}");
+    }
+
+    /// The chart mounts the admin token, so nothing but this creates the data directory where
+    /// the leader opens its switch records (the operator exited at its first leadership, found
+    /// by the local cluster).
+    #[test]
+    fn the_data_directory_is_created_and_a_bad_one_is_named() {
+        let base = capyctl_test_support::temp_dir("operator-data-dir");
+        let dir = base.join("a").join("b");
+        let dir_arg = dir.to_string_lossy().into_owned();
+        args(&["--data-dir", &dir_arg]).prepare_data_dir().unwrap();
+        assert!(dir.is_dir());
+        let file = base.join("a-file");
+        std::fs::write(&file, "x").unwrap();
+        let under_file = file.join("d").to_string_lossy().into_owned();
+        let e = args(&["--data-dir", &under_file])
+            .prepare_data_dir()
+            .unwrap_err();
+        assert!(e.contains("CAPYCTL_DATA_DIR"), "{e}");
+        assert!(e.contains(&under_file), "{e}");
     }
 }
