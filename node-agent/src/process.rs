@@ -141,8 +141,13 @@ impl EngineGroup {
                 None => marked(self.pgid),
             }
         } else {
+            // A worker that set its process title over its environment (vLLM's
+            // `VLLM::EngineCore` and `VLLM::Worker` do) shows no variables at all: it is counted
+            // as the engine's when it started after the leader, like a marked one. (Linux does
+            // not reuse a pid while it is a live group's ID, so a member of this group that
+            // started after the leader joined it from the leader's session.)
             members.iter().all(|&pid| {
-                marked(pid)
+                (marked(pid) || environ_blank(pid))
                     && self
                         .leader_ticks
                         .is_none_or(|t| start_ticks(pid).is_some_and(|s| s >= t))
@@ -206,6 +211,12 @@ fn environ_has(pid: u32, key: &str, value: &str) -> bool {
     let wanted = format!("{key}={value}");
     std::fs::read(format!("/proc/{pid}/environ"))
         .is_ok_and(|raw| raw.split(|b| *b == 0).any(|v| v == wanted.as_bytes()))
+}
+
+/// Whether process `pid`'s `/proc/<pid>/environ` is readable and holds no `KEY=VALUE` at all:
+/// what a process that wrote its title over its environment shows (Python's `setproctitle`).
+fn environ_blank(pid: u32) -> bool {
+    std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|raw| !raw.contains(&b'='))
 }
 
 /// Polls `done` every 20 ms until it holds, for at most `bound`; true when it did.
@@ -655,6 +666,43 @@ mod tests {
             err.to_string().contains("given to engines already"),
             "{err}"
         );
+    }
+
+    /// vLLM's engine core and workers set their process titles over their environment, so
+    /// `/proc/<pid>/environ` shows nothing: once the engine (the group's leader) is gone, they
+    /// are still its group's, and stopping the group stops them (on a GPU they hold memory).
+    #[tokio::test]
+    async fn workers_whose_environment_is_blank_are_stopped_with_the_engines_group() {
+        use std::os::unix::process::CommandExt as _;
+        let instance = "blank-environ-0";
+        // The leader starts a worker with an empty environment (as a title rewrite leaves it)
+        // and exits, as a killed engine does.
+        let mut leader = std::process::Command::new("sh")
+            .args(["-c", "env -i sleep 60 & echo $!; sleep 0.5"])
+            .env(INSTANCE_ENV, instance)
+            .stdout(Stdio::piped())
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let pgid = leader.id();
+        let ticks = start_ticks(pgid);
+        let mut out = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(leader.stdout.take().unwrap()),
+            &mut out,
+        )
+        .unwrap();
+        let worker: u32 = out.trim().parse().unwrap();
+        leader.wait().unwrap();
+        assert!(wait_until(Duration::from_secs(5), || environ_blank(worker)).await);
+        let group = EngineGroup {
+            pgid,
+            leader_ticks: ticks,
+            instance: instance.to_string(),
+        };
+        assert_eq!(group.members(), Some(vec![worker]));
+        group.stop(Duration::from_secs(5)).await;
+        assert!(group.gone());
     }
 
     #[test]
