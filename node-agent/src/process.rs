@@ -142,15 +142,19 @@ impl EngineGroup {
             }
         } else {
             // A worker that set its process title over its environment (vLLM's
-            // `VLLM::EngineCore` and `VLLM::Worker` do) shows no variables at all: it is counted
-            // as the engine's when it started after the leader, like a marked one. (Linux does
-            // not reuse a pid while it is a live group's ID, so a member of this group that
-            // started after the leader joined it from the leader's session.)
-            members.iter().all(|&pid| {
-                (marked(pid) || environ_blank(pid))
-                    && self
-                        .leader_ticks
-                        .is_none_or(|t| start_ticks(pid).is_some_and(|s| s >= t))
+            // `VLLM::EngineCore` and `VLLM::Worker` do) no longer shows the instance's variable
+            // there: the title overwrote the start of the block. Once the leader is gone, a
+            // member that started after it and carries no instance variable at all counts as
+            // the engine's too (one marked for another instance never does). Linux does not
+            // reuse a pid while it is a live group's ID, so while a worker of this engine is
+            // alive, nobody else can have made a group of this ID; without the leader's start
+            // time, only marked members count.
+            members.iter().all(|&pid| match self.leader_ticks {
+                Some(t) => {
+                    (marked(pid) || environ_lacks(pid, INSTANCE_ENV))
+                        && start_ticks(pid).is_some_and(|s| s >= t)
+                }
+                None => marked(pid),
             })
         };
         ours.then_some(members)
@@ -213,10 +217,14 @@ fn environ_has(pid: u32, key: &str, value: &str) -> bool {
         .is_ok_and(|raw| raw.split(|b| *b == 0).any(|v| v == wanted.as_bytes()))
 }
 
-/// Whether process `pid`'s `/proc/<pid>/environ` is readable and holds no `KEY=VALUE` at all:
-/// what a process that wrote its title over its environment shows (Python's `setproctitle`).
-fn environ_blank(pid: u32) -> bool {
-    std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|raw| !raw.contains(&b'='))
+/// Whether process `pid`'s `/proc/<pid>/environ` is readable and has no `key=` entry at all
+/// (what a process whose title overwrote its environment shows; false when unreadable).
+fn environ_lacks(pid: u32, key: &str) -> bool {
+    let prefix = format!("{key}=");
+    std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|raw| {
+        !raw.split(|b| *b == 0)
+            .any(|v| v.starts_with(prefix.as_bytes()))
+    })
 }
 
 /// Polls `done` every 20 ms until it holds, for at most `bound`; true when it did.
@@ -669,10 +677,11 @@ mod tests {
     }
 
     /// vLLM's engine core and workers set their process titles over their environment, so
-    /// `/proc/<pid>/environ` shows nothing: once the engine (the group's leader) is gone, they
-    /// are still its group's, and stopping the group stops them (on a GPU they hold memory).
+    /// `/proc/<pid>/environ` no longer shows the instance's variable: once the engine (the
+    /// group's leader) is gone, they are still its group's, and stopping the group stops them
+    /// (on a GPU they hold memory).
     #[tokio::test]
-    async fn workers_whose_environment_is_blank_are_stopped_with_the_engines_group() {
+    async fn workers_without_the_instance_variable_are_stopped_with_the_engines_group() {
         use std::os::unix::process::CommandExt as _;
         let instance = "blank-environ-0";
         // The leader starts a worker with an empty environment (as a title rewrite leaves it)
@@ -694,7 +703,7 @@ mod tests {
         .unwrap();
         let worker: u32 = out.trim().parse().unwrap();
         leader.wait().unwrap();
-        assert!(wait_until(Duration::from_secs(5), || environ_blank(worker)).await);
+        assert!(environ_lacks(worker, INSTANCE_ENV));
         let group = EngineGroup {
             pgid,
             leader_ticks: ticks,
@@ -703,6 +712,41 @@ mod tests {
         assert_eq!(group.members(), Some(vec![worker]));
         group.stop(Duration::from_secs(5)).await;
         assert!(group.gone());
+    }
+
+    /// A member marked for another instance is never taken for this engine's.
+    #[test]
+    fn a_member_marked_for_another_instance_is_not_the_engines() {
+        use std::os::unix::process::CommandExt as _;
+        let mut leader = std::process::Command::new("sh")
+            .args([
+                "-c",
+                "env -i CAPYCTL_ENGINE_INSTANCE=other-0 sleep 60 & echo $!; sleep 0.5",
+            ])
+            .env(INSTANCE_ENV, "mine-0")
+            .stdout(Stdio::piped())
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let pgid = leader.id();
+        let ticks = start_ticks(pgid);
+        let mut out = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(leader.stdout.take().unwrap()),
+            &mut out,
+        )
+        .unwrap();
+        let other: u32 = out.trim().parse().unwrap();
+        leader.wait().unwrap();
+        let group = EngineGroup {
+            pgid,
+            leader_ticks: ticks,
+            instance: "mine-0".to_string(),
+        };
+        assert_eq!(group.members(), None);
+        let _ = std::process::Command::new("kill")
+            .args(["-KILL", &other.to_string()])
+            .status();
     }
 
     #[test]
