@@ -358,8 +358,21 @@ pub fn request(
     headers: &[(&str, &str)],
     body: &[u8],
 ) -> Response {
+    request_within(addr, method, path, headers, body, PATIENCE)
+}
+
+/// [`request`] with its own read timeout (a real engine's cold start takes longer than
+/// [`PATIENCE`] on a busy machine).
+pub fn request_within(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    timeout: Duration,
+) -> Response {
     let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    s.set_read_timeout(Some(timeout)).unwrap();
     let mut head = format!(
         "{method} {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\ncontent-length: {}\r\n",
         body.len()
@@ -375,7 +388,8 @@ pub fn request(
     parse(&raw)
 }
 
-fn parse(raw: &[u8]) -> Response {
+/// Reads a whole HTTP answer (head and body, de-chunked).
+pub fn parse(raw: &[u8]) -> Response {
     let split = raw
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
