@@ -676,25 +676,23 @@ mod tests {
         );
     }
 
-    /// vLLM's engine core and workers set their process titles over their environment, so
-    /// `/proc/<pid>/environ` no longer shows the instance's variable: once the engine (the
-    /// group's leader) is gone, they are still its group's, and stopping the group stops them
-    /// (on a GPU they hold memory).
-    #[tokio::test]
-    async fn workers_without_the_instance_variable_are_stopped_with_the_engines_group() {
+    /// An engine of `instance` (a process-group leader) that starts one worker with `worker`'s
+    /// environment (`env -i` and its assignments) and exits, as a killed engine does: the
+    /// engine's group and the worker's pid.
+    fn group_left_by_an_engine(instance: &str, worker: &str) -> (EngineGroup, u32) {
         use std::os::unix::process::CommandExt as _;
-        let instance = "blank-environ-0";
-        // The leader starts a worker with an empty environment (as a title rewrite leaves it)
-        // and exits, as a killed engine does.
         let mut leader = std::process::Command::new("sh")
-            .args(["-c", "env -i sleep 60 & echo $!; sleep 0.5"])
+            .args([
+                "-c",
+                &format!("env -i {worker} sleep 60 & echo $!; sleep 0.5"),
+            ])
             .env(INSTANCE_ENV, instance)
             .stdout(Stdio::piped())
             .process_group(0)
             .spawn()
             .unwrap();
         let pgid = leader.id();
-        let ticks = start_ticks(pgid);
+        let leader_ticks = start_ticks(pgid);
         let mut out = String::new();
         std::io::BufRead::read_line(
             &mut std::io::BufReader::new(leader.stdout.take().unwrap()),
@@ -703,12 +701,22 @@ mod tests {
         .unwrap();
         let worker: u32 = out.trim().parse().unwrap();
         leader.wait().unwrap();
-        assert!(environ_lacks(worker, INSTANCE_ENV));
         let group = EngineGroup {
             pgid,
-            leader_ticks: ticks,
+            leader_ticks,
             instance: instance.to_string(),
         };
+        (group, worker)
+    }
+
+    /// vLLM's engine core and workers set their process titles over their environment, so
+    /// `/proc/<pid>/environ` no longer shows the instance's variable: once the engine (the
+    /// group's leader) is gone, they are still its group's, and stopping the group stops them
+    /// (on a GPU they hold memory).
+    #[tokio::test]
+    async fn workers_without_the_instance_variable_are_stopped_with_the_engines_group() {
+        let (group, worker) = group_left_by_an_engine("blank-environ-0", "");
+        assert!(environ_lacks(worker, INSTANCE_ENV));
         assert_eq!(group.members(), Some(vec![worker]));
         group.stop(Duration::from_secs(5)).await;
         assert!(group.gone());
@@ -717,32 +725,7 @@ mod tests {
     /// A member marked for another instance is never taken for this engine's.
     #[test]
     fn a_member_marked_for_another_instance_is_not_the_engines() {
-        use std::os::unix::process::CommandExt as _;
-        let mut leader = std::process::Command::new("sh")
-            .args([
-                "-c",
-                "env -i CAPYCTL_ENGINE_INSTANCE=other-0 sleep 60 & echo $!; sleep 0.5",
-            ])
-            .env(INSTANCE_ENV, "mine-0")
-            .stdout(Stdio::piped())
-            .process_group(0)
-            .spawn()
-            .unwrap();
-        let pgid = leader.id();
-        let ticks = start_ticks(pgid);
-        let mut out = String::new();
-        std::io::BufRead::read_line(
-            &mut std::io::BufReader::new(leader.stdout.take().unwrap()),
-            &mut out,
-        )
-        .unwrap();
-        let other: u32 = out.trim().parse().unwrap();
-        leader.wait().unwrap();
-        let group = EngineGroup {
-            pgid,
-            leader_ticks: ticks,
-            instance: "mine-0".to_string(),
-        };
+        let (group, other) = group_left_by_an_engine("mine-0", &format!("{INSTANCE_ENV}=other-0"));
         assert_eq!(group.members(), None);
         let _ = std::process::Command::new("kill")
             .args(["-KILL", &other.to_string()])

@@ -155,14 +155,7 @@ fn document(env: &RealVllm, tag: &str, gpu: &str, deployments: &[String]) -> Str
          host:\n  id: cpu-box\n  gpus: [{{memory: {gpu}}}]\n  host_memory: 8GiB\n  resource_policy:\n    queue:\n      admission_window: 500ms\n      request_deadline: 600s\n{}",
         engines_block(env, tag)
     );
-    doc.push_str("deployments:\n");
-    for d in deployments {
-        for (i, line) in d.lines().enumerate() {
-            doc.push_str(if i == 0 { "  - " } else { "    " });
-            doc.push_str(line);
-            doc.push('\n');
-        }
-    }
+    support::push_deployments(&mut doc, deployments);
     doc
 }
 
