@@ -7,25 +7,54 @@ use capyctl_spec::EngineKind;
 use capyctl_spec::errors::{ApiError, WakeFailure};
 
 /// `; its output is in <log>` when the engine's log is known.
-/// The last line with text in the file at `path` (of its last 8 KiB, cut to 300 characters);
-/// `None` when it cannot be read or holds none.
-fn last_output_line(path: &str) -> Option<String> {
-    use std::io::{Read, Seek, SeekFrom};
-    let mut file = std::fs::File::open(path).ok()?;
-    let len = file.metadata().ok()?.len();
-    file.seek(SeekFrom::Start(len.saturating_sub(8192))).ok()?;
-    let mut tail = Vec::new();
-    file.read_to_end(&mut tail).ok()?;
-    let text = String::from_utf8_lossy(&tail);
-    let line = text.lines().rev().map(str::trim).find(|l| !l.is_empty())?;
-    Some(line.chars().take(300).collect())
-}
-
 fn log_hint(log: &Option<String>) -> String {
     match log {
         Some(log) => format!("; the engine's output is in {log}"),
         None => String::new(),
     }
+}
+
+/// How much of the end of an engine's log [`engine_error_line`] reads.
+const ERROR_LINE_TAIL: u64 = 64 * 1024;
+/// The longest error line quoted (in characters); a longer one is cut, marked with `…`.
+const ERROR_LINE_MAX: usize = 400;
+
+/// The engine's own error line in its log file `log` (the last [`ERROR_LINE_TAIL`] bytes): the
+/// last line that names an error (`error`, `exception`, case aside: vLLM's `vllm: error:
+/// unrecognized arguments: ...`, a Python traceback's `OSError: ...`), else the last line that
+/// is not empty; `None` when the file cannot be read (a Pod's log) or holds nothing.
+pub(crate) fn engine_error_line(log: &str) -> Option<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = std::fs::File::open(log).ok()?;
+    let len = file.metadata().ok()?.len();
+    file.seek(SeekFrom::Start(len.saturating_sub(ERROR_LINE_TAIL)))
+        .ok()?;
+    let mut tail = Vec::new();
+    file.take(ERROR_LINE_TAIL).read_to_end(&mut tail).ok()?;
+    let text = String::from_utf8_lossy(&tail);
+    let clean = |l: &str| -> String {
+        l.chars()
+            .filter(|c| !c.is_control())
+            .collect::<String>()
+            .trim()
+            .to_string()
+    };
+    let lines: Vec<String> = text.lines().map(clean).filter(|l| !l.is_empty()).collect();
+    let names_error = |l: &&String| {
+        let lower = l.to_ascii_lowercase();
+        lower.contains("error") || lower.contains("exception")
+    };
+    let line = lines
+        .iter()
+        .rev()
+        .find(names_error)
+        .or_else(|| lines.last())?;
+    Some(if line.chars().count() > ERROR_LINE_MAX {
+        let cut: String = line.chars().take(ERROR_LINE_MAX).collect();
+        format!("{cut}…")
+    } else {
+        line.clone()
+    })
 }
 
 /// Everything that can go wrong in the host agent. Engine errors name the engine, the step and
@@ -316,10 +345,10 @@ impl AgentError {
                 status,
                 log: None,
             } => {
-                // The engine's own word on why (an unknown flag: `vllm: error: unrecognized
-                // arguments: ...`), from the end of its output.
-                let status = match log.as_deref().and_then(last_output_line) {
-                    Some(line) => format!("{status}; its last output line: {line}"),
+                // An engine that exits while it starts said why in its log: its own line goes
+                // into the error (an unknown flag, a model that is not there, a port taken).
+                let status = match log.as_deref().and_then(engine_error_line) {
+                    Some(line) => format!("{status}; its last error: {line}"),
                     None => status,
                 };
                 AgentError::EngineExited {
@@ -346,5 +375,78 @@ impl AgentError {
             what: what.into(),
             source,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn log_with(name: &str, text: &str) -> String {
+        let dir = capyctl_test_support::temp_dir(&format!("error-line-{name}"));
+        let path = dir.join("engine.log");
+        std::fs::write(&path, text).unwrap_or_else(|e| panic!("{e}"));
+        path.display().to_string()
+    }
+
+    #[test]
+    fn an_engine_that_exits_while_starting_is_named_by_its_own_error_line() {
+        // What the real vLLM 0.32 prints for an unknown flag (its usage, then argparse's line).
+        let log = log_with(
+            "flag",
+            "INFO 12-06 11:55:01 [__init__.py:239] Automatically detected platform cpu.\n\
+             usage: vllm serve [model_tag] [options]\n\
+             vllm: error: unrecognized arguments: --no-such-flag\n\n",
+        );
+        let e = AgentError::EngineExited {
+            engine: EngineKind::Vllm,
+            instance: "i-0".into(),
+            status: "exit status: 2".into(),
+            log: None,
+        }
+        .not_ready(EngineKind::Vllm, "i-0", Some(log.clone()));
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "vllm engine of instance i-0 exited: exit status: 2; its last error: vllm: error: \
+                 unrecognized arguments: --no-such-flag; the engine's output is in {log}"
+            )
+        );
+        // A traceback: its last line, not a frame's.
+        let log = log_with(
+            "traceback",
+            "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n\
+             OSError: [Errno 98] Address already in use\n",
+        );
+        assert_eq!(
+            engine_error_line(&log).as_deref(),
+            Some("OSError: [Errno 98] Address already in use")
+        );
+        // No line naming an error: the last one; an unreadable log: nothing.
+        let log = log_with("plain", "starting\nKilled\n");
+        assert_eq!(engine_error_line(&log).as_deref(), Some("Killed"));
+        assert_eq!(engine_error_line("/nonexistent/capyctl/engine.log"), None);
+        let e = AgentError::EngineExited {
+            engine: EngineKind::Vllm,
+            instance: "i-0".into(),
+            status: "exit status: 1".into(),
+            log: None,
+        }
+        .not_ready(EngineKind::Vllm, "i-0", None);
+        assert_eq!(
+            e.to_string(),
+            "vllm engine of instance i-0 exited: exit status: 1"
+        );
+    }
+
+    #[test]
+    fn a_long_error_line_is_cut() {
+        let log = log_with("long", &format!("RuntimeError: {}\n", "x".repeat(1000)));
+        let line = engine_error_line(&log).unwrap_or_default();
+        assert_eq!(line.chars().count(), ERROR_LINE_MAX + 1);
+        assert!(
+            line.starts_with("RuntimeError: x") && line.ends_with('…'),
+            "{line}"
+        );
     }
 }

@@ -141,11 +141,20 @@ impl EngineGroup {
                 None => marked(self.pgid),
             }
         } else {
-            members.iter().all(|&pid| {
-                marked(pid)
-                    && self
-                        .leader_ticks
-                        .is_none_or(|t| start_ticks(pid).is_some_and(|s| s >= t))
+            // A worker that set its process title over its environment (vLLM's
+            // `VLLM::EngineCore` and `VLLM::Worker` do) no longer shows the instance's variable
+            // there: the title overwrote the start of the block. Once the leader is gone, a
+            // member that started after it and carries no instance variable at all counts as
+            // the engine's too (one marked for another instance never does). Linux does not
+            // reuse a pid while it is a live group's ID, so while a worker of this engine is
+            // alive, nobody else can have made a group of this ID; without the leader's start
+            // time, only marked members count.
+            members.iter().all(|&pid| match self.leader_ticks {
+                Some(t) => {
+                    (marked(pid) || environ_lacks(pid, INSTANCE_ENV))
+                        && start_ticks(pid).is_some_and(|s| s >= t)
+                }
+                None => marked(pid),
             })
         };
         ours.then_some(members)
@@ -206,6 +215,16 @@ fn environ_has(pid: u32, key: &str, value: &str) -> bool {
     let wanted = format!("{key}={value}");
     std::fs::read(format!("/proc/{pid}/environ"))
         .is_ok_and(|raw| raw.split(|b| *b == 0).any(|v| v == wanted.as_bytes()))
+}
+
+/// Whether process `pid`'s `/proc/<pid>/environ` is readable and has no `key=` entry at all
+/// (what a process whose title overwrote its environment shows; false when unreadable).
+fn environ_lacks(pid: u32, key: &str) -> bool {
+    let prefix = format!("{key}=");
+    std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|raw| {
+        !raw.split(|b| *b == 0)
+            .any(|v| v.starts_with(prefix.as_bytes()))
+    })
 }
 
 /// Polls `done` every 20 ms until it holds, for at most `bound`; true when it did.
@@ -655,6 +674,62 @@ mod tests {
             err.to_string().contains("given to engines already"),
             "{err}"
         );
+    }
+
+    /// An engine of `instance` (a process-group leader) that starts one worker with `worker`'s
+    /// environment (`env -i` and its assignments) and exits, as a killed engine does: the
+    /// engine's group and the worker's pid.
+    fn group_left_by_an_engine(instance: &str, worker: &str) -> (EngineGroup, u32) {
+        use std::os::unix::process::CommandExt as _;
+        let mut leader = std::process::Command::new("sh")
+            .args([
+                "-c",
+                &format!("env -i {worker} sleep 60 & echo $!; sleep 0.5"),
+            ])
+            .env(INSTANCE_ENV, instance)
+            .stdout(Stdio::piped())
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let pgid = leader.id();
+        let leader_ticks = start_ticks(pgid);
+        let mut out = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(leader.stdout.take().unwrap()),
+            &mut out,
+        )
+        .unwrap();
+        let worker: u32 = out.trim().parse().unwrap();
+        leader.wait().unwrap();
+        let group = EngineGroup {
+            pgid,
+            leader_ticks,
+            instance: instance.to_string(),
+        };
+        (group, worker)
+    }
+
+    /// vLLM's engine core and workers set their process titles over their environment, so
+    /// `/proc/<pid>/environ` no longer shows the instance's variable: once the engine (the
+    /// group's leader) is gone, they are still its group's, and stopping the group stops them
+    /// (on a GPU they hold memory).
+    #[tokio::test]
+    async fn workers_without_the_instance_variable_are_stopped_with_the_engines_group() {
+        let (group, worker) = group_left_by_an_engine("blank-environ-0", "");
+        assert!(environ_lacks(worker, INSTANCE_ENV));
+        assert_eq!(group.members(), Some(vec![worker]));
+        group.stop(Duration::from_secs(5)).await;
+        assert!(group.gone());
+    }
+
+    /// A member marked for another instance is never taken for this engine's.
+    #[test]
+    fn a_member_marked_for_another_instance_is_not_the_engines() {
+        let (group, other) = group_left_by_an_engine("mine-0", &format!("{INSTANCE_ENV}=other-0"));
+        assert_eq!(group.members(), None);
+        let _ = std::process::Command::new("kill")
+            .args(["-KILL", &other.to_string()])
+            .status();
     }
 
     #[test]

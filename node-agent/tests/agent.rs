@@ -165,11 +165,12 @@ async fn a_failed_start_names_the_engines_log() {
         text.contains("exit status: 70") && text.contains(&log.display().to_string()),
         "{text}"
     );
-    // The log holds why, and the error says its last line.
+    // The log holds why, and the error quotes it.
     let output = std::fs::read_to_string(&log).unwrap();
     assert!(output.contains("simulated crash"), "{output}");
+    // The last line that names an error: engine-sim's own ERROR log line of the crash.
     assert!(
-        text.contains("its last output line: engine-sim: simulated crash"),
+        text.contains("its last error: ") && text.contains("engine-sim crashing (simulated)"),
         "{text}"
     );
 
@@ -182,7 +183,7 @@ async fn a_failed_start_names_the_engines_log() {
     assert!(
         text.contains("exit status: 2")
             && text.contains(
-                "its last output line: vllm: error: unrecognized arguments: --no-such-flag 3"
+                "its last error: vllm: error: unrecognized arguments: --no-such-flag 3"
             ),
         "{text}"
     );

@@ -42,17 +42,24 @@ pub fn document(host_extra: &str, server_extra: &str, deployments: &[&str]) -> S
          host:\n  id: gpu-box\n  gpus: [{{memory: 10GiB}}]\n  host_memory: 1GiB\n  resource_policy:\n    queue:\n      admission_window: 100ms\n{host_extra}\
          \x20 engines:\n    vllm: {{command: [\"{bin}\"]}}\n    sglang: {{command: [\"{bin}\", \"--engine\", \"sglang\"]}}\n    tensorfold: {{command: [\"{bin}\", \"--engine\", \"tensorfold\"]}}\n"
     );
-    if !deployments.is_empty() {
-        doc.push_str("deployments:\n");
-        for d in deployments {
-            for (i, line) in d.lines().enumerate() {
-                doc.push_str(if i == 0 { "  - " } else { "    " });
-                doc.push_str(line);
-                doc.push('\n');
-            }
+    push_deployments(&mut doc, deployments);
+    doc
+}
+
+/// Appends `deployments:` with each deployment document as an item of the list (nothing when
+/// there are none).
+pub fn push_deployments(doc: &mut String, deployments: &[impl AsRef<str>]) {
+    if deployments.is_empty() {
+        return;
+    }
+    doc.push_str("deployments:\n");
+    for d in deployments {
+        for (i, line) in d.as_ref().lines().enumerate() {
+            doc.push_str(if i == 0 { "  - " } else { "    " });
+            doc.push_str(line);
+            doc.push('\n');
         }
     }
-    doc
 }
 
 /// A deployment document for the simulator: 6 GiB of GPU, 64 MiB of weights (two do not fit
@@ -358,8 +365,21 @@ pub fn request(
     headers: &[(&str, &str)],
     body: &[u8],
 ) -> Response {
+    request_within(addr, method, path, headers, body, PATIENCE)
+}
+
+/// [`request`] with its own read timeout (a real engine's cold start takes longer than
+/// [`PATIENCE`] on a busy machine).
+pub fn request_within(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    timeout: Duration,
+) -> Response {
     let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    s.set_read_timeout(Some(timeout)).unwrap();
     let mut head = format!(
         "{method} {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\ncontent-length: {}\r\n",
         body.len()
@@ -375,7 +395,8 @@ pub fn request(
     parse(&raw)
 }
 
-fn parse(raw: &[u8]) -> Response {
+/// Reads a whole HTTP answer (head and body, de-chunked).
+pub fn parse(raw: &[u8]) -> Response {
     let split = raw
         .windows(4)
         .position(|w| w == b"\r\n\r\n")

