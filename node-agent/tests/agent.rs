@@ -182,9 +182,8 @@ async fn a_failed_start_names_the_engines_log() {
     let text = err.to_string();
     assert!(
         text.contains("exit status: 2")
-            && text.contains(
-                "its last error: vllm: error: unrecognized arguments: --no-such-flag 3"
-            ),
+            && text
+                .contains("its last error: vllm: error: unrecognized arguments: --no-such-flag 3"),
         "{text}"
     );
 

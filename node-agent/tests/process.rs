@@ -171,7 +171,12 @@ async fn recovery_stops_the_workers_of_a_dead_engine() {
     let recovery = second.recover(|_| async { true }, GRACE).await.unwrap();
     assert_eq!(recovery.gone.len(), 1, "{recovery:?}");
     assert!(recovery.adopted.is_empty() && recovery.stopped.is_empty());
-    assert!(!alive(worker));
+    // Killed by the recovery; gone once init has reaped it (its parent, the leader, is dead),
+    // which takes a moment on a busy machine (a full run under load failed an at-once check).
+    assert!(
+        gone_within(worker, Duration::from_secs(10)).await,
+        "worker {worker} still runs"
+    );
     assert!(second.records().unwrap().is_empty());
     let _ = std::fs::remove_dir_all(dir);
 }
