@@ -18,9 +18,14 @@
 # which needs PyPI); capyctl built with NVML (CAPYCTL_BIN; else target/release/capyctl when it
 # was built with `--features nvml`; else it is built with cargo).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-ROOT=$(pwd)
+SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
+cd "$(dirname "$SELF")/.."
 TOTAL_S=${TOTAL_S:-470}
+# The whole run is bounded: the script runs again under `timeout`, which ends it (and the trap
+# below stops CapyCTL and its engine) past TOTAL_S.
+if [[ -z "${CAPYCTL_GPU_E2E_BOUNDED:-}" ]]; then
+  CAPYCTL_GPU_E2E_BOUNDED=1 exec timeout --signal=TERM --kill-after=30 "$TOTAL_S" "$SELF" "$@"
+fi
 START_S=$(date +%s)
 log() { echo "gpu-e2e [$(($(date +%s) - START_S))s]: $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -60,7 +65,7 @@ if [[ -z "$BIN" ]]; then
   fi
 fi
 
-# --- the model: about 1.2 B parameters in bf16 (2.4 GB of weights), so parks move memory ---
+# --- the model: about 1.0 B parameters in bf16 (2 GB of weights), so parks move memory ---
 WORK=$(mktemp -d /tmp/capyctl-gpu-e2e.XXXXXX)
 MODEL=$WORK/model
 log "writing the model in $MODEL"
@@ -91,9 +96,10 @@ USED_BEFORE=$(gpu_used_mib)
 CAPYCTL_PID=$!
 cleanup() {
   kill -TERM "$CAPYCTL_PID" 2>/dev/null || true
-  for _ in $(seq 1 60); do kill -0 "$CAPYCTL_PID" 2>/dev/null || break; sleep 1; done
+  for _ in $(seq 1 25); do kill -0 "$CAPYCTL_PID" 2>/dev/null || break; sleep 1; done
   kill -KILL "$CAPYCTL_PID" 2>/dev/null || true
-  pkill -f "$MODEL" 2>/dev/null || true
+  pkill -f -- "serve $MODEL" 2>/dev/null || true
+  rm -rf "$WORK"
 }
 trap cleanup EXIT
 for _ in $(seq 1 60); do
@@ -101,7 +107,10 @@ for _ in $(seq 1 60); do
   kill -0 "$CAPYCTL_PID" 2>/dev/null || { cat "$WORK/capyctl.log" >&2; die "capyctl exited"; }
   sleep 1
 done
-CLI=("$BIN" --server "http://127.0.0.1:$MGMT" --token "$(cat "$DATA/admin-token")")
+# The token goes by the environment, not the command line (which `ps` shows).
+CAPYCTL_ADMIN_TOKEN=$(cat "$DATA/admin-token")
+export CAPYCTL_ADMIN_TOKEN
+CLI=("$BIN" --server "http://127.0.0.1:$MGMT")
 
 # Time to the first streamed token of a chat request, in seconds (prints "SECONDS TEXT").
 first_token() {
@@ -124,7 +133,8 @@ PY
 }
 
 log "cold start (a first request)"
-COLD=$(first_token "$(left)") || die "the first request failed: $(tail -n 20 "$WORK/capyctl.log")"
+COLD=$(first_token "$(left)") || true
+[[ -n "$COLD" ]] || die "the first request gave no token: $(tail -n 20 "$WORK/capyctl.log")"
 USED_READY=$(gpu_used_mib)
 
 log "park"
@@ -137,7 +147,8 @@ done
 USED_PARKED=$(gpu_used_mib)
 
 log "wake (a request to the parked model)"
-WAKE_TTFT=$(first_token 120) || die "the request to the parked model failed"
+WAKE_TTFT=$(first_token 120) || true
+[[ -n "$WAKE_TTFT" ]] || die "the request to the parked model gave no token"
 USED_WOKEN=$(gpu_used_mib)
 
 ENGINE_LOG=$(ls "$DATA"/engines/*.log | head -n1)

