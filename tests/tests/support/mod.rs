@@ -322,10 +322,7 @@ impl Capy {
 pub const EXIT_BOUND: Duration = Duration::from_secs(120);
 
 /// Waits up to `bound` for `child` to exit; SIGKILL (and its end reaped) past it, `None` then.
-pub fn wait_bounded(
-    child: &mut Child,
-    bound: Duration,
-) -> Option<std::process::ExitStatus> {
+pub fn wait_bounded(child: &mut Child, bound: Duration) -> Option<std::process::ExitStatus> {
     let deadline = Instant::now() + bound;
     loop {
         match child.try_wait() {
