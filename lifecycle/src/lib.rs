@@ -369,9 +369,10 @@ pub struct Server {
     store: Arc<dyn Store>,
     /// The owner of all state: its one writer (see `owner.rs`).
     owner: owner::Owner,
-    /// The idle timers are running (a tick while they run does nothing).
+    /// The idle timers are running (a tick while they run does nothing); cleared by the
+    /// run's [`Running`] however it ends.
     timers_running: Arc<AtomicBool>,
-    /// A scaler's run is under way (`Server::scale_run`).
+    /// A scaler's run is under way (`Server::scale_run`); cleared as `timers_running` is.
     scaling: Arc<AtomicBool>,
     /// Per deployment, since when its load has allowed one fewer instance (the scaler's).
     below_since: Mutex<HashMap<String, Instant>>,
@@ -3371,28 +3372,49 @@ impl owner::Ticks for Server {
             return;
         }
         self.scale_soon();
-        if self.timers_running.swap(true, Ordering::SeqCst) {
+        let Some(running) = Running::begin(&self.timers_running) else {
             return;
-        }
+        };
         self.spawn(|me| {
             Box::pin(async move {
+                let _running = running;
                 me.idle_timers().await;
-                me.timers_running.store(false, Ordering::SeqCst);
             })
         });
+    }
+}
+
+/// A background run under way (the idle timers', the scaler's): its flag is set while this
+/// lives and cleared when it is dropped, however the run ends. A run that panics (a rule, a
+/// host agent) is dropped by its task like one that returns, so the next tick runs again.
+struct Running(Arc<AtomicBool>);
+
+impl Running {
+    /// Sets `flag`; `None` when it was set already (a run is under way).
+    fn begin(flag: &Arc<AtomicBool>) -> Option<Running> {
+        (!flag.swap(true, Ordering::SeqCst)).then(|| Running(Arc::clone(flag)))
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
     }
 }
 
 impl Server {
     /// Runs the scaler in a task of its own, unless a run is under way.
     fn scale_soon(&self) {
-        if self.router().is_none() || self.scaling.swap(true, Ordering::SeqCst) {
+        if self.router().is_none() {
             return;
         }
+        let Some(running) = Running::begin(&self.scaling) else {
+            return;
+        };
         self.spawn(|me| {
             Box::pin(async move {
+                let _running = running;
                 me.scale_run().await;
-                me.scaling.store(false, Ordering::SeqCst);
             })
         });
     }
