@@ -38,6 +38,7 @@ mod state;
 pub mod store;
 pub mod switches;
 mod views;
+mod writer;
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
@@ -75,7 +76,7 @@ use tracing::Instrument;
 
 use crate::api::ManagementApi;
 use crate::metrics::Metrics;
-use crate::store::{Changes, DeploymentRecord, Store, StoreError};
+use crate::store::{DeploymentRecord, Store, StoreError};
 use crate::switches::{Recording, SwitchLog, Target, victim_entry};
 use state::{Dep, Host, Hosts, StartNext, State, Up, dep_of_unit, unit_instance, unit_of_key};
 
@@ -378,8 +379,8 @@ pub struct Server {
     below_since: Mutex<HashMap<String, Instant>>,
     /// The task forwarding each host's engine exits (replaced with its agent).
     host_exits: Mutex<HashMap<String, tokio::task::AbortHandle>>,
-    /// Serialises saves (snapshot and write in order).
-    persist: Mutex<()>,
+    /// Serialises the commits (`writer.rs`); taken on the blocking pool, or by `close`.
+    persist: Arc<Mutex<()>>,
     /// The router, once attached; taken by `close`.
     router: Mutex<Option<CoordinatorHandle>>,
     /// Bumped after every turn of the owner (waiters of `--wait` and tests watch it).
@@ -474,33 +475,36 @@ impl Server {
         let changes = Arc::new(watch::channel(0).0);
         let (closed, _) = watch::channel(false);
         let (exits_tx, exits_rx) = mpsc::channel(256);
-        let server = Arc::new_cyclic(|me: &Weak<Server>| Server {
-            owner: owner::Owner::spawn(
+        let server = Arc::new_cyclic(|me: &Weak<Server>| {
+            let owner = owner::Owner::spawn(
                 inner,
                 Arc::clone(&changes),
                 exits_rx,
                 config.timer_tick,
                 me.clone(),
                 closed.subscribe(),
-            ),
-            timers_running: Arc::new(AtomicBool::new(false)),
-            scaling: Arc::new(AtomicBool::new(false)),
-            below_since: Mutex::new(HashMap::new()),
-            config,
-            exits_tx,
-            store,
-            host_exits: Mutex::new(HashMap::new()),
-            persist: Mutex::new(()),
-            router: Mutex::new(None),
-            names: NameCache::new(changes.subscribe()),
-            changes,
-            closed,
-            ready: AtomicBool::new(false),
-            hosts_fixed: AtomicBool::new(false),
-            next_id: AtomicU64::new(1),
-            switches,
-            planned: Mutex::new(HashMap::new()),
-            me: me.clone(),
+            );
+            Server {
+                owner,
+                timers_running: Arc::new(AtomicBool::new(false)),
+                scaling: Arc::new(AtomicBool::new(false)),
+                below_since: Mutex::new(HashMap::new()),
+                config,
+                exits_tx,
+                store,
+                host_exits: Mutex::new(HashMap::new()),
+                persist: Arc::new(Mutex::new(())),
+                router: Mutex::new(None),
+                names: NameCache::new(changes.subscribe()),
+                changes,
+                closed,
+                ready: AtomicBool::new(false),
+                hosts_fixed: AtomicBool::new(false),
+                next_id: AtomicU64::new(1),
+                switches,
+                planned: Mutex::new(HashMap::new()),
+                me: me.clone(),
+            }
         });
         for host in hosts {
             server.add_host(host).await?;
@@ -605,7 +609,7 @@ impl Server {
             agent.subscribe_health(),
         );
         self.host_exits_of().insert(host_id.clone(), exits);
-        self.flush_due();
+        self.flush_due().await;
         for key in lost {
             self.announce_gone(key).await;
         }
@@ -799,7 +803,12 @@ impl Server {
     /// stop them through the host agent for a clean shutdown); writes what is not written yet
     /// (a batch of deploys cut short) and closes the store: nothing is written after it.
     pub fn close(&self) {
-        self.flush_due();
+        if self.read(|inner| inner.dirty.any()) {
+            // On the caller's thread: the last commit, after any still running.
+            let _order = self.persist.lock().unwrap_or_else(PoisonError::into_inner);
+            let saved = writer::commit(self.store.as_ref(), &self.owner.shared());
+            self.log_failed(saved.map_err(|e| self.save_failed(&e)));
+        }
         // The switch records changed so far are on disk (a switch still running is read back
         // as interrupted).
         self.switches.flush();
@@ -1048,9 +1057,9 @@ impl Server {
     /// Saves the records changed and not written yet (`State::dirty`), if any: those a
     /// change marked for a later save (a pending start taken, an adoption, a batch of
     /// deploys).
-    fn flush_due(&self) {
+    async fn flush_due(&self) {
         if self.read(|inner| inner.dirty.any()) {
-            self.log_failed(self.save());
+            self.log_failed(self.save().await);
         }
     }
 
@@ -1059,10 +1068,10 @@ impl Server {
     /// which is logged and must not undo what was decided (the next save writes it again).
     /// `id` may be an instance's unit: its deployment's record is the one stored (instance 0's;
     /// the others' copies are never written over it).
-    fn save_logged(&self, id: &str) {
+    async fn save_logged(&self, id: &str) {
         let id = dep_of_unit(id).to_string();
         self.read(|inner| inner.dirty.give_back(BTreeSet::from([id])));
-        self.log_failed(self.save());
+        self.log_failed(self.save().await);
     }
 
     fn log_failed(&self, saved: Result<(), ApiError>) {
@@ -1072,32 +1081,29 @@ impl Server {
     }
 
     /// Writes every record in `State::dirty` (and removes the deleted ones) in one transaction,
-    /// under the persist lock: saves land in order, each with the records as they are when it
-    /// takes them, and a save whose records the one before it took (group commit) finds
-    /// nothing left to write once that one has written them. A failed write gives its records
-    /// back to `dirty`, for the next save.
-    fn save(&self) -> Result<(), ApiError> {
-        let _order = self.persist.lock().unwrap_or_else(PoisonError::into_inner);
-        let (ids, changes) = {
-            let inner = self.owner.state();
-            let ids = inner.dirty.take();
-            let mut changes = Changes::default();
-            for id in &ids {
-                match inner.deps.get(id) {
-                    Some(d) => changes.put.push(d.rec.clone()),
-                    None => changes.remove.push(id.clone()),
-                }
-            }
-            (ids, changes)
-        };
-        if changes.is_empty() {
-            return Ok(());
-        }
-        self.store.write(&changes).map_err(|e| {
-            self.read(|inner| inner.dirty.give_back(ids));
-            tracing::error!(error = %e, "saving the state failed");
-            internal(format!("saving the state: {e}"))
+    /// on Tokio's blocking pool under the persist lock (`writer.rs`: no worker waits for the
+    /// disk): saves land in order, each with the records as they are when its commit takes
+    /// them, and one that returns `Ok` has every change made before it committed. Saves that
+    /// meet while one commits are written by the next (group commit). A failed write gives its
+    /// records back to `dirty`, for the next save.
+    async fn save(&self) -> Result<(), ApiError> {
+        let (order, store, state) = (
+            Arc::clone(&self.persist),
+            Arc::clone(&self.store),
+            self.owner.shared(),
+        );
+        let committed = tokio::task::spawn_blocking(move || {
+            let _order = order.lock().unwrap_or_else(PoisonError::into_inner);
+            writer::commit(store.as_ref(), &state)
         })
+        .await
+        .unwrap_or_else(|e| Err(format!("the commit did not run: {e}")));
+        committed.map_err(|e| self.save_failed(&e))
+    }
+
+    fn save_failed(&self, e: &str) -> ApiError {
+        tracing::error!(error = %e, "saving the state failed");
+        internal(format!("saving the state: {e}"))
     }
 
     fn find(&self, name_or_id: &str) -> Result<String, ApiError> {
@@ -1172,7 +1178,7 @@ impl Server {
         };
         if up == Up::Start {
             // The generation is part of the record.
-            self.save_logged(id);
+            self.save_logged(id).await;
         }
         let began = Instant::now();
         let (woken_from, host) = self.read(|inner| {
@@ -1277,6 +1283,15 @@ impl Server {
             Ok(Some(s)) => Some(engine_addr(&s.base_url)),
             _ => None,
         };
+        // A start's first answer is committed before the router hears of the instance: once
+        // a request was served by it, the record has it (the commit runs off the runtime, so
+        // anything after the announce may come after the request's answer).
+        if let Ok(Some(started)) = &outcome {
+            let (target, first) = (id.to_string(), started.first_answer.clone());
+            self.write(move |inner| inner.answered_first(&target, first))
+                .await;
+            self.save_logged(id).await;
+        }
         // The router hears of a ready instance before anyone can see it ready (status, `start
         // --wait`): a client that saw `ready` and asks at once finds the router routing to it.
         let announced = match &outcome {
@@ -1311,7 +1326,6 @@ impl Server {
                 pid: s.pid,
                 max_running: s.max_running,
                 measurement: s.measurement,
-                first_answer: s.first_answer.clone(),
             })),
             Err(e) => state::UpDone::Failed {
                 error: e.clone(),
@@ -1324,11 +1338,10 @@ impl Server {
         let ready = self
             .write(move |inner| inner.up_done(&target, up, done, Instant::now()))
             .await;
-        // A start records its generation and first answer; a pending start taken is saved
-        // whatever came of it.
-        let due = self.read(|inner| inner.dirty.has(id));
-        if up == Up::Start || due {
-            self.save_logged(id);
+        // A start's generation was saved as it began, its first answer before the announce; a
+        // pending start taken is saved whatever came of it.
+        if self.read(|inner| inner.dirty.has(id)) {
+            self.save_logged(id).await;
         }
         match ready {
             Some(Ok((key, Some(addr)))) => {
@@ -2244,7 +2257,7 @@ impl Server {
     async fn do_deploy(&self, doc: DeploymentDoc) -> Result<DeployReceipt, ApiError> {
         let (id, outcome) = self.deploy_unsaved(doc).await?;
         if outcome != DeployOutcome::Unchanged {
-            self.save_logged(&id);
+            self.save_logged(&id).await;
         }
         Ok(DeployReceipt {
             outcome,
@@ -2265,11 +2278,11 @@ impl Server {
             }
             let name = doc.name.clone();
             if let Err(e) = self.deploy_unsaved(doc).await {
-                self.flush_due();
+                self.flush_due().await;
                 return Err((name, e));
             }
         }
-        self.flush_due();
+        self.flush_due().await;
         Ok(())
     }
 
@@ -2383,7 +2396,7 @@ impl Server {
                 inner.start(id, wait, evict, Instant::now())
             })
             .await?;
-        self.save_logged(&id);
+        self.save_logged(&id).await;
         let mut receipt_victims = Vec::new();
         let mut switch_id = None;
         match next {
@@ -2417,7 +2430,7 @@ impl Server {
                         })
                         .await;
                     if pending.is_some() {
-                        self.save_logged(&id);
+                        self.save_logged(&id).await;
                     }
                 }
                 OperatorStart::Switched {
@@ -2599,7 +2612,7 @@ impl Server {
             Ok::<_, ApiError>(())
         })
         .await?;
-        self.save_logged(id);
+        self.save_logged(id).await;
         if let Some(r) = self.router() {
             r.deployment_refused(id.to_string(), refusal.clone()).await;
         }
@@ -3109,7 +3122,7 @@ impl Server {
         if down.is_none() {
             return self.receipt("park", &id);
         }
-        self.save_logged(&id);
+        self.save_logged(&id).await;
         let receipt = self.receipt("park", &id)?;
         let target = id.clone();
         self.spawn(move |me| {
@@ -3154,7 +3167,7 @@ impl Server {
         .await;
         result?;
         self.config.metrics.forget_deployment(&id);
-        self.save_logged(&id);
+        self.save_logged(&id).await;
         Ok(view)
     }
 
@@ -3203,7 +3216,7 @@ impl Server {
         }) else {
             return;
         };
-        self.save_logged(id);
+        self.save_logged(id).await;
         let started = match self.agent_of(id) {
             Ok(agent) => match self
                 .unless_ended(id, agent.as_ref(), &iid, agent.start(&iid, &spec))
@@ -3248,7 +3261,7 @@ impl Server {
                     }
                 })
                 .await;
-                self.save_logged(id);
+                self.save_logged(id).await;
                 // Parked, or stopped when its copy finds no room.
                 if let Err(e) = self.put_away(id, Put::Park, NoRoom::Stop).await {
                     tracing::warn!(deployment = %id, error = %e, "preinitialize: parking failed");

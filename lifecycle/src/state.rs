@@ -1825,7 +1825,6 @@ pub(crate) struct Started {
     pub(crate) pid: u32,
     pub(crate) max_running: MaxRunning,
     pub(crate) measurement: Measurement,
-    pub(crate) first_answer: capyctl_node_agent::verify::FirstAnswer,
 }
 
 /// How a start or a wake ended ([`State::up_done`]).
@@ -1843,6 +1842,18 @@ pub(crate) enum UpDone {
 
 /// Bring-ups.
 impl State {
+    /// Started `id`'s engine gave its first answer (the reference its wakes are checked
+    /// against): recorded before the instance is announced (the caller saves it then).
+    pub(crate) fn answered_first(
+        &mut self,
+        id: &str,
+        first: capyctl_node_agent::verify::FirstAnswer,
+    ) {
+        if let Some(d) = self.deps.get_mut(id) {
+            d.rec.first_answer = Some(first);
+        }
+    }
+
     /// Writes how the start or wake of `id` (`up`, begun by [`State::begin_up`]) ended:
     /// `ready`, or `failed` with the error (`stopped` when it was ended and its engine
     /// stopped). The key to announce, with the address, when ready; `Err(key)` to tell the
@@ -1866,7 +1877,6 @@ impl State {
                     if !s.measurement.awaiting() {
                         d.measurement = s.measurement;
                     }
-                    d.rec.first_answer = Some(s.first_answer);
                 }
                 d.state = InstanceState::Ready;
                 d.tier = None;
