@@ -360,6 +360,33 @@ struct Planned {
     victims: Vec<(String, String)>,
 }
 
+/// Deployment documents measured and checked against the hosts ([`Server::check_all`]), not
+/// deployed yet ([`Server::deploy_checked`]).
+#[derive(Debug, Default)]
+pub struct Checked(Vec<CheckedDoc>);
+
+impl Checked {
+    /// How many documents it holds.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// It holds none.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// One checked document: its deployment's ID (new or existing), its measurement.
+#[derive(Debug)]
+struct CheckedDoc {
+    doc: DeploymentDoc,
+    id: String,
+    measured: Option<Measurement>,
+    /// The same document is deployed already: nothing to do.
+    unchanged: bool,
+}
+
 /// The server's lifecycle and placement on one host. Shared as `Arc<Server>`.
 pub struct Server {
     /// Read-only.
@@ -2267,9 +2294,19 @@ impl Server {
 
     /// Deploys `docs` in order, each as [`ManagementApi::deploy`] does, and writes the records
     /// they change in one transaction at the end: a whole document (standalone) is one write.
-    /// The first refusal ends it, `Err` with the refused deployment's name; those before it
-    /// stay deployed (and are written).
+    /// The whole document is checked first ([`Server::check_all`]): a refusal changes
+    /// nothing, `Err` with the refused deployment's name.
     pub async fn deploy_all(&self, docs: Vec<DeploymentDoc>) -> Result<(), (String, ApiError)> {
+        let checked = self.check_all(docs).await?;
+        self.deploy_checked(checked).await;
+        Ok(())
+    }
+
+    /// Measures each of `docs` and checks it against the hosts, as a deploy does before it
+    /// changes anything, and changes nothing: the first refusal, with the refused deployment's
+    /// name. What it answers is deployed by [`Server::deploy_checked`] without measuring again.
+    pub async fn check_all(&self, docs: Vec<DeploymentDoc>) -> Result<Checked, (String, ApiError)> {
+        let mut checked = Vec::with_capacity(docs.len());
         for (i, doc) in docs.into_iter().enumerate() {
             if i % 256 == 255 {
                 // Unchanged ones await nothing: a caller's other branches (a signal) get
@@ -2277,13 +2314,21 @@ impl Server {
                 tokio::task::yield_now().await;
             }
             let name = doc.name.clone();
-            if let Err(e) = self.deploy_unsaved(doc).await {
-                self.flush_due().await;
-                return Err((name, e));
+            checked.push(self.check(doc).await.map_err(|e| (name, e))?);
+        }
+        Ok(Checked(checked))
+    }
+
+    /// Deploys what [`Server::check_all`] checked, in order, and writes the records they change
+    /// in one transaction.
+    pub async fn deploy_checked(&self, checked: Checked) {
+        for (i, one) in checked.0.into_iter().enumerate() {
+            if i % 256 == 255 {
+                tokio::task::yield_now().await;
             }
+            self.apply_deploy(one).await;
         }
         self.flush_due().await;
-        Ok(())
     }
 
     /// [`Server::do_deploy`] but the write: a changed record is left in `State::dirty` for the
@@ -2292,13 +2337,27 @@ impl Server {
         &self,
         doc: DeploymentDoc,
     ) -> Result<(String, DeployOutcome), ApiError> {
+        let one = self.check(doc).await?;
+        Ok(self.apply_deploy(one).await)
+    }
+
+    /// The part of a deploy that changes nothing: measured and checked against the hosts (a
+    /// document no host can ever place, where no other host can join, is refused).
+    async fn check(&self, doc: DeploymentDoc) -> Result<CheckedDoc, ApiError> {
         let existing = self.read(|inner| {
             inner
                 .by_name(&doc.name)
                 .map(|d| (d.rec.id.clone(), d.rec.doc == doc))
         });
         let id = match existing {
-            Some((id, true)) => return Ok((id, DeployOutcome::Unchanged)),
+            Some((id, true)) => {
+                return Ok(CheckedDoc {
+                    doc,
+                    id,
+                    measured: None,
+                    unchanged: true,
+                });
+            }
             Some((id, false)) => id,
             None => ulid::Ulid::new().to_string(),
         };
@@ -2311,43 +2370,61 @@ impl Server {
         if self.hosts_fixed.load(Ordering::Relaxed) {
             self.read(|inner| Self::some_host_fits(inner, &doc.name, &spec, measured.as_ref()))?;
         }
-        let (id, outcome) = self
-            .write(move |inner| {
-                let known = inner.by_name.get(&doc.name).cloned();
-                let (id, outcome) = if let Some(d) = known.and_then(|id| inner.deps.get_mut(&id)) {
-                    if d.rec.doc == doc {
-                        return (d.rec.id.clone(), DeployOutcome::Unchanged);
-                    }
-                    d.rec.revision += 1;
-                    d.rec.doc = doc.clone();
-                    d.spec = InstanceSpec::from_doc(d.rec.id.clone(), &doc);
-                    d.renew_fixed();
-                    (d.rec.id.clone(), DeployOutcome::Updated)
-                } else {
-                    let rec = DeploymentRecord {
-                        id: id.clone(),
-                        revision: 1,
-                        doc: doc.clone(),
-                        operator_stopped: false,
-                        operator_started: false,
-                        pending_start: false,
-                        generation: 0,
-                        first_answer: None,
-                    };
-                    inner.insert(Dep::new(rec));
-                    (id.clone(), DeployOutcome::Created)
-                };
-                inner.dirty.mark(&id);
-                // A measurement still awaited does not replace one known (the same checkpoint).
-                if let (Some(d), Some(m)) = (inner.deps.get_mut(&id), measured)
-                    && (!m.awaiting() || d.measurement.awaiting())
-                {
-                    d.measurement = m;
+        Ok(CheckedDoc {
+            doc,
+            id,
+            measured,
+            unchanged: false,
+        })
+    }
+
+    /// The part of a deploy that changes the state: creates the deployment or makes the
+    /// checked document its next revision (the record is left in `State::dirty`).
+    async fn apply_deploy(&self, one: CheckedDoc) -> (String, DeployOutcome) {
+        let CheckedDoc {
+            doc,
+            id,
+            measured,
+            unchanged,
+        } = one;
+        if unchanged {
+            return (id, DeployOutcome::Unchanged);
+        }
+        self.write(move |inner| {
+            let known = inner.by_name.get(&doc.name).cloned();
+            let (id, outcome) = if let Some(d) = known.and_then(|id| inner.deps.get_mut(&id)) {
+                if d.rec.doc == doc {
+                    return (d.rec.id.clone(), DeployOutcome::Unchanged);
                 }
-                (id, outcome)
-            })
-            .await;
-        Ok((id, outcome))
+                d.rec.revision += 1;
+                d.rec.doc = doc.clone();
+                d.spec = InstanceSpec::from_doc(d.rec.id.clone(), &doc);
+                d.renew_fixed();
+                (d.rec.id.clone(), DeployOutcome::Updated)
+            } else {
+                let rec = DeploymentRecord {
+                    id: id.clone(),
+                    revision: 1,
+                    doc: doc.clone(),
+                    operator_stopped: false,
+                    operator_started: false,
+                    pending_start: false,
+                    generation: 0,
+                    first_answer: None,
+                };
+                inner.insert(Dep::new(rec));
+                (id.clone(), DeployOutcome::Created)
+            };
+            inner.dirty.mark(&id);
+            // A measurement still awaited does not replace one known (the same checkpoint).
+            if let (Some(d), Some(m)) = (inner.deps.get_mut(&id), measured)
+                && (!m.awaiting() || d.measurement.awaiting())
+            {
+                d.measurement = m;
+            }
+            (id, outcome)
+        })
+        .await
     }
 
     /// `does_not_fit` when the GPU memory `spec` needs (declared, or `measured`) is more than
