@@ -4,8 +4,9 @@
 use std::path::{Path, PathBuf};
 
 use capyctl_node_agent::inventory::default_probe;
-use capyctl_server::standalone::{NodeAgentLink, Standalone};
+use capyctl_server::standalone::{NodeAgentLink, Standalone, StandaloneError};
 use capyctl_spec::documents;
+use capyctl_spec::documents::{KeyPath, Seg};
 use capyctl_spec::overrides::Overrides;
 
 /// Loads the document (or the defaults with the overrides alone), starts, prints where it
@@ -56,12 +57,24 @@ pub async fn run(
     let signal = capyctl_node_agent::cli::shutdown_signal();
     tokio::pin!(signal);
     let mut hangup = Hangup::install();
-    let mut config = config;
-    let deployments = std::mem::take(&mut config.deployments);
-    let settings = config.clone();
+    // What a reload compares (not the deployments: a second copy of a large document), and
+    // where each deployment's size is declared, for a refusal's line.
+    let settings = capyctl_spec::settings::StandaloneConfig {
+        server: config.server.clone(),
+        host: config.host.clone(),
+        deployments: Vec::new(),
+    };
+    let declared: Vec<(String, bool)> = config
+        .deployments
+        .iter()
+        .map(|d| {
+            let sized = d.resources.as_ref().is_some_and(|r| r.gpu_memory.is_some());
+            (d.name.clone(), sized)
+        })
+        .collect();
     let standalone = tokio::select! {
         started = Standalone::listen_with(config, data_dir.clone(), default_probe(), &node_agents) => {
-            started.map_err(|e| e.to_string())?
+            started.map_err(|e| refusal(e, &declared, file.as_deref()))?
         }
         () = &mut signal => {
             // Nothing is deployed or started yet; engines a previous run left are adopted by
@@ -70,9 +83,10 @@ pub async fn run(
             return Ok(());
         }
     };
+    drop(declared);
     // Listening, not ready (`/readyz` 503) until the document's deployments exist.
     tokio::select! {
-        deployed = standalone.deploy_document(deployments) => deployed.map_err(|e| e.to_string())?,
+        () = standalone.deploy_checked() => {}
         () = &mut signal => {
             tracing::info!("signal received while deploying the document: stopping");
             standalone.shutdown().await;
@@ -145,6 +159,36 @@ impl Hangup {
             }
             None => std::future::pending().await,
         }
+    }
+}
+
+/// What a refused start says: a refused deployment of the document names the file and the line
+/// of its GPU memory (or of the deployment), as the document's other errors do
+/// (`standalone.yaml:12: deployments[1].resources.gpu_memory: deployment big does not fit on
+/// any GPU: ...`); anything else as it is. `declared`: each deployment's name, in the
+/// document's order, and whether it declares `resources.gpu_memory`.
+fn refusal(e: StandaloneError, declared: &[(String, bool)], file: Option<&Path>) -> String {
+    let StandaloneError::Deploy { name, source } = &e else {
+        return e.to_string();
+    };
+    let Some(i) = declared.iter().position(|(n, _)| n == name) else {
+        return e.to_string();
+    };
+    let mut path = KeyPath(vec![Seg::Key("deployments".into()), Seg::Index(i)]);
+    if declared[i].1 {
+        path.0.push(Seg::Key("resources".into()));
+        path.0.push(Seg::Key("gpu_memory".into()));
+    }
+    let at = path.display().unwrap_or_default();
+    let Some(file) = file else {
+        return format!("{at}: {}", source.message());
+    };
+    let line = std::fs::read_to_string(file)
+        .ok()
+        .and_then(|text| documents::line_of(&text, &path));
+    match line {
+        Some(line) => format!("{}:{line}: {at}: {}", file.display(), source.message()),
+        None => format!("{}: {at}: {}", file.display(), source.message()),
     }
 }
 

@@ -38,6 +38,7 @@ mod state;
 pub mod store;
 pub mod switches;
 mod views;
+mod writer;
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
@@ -75,7 +76,7 @@ use tracing::Instrument;
 
 use crate::api::ManagementApi;
 use crate::metrics::Metrics;
-use crate::store::{Changes, DeploymentRecord, Store, StoreError};
+use crate::store::{DeploymentRecord, Store, StoreError};
 use crate::switches::{Recording, SwitchLog, Target, victim_entry};
 use state::{Dep, Host, Hosts, StartNext, State, Up, dep_of_unit, unit_instance, unit_of_key};
 
@@ -359,6 +360,33 @@ struct Planned {
     victims: Vec<(String, String)>,
 }
 
+/// Deployment documents measured and checked against the hosts ([`Server::check_all`]), not
+/// deployed yet ([`Server::deploy_checked`]).
+#[derive(Debug, Default)]
+pub struct Checked(Vec<CheckedDoc>);
+
+impl Checked {
+    /// How many documents it holds.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// It holds none.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// One checked document: its deployment's ID (new or existing), its measurement.
+#[derive(Debug)]
+struct CheckedDoc {
+    doc: DeploymentDoc,
+    id: String,
+    measured: Option<Measurement>,
+    /// The same document is deployed already: nothing to do.
+    unchanged: bool,
+}
+
 /// The server's lifecycle and placement on one host. Shared as `Arc<Server>`.
 pub struct Server {
     /// Read-only.
@@ -369,16 +397,17 @@ pub struct Server {
     store: Arc<dyn Store>,
     /// The owner of all state: its one writer (see `owner.rs`).
     owner: owner::Owner,
-    /// The idle timers are running (a tick while they run does nothing).
+    /// The idle timers are running (a tick while they run does nothing); cleared by the
+    /// run's [`Running`] however it ends.
     timers_running: Arc<AtomicBool>,
-    /// A scaler's run is under way (`Server::scale_run`).
+    /// A scaler's run is under way (`Server::scale_run`); cleared as `timers_running` is.
     scaling: Arc<AtomicBool>,
     /// Per deployment, since when its load has allowed one fewer instance (the scaler's).
     below_since: Mutex<HashMap<String, Instant>>,
     /// The task forwarding each host's engine exits (replaced with its agent).
     host_exits: Mutex<HashMap<String, tokio::task::AbortHandle>>,
-    /// Serialises saves (snapshot and write in order).
-    persist: Mutex<()>,
+    /// Serialises the commits (`writer.rs`); taken on the blocking pool, or by `close`.
+    persist: Arc<Mutex<()>>,
     /// The router, once attached; taken by `close`.
     router: Mutex<Option<CoordinatorHandle>>,
     /// Bumped after every turn of the owner (waiters of `--wait` and tests watch it).
@@ -473,33 +502,36 @@ impl Server {
         let changes = Arc::new(watch::channel(0).0);
         let (closed, _) = watch::channel(false);
         let (exits_tx, exits_rx) = mpsc::channel(256);
-        let server = Arc::new_cyclic(|me: &Weak<Server>| Server {
-            owner: owner::Owner::spawn(
+        let server = Arc::new_cyclic(|me: &Weak<Server>| {
+            let owner = owner::Owner::spawn(
                 inner,
                 Arc::clone(&changes),
                 exits_rx,
                 config.timer_tick,
                 me.clone(),
                 closed.subscribe(),
-            ),
-            timers_running: Arc::new(AtomicBool::new(false)),
-            scaling: Arc::new(AtomicBool::new(false)),
-            below_since: Mutex::new(HashMap::new()),
-            config,
-            exits_tx,
-            store,
-            host_exits: Mutex::new(HashMap::new()),
-            persist: Mutex::new(()),
-            router: Mutex::new(None),
-            names: NameCache::new(changes.subscribe()),
-            changes,
-            closed,
-            ready: AtomicBool::new(false),
-            hosts_fixed: AtomicBool::new(false),
-            next_id: AtomicU64::new(1),
-            switches,
-            planned: Mutex::new(HashMap::new()),
-            me: me.clone(),
+            );
+            Server {
+                owner,
+                timers_running: Arc::new(AtomicBool::new(false)),
+                scaling: Arc::new(AtomicBool::new(false)),
+                below_since: Mutex::new(HashMap::new()),
+                config,
+                exits_tx,
+                store,
+                host_exits: Mutex::new(HashMap::new()),
+                persist: Arc::new(Mutex::new(())),
+                router: Mutex::new(None),
+                names: NameCache::new(changes.subscribe()),
+                changes,
+                closed,
+                ready: AtomicBool::new(false),
+                hosts_fixed: AtomicBool::new(false),
+                next_id: AtomicU64::new(1),
+                switches,
+                planned: Mutex::new(HashMap::new()),
+                me: me.clone(),
+            }
         });
         for host in hosts {
             server.add_host(host).await?;
@@ -604,7 +636,7 @@ impl Server {
             agent.subscribe_health(),
         );
         self.host_exits_of().insert(host_id.clone(), exits);
-        self.flush_due();
+        self.flush_due().await;
         for key in lost {
             self.announce_gone(key).await;
         }
@@ -798,7 +830,12 @@ impl Server {
     /// stop them through the host agent for a clean shutdown); writes what is not written yet
     /// (a batch of deploys cut short) and closes the store: nothing is written after it.
     pub fn close(&self) {
-        self.flush_due();
+        if self.read(|inner| inner.dirty.any()) {
+            // On the caller's thread: the last commit, after any still running.
+            let _order = self.persist.lock().unwrap_or_else(PoisonError::into_inner);
+            let saved = writer::commit(self.store.as_ref(), &self.owner.shared());
+            self.log_failed(saved.map_err(|e| self.save_failed(&e)));
+        }
         // The switch records changed so far are on disk (a switch still running is read back
         // as interrupted).
         self.switches.flush();
@@ -1047,9 +1084,9 @@ impl Server {
     /// Saves the records changed and not written yet (`State::dirty`), if any: those a
     /// change marked for a later save (a pending start taken, an adoption, a batch of
     /// deploys).
-    fn flush_due(&self) {
+    async fn flush_due(&self) {
         if self.read(|inner| inner.dirty.any()) {
-            self.log_failed(self.save());
+            self.log_failed(self.save().await);
         }
     }
 
@@ -1058,10 +1095,10 @@ impl Server {
     /// which is logged and must not undo what was decided (the next save writes it again).
     /// `id` may be an instance's unit: its deployment's record is the one stored (instance 0's;
     /// the others' copies are never written over it).
-    fn save_logged(&self, id: &str) {
+    async fn save_logged(&self, id: &str) {
         let id = dep_of_unit(id).to_string();
         self.read(|inner| inner.dirty.give_back(BTreeSet::from([id])));
-        self.log_failed(self.save());
+        self.log_failed(self.save().await);
     }
 
     fn log_failed(&self, saved: Result<(), ApiError>) {
@@ -1071,32 +1108,29 @@ impl Server {
     }
 
     /// Writes every record in `State::dirty` (and removes the deleted ones) in one transaction,
-    /// under the persist lock: saves land in order, each with the records as they are when it
-    /// takes them, and a save whose records the one before it took (group commit) finds
-    /// nothing left to write once that one has written them. A failed write gives its records
-    /// back to `dirty`, for the next save.
-    fn save(&self) -> Result<(), ApiError> {
-        let _order = self.persist.lock().unwrap_or_else(PoisonError::into_inner);
-        let (ids, changes) = {
-            let inner = self.owner.state();
-            let ids = inner.dirty.take();
-            let mut changes = Changes::default();
-            for id in &ids {
-                match inner.deps.get(id) {
-                    Some(d) => changes.put.push(d.rec.clone()),
-                    None => changes.remove.push(id.clone()),
-                }
-            }
-            (ids, changes)
-        };
-        if changes.is_empty() {
-            return Ok(());
-        }
-        self.store.write(&changes).map_err(|e| {
-            self.read(|inner| inner.dirty.give_back(ids));
-            tracing::error!(error = %e, "saving the state failed");
-            internal(format!("saving the state: {e}"))
+    /// on Tokio's blocking pool under the persist lock (`writer.rs`: no worker waits for the
+    /// disk): saves land in order, each with the records as they are when its commit takes
+    /// them, and one that returns `Ok` has every change made before it committed. Saves that
+    /// meet while one commits are written by the next (group commit). A failed write gives its
+    /// records back to `dirty`, for the next save.
+    async fn save(&self) -> Result<(), ApiError> {
+        let (order, store, state) = (
+            Arc::clone(&self.persist),
+            Arc::clone(&self.store),
+            self.owner.shared(),
+        );
+        let committed = tokio::task::spawn_blocking(move || {
+            let _order = order.lock().unwrap_or_else(PoisonError::into_inner);
+            writer::commit(store.as_ref(), &state)
         })
+        .await
+        .unwrap_or_else(|e| Err(format!("the commit did not run: {e}")));
+        committed.map_err(|e| self.save_failed(&e))
+    }
+
+    fn save_failed(&self, e: &str) -> ApiError {
+        tracing::error!(error = %e, "saving the state failed");
+        internal(format!("saving the state: {e}"))
     }
 
     fn find(&self, name_or_id: &str) -> Result<String, ApiError> {
@@ -1171,7 +1205,7 @@ impl Server {
         };
         if up == Up::Start {
             // The generation is part of the record.
-            self.save_logged(id);
+            self.save_logged(id).await;
         }
         let began = Instant::now();
         let (woken_from, host) = self.read(|inner| {
@@ -1276,6 +1310,15 @@ impl Server {
             Ok(Some(s)) => Some(engine_addr(&s.base_url)),
             _ => None,
         };
+        // A start's first answer is committed before the router hears of the instance: once
+        // a request was served by it, the record has it (the commit runs off the runtime, so
+        // anything after the announce may come after the request's answer).
+        if let Ok(Some(started)) = &outcome {
+            let (target, first) = (id.to_string(), started.first_answer.clone());
+            self.write(move |inner| inner.answered_first(&target, first))
+                .await;
+            self.save_logged(id).await;
+        }
         // The router hears of a ready instance before anyone can see it ready (status, `start
         // --wait`): a client that saw `ready` and asks at once finds the router routing to it.
         let announced = match &outcome {
@@ -1310,7 +1353,6 @@ impl Server {
                 pid: s.pid,
                 max_running: s.max_running,
                 measurement: s.measurement,
-                first_answer: s.first_answer.clone(),
             })),
             Err(e) => state::UpDone::Failed {
                 error: e.clone(),
@@ -1323,11 +1365,10 @@ impl Server {
         let ready = self
             .write(move |inner| inner.up_done(&target, up, done, Instant::now()))
             .await;
-        // A start records its generation and first answer; a pending start taken is saved
-        // whatever came of it.
-        let due = self.read(|inner| inner.dirty.has(id));
-        if up == Up::Start || due {
-            self.save_logged(id);
+        // A start's generation was saved as it began, its first answer before the announce; a
+        // pending start taken is saved whatever came of it.
+        if self.read(|inner| inner.dirty.has(id)) {
+            self.save_logged(id).await;
         }
         match ready {
             Some(Ok((key, Some(addr)))) => {
@@ -2243,7 +2284,7 @@ impl Server {
     async fn do_deploy(&self, doc: DeploymentDoc) -> Result<DeployReceipt, ApiError> {
         let (id, outcome) = self.deploy_unsaved(doc).await?;
         if outcome != DeployOutcome::Unchanged {
-            self.save_logged(&id);
+            self.save_logged(&id).await;
         }
         Ok(DeployReceipt {
             outcome,
@@ -2253,9 +2294,19 @@ impl Server {
 
     /// Deploys `docs` in order, each as [`ManagementApi::deploy`] does, and writes the records
     /// they change in one transaction at the end: a whole document (standalone) is one write.
-    /// The first refusal ends it, `Err` with the refused deployment's name; those before it
-    /// stay deployed (and are written).
+    /// The whole document is checked first ([`Server::check_all`]): a refusal changes
+    /// nothing, `Err` with the refused deployment's name.
     pub async fn deploy_all(&self, docs: Vec<DeploymentDoc>) -> Result<(), (String, ApiError)> {
+        let checked = self.check_all(docs).await?;
+        self.deploy_checked(checked).await;
+        Ok(())
+    }
+
+    /// Measures each of `docs` and checks it against the hosts, as a deploy does before it
+    /// changes anything, and changes nothing: the first refusal, with the refused deployment's
+    /// name. What it answers is deployed by [`Server::deploy_checked`] without measuring again.
+    pub async fn check_all(&self, docs: Vec<DeploymentDoc>) -> Result<Checked, (String, ApiError)> {
+        let mut checked = Vec::with_capacity(docs.len());
         for (i, doc) in docs.into_iter().enumerate() {
             if i % 256 == 255 {
                 // Unchanged ones await nothing: a caller's other branches (a signal) get
@@ -2263,13 +2314,21 @@ impl Server {
                 tokio::task::yield_now().await;
             }
             let name = doc.name.clone();
-            if let Err(e) = self.deploy_unsaved(doc).await {
-                self.flush_due();
-                return Err((name, e));
-            }
+            checked.push(self.check(doc).await.map_err(|e| (name, e))?);
         }
-        self.flush_due();
-        Ok(())
+        Ok(Checked(checked))
+    }
+
+    /// Deploys what [`Server::check_all`] checked, in order, and writes the records they change
+    /// in one transaction.
+    pub async fn deploy_checked(&self, checked: Checked) {
+        for (i, one) in checked.0.into_iter().enumerate() {
+            if i % 256 == 255 {
+                tokio::task::yield_now().await;
+            }
+            self.apply_deploy(one).await;
+        }
+        self.flush_due().await;
     }
 
     /// [`Server::do_deploy`] but the write: a changed record is left in `State::dirty` for the
@@ -2278,13 +2337,27 @@ impl Server {
         &self,
         doc: DeploymentDoc,
     ) -> Result<(String, DeployOutcome), ApiError> {
+        let one = self.check(doc).await?;
+        Ok(self.apply_deploy(one).await)
+    }
+
+    /// The part of a deploy that changes nothing: measured and checked against the hosts (a
+    /// document no host can ever place, where no other host can join, is refused).
+    async fn check(&self, doc: DeploymentDoc) -> Result<CheckedDoc, ApiError> {
         let existing = self.read(|inner| {
             inner
                 .by_name(&doc.name)
                 .map(|d| (d.rec.id.clone(), d.rec.doc == doc))
         });
         let id = match existing {
-            Some((id, true)) => return Ok((id, DeployOutcome::Unchanged)),
+            Some((id, true)) => {
+                return Ok(CheckedDoc {
+                    doc,
+                    id,
+                    measured: None,
+                    unchanged: true,
+                });
+            }
             Some((id, false)) => id,
             None => ulid::Ulid::new().to_string(),
         };
@@ -2297,43 +2370,61 @@ impl Server {
         if self.hosts_fixed.load(Ordering::Relaxed) {
             self.read(|inner| Self::some_host_fits(inner, &doc.name, &spec, measured.as_ref()))?;
         }
-        let (id, outcome) = self
-            .write(move |inner| {
-                let known = inner.by_name.get(&doc.name).cloned();
-                let (id, outcome) = if let Some(d) = known.and_then(|id| inner.deps.get_mut(&id)) {
-                    if d.rec.doc == doc {
-                        return (d.rec.id.clone(), DeployOutcome::Unchanged);
-                    }
-                    d.rec.revision += 1;
-                    d.rec.doc = doc.clone();
-                    d.spec = InstanceSpec::from_doc(d.rec.id.clone(), &doc);
-                    d.renew_fixed();
-                    (d.rec.id.clone(), DeployOutcome::Updated)
-                } else {
-                    let rec = DeploymentRecord {
-                        id: id.clone(),
-                        revision: 1,
-                        doc: doc.clone(),
-                        operator_stopped: false,
-                        operator_started: false,
-                        pending_start: false,
-                        generation: 0,
-                        first_answer: None,
-                    };
-                    inner.insert(Dep::new(rec));
-                    (id.clone(), DeployOutcome::Created)
-                };
-                inner.dirty.mark(&id);
-                // A measurement still awaited does not replace one known (the same checkpoint).
-                if let (Some(d), Some(m)) = (inner.deps.get_mut(&id), measured)
-                    && (!m.awaiting() || d.measurement.awaiting())
-                {
-                    d.measurement = m;
+        Ok(CheckedDoc {
+            doc,
+            id,
+            measured,
+            unchanged: false,
+        })
+    }
+
+    /// The part of a deploy that changes the state: creates the deployment or makes the
+    /// checked document its next revision (the record is left in `State::dirty`).
+    async fn apply_deploy(&self, one: CheckedDoc) -> (String, DeployOutcome) {
+        let CheckedDoc {
+            doc,
+            id,
+            measured,
+            unchanged,
+        } = one;
+        if unchanged {
+            return (id, DeployOutcome::Unchanged);
+        }
+        self.write(move |inner| {
+            let known = inner.by_name.get(&doc.name).cloned();
+            let (id, outcome) = if let Some(d) = known.and_then(|id| inner.deps.get_mut(&id)) {
+                if d.rec.doc == doc {
+                    return (d.rec.id.clone(), DeployOutcome::Unchanged);
                 }
-                (id, outcome)
-            })
-            .await;
-        Ok((id, outcome))
+                d.rec.revision += 1;
+                d.rec.doc = doc.clone();
+                d.spec = InstanceSpec::from_doc(d.rec.id.clone(), &doc);
+                d.renew_fixed();
+                (d.rec.id.clone(), DeployOutcome::Updated)
+            } else {
+                let rec = DeploymentRecord {
+                    id: id.clone(),
+                    revision: 1,
+                    doc: doc.clone(),
+                    operator_stopped: false,
+                    operator_started: false,
+                    pending_start: false,
+                    generation: 0,
+                    first_answer: None,
+                };
+                inner.insert(Dep::new(rec));
+                (id.clone(), DeployOutcome::Created)
+            };
+            inner.dirty.mark(&id);
+            // A measurement still awaited does not replace one known (the same checkpoint).
+            if let (Some(d), Some(m)) = (inner.deps.get_mut(&id), measured)
+                && (!m.awaiting() || d.measurement.awaiting())
+            {
+                d.measurement = m;
+            }
+            (id, outcome)
+        })
+        .await
     }
 
     /// `does_not_fit` when the GPU memory `spec` needs (declared, or `measured`) is more than
@@ -2382,7 +2473,7 @@ impl Server {
                 inner.start(id, wait, evict, Instant::now())
             })
             .await?;
-        self.save_logged(&id);
+        self.save_logged(&id).await;
         let mut receipt_victims = Vec::new();
         let mut switch_id = None;
         match next {
@@ -2416,7 +2507,7 @@ impl Server {
                         })
                         .await;
                     if pending.is_some() {
-                        self.save_logged(&id);
+                        self.save_logged(&id).await;
                     }
                 }
                 OperatorStart::Switched {
@@ -2598,7 +2689,7 @@ impl Server {
             Ok::<_, ApiError>(())
         })
         .await?;
-        self.save_logged(id);
+        self.save_logged(id).await;
         if let Some(r) = self.router() {
             r.deployment_refused(id.to_string(), refusal.clone()).await;
         }
@@ -3108,7 +3199,7 @@ impl Server {
         if down.is_none() {
             return self.receipt("park", &id);
         }
-        self.save_logged(&id);
+        self.save_logged(&id).await;
         let receipt = self.receipt("park", &id)?;
         let target = id.clone();
         self.spawn(move |me| {
@@ -3153,7 +3244,7 @@ impl Server {
         .await;
         result?;
         self.config.metrics.forget_deployment(&id);
-        self.save_logged(&id);
+        self.save_logged(&id).await;
         Ok(view)
     }
 
@@ -3202,7 +3293,7 @@ impl Server {
         }) else {
             return;
         };
-        self.save_logged(id);
+        self.save_logged(id).await;
         let started = match self.agent_of(id) {
             Ok(agent) => match self
                 .unless_ended(id, agent.as_ref(), &iid, agent.start(&iid, &spec))
@@ -3247,7 +3338,7 @@ impl Server {
                     }
                 })
                 .await;
-                self.save_logged(id);
+                self.save_logged(id).await;
                 // Parked, or stopped when its copy finds no room.
                 if let Err(e) = self.put_away(id, Put::Park, NoRoom::Stop).await {
                     tracing::warn!(deployment = %id, error = %e, "preinitialize: parking failed");
@@ -3371,28 +3462,49 @@ impl owner::Ticks for Server {
             return;
         }
         self.scale_soon();
-        if self.timers_running.swap(true, Ordering::SeqCst) {
+        let Some(running) = Running::begin(&self.timers_running) else {
             return;
-        }
+        };
         self.spawn(|me| {
             Box::pin(async move {
+                let _running = running;
                 me.idle_timers().await;
-                me.timers_running.store(false, Ordering::SeqCst);
             })
         });
+    }
+}
+
+/// A background run under way (the idle timers', the scaler's): its flag is set while this
+/// lives and cleared when it is dropped, however the run ends. A run that panics (a rule, a
+/// host agent) is dropped by its task like one that returns, so the next tick runs again.
+struct Running(Arc<AtomicBool>);
+
+impl Running {
+    /// Sets `flag`; `None` when it was set already (a run is under way).
+    fn begin(flag: &Arc<AtomicBool>) -> Option<Running> {
+        (!flag.swap(true, Ordering::SeqCst)).then(|| Running(Arc::clone(flag)))
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
     }
 }
 
 impl Server {
     /// Runs the scaler in a task of its own, unless a run is under way.
     fn scale_soon(&self) {
-        if self.router().is_none() || self.scaling.swap(true, Ordering::SeqCst) {
+        if self.router().is_none() {
             return;
         }
+        let Some(running) = Running::begin(&self.scaling) else {
+            return;
+        };
         self.spawn(|me| {
             Box::pin(async move {
+                let _running = running;
                 me.scale_run().await;
-                me.scaling.store(false, Ordering::SeqCst);
             })
         });
     }

@@ -76,6 +76,12 @@ impl Owner {
         Owner { state, inbox }
     }
 
+    /// The state itself, for a commit on the blocking pool (`writer.rs`), which reads it
+    /// (a blocking thread has no `.await` to hold it across).
+    pub(crate) fn shared(&self) -> Arc<RwLock<State>> {
+        Arc::clone(&self.state)
+    }
+
     /// Reads the state (no turn of the owner's task; waits at most for one turn).
     pub(crate) fn read<R>(&self, f: impl FnOnce(&State) -> R) -> R {
         f(&self.state())

@@ -77,6 +77,11 @@ pub(crate) struct Dep {
     /// may still hold its GPU memory, so `start --evict` does not count it as released.
     /// Cleared when the next bring-up begins.
     pub(crate) ended_stop_failed: Option<String>,
+    /// The start or wake in progress (or last begun) is an operator's: `start`, a pending
+    /// start, `start --evict`, `preinitialize`. Another model's requests never end it
+    /// ([`Victims::Idle`]); only the operator's `stop`, `delete` or another `start --evict`
+    /// do. Set by every [`State::begin_up`].
+    pub(crate) operator_up: bool,
     /// Where its requests' last use is read: the router's record ([`RouterUses`]; set by
     /// [`State::insert`]).
     pub(crate) uses: RouterUses,
@@ -118,6 +123,7 @@ impl Dep {
             max_running: None,
             end: watch::channel(None).0,
             ended_stop_failed: None,
+            operator_up: false,
             uses: RouterUses::default(),
             presence: PresenceOf(Arc::new(AtomicBool::new(false))),
             fixed,
@@ -351,6 +357,9 @@ pub(crate) struct Reservation {
     pub(crate) victims: Vec<String>,
     /// The victims stop instead of parking (a parked engine's residue would be in the way).
     pub(crate) stop: bool,
+    /// An operator's plan (`start --evict`): its target's bring-up is the operator's
+    /// ([`Dep::operator_up`]).
+    pub(crate) operator: bool,
 }
 
 /// What the rules changed: the records to save, and the deployments whose instances the owner
@@ -749,7 +758,8 @@ impl State {
             return None;
         }
         self.set_placed(unit, placed);
-        self.begin_up(unit, now)
+        // The scaler's: no operator asked for it.
+        self.begin_up(unit, false, now)
     }
 
     /// Removes deployment `id` (every instance; the first is returned).
@@ -873,10 +883,13 @@ impl State {
 pub(crate) enum Victims {
     /// Nobody: a start without `--evict` (and a pending one) waits for memory instead.
     None,
-    /// Idle ready instances and parked engines (a request's switch).
+    /// Idle ready instances and parked engines, and starts or wakes in progress that no
+    /// request waits for and no operator asked for ([`Dep::operator_up`]): a request's switch.
+    /// A start that hangs once its requests gave up is then ended (its engine stopped, as a
+    /// stop ends it) for another model's requests, without an operator.
     Idle,
-    /// Those, and starts or wakes in progress that no request waits for (`start --evict`):
-    /// they are ended, their engines stopped.
+    /// Those, and the operator's starts or wakes in progress that no request waits for
+    /// (`start --evict`): they are ended, their engines stopped.
     IdleAndBringUps,
 }
 
@@ -1310,9 +1323,14 @@ impl State {
                     || matches!(d.state, InstanceState::Parking | InstanceState::Stopping);
                 // A parked target a switch has claimed is about to take its whole memory.
                 let parked = d.state == InstanceState::Parked && d.claim.is_none();
-                // A start or wake no request waits for, which `start --evict` ends (it stops).
-                let ends = victims == Victims::IdleAndBringUps
-                    && d.bringing_up()
+                // A start or wake no request waits for (those with waiting requests are
+                // `protected`), ended for the target (it stops): `start --evict` ends any such,
+                // a request's switch those no operator asked for.
+                let ends = match victims {
+                    Victims::None => false,
+                    Victims::Idle => !d.operator_up,
+                    Victims::IdleAndBringUps => true,
+                } && d.bringing_up()
                     && d.end.borrow().is_none();
                 let hold = if (self.explicit(d) || d.warm()) && !leaving {
                     Hold::Pinned
@@ -1353,8 +1371,9 @@ impl State {
             .collect()
     }
 
-    /// Marks `id` as coming up and says how.
-    pub(crate) fn begin_up(&mut self, id: &str, now: Instant) -> Option<Up> {
+    /// Marks `id` as coming up and says how; `operator`: an operator asked for it
+    /// ([`Dep::operator_up`]).
+    pub(crate) fn begin_up(&mut self, id: &str, operator: bool, now: Instant) -> Option<Up> {
         if let Some(f) = &mut self.fence {
             // Brought up by this leader: no longer the previous leader's.
             f.ids.remove(id);
@@ -1374,6 +1393,7 @@ impl State {
         d.last_used = now;
         d.end = watch::channel(None).0;
         d.ended_stop_failed = None;
+        d.operator_up = operator;
         if d.state == InstanceState::Parked {
             d.parked_gpu = None;
             d.state = InstanceState::Waking;
@@ -1482,6 +1502,7 @@ impl State {
                         target: Some(target.to_string()),
                         victims: Vec::new(),
                         stop: false,
+                        operator: who == PlanFor::Operator,
                     },
                 );
                 // NB: a pending operator start stays pending until the bring-up begins
@@ -1523,6 +1544,7 @@ impl State {
                         target: Some(target.to_string()),
                         victims,
                         stop,
+                        operator: who == PlanFor::Operator,
                     },
                 );
                 if keys.is_empty() {
@@ -1825,7 +1847,6 @@ pub(crate) struct Started {
     pub(crate) pid: u32,
     pub(crate) max_running: MaxRunning,
     pub(crate) measurement: Measurement,
-    pub(crate) first_answer: capyctl_node_agent::verify::FirstAnswer,
 }
 
 /// How a start or a wake ended ([`State::up_done`]).
@@ -1843,6 +1864,18 @@ pub(crate) enum UpDone {
 
 /// Bring-ups.
 impl State {
+    /// Started `id`'s engine gave its first answer (the reference its wakes are checked
+    /// against): recorded before the instance is announced (the caller saves it then).
+    pub(crate) fn answered_first(
+        &mut self,
+        id: &str,
+        first: capyctl_node_agent::verify::FirstAnswer,
+    ) {
+        if let Some(d) = self.deps.get_mut(id) {
+            d.rec.first_answer = Some(first);
+        }
+    }
+
     /// Writes how the start or wake of `id` (`up`, begun by [`State::begin_up`]) ended:
     /// `ready`, or `failed` with the error (`stopped` when it was ended and its engine
     /// stopped). The key to announce, with the address, when ready; `Err(key)` to tell the
@@ -1866,7 +1899,6 @@ impl State {
                     if !s.measurement.awaiting() {
                         d.measurement = s.measurement;
                     }
-                    d.rec.first_answer = Some(s.first_answer);
                 }
                 d.state = InstanceState::Ready;
                 d.tier = None;
@@ -1918,7 +1950,7 @@ impl State {
             return None;
         }
         self.set_placed(id, placed);
-        self.begin_up(id, now)
+        self.begin_up(id, true, now)
     }
 }
 
@@ -1938,6 +1970,7 @@ impl State {
             .deps
             .get(target)
             .is_some_and(|d| d.claim.as_deref() == Some(switch_id));
+        let operator = self.reservations.get(switch_id).is_some_and(|r| r.operator);
         self.release_reservation(switch_id);
         if !claimed {
             return Err(ApiError::Conflict {
@@ -1952,7 +1985,7 @@ impl State {
         if d.busy || d.occupies() {
             return Ok(None);
         }
-        Ok(self.begin_up(target, now))
+        Ok(self.begin_up(target, operator, now))
     }
 }
 
@@ -2024,7 +2057,7 @@ impl State {
             Fit::Now => {
                 self.set_placed(id, placed);
                 Ok(self
-                    .begin_up(id, now)
+                    .begin_up(id, true, now)
                     .map_or(StartNext::Nothing, StartNext::Up))
             }
             // Without --evict nothing is released: placement never names victims then.
@@ -2091,7 +2124,7 @@ impl State {
         match fit {
             Fit::Now => {
                 self.set_placed(id, placed);
-                Ok(self.begin_up(id, now).is_some())
+                Ok(self.begin_up(id, true, now).is_some())
             }
             Fit::Later | Fit::After(_) | Fit::AfterStopping(_) => Err(ApiError::Conflict {
                 detail: format!(
@@ -3057,7 +3090,7 @@ mod tests {
         let now = Instant::now();
         let mut s = state(now);
         s.set_host("a", Some("gpu-1".into()));
-        assert_eq!(s.begin_up("a", now), Some(Up::Start));
+        assert_eq!(s.begin_up("a", false, now), Some(Up::Start));
         let refusal = ApiError::DeploymentStopped {
             deployment: "a".into(),
         };
@@ -3081,7 +3114,7 @@ mod tests {
                 .unwrap()
                 .starts_with("start ended and engine stopped")
         );
-        assert_eq!(s.begin_up("a", now), Some(Up::Start));
+        assert_eq!(s.begin_up("a", false, now), Some(Up::Start));
         s.up_done(
             "a",
             Up::Start,

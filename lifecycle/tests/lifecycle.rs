@@ -740,6 +740,15 @@ async fn an_evict_receipt_names_the_parked_copies_stopped_for_room() {
             .unwrap_or("x 0");
         line.rsplit(' ').next().unwrap().parse().unwrap()
     };
+    // chat-b's switch has ended (its record is saved after its requests are served).
+    let give_up = std::time::Instant::now() + Duration::from_secs(10);
+    while switches(&h.metrics.encode()) < 2 {
+        assert!(
+            std::time::Instant::now() < give_up,
+            "chat-b's switch never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let before = switches(&h.metrics.encode());
     let r = h.start("chat-c", true, true).await.unwrap();
     assert_eq!(r.deployment.state, InstanceState::Ready);

@@ -260,14 +260,17 @@ async fn a_change_writes_its_own_records_and_the_same_documents_write_nothing() 
         [(names(&["c"]), vec![]), (vec![], vec![c])]
     );
 
-    // A refusal ends a batch: those before it are deployed and written, those after it not.
+    // The whole batch is checked first: a refusal changes nothing, before it or after it.
     let (name, err) = s
         .deploy_all(vec![doc("d", 4, ""), doc("e", 99, ""), doc("f", 4, "")])
         .await
         .unwrap_err();
     assert_eq!((name.as_str(), err.code()), ("e", "does_not_fit"));
-    assert_eq!(store.take_writes(), [(names(&["d"]), vec![])]);
+    assert_eq!(store.take_writes(), []);
+    assert!(s.get("d").await.is_err());
     assert!(s.get("f").await.is_err());
+    s.deploy_all(vec![doc("d", 4, "")]).await.unwrap();
+    assert_eq!(store.take_writes(), [(names(&["d"]), vec![])]);
 
     // A restart: the records come back, and the same documents write nothing.
     s.close();

@@ -1,15 +1,17 @@
 //! The management API's reads at scale, against in-memory host agents (`FakeHost`): views are built outside
 //! the lifecycle's lock (a host agent's call never runs under it), host calls are concurrent and
 //! bounded, the deployment view names no host for an unplaced deployment among several, names
-//! follow deletes and deploys, and a deleted deployment leaves no router entry.
+//! follow deletes and deploys, and a deleted deployment leaves no router entry. A slow commit
+//! of the state holds up no Tokio worker, and a change returns only once it is committed.
 #![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use capyctl_lifecycle::api::ManagementApi;
-use capyctl_lifecycle::store::MemoryStore;
+use capyctl_lifecycle::store::{Changes, MemoryStore, Store, StoreError};
 use capyctl_lifecycle::{HostEntry, LifecycleConfig, Server};
 use capyctl_node_agent::spec::HostSettings;
 use capyctl_router::admission::Admission;
@@ -249,4 +251,78 @@ async fn names_follow_deletes_and_deploys_and_a_deleted_deployment_leaves_no_rou
         .map(|d| d.id)
         .collect();
     assert_eq!(ids, [second].into_iter().collect());
+}
+
+/// A store on a slow disk: while `held`, a write waits (at most [`SlowDisk::BOUND`]) on the
+/// thread that called it; `waiting` counts the writes waiting now.
+#[derive(Debug, Default)]
+struct SlowDisk {
+    records: MemoryStore,
+    held: AtomicBool,
+    waiting: AtomicUsize,
+}
+
+impl SlowDisk {
+    const BOUND: Duration = Duration::from_secs(3);
+}
+
+impl Store for SlowDisk {
+    fn load(&self) -> Result<Vec<capyctl_lifecycle::store::DeploymentRecord>, StoreError> {
+        self.records.load()
+    }
+
+    fn write(&self, changes: &Changes) -> Result<(), StoreError> {
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        let give_up = std::time::Instant::now() + Self::BOUND;
+        while self.held.load(Ordering::SeqCst) && std::time::Instant::now() < give_up {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+        self.records.write(changes)
+    }
+}
+
+/// One runtime thread (the test's flavour): a commit on it would hold up everything else. While
+/// a deploy's commit waits on the slow disk, the runtime serves on (a timer, a read), and the
+/// deploy has not returned; it returns once its record is committed.
+#[tokio::test]
+async fn a_slow_commit_holds_up_no_runtime_thread_and_a_change_returns_once_committed() {
+    let disk = Arc::new(SlowDisk::default());
+    let server = Server::open(
+        Arc::new(FakeHost::new()),
+        disk.clone(),
+        LifecycleConfig::new("h"),
+    )
+    .await
+    .unwrap();
+    disk.held.store(true, Ordering::SeqCst);
+    let deploy = tokio::spawn({
+        let server = server.clone();
+        async move { server.deploy(doc("a")).await }
+    });
+    let asked = std::time::Instant::now();
+    while disk.waiting.load(Ordering::SeqCst) == 0 {
+        assert!(
+            asked.elapsed() < SlowDisk::BOUND / 2,
+            "the deploy's commit was not seen waiting on the disk after {:?}: it held the runtime's thread",
+            asked.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    // The commit waits on the disk; the runtime serves on.
+    let t = std::time::Instant::now();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(server.view("a").unwrap().name, "a", "a read is served");
+    assert!(t.elapsed() < SlowDisk::BOUND / 2, "{:?}", t.elapsed());
+    assert_eq!(disk.waiting.load(Ordering::SeqCst), 1, "still committing");
+    assert!(
+        !deploy.is_finished(),
+        "the deploy returned before its commit"
+    );
+    disk.held.store(false, Ordering::SeqCst);
+    let id = deploy.await.unwrap().unwrap().deployment.id;
+    assert!(
+        disk.records.get(&id).is_some(),
+        "committed when the deploy returned"
+    );
 }

@@ -2,10 +2,12 @@
 //! in-memory fake host, with two GPUs, whose starts and parks take set (virtual) times. A
 //! deployment of two replicas comes up on both GPUs at once; another model's wave takes
 //! one instance only, with no admission window (its deployment keeps the other), while the
-//! deployment's own requests are admitted at once; instances name `<id>-<index>`.
+//! deployment's own requests are admitted at once; instances name `<id>-<index>`. The
+//! background runs (the idle timers, the scaler) go on after a run of theirs panics.
 #![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use capyctl_lifecycle::api::ManagementApi;
@@ -526,4 +528,71 @@ async fn idle_instances_are_parked_in_turn_and_the_scaler_leaves_them_until_a_re
     })
     .await;
     assert_eq!(scaled(&s.records().await), before + 1);
+}
+
+/// A hook that panics the first time it is called (a bug in a host agent, say), and counts
+/// its calls.
+fn panics_once() -> (Arc<AtomicUsize>, impl Fn() + Send + Sync + 'static) {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    (calls, move || {
+        if c.fetch_add(1, Ordering::SeqCst) == 0 {
+            panic!("a bug: the first call panics");
+        }
+    })
+}
+
+/// Waits (virtual time) until `calls` counts one at least: the run that panicked happened.
+async fn until_called(calls: &AtomicUsize, what: &str) {
+    let give_up = Instant::now() + Duration::from_secs(60);
+    while calls.load(Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < give_up, "{what} was never called");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A run of the idle timers that panics (here in the host agent's inventory, asked before a
+/// park) does not stop them: a later tick parks the idle model.
+#[tokio::test(start_paused = true)]
+async fn the_idle_timers_run_again_after_a_run_that_panicked() {
+    use InstanceState::{Parked, Ready};
+    let agent = Arc::new(timed());
+    let s = scene_with(agent.clone(), &[("b", "")], |lc| {
+        lc.lifecycle_defaults.ready_idle_timeout = Some(Duration::from_secs(5));
+    })
+    .await;
+    s.request("b", Duration::ZERO).await.unwrap();
+    assert_eq!(s.states("b"), [Ready]);
+    let (calls, hook) = panics_once();
+    agent.on_inventory(hook);
+    // The views ask the inventory too: none is read until the timers' run has panicked.
+    until_called(&calls, "the inventory (by the idle timers)").await;
+    s.until("b parked by a later run of the idle timers", |s| {
+        s.states("b") == [Parked]
+    })
+    .await;
+}
+
+/// A run of the scaler that panics (here in the host agent's sample of an engine's load) does
+/// not stop it: a later run brings up a second instance for the load.
+#[tokio::test(start_paused = true)]
+async fn the_scaler_runs_again_after_a_run_that_panicked() {
+    use InstanceState::Ready;
+    let agent = Arc::new(timed());
+    let scale = "replicas: 2\nscale: {min: 1, target_in_flight: 1, scale_down_delay: 600s}\n";
+    let s = scene_of(agent.clone(), &[("r", scale)]).await;
+    s.request("r", Duration::ZERO).await.unwrap();
+    assert_eq!(s.states("r"), [Ready, InstanceState::Stopped]);
+    let (calls, hook) = panics_once();
+    agent.on_sample(move |_| hook());
+    // The views sample the engines too: none is read until the scaler's run has panicked.
+    until_called(&calls, "the sample (by the scaler)").await;
+    // Two requests in flight on one instance, past the target of 1.
+    let _a = s.request("r", Duration::from_secs(60));
+    let _b = s.request("r", Duration::from_secs(60));
+    s.until(
+        "a second instance brought up by a later run of the scaler",
+        |s| s.states("r") == [Ready, Ready],
+    )
+    .await;
 }

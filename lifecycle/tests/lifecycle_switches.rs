@@ -14,6 +14,7 @@ use capyctl_lifecycle::{LifecycleConfig, Server};
 use capyctl_router::admission::Admission;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::{CoordinatorHandle, CoordinatorPermit};
+use capyctl_spec::InstanceState;
 use capyctl_spec::api::{
     StartRequest, SwitchCause, SwitchOutcome, SwitchPhaseKind, SwitchQuery, SwitchRecord,
     VictimAction, VictimResult,
@@ -437,4 +438,70 @@ fn records_survive_a_restart_bounded_and_an_interrupted_one_says_so() {
     assert_eq!(all.last().unwrap().seq, 1101 + 3000);
     assert_eq!(all[0].seq, 1101 + 3000 - KEEP as u64 + 1);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A request for `model` with its own `deadline`: how long it waited, and its answer.
+async fn request_within(
+    s: &Scene,
+    model: &str,
+    deadline: Duration,
+) -> (Duration, Result<CoordinatorPermit, ApiError>) {
+    let asked = Instant::now();
+    let d = s.router.resolve(model).unwrap();
+    let answer = s.router.admit(d, asked + deadline).await;
+    (asked.elapsed(), answer)
+}
+
+/// A start that hangs, that no request waits for any more and no operator asked for, is a
+/// victim like an idle model: a request for another model that needs the GPU ends it (its
+/// engine is stopped, as a stop ends a start) and is served, without an operator.
+#[tokio::test(start_paused = true)]
+async fn a_hanging_start_nobody_waits_for_is_a_victim_of_another_models_request() {
+    let s = scene(Duration::from_secs(30), LifecycleDefaults::default()).await;
+    s.agent.hang("a");
+    // a's request gives up after its deadline; its start goes on hanging.
+    let (_, gave_up) = request_within(&s, "a", Duration::from_secs(20)).await;
+    assert_eq!(gave_up.unwrap_err().code(), "unavailable");
+    let a = s.server.get("a").await.unwrap();
+    assert_eq!(a.state, InstanceState::Starting);
+
+    let (waited, served) = request_within(&s, "b", Duration::from_secs(300)).await;
+    served.unwrap();
+    assert!(
+        waited <= START + Duration::from_secs(1),
+        "b waited {waited:?}"
+    );
+    assert_eq!(
+        s.server.get("a").await.unwrap().state,
+        InstanceState::Stopped
+    );
+    let a_iid = format!("{}-0", a.id);
+    assert!(
+        s.agent.calls().contains(&format!("stop {a_iid}")),
+        "{:?}",
+        s.agent.calls()
+    );
+    // b's switch (a bring-up: its victim was not ready, so the router drained nothing).
+    let r = s.ended("b", SwitchCause::BringUp).await;
+    assert_eq!(r.outcome, SwitchOutcome::Ok, "{r:?}");
+    assert_eq!(r.victims.len(), 1, "{r:?}");
+    assert_eq!(r.victims[0].deployment, "a");
+    assert_eq!(r.victims[0].result, VictimResult::Stopped);
+}
+
+/// An operator's start that hangs is what the operator asked for: another model's requests
+/// never end it (they wait, and get their deadline's 503); the operator's `stop` or
+/// `start --evict` does.
+#[tokio::test(start_paused = true)]
+async fn an_operators_hanging_start_is_never_a_requests_victim() {
+    let s = scene(Duration::from_secs(30), LifecycleDefaults::default()).await;
+    s.agent.hang("a");
+    s.server.start("a", StartRequest::default()).await.unwrap();
+    let (waited, refused) = request_within(&s, "b", Duration::from_secs(20)).await;
+    assert_eq!(refused.unwrap_err().code(), "unavailable");
+    assert_eq!(waited, Duration::from_secs(20));
+    assert_eq!(
+        s.server.get("a").await.unwrap().state,
+        InstanceState::Starting
+    );
 }

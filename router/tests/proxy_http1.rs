@@ -359,9 +359,10 @@ async fn rfc_9112_refusals_a_coding_not_implemented_a_bad_chunk_size_a_long_targ
     let post = "POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\n";
     let long = "a".repeat(8 * 1024);
     let cases = [
-        // RFC 9112 6.1: a transfer coding the server does not understand is a 501.
+        // RFC 9112 6.1: a transfer coding the server does not understand, before a final
+        // chunked, is a 501.
         (
-            format!("{post}transfer-encoding: gzip\r\n\r\n"),
+            format!("{post}transfer-encoding: gzip, chunked\r\n\r\n"),
             refused(
                 501,
                 "not_implemented",
@@ -369,12 +370,34 @@ async fn rfc_9112_refusals_a_coding_not_implemented_a_bad_chunk_size_a_long_targ
             ),
         ),
         (
-            format!("{post}transfer-encoding: gzip, chunked\r\n\r\n"),
-            refused(501, "not_implemented", r#"transfer coding "gzip""#),
+            format!("{post}transfer-encoding: br\r\ntransfer-encoding: chunked\r\n\r\n"),
+            refused(501, "not_implemented", r#"transfer coding "br""#),
+        ),
+        // RFC 9112 6.3: when chunked is not the final coding, the body's length cannot be
+        // known: a 400, and the connection closed, whatever the codings are.
+        (
+            format!("{post}transfer-encoding: gzip\r\n\r\n"),
+            refused(400, "invalid_request", "does not end in chunked"),
+        ),
+        (
+            format!("{post}transfer-encoding: chunked, identity\r\n\r\n"),
+            refused(400, "invalid_request", "does not end in chunked"),
+        ),
+        (
+            format!("{post}transfer-encoding: xchunked\r\n\r\n"),
+            refused(400, "invalid_request", "does not end in chunked"),
+        ),
+        (
+            format!("{post}transfer-encoding: \"chunked\"\r\n\r\n"),
+            refused(400, "invalid_request", "does not end in chunked"),
+        ),
+        (
+            format!("{post}transfer-encoding: chunked\r\ntransfer-encoding: identity\r\n\r\n"),
+            refused(400, "invalid_request", "does not end in chunked"),
         ),
         (
             format!("{post}transfer-encoding: chunked\r\ntransfer-encoding: br\r\n\r\n"),
-            refused(501, "not_implemented", r#"transfer coding "br""#),
+            refused(400, "invalid_request", "does not end in chunked"),
         ),
         // RFC 9112 7.1: after the size, only an extension (`;`).
         (

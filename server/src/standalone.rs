@@ -3,12 +3,18 @@
 //! [`Standalone::listen`] builds, in order: the host agent ([`LocalHostAgent`], engines as child
 //! processes, GPUs from the default probe or `host.gpus`), the state database ([`RedbStore`],
 //! `<data-dir>/state.redb`, which imports a `state.json` of an earlier CapyCTL), the
-//! lifecycle ([`Server`], which loads the state and adopts engines a previous run left), the
-//! switch coordinator, the inference listener and the management listener; then
-//! [`Standalone::deploy_document`] deploys the document's deployments (deployed, not started),
-//! and only then does `/readyz` answer ready. [`Standalone::start`] is both. The same
-//! `deploy_document` applies the document again on a reload (`capyctl start standalone` on
-//! SIGHUP).
+//! lifecycle ([`Server`], which loads the state and adopts engines a previous run left); then
+//! it checks the whole document's deployments against the hosts ([`Server::check_all`]), and
+//! only then takes the admin token and opens the switch coordinator, the inference listener
+//! and the management listener. [`Standalone::deploy_checked`] deploys what was checked
+//! (deployed, not started), and only then does `/readyz` answer ready. [`Standalone::start`]
+//! is both. [`Standalone::deploy_document`] applies a document again on a reload (`capyctl
+//! start standalone` on SIGHUP), checked whole first as well.
+//!
+//! A start that is refused changes nothing: the files it created in the data directory (the
+//! state database, the switch records) are removed again, the admin token is written only once
+//! the listeners are bound, and a document that cannot work is refused before any listener
+//! opens.
 //!
 //! Crash-only: a clean [`Standalone::shutdown`] stops the engines; after a kill they keep
 //! running and the next start adopts them (or stops those it cannot use).
@@ -35,7 +41,7 @@ use crate::management::ManagementOptions;
 use capyctl_lifecycle::api::ManagementApi;
 use capyctl_lifecycle::metrics::Metrics;
 use capyctl_lifecycle::store::{RedbStore, StoreError};
-use capyctl_lifecycle::{HostEntry, LifecycleConfig, Server, ServerError};
+use capyctl_lifecycle::{Checked, HostEntry, LifecycleConfig, Server, ServerError};
 
 /// What can go wrong starting standalone. Each names what failed and where.
 #[derive(Debug, thiserror::Error)]
@@ -294,6 +300,75 @@ pub struct Standalone {
     stop: watch::Sender<bool>,
     /// The listeners' tasks.
     tasks: Vec<JoinHandle<()>>,
+    /// The document's deployments, checked by `listen` and not deployed yet
+    /// ([`Standalone::deploy_checked`]).
+    checked: std::sync::Mutex<Option<Checked>>,
+}
+
+/// The files of a data directory that a start creates, noted before it begins: dropped
+/// without [`Created::keep`] (the start refused), it removes those that were not there, and
+/// gives an imported `state.json` its name back.
+struct Created {
+    files: Vec<PathBuf>,
+    /// The host agent's `engines/`, when it was not there (removed if still empty).
+    dirs: Vec<PathBuf>,
+    /// (`state.json`, `state.json.migrated`) when the first is there and the second is not.
+    legacy: Option<(PathBuf, PathBuf)>,
+}
+
+impl Created {
+    fn note(data_dir: &Path) -> Created {
+        use capyctl_lifecycle::store::{LEGACY_STATE_FILE, MIGRATED_STATE_FILE, STATE_FILE};
+        let files = [STATE_FILE, capyctl_lifecycle::switches::FILE]
+            .iter()
+            .map(|f| data_dir.join(f))
+            .filter(|p| !p.exists())
+            .collect();
+        let (json, migrated) = (
+            data_dir.join(LEGACY_STATE_FILE),
+            data_dir.join(MIGRATED_STATE_FILE),
+        );
+        let legacy = (json.exists() && !migrated.exists()).then_some((json, migrated));
+        let dirs = Some(data_dir.join("engines"))
+            .filter(|d| !d.exists())
+            .into_iter()
+            .collect();
+        Created {
+            files,
+            dirs,
+            legacy,
+        }
+    }
+
+    /// The start went through: its files stay.
+    fn keep(mut self) {
+        self.files.clear();
+        self.dirs.clear();
+        self.legacy = None;
+    }
+}
+
+impl Drop for Created {
+    fn drop(&mut self) {
+        if let Some((json, migrated)) = &self.legacy
+            && !json.exists()
+            && migrated.exists()
+            && let Err(e) = std::fs::rename(migrated, json)
+        {
+            tracing::warn!(path = %json.display(), error = %e, "a refused start could not give state.json its name back");
+        }
+        for path in &self.files {
+            if let Err(e) = std::fs::remove_file(path)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!(path = %path.display(), error = %e, "a refused start could not remove a file it created");
+            }
+        }
+        for dir in &self.dirs {
+            // Only when empty: nothing of an engine is ever removed.
+            let _ = std::fs::remove_dir(dir);
+        }
+    }
 }
 
 impl std::fmt::Debug for Standalone {
@@ -317,19 +392,19 @@ impl Standalone {
 
     /// [`Standalone::start`] with a given GPU probe.
     pub async fn start_with_probe(
-        mut config: StandaloneConfig,
+        config: StandaloneConfig,
         data_dir: PathBuf,
         probe: Arc<dyn GpuProbe>,
     ) -> Result<Standalone, StandaloneError> {
-        let deployments = std::mem::take(&mut config.deployments);
         let standalone = Self::listen(config, data_dir, probe).await?;
-        standalone.deploy_document(deployments).await?;
+        standalone.deploy_checked().await;
         Ok(standalone)
     }
 
-    /// Everything of [`Standalone::start`] but the document's deployments (`config.deployments`
-    /// is not read): the listeners answer, and `/readyz` says not ready until
-    /// [`Standalone::deploy_document`] has deployed them.
+    /// Everything of [`Standalone::start`] but deploying the document's deployments: they are
+    /// checked (a refusal comes before any listener opens and changes nothing), the listeners
+    /// answer, and `/readyz` says not ready until [`Standalone::deploy_checked`] has deployed
+    /// them.
     pub async fn listen(
         config: StandaloneConfig,
         data_dir: PathBuf,
@@ -343,7 +418,7 @@ impl Standalone {
     /// clean shutdown stops this host's engines and leaves theirs running, for the next start
     /// to adopt (stop a node agent to stop its engines).
     pub async fn listen_with(
-        config: StandaloneConfig,
+        mut config: StandaloneConfig,
         data_dir: PathBuf,
         probe: Arc<dyn GpuProbe>,
         node_agents: &[NodeAgentLink],
@@ -353,6 +428,8 @@ impl Standalone {
         // Then: a second CapyCTL on the same directory would adopt (or stop) the first one's
         // engines before failing to bind its ports.
         let lock = lock_data_dir(&data_dir)?;
+        // Declared before the store and the server: dropped after them.
+        let created = Created::note(&data_dir);
         let mut agent_config = AgentConfig::new(&data_dir);
         agent_config.wake_window = config.server.switching.wake_timeout;
         let agent = Arc::new(LocalHostAgent::new(
@@ -369,12 +446,17 @@ impl Standalone {
         hosts.insert(0, own);
         let store = Arc::new(RedbStore::open(&data_dir)?);
         let server = Server::open_fixed_hosts(hosts, store, lifecycle).await?;
-        // Not ready until the document's deployments exist (`deploy_document`).
+        // Not ready until the document's deployments exist (`deploy_checked`).
         server.set_ready(false);
-        let admin_token = crate::management::load_or_create_token(
-            config.server.admin_token_file.as_deref(),
-            &data_dir,
-        )?;
+        // The whole document, before any listener opens: a refusal changes nothing.
+        let deployments = std::mem::take(&mut config.deployments);
+        let checked = match server.check_all(deployments).await {
+            Ok(checked) => checked,
+            Err((name, source)) => {
+                server.close();
+                return Err(StandaloneError::Deploy { name, source });
+            }
+        };
 
         let bind = |what: &'static str, addr: SocketAddr| async move {
             TcpListener::bind(addr)
@@ -396,6 +478,10 @@ impl Standalone {
             "server.listen.management",
             &management,
             config.server.listen.management,
+        )?;
+        let admin_token = crate::management::load_or_create_token(
+            config.server.admin_token_file.as_deref(),
+            &data_dir,
         )?;
 
         let router = server
@@ -442,6 +528,7 @@ impl Standalone {
             }));
         }
         tracing::info!(%inference_addr, %management_addr, "standalone listening");
+        created.keep();
         Ok(Standalone {
             _lock: lock,
             server,
@@ -451,12 +538,30 @@ impl Standalone {
             admin_token,
             stop,
             tasks,
+            checked: std::sync::Mutex::new(Some(checked)),
         })
     }
 
+    /// Deploys the document's deployments that [`Standalone::listen`] checked (once; later
+    /// calls deploy nothing), then lets `/readyz` answer ready. What they change is written in
+    /// one transaction: unchanged ones write nothing.
+    pub async fn deploy_checked(&self) {
+        let checked = self
+            .checked
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+            .unwrap_or_default();
+        let count = checked.len();
+        self.server.deploy_checked(checked).await;
+        self.server.set_ready(true);
+        tracing::info!(deployments = count, "standalone ready");
+    }
+
     /// Deploys the document's deployments in order (a changed document bumps its revision, the
-    /// same one changes nothing), then lets `/readyz` answer ready. Stops at the first refusal,
-    /// naming that deployment: those before it stay deployed, and `/readyz` stays as it was.
+    /// same one changes nothing), then lets `/readyz` answer ready. The whole document is
+    /// checked first: a refusal names that deployment and changes nothing, and `/readyz` stays
+    /// as it was.
     /// What they change is written in one transaction ([`Server::deploy_all`]): unchanged ones
     /// write nothing.
     pub async fn deploy_document(

@@ -15,7 +15,8 @@
 //!   (`cancelled`), as the real agents do;
 //! - stops that fail ([`FakeHost::fail_stops`]): the engine could not be stopped (after ending
 //!   a hanging operation of its instance);
-//! - a hook called on every `sample` ([`FakeHost::on_sample`]), which answers none.
+//! - a hook called on every `sample` ([`FakeHost::on_sample`]), which answers none, and one
+//!   called on every `inventory` ([`FakeHost::on_inventory`]);
 //!
 //! Mutex poisoning is a test's panic elsewhere: the fake goes on with the data.
 
@@ -72,6 +73,9 @@ impl Concurrency {
 /// What [`FakeHost::on_sample`] calls, with the instance ID.
 type SampleHook = Box<dyn Fn(&str) + Send + Sync>;
 
+/// What [`FakeHost::on_inventory`] calls.
+type InventoryHook = Box<dyn Fn() + Send + Sync>;
+
 /// An in-process host agent whose engines start, park, wake and stop at once (see the
 /// module's doc). Build it with [`FakeHost::new`] and the `with_…` methods.
 pub struct FakeHost {
@@ -92,6 +96,7 @@ pub struct FakeHost {
     stopped: Mutex<BTreeSet<String>>,
     stops: tokio::sync::Notify,
     sample_hook: OnceLock<SampleHook>,
+    inventory_hook: OnceLock<InventoryHook>,
     /// Engines whose samples say they have requests waiting ([`FakeHost::set_engine_waiting`]);
     /// the others have no sample.
     engine_waiting: Mutex<std::collections::HashMap<String, u64>>,
@@ -170,6 +175,7 @@ impl FakeHost {
             stopped: Mutex::new(BTreeSet::new()),
             stops: tokio::sync::Notify::new(),
             sample_hook: OnceLock::new(),
+            inventory_hook: OnceLock::new(),
             engine_waiting: Mutex::new(std::collections::HashMap::new()),
             times: OpTimes::default(),
         }
@@ -229,6 +235,12 @@ impl FakeHost {
     /// it) is fine.
     pub fn on_sample(&self, hook: impl Fn(&str) + Send + Sync + 'static) {
         let _ = self.sample_hook.set(Box::new(hook));
+    }
+
+    /// Calls `hook` on every `inventory`, before it answers; set once, as
+    /// [`FakeHost::on_sample`]. (A hook that panics is a host agent's bug, in the caller's task.)
+    pub fn on_inventory(&self, hook: impl Fn() + Send + Sync + 'static) {
+        let _ = self.inventory_hook.set(Box::new(hook));
     }
 
     /// From now on `instance`'s samples (taken now) say its engine has `waiting` requests
@@ -315,6 +327,9 @@ impl FakeHost {
 impl HostAgent for FakeHost {
     fn inventory(&self) -> BoxFuture<'_, Result<Inventory, AgentError>> {
         Box::pin(self.round_trip(|| {
+            if let Some(hook) = self.inventory_hook.get() {
+                hook();
+            }
             Ok(Inventory {
                 gpus: (0..self.gpu_count)
                     .map(|index| GpuInfo {

@@ -223,3 +223,61 @@ fn metrics_are_listed_before_the_first_request() {
         "{text}"
     );
 }
+
+/// A start that is refused changes nothing. A deployment larger than every GPU is refused
+/// before any listener opens (the management port is taken here: the refusal is the
+/// document's, not the bind's), naming the file and line of its size, as the document's other
+/// errors do; and the fresh data directory is left with no state database, admin token or
+/// switch records.
+#[test]
+fn a_refused_start_names_the_file_and_line_and_leaves_nothing_behind() {
+    let dir = temp_dir("refused-start");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let big = model("big", "").replace("gpu_memory: 6GiB", "gpu_memory: 80GiB");
+    let doc = document("", "", &[&model("small", ""), &big]).replace(
+        "management: \"127.0.0.1:0\"",
+        &format!("management: \"{}\"", taken.local_addr().unwrap()),
+    );
+    let file = dir.join("standalone.yaml");
+    std::fs::write(&file, &doc).unwrap();
+    let line = 1 + doc
+        .lines()
+        .position(|l| l.contains("gpu_memory: 80GiB"))
+        .unwrap();
+    let data = dir.join("data");
+    let out = Command::new(support::capyctl())
+        .args(["start", "standalone", "--file"])
+        .arg(&file)
+        .arg("--data-dir")
+        .arg(&data)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{err}");
+    let at = format!("standalone.yaml:{line}: deployments[1].resources.gpu_memory: ");
+    let refusal = err
+        .lines()
+        .find(|l| l.contains(&at))
+        .unwrap_or_else(|| panic!("no line names {at}:\n{err}"));
+    assert!(
+        refusal.contains("deployment big does not fit on any GPU")
+            && refusal.contains("80.0 GiB is more than the GPU memory of any host"),
+        "{refusal}"
+    );
+    assert!(!err.contains("standalone listening"), "{err}");
+    let left: Vec<String> = std::fs::read_dir(&data)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    for file in ["state.redb", "admin-token", "switches.jsonl"] {
+        assert!(!left.iter().any(|l| l == file), "{file} was left: {left:?}");
+    }
+    // The data directory's lock alone (taken before anything else is touched).
+    assert!(left.iter().all(|l| l == "lock"), "{left:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -635,3 +635,34 @@ fn start_wait_shows_progress_on_a_terminal() {
     assert!(starting < receipt, "{text}");
     assert!(lines[receipt].ends_with("state ready, ready 1/1"), "{text}");
 }
+
+/// A start that hangs (the simulator's start delay: its engine is not ready for 10 minutes),
+/// whose request gave up at its deadline and that no operator asked for, is a victim like an
+/// idle model: a request for another model that needs the GPU ends it and is served, without
+/// an operator.
+#[test]
+fn a_hanging_start_nobody_waits_for_makes_way_for_another_models_request() {
+    let dir = temp_dir("hanging-start-victim");
+    let hanging = model("slow", "").replace(
+        "ENGINE_SIM_WEIGHTS_BYTES: 64MiB}",
+        "ENGINE_SIM_WEIGHTS_BYTES: 64MiB, ENGINE_SIM_STARTUP_DELAY: 600s}",
+    );
+    let doc = document(
+        "      request_deadline: 5s\n",
+        "",
+        &[&hanging, &model("other", "")],
+    );
+    let capy = Capy::start(&dir, &doc);
+    let gave_up = chat(capy.inference, "slow", false);
+    assert_error(&gave_up, 503, "unavailable", true);
+    assert_eq!(capy.status("slow")["state"], "starting");
+    let asked = Instant::now();
+    let served = chat(capy.inference, "other", false);
+    assert_eq!(served.status, 200, "{served:?}");
+    assert!(
+        asked.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        asked.elapsed()
+    );
+    assert_eq!(capy.status("slow")["state"], "stopped");
+}

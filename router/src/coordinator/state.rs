@@ -506,6 +506,10 @@ pub(crate) struct State {
     /// Bring-ups (plans without victims) being executed, by switch number: their targets.
     /// They leave [`State::switches`] once executing (see `plan_done`).
     bring_ups: BTreeMap<SwitchSeq, DeploymentId>,
+    /// The bring-ups and executing switches whose target the lifecycle announced ready while
+    /// they executed: when their execute answers, the target is not "coming" any more, even
+    /// with no open instance (its engine exited meanwhile: nothing announces it again).
+    announced: BTreeSet<SwitchSeq>,
     next_seq: SwitchSeq,
     releases: BTreeMap<ReleaseId, Release>,
     /// Operators' switches waiting for their turn, oldest first.
@@ -548,6 +552,7 @@ impl State {
             blocked: BTreeMap::new(),
             demand: BTreeSet::new(),
             bring_ups: BTreeMap::new(),
+            announced: BTreeSet::new(),
             next_seq: 0,
             releases: BTreeMap::new(),
             operators: VecDeque::new(),
@@ -811,6 +816,20 @@ impl State {
         }
         dep.note_servable(now);
         dep.wanted_since = None;
+        let executing = self
+            .bring_ups
+            .iter()
+            .filter(|(_, target)| **target == deployment)
+            .map(|(seq, _)| *seq)
+            .chain(
+                self.switches
+                    .iter()
+                    .filter(|(_, sw)| {
+                        sw.target == deployment && matches!(sw.phase, Phase::Executing { .. })
+                    })
+                    .map(|(seq, _)| *seq),
+            );
+        self.announced.extend(executing);
         self.unblock(true);
         // The target became ready by other means: the switch is not needed any more.
         self.cancel_switch_to(now, &deployment, None, fx);
@@ -987,6 +1006,8 @@ impl State {
         result: Result<Executed, ApiError>,
         fx: &mut impl Effects,
     ) {
+        // Announced (and perhaps gone since): not waited for as coming.
+        let announced = self.announced.remove(&seq);
         let target = if let Some(target) = self.bring_ups.remove(&seq) {
             self.unblock(true);
             target
@@ -1006,6 +1027,7 @@ impl State {
                     Ok(executed) => {
                         if let Some(dep) = self.deployments.get_mut(&sw.target)
                             && !dep.has_open()
+                            && !announced
                         {
                             // Its start or wake goes on in the lifecycle.
                             self.blocked.insert(sw.target.clone(), Blocked::Coming);
@@ -1027,7 +1049,7 @@ impl State {
             Ok(_) => {
                 if let Some(dep) = self.deployments.get_mut(&target) {
                     dep.wanted_since = None;
-                    if !dep.has_open() {
+                    if !dep.has_open() && !announced {
                         // The lifecycle has not announced the instance yet.
                         self.blocked.insert(target.clone(), Blocked::Coming);
                     }
@@ -2192,6 +2214,38 @@ mod tests {
         s.execute_done(t + W, 1, Ok(Executed::default()), &mut fx);
         assert!(fx.take().is_empty());
         assert_eq!(s.next_timer(), None);
+    }
+
+    /// The target's engine exits after it was announced ready and before its bring-up's
+    /// execute answered (the lifecycle still saving its record): nothing will announce it
+    /// again, so it is not taken for coming, and the request waiting for it plans anew.
+    #[test]
+    fn a_target_gone_before_its_execute_answered_is_planned_again() {
+        let t = Instant::now();
+        let far = t + Duration::from_secs(600);
+        let mut s = State::new(RouterConfig::default());
+        let mut fx = Recorder::default();
+        let protected: BTreeSet<_> = ["a".to_string()].into();
+        s.admit(t, req(1, "a", far), &mut fx);
+        assert_eq!(fx.take(), vec![Fx::Plan(1, "a".into(), protected.clone())]);
+        s.plan_done(
+            t,
+            1,
+            Ok(Plan::BringUp {
+                switch_id: "s".into(),
+            }),
+            &mut fx,
+        );
+        let calls = fx.take();
+        assert!(matches!(&calls[..], [Fx::Execute(1, _)]), "{calls:?}");
+        s.instance_ready(t, up("a"), &mut fx);
+        assert_eq!(fx.take(), vec![Fx::Grant(1)]);
+        s.instance_gone(t, key("a"), &mut fx);
+        // A request while the bring-up is still executing waits for its answer.
+        s.admit(t, req(2, "a", far), &mut fx);
+        fx.take();
+        s.execute_done(t, 1, Ok(Executed::default()), &mut fx);
+        assert_eq!(fx.take(), vec![Fx::Plan(2, "a".into(), protected)]);
     }
 
     #[test]

@@ -17,8 +17,9 @@
 //!   are skipped). A head that cannot be read is answered `400 invalid_request` saying what
 //!   is wrong, a request target over [`MAX_TARGET`] `414 uri_too_long` (as soon as the part
 //!   that arrived is longer), and the connection is closed.
-//! - **Body.** Chunked when `Transfer-Encoding` is `chunked` (any other transfer coding is
-//!   `501 not_implemented`, naming it; chunked twice or not last, chunked together with
+//! - **Body.** Chunked when `Transfer-Encoding` is `chunked` (chunked not the final coding is a
+//!   400, RFC 9112 6.3; another coding before a final chunked is `501 not_implemented`, naming
+//!   it; chunked twice, chunked together with
 //!   `Content-Length`, or chunked in HTTP/1.0 is refused with 400; a chunk-size line with
 //!   anything but whitespace and an extension after the size is a 400), else
 //!   `Content-Length` (several must agree), else none. It is read whole before the request is
@@ -821,12 +822,14 @@ pub(super) fn incoming(
         }));
     }
     let framing = if encoded {
-        transfer_codings(head, spans)?;
+        // RFC 9112 6.3: when chunked is not the final coding, the body's length cannot be
+        // known, whatever the codings are: 400 (and the connection is closed).
         if !chunked {
             return Err(bad(
                 "the request has a Transfer-Encoding that does not end in chunked".to_string(),
             ));
         }
+        transfer_codings(head, spans)?;
         if length.is_some() {
             return Err(bad(
                 "the request has both Transfer-Encoding and Content-Length".to_string(),
@@ -857,10 +860,10 @@ pub(super) fn incoming(
     })
 }
 
-/// Checks a request's `Transfer-Encoding` lines (RFC 9112 6.1, 7): chunked, once, is the only
-/// coding the listener reads; any other is `501 not_implemented` naming it, chunked twice or
-/// no coding at all a `400`. (Whether chunked comes last is checked by the caller.) Only read
-/// for a request that has a `Transfer-Encoding`.
+/// Checks the `Transfer-Encoding` lines of a request whose final coding is chunked (the caller
+/// answers 400 first when it is not: RFC 9112 6.3): chunked, once, is the only coding the
+/// listener reads; another before it is `501 not_implemented` naming it (RFC 9112 6.1),
+/// chunked twice a `400`.
 fn transfer_codings(head: &[u8], spans: &[Span]) -> Result<(), ApiError> {
     let mut chunked = 0;
     for span in spans {
