@@ -27,7 +27,8 @@ command -v chromium >/dev/null 2>&1 || need+=(chromium fonts-liberation)
 command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
 command -v curl >/dev/null 2>&1 || need+=(curl)
 if [[ "${CAPYCTL_SKIP_REAL_VLLM:-0}" != 1 ]]; then
-  ldconfig -p 2>/dev/null | grep -q 'libnuma\.so\.1 ' || need+=(libnuma1)
+  # (Read whole, then matched: `ldconfig -p | grep -q` fails under pipefail when grep stops early.)
+  [[ "$(ldconfig -p 2>/dev/null)" == *"libnuma.so.1 "* ]] || need+=(libnuma1)
   python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
 fi
 if ((${#need[@]})); then
