@@ -180,6 +180,18 @@ impl App {
         receipt.deployment
     }
 
+    /// `POST /deployments/{name}/start` with `{"wait":true}`, expecting 200; its receipt.
+    async fn start_and_wait(&self, name: &str) -> ActionReceipt {
+        self.authed_body(
+            "POST",
+            &format!("/deployments/{name}/start"),
+            Some("application/json"),
+            r#"{"wait":true}"#,
+        )
+        .await
+        .parse(StatusCode::OK)
+    }
+
     async fn list(&self) -> DeploymentList {
         self.authed("GET", "/deployments")
             .await
@@ -404,15 +416,7 @@ async fn actions_drive_the_engine_and_refuse_an_unknown_deployment() {
     let a = app().await;
     let chat_a = a.deploy(CHAT_A).await;
 
-    let r = a
-        .authed_body(
-            "POST",
-            "/deployments/chat-a/start",
-            Some("application/json"),
-            r#"{"wait":true}"#,
-        )
-        .await;
-    let receipt: ActionReceipt = r.parse(StatusCode::OK);
+    let receipt = a.start_and_wait("chat-a").await;
     assert_eq!(receipt.action, "start");
     assert_eq!(receipt.deployment.id, chat_a.id);
     assert_eq!(a.state("chat-a").await, InstanceState::Ready);
@@ -526,7 +530,8 @@ async fn engines_hosts_and_drains() {
 }
 
 /// The load read (all, one by ID, an unknown ID 404 as the product page says, a bad query
-/// 400 naming the key), the switch records and the request trace.
+/// 400 naming the key), the switch records (an operator's start is one; by name, after a
+/// `seq`; a bad limit 400) and the request trace.
 #[tokio::test]
 async fn load_switches_and_trace_are_read() {
     let a = app().await;
@@ -555,14 +560,23 @@ async fn load_switches_and_trace_are_read() {
     let message = r.error(400, "invalid_request");
     assert!(message.contains("`deploymnt`"), "{message}");
 
+    // An operator's start is a `bring_up` switch record of its own.
+    a.start_and_wait("chat-a").await;
     let switches: SwitchList = a.authed("GET", "/switches").await.parse(StatusCode::OK);
-    assert!(
-        switches.switches.is_empty(),
-        "{}",
-        a.authed("GET", "/switches").await.body
-    );
+    let records: Vec<(&str, &str)> = switches
+        .switches
+        .iter()
+        .map(|s| (s.deployment_id.as_str(), s.host_id.as_str()))
+        .collect();
+    assert_eq!(records, [(chat_a.id.as_str(), HOST)], "{switches:?}");
     let r = a.authed("GET", "/switches?deployment=chat-a&limit=5").await;
-    let _: SwitchList = r.parse(StatusCode::OK);
+    let named: SwitchList = r.parse(StatusCode::OK);
+    assert_eq!(named, switches);
+    let r = a
+        .authed("GET", &format!("/switches?after={}", switches.next))
+        .await;
+    let later: SwitchList = r.parse(StatusCode::OK);
+    assert!(later.switches.is_empty(), "{later:?}");
     let r = a.authed("GET", "/switches?limit=0").await;
     let message = r.error(400, "invalid_request");
     assert!(message.contains("`limit`"), "{message}");
