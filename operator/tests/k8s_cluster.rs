@@ -47,22 +47,22 @@ use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, ResourceExt};
 
 /// A namespace of the test's own in the cluster of `CAPYCTL_TEST_KUBECONFIG`, with the chart's
-/// CRDs applied; `None` when the variable is unset.
-async fn namespace_with_crds() -> Option<TestNamespace> {
-    let (kubeconfig, client) = k8s_support::cluster().await?;
+/// CRDs applied; fails the test when the variable is unset ([`k8s_support::kubeconfig`]).
+async fn namespace_with_crds() -> TestNamespace {
+    let (kubeconfig, client) = k8s_support::cluster().await;
     crds::install_crds(&client).await;
-    Some(TestNamespace::create(&kubeconfig, &client, "capyctl-test").await)
+    TestNamespace::create(&kubeconfig, &client, "capyctl-test").await
 }
 
 /// [`namespace_with_crds`] with the fixture manifest created in it.
-async fn namespace_with_the_manifest() -> Option<(TestNamespace, Deployment)> {
-    let ns = namespace_with_crds().await?;
+async fn namespace_with_the_manifest() -> (TestNamespace, Deployment) {
+    let ns = namespace_with_crds().await;
     let cr = ns
         .api::<Deployment>()
         .create(&PostParams::default(), &manifest(&ns.name))
         .await
         .unwrap();
-    Some((ns, cr))
+    (ns, cr)
 }
 
 /// The fixture manifest, in namespace `ns`.
@@ -234,9 +234,7 @@ impl ManagementApi for Recording {
 #[tokio::test]
 #[ignore = "needs cluster"]
 async fn crds_install_and_a_model_manifest_applies_with_its_printer_columns() {
-    let Some(ns) = namespace_with_crds().await else {
-        return;
-    };
+    let ns = namespace_with_crds().await;
     let crds: Api<CustomResourceDefinition> = Api::all(ns.client.clone());
     let crd = crds.get("deployments.capyctl.io").await.unwrap();
     let columns: Vec<String> = crd.spec.versions[0]
@@ -288,9 +286,7 @@ async fn crds_install_and_a_model_manifest_applies_with_its_printer_columns() {
 #[tokio::test]
 #[ignore = "needs cluster"]
 async fn status_is_applied_by_the_one_field_manager_on_the_status_subresource() {
-    let Some((ns, cr)) = namespace_with_the_manifest().await else {
-        return;
-    };
+    let (ns, cr) = namespace_with_the_manifest().await;
     let client = ns.client.clone();
     let api: Api<Deployment> = ns.api();
     let doc = cr.to_document().unwrap();
@@ -364,9 +360,7 @@ async fn status_is_applied_by_the_one_field_manager_on_the_status_subresource() 
 #[tokio::test]
 #[ignore = "needs cluster"]
 async fn the_finalizer_holds_a_deleted_cr_until_the_lifecycle_let_go() {
-    let Some(ns) = namespace_with_crds().await else {
-        return;
-    };
+    let ns = namespace_with_crds().await;
     let client = ns.client.clone();
     let api: Api<Deployment> = ns.api();
     api.create(&PostParams::default(), &manifest(&ns.name))
@@ -466,10 +460,8 @@ fn accepted_reason(cr: &Deployment) -> Option<(String, String)> {
 async fn models_of_watched_namespaces_are_reconciled_and_a_name_is_served_from_one() {
     use capyctl_operator::watch::{Claims, Watch};
 
-    let Some(release) = namespace_with_crds().await else {
-        return;
-    };
-    let (kubeconfig, client) = k8s_support::cluster().await.unwrap();
+    let release = namespace_with_crds().await;
+    let (kubeconfig, client) = k8s_support::cluster().await;
     let team_a = TestNamespace::create(&kubeconfig, &client, "capyctl-team-a").await;
     let team_b = TestNamespace::create(&kubeconfig, &client, "capyctl-team-b").await;
     let unwatched = TestNamespace::create(&kubeconfig, &client, "capyctl-team-x").await;
@@ -562,9 +554,7 @@ async fn models_of_watched_namespaces_are_reconciled_and_a_name_is_served_from_o
 #[tokio::test]
 #[ignore = "needs cluster"]
 async fn one_replica_holds_the_lease_and_the_other_takes_it_after_a_release() {
-    let Some((kubeconfig, client)) = k8s_support::cluster().await else {
-        return;
-    };
+    let (kubeconfig, client) = k8s_support::cluster().await;
     let ns = TestNamespace::create(&kubeconfig, &client, "capyctl-test").await;
     let leases: Api<Lease> = ns.api();
     let mut a = LeaderElector::new(leases.clone(), LeaseConfig::new("capyctl-operator", "op-a"));
@@ -591,9 +581,7 @@ async fn one_replica_holds_the_lease_and_the_other_takes_it_after_a_release() {
 #[tokio::test]
 #[ignore = "needs cluster"]
 async fn an_engine_pod_is_created_on_its_node_owned_by_its_cr() {
-    let Some((ns, cr)) = namespace_with_the_manifest().await else {
-        return;
-    };
+    let (ns, cr) = namespace_with_the_manifest().await;
     let spec = InstanceSpec::from_doc("01KTESTDEPLOYMENT0000000000", &cr.to_document().unwrap());
     let engine = EngineLaunch::default_for(EngineKind::Vllm);
     let pod = engine_pod(
@@ -643,9 +631,7 @@ async fn an_engine_pod_that_never_runs_fails_the_start_clearly_and_is_owned_and_
     use capyctl_operator::engines::PodHostAgent;
     use capyctl_operator::pods::{LABEL_DEPLOYMENT, LABEL_GENERATION, LABEL_INSTANCE};
 
-    let Some((ns, cr)) = namespace_with_the_manifest().await else {
-        return;
-    };
+    let (ns, cr) = namespace_with_the_manifest().await;
     let client = ns.client.clone();
     let node = "gpu-node-that-does-not-exist";
     let data = std::env::temp_dir().join(k8s_support::unique("capyctl-pod-runtime"));

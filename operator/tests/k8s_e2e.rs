@@ -267,9 +267,7 @@ async fn against_a_fake_api_server_replicas_run_on_two_nodes_and_scale_down() {
 #[ignore = "needs cluster"]
 async fn against_a_cluster_replicas_run_on_two_nodes_and_scale_down() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let Some((kubeconfig, ns)) = cluster_namespace().await else {
-        return;
-    };
+    let (kubeconfig, ns) = cluster_namespace().await;
     replicas_over_nodes(ns.client.clone(), &kubeconfig, &ns.name).await;
 }
 
@@ -685,9 +683,7 @@ async fn against_a_fake_api_server_two_node_agents_are_two_hosts() {
 #[ignore = "needs cluster"]
 async fn against_a_cluster_the_operator_switches_two_models_and_the_crs_show_it() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let Some((kubeconfig, ns)) = cluster_namespace().await else {
-        return;
-    };
+    let (kubeconfig, ns) = cluster_namespace().await;
     scenario(ns.client.clone(), &kubeconfig, &ns.name).await;
 }
 
@@ -695,9 +691,7 @@ async fn against_a_cluster_the_operator_switches_two_models_and_the_crs_show_it(
 #[ignore = "needs cluster"]
 async fn against_a_cluster_two_node_agents_are_two_hosts() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let Some((kubeconfig, ns)) = cluster_namespace().await else {
-        return;
-    };
+    let (kubeconfig, ns) = cluster_namespace().await;
     two_hosts(ns.client.clone(), &kubeconfig, &ns.name).await;
 }
 
@@ -705,9 +699,7 @@ async fn against_a_cluster_two_node_agents_are_two_hosts() {
 #[ignore = "needs cluster"]
 async fn against_a_cluster_the_standby_takes_over_and_adopts_the_engine() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let Some((kubeconfig, ns)) = cluster_namespace().await else {
-        return;
-    };
+    let (kubeconfig, ns) = cluster_namespace().await;
     failover(ns.client.clone(), &kubeconfig, &ns.name).await;
 }
 
@@ -737,9 +729,7 @@ async fn against_a_fake_api_server_a_node_agent_gone_is_reported_and_served_agai
 #[ignore = "needs cluster"]
 async fn against_a_cluster_a_leader_killed_mid_switch_is_taken_over_cleanly() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let Some((kubeconfig, ns)) = cluster_namespace().await else {
-        return;
-    };
+    let (kubeconfig, ns) = cluster_namespace().await;
     leader_killed_mid_switch(ns.client.clone(), &kubeconfig, &ns.name).await;
 }
 
@@ -747,9 +737,7 @@ async fn against_a_cluster_a_leader_killed_mid_switch_is_taken_over_cleanly() {
 #[ignore = "needs cluster"]
 async fn against_a_cluster_a_node_agent_gone_is_reported_and_served_again_when_back() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let Some((kubeconfig, ns)) = cluster_namespace().await else {
-        return;
-    };
+    let (kubeconfig, ns) = cluster_namespace().await;
     node_agent_gone(ns.client.clone(), &kubeconfig, &ns.name, true).await;
 }
 
@@ -768,8 +756,6 @@ async fn against_a_fake_api_server_a_node_agent_gone_alone_is_adopted_again_when
 #[ignore = "needs cluster"]
 async fn against_a_cluster_a_node_agent_gone_alone_is_adopted_again_when_back() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let Some((kubeconfig, ns)) = cluster_namespace().await else {
-        return;
-    };
+    let (kubeconfig, ns) = cluster_namespace().await;
     node_agent_gone(ns.client.clone(), &kubeconfig, &ns.name, false).await;
 }

@@ -101,7 +101,8 @@ struct AppState {
 }
 
 /// The management app: every route of the module's table. Serve it with [`serve`], or drive
-/// it in tests with `tower::ServiceExt::oneshot`.
+/// it in tests with `tower::ServiceExt::oneshot` (`server/tests/management_app.rs`, over a
+/// real lifecycle).
 pub fn router(api: Arc<dyn ManagementApi>, options: ManagementOptions) -> Router {
     let state = AppState {
         api,

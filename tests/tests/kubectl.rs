@@ -383,17 +383,15 @@ fn a_tls_management_listener_is_reached_with_https_through_the_proxy() {
 /// endpoints available" where an Endpoints object exists, or 404 for the Endpoints nobody
 /// created; either way the answer names the Service and comes from the API server, which
 /// proves the path, the RBAC and the token lookup. Without the Secret the plugin says it
-/// cannot read it. Skipped when `CAPYCTL_TEST_KUBECONFIG` is unset, as every needs-cluster
-/// test.
+/// cannot read it. Fails, naming it, when `CAPYCTL_TEST_KUBECONFIG` is unset, as every
+/// needs-cluster test.
 #[tokio::test]
 #[ignore = "needs cluster"]
 async fn the_plugin_reaches_the_service_proxy_of_a_real_cluster() {
     use k8s_openapi::api::core::v1::{Secret, Service};
     use kube::api::{DeleteParams, PostParams};
 
-    let Some((kubeconfig, client)) = k8s_support::cluster().await else {
-        return;
-    };
+    let (kubeconfig, client) = k8s_support::cluster().await;
     let ns = k8s_support::TestNamespace::create(&kubeconfig, &client, "capyctl-plugin").await;
     let service: Service = serde_json::from_value(serde_json::json!({
         "metadata": {"name": "capyctl-management"},

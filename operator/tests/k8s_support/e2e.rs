@@ -331,11 +331,10 @@ pub async fn fake_api_server(name: &str) -> (std::path::PathBuf, std::path::Path
 
 /// The cluster of `CAPYCTL_TEST_KUBECONFIG` with the chart's CRDs applied and established, and
 /// a fresh namespace, cleaned up when dropped (the finalizers the stopped operator left
-/// included); `None` when the variable is unset.
-pub async fn cluster_namespace() -> Option<(std::path::PathBuf, super::k8s_support::TestNamespace)>
-{
-    let (kubeconfig, client) = super::k8s_support::cluster().await?;
+/// included); fails the test when the variable is unset ([`super::k8s_support::kubeconfig`]).
+pub async fn cluster_namespace() -> (std::path::PathBuf, super::k8s_support::TestNamespace) {
+    let (kubeconfig, client) = super::k8s_support::cluster().await;
     super::crds::install_crds(&client).await;
     let ns = super::k8s_support::TestNamespace::create(&kubeconfig, &client, "capyctl-test").await;
-    Some((kubeconfig, ns))
+    (kubeconfig, ns)
 }

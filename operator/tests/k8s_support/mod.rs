@@ -1,7 +1,8 @@
 //! What the `needs cluster` tests share (also included by the node agent's cluster tests and
 //! the end-to-end `tests/tests/kubectl.rs` with `#[path]`; `crds.rs` beside it applies the chart's CRDs): the cluster of
 //! `CAPYCTL_TEST_KUBECONFIG` and [`TestNamespace`], a namespace of its own per test that is cleaned up when it is
-//! dropped, even after a failed assertion.
+//! dropped, even after a failed assertion. Run (`--ignored`) without the variable, such a test
+//! fails, naming it and how to get a cluster: a test that checked nothing does not pass.
 //!
 //! The clusters these tests run against may have an API server only (Kubernetes 1.34, no
 //! kubelet, no controller-manager): nothing creates the `default` ServiceAccount (Pod admission
@@ -22,14 +23,24 @@ use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config, ResourceExt};
 
-/// The kubeconfig of `CAPYCTL_TEST_KUBECONFIG`; `None` (the test returns) when it is unset.
-pub fn kubeconfig() -> Option<PathBuf> {
-    match std::env::var_os("CAPYCTL_TEST_KUBECONFIG").filter(|p| !p.is_empty()) {
-        Some(p) => Some(PathBuf::from(p)),
-        None => {
-            eprintln!("CAPYCTL_TEST_KUBECONFIG is not set; skipping");
-            None
-        }
+/// The variable naming the cluster's kubeconfig.
+pub const KUBECONFIG_VAR: &str = "CAPYCTL_TEST_KUBECONFIG";
+
+/// The kubeconfig of `CAPYCTL_TEST_KUBECONFIG`.
+///
+/// # Panics
+/// When it is unset or empty: a `needs cluster` test run (`--ignored`) without a cluster fails,
+/// saying how to get one, rather than pass having checked nothing.
+pub fn kubeconfig() -> PathBuf {
+    match std::env::var_os(KUBECONFIG_VAR).filter(|p| !p.is_empty()) {
+        Some(p) => PathBuf::from(p),
+        None => panic!(
+            "{KUBECONFIG_VAR} is not set: this `needs cluster` test needs a Kubernetes API \
+             server (1.34). Start one with `../shared/tools/k8s/k8s-up.sh` (it writes \
+             ~/.cache/capyctl-k8s/kubeconfig) or `scripts/local-cluster.sh up`, then run \
+             `{KUBECONFIG_VAR}=<its kubeconfig> cargo test ... -- --ignored` (README, \
+             Kubernetes); without a cluster, run the tests without `--ignored`"
+        ),
     }
 }
 
@@ -47,11 +58,12 @@ pub async fn client_of(path: &std::path::Path) -> Client {
     Client::try_from(config_of(path).await).unwrap()
 }
 
-/// The cluster's kubeconfig and client, or `None` when `CAPYCTL_TEST_KUBECONFIG` is unset.
-pub async fn cluster() -> Option<(PathBuf, Client)> {
-    let path = kubeconfig()?;
+/// The cluster's kubeconfig and client ([`kubeconfig`]: fails the test when
+/// `CAPYCTL_TEST_KUBECONFIG` is unset).
+pub async fn cluster() -> (PathBuf, Client) {
+    let path = kubeconfig();
     let client = client_of(&path).await;
-    Some((path, client))
+    (path, client)
 }
 
 /// A name no other test run uses: `<prefix>-<nanoseconds>-<pid>-<n>` in base 36.
