@@ -6,6 +6,10 @@
 #                                        namespace, bridge or iptables rule of it is left
 #   scripts/local-cluster.sh down --wipe the same, and delete the cluster's state (etcd, images)
 #   scripts/local-cluster.sh status      what runs
+#   scripts/local-cluster.sh restart kubelet   stop the kubelet (SIGTERM: its Pods run on), then
+#                                        `up` again (it starts what is missing) until the node is
+#                                        Ready as the new kubelet reports it (a fault the
+#                                        end-to-end test injects)
 #
 # What `up` starts, each a process of its own (logs and pids under $STATE/logs and $STATE/run):
 #   etcd, kube-apiserver (on every address: Pods reach it through the `kubernetes` Service),
@@ -598,5 +602,9 @@ case "${1:-}" in
       *) die "usage: $0 down [--wipe]" ;;
     esac ;;
   status) status ;;
-  *) echo "usage: $0 up | down [--wipe] | status" >&2; exit 2 ;;
+  restart)
+    [ "${2:-}" = kubelet ] || die "usage: $0 restart kubelet"
+    stop kubelet "$BIN/kubelet"
+    up ;;
+  *) echo "usage: $0 up | down [--wipe] | status | restart kubelet" >&2; exit 2 ;;
 esac

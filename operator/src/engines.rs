@@ -9,7 +9,8 @@
 //!   request when it parks in host RAM), then lets the node agent start it (it waits for the
 //!   Pod to run and drives the engine); a failed start deletes the Pod again. Once started,
 //!   the first answer goes into the Pod's annotations;
-//! - `park` and `wake` go to the node agent; the Pod's [`ANNOTATION_PARKED`] follows (a
+//! - `park` and `wake` (within the caller's wake window when it gives one) go to the node
+//!   agent; the Pod's [`ANNOTATION_PARKED`] follows (a
 //!   parked engine keeps its Pod); a failed wake and a park that stopped delete the Pod;
 //! - `stop`: lets the node agent stop the engine, then deletes the instance's Pods (after an
 //!   error from the agent too). The agent's stop is prompt even while a start waits for its Pod
@@ -20,7 +21,9 @@
 //!   Pod ... was deleted"), or is ended by the lifecycle's next stop, and never takes that Pod;
 //! - `recover`: lets the node agent adopt what it can (from its records, else from the Pods'
 //!   annotations), then deletes the engine Pods of the node that belong to no adopted
-//!   instance (nothing is leaked).
+//!   instance (nothing is leaked);
+//! - the rest is the node agent's as it is: its exits, samples and health (a node agent that
+//!   restarted is reconciled again through it, and its recovery adopts the engine Pods).
 //!
 //! Measurement (DESIGN.md 2, "measured when absent"): an engine in a Pod has no pid the node
 //! agent could read a footprint of. When the start of an engine whose GPU memory is unknown
@@ -36,10 +39,11 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use capyctl_crds::{Deployment, Host, MeasurementSource, MeasurementState};
 use capyctl_node_agent::agent::{
-    BoxFuture, EngineExit, ParkResult, RecoveryReport, StartedInstance, WakeReport,
+    AgentHealth, BoxFuture, EngineExit, ParkResult, RecoveryReport, StartedInstance, WakeReport,
 };
 use capyctl_node_agent::capability::EngineInfo;
 use capyctl_node_agent::inventory::Inventory;
@@ -52,7 +56,7 @@ use capyctl_node_agent::{AgentError, HostAgent};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, watch};
 
 use super::pods::{
     EnginePod, EnginePodSettings, LABEL_DEPLOYMENT, LABEL_GENERATION, LABEL_INSTANCE,
@@ -425,6 +429,28 @@ impl PodHostAgent {
         }
         Ok(started)
     }
+    /// A wake by the node agent (within the caller's `window` when one is given); the Pod's
+    /// annotation follows.
+    async fn do_wake(
+        &self,
+        instance: &str,
+        window: Option<Duration>,
+    ) -> Result<WakeReport, AgentError> {
+        let _op = self.begin();
+        let report = match window {
+            Some(window) => self.inner.wake_within(instance, window).await,
+            None => self.inner.wake(instance).await,
+        };
+        match &report {
+            // A failed wake stops the engine: its Pod goes.
+            Ok(r) if r.outcome.failure().is_some() => {
+                let _ = self.delete_instance_pods(instance).await;
+            }
+            Ok(_) => self.annotate(instance, ANNOTATION_PARKED, None).await,
+            Err(_) => {}
+        }
+        report
+    }
 }
 
 impl HostAgent for PodHostAgent {
@@ -498,19 +524,15 @@ impl HostAgent for PodHostAgent {
     }
 
     fn wake<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<WakeReport, AgentError>> {
-        Box::pin(async move {
-            let _op = self.begin();
-            let report = self.inner.wake(instance).await;
-            match &report {
-                // A failed wake stops the engine: its Pod goes.
-                Ok(r) if r.outcome.failure().is_some() => {
-                    let _ = self.delete_instance_pods(instance).await;
-                }
-                Ok(_) => self.annotate(instance, ANNOTATION_PARKED, None).await,
-                Err(_) => {}
-            }
-            report
-        })
+        Box::pin(self.do_wake(instance, None))
+    }
+
+    fn wake_within<'a>(
+        &'a self,
+        instance: &'a str,
+        window: Duration,
+    ) -> BoxFuture<'a, Result<WakeReport, AgentError>> {
+        Box::pin(self.do_wake(instance, Some(window)))
     }
 
     fn stop<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<(), AgentError>> {
@@ -560,6 +582,20 @@ impl HostAgent for PodHostAgent {
     fn samples(&self) -> BTreeMap<String, LoadSample> {
         self.inner.samples()
     }
+
+    // NB: the node agent's health is the lifecycle's only news of a node agent that restarted
+    // (its exits' epoch changed): it reconciles the host again, and the restarted agent, which
+    // drives no engine until a recovery, adopts its engine Pods. Left to the trait's default
+    // (never changes), a node agent killed and restarted by the kubelet was never asked to
+    // recover: its engines served on, unwatched, and a deleted engine Pod went unnoticed (the
+    // model stayed ready, every request answered upstream_unavailable).
+    fn subscribe_health(&self) -> watch::Receiver<AgentHealth> {
+        self.inner.subscribe_health()
+    }
+
+    fn unreachable(&self) -> Option<String> {
+        self.inner.unreachable()
+    }
 }
 
 /// The label selector of one deployment's engine Pods.
@@ -573,7 +609,6 @@ mod tests {
 
     use std::collections::VecDeque;
     use std::sync::Mutex;
-    use std::time::Duration;
 
     use capyctl_node_agent::inventory::{GpuInfo, HostMemory};
     use capyctl_node_agent::launch::{MaxRunning, MaxRunningSource};
@@ -591,6 +626,10 @@ mod tests {
         calls: Mutex<Vec<String>>,
         starts: bool,
         free: Mutex<VecDeque<u64>>,
+        /// What it says of itself (a node agent over HTTP: its restarts, its reachability).
+        health: watch::Sender<AgentHealth>,
+        /// Its engines' exits, when it tells them (a node agent over HTTP does).
+        exits: Option<broadcast::Sender<EngineExit>>,
     }
 
     impl HostAgent for Agent {
@@ -697,7 +736,32 @@ mod tests {
             None
         }
         fn recover(&self) -> BoxFuture<'_, Result<RecoveryReport, AgentError>> {
+            self.calls.lock().unwrap().push("recover".into());
             Box::pin(async { Ok(RecoveryReport::default()) })
+        }
+        fn wake_within<'a>(
+            &'a self,
+            instance: &'a str,
+            window: Duration,
+        ) -> BoxFuture<'a, Result<WakeReport, AgentError>> {
+            self.calls
+                .lock()
+                .unwrap()
+                .push(format!("wake {instance} within {} s", window.as_secs()));
+            self.wake(instance)
+        }
+        fn subscribe_health(&self) -> watch::Receiver<AgentHealth> {
+            self.health.subscribe()
+        }
+        fn subscribe_exits(&self) -> broadcast::Receiver<EngineExit> {
+            match &self.exits {
+                Some(tx) => tx.subscribe(),
+                None => broadcast::channel(1).1,
+            }
+        }
+        fn unreachable(&self) -> Option<String> {
+            let held = self.health.borrow().unreachable.clone();
+            held.map(|(_, why)| why)
         }
     }
 
@@ -1001,6 +1065,101 @@ mod tests {
         assert_eq!(footprint(&inv(&[]), &inv(&[])), None);
     }
 
+    /// The recoveries the inner agent was asked for.
+    fn recoveries(inner: &Agent) -> usize {
+        inner
+            .calls
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|c| *c == "recover")
+            .count()
+    }
+
+    /// Found on the local cluster (issue 29): the node agent's container killed, the kubelet
+    /// restarted it, and the lifecycle never asked the new agent to recover, so it never
+    /// adopted (nor watched) the engine Pods; a deleted engine Pod then left its model `ready`
+    /// and every request `upstream_unavailable`. The node agent's health (its restarts) goes
+    /// through the Pod host agent to the lifecycle, which reconciles the host again: a
+    /// recovery, whose leftover Pods are deleted as at the first.
+    #[tokio::test]
+    async fn a_restarted_node_agent_is_recovered_again_through_the_pod_host_agent() {
+        let (client, handle) = mock::client();
+        let server = mock::serve(
+            handle,
+            vec![
+                // The first recovery, at the host's start: no engine Pods.
+                Exchange::ok(Method::GET, PODS, list(vec![])),
+                // The second, after the node agent's restart: a Pod nobody adopted goes.
+                Exchange::ok(
+                    Method::GET,
+                    PODS,
+                    list(vec![pod("chat-a-0-g1", "01KDEP-0", 1, "gpu-1")]),
+                ),
+                Exchange::ok(
+                    Method::DELETE,
+                    &format!("{PODS}/chat-a-0-g1"),
+                    serde_json::json!({}),
+                ),
+            ],
+        );
+        let inner = Arc::new(Agent {
+            exits: Some(broadcast::channel(8).0),
+            ..Agent::default()
+        });
+        let a: Arc<dyn HostAgent> = Arc::new(agent(client, inner.clone()));
+        let lifecycle = capyctl_lifecycle::Server::open(
+            a.clone(),
+            Arc::new(capyctl_lifecycle::store::MemoryStore::default()),
+            capyctl_lifecycle::LifecycleConfig::new("gpu-1"),
+        )
+        .await
+        .unwrap();
+        assert_eq!(recoveries(&inner), 1);
+
+        // Unreachable, then answering again: what the agent says is what the host shows.
+        let why = "connection refused".to_string();
+        inner.health.send_modify(|h| {
+            h.unreachable = Some((std::time::Instant::now(), why.clone()));
+        });
+        assert_eq!(a.unreachable(), Some(why));
+        inner.health.send_modify(|h| h.unreachable = None);
+        assert_eq!(a.unreachable(), None);
+
+        // It came back as a new process.
+        inner.health.send_modify(|h| h.resyncs += 1);
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while recoveries(&inner) < 2 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("the host of a restarted node agent is recovered again");
+        let seen = tokio::time::timeout(Duration::from_secs(10), server)
+            .await
+            .expect("the second recovery deletes the Pod nobody adopted")
+            .unwrap();
+        assert_eq!(seen.len(), 3);
+        drop(lifecycle);
+    }
+
+    #[tokio::test]
+    async fn a_wake_within_the_callers_window_keeps_its_window() {
+        let (client, handle) = mock::client();
+        // The wake passes: the Pod's parked annotation is taken off (no Pod known: none).
+        let server = mock::serve(handle, vec![Exchange::ok(Method::GET, PODS, list(vec![]))]);
+        let inner = Arc::new(Agent::default());
+        let a = agent(client, inner.clone());
+        a.wake_within("01KDEP-0", Duration::from_secs(7))
+            .await
+            .unwrap();
+        assert_eq!(
+            inner.calls.lock().unwrap().as_slice(),
+            ["wake 01KDEP-0 within 7 s"]
+        );
+        server.await.unwrap();
+    }
+
     #[tokio::test]
     async fn stop_and_recovery_delete_the_pods_nobody_runs() {
         let (client, handle) = mock::client();
@@ -1034,7 +1193,10 @@ mod tests {
         let a = agent(client, inner.clone());
         a.stop("01KDEP-0").await.unwrap();
         a.recover().await.unwrap();
-        assert_eq!(inner.calls.lock().unwrap().as_slice(), ["stop 01KDEP-0"]);
+        assert_eq!(
+            inner.calls.lock().unwrap().as_slice(),
+            ["stop 01KDEP-0", "recover"]
+        );
         let seen = server.await.unwrap();
         assert!(
             seen[0]

@@ -11,10 +11,15 @@
 //! the node labelled as a GPU host, the node agent and the operators running, two `Deployment`
 //! objects whose engines are engine-sim, requests through the router Service's ClusterIP that
 //! start one model, switch to the other (the first parked, its engine Pod kept) and back (woken),
-//! the objects' status following, a deleted object's engine Pod removed, and `helm uninstall`
-//! leaving none of the release's objects. Skipped when `CAPYCTL_TEST_KUBECONFIG` is unset, as
-//! every needs-cluster test, and when the cluster has no Ready node (a control plane only, as
-//! `../shared/tools/k8s/k8s-up.sh` starts).
+//! the objects' status following (`kubectl get cdeploy`, `kubectl capyctl list/status`),
+//! `kubectl capyctl start --evict`, the faults of a real node (the node agent's container killed:
+//! its engines adopted, none started twice; an engine Pod deleted by hand: its model fails and
+//! its next request starts it afresh; the kubelet restarted: everything runs on), a deleted
+//! object's engine Pod removed, the operators stopped (the leader releases its Lease) and
+//! `helm uninstall` leaving none of the release's objects. Skipped when
+//! `CAPYCTL_TEST_KUBECONFIG` is unset, as every needs-cluster test, and when the cluster has no
+//! Ready node (a control plane only, as `../shared/tools/k8s/k8s-up.sh` starts). Runs as root
+//! (it kills a container through containerd and restarts the kubelet).
 #![allow(clippy::unwrap_used)]
 
 #[path = "../../operator/tests/k8s_support/mod.rs"]
@@ -139,8 +144,17 @@ async fn wait_states(crs: &Api<capyctl_crds::Deployment>, want: &[(&str, &str)])
     .await
 }
 
-/// The engine Pods of the CR `name` that are Running.
+/// The engine Pods of the CR `name` that are Running (and not being deleted), by name.
 async fn running_engine_pods(pods: &Api<Pod>, name: &str) -> Vec<String> {
+    engine_pod_uids(pods, name)
+        .await
+        .into_iter()
+        .map(|(name, _)| name)
+        .collect()
+}
+
+/// [`running_engine_pods`] with their UIDs (a Pod made again under the same name differs).
+async fn engine_pod_uids(pods: &Api<Pod>, name: &str) -> Vec<(String, String)> {
     let lp = ListParams::default().labels(&format!("capyctl.io/deployment={name}"));
     pods.list(&lp)
         .await
@@ -151,7 +165,7 @@ async fn running_engine_pods(pods: &Api<Pod>, name: &str) -> Vec<String> {
             p.metadata.deletion_timestamp.is_none()
                 && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
         })
-        .map(|p| p.name_any())
+        .map(|p| (p.name_any(), p.uid().unwrap_or_default()))
         .collect()
 }
 
@@ -173,6 +187,116 @@ where
         .map(|o| format!("{kind}/{}", o.name_any()))
         .collect()
 }
+
+/// `kubectl ARGS` (the one `scripts/local-cluster.sh` runs: `$CAPYCTL_K8S_HOME/bin/kubectl`,
+/// else the PATH's) against the kubeconfig; panics with its output when it fails.
+fn kubectl(kubeconfig: &std::path::Path, args: &[&str]) -> String {
+    let home = std::env::var_os("CAPYCTL_K8S_HOME").map_or_else(
+        || PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/capyctl-k8s"),
+        PathBuf::from,
+    );
+    let built = home.join("bin/kubectl");
+    let program = if built.exists() {
+        built
+    } else {
+        PathBuf::from("kubectl")
+    };
+    run(&program, args, &[("KUBECONFIG", kubeconfig.as_os_str())])
+}
+
+/// `kubectl capyctl ARGS` (the workspace's `kubectl-capyctl`, built first when missing or stale)
+/// against the kubeconfig; panics with its output when it fails.
+fn kubectl_capyctl(kubeconfig: &std::path::Path, args: &[&str]) -> String {
+    let plugin = capyctl_test_support::workspace_binary("capyctl", "kubectl-capyctl");
+    run(&plugin, args, &[("KUBECONFIG", kubeconfig.as_os_str())])
+}
+
+/// Runs `program ARGS` with `env` in the workspace; its stdout, or a panic with its output.
+fn run(program: &std::path::Path, args: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> String {
+    let mut command = std::process::Command::new(program);
+    command.args(args).current_dir(repo_root());
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    for k in ["CAPYCTL_SERVER", "CAPYCTL_ADMIN_TOKEN", "CAPYCTL_NAMESPACE"] {
+        command.env_remove(k);
+    }
+    let out = command.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{} {args:?} failed: {stdout}{}",
+        program.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// The `State` column of `kubectl get cdeploy` (the CRD's printer columns) for each row, by
+/// name.
+fn printed_states(kubeconfig: &std::path::Path, ns: &str) -> Vec<(String, String)> {
+    let table = kubectl(kubeconfig, &["get", "cdeploy", "-n", ns]);
+    let mut lines = table.lines();
+    let header: Vec<&str> = lines.next().unwrap_or("").split_whitespace().collect();
+    let column = header
+        .iter()
+        .position(|h| *h == "STATE")
+        .unwrap_or_else(|| panic!("no STATE column: {table}"));
+    lines
+        .map(|l| {
+            let cells: Vec<&str> = l.split_whitespace().collect();
+            (cells[0].to_string(), cells[column].to_string())
+        })
+        .collect()
+}
+
+/// The states `kubectl capyctl list deployments --json` gives, by name.
+fn listed_states(kubeconfig: &std::path::Path, ns: &str) -> Vec<(String, String)> {
+    let out = kubectl_capyctl(kubeconfig, &["-n", ns, "list", "deployments", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let mut states: Vec<(String, String)> = v["deployments"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no deployments: {out}"))
+        .iter()
+        .map(|d| {
+            (
+                d["name"].as_str().unwrap().to_string(),
+                d["state"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    states.sort();
+    states
+}
+
+/// The node agent's Pod (there is one node).
+async fn agent_pod(pods: &Api<Pod>) -> Pod {
+    pods.list(&ListParams::default().labels("app.kubernetes.io/component=node-agent"))
+        .await
+        .unwrap()
+        .items
+        .remove(0)
+}
+
+/// The restart count and the container ID (without its `containerd://`) of `pod`'s first
+/// container.
+fn container_of(pod: &Pod) -> (i32, String) {
+    let status = &pod
+        .status
+        .as_ref()
+        .unwrap()
+        .container_statuses
+        .as_ref()
+        .unwrap()[0];
+    let id = status.container_id.clone().unwrap_or_default();
+    (
+        status.restart_count,
+        id.trim_start_matches("containerd://").to_string(),
+    )
+}
+
+/// The local cluster's containerd (`scripts/local-cluster.sh`'s socket).
+const CONTAINERD: &str = "/run/capyctl-local/containerd.sock";
 
 fn pod_ready(p: &Pod) -> bool {
     p.status
@@ -333,6 +457,179 @@ async fn the_chart_runs_end_to_end_on_a_real_node() {
     wait_states(&crs, &[("chat-a", "ready"), ("chat-b", "parked")]).await;
     assert_eq!(running_engine_pods(&pods, "chat-a").await, parked);
 
+    // The objects' printer columns and `kubectl capyctl` follow the states.
+    let want = |a: &str, b: &str| {
+        vec![
+            ("chat-a".to_string(), a.to_string()),
+            ("chat-b".to_string(), b.to_string()),
+        ]
+    };
+    assert_eq!(
+        printed_states(&kubeconfig, &ns.name),
+        want("ready", "parked")
+    );
+    assert_eq!(
+        listed_states(&kubeconfig, &ns.name),
+        want("ready", "parked")
+    );
+    let status = kubectl_capyctl(
+        &kubeconfig,
+        &["-n", &ns.name, "status", "deployment", "chat-a", "--json"],
+    );
+    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(status["state"], "ready", "{status}");
+    assert_eq!(status["name"], "chat-a", "{status}");
+    // `start --evict` parks chat-a to make room and wakes chat-b.
+    let t = Instant::now();
+    kubectl_capyctl(
+        &kubeconfig,
+        &[
+            "-n",
+            &ns.name,
+            "start",
+            "deployment",
+            "chat-b",
+            "--evict",
+            "--wait",
+        ],
+    );
+    eprintln!("kubectl capyctl start --evict in {:?}", t.elapsed());
+    assert_eq!(
+        listed_states(&kubeconfig, &ns.name),
+        want("parked", "ready")
+    );
+    wait_states(&crs, &[("chat-a", "parked"), ("chat-b", "ready")]).await;
+    assert_eq!(
+        printed_states(&kubeconfig, &ns.name),
+        want("parked", "ready")
+    );
+    let (status, body) = chat(&addr, "chat-b").await;
+    assert_eq!(status, 200, "{body}");
+
+    // Fault: the node agent's container killed. The kubelet restarts it; the new agent adopts
+    // both engines (chat-b ready, chat-a parked) in their Pods: none is started again.
+    let t = Instant::now();
+    let engines = [
+        engine_pod_uids(&pods, "chat-a").await,
+        engine_pod_uids(&pods, "chat-b").await,
+    ];
+    let before = agent_pod(&pods).await;
+    let (restarts, container) = container_of(&before);
+    run(
+        std::path::Path::new("ctr"),
+        &[
+            "--address",
+            CONTAINERD,
+            "-n",
+            "k8s.io",
+            "task",
+            "kill",
+            "-s",
+            "SIGKILL",
+            &container,
+        ],
+        &[],
+    );
+    let agent_name = before.name_any();
+    wait_for(
+        "the node agent's container restarted and Ready",
+        Duration::from_secs(120),
+        || async {
+            let p = pods.get(&agent_name).await.unwrap();
+            let (now, _) = container_of(&p);
+            if now > restarts && pod_ready(&p) {
+                Ok(())
+            } else {
+                Err(format!("{now} restart(s), ready: {}", pod_ready(&p)))
+            }
+        },
+    )
+    .await;
+    // The operator hears of the restart (the agent's exits' epoch) and has it recover.
+    let adopted = wait_for(
+        "the restarted node agent adopting both engine Pods",
+        Duration::from_secs(60),
+        || async {
+            let log = pods
+                .logs(&agent_name, &kube::api::LogParams::default())
+                .await
+                .map_err(|e| e.to_string())?;
+            let adopted = log
+                .lines()
+                .filter(|l| l.contains("engine Pod adopted"))
+                .count();
+            if adopted >= 2 {
+                Ok(adopted)
+            } else {
+                Err(format!("{adopted} adopted: {log}"))
+            }
+        },
+    )
+    .await;
+    assert_eq!(adopted, 2);
+    assert_eq!(
+        [
+            engine_pod_uids(&pods, "chat-a").await,
+            engine_pod_uids(&pods, "chat-b").await,
+        ],
+        engines,
+        "no engine started twice"
+    );
+    let (status, body) = chat(&addr, "chat-b").await;
+    assert_eq!(status, 200, "{body}");
+    // The adopted parked engine wakes in its Pod.
+    let (status, body) = chat(&addr, "chat-a").await;
+    assert_eq!(status, 200, "{body}");
+    wait_states(&crs, &[("chat-a", "ready"), ("chat-b", "parked")]).await;
+    assert_eq!(engine_pod_uids(&pods, "chat-a").await, engines[0]);
+    eprintln!(
+        "node agent killed, restarted, engines adopted in {:?}",
+        t.elapsed()
+    );
+
+    // Fault: chat-a's engine Pod deleted by hand (after the agent's restart: the adopted engine
+    // is watched). The model fails; its next request starts it afresh in a new Pod.
+    let t = Instant::now();
+    pods.delete(&engines[0][0].0, &DeleteParams::default())
+        .await
+        .unwrap();
+    wait_states(&crs, &[("chat-a", "failed"), ("chat-b", "parked")]).await;
+    let (status, body) = chat(&addr, "chat-a").await;
+    assert_eq!(status, 200, "{body}");
+    wait_states(&crs, &[("chat-a", "ready"), ("chat-b", "parked")]).await;
+    let restarted = engine_pod_uids(&pods, "chat-a").await;
+    assert_eq!(restarted.len(), 1, "{restarted:?}");
+    assert_ne!(restarted, engines[0], "a new engine Pod");
+    eprintln!(
+        "engine Pod deleted, model failed and restarted in {:?}",
+        t.elapsed()
+    );
+
+    // Fault: the kubelet restarted. The engines and the node agent run on in their Pods; the
+    // models serve and switch as before.
+    let t = Instant::now();
+    let engines = [restarted, engine_pod_uids(&pods, "chat-b").await];
+    let (restarts, _) = container_of(&agent_pod(&pods).await);
+    run(
+        &repo_root().join("scripts/local-cluster.sh"),
+        &["restart", "kubelet"],
+        &[],
+    );
+    let (status, body) = chat(&addr, "chat-a").await;
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = chat(&addr, "chat-b").await;
+    assert_eq!(status, 200, "{body}");
+    wait_states(&crs, &[("chat-a", "parked"), ("chat-b", "ready")]).await;
+    assert_eq!(
+        [
+            engine_pod_uids(&pods, "chat-a").await,
+            engine_pod_uids(&pods, "chat-b").await,
+        ],
+        engines
+    );
+    assert_eq!(container_of(&agent_pod(&pods).await).0, restarts);
+    eprintln!("kubelet restarted, models switched in {:?}", t.elapsed());
+
     // Deleting an object removes its engine Pod (the finalizer stops the engine).
     crs.delete("chat-b", &DeleteParams::default())
         .await
@@ -366,6 +663,37 @@ async fn the_chart_runs_end_to_end_on_a_real_node() {
         }
     })
     .await;
+
+    // The clean uninstall (README, A local cluster): the operators stopped first, the leader
+    // releases its Lease on SIGTERM (its Role is still there), then helm uninstall.
+    let operators: Api<AppsDeployment> = ns.api();
+    let scale = serde_json::json!({"spec": {"replicas": 0}});
+    operators
+        .patch(
+            &format!("{RELEASE}-operator"),
+            &PatchParams::default(),
+            &Patch::Merge(&scale),
+        )
+        .await
+        .unwrap();
+    wait_for("the operators stopped", Duration::from_secs(90), || async {
+        let left = pods
+            .list(&ListParams::default().labels("app.kubernetes.io/component=operator"))
+            .await
+            .unwrap()
+            .items
+            .len();
+        if left == 0 {
+            Ok(())
+        } else {
+            Err(format!("{left} operator Pod(s)"))
+        }
+    })
+    .await;
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> = ns.api();
+    let lease = leases.get(&format!("{RELEASE}-operator")).await.unwrap();
+    let holder = lease.spec.and_then(|s| s.holder_identity);
+    assert_eq!(holder, None, "the leader released its Lease");
 
     // helm uninstall leaves none of the release's objects.
     helm(&kubeconfig, &["uninstall", RELEASE, "-n", &ns.name]);
