@@ -96,6 +96,12 @@ pub trait GpuProbe: Send + Sync {
     fn gpus(&self) -> Result<Vec<GpuInfo>, AgentError>;
     /// GPU memory in bytes held by process `pid` over all GPUs; `None` when unknown.
     fn process_gpu_memory(&self, pid: u32) -> Option<u64>;
+    /// `false` when [`GpuProbe::process_gpu_memory`] is `None` for every process, so that a
+    /// footprint need not look for an engine's processes at all (a walk of `/proc`, on the
+    /// park's path: [`crate::measure::footprint`]).
+    fn reads_processes(&self) -> bool {
+        true
+    }
 }
 
 /// A probe for hosts without NVML: no GPUs, no footprint (measurements from a first start
@@ -110,6 +116,10 @@ impl GpuProbe for NoGpus {
 
     fn process_gpu_memory(&self, _pid: u32) -> Option<u64> {
         None
+    }
+
+    fn reads_processes(&self) -> bool {
+        false
     }
 }
 

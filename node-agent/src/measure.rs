@@ -120,9 +120,12 @@ pub fn measure_before_start(spec: &InstanceSpec) -> Result<Measurement, AgentErr
 }
 
 /// The GPU memory process `pid` and its descendants hold, as `probe` reads it; `None` when it
-/// reads nothing for any of them. Pid 0 is no process (an engine in a Pod): `None`.
+/// reads nothing for any of them. Pid 0 is no process (an engine in a Pod): `None`. A probe
+/// that reads no process (no NVML) answers `None` without the walk of `/proc` that finds the
+/// descendants (every process's `stat`: about a millisecond on a host of 90 processes, and it
+/// runs between a park's engine call and the switch's wake).
 pub fn footprint(probe: &dyn GpuProbe, pid: u32) -> Option<u64> {
-    if pid == 0 {
+    if pid == 0 || !probe.reads_processes() {
         return None;
     }
     process_tree(pid)
