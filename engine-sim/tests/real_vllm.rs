@@ -397,15 +397,23 @@ async fn start_up_refuses_connections_until_ready() {
         (Some(200), Some(200))
     );
 
-    let sim = start(&["serve", "m", "--port", "0", "--sim-startup-delay", "600ms"]).await;
-    // The in-process simulator is handed a bound listener and closes it as it begins: give it
-    // that moment (a connection made before would be reset, not refused).
-    tokio::time::sleep(std::time::Duration::from_millis(150)).await;
-    let refused = tokio::net::TcpStream::connect(sim.addr).await;
-    assert_eq!(
-        refused.map(drop).map_err(|e| e.kind()),
-        Err(std::io::ErrorKind::ConnectionRefused)
-    );
+    let sim = start(&["serve", "m", "--port", "0", "--sim-startup-delay", "3s"]).await;
+    // The in-process simulator is handed a bound listener and closes it as it begins (a
+    // connection made before that is taken, then reset): within the start-up delay, a
+    // connection is refused. Polled, so that a busy machine's late start does not fail it.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(2500);
+    loop {
+        match tokio::net::TcpStream::connect(sim.addr).await {
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => break,
+            other => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "no connection refused during the start-up delay: {other:?}"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+        }
+    }
     let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
     while tokio::net::TcpStream::connect(sim.addr).await.is_err() {
         assert!(tokio::time::Instant::now() < deadline, "never listened");
