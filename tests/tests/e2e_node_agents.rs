@@ -6,74 +6,25 @@
 
 mod support;
 
-use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
-use support::{Capy, PATIENCE, chat, document, model, temp_dir};
+use support::{AGENT_TOKEN, Capy, NodeAgent, chat, document, model, start_node_agent, temp_dir};
 
-const AGENT_TOKEN: &str = "e2e-node-agent-token";
-
-/// `capyctl start host` (the node agent program) with its own 10 GiB GPU as host `box-a`,
-/// engines as child processes, on a free loopback port; killed when dropped.
-struct Agent {
-    child: Child,
-    url: String,
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        support::signal(self.child.id(), "TERM");
-        let _ = self.child.wait();
-    }
-}
-
-fn start_agent(dir: &Path) -> Agent {
+fn start_agent(dir: &Path) -> NodeAgent {
     start_agent_as(dir, "a")
 }
 
-/// [`start_agent`] as host `box-<x>` (node `node-<x>`), its files under `dir` named by `x`.
-fn start_agent_as(dir: &Path, x: &str) -> Agent {
+/// A node agent (`capyctl start host`) with its own 10 GiB GPU as host `box-<x>` (node
+/// `node-<x>`), the engine simulator as its engines.
+fn start_agent_as(dir: &Path, x: &str) -> NodeAgent {
     let bin = support::engine_sim().display().to_string();
-    let host = dir.join(format!("host-{x}.yaml"));
-    std::fs::write(
-        &host,
-        format!(
+    start_node_agent(
+        dir,
+        x,
+        &format!(
             "id: box-{x}\ngpus: [{{memory: 10GiB}}]\nhost_memory: 1GiB\nengines:\n  vllm: {{command: [\"{bin}\"]}}\n"
         ),
     )
-    .unwrap();
-    let addr = SocketAddr::from(([127, 0, 0, 1], capyctl_test_support::free_port()));
-    let log = std::fs::File::create(dir.join(format!("agent-{x}.log"))).unwrap();
-    let child = Command::new(support::capyctl())
-        .args(["start", "host", "--file"])
-        .arg(&host)
-        .args([
-            "--node-name",
-            &format!("node-{x}"),
-            "--engine-runtime",
-            "process",
-        ])
-        .args(["--listen", &addr.to_string(), "--data-dir"])
-        .arg(dir.join(format!("agent-{x}")))
-        .env("CAPYCTL_AGENT_TOKEN", AGENT_TOKEN)
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    // Up once its listener takes connections.
-    let deadline = Instant::now() + PATIENCE;
-    while TcpStream::connect(addr).is_err() {
-        assert!(Instant::now() < deadline, "the node agent did not listen");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Agent {
-        child,
-        url: format!("http://{addr}"),
-    }
 }
 
 /// The host and pid of `name`'s instance, once it is ready.

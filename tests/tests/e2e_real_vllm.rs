@@ -38,11 +38,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use support::{Capy, Response, assert_error, request_within, temp_dir};
+use support::{
+    AGENT_TOKEN, Capy, NodeAgent, Response, assert_error, request_within, start_node_agent,
+    temp_dir,
+};
 
 /// One real-vLLM test at a time: each runs up to two engines.
 static TURN: Mutex<()> = Mutex::new(());
@@ -793,54 +796,17 @@ fn real_vllm_two_models_on_one_gpu() {
     );
 }
 
-/// `capyctl start host` driving engines through the CPU wrapper, on a free loopback port;
-/// stopped when dropped.
-struct Agent {
-    child: Child,
-    url: String,
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        support::signal(self.child.id(), "TERM");
-        let _ = support::wait_bounded(&mut self.child, support::EXIT_BOUND);
-    }
-}
-
-const AGENT_TOKEN: &str = "e2e-real-vllm-agent-token";
-
-fn start_agent(env: &RealVllm, tag: &str, dir: &Path) -> Agent {
-    let host = dir.join("host.yaml");
-    std::fs::write(
-        &host,
-        format!(
+/// A node agent (`capyctl start host`) as host `agent-box` with a declared 10 GiB GPU, the real
+/// vLLM (through the CPU wrapper) as its engine.
+fn start_agent(env: &RealVllm, tag: &str, dir: &Path) -> NodeAgent {
+    start_node_agent(
+        dir,
+        "a",
+        &format!(
             "id: agent-box\ngpus: [{{memory: 10GiB}}]\nhost_memory: 8GiB\n{}",
             engines_block(env, tag).replace("\n  ", "\n").trim_start()
         ),
     )
-    .unwrap();
-    let addr = SocketAddr::from(([127, 0, 0, 1], capyctl_test_support::free_port()));
-    let log = std::fs::File::create(dir.join("agent.log")).unwrap();
-    let child = Command::new(support::capyctl())
-        .args(["start", "host", "--file"])
-        .arg(&host)
-        .args(["--node-name", "agent-node", "--engine-runtime", "process"])
-        .args(["--listen", &addr.to_string(), "--data-dir"])
-        .arg(dir.join("agent"))
-        .env("CAPYCTL_AGENT_TOKEN", AGENT_TOKEN)
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    wait_for("the node agent listening", Duration::from_secs(60), || {
-        TcpStream::connect(addr).ok().map(|_| ())
-    });
-    Agent {
-        child,
-        url: format!("http://{addr}"),
-    }
 }
 
 #[test]

@@ -346,6 +346,63 @@ impl Drop for Capy {
     }
 }
 
+/// The agent token of the tests' node agents (`CAPYCTL_AGENT_TOKEN`, given to the agent and to
+/// the standalone server that drives it).
+pub const AGENT_TOKEN: &str = "e2e-node-agent-token";
+
+/// `capyctl start host` (the node agent program) as node `node-<x>`, from the host document
+/// `host` (YAML text), engines as child processes, on a free loopback port, its files under
+/// `dir` named by `x`; stopped when dropped (SIGTERM, at most [`EXIT_BOUND`], then killed).
+pub struct NodeAgent {
+    /// The agent's process.
+    pub child: Child,
+    /// `http://127.0.0.1:<port>`, for `--node-agent`.
+    pub url: String,
+}
+
+impl Drop for NodeAgent {
+    fn drop(&mut self) {
+        signal(self.child.id(), "TERM");
+        let _ = wait_bounded(&mut self.child, EXIT_BOUND);
+    }
+}
+
+/// Starts a [`NodeAgent`]; returns once its listener takes connections (within [`PATIENCE`]).
+pub fn start_node_agent(dir: &Path, x: &str, host: &str) -> NodeAgent {
+    let file = dir.join(format!("host-{x}.yaml"));
+    std::fs::write(&file, host).unwrap();
+    let addr = SocketAddr::from(([127, 0, 0, 1], capyctl_test_support::free_port()));
+    let log = std::fs::File::create(dir.join(format!("agent-{x}.log"))).unwrap();
+    let child = Command::new(capyctl())
+        .args(["start", "host", "--file"])
+        .arg(&file)
+        .args([
+            "--node-name",
+            &format!("node-{x}"),
+            "--engine-runtime",
+            "process",
+        ])
+        .args(["--listen", &addr.to_string(), "--data-dir"])
+        .arg(dir.join(format!("agent-{x}")))
+        .env("CAPYCTL_AGENT_TOKEN", AGENT_TOKEN)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let agent = NodeAgent {
+        child,
+        url: format!("http://{addr}"),
+    };
+    let deadline = Instant::now() + PATIENCE;
+    while TcpStream::connect(addr).is_err() {
+        assert!(Instant::now() < deadline, "the node agent did not listen");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    agent
+}
+
 /// Sends `SIG<name>` to `pid`.
 pub fn signal(pid: u32, name: &str) {
     let _ = Command::new("kill")
