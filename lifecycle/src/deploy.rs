@@ -12,6 +12,7 @@ use crate::errors::not_found;
 use crate::state::{Dep, State};
 use crate::store::DeploymentRecord;
 use crate::{Server, placement};
+use tokio::time::Instant;
 
 /// Deployment documents measured and checked against the hosts ([`Server::check_all`]), not
 /// deployed yet ([`Server::deploy_checked`]).
@@ -176,7 +177,7 @@ impl Server {
                     generation: 0,
                     first_answer: None,
                 };
-                inner.insert(Dep::new(rec));
+                inner.insert(Dep::new(rec, Instant::now()));
                 (id.clone(), DeployOutcome::Created)
             };
             inner.dirty.mark(&id);
@@ -230,7 +231,7 @@ impl Server {
 
     pub(crate) async fn do_delete(&self, key: &str) -> Result<DeploymentView, ApiError> {
         let id = self.find(key)?;
-        self.read(|inner| inner.command_refusal(&id))?;
+        self.read(|inner| inner.command_refusal(&id, Instant::now()))?;
         let rid = self.fresh_id("delete");
         let view = self.view(&id).ok_or_else(|| not_found(&id))?;
         let refusal = ApiError::ModelNotFound {

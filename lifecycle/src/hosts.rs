@@ -13,6 +13,7 @@ use capyctl_node_agent::spec::InstanceSpec;
 use capyctl_spec::errors::ApiError;
 use futures_util::StreamExt;
 use tokio::sync::{broadcast, mpsc, watch};
+use tokio::time::Instant;
 
 use crate::config::{HostEntry, LifecycleConfig};
 use crate::errors::{ServerError, internal};
@@ -65,7 +66,7 @@ impl Server {
             ..State::default()
         };
         for rec in store.load()? {
-            inner.insert(Dep::new(rec));
+            inner.insert(Dep::new(rec, Instant::now()));
         }
         let switches = Arc::new(match &config.switch_log {
             Some(path) => SwitchLog::open(path, Arc::clone(&config.metrics))?,
@@ -142,7 +143,7 @@ impl Server {
                 // deploy (the soak found a GPU over-booked after a restart so, seed 42).
                 let replicated: Vec<String> = inner.replicated.iter().cloned().collect();
                 for dep in replicated {
-                    inner.sync_units(&dep);
+                    inner.sync_units(&dep, Instant::now());
                 }
             })
             .await;

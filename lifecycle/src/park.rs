@@ -9,11 +9,12 @@ use capyctl_spec::errors::ApiError;
 use crate::errors::not_found;
 use crate::state::unit_instance;
 use crate::{Server, views};
+use tokio::time::Instant;
 
 impl Server {
     pub(crate) async fn do_park(&self, key: &str) -> Result<ActionReceipt, ApiError> {
         let id = self.find(key)?;
-        self.read(|inner| inner.command_refusal(&id))?;
+        self.read(|inner| inner.command_refusal(&id, Instant::now()))?;
         if self.read(|inner| inner.units_of(&id).nth(1).is_none()) {
             return self.park_unit(&id).await;
         }
@@ -181,7 +182,9 @@ impl Server {
         self.make_parked_room(&id).await?;
         let rid = self.fresh_id("park");
         let r = rid.clone();
-        let down = self.on(&id, move |inner, id| inner.park(id, &r)).await?;
+        let down = self
+            .on(&id, move |inner, id| inner.park(id, &r, Instant::now()))
+            .await?;
         if down.is_none() {
             return self.receipt("park", &id);
         }

@@ -28,11 +28,13 @@ use crate::store::DeploymentRecord;
 use crate::{parked_room, views};
 
 mod placing;
+mod releases;
 mod rules;
 #[cfg(test)]
 mod tests;
 
 pub(crate) use placing::{Placed, Victims};
+pub(crate) use releases::{DownDone, Releasing};
 pub(crate) use rules::{Adoption, StartNext, Started, Up, UpDone};
 
 /// One instance of a deployment (a *unit*: the lifecycle's rules take one instance at a time),
@@ -102,12 +104,13 @@ pub(crate) struct Dep {
 }
 
 impl Dep {
-    pub(crate) fn new(rec: DeploymentRecord) -> Self {
-        Self::replica(rec, 0)
+    /// Instance 0 of the deployment `rec` records, last used `now`.
+    pub(crate) fn new(rec: DeploymentRecord, now: Instant) -> Self {
+        Self::replica(rec, 0, now)
     }
 
-    /// Instance `index` of the deployment `rec` records.
-    pub(crate) fn replica(rec: DeploymentRecord, index: u32) -> Self {
+    /// Instance `index` of the deployment `rec` records, last used `now`.
+    pub(crate) fn replica(rec: DeploymentRecord, index: u32, now: Instant) -> Self {
         let spec = InstanceSpec::from_doc(rec.id.clone(), &rec.doc);
         let fixed = Arc::new(views::Fixed::of(&rec, spec.clone(), index));
         Self {
@@ -127,7 +130,7 @@ impl Dep {
             pid: None,
             tier: None,
             last_error: None,
-            last_used: Instant::now(),
+            last_used: now,
             failed_at: None,
             max_running: None,
             end: watch::channel(None).0,
@@ -169,22 +172,32 @@ impl Dep {
         spec
     }
 
-    /// Marks it failed, with `why`: its engine is gone (no address, process or tier), and the
-    /// scaler's back-off starts now.
-    pub(crate) fn fail(&mut self, why: String) {
-        self.state = InstanceState::Failed;
-        self.tier = None;
-        self.addr = None;
-        self.pid = None;
-        self.last_error = Some(why);
-        self.failed_at = Some(Instant::now());
+    /// Counts `now` as its last use (a state change that counts as use; a request's is the
+    /// router's record: [`Dep::used_at`]). The one place `last_used` is stamped.
+    pub(crate) fn touch(&mut self, now: Instant) {
+        self.last_used = now;
+    }
+
+    /// Marks it failed at `now`, with `why`: its engine is gone (no address, process or tier),
+    /// and the scaler's back-off starts.
+    pub(crate) fn fail(&mut self, why: String, now: Instant) {
+        self.engine_gone(why, Some(now));
     }
 
     /// Marks it failed because its host no longer has its engine (a node agent that came
     /// back without it): the engine did not fail on its own, so no back-off holds it.
     pub(crate) fn lost(&mut self, why: String) {
-        self.fail(why);
-        self.failed_at = None;
+        self.engine_gone(why, None);
+    }
+
+    /// Marks it failed, with `why` and the back-off's start (`failed_at`).
+    fn engine_gone(&mut self, why: String, failed_at: Option<Instant>) {
+        self.state = InstanceState::Failed;
+        self.tier = None;
+        self.addr = None;
+        self.pid = None;
+        self.last_error = Some(why);
+        self.failed_at = failed_at;
     }
 
     /// In the scaler's back-off: failed on its own less than [`FAILED_BACKOFF`] before `now`.
@@ -573,22 +586,23 @@ impl State {
     }
 
     /// Adds `dep` (a name already known keeps its deployment: the first one loaded), with its
-    /// other instances ([`State::sync_units`]).
+    /// other instances ([`State::sync_units`], created as last used when `dep` was).
     pub(crate) fn insert(&mut self, mut dep: Dep) {
         dep.uses = self.uses.clone();
         self.by_name
             .entry(dep.name().to_string())
             .or_insert_with(|| dep.rec.id.clone());
         let id = dep.rec.id.clone();
+        let born = dep.last_used;
         self.deps.insert(id.clone(), dep);
-        self.sync_units(&id);
+        self.sync_units(&id, born);
     }
 
     /// Brings the instances of every deployment whose record changed in this turn in step
     /// with it ([`State::sync_units`]); the owner runs it after each turn.
-    pub(crate) fn sync_touched(&mut self) {
+    pub(crate) fn sync_touched(&mut self, now: Instant) {
         for id in std::mem::take(&mut self.dirty.touched) {
-            self.sync_units(&id);
+            self.sync_units(&id, now);
         }
     }
 
@@ -597,7 +611,7 @@ impl State {
     /// generation, first answer and pending start are its own) and the deployment's
     /// measurement; units past `replicas` that hold nothing are dropped (those still running
     /// are stopped by the scaler first: [`State::surplus`]).
-    pub(crate) fn sync_units(&mut self, dep: &str) {
+    pub(crate) fn sync_units(&mut self, dep: &str, now: Instant) {
         let Some(first) = self.deps.get(dep).filter(|d| d.index == 0) else {
             return;
         };
@@ -640,7 +654,7 @@ impl State {
                     own.generation = 0;
                     own.first_answer = None;
                     own.pending_start = false;
-                    let mut d = Dep::replica(own, index);
+                    let mut d = Dep::replica(own, index, now);
                     d.measurement = measurement;
                     d.uses = self.uses.clone();
                     self.deps.insert(unit, d);

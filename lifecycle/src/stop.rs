@@ -71,7 +71,9 @@ impl Server {
                 Some(true) => {
                     let rid = rid.to_string();
                     match self
-                        .on(id, move |inner, id| inner.begin_down(id, &rid))
+                        .on(id, move |inner, id| {
+                            inner.begin_down(id, &rid, Instant::now())
+                        })
                         .await
                     {
                         Err(ApiError::Conflict { .. }) => {}
@@ -221,7 +223,7 @@ impl Server {
 
     pub(crate) async fn do_stop(&self, key: &str) -> Result<ActionReceipt, ApiError> {
         let id = self.find(key)?;
-        self.read(|inner| inner.command_refusal(&id))?;
+        self.read(|inner| inner.command_refusal(&id, Instant::now()))?;
         let rid = self.fresh_id("stop");
         let refusal = ApiError::DeploymentStopped {
             deployment: id.clone(),

@@ -48,16 +48,19 @@ fn sized_dep(id: &str, name: &str, extra: &str, gib: u64, now: Instant) -> Dep {
         &format!("name: {name}\nengine: vllm\nmodel: m\n{extra}"),
     )
     .unwrap();
-    let mut d = Dep::new(DeploymentRecord {
-        id: id.to_string(),
-        revision: 1,
-        doc,
-        operator_stopped: false,
-        operator_started: false,
-        pending_start: false,
-        generation: 0,
-        first_answer: None,
-    });
+    let mut d = Dep::new(
+        DeploymentRecord {
+            id: id.to_string(),
+            revision: 1,
+            doc,
+            operator_stopped: false,
+            operator_started: false,
+            pending_start: false,
+            generation: 0,
+            first_answer: None,
+        },
+        now,
+    );
     d.measurement.gpu_memory = Some(Measured {
         bytes: gib * GIB,
         source: MeasureSource::Declared,
@@ -153,7 +156,7 @@ async fn replicas_are_units_on_distinct_gpus_and_never_each_others_victims() {
     d.revision = 2;
     s.deps.get_mut("r").unwrap().rec = d;
     s.deps.get_mut("r").unwrap().renew_fixed();
-    s.sync_units("r");
+    s.sync_units("r", Instant::now());
     let (_, gpus) = bring_up(&mut s, "r-3", now);
     assert!(!used.contains(&gpus[0]));
     // Every GPU now holds an instance of r: chat-b names one instance (the longest idle),
@@ -177,7 +180,7 @@ async fn replicas_are_units_on_distinct_gpus_and_never_each_others_victims() {
     d.revision = 3;
     s.deps.get_mut("r").unwrap().rec = d;
     s.deps.get_mut("r").unwrap().renew_fixed();
-    s.sync_units("r");
+    s.sync_units("r", Instant::now());
     assert_eq!(s.unit_ids("r"), ["r", "r-1", "r-2"]);
     s.remove("r");
     assert!(s.unit_ids("r").is_empty());
@@ -330,7 +333,7 @@ async fn the_scaler_waits_out_the_back_off_of_an_engine_that_failed_not_one_its_
         instance: "r-1".into(),
         status: Some("signal 9".into()),
     };
-    assert!(s.engine_exited("box", &exit).is_some());
+    assert!(s.engine_exited("box", &exit, Instant::now()).is_some());
     assert!(held(&s, "r-1"), "within the back-off");
     tokio::time::advance(FAILED_BACKOFF - Duration::from_secs(1)).await;
     assert!(held(&s, "r-1"), "still within it");
@@ -399,9 +402,14 @@ async fn held_switches_refuse_every_change_but_ready_models_serve_on() {
         s.start("b", true, false, now).unwrap_err().code(),
         "unavailable"
     );
-    assert_eq!(s.park("a", "park-1").unwrap_err().code(), "unavailable");
     assert_eq!(
-        s.begin_down("a", "stop-1").unwrap_err().code(),
+        s.park("a", "park-1", Instant::now()).unwrap_err().code(),
+        "unavailable"
+    );
+    assert_eq!(
+        s.begin_down("a", "stop-1", Instant::now())
+            .unwrap_err()
+            .code(),
         "unavailable"
     );
     assert_eq!(s.deps["a"].state, InstanceState::Ready);
@@ -419,7 +427,7 @@ async fn held_switches_refuse_every_change_but_ready_models_serve_on() {
         instance: instance_id("a"),
         status: Some("signal 9".into()),
     };
-    assert!(s.engine_exited("gpu-1", &exit).is_some());
+    assert!(s.engine_exited("gpu-1", &exit, Instant::now()).is_some());
     assert_eq!(s.deps["a"].state, InstanceState::Failed);
     // Resumed: switching again.
     s.resume();
@@ -448,7 +456,7 @@ async fn a_fenced_ready_instance_is_no_victim_until_the_fence_ends() {
         .unwrap();
     assert!(matches!(plan, Plan::Later), "{plan:?}");
     // No operator park or stop of it, naming the fence; no idle timer.
-    let e = s.park("a", "park-1").unwrap_err();
+    let e = s.park("a", "park-1", Instant::now()).unwrap_err();
     assert_eq!((e.status(), e.code()), (503, "unavailable"));
     assert!(e.message().contains("previous leader"), "{}", e.message());
     assert_eq!(e.retry_after(), Some(91));
@@ -496,7 +504,9 @@ async fn a_host_that_joins_during_the_fence_has_what_it_holds_ready_fenced_too()
     assert_eq!(s.deps["b"].state, InstanceState::Ready);
     assert!(s.fenced("b"));
     assert_eq!(
-        s.begin_down("b", "stop-1").unwrap_err().code(),
+        s.begin_down("b", "stop-1", Instant::now())
+            .unwrap_err()
+            .code(),
         "unavailable"
     );
 }
@@ -736,14 +746,20 @@ async fn an_engine_exit_fails_an_idle_instance_on_its_host_only() {
         instance: instance.to_string(),
         status: Some("signal 9".into()),
     };
-    assert_eq!(s.engine_exited("gpu-2", &exit("a-0")), None, "not its host");
+    assert_eq!(
+        s.engine_exited("gpu-2", &exit("a-0"), Instant::now()),
+        None,
+        "not its host"
+    );
     s.deps.get_mut("b").unwrap().busy = true;
     assert_eq!(
-        s.engine_exited("gpu-1", &exit("b-0")),
+        s.engine_exited("gpu-1", &exit("b-0"), Instant::now()),
         None,
         "its operation sees it"
     );
-    let key = s.engine_exited("gpu-1", &exit("a-0")).unwrap();
+    let key = s
+        .engine_exited("gpu-1", &exit("a-0"), Instant::now())
+        .unwrap();
     assert_eq!(
         (key.deployment.as_str(), key.host_id.as_str()),
         ("a", "gpu-1")
@@ -752,7 +768,11 @@ async fn an_engine_exit_fails_an_idle_instance_on_its_host_only() {
     assert_eq!(a.state, InstanceState::Failed);
     assert_eq!(a.addr, None);
     assert_eq!(a.last_error.as_deref(), Some("the engine exited: signal 9"));
-    assert_eq!(s.engine_exited("gpu-1", &exit("a-0")), None, "once");
+    assert_eq!(
+        s.engine_exited("gpu-1", &exit("a-0"), Instant::now()),
+        None,
+        "once"
+    );
 }
 
 #[tokio::test(start_paused = true)]
