@@ -23,28 +23,7 @@ impl Server {
         // until it is used again), in the same turn that reads which instances run, so that
         // none the scaler brings up meanwhile is missed. The operator's park also ends the
         // operator's start (as for one instance).
-        let marked = self
-            .on(&id, |inner, id| {
-                let units: Vec<(String, InstanceState)> = inner
-                    .units_of(id)
-                    .map(|u| (u.unit.clone(), u.state))
-                    .collect();
-                if !units.iter().any(|(_, s)| *s == InstanceState::Ready) {
-                    // None ready: as one instance, the one on its way if any (only a ready
-                    // deployment parks), else the first (parked already: its receipt).
-                    let coming = units.iter().find(|(_, s)| {
-                        matches!(s, InstanceState::Starting | InstanceState::Waking)
-                    });
-                    return Err(coming.map_or_else(|| id.to_string(), |(u, _)| u.clone()));
-                }
-                if let Some(d) = inner.deps.get_mut(id) {
-                    d.rec.operator_started = false;
-                    inner.dirty.mark(id);
-                    inner.operator_parked.insert(id.to_string());
-                }
-                Ok(units)
-            })
-            .await;
+        let marked = self.on(&id, |inner, id| inner.operator_park(id)).await;
         let units = match marked {
             Ok(units) => units,
             Err(unit) => return self.park_unit(&unit).await,
@@ -147,8 +126,7 @@ impl Server {
     /// Ends deployment `dep`'s operator's park mark: the scaler keeps its instances again.
     async fn end_operator_park(&self, dep: &str) {
         let dep = dep.to_string();
-        self.write(move |inner| inner.operator_parked.remove(&dep))
-            .await;
+        self.write(move |inner| inner.end_operator_park(&dep)).await;
     }
 
     /// [`Server::do_park`] of one instance (`id`: its unit).

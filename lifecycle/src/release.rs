@@ -425,16 +425,8 @@ impl Server {
             answer => {
                 if let Some(shown) = shown {
                     let ids = ids.to_vec();
-                    self.write(move |inner| {
-                        for id in &ids {
-                            if let Some(d) = inner.deps.get_mut(id)
-                                && d.state == shown
-                            {
-                                d.state = InstanceState::Ready;
-                            }
-                        }
-                    })
-                    .await;
+                    self.write(move |inner| inner.drain_refused(&ids, shown))
+                        .await;
                 }
                 answer.transpose().map(|_| None)
             }

@@ -27,6 +27,7 @@ use crate::placement::Fit;
 use crate::store::DeploymentRecord;
 use crate::{parked_room, views};
 
+mod commands;
 mod placing;
 mod releases;
 mod rules;
@@ -783,6 +784,27 @@ impl State {
         self.set_placed(unit, placed);
         // The scaler's: no operator asked for it.
         self.begin_up(unit, false, now)
+    }
+
+    /// The scaler's bring-up of the first of `units` (best first) that has room now (see
+    /// [`State::scale_up`]), in one turn: no other change comes between the tries.
+    pub(crate) fn scale_up_first(
+        &mut self,
+        units: Vec<String>,
+        now: Instant,
+    ) -> Option<(String, Up)> {
+        units.into_iter().find_map(|unit| {
+            let up = self.scale_up(&unit, now)?;
+            Some((unit, up))
+        })
+    }
+
+    /// Drops the instances past a lowered `replicas` of deployments `deps` that hold nothing
+    /// any more ([`State::settled_surplus`]), at `now`.
+    pub(crate) fn drop_surplus(&mut self, deps: &[String], now: Instant) {
+        for dep in deps {
+            self.sync_units(dep, now);
+        }
     }
 
     /// Removes deployment `id` (every instance; the first is returned).

@@ -94,12 +94,8 @@ impl Server {
         // failed) are dropped.
         let surplus = self.read(State::settled_surplus);
         if !surplus.is_empty() {
-            self.write(move |inner| {
-                for dep in &surplus {
-                    inner.sync_units(dep, Instant::now());
-                }
-            })
-            .await;
+            self.write(move |inner| inner.drop_surplus(&surplus, Instant::now()))
+                .await;
         }
         let now = Instant::now();
         let inputs = self.read(|inner| inner.scale_inputs(now));
@@ -135,13 +131,7 @@ impl Server {
                     // The first that has room now (in one owner turn: no other change comes
                     // between the tries).
                     let up = self
-                        .write(move |inner| {
-                            let now = Instant::now();
-                            units.into_iter().find_map(|unit| {
-                                let up = inner.scale_up(&unit, now)?;
-                                Some((unit, up))
-                            })
-                        })
+                        .write(move |inner| inner.scale_up_first(units, Instant::now()))
                         .await;
                     let Some((unit, up)) = up else { continue };
                     tracing::info!(instance = %unit_instance(&unit), how = ?up, in_flight, waiting, "scale: one more instance");

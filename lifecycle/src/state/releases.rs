@@ -66,6 +66,17 @@ impl State {
             .collect()
     }
 
+    /// The drain of `ids` was refused or timed out: those still shown `shown` serve again.
+    pub(crate) fn drain_refused(&mut self, ids: &[String], shown: InstanceState) {
+        for id in ids {
+            if let Some(d) = self.deps.get_mut(id)
+                && d.state == shown
+            {
+                d.state = InstanceState::Ready;
+            }
+        }
+    }
+
     /// Begins the park (or, with `stop` or when it is parked already, the stop) of drained
     /// instance `id`: busy, `parking` or `stopping`. `None` when `id` is gone.
     pub(crate) fn begin_release(&mut self, id: &str, stop: bool) -> Option<Releasing> {

@@ -639,9 +639,35 @@ impl State {
     /// Holds every switch with `refusal` (503 `unavailable`): a request for a deployment that
     /// is not ready (or already starting or waking) is refused at once, plans fail with it,
     /// and no operator command, idle timer or pending start changes anything. Ready instances
-    /// serve on; engine exits are still recorded.
-    pub(crate) fn hold(&mut self, refusal: ApiError) {
+    /// serve on; engine exits are still recorded. The targets of the switches planned and not begun (claimed) are returned: they are
+    /// given up (their victims serve on, their requests get the refusal).
+    pub(crate) fn hold(&mut self, refusal: ApiError) -> Vec<String> {
         self.held = Some(refusal);
+        self.deps
+            .values()
+            .filter(|d| d.claim.is_some())
+            .map(|d| d.rec.id.clone())
+            .collect()
+    }
+
+    /// A switch (`switch_id`) the router drained before switches were held is not carried
+    /// out: its reservation is given back. Its `victims` still ready (of the same
+    /// generation), with their addresses, to announce again.
+    pub(crate) fn give_back_held_order(
+        &mut self,
+        switch_id: &str,
+        victims: Vec<InstanceKey>,
+    ) -> Vec<(InstanceKey, SocketAddr)> {
+        self.release_reservation(switch_id);
+        victims
+            .into_iter()
+            .filter_map(|k| {
+                let d = self.deps.get(&super::unit_of_key(&k))?;
+                (d.state == InstanceState::Ready && d.rec.generation == k.generation)
+                    .then_some(())?;
+                Some((k, d.addr?))
+            })
+            .collect()
     }
 
     /// Ends the hold: switching resumes.

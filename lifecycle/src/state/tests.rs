@@ -6,6 +6,7 @@ use crate::instance_id;
 use capyctl_node_agent::agent::EngineExit;
 use capyctl_node_agent::measure::{MeasureSource, Measured};
 use capyctl_router::lifecycle::{Plan, PlanFor};
+use capyctl_spec::api::{DeployOutcome, Released};
 use capyctl_spec::settings::LifecycleDefaults;
 
 const GIB: u64 = 1 << 30;
@@ -908,4 +909,200 @@ async fn the_last_use_is_the_routers_record_of_requests_or_a_later_state_change(
     assert!(!gone.load(Ordering::Acquire));
     inner.remove("a");
     assert!(gone.load(Ordering::Acquire));
+}
+
+/// Begins a park of ready `id` as a release does, and answers it with `done` at `at`.
+fn released(s: &mut State, id: &str, done: DownDone, at: Instant) {
+    let r = s.begin_release(id, false).unwrap();
+    assert!(!r.parked);
+    assert_eq!(s.deps[id].state, InstanceState::Parking);
+    assert!(s.deps[id].busy);
+    s.down_done(id, done, at);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_releases_outcome_is_written_once_at_the_time_given() {
+    let t0 = Instant::now();
+    let mut s = state(t0);
+    for id in ["a", "b", "c"] {
+        ready(&mut s, id, t0);
+    }
+    let later = t0 + Duration::from_secs(90);
+    // Parked: its tier and what it still holds of the GPU, its last use the outcome's time
+    // (the clock is not read: it stands at t0).
+    released(
+        &mut s,
+        "a",
+        DownDone::Parked {
+            tier: ParkTier::HostRam,
+            gpu_held: Some(GIB),
+        },
+        later,
+    );
+    let a = &s.deps["a"];
+    assert_eq!(a.state, InstanceState::Parked);
+    assert!(!a.busy);
+    assert_eq!((a.tier, a.parked_gpu), (Some(ParkTier::HostRam), Some(GIB)));
+    assert_eq!(a.last_used, later);
+    // Stopped for want of room to park: said so in its status.
+    released(
+        &mut s,
+        "b",
+        DownDone::Stopped(Released::StoppedNoRoomToPark),
+        later,
+    );
+    let b = &s.deps["b"];
+    assert_eq!(b.state, InstanceState::Stopped);
+    assert_eq!((b.addr, b.tier), (None, None));
+    assert_eq!(
+        b.last_error,
+        Some(Released::StoppedNoRoomToPark.status_line())
+    );
+    // Failed: the scaler's back-off counts from the outcome's time, not the clock's.
+    released(&mut s, "c", DownDone::Failed("boom".into()), later);
+    let c = &s.deps["c"];
+    assert_eq!(c.state, InstanceState::Failed);
+    assert_eq!(c.last_error.as_deref(), Some("park or stop failed: boom"));
+    assert!(c.backing_off(later + FAILED_BACKOFF - Duration::from_secs(1)));
+    assert!(!c.backing_off(later + FAILED_BACKOFF));
+    // A drain refused: what is still shown drained serves again, nothing else changes.
+    ready(&mut s, "b", t0);
+    assert_eq!(
+        s.show_draining(&["b".into(), "gone".into()], InstanceState::Closed)
+            .len(),
+        1
+    );
+    s.drain_refused(&["a".into(), "b".into()], InstanceState::Closed);
+    assert_eq!(s.deps["b"].state, InstanceState::Ready);
+    assert_eq!(s.deps["a"].state, InstanceState::Parked);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_preinitialize_writes_its_start_through_up_done_and_keeps_its_last_use() {
+    let t0 = Instant::now();
+    let mut s = state(t0);
+    let later = t0 + Duration::from_secs(30);
+    let started = || Started {
+        addr: Some(([127, 0, 0, 1], 9).into()),
+        pid: 7,
+        max_running: MaxRunning {
+            count: Some(4),
+            source: capyctl_node_agent::launch::MaxRunningSource::Declared,
+        },
+        measurement: Measurement::default(),
+    };
+    for id in ["a", "b", "c"] {
+        let d = s.deps.get_mut(id).unwrap();
+        d.busy = true;
+        d.state = InstanceState::Starting;
+    }
+    // Started, not ready: closed and still busy (its park follows), never announced.
+    let answered = s.up_done(
+        "a",
+        Up::Start,
+        UpDone::Closed {
+            started: started(),
+            first_answer: capyctl_node_agent::verify::FirstAnswer::Text { text: "ok".into() },
+        },
+        later,
+    );
+    assert_eq!(answered, None);
+    let a = &s.deps["a"];
+    assert_eq!(a.state, InstanceState::Closed);
+    assert!(a.busy);
+    assert_eq!((a.pid, a.last_used), (Some(7), t0));
+    assert!(a.rec.first_answer.is_some());
+    // Its start failed (or no agent): failed with the status given, back-off from `later`.
+    let gone = s.up_done(
+        "b",
+        Up::Start,
+        UpDone::Gone("preinitialize: no".into()),
+        later,
+    );
+    assert!(matches!(gone, Some(Err(_))));
+    let b = &s.deps["b"];
+    assert_eq!(b.state, InstanceState::Failed);
+    assert!(!b.busy);
+    assert_eq!(b.last_error.as_deref(), Some("preinitialize: no"));
+    assert_eq!((b.failed_at, b.last_used), (Some(later), t0));
+    // Ended and its engine stopped: stopped, no back-off.
+    s.up_done("c", Up::Start, UpDone::Stopped("ended".into()), later);
+    let c = &s.deps["c"];
+    assert_eq!((c.state, c.busy), (InstanceState::Stopped, false));
+    assert_eq!(c.last_error.as_deref(), Some("ended"));
+    // A start that is ready is used at the outcome's time.
+    let d = s.deps.get_mut("c").unwrap();
+    d.busy = true;
+    d.state = InstanceState::Starting;
+    assert!(matches!(
+        s.up_done("c", Up::Start, UpDone::Ready(Some(started())), later),
+        Some(Ok(_))
+    ));
+    assert_eq!(
+        (s.deps["c"].state, s.deps["c"].last_used),
+        (InstanceState::Ready, later)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_idle_timer_that_could_not_act_starts_over_from_the_time_given() {
+    let t0 = Instant::now();
+    let mut s = state(t0);
+    ready(&mut s, "a", t0);
+    let later = t0 + Duration::from_secs(600);
+    let (down, _) = s
+        .begin_idle_down(
+            "a",
+            true,
+            &LifecycleDefaults {
+                ready_idle_timeout: Some(Duration::from_secs(60)),
+                parked_idle_timeout: None,
+            },
+            "idle-1",
+            later,
+        )
+        .unwrap();
+    assert_eq!(down, Some(true));
+    assert_eq!(s.deps["a"].reserved.as_deref(), Some("idle-1"));
+    // Released by the router: the reservation ends, the last use is the release's.
+    s.idle_down_done("a", "idle-1", false, later);
+    assert_eq!(s.deps["a"].reserved, None);
+    assert_eq!(s.deps["a"].last_used, t0);
+    // Failed: its timer starts over from the time given.
+    s.idle_down_done("a", "idle-2", true, later);
+    assert_eq!(s.deps["a"].last_used, later);
+    s.touch("b", later);
+    assert_eq!(s.deps["b"].last_used, later);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_engine_exit_and_a_fence_read_the_time_given_not_the_clock() {
+    let t0 = Instant::now();
+    let mut s = state(t0);
+    ready(&mut s, "a", t0);
+    ready(&mut s, "b", t0);
+    let later = t0 + Duration::from_secs(45);
+    let exit = EngineExit {
+        instance: "a-0".into(),
+        status: Some("signal 9".into()),
+    };
+    assert!(s.engine_exited("gpu-1", &exit, later).is_some());
+    let a = &s.deps["a"];
+    assert_eq!((a.last_used, a.failed_at), (later, Some(later)));
+    // Fenced until t0 + 60 s: at t0 + 45 s the refusal says 16 s more (the clock says 61).
+    s.set_fence(t0 + Duration::from_secs(60), t0);
+    let e = s.command_refusal("b", later).unwrap_err();
+    assert!(e.message().contains("for another 16 s"), "{}", e.message());
+    // A deploy writes its record as of the time given.
+    let doc = capyctl_spec::documents::parse_deployment_str(
+        "t.yaml",
+        "name: chat-n\nengine: vllm\nmodel: m\n",
+    )
+    .unwrap();
+    let (id, outcome) = s.apply_deploy(doc.clone(), "n".into(), None, later);
+    assert_eq!((id.as_str(), outcome), ("n", DeployOutcome::Created));
+    assert_eq!(s.deps["n"].last_used, later);
+    assert!(s.dirty.has("n"));
+    let (_, again) = s.apply_deploy(doc, "other".into(), None, later);
+    assert_eq!(again, DeployOutcome::Unchanged);
 }
