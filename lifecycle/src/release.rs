@@ -110,7 +110,7 @@ impl Server {
                 .map(|o| parked_room::ParkedCopy {
                     id: o.id(),
                     bytes: o.measurement.weights_bytes().unwrap_or(0),
-                    used_at: o.used_at(),
+                    used_at: inner.used_at(o),
                     kept: inner.explicit(o) || o.warm() || o.busy || o.reserved.is_some(),
                     claimed: o.claim.is_some(),
                 })

@@ -73,7 +73,7 @@ pub(crate) struct Dep {
     pub(crate) tier: Option<ParkTier>,
     pub(crate) last_error: Option<String>,
     /// The last state change that counts as use (a request's start or end is the router's to
-    /// record: [`Dep::used_at`] reads both).
+    /// record: [`State::used_at`] reads both).
     pub(crate) last_used: Instant,
     /// When it last failed on its own (a start, wake, park or stop that failed, its engine
     /// exited): the scaler's back-off ([`FAILED_BACKOFF`]) counts from here. `None` while it
@@ -94,9 +94,6 @@ pub(crate) struct Dep {
     /// ([`Victims::Idle`]); only the operator's `stop`, `delete` or another `start --evict`
     /// do. Set by every [`State::begin_up`].
     pub(crate) operator_up: bool,
-    /// Where its requests' last use is read: the router's record ([`RouterUses`]; set by
-    /// [`State::insert`]).
-    pub(crate) uses: RouterUses,
     /// Marked gone when it is dropped: the name cache's entries for it are stale then.
     pub(crate) presence: PresenceOf,
     /// What the views show of its record that only a deploy changes, shared with the reads
@@ -137,7 +134,6 @@ impl Dep {
             end: watch::channel(None).0,
             ended_stop_failed: None,
             operator_up: false,
-            uses: RouterUses::default(),
             presence: PresenceOf(Arc::new(AtomicBool::new(false))),
             fixed,
         }
@@ -146,14 +142,6 @@ impl Dep {
     /// Renews what the views share of its record after a deploy changed it.
     pub(crate) fn renew_fixed(&mut self) {
         self.fixed = Arc::new(views::Fixed::of(&self.rec, self.spec.clone(), self.index));
-    }
-
-    /// Its last use: the later of a request's start or end (as the router records it, read
-    /// without a turn of its task) and the last state change that counts as use.
-    pub(crate) fn used_at(&self) -> Instant {
-        self.uses
-            .of(&self.rec.id)
-            .map_or(self.last_used, |t| t.max(self.last_used))
     }
 
     /// The spec its engine starts with: its deployment's, on the GPUs placement chose for it
@@ -174,7 +162,7 @@ impl Dep {
     }
 
     /// Counts `now` as its last use (a state change that counts as use; a request's is the
-    /// router's record: [`Dep::used_at`]). The one place `last_used` is stamped.
+    /// router's record: [`State::used_at`]). The one place `last_used` is stamped.
     pub(crate) fn touch(&mut self, now: Instant) {
         self.last_used = now;
     }
@@ -467,7 +455,9 @@ pub(crate) struct State {
     /// The deployments that may hold GPU memory on each host (bound there since
     /// [`State::prune_holding`] last found them holding): what placement reads.
     pub(crate) holding: HashMap<String, BTreeSet<String>>,
-    /// The router's record of last uses, shared with every deployment ([`Dep::used_at`]).
+    /// The router's record of last uses and requests running ([`State::used_at`],
+    /// [`State::runs_requests`]): the one place a rule reads what the router records, without
+    /// a turn of its task.
     pub(crate) uses: RouterUses,
     /// The deployments with more than one instance (or instances past their `replicas`):
     /// what the scaler reads (kept by [`State::sync_units`] and [`State::remove`]).
@@ -503,9 +493,9 @@ pub(crate) struct Fence {
 }
 
 /// The router's record of each deployment's last use (its requests' starts and ends,
-/// [`CoordinatorHandle::last_used`]), once a router is attached: one shared cell, so that
-/// [`Dep::used_at`] reads it wherever a deployment is at hand. Reading it takes a read lock of
-/// its own and no turn of the router's task.
+/// [`CoordinatorHandle::last_used`]), once a router is attached: one shared cell, read through
+/// [`State::used_at`] and [`State::runs_requests`]. Reading it takes a read lock of its own
+/// and no turn of the router's task.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct RouterUses(pub(crate) Arc<RwLock<Option<LastUses>>>);
 
@@ -581,6 +571,20 @@ impl State {
             .filter(move |d| d.rec.id == dep)
     }
 
+    /// Unit `d`'s last use: the later of a request's start or end (as the router records it,
+    /// read without a turn of its task) and the last state change that counts as use
+    /// ([`Dep::touch`]).
+    pub(crate) fn used_at(&self, d: &Dep) -> Instant {
+        self.uses
+            .of(&d.rec.id)
+            .map_or(d.last_used, |t| t.max(d.last_used))
+    }
+
+    /// Unit `d` runs requests the router forwarded to it now.
+    pub(crate) fn runs_requests(&self, d: &Dep) -> bool {
+        self.uses.in_flight_of(d.dep_id(), d.index) > 0
+    }
+
     /// The unit keys of deployment `dep`'s instances.
     pub(crate) fn unit_ids(&self, dep: &str) -> Vec<String> {
         self.units_of(dep).map(|d| d.unit.clone()).collect()
@@ -588,8 +592,7 @@ impl State {
 
     /// Adds `dep` (a name already known keeps its deployment: the first one loaded), with its
     /// other instances ([`State::sync_units`], created as last used when `dep` was).
-    pub(crate) fn insert(&mut self, mut dep: Dep) {
-        dep.uses = self.uses.clone();
+    pub(crate) fn insert(&mut self, dep: Dep) {
         self.by_name
             .entry(dep.name().to_string())
             .or_insert_with(|| dep.rec.id.clone());
@@ -657,7 +660,6 @@ impl State {
                     own.pending_start = false;
                     let mut d = Dep::replica(own, index, now);
                     d.measurement = measurement;
-                    d.uses = self.uses.clone();
                     self.deps.insert(unit, d);
                 }
             }

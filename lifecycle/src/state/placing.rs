@@ -260,9 +260,7 @@ impl State {
                 .collect();
             let fit = place(cap, need, &on_gpu, evict);
             let idle = victim_order(&fit, &on_gpu, |id| {
-                self.deps
-                    .get(id)
-                    .is_some_and(|u| u.uses.in_flight_of(u.dep_id(), u.index) > 0)
+                self.deps.get(id).is_some_and(|u| self.runs_requests(u))
             });
             match rank_of(&fit, cap, need, &on_gpu) {
                 Some(rank) => each.push((gpu.index, fit, rank, idle, (cap, need, on_gpu))),
@@ -345,7 +343,7 @@ impl State {
                         d.need(capacity)
                     },
                     hold,
-                    idle_for: now.saturating_duration_since(d.used_at()),
+                    idle_for: now.saturating_duration_since(self.used_at(d)),
                     parked,
                     keeps: if parked || ends {
                         0

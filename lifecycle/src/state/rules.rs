@@ -565,7 +565,7 @@ impl State {
             // Held or fenced: no idle timer parks or stops either.
             .filter(|d| self.held.is_none() && !self.fenced(d.id()))
             .filter_map(|d| {
-                let idle = now.saturating_duration_since(d.used_at());
+                let idle = now.saturating_duration_since(self.used_at(d));
                 let due = |t: Option<Duration>| t.is_some_and(|t| idle >= t);
                 match d.state {
                     InstanceState::Ready if due(timeouts.ready_idle_timeout) => {
@@ -601,7 +601,7 @@ impl State {
         };
         // No use after this instant: the rule, as the router checks it.
         let idle_since = now.checked_sub(timeout)?;
-        if d.used_at() > idle_since || d.rec.pending_start {
+        if self.used_at(d) > idle_since || d.rec.pending_start {
             return None;
         }
         let down = self.begin_down(id, rid, now).ok()?;

@@ -887,23 +887,32 @@ async fn the_last_use_is_the_routers_record_of_requests_or_a_later_state_change(
     let mut inner = State::default();
     inner.insert(dep("a", "chat-a", "", Instant::now()));
     let changed = inner.deps["a"].last_used;
-    assert_eq!(inner.deps["a"].used_at(), changed, "no router yet");
+    assert_eq!(inner.used_at(&inner.deps["a"]), changed, "no router yet");
     inner.uses.attach(router.last_uses());
-    assert_eq!(inner.deps["a"].used_at(), changed, "no request yet");
+    assert_eq!(inner.used_at(&inner.deps["a"]), changed, "no request yet");
 
     // A request's start and end, as the router records them (on its lane: no turn of its
     // task), are the deployment's last use.
     advance(Duration::from_secs(5)).await;
     let deadline = Instant::now() + Duration::from_secs(60);
     let permit = router.admit(a, deadline).await.unwrap();
-    assert_eq!(inner.deps["a"].used_at(), changed + Duration::from_secs(5));
+    assert_eq!(
+        inner.used_at(&inner.deps["a"]),
+        changed + Duration::from_secs(5)
+    );
     advance(Duration::from_secs(1)).await;
     drop(permit);
-    assert_eq!(inner.deps["a"].used_at(), changed + Duration::from_secs(6));
+    assert_eq!(
+        inner.used_at(&inner.deps["a"]),
+        changed + Duration::from_secs(6)
+    );
     // A later state change that counts as use wins when it is the later one.
     advance(Duration::from_secs(1)).await;
     inner.deps.get_mut("a").unwrap().last_used = Instant::now();
-    assert_eq!(inner.deps["a"].used_at(), changed + Duration::from_secs(7));
+    assert_eq!(
+        inner.used_at(&inner.deps["a"]),
+        changed + Duration::from_secs(7)
+    );
     // Dropped, a deployment says so to the name cache entries that still hold it.
     let gone = Arc::clone(&inner.deps["a"].presence.0);
     assert!(!gone.load(Ordering::Acquire));
