@@ -306,6 +306,7 @@ impl Server {
                 }
             }
         };
+        // `Parked` always comes with where it parked (above).
         let done = match (&result, parked_in) {
             (Ok(Released::Parked), Some((tier, gpu_held))) => DownDone::Parked { tier, gpu_held },
             (Ok(r), _) => DownDone::Stopped(*r),

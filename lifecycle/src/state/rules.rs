@@ -273,26 +273,22 @@ impl State {
                 }
                 d.rec.first_answer = Some(first_answer);
                 d.state = InstanceState::Closed;
-                return None;
+                None
             }
             UpDone::Gone(why) => {
                 d.busy = false;
                 d.fail(why, now);
-                return Some(Err(d.key(&self.host_id)));
+                Some(Err(d.key(&self.host_id)))
             }
             UpDone::Stopped(why) => {
                 d.busy = false;
                 d.state = InstanceState::Stopped;
                 d.last_error = Some(why);
-                return Some(Err(d.key(&self.host_id)));
+                Some(Err(d.key(&self.host_id)))
             }
-            UpDone::Ready(_) | UpDone::Failed { .. } => {}
-        }
-        d.busy = false;
-        d.touch(now);
-        match done {
-            UpDone::Closed { .. } | UpDone::Gone(_) | UpDone::Stopped(_) => None,
             UpDone::Ready(started) => {
+                d.busy = false;
+                d.touch(now);
                 if let Some(s) = started {
                     d.addr = s.addr;
                     d.pid = Some(s.pid);
@@ -306,6 +302,8 @@ impl State {
                 Some(Ok((d.key(&self.host_id), d.addr)))
             }
             UpDone::Failed { error: e, ended } => {
+                d.busy = false;
+                d.touch(now);
                 d.fail(format!("{}: {}", e.code(), e.message()), now);
                 if let Some(stopped) = ended {
                     let what = match up {
