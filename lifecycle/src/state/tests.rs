@@ -1115,3 +1115,87 @@ async fn an_engine_exit_and_a_fence_read_the_time_given_not_the_clock() {
     let (_, again) = s.apply_deploy(doc, "other".into(), None, later);
     assert_eq!(again, DeployOutcome::Unchanged);
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_operators_marks_are_rules_of_one_turn() {
+    let now = Instant::now();
+    let mut s = state(now);
+    ready(&mut s, "a", now);
+    // A stop: stopped by its operator, no start pending, the record marked for the save.
+    s.deps.get_mut("b").unwrap().rec.pending_start = true;
+    s.operator_stop("b").unwrap();
+    let b = &s.deps["b"].rec;
+    assert!(b.operator_stopped && !b.operator_started && !b.pending_start);
+    assert!(s.dirty.has("b"));
+    assert_eq!(s.operator_stop("nope").unwrap_err().code(), "not_found");
+    // A park of a deployment none of whose instances is ready is one instance's: nothing
+    // marked; with one ready, the deployment is marked parked by its operator.
+    assert_eq!(s.operator_park("c"), Err("c".to_string()));
+    assert!(!s.operator_parked.contains("c"));
+    let units = s.operator_park("a").unwrap();
+    assert_eq!(units, [("a".to_string(), InstanceState::Ready)]);
+    assert!(s.operator_parked.contains("a"));
+    assert!(s.end_operator_park("a"));
+    assert!(!s.end_operator_park("a"));
+    // A start that nothing can be released for waits for memory, once.
+    assert!(s.wait_for_memory("c"));
+    assert!(s.deps["c"].rec.pending_start);
+    assert!(!s.wait_for_memory("c"), "already waiting");
+    assert!(!s.wait_for_memory("a"), "it runs");
+    // A host drain: cordoned, what is bound there named; uncordoned again.
+    assert_eq!(s.cordon("gpu-1"), ["a".to_string()]);
+    assert!(s.cordoned.contains("gpu-1"));
+    assert!(s.uncordon("gpu-1"));
+    assert!(s.cordoned.is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hold_gives_up_the_claimed_targets_and_a_drained_order_gives_its_victims_back() {
+    let now = Instant::now();
+    let mut s = state(now);
+    ready(&mut s, "a", now);
+    ready(&mut s, "b", now);
+    // A plan for `c` claims it and reserves a victim.
+    let plan = s
+        .plan("c", &none(), PlanFor::Requests, "sw-1".into(), now)
+        .unwrap();
+    let Plan::Switch { victims, .. } = plan else {
+        panic!("a switch: {plan:?}")
+    };
+    assert_eq!(s.deps["c"].claim.as_deref(), Some("sw-1"));
+    // Held: the claimed target is given up (its requests get the refusal).
+    assert_eq!(s.hold(held()), ["c".to_string()]);
+    // The drained order is given back: the reservation ends, the victims still ready (of
+    // the generation drained) are named to announce again; one of another generation is not.
+    let mut stale = victims[0].clone();
+    stale.generation += 1;
+    let back = s.give_back_held_order("sw-1", vec![victims[0].clone(), stale]);
+    assert_eq!(back.len(), 1);
+    assert_eq!(back[0].0, victims[0]);
+    assert_eq!(s.deps["c"].claim, None);
+    assert!(s.deps.values().all(|d| d.reserved.is_none()));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_scaler_takes_the_first_unit_with_room_in_one_turn() {
+    let now = Instant::now();
+    let mut s = one_host("box", 2, 10);
+    s.insert(dep("r", "chat-r", "replicas: 3", now));
+    bring_up(&mut s, "r", now);
+    bring_up(&mut s, "r-1", now);
+    // Both GPUs are taken by its siblings: the third has no room; `nope` is no unit.
+    assert_eq!(
+        s.scale_up_first(vec!["nope".into(), "r-2".into()], now),
+        None
+    );
+    // One sibling stops: the third comes up there, started by the scaler (not an operator).
+    let d = s.deps.get_mut("r-1").unwrap();
+    d.state = InstanceState::Stopped;
+    s.set_host("r-1", None);
+    let (unit, up) = s
+        .scale_up_first(vec!["nope".into(), "r-2".into()], now)
+        .unwrap();
+    assert_eq!((unit.as_str(), up), ("r-2", Up::Start));
+    assert!(s.deps["r-2"].busy && !s.deps["r-2"].operator_up);
+    assert_eq!(s.deps["r-2"].last_used, now);
+}
