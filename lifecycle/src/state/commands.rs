@@ -85,7 +85,7 @@ impl State {
     /// instances and their states, and the deployment marked parked by its operator (no
     /// longer started; the scaler brings none of its units up). `Err(unit)` when none is
     /// ready (only a ready deployment parks): the unit to park as one instance (the one on
-    /// its way up if any, else the first), nothing marked.
+    /// its way up if any, else the first: parked already, its receipt), nothing marked.
     pub(crate) fn operator_park(
         &mut self,
         id: &str,
