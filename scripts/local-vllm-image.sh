@@ -100,7 +100,7 @@ for so in "$PREFIX"/lib/lib"$PYVER"*.so*; do
 done
 while read -r lib; do args+=(--add "$lib=$lib:755"); done < "$libs"
 if [ "$IMPORT" = 1 ]; then
-  # One copy only: an image of the same name goes first, with the kubelet's reference to it by
+  # One copy only: an image of the same name goes first, with the CRI plugin's reference to it by
   # ID (CRI names every image it uses also by its digest), so that containerd's garbage
   # collection frees its blob and snapshot before the new one is written.
   previous=$(ctr --address "$SOCK" -n k8s.io images ls | awk -v r="$REF" '$1 == r { print $3 }')

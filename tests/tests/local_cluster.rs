@@ -1053,7 +1053,7 @@ async fn delete_the_leader_mid_switch(
 
 /// `model` served 200 through the router Service, retried while the Service's endpoint moves
 /// to the new leader (no connection, or the page's 503).
-async fn served_after_handover(addr: &str, model: &str) {
+async fn served_after_handover(pods: &Api<Pod>, addr: &str, model: &str) {
     wait_for(
         &format!("{model} served by the new leader"),
         Duration::from_secs(120),
@@ -1061,7 +1061,19 @@ async fn served_after_handover(addr: &str, model: &str) {
             match try_chat(addr, model, Duration::from_secs(90)).await {
                 Ok((200, _)) => Ok(()),
                 Ok((status, body)) if page_error(status, &body) => Err(format!("{status} {body}")),
-                Ok((status, body)) => panic!("{model}: {status} {body}"),
+                Ok((status, body)) => {
+                    // For the reader: what the operators said.
+                    for name in operator_pods(pods).await {
+                        let log = pods
+                            .logs(&name, &kube::api::LogParams::default())
+                            .await
+                            .unwrap_or_default();
+                        for line in log.lines() {
+                            eprintln!("{name}: {line}");
+                        }
+                    }
+                    panic!("{model}: {status} {body:?}")
+                }
                 Err(e) => Err(e),
             }
         },
@@ -1132,7 +1144,7 @@ async fn the_operators_leader_deleted_mid_switch_hands_over_on_a_real_node() {
         (3, 0),
         "chat-b started within the grace"
     );
-    served_after_handover(addr, "chat-b").await;
+    served_after_handover(pods, addr, "chat-b").await;
     wait_states(&crs, &[("chat-a", "parked"), ("chat-b", "ready")]).await;
     assert_eq!(all_engine_pods(pods, "chat-b").await, b.engine_pods);
     assert_eq!(all_engine_pods(pods, "chat-a").await, chat_a);
@@ -1156,7 +1168,7 @@ async fn the_operators_leader_deleted_mid_switch_hands_over_on_a_real_node() {
         "answered within the 30 s grace (and a tolerance): {:?}",
         c.last_end
     );
-    served_after_handover(addr, "chat-c").await;
+    served_after_handover(pods, addr, "chat-c").await;
     wait_states(&crs, &[("chat-a", "parked"), ("chat-c", "ready")]).await;
     // One engine of chat-c, none left beside it. NB: the node agent ends a start whose caller
     // (the old leader) is gone when the new leader recovers it, by design (`agent.rs`: "a
