@@ -278,6 +278,8 @@ impl Server {
         let mark = rec
             .as_ref()
             .map(|r| r.begin_phase(phase, &iid, engine, began));
+        // A park's tier and what it still holds: written with the outcome, in one turn.
+        let mut parked_in = None;
         let result = if stop || parked {
             agent.stop(&iid).await.map(|()| Released::Stopped)
         } else {
@@ -286,13 +288,7 @@ impl Server {
                     self.config
                         .metrics
                         .park(views::tier_words(tier), "ok", began.elapsed());
-                    self.on(id, move |inner, id| {
-                        if let Some(d) = inner.deps.get_mut(id) {
-                            d.tier = Some(tier);
-                            d.parked_gpu = gpu_held.map(|g| g.bytes);
-                        }
-                    })
-                    .await;
+                    parked_in = Some((tier, gpu_held.map(|g| g.bytes)));
                     Ok(Released::Parked)
                 }
                 Ok(ParkResult::Stopped {
@@ -330,7 +326,13 @@ impl Server {
                 d.busy = false;
                 d.last_used = Instant::now();
                 match &outcome {
-                    Ok(Released::Parked) => d.state = InstanceState::Parked,
+                    Ok(Released::Parked) => {
+                        d.state = InstanceState::Parked;
+                        if let Some((tier, held)) = parked_in {
+                            d.tier = Some(tier);
+                            d.parked_gpu = held;
+                        }
+                    }
                     Ok(r) => {
                         d.state = InstanceState::Stopped;
                         d.tier = None;
