@@ -15,6 +15,8 @@
 //!   parked, or stop);
 //! - [`agent`]: the [`HostAgent`] trait the lifecycle calls and [`LocalHostAgent`];
 //! - [`remote`]: the node agent's HTTP server and [`RemoteHostAgent`], its client;
+//! - [`sim_host`]: [`SimHost`], a host whose engines are simulated (`capyctl simulate` and the
+//!   tests);
 //! - `k8s`: the node agent on Kubernetes: its `Host` object and engine Pods;
 //! - `cli`: the `capyctl-node-agent` program (also `capyctl start host`).
 //!
@@ -44,6 +46,7 @@ pub mod process;
 pub mod recovery;
 pub mod remote;
 pub mod runtime;
+pub mod sim_host;
 pub mod spec;
 pub mod tier;
 pub mod verify;
@@ -51,3 +54,4 @@ pub mod verify;
 pub use agent::{AgentConfig, EngineExit, HostAgent, LocalHostAgent};
 pub use error::AgentError;
 pub use remote::RemoteHostAgent;
+pub use sim_host::SimHost;

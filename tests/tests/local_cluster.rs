@@ -22,8 +22,7 @@
 //! (it kills a container through containerd and restarts the kubelet).
 #![allow(clippy::unwrap_used)]
 
-#[path = "../../operator/tests/k8s_support/mod.rs"]
-mod k8s_support;
+use capyctl_test_support::cluster;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -170,7 +169,7 @@ async fn engine_pod_uids(pods: &Api<Pod>, name: &str) -> Vec<(String, String)> {
 }
 
 /// The release's objects of kind `K` left in the test's namespace, as `kind/name`.
-async fn release_objects<K>(ns: &k8s_support::TestNamespace, kind: &str) -> Vec<String>
+async fn release_objects<K>(ns: &cluster::TestNamespace, kind: &str) -> Vec<String>
 where
     K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>
         + Clone
@@ -308,7 +307,7 @@ fn pod_ready(p: &Pod) -> bool {
 #[tokio::test]
 #[ignore = "needs cluster"]
 async fn the_chart_runs_end_to_end_on_a_real_node() {
-    let (kubeconfig, client) = k8s_support::cluster().await;
+    let (kubeconfig, client) = cluster::cluster().await;
     let nodes: Api<Node> = Api::all(client.clone());
     let ready = nodes.list(&ListParams::default()).await.unwrap().items;
     let Some(node) = ready.into_iter().find(|n| {
@@ -334,7 +333,7 @@ async fn the_chart_runs_end_to_end_on_a_real_node() {
         .await
         .unwrap();
 
-    let ns = k8s_support::TestNamespace::create(&kubeconfig, &client, "capyctl-node").await;
+    let ns = cluster::TestNamespace::create(&kubeconfig, &client, "capyctl-node").await;
     for suffix in ["operator", "node-agent"] {
         let name = format!("{RELEASE}-{}-{suffix}", ns.name);
         ns.also_delete(format!(

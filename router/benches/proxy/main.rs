@@ -44,7 +44,6 @@ use tokio::net::{TcpListener, TcpStream};
 
 use tokio::runtime::Handle;
 
-#[path = "proxy/replicas.rs"]
 mod replicas;
 
 const MODEL: &str = "bench-model";
