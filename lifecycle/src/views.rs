@@ -26,7 +26,8 @@ use capyctl_spec::api::{
 use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::{Activation, InstanceState};
 
-use super::{Dep, Host, Hosts, LifecycleConfig};
+use crate::LifecycleConfig;
+use crate::state::{Dep, Host, Hosts};
 use crate::store::DeploymentRecord;
 
 /// What a deployment's views show that only a deploy changes: shared (one `Arc`) between the

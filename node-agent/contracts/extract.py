@@ -18,6 +18,9 @@ One line per fact, tab-separated, each with the file and line it came from (rela
     field   MODEL   NAME    required|optional   FILE:LINE
     value   MODEL   NAME    VALUE   FILE:LINE   a value a field takes (`Literal[...]`, SGLang's
                                                 memory tags)
+    type    MODEL   NAME    KINDS   FILE:LINE   the JSON kinds a field's annotation accepts
+                                                (string, integer, number, boolean, array,
+                                                object, null; comma-separated), where known
     flag    --NAME  FILE:LINE
     env     NAME    FILE:LINE   an environment variable the engine reads (vLLM's `envs.py`)
     metric  NAME    FILE:LINE
@@ -245,7 +248,9 @@ def class_fields(tree):
                     or (first is not None and not (isinstance(first, ast.Constant) and first.value is Ellipsis))
                 )
                 required = not has_default
-            fields.append((st.target.id, required, st.lineno, literal_values(st.annotation)))
+            fields.append(
+                (st.target.id, required, st.lineno, literal_values(st.annotation), st.annotation)
+            )
         found[node.name] = ([name_of(b) for b in node.bases], fields)
     return found
 
@@ -266,17 +271,98 @@ def all_fields(classes, name, seen=()):
             out += all_fields(classes, b, seen + (name,))
     own = {f[0] for f in fields}
     out = [x for x in out if x[0] not in own]
-    return out + [(f, req, f"{path}:{line}", values) for f, req, line, values in fields]
+    return out + [(f, req, f"{path}:{line}", values, ann) for f, req, line, values, ann in fields]
+
+
+# Python annotations and the JSON kinds they accept (pydantic also takes an integer where a
+# number is asked, which the check allows).
+KINDS = {
+    "str": {"string"},
+    "int": {"integer"},
+    "float": {"number"},
+    "bool": {"boolean"},
+    "list": {"array"},
+    "List": {"array"},
+    "Sequence": {"array"},
+    "tuple": {"array"},
+    "Tuple": {"array"},
+    "set": {"array"},
+    "Set": {"array"},
+    "dict": {"object"},
+    "Dict": {"object"},
+    "Mapping": {"object"},
+}
+
+
+def json_kinds(node, classes):
+    """The JSON kinds annotation `node` accepts, or None when any (or unknown)."""
+    if node is None:
+        return None
+    if isinstance(node, ast.Constant):
+        if node.value is None:
+            return {"null"}
+        if isinstance(node.value, str):  # a forward reference
+            try:
+                return json_kinds(ast.parse(node.value, mode="eval").body, classes)
+            except SyntaxError:
+                return None
+        return None
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        a, b = json_kinds(node.left, classes), json_kinds(node.right, classes)
+        return None if a is None or b is None else a | b
+    if isinstance(node, ast.Subscript):
+        head = name_of(node.value)
+        elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        if head == "Annotated":
+            return json_kinds(elts[0], classes)
+        if head in ("Optional", "Union"):
+            kinds = set() if head == "Union" else {"null"}
+            for e in elts:
+                k = json_kinds(e, classes)
+                if k is None:
+                    return None
+                kinds |= k
+            return kinds
+        if head == "Literal":
+            kinds = set()
+            for e in elts:
+                v = e.value if isinstance(e, ast.Constant) else Ellipsis
+                if v is None:
+                    kinds.add("null")
+                elif isinstance(v, bool):
+                    kinds.add("boolean")
+                elif isinstance(v, int):
+                    kinds.add("integer")
+                elif isinstance(v, str):
+                    kinds.add("string")
+                else:
+                    return None
+            return kinds
+        return json_kinds(node.value, classes)
+    name = name_of(node)
+    if name in KINDS:
+        return set(KINDS[name])
+    if name in classes:
+        bases = set(classes[name][0])
+        if bases & {"Enum", "IntEnum", "StrEnum"}:
+            if "str" in bases or "StrEnum" in bases:
+                return {"string"}
+            return {"integer"} if "int" in bases or "IntEnum" in bases else None
+        return {"object"}
+    return None
 
 
 def emit_models(classes, used, out):
     for model in sorted(used):
         if model not in classes:
             continue
-        for f, req, where, values in all_fields(classes, model):
+        for f, req, where, values, ann in all_fields(classes, model):
             out.append(("field", model, f, "required" if req else "optional", where))
             for v in values:
                 out.append(("value", model, f, v, where))
+            kinds = json_kinds(ann, classes)
+            if kinds is not None:
+                out.append(("type", model, f, ",".join(sorted(kinds)), where))
 
 
 def metrics(root, files, prefix, out):

@@ -724,6 +724,42 @@ impl LocalHostAgent {
 
     /// Room in host RAM for one more copy ([`host_ram_room`]): the copies of the other
     /// instances parked in host RAM (held) and of those parking there now (copying).
+    /// Waits until the engine answers `/health` with 200 from its own listener, for at most
+    /// the ready timeout. An engine binds its port only once loaded, so another process may
+    /// take the port meanwhile and answer in its place: such an answer is not the engine's
+    /// (the engine then fails to bind and exits with its own error, or the wait ends naming
+    /// the holder).
+    async fn wait_engine_ready(&self, ep: &Endpoint, record: &PidRecord) -> Result<(), AgentError> {
+        let bound = self.config.ready_timeout;
+        let deadline = Instant::now() + bound;
+        let mut holder: Option<String> = None;
+        loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if let (Some(holder), true) = (&holder, remaining.is_zero()) {
+                return Err(AgentError::EngineTimeout {
+                    engine: ep.engine,
+                    step: "readiness (GET /health until 200 from the engine's own listener)",
+                    url: format!(
+                        "{} (last: port {} answered, but it is held by {holder}, not by the engine)",
+                        ep.url("/health"),
+                        record.port
+                    ),
+                    after: bound,
+                });
+            }
+            self.driver.wait_ready(ep, remaining).await?;
+            let Some(now_held) = self.runtime.port_held_by_another(record) else {
+                return Ok(());
+            };
+            if holder.is_none() {
+                tracing::warn!(instance = %record.instance, port = record.port, holder = %now_held,
+                    "the engine's port answers but is held by another process; waiting for the engine");
+            }
+            holder = Some(now_held);
+            tokio::time::sleep(Duration::from_millis(100).min(remaining)).await;
+        }
+    }
+
     fn host_room(&self, inv: &Inventory, except: &str) -> u64 {
         let (mut held, mut copying) = (0u64, 0u64);
         for (id, i) in self.instances().iter() {
@@ -988,7 +1024,7 @@ impl LocalHostAgent {
         let log = self.runtime.log_location(&record);
         let ready_and_answer = async {
             tokio::select! {
-                r = self.driver.wait_ready(&endpoint, self.config.ready_timeout) => r,
+                r = self.wait_engine_ready(&endpoint, &record) => r,
                 status = exit.wait_for(Option::is_some) => Err(AgentError::EngineExited {
                     engine: spec.engine,
                     instance: id.to_string(),

@@ -40,9 +40,17 @@ pub(crate) fn engine_error_line(log: &str) -> Option<String> {
             .to_string()
     };
     let lines: Vec<String> = text.lines().map(clean).filter(|l| !l.is_empty()).collect();
+    // A frame of a stack trace printed after the error (a Rust backtrace's `16: name` and
+    // `at file:line`, a Python traceback's `File "x.py", line 1`) names no error of its own.
+    let frame = |l: &str| {
+        l.starts_with("at ")
+            || l.starts_with("File \"")
+            || l.split_once(": ")
+                .is_some_and(|(n, _)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    };
     let names_error = |l: &&String| {
         let lower = l.to_ascii_lowercase();
-        lower.contains("error") || lower.contains("exception")
+        (lower.contains("error") || lower.contains("exception")) && !frame(l)
     };
     let line = lines
         .iter()
@@ -421,6 +429,18 @@ mod tests {
         assert_eq!(
             engine_error_line(&log).as_deref(),
             Some("OSError: [Errno 98] Address already in use")
+        );
+        // A Rust program's error followed by its backtrace: the error, not a frame naming
+        // `anyhow::Error`.
+        let log = log_with(
+            "backtrace",
+            "Error: cannot listen on 127.0.0.1:37637\n\nCaused by:\n    Address already in use \
+             (os error 98)\n\nStack backtrace:\n   0: <E as anyhow::context::ext::StdError>::ext_context\n\
+             \x20            at /src/anyhow/src/backtrace.rs:10:14\n  16: {closure#0}<core::result::Result<(), anyhow::Error>>\n",
+        );
+        assert_eq!(
+            engine_error_line(&log).as_deref(),
+            Some("Address already in use (os error 98)")
         );
         // No line naming an error: the last one; an unreadable log: nothing.
         let log = log_with("plain", "starting\nKilled\n");

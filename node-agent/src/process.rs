@@ -302,6 +302,73 @@ pub fn cmdline(pid: u32) -> Option<Vec<String>> {
     Some(parts)
 }
 
+/// Who holds TCP port `port` in listening state when it is not `group` (the engine's): `None`
+/// when a member of the group listens there, when nobody does yet, or when `/proc` cannot
+/// tell (another network namespace); otherwise `pid N (name)` of the holder, or "a process
+/// CapyCTL cannot see" when its descriptors are not readable. Reads `/proc/net/tcp{,6}` and
+/// the members' descriptors; only called while an engine becomes ready.
+pub fn port_held_by_another(group: &EngineGroup, port: u16) -> Option<String> {
+    let sockets = listening_sockets(port);
+    if sockets.is_empty() {
+        return None;
+    }
+    let members = group.members().unwrap_or_default();
+    if members.iter().any(|&pid| holds_socket(pid, &sockets)) {
+        return None;
+    }
+    let holder = std::fs::read_dir("/proc").ok().and_then(|entries| {
+        entries
+            .flatten()
+            .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()))
+            .find(|&pid| holds_socket(pid, &sockets))
+    });
+    Some(match holder {
+        Some(pid) => {
+            let name = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+            format!("pid {pid} ({})", name.trim())
+        }
+        None => "a process CapyCTL cannot see".to_string(),
+    })
+}
+
+/// The inodes of the sockets listening on TCP port `port` (IPv4 and IPv6) in this network
+/// namespace, from `/proc/net/tcp` and `/proc/net/tcp6` (state `0A` is LISTEN).
+fn listening_sockets(port: u16) -> Vec<u64> {
+    let mut inodes = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let local_port = f
+                .get(1)
+                .and_then(|a| a.rsplit(':').next())
+                .and_then(|p| u16::from_str_radix(p, 16).ok());
+            if local_port == Some(port) && f.get(3) == Some(&"0A") {
+                inodes.extend(f.get(9).and_then(|i| i.parse::<u64>().ok()));
+            }
+        }
+    }
+    inodes
+}
+
+/// Whether one of `pid`'s open descriptors is one of the sockets `inodes`.
+fn holds_socket(pid: u32, inodes: &[u64]) -> bool {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    fds.flatten().any(|fd| {
+        std::fs::read_link(fd.path()).is_ok_and(|target| {
+            target
+                .to_str()
+                .and_then(|t| t.strip_prefix("socket:[")?.strip_suffix(']'))
+                .and_then(|i| i.parse::<u64>().ok())
+                .is_some_and(|i| inodes.contains(&i))
+        })
+    })
+}
+
 /// A free loopback port (bound and released; the engine binds it once it has loaded).
 pub fn free_port() -> Result<u16, AgentError> {
     let listener = std::net::TcpListener::bind(("127.0.0.1", 0))

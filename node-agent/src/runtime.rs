@@ -15,7 +15,7 @@ use std::time::Duration;
 use crate::agent::BoxFuture;
 use crate::error::AgentError;
 use crate::launch::launch_command;
-use crate::process::{ExitWatch, PidRecord, ProcessRuntime, Recovery};
+use crate::process::{EngineGroup, ExitWatch, PidRecord, ProcessRuntime, Recovery};
 use crate::spec::{EngineLaunch, InstanceSpec};
 use crate::tier::LaunchParking;
 
@@ -68,6 +68,14 @@ pub trait EngineRuntime: Send + Sync + std::fmt::Debug {
     }
     /// Where the engine of a tracked (or recovered) record answers.
     fn base_url(&self, record: &PidRecord) -> String;
+    /// Who else listens where the engine should: `Some(who)` when the engine's port is held by
+    /// a process that is not the engine's (it took the port while the engine loaded, since an
+    /// engine binds only once loaded); `None` when the listener is the engine's or the runtime
+    /// cannot tell (an engine Pod has its own address: nobody else can take its port).
+    fn port_held_by_another(&self, record: &PidRecord) -> Option<String> {
+        let _ = record;
+        None
+    }
     /// Where the engine's output can be read, for error messages: the record's log file when
     /// it has one (a child process's `<data dir>/engines/<instance>.log`).
     fn log_location(&self, record: &PidRecord) -> Option<String> {
@@ -146,6 +154,10 @@ impl EngineRuntime for ProcessRuntime {
 
     fn base_url(&self, record: &PidRecord) -> String {
         loopback_url(record.port)
+    }
+
+    fn port_held_by_another(&self, record: &PidRecord) -> Option<String> {
+        crate::process::port_held_by_another(&EngineGroup::of(record), record.port)
     }
 
     fn exit_watch(&self, instance: &str) -> Option<ExitWatch> {

@@ -149,6 +149,84 @@ async fn tiers_follow_the_host() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A process that takes the engine's port while the engine loads (an engine binds its port only
+/// once loaded) and answers there as an engine would is not taken for the engine: the start
+/// waits for the engine's own listener and fails naming the holder, leaving nothing running.
+#[tokio::test]
+async fn a_process_that_takes_the_engines_port_is_not_taken_for_the_engine() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = common::temp_dir("port-race");
+    let mut config = common::agents::config(&dir);
+    config.ready_timeout = Duration::from_secs(3);
+    let a = Arc::new(
+        LocalHostAgent::new(config, settings(1024 * MIB, false), Arc::new(NoGpus)).unwrap(),
+    );
+    let mut s = spec(EngineKind::Vllm, "");
+    // The engine does not bind its port within the test.
+    s.env
+        .insert("ENGINE_SIM_STARTUP_DELAY".into(), "60s".into());
+    let starting = {
+        let a = Arc::clone(&a);
+        tokio::spawn(async move { a.start("race", &s).await })
+    };
+    // The simulator, like vLLM, gives its port back during start-up ("engine-sim serving" is
+    // logged just before): from then on the port is free and the impostor takes it.
+    let records = ProcessRuntime::new(&dir).unwrap();
+    let log = dir.join("engines").join("race.log");
+    let (port, impostor) = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            let port = records.records().unwrap().first().map(|r| r.port);
+            let serving =
+                std::fs::read_to_string(&log).is_ok_and(|l| l.contains("engine-sim serving"));
+            if let (Some(port), true) = (port, serving)
+                && let Ok(l) = tokio::net::TcpListener::bind(("127.0.0.1", port)).await
+            {
+                return (port, l);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the engine is spawned and gives its port back during its start-up");
+    // The impostor answers every request 200 with what an engine's check answer looks like.
+    let serving = tokio::spawn(async move {
+        loop {
+            let Ok((mut conn, _)) = impostor.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match conn.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let body = r#"{"id":"cmpl-1","object":"text_completion","model":"chat-a","choices":[{"index":0,"text":" five, six","finish_reason":"length"}],"version":"0.32.0"}"#;
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = conn.write_all(answer.as_bytes()).await;
+            });
+        }
+    });
+    let err = starting.await.unwrap().unwrap_err();
+    serving.abort();
+    let text = err.to_string();
+    assert!(text.contains("did not become ready"), "{text}");
+    assert!(
+        text.contains(&format!(
+            "port {port} answered, but it is held by pid {}",
+            std::process::id()
+        )),
+        "the error names the process that holds the port: {text}"
+    );
+    assert_no_records(&dir);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[tokio::test]
 async fn a_failed_start_names_the_engines_log() {
     let dir = common::temp_dir("start-log");

@@ -7,8 +7,10 @@
 //! - every call of `VLLM_CALLS` and `SGLANG_CALLS`: its route with that method exists; every
 //!   query parameter it sends is one the handler reads; a body is sent exactly where the handler
 //!   takes one (none where it takes none, one where it requires one), and the body's fields are
-//!   all fields of the handler's request model, with every required one present and, where the
-//!   source lists the values a field takes, a value among them; the completion bodies of
+//!   all fields of the handler's request model, with every required one present, each value
+//!   of a JSON kind the field's annotation accepts (string, integer, number, boolean, array,
+//!   object, null) and, where the source lists the values a field takes, a value among them;
+//!   the completion bodies of
 //!   `verify` (check prompt, decision, warm-up) against `CompletionRequest`;
 //! - every flag of the launch command (`launch_command` over every branch: parking with and
 //!   without host RAM, `max_concurrent_requests`, tensor parallelism), the flags CapyCTL owns
@@ -44,6 +46,8 @@ struct Contract {
     fields: BTreeMap<String, BTreeMap<String, bool>>,
     /// (model, field) → the values it takes, where the source lists them.
     values: BTreeMap<(String, String), BTreeSet<String>>,
+    /// (model, field) → the JSON kinds its annotation accepts, where the extract knows them.
+    kinds: BTreeMap<(String, String), BTreeSet<String>>,
     flags: BTreeSet<String>,
     envs: BTreeSet<String>,
     metrics: BTreeSet<String>,
@@ -81,6 +85,12 @@ impl Contract {
                 }
                 "value" => {
                     c.values.entry((col(1), col(2))).or_default().insert(col(3));
+                }
+                "type" => {
+                    c.kinds.insert(
+                        (col(1), col(2)),
+                        col(3).split(',').map(str::to_string).collect(),
+                    );
                 }
                 "flag" => {
                     c.flags.insert(col(1));
@@ -120,6 +130,13 @@ impl Contract {
         for (name, value) in obj {
             if !fields.contains_key(name) {
                 problems.push(format!("`{name}` is not a field of `{model}`"));
+            }
+            if let Some(kinds) = self.kinds.get(&(model.to_string(), name.clone()))
+                && !kinds.iter().any(|k| json_kind_fits(value, k))
+            {
+                problems.push(format!(
+                    "`{name}`: {value} is not of the kinds {kinds:?} `{model}` takes"
+                ));
             }
             if let Some(allowed) = self.values.get(&(model.to_string(), name.clone())) {
                 let sent: Vec<&str> = match value {
@@ -192,6 +209,21 @@ impl Contract {
             problems.extend(self.body_problems(model, body));
         }
         problems
+    }
+}
+
+/// Whether `value` is of JSON kind `kind` as the extract names it (an integer is also a
+/// number, as pydantic takes it).
+fn json_kind_fits(value: &Value, kind: &str) -> bool {
+    match kind {
+        "string" => value.is_string(),
+        "integer" => value.is_i64() || value.is_u64(),
+        "number" => value.is_number(),
+        "boolean" => value.is_boolean(),
+        "array" => value.is_array(),
+        "object" => value.is_object(),
+        "null" => value.is_null(),
+        other => panic!("unknown JSON kind `{other}` in the extract"),
     }
 }
 
@@ -449,7 +481,38 @@ fn the_checks_catch_what_the_engine_would_refuse() {
             ),
             "requires `method`",
         ),
+        (
+            with(
+                &sglang,
+                call(
+                    s,
+                    Verb::Post,
+                    "/pause_generation",
+                    CallBody::Json(|_| serde_json::json!({"mode": 1})),
+                ),
+            ),
+            "`mode`: 1 is not of the kinds",
+        ),
+        (
+            with(
+                &vllm,
+                call(
+                    v,
+                    Verb::Post,
+                    "/v1/load_lora_adapter",
+                    CallBody::Json(
+                        |_| serde_json::json!({"lora_name": "a", "lora_path": ["/adapters/a"]}),
+                    ),
+                ),
+            ),
+            "`lora_path`: [\"/adapters/a\"] is not of the kinds",
+        ),
     ];
+    let wrong = serde_json::json!({"model": "m", "prompt": "p", "max_tokens": "16"});
+    assert_eq!(
+        vllm.body_problems("CompletionRequest", &wrong),
+        [r#"`max_tokens`: "16" is not of the kinds {"integer", "null"} `CompletionRequest` takes"#]
+    );
     for (problems, expected) in cases {
         assert!(
             problems.iter().any(|p| p.contains(expected)),

@@ -779,8 +779,16 @@ fn real_vllm_two_models_on_one_gpu() {
     wait_for("the starting engine gone", Duration::from_secs(60), || {
         (!capyctl_test_support::alive(u64::from(starting_pid))).then_some(())
     });
+    // `start` without `--wait` answered when the start was accepted, before the stop: its
+    // receipt says the start began; the stop that cancelled it is what `status` shows.
     let out = start.join().unwrap();
-    eprintln!("the cancelled start: {out:?}");
+    let receipt = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success()
+            && receipt.starts_with("start deployment tiny-b (")
+            && receipt.contains("state starting, ready 0/1"),
+        "the cancelled start's receipt: {out:?}"
+    );
     assert_eq!(engines(&tag), BTreeSet::from([pid_a]));
 
     step("SIGTERM: CapyCTL exits 0 and stops the engine it still runs (tiny-a, parked)");

@@ -1,0 +1,44 @@
+//! What can go wrong opening the server ([`ServerError`]), and the API errors the server's methods
+//! share.
+
+use capyctl_spec::errors::ApiError;
+
+use crate::store::StoreError;
+use crate::switches;
+
+/// What can go wrong opening the server.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// The state could not be loaded.
+    #[error("loading the state: {0}")]
+    Store(#[from] StoreError),
+    /// The host agent failed (inventory, recovery).
+    #[error("host agent: {0}")]
+    Agent(#[from] capyctl_node_agent::AgentError),
+    /// The switch records could not be read or written.
+    #[error("{0}")]
+    Switches(#[from] switches::SwitchLogError),
+}
+
+impl ServerError {
+    /// A short, stable label for metrics and event reasons.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            ServerError::Store(e) => e.metric_label(),
+            ServerError::Agent(e) => e.metric_label(),
+            ServerError::Switches(_) => "switch_records",
+        }
+    }
+}
+
+pub(crate) fn internal(e: impl std::fmt::Display) -> ApiError {
+    ApiError::Internal {
+        detail: e.to_string(),
+    }
+}
+
+pub(crate) fn not_found(key: &str) -> ApiError {
+    ApiError::NotFound {
+        what: format!("deployment {key}"),
+    }
+}

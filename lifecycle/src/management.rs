@@ -1,0 +1,190 @@
+//! What the management listener asks of the lifecycle: [`ManagementApi`] implemented by [`Server`].
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use capyctl_spec::api::{
+    ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, EngineView,
+    HostDrainReceipt, HostList, LoadReport, StartRequest,
+};
+use capyctl_spec::documents::DeploymentDoc;
+use capyctl_spec::errors::ApiError;
+use futures_util::StreamExt;
+use tokio::sync::watch;
+
+use crate::api::ManagementApi;
+use crate::errors::not_found;
+use crate::reads::HOST_CALLS_AT_ONCE;
+use crate::state::{Host, Hosts};
+use crate::{Server, views};
+
+/// Each host (ID and entry) as owned values, for futures that outlive the borrow.
+pub(crate) fn owned(hosts: &Hosts) -> Vec<(String, Arc<Host>)> {
+    hosts
+        .iter()
+        .map(|(id, h)| (id.clone(), Arc::clone(h)))
+        .collect()
+}
+
+impl ManagementApi for Server {
+    fn switches(
+        &self,
+        mut query: capyctl_spec::api::SwitchQuery,
+    ) -> crate::api::BoxFuture<'_, Result<capyctl_spec::api::SwitchList, ApiError>> {
+        // A deployment named by its name or ID matches its records by either (the records
+        // of a deleted one by what was asked).
+        if let Some(d) = &query.deployment
+            && let Some(id) = self.read(|inner| inner.by_name_or_id(d).map(|d| d.rec.id.clone()))
+        {
+            query.deployment = Some(id);
+        }
+        Box::pin(std::future::ready(Ok(self.switches.list(&query))))
+    }
+
+    fn list(&self) -> crate::api::BoxFuture<'_, DeploymentList> {
+        Box::pin(async move {
+            let (shots, hosts) = self.shots();
+            let cx = views::Ctx::new(&self.config, &hosts);
+            let mut deployments: Vec<DeploymentView> = shots
+                .iter()
+                .map(|d| views::deployment_view(d, &cx))
+                .collect();
+            deployments.sort_by(|a, b| a.name.cmp(&b.name));
+            DeploymentList { deployments }
+        })
+    }
+
+    fn deploy(
+        &self,
+        doc: DeploymentDoc,
+    ) -> crate::api::BoxFuture<'_, Result<DeployReceipt, ApiError>> {
+        Box::pin(self.do_deploy(doc))
+    }
+
+    fn get<'a>(
+        &'a self,
+        name_or_id: &'a str,
+    ) -> crate::api::BoxFuture<'a, Result<DeploymentView, ApiError>> {
+        Box::pin(async move { self.view(name_or_id).ok_or_else(|| not_found(name_or_id)) })
+    }
+
+    fn delete<'a>(
+        &'a self,
+        name_or_id: &'a str,
+    ) -> crate::api::BoxFuture<'a, Result<DeploymentView, ApiError>> {
+        Box::pin(async move {
+            let view = self.do_delete(name_or_id).await?;
+            // Router entries go when their deployment goes: its load and counters.
+            if let Some(r) = self.router() {
+                r.forget(view.id.clone()).await;
+            }
+            Ok(view)
+        })
+    }
+
+    fn start<'a>(
+        &'a self,
+        name_or_id: &'a str,
+        request: StartRequest,
+    ) -> crate::api::BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+        Box::pin(self.do_start(name_or_id, request))
+    }
+
+    fn stop<'a>(
+        &'a self,
+        name_or_id: &'a str,
+    ) -> crate::api::BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+        Box::pin(self.do_stop(name_or_id))
+    }
+
+    fn park<'a>(
+        &'a self,
+        name_or_id: &'a str,
+    ) -> crate::api::BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+        Box::pin(self.do_park(name_or_id))
+    }
+
+    fn preinitialize<'a>(
+        &'a self,
+        name_or_id: &'a str,
+    ) -> crate::api::BoxFuture<'a, Result<ActionReceipt, ApiError>> {
+        Box::pin(self.do_preinitialize(name_or_id))
+    }
+
+    fn engines(&self) -> crate::api::BoxFuture<'_, EngineList> {
+        Box::pin(async move {
+            let hosts = owned(&self.hosts_now());
+            // Every host asked at once, a bounded number at a time; listed in host order.
+            let per_host: Vec<Vec<EngineView>> = futures_util::stream::iter(hosts)
+                .map(|(host_id, host)| async move {
+                    host.agent
+                        .engines()
+                        .await
+                        .into_iter()
+                        .map(|e| EngineView {
+                            command: host.settings.engine(e.engine).command.clone(),
+                            engine: e.engine,
+                            version: e.version,
+                            deep_park: e.deep_park.to_string(),
+                            host_id: host_id.clone(),
+                        })
+                        .collect()
+                })
+                .buffered(HOST_CALLS_AT_ONCE)
+                .collect()
+                .await;
+            EngineList {
+                engines: per_host.into_iter().flatten().collect(),
+            }
+        })
+    }
+
+    fn hosts(&self) -> crate::api::BoxFuture<'_, HostList> {
+        Box::pin(async move {
+            let hosts = self.hosts_now();
+            // Every host asked at once, a bounded number at a time; listed in host order.
+            let inventories: Vec<_> = futures_util::stream::iter(owned(&hosts))
+                .map(|(id, host)| async move {
+                    let inventory = host.agent.inventory().await.ok();
+                    (id, host, inventory)
+                })
+                .buffered(HOST_CALLS_AT_ONCE)
+                .collect()
+                .await;
+            let used = self.host_uses(&hosts);
+            let cordoned = self.read(|inner| inner.cordoned.clone());
+            HostList {
+                hosts: inventories
+                    .iter()
+                    .zip(used)
+                    .map(|((id, host, inv), used)| {
+                        views::host_view(id, host, inv.as_ref(), used, cordoned.contains(id))
+                    })
+                    .collect(),
+            }
+        })
+    }
+
+    fn drain_host<'a>(
+        &'a self,
+        host_id: &'a str,
+        drain: bool,
+    ) -> crate::api::BoxFuture<'a, Result<HostDrainReceipt, ApiError>> {
+        Box::pin(self.do_drain_host(host_id, drain))
+    }
+
+    fn load<'a>(
+        &'a self,
+        deployment: Option<&'a str>,
+    ) -> crate::api::BoxFuture<'a, Result<LoadReport, ApiError>> {
+        Box::pin(async move { self.do_load(deployment) })
+    }
+
+    fn ready(&self) -> bool {
+        self.ready.load(Ordering::SeqCst)
+    }
+
+    fn changes(&self) -> Option<watch::Receiver<u64>> {
+        Some(self.changes.subscribe())
+    }
+}

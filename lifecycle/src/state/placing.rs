@@ -1,0 +1,498 @@
+//! Placement on hosts and GPUs: where an instance would go, and which victims make room (the
+//! rules of `state.rs` call it).
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use capyctl_router::lifecycle::InstanceKey;
+use capyctl_spec::{Activation, InstanceState};
+use tokio::time::Instant;
+
+use crate::placement::{Fit, Hold, Holder, place};
+
+use super::{Dep, Host, State, dep_of_unit};
+
+/// Whom a placement may name as victims.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Victims {
+    /// Nobody: a start without `--evict` (and a pending one) waits for memory instead.
+    None,
+    /// Idle ready instances and parked engines, and starts or wakes in progress that no
+    /// request waits for and no operator asked for ([`Dep::operator_up`]): a request's switch.
+    /// A start that hangs once its requests gave up is then ended (its engine stopped, as a
+    /// stop ends it) for another model's requests, without an operator.
+    Idle,
+    /// Those, and the operator's starts or wakes in progress that no request waits for
+    /// (`start --evict`): they are ended, their engines stopped.
+    IdleAndBringUps,
+}
+
+/// Among GPUs of equal rank, which victims go first: those that run no request now, then the
+/// longest idle.
+pub(crate) type VictimOrder = (bool, std::cmp::Reverse<Duration>);
+
+/// One GPU as [`State::place_on_gpus`] reads it: its bytes, the instance's share of its
+/// memory there, and what holds that GPU.
+pub(crate) type GpuRoom<'a> = (u64, u64, Vec<Holder<'a>>);
+
+/// `victims` (sorted), each GPU's choice for an instance over several GPUs (`rooms`), less
+/// those the others make unneeded: a victim that spans several of these GPUs frees its share on
+/// each, so the victim another GPU named beside it may not be needed at all. Tried for removal
+/// the most recently used first; one goes when every GPU still has room with the rest released
+/// (parked, keeping their residue; stopped, none, when `stop`).
+pub(crate) fn fewest_victims(
+    rooms: &[GpuRoom<'_>],
+    mut victims: Vec<String>,
+    stop: bool,
+) -> Vec<String> {
+    let idle_for = |id: &str| {
+        rooms
+            .iter()
+            .flat_map(|(_, _, on_gpu)| on_gpu.iter())
+            .find(|h| h.id == id)
+            .map_or(Duration::ZERO, |h| h.idle_for)
+    };
+    let room_with = |released: &[String]| {
+        rooms.iter().all(|(cap, need, on_gpu)| {
+            let held: u64 = on_gpu
+                .iter()
+                .map(|h| {
+                    if released.iter().any(|v| v == h.id) {
+                        h.left_after_release(stop)
+                    } else {
+                        h.bytes
+                    }
+                })
+                .sum();
+            cap.saturating_sub(held) >= *need
+        })
+    };
+    let mut order = victims.clone();
+    order.sort_by_key(|id| (idle_for(id), id.clone()));
+    for id in order {
+        let without: Vec<String> = victims.iter().filter(|v| **v != id).cloned().collect();
+        if room_with(&without) {
+            victims = without;
+        }
+    }
+    victims
+}
+
+/// A GPU that may take an instance ([`State::place_on_gpus`]): its index, the fit there, its
+/// rank, the order of its victims, and its room.
+pub(crate) type GpuChoice<'a> = (u32, Fit, (u8, u64), VictimOrder, GpuRoom<'a>);
+
+/// A placement on some GPUs of a host: the GPUs, the fit, and its rank ([`rank_of`]).
+pub(crate) type GpuPlacement = (Vec<u32>, Fit, (u8, u64));
+
+/// Where [`State::place_target`] would put an instance: the host (`None` when it fits nowhere
+/// now), and the GPUs there (empty: the host as a whole).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Placed {
+    pub(crate) host: Option<String>,
+    pub(crate) gpus: Vec<u32>,
+}
+
+/// How good a placement on a host (or GPU) of `capacity` is, lower first: room now (the
+/// fullest that fits), then victims that park before victims that must stop (fewest bytes
+/// first), then later. `None` for `Never`.
+pub(crate) fn rank_of(
+    fit: &Fit,
+    capacity: u64,
+    need: u64,
+    holders: &[Holder<'_>],
+) -> Option<(u8, u64)> {
+    Some(match fit {
+        Fit::Now => {
+            let used: u64 = holders.iter().map(|h| h.bytes).sum();
+            (0, capacity.saturating_sub(used).saturating_sub(need))
+        }
+        Fit::After(victims) | Fit::AfterStopping(victims) => (
+            if matches!(fit, Fit::After(_)) { 1 } else { 2 },
+            holders
+                .iter()
+                .filter(|h| victims.iter().any(|v| v == h.id))
+                .map(|h| h.bytes)
+                .sum(),
+        ),
+        Fit::Later => (3, 0),
+        Fit::Never(_) => return None,
+    })
+}
+
+/// Why nothing is placed on the drained `hosts`.
+pub(crate) fn cordoned_words(hosts: &[&str]) -> String {
+    let (which, them) = match hosts {
+        [one] => (format!("host {one} is"), format!("host {one}")),
+        _ => (
+            format!("every host ({}) is", hosts.join(", ")),
+            "one of them".to_string(),
+        ),
+    };
+    format!("{which} drained and out of service; `capyctl uncordon host` puts {them} back")
+}
+
+impl State {
+    /// The key of `d`'s instance on `host`.
+    pub(crate) fn key_of(d: &Dep, host: &str) -> InstanceKey {
+        InstanceKey {
+            deployment: d.rec.id.clone(),
+            index: d.index,
+            host_id: host.to_string(),
+            generation: d.rec.generation,
+        }
+    }
+
+    /// "A model is explicit when its deployment or any host it may run on says so."
+    pub(crate) fn explicit(&self, d: &Dep) -> bool {
+        d.rec.doc.activation() == Activation::Explicit || self.any_host_explicit
+    }
+
+    /// Where `target` fits: on the host its instance is bound to (parked there, say), or on the
+    /// best of all hosts: one with room now (the fullest that fits: large models keep room
+    /// elsewhere), else the one needing the fewest victim bytes, else `Later` where some host
+    /// could take it once memory frees. `Never` only when no host can ever take it.
+    pub(crate) fn place_target(
+        &mut self,
+        target: &str,
+        protected: &BTreeSet<String>,
+        victims: Victims,
+        now: Instant,
+    ) -> (Placed, Fit) {
+        let (host, gpus, fit) = self.place_target_gpus(target, protected, victims, now);
+        (Placed { host, gpus }, fit)
+    }
+
+    /// [`State::place_target`], with the GPUs chosen on the host (empty: the host as a whole).
+    fn place_target_gpus(
+        &mut self,
+        target: &str,
+        protected: &BTreeSet<String>,
+        victims: Victims,
+        now: Instant,
+    ) -> (Option<String>, Vec<u32>, Fit) {
+        self.prune_holding();
+        let Some(d) = self.deps.get(target) else {
+            return (
+                None,
+                Vec::new(),
+                Fit::Never(format!("deployment {target} is not known")),
+            );
+        };
+        let bound = d.bound_host();
+        let mut best: Option<((u8, u8, u64), &String, Fit)> = None;
+        let mut never = Vec::new();
+        // Bound: its host only. NB: each host's holders come from the holders' index
+        // (`holding`, pruned above), so a placement reads the hosts and what holds memory on
+        // them, never every deployment per host, nor every one that ever ran there.
+        // A drained host (cordoned) takes nothing: a deployment bound to one waits until the
+        // drain has stopped it (then it may go elsewhere), and one free to go anywhere goes
+        // elsewhere; nowhere else to go is said at once.
+        if bound.is_some_and(|b| self.cordoned.contains(b)) {
+            return (None, Vec::new(), Fit::Later);
+        }
+        if bound.is_none()
+            && !self.hosts.is_empty()
+            && self.hosts.keys().all(|h| self.cordoned.contains(h))
+        {
+            let all: Vec<&str> = self.hosts.keys().map(String::as_str).collect();
+            return (None, Vec::new(), Fit::Never(cordoned_words(&all)));
+        }
+        let candidates: Box<dyn Iterator<Item = (&String, &Arc<Host>)>> = match bound {
+            Some(b) => Box::new(self.hosts.get_key_value(b).into_iter()),
+            None => Box::new(
+                self.hosts
+                    .iter()
+                    .filter(|(id, _)| !self.cordoned.contains(*id)),
+            ),
+        };
+        // Instances go to hosts that run none of their deployment's yet, where they can: among
+        // hosts with the same kind of fit (room now, victims, later), one that does ranks
+        // after every one that does not.
+        let siblings_on = |host: &str| {
+            self.units_of(&d.rec.id)
+                .any(|u| u.unit != d.unit && u.holds_gpu() && u.host.as_deref() == Some(host))
+        };
+        let mut best_gpus: Vec<u32> = Vec::new();
+        let want = d.rec.doc.gpus_per_instance() as usize;
+        for (id, host) in candidates {
+            // A host whose GPUs are listed has too few (one whose GPUs are not listed is
+            // taken as it says).
+            if !host.gpus.is_empty() && want > host.gpus.len() {
+                never.push((
+                    id,
+                    format!(
+                        "it needs {want} GPUs (gpus_per_instance) and the host has {}",
+                        host.gpus.len()
+                    ),
+                ));
+                continue;
+            }
+            let holders = self.holders(id, target, protected, victims, now);
+            let (gpus, fit, rank) = if host.gpus.len() > 1 {
+                match self.place_on_gpus(d, id, host, &holders, victims != Victims::None) {
+                    Ok(placed) => placed,
+                    Err(why) => {
+                        never.push((id, why));
+                        continue;
+                    }
+                }
+            } else {
+                let need = d.need(host.capacity);
+                let fit = place(host.capacity, need, &holders, victims != Victims::None);
+                let Some(rank) = rank_of(&fit, host.capacity, need, &holders) else {
+                    if let Fit::Never(why) = fit {
+                        never.push((id, why));
+                    }
+                    continue;
+                };
+                (Vec::new(), fit, rank)
+            };
+            let rank = (rank.0, u8::from(siblings_on(id)), rank.1);
+            if best.as_ref().is_none_or(|(r, _, _)| rank < *r) {
+                best = Some((rank, id, fit));
+                best_gpus = gpus;
+            }
+        }
+        match best {
+            Some((_, id, fit)) => (Some(id.clone()), best_gpus, fit),
+            None if never.is_empty() => (
+                None,
+                Vec::new(),
+                Fit::Never(match bound {
+                    Some(b) => format!("its host {b} is not known"),
+                    None => "no host is known".to_string(),
+                }),
+            ),
+            None if self.hosts.len() == 1 => (None, Vec::new(), Fit::Never(never.remove(0).1)),
+            None => (
+                None,
+                Vec::new(),
+                Fit::Never(
+                    never
+                        .iter()
+                        .map(|(h, why)| format!("on host {h}: {why}"))
+                        .collect::<Vec<_>>()
+                        .join("; "),
+                ),
+            ),
+        }
+    }
+
+    /// Where `d`'s instance fits on the GPUs of `host` (a host with several): on
+    /// `gpus_per_instance` GPUs that run no other instance of its deployment (the ones it is
+    /// bound to, when parked there), each taking its share of the instance's memory, chosen
+    /// as a host is (room now, the fullest that fits; else the fewest victim bytes). `holders`
+    /// are the host's; one whose GPUs are not known counts on every GPU. `Err` says why it
+    /// never fits there.
+    fn place_on_gpus(
+        &self,
+        d: &Dep,
+        host_id: &str,
+        host: &Host,
+        holders: &[Holder<'_>],
+        evict: bool,
+    ) -> Result<GpuPlacement, String> {
+        // NB: `want` is at most the host's GPUs (`place_target_gpus`).
+        let want = d.rec.doc.gpus_per_instance() as usize;
+        let bound: &[u32] = if d.bound_host().is_some() {
+            &d.gpus
+        } else {
+            &[]
+        };
+        let taken: BTreeSet<u32> = self
+            .units_of(&d.rec.id)
+            // NB: bound there, not only holding memory: a parked sibling whose residue is not
+            // known still wakes on its GPUs.
+            .filter(|u| u.unit != d.unit && u.bound_host() == Some(host_id))
+            .flat_map(|u| u.gpus.iter().copied())
+            .collect();
+        let gpus_of = |id: &str| -> &[u32] { self.deps.get(id).map_or(&[], |h| h.gpus.as_slice()) };
+        // Each GPU that may take it: its index, the fit there, its rank, whether a victim it
+        // names runs requests now (the router's count: a deployment's last use is every one of
+        // its instances'), and how long they have been idle; among equal ranks the victims
+        // that run nothing, then the longest idle, go first.
+        let mut each: Vec<GpuChoice<'_>> = Vec::new();
+        let mut never = Vec::new();
+        for gpu in &host.gpus {
+            if !bound.is_empty() && !bound.contains(&gpu.index) {
+                continue;
+            }
+            if bound.is_empty() && taken.contains(&gpu.index) {
+                continue;
+            }
+            let cap = gpu.total_bytes;
+            let need = d
+                .measurement
+                .gpu_memory
+                .map_or(cap, |m| m.bytes.div_ceil(want as u64));
+            let on_gpu: Vec<Holder<'_>> = holders
+                .iter()
+                .filter_map(|h| {
+                    let theirs = gpus_of(h.id);
+                    if !theirs.is_empty() && !theirs.contains(&gpu.index) {
+                        return None;
+                    }
+                    let n = theirs.len().max(1) as u64;
+                    Some(Holder {
+                        bytes: (h.bytes / n).min(cap),
+                        keeps: h.keeps / n,
+                        ..h.clone()
+                    })
+                })
+                .collect();
+            let fit = place(cap, need, &on_gpu, evict);
+            let idle = match &fit {
+                Fit::After(v) | Fit::AfterStopping(v) => (
+                    v.iter().any(|id| {
+                        self.deps
+                            .get(id)
+                            .is_some_and(|u| u.uses.in_flight_of(u.dep_id(), u.index) > 0)
+                    }),
+                    std::cmp::Reverse(
+                        on_gpu
+                            .iter()
+                            .filter(|h| v.iter().any(|id| id == h.id))
+                            .map(|h| h.idle_for)
+                            .min()
+                            .unwrap_or_default(),
+                    ),
+                ),
+                _ => (false, std::cmp::Reverse(Duration::ZERO)),
+            };
+            match rank_of(&fit, cap, need, &on_gpu) {
+                Some(rank) => each.push((gpu.index, fit, rank, idle, (cap, need, on_gpu))),
+                None => {
+                    if let Fit::Never(why) = fit {
+                        never.push(format!("GPU {}: {why}", gpu.index));
+                    }
+                }
+            }
+        }
+        if each.len() < want {
+            let free = each.len();
+            return Err(if never.is_empty() || taken.len() + free >= want {
+                format!(
+                    "its other instances already run on {} of the host's {} GPUs, and each instance needs GPUs of its own",
+                    taken.len(),
+                    host.gpus.len()
+                )
+            } else {
+                never.join("; ")
+            });
+        }
+        each.sort_by_key(|(index, _, rank, idle, _)| (*rank, *idle, *index));
+        each.truncate(want);
+        let gpus: Vec<u32> = each.iter().map(|(i, _, _, _, _)| *i).collect();
+        let worst = each
+            .iter()
+            .map(|(_, _, r, _, _)| *r)
+            .max()
+            .unwrap_or((0, 0));
+        let mut stop = false;
+        let mut victims: Vec<String> = Vec::new();
+        let mut later = false;
+        let mut rooms: Vec<GpuRoom<'_>> = Vec::with_capacity(each.len());
+        for (_, fit, _, _, room) in each {
+            rooms.push(room);
+            match fit {
+                Fit::Now => {}
+                Fit::After(v) => victims.extend(v),
+                Fit::AfterStopping(v) => {
+                    stop = true;
+                    victims.extend(v);
+                }
+                Fit::Later | Fit::Never(_) => later = true,
+            }
+        }
+        victims.sort();
+        victims.dedup();
+        if !later && rooms.len() > 1 {
+            victims = fewest_victims(&rooms, victims, stop);
+        }
+        let fit = if later {
+            Fit::Later
+        } else if victims.is_empty() {
+            Fit::Now
+        } else if stop {
+            Fit::AfterStopping(victims)
+        } else {
+            Fit::After(victims)
+        };
+        let rank = match fit {
+            Fit::Now => (0, worst.1),
+            _ => worst,
+        };
+        Ok((gpus, fit, rank))
+    }
+
+    /// The GPU holders of `host` as placement sees them, for bringing up `target`.
+    pub(crate) fn holders<'a>(
+        &'a self,
+        host: &'a str,
+        target: &str,
+        protected: &BTreeSet<String>,
+        victims: Victims,
+        now: Instant,
+    ) -> Vec<Holder<'a>> {
+        let capacity = self.hosts.get(host).map_or(0, |h| h.capacity);
+        let target_dep = dep_of_unit(target);
+        self.holding_on(host)
+            .filter(|d| d.id() != target && d.holds_gpu())
+            .map(|d| {
+                // NB: an explicit or warm model that is draining, parking or stopping on an
+                // operator's command (reserved by it; never by a switch) is on its way out:
+                // its memory frees soon, so others wait for it instead of being refused.
+                let leaving = d.reserved.is_some()
+                    || matches!(d.state, InstanceState::Parking | InstanceState::Stopping);
+                // A parked target a switch has claimed is about to take its whole memory.
+                let parked = d.state == InstanceState::Parked && d.claim.is_none();
+                // A start or wake no request waits for (those with waiting requests are
+                // `protected`), ended for the target (it stops): `start --evict` ends any such,
+                // a request's switch those no operator asked for.
+                let ends = match victims {
+                    Victims::None => false,
+                    Victims::Idle => !d.operator_up,
+                    Victims::IdleAndBringUps => true,
+                } && d.bringing_up()
+                    && d.end.borrow().is_none();
+                let hold = if (self.explicit(d) || d.warm()) && !leaving {
+                    Hold::Pinned
+                } else if d.dep_id() == target_dep {
+                    // Another instance of the target's own deployment: never its victim.
+                    Hold::Busy
+                } else if (ends
+                    || matches!(d.state, InstanceState::Ready | InstanceState::Parked) && !d.busy)
+                    && d.reserved.is_none()
+                    && d.claim.is_none()
+                    && !protected.contains(d.dep_id())
+                    // A fenced instance (adopted from a leader that may still serve it) is
+                    // released only once the fence ends: meanwhile placement waits (`Later`).
+                    && !self.fenced(d.id())
+                {
+                    Hold::Releasable
+                } else {
+                    Hold::Busy
+                };
+                Holder {
+                    id: d.id(),
+                    name: d.name(),
+                    bytes: if parked {
+                        d.parked_holds()
+                    } else {
+                        d.need(capacity)
+                    },
+                    hold,
+                    idle_for: now.saturating_duration_since(d.used_at()),
+                    parked,
+                    keeps: if parked || ends {
+                        0
+                    } else {
+                        d.residue_if_parked()
+                    },
+                }
+            })
+            .collect()
+    }
+}
