@@ -4,7 +4,7 @@
 //!
 //! ```sh
 //! CAPYCTL_TEST_KUBECONFIG=~/.cache/capyctl-k8s/local-cluster/kubeconfig \
-//!   cargo test -p capyctl-e2e --test local_cluster -- --ignored
+//!   cargo test -p capyctl-tests --test local_cluster -- --ignored
 //! ```
 //!
 //! `scripts/helm install` of the chart with `values-local.yaml` in a namespace of the test's own,
