@@ -75,7 +75,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex, Weak};
 
-use capyctl_node_agent::agent::EngineExit;
+use capyctl_interfaces::agent::EngineExit;
 use capyctl_router::coordinator::CoordinatorHandle;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;

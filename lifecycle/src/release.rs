@@ -3,8 +3,8 @@
 
 use std::collections::HashMap;
 
-use capyctl_node_agent::agent::ParkResult;
-use capyctl_node_agent::tier::{NoParkReason, ParkTier};
+use capyctl_interfaces::agent::ParkResult;
+use capyctl_interfaces::tier::{NoParkReason, ParkTier};
 use capyctl_router::coordinator::IdleRelease;
 use capyctl_router::lifecycle::{DrainReport, InstanceKey};
 use capyctl_spec::InstanceState;
@@ -308,7 +308,7 @@ impl Server {
                     Ok(Released::Stopped)
                 }
                 // A model its engine cannot wake correctly is stopped, never parked.
-                Err(e @ capyctl_node_agent::AgentError::CapabilityMissing { .. }) => {
+                Err(e @ capyctl_interfaces::AgentError::CapabilityMissing { .. }) => {
                     tracing::info!(instance = %iid, reason = %e, "stopped instead of parked");
                     self.config
                         .metrics

@@ -3,8 +3,8 @@
 
 use super::*;
 use crate::instance_id;
-use capyctl_node_agent::agent::EngineExit;
-use capyctl_node_agent::measure::{MeasureSource, Measured};
+use capyctl_interfaces::agent::EngineExit;
+use capyctl_interfaces::measure::{MeasureSource, Measured};
 use capyctl_router::lifecycle::{Plan, PlanFor};
 use capyctl_spec::settings::LifecycleDefaults;
 
@@ -91,7 +91,7 @@ fn gpus_host(n: u32, gib: u64) -> Host {
     Host {
         capacity: u64::from(n) * gib * GIB,
         gpus: (0..n)
-            .map(|index| capyctl_node_agent::inventory::GpuInfo {
+            .map(|index| capyctl_interfaces::inventory::GpuInfo {
                 index,
                 uuid: None,
                 name: None,
@@ -326,7 +326,7 @@ async fn the_scaler_waits_out_the_back_off_of_an_engine_that_failed_not_one_its_
             .held
     };
     // r-1's engine exits, unused for ten minutes: the back-off counts from the exit.
-    let exit = capyctl_node_agent::agent::EngineExit {
+    let exit = capyctl_interfaces::agent::EngineExit {
         instance: "r-1".into(),
         status: Some("signal 9".into()),
     };
@@ -484,7 +484,7 @@ async fn a_host_that_joins_during_the_fence_has_what_it_holds_ready_fenced_too()
     let mut s = state(now);
     ready(&mut s, "a", now);
     s.set_fence(now + Duration::from_secs(90), now);
-    let adopted = capyctl_node_agent::agent::AdoptedInstance {
+    let adopted = capyctl_interfaces::agent::AdoptedInstance {
         instance: instance_id("b"),
         spec: s.deps["b"].spec.clone(),
         base_url: "http://127.0.0.1:9".into(),
