@@ -42,12 +42,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use capyctl_interfaces::router::Lifecycle;
 use capyctl_lifecycle::api::ManagementApi;
 use capyctl_lifecycle::metrics::Metrics;
 use capyctl_lifecycle::store::MemoryStore;
 use capyctl_lifecycle::{Server, instance_id_at};
 use capyctl_router::admission::{Admission, Permit};
-use capyctl_router::lifecycle::Lifecycle;
 use capyctl_server::standalone::{lifecycle_config, router_config};
 use capyctl_spec::api::StartRequest;
 use capyctl_spec::documents::{self, DeploymentDoc, ResourcesDoc};

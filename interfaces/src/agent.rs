@@ -3,8 +3,6 @@
 //! `RemoteHostAgent` over HTTP) and `SimHost` (`capyctl simulate`, the tests).
 
 use std::collections::BTreeMap;
-use std::future::Future;
-use std::pin::Pin;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -20,8 +18,8 @@ use crate::spec::InstanceSpec;
 use crate::tier::{LaunchParking, NoParkReason, ParkChoice, ParkTier};
 use crate::verify::{FirstAnswer, WakeOutcome};
 
-/// A boxed, sendable future (keeps [`HostAgent`] object-safe).
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+/// The one boxed future (keeps [`HostAgent`] object-safe).
+pub use crate::BoxFuture;
 
 /// An instance that became ready.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -1,4 +1,4 @@
-//! What the lifecycle and the host agents share, with nothing of how either runs (no HTTP, no
+//! What the lifecycle, the router and the host agents share, with nothing of how either runs (no HTTP, no
 //! command line, no TLS, no Kubernetes): the lifecycle depends on this crate, not on the node
 //! agent.
 //!
@@ -14,7 +14,9 @@
 //! - [`verify`]: the first answer and wake outcomes;
 //! - [`load`]: load samples;
 //! - [`error`]: the errors ([`AgentError`]);
-//! - [`interned`]: the values' `&'static str` fields read back from the wire.
+//! - [`interned`]: the values' `&'static str` fields read back from the wire;
+//! - [`router`]: the router's interface to the lifecycle ([`router::Lifecycle`]: what the
+//!   router asks of it, and the plans, orders and instances they exchange).
 //!
 //! The pure decisions (tier choice, the bound, measurement) live beside the values they decide
 //! on: the lifecycle takes the same ones when it plans (placement, the parked set's room).
@@ -28,9 +30,14 @@ pub mod inventory;
 pub mod launch;
 pub mod load;
 pub mod measure;
+pub mod router;
 pub mod spec;
 pub mod tier;
 pub mod verify;
 
-pub use agent::{BoxFuture, HostAgent};
+pub use agent::HostAgent;
+
+/// A boxed, sendable future: the one of every object-safe trait here ([`HostAgent`],
+/// [`router::Lifecycle`]).
+pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
 pub use error::AgentError;

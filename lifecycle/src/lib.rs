@@ -30,7 +30,7 @@
 //! This file holds the module list, the re-exports and the [`Server`] struct; `Server`'s methods
 //! live in the files named for what they do (the file map is in `lifecycle/DESIGN.md`, "Files").
 //!
-//! [`Lifecycle`]: capyctl_router::lifecycle::Lifecycle
+//! [`Lifecycle`]: capyctl_interfaces::router::Lifecycle
 //! [`ManagementApi`]: api::ManagementApi
 
 pub mod api;

@@ -4,9 +4,9 @@
 use std::collections::HashMap;
 
 use capyctl_interfaces::agent::ParkResult;
+use capyctl_interfaces::router::DrainReport;
 use capyctl_interfaces::tier::{NoParkReason, ParkTier};
 use capyctl_router::coordinator::IdleRelease;
-use capyctl_router::lifecycle::DrainReport;
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::{Released, SwitchError, SwitchPhaseKind, Victim, VictimResult};
 use capyctl_spec::errors::ApiError;

@@ -8,13 +8,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use capyctl_interfaces::router::{DrainReport, Lifecycle, Plan, PlanFor, SwitchOrder};
 use capyctl_lifecycle::api::ManagementApi;
 use capyctl_lifecycle::store::MemoryStore;
 use capyctl_lifecycle::{LifecycleConfig, Server};
 use capyctl_router::admission::Admission;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::CoordinatorHandle;
-use capyctl_router::lifecycle::{DrainReport, Lifecycle, Plan, PlanFor, SwitchOrder};
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::StartRequest;
 use capyctl_spec::documents::parse_deployment_str;

@@ -8,10 +8,10 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use capyctl_interfaces::router::{DrainReport, Lifecycle, Plan, PlanFor, SwitchOrder};
 use capyctl_lifecycle::api::ManagementApi;
 use capyctl_lifecycle::store::{Changes, DeploymentRecord, MemoryStore, Store, StoreError};
 use capyctl_lifecycle::{LifecycleConfig, Server};
-use capyctl_router::lifecycle::{DrainReport, Lifecycle, Plan, PlanFor, SwitchOrder};
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::{Released, StartRequest};
 use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
+use capyctl_interfaces::router::Lifecycle;
 use capyctl_lifecycle::api::ManagementApi;
 use capyctl_lifecycle::store::{Changes, MemoryStore, Store, StoreError};
 use capyctl_lifecycle::{HostEntry, LifecycleConfig, Server};
@@ -17,7 +18,6 @@ use capyctl_node_agent::spec::HostSettings;
 use capyctl_router::admission::Admission;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::CoordinatorHandle;
-use capyctl_router::lifecycle::Lifecycle;
 use capyctl_spec::api::StartRequest;
 use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
 use capyctl_spec::{Activation, InstanceState};

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use capyctl_interfaces::launch::MaxRunning;
 use capyctl_interfaces::measure::Measurement;
+use capyctl_interfaces::router::{InstanceKey, Plan, PlanFor};
 use capyctl_interfaces::tier::ParkTier;
-use capyctl_router::lifecycle::{InstanceKey, Plan, PlanFor};
 use capyctl_spec::errors::ApiError;
 use capyctl_spec::{Activation, InstanceState};
 use tokio::sync::watch;

@@ -5,7 +5,7 @@ use super::*;
 use crate::instance_id;
 use capyctl_interfaces::agent::EngineExit;
 use capyctl_interfaces::measure::{MeasureSource, Measured};
-use capyctl_router::lifecycle::{Plan, PlanFor};
+use capyctl_interfaces::router::{Plan, PlanFor};
 use capyctl_spec::api::{DeployOutcome, Released};
 use capyctl_spec::settings::LifecycleDefaults;
 
