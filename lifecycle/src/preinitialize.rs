@@ -65,10 +65,9 @@ impl Server {
                 Ok(started) => started.map_err(|e| e.to_string()),
                 Err(ended) => {
                     let why = format!("preinitialize: start ended: {}", ended.refusal.message());
-                    let done = if ended.stopped.is_ok() {
-                        UpDone::Stopped(why)
-                    } else {
-                        UpDone::Gone(why)
+                    let done = UpDone::Ended {
+                        why,
+                        stopped: ended.stopped.map_err(|e| e.to_string()),
                     };
                     self.on(id, move |inner, id| {
                         inner.up_done(id, Up::Start, done, Instant::now())

@@ -575,9 +575,13 @@ impl State {
     /// read without a turn of its task) and the last state change that counts as use
     /// ([`Dep::touch`]).
     pub(crate) fn used_at(&self, d: &Dep) -> Instant {
-        self.uses
-            .of(&d.rec.id)
+        self.requests_used_at(&d.rec.id)
             .map_or(d.last_used, |t| t.max(d.last_used))
+    }
+
+    /// Deployment `dep`'s last request start or end as the router records it (none yet: `None`).
+    pub(crate) fn requests_used_at(&self, dep: &str) -> Option<Instant> {
+        self.uses.of(dep)
     }
 
     /// Unit `d` runs requests the router forwarded to it now.
@@ -761,7 +765,7 @@ impl State {
             || self
                 .idle_taken
                 .get(dep)
-                .is_some_and(|at| self.uses.of(dep).is_none_or(|used| used <= *at))
+                .is_some_and(|at| self.requests_used_at(dep).is_none_or(|used| used <= *at))
     }
 
     /// The scaler's bring-up of `unit` (see [`crate::scale`]): into free room only, never

@@ -1,5 +1,6 @@
-//! The rules: every change of deployment and instance state the lifecycle's operations make
-//! (bring-ups, releases, plans, idle timers, fences), each one call of the owner.
+//! Rules of bring-ups, plans, idle timers and fences, each one call of the owner. The release's
+//! rules are in `releases.rs`, the operator commands' in `commands.rs`, a unit's own writes in
+//! `state.rs`; `lifecycle/DESIGN.md` ("Rules and who calls them") lists them all.
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -226,10 +227,16 @@ pub(crate) enum UpDone {
         first_answer: capyctl_interfaces::verify::FirstAnswer,
     },
     /// Failed with this status line, its last use kept: no engine was started (its host has
-    /// no agent), or a preinitialize's start failed or was ended and its engine not stopped.
+    /// no agent), or a preinitialize's start failed.
     Gone(String),
-    /// Ended and its engine stopped: `stopped` with this status line (a preinitialize's).
-    Stopped(String),
+    /// A preinitialize's start ended (a stop, a host drain, a delete): `stopped` with the status
+    /// line `why` when its engine was stopped; when that stop failed, failed with `why`, its
+    /// last use kept, and the stop's error kept for whoever ended it
+    /// ([`Dep::ended_stop_failed`]: a drain then reports the engine not stopped).
+    Ended {
+        why: String,
+        stopped: Result<(), String>,
+    },
 }
 
 /// Bring-ups.
@@ -280,10 +287,21 @@ impl State {
                 d.fail(why, now);
                 Some(Err(d.key(&self.host_id)))
             }
-            UpDone::Stopped(why) => {
+            UpDone::Ended { why, stopped } => {
                 d.busy = false;
-                d.state = InstanceState::Stopped;
-                d.last_error = Some(why);
+                match stopped {
+                    Ok(()) => {
+                        d.state = InstanceState::Stopped;
+                        d.last_error = Some(why);
+                    }
+                    Err(stop) => {
+                        d.fail(
+                            format!("{why}, but stopping the engine failed: {stop}"),
+                            now,
+                        );
+                        d.ended_stop_failed = Some(stop);
+                    }
+                }
                 Some(Err(d.key(&self.host_id)))
             }
             UpDone::Ready(started) => {

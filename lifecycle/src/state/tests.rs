@@ -1035,10 +1035,39 @@ async fn a_preinitialize_writes_its_start_through_up_done_and_keeps_its_last_use
     assert_eq!(b.last_error.as_deref(), Some("preinitialize: no"));
     assert_eq!((b.failed_at, b.last_used), (Some(later), t0));
     // Ended and its engine stopped: stopped, no back-off.
-    s.up_done("c", Up::Start, UpDone::Stopped("ended".into()), later);
+    s.up_done(
+        "c",
+        Up::Start,
+        UpDone::Ended {
+            why: "ended".into(),
+            stopped: Ok(()),
+        },
+        later,
+    );
     let c = &s.deps["c"];
     assert_eq!((c.state, c.busy), (InstanceState::Stopped, false));
     assert_eq!(c.last_error.as_deref(), Some("ended"));
+    // Ended, but its engine's stop failed: failed, its last use kept, and the stop's error
+    // kept for the drain or stop that ended it (which then reports the engine not stopped).
+    let b = s.deps.get_mut("b").unwrap();
+    (b.busy, b.state) = (true, InstanceState::Starting);
+    s.up_done(
+        "b",
+        Up::Start,
+        UpDone::Ended {
+            why: "ended".into(),
+            stopped: Err("connection refused".into()),
+        },
+        later,
+    );
+    let b = &s.deps["b"];
+    assert_eq!((b.state, b.busy), (InstanceState::Failed, false));
+    assert_eq!(
+        b.last_error.as_deref(),
+        Some("ended, but stopping the engine failed: connection refused")
+    );
+    assert_eq!(b.ended_stop_failed.as_deref(), Some("connection refused"));
+    assert_eq!(b.last_used, t0);
     // A start that is ready is used at the outcome's time.
     let d = s.deps.get_mut("c").unwrap();
     d.busy = true;
@@ -1073,7 +1102,8 @@ async fn an_idle_timer_that_could_not_act_starts_over_from_the_time_given() {
         .unwrap();
     assert_eq!(down, Some(true));
     assert_eq!(s.deps["a"].reserved.as_deref(), Some("idle-1"));
-    // Released by the router: the reservation ends, the last use is the release's.
+    // Released by the router: the reservation ends, and the release is no use: the last use
+    // stays the one before.
     s.idle_down_done("a", "idle-1", false, later);
     assert_eq!(s.deps["a"].reserved, None);
     assert_eq!(s.deps["a"].last_used, t0);
