@@ -12,8 +12,8 @@
 //! - [`SimHost`] (re-exported from the node agent, where `capyctl simulate` takes it too): the
 //!   in-process host agent of the lifecycle's tests and the scale benchmark: engines that start,
 //!   park, wake and stop in set times, a latency per inventory/engines call, the calls logged,
-//!   operations that hang and stops that fail; [`FakeHost`] is its former name, kept for the
-//!   lifecycle's unit tests until their files are split;
+//!   operations that hang and stops that fail; [`FakeHost`] is its former name, still used
+//!   by two unit tests in lifecycle/src (`state/tests.rs`, `hosts.rs`): rename them and drop it;
 //! - [`cut_proxy`]: a TCP proxy a test cuts (refused, or black-holed) and restores, between a
 //!   program and a server it calls (the operators and the Kubernetes API server);
 //! - [`http`]: a small HTTP client for the listeners (JSON in and out, the management API's
@@ -53,7 +53,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// [`SimHost`]'s former name (the lifecycle's unit tests still use it).
+/// [`SimHost`]'s former name (two unit tests in lifecycle/src still use it).
 pub use capyctl_node_agent::sim_host::SimHost as FakeHost;
 pub use capyctl_node_agent::sim_host::{Concurrency, SimHost, Timings};
 pub use cut_proxy::{Cut, CutProxy};
