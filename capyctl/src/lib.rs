@@ -12,7 +12,6 @@ pub mod client;
 pub mod cluster;
 pub mod render;
 pub mod simulate;
-pub mod simulate_host;
 pub mod simulate_svg;
 pub mod standalone;
 pub mod trace;

@@ -42,12 +42,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use capyctl_interfaces::router::Lifecycle;
 use capyctl_lifecycle::api::ManagementApi;
 use capyctl_lifecycle::metrics::Metrics;
 use capyctl_lifecycle::store::MemoryStore;
 use capyctl_lifecycle::{Server, instance_id_at};
 use capyctl_router::admission::{Admission, Permit};
-use capyctl_router::lifecycle::Lifecycle;
 use capyctl_server::standalone::{lifecycle_config, router_config};
 use capyctl_spec::api::StartRequest;
 use capyctl_spec::documents::{self, DeploymentDoc, ResourcesDoc};
@@ -57,11 +57,15 @@ use capyctl_spec::units::{ByteSize, DurationSetting};
 use serde::Serialize;
 use tokio::time::Instant;
 
-use crate::simulate_host::{Op, OpKind, SimHost, Timings};
 use crate::trace::{self, Size, TraceRequest};
+use capyctl_node_agent::sim_host::{Op, OpKind, SimHost, Timings};
 
 const GIB: u64 = 1 << 30;
 
+/// The index of `op`'s instance within its deployment (0 unless it has `replicas`).
+pub(crate) fn instance_index(op: &Op) -> u32 {
+    capyctl_lifecycle::split_instance_id(&op.instance_id).map_or(0, |(_, i)| i)
+}
 /// The check prompt's tokens and the warm-up's one, run after every wake.
 const CHECK_TOKENS: f64 = capyctl_node_agent::verify::CHECK_MAX_TOKENS as f64 + 1.0;
 
@@ -358,7 +362,7 @@ async fn simulate_in(setup: Setup, requests: &[TraceRequest], cold: bool) -> Res
         .map(|d| (d.name.clone(), sim.timings(d)))
         .collect();
     let host = Arc::new(
-        SimHost::new(
+        SimHost::from_settings(
             capyctl_node_agent::spec::HostSettings::from(&config.host),
             timings,
             sim.timings_of("", 16 * GIB),
@@ -1131,7 +1135,7 @@ mod tests {
             .ops
             .iter()
             .filter(|o| o.kind == OpKind::Start)
-            .map(|o| (o.instance, o.gpus.clone()))
+            .map(|o| (instance_index(o), o.gpus.clone()))
             .collect();
         started.sort();
         assert_eq!(started, [(0, vec![0]), (1, vec![1])], "{:#?}", run.ops);

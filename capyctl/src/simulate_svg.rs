@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::simulate::Run;
-use crate::simulate_host::OpKind;
+use crate::simulate::{Run, instance_index};
+use capyctl_node_agent::sim_host::OpKind;
 
 const WIDTH: f64 = 1200.0;
 const LABEL: f64 = 140.0;
@@ -79,7 +79,7 @@ fn rows(run: &Run) -> Vec<Row> {
             .ops
             .iter()
             .filter(|o| o.model == name)
-            .map(|o| o.instance)
+            .map(instance_index)
             .chain(
                 run.requests
                     .iter()
@@ -145,7 +145,11 @@ fn panel(out: &mut String, top: f64, title: &str, run: &Run) -> f64 {
                 );
             }
         }
-        for o in run.ops.iter().filter(|o| shown(&o.model, Some(o.instance))) {
+        for o in run
+            .ops
+            .iter()
+            .filter(|o| shown(&o.model, Some(instance_index(o))))
+        {
             let (x0, x1) = (x(o.began.max(run.t0)), x(o.ended));
             let took = o.ended.saturating_duration_since(o.began);
             let on = if run.gpu_count > 1 {

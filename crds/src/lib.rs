@@ -1,5 +1,7 @@
 //! Kubernetes custom resources of group `capyctl.io`, version `v1alpha1` (DESIGN.md 4.6), and
-//! the CRD YAML generated from them (`cargo run -p capyctl-crds --bin crdgen`).
+//! the CRD YAML generated from them (`cargo run -p capyctl-crds --bin crdgen`); with feature
+//! `client`, [`api_client`]: the one client of the API server the operator and the node agent
+//! build (a timeout and an observer on every call).
 //!
 //! - [`Deployment`] (namespaced, short names `cdeploy` and `cdep`): the deployment document in
 //!   camelCase without `name` (`metadata.name` is the name), with a status the server writes.
@@ -14,6 +16,9 @@
 
 #[doc(hidden)]
 pub mod fuzz;
+
+#[cfg(feature = "client")]
+pub mod api_client;
 
 use std::collections::BTreeMap;
 use std::path::Path;

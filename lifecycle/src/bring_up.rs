@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use capyctl_node_agent::HostAgent;
+use capyctl_interfaces::HostAgent;
 use capyctl_spec::api::{SwitchCause, SwitchPhaseKind};
 use capyctl_spec::errors::ApiError;
 use tokio::time::Instant;
@@ -25,7 +25,7 @@ pub(crate) struct Ended {
     /// What its waiting requests and its caller get.
     pub(crate) refusal: ApiError,
     /// The agent's stop of its engine.
-    pub(crate) stopped: Result<(), capyctl_node_agent::AgentError>,
+    pub(crate) stopped: Result<(), capyctl_interfaces::AgentError>,
 }
 
 impl Server {
@@ -142,7 +142,7 @@ impl Server {
             }
         };
         let (outcome, ended): (
-            Result<Option<capyctl_node_agent::agent::StartedInstance>, ApiError>,
+            Result<Option<capyctl_interfaces::agent::StartedInstance>, ApiError>,
             _,
         ) = match self.unless_ended(id, agent.as_ref(), &iid, bring_up).await {
             Ok(outcome) => (outcome, None),
@@ -315,7 +315,7 @@ impl Server {
         // Once more, for an engine a start finished just before the stop could end it, or the
         // parked engine of a wake ended before it began.
         let stopped = match agent.stop(iid).await {
-            Err(capyctl_node_agent::AgentError::UnknownInstance { .. }) => Ok(()),
+            Err(capyctl_interfaces::AgentError::UnknownInstance { .. }) => Ok(()),
             other => other,
         };
         if let Err(e) = &stopped {

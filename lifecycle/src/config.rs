@@ -3,8 +3,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use capyctl_node_agent::HostAgent;
-use capyctl_node_agent::spec::HostSettings;
+use capyctl_interfaces::HostAgent;
+use capyctl_interfaces::spec::HostSettings;
 use capyctl_spec::Activation;
 use capyctl_spec::settings::LifecycleDefaults;
 

@@ -2,8 +2,8 @@
 
 use std::sync::atomic::Ordering;
 
-use capyctl_node_agent::measure::Measurement;
-use capyctl_node_agent::spec::InstanceSpec;
+use capyctl_interfaces::measure::Measurement;
+use capyctl_interfaces::spec::InstanceSpec;
 use capyctl_spec::api::{DeployOutcome, DeployReceipt, DeploymentView, SwitchCause};
 use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::errors::ApiError;

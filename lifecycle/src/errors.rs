@@ -14,7 +14,7 @@ pub enum ServerError {
     Store(#[from] StoreError),
     /// The host agent failed (inventory, recovery).
     #[error("host agent: {0}")]
-    Agent(#[from] capyctl_node_agent::AgentError),
+    Agent(#[from] capyctl_interfaces::AgentError),
     /// The switch records could not be read or written.
     #[error("{0}")]
     Switches(#[from] switches::SwitchLogError),

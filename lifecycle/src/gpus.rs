@@ -18,7 +18,7 @@ pub(crate) fn gpus_of(inner: &State, d: &Dep) -> Vec<String> {
         .or_else(|| host.settings.engine(d.spec.engine).env.get(VAR))
         .map(|v| v.trim())
         .filter(|v| !v.is_empty());
-    let used = |g: &capyctl_node_agent::inventory::GpuInfo| {
+    let used = |g: &capyctl_interfaces::inventory::GpuInfo| {
         visible.is_none_or(|v| {
             v.split(',')
                 .map(str::trim)

@@ -8,7 +8,7 @@
 
 use std::net::SocketAddr;
 
-use capyctl_router::lifecycle::{InstanceKey, SwitchOrder};
+use capyctl_interfaces::router::{InstanceKey, SwitchOrder};
 use capyctl_spec::errors::ApiError;
 use tokio::time::Instant;
 

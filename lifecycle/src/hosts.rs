@@ -6,10 +6,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use capyctl_node_agent::HostAgent;
-use capyctl_node_agent::agent::{AgentHealth, EngineExit};
-use capyctl_node_agent::measure::Measurement;
-use capyctl_node_agent::spec::InstanceSpec;
+use capyctl_interfaces::HostAgent;
+use capyctl_interfaces::agent::{AgentHealth, EngineExit};
+use capyctl_interfaces::measure::Measurement;
+use capyctl_interfaces::spec::InstanceSpec;
 use capyctl_spec::errors::ApiError;
 use futures_util::StreamExt;
 use tokio::sync::{broadcast, mpsc, watch};
@@ -270,7 +270,7 @@ impl Server {
         &self,
         agent: &Arc<dyn HostAgent>,
         iid: &str,
-    ) -> Result<capyctl_node_agent::agent::WakeReport, capyctl_node_agent::AgentError> {
+    ) -> Result<capyctl_interfaces::agent::WakeReport, capyctl_interfaces::AgentError> {
         match self.config.wake_window {
             Some(window) => agent.wake_within(iid, window).await,
             None => agent.wake(iid).await,

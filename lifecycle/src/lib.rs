@@ -30,7 +30,7 @@
 //! This file holds the module list, the re-exports and the [`Server`] struct; `Server`'s methods
 //! live in the files named for what they do (the file map is in `lifecycle/DESIGN.md`, "Files").
 //!
-//! [`Lifecycle`]: capyctl_router::lifecycle::Lifecycle
+//! [`Lifecycle`]: capyctl_interfaces::router::Lifecycle
 //! [`ManagementApi`]: api::ManagementApi
 
 pub mod api;
@@ -75,7 +75,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex, Weak};
 
-use capyctl_node_agent::agent::EngineExit;
+use capyctl_interfaces::agent::EngineExit;
 use capyctl_router::coordinator::CoordinatorHandle;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;

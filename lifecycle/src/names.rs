@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 
-use capyctl_router::lifecycle::DeploymentRef;
+use capyctl_interfaces::router::DeploymentRef;
 use tokio::sync::watch;
 
 use crate::state::{Dep, State};

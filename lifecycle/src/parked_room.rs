@@ -3,12 +3,12 @@
 //! used first), or `parked_capacity` when only copies never stopped for room stand in the way.
 //!
 //! Whether a model parks at all, whether its park goes to host RAM, and how much host RAM the
-//! copies may use are the host agent's rules (`capyctl_node_agent::tier`: [`never_parks`],
+//! copies may use are the host agent's rules (`capyctl_interfaces::tier`: [`never_parks`],
 //! [`tier_rule`], [`host_ram_for_copies`]); this module only reads them.
 
-use capyctl_node_agent::inventory::HostMemory;
-use capyctl_node_agent::spec::InstanceSpec;
-use capyctl_node_agent::tier::{TierInput, TierRule, host_ram_for_copies, never_parks, tier_rule};
+use capyctl_interfaces::inventory::HostMemory;
+use capyctl_interfaces::spec::InstanceSpec;
+use capyctl_interfaces::tier::{TierInput, TierRule, host_ram_for_copies, never_parks, tier_rule};
 use tokio::time::Instant;
 
 /// The copy a park is about to make.
@@ -129,7 +129,7 @@ pub(crate) fn parked_room(
 mod tests {
     use std::time::Duration;
 
-    use capyctl_node_agent::spec::InstanceSpec;
+    use capyctl_interfaces::spec::InstanceSpec;
     use capyctl_spec::{EngineKind, Residency};
 
     use super::*;

@@ -4,7 +4,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard, PoisonError};
 
-use capyctl_router::lifecycle::BoxFuture;
+use capyctl_interfaces::router::BoxFuture;
 use capyctl_spec::api::ActionReceipt;
 use capyctl_spec::errors::ApiError;
 

@@ -3,10 +3,10 @@
 
 use std::collections::HashMap;
 
-use capyctl_node_agent::agent::ParkResult;
-use capyctl_node_agent::tier::{NoParkReason, ParkTier};
+use capyctl_interfaces::agent::ParkResult;
+use capyctl_interfaces::router::DrainReport;
+use capyctl_interfaces::tier::{NoParkReason, ParkTier};
 use capyctl_router::coordinator::IdleRelease;
-use capyctl_router::lifecycle::DrainReport;
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::{Released, SwitchError, SwitchPhaseKind, Victim, VictimResult};
 use capyctl_spec::errors::ApiError;
@@ -290,7 +290,7 @@ impl Server {
                     Ok(Released::Stopped)
                 }
                 // A model its engine cannot wake correctly is stopped, never parked.
-                Err(e @ capyctl_node_agent::AgentError::CapabilityMissing { .. }) => {
+                Err(e @ capyctl_interfaces::AgentError::CapabilityMissing { .. }) => {
                     tracing::info!(instance = %iid, reason = %e, "stopped instead of parked");
                     self.config
                         .metrics

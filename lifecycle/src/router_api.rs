@@ -3,7 +3,7 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use capyctl_router::lifecycle::{
+use capyctl_interfaces::router::{
     BoxFuture, DeploymentId, DeploymentRef, Executed, InstanceKey, Lifecycle, Plan, PlanFor,
     SwitchOrder,
 };

@@ -6,9 +6,9 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
+use capyctl_interfaces::router::{InstanceKey, Lifecycle, Upstream};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::{Coordinator, CoordinatorHandle};
-use capyctl_router::lifecycle::{InstanceKey, Lifecycle, Upstream};
 use capyctl_router::proxy::{ModelEntry, Proxy, ProxyConfig};
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::DeploymentView;

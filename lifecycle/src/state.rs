@@ -10,13 +10,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
-use capyctl_node_agent::HostAgent;
-use capyctl_node_agent::launch::MaxRunning;
-use capyctl_node_agent::measure::Measurement;
-use capyctl_node_agent::spec::{HostSettings, InstanceSpec};
-use capyctl_node_agent::tier::ParkTier;
+use capyctl_interfaces::HostAgent;
+use capyctl_interfaces::launch::MaxRunning;
+use capyctl_interfaces::measure::Measurement;
+use capyctl_interfaces::router::InstanceKey;
+use capyctl_interfaces::spec::{HostSettings, InstanceSpec};
+use capyctl_interfaces::tier::ParkTier;
 use capyctl_router::coordinator::LastUses;
-use capyctl_router::lifecycle::InstanceKey;
 use capyctl_spec::errors::ApiError;
 use capyctl_spec::{Activation, InstanceState};
 use tokio::sync::watch;
@@ -280,7 +280,7 @@ impl Dep {
         if !self.parks() {
             return 0;
         }
-        capyctl_node_agent::measure::parked_estimate(
+        capyctl_interfaces::measure::parked_estimate(
             self.measurement.weights_bytes(),
             self.spec.speculative(),
             self.spec.tensor_parallel.unwrap_or(1),
@@ -539,7 +539,7 @@ pub(crate) struct Host {
     /// Total GPU memory, bytes.
     pub(crate) capacity: u64,
     /// Its GPUs, as its inventory said when it joined (the switch records name them).
-    pub(crate) gpus: Vec<capyctl_node_agent::inventory::GpuInfo>,
+    pub(crate) gpus: Vec<capyctl_interfaces::inventory::GpuInfo>,
 }
 
 impl std::fmt::Debug for Host {

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use capyctl_router::lifecycle::DrainReport;
+use capyctl_interfaces::router::DrainReport;
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::{
     ActionReceipt, HostDrainReceipt, Released, SwitchCause, SwitchPhaseKind, Victim,

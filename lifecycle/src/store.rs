@@ -22,7 +22,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 
-use capyctl_node_agent::verify::FirstAnswer;
+use capyctl_interfaces::verify::FirstAnswer;
 use capyctl_spec::documents::DeploymentDoc;
 use redb::{ReadableDatabase, ReadableTable, TableDefinition, TableError};
 use serde::{Deserialize, Serialize};

@@ -5,7 +5,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{MutexGuard, PoisonError};
 use std::time::Duration;
 
-use capyctl_router::lifecycle::{Executed, InstanceKey, Plan, PlanFor, SwitchOrder};
+use capyctl_interfaces::router::{Executed, InstanceKey, Plan, PlanFor, SwitchOrder};
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::{
     Released, SwitchCause, SwitchError, SwitchPhaseKind, Victim, VictimResult,

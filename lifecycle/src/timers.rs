@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use capyctl_node_agent::agent::EngineExit;
+use capyctl_interfaces::agent::EngineExit;
 use capyctl_router::coordinator::CoordinatorHandle;
 use capyctl_spec::api::SwitchCause;
 use capyctl_spec::settings::LifecycleDefaults;

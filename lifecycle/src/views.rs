@@ -11,12 +11,12 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use capyctl_node_agent::inventory::Inventory;
-use capyctl_node_agent::launch::{MaxRunning, MaxRunningInput, max_running};
-use capyctl_node_agent::load::LoadSample;
-use capyctl_node_agent::measure::{MeasureSource, Measurement};
-use capyctl_node_agent::spec::InstanceSpec;
-use capyctl_node_agent::tier::ParkTier;
+use capyctl_interfaces::inventory::Inventory;
+use capyctl_interfaces::launch::{MaxRunning, MaxRunningInput, max_running};
+use capyctl_interfaces::load::LoadSample;
+use capyctl_interfaces::measure::{MeasureSource, Measurement};
+use capyctl_interfaces::spec::InstanceSpec;
+use capyctl_interfaces::tier::ParkTier;
 use capyctl_router::coordinator::DeploymentLoad;
 use capyctl_spec::api::{
     ConditionView, DeploymentLoadView, DeploymentView, EngineLoadView, GpuView, HostView,
@@ -559,7 +559,7 @@ pub(crate) fn host_view(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use capyctl_node_agent::load::EngineLoad;
+    use capyctl_interfaces::load::EngineLoad;
     use std::time::Duration;
 
     fn sample(at: u64, engine: Option<EngineLoad>) -> LoadSample {

@@ -3,8 +3,7 @@
 //! never fit together.
 #![allow(clippy::unwrap_used)]
 
-#[path = "lifecycle_support/mod.rs"]
-mod support;
+use capyctl_test_support::harness as support;
 
 use std::time::Duration;
 

@@ -1,5 +1,5 @@
 //! The operator's leadership rules through the lifecycle and the router (see
-//! `lifecycle/DESIGN.md`, "Leadership on Kubernetes"), against the in-memory fake host agent
+//! `lifecycle/DESIGN.md`, "Leadership on Kubernetes"), against the in-memory simulated host agent
 //! on tokio's paused clock: switches held (hold-over) refuse at once what needs a switch, the
 //! ones already waiting included, and serve what is ready; a fence keeps an adopted ready
 //! instance from being a victim until its end, when a waiting request is switched at once.
@@ -8,25 +8,25 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use capyctl_interfaces::router::{DrainReport, Lifecycle, Plan, PlanFor, SwitchOrder};
 use capyctl_lifecycle::api::ManagementApi;
 use capyctl_lifecycle::store::MemoryStore;
 use capyctl_lifecycle::{LifecycleConfig, Server};
 use capyctl_router::admission::Admission;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::CoordinatorHandle;
-use capyctl_router::lifecycle::{DrainReport, Lifecycle, Plan, PlanFor, SwitchOrder};
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::StartRequest;
 use capyctl_spec::documents::parse_deployment_str;
 use capyctl_spec::errors::ApiError;
-use capyctl_test_support::FakeHost;
+use capyctl_test_support::SimHost;
 use tokio::time::Instant;
 
-/// A lifecycle on one 10 GiB fake host with its router, and `x` and `y` (6 GiB each)
+/// A lifecycle on one 10 GiB simulated host with its router, and `x` and `y` (6 GiB each)
 /// deployed, `x` ready.
 async fn lifecycle() -> (Arc<Server>, CoordinatorHandle) {
     let server = Server::open(
-        Arc::new(FakeHost::new()),
+        Arc::new(SimHost::new()),
         Arc::new(MemoryStore::default()),
         LifecycleConfig::new("h"),
     )

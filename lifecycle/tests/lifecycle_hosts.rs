@@ -4,8 +4,7 @@
 //! simulator) behind one in-process host agent per host.
 #![allow(clippy::unwrap_used)]
 
-#[path = "lifecycle_support/mod.rs"]
-mod support;
+use capyctl_test_support::harness as support;
 
 use capyctl_lifecycle::HostEntry;
 use capyctl_lifecycle::api::ManagementApi;

@@ -1,5 +1,5 @@
 //! The lifecycle's answers to the router (admissible, plan, abandon, execute) against the
-//! in-memory fake host agent (`FakeHost`: engines start, park, wake and stop at once, the calls
+//! in-memory simulated host agent (`SimHost`: engines start, park, wake and stop at once, the calls
 //! recorded, operations that hang until a stop, stops that fail): reservations, the protected
 //! set, refusals. No processes, no sockets.
 #![allow(clippy::unwrap_used)]
@@ -8,14 +8,14 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use capyctl_interfaces::router::{DrainReport, Lifecycle, Plan, PlanFor, SwitchOrder};
 use capyctl_lifecycle::api::ManagementApi;
 use capyctl_lifecycle::store::{Changes, DeploymentRecord, MemoryStore, Store, StoreError};
 use capyctl_lifecycle::{LifecycleConfig, Server};
-use capyctl_router::lifecycle::{DrainReport, Lifecycle, Plan, PlanFor, SwitchOrder};
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::{Released, StartRequest};
 use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
-use capyctl_test_support::FakeHost;
+use capyctl_test_support::SimHost;
 
 /// The records by ID, and every write it was given. With a gate, the first write says it began
 /// and waits until the gate is opened (a slow disk).
@@ -68,8 +68,8 @@ fn doc(name: &str, gib: u64, extra: &str) -> DeploymentDoc {
     .unwrap()
 }
 
-async fn server() -> (Arc<Server>, Arc<FakeHost>, Arc<MemStore>) {
-    let agent = Arc::new(FakeHost::new());
+async fn server() -> (Arc<Server>, Arc<SimHost>, Arc<MemStore>) {
+    let agent = Arc::new(SimHost::new());
     let store = Arc::new(MemStore::default());
     let s = Server::open(agent.clone(), store.clone(), LifecycleConfig::new("h"))
         .await
@@ -393,7 +393,7 @@ async fn state_of(s: &Server, name: &str) -> InstanceState {
 
 /// Waits (on the paused clock, bounded) until the agent was called `call` (`start <iid>`): the
 /// operation is in progress in the agent, not only marked in the lifecycle.
-async fn called(agent: &FakeHost, call: &str) {
+async fn called(agent: &SimHost, call: &str) {
     let deadline = tokio::time::Instant::now() + PROMPT;
     while !agent.calls().iter().any(|c| c == call) {
         assert!(

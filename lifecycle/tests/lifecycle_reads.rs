@@ -1,4 +1,4 @@
-//! The management API's reads at scale, against in-memory host agents (`FakeHost`): views are built outside
+//! The management API's reads at scale, against in-memory host agents (`SimHost`): views are built outside
 //! the lifecycle's lock (a host agent's call never runs under it), host calls are concurrent and
 //! bounded, the deployment view names no host for an unplaced deployment among several, names
 //! follow deletes and deploys, and a deleted deployment leaves no router entry. A slow commit
@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
+use capyctl_interfaces::router::Lifecycle;
 use capyctl_lifecycle::api::ManagementApi;
 use capyctl_lifecycle::store::{Changes, MemoryStore, Store, StoreError};
 use capyctl_lifecycle::{HostEntry, LifecycleConfig, Server};
@@ -17,11 +18,10 @@ use capyctl_node_agent::spec::HostSettings;
 use capyctl_router::admission::Admission;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::CoordinatorHandle;
-use capyctl_router::lifecycle::Lifecycle;
 use capyctl_spec::api::StartRequest;
 use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
 use capyctl_spec::{Activation, InstanceState};
-use capyctl_test_support::{Concurrency, FakeHost};
+use capyctl_test_support::{Concurrency, SimHost};
 
 fn doc(name: &str) -> DeploymentDoc {
     parse_deployment_str(
@@ -39,19 +39,13 @@ struct Cluster {
     under_lock: Arc<Mutex<Vec<String>>>,
 }
 
-/// A server over `hosts` fake hosts (`gpu-000`, ...) with the real coordinator attached. Each
+/// A server over `hosts` simulated hosts (`gpu-000`, ...) with the real coordinator attached. Each
 /// host's `inventory` and `engines` calls take `latency` and are counted in `calls`; every
 /// `sample` asked while the lifecycle's lock is held is noted in `under_lock`.
 async fn cluster(hosts: usize, latency: Duration) -> Cluster {
     let calls = Arc::new(Concurrency::default());
-    let agents: Vec<Arc<FakeHost>> = (0..hosts)
-        .map(|_| {
-            Arc::new(
-                FakeHost::new()
-                    .with_latency(latency)
-                    .counting(calls.clone()),
-            )
-        })
+    let agents: Vec<Arc<SimHost>> = (0..hosts)
+        .map(|_| Arc::new(SimHost::new().with_latency(latency).counting(calls.clone())))
         .collect();
     let entries = agents
         .iter()
@@ -289,7 +283,7 @@ impl Store for SlowDisk {
 async fn a_slow_commit_holds_up_no_runtime_thread_and_a_change_returns_once_committed() {
     let disk = Arc::new(SlowDisk::default());
     let server = Server::open(
-        Arc::new(FakeHost::new()),
+        Arc::new(SimHost::new()),
         disk.clone(),
         LifecycleConfig::new("h"),
     )

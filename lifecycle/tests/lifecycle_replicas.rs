@@ -1,5 +1,5 @@
 //! Replicas under tokio's paused clock (DESIGN 4.7): the real coordinator and lifecycle over the
-//! in-memory fake host, with two GPUs, whose starts and parks take set (virtual) times. A
+//! in-memory simulated host, with two GPUs, whose starts and parks take set (virtual) times. A
 //! deployment of two replicas comes up on both GPUs at once; another model's wave takes
 //! one instance only, with no admission window (its deployment keeps the other), while the
 //! deployment's own requests are admitted at once; instances name `<id>-<index>`. The
@@ -19,7 +19,7 @@ use capyctl_router::coordinator::CoordinatorHandle;
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::{SwitchCause, SwitchOutcome, SwitchQuery, SwitchRecord};
 use capyctl_spec::documents::parse_deployment_str;
-use capyctl_test_support::{FakeHost, OpTimes};
+use capyctl_test_support::{SimHost, Timings};
 use tokio::time::Instant;
 
 const START: Duration = Duration::from_secs(4);
@@ -37,25 +37,27 @@ async fn scene() -> Scene {
     scene_of(timed(), &[("r", "replicas: 2\n"), ("b", "")]).await
 }
 
-/// A fake host of two 10 GiB GPUs whose operations take the set times.
-fn timed() -> FakeHost {
-    FakeHost::new().with_gpus(2).with_times(OpTimes {
+/// A simulated host of two 10 GiB GPUs whose operations take the set times.
+fn timed() -> SimHost {
+    SimHost::new().with_gpus(2).with_times(Timings {
         start: START,
-        park: PARK,
-        wake: Duration::from_secs(2),
-        check: Duration::from_millis(500),
+        park_host_ram: PARK,
+        // A wake of 2 s, then its check of 500 ms.
+        wake_host_ram: Duration::from_millis(2_500),
+        wake_check: Duration::from_millis(500),
+        ..Timings::default()
     })
 }
 
 /// The lifecycle over `agent` with the router (the test's window), and `models` (name, more
 /// lines) of 6 GiB deployed.
-async fn scene_of(agent: impl Into<Arc<FakeHost>>, models: &[(&str, &str)]) -> Scene {
+async fn scene_of(agent: impl Into<Arc<SimHost>>, models: &[(&str, &str)]) -> Scene {
     scene_with(agent, models, |_| {}).await
 }
 
 /// [`scene_of`] with `tweak` applied to the lifecycle's configuration.
 async fn scene_with(
-    agent: impl Into<Arc<FakeHost>>,
+    agent: impl Into<Arc<SimHost>>,
     models: &[(&str, &str)],
     tweak: impl FnOnce(&mut LifecycleConfig),
 ) -> Scene {
@@ -273,7 +275,7 @@ async fn switches_on_different_gpus_run_at_the_same_time() {
 /// engine has nothing waiting while the other's has ten.
 #[tokio::test(start_paused = true)]
 async fn requests_go_where_the_engines_have_nothing_waiting() {
-    let agent = Arc::new(FakeHost::new().with_gpus(2));
+    let agent = Arc::new(SimHost::new().with_gpus(2));
     let s = scene_of(agent.clone(), &[("r", "replicas: 2\n")]).await;
     s.request("r", Duration::ZERO).await.unwrap();
     s.until("both instances ready", |s| {

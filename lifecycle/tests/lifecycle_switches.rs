@@ -1,5 +1,5 @@
 //! Switch records (DESIGN 4.8) under tokio's paused clock: the real coordinator and lifecycle
-//! over the in-memory fake host, whose starts, parks and wakes take set (virtual) times, so that
+//! over the in-memory simulated host, whose starts, parks and wakes take set (virtual) times, so that
 //! every phase's instants are exact. Plus the records kept across a restart.
 #![allow(clippy::unwrap_used)]
 
@@ -22,7 +22,7 @@ use capyctl_spec::api::{
 use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
 use capyctl_spec::errors::ApiError;
 use capyctl_spec::settings::LifecycleDefaults;
-use capyctl_test_support::{FakeHost, OpTimes};
+use capyctl_test_support::{SimHost, Timings};
 use tokio::time::Instant;
 
 const START: Duration = Duration::from_secs(4);
@@ -31,7 +31,7 @@ const WAKE: Duration = Duration::from_secs(2);
 const CHECK: Duration = Duration::from_millis(500);
 const WINDOW: Duration = Duration::from_millis(500);
 
-/// Two of these do not fit the fake host's 10 GiB GPU together.
+/// Two of these do not fit the simulated host's 10 GiB GPU together.
 fn doc(name: &str) -> DeploymentDoc {
     parse_deployment_str(
         "t.yaml",
@@ -43,18 +43,19 @@ fn doc(name: &str) -> DeploymentDoc {
 struct Scene {
     server: Arc<Server>,
     router: CoordinatorHandle,
-    agent: Arc<FakeHost>,
+    agent: Arc<SimHost>,
 }
 
 async fn scene(drain_timeout: Duration, defaults: LifecycleDefaults) -> Scene {
     let agent = Arc::new(
-        FakeHost::new()
+        SimHost::new()
             .with_gpu_uuid("GPU-0f1e")
-            .with_times(OpTimes {
+            .with_times(Timings {
                 start: START,
-                park: PARK,
-                wake: WAKE,
-                check: CHECK,
+                park_host_ram: PARK,
+                wake_host_ram: WAKE + CHECK,
+                wake_check: CHECK,
+                ..Timings::default()
             }),
     );
     let mut lc = LifecycleConfig::new("h");

@@ -19,22 +19,26 @@
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::path::PathBuf;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 use capyctl_spec::EngineKind;
-use serde::{Deserialize, Serialize};
 use tokio::sync::{broadcast, watch};
 use tokio::task::{AbortHandle, JoinHandle};
 use tokio::time::Instant;
+
+// The trait and its values (`capyctl-interfaces`), under the paths they always had here.
+pub use capyctl_interfaces::agent::{
+    AdoptedInstance, AgentHealth, BoxFuture, EngineExit, HostAgent, ParkResult, RecoveryReport,
+    StartedInstance, WakeReport,
+};
 
 use crate::capability::{EngineInfo, RefusalRow, engine_info, refusal_for};
 use crate::checkpoint::ModelFacts;
 use crate::driver::{Driver, DriverTimeouts, Endpoint};
 use crate::error::AgentError;
 use crate::inventory::{GpuProbe, Inventory, inventory};
-use crate::launch::{MaxRunning, MaxRunningInput, max_running};
+use crate::launch::{MaxRunningInput, max_running};
 use crate::load::LoadSample;
 use crate::measure::{
     GpuHeld, GpuHeldSource, MeasureSource, Measurement, add_footprint, footprint,
@@ -48,7 +52,7 @@ use crate::tier::{
     LaunchParking, NoParkReason, ParkChoice, ParkTier, TierInput, choose_tier, host_ram_room,
     launch_parking,
 };
-use crate::verify::{FirstAnswer, WakeOutcome};
+use crate::verify::WakeOutcome;
 
 /// What [`LocalHostAgent::prepare`] learns about a deployment before a start or a park.
 struct Prepared {
@@ -57,9 +61,6 @@ struct Prepared {
     refusal: Option<&'static RefusalRow>,
     facts: ModelFacts,
 }
-
-/// A boxed, sendable future (keeps [`HostAgent`] object-safe).
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// The agent's timing and where it keeps its files.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -95,234 +96,9 @@ impl AgentConfig {
     }
 }
 
-/// An instance that became ready.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct StartedInstance {
-    /// The instance's ID.
-    pub instance: String,
-    /// The engine's pid.
-    pub pid: u32,
-    /// Its loopback port.
-    pub port: u16,
-    /// `http://127.0.0.1:<port>`: where requests go.
-    pub base_url: String,
-    /// The engine's version, as it reports it.
-    pub version: Option<String>,
-    /// The measurement, with the engine's footprint where it was unknown.
-    pub measurement: Measurement,
-    /// The first answer.
-    pub first_answer: FirstAnswer,
-    /// How many requests it runs at once.
-    pub max_running: MaxRunning,
-    /// How it was launched for parking.
-    pub parking: LaunchParking,
-}
-
-/// What a park did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", tag = "result")]
-pub enum ParkResult {
-    /// Parked in `tier`.
-    Parked {
-        /// The tier.
-        tier: ParkTier,
-        /// The GPU memory the parked engine still holds (CUDA context, graphs, pools; the
-        /// weights too for a KV-only park): the probe's reading of the engine's processes,
-        /// else an estimate ([`parked_estimate`]); `None` when neither is known.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        gpu_held: Option<GpuHeld>,
-    },
-    /// Stopped instead (`released: stopped (no room to park)` for [`NoParkReason::NoRoomToPark`]).
-    Stopped {
-        /// Why.
-        reason: NoParkReason,
-    },
-}
-
-impl ParkResult {
-    /// The tier it parked in; `None` when it was stopped.
-    pub fn tier(&self) -> Option<ParkTier> {
-        match self {
-            ParkResult::Parked { tier, .. } => Some(*tier),
-            ParkResult::Stopped { .. } => None,
-        }
-    }
-
-    /// The GPU memory the parked engine still holds, when parked and known.
-    pub fn gpu_held(&self) -> Option<GpuHeld> {
-        match self {
-            ParkResult::Parked { gpu_held, .. } => *gpu_held,
-            ParkResult::Stopped { .. } => None,
-        }
-    }
-}
-
-/// How a wake went. On any failure the engine has been stopped.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WakeReport {
-    /// The outcome.
-    pub outcome: WakeOutcome,
-    /// How long it took.
-    pub took: Duration,
-    /// How long its last part, the wake check (the answer compared with the first one, the
-    /// warm-up), took; `None` when it did not get there or the agent does not say.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub checked: Option<Duration>,
-}
-
-impl WakeReport {
-    /// `Ok` for a pass; the `wake_*` error otherwise.
-    pub fn into_result(self) -> Result<(), AgentError> {
-        match self.outcome.failure() {
-            None => Ok(()),
-            Some(failure) => Err(AgentError::WakeFailed {
-                failure,
-                detail: self.outcome.detail().to_string(),
-            }),
-        }
-    }
-}
-
-/// An engine a previous run left behind, adopted.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct AdoptedInstance {
-    /// The instance's ID.
-    pub instance: String,
-    /// The deployment it runs.
-    pub spec: InstanceSpec,
-    /// `http://127.0.0.1:<port>`.
-    pub base_url: String,
-    /// The pid.
-    pub pid: u32,
-    /// Parked in this tier, or awake.
-    pub parked: Option<ParkTier>,
-    /// While parked: the GPU memory it still holds, as recorded at its park.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gpu_held: Option<GpuHeld>,
-}
-
-/// What a recovery did. `adopted` also lists the engines the agent already drove before the
-/// call (a second recovery, by a restarted caller, learns every live engine).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct RecoveryReport {
-    /// Adopted engines.
-    pub adopted: Vec<AdoptedInstance>,
-    /// Instances whose engine was alive but not adopted: it did not answer, or was not where
-    /// its record says (see [`crate::recovery`]): stopped.
-    pub stopped: Vec<String>,
-    /// Instances whose engine was gone: record removed.
-    pub gone: Vec<String>,
-}
-
-/// An engine that exited without the agent stopping it (a crash, an OOM kill, a signal from
-/// elsewhere) while no wake was in progress. The agent has already forgotten the instance: its
-/// record is removed, its sample gone, and a later call naming it answers `unknown instance`.
-/// The lifecycle marks the instance failed; the next request starts it fresh.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct EngineExit {
-    /// The instance whose engine exited.
-    pub instance: String,
-    /// The exit status as the operating system tells it (`exit status: 70`, `signal: 9
-    /// (SIGKILL)`); an adopted engine, not this process's child, only says `exited (adopted
-    /// process)`. `None` when nothing is known.
-    pub status: Option<String>,
-}
-
-/// What a host agent says of itself ([`HostAgent::subscribe_health`]).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct AgentHealth {
-    /// Bumped each time the agent may have lost track of engines it reported: a node agent
-    /// over HTTP that came back as a new process (the exits of its old life are gone, and it
-    /// drives no engine until a [`HostAgent::recover`]), or exits that were missed.
-    pub resyncs: u64,
-    /// Since when, and why (the last error), the agent cannot be reached; `None` while it
-    /// answers.
-    pub unreachable: Option<(std::time::Instant, String)>,
-}
-
 /// How many exits a slow subscriber may fall behind before it misses some
 /// ([`broadcast::error::RecvError::Lagged`]).
 const EXIT_EVENTS: usize = 64;
-
-/// What the lifecycle asks of a host. One call at a time per instance, except
-/// [`HostAgent::stop`], which may come while a start or a wake of the same instance is in
-/// progress: it ends that operation (see its doc).
-pub trait HostAgent: Send + Sync {
-    /// GPUs and host RAM.
-    fn inventory(&self) -> BoxFuture<'_, Result<Inventory, AgentError>>;
-    /// The `engine list` rows.
-    fn engines(&self) -> BoxFuture<'_, Vec<EngineInfo>>;
-    /// Measures a deployment before a start (declared resources, checkpoint headers, or the
-    /// footprint an earlier start of the same deployment and model showed on this host).
-    fn measure<'a>(
-        &'a self,
-        spec: &'a InstanceSpec,
-    ) -> BoxFuture<'a, Result<Measurement, AgentError>>;
-    /// How the deployment would give back its memory now (the `Parkable` condition); errors
-    /// are the refusals (`capability_missing:deep_park`, a refused residency).
-    fn parkability<'a>(
-        &'a self,
-        spec: &'a InstanceSpec,
-    ) -> BoxFuture<'a, Result<ParkChoice, AgentError>>;
-    /// Starts an engine for `instance` and waits until it is ready and has its first answer.
-    fn start<'a>(
-        &'a self,
-        instance: &'a str,
-        spec: &'a InstanceSpec,
-    ) -> BoxFuture<'a, Result<StartedInstance, AgentError>>;
-    /// Parks (or, where it does not park, stops) an instance. Call it after the drain.
-    fn park<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<ParkResult, AgentError>>;
-    /// Wakes a parked instance and verifies it before anything is released.
-    fn wake<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<WakeReport, AgentError>>;
-    /// [`HostAgent::wake`] within the caller's wake window (the server's
-    /// `server.switching.wake_timeout`) instead of the agent's own: past it the wake is
-    /// `wake_uncertain` and the engine is stopped. The default, for agents without a window of
-    /// their own to replace, is [`HostAgent::wake`].
-    fn wake_within<'a>(
-        &'a self,
-        instance: &'a str,
-        window: Duration,
-    ) -> BoxFuture<'a, Result<WakeReport, AgentError>> {
-        let _ = window;
-        self.wake(instance)
-    }
-    /// Stops an instance. A start or a wake of it in progress is ended first: the agent stops
-    /// its engine (the process group, or the Pod), that call answers
-    /// [`AgentError::Cancelled`], and this one answers once the engine is gone. Over HTTP the
-    /// same holds: the node agent serves a stop while the start's call is still open.
-    fn stop<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<(), AgentError>>;
-    /// The latest load sample; `None` when none is held.
-    fn sample(&self, instance: &str) -> Option<LoadSample>;
-    /// Adopts or stops engines a previous run left behind.
-    fn recover(&self) -> BoxFuture<'_, Result<RecoveryReport, AgentError>>;
-    /// Engines that exit by themselves from now on, one [`EngineExit`] each (see its doc). An
-    /// exit during a wake is not sent: the wake's report carries it. The default, for agents
-    /// that cannot watch their engines, is a receiver that never gets an event (its `recv`
-    /// answers `Closed` at once).
-    fn subscribe_exits(&self) -> broadcast::Receiver<EngineExit> {
-        let (_, rx) = broadcast::channel(1);
-        rx
-    }
-    /// The latest load sample of every instance that has one, by instance ID (what a remote
-    /// node agent serves its client). The default, for agents that cannot list their
-    /// instances, is empty.
-    fn samples(&self) -> BTreeMap<String, LoadSample> {
-        BTreeMap::new()
-    }
-    /// What the agent says of itself, as it changes ([`AgentHealth`]): a caller reconciles
-    /// the host again when `resyncs` grows, and shows the host unreachable while it is. The
-    /// default, for agents in this process, never changes (its sender is dropped: `changed`
-    /// answers an error at once, which means "never").
-    fn subscribe_health(&self) -> watch::Receiver<AgentHealth> {
-        watch::channel(AgentHealth::default()).1
-    }
-    /// `Some(why)` while the agent cannot be reached (a node agent over HTTP whose calls have
-    /// failed for some time: what it last answered stands, and may be stale); `None` when it
-    /// answers, and always for agents in this process.
-    fn unreachable(&self) -> Option<String> {
-        None
-    }
-}
 
 /// One engine the agent drives.
 #[derive(Debug)]

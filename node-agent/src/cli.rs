@@ -34,7 +34,7 @@
 //!   configuration rules; the end-to-end tests run it against an API server without kubelet);
 //! - the `Host` object is re-checked every 30 s and written only when it changed; its status
 //!   says `Ready=True` while the agent serves and `Ready=False` once it stops;
-//! - every call to the API server is bounded ([`crate::k8s::api`]);
+//! - every call to the API server is bounded ([`capyctl_crds::api_client`]);
 //! - the operator polls the agent (load samples about once a second, engine exits by long
 //!   poll) over HTTP, not through the API server; the agent never calls the operator.
 //!
@@ -58,7 +58,6 @@ use capyctl_spec::documents;
 use capyctl_spec::overrides::Overrides;
 use clap::{Parser, ValueEnum};
 
-use crate::k8s::api::{self, API_CALL_TIMEOUT};
 use crate::k8s::host::{self, HostPolicy, HostPublisher};
 use crate::k8s::pods::PodRuntime;
 use crate::process::ProcessRuntime;
@@ -67,6 +66,7 @@ use crate::remote::{ServerOptions, serve};
 use crate::runtime::EngineRuntime as Runtime;
 use crate::spec::HostSettings;
 use crate::{AgentConfig, AgentError, HostAgent, LocalHostAgent};
+use capyctl_crds::api_client::{self as api, API_CALL_TIMEOUT};
 
 /// The default listen address (the chart's `nodeAgent.port`).
 pub const DEFAULT_LISTEN: &str = "0.0.0.0:7444";

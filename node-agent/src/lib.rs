@@ -15,6 +15,8 @@
 //!   parked, or stop);
 //! - [`agent`]: the [`HostAgent`] trait the lifecycle calls and [`LocalHostAgent`];
 //! - [`remote`]: the node agent's HTTP server and [`RemoteHostAgent`], its client;
+//! - [`sim_host`]: [`SimHost`], a host whose engines are simulated (`capyctl simulate` and the
+//!   tests);
 //! - `k8s`: the node agent on Kubernetes: its `Host` object and engine Pods;
 //! - `cli`: the `capyctl-node-agent` program (also `capyctl start host`).
 //!
@@ -25,29 +27,26 @@
 //! functions tested without processes; the rest is tested against the engine simulator.
 
 pub mod agent;
-pub mod capability;
-pub mod checkpoint;
 #[cfg(feature = "kubernetes")]
 pub mod cli;
 pub mod driver;
-pub mod error;
 #[doc(hidden)]
 pub mod fuzz;
 pub mod http;
-pub mod inventory;
 #[cfg(feature = "kubernetes")]
 pub mod k8s;
-pub mod launch;
-pub mod load;
-pub mod measure;
 pub mod process;
 pub mod recovery;
 pub mod remote;
 pub mod runtime;
-pub mod spec;
-pub mod tier;
-pub mod verify;
+pub mod sim_host;
 
 pub use agent::{AgentConfig, EngineExit, HostAgent, LocalHostAgent};
+// The values and pure decisions shared with the lifecycle (`capyctl-interfaces`), under the
+// paths they always had here.
+pub use capyctl_interfaces::{
+    capability, checkpoint, error, inventory, launch, load, measure, spec, tier, verify,
+};
 pub use error::AgentError;
 pub use remote::RemoteHostAgent;
+pub use sim_host::SimHost;

@@ -12,10 +12,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
-#[path = "../../operator/tests/k8s_support/crds.rs"]
-mod crds;
-#[path = "../../operator/tests/k8s_support/mod.rs"]
-mod k8s_support;
+use capyctl_test_support::cluster;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -129,12 +126,12 @@ fn ready_condition(host: &Host) -> Option<String> {
 #[tokio::test]
 #[ignore = "needs cluster"]
 async fn the_node_agent_publishes_its_host_owned_by_its_node_ready_and_updates_it_in_place() {
-    let (kubeconfig, client) = k8s_support::cluster().await;
-    crds::install_crds(&client).await;
+    let (kubeconfig, client) = cluster::cluster().await;
+    cluster::install_crds(&client).await;
     let hosts: Api<Host> = Api::all(client.clone());
-    let node = k8s_support::unique("capyctl-test-node");
+    let node = cluster::unique("capyctl-test-node");
     // Cleanup (the Node and the Host are cluster-scoped) rides on a namespace of its own.
-    let cleanup = k8s_support::TestNamespace::create(&kubeconfig, &client, "capyctl-test").await;
+    let cleanup = cluster::TestNamespace::create(&kubeconfig, &client, "capyctl-test").await;
     cleanup.also_delete(format!("/apis/capyctl.io/v1alpha1/hosts/{node}"));
     cleanup.also_delete(format!("/api/v1/nodes/{node}"));
     // A Node object (no kubelet behind it): the Host's owner.

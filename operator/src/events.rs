@@ -32,7 +32,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use capyctl_router::lifecycle::{
+use capyctl_interfaces::router::{
     BoxFuture as RouterFuture, DeploymentId, DeploymentRef, Executed, InstanceKey, Lifecycle, Plan,
     PlanFor, SwitchOrder,
 };
@@ -493,7 +493,7 @@ mod tests {
     use std::sync::atomic::AtomicBool;
     use std::time::Duration;
 
-    use capyctl_router::lifecycle::DrainReport;
+    use capyctl_interfaces::router::DrainReport;
     use capyctl_spec::InstanceState;
 
     use super::super::mock::view_of;

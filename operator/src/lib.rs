@@ -58,7 +58,7 @@ pub const CONTROLLER_NAME: &str = "capyctl.io/operator";
 
 /// The bound on one call to the API server (to its response's head); Lease calls are bounded
 /// by the renew deadline besides.
-pub const API_CALL_TIMEOUT: std::time::Duration = capyctl_node_agent::k8s::api::API_CALL_TIMEOUT;
+pub const API_CALL_TIMEOUT: std::time::Duration = capyctl_crds::api_client::API_CALL_TIMEOUT;
 
 /// The operator's client of the API server of `config`: every call bounded by
 /// [`API_CALL_TIMEOUT`] and observed into `metrics` (`capyctl_kube_api_request_seconds`).
@@ -67,14 +67,14 @@ pub fn api_client(
     metrics: std::sync::Arc<capyctl_lifecycle::metrics::Metrics>,
 ) -> Result<kube::Client, kube::Error> {
     let observer = std::sync::Arc::new(ApiCalls(metrics));
-    capyctl_node_agent::k8s::api::client(config, API_CALL_TIMEOUT, Some(observer))
+    capyctl_crds::api_client::client(config, API_CALL_TIMEOUT, Some(observer))
 }
 
 /// The server's metrics as the observer of the API server calls.
 struct ApiCalls(std::sync::Arc<capyctl_lifecycle::metrics::Metrics>);
 
-impl capyctl_node_agent::k8s::api::ApiCallObserver for ApiCalls {
-    fn observe(&self, call: &capyctl_node_agent::k8s::api::ApiCall) {
+impl capyctl_crds::api_client::ApiCallObserver for ApiCalls {
+    fn observe(&self, call: &capyctl_crds::api_client::ApiCall) {
         self.0
             .kube_api_call(call.verb, &call.resource, call.outcome, call.took);
     }

@@ -1,6 +1,6 @@
 //! The shared scripted mock API server ([`capyctl_test_support::MockApi`]) as the operator's
 //! unit tests use it: a client through the operator's
-//! [`ApiCallLayer`](capyctl_node_agent::k8s::api::ApiCallLayer), and a script answered in
+//! [`ApiCallLayer`](capyctl_crds::api_client::ApiCallLayer), and a script answered in
 //! order. Besides, [`FakeApi`]: the lifecycle's management API as the adapter's tests need it.
 
 #![allow(clippy::unwrap_used)]
@@ -23,10 +23,10 @@ use tokio::task::JoinHandle;
 use capyctl_lifecycle::api::{BoxFuture, ManagementApi};
 
 /// A client whose calls go to the returned mock, through the operator's
-/// [`ApiCallLayer`](capyctl_node_agent::k8s::api::ApiCallLayer) as in production.
+/// [`ApiCallLayer`](capyctl_crds::api_client::ApiCallLayer) as in production.
 pub(crate) fn client() -> (Client, MockApi) {
     let (service, api) = MockApi::pair();
-    let layer = capyctl_node_agent::k8s::api::ApiCallLayer::new(super::API_CALL_TIMEOUT, None);
+    let layer = capyctl_crds::api_client::ApiCallLayer::new(super::API_CALL_TIMEOUT, None);
     (Client::new(layer.service(service), "capyctl"), api)
 }
 

@@ -15,16 +15,7 @@
 //! k8s_apiserver_gone -- --ignored`.
 #![allow(clippy::unwrap_used)]
 
-#[path = "k8s_support/crds.rs"]
-mod crds;
-#[path = "k8s_support/e2e.rs"]
-mod e2e;
-#[path = "k8s_support/fake.rs"]
-mod fake;
-#[path = "k8s_support/mod.rs"]
-mod k8s_support;
-#[path = "../../lifecycle/tests/lifecycle_support/mod.rs"]
-mod support;
+use capyctl_test_support::harness as support;
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -37,7 +28,7 @@ use kube::api::PostParams;
 use kube::{Api, Client};
 use tokio::time::Instant;
 
-use e2e::*;
+use capyctl_test_support::operator_e2e::*;
 
 /// The election's timing and the cut's length.
 #[derive(Debug, Clone, Copy)]

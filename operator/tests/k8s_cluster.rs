@@ -6,16 +6,13 @@
 //! CAPYCTL_TEST_KUBECONFIG=~/.kube/config cargo test -p capyctl-operator --test k8s_cluster -- --ignored
 //! ```
 //!
-//! Each test works in a namespace of its own (`k8s_support::TestNamespace`), cleaned up when
+//! Each test works in a namespace of its own (`cluster::TestNamespace`), cleaned up when
 //! the test ends, passed or failed; the CRDs are applied from `charts/capyctl/crds/`
 //! (server-side apply, so a rerun is harmless). Written for an API server without kubelet
 //! or controller-manager: no Pod runs, nothing is garbage-collected.
 #![allow(clippy::unwrap_used)]
 
-#[path = "k8s_support/crds.rs"]
-mod crds;
-#[path = "k8s_support/mod.rs"]
-mod k8s_support;
+use capyctl_test_support::cluster;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -37,20 +34,20 @@ use capyctl_spec::api::{
 use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::errors::ApiError;
 use capyctl_spec::{Activation, EngineKind, InstanceState};
+use cluster::TestNamespace;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::jiff::Timestamp;
-use k8s_support::TestNamespace;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, ResourceExt};
 
 /// A namespace of the test's own in the cluster of `CAPYCTL_TEST_KUBECONFIG`, with the chart's
-/// CRDs applied; fails the test when the variable is unset ([`k8s_support::kubeconfig`]).
+/// CRDs applied; fails the test when the variable is unset ([`cluster::kubeconfig`]).
 async fn namespace_with_crds() -> TestNamespace {
-    let (kubeconfig, client) = k8s_support::cluster().await;
-    crds::install_crds(&client).await;
+    let (kubeconfig, client) = cluster::cluster().await;
+    cluster::install_crds(&client).await;
     TestNamespace::create(&kubeconfig, &client, "capyctl-test").await
 }
 
@@ -461,7 +458,7 @@ async fn models_of_watched_namespaces_are_reconciled_and_a_name_is_served_from_o
     use capyctl_operator::watch::{Claims, Watch};
 
     let release = namespace_with_crds().await;
-    let (kubeconfig, client) = k8s_support::cluster().await;
+    let (kubeconfig, client) = cluster::cluster().await;
     let team_a = TestNamespace::create(&kubeconfig, &client, "capyctl-team-a").await;
     let team_b = TestNamespace::create(&kubeconfig, &client, "capyctl-team-b").await;
     let unwatched = TestNamespace::create(&kubeconfig, &client, "capyctl-team-x").await;
@@ -554,7 +551,7 @@ async fn models_of_watched_namespaces_are_reconciled_and_a_name_is_served_from_o
 #[tokio::test]
 #[ignore = "needs cluster"]
 async fn one_replica_holds_the_lease_and_the_other_takes_it_after_a_release() {
-    let (kubeconfig, client) = k8s_support::cluster().await;
+    let (kubeconfig, client) = cluster::cluster().await;
     let ns = TestNamespace::create(&kubeconfig, &client, "capyctl-test").await;
     let leases: Api<Lease> = ns.api();
     let mut a = LeaderElector::new(leases.clone(), LeaseConfig::new("capyctl-operator", "op-a"));
@@ -634,7 +631,7 @@ async fn an_engine_pod_that_never_runs_fails_the_start_clearly_and_is_owned_and_
     let (ns, cr) = namespace_with_the_manifest().await;
     let client = ns.client.clone();
     let node = "gpu-node-that-does-not-exist";
-    let data = std::env::temp_dir().join(k8s_support::unique("capyctl-pod-runtime"));
+    let data = std::env::temp_dir().join(cluster::unique("capyctl-pod-runtime"));
     let runtime = PodRuntime::new(client.clone(), &ns.name, node, &data).unwrap();
     let mut config = AgentConfig::new(&data);
     // Includes the watch delivering the new Pod: room for a slow API server.

@@ -14,18 +14,10 @@
 //!   --test k8s_e2e -- --ignored`.
 #![allow(clippy::unwrap_used)]
 
-#[path = "k8s_support/crds.rs"]
-mod crds;
-#[path = "k8s_support/e2e.rs"]
-mod e2e;
-#[path = "k8s_support/fake.rs"]
-mod fake;
-#[path = "k8s_support/mod.rs"]
-mod k8s_support;
-#[path = "../../lifecycle/tests/lifecycle_support/mod.rs"]
-mod support;
+use capyctl_test_support::fake_api_server::FakeApiServer;
+use capyctl_test_support::harness as support;
 
-use e2e::*;
+use capyctl_test_support::operator_e2e::*;
 
 use std::time::Duration;
 
@@ -255,7 +247,7 @@ async fn replicas_over_nodes(client: Client, kubeconfig: &std::path::Path, ns: &
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn against_a_fake_api_server_replicas_run_on_two_nodes_and_scale_down() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let addr = fake::Fake::start().await;
+    let addr = FakeApiServer::start().await;
     let dir = support::temp_dir("k8s-replicas-fake");
     let kubeconfig = fake_kubeconfig(&dir, addr);
     let client = client_of(&kubeconfig).await;
@@ -649,7 +641,7 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn against_a_fake_api_server_the_operator_switches_two_models_and_the_crs_show_it() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let addr = fake::Fake::start().await;
+    let addr = FakeApiServer::start().await;
     let dir = support::temp_dir("k8s-e2e-fake");
     let kubeconfig = fake_kubeconfig(&dir, addr);
     let client = client_of(&kubeconfig).await;
@@ -660,7 +652,7 @@ async fn against_a_fake_api_server_the_operator_switches_two_models_and_the_crs_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn against_a_fake_api_server_the_standby_takes_over_and_adopts_the_engine() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let addr = fake::Fake::start().await;
+    let addr = FakeApiServer::start().await;
     let dir = support::temp_dir("k8s-failover-fake");
     let kubeconfig = fake_kubeconfig(&dir, addr);
     let client = client_of(&kubeconfig).await;
@@ -671,7 +663,7 @@ async fn against_a_fake_api_server_the_standby_takes_over_and_adopts_the_engine(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn against_a_fake_api_server_two_node_agents_are_two_hosts() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let addr = fake::Fake::start().await;
+    let addr = FakeApiServer::start().await;
     let dir = support::temp_dir("k8s-hosts-fake");
     let kubeconfig = fake_kubeconfig(&dir, addr);
     let client = client_of(&kubeconfig).await;
@@ -706,7 +698,7 @@ async fn against_a_cluster_the_standby_takes_over_and_adopts_the_engine() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn against_a_fake_api_server_a_leader_killed_mid_switch_is_taken_over_cleanly() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let addr = fake::Fake::start().await;
+    let addr = FakeApiServer::start().await;
     let dir = support::temp_dir("k8s-kill-fake");
     let kubeconfig = fake_kubeconfig(&dir, addr);
     let client = client_of(&kubeconfig).await;
@@ -717,7 +709,7 @@ async fn against_a_fake_api_server_a_leader_killed_mid_switch_is_taken_over_clea
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn against_a_fake_api_server_a_node_agent_gone_is_reported_and_served_again_when_back() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let addr = fake::Fake::start().await;
+    let addr = FakeApiServer::start().await;
     let dir = support::temp_dir("k8s-gone-fake");
     let kubeconfig = fake_kubeconfig(&dir, addr);
     let client = client_of(&kubeconfig).await;
@@ -744,7 +736,7 @@ async fn against_a_cluster_a_node_agent_gone_is_reported_and_served_again_when_b
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn against_a_fake_api_server_a_node_agent_gone_alone_is_adopted_again_when_back() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let addr = fake::Fake::start().await;
+    let addr = FakeApiServer::start().await;
     let dir = support::temp_dir("k8s-alone-fake");
     let kubeconfig = fake_kubeconfig(&dir, addr);
     let client = client_of(&kubeconfig).await;

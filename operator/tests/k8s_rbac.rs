@@ -14,15 +14,14 @@
 //! makes one refused call for real.
 #![allow(clippy::unwrap_used)]
 
-#[path = "k8s_support/mod.rs"]
-mod k8s_support;
+use capyctl_test_support::cluster;
 
+use cluster::TestNamespace;
 use k8s_openapi::api::authorization::v1::{
     ResourceAttributes, SelfSubjectAccessReview, SelfSubjectAccessReviewSpec,
 };
 use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
-use k8s_support::TestNamespace;
 use kube::api::{DeleteParams, PostParams};
 use kube::{Api, Client};
 use serde::Deserialize;
@@ -110,7 +109,7 @@ async fn apply(ns: &TestNamespace, docs: &[serde_json::Value]) {
 
 /// A client that is ServiceAccount `sa` of namespace `ns` (impersonation).
 async fn client_as(kubeconfig: &std::path::Path, ns: &str, sa: &str) -> Client {
-    let mut config = k8s_support::config_of(kubeconfig).await;
+    let mut config = cluster::config_of(kubeconfig).await;
     config.auth_info.impersonate = Some(format!("system:serviceaccount:{ns}:{sa}"));
     Client::try_from(config).unwrap()
 }
@@ -195,7 +194,7 @@ async fn check(client: &Client, who: &str, allowed: &[Access<'_>], denied: &[Acc
 #[tokio::test]
 #[ignore = "needs cluster"]
 async fn the_charts_service_accounts_may_do_what_they_need_and_no_more() {
-    let (kubeconfig, client) = k8s_support::cluster().await;
+    let (kubeconfig, client) = cluster::cluster().await;
     let ns = TestNamespace::create(&kubeconfig, &client, "capyctl-rbac").await;
     apply(&ns, &rendered(&ns.name)).await;
     let n = Some(ns.name.as_str());

@@ -13,19 +13,9 @@
 //! sends the same merge patch to the scale subresource itself (`Api::patch_scale`).
 #![allow(clippy::unwrap_used)]
 
-#[path = "k8s_support/crds.rs"]
-mod crds;
-#[path = "k8s_support/e2e.rs"]
-mod e2e;
-#[path = "k8s_support/fake.rs"]
-#[allow(dead_code)]
-mod fake;
-#[path = "k8s_support/mod.rs"]
-mod k8s_support;
-#[path = "../../lifecycle/tests/lifecycle_support/mod.rs"]
-mod support;
+use capyctl_test_support::harness as support;
 
-use e2e::*;
+use capyctl_test_support::operator_e2e::*;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -1,15 +1,11 @@
 //! The Kubernetes adapter on the real lifecycle: `Deployment` CRs reconciled into the same
 //! lifecycle, router and listener the standalone mode uses, with the real `engine-sim` binary
-//! as the engines (in-process host agent), and a mock API server (the shared `MockApi`, on tower-test) that answers
-//! every call and keeps what it was sent. A request through the router switches the GPU; the
+//! as the engines (in-process host agent), and a mock API server holding the CRs (the shared
+//! `CrsApi`, on tower-test) that answers every call and keeps what it was sent. A request through the router switches the GPU; the
 //! CRs' status and Events show the park and the wake; deleting a CR removes its deployment.
 #![allow(clippy::unwrap_used)]
 
-#[path = "../../lifecycle/tests/lifecycle_support/mod.rs"]
-mod support;
-
-use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use capyctl_crds::Deployment;
 use capyctl_lifecycle::api::ManagementApi;
@@ -17,127 +13,9 @@ use capyctl_node_agent::HostAgent;
 use capyctl_operator::FINALIZER;
 use capyctl_operator::reconcile::{Reconciler, ReconcilerConfig};
 use capyctl_spec::InstanceState;
-use http::Method;
-use kube::{Api, Client};
-use support::{Harness, Opts, temp_dir};
-
-const NS_PATH: &str = "/apis/capyctl.io/v1alpha1/namespaces/capyctl/deployments/";
-
-/// One call the mock API server answered.
-#[derive(Debug, Clone)]
-struct Call {
-    method: Method,
-    path: String,
-    body: serde_json::Value,
-}
-
-/// A mock API server holding CRs: finalizer patches and status applies change them, Events
-/// are echoed; every call is kept.
-#[derive(Clone, Default)]
-struct MockApi {
-    crs: Arc<Mutex<BTreeMap<String, serde_json::Value>>>,
-    calls: Arc<Mutex<Vec<Call>>>,
-}
-
-impl MockApi {
-    fn cr(&self, name: &str) -> Deployment {
-        serde_json::from_value(self.crs.lock().unwrap()[name].clone()).unwrap()
-    }
-
-    fn answer(
-        &self,
-        method: &Method,
-        path: &str,
-        body: &serde_json::Value,
-    ) -> (u16, serde_json::Value) {
-        let mut crs = self.crs.lock().unwrap();
-        if let Some(rest) = path.strip_prefix(NS_PATH) {
-            let (name, status) = match rest.strip_suffix("/status") {
-                Some(n) => (n, true),
-                None => (rest, false),
-            };
-            let Some(cr) = crs.get_mut(name) else {
-                return (
-                    404,
-                    serde_json::json!({"kind": "Status", "code": 404, "reason": "NotFound", "message": "not found"}),
-                );
-            };
-            if *method == Method::PATCH {
-                if status {
-                    cr["status"] = body["status"].clone();
-                } else {
-                    // The finalizer helper's JSON patch; the API server's `test` takes an
-                    // absent member as `null`, json-patch needs it spelled.
-                    let patch: json_patch::Patch = serde_json::from_value(body.clone()).unwrap();
-                    let mut patched = cr.clone();
-                    patched["metadata"]
-                        .as_object_mut()
-                        .unwrap()
-                        .entry("finalizers")
-                        .or_insert(serde_json::Value::Null);
-                    if let Err(e) = json_patch::patch(&mut patched, &patch) {
-                        return (
-                            422,
-                            serde_json::json!({"kind": "Status", "code": 422, "reason": "Invalid", "message": e.to_string()}),
-                        );
-                    }
-                    *cr = patched;
-                }
-                let rv: u64 = cr["metadata"]["resourceVersion"]
-                    .as_str()
-                    .unwrap()
-                    .parse()
-                    .unwrap();
-                cr["metadata"]["resourceVersion"] = (rv + 1).to_string().into();
-            }
-            return (200, cr.clone());
-        }
-        if path.starts_with("/apis/events.k8s.io/v1/namespaces/capyctl/events") {
-            return (200, body.clone());
-        }
-        (
-            404,
-            serde_json::json!({"kind": "Status", "code": 404, "reason": "NotFound", "message": path}),
-        )
-    }
-
-    fn client(&self) -> Client {
-        let (client, api) = capyctl_test_support::MockApi::client("capyctl");
-        let me = self.clone();
-        api.serve_with(move |call| {
-            let (status, body) = me.answer(&call.method, &call.path, &call.body);
-            me.calls.lock().unwrap().push(Call {
-                method: call.method.clone(),
-                path: call.path.clone(),
-                body: call.body.clone(),
-            });
-            capyctl_test_support::Answer::Json { status, body }
-        });
-        client
-    }
-
-    /// The reasons of the Events about `name`, in order.
-    fn events(&self, name: &str) -> Vec<String> {
-        self.calls
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|c| c.path.contains("/events") && c.body["regarding"]["name"] == name)
-            .map(|c| c.body["reason"].as_str().unwrap_or_default().to_string())
-            .collect()
-    }
-
-    fn status_writes(&self, name: &str) -> Vec<serde_json::Value> {
-        let path = format!("{NS_PATH}{name}/status");
-        self.calls
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|c| c.method == Method::PATCH && c.path == path)
-            .map(|c| c.body["status"].clone())
-            .collect()
-    }
-}
+use capyctl_test_support::crs_api::CrsApi;
+use capyctl_test_support::harness::{Harness, Opts, temp_dir};
+use kube::Api;
 
 fn cr_json(name: &str, uid: &str) -> serde_json::Value {
     serde_json::json!({
@@ -155,7 +33,7 @@ fn cr_json(name: &str, uid: &str) -> serde_json::Value {
 async fn crs_switch_through_the_router_and_their_status_and_events_show_it() {
     let dir = temp_dir("k8s-switch");
     let h = Harness::new(&dir, Opts::default()).await;
-    let mock = MockApi::default();
+    let mock = CrsApi::default();
     mock.crs
         .lock()
         .unwrap()

@@ -12,7 +12,7 @@ use std::time::Duration;
 use capyctl_spec::errors::ApiError;
 use tokio::time::Instant;
 
-use crate::lifecycle::{DeploymentRef, Upstream};
+use capyctl_interfaces::router::{DeploymentRef, Upstream};
 
 /// Hands out permits to forward one request to a ready instance.
 pub trait Admission: Clone + Send + Sync + 'static {

@@ -2,13 +2,13 @@
 //! the switch coordinator (admission window, drain, waves, limits and deadlines).
 //!
 //! The router never talks to an engine's control API; it asks the lifecycle through
-//! [`lifecycle::Lifecycle`] and forwards traffic to the instances the lifecycle opens.
+//! [`capyctl_interfaces::router::Lifecycle`] and forwards traffic to the instances the
+//! lifecycle opens.
 
 pub mod admission;
 pub mod config;
 pub mod coordinator;
 mod fast_hash;
-pub mod lifecycle;
 pub mod observe;
 pub mod proxy;
 pub mod recent;

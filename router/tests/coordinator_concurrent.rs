@@ -9,9 +9,9 @@
 
 mod coordinator_support;
 
+use capyctl_interfaces::router::{DeploymentRef, Plan};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::testing::{FakeState, FakeTimings};
-use capyctl_router::lifecycle::{DeploymentRef, Plan};
 use capyctl_spec::errors::ApiError;
 use coordinator_support::*;
 

@@ -6,7 +6,7 @@
 
 mod coordinator_support;
 
-use capyctl_router::lifecycle::DrainReport;
+use capyctl_interfaces::router::DrainReport;
 use capyctl_spec::errors::ApiError;
 use coordinator_support::*;
 

@@ -5,8 +5,8 @@
 
 mod coordinator_support;
 
+use capyctl_interfaces::router::DrainReport;
 use capyctl_router::coordinator::IdleRelease;
-use capyctl_router::lifecycle::DrainReport;
 use coordinator_support::*;
 
 #[tokio::test(start_paused = true)]

@@ -5,7 +5,7 @@
 
 mod coordinator_support;
 
-use capyctl_router::lifecycle::DrainReport;
+use capyctl_interfaces::router::DrainReport;
 use coordinator_support::*;
 use tokio::time::Instant;
 

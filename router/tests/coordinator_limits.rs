@@ -3,11 +3,11 @@
 
 mod coordinator_support;
 
+use capyctl_interfaces::router::Plan;
 use capyctl_router::admission::{Admission, Permit, deadline_error};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::testing::FakeState;
 use capyctl_router::coordinator::testing::FakeTimings;
-use capyctl_router::lifecycle::Plan;
 use capyctl_spec::errors::ApiError;
 use coordinator_support::*;
 use std::time::Duration;

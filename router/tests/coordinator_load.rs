@@ -8,11 +8,11 @@ mod coordinator_support;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use capyctl_interfaces::router::DrainReport;
 use capyctl_router::admission::Admission;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::DeploymentLoad;
 use capyctl_router::coordinator::testing::{FakeLifecycle, FakeState, FakeTimings};
-use capyctl_router::lifecycle::DrainReport;
 use capyctl_spec::errors::ApiError;
 use coordinator_support::*;
 use futures_util::FutureExt;

@@ -9,8 +9,8 @@ mod coordinator_support;
 
 use std::time::Duration;
 
+use capyctl_interfaces::router::Plan;
 use capyctl_router::coordinator::{OperatorResult, OperatorStart};
-use capyctl_router::lifecycle::Plan;
 use capyctl_spec::api::Released;
 use capyctl_spec::errors::ApiError;
 use coordinator_support::*;

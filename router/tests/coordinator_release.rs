@@ -4,8 +4,8 @@
 
 mod coordinator_support;
 
+use capyctl_interfaces::router::DrainReport;
 use capyctl_router::coordinator::testing::FakeState;
-use capyctl_router::lifecycle::DrainReport;
 use capyctl_spec::errors::ApiError;
 use coordinator_support::*;
 use tokio::time::Instant;

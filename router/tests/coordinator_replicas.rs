@@ -9,11 +9,11 @@ mod coordinator_support;
 use std::sync::Arc;
 use std::time::Duration;
 
+use capyctl_interfaces::router::DeploymentRef;
 use capyctl_router::admission::{Admission, Permit};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::testing::{FakeLifecycle, FakeState, FakeTimings};
 use capyctl_router::coordinator::{CoordinatorHandle, CoordinatorPermit, DeploymentLoad};
-use capyctl_router::lifecycle::DeploymentRef;
 use capyctl_spec::Routing;
 use capyctl_spec::errors::ApiError;
 use coordinator_support::{A, quiesce};

@@ -6,9 +6,9 @@
 
 mod coordinator_support;
 
+use capyctl_interfaces::router::{DrainReport, Plan};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::testing::{ExecuteFault, FakeState, FakeTimings};
-use capyctl_router::lifecycle::{DrainReport, Plan};
 use capyctl_spec::errors::{ApiError, WakeFailure};
 use coordinator_support::*;
 

@@ -239,7 +239,7 @@ async fn slot_wait_case(holding: Holding) -> (u16, String) {
     fake.add(A, "chat-a", FakeState::Ready, 1);
     let handle = fake.spawn(RouterConfig::default());
     handle
-        .instance_ready(capyctl_router::lifecycle::Upstream {
+        .instance_ready(capyctl_interfaces::router::Upstream {
             key: fake.key(A, 0),
             addr: engine,
         })

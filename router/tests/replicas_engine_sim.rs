@@ -11,10 +11,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use capyctl_interfaces::router::{InstanceKey, Upstream};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::testing::AllReady;
 use capyctl_router::coordinator::{Coordinator, CoordinatorHandle};
-use capyctl_router::lifecycle::{InstanceKey, Upstream};
 use capyctl_router::proxy::{ModelEntry, Proxy, ProxyConfig, serve};
 use capyctl_spec::Routing;
 use http_body_util::BodyExt;

@@ -22,12 +22,12 @@ use axum::extract::{Request, State};
 use axum::middleware::{self, Next};
 use axum::response::Response;
 use capyctl_engine_sim::{EngineSim, SimConfig};
-use capyctl_router::config::RouterConfig;
-use capyctl_router::coordinator::{Coordinator, CoordinatorHandle, DeploymentLoad};
-use capyctl_router::lifecycle::{
+use capyctl_interfaces::router::{
     BoxFuture, DeploymentId, DeploymentRef, Executed, InstanceKey, Lifecycle, Plan, PlanFor,
     SwitchOrder, Upstream,
 };
+use capyctl_router::config::RouterConfig;
+use capyctl_router::coordinator::{Coordinator, CoordinatorHandle, DeploymentLoad};
 use capyctl_router::proxy::{ModelEntry, Proxy, ProxyConfig, serve};
 use capyctl_spec::errors::ApiError;
 use http_body_util::BodyExt;

@@ -9,13 +9,13 @@
 //!   `/readyz` would answer ready), a second start on the same directory (nothing changed), RSS,
 //!   full and by-ID load reads (`ManagementApi::load`, serialized to JSON as the management
 //!   listener does), and the deployments, engines and hosts lists.
-//! - **used N**: N deployments on one in-process fake host (its engines start, park and stop at
+//! - **used N**: N deployments on one in-process simulated host (its engines start, park and stop at
 //!   once; every engine's address is one in-process HTTP server that answers at once), the real
 //!   coordinator and inference listener on loopback sockets. Every deployment gets one chat
 //!   request through the listener ("each used once"), then: load reads full and by ID, and the
 //!   latency of a request that gets 409 `deployment_stopped` (its model stopped by the
 //!   operator), quiet and while another task reads the full load without pause.
-//! - **hosts H**: `--host-deployments` deployments (10,000 by default) over H fake hosts, opened
+//! - **hosts H**: `--host-deployments` deployments (10,000 by default) over H simulated hosts, opened
 //!   from an in-memory store (as a new leader on Kubernetes opens them from the CRs). Each host's
 //!   `inventory` and `engines` calls take `--host-latency-ms` (default 1 ms, a round trip to a
 //!   node agent on a LAN), its starts none. Figures: the open, the lists with the RSS after the deployments list, and the
@@ -42,7 +42,7 @@ use capyctl_router::proxy::{self, ProxyConfig};
 use capyctl_server::standalone::Standalone;
 use capyctl_spec::documents::{parse_deployment_str, parse_standalone_str};
 use capyctl_spec::overrides::Overrides;
-use capyctl_test_support::FakeHost;
+use capyctl_test_support::SimHost;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -61,7 +61,7 @@ OPTIONS:
     --used LIST             deployments of the used-once cases (default 100,1000,10000)
     --hosts LIST            hosts of the fake-host cases (default 1,10,100,1000)
     --host-deployments N    deployments of each fake-host case (default 10000)
-    --host-latency-ms X     each fake host's inventory/engines round trip (default 1)
+    --host-latency-ms X     each simulated host's inventory/engines round trip (default 1)
     --reads N               full load reads per figure (default 40)
     --quick                 --standalone 100,1000 --used 100,1000 --hosts 1,10,100
                             --host-deployments 1000
@@ -263,7 +263,7 @@ fn parent(o: &Opts) {
     if !o.used.is_empty() {
         let rows: Vec<_> = o.used.iter().map(|&n| run("used", n, &[])).collect();
         table(
-            "used: N deployments on one fake host, each used once through the listener",
+            "used: N deployments on one simulated host, each used once through the listener",
             "N",
             &[
                 ("use all s", "use_all_s"),
@@ -289,7 +289,7 @@ fn parent(o: &Opts) {
         let rows: Vec<_> = o.hosts.iter().map(|&h| run("hosts", h, &extra)).collect();
         table(
             &format!(
-                "hosts: {} deployments over H fake hosts ({} ms per inventory/engines call)",
+                "hosts: {} deployments over H simulated hosts ({} ms per inventory/engines call)",
                 o.host_deployments, o.host_latency_ms
             ),
             "H",
@@ -482,7 +482,7 @@ async fn standalone_case(n: usize, reads: usize) -> Figures {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Fake hosts: `capyctl_test_support::FakeHost`, every engine answering at `upstream`.
+// Fake hosts: `capyctl_test_support::SimHost`, every engine answering at `upstream`.
 
 /// An engine that answers every request at once with one chat completion.
 async fn upstream() -> SocketAddr {
@@ -529,7 +529,7 @@ fn records(n: usize) -> Vec<DeploymentRecord> {
         .collect()
 }
 
-/// The lifecycle over `hosts` fake hosts with `n` deployments from the CR store, the real
+/// The lifecycle over `hosts` simulated hosts with `n` deployments from the CR store, the real
 /// coordinator and inference listener; the server and the listener's address.
 async fn fake_cluster(hosts: usize, n: usize, latency: Duration) -> (Arc<Server>, SocketAddr, f64) {
     let up = upstream().await;
@@ -546,7 +546,7 @@ async fn fake_cluster(hosts: usize, n: usize, latency: Duration) -> (Arc<Server>
             id: format!("gpu-{i:04}"),
             // No call log: the RSS figures count no test bookkeeping.
             agent: Arc::new(
-                FakeHost::new()
+                SimHost::new()
                     .with_gpu(gpu)
                     .with_upstream(up)
                     .with_latency(latency)

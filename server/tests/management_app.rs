@@ -1,6 +1,6 @@
 //! The management app in-process: [`management::router`] driven with
 //! `tower::ServiceExt::oneshot` (no socket), over a real lifecycle whose one host is a
-//! [`FakeHost`] (engines start, park, wake and stop at once). Each route's success, and its
+//! [`SimHost`] (engines start, park, wake and stop at once). Each route's success, and its
 //! refusals: a missing or wrong admin token (401), an unknown deployment or host (404), a bad
 //! document (400 naming the key), a method the route does not take (405); every error body is
 //! the product page's JSON (`code`, `message`, `retryable`), and a refusal changes nothing.
@@ -22,7 +22,7 @@ use capyctl_spec::api::{
     HostDrainReceipt, HostList, LoadReport, SwitchList,
 };
 use capyctl_spec::{EngineKind, InstanceState};
-use capyctl_test_support::FakeHost;
+use capyctl_test_support::SimHost;
 use http::{HeaderMap, Method, Request, StatusCode};
 use http_body_util::BodyExt;
 use serde_json::Value;
@@ -32,19 +32,19 @@ const TOKEN: &str = "s3cret-token";
 const V1: &str = "/management/v1";
 const HOST: &str = "gpu-box";
 
-/// 6 GiB: fits the fake host's 10 GiB GPU.
+/// 6 GiB: fits the simulated host's 10 GiB GPU.
 const CHAT_A: &str = "name: chat-a\nengine: vllm\nmodel: Qwen3-4B\nresources: {gpu_memory: 6GiB}\n";
 
-/// The app over a lifecycle on one fake host, with the router attached as standalone does.
+/// The app over a lifecycle on one simulated host, with the router attached as standalone does.
 struct App {
     app: Router,
     server: Arc<Server>,
-    host: Arc<FakeHost>,
+    host: Arc<SimHost>,
     _router: CoordinatorHandle,
 }
 
 async fn app() -> App {
-    let host = Arc::new(FakeHost::new());
+    let host = Arc::new(SimHost::new());
     let config = LifecycleConfig::new(HOST);
     let metrics = config.metrics.clone();
     let server = Server::open(host.clone(), Arc::new(MemoryStore::default()), config)

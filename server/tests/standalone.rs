@@ -2,8 +2,7 @@
 //! on real sockets, the state database across a restart, engines stopped on a clean shutdown.
 #![allow(clippy::unwrap_used)]
 
-#[path = "../../lifecycle/tests/lifecycle_support/mod.rs"]
-mod support;
+use capyctl_test_support::harness as support;
 
 use std::net::SocketAddr;
 use std::path::Path;

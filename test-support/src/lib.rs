@@ -9,18 +9,43 @@
 //! - [`mock_api`]: one scripted mock Kubernetes API server on `tower_test::mock::pair` (a
 //!   [`kube::Client`] without a socket), which also serves behind a loopback HTTP listener for
 //!   the programs that need a real URL;
-//! - [`fake_host`]: one in-process fake host agent ([`FakeHost`]) for the lifecycle's tests and
-//!   the scale benchmark: engines that start, park, wake and stop at once, a latency per
-//!   inventory/engines call, the calls logged, operations that hang and stops that fail;
+//! - [`SimHost`] (re-exported from the node agent, where `capyctl simulate` takes it too): the
+//!   in-process host agent of the lifecycle's tests and the scale benchmark: engines that start,
+//!   park, wake and stop in set times, a latency per inventory/engines call, the calls logged,
+//!   operations that hang and stops that fail; [`FakeHost`] is its former name, still used
+//!   by two unit tests in lifecycle/src (`state/tests.rs`, `hosts.rs`): rename them and drop it;
 //! - [`cut_proxy`]: a TCP proxy a test cuts (refused, or black-holed) and restores, between a
-//!   program and a server it calls (the operators and the Kubernetes API server).
+//!   program and a server it calls (the operators and the Kubernetes API server);
+//! - [`http`]: a small HTTP client for the listeners (JSON in and out, the management API's
+//!   token);
+//! - `harness` (feature `lifecycle`): a lifecycle server with the real coordinator and the
+//!   real listener on a loopback port, over in-process host agents running the engine
+//!   simulator;
+//! - `cluster` (feature `cluster`): the `needs cluster` tests' cluster (`CAPYCTL_TEST_KUBECONFIG`,
+//!   failing clearly without it), a namespace of their own, the chart's CRDs;
+//! - `operator_e2e`, `fake_api_server` and `crs_api` (feature `operator`): the operator and node
+//!   agent programs as child processes, a fake Kubernetes API server they talk to over HTTP, and
+//!   a small stateful one holding `Deployment` CRs behind [`MockApi`].
+//!
+//! The features keep what a crate's tests do not use out of their build (the node agent's
+//! tests need no lifecycle, the lifecycle's no operator).
 //!
 //! Test helpers panic on what a test cannot go on from (a directory that cannot be made, a
 //! build that fails), naming what failed.
 
+#[cfg(feature = "cluster")]
+pub mod cluster;
+#[cfg(feature = "operator")]
+pub mod crs_api;
 pub mod cut_proxy;
-pub mod fake_host;
+#[cfg(feature = "operator")]
+pub mod fake_api_server;
+#[cfg(feature = "lifecycle")]
+pub mod harness;
+pub mod http;
 pub mod mock_api;
+#[cfg(feature = "operator")]
+pub mod operator_e2e;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -28,8 +53,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+/// [`SimHost`]'s former name (two unit tests in lifecycle/src still use it).
+pub use capyctl_node_agent::sim_host::SimHost as FakeHost;
+pub use capyctl_node_agent::sim_host::{Concurrency, SimHost, Timings};
 pub use cut_proxy::{Cut, CutProxy};
-pub use fake_host::{Concurrency, FakeHost, OpTimes};
 pub use mock_api::{Answer, Exchange, MockApi, Seen, status_body};
 
 /// A fresh, empty temporary directory, unique to this call: `capyctl-<name>-<pid>-<nanos>-<n>`

@@ -5,8 +5,7 @@
 //! one.
 #![allow(clippy::unwrap_used)]
 
-#[path = "../../operator/tests/k8s_support/mod.rs"]
-mod k8s_support;
+use capyctl_test_support::cluster;
 
 use std::process::Command;
 use std::sync::{Arc, Mutex};
@@ -391,8 +390,8 @@ async fn the_plugin_reaches_the_service_proxy_of_a_real_cluster() {
     use k8s_openapi::api::core::v1::{Secret, Service};
     use kube::api::{DeleteParams, PostParams};
 
-    let (kubeconfig, client) = k8s_support::cluster().await;
-    let ns = k8s_support::TestNamespace::create(&kubeconfig, &client, "capyctl-plugin").await;
+    let (kubeconfig, client) = cluster::cluster().await;
+    let ns = cluster::TestNamespace::create(&kubeconfig, &client, "capyctl-plugin").await;
     let service: Service = serde_json::from_value(serde_json::json!({
         "metadata": {"name": "capyctl-management"},
         "spec": {"ports": [{"name": "management", "port": 7443}],

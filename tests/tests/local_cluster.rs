@@ -4,7 +4,7 @@
 //!
 //! ```sh
 //! CAPYCTL_TEST_KUBECONFIG=~/.cache/capyctl-k8s/local-cluster/kubeconfig \
-//!   cargo test -p capyctl-e2e --test local_cluster -- --ignored
+//!   cargo test -p capyctl-tests --test local_cluster -- --ignored
 //! ```
 //!
 //! `scripts/helm install` of the chart with `values-local.yaml` in a namespace of the test's own,
@@ -27,8 +27,7 @@
 //! containerd and restarts the kubelet).
 #![allow(clippy::unwrap_used)]
 
-#[path = "../../operator/tests/k8s_support/mod.rs"]
-mod k8s_support;
+use capyctl_test_support::cluster;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -184,7 +183,7 @@ async fn engine_pod_uids(pods: &Api<Pod>, name: &str) -> Vec<(String, String)> {
 }
 
 /// The release's objects of kind `K` left in the test's namespace, as `kind/name`.
-async fn release_objects<K>(ns: &k8s_support::TestNamespace, kind: &str) -> Vec<String>
+async fn release_objects<K>(ns: &cluster::TestNamespace, kind: &str) -> Vec<String>
 where
     K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>
         + Clone
@@ -330,7 +329,7 @@ fn pod_ready(p: &Pod) -> bool {
 /// A release of the chart installed by [`install`], in a namespace of its own.
 struct Release {
     kubeconfig: PathBuf,
-    ns: k8s_support::TestNamespace,
+    ns: cluster::TestNamespace,
     pods: Api<Pod>,
     /// The router Service's ClusterIP and port.
     addr: String,
@@ -340,7 +339,7 @@ struct Release {
 
 impl Drop for Release {
     /// A test that failed leaves its release running, and the namespace's cleanup
-    /// ([`k8s_support::TestNamespace`], made for an API server alone) finalizes the namespace
+    /// ([`cluster::TestNamespace`], made for an API server alone) finalizes the namespace
     /// itself, which leaves the objects in it: a DaemonSet or Deployment left would keep its
     /// Pods on the node for good. So the workloads and Pods go first, at once (after a passing
     /// test there are none).
@@ -372,7 +371,7 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 /// operators Ready and a leader. `test` names the caller for the message of a cluster without a
 /// Ready node.
 async fn install(prefix: &str, values: &[&str], test: &str) -> Release {
-    let (kubeconfig, client) = k8s_support::cluster().await;
+    let (kubeconfig, client) = cluster::cluster().await;
     let nodes: Api<Node> = Api::all(client.clone());
     let ready = nodes.list(&ListParams::default()).await.unwrap().items;
     let Some(node) = ready.into_iter().find(|n| {
@@ -398,7 +397,7 @@ async fn install(prefix: &str, values: &[&str], test: &str) -> Release {
         .await
         .unwrap();
 
-    let ns = k8s_support::TestNamespace::create(&kubeconfig, &client, prefix).await;
+    let ns = cluster::TestNamespace::create(&kubeconfig, &client, prefix).await;
     for suffix in ["operator", "node-agent"] {
         let name = format!("{RELEASE}-{}-{suffix}", ns.name);
         ns.also_delete(format!(
@@ -887,7 +886,7 @@ async fn all_engine_pods(pods: &Api<Pod>, name: &str) -> Vec<(String, String)> {
 }
 
 /// The holder of the operators' Lease.
-async fn lease_holder(ns: &k8s_support::TestNamespace) -> Option<String> {
+async fn lease_holder(ns: &cluster::TestNamespace) -> Option<String> {
     let leases: Api<k8s_openapi::api::coordination::v1::Lease> = ns.api();
     leases
         .get_opt(&format!("{RELEASE}-operator"))

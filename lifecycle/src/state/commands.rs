@@ -3,8 +3,8 @@
 //! start that waits for memory; and what a restart learns of measurements. Each is one call
 //! of the owner (the engine operations they lead to are `rules.rs`' and `releases.rs`').
 
-use capyctl_node_agent::measure::Measurement;
-use capyctl_node_agent::spec::InstanceSpec;
+use capyctl_interfaces::measure::Measurement;
+use capyctl_interfaces::spec::InstanceSpec;
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::DeployOutcome;
 use capyctl_spec::documents::DeploymentDoc;

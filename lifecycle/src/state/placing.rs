@@ -4,7 +4,7 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use capyctl_router::lifecycle::InstanceKey;
+use capyctl_interfaces::router::InstanceKey;
 use capyctl_spec::{Activation, InstanceState};
 use tokio::time::Instant;
 

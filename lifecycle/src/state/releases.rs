@@ -5,8 +5,8 @@
 
 use std::net::SocketAddr;
 
-use capyctl_node_agent::tier::ParkTier;
-use capyctl_router::lifecycle::InstanceKey;
+use capyctl_interfaces::router::InstanceKey;
+use capyctl_interfaces::tier::ParkTier;
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::Released;
 use tokio::time::Instant;

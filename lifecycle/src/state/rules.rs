@@ -7,10 +7,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use capyctl_node_agent::launch::MaxRunning;
-use capyctl_node_agent::measure::Measurement;
-use capyctl_node_agent::tier::ParkTier;
-use capyctl_router::lifecycle::{InstanceKey, Plan, PlanFor};
+use capyctl_interfaces::launch::MaxRunning;
+use capyctl_interfaces::measure::Measurement;
+use capyctl_interfaces::router::{InstanceKey, Plan, PlanFor};
+use capyctl_interfaces::tier::ParkTier;
 use capyctl_spec::errors::ApiError;
 use capyctl_spec::{Activation, InstanceState};
 use tokio::sync::watch;
@@ -40,7 +40,7 @@ impl State {
     pub(crate) fn engine_exited(
         &mut self,
         host: &str,
-        exit: &capyctl_node_agent::agent::EngineExit,
+        exit: &capyctl_interfaces::agent::EngineExit,
         now: Instant,
     ) -> Option<InstanceKey> {
         let d = self.deps.get_mut(&deployment_of(&exit.instance)?)?;
@@ -87,7 +87,7 @@ impl State {
         &mut self,
         host_id: String,
         host: Host,
-        adopted: &[capyctl_node_agent::agent::AdoptedInstance],
+        adopted: &[capyctl_interfaces::agent::AdoptedInstance],
     ) -> Adoption {
         Arc::make_mut(&mut self.hosts).insert(host_id.clone(), Arc::new(host));
         self.any_host_explicit = self
@@ -224,7 +224,7 @@ pub(crate) enum UpDone {
     /// `closed` (it never serves before it is parked) and still busy: its park follows.
     Closed {
         started: Started,
-        first_answer: capyctl_node_agent::verify::FirstAnswer,
+        first_answer: capyctl_interfaces::verify::FirstAnswer,
     },
     /// Failed with this status line, its last use kept: no engine was started (its host has
     /// no agent), or a preinitialize's start failed.
@@ -246,7 +246,7 @@ impl State {
     pub(crate) fn answered_first(
         &mut self,
         id: &str,
-        first: capyctl_node_agent::verify::FirstAnswer,
+        first: capyctl_interfaces::verify::FirstAnswer,
     ) {
         if let Some(d) = self.deps.get_mut(id) {
             d.rec.first_answer = Some(first);

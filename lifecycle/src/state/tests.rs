@@ -3,9 +3,9 @@
 
 use super::*;
 use crate::instance_id;
-use capyctl_node_agent::agent::EngineExit;
-use capyctl_node_agent::measure::{MeasureSource, Measured};
-use capyctl_router::lifecycle::{Plan, PlanFor};
+use capyctl_interfaces::agent::EngineExit;
+use capyctl_interfaces::measure::{MeasureSource, Measured};
+use capyctl_interfaces::router::{Plan, PlanFor};
 use capyctl_spec::api::{DeployOutcome, Released};
 use capyctl_spec::settings::LifecycleDefaults;
 
@@ -95,7 +95,7 @@ fn gpus_host(n: u32, gib: u64) -> Host {
     Host {
         capacity: u64::from(n) * gib * GIB,
         gpus: (0..n)
-            .map(|index| capyctl_node_agent::inventory::GpuInfo {
+            .map(|index| capyctl_interfaces::inventory::GpuInfo {
                 index,
                 uuid: None,
                 name: None,
@@ -330,7 +330,7 @@ async fn the_scaler_waits_out_the_back_off_of_an_engine_that_failed_not_one_its_
             .held
     };
     // r-1's engine exits, unused for ten minutes: the back-off counts from the exit.
-    let exit = capyctl_node_agent::agent::EngineExit {
+    let exit = capyctl_interfaces::agent::EngineExit {
         instance: "r-1".into(),
         status: Some("signal 9".into()),
     };
@@ -493,7 +493,7 @@ async fn a_host_that_joins_during_the_fence_has_what_it_holds_ready_fenced_too()
     let mut s = state(now);
     ready(&mut s, "a", now);
     s.set_fence(now + Duration::from_secs(90), now);
-    let adopted = capyctl_node_agent::agent::AdoptedInstance {
+    let adopted = capyctl_interfaces::agent::AdoptedInstance {
         instance: instance_id("b"),
         spec: s.deps["b"].spec.clone(),
         base_url: "http://127.0.0.1:9".into(),
@@ -996,7 +996,7 @@ async fn a_preinitialize_writes_its_start_through_up_done_and_keeps_its_last_use
         pid: 7,
         max_running: MaxRunning {
             count: Some(4),
-            source: capyctl_node_agent::launch::MaxRunningSource::Declared,
+            source: capyctl_interfaces::launch::MaxRunningSource::Declared,
         },
         measurement: Measurement::default(),
     };
@@ -1011,7 +1011,7 @@ async fn a_preinitialize_writes_its_start_through_up_done_and_keeps_its_last_use
         Up::Start,
         UpDone::Closed {
             started: started(),
-            first_answer: capyctl_node_agent::verify::FirstAnswer::Text { text: "ok".into() },
+            first_answer: capyctl_interfaces::verify::FirstAnswer::Text { text: "ok".into() },
         },
         later,
     );

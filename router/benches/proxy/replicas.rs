@@ -27,10 +27,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use capyctl_engine_sim::EngineSim;
+use capyctl_interfaces::router::{InstanceKey, Upstream};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::testing::AllReady;
 use capyctl_router::coordinator::{Coordinator, CoordinatorHandle};
-use capyctl_router::lifecycle::{InstanceKey, Upstream};
 use capyctl_router::proxy::{ModelEntry, Proxy, ProxyConfig, serve};
 use capyctl_spec::Routing;
 use http_body_util::{BodyExt, Full};

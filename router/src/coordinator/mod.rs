@@ -42,7 +42,7 @@ use tokio::time::Instant;
 use crate::admission::{Admission, Permit};
 use crate::config::RouterConfig;
 use crate::fast_hash::FastHash;
-use crate::lifecycle::{
+use capyctl_interfaces::router::{
     DeploymentId, DeploymentRef, DrainReport, Executed, InstanceKey, Lifecycle, Plan, PlanFor,
     SwitchOrder, Upstream,
 };
@@ -467,7 +467,7 @@ pub type OperatorResult = Result<OperatorStart, ApiError>;
 #[derive(Debug)]
 pub enum OperatorStart {
     /// The plan was carried out: the victims (if any) drained and released, the target's start
-    /// or wake begun (see [`crate::lifecycle::SwitchOrder::operator`]).
+    /// or wake begun (see [`capyctl_interfaces::router::SwitchOrder::operator`]).
     Switched {
         /// The switch's ID (from the plan).
         switch_id: String,

@@ -17,7 +17,7 @@ use tokio::time::Instant;
 
 use crate::admission::deadline_error;
 use crate::config::RouterConfig;
-use crate::lifecycle::{
+use capyctl_interfaces::router::{
     DeploymentId, DrainReport, Executed, InstanceKey, Plan, PlanFor, SwitchOrder, Upstream,
 };
 

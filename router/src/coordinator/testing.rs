@@ -27,7 +27,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::config::RouterConfig;
-use crate::lifecycle::{
+use capyctl_interfaces::router::{
     BoxFuture, DeploymentId, DeploymentRef, Executed, InstanceKey, Lifecycle, Plan, PlanFor,
     SwitchOrder, Upstream,
 };

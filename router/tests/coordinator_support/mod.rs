@@ -5,11 +5,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use capyctl_interfaces::router::{DeploymentRef, Upstream};
 use capyctl_router::admission::{Admission, Permit};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::CoordinatorHandle;
 use capyctl_router::coordinator::testing::{FakeLifecycle, FakeState, FakeTimings};
-use capyctl_router::lifecycle::{DeploymentRef, Upstream};
 use capyctl_spec::errors::ApiError;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use capyctl_engine_sim::SimConfig;
+use capyctl_interfaces::router::{DeploymentRef, InstanceKey, Upstream};
 use capyctl_router::admission::{Admission, Permit};
-use capyctl_router::lifecycle::{DeploymentRef, InstanceKey, Upstream};
 use capyctl_router::proxy::{ModelEntry, Proxy, ProxyConfig, serve};
 use capyctl_spec::errors::ApiError;
 use http::{Request, StatusCode};

@@ -75,7 +75,7 @@ pub fn safetensors_file_size(path: &Path) -> Result<(u64, u64), AgentError> {
 
 /// The (bytes of its tensors, number of tensors) a safetensors header says (the JSON after
 /// the length; `path` names the file in errors).
-pub(crate) fn header_size(path: &Path, header: &[u8]) -> Result<(u64, u64), AgentError> {
+pub fn header_size(path: &Path, header: &[u8]) -> Result<(u64, u64), AgentError> {
     let header: serde_json::Map<String, Value> =
         serde_json::from_slice(header).map_err(|e| AgentError::Json {
             what: format!("the safetensors header of {}", path.display()),

@@ -28,13 +28,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use capyctl_router::admission::{Admission, Permit};
-use capyctl_router::config::RouterConfig;
-use capyctl_router::coordinator::{Coordinator, CoordinatorHandle};
-use capyctl_router::lifecycle::{
+use capyctl_interfaces::router::{
     BoxFuture, DeploymentId, DeploymentRef, Executed, InstanceKey, Lifecycle, Plan, PlanFor,
     SwitchOrder, Upstream,
 };
+use capyctl_router::admission::{Admission, Permit};
+use capyctl_router::config::RouterConfig;
+use capyctl_router::coordinator::{Coordinator, CoordinatorHandle};
 use capyctl_router::proxy::{ModelEntry, Proxy, ProxyConfig, serve};
 use capyctl_spec::errors::ApiError;
 use http_body_util::{BodyExt, Full};
@@ -44,7 +44,6 @@ use tokio::net::{TcpListener, TcpStream};
 
 use tokio::runtime::Handle;
 
-#[path = "proxy/replicas.rs"]
 mod replicas;
 
 const MODEL: &str = "bench-model";
@@ -556,7 +555,7 @@ mod server_like {
 
     use tokio::sync::watch;
 
-    use capyctl_router::lifecycle::{
+    use capyctl_interfaces::router::{
         BoxFuture, DeploymentId, DeploymentRef, Executed, InstanceKey, Lifecycle, Plan, PlanFor,
         SwitchOrder,
     };

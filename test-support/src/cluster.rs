@@ -1,7 +1,7 @@
-//! What the `needs cluster` tests share (also included by the node agent's cluster tests and
-//! the end-to-end `tests/tests/kubectl.rs` with `#[path]`; `crds.rs` beside it applies the chart's CRDs): the cluster of
-//! `CAPYCTL_TEST_KUBECONFIG` and [`TestNamespace`], a namespace of its own per test that is cleaned up when it is
-//! dropped, even after a failed assertion. Run (`--ignored`) without the variable, such a test
+//! What the `needs cluster` tests share (the operator's, the node agent's and the end-to-end
+//! ones): the cluster of `CAPYCTL_TEST_KUBECONFIG`, [`TestNamespace`], a namespace of its own
+//! per test that is cleaned up when it is dropped, even after a failed assertion, and
+//! [`install_crds`], the chart's CRDs applied. Run (`--ignored`) without the variable, such a test
 //! fails, naming it and how to get a cluster: a test that checked nothing does not pass.
 //!
 //! The clusters these tests run against may have an API server only (Kubernetes 1.34, no
@@ -12,13 +12,14 @@
 //! leaves them), deletes the Pods at once (grace period 0), deletes the namespace and
 //! finalizes it itself (`/finalize` with no finalizers), then deletes the cluster-scoped
 //! objects the test registered ([`TestNamespace::also_delete`]).
-#![allow(dead_code, clippy::unwrap_used)]
+#![allow(clippy::unwrap_used)]
 
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config, ResourceExt};
@@ -248,5 +249,40 @@ impl Drop for TestNamespace {
             let _ = done_tx.send(());
         });
         let _ = done.recv_timeout(Duration::from_secs(70));
+    }
+}
+
+/// Applies the chart's CRDs (server-side apply: a rerun is harmless) and waits until they are
+/// established.
+pub async fn install_crds(client: &Client) {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let dir = capyctl_crds::chart_crd_dir();
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let crd: CustomResourceDefinition = serde_yaml_ng::from_str(&text).unwrap();
+        let name = crd.name_any();
+        crds.patch(
+            &name,
+            &PatchParams::apply("capyctl-tests").force(),
+            &Patch::Apply(&crd),
+        )
+        .await
+        .unwrap();
+        names.push(name);
+    }
+    for name in names {
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            kube::runtime::wait::await_condition(
+                crds.clone(),
+                &name,
+                kube::runtime::wait::conditions::is_crd_established(),
+            ),
+        )
+        .await
+        .unwrap()
+        .unwrap();
     }
 }

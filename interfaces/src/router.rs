@@ -1,4 +1,6 @@
-//! What the router needs from the lifecycle, and what the lifecycle tells the router.
+//! The router's interface to the lifecycle: what the router needs from it ([`Lifecycle`]), and
+//! what the lifecycle tells the router (moved here from `router/src/lifecycle.rs`, a name that
+//! was another crate's).
 //!
 //! The router never talks to an engine's control API. It asks the lifecycle, through
 //! [`Lifecycle`], which deployment a model name means, whether and how that deployment can be
@@ -11,9 +13,7 @@
 //! the same victim and an operator command cannot move a victim behind the router's back.
 
 use std::collections::BTreeSet;
-use std::future::Future;
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::time::Duration;
 
 use capyctl_spec::api::Victim;
@@ -21,8 +21,8 @@ use capyctl_spec::errors::ApiError;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-/// A boxed future, so that the trait stays object-safe (`Arc<dyn Lifecycle>`).
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+/// The one boxed future (keeps [`Lifecycle`] object-safe: `Arc<dyn Lifecycle>`).
+pub use crate::BoxFuture;
 
 /// A deployment's ID (a ULID, as text).
 pub type DeploymentId = String;

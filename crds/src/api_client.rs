@@ -1,4 +1,5 @@
-//! Every call the node agent and the operator make to the Kubernetes API server goes through
+//! The one client of the Kubernetes API server (feature `client`): every call the node agent
+//! and the operator make to it goes through
 //! [`ApiCallLayer`] (STYLE.md, Kubernetes: "a timeout and a latency histogram on every API
 //! call"):
 //!

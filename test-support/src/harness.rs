@@ -1,13 +1,13 @@
-//! Shared helpers of the lifecycle and standalone tests: the `engine-sim` binary, a server with
-//! the real coordinator and listener over real sockets, and a small HTTP client.
-#![allow(dead_code, clippy::unwrap_used)]
+//! The lifecycle's test harness (the lifecycle's, the standalone's and the operator's tests): a
+//! server with the real coordinator and listener over real sockets, its hosts in-process agents
+//! whose engines are the `engine-sim` binary.
+#![allow(clippy::unwrap_used)]
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
-use bytes::Bytes;
 use capyctl_lifecycle::store::RedbStore;
 use capyctl_lifecycle::{HostEntry, LifecycleConfig, Server};
 use capyctl_node_agent::LocalHostAgent;
@@ -20,32 +20,18 @@ use capyctl_router::proxy::{self, ProxyConfig};
 use capyctl_spec::Activation;
 use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
 use capyctl_spec::settings::LifecycleDefaults;
-use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+// What the harness's users call beside it.
+pub use crate::http::{management, post_json, try_get_json, try_post_json};
+pub use crate::{engine_sim_binary, temp_dir};
+
+/// A mebibyte.
 pub const MIB: u64 = 1024 * 1024;
+/// A gibibyte.
 pub const GIB: u64 = 1024 * MIB;
-
-/// A fresh, empty temporary directory (the shared test-support's).
-pub fn temp_dir(name: &str) -> PathBuf {
-    capyctl_test_support::temp_dir(&format!("operator-{name}"))
-}
-
-/// The newest modification time under `dir` (the shared test-support's).
-fn newest_source(dir: &Path) -> SystemTime {
-    capyctl_test_support::newest_source(dir)
-}
-
-/// The `engine-sim` binary, built when missing or older than its sources (the shared
-/// test-support's).
-pub fn engine_sim_binary() -> PathBuf {
-    capyctl_test_support::engine_sim_binary()
-}
 
 /// The host: one GPU of `gpu` bytes, `host_memory` of host RAM, every engine the simulator.
 pub fn host_settings(gpu: u64, host_memory: u64) -> HostSettings {
@@ -71,10 +57,15 @@ pub fn doc(name: &str, extra: &str) -> DeploymentDoc {
 /// What a test server is built with.
 #[derive(Debug, Clone)]
 pub struct Opts {
+    /// Each host's one GPU, in bytes.
     pub gpu: u64,
+    /// Each host's RAM, in bytes.
     pub host_memory: u64,
+    /// The hosts' activation.
     pub activation: Activation,
+    /// The lifecycle's defaults.
     pub lifecycle_defaults: LifecycleDefaults,
+    /// How often the idle timers run.
     pub timer_tick: Duration,
 }
 
@@ -92,6 +83,7 @@ impl Default for Opts {
 
 /// A server with the real coordinator and the real listener on a loopback port.
 pub struct Harness {
+    /// The lifecycle server.
     pub server: Arc<Server>,
     /// The server's metrics.
     pub metrics: Arc<capyctl_lifecycle::metrics::Metrics>,
@@ -99,13 +91,17 @@ pub struct Harness {
     pub agent: Arc<LocalHostAgent>,
     /// Every host's agent, by host ID.
     pub agents: Vec<(String, Arc<LocalHostAgent>)>,
+    /// The router's coordinator.
     pub router: CoordinatorHandle,
+    /// The inference listener's address.
     pub addr: SocketAddr,
+    /// The data directory.
     pub dir: PathBuf,
     stop: watch::Sender<bool>,
     task: JoinHandle<()>,
 }
 
+/// The router's configuration in tests: a 100 ms admission window, 10 s drains, 60 s deadlines.
 pub fn router_config() -> RouterConfig {
     RouterConfig {
         admission_window: Duration::from_millis(100),
@@ -116,6 +112,7 @@ pub fn router_config() -> RouterConfig {
 }
 
 impl Harness {
+    /// A server over one host, `gpu-box`, on `dir`.
     pub async fn new(dir: &Path, opts: Opts) -> Harness {
         Self::with_hosts(dir, opts, &["gpu-box"]).await
     }
@@ -228,6 +225,7 @@ impl Harness {
         self.server.start(name, request).await
     }
 
+    /// A chat request for `model` through the listener: its status and answer.
     pub async fn chat(&self, model: &str) -> (u16, serde_json::Value) {
         post_json(
             self.addr,
@@ -240,87 +238,4 @@ impl Harness {
         )
         .await
     }
-}
-
-/// POSTs `body` to `http://addr/path`; the status and the JSON answer.
-pub async fn post_json(
-    addr: SocketAddr,
-    path: &str,
-    body: serde_json::Value,
-) -> (u16, serde_json::Value) {
-    try_post_json(addr, path, body).await.unwrap()
-}
-
-/// `POST http://addr/path` with a JSON body: the status and the JSON answer (a string when it
-/// is not JSON).
-pub async fn try_post_json(
-    addr: SocketAddr,
-    path: &str,
-    body: serde_json::Value,
-) -> Result<(u16, serde_json::Value), hyper_util::client::legacy::Error> {
-    let req = http::Request::post(format!("http://{addr}{path}"))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
-        .unwrap();
-    try_request(req).await
-}
-
-/// `GET http://addr/path`: the status and the JSON answer (a string when it is not JSON).
-pub async fn try_get_json(
-    addr: SocketAddr,
-    path: &str,
-) -> Result<(u16, serde_json::Value), hyper_util::client::legacy::Error> {
-    let req = http::Request::get(format!("http://{addr}{path}"))
-        .body(Full::new(Bytes::new()))
-        .unwrap();
-    try_request(req).await
-}
-
-async fn try_request(
-    req: http::Request<Full<Bytes>>,
-) -> Result<(u16, serde_json::Value), hyper_util::client::legacy::Error> {
-    let client: Client<HttpConnector, Full<Bytes>> =
-        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
-    let resp = client.request(req).await?;
-    let status = resp.status().as_u16();
-    let bytes = resp
-        .into_body()
-        .collect()
-        .await
-        .map(|b| b.to_bytes())
-        .unwrap_or_default();
-    let json = serde_json::from_slice(&bytes)
-        .unwrap_or_else(|_| serde_json::Value::String(String::from_utf8_lossy(&bytes).into()));
-    Ok((status, json))
-}
-
-/// A management request: `method` on `http://addr/path` with the admin token and an optional
-/// JSON body; the status and the JSON answer.
-pub async fn management(
-    method: &str,
-    addr: SocketAddr,
-    path: &str,
-    token: &str,
-    body: Option<serde_json::Value>,
-) -> (u16, serde_json::Value) {
-    let client: Client<HttpConnector, Full<Bytes>> =
-        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
-    let mut req = http::Request::builder()
-        .method(method)
-        .uri(format!("http://{addr}{path}"))
-        .header("authorization", format!("Bearer {token}"));
-    if body.is_some() {
-        req = req.header("content-type", "application/json");
-    }
-    let req = req
-        .body(Full::new(Bytes::from(
-            body.map(|b| b.to_string()).unwrap_or_default(),
-        )))
-        .unwrap();
-    let resp = client.request(req).await.unwrap();
-    let status = resp.status().as_u16();
-    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-    let json = serde_json::from_slice(&bytes)
-        .unwrap_or_else(|_| serde_json::Value::String(String::from_utf8_lossy(&bytes).into()));
-    (status, json)
 }

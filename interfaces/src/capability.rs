@@ -195,7 +195,7 @@ pub struct EngineInfo {
     /// management API's engine row ([`capyctl_spec::api::EngineView`]) has no field for them,
     /// so [`EngineInfo::view`] leaves them out; users meet a reason in the
     /// `capability_missing:deep_park` error and the `Parkable` condition of the model concerned.
-    #[serde(deserialize_with = "crate::remote::wire::static_strs")]
+    #[serde(deserialize_with = "crate::interned::static_strs")]
     pub refused_models: Vec<&'static str>,
 }
 

@@ -23,7 +23,7 @@ const ERROR_LINE_MAX: usize = 400;
 /// last line that names an error (`error`, `exception`, case aside: vLLM's `vllm: error:
 /// unrecognized arguments: ...`, a Python traceback's `OSError: ...`), else the last line that
 /// is not empty; `None` when the file cannot be read (a Pod's log) or holds nothing.
-pub(crate) fn engine_error_line(log: &str) -> Option<String> {
+pub fn engine_error_line(log: &str) -> Option<String> {
     use std::io::{Read, Seek, SeekFrom};
     let mut file = std::fs::File::open(log).ok()?;
     let len = file.metadata().ok()?.len();
@@ -345,7 +345,7 @@ impl AgentError {
 
     /// Wraps the failure of a start (readiness, first answer) so that it names the engine's
     /// log; an exit gets the log itself.
-    pub(crate) fn not_ready(self, engine: EngineKind, instance: &str, log: Option<String>) -> Self {
+    pub fn not_ready(self, engine: EngineKind, instance: &str, log: Option<String>) -> Self {
         match self {
             AgentError::EngineExited {
                 engine,
@@ -378,7 +378,8 @@ impl AgentError {
         }
     }
 
-    pub(crate) fn io(what: impl Into<String>, source: std::io::Error) -> Self {
+    /// An I/O error while doing `what`.
+    pub fn io(what: impl Into<String>, source: std::io::Error) -> Self {
         AgentError::Io {
             what: what.into(),
             source,

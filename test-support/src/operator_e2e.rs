@@ -1,19 +1,20 @@
-//! The operator's end-to-end harness (included by `k8s_e2e.rs` and `k8s_apiserver_gone.rs`
-//! with `#[path]`, beside `super::support`, the lifecycle's test support): the operator and
-//! node agent binaries started as child processes ([`Proc`]), the engine simulator as their
-//! engines, a kubeconfig for the fake API server ([`fake_kubeconfig`], `fake.rs`), and the
-//! small helpers the scenarios share.
-#![allow(dead_code, clippy::unwrap_used)]
+//! The operator's end-to-end harness (`k8s_e2e.rs`, `k8s_apiserver_gone.rs`, `k8s_scale.rs`):
+//! the operator and node agent binaries started as child processes ([`Proc`]), the engine
+//! simulator as their engines, a kubeconfig for the fake API server ([`fake_kubeconfig`],
+//! [`crate::fake_api_server`]), and the small helpers the scenarios share.
+#![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
 
 use capyctl_crds::Deployment;
 use capyctl_spec::InstanceState;
 use k8s_openapi::api::coordination::v1::Lease;
-use kube::config::{KubeConfigOptions, Kubeconfig};
-use kube::{Api, Client, Config};
+use kube::{Api, Client};
 
-use super::support;
+// What the scenarios call beside these.
+pub use crate::cluster::client_of;
+pub use crate::free_port;
+use crate::{engine_sim_binary, workspace_binary};
 
 /// A child process stopped with SIGTERM (a clean shutdown: the node agent stops its engines,
 /// the operator releases its Lease) when dropped.
@@ -43,62 +44,15 @@ pub fn log_filter() -> String {
     std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".to_string())
 }
 
-/// A loopback port for a child's listener (the shared test support's: outside the range
-/// that outgoing connections draw from).
-pub use capyctl_test_support::free_port;
-
-/// The newest modification time of the files under `dir`.
-pub fn newest(dir: &std::path::Path) -> std::time::SystemTime {
-    let mut t = std::time::UNIX_EPOCH;
-    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        let path = entry.path();
-        let m = if path.is_dir() {
-            newest(&path)
-        } else {
-            entry
-                .metadata()
-                .and_then(|m| m.modified())
-                .unwrap_or(std::time::UNIX_EPOCH)
-        };
-        t = t.max(m);
-    }
-    t
+/// The `capyctl-node-agent` binary, built when missing or older than its sources
+/// ([`workspace_binary`]).
+pub fn node_agent_binary() -> std::path::PathBuf {
+    workspace_binary("capyctl-node-agent", "capyctl-node-agent")
 }
 
-/// The `capyctl-node-agent` binary, built when missing or older than its sources (or the
-/// crds').
-pub fn node_agent_binary() -> std::path::PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("capyctl-node-agent");
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let sources = newest(&root.join("node-agent/src"))
-        .max(newest(&root.join("crds/src")))
-        .max(newest(&root.join("spec/src")));
-    let fresh = std::fs::metadata(&bin)
-        .and_then(|m| m.modified())
-        .is_ok_and(|t| t >= sources);
-    if !fresh {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = std::process::Command::new(cargo)
-            .args([
-                "build",
-                "-p",
-                "capyctl-node-agent",
-                "--bin",
-                "capyctl-node-agent",
-            ])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .unwrap();
-        assert!(status.success(), "building capyctl-node-agent failed");
-    }
-    assert!(bin.exists(), "no capyctl-node-agent at {}", bin.display());
-    bin
+/// The `capyctl-operator` binary, built when missing or older than its sources.
+pub fn operator_binary() -> std::path::PathBuf {
+    workspace_binary("capyctl-operator", "capyctl-operator")
 }
 
 /// Polls `f` every 200 ms for at most `within` (the operator is another process: there is
@@ -121,6 +75,7 @@ where
     }
 }
 
+/// A simulator `Deployment` CR `name` in namespace `ns` (6 GiB on the GPU, 64 MiB of weights).
 pub fn model_cr(ns: &str, name: &str) -> Deployment {
     serde_json::from_value(serde_json::json!({
         "apiVersion": "capyctl.io/v1alpha1",
@@ -133,6 +88,7 @@ pub fn model_cr(ns: &str, name: &str) -> Deployment {
     .unwrap()
 }
 
+/// The state in `name`'s status, if it has one.
 pub async fn state_of(api: &Api<Deployment>, name: &str) -> Option<InstanceState> {
     api.get(name).await.ok()?.status?.state
 }
@@ -147,7 +103,7 @@ pub fn start_node_agent(dir: &std::path::Path) -> (Proc, u16) {
 
 /// A node agent of node `node` listening on `ip:port` (process runtime, the simulator).
 pub fn start_node_agent_at(dir: &std::path::Path, node: &str, ip: &str, port: u16) -> Proc {
-    let sim = support::engine_sim_binary();
+    let sim = engine_sim_binary();
     let host = dir.join(format!("host-{node}.yaml"));
     std::fs::write(
         &host,
@@ -192,6 +148,8 @@ pub enum AgentsBy {
     Pods(u16),
 }
 
+/// `capyctl-operator` out of cluster as replica `identity`, finding its node agents by `agents`;
+/// its inference listener.
 pub fn start_operator_with(
     dir: &std::path::Path,
     kubeconfig: &std::path::Path,
@@ -234,7 +192,7 @@ pub fn start_operator_env(
     env: &[(&str, &str)],
 ) -> Operator {
     let (inference_port, management_port) = (free_port(), free_port());
-    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_capyctl-operator"));
+    let mut command = std::process::Command::new(operator_binary());
     match agents {
         AgentsBy::Url(port) => {
             command.args(["--node-agent", &format!("http://127.0.0.1:{port}")]);
@@ -276,8 +234,9 @@ pub fn start_operator_env(
     }
 }
 
+/// A chat request for `model` to the inference listener at `inference`.
 pub async fn chat(inference: std::net::SocketAddr, model: &str) -> (u16, serde_json::Value) {
-    support::post_json(
+    crate::http::post_json(
         inference,
         "/v1/chat/completions",
         serde_json::json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
@@ -285,6 +244,7 @@ pub async fn chat(inference: std::net::SocketAddr, model: &str) -> (u16, serde_j
     .await
 }
 
+/// The holder of the operators' Lease in `ns`.
 pub async fn lease_holder(client: &Client, ns: &str) -> Option<String> {
     let leases: Api<Lease> = Api::namespaced(client.clone(), ns);
     leases.get("capyctl-e2e").await.ok()?.spec?.holder_identity
@@ -310,20 +270,11 @@ pub fn fake_kubeconfig(dir: &std::path::Path, addr: std::net::SocketAddr) -> std
     kubeconfig
 }
 
-/// A client of the API server of `kubeconfig`.
-pub async fn client_of(kubeconfig: &std::path::Path) -> Client {
-    let kc = Kubeconfig::read_from(kubeconfig).unwrap();
-    let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
-        .await
-        .unwrap();
-    Client::try_from(config).unwrap()
-}
-
 /// A fresh in-process fake API server (`fake.rs`): a temporary directory named after `name`,
 /// a kubeconfig for the server in it, and a client of it.
 pub async fn fake_api_server(name: &str) -> (std::path::PathBuf, std::path::PathBuf, Client) {
-    let addr = super::fake::Fake::start().await;
-    let dir = support::temp_dir(name);
+    let addr = crate::fake_api_server::FakeApiServer::start().await;
+    let dir = crate::temp_dir(name);
     let kubeconfig = fake_kubeconfig(&dir, addr);
     let client = client_of(&kubeconfig).await;
     (dir, kubeconfig, client)
@@ -331,10 +282,10 @@ pub async fn fake_api_server(name: &str) -> (std::path::PathBuf, std::path::Path
 
 /// The cluster of `CAPYCTL_TEST_KUBECONFIG` with the chart's CRDs applied and established, and
 /// a fresh namespace, cleaned up when dropped (the finalizers the stopped operator left
-/// included); fails the test when the variable is unset ([`super::k8s_support::kubeconfig`]).
-pub async fn cluster_namespace() -> (std::path::PathBuf, super::k8s_support::TestNamespace) {
-    let (kubeconfig, client) = super::k8s_support::cluster().await;
-    super::crds::install_crds(&client).await;
-    let ns = super::k8s_support::TestNamespace::create(&kubeconfig, &client, "capyctl-test").await;
+/// included); fails the test when the variable is unset ([`crate::cluster::kubeconfig`]).
+pub async fn cluster_namespace() -> (std::path::PathBuf, crate::cluster::TestNamespace) {
+    let (kubeconfig, client) = crate::cluster::cluster().await;
+    crate::cluster::install_crds(&client).await;
+    let ns = crate::cluster::TestNamespace::create(&kubeconfig, &client, "capyctl-test").await;
     (kubeconfig, ns)
 }

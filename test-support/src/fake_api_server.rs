@@ -1,7 +1,9 @@
-//! A small fake of the Kubernetes API server: objects in memory by path, resource versions,
+//! [`FakeApiServer`]: a small fake of the Kubernetes API server over HTTP, for the operator
+//! and node agent programs: objects in memory by path, resource versions,
 //! merge patches with a `resourceVersion` precondition, JSON patches (with `test`),
 //! server-side apply of `status`, updates
 //! (409 on a stale `resourceVersion`), deletion held by finalizers, and watches.
+#![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -25,8 +27,9 @@ struct Objects {
     log: Vec<(u64, String, Value)>,
 }
 
+/// The fake API server (see the module doc); [`FakeApiServer::start`] serves one.
 #[derive(Clone)]
-pub struct Fake {
+pub struct FakeApiServer {
     objects: Arc<Mutex<Objects>>,
     changed: watch::Sender<u64>,
 }
@@ -121,10 +124,10 @@ impl Objects {
     }
 }
 
-impl Fake {
+impl FakeApiServer {
     /// Serves on a loopback port; answers its address.
     pub async fn start() -> SocketAddr {
-        let fake = Fake {
+        let fake = FakeApiServer {
             objects: Arc::default(),
             changed: watch::channel(0).0,
         };
@@ -149,7 +152,7 @@ fn query(uri: &Uri) -> BTreeMap<String, String> {
         .collect()
 }
 
-fn watch_stream(fake: Fake, collection: String, from: u64) -> Response {
+fn watch_stream(fake: FakeApiServer, collection: String, from: u64) -> Response {
     let rx = fake.changed.subscribe();
     let stream =
         futures_util::stream::unfold((fake, rx, from), move |(fake, mut rx, mut cursor)| {
@@ -186,7 +189,12 @@ fn watch_stream(fake: Fake, collection: String, from: u64) -> Response {
         .unwrap()
 }
 
-async fn handle(State(fake): State<Fake>, method: Method, uri: Uri, body: Bytes) -> Response {
+async fn handle(
+    State(fake): State<FakeApiServer>,
+    method: Method,
+    uri: Uri,
+    body: Bytes,
+) -> Response {
     let body: Value = if body.is_empty() {
         Value::Null
     } else {

@@ -1,0 +1,891 @@
+//! [`SimHost`]: a host agent whose engines are simulated. Nothing is started: each engine
+//! operation (start, park, wake, stop) takes its simulated time on the tokio clock (paused in
+//! `capyctl simulate` and in most tests, so it costs nothing) and ends as the real agent's would.
+//! It is the host of `capyctl simulate` and of the tests (the lifecycle's, the management app's,
+//! the scale benchmark's): one type, so that what a test proves of the lifecycle over this host
+//! holds for the simulator too.
+//!
+//! What it decides, by [`Decisions`]:
+//!
+//! - [`Decisions::Agent`] (`capyctl simulate`, [`SimHost::from_settings`]): as a real agent
+//!   does, the parking tier (the agent's own [`choose_tier`], with the room left in host RAM by
+//!   the copies parked), the engine's request bound ([`max_running`]); it keeps its instances,
+//!   and an operation on one it does not run is refused;
+//! - [`Decisions::Declared`] (the tests, [`SimHost::new`]): every copy parks in host RAM, the
+//!   bound is the router's 32, and it keeps no instances (a benchmark's memory figures count no
+//!   bookkeeping of the host's).
+//!
+//! Both measure what a deployment declares (its `resources`, or a local checkpoint's headers)
+//! and take their times from [`Timings`] (per deployment name, and a default). Besides, for the
+//! tests (and for any simulation of faults):
+//!
+//! - a latency for each `inventory` and `engines` call ([`SimHost::with_latency`]: a round
+//!   trip to a node agent), and a count of such calls in progress shared by several hosts
+//!   ([`SimHost::counting`], [`Concurrency`]);
+//! - the calls `start <iid>`, `park <iid>`, `wake <iid>`, `stop <iid>` in order, as they begin
+//!   ([`SimHost::calls`]), and the operations with when they began and ended, as they end
+//!   ([`SimHost::ops`]); [`SimHost::without_call_log`] keeps neither, for figures of memory;
+//! - operations that never end by themselves ([`SimHost::hang`]): the starts of a deployment
+//!   named so, the wakes of an instance so named; a stop of their instance ends them
+//!   (`cancelled`), as the real agents do;
+//! - stops that fail ([`SimHost::fail_stops`]): the engine could not be stopped (after ending
+//!   a hanging operation of its instance);
+//! - a hook called on every `sample` ([`SimHost::on_sample`]), which answers none unless
+//!   [`SimHost::set_engine_waiting`] said so, and one called on every `inventory`
+//!   ([`SimHost::on_inventory`]).
+//!
+//! Mutex poisoning is a panic elsewhere (a test's): the host goes on with the data.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::time::Duration;
+
+use capyctl_spec::EngineKind;
+use tokio::time::Instant;
+
+use crate::agent::{BoxFuture, ParkResult, RecoveryReport, StartedInstance, WakeReport};
+use crate::capability::{EngineInfo, engine_info};
+use crate::inventory::{GpuInfo, HostMemory, Inventory, default_probe, inventory};
+use crate::launch::{MaxRunning, MaxRunningInput, MaxRunningSource, max_running};
+use crate::load::{EngineLoad, LoadSample};
+use crate::measure::{Measurement, measure_before_start};
+use crate::spec::{HostSettings, InstanceSpec};
+use crate::tier::{
+    LaunchParking, NoParkReason, ParkChoice, ParkTier, TierInput, choose_tier, launch_parking,
+};
+use crate::verify::{FirstAnswer, WakeOutcome};
+use crate::{AgentError, HostAgent};
+
+const GIB: u64 = 1 << 30;
+
+/// How long one model's engine operations take in the simulation.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Timings {
+    /// A cold start, to ready with its first answer.
+    pub start: Duration,
+    /// A park into host RAM (the weights copied out).
+    pub park_host_ram: Duration,
+    /// A deep park (the weights dropped) or a KV-only one.
+    pub park_deep: Duration,
+    /// A wake from host RAM, check prompt and warm-up included.
+    pub wake_host_ram: Duration,
+    /// A wake from a deep park (the weights reloaded from disk), check included.
+    pub wake_deep: Duration,
+    /// A wake from a KV-only park, check included.
+    pub wake_kv_only: Duration,
+    /// The wake check (check prompt and warm-up), the last part of every wake.
+    pub wake_check: Duration,
+    /// A stop.
+    pub stop: Duration,
+}
+
+/// What a [`SimHost`] decides itself (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decisions {
+    /// As a real agent: the tier choice, the engine's bound, its instances kept.
+    Agent,
+    /// Host RAM parking, the router's bound, no instances kept.
+    Declared,
+}
+
+/// What an engine operation was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum OpKind {
+    /// A cold start.
+    Start,
+    /// A park.
+    Park,
+    /// A wake.
+    Wake,
+    /// A stop.
+    Stop,
+}
+
+impl OpKind {
+    /// Its name, for the report and the timeline.
+    pub fn name(self) -> &'static str {
+        match self {
+            OpKind::Start => "start",
+            OpKind::Park => "park",
+            OpKind::Wake => "wake",
+            OpKind::Stop => "stop",
+        }
+    }
+}
+
+/// One engine operation of the simulation.
+#[derive(Debug, Clone)]
+pub struct Op {
+    /// The deployment's name.
+    pub model: String,
+    /// The instance's ID.
+    pub instance_id: String,
+    /// The indices of the GPUs the instance uses.
+    pub gpus: Vec<u32>,
+    /// What it was.
+    pub kind: OpKind,
+    /// When it began.
+    pub began: Instant,
+    /// When it ended.
+    pub ended: Instant,
+}
+
+/// Calls in progress now, and the most at once (of every host that shares it).
+#[derive(Debug, Default)]
+pub struct Concurrency {
+    now: AtomicUsize,
+    most: AtomicUsize,
+}
+
+impl Concurrency {
+    /// Runs `work`, counted while it runs.
+    pub async fn during<T>(&self, work: impl Future<Output = T>) -> T {
+        let n = self.now.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most.fetch_max(n, Ordering::SeqCst);
+        let out = work.await;
+        self.now.fetch_sub(1, Ordering::SeqCst);
+        out
+    }
+
+    /// The most calls at once since the last [`Concurrency::reset_most`].
+    pub fn most(&self) -> usize {
+        self.most.load(Ordering::SeqCst)
+    }
+
+    /// Forgets the most so far.
+    pub fn reset_most(&self) {
+        self.most.store(0, Ordering::SeqCst);
+    }
+}
+
+/// What [`SimHost::on_sample`] calls, with the instance ID.
+type SampleHook = Box<dyn Fn(&str) + Send + Sync>;
+
+/// What [`SimHost::on_inventory`] calls.
+type InventoryHook = Box<dyn Fn() + Send + Sync>;
+
+#[derive(Debug)]
+struct SimInstance {
+    spec: InstanceSpec,
+    measurement: Measurement,
+    launched: LaunchParking,
+    /// The tier it is parked in, with the bytes its copy holds in host RAM.
+    parked: Option<(ParkTier, u64)>,
+}
+
+/// The simulated host (see the module doc). Build it with [`SimHost::new`] or
+/// [`SimHost::from_settings`] and the `with_…` methods.
+pub struct SimHost {
+    decisions: Decisions,
+    /// The host's GPUs and RAM, as its inventory says.
+    inventory: Inventory,
+    /// Where an engine's `CUDA_VISIBLE_DEVICES` may be set besides its spec.
+    settings: HostSettings,
+    /// The engines it runs.
+    engines: Vec<EngineKind>,
+    /// By deployment name; `default_timings` for the others.
+    timings: BTreeMap<String, Timings>,
+    default_timings: Timings,
+    /// Where every started engine answers.
+    upstream: SocketAddr,
+    /// `None`: the inventory and engines calls answer without a sleep.
+    latency: Option<Duration>,
+    in_progress: Option<Arc<Concurrency>>,
+    /// `None`: no call log and no op log.
+    calls: Option<Mutex<Vec<String>>>,
+    ops: Option<Mutex<Vec<Op>>>,
+    /// The instances it runs ([`Decisions::Agent`] only).
+    instances: Mutex<BTreeMap<String, SimInstance>>,
+    hangs: Mutex<BTreeSet<String>>,
+    failing_stops: Mutex<BTreeSet<String>>,
+    /// The instances stopped so far (what ends their hanging operations).
+    stopped: Mutex<BTreeSet<String>>,
+    stops: tokio::sync::Notify,
+    sample_hook: OnceLock<SampleHook>,
+    inventory_hook: OnceLock<InventoryHook>,
+    /// Engines whose samples say they have requests waiting ([`SimHost::set_engine_waiting`]);
+    /// the others have no sample.
+    engine_waiting: Mutex<HashMap<String, u64>>,
+}
+
+impl Default for SimHost {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for SimHost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SimHost")
+            .field("decisions", &self.decisions)
+            .field("gpus", &self.inventory.gpus.len())
+            .field("upstream", &self.upstream)
+            .field("latency", &self.latency)
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Sleeps `d`, unless it is zero (then nothing: no yield either).
+async fn pause(d: Duration) {
+    if !d.is_zero() {
+        tokio::time::sleep(d).await;
+    }
+}
+
+/// What the real agent measures before a start: the declared resources (or a local
+/// checkpoint's headers).
+fn measured(spec: &InstanceSpec) -> Measurement {
+    measure_before_start(spec).unwrap_or_default()
+}
+
+/// The tier choice's input for `spec` on this host.
+fn tier_input(
+    spec: &InstanceSpec,
+    unified_memory: bool,
+    weights_bytes: Option<u64>,
+    host_room: u64,
+    launched: Option<LaunchParking>,
+) -> TierInput {
+    TierInput {
+        engine: spec.engine,
+        residency: spec.residency,
+        speculative: spec.speculative(),
+        decision_model: spec.decision.is_some(),
+        unified_memory,
+        weights_bytes,
+        host_room: Some(host_room),
+        refusal: None,
+        launched,
+    }
+}
+
+/// One GPU of `bytes` at index `index`, with `uuid` (the first's as given, the others' with
+/// `-<index>` added).
+fn gpu(index: u32, bytes: u64, uuid: Option<&str>) -> GpuInfo {
+    GpuInfo {
+        index,
+        uuid: uuid.map(|u| match index {
+            0 => u.to_string(),
+            _ => format!("{u}-{index}"),
+        }),
+        name: None,
+        total_bytes: bytes,
+        free_bytes: None,
+        unified: false,
+    }
+}
+
+impl SimHost {
+    /// The tests' host ([`Decisions::Declared`]): one 10 GiB GPU, 64 GiB of host RAM, vLLM,
+    /// engines at `127.0.0.1:9`, operations taking no time, no latency, the calls logged.
+    pub fn new() -> Self {
+        SimHost {
+            decisions: Decisions::Declared,
+            inventory: Inventory {
+                gpus: vec![gpu(0, 10 * GIB, None)],
+                gpus_overridden: true,
+                host_memory: HostMemory {
+                    total_bytes: 64 * GIB,
+                    available_bytes: 64 * GIB,
+                    overridden: true,
+                },
+            },
+            settings: HostSettings::default(),
+            engines: vec![EngineKind::Vllm],
+            timings: BTreeMap::new(),
+            default_timings: Timings::default(),
+            upstream: SocketAddr::from(([127, 0, 0, 1], 9)),
+            latency: None,
+            in_progress: None,
+            calls: Some(Mutex::new(Vec::new())),
+            ops: Some(Mutex::new(Vec::new())),
+            instances: Mutex::new(BTreeMap::new()),
+            hangs: Mutex::new(BTreeSet::new()),
+            failing_stops: Mutex::new(BTreeSet::new()),
+            stopped: Mutex::new(BTreeSet::new()),
+            stops: tokio::sync::Notify::new(),
+            sample_hook: OnceLock::new(),
+            inventory_hook: OnceLock::new(),
+            engine_waiting: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The host of `settings` as `capyctl simulate` runs it ([`Decisions::Agent`], every
+    /// engine), whose `gpus` and `host_memory` must be set (they replace what a real agent
+    /// reads); `timings` by deployment name, `default_timings` for any other. An error only
+    /// where they are not set and the machine cannot be read.
+    pub fn from_settings(
+        settings: HostSettings,
+        timings: BTreeMap<String, Timings>,
+        default_timings: Timings,
+    ) -> Result<Self, AgentError> {
+        // `host.gpus` and `host.host_memory` are always set here: the probe is never asked.
+        let inventory = inventory(&settings, default_probe().as_ref())?;
+        Ok(SimHost {
+            decisions: Decisions::Agent,
+            inventory,
+            settings,
+            engines: vec![EngineKind::Vllm, EngineKind::Sglang, EngineKind::Tensorfold],
+            timings,
+            default_timings,
+            ..SimHost::new()
+        })
+    }
+
+    /// Every operation of a deployment takes `times` (a wake's check is `wake_check` of its
+    /// `wake_host_ram`).
+    pub fn with_times(mut self, times: Timings) -> Self {
+        self.default_timings = times;
+        self
+    }
+
+    /// The GPUs' memory.
+    pub fn with_gpu(mut self, bytes: u64) -> Self {
+        for g in &mut self.inventory.gpus {
+            g.total_bytes = bytes;
+        }
+        self
+    }
+
+    /// `count` GPUs of the same memory (`with_gpu`) and UUID (`with_gpu_uuid`), indexes 0 to
+    /// `count - 1`.
+    pub fn with_gpus(mut self, count: u32) -> Self {
+        let first = &self.inventory.gpus[0];
+        let (bytes, uuid) = (first.total_bytes, first.uuid.clone());
+        self.inventory.gpus = (0..count).map(|i| gpu(i, bytes, uuid.as_deref())).collect();
+        self
+    }
+
+    /// The GPUs' UUID, as its inventory says: the first's is `uuid`, the others' have
+    /// `-<index>` added.
+    pub fn with_gpu_uuid(mut self, uuid: &str) -> Self {
+        for g in &mut self.inventory.gpus {
+            *g = gpu(g.index, g.total_bytes, Some(uuid));
+        }
+        self
+    }
+
+    /// Where every started engine answers.
+    pub fn with_upstream(mut self, addr: SocketAddr) -> Self {
+        self.upstream = addr;
+        self
+    }
+
+    /// Each `inventory` and `engines` call sleeps `latency` (a sleep even when zero).
+    pub fn with_latency(mut self, latency: Duration) -> Self {
+        self.latency = Some(latency);
+        self
+    }
+
+    /// Each `inventory` and `engines` call is counted in `calls` while it runs.
+    pub fn counting(mut self, calls: Arc<Concurrency>) -> Self {
+        self.in_progress = Some(calls);
+        self
+    }
+
+    /// Keeps no call log and no op log ([`SimHost::calls`] and [`SimHost::ops`] are then
+    /// empty): a benchmark's memory figures count no bookkeeping.
+    pub fn without_call_log(mut self) -> Self {
+        self.calls = None;
+        self.ops = None;
+        self
+    }
+
+    /// Calls `hook` with the instance ID on every `sample`; set once (later hooks are
+    /// ignored). A hook set after the host was handed out (it may need the server built on
+    /// it) is fine.
+    pub fn on_sample(&self, hook: impl Fn(&str) + Send + Sync + 'static) {
+        let _ = self.sample_hook.set(Box::new(hook));
+    }
+
+    /// Calls `hook` on every `inventory`, before it answers; set once, as
+    /// [`SimHost::on_sample`]. (A hook that panics is a host agent's bug, in the caller's task.)
+    pub fn on_inventory(&self, hook: impl Fn() + Send + Sync + 'static) {
+        let _ = self.inventory_hook.set(Box::new(hook));
+    }
+
+    /// From now on `instance`'s samples (taken now) say its engine has `waiting` requests
+    /// waiting and none running.
+    pub fn set_engine_waiting(&self, instance: &str, waiting: u64) {
+        lock(&self.engine_waiting).insert(instance.to_string(), waiting);
+    }
+
+    /// The calls so far, as they began: `start <iid>`, `park <iid>`, `wake <iid>`, `stop <iid>`.
+    pub fn calls(&self) -> Vec<String> {
+        self.calls
+            .as_ref()
+            .map(|c| lock(c).clone())
+            .unwrap_or_default()
+    }
+
+    /// Every operation so far, in the order they ended.
+    pub fn ops(&self) -> Vec<Op> {
+        self.ops
+            .as_ref()
+            .map(|o| lock(o).clone())
+            .unwrap_or_default()
+    }
+
+    /// From now on, the starts of the deployment named `name` and the wakes of the instance
+    /// with the ID `name` never end by themselves: a stop of their instance ends them.
+    pub fn hang(&self, name: &str) {
+        lock(&self.hangs).insert(name.to_string());
+    }
+
+    /// Operations that begin from now on end again at once.
+    pub fn stop_hanging(&self) {
+        lock(&self.hangs).clear();
+    }
+
+    /// From now on, stops of `instance` fail (after ending a hanging operation of it).
+    pub fn fail_stops(&self, instance: &str) {
+        lock(&self.failing_stops).insert(instance.to_string());
+    }
+
+    /// Stops succeed again.
+    pub fn stop_failing(&self) {
+        lock(&self.failing_stops).clear();
+    }
+
+    /// The number of GPUs of the host.
+    pub fn gpu_count(&self) -> usize {
+        self.inventory.gpus.len()
+    }
+
+    /// The indices of the GPUs instance `instance` (an instance ID) uses now; empty when it
+    /// does not run (or the host keeps no instances).
+    pub fn gpus_of_instance(&self, instance: &str) -> Vec<u32> {
+        lock(&self.instances)
+            .get(instance)
+            .map(|i| self.gpus_of(&i.spec))
+            .unwrap_or_default()
+    }
+
+    fn record(&self, call: String) {
+        if let Some(calls) = &self.calls {
+            lock(calls).push(call);
+        }
+    }
+
+    fn timings(&self, name: &str) -> Timings {
+        self.timings
+            .get(name)
+            .copied()
+            .unwrap_or(self.default_timings)
+    }
+
+    fn unified(&self) -> bool {
+        self.inventory.gpus.iter().any(|g| g.unified)
+    }
+
+    /// Host RAM left for one more copy: the host's less the copies parked there.
+    fn host_room(&self, instances: &BTreeMap<String, SimInstance>) -> u64 {
+        let held: u64 = instances
+            .values()
+            .filter_map(|i| i.parked)
+            .map(|p| p.1)
+            .sum();
+        self.inventory.host_memory.total_bytes.saturating_sub(held)
+    }
+
+    /// The indices of the GPUs an engine of `spec` uses: those its `CUDA_VISIBLE_DEVICES`
+    /// names (the lifecycle sets it on a host with several GPUs), else every GPU.
+    fn gpus_of(&self, spec: &InstanceSpec) -> Vec<u32> {
+        let visible = spec.env.get("CUDA_VISIBLE_DEVICES").or_else(|| {
+            self.settings
+                .engine(spec.engine)
+                .env
+                .get("CUDA_VISIBLE_DEVICES")
+        });
+        match self.inventory.gpus_named(visible.map(String::as_str)) {
+            Some(named) => named.iter().map(|g| g.index).collect(),
+            None => self.inventory.gpus.iter().map(|g| g.index).collect(),
+        }
+    }
+
+    /// Takes `took` of simulated time (none when zero), logged as `kind` of instance
+    /// `instance` of `spec`.
+    async fn take(&self, instance: &str, spec: &InstanceSpec, kind: OpKind, took: Duration) {
+        let began = Instant::now();
+        pause(took).await;
+        if let Some(ops) = &self.ops {
+            let gpus = self.gpus_of(spec);
+            lock(ops).push(Op {
+                model: spec.name.clone(),
+                instance_id: instance.to_string(),
+                gpus,
+                kind,
+                began,
+                ended: Instant::now(),
+            });
+        }
+    }
+
+    /// Hangs when `name`'s operations hang, until `instance` is stopped.
+    async fn maybe_hang(
+        &self,
+        name: &str,
+        instance: &str,
+        what: &'static str,
+    ) -> Result<(), AgentError> {
+        if !lock(&self.hangs).contains(name) {
+            return Ok(());
+        }
+        loop {
+            let stopped = self.stops.notified();
+            if lock(&self.stopped).contains(instance) {
+                return Err(AgentError::Cancelled {
+                    instance: instance.to_string(),
+                    what,
+                });
+            }
+            stopped.await;
+        }
+    }
+
+    /// A round trip: the latency, counted while it runs.
+    async fn round_trip<T>(&self, answer: impl FnOnce() -> T) -> T {
+        let trip = async {
+            if let Some(latency) = self.latency {
+                tokio::time::sleep(latency).await;
+            }
+            answer()
+        };
+        match &self.in_progress {
+            Some(calls) => calls.during(trip).await,
+            None => trip.await,
+        }
+    }
+
+    fn gone(instance: &str) -> AgentError {
+        AgentError::WrongState {
+            instance: instance.to_string(),
+            detail: "the simulated host has no such instance".into(),
+        }
+    }
+
+    /// The spec, choice and copy size of a park of `instance` ([`Decisions::Agent`]).
+    fn park_choice(&self, instance: &str) -> Result<(InstanceSpec, ParkChoice, u64), AgentError> {
+        let instances = lock(&self.instances);
+        let inst = instances
+            .get(instance)
+            .ok_or_else(|| Self::gone(instance))?;
+        let spec = &inst.spec;
+        let choice = choose_tier(&tier_input(
+            spec,
+            self.unified(),
+            inst.measurement.weights_bytes(),
+            self.host_room(&instances),
+            Some(inst.launched),
+        ))?;
+        let choice = match choice {
+            ParkChoice::Park(_) if !inst.launched.may_park => {
+                ParkChoice::Stop(NoParkReason::NoRoomToPark)
+            }
+            c => c,
+        };
+        let copy = inst.measurement.weights_bytes().unwrap_or(0);
+        Ok((spec.clone(), choice, copy))
+    }
+}
+
+impl HostAgent for SimHost {
+    fn inventory(&self) -> BoxFuture<'_, Result<Inventory, AgentError>> {
+        Box::pin(self.round_trip(|| {
+            if let Some(hook) = self.inventory_hook.get() {
+                hook();
+            }
+            Ok(self.inventory.clone())
+        }))
+    }
+
+    fn engines(&self) -> BoxFuture<'_, Vec<EngineInfo>> {
+        Box::pin(self.round_trip(|| self.engines.iter().map(|e| engine_info(*e, None)).collect()))
+    }
+
+    fn measure<'a>(
+        &'a self,
+        spec: &'a InstanceSpec,
+    ) -> BoxFuture<'a, Result<Measurement, AgentError>> {
+        Box::pin(async move { Ok(measured(spec)) })
+    }
+
+    fn parkability<'a>(
+        &'a self,
+        spec: &'a InstanceSpec,
+    ) -> BoxFuture<'a, Result<ParkChoice, AgentError>> {
+        Box::pin(async move {
+            match self.decisions {
+                Decisions::Declared => Ok(ParkChoice::Park(ParkTier::HostRam)),
+                Decisions::Agent => {
+                    let instances = lock(&self.instances);
+                    choose_tier(&tier_input(
+                        spec,
+                        self.unified(),
+                        measured(spec).weights_bytes(),
+                        self.host_room(&instances),
+                        None,
+                    ))
+                }
+            }
+        })
+    }
+
+    fn start<'a>(
+        &'a self,
+        instance: &'a str,
+        spec: &'a InstanceSpec,
+    ) -> BoxFuture<'a, Result<StartedInstance, AgentError>> {
+        Box::pin(async move {
+            self.record(format!("start {instance}"));
+            // Starts hang by deployment name.
+            self.maybe_hang(&spec.name, instance, "start").await?;
+            let measurement = measured(spec);
+            let launched = match self.decisions {
+                Decisions::Declared => LaunchParking::default(),
+                Decisions::Agent => {
+                    let instances = lock(&self.instances);
+                    launch_parking(&tier_input(
+                        spec,
+                        self.unified(),
+                        measurement.weights_bytes(),
+                        self.host_room(&instances),
+                        None,
+                    ))
+                }
+            };
+            self.take(
+                instance,
+                spec,
+                OpKind::Start,
+                self.timings(&spec.name).start,
+            )
+            .await;
+            let bound = match self.decisions {
+                Decisions::Declared => MaxRunning {
+                    count: Some(32),
+                    source: MaxRunningSource::Default,
+                },
+                Decisions::Agent => {
+                    let mut bound = max_running(&MaxRunningInput {
+                        engine: spec.engine,
+                        declared: spec.max_concurrent_requests,
+                        extra_args: &spec.extra_args,
+                        host_command: &[],
+                        engine_reported: None,
+                        hybrid_checkpoint: false,
+                        sized_on_host: false,
+                    });
+                    // SGLang sizes itself at start: the simulation takes the router's bound.
+                    bound.count = bound.count.or(Some(32));
+                    lock(&self.instances).insert(
+                        instance.to_string(),
+                        SimInstance {
+                            spec: spec.clone(),
+                            measurement,
+                            launched,
+                            parked: None,
+                        },
+                    );
+                    bound
+                }
+            };
+            Ok(StartedInstance {
+                instance: instance.to_string(),
+                pid: 1,
+                port: self.upstream.port(),
+                base_url: format!("http://{}", self.upstream),
+                version: None,
+                measurement,
+                first_answer: FirstAnswer::Text {
+                    text: "simulated".into(),
+                },
+                max_running: bound,
+                parking: launched,
+            })
+        })
+    }
+
+    fn park<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<ParkResult, AgentError>> {
+        Box::pin(async move {
+            self.record(format!("park {instance}"));
+            if self.decisions == Decisions::Declared {
+                let t = self.default_timings;
+                pause(t.park_host_ram).await;
+                return Ok(ParkResult::Parked {
+                    tier: ParkTier::HostRam,
+                    gpu_held: None,
+                });
+            }
+            let (spec, choice, copy) = self.park_choice(instance)?;
+            let t = self.timings(&spec.name);
+            match choice {
+                ParkChoice::Park(tier) => {
+                    let (took, held) = match tier {
+                        ParkTier::HostRam => (t.park_host_ram, copy),
+                        ParkTier::Deep | ParkTier::KvOnly => (t.park_deep, 0),
+                    };
+                    // The copy's room is taken from the choice on, as the real agent does.
+                    if let Some(inst) = lock(&self.instances).get_mut(instance) {
+                        inst.parked = Some((tier, held));
+                    }
+                    self.take(instance, &spec, OpKind::Park, took).await;
+                    Ok(ParkResult::Parked {
+                        tier,
+                        gpu_held: None,
+                    })
+                }
+                ParkChoice::Stop(reason) => {
+                    self.take(instance, &spec, OpKind::Stop, t.stop).await;
+                    lock(&self.instances).remove(instance);
+                    Ok(ParkResult::Stopped { reason })
+                }
+            }
+        })
+    }
+
+    fn wake<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<WakeReport, AgentError>> {
+        Box::pin(async move {
+            self.record(format!("wake {instance}"));
+            // Wakes hang by instance ID.
+            self.maybe_hang(instance, instance, "wake").await?;
+            if self.decisions == Decisions::Declared {
+                let t = self.default_timings;
+                pause(t.wake_host_ram).await;
+                return Ok(WakeReport {
+                    outcome: WakeOutcome::Pass,
+                    took: t.wake_host_ram,
+                    checked: Some(t.wake_check.min(t.wake_host_ram)),
+                });
+            }
+            let (spec, tier) = {
+                let instances = lock(&self.instances);
+                let inst = instances
+                    .get(instance)
+                    .ok_or_else(|| Self::gone(instance))?;
+                (inst.spec.clone(), inst.parked.map(|p| p.0))
+            };
+            let t = self.timings(&spec.name);
+            let took = match tier {
+                Some(ParkTier::HostRam) | None => t.wake_host_ram,
+                Some(ParkTier::Deep) => t.wake_deep,
+                Some(ParkTier::KvOnly) => t.wake_kv_only,
+            };
+            self.take(instance, &spec, OpKind::Wake, took).await;
+            if let Some(inst) = lock(&self.instances).get_mut(instance) {
+                inst.parked = None;
+            }
+            Ok(WakeReport {
+                outcome: WakeOutcome::Pass,
+                took,
+                checked: Some(t.wake_check.min(took)),
+            })
+        })
+    }
+
+    fn stop<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<(), AgentError>> {
+        Box::pin(async move {
+            self.record(format!("stop {instance}"));
+            lock(&self.stopped).insert(instance.to_string());
+            self.stops.notify_waiters();
+            if lock(&self.failing_stops).contains(instance) {
+                return Err(AgentError::AgentUnreachable {
+                    url: "http://gpu-1:9100".into(),
+                    detail: "the engine's process group would not die".into(),
+                });
+            }
+            let spec = lock(&self.instances).get(instance).map(|i| i.spec.clone());
+            if let Some(spec) = spec {
+                self.take(instance, &spec, OpKind::Stop, self.timings(&spec.name).stop)
+                    .await;
+                lock(&self.instances).remove(instance);
+            }
+            Ok(())
+        })
+    }
+
+    fn sample(&self, instance: &str) -> Option<LoadSample> {
+        if let Some(hook) = self.sample_hook.get() {
+            hook(instance);
+        }
+        let waiting = *lock(&self.engine_waiting).get(instance)?;
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        Some(LoadSample {
+            sampled_at_ms: now_ms,
+            took: Duration::ZERO,
+            engine: Some(EngineLoad {
+                running: Some(0),
+                waiting: Some(waiting),
+                kv_usage_ppm: Some(0),
+            }),
+        })
+    }
+
+    fn recover(&self) -> BoxFuture<'_, Result<RecoveryReport, AgentError>> {
+        Box::pin(async { Ok(RecoveryReport::default()) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn spec(name: &str) -> InstanceSpec {
+        InstanceSpec::new("01KDEP", name, EngineKind::Vllm, "m")
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hanging_start_ends_with_a_stop_and_the_calls_are_logged() {
+        let host = Arc::new(SimHost::new());
+        host.hang("x");
+        let starting = {
+            let host = host.clone();
+            tokio::spawn(async move { host.start("i-0", &spec("x")).await })
+        };
+        while host.calls().is_empty() {
+            tokio::task::yield_now().await;
+        }
+        assert!(!starting.is_finished());
+        host.stop("i-0").await.unwrap();
+        let ended = starting.await.unwrap();
+        assert!(
+            matches!(ended, Err(AgentError::Cancelled { what: "start", .. })),
+            "{ended:?}"
+        );
+        host.fail_stops("i-1");
+        assert!(host.stop("i-1").await.is_err());
+        host.stop_failing();
+        host.stop("i-1").await.unwrap();
+        assert_eq!(
+            host.calls(),
+            ["start i-0", "stop i-0", "stop i-1", "stop i-1"]
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn inventory_and_engines_take_the_latency_and_are_counted() {
+        let calls = Arc::new(Concurrency::default());
+        let host = SimHost::new()
+            .with_gpu(3 * GIB)
+            .with_latency(Duration::from_millis(10))
+            .counting(calls.clone());
+        let t = tokio::time::Instant::now();
+        let (inv, engines) = tokio::join!(host.inventory(), host.engines());
+        assert_eq!(t.elapsed(), Duration::from_millis(10));
+        assert_eq!(inv.unwrap().gpus[0].total_bytes, 3 * GIB);
+        assert_eq!(engines.len(), 1);
+        assert_eq!(calls.most(), 2);
+        calls.reset_most();
+        assert_eq!(calls.most(), 0);
+    }
+}
