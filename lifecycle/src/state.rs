@@ -453,6 +453,9 @@ pub(crate) struct State {
     /// The deployments that may hold GPU memory on each host (bound there since
     /// [`State::prune_holding`] last found them holding): what placement reads.
     pub(crate) holding: HashMap<String, BTreeSet<String>>,
+    /// The units that may hold a parked copy in host RAM, by host: what a park reads to make
+    /// room for its copy (`Server::make_parked_room`).
+    pub(crate) parked_copies: parked_room::CopiesIndex,
     /// The router's record of last uses, shared with every deployment ([`Dep::used_at`]).
     pub(crate) uses: RouterUses,
     /// The deployments with more than one instance (or instances past their `replicas`):
