@@ -13,6 +13,9 @@ use crate::state::{Dep, State};
 use crate::store::DeploymentRecord;
 use crate::{Server, placement};
 
+/// How many changed deployments [`Server::deploy_checked`] applies per turn of the owner.
+const DEPLOY_CHUNK: usize = 256;
+
 /// Deployment documents measured and checked against the hosts ([`Server::check_all`]), not
 /// deployed yet ([`Server::deploy_checked`]).
 #[derive(Debug, Default)]
@@ -84,13 +87,22 @@ impl Server {
     }
 
     /// Deploys what [`Server::check_all`] checked, in order, and writes the records they change
-    /// in one transaction.
+    /// in one transaction. The changed ones are applied [`DEPLOY_CHUNK`] per turn of the
+    /// owner (one turn each made a start of 100,000 deployments mostly turns).
     pub async fn deploy_checked(&self, checked: Checked) {
-        for (i, one) in checked.0.into_iter().enumerate() {
-            if i % 256 == 255 {
-                tokio::task::yield_now().await;
-            }
-            self.apply_deploy(one).await;
+        let mut changed = checked
+            .0
+            .into_iter()
+            .filter(|one| !one.unchanged)
+            .peekable();
+        while changed.peek().is_some() {
+            let chunk: Vec<CheckedDoc> = changed.by_ref().take(DEPLOY_CHUNK).collect();
+            self.write(move |inner| {
+                for one in chunk {
+                    Self::apply_one(inner, one);
+                }
+            })
+            .await;
         }
         self.flush_due().await;
     }
@@ -154,41 +166,53 @@ impl Server {
         if unchanged {
             return (id, DeployOutcome::Unchanged);
         }
-        self.write(move |inner| {
-            let known = inner.by_name.get(&doc.name).cloned();
-            let (id, outcome) = if let Some(d) = known.and_then(|id| inner.deps.get_mut(&id)) {
-                if d.rec.doc == doc {
-                    return (d.rec.id.clone(), DeployOutcome::Unchanged);
-                }
-                d.rec.revision += 1;
-                d.rec.doc = doc.clone();
-                d.spec = InstanceSpec::from_doc(d.rec.id.clone(), &doc);
-                d.renew_fixed();
-                (d.rec.id.clone(), DeployOutcome::Updated)
-            } else {
-                let rec = DeploymentRecord {
-                    id: id.clone(),
-                    revision: 1,
-                    doc: doc.clone(),
-                    operator_stopped: false,
-                    operator_started: false,
-                    pending_start: false,
-                    generation: 0,
-                    first_answer: None,
-                };
-                inner.insert(Dep::new(rec));
-                (id.clone(), DeployOutcome::Created)
-            };
-            inner.dirty.mark(&id);
-            // A measurement still awaited does not replace one known (the same checkpoint).
-            if let (Some(d), Some(m)) = (inner.deps.get_mut(&id), measured)
-                && (!m.awaiting() || d.measurement.awaiting())
-            {
-                d.measurement = m;
+        let one = CheckedDoc {
+            doc,
+            id,
+            measured,
+            unchanged,
+        };
+        self.write(move |inner| Self::apply_one(inner, one)).await
+    }
+
+    /// The rule of a deploy: creates the deployment or makes the checked document its next
+    /// revision (the record is left in `State::dirty`).
+    fn apply_one(inner: &mut State, one: CheckedDoc) -> (String, DeployOutcome) {
+        let CheckedDoc {
+            doc, id, measured, ..
+        } = one;
+        let known = inner.by_name.get(&doc.name).cloned();
+        let (id, outcome) = if let Some(d) = known.and_then(|id| inner.deps.get_mut(&id)) {
+            if d.rec.doc == doc {
+                return (d.rec.id.clone(), DeployOutcome::Unchanged);
             }
-            (id, outcome)
-        })
-        .await
+            d.rec.revision += 1;
+            d.spec = InstanceSpec::from_doc(d.rec.id.clone(), &doc);
+            d.rec.doc = doc;
+            d.renew_fixed();
+            (d.rec.id.clone(), DeployOutcome::Updated)
+        } else {
+            let rec = DeploymentRecord {
+                id: id.clone(),
+                revision: 1,
+                doc,
+                operator_stopped: false,
+                operator_started: false,
+                pending_start: false,
+                generation: 0,
+                first_answer: None,
+            };
+            inner.insert(Dep::new(rec));
+            (id.clone(), DeployOutcome::Created)
+        };
+        inner.dirty.mark(&id);
+        // A measurement still awaited does not replace one known (the same checkpoint).
+        if let (Some(d), Some(m)) = (inner.deps.get_mut(&id), measured)
+            && (!m.awaiting() || d.measurement.awaiting())
+        {
+            d.measurement = m;
+        }
+        (id, outcome)
     }
 
     /// `does_not_fit` when the GPU memory `spec` needs (declared, or `measured`) is more than
