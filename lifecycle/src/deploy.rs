@@ -187,7 +187,7 @@ impl Server {
                 return (d.rec.id.clone(), DeployOutcome::Unchanged);
             }
             d.rec.revision += 1;
-            d.spec = InstanceSpec::from_doc(d.rec.id.clone(), &doc);
+            d.spec = std::sync::Arc::new(InstanceSpec::from_doc(d.rec.id.clone(), &doc));
             d.rec.doc = doc;
             d.renew_fixed();
             (d.rec.id.clone(), DeployOutcome::Updated)

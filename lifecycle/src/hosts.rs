@@ -125,7 +125,7 @@ impl Server {
             server.apply_host(host?).await;
         }
         drop(fetched);
-        let specs: Vec<(String, InstanceSpec)> = server.read(|inner| {
+        let specs: Vec<(String, Arc<InstanceSpec>)> = server.read(|inner| {
             inner
                 .deps
                 .values()
