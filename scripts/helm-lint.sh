@@ -6,7 +6,8 @@
 # under target/helm-lint/ when missing (scripts/helm-venv.sh, shared with scripts/helm).
 #
 # For the default values, for charts/capyctl/ci/all-on-values.yaml (every option on) and for
-# charts/capyctl/values-local.yaml (the local cluster's):
+# charts/capyctl/values-local.yaml (the local cluster's), and for it with values-local-vllm.yaml
+# over it (the real vLLM's):
 #   1. render: Helm's install action against a fake API server in this script (discovery, and
 #      objects accepted and kept in memory), which gives the rendered manifest, `lookup` and
 #      all; every object is checked (names, labels, selectors, ports, RBAC without wildcards);
@@ -471,9 +472,21 @@ with open(os.path.join(CHART, "ci", "all-on-values.yaml")) as f:
     ALL_ON = yaml.safe_load(f) or {}
 with open(os.path.join(CHART, "values-local.yaml")) as f:
     LOCAL = yaml.safe_load(f) or {}
+with open(os.path.join(CHART, "values-local-vllm.yaml")) as f:
+    LOCAL_VLLM = yaml.safe_load(f) or {}
+
+
+def merged(base, over):
+    """Helm's merge of two values files: maps key by key, anything else replaced."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
 
 for case, values in (("default values", {}), ("ci/all-on-values.yaml", ALL_ON),
-                     ("values-local.yaml", LOCAL)):
+                     ("values-local.yaml", LOCAL),
+                     ("values-local.yaml + values-local-vllm.yaml", merged(LOCAL, LOCAL_VLLM))):
     print(f"== {case}: render", flush=True)
     docs, err = render(values)
     if err:

@@ -470,6 +470,10 @@ imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 serializeImagePulls: false
 maxPods: 60
+# Pods are never resized in place here; with the gate on, the kubelet 1.34.9 crashed once on
+# this node (a nil pointer in doPodResizeAction, after "Missing actuated resource record" for a
+# Pod it had just started)
+featureGates: {InPlacePodVerticalScaling: false}
 EOF
   cat > "$STATE/kube-proxy.yaml" <<EOF
 apiVersion: kubeproxy.config.k8s.io/v1alpha1

@@ -12,7 +12,7 @@ use tracing::Instrument;
 use crate::errors::not_found;
 use crate::gpus::gpus_of;
 use crate::ids::engine_addr;
-use crate::state::{self, Up};
+use crate::state::{self, Up, UpDone};
 use crate::{Server, switches, views};
 
 /// How often an ended start or wake is asked to stop again until it has ended (see
@@ -65,12 +65,9 @@ impl Server {
         let agent = match self.agent_of(id) {
             Ok(a) => a,
             Err(e) => {
-                let (id, why) = (id.to_string(), e.message());
-                self.write(move |inner| {
-                    if let Some(d) = inner.deps.get_mut(&id) {
-                        d.busy = false;
-                        d.fail(why);
-                    }
+                let done = UpDone::Gone(e.message());
+                self.on(id, move |inner, id| {
+                    inner.up_done(id, up, done, Instant::now())
                 })
                 .await;
                 return Err(e);

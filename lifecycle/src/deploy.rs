@@ -9,9 +9,9 @@ use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::errors::ApiError;
 
 use crate::errors::not_found;
-use crate::state::{Dep, State};
-use crate::store::DeploymentRecord;
+use crate::state::State;
 use crate::{Server, placement};
+use tokio::time::Instant;
 
 /// How many changed deployments [`Server::deploy_checked`] applies per turn of the owner.
 const DEPLOY_CHUNK: usize = 256;
@@ -98,8 +98,9 @@ impl Server {
         while changed.peek().is_some() {
             let chunk: Vec<CheckedDoc> = changed.by_ref().take(DEPLOY_CHUNK).collect();
             self.write(move |inner| {
+                let now = Instant::now();
                 for one in chunk {
-                    Self::apply_one(inner, one);
+                    inner.apply_deploy(one.doc, one.id, one.measured, now);
                 }
             })
             .await;
@@ -166,53 +167,8 @@ impl Server {
         if unchanged {
             return (id, DeployOutcome::Unchanged);
         }
-        let one = CheckedDoc {
-            doc,
-            id,
-            measured,
-            unchanged,
-        };
-        self.write(move |inner| Self::apply_one(inner, one)).await
-    }
-
-    /// The rule of a deploy: creates the deployment or makes the checked document its next
-    /// revision (the record is left in `State::dirty`).
-    fn apply_one(inner: &mut State, one: CheckedDoc) -> (String, DeployOutcome) {
-        let CheckedDoc {
-            doc, id, measured, ..
-        } = one;
-        let known = inner.by_name.get(&doc.name).cloned();
-        let (id, outcome) = if let Some(d) = known.and_then(|id| inner.deps.get_mut(&id)) {
-            if d.rec.doc == doc {
-                return (d.rec.id.clone(), DeployOutcome::Unchanged);
-            }
-            d.rec.revision += 1;
-            d.spec = std::sync::Arc::new(InstanceSpec::from_doc(d.rec.id.clone(), &doc));
-            d.rec.doc = doc;
-            d.renew_fixed();
-            (d.rec.id.clone(), DeployOutcome::Updated)
-        } else {
-            let rec = DeploymentRecord {
-                id: id.clone(),
-                revision: 1,
-                doc,
-                operator_stopped: false,
-                operator_started: false,
-                pending_start: false,
-                generation: 0,
-                first_answer: None,
-            };
-            inner.insert(Dep::new(rec));
-            (id.clone(), DeployOutcome::Created)
-        };
-        inner.dirty.mark(&id);
-        // A measurement still awaited does not replace one known (the same checkpoint).
-        if let (Some(d), Some(m)) = (inner.deps.get_mut(&id), measured)
-            && (!m.awaiting() || d.measurement.awaiting())
-        {
-            d.measurement = m;
-        }
-        (id, outcome)
+        self.write(move |inner| inner.apply_deploy(doc, id, measured, Instant::now()))
+            .await
     }
 
     /// `does_not_fit` when the GPU memory `spec` needs (declared, or `measured`) is more than
@@ -254,7 +210,7 @@ impl Server {
 
     pub(crate) async fn do_delete(&self, key: &str) -> Result<DeploymentView, ApiError> {
         let id = self.find(key)?;
-        self.read(|inner| inner.command_refusal(&id))?;
+        self.read(|inner| inner.command_refusal(&id, Instant::now()))?;
         let rid = self.fresh_id("delete");
         let view = self.view(&id).ok_or_else(|| not_found(&id))?;
         let refusal = ApiError::ModelNotFound {
@@ -271,13 +227,8 @@ impl Server {
             Err(e) => result.and(Err(e)),
         };
         let removed = result.is_ok();
-        self.on(&id, move |inner, id| {
-            inner.release_reservation(&rid);
-            if removed {
-                inner.remove(id);
-            }
-        })
-        .await;
+        self.on(&id, move |inner, id| inner.delete_done(id, &rid, removed))
+            .await;
         result?;
         self.config.metrics.forget_deployment(&id);
         self.save_logged(&id).await;

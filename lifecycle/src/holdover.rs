@@ -9,7 +9,6 @@
 use std::net::SocketAddr;
 
 use capyctl_router::lifecycle::{InstanceKey, SwitchOrder};
-use capyctl_spec::InstanceState;
 use capyctl_spec::errors::ApiError;
 use tokio::time::Instant;
 
@@ -25,16 +24,7 @@ impl Server {
         let held = refusal.clone();
         // The targets of switches planned and not begun: given up now (their victims serve
         // on, their requests get the refusal), not carried out after their window and drain.
-        let claimed: Vec<String> = self
-            .write(move |s| {
-                s.hold(held);
-                s.deps
-                    .values()
-                    .filter(|d| d.claim.is_some())
-                    .map(|d| d.rec.id.clone())
-                    .collect()
-            })
-            .await;
+        let claimed: Vec<String> = self.write(move |s| s.hold(held)).await;
         if let Some(r) = self.router() {
             for id in claimed {
                 r.deployment_refused(id, refusal.clone()).await;
@@ -98,18 +88,7 @@ impl Server {
         let switch_id = order.switch_id.clone();
         let victims: Vec<InstanceKey> = order.victims.iter().map(|(k, _)| k.clone()).collect();
         let ready: Vec<(InstanceKey, SocketAddr)> = self
-            .write(move |s| {
-                s.release_reservation(&switch_id);
-                victims
-                    .into_iter()
-                    .filter_map(|k| {
-                        let d = s.deps.get(&crate::state::unit_of_key(&k))?;
-                        (d.state == InstanceState::Ready && d.rec.generation == k.generation)
-                            .then_some(())?;
-                        Some((k, d.addr?))
-                    })
-                    .collect()
-            })
+            .write(move |s| s.give_back_held_order(&switch_id, victims))
             .await;
         for (key, addr) in ready {
             self.announce_ready(key, addr).await;

@@ -13,6 +13,7 @@ use capyctl_node_agent::spec::InstanceSpec;
 use capyctl_spec::errors::ApiError;
 use futures_util::StreamExt;
 use tokio::sync::{broadcast, mpsc, watch};
+use tokio::time::Instant;
 
 use crate::config::{HostEntry, LifecycleConfig};
 use crate::errors::{ServerError, internal};
@@ -76,7 +77,7 @@ impl Server {
             ..State::default()
         };
         for rec in store.load()? {
-            inner.insert(Dep::new(rec));
+            inner.insert(Dep::new(rec, Instant::now()));
         }
         let switches = Arc::new(match &config.switch_log {
             Some(path) => SwitchLog::open(path, Arc::clone(&config.metrics))?,
@@ -146,22 +147,7 @@ impl Server {
             .collect()
             .await;
         server
-            .write(move |inner| {
-                for (id, m) in measured {
-                    if let Some(d) = inner.deps.get_mut(&id)
-                        && d.measurement.awaiting()
-                    {
-                        d.measurement = m;
-                    }
-                }
-                // NB: measured by deployment, into its first instance: the others take it from
-                // there. Left unknown, each would count a whole GPU in placement until the next
-                // deploy (the soak found a GPU over-booked after a restart so, seed 42).
-                let replicated: Vec<String> = inner.replicated.iter().cloned().collect();
-                for dep in replicated {
-                    inner.sync_units(&dep);
-                }
-            })
+            .write(move |inner| inner.learn_measurements(measured, Instant::now()))
             .await;
         server.ready.store(true, Ordering::SeqCst);
         Ok(server)

@@ -25,7 +25,7 @@
 //! that running requests always finish first (its idle timers with
 //! [`CoordinatorHandle::release_if_idle`]: the router decides, on its own state, that nothing
 //! waits, runs or came since). A request's last use is the router's record
-//! ([`CoordinatorHandle::last_uses`]), which `Dep::used_at` reads.
+//! ([`CoordinatorHandle::last_uses`]), which `State::used_at` reads.
 //!
 //! This file holds the module list, the re-exports and the [`Server`] struct; `Server`'s methods
 //! live in the files named for what they do (the file map is in `lifecycle/DESIGN.md`, "Files").

@@ -20,6 +20,7 @@ use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot, watch};
+use tokio::time::Instant;
 
 use crate::state::State;
 
@@ -145,7 +146,7 @@ async fn run(
                             tracing::error!("a lifecycle rule panicked; its change is lost");
                         }
                     }
-                    s.sync_touched();
+                    s.sync_touched(Instant::now());
                 }
                 changes.send_modify(|n| *n = n.wrapping_add(1));
             }

@@ -9,11 +9,12 @@ use capyctl_spec::errors::ApiError;
 use crate::errors::not_found;
 use crate::state::unit_instance;
 use crate::{Server, views};
+use tokio::time::Instant;
 
 impl Server {
     pub(crate) async fn do_park(&self, key: &str) -> Result<ActionReceipt, ApiError> {
         let id = self.find(key)?;
-        self.read(|inner| inner.command_refusal(&id))?;
+        self.read(|inner| inner.command_refusal(&id, Instant::now()))?;
         if self.read(|inner| inner.units_of(&id).nth(1).is_none()) {
             return self.park_unit(&id).await;
         }
@@ -22,28 +23,7 @@ impl Server {
         // until it is used again), in the same turn that reads which instances run, so that
         // none the scaler brings up meanwhile is missed. The operator's park also ends the
         // operator's start (as for one instance).
-        let marked = self
-            .on(&id, |inner, id| {
-                let units: Vec<(String, InstanceState)> = inner
-                    .units_of(id)
-                    .map(|u| (u.unit.clone(), u.state))
-                    .collect();
-                if !units.iter().any(|(_, s)| *s == InstanceState::Ready) {
-                    // None ready: as one instance, the one on its way if any (only a ready
-                    // deployment parks), else the first (parked already: its receipt).
-                    let coming = units.iter().find(|(_, s)| {
-                        matches!(s, InstanceState::Starting | InstanceState::Waking)
-                    });
-                    return Err(coming.map_or_else(|| id.to_string(), |(u, _)| u.clone()));
-                }
-                if let Some(d) = inner.deps.get_mut(id) {
-                    d.rec.operator_started = false;
-                    inner.dirty.mark(id);
-                    inner.operator_parked.insert(id.to_string());
-                }
-                Ok(units)
-            })
-            .await;
+        let marked = self.on(&id, |inner, id| inner.operator_park(id)).await;
         let units = match marked {
             Ok(units) => units,
             Err(unit) => return self.park_unit(&unit).await,
@@ -146,8 +126,7 @@ impl Server {
     /// Ends deployment `dep`'s operator's park mark: the scaler keeps its instances again.
     async fn end_operator_park(&self, dep: &str) {
         let dep = dep.to_string();
-        self.write(move |inner| inner.operator_parked.remove(&dep))
-            .await;
+        self.write(move |inner| inner.end_operator_park(&dep)).await;
     }
 
     /// [`Server::do_park`] of one instance (`id`: its unit).
@@ -181,7 +160,9 @@ impl Server {
         self.make_parked_room(&id).await?;
         let rid = self.fresh_id("park");
         let r = rid.clone();
-        let down = self.on(&id, move |inner, id| inner.park(id, &r)).await?;
+        let down = self
+            .on(&id, move |inner, id| inner.park(id, &r, Instant::now()))
+            .await?;
         if down.is_none() {
             return self.receipt("park", &id);
         }

@@ -1,5 +1,8 @@
-//! Placement on one host, as a pure function: does a deployment fit now, after releasing which
-//! idle instances, later, or never?
+//! Placement and the choice of victims, as pure functions: does a deployment fit on one host
+//! or GPU now, after releasing which idle instances, later, or never ([`place`]); how good a
+//! placement is ([`rank_of`]); and, for an instance over several GPUs, which GPUs it takes and
+//! the fewest victims that make room on all of them ([`choose_gpus`], [`fewest_victims`]).
+//! `state/placing.rs` reads the lifecycle's state into [`Holder`]s and calls these.
 
 use std::time::Duration;
 
@@ -134,6 +137,165 @@ pub(crate) fn place(capacity: u64, need: u64, holders: &[Holder<'_>], evict: boo
     Fit::Later
 }
 
+/// Among GPUs of equal rank, which victims go first: those that run no request now, then the
+/// longest idle.
+pub(crate) type VictimOrder = (bool, std::cmp::Reverse<Duration>);
+
+/// One GPU as `State::place_on_gpus` reads it: its bytes, the instance's share of its
+/// memory there, and what holds that GPU.
+pub(crate) type GpuRoom<'a> = (u64, u64, Vec<Holder<'a>>);
+
+/// `victims` (sorted), each GPU's choice for an instance over several GPUs (`rooms`), less
+/// those the others make unneeded: a victim that spans several of these GPUs frees its share on
+/// each, so the victim another GPU named beside it may not be needed at all. Tried for removal
+/// the most recently used first; one goes when every GPU still has room with the rest released
+/// (parked, keeping their residue; stopped, none, when `stop`).
+pub(crate) fn fewest_victims(
+    rooms: &[GpuRoom<'_>],
+    mut victims: Vec<String>,
+    stop: bool,
+) -> Vec<String> {
+    let idle_for = |id: &str| {
+        rooms
+            .iter()
+            .flat_map(|(_, _, on_gpu)| on_gpu.iter())
+            .find(|h| h.id == id)
+            .map_or(Duration::ZERO, |h| h.idle_for)
+    };
+    let room_with = |released: &[String]| {
+        rooms.iter().all(|(cap, need, on_gpu)| {
+            let held: u64 = on_gpu
+                .iter()
+                .map(|h| {
+                    if released.iter().any(|v| v == h.id) {
+                        h.left_after_release(stop)
+                    } else {
+                        h.bytes
+                    }
+                })
+                .sum();
+            cap.saturating_sub(held) >= *need
+        })
+    };
+    let mut order = victims.clone();
+    order.sort_by_key(|id| (idle_for(id), id.clone()));
+    for id in order {
+        let without: Vec<String> = victims.iter().filter(|v| **v != id).cloned().collect();
+        if room_with(&without) {
+            victims = without;
+        }
+    }
+    victims
+}
+
+/// A GPU that may take an instance (`State::place_on_gpus`, [`choose_gpus`]): its index, the fit there, its
+/// rank, the order of its victims, and its room.
+pub(crate) type GpuChoice<'a> = (u32, Fit, (u8, u64), VictimOrder, GpuRoom<'a>);
+
+/// A placement on some GPUs of a host: the GPUs, the fit, and its rank ([`rank_of`]).
+pub(crate) type GpuPlacement = (Vec<u32>, Fit, (u8, u64));
+
+/// How good a placement on a host (or GPU) of `capacity` is, lower first: room now (the
+/// fullest that fits), then victims that park before victims that must stop (fewest bytes
+/// first), then later. `None` for `Never`.
+pub(crate) fn rank_of(
+    fit: &Fit,
+    capacity: u64,
+    need: u64,
+    holders: &[Holder<'_>],
+) -> Option<(u8, u64)> {
+    Some(match fit {
+        Fit::Now => {
+            let used: u64 = holders.iter().map(|h| h.bytes).sum();
+            (0, capacity.saturating_sub(used).saturating_sub(need))
+        }
+        Fit::After(victims) | Fit::AfterStopping(victims) => (
+            if matches!(fit, Fit::After(_)) { 1 } else { 2 },
+            holders
+                .iter()
+                .filter(|h| victims.iter().any(|v| v == h.id))
+                .map(|h| h.bytes)
+                .sum(),
+        ),
+        Fit::Later => (3, 0),
+        Fit::Never(_) => return None,
+    })
+}
+
+/// The order of the victims `fit` names on a GPU held by `on_gpu` ([`VictimOrder`]): whether
+/// one of them `runs` requests now, and how long the least idle of them has been idle.
+pub(crate) fn victim_order(
+    fit: &Fit,
+    on_gpu: &[Holder<'_>],
+    runs: impl Fn(&str) -> bool,
+) -> VictimOrder {
+    match fit {
+        Fit::After(v) | Fit::AfterStopping(v) => (
+            v.iter().any(|id| runs(id)),
+            std::cmp::Reverse(
+                on_gpu
+                    .iter()
+                    .filter(|h| v.iter().any(|id| id == h.id))
+                    .map(|h| h.idle_for)
+                    .min()
+                    .unwrap_or_default(),
+            ),
+        ),
+        _ => (false, std::cmp::Reverse(Duration::ZERO)),
+    }
+}
+
+/// The GPUs of a host an instance over `want` of them takes, among those that may (`each`, at
+/// least `want`): the best ranks first, then the victims that run no request, then the
+/// longest idle ([`VictimOrder`]), then the lowest index. Their victims are the union of each
+/// GPU's, less those the others make unneeded ([`fewest_victims`]); the placement's rank is
+/// the worst of theirs.
+pub(crate) fn choose_gpus(mut each: Vec<GpuChoice<'_>>, want: usize) -> GpuPlacement {
+    each.sort_by_key(|(index, _, rank, idle, _)| (*rank, *idle, *index));
+    each.truncate(want);
+    let gpus: Vec<u32> = each.iter().map(|(i, _, _, _, _)| *i).collect();
+    let worst = each
+        .iter()
+        .map(|(_, _, r, _, _)| *r)
+        .max()
+        .unwrap_or((0, 0));
+    let mut stop = false;
+    let mut victims: Vec<String> = Vec::new();
+    let mut later = false;
+    let mut rooms: Vec<GpuRoom<'_>> = Vec::with_capacity(each.len());
+    for (_, fit, _, _, room) in each {
+        rooms.push(room);
+        match fit {
+            Fit::Now => {}
+            Fit::After(v) => victims.extend(v),
+            Fit::AfterStopping(v) => {
+                stop = true;
+                victims.extend(v);
+            }
+            Fit::Later | Fit::Never(_) => later = true,
+        }
+    }
+    victims.sort();
+    victims.dedup();
+    if !later && rooms.len() > 1 {
+        victims = fewest_victims(&rooms, victims, stop);
+    }
+    let fit = if later {
+        Fit::Later
+    } else if victims.is_empty() {
+        Fit::Now
+    } else if stop {
+        Fit::AfterStopping(victims)
+    } else {
+        Fit::After(victims)
+    };
+    let rank = match fit {
+        Fit::Now => (0, worst.1),
+        _ => worst,
+    };
+    (gpus, fit, rank)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -227,5 +389,56 @@ mod tests {
             Fit::Never(why) => assert!(why.contains("11.0 GiB"), "{why}"),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn an_instance_over_gpus_takes_those_whose_victims_run_nothing_and_no_victim_too_many() {
+        // Four GPUs of 10 GiB; the instance needs 8 GiB on each of two.
+        let one = |victim: &'static str, idle_s: u64| {
+            let on_gpu = vec![h(victim, 6, Hold::Releasable, idle_s)];
+            let fit = place(10 * G, 8 * G, &on_gpu, true);
+            (fit, on_gpu)
+        };
+        let (fit_a, a) = one("a", 100);
+        let (fit_b, b) = one("b", 500);
+        let (fit_c, c) = one("c", 900);
+        // `c` runs requests now: its GPU goes last though it is the longest idle.
+        let runs = |id: &str| id == "c";
+        let choice = |index: u32, fit: Fit, on_gpu: Vec<Holder<'static>>| {
+            let rank =
+                rank_of(&fit, 10 * G, 8 * G, &on_gpu).expect("a fit that is not `never` is ranked");
+            let order = victim_order(&fit, &on_gpu, runs);
+            (index, fit, rank, order, (10 * G, 8 * G, on_gpu))
+        };
+        let (gpus, fit, rank) = choose_gpus(
+            vec![
+                choice(0, fit_c, c),
+                choice(1, fit_a, a),
+                choice(2, fit_b, b),
+            ],
+            2,
+        );
+        assert_eq!(
+            gpus,
+            [2, 1],
+            "the longest idle of those that run nothing first"
+        );
+        assert_eq!(fit, Fit::After(vec!["a".into(), "b".into()]));
+        assert_eq!(rank, (1, 6 * G));
+        // Two GPUs, each with 4 GiB free and 5 GiB needed, each held by `w` and `x` (3 GiB
+        // each): both named, but releasing `w` alone makes room on both; `x`, the most
+        // recently used, is tried first and is not needed.
+        let wide = || {
+            vec![
+                h("w", 3, Hold::Releasable, 50),
+                h("x", 3, Hold::Releasable, 10),
+            ]
+        };
+        let rooms = vec![(10 * G, 5 * G, wide()), (10 * G, 5 * G, wide())];
+        assert_eq!(
+            fewest_victims(&rooms, vec!["w".into(), "x".into()], false),
+            ["w".to_string()],
+            "the most recently used goes when the rest make room"
+        );
     }
 }

@@ -1,6 +1,5 @@
 //! The operator's `preinitialize`: an engine started and parked before any request.
 
-use capyctl_spec::InstanceState;
 use capyctl_spec::api::ActionReceipt;
 use capyctl_spec::errors::ApiError;
 use tokio::time::Instant;
@@ -9,6 +8,7 @@ use crate::Server;
 use crate::errors::not_found;
 use crate::ids::engine_addr;
 use crate::release::{NoRoom, Put};
+use crate::state::{Started, Up, UpDone};
 
 impl Server {
     /// Measures the deployment and checks that it can park; when its checkpoint is still
@@ -64,18 +64,13 @@ impl Server {
             {
                 Ok(started) => started.map_err(|e| e.to_string()),
                 Err(ended) => {
-                    let (stopped, why) = (ended.stopped.is_ok(), ended.refusal.message());
+                    let why = format!("preinitialize: start ended: {}", ended.refusal.message());
+                    let done = UpDone::Ended {
+                        why,
+                        stopped: ended.stopped.map_err(|e| e.to_string()),
+                    };
                     self.on(id, move |inner, id| {
-                        if let Some(d) = inner.deps.get_mut(id) {
-                            d.busy = false;
-                            let why = format!("preinitialize: start ended: {why}");
-                            if stopped {
-                                d.state = InstanceState::Stopped;
-                                d.last_error = Some(why);
-                            } else {
-                                d.fail(why);
-                            }
-                        }
+                        inner.up_done(id, Up::Start, done, Instant::now())
                     })
                     .await;
                     self.announce_gone(key).await;
@@ -87,18 +82,18 @@ impl Server {
         };
         match started {
             Ok(started) => {
+                // Not `ready`: it never serves before it is parked.
+                let done = UpDone::Closed {
+                    started: Started {
+                        addr: engine_addr(&started.base_url),
+                        pid: started.pid,
+                        max_running: started.max_running,
+                        measurement: started.measurement,
+                    },
+                    first_answer: started.first_answer,
+                };
                 self.on(id, move |inner, id| {
-                    if let Some(d) = inner.deps.get_mut(id) {
-                        d.addr = engine_addr(&started.base_url);
-                        d.pid = Some(started.pid);
-                        d.max_running = Some(started.max_running);
-                        if !started.measurement.awaiting() {
-                            d.measurement = started.measurement;
-                        }
-                        d.rec.first_answer = Some(started.first_answer.clone());
-                        // Not `ready`: it never serves before it is parked.
-                        d.state = InstanceState::Closed;
-                    }
+                    inner.up_done(id, Up::Start, done, Instant::now())
                 })
                 .await;
                 self.save_logged(id).await;
@@ -108,11 +103,9 @@ impl Server {
                 }
             }
             Err(e) => {
+                let done = UpDone::Gone(format!("preinitialize: {e}"));
                 self.on(id, move |inner, id| {
-                    if let Some(d) = inner.deps.get_mut(id) {
-                        d.busy = false;
-                        d.fail(format!("preinitialize: {e}"));
-                    }
+                    inner.up_done(id, Up::Start, done, Instant::now())
                 })
                 .await;
                 self.announce_gone(key).await;

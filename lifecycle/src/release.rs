@@ -6,14 +6,14 @@ use std::collections::HashMap;
 use capyctl_node_agent::agent::ParkResult;
 use capyctl_node_agent::tier::{NoParkReason, ParkTier};
 use capyctl_router::coordinator::IdleRelease;
-use capyctl_router::lifecycle::{DrainReport, InstanceKey};
+use capyctl_router::lifecycle::DrainReport;
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::{Released, SwitchError, SwitchPhaseKind, Victim, VictimResult};
 use capyctl_spec::errors::ApiError;
 use tokio::time::Instant;
 
 use crate::errors::not_found;
-use crate::state::{self, Dep, unit_instance, unit_of_key};
+use crate::state::{self, Dep, DownDone, Releasing, unit_instance, unit_of_key};
 use crate::switches::{self, victim_entry};
 use crate::{Server, parked_room, views};
 
@@ -132,7 +132,7 @@ impl Server {
                 .map(|o| parked_room::ParkedCopy {
                     id: o.id(),
                     bytes: o.measurement.weights_bytes().unwrap_or(0),
-                    used_at: o.used_at(),
+                    used_at: inner.used_at(o),
                     kept: inner.explicit(o) || o.warm() || o.busy || o.reserved.is_some(),
                     claimed: o.claim.is_some(),
                 })
@@ -156,7 +156,9 @@ impl Server {
             let rid = self.fresh_id("room");
             let r = rid.clone();
             let reserved = self
-                .on(&v, move |inner, v| inner.reserve_parked_copy(v, &r))
+                .on(&v, move |inner, v| {
+                    inner.reserve_parked_copy(v, &r, Instant::now())
+                })
                 .await;
             let Some(name) = reserved else { continue };
             let idle = match self.router() {
@@ -241,12 +243,7 @@ impl Server {
     /// Says of `id`, stopped where it would have parked, that it was stopped for want of room
     /// (its status, the metrics, the log), as its release reads.
     async fn stopped_for_room(&self, id: &str, began: Instant) -> Released {
-        self.on(id, |inner, id| {
-            if let Some(d) = inner.deps.get_mut(id) {
-                d.last_error = Some(Released::StoppedNoRoomToPark.status_line());
-            }
-        })
-        .await;
+        self.on(id, |inner, id| inner.stopped_for_room(id)).await;
         self.config
             .metrics
             .park("none", "stopped_no_room_to_park", began.elapsed());
@@ -256,14 +253,7 @@ impl Server {
 
     /// Serves a drained instance again (a park refused before it began).
     async fn put_back(&self, id: &str) {
-        let back = self
-            .on(id, |inner, id| {
-                let d = inner.deps.get_mut(id)?;
-                d.busy = false;
-                d.state = InstanceState::Ready;
-                Some((d.key(&inner.host_id), d.addr?))
-            })
-            .await;
+        let back = self.on(id, |inner, id| inner.serve_again(id)).await;
         if let Some((key, addr)) = back {
             self.announce_ready(key, addr).await;
         }
@@ -273,20 +263,16 @@ impl Server {
     async fn release_drained(&self, id: &str, stop: bool) -> Result<Released, ApiError> {
         let agent = self.agent_of(id)?;
         let begun = self
-            .on(id, move |inner, id| {
-                let d = inner.deps.get_mut(id)?;
-                let parked = d.state == InstanceState::Parked;
-                d.busy = true;
-                d.state = if stop || parked {
-                    InstanceState::Stopping
-                } else {
-                    InstanceState::Parking
-                };
-                let noted = (d.name().to_string(), d.spec.engine.as_str());
-                Some((d.instance_id(), d.key(&inner.host_id), parked, noted))
-            })
+            .on(id, move |inner, id| inner.begin_release(id, stop))
             .await;
-        let Some((iid, key, parked, (name, engine))) = begun else {
+        let Some(Releasing {
+            instance: iid,
+            key,
+            parked,
+            name,
+            engine,
+        }) = begun
+        else {
             return Err(not_found(id));
         };
         let began = Instant::now();
@@ -300,6 +286,8 @@ impl Server {
         let mark = rec
             .as_ref()
             .map(|r| r.begin_phase(phase, &iid, engine, began));
+        // Where it parked, when it did (written with the outcome).
+        let mut parked_in = None;
         let result = if stop || parked {
             agent.stop(&iid).await.map(|()| Released::Stopped)
         } else {
@@ -308,13 +296,7 @@ impl Server {
                     self.config
                         .metrics
                         .park(views::tier_words(tier), "ok", began.elapsed());
-                    self.on(id, move |inner, id| {
-                        if let Some(d) = inner.deps.get_mut(id) {
-                            d.tier = Some(tier);
-                            d.parked_gpu = gpu_held.map(|g| g.bytes);
-                        }
-                    })
-                    .await;
+                    parked_in = Some((tier, gpu_held.map(|g| g.bytes)));
                     Ok(Released::Parked)
                 }
                 Ok(ParkResult::Stopped {
@@ -346,25 +328,14 @@ impl Server {
                 }
             }
         };
-        let outcome = result.as_ref().copied().map_err(ToString::to_string);
+        // `Parked` always comes with where it parked (above).
+        let done = match (&result, parked_in) {
+            (Ok(Released::Parked), Some((tier, gpu_held))) => DownDone::Parked { tier, gpu_held },
+            (Ok(r), _) => DownDone::Stopped(*r),
+            (Err(e), _) => DownDone::Failed(e.to_string()),
+        };
         self.on(id, move |inner, id| {
-            if let Some(d) = inner.deps.get_mut(id) {
-                d.busy = false;
-                d.last_used = Instant::now();
-                match &outcome {
-                    Ok(Released::Parked) => d.state = InstanceState::Parked,
-                    Ok(r) => {
-                        d.state = InstanceState::Stopped;
-                        d.tier = None;
-                        d.addr = None;
-                        d.pid = None;
-                        if *r == Released::StoppedNoRoomToPark {
-                            d.last_error = Some(Released::StoppedNoRoomToPark.status_line());
-                        }
-                    }
-                    Err(e) => d.fail(format!("park or stop failed: {e}")),
-                }
-            }
+            inner.down_done(id, done, Instant::now())
         })
         .await;
         tracing::info!(instance = %iid, released = ?result.as_ref().map(|r| r.words()), "released");
@@ -417,15 +388,7 @@ impl Server {
     ) -> Result<Option<HashMap<String, DrainReport>>, ApiError> {
         let show = |shown: InstanceState| {
             let ids = ids.to_vec();
-            self.write(move |inner| {
-                ids.iter()
-                    .filter_map(|id| {
-                        let d = inner.deps.get_mut(id)?;
-                        d.state = shown;
-                        Some(d.key(&inner.host_id))
-                    })
-                    .collect::<Vec<InstanceKey>>()
-            })
+            self.write(move |inner| inner.show_draining(&ids, shown))
         };
         let keys = match (shown, ask) {
             (None, _) => Vec::new(),
@@ -485,16 +448,8 @@ impl Server {
             answer => {
                 if let Some(shown) = shown {
                     let ids = ids.to_vec();
-                    self.write(move |inner| {
-                        for id in &ids {
-                            if let Some(d) = inner.deps.get_mut(id)
-                                && d.state == shown
-                            {
-                                d.state = InstanceState::Ready;
-                            }
-                        }
-                    })
-                    .await;
+                    self.write(move |inner| inner.drain_refused(&ids, shown))
+                        .await;
                 }
                 answer.transpose().map(|_| None)
             }

@@ -75,14 +75,8 @@ impl Server {
                 OperatorStart::Later => {
                     // Nothing can be released for it now: it waits for memory, as a start
                     // without --evict does.
-                    let pending = self
-                        .on(&id, |inner, id| {
-                            let d = inner.deps.get_mut(id)?;
-                            let idle = !d.busy && d.claim.is_none() && !d.occupies();
-                            (idle && !d.rec.pending_start).then(|| d.rec.pending_start = true)
-                        })
-                        .await;
-                    if pending.is_some() {
+                    let pending = self.on(&id, |inner, id| inner.wait_for_memory(id)).await;
+                    if pending {
                         self.save_logged(&id).await;
                     }
                 }

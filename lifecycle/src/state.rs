@@ -27,12 +27,15 @@ use crate::placement::Fit;
 use crate::store::DeploymentRecord;
 use crate::{parked_room, views};
 
+mod commands;
 mod placing;
+mod releases;
 mod rules;
 #[cfg(test)]
 mod tests;
 
 pub(crate) use placing::{Placed, Victims};
+pub(crate) use releases::{DownDone, Releasing};
 pub(crate) use rules::{Adoption, StartNext, Started, Up, UpDone};
 
 /// One instance of a deployment (a *unit*: the lifecycle's rules take one instance at a time),
@@ -71,7 +74,7 @@ pub(crate) struct Dep {
     pub(crate) tier: Option<ParkTier>,
     pub(crate) last_error: Option<String>,
     /// The last state change that counts as use (a request's start or end is the router's to
-    /// record: [`Dep::used_at`] reads both).
+    /// record: [`State::used_at`] reads both).
     pub(crate) last_used: Instant,
     /// When it last failed on its own (a start, wake, park or stop that failed, its engine
     /// exited): the scaler's back-off ([`FAILED_BACKOFF`]) counts from here. `None` while it
@@ -92,9 +95,6 @@ pub(crate) struct Dep {
     /// ([`Victims::Idle`]); only the operator's `stop`, `delete` or another `start --evict`
     /// do. Set by every [`State::begin_up`].
     pub(crate) operator_up: bool,
-    /// Where its requests' last use is read: the router's record ([`RouterUses`]; set by
-    /// [`State::insert`]).
-    pub(crate) uses: RouterUses,
     /// Marked gone when it is dropped: the name cache's entries for it are stale then.
     pub(crate) presence: PresenceOf,
     /// What the views show of its record that only a deploy changes, shared with the reads
@@ -103,12 +103,13 @@ pub(crate) struct Dep {
 }
 
 impl Dep {
-    pub(crate) fn new(rec: DeploymentRecord) -> Self {
-        Self::replica(rec, 0)
+    /// Instance 0 of the deployment `rec` records, last used `now`.
+    pub(crate) fn new(rec: DeploymentRecord, now: Instant) -> Self {
+        Self::replica(rec, 0, now)
     }
 
-    /// Instance `index` of the deployment `rec` records.
-    pub(crate) fn replica(rec: DeploymentRecord, index: u32) -> Self {
+    /// Instance `index` of the deployment `rec` records, last used `now`.
+    pub(crate) fn replica(rec: DeploymentRecord, index: u32, now: Instant) -> Self {
         let spec = Arc::new(InstanceSpec::from_doc(rec.id.clone(), &rec.doc));
         let fixed = Arc::new(views::Fixed::of(&rec, Arc::clone(&spec), index));
         Self {
@@ -128,13 +129,12 @@ impl Dep {
             pid: None,
             tier: None,
             last_error: None,
-            last_used: Instant::now(),
+            last_used: now,
             failed_at: None,
             max_running: None,
             end: watch::channel(None).0,
             ended_stop_failed: None,
             operator_up: false,
-            uses: RouterUses::default(),
             presence: PresenceOf(Arc::new(AtomicBool::new(false))),
             fixed,
         }
@@ -147,14 +147,6 @@ impl Dep {
             Arc::clone(&self.spec),
             self.index,
         ));
-    }
-
-    /// Its last use: the later of a request's start or end (as the router records it, read
-    /// without a turn of its task) and the last state change that counts as use.
-    pub(crate) fn used_at(&self) -> Instant {
-        self.uses
-            .of(&self.rec.id)
-            .map_or(self.last_used, |t| t.max(self.last_used))
     }
 
     /// The spec its engine starts with: its deployment's, on the GPUs placement chose for it
@@ -174,22 +166,32 @@ impl Dep {
         spec
     }
 
-    /// Marks it failed, with `why`: its engine is gone (no address, process or tier), and the
-    /// scaler's back-off starts now.
-    pub(crate) fn fail(&mut self, why: String) {
-        self.state = InstanceState::Failed;
-        self.tier = None;
-        self.addr = None;
-        self.pid = None;
-        self.last_error = Some(why);
-        self.failed_at = Some(Instant::now());
+    /// Counts `now` as its last use (a state change that counts as use; a request's is the
+    /// router's record: [`State::used_at`]). The one place `last_used` is stamped.
+    pub(crate) fn touch(&mut self, now: Instant) {
+        self.last_used = now;
+    }
+
+    /// Marks it failed at `now`, with `why`: its engine is gone (no address, process or tier),
+    /// and the scaler's back-off starts.
+    pub(crate) fn fail(&mut self, why: String, now: Instant) {
+        self.engine_gone(why, Some(now));
     }
 
     /// Marks it failed because its host no longer has its engine (a node agent that came
     /// back without it): the engine did not fail on its own, so no back-off holds it.
     pub(crate) fn lost(&mut self, why: String) {
-        self.fail(why);
-        self.failed_at = None;
+        self.engine_gone(why, None);
+    }
+
+    /// Marks it failed, with `why` and the back-off's start (`failed_at`).
+    fn engine_gone(&mut self, why: String, failed_at: Option<Instant>) {
+        self.state = InstanceState::Failed;
+        self.tier = None;
+        self.addr = None;
+        self.pid = None;
+        self.last_error = Some(why);
+        self.failed_at = failed_at;
     }
 
     /// In the scaler's back-off: failed on its own less than [`FAILED_BACKOFF`] before `now`.
@@ -463,7 +465,9 @@ pub(crate) struct State {
     /// The units that may hold a parked copy in host RAM, by host: what a park reads to make
     /// room for its copy (`Server::make_parked_room`).
     pub(crate) parked_copies: parked_room::CopiesIndex,
-    /// The router's record of last uses, shared with every deployment ([`Dep::used_at`]).
+    /// The router's record of last uses and requests running ([`State::used_at`],
+    /// [`State::runs_requests`]): the one place a rule reads what the router records, without
+    /// a turn of its task.
     pub(crate) uses: RouterUses,
     /// The deployments with more than one instance (or instances past their `replicas`):
     /// what the scaler reads (kept by [`State::sync_units`] and [`State::remove`]).
@@ -499,9 +503,9 @@ pub(crate) struct Fence {
 }
 
 /// The router's record of each deployment's last use (its requests' starts and ends,
-/// [`CoordinatorHandle::last_used`]), once a router is attached: one shared cell, so that
-/// [`Dep::used_at`] reads it wherever a deployment is at hand. Reading it takes a read lock of
-/// its own and no turn of the router's task.
+/// [`CoordinatorHandle::last_used`]), once a router is attached: one shared cell, read through
+/// [`State::used_at`] and [`State::runs_requests`]. Reading it takes a read lock of its own
+/// and no turn of the router's task.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct RouterUses(pub(crate) Arc<RwLock<Option<LastUses>>>);
 
@@ -583,28 +587,46 @@ impl State {
             .filter(move |d| d.rec.id == dep)
     }
 
+    /// Unit `d`'s last use: the later of a request's start or end (as the router records it,
+    /// read without a turn of its task) and the last state change that counts as use
+    /// ([`Dep::touch`]).
+    pub(crate) fn used_at(&self, d: &Dep) -> Instant {
+        self.requests_used_at(&d.rec.id)
+            .map_or(d.last_used, |t| t.max(d.last_used))
+    }
+
+    /// Deployment `dep`'s last request start or end as the router records it (none yet: `None`).
+    pub(crate) fn requests_used_at(&self, dep: &str) -> Option<Instant> {
+        self.uses.of(dep)
+    }
+
+    /// Unit `d` runs requests the router forwarded to it now.
+    pub(crate) fn runs_requests(&self, d: &Dep) -> bool {
+        self.uses.in_flight_of(d.dep_id(), d.index) > 0
+    }
+
     /// The unit keys of deployment `dep`'s instances.
     pub(crate) fn unit_ids(&self, dep: &str) -> Vec<String> {
         self.units_of(dep).map(|d| d.unit.clone()).collect()
     }
 
     /// Adds `dep` (a name already known keeps its deployment: the first one loaded), with its
-    /// other instances ([`State::sync_units`]).
-    pub(crate) fn insert(&mut self, mut dep: Dep) {
-        dep.uses = self.uses.clone();
+    /// other instances ([`State::sync_units`], created as last used when `dep` was).
+    pub(crate) fn insert(&mut self, dep: Dep) {
         self.by_name
             .entry(dep.name().to_string())
             .or_insert_with(|| dep.rec.id.clone());
         let id = dep.rec.id.clone();
+        let born = dep.last_used;
         self.deps.insert(id.clone(), Box::new(dep));
-        self.sync_units(&id);
+        self.sync_units(&id, born);
     }
 
     /// Brings the instances of every deployment whose record changed in this turn in step
     /// with it ([`State::sync_units`]); the owner runs it after each turn.
-    pub(crate) fn sync_touched(&mut self) {
+    pub(crate) fn sync_touched(&mut self, now: Instant) {
         for id in std::mem::take(&mut self.dirty.touched) {
-            self.sync_units(&id);
+            self.sync_units(&id, now);
         }
     }
 
@@ -613,7 +635,7 @@ impl State {
     /// generation, first answer and pending start are its own) and the deployment's
     /// measurement; units past `replicas` that hold nothing are dropped (those still running
     /// are stopped by the scaler first: [`State::surplus`]).
-    pub(crate) fn sync_units(&mut self, dep: &str) {
+    pub(crate) fn sync_units(&mut self, dep: &str, now: Instant) {
         let Some(first) = self.deps.get(dep).filter(|d| d.index == 0) else {
             return;
         };
@@ -656,9 +678,8 @@ impl State {
                     own.generation = 0;
                     own.first_answer = None;
                     own.pending_start = false;
-                    let mut d = Dep::replica(own, index);
+                    let mut d = Dep::replica(own, index, now);
                     d.measurement = measurement;
-                    d.uses = self.uses.clone();
                     self.deps.insert(unit, Box::new(d));
                 }
             }
@@ -760,7 +781,7 @@ impl State {
             || self
                 .idle_taken
                 .get(dep)
-                .is_some_and(|at| self.uses.of(dep).is_none_or(|used| used <= *at))
+                .is_some_and(|at| self.requests_used_at(dep).is_none_or(|used| used <= *at))
     }
 
     /// The scaler's bring-up of `unit` (see [`crate::scale`]): into free room only, never
@@ -785,6 +806,27 @@ impl State {
         self.set_placed(unit, placed);
         // The scaler's: no operator asked for it.
         self.begin_up(unit, false, now)
+    }
+
+    /// The scaler's bring-up of the first of `units` (best first) that has room now (see
+    /// [`State::scale_up`]), in one turn: no other change comes between the tries.
+    pub(crate) fn scale_up_first(
+        &mut self,
+        units: Vec<String>,
+        now: Instant,
+    ) -> Option<(String, Up)> {
+        units.into_iter().find_map(|unit| {
+            let up = self.scale_up(&unit, now)?;
+            Some((unit, up))
+        })
+    }
+
+    /// Drops the instances past a lowered `replicas` of deployments `deps` that hold nothing
+    /// any more ([`State::settled_surplus`]), at `now`.
+    pub(crate) fn drop_surplus(&mut self, deps: &[String], now: Instant) {
+        for dep in deps {
+            self.sync_units(dep, now);
+        }
     }
 
     /// Removes deployment `id` (every instance; the first is returned).

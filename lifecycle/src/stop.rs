@@ -28,16 +28,7 @@ impl Server {
         rid: &str,
         refusal: ApiError,
     ) -> Result<Option<bool>, ApiError> {
-        self.on(id, |inner, id| {
-            let d = inner.deps.get_mut(id).ok_or_else(|| not_found(id))?;
-            d.rec.operator_stopped = true;
-            d.rec.operator_started = false;
-            d.rec.pending_start = false;
-            // Its other instances take the stop at the end of the turn.
-            inner.dirty.mark(id);
-            Ok::<_, ApiError>(())
-        })
-        .await?;
+        self.on(id, |inner, id| inner.operator_stop(id)).await?;
         self.save_logged(id).await;
         if let Some(r) = self.router() {
             r.deployment_refused(id.to_string(), refusal.clone()).await;
@@ -71,7 +62,9 @@ impl Server {
                 Some(true) => {
                     let rid = rid.to_string();
                     match self
-                        .on(id, move |inner, id| inner.begin_down(id, &rid))
+                        .on(id, move |inner, id| {
+                            inner.begin_down(id, &rid, Instant::now())
+                        })
                         .await
                     {
                         Err(ApiError::Conflict { .. }) => {}
@@ -106,7 +99,7 @@ impl Server {
         }
         let host = host_id.to_string();
         if !drain {
-            self.write(move |inner| inner.cordoned.remove(&host)).await;
+            self.write(move |inner| inner.uncordon(&host)).await;
             tracing::info!(host = %host_id, "uncordoned: the host is in service again");
             // Starts that waited for memory may find it there.
             self.memory_freed();
@@ -117,16 +110,7 @@ impl Server {
                 victims: Vec::new(),
             });
         }
-        let bound = self
-            .write(move |inner| {
-                inner.cordoned.insert(host.clone());
-                inner
-                    .on_host(&host)
-                    .filter(|d| d.bound_host() == Some(host.as_str()))
-                    .map(|d| d.id().to_string())
-                    .collect::<Vec<String>>()
-            })
-            .await;
+        let bound = self.write(move |inner| inner.cordon(&host)).await;
         tracing::info!(host = %host_id, deployments = bound.len(), "draining the host: it takes nothing new, and what runs there stops");
         let outcomes: Vec<(String, Result<Option<Victim>, ApiError>)> =
             futures_util::stream::iter(bound)
@@ -221,7 +205,7 @@ impl Server {
 
     pub(crate) async fn do_stop(&self, key: &str) -> Result<ActionReceipt, ApiError> {
         let id = self.find(key)?;
-        self.read(|inner| inner.command_refusal(&id))?;
+        self.read(|inner| inner.command_refusal(&id, Instant::now()))?;
         let rid = self.fresh_id("stop");
         let refusal = ApiError::DeploymentStopped {
             deployment: id.clone(),

@@ -20,7 +20,7 @@ impl owner::Ticks for Server {
     /// [`State::engine_exited`]); the router hears of it, and the starts waiting for memory
     /// try again.
     fn engine_exited(&self, state: &mut State, host: String, exit: EngineExit) {
-        let Some(key) = state.engine_exited(&host, &exit) else {
+        let Some(key) = state.engine_exited(&host, &exit, Instant::now()) else {
             return;
         };
         tracing::warn!(instance = %exit.instance, status = ?exit.status, "engine exited unexpectedly");
@@ -94,12 +94,8 @@ impl Server {
         // failed) are dropped.
         let surplus = self.read(State::settled_surplus);
         if !surplus.is_empty() {
-            self.write(move |inner| {
-                for dep in &surplus {
-                    inner.sync_units(dep);
-                }
-            })
-            .await;
+            self.write(move |inner| inner.drop_surplus(&surplus, Instant::now()))
+                .await;
         }
         let now = Instant::now();
         let inputs = self.read(|inner| inner.scale_inputs(now));
@@ -135,13 +131,7 @@ impl Server {
                     // The first that has room now (in one owner turn: no other change comes
                     // between the tries).
                     let up = self
-                        .write(move |inner| {
-                            let now = Instant::now();
-                            units.into_iter().find_map(|unit| {
-                                let up = inner.scale_up(&unit, now)?;
-                                Some((unit, up))
-                            })
-                        })
+                        .write(move |inner| inner.scale_up_first(units, Instant::now()))
                         .await;
                     let Some((unit, up)) = up else { continue };
                     tracing::info!(instance = %unit_instance(&unit), how = ?up, in_flight, waiting, "scale: one more instance");
@@ -165,7 +155,9 @@ impl Server {
                     let rid = self.fresh_id("scale");
                     let r = rid.clone();
                     let down = self
-                        .on(&unit, move |inner, id| inner.begin_down(id, &r))
+                        .on(&unit, move |inner, id| {
+                            inner.begin_down(id, &r, Instant::now())
+                        })
                         .await;
                     let Ok(down) = down else { continue };
                     tracing::info!(instance = %unit_instance(&unit), stop, in_flight, waiting, "scale: one fewer instance");
@@ -245,12 +237,8 @@ impl Server {
             // serving, undisturbed; its timer starts over instead of closing it every tick.
             if ready && let Err(e) = self.make_parked_room(&id).await {
                 tracing::info!(deployment = %id, error = %e, "idle timer: not parked");
-                self.on(&id, |inner, id| {
-                    if let Some(d) = inner.deps.get_mut(id) {
-                        d.last_used = Instant::now();
-                    }
-                })
-                .await;
+                self.on(&id, |inner, id| inner.touch(id, Instant::now()))
+                    .await;
                 continue;
             }
             let rid = self.fresh_id("idle");
@@ -272,10 +260,7 @@ impl Server {
                     let result = me.take_down_if_idle(&id, down, idle_since).await;
                     let failed = result.is_err();
                     me.on(&id, move |inner, id| {
-                        inner.release_reservation(&rid);
-                        if failed && let Some(d) = inner.deps.get_mut(id) {
-                            d.last_used = Instant::now();
-                        }
+                        inner.idle_down_done(id, &rid, failed, Instant::now())
                     })
                     .await;
                     match result {

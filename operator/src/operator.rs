@@ -20,6 +20,9 @@
 //! A leader that loses the Lease stops everything it started and [`run`] returns
 //! [`OperatorError::LostLeadership`]: crash-only, the process exits and comes back as a standby
 //! (the engines keep running for the next leader to adopt). A shutdown releases the Lease.
+//! Either way the inference listener first finishes the answers in progress for its shutdown
+//! grace, and just before the grace ends the requests still waiting for a switch are answered
+//! 503 `unavailable` instead of losing their connections ([`refuse_waiting_after`]).
 //!
 //! A leader that cannot reach the API server is **held over** (see [`super::leader`]) instead
 //! of losing the Lease at its renew deadline: [`follow_holdover`] tells the lifecycle to hold
@@ -47,6 +50,7 @@ use capyctl_node_agent::HostAgent;
 use capyctl_node_agent::remote::{RemoteConfig, RemoteHostAgent};
 use capyctl_node_agent::spec::HostSettings;
 use capyctl_router::config::RouterConfig;
+use capyctl_router::coordinator::CoordinatorHandle;
 use capyctl_router::proxy::{self, ProxyConfig};
 use capyctl_spec::Activation;
 use capyctl_spec::api::{
@@ -929,14 +933,13 @@ pub async fn lead(
     let router = server
         .spawn_router(observed, router_config(&options.server, &queue))
         .await;
+    let inference_config = ProxyConfig {
+        tls: options.tls.clone(),
+        ..proxy_config(&queue)
+    };
+    let grace = inference_config.shutdown_grace;
     let proxy = server
-        .proxy(
-            router.clone(),
-            ProxyConfig {
-                tls: options.tls.clone(),
-                ..proxy_config(&queue)
-            },
-        )
+        .proxy(router.clone(), inference_config)
         .with_observer(metrics.clone());
     let (stop_tasks, _) = watch::channel(false);
     let mut tasks: Vec<JoinHandle<()>> = Vec::new();
@@ -1035,9 +1038,14 @@ pub async fn lead(
     api.set_standby_ready(false);
     api.set(None);
     stop_tasks.send_replace(true);
+    let refusing = tokio::spawn(refuse_waiting_after(
+        router.clone(),
+        grace.saturating_sub(REFUSE_BEFORE_GRACE_ENDS),
+    ));
     for t in tasks {
         let _ = t.await;
     }
+    refusing.abort();
     server.close();
     if let Some(label) = &options.leader_label {
         match set_leader_label(&pods, &pod_name, label, false).await {
@@ -1048,6 +1056,33 @@ pub async fn lead(
         }
     }
     outcome
+}
+
+/// How long before the inference listener's shutdown grace ends a stopping leader answers the
+/// requests still waiting in its router ([`refuse_waiting_after`]).
+const REFUSE_BEFORE_GRACE_ENDS: Duration = Duration::from_secs(2);
+
+/// A leader that stops (shutdown, or the leadership lost) lets its inference listener finish
+/// the answers in progress for its shutdown grace, then drops the connections left; a request
+/// still waiting for a switch then would lose its connection without an answer. So after
+/// `after` (just before the grace ends) every request still waiting in `router` is answered
+/// 503 `unavailable`, "dispatch to deployment <id> is closed; retry shortly" (the product
+/// page's, retryable: the next leader serves the retry), and a switch to its deployment that
+/// has not begun executing is given up; one executing runs on (its engine is adopted by the
+/// next leader). Requests a switch serves within the grace are answered as usual.
+async fn refuse_waiting_after(router: CoordinatorHandle, after: Duration) {
+    tokio::time::sleep(after).await;
+    for load in router.load().await {
+        if load.waiting == 0 {
+            continue;
+        }
+        tracing::warn!(deployment = %load.deployment_id, waiting = load.waiting, "this leader stops: the requests still waiting for the deployment are answered 503 (retry shortly)");
+        let deployment = load.deployment_id;
+        let error = ApiError::DispatchClosed {
+            deployment: deployment.clone(),
+        };
+        router.deployment_refused(deployment, error).await;
+    }
 }
 
 /// Runs the operator until `shutdown` (see the module doc).

@@ -16,10 +16,15 @@
 //! its engines adopted, none started twice; an engine Pod deleted by hand: its model fails and
 //! its next request starts it afresh; the kubelet restarted: everything runs on), a deleted
 //! object's engine Pod removed, the operators stopped (the leader releases its Lease) and
-//! `helm uninstall` leaving none of the release's objects. Skipped when
-//! `CAPYCTL_TEST_KUBECONFIG` is unset, as every needs-cluster test, and when the cluster has no
-//! Ready node (a control plane only, as `../shared/tools/k8s/k8s-up.sh` starts). Runs as root
-//! (it kills a container through containerd and restarts the kubelet).
+//! `helm uninstall` leaving none of the release's objects. Two more tests: the operator's
+//! leader Pod deleted mid-switch, two replicas running (a switch within the stopping leader's
+//! grace completes, one past it has its waiting requests answered 503; another replica takes
+//! over), and the real vLLM image (`scripts/local-vllm-image.sh`) serving, parking and waking in
+//! engine Pods (it needs that image imported). Ignored by default (`needs cluster`); run with
+//! `--ignored`, they fail, naming what they need, when `CAPYCTL_TEST_KUBECONFIG` is unset (as
+//! every needs-cluster test) or the cluster has no Ready node (a control plane only, as
+//! `../shared/tools/k8s/k8s-up.sh` starts). Runs as root (it kills a container through
+//! containerd and restarts the kubelet).
 #![allow(clippy::unwrap_used)]
 
 #[path = "../../operator/tests/k8s_support/mod.rs"]
@@ -80,8 +85,10 @@ where
 }
 
 /// One chat completion through the router Service at `addr` (its ClusterIP, which kube-proxy
-/// serves on this node): the status code and the body.
-async fn chat(addr: &str, model: &str) -> (u16, String) {
+/// serves on this node): the status code and the body; `Err` when no HTTP answer came (the
+/// connection refused, cut, or closed before an answer), saying what happened. Bounded by
+/// `limit`: a request that hangs panics, naming it.
+async fn try_chat(addr: &str, model: &str, limit: Duration) -> Result<(u16, String), String> {
     let body = serde_json::json!({
         "model": model,
         "messages": [{"role": "user", "content": "Hello"}],
@@ -100,21 +107,28 @@ async fn chat(addr: &str, model: &str) -> (u16, String) {
         stream.read_to_end(&mut response).await?;
         Ok::<_, std::io::Error>(response)
     };
-    let response = tokio::time::timeout(Duration::from_secs(120), exchange)
+    let response = tokio::time::timeout(limit, exchange)
         .await
-        .unwrap_or_else(|_| panic!("no answer for {model} within 120 s"))
-        .unwrap();
+        .unwrap_or_else(|_| panic!("no answer for {model} within {limit:?}: it hung"))
+        .map_err(|e| format!("no answer for {model}: {e}"))?;
     let text = String::from_utf8_lossy(&response).into_owned();
     let status = text
         .split(' ')
         .nth(1)
         .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("not an HTTP answer: {text:?}"));
+        .ok_or_else(|| format!("not an HTTP answer for {model}: {text:?}"))?;
     let body = text
         .split_once("\r\n\r\n")
         .map_or("", |(_, b)| b)
         .to_string();
-    (status, body)
+    Ok((status, body))
+}
+
+/// [`try_chat`] within 120 s; panics when no HTTP answer came.
+async fn chat(addr: &str, model: &str) -> (u16, String) {
+    try_chat(addr, model, Duration::from_secs(120))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// The `state` of the CR's status (what `kubectl get cdeploy` prints as STATE).
@@ -191,17 +205,25 @@ where
 /// `kubectl ARGS` (the one `scripts/local-cluster.sh` runs: `$CAPYCTL_K8S_HOME/bin/kubectl`,
 /// else the PATH's) against the kubeconfig; panics with its output when it fails.
 fn kubectl(kubeconfig: &std::path::Path, args: &[&str]) -> String {
+    run(
+        &kubectl_program(),
+        args,
+        &[("KUBECONFIG", kubeconfig.as_os_str())],
+    )
+}
+
+/// `$CAPYCTL_K8S_HOME/bin/kubectl`, else the PATH's.
+fn kubectl_program() -> PathBuf {
     let home = std::env::var_os("CAPYCTL_K8S_HOME").map_or_else(
         || PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/capyctl-k8s"),
         PathBuf::from,
     );
     let built = home.join("bin/kubectl");
-    let program = if built.exists() {
+    if built.exists() {
         built
     } else {
         PathBuf::from("kubectl")
-    };
-    run(&program, args, &[("KUBECONFIG", kubeconfig.as_os_str())])
+    }
 }
 
 /// `kubectl capyctl ARGS` (the workspace's `kubectl-capyctl`, built first when missing or stale)
@@ -305,9 +327,51 @@ fn pod_ready(p: &Pod) -> bool {
         .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
-#[tokio::test]
-#[ignore = "needs cluster"]
-async fn the_chart_runs_end_to_end_on_a_real_node() {
+/// A release of the chart installed by [`install`], in a namespace of its own.
+struct Release {
+    kubeconfig: PathBuf,
+    ns: k8s_support::TestNamespace,
+    pods: Api<Pod>,
+    /// The router Service's ClusterIP and port.
+    addr: String,
+    node_name: String,
+    started: Instant,
+}
+
+impl Drop for Release {
+    /// A test that failed leaves its release running, and the namespace's cleanup
+    /// ([`k8s_support::TestNamespace`], made for an API server alone) finalizes the namespace
+    /// itself, which leaves the objects in it: a DaemonSet or Deployment left would keep its
+    /// Pods on the node for good. So the workloads and Pods go first, at once (after a passing
+    /// test there are none).
+    fn drop(&mut self) {
+        let _ = std::process::Command::new(kubectl_program())
+            .args([
+                "delete",
+                "-n",
+                &self.ns.name,
+                "deployments.apps,daemonsets,replicasets,pods",
+                "--all",
+                "--force",
+                "--grace-period=0",
+                "--wait=false",
+            ])
+            .env("KUBECONFIG", &self.kubeconfig)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status();
+    }
+}
+
+/// The tests take turns: each installs the chart, whose node agent runs on the one node and
+/// declares its one GPU.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Installs the chart (`scripts/helm install` with the values files `values`) in a namespace
+/// `<prefix>-...` of its own, the node labelled as a GPU host; waits for the node agent and both
+/// operators Ready and a leader. `test` names the caller for the message of a cluster without a
+/// Ready node.
+async fn install(prefix: &str, values: &[&str], test: &str) -> Release {
     let (kubeconfig, client) = k8s_support::cluster().await;
     let nodes: Api<Node> = Api::all(client.clone());
     let ready = nodes.list(&ListParams::default()).await.unwrap().items;
@@ -321,7 +385,7 @@ async fn the_chart_runs_end_to_end_on_a_real_node() {
             "this test needs a cluster with a Ready node: `scripts/local-cluster.sh up`, then \
              `scripts/local-images.sh` (README, A local cluster); against a cluster of an API \
              server alone (`k8s-up.sh`), leave it out with \
-             `--skip the_chart_runs_end_to_end_on_a_real_node`"
+             `--skip {test}`"
         );
     };
     let node_name = node.name_any();
@@ -334,7 +398,7 @@ async fn the_chart_runs_end_to_end_on_a_real_node() {
         .await
         .unwrap();
 
-    let ns = k8s_support::TestNamespace::create(&kubeconfig, &client, "capyctl-node").await;
+    let ns = k8s_support::TestNamespace::create(&kubeconfig, &client, prefix).await;
     for suffix in ["operator", "node-agent"] {
         let name = format!("{RELEASE}-{}-{suffix}", ns.name);
         ns.also_delete(format!(
@@ -344,18 +408,11 @@ async fn the_chart_runs_end_to_end_on_a_real_node() {
             "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/{name}"
         ));
     }
-    helm(
-        &kubeconfig,
-        &[
-            "install",
-            RELEASE,
-            "charts/capyctl",
-            "-n",
-            &ns.name,
-            "-f",
-            "charts/capyctl/values-local.yaml",
-        ],
-    );
+    let mut args = vec!["install", RELEASE, "charts/capyctl", "-n", &ns.name];
+    for v in values {
+        args.extend(["-f", v]);
+    }
+    helm(&kubeconfig, &args);
 
     // The node agent and both operators run and are ready.
     let pods: Api<Pod> = ns.api();
@@ -410,22 +467,6 @@ async fn the_chart_runs_end_to_end_on_a_real_node() {
         agent.spec.as_ref().unwrap().node_name.as_deref(),
         Some(node_name.as_str())
     );
-
-    // Two models that do not fit together on the declared 24 GiB GPU.
-    let crs: Api<capyctl_crds::Deployment> = ns.api();
-    for (name, model) in [("chat-a", "Qwen3-4B"), ("chat-b", "Qwen3-8B")] {
-        let cr: capyctl_crds::Deployment = serde_json::from_value(serde_json::json!({
-            "apiVersion": "capyctl.io/v1alpha1",
-            "kind": "Deployment",
-            "metadata": {"name": name},
-            "spec": {"engine": "vllm", "model": model,
-                     "resources": {"gpuMemory": "16GiB", "weightsMemory": "14GiB"}},
-        }))
-        .unwrap();
-        crs.create(&PostParams::default(), &cr).await.unwrap();
-    }
-    wait_states(&crs, &[("chat-a", "stopped"), ("chat-b", "stopped")]).await;
-
     let services: Api<Service> = ns.api();
     let router = services.get(&format!("{RELEASE}-router")).await.unwrap();
     let spec = router.spec.unwrap();
@@ -434,27 +475,127 @@ async fn the_chart_runs_end_to_end_on_a_real_node() {
         spec.cluster_ip.unwrap(),
         spec.ports.unwrap()[0].port
     );
+    // kube-proxy routes the Service to the leader's Pod a moment after its label is set.
+    wait_for(
+        "the router Service reachable",
+        Duration::from_secs(60),
+        || async {
+            tokio::net::TcpStream::connect(&addr)
+                .await
+                .map(drop)
+                .map_err(|e| e.to_string())
+        },
+    )
+    .await;
+    Release {
+        kubeconfig,
+        ns,
+        pods,
+        addr,
+        node_name,
+        started,
+    }
+}
+
+/// Creates the `Deployment` objects `(name, spec)` and waits until they are `stopped`.
+async fn create_models(crs: &Api<capyctl_crds::Deployment>, models: &[(&str, serde_json::Value)]) {
+    for (name, spec) in models {
+        let cr: capyctl_crds::Deployment = serde_json::from_value(serde_json::json!({
+            "apiVersion": "capyctl.io/v1alpha1",
+            "kind": "Deployment",
+            "metadata": {"name": name},
+            "spec": spec,
+        }))
+        .unwrap();
+        crs.create(&PostParams::default(), &cr).await.unwrap();
+    }
+    let stopped: Vec<(&str, &str)> = models.iter().map(|(n, _)| (*n, "stopped")).collect();
+    wait_states(crs, &stopped).await;
+}
+
+/// Deletes the `Deployment` objects `names` and waits until they and their engine Pods are gone
+/// (the finalizer stops the engines).
+async fn delete_models(crs: &Api<capyctl_crds::Deployment>, pods: &Api<Pod>, names: &[&str]) {
+    for name in names {
+        crs.delete(name, &DeleteParams::default()).await.unwrap();
+    }
+    wait_for(
+        "the objects and their engine Pods gone",
+        Duration::from_secs(120),
+        || async {
+            let left = crs.list(&ListParams::default()).await.unwrap().items.len();
+            let mut engines = 0;
+            for name in names {
+                engines += all_engine_pods(pods, name).await.len();
+            }
+            if left == 0 && engines == 0 {
+                Ok(())
+            } else {
+                Err(format!("{left} object(s), {engines} engine Pod(s) left"))
+            }
+        },
+    )
+    .await;
+}
+
+/// The spec of an engine-sim model of 16 GiB (two do not fit together on the declared 24 GiB
+/// GPU).
+fn sim_model(model: &str) -> serde_json::Value {
+    serde_json::json!({"engine": "vllm", "model": model,
+                       "resources": {"gpuMemory": "16GiB", "weightsMemory": "14GiB"}})
+}
+
+#[tokio::test]
+#[ignore = "needs cluster"]
+async fn the_chart_runs_end_to_end_on_a_real_node() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let release = install(
+        "capyctl-node",
+        &["charts/capyctl/values-local.yaml"],
+        "the_chart_runs_end_to_end_on_a_real_node",
+    )
+    .await;
+    let Release {
+        kubeconfig,
+        ns,
+        pods,
+        addr,
+        node_name,
+        started,
+    } = &release;
+    let (kubeconfig, ns, pods, addr) = (kubeconfig.as_path(), ns, pods, addr.as_str());
+
+    // Two models that do not fit together on the declared 24 GiB GPU.
+    let crs: Api<capyctl_crds::Deployment> = ns.api();
+    create_models(
+        &crs,
+        &[
+            ("chat-a", sim_model("Qwen3-4B")),
+            ("chat-b", sim_model("Qwen3-8B")),
+        ],
+    )
+    .await;
 
     // A request starts chat-a: its engine Pod runs in containerd and answers.
-    let (status, body) = chat(&addr, "chat-a").await;
+    let (status, body) = chat(addr, "chat-a").await;
     assert_eq!(status, 200, "{body}");
     assert!(body.contains(r#""model":"chat-a""#), "{body}");
     wait_states(&crs, &[("chat-a", "ready"), ("chat-b", "stopped")]).await;
-    assert_eq!(running_engine_pods(&pods, "chat-a").await.len(), 1);
+    assert_eq!(running_engine_pods(pods, "chat-a").await.len(), 1);
 
     // chat-b's request switches the GPU: chat-a parks (its engine Pod stays), chat-b starts.
-    let (status, body) = chat(&addr, "chat-b").await;
+    let (status, body) = chat(addr, "chat-b").await;
     assert_eq!(status, 200, "{body}");
     assert!(body.contains(r#""model":"chat-b""#), "{body}");
     wait_states(&crs, &[("chat-a", "parked"), ("chat-b", "ready")]).await;
-    let parked = running_engine_pods(&pods, "chat-a").await;
+    let parked = running_engine_pods(pods, "chat-a").await;
     assert_eq!(parked.len(), 1, "the parked engine's Pod is kept");
 
     // And back: chat-a wakes in the same Pod, chat-b parks.
-    let (status, body) = chat(&addr, "chat-a").await;
+    let (status, body) = chat(addr, "chat-a").await;
     assert_eq!(status, 200, "{body}");
     wait_states(&crs, &[("chat-a", "ready"), ("chat-b", "parked")]).await;
-    assert_eq!(running_engine_pods(&pods, "chat-a").await, parked);
+    assert_eq!(running_engine_pods(pods, "chat-a").await, parked);
 
     // The objects' printer columns and `kubectl capyctl` follow the states.
     let want = |a: &str, b: &str| {
@@ -464,15 +605,12 @@ async fn the_chart_runs_end_to_end_on_a_real_node() {
         ]
     };
     assert_eq!(
-        printed_states(&kubeconfig, &ns.name),
+        printed_states(kubeconfig, &ns.name),
         want("ready", "parked")
     );
-    assert_eq!(
-        listed_states(&kubeconfig, &ns.name),
-        want("ready", "parked")
-    );
+    assert_eq!(listed_states(kubeconfig, &ns.name), want("ready", "parked"));
     let status = kubectl_capyctl(
-        &kubeconfig,
+        kubeconfig,
         &["-n", &ns.name, "status", "deployment", "chat-a", "--json"],
     );
     let status: serde_json::Value = serde_json::from_str(&status).unwrap();
@@ -481,7 +619,7 @@ async fn the_chart_runs_end_to_end_on_a_real_node() {
     // `start --evict` parks chat-a to make room and wakes chat-b.
     let t = Instant::now();
     kubectl_capyctl(
-        &kubeconfig,
+        kubeconfig,
         &[
             "-n",
             &ns.name,
@@ -493,26 +631,23 @@ async fn the_chart_runs_end_to_end_on_a_real_node() {
         ],
     );
     eprintln!("kubectl capyctl start --evict in {:?}", t.elapsed());
-    assert_eq!(
-        listed_states(&kubeconfig, &ns.name),
-        want("parked", "ready")
-    );
+    assert_eq!(listed_states(kubeconfig, &ns.name), want("parked", "ready"));
     wait_states(&crs, &[("chat-a", "parked"), ("chat-b", "ready")]).await;
     assert_eq!(
-        printed_states(&kubeconfig, &ns.name),
+        printed_states(kubeconfig, &ns.name),
         want("parked", "ready")
     );
-    let (status, body) = chat(&addr, "chat-b").await;
+    let (status, body) = chat(addr, "chat-b").await;
     assert_eq!(status, 200, "{body}");
 
     // Fault: the node agent's container killed. The kubelet restarts it; the new agent adopts
     // both engines (chat-b ready, chat-a parked) in their Pods: none is started again.
     let t = Instant::now();
     let engines = [
-        engine_pod_uids(&pods, "chat-a").await,
-        engine_pod_uids(&pods, "chat-b").await,
+        engine_pod_uids(pods, "chat-a").await,
+        engine_pod_uids(pods, "chat-b").await,
     ];
-    let before = agent_pod(&pods).await;
+    let before = agent_pod(pods).await;
     let (restarts, container) = container_of(&before);
     run(
         std::path::Path::new("ctr"),
@@ -568,19 +703,19 @@ async fn the_chart_runs_end_to_end_on_a_real_node() {
     assert_eq!(adopted, 2);
     assert_eq!(
         [
-            engine_pod_uids(&pods, "chat-a").await,
-            engine_pod_uids(&pods, "chat-b").await,
+            engine_pod_uids(pods, "chat-a").await,
+            engine_pod_uids(pods, "chat-b").await,
         ],
         engines,
         "no engine started twice"
     );
-    let (status, body) = chat(&addr, "chat-b").await;
+    let (status, body) = chat(addr, "chat-b").await;
     assert_eq!(status, 200, "{body}");
     // The adopted parked engine wakes in its Pod.
-    let (status, body) = chat(&addr, "chat-a").await;
+    let (status, body) = chat(addr, "chat-a").await;
     assert_eq!(status, 200, "{body}");
     wait_states(&crs, &[("chat-a", "ready"), ("chat-b", "parked")]).await;
-    assert_eq!(engine_pod_uids(&pods, "chat-a").await, engines[0]);
+    assert_eq!(engine_pod_uids(pods, "chat-a").await, engines[0]);
     eprintln!(
         "node agent killed, restarted, engines adopted in {:?}",
         t.elapsed()
@@ -593,10 +728,10 @@ async fn the_chart_runs_end_to_end_on_a_real_node() {
         .await
         .unwrap();
     wait_states(&crs, &[("chat-a", "failed"), ("chat-b", "parked")]).await;
-    let (status, body) = chat(&addr, "chat-a").await;
+    let (status, body) = chat(addr, "chat-a").await;
     assert_eq!(status, 200, "{body}");
     wait_states(&crs, &[("chat-a", "ready"), ("chat-b", "parked")]).await;
-    let restarted = engine_pod_uids(&pods, "chat-a").await;
+    let restarted = engine_pod_uids(pods, "chat-a").await;
     assert_eq!(restarted.len(), 1, "{restarted:?}");
     assert_ne!(restarted, engines[0], "a new engine Pod");
     eprintln!(
@@ -607,26 +742,26 @@ async fn the_chart_runs_end_to_end_on_a_real_node() {
     // Fault: the kubelet restarted. The engines and the node agent run on in their Pods; the
     // models serve and switch as before.
     let t = Instant::now();
-    let engines = [restarted, engine_pod_uids(&pods, "chat-b").await];
-    let (restarts, _) = container_of(&agent_pod(&pods).await);
+    let engines = [restarted, engine_pod_uids(pods, "chat-b").await];
+    let (restarts, _) = container_of(&agent_pod(pods).await);
     run(
         &repo_root().join("scripts/local-cluster.sh"),
         &["restart", "kubelet"],
         &[],
     );
-    let (status, body) = chat(&addr, "chat-a").await;
+    let (status, body) = chat(addr, "chat-a").await;
     assert_eq!(status, 200, "{body}");
-    let (status, body) = chat(&addr, "chat-b").await;
+    let (status, body) = chat(addr, "chat-b").await;
     assert_eq!(status, 200, "{body}");
     wait_states(&crs, &[("chat-a", "parked"), ("chat-b", "ready")]).await;
     assert_eq!(
         [
-            engine_pod_uids(&pods, "chat-a").await,
-            engine_pod_uids(&pods, "chat-b").await,
+            engine_pod_uids(pods, "chat-a").await,
+            engine_pod_uids(pods, "chat-b").await,
         ],
         engines
     );
-    assert_eq!(container_of(&agent_pod(&pods).await).0, restarts);
+    assert_eq!(container_of(&agent_pod(pods).await).0, restarts);
     eprintln!("kubelet restarted, models switched in {:?}", t.elapsed());
 
     // Deleting an object removes its engine Pod (the finalizer stops the engine).
@@ -663,8 +798,20 @@ async fn the_chart_runs_end_to_end_on_a_real_node() {
     })
     .await;
 
-    // The clean uninstall (README, A local cluster): the operators stopped first, the leader
-    // releases its Lease on SIGTERM (its Role is still there), then helm uninstall.
+    uninstall(&release).await;
+    eprintln!("end to end on node {node_name} in {:?}", started.elapsed());
+}
+
+/// The clean uninstall (README, A local cluster): the operators stopped first, the leader
+/// releases its Lease on SIGTERM (its Role is still there), then `helm uninstall` leaves none of
+/// the release's objects.
+async fn uninstall(release: &Release) {
+    let Release {
+        kubeconfig,
+        ns,
+        pods,
+        ..
+    } = release;
     let operators: Api<AppsDeployment> = ns.api();
     let scale = serde_json::json!({"spec": {"replicas": 0}});
     operators
@@ -695,7 +842,7 @@ async fn the_chart_runs_end_to_end_on_a_real_node() {
     assert_eq!(holder, None, "the leader released its Lease");
 
     // helm uninstall leaves none of the release's objects.
-    helm(&kubeconfig, &["uninstall", RELEASE, "-n", &ns.name]);
+    helm(kubeconfig, &["uninstall", RELEASE, "-n", &ns.name]);
     wait_for(
         "the release's objects gone",
         Duration::from_secs(90),
@@ -708,11 +855,11 @@ async fn the_chart_runs_end_to_end_on_a_real_node() {
                 .iter()
                 .map(|p| format!("pod/{}", p.name_any()))
                 .collect();
-            left.extend(release_objects::<DaemonSet>(&ns, "daemonset").await);
-            left.extend(release_objects::<AppsDeployment>(&ns, "deployment").await);
-            left.extend(release_objects::<Service>(&ns, "service").await);
-            left.extend(release_objects::<ConfigMap>(&ns, "configmap").await);
-            left.extend(release_objects::<Secret>(&ns, "secret").await);
+            left.extend(release_objects::<DaemonSet>(ns, "daemonset").await);
+            left.extend(release_objects::<AppsDeployment>(ns, "deployment").await);
+            left.extend(release_objects::<Service>(ns, "service").await);
+            left.extend(release_objects::<ConfigMap>(ns, "configmap").await);
+            left.extend(release_objects::<Secret>(ns, "secret").await);
             if left.is_empty() {
                 Ok(())
             } else {
@@ -721,5 +868,496 @@ async fn the_chart_runs_end_to_end_on_a_real_node() {
         },
     )
     .await;
-    eprintln!("end to end on node {node_name} in {:?}", started.elapsed());
+}
+
+/// Every engine Pod of the CR `name`, whatever its phase (and being deleted or not), as (name,
+/// UID), sorted.
+async fn all_engine_pods(pods: &Api<Pod>, name: &str) -> Vec<(String, String)> {
+    let lp = ListParams::default().labels(&format!("capyctl.io/deployment={name}"));
+    let mut all: Vec<(String, String)> = pods
+        .list(&lp)
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .map(|p| (p.name_any(), p.uid().unwrap_or_default()))
+        .collect();
+    all.sort();
+    all
+}
+
+/// The holder of the operators' Lease.
+async fn lease_holder(ns: &k8s_support::TestNamespace) -> Option<String> {
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> = ns.api();
+    leases
+        .get_opt(&format!("{RELEASE}-operator"))
+        .await
+        .unwrap()
+        .and_then(|l| l.spec)
+        .and_then(|s| s.holder_identity)
+}
+
+/// The operator Pods that are Running and not being deleted, by name.
+async fn operator_pods(pods: &Api<Pod>) -> Vec<String> {
+    let lp = ListParams::default().labels("app.kubernetes.io/component=operator");
+    let mut names: Vec<String> = pods
+        .list(&lp)
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none() && pod_ready(p))
+        .map(|p| p.name_any())
+        .collect();
+    names.sort();
+    names
+}
+
+/// Whether `body` is one of the product page's errors a request may get when its switch is
+/// ended (a 503 `unavailable`, retryable), rather than something else.
+fn page_error(status: u16, body: &str) -> bool {
+    let v: serde_json::Value = serde_json::from_str(body).unwrap_or_default();
+    let code = v["error"]["code"]
+        .as_str()
+        .or(v["code"].as_str())
+        .unwrap_or_default();
+    status == 503 && code == "unavailable"
+}
+
+/// What [`delete_the_leader_mid_switch`] saw.
+struct Handover {
+    /// Requests in flight answered 200 by the target, and answered with the page's 503.
+    answered: usize,
+    refused: usize,
+    /// The target's engine Pods once its switch had begun (name, UID).
+    engine_pods: Vec<(String, String)>,
+    /// The latest end of a request in flight, after the leader's Pod was deleted.
+    last_end: Duration,
+}
+
+/// Three requests for `target` switch the GPU to it; while its engine starts (the object's
+/// state `starting`, its engine Pod created), the leader's Pod (the Lease's holder) is deleted
+/// as `kubectl delete pod` does: SIGTERM, the chart's grace period. Every request in flight must
+/// end with an answer from `target` or one of the page's errors, never without one, and none
+/// may hang; then another replica must hold the Lease and carry the leader label, Ready.
+async fn delete_the_leader_mid_switch(
+    release: &Release,
+    crs: &Api<capyctl_crds::Deployment>,
+    target: &str,
+) -> Handover {
+    let Release { ns, pods, addr, .. } = release;
+    wait_for("two operators Ready", Duration::from_secs(120), || async {
+        let ready = operator_pods(pods).await;
+        if ready.len() == 2 {
+            Ok(())
+        } else {
+            Err(format!("{ready:?}"))
+        }
+    })
+    .await;
+    let t = Instant::now();
+    let in_flight: Vec<_> = (0..3)
+        .map(|_| {
+            let (addr, target) = (addr.clone(), target.to_string());
+            tokio::spawn(async move {
+                let r = try_chat(&addr, &target, Duration::from_secs(150)).await;
+                (r, Instant::now())
+            })
+        })
+        .collect();
+    wait_for(
+        &format!("{target} starting"),
+        Duration::from_secs(60),
+        || async {
+            let s = state(crs, target).await;
+            if s == "starting" { Ok(()) } else { Err(s) }
+        },
+    )
+    .await;
+    let engine_pods = all_engine_pods(pods, target).await;
+    assert_eq!(
+        engine_pods.len(),
+        1,
+        "{target}'s engine Pod: {engine_pods:?}"
+    );
+    let leader = lease_holder(ns).await.expect("a leader holds the Lease");
+    let operators = operator_pods(pods).await;
+    assert!(
+        operators.iter().any(|p| *p != leader),
+        "no standby beside {leader}: {operators:?}"
+    );
+
+    let deleted_into = t.elapsed();
+    let deleted = Instant::now();
+    pods.delete(&leader, &DeleteParams::default())
+        .await
+        .unwrap();
+    let (mut answered, mut refused, mut last_end) = (0, 0, Duration::ZERO);
+    for request in in_flight {
+        let (result, at) = request.await.unwrap();
+        match result {
+            Ok((200, body)) => {
+                assert!(body.contains(&format!(r#""model":"{target}""#)), "{body}");
+                answered += 1;
+            }
+            Ok((status, body)) => {
+                assert!(
+                    page_error(status, &body),
+                    "a request in flight got neither an answer nor one of the page's errors: \
+                     {status} {body}"
+                );
+                refused += 1;
+            }
+            Err(e) => panic!("a request in flight was lost when the leader went: {e}"),
+        }
+        last_end = last_end.max(at.saturating_duration_since(deleted));
+    }
+    eprintln!(
+        "leader {leader} deleted {deleted_into:?} into the switch to {target}: {answered} \
+         request(s) in flight answered, {refused} refused (503), the last {last_end:?} after"
+    );
+    // Another replica takes the Lease: the standby, or the Pod the operators' Deployment made in
+    // the deleted one's place (whichever tries first once the old leader released it).
+    let standby = wait_for(
+        "another replica holding the Lease, labelled leader and Ready",
+        Duration::from_secs(120),
+        || async {
+            let holder = lease_holder(ns).await.filter(|h| *h != leader);
+            let Some(holder) = holder else {
+                return Err(format!("held by {leader} or none"));
+            };
+            let p = pods.get(&holder).await.map_err(|e| e.to_string())?;
+            let label = p.labels().get("capyctl.io/leader").cloned();
+            if label.as_deref() == Some("true") && pod_ready(&p) {
+                Ok(holder)
+            } else {
+                Err(format!(
+                    "held by {holder}: label {label:?}, ready {}",
+                    pod_ready(&p)
+                ))
+            }
+        },
+    )
+    .await;
+    eprintln!(
+        "{standby} leads {:?} after the leader's Pod was deleted",
+        deleted.elapsed()
+    );
+    Handover {
+        answered,
+        refused,
+        engine_pods,
+        last_end,
+    }
+}
+
+/// `model` served 200 through the router Service, retried while the Service's endpoint moves
+/// to the new leader (no connection, or the page's 503).
+async fn served_after_handover(pods: &Api<Pod>, addr: &str, model: &str) {
+    wait_for(
+        &format!("{model} served by the new leader"),
+        Duration::from_secs(120),
+        || async {
+            match try_chat(addr, model, Duration::from_secs(90)).await {
+                Ok((200, _)) => Ok(()),
+                Ok((status, body)) if page_error(status, &body) => Err(format!("{status} {body}")),
+                Ok((status, body)) => {
+                    // For the reader: what the operators said.
+                    for name in operator_pods(pods).await {
+                        let log = pods
+                            .logs(&name, &kube::api::LogParams::default())
+                            .await
+                            .unwrap_or_default();
+                        for line in log.lines() {
+                            eprintln!("{name}: {line}");
+                        }
+                    }
+                    panic!("{model}: {status} {body:?}")
+                }
+                Err(e) => Err(e),
+            }
+        },
+    )
+    .await;
+}
+
+/// The operator's leader Pod deleted in the middle of a switch, two replicas running (issue 29,
+/// item 4), twice ([`delete_the_leader_mid_switch`]):
+/// - chat-b's engine starts in 20 s (engine-sim's start-up delay, in the object's environment),
+///   within the stopping leader's 30 s grace: the switch completes, the requests in flight are
+///   answered by chat-b, and the standby takes the Lease once the old leader has released it;
+/// - chat-c's engine starts in 60 s, past the grace: just before it ends, the stopping leader
+///   answers the requests still waiting 503 `unavailable` ("dispatch to deployment ... is
+///   closed; retry shortly"), none is cut off; the new leader serves chat-c with one engine
+///   Pod (the node agent ends the start the old leader left, and chat-c starts afresh: see the
+///   NB below).
+///
+/// chat-b's engine Pod is the one created before the leader went (not started twice), chat-a's
+/// the one parked in it (woken after, not started again), and the objects' status follows.
+#[tokio::test]
+#[ignore = "needs cluster"]
+async fn the_operators_leader_deleted_mid_switch_hands_over_on_a_real_node() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let release = install(
+        "capyctl-leader",
+        &["charts/capyctl/values-local.yaml"],
+        "the_operators_leader_deleted_mid_switch_hands_over_on_a_real_node",
+    )
+    .await;
+    let Release {
+        ns,
+        pods,
+        addr,
+        started,
+        ..
+    } = &release;
+    let crs: Api<capyctl_crds::Deployment> = ns.api();
+    let slow = |model: &str, delay: &str| {
+        let mut spec = sim_model(model);
+        spec["env"] = serde_json::json!({"ENGINE_SIM_STARTUP_DELAY": delay});
+        // A parked copy of 1 GiB: chat-a's and chat-b's both fit in the node's 16 GiB of host
+        // memory.
+        spec["resources"]["weightsMemory"] = serde_json::json!("1GiB");
+        spec
+    };
+    let mut chat_a = sim_model("Qwen3-4B");
+    chat_a["resources"]["weightsMemory"] = serde_json::json!("1GiB");
+    create_models(
+        &crs,
+        &[
+            ("chat-a", chat_a),
+            ("chat-b", slow("Qwen3-8B", "20s")),
+            ("chat-c", slow("Qwen3-14B", "60s")),
+        ],
+    )
+    .await;
+    let (status, body) = chat(addr, "chat-a").await;
+    assert_eq!(status, 200, "{body}");
+    wait_states(&crs, &[("chat-a", "ready")]).await;
+    let chat_a = all_engine_pods(pods, "chat-a").await;
+    assert_eq!(chat_a.len(), 1, "{chat_a:?}");
+
+    // 1. The switch completes within the stopping leader's grace.
+    let b = delete_the_leader_mid_switch(&release, &crs, "chat-b").await;
+    assert_eq!(
+        (b.answered, b.refused),
+        (3, 0),
+        "chat-b started within the grace"
+    );
+    served_after_handover(pods, addr, "chat-b").await;
+    wait_states(&crs, &[("chat-a", "parked"), ("chat-b", "ready")]).await;
+    assert_eq!(all_engine_pods(pods, "chat-b").await, b.engine_pods);
+    assert_eq!(all_engine_pods(pods, "chat-a").await, chat_a);
+    // chat-a wakes in its Pod under the new leader.
+    let (status, body) = chat(addr, "chat-a").await;
+    assert_eq!(status, 200, "{body}");
+    wait_states(&crs, &[("chat-a", "ready"), ("chat-b", "parked")]).await;
+    assert_eq!(all_engine_pods(pods, "chat-a").await, chat_a, "woken");
+    assert_eq!(all_engine_pods(pods, "chat-b").await, b.engine_pods);
+
+    // 2. The switch outlasts the grace: the requests waiting are answered the page's 503
+    // before the grace ends; the new leader adopts the engine the switch started.
+    let c = delete_the_leader_mid_switch(&release, &crs, "chat-c").await;
+    assert_eq!(
+        (c.answered, c.refused),
+        (0, 3),
+        "chat-c's start outlasts the grace"
+    );
+    assert!(
+        c.last_end < Duration::from_secs(40),
+        "answered within the 30 s grace (and a tolerance): {:?}",
+        c.last_end
+    );
+    served_after_handover(pods, addr, "chat-c").await;
+    wait_states(&crs, &[("chat-a", "parked"), ("chat-c", "ready")]).await;
+    // One engine of chat-c, none left beside it. NB: the node agent ends a start whose caller
+    // (the old leader) is gone when the new leader recovers it, by design (`agent.rs`: "a
+    // recovery ends the start or wake its caller left in progress"; nobody waits for its
+    // outcome, and reporting it as starting would let two engines of one deployment run), so
+    // the Pod still starting is deleted and the retry starts chat-c afresh (README, A local
+    // cluster).
+    let after = all_engine_pods(pods, "chat-c").await;
+    assert_eq!(after.len(), 1, "one engine Pod of chat-c: {after:?}");
+    if after != c.engine_pods {
+        // Why, for the reader: the node agent's warnings.
+        let agent = agent_pod(pods).await.name_any();
+        let log = pods
+            .logs(&agent, &kube::api::LogParams::default())
+            .await
+            .unwrap_or_default();
+        for line in log.lines().filter(|l| l.contains("WARN")) {
+            eprintln!("node agent: {line}");
+        }
+    }
+    eprintln!(
+        "chat-c's engine Pod {}: {:?} before the leader went, {after:?} after",
+        if after == c.engine_pods {
+            "adopted"
+        } else {
+            "started afresh"
+        },
+        c.engine_pods
+    );
+    assert_eq!(all_engine_pods(pods, "chat-a").await, chat_a);
+    eprintln!("two leaders deleted mid-switch in {:?}", started.elapsed());
+
+    delete_models(&crs, pods, &["chat-a", "chat-b", "chat-c"]).await;
+    uninstall(&release).await;
+    eprintln!(
+        "leader deleted mid-switch, end to end in {:?}",
+        started.elapsed()
+    );
+}
+
+/// The real vLLM engine image (`scripts/local-vllm-image.sh`).
+const VLLM_IMAGE: &str = "localhost/capyctl/vllm-cpu:0.32.0";
+
+/// A tiny model of the vLLM environment, mounted from the node at `/models`
+/// (`values-local-vllm.yaml`), 16 GiB declared so that two do not fit together on the 24 GiB
+/// GPU.
+fn vllm_model(model: &str) -> serde_json::Value {
+    serde_json::json!({"engine": "vllm", "model": format!("/models/{model}"),
+                       "resources": {"gpuMemory": "16GiB", "weightsMemory": "64MiB"},
+                       "extraArgs": ["--max-model-len", "256", "--dtype", "float32",
+                                     "--enforce-eager"]})
+}
+
+/// The real vLLM on the node (issue 29, item 3's last part): the chart with
+/// `values-local-vllm.yaml` over `values-local.yaml`, two `Deployment` objects of engine vLLM
+/// whose engine Pods run the real vLLM image (CPU build) with the tiny models mounted from the
+/// node. A chat completion through the router Service starts the first (vLLM answers it); one
+/// for the second switches the GPU (the first parks: vLLM's `/sleep`, its Pod kept; the second
+/// starts in a Pod of its own); one for the first again wakes it in the same Pod (vLLM's
+/// `/wake_up`) and parks the second. vLLM's own access log in the engine Pods shows the sleep
+/// and wake calls. Needs `scripts/local-vllm-image.sh` first (the test fails, naming it, when
+/// the image is not in the node's containerd).
+#[tokio::test]
+#[ignore = "needs cluster"]
+async fn the_real_vllm_image_serves_parks_and_wakes_on_a_real_node() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let images = run(
+        std::path::Path::new("ctr"),
+        &[
+            "--address",
+            CONTAINERD,
+            "-n",
+            "k8s.io",
+            "images",
+            "ls",
+            "-q",
+        ],
+        &[],
+    );
+    assert!(
+        images.lines().any(|l| l == VLLM_IMAGE),
+        "{VLLM_IMAGE} is not in the local cluster's containerd: run scripts/local-vllm-image.sh \
+         (after scripts/install-vllm-cpu.sh; README, A local cluster), or leave this test out \
+         with `--skip the_real_vllm_image_serves_parks_and_wakes_on_a_real_node`"
+    );
+    let release = install(
+        "capyctl-vllm",
+        &[
+            "charts/capyctl/values-local.yaml",
+            "charts/capyctl/values-local-vllm.yaml",
+        ],
+        "the_real_vllm_image_serves_parks_and_wakes_on_a_real_node",
+    )
+    .await;
+    let Release {
+        ns,
+        pods,
+        addr,
+        started,
+        ..
+    } = &release;
+    let crs: Api<capyctl_crds::Deployment> = ns.api();
+    create_models(
+        &crs,
+        &[
+            ("tiny-a", vllm_model("tiny-a")),
+            ("tiny-b", vllm_model("tiny-b")),
+        ],
+    )
+    .await;
+    // A cold start of vLLM takes tens of seconds to minutes on two shared cores.
+    let cold = Duration::from_secs(600);
+
+    let t = Instant::now();
+    let (status, body) = try_chat(addr, "tiny-a", cold).await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    let answer: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(answer["model"], "tiny-a", "{body}");
+    assert!(
+        answer["choices"][0]["message"]["content"].is_string(),
+        "{body}"
+    );
+    eprintln!(
+        "tiny-a started by a request and answered in {:?}",
+        t.elapsed()
+    );
+    wait_states(&crs, &[("tiny-a", "ready"), ("tiny-b", "stopped")]).await;
+    let tiny_a = all_engine_pods(pods, "tiny-a").await;
+    assert_eq!(tiny_a.len(), 1, "{tiny_a:?}");
+    let pod = pods.get(&tiny_a[0].0).await.unwrap();
+    let image = pod.spec.as_ref().unwrap().containers[0].image.clone();
+    assert_eq!(image.as_deref(), Some(VLLM_IMAGE), "tiny-a's engine Pod");
+
+    // tiny-b's request switches the GPU: tiny-a parks in its Pod, tiny-b starts.
+    let t = Instant::now();
+    let (status, body) = try_chat(addr, "tiny-b", cold).await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains(r#""model":"tiny-b""#), "{body}");
+    eprintln!(
+        "switched to tiny-b (tiny-a parked, tiny-b started) in {:?}",
+        t.elapsed()
+    );
+    wait_states(&crs, &[("tiny-a", "parked"), ("tiny-b", "ready")]).await;
+    assert_eq!(all_engine_pods(pods, "tiny-a").await, tiny_a, "kept");
+    let tiny_b = all_engine_pods(pods, "tiny-b").await;
+    assert_eq!(tiny_b.len(), 1, "{tiny_b:?}");
+
+    // And back: tiny-a wakes in the same Pod, tiny-b parks.
+    let t = Instant::now();
+    let (status, body) = try_chat(addr, "tiny-a", Duration::from_secs(120))
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains(r#""model":"tiny-a""#), "{body}");
+    eprintln!(
+        "switched back to tiny-a (tiny-b parked, tiny-a woken) in {:?}",
+        t.elapsed()
+    );
+    wait_states(&crs, &[("tiny-a", "ready"), ("tiny-b", "parked")]).await;
+    assert_eq!(
+        all_engine_pods(pods, "tiny-a").await,
+        tiny_a,
+        "woken, not started again"
+    );
+    assert_eq!(all_engine_pods(pods, "tiny-b").await, tiny_b, "kept");
+
+    // vLLM itself was put to sleep and woken (its access log in the engine Pods).
+    let log_of = |pod: String| async move {
+        pods.logs(&pod, &kube::api::LogParams::default())
+            .await
+            .unwrap()
+    };
+    let a_log = log_of(tiny_a[0].0.clone()).await;
+    let b_log = log_of(tiny_b[0].0.clone()).await;
+    for (what, log, call) in [
+        ("tiny-a parked", &a_log, "POST /sleep"),
+        ("tiny-a woken", &a_log, "POST /wake_up"),
+        ("tiny-b parked", &b_log, "POST /sleep"),
+    ] {
+        assert!(
+            log.lines().any(|l| l.contains(call) && l.contains("200")),
+            "{what}: no `{call}` answered 200 in vLLM's log:\n{log}"
+        );
+    }
+
+    delete_models(&crs, pods, &["tiny-a", "tiny-b"]).await;
+    uninstall(&release).await;
+    eprintln!(
+        "the real vLLM on the node, end to end in {:?}",
+        started.elapsed()
+    );
 }

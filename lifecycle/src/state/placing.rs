@@ -3,13 +3,14 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::time::Duration;
 
 use capyctl_router::lifecycle::InstanceKey;
 use capyctl_spec::{Activation, InstanceState};
 use tokio::time::Instant;
 
-use crate::placement::{Fit, Hold, Holder, place};
+use crate::placement::{
+    Fit, GpuChoice, GpuPlacement, Hold, Holder, choose_gpus, place, rank_of, victim_order,
+};
 
 use super::{Dep, Host, State, dep_of_unit};
 
@@ -28,97 +29,12 @@ pub(crate) enum Victims {
     IdleAndBringUps,
 }
 
-/// Among GPUs of equal rank, which victims go first: those that run no request now, then the
-/// longest idle.
-pub(crate) type VictimOrder = (bool, std::cmp::Reverse<Duration>);
-
-/// One GPU as [`State::place_on_gpus`] reads it: its bytes, the instance's share of its
-/// memory there, and what holds that GPU.
-pub(crate) type GpuRoom<'a> = (u64, u64, Vec<Holder<'a>>);
-
-/// `victims` (sorted), each GPU's choice for an instance over several GPUs (`rooms`), less
-/// those the others make unneeded: a victim that spans several of these GPUs frees its share on
-/// each, so the victim another GPU named beside it may not be needed at all. Tried for removal
-/// the most recently used first; one goes when every GPU still has room with the rest released
-/// (parked, keeping their residue; stopped, none, when `stop`).
-pub(crate) fn fewest_victims(
-    rooms: &[GpuRoom<'_>],
-    mut victims: Vec<String>,
-    stop: bool,
-) -> Vec<String> {
-    let idle_for = |id: &str| {
-        rooms
-            .iter()
-            .flat_map(|(_, _, on_gpu)| on_gpu.iter())
-            .find(|h| h.id == id)
-            .map_or(Duration::ZERO, |h| h.idle_for)
-    };
-    let room_with = |released: &[String]| {
-        rooms.iter().all(|(cap, need, on_gpu)| {
-            let held: u64 = on_gpu
-                .iter()
-                .map(|h| {
-                    if released.iter().any(|v| v == h.id) {
-                        h.left_after_release(stop)
-                    } else {
-                        h.bytes
-                    }
-                })
-                .sum();
-            cap.saturating_sub(held) >= *need
-        })
-    };
-    let mut order = victims.clone();
-    order.sort_by_key(|id| (idle_for(id), id.clone()));
-    for id in order {
-        let without: Vec<String> = victims.iter().filter(|v| **v != id).cloned().collect();
-        if room_with(&without) {
-            victims = without;
-        }
-    }
-    victims
-}
-
-/// A GPU that may take an instance ([`State::place_on_gpus`]): its index, the fit there, its
-/// rank, the order of its victims, and its room.
-pub(crate) type GpuChoice<'a> = (u32, Fit, (u8, u64), VictimOrder, GpuRoom<'a>);
-
-/// A placement on some GPUs of a host: the GPUs, the fit, and its rank ([`rank_of`]).
-pub(crate) type GpuPlacement = (Vec<u32>, Fit, (u8, u64));
-
 /// Where [`State::place_target`] would put an instance: the host (`None` when it fits nowhere
 /// now), and the GPUs there (empty: the host as a whole).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Placed {
     pub(crate) host: Option<String>,
     pub(crate) gpus: Vec<u32>,
-}
-
-/// How good a placement on a host (or GPU) of `capacity` is, lower first: room now (the
-/// fullest that fits), then victims that park before victims that must stop (fewest bytes
-/// first), then later. `None` for `Never`.
-pub(crate) fn rank_of(
-    fit: &Fit,
-    capacity: u64,
-    need: u64,
-    holders: &[Holder<'_>],
-) -> Option<(u8, u64)> {
-    Some(match fit {
-        Fit::Now => {
-            let used: u64 = holders.iter().map(|h| h.bytes).sum();
-            (0, capacity.saturating_sub(used).saturating_sub(need))
-        }
-        Fit::After(victims) | Fit::AfterStopping(victims) => (
-            if matches!(fit, Fit::After(_)) { 1 } else { 2 },
-            holders
-                .iter()
-                .filter(|h| victims.iter().any(|v| v == h.id))
-                .map(|h| h.bytes)
-                .sum(),
-        ),
-        Fit::Later => (3, 0),
-        Fit::Never(_) => return None,
-    })
 }
 
 /// Why nothing is placed on the drained `hosts`.
@@ -346,24 +262,9 @@ impl State {
                 })
                 .collect();
             let fit = place(cap, need, &on_gpu, evict);
-            let idle = match &fit {
-                Fit::After(v) | Fit::AfterStopping(v) => (
-                    v.iter().any(|id| {
-                        self.deps
-                            .get(id)
-                            .is_some_and(|u| u.uses.in_flight_of(u.dep_id(), u.index) > 0)
-                    }),
-                    std::cmp::Reverse(
-                        on_gpu
-                            .iter()
-                            .filter(|h| v.iter().any(|id| id == h.id))
-                            .map(|h| h.idle_for)
-                            .min()
-                            .unwrap_or_default(),
-                    ),
-                ),
-                _ => (false, std::cmp::Reverse(Duration::ZERO)),
-            };
+            let idle = victim_order(&fit, &on_gpu, |id| {
+                self.deps.get(id).is_some_and(|u| self.runs_requests(u))
+            });
             match rank_of(&fit, cap, need, &on_gpu) {
                 Some(rank) => each.push((gpu.index, fit, rank, idle, (cap, need, on_gpu))),
                 None => {
@@ -385,49 +286,7 @@ impl State {
                 never.join("; ")
             });
         }
-        each.sort_by_key(|(index, _, rank, idle, _)| (*rank, *idle, *index));
-        each.truncate(want);
-        let gpus: Vec<u32> = each.iter().map(|(i, _, _, _, _)| *i).collect();
-        let worst = each
-            .iter()
-            .map(|(_, _, r, _, _)| *r)
-            .max()
-            .unwrap_or((0, 0));
-        let mut stop = false;
-        let mut victims: Vec<String> = Vec::new();
-        let mut later = false;
-        let mut rooms: Vec<GpuRoom<'_>> = Vec::with_capacity(each.len());
-        for (_, fit, _, _, room) in each {
-            rooms.push(room);
-            match fit {
-                Fit::Now => {}
-                Fit::After(v) => victims.extend(v),
-                Fit::AfterStopping(v) => {
-                    stop = true;
-                    victims.extend(v);
-                }
-                Fit::Later | Fit::Never(_) => later = true,
-            }
-        }
-        victims.sort();
-        victims.dedup();
-        if !later && rooms.len() > 1 {
-            victims = fewest_victims(&rooms, victims, stop);
-        }
-        let fit = if later {
-            Fit::Later
-        } else if victims.is_empty() {
-            Fit::Now
-        } else if stop {
-            Fit::AfterStopping(victims)
-        } else {
-            Fit::After(victims)
-        };
-        let rank = match fit {
-            Fit::Now => (0, worst.1),
-            _ => worst,
-        };
-        Ok((gpus, fit, rank))
+        Ok(choose_gpus(each, want))
     }
 
     /// The GPU holders of `host` as placement sees them, for bringing up `target`.
@@ -487,7 +346,7 @@ impl State {
                         d.need(capacity)
                     },
                     hold,
-                    idle_for: now.saturating_duration_since(d.used_at()),
+                    idle_for: now.saturating_duration_since(self.used_at(d)),
                     parked,
                     keeps: if parked || ends {
                         0

@@ -1,5 +1,6 @@
-//! The rules: every change of deployment and instance state the lifecycle's operations make
-//! (bring-ups, releases, plans, idle timers, fences), each one call of the owner.
+//! Rules of bring-ups, plans, idle timers and fences, each one call of the owner. The release's
+//! rules are in `releases.rs`, the operator commands' in `commands.rs`, a unit's own writes in
+//! `state.rs`; `lifecycle/DESIGN.md` ("Rules and who calls them") lists them all.
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -40,6 +41,7 @@ impl State {
         &mut self,
         host: &str,
         exit: &capyctl_node_agent::agent::EngineExit,
+        now: Instant,
     ) -> Option<InstanceKey> {
         let d = self.deps.get_mut(&deployment_of(&exit.instance)?)?;
         if d.host.as_deref() != Some(host) || d.busy {
@@ -51,11 +53,14 @@ impl State {
         ) {
             return None;
         }
-        d.last_used = Instant::now();
-        d.fail(format!(
-            "the engine exited: {}",
-            exit.status.as_deref().unwrap_or("status unknown")
-        ));
+        d.touch(now);
+        d.fail(
+            format!(
+                "the engine exited: {}",
+                exit.status.as_deref().unwrap_or("status unknown")
+            ),
+            now,
+        );
         Some(d.key(&self.host_id))
     }
 }
@@ -217,6 +222,23 @@ pub(crate) enum UpDone {
         error: ApiError,
         ended: Option<Result<(), String>>,
     },
+    /// A preinitialize's start: its engine is up and has answered (`first_answer`), shown
+    /// `closed` (it never serves before it is parked) and still busy: its park follows.
+    Closed {
+        started: Started,
+        first_answer: capyctl_node_agent::verify::FirstAnswer,
+    },
+    /// Failed with this status line, its last use kept: no engine was started (its host has
+    /// no agent), or a preinitialize's start failed.
+    Gone(String),
+    /// A preinitialize's start ended (a stop, a host drain, a delete): `stopped` with the status
+    /// line `why` when its engine was stopped; when that stop failed, failed with `why`, its
+    /// last use kept, and the stop's error kept for whoever ended it
+    /// ([`Dep::ended_stop_failed`]: a drain then reports the engine not stopped).
+    Ended {
+        why: String,
+        stopped: Result<(), String>,
+    },
 }
 
 /// Bring-ups.
@@ -233,10 +255,12 @@ impl State {
         }
     }
 
-    /// Writes how the start or wake of `id` (`up`, begun by [`State::begin_up`]) ended:
-    /// `ready`, or `failed` with the error (`stopped` when it was ended and its engine
-    /// stopped). The key to announce, with the address, when ready; `Err(key)` to tell the
-    /// router it is gone; `None` when `id` is gone (deleted meanwhile).
+    /// Writes how the start or wake of `id` (`up`, begun by [`State::begin_up`] or
+    /// [`State::preinitialize`]) ended: `ready`, or `failed` with the error (`stopped` when it
+    /// was ended and its engine stopped), or a preinitialize's `closed` (see [`UpDone`]). The
+    /// key to announce, with the address, when ready; `Err(key)` to tell the router it is
+    /// gone; `None` when `id` is gone (deleted meanwhile) or is `closed`.
+    /// The one rule that writes the outcome of a start or a wake.
     pub(crate) fn up_done(
         &mut self,
         id: &str,
@@ -245,10 +269,46 @@ impl State {
         now: Instant,
     ) -> Option<Result<(InstanceKey, Option<SocketAddr>), InstanceKey>> {
         let d = self.deps.get_mut(id)?;
-        d.busy = false;
-        d.last_used = now;
         match done {
+            UpDone::Closed {
+                started,
+                first_answer,
+            } => {
+                d.addr = started.addr;
+                d.pid = Some(started.pid);
+                d.max_running = Some(started.max_running);
+                if !started.measurement.awaiting() {
+                    d.measurement = started.measurement;
+                }
+                d.rec.first_answer = Some(first_answer);
+                d.state = InstanceState::Closed;
+                None
+            }
+            UpDone::Gone(why) => {
+                d.busy = false;
+                d.fail(why, now);
+                Some(Err(d.key(&self.host_id)))
+            }
+            UpDone::Ended { why, stopped } => {
+                d.busy = false;
+                match stopped {
+                    Ok(()) => {
+                        d.state = InstanceState::Stopped;
+                        d.last_error = Some(why);
+                    }
+                    Err(stop) => {
+                        d.fail(
+                            format!("{why}, but stopping the engine failed: {stop}"),
+                            now,
+                        );
+                        d.ended_stop_failed = Some(stop);
+                    }
+                }
+                Some(Err(d.key(&self.host_id)))
+            }
             UpDone::Ready(started) => {
+                d.busy = false;
+                d.touch(now);
                 if let Some(s) = started {
                     d.addr = s.addr;
                     d.pid = Some(s.pid);
@@ -262,7 +322,9 @@ impl State {
                 Some(Ok((d.key(&self.host_id), d.addr)))
             }
             UpDone::Failed { error: e, ended } => {
-                d.fail(format!("{}: {}", e.code(), e.message()));
+                d.busy = false;
+                d.touch(now);
+                d.fail(format!("{}: {}", e.code(), e.message()), now);
                 if let Some(stopped) = ended {
                     let what = match up {
                         Up::Start => "start",
@@ -436,7 +498,12 @@ impl State {
     /// An operator's park of ready `id` begins (reserved by `rid`, shown `parking` at once:
     /// it drains and parks in the background; see [`State::begin_down`]). `None`: nothing to
     /// do (parked meanwhile by a switch, or gone).
-    pub(crate) fn park(&mut self, id: &str, rid: &str) -> Result<Option<bool>, ApiError> {
+    pub(crate) fn park(
+        &mut self,
+        id: &str,
+        rid: &str,
+        now: Instant,
+    ) -> Result<Option<bool>, ApiError> {
         if self
             .deps
             .get(id)
@@ -444,7 +511,7 @@ impl State {
         {
             return Ok(None);
         }
-        let down = self.begin_down(id, rid)?;
+        let down = self.begin_down(id, rid, now)?;
         if let Some(d) = self.deps.get_mut(id) {
             d.rec.operator_started = false;
             d.state = InstanceState::Parking;
@@ -516,7 +583,7 @@ impl State {
             // Held or fenced: no idle timer parks or stops either.
             .filter(|d| self.held.is_none() && !self.fenced(d.id()))
             .filter_map(|d| {
-                let idle = now.saturating_duration_since(d.used_at());
+                let idle = now.saturating_duration_since(self.used_at(d));
                 let due = |t: Option<Duration>| t.is_some_and(|t| idle >= t);
                 match d.state {
                     InstanceState::Ready if due(timeouts.ready_idle_timeout) => {
@@ -552,10 +619,10 @@ impl State {
         };
         // No use after this instant: the rule, as the router checks it.
         let idle_since = now.checked_sub(timeout)?;
-        if d.used_at() > idle_since || d.rec.pending_start {
+        if self.used_at(d) > idle_since || d.rec.pending_start {
             return None;
         }
-        let down = self.begin_down(id, rid).ok()?;
+        let down = self.begin_down(id, rid, now).ok()?;
         let dep = dep_of_unit(id);
         if self.replicated.contains(dep) {
             self.idle_taken.insert(dep.to_string(), now);
@@ -569,13 +636,18 @@ impl State {
     /// Reserves `id`'s parked copy in host RAM (by `rid`), to be stopped for room: only while
     /// it is parked there, with no operation, reservation or claim on it (see
     /// [`State::begin_down`]). Its name; `None` when it is not such a copy now.
-    pub(crate) fn reserve_parked_copy(&mut self, id: &str, rid: &str) -> Option<String> {
+    pub(crate) fn reserve_parked_copy(
+        &mut self,
+        id: &str,
+        rid: &str,
+        now: Instant,
+    ) -> Option<String> {
         let d = self.deps.get(id)?;
         if d.state != InstanceState::Parked || d.tier != Some(ParkTier::HostRam) {
             return None;
         }
         let name = d.name().to_string();
-        matches!(self.begin_down(id, rid), Ok(Some(false))).then_some(name)
+        matches!(self.begin_down(id, rid, now), Ok(Some(false))).then_some(name)
     }
 }
 
@@ -585,9 +657,35 @@ impl State {
     /// Holds every switch with `refusal` (503 `unavailable`): a request for a deployment that
     /// is not ready (or already starting or waking) is refused at once, plans fail with it,
     /// and no operator command, idle timer or pending start changes anything. Ready instances
-    /// serve on; engine exits are still recorded.
-    pub(crate) fn hold(&mut self, refusal: ApiError) {
+    /// serve on; engine exits are still recorded. The targets of the switches planned and not begun (claimed) are returned: they are
+    /// given up (their victims serve on, their requests get the refusal).
+    pub(crate) fn hold(&mut self, refusal: ApiError) -> Vec<String> {
         self.held = Some(refusal);
+        self.deps
+            .values()
+            .filter(|d| d.claim.is_some())
+            .map(|d| d.rec.id.clone())
+            .collect()
+    }
+
+    /// A switch (`switch_id`) the router drained before switches were held is not carried
+    /// out: its reservation is given back. Its `victims` still ready (of the same
+    /// generation), with their addresses, to announce again.
+    pub(crate) fn give_back_held_order(
+        &mut self,
+        switch_id: &str,
+        victims: Vec<InstanceKey>,
+    ) -> Vec<(InstanceKey, SocketAddr)> {
+        self.release_reservation(switch_id);
+        victims
+            .into_iter()
+            .filter_map(|k| {
+                let d = self.deps.get(&super::unit_of_key(&k))?;
+                (d.state == InstanceState::Ready && d.rec.generation == k.generation)
+                    .then_some(())?;
+                Some((k, d.addr?))
+            })
+            .collect()
     }
 
     /// Ends the hold: switching resumes.
@@ -642,11 +740,11 @@ impl State {
 
     /// Why taking deployment `id` down (an operator's stop, park or delete, a host drain, an
     /// idle timer) is refused now: held, or `id` fenced (answered with the fence's end).
-    pub(crate) fn command_refusal(&self, id: &str) -> Result<(), ApiError> {
+    pub(crate) fn command_refusal(&self, id: &str, now: Instant) -> Result<(), ApiError> {
         self.held_refusal()?;
         match &self.fence {
             Some(f) if f.ids.contains(id) => {
-                let left = f.until.saturating_duration_since(Instant::now());
+                let left = f.until.saturating_duration_since(now);
                 let name = self.deps.get(id).map_or(id, |d| d.name());
                 Err(ApiError::Unavailable {
                     detail: format!(
@@ -681,7 +779,7 @@ impl State {
         d.claim = None;
         d.busy = true;
         d.last_error = None;
-        d.last_used = now;
+        d.touch(now);
         d.end = watch::channel(None).0;
         d.ended_stop_failed = None;
         d.operator_up = operator;
@@ -934,8 +1032,13 @@ impl State {
 
     /// Begins taking `id` down: `Ok(Some(true))` ready (drain first),
     /// `Ok(Some(false))` parked (stop directly), `Ok(None)` nothing runs.
-    pub(crate) fn begin_down(&mut self, id: &str, rid: &str) -> Result<Option<bool>, ApiError> {
-        self.command_refusal(id)?;
+    pub(crate) fn begin_down(
+        &mut self,
+        id: &str,
+        rid: &str,
+        now: Instant,
+    ) -> Result<Option<bool>, ApiError> {
+        self.command_refusal(id, now)?;
         let d = self.deps.get_mut(id).ok_or_else(|| not_found(id))?;
         if d.busy || d.reserved.is_some() || d.claim.is_some() {
             return Err(ApiError::Conflict {

@@ -1,0 +1,153 @@
+//! The rules of a release (a park or a stop after a drain) and of the idle timer's take-down:
+//! the instance shown drained, marked busy, its outcome written, or served again. Each is one
+//! call of the owner; the host agent's park or stop runs between two of them (see
+//! `release.rs`).
+
+use std::net::SocketAddr;
+
+use capyctl_node_agent::tier::ParkTier;
+use capyctl_router::lifecycle::InstanceKey;
+use capyctl_spec::InstanceState;
+use capyctl_spec::api::Released;
+use tokio::time::Instant;
+
+use super::State;
+
+/// An instance whose park or stop began ([`State::begin_release`]).
+#[derive(Debug)]
+pub(crate) struct Releasing {
+    /// Its instance ID, as its host agent knows it.
+    pub(crate) instance: String,
+    /// Its key, to tell the router it is gone.
+    pub(crate) key: InstanceKey,
+    /// It was parked already: it stops.
+    pub(crate) parked: bool,
+    /// Its deployment's name and engine (for the switch record).
+    pub(crate) name: String,
+    pub(crate) engine: &'static str,
+}
+
+/// How a park or stop ended ([`State::down_done`]).
+#[derive(Debug, Clone)]
+pub(crate) enum DownDone {
+    /// Parked, in `tier`, holding `gpu_held` bytes of GPU memory (when the agent knows).
+    Parked {
+        tier: ParkTier,
+        gpu_held: Option<u64>,
+    },
+    /// Stopped (`Released::Stopped`, or `StoppedNoRoomToPark`).
+    Stopped(Released),
+    /// The park or stop failed: the error.
+    Failed(String),
+}
+
+impl State {
+    /// Stamps `now` as unit `id`'s last use (see [`super::Dep::touch`]): an idle timer that
+    /// could not act starts over.
+    pub(crate) fn touch(&mut self, id: &str, now: Instant) {
+        if let Some(d) = self.deps.get_mut(id) {
+            d.touch(now);
+        }
+    }
+
+    /// Shows the drained instances `ids` as `shown` (`closed`, or `parking` for an operator's
+    /// park) while their drain runs. The keys of those that exist.
+    pub(crate) fn show_draining(
+        &mut self,
+        ids: &[String],
+        shown: InstanceState,
+    ) -> Vec<InstanceKey> {
+        ids.iter()
+            .filter_map(|id| {
+                let d = self.deps.get_mut(id)?;
+                d.state = shown;
+                Some(d.key(&self.host_id))
+            })
+            .collect()
+    }
+
+    /// The drain of `ids` was refused or timed out: those still shown `shown` serve again.
+    pub(crate) fn drain_refused(&mut self, ids: &[String], shown: InstanceState) {
+        for id in ids {
+            if let Some(d) = self.deps.get_mut(id)
+                && d.state == shown
+            {
+                d.state = InstanceState::Ready;
+            }
+        }
+    }
+
+    /// Begins the park (or, with `stop` or when it is parked already, the stop) of drained
+    /// instance `id`: busy, `parking` or `stopping`. `None` when `id` is gone.
+    pub(crate) fn begin_release(&mut self, id: &str, stop: bool) -> Option<Releasing> {
+        let d = self.deps.get_mut(id)?;
+        let parked = d.state == InstanceState::Parked;
+        d.busy = true;
+        d.state = if stop || parked {
+            InstanceState::Stopping
+        } else {
+            InstanceState::Parking
+        };
+        Some(Releasing {
+            instance: d.instance_id(),
+            key: d.key(&self.host_id),
+            parked,
+            name: d.name().to_string(),
+            engine: d.spec.engine.as_str(),
+        })
+    }
+
+    /// Writes how the park or stop of `id` ([`State::begin_release`]) ended, at `now`:
+    /// `parked` (with its tier and what it still holds of the GPU), `stopped` (saying so when
+    /// it was for want of room to park), or `failed` with the error. Its last use is `now`.
+    pub(crate) fn down_done(&mut self, id: &str, done: DownDone, now: Instant) {
+        let Some(d) = self.deps.get_mut(id) else {
+            return;
+        };
+        d.busy = false;
+        d.touch(now);
+        match done {
+            DownDone::Parked { tier, gpu_held } => {
+                d.tier = Some(tier);
+                d.parked_gpu = gpu_held;
+                d.state = InstanceState::Parked;
+            }
+            DownDone::Stopped(r) => {
+                d.state = InstanceState::Stopped;
+                d.tier = None;
+                d.addr = None;
+                d.pid = None;
+                if r == Released::StoppedNoRoomToPark {
+                    d.last_error = Some(Released::StoppedNoRoomToPark.status_line());
+                }
+            }
+            DownDone::Failed(e) => d.fail(format!("park or stop failed: {e}"), now),
+        }
+    }
+
+    /// Says of `id`, stopped where it would have parked, that it was stopped for want of room
+    /// to keep it parked (its status line).
+    pub(crate) fn stopped_for_room(&mut self, id: &str) {
+        if let Some(d) = self.deps.get_mut(id) {
+            d.last_error = Some(Released::StoppedNoRoomToPark.status_line());
+        }
+    }
+
+    /// Serves drained instance `id` again (a park refused before it began): ready, not busy.
+    /// Its key and address to announce; `None` when it is gone or has no address.
+    pub(crate) fn serve_again(&mut self, id: &str) -> Option<(InstanceKey, SocketAddr)> {
+        let d = self.deps.get_mut(id)?;
+        d.busy = false;
+        d.state = InstanceState::Ready;
+        Some((d.key(&self.host_id), d.addr?))
+    }
+
+    /// Ends the idle timer's take-down of `id` (reserved by `rid`): the reservation is
+    /// released and, when it `failed`, its last use is `now` (its timer starts over).
+    pub(crate) fn idle_down_done(&mut self, id: &str, rid: &str, failed: bool, now: Instant) {
+        self.release_reservation(rid);
+        if failed {
+            self.touch(id, now);
+        }
+    }
+}
