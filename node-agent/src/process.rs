@@ -463,7 +463,17 @@ impl ProcessRuntime {
         self.dir.join(format!("{}.log", file_stem(instance)))
     }
 
-    /// Writes (atomically) the record of an engine.
+    /// Writes the record of an engine, whole or not at all as a kill of CapyCTL sees it.
+    ///
+    /// NB (no rename over the record): on ext4 (with `auto_da_alloc`, its default) a rename
+    /// that replaces a file first starts writing the new file's data out to the disk: about
+    /// 0.1-0.2 ms here, and a switch writes four records on its path (each park's and each
+    /// wake's intent and outcome). So the record is written whole to `<stem>.json.tmp`, the old
+    /// `<stem>.json` removed, and the new one renamed to it (replacing nothing): about a fifth
+    /// of the time. Killed while the `.json.tmp` is written, the old `.json` is still there
+    /// and is what [`ProcessRuntime::records`] reads; killed between the removal and the
+    /// rename, only the whole `.json.tmp` is there, and it reads that. (A power loss is not
+    /// covered, as it was not before, with no sync: it ends the engines the records are of.)
     pub fn write_record(&self, record: &PidRecord) -> Result<(), AgentError> {
         let path = self.record_path(&record.instance);
         let tmp = path.with_extension("json.tmp");
@@ -472,29 +482,47 @@ impl ProcessRuntime {
             source: e,
         })?;
         std::fs::write(&tmp, text)
+            .and_then(|()| match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+                _ => Ok(()),
+            })
             .and_then(|()| std::fs::rename(&tmp, &path))
             .map_err(|e| AgentError::io(format!("write {}", path.display()), e))
     }
 
     fn remove_record(&self, instance: &str) {
         let path = self.record_path(instance);
-        if let Err(e) = std::fs::remove_file(&path)
-            && e.kind() != std::io::ErrorKind::NotFound
-        {
-            tracing::warn!(path = %path.display(), error = %e, "cannot remove pid record");
+        for path in [path.with_extension("json.tmp"), path] {
+            if let Err(e) = std::fs::remove_file(&path)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!(path = %path.display(), error = %e, "cannot remove pid record");
+            }
         }
     }
 
-    /// Every record in the data directory (unreadable ones are reported and skipped).
+    /// Every record in the data directory (unreadable ones are reported and skipped): each
+    /// `<stem>.json`, and a `<stem>.json.tmp` that has no `<stem>.json` beside it (see
+    /// [`ProcessRuntime::write_record`]).
     pub fn records(&self) -> Result<Vec<PidRecord>, AgentError> {
         let entries = std::fs::read_dir(&self.dir)
             .map_err(|e| AgentError::io(format!("list {}", self.dir.display()), e))?;
         let mut records = Vec::new();
         for entry in entries.flatten() {
             let path = entry.path();
-            if path.extension().is_none_or(|x| x != "json") {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            let path = if name.ends_with(".json") {
+                path
+            } else if let Some(stem) = name.strip_suffix(".json.tmp") {
+                let whole = self.dir.join(format!("{stem}.json"));
+                if whole.exists() {
+                    continue;
+                }
+                path
+            } else {
                 continue;
-            }
+            };
             let parsed = std::fs::read(&path)
                 .map_err(|e| e.to_string())
                 .and_then(|b| serde_json::from_slice::<PidRecord>(&b).map_err(|e| e.to_string()));

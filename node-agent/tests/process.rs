@@ -238,3 +238,42 @@ async fn a_pid_another_program_took_over_is_left_alone() {
     let _ = other.wait();
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn a_record_is_read_whole_wherever_a_kill_left_its_write() {
+    // `write_record` writes `<stem>.json.tmp` whole, removes `<stem>.json`, renames the first
+    // to the second. Each state a kill can leave is read as one whole record.
+    let dir = common::temp_dir("record-writes");
+    let rt = ProcessRuntime::new(&dir).unwrap();
+    let engines = dir.join("engines");
+    let old = record("a", 1, None, dir.join("a.log"), vec!["old".into()]);
+    let new = record("a", 1, None, dir.join("a.log"), vec!["new".into()]);
+    rt.write_record(&old).unwrap();
+    rt.write_record(&new).unwrap();
+    let commands = |rt: &ProcessRuntime| -> Vec<Vec<String>> {
+        rt.records()
+            .unwrap()
+            .into_iter()
+            .map(|r| r.command)
+            .collect()
+    };
+    assert_eq!(commands(&rt), [vec!["new".to_string()]]);
+    assert!(
+        !engines.join("a.json.tmp").exists(),
+        "nothing left beside it"
+    );
+    let text = std::fs::read(engines.join("a.json")).unwrap();
+
+    // Killed while the next one was written: the whole old record beside a torn one.
+    std::fs::write(engines.join("a.json.tmp"), &text[..text.len() / 2]).unwrap();
+    assert_eq!(commands(&rt), [vec!["new".to_string()]]);
+    // Killed between the removal and the rename: only the whole new one.
+    std::fs::write(engines.join("a.json.tmp"), &text).unwrap();
+    std::fs::remove_file(engines.join("a.json")).unwrap();
+    assert_eq!(commands(&rt), [vec!["new".to_string()]]);
+    // And the next write goes on from there.
+    rt.write_record(&old).unwrap();
+    assert_eq!(commands(&rt), [vec!["old".to_string()]]);
+    assert!(!engines.join("a.json.tmp").exists());
+    let _ = std::fs::remove_dir_all(dir);
+}

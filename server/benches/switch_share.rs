@@ -17,6 +17,17 @@
 //!   engine timed it); a direct request to the engine is also timed from the client, for
 //!   comparison;
 //! - **own** = total − engine − window − drain − answer: what CapyCTL itself costs.
+//! - **engine@drv** and **OWN@drv**: the same with each engine call timed where CapyCTL's host
+//!   agent makes it instead of inside the engine: from the request's first byte written to the
+//!   answer's last byte read on the driver's connection (the driver's debug lines under
+//!   `capyctl_node_agent::engine_call`, caught in this process, where the standalone runs).
+//!   That is the engine's time as CapyCTL sees it: the engine's HTTP server (for vLLM,
+//!   uvicorn's parsing and writing, in Python) and the loopback socket count as the engine's,
+//!   while everything the driver does before the first byte and after the last (building the
+//!   request, the HTTP client's hand-offs, judging the answer) stays CapyCTL's. The forwarded
+//!   answer is the engine's own time in both. NB: the last byte is stamped when the driver's
+//!   connection task reads it, so on a loaded machine CapyCTL's own wait to be scheduled
+//!   counts as the engine's here: the verdict is read from `OWN`.
 //!
 //! How the engine's time is measured (the honest part): the benchmark binary is also the engine.
 //! `host.engines.vllm.command` is this binary with `--engine-wrapper <dir>`; run that way it is
@@ -214,10 +225,25 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if std::env::var_os("RUST_LOG").is_some() {
-        tracing_subscriber::fmt()
-            .with_writer(std::io::stderr)
-            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+    let seen = driver_side::Calls::default();
+    {
+        use tracing_subscriber::Layer as _;
+        use tracing_subscriber::layer::SubscriberExt as _;
+        use tracing_subscriber::util::SubscriberInitExt as _;
+        let driver_calls =
+            seen.clone()
+                .with_filter(tracing_subscriber::filter::Targets::new().with_target(
+                    capyctl_node_agent::http::ENGINE_CALL_TARGET,
+                    tracing::Level::DEBUG,
+                ));
+        let printed = std::env::var_os("RUST_LOG").is_some().then(|| {
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_filter(tracing_subscriber::EnvFilter::from_default_env())
+        });
+        tracing_subscriber::registry()
+            .with(driver_calls)
+            .with(printed)
             .init();
     }
     let rt = match tokio::runtime::Builder::new_multi_thread()
@@ -230,7 +256,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match rt.block_on(run(opts)) {
+    match rt.block_on(run(opts, seen)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("switch_share: {e}");
@@ -245,6 +271,78 @@ fn now_us() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
         .unwrap_or(0)
+}
+
+/// The engine calls as the host agent's driver saw them (its debug lines under
+/// `capyctl_node_agent::engine_call`, caught in this process, where the standalone runs): the
+/// request's first byte written → the answer's last byte read, on the driver's connection.
+mod driver_side {
+    use super::*;
+    use tracing::field::{Field, Visit};
+    use tracing_subscriber::layer::Context;
+
+    /// One call: `(written, read, port, path)`, wall-clock microseconds.
+    pub(super) type Seen = (u64, u64, u16, String);
+
+    #[derive(Clone, Default)]
+    pub(super) struct Calls(pub(super) Arc<Mutex<Vec<Seen>>>);
+
+    #[derive(Default)]
+    struct Fields {
+        written: u64,
+        read: u64,
+        url: String,
+    }
+
+    impl Visit for Fields {
+        fn record_u64(&mut self, field: &Field, value: u64) {
+            match field.name() {
+                "written_at_us" => self.written = value,
+                "read_at_us" => self.read = value,
+                _ => {}
+            }
+        }
+        fn record_str(&mut self, field: &Field, value: &str) {
+            if field.name() == "url" {
+                self.url = value.to_string();
+            }
+        }
+        fn record_debug(&mut self, _: &Field, _: &dyn std::fmt::Debug) {}
+    }
+
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Calls {
+        fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
+            let mut f = Fields::default();
+            event.record(&mut f);
+            // `http://127.0.0.1:PORT/path?query`
+            let Some(rest) = f.url.split_once("://").map(|(_, r)| r) else {
+                return;
+            };
+            let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+            let Some(port) = authority.rsplit_once(':').and_then(|(_, p)| p.parse().ok()) else {
+                return;
+            };
+            self.0.lock().unwrap_or_else(PoisonError::into_inner).push((
+                f.written,
+                f.read,
+                port,
+                path.to_string(),
+            ));
+        }
+    }
+
+    impl Calls {
+        /// The calls to `port` (not the background `/metrics`) within `[t0, t1]`.
+        pub(super) fn within(&self, port: u16, (t0, t1): (u64, u64)) -> Vec<(u64, u64)> {
+            self.0
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .iter()
+                .filter(|c| c.2 == port && c.0 >= t0 && c.1 <= t1 && !c.3.starts_with("/metrics"))
+                .map(|c| (c.0, c.1))
+                .collect()
+        }
+    }
 }
 
 /// The engine side: the engine simulator, with every request timed.
@@ -439,7 +537,34 @@ struct Sample {
     ready: u64,
     reply: u64,
     release_and_bring_up: u64,
+    /// The engine's calls timed by the host agent's driver: request's first byte written →
+    /// answer's last byte read (union of the intervals).
+    engine_drv: u64,
+    /// total − engine_drv − window − drain − answer.
+    own_drv: i64,
     timeline: String,
+}
+
+/// The time covered by the union of intervals `v` (sorted here).
+fn union_us(v: &mut [(u64, u64)]) -> u64 {
+    v.sort_unstable();
+    let mut covered = 0;
+    let mut open: Option<(u64, u64)> = None;
+    for &(a, b) in v.iter() {
+        match &mut open {
+            Some((_, e)) if a <= *e => *e = (*e).max(b),
+            _ => {
+                if let Some((s, e)) = open {
+                    covered += e - s;
+                }
+                open = Some((a, b));
+            }
+        }
+    }
+    if let Some((s, e)) = open {
+        covered += e - s;
+    }
+    covered
 }
 
 /// The switch phases' sums (seconds) and counts from `/metrics`.
@@ -679,7 +804,7 @@ fn state_of(s: &Standalone, name: &str) -> Option<InstanceState> {
     Some(s.server().view(name)?.state)
 }
 
-async fn run(o: Opts) -> Result<(), String> {
+async fn run(o: Opts, seen: driver_side::Calls) -> Result<(), String> {
     let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
     let dir = temp_dir(o.data_root.as_deref())?;
     let calls = dir.join("calls");
@@ -698,7 +823,7 @@ async fn run(o: Opts) -> Result<(), String> {
     let s = Standalone::start(config, dir.clone())
         .await
         .map_err(|e| format!("standalone: {e}"))?;
-    let result = measure(&s, &calls, &o).await;
+    let result = measure(&s, &calls, &seen, &o).await;
     s.shutdown().await;
     if o.keep {
         println!("data directory kept: {}", dir.display());
@@ -710,7 +835,12 @@ async fn run(o: Opts) -> Result<(), String> {
     Ok(())
 }
 
-async fn measure(s: &Standalone, calls: &Path, o: &Opts) -> Result<Vec<Sample>, String> {
+async fn measure(
+    s: &Standalone,
+    calls: &Path,
+    seen: &driver_side::Calls,
+    o: &Opts,
+) -> Result<Vec<Sample>, String> {
     let client: HttpClient = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
     let inference = s.inference_addr();
     let mgmt = s.management_addr();
@@ -825,6 +955,13 @@ async fn measure(s: &Standalone, calls: &Path, o: &Opts) -> Result<Vec<Sample>, 
             .unwrap_or(0);
         sample.own = i64::try_from(total).unwrap_or(i64::MAX)
             - i64::try_from(sample.engine + sample.answer + sample.window + sample.drain)
+                .unwrap_or(i64::MAX);
+        // The same, with the engine's calls timed where the driver makes them.
+        let mut at_driver = seen.within(victim_port, (t0, t1));
+        at_driver.extend(seen.within(target_port, (t0, t1)));
+        sample.engine_drv = union_us(&mut at_driver);
+        sample.own_drv = i64::try_from(total).unwrap_or(i64::MAX)
+            - i64::try_from(sample.engine_drv + sample.answer + sample.window + sample.drain)
                 .unwrap_or(i64::MAX);
         samples.push(sample);
     }
@@ -952,7 +1089,7 @@ fn analyse(
 }
 
 /// The table's columns and their widths.
-const COLUMNS: [(&str, usize); 15] = [
+const COLUMNS: [(&str, usize); 17] = [
     ("total", 7),
     ("park", 6),
     ("wake", 6),
@@ -968,13 +1105,15 @@ const COLUMNS: [(&str, usize); 15] = [
     ("ready", 6),
     ("reply", 6),
     ("direct", 7),
+    ("eng@drv", 7),
+    ("OWN@drv", 7),
 ];
 
 /// One row of figures (ms) in the table's columns.
 fn figures(v: &[f64]) -> String {
     let mut out = String::new();
     for (i, ((_, width), x)) in COLUMNS.iter().zip(v).enumerate() {
-        if i == 9 || i == 14 {
+        if i == 9 || i == 14 || i == 15 {
             out.push_str(" |");
         }
         let _ = write!(out, " {x:>width$.2}");
@@ -1030,7 +1169,7 @@ fn report(o: &Opts, samples: &[Sample]) {
     );
     let mut head = format!("{:>3} {:<7}", "#", "to");
     for (i, (name, width)) in COLUMNS.iter().enumerate() {
-        if i == 9 || i == 14 {
+        if i == 9 || i == 14 || i == 15 {
             head.push_str(" |");
         }
         let _ = write!(head, " {name:>width$}");
@@ -1053,6 +1192,8 @@ fn report(o: &Opts, samples: &[Sample]) {
             ms(s.ready),
             ms(s.reply),
             ms(s.direct),
+            ms(s.engine_drv),
+            s.own_drv as f64 / 1e3,
         ];
         println!("{:>3} {:<7} {}", i + 1, s.target, figures(&v));
         if o.verbose {
@@ -1060,7 +1201,7 @@ fn report(o: &Opts, samples: &[Sample]) {
         }
     }
     let col = |f: fn(&Sample) -> f64| -> Vec<f64> { samples.iter().map(f).collect() };
-    let cols: [Vec<f64>; 15] = [
+    let cols: [Vec<f64>; 17] = [
         col(|s| ms(s.total)),
         col(|s| ms(s.park)),
         col(|s| ms(s.wake)),
@@ -1076,6 +1217,8 @@ fn report(o: &Opts, samples: &[Sample]) {
         col(|s| ms(s.ready)),
         col(|s| ms(s.reply)),
         col(|s| ms(s.direct)),
+        col(|s| ms(s.engine_drv)),
+        col(|s| s.own_drv as f64 / 1e3),
     ];
     for (label, p) in [("median", 50.0), ("p90", 90.0)] {
         let v: Vec<f64> = cols.iter().map(|c| percentile(c, p)).collect();
@@ -1114,6 +1257,14 @@ fn report(o: &Opts, samples: &[Sample]) {
     println!(
         "CapyCTL's own share of a switch: median {own_med:.2} ms, p90 {own_p90:.2} ms; target under {target:.0} ms: {verdict}"
     );
+    if cols[15].iter().any(|v| *v > 0.0) {
+        println!(
+            "the same with the engine's calls timed at the driver (OWN@drv: request written -> answer read, the engine's time as CapyCTL sees it): median {:.2} ms, p90 {:.2} ms (engine@drv median {:.2} ms)",
+            percentile(&cols[16], 50.0),
+            percentile(&cols[16], 90.0),
+            percentile(&cols[15], 50.0),
+        );
+    }
     if own_med >= target {
         let parts = [
             (

@@ -728,10 +728,13 @@ fn real_vllm_two_models_on_one_gpu() {
     step("stop of a start in progress: the engine is stopped, its waiting request refused");
     capy.cli(&["stop", "deployment", "tiny-b"]).ok();
     state_is(&capy, "tiny-b", "stopped");
-    wait_for("tiny-b's engine gone", Duration::from_secs(60), || {
-        (!capyctl_test_support::alive(u64::from(pid_b))).then_some(())
-    });
-    assert_eq!(engines(&tag), BTreeSet::from([pid_a]));
+    // The engine's workers end after it (its process group is stopped whole, SIGKILL after
+    // the grace): waited for, not read at the instant its leader is gone.
+    wait_for(
+        "tiny-b's engine and workers gone",
+        Duration::from_secs(60),
+        || (engines(&tag) == BTreeSet::from([pid_a])).then_some(()),
+    );
     let capyctl = support::capyctl();
     let (server, data) = (format!("http://{}", capy.management), capy.dir.clone());
     let start = std::thread::spawn(move || {

@@ -28,11 +28,14 @@ pub mod testing;
 use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
 use std::hash::BuildHasher;
+use std::panic::AssertUnwindSafe;
+use std::pin::pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
 use std::time::Duration;
 
 use capyctl_spec::errors::ApiError;
+use futures_util::FutureExt as _;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
@@ -1455,10 +1458,12 @@ impl TaskEffects {
         F: Future<Output = Command> + Send + 'static,
     {
         let inbox = self.inbox.clone();
+        // One task runs the work and bounds it (no task of its own: a hand-off less on every
+        // switch's path); a panic is caught here as the runtime would catch it in a task.
         tokio::spawn(async move {
-            let mut task = tokio::spawn(work);
+            let mut work = pin!(AssertUnwindSafe(work).catch_unwind());
             let first = tokio::select! {
-                joined = &mut task => Some(joined),
+                joined = &mut work => Some(joined),
                 () = tokio::time::sleep(bound) => None,
             };
             let send = |command: Command| async {
@@ -1468,8 +1473,13 @@ impl TaskEffects {
             };
             match first {
                 Some(Ok(command)) => send(command).await,
-                Some(Err(err)) => {
-                    tracing::error!(error = %err, "the lifecycle's {what} failed");
+                Some(Err(panic)) => {
+                    let why = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| (*s).to_string())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_default();
+                    tracing::error!(panic = %why, "the lifecycle's {what} failed");
                     send(lost(ApiError::Internal {
                         detail: format!("the lifecycle's {what} failed"),
                     }))
@@ -1487,7 +1497,7 @@ impl TaskEffects {
                         ),
                     }))
                     .await;
-                    if let Ok(late) = task.await {
+                    if let Ok(late) = work.await {
                         send(late).await;
                     }
                 }
