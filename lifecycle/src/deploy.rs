@@ -13,6 +13,9 @@ use crate::state::State;
 use crate::{Server, placement};
 use tokio::time::Instant;
 
+/// How many changed deployments [`Server::deploy_checked`] applies per turn of the owner.
+const DEPLOY_CHUNK: usize = 256;
+
 /// Deployment documents measured and checked against the hosts ([`Server::check_all`]), not
 /// deployed yet ([`Server::deploy_checked`]).
 #[derive(Debug, Default)]
@@ -84,13 +87,23 @@ impl Server {
     }
 
     /// Deploys what [`Server::check_all`] checked, in order, and writes the records they change
-    /// in one transaction.
+    /// in one transaction. The changed ones are applied [`DEPLOY_CHUNK`] per turn of the
+    /// owner (one turn each made a start of 100,000 deployments mostly turns).
     pub async fn deploy_checked(&self, checked: Checked) {
-        for (i, one) in checked.0.into_iter().enumerate() {
-            if i % 256 == 255 {
-                tokio::task::yield_now().await;
-            }
-            self.apply_deploy(one).await;
+        let mut changed = checked
+            .0
+            .into_iter()
+            .filter(|one| !one.unchanged)
+            .peekable();
+        while changed.peek().is_some() {
+            let chunk: Vec<CheckedDoc> = changed.by_ref().take(DEPLOY_CHUNK).collect();
+            self.write(move |inner| {
+                let now = Instant::now();
+                for one in chunk {
+                    inner.apply_deploy(one.doc, one.id, one.measured, now);
+                }
+            })
+            .await;
         }
         self.flush_due().await;
     }

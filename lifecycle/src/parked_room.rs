@@ -6,6 +6,9 @@
 //! copies may use are the host agent's rules (`capyctl_interfaces::tier`: [`never_parks`],
 //! [`tier_rule`], [`host_ram_for_copies`]); this module only reads them.
 
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Mutex, PoisonError};
+
 use capyctl_interfaces::inventory::HostMemory;
 use capyctl_interfaces::spec::InstanceSpec;
 use capyctl_interfaces::tier::{TierInput, TierRule, host_ram_for_copies, never_parks, tier_rule};
@@ -49,6 +52,73 @@ pub(crate) enum ParkedRoom {
     Stop(Vec<String>),
     /// Only copies never stopped for room stand in the way (`parked_capacity`).
     Capacity,
+}
+
+/// Per host, the units that may hold a parked copy in host RAM there: every one that does
+/// (and some that no longer do), so that a park reads those, not every deployment that ever
+/// ran on its host ([`CopiesIndex::copies_on`]). A host's set is built by one scan of its
+/// deployments the first time it is read after [`CopiesIndex::forget`] (a host added or
+/// reconciled: adopted engines may be parked copies); after that each park adds its own unit
+/// before it runs (every park to host RAM goes through `Server::make_parked_room`), and each
+/// read lets go of the units that can no longer hold a copy there.
+///
+/// It sits in `State` behind a mutex of its own: a park reads under the state's read lock.
+#[derive(Debug, Default)]
+pub(crate) struct CopiesIndex(Mutex<HashMap<String, BTreeSet<String>>>);
+
+/// What [`CopiesIndex::copies_on`] asks of a unit of the set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Held {
+    /// It holds a copy in host RAM on this host now.
+    Copy,
+    /// It holds none now but may come to (running or on its way there, a park's copy being
+    /// made): kept in the set.
+    Maybe,
+    /// It can hold none there before its next park (gone, on another host, stopped, failed,
+    /// parked deep): let go of.
+    Never,
+}
+
+impl CopiesIndex {
+    /// The units of `host`'s set that hold a copy now (as `held` says), with `park`'s own unit
+    /// added to the set first. `scan` lists the units on the host, for a set not built yet.
+    pub(crate) fn copies_on<'a>(
+        &self,
+        host: &str,
+        park: &str,
+        scan: impl FnOnce() -> Vec<&'a str>,
+        held: impl Fn(&str) -> Held,
+    ) -> Vec<String> {
+        let mut all = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let set = all.entry(host.to_string()).or_insert_with(|| {
+            scan()
+                .into_iter()
+                .filter(|id| held(id) != Held::Never)
+                .map(str::to_string)
+                .collect()
+        });
+        let mut copies = Vec::new();
+        set.retain(|id| match held(id) {
+            Held::Copy => {
+                copies.push(id.clone());
+                true
+            }
+            Held::Maybe => true,
+            Held::Never => false,
+        });
+        if !set.contains(park) {
+            set.insert(park.to_string());
+        }
+        copies
+    }
+
+    /// Lets go of `host`'s set: the next read builds it again from a scan.
+    pub(crate) fn forget(&self, host: &str) {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(host);
+    }
 }
 
 /// The host agent's tier input for a park of `spec`, as far as the lifecycle knows it: the

@@ -13,7 +13,7 @@ use capyctl_spec::errors::ApiError;
 use tokio::time::Instant;
 
 use crate::errors::not_found;
-use crate::state::{self, DownDone, Releasing, unit_instance, unit_of_key};
+use crate::state::{self, Dep, DownDone, Releasing, unit_instance, unit_of_key};
 use crate::switches::{self, victim_entry};
 use crate::{Server, parked_room, views};
 
@@ -76,6 +76,26 @@ pub(crate) struct PutAway {
     pub(crate) room: Vec<Victim>,
 }
 
+/// Whether `unit` holds a parked copy in host RAM on `host` now, for [`Server::make_parked_room`]
+/// of `park` (whose own unit is never one of the copies in its way).
+fn held_copy(inner: &state::State, host: &str, park: &str, unit: &str) -> parked_room::Held {
+    use parked_room::Held;
+    let Some(d) = inner.deps.get(unit) else {
+        return Held::Never;
+    };
+    if d.host.as_deref() != Some(host) {
+        return Held::Never;
+    }
+    match d.state {
+        InstanceState::Parked if d.tier == Some(ParkTier::HostRam) && unit != park => Held::Copy,
+        InstanceState::Parked
+        | InstanceState::Stopped
+        | InstanceState::Failed
+        | InstanceState::AwaitingMeasurement => Held::Never,
+        _ => Held::Maybe,
+    }
+}
+
 impl Server {
     /// Makes room in host RAM for `id`'s parked copy: stops the copies the pure
     /// [`parked_room::parked_room`] names (least recently used first, never explicit, warm,
@@ -86,27 +106,29 @@ impl Server {
         let Ok(agent) = self.agent_of(id) else {
             return Ok(Vec::new());
         };
-        let Ok(inv) = agent.inventory().await else {
-            return Ok(Vec::new());
-        };
-        let unified = inv.unified_memory();
+        let inv = agent.inventory().await;
         let planned = Instant::now();
         let plan = self.read(|inner| {
             let d = inner.deps.get(id)?;
+            // The host's parked copies, from the index of those that may hold one (this park
+            // is noted there first, even when the inventory could not be read).
+            let ids = match d.host.as_deref() {
+                Some(host) => inner.parked_copies.copies_on(
+                    host,
+                    id,
+                    || inner.on_host(host).map(Dep::id).collect(),
+                    |unit| held_copy(inner, host, id, unit),
+                ),
+                None => Vec::new(),
+            };
+            let inv = inv.as_ref().ok()?;
             let copy = parked_room::NewCopy {
                 bytes: d.measurement.weights_bytes(),
-                to_host_ram: parked_room::parks_in_host_ram(&d.spec, unified),
+                to_host_ram: parked_room::parks_in_host_ram(&d.spec, inv.unified_memory()),
             };
-            let copies: Vec<parked_room::ParkedCopy<'_>> = d
-                .host
-                .as_deref()
-                .into_iter()
-                .flat_map(|h| inner.on_host(h))
-                .filter(|o| {
-                    o.id() != id
-                        && o.state == InstanceState::Parked
-                        && o.tier == Some(ParkTier::HostRam)
-                })
+            let copies: Vec<parked_room::ParkedCopy<'_>> = ids
+                .iter()
+                .filter_map(|unit| inner.deps.get(unit))
                 .map(|o| parked_room::ParkedCopy {
                     id: o.id(),
                     bytes: o.measurement.weights_bytes().unwrap_or(0),

@@ -53,7 +53,8 @@ pub(crate) struct Dep {
     /// the whole host (one GPU, or none known).
     pub(crate) gpus: Vec<u32>,
     pub(crate) rec: DeploymentRecord,
-    pub(crate) spec: InstanceSpec,
+    /// Its instance spec (from the document), shared with the views' [`views::Fixed`].
+    pub(crate) spec: Arc<InstanceSpec>,
     pub(crate) measurement: Measurement,
     pub(crate) state: InstanceState,
     /// An engine operation is in progress (the state says which).
@@ -109,8 +110,8 @@ impl Dep {
 
     /// Instance `index` of the deployment `rec` records, last used `now`.
     pub(crate) fn replica(rec: DeploymentRecord, index: u32, now: Instant) -> Self {
-        let spec = InstanceSpec::from_doc(rec.id.clone(), &rec.doc);
-        let fixed = Arc::new(views::Fixed::of(&rec, spec.clone(), index));
+        let spec = Arc::new(InstanceSpec::from_doc(rec.id.clone(), &rec.doc));
+        let fixed = Arc::new(views::Fixed::of(&rec, Arc::clone(&spec), index));
         Self {
             unit: unit_id(&rec.id, index),
             index,
@@ -141,7 +142,11 @@ impl Dep {
 
     /// Renews what the views share of its record after a deploy changed it.
     pub(crate) fn renew_fixed(&mut self) {
-        self.fixed = Arc::new(views::Fixed::of(&self.rec, self.spec.clone(), self.index));
+        self.fixed = Arc::new(views::Fixed::of(
+            &self.rec,
+            Arc::clone(&self.spec),
+            self.index,
+        ));
     }
 
     /// The spec its engine starts with: its deployment's, on the GPUs placement chose for it
@@ -150,7 +155,7 @@ impl Dep {
     /// CUDA's own default order puts the fastest GPU first, which on a box of mixed GPUs would
     /// give the engine other GPUs than the ones whose memory was counted for it.
     pub(crate) fn launch_spec(&self) -> InstanceSpec {
-        let mut spec = self.spec.clone();
+        let mut spec = InstanceSpec::clone(&self.spec);
         if !self.gpus.is_empty() {
             let list: Vec<String> = self.gpus.iter().map(u32::to_string).collect();
             spec.env
@@ -434,8 +439,10 @@ pub(crate) type Hosts = Arc<BTreeMap<String, Arc<Host>>>;
 
 #[derive(Debug, Default)]
 pub(crate) struct State {
-    /// By ID.
-    pub(crate) deps: BTreeMap<String, Dep>,
+    /// By ID. Boxed: a `Dep` is about a kilobyte, and a map filled in ID order (a document's
+    /// new deployments: ULIDs) leaves its nodes about half full, so inline each deployment cost
+    /// about twice its size.
+    pub(crate) deps: BTreeMap<String, Box<Dep>>,
     /// Deployment IDs by name (kept by [`State::insert`] and [`State::remove`]; a name never
     /// changes: a deploy of the same name is the same deployment).
     pub(crate) by_name: HashMap<String, String>,
@@ -455,6 +462,9 @@ pub(crate) struct State {
     /// The deployments that may hold GPU memory on each host (bound there since
     /// [`State::prune_holding`] last found them holding): what placement reads.
     pub(crate) holding: HashMap<String, BTreeSet<String>>,
+    /// The units that may hold a parked copy in host RAM, by host: what a park reads to make
+    /// room for its copy (`Server::make_parked_room`).
+    pub(crate) parked_copies: parked_room::CopiesIndex,
     /// The router's record of last uses and requests running ([`State::used_at`],
     /// [`State::runs_requests`]): the one place a rule reads what the router records, without
     /// a turn of its task.
@@ -553,11 +563,17 @@ impl std::fmt::Debug for Host {
 
 impl State {
     pub(crate) fn by_name_or_id(&self, key: &str) -> Option<&Dep> {
-        self.deps.get(key).or_else(|| self.by_name(key))
+        self.deps
+            .get(key)
+            .map(|d| &**d)
+            .or_else(|| self.by_name(key))
     }
 
     pub(crate) fn by_name(&self, name: &str) -> Option<&Dep> {
-        self.by_name.get(name).and_then(|id| self.deps.get(id))
+        self.by_name
+            .get(name)
+            .and_then(|id| self.deps.get(id))
+            .map(|d| &**d)
     }
 
     /// Every instance of deployment `dep` (its units: [`unit_id`]), in key order.
@@ -567,7 +583,7 @@ impl State {
             .take_while(move |(k, _)| {
                 k.as_str() == dep || k.strip_prefix(dep).is_some_and(|r| r.starts_with('-'))
             })
-            .map(|(_, d)| d)
+            .map(|(_, d)| &**d)
             .filter(move |d| d.rec.id == dep)
     }
 
@@ -602,7 +618,7 @@ impl State {
             .or_insert_with(|| dep.rec.id.clone());
         let id = dep.rec.id.clone();
         let born = dep.last_used;
-        self.deps.insert(id.clone(), dep);
+        self.deps.insert(id.clone(), Box::new(dep));
         self.sync_units(&id, born);
     }
 
@@ -648,7 +664,7 @@ impl State {
                     if d.rec.revision != rec.revision || d.rec.doc != rec.doc {
                         d.rec.doc = rec.doc.clone();
                         d.rec.revision = rec.revision;
-                        d.spec = InstanceSpec::from_doc(rec.id.clone(), &rec.doc);
+                        d.spec = Arc::new(InstanceSpec::from_doc(rec.id.clone(), &rec.doc));
                         d.renew_fixed();
                     }
                     d.rec.operator_stopped = rec.operator_stopped;
@@ -664,7 +680,7 @@ impl State {
                     own.pending_start = false;
                     let mut d = Dep::replica(own, index, now);
                     d.measurement = measurement;
-                    self.deps.insert(unit, d);
+                    self.deps.insert(unit, Box::new(d));
                 }
             }
         }
@@ -825,7 +841,7 @@ impl State {
             }
         }
         self.set_host(id, None);
-        let dep = self.deps.remove(id)?;
+        let dep = *self.deps.remove(id)?;
         if self.by_name.get(dep.name()).is_some_and(|i| i == id) {
             self.by_name.remove(dep.name());
         }
@@ -914,7 +930,7 @@ impl State {
             .get(host)
             .into_iter()
             .flatten()
-            .filter_map(|id| self.deps.get(id))
+            .filter_map(|id| self.deps.get(id).map(|d| &**d))
             .filter(move |d| d.host.as_deref() == Some(host))
     }
 
@@ -924,7 +940,7 @@ impl State {
             .get(host)
             .into_iter()
             .flatten()
-            .filter_map(|id| self.deps.get(id))
+            .filter_map(|id| self.deps.get(id).map(|d| &**d))
             .filter(move |d| d.host.as_deref() == Some(host))
     }
 }

@@ -40,8 +40,8 @@ pub(crate) struct Fixed {
     pub id: String,
     /// Its document.
     pub doc: DeploymentDoc,
-    /// Its instance spec (from the document).
-    pub spec: InstanceSpec,
+    /// Its instance spec (from the document; the deployment's, shared).
+    pub spec: Arc<InstanceSpec>,
     /// Its instance's ID (`super::instance_id_at`).
     pub instance_id: String,
     /// Its instance's index.
@@ -50,7 +50,7 @@ pub(crate) struct Fixed {
 
 impl Fixed {
     /// Of `rec`, whose instance spec is `spec`.
-    pub(crate) fn of(rec: &DeploymentRecord, spec: InstanceSpec, index: u32) -> Self {
+    pub(crate) fn of(rec: &DeploymentRecord, spec: Arc<InstanceSpec>, index: u32) -> Self {
         Fixed {
             revision: rec.revision,
             id: rec.id.clone(),

@@ -1214,8 +1214,14 @@ impl HostAgent for LocalHostAgent {
         spec: &'a InstanceSpec,
     ) -> BoxFuture<'a, Result<Measurement, AgentError>> {
         Box::pin(async move {
-            let s = spec.clone();
-            let measured = blocking(move || measure_before_start(&s)).await?;
+            // Declared weights read no file: measured here, without a blocking task (a
+            // standalone start measures every deployment of its document).
+            let measured = if spec.resources.weights_memory.is_some() {
+                measure_before_start(spec)?
+            } else {
+                let s = spec.clone();
+                blocking(move || measure_before_start(&s)).await?
+            };
             Ok(self.with_learned(spec, measured))
         })
     }

@@ -3,6 +3,8 @@
 //! start that waits for memory; and what a restart learns of measurements. Each is one call
 //! of the owner (the engine operations they lead to are `rules.rs`' and `releases.rs`').
 
+use std::sync::Arc;
+
 use capyctl_interfaces::measure::Measurement;
 use capyctl_interfaces::spec::InstanceSpec;
 use capyctl_spec::InstanceState;
@@ -34,15 +36,15 @@ impl State {
                 return (d.rec.id.clone(), DeployOutcome::Unchanged);
             }
             d.rec.revision += 1;
-            d.rec.doc = doc.clone();
-            d.spec = InstanceSpec::from_doc(d.rec.id.clone(), &doc);
+            d.spec = Arc::new(InstanceSpec::from_doc(d.rec.id.clone(), &doc));
+            d.rec.doc = doc;
             d.renew_fixed();
             (d.rec.id.clone(), DeployOutcome::Updated)
         } else {
             let rec = DeploymentRecord {
                 id: id.clone(),
                 revision: 1,
-                doc: doc.clone(),
+                doc,
                 operator_stopped: false,
                 operator_started: false,
                 pending_start: false,

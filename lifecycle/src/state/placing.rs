@@ -126,10 +126,13 @@ impl State {
         // Instances go to hosts that run none of their deployment's yet, where they can: among
         // hosts with the same kind of fit (room now, victims, later), one that does ranks
         // after every one that does not.
-        let siblings_on = |host: &str| {
-            self.units_of(&d.rec.id)
-                .any(|u| u.unit != d.unit && u.holds_gpu() && u.host.as_deref() == Some(host))
-        };
+        // Read once, not per host: with 10,000 hosts a look-up per host was most of a plan.
+        let sibling_hosts: Vec<&str> = self
+            .units_of(&d.rec.id)
+            .filter(|u| u.unit != d.unit && u.holds_gpu())
+            .filter_map(|u| u.host.as_deref())
+            .collect();
+        let siblings_on = |host: &str| sibling_hosts.contains(&host);
         let mut best_gpus: Vec<u32> = Vec::new();
         let want = d.rec.doc.gpus_per_instance() as usize;
         for (id, host) in candidates {

@@ -374,7 +374,7 @@ async fn held_switches_refuse_every_change_but_ready_models_serve_on() {
     let now = Instant::now();
     let mut s = state(now);
     ready(&mut s, "a", now);
-    let mut c = s.deps.remove("c").unwrap();
+    let mut c = *s.deps.remove("c").unwrap();
     c.rec.pending_start = true;
     s.insert(c);
     s.hold(held());
@@ -495,7 +495,7 @@ async fn a_host_that_joins_during_the_fence_has_what_it_holds_ready_fenced_too()
     s.set_fence(now + Duration::from_secs(90), now);
     let adopted = capyctl_interfaces::agent::AdoptedInstance {
         instance: instance_id("b"),
-        spec: s.deps["b"].spec.clone(),
+        spec: InstanceSpec::clone(&s.deps["b"].spec),
         base_url: "http://127.0.0.1:9".into(),
         pid: 4242,
         parked: None,
