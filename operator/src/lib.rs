@@ -36,6 +36,7 @@
 pub mod args;
 pub mod engines;
 pub mod events;
+pub mod handover;
 pub mod leader;
 #[cfg(test)]
 mod mock;

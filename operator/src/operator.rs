@@ -22,7 +22,11 @@
 //! (the engines keep running for the next leader to adopt). A shutdown releases the Lease.
 //! Either way the inference listener first finishes the answers in progress for its shutdown
 //! grace, and just before the grace ends the requests still waiting for a switch are answered
-//! 503 `unavailable` instead of losing their connections ([`refuse_waiting_after`]).
+//! 503 `unavailable` instead of losing their connections ([`refuse_waiting_after`]). With the
+//! leader label the stopping leader stays ready and labelled, its inference port answering new
+//! requests 503 `unavailable`, until the next leader is labelled and Ready (at most
+//! [`super::handover::LINGER_MAX`] after the Lease is released): the router Service is never
+//! without an endpoint across a takeover ([`super::handover`] says why).
 //!
 //! A leader that cannot reach the API server is **held over** (see [`super::leader`]) instead
 //! of losing the Lease at its renew deadline: [`follow_holdover`] tells the lifecycle to hold
@@ -825,6 +829,7 @@ pub async fn lead(
     api: &Arc<SwitchableApi>,
     mut leading: watch::Receiver<Leadership>,
     mut stop: watch::Receiver<bool>,
+    handed_over: watch::Receiver<bool>,
 ) -> Result<(), OperatorError> {
     let ns = options.namespace.as_str();
     // Which object holds each deployment name: seeded below from the list of the CRs, before
@@ -1034,10 +1039,30 @@ pub async fn lead(
             Err(OperatorError::HostPolicyChanged { host })
         }
     };
-    // Not ready from now until the label is gone: the Services must not pick this Pod.
-    api.set_standby_ready(false);
+    // With the leader label: ready and labelled until the next leader is (see
+    // `super::handover`), answering what the router no longer takes 503 `unavailable`.
+    // Without: not ready from now (the Services select the ready replica).
+    api.set_standby_ready(options.leader_label.is_some());
     api.set(None);
     stop_tasks.send_replace(true);
+    if options.leader_label.is_some() {
+        let addr = options.server.listen.inference;
+        tokio::spawn(async move {
+            match super::handover::bind_when_free(addr).await {
+                Ok(listener) => {
+                    super::handover::serve_unavailable(
+                        listener,
+                        super::handover::handing_over(),
+                        handed_over,
+                    )
+                    .await
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "the inference port could not be bound again to answer 503 while handing over")
+                }
+            }
+        });
+    }
     let refusing = tokio::spawn(refuse_waiting_after(
         router.clone(),
         grace.saturating_sub(REFUSE_BEFORE_GRACE_ENDS),
@@ -1047,14 +1072,7 @@ pub async fn lead(
     }
     refusing.abort();
     server.close();
-    if let Some(label) = &options.leader_label {
-        match set_leader_label(&pods, &pod_name, label, false).await {
-            Ok(()) => api.set_standby_ready(true),
-            Err(e) => {
-                tracing::warn!(pod = %pod_name, error = %e, "the leader label could not be removed")
-            }
-        }
-    }
+    // The label is removed by `run` once the Lease is released and the next leader has it.
     outcome
 }
 
@@ -1100,12 +1118,15 @@ pub async fn run(
     // standby never takes over while this replica still serves) and the management listener.
     let (stop, _) = watch::channel(false);
     let (finish, _) = watch::channel(false);
+    // Sent once a stopping leader has handed the router Service over (`super::handover`): the
+    // inference port's 503s and the management listener end.
+    let (handed_over, _) = watch::channel(false);
 
     let management = bind("server.listen.management", options.server.listen.management).await?;
     let management_task = {
         let api: Arc<dyn ManagementApi> = api.clone();
         let tls = options.tls.clone();
-        let mut rx = finish.subscribe();
+        let mut rx = handed_over.subscribe();
         let opts = ManagementOptions {
             token: options.admin_token.clone(),
             metrics: metrics.clone(),
@@ -1161,6 +1182,7 @@ pub async fn run(
             &api,
             leading.clone(),
             stop.subscribe(),
+            handed_over.subscribe(),
         )
         .await
     } else {
@@ -1168,6 +1190,27 @@ pub async fn run(
     };
     finish.send_replace(true);
     let _ = election.await;
+    if became_leader && let Some(label) = &options.leader_label {
+        // The Lease is released: stay the router Service's endpoint (ready, labelled, the
+        // inference port answering 503) until the next leader is one (`super::handover`).
+        let pods: Api<Pod> = Api::namespaced(client.clone(), &options.namespace);
+        let me = options.lease.identity.as_str();
+        let selector = format!("{label}=true");
+        if !super::handover::linger(&pods, &selector, me, label).await {
+            tracing::warn!(
+                "no next leader labelled within {:?}; removing the leader label",
+                super::handover::LINGER_MAX
+            );
+        }
+        match set_leader_label(&pods, me, label, false).await {
+            Ok(()) => {}
+            Err(kube::Error::Api(s)) if s.is_not_found() => {}
+            Err(e) => {
+                tracing::warn!(pod = %me, error = %e, "the leader label could not be removed")
+            }
+        }
+    }
+    handed_over.send_replace(true);
     let _ = management_task.await;
     result
 }

@@ -923,6 +923,59 @@ fn page_error(status: u16, body: &str) -> bool {
     status == 503 && code == "unavailable"
 }
 
+/// What the router Service answered `GET /v1/models` while a leader handed over
+/// ([`probe_router`]): by kind, and the answers that were neither 200 nor the page's 503.
+#[derive(Debug, Default)]
+struct Probed {
+    ok: usize,
+    unavailable: usize,
+    no_answer: usize,
+    others: Vec<String>,
+}
+
+/// `GET /v1/models` through the router Service every 50 ms until `stop`: before, a connection
+/// opened while kube-proxy moved the Service from no endpoint to the new leader left the node
+/// untranslated and this machine's egress proxy answered it `404` with an empty body
+/// (`operator/src/handover.rs`).
+async fn probe_router(addr: String, mut stop: tokio::sync::watch::Receiver<bool>) -> Probed {
+    let mut probed = Probed::default();
+    while !*stop.borrow() {
+        let exchange = async {
+            let mut stream = tokio::net::TcpStream::connect(&addr).await?;
+            let request =
+                format!("GET /v1/models HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+            stream.write_all(request.as_bytes()).await?;
+            let mut response = Vec::new();
+            stream.read_to_end(&mut response).await?;
+            Ok::<_, std::io::Error>(response)
+        };
+        match tokio::time::timeout(Duration::from_secs(5), exchange).await {
+            Ok(Ok(response)) => {
+                let text = String::from_utf8_lossy(&response).into_owned();
+                let status: u16 = text
+                    .split(' ')
+                    .nth(1)
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(0);
+                let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+                if status == 200 {
+                    probed.ok += 1;
+                } else if page_error(status, body) {
+                    probed.unavailable += 1;
+                } else {
+                    probed.others.push(text);
+                }
+            }
+            Ok(Err(_)) | Err(_) => probed.no_answer += 1,
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+            _ = stop.changed() => {}
+        }
+    }
+    probed
+}
+
 /// What [`delete_the_leader_mid_switch`] saw.
 struct Handover {
     /// Requests in flight answered 200 by the target, and answered with the page's 503.
@@ -988,6 +1041,8 @@ async fn delete_the_leader_mid_switch(
 
     let deleted_into = t.elapsed();
     let deleted = Instant::now();
+    let (stop_probe, probe_stop) = tokio::sync::watch::channel(false);
+    let probe = tokio::spawn(probe_router(addr.clone(), probe_stop));
     pods.delete(&leader, &DeleteParams::default())
         .await
         .unwrap();
@@ -1041,6 +1096,34 @@ async fn delete_the_leader_mid_switch(
     eprintln!(
         "{standby} leads {:?} after the leader's Pod was deleted",
         deleted.elapsed()
+    );
+    // Until the old leader has gone and kube-proxy has moved the Service to the new one.
+    wait_for(
+        "the old leader's Pod gone",
+        Duration::from_secs(60),
+        || async {
+            match pods.get_opt(&leader).await.map_err(|e| e.to_string())? {
+                None => Ok(()),
+                Some(_) => Err(format!("{leader} still there")),
+            }
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop_probe.send_replace(true);
+    let probed = probe.await.unwrap();
+    eprintln!(
+        "the router Service during the handover: {} answered 200, {} the page's 503, {} without \
+         an answer (connection refused or cut), {} else",
+        probed.ok,
+        probed.unavailable,
+        probed.no_answer,
+        probed.others.len()
+    );
+    assert!(
+        probed.others.is_empty(),
+        "the router Service answered neither 200 nor the page's 503 during the handover: {:?}",
+        probed.others
     );
     Handover {
         answered,
