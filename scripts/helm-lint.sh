@@ -319,6 +319,16 @@ def check_objects(docs, values, case):
         for name, field in (("POD_NAMESPACE", "metadata.namespace"), ("POD_NAME", "metadata.name")):
             if env.get(name, {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") != field:
                 fail(f"{case}: operator env {name} is not the downward API's {field}")
+        # The Lease's owner: this Deployment, which the operator may read (and only it).
+        if env.get("CAPYCTL_OPERATOR_DEPLOYMENT", {}).get("value") != dep["metadata"]["name"]:
+            fail(f"{case}: operator env CAPYCTL_OPERATOR_DEPLOYMENT is not its Deployment's name {dep['metadata']['name']}")
+        roles = [d for d in by_kind(docs, "Role") if d["metadata"]["name"] == dep["metadata"]["name"]
+                 and d["metadata"].get("namespace") == dep["metadata"].get("namespace")]
+        if values.get("rbac", {}).get("create", True):
+            if not any(r.get("apiGroups") == ["apps"] and r.get("resources") == ["deployments"]
+                       and r.get("resourceNames") == [dep["metadata"]["name"]] and r.get("verbs") == ["get"]
+                       for role in roles for r in role.get("rules", [])):
+                fail(f"{case}: the operator's Role does not grant get on its own Deployment (deployments.apps {dep['metadata']['name']}) alone")
         for name, file in (("CAPYCTL_ENGINE_PODS_FILE", "engine-pods.yaml"), ("CAPYCTL_HOST_FILE", "host.yaml")):
             if env.get(name, {}).get("value") != f"/etc/capyctl/{file}":
                 fail(f"{case}: operator env {name} is not /etc/capyctl/{file}")

@@ -44,6 +44,10 @@ pub struct Args {
     /// The Lease the replicas elect their leader on.
     #[arg(long, env = "CAPYCTL_LEASE_NAME", default_value = "capyctl-operator")]
     pub lease_name: String,
+    /// The operator's own Deployment (apps/v1, in its namespace), read once at start and made
+    /// the Lease's owner, so that deleting the Deployment deletes the Lease; unset: no owner.
+    #[arg(long, env = "CAPYCTL_OPERATOR_DEPLOYMENT")]
+    pub operator_deployment: Option<String>,
     /// How long a Lease not renewed stays its holder's (`leaseDurationSeconds`).
     #[arg(long, env = "CAPYCTL_LEASE_DURATION", default_value = "15s")]
     pub lease_duration: String,
@@ -118,6 +122,7 @@ impl Args {
             "--leader-holdover",
             &self.leader_holdover,
         )?;
+        lease.owner_deployment = self.operator_deployment.clone().filter(|n| !n.is_empty());
         lease.validate()?;
         Ok(lease)
     }
@@ -240,6 +245,25 @@ mod tests {
             .unwrap_err();
         assert!(e.contains("CAPYCTL_LEASE_DURATION"), "{e}");
         assert!(e.contains("renew deadline"), "{e}");
+    }
+
+    #[test]
+    fn the_operators_deployment_names_the_leases_owner_and_empty_is_none() {
+        assert_eq!(
+            args(&[])
+                .lease_config("op-a".into())
+                .unwrap()
+                .owner_deployment,
+            None
+        );
+        let lease = args(&["--operator-deployment", "capyctl-operator"])
+            .lease_config("op-a".into())
+            .unwrap();
+        assert_eq!(lease.owner_deployment.as_deref(), Some("capyctl-operator"));
+        let lease = args(&["--operator-deployment", ""])
+            .lease_config("op-a".into())
+            .unwrap();
+        assert_eq!(lease.owner_deployment, None);
     }
 
     /// The chart mounts the admin token, so nothing but this creates the data directory where

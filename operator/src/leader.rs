@@ -38,6 +38,17 @@
 //! - on shutdown the leader releases the Lease (no holder, `leaseDurationSeconds` 1), so that a
 //!   standby takes over at its next try instead of after `lease_duration`.
 //!
+//! **Owner.** Given the name of the operator's own Deployment (apps/v1,
+//! `CAPYCTL_OPERATOR_DEPLOYMENT`; the chart sets it), the operator reads it once at start
+//! ([`deployment_owner`]) and every replica creates the Lease with an ownerReference to it
+//! (`controller: false`, `blockOwnerDeletion: false`), and adds that reference when it writes a
+//! Lease found without it. Deleting the Deployment (`helm uninstall`) then lets the garbage
+//! collector delete the Lease, even when the leader's release is refused because its RBAC went
+//! in the same pass; a Lease a standby creates again after that names an owner whose UID no
+//! longer exists and is collected too. The reference changes nothing in the election. Without
+//! the setting (run outside the chart), or when the Deployment cannot be read, the Lease has
+//! no owner, as before.
+//!
 //! [`LeaderElector::try_acquire_or_renew`] is one step; [`LeaderElector::run`] loops it and
 //! publishes whether this replica leads on a `watch` channel. [`set_leader_label`] labels the
 //! leader's own Pod for the Services that select it (`CAPYCTL_LEADER_LABEL`);
@@ -47,9 +58,10 @@
 
 use std::time::Duration;
 
+use k8s_openapi::api::apps::v1::Deployment as AppsDeployment;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference};
 use k8s_openapi::jiff::Timestamp;
 use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
@@ -74,6 +86,9 @@ pub struct LeaseConfig {
     /// length of the fence after a takeover (see the module doc). Default 90 s; 0 = step
     /// down at the renew deadline (`CAPYCTL_LEADER_HOLDOVER`).
     pub holdover: Duration,
+    /// The operator's own Deployment (apps/v1, in the Lease's namespace), read once at start
+    /// and made the Lease's owner (`CAPYCTL_OPERATOR_DEPLOYMENT`); `None`: no owner.
+    pub owner_deployment: Option<String>,
 }
 
 impl LeaseConfig {
@@ -86,6 +101,7 @@ impl LeaseConfig {
             renew_deadline: Duration::from_secs(10),
             retry_period: Duration::from_secs(2),
             holdover: DEFAULT_HOLDOVER,
+            owner_deployment: None,
         }
     }
 
@@ -142,6 +158,50 @@ pub fn unreachable(e: &kube::Error) -> bool {
     }
 }
 
+/// The Lease's owner reference to Deployment `deployment` (apps/v1): not its controller, and
+/// blocking nothing (`blockOwnerDeletion: false` needs no right on the Deployment's
+/// finalizers). `None` when the object has no name or UID.
+pub fn owner_reference(deployment: &AppsDeployment) -> Option<OwnerReference> {
+    Some(OwnerReference {
+        api_version: "apps/v1".to_string(),
+        kind: "Deployment".to_string(),
+        name: deployment.metadata.name.clone().filter(|n| !n.is_empty())?,
+        uid: deployment.metadata.uid.clone().filter(|u| !u.is_empty())?,
+        controller: Some(false),
+        block_owner_deletion: Some(false),
+    })
+}
+
+/// Reads the operator's own Deployment `name` once, within `bound`, for the Lease's owner
+/// reference ([`owner_reference`]). A Deployment that cannot be read (missing, refused, the API
+/// server down or slow) is logged and gives `None`: the Lease is then made without an owner,
+/// as outside the chart, since the election must not wait on, nor fail for, what only decides
+/// whether `helm uninstall` leaves the Lease behind.
+pub async fn deployment_owner(
+    deployments: &Api<AppsDeployment>,
+    name: &str,
+    bound: Duration,
+) -> Option<OwnerReference> {
+    let read = match tokio::time::timeout(bound, deployments.get(name)).await {
+        Ok(Ok(d)) => owner_reference(&d).ok_or_else(|| "it has no UID".to_string()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!(
+            "no answer within {}",
+            capyctl_spec::units::format_duration(bound)
+        )),
+    };
+    match read {
+        Ok(owner) => {
+            tracing::info!(deployment = %name, uid = %owner.uid, "the Lease is owned by the operator's Deployment");
+            Some(owner)
+        }
+        Err(error) => {
+            tracing::warn!(deployment = %name, %error, "the operator's Deployment (CAPYCTL_OPERATOR_DEPLOYMENT) cannot be read: the Lease gets no owner, and is left behind when the Deployment is deleted");
+            None
+        }
+    }
+}
+
 /// What one try found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Attempt {
@@ -177,6 +237,8 @@ pub struct LeaderElector {
     unreachable: bool,
     /// The fence of this replica's takeover (see [`Leadership::fence_until`]).
     fence_until: Option<Instant>,
+    /// The Lease's owner (see the module doc); `None`: none.
+    owner: Option<OwnerReference>,
 }
 
 fn holder_of(lease: &Lease) -> Option<String> {
@@ -201,6 +263,22 @@ impl LeaderElector {
             last_renew: None,
             unreachable: false,
             fence_until: None,
+            owner: None,
+        }
+    }
+
+    /// The same elector making the Lease with owner `owner` (see the module doc).
+    pub fn with_owner(mut self, owner: Option<OwnerReference>) -> Self {
+        self.owner = owner;
+        self
+    }
+
+    /// Adds this replica's owner to `meta` when it is not there (by UID); keeps the others.
+    fn add_owner(&self, meta: &mut ObjectMeta) {
+        let Some(owner) = &self.owner else { return };
+        let owners = meta.owner_references.get_or_insert_with(Vec::new);
+        if !owners.iter().any(|o| o.uid == owner.uid) {
+            owners.push(owner.clone());
         }
     }
 
@@ -321,13 +399,14 @@ impl LeaderElector {
         let current = match self.api.get_opt(&self.config.name).await? {
             Some(l) => l,
             None => {
-                let lease = Lease {
+                let mut lease = Lease {
                     metadata: ObjectMeta {
                         name: Some(self.config.name.clone()),
                         ..ObjectMeta::default()
                     },
                     spec: Some(self.our_spec(None)),
                 };
+                self.add_owner(&mut lease.metadata);
                 return match self.api.create(&PostParams::default(), &lease).await {
                     Ok(written) => Ok(self.held(&written, began, None)),
                     Err(kube::Error::Api(s)) if s.is_already_exists() || s.is_conflict() => {
@@ -353,6 +432,7 @@ impl LeaderElector {
         let from = holder.filter(|_| !ours);
         let mut lease = current.clone();
         lease.spec = Some(self.our_spec(current.spec.as_ref()));
+        self.add_owner(&mut lease.metadata);
         match self
             .api
             .replace(&self.config.name, &PostParams::default(), &lease)
@@ -824,6 +904,145 @@ mod tests {
         assert_eq!(body["spec"]["leaseDurationSeconds"], 15);
         assert!(body["spec"]["renewTime"].is_string());
         assert_eq!(body["metadata"]["name"], "capyctl-operator");
+        // Without the operator's Deployment (run outside the chart): no owner.
+        assert!(body["metadata"]["ownerReferences"].is_null(), "{body}");
+    }
+
+    const DEPLOYMENT_PATH: &str = "/apis/apps/v1/namespaces/capyctl/deployments/capyctl-operator";
+    const UID: &str = "5d8c0a4e-0000-4000-8000-00000000beef";
+
+    fn operator_deployment() -> serde_json::Value {
+        serde_json::json!({
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "capyctl-operator", "namespace": "capyctl", "uid": UID},
+        })
+    }
+
+    /// The owner read from the operator's Deployment through the mock API server.
+    async fn owner_from(answer: Exchange) -> (Option<OwnerReference>, Vec<mock::Seen>) {
+        let (client, handle) = mock::client();
+        let server = mock::serve(handle, vec![answer]);
+        let owner = deployment_owner(
+            &Api::namespaced(client, "capyctl"),
+            "capyctl-operator",
+            Duration::from_secs(10),
+        )
+        .await;
+        (owner, server.await.unwrap())
+    }
+
+    fn the_owner() -> serde_json::Value {
+        serde_json::json!([{
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "name": "capyctl-operator",
+            "uid": UID,
+            "controller": false,
+            "blockOwnerDeletion": false,
+        }])
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_lease_is_created_owned_by_the_operators_deployment() {
+        let (owner, seen) = owner_from(Exchange::ok(
+            Method::GET,
+            DEPLOYMENT_PATH,
+            operator_deployment(),
+        ))
+        .await;
+        assert_eq!(seen.len(), 1);
+        assert!(owner.is_some());
+        let (client, handle) = mock::client();
+        let server = mock::serve(
+            handle,
+            vec![
+                not_found(),
+                Exchange::new(
+                    Method::POST,
+                    COLLECTION,
+                    201,
+                    lease(Some("operator-a"), "10", "2026-12-01T10:00:00.000000Z"),
+                ),
+            ],
+        );
+        let mut e = elector(client).with_owner(owner);
+        assert_eq!(e.try_acquire_or_renew().await.unwrap(), Attempt::Held);
+        let seen = server.await.unwrap();
+        assert_eq!(seen[1].body["metadata"]["ownerReferences"], the_owner());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_found_without_the_owner_gets_it_once_with_its_write() {
+        let owner = owner_reference(&serde_json::from_value(operator_deployment()).unwrap());
+        let (client, handle) = mock::client();
+        // Ours without an owner (made before the chart set it), then with it: one reference.
+        let mut owned = lease(Some("operator-a"), "9", "2026-12-01T10:00:02.000000Z");
+        owned["metadata"]["ownerReferences"] = the_owner();
+        let server = mock::serve(
+            handle,
+            vec![
+                Exchange::ok(
+                    Method::GET,
+                    PATH,
+                    lease(Some("operator-a"), "8", "2026-12-01T10:00:00.000000Z"),
+                ),
+                Exchange::ok(Method::PUT, PATH, owned.clone()),
+                Exchange::ok(Method::GET, PATH, owned.clone()),
+                Exchange::ok(Method::PUT, PATH, owned),
+            ],
+        );
+        let mut e = elector(client).with_owner(owner);
+        assert_eq!(e.try_acquire_or_renew().await.unwrap(), Attempt::Held);
+        assert_eq!(e.try_acquire_or_renew().await.unwrap(), Attempt::Held);
+        let seen = server.await.unwrap();
+        assert_eq!(seen[1].body["metadata"]["ownerReferences"], the_owner());
+        assert_eq!(seen[3].body["metadata"]["ownerReferences"], the_owner());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_deployment_that_cannot_be_read_gives_no_owner() {
+        for (status, reason) in [
+            (403, "Forbidden"),
+            (404, "NotFound"),
+            (503, "ServiceUnavailable"),
+        ] {
+            let answer = Exchange::new(
+                Method::GET,
+                DEPLOYMENT_PATH,
+                status,
+                status_body(status, reason, "deployments.apps \"capyctl-operator\""),
+            );
+            let (owner, seen) = owner_from(answer).await;
+            assert_eq!(owner, None, "{status}");
+            assert_eq!(seen.len(), 1, "{status}");
+        }
+        // Nor one without a UID.
+        let mut no_uid = operator_deployment();
+        no_uid["metadata"]["uid"] = serde_json::Value::Null;
+        let (owner, _) = owner_from(Exchange::ok(Method::GET, DEPLOYMENT_PATH, no_uid)).await;
+        assert_eq!(owner, None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_deployment_read_that_does_not_answer_gives_no_owner_at_its_bound() {
+        let (client, handle) = mock::client();
+        let server = tokio::spawn(async move {
+            let mut handle = handle;
+            let (call, reply) = handle.next_call().await.unwrap();
+            (call.path, reply, handle)
+        });
+        let began = Instant::now();
+        let owner = deployment_owner(
+            &Api::namespaced(client, "capyctl"),
+            "capyctl-operator",
+            Duration::from_secs(10),
+        )
+        .await;
+        assert_eq!(owner, None);
+        assert_eq!(began.elapsed(), Duration::from_secs(10));
+        let (path, _reply, _handle) = server.await.unwrap();
+        assert_eq!(path, DEPLOYMENT_PATH);
     }
 
     #[tokio::test(start_paused = true)]

@@ -76,7 +76,9 @@ use tokio::task::JoinHandle;
 
 use super::engines::PodHostAgent;
 use super::events::{EventFeed, FEED_CAPACITY, ObservedApi, ObservedLifecycle, Views};
-use super::leader::{LeaderElector, Leadership, LeaseConfig, clear_leader_label, set_leader_label};
+use super::leader::{
+    LeaderElector, Leadership, LeaseConfig, clear_leader_label, deployment_owner, set_leader_label,
+};
 use super::pods::EnginePodSettings;
 use super::reconcile::{Reconciler, ReconcilerConfig};
 use super::store::CrStore;
@@ -1162,10 +1164,19 @@ pub async fn run(
     }
 
     let (leading_tx, mut leading) = watch::channel(Leadership::default());
+    // The Lease's owner, the operator's own Deployment, read once (see `leader`'s doc).
+    let owner = match &options.lease.owner_deployment {
+        Some(name) => {
+            let deployments = Api::namespaced(client.clone(), &options.namespace);
+            deployment_owner(&deployments, name, options.lease.renew_deadline).await
+        }
+        None => None,
+    };
     let elector = LeaderElector::new(
         Api::<Lease>::namespaced(client.clone(), &options.namespace),
         options.lease.clone(),
-    );
+    )
+    .with_owner(owner);
     let election = tokio::spawn(elector.run(leading_tx, finish.subscribe()));
 
     let mut stopping = stop.subscribe();

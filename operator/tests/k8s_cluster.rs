@@ -9,7 +9,9 @@
 //! Each test works in a namespace of its own (`cluster::TestNamespace`), cleaned up when
 //! the test ends, passed or failed; the CRDs are applied from `charts/capyctl/crds/`
 //! (server-side apply, so a rerun is harmless). Written for an API server without kubelet
-//! or controller-manager: no Pod runs, nothing is garbage-collected.
+//! or controller-manager (no Pod runs, nothing is garbage-collected), except
+//! `deleting_the_operators_deployment_deletes_its_lease`, which needs the controller-manager's
+//! garbage collector (`k8s-up.sh` and `scripts/local-cluster.sh` run it).
 #![allow(clippy::unwrap_used)]
 
 use capyctl_test_support::cluster;
@@ -573,6 +575,105 @@ async fn one_replica_holds_the_lease_and_the_other_takes_it_after_a_release() {
     let spec = lease.spec.unwrap();
     assert_eq!(spec.holder_identity.as_deref(), Some("op-b"));
     assert_eq!(spec.lease_transitions, Some(1));
+}
+
+/// `helm uninstall` leaves no Lease behind: the Lease is owned by the operator's Deployment
+/// (apps/v1), so the garbage collector deletes it with the Deployment, and deletes again a Lease
+/// a standby makes after it (its owner's UID is gone). Needs kube-controller-manager (its
+/// garbage collector), which `k8s-up.sh` and `scripts/local-cluster.sh` both run. The
+/// Deployment has no replicas: nothing needs to run.
+#[tokio::test]
+#[ignore = "needs cluster"]
+async fn deleting_the_operators_deployment_deletes_its_lease() {
+    use capyctl_operator::leader::{Leadership, deployment_owner};
+    use k8s_openapi::api::apps::v1::Deployment as AppsDeployment;
+    use tokio::sync::watch;
+
+    let (kubeconfig, client) = k8s_support::cluster().await;
+    let ns = TestNamespace::create(&kubeconfig, &client, "capyctl-test").await;
+    let deployments: Api<AppsDeployment> = ns.api();
+    let leases: Api<Lease> = ns.api();
+    let labels = serde_json::json!({"app.kubernetes.io/component": "operator"});
+    let operator: AppsDeployment = serde_json::from_value(serde_json::json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "capyctl-operator"},
+        "spec": {
+            "replicas": 0,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {"containers": [{"name": "operator", "image": "capyctl/none:0"}]},
+            },
+        },
+    }))
+    .unwrap();
+    let created = deployments
+        .create(&PostParams::default(), &operator)
+        .await
+        .unwrap();
+    let uid = created.uid().unwrap();
+    let owner = deployment_owner(&deployments, "capyctl-operator", Duration::from_secs(10)).await;
+    assert_eq!(owner.as_ref().map(|o| o.uid.as_str()), Some(uid.as_str()));
+
+    // The election as the operator runs it: a leader, which releases the Lease when stopped.
+    let (leading_tx, mut leading) = watch::channel(Leadership::default());
+    let (stop_tx, stop) = watch::channel(false);
+    let elector = LeaderElector::new(leases.clone(), LeaseConfig::new("capyctl-operator", "op-a"))
+        .with_owner(owner.clone());
+    let run = tokio::spawn(elector.run(leading_tx, stop));
+    tokio::time::timeout(Duration::from_secs(30), leading.wait_for(|l| l.leading))
+        .await
+        .unwrap()
+        .unwrap();
+    let lease = leases.get("capyctl-operator").await.unwrap();
+    let owners = lease.metadata.owner_references.clone().unwrap();
+    assert_eq!(owners.len(), 1, "{owners:?}");
+    assert_eq!(
+        (owners[0].api_version.as_str(), owners[0].kind.as_str()),
+        ("apps/v1", "Deployment")
+    );
+    assert_eq!(owners[0].name, "capyctl-operator");
+    assert_eq!(owners[0].uid, uid);
+    assert_eq!(owners[0].controller, Some(false));
+    assert_eq!(owners[0].block_owner_deletion, Some(false));
+
+    // `helm uninstall`: the Deployment goes first, then its Pods stop (the leader releases).
+    deployments
+        .delete("capyctl-operator", &DeleteParams::background())
+        .await
+        .unwrap();
+    stop_tx.send_replace(true);
+    tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .unwrap()
+        .unwrap();
+    lease_collected(&leases, "after its Deployment was deleted").await;
+
+    // A standby that read the Deployment before it went makes the Lease again: collected too.
+    let mut standby =
+        LeaderElector::new(leases.clone(), LeaseConfig::new("capyctl-operator", "op-b"))
+            .with_owner(owner);
+    assert_eq!(standby.try_acquire_or_renew().await.unwrap(), Attempt::Held);
+    lease_collected(
+        &leases,
+        "made again by a standby after its owner was deleted",
+    )
+    .await;
+}
+
+/// Waits (60 s at most: the garbage collector is quick, the machine may be loaded) until Lease
+/// `capyctl-operator` is gone.
+async fn lease_collected(leases: &Api<Lease>, when: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while leases.get_opt("capyctl-operator").await.unwrap().is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the Lease {when} is still there after 60 s: is kube-controller-manager (its garbage \
+             collector) running?"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 #[tokio::test]

@@ -30,6 +30,8 @@ use serde::Deserialize;
 const RENDERED_NAMESPACE: &str = "capyctl-system";
 /// The operator's Lease with the default values.
 const LEASE: &str = "capyctl-operator";
+/// The operator's own Deployment (apps/v1) with the default values: the Lease's owner.
+const OPERATOR_DEPLOYMENT: &str = "capyctl-operator";
 
 /// The rendered RBAC, moved into namespace `ns`: namespaced objects into it, cluster-scoped
 /// ones (and the references to them) renamed `<name>-<ns>`, subjects into it.
@@ -225,6 +227,10 @@ async fn the_charts_service_accounts_may_do_what_they_need_and_no_more() {
             access("create", "coordination.k8s.io", "leases", n),
             lease("get"),
             lease("update"),
+            Access {
+                name: Some(OPERATOR_DEPLOYMENT),
+                ..access("get", "apps", "deployments", n)
+            },
             access("get", capy, "hosts", None),
             access("list", capy, "hosts", None),
             access("watch", capy, "hosts", None),
@@ -241,6 +247,16 @@ async fn the_charts_service_accounts_may_do_what_they_need_and_no_more() {
             access("get", "", "configmaps", n),
             access("create", "", "events", n),
             access("delete", "coordination.k8s.io", "leases", n),
+            access("get", "apps", "deployments", n),
+            access("list", "apps", "deployments", n),
+            Access {
+                name: Some(OPERATOR_DEPLOYMENT),
+                ..access("update", "apps", "deployments", n)
+            },
+            Access {
+                name: Some("someone-elses-deployment"),
+                ..access("get", "apps", "deployments", n)
+            },
             Access {
                 name: Some("someone-elses-lease"),
                 ..access("update", "coordination.k8s.io", "leases", n)
