@@ -589,7 +589,7 @@ async fn deleting_the_operators_deployment_deletes_its_lease() {
     use k8s_openapi::api::apps::v1::Deployment as AppsDeployment;
     use tokio::sync::watch;
 
-    let (kubeconfig, client) = k8s_support::cluster().await;
+    let (kubeconfig, client) = cluster::cluster().await;
     let ns = TestNamespace::create(&kubeconfig, &client, "capyctl-test").await;
     let deployments: Api<AppsDeployment> = ns.api();
     let leases: Api<Lease> = ns.api();
