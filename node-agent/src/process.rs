@@ -192,14 +192,18 @@ impl EngineGroup {
     }
 }
 
-/// The live (not zombie) processes whose process group is `pgid`, from `/proc/*/stat`.
-fn group_members(pgid: u32) -> Vec<u32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
+/// The pids `/proc` lists now (none when it cannot be read).
+fn proc_pids() -> impl Iterator<Item = u32> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
         .flatten()
         .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()))
+}
+
+/// The live (not zombie) processes whose process group is `pgid`, from `/proc/*/stat`.
+fn group_members(pgid: u32) -> Vec<u32> {
+    proc_pids()
         .filter(|&pid| {
             stat_fields(pid).is_some_and(|f| {
                 f.first().is_some_and(|state| state != "Z" && state != "X")
@@ -316,13 +320,7 @@ pub fn port_held_by_another(group: &EngineGroup, port: u16) -> Option<String> {
     if members.iter().any(|&pid| holds_socket(pid, &sockets)) {
         return None;
     }
-    let holder = std::fs::read_dir("/proc").ok().and_then(|entries| {
-        entries
-            .flatten()
-            .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()))
-            .find(|&pid| holds_socket(pid, &sockets))
-    });
-    Some(match holder {
+    Some(match proc_pids().find(|&pid| holds_socket(pid, &sockets)) {
         Some(pid) => {
             let name = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
             format!("pid {pid} ({})", name.trim())
