@@ -3,8 +3,8 @@
 //!
 //! What runs is what `capyctl start standalone` runs: the lifecycle ([`Server`], its owner task,
 //! placement, victims, idle timers) and the router's coordinator (admission, waves, windows,
-//! drains), assembled by the same functions ([`lifecycle_config`], [`router_config`]) from the
-//! same document and overrides. Only the host agent is simulated ([`SimHost`]: park, wake,
+//! drains), assembled by the same functions ([`lifecycle_config`], [`router_config`],
+//! [`assemble`]) from the same document and overrides, without the listener. Only the host agent is simulated ([`SimHost`]: park, wake,
 //! start and stop take time and start nothing) and the engines' answers (a request holds its
 //! permit for its duration). The runtime is a current-thread tokio runtime with paused time,
 //! which jumps to the next timer whenever every task waits: an hour of trace runs in seconds.
@@ -42,12 +42,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use capyctl_interfaces::router::Lifecycle;
 use capyctl_lifecycle::api::ManagementApi;
 use capyctl_lifecycle::metrics::Metrics;
 use capyctl_lifecycle::store::MemoryStore;
 use capyctl_lifecycle::{Server, instance_id_at};
 use capyctl_router::admission::{Admission, Permit};
+use capyctl_server::assembly::assemble;
 use capyctl_server::standalone::{lifecycle_config, router_config};
 use capyctl_spec::api::StartRequest;
 use capyctl_spec::documents::{self, DeploymentDoc, ResourcesDoc};
@@ -379,8 +379,9 @@ async fn simulate_in(setup: Setup, requests: &[TraceRequest], cold: bool) -> Res
     )
     .await
     .map_err(|e| format!("the simulated server did not open: {e}"))?;
-    let lifecycle: Arc<dyn Lifecycle> = server.clone();
-    let router = server.spawn_router(lifecycle, router_config(&config)).await;
+    let router = assemble(&server, server.clone(), router_config(&config), None)
+        .await
+        .router;
     server
         .deploy_all(deployments)
         .await

@@ -3,9 +3,6 @@
 //! Every method answers a body of `capyctl_spec::api` or an [`ApiError`] (its status, code and
 //! message are what the listener sends). `name_or_id` accepts a deployment's name or its ID.
 
-use std::future::Future;
-use std::pin::Pin;
-
 use capyctl_spec::api::{
     ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostDrainReceipt,
     HostList, LoadReport, StartRequest, SwitchList, SwitchQuery,
@@ -13,8 +10,8 @@ use capyctl_spec::api::{
 use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::errors::ApiError;
 
-/// A boxed, sendable future (keeps the trait object-safe).
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+/// The one boxed, sendable future (keeps the trait object-safe): `capyctl_interfaces`'.
+pub use capyctl_interfaces::BoxFuture;
 
 /// What the management listener asks of the server (DESIGN 4.5).
 pub trait ManagementApi: Send + Sync + 'static {

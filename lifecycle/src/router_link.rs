@@ -1,15 +1,15 @@
-//! The router attached to the server: its coordinator and proxy, readiness, close, and what the
-//! router is told of instances coming and going.
+//! The router attached to the server (the assembly builds it: `capyctl_server::assembly`),
+//! readiness, close, the catalog of models, and what the router is told of instances coming and
+//! going.
 
 use std::net::SocketAddr;
+use std::sync::PoisonError;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
-use capyctl_interfaces::router::{InstanceKey, Lifecycle, Upstream};
-use capyctl_router::config::RouterConfig;
-use capyctl_router::coordinator::{Coordinator, CoordinatorHandle};
-use capyctl_router::proxy::{ModelEntry, Proxy, ProxyConfig};
+use capyctl_interfaces::router::{InstanceKey, Upstream};
+use capyctl_router::coordinator::CoordinatorHandle;
+use capyctl_router::proxy::ModelEntry;
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::DeploymentView;
 use tokio::time::Instant;
@@ -17,9 +17,9 @@ use tokio::time::Instant;
 use crate::{Server, views, writer};
 
 impl Server {
-    /// Attaches the router (after `Coordinator::spawn(server.clone(), cfg)`): announces the
-    /// ready instances (adopted ones) and starts the background work (idle timers, engine
-    /// exits).
+    /// Attaches the router (built by the assembly, `capyctl_server::assembly::assemble`, over
+    /// this server): announces the ready instances (adopted ones) and starts the background
+    /// work (idle timers, engine exits).
     pub async fn attach_router(&self, router: CoordinatorHandle) {
         *self.router.lock().unwrap_or_else(PoisonError::into_inner) = Some(router.clone());
         self.read(|inner| inner.uses.attach(router.last_uses()));
@@ -38,31 +38,6 @@ impl Server {
         if self.read(|inner| inner.deps.values().any(|d| d.rec.pending_start)) {
             self.memory_freed();
         }
-    }
-
-    /// The router of one assembly, as standalone, the operator, the tests and the benches
-    /// build it: the coordinator over `lifecycle` (this server, or a wrapper of it such as the
-    /// operator's observer), spawned and attached to this server ([`Server::attach_router`]).
-    pub async fn spawn_router(
-        &self,
-        lifecycle: Arc<dyn Lifecycle>,
-        config: RouterConfig,
-    ) -> CoordinatorHandle {
-        let router = Coordinator::spawn(lifecycle, config);
-        self.attach_router(router.clone()).await;
-        router
-    }
-
-    /// The inference listener's [`Proxy`] over `router`, whose catalog (`GET /v1/models`) is
-    /// this server's models ([`Server::models`]; none once the server is gone).
-    pub fn proxy(
-        &self,
-        router: CoordinatorHandle,
-        config: ProxyConfig,
-    ) -> Proxy<CoordinatorHandle> {
-        let server = self.me.clone();
-        let catalog = move || server.upgrade().map(|s| s.models()).unwrap_or_default();
-        Proxy::new(router, catalog, config)
     }
 
     /// Holds `/readyz` at not ready (`false`), or lets it answer ready again (`true`): standalone

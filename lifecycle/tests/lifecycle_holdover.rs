@@ -15,6 +15,7 @@ use capyctl_lifecycle::{LifecycleConfig, Server};
 use capyctl_router::admission::Admission;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::CoordinatorHandle;
+use capyctl_server::assembly::assemble;
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::StartRequest;
 use capyctl_spec::documents::parse_deployment_str;
@@ -32,9 +33,9 @@ async fn lifecycle() -> (Arc<Server>, CoordinatorHandle) {
     )
     .await
     .unwrap();
-    let router = server
-        .spawn_router(server.clone(), RouterConfig::default())
-        .await;
+    let router = assemble(&server, server.clone(), RouterConfig::default(), None)
+        .await
+        .router;
     for name in ["x", "y"] {
         let doc = parse_deployment_str(
             "t.yaml",

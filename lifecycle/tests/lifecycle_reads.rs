@@ -18,6 +18,7 @@ use capyctl_node_agent::spec::HostSettings;
 use capyctl_router::admission::Admission;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::CoordinatorHandle;
+use capyctl_server::assembly::assemble;
 use capyctl_spec::api::StartRequest;
 use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
 use capyctl_spec::{Activation, InstanceState};
@@ -79,9 +80,9 @@ async fn cluster(hosts: usize, latency: Duration) -> Cluster {
             }
         });
     }
-    let router = server
-        .spawn_router(server.clone(), RouterConfig::default())
-        .await;
+    let router = assemble(&server, server.clone(), RouterConfig::default(), None)
+        .await
+        .router;
     Cluster {
         server,
         router,

@@ -16,6 +16,7 @@ use capyctl_lifecycle::{LifecycleConfig, Server};
 use capyctl_router::admission::{Admission, Permit};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::CoordinatorHandle;
+use capyctl_server::assembly::assemble;
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::{SwitchCause, SwitchOutcome, SwitchQuery, SwitchRecord};
 use capyctl_spec::documents::parse_deployment_str;
@@ -66,17 +67,19 @@ async fn scene_with(
     tweak(&mut lc);
     let store = Arc::new(MemoryStore::default());
     let server = Server::open(agent.into(), store.clone(), lc).await.unwrap();
-    let router = server
-        .spawn_router(
-            server.clone(),
-            RouterConfig {
-                admission_window: WINDOW,
-                drain_timeout: Duration::from_secs(30),
-                request_deadline: Duration::from_secs(600),
-                ..RouterConfig::default()
-            },
-        )
-        .await;
+    let router = assemble(
+        &server,
+        server.clone(),
+        RouterConfig {
+            admission_window: WINDOW,
+            drain_timeout: Duration::from_secs(30),
+            request_deadline: Duration::from_secs(600),
+            ..RouterConfig::default()
+        },
+        None,
+    )
+    .await
+    .router;
     for (name, more) in models {
         let doc = parse_deployment_str(
             "t.yaml",

@@ -14,6 +14,7 @@ use capyctl_lifecycle::{LifecycleConfig, Server};
 use capyctl_router::admission::Admission;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::{CoordinatorHandle, CoordinatorPermit};
+use capyctl_server::assembly::assemble;
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::{
     StartRequest, SwitchCause, SwitchOutcome, SwitchPhaseKind, SwitchQuery, SwitchRecord,
@@ -64,17 +65,19 @@ async fn scene(drain_timeout: Duration, defaults: LifecycleDefaults) -> Scene {
     let server = Server::open(agent.clone(), Arc::new(MemoryStore::default()), lc)
         .await
         .unwrap();
-    let router = server
-        .spawn_router(
-            server.clone(),
-            RouterConfig {
-                admission_window: WINDOW,
-                drain_timeout,
-                request_deadline: Duration::from_secs(600),
-                ..RouterConfig::default()
-            },
-        )
-        .await;
+    let router = assemble(
+        &server,
+        server.clone(),
+        RouterConfig {
+            admission_window: WINDOW,
+            drain_timeout,
+            request_deadline: Duration::from_secs(600),
+            ..RouterConfig::default()
+        },
+        None,
+    )
+    .await
+    .router;
     for name in ["a", "b"] {
         server.deploy(doc(name)).await.unwrap();
     }

@@ -44,7 +44,6 @@
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -53,9 +52,8 @@ use capyctl_crds::{Deployment, Host};
 use capyctl_node_agent::HostAgent;
 use capyctl_node_agent::remote::{RemoteConfig, RemoteHostAgent};
 use capyctl_node_agent::spec::HostSettings;
-use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::CoordinatorHandle;
-use capyctl_router::proxy::{self, ProxyConfig};
+use capyctl_router::proxy::ProxyConfig;
 use capyctl_spec::Activation;
 use capyctl_spec::api::{
     ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostDrainReceipt,
@@ -70,7 +68,6 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::ListParams;
 use kube::runtime::WatchStreamExt;
 use kube::{Api, Client, ResourceExt};
-use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -85,7 +82,11 @@ use super::store::CrStore;
 use super::watch::{Claims, Watch};
 use capyctl_lifecycle::api::{BoxFuture, ManagementApi};
 use capyctl_lifecycle::metrics::Metrics;
-use capyctl_lifecycle::{HostEntry, LifecycleConfig, Server};
+use capyctl_lifecycle::{HostEntry, Server};
+use capyctl_server::assembly::{
+    Assembly, BindError, FirstHost, Inference, assemble, bind, lifecycle_config, proxy_config,
+    router_config,
+};
 use capyctl_server::management::ManagementOptions;
 
 /// How often the leader looks for node agents that joined or moved.
@@ -245,16 +246,8 @@ pub fn merged_queue<'a>(
 #[derive(Debug, thiserror::Error)]
 pub enum OperatorError {
     /// A listener could not be bound.
-    #[error("cannot listen on {addr} ({what}): {source}")]
-    Bind {
-        /// `server.listen.inference` or `server.listen.management`.
-        what: &'static str,
-        /// The address.
-        addr: SocketAddr,
-        /// The OS error.
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Bind(#[from] BindError),
     /// The node agent could not be used.
     #[error("node agent: {0}")]
     Agent(#[from] capyctl_node_agent::AgentError),
@@ -283,37 +276,13 @@ impl OperatorError {
     /// A short, stable label for metrics and logs.
     pub fn metric_label(&self) -> &'static str {
         match self {
-            OperatorError::Bind { .. } => "bind",
+            OperatorError::Bind(_) => "bind",
             OperatorError::Agent(e) => e.metric_label(),
             OperatorError::Server(e) => e.metric_label(),
             OperatorError::Kube(_) => "kube",
             OperatorError::LostLeadership => "lost_leadership",
             OperatorError::HostPolicyChanged { .. } => "host_policy_changed",
         }
-    }
-}
-
-/// The router's settings from the server document and the host's queue settings.
-pub fn router_config(server: &ServerConfig, queue: &QueueSettings) -> RouterConfig {
-    RouterConfig {
-        admission_window: queue.admission_window,
-        drain_timeout: server.switching.drain_timeout,
-        request_deadline: queue.request_deadline,
-        stream_idle_timeout: queue.stream_idle_timeout,
-        max_pending_per_deployment: queue.max_pending_per_deployment as usize,
-        max_pending_total: queue.max_pending_total as usize,
-        execute_timeout: capyctl_server::standalone::execute_timeout(server),
-        ..RouterConfig::default()
-    }
-}
-
-/// The inference listener's settings from the host's queue settings.
-pub fn proxy_config(queue: &QueueSettings) -> ProxyConfig {
-    ProxyConfig {
-        request_deadline: queue.request_deadline,
-        stream_idle_timeout: queue.stream_idle_timeout,
-        max_buffered_bytes_total: queue.max_buffered_bytes_total,
-        ..ProxyConfig::default()
     }
 }
 
@@ -762,12 +731,6 @@ async fn follow_node_agents(following: Following, mut stop: watch::Receiver<bool
     }
 }
 
-async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, OperatorError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| OperatorError::Bind { what, addr, source })
-}
-
 /// What [`follow_holdover`] tells of a hold-over.
 struct Holding {
     server: Arc<Server>,
@@ -895,24 +858,24 @@ pub async fn lead(
     let store = Arc::new(CrStore::from_crs(
         existing.iter().filter(|cr| claims.holds(cr)),
     ));
+    let first = FirstHost {
+        id: host_id.clone(),
+        activation,
+        settings: host_settings,
+    };
     let server = Server::open_hosts(
         joined.into_iter().map(|j| j.entry).collect(),
         store.clone(),
-        LifecycleConfig {
-            host_id: host_id.clone(),
-            host_activation: activation,
-            lifecycle_defaults: options.server.lifecycle_defaults,
-            host_settings,
-            waiting_limit: queue.max_pending_per_deployment,
-            timer_tick: Duration::from_secs(1),
-            metrics: metrics.clone(),
-            // NB: the leader's switch records are kept in its data directory, not in the API
-            // server (CRs and ConfigMaps are no place for a ring of 1,000 records): a standby
-            // that takes over begins with its own.
-            switch_log: options.switch_log.clone(),
-            // The server document's wake window governs the node agents' wakes too.
-            wake_window: Some(options.server.switching.wake_timeout),
-        },
+        // NB: the leader's switch records are kept in its data directory, not in the API
+        // server (CRs and ConfigMaps are no place for a ring of 1,000 records): a standby that
+        // takes over begins with its own.
+        lifecycle_config(
+            &options.server,
+            first,
+            &queue,
+            metrics.clone(),
+            options.switch_log.clone(),
+        ),
     )
     .await?;
     // Taken over from a leader that did not release the Lease: what it adopted as ready is
@@ -931,36 +894,32 @@ pub async fn lead(
     let views: Arc<dyn Views> = server.clone();
 
     // The router and the inference listener.
-    let inference = bind("server.listen.inference", options.server.listen.inference).await?;
+    let (inference, _) = bind("server.listen.inference", options.server.listen.inference).await?;
     let observed = Arc::new(ObservedLifecycle::new(
         server.clone(),
         views.clone(),
         feed.clone(),
     ));
-    let router = server
-        .spawn_router(observed, router_config(&options.server, &queue))
-        .await;
     let inference_config = ProxyConfig {
         tls: options.tls.clone(),
         ..proxy_config(&queue)
     };
     let grace = inference_config.shutdown_grace;
-    let proxy = server
-        .proxy(router.clone(), inference_config)
-        .with_observer(metrics.clone());
     let (stop_tasks, _) = watch::channel(false);
-    let mut tasks: Vec<JoinHandle<()>> = Vec::new();
-    {
-        let mut rx = stop_tasks.subscribe();
-        tasks.push(tokio::spawn(async move {
-            let shutdown = async move {
-                let _ = rx.wait_for(|s| *s).await;
-            };
-            if let Err(e) = proxy::serve(inference, proxy, shutdown).await {
-                tracing::error!(error = %e, "the inference listener failed");
-            }
-        }));
-    }
+    let inference = Inference {
+        listener: inference,
+        config: inference_config,
+        observer: Some(metrics.clone()),
+        stop: stop_tasks.subscribe(),
+    };
+    let Assembly { router, inference } = assemble(
+        &server,
+        observed,
+        router_config(&options.server, &queue),
+        Some(inference),
+    )
+    .await;
+    let mut tasks: Vec<JoinHandle<()>> = inference.into_iter().collect();
     api.set(Some(Arc::new(ObservedApi::new(
         server.clone(),
         views.clone(),
@@ -1124,7 +1083,8 @@ pub async fn run(
     // inference port's 503s and the management listener end.
     let (handed_over, _) = watch::channel(false);
 
-    let management = bind("server.listen.management", options.server.listen.management).await?;
+    let (management, _) =
+        bind("server.listen.management", options.server.listen.management).await?;
     let management_task = {
         let api: Arc<dyn ManagementApi> = api.clone();
         let tls = options.tls.clone();

@@ -39,7 +39,8 @@ use capyctl_lifecycle::{HostEntry, LifecycleConfig, Server};
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::spec::HostSettings;
 use capyctl_router::config::RouterConfig;
-use capyctl_router::proxy::{self, ProxyConfig};
+use capyctl_router::proxy::ProxyConfig;
+use capyctl_server::assembly::{Inference, assemble};
 use capyctl_server::standalone::Standalone;
 use capyctl_spec::documents::{parse_deployment_str, parse_standalone_str};
 use capyctl_spec::overrides::Overrides;
@@ -581,16 +582,25 @@ async fn fake_cluster(hosts: usize, n: usize, latency: Duration) -> (Arc<Server>
     let t = Instant::now();
     let server = Server::open_hosts(entries, store, lc).await.unwrap();
     let open_ms = ms(t.elapsed());
-    let router = server
-        .spawn_router(server.clone(), RouterConfig::default())
-        .await;
-    server.set_ready(true);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let proxy = server.proxy(router, ProxyConfig::default());
-    tokio::spawn(async move {
-        let _ = proxy::serve(listener, proxy, std::future::pending()).await;
-    });
+    let (stop, rx) = tokio::sync::watch::channel(false);
+    // The listener serves until the bench's process ends.
+    std::mem::forget(stop);
+    let inference = Inference {
+        listener,
+        config: ProxyConfig::default(),
+        observer: None,
+        stop: rx,
+    };
+    assemble(
+        &server,
+        server.clone(),
+        RouterConfig::default(),
+        Some(inference),
+    )
+    .await;
+    server.set_ready(true);
     (server, addr, open_ms)
 }
 

@@ -30,13 +30,13 @@ use capyctl_node_agent::remote::{RemoteConfig, RemoteHostAgent};
 use capyctl_node_agent::spec::HostSettings;
 use capyctl_node_agent::{AgentError, LocalHostAgent};
 use capyctl_router::config::RouterConfig;
-use capyctl_router::proxy::{self, ProxyConfig};
+use capyctl_router::proxy::ProxyConfig;
 use capyctl_spec::errors::ApiError;
 use capyctl_spec::settings::StandaloneConfig;
-use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::assembly::{self, BindError, FirstHost, Inference, assemble};
 use crate::management::ManagementOptions;
 use capyctl_lifecycle::api::ManagementApi;
 use capyctl_lifecycle::metrics::Metrics;
@@ -56,16 +56,8 @@ pub enum StandaloneError {
     #[error("{0}")]
     Server(#[from] ServerError),
     /// A listener could not be bound.
-    #[error("cannot listen on {addr} ({what}): {source}")]
-    Bind {
-        /// `server.listen.inference` or `server.listen.management`.
-        what: &'static str,
-        /// The address.
-        addr: SocketAddr,
-        /// The OS error.
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Bind(#[from] BindError),
     /// The admin token could not be read or written.
     #[error("{0}")]
     Token(#[from] crate::management::TokenError),
@@ -119,7 +111,7 @@ impl StandaloneError {
             StandaloneError::Agent(e) => e.metric_label(),
             StandaloneError::Store(e) => e.metric_label(),
             StandaloneError::Server(e) => e.metric_label(),
-            StandaloneError::Bind { .. } => "bind",
+            StandaloneError::Bind(_) => "bind",
             StandaloneError::Token(e) => e.metric_label(),
             StandaloneError::Deploy { .. } => "deploy",
             StandaloneError::DataDirInUse { .. } => "data_dir_in_use",
@@ -158,56 +150,20 @@ pub fn lock_data_dir(dir: &Path) -> Result<std::fs::File, StandaloneError> {
     }
 }
 
+/// The lifecycle's settings from the standalone document (its host the first), counting into
+/// `metrics`, its switch records in memory only.
+pub fn lifecycle_config(config: &StandaloneConfig, metrics: Arc<Metrics>) -> LifecycleConfig {
+    let first = FirstHost {
+        id: config.host.id.clone(),
+        activation: config.host.activation,
+        settings: HostSettings::from(&config.host),
+    };
+    assembly::lifecycle_config(&config.server, first, &config.host.queue, metrics, None)
+}
+
 /// The router's settings from the standalone document.
 pub fn router_config(config: &StandaloneConfig) -> RouterConfig {
-    let q = &config.host.queue;
-    RouterConfig {
-        admission_window: q.admission_window,
-        drain_timeout: config.server.switching.drain_timeout,
-        request_deadline: q.request_deadline,
-        stream_idle_timeout: q.stream_idle_timeout,
-        max_pending_per_deployment: q.max_pending_per_deployment as usize,
-        max_pending_total: q.max_pending_total as usize,
-        execute_timeout: execute_timeout(&config.server),
-        ..RouterConfig::default()
-    }
-}
-
-/// The router's bound on a switch's execution, which only catches a lifecycle that never
-/// answers: a cold start's ready timeout plus a wake window and a drain, for the parks before
-/// it, and a minute to spare (the request deadline bounds what a request waits anyway).
-pub fn execute_timeout(server: &capyctl_spec::settings::ServerConfig) -> Duration {
-    capyctl_node_agent::agent::DEFAULT_READY_TIMEOUT
-        + server.switching.wake_timeout
-        + server.switching.drain_timeout
-        + Duration::from_secs(60)
-}
-
-/// The inference listener's settings from the standalone document.
-/// (TLS is read apart: `capyctl_router::tls::listen_config`.)
-pub fn proxy_config(config: &StandaloneConfig) -> ProxyConfig {
-    let q = &config.host.queue;
-    ProxyConfig {
-        request_deadline: q.request_deadline,
-        stream_idle_timeout: q.stream_idle_timeout,
-        max_buffered_bytes_total: q.max_buffered_bytes_total,
-        ..ProxyConfig::default()
-    }
-}
-
-/// The lifecycle's settings from the standalone document, counting into `metrics`.
-pub fn lifecycle_config(config: &StandaloneConfig, metrics: Arc<Metrics>) -> LifecycleConfig {
-    LifecycleConfig {
-        host_id: config.host.id.clone(),
-        host_activation: config.host.activation,
-        lifecycle_defaults: config.server.lifecycle_defaults,
-        host_settings: HostSettings::from(&config.host),
-        waiting_limit: config.host.queue.max_pending_per_deployment,
-        timer_tick: Duration::from_secs(1),
-        metrics,
-        switch_log: None,
-        wake_window: Some(config.server.switching.wake_timeout),
-    }
+    assembly::router_config(&config.server, &config.host.queue)
 }
 
 /// A node agent that a standalone server drives besides its own host (`capyctl start
@@ -458,57 +414,33 @@ impl Standalone {
             }
         };
 
-        let bind = |what: &'static str, addr: SocketAddr| async move {
-            TcpListener::bind(addr)
-                .await
-                .map_err(|source| StandaloneError::Bind { what, addr, source })
-        };
-        let inference = bind("server.listen.inference", config.server.listen.inference).await?;
-        let management = bind("server.listen.management", config.server.listen.management).await?;
-        let local = |what: &'static str, l: &TcpListener, addr: SocketAddr| {
-            l.local_addr()
-                .map_err(|source| StandaloneError::Bind { what, addr, source })
-        };
-        let inference_addr = local(
-            "server.listen.inference",
-            &inference,
-            config.server.listen.inference,
-        )?;
-        let management_addr = local(
-            "server.listen.management",
-            &management,
-            config.server.listen.management,
-        )?;
+        let (inference, inference_addr) =
+            assembly::bind("server.listen.inference", config.server.listen.inference).await?;
+        let (management, management_addr) =
+            assembly::bind("server.listen.management", config.server.listen.management).await?;
         let admin_token = crate::management::load_or_create_token(
             config.server.admin_token_file.as_deref(),
             &data_dir,
         )?;
 
-        let router = server
-            .spawn_router(server.clone(), router_config(&config))
-            .await;
-        let proxy = server
-            .proxy(
-                router.clone(),
-                ProxyConfig {
-                    tls: tls.clone(),
-                    ..proxy_config(&config)
-                },
-            )
-            .with_observer(metrics.clone());
         let (stop, _) = watch::channel(false);
-        let mut tasks = Vec::new();
-        {
-            let mut rx = stop.subscribe();
-            tasks.push(tokio::spawn(async move {
-                let shutdown = async move {
-                    let _ = rx.wait_for(|s| *s).await;
-                };
-                if let Err(e) = proxy::serve(inference, proxy, shutdown).await {
-                    tracing::error!(error = %e, "the inference listener failed");
-                }
-            }));
-        }
+        let inference = Inference {
+            listener: inference,
+            config: ProxyConfig {
+                tls: tls.clone(),
+                ..assembly::proxy_config(&config.host.queue)
+            },
+            observer: Some(metrics.clone()),
+            stop: stop.subscribe(),
+        };
+        let assembled = assemble(
+            &server,
+            server.clone(),
+            router_config(&config),
+            Some(inference),
+        )
+        .await;
+        let mut tasks: Vec<JoinHandle<()>> = assembled.inference.into_iter().collect();
         {
             let api: Arc<dyn ManagementApi> = server.clone();
             let mut rx = stop.subscribe();

@@ -16,6 +16,7 @@ use capyctl_lifecycle::store::MemoryStore;
 use capyctl_lifecycle::{LifecycleConfig, Server};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::CoordinatorHandle;
+use capyctl_server::assembly::assemble;
 use capyctl_server::management::{self, ManagementOptions};
 use capyctl_spec::api::{
     ActionReceipt, DeployOutcome, DeployReceipt, DeploymentList, DeploymentView, EngineList,
@@ -50,9 +51,9 @@ async fn app() -> App {
     let server = Server::open(host.clone(), Arc::new(MemoryStore::default()), config)
         .await
         .unwrap();
-    let router = server
-        .spawn_router(server.clone(), RouterConfig::default())
-        .await;
+    let router = assemble(&server, server.clone(), RouterConfig::default(), None)
+        .await
+        .router;
     let app = management::router(
         server.clone(),
         ManagementOptions {

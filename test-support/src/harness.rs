@@ -16,7 +16,8 @@ use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::spec::{GpuOverride, HostSettings};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::CoordinatorHandle;
-use capyctl_router::proxy::{self, ProxyConfig};
+use capyctl_router::proxy::ProxyConfig;
+use capyctl_server::assembly::{Assembly, Inference, assemble};
 use capyctl_spec::Activation;
 use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
 use capyctl_spec::settings::LifecycleDefaults;
@@ -164,23 +165,21 @@ impl Harness {
             })
             .collect();
         let server = Server::open_hosts(hosts, store, lc).await.unwrap();
-        let router = server.spawn_router(server.clone(), router_config()).await;
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let proxy = server.proxy(
-            router.clone(),
-            ProxyConfig {
+        let (stop, rx) = watch::channel(false);
+        let inference = Inference {
+            listener,
+            config: ProxyConfig {
                 request_deadline: Duration::from_secs(60),
                 ..ProxyConfig::default()
             },
-        );
-        let (stop, mut rx) = watch::channel(false);
-        let task = tokio::spawn(async move {
-            let shutdown = async move {
-                let _ = rx.wait_for(|s| *s).await;
-            };
-            proxy::serve(listener, proxy, shutdown).await.unwrap();
-        });
+            observer: None,
+            stop: rx,
+        };
+        let Assembly { router, inference } =
+            assemble(&server, server.clone(), router_config(), Some(inference)).await;
+        let task = inference.expect("an inference listener was given");
         Harness {
             server,
             metrics,
