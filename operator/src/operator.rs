@@ -950,13 +950,16 @@ pub async fn lead(
         .with_observer(metrics.clone());
     let (stop_tasks, _) = watch::channel(false);
     let mut tasks: Vec<JoinHandle<()>> = Vec::new();
+    // The inference port's socket, given back by the router's listener when it stops
+    // accepting (see `super::handover`).
+    let (give_back, given_back) = tokio::sync::oneshot::channel();
     {
         let mut rx = stop_tasks.subscribe();
         tasks.push(tokio::spawn(async move {
             let shutdown = async move {
                 let _ = rx.wait_for(|s| *s).await;
             };
-            if let Err(e) = proxy::serve(inference, proxy, shutdown).await {
+            if let Err(e) = proxy::serve_giving_back(inference, proxy, shutdown, give_back).await {
                 tracing::error!(error = %e, "the inference listener failed");
             }
         }));
@@ -1048,22 +1051,11 @@ pub async fn lead(
     api.set(None);
     stop_tasks.send_replace(true);
     if options.leader_label.is_some() {
-        let addr = options.server.listen.inference;
-        tokio::spawn(async move {
-            match super::handover::bind_when_free(addr).await {
-                Ok(listener) => {
-                    super::handover::serve_unavailable(
-                        listener,
-                        super::handover::handing_over(),
-                        handed_over,
-                    )
-                    .await
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "the inference port could not be bound again to answer 503 while handing over")
-                }
-            }
-        });
+        tokio::spawn(super::handover::serve_unavailable_given_back(
+            given_back,
+            super::handover::handing_over(),
+            handed_over,
+        ));
     }
     let refusing = tokio::spawn(refuse_waiting_after(
         router.clone(),
