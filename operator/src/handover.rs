@@ -17,8 +17,11 @@
 //! - it stays ready and labelled, and answers every request on the inference port that its
 //!   router no longer takes ([`serve_unavailable`]): 503 `unavailable`, the product page's
 //!   retryable error with its JSON body and `Retry-After: 1`, "this replica is handing over
-//!   the router to the next leader; retry shortly". Requests its router already holds are
-//!   answered as before (their switch within the grace, or 503 just before it ends);
+//!   the router to the next leader; retry shortly". It answers on the inference port's own
+//!   listening socket, which the router's listener gives back when it stops accepting
+//!   ([`serve_unavailable_given_back`]): the port is never closed, so no connection is
+//!   refused in between. Requests its router already holds are answered as before (their
+//!   switch within the grace, or 503 just before it ends);
 //! - after it has released the Lease it lingers ([`linger`]) until another Pod carries the
 //!   leader label and is Ready (at most [`LINGER_MAX`]), then [`LINGER_AFTER`] more for
 //!   kube-proxy to move the Service to it, and only then removes its label and exits.
@@ -35,7 +38,7 @@ use kube::api::ListParams;
 use kube::{Api, ResourceExt};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 
 /// The longest a stopping leader waits for the next one's label after releasing the Lease.
 pub const LINGER_MAX: Duration = Duration::from_secs(15);
@@ -61,20 +64,31 @@ pub fn handing_over() -> ApiError {
     }
 }
 
-/// Binds `addr`, retrying for a while: the router's listener closes its socket when its
-/// graceful stop begins, on its own task.
-pub async fn bind_when_free(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
-    let mut tries = 0;
-    loop {
-        match TcpListener::bind(addr).await {
-            Ok(l) => return Ok(l),
-            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && tries < 100 => {
-                tries += 1;
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            Err(e) => return Err(e),
+/// [`serve_unavailable`] on the inference port's own listening socket, once the router's
+/// listener gives it back (`capyctl_router::proxy::serve_giving_back`, when it stops
+/// accepting). The socket never closes in between: a connection made meanwhile waits in its
+/// backlog and is answered here, none is refused or reset. (Before, the router's listener
+/// closed the socket and this bound the port again: a connection in that moment was refused,
+/// seen in 2 of 6 handovers on the local cluster.)
+pub async fn serve_unavailable_given_back(
+    given_back: oneshot::Receiver<std::net::TcpListener>,
+    error: ApiError,
+    stop: watch::Receiver<bool>,
+) {
+    let listener = match given_back.await.map(TcpListener::from_std) {
+        Ok(Ok(listener)) => listener,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "the inference port's socket could not be taken over to answer 503 while handing over");
+            return;
         }
-    }
+        Err(_) => {
+            tracing::warn!(
+                "the router's listener ended without giving the inference port's socket back: no 503 while handing over"
+            );
+            return;
+        }
+    };
+    serve_unavailable(listener, error, stop).await
 }
 
 /// Answers every connection on `listener` with `error` (its status, JSON body and
@@ -277,6 +291,140 @@ mod tests {
         assert_eq!(began.elapsed(), LINGER_MAX);
         drop(pods);
         let _ = server.await;
+    }
+
+    /// An admission that knows no model: the listener answers `GET /v1/models` itself.
+    #[derive(Clone)]
+    struct NoModels;
+
+    enum NoPermit {}
+
+    impl capyctl_router::admission::Permit for NoPermit {
+        fn upstream(&self) -> &capyctl_interfaces::router::Upstream {
+            match *self {}
+        }
+        fn first_output(&self) {}
+        fn cut(&self) {}
+        fn waited_at_bound(&self) -> Duration {
+            match *self {}
+        }
+    }
+
+    impl capyctl_router::admission::Admission for NoModels {
+        type Permit = NoPermit;
+        fn resolve(&self, _: &str) -> Option<capyctl_interfaces::router::DeploymentRef> {
+            None
+        }
+        async fn admit(
+            &self,
+            _: capyctl_interfaces::router::DeploymentRef,
+            _: tokio::time::Instant,
+        ) -> Result<NoPermit, ApiError> {
+            unreachable!("no model resolves")
+        }
+    }
+
+    /// One client's connection: `GET /v1/models`, `Connection: close`. The answer's status,
+    /// or what went wrong (refused, reset, closed without an answer).
+    async fn one_request(addr: std::net::SocketAddr) -> Result<u16, String> {
+        let mut s = TcpStream::connect(addr)
+            .await
+            .map_err(|e| format!("connect: {e}"))?;
+        s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .map_err(|e| format!("write: {e}"))?;
+        let mut out = Vec::new();
+        s.read_to_end(&mut out)
+            .await
+            .map_err(|e| format!("read: {e}"))?;
+        let head = String::from_utf8_lossy(&out);
+        head.strip_prefix("HTTP/1.1 ")
+            .and_then(|h| h.get(..3))
+            .and_then(|c| c.parse().ok())
+            .ok_or_else(|| format!("no answer: {head:?}"))
+    }
+
+    /// The handover of the inference port: clients connect continuously while the router's
+    /// listener stops and gives its socket to [`serve_unavailable_given_back`]; every
+    /// connection gets the router's answer (200) or the handover's 503, none is refused,
+    /// reset or closed without an answer. (With the router's listener closing the socket and
+    /// the port bound again, connections were refused in between.) With the listener's
+    /// connections served on the caller's runtime and on threads of its own.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn connections_across_the_handover_are_all_answered() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        const EACH: usize = 200;
+        const CLIENTS: usize = 4;
+        for threads in [0, 2] {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let config = capyctl_router::proxy::ProxyConfig {
+                listener_threads: threads,
+                shutdown_grace: Duration::from_secs(1),
+                ..Default::default()
+            };
+            let proxy = capyctl_router::proxy::Proxy::new(NoModels, Vec::new, config);
+            let (stop_router, mut stopping) = watch::channel(false);
+            let (give_back, given_back) = oneshot::channel();
+            let router = tokio::spawn(capyctl_router::proxy::serve_giving_back(
+                listener,
+                proxy,
+                async move {
+                    let _ = stopping.wait_for(|s| *s).await;
+                },
+                give_back,
+            ));
+            let (stop_503, rx) = watch::channel(false);
+            let handing_over =
+                tokio::spawn(serve_unavailable_given_back(given_back, handing_over(), rx));
+
+            let done = Arc::new(AtomicBool::new(false));
+            let (results, mut outcomes) = tokio::sync::mpsc::unbounded_channel();
+            let clients: Vec<_> = (0..CLIENTS)
+                .map(|_| {
+                    let (done, results) = (done.clone(), results.clone());
+                    tokio::spawn(async move {
+                        while !done.load(Ordering::Relaxed) {
+                            let _ = results.send(one_request(addr).await);
+                        }
+                    })
+                })
+                .collect();
+            drop(results);
+            let (mut served, mut unavailable, mut failed) = (0, 0, Vec::new());
+            while let Some(outcome) = outcomes.recv().await {
+                match outcome {
+                    Ok(200) => served += 1,
+                    Ok(503) => unavailable += 1,
+                    other => failed.push(other),
+                }
+                if served == EACH {
+                    stop_router.send_replace(true);
+                }
+                if unavailable >= EACH {
+                    done.store(true, Ordering::Relaxed);
+                }
+            }
+            for c in clients {
+                c.await.unwrap();
+            }
+            router.await.unwrap().unwrap();
+            assert!(
+                failed.is_empty(),
+                "threads {threads}: {} of {} connections without an answer: {:?}",
+                failed.len(),
+                served + unavailable + failed.len(),
+                &failed[..failed.len().min(5)]
+            );
+            assert!(
+                served >= EACH && unavailable >= EACH,
+                "{served} {unavailable}"
+            );
+            stop_503.send_replace(true);
+            handing_over.await.unwrap();
+            assert!(TcpStream::connect(addr).await.is_err(), "still accepting");
+        }
     }
 
     /// A client of a stopping leader's inference port gets the page's 503 with its JSON body,

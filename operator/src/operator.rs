@@ -906,11 +906,15 @@ pub async fn lead(
     };
     let grace = inference_config.shutdown_grace;
     let (stop_tasks, _) = watch::channel(false);
+    // The inference port's socket, given back by the router's listener when it stops
+    // accepting (see `super::handover`).
+    let (give_back, given_back) = tokio::sync::oneshot::channel();
     let inference = Inference {
         listener: inference,
         config: inference_config,
         observer: Some(metrics.clone()),
         stop: stop_tasks.subscribe(),
+        give_back: Some(give_back),
     };
     let Assembly { router, inference } = assemble(
         &server,
@@ -1007,22 +1011,11 @@ pub async fn lead(
     api.set(None);
     stop_tasks.send_replace(true);
     if options.leader_label.is_some() {
-        let addr = options.server.listen.inference;
-        tokio::spawn(async move {
-            match super::handover::bind_when_free(addr).await {
-                Ok(listener) => {
-                    super::handover::serve_unavailable(
-                        listener,
-                        super::handover::handing_over(),
-                        handed_over,
-                    )
-                    .await
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "the inference port could not be bound again to answer 503 while handing over")
-                }
-            }
-        });
+        tokio::spawn(super::handover::serve_unavailable_given_back(
+            given_back,
+            super::handover::handing_over(),
+            handed_over,
+        ));
     }
     let refusing = tokio::spawn(refuse_waiting_after(
         router.clone(),

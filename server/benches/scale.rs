@@ -592,6 +592,7 @@ async fn fake_cluster(hosts: usize, n: usize, latency: Duration) -> (Arc<Server>
         config: ProxyConfig::default(),
         observer: None,
         stop: rx,
+        give_back: None,
     };
     assemble(
         &server,

@@ -32,7 +32,7 @@ use capyctl_router::proxy::{self, Proxy, ProxyConfig};
 use capyctl_spec::Activation;
 use capyctl_spec::settings::{QueueSettings, ServerConfig};
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
 /// A listener that could not be bound (or whose address could not be read).
@@ -144,6 +144,10 @@ pub struct Inference {
     /// `true` stops it: it accepts no more and finishes the answers in progress for its
     /// shutdown grace.
     pub stop: watch::Receiver<bool>,
+    /// Where the listening socket goes when it stops accepting, instead of being closed (a
+    /// stopping operator leader answers on it: `capyctl-operator`'s `handover`); `None`:
+    /// closed.
+    pub give_back: Option<oneshot::Sender<std::net::TcpListener>>,
 }
 
 impl std::fmt::Debug for Inference {
@@ -184,11 +188,18 @@ pub async fn assemble(
             proxy = proxy.with_observer(observer);
         }
         let (listener, mut stop) = (inference.listener, inference.stop);
+        let give_back = inference.give_back;
         tokio::spawn(async move {
             let shutdown = async move {
                 let _ = stop.wait_for(|s| *s).await;
             };
-            if let Err(e) = proxy::serve(listener, proxy, shutdown).await {
+            let served = match give_back {
+                Some(give_back) => {
+                    proxy::serve_giving_back(listener, proxy, shutdown, give_back).await
+                }
+                None => proxy::serve(listener, proxy, shutdown).await,
+            };
+            if let Err(e) = served {
                 tracing::error!(error = %e, "the inference listener failed");
             }
         })

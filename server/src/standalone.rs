@@ -432,6 +432,7 @@ impl Standalone {
             },
             observer: Some(metrics.clone()),
             stop: stop.subscribe(),
+            give_back: None,
         };
         let assembled = assemble(
             &server,

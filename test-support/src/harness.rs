@@ -176,6 +176,7 @@ impl Harness {
             },
             observer: None,
             stop: rx,
+            give_back: None,
         };
         let Assembly { router, inference } =
             assemble(&server, server.clone(), router_config(), Some(inference)).await;

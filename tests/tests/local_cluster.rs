@@ -15,8 +15,8 @@
 //! `kubectl capyctl start --evict`, the faults of a real node (the node agent's container killed:
 //! its engines adopted, none started twice; an engine Pod deleted by hand: its model fails and
 //! its next request starts it afresh; the kubelet restarted: everything runs on), a deleted
-//! object's engine Pod removed, the operators stopped (the leader releases its Lease) and
-//! `helm uninstall` leaving none of the release's objects. Two more tests: the operator's
+//! object's engine Pod removed, and a plain `helm uninstall` (the operators running) leaving
+//! none of the release's objects, the operators' Lease included. Two more tests: the operator's
 //! leader Pod deleted mid-switch, two replicas running (a switch within the stopping leader's
 //! grace completes, one past it has its waiting requests answered 503; another replica takes
 //! over), and the real vLLM image (`scripts/local-vllm-image.sh`) serving, parking and waking in
@@ -33,7 +33,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment as AppsDeployment};
-use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret, Service, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, ResourceExt};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -801,9 +802,11 @@ async fn the_chart_runs_end_to_end_on_a_real_node() {
     eprintln!("end to end on node {node_name} in {:?}", started.elapsed());
 }
 
-/// The clean uninstall (README, A local cluster): the operators stopped first, the leader
-/// releases its Lease on SIGTERM (its Role is still there), then `helm uninstall` leaves none of
-/// the release's objects.
+/// `helm uninstall`, as a user runs it (the operators running, the leader holding its Lease):
+/// none of the release's objects is left, its Pods, engine Pods, RBAC and the operators'
+/// `Lease` included (the Lease is owned by the operator Deployment, so the garbage collector
+/// deletes it; a replica that stops after that and writes it again makes one with the same
+/// owner, deleted in turn).
 async fn uninstall(release: &Release) {
     let Release {
         kubeconfig,
@@ -811,40 +814,17 @@ async fn uninstall(release: &Release) {
         pods,
         ..
     } = release;
-    let operators: Api<AppsDeployment> = ns.api();
-    let scale = serde_json::json!({"spec": {"replicas": 0}});
-    operators
-        .patch(
-            &format!("{RELEASE}-operator"),
-            &PatchParams::default(),
-            &Patch::Merge(&scale),
-        )
-        .await
-        .unwrap();
-    wait_for("the operators stopped", Duration::from_secs(90), || async {
-        let left = pods
-            .list(&ListParams::default().labels("app.kubernetes.io/component=operator"))
-            .await
-            .unwrap()
-            .items
-            .len();
-        if left == 0 {
-            Ok(())
-        } else {
-            Err(format!("{left} operator Pod(s)"))
-        }
-    })
-    .await;
-    let leases: Api<k8s_openapi::api::coordination::v1::Lease> = ns.api();
-    let lease = leases.get(&format!("{RELEASE}-operator")).await.unwrap();
-    let holder = lease.spec.and_then(|s| s.holder_identity);
-    assert_eq!(holder, None, "the leader released its Lease");
-
-    // helm uninstall leaves none of the release's objects.
+    let began = Instant::now();
     helm(kubeconfig, &["uninstall", RELEASE, "-n", &ns.name]);
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> = ns.api();
+    let cluster_roles: Api<ClusterRole> = Api::all(ns.client.clone());
+    let cluster_bindings: Api<ClusterRoleBinding> = Api::all(ns.client.clone());
+    let ours = |name: &str| name.contains(&format!("-{}-", ns.name));
+    // The operators' termination: the leader's linger (at most 17 s without a next leader)
+    // within the chart's 60 s grace.
     wait_for(
         "the release's objects gone",
-        Duration::from_secs(90),
+        Duration::from_secs(120),
         || async {
             let mut left: Vec<String> = pods
                 .list(&ListParams::default())
@@ -859,6 +839,40 @@ async fn uninstall(release: &Release) {
             left.extend(release_objects::<Service>(ns, "service").await);
             left.extend(release_objects::<ConfigMap>(ns, "configmap").await);
             left.extend(release_objects::<Secret>(ns, "secret").await);
+            left.extend(release_objects::<ServiceAccount>(ns, "serviceaccount").await);
+            left.extend(release_objects::<Role>(ns, "role").await);
+            left.extend(release_objects::<RoleBinding>(ns, "rolebinding").await);
+            let all = ListParams::default();
+            let in_release = ListParams::default().labels(RELEASE_LABEL);
+            left.extend(
+                leases
+                    .list(&all)
+                    .await
+                    .unwrap()
+                    .items
+                    .iter()
+                    .map(|l| format!("lease/{}", l.name_any())),
+            );
+            left.extend(
+                cluster_roles
+                    .list(&in_release)
+                    .await
+                    .unwrap()
+                    .items
+                    .iter()
+                    .filter(|r| ours(&r.name_any()))
+                    .map(|r| format!("clusterrole/{}", r.name_any())),
+            );
+            left.extend(
+                cluster_bindings
+                    .list(&in_release)
+                    .await
+                    .unwrap()
+                    .items
+                    .iter()
+                    .filter(|r| ours(&r.name_any()))
+                    .map(|r| format!("clusterrolebinding/{}", r.name_any())),
+            );
             if left.is_empty() {
                 Ok(())
             } else {
@@ -867,6 +881,10 @@ async fn uninstall(release: &Release) {
         },
     )
     .await;
+    eprintln!(
+        "helm uninstall: nothing of the release left after {:.1} s",
+        began.elapsed().as_secs_f64()
+    );
 }
 
 /// Every engine Pod of the CR `name`, whatever its phase (and being deleted or not), as (name,
@@ -933,7 +951,8 @@ struct Probed {
     others: Vec<String>,
 }
 
-/// `GET /v1/models` through the router Service every 50 ms until `stop`: before, a connection
+/// `GET /v1/models` through the router Service every 50 ms until `stop` (a connection refused or
+/// cut, or no answer within 5 s, counts as `no_answer`): before, a connection
 /// opened while kube-proxy moved the Service from no endpoint to the new leader left the node
 /// untranslated and this machine's egress proxy answered it `404` with an empty body
 /// (`operator/src/handover.rs`).
@@ -1124,6 +1143,12 @@ async fn delete_the_leader_mid_switch(
         probed.others.is_empty(),
         "the router Service answered neither 200 nor the page's 503 during the handover: {:?}",
         probed.others
+    );
+    // The inference port's socket goes from the router's listener to the 503 answerer
+    // without closing (`operator/src/handover.rs`): no connection is refused or cut.
+    assert_eq!(
+        probed.no_answer, 0,
+        "connections to the router Service without an answer during the handover"
     );
     Handover {
         answered,

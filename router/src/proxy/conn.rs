@@ -206,6 +206,30 @@ pub async fn serve<A: Admission>(
     proxy: Proxy<A>,
     shutdown: impl Future<Output = ()>,
 ) -> io::Result<()> {
+    serve_listener(listener, proxy, shutdown, None).await
+}
+
+/// [`serve`], giving the listening socket itself back through `give_back` the moment the
+/// listener stops accepting (before the answers in progress finish), instead of closing it:
+/// whoever takes it accepts the connections from then on, those already waiting in its
+/// backlog included, so that none is refused or reset in between (a stopping operator leader
+/// answers them 503 on the same port: `operator/src/handover.rs`). If `give_back`'s receiver
+/// is gone, the socket is closed, as by [`serve`].
+pub async fn serve_giving_back<A: Admission>(
+    listener: TcpListener,
+    proxy: Proxy<A>,
+    shutdown: impl Future<Output = ()>,
+    give_back: oneshot::Sender<std::net::TcpListener>,
+) -> io::Result<()> {
+    serve_listener(listener, proxy, shutdown, Some(give_back)).await
+}
+
+async fn serve_listener<A: Admission>(
+    listener: TcpListener,
+    proxy: Proxy<A>,
+    shutdown: impl Future<Output = ()>,
+    mut give_back: Option<oneshot::Sender<std::net::TcpListener>>,
+) -> io::Result<()> {
     let threads = proxy.config().listener_threads;
     if threads == 0 {
         let source = Source::Listener {
@@ -213,7 +237,15 @@ pub async fn serve<A: Admission>(
             handed: Vec::new(),
             open: Arc::new([]),
         };
-        return serve_here(source, 0, proxy, shutdown, std::future::pending()).await;
+        return serve_here(
+            source,
+            give_back,
+            0,
+            proxy,
+            shutdown,
+            std::future::pending(),
+        )
+        .await;
     }
     let mut listener = Some(listener.into_std()?);
     let open: Arc<[AtomicUsize]> = (0..threads).map(|_| AtomicUsize::new(0)).collect();
@@ -228,7 +260,9 @@ pub async fn serve<A: Admission>(
     let mut done = Vec::with_capacity(threads);
     for (i, receiver) in receivers.iter_mut().enumerate() {
         // The first thread accepts; the others are handed their connections.
-        let accepting = listener.take().map(|listener| (listener, senders.clone()));
+        let accepting = listener
+            .take()
+            .map(|listener| (listener, senders.clone(), give_back.take()));
         let receiver = receiver.take();
         let open = Arc::clone(&open);
         let proxy = proxy.for_thread();
@@ -243,20 +277,23 @@ pub async fn serve<A: Admission>(
                     .build()
                     .and_then(|runtime| {
                         runtime.block_on(async move {
-                            let source = match (accepting, receiver) {
-                                (Some((listener, handed)), _) => Source::Listener {
-                                    listener: TcpListener::from_std(listener)?,
-                                    handed,
-                                    open,
-                                },
-                                (None, Some(receiver)) => Source::Handed(receiver, open),
+                            let (source, give_back) = match (accepting, receiver) {
+                                (Some((listener, handed, give_back)), _) => (
+                                    Source::Listener {
+                                        listener: TcpListener::from_std(listener)?,
+                                        handed,
+                                        open,
+                                    },
+                                    give_back,
+                                ),
+                                (None, Some(receiver)) => (Source::Handed(receiver, open), None),
                                 (None, None) => unreachable!("every thread has a receiver"),
                             };
                             let shutdown = async move {
                                 let _ = graceful.wait_for(|stop| *stop).await;
                             };
                             let abort = async move { while abort.changed().await.is_ok() {} };
-                            serve_here(source, i, proxy, shutdown, abort).await
+                            serve_here(source, give_back, i, proxy, shutdown, abort).await
                         })
                     });
                 let _ = tx.send(served);
@@ -334,6 +371,30 @@ impl Source {
         }
     }
 
+    /// No more connections are accepted: the listening socket (if this loop has it) goes to
+    /// `give_back`, or is closed. A loop that is handed its connections gets back its
+    /// receiver, for those handed over before the accepting loop stopped.
+    fn close(
+        self,
+        give_back: Option<oneshot::Sender<std::net::TcpListener>>,
+    ) -> Option<mpsc::UnboundedReceiver<std::net::TcpStream>> {
+        match (self, give_back) {
+            (Source::Handed(receiver, _), _) => Some(receiver),
+            (Source::Listener { listener, .. }, Some(give_back)) => {
+                match listener.into_std() {
+                    Ok(listener) => {
+                        let _ = give_back.send(listener);
+                    }
+                    Err(err) => {
+                        tracing::warn!(error = %err, "giving the listening socket back failed")
+                    }
+                }
+                None
+            }
+            (Source::Listener { .. }, None) => None,
+        }
+    }
+
     /// A connection of loop `me` ended.
     fn ended(&self, me: usize) {
         let (Source::Listener { open, .. } | Source::Handed(_, open)) = self;
@@ -344,9 +405,10 @@ impl Source {
 }
 
 /// One accept loop, on the current runtime, the `me`th of the listener's. `abort` ends
-/// everything at once.
+/// everything at once. On `shutdown` the listening socket goes to `give_back` (if given).
 async fn serve_here<A: Admission>(
     mut source: Source,
+    give_back: Option<oneshot::Sender<std::net::TcpListener>>,
     me: usize,
     proxy: Proxy<A>,
     shutdown: impl Future<Output = ()>,
@@ -377,7 +439,23 @@ async fn serve_here<A: Admission>(
             },
         }
     }
-    drop(source);
+    if let Some(mut handed) = source.close(give_back) {
+        // The connections the accepting loop handed over until it stopped (it drops its
+        // senders then) are served too, not dropped unanswered.
+        loop {
+            tokio::select! {
+                biased;
+                () = &mut abort => return Ok(()),
+                stream = handed.recv() => match stream.map(TcpStream::from_std) {
+                    Some(Ok(stream)) => {
+                        connections.spawn(connection(stream, proxy.clone(), stop.watch()));
+                    }
+                    Some(Err(err)) => tracing::warn!(error = %err, "registering a connection failed"),
+                    None => break,
+                },
+            }
+        }
+    }
     stop.stop();
     let grace = proxy.config().shutdown_grace;
     let drained = tokio::select! {

@@ -60,7 +60,7 @@ pub use body::ProxyBody;
 use budget::RequestBody;
 
 use crate::coordinator::routing::{Fnv, PREFIX_BYTES};
-pub use conn::serve;
+pub use conn::{serve, serve_giving_back};
 
 use crate::admission::{Admission, Permit};
 use crate::observe::{self, RequestObserver};

@@ -45,7 +45,9 @@
 //!   watched for a read stall (see `conn`), which closes it and cuts the request.
 //! - **Closing** takes at most [`LINGER`] (a client that does not read cannot hold it).
 //! - **Stopping.** A graceful stop closes a connection waiting for a request at once, and one
-//!   in a request after its answer.
+//!   in a request after its answer; one accepted that has not sent its first request yet
+//!   gets [`FIRST_REQUEST_WHEN_STOPPING`] to send it, and its answer (closed without one, its
+//!   client would see the request lost, not a connection refused that it may retry).
 
 use std::future::{Future, poll_fn};
 use std::io::{self, IoSlice, Write as _};
@@ -97,6 +99,10 @@ const SOME_HEADERS: usize = 32;
 /// which its head and body (slices of the buffer) would keep whole while it waits.
 const LARGE_BODY: usize = READ_SIZE;
 
+/// How long a connection accepted just before the listener stops may take to send its first
+/// request, which is then answered (see the module's notes, Stopping).
+const FIRST_REQUEST_WHEN_STOPPING: Duration = Duration::from_secs(1);
+
 /// Serves HTTP/1.1 on a client connection until it closes, the client goes away or `stop`
 /// says so between requests.
 pub(super) async fn serve<A: Admission, S>(
@@ -120,6 +126,8 @@ pub(super) async fn serve<A: Admission, S>(
         watch,
         head_timer: None,
         read_closed: false,
+        had_request: false,
+        stop_timer: None,
     };
     loop {
         let mut request = match conn.next_head(stop, header_read_timeout).await {
@@ -259,6 +267,11 @@ struct Server<S> {
     head_timer: Option<Pin<Box<Sleep>>>,
     /// The client's side has ended (or failed): nothing more comes.
     read_closed: bool,
+    /// A request head was read on the connection.
+    had_request: bool,
+    /// Once the listener stops: how long a connection without a request yet waits for its
+    /// first ([`FIRST_REQUEST_WHEN_STOPPING`]).
+    stop_timer: Option<Pin<Box<Sleep>>>,
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
@@ -308,12 +321,13 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
                 self.skip_empty_lines();
                 if !self.buf.is_empty() {
                     match self.parse_head() {
-                        Ok(Some(request)) => return Poll::Ready(Next::Head(request)),
+                        Ok(Some(request)) => {
+                            self.had_request = true;
+                            return Poll::Ready(Next::Head(request));
+                        }
                         Ok(None) => {}
                         Err(detail) => return Poll::Ready(Next::Bad(detail)),
                     }
-                } else if stop.poll_stopped(cx) {
-                    return Poll::Ready(Next::Closed);
                 }
                 if self.read_closed {
                     return Poll::Ready(Next::Closed);
@@ -322,6 +336,20 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
                     Poll::Ready(Ok(n)) if n > 0 => continue,
                     Poll::Ready(_) => return Poll::Ready(Next::Closed),
                     Poll::Pending => {}
+                }
+                // Stopping, nothing of a request read: between requests the connection closes
+                // at once; one just accepted waits a little for its first (its client sent it
+                // to a listener that took the connection).
+                if self.buf.is_empty() && stop.poll_stopped(cx) {
+                    if self.had_request {
+                        return Poll::Ready(Next::Closed);
+                    }
+                    let timer = self.stop_timer.get_or_insert_with(|| {
+                        Box::pin(tokio::time::sleep(FIRST_REQUEST_WHEN_STOPPING))
+                    });
+                    if timer.as_mut().poll(cx).is_ready() {
+                        return Poll::Ready(Next::Closed);
+                    }
                 }
                 let timer = self
                     .head_timer
