@@ -28,12 +28,14 @@ use crate::store::DeploymentRecord;
 use crate::{parked_room, views};
 
 mod commands;
+mod held;
 mod placing;
 mod releases;
 mod rules;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use held::Units;
 pub(crate) use placing::{Placed, Victims};
 pub(crate) use releases::{DownDone, Releasing};
 pub(crate) use rules::{Adoption, StartNext, Started, Up, UpDone};
@@ -264,6 +266,17 @@ impl Dep {
         if bound { self.host.as_deref() } else { None }
     }
 
+    /// The bytes it holds on a host of `capacity` bytes, as placement counts them while
+    /// [`Dep::holds_gpu`]: what its parked engine still holds (parked and not claimed), else
+    /// what it needs awake.
+    pub(crate) fn held_bytes(&self, capacity: u64) -> u64 {
+        if self.state == InstanceState::Parked && self.claim.is_none() {
+            self.parked_holds()
+        } else {
+            self.need(capacity)
+        }
+    }
+
     /// Whether it holds GPU memory, or is promised it: its engine holds memory, it is claimed by
     /// a switch, or it is parked with a residue on the GPU (what placement counts).
     pub(crate) fn holds_gpu(&self) -> bool {
@@ -442,7 +455,12 @@ pub(crate) struct State {
     /// By ID. Boxed: a `Dep` is about a kilobyte, and a map filled in ID order (a document's
     /// new deployments: ULIDs) leaves its nodes about half full, so inline each deployment cost
     /// about twice its size.
-    pub(crate) deps: BTreeMap<String, Box<Dep>>,
+    /// Written only through [`Units`]' own methods, which note each unit written for the held
+    /// sums ([`State::gpu_held`]).
+    pub(crate) deps: Units,
+    /// The GPU memory held on each host and GPU, kept in step with `deps` by
+    /// [`State::settle_held`]: placement answers "it fits now" from these (`state/held.rs`).
+    pub(crate) gpu_held: held::Held,
     /// Deployment IDs by name (kept by [`State::insert`] and [`State::remove`]; a name never
     /// changes: a deploy of the same name is the same deployment).
     pub(crate) by_name: HashMap<String, String>,
@@ -459,8 +477,9 @@ pub(crate) struct State {
     pub(crate) by_host: HashMap<String, BTreeSet<String>>,
     /// The hosts drained and out of service (`capyctl drain host`): placement passes them by.
     pub(crate) cordoned: BTreeSet<String>,
-    /// The deployments that may hold GPU memory on each host (bound there since
-    /// [`State::prune_holding`] last found them holding): what placement reads.
+    /// The deployments that hold GPU memory on each host (exactly those once
+    /// [`State::settle_held`] has run; a unit bound since may be among them): what placement
+    /// reads when it needs the victims.
     pub(crate) holding: HashMap<String, BTreeSet<String>>,
     /// The units that may hold a parked copy in host RAM, by host: what a park reads to make
     /// room for its copy (`Server::make_parked_room`).
@@ -871,7 +890,7 @@ impl State {
 impl State {
     /// Binds (or unbinds) deployment `id`'s instance to `host`, keeping the by-host indexes:
     /// a deployment bound to a host is among its possible GPU holders (`holding`) until
-    /// [`State::prune_holding`] finds it holds nothing there.
+    /// [`State::settle_held`] finds it holds nothing there.
     pub(crate) fn set_host(&mut self, id: &str, host: Option<String>) {
         let Some(d) = self.deps.get_mut(id) else {
             return;
@@ -907,24 +926,8 @@ impl State {
         }
     }
 
-    /// Lets go, in the GPU holders' index, of the deployments that hold nothing on their host
-    /// any more (stopped, failed, or parked with nothing left on the GPU): placement then reads
-    /// a host's holders without going through every deployment that ever ran there. Run by
-    /// the rules that place (`plan`, `start`, `start_pending`, `preinitialize`) before they do;
-    /// each deployment is let go once, so it costs what changed since the last one.
-    pub(crate) fn prune_holding(&mut self) {
-        let deps = &self.deps;
-        self.holding.retain(|host, ids| {
-            ids.retain(|id| {
-                deps.get(id)
-                    .is_some_and(|d| d.host.as_deref() == Some(host.as_str()) && d.holds_gpu())
-            });
-            !ids.is_empty()
-        });
-    }
-
-    /// The deployments that may hold GPU memory on `host` (a superset of those that do,
-    /// until [`State::prune_holding`]), by ID.
+    /// The deployments that hold GPU memory on `host` (a superset of those that do until
+    /// [`State::settle_held`] runs), by ID.
     fn holding_on<'a>(&'a self, host: &'a str) -> impl Iterator<Item = &'a Dep> + 'a {
         self.holding
             .get(host)

@@ -90,6 +90,8 @@ impl State {
         adopted: &[capyctl_interfaces::agent::AdoptedInstance],
     ) -> Adoption {
         Arc::make_mut(&mut self.hosts).insert(host_id.clone(), Arc::new(host));
+        // Its capacity or GPUs may differ: what its units hold is counted again.
+        self.host_changed(&host_id);
         // Adopted engines may be parked copies: the host's index of them is built again.
         self.parked_copies.forget(&host_id);
         self.any_host_explicit = self

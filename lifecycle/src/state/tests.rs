@@ -922,7 +922,7 @@ async fn the_last_use_is_the_routers_record_of_requests_or_a_later_state_change(
 
 /// Begins a park of ready `id` as a release does, and answers it with `done` at `at`.
 fn released(s: &mut State, id: &str, done: DownDone, at: Instant) {
-    let r = s.begin_release(id, false).unwrap();
+    let r = s.begin_release(id, false, false).unwrap();
     assert!(!r.parked);
     assert_eq!(s.deps[id].state, InstanceState::Parking);
     assert!(s.deps[id].busy);
@@ -1228,4 +1228,343 @@ async fn the_scaler_takes_the_first_unit_with_room_in_one_turn() {
     assert_eq!((unit.as_str(), up), ("r-2", Up::Start));
     assert!(s.deps["r-2"].busy && !s.deps["r-2"].operator_up);
     assert_eq!(s.deps["r-2"].last_used, now);
+}
+
+/// A small deterministic generator (xorshift64*), for the property test below.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+
+    fn pick<'a, T>(&mut self, of: &'a [T]) -> &'a T {
+        &of[self.below(of.len())]
+    }
+
+    fn odds(&mut self, in_: u64) -> bool {
+        self.next().is_multiple_of(in_)
+    }
+}
+
+/// The held sums (`state/held.rs`) are what placement would read from the holders: per host,
+/// per GPU, and the holders' index; and "it fits now" from the sums is the answer of the pure
+/// placement on the holders, for every unit on every host.
+fn held_sums_agree(s: &mut State, now: Instant, step: &str) {
+    s.settle_held();
+    for (host_id, host) in s.hosts.iter() {
+        let capacity = host.capacity;
+        let holders: Vec<&Dep> = s
+            .deps
+            .values()
+            .map(|d| &**d)
+            .filter(|d| d.host.as_deref() == Some(host_id.as_str()) && d.holds_gpu())
+            .collect();
+        let total: u64 = holders.iter().map(|d| d.held_bytes(capacity)).sum();
+        let read: u64 = s
+            .holders(host_id, "", &none(), Victims::Idle, now)
+            .iter()
+            .map(|h| h.bytes)
+            .sum();
+        assert_eq!(read, total, "{step}: the holders of {host_id}");
+        assert_eq!(s.gpu_held.on(host_id, None, ""), total, "{step}: {host_id}");
+        let mut ids: Vec<&str> = holders.iter().map(|d| d.id()).collect();
+        ids.sort_unstable();
+        let index: Vec<&str> = s
+            .holding
+            .get(host_id)
+            .into_iter()
+            .flatten()
+            .map(String::as_str)
+            .collect();
+        assert_eq!(index, ids, "{step}: the holders' index of {host_id}");
+        if host.gpus.len() > 1 {
+            for g in &host.gpus {
+                let on_gpu: u64 = holders
+                    .iter()
+                    .filter_map(|d| {
+                        crate::placement::gpu_share(
+                            d.held_bytes(capacity),
+                            &d.gpus,
+                            g.index,
+                            g.total_bytes,
+                        )
+                    })
+                    .sum();
+                assert_eq!(
+                    s.gpu_held.on(host_id, Some(g.index), ""),
+                    on_gpu,
+                    "{step}: {host_id} GPU {}",
+                    g.index
+                );
+            }
+        }
+        for d in s.deps.values() {
+            let want = d.rec.doc.gpus_per_instance() as usize;
+            if !host.gpus.is_empty() && want > host.gpus.len() {
+                continue;
+            }
+            let theirs = s.holders(host_id, d.id(), &none(), Victims::Idle, now);
+            let slow = if host.gpus.len() > 1 {
+                s.place_on_gpus(d, host_id, host, &theirs, true)
+                    .ok()
+                    .filter(|(_, fit, _)| *fit == Fit::Now)
+                    .map(|(gpus, _, rank)| (gpus, rank))
+            } else {
+                let need = d.need(capacity);
+                let fit = crate::placement::place(capacity, need, &theirs, true);
+                (fit == Fit::Now).then(|| {
+                    let rank = crate::placement::rank_of(&fit, capacity, need, &theirs);
+                    (Vec::new(), rank.unwrap())
+                })
+            };
+            assert_eq!(
+                s.fits_now(d, host_id, host),
+                slow,
+                "{step}: {} on {host_id}",
+                d.id()
+            );
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_held_sums_equal_the_holders_after_every_kind_of_transition() {
+    let measured = |gib: u64| Measurement {
+        weights: None,
+        gpu_memory: Some(Measured {
+            bytes: gib * GIB,
+            source: MeasureSource::EngineFootprint,
+        }),
+    };
+    for seed in 1..=24u64 {
+        let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+        let t0 = Instant::now();
+        let mut now = t0;
+        // One host of one GPU (10 GiB), one of four GPUs (10 GiB each).
+        let mut s = state(t0);
+        s.add_host("box".into(), gpus_host(4, 10), &[]);
+        s.insert(sized_dep("d", "chat-d", "", 3, t0));
+        s.insert(sized_dep("r", "chat-r", "replicas: 2", 4, t0));
+        s.insert(sized_dep("t", "chat-t", "gpus_per_instance: 2", 12, t0));
+        s.insert(sized_dep(
+            "w",
+            "chat-w",
+            "lifecycle:\n  warm: true\n",
+            2,
+            t0,
+        ));
+        let mut u = dep("u", "chat-u", "", t0);
+        u.measurement = Measurement::default();
+        s.insert(u);
+        let deployments = ["a", "b", "c", "d", "r", "t", "w", "u"];
+        let mut n = 0u32;
+        for step in 0..250 {
+            now += Duration::from_secs(rng.below(120) as u64);
+            let units: Vec<String> = s.deps.keys().cloned().collect();
+            let unit = rng.pick(&units).clone();
+            let dep = rng.pick(&deployments).to_string();
+            n += 1;
+            let rid = format!("x-{n}");
+            let what = match rng.below(12) {
+                0 | 1 => {
+                    // A request's (or an operator's) plan, given up or carried out.
+                    let mut protected = none();
+                    if rng.odds(4) {
+                        protected.insert(rng.pick(&deployments).to_string());
+                    }
+                    let who = if rng.odds(3) {
+                        PlanFor::Operator
+                    } else {
+                        PlanFor::Requests
+                    };
+                    let plan = s.plan(&dep, &protected, who, rid.clone(), now);
+                    if let Ok(Plan::BringUp { .. } | Plan::Switch { .. }) = plan {
+                        let r = &s.reservations[&rid];
+                        let target = r.target.clone().unwrap();
+                        let victims = r.victims.clone();
+                        if rng.odds(4) {
+                            s.release_reservation(&rid);
+                        } else {
+                            for v in victims {
+                                if s.deps[&v].bringing_up() {
+                                    s.up_done(
+                                        &v,
+                                        Up::Start,
+                                        UpDone::Ended {
+                                            why: "ended".into(),
+                                            stopped: Ok(()),
+                                        },
+                                        now,
+                                    );
+                                } else if s.begin_release(&v, rng.odds(3), false).is_some() {
+                                    let done = match rng.below(3) {
+                                        0 => DownDone::Parked {
+                                            tier: ParkTier::HostRam,
+                                            gpu_held: Some(rng.below(2) as u64 * GIB),
+                                        },
+                                        1 => DownDone::Stopped(Released::Stopped),
+                                        _ => DownDone::Failed("boom".into()),
+                                    };
+                                    s.down_done(&v, done, now);
+                                }
+                            }
+                            let _ = s.switch_target_up(&rid, &target, now);
+                        }
+                    }
+                    "plan"
+                }
+                2..=4 => {
+                    // A start or wake in progress ends.
+                    let coming: Vec<String> = s
+                        .deps
+                        .values()
+                        .filter(|d| d.bringing_up())
+                        .map(|d| d.id().to_string())
+                        .collect();
+                    let unit = if coming.is_empty() {
+                        unit
+                    } else {
+                        rng.pick(&coming).clone()
+                    };
+                    let up = if s.deps[&unit].state == InstanceState::Waking {
+                        Up::Wake
+                    } else {
+                        Up::Start
+                    };
+                    if s.deps[&unit].bringing_up() {
+                        let done = match rng.below(4) {
+                            0 => UpDone::Failed {
+                                error: held(),
+                                ended: None,
+                            },
+                            1 if up == Up::Start => UpDone::Ready(Some(Started {
+                                addr: Some(([127, 0, 0, 1], 9).into()),
+                                pid: 7,
+                                max_running: MaxRunning {
+                                    count: Some(4),
+                                    source: capyctl_interfaces::launch::MaxRunningSource::Declared,
+                                },
+                                // What it measured differs from what was declared.
+                                measurement: measured(1 + rng.below(5) as u64),
+                            })),
+                            _ => UpDone::Ready(None),
+                        };
+                        s.up_done(&unit, up, done, now);
+                    }
+                    "up_done"
+                }
+                5 => {
+                    let _ = s.start(&dep, true, false, now);
+                    "start"
+                }
+                6 => {
+                    // An operator's park or stop, or an idle timer's take-down.
+                    if let Ok(Some(ready)) = s.begin_down(&unit, &rid, now) {
+                        if ready {
+                            s.show_draining(std::slice::from_ref(&unit), InstanceState::Closed);
+                        }
+                        if rng.odds(5) {
+                            s.drain_refused(std::slice::from_ref(&unit), InstanceState::Closed);
+                        } else if s.begin_release(&unit, rng.odds(2), rng.odds(2)).is_some() {
+                            let done = if rng.odds(2) {
+                                DownDone::Parked {
+                                    tier: ParkTier::HostRam,
+                                    gpu_held: Some(GIB / 2),
+                                }
+                            } else {
+                                DownDone::Stopped(Released::StoppedNoRoomToPark)
+                            };
+                            s.down_done(&unit, done, now);
+                        }
+                    }
+                    s.release_reservation(&rid);
+                    "take down"
+                }
+                7 => {
+                    let host = s.deps[&unit].host.clone().unwrap_or_default();
+                    let exit = capyctl_interfaces::agent::EngineExit {
+                        instance: unit_instance(&unit),
+                        status: None,
+                    };
+                    s.engine_exited(&host, &exit, now);
+                    "engine exit"
+                }
+                8 => {
+                    // A host comes back with another capacity (or GPUs).
+                    if rng.odds(2) {
+                        let h = Host {
+                            capacity: (8 + rng.below(6) as u64) * GIB,
+                            ..host()
+                        };
+                        s.add_host("gpu-1".into(), h, &[]);
+                    } else {
+                        s.add_host("box".into(), gpus_host(4, 8 + rng.below(4) as u64), &[]);
+                    }
+                    "host back"
+                }
+                9 => {
+                    // Deleted while it may run, and deployed again.
+                    if let Some(old) = s.remove(&dep) {
+                        s.insert(Dep::new(old.rec, now));
+                    }
+                    "delete"
+                }
+                10 => {
+                    let _ = s.preinitialize(&dep, measured(3), now);
+                    "preinitialize"
+                }
+                _ => {
+                    if rng.odds(2) {
+                        let _ = s.set_fence(now + Duration::from_secs(60), now);
+                    } else {
+                        s.end_fence(now);
+                    }
+                    "fence"
+                }
+            };
+            s.sync_touched(now);
+            held_sums_agree(&mut s, now, &format!("seed {seed} step {step} ({what})"));
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stop_for_want_of_room_is_written_with_its_reason_in_one_rule() {
+    let t0 = Instant::now();
+    let mut s = state(t0);
+    s.insert(dep("k", "chat-k", "residency: restart_only\n", t0));
+    for id in ["a", "b", "k"] {
+        ready(&mut s, id, t0);
+    }
+    let later = t0 + Duration::from_secs(5);
+    // A model that parks, stopped for room: the release says so from its beginning, and its
+    // outcome is written whole by one call (state and status together).
+    let r = s.begin_release("a", true, true).unwrap();
+    assert!(r.for_room);
+    assert_eq!(s.deps["a"].state, InstanceState::Stopping);
+    s.down_done("a", DownDone::Stopped(Released::StoppedNoRoomToPark), later);
+    let a = &s.deps["a"];
+    assert_eq!((a.state, a.busy), (InstanceState::Stopped, false));
+    assert_eq!(
+        a.last_error,
+        Some(Released::StoppedNoRoomToPark.status_line())
+    );
+    // A parked copy stopped for room: it would have stayed parked, so it is said too.
+    s.deps.get_mut("b").unwrap().state = InstanceState::Parked;
+    assert!(s.begin_release("b", true, true).unwrap().for_room);
+    // A model that never parks (restart_only) is only stopped: room is not why.
+    assert!(!s.begin_release("k", true, true).unwrap().for_room);
+    s.down_done("k", DownDone::Stopped(Released::Stopped), later);
+    assert_eq!(s.deps["k"].last_error, None);
+    // An operator's stop is not for room.
+    s.deps.get_mut("b").unwrap().busy = false;
+    assert!(!s.begin_release("b", true, false).unwrap().for_room);
 }
