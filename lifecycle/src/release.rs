@@ -13,7 +13,7 @@ use capyctl_spec::errors::ApiError;
 use tokio::time::Instant;
 
 use crate::errors::not_found;
-use crate::state::{self, Dep, DownDone, Releasing, unit_instance, unit_of_key};
+use crate::state::{self, Dep, DownDone, Releasing, State, unit_instance, unit_of_key};
 use crate::switches::{self, victim_entry};
 use crate::{Server, parked_room, views};
 
@@ -132,7 +132,7 @@ impl Server {
                 .map(|o| parked_room::ParkedCopy {
                     id: o.id(),
                     bytes: o.measurement.weights_bytes().unwrap_or(0),
-                    used_at: inner.used_at(o),
+                    used_at: State::used_at(o, &self.uses),
                     kept: inner.explicit(o) || o.warm() || o.busy || o.reserved.is_some(),
                     claimed: o.claim.is_some(),
                 })

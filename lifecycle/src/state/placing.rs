@@ -15,7 +15,7 @@ use crate::placement::{
     victim_order,
 };
 
-use super::{Dep, Host, State, dep_of_unit};
+use super::{Dep, Host, Requests, State, dep_of_unit};
 
 /// Whom a placement may name as victims.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,14 +84,18 @@ impl State {
     /// best of all hosts: one with room now (the fullest that fits: large models keep room
     /// elsewhere), else the one needing the fewest victim bytes, else `Later` where some host
     /// could take it once memory frees. `Never` only when no host can ever take it.
+    /// `requests` is the router's record of requests: which victims go first (the longest
+    /// idle, those that run nothing); a placement that names none (`Victims::None`) reads
+    /// nothing of it.
     pub(crate) fn place_target(
         &mut self,
         target: &str,
         protected: &BTreeSet<String>,
         victims: Victims,
+        requests: &dyn Requests,
         now: Instant,
     ) -> (Placed, Fit) {
-        let (host, gpus, fit) = self.place_target_gpus(target, protected, victims, now);
+        let (host, gpus, fit) = self.place_target_gpus(target, protected, victims, requests, now);
         (Placed { host, gpus }, fit)
     }
 
@@ -101,6 +105,7 @@ impl State {
         target: &str,
         protected: &BTreeSet<String>,
         victims: Victims,
+        requests: &dyn Requests,
         now: Instant,
     ) -> (Option<String>, Vec<u32>, Fit) {
         self.settle_held();
@@ -183,9 +188,10 @@ impl State {
                 ));
                 continue;
             }
-            let holders = self.holders(id, target, protected, victims, now);
+            let holders = self.holders(id, target, protected, victims, requests, now);
             let (gpus, fit, rank) = if host.gpus.len() > 1 {
-                match self.place_on_gpus(d, id, host, &holders, victims != Victims::None) {
+                let evict = victims != Victims::None;
+                match self.place_on_gpus(d, id, host, &holders, evict, requests) {
                     Ok(placed) => placed,
                     Err(why) => {
                         never.push((id, why));
@@ -247,6 +253,7 @@ impl State {
         host: &Host,
         holders: &[Holder<'_>],
         evict: bool,
+        requests: &dyn Requests,
     ) -> Result<GpuPlacement, String> {
         // NB: `want` is at most the host's GPUs (`place_target_gpus`).
         let want = d.rec.doc.gpus_per_instance() as usize;
@@ -276,7 +283,9 @@ impl State {
                 .collect();
             let fit = place(cap, need, &on_gpu, evict);
             let idle = victim_order(&fit, &on_gpu, |id| {
-                self.deps.get(id).is_some_and(|u| self.runs_requests(u))
+                self.deps
+                    .get(id)
+                    .is_some_and(|u| Self::runs_requests(u, requests))
             });
             match rank_of(&fit, cap, need, &on_gpu) {
                 Some(rank) => each.push((gpu.index, fit, rank, idle, (cap, need, on_gpu))),
@@ -371,13 +380,15 @@ impl State {
         Some((gpus, rank))
     }
 
-    /// The GPU holders of `host` as placement sees them, for bringing up `target`.
+    /// The GPU holders of `host` as placement sees them, for bringing up `target`; how long
+    /// each has been idle at `now` by the router's record of requests (`requests`).
     pub(crate) fn holders<'a>(
         &'a self,
         host: &'a str,
         target: &str,
         protected: &BTreeSet<String>,
         victims: Victims,
+        requests: &dyn Requests,
         now: Instant,
     ) -> Vec<Holder<'a>> {
         let capacity = self.hosts.get(host).map_or(0, |h| h.capacity);
@@ -424,7 +435,7 @@ impl State {
                     name: d.name(),
                     bytes: d.held_bytes(capacity),
                     hold,
-                    idle_for: now.saturating_duration_since(self.used_at(d)),
+                    idle_for: now.saturating_duration_since(Self::used_at(d, requests)),
                     parked,
                     keeps: if parked || ends {
                         0
