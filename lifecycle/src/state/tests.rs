@@ -84,6 +84,25 @@ fn none() -> BTreeSet<String> {
     BTreeSet::new()
 }
 
+impl State {
+    /// A request's plan for `target` (nothing protected, no request recorded).
+    fn request_plan(
+        &mut self,
+        target: &str,
+        switch_id: String,
+        now: Instant,
+    ) -> Result<Plan, ApiError> {
+        self.plan(
+            target,
+            &none(),
+            PlanFor::Requests,
+            switch_id,
+            &NoRequests,
+            now,
+        )
+    }
+}
+
 fn held() -> ApiError {
     ApiError::Unavailable {
         detail: "the Kubernetes API server cannot be reached; this replica serves ready models only until it can renew its leadership".into(),
@@ -164,16 +183,7 @@ async fn replicas_are_units_on_distinct_gpus_and_never_each_others_victims() {
     // Every GPU now holds an instance of r: chat-b names one instance (the longest idle),
     // never two; r's own plan never names its siblings.
     s.deps.get_mut("r-1").unwrap().last_used = now - Duration::from_secs(60);
-    let plan = s
-        .plan(
-            "b",
-            &none(),
-            PlanFor::Requests,
-            "sw-1".into(),
-            &NoRequests,
-            now,
-        )
-        .unwrap();
+    let plan = s.request_plan("b", "sw-1".into(), now).unwrap();
     match plan {
         Plan::Switch { victims, .. } => {
             assert_eq!(victims.len(), 1, "{victims:?}");
@@ -227,15 +237,7 @@ async fn an_operators_evict_fills_every_replica() {
     assert_eq!(s.deps["r-1"].claim.as_deref(), Some("sw-1"));
     // Requests' plans do not fill: one instance is up.
     assert_eq!(
-        s.plan(
-            "r",
-            &none(),
-            PlanFor::Requests,
-            "sw-2".into(),
-            &NoRequests,
-            now
-        )
-        .unwrap(),
+        s.request_plan("r", "sw-2".into(), now).unwrap(),
         Plan::AlreadyComing
     );
 }
@@ -457,16 +459,7 @@ async fn held_switches_refuse_every_change_but_ready_models_serve_on() {
     // Resumed: switching again.
     s.resume();
     assert!(s.admissible("b").is_ok());
-    let plan = s
-        .plan(
-            "b",
-            &none(),
-            PlanFor::Requests,
-            "sw-2".into(),
-            &NoRequests,
-            later,
-        )
-        .unwrap();
+    let plan = s.request_plan("b", "sw-2".into(), later).unwrap();
     assert!(matches!(plan, Plan::BringUp { .. }), "{plan:?}");
     assert_eq!(
         s.idle_due(&timers, &none(), &NoRequests, later).len(),
@@ -483,16 +476,7 @@ async fn a_fenced_ready_instance_is_no_victim_until_the_fence_ends() {
     let until = now + Duration::from_secs(90);
     assert_eq!(s.set_fence(until, now), ["chat-a"]);
     // `b` needs `a`'s memory: it waits (`Later`), never `does_not_fit`.
-    let plan = s
-        .plan(
-            "b",
-            &none(),
-            PlanFor::Requests,
-            "sw-1".into(),
-            &NoRequests,
-            now,
-        )
-        .unwrap();
+    let plan = s.request_plan("b", "sw-1".into(), now).unwrap();
     assert!(matches!(plan, Plan::Later), "{plan:?}");
     let plan = s
         .plan(
@@ -524,16 +508,7 @@ async fn a_fenced_ready_instance_is_no_victim_until_the_fence_ends() {
     assert!(s.fenced("a"));
     // Its end: `a` is the victim as usual.
     assert!(s.end_fence(until));
-    let plan = s
-        .plan(
-            "b",
-            &none(),
-            PlanFor::Requests,
-            "sw-3".into(),
-            &NoRequests,
-            until,
-        )
-        .unwrap();
+    let plan = s.request_plan("b", "sw-3".into(), until).unwrap();
     let Plan::Switch { victims, .. } = plan else {
         panic!("a switch: {plan:?}");
     };
@@ -573,16 +548,7 @@ async fn a_plan_reserves_its_victim_so_a_second_plan_waits_instead_of_naming_it_
     let now = Instant::now();
     let mut s = state(now);
     ready(&mut s, "a", now);
-    let plan = s
-        .plan(
-            "b",
-            &none(),
-            PlanFor::Requests,
-            "sw-1".into(),
-            &NoRequests,
-            now,
-        )
-        .unwrap();
+    let plan = s.request_plan("b", "sw-1".into(), now).unwrap();
     let Plan::Switch {
         switch_id, victims, ..
     } = plan
@@ -595,29 +561,11 @@ async fn a_plan_reserves_its_victim_so_a_second_plan_waits_instead_of_naming_it_
     assert_eq!(s.deps["a"].reserved.as_deref(), Some("sw-1"));
     assert_eq!(s.deps["b"].claim.as_deref(), Some("sw-1"));
     // `a` is reserved and `b` claims the rest: `c` waits for memory.
-    let later = s
-        .plan(
-            "c",
-            &none(),
-            PlanFor::Requests,
-            "sw-2".into(),
-            &NoRequests,
-            now,
-        )
-        .unwrap();
+    let later = s.request_plan("c", "sw-2".into(), now).unwrap();
     assert!(matches!(later, Plan::Later), "{later:?}");
     assert_eq!(s.deps["a"].reserved.as_deref(), Some("sw-1"));
     // `b` already has its switch.
-    let again = s
-        .plan(
-            "b",
-            &none(),
-            PlanFor::Requests,
-            "sw-3".into(),
-            &NoRequests,
-            now,
-        )
-        .unwrap();
+    let again = s.request_plan("b", "sw-3".into(), now).unwrap();
     assert!(matches!(again, Plan::AlreadyComing), "{again:?}");
     // Given back, the victim serves on and the target is no longer claimed.
     s.release_reservation("sw-1");
@@ -647,16 +595,7 @@ async fn the_longest_idle_is_the_victim_never_a_protected_or_warm_one() {
             .collect::<Vec<_>>(),
         other => panic!("a switch: {other:?}"),
     };
-    let plan = s
-        .plan(
-            "b",
-            &none(),
-            PlanFor::Requests,
-            "sw-1".into(),
-            &NoRequests,
-            now,
-        )
-        .unwrap();
+    let plan = s.request_plan("b", "sw-1".into(), now).unwrap();
     assert_eq!(victims(plan), ["q"], "idle for 50 s, p for 30 s");
     s.release_reservation("sw-1");
     // Requests wait for `q`: `p` goes instead.
@@ -690,16 +629,7 @@ async fn the_longest_idle_is_the_victim_never_a_protected_or_warm_one() {
     assert!(matches!(plan, Plan::Later), "q is only protected: {plan:?}");
     s.deps.get_mut("q").unwrap().rec.doc =
         dep("q", "chat-q", "lifecycle:\n  warm: true\n", t0).rec.doc;
-    let err = s
-        .plan(
-            "b",
-            &none(),
-            PlanFor::Requests,
-            "sw-4".into(),
-            &NoRequests,
-            now,
-        )
-        .unwrap_err();
+    let err = s.request_plan("b", "sw-4".into(), now).unwrap_err();
     assert_eq!(err.code(), "does_not_fit", "{err:?}");
 }
 
@@ -722,16 +652,7 @@ async fn placement_reads_only_what_may_hold_the_gpu_and_lets_go_of_what_no_longe
     // stay bound to gpu-1 (b's copy is there) but hold nothing.
     s.deps.get_mut("a").unwrap().state = InstanceState::Stopped;
     s.deps.get_mut("b").unwrap().state = InstanceState::Parked;
-    let plan = s
-        .plan(
-            "c",
-            &none(),
-            PlanFor::Requests,
-            "sw-1".into(),
-            &NoRequests,
-            now,
-        )
-        .unwrap();
+    let plan = s.request_plan("c", "sw-1".into(), now).unwrap();
     assert!(matches!(plan, Plan::BringUp { .. }), "{plan:?}");
     assert_eq!(holding(&s), ["c"], "let go of a and b; c is claimed");
     let on: Vec<&str> = s.on_host("gpu-1").map(|d| d.id()).collect();
@@ -739,16 +660,7 @@ async fn placement_reads_only_what_may_hold_the_gpu_and_lets_go_of_what_no_longe
     // Woken, `b` is bound again: a holder again.
     s.release_reservation("sw-1");
     s.deps.get_mut("c").unwrap().state = InstanceState::Stopped;
-    let plan = s
-        .plan(
-            "b",
-            &none(),
-            PlanFor::Requests,
-            "sw-2".into(),
-            &NoRequests,
-            now,
-        )
-        .unwrap();
+    let plan = s.request_plan("b", "sw-2".into(), now).unwrap();
     assert!(matches!(plan, Plan::BringUp { .. }), "{plan:?}");
     assert_eq!(holding(&s), ["b"]);
 }
@@ -760,30 +672,12 @@ async fn a_cordoned_host_takes_nothing_and_what_is_bound_there_waits() {
     ready(&mut s, "a", now);
     s.deps.get_mut("a").unwrap().state = InstanceState::Parked;
     s.cordoned.insert("gpu-1".into());
-    let plan = s
-        .plan(
-            "a",
-            &none(),
-            PlanFor::Requests,
-            "sw-1".into(),
-            &NoRequests,
-            now,
-        )
-        .unwrap();
+    let plan = s.request_plan("a", "sw-1".into(), now).unwrap();
     assert!(
         matches!(plan, Plan::Later),
         "bound there: waits for the drain {plan:?}"
     );
-    let err = s
-        .plan(
-            "b",
-            &none(),
-            PlanFor::Requests,
-            "sw-2".into(),
-            &NoRequests,
-            now,
-        )
-        .unwrap_err();
+    let err = s.request_plan("b", "sw-2".into(), now).unwrap_err();
     assert_eq!(err.code(), "does_not_fit");
     assert!(
         err.message().ends_with(
@@ -793,16 +687,7 @@ async fn a_cordoned_host_takes_nothing_and_what_is_bound_there_waits() {
         err.message()
     );
     s.cordoned.clear();
-    let plan = s
-        .plan(
-            "b",
-            &none(),
-            PlanFor::Requests,
-            "sw-3".into(),
-            &NoRequests,
-            now,
-        )
-        .unwrap();
+    let plan = s.request_plan("b", "sw-3".into(), now).unwrap();
     assert!(
         matches!(plan, Plan::Switch { .. } | Plan::BringUp { .. }),
         "{plan:?}"
@@ -819,16 +704,7 @@ async fn requests_may_not_bring_up_an_explicit_model_but_an_operators_switch_may
         "lifecycle:\n  activation: explicit\n",
         now,
     ));
-    let err = s
-        .plan(
-            "x",
-            &none(),
-            PlanFor::Requests,
-            "sw-1".into(),
-            &NoRequests,
-            now,
-        )
-        .unwrap_err();
+    let err = s.request_plan("x", "sw-1".into(), now).unwrap_err();
     assert_eq!(err.code(), "deployment_inactive");
     let plan = s
         .plan(
@@ -1346,16 +1222,7 @@ async fn a_hold_gives_up_the_claimed_targets_and_a_drained_order_gives_its_victi
     ready(&mut s, "a", now);
     ready(&mut s, "b", now);
     // A plan for `c` claims it and reserves a victim.
-    let plan = s
-        .plan(
-            "c",
-            &none(),
-            PlanFor::Requests,
-            "sw-1".into(),
-            &NoRequests,
-            now,
-        )
-        .unwrap();
+    let plan = s.request_plan("c", "sw-1".into(), now).unwrap();
     let Plan::Switch { victims, .. } = plan else {
         panic!("a switch: {plan:?}")
     };
@@ -1800,16 +1667,7 @@ async fn the_rules_read_the_record_of_requests_they_are_given() {
         "the longest idle by the record"
     );
     s.release_reservation("sw-1");
-    let plan = s
-        .plan(
-            "c",
-            &none(),
-            PlanFor::Requests,
-            "sw-2".into(),
-            &NoRequests,
-            now,
-        )
-        .unwrap();
+    let plan = s.request_plan("c", "sw-2".into(), now).unwrap();
     assert!(matches!(plan, Plan::Switch { .. }), "{plan:?}");
     assert_eq!(s.reservations["sw-2"].victims[0], "a", "by the state alone");
 }
