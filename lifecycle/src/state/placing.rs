@@ -4,11 +4,10 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
+use capyctl_interfaces::inventory::GpuInfo;
 use capyctl_interfaces::router::InstanceKey;
 use capyctl_spec::{Activation, InstanceState};
 use tokio::time::Instant;
-
-use capyctl_interfaces::inventory::GpuInfo;
 
 use crate::placement::{
     Fit, GpuChoice, GpuPlacement, Hold, Holder, choose_gpus, gpu_share, place, rank_of,
@@ -120,7 +119,7 @@ impl State {
         let mut best: Option<(HostRank, &String, Fit)> = None;
         let mut never = Vec::new();
         // Bound: its host only. NB: each host's holders come from the holders' index
-        // (`holding`, pruned above), so a placement reads the hosts and what holds memory on
+        // (`holding`, settled above), so a placement reads the hosts and what holds memory on
         // them, never every deployment per host, nor every one that ever ran there.
         // A drained host (cordoned) takes nothing: a deployment bound to one waits until the
         // drain has stopped it (then it may go elsewhere), and one free to go anywhere goes
