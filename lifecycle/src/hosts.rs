@@ -106,6 +106,7 @@ impl Server {
                 host_exits: Mutex::new(HashMap::new()),
                 persist: Arc::new(Mutex::new(())),
                 router: Mutex::new(None),
+                uses: state::RouterUses::default(),
                 names: NameCache::new(changes.subscribe()),
                 changes,
                 closed,

@@ -108,6 +108,9 @@ pub struct Server {
     persist: Arc<Mutex<()>>,
     /// The router, once attached; taken by `close`.
     router: Mutex<Option<CoordinatorHandle>>,
+    /// The router's record of requests (set when it is attached): what the rules that read
+    /// it are given (`state::Requests`).
+    uses: state::RouterUses,
     /// Bumped after every turn of the owner (waiters of `--wait` and tests watch it).
     changes: Arc<watch::Sender<u64>>,
     /// Model names → deployments, for the router's `resolve` without this server's lock.

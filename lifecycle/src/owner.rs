@@ -147,6 +147,7 @@ async fn run(
                         }
                     }
                     s.sync_touched(Instant::now());
+                    s.settle_held();
                 }
                 changes.send_modify(|n| *n = n.wrapping_add(1));
             }

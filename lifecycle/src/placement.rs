@@ -52,6 +52,16 @@ impl Holder<'_> {
     }
 }
 
+/// The share on GPU `gpu` (of `cap` bytes) of a holder of `bytes` over the GPUs `theirs` of
+/// its host (empty: not known, so it counts whole on every GPU): its bytes split evenly over
+/// its GPUs, at most the GPU's. `None` when it is not on that GPU.
+pub(crate) fn gpu_share(bytes: u64, theirs: &[u32], gpu: u32, cap: u64) -> Option<u64> {
+    if !theirs.is_empty() && !theirs.contains(&gpu) {
+        return None;
+    }
+    Some((bytes / theirs.len().max(1) as u64).min(cap))
+}
+
 /// The answer of [`place`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Fit {

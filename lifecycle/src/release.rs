@@ -13,7 +13,7 @@ use capyctl_spec::errors::ApiError;
 use tokio::time::Instant;
 
 use crate::errors::not_found;
-use crate::state::{self, Dep, DownDone, Releasing, unit_instance, unit_of_key};
+use crate::state::{self, Dep, DownDone, Releasing, State, unit_instance, unit_of_key};
 use crate::switches::{self, victim_entry};
 use crate::{Server, parked_room, views};
 
@@ -132,7 +132,7 @@ impl Server {
                 .map(|o| parked_room::ParkedCopy {
                     id: o.id(),
                     bytes: o.measurement.weights_bytes().unwrap_or(0),
-                    used_at: inner.used_at(o),
+                    used_at: State::used_at(o, &self.uses),
                     kept: inner.explicit(o) || o.warm() || o.busy || o.reserved.is_some(),
                     claimed: o.claim.is_some(),
                 })
@@ -168,11 +168,7 @@ impl Server {
             let result = match idle {
                 IdleRelease::Released(Ok(_)) => {
                     tracing::info!(instance = %unit_instance(&v), "stopping a parked copy to make room for a newer one");
-                    let began = Instant::now();
-                    Some(match self.release_drained(&v, true).await {
-                        Ok(_) => Ok(self.stopped_for_room(&v, began).await),
-                        Err(e) => Err(e),
-                    })
+                    Some(self.release_drained(&v, Put::StopNoRoom).await)
                 }
                 IdleRelease::Released(Err(e)) => Some(Err(e)),
                 IdleRelease::InUse => None,
@@ -222,33 +218,8 @@ impl Server {
                 return Err(e);
             }
         };
-        // Stopped for room only says so of a model that would have parked.
-        let parks = self.read(|inner| {
-            inner
-                .deps
-                .get(id)
-                .is_some_and(|d| d.state == InstanceState::Parked || d.parks())
-        });
-        let began = Instant::now();
-        let released = self.release_drained(id, put != Put::Park).await?;
-        if put == Put::StopNoRoom && parks && released == Released::Stopped {
-            return Ok(PutAway {
-                released: self.stopped_for_room(id, began).await,
-                room,
-            });
-        }
+        let released = self.release_drained(id, put).await?;
         Ok(PutAway { released, room })
-    }
-
-    /// Says of `id`, stopped where it would have parked, that it was stopped for want of room
-    /// (its status, the metrics, the log), as its release reads.
-    async fn stopped_for_room(&self, id: &str, began: Instant) -> Released {
-        self.on(id, |inner, id| inner.stopped_for_room(id)).await;
-        self.config
-            .metrics
-            .park("none", "stopped_no_room_to_park", began.elapsed());
-        tracing::info!(instance = %unit_instance(id), released = Released::StoppedNoRoomToPark.words(), "released: no room to keep it parked");
-        Released::StoppedNoRoomToPark
     }
 
     /// Serves a drained instance again (a park refused before it began).
@@ -260,15 +231,18 @@ impl Server {
     }
 
     /// The engine half of [`Server::put_away`].
-    async fn release_drained(&self, id: &str, stop: bool) -> Result<Released, ApiError> {
+    async fn release_drained(&self, id: &str, put: Put) -> Result<Released, ApiError> {
         let agent = self.agent_of(id)?;
+        let stop = put != Put::Park;
+        let room = put == Put::StopNoRoom;
         let begun = self
-            .on(id, move |inner, id| inner.begin_release(id, stop))
+            .on(id, move |inner, id| inner.begin_release(id, stop, room))
             .await;
         let Some(Releasing {
             instance: iid,
             key,
             parked,
+            for_room,
             name,
             engine,
         }) = begun
@@ -289,7 +263,21 @@ impl Server {
         // Where it parked, when it did (written with the outcome).
         let mut parked_in = None;
         let result = if stop || parked {
-            agent.stop(&iid).await.map(|()| Released::Stopped)
+            let stopped = agent.stop(&iid).await;
+            if for_room && stopped.is_ok() {
+                // Stopped where it would have parked: said so in the outcome itself.
+                self.config
+                    .metrics
+                    .park("none", "stopped_no_room_to_park", began.elapsed());
+                tracing::info!(instance = %iid, released = Released::StoppedNoRoomToPark.words(), "released: no room to keep it parked");
+            }
+            stopped.map(|()| {
+                if for_room {
+                    Released::StoppedNoRoomToPark
+                } else {
+                    Released::Stopped
+                }
+            })
         } else {
             match agent.park(&iid).await {
                 Ok(ParkResult::Parked { tier, gpu_held }) => {

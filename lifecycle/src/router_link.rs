@@ -22,7 +22,7 @@ impl Server {
     /// work (idle timers, engine exits).
     pub async fn attach_router(&self, router: CoordinatorHandle) {
         *self.router.lock().unwrap_or_else(PoisonError::into_inner) = Some(router.clone());
-        self.read(|inner| inner.uses.attach(router.last_uses()));
+        self.uses.attach(router.last_uses());
         let ready: Vec<(InstanceKey, SocketAddr)> = self.read(|inner| {
             inner
                 .deps

@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use capyctl_interfaces::HostAgent;
@@ -16,7 +16,6 @@ use capyctl_interfaces::measure::Measurement;
 use capyctl_interfaces::router::InstanceKey;
 use capyctl_interfaces::spec::{HostSettings, InstanceSpec};
 use capyctl_interfaces::tier::ParkTier;
-use capyctl_router::coordinator::LastUses;
 use capyctl_spec::errors::ApiError;
 use capyctl_spec::{Activation, InstanceState};
 use tokio::sync::watch;
@@ -28,14 +27,18 @@ use crate::store::DeploymentRecord;
 use crate::{parked_room, views};
 
 mod commands;
+mod held;
 mod placing;
 mod releases;
+mod requests;
 mod rules;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use held::Units;
 pub(crate) use placing::{Placed, Victims};
 pub(crate) use releases::{DownDone, Releasing};
+pub(crate) use requests::{NoRequests, Requests, RouterUses};
 pub(crate) use rules::{Adoption, StartNext, Started, Up, UpDone};
 
 /// One instance of a deployment (a *unit*: the lifecycle's rules take one instance at a time),
@@ -264,6 +267,17 @@ impl Dep {
         if bound { self.host.as_deref() } else { None }
     }
 
+    /// The bytes it holds on a host of `capacity` bytes, as placement counts them while
+    /// [`Dep::holds_gpu`]: what its parked engine still holds (parked and not claimed), else
+    /// what it needs awake.
+    pub(crate) fn held_bytes(&self, capacity: u64) -> u64 {
+        if self.state == InstanceState::Parked && self.claim.is_none() {
+            self.parked_holds()
+        } else {
+            self.need(capacity)
+        }
+    }
+
     /// Whether it holds GPU memory, or is promised it: its engine holds memory, it is claimed by
     /// a switch, or it is parked with a residue on the GPU (what placement counts).
     pub(crate) fn holds_gpu(&self) -> bool {
@@ -442,7 +456,12 @@ pub(crate) struct State {
     /// By ID. Boxed: a `Dep` is about a kilobyte, and a map filled in ID order (a document's
     /// new deployments: ULIDs) leaves its nodes about half full, so inline each deployment cost
     /// about twice its size.
-    pub(crate) deps: BTreeMap<String, Box<Dep>>,
+    /// Written only through [`Units`]' own methods, which note each unit written for the held
+    /// sums ([`State::gpu_held`]).
+    pub(crate) deps: Units,
+    /// The GPU memory held on each host and GPU, kept in step with `deps` by
+    /// [`State::settle_held`]: placement answers "it fits now" from these (`state/held.rs`).
+    pub(crate) gpu_held: held::Held,
     /// Deployment IDs by name (kept by [`State::insert`] and [`State::remove`]; a name never
     /// changes: a deploy of the same name is the same deployment).
     pub(crate) by_name: HashMap<String, String>,
@@ -459,16 +478,13 @@ pub(crate) struct State {
     pub(crate) by_host: HashMap<String, BTreeSet<String>>,
     /// The hosts drained and out of service (`capyctl drain host`): placement passes them by.
     pub(crate) cordoned: BTreeSet<String>,
-    /// The deployments that may hold GPU memory on each host (bound there since
-    /// [`State::prune_holding`] last found them holding): what placement reads.
+    /// The deployments that hold GPU memory on each host (exactly those once
+    /// [`State::settle_held`] has run; a unit bound since may be among them): what placement
+    /// reads when it needs the victims.
     pub(crate) holding: HashMap<String, BTreeSet<String>>,
     /// The units that may hold a parked copy in host RAM, by host: what a park reads to make
     /// room for its copy (`Server::make_parked_room`).
     pub(crate) parked_copies: parked_room::CopiesIndex,
-    /// The router's record of last uses and requests running ([`State::used_at`],
-    /// [`State::runs_requests`]): the one place a rule reads what the router records, without
-    /// a turn of its task.
-    pub(crate) uses: RouterUses,
     /// The deployments with more than one instance (or instances past their `replicas`):
     /// what the scaler reads (kept by [`State::sync_units`] and [`State::remove`]).
     pub(crate) replicated: BTreeSet<String>,
@@ -500,36 +516,6 @@ pub(crate) struct Fence {
     pub(crate) until: Instant,
     /// The deployments adopted ready.
     pub(crate) ids: BTreeSet<String>,
-}
-
-/// The router's record of each deployment's last use (its requests' starts and ends,
-/// [`CoordinatorHandle::last_used`]), once a router is attached: one shared cell, read through
-/// [`State::used_at`] and [`State::runs_requests`]. Reading it takes a read lock of its own
-/// and no turn of the router's task.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct RouterUses(pub(crate) Arc<RwLock<Option<LastUses>>>);
-
-impl RouterUses {
-    /// Requests the router forwards to instance `index` of `deployment` now.
-    pub(crate) fn in_flight_of(&self, deployment: &str, index: u32) -> usize {
-        self.0
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .as_ref()
-            .map_or(0, |u| u.in_flight_of(deployment, index))
-    }
-
-    pub(crate) fn of(&self, deployment: &str) -> Option<Instant> {
-        self.0
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .as_ref()?
-            .of(deployment)
-    }
-
-    pub(crate) fn attach(&self, uses: LastUses) {
-        *self.0.write().unwrap_or_else(PoisonError::into_inner) = Some(uses);
-    }
 }
 
 /// A host the lifecycle places instances on.
@@ -587,22 +573,17 @@ impl State {
             .filter(move |d| d.rec.id == dep)
     }
 
-    /// Unit `d`'s last use: the later of a request's start or end (as the router records it,
-    /// read without a turn of its task) and the last state change that counts as use
-    /// ([`Dep::touch`]).
-    pub(crate) fn used_at(&self, d: &Dep) -> Instant {
-        self.requests_used_at(&d.rec.id)
+    /// Unit `d`'s last use: the later of a request's start or end (the router's record,
+    /// `requests`) and the last state change that counts as use ([`Dep::touch`]).
+    pub(crate) fn used_at(d: &Dep, requests: &dyn Requests) -> Instant {
+        requests
+            .last_use(&d.rec.id)
             .map_or(d.last_used, |t| t.max(d.last_used))
     }
 
-    /// Deployment `dep`'s last request start or end as the router records it (none yet: `None`).
-    pub(crate) fn requests_used_at(&self, dep: &str) -> Option<Instant> {
-        self.uses.of(dep)
-    }
-
-    /// Unit `d` runs requests the router forwarded to it now.
-    pub(crate) fn runs_requests(&self, d: &Dep) -> bool {
-        self.uses.in_flight_of(d.dep_id(), d.index) > 0
+    /// Unit `d` runs requests the router forwarded to it now (its record, `requests`).
+    pub(crate) fn runs_requests(d: &Dep, requests: &dyn Requests) -> bool {
+        requests.in_flight(d.dep_id(), d.index) > 0
     }
 
     /// The unit keys of deployment `dep`'s instances.
@@ -720,7 +701,7 @@ impl State {
 
     /// What the scaler reads of each deployment with several instances
     /// ([`crate::scale::decide`]): its replicas, scale, operator's stop and instances.
-    pub(crate) fn scale_inputs(&self, now: Instant) -> Vec<ScaleInput> {
+    pub(crate) fn scale_inputs(&self, requests: &dyn Requests, now: Instant) -> Vec<ScaleInput> {
         self.replicated
             .iter()
             .filter_map(|id| {
@@ -748,7 +729,7 @@ impl State {
                     // Parked by an operator or put away idle, held or fenced: the scaler
                     // moves nothing either.
                     stopped: first.rec.operator_stopped
-                        || self.scaler_kept_off(id)
+                        || self.scaler_kept_off(id, requests)
                         || self.held.is_some()
                         || self.fence.is_some(),
                     units,
@@ -775,18 +756,25 @@ impl State {
 
     /// The scaler brings none of `dep`'s instances up: an operator parked it
     /// ([`State::operator_parked`]), or its idle timer took an instance down and nothing has
-    /// used it since ([`State::idle_taken`]).
-    fn scaler_kept_off(&self, dep: &str) -> bool {
+    /// used it since ([`State::idle_taken`]; its requests: the router's record, `requests`).
+    fn scaler_kept_off(&self, dep: &str, requests: &dyn Requests) -> bool {
         self.operator_parked.contains(dep)
             || self
                 .idle_taken
                 .get(dep)
-                .is_some_and(|at| self.requests_used_at(dep).is_none_or(|used| used <= *at))
+                .is_some_and(|at| requests.last_use(dep).is_none_or(|used| used <= *at))
     }
 
     /// The scaler's bring-up of `unit` (see [`crate::scale`]): into free room only, never
     /// naming a victim; `None` when there is none now, or it is not free to come up.
-    pub(crate) fn scale_up(&mut self, unit: &str, now: Instant) -> Option<Up> {
+    /// `requests`: the router's record (whether the deployment was used since its idle timer
+    /// took an instance down).
+    pub(crate) fn scale_up(
+        &mut self,
+        unit: &str,
+        requests: &dyn Requests,
+        now: Instant,
+    ) -> Option<Up> {
         let d = self.deps.get(unit)?;
         let free = !d.busy
             && d.reserved.is_none()
@@ -796,10 +784,12 @@ impl State {
                 d.state,
                 InstanceState::Parked | InstanceState::Stopped | InstanceState::Failed
             );
-        if !free || self.held.is_some() || self.scaler_kept_off(dep_of_unit(unit)) {
+        if !free || self.held.is_some() || self.scaler_kept_off(dep_of_unit(unit), requests) {
             return None;
         }
-        let (placed, fit) = self.place_target(unit, &BTreeSet::new(), Victims::None, now);
+        // NB: no victims, so the placement reads nothing of the record.
+        let (placed, fit) =
+            self.place_target(unit, &BTreeSet::new(), Victims::None, &NoRequests, now);
         if fit != Fit::Now {
             return None;
         }
@@ -813,10 +803,11 @@ impl State {
     pub(crate) fn scale_up_first(
         &mut self,
         units: Vec<String>,
+        requests: &dyn Requests,
         now: Instant,
     ) -> Option<(String, Up)> {
         units.into_iter().find_map(|unit| {
-            let up = self.scale_up(&unit, now)?;
+            let up = self.scale_up(&unit, requests, now)?;
             Some((unit, up))
         })
     }
@@ -871,7 +862,7 @@ impl State {
 impl State {
     /// Binds (or unbinds) deployment `id`'s instance to `host`, keeping the by-host indexes:
     /// a deployment bound to a host is among its possible GPU holders (`holding`) until
-    /// [`State::prune_holding`] finds it holds nothing there.
+    /// [`State::settle_held`] finds it holds nothing there.
     pub(crate) fn set_host(&mut self, id: &str, host: Option<String>) {
         let Some(d) = self.deps.get_mut(id) else {
             return;
@@ -907,24 +898,8 @@ impl State {
         }
     }
 
-    /// Lets go, in the GPU holders' index, of the deployments that hold nothing on their host
-    /// any more (stopped, failed, or parked with nothing left on the GPU): placement then reads
-    /// a host's holders without going through every deployment that ever ran there. Run by
-    /// the rules that place (`plan`, `start`, `start_pending`, `preinitialize`) before they do;
-    /// each deployment is let go once, so it costs what changed since the last one.
-    pub(crate) fn prune_holding(&mut self) {
-        let deps = &self.deps;
-        self.holding.retain(|host, ids| {
-            ids.retain(|id| {
-                deps.get(id)
-                    .is_some_and(|d| d.host.as_deref() == Some(host.as_str()) && d.holds_gpu())
-            });
-            !ids.is_empty()
-        });
-    }
-
-    /// The deployments that may hold GPU memory on `host` (a superset of those that do,
-    /// until [`State::prune_holding`]), by ID.
+    /// The deployments that hold GPU memory on `host` (a superset of those that do until
+    /// [`State::settle_held`] runs), by ID.
     fn holding_on<'a>(&'a self, host: &'a str) -> impl Iterator<Item = &'a Dep> + 'a {
         self.holding
             .get(host)

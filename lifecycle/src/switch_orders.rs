@@ -43,9 +43,9 @@ impl Server {
         who: PlanFor,
     ) -> Result<Plan, ApiError> {
         let switch_id = self.fresh_id("sw");
-        let (id, protected) = (target.to_string(), protected.clone());
+        let (id, protected, uses) = (target.to_string(), protected.clone(), self.uses.clone());
         let plan = self
-            .write(move |inner| inner.plan(&id, &protected, who, switch_id, Instant::now()))
+            .write(move |inner| inner.plan(&id, &protected, who, switch_id, &uses, Instant::now()))
             .await;
         if let Ok(Plan::BringUp { switch_id } | Plan::Switch { switch_id, .. }) = &plan {
             self.record_plan(target, switch_id, who, &plan);

@@ -98,7 +98,7 @@ impl Server {
                 .await;
         }
         let now = Instant::now();
-        let inputs = self.read(|inner| inner.scale_inputs(now));
+        let inputs = self.read(|inner| inner.scale_inputs(&self.uses, now));
         if inputs.is_empty() {
             self.below_since_of().clear();
             return;
@@ -130,8 +130,9 @@ impl Server {
                 scale::Decision::Up(units) => {
                     // The first that has room now (in one owner turn: no other change comes
                     // between the tries).
+                    let uses = self.uses.clone();
                     let up = self
-                        .write(move |inner| inner.scale_up_first(units, Instant::now()))
+                        .write(move |inner| inner.scale_up_first(units, &uses, Instant::now()))
                         .await;
                     let Some((unit, up)) = up else { continue };
                     tracing::info!(instance = %unit_instance(&unit), how = ?up, in_flight, waiting, "scale: one more instance");
@@ -230,7 +231,7 @@ impl Server {
         }
         let now = Instant::now();
         let timeouts = self.config.lifecycle_defaults;
-        let due = self.read(|inner| inner.idle_due(&timeouts, &busy, now));
+        let due = self.read(|inner| inner.idle_due(&timeouts, &busy, &self.uses, now));
         for (id, ready) in due {
             // Checked before the drain, as an operator park is: when only explicit parked
             // copies hold host RAM the park is refused (`parked_capacity`) and the model keeps
@@ -245,10 +246,10 @@ impl Server {
             // Decided again on the lifecycle's state it changes (the list above is a snapshot,
             // and a switch or a command may have moved the model since), and reserved; then
             // the router decides on its own state whether it is idle (`take_down_if_idle`).
-            let r = rid.clone();
+            let (r, uses) = (rid.clone(), self.uses.clone());
             let down = self
                 .on(&id, move |inner, id| {
-                    inner.begin_idle_down(id, ready, &timeouts, &r, Instant::now())
+                    inner.begin_idle_down(id, ready, &timeouts, &r, &uses, Instant::now())
                 })
                 .await;
             let Some((down, idle_since)) = down else {

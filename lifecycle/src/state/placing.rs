@@ -4,15 +4,17 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
+use capyctl_interfaces::inventory::GpuInfo;
 use capyctl_interfaces::router::InstanceKey;
 use capyctl_spec::{Activation, InstanceState};
 use tokio::time::Instant;
 
 use crate::placement::{
-    Fit, GpuChoice, GpuPlacement, Hold, Holder, choose_gpus, place, rank_of, victim_order,
+    Fit, GpuChoice, GpuPlacement, Hold, Holder, choose_gpus, gpu_share, place, rank_of,
+    victim_order,
 };
 
-use super::{Dep, Host, State, dep_of_unit};
+use super::{Dep, Host, Requests, State, dep_of_unit};
 
 /// Whom a placement may name as victims.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,6 +37,18 @@ pub(crate) enum Victims {
 pub(crate) struct Placed {
     pub(crate) host: Option<String>,
     pub(crate) gpus: Vec<u32>,
+}
+
+/// How good a host is for a placement, lower first: [`rank_of`]'s kind of fit, whether an
+/// instance of the same deployment holds memory there, then `rank_of`'s bytes.
+type HostRank = (u8, u8, u64);
+
+/// `d`'s share of its memory on one GPU of `cap` bytes, over `want` GPUs (unknown: the whole
+/// GPU).
+fn gpu_need(d: &Dep, cap: u64, want: usize) -> u64 {
+    d.measurement
+        .gpu_memory
+        .map_or(cap, |m| m.bytes.div_ceil(want as u64))
 }
 
 /// Why nothing is placed on the drained `hosts`.
@@ -69,14 +83,18 @@ impl State {
     /// best of all hosts: one with room now (the fullest that fits: large models keep room
     /// elsewhere), else the one needing the fewest victim bytes, else `Later` where some host
     /// could take it once memory frees. `Never` only when no host can ever take it.
+    /// `requests` is the router's record of requests: which victims go first (the longest
+    /// idle, those that run nothing); a placement that names none (`Victims::None`) reads
+    /// nothing of it.
     pub(crate) fn place_target(
         &mut self,
         target: &str,
         protected: &BTreeSet<String>,
         victims: Victims,
+        requests: &dyn Requests,
         now: Instant,
     ) -> (Placed, Fit) {
-        let (host, gpus, fit) = self.place_target_gpus(target, protected, victims, now);
+        let (host, gpus, fit) = self.place_target_gpus(target, protected, victims, requests, now);
         (Placed { host, gpus }, fit)
     }
 
@@ -86,9 +104,10 @@ impl State {
         target: &str,
         protected: &BTreeSet<String>,
         victims: Victims,
+        requests: &dyn Requests,
         now: Instant,
     ) -> (Option<String>, Vec<u32>, Fit) {
-        self.prune_holding();
+        self.settle_held();
         let Some(d) = self.deps.get(target) else {
             return (
                 None,
@@ -97,10 +116,10 @@ impl State {
             );
         };
         let bound = d.bound_host();
-        let mut best: Option<((u8, u8, u64), &String, Fit)> = None;
+        let mut best: Option<(HostRank, &String, Fit)> = None;
         let mut never = Vec::new();
         // Bound: its host only. NB: each host's holders come from the holders' index
-        // (`holding`, pruned above), so a placement reads the hosts and what holds memory on
+        // (`holding`, settled above), so a placement reads the hosts and what holds memory on
         // them, never every deployment per host, nor every one that ever ran there.
         // A drained host (cordoned) takes nothing: a deployment bound to one waits until the
         // drain has stopped it (then it may go elsewhere), and one free to go anywhere goes
@@ -115,13 +134,15 @@ impl State {
             let all: Vec<&str> = self.hosts.keys().map(String::as_str).collect();
             return (None, Vec::new(), Fit::Never(cordoned_words(&all)));
         }
-        let candidates: Box<dyn Iterator<Item = (&String, &Arc<Host>)>> = match bound {
-            Some(b) => Box::new(self.hosts.get_key_value(b).into_iter()),
-            None => Box::new(
-                self.hosts
-                    .iter()
-                    .filter(|(id, _)| !self.cordoned.contains(*id)),
-            ),
+        let candidates = || -> Box<dyn Iterator<Item = (&String, &Arc<Host>)>> {
+            match bound {
+                Some(b) => Box::new(self.hosts.get_key_value(b).into_iter()),
+                None => Box::new(
+                    self.hosts
+                        .iter()
+                        .filter(|(id, _)| !self.cordoned.contains(*id)),
+                ),
+            }
         };
         // Instances go to hosts that run none of their deployment's yet, where they can: among
         // hosts with the same kind of fit (room now, victims, later), one that does ranks
@@ -135,10 +156,28 @@ impl State {
         let siblings_on = |host: &str| sibling_hosts.contains(&host);
         let mut best_gpus: Vec<u32> = Vec::new();
         let want = d.rec.doc.gpus_per_instance() as usize;
-        for (id, host) in candidates {
-            // A host whose GPUs are listed has too few (one whose GPUs are not listed is
-            // taken as it says).
-            if !host.gpus.is_empty() && want > host.gpus.len() {
+        // A host whose GPUs are listed has too few (one whose GPUs are not listed is taken as
+        // it says).
+        let too_few = |host: &Host| !host.gpus.is_empty() && want > host.gpus.len();
+        // First from the held sums alone: where it fits now, nothing else ranks better (room
+        // now ranks first), so the holders are read only when it fits now nowhere.
+        let mut now_best: Option<(HostRank, &String, Vec<u32>)> = None;
+        for (id, host) in candidates() {
+            if too_few(host) {
+                continue;
+            }
+            if let Some((gpus, rank)) = self.fits_now(d, id, host) {
+                let rank = (rank.0, u8::from(siblings_on(id)), rank.1);
+                if now_best.as_ref().is_none_or(|(r, _, _)| rank < *r) {
+                    now_best = Some((rank, id, gpus));
+                }
+            }
+        }
+        if let Some((_, id, gpus)) = now_best {
+            return (Some(id.clone()), gpus, Fit::Now);
+        }
+        for (id, host) in candidates() {
+            if too_few(host) {
                 never.push((
                     id,
                     format!(
@@ -148,9 +187,10 @@ impl State {
                 ));
                 continue;
             }
-            let holders = self.holders(id, target, protected, victims, now);
+            let holders = self.holders(id, target, protected, victims, requests, now);
             let (gpus, fit, rank) = if host.gpus.len() > 1 {
-                match self.place_on_gpus(d, id, host, &holders, victims != Victims::None) {
+                let evict = victims != Victims::None;
+                match self.place_on_gpus(d, id, host, &holders, evict, requests) {
                     Ok(placed) => placed,
                     Err(why) => {
                         never.push((id, why));
@@ -205,28 +245,18 @@ impl State {
     /// as a host is (room now, the fullest that fits; else the fewest victim bytes). `holders`
     /// are the host's; one whose GPUs are not known counts on every GPU. `Err` says why it
     /// never fits there.
-    fn place_on_gpus(
+    pub(super) fn place_on_gpus(
         &self,
         d: &Dep,
         host_id: &str,
         host: &Host,
         holders: &[Holder<'_>],
         evict: bool,
+        requests: &dyn Requests,
     ) -> Result<GpuPlacement, String> {
         // NB: `want` is at most the host's GPUs (`place_target_gpus`).
         let want = d.rec.doc.gpus_per_instance() as usize;
-        let bound: &[u32] = if d.bound_host().is_some() {
-            &d.gpus
-        } else {
-            &[]
-        };
-        let taken: BTreeSet<u32> = self
-            .units_of(&d.rec.id)
-            // NB: bound there, not only holding memory: a parked sibling whose residue is not
-            // known still wakes on its GPUs.
-            .filter(|u| u.unit != d.unit && u.bound_host() == Some(host_id))
-            .flat_map(|u| u.gpus.iter().copied())
-            .collect();
+        let (open, taken) = self.open_gpus(d, host_id, host);
         let gpus_of = |id: &str| -> &[u32] { self.deps.get(id).map_or(&[], |h| h.gpus.as_slice()) };
         // Each GPU that may take it: its index, the fit there, its rank, whether a victim it
         // names runs requests now (the router's count: a deployment's last use is every one of
@@ -234,28 +264,17 @@ impl State {
         // that run nothing, then the longest idle, go first.
         let mut each: Vec<GpuChoice<'_>> = Vec::new();
         let mut never = Vec::new();
-        for gpu in &host.gpus {
-            if !bound.is_empty() && !bound.contains(&gpu.index) {
-                continue;
-            }
-            if bound.is_empty() && taken.contains(&gpu.index) {
-                continue;
-            }
+        for gpu in open {
             let cap = gpu.total_bytes;
-            let need = d
-                .measurement
-                .gpu_memory
-                .map_or(cap, |m| m.bytes.div_ceil(want as u64));
+            let need = gpu_need(d, cap, want);
             let on_gpu: Vec<Holder<'_>> = holders
                 .iter()
                 .filter_map(|h| {
                     let theirs = gpus_of(h.id);
-                    if !theirs.is_empty() && !theirs.contains(&gpu.index) {
-                        return None;
-                    }
+                    let bytes = gpu_share(h.bytes, theirs, gpu.index, cap)?;
                     let n = theirs.len().max(1) as u64;
                     Some(Holder {
-                        bytes: (h.bytes / n).min(cap),
+                        bytes,
                         keeps: h.keeps / n,
                         ..h.clone()
                     })
@@ -263,7 +282,9 @@ impl State {
                 .collect();
             let fit = place(cap, need, &on_gpu, evict);
             let idle = victim_order(&fit, &on_gpu, |id| {
-                self.deps.get(id).is_some_and(|u| self.runs_requests(u))
+                self.deps
+                    .get(id)
+                    .is_some_and(|u| Self::runs_requests(u, requests))
             });
             match rank_of(&fit, cap, need, &on_gpu) {
                 Some(rank) => each.push((gpu.index, fit, rank, idle, (cap, need, on_gpu))),
@@ -276,10 +297,10 @@ impl State {
         }
         if each.len() < want {
             let free = each.len();
-            return Err(if never.is_empty() || taken.len() + free >= want {
+            return Err(if never.is_empty() || taken + free >= want {
                 format!(
                     "its other instances already run on {} of the host's {} GPUs, and each instance needs GPUs of its own",
-                    taken.len(),
+                    taken,
                     host.gpus.len()
                 )
             } else {
@@ -289,13 +310,84 @@ impl State {
         Ok(choose_gpus(each, want))
     }
 
-    /// The GPU holders of `host` as placement sees them, for bringing up `target`.
+    /// The GPUs of `host` (one of several GPUs) that `d`'s instance may take: the ones it is
+    /// bound to when parked there, else those no other instance of its deployment is bound to;
+    /// and how many GPUs those others are bound to there.
+    fn open_gpus<'h>(&self, d: &Dep, host_id: &str, host: &'h Host) -> (Vec<&'h GpuInfo>, usize) {
+        let bound: &[u32] = if d.bound_host().is_some() {
+            &d.gpus
+        } else {
+            &[]
+        };
+        let taken: BTreeSet<u32> = self
+            .units_of(&d.rec.id)
+            // NB: bound there, not only holding memory: a parked sibling whose residue is not
+            // known still wakes on its GPUs.
+            .filter(|u| u.unit != d.unit && u.bound_host() == Some(host_id))
+            .flat_map(|u| u.gpus.iter().copied())
+            .collect();
+        let open = host
+            .gpus
+            .iter()
+            .filter(|gpu| {
+                if bound.is_empty() {
+                    !taken.contains(&gpu.index)
+                } else {
+                    bound.contains(&gpu.index)
+                }
+            })
+            .collect();
+        (open, taken.len())
+    }
+
+    /// Where `d`'s instance fits now on `host`, from the held sums alone ([`State::gpu_held`],
+    /// never the holders): the GPUs there (empty: the host as a whole) and the rank
+    /// ([`rank_of`]'s for `Fit::Now`); `None` when it does not fit now. The same answer as
+    /// [`place`] (and [`choose_gpus`]) on the holders when they say `Now`.
+    pub(super) fn fits_now(
+        &self,
+        d: &Dep,
+        host_id: &str,
+        host: &Host,
+    ) -> Option<(Vec<u32>, (u8, u64))> {
+        let room_now = |cap: u64, need: u64, used: u64| {
+            let free = cap.saturating_sub(used);
+            (need <= cap && free >= need).then(|| (0, free - need))
+        };
+        if host.gpus.len() <= 1 {
+            let need = d.need(host.capacity);
+            let used = self.gpu_held.on(host_id, None, d.id());
+            return room_now(host.capacity, need, used).map(|rank| (Vec::new(), rank));
+        }
+        let want = d.rec.doc.gpus_per_instance() as usize;
+        let (open, _) = self.open_gpus(d, host_id, host);
+        let each: Vec<GpuChoice<'_>> = open
+            .into_iter()
+            .filter_map(|gpu| {
+                let cap = gpu.total_bytes;
+                let need = gpu_need(d, cap, want);
+                let used = self.gpu_held.on(host_id, Some(gpu.index), d.id());
+                let rank = room_now(cap, need, used)?;
+                let order = (false, std::cmp::Reverse(std::time::Duration::ZERO));
+                Some((gpu.index, Fit::Now, rank, order, (cap, need, Vec::new())))
+            })
+            .collect();
+        if each.len() < want {
+            return None;
+        }
+        let (gpus, _, rank) = choose_gpus(each, want);
+        Some((gpus, rank))
+    }
+
+    /// The GPU holders of `host` as placement sees them, for bringing up `target`; how long
+    /// each has been idle at `now` by the router's record of requests (`requests`).
     pub(crate) fn holders<'a>(
         &'a self,
         host: &'a str,
         target: &str,
         protected: &BTreeSet<String>,
         victims: Victims,
+        requests: &dyn Requests,
         now: Instant,
     ) -> Vec<Holder<'a>> {
         let capacity = self.hosts.get(host).map_or(0, |h| h.capacity);
@@ -340,13 +432,9 @@ impl State {
                 Holder {
                     id: d.id(),
                     name: d.name(),
-                    bytes: if parked {
-                        d.parked_holds()
-                    } else {
-                        d.need(capacity)
-                    },
+                    bytes: d.held_bytes(capacity),
                     hold,
-                    idle_for: now.saturating_duration_since(self.used_at(d)),
+                    idle_for: now.saturating_duration_since(Self::used_at(d, requests)),
                     parked,
                     keeps: if parked || ends {
                         0

@@ -22,6 +22,9 @@ pub(crate) struct Releasing {
     pub(crate) key: InstanceKey,
     /// It was parked already: it stops.
     pub(crate) parked: bool,
+    /// It stops for want of room to keep it parked, where it would otherwise park: its stop
+    /// is written `stopped (no room to park)` ([`DownDone::Stopped`]).
+    pub(crate) for_room: bool,
     /// Its deployment's name and engine (for the switch record).
     pub(crate) name: String,
     pub(crate) engine: &'static str,
@@ -78,10 +81,18 @@ impl State {
     }
 
     /// Begins the park (or, with `stop` or when it is parked already, the stop) of drained
-    /// instance `id`: busy, `parking` or `stopping`. `None` when `id` is gone.
-    pub(crate) fn begin_release(&mut self, id: &str, stop: bool) -> Option<Releasing> {
+    /// instance `id`: busy, `parking` or `stopping`. `for_room`: it stops for want of room to
+    /// keep it parked, which is said of it only when it would otherwise park (parked already,
+    /// or a model that parks). `None` when `id` is gone.
+    pub(crate) fn begin_release(
+        &mut self,
+        id: &str,
+        stop: bool,
+        for_room: bool,
+    ) -> Option<Releasing> {
         let d = self.deps.get_mut(id)?;
         let parked = d.state == InstanceState::Parked;
+        let for_room = for_room && (parked || d.parks());
         d.busy = true;
         d.state = if stop || parked {
             InstanceState::Stopping
@@ -92,14 +103,17 @@ impl State {
             instance: d.instance_id(),
             key: d.key(&self.host_id),
             parked,
+            for_room,
             name: d.name().to_string(),
             engine: d.spec.engine.as_str(),
         })
     }
 
     /// Writes how the park or stop of `id` ([`State::begin_release`]) ended, at `now`:
-    /// `parked` (with its tier and what it still holds of the GPU), `stopped` (saying so when
-    /// it was for want of room to park), or `failed` with the error. Its last use is `now`.
+    /// `parked` (with its tier and what it still holds of the GPU), `stopped` (saying so in its
+    /// status when it was for want of room to park: the agent's answer, or a stop
+    /// [`Releasing::for_room`]), or `failed` with the error. Its last use is `now`. The one
+    /// rule, and one turn, that writes the outcome of a release.
     pub(crate) fn down_done(&mut self, id: &str, done: DownDone, now: Instant) {
         let Some(d) = self.deps.get_mut(id) else {
             return;
@@ -122,14 +136,6 @@ impl State {
                 }
             }
             DownDone::Failed(e) => d.fail(format!("park or stop failed: {e}"), now),
-        }
-    }
-
-    /// Says of `id`, stopped where it would have parked, that it was stopped for want of room
-    /// to keep it parked (its status line).
-    pub(crate) fn stopped_for_room(&mut self, id: &str) {
-        if let Some(d) = self.deps.get_mut(id) {
-            d.last_error = Some(Released::StoppedNoRoomToPark.status_line());
         }
     }
 

@@ -22,7 +22,9 @@ use crate::placement::Fit;
 use crate::views;
 
 use super::placing::Victims;
-use super::{Dep, Fence, Host, Reservation, State, dep_of_unit, deployment_of};
+use super::{
+    Dep, Fence, Host, NoRequests, Requests, Reservation, State, dep_of_unit, deployment_of,
+};
 
 /// How an instance is to be brought up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,6 +92,8 @@ impl State {
         adopted: &[capyctl_interfaces::agent::AdoptedInstance],
     ) -> Adoption {
         Arc::make_mut(&mut self.hosts).insert(host_id.clone(), Arc::new(host));
+        // Its capacity or GPUs may differ: what its units hold is counted again.
+        self.host_changed(&host_id);
         // Adopted engines may be parked copies: the host's index of them is built again.
         self.parked_copies.forget(&host_id);
         self.any_host_explicit = self
@@ -364,7 +368,9 @@ impl State {
         if self.held.is_some() {
             return None;
         }
-        let (placed, fit) = self.place_target(id, &BTreeSet::new(), Victims::None, now);
+        // NB: no victims, so the placement reads nothing of the router's record.
+        let (placed, fit) =
+            self.place_target(id, &BTreeSet::new(), Victims::None, &NoRequests, now);
         if fit != Fit::Now {
             return None;
         }
@@ -462,7 +468,9 @@ impl State {
             || (d.rec.pending_start && !evict);
         // With --evict the placement is the switch's (`operator_switch`); without, nothing
         // is released.
-        let fit = (!evict).then(|| self.place_target(id, &BTreeSet::new(), Victims::None, now));
+        // NB: no victims, so the placement reads nothing of the router's record.
+        let fit = (!evict)
+            .then(|| self.place_target(id, &BTreeSet::new(), Victims::None, &NoRequests, now));
         let d = self.deps.get_mut(id).ok_or_else(|| not_found(id))?;
         d.rec.operator_stopped = false;
         d.rec.operator_started = true;
@@ -544,7 +552,9 @@ impl State {
             return Ok(false);
         }
         let name = d.name().to_string();
-        let (placed, fit) = self.place_target(id, &BTreeSet::new(), Victims::None, now);
+        // NB: no victims, so the placement reads nothing of the router's record.
+        let (placed, fit) =
+            self.place_target(id, &BTreeSet::new(), Victims::None, &NoRequests, now);
         match fit {
             Fit::Now => {
                 self.set_placed(id, placed);
@@ -568,12 +578,14 @@ impl State {
     /// The deployments whose idle timer is due at `now`: ready ones idle for
     /// `ready_idle_timeout` (`true`: to park), parked ones for `parked_idle_timeout` (`false`:
     /// to stop). Never explicit or warm ones, never one busy, reserved, claimed or waiting for
-    /// memory, never one in `in_use` (requests wait or run, as the router's load says). Only
+    /// memory, never one in `in_use` (requests wait or run, as the router's load says). Idle
+    /// since its last use ([`State::used_at`], with the router's record `requests`). Only
     /// candidates: each is decided again by [`State::begin_idle_down`], and then by the router.
     pub(crate) fn idle_due(
         &self,
         timeouts: &capyctl_spec::settings::LifecycleDefaults,
         in_use: &BTreeSet<String>,
+        requests: &dyn Requests,
         now: Instant,
     ) -> Vec<(String, bool)> {
         self.deps
@@ -583,7 +595,7 @@ impl State {
             // Held or fenced: no idle timer parks or stops either.
             .filter(|d| self.held.is_none() && !self.fenced(d.id()))
             .filter_map(|d| {
-                let idle = now.saturating_duration_since(self.used_at(d));
+                let idle = now.saturating_duration_since(Self::used_at(d, requests));
                 let due = |t: Option<Duration>| t.is_some_and(|t| idle >= t);
                 match d.state {
                     InstanceState::Ready if due(timeouts.ready_idle_timeout) => {
@@ -600,7 +612,8 @@ impl State {
 
     /// The idle timer of `id` (`ready`: its ready timer, else its parked one) takes it down,
     /// decided again at `now` on the state it changes: still in that state, not used since
-    /// `now - timeout`, not waiting for memory; reserved by `rid` (see [`State::begin_down`]).
+    /// `now - timeout` (by the router's record `requests` too), not waiting for memory;
+    /// reserved by `rid` (see [`State::begin_down`]).
     /// What [`State::begin_down`] says, and the instant the router checks that nothing used
     /// it after; `None` when it is not due after all.
     pub(crate) fn begin_idle_down(
@@ -609,6 +622,7 @@ impl State {
         ready: bool,
         timeouts: &capyctl_spec::settings::LifecycleDefaults,
         rid: &str,
+        requests: &dyn Requests,
         now: Instant,
     ) -> Option<(Option<bool>, Instant)> {
         let d = self.deps.get(id)?;
@@ -619,7 +633,7 @@ impl State {
         };
         // No use after this instant: the rule, as the router checks it.
         let idle_since = now.checked_sub(timeout)?;
-        if self.used_at(d) > idle_since || d.rec.pending_start {
+        if Self::used_at(d, requests) > idle_since || d.rec.pending_start {
             return None;
         }
         let down = self.begin_down(id, rid, now).ok()?;
@@ -830,12 +844,14 @@ impl State {
     /// claims the target. An operator's plan (`start --evict`) may also name starts and wakes
     /// in progress that no request waits for ([`Victims::IdleAndBringUps`]); it does not ask
     /// whether requests may bring the target up (the operator's start is what does).
+    /// `requests`: the router's record, which orders the victims (see [`State::place_target`]).
     pub(crate) fn plan(
         &mut self,
         target: &str,
         protected: &BTreeSet<String>,
         who: PlanFor,
         switch_id: String,
+        requests: &dyn Requests,
         now: Instant,
     ) -> Result<Plan, ApiError> {
         if who == PlanFor::Requests {
@@ -882,7 +898,7 @@ impl State {
             PlanFor::Requests => Victims::Idle,
             PlanFor::Operator => Victims::IdleAndBringUps,
         };
-        let (placed, fit) = self.place_target(target, protected, policy, now);
+        let (placed, fit) = self.place_target(target, protected, policy, requests, now);
         let plan = match fit {
             Fit::Now => {
                 self.reservations.insert(

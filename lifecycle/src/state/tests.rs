@@ -8,6 +8,7 @@ use capyctl_interfaces::measure::{MeasureSource, Measured};
 use capyctl_interfaces::router::{Plan, PlanFor};
 use capyctl_spec::api::{DeployOutcome, Released};
 use capyctl_spec::settings::LifecycleDefaults;
+use std::collections::HashMap;
 
 const GIB: u64 = 1 << 30;
 
@@ -83,6 +84,25 @@ fn none() -> BTreeSet<String> {
     BTreeSet::new()
 }
 
+impl State {
+    /// A request's plan for `target` (nothing protected, no request recorded).
+    fn request_plan(
+        &mut self,
+        target: &str,
+        switch_id: String,
+        now: Instant,
+    ) -> Result<Plan, ApiError> {
+        self.plan(
+            target,
+            &none(),
+            PlanFor::Requests,
+            switch_id,
+            &NoRequests,
+            now,
+        )
+    }
+}
+
 fn held() -> ApiError {
     ApiError::Unavailable {
         detail: "the Kubernetes API server cannot be reached; this replica serves ready models only until it can renew its leadership".into(),
@@ -120,7 +140,7 @@ fn one_host(id: &str, gpus: u32, gib: u64) -> State {
 
 /// Brings unit `unit` up as a plan would (placed, claimed, then ready).
 fn bring_up(s: &mut State, unit: &str, now: Instant) -> (Option<String>, Vec<u32>) {
-    let (placed, fit) = s.place_target(unit, &none(), Victims::Idle, now);
+    let (placed, fit) = s.place_target(unit, &none(), Victims::Idle, &NoRequests, now);
     assert_eq!(fit, Fit::Now, "{unit}");
     let host = placed.host.clone();
     s.set_placed(unit, placed);
@@ -163,9 +183,7 @@ async fn replicas_are_units_on_distinct_gpus_and_never_each_others_victims() {
     // Every GPU now holds an instance of r: chat-b names one instance (the longest idle),
     // never two; r's own plan never names its siblings.
     s.deps.get_mut("r-1").unwrap().last_used = now - Duration::from_secs(60);
-    let plan = s
-        .plan("b", &none(), PlanFor::Requests, "sw-1".into(), now)
-        .unwrap();
+    let plan = s.request_plan("b", "sw-1".into(), now).unwrap();
     match plan {
         Plan::Switch { victims, .. } => {
             assert_eq!(victims.len(), 1, "{victims:?}");
@@ -203,7 +221,14 @@ async fn an_operators_evict_fills_every_replica() {
     let mut protected = none();
     protected.insert("r".to_string());
     let plan = s
-        .plan("r", &protected, PlanFor::Operator, "sw-1".into(), now)
+        .plan(
+            "r",
+            &protected,
+            PlanFor::Operator,
+            "sw-1".into(),
+            &NoRequests,
+            now,
+        )
         .unwrap();
     match plan {
         Plan::Switch { victims, .. } => assert_eq!(victims.len(), 1, "{victims:?}"),
@@ -212,8 +237,7 @@ async fn an_operators_evict_fills_every_replica() {
     assert_eq!(s.deps["r-1"].claim.as_deref(), Some("sw-1"));
     // Requests' plans do not fill: one instance is up.
     assert_eq!(
-        s.plan("r", &none(), PlanFor::Requests, "sw-2".into(), now)
-            .unwrap(),
+        s.request_plan("r", "sw-2".into(), now).unwrap(),
         Plan::AlreadyComing
     );
 }
@@ -252,7 +276,7 @@ async fn instances_prefer_hosts_without_a_sibling_and_span_gpus_per_instance() {
             &format!("gpus_per_instance: {want}"),
             now,
         ));
-        let (_, fit) = s.place_target("w", &none(), Victims::Idle, now);
+        let (_, fit) = s.place_target("w", &none(), Victims::Idle, &NoRequests, now);
         assert_eq!(
             fit,
             Fit::Never(format!(
@@ -280,7 +304,7 @@ async fn an_instance_over_several_gpus_names_no_victim_another_one_already_makes
     // not enough, so v too; on the other, v. Yet v, released, frees 7 GiB on both: x is
     // not needed, and is no victim (it was, when each GPU chose alone).
     s.insert(sized_dep("t", "chat-t", "gpus_per_instance: 2", 8, now));
-    let (_, fit) = s.place_target("t", &none(), Victims::Idle, now);
+    let (_, fit) = s.place_target("t", &none(), Victims::Idle, &NoRequests, now);
     assert_eq!(fit, Fit::After(vec!["v".into()]));
 }
 
@@ -301,8 +325,8 @@ async fn the_scaler_starts_a_stopped_instance_where_a_parked_one_has_no_room() {
     // The parked instance can wake only there: no room, so the scaler's next candidate,
     // the stopped one, is started on the free GPU (`Server::scale_run` tries them in
     // the order `scale::decide` gives).
-    assert_eq!(s.scale_up("r-1", now), None);
-    assert!(s.scale_up("r-2", now).is_some());
+    assert_eq!(s.scale_up("r-1", &NoRequests, now), None);
+    assert!(s.scale_up("r-2", &NoRequests, now).is_some());
     assert!(
         !s.deps["r-2"].gpus.contains(&g1[0]),
         "{:?}",
@@ -322,7 +346,7 @@ async fn the_scaler_waits_out_the_back_off_of_an_engine_that_failed_not_one_its_
     }
     let held = |s: &State, unit: &str| {
         let now = Instant::now();
-        s.scale_inputs(now)[0]
+        s.scale_inputs(&NoRequests, now)[0]
             .units
             .iter()
             .find(|u| u.unit == unit)
@@ -393,7 +417,9 @@ async fn held_switches_refuse_every_change_but_ready_models_serve_on() {
     assert!(s.admissible("a").is_ok());
     // Plans fail with it (requests and an operator's --evict): nothing reserved.
     for who in [PlanFor::Requests, PlanFor::Operator] {
-        let e = s.plan("b", &none(), who, "sw-1".into(), now).unwrap_err();
+        let e = s
+            .plan("b", &none(), who, "sw-1".into(), &NoRequests, now)
+            .unwrap_err();
         assert_eq!(e.code(), "unavailable");
     }
     assert_eq!(s.deps["a"].reserved, None);
@@ -421,7 +447,7 @@ async fn held_switches_refuse_every_change_but_ready_models_serve_on() {
         ..LifecycleDefaults::default()
     };
     let later = now + Duration::from_secs(60);
-    assert!(s.idle_due(&timers, &none(), later).is_empty());
+    assert!(s.idle_due(&timers, &none(), &NoRequests, later).is_empty());
     assert!(s.start_pending("c", later).is_none());
     // An engine exit is still recorded.
     let exit = EngineExit {
@@ -433,11 +459,13 @@ async fn held_switches_refuse_every_change_but_ready_models_serve_on() {
     // Resumed: switching again.
     s.resume();
     assert!(s.admissible("b").is_ok());
-    let plan = s
-        .plan("b", &none(), PlanFor::Requests, "sw-2".into(), later)
-        .unwrap();
+    let plan = s.request_plan("b", "sw-2".into(), later).unwrap();
     assert!(matches!(plan, Plan::BringUp { .. }), "{plan:?}");
-    assert_eq!(s.idle_due(&timers, &none(), later).len(), 0, "a failed");
+    assert_eq!(
+        s.idle_due(&timers, &none(), &NoRequests, later).len(),
+        0,
+        "a failed"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -448,12 +476,17 @@ async fn a_fenced_ready_instance_is_no_victim_until_the_fence_ends() {
     let until = now + Duration::from_secs(90);
     assert_eq!(s.set_fence(until, now), ["chat-a"]);
     // `b` needs `a`'s memory: it waits (`Later`), never `does_not_fit`.
-    let plan = s
-        .plan("b", &none(), PlanFor::Requests, "sw-1".into(), now)
-        .unwrap();
+    let plan = s.request_plan("b", "sw-1".into(), now).unwrap();
     assert!(matches!(plan, Plan::Later), "{plan:?}");
     let plan = s
-        .plan("b", &none(), PlanFor::Operator, "sw-2".into(), now)
+        .plan(
+            "b",
+            &none(),
+            PlanFor::Operator,
+            "sw-2".into(),
+            &NoRequests,
+            now,
+        )
         .unwrap();
     assert!(matches!(plan, Plan::Later), "{plan:?}");
     // No operator park or stop of it, naming the fence; no idle timer.
@@ -467,7 +500,7 @@ async fn a_fenced_ready_instance_is_no_victim_until_the_fence_ends() {
         ..LifecycleDefaults::default()
     };
     assert!(
-        s.idle_due(&timers, &none(), now + Duration::from_secs(60))
+        s.idle_due(&timers, &none(), &NoRequests, now + Duration::from_secs(60))
             .is_empty()
     );
     // Not yet over 1 s before its end.
@@ -475,9 +508,7 @@ async fn a_fenced_ready_instance_is_no_victim_until_the_fence_ends() {
     assert!(s.fenced("a"));
     // Its end: `a` is the victim as usual.
     assert!(s.end_fence(until));
-    let plan = s
-        .plan("b", &none(), PlanFor::Requests, "sw-3".into(), until)
-        .unwrap();
+    let plan = s.request_plan("b", "sw-3".into(), until).unwrap();
     let Plan::Switch { victims, .. } = plan else {
         panic!("a switch: {plan:?}");
     };
@@ -517,9 +548,7 @@ async fn a_plan_reserves_its_victim_so_a_second_plan_waits_instead_of_naming_it_
     let now = Instant::now();
     let mut s = state(now);
     ready(&mut s, "a", now);
-    let plan = s
-        .plan("b", &none(), PlanFor::Requests, "sw-1".into(), now)
-        .unwrap();
+    let plan = s.request_plan("b", "sw-1".into(), now).unwrap();
     let Plan::Switch {
         switch_id, victims, ..
     } = plan
@@ -532,15 +561,11 @@ async fn a_plan_reserves_its_victim_so_a_second_plan_waits_instead_of_naming_it_
     assert_eq!(s.deps["a"].reserved.as_deref(), Some("sw-1"));
     assert_eq!(s.deps["b"].claim.as_deref(), Some("sw-1"));
     // `a` is reserved and `b` claims the rest: `c` waits for memory.
-    let later = s
-        .plan("c", &none(), PlanFor::Requests, "sw-2".into(), now)
-        .unwrap();
+    let later = s.request_plan("c", "sw-2".into(), now).unwrap();
     assert!(matches!(later, Plan::Later), "{later:?}");
     assert_eq!(s.deps["a"].reserved.as_deref(), Some("sw-1"));
     // `b` already has its switch.
-    let again = s
-        .plan("b", &none(), PlanFor::Requests, "sw-3".into(), now)
-        .unwrap();
+    let again = s.request_plan("b", "sw-3".into(), now).unwrap();
     assert!(matches!(again, Plan::AlreadyComing), "{again:?}");
     // Given back, the victim serves on and the target is no longer claimed.
     s.release_reservation("sw-1");
@@ -570,15 +595,20 @@ async fn the_longest_idle_is_the_victim_never_a_protected_or_warm_one() {
             .collect::<Vec<_>>(),
         other => panic!("a switch: {other:?}"),
     };
-    let plan = s
-        .plan("b", &none(), PlanFor::Requests, "sw-1".into(), now)
-        .unwrap();
+    let plan = s.request_plan("b", "sw-1".into(), now).unwrap();
     assert_eq!(victims(plan), ["q"], "idle for 50 s, p for 30 s");
     s.release_reservation("sw-1");
     // Requests wait for `q`: `p` goes instead.
     let protected = BTreeSet::from(["q".to_string()]);
     let plan = s
-        .plan("b", &protected, PlanFor::Requests, "sw-2".into(), now)
+        .plan(
+            "b",
+            &protected,
+            PlanFor::Requests,
+            "sw-2".into(),
+            &NoRequests,
+            now,
+        )
         .unwrap();
     assert_eq!(victims(plan), ["p"]);
     s.release_reservation("sw-2");
@@ -587,14 +617,19 @@ async fn the_longest_idle_is_the_victim_never_a_protected_or_warm_one() {
     s.deps.get_mut("p").unwrap().rec.doc =
         dep("p", "chat-p", "lifecycle:\n  warm: true\n", t0).rec.doc;
     let plan = s
-        .plan("b", &protected, PlanFor::Requests, "sw-3".into(), now)
+        .plan(
+            "b",
+            &protected,
+            PlanFor::Requests,
+            "sw-3".into(),
+            &NoRequests,
+            now,
+        )
         .unwrap();
     assert!(matches!(plan, Plan::Later), "q is only protected: {plan:?}");
     s.deps.get_mut("q").unwrap().rec.doc =
         dep("q", "chat-q", "lifecycle:\n  warm: true\n", t0).rec.doc;
-    let err = s
-        .plan("b", &none(), PlanFor::Requests, "sw-4".into(), now)
-        .unwrap_err();
+    let err = s.request_plan("b", "sw-4".into(), now).unwrap_err();
     assert_eq!(err.code(), "does_not_fit", "{err:?}");
 }
 
@@ -617,9 +652,7 @@ async fn placement_reads_only_what_may_hold_the_gpu_and_lets_go_of_what_no_longe
     // stay bound to gpu-1 (b's copy is there) but hold nothing.
     s.deps.get_mut("a").unwrap().state = InstanceState::Stopped;
     s.deps.get_mut("b").unwrap().state = InstanceState::Parked;
-    let plan = s
-        .plan("c", &none(), PlanFor::Requests, "sw-1".into(), now)
-        .unwrap();
+    let plan = s.request_plan("c", "sw-1".into(), now).unwrap();
     assert!(matches!(plan, Plan::BringUp { .. }), "{plan:?}");
     assert_eq!(holding(&s), ["c"], "let go of a and b; c is claimed");
     let on: Vec<&str> = s.on_host("gpu-1").map(|d| d.id()).collect();
@@ -627,9 +660,7 @@ async fn placement_reads_only_what_may_hold_the_gpu_and_lets_go_of_what_no_longe
     // Woken, `b` is bound again: a holder again.
     s.release_reservation("sw-1");
     s.deps.get_mut("c").unwrap().state = InstanceState::Stopped;
-    let plan = s
-        .plan("b", &none(), PlanFor::Requests, "sw-2".into(), now)
-        .unwrap();
+    let plan = s.request_plan("b", "sw-2".into(), now).unwrap();
     assert!(matches!(plan, Plan::BringUp { .. }), "{plan:?}");
     assert_eq!(holding(&s), ["b"]);
 }
@@ -641,16 +672,12 @@ async fn a_cordoned_host_takes_nothing_and_what_is_bound_there_waits() {
     ready(&mut s, "a", now);
     s.deps.get_mut("a").unwrap().state = InstanceState::Parked;
     s.cordoned.insert("gpu-1".into());
-    let plan = s
-        .plan("a", &none(), PlanFor::Requests, "sw-1".into(), now)
-        .unwrap();
+    let plan = s.request_plan("a", "sw-1".into(), now).unwrap();
     assert!(
         matches!(plan, Plan::Later),
         "bound there: waits for the drain {plan:?}"
     );
-    let err = s
-        .plan("b", &none(), PlanFor::Requests, "sw-2".into(), now)
-        .unwrap_err();
+    let err = s.request_plan("b", "sw-2".into(), now).unwrap_err();
     assert_eq!(err.code(), "does_not_fit");
     assert!(
         err.message().ends_with(
@@ -660,9 +687,7 @@ async fn a_cordoned_host_takes_nothing_and_what_is_bound_there_waits() {
         err.message()
     );
     s.cordoned.clear();
-    let plan = s
-        .plan("b", &none(), PlanFor::Requests, "sw-3".into(), now)
-        .unwrap();
+    let plan = s.request_plan("b", "sw-3".into(), now).unwrap();
     assert!(
         matches!(plan, Plan::Switch { .. } | Plan::BringUp { .. }),
         "{plan:?}"
@@ -679,12 +704,17 @@ async fn requests_may_not_bring_up_an_explicit_model_but_an_operators_switch_may
         "lifecycle:\n  activation: explicit\n",
         now,
     ));
-    let err = s
-        .plan("x", &none(), PlanFor::Requests, "sw-1".into(), now)
-        .unwrap_err();
+    let err = s.request_plan("x", "sw-1".into(), now).unwrap_err();
     assert_eq!(err.code(), "deployment_inactive");
     let plan = s
-        .plan("x", &none(), PlanFor::Operator, "sw-2".into(), now)
+        .plan(
+            "x",
+            &none(),
+            PlanFor::Operator,
+            "sw-2".into(),
+            &NoRequests,
+            now,
+        )
         .unwrap();
     assert!(matches!(plan, Plan::BringUp { .. }), "{plan:?}");
     s.deps.get_mut("b").unwrap().rec.operator_stopped = true;
@@ -704,14 +734,22 @@ async fn idle_timers_are_due_by_the_last_use_and_are_decided_again_before_they_a
     s.deps.get_mut("c").unwrap().state = InstanceState::Parked;
     let now = t0 + Duration::from_secs(301);
     assert_eq!(
-        s.idle_due(&timeouts, &none(), now),
+        s.idle_due(&timeouts, &none(), &NoRequests, now),
         [("a".to_string(), true)],
         "b was used 101 s ago; c is parked for less than an hour"
     );
     let in_use = BTreeSet::from(["a".to_string()]);
-    assert!(s.idle_due(&timeouts, &in_use, now).is_empty(), "in use");
+    assert!(
+        s.idle_due(&timeouts, &in_use, &NoRequests, now).is_empty(),
+        "in use"
+    );
     assert_eq!(
-        s.idle_due(&timeouts, &none(), t0 + Duration::from_secs(3600)),
+        s.idle_due(
+            &timeouts,
+            &none(),
+            &NoRequests,
+            t0 + Duration::from_secs(3600)
+        ),
         [
             ("a".to_string(), true),
             ("b".to_string(), true),
@@ -720,18 +758,21 @@ async fn idle_timers_are_due_by_the_last_use_and_are_decided_again_before_they_a
     );
     // Used again since the list was made: not taken down.
     s.deps.get_mut("a").unwrap().last_used = now;
-    assert_eq!(s.begin_idle_down("a", true, &timeouts, "idle-1", now), None);
+    assert_eq!(
+        s.begin_idle_down("a", true, &timeouts, "idle-1", &NoRequests, now),
+        None
+    );
     // Due: reserved, and the router is told the instant to check.
     let later = now + Duration::from_secs(300);
     let (down, since) = s
-        .begin_idle_down("a", true, &timeouts, "idle-2", later)
+        .begin_idle_down("a", true, &timeouts, "idle-2", &NoRequests, later)
         .unwrap();
     assert_eq!(down, Some(true), "ready: drained first");
     assert_eq!(since, now);
     assert_eq!(s.deps["a"].reserved.as_deref(), Some("idle-2"));
     // A reserved one is nobody else's candidate.
     assert!(
-        !s.idle_due(&timeouts, &none(), later)
+        !s.idle_due(&timeouts, &none(), &NoRequests, later)
             .iter()
             .any(|(id, _)| id == "a")
     );
@@ -887,32 +928,26 @@ async fn the_last_use_is_the_routers_record_of_requests_or_a_later_state_change(
     let mut inner = State::default();
     inner.insert(dep("a", "chat-a", "", Instant::now()));
     let changed = inner.deps["a"].last_used;
-    assert_eq!(inner.used_at(&inner.deps["a"]), changed, "no router yet");
-    inner.uses.attach(router.last_uses());
-    assert_eq!(inner.used_at(&inner.deps["a"]), changed, "no request yet");
+    // The server's handle on the record, as the rules are given it.
+    let uses = RouterUses::default();
+    let used_at = |inner: &State| State::used_at(&inner.deps["a"], &uses);
+    assert_eq!(used_at(&inner), changed, "no router yet");
+    uses.attach(router.last_uses());
+    assert_eq!(used_at(&inner), changed, "no request yet");
 
     // A request's start and end, as the router records them (on its lane: no turn of its
     // task), are the deployment's last use.
     advance(Duration::from_secs(5)).await;
     let deadline = Instant::now() + Duration::from_secs(60);
     let permit = router.admit(a, deadline).await.unwrap();
-    assert_eq!(
-        inner.used_at(&inner.deps["a"]),
-        changed + Duration::from_secs(5)
-    );
+    assert_eq!(used_at(&inner), changed + Duration::from_secs(5));
     advance(Duration::from_secs(1)).await;
     drop(permit);
-    assert_eq!(
-        inner.used_at(&inner.deps["a"]),
-        changed + Duration::from_secs(6)
-    );
+    assert_eq!(used_at(&inner), changed + Duration::from_secs(6));
     // A later state change that counts as use wins when it is the later one.
     advance(Duration::from_secs(1)).await;
     inner.deps.get_mut("a").unwrap().last_used = Instant::now();
-    assert_eq!(
-        inner.used_at(&inner.deps["a"]),
-        changed + Duration::from_secs(7)
-    );
+    assert_eq!(used_at(&inner), changed + Duration::from_secs(7));
     // Dropped, a deployment says so to the name cache entries that still hold it.
     let gone = Arc::clone(&inner.deps["a"].presence.0);
     assert!(!gone.load(Ordering::Acquire));
@@ -922,7 +957,7 @@ async fn the_last_use_is_the_routers_record_of_requests_or_a_later_state_change(
 
 /// Begins a park of ready `id` as a release does, and answers it with `done` at `at`.
 fn released(s: &mut State, id: &str, done: DownDone, at: Instant) {
-    let r = s.begin_release(id, false).unwrap();
+    let r = s.begin_release(id, false, false).unwrap();
     assert!(!r.parked);
     assert_eq!(s.deps[id].state, InstanceState::Parking);
     assert!(s.deps[id].busy);
@@ -1097,6 +1132,7 @@ async fn an_idle_timer_that_could_not_act_starts_over_from_the_time_given() {
                 parked_idle_timeout: None,
             },
             "idle-1",
+            &NoRequests,
             later,
         )
         .unwrap();
@@ -1186,9 +1222,7 @@ async fn a_hold_gives_up_the_claimed_targets_and_a_drained_order_gives_its_victi
     ready(&mut s, "a", now);
     ready(&mut s, "b", now);
     // A plan for `c` claims it and reserves a victim.
-    let plan = s
-        .plan("c", &none(), PlanFor::Requests, "sw-1".into(), now)
-        .unwrap();
+    let plan = s.request_plan("c", "sw-1".into(), now).unwrap();
     let Plan::Switch { victims, .. } = plan else {
         panic!("a switch: {plan:?}")
     };
@@ -1215,7 +1249,7 @@ async fn the_scaler_takes_the_first_unit_with_room_in_one_turn() {
     bring_up(&mut s, "r-1", now);
     // Both GPUs are taken by its siblings: the third has no room; `nope` is no unit.
     assert_eq!(
-        s.scale_up_first(vec!["nope".into(), "r-2".into()], now),
+        s.scale_up_first(vec!["nope".into(), "r-2".into()], &NoRequests, now),
         None
     );
     // One sibling stops: the third comes up there, started by the scaler (not an operator).
@@ -1223,9 +1257,417 @@ async fn the_scaler_takes_the_first_unit_with_room_in_one_turn() {
     d.state = InstanceState::Stopped;
     s.set_host("r-1", None);
     let (unit, up) = s
-        .scale_up_first(vec!["nope".into(), "r-2".into()], now)
+        .scale_up_first(vec!["nope".into(), "r-2".into()], &NoRequests, now)
         .unwrap();
     assert_eq!((unit.as_str(), up), ("r-2", Up::Start));
     assert!(s.deps["r-2"].busy && !s.deps["r-2"].operator_up);
     assert_eq!(s.deps["r-2"].last_used, now);
+}
+
+/// A small deterministic generator (xorshift64*), for the property test below.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+
+    fn pick<'a, T>(&mut self, of: &'a [T]) -> &'a T {
+        &of[self.below(of.len())]
+    }
+
+    fn odds(&mut self, in_: u64) -> bool {
+        self.next().is_multiple_of(in_)
+    }
+}
+
+/// The held sums (`state/held.rs`) are what placement would read from the holders: per host,
+/// per GPU, and the holders' index; and "it fits now" from the sums is the answer of the pure
+/// placement on the holders, for every unit on every host.
+fn held_sums_agree(s: &mut State, now: Instant, step: &str) {
+    s.settle_held();
+    for (host_id, host) in s.hosts.iter() {
+        let capacity = host.capacity;
+        let holders: Vec<&Dep> = s
+            .deps
+            .values()
+            .map(|d| &**d)
+            .filter(|d| d.host.as_deref() == Some(host_id.as_str()) && d.holds_gpu())
+            .collect();
+        let total: u64 = holders.iter().map(|d| d.held_bytes(capacity)).sum();
+        let read: u64 = s
+            .holders(host_id, "", &none(), Victims::Idle, &NoRequests, now)
+            .iter()
+            .map(|h| h.bytes)
+            .sum();
+        assert_eq!(read, total, "{step}: the holders of {host_id}");
+        assert_eq!(s.gpu_held.on(host_id, None, ""), total, "{step}: {host_id}");
+        let mut ids: Vec<&str> = holders.iter().map(|d| d.id()).collect();
+        ids.sort_unstable();
+        let index: Vec<&str> = s
+            .holding
+            .get(host_id)
+            .into_iter()
+            .flatten()
+            .map(String::as_str)
+            .collect();
+        assert_eq!(index, ids, "{step}: the holders' index of {host_id}");
+        if host.gpus.len() > 1 {
+            for g in &host.gpus {
+                let on_gpu: u64 = holders
+                    .iter()
+                    .filter_map(|d| {
+                        crate::placement::gpu_share(
+                            d.held_bytes(capacity),
+                            &d.gpus,
+                            g.index,
+                            g.total_bytes,
+                        )
+                    })
+                    .sum();
+                assert_eq!(
+                    s.gpu_held.on(host_id, Some(g.index), ""),
+                    on_gpu,
+                    "{step}: {host_id} GPU {}",
+                    g.index
+                );
+            }
+        }
+        for d in s.deps.values() {
+            let want = d.rec.doc.gpus_per_instance() as usize;
+            if !host.gpus.is_empty() && want > host.gpus.len() {
+                continue;
+            }
+            let theirs = s.holders(host_id, d.id(), &none(), Victims::Idle, &NoRequests, now);
+            let slow = if host.gpus.len() > 1 {
+                s.place_on_gpus(d, host_id, host, &theirs, true, &NoRequests)
+                    .ok()
+                    .filter(|(_, fit, _)| *fit == Fit::Now)
+                    .map(|(gpus, _, rank)| (gpus, rank))
+            } else {
+                let need = d.need(capacity);
+                let fit = crate::placement::place(capacity, need, &theirs, true);
+                (fit == Fit::Now).then(|| {
+                    let rank = crate::placement::rank_of(&fit, capacity, need, &theirs);
+                    (Vec::new(), rank.unwrap())
+                })
+            };
+            assert_eq!(
+                s.fits_now(d, host_id, host),
+                slow,
+                "{step}: {} on {host_id}",
+                d.id()
+            );
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_held_sums_equal_the_holders_after_every_kind_of_transition() {
+    let measured = |gib: u64| Measurement {
+        weights: None,
+        gpu_memory: Some(Measured {
+            bytes: gib * GIB,
+            source: MeasureSource::EngineFootprint,
+        }),
+    };
+    for seed in 1..=24u64 {
+        let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+        let t0 = Instant::now();
+        let mut now = t0;
+        // One host of one GPU (10 GiB), one of four GPUs (10 GiB each).
+        let mut s = state(t0);
+        s.add_host("box".into(), gpus_host(4, 10), &[]);
+        s.insert(sized_dep("d", "chat-d", "", 3, t0));
+        s.insert(sized_dep("r", "chat-r", "replicas: 2", 4, t0));
+        s.insert(sized_dep("t", "chat-t", "gpus_per_instance: 2", 12, t0));
+        s.insert(sized_dep(
+            "w",
+            "chat-w",
+            "lifecycle:\n  warm: true\n",
+            2,
+            t0,
+        ));
+        let mut u = dep("u", "chat-u", "", t0);
+        u.measurement = Measurement::default();
+        s.insert(u);
+        let deployments = ["a", "b", "c", "d", "r", "t", "w", "u"];
+        let mut n = 0u32;
+        for step in 0..250 {
+            now += Duration::from_secs(rng.below(120) as u64);
+            let units: Vec<String> = s.deps.keys().cloned().collect();
+            let unit = rng.pick(&units).clone();
+            let dep = rng.pick(&deployments).to_string();
+            n += 1;
+            let rid = format!("x-{n}");
+            let what = match rng.below(12) {
+                0 | 1 => {
+                    // A request's (or an operator's) plan, given up or carried out.
+                    let mut protected = none();
+                    if rng.odds(4) {
+                        protected.insert(rng.pick(&deployments).to_string());
+                    }
+                    let who = if rng.odds(3) {
+                        PlanFor::Operator
+                    } else {
+                        PlanFor::Requests
+                    };
+                    let plan = s.plan(&dep, &protected, who, rid.clone(), &NoRequests, now);
+                    if let Ok(Plan::BringUp { .. } | Plan::Switch { .. }) = plan {
+                        let r = &s.reservations[&rid];
+                        let target = r.target.clone().unwrap();
+                        let victims = r.victims.clone();
+                        if rng.odds(4) {
+                            s.release_reservation(&rid);
+                        } else {
+                            for v in victims {
+                                if s.deps[&v].bringing_up() {
+                                    s.up_done(
+                                        &v,
+                                        Up::Start,
+                                        UpDone::Ended {
+                                            why: "ended".into(),
+                                            stopped: Ok(()),
+                                        },
+                                        now,
+                                    );
+                                } else if s.begin_release(&v, rng.odds(3), false).is_some() {
+                                    let done = match rng.below(3) {
+                                        0 => DownDone::Parked {
+                                            tier: ParkTier::HostRam,
+                                            gpu_held: Some(rng.below(2) as u64 * GIB),
+                                        },
+                                        1 => DownDone::Stopped(Released::Stopped),
+                                        _ => DownDone::Failed("boom".into()),
+                                    };
+                                    s.down_done(&v, done, now);
+                                }
+                            }
+                            let _ = s.switch_target_up(&rid, &target, now);
+                        }
+                    }
+                    "plan"
+                }
+                2..=4 => {
+                    // A start or wake in progress ends.
+                    let coming: Vec<String> = s
+                        .deps
+                        .values()
+                        .filter(|d| d.bringing_up())
+                        .map(|d| d.id().to_string())
+                        .collect();
+                    let unit = if coming.is_empty() {
+                        unit
+                    } else {
+                        rng.pick(&coming).clone()
+                    };
+                    let up = if s.deps[&unit].state == InstanceState::Waking {
+                        Up::Wake
+                    } else {
+                        Up::Start
+                    };
+                    if s.deps[&unit].bringing_up() {
+                        let done = match rng.below(4) {
+                            0 => UpDone::Failed {
+                                error: held(),
+                                ended: None,
+                            },
+                            1 if up == Up::Start => UpDone::Ready(Some(Started {
+                                addr: Some(([127, 0, 0, 1], 9).into()),
+                                pid: 7,
+                                max_running: MaxRunning {
+                                    count: Some(4),
+                                    source: capyctl_interfaces::launch::MaxRunningSource::Declared,
+                                },
+                                // What it measured differs from what was declared.
+                                measurement: measured(1 + rng.below(5) as u64),
+                            })),
+                            _ => UpDone::Ready(None),
+                        };
+                        s.up_done(&unit, up, done, now);
+                    }
+                    "up_done"
+                }
+                5 => {
+                    let _ = s.start(&dep, true, false, now);
+                    "start"
+                }
+                6 => {
+                    // An operator's park or stop, or an idle timer's take-down.
+                    if let Ok(Some(ready)) = s.begin_down(&unit, &rid, now) {
+                        if ready {
+                            s.show_draining(std::slice::from_ref(&unit), InstanceState::Closed);
+                        }
+                        if rng.odds(5) {
+                            s.drain_refused(std::slice::from_ref(&unit), InstanceState::Closed);
+                        } else if s.begin_release(&unit, rng.odds(2), rng.odds(2)).is_some() {
+                            let done = if rng.odds(2) {
+                                DownDone::Parked {
+                                    tier: ParkTier::HostRam,
+                                    gpu_held: Some(GIB / 2),
+                                }
+                            } else {
+                                DownDone::Stopped(Released::StoppedNoRoomToPark)
+                            };
+                            s.down_done(&unit, done, now);
+                        }
+                    }
+                    s.release_reservation(&rid);
+                    "take down"
+                }
+                7 => {
+                    let host = s.deps[&unit].host.clone().unwrap_or_default();
+                    let exit = capyctl_interfaces::agent::EngineExit {
+                        instance: unit_instance(&unit),
+                        status: None,
+                    };
+                    s.engine_exited(&host, &exit, now);
+                    "engine exit"
+                }
+                8 => {
+                    // A host comes back with another capacity (or GPUs).
+                    if rng.odds(2) {
+                        let h = Host {
+                            capacity: (8 + rng.below(6) as u64) * GIB,
+                            ..host()
+                        };
+                        s.add_host("gpu-1".into(), h, &[]);
+                    } else {
+                        s.add_host("box".into(), gpus_host(4, 8 + rng.below(4) as u64), &[]);
+                    }
+                    "host back"
+                }
+                9 => {
+                    // Deleted while it may run, and deployed again.
+                    if let Some(old) = s.remove(&dep) {
+                        s.insert(Dep::new(old.rec, now));
+                    }
+                    "delete"
+                }
+                10 => {
+                    let _ = s.preinitialize(&dep, measured(3), now);
+                    "preinitialize"
+                }
+                _ => {
+                    if rng.odds(2) {
+                        let _ = s.set_fence(now + Duration::from_secs(60), now);
+                    } else {
+                        s.end_fence(now);
+                    }
+                    "fence"
+                }
+            };
+            s.sync_touched(now);
+            held_sums_agree(&mut s, now, &format!("seed {seed} step {step} ({what})"));
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stop_for_want_of_room_is_written_with_its_reason_in_one_rule() {
+    let t0 = Instant::now();
+    let mut s = state(t0);
+    s.insert(dep("k", "chat-k", "residency: restart_only\n", t0));
+    for id in ["a", "b", "k"] {
+        ready(&mut s, id, t0);
+    }
+    let later = t0 + Duration::from_secs(5);
+    // A model that parks, stopped for room: the release says so from its beginning, and its
+    // outcome is written whole by one call (state and status together).
+    let r = s.begin_release("a", true, true).unwrap();
+    assert!(r.for_room);
+    assert_eq!(s.deps["a"].state, InstanceState::Stopping);
+    s.down_done("a", DownDone::Stopped(Released::StoppedNoRoomToPark), later);
+    let a = &s.deps["a"];
+    assert_eq!((a.state, a.busy), (InstanceState::Stopped, false));
+    assert_eq!(
+        a.last_error,
+        Some(Released::StoppedNoRoomToPark.status_line())
+    );
+    // A parked copy stopped for room: it would have stayed parked, so it is said too.
+    s.deps.get_mut("b").unwrap().state = InstanceState::Parked;
+    assert!(s.begin_release("b", true, true).unwrap().for_room);
+    // A model that never parks (restart_only) is only stopped: room is not why.
+    assert!(!s.begin_release("k", true, true).unwrap().for_room);
+    s.down_done("k", DownDone::Stopped(Released::Stopped), later);
+    assert_eq!(s.deps["k"].last_error, None);
+    // An operator's stop is not for room.
+    s.deps.get_mut("b").unwrap().busy = false;
+    assert!(!s.begin_release("b", true, false).unwrap().for_room);
+}
+
+/// A record of requests given to the rules (the router's, in the server).
+#[derive(Default)]
+struct Record {
+    last: HashMap<String, Instant>,
+    running: HashMap<(String, u32), usize>,
+}
+
+impl Requests for Record {
+    fn last_use(&self, dep: &str) -> Option<Instant> {
+        self.last.get(dep).copied()
+    }
+
+    fn in_flight(&self, dep: &str, index: u32) -> usize {
+        self.running
+            .get(&(dep.to_string(), index))
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_rules_read_the_record_of_requests_they_are_given() {
+    let t0 = Instant::now();
+    let now = t0 + Duration::from_secs(600);
+    let timeouts = LifecycleDefaults {
+        ready_idle_timeout: Some(Duration::from_secs(300)),
+        ..LifecycleDefaults::default()
+    };
+    let mut s = state(t0);
+    // `a` and `b` ready, last changed at t0 and a second later: by their state alone both
+    // are due, and `a` is the longer idle.
+    ready(&mut s, "a", t0);
+    ready(&mut s, "b", t0 + Duration::from_secs(1));
+    let none_recorded = s.idle_due(&timeouts, &none(), &NoRequests, now);
+    assert_eq!(none_recorded, [("a".into(), true), ("b".into(), true)]);
+    // The record says `b` was used 10 s ago: its timer is not due, now or when decided again.
+    let mut record = Record::default();
+    record
+        .last
+        .insert("b".into(), now - Duration::from_secs(10));
+    assert_eq!(
+        s.idle_due(&timeouts, &none(), &record, now),
+        [("a".into(), true)]
+    );
+    assert_eq!(
+        s.begin_idle_down("b", true, &timeouts, "idle-1", &record, now),
+        None,
+        "decided again on the record given"
+    );
+    // The record says `a` was used 10 s ago: a plan for `c` names `b` first, the longer idle
+    // by the record; with no record, `a`.
+    let mut record = Record::default();
+    record
+        .last
+        .insert("a".into(), now - Duration::from_secs(10));
+    let plan = s
+        .plan("c", &none(), PlanFor::Requests, "sw-1".into(), &record, now)
+        .unwrap();
+    assert!(matches!(plan, Plan::Switch { .. }), "{plan:?}");
+    assert_eq!(
+        s.reservations["sw-1"].victims[0], "b",
+        "the longest idle by the record"
+    );
+    s.release_reservation("sw-1");
+    let plan = s.request_plan("c", "sw-2".into(), now).unwrap();
+    assert!(matches!(plan, Plan::Switch { .. }), "{plan:?}");
+    assert_eq!(s.reservations["sw-2"].victims[0], "a", "by the state alone");
 }
