@@ -13,10 +13,9 @@ use std::time::Duration;
 use capyctl_interfaces::HostAgent;
 use capyctl_interfaces::launch::MaxRunning;
 use capyctl_interfaces::measure::Measurement;
-use capyctl_interfaces::router::InstanceKey;
+use capyctl_interfaces::router::{InstanceKey, LastUses};
 use capyctl_interfaces::spec::{HostSettings, InstanceSpec};
 use capyctl_interfaces::tier::ParkTier;
-use capyctl_router::coordinator::LastUses;
 use capyctl_spec::errors::ApiError;
 use capyctl_spec::{Activation, InstanceState};
 use tokio::sync::watch;
@@ -503,11 +502,11 @@ pub(crate) struct Fence {
 }
 
 /// The router's record of each deployment's last use (its requests' starts and ends,
-/// [`CoordinatorHandle::last_used`]), once a router is attached: one shared cell, read through
-/// [`State::used_at`] and [`State::runs_requests`]. Reading it takes a read lock of its own
+/// [`Router::last_uses`](capyctl_interfaces::router::Router::last_uses)), once a router is
+/// attached: one shared cell, read through [`State::used_at`] and [`State::runs_requests`]. Reading it takes a read lock of its own
 /// and no turn of the router's task.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct RouterUses(pub(crate) Arc<RwLock<Option<LastUses>>>);
+pub(crate) struct RouterUses(pub(crate) Arc<RwLock<Option<Arc<dyn LastUses>>>>);
 
 impl RouterUses {
     /// Requests the router forwards to instance `index` of `deployment` now.
@@ -527,8 +526,8 @@ impl RouterUses {
             .of(deployment)
     }
 
-    pub(crate) fn attach(&self, uses: LastUses) {
-        *self.0.write().unwrap_or_else(PoisonError::into_inner) = Some(uses);
+    pub(crate) fn attach(&self, uses: impl LastUses) {
+        *self.0.write().unwrap_or_else(PoisonError::into_inner) = Some(Arc::new(uses));
     }
 }
 
