@@ -1,12 +1,15 @@
-//! The router's interface to the lifecycle: what the router needs from it ([`Lifecycle`]), and
-//! what the lifecycle tells the router (moved here from `router/src/lifecycle.rs`, a name that
-//! was another crate's).
+//! The router and the lifecycle, as each sees the other: what the router needs from the
+//! lifecycle ([`Lifecycle`]; moved here from `router/src/lifecycle.rs`, a name that was another
+//! crate's), what the lifecycle tells and asks of the router ([`Router`]) and reads of it
+//! ([`DeploymentLoad`], [`LastUses`]), the listener's catalog ([`ModelEntry`]) and what it tells
+//! of each request ([`RequestObserver`]).
 //!
 //! The router never talks to an engine's control API. It asks the lifecycle, through
 //! [`Lifecycle`], which deployment a model name means, whether and how that deployment can be
 //! made servable, and to carry out a switch (park or stop the victims, wake or start the
-//! waiting deployment). The lifecycle in turn tells the router, through the coordinator's
-//! handle, when instances open for traffic and when they go away.
+//! waiting deployment). The lifecycle in turn tells the router, through [`Router`] (the
+//! coordinator's handle, given to it by the assembly), when instances open for traffic and when
+//! they go away.
 //!
 //! NB: the lifecycle owns instance state; the router owns queues and in-flight counts. A plan
 //! the lifecycle hands out reserves its victims inside the lifecycle, so two plans never name
@@ -14,10 +17,12 @@
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use capyctl_spec::api::Victim;
 use capyctl_spec::errors::ApiError;
+use serde::Serialize;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
@@ -199,4 +204,219 @@ pub trait Lifecycle: Send + Sync + 'static {
     /// `false` if that could not be read (the router then treats requests as cut before
     /// output).
     fn engine_idle<'a>(&'a self, instance: &'a InstanceKey) -> BoxFuture<'a, bool>;
+}
+
+/// One line of `GET /v1/models`: a deployment the inference listener serves, as the lifecycle
+/// lists it (the listener's catalog).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ModelEntry {
+    /// The name requests put in `model`.
+    pub id: String,
+    /// The deployment's ID.
+    pub deployment_id: String,
+    /// Its state as `capyctl list deployments` shows it (`ready`, `parked`, `stopped`, ...).
+    pub state: String,
+}
+
+/// One finished request, as the inference listener tells its observer (metrics, logs) once,
+/// when it ends.
+///
+/// NB (when a request "ends"): an error answer ends when it is rendered; an answer forwarded
+/// from an engine ends when the engine's answer is over or the request is cut (its permit is
+/// released then); a client that hangs up before any answer ends its request at that moment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestEvent {
+    /// The deployment its `model` named; `None` if it never got that far (bad body, unknown
+    /// model, another route).
+    pub deployment_id: Option<String>,
+    /// The body's `model`; `None` if it had none (or the route takes no body).
+    pub model: Option<String>,
+    /// The status sent to the client, or 499 (nginx's) if the client hung up before any was
+    /// sent.
+    pub status: u16,
+    /// Why it ended abnormally: a catalogue error's code (`ApiError::code`), or one of the
+    /// listener's own codes (`client_gone`, `read_stall`, ...); `None` for an answer that
+    /// ended normally (whatever the engine's status).
+    pub code: Option<&'static str>,
+    /// How long it waited for its admission (queue, switch and the in-flight bound); zero if it
+    /// never asked for one.
+    pub waited: Duration,
+    /// From its admission (its dispatch to the engine) to its end; zero if it was never
+    /// admitted.
+    pub served: Duration,
+    /// Whether the answer was a stream (`text/event-stream`).
+    pub streamed: bool,
+}
+
+/// Told about every request exactly once, when it ends. Called from the request's own task
+/// (or from the body's `Drop`): keep it short and never block.
+pub trait RequestObserver: Send + Sync + 'static {
+    /// One request ended.
+    fn finished(&self, event: &RequestEvent);
+}
+
+/// What a release the lifecycle starts answers ([`Router::release`]): the drained instances
+/// with how their requests ended, or `DrainTimeout` (they serve again).
+pub type ReleaseResult = Result<Vec<(InstanceKey, DrainReport)>, ApiError>;
+
+/// What an operator's switch answers ([`Router::operator_start`]): how it went, or the error
+/// of its plan, its drain (`DrainTimeout`: the victims serve again) or its execute.
+pub type OperatorResult = Result<OperatorStart, ApiError>;
+
+/// How an operator's switch (`start --evict`) went.
+#[derive(Debug)]
+pub enum OperatorStart {
+    /// The plan was carried out: the victims (if any) drained and released, the target's start
+    /// or wake begun (see [`SwitchOrder::operator`]).
+    Switched {
+        /// The switch's ID (from the plan).
+        switch_id: String,
+        /// What the lifecycle's execute did.
+        executed: Executed,
+    },
+    /// Nothing can be released for it now (the plan said `Later`): the operator's start waits
+    /// for memory.
+    Later,
+    /// It is ready, or already starting or waking.
+    AlreadyComing,
+}
+
+/// What [`Router::release_if_idle`] answers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IdleRelease {
+    /// Not idle (a request waits or runs, or one started or ended after the instant, or a
+    /// switch or release names it): nothing changed, it serves on.
+    InUse,
+    /// Idle: released as [`Router::release`] releases (closed, drained, forgotten), with its
+    /// answer.
+    Released(ReleaseResult),
+}
+
+/// The router's live load of one deployment (the `router` half of the load read).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeploymentLoad {
+    /// The deployment's ID.
+    pub deployment_id: DeploymentId,
+    /// Requests the router is forwarding to it now.
+    pub in_flight: usize,
+    /// The bound on `in_flight`: 32 per open instance (the router's `in_flight_per_instance`
+    /// × open instances; 32 while none is open).
+    pub in_flight_limit: usize,
+    /// Requests waiting in the router for it (to load, or for one of the in-flight slots).
+    pub waiting: usize,
+    /// The waiting limit per deployment (`max_pending_per_deployment`; 0 is no waiting).
+    pub waiting_limit: usize,
+    /// Its instances the router routes to (open) or drains (closed).
+    pub instances: Vec<InstanceLoad>,
+    /// When one of its requests last started or ended (`None`: none since the router has known
+    /// it): the one record of its last use, which the lifecycle's idle timers and
+    /// least-recently-used choice read (see [`Router::last_uses`]).
+    pub last_used: Option<Instant>,
+}
+
+/// The router's live load of one instance.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InstanceLoad {
+    /// Which instance.
+    pub key: InstanceKey,
+    /// Requests the router is forwarding to it now (`router_in_flight`).
+    pub router_in_flight: usize,
+    /// Whether it takes new requests (`false` while it drains before a park or stop).
+    pub open: bool,
+}
+
+/// Reads each deployment's last use as the router recorded it, without keeping the router
+/// alive ([`Router::last_uses`]).
+pub trait LastUses: std::fmt::Debug + Send + Sync + 'static {
+    /// When a request of `deployment` last started or ended: `None` when none did while the
+    /// router knew it (and once the router has stopped).
+    fn of(&self, deployment: &str) -> Option<Instant>;
+
+    /// Requests the router forwards to instance `index` of `deployment` now, as last
+    /// published (0 when it knows none): which of a deployment's instances is in use.
+    fn in_flight_of(&self, deployment: &str, index: u32) -> usize;
+}
+
+/// The router's published loads of every deployment, looked up in ascending order of
+/// deployment ID ([`Router::loads_in_order`]).
+pub trait LoadsInOrder: Send {
+    /// The load of `deployment` now, shared as [`Router::load_shared`]'s; `None` when the
+    /// router did not know it when the reader was made. Asked in ascending order of ID, each
+    /// look-up moves on from the last (a merge: one pass over the router's deployments for
+    /// them all).
+    fn get(&mut self, deployment: &str) -> Option<Arc<DeploymentLoad>>;
+}
+
+/// The router, as the lifecycle sees it: what the lifecycle tells it of instances and
+/// deployments, the releases it asks of it, and the load it reads. Implemented by the router's
+/// coordinator handle; the assembly (`capyctl_server::assembly`) builds the router and gives it
+/// to the lifecycle. None of the reads takes a turn of the router's task.
+pub trait Router: Send + Sync + 'static {
+    /// An instance opened for traffic: its deployment's waiting requests are released (up to
+    /// the in-flight bound).
+    fn instance_ready(&self, upstream: Upstream) -> BoxFuture<'_, ()>;
+
+    /// An instance went away (parked, stopped, crashed).
+    fn instance_gone(&self, key: InstanceKey) -> BoxFuture<'_, ()>;
+
+    /// Fails every request waiting for `deployment` with `error` (e.g. an operator stop), and
+    /// gives up a switch to it that has not begun executing.
+    fn deployment_refused(&self, deployment: DeploymentId, error: ApiError) -> BoxFuture<'_, ()>;
+
+    /// Something the lifecycle decides by changed without an instance coming or going: every
+    /// deployment waiting is planned again.
+    fn replan(&self) -> BoxFuture<'_, ()>;
+
+    /// The lifecycle deleted `deployment`: its waiting requests fail, a switch to it that has
+    /// not begun executing is given up, and the router forgets it.
+    fn forget(&self, deployment: DeploymentId) -> BoxFuture<'_, ()>;
+
+    /// A release the lifecycle starts (operator park or stop, delete): closes `victims` to new
+    /// requests, drains them within the drain timeout, forgets them and answers their
+    /// reports; on a drain timeout they serve again (`DrainTimeout`).
+    fn release(&self, victims: Vec<InstanceKey>) -> BoxFuture<'_, ReleaseResult>;
+
+    /// An operator's `start --evict` of `deployment`: a switch planned with
+    /// [`PlanFor::Operator`], drained and executed as a wave's is.
+    fn operator_start(&self, deployment: DeploymentId) -> BoxFuture<'_, OperatorResult>;
+
+    /// For idle timers: releases `deployment` (its instances `victims`) as
+    /// [`Router::release`] does, but only if the router finds it idle: nothing waits or runs,
+    /// none of its requests started or ended after `idle_since`, no switch or release names
+    /// it; else [`IdleRelease::InUse`].
+    fn release_if_idle(
+        &self,
+        deployment: DeploymentId,
+        victims: Vec<InstanceKey>,
+        idle_since: Instant,
+    ) -> BoxFuture<'_, IdleRelease>;
+
+    /// Instance `key`'s engine was sampled at `at`: `waiting` requests wait there (advice for
+    /// least-loaded routing). Never waits; `false` when the sample was dropped.
+    fn note_engine_load(&self, key: InstanceKey, waiting: usize, at: Instant) -> bool;
+
+    /// The router half of the load read: every deployment the router knows, by ID.
+    fn load(&self) -> BoxFuture<'_, Vec<DeploymentLoad>>;
+
+    /// The router half of the load read of one deployment, shared; `None` when the router does
+    /// not know it.
+    fn load_shared(&self, deployment: &str) -> Option<Arc<DeploymentLoad>>;
+
+    /// [`Router::load_shared`] of every deployment, for a read that asks in ascending order of
+    /// ID.
+    fn loads_in_order(&self) -> Box<dyn LoadsInOrder>;
+
+    /// A reader of each deployment's last use that does not keep the router alive.
+    fn last_uses(&self) -> Arc<dyn LastUses>;
+}
+
+/// A shared reader is a reader (the lifecycle keeps the one [`Router::last_uses`] gives it).
+impl<T: LastUses + ?Sized> LastUses for Arc<T> {
+    fn of(&self, deployment: &str) -> Option<Instant> {
+        (**self).of(deployment)
+    }
+
+    fn in_flight_of(&self, deployment: &str, index: u32) -> usize {
+        (**self).in_flight_of(deployment, index)
+    }
 }

@@ -20,12 +20,12 @@
 //! same victim.
 //!
 //! The server implements the router's [`Lifecycle`] and [`ManagementApi`]; it tells the router
-//! about instances through the [`CoordinatorHandle`] given to [`Server::attach_router`], and
-//! releases ready instances it parks or stops itself with [`CoordinatorHandle::release`], so
-//! that running requests always finish first (its idle timers with
-//! [`CoordinatorHandle::release_if_idle`]: the router decides, on its own state, that nothing
-//! waits, runs or came since). A request's last use is the router's record
-//! ([`CoordinatorHandle::last_uses`]), which `State::used_at` reads.
+//! about instances through the [`Router`] given to [`Server::attach_router`] (the assembly,
+//! `capyctl_server::assembly`, builds the router's coordinator), and releases ready instances it
+//! parks or stops itself with [`Router::release`], so that running requests always finish first
+//! (its idle timers with [`Router::release_if_idle`]: the router decides, on its own state, that
+//! nothing waits, runs or came since). A request's last use is the router's record
+//! ([`Router::last_uses`]), which `State::used_at` reads.
 //!
 //! This file holds the module list, the re-exports and the [`Server`] struct; `Server`'s methods
 //! live in the files named for what they do (the file map is in `lifecycle/DESIGN.md`, "Files").
@@ -52,6 +52,7 @@ mod placement;
 mod plumbing;
 mod preinitialize;
 mod reads;
+pub mod recent;
 mod release;
 mod router_api;
 mod router_link;
@@ -76,7 +77,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex, Weak};
 
 use capyctl_interfaces::agent::EngineExit;
-use capyctl_router::coordinator::CoordinatorHandle;
+use capyctl_interfaces::router::Router;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
@@ -107,7 +108,7 @@ pub struct Server {
     /// Serialises the commits (`writer.rs`); taken on the blocking pool, or by `close`.
     persist: Arc<Mutex<()>>,
     /// The router, once attached; taken by `close`.
-    router: Mutex<Option<CoordinatorHandle>>,
+    router: Mutex<Option<Arc<dyn Router>>>,
     /// The router's record of requests (set when it is attached): what the rules that read
     /// it are given (`state::Requests`).
     uses: state::RouterUses,

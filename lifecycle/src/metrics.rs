@@ -34,7 +34,7 @@ use std::fmt;
 use std::sync::RwLock;
 use std::time::Duration;
 
-use capyctl_router::recent::RecentRequests;
+use crate::recent::RecentRequests;
 use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -448,8 +448,8 @@ impl Metrics {
 
 /// The router's listener reports each request here when it ends: its real status and code.
 /// A request that never named a deployment is counted under `deployment="-"`.
-impl capyctl_router::observe::RequestObserver for Metrics {
-    fn finished(&self, event: &capyctl_router::observe::RequestEvent) {
+impl capyctl_interfaces::router::RequestObserver for Metrics {
+    fn finished(&self, event: &capyctl_interfaces::router::RequestEvent) {
         self.request(
             event.deployment_id.as_deref().unwrap_or("-"),
             event.status,

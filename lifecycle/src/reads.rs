@@ -4,7 +4,6 @@
 use std::ops::Bound;
 use std::sync::Arc;
 
-use capyctl_router::coordinator::CoordinatorHandle;
 use capyctl_spec::api::{DeploymentView, LoadReport};
 use capyctl_spec::errors::ApiError;
 
@@ -106,7 +105,7 @@ impl Server {
 
     /// The load read (`GET /metrics/load`): every deployment, or the one `key` names. Built
     /// from snapshots: of the lifecycle (see [`Server::shots`]) and of the router (each
-    /// deployment's published load, `CoordinatorHandle::load_shared`, read without a turn of
+    /// deployment's published load, `Router::load_shared`, read without a turn of
     /// its task); one deployment's read copies one deployment and looks up one router entry.
     pub(crate) fn do_load(&self, key: Option<&str>) -> Result<LoadReport, ApiError> {
         let router = self.router();
@@ -121,7 +120,7 @@ impl Server {
             None => {
                 // The router's loads in ID order, joined with the lifecycle's deployments (also
                 // in ID order) in one pass; each chunk's views are built as it is copied.
-                let mut loads = router.as_ref().map(CoordinatorHandle::loads_in_order);
+                let mut loads = router.as_ref().map(|r| r.loads_in_order());
                 let mut out = Vec::new();
                 self.shot_chunks(|chunk, hosts, total| {
                     out.reserve_exact(total.saturating_sub(out.len()));

@@ -4,9 +4,8 @@
 use std::collections::HashMap;
 
 use capyctl_interfaces::agent::ParkResult;
-use capyctl_interfaces::router::DrainReport;
+use capyctl_interfaces::router::{DrainReport, IdleRelease};
 use capyctl_interfaces::tier::{NoParkReason, ParkTier};
-use capyctl_router::coordinator::IdleRelease;
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::{Released, SwitchError, SwitchPhaseKind, Victim, VictimResult};
 use capyctl_spec::errors::ApiError;
@@ -23,7 +22,7 @@ pub(crate) enum Ask {
     /// Whatever runs drains first (an operator's command, `start --evict`).
     Always,
     /// Only if its coordinator finds the deployment idle, with no use after this instant (the
-    /// idle timers): see `CoordinatorHandle::release_if_idle`.
+    /// idle timers): see `Router::release_if_idle`.
     IfIdleSince(Instant),
 }
 

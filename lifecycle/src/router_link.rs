@@ -3,13 +3,11 @@
 //! going.
 
 use std::net::SocketAddr;
-use std::sync::PoisonError;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
-use capyctl_interfaces::router::{InstanceKey, Upstream};
-use capyctl_router::coordinator::CoordinatorHandle;
-use capyctl_router::proxy::ModelEntry;
+use capyctl_interfaces::router::{InstanceKey, ModelEntry, Router, Upstream};
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::DeploymentView;
 use tokio::time::Instant;
@@ -20,7 +18,7 @@ impl Server {
     /// Attaches the router (built by the assembly, `capyctl_server::assembly::assemble`, over
     /// this server): announces the ready instances (adopted ones) and starts the background
     /// work (idle timers, engine exits).
-    pub async fn attach_router(&self, router: CoordinatorHandle) {
+    pub async fn attach_router(&self, router: Arc<dyn Router>) {
         *self.router.lock().unwrap_or_else(PoisonError::into_inner) = Some(router.clone());
         self.uses.attach(router.last_uses());
         let ready: Vec<(InstanceKey, SocketAddr)> = self.read(|inner| {
@@ -108,7 +106,7 @@ impl Server {
         }
     }
 
-    pub(crate) fn router(&self) -> Option<CoordinatorHandle> {
+    pub(crate) fn router(&self) -> Option<Arc<dyn Router>> {
         self.router
             .lock()
             .unwrap_or_else(PoisonError::into_inner)

@@ -3,8 +3,9 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use capyctl_interfaces::router::{DrainReport, Plan, PlanFor, SwitchOrder};
-use capyctl_router::coordinator::{OperatorResult, OperatorStart};
+use capyctl_interfaces::router::{
+    DrainReport, OperatorResult, OperatorStart, Plan, PlanFor, SwitchOrder,
+};
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::{ActionReceipt, StartRequest, Victim};
 use capyctl_spec::errors::ApiError;

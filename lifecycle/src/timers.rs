@@ -6,7 +6,7 @@ use std::sync::{Arc, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use capyctl_interfaces::agent::EngineExit;
-use capyctl_router::coordinator::CoordinatorHandle;
+use capyctl_interfaces::router::Router;
 use capyctl_spec::api::SwitchCause;
 use capyctl_spec::settings::LifecycleDefaults;
 use tokio::time::Instant;
@@ -104,7 +104,7 @@ impl Server {
             return;
         }
         let Some(router) = self.router() else { return };
-        self.feed_engine_loads(&router);
+        self.feed_engine_loads(router.as_ref());
         for input in inputs {
             let load = router.load_shared(&input.deployment);
             let (in_flight, waiting) = load.as_deref().map_or((0, 0), |l| (l.in_flight, l.waiting));
@@ -181,7 +181,7 @@ impl Server {
     /// Tells the router each ready instance's engine waiting count, from its host's latest
     /// sample (with the sample's own time: the router counts a stale one as none), for the
     /// `least_loaded` choice among a deployment's instances.
-    fn feed_engine_loads(&self, router: &CoordinatorHandle) {
+    fn feed_engine_loads(&self, router: &dyn Router) {
         let feeds = self.read(State::engine_feeds);
         let (now, now_ms) = (Instant::now(), views::now_ms());
         for (key, agent, iid) in feeds {

@@ -15,9 +15,9 @@ use capyctl_interfaces::inventory::Inventory;
 use capyctl_interfaces::launch::{MaxRunning, MaxRunningInput, max_running};
 use capyctl_interfaces::load::LoadSample;
 use capyctl_interfaces::measure::{MeasureSource, Measurement};
+use capyctl_interfaces::router::DeploymentLoad;
 use capyctl_interfaces::spec::InstanceSpec;
 use capyctl_interfaces::tier::ParkTier;
-use capyctl_router::coordinator::DeploymentLoad;
 use capyctl_spec::api::{
     ConditionView, DeploymentLoadView, DeploymentView, EngineLoadView, GpuView, HostView,
     InstanceLoadView, InstanceView, MaxRunningView, MeasurementView, RouterLoadView,

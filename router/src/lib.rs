@@ -11,5 +11,4 @@ pub mod coordinator;
 mod fast_hash;
 pub mod observe;
 pub mod proxy;
-pub mod recent;
 pub mod tls;

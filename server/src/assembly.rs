@@ -178,7 +178,7 @@ pub async fn assemble(
     inference: Option<Inference>,
 ) -> Assembly {
     let router = Coordinator::spawn(lifecycle, router);
-    server.attach_router(router.clone()).await;
+    server.attach_router(Arc::new(router.clone())).await;
     let inference = inference.map(|inference| {
         // The catalog (`GET /v1/models`) is the server's models; none once the server is gone.
         let weak = Arc::downgrade(server);

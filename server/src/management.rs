@@ -762,7 +762,7 @@ async fn readyz(State(s): State<AppState>) -> Response {
 
 /// The last requests that named a model (at most 10,000), oldest first, as a trace: one JSON
 /// object a line, `at_ms` from the first one's arrival (see
-/// [`capyctl_router::recent::TraceLine`]).
+/// [`capyctl_lifecycle::recent::TraceLine`]).
 async fn request_trace(State(s): State<AppState>) -> Response {
     (
         StatusCode::OK,

@@ -6,7 +6,7 @@
 
 use std::sync::{Arc, PoisonError, RwLock};
 
-use capyctl_router::coordinator::LastUses;
+use capyctl_interfaces::router::LastUses;
 use tokio::time::Instant;
 
 /// What the router records of requests, as the rules read it.
@@ -33,7 +33,7 @@ impl Requests for NoRequests {
     }
 }
 
-impl Requests for LastUses {
+impl Requests for dyn LastUses {
     fn last_use(&self, dep: &str) -> Option<Instant> {
         self.of(dep)
     }
@@ -43,26 +43,26 @@ impl Requests for LastUses {
     }
 }
 
-/// The server's handle on the router's record ([`CoordinatorHandle::last_uses`]): one shared
+/// The server's handle on the router's record ([`Router::last_uses`]): one shared
 /// cell, set when the router is attached (`Server::attach_router`); until then nothing is
 /// recorded. Reading it takes a read lock of its own and no turn of the router's task. The
 /// server hands it to the rules that read it.
 ///
-/// [`CoordinatorHandle::last_uses`]: capyctl_router::coordinator::CoordinatorHandle::last_uses
+/// [`Router::last_uses`]: capyctl_interfaces::router::Router::last_uses
 #[derive(Debug, Clone, Default)]
-pub(crate) struct RouterUses(Arc<RwLock<Option<LastUses>>>);
+pub(crate) struct RouterUses(Arc<RwLock<Option<Arc<dyn LastUses>>>>);
 
 impl RouterUses {
     /// The router's record from now on.
-    pub(crate) fn attach(&self, uses: LastUses) {
+    pub(crate) fn attach(&self, uses: Arc<dyn LastUses>) {
         *self.0.write().unwrap_or_else(PoisonError::into_inner) = Some(uses);
     }
 
-    fn with<R>(&self, f: impl FnOnce(&LastUses) -> R) -> Option<R> {
+    fn with<R>(&self, f: impl FnOnce(&dyn LastUses) -> R) -> Option<R> {
         self.0
             .read()
             .unwrap_or_else(PoisonError::into_inner)
-            .as_ref()
+            .as_deref()
             .map(f)
     }
 }

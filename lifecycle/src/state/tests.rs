@@ -932,7 +932,7 @@ async fn the_last_use_is_the_routers_record_of_requests_or_a_later_state_change(
     let uses = RouterUses::default();
     let used_at = |inner: &State| State::used_at(&inner.deps["a"], &uses);
     assert_eq!(used_at(&inner), changed, "no router yet");
-    uses.attach(router.last_uses());
+    uses.attach(Arc::new(router.last_uses()));
     assert_eq!(used_at(&inner), changed, "no request yet");
 
     // A request's start and end, as the router records them (on its lane: no turn of its

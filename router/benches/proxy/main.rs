@@ -655,7 +655,7 @@ mod server_like {
         request_wait: Family<DeploymentLabels, Histogram, fn() -> Histogram>,
         handles: RwLock<HashMap<String, Handles>>,
         /// The ring of recent requests (`lifecycle/src/metrics.rs` keeps one too).
-        recent: capyctl_router::recent::RecentRequests,
+        recent: capyctl_lifecycle::recent::RecentRequests,
     }
 
     fn seconds_histogram() -> Histogram {
@@ -668,7 +668,7 @@ mod server_like {
                 requests: Family::default(),
                 request_wait: Family::new_with_constructor(seconds_histogram as fn() -> Histogram),
                 handles: RwLock::new(HashMap::new()),
-                recent: capyctl_router::recent::RecentRequests::default(),
+                recent: capyctl_lifecycle::recent::RecentRequests::default(),
             }
         }
     }

@@ -20,6 +20,7 @@
 //! The rules themselves are in `state` (pure functions over the state, behind an `Effects`
 //! trait); see `router/DESIGN.md` for the phases of a switch and how each rule maps to code.
 
+mod link;
 pub(crate) mod routing;
 mod state;
 #[cfg(any(test, feature = "testing"))]
@@ -43,8 +44,8 @@ use crate::admission::{Admission, Permit};
 use crate::config::RouterConfig;
 use crate::fast_hash::FastHash;
 use capyctl_interfaces::router::{
-    DeploymentId, DeploymentRef, DrainReport, Executed, InstanceKey, Lifecycle, Plan, PlanFor,
-    SwitchOrder, Upstream,
+    DeploymentId, DeploymentRef, Executed, InstanceKey, Lifecycle, Plan, PlanFor, SwitchOrder,
+    Upstream,
 };
 
 use state::{
@@ -455,42 +456,11 @@ impl LoadCell {
     }
 }
 
-/// What a lifecycle-initiated release answers: the drained instances with how their requests
-/// ended, or `DrainTimeout` (they serve again).
-pub type ReleaseResult = Result<Vec<(InstanceKey, DrainReport)>, ApiError>;
-
-/// What an operator's switch answers ([`CoordinatorHandle::operator_start`]): how it went, or
-/// the error of its plan, its drain (`DrainTimeout`: the victims serve again) or its execute.
-pub type OperatorResult = Result<OperatorStart, ApiError>;
-
-/// How an operator's switch (`start --evict`) went.
-#[derive(Debug)]
-pub enum OperatorStart {
-    /// The plan was carried out: the victims (if any) drained and released, the target's start
-    /// or wake begun (see [`capyctl_interfaces::router::SwitchOrder::operator`]).
-    Switched {
-        /// The switch's ID (from the plan).
-        switch_id: String,
-        /// What the lifecycle's execute did.
-        executed: Executed,
-    },
-    /// Nothing can be released for it now (the plan said `Later`): the operator's start waits
-    /// for memory.
-    Later,
-    /// It is ready, or already starting or waking.
-    AlreadyComing,
-}
-
-/// What [`CoordinatorHandle::release_if_idle`] answers.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum IdleRelease {
-    /// Not idle (a request waits or runs, or one started or ended after the instant, or a
-    /// switch or release names it): nothing changed, it serves on.
-    InUse,
-    /// Idle: released as [`CoordinatorHandle::release`] releases (closed, drained, forgotten),
-    /// with its answer.
-    Released(ReleaseResult),
-}
+// What the lifecycle reads and is answered (the interfaces' values): re-exported under their
+// old paths.
+pub use capyctl_interfaces::router::{
+    DeploymentLoad, IdleRelease, InstanceLoad, OperatorResult, OperatorStart, ReleaseResult,
+};
 
 /// Reads each deployment's last use as the router recorded it ([`CoordinatorHandle::last_used`])
 /// without a handle that keeps the coordinator alive. Cheap to clone.
@@ -527,39 +497,6 @@ impl LastUses {
                 .sum()
         })
     }
-}
-
-/// The router's live load of one deployment (the `router` half of the load read).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeploymentLoad {
-    /// The deployment's ID.
-    pub deployment_id: DeploymentId,
-    /// Requests the router is forwarding to it now.
-    pub in_flight: usize,
-    /// The bound on `in_flight`: 32 per open instance (`RouterConfig::in_flight_per_instance`
-    /// × open instances; 32 while none is open).
-    pub in_flight_limit: usize,
-    /// Requests waiting in the router for it (to load, or for one of the in-flight slots).
-    pub waiting: usize,
-    /// The waiting limit per deployment (`max_pending_per_deployment`; 0 is no waiting).
-    pub waiting_limit: usize,
-    /// Its instances the router routes to (open) or drains (closed).
-    pub instances: Vec<InstanceLoad>,
-    /// When one of its requests last started or ended (`None`: none since the router has known
-    /// it): the one record of its last use, which the lifecycle's idle timers and
-    /// least-recently-used choice read (see [`CoordinatorHandle::last_uses`]).
-    pub last_used: Option<Instant>,
-}
-
-/// The router's live load of one instance.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InstanceLoad {
-    /// Which instance.
-    pub key: InstanceKey,
-    /// Requests the router is forwarding to it now (`router_in_flight`).
-    pub router_in_flight: usize,
-    /// Whether it takes new requests (`false` while it drains before a park or stop).
-    pub open: bool,
 }
 
 /// Starts the switch coordinator.

@@ -129,16 +129,8 @@ impl Default for ProxyConfig {
     }
 }
 
-/// One line of `GET /v1/models`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct ModelEntry {
-    /// The name requests put in `model`.
-    pub id: String,
-    /// The deployment's ID.
-    pub deployment_id: String,
-    /// Its state as `capyctl list deployments` shows it (`ready`, `parked`, `stopped`, ...).
-    pub state: String,
-}
+/// One line of `GET /v1/models` (the lifecycle lists them: the interfaces' value).
+pub use capyctl_interfaces::router::ModelEntry;
 
 /// Lists every deployment with its state, for `GET /v1/models`. Any
 /// `Fn() -> Vec<ModelEntry>` is one.

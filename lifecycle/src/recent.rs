@@ -15,7 +15,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 
-use crate::observe::RequestEvent;
+use capyctl_interfaces::router::RequestEvent;
 
 /// How many requests the ring keeps by default.
 pub const DEFAULT_CAPACITY: usize = 10_000;
