@@ -131,7 +131,7 @@ impl Server {
 
     /// [`Server::do_load`]'s answer as the management listener sends it (its JSON, byte for
     /// byte), each deployment's view encoded as soon as it is built and then dropped: no
-    /// vector of every view, and each view is encoded while it is still in the CPU's cache.
+    /// vector of every view.
     pub(crate) fn do_load_json(&self, key: Option<&str>) -> Result<Vec<u8>, ApiError> {
         self.load_json_at(key, views::now_ms())
     }
