@@ -17,6 +17,12 @@ pub use capyctl_interfaces::BoxFuture;
 pub trait ManagementApi: Send + Sync + 'static {
     /// `GET /deployments`.
     fn list(&self) -> BoxFuture<'_, DeploymentList>;
+    /// `GET /deployments` as the listener sends it: the JSON of [`ManagementApi::list`], byte
+    /// for byte. The server writes it as it builds the views, without the whole list at once
+    /// (by default: `list` encoded).
+    fn list_json(&self) -> BoxFuture<'_, Result<Vec<u8>, ApiError>> {
+        Box::pin(async move { encoded(&self.list().await) })
+    }
     /// `POST /deployments`: deploy (or re-deploy) a document. A changed document bumps the
     /// revision; the same document again changes nothing.
     fn deploy(&self, doc: DeploymentDoc) -> BoxFuture<'_, Result<DeployReceipt, ApiError>>;
@@ -58,6 +64,15 @@ pub trait ManagementApi: Send + Sync + 'static {
         &'a self,
         deployment: Option<&'a str>,
     ) -> BoxFuture<'a, Result<LoadReport, ApiError>>;
+    /// `GET /metrics/load[?deployment=ID]` as the listener sends it: the JSON of
+    /// [`ManagementApi::load`], byte for byte (by default: `load` encoded; the server writes
+    /// each deployment's as it builds it).
+    fn load_json<'a>(
+        &'a self,
+        deployment: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<Vec<u8>, ApiError>> {
+        Box::pin(async move { encoded(&self.load(deployment).await?) })
+    }
     /// `/readyz`: whether the server has finished starting (state loaded, engines recovered).
     fn ready(&self) -> bool;
 
@@ -79,4 +94,11 @@ pub trait ManagementApi: Send + Sync + 'static {
     fn changes(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
         None
     }
+}
+
+/// `body`'s JSON, as the management listener sends it.
+fn encoded<T: serde::Serialize>(body: &T) -> Result<Vec<u8>, ApiError> {
+    serde_json::to_vec(body).map_err(|e| ApiError::Internal {
+        detail: format!("cannot serialize the answer: {e}"),
+    })
 }

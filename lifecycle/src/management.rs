@@ -42,16 +42,11 @@ impl ManagementApi for Server {
     }
 
     fn list(&self) -> crate::api::BoxFuture<'_, DeploymentList> {
-        Box::pin(async move {
-            let (shots, hosts) = self.shots();
-            let cx = views::Ctx::new(&self.config, &hosts);
-            let mut deployments: Vec<DeploymentView> = shots
-                .iter()
-                .map(|d| views::deployment_view(d, &cx))
-                .collect();
-            deployments.sort_by(|a, b| a.name.cmp(&b.name));
-            DeploymentList { deployments }
-        })
+        Box::pin(async move { self.do_list() })
+    }
+
+    fn list_json(&self) -> crate::api::BoxFuture<'_, Result<Vec<u8>, ApiError>> {
+        Box::pin(async move { self.do_list_json() })
     }
 
     fn deploy(
@@ -178,6 +173,13 @@ impl ManagementApi for Server {
         deployment: Option<&'a str>,
     ) -> crate::api::BoxFuture<'a, Result<LoadReport, ApiError>> {
         Box::pin(async move { self.do_load(deployment) })
+    }
+
+    fn load_json<'a>(
+        &'a self,
+        deployment: Option<&'a str>,
+    ) -> crate::api::BoxFuture<'a, Result<Vec<u8>, ApiError>> {
+        Box::pin(async move { self.do_load_json(deployment) })
     }
 
     fn ready(&self) -> bool {

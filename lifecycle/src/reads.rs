@@ -1,11 +1,12 @@
 //! Reads: snapshots copied under the read lock, views built outside it (`deployment get/list`,
 //! `engine list`, `hosts`, the load read).
 
-use std::ops::Bound;
+use std::ops::{Bound, Range};
 use std::sync::Arc;
 
-use capyctl_spec::api::{DeploymentView, LoadReport};
+use capyctl_spec::api::{DeploymentList, DeploymentLoadView, DeploymentView, LoadReport};
 use capyctl_spec::errors::ApiError;
+use serde::Serialize;
 
 use crate::errors::not_found;
 use crate::state::{self, Host, Hosts};
@@ -35,7 +36,14 @@ impl Server {
     /// or a switch waits for one chunk at most, never for a whole read. NB: so the copies are
     /// not of one instant; each deployment's is of one.
     pub(crate) fn shots(&self) -> (Vec<Vec<views::DepShot>>, Hosts) {
-        let mut all: Vec<Vec<views::DepShot>> = Vec::new();
+        let (all, hosts) = self.flat_shots();
+        (views::group(all), hosts)
+    }
+
+    /// [`Server::shots`] in one vector: every instance in key order, each deployment's in index
+    /// order ([`views::deployments`] yields them a deployment at a time).
+    fn flat_shots(&self) -> (Vec<views::DepShot>, Hosts) {
+        let mut all: Vec<views::DepShot> = Vec::new();
         let hosts = self.shot_chunks(|chunk, _, total| {
             all.reserve(total.saturating_sub(all.len()));
             all.append(chunk);
@@ -43,14 +51,12 @@ impl Server {
         (all, hosts)
     }
 
-    /// [`Server::shots`] a chunk at a time: `each` gets every chunk (in ID order; it may take
-    /// the copies) once the lock is let go, with the hosts and the number of instances at
-    /// the chunk's copy. A read that builds its views chunk by chunk keeps no copy of every
-    /// deployment at once. A chunk holds whole deployments: every instance of each.
-    fn shot_chunks(
-        &self,
-        mut each: impl FnMut(&mut Vec<Vec<views::DepShot>>, &Hosts, usize),
-    ) -> Hosts {
+    /// [`Server::shots`] a chunk at a time: `each` gets every chunk (in key order, each
+    /// deployment's instances in index order: [`views::deployments`]; it may take the copies)
+    /// once the lock is let go, with the hosts and the number of instances at the chunk's
+    /// copy. A read that builds its views chunk by chunk keeps no copy of every deployment at
+    /// once. A chunk holds whole deployments: every instance of each.
+    fn shot_chunks(&self, mut each: impl FnMut(&mut Vec<views::DepShot>, &Hosts, usize)) -> Hosts {
         let mut taken: Vec<views::DepShot> = Vec::with_capacity(SHOT_CHUNK);
         let mut hosts: Option<Hosts> = None;
         let mut after: Option<String> = None;
@@ -86,8 +92,9 @@ impl Server {
                 });
                 (hosts, total, it.peek().is_none())
             };
-            let mut chunk = views::group(std::mem::take(&mut taken));
-            each(&mut chunk, &hosts, total);
+            views::order_instances(&mut taken);
+            each(&mut taken, &hosts, total);
+            taken.clear();
             if last {
                 return hosts;
             }
@@ -108,36 +115,109 @@ impl Server {
     /// deployment's published load, `Router::load_shared`, read without a turn of
     /// its task); one deployment's read copies one deployment and looks up one router entry.
     pub(crate) fn do_load(&self, key: Option<&str>) -> Result<LoadReport, ApiError> {
+        self.load_at(key, views::now_ms())
+    }
+
+    /// [`Server::do_load`] at `now` (Unix ms).
+    fn load_at(&self, key: Option<&str>, now: u64) -> Result<LoadReport, ApiError> {
+        let mut deployments = Vec::new();
+        self.load_views(key, now, |v, total| {
+            deployments.reserve_exact(total.saturating_sub(deployments.len()));
+            deployments.push(v);
+        })?;
+        Ok(load_report(now, deployments))
+    }
+
+    /// [`Server::do_load`]'s answer as the management listener sends it (its JSON, byte for
+    /// byte), each deployment's view encoded as soon as it is built and then dropped: no
+    /// vector of every view.
+    pub(crate) fn do_load_json(&self, key: Option<&str>) -> Result<Vec<u8>, ApiError> {
+        self.load_json_at(key, views::now_ms())
+    }
+
+    /// [`Server::do_load_json`] at `now` (Unix ms).
+    fn load_json_at(&self, key: Option<&str>, now: u64) -> Result<Vec<u8>, ApiError> {
+        let mut body = JsonArrayBody::new(&load_report(now, Vec::new()))?;
+        self.load_views(key, now, |v, total| body.push(&v, total))?;
+        body.finish()
+    }
+
+    /// Each deployment's load view at `now` (every deployment in ID order, or the one `key`
+    /// names), handed to `each` with a bound on how many there are.
+    fn load_views(
+        &self,
+        key: Option<&str>,
+        now: u64,
+        mut each: impl FnMut(DeploymentLoadView, usize),
+    ) -> Result<(), ApiError> {
         let router = self.router();
-        let now = views::now_ms();
-        let deployments = match key {
+        match key {
             Some(k) => {
                 let (d, hosts) = self.shot(k).ok_or_else(|| not_found(k))?;
                 let load = router.as_ref().and_then(|r| r.load_shared(d[0].id()));
                 let cx = views::Ctx::new(&self.config, &hosts);
-                vec![views::load_view(&d, load.as_deref(), &cx, now)]
+                each(views::load_view(&d, load.as_deref(), &cx, now), 1);
             }
             None => {
                 // The router's loads in ID order, joined with the lifecycle's deployments (also
                 // in ID order) in one pass; each chunk's views are built as it is copied.
                 let mut loads = router.as_ref().map(|r| r.loads_in_order());
-                let mut out = Vec::new();
+                // One read's chunks share its hosts: whether any is explicit is asked once.
+                let mut explicit = None;
                 self.shot_chunks(|chunk, hosts, total| {
-                    out.reserve_exact(total.saturating_sub(out.len()));
-                    let cx = views::Ctx::new(&self.config, hosts);
-                    out.extend(chunk.iter().map(|d| {
+                    let any = *explicit.get_or_insert_with(|| views::any_host_explicit(hosts));
+                    let cx = views::Ctx::with_explicit(&self.config, hosts, any);
+                    for d in views::deployments(chunk) {
                         let load = loads.as_mut().and_then(|l| l.get(d[0].id()));
-                        views::load_view(d, load.as_deref(), &cx, now)
-                    }));
+                        each(views::load_view(d, load.as_deref(), &cx, now), total);
+                    }
                 });
-                out
             }
-        };
-        Ok(LoadReport {
-            observed_at_ms: now,
-            stale_after_ms: capyctl_spec::api::STALE_AFTER_MS,
-            deployments,
-        })
+        }
+        Ok(())
+    }
+
+    /// `GET /deployments`: every deployment's view, by name.
+    pub(crate) fn do_list(&self) -> DeploymentList {
+        let (shots, order, hosts) = self.listed();
+        let cx = views::Ctx::new(&self.config, &hosts);
+        DeploymentList {
+            deployments: order
+                .into_iter()
+                .map(|r| views::deployment_view(&shots[r], &cx))
+                .collect(),
+        }
+    }
+
+    /// [`Server::do_list`]'s answer as the management listener sends it (its JSON, byte for
+    /// byte), each view encoded as soon as it is built and then dropped (a view of the list
+    /// holds its whole document: 100,000 of them at once were a hundred megabytes).
+    pub(crate) fn do_list_json(&self) -> Result<Vec<u8>, ApiError> {
+        let (shots, order, hosts) = self.listed();
+        let cx = views::Ctx::new(&self.config, &hosts);
+        let mut body = JsonArrayBody::new(&DeploymentList {
+            deployments: Vec::new(),
+        })?;
+        let total = order.len();
+        for r in order {
+            body.push(&views::deployment_view(&shots[r], &cx), total);
+        }
+        body.finish()
+    }
+
+    /// Every deployment's snapshots ([`Server::flat_shots`]), the ranges of each deployment's
+    /// in the order the list shows them (by name), and the hosts.
+    fn listed(&self) -> (Vec<views::DepShot>, Vec<Range<usize>>, Hosts) {
+        let (shots, hosts) = self.flat_shots();
+        let mut order = Vec::new();
+        let mut at = 0;
+        for d in views::deployments(&shots) {
+            order.push(at..at + d.len());
+            at += d.len();
+        }
+        // Stable, from ID order, as the views were sorted (a name is one deployment's).
+        order.sort_by(|a, b| shots[a.start].name().cmp(shots[b.start].name()));
+        (shots, order, hosts)
     }
 
     /// What each of `hosts`' deployments hold (in the hosts' order), summed under the read lock from
@@ -154,5 +234,235 @@ impl Server {
             );
         }
         used
+    }
+}
+
+fn load_report(now: u64, deployments: Vec<DeploymentLoadView>) -> LoadReport {
+    LoadReport {
+        observed_at_ms: now,
+        stale_after_ms: capyctl_spec::api::STALE_AFTER_MS,
+        deployments,
+    }
+}
+
+/// A JSON body whose last field is an array, written an element at a time: the body's own
+/// encoding with the array empty (`…[]}`), the elements' (`serde_json`, as the listener
+/// encodes a whole body) put between the brackets. So the bytes are those of the body with
+/// the array filled, without a vector of every element.
+struct JsonArrayBody {
+    out: Vec<u8>,
+    /// `]}`: what follows the array.
+    tail: Vec<u8>,
+    /// Bytes before the first element.
+    head: usize,
+    count: usize,
+    failed: Option<serde_json::Error>,
+}
+
+impl JsonArrayBody {
+    /// After how many elements the buffer is sized for every element (from their mean).
+    const SIZED_AFTER: usize = 64;
+
+    /// Around `empty`, a body whose last field is an empty array.
+    fn new<T: Serialize>(empty: &T) -> Result<Self, ApiError> {
+        let mut out = serde_json::to_vec(empty).map_err(cannot_encode)?;
+        if !out.ends_with(b"[]}") {
+            return Err(ApiError::Internal {
+                detail: "cannot encode the answer: its last field is not an empty array"
+                    .to_string(),
+            });
+        }
+        let tail = out.split_off(out.len() - 2);
+        Ok(JsonArrayBody {
+            head: out.len(),
+            out,
+            tail,
+            count: 0,
+            failed: None,
+        })
+    }
+
+    /// Appends `item`; `total` bounds how many elements there are (to size the buffer once).
+    fn push<T: Serialize>(&mut self, item: &T, total: usize) {
+        if self.failed.is_some() {
+            return;
+        }
+        if self.count > 0 {
+            self.out.push(b',');
+        }
+        if let Err(e) = serde_json::to_writer(&mut self.out, item) {
+            self.failed = Some(e);
+            return;
+        }
+        self.count += 1;
+        if self.count == Self::SIZED_AFTER {
+            let mean = (self.out.len() - self.head) / self.count + 1;
+            self.out
+                .reserve(mean.saturating_mul(total.saturating_sub(self.count)) + self.tail.len());
+        }
+    }
+
+    fn finish(mut self) -> Result<Vec<u8>, ApiError> {
+        if let Some(e) = self.failed {
+            return Err(cannot_encode(e));
+        }
+        self.out.extend_from_slice(&self.tail);
+        Ok(self.out)
+    }
+}
+
+fn cannot_encode(e: serde_json::Error) -> ApiError {
+    ApiError::Internal {
+        detail: format!("cannot serialize the answer: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use capyctl_router::config::RouterConfig;
+    use capyctl_spec::api::StartRequest;
+    use capyctl_spec::documents::parse_deployment_str;
+
+    use crate::api::ManagementApi;
+    use crate::{LifecycleConfig, Server};
+
+    const GIB: u64 = 1 << 30;
+
+    /// `a` and `b` are the same bytes; else where they part, with a little of each.
+    fn same_bytes(a: &[u8], b: &[u8], what: &str) {
+        if a == b {
+            return;
+        }
+        let at = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+        let near = |v: &[u8]| {
+            String::from_utf8_lossy(&v[at.saturating_sub(80)..(at + 80).min(v.len())]).into_owned()
+        };
+        panic!(
+            "{what}: {} and {} bytes, apart from byte {at}:\n{}\n{}",
+            a.len(),
+            b.len(),
+            near(a),
+            near(b)
+        );
+    }
+
+    /// `json` with every `"sampled_at_ms":N` written `"sampled_at_ms":0`.
+    fn unstamped(json: &[u8]) -> Vec<u8> {
+        let key = b"\"sampled_at_ms\":";
+        let mut out = Vec::with_capacity(json.len());
+        let mut rest = json;
+        while let Some(i) = rest.windows(key.len()).position(|w| w == key) {
+            out.extend_from_slice(&rest[..i + key.len()]);
+            out.push(b'0');
+            rest = &rest[i + key.len()..];
+            let digits = rest.iter().take_while(|c| c.is_ascii_digit()).count();
+            rest = &rest[digits..];
+        }
+        out.extend_from_slice(rest);
+        out
+    }
+
+    /// The JSON the listener sends (`load_json`, `list_json`, written a view at a time) is, byte
+    /// for byte, that of the typed answers (`load`, `list`) encoded whole: over several
+    /// chunks of snapshots, deployments with up to 12 instances (whose keys sort `-1`, `-10`,
+    /// `-11`, `-2`, ...), ready, parked, stopped by the operator and never started, with the
+    /// router's loads and the host's samples.
+    #[tokio::test]
+    async fn the_encoded_reads_are_the_typed_ones_byte_for_byte() {
+        let host = Arc::new(
+            capyctl_test_support::FakeHost::new()
+                .with_gpus(16)
+                .with_gpu(64 * GIB),
+        );
+        let server = Server::open(
+            host.clone(),
+            Arc::new(crate::store::MemoryStore::default()),
+            LifecycleConfig::new("h"),
+        )
+        .await
+        .unwrap();
+        let router = capyctl_router::coordinator::Coordinator::spawn(
+            server.clone(),
+            RouterConfig::default(),
+        );
+        server.attach_router(Arc::new(router.clone())).await;
+        let n = super::SHOT_CHUNK + 80;
+        for i in 0..n {
+            let replicas = match i % 97 {
+                0 => "replicas: 12\n",
+                1 => "replicas: 3\n",
+                _ => "",
+            };
+            let text = format!(
+                "name: m-{:04}\nengine: vllm\nmodel: m\nresources: {{gpu_memory: 1GiB}}\n{replicas}",
+                (i * 7919) % 10_000
+            );
+            server
+                .deploy(parse_deployment_str("t.yaml", &text).unwrap())
+                .await
+                .unwrap();
+        }
+        let names: Vec<String> = server
+            .list()
+            .await
+            .deployments
+            .into_iter()
+            .map(|d| d.name)
+            .collect();
+        let wait = StartRequest {
+            evict: false,
+            wait: true,
+        };
+        for name in names.iter().step_by(37) {
+            server.start(name, wait).await.unwrap();
+        }
+        server.stop(&names[37]).await.unwrap();
+        server.park(&names[74]).await.unwrap();
+        let _ = server
+            .wait_for_state(
+                &names[74],
+                &[capyctl_spec::InstanceState::Parked],
+                Duration::from_secs(10),
+            )
+            .await;
+
+        // Samples for the ready instances' engines.
+        for d in server.list().await.deployments {
+            for i in d.instances {
+                host.set_engine_waiting(&i.instance_id, 3);
+            }
+        }
+
+        let typed = serde_json::to_vec(&server.list().await).unwrap();
+        same_bytes(&server.list_json().await.unwrap(), &typed, "list");
+        assert!(typed.len() > 500 * n, "{} bytes", typed.len());
+
+        let now = crate::views::now_ms();
+        for key in [None, Some(names[0].as_str()), Some(names[74].as_str())] {
+            // The simulated host stamps each sample with its clock when it is asked (during
+            // the read, not at `now`): that figure alone is left out of the comparison.
+            let typed = serde_json::to_vec(&server.load_at(key, now).unwrap()).unwrap();
+            let json = server.load_json_at(key, now).unwrap();
+            same_bytes(&unstamped(&json), &unstamped(&typed), &format!("{key:?}"));
+        }
+        let all = server.load_at(None, now).unwrap();
+        assert_eq!(all.deployments.len(), n);
+        assert!(all.deployments.iter().any(|d| d.instances.len() == 12));
+        assert!(
+            all.deployments
+                .iter()
+                .flat_map(|d| &d.instances)
+                .any(|i| i.sample.is_some())
+        );
+        // One unknown is refused the same way by both.
+        assert_eq!(
+            server.load_json(Some("no-such")).await.unwrap_err().code(),
+            server.load(Some("no-such")).await.unwrap_err().code()
+        );
     }
 }

@@ -8,8 +8,9 @@
 //!   stopped. Figures: the start (open + listeners + every deployment deployed, i.e. until
 //!   `/readyz` would answer ready; the document's parse apart), a second start on the same
 //!   directory (nothing changed), RSS after the start and after the deployments list,
-//!   full and by-ID load reads (`ManagementApi::load`, serialized to JSON as the management
-//!   listener does), and the deployments, engines and hosts lists.
+//!   full and by-ID load reads (`ManagementApi::load_json`: the JSON the management listener
+//!   sends), and the deployments, engines and hosts lists (their JSON, `list_json` for the
+//!   deployments).
 //! - **used N**: N deployments on one in-process simulated host (its engines start, park and stop at
 //!   once; every engine's address is one in-process HTTP server that answers at once), the real
 //!   coordinator and inference listener on loopback sockets. Every deployment gets one chat
@@ -386,14 +387,14 @@ fn name(i: usize) -> String {
     format!("model-{i:05}")
 }
 
-/// Full load reads (serialized, as the management listener does) and reads by ID, timed.
+/// Full load reads (their JSON, as the management listener sends it: `load_json`) and reads by
+/// ID, timed.
 async fn load_reads(api: &dyn ManagementApi, n: usize, reads: usize, f: &mut Figures) {
     let mut full = Vec::with_capacity(reads);
     let cpu0 = cpu_time();
     for _ in 0..reads {
         let t = Instant::now();
-        let r = api.load(None).await.unwrap();
-        let body = serde_json::to_vec(&r).unwrap();
+        let body = api.load_json(None).await.unwrap();
         std::hint::black_box(body);
         full.push(t.elapsed());
     }
@@ -408,8 +409,7 @@ async fn load_reads(api: &dyn ManagementApi, n: usize, reads: usize, f: &mut Fig
     for i in 0..500 {
         let key = name((i * 7919) % n);
         let t = Instant::now();
-        let r = api.load(Some(&key)).await.unwrap();
-        let body = serde_json::to_vec(&r).unwrap();
+        let body = api.load_json(Some(&key)).await.unwrap();
         std::hint::black_box(body);
         by_id.push(t.elapsed());
     }
@@ -418,17 +418,17 @@ async fn load_reads(api: &dyn ManagementApi, n: usize, reads: usize, f: &mut Fig
     f.insert("by_id_p99_ms".into(), p99);
 }
 
-/// The three lists, timed (serialized); the RSS after the deployments list.
+/// The three lists, timed (their JSON, as the listener sends it); the RSS after the deployments
+/// list.
 async fn lists(api: &dyn ManagementApi, f: &mut Figures) {
     let t = Instant::now();
-    let l = api.list().await;
-    let body = serde_json::to_vec(&l).unwrap();
+    let body = api.list_json().await.unwrap();
     f.insert("list_ms".into(), ms(t.elapsed()));
     f.insert("list_bytes".into(), body.len() as f64);
     let (rss, hwm) = rss_mb();
     f.insert("rss_mb".into(), rss);
     f.insert("hwm_mb".into(), hwm);
-    drop((l, body));
+    drop(body);
     let t = Instant::now();
     let e = api.engines().await;
     std::hint::black_box(serde_json::to_vec(&e).unwrap());
@@ -687,8 +687,7 @@ async fn used_case(n: usize, reads: usize) -> Figures {
         let polling = polling.clone();
         tokio::spawn(async move {
             while polling.load(Ordering::Relaxed) {
-                let r = server.load(None).await.unwrap();
-                std::hint::black_box(serde_json::to_vec(&r).unwrap());
+                std::hint::black_box(server.load_json(None).await.unwrap());
                 tokio::task::yield_now().await;
             }
         })
@@ -722,8 +721,7 @@ async fn hosts_case(hosts: usize, n: usize, reads: usize, latency_ms: f64) -> Fi
     let mut full = Vec::new();
     for _ in 0..reads.min(10) {
         let t = Instant::now();
-        let r = api.load(None).await.unwrap();
-        std::hint::black_box(serde_json::to_vec(&r).unwrap());
+        std::hint::black_box(api.load_json(None).await.unwrap());
         full.push(t.elapsed());
     }
     f.insert("load_p50_ms".into(), percentiles(full).0);

@@ -429,7 +429,20 @@ async fn to_the_end<T: Send + 'static>(
 }
 
 async fn list(State(s): State<AppState>) -> Response {
-    json(StatusCode::OK, &s.api.list().await)
+    encoded(s.api.list_json().await)
+}
+
+/// A body the API encoded itself (`list_json`, `load_json`): 200 with it, or the error.
+fn encoded(body: Result<Vec<u8>, ApiError>) -> Response {
+    match body {
+        Ok(bytes) => (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "application/json")],
+            Bytes::from(bytes),
+        )
+            .into_response(),
+        Err(e) => error(e),
+    }
 }
 
 async fn deploy(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
@@ -708,19 +721,9 @@ fn percent_decode(s: &str) -> Result<String, String> {
     String::from_utf8(out).map_err(|_| format!("the query is not UTF-8 once decoded: {s:?}"))
 }
 
-/// About what one deployment's entry of the load read takes in JSON (some 400 to 550 bytes),
-/// to size the answer's buffer once.
-const LOAD_JSON_BYTES_PER_DEPLOYMENT: usize = 576;
-
 async fn load(State(s): State<AppState>, RawQuery(raw): RawQuery) -> Response {
     match load_query(raw.as_deref()) {
-        Ok(deployment) => match s.api.load(deployment.as_deref()).await {
-            Ok(report) => {
-                let capacity = LOAD_JSON_BYTES_PER_DEPLOYMENT * report.deployments.len() + 128;
-                json_sized(StatusCode::OK, &report, capacity)
-            }
-            Err(e) => error(e),
-        },
+        Ok(deployment) => encoded(s.api.load_json(deployment.as_deref()).await),
         Err(detail) => invalid(detail),
     }
 }
