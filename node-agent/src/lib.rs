@@ -35,17 +35,19 @@ pub mod fuzz;
 pub mod http;
 #[cfg(feature = "kubernetes")]
 pub mod k8s;
+pub mod load;
 pub mod process;
 pub mod recovery;
 pub mod remote;
 pub mod runtime;
 pub mod sim_host;
+pub mod verify;
 
 pub use agent::{AgentConfig, EngineExit, HostAgent, LocalHostAgent};
 // The values and pure decisions shared with the lifecycle (`capyctl-interfaces`), under the
 // paths they always had here.
 pub use capyctl_interfaces::{
-    capability, checkpoint, error, inventory, launch, load, measure, spec, tier, verify,
+    capability, checkpoint, error, inventory, launch, measure, spec, tier,
 };
 pub use error::AgentError;
 pub use remote::RemoteHostAgent;
