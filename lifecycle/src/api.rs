@@ -97,7 +97,7 @@ pub trait ManagementApi: Send + Sync + 'static {
 }
 
 /// `body`'s JSON, as the management listener sends it.
-fn encoded<T: serde::Serialize>(body: &T) -> Result<Vec<u8>, ApiError> {
+pub fn encoded<T: serde::Serialize>(body: &T) -> Result<Vec<u8>, ApiError> {
     serde_json::to_vec(body).map_err(|e| ApiError::Internal {
         detail: format!("cannot serialize the answer: {e}"),
     })

@@ -404,6 +404,10 @@ impl ManagementApi for ObservedApi {
         self.inner.list()
     }
 
+    fn list_json(&self) -> BoxFuture<'_, Result<Vec<u8>, ApiError>> {
+        self.inner.list_json()
+    }
+
     fn deploy(&self, doc: DeploymentDoc) -> BoxFuture<'_, Result<DeployReceipt, ApiError>> {
         self.inner.deploy(doc)
     }
@@ -467,6 +471,13 @@ impl ManagementApi for ObservedApi {
         deployment: Option<&'a str>,
     ) -> BoxFuture<'a, Result<LoadReport, ApiError>> {
         self.inner.load(deployment)
+    }
+
+    fn load_json<'a>(
+        &'a self,
+        deployment: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<Vec<u8>, ApiError>> {
+        self.inner.load_json(deployment)
     }
 
     fn ready(&self) -> bool {

@@ -417,6 +417,18 @@ impl ManagementApi for SwitchableApi {
         })
     }
 
+    fn list_json(&self) -> BoxFuture<'_, Result<Vec<u8>, ApiError>> {
+        let api = self.current();
+        Box::pin(async move {
+            match api {
+                Some(a) => a.list_json().await,
+                None => capyctl_lifecycle::api::encoded(&DeploymentList {
+                    deployments: Vec::new(),
+                }),
+            }
+        })
+    }
+
     fn deploy(&self, doc: DeploymentDoc) -> BoxFuture<'_, Result<DeployReceipt, ApiError>> {
         let held = self.changes_allowed();
         Box::pin(async move {
@@ -533,6 +545,14 @@ impl ManagementApi for SwitchableApi {
     ) -> BoxFuture<'a, Result<LoadReport, ApiError>> {
         let api = self.current();
         Box::pin(async move { api.ok_or_else(standby_error)?.load(deployment).await })
+    }
+
+    fn load_json<'a>(
+        &'a self,
+        deployment: Option<&'a str>,
+    ) -> BoxFuture<'a, Result<Vec<u8>, ApiError>> {
+        let api = self.current();
+        Box::pin(async move { api.ok_or_else(standby_error)?.load_json(deployment).await })
     }
 
     fn ready(&self) -> bool {
