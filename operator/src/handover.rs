@@ -17,7 +17,8 @@
 //! - it stays ready and labelled, and answers every request on the inference port that its
 //!   router no longer takes ([`serve_unavailable`]): 503 `unavailable`, the product page's
 //!   retryable error with its JSON body and `Retry-After: 1`, "this replica is handing over
-//!   the router to the next leader; retry shortly". It answers on the inference port's own
+//!   the router to the next leader; retry shortly" (over TLS when the port has
+//!   `server.listen.tls`). It answers on the inference port's own
 //!   listening socket, which the router's listener gives back when it stops accepting
 //!   ([`serve_unavailable_given_back`]): the port is never closed, so no connection is
 //!   refused in between. Requests its router already holds are answered as before (their
