@@ -17,7 +17,8 @@
 //! - it stays ready and labelled, and answers every request on the inference port that its
 //!   router no longer takes ([`serve_unavailable`]): 503 `unavailable`, the product page's
 //!   retryable error with its JSON body and `Retry-After: 1`, "this replica is handing over
-//!   the router to the next leader; retry shortly". It answers on the inference port's own
+//!   the router to the next leader; retry shortly" (over TLS when the port has
+//!   `server.listen.tls`). It answers on the inference port's own
 //!   listening socket, which the router's listener gives back when it stops accepting
 //!   ([`serve_unavailable_given_back`]): the port is never closed, so no connection is
 //!   refused in between. Requests its router already holds are answered as before (their
@@ -30,14 +31,15 @@
 //! rule is ever written for it, so none is replaced. A standby is not selected at all (it
 //! carries no label; selecting it would send it part of the traffic in steady state).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use capyctl_spec::errors::ApiError;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::ListParams;
 use kube::{Api, ResourceExt};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpListener;
 use tokio::sync::{oneshot, watch};
 
 /// The longest a stopping leader waits for the next one's label after releasing the Lease.
@@ -73,6 +75,7 @@ pub fn handing_over() -> ApiError {
 pub async fn serve_unavailable_given_back(
     given_back: oneshot::Receiver<std::net::TcpListener>,
     error: ApiError,
+    tls: Option<Arc<rustls::ServerConfig>>,
     stop: watch::Receiver<bool>,
 ) {
     let listener = match given_back.await.map(TcpListener::from_std) {
@@ -88,11 +91,12 @@ pub async fn serve_unavailable_given_back(
             return;
         }
     };
-    serve_unavailable(listener, error, stop).await
+    serve_unavailable(listener, error, tls, stop).await
 }
 
 /// Answers every connection on `listener` with `error` (its status, JSON body and
-/// `Retry-After`, `Connection: close`) until `stop` turns `true`. Each connection's head is
+/// `Retry-After`, `Connection: close`) until `stop` turns `true`; over TLS with `tls` (the
+/// inference listener's `server.listen.tls`: its clients speak HTTPS to the port). Each connection's head is
 /// read first (at most [`MAX_HEAD`] bytes, within [`CONN_TIMEOUT`]); after the answer the
 /// connection is closed for writing and what the client still sends is read and dropped
 /// (within [`CONN_TIMEOUT`]), so that an unread body does not reset the connection before
@@ -100,9 +104,11 @@ pub async fn serve_unavailable_given_back(
 pub async fn serve_unavailable(
     listener: TcpListener,
     error: ApiError,
+    tls: Option<Arc<rustls::ServerConfig>>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let answer = std::sync::Arc::new(response(&error));
+    let answer = Arc::new(response(&error));
+    let tls = tls.map(tokio_rustls::TlsAcceptor::from);
     loop {
         let accepted = tokio::select! {
             a = listener.accept() => a,
@@ -110,10 +116,18 @@ pub async fn serve_unavailable(
         };
         match accepted {
             Ok((stream, _)) => {
-                let answer = answer.clone();
+                let (answer, tls) = (answer.clone(), tls.clone());
                 tokio::spawn(async move {
-                    let _ =
-                        tokio::time::timeout(2 * CONN_TIMEOUT, answer_one(stream, &answer)).await;
+                    let Some(tls) = tls else {
+                        let _ = tokio::time::timeout(2 * CONN_TIMEOUT, answer_one(stream, &answer))
+                            .await;
+                        return;
+                    };
+                    // The handshake is bounded by its own timeout.
+                    if let Some(stream) = capyctl_router::tls::handshake(&tls, stream).await {
+                        let _ = tokio::time::timeout(2 * CONN_TIMEOUT, answer_one(stream, &answer))
+                            .await;
+                    }
                 });
             }
             Err(e) => {
@@ -144,7 +158,10 @@ pub fn response(error: &ApiError) -> Vec<u8> {
     out
 }
 
-async fn answer_one(mut stream: TcpStream, answer: &[u8]) -> std::io::Result<()> {
+async fn answer_one<S>(mut stream: S, answer: &[u8]) -> std::io::Result<()>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
     let mut buf = vec![0u8; 4096];
     let mut head = Vec::new();
     let read_head = async {
@@ -215,6 +232,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+    use tokio::net::TcpStream;
 
     fn pod(name: &str, leader: bool, ready: bool, deleting: bool) -> Pod {
         let mut v = serde_json::json!({
@@ -352,7 +370,6 @@ mod tests {
     /// connections served on the caller's runtime and on threads of its own.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn connections_across_the_handover_are_all_answered() {
-        use std::sync::Arc;
         use std::sync::atomic::{AtomicBool, Ordering};
         const EACH: usize = 200;
         const CLIENTS: usize = 4;
@@ -376,8 +393,12 @@ mod tests {
                 give_back,
             ));
             let (stop_503, rx) = watch::channel(false);
-            let handing_over =
-                tokio::spawn(serve_unavailable_given_back(given_back, handing_over(), rx));
+            let handing_over = tokio::spawn(serve_unavailable_given_back(
+                given_back,
+                handing_over(),
+                None,
+                rx,
+            ));
 
             let done = Arc::new(AtomicBool::new(false));
             let (results, mut outcomes) = tokio::sync::mpsc::unbounded_channel();
@@ -427,6 +448,55 @@ mod tests {
         }
     }
 
+    /// With `server.listen.tls` the inference port speaks HTTPS, and so does its 503 while
+    /// handing over: a TLS client (trusting the test CA) gets the page's 503.
+    #[tokio::test]
+    async fn the_503_is_answered_over_tls_when_the_inference_port_has_it() {
+        use rustls::pki_types::pem::PemObject;
+        let fixture = |name: &str| {
+            std::path::PathBuf::from(format!(
+                "{}/../spec/tests/fixtures/tls/{name}",
+                env!("CARGO_MANIFEST_DIR")
+            ))
+        };
+        let tls =
+            capyctl_router::tls::server_config(&fixture("server.crt"), &fixture("server.key"))
+                .unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, rx) = watch::channel(false);
+        let served = tokio::spawn(serve_unavailable(listener, handing_over(), Some(tls), rx));
+
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in rustls::pki_types::CertificateDer::pem_file_iter(fixture("ca.crt")).unwrap() {
+            roots.add(cert.unwrap()).unwrap();
+        }
+        let client = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        let connector = tokio_rustls::TlsConnector::from(Arc::new(client));
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+        let mut s = connector.connect(name, tcp).await.unwrap();
+        s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            .await
+            .unwrap();
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).await.unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(
+            text.starts_with("HTTP/1.1 503 Service Unavailable\r\n"),
+            "{text}"
+        );
+        assert!(text.contains("\"code\":\"unavailable\""), "{text}");
+        stop.send_replace(true);
+        served.await.unwrap();
+    }
+
     /// A client of a stopping leader's inference port gets the page's 503 with its JSON body,
     /// whole, even when it sent a body that is never read.
     #[tokio::test]
@@ -434,7 +504,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, rx) = watch::channel(false);
-        let served = tokio::spawn(serve_unavailable(listener, handing_over(), rx));
+        let served = tokio::spawn(serve_unavailable(listener, handing_over(), None, rx));
         let body = format!(
             r#"{{"model":"chat-b","messages":[],"pad":"{}"}}"#,
             "x".repeat(200_000)

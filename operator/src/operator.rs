@@ -1034,6 +1034,7 @@ pub async fn lead(
         tokio::spawn(super::handover::serve_unavailable_given_back(
             given_back,
             super::handover::handing_over(),
+            options.tls.clone(),
             handed_over,
         ));
     }
