@@ -1,7 +1,7 @@
 //! The model names the router resolves, cached so that the request path takes no lock of the
 //! lifecycle's.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 
@@ -29,9 +29,23 @@ pub(crate) struct NameCache {
 pub(crate) struct Names {
     /// The lifecycle's change counter, as of the last time the names not found were forgotten.
     pub(crate) seen: watch::Receiver<u64>,
-    /// By name: its deployment, or `None`: not found (as of `seen`).
-    pub(crate) by_name: HashMap<String, Option<Named>>,
+    /// By name: its deployment (good until that is gone).
+    pub(crate) found: HashMap<String, Named>,
+    /// The names not found, as of `seen` (at most [`NOT_FOUND_KEPT`]): the only entries a
+    /// change of the state makes stale, kept apart so that forgetting them costs what they
+    /// are, not every name (each first look-up of a name follows a change when each model is
+    /// used once: a sweep of every name there cost N² for N models).
+    pub(crate) not_found: HashSet<String>,
+    /// How many names `found` held after its entries whose deployment is gone were last let
+    /// go: they are let go again once it holds twice as many (an entry found gone when its
+    /// name is looked up is replaced then), so the cache stays within twice the names in use
+    /// at a cost of O(1) per look-up, amortized.
+    pub(crate) swept_at: usize,
 }
+
+/// The fewest names [`Names::found`] holds before its entries whose deployment is gone are let
+/// go.
+const SWEEP_FROM: usize = 1024;
 
 /// A name's deployment, and whether that deployment is gone.
 #[derive(Clone)]
@@ -63,7 +77,9 @@ impl NameCache {
         NameCache {
             names: RwLock::new(Names {
                 seen,
-                by_name: HashMap::new(),
+                found: HashMap::new(),
+                not_found: HashSet::new(),
+                swept_at: 0,
             }),
         }
     }
@@ -77,25 +93,119 @@ impl NameCache {
     ) -> Option<DeploymentRef> {
         {
             let names = self.names.read().unwrap_or_else(PoisonError::into_inner);
-            match names.by_name.get(model) {
-                Some(Some(n)) if !n.gone() => return Some(n.deployment.clone()),
-                Some(None) if !names.seen.has_changed().unwrap_or(true) => return None,
-                _ => {}
+            if let Some(n) = names.found.get(model).filter(|n| !n.gone()) {
+                return Some(n.deployment.clone());
+            }
+            if names.not_found.contains(model) && !names.seen.has_changed().unwrap_or(true) {
+                return None;
             }
         }
         let mut names = self.names.write().unwrap_or_else(PoisonError::into_inner);
         if names.seen.has_changed().unwrap_or(true) {
             // Marked first: a change during the look-up below makes the next one look again.
             names.seen.borrow_and_update();
-            names
-                .by_name
-                .retain(|_, n| n.as_ref().is_some_and(|n| !n.gone()));
+            names.not_found.clear();
         }
         let found = look_up();
-        if found.is_none() && names.by_name.len() >= NOT_FOUND_KEPT {
-            names.by_name.retain(|_, n| n.is_some());
+        match &found {
+            Some(n) => {
+                names.not_found.remove(model);
+                if names.found.len() >= (2 * names.swept_at).max(SWEEP_FROM) {
+                    names.found.retain(|_, n| !n.gone());
+                    names.swept_at = names.found.len();
+                }
+                names.found.insert(model.to_string(), n.clone());
+            }
+            None => {
+                names.found.remove(model);
+                if names.not_found.len() >= NOT_FOUND_KEPT {
+                    names.not_found.clear();
+                }
+                names.not_found.insert(model.to_string());
+            }
         }
-        names.by_name.insert(model.to_string(), found.clone());
         found.map(|n| n.deployment)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn named(name: &str) -> Named {
+        Named {
+            deployment: DeploymentRef {
+                id: format!("id-{name}"),
+                name: name.to_string(),
+                routing: capyctl_spec::Routing::default(),
+            },
+            gone: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    #[test]
+    fn a_name_not_found_is_looked_up_again_only_after_a_change_and_a_gone_one_at_once() {
+        let (changes, seen) = watch::channel(0u64);
+        let cache = NameCache::new(seen);
+        let looks = std::cell::Cell::new(0);
+        let get = |name: &str, answer: Option<Named>| {
+            cache.get(name, || {
+                looks.set(looks.get() + 1);
+                answer
+            })
+        };
+        assert!(get("a", None).is_none());
+        assert!(get("a", None).is_none());
+        assert_eq!(looks.get(), 1, "not found: kept until a change");
+        changes.send_modify(|n| *n += 1);
+        let a = named("a");
+        assert_eq!(get("a", Some(a.clone())).unwrap().name, "a");
+        assert_eq!(get("a", None).unwrap().name, "a");
+        assert_eq!(looks.get(), 2, "found: kept across changes");
+        changes.send_modify(|n| *n += 1);
+        assert_eq!(get("a", None).unwrap().name, "a");
+        assert_eq!(looks.get(), 2);
+        // Its deployment dropped: looked up again at once, with no change seen.
+        a.gone.store(true, Ordering::Release);
+        assert!(get("a", None).is_none());
+        assert_eq!(looks.get(), 3);
+        assert!(get("a", None).is_none());
+        assert_eq!(looks.get(), 3);
+    }
+
+    #[test]
+    fn the_cache_lets_go_of_the_gone_and_keeps_few_names_not_found() {
+        let (changes, seen) = watch::channel(0u64);
+        let cache = NameCache::new(seen);
+        // Many names found, each after a change (each model used once), then all dropped.
+        let mut all = Vec::new();
+        for i in 0..(4 * SWEEP_FROM) {
+            changes.send_modify(|n| *n += 1);
+            let n = named(&format!("m{i}"));
+            cache.get(&format!("m{i}"), || Some(n.clone()));
+            all.push(n);
+        }
+        for n in &all {
+            n.gone.store(true, Ordering::Release);
+        }
+        for i in 0..(2 * SWEEP_FROM) {
+            let n = named(&format!("new{i}"));
+            cache.get(&format!("new{i}"), || Some(n));
+        }
+        let names = cache.names.read().unwrap();
+        let live = names.found.values().filter(|n| !n.gone()).count();
+        assert_eq!(live, 2 * SWEEP_FROM);
+        assert!(
+            names.found.len() <= 2 * live,
+            "{} names kept for {live} in use",
+            names.found.len()
+        );
+        drop(names);
+        for i in 0..(NOT_FOUND_KEPT + 10) {
+            cache.get(&format!("nobody{i}"), || None);
+        }
+        assert!(cache.names.read().unwrap().not_found.len() <= NOT_FOUND_KEPT);
     }
 }
