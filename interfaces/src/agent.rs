@@ -54,7 +54,8 @@ pub enum ParkResult {
         tier: ParkTier,
         /// The GPU memory the parked engine still holds (CUDA context, graphs, pools; the
         /// weights too for a KV-only park): the probe's reading of the engine's processes,
-        /// else an estimate ([`parked_estimate`]); `None` when neither is known.
+        /// else an estimate (`capyctl_engine_rules::parked::parked_estimate`); `None` when
+        /// neither is known.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         gpu_held: Option<GpuHeld>,
     },

@@ -1,16 +1,17 @@
-//! What the lifecycle, the router and the host agents share, with nothing of how either runs (no HTTP, no
-//! command line, no TLS, no Kubernetes): the lifecycle depends on this crate, not on the node
-//! agent.
+//! The traits between the lifecycle, the router and the host agents ([`HostAgent`],
+//! [`router::Lifecycle`], [`router::Router`]), their values and one [`BoxFuture`], with nothing
+//! of how either side runs (no HTTP, no command line, no TLS, no Kubernetes): the lifecycle
+//! depends on this crate, not on the node agent or the router.
 //!
 //! - [`agent`]: the [`HostAgent`] trait the lifecycle calls, what its calls answer, and
 //!   [`BoxFuture`];
 //! - [`spec`]: what an instance is started from ([`spec::InstanceSpec`]) and the host's
 //!   settings;
-//! - [`inventory`]: GPUs and host RAM (and the NVML probe, feature `nvml`);
-//! - [`measure`], [`checkpoint`]: weights and GPU memory;
-//! - [`tier`]: how a model parks (host RAM, deep, KV-only) or why it stops instead;
-//! - [`launch`]: the engine's command line and its request bound (`max_running`);
-//! - [`capability`]: what an engine can do, and the models it cannot wake correctly;
+//! - [`inventory`]: GPUs and host RAM;
+//! - [`measure`]: weights and GPU memory, and what a parked engine still holds;
+//! - [`tier`]: where a park goes (host RAM, deep, KV-only) or why a model stops instead;
+//! - [`launch`]: how many requests an engine runs at once (`max_running`) and whence;
+//! - [`capability`]: the `engine list` rows;
 //! - [`verify`]: the first answer and wake outcomes;
 //! - [`load`]: load samples;
 //! - [`error`]: the errors ([`AgentError`]);
@@ -18,12 +19,14 @@
 //! - [`router`]: the router's interface to the lifecycle ([`router::Lifecycle`]: what the
 //!   router asks of it, and the plans, orders and instances they exchange).
 //!
-//! The pure decisions (tier choice, the bound, measurement) live beside the values they decide
-//! on: the lifecycle takes the same ones when it plans (placement, the parked set's room).
+//! Values only, with their accessors and conversions: no decision and no probe. The rules the
+//! lifecycle and the node agent both take (the tier rule and the refusal table, `max_running`,
+//! the parked estimate) are `capyctl-engine-rules`'; what only the node agent does (the launch
+//! command, measurement, checkpoint parsing, the NVML and `/proc` probes, wake checks, metrics
+//! parsing) is `capyctl-node-agent`'s.
 
 pub mod agent;
 pub mod capability;
-pub mod checkpoint;
 pub mod error;
 pub mod interned;
 pub mod inventory;

@@ -237,6 +237,3 @@ impl From<&capyctl_spec::settings::HostConfig> for HostSettings {
         }
     }
 }
-
-/// A flag in `args`: alone or as `flag=value`, and its value (the last one wins).
-pub use capyctl_spec::engine_args::{flag_value, has_flag};

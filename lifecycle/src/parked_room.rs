@@ -3,15 +3,17 @@
 //! used first), or `parked_capacity` when only copies never stopped for room stand in the way.
 //!
 //! Whether a model parks at all, whether its park goes to host RAM, and how much host RAM the
-//! copies may use are the host agent's rules (`capyctl_interfaces::tier`: [`never_parks`],
+//! copies may use are the engine rules (`capyctl_engine_rules::tier`: [`never_parks`],
 //! [`tier_rule`], [`host_ram_for_copies`]); this module only reads them.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Mutex, PoisonError};
 
+use capyctl_engine_rules::tier::{
+    TierInput, TierRule, host_ram_for_copies, never_parks, tier_rule,
+};
 use capyctl_interfaces::inventory::HostMemory;
 use capyctl_interfaces::spec::InstanceSpec;
-use capyctl_interfaces::tier::{TierInput, TierRule, host_ram_for_copies, never_parks, tier_rule};
 use tokio::time::Instant;
 
 /// The copy a park is about to make.

@@ -299,7 +299,7 @@ impl Dep {
         if !self.parks() {
             return 0;
         }
-        capyctl_interfaces::measure::parked_estimate(
+        capyctl_engine_rules::parked::parked_estimate(
             self.measurement.weights_bytes(),
             self.spec.speculative(),
             self.spec.tensor_parallel.unwrap_or(1),

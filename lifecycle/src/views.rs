@@ -11,8 +11,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use capyctl_engine_rules::max_running::{MaxRunningInput, max_running};
 use capyctl_interfaces::inventory::Inventory;
-use capyctl_interfaces::launch::{MaxRunning, MaxRunningInput, max_running};
+use capyctl_interfaces::launch::MaxRunning;
 use capyctl_interfaces::load::LoadSample;
 use capyctl_interfaces::measure::{MeasureSource, Measurement};
 use capyctl_interfaces::router::DeploymentLoad;

@@ -34,9 +34,9 @@ pub use capyctl_interfaces::agent::{
 };
 
 use crate::capability::{EngineInfo, RefusalRow, engine_info, refusal_for};
-use crate::checkpoint::ModelFacts;
+use crate::checkpoint::{ModelFacts, ReadFacts};
 use crate::driver::{Driver, DriverTimeouts, Endpoint};
-use crate::error::AgentError;
+use crate::error::{AgentError, StartFailure};
 use crate::inventory::{GpuProbe, Inventory, inventory};
 use crate::launch::{MaxRunningInput, max_running};
 use crate::load::LoadSample;

@@ -6,7 +6,10 @@
 //!   and the `engine list` rows;
 //! - [`driver`]: readiness, park and wake sequences, the check prompt, load scrapes;
 //! - [`verify`]: the first answer, wake comparison and outcomes;
-//! - [`measure`], [`checkpoint`], [`inventory`]: weights and GPU memory, GPUs and host RAM;
+//! - [`measure`], [`checkpoint`], [`inventory`]: weights and GPU memory, GPUs and host RAM
+//!   (the NVML and `/proc` probes);
+//! - [`error`]: [`AgentError`], and the engine's own error line in a failed start;
+//! - [`spec`]: what an instance is started from and the host's settings;
 //! - [`load`]: load samples from the engines' metrics;
 //! - [`runtime`]: the [`EngineRuntime`](runtime::EngineRuntime) seam between the agent and how
 //!   engines run;
@@ -24,31 +27,37 @@
 //! the host agent as a library, with no kube in its dependency tree (the lifecycle uses it so).
 //!
 //! Pure decisions (launch arguments, tier, refusals, `max_running`, comparisons) are plain
-//! functions tested without processes; the rest is tested against the engine simulator.
+//! functions tested without processes; the rest is tested against the engine simulator. The
+//! values the lifecycle shares (`capyctl-interfaces`) and the rules it takes too
+//! (`capyctl-engine-rules`: tier, refusals, `max_running`, the parked estimate) are re-exported
+//! in these modules under the paths they always had here.
 
 pub mod agent;
+pub mod capability;
+pub mod checkpoint;
 #[cfg(feature = "kubernetes")]
 pub mod cli;
 pub mod driver;
+pub mod error;
 #[doc(hidden)]
 pub mod fuzz;
 pub mod http;
+pub mod inventory;
 #[cfg(feature = "kubernetes")]
 pub mod k8s;
+pub mod launch;
 pub mod load;
+pub mod measure;
 pub mod process;
 pub mod recovery;
 pub mod remote;
 pub mod runtime;
 pub mod sim_host;
+pub mod spec;
+pub mod tier;
 pub mod verify;
 
 pub use agent::{AgentConfig, EngineExit, HostAgent, LocalHostAgent};
-// The values and pure decisions shared with the lifecycle (`capyctl-interfaces`), under the
-// paths they always had here.
-pub use capyctl_interfaces::{
-    capability, checkpoint, error, inventory, launch, measure, spec, tier,
-};
 pub use error::AgentError;
 pub use remote::RemoteHostAgent;
 pub use sim_host::SimHost;

@@ -6,7 +6,7 @@ mod common;
 
 use capyctl_node_agent::AgentError;
 use capyctl_node_agent::capability::{DeepPark, REFUSALS, engine_info, refusal_for};
-use capyctl_node_agent::checkpoint::{ModelFacts, checkpoint_size};
+use capyctl_node_agent::checkpoint::{ModelFacts, ReadFacts, checkpoint_size};
 use capyctl_node_agent::inventory::{HostMemory, parse_meminfo};
 use capyctl_node_agent::launch::{
     MaxRunning, MaxRunningInput, MaxRunningSource, launch_command, max_running,

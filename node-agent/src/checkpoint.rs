@@ -13,6 +13,10 @@ use serde_json::Value;
 
 use crate::error::AgentError;
 
+/// What the capability table matches a model on (`capyctl_engine_rules::capability`'s), read
+/// here from a checkpoint ([`ReadFacts`]).
+pub use capyctl_engine_rules::capability::ModelFacts;
+
 /// The largest header accepted (the safetensors format caps it at 100 MB).
 const MAX_HEADER_BYTES: u64 = 100_000_000;
 
@@ -179,26 +183,6 @@ pub fn checkpoint_size(dir: &Path) -> Result<Option<CheckpointSize>, AgentError>
     Ok(Some(total))
 }
 
-/// What the capability table matches a model on: its name and, for a local checkpoint, what its
-/// configs say.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ModelFacts {
-    /// The model argument (hub name or path), as given.
-    pub model: String,
-    /// `quant_algo` from `hf_quant_config.json` (`quantization.quant_algo`) or `config.json`
-    /// (`quantization_config.quant_algo`), upper-cased.
-    pub quant_algo: Option<String>,
-    /// `model_type` from `config.json`.
-    pub model_type: Option<String>,
-    /// `architectures` from `config.json`.
-    pub architectures: Vec<String>,
-    /// `config.json` describes a hybrid model (Mamba / state-space or linear-attention layers
-    /// beside attention, or a pure state-space model): each running request holds a state of
-    /// its own, so the engine's state cache can bound how many run at once (see
-    /// [`hybrid_state`]).
-    pub hybrid_state: bool,
-}
-
 /// `model_type`s of hybrid and state-space models (Hugging Face `config.json`).
 const HYBRID_MODEL_TYPES: &[&str] = &[
     "mamba",
@@ -245,10 +229,15 @@ pub fn hybrid_state(config: &Value) -> bool {
     one(config) || config.get("text_config").is_some_and(one)
 }
 
-impl ModelFacts {
+/// Reads a model's [`ModelFacts`], the capability table's input (`ModelFacts::read`).
+pub trait ReadFacts {
     /// The facts of `model`: the name alone for a hub name, plus the configs for a local
     /// directory. Unreadable configs are skipped (the name still matches). Blocking.
-    pub fn read(model: &str) -> Self {
+    fn read(model: &str) -> Self;
+}
+
+impl ReadFacts for ModelFacts {
+    fn read(model: &str) -> Self {
         let mut facts = ModelFacts {
             model: model.to_string(),
             ..Default::default()
@@ -292,16 +281,5 @@ impl ModelFacts {
             facts.hybrid_state = hybrid_state(&c);
         }
         facts
-    }
-
-    /// The name's words: lower-cased, split at anything not a letter or digit
-    /// (`nvidia/Nemotron-3.5-Super-VL` → `nvidia nemotron 3 5 super vl`).
-    pub fn name_words(&self) -> Vec<String> {
-        self.model
-            .to_ascii_lowercase()
-            .split(|c: char| !c.is_ascii_alphanumeric())
-            .filter(|w| !w.is_empty())
-            .map(str::to_string)
-            .collect()
     }
 }
