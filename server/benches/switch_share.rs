@@ -25,8 +25,8 @@
 //!   uvicorn's parsing and writing, in Python) and the loopback socket count as the engine's,
 //!   while everything the driver does before the first byte and after the last (building the
 //!   request, the HTTP client's hand-offs, judging the answer) stays CapyCTL's. The forwarded
-//!   answer is the engine's own time in both. NB: the last byte is stamped when the driver's
-//!   connection task reads it, so on a loaded machine CapyCTL's own wait to be scheduled
+//!   answer is the engine's own time in both. NB: the bytes are stamped when the driver's task
+//!   writes and reads them, so on a loaded machine CapyCTL's own wait to be scheduled
 //!   counts as the engine's here: the verdict is read from `OWN`.
 //!
 //! How the engine's time is measured (the honest part): the benchmark binary is also the engine.
