@@ -1,28 +1,43 @@
 //! A small pooled HTTP/1 client for engine control calls, with a timeout on every call and
 //! errors that name the engine, the step and the URL.
 //!
+//! Each call runs its connection in the calling task (hyper's `client::conn::http1`: the
+//! request and the connection are polled together there), not in a task of the connection's
+//! own as hyper's pooled client does: there, every request, answer head and body frame crossed
+//! between two tasks, and each crossing waited for the other task to be scheduled. Idle
+//! connections wait in a pool ([`Pool`]), polled by nobody: one the engine closed meanwhile
+//! shows it when it is taken (its end of stream is read then) and is dropped; one idle longer
+//! than [`IDLE_LIMIT`] (under the 5 s after which uvicorn, vLLM's and SGLang's server, closes
+//! an idle connection) is not reused, so that a request is seldom written just as the engine
+//! closes the connection. A request that a reused connection refuses before writing it (closed
+//! just then) is sent once more on a fresh one; once written, it is never sent twice.
+//!
 //! Each call is logged at debug level under the target [`ENGINE_CALL_TARGET`] with the engine's
 //! time as the driver sees it: from the request's first byte written to the answer's last byte
 //! read on the connection ([`Stamps`]), i.e. the engine and the loopback socket, without the
 //! driver's own work before and after (building the request, the HTTP client's encoding and
 //! hand-offs, parsing and judging the answer). `switch_share` reads those lines.
 
+use std::collections::HashMap;
+use std::future::{Future, poll_fn};
 use std::io::IoSlice;
-use std::pin::Pin;
+use std::pin::{Pin, pin};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use capyctl_spec::EngineKind;
+use http::uri::Authority;
 use http::{Method, Request, header};
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::Uri;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper::client::conn::http1;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioIo;
 use serde_json::Value;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tower::ServiceExt as _;
 
 use crate::error::AgentError;
 
@@ -31,6 +46,12 @@ const BODY_IN_ERROR: usize = 300;
 /// The largest answer read from an engine (its `/metrics` text is the largest, some hundred
 /// KiB): an engine that sends more is answered an error rather than held in memory whole.
 pub const MAX_ANSWER_BYTES: usize = 16 * 1024 * 1024;
+/// How long an idle connection is kept for the next call: under uvicorn's
+/// `timeout_keep_alive` (5 s, counted from its last write), so that a connection is seldom
+/// reused just as the engine closes it.
+const IDLE_LIMIT: Duration = Duration::from_secs(4);
+/// The most idle connections kept per engine address.
+const MAX_IDLE_PER_ENGINE: usize = 8;
 
 /// One engine call: which engine, which step, where.
 #[derive(Debug, Clone, Copy)]
@@ -102,18 +123,11 @@ impl Stamps {
     }
 }
 
-/// A connection to an engine that notes its exchanges in [`Stamps`], handed to every answer
-/// on it (hyper's `Connected::extra`).
+/// A connection to an engine that notes its exchanges in [`Stamps`].
 #[derive(Debug)]
 struct TimedIo {
     io: tokio::net::TcpStream,
     stamps: Arc<Stamps>,
-}
-
-impl Connection for TimedIo {
-    fn connected(&self) -> Connected {
-        self.io.connected().extra(Arc::clone(&self.stamps))
-    }
 }
 
 impl AsyncRead for TimedIo {
@@ -169,31 +183,110 @@ impl AsyncWrite for TimedIo {
     }
 }
 
-/// [`HttpConnector`] whose connections are [`TimedIo`].
-#[derive(Debug, Clone)]
-struct TimedConnector(HttpConnector);
-
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-impl tower::Service<Uri> for TimedConnector {
-    type Response = TokioIo<TimedIo>;
-    type Error = BoxError;
-    type Future =
-        Pin<Box<dyn std::future::Future<Output = Result<TokioIo<TimedIo>, BoxError>> + Send>>;
+/// One connection to an engine: the sending half and the connection itself, both polled by
+/// the task that makes the call.
+struct Conn {
+    send: http1::SendRequest<Full<Bytes>>,
+    conn: http1::Connection<TokioIo<TimedIo>, Full<Bytes>>,
+    stamps: Arc<Stamps>,
+    /// The connection ended (closed by either side, or failed): never reused.
+    ended: bool,
+    /// When it was put back idle.
+    idle_since: Instant,
+}
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        self.0.poll_ready(cx).map_err(Into::into)
+impl Conn {
+    /// Polls the connection (it reads and writes only when polled); notes when it ends. Its
+    /// errors reach the request in flight, if any, through hyper.
+    fn poll_conn(&mut self, cx: &mut Context<'_>) {
+        if !self.ended && Pin::new(&mut self.conn).poll(cx).is_ready() {
+            self.ended = true;
+        }
     }
 
-    fn call(&mut self, dst: Uri) -> Self::Future {
-        let connecting = self.0.call(dst);
-        Box::pin(async move {
-            let io = connecting.await?.into_inner();
-            Ok(TokioIo::new(TimedIo {
-                io,
-                stamps: Arc::default(),
-            }))
+    /// Runs `fut` (the request on this connection, its answer read) with the connection
+    /// polled beside it, in this task.
+    async fn drive<F: Future>(&mut self, fut: F) -> F::Output {
+        let mut fut = pin!(fut);
+        poll_fn(|cx| {
+            self.poll_conn(cx);
+            fut.as_mut().poll(cx)
         })
+        .await
+    }
+
+    /// Whether the connection can take the next request now: it is open, and its last
+    /// exchange is over (polled once more here, so that a close by the engine or the end of
+    /// the last answer is seen).
+    async fn usable(&mut self) -> bool {
+        poll_fn(|cx| {
+            self.poll_conn(cx);
+            Poll::Ready(())
+        })
+        .await;
+        !self.ended && self.send.is_ready()
+    }
+}
+
+/// The idle connections, by engine address (see the module doc).
+#[derive(Default)]
+struct Pool {
+    idle: Mutex<Idle>,
+}
+
+#[derive(Default)]
+struct Idle {
+    by_engine: HashMap<Authority, Vec<Conn>>,
+    /// When connections past [`IDLE_LIMIT`] were last dropped for every address.
+    swept: Option<Instant>,
+}
+
+impl Pool {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Idle> {
+        self.idle.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The most recently used idle connection to `engine` that is young enough; older ones are
+    /// dropped.
+    fn take(&self, engine: &Authority) -> Option<Conn> {
+        let mut idle = self.lock();
+        let conns = idle.by_engine.get_mut(engine)?;
+        let taken = loop {
+            match conns.pop() {
+                Some(c) if c.idle_since.elapsed() < IDLE_LIMIT => break Some(c),
+                Some(_) => {}
+                None => break None,
+            }
+        };
+        if conns.is_empty() {
+            idle.by_engine.remove(engine);
+        }
+        taken
+    }
+
+    /// Keeps `conn` for the next call to `engine` (at most [`MAX_IDLE_PER_ENGINE`]), and drops
+    /// the connections idle past [`IDLE_LIMIT`] to every address, at most once per limit.
+    fn put(&self, engine: Authority, mut conn: Conn) {
+        let now = Instant::now();
+        conn.idle_since = now;
+        let mut idle = self.lock();
+        if idle
+            .swept
+            .is_none_or(|at| now.duration_since(at) >= IDLE_LIMIT)
+        {
+            idle.swept = Some(now);
+            idle.by_engine.retain(|_, conns| {
+                conns.retain(|c| now.duration_since(c.idle_since) < IDLE_LIMIT);
+                !conns.is_empty()
+            });
+        }
+        let conns = idle.by_engine.entry(engine).or_default();
+        if conns.len() >= MAX_IDLE_PER_ENGINE {
+            conns.remove(0);
+        }
+        conns.push(conn);
     }
 }
 
@@ -205,9 +298,16 @@ fn wall_us(at: Instant) -> u64 {
 }
 
 /// The pooled client. Cheap to clone; connections are reused across calls.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct EngineClient {
-    client: Client<TimedConnector, Full<Bytes>>,
+    connector: HttpConnector,
+    pool: Arc<Pool>,
+}
+
+impl std::fmt::Debug for EngineClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineClient").finish_non_exhaustive()
+    }
 }
 
 impl Default for EngineClient {
@@ -217,16 +317,118 @@ impl Default for EngineClient {
 }
 
 impl EngineClient {
-    /// A client keeping up to 8 idle connections per engine for 90 s.
+    /// A client keeping up to 8 idle connections per engine for 4 s.
     pub fn new() -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(Duration::from_secs(5)));
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(90))
-            .pool_max_idle_per_host(8)
-            .build(TimedConnector(connector));
-        Self { client }
+        Self {
+            connector,
+            pool: Arc::default(),
+        }
+    }
+
+    /// A new connection to `uri`'s engine.
+    async fn connect(&self, uri: &Uri) -> Result<Conn, BoxError> {
+        let io = self
+            .connector
+            .clone()
+            .oneshot(uri.clone())
+            .await?
+            .into_inner();
+        let stamps = Arc::<Stamps>::default();
+        let (send, conn) = http1::handshake(TokioIo::new(TimedIo {
+            io,
+            stamps: Arc::clone(&stamps),
+        }))
+        .await?;
+        Ok(Conn {
+            send,
+            conn,
+            stamps,
+            ended: false,
+            idle_since: Instant::now(),
+        })
+    }
+
+    /// A connection to `engine`: an idle one that is still usable, else a new one (`true`
+    /// when it was reused).
+    async fn checkout(&self, engine: &Authority, uri: &Uri) -> Result<(Conn, bool), BoxError> {
+        while let Some(mut conn) = self.pool.take(engine) {
+            if conn.usable().await {
+                return Ok((conn, true));
+            }
+        }
+        Ok((self.connect(uri).await?, false))
+    }
+
+    /// Sends `request` (made by `make`) to `engine` and reads the answer whole; the
+    /// connection goes back to the pool when it can take another request. A request that a
+    /// reused connection refused before writing it is sent once more on a new connection.
+    async fn exchange(
+        &self,
+        call: Call<'_>,
+        engine: &Authority,
+        uri: &Uri,
+        make: impl Fn() -> Request<Full<Bytes>>,
+    ) -> Result<(u16, Bytes), AgentError> {
+        let unreachable = |source: BoxError| AgentError::EngineUnreachable {
+            engine: call.engine,
+            step: call.step,
+            url: call.url.to_string(),
+            source,
+        };
+        let (mut conn, mut reused) = self.checkout(engine, uri).await.map_err(unreachable)?;
+        let sent = Instant::now();
+        let response = loop {
+            let answer = conn.send.send_request(make());
+            match conn.drive(answer).await {
+                Err(e) if reused && e.is_canceled() => {
+                    conn = self.connect(uri).await.map_err(unreachable)?;
+                    reused = false;
+                }
+                other => break other.map_err(|e| unreachable(Box::new(e)))?,
+            }
+        };
+        let status = response.status().as_u16();
+        // A body that breaks off is a connection lost mid-answer (the engine went away); one
+        // over MAX_ANSWER_BYTES is not read further.
+        let body = Limited::new(response.into_body(), MAX_ANSWER_BYTES).collect();
+        let bytes = conn
+            .drive(body)
+            .await
+            .map_err(|source| {
+                if source.downcast_ref::<LengthLimitError>().is_some() {
+                    AgentError::EngineAnswer {
+                        engine: call.engine,
+                        step: call.step,
+                        url: call.url.to_string(),
+                        detail: format!("the answer is longer than {} MiB", MAX_ANSWER_BYTES >> 20),
+                    }
+                } else {
+                    unreachable(source)
+                }
+            })?
+            .to_bytes();
+        if tracing::enabled!(target: ENGINE_CALL_TARGET, tracing::Level::DEBUG)
+            && let Some((written, read)) = conn.stamps.exchange_since(sent)
+        {
+            tracing::debug!(
+                target: ENGINE_CALL_TARGET,
+                engine = %call.engine,
+                step = call.step,
+                url = call.url,
+                status,
+                written_at_us = wall_us(written),
+                read_at_us = wall_us(read),
+                engine_us = u64::try_from((read - written).as_micros()).unwrap_or(u64::MAX),
+                "engine call"
+            );
+        }
+        if conn.usable().await {
+            self.pool.put(engine.clone(), conn);
+        }
+        Ok((status, bytes))
     }
 
     /// Sends one request and returns the status and body, whatever the status.
@@ -236,75 +438,37 @@ impl EngineClient {
         method: Method,
         body: Option<&Value>,
     ) -> Result<(u16, Bytes), AgentError> {
-        let mut builder = Request::builder().method(method).uri(call.url);
-        let body = match body {
-            Some(v) => {
-                builder = builder.header(header::CONTENT_TYPE, "application/json");
-                Full::new(Bytes::from(v.to_string()))
-            }
-            None => Full::new(Bytes::new()),
-        };
-        let request = builder.body(body).map_err(|e| AgentError::EngineAnswer {
+        let bad_request = |detail: String| AgentError::EngineAnswer {
             engine: call.engine,
             step: call.step,
             url: call.url.to_string(),
-            detail: format!("cannot build the request: {e}"),
-        })?;
-        let exchange = async {
-            let sent = Instant::now();
-            let response = self.client.request(request).await.map_err(|source| {
-                AgentError::EngineUnreachable {
-                    engine: call.engine,
-                    step: call.step,
-                    url: call.url.to_string(),
-                    source: Box::new(source),
-                }
-            })?;
-            let status = response.status().as_u16();
-            let stamps = response.extensions().get::<Arc<Stamps>>().cloned();
-            // A body that breaks off is a connection lost mid-answer (the engine went away); one
-            // over MAX_ANSWER_BYTES is not read further.
-            let bytes = Limited::new(response.into_body(), MAX_ANSWER_BYTES)
-                .collect()
-                .await
-                .map_err(|source| {
-                    if source.downcast_ref::<LengthLimitError>().is_some() {
-                        AgentError::EngineAnswer {
-                            engine: call.engine,
-                            step: call.step,
-                            url: call.url.to_string(),
-                            detail: format!(
-                                "the answer is longer than {} MiB",
-                                MAX_ANSWER_BYTES >> 20
-                            ),
-                        }
-                    } else {
-                        AgentError::EngineUnreachable {
-                            engine: call.engine,
-                            step: call.step,
-                            url: call.url.to_string(),
-                            source,
-                        }
-                    }
-                })?
-                .to_bytes();
-            if tracing::enabled!(target: ENGINE_CALL_TARGET, tracing::Level::DEBUG)
-                && let Some((written, read)) = stamps.and_then(|s| s.exchange_since(sent))
-            {
-                tracing::debug!(
-                    target: ENGINE_CALL_TARGET,
-                    engine = %call.engine,
-                    step = call.step,
-                    url = call.url,
-                    status,
-                    written_at_us = wall_us(written),
-                    read_at_us = wall_us(read),
-                    engine_us = u64::try_from((read - written).as_micros()).unwrap_or(u64::MAX),
-                    "engine call"
-                );
-            }
-            Ok((status, bytes))
+            detail: format!("cannot build the request: {detail}"),
         };
+        let uri: Uri = call
+            .url
+            .parse()
+            .map_err(|e: http::uri::InvalidUri| bad_request(e.to_string()))?;
+        let engine = match (uri.scheme_str(), uri.authority()) {
+            (Some("http"), Some(a)) => a.clone(),
+            _ => return Err(bad_request("not an http:// URL with a host".into())),
+        };
+        let target = uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
+        let body = body.map(|v| Bytes::from(v.to_string()));
+        let mut builder = Request::builder()
+            .method(method)
+            .uri(target)
+            .header(header::HOST, engine.as_str());
+        if body.is_some() {
+            builder = builder.header(header::CONTENT_TYPE, "application/json");
+        }
+        let (head, ()) = builder
+            .body(())
+            .map_err(|e| bad_request(e.to_string()))?
+            .into_parts();
+        let body = body.unwrap_or_default();
+        // Made again for a request sent once more.
+        let make = || Request::from_parts(head.clone(), Full::new(body.clone()));
+        let exchange = self.exchange(call, &engine, &uri, make);
         match tokio::time::timeout(call.timeout, exchange).await {
             Ok(result) => result,
             Err(_) => Err(AgentError::EngineTimeout {

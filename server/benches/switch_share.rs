@@ -25,8 +25,8 @@
 //!   uvicorn's parsing and writing, in Python) and the loopback socket count as the engine's,
 //!   while everything the driver does before the first byte and after the last (building the
 //!   request, the HTTP client's hand-offs, judging the answer) stays CapyCTL's. The forwarded
-//!   answer is the engine's own time in both. NB: the last byte is stamped when the driver's
-//!   connection task reads it, so on a loaded machine CapyCTL's own wait to be scheduled
+//!   answer is the engine's own time in both. NB: the bytes are stamped when the driver's task
+//!   writes and reads them, so on a loaded machine CapyCTL's own wait to be scheduled
 //!   counts as the engine's here: the verdict is read from `OWN`.
 //!
 //! How the engine's time is measured (the honest part): the benchmark binary is also the engine.
@@ -333,13 +333,13 @@ mod driver_side {
 
     impl Calls {
         /// The calls to `port` (not the background `/metrics`) within `[t0, t1]`.
-        pub(super) fn within(&self, port: u16, (t0, t1): (u64, u64)) -> Vec<(u64, u64)> {
+        pub(super) fn within(&self, port: u16, (t0, t1): (u64, u64)) -> Vec<DrvCall> {
             self.0
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .iter()
                 .filter(|c| c.2 == port && c.0 >= t0 && c.1 <= t1 && !c.3.starts_with("/metrics"))
-                .map(|c| (c.0, c.1))
+                .map(|c| (c.0, c.1, c.3.clone()))
                 .collect()
         }
     }
@@ -468,6 +468,10 @@ mod wrapper {
     }
 }
 
+/// One call as the driver timed it: request written, answer read (wall-clock microseconds),
+/// path.
+type DrvCall = (u64, u64, String);
+
 /// One HTTP call an engine answered, as the engine timed it.
 #[derive(Debug, Clone)]
 struct Call {
@@ -542,6 +546,10 @@ struct Sample {
     engine_drv: u64,
     /// total − engine_drv − window − drain − answer.
     own_drv: i64,
+    /// The forwarded answer's call, as the engine timed it.
+    answer_span: Option<(u64, u64)>,
+    /// Where `own_drv` falls (the gaps between the driver's calls).
+    drv: Option<Pieces>,
     timeline: String,
 }
 
@@ -670,6 +678,9 @@ class Timing:
     def __init__(self, app):
         self.app = app
         self.dir = os.environ["CAPYCTL_CALLS_DIR"]
+        # One open file per port, line-buffered: one write(2) per call, in the event loop
+        # before the next request can be read (an open and a close per call cost more).
+        self.files = {}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -690,8 +701,11 @@ class Timing:
                     path += "?" + query
                 port = (scope.get("server") or ("", 0))[1]
                 line = f"{start}\t{end}\t{status[0]}\t{scope['method']}\t{path}\n"
-                with open(os.path.join(self.dir, f"calls-{port}.tsv"), "a") as f:
-                    f.write(line)
+                f = self.files.get(port)
+                if f is None:
+                    f = open(os.path.join(self.dir, f"calls-{port}.tsv"), "a", buffering=1)
+                    self.files[port] = f
+                f.write(line)
 
         await self.app(scope, receive, timed_send)
 "#;
@@ -934,12 +948,15 @@ async fn measure(
         if i < o.warmup {
             continue;
         }
+        // The engine's calls as the driver timed them (request written -> answer read).
+        let park_drv = seen.within(victim_port, (t0, t1));
+        let wake_drv = seen.within(target_port, (t0, t1));
         let mut sample = analyse(
             calls,
             (victim_port, target_port),
             (t0, t1),
             total,
-            o.verbose,
+            (o.verbose, &park_drv, &wake_drv),
         );
         sample.target = target.to_string();
         sample.direct = direct;
@@ -957,9 +974,24 @@ async fn measure(
             - i64::try_from(sample.engine + sample.answer + sample.window + sample.drain)
                 .unwrap_or(i64::MAX);
         // The same, with the engine's calls timed where the driver makes them.
-        let mut at_driver = seen.within(victim_port, (t0, t1));
-        at_driver.extend(seen.within(target_port, (t0, t1)));
+        let mut at_driver: Vec<(u64, u64)> = park_drv
+            .iter()
+            .chain(&wake_drv)
+            .map(|c| (c.0, c.1))
+            .collect();
         sample.engine_drv = union_us(&mut at_driver);
+        // Where the rest falls, with the driver's calls (the answer is the engine's own time).
+        let mut spans: Vec<(u64, u64, Kind)> = park_drv
+            .iter()
+            .map(|c| (c.0, c.1, Kind::Park))
+            .chain(wake_drv.iter().map(|c| (c.0, c.1, Kind::Wake)))
+            .collect();
+        if let Some((a, b)) = sample.answer_span {
+            spans.push((a, b, Kind::Answer));
+        }
+        if !park_drv.is_empty() || !wake_drv.is_empty() {
+            sample.drv = Some(pieces(&spans, (t0, t1)).1);
+        }
         sample.own_drv = i64::try_from(total).unwrap_or(i64::MAX)
             - i64::try_from(sample.engine_drv + sample.answer + sample.window + sample.drain)
                 .unwrap_or(i64::MAX);
@@ -995,7 +1027,7 @@ fn analyse(
     (victim_port, target_port): (u16, u16),
     (t0, t1): (u64, u64),
     total: u64,
-    verbose: bool,
+    (verbose, park_drv, wake_drv): (bool, &[DrvCall], &[DrvCall]),
 ) -> Sample {
     let within = |c: &Call| c.start >= t0 && c.end <= t1 && !c.is_background();
     let mut ops: Vec<(Kind, Call)> = Vec::new();
@@ -1023,41 +1055,38 @@ fn analyse(
             Kind::Answer => s.answer = c.us(),
         }
     }
-    // Merge overlapping calls; each gap is CapyCTL's, named by its neighbours.
-    let mut merged: Vec<(u64, u64, Kind, Kind)> = Vec::new();
-    for (kind, c) in &ops {
-        match merged.last_mut() {
-            Some(m) if c.start <= m.1 => {
-                m.1 = m.1.max(c.end);
-                m.3 = *kind;
-            }
-            _ => merged.push((c.start, c.end, *kind, *kind)),
-        }
-    }
-    let covered: u64 = merged.iter().map(|m| m.1 - m.0).sum();
-    let answer_covered = s.answer;
-    s.engine = covered.saturating_sub(answer_covered);
-    // The client's clock and the wall clock differ by microseconds; gaps use the wall clock.
-    let mut prev_end = t0;
-    let mut prev_kind: Option<Kind> = None;
-    for m in &merged {
-        let gap = m.0.saturating_sub(prev_end);
-        match (prev_kind, m.2) {
-            (None, _) => s.intake += gap,
-            (Some(Kind::Park), Kind::Wake | Kind::Answer) => s.between += gap,
-            (Some(Kind::Wake), Kind::Answer) => s.ready += gap,
-            _ => s.inner += gap,
-        }
-        prev_end = m.1;
-        prev_kind = Some(m.3);
-    }
-    s.reply = t1.saturating_sub(prev_end);
+    let spans: Vec<(u64, u64, Kind)> = ops.iter().map(|(k, c)| (c.start, c.end, *k)).collect();
+    let (covered, p) = pieces(&spans, (t0, t1));
+    s.answer_span = ops
+        .iter()
+        .find(|(k, _)| *k == Kind::Answer)
+        .map(|(_, c)| (c.start, c.end));
+    s.engine = covered.saturating_sub(s.answer);
+    s.intake = p.intake;
+    s.between = p.between;
+    s.inner = p.inner;
+    s.ready = p.ready;
+    s.reply = p.reply;
     if verbose {
         // Background calls (load scrapes) are shown, not counted.
         let mut shown: Vec<(String, Call)> = ops
             .iter()
             .map(|(k, c)| (format!("{k:?}"), c.clone()))
             .collect();
+        for (drv, who) in [(park_drv, "park"), (wake_drv, "wake")] {
+            for (start, end, path) in drv {
+                shown.push((
+                    format!("({who}, at the driver)"),
+                    Call {
+                        start: *start,
+                        end: *end,
+                        status: 0,
+                        method: String::new(),
+                        path: path.clone(),
+                    },
+                ));
+            }
+        }
         for (port, who) in [(victim_port, "victim"), (target_port, "target")] {
             for c in read_calls(calls, port) {
                 if c.is_background() && c.end >= t0 && c.start <= t1 {
@@ -1086,6 +1115,51 @@ fn analyse(
         s.timeline = t;
     }
     s
+}
+
+/// Where a switch's time outside the engine's calls falls (microseconds).
+#[derive(Debug, Clone, Copy, Default)]
+struct Pieces {
+    intake: u64,
+    between: u64,
+    inner: u64,
+    ready: u64,
+    reply: u64,
+}
+
+/// Merges the calls `spans` (`start`, `end`, side; sorted here) of a switch `[t0, t1]` and names
+/// each gap between them by its neighbours; also the time the calls cover.
+fn pieces(spans: &[(u64, u64, Kind)], (t0, t1): (u64, u64)) -> (u64, Pieces) {
+    let mut spans = spans.to_vec();
+    spans.sort_by_key(|c| c.0);
+    let mut merged: Vec<(u64, u64, Kind, Kind)> = Vec::new();
+    for &(start, end, kind) in &spans {
+        match merged.last_mut() {
+            Some(m) if start <= m.1 => {
+                m.1 = m.1.max(end);
+                m.3 = kind;
+            }
+            _ => merged.push((start, end, kind, kind)),
+        }
+    }
+    let covered = merged.iter().map(|m| m.1 - m.0).sum();
+    // The client's clock and the wall clock differ by microseconds; gaps use the wall clock.
+    let mut p = Pieces::default();
+    let mut prev_end = t0;
+    let mut prev_kind: Option<Kind> = None;
+    for m in &merged {
+        let gap = m.0.saturating_sub(prev_end);
+        match (prev_kind, m.2) {
+            (None, _) => p.intake += gap,
+            (Some(Kind::Park), Kind::Wake | Kind::Answer) => p.between += gap,
+            (Some(Kind::Wake), Kind::Answer) => p.ready += gap,
+            _ => p.inner += gap,
+        }
+        prev_end = m.1;
+        prev_kind = Some(m.3);
+    }
+    p.reply = t1.saturating_sub(prev_end);
+    (covered, p)
 }
 
 /// The table's columns and their widths.
@@ -1257,6 +1331,20 @@ fn report(o: &Opts, samples: &[Sample]) {
     println!(
         "CapyCTL's own share of a switch: median {own_med:.2} ms, p90 {own_p90:.2} ms; target under {target:.0} ms: {verdict}"
     );
+    let drv: Vec<Pieces> = samples.iter().filter_map(|s| s.drv).collect();
+    if !drv.is_empty() {
+        let med = |f: fn(&Pieces) -> u64| {
+            percentile(&drv.iter().map(|p| ms(f(p))).collect::<Vec<_>>(), 50.0)
+        };
+        println!(
+            "OWN@drv's pieces (median; the gaps between the driver's calls, the answer as the engine timed it): intake {:.2}, between {:.2}, inner {:.2}, ready {:.2}, reply {:.2} ms",
+            med(|p| p.intake),
+            med(|p| p.between),
+            med(|p| p.inner),
+            med(|p| p.ready),
+            med(|p| p.reply),
+        );
+    }
     if cols[15].iter().any(|v| *v > 0.0) {
         println!(
             "the same with the engine's calls timed at the driver (OWN@drv: request written -> answer read, the engine's time as CapyCTL sees it): median {:.2} ms, p90 {:.2} ms (engine@drv median {:.2} ms)",
