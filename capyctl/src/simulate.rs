@@ -1,7 +1,7 @@
 //! `capyctl simulate`: replays a request trace through the production switching code under a
 //! virtual clock.
 //!
-//! What runs is what `capyctl start standalone` runs: the lifecycle ([`Server`], its owner task,
+//! What runs is what `capyctl start standalone` runs: the lifecycle ([`Core`], its owner task,
 //! placement, victims, idle timers) and the router's coordinator (admission, waves, windows,
 //! drains), assembled by the same functions ([`lifecycle_config`], [`router_config`],
 //! [`assemble`]) from the same document and overrides, without the listener. Only the host agent is simulated ([`SimHost`]: park, wake,
@@ -45,7 +45,7 @@ use std::time::Duration;
 use capyctl_lifecycle::api::ManagementApi;
 use capyctl_lifecycle::metrics::Metrics;
 use capyctl_lifecycle::store::MemoryStore;
-use capyctl_lifecycle::{Server, instance_id_at};
+use capyctl_lifecycle::{Core, instance_id_at};
 use capyctl_router::admission::{Admission, Permit};
 use capyctl_server::assembly::assemble;
 use capyctl_server::standalone::{lifecycle_config, router_config};
@@ -372,7 +372,7 @@ async fn simulate_in(setup: Setup, requests: &[TraceRequest], cold: bool) -> Res
     let models: Vec<String> = config.deployments.iter().map(|d| d.name.clone()).collect();
     let deployments = std::mem::take(&mut config.deployments);
     let metrics = Arc::new(Metrics::new());
-    let server = Server::open(
+    let server = Core::open(
         host.clone(),
         Arc::new(MemoryStore::new([])),
         lifecycle_config(&config, metrics),

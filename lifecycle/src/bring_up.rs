@@ -13,13 +13,13 @@ use crate::errors::not_found;
 use crate::gpus::gpus_of;
 use crate::ids::engine_addr;
 use crate::state::{self, Up, UpDone};
-use crate::{Server, switches, views};
+use crate::{Core, switches, views};
 
 /// How often an ended start or wake is asked to stop again until it has ended (see
-/// [`Server::unless_ended`]).
+/// [`Core::unless_ended`]).
 pub(crate) const STOP_AGAIN: Duration = Duration::from_millis(500);
 
-/// How a start or a wake in progress was ended ([`Server::end_bring_up`]).
+/// How a start or a wake in progress was ended ([`Core::end_bring_up`]).
 #[derive(Debug)]
 pub(crate) struct Ended {
     /// What its waiting requests and its caller get.
@@ -28,7 +28,7 @@ pub(crate) struct Ended {
     pub(crate) stopped: Result<(), capyctl_interfaces::AgentError>,
 }
 
-impl Server {
+impl Core {
     /// Runs the start or wake begun by [`State::begin_up`]; announces the instance when ready.
     /// Its phases go to the record of the switch it is part of; outside every switch (an
     /// operator's start, a pending start taken) it is a `bring_up` record of its own.
@@ -265,7 +265,7 @@ impl Server {
     }
 
     /// Runs `op`, the start or the wake of `id` (instance `iid` on `agent`) that
-    /// [`State::begin_up`] began, unless it is ended meanwhile ([`Server::end_bring_up`]):
+    /// [`State::begin_up`] began, unless it is ended meanwhile ([`Core::end_bring_up`]):
     /// then the agent is asked to stop the engine, which ends `op` (the agent answers it
     /// `cancelled`), and both are awaited: when this answers, the engine is gone. Ended before
     /// it began, `op` is never run (and the engine of a wake, parked, is stopped).

@@ -65,7 +65,7 @@ impl LifecycleConfig {
     }
 }
 
-/// A host as given to [`Server::open_hosts`](crate::Server::open_hosts) and [`Server::upsert_host`](crate::Server::upsert_host).
+/// A host as given to [`Core::open_hosts`](crate::Core::open_hosts) and [`Core::upsert_host`](crate::Core::upsert_host).
 #[derive(Clone)]
 pub struct HostEntry {
     /// Its ID (`host.id`; the node's name on Kubernetes).

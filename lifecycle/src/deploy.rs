@@ -10,14 +10,14 @@ use capyctl_spec::errors::ApiError;
 
 use crate::errors::not_found;
 use crate::state::State;
-use crate::{Server, placement};
+use crate::{Core, placement};
 use tokio::time::Instant;
 
-/// How many changed deployments [`Server::deploy_checked`] applies per turn of the owner.
+/// How many changed deployments [`Core::deploy_checked`] applies per turn of the owner.
 const DEPLOY_CHUNK: usize = 256;
 
-/// Deployment documents measured and checked against the hosts ([`Server::check_all`]), not
-/// deployed yet ([`Server::deploy_checked`]).
+/// Deployment documents measured and checked against the hosts ([`Core::check_all`]), not
+/// deployed yet ([`Core::deploy_checked`]).
 #[derive(Debug, Default)]
 pub struct Checked(Vec<CheckedDoc>);
 
@@ -43,7 +43,7 @@ pub(crate) struct CheckedDoc {
     pub(crate) unchanged: bool,
 }
 
-impl Server {
+impl Core {
     /// Deploys `doc`: creates the deployment, or makes `doc` its next revision. It is measured
     /// and checked against the hosts first, so that a document that cannot work (no host could
     /// ever place it, where no other host can join) is refused and changes nothing: an existing
@@ -61,7 +61,7 @@ impl Server {
 
     /// Deploys `docs` in order, each as [`ManagementApi::deploy`](crate::api::ManagementApi::deploy) does, and writes the records
     /// they change in one transaction at the end: a whole document (standalone) is one write.
-    /// The whole document is checked first ([`Server::check_all`]): a refusal changes
+    /// The whole document is checked first ([`Core::check_all`]): a refusal changes
     /// nothing, `Err` with the refused deployment's name.
     pub async fn deploy_all(&self, docs: Vec<DeploymentDoc>) -> Result<(), (String, ApiError)> {
         let checked = self.check_all(docs).await?;
@@ -71,7 +71,7 @@ impl Server {
 
     /// Measures each of `docs` and checks it against the hosts, as a deploy does before it
     /// changes anything, and changes nothing: the first refusal, with the refused deployment's
-    /// name. What it answers is deployed by [`Server::deploy_checked`] without measuring again.
+    /// name. What it answers is deployed by [`Core::deploy_checked`] without measuring again.
     pub async fn check_all(&self, docs: Vec<DeploymentDoc>) -> Result<Checked, (String, ApiError)> {
         let mut checked = Vec::with_capacity(docs.len());
         for (i, doc) in docs.into_iter().enumerate() {
@@ -86,7 +86,7 @@ impl Server {
         Ok(Checked(checked))
     }
 
-    /// Deploys what [`Server::check_all`] checked, in order, and writes the records they change
+    /// Deploys what [`Core::check_all`] checked, in order, and writes the records they change
     /// in one transaction. The changed ones are applied [`DEPLOY_CHUNK`] per turn of the
     /// owner (one turn each made a start of 100,000 deployments mostly turns).
     pub async fn deploy_checked(&self, checked: Checked) {
@@ -108,7 +108,7 @@ impl Server {
         self.flush_due().await;
     }
 
-    /// [`Server::do_deploy`] but the write: a changed record is left in `State::dirty` for the
+    /// [`Core::do_deploy`] but the write: a changed record is left in `State::dirty` for the
     /// next save.
     async fn deploy_unsaved(
         &self,

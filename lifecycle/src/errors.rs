@@ -1,4 +1,4 @@
-//! What can go wrong opening the server ([`ServerError`]), and the API errors the server's methods
+//! What can go wrong opening the server ([`CoreError`]), and the API errors the server's methods
 //! share.
 
 use capyctl_spec::errors::ApiError;
@@ -8,7 +8,7 @@ use crate::switches;
 
 /// What can go wrong opening the server.
 #[derive(Debug, thiserror::Error)]
-pub enum ServerError {
+pub enum CoreError {
     /// The state could not be loaded.
     #[error("loading the state: {0}")]
     Store(#[from] StoreError),
@@ -20,13 +20,13 @@ pub enum ServerError {
     Switches(#[from] switches::SwitchLogError),
 }
 
-impl ServerError {
+impl CoreError {
     /// A short, stable label for metrics and event reasons.
     pub fn metric_label(&self) -> &'static str {
         match self {
-            ServerError::Store(e) => e.metric_label(),
-            ServerError::Agent(e) => e.metric_label(),
-            ServerError::Switches(_) => "switch_records",
+            CoreError::Store(e) => e.metric_label(),
+            CoreError::Agent(e) => e.metric_label(),
+            CoreError::Switches(_) => "switch_records",
         }
     }
 }

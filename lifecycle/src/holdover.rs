@@ -12,9 +12,9 @@ use capyctl_interfaces::router::{InstanceKey, SwitchOrder};
 use capyctl_spec::errors::ApiError;
 use tokio::time::Instant;
 
-use crate::Server;
+use crate::Core;
 
-impl Server {
+impl Core {
     /// Holds every switch with `refusal` (a 503 `unavailable` naming the cause; see
     /// [`crate::state::State::hold`]): ready instances serve on, nothing is started, woken,
     /// parked or stopped, and the requests waiting for a deployment that is not ready are

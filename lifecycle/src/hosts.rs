@@ -1,4 +1,4 @@
-//! Opening the server on its hosts, hosts joining ([`Server::upsert_host`]) and coming back
+//! Opening the server on its hosts, hosts joining ([`Core::upsert_host`]) and coming back
 //! (resync), each host's engine exits forwarded to the owner.
 
 use std::collections::HashMap;
@@ -16,48 +16,48 @@ use tokio::sync::{broadcast, mpsc, watch};
 use tokio::time::Instant;
 
 use crate::config::{HostEntry, LifecycleConfig};
-use crate::errors::{ServerError, internal};
+use crate::errors::{CoreError, internal};
 use crate::names::NameCache;
 use crate::state::{self, Dep, Host, Hosts, State};
 use crate::store::Store;
 use crate::switches::SwitchLog;
-use crate::{Server, owner};
+use crate::{Core, owner};
 
-/// A host's agent's answers when it is added ([`Server::fetch_host`]).
+/// A host's agent's answers when it is added ([`Core::fetch_host`]).
 struct FetchedHost {
     entry: HostEntry,
     inventory: capyctl_interfaces::inventory::Inventory,
     report: capyctl_interfaces::agent::RecoveryReport,
 }
 
-/// How many hosts [`Server::open_hosts`] asks for their inventory and recovery report at once
+/// How many hosts [`Core::open_hosts`] asks for their inventory and recovery report at once
 /// (10,000 hosts a millisecond away, one at a time, took 23 s to open).
 const HOSTS_OPENED_AT_ONCE: usize = 256;
 
-/// How many deployments [`Server::open_hosts`] measures at once.
+/// How many deployments [`Core::open_hosts`] measures at once.
 pub(crate) const MEASURE_AT_ONCE: usize = 16;
 
-impl Server {
+impl Core {
     /// Opens the server on one host (standalone; `config.host_*` describe it): see
-    /// [`Server::open_hosts`]. No other host ever joins: a deployment needing more GPU memory
+    /// [`Core::open_hosts`]. No other host ever joins: a deployment needing more GPU memory
     /// than this one has is refused at deploy.
     pub async fn open(
         agent: Arc<dyn HostAgent>,
         store: Arc<dyn Store>,
         config: LifecycleConfig,
-    ) -> Result<Arc<Server>, ServerError> {
+    ) -> Result<Arc<Core>, CoreError> {
         let host = config.own_host(agent);
         Self::open_fixed_hosts(vec![host], store, config).await
     }
 
-    /// [`Server::open_hosts`] for hosts that are all known now and never join later
+    /// [`Core::open_hosts`] for hosts that are all known now and never join later
     /// (standalone, with its own host and the node agents it was given): a deployment that fits
     /// none of them is refused at deploy.
     pub async fn open_fixed_hosts(
         hosts: Vec<HostEntry>,
         store: Arc<dyn Store>,
         config: LifecycleConfig,
-    ) -> Result<Arc<Server>, ServerError> {
+    ) -> Result<Arc<Core>, CoreError> {
         let server = Self::open_hosts(hosts, store, config).await?;
         server.hosts_fixed.store(true, Ordering::Relaxed);
         Ok(server)
@@ -71,7 +71,7 @@ impl Server {
         hosts: Vec<HostEntry>,
         store: Arc<dyn Store>,
         config: LifecycleConfig,
-    ) -> Result<Arc<Server>, ServerError> {
+    ) -> Result<Arc<Core>, CoreError> {
         let mut inner = State {
             host_id: config.host_id.clone(),
             ..State::default()
@@ -86,7 +86,7 @@ impl Server {
         let changes = Arc::new(watch::channel(0).0);
         let (closed, _) = watch::channel(false);
         let (exits_tx, exits_rx) = mpsc::channel(256);
-        let server = Arc::new_cyclic(|me: &Weak<Server>| {
+        let server = Arc::new_cyclic(|me: &Weak<Core>| {
             let owner = owner::Owner::spawn(
                 inner,
                 Arc::clone(&changes),
@@ -95,7 +95,7 @@ impl Server {
                 me.clone(),
                 closed.subscribe(),
             );
-            Server {
+            Core {
                 owner,
                 timers_running: Arc::new(AtomicBool::new(false)),
                 scaling: Arc::new(AtomicBool::new(false)),
@@ -160,18 +160,18 @@ impl Server {
     /// deployments (or of a deployment already running elsewhere) are stopped, and instances
     /// believed to be on this host that it no longer has are failed (the next request starts
     /// them afresh).
-    pub async fn upsert_host(&self, host: HostEntry) -> Result<(), ServerError> {
+    pub async fn upsert_host(&self, host: HostEntry) -> Result<(), CoreError> {
         self.add_host(host).await
     }
 
-    async fn add_host(&self, entry: HostEntry) -> Result<(), ServerError> {
+    async fn add_host(&self, entry: HostEntry) -> Result<(), CoreError> {
         let fetched = Self::fetch_host(entry).await?;
         self.apply_host(fetched).await;
         Ok(())
     }
 
-    /// The host agent's half of [`Server::add_host`]: its inventory, then its recovery report.
-    async fn fetch_host(entry: HostEntry) -> Result<FetchedHost, ServerError> {
+    /// The host agent's half of [`Core::add_host`]: its inventory, then its recovery report.
+    async fn fetch_host(entry: HostEntry) -> Result<FetchedHost, CoreError> {
         let inventory = entry.agent.inventory().await?;
         let report = entry.agent.recover().await?;
         Ok(FetchedHost {
@@ -181,7 +181,7 @@ impl Server {
         })
     }
 
-    /// The lifecycle's half of [`Server::add_host`]: reconciles the deployments with what the
+    /// The lifecycle's half of [`Core::add_host`]: reconciles the deployments with what the
     /// host's agent answered.
     async fn apply_host(&self, fetched: FetchedHost) {
         let FetchedHost {
@@ -248,7 +248,7 @@ impl Server {
 
     /// Forwards `host`'s engine exits to the owner's task, until the server closes or the
     /// agent's channel does; follows the agent's health: reconciles the host again
-    /// ([`Server::resync_host`]) each time its agent says it may have lost track of engines
+    /// ([`Core::resync_host`]) each time its agent says it may have lost track of engines
     /// (`resyncs`: a node agent that restarted, or missed exits), and tells the views' readers
     /// (the status writer) when it becomes unreachable or answers again.
     fn forward_exits(
@@ -316,7 +316,7 @@ impl Server {
         }
     }
 
-    /// Reconciles host `host_id` with its agent again, as [`Server::upsert_host`] does with
+    /// Reconciles host `host_id` with its agent again, as [`Core::upsert_host`] does with
     /// the agent it already has: what the agent still runs is adopted, instances it no longer
     /// has are failed (the router hears of both). Retried while the agent cannot answer
     /// (every second, then up to every 30 s), until it does or the host is replaced.
@@ -382,7 +382,7 @@ mod tests {
     async fn after_a_restart_every_instance_knows_its_deployments_measurement() {
         let store = Arc::new(crate::store::MemoryStore::default());
         let open = || async {
-            crate::Server::open(
+            crate::Core::open(
                 Arc::new(capyctl_test_support::FakeHost::new().with_gpus(2)),
                 store.clone(),
                 crate::LifecycleConfig::new("h"),

@@ -10,7 +10,7 @@
 //! The store and the host agents are traits: this crate does not know whether it runs under
 //! Kubernetes, and a test checks that kube is not in its dependency tree.
 //!
-//! [`Server`]'s state (every deployment and its instances, one per replica, each on one host)
+//! [`Core`]'s state (every deployment and its instances, one per replica, each on one host)
 //! has one writer, the owner task (`owner.rs`), which runs the rules of `state.rs` (and
 //! `state/`) one call at a time; reads take a read lock, no turn of the task. An engine operation (start, park,
 //! wake, stop) is a call that marks the instance busy (`starting`, `parking`, ...), the host
@@ -20,14 +20,14 @@
 //! same victim.
 //!
 //! The server implements the router's [`Lifecycle`] and [`ManagementApi`]; it tells the router
-//! about instances through the [`Router`] given to [`Server::attach_router`] (the assembly,
+//! about instances through the [`Router`] given to [`Core::attach_router`] (the assembly,
 //! `capyctl_server::assembly`, builds the router's coordinator), and releases ready instances it
 //! parks or stops itself with [`Router::release`], so that running requests always finish first
 //! (its idle timers with [`Router::release_if_idle`]: the router decides, on its own state, that
 //! nothing waits, runs or came since). A request's last use is the router's record
 //! ([`Router::last_uses`]), which `State::used_at` reads.
 //!
-//! This file holds the module list, the re-exports and the [`Server`] struct; `Server`'s methods
+//! This file holds the module list, the re-exports and the [`Core`] struct; `Core`'s methods
 //! live in the files named for what they do (the file map is in `lifecycle/DESIGN.md`, "Files").
 //!
 //! [`Lifecycle`]: capyctl_interfaces::router::Lifecycle
@@ -69,7 +69,7 @@ mod writer;
 
 pub use config::{HostEntry, LifecycleConfig};
 pub use deploy::Checked;
-pub use errors::ServerError;
+pub use errors::CoreError;
 pub use ids::{instance_id, instance_id_at, split_instance_id};
 
 use std::collections::HashMap;
@@ -86,8 +86,10 @@ use crate::store::Store;
 use crate::switch_orders::Planned;
 use crate::switches::SwitchLog;
 
-/// The server's lifecycle and placement on one host. Shared as `Arc<Server>`.
-pub struct Server {
+/// The lifecycle's core: every deployment and instance, their placement on the hosts, and
+/// the one owner task that changes them (named apart from the `capyctl-server` crate, which
+/// assembles it with the router and the listeners). Shared as `Arc<Core>`.
+pub struct Core {
     /// Read-only.
     config: LifecycleConfig,
     /// Engine exits of every host, forwarded (host ID, exit) to the owner's task.
@@ -99,7 +101,7 @@ pub struct Server {
     /// The idle timers are running (a tick while they run does nothing); cleared by the
     /// run's [`Running`] however it ends.
     timers_running: Arc<AtomicBool>,
-    /// A scaler's run is under way (`Server::scale_run`); cleared as `timers_running` is.
+    /// A scaler's run is under way (`Core::scale_run`); cleared as `timers_running` is.
     scaling: Arc<AtomicBool>,
     /// Per deployment, since when its load has allowed one fewer instance (the scaler's).
     below_since: Mutex<HashMap<String, Instant>>,
@@ -120,8 +122,8 @@ pub struct Server {
     closed: watch::Sender<bool>,
     /// `/readyz`.
     ready: AtomicBool,
-    /// No host joins after the open (standalone, [`Server::open`]): a deployment no host can
-    /// place is refused at deploy. Hosts may join otherwise ([`Server::upsert_host`]: a
+    /// No host joins after the open (standalone, [`Core::open`]): a deployment no host can
+    /// place is refused at deploy. Hosts may join otherwise ([`Core::upsert_host`]: a
     /// cluster's nodes), so placement answers `does_not_fit` per request instead.
     hosts_fixed: AtomicBool,
     /// Switch and release numbers.
@@ -132,12 +134,12 @@ pub struct Server {
     /// back, by switch ID (shown while their window and drain run).
     planned: Mutex<HashMap<String, Planned>>,
     /// Itself, for the background work it spawns.
-    me: Weak<Server>,
+    me: Weak<Core>,
 }
 
-impl std::fmt::Debug for Server {
+impl std::fmt::Debug for Core {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Server")
+        f.debug_struct("Core")
             .field("host_id", &self.config.host_id)
             .finish_non_exhaustive()
     }

@@ -1,4 +1,4 @@
-//! What the management listener asks of the lifecycle: [`ManagementApi`] implemented by [`Server`].
+//! What the management listener asks of the lifecycle: [`ManagementApi`] implemented by [`Core`].
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -16,7 +16,7 @@ use crate::api::ManagementApi;
 use crate::errors::not_found;
 use crate::reads::HOST_CALLS_AT_ONCE;
 use crate::state::{Host, Hosts};
-use crate::{Server, views};
+use crate::{Core, views};
 
 /// Each host (ID and entry) as owned values, for futures that outlive the borrow.
 pub(crate) fn owned(hosts: &Hosts) -> Vec<(String, Arc<Host>)> {
@@ -26,7 +26,7 @@ pub(crate) fn owned(hosts: &Hosts) -> Vec<(String, Arc<Host>)> {
         .collect()
 }
 
-impl ManagementApi for Server {
+impl ManagementApi for Core {
     fn switches(
         &self,
         mut query: capyctl_spec::api::SwitchQuery,

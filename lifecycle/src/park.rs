@@ -8,10 +8,10 @@ use capyctl_spec::errors::ApiError;
 
 use crate::errors::not_found;
 use crate::state::unit_instance;
-use crate::{Server, views};
+use crate::{Core, views};
 use tokio::time::Instant;
 
-impl Server {
+impl Core {
     pub(crate) async fn do_park(&self, key: &str) -> Result<ActionReceipt, ApiError> {
         let id = self.find(key)?;
         self.read(|inner| inner.command_refusal(&id, Instant::now()))?;
@@ -54,7 +54,7 @@ impl Server {
     }
 
     /// Follows an operator's park of deployment `dep` (several instances; see
-    /// [`Server::do_park`]) until it has taken: parks each instance of `coming` once its start
+    /// [`Core::do_park`]) until it has taken: parks each instance of `coming` once its start
     /// or wake has ended ready, and ends the operator's mark when a park does not take (an
     /// instance `asked` to park is ready again: its drain passed the bound, or its park was
     /// refused): the deployment is in use then, and the scaler must keep its instances. Ends
@@ -129,7 +129,7 @@ impl Server {
         self.write(move |inner| inner.end_operator_park(&dep)).await;
     }
 
-    /// [`Server::do_park`] of one instance (`id`: its unit).
+    /// [`Core::do_park`] of one instance (`id`: its unit).
     async fn park_unit(&self, id: &str) -> Result<ActionReceipt, ApiError> {
         let id = id.to_string();
         let spec = self

@@ -61,7 +61,7 @@ pub(crate) enum ParkedRoom {
 /// ran on its host ([`CopiesIndex::copies_on`]). A host's set is built by one scan of its
 /// deployments the first time it is read after [`CopiesIndex::forget`] (a host added or
 /// reconciled: adopted engines may be parked copies); after that each park adds its own unit
-/// before it runs (every park to host RAM goes through `Server::make_parked_room`), and each
+/// before it runs (every park to host RAM goes through `Core::make_parked_room`), and each
 /// read lets go of the units that can no longer hold a copy there.
 ///
 /// It sits in `State` behind a mutex of its own: a park reads under the state's read lock.

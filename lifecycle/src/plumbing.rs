@@ -10,15 +10,15 @@ use capyctl_spec::errors::ApiError;
 
 use crate::errors::{internal, not_found};
 use crate::state::{State, dep_of_unit};
-use crate::{Server, writer};
+use crate::{Core, writer};
 
-impl Server {
+impl Core {
     /// Reads the state (see [`owner::Owner::read`]).
     pub(crate) fn read<R>(&self, f: impl FnOnce(&State) -> R) -> R {
         self.owner.read(f)
     }
 
-    /// [`Server::write`] of deployment `id`'s change: `f` gets the state and `id`.
+    /// [`Core::write`] of deployment `id`'s change: `f` gets the state and `id`.
     pub(crate) async fn on<R: Send + 'static>(
         &self,
         id: &str,
@@ -107,7 +107,7 @@ impl Server {
             .ok_or_else(|| not_found(name_or_id))
     }
 
-    pub(crate) fn spawn(&self, work: impl FnOnce(Arc<Server>) -> BoxFuture<'static, ()>) {
+    pub(crate) fn spawn(&self, work: impl FnOnce(Arc<Core>) -> BoxFuture<'static, ()>) {
         if let Some(me) = self.me.upgrade() {
             tokio::spawn(work(me));
         }

@@ -4,13 +4,13 @@ use capyctl_spec::api::ActionReceipt;
 use capyctl_spec::errors::ApiError;
 use tokio::time::Instant;
 
-use crate::Server;
+use crate::Core;
 use crate::errors::not_found;
 use crate::ids::engine_addr;
 use crate::release::{NoRoom, Put};
 use crate::state::{Started, Up, UpDone};
 
-impl Server {
+impl Core {
     /// Measures the deployment and checks that it can park; when its checkpoint is still
     /// awaiting measurement and the GPU has room, starts it in the background without serving
     /// it (its first answer and footprint are recorded) and parks it (or stops it where it does

@@ -10,9 +10,9 @@ use serde::Serialize;
 
 use crate::errors::not_found;
 use crate::state::{self, Host, Hosts};
-use crate::{Server, views};
+use crate::{Core, views};
 
-/// How many deployments a read copies per hold of the lock ([`Server::shots`]).
+/// How many deployments a read copies per hold of the lock ([`Core::shots`]).
 pub(crate) const SHOT_CHUNK: usize = 256;
 
 /// How many calls to host agents a read (`engine list`, `hosts`) makes at once.
@@ -21,7 +21,7 @@ pub(crate) const HOST_CALLS_AT_ONCE: usize = 64;
 /// How many hosts' deployments the host view sums per hold of the lock.
 pub(crate) const HOSTS_PER_HOLD: usize = 32;
 
-impl Server {
+impl Core {
     /// The view of one deployment, if it exists.
     pub fn view(&self, name_or_id: &str) -> Option<DeploymentView> {
         let (d, hosts) = self.shot(name_or_id)?;
@@ -40,7 +40,7 @@ impl Server {
         (views::group(all), hosts)
     }
 
-    /// [`Server::shots`] in one vector: every instance in key order, each deployment's in index
+    /// [`Core::shots`] in one vector: every instance in key order, each deployment's in index
     /// order ([`views::deployments`] yields them a deployment at a time).
     fn flat_shots(&self) -> (Vec<views::DepShot>, Hosts) {
         let mut all: Vec<views::DepShot> = Vec::new();
@@ -51,7 +51,7 @@ impl Server {
         (all, hosts)
     }
 
-    /// [`Server::shots`] a chunk at a time: `each` gets every chunk (in key order, each
+    /// [`Core::shots`] a chunk at a time: `each` gets every chunk (in key order, each
     /// deployment's instances in index order: [`views::deployments`]; it may take the copies)
     /// once the lock is let go, with the hosts and the number of instances at the chunk's
     /// copy. A read that builds its views chunk by chunk keeps no copy of every deployment at
@@ -111,14 +111,14 @@ impl Server {
     }
 
     /// The load read (`GET /metrics/load`): every deployment, or the one `key` names. Built
-    /// from snapshots: of the lifecycle (see [`Server::shots`]) and of the router (each
+    /// from snapshots: of the lifecycle (see [`Core::shots`]) and of the router (each
     /// deployment's published load, `Router::load_shared`, read without a turn of
     /// its task); one deployment's read copies one deployment and looks up one router entry.
     pub(crate) fn do_load(&self, key: Option<&str>) -> Result<LoadReport, ApiError> {
         self.load_at(key, views::now_ms())
     }
 
-    /// [`Server::do_load`] at `now` (Unix ms).
+    /// [`Core::do_load`] at `now` (Unix ms).
     fn load_at(&self, key: Option<&str>, now: u64) -> Result<LoadReport, ApiError> {
         let mut deployments = Vec::new();
         self.load_views(key, now, |v, total| {
@@ -128,14 +128,14 @@ impl Server {
         Ok(load_report(now, deployments))
     }
 
-    /// [`Server::do_load`]'s answer as the management listener sends it (its JSON, byte for
+    /// [`Core::do_load`]'s answer as the management listener sends it (its JSON, byte for
     /// byte), each deployment's view encoded as soon as it is built and then dropped: no
     /// vector of every view.
     pub(crate) fn do_load_json(&self, key: Option<&str>) -> Result<Vec<u8>, ApiError> {
         self.load_json_at(key, views::now_ms())
     }
 
-    /// [`Server::do_load_json`] at `now` (Unix ms).
+    /// [`Core::do_load_json`] at `now` (Unix ms).
     fn load_json_at(&self, key: Option<&str>, now: u64) -> Result<Vec<u8>, ApiError> {
         let mut body = JsonArrayBody::new(&load_report(now, Vec::new()))?;
         self.load_views(key, now, |v, total| body.push(&v, total))?;
@@ -189,7 +189,7 @@ impl Server {
         }
     }
 
-    /// [`Server::do_list`]'s answer as the management listener sends it (its JSON, byte for
+    /// [`Core::do_list`]'s answer as the management listener sends it (its JSON, byte for
     /// byte), each view encoded as soon as it is built and then dropped (a view of the list
     /// holds its whole document: 100,000 of them at once were a hundred megabytes).
     pub(crate) fn do_list_json(&self) -> Result<Vec<u8>, ApiError> {
@@ -205,7 +205,7 @@ impl Server {
         body.finish()
     }
 
-    /// Every deployment's snapshots ([`Server::flat_shots`]), the ranges of each deployment's
+    /// Every deployment's snapshots ([`Core::flat_shots`]), the ranges of each deployment's
     /// in the order the list shows them (by name), and the hosts.
     fn listed(&self) -> (Vec<views::DepShot>, Vec<Range<usize>>, Hosts) {
         let (shots, hosts) = self.flat_shots();
@@ -329,7 +329,7 @@ mod tests {
     use capyctl_spec::documents::parse_deployment_str;
 
     use crate::api::ManagementApi;
-    use crate::{LifecycleConfig, Server};
+    use crate::{Core, LifecycleConfig};
 
     const GIB: u64 = 1 << 30;
 
@@ -379,7 +379,7 @@ mod tests {
                 .with_gpus(16)
                 .with_gpu(64 * GIB),
         );
-        let server = Server::open(
+        let server = Core::open(
             host.clone(),
             Arc::new(crate::store::MemoryStore::default()),
             LifecycleConfig::new("h"),

@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use crate::errors::not_found;
 use crate::state::{self, Dep, DownDone, Releasing, State, unit_instance, unit_of_key};
 use crate::switches::{self, victim_entry};
-use crate::{Server, parked_room, views};
+use crate::{Core, parked_room, views};
 
 /// How the router is asked to release instances the lifecycle puts away itself.
 #[derive(Debug, Clone, Copy)]
@@ -75,7 +75,7 @@ pub(crate) struct PutAway {
     pub(crate) room: Vec<Victim>,
 }
 
-/// Whether `unit` holds a parked copy in host RAM on `host` now, for [`Server::make_parked_room`]
+/// Whether `unit` holds a parked copy in host RAM on `host` now, for [`Core::make_parked_room`]
 /// of `park` (whose own unit is never one of the copies in its way).
 fn held_copy(inner: &state::State, host: &str, park: &str, unit: &str) -> parked_room::Held {
     use parked_room::Held;
@@ -95,7 +95,7 @@ fn held_copy(inner: &state::State, host: &str, park: &str, unit: &str) -> parked
     }
 }
 
-impl Server {
+impl Core {
     /// Makes room in host RAM for `id`'s parked copy: stops the copies the pure
     /// [`parked_room::parked_room`] names (least recently used first, never explicit, warm,
     /// busy, reserved or claimed ones), or `ParkedCapacity` when only copies never stopped
@@ -229,7 +229,7 @@ impl Server {
         }
     }
 
-    /// The engine half of [`Server::put_away`].
+    /// The engine half of [`Core::put_away`].
     async fn release_drained(&self, id: &str, put: Put) -> Result<Released, ApiError> {
         let agent = self.agent_of(id)?;
         let stop = put != Put::Park;
@@ -362,7 +362,7 @@ impl Server {
             .map(Option::unwrap_or_default)
     }
 
-    /// [`Server::drain`], asked as `ask` says: `Ok(None)` (and they serve on, as they were)
+    /// [`Core::drain`], asked as `ask` says: `Ok(None)` (and they serve on, as they were)
     /// when the router finds them in use. `shown: None`: a parked deployment, no instance to
     /// drain (the router is still asked, for `Ask::IfIdleSince`: nothing may wait for it).
     /// NB: with `Ask::IfIdleSince` they show `shown` only once the router has released them,

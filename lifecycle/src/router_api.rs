@@ -1,4 +1,4 @@
-//! What the router asks of the lifecycle: [`Lifecycle`] implemented by [`Server`].
+//! What the router asks of the lifecycle: [`Lifecycle`] implemented by [`Core`].
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -11,12 +11,12 @@ use capyctl_spec::api::{SwitchPhaseKind, VictimResult};
 use capyctl_spec::errors::ApiError;
 use tokio::time::Instant;
 
-use crate::Server;
+use crate::Core;
 use crate::names::{Named, named};
 use crate::state::unit_of_key;
 use crate::switches::victim_entry;
 
-impl Lifecycle for Server {
+impl Lifecycle for Core {
     /// Through the name cache: the request path takes no lock of this server's (see
     /// [`NameCache`](crate::names::NameCache)).
     fn resolve(&self, model: &str) -> Option<DeploymentRef> {

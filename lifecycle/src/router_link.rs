@@ -12,9 +12,9 @@ use capyctl_spec::InstanceState;
 use capyctl_spec::api::DeploymentView;
 use tokio::time::Instant;
 
-use crate::{Server, views, writer};
+use crate::{Core, views, writer};
 
-impl Server {
+impl Core {
     /// Attaches the router (built by the assembly, `capyctl_server::assembly::assemble`, over
     /// this server): announces the ready instances (adopted ones) and starts the background
     /// work (idle timers, engine exits).
@@ -39,7 +39,7 @@ impl Server {
     }
 
     /// Holds `/readyz` at not ready (`false`), or lets it answer ready again (`true`): standalone
-    /// holds it while it deploys its document's deployments. ([`Server::open`] leaves it ready.)
+    /// holds it while it deploys its document's deployments. ([`Core::open`] leaves it ready.)
     pub fn set_ready(&self, ready: bool) {
         self.ready.store(ready, Ordering::SeqCst);
     }

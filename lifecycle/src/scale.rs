@@ -1,6 +1,6 @@
 //! Replicas, as a pure policy: how many instances of a deployment in use should run, and which
 //! one to bring up or take down next ([`decide`]). The server runs it on every timer tick and
-//! after each bring-up (`Server::scale_run`), with the router's load; the bring-ups it asks for
+//! after each bring-up (`Core::scale_run`), with the router's load; the bring-ups it asks for
 //! take free room only (they never name victims: "as room allows"), and the instances it takes
 //! down are drained through the router like any release (an instance whose deployment keeps
 //! another open has no admission window there).

@@ -11,7 +11,7 @@ use capyctl_spec::api::{ActionReceipt, StartRequest, Victim};
 use capyctl_spec::errors::ApiError;
 use tokio::time::Instant;
 
-use crate::Server;
+use crate::Core;
 use crate::errors::{internal, not_found};
 use crate::state::StartNext;
 
@@ -36,7 +36,7 @@ pub(crate) fn evict_failed(
     })
 }
 
-impl Server {
+impl Core {
     pub(crate) async fn do_start(
         &self,
         key: &str,
@@ -114,9 +114,9 @@ impl Server {
 
     /// An operator's switch (`start --evict`): submitted to the router's coordinator, the one
     /// owner of switches, which runs it alone once the switches in progress have ended,
-    /// protects the deployments with waiting requests, asks [`Server::plan_now`] for it,
+    /// protects the deployments with waiting requests, asks [`Core::plan_now`] for it,
     /// drains the ready victims and has
-    /// [`Server::execute_order`] carry it out.
+    /// [`Core::execute_order`] carry it out.
     ///
     /// NB: a server without a router (some tests) has no requests, waiting or in flight, and
     /// no other switch: the same plan is asked for and executed here directly, with nothing

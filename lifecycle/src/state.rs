@@ -87,7 +87,7 @@ pub(crate) struct Dep {
     /// Set (once per bring-up) to end the start or wake in progress: what its waiting requests
     /// and the bring-up's caller get (`deployment_stopped` for a stop, `model_not_found` for
     /// a delete, `unavailable` for `start --evict` of another model). See
-    /// [`Server::end_bring_up`].
+    /// [`Core::end_bring_up`].
     pub(crate) end: watch::Sender<Option<ApiError>>,
     /// The start or wake last ended could not stop its engine (the agent's error): the engine
     /// may still hold its GPU memory, so `start --evict` does not count it as released.
@@ -466,7 +466,7 @@ pub(crate) struct State {
     /// changes: a deploy of the same name is the same deployment).
     pub(crate) by_name: HashMap<String, String>,
     /// IDs whose records changed since they were last written (deleted ones too): the next
-    /// save writes them ([`Server::save`]).
+    /// save writes them ([`Core::save`]).
     pub(crate) dirty: Dirty,
     pub(crate) reservations: HashMap<String, Reservation>,
     /// Every host, by ID.
@@ -483,7 +483,7 @@ pub(crate) struct State {
     /// reads when it needs the victims.
     pub(crate) holding: HashMap<String, BTreeSet<String>>,
     /// The units that may hold a parked copy in host RAM, by host: what a park reads to make
-    /// room for its copy (`Server::make_parked_room`).
+    /// room for its copy (`Core::make_parked_room`).
     pub(crate) parked_copies: parked_room::CopiesIndex,
     /// The deployments with more than one instance (or instances past their `replicas`):
     /// what the scaler reads (kept by [`State::sync_units`] and [`State::remove`]).
@@ -740,7 +740,7 @@ impl State {
 
     /// The ready instances of the deployments with several, with their host's agent and
     /// instance ID: whose engines' waiting counts the router's `least_loaded` reads
-    /// (`Server::feed_engine_loads`).
+    /// (`Core::feed_engine_loads`).
     pub(crate) fn engine_feeds(&self) -> Vec<(InstanceKey, Arc<dyn HostAgent>, String)> {
         self.replicated
             .iter()

@@ -11,17 +11,17 @@ use capyctl_spec::errors::ApiError;
 use futures_util::StreamExt;
 use tokio::time::Instant;
 
-use crate::Server;
+use crate::Core;
 use crate::errors::{internal, not_found};
 use crate::release::{Ask, NoRoom, Put};
 
 /// How many deployments a host drain stops at once.
 pub(crate) const DRAINS_AT_ONCE: usize = 16;
 
-impl Server {
+impl Core {
     /// An operator's stop or delete begins: marks `id` operator-stopped (requests get
     /// `deployment_stopped`), fails its waiting requests with `refusal`, then
-    /// [`Server::settle_down`].
+    /// [`Core::settle_down`].
     pub(crate) async fn begin_operator_stop(
         &self,
         id: &str,
@@ -37,7 +37,7 @@ impl Server {
     }
 
     /// Ends a start or a wake of `id` in progress (its engine is stopped at once, its caller
-    /// and requests get `refusal`: see [`Server::end_bring_up`]), waits for another operation
+    /// and requests get `refusal`: see [`Core::end_bring_up`]), waits for another operation
     /// on it (a park, a switch it is part of) to end, then begins taking it down, reserved by
     /// `rid` (see [`State::begin_down`]).
     async fn settle_down(
@@ -152,7 +152,7 @@ impl Server {
         })
     }
 
-    /// Stops deployment `id` for a host drain (see [`Server::do_drain_host`]); how it was
+    /// Stops deployment `id` for a host drain (see [`Core::do_drain_host`]); how it was
     /// released, `None` when nothing ran.
     async fn drain_one(&self, id: &str) -> Result<Option<Victim>, ApiError> {
         let rid = self.fresh_id("drain");
@@ -307,7 +307,7 @@ impl Server {
         self.put_away(id, put, no_room).await.map(|p| p.released)
     }
 
-    /// The idle timers' [`Server::take_down`] (`down` from [`State::begin_down`]: a ready
+    /// The idle timers' [`Core::take_down`] (`down` from [`State::begin_down`]: a ready
     /// `id` is parked, a parked one stopped), once the router's coordinator has found it idle
     /// since `idle_since`, deciding on its own state, and released it. `Ok(false)`, nothing
     /// done, when it is in use (a request waits, runs, or came after `idle_since`).

@@ -20,9 +20,9 @@ use crate::release::{NoRoom, Put};
 use crate::start::evict_failed;
 use crate::state::{Dep, Up, unit_instance, unit_of_key};
 use crate::switches::{self, Recording, Target, victim_entry};
-use crate::{Server, views};
+use crate::{Core, views};
 
-/// The longest [`Server::idle_engine`] waits: the drain bound's maximum (600 s).
+/// The longest [`Core::idle_engine`] waits: the drain bound's maximum (600 s).
 pub(crate) const IDLE_ENGINE_BOUND: Duration = Duration::from_secs(600);
 
 /// The record of a switch the router planned, while its window and drain run.
@@ -34,7 +34,7 @@ pub(crate) struct Planned {
     pub(crate) victims: Vec<(String, String)>,
 }
 
-impl Server {
+impl Core {
     /// Plans bringing `target` up for `who` (see [`State::plan`]).
     pub(crate) async fn plan_now(
         &self,
@@ -55,7 +55,7 @@ impl Server {
 
     /// Begins the record of a switch the router planned, shown while it runs: a request's
     /// window begins now (an operator's switch has none: its drain begins when the router
-    /// says, [`Lifecycle::switch_draining`]). [`Server::record_order`] gives it the router's
+    /// says, [`Lifecycle::switch_draining`]). [`Core::record_order`] gives it the router's
     /// exact times.
     fn record_plan(
         &self,
@@ -231,8 +231,8 @@ impl Server {
         rec
     }
 
-    /// [`Server::take_down`] of `id` (reserved by `rid`) for `cause`, recorded as a switch of
-    /// its own ([`Server::release_recorded`]).
+    /// [`Core::take_down`] of `id` (reserved by `rid`) for `cause`, recorded as a switch of
+    /// its own ([`Core::release_recorded`]).
     pub(crate) async fn take_down_recorded(
         &self,
         cause: SwitchCause,

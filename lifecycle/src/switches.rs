@@ -6,7 +6,7 @@
 //! is one short hold of the lock. The record is known to the code that runs inside the switch
 //! through a task-local ([`current`], set by [`Recording::scope`]): the park or stop of a victim
 //! and the wake or start of a target note themselves in whatever switch runs them, so each
-//! phase is noted in one place (`Server::release_drained`, `Server::finish_up_inner`), and a
+//! phase is noted in one place (`Core::release_drained`, `Core::finish_up_inner`), and a
 //! start or wake that runs outside every switch is a `bring_up` record of its own.
 //!
 //! Kept across restarts: each change of a record marks it due and wakes a writer thread (a

@@ -12,10 +12,10 @@ use capyctl_spec::settings::LifecycleDefaults;
 use tokio::time::Instant;
 
 use crate::state::{State, unit_instance};
-use crate::{Server, owner, scale, views};
+use crate::{Core, owner, scale, views};
 
 /// What the owner's task hands back: engine exits, and the timer's ticks.
-impl owner::Ticks for Server {
+impl owner::Ticks for Core {
     /// An engine exited by itself: the instance is failed and gone (see
     /// [`State::engine_exited`]); the router hears of it, and the starts waiting for memory
     /// try again.
@@ -69,7 +69,7 @@ impl Drop for Running {
     }
 }
 
-impl Server {
+impl Core {
     /// Runs the scaler in a task of its own, unless a run is under way.
     pub(crate) fn scale_soon(&self) {
         if self.router().is_none() {

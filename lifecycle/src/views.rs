@@ -5,7 +5,7 @@
 //! deployment into a [`DepShot`] under the lock (O(1) per deployment: the document and the spec
 //! are shared through [`Fixed`], not copied), a chunk of deployments at a time, and the hosts as
 //! one shared map ([`Hosts`]); the views, the JSON and the host agents' calls all happen after
-//! the lock is let go (`Server::shots`).
+//! the lock is let go (`Core::shots`).
 
 use std::net::SocketAddr;
 use std::sync::Arc;

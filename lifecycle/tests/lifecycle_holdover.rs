@@ -11,7 +11,7 @@ use std::time::Duration;
 use capyctl_interfaces::router::{DrainReport, Lifecycle, Plan, PlanFor, SwitchOrder};
 use capyctl_lifecycle::api::ManagementApi;
 use capyctl_lifecycle::store::MemoryStore;
-use capyctl_lifecycle::{LifecycleConfig, Server};
+use capyctl_lifecycle::{Core, LifecycleConfig};
 use capyctl_router::admission::Admission;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::CoordinatorHandle;
@@ -25,8 +25,8 @@ use tokio::time::Instant;
 
 /// A lifecycle on one 10 GiB simulated host with its router, and `x` and `y` (6 GiB each)
 /// deployed, `x` ready.
-async fn lifecycle() -> (Arc<Server>, CoordinatorHandle) {
-    let server = Server::open(
+async fn lifecycle() -> (Arc<Core>, CoordinatorHandle) {
+    let server = Core::open(
         Arc::new(SimHost::new()),
         Arc::new(MemoryStore::default()),
         LifecycleConfig::new("h"),
@@ -59,7 +59,7 @@ fn held() -> ApiError {
     }
 }
 
-async fn state_of(s: &Server, name: &str) -> InstanceState {
+async fn state_of(s: &Core, name: &str) -> InstanceState {
     s.get(name).await.unwrap().state
 }
 

@@ -11,7 +11,7 @@ use std::time::Duration;
 use capyctl_interfaces::router::{DrainReport, Lifecycle, Plan, PlanFor, SwitchOrder};
 use capyctl_lifecycle::api::ManagementApi;
 use capyctl_lifecycle::store::{Changes, DeploymentRecord, MemoryStore, Store, StoreError};
-use capyctl_lifecycle::{LifecycleConfig, Server};
+use capyctl_lifecycle::{Core, LifecycleConfig};
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::{Released, StartRequest};
 use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
@@ -68,16 +68,16 @@ fn doc(name: &str, gib: u64, extra: &str) -> DeploymentDoc {
     .unwrap()
 }
 
-async fn server() -> (Arc<Server>, Arc<SimHost>, Arc<MemStore>) {
+async fn server() -> (Arc<Core>, Arc<SimHost>, Arc<MemStore>) {
     let agent = Arc::new(SimHost::new());
     let store = Arc::new(MemStore::default());
-    let s = Server::open(agent.clone(), store.clone(), LifecycleConfig::new("h"))
+    let s = Core::open(agent.clone(), store.clone(), LifecycleConfig::new("h"))
         .await
         .unwrap();
     (s, agent, store)
 }
 
-async fn ready(s: &Server, name: &str) -> String {
+async fn ready(s: &Core, name: &str) -> String {
     s.start(
         name,
         StartRequest {
@@ -274,7 +274,7 @@ async fn a_change_writes_its_own_records_and_the_same_documents_write_nothing() 
 
     // A restart: the records come back, and the same documents write nothing.
     s.close();
-    let s = Server::open(agent, store.clone(), LifecycleConfig::new("h"))
+    let s = Core::open(agent, store.clone(), LifecycleConfig::new("h"))
         .await
         .unwrap();
     assert_eq!(s.get("b").await.unwrap().revision, 2);
@@ -387,7 +387,7 @@ async fn refusals_come_from_the_operator_and_activation() {
 /// would run into this bound (the clock jumps to it once everything idles).
 const PROMPT: Duration = Duration::from_secs(5);
 
-async fn state_of(s: &Server, name: &str) -> InstanceState {
+async fn state_of(s: &Core, name: &str) -> InstanceState {
     s.get(name).await.unwrap().state
 }
 
@@ -405,7 +405,7 @@ async fn called(agent: &SimHost, call: &str) {
 }
 
 /// Waits (on the paused clock) until `name` shows `state`.
-async fn becomes(s: &Server, name: &str, state: InstanceState) {
+async fn becomes(s: &Core, name: &str, state: InstanceState) {
     if let Err(last) = s.wait_for_state(name, &[state], PROMPT).await {
         panic!("{name} never became {state}: {last:?}");
     }

@@ -13,7 +13,7 @@ use std::time::Duration;
 use capyctl_interfaces::router::Lifecycle;
 use capyctl_lifecycle::api::ManagementApi;
 use capyctl_lifecycle::store::{Changes, MemoryStore, Store, StoreError};
-use capyctl_lifecycle::{HostEntry, LifecycleConfig, Server};
+use capyctl_lifecycle::{Core, HostEntry, LifecycleConfig};
 use capyctl_node_agent::spec::HostSettings;
 use capyctl_router::admission::Admission;
 use capyctl_router::config::RouterConfig;
@@ -33,7 +33,7 @@ fn doc(name: &str) -> DeploymentDoc {
 }
 
 struct Cluster {
-    server: Arc<Server>,
+    server: Arc<Core>,
     router: CoordinatorHandle,
     calls: Arc<Concurrency>,
     /// The host calls made while the lifecycle's lock was held.
@@ -60,7 +60,7 @@ async fn cluster(hosts: usize, latency: Duration) -> Cluster {
             remote: true,
         })
         .collect();
-    let server = Server::open_hosts(
+    let server = Core::open_hosts(
         entries,
         Arc::new(MemoryStore::default()),
         LifecycleConfig::new("gpu-000"),
@@ -93,7 +93,7 @@ async fn cluster(hosts: usize, latency: Duration) -> Cluster {
 
 /// Whether the lifecycle's lock is held now (by the caller, say): `admissible` takes the lock;
 /// asked from another thread, it answers only once the lock is free.
-fn held(server: &Weak<Server>) -> bool {
+fn held(server: &Weak<Core>) -> bool {
     let Some(server) = server.upgrade() else {
         return false;
     };
@@ -105,7 +105,7 @@ fn held(server: &Weak<Server>) -> bool {
     rx.recv_timeout(Duration::from_secs(2)).is_err()
 }
 
-async fn start(s: &Server, name: &str) -> String {
+async fn start(s: &Core, name: &str) -> String {
     let req = StartRequest {
         evict: false,
         wait: true,
@@ -283,7 +283,7 @@ impl Store for SlowDisk {
 #[tokio::test]
 async fn a_slow_commit_holds_up_no_runtime_thread_and_a_change_returns_once_committed() {
     let disk = Arc::new(SlowDisk::default());
-    let server = Server::open(
+    let server = Core::open(
         Arc::new(SimHost::new()),
         disk.clone(),
         LifecycleConfig::new("h"),

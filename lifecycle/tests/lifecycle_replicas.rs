@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use capyctl_lifecycle::api::ManagementApi;
 use capyctl_lifecycle::store::MemoryStore;
-use capyctl_lifecycle::{LifecycleConfig, Server};
+use capyctl_lifecycle::{Core, LifecycleConfig};
 use capyctl_router::admission::{Admission, Permit};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::CoordinatorHandle;
@@ -28,7 +28,7 @@ const PARK: Duration = Duration::from_secs(1);
 const WINDOW: Duration = Duration::from_secs(2);
 
 struct Scene {
-    server: Arc<Server>,
+    server: Arc<Core>,
     router: CoordinatorHandle,
     store: Arc<MemoryStore>,
 }
@@ -66,7 +66,7 @@ async fn scene_with(
     lc.timer_tick = Duration::from_millis(100);
     tweak(&mut lc);
     let store = Arc::new(MemoryStore::default());
-    let server = Server::open(agent.into(), store.clone(), lc).await.unwrap();
+    let server = Core::open(agent.into(), store.clone(), lc).await.unwrap();
     let router = assemble(
         &server,
         server.clone(),

@@ -10,7 +10,7 @@ use capyctl_lifecycle::api::ManagementApi;
 use capyctl_lifecycle::metrics::Metrics;
 use capyctl_lifecycle::store::MemoryStore;
 use capyctl_lifecycle::switches::{KEEP, SwitchLog, Target};
-use capyctl_lifecycle::{LifecycleConfig, Server};
+use capyctl_lifecycle::{Core, LifecycleConfig};
 use capyctl_router::admission::Admission;
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::{CoordinatorHandle, CoordinatorPermit};
@@ -42,7 +42,7 @@ fn doc(name: &str) -> DeploymentDoc {
 }
 
 struct Scene {
-    server: Arc<Server>,
+    server: Arc<Core>,
     router: CoordinatorHandle,
     agent: Arc<SimHost>,
 }
@@ -62,7 +62,7 @@ async fn scene(drain_timeout: Duration, defaults: LifecycleDefaults) -> Scene {
     let mut lc = LifecycleConfig::new("h");
     lc.lifecycle_defaults = defaults;
     lc.timer_tick = Duration::from_millis(100);
-    let server = Server::open(agent.clone(), Arc::new(MemoryStore::default()), lc)
+    let server = Core::open(agent.clone(), Arc::new(MemoryStore::default()), lc)
         .await
         .unwrap();
     let router = assemble(

@@ -1108,7 +1108,7 @@ mod tests {
             ..Agent::default()
         });
         let a: Arc<dyn HostAgent> = Arc::new(agent(client, inner.clone()));
-        let lifecycle = capyctl_lifecycle::Server::open(
+        let lifecycle = capyctl_lifecycle::Core::open(
             a.clone(),
             Arc::new(capyctl_lifecycle::store::MemoryStore::default()),
             capyctl_lifecycle::LifecycleConfig::new("gpu-1"),

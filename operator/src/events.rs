@@ -140,15 +140,15 @@ impl EventFeed {
     }
 }
 
-/// Reads a deployment's view now (by name or ID); the lifecycle's `Server::view`.
+/// Reads a deployment's view now (by name or ID); the lifecycle's `Core::view`.
 pub trait Views: Send + Sync {
     /// The view, if the deployment exists.
     fn view(&self, name_or_id: &str) -> Option<DeploymentView>;
 }
 
-impl Views for capyctl_lifecycle::Server {
+impl Views for capyctl_lifecycle::Core {
     fn view(&self, name_or_id: &str) -> Option<DeploymentView> {
-        capyctl_lifecycle::Server::view(self, name_or_id)
+        capyctl_lifecycle::Core::view(self, name_or_id)
     }
 }
 

@@ -30,7 +30,7 @@
 //!
 //! A leader that cannot reach the API server is **held over** (see [`super::leader`]) instead
 //! of losing the Lease at its renew deadline: [`follow_holdover`] tells the lifecycle to hold
-//! every switch (`Server::hold_switches`: its ready models serve on, a request that needs a
+//! every switch (`Core::hold_switches`: its ready models serve on, a request that needs a
 //! switch and every operator command that changes something get 503 `unavailable`, "the
 //! Kubernetes API server cannot be reached; …", with `Retry-After`), and [`SwitchableApi`]
 //! refuses the changes of the management API with the same answer; engine exits are still
@@ -38,7 +38,7 @@
 //! again (what changed meanwhile could not be written). The Lease read naming another holder,
 //! or `renew_deadline + holdover` without a renewal, ends the leadership as above. A leader
 //! that took the Lease over from one that did not release it fences what it adopted as ready
-//! (`Server::fence`) until its takeover plus `holdover`: those instances serve at once but
+//! (`Core::fence`) until its takeover plus `holdover`: those instances serve at once but
 //! are not parked or stopped (not victims, no idle timer, an operator's park or stop is 503
 //! `unavailable` naming the fence's end) before the old leader's hold-over has surely ended.
 
@@ -82,7 +82,7 @@ use super::store::CrStore;
 use super::watch::{Claims, Watch};
 use capyctl_lifecycle::api::{BoxFuture, ManagementApi};
 use capyctl_lifecycle::metrics::Metrics;
-use capyctl_lifecycle::{HostEntry, Server};
+use capyctl_lifecycle::{Core, HostEntry};
 use capyctl_server::assembly::{
     Assembly, BindError, FirstHost, Inference, assemble, bind, lifecycle_config, proxy_config,
     router_config,
@@ -253,7 +253,7 @@ pub enum OperatorError {
     Agent(#[from] capyctl_node_agent::AgentError),
     /// The lifecycle could not start.
     #[error("{0}")]
-    Server(#[from] capyctl_lifecycle::ServerError),
+    Server(#[from] capyctl_lifecycle::CoreError),
     /// The API server refused a call the operator cannot do without.
     #[error("Kubernetes API: {0}")]
     Kube(#[from] kube::Error),
@@ -675,7 +675,7 @@ async fn join(
 struct Following {
     client: Client,
     options: OperatorOptions,
-    server: Arc<Server>,
+    server: Arc<Core>,
     /// Which object holds each deployment name (engine Pods find their object by it).
     claims: Arc<Claims>,
     /// The policies the leader runs with (a joining host is added).
@@ -753,7 +753,7 @@ async fn follow_node_agents(following: Following, mut stop: watch::Receiver<bool
 
 /// What [`follow_holdover`] tells of a hold-over.
 struct Holding {
-    server: Arc<Server>,
+    server: Arc<Core>,
     api: Arc<SwitchableApi>,
     reconciler: Arc<Reconciler>,
     refusal: ApiError,
@@ -883,7 +883,7 @@ pub async fn lead(
         activation,
         settings: host_settings,
     };
-    let server = Server::open_hosts(
+    let server = Core::open_hosts(
         joined.into_iter().map(|j| j.entry).collect(),
         store.clone(),
         // NB: the leader's switch records are kept in its data directory, not in the API

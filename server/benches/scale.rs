@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use capyctl_lifecycle::api::ManagementApi;
 use capyctl_lifecycle::store::{DeploymentRecord, MemoryStore};
-use capyctl_lifecycle::{HostEntry, LifecycleConfig, Server};
+use capyctl_lifecycle::{Core, HostEntry, LifecycleConfig};
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::spec::HostSettings;
 use capyctl_router::config::RouterConfig;
@@ -549,7 +549,7 @@ fn records(n: usize) -> Vec<DeploymentRecord> {
 
 /// The lifecycle over `hosts` simulated hosts with `n` deployments from the CR store, the real
 /// coordinator and inference listener; the server and the listener's address.
-async fn fake_cluster(hosts: usize, n: usize, latency: Duration) -> (Arc<Server>, SocketAddr, f64) {
+async fn fake_cluster(hosts: usize, n: usize, latency: Duration) -> (Arc<Core>, SocketAddr, f64) {
     let up = upstream().await;
     // Every deployment fits at once on any host: no case here waits for a switch.
     let gpu = (n as u64 + 2) * GIB;
@@ -580,7 +580,7 @@ async fn fake_cluster(hosts: usize, n: usize, latency: Duration) -> (Arc<Server>
     lc.host_settings = settings;
     let store = Arc::new(MemoryStore::new(records(n)));
     let t = Instant::now();
-    let server = Server::open_hosts(entries, store, lc).await.unwrap();
+    let server = Core::open_hosts(entries, store, lc).await.unwrap();
     let open_ms = ms(t.elapsed());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();

@@ -14,7 +14,7 @@
 //!    server's models, served until its stop.
 //!
 //! The lifecycle never builds the router: it knows it only through what
-//! [`Server::attach_router`] is given.
+//! [`Core::attach_router`] is given.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -24,7 +24,7 @@ use std::time::Duration;
 use capyctl_interfaces::router::Lifecycle;
 use capyctl_interfaces::spec::HostSettings;
 use capyctl_lifecycle::metrics::Metrics;
-use capyctl_lifecycle::{LifecycleConfig, Server};
+use capyctl_lifecycle::{Core, LifecycleConfig};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::{Coordinator, CoordinatorHandle};
 use capyctl_router::observe::RequestObserver;
@@ -172,7 +172,7 @@ pub struct Assembly {
 /// `inference` (when given) through a [`Proxy`] over that router. `lifecycle` is what the
 /// router asks (resolve, plans, switches): `server` itself, or a wrapper of it.
 pub async fn assemble(
-    server: &Arc<Server>,
+    server: &Arc<Core>,
     lifecycle: Arc<dyn Lifecycle>,
     router: RouterConfig,
     inference: Option<Inference>,

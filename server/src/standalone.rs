@@ -3,8 +3,8 @@
 //! [`Standalone::listen`] builds, in order: the host agent ([`LocalHostAgent`], engines as child
 //! processes, GPUs from the default probe or `host.gpus`), the state database ([`RedbStore`],
 //! `<data-dir>/state.redb`, which imports a `state.json` of an earlier CapyCTL), the
-//! lifecycle ([`Server`], which loads the state and adopts engines a previous run left); then
-//! it checks the whole document's deployments against the hosts ([`Server::check_all`]), and
+//! lifecycle ([`Core`], which loads the state and adopts engines a previous run left); then
+//! it checks the whole document's deployments against the hosts ([`Core::check_all`]), and
 //! only then takes the admin token and opens the switch coordinator, the inference listener
 //! and the management listener. [`Standalone::deploy_checked`] deploys what was checked
 //! (deployed, not started), and only then does `/readyz` answer ready. [`Standalone::start`]
@@ -41,7 +41,7 @@ use crate::management::ManagementOptions;
 use capyctl_lifecycle::api::ManagementApi;
 use capyctl_lifecycle::metrics::Metrics;
 use capyctl_lifecycle::store::{RedbStore, StoreError};
-use capyctl_lifecycle::{Checked, HostEntry, LifecycleConfig, Server, ServerError};
+use capyctl_lifecycle::{Checked, Core, CoreError, HostEntry, LifecycleConfig};
 
 /// What can go wrong starting standalone. Each names what failed and where.
 #[derive(Debug, thiserror::Error)]
@@ -54,7 +54,7 @@ pub enum StandaloneError {
     Store(#[from] StoreError),
     /// The lifecycle could not start (state, inventory, recovery).
     #[error("{0}")]
-    Server(#[from] ServerError),
+    Server(#[from] CoreError),
     /// A listener could not be bound.
     #[error(transparent)]
     Bind(#[from] BindError),
@@ -246,7 +246,7 @@ pub struct Standalone {
     /// The data directory's lock, held while this runs.
     _lock: std::fs::File,
     /// The lifecycle.
-    server: Arc<Server>,
+    server: Arc<Core>,
     /// The host agent (engines are stopped through it on shutdown).
     agent: Arc<LocalHostAgent>,
     inference_addr: SocketAddr,
@@ -401,7 +401,7 @@ impl Standalone {
         let mut hosts = node_agent_hosts(node_agents, &own).await?;
         hosts.insert(0, own);
         let store = Arc::new(RedbStore::open(&data_dir)?);
-        let server = Server::open_fixed_hosts(hosts, store, lifecycle).await?;
+        let server = Core::open_fixed_hosts(hosts, store, lifecycle).await?;
         // Not ready until the document's deployments exist (`deploy_checked`).
         server.set_ready(false);
         // The whole document, before any listener opens: a refusal changes nothing.
@@ -495,7 +495,7 @@ impl Standalone {
     /// same one changes nothing), then lets `/readyz` answer ready. The whole document is
     /// checked first: a refusal names that deployment and changes nothing, and `/readyz` stays
     /// as it was.
-    /// What they change is written in one transaction ([`Server::deploy_all`]): unchanged ones
+    /// What they change is written in one transaction ([`Core::deploy_all`]): unchanged ones
     /// write nothing.
     pub async fn deploy_document(
         &self,
@@ -527,7 +527,7 @@ impl Standalone {
     }
 
     /// The lifecycle (for in-process callers and tests).
-    pub fn server(&self) -> &Arc<Server> {
+    pub fn server(&self) -> &Arc<Core> {
         &self.server
     }
 

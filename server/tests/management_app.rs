@@ -13,7 +13,7 @@ use std::sync::Arc;
 use axum::Router;
 use axum::body::Body;
 use capyctl_lifecycle::store::MemoryStore;
-use capyctl_lifecycle::{LifecycleConfig, Server};
+use capyctl_lifecycle::{Core, LifecycleConfig};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::CoordinatorHandle;
 use capyctl_server::assembly::assemble;
@@ -39,7 +39,7 @@ const CHAT_A: &str = "name: chat-a\nengine: vllm\nmodel: Qwen3-4B\nresources: {g
 /// The app over a lifecycle on one simulated host, with the router attached as standalone does.
 struct App {
     app: Router,
-    server: Arc<Server>,
+    server: Arc<Core>,
     host: Arc<SimHost>,
     _router: CoordinatorHandle,
 }
@@ -48,7 +48,7 @@ async fn app() -> App {
     let host = Arc::new(SimHost::new());
     let config = LifecycleConfig::new(HOST);
     let metrics = config.metrics.clone();
-    let server = Server::open(host.clone(), Arc::new(MemoryStore::default()), config)
+    let server = Core::open(host.clone(), Arc::new(MemoryStore::default()), config)
         .await
         .unwrap();
     let router = assemble(&server, server.clone(), RouterConfig::default(), None)

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use capyctl_lifecycle::store::RedbStore;
-use capyctl_lifecycle::{HostEntry, LifecycleConfig, Server};
+use capyctl_lifecycle::{Core, HostEntry, LifecycleConfig};
 use capyctl_node_agent::LocalHostAgent;
 use capyctl_node_agent::agent::AgentConfig;
 use capyctl_node_agent::inventory::NoGpus;
@@ -85,7 +85,7 @@ impl Default for Opts {
 /// A server with the real coordinator and the real listener on a loopback port.
 pub struct Harness {
     /// The lifecycle server.
-    pub server: Arc<Server>,
+    pub server: Arc<Core>,
     /// The server's metrics.
     pub metrics: Arc<capyctl_lifecycle::metrics::Metrics>,
     /// The first host's agent.
@@ -164,7 +164,7 @@ impl Harness {
                 remote: false,
             })
             .collect();
-        let server = Server::open_hosts(hosts, store, lc).await.unwrap();
+        let server = Core::open_hosts(hosts, store, lc).await.unwrap();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, rx) = watch::channel(false);

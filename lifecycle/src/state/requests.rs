@@ -44,7 +44,7 @@ impl Requests for dyn LastUses {
 }
 
 /// The server's handle on the router's record ([`Router::last_uses`]): one shared
-/// cell, set when the router is attached (`Server::attach_router`); until then nothing is
+/// cell, set when the router is attached (`Core::attach_router`); until then nothing is
 /// recorded. Reading it takes a read lock of its own and no turn of the router's task. The
 /// server hands it to the rules that read it.
 ///

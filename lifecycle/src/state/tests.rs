@@ -323,7 +323,7 @@ async fn the_scaler_starts_a_stopped_instance_where_a_parked_one_has_no_room() {
     let (_, gb) = bring_up(&mut s, "b", now);
     assert_eq!(gb, g1);
     // The parked instance can wake only there: no room, so the scaler's next candidate,
-    // the stopped one, is started on the free GPU (`Server::scale_run` tries them in
+    // the stopped one, is started on the free GPU (`Core::scale_run` tries them in
     // the order `scale::decide` gives).
     assert_eq!(s.scale_up("r-1", &NoRequests, now), None);
     assert!(s.scale_up("r-2", &NoRequests, now).is_some());
