@@ -1195,3 +1195,26 @@ async fn the_listener_resolves_names_deployed_and_deleted_after_it_started() {
     assert_eq!(admission.resolve("chat-b").unwrap().name, "chat-b");
     h.close().await;
 }
+
+/// A new revision that changes what the router reads of a deployment (its `routing`) is what
+/// the next request resolves to, not the name cache's copy of the first revision.
+#[tokio::test]
+async fn a_redeploy_changes_what_the_next_request_resolves() {
+    use capyctl_interfaces::router::Lifecycle as _;
+    use capyctl_spec::Routing;
+    let dir = temp_dir("redeploy-routing");
+    let h = Harness::new(&dir, Opts::default()).await;
+    h.server.deploy(doc("chat-p", "")).await.unwrap();
+    assert_eq!(
+        h.server.resolve("chat-p").unwrap().routing,
+        Routing::LeastLoaded
+    );
+    let r = h
+        .server
+        .deploy(doc("chat-p", "routing: prefix\n"))
+        .await
+        .unwrap();
+    assert_eq!(r.outcome, DeployOutcome::Updated);
+    assert_eq!(h.server.resolve("chat-p").unwrap().routing, Routing::Prefix);
+    h.shutdown().await;
+}

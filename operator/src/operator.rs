@@ -253,7 +253,7 @@ pub enum OperatorError {
     Agent(#[from] capyctl_node_agent::AgentError),
     /// The lifecycle could not start.
     #[error("{0}")]
-    Server(#[from] capyctl_lifecycle::CoreError),
+    Core(#[from] capyctl_lifecycle::CoreError),
     /// The API server refused a call the operator cannot do without.
     #[error("Kubernetes API: {0}")]
     Kube(#[from] kube::Error),
@@ -278,7 +278,7 @@ impl OperatorError {
         match self {
             OperatorError::Bind(_) => "bind",
             OperatorError::Agent(e) => e.metric_label(),
-            OperatorError::Server(e) => e.metric_label(),
+            OperatorError::Core(e) => e.metric_label(),
             OperatorError::Kube(_) => "kube",
             OperatorError::LostLeadership => "lost_leadership",
             OperatorError::HostPolicyChanged { .. } => "host_policy_changed",
@@ -927,14 +927,17 @@ pub async fn lead(
     let grace = inference_config.shutdown_grace;
     let (stop_tasks, _) = watch::channel(false);
     // The inference port's socket, given back by the router's listener when it stops
-    // accepting (see `super::handover`).
+    // accepting (see `super::handover`), to answer 503 on it while this leader stays
+    // labelled. Without the leader label nobody would take it: then it is closed at the stop
+    // (clients get a connection refused at once, not a backlog nobody accepts).
     let (give_back, given_back) = tokio::sync::oneshot::channel();
+    let give_back = options.leader_label.is_some().then_some(give_back);
     let inference = Inference {
         listener: inference,
         config: inference_config,
         observer: Some(metrics.clone()),
         stop: stop_tasks.subscribe(),
-        give_back: Some(give_back),
+        give_back,
     };
     let Assembly { router, inference } = assemble(
         &server,

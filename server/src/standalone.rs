@@ -54,7 +54,7 @@ pub enum StandaloneError {
     Store(#[from] StoreError),
     /// The lifecycle could not start (state, inventory, recovery).
     #[error("{0}")]
-    Server(#[from] CoreError),
+    Core(#[from] CoreError),
     /// A listener could not be bound.
     #[error(transparent)]
     Bind(#[from] BindError),
@@ -110,7 +110,7 @@ impl StandaloneError {
         match self {
             StandaloneError::Agent(e) => e.metric_label(),
             StandaloneError::Store(e) => e.metric_label(),
-            StandaloneError::Server(e) => e.metric_label(),
+            StandaloneError::Core(e) => e.metric_label(),
             StandaloneError::Bind(_) => "bind",
             StandaloneError::Token(e) => e.metric_label(),
             StandaloneError::Deploy { .. } => "deploy",

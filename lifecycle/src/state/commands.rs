@@ -4,6 +4,7 @@
 //! of the owner (the engine operations they lead to are `rules.rs`' and `releases.rs`').
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 
 use capyctl_interfaces::measure::Measurement;
 use capyctl_interfaces::spec::InstanceSpec;
@@ -16,7 +17,7 @@ use tokio::time::Instant;
 use crate::errors::not_found;
 use crate::store::DeploymentRecord;
 
-use super::{Dep, State};
+use super::{Dep, PresenceOf, State};
 
 impl State {
     /// Writes a deploy of `doc` (checked; `id`: the new deployment's ID when its name is new,
@@ -39,6 +40,10 @@ impl State {
             d.spec = Arc::new(InstanceSpec::from_doc(d.rec.id.clone(), &doc));
             d.rec.doc = doc;
             d.renew_fixed();
+            // The name cache's entry holds what the router reads of the document (its
+            // routing): a new revision gets a new presence flag, and the old one, dropped,
+            // marks that entry stale, so the next request reads the new document.
+            d.presence = PresenceOf(Arc::new(AtomicBool::new(false)));
             (d.rec.id.clone(), DeployOutcome::Updated)
         } else {
             let rec = DeploymentRecord {
