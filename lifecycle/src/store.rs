@@ -78,6 +78,23 @@ pub struct DeploymentRecord {
     pub first_answer: Option<FirstAnswer>,
 }
 
+impl DeploymentRecord {
+    /// The record of a deployment first deployed as `doc`: revision 1, never started, no
+    /// operator's flag.
+    pub fn first(id: String, doc: DeploymentDoc) -> Self {
+        DeploymentRecord {
+            id,
+            revision: 1,
+            doc,
+            operator_stopped: false,
+            operator_started: false,
+            pending_start: false,
+            generation: 0,
+            first_answer: None,
+        }
+    }
+}
+
 /// What one [`Store::write`] changes, in one transaction.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Changes {
@@ -532,16 +549,7 @@ mod tests {
     }
 
     fn record(id: &str, name: &str) -> DeploymentRecord {
-        DeploymentRecord {
-            id: id.into(),
-            revision: 1,
-            doc: doc(name),
-            operator_stopped: false,
-            operator_started: false,
-            pending_start: false,
-            generation: 0,
-            first_answer: None,
-        }
+        DeploymentRecord::first(id.into(), doc(name))
     }
 
     fn sorted(mut records: Vec<DeploymentRecord>) -> Vec<DeploymentRecord> {

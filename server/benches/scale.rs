@@ -526,10 +526,9 @@ async fn upstream() -> SocketAddr {
 fn records(n: usize) -> Vec<DeploymentRecord> {
     (0..n)
         .map(|i| {
-            DeploymentRecord {
-                id: format!("01SCALE{i:019}"),
-                revision: 1,
-                doc: parse_deployment_str(
+            DeploymentRecord::first(
+                format!("01SCALE{i:019}"),
+                parse_deployment_str(
                     "scale.yaml",
                     &format!(
                         "name: {}\nengine: vllm\nmodel: Qwen3-4B\nresources: {{gpu_memory: 1GiB, weights_memory: 64MiB}}\n",
@@ -537,12 +536,7 @@ fn records(n: usize) -> Vec<DeploymentRecord> {
                     ),
                 )
                 .unwrap(),
-                operator_stopped: false,
-                operator_started: false,
-                pending_start: false,
-                generation: 0,
-                first_answer: None,
-            }
+            )
         })
         .collect()
 }

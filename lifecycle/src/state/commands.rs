@@ -46,17 +46,7 @@ impl State {
             d.presence = PresenceOf(Arc::new(AtomicBool::new(false)));
             (d.rec.id.clone(), DeployOutcome::Updated)
         } else {
-            let rec = DeploymentRecord {
-                id: id.clone(),
-                revision: 1,
-                doc,
-                operator_stopped: false,
-                operator_started: false,
-                pending_start: false,
-                generation: 0,
-                first_answer: None,
-            };
-            self.insert(Dep::new(rec, now));
+            self.insert(Dep::new(DeploymentRecord::first(id.clone(), doc), now));
             (id.clone(), DeployOutcome::Created)
         };
         self.dirty.mark(&id);

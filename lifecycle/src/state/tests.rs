@@ -50,19 +50,7 @@ fn sized_dep(id: &str, name: &str, extra: &str, gib: u64, now: Instant) -> Dep {
         &format!("name: {name}\nengine: vllm\nmodel: m\n{extra}"),
     )
     .unwrap();
-    let mut d = Dep::new(
-        DeploymentRecord {
-            id: id.to_string(),
-            revision: 1,
-            doc,
-            operator_stopped: false,
-            operator_started: false,
-            pending_start: false,
-            generation: 0,
-            first_answer: None,
-        },
-        now,
-    );
+    let mut d = Dep::new(DeploymentRecord::first(id.to_string(), doc), now);
     d.measurement.gpu_memory = Some(Measured {
         bytes: gib * GIB,
         source: MeasureSource::Declared,
