@@ -192,8 +192,20 @@ where
         + std::fmt::Debug,
     <K as kube::Resource>::DynamicType: Default,
 {
-    let api: Api<K> = ns.api();
-    api.list(&ListParams::default().labels(RELEASE_LABEL))
+    listed(
+        &ns.api::<K>(),
+        &ListParams::default().labels(RELEASE_LABEL),
+        kind,
+    )
+    .await
+}
+
+/// The objects `api` lists with `params`, as `KIND/NAME`.
+async fn listed<K>(api: &Api<K>, params: &ListParams, kind: &str) -> Vec<String>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    api.list(params)
         .await
         .unwrap()
         .items
@@ -844,35 +856,13 @@ async fn uninstall(release: &Release) {
             left.extend(release_objects::<RoleBinding>(ns, "rolebinding").await);
             let all = ListParams::default();
             let in_release = ListParams::default().labels(RELEASE_LABEL);
-            left.extend(
-                leases
-                    .list(&all)
-                    .await
-                    .unwrap()
-                    .items
-                    .iter()
-                    .map(|l| format!("lease/{}", l.name_any())),
-            );
-            left.extend(
-                cluster_roles
-                    .list(&in_release)
-                    .await
-                    .unwrap()
-                    .items
-                    .iter()
-                    .filter(|r| ours(&r.name_any()))
-                    .map(|r| format!("clusterrole/{}", r.name_any())),
-            );
-            left.extend(
-                cluster_bindings
-                    .list(&in_release)
-                    .await
-                    .unwrap()
-                    .items
-                    .iter()
-                    .filter(|r| ours(&r.name_any()))
-                    .map(|r| format!("clusterrolebinding/{}", r.name_any())),
-            );
+            left.extend(listed(&leases, &all, "lease").await);
+            // (Cluster-wide: only this test's, named after its namespace.)
+            let cluster_wide = [
+                listed(&cluster_roles, &in_release, "clusterrole").await,
+                listed(&cluster_bindings, &in_release, "clusterrolebinding").await,
+            ];
+            left.extend(cluster_wide.into_iter().flatten().filter(|o| ours(o)));
             if left.is_empty() {
                 Ok(())
             } else {
