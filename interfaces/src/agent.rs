@@ -239,6 +239,48 @@ pub trait HostAgent: Send + Sync {
     fn subscribe_health(&self) -> watch::Receiver<AgentHealth> {
         watch::channel(AgentHealth::default()).1
     }
+    /// Loads LoRA adapter `name` from `path` (a PEFT directory the engine can read) into the
+    /// ready instance's engine (vLLM `POST /v1/load_lora_adapter`, SGLang
+    /// `POST /load_lora_adapter`); answers once the engine has it. A load the engine refuses is
+    /// [`AgentError::EngineStatus`] carrying the engine's reason. The instance must have been
+    /// started with [`InstanceSpec::adapters`](crate::spec::InstanceSpec::adapters). One call
+    /// at a time per instance (the lifecycle serializes them). The default, for agents that
+    /// drive no adapters, is [`AgentError::Unsupported`].
+    fn load_adapter<'a>(
+        &'a self,
+        instance: &'a str,
+        name: &'a str,
+        path: &'a str,
+    ) -> BoxFuture<'a, Result<(), AgentError>> {
+        let _ = (name, path);
+        Box::pin(async move { Err(self.no_adapters(instance)) })
+    }
+    /// Unloads LoRA adapter `name` from the instance's engine (vLLM
+    /// `POST /v1/unload_lora_adapter`, SGLang `POST /unload_lora_adapter`). Unloading one the
+    /// engine does not have is not an error. The default is [`AgentError::Unsupported`].
+    fn unload_adapter<'a>(
+        &'a self,
+        instance: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<(), AgentError>> {
+        let _ = name;
+        Box::pin(async move { Err(self.no_adapters(instance)) })
+    }
+    /// The adapters the instance's engine has loaded now, by name, as the engine itself lists
+    /// them (vLLM: the `/v1/models` entries whose `parent` is the base); after a wake or a
+    /// restart this is what is really there. The default is [`AgentError::Unsupported`].
+    fn adapters<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<Vec<String>, AgentError>> {
+        Box::pin(async move { Err(self.no_adapters(instance)) })
+    }
+    /// The error of the adapter calls' defaults.
+    #[doc(hidden)]
+    fn no_adapters(&self, instance: &str) -> AgentError {
+        let _ = instance;
+        AgentError::Unsupported {
+            engine: capyctl_spec::EngineKind::Vllm,
+            what: "adapters on this host agent",
+        }
+    }
     /// `Some(why)` while the agent cannot be reached (a node agent over HTTP whose calls have
     /// failed for some time: what it last answered stands, and may be stale); `None` when it
     /// answers, and always for agents in this process.

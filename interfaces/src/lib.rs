@@ -17,7 +17,8 @@
 //! - [`error`]: the errors ([`AgentError`]);
 //! - [`interned`]: the values' `&'static str` fields read back from the wire;
 //! - [`router`]: the router's interface to the lifecycle ([`router::Lifecycle`]: what the
-//!   router asks of it, and the plans, orders and instances they exchange).
+//!   router asks of it, and the plans, orders and instances they exchange);
+//! - [`tenants`]: the inference listener's tenants and the table they are handed to.
 //!
 //! Values only, with their accessors and conversions: no decision and no probe. The rules the
 //! lifecycle and the node agent both take (the tier rule and the refusal table, `max_running`,
@@ -35,6 +36,7 @@ pub mod load;
 pub mod measure;
 pub mod router;
 pub mod spec;
+pub mod tenants;
 pub mod tier;
 pub mod verify;
 

@@ -56,6 +56,21 @@ pub struct InstanceSpec {
     /// `gpus_per_instance` above 1: the engine's tensor-parallel option is passed with it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tensor_parallel: Option<u32>,
+    /// `adapters:` of a base deployment (DESIGN 4.9): the engine is started with its own LoRA
+    /// flags (vLLM `--enable-lora --max-loras --max-lora-rank`, SGLang likewise) so that
+    /// [`HostAgent::load_adapter`](crate::agent::HostAgent::load_adapter) works on it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapters: Option<AdapterSlots>,
+}
+
+/// How many LoRA adapters one instance holds at once, and the largest rank it takes
+/// (`adapters: {max_loaded, max_rank}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AdapterSlots {
+    /// Adapters loaded at once per instance (vLLM `--max-loras`).
+    pub max_loaded: u32,
+    /// The largest LoRA rank an adapter may have (vLLM `--max-lora-rank`).
+    pub max_rank: u32,
 }
 
 impl InstanceSpec {
@@ -78,6 +93,7 @@ impl InstanceSpec {
             resources: DeclaredResources::default(),
             decision: None,
             tensor_parallel: None,
+            adapters: None,
         }
     }
 
@@ -108,6 +124,7 @@ impl InstanceSpec {
                 options: d.options.clone(),
             }),
             tensor_parallel: doc.gpus_per_instance.filter(|n| *n > 1),
+            adapters: None,
         }
     }
 
