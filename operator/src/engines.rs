@@ -548,6 +548,29 @@ impl HostAgent for PodHostAgent {
         self.inner.sample(instance)
     }
 
+    // Adapters (DESIGN 4.9) load into the running engine of the Pod: the node agent in the Pod
+    // drives them as for a process, and the Pod stays as it is.
+    fn load_adapter<'a>(
+        &'a self,
+        instance: &'a str,
+        name: &'a str,
+        path: &'a str,
+    ) -> BoxFuture<'a, Result<(), AgentError>> {
+        self.inner.load_adapter(instance, name, path)
+    }
+
+    fn unload_adapter<'a>(
+        &'a self,
+        instance: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<(), AgentError>> {
+        self.inner.unload_adapter(instance, name)
+    }
+
+    fn adapters<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<Vec<String>, AgentError>> {
+        self.inner.adapters(instance)
+    }
+
     fn recover(&self) -> BoxFuture<'_, Result<RecoveryReport, AgentError>> {
         Box::pin(async move {
             let _op = self.begin();
