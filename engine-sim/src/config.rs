@@ -913,6 +913,56 @@ mod tests {
     }
 
     #[test]
+    fn lora_flags_as_capyctl_passes_them() {
+        let v = parse(&[
+            "serve",
+            "m",
+            "--enable-lora",
+            "--max-loras",
+            "4",
+            "--max-lora-rank",
+            "64",
+            "--sim-vllm-runtime-lora-updating",
+            "True",
+        ]);
+        assert!(v.enable_lora && v.vllm_runtime_lora);
+        assert_eq!((v.max_loras, v.max_lora_rank), (4, 64));
+        assert!(v.unknown_args.is_empty(), "{:?}", v.unknown_args);
+        assert!(v.vllm_unrecognized().is_empty());
+        // vLLM's defaults: one adapter per batch, rank 16, no load routes.
+        let d = parse(&["serve", "m"]);
+        assert!(!d.enable_lora && !d.vllm_runtime_lora);
+        assert_eq!((d.max_loras, d.max_lora_rank), (1, 16));
+        let s = parse(&[
+            "--model-path",
+            "m",
+            "--enable-lora",
+            "--max-lora-rank",
+            "8",
+            "--lora-target-modules",
+            "all",
+            "--max-loaded-loras",
+            "3",
+            "--max-loras-per-batch",
+            "3",
+        ]);
+        assert!(s.enable_lora && !s.vllm_runtime_lora);
+        assert_eq!((s.max_lora_rank, s.max_loaded_loras), (8, Some(3)));
+        assert_eq!(
+            s.unknown_args,
+            ["--lora-target-modules", "all", "--max-loras-per-batch", "3"]
+        );
+        // TensorFold takes none: recorded as unknown.
+        let t = parse(&["--model", "m", "--enable-lora"]);
+        assert!(!t.enable_lora);
+        assert_eq!(t.unknown_args, ["--enable-lora"]);
+        assert!(
+            SimConfig::try_parse_from(["engine-sim", "serve", "m", "--max-lora-rank", "0"])
+                .is_err()
+        );
+    }
+
+    #[test]
     fn flavour_is_inferred() {
         assert_eq!(parse(&["serve", "m"]).flavour, Flavour::Vllm);
         let s = parse(&["--model-path", "m", "--enable-metrics", "--tp", "2"]);
