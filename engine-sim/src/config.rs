@@ -101,6 +101,11 @@ pub enum Fault {
     /// vLLM `/reset_prefix_cache` answers `{"success": false}` and resets nothing (as vLLM does
     /// while blocks are still held).
     PrefixCacheResetFails,
+    /// Every LoRA adapter load fails after its load time, as a worker error does (vLLM 500,
+    /// SGLang 400), and loads nothing.
+    AdapterLoadFails,
+    /// Every LoRA adapter load never answers and loads nothing (a stuck engine core).
+    AdapterLoadHangs,
 }
 
 /// vLLM 0.32.0's contract extract (its flags among the rest), written from its source by
@@ -113,7 +118,7 @@ pub const PAUSED_HEALTH_TIMEOUT: Duration = Duration::from_secs(20);
 
 impl Fault {
     /// Every fault, in the order of the docs.
-    pub const ALL: [Fault; 11] = [
+    pub const ALL: [Fault; 13] = [
         Fault::WakeMismatch,
         Fault::ReloadFails,
         Fault::WakeHangs,
@@ -125,6 +130,8 @@ impl Fault {
         Fault::SleepIgnored,
         Fault::WakeIgnored,
         Fault::PrefixCacheResetFails,
+        Fault::AdapterLoadFails,
+        Fault::AdapterLoadHangs,
     ];
 
     /// The fault's name, as written in `ENGINE_SIM_FAULTS` and `/sim/faults`.
@@ -141,6 +148,8 @@ impl Fault {
             Fault::SleepIgnored => "sleep_ignored",
             Fault::WakeIgnored => "wake_ignored",
             Fault::PrefixCacheResetFails => "prefix_cache_reset_fails",
+            Fault::AdapterLoadFails => "adapter_load_fails",
+            Fault::AdapterLoadHangs => "adapter_load_hangs",
         }
     }
 }
@@ -307,6 +316,34 @@ struct SimArgs {
     #[arg(long)]
     speculative_algorithm: Option<String>,
 
+    /// vLLM and SGLang: take LoRA adapters.
+    #[arg(long)]
+    enable_lora: bool,
+
+    /// vLLM: LoRA adapters in one batch (default 1).
+    #[arg(long)]
+    max_loras: Option<usize>,
+
+    /// vLLM and SGLang: the largest LoRA rank (default 16).
+    #[arg(long)]
+    max_lora_rank: Option<u64>,
+
+    /// SGLang: LoRA adapters held at once; a load beyond is refused.
+    #[arg(long)]
+    max_loaded_loras: Option<usize>,
+
+    /// vLLM: whether the adapter load/unload routes exist ("1" or "true" turns them on).
+    #[arg(
+        long = "sim-vllm-runtime-lora-updating",
+        env = "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+        value_name = "0|1"
+    )]
+    vllm_runtime_lora: Option<String>,
+
+    /// How long a LoRA adapter load takes (per adapter: `/sim/faults` `adapters`).
+    #[arg(long = "sim-adapter-load-time", env = "ENGINE_SIM_ADAPTER_LOAD_TIME", default_value = "10ms", value_parser = parse_duration)]
+    adapter_load_time: Duration,
+
     /// vLLM developer mode ("1" or "true" turns it on).
     #[arg(
         long = "sim-vllm-dev-mode",
@@ -408,6 +445,21 @@ pub struct SimConfig {
     pub enable_weights_cpu_backup: bool,
     /// SGLang `--speculative-algorithm`.
     pub speculative_algorithm: Option<String>,
+    /// vLLM and SGLang `--enable-lora`: the engine takes LoRA adapters.
+    pub enable_lora: bool,
+    /// vLLM `VLLM_ALLOW_RUNTIME_LORA_UPDATING`: `/v1/load_lora_adapter` and
+    /// `/v1/unload_lora_adapter` exist.
+    pub vllm_runtime_lora: bool,
+    /// vLLM `--max-loras` (default 1): adapters in one batch. vLLM 0.32 does not refuse
+    /// loading more (the rest wait in its CPU cache); kept for `/sim/state`.
+    pub max_loras: usize,
+    /// `--max-lora-rank` (vLLM default 16; SGLang infers it from `--lora-paths`, 16 here): a
+    /// load of an adapter of a higher rank is refused.
+    pub max_lora_rank: u64,
+    /// SGLang `--max-loaded-loras`: a load beyond this many is refused (none without it).
+    pub max_loaded_loras: Option<usize>,
+    /// How long an adapter load takes, unless `/sim/faults` set one for that adapter.
+    pub adapter_load_time: Duration,
     /// Requests the engine runs at once; more wait.
     pub max_running: usize,
     /// vLLM `--max-model-len` (kept in `unknown_args` too): a request asking for more
@@ -449,7 +501,10 @@ fn flag_applies(name: &str, flavour: Option<Flavour>) -> bool {
         | "enable-memory-saver"
         | "enable-weights-cpu-backup"
         | "max-running-requests"
-        | "speculative-algorithm" => flavour == Flavour::Sglang,
+        | "speculative-algorithm"
+        | "max-loaded-loras" => flavour == Flavour::Sglang,
+        "max-loras" => flavour == Flavour::Vllm,
+        "enable-lora" | "max-lora-rank" => flavour != Flavour::Tensorfold,
         _ => true,
     }
 }
@@ -620,9 +675,17 @@ impl SimConfig {
                 a.weights_bytes
             )));
         }
-        let vllm_dev_mode = a
-            .vllm_dev_mode
-            .is_some_and(|v| matches!(v.trim(), "1" | "true" | "True" | "TRUE"));
+        let on = |v: &Option<String>| {
+            v.as_deref()
+                .is_some_and(|v| matches!(v.trim(), "1" | "true" | "True" | "TRUE"))
+        };
+        let vllm_dev_mode = on(&a.vllm_dev_mode);
+        let vllm_runtime_lora = flavour == Flavour::Vllm && on(&a.vllm_runtime_lora);
+        if a.max_loras == Some(0) || a.max_lora_rank == Some(0) || a.max_loaded_loras == Some(0) {
+            return Err(invalid(
+                "--max-loras, --max-lora-rank and --max-loaded-loras must be at least 1".into(),
+            ));
+        }
         let sglang_health_generates = !a
             .sglang_health_endpoint_generation
             .is_some_and(|v| matches!(v.trim(), "0" | "false" | "False" | "FALSE"));
@@ -663,6 +726,12 @@ impl SimConfig {
             enable_memory_saver: a.enable_memory_saver,
             enable_weights_cpu_backup: a.enable_weights_cpu_backup,
             speculative_algorithm: a.speculative_algorithm,
+            enable_lora: a.enable_lora,
+            vllm_runtime_lora,
+            max_loras: a.max_loras.unwrap_or(1),
+            max_lora_rank: a.max_lora_rank.unwrap_or(16),
+            max_loaded_loras: a.max_loaded_loras,
+            adapter_load_time: a.adapter_load_time,
             max_running,
             max_model_len,
             weights_bytes: a.weights_bytes,
@@ -840,6 +909,56 @@ mod tests {
         assert!(
             s.vllm_unrecognized().is_empty(),
             "SGLang's flags are not checked"
+        );
+    }
+
+    #[test]
+    fn lora_flags_as_capyctl_passes_them() {
+        let v = parse(&[
+            "serve",
+            "m",
+            "--enable-lora",
+            "--max-loras",
+            "4",
+            "--max-lora-rank",
+            "64",
+            "--sim-vllm-runtime-lora-updating",
+            "True",
+        ]);
+        assert!(v.enable_lora && v.vllm_runtime_lora);
+        assert_eq!((v.max_loras, v.max_lora_rank), (4, 64));
+        assert!(v.unknown_args.is_empty(), "{:?}", v.unknown_args);
+        assert!(v.vllm_unrecognized().is_empty());
+        // vLLM's defaults: one adapter per batch, rank 16, no load routes.
+        let d = parse(&["serve", "m"]);
+        assert!(!d.enable_lora && !d.vllm_runtime_lora);
+        assert_eq!((d.max_loras, d.max_lora_rank), (1, 16));
+        let s = parse(&[
+            "--model-path",
+            "m",
+            "--enable-lora",
+            "--max-lora-rank",
+            "8",
+            "--lora-target-modules",
+            "all",
+            "--max-loaded-loras",
+            "3",
+            "--max-loras-per-batch",
+            "3",
+        ]);
+        assert!(s.enable_lora && !s.vllm_runtime_lora);
+        assert_eq!((s.max_lora_rank, s.max_loaded_loras), (8, Some(3)));
+        assert_eq!(
+            s.unknown_args,
+            ["--lora-target-modules", "all", "--max-loras-per-batch", "3"]
+        );
+        // TensorFold takes none: recorded as unknown.
+        let t = parse(&["--model", "m", "--enable-lora"]);
+        assert!(!t.enable_lora);
+        assert_eq!(t.unknown_args, ["--enable-lora"]);
+        assert!(
+            SimConfig::try_parse_from(["engine-sim", "serve", "m", "--max-lora-rank", "0"])
+                .is_err()
         );
     }
 

@@ -551,9 +551,14 @@ struct FaultChange {
     clear: Vec<String>,
     #[serde(default)]
     clear_all: bool,
+    /// Per LoRA adapter name: its load time and faults (`null` forgets them).
+    #[serde(default)]
+    adapters: std::collections::BTreeMap<String, Option<crate::state::AdapterSettings>>,
 }
 
-/// `POST /sim/faults {"set":[...],"clear":[...],"clear_all":bool}` → `{"faults":[...]}`.
+/// `POST /sim/faults {"set":[...],"clear":[...],"clear_all":bool,"adapters":{name: {...}|null}}`
+/// → `{"faults":[...],"adapters":{...}}` (`adapters`: per LoRA adapter, `load_time`, `fails`,
+/// `hangs`; `clear_all` forgets them too).
 /// Setting `crash` exits the process at once.
 pub(crate) async fn sim_faults(State(sim): State<Arc<EngineSim>>, body: Bytes) -> Response {
     let bad = |m: String| api_error(StatusCode::BAD_REQUEST, "BadRequestError", m);
@@ -575,12 +580,24 @@ pub(crate) async fn sim_faults(State(sim): State<Arc<EngineSim>>, body: Bytes) -
     if set.contains(&Fault::Crash) {
         crash("fault crash set via /sim/faults");
     }
-    let faults: Vec<Fault> = sim.with_state(|s| {
+    let (faults, adapters) = sim.with_state(|s| {
         s.change_faults(&set, &clear, change.clear_all);
-        s.faults().iter().copied().collect()
+        if change.clear_all {
+            s.adapter_settings.clear();
+        }
+        for (name, settings) in change.adapters {
+            match settings {
+                Some(a) => s.adapter_settings.insert(name, a),
+                None => s.adapter_settings.remove(&name),
+            };
+        }
+        (
+            s.faults().iter().copied().collect::<Vec<Fault>>(),
+            s.adapter_settings.clone(),
+        )
     });
-    info!(?faults, "faults changed");
-    Json(json!({"faults": faults})).into_response()
+    info!(?faults, ?adapters, "faults changed");
+    Json(json!({"faults": faults, "adapters": adapters})).into_response()
 }
 
 /// A route taken with another method: FastAPI's 405 (axum adds the `allow` header).

@@ -34,6 +34,8 @@ pub struct EngineSim {
     /// Serializes control operations. A tokio mutex, held across an operation's simulated time
     /// (by a spawned task, so a client that hangs up does not cut an operation in half).
     control: tokio::sync::Mutex<()>,
+    /// Serializes adapter loads and unloads (vLLM's engine core adds one adapter at a time).
+    pub(crate) adapter_lock: tokio::sync::Mutex<()>,
     /// When the simulated start-up is over. Read-only.
     ready_at: Instant,
     /// Source of request ids (`chatcmpl-N`). Atomic, no lock.
@@ -95,6 +97,8 @@ pub struct SimSnapshot {
     pub weights_bytes: u64,
     /// Faults active now.
     pub faults: Vec<Fault>,
+    /// LoRA adapters loaded, in load order.
+    pub adapters: Vec<crate::state::LoadedAdapter>,
     /// Launch arguments the engine did not know.
     pub unknown_args: Vec<String>,
 }
@@ -106,6 +110,7 @@ impl EngineSim {
             state: Mutex::new(SimState::new(&config)),
             slots: Arc::new(Semaphore::new(config.max_running)),
             control: tokio::sync::Mutex::new(()),
+            adapter_lock: tokio::sync::Mutex::new(()),
             ready_at: Instant::now() + config.startup_delay,
             next_id: AtomicU64::new(1),
             config,
@@ -163,6 +168,7 @@ impl EngineSim {
             host_memory_bytes: s.host_copy_bytes(c),
             weights_bytes: c.weights_bytes,
             faults: s.faults().iter().copied().collect(),
+            adapters: s.adapters.clone(),
             unknown_args: c.unknown_args.clone(),
         })
     }
@@ -370,6 +376,9 @@ pub(crate) struct Generation {
     oversized: bool,
     /// When the first token is due (after prefill); token i is due i+1 intervals later.
     decode_start: Option<Instant>,
+    /// The LoRA adapter's directory the request runs with: its answers depend on it (the
+    /// adapter's weights), not on its name.
+    adapter: Option<String>,
 }
 
 impl Generation {
@@ -391,7 +400,14 @@ impl Generation {
             words: None,
             oversized: false,
             decode_start: None,
+            adapter: None,
         }
+    }
+
+    /// Runs with the LoRA adapter whose directory is `path`.
+    pub(crate) fn with_adapter(mut self, path: Option<String>) -> Generation {
+        self.adapter = path;
+        self
     }
 
     fn sim(&self) -> &EngineSim {
@@ -424,6 +440,10 @@ impl Generation {
                 self.ticket.finish(Outcome::Refused);
                 return Err(Stop::Refused(why));
             }
+        };
+        let model = match &self.adapter {
+            Some(path) => format!("{model}+lora:{path}"),
+            None => model,
         };
         self.words = Some(Words::answering(&model, &salt, &self.prompt));
         self.oversized = oversized;

@@ -7,7 +7,8 @@
 //! at once (the rest wait), aborts a request whose client went away, and simulates parking:
 //! vLLM's sleep mode (levels 1 and 2, partial wakes, `reload_weights`) and SGLang's memory
 //! saver (release/resume with or without a CPU backup, speculative decoding losing its draft
-//! model), with times computed from the weights' size and the host-RAM and disk bandwidths.
+//! model), with times computed from the weights' size and the host-RAM and disk bandwidths,
+//! and serves LoRA adapters loaded at run time as vLLM and SGLang do.
 //! Faults can be injected at start (`ENGINE_SIM_FAULTS`) or later (`POST /sim/faults`), and
 //! `GET /sim/state` tells a test everything. See `README.md` beside this crate for usage.
 //!
@@ -20,6 +21,7 @@
 //! # }
 //! ```
 
+mod adapters;
 mod config;
 mod control;
 mod engine;
@@ -39,7 +41,7 @@ pub use config::{
     Fault, Flavour, PAUSED_HEALTH_TIMEOUT, SimConfig, parse_bytes, parse_duration, parse_faults,
 };
 pub use engine::{CRASH_EXIT_CODE, EngineSim, SimSnapshot};
-pub use state::{Corruption, Counters, Tag, WeightsState};
+pub use state::{AdapterSettings, Corruption, Counters, LoadedAdapter, Tag, WeightsState};
 /// The answers' words, so that a client can check an answer (the soak does).
 pub use text::{INTACT, Words};
 
@@ -50,7 +52,9 @@ const BODY_LIMIT: usize = 64 * 1024 * 1024;
 ///
 /// vLLM's dev routes (`/sleep`, `/wake_up`, `/is_sleeping`, `/collective_rpc`,
 /// `/reset_prefix_cache`) exist with `VLLM_SERVER_DEV_MODE=1`, as in vLLM 0.32.
-/// SGLang's `/metrics` exists only with `--enable-metrics`. Anything else answers 404.
+/// SGLang's `/metrics` exists only with `--enable-metrics`. vLLM's LoRA routes exist with
+/// `VLLM_ALLOW_RUNTIME_LORA_UPDATING`, SGLang's always (see `adapters`). Anything else answers
+/// 404.
 pub fn app(sim: Arc<EngineSim>) -> Router {
     let c = sim.config();
     let mut router = Router::new()
@@ -61,6 +65,16 @@ pub fn app(sim: Arc<EngineSim>) -> Router {
         .route("/health", get(control::health))
         .route("/sim/state", get(control::sim_state))
         .route("/sim/faults", post(control::sim_faults));
+    if adapters::routes_exist(c) {
+        router = match c.flavour {
+            Flavour::Vllm => router
+                .route("/v1/load_lora_adapter", post(adapters::vllm_load))
+                .route("/v1/unload_lora_adapter", post(adapters::vllm_unload)),
+            Flavour::Sglang | Flavour::Tensorfold => router
+                .route("/load_lora_adapter", post(adapters::sglang_load))
+                .route("/unload_lora_adapter", post(adapters::sglang_unload)),
+        };
+    }
     match c.flavour {
         Flavour::Vllm => {
             router = router

@@ -52,7 +52,7 @@ pub(crate) fn api_error_on(
 
 /// vLLM's answer to a request FastAPI's validation refuses (a body that is not JSON, a missing
 /// required field): 400, type `Bad Request`, the field's location in `param`.
-fn validation_error(param: &str, message: impl Into<String>) -> Response {
+pub(crate) fn validation_error(param: &str, message: impl Into<String>) -> Response {
     api_error_on(
         StatusCode::BAD_REQUEST,
         "Bad Request",
@@ -115,6 +115,8 @@ struct GenerateRequest {
     stream_options: Option<StreamOptions>,
     /// Chat: `true`/`false`; completions: how many top log probabilities (0 to 20).
     logprobs: Option<Value>,
+    /// SGLang: the LoRA adapter (its name) the request runs with.
+    lora_path: Option<Value>,
     /// Chat: how many top log probabilities with `logprobs: true` (0 to 20).
     top_logprobs: Option<Value>,
 }
@@ -231,6 +233,52 @@ fn check_model(sim: &EngineSim, model: Option<&str>) -> Option<Response> {
     }
 }
 
+/// The LoRA adapter a request runs with, as `(name, directory)`: vLLM takes an adapter's name
+/// in `model` (the answer names it; an adapter not loaded is vLLM's 404 for an unknown model,
+/// as recorded: "Valid aliases" names the base only); SGLang takes it in `lora_path` (an
+/// adapter not loaded: 400). `Ok(None)`: the base model.
+fn requested_adapter(
+    sim: &EngineSim,
+    req: &GenerateRequest,
+) -> Result<Option<(String, String)>, Box<Response>> {
+    let find =
+        |name: &str| sim.with_state(|s| s.adapter(name).map(|a| (a.name.clone(), a.path.clone())));
+    match sim.config().flavour {
+        Flavour::Vllm => match req.model.as_deref() {
+            Some(m) if m != sim.config().served_model_name => match find(m) {
+                Some(a) => Ok(Some(a)),
+                None => Err(Box::new(
+                    check_model(sim, Some(m)).unwrap_or_else(|| bad_request(m)),
+                )),
+            },
+            _ => Ok(None),
+        },
+        Flavour::Sglang => {
+            if let Some(r) = check_model(sim, req.model.as_deref()) {
+                return Err(Box::new(r));
+            }
+            match req.lora_path.as_ref() {
+                None | Some(Value::Null) => Ok(None),
+                Some(Value::String(name)) => find(name).map(Some).ok_or_else(|| {
+                    Box::new(bad_field(
+                        "lora_path",
+                        format!(
+                            "LoRA adapter `{name}` is not loaded (load it with /load_lora_adapter)"
+                        ),
+                    ))
+                }),
+                Some(other) => Err(Box::new(bad_field(
+                    "lora_path",
+                    format!("one adapter name per request is simulated, not {other}"),
+                ))),
+            }
+        }
+        Flavour::Tensorfold => {
+            check_model(sim, req.model.as_deref()).map_or(Ok(None), |r| Err(Box::new(r)))
+        }
+    }
+}
+
 fn content_text(content: &Value) -> Result<String, String> {
     match content {
         Value::Null => Ok(String::new()),
@@ -305,9 +353,10 @@ async fn generate(sim: Arc<EngineSim>, body: Bytes, kind: Kind) -> Response {
             "{'type': 'missing', 'loc': 'body.messages', 'msg': 'Field required'}",
         );
     }
-    if let Some(r) = check_model(&sim, req.model.as_deref()) {
-        return r;
-    }
+    let adapter = match requested_adapter(&sim, &req) {
+        Ok(a) => a,
+        Err(r) => return *r,
+    };
     let prompt = match kind {
         Kind::Chat => req
             .messages
@@ -366,13 +415,17 @@ async fn generate(sim: Arc<EngineSim>, body: Bytes, kind: Kind) -> Response {
             sim.next_id()
         ),
         created: unix_now(),
-        model: sim.config().served_model_name.clone(),
+        model: match (&adapter, sim.config().flavour) {
+            (Some((name, _)), Flavour::Vllm) => name.clone(),
+            _ => sim.config().served_model_name.clone(),
+        },
         kind,
         vllm: (sim.config().flavour == Flavour::Vllm).then(|| system_fingerprint(&sim)),
     };
     let opening = sim.config().flavour == Flavour::Tensorfold
         || sim.with_state(|s| s.has_fault(Fault::RoleChunk));
-    let generation = Generation::new(Arc::clone(&sim), prompt, max_tokens, top_logprobs);
+    let generation = Generation::new(Arc::clone(&sim), prompt, max_tokens, top_logprobs)
+        .with_adapter(adapter.map(|(_, path)| path));
     if req.stream.unwrap_or(false) {
         let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
         stream_answer(answer, generation, opening, include_usage)
@@ -817,7 +870,7 @@ pub(crate) async fn embeddings(State(sim): State<Arc<EngineSim>>, body: Bytes) -
     .into_response()
 }
 
-/// `GET /v1/models`: the served model.
+/// `GET /v1/models`: the served model, then the LoRA adapters loaded.
 pub(crate) async fn models(State(sim): State<Arc<EngineSim>>) -> Response {
     let c = sim.config();
     let created = unix_now();
@@ -832,24 +885,48 @@ pub(crate) async fn models(State(sim): State<Arc<EngineSim>>) -> Response {
     match c.flavour {
         Flavour::Vllm => {
             card["max_model_len"] = json!(c.max_model_len.unwrap_or(VLLM_MODEL_MAX_LEN));
-            card["permission"] = json!([{
-                "id": format!("modelperm-{}", sim.next_id()),
-                "object": "model_permission",
-                "created": created,
-                "allow_create_engine": false,
-                "allow_sampling": true,
-                "allow_logprobs": true,
-                "allow_search_indices": false,
-                "allow_view": true,
-                "allow_fine_tuning": false,
-                "organization": "*",
-                "group": null,
-                "is_blocking": false,
-            }]);
+            card["permission"] = permission(&sim, created);
         }
         Flavour::Sglang | Flavour::Tensorfold => {
             card["max_running_requests"] = json!(c.max_running);
         }
     }
-    Json(json!({"object": "list", "data": [card]})).into_response()
+    let mut data = vec![card];
+    let adapters = sim.with_state(|s| s.adapters.clone());
+    for a in adapters {
+        // As the engines list a loaded adapter: its directory as `root`, the base as
+        // `parent`, no `max_model_len` of its own.
+        let mut card = json!({
+            "id": a.name,
+            "object": "model",
+            "created": created,
+            "owned_by": c.flavour.name(),
+            "root": a.path,
+            "parent": c.served_model_name,
+            "max_model_len": null,
+        });
+        if c.flavour == Flavour::Vllm {
+            card["permission"] = permission(&sim, created);
+        }
+        data.push(card);
+    }
+    Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// vLLM's `permission` list of a model card.
+fn permission(sim: &EngineSim, created: u64) -> Value {
+    json!([{
+        "id": format!("modelperm-{}", sim.next_id()),
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": false,
+        "allow_sampling": true,
+        "allow_logprobs": true,
+        "allow_search_indices": false,
+        "allow_view": true,
+        "allow_fine_tuning": false,
+        "organization": "*",
+        "group": null,
+        "is_blocking": false,
+    }])
 }

@@ -5,7 +5,7 @@
 //! simulated duration; after that time [`SimState::finish`] applies the plan. The caller
 //! serializes operations, so at most one plan is in progress.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use serde::Serialize;
@@ -143,13 +143,68 @@ pub struct SimState {
     corruption: Option<Corruption>,
     loaded_model: String,
     faults: BTreeSet<Fault>,
+    /// LoRA adapters loaded, in load order (the order the engines list them).
+    pub adapters: Vec<LoadedAdapter>,
+    /// Per adapter name: a load time and faults set through `/sim/faults`.
+    pub adapter_settings: BTreeMap<String, AdapterSettings>,
     /// Tokens held in the KV cache by running requests.
     kv_tokens: u64,
     /// Counters and gauges.
     pub counters: Counters,
 }
 
+/// A LoRA adapter the engine holds.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct LoadedAdapter {
+    /// Its name (requests give it in `model`).
+    pub name: String,
+    /// Its directory, as given to the load.
+    pub path: String,
+    /// Its rank (`r` of `adapter_config.json`).
+    pub rank: u64,
+}
+
+/// How loads of one adapter behave, set through `/sim/faults`
+/// (`{"adapters": {"<name>": {"load_time": "250ms", "fails": "why", "hangs": true}}}`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdapterSettings {
+    /// How long its load takes (else `--sim-adapter-load-time`).
+    #[serde(default, with = "opt_duration")]
+    pub load_time: Option<Duration>,
+    /// Its load fails with this reason (after the load time), as a worker error.
+    #[serde(default)]
+    pub fails: Option<String>,
+    /// Its load never answers.
+    #[serde(default)]
+    pub hangs: bool,
+}
+
+mod opt_duration {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        match d {
+            Some(d) => s.serialize_str(&format!("{}ms", d.as_millis())),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        Option::<String>::deserialize(d)?
+            .map(|v| crate::config::parse_duration(&v).map_err(serde::de::Error::custom))
+            .transpose()
+    }
+}
+
 impl SimState {
+    /// The adapter loaded under `name`.
+    pub fn adapter(&self, name: &str) -> Option<&LoadedAdapter> {
+        self.adapters.iter().find(|a| a.name == name)
+    }
+
     /// A freshly loaded engine.
     pub fn new(config: &SimConfig) -> SimState {
         SimState {
@@ -163,6 +218,8 @@ impl SimState {
             loaded_model: config.model.clone(),
             faults: config.faults.clone(),
             kv_tokens: 0,
+            adapters: Vec::new(),
+            adapter_settings: BTreeMap::new(),
             counters: Counters::default(),
         }
     }

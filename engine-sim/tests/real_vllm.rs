@@ -74,30 +74,30 @@ fn fixture(name: &str) -> Value {
     serde_json::from_str(&text).unwrap()
 }
 
+/// The recordings' launch of vLLM, less its environment.
+const RECORDED_LAUNCH: &[&str] = &[
+    "--engine",
+    "vllm",
+    "serve",
+    "/root/.cache/capyctl-vllm/models/tiny-a",
+    "--served-model-name",
+    "tiny-a",
+    "--max-model-len",
+    "256",
+    "--dtype",
+    "float32",
+    "--host",
+    "127.0.0.1",
+    "--port",
+    "0",
+];
+
 /// vLLM as the recording launched it: `serve <model dir> --served-model-name tiny-a
 /// --max-model-len 256 --dtype float32`, with `VLLM_SERVER_DEV_MODE=1`.
 async fn sim() -> Sim {
-    start(&[
-        "--engine",
-        "vllm",
-        "serve",
-        "/root/.cache/capyctl-vllm/models/tiny-a",
-        "--served-model-name",
-        "tiny-a",
-        "--max-model-len",
-        "256",
-        "--dtype",
-        "float32",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--sim-vllm-dev-mode",
-        "1",
-        "--sim-weights-bytes",
-        "1MiB",
-    ])
-    .await
+    let mut args = RECORDED_LAUNCH.to_vec();
+    args.extend(["--sim-vllm-dev-mode", "1", "--sim-weights-bytes", "1MiB"]);
+    start(&args).await
 }
 
 struct Answer {
@@ -423,4 +423,201 @@ async fn start_up_refuses_connections_until_ready() {
         let got = send(&sim, &serde_json::json!({"method": "GET", "path": path})).await;
         assert_eq!(got.status, 200, "{path}");
     }
+}
+
+/// The LoRA cases (`fixtures/vllm-0.32.0-lora/`, recorded by its `record.py` from vLLM 0.32 on
+/// CPU with `--enable-lora --max-loras 2 --max-lora-rank 8` and
+/// `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`), in the order they were recorded: they build on
+/// each other (loaded, listed, used, unloaded).
+const ADAPTER_CASES: &[&str] = &[
+    "adapters_models_none",
+    "adapters_load_one",
+    "adapters_load_one_again",
+    "adapters_load_base_name",
+    "adapters_load_missing_path",
+    "adapters_load_not_peft",
+    "adapters_load_rank_too_high",
+    "adapters_load_no_path",
+    "adapters_models_one",
+    "adapters_completions_base",
+    "adapters_completions_one",
+    "adapters_chat_one",
+    "adapters_completions_unknown",
+    "adapters_load_two",
+    "adapters_load_three",
+    "adapters_models_three",
+    "adapters_completions_three",
+    "adapters_unload_one",
+    "adapters_unload_one_again",
+    "adapters_unload_no_name",
+    "adapters_completions_unloaded",
+    "adapters_models_end",
+];
+
+fn adapter_fixture(name: &str) -> Value {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/vllm-0.32.0-lora")
+        .join(format!("{name}.json"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
+    serde_json::from_str(&text).unwrap()
+}
+
+/// The recording's `{ADAPTERS}`: `one` and `two` (PEFT, rank 8), `rank16` (rank 16),
+/// `not-peft` (no `adapter_config.json`). Removed on drop.
+struct AdapterDirs(PathBuf);
+
+impl AdapterDirs {
+    fn new() -> AdapterDirs {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let root =
+            std::env::temp_dir().join(format!("engine-sim-lora-{}-{nanos}", std::process::id()));
+        for (dir, rank) in [
+            ("one", Some(8)),
+            ("two", Some(8)),
+            ("rank16", Some(16)),
+            ("not-peft", None),
+        ] {
+            let d = root.join(dir);
+            std::fs::create_dir_all(&d).unwrap();
+            match rank {
+                Some(r) => std::fs::write(
+                    d.join("adapter_config.json"),
+                    serde_json::json!({"peft_type": "LORA", "r": r, "lora_alpha": 16}).to_string(),
+                )
+                .unwrap(),
+                None => std::fs::write(d.join("config.json"), "{}").unwrap(),
+            }
+        }
+        AdapterDirs(root)
+    }
+
+    /// `request` with `{ADAPTERS}` made this directory.
+    fn request(&self, request: &Value) -> Value {
+        let text = request
+            .to_string()
+            .replace("{ADAPTERS}", self.0.to_str().unwrap());
+        serde_json::from_str(&text).unwrap()
+    }
+}
+
+impl Drop for AdapterDirs {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// vLLM with adapters as the recording launched it.
+async fn lora_sim(enable_lora: bool) -> Sim {
+    let mut args = RECORDED_LAUNCH.to_vec();
+    args.extend([
+        "--sim-vllm-runtime-lora-updating",
+        "True",
+        "--sim-adapter-load-time",
+        "1ms",
+    ]);
+    if enable_lora {
+        args.extend(["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]);
+    }
+    start(&args).await
+}
+
+/// The text of a completion answer.
+fn answer_text(body: &str) -> String {
+    let v: Value = serde_json::from_str(body).unwrap();
+    v["choices"][0]["text"].as_str().unwrap().to_string()
+}
+
+#[tokio::test]
+async fn engine_sim_serves_adapters_as_vllm_0_32_0_did() {
+    let dirs = AdapterDirs::new();
+    let sim = lora_sim(true).await;
+    let mut differences = Vec::new();
+    let mut texts = std::collections::BTreeMap::new();
+    for name in ADAPTER_CASES {
+        let real = adapter_fixture(name);
+        let got = send(&sim, &dirs.request(&real["request"])).await;
+        differences.extend(compare(name, &real, &got));
+        // The refusals' reasons are vLLM's own words (the path aside: vLLM wrote `<path>`
+        // for its temporary directory).
+        if let Some(message) = real["json"]["error"]["message"].as_str() {
+            let got: Value = serde_json::from_str(&got.body).unwrap_or_default();
+            let got = got["error"]["message"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            let head = message.split("<path>").next().unwrap();
+            if !got.starts_with(head) {
+                differences.push(format!("{name}: message {got:?} (real {message:?})"));
+            }
+        }
+        if name.contains("completions") && got.status == 200 {
+            texts.insert(*name, answer_text(&got.body));
+        }
+        if let Some(text) = real["text"].as_str()
+            && got.body != text
+        {
+            differences.push(format!("{name}: body {:?} (real {text:?})", got.body));
+        }
+    }
+    assert!(
+        differences.is_empty(),
+        "engine-sim differs from vLLM 0.32.0 in {} places:\n{}",
+        differences.len(),
+        differences.join("\n")
+    );
+    // As the real engine: an adapter answers otherwise than the base, and two names of one
+    // directory answer alike (the answer is the weights', not the name's).
+    let real = |n: &str| {
+        adapter_fixture(n)["json"]["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    assert_ne!(
+        real("adapters_completions_base"),
+        real("adapters_completions_one")
+    );
+    assert_ne!(
+        texts["adapters_completions_base"],
+        texts["adapters_completions_one"]
+    );
+    assert_ne!(
+        texts["adapters_completions_one"],
+        texts["adapters_completions_three"]
+    );
+    // `/v1/models` lists the adapters after the base, with their directory and the base as
+    // parent, as the recording did.
+    let models = |body: &str| -> Vec<(String, Value)> {
+        let v: Value = serde_json::from_str(body).unwrap();
+        v["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| (m["id"].as_str().unwrap().to_string(), m["parent"].clone()))
+            .collect()
+    };
+    let real_end = adapter_fixture("adapters_models_end");
+    let got_end = send(&sim, &dirs.request(&real_end["request"])).await;
+    assert_eq!(models(&got_end.body), models(&real_end["json"].to_string()));
+}
+
+/// Without `--enable-lora` vLLM still has the routes (with the environment variable) and
+/// refuses the load in its worker; without the variable it has no routes at all.
+#[tokio::test]
+async fn a_load_without_enable_lora_is_refused_as_vllm_refuses_it() {
+    let dirs = AdapterDirs::new();
+    let real = adapter_fixture("adapters_load_without_enable_lora");
+    let sim = lora_sim(false).await;
+    let got = send(&sim, &dirs.request(&real["request"])).await;
+    let differences = compare("adapters_load_without_enable_lora", &real, &got);
+    assert!(differences.is_empty(), "{}", differences.join("\n"));
+    assert!(got.body.contains("LoRA is not enabled"), "{}", got.body);
+
+    let plain = start(&["serve", "m", "--port", "0", "--enable-lora"]).await;
+    let got = send(&plain, &dirs.request(&real["request"])).await;
+    assert_eq!(got.status, 404, "{}", got.body);
+    assert!(got.body.contains("Not Found"), "{}", got.body);
 }

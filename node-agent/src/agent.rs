@@ -470,6 +470,35 @@ impl LocalHostAgent {
         self.runtime.pid(instance)
     }
 
+    /// The endpoint of an instance whose engine takes adapters now (DESIGN 4.9): started with
+    /// `adapters` (else [`AgentError::InvalidSpec`]), not parked and with no start or wake in
+    /// progress (else [`AgentError::WrongState`]: a parked vLLM would hold the call until a
+    /// wake).
+    fn adapter_endpoint(&self, id: &str, what: &str) -> Result<Endpoint, AgentError> {
+        let inst = self.instance(id)?;
+        if inst.spec.adapters.is_none() {
+            return Err(AgentError::InvalidSpec {
+                detail: format!(
+                    "instance {id} (deployment {}) was started without adapters; cannot {what} it",
+                    inst.spec.name
+                ),
+            });
+        }
+        if self.in_progress(id) {
+            return Err(AgentError::WrongState {
+                instance: id.to_string(),
+                detail: format!("a start or a wake is in progress; cannot {what} it now"),
+            });
+        }
+        if let Some(tier) = inst.state().record.parked {
+            return Err(AgentError::WrongState {
+                instance: id.to_string(),
+                detail: format!("it is parked ({tier:?}); cannot {what} it until it wakes"),
+            });
+        }
+        Ok(inst.endpoint.clone())
+    }
+
     /// The engine's endpoint of an instance.
     pub fn endpoint(&self, instance: &str) -> Option<Endpoint> {
         self.instances().get(instance).map(|i| i.endpoint.clone())
@@ -1282,6 +1311,36 @@ impl HostAgent for LocalHostAgent {
     fn sample(&self, instance: &str) -> Option<LoadSample> {
         let inst = self.instances().get(instance).cloned()?;
         *inst.sample.borrow()
+    }
+
+    fn load_adapter<'a>(
+        &'a self,
+        instance: &'a str,
+        name: &'a str,
+        path: &'a str,
+    ) -> BoxFuture<'a, Result<(), AgentError>> {
+        Box::pin(async move {
+            let ep = self.adapter_endpoint(instance, "load an adapter into")?;
+            self.driver.load_adapter(&ep, name, path).await
+        })
+    }
+
+    fn unload_adapter<'a>(
+        &'a self,
+        instance: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<(), AgentError>> {
+        Box::pin(async move {
+            let ep = self.adapter_endpoint(instance, "unload an adapter from")?;
+            self.driver.unload_adapter(&ep, name).await
+        })
+    }
+
+    fn adapters<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<Vec<String>, AgentError>> {
+        Box::pin(async move {
+            let ep = self.adapter_endpoint(instance, "list the adapters of")?;
+            self.driver.adapters(&ep).await
+        })
     }
 
     fn recover(&self) -> BoxFuture<'_, Result<RecoveryReport, AgentError>> {

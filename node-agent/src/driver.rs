@@ -41,6 +41,18 @@
 //! own success is SGLang's word that the memory went.
 //! - TensorFold does not park: it is stopped.
 //!
+//! Adapters (DESIGN 4.9), on a base launched with the engine's LoRA flags: vLLM `POST
+//! /v1/load_lora_adapter {"lora_name","lora_path"}`, `POST /v1/unload_lora_adapter
+//! {"lora_name"}`; SGLang `POST /load_lora_adapter`, `POST /unload_lora_adapter` with the same
+//! fields; both list the loaded adapters in `GET /v1/models` as entries whose `parent` is the
+//! served model. A refused load is [`AgentError::EngineStatus`] with the engine's reason
+//! ([`refusal_reason`]); vLLM 0.32 on CPU answered (recorded in
+//! `engine-sim/tests/fixtures/vllm-0.32.0-lora/`): 404 `NotFoundError` "Loading lora X failed:
+//! No adapter found for P" for a path that does not exist or holds no `adapter_config.json`,
+//! 400 `InvalidUserInput` for a name already loaded, 500 "...LoRA rank R is greater than
+//! max_lora_rank M." for a rank too high; it does not refuse adapters beyond `--max-loras`
+//! (those are GPU slots per batch; the rest wait in its CPU cache).
+//!
 //! Every call is one [`EngineCall`] of the tables below ([`VLLM_CALLS`], [`SGLANG_CALLS`],
 //! [`TENSORFOLD_CALLS`]): method, path with its query, and body. `tests/contract.rs` checks each
 //! against an extract of the engine's own source at the supported release
@@ -154,6 +166,9 @@ pub enum CallBody {
     /// A completion request built by [`crate::verify`] (`check_request`, `decision_request`,
     /// `warm_up_request`).
     Completion,
+    /// A JSON body naming a LoRA adapter, made from its name and path (the only place the
+    /// adapter calls' bodies are written).
+    Adapter(fn(&str, &str) -> Value),
 }
 
 /// One HTTP call CapyCTL makes to an engine: the engine's route, method, query and body, as
@@ -208,7 +223,7 @@ const fn entry(
     }
 }
 
-use CallBody::{Completion, Empty, Json};
+use CallBody::{Adapter, Completion, Empty, Json};
 use EngineKind::{Sglang, Tensorfold, Vllm};
 use Verb::{Get, Post};
 
@@ -262,6 +277,27 @@ pub const VLLM_METRICS: EngineCall = entry(Vllm, "metrics", Get, "/metrics", Emp
 pub const VLLM_COMPLETIONS: EngineCall =
     entry(Vllm, "completion", Post, "/v1/completions", Completion);
 
+/// vLLM: load a LoRA adapter (exists with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`; the
+/// engine needs `--enable-lora`). Answers 200 with a text line; refusals are vLLM's error
+/// body with the reason in `error.message`.
+pub const VLLM_LOAD_LORA: EngineCall = entry(
+    Vllm,
+    "load_lora_adapter",
+    Post,
+    "/v1/load_lora_adapter",
+    Adapter(|name, path| json!({"lora_name": name, "lora_path": path})),
+);
+/// vLLM: unload a LoRA adapter (404 when it is not loaded).
+pub const VLLM_UNLOAD_LORA: EngineCall = entry(
+    Vllm,
+    "unload_lora_adapter",
+    Post,
+    "/v1/unload_lora_adapter",
+    Adapter(|name, _| json!({"lora_name": name})),
+);
+/// vLLM: the served models; the loaded adapters are the entries whose `parent` is the base.
+pub const VLLM_MODELS: EngineCall = entry(Vllm, "models", Get, "/v1/models", Empty);
+
 /// Every vLLM call.
 pub const VLLM_CALLS: &[EngineCall] = &[
     VLLM_HEALTH,
@@ -276,6 +312,9 @@ pub const VLLM_CALLS: &[EngineCall] = &[
     VLLM_VERSION,
     VLLM_METRICS,
     VLLM_COMPLETIONS,
+    VLLM_LOAD_LORA,
+    VLLM_UNLOAD_LORA,
+    VLLM_MODELS,
 ];
 
 const SGLANG_ALL_TAGS: [&str; 3] = ["weights", "kv_cache", "cuda_graph"];
@@ -357,6 +396,27 @@ pub const SGLANG_METRICS: EngineCall = entry(Sglang, "metrics", Get, "/metrics",
 pub const SGLANG_COMPLETIONS: EngineCall =
     entry(Sglang, "completion", Post, "/v1/completions", Completion);
 
+/// SGLang: load a LoRA adapter (the engine needs `--enable-lora`). Answers 200 with
+/// `{"success": true, ...}`; a refusal is a 400 with `{"success": false, "error_message"}`.
+pub const SGLANG_LOAD_LORA: EngineCall = entry(
+    Sglang,
+    "load_lora_adapter",
+    Post,
+    "/load_lora_adapter",
+    Adapter(|name, path| json!({"lora_name": name, "lora_path": path})),
+);
+/// SGLang: unload a LoRA adapter.
+pub const SGLANG_UNLOAD_LORA: EngineCall = entry(
+    Sglang,
+    "unload_lora_adapter",
+    Post,
+    "/unload_lora_adapter",
+    Adapter(|name, _| json!({"lora_name": name})),
+);
+/// SGLang: the served models; the loaded adapters are the entries whose `parent` is the
+/// base (as vLLM's).
+pub const SGLANG_MODELS: EngineCall = entry(Sglang, "models", Get, "/v1/models", Empty);
+
 /// Every SGLang call.
 pub const SGLANG_CALLS: &[EngineCall] = &[
     SGLANG_HEALTH,
@@ -373,6 +433,9 @@ pub const SGLANG_CALLS: &[EngineCall] = &[
     SGLANG_CONTINUE,
     SGLANG_METRICS,
     SGLANG_COMPLETIONS,
+    SGLANG_LOAD_LORA,
+    SGLANG_UNLOAD_LORA,
+    SGLANG_MODELS,
 ];
 
 /// TensorFold: readiness.
@@ -475,7 +538,7 @@ impl Driver {
     fn body_of(c: &EngineCall, ep: &Endpoint) -> Option<Value> {
         match c.body {
             CallBody::Json(make) => Some(make(ep)),
-            CallBody::Empty | CallBody::Completion => None,
+            CallBody::Empty | CallBody::Completion | CallBody::Adapter(_) => None,
         }
     }
 
@@ -912,6 +975,105 @@ impl Driver {
         version_of(&v)
     }
 
+    /// The adapter calls of `ep`'s engine (load, unload, list); TensorFold has none.
+    fn adapter_calls(ep: &Endpoint) -> Result<[EngineCall; 3], AgentError> {
+        match ep.engine {
+            Vllm => Ok([VLLM_LOAD_LORA, VLLM_UNLOAD_LORA, VLLM_MODELS]),
+            Sglang => Ok([SGLANG_LOAD_LORA, SGLANG_UNLOAD_LORA, SGLANG_MODELS]),
+            Tensorfold => Err(AgentError::Unsupported {
+                engine: ep.engine,
+                what: "LoRA adapters",
+            }),
+        }
+    }
+
+    /// Sends adapter call `c` for adapter `name` at `path`; the status and body.
+    async fn send_adapter(
+        &self,
+        ep: &Endpoint,
+        c: &EngineCall,
+        (name, path): (&str, &str),
+        timeout: Duration,
+    ) -> Result<(u16, bytes::Bytes), AgentError> {
+        let CallBody::Adapter(make) = c.body else {
+            unreachable!("{} is not an adapter call", c.target)
+        };
+        let url = ep.url(c.target);
+        self.client
+            .send(
+                self.call(ep, c.step, &url, timeout),
+                c.verb.method(),
+                Some(&make(name, path)),
+            )
+            .await
+    }
+
+    /// Loads LoRA adapter `name` from `path` into the engine (vLLM `POST
+    /// /v1/load_lora_adapter`, SGLang `POST /load_lora_adapter`), within the check timeout
+    /// (reading an adapter is reading weights). A refusal is [`AgentError::EngineStatus`]
+    /// whose `body` is the engine's reason ([`refusal_reason`]).
+    pub async fn load_adapter(
+        &self,
+        ep: &Endpoint,
+        name: &str,
+        path: &str,
+    ) -> Result<(), AgentError> {
+        let [load, _, _] = Self::adapter_calls(ep)?;
+        let (status, body) = self
+            .send_adapter(ep, &load, (name, path), self.timeouts.check)
+            .await?;
+        if (200..300).contains(&status) {
+            return Ok(());
+        }
+        Err(AgentError::EngineStatus {
+            engine: ep.engine,
+            step: load.step,
+            url: ep.url(load.target),
+            status,
+            body: refusal_reason(&body),
+        })
+    }
+
+    /// Unloads LoRA adapter `name` (vLLM `POST /v1/unload_lora_adapter`, SGLang `POST
+    /// /unload_lora_adapter`). One the engine does not list is not an error: a refusal is
+    /// checked against [`Driver::adapters`], and only an adapter still listed fails, with the
+    /// engine's reason.
+    pub async fn unload_adapter(&self, ep: &Endpoint, name: &str) -> Result<(), AgentError> {
+        let [_, unload, _] = Self::adapter_calls(ep)?;
+        let (status, body) = self
+            .send_adapter(ep, &unload, (name, ""), self.timeouts.step)
+            .await?;
+        if (200..300).contains(&status) {
+            return Ok(());
+        }
+        if !self.adapters(ep).await?.iter().any(|a| a == name) {
+            return Ok(());
+        }
+        Err(AgentError::EngineStatus {
+            engine: ep.engine,
+            step: unload.step,
+            url: ep.url(unload.target),
+            status,
+            body: refusal_reason(&body),
+        })
+    }
+
+    /// The adapters the engine has loaded: the `/v1/models` entries whose `parent` is the
+    /// served model (vLLM and SGLang list them so).
+    pub async fn adapters(&self, ep: &Endpoint) -> Result<Vec<String>, AgentError> {
+        let [_, _, list] = Self::adapter_calls(ep)?;
+        let answer = self.send_json(ep, &list, self.timeouts.step).await?;
+        adapters_of(&answer, &ep.model_name).ok_or_else(|| AgentError::EngineAnswer {
+            engine: ep.engine,
+            step: list.step,
+            url: ep.url(list.target),
+            detail: format!(
+                "no `data` list of models in {}",
+                crate::http::excerpt(answer.to_string().as_bytes())
+            ),
+        })
+    }
+
     /// Wakes a parked engine and verifies it: the wake steps of `tier`, then the check prompt
     /// (or the fixed decision) compared with `first`, then the one-token warm-up, all within
     /// `window`. A failed step (an error answer, or an engine still asleep after its wake
@@ -1053,4 +1215,27 @@ pub(crate) fn version_of(answer: &Value) -> Option<String> {
         .get("version")
         .and_then(Value::as_str)
         .map(str::to_string)
+}
+
+/// The adapters in a `/v1/models` answer: the ids of the entries whose `parent` is `base`, in
+/// the engine's order; `None` when the answer has no `data` list.
+pub(crate) fn adapters_of(answer: &Value, base: &str) -> Option<Vec<String>> {
+    let data = answer.get("data")?.as_array()?;
+    Some(
+        data.iter()
+            .filter(|m| m.get("parent").and_then(Value::as_str) == Some(base))
+            .filter_map(|m| m.get("id").and_then(Value::as_str).map(str::to_string))
+            .collect(),
+    )
+}
+
+/// The engine's reason in a refusal's body: vLLM's `error.message`, SGLang's
+/// `error_message` (or `message`, as its 400 for a malformed body), else the body's start.
+pub fn refusal_reason(body: &[u8]) -> String {
+    let found = serde_json::from_slice::<Value>(body).ok().and_then(|v| {
+        ["/error/message", "/error_message", "/message", "/detail"]
+            .iter()
+            .find_map(|at| v.pointer(at).and_then(Value::as_str).map(str::to_string))
+    });
+    found.unwrap_or_else(|| crate::http::excerpt(body))
 }

@@ -13,6 +13,13 @@
 //! - TensorFold: `<command> --model <model> --port <p> <extra_args>`; it has no flag for
 //!   `max_concurrent_requests` and runs 8 at once, so a deployment declaring one is refused.
 //!
+//! - A base with `adapters: {max_loaded, max_rank}` (DESIGN 4.9) gets the engine's LoRA flags
+//!   after those ([`capyctl_spec::engine_args::adapter_flags`]): vLLM `--enable-lora
+//!   --max-loras <max_loaded> --max-lora-rank <max_rank>` with
+//!   `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`; SGLang `--enable-lora --max-lora-rank <max_rank>
+//!   --lora-target-modules all --max-loaded-loras <max_loaded> --max-loras-per-batch
+//!   <max_loaded>`; TensorFold takes none, and such a spec is refused.
+//!
 //! Environment: the host's `engines.<kind>.env`, then the deployment's `env`, then
 //! `VLLM_SERVER_DEV_MODE=1` where parking needs it (CapyCTL's own wins, or parking breaks).
 
@@ -151,6 +158,30 @@ pub fn launch_command(
             for a in ["--model", &spec.model, "--port", &port] {
                 push(a);
             }
+        }
+    }
+    // A base that takes adapters (`adapters:`, DESIGN 4.9): the engine's LoRA flags, and for
+    // vLLM the switch that registers its load/unload routes (CapyCTL's own wins).
+    if let Some(slots) = spec.adapters {
+        let flags =
+            capyctl_spec::engine_args::adapter_flags(spec.engine, slots.max_loaded, slots.max_rank);
+        if flags.is_empty() {
+            return Err(AgentError::InvalidSpec {
+                detail: format!(
+                    "deployment {}: adapters: {} takes no LoRA adapters; remove adapters",
+                    spec.name, spec.engine
+                ),
+            });
+        }
+        for (flag, value) in flags {
+            args.push(flag.to_string());
+            args.extend(value);
+        }
+        if spec.engine == EngineKind::Vllm {
+            env.insert(
+                capyctl_spec::engine_args::VLLM_RUNTIME_LORA_ENV.to_string(),
+                "True".to_string(),
+            );
         }
     }
     // One instance over several GPUs (`gpus_per_instance`): the engine's tensor-parallel

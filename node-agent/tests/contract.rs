@@ -13,7 +13,8 @@
 //!   the completion bodies of
 //!   `verify` (check prompt, decision, warm-up) against `CompletionRequest`;
 //! - every flag of the launch command (`launch_command` over every branch: parking with and
-//!   without host RAM, `max_concurrent_requests`, tensor parallelism), the flags CapyCTL owns
+//!   without host RAM, `max_concurrent_requests`, tensor parallelism, `adapters`' LoRA
+//!   flags), the flags CapyCTL owns
 //!   (`owned_flags`), `max_running_flag`, SGLang's state-cache and speculative flags, and the
 //!   environment variables the launch sets (vLLM's `envs.py`);
 //! - the metric names of the load read (the newest name of each figure; older names are kept
@@ -24,6 +25,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use capyctl_interfaces::spec::AdapterSlots;
 use capyctl_node_agent::driver::{CallBody, Endpoint, EngineCall, Verb, engine_calls};
 use capyctl_node_agent::launch::{SGLANG_STATE_CACHE_FLAG, launch_command, max_running_flag};
 use capyctl_node_agent::load::metric_names;
@@ -242,6 +244,7 @@ fn bodies(call: &EngineCall) -> Vec<Value> {
     match call.body {
         CallBody::Empty => vec![],
         CallBody::Json(make) => vec![make(&ep)],
+        CallBody::Adapter(make) => vec![make("support-bot", "/models/loras/support-bot")],
         CallBody::Completion => {
             let decision = DecisionSpec {
                 prompt: "Is the sky blue?".into(),
@@ -307,10 +310,21 @@ fn launch_args(engine: EngineKind) -> Vec<(Vec<String>, Vec<String>)> {
     ];
     let mut out = Vec::new();
     for parking in parkings {
-        for (declared, tp) in [(None, None), (Some(12), Some(2))] {
+        for (declared, tp, adapters) in [
+            (None, None, None),
+            (
+                Some(12),
+                Some(2),
+                Some(AdapterSlots {
+                    max_loaded: 4,
+                    max_rank: 64,
+                }),
+            ),
+        ] {
             let mut spec = InstanceSpec::new("01KC", "chat-a", engine, "/models/m");
             spec.max_concurrent_requests = declared;
             spec.tensor_parallel = tp;
+            spec.adapters = adapters;
             let cmd = launch_command(&spec, &launch, 8000, parking).unwrap();
             out.push((cmd.args, cmd.env.keys().cloned().collect()));
         }
@@ -348,6 +362,10 @@ fn check_flags(engine: EngineKind) {
             contract.version
         );
         assert!(envs.contains("VLLM_SERVER_DEV_MODE"), "{envs:?}");
+        assert!(
+            envs.contains("VLLM_ALLOW_RUNTIME_LORA_UPDATING"),
+            "{envs:?}"
+        );
     }
 }
 
@@ -508,6 +526,49 @@ fn the_checks_catch_what_the_engine_would_refuse() {
             "`lora_path`: [\"/adapters/a\"] is not of the kinds",
         ),
     ];
+    // The adapter calls: a field the handler lacks, a path missing, a route of the other
+    // engine.
+    let cases = cases
+        .into_iter()
+        .chain([
+            (
+                with(
+                    &vllm,
+                    call(
+                        v,
+                        Verb::Post,
+                        "/v1/load_lora_adapter",
+                        CallBody::Adapter(|n, p| serde_json::json!({"name": n, "lora_path": p})),
+                    ),
+                ),
+                "requires `lora_name`",
+            ),
+            (
+                with(
+                    &sglang,
+                    call(
+                        s,
+                        Verb::Post,
+                        "/load_lora_adapter",
+                        CallBody::Adapter(|n, _| serde_json::json!({"lora_name": n})),
+                    ),
+                ),
+                "requires `lora_path`",
+            ),
+            (
+                with(
+                    &sglang,
+                    call(
+                        s,
+                        Verb::Post,
+                        "/v1/unload_lora_adapter",
+                        CallBody::Adapter(|n, _| serde_json::json!({"lora_name": n})),
+                    ),
+                ),
+                "no route",
+            ),
+        ])
+        .collect::<Vec<_>>();
     let wrong = serde_json::json!({"model": "m", "prompt": "p", "max_tokens": "16"});
     assert_eq!(
         vllm.body_problems("CompletionRequest", &wrong),

@@ -53,6 +53,9 @@ async fn start_sim(spec: &InstanceSpec, parking: LaunchParking, sim_args: &[&str
     if cmd.env.get("VLLM_SERVER_DEV_MODE").map(String::as_str) == Some("1") {
         argv.extend(["--sim-vllm-dev-mode".into(), "1".into()]);
     }
+    if let Some(v) = cmd.env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING") {
+        argv.extend(["--sim-vllm-runtime-lora-updating".into(), v.clone()]);
+    }
     argv.extend(["--sim-weights-bytes".into(), "64MiB".into()]);
     argv.extend(sim_args.iter().map(|a| a.to_string()));
     let config = SimConfig::try_parse_from(argv).unwrap();
@@ -549,5 +552,131 @@ async fn an_endless_answer_is_cut_at_the_bound() {
     assert!(
         sent < 4 * capyctl_node_agent::http::MAX_ANSWER_BYTES,
         "{sent} bytes sent"
+    );
+}
+
+/// PEFT adapter directories for the adapter tests: `one` (rank 8), `big` (rank 32),
+/// `plain` (no `adapter_config.json`). Removed on drop.
+struct AdapterDirs(std::path::PathBuf);
+
+impl AdapterDirs {
+    fn new() -> AdapterDirs {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let root = std::env::temp_dir().join(format!(
+            "capyctl-driver-lora-{}-{nanos}",
+            std::process::id()
+        ));
+        for (dir, rank) in [("one", Some(8)), ("big", Some(32)), ("plain", None)] {
+            let d = root.join(dir);
+            std::fs::create_dir_all(&d).unwrap();
+            if let Some(r) = rank {
+                std::fs::write(d.join("adapter_config.json"), json!({"r": r}).to_string()).unwrap();
+            }
+        }
+        AdapterDirs(root)
+    }
+
+    fn path(&self, name: &str) -> String {
+        self.0.join(name).to_str().unwrap().to_string()
+    }
+}
+
+impl Drop for AdapterDirs {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A base with `adapters: {max_loaded: 2, max_rank: 16}` takes adapters through the driver:
+/// loaded and listed, a refusal carrying the engine's reason (a directory that is no PEFT
+/// adapter, a rank above the base's), unloaded (again: not an error), on vLLM and SGLang,
+/// each launched with CapyCTL's own flags.
+#[tokio::test]
+async fn adapters_load_list_and_unload_with_the_engines_reasons() {
+    let dirs = AdapterDirs::new();
+    let d = driver();
+    for engine in [EngineKind::Vllm, EngineKind::Sglang] {
+        let mut sp = spec(engine);
+        sp.adapters = Some(capyctl_interfaces::spec::AdapterSlots {
+            max_loaded: 2,
+            max_rank: 16,
+        });
+        let ep = start_sim(&sp, LaunchParking::default(), &[]).await;
+        assert!(d.adapters(&ep).await.unwrap().is_empty(), "{engine}");
+        d.load_adapter(&ep, "support-bot", &dirs.path("one"))
+            .await
+            .unwrap_or_else(|e| panic!("{engine}: {e}"));
+        assert_eq!(d.adapters(&ep).await.unwrap(), ["support-bot"], "{engine}");
+        for (dir, reason) in [
+            ("plain", "No adapter found for"),
+            ("big", "LoRA rank 32 is greater than max_lora_rank 16"),
+        ] {
+            let err = d
+                .load_adapter(&ep, "other", &dirs.path(dir))
+                .await
+                .unwrap_err();
+            match &err {
+                AgentError::EngineStatus {
+                    status, body, step, ..
+                } => {
+                    assert!(body.contains(reason), "{engine} {dir}: {body}");
+                    assert!(!body.starts_with('{'), "the reason, not the JSON: {body}");
+                    assert_eq!(*step, "load_lora_adapter");
+                    assert!(*status >= 400, "{status}");
+                }
+                other => panic!("{engine} {dir}: {other}"),
+            }
+        }
+        assert_eq!(d.adapters(&ep).await.unwrap(), ["support-bot"], "{engine}");
+        d.unload_adapter(&ep, "support-bot").await.unwrap();
+        d.unload_adapter(&ep, "support-bot").await.unwrap();
+        assert!(d.adapters(&ep).await.unwrap().is_empty(), "{engine}");
+    }
+    // TensorFold takes none.
+    let ep = start_sim(&spec(EngineKind::Tensorfold), LaunchParking::default(), &[]).await;
+    assert!(matches!(
+        d.adapters(&ep).await,
+        Err(AgentError::Unsupported { .. })
+    ));
+}
+
+/// A load the engine fails or never answers: the engine's reason, or the driver's timeout
+/// naming the step (engine-sim's adapter faults).
+#[tokio::test]
+async fn a_failed_or_hanging_adapter_load_is_an_error_naming_it() {
+    let dirs = AdapterDirs::new();
+    let mut sp = spec(EngineKind::Vllm);
+    sp.adapters = Some(capyctl_interfaces::spec::AdapterSlots {
+        max_loaded: 1,
+        max_rank: 8,
+    });
+    let ep = start_sim(&sp, LaunchParking::default(), &[]).await;
+    set_fault(&ep, "adapter_load_fails").await;
+    let err = driver()
+        .load_adapter(&ep, "one", &dirs.path("one"))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("adapter_load_fails"), "{err}");
+    set_fault(&ep, "adapter_load_hangs").await;
+    let quick = Driver::new(DriverTimeouts {
+        check: Duration::from_millis(300),
+        ..DriverTimeouts::default()
+    });
+    let err = quick
+        .load_adapter(&ep, "one", &dirs.path("one"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            AgentError::EngineTimeout {
+                step: "load_lora_adapter",
+                ..
+            }
+        ),
+        "{err}"
     );
 }

@@ -1399,3 +1399,82 @@ fn tensor_parallel_from_gpus_per_instance() {
         assert!(!cmd.args.iter().any(|a| a == flag), "{:?}", cmd.args);
     }
 }
+
+/// `adapters: {max_loaded, max_rank}` (DESIGN 4.9): vLLM gets `--enable-lora --max-loras
+/// --max-lora-rank` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` (its load/unload routes exist
+/// only with it); SGLang its own flags for adapters loaded at run time; TensorFold is refused;
+/// without `adapters` none of it.
+#[test]
+fn adapters_pass_the_engines_lora_flags() {
+    use capyctl_interfaces::spec::AdapterSlots;
+    let slots = AdapterSlots {
+        max_loaded: 3,
+        max_rank: 16,
+    };
+    let mut sp = spec(EngineKind::Vllm, "m");
+    sp.adapters = Some(slots);
+    sp.extra_args = s(&["--dtype", "float32"]);
+    let cmd = launch_command(&sp, &EngineLaunch::default_for(EngineKind::Vllm), 1, PARK).unwrap();
+    use capyctl_node_agent::spec::flag_value as flag;
+    assert!(
+        cmd.args.iter().any(|a| a == "--enable-lora"),
+        "{:?}",
+        cmd.args
+    );
+    assert_eq!(flag(&cmd.args, "--max-loras"), Some("3"));
+    assert_eq!(flag(&cmd.args, "--max-lora-rank"), Some("16"));
+    assert_eq!(
+        cmd.env
+            .get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+            .map(String::as_str),
+        Some("True")
+    );
+    // Before `extra_args`, like CapyCTL's other flags.
+    let lora = cmd.args.iter().position(|a| a == "--enable-lora").unwrap();
+    let extra = cmd.args.iter().position(|a| a == "--dtype").unwrap();
+    assert!(lora < extra, "{:?}", cmd.args);
+
+    let mut sp = spec(EngineKind::Sglang, "m");
+    sp.adapters = Some(slots);
+    let cmd = launch_command(&sp, &EngineLaunch::default_for(EngineKind::Sglang), 1, PARK).unwrap();
+    assert!(
+        cmd.args.iter().any(|a| a == "--enable-lora"),
+        "{:?}",
+        cmd.args
+    );
+    assert_eq!(flag(&cmd.args, "--max-lora-rank"), Some("16"));
+    assert_eq!(flag(&cmd.args, "--max-loaded-loras"), Some("3"));
+    assert_eq!(flag(&cmd.args, "--max-loras-per-batch"), Some("3"));
+    assert_eq!(flag(&cmd.args, "--lora-target-modules"), Some("all"));
+    assert!(!cmd.env.contains_key("VLLM_ALLOW_RUNTIME_LORA_UPDATING"));
+
+    let mut sp = spec(EngineKind::Tensorfold, "m");
+    sp.adapters = Some(slots);
+    let err = launch_command(
+        &sp,
+        &EngineLaunch::default_for(EngineKind::Tensorfold),
+        1,
+        PARK,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, AgentError::InvalidSpec { detail } if detail.contains("adapters")),
+        "{err}"
+    );
+
+    for engine in [EngineKind::Vllm, EngineKind::Sglang] {
+        let cmd = launch_command(
+            &spec(engine, "m"),
+            &EngineLaunch::default_for(engine),
+            1,
+            PARK,
+        )
+        .unwrap();
+        assert!(
+            !cmd.args.iter().any(|a| a.contains("lora")),
+            "{:?}",
+            cmd.args
+        );
+        assert!(!cmd.env.contains_key("VLLM_ALLOW_RUNTIME_LORA_UPDATING"));
+    }
+}

@@ -780,3 +780,81 @@ fn the_binary_refuses_the_pod_runtime_without_a_cluster_and_a_missing_token() {
         "capyctl-node-agent: no agent token: set CAPYCTL_AGENT_TOKEN_FILE (a file holding it) or CAPYCTL_AGENT_TOKEN"
     );
 }
+
+/// Adapters over the node agent's HTTP API (DESIGN 4.9): an instance started with
+/// `adapters` (its engine launched with the LoRA flags and `VLLM_ALLOW_RUNTIME_LORA_UPDATING`)
+/// loads, lists and unloads them; a refused load is the engine's own error with its reason,
+/// the same variant on this side; a parked instance, one without `adapters` and an unknown
+/// one are refused as such; the routes need the token.
+#[tokio::test]
+async fn adapters_load_list_and_unload_over_http() {
+    let dir = common::temp_dir("remote-adapters");
+    let adapter = dir.join("loras/support-bot");
+    std::fs::create_dir_all(&adapter).unwrap();
+    std::fs::write(adapter.join("adapter_config.json"), r#"{"r": 8}"#).unwrap();
+    let not_peft = dir.join("loras/plain");
+    std::fs::create_dir_all(&not_peft).unwrap();
+    let s = served(&dir).await;
+    let r = remote(&s.url, TOKEN);
+
+    let mut base = spec(EngineKind::Vllm);
+    base.adapters = Some(capyctl_interfaces::spec::AdapterSlots {
+        max_loaded: 2,
+        max_rank: 8,
+    });
+    r.start("i-1", &base).await.unwrap();
+    assert!(r.adapters("i-1").await.unwrap().is_empty());
+    r.load_adapter("i-1", "support-bot", adapter.to_str().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(r.adapters("i-1").await.unwrap(), ["support-bot"]);
+    assert_eq!(s.local.adapters("i-1").await.unwrap(), ["support-bot"]);
+
+    let err = r
+        .load_adapter("i-1", "plain", not_peft.to_str().unwrap())
+        .await
+        .unwrap_err();
+    match &err {
+        AgentError::EngineStatus { status, body, .. } => {
+            assert_eq!(*status, 404);
+            assert!(
+                body.starts_with("Loading lora plain failed: No adapter found for"),
+                "{body}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    let (status, body) = raw_get(&format!("{}/agent/v1/instances/i-1/adapters", s.url), None).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (StatusCode::UNAUTHORIZED, Some("unauthorized"))
+    );
+
+    // Parked: refused until it wakes (a parked vLLM would hold the call).
+    r.park("i-1").await.unwrap();
+    let err = r.adapters("i-1").await.unwrap_err();
+    assert!(matches!(err, AgentError::WrongState { .. }), "{err:?}");
+    assert_eq!(r.wake("i-1").await.unwrap().outcome, WakeOutcome::Pass);
+    assert_eq!(r.adapters("i-1").await.unwrap(), ["support-bot"]);
+
+    r.unload_adapter("i-1", "support-bot").await.unwrap();
+    r.unload_adapter("i-1", "support-bot").await.unwrap();
+    assert!(r.adapters("i-1").await.unwrap().is_empty());
+
+    // Without `adapters`, and an instance the agent does not run.
+    r.start("i-2", &spec(EngineKind::Vllm)).await.unwrap();
+    let err = r
+        .load_adapter("i-2", "support-bot", adapter.to_str().unwrap())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, AgentError::InvalidSpec { detail } if detail.contains("without adapters")),
+        "{err:?}"
+    );
+    let err = r.adapters("i-9").await.unwrap_err();
+    assert!(matches!(err, AgentError::UnknownInstance { .. }), "{err:?}");
+
+    r.stop("i-1").await.unwrap();
+    r.stop("i-2").await.unwrap();
+    let _ = std::fs::remove_dir_all(dir);
+}

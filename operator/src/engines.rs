@@ -548,6 +548,29 @@ impl HostAgent for PodHostAgent {
         self.inner.sample(instance)
     }
 
+    // Adapters (DESIGN 4.9) load into the running engine of the Pod: the node agent in the Pod
+    // drives them as for a process, and the Pod stays as it is.
+    fn load_adapter<'a>(
+        &'a self,
+        instance: &'a str,
+        name: &'a str,
+        path: &'a str,
+    ) -> BoxFuture<'a, Result<(), AgentError>> {
+        self.inner.load_adapter(instance, name, path)
+    }
+
+    fn unload_adapter<'a>(
+        &'a self,
+        instance: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<(), AgentError>> {
+        self.inner.unload_adapter(instance, name)
+    }
+
+    fn adapters<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<Vec<String>, AgentError>> {
+        self.inner.adapters(instance)
+    }
+
     fn recover(&self) -> BoxFuture<'_, Result<RecoveryReport, AgentError>> {
         Box::pin(async move {
             let _op = self.begin();
@@ -762,6 +785,39 @@ mod tests {
         fn unreachable(&self) -> Option<String> {
             let held = self.health.borrow().unreachable.clone();
             held.map(|(_, why)| why)
+        }
+        fn load_adapter<'a>(
+            &'a self,
+            instance: &'a str,
+            name: &'a str,
+            path: &'a str,
+        ) -> BoxFuture<'a, Result<(), AgentError>> {
+            self.calls
+                .lock()
+                .unwrap()
+                .push(format!("load {name} from {path} into {instance}"));
+            Box::pin(async { Ok(()) })
+        }
+        fn unload_adapter<'a>(
+            &'a self,
+            instance: &'a str,
+            name: &'a str,
+        ) -> BoxFuture<'a, Result<(), AgentError>> {
+            self.calls
+                .lock()
+                .unwrap()
+                .push(format!("unload {name} from {instance}"));
+            Box::pin(async { Ok(()) })
+        }
+        fn adapters<'a>(
+            &'a self,
+            instance: &'a str,
+        ) -> BoxFuture<'a, Result<Vec<String>, AgentError>> {
+            self.calls
+                .lock()
+                .unwrap()
+                .push(format!("adapters of {instance}"));
+            Box::pin(async { Ok(vec!["support-bot".to_string()]) })
         }
     }
 
@@ -1141,6 +1197,30 @@ mod tests {
             .unwrap();
         assert_eq!(seen.len(), 3);
         drop(lifecycle);
+    }
+
+    /// Adapters load into the Pod's running engine through its node agent; no Pod is
+    /// created, deleted or annotated for them (the mock API server answers nothing).
+    #[tokio::test]
+    async fn adapters_go_to_the_node_agent_and_leave_the_pod_alone() {
+        let (client, handle) = mock::client();
+        let server = mock::serve(handle, vec![]);
+        let inner = Arc::new(Agent::default());
+        let a = agent(client, inner.clone());
+        a.load_adapter("01KDEP-0", "support-bot", "/models/loras/support-bot")
+            .await
+            .unwrap();
+        assert_eq!(a.adapters("01KDEP-0").await.unwrap(), ["support-bot"]);
+        a.unload_adapter("01KDEP-0", "support-bot").await.unwrap();
+        assert_eq!(
+            inner.calls.lock().unwrap().as_slice(),
+            [
+                "load support-bot from /models/loras/support-bot into 01KDEP-0",
+                "adapters of 01KDEP-0",
+                "unload support-bot from 01KDEP-0"
+            ]
+        );
+        server.await.unwrap();
     }
 
     #[tokio::test]

@@ -6,7 +6,8 @@
 //!   with its weights in memory (KV cache only) and refuses `residency: host_backed`
 //!   ([`HOST_BACKED_SPECULATIVE`]);
 //! - [`owned_flag`]: a flag CapyCTL passes the engine itself (DESIGN.md 4.2), which
-//!   `extra_args` must not set.
+//!   `extra_args` must not set;
+//! - [`adapter_flags`]: the engine's LoRA flags for a base with `adapters` (DESIGN.md 4.9).
 
 use crate::kinds::EngineKind;
 
@@ -121,10 +122,87 @@ const WEIGHTS_CPU_BACKUP: OwnedFlag = OwnedFlag {
     sets: "whether parked weights go to host RAM, from `residency` and the parking tier",
 };
 
+const ENABLE_LORA: OwnedFlag = OwnedFlag {
+    flag: "--enable-lora",
+    sets: "whether the engine takes LoRA adapters, from `adapters`",
+};
+const MAX_LORAS: OwnedFlag = OwnedFlag {
+    flag: "--max-loras",
+    sets: "how many adapters an instance holds at once, from `adapters.max_loaded`",
+};
+const MAX_LORA_RANK: OwnedFlag = OwnedFlag {
+    flag: "--max-lora-rank",
+    sets: "the largest adapter rank, from `adapters.max_rank`",
+};
+const MAX_LOADED_LORAS: OwnedFlag = OwnedFlag {
+    flag: "--max-loaded-loras",
+    sets: "how many adapters an instance holds at once, from `adapters.max_loaded`",
+};
+const MAX_LORAS_PER_BATCH: OwnedFlag = OwnedFlag {
+    flag: "--max-loras-per-batch",
+    sets: "how many adapters an instance holds at once, from `adapters.max_loaded`",
+};
+const LORA_TARGET_MODULES: OwnedFlag = OwnedFlag {
+    flag: "--lora-target-modules",
+    sets: "the modules adapters loaded at run time may target (`all`), with `adapters`",
+};
+const LORA_PATHS: OwnedFlag = OwnedFlag {
+    flag: "--lora-paths",
+    sets: "the adapters loaded, which are deployments of their own (`adapter:`)",
+};
+const LORA_MODULES: OwnedFlag = OwnedFlag {
+    flag: "--lora-modules",
+    sets: "the adapters loaded, which are deployments of their own (`adapter:`)",
+};
+
+/// The flags CapyCTL passes `engine` to take LoRA adapters loaded at run time, for a base
+/// deployment with `adapters: {max_loaded, max_rank}` (DESIGN.md 4.9), as (flag, value)
+/// pairs (`None`: a switch):
+/// - vLLM 0.32: `--enable-lora --max-loras <max_loaded> --max-lora-rank <max_rank>`, with the
+///   environment's [`VLLM_RUNTIME_LORA_ENV`] (without it vLLM has no load/unload routes);
+/// - SGLang 0.5.23: `--enable-lora --max-lora-rank <max_rank> --lora-target-modules all
+///   --max-loaded-loras <max_loaded> --max-loras-per-batch <max_loaded>` (with no
+///   `--lora-paths` at start SGLang needs the rank and the target modules to size its pool;
+///   `--max-loaded-loras` bounds the adapters it holds, and must be at least
+///   `--max-loras-per-batch`);
+/// - TensorFold: none (it takes no adapters; the document refuses `adapters` for it).
+pub fn adapter_flags(
+    engine: EngineKind,
+    max_loaded: u32,
+    max_rank: u32,
+) -> Vec<(&'static str, Option<String>)> {
+    match engine {
+        EngineKind::Vllm => vec![
+            (ENABLE_LORA.flag, None),
+            (MAX_LORAS.flag, Some(max_loaded.to_string())),
+            (MAX_LORA_RANK.flag, Some(max_rank.to_string())),
+        ],
+        EngineKind::Sglang => vec![
+            (ENABLE_LORA.flag, None),
+            (MAX_LORA_RANK.flag, Some(max_rank.to_string())),
+            (LORA_TARGET_MODULES.flag, Some("all".to_string())),
+            (MAX_LOADED_LORAS.flag, Some(max_loaded.to_string())),
+            (MAX_LORAS_PER_BATCH.flag, Some(max_loaded.to_string())),
+        ],
+        EngineKind::Tensorfold => Vec::new(),
+    }
+}
+
+/// The environment variable vLLM needs to register `/v1/load_lora_adapter` and
+/// `/v1/unload_lora_adapter` (set to `True` for a base with `adapters`).
+pub const VLLM_RUNTIME_LORA_ENV: &str = "VLLM_ALLOW_RUNTIME_LORA_UPDATING";
+
+/// Whether `engine` takes LoRA adapters loaded at run time (vLLM and SGLang; TensorFold none).
+pub fn supports_adapters(engine: EngineKind) -> bool {
+    !adapter_flags(engine, 1, 1).is_empty()
+}
+
 /// The flags CapyCTL passes `engine` (DESIGN.md 4.2) that `extra_args` would contradict: where
-/// the engine listens, the model and its served name, the parking switches, and how many GPUs
-/// an instance spans (`gpus_per_instance`, which also decides how many GPUs it is given). (The
-/// flag for how many requests run at once is `max_concurrent_requests`'s, checked with it.)
+/// the engine listens, the model and its served name, the parking switches, how many GPUs
+/// an instance spans (`gpus_per_instance`, which also decides how many GPUs it is given), and
+/// the LoRA flags of `adapters` (DESIGN.md 4.9; adapters are deployments of their own, so
+/// the engine's own lists of adapters to load at start are CapyCTL's too). (The flag for how
+/// many requests run at once is `max_concurrent_requests`'s, checked with it.)
 pub fn owned_flags(engine: EngineKind) -> &'static [OwnedFlag] {
     match engine {
         // vLLM reads `--model` too, over the `serve <model>` CapyCTL passes.
@@ -135,6 +213,10 @@ pub fn owned_flags(engine: EngineKind) -> &'static [OwnedFlag] {
             MODEL,
             SLEEP_MODE,
             TENSOR_PARALLEL_SIZE,
+            ENABLE_LORA,
+            MAX_LORAS,
+            MAX_LORA_RANK,
+            LORA_MODULES,
         ],
         // SGLang's `--model` is another name of `--model-path`.
         EngineKind::Sglang => &[
@@ -147,6 +229,12 @@ pub fn owned_flags(engine: EngineKind) -> &'static [OwnedFlag] {
             WEIGHTS_CPU_BACKUP,
             TP_SIZE,
             TENSOR_PARALLEL_SIZE,
+            ENABLE_LORA,
+            MAX_LORA_RANK,
+            LORA_TARGET_MODULES,
+            MAX_LOADED_LORAS,
+            MAX_LORAS_PER_BATCH,
+            LORA_PATHS,
         ],
         // CapyCTL passes TensorFold no `--host`, and its engines listen on loopback all the same.
         EngineKind::Tensorfold => &[HOST, PORT, MODEL],
@@ -293,6 +381,86 @@ mod tests {
             at(EngineKind::Vllm, &["--portal", "--hosts=2", "port"]),
             None
         );
+    }
+
+    #[test]
+    fn the_lora_flags_are_capyctls_own() {
+        let at = |engine, a: &[&str]| owned_flag(engine, &args(a)).map(|(i, f)| (i, f.flag));
+        assert_eq!(
+            at(EngineKind::Vllm, &["--dtype", "float32", "--enable-lora"]),
+            Some((2, "--enable-lora"))
+        );
+        assert_eq!(
+            at(EngineKind::Vllm, &["--max_loras=4"]),
+            Some((0, "--max-loras"))
+        );
+        assert_eq!(
+            at(EngineKind::Vllm, &["--max-lora-rank", "64"]),
+            Some((0, "--max-lora-rank"))
+        );
+        assert_eq!(
+            at(EngineKind::Vllm, &["--lora-modules", "a=/x"]),
+            Some((0, "--lora-modules"))
+        );
+        assert_eq!(
+            at(EngineKind::Sglang, &["--max-loras-per-batch", "2"]),
+            Some((0, "--max-loras-per-batch"))
+        );
+        assert_eq!(
+            at(EngineKind::Sglang, &["--lora-paths", "a=/x"]),
+            Some((0, "--lora-paths"))
+        );
+        assert_eq!(
+            at(EngineKind::Sglang, &["--max-loaded-loras=3"]),
+            Some((0, "--max-loaded-loras"))
+        );
+        // The engines' other LoRA options stay the user's.
+        assert_eq!(at(EngineKind::Vllm, &["--max-cpu-loras", "8"]), None);
+        assert_eq!(at(EngineKind::Vllm, &["--lora-dtype", "auto"]), None);
+        assert_eq!(at(EngineKind::Sglang, &["--lora-backend", "triton"]), None);
+        assert_eq!(
+            at(EngineKind::Sglang, &["--enable-lora-overlap-loading"]),
+            None
+        );
+        // TensorFold has no LoRA flag of CapyCTL's (it takes no adapters).
+        assert_eq!(at(EngineKind::Tensorfold, &["--enable-lora"]), None);
+    }
+
+    #[test]
+    fn adapter_flags_follow_the_slots() {
+        let flat = |engine| -> Vec<String> {
+            adapter_flags(engine, 4, 64)
+                .into_iter()
+                .flat_map(|(f, v)| std::iter::once(f.to_string()).chain(v))
+                .collect()
+        };
+        assert_eq!(
+            flat(EngineKind::Vllm),
+            ["--enable-lora", "--max-loras", "4", "--max-lora-rank", "64"]
+        );
+        assert_eq!(
+            flat(EngineKind::Sglang),
+            [
+                "--enable-lora",
+                "--max-lora-rank",
+                "64",
+                "--lora-target-modules",
+                "all",
+                "--max-loaded-loras",
+                "4",
+                "--max-loras-per-batch",
+                "4"
+            ]
+        );
+        assert!(flat(EngineKind::Tensorfold).is_empty());
+        assert!(supports_adapters(EngineKind::Vllm) && supports_adapters(EngineKind::Sglang));
+        assert!(!supports_adapters(EngineKind::Tensorfold));
+        // Every flag passed is one `extra_args` may not set.
+        for engine in [EngineKind::Vllm, EngineKind::Sglang] {
+            for (flag, _) in adapter_flags(engine, 1, 8) {
+                assert!(owned_flags(engine).iter().any(|f| f.flag == flag), "{flag}");
+            }
+        }
     }
 
     #[test]

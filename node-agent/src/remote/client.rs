@@ -16,7 +16,9 @@ use serde::de::DeserializeOwned;
 use tokio::sync::{broadcast, watch};
 use tokio::task::AbortHandle;
 
-use super::wire::{AgentInfo, AgentTiming, ErrorBody, ExitsPage, SamplesPage};
+use super::wire::{
+    AdapterLoad, AdaptersPage, AgentInfo, AgentTiming, ErrorBody, ExitsPage, SamplesPage,
+};
 use crate::agent::{
     AgentConfig, AgentHealth, BoxFuture, EngineExit, HostAgent, ParkResult, RecoveryReport,
     StartedInstance, WakeReport,
@@ -51,6 +53,9 @@ pub struct RemoteTimeouts {
     pub stop: Duration,
     /// `recover`: a health call and a stop per engine left behind.
     pub recover: Duration,
+    /// `load_adapter` and `unload_adapter`: the engine reads the adapter (the agent bounds a
+    /// load by its check timeout); listing is quick.
+    pub adapter: Duration,
 }
 
 impl RemoteTimeouts {
@@ -69,6 +74,7 @@ impl RemoteTimeouts {
             wake: t.wake_window + t.step * 2 + t.stop_grace + m,
             stop: t.stop_grace + t.step + m,
             recover: (t.step + t.stop_grace) * 8 + m,
+            adapter: t.check + m,
         }
     }
 }
@@ -645,6 +651,55 @@ impl HostAgent for RemoteHostAgent {
 
     fn sample(&self, instance: &str) -> Option<LoadSample> {
         self.inner.cache().by_instance.get(instance).copied()
+    }
+
+    fn load_adapter<'a>(
+        &'a self,
+        instance: &'a str,
+        name: &'a str,
+        path: &'a str,
+    ) -> BoxFuture<'a, Result<(), AgentError>> {
+        Box::pin(async move {
+            let body = AdapterLoad {
+                name: name.to_string(),
+                path: path.to_string(),
+            };
+            let _: serde_json::Value = self
+                .post(
+                    &Self::instance_path(instance, "adapters"),
+                    Some(&body),
+                    self.timeouts().adapter,
+                )
+                .await?;
+            Ok(())
+        })
+    }
+
+    fn unload_adapter<'a>(
+        &'a self,
+        instance: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<(), AgentError>> {
+        Box::pin(async move {
+            let path = Self::instance_path(instance, &format!("adapters/{}/unload", segment(name)));
+            let _: serde_json::Value = self
+                .post(&path, None::<&()>, self.timeouts().adapter)
+                .await?;
+            Ok(())
+        })
+    }
+
+    fn adapters<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<Vec<String>, AgentError>> {
+        Box::pin(async move {
+            let page: AdaptersPage = self
+                .inner
+                .get(
+                    &Self::instance_path(instance, "adapters"),
+                    self.timeouts().quick,
+                )
+                .await?;
+            Ok(page.adapters)
+        })
     }
 
     fn recover(&self) -> BoxFuture<'_, Result<RecoveryReport, AgentError>> {

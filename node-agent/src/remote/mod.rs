@@ -22,6 +22,9 @@
 //! | `POST /agent/v1/instances/{id}/stop` | | `{"instance": id, "stopped": true}` | 404, 500 |
 //! | `GET /agent/v1/instances/{id}/sample` | | [`LoadSample`](crate::load::LoadSample) | 404 when none is held |
 //! | `GET /agent/v1/samples` | | [`wire::SamplesPage`]: `{"samples": {id: LoadSample}, "now_ms": the agent's clock}`, every instance's latest | |
+//! | `POST /agent/v1/instances/{id}/adapters` | [`wire::AdapterLoad`] `{name, path}` | `{"instance", "adapter", "loaded": true}` once the engine has it | 404, 409 (parked, starting or waking), 422 (started without `adapters`), 502 (the engine refused: its reason in the message), 504 |
+//! | `POST /agent/v1/instances/{id}/adapters/{name}/unload` | | `{"instance", "adapter", "loaded": false}` (also when the engine did not have it) | 404, 409, 422, 502 |
+//! | `GET /agent/v1/instances/{id}/adapters` | | [`wire::AdaptersPage`] `{"adapters": [name]}`, as the engine lists them | 404, 409, 422, 502 |
 //! | `POST /agent/v1/recover` | | [`RecoveryReport`](crate::agent::RecoveryReport) | 500 |
 //! | `GET /agent/v1/exits?after=N&epoch=E&wait_ms=W` | | [`wire::ExitsPage`] | |
 //!

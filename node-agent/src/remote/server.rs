@@ -18,7 +18,10 @@ use serde::de::DeserializeOwned;
 use tokio::net::TcpListener;
 use tokio::sync::{broadcast, watch};
 
-use super::wire::{AgentInfo, ErrorBody, ExitsPage, NumberedExit, SamplesPage, status_of};
+use super::wire::{
+    AdapterLoad, AdaptersPage, AgentInfo, ErrorBody, ExitsPage, NumberedExit, SamplesPage,
+    status_of,
+};
 use crate::agent::{EngineExit, HostAgent};
 use crate::error::AgentError;
 use crate::spec::InstanceSpec;
@@ -179,6 +182,14 @@ fn build(
         .route("/instances/{instance}/wake", post(wake))
         .route("/instances/{instance}/stop", post(stop))
         .route("/instances/{instance}/sample", get(sample))
+        .route(
+            "/instances/{instance}/adapters",
+            get(adapters).post(load_adapter),
+        )
+        .route(
+            "/instances/{instance}/adapters/{name}/unload",
+            post(unload_adapter),
+        )
         .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
     Router::new()
         .route("/healthz", get(healthz))
@@ -365,6 +376,38 @@ async fn stop(State(s): State<AppState>, Path(instance): Path<String>) -> Reply<
     run(async move {
         s.agent.stop(&instance).await?;
         Ok(serde_json::json!({"instance": instance, "stopped": true}))
+    })
+    .await
+}
+
+async fn load_adapter(
+    State(s): State<AppState>,
+    Path(instance): Path<String>,
+    body: Bytes,
+) -> Reply<serde_json::Value> {
+    let AdapterLoad { name, path } = parse(&body, "an adapter to load ({name, path})")?;
+    run(async move {
+        s.agent.load_adapter(&instance, &name, &path).await?;
+        Ok(serde_json::json!({"instance": instance, "adapter": name, "loaded": true}))
+    })
+    .await
+}
+
+async fn unload_adapter(
+    State(s): State<AppState>,
+    Path((instance, name)): Path<(String, String)>,
+) -> Reply<serde_json::Value> {
+    run(async move {
+        s.agent.unload_adapter(&instance, &name).await?;
+        Ok(serde_json::json!({"instance": instance, "adapter": name, "loaded": false}))
+    })
+    .await
+}
+
+async fn adapters(State(s): State<AppState>, Path(instance): Path<String>) -> Reply<AdaptersPage> {
+    run(async move {
+        let adapters = s.agent.adapters(&instance).await?;
+        Ok(AdaptersPage { adapters })
     })
     .await
 }

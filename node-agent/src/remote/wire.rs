@@ -486,6 +486,23 @@ fn wake_failure(code: &str) -> Option<WakeFailure> {
     .find(|f| f.code() == code)
 }
 
+/// `POST /agent/v1/instances/{id}/adapters`: the LoRA adapter to load into the instance's
+/// engine (DESIGN 4.9).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AdapterLoad {
+    /// The adapter's name (the deployment's; requests give it in `model`).
+    pub name: String,
+    /// Its PEFT directory, as the engine reads it.
+    pub path: String,
+}
+
+/// `GET /agent/v1/instances/{id}/adapters`: the adapters the instance's engine lists now.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AdaptersPage {
+    /// Their names, in the engine's order.
+    pub adapters: Vec<String>,
+}
+
 /// `GET /agent/v1/samples`: the latest sample of every instance the agent runs.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct SamplesPage {

@@ -1,0 +1,247 @@
+//! LoRA adapters in engine-sim beyond the recorded cases (`real_vllm.rs` compares those with
+//! vLLM 0.32): a load time per adapter, the load faults (one that fails, one that hangs),
+//! `/sim/state`, and SGLang's routes.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use hyper::StatusCode;
+use serde_json::{Value, json};
+
+use common::{Sim, start};
+
+/// PEFT directories of rank 8 named `names` under a fresh temporary directory.
+struct Dirs(PathBuf);
+
+impl Dirs {
+    fn new(names: &[&str]) -> Dirs {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let root = std::env::temp_dir().join(format!(
+            "engine-sim-adapters-{}-{nanos}",
+            std::process::id()
+        ));
+        for n in names {
+            std::fs::create_dir_all(root.join(n)).unwrap();
+            std::fs::write(root.join(n).join("adapter_config.json"), r#"{"r": 8}"#).unwrap();
+        }
+        Dirs(root)
+    }
+
+    fn path(&self, name: &str) -> String {
+        self.0.join(name).to_str().unwrap().to_string()
+    }
+}
+
+impl Drop for Dirs {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+async fn vllm() -> Sim {
+    start(&[
+        "serve",
+        "base",
+        "--port",
+        "0",
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-lora-rank",
+        "8",
+        "--sim-vllm-runtime-lora-updating",
+        "1",
+        "--sim-adapter-load-time",
+        "1ms",
+    ])
+    .await
+}
+
+async fn load(sim: &Sim, name: &str, path: &str) -> (StatusCode, String) {
+    sim.post(
+        "/v1/load_lora_adapter",
+        json!({"lora_name": name, "lora_path": path}),
+    )
+    .await
+}
+
+fn names(state: &Value) -> Vec<String> {
+    state["adapters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["name"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[tokio::test]
+async fn a_load_takes_its_adapters_load_time() {
+    let dirs = Dirs::new(&["slow", "quick"]);
+    let sim = vllm().await;
+    let (status, body) = sim
+        .post(
+            "/sim/faults",
+            json!({"adapters": {"slow": {"load_time": "300ms"}}}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let began = Instant::now();
+    assert_eq!(
+        load(&sim, "slow", &dirs.path("slow")).await.0,
+        StatusCode::OK
+    );
+    assert!(
+        began.elapsed() >= Duration::from_millis(300),
+        "{:?}",
+        began.elapsed()
+    );
+    let began = Instant::now();
+    assert_eq!(
+        load(&sim, "quick", &dirs.path("quick")).await.0,
+        StatusCode::OK
+    );
+    assert!(
+        began.elapsed() < Duration::from_millis(300),
+        "{:?}",
+        began.elapsed()
+    );
+    let state = sim.state().await;
+    assert_eq!(names(&state), ["slow", "quick"]);
+    assert_eq!(state["adapters"][0]["rank"], 8);
+    // Both answer, each its own way.
+    let slow = sim.chat_text("slow", "hello").await;
+    let quick = sim.chat_text("quick", "hello").await;
+    let base = sim.chat_text("base", "hello").await;
+    assert!(
+        slow != quick && slow != base && quick != base,
+        "{slow} / {quick} / {base}"
+    );
+    assert_eq!(sim.chat_text("slow", "hello").await, slow, "deterministic");
+}
+
+#[tokio::test]
+async fn a_failing_load_loads_nothing_and_names_its_reason() {
+    let dirs = Dirs::new(&["bad", "good"]);
+    let sim = vllm().await;
+    sim.post(
+        "/sim/faults",
+        json!({"adapters": {"bad": {"fails": "CUDA out of memory"}}}),
+    )
+    .await;
+    let (status, body) = load(&sim, "bad", &dirs.path("bad")).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
+    assert!(body.contains("CUDA out of memory"), "{body}");
+    assert_eq!(
+        load(&sim, "good", &dirs.path("good")).await.0,
+        StatusCode::OK
+    );
+    assert_eq!(names(&sim.state().await), ["good"]);
+    // The fault for every load, then cleared.
+    sim.post(
+        "/sim/faults",
+        json!({"set": ["adapter_load_fails"], "adapters": {"bad": null}}),
+    )
+    .await;
+    let (status, body) = load(&sim, "bad", &dirs.path("bad")).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
+    assert!(body.contains("adapter_load_fails"), "{body}");
+    sim.post("/sim/faults", json!({"clear": ["adapter_load_fails"]}))
+        .await;
+    assert_eq!(load(&sim, "bad", &dirs.path("bad")).await.0, StatusCode::OK);
+    assert_eq!(names(&sim.state().await), ["good", "bad"]);
+}
+
+#[tokio::test]
+async fn a_hanging_load_never_answers_and_holds_the_next() {
+    let dirs = Dirs::new(&["stuck", "next"]);
+    let sim = vllm().await;
+    sim.post(
+        "/sim/faults",
+        json!({"adapters": {"stuck": {"hangs": true}}}),
+    )
+    .await;
+    let hung = tokio::time::timeout(
+        Duration::from_millis(300),
+        load(&sim, "stuck", &dirs.path("stuck")),
+    )
+    .await;
+    assert!(hung.is_err(), "the load answered: {hung:?}");
+    // Loads are serialized behind it, as in vLLM's engine core; requests still run.
+    let next = tokio::time::timeout(
+        Duration::from_millis(300),
+        load(&sim, "next", &dirs.path("next")),
+    )
+    .await;
+    assert!(next.is_err(), "a load ran beside the stuck one: {next:?}");
+    sim.chat_text("base", "hello").await;
+    assert!(names(&sim.state().await).is_empty());
+}
+
+#[tokio::test]
+async fn sglang_loads_lists_and_unloads_adapters() {
+    let dirs = Dirs::new(&["a", "b"]);
+    let sim = start(&[
+        "--model-path",
+        "base",
+        "--port",
+        "0",
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--lora-target-modules",
+        "all",
+        "--max-loaded-loras",
+        "1",
+        "--max-loras-per-batch",
+        "1",
+        "--sim-adapter-load-time",
+        "1ms",
+    ])
+    .await;
+    let body = |name: &str| json!({"lora_name": name, "lora_path": dirs.path(name)});
+    let (status, text) = sim.post("/load_lora_adapter", body("a")).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["success"], true);
+    assert_eq!(v["loaded_adapters"]["a"], dirs.path("a"));
+    // Beyond --max-loaded-loras: refused, 400 with the reason.
+    let (status, text) = sim.post("/load_lora_adapter", body("b")).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["success"], false);
+    assert!(
+        v["error_message"]
+            .as_str()
+            .unwrap()
+            .contains("max-loaded-loras"),
+        "{v}"
+    );
+    // Listed with the base as parent; a request runs with it through `lora_path`.
+    let (_, models) = sim.get("/v1/models").await;
+    let models: Value = serde_json::from_str(&models).unwrap();
+    assert_eq!(models["data"][1]["id"], "a");
+    assert_eq!(models["data"][1]["parent"], "base");
+    let ask = |lora: Value| json!({"model": "base", "prompt": "hello", "max_tokens": 4, "lora_path": lora});
+    let (status, with) = sim.post("/v1/completions", ask(json!("a"))).await;
+    assert_eq!(status, StatusCode::OK, "{with}");
+    let (_, without) = sim.post("/v1/completions", ask(Value::Null)).await;
+    let text = |b: &str| serde_json::from_str::<Value>(b).unwrap()["choices"][0]["text"].clone();
+    assert_ne!(text(&with), text(&without));
+    let (status, _) = sim.post("/v1/completions", ask(json!("b"))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let (status, text) = sim
+        .post("/unload_lora_adapter", json!({"lora_name": "a"}))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let (status, _) = sim
+        .post("/unload_lora_adapter", json!({"lora_name": "a"}))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(names(&sim.state().await).is_empty());
+}
