@@ -129,6 +129,12 @@ fn field_description_wins(schema: &mut schemars::Schema) {
         json_path = ".status.hosts",
         description = "The hosts of the deployment (where it runs or is parked; every host it may run on while it is on none)"
     ),
+    printcolumn(
+        name = "Priority",
+        type_ = "integer",
+        json_path = ".spec.priority",
+        description = "The deployment's priority (empty: 0); never parked or stopped for a lower one"
+    ),
     doc = "A CapyCTL deployment: a named model on one engine, parked, woken and switched by CapyCTL."
 )]
 // The rule across keys that `kubectl scale` can break (below scale.min), checked by the API
@@ -190,6 +196,13 @@ pub struct DeploymentSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(transform = field_description_wins)]
     pub routing: Option<Routing>,
+    /// How much the deployment matters beside the others, a 32-bit integer (default 0): it is
+    /// never parked or stopped to make room for a deployment of lower priority, lower ones go
+    /// first among the victims, and its waiting requests are switched to first.
+    // NB: i64 so that an object out of range is still read and reported (`spec.priority`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = -2147483648, max = 2147483647))]
+    pub priority: Option<i64>,
 }
 
 /// Autoscaling of a deployment between `min` and `replicas` instances.
@@ -402,6 +415,7 @@ impl From<&DeploymentDoc> for DeploymentSpec {
             }),
             gpus_per_instance: d.gpus_per_instance,
             routing: d.routing,
+            priority: d.priority.map(i64::from),
         }
     }
 }
@@ -493,6 +507,7 @@ impl DeploymentSpec {
             })),
             "gpus_per_instance": self.gpus_per_instance,
             "routing": self.routing,
+            "priority": self.priority,
         });
         capyctl_spec::documents::deployment_from_json(value).map_err(|(path, problem)| {
             let path = object_path(&path);

@@ -16,6 +16,9 @@ pub(crate) enum Hold {
     Busy,
     /// Held for good as far as placement goes (explicit or warm).
     Pinned,
+    /// Held for this placement: of a higher priority than the target's, never parked or
+    /// stopped for it (DESIGN 4.10). Only a placement that may name victims says so.
+    Outranks,
 }
 
 /// One deployment holding (or about to hold) GPU memory (borrowed from the lifecycle's state:
@@ -38,6 +41,8 @@ pub(crate) struct Holder<'a> {
     /// What it would still hold once released: a ready instance that parks keeps its parked
     /// residue (CUDA context, graphs, pools); 0 for one that stops.
     pub keeps: u64,
+    /// Its deployment's `priority` (DESIGN 4.10): among victims that may go, lower first.
+    pub priority: i32,
 }
 
 impl Holder<'_> {
@@ -110,6 +115,9 @@ pub(crate) fn place(capacity: u64, need: u64, holders: &[Holder<'_>], evict: boo
             names.join(", ")
         ));
     }
+    if let Some(why) = outranked(capacity, need, pinned_bytes, holders) {
+        return Fit::Never(why);
+    }
     if !evict {
         return Fit::Later;
     }
@@ -117,25 +125,43 @@ pub(crate) fn place(capacity: u64, need: u64, holders: &[Holder<'_>], evict: boo
         .iter()
         .filter(|h| h.hold == Hold::Releasable)
         .collect();
-    // Ready instances first (they park and keep their copy), longest idle first; parked
-    // engines are stopped for their residue only when that is not enough.
+    // Lower priorities first (DESIGN 4.10); then ready instances (they park and keep their
+    // copy), longest idle first; parked engines are stopped for their residue only when that
+    // is not enough.
     candidates.sort_by(|a, b| {
-        a.parked
-            .cmp(&b.parked)
+        a.priority
+            .cmp(&b.priority)
+            .then(a.parked.cmp(&b.parked))
             .then(b.idle_for.cmp(&a.idle_for))
             .then(a.id.cmp(b.id))
     });
+    let mixed = candidates
+        .windows(2)
+        .any(|w| w[0].priority != w[1].priority);
     // First as they park (keeping their residue), then, if that is not enough, as they stop.
     for stopping in [false, true] {
         let mut freed = free;
-        let mut victims = Vec::new();
+        let mut victims: Vec<&Holder<'_>> = Vec::new();
         for c in &candidates {
             if freed >= need {
                 break;
             }
             freed = freed.saturating_add(c.bytes - c.left_after_release(stopping));
-            victims.push(c.id.to_string());
+            victims.push(c);
         }
+        if freed >= need && mixed {
+            // A lower priority taken first may not be needed once a higher one goes too:
+            // only as many as needed, the highest priority kept out first.
+            // NB: with one priority everywhere the page's order is exact as it was.
+            for i in (0..victims.len()).rev() {
+                let gives = victims[i].bytes - victims[i].left_after_release(stopping);
+                if freed - gives >= need {
+                    freed -= gives;
+                    victims.remove(i);
+                }
+            }
+        }
+        let victims: Vec<String> = victims.iter().map(|c| c.id.to_string()).collect();
         if freed >= need {
             return if stopping {
                 Fit::AfterStopping(victims)
@@ -145,6 +171,42 @@ pub(crate) fn place(capacity: u64, need: u64, holders: &[Holder<'_>], evict: boo
         }
     }
     Fit::Later
+}
+
+/// `Never` (why) when `need` cannot fit while the pinned holders and those that outrank the
+/// target (`Hold::Outranks`, DESIGN 4.10) keep their memory, naming the priority that protects
+/// it; `None` when it could, or nothing outranks the target.
+fn outranked(
+    capacity: u64,
+    need: u64,
+    pinned_bytes: u64,
+    holders: &[Holder<'_>],
+) -> Option<String> {
+    let above: Vec<&Holder<'_>> = holders
+        .iter()
+        .filter(|h| h.hold == Hold::Outranks)
+        .collect();
+    let above_bytes: u64 = above.iter().map(|h| h.bytes).sum();
+    if above.is_empty() || need <= capacity.saturating_sub(pinned_bytes + above_bytes) {
+        return None;
+    }
+    let mut names: Vec<String> = above
+        .iter()
+        .map(|h| format!("{}: priority {}", h.name, h.priority))
+        .collect();
+    names.extend(
+        holders
+            .iter()
+            .filter(|h| h.hold == Hold::Pinned)
+            .map(|h| format!("{}: explicit or warm", h.name)),
+    );
+    Some(format!(
+        "it needs {}, and {} of the GPU's {} is held by deployments of a higher priority, which are never parked or stopped for a lower one ({})",
+        gib(need),
+        gib(pinned_bytes + above_bytes),
+        gib(capacity),
+        names.join("; ")
+    ))
 }
 
 /// Among GPUs of equal rank, which victims go first: those that run no request now, then the
@@ -321,6 +383,7 @@ mod tests {
             idle_for: Duration::from_secs(idle_s),
             parked: false,
             keeps: 0,
+            priority: 0,
         }
     }
 
@@ -349,6 +412,89 @@ mod tests {
         );
         // Without evict: a parked residue in the way means later, not never.
         assert_eq!(place(10 * G, 9 * G, &[parked, ready], false), Fit::Later);
+    }
+
+    fn prio(mut h: Holder<'static>, priority: i32) -> Holder<'static> {
+        h.priority = priority;
+        h
+    }
+
+    #[test]
+    fn lower_priorities_go_first_then_the_pages_order_and_no_more_than_needed() {
+        // `a` is the longest idle, but of priority 5: `b` and `c` (0) go first, longest idle
+        // first.
+        let holders = [
+            prio(h("a", 4, Hold::Releasable, 500), 5),
+            h("b", 2, Hold::Releasable, 5),
+            h("c", 2, Hold::Releasable, 50),
+        ];
+        assert_eq!(
+            place(10 * G, 4 * G, &holders, true),
+            Fit::After(vec!["c".into()])
+        );
+        assert_eq!(
+            place(10 * G, 6 * G, &holders, true),
+            Fit::After(vec!["c".into(), "b".into()])
+        );
+        // 8 needed: the lower ones are not enough, `a` goes too; then `c` and `b` are not
+        // both needed: `b`, the most recently used, is left out.
+        assert_eq!(
+            place(10 * G, 8 * G, &holders, true),
+            Fit::After(vec!["c".into(), "a".into()])
+        );
+        // A lower-priority parked residue is taken before a higher ready model, and left out
+        // when the ready one alone makes room.
+        let mut parked = h("p", 1, Hold::Releasable, 900);
+        parked.parked = true;
+        let ready = prio(h("r", 6, Hold::Releasable, 10), 3);
+        assert_eq!(
+            place(10 * G, 8 * G, &[parked.clone(), ready.clone()], true),
+            Fit::After(vec!["r".into()])
+        );
+        assert_eq!(
+            place(10 * G, 19 * G / 2, &[parked, ready], true),
+            Fit::After(vec!["p".into(), "r".into()])
+        );
+    }
+
+    #[test]
+    fn a_higher_priority_that_keeps_the_room_means_never_naming_it() {
+        let holders = [prio(h("prod", 8, Hold::Outranks, 500), 100)];
+        match place(10 * G, 6 * G, &holders, true) {
+            Fit::Never(why) => assert_eq!(
+                why,
+                "it needs 6.0 GiB, and 8.0 GiB of the GPU's 10.0 GiB is held by deployments of a higher priority, which are never parked or stopped for a lower one (n-prod: priority 100)"
+            ),
+            other => panic!("{other:?}"),
+        }
+        // Room beside it: it stays, and the rest is as before.
+        assert_eq!(place(10 * G, 2 * G, &holders, true), Fit::Now);
+        let holders = [
+            prio(h("prod", 4, Hold::Outranks, 500), 100),
+            h("t", 4, Hold::Releasable, 5),
+        ];
+        assert_eq!(
+            place(10 * G, 6 * G, &holders, true),
+            Fit::After(vec!["t".into()])
+        );
+        // Only busy lower ones besides: later, not never.
+        let holders = [
+            prio(h("prod", 4, Hold::Outranks, 500), 100),
+            h("t", 4, Hold::Busy, 5),
+        ];
+        assert_eq!(place(10 * G, 6 * G, &holders, true), Fit::Later);
+        // With a pinned one, both are named.
+        let holders = [
+            prio(h("prod", 4, Hold::Outranks, 500), 100),
+            h("w", 4, Hold::Pinned, 5),
+        ];
+        match place(10 * G, 6 * G, &holders, true) {
+            Fit::Never(why) => assert!(
+                why.ends_with("(n-prod: priority 100; n-w: explicit or warm)"),
+                "{why}"
+            ),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
