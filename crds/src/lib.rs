@@ -7,6 +7,8 @@
 //!   camelCase without `name` (`metadata.name` is the name), with a status the server writes.
 //! - [`Host`] (cluster-scoped, one per GPU node, written by its node agent): what the host has
 //!   and the resource policy it applies.
+//! - [`tenant::Tenant`] (namespaced, short name `ctenant`): a tenant of the inference listener,
+//!   its API keys in Secrets (DESIGN 4.10).
 //!
 //! Spec types deserialize leniently (types only) so that a controller can still read, and report
 //! on, an object that breaks a rule; [`DeploymentSpec::to_document`] runs the full validation of
@@ -16,6 +18,7 @@
 
 #[doc(hidden)]
 pub mod fuzz;
+pub mod tenant;
 
 #[cfg(feature = "client")]
 pub mod api_client;
@@ -778,6 +781,7 @@ pub fn crd_files() -> Result<Vec<(&'static str, String)>, serde_yaml_ng::Error> 
     Ok(vec![
         ("deployments.capyctl.io.yaml", crd_yaml(&Deployment::crd())?),
         ("hosts.capyctl.io.yaml", crd_yaml(&Host::crd())?),
+        ("tenants.capyctl.io.yaml", crd_yaml(&tenant::Tenant::crd())?),
     ])
 }
 
