@@ -209,9 +209,10 @@ fn outranked(
     ))
 }
 
-/// Among GPUs of equal rank, which victims go first: those that run no request now, then the
-/// longest idle.
-pub(crate) type VictimOrder = (bool, std::cmp::Reverse<Duration>);
+/// Among GPUs of the same kind of fit, which victims go first: the lowest of their highest
+/// priority (DESIGN 4.10; `i32::MIN` without victims), and among equal ranks those that run no
+/// request now, then the longest idle.
+pub(crate) type VictimOrder = (i32, bool, std::cmp::Reverse<Duration>);
 
 /// One GPU as `State::place_on_gpus` reads it: its bytes, the instance's share of its
 /// memory there, and what holds that GPU.
@@ -249,8 +250,16 @@ pub(crate) fn fewest_victims(
             cap.saturating_sub(held) >= *need
         })
     };
+    let priority = |id: &str| {
+        rooms
+            .iter()
+            .flat_map(|(_, _, on_gpu)| on_gpu.iter())
+            .find(|h| h.id == id)
+            .map_or(0, |h| h.priority)
+    };
     let mut order = victims.clone();
-    order.sort_by_key(|id| (idle_for(id), id.clone()));
+    // The highest priority is tried first (DESIGN 4.10), then the most recently used.
+    order.sort_by_key(|id| (std::cmp::Reverse(priority(id)), idle_for(id), id.clone()));
     for id in order {
         let without: Vec<String> = victims.iter().filter(|v| **v != id).cloned().collect();
         if room_with(&without) {
@@ -294,8 +303,9 @@ pub(crate) fn rank_of(
     })
 }
 
-/// The order of the victims `fit` names on a GPU held by `on_gpu` ([`VictimOrder`]): whether
-/// one of them `runs` requests now, and how long the least idle of them has been idle.
+/// The order of the victims `fit` names on a GPU held by `on_gpu` ([`VictimOrder`]): the
+/// highest priority among them, whether one of them `runs` requests now, and how long the
+/// least idle of them has been idle.
 pub(crate) fn victim_order(
     fit: &Fit,
     on_gpu: &[Holder<'_>],
@@ -303,6 +313,12 @@ pub(crate) fn victim_order(
 ) -> VictimOrder {
     match fit {
         Fit::After(v) | Fit::AfterStopping(v) => (
+            on_gpu
+                .iter()
+                .filter(|h| v.iter().any(|id| id == h.id))
+                .map(|h| h.priority)
+                .max()
+                .unwrap_or(i32::MIN),
             v.iter().any(|id| runs(id)),
             std::cmp::Reverse(
                 on_gpu
@@ -313,17 +329,20 @@ pub(crate) fn victim_order(
                     .unwrap_or_default(),
             ),
         ),
-        _ => (false, std::cmp::Reverse(Duration::ZERO)),
+        _ => (i32::MIN, false, std::cmp::Reverse(Duration::ZERO)),
     }
 }
 
 /// The GPUs of a host an instance over `want` of them takes, among those that may (`each`, at
-/// least `want`): the best ranks first, then the victims that run no request, then the
-/// longest idle ([`VictimOrder`]), then the lowest index. Their victims are the union of each
+/// least `want`): the best kind of fit first, then the lowest priority among its victims,
+/// then the fewest victim bytes (the rest of the rank), then the victims that run no request,
+/// then the longest idle ([`VictimOrder`]), then the lowest index. Their victims are the union of each
 /// GPU's, less those the others make unneeded ([`fewest_victims`]); the placement's rank is
 /// the worst of theirs.
 pub(crate) fn choose_gpus(mut each: Vec<GpuChoice<'_>>, want: usize) -> GpuPlacement {
-    each.sort_by_key(|(index, _, rank, idle, _)| (*rank, *idle, *index));
+    each.sort_by_key(|(index, _, rank, (priority, runs, idle), _)| {
+        (rank.0, *priority, rank.1, *runs, *idle, *index)
+    });
     each.truncate(want);
     let gpus: Vec<u32> = each.iter().map(|(i, _, _, _, _)| *i).collect();
     let worst = each
@@ -495,6 +514,41 @@ mod tests {
             ),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn an_instance_over_gpus_takes_the_gpus_of_the_lowest_priorities() {
+        // Three GPUs of 10 GiB, one victim each; the instance needs 8 GiB on each of two. `a`
+        // is the longest idle but of priority 5; `b` and `c` (0) go, though `b` holds more.
+        let choice = |index: u32, on_gpu: Vec<Holder<'static>>| {
+            let fit = place(10 * G, 8 * G, &on_gpu, true);
+            let rank = rank_of(&fit, 10 * G, 8 * G, &on_gpu).expect("ranked");
+            let order = victim_order(&fit, &on_gpu, |_| false);
+            (index, fit, rank, order, (10 * G, 8 * G, on_gpu))
+        };
+        let (gpus, fit, _) = choose_gpus(
+            vec![
+                choice(0, vec![prio(h("a", 6, Hold::Releasable, 900), 5)]),
+                choice(1, vec![h("b", 7, Hold::Releasable, 10)]),
+                choice(2, vec![h("c", 6, Hold::Releasable, 50)]),
+            ],
+            2,
+        );
+        assert_eq!(gpus, [2, 1]);
+        assert_eq!(fit, Fit::After(vec!["b".into(), "c".into()]));
+        // Of two victims over both GPUs, either enough: the higher priority is left out,
+        // though the more idle.
+        let wide = || {
+            vec![
+                prio(h("w", 3, Hold::Releasable, 500), 9),
+                h("x", 3, Hold::Releasable, 10),
+            ]
+        };
+        let rooms = vec![(10 * G, 5 * G, wide()), (10 * G, 5 * G, wide())];
+        assert_eq!(
+            fewest_victims(&rooms, vec!["w".into(), "x".into()], false),
+            ["x".to_string()]
+        );
     }
 
     #[test]

@@ -388,7 +388,11 @@ impl State {
                 let need = gpu_need(d, cap, want);
                 let used = self.gpu_held.on(host_id, Some(gpu.index), d.id());
                 let rank = room_now(cap, need, used)?;
-                let order = (false, std::cmp::Reverse(std::time::Duration::ZERO));
+                let order = (
+                    i32::MIN,
+                    false,
+                    std::cmp::Reverse(std::time::Duration::ZERO),
+                );
                 Some((gpu.index, Fit::Now, rank, order, (cap, need, Vec::new())))
             })
             .collect();
