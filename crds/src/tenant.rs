@@ -157,6 +157,15 @@ impl TenantSpec {
             if let Some(i) = models.iter().position(|m| m.trim().is_empty()) {
                 return Err(format!("spec.models[{i}]: an empty pattern"));
             }
+            let pattern_char = |c: char| {
+                c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '-' | '*' | '?')
+            };
+            if let Some(i) = models.iter().position(|m| !m.chars().all(pattern_char)) {
+                return Err(format!(
+                    "spec.models[{i}]: `{}` is not a model name or glob (a-z, 0-9, `-`, and the wildcards `*` and `?`)",
+                    models[i]
+                ));
+            }
         }
         if let Some(rate) = self.rate {
             let within = |what: &str, v: Option<u64>, max: u64| match v {
@@ -212,6 +221,10 @@ mod tests {
             (
                 "keySecrets: [{name: s, key: k}]\nmodels: [a, '']\n",
                 "spec.models[1]: an empty pattern",
+            ),
+            (
+                "keySecrets: [{name: s, key: k}]\nmodels: [a, Chat/x]\n",
+                "spec.models[1]: `Chat/x` is not a model name or glob",
             ),
             (
                 "keySecrets: [{name: s, key: k}]\nrate: {requestsPerMinute: 0}\n",

@@ -34,6 +34,9 @@ use kube::{Api, Client, ResourceExt};
 
 use crate::FIELD_MANAGER;
 
+/// The longest key, in bytes (what a client can send as `Authorization: Bearer <key>`).
+const MAX_KEY_BYTES: usize = 4096;
+
 /// Why a tenant is or is not in use: the `Accepted` condition's reason and message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Verdict {
@@ -145,6 +148,18 @@ fn tenant_of(
             ));
         };
         let key = match std::str::from_utf8(value) {
+            Ok(text)
+                if text.trim().len() > MAX_KEY_BYTES
+                    || !text.trim().bytes().all(|b| b.is_ascii_graphic()) =>
+            {
+                return Err(Verdict::refused(
+                    "KeyMissing",
+                    format!(
+                        "{at}: key {} of Secret {} is not an API key (up to {MAX_KEY_BYTES} visible ASCII characters)",
+                        r.key, r.name
+                    ),
+                ));
+            }
             Ok(text) if !text.trim().is_empty() => text.trim().to_string(),
             Ok(_) => {
                 return Err(Verdict::refused(
@@ -436,13 +451,14 @@ mod tests {
             object("team-c", &[("a-keys", "k1")], 12),
             object("team-d", &[("d-keys", "nope")], 13),
             object("team-e", &[("d-keys", "blank")], 14),
+            object("team-h", &[("d-keys", "spaced")], 17),
         ]
         .into_iter()
         .map(|o| (o.name_any(), o))
         .collect();
         let secrets: BTreeMap<String, Secret> = [
             secret("a-keys", &[("k1", "sk-a-1\n"), ("k2", "sk-a-2")]),
-            secret("d-keys", &[("blank", " \n")]),
+            secret("d-keys", &[("blank", " \n"), ("spaced", "sk a")]),
         ]
         .into_iter()
         .collect();
@@ -469,6 +485,11 @@ mod tests {
         assert!(why("team-d").1.contains("Secret d-keys has no key nope"));
         assert_eq!(why("team-e").0, "KeyMissing");
         assert!(why("team-e").1.contains("is empty"));
+        assert!(
+            why("team-h").1.contains("is not an API key"),
+            "{:?}",
+            why("team-h")
+        );
         // A bad spec is named; a key given twice within one tenant too.
         let mut bad = object("team-f", &[("a-keys", "k1")], 15);
         bad.spec.models = Some(vec![]);
