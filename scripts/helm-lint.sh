@@ -79,7 +79,8 @@ RESOURCES = {
     "node.k8s.io/v1": [("runtimeclasses", "RuntimeClass", False)],
     "apiextensions.k8s.io/v1": [("customresourcedefinitions", "CustomResourceDefinition", False)],
     "monitoring.coreos.com/v1": [("servicemonitors", "ServiceMonitor", True)],
-    "capyctl.io/v1alpha1": [("deployments", "Deployment", True), ("hosts", "Host", False)],
+    "capyctl.io/v1alpha1": [("deployments", "Deployment", True), ("hosts", "Host", False),
+                            ("tenants", "Tenant", True)],
 }
 
 

@@ -41,21 +41,34 @@ pub fn ready(d: &DeploymentView) -> String {
     format!("{ready}/{replicas}")
 }
 
-/// `capyctl list deployments`: `NAME STATE READY REVISION HOSTS`.
+/// `capyctl list deployments`: `NAME STATE READY REVISION HOSTS`, and `PRIORITY` last when
+/// some deployment sets `priority` (DESIGN 4.10; the page's table is unchanged otherwise).
 pub fn deployments(list: &[DeploymentView]) -> String {
+    let priorities = list.iter().any(|d| d.spec.priority.is_some());
     let rows: Vec<Vec<String>> = list
         .iter()
         .map(|d| {
-            vec![
+            let mut row = vec![
                 d.name.clone(),
                 d.state.to_string(),
                 ready(d),
                 d.revision.to_string(),
                 hosts(&d.hosts),
-            ]
+            ];
+            if priorities {
+                row.push(d.spec.priority().to_string());
+            }
+            row
         })
         .collect();
-    table(&["NAME", "STATE", "READY", "REVISION", "HOSTS"], &rows)
+    if priorities {
+        table(
+            &["NAME", "STATE", "READY", "REVISION", "HOSTS", "PRIORITY"],
+            &rows,
+        )
+    } else {
+        table(&["NAME", "STATE", "READY", "REVISION", "HOSTS"], &rows)
+    }
 }
 
 /// `capyctl engine list`: `ENGINE VERSION DEEP PARK HOST`.
@@ -219,6 +232,9 @@ pub fn status(d: &DeploymentView) -> String {
     }
     if let Some(r) = doc.routing {
         rows.push(("routing", r.to_string()));
+    }
+    if let Some(p) = doc.priority {
+        rows.push(("priority", p.to_string()));
     }
     if d.operator_stopped {
         rows.push(("stopped by", "operator".to_string()));
@@ -492,7 +508,13 @@ mod tests {
             &[InstanceState::Ready],
         ));
         assert!(plain.contains("ready:       1/1\n"), "{plain}");
-        for key in ["replicas:", "scale:", "gpus_per_instance:", "routing:"] {
+        for key in [
+            "replicas:",
+            "scale:",
+            "gpus_per_instance:",
+            "routing:",
+            "priority:",
+        ] {
             assert!(!plain.contains(key), "{key} in\n{plain}");
         }
         let text = status(&view(
@@ -509,6 +531,35 @@ mod tests {
         ] {
             assert!(text.contains(line), "no {line:?} in\n{text}");
         }
+    }
+
+    #[test]
+    fn status_and_the_list_show_the_priority_when_set() {
+        let prod = view(
+            "name: prod\nengine: vllm\nmodel: m\npriority: 100\n",
+            &[InstanceState::Ready],
+        );
+        let text = status(&prod);
+        assert!(text.contains("\npriority:    100\n"), "{text}");
+        let plain = view(
+            "name: test\nengine: vllm\nmodel: m\n",
+            &[InstanceState::Parked],
+        );
+        assert!(
+            !deployments(std::slice::from_ref(&plain)).contains("PRIORITY"),
+            "the page's table without priorities"
+        );
+        let list = deployments(&[prod, plain]);
+        let lines: Vec<&str> = list.lines().collect();
+        assert!(lines[0].ends_with("HOSTS     PRIORITY"), "{list}");
+        assert!(
+            lines[1].starts_with("prod ") && lines[1].ends_with(" 100"),
+            "{list}"
+        );
+        assert!(
+            lines[2].starts_with("test ") && lines[2].ends_with(" 0"),
+            "{list}"
+        );
     }
 
     #[test]

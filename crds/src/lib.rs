@@ -7,6 +7,8 @@
 //!   camelCase without `name` (`metadata.name` is the name), with a status the server writes.
 //! - [`Host`] (cluster-scoped, one per GPU node, written by its node agent): what the host has
 //!   and the resource policy it applies.
+//! - [`tenant::Tenant`] (namespaced, short name `ctenant`): a tenant of the inference listener,
+//!   its API keys in Secrets (DESIGN 4.10).
 //!
 //! Spec types deserialize leniently (types only) so that a controller can still read, and report
 //! on, an object that breaks a rule; [`DeploymentSpec::to_document`] runs the full validation of
@@ -16,6 +18,7 @@
 
 #[doc(hidden)]
 pub mod fuzz;
+pub mod tenant;
 
 #[cfg(feature = "client")]
 pub mod api_client;
@@ -129,6 +132,12 @@ fn field_description_wins(schema: &mut schemars::Schema) {
         json_path = ".status.hosts",
         description = "The hosts of the deployment (where it runs or is parked; every host it may run on while it is on none)"
     ),
+    printcolumn(
+        name = "Priority",
+        type_ = "integer",
+        json_path = ".spec.priority",
+        description = "The deployment's priority (empty: 0); never parked or stopped for a lower one"
+    ),
     doc = "A CapyCTL deployment: a named model on one engine, parked, woken and switched by CapyCTL."
 )]
 // The rule across keys that `kubectl scale` can break (below scale.min), checked by the API
@@ -190,6 +199,13 @@ pub struct DeploymentSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(transform = field_description_wins)]
     pub routing: Option<Routing>,
+    /// How much the deployment matters beside the others, a 32-bit integer (default 0): it is
+    /// never parked or stopped to make room for a deployment of lower priority, lower ones go
+    /// first among the victims, and its waiting requests are switched to first.
+    // NB: i64 so that an object out of range is still read and reported (`spec.priority`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = -2147483648, max = 2147483647))]
+    pub priority: Option<i64>,
 }
 
 /// Autoscaling of a deployment between `min` and `replicas` instances.
@@ -402,6 +418,7 @@ impl From<&DeploymentDoc> for DeploymentSpec {
             }),
             gpus_per_instance: d.gpus_per_instance,
             routing: d.routing,
+            priority: d.priority.map(i64::from),
         }
     }
 }
@@ -493,6 +510,7 @@ impl DeploymentSpec {
             })),
             "gpus_per_instance": self.gpus_per_instance,
             "routing": self.routing,
+            "priority": self.priority,
         });
         capyctl_spec::documents::deployment_from_json(value).map_err(|(path, problem)| {
             let path = object_path(&path);
@@ -763,6 +781,7 @@ pub fn crd_files() -> Result<Vec<(&'static str, String)>, serde_yaml_ng::Error> 
     Ok(vec![
         ("deployments.capyctl.io.yaml", crd_yaml(&Deployment::crd())?),
         ("hosts.capyctl.io.yaml", crd_yaml(&Host::crd())?),
+        ("tenants.capyctl.io.yaml", crd_yaml(&tenant::Tenant::crd())?),
     ])
 }
 

@@ -100,6 +100,7 @@ fn deployment_crd_shape() {
             ("Ready", ".status.ready"),
             ("Revision", ".status.revision"),
             ("Hosts", ".status.hosts"),
+            ("Priority", ".spec.priority"),
         ]
     );
     let schema = &version["schema"]["openAPIV3Schema"];
@@ -243,7 +244,7 @@ fn deployment_manifest_fixture_errors() {
         e.to_string(),
         at(
             "deployment-cr-unknown-key.yaml",
-            ":8: spec.max_concurrent_requests: unknown key; expected one of engine, model, residency, maxConcurrentRequests, extraArgs, env, resources, lifecycle, decision, replicas, scale, gpusPerInstance, routing"
+            ":8: spec.max_concurrent_requests: unknown key; expected one of engine, model, residency, maxConcurrentRequests, extraArgs, env, resources, lifecycle, decision, replicas, scale, gpusPerInstance, routing, priority"
         )
     );
     let e = load_deployment_manifest_file(fixture("deployment-cr-wrong-type.yaml")).unwrap_err();
@@ -352,6 +353,7 @@ fn objects_from_the_api_are_validated_with_spec_paths() {
         scale: None,
         gpus_per_instance: None,
         routing: None,
+        priority: None,
     };
     let mut object = Deployment::new("chat", spec.clone());
     object.metadata.namespace = Some("team-a".into());
@@ -641,5 +643,38 @@ fn replicas_errors_name_the_objects_fields() {
         e.to_string()
             .starts_with("m.yaml:8: spec.scale.min: 3 is above replicas (2)"),
         "{e}"
+    );
+}
+
+/// `spec.priority`: to the document and back, a printer column, and a value outside i32
+/// refused naming `spec.priority` (by the schema's bounds and by the operator's check).
+#[test]
+fn priority_maps_both_ways_and_is_refused_outside_i32() {
+    let text = "apiVersion: capyctl.io/v1alpha1\nkind: Deployment\nmetadata: {name: prod, namespace: team-a}\nspec:\n  engine: vllm\n  model: m\n  priority: 100\n";
+    let object = parse_deployment_manifest_str("m.yaml", text).unwrap();
+    assert_eq!(object.spec.priority, Some(100));
+    let doc = object.to_document().unwrap();
+    assert_eq!(doc.priority(), 100);
+    let back = Deployment::from_document(&doc);
+    assert_eq!(back.spec, object.spec);
+    assert_eq!(serde_json::to_value(&back.spec).unwrap()["priority"], 100);
+    let mut far = object.clone();
+    far.spec.priority = Some(i64::from(i32::MAX) + 1);
+    assert_eq!(
+        far.to_document().unwrap_err().to_string(),
+        "Deployment team-a/prod: spec.priority: 2147483648 is out of range (-2147483648 to 2147483647)"
+    );
+    let crd = serde_json::to_value(Deployment::crd()).unwrap();
+    let version = &crd["spec"]["versions"][0];
+    let schema =
+        &version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["priority"];
+    assert_eq!(schema["minimum"].as_f64(), Some(f64::from(i32::MIN)));
+    assert_eq!(schema["maximum"].as_f64(), Some(f64::from(i32::MAX)));
+    let columns = version["additionalPrinterColumns"].as_array().unwrap();
+    assert!(
+        columns
+            .iter()
+            .any(|c| c["name"] == "Priority" && c["jsonPath"] == ".spec.priority"),
+        "{columns:?}"
     );
 }

@@ -63,6 +63,9 @@ pub struct DeploymentRef {
     pub name: String,
     /// How its requests choose among its instances (the document's `routing:`).
     pub routing: capyctl_spec::Routing,
+    /// Its `priority` (DESIGN 4.10; 0 when unset): of several deployments waiting for room,
+    /// the higher priority's wave is planned first.
+    pub priority: i32,
 }
 
 /// How a deployment that has no ready instance can become servable.

@@ -140,6 +140,7 @@ mod tests {
                 id: format!("id-{name}"),
                 name: name.to_string(),
                 routing: capyctl_spec::Routing::default(),
+                priority: 0,
             },
             gone: Arc::new(AtomicBool::new(false)),
         }

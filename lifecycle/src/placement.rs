@@ -16,6 +16,9 @@ pub(crate) enum Hold {
     Busy,
     /// Held for good as far as placement goes (explicit or warm).
     Pinned,
+    /// Held for this placement: of a higher priority than the target's, never parked or
+    /// stopped for it (DESIGN 4.10). Only a placement that may name victims says so.
+    Outranks,
 }
 
 /// One deployment holding (or about to hold) GPU memory (borrowed from the lifecycle's state:
@@ -38,6 +41,8 @@ pub(crate) struct Holder<'a> {
     /// What it would still hold once released: a ready instance that parks keeps its parked
     /// residue (CUDA context, graphs, pools); 0 for one that stops.
     pub keeps: u64,
+    /// Its deployment's `priority` (DESIGN 4.10): among victims that may go, lower first.
+    pub priority: i32,
 }
 
 impl Holder<'_> {
@@ -110,6 +115,9 @@ pub(crate) fn place(capacity: u64, need: u64, holders: &[Holder<'_>], evict: boo
             names.join(", ")
         ));
     }
+    if let Some(why) = outranked(capacity, need, pinned_bytes, holders) {
+        return Fit::Never(why);
+    }
     if !evict {
         return Fit::Later;
     }
@@ -117,25 +125,43 @@ pub(crate) fn place(capacity: u64, need: u64, holders: &[Holder<'_>], evict: boo
         .iter()
         .filter(|h| h.hold == Hold::Releasable)
         .collect();
-    // Ready instances first (they park and keep their copy), longest idle first; parked
-    // engines are stopped for their residue only when that is not enough.
+    // Lower priorities first (DESIGN 4.10); then ready instances (they park and keep their
+    // copy), longest idle first; parked engines are stopped for their residue only when that
+    // is not enough.
     candidates.sort_by(|a, b| {
-        a.parked
-            .cmp(&b.parked)
+        a.priority
+            .cmp(&b.priority)
+            .then(a.parked.cmp(&b.parked))
             .then(b.idle_for.cmp(&a.idle_for))
             .then(a.id.cmp(b.id))
     });
+    let mixed = candidates
+        .windows(2)
+        .any(|w| w[0].priority != w[1].priority);
     // First as they park (keeping their residue), then, if that is not enough, as they stop.
     for stopping in [false, true] {
         let mut freed = free;
-        let mut victims = Vec::new();
+        let mut victims: Vec<&Holder<'_>> = Vec::new();
         for c in &candidates {
             if freed >= need {
                 break;
             }
             freed = freed.saturating_add(c.bytes - c.left_after_release(stopping));
-            victims.push(c.id.to_string());
+            victims.push(c);
         }
+        if freed >= need && mixed {
+            // A lower priority taken first may not be needed once a higher one goes too:
+            // only as many as needed, the highest priority kept out first.
+            // NB: with one priority everywhere the page's order is exact as it was.
+            for i in (0..victims.len()).rev() {
+                let gives = victims[i].bytes - victims[i].left_after_release(stopping);
+                if freed - gives >= need {
+                    freed -= gives;
+                    victims.remove(i);
+                }
+            }
+        }
+        let victims: Vec<String> = victims.iter().map(|c| c.id.to_string()).collect();
         if freed >= need {
             return if stopping {
                 Fit::AfterStopping(victims)
@@ -147,9 +173,46 @@ pub(crate) fn place(capacity: u64, need: u64, holders: &[Holder<'_>], evict: boo
     Fit::Later
 }
 
-/// Among GPUs of equal rank, which victims go first: those that run no request now, then the
-/// longest idle.
-pub(crate) type VictimOrder = (bool, std::cmp::Reverse<Duration>);
+/// `Never` (why) when `need` cannot fit while the pinned holders and those that outrank the
+/// target (`Hold::Outranks`, DESIGN 4.10) keep their memory, naming the priority that protects
+/// it; `None` when it could, or nothing outranks the target.
+fn outranked(
+    capacity: u64,
+    need: u64,
+    pinned_bytes: u64,
+    holders: &[Holder<'_>],
+) -> Option<String> {
+    let above: Vec<&Holder<'_>> = holders
+        .iter()
+        .filter(|h| h.hold == Hold::Outranks)
+        .collect();
+    let above_bytes: u64 = above.iter().map(|h| h.bytes).sum();
+    if above.is_empty() || need <= capacity.saturating_sub(pinned_bytes + above_bytes) {
+        return None;
+    }
+    let mut names: Vec<String> = above
+        .iter()
+        .map(|h| format!("{}: priority {}", h.name, h.priority))
+        .collect();
+    names.extend(
+        holders
+            .iter()
+            .filter(|h| h.hold == Hold::Pinned)
+            .map(|h| format!("{}: explicit or warm", h.name)),
+    );
+    Some(format!(
+        "it needs {}, and {} of the GPU's {} is held by deployments of a higher priority, which are never parked or stopped for a lower one ({})",
+        gib(need),
+        gib(pinned_bytes + above_bytes),
+        gib(capacity),
+        names.join("; ")
+    ))
+}
+
+/// Among GPUs of the same kind of fit, which victims go first: the lowest of their highest
+/// priority (DESIGN 4.10; `i32::MIN` without victims), and among equal ranks those that run no
+/// request now, then the longest idle.
+pub(crate) type VictimOrder = (i32, bool, std::cmp::Reverse<Duration>);
 
 /// One GPU as `State::place_on_gpus` reads it: its bytes, the instance's share of its
 /// memory there, and what holds that GPU.
@@ -187,8 +250,16 @@ pub(crate) fn fewest_victims(
             cap.saturating_sub(held) >= *need
         })
     };
+    let priority = |id: &str| {
+        rooms
+            .iter()
+            .flat_map(|(_, _, on_gpu)| on_gpu.iter())
+            .find(|h| h.id == id)
+            .map_or(0, |h| h.priority)
+    };
     let mut order = victims.clone();
-    order.sort_by_key(|id| (idle_for(id), id.clone()));
+    // The highest priority is tried first (DESIGN 4.10), then the most recently used.
+    order.sort_by_key(|id| (std::cmp::Reverse(priority(id)), idle_for(id), id.clone()));
     for id in order {
         let without: Vec<String> = victims.iter().filter(|v| **v != id).cloned().collect();
         if room_with(&without) {
@@ -232,8 +303,9 @@ pub(crate) fn rank_of(
     })
 }
 
-/// The order of the victims `fit` names on a GPU held by `on_gpu` ([`VictimOrder`]): whether
-/// one of them `runs` requests now, and how long the least idle of them has been idle.
+/// The order of the victims `fit` names on a GPU held by `on_gpu` ([`VictimOrder`]): the
+/// highest priority among them, whether one of them `runs` requests now, and how long the
+/// least idle of them has been idle.
 pub(crate) fn victim_order(
     fit: &Fit,
     on_gpu: &[Holder<'_>],
@@ -241,6 +313,12 @@ pub(crate) fn victim_order(
 ) -> VictimOrder {
     match fit {
         Fit::After(v) | Fit::AfterStopping(v) => (
+            on_gpu
+                .iter()
+                .filter(|h| v.iter().any(|id| id == h.id))
+                .map(|h| h.priority)
+                .max()
+                .unwrap_or(i32::MIN),
             v.iter().any(|id| runs(id)),
             std::cmp::Reverse(
                 on_gpu
@@ -251,17 +329,20 @@ pub(crate) fn victim_order(
                     .unwrap_or_default(),
             ),
         ),
-        _ => (false, std::cmp::Reverse(Duration::ZERO)),
+        _ => (i32::MIN, false, std::cmp::Reverse(Duration::ZERO)),
     }
 }
 
 /// The GPUs of a host an instance over `want` of them takes, among those that may (`each`, at
-/// least `want`): the best ranks first, then the victims that run no request, then the
-/// longest idle ([`VictimOrder`]), then the lowest index. Their victims are the union of each
+/// least `want`): the best kind of fit first, then the lowest priority among its victims,
+/// then the fewest victim bytes (the rest of the rank), then the victims that run no request,
+/// then the longest idle ([`VictimOrder`]), then the lowest index. Their victims are the union of each
 /// GPU's, less those the others make unneeded ([`fewest_victims`]); the placement's rank is
 /// the worst of theirs.
 pub(crate) fn choose_gpus(mut each: Vec<GpuChoice<'_>>, want: usize) -> GpuPlacement {
-    each.sort_by_key(|(index, _, rank, idle, _)| (*rank, *idle, *index));
+    each.sort_by_key(|(index, _, rank, (priority, runs, idle), _)| {
+        (rank.0, *priority, rank.1, *runs, *idle, *index)
+    });
     each.truncate(want);
     let gpus: Vec<u32> = each.iter().map(|(i, _, _, _, _)| *i).collect();
     let worst = each
@@ -321,6 +402,7 @@ mod tests {
             idle_for: Duration::from_secs(idle_s),
             parked: false,
             keeps: 0,
+            priority: 0,
         }
     }
 
@@ -349,6 +431,124 @@ mod tests {
         );
         // Without evict: a parked residue in the way means later, not never.
         assert_eq!(place(10 * G, 9 * G, &[parked, ready], false), Fit::Later);
+    }
+
+    fn prio(mut h: Holder<'static>, priority: i32) -> Holder<'static> {
+        h.priority = priority;
+        h
+    }
+
+    #[test]
+    fn lower_priorities_go_first_then_the_pages_order_and_no_more_than_needed() {
+        // `a` is the longest idle, but of priority 5: `b` and `c` (0) go first, longest idle
+        // first.
+        let holders = [
+            prio(h("a", 4, Hold::Releasable, 500), 5),
+            h("b", 2, Hold::Releasable, 5),
+            h("c", 2, Hold::Releasable, 50),
+        ];
+        assert_eq!(
+            place(10 * G, 4 * G, &holders, true),
+            Fit::After(vec!["c".into()])
+        );
+        assert_eq!(
+            place(10 * G, 6 * G, &holders, true),
+            Fit::After(vec!["c".into(), "b".into()])
+        );
+        // 8 needed: the lower ones are not enough, `a` goes too; then `c` and `b` are not
+        // both needed: `b`, the most recently used, is left out.
+        assert_eq!(
+            place(10 * G, 8 * G, &holders, true),
+            Fit::After(vec!["c".into(), "a".into()])
+        );
+        // A lower-priority parked residue is taken before a higher ready model, and left out
+        // when the ready one alone makes room.
+        let mut parked = h("p", 1, Hold::Releasable, 900);
+        parked.parked = true;
+        let ready = prio(h("r", 6, Hold::Releasable, 10), 3);
+        assert_eq!(
+            place(10 * G, 8 * G, &[parked.clone(), ready.clone()], true),
+            Fit::After(vec!["r".into()])
+        );
+        assert_eq!(
+            place(10 * G, 19 * G / 2, &[parked, ready], true),
+            Fit::After(vec!["p".into(), "r".into()])
+        );
+    }
+
+    #[test]
+    fn a_higher_priority_that_keeps_the_room_means_never_naming_it() {
+        let holders = [prio(h("prod", 8, Hold::Outranks, 500), 100)];
+        match place(10 * G, 6 * G, &holders, true) {
+            Fit::Never(why) => assert_eq!(
+                why,
+                "it needs 6.0 GiB, and 8.0 GiB of the GPU's 10.0 GiB is held by deployments of a higher priority, which are never parked or stopped for a lower one (n-prod: priority 100)"
+            ),
+            other => panic!("{other:?}"),
+        }
+        // Room beside it: it stays, and the rest is as before.
+        assert_eq!(place(10 * G, 2 * G, &holders, true), Fit::Now);
+        let holders = [
+            prio(h("prod", 4, Hold::Outranks, 500), 100),
+            h("t", 4, Hold::Releasable, 5),
+        ];
+        assert_eq!(
+            place(10 * G, 6 * G, &holders, true),
+            Fit::After(vec!["t".into()])
+        );
+        // Only busy lower ones besides: later, not never.
+        let holders = [
+            prio(h("prod", 4, Hold::Outranks, 500), 100),
+            h("t", 4, Hold::Busy, 5),
+        ];
+        assert_eq!(place(10 * G, 6 * G, &holders, true), Fit::Later);
+        // With a pinned one, both are named.
+        let holders = [
+            prio(h("prod", 4, Hold::Outranks, 500), 100),
+            h("w", 4, Hold::Pinned, 5),
+        ];
+        match place(10 * G, 6 * G, &holders, true) {
+            Fit::Never(why) => assert!(
+                why.ends_with("(n-prod: priority 100; n-w: explicit or warm)"),
+                "{why}"
+            ),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_instance_over_gpus_takes_the_gpus_of_the_lowest_priorities() {
+        // Three GPUs of 10 GiB, one victim each; the instance needs 8 GiB on each of two. `a`
+        // is the longest idle but of priority 5; `b` and `c` (0) go, though `b` holds more.
+        let choice = |index: u32, on_gpu: Vec<Holder<'static>>| {
+            let fit = place(10 * G, 8 * G, &on_gpu, true);
+            let rank = rank_of(&fit, 10 * G, 8 * G, &on_gpu).expect("ranked");
+            let order = victim_order(&fit, &on_gpu, |_| false);
+            (index, fit, rank, order, (10 * G, 8 * G, on_gpu))
+        };
+        let (gpus, fit, _) = choose_gpus(
+            vec![
+                choice(0, vec![prio(h("a", 6, Hold::Releasable, 900), 5)]),
+                choice(1, vec![h("b", 7, Hold::Releasable, 10)]),
+                choice(2, vec![h("c", 6, Hold::Releasable, 50)]),
+            ],
+            2,
+        );
+        assert_eq!(gpus, [2, 1]);
+        assert_eq!(fit, Fit::After(vec!["b".into(), "c".into()]));
+        // Of two victims over both GPUs, either enough: the higher priority is left out,
+        // though the more idle.
+        let wide = || {
+            vec![
+                prio(h("w", 3, Hold::Releasable, 500), 9),
+                h("x", 3, Hold::Releasable, 10),
+            ]
+        };
+        let rooms = vec![(10 * G, 5 * G, wide()), (10 * G, 5 * G, wide())];
+        assert_eq!(
+            fewest_victims(&rooms, vec!["w".into(), "x".into()], false),
+            ["x".to_string()]
+        );
     }
 
     #[test]

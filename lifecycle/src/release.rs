@@ -449,12 +449,15 @@ impl Core {
         self.spawn(|me| {
             Box::pin(async move {
                 let pending: Vec<String> = me.read(|inner| {
-                    inner
+                    let mut pending: Vec<(i32, String)> = inner
                         .deps
                         .values()
                         .filter(|d| d.rec.pending_start)
-                        .map(|d| d.id().to_string())
-                        .collect()
+                        .map(|d| (d.rec.doc.priority(), d.id().to_string()))
+                        .collect();
+                    // The higher priority takes the room first (DESIGN 4.10); else in order.
+                    pending.sort_by_key(|(p, _)| std::cmp::Reverse(*p));
+                    pending.into_iter().map(|(_, id)| id).collect()
                 });
                 for id in pending {
                     let up = me

@@ -27,6 +27,7 @@ impl Lifecycle for Core {
                         id: d.rec.id.clone(),
                         name: d.name().to_string(),
                         routing: d.rec.doc.routing(),
+                        priority: d.rec.doc.priority(),
                     },
                     gone: Arc::clone(&d.presence.0),
                 })

@@ -16,6 +16,8 @@
 //! - [`engines`]: [`engines::PodHostAgent`], the node agent's client plus the engine Pods the
 //!   operator creates and deletes (`--engine-runtime pod`);
 //! - [`store`]: the lifecycle's records rebuilt from the CRs (a new leader's state);
+//! - [`tenants`]: the `Tenant` objects and their Secrets, watched into the router's tenant
+//!   table (DESIGN 4.10), each object's `status` saying whether it is in use;
 //! - [`watch`]: the namespaces whose `Deployment` objects are reconciled, and which object
 //!   serves a name several namespaces use;
 //! - [`args`]: `capyctl-operator`'s command line, and what turns it into the
@@ -30,7 +32,8 @@
 //! `deployments/status`, update on `deployments/finalizers` (engine Pods' owner references),
 //! list/create/delete/patch on `pods` (engine Pods and their annotations, the node agents'
 //! Pods, the leader label), create/patch on `events.k8s.io` events, create and get/update of
-//! its Lease, and get/list/watch on the cluster-scoped `hosts`. Every call is bounded
+//! its Lease, get/list/watch on the cluster-scoped `hosts`, and for [`tenants`] get/list/watch
+//! on `tenants` and the namespace's `secrets` and patch on `tenants/status`. Every call is bounded
 //! ([`API_CALL_TIMEOUT`]) and observed ([`api_client`]).
 
 pub mod args;
@@ -45,6 +48,7 @@ pub mod pods;
 pub mod reconcile;
 pub mod status;
 pub mod store;
+pub mod tenants;
 pub mod watch;
 
 /// The one field manager of everything the operator writes (server-side apply).

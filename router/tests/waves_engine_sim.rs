@@ -141,6 +141,7 @@ impl Lifecycle for SimLifecycle {
             id: DEPLOYMENT.to_string(),
             name: MODEL.to_string(),
             routing: capyctl_spec::Routing::LeastLoaded,
+            priority: 0,
         })
     }
 

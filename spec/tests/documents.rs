@@ -48,7 +48,7 @@ fn deployment_fixture_errors() {
         e.to_string(),
         at(
             "deployment-unknown-key.yaml",
-            ":3: resdency: unknown key; expected one of name, engine, model, residency, max_concurrent_requests, extra_args, env, resources, lifecycle, decision, replicas, scale, gpus_per_instance, routing"
+            ":3: resdency: unknown key; expected one of name, engine, model, residency, max_concurrent_requests, extra_args, env, resources, lifecycle, decision, replicas, scale, gpus_per_instance, routing, priority"
         )
     );
     assert!(matches!(e.problem, Problem::UnknownKey { .. }));
@@ -139,7 +139,7 @@ fn standalone_fixture_errors() {
         e.to_string(),
         at(
             "standalone-unknown-key.yaml",
-            ":8: deployments[0].resdency: unknown key; expected one of name, engine, model, residency, max_concurrent_requests, extra_args, env, resources, lifecycle, decision, replicas, scale, gpus_per_instance, routing"
+            ":8: deployments[0].resdency: unknown key; expected one of name, engine, model, residency, max_concurrent_requests, extra_args, env, resources, lifecycle, decision, replicas, scale, gpus_per_instance, routing, priority"
         )
     );
     let e = load_standalone_file(fixture("standalone-wrong-type.yaml"), &none()).unwrap_err();
@@ -1391,4 +1391,50 @@ fn replicas_scale_gpus_and_routing_refuse_bad_values_naming_the_key() {
         err("extra_args: [\"--tensor-parallel-size\", \"2\"]\n"),
         "d.yaml:4: extra_args[0]: `--tensor-parallel-size`: CapyCTL sets --tensor-parallel-size itself (how many GPUs each instance spans, from `gpus_per_instance`); remove it from extra_args"
     );
+}
+
+// ---- priority (DESIGN 4.10) ----
+
+#[test]
+fn priority_is_any_i32_and_0_when_unset() {
+    assert_eq!(deployment("").unwrap().priority(), 0);
+    assert_eq!(deployment("").unwrap().priority, None);
+    assert_eq!(deployment("priority: 100\n").unwrap().priority(), 100);
+    assert_eq!(deployment("priority: -5\n").unwrap().priority(), -5);
+    assert_eq!(
+        deployment("priority: 2147483647\n").unwrap().priority(),
+        i32::MAX
+    );
+    assert_eq!(
+        deployment("priority: -2147483648\n").unwrap().priority(),
+        i32::MIN
+    );
+    // Through the management API's JSON too.
+    let doc = documents::deployment_from_json(serde_json::json!({
+        "name": "a", "engine": "vllm", "model": "m", "priority": 7,
+    }))
+    .unwrap();
+    assert_eq!(doc.priority(), 7);
+}
+
+#[test]
+fn a_priority_outside_i32_is_refused_naming_the_key() {
+    let err = |extra: &str| deployment(extra).unwrap_err().to_string();
+    assert_eq!(
+        err("priority: 2147483648\n"),
+        "d.yaml:4: priority: 2147483648 is out of range (-2147483648 to 2147483647)"
+    );
+    assert_eq!(
+        err("priority: -2147483649\n"),
+        "d.yaml:4: priority: -2147483649 is out of range (-2147483648 to 2147483647)"
+    );
+    for bad in ["priority: high\n", "priority: 1.5\n"] {
+        let e = err(bad);
+        assert!(e.starts_with("d.yaml:4: priority: "), "{e}");
+    }
+    let (path, _) = documents::deployment_from_json(serde_json::json!({
+        "name": "a", "engine": "vllm", "model": "m", "priority": 1u64 << 40,
+    }))
+    .unwrap_err();
+    assert_eq!(path.display().as_deref(), Some("priority"));
 }

@@ -39,9 +39,24 @@ pub(crate) struct Placed {
     pub(crate) gpus: Vec<u32>,
 }
 
-/// How good a host is for a placement, lower first: [`rank_of`]'s kind of fit, whether an
-/// instance of the same deployment holds memory there, then `rank_of`'s bytes.
-type HostRank = (u8, u8, u64);
+/// How good a host is for a placement, lower first: [`rank_of`]'s kind of fit, the highest
+/// priority among its victims (DESIGN 4.10: lower priorities go first; `i32::MIN` without
+/// victims), whether an instance of the same deployment holds memory there, then `rank_of`'s
+/// bytes.
+type HostRank = (u8, i32, u8, u64);
+
+/// The highest priority among the victims `fit` names of `holders` (`i32::MIN`: none).
+fn victims_priority(fit: &Fit, holders: &[Holder<'_>]) -> i32 {
+    match fit {
+        Fit::After(v) | Fit::AfterStopping(v) => holders
+            .iter()
+            .filter(|h| v.iter().any(|id| id == h.id))
+            .map(|h| h.priority)
+            .max()
+            .unwrap_or(i32::MIN),
+        _ => i32::MIN,
+    }
+}
 
 /// `d`'s share of its memory on one GPU of `cap` bytes, over `want` GPUs (unknown: the whole
 /// GPU).
@@ -167,7 +182,7 @@ impl State {
                 continue;
             }
             if let Some((gpus, rank)) = self.fits_now(d, id, host) {
-                let rank = (rank.0, u8::from(siblings_on(id)), rank.1);
+                let rank = (rank.0, i32::MIN, u8::from(siblings_on(id)), rank.1);
                 if now_best.as_ref().is_none_or(|(r, _, _)| rank < *r) {
                     now_best = Some((rank, id, gpus));
                 }
@@ -208,7 +223,12 @@ impl State {
                 };
                 (Vec::new(), fit, rank)
             };
-            let rank = (rank.0, u8::from(siblings_on(id)), rank.1);
+            let rank = (
+                rank.0,
+                victims_priority(&fit, &holders),
+                u8::from(siblings_on(id)),
+                rank.1,
+            );
             if best.as_ref().is_none_or(|(r, _, _)| rank < *r) {
                 best = Some((rank, id, fit));
                 best_gpus = gpus;
@@ -368,7 +388,11 @@ impl State {
                 let need = gpu_need(d, cap, want);
                 let used = self.gpu_held.on(host_id, Some(gpu.index), d.id());
                 let rank = room_now(cap, need, used)?;
-                let order = (false, std::cmp::Reverse(std::time::Duration::ZERO));
+                let order = (
+                    i32::MIN,
+                    false,
+                    std::cmp::Reverse(std::time::Duration::ZERO),
+                );
                 Some((gpu.index, Fit::Now, rank, order, (cap, need, Vec::new())))
             })
             .collect();
@@ -392,6 +416,7 @@ impl State {
     ) -> Vec<Holder<'a>> {
         let capacity = self.hosts.get(host).map_or(0, |h| h.capacity);
         let target_dep = dep_of_unit(target);
+        let target_priority = self.deps.get(target).map_or(0, |t| t.rec.doc.priority());
         self.holding_on(host)
             .filter(|d| d.id() != target && d.holds_gpu())
             .map(|d| {
@@ -429,6 +454,18 @@ impl State {
                 } else {
                     Hold::Busy
                 };
+                // DESIGN 4.10: never parked or stopped for a lower priority (a placement that
+                // names no victims parks nothing, and waits as before).
+                let priority = d.rec.doc.priority();
+                let hold = if hold != Hold::Pinned
+                    && victims != Victims::None
+                    && priority > target_priority
+                    && !leaving
+                {
+                    Hold::Outranks
+                } else {
+                    hold
+                };
                 Holder {
                     id: d.id(),
                     name: d.name(),
@@ -441,6 +478,7 @@ impl State {
                     } else {
                         d.residue_if_parked()
                     },
+                    priority,
                 }
             })
             .collect()

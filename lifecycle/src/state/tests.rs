@@ -1659,3 +1659,111 @@ async fn the_rules_read_the_record_of_requests_they_are_given() {
     assert!(matches!(plan, Plan::Switch { .. }), "{plan:?}");
     assert_eq!(s.reservations["sw-2"].victims[0], "a", "by the state alone");
 }
+
+/// DESIGN 4.10: a deployment is never parked or stopped for one of lower priority; among the
+/// victims that may go, lower priorities go first (then the page's order); a request only
+/// higher priorities keep out is refused at once (`does_not_fit` naming the priority), not
+/// left waiting; a start that names no victims still waits; idle timers work as before.
+#[tokio::test(start_paused = true)]
+async fn priorities_choose_the_victims_and_protect_the_room() {
+    let t0 = Instant::now();
+    let now = t0 + Duration::from_secs(60);
+    let mut s = state(t0);
+    let victims = |plan: Plan| match plan {
+        Plan::Switch { victims, .. } => victims
+            .into_iter()
+            .map(|k| k.deployment)
+            .collect::<Vec<_>>(),
+        other => panic!("a switch: {other:?}"),
+    };
+    // `p` (priority 100, idle the longest) and `q` (priority 0) hold 6 of 10 GiB: `b` needs
+    // 6, so one must go. The page's order would take `p`; its priority keeps it.
+    s.insert(sized_dep("p", "chat-p", "priority: 100\n", 3, t0));
+    s.insert(sized_dep("q", "chat-q", "", 3, t0));
+    ready(&mut s, "p", t0);
+    ready(&mut s, "q", t0 + Duration::from_secs(30));
+    let plan = s.request_plan("b", "sw-1".into(), now).unwrap();
+    assert_eq!(
+        victims(plan),
+        ["q"],
+        "the lower priority, though p is older"
+    );
+    s.release_reservation("sw-1");
+    // With `q` protected (requests wait for it), `p` still never goes for `b`; `q` may free
+    // its memory later, so `b` waits.
+    let protected = BTreeSet::from(["q".to_string()]);
+    let plan = s
+        .plan(
+            "b",
+            &protected,
+            PlanFor::Requests,
+            "sw-2".into(),
+            &NoRequests,
+            now,
+        )
+        .unwrap();
+    assert!(matches!(plan, Plan::Later), "{plan:?}");
+    // A deployment of priority 100 (equal) may take `p`'s room, the lower `q` still first.
+    s.deps.get_mut("b").unwrap().rec.doc = dep("b", "chat-b", "priority: 100\n", t0).rec.doc;
+    let plan = s.request_plan("b", "sw-3".into(), now).unwrap();
+    assert_eq!(victims(plan), ["q"]);
+    s.release_reservation("sw-3");
+    let plan = s
+        .plan(
+            "b",
+            &protected,
+            PlanFor::Requests,
+            "sw-3b".into(),
+            &NoRequests,
+            now,
+        )
+        .unwrap();
+    assert_eq!(victims(plan), ["p"], "equal priorities: p may go");
+    s.release_reservation("sw-3b");
+
+    // Only a higher priority holds the room: refused at once, naming it.
+    let mut s = state(t0);
+    s.insert(dep("prod", "chat-prod", "priority: 100\n", t0));
+    ready(&mut s, "prod", t0);
+    let err = s.request_plan("b", "sw-4".into(), now).unwrap_err();
+    assert_eq!(err.code(), "does_not_fit", "{err:?}");
+    assert_eq!(err.status(), 409);
+    assert_eq!(
+        err.message(),
+        "deployment b does not fit on any GPU: it needs 6.0 GiB, and 6.0 GiB of the GPU's 10.0 GiB is held by deployments of a higher priority, which are never parked or stopped for a lower one (chat-prod: priority 100)"
+    );
+    assert!(s.reservations.is_empty() && s.deps["prod"].reserved.is_none());
+    // A negative priority is below the default.
+    s.deps.get_mut("prod").unwrap().rec.doc = dep("prod", "chat-prod", "", t0).rec.doc;
+    s.deps.get_mut("b").unwrap().rec.doc = dep("b", "chat-b", "priority: -1\n", t0).rec.doc;
+    let err = s.request_plan("b", "sw-6".into(), now).unwrap_err();
+    assert!(err.to_string().contains("chat-prod: priority 0"), "{err}");
+    // The higher priority takes the room of the lower one.
+    s.deps.get_mut("b").unwrap().rec.doc = dep("b", "chat-b", "priority: 1\n", t0).rec.doc;
+    let plan = s.request_plan("b", "sw-7".into(), now).unwrap();
+    assert_eq!(victims(plan), ["prod"]);
+    s.release_reservation("sw-7");
+
+    // An operator's start without --evict names no victims: it waits for memory as before.
+    s.deps.get_mut("prod").unwrap().rec.doc =
+        dep("prod", "chat-prod", "priority: 100\n", t0).rec.doc;
+    s.deps.get_mut("b").unwrap().rec.doc = dep("b", "chat-b", "", t0).rec.doc;
+    assert!(matches!(
+        s.start("b", false, false, now),
+        Ok(StartNext::Pending)
+    ));
+    // The idle timer still parks `prod` when it is due.
+    let timeouts = LifecycleDefaults {
+        ready_idle_timeout: Some(Duration::from_secs(300)),
+        parked_idle_timeout: None,
+    };
+    assert_eq!(
+        s.idle_due(
+            &timeouts,
+            &none(),
+            &NoRequests,
+            t0 + Duration::from_secs(301)
+        ),
+        [("prod".to_string(), true)]
+    );
+}

@@ -266,6 +266,7 @@ impl Admission for Trivial {
             id: DEPLOYMENT.to_string(),
             name: MODEL.to_string(),
             routing: capyctl_spec::Routing::LeastLoaded,
+            priority: 0,
         })
     }
 
@@ -288,11 +289,13 @@ impl Lifecycle for BenchLifecycle {
                 id: DEPLOYMENT.to_string(),
                 name: MODEL.to_string(),
                 routing: capyctl_spec::Routing::LeastLoaded,
+                priority: 0,
             }),
             PARKED => Some(DeploymentRef {
                 id: PARKED_DEPLOYMENT.to_string(),
                 name: PARKED.to_string(),
                 routing: capyctl_spec::Routing::LeastLoaded,
+                priority: 0,
             }),
             _ => None,
         }
@@ -587,6 +590,7 @@ mod server_like {
                     id: id.to_string(),
                     name: name.to_string(),
                     routing: capyctl_spec::Routing::LeastLoaded,
+                    priority: 0,
                 };
                 names.insert(name.to_string(), dref);
             }

@@ -777,6 +777,7 @@ impl CoordinatorHandle {
                     deployment: deployment.id.clone(),
                     deadline,
                     prefix,
+                    priority: deployment.priority,
                 },
                 reply,
             })

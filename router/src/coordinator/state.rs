@@ -8,6 +8,7 @@
 //! NB: only the owning task ever holds a `State`, so nothing here is shared or locked; a
 //! decision is always made on the state it changes ("a read that gates a mutation is a bug").
 
+use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
@@ -82,6 +83,8 @@ pub(crate) struct AdmitRequest {
     /// Its prompt's prefix key, for a deployment routed by `prefix` (`None`: least_loaded; see
     /// [`routing`]).
     pub prefix: Option<u64>,
+    /// Its deployment's `priority` as the request resolved it (DESIGN 4.10; 0 when unset).
+    pub priority: i32,
 }
 
 /// What the state asks of the world. The task implements it with channels and spawned
@@ -212,6 +215,9 @@ struct Dep {
     /// The prefix ring over its open instances, built by the first prefix-routed pick after
     /// they changed ([`Dep::ring_for_open`]).
     ring: Option<Ring<InstanceKey>>,
+    /// Its `priority`, as its latest request resolved it: of the waves waiting for room, the
+    /// higher priority's is planned first ([`State::maybe_plan`]).
+    priority: i32,
 }
 
 impl Dep {
@@ -567,6 +573,7 @@ impl State {
         let cap = self.config.in_flight_per_instance;
         let no_wait = self.config.no_wait();
         let dep = self.deployments.entry(&req.deployment);
+        dep.priority = req.priority;
         if dep.has_open() {
             // Waits only when every open instance runs its 32 (or others wait already).
             if dep.queue.is_empty() && dep.has_room(cap) {
@@ -1750,9 +1757,10 @@ impl State {
             .filter_map(|id| Some((id, self.deployments.get(id)?)))
             .filter(|(id, d)| !self.blocked.contains_key(*id) && !d.has_open() && !d.has_closed())
             .filter(|(id, _)| !self.switching(id))
-            .filter_map(|(id, d)| d.waiting_since().map(|t| (t, id)))
+            // The higher priority first (DESIGN 4.10), then the oldest.
+            .filter_map(|(id, d)| d.waiting_since().map(|t| (Reverse(d.priority), t, id)))
             .min()
-            .map(|(t, id)| (t, id.clone()));
+            .map(|(_, t, id)| (t, id.clone()));
         let operator_first = self
             .operators
             .front()
@@ -2148,6 +2156,7 @@ mod tests {
             deployment: d.into(),
             deadline,
             prefix: None,
+            priority: 0,
         }
     }
 
@@ -2264,6 +2273,46 @@ mod tests {
         // A change (an instance opens) plans the oldest again.
         s.instance_ready(t, up("x"), &mut fx);
         assert!(matches!(&fx.take()[..], [Fx::Plan(3, d, _)] if d == "b"));
+    }
+
+    /// DESIGN 4.10: of the waves waiting for room, the higher priority's is planned first, and
+    /// again first once room may have freed; equal priorities keep the oldest first.
+    #[test]
+    fn the_higher_prioritys_wave_is_planned_first() {
+        let t = Instant::now();
+        let far = t + Duration::from_secs(600);
+        let mut s = State::new(RouterConfig::default());
+        let mut fx = Recorder::default();
+        let with = |ticket, d: &str, priority, at| AdmitRequest {
+            priority,
+            ..req(ticket, d, at)
+        };
+        s.admit(t, req(1, "b", far), &mut fx);
+        assert!(matches!(&fx.take()[..], [Fx::Plan(1, d, _)] if d == "b"));
+        // While b's plan is asked, c (priority 0) and then d (priority 100) come.
+        s.admit(t + W, req(2, "c", far), &mut fx);
+        s.admit(t + 2 * W, with(3, "d", 100, far), &mut fx);
+        assert!(fx.take().is_empty(), "one plan at a time");
+        s.plan_done(t + 2 * W, 1, Ok(Plan::Later), &mut fx);
+        assert!(
+            matches!(&fx.take()[..], [Fx::Plan(2, d, _)] if d == "d"),
+            "d, the newest but of priority 100, before c"
+        );
+        s.plan_done(t + 2 * W, 2, Ok(Plan::Later), &mut fx);
+        assert!(matches!(&fx.take()[..], [Fx::Plan(3, d, _)] if d == "c"));
+        s.plan_done(t + 2 * W, 3, Ok(Plan::Later), &mut fx);
+        assert!(fx.take().is_empty(), "all wait for a change");
+        // Room may have freed: the higher priority is offered it first, then the oldest.
+        s.instance_ready(t + 3 * W, up("x"), &mut fx);
+        assert!(matches!(&fx.take()[..], [Fx::Plan(4, d, _)] if d == "d"));
+        s.plan_done(t + 3 * W, 4, Ok(Plan::Later), &mut fx);
+        assert!(matches!(&fx.take()[..], [Fx::Plan(5, d, _)] if d == "b"));
+        // A negative priority goes after every one of 0.
+        s.admit(t + 3 * W, with(4, "e", -1, far), &mut fx);
+        s.plan_done(t + 3 * W, 5, Ok(Plan::Later), &mut fx);
+        assert!(matches!(&fx.take()[..], [Fx::Plan(6, d, _)] if d == "c"));
+        s.plan_done(t + 3 * W, 6, Ok(Plan::Later), &mut fx);
+        assert!(matches!(&fx.take()[..], [Fx::Plan(7, d, _)] if d == "e"));
     }
 
     #[test]

@@ -114,6 +114,8 @@ struct FakeDeployment {
     pinned: bool,
     /// Its `routing:` (`resolve` says it).
     routing: capyctl_spec::Routing,
+    /// Its `priority` (`resolve` says it).
+    priority: i32,
 }
 
 #[derive(Debug, Default)]
@@ -196,12 +198,30 @@ impl FakeLifecycle {
                 refusal: None,
                 pinned: false,
                 routing: capyctl_spec::Routing::LeastLoaded,
+                priority: 0,
             },
         );
         DeploymentRef {
             id: id.to_string(),
             name: name.to_string(),
             routing: capyctl_spec::Routing::LeastLoaded,
+            priority: 0,
+        }
+    }
+
+    /// Sets a deployment's `priority`; its reference as `resolve` now answers it.
+    pub fn set_priority(&self, id: &str, priority: i32) -> DeploymentRef {
+        let mut inner = self.lock();
+        let d = inner
+            .deployments
+            .get_mut(id)
+            .expect("set_priority: add the deployment first");
+        d.priority = priority;
+        DeploymentRef {
+            id: id.to_string(),
+            name: d.name.clone(),
+            routing: d.routing,
+            priority,
         }
     }
 
@@ -217,6 +237,7 @@ impl FakeLifecycle {
             id: id.to_string(),
             name: d.name.clone(),
             routing,
+            priority: d.priority,
         }
     }
 
@@ -491,6 +512,7 @@ impl Lifecycle for FakeLifecycle {
                 id: id.clone(),
                 name: d.name.clone(),
                 routing: d.routing,
+                priority: d.priority,
             })
     }
 
@@ -693,6 +715,7 @@ impl Lifecycle for AllReady {
             id: self.id.clone(),
             name: self.name.clone(),
             routing: self.routing,
+            priority: 0,
         })
     }
 

@@ -228,6 +228,7 @@ impl Admission for TestAdmission {
             id: DEPLOYMENT.to_string(),
             name: MODEL.to_string(),
             routing: capyctl_spec::Routing::LeastLoaded,
+            priority: 0,
         })
     }
 

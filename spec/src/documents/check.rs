@@ -127,6 +127,32 @@ impl<'de> Check<'de> for U32In {
     }
 }
 
+/// Any `i32` (a deployment's `priority`).
+struct I32;
+
+impl Visitor<'_> for I32 {
+    type Value = i32;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "an integer from {} to {}", i32::MIN, i32::MAX)
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
+        i32::try_from(v).map_err(|_| out_of_range(v, format_args!("{} to {}", i32::MIN, i32::MAX)))
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
+        i32::try_from(v).map_err(|_| out_of_range(v, format_args!("{} to {}", i32::MIN, i32::MAX)))
+    }
+}
+
+impl<'de> Check<'de> for I32 {
+    type Value = i32;
+    fn run<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
 // ---- byte sizes ----
 
 struct BytesIn(&'static Bounds<ByteSize>);
@@ -430,6 +456,7 @@ opt_fns! {
     target_in_flight: u32 = U32In(&settings::TARGET_IN_FLIGHT_BOUNDS);
     scale_down_delay: DurationSetting = DurationIn(&settings::SCALE_DOWN_DELAY_BOUNDS);
     gpus_per_instance: u32 = U32In(&settings::GPUS_PER_INSTANCE_BOUNDS);
+    priority: i32 = I32;
     max_buffered_bytes_total: ByteSize = BytesIn(&settings::MAX_BUFFERED_BYTES_TOTAL_BOUNDS);
     nonzero_bytes_opt: ByteSize = NonZeroBytes;
     socket_addr: SocketAddr = Addr;

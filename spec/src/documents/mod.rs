@@ -108,6 +108,14 @@ pub struct DeploymentDoc {
     /// How requests are spread over the ready instances. Default `least_loaded`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub routing: Option<Routing>,
+    /// How much the deployment matters beside the others (DESIGN 4.10), any `i32`. Default 0.
+    /// It is never parked or stopped to make room for a deployment of lower priority.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::priority"
+    )]
+    pub priority: Option<i32>,
 }
 
 /// `scale:` of a deployment document.
@@ -222,6 +230,11 @@ impl DeploymentDoc {
     /// `routing` (`least_loaded` when unset).
     pub fn routing(&self) -> Routing {
         self.routing.unwrap_or_default()
+    }
+
+    /// `priority` (0 when unset).
+    pub fn priority(&self) -> i32 {
+        self.priority.unwrap_or(0)
     }
 
     /// `scale` with its defaults, or `None` without autoscaling.
