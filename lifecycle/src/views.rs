@@ -317,7 +317,7 @@ impl ViewWriter {
             out.push(b'}');
             Ok(())
         } else {
-            // The view's fields moved: encoded whole (what the test of the reads catches).
+            // The view's fields moved: encoded whole (the same bytes, at the old cost).
             out.truncate(start);
             serde_json::to_writer(out, &deployment_view(units, cx))
         }
@@ -577,7 +577,7 @@ pub(crate) fn write_load_view(
         out[start..start + head.len()].copy_from_slice(head);
         Ok(())
     } else {
-        // The view's fields moved: encoded whole (what the test of the reads catches).
+        // The view's fields moved: encoded whole (the same bytes, at the old cost).
         out.truncate(start);
         serde_json::to_writer(out, &load_view(units, router, cx, now_ms))
     }
