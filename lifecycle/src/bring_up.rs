@@ -276,7 +276,8 @@ impl Core {
         iid: &str,
         op: impl std::future::Future<Output = T>,
     ) -> Result<T, Ended> {
-        let Some(mut end) = self.read(|inner| inner.deps.get(id).map(|d| d.end.subscribe())) else {
+        let Some(mut end) = self.read(|inner| inner.deps.get(id).map(|d| d.end().subscribe()))
+        else {
             return Ok(op.await);
         };
         let asked_before = end.borrow().clone();
@@ -332,8 +333,8 @@ impl Core {
         loop {
             let busy = self.read(|inner| {
                 let d = inner.deps.get(id)?;
-                if d.bringing_up() && d.end.borrow().is_none() {
-                    d.end.send_replace(Some(refusal.clone()));
+                if d.bringing_up() && d.end().borrow().is_none() {
+                    d.end().send_replace(Some(refusal.clone()));
                 }
                 Some(d.busy)
             });

@@ -124,7 +124,7 @@ impl Core {
         let existing = self.read(|inner| {
             inner
                 .by_name(&doc.name)
-                .map(|d| (d.rec.id.clone(), d.rec.doc == doc))
+                .map(|d| (d.rec.id.clone(), *d.rec.doc == doc))
         });
         let id = match existing {
             Some((id, true)) => {

@@ -51,8 +51,8 @@ impl Core {
             let settled = self.read(|inner| {
                 inner.deps.get(id).map(|d| {
                     // A start or wake begun after the stop (a switch claimed it before) too.
-                    if d.bringing_up() && d.end.borrow().is_none() {
-                        d.end.send_replace(Some(refusal.clone()));
+                    if d.bringing_up() && d.end().borrow().is_none() {
+                        d.end().send_replace(Some(refusal.clone()));
                     }
                     !d.busy && d.reserved.is_none() && d.claim.is_none()
                 })

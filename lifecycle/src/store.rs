@@ -20,7 +20,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use capyctl_interfaces::verify::FirstAnswer;
 use capyctl_spec::documents::DeploymentDoc;
@@ -57,8 +57,10 @@ pub struct DeploymentRecord {
     pub id: String,
     /// Bumped by a re-deploy of a changed document; starts at 1.
     pub revision: u64,
-    /// The document as deployed (the latest revision).
-    pub doc: DeploymentDoc,
+    /// The document as deployed (the latest revision). Shared (one copy per deployment): with
+    /// the views' [`crate::views`] part and the records of the deployment's other instances.
+    #[serde(with = "shared_doc")]
+    pub doc: Arc<DeploymentDoc>,
     /// An operator stopped it: requests get 409 `deployment_stopped` until a start.
     #[serde(default)]
     pub operator_stopped: bool,
@@ -85,13 +87,34 @@ impl DeploymentRecord {
         DeploymentRecord {
             id,
             revision: 1,
-            doc,
+            doc: Arc::new(doc),
             operator_stopped: false,
             operator_started: false,
             pending_start: false,
             generation: 0,
             first_answer: None,
         }
+    }
+}
+
+/// A shared document, stored as the document itself.
+mod shared_doc {
+    use std::sync::Arc;
+
+    use capyctl_spec::documents::DeploymentDoc;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(
+        doc: &Arc<DeploymentDoc>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        DeploymentDoc::serialize(doc, s)
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Arc<DeploymentDoc>, D::Error> {
+        DeploymentDoc::deserialize(d).map(Arc::new)
     }
 }
 

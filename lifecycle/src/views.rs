@@ -39,14 +39,17 @@ pub(crate) struct Fixed {
     pub revision: u64,
     /// The deployment's ID.
     pub id: String,
-    /// Its document.
-    pub doc: DeploymentDoc,
+    /// Its document (its record's, shared).
+    pub doc: Arc<DeploymentDoc>,
     /// Its instance spec (from the document; the deployment's, shared).
     pub spec: Arc<InstanceSpec>,
     /// Its instance's ID (`super::instance_id_at`).
     pub instance_id: String,
     /// Its instance's index.
     pub index: u32,
+    /// How its load view's JSON begins ([`load_head`]): written as it is by each full load
+    /// read ([`write_load_view`]).
+    load_head: Box<[u8]>,
 }
 
 impl Fixed {
@@ -55,10 +58,11 @@ impl Fixed {
         Fixed {
             revision: rec.revision,
             id: rec.id.clone(),
-            doc: rec.doc.clone(),
+            doc: Arc::clone(&rec.doc),
             spec,
             instance_id: super::instance_id_at(&rec.id, index),
             index,
+            load_head: load_head(&rec.id, &rec.doc.name),
         }
     }
 
@@ -265,6 +269,63 @@ pub(crate) fn deployment_state(units: &[DepShot]) -> InstanceState {
 
 /// One deployment's view, from its instances' snapshots (index 0 first: [`group`]).
 pub(crate) fn deployment_view(units: &[DepShot], cx: &Ctx<'_>) -> DeploymentView {
+    deployment_view_with(units, cx, DeploymentDoc::clone(&units[0].fixed.doc))
+}
+
+/// Writes deployment views' JSON (byte for byte `serde_json`'s of [`deployment_view`]) without
+/// a copy of each one's document: each view is built around one document kept for the
+/// purpose, encoded, and that document's encoding at its end (`"spec"` is the last field)
+/// replaced by the deployment's own, encoded from the shared one. NB (reads at scale): the
+/// deployments list writes 100,000 of these.
+#[derive(Default)]
+pub(crate) struct ViewWriter {
+    /// The document each view is built with, and `,"spec":<its JSON>}`: how a view ends.
+    stand_in: Option<(DeploymentDoc, Vec<u8>)>,
+}
+
+impl ViewWriter {
+    /// Appends the view of `units` to `out`.
+    pub(crate) fn write(
+        &mut self,
+        out: &mut Vec<u8>,
+        units: &[DepShot],
+        cx: &Ctx<'_>,
+    ) -> serde_json::Result<()> {
+        let doc = &units[0].fixed.doc;
+        let (stand_in, tail) = match self.stand_in.take() {
+            Some(s) => s,
+            None => {
+                let mut tail = br#","spec":"#.to_vec();
+                serde_json::to_writer(&mut tail, &**doc)?;
+                tail.push(b'}');
+                (DeploymentDoc::clone(doc), tail)
+            }
+        };
+        let start = out.len();
+        let view = deployment_view_with(units, cx, stand_in);
+        let written = serde_json::to_writer(&mut *out, &view);
+        self.stand_in = Some((view.spec, tail));
+        written?;
+        let tail = self
+            .stand_in
+            .as_ref()
+            .map_or(&[][..], |(_, t)| t.as_slice());
+        if out.ends_with(tail) {
+            // Keep `,"spec":`.
+            out.truncate(out.len() - tail.len() + br#","spec":"#.len());
+            serde_json::to_writer(&mut *out, &**doc)?;
+            out.push(b'}');
+            Ok(())
+        } else {
+            // The view's fields moved: encoded whole (the same bytes, at the old cost).
+            out.truncate(start);
+            serde_json::to_writer(out, &deployment_view(units, cx))
+        }
+    }
+}
+
+/// [`deployment_view`] with `spec` as its document.
+fn deployment_view_with(units: &[DepShot], cx: &Ctx<'_>, spec: DeploymentDoc) -> DeploymentView {
     let d = &units[0];
     let doc = &d.fixed.doc;
     let state = deployment_state(units);
@@ -382,7 +443,7 @@ pub(crate) fn deployment_view(units: &[DepShot], cx: &Ctx<'_>) -> DeploymentView
                 },
             ),
         ],
-        spec: doc.clone(),
+        spec,
     }
 }
 
@@ -472,6 +533,66 @@ pub(crate) fn load_view(
     now_ms: u64,
 ) -> DeploymentLoadView {
     let d = &units[0];
+    let (id, name) = (d.fixed.id.clone(), d.name().to_string());
+    load_view_named(units, router, cx, now_ms, id, name)
+}
+
+/// How `serde_json` begins a [`DeploymentLoadView`] whose ID and name are empty.
+const EMPTY_LOAD_HEAD: &[u8] = br#"{"deployment_id":"","name":"","#;
+
+/// How `serde_json` begins the [`DeploymentLoadView`] of deployment `id` named `name`: its
+/// [`EMPTY_LOAD_HEAD`] with the two strings in it.
+fn load_head(id: &str, name: &str) -> Box<[u8]> {
+    let mut out = Vec::with_capacity(EMPTY_LOAD_HEAD.len() + id.len() + name.len());
+    out.extend_from_slice(br#"{"deployment_id":"#);
+    // Strings always encode.
+    let _ = serde_json::to_writer(&mut out, id);
+    out.extend_from_slice(br#","name":"#);
+    let _ = serde_json::to_writer(&mut out, name);
+    out.push(b',');
+    out.into_boxed_slice()
+}
+
+/// [`load_view`]'s JSON appended to `out`, byte for byte `serde_json`'s of it, without copying
+/// the ID and the name: the view is built with both empty and encoded, and its
+/// [`EMPTY_LOAD_HEAD`] replaced by the deployment's own, encoded once per revision
+/// ([`Fixed`]). NB (reads at scale): the full load read writes 100,000 of these.
+pub(crate) fn write_load_view(
+    out: &mut Vec<u8>,
+    units: &[DepShot],
+    router: Option<&DeploymentLoad>,
+    cx: &Ctx<'_>,
+    now_ms: u64,
+) -> serde_json::Result<()> {
+    let start = out.len();
+    let view = load_view_named(units, router, cx, now_ms, String::new(), String::new());
+    serde_json::to_writer(&mut *out, &view)?;
+    if out[start..].starts_with(EMPTY_LOAD_HEAD) {
+        // The rest moved up by what the head adds (in place: `Vec::splice` cost more than the
+        // view's encoding), then the head written over the empty one.
+        let head = &units[0].fixed.load_head;
+        let (end, grow) = (out.len(), head.len().saturating_sub(EMPTY_LOAD_HEAD.len()));
+        out.resize(end + grow, 0);
+        out.copy_within(start + EMPTY_LOAD_HEAD.len()..end, start + head.len());
+        out[start..start + head.len()].copy_from_slice(head);
+        Ok(())
+    } else {
+        // The view's fields moved: encoded whole (the same bytes, at the old cost).
+        out.truncate(start);
+        serde_json::to_writer(out, &load_view(units, router, cx, now_ms))
+    }
+}
+
+/// [`load_view`] with `deployment_id` and `name` given.
+fn load_view_named(
+    units: &[DepShot],
+    router: Option<&DeploymentLoad>,
+    cx: &Ctx<'_>,
+    now_ms: u64,
+    deployment_id: String,
+    name: String,
+) -> DeploymentLoadView {
+    let d = &units[0];
     let host = d.host(cx.hosts);
     let expected = expected_max_running(&d.fixed.spec, cx.config, host.map(|(_, h)| &**h));
     let instances = units
@@ -507,8 +628,8 @@ pub(crate) fn load_view(
         })
         .collect();
     DeploymentLoadView {
-        deployment_id: d.fixed.id.clone(),
-        name: d.name().to_string(),
+        deployment_id,
+        name,
         router: RouterLoadView {
             in_flight: router.map_or(0, |r| r.in_flight as u64),
             in_flight_limit: router.map_or(

@@ -72,7 +72,7 @@ impl CrStore {
             let record = DeploymentRecord {
                 id,
                 revision: status.revision.unwrap_or(1).max(1),
-                doc,
+                doc: doc.into(),
                 operator_stopped: kept.operator_stopped,
                 operator_started: kept.operator_started,
                 pending_start: false,
@@ -117,7 +117,7 @@ impl CrStore {
             operator_started: r.operator_started,
             generation: Some(r.generation),
             first_answer: r.first_answer.clone(),
-            doc: Some(r.doc.clone()),
+            doc: Some((*r.doc).clone()),
         })
         .ok()
     }
@@ -205,7 +205,8 @@ mod tests {
         let record = DeploymentRecord {
             id: "01KA".into(),
             revision: 4,
-            doc: doc("name: chat-a\nengine: vllm\nmodel: Qwen3-4B\nmax_concurrent_requests: 8\n"),
+            doc: doc("name: chat-a\nengine: vllm\nmodel: Qwen3-4B\nmax_concurrent_requests: 8\n")
+                .into(),
             operator_stopped: true,
             operator_started: false,
             pending_start: false,
@@ -237,7 +238,7 @@ mod tests {
         let record = DeploymentRecord {
             id: "01KA".into(),
             revision: 2,
-            doc: running.clone(),
+            doc: running.clone().into(),
             operator_stopped: false,
             operator_started: false,
             pending_start: false,
@@ -262,13 +263,13 @@ mod tests {
         let r = &back.load().unwrap()[0];
         // The revision's document, not the new spec: the reconciler's deploy of the new spec is
         // then a change, which bumps the revision (2 -> 3).
-        assert_eq!(r.doc, running);
+        assert_eq!(*r.doc, running);
         assert_eq!(r.revision, 2);
-        assert_ne!(cr_edited.to_document().unwrap(), r.doc);
+        assert_ne!(cr_edited.to_document().unwrap(), *r.doc);
         // Edited into a spec that is refused: the revision keeps running.
         let refused = serde_json::json!({"engine": "vllm", "model": "Qwen3-4B",
             "maxConcurrentRequests": 0});
         let back = CrStore::from_crs(&[cr("chat-a", status, refused)]);
-        assert_eq!(back.load().unwrap()[0].doc, running);
+        assert_eq!(*back.load().unwrap()[0].doc, running);
     }
 }

@@ -210,7 +210,7 @@ async fn a_state_json_of_an_earlier_capyctl_is_imported_once() {
     let record = DeploymentRecord {
         id: "01KOLDCHATA0000000000000000".into(),
         revision: 3,
-        doc: config().deployments[0].clone(),
+        doc: config().deployments[0].clone().into(),
         operator_stopped: true,
         operator_started: false,
         pending_start: false,

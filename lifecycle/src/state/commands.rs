@@ -33,12 +33,12 @@ impl State {
     ) -> (String, DeployOutcome) {
         let known = self.by_name.get(&doc.name).cloned();
         let (id, outcome) = if let Some(d) = known.and_then(|id| self.deps.get_mut(&id)) {
-            if d.rec.doc == doc {
+            if *d.rec.doc == doc {
                 return (d.rec.id.clone(), DeployOutcome::Unchanged);
             }
             d.rec.revision += 1;
             d.spec = Arc::new(InstanceSpec::from_doc(d.rec.id.clone(), &doc));
-            d.rec.doc = doc;
+            d.rec.doc = Arc::new(doc);
             d.renew_fixed();
             // The name cache's entry holds what the router reads of the document (its
             // routing): a new revision gets a new presence flag, and the old one, dropped,

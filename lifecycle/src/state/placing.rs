@@ -435,7 +435,7 @@ impl State {
                     Victims::Idle => !d.operator_up,
                     Victims::IdleAndBringUps => true,
                 } && d.bringing_up()
-                    && d.end.borrow().is_none();
+                    && d.end().borrow().is_none();
                 let hold = if (self.explicit(d) || d.warm()) && !leaving {
                     Hold::Pinned
                 } else if d.dep_id() == target_dep {

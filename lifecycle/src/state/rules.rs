@@ -4,7 +4,7 @@
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use capyctl_interfaces::launch::MaxRunning;
@@ -13,7 +13,6 @@ use capyctl_interfaces::router::{InstanceKey, Plan, PlanFor};
 use capyctl_interfaces::tier::ParkTier;
 use capyctl_spec::errors::ApiError;
 use capyctl_spec::{Activation, InstanceState};
-use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::errors::not_found;
@@ -312,6 +311,8 @@ impl State {
             }
             UpDone::Ready(started) => {
                 d.busy = false;
+                // Over: nothing ends it any more.
+                d.end = OnceLock::new();
                 d.touch(now);
                 if let Some(s) = started {
                     d.addr = s.addr;
@@ -794,7 +795,7 @@ impl State {
         d.busy = true;
         d.last_error = None;
         d.touch(now);
-        d.end = watch::channel(None).0;
+        d.end = OnceLock::new();
         d.ended_stop_failed = None;
         d.operator_up = operator;
         if d.state == InstanceState::Parked {

@@ -161,7 +161,7 @@ async fn replicas_are_units_on_distinct_gpus_and_never_each_others_victims() {
     }
     // A fourth (replicas raised) finds the free GPU only.
     let mut d = s.deps["r"].rec.clone();
-    d.doc.replicas = Some(4);
+    Arc::make_mut(&mut d.doc).replicas = Some(4);
     d.revision = 2;
     s.deps.get_mut("r").unwrap().rec = d;
     s.deps.get_mut("r").unwrap().renew_fixed();
@@ -183,7 +183,7 @@ async fn replicas_are_units_on_distinct_gpus_and_never_each_others_victims() {
     s.release_reservation("sw-1");
     s.deps.get_mut("r-3").unwrap().state = InstanceState::Stopped;
     let mut d = s.deps["r"].rec.clone();
-    d.doc.replicas = Some(2);
+    Arc::make_mut(&mut d.doc).replicas = Some(2);
     d.revision = 3;
     s.deps.get_mut("r").unwrap().rec = d;
     s.deps.get_mut("r").unwrap().renew_fixed();

@@ -25,6 +25,7 @@ pub(crate) mod routing;
 mod state;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+mod vec_map;
 
 use std::collections::{BTreeSet, HashMap};
 use std::future::Future;

@@ -23,6 +23,7 @@ use capyctl_interfaces::router::{
 };
 
 use super::routing::{self, Load, Ring};
+use super::vec_map::VecMap;
 use super::{DeploymentLoad, InstanceLoad, OperatorResult, OperatorStart};
 
 /// One request's number, unique per coordinator (allocated by the handle).
@@ -192,8 +193,9 @@ enum Blocked {
 /// The router's view of one deployment.
 #[derive(Debug, Default)]
 struct Dep {
-    /// Its instances the router knows, open or draining.
-    instances: BTreeMap<InstanceKey, Inst>,
+    /// Its instances the router knows, open or draining (a vector by key: most deployments
+    /// have one; see `vec_map.rs`).
+    instances: VecMap<InstanceKey, Inst>,
     /// Requests forwarded to it now (also those on instances that went away meanwhile).
     in_flight: usize,
     /// Requests waiting for it (to become servable, or for one of its in-flight slots), oldest
@@ -1321,6 +1323,11 @@ impl State {
                 },
             );
             return;
+        }
+        // NB (memory at scale): a queue keeps its room once emptied, and most hold one request
+        // at a time: the first takes room for one, not the four of a first push.
+        if dep.queue.capacity() == 0 {
+            dep.queue.reserve_exact(1);
         }
         dep.queue.push_back(Waiter {
             ticket: req.ticket,
