@@ -939,7 +939,13 @@ pub fn measured_sets(records: &[capyctl_spec::api::SwitchRecord]) -> Vec<String>
                 Kind::Start => "start",
                 Kind::Wake => "wake",
                 Kind::WakeCheck => "wake_check",
-                Kind::AdmissionWindow | Kind::Drain | Kind::Release => continue,
+                // Adapter loads are no engine times of the model's own (SimHost's
+                // `adapter_load` setting models them).
+                Kind::AdmissionWindow
+                | Kind::Drain
+                | Kind::Release
+                | Kind::AdapterLoad
+                | Kind::AdapterUnload => continue,
             };
             if let (Some(end), Some(name)) = (p.ended_ms, name_of(&p.instance)) {
                 took.entry((name, key))

@@ -1,0 +1,401 @@
+//! LoRA adapters as models of their own (DESIGN 4.9) under tokio's paused clock: the real
+//! coordinator and lifecycle over the simulated host, whose adapter loads take a set time.
+//! Deploy refusals, a request for an adapter making its base servable and loading it, least
+//! recently used unloads, a failed load, switch records of cause `adapter`, the views and the
+//! load read, and the loaded set after a restart of the base.
+#![allow(clippy::unwrap_used)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use capyctl_interfaces::router::{AdapterLease, Lifecycle};
+use capyctl_lifecycle::Core;
+use capyctl_lifecycle::LifecycleConfig;
+use capyctl_lifecycle::api::ManagementApi;
+use capyctl_lifecycle::store::MemoryStore;
+use capyctl_router::admission::{Admission, Permit};
+use capyctl_router::config::RouterConfig;
+use capyctl_router::coordinator::{CoordinatorHandle, CoordinatorPermit};
+use capyctl_server::assembly::assemble;
+use capyctl_spec::api::{StartRequest, SwitchCause, SwitchOutcome, SwitchPhaseKind, SwitchQuery};
+use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
+use capyctl_spec::errors::ApiError;
+use capyctl_test_support::{SimHost, Timings};
+use tokio::time::Instant;
+
+const START: Duration = Duration::from_secs(4);
+const LOAD: Duration = Duration::from_millis(50);
+
+fn doc(text: &str) -> DeploymentDoc {
+    parse_deployment_str("t.yaml", text).unwrap()
+}
+
+/// PEFT directories of the given ranks, removed when dropped.
+struct Peft(PathBuf);
+
+impl Peft {
+    fn new(tag: &str, ranks: &[(&str, u32)]) -> Self {
+        let root = std::env::temp_dir().join(format!("capyctl-lora-{tag}-{}", std::process::id()));
+        for (name, r) in ranks {
+            let dir = root.join(name);
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(
+                dir.join("adapter_config.json"),
+                format!(r#"{{"r": {r}, "peft_type": "LORA"}}"#),
+            )
+            .unwrap();
+        }
+        Peft(root)
+    }
+
+    fn path(&self, name: &str) -> String {
+        self.0.join(name).display().to_string()
+    }
+}
+
+impl Drop for Peft {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+struct Scene {
+    server: Arc<Core>,
+    router: CoordinatorHandle,
+    agent: Arc<SimHost>,
+    files: Peft,
+}
+
+async fn scene(tag: &str, max_loaded: u32, base_extra: &str) -> Scene {
+    let agent = Arc::new(SimHost::new().with_adapter_load(LOAD).with_times(Timings {
+        start: START,
+        ..Timings::default()
+    }));
+    let server = Core::open(
+        agent.clone(),
+        Arc::new(MemoryStore::default()),
+        LifecycleConfig::new("h"),
+    )
+    .await
+    .unwrap();
+    let router = assemble(&server, server.clone(), RouterConfig::default(), None)
+        .await
+        .router;
+    let files = Peft::new(tag, &[("a1", 8), ("a2", 8), ("a3", 8), ("big", 64)]);
+    server
+        .deploy(doc(&format!(
+            "name: base\nengine: vllm\nmodel: m\nresources: {{gpu_memory: 6GiB}}\nadapters: {{max_loaded: {max_loaded}, max_rank: 16}}\n{base_extra}"
+        )))
+        .await
+        .unwrap();
+    for name in ["a1", "a2", "a3"] {
+        server
+            .deploy(doc(&format!(
+                "name: {name}\nadapter: {{base: base, path: {}}}\n",
+                files.path(name)
+            )))
+            .await
+            .unwrap();
+    }
+    Scene {
+        server,
+        router,
+        agent,
+        files,
+    }
+}
+
+impl Scene {
+    /// A request for `model` admitted and, for an adapter, its adapter loaded: what it holds
+    /// while it runs.
+    async fn request(
+        &self,
+        model: &str,
+    ) -> Result<(CoordinatorPermit, Option<AdapterLease>), ApiError> {
+        let deadline = Instant::now() + Duration::from_secs(600);
+        let d = self.router.resolve(model).unwrap();
+        let permit = self.router.admit(d, deadline).await?;
+        let lease = match self.server.adapter(model) {
+            Some(route) => Some(
+                self.server
+                    .acquire_adapter(&permit.upstream().key, &route, deadline)
+                    .await?,
+            ),
+            None => None,
+        };
+        Ok((permit, lease))
+    }
+
+    fn adapter_calls(&self) -> Vec<String> {
+        self.agent
+            .calls()
+            .into_iter()
+            .filter(|c| c.contains("adapter"))
+            .map(|c| {
+                // `load_adapter <iid> <name>` without the instance ID.
+                let mut w = c.split(' ');
+                format!("{} {}", w.next().unwrap(), w.nth(1).unwrap())
+            })
+            .collect()
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_for_an_adapter_starts_its_base_and_loads_it_once() {
+    let s = scene("serve", 2, "").await;
+    let began = Instant::now();
+    let (permit, lease) = s.request("a1").await.unwrap();
+    assert_eq!(
+        began.elapsed(),
+        START + LOAD,
+        "the base's start, then the load"
+    );
+    assert_eq!(
+        permit.upstream().key.deployment,
+        s.server.view("base").unwrap().id
+    );
+    assert_eq!(s.adapter_calls(), ["load_adapter a1"]);
+    drop((permit, lease));
+    // Loaded: the next one runs at once, with no load.
+    let began = Instant::now();
+    drop(s.request("a1").await.unwrap());
+    assert_eq!(began.elapsed(), Duration::ZERO);
+    assert_eq!(s.adapter_calls(), ["load_adapter a1"]);
+
+    // The lists: loaded / unloaded, the base as its host, the load read per instance.
+    let a1 = s.server.view("a1").unwrap();
+    assert_eq!(capyctl_spec::api::listed_state(&a1), "loaded");
+    assert_eq!(a1.hosts, ["base"]);
+    assert_eq!(a1.ready, "1/1");
+    let a2 = s.server.view("a2").unwrap();
+    assert_eq!(capyctl_spec::api::listed_state(&a2), "unloaded");
+    let models = s.server.models();
+    let state = |id: &str| models.iter().find(|m| m.id == id).unwrap().state.clone();
+    assert_eq!(
+        (state("a1"), state("a2"), state("base")),
+        ("loaded".into(), "unloaded".into(), "ready".into())
+    );
+    let load = s.server.load(Some("base")).await.unwrap();
+    assert_eq!(load.deployments[0].instances[0].adapters, ["a1"]);
+
+    // Its record: cause adapter, one adapter_load phase of the load's time, ok.
+    let records = s
+        .server
+        .switches(SwitchQuery::default())
+        .await
+        .unwrap()
+        .switches;
+    let r = records
+        .iter()
+        .find(|r| r.cause == SwitchCause::Adapter)
+        .unwrap();
+    assert_eq!(
+        (r.deployment.as_str(), r.outcome),
+        ("a1", SwitchOutcome::Ok)
+    );
+    assert_eq!(r.phases.len(), 1);
+    assert_eq!(r.phases[0].phase, SwitchPhaseKind::AdapterLoad);
+    assert_eq!(
+        r.phases[0].ended_ms.unwrap() - r.phases[0].began_ms,
+        u64::try_from(LOAD.as_millis()).unwrap()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn past_max_loaded_the_least_recently_used_idle_adapter_is_unloaded() {
+    let s = scene("lru", 2, "").await;
+    drop(s.request("a1").await.unwrap());
+    let busy = s.request("a2").await.unwrap();
+    drop(s.request("a1").await.unwrap());
+    // a2 runs a request; a1 is idle: a3 takes a1's place even though a2 was used earlier.
+    drop(s.request("a3").await.unwrap());
+    assert_eq!(
+        s.adapter_calls(),
+        [
+            "load_adapter a1",
+            "load_adapter a2",
+            "unload_adapter a1",
+            "load_adapter a3"
+        ]
+    );
+    drop(busy);
+    let records = s
+        .server
+        .switches(SwitchQuery::default())
+        .await
+        .unwrap()
+        .switches;
+    let unload = records
+        .iter()
+        .find(|r| {
+            r.phases
+                .iter()
+                .any(|p| p.phase == SwitchPhaseKind::AdapterUnload)
+        })
+        .unwrap();
+    assert_eq!(
+        (unload.deployment.as_str(), unload.cause),
+        ("a1", SwitchCause::Adapter)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_load_answers_adapter_load_failed_and_the_base_serves_on() {
+    let s = scene("fail", 2, "").await;
+    drop(s.request("a1").await.unwrap());
+    s.agent.fail_adapter_path(&s.files.path("a2"));
+    let e = s.request("a2").await.err().unwrap();
+    assert_eq!((e.status(), e.code()), (503, "adapter_load_failed"));
+    assert!(
+        e.message().contains("adapter a2") && e.message().contains("no adapter found"),
+        "{e}"
+    );
+    // Nothing else changed: a1 still loaded, the base serves.
+    let began = Instant::now();
+    drop(s.request("a1").await.unwrap());
+    drop(s.request("base").await.unwrap());
+    assert_eq!(began.elapsed(), Duration::ZERO);
+    let records = s
+        .server
+        .switches(SwitchQuery::default())
+        .await
+        .unwrap()
+        .switches;
+    let failed = records
+        .iter()
+        .find(|r| r.deployment == "a2" && r.cause == SwitchCause::Adapter)
+        .unwrap();
+    assert_eq!(failed.outcome, SwitchOutcome::Failed);
+    assert_eq!(failed.error.as_ref().unwrap().code, "adapter_load_failed");
+}
+
+#[tokio::test(start_paused = true)]
+async fn after_a_restart_of_the_base_adapters_are_loaded_again_on_demand() {
+    let s = scene("restart", 2, "").await;
+    drop(s.request("a1").await.unwrap());
+    s.server.stop("base").await.unwrap();
+    s.server
+        .start(
+            "base",
+            StartRequest {
+                evict: false,
+                wait: true,
+            },
+        )
+        .await
+        .unwrap();
+    // The fresh engine lists none: a1 loads again.
+    drop(s.request("a1").await.unwrap());
+    assert_eq!(s.adapter_calls(), ["load_adapter a1", "load_adapter a1"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_explicit_stopped_base_answers_its_409_for_its_adapters() {
+    let s = scene("explicit", 2, "lifecycle: {activation: explicit}\n").await;
+    let e = s.request("a1").await.err().unwrap();
+    assert_eq!((e.status(), e.code()), (409, "deployment_inactive"));
+    assert!(s.adapter_calls().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn deploys_and_commands_that_break_the_adapter_rules_are_refused_and_change_nothing() {
+    let s = scene("refusals", 2, "").await;
+    let refused = |r: Result<_, ApiError>| {
+        let e = r.err().unwrap();
+        format!("{} {}", e.code(), e.message())
+    };
+    let deploy = |text: String| {
+        let server = s.server.clone();
+        async move { server.deploy(doc(&text)).await.map(|_| ()) }
+    };
+    let cases = [
+        (
+            format!(
+                "name: x\nadapter: {{base: nobody, path: {}}}\n",
+                s.files.path("a1")
+            ),
+            "adapter.base: `nobody`: no deployment has that name",
+        ),
+        (
+            format!(
+                "name: x\nadapter: {{base: a1, path: {}}}\n",
+                s.files.path("a1")
+            ),
+            "`a1` is itself an adapter (an adapter of an adapter)",
+        ),
+        (
+            format!(
+                "name: x\nadapter: {{base: base, path: {}}}\n",
+                s.files.path("big")
+            ),
+            "the adapter's rank 64 (r in adapter_config.json) is above its base's adapters.max_rank (16)",
+        ),
+        (
+            "name: x\nadapter: {base: base, path: /nonexistent/lora}\n".to_string(),
+            "adapter.path: `/nonexistent/lora` does not exist",
+        ),
+        (
+            format!(
+                "name: base\nadapter: {{base: base, path: {}}}\n",
+                s.files.path("a1")
+            ),
+            "`base` is a model; an adapter needs a name of its own",
+        ),
+        (
+            "name: base\nengine: vllm\nmodel: m\nresources: {gpu_memory: 6GiB}\n".to_string(),
+            "adapters: the adapters a1, a2, a3 are loaded into `base`",
+        ),
+    ];
+    for (text, want) in cases {
+        let got = refused(deploy(text.clone()).await);
+        assert!(got.contains(want), "{text}\n got  {got}\n want {want}");
+    }
+    // A base without adapters, and a second base for the same-name rule.
+    deploy("name: plain\nengine: vllm\nmodel: m\nresources: {gpu_memory: 1GiB}\n".into())
+        .await
+        .unwrap();
+    let got = refused(
+        deploy(format!(
+            "name: x\nadapter: {{base: plain, path: {}}}\n",
+            s.files.path("a1")
+        ))
+        .await,
+    );
+    assert!(got.contains("`plain` does not allow adapters"), "{got}");
+    deploy("name: other\nengine: vllm\nmodel: m\nresources: {gpu_memory: 1GiB}\nadapters: {max_loaded: 1, max_rank: 8}\n".into())
+        .await
+        .unwrap();
+    let got = refused(
+        deploy(format!(
+            "name: a1\nadapter: {{base: other, path: {}}}\n",
+            s.files.path("a1")
+        ))
+        .await,
+    );
+    assert!(
+        got.contains("two adapters of the same name on different bases"),
+        "{got}"
+    );
+
+    // Commands that would move an adapter, and deleting a base that has adapters.
+    let got = refused(
+        s.server
+            .start("a1", StartRequest::default())
+            .await
+            .map(|_| ()),
+    );
+    assert!(
+        got.starts_with("conflict deployment a1 is an adapter of base"),
+        "{got}"
+    );
+    let got = refused(s.server.delete("base").await.map(|_| ()));
+    assert!(
+        got.contains("deployment base is the base of the adapters a1, a2, a3"),
+        "{got}"
+    );
+    // Nothing changed: the adapters are where they were; deleting one works.
+    assert_eq!(s.server.view("a1").unwrap().spec.base(), Some("base"));
+    s.server.delete("a3").await.unwrap();
+    assert!(s.server.view("a3").is_none());
+}
