@@ -103,13 +103,23 @@ impl Core {
             .peekable();
         while changed.peek().is_some() {
             let chunk: Vec<CheckedDoc> = changed.by_ref().take(DEPLOY_CHUNK).collect();
-            self.write(move |inner| {
-                let now = Instant::now();
-                for one in chunk {
-                    inner.apply_deploy(one.doc, one.id, one.measured, now);
-                }
-            })
-            .await;
+            let revised = self
+                .write(move |inner| {
+                    let now = Instant::now();
+                    let mut revised = Vec::new();
+                    for one in chunk {
+                        let name = one.doc.adapter.is_some().then(|| one.doc.name.clone());
+                        let (_, outcome) = inner.apply_deploy(one.doc, one.id, one.measured, now);
+                        if outcome == DeployOutcome::Updated {
+                            revised.extend(name);
+                        }
+                    }
+                    revised
+                })
+                .await;
+            for name in revised {
+                self.adapters.forget(&name);
+            }
         }
         self.flush_due().await;
     }
@@ -182,8 +192,15 @@ impl Core {
         if unchanged {
             return (id, DeployOutcome::Unchanged);
         }
-        self.write(move |inner| inner.apply_deploy(doc, id, measured, Instant::now()))
-            .await
+        let adapter = doc.adapter.is_some().then(|| doc.name.clone());
+        let applied = self
+            .write(move |inner| inner.apply_deploy(doc, id, measured, Instant::now()))
+            .await;
+        // An adapter's new revision (its files): what is loaded is the old one.
+        if let (Some(name), DeployOutcome::Updated) = (adapter, applied.1) {
+            self.adapters.forget(&name);
+        }
+        applied
     }
 
     /// `does_not_fit` when the GPU memory `spec` needs (declared, or `measured`) is more than
@@ -246,6 +263,9 @@ impl Core {
         self.on(&id, move |inner, id| inner.delete_done(id, &rid, removed))
             .await;
         result?;
+        if view.spec.adapter.is_some() {
+            self.adapters.forget(&view.name);
+        }
         self.config.metrics.forget_deployment(&id);
         self.save_logged(&id).await;
         Ok(view)

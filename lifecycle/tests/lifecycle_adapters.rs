@@ -291,6 +291,35 @@ async fn after_a_restart_of_the_base_adapters_are_loaded_again_on_demand() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_deleted_or_revised_adapter_is_unloaded_where_it_is_idle() {
+    let s = scene("forget", 2, "").await;
+    drop(s.request("a1").await.unwrap());
+    drop(s.request("a2").await.unwrap());
+    s.server.delete("a1").await.unwrap();
+    // New files for a2: the loaded one is the old revision.
+    s.server
+        .deploy(doc(&format!(
+            "name: a2\nadapter: {{base: base, path: {}}}\n",
+            s.files.path("a3")
+        )))
+        .await
+        .unwrap();
+    tokio::time::sleep(LOAD).await;
+    assert_eq!(
+        s.adapter_calls(),
+        [
+            "load_adapter a1",
+            "load_adapter a2",
+            "unload_adapter a1",
+            "unload_adapter a2"
+        ]
+    );
+    // The next request for a2 loads its new files.
+    drop(s.request("a2").await.unwrap());
+    assert_eq!(s.adapter_calls().last().unwrap(), "load_adapter a2");
+}
+
+#[tokio::test(start_paused = true)]
 async fn an_explicit_stopped_base_answers_its_409_for_its_adapters() {
     let s = scene("explicit", 2, "lifecycle: {activation: explicit}\n").await;
     let e = s.request("a1").await.err().unwrap();
@@ -398,4 +427,205 @@ async fn deploys_and_commands_that_break_the_adapter_rules_are_refused_and_chang
     assert_eq!(s.server.view("a1").unwrap().spec.base(), Some("base"));
     s.server.delete("a3").await.unwrap();
     assert!(s.server.view("a3").is_none());
+}
+
+/// An engine that answers every request with its body's `model`, or 404 as vLLM answers a
+/// model it does not serve when that name is in `lost`.
+async fn fake_engine(
+    lost: Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>,
+) -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut conn, _)) = listener.accept().await else {
+                return;
+            };
+            let lost = lost.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                loop {
+                    // One request: its head, then its body of content-length bytes.
+                    let head_end = loop {
+                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break i + 4;
+                        }
+                        let mut chunk = [0u8; 4096];
+                        match conn.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+                    let length: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .map_or(0, |v| v.trim().parse().unwrap());
+                    while buf.len() < head_end + length {
+                        let mut chunk = [0u8; 4096];
+                        match conn.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    let body: serde_json::Value =
+                        serde_json::from_slice(&buf[head_end..head_end + length]).unwrap();
+                    buf.drain(..head_end + length);
+                    let model = body["model"].as_str().unwrap().to_string();
+                    let (status, answer) = if lost.lock().unwrap().contains(&model) {
+                        (
+                            "404 Not Found",
+                            serde_json::json!({"object": "error", "message": format!("The model `{model}` does not exist."), "code": 404}),
+                        )
+                    } else {
+                        (
+                            "200 OK",
+                            serde_json::json!({"id": "x", "object": "chat.completion", "model": model, "choices": [{"index": 0, "message": {"role": "assistant", "content": format!("answered by {model}")}, "finish_reason": "stop"}]}),
+                        )
+                    };
+                    let text = answer.to_string();
+                    let out = format!(
+                        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{text}",
+                        text.len()
+                    );
+                    if conn.write_all(out.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// Through the real listener (real sockets, real time): a request for an adapter is answered by
+/// the engine under the adapter's name after its load; `/v1/models` lists adapters; a failed
+/// load and an engine's 404 for an adapter it lost are `503 adapter_load_failed`, never the
+/// engine's 404, and the next request loads it again.
+#[tokio::test]
+async fn through_the_listener_an_adapter_is_loaded_and_answered_under_its_name() {
+    use capyctl_router::proxy::ProxyConfig;
+    use capyctl_server::assembly::Inference;
+    use capyctl_test_support::harness::{post_json, try_get_json};
+
+    let lost = Arc::new(std::sync::Mutex::new(std::collections::BTreeSet::new()));
+    let engine = fake_engine(lost.clone()).await;
+    let agent = Arc::new(SimHost::new().with_upstream(engine));
+    let server = Core::open(
+        agent.clone(),
+        Arc::new(MemoryStore::default()),
+        LifecycleConfig::new("h"),
+    )
+    .await
+    .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, rx) = tokio::sync::watch::channel(false);
+    let inference = Inference {
+        listener,
+        config: ProxyConfig {
+            request_deadline: Duration::from_secs(30),
+            ..ProxyConfig::default()
+        },
+        observer: None,
+        stop: rx,
+        give_back: None,
+    };
+    let _assembly = assemble(
+        &server,
+        server.clone(),
+        RouterConfig::default(),
+        Some(inference),
+    )
+    .await;
+    let files = Peft::new("listener", &[("a1", 8), ("a2", 8)]);
+    server
+        .deploy(doc(
+            "name: base\nengine: vllm\nmodel: m\nresources: {gpu_memory: 6GiB}\nadapters: {max_loaded: 2, max_rank: 16}\n",
+        ))
+        .await
+        .unwrap();
+    for name in ["a1", "a2"] {
+        server
+            .deploy(doc(&format!(
+                "name: {name}\nadapter: {{base: base, path: {}}}\n",
+                files.path(name)
+            )))
+            .await
+            .unwrap();
+    }
+    let chat = |model: &str| {
+        post_json(
+            addr,
+            "/v1/chat/completions",
+            serde_json::json!({"model": model, "messages": [{"role": "user", "content": "hi"}]}),
+        )
+    };
+    let loads = || {
+        agent
+            .calls()
+            .into_iter()
+            .filter(|c| c.starts_with("load_adapter"))
+            .count()
+    };
+
+    let (status, body) = chat("a1").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body["model"], "a1",
+        "the engine ran it under the adapter's name"
+    );
+    assert_eq!(loads(), 1);
+    let (status, body) = chat("base").await;
+    assert_eq!((status, body["model"].as_str()), (200, Some("base")));
+
+    let (status, models) = try_get_json(addr, "/v1/models").await.unwrap();
+    assert_eq!(status, 200);
+    let state = |id: &str| {
+        models["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["id"] == id)
+            .map(|m| m["state"].clone())
+            .unwrap()
+    };
+    assert_eq!(
+        (state("a1"), state("a2")),
+        ("loaded".into(), "unloaded".into())
+    );
+
+    // A load the engine refuses.
+    agent.fail_adapter_path(&files.path("a2"));
+    let (status, body) = chat("a2").await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (503, Some("adapter_load_failed")),
+        "{body}"
+    );
+    assert!(
+        body["message"].as_str().unwrap().contains("adapter a2"),
+        "{body}"
+    );
+    assert_eq!(body["retryable"], true);
+
+    // The engine lost a1 unseen: its 404 is not passed on; the next request loads it again.
+    lost.lock().unwrap().insert("a1".to_string());
+    let (status, body) = chat("a1").await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (503, Some("adapter_load_failed")),
+        "{body}"
+    );
+    lost.lock().unwrap().clear();
+    let before = loads();
+    let (status, body) = chat("a1").await;
+    assert_eq!(
+        (status, body["model"].as_str()),
+        (200, Some("a1")),
+        "{body}"
+    );
+    assert_eq!(loads(), before + 1, "loaded again");
+    stop.send_replace(true);
 }

@@ -158,6 +158,15 @@ impl Adapters {
         self.lock().slots.lost(key, adapter);
     }
 
+    /// Adapter `name` was deleted or given new files: unloaded where it is idle, forgotten
+    /// everywhere ([`Slots::forget`]).
+    pub fn forget(&self, name: &str) {
+        let effects = self.lock().slots.forget(name);
+        for effect in effects {
+            self.run(effect);
+        }
+    }
+
     /// The adapters loaded on each instance (of a base), as far as known.
     pub fn loaded_on(&self) -> Vec<(InstanceKey, Vec<String>)> {
         self.lock().slots.loaded_on()

@@ -246,6 +246,27 @@ impl Slots {
         failed
     }
 
+    /// Adapter `name` was deleted, or its files changed: no instance has it as loaded any
+    /// more. Each instance that has it idle, with no operation in progress, unloads it (the
+    /// effects answered); where a request still runs on it, or another operation is in
+    /// progress, it is only forgotten (the engine keeps it until its base restarts, and a load
+    /// of a new adapter of that name may then be refused).
+    pub(crate) fn forget(&mut self, name: &str) -> Vec<Effect> {
+        let mut effects = Vec::new();
+        for (key, inst) in &mut self.instances {
+            let Some(l) = inst.loaded.get(name) else {
+                continue;
+            };
+            if l.running == 0 && inst.op.is_none() {
+                inst.op = Some(Op::Unload(name.to_string()));
+                effects.push(Effect::Unload(key.clone(), name.to_string()));
+            } else {
+                inst.loaded.remove(name);
+            }
+        }
+        effects
+    }
+
     /// The adapters each instance has loaded, as far as known (read from its engine once).
     pub(crate) fn loaded_on(&self) -> Vec<(InstanceKey, Vec<String>)> {
         self.instances

@@ -191,9 +191,8 @@ struct Shared<A> {
 /// A permit with the adapter lease of its request, if any: both end when the request ends.
 struct Leased<P> {
     permit: P,
-    /// Dropped with the permit.
-    #[allow(dead_code)]
-    lease: Option<capyctl_interfaces::router::AdapterLease>,
+    /// Held for its drop, with the permit's.
+    _lease: Option<capyctl_interfaces::router::AdapterLease>,
 }
 
 impl<P: Permit> Permit for Leased<P> {
@@ -563,7 +562,10 @@ impl<A: Admission> Proxy<A> {
             permit.waited_at_bound(),
         );
         // Dropped without an end (the client went away meanwhile): cut, `client_gone`.
-        let mut charge = Charge::new(Leased { permit, lease });
+        let mut charge = Charge::new(Leased {
+            permit,
+            _lease: lease,
+        });
 
         // Boxed: this future is large and lives only from here on, so the request's future
         // stays small while it waits for its admission (4096 may wait).
