@@ -60,6 +60,41 @@ impl Drop for Peft {
     }
 }
 
+async fn open(agent: &Arc<SimHost>) -> Arc<Core> {
+    Core::open(
+        agent.clone(),
+        Arc::new(MemoryStore::default()),
+        LifecycleConfig::new("h"),
+    )
+    .await
+    .unwrap()
+}
+
+/// The base (`max_loaded`, `base_extra` lines) and the adapters `names` of `files`.
+async fn deploy_all(
+    server: &Core,
+    files: &Peft,
+    max_loaded: u32,
+    base_extra: &str,
+    names: &[&str],
+) {
+    server
+        .deploy(doc(&format!(
+            "name: base\nengine: vllm\nmodel: m\nresources: {{gpu_memory: 6GiB}}\nadapters: {{max_loaded: {max_loaded}, max_rank: 16}}\n{base_extra}"
+        )))
+        .await
+        .unwrap();
+    for name in names {
+        server
+            .deploy(doc(&format!(
+                "name: {name}\nadapter: {{base: base, path: {}}}\n",
+                files.path(name)
+            )))
+            .await
+            .unwrap();
+    }
+}
+
 struct Scene {
     server: Arc<Core>,
     router: CoordinatorHandle,
@@ -72,32 +107,12 @@ async fn scene(tag: &str, max_loaded: u32, base_extra: &str) -> Scene {
         start: START,
         ..Timings::default()
     }));
-    let server = Core::open(
-        agent.clone(),
-        Arc::new(MemoryStore::default()),
-        LifecycleConfig::new("h"),
-    )
-    .await
-    .unwrap();
+    let server = open(&agent).await;
     let router = assemble(&server, server.clone(), RouterConfig::default(), None)
         .await
         .router;
     let files = Peft::new(tag, &[("a1", 8), ("a2", 8), ("a3", 8), ("big", 64)]);
-    server
-        .deploy(doc(&format!(
-            "name: base\nengine: vllm\nmodel: m\nresources: {{gpu_memory: 6GiB}}\nadapters: {{max_loaded: {max_loaded}, max_rank: 16}}\n{base_extra}"
-        )))
-        .await
-        .unwrap();
-    for name in ["a1", "a2", "a3"] {
-        server
-            .deploy(doc(&format!(
-                "name: {name}\nadapter: {{base: base, path: {}}}\n",
-                files.path(name)
-            )))
-            .await
-            .unwrap();
-    }
+    deploy_all(&server, &files, max_loaded, base_extra, &["a1", "a2", "a3"]).await;
     Scene {
         server,
         router,
@@ -512,13 +527,7 @@ async fn through_the_listener_an_adapter_is_loaded_and_answered_under_its_name()
     let lost = Arc::new(std::sync::Mutex::new(std::collections::BTreeSet::new()));
     let engine = fake_engine(lost.clone()).await;
     let agent = Arc::new(SimHost::new().with_upstream(engine));
-    let server = Core::open(
-        agent.clone(),
-        Arc::new(MemoryStore::default()),
-        LifecycleConfig::new("h"),
-    )
-    .await
-    .unwrap();
+    let server = open(&agent).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, rx) = tokio::sync::watch::channel(false);
@@ -540,21 +549,7 @@ async fn through_the_listener_an_adapter_is_loaded_and_answered_under_its_name()
     )
     .await;
     let files = Peft::new("listener", &[("a1", 8), ("a2", 8)]);
-    server
-        .deploy(doc(
-            "name: base\nengine: vllm\nmodel: m\nresources: {gpu_memory: 6GiB}\nadapters: {max_loaded: 2, max_rank: 16}\n",
-        ))
-        .await
-        .unwrap();
-    for name in ["a1", "a2"] {
-        server
-            .deploy(doc(&format!(
-                "name: {name}\nadapter: {{base: base, path: {}}}\n",
-                files.path(name)
-            )))
-            .await
-            .unwrap();
-    }
+    deploy_all(&server, &files, 2, "", &["a1", "a2"]).await;
     let chat = |model: &str| {
         post_json(
             addr,

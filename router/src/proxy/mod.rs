@@ -553,7 +553,8 @@ impl<A: Admission> Proxy<A> {
                 }
             }
         };
-        let key = permit.upstream().key.clone();
+        // An adapter request's instance, should its engine answer as if it lacked the adapter.
+        let adapter_on = adapter.as_ref().map(|_| permit.upstream().key.clone());
         let addr = permit.upstream().addr;
         // Which error a deadline before the first output is (one rule with the coordinator's,
         // on the same span: from the request's admission to its deadline).
@@ -584,10 +585,12 @@ impl<A: Admission> Proxy<A> {
             }
         };
         let status = engine.status;
-        if let (Some((lifecycle, route)), StatusCode::NOT_FOUND) = (&adapter, status) {
+        if let (Some((lifecycle, route)), Some(key), StatusCode::NOT_FOUND) =
+            (&adapter, &adapter_on, status)
+        {
             // The engine does not have it (lost in a way CapyCTL was not told of): never its
             // 404; loaded again by the next request.
-            lifecycle.adapter_lost(&key, &route.name);
+            lifecycle.adapter_lost(key, &route.name);
             let error = ApiError::AdapterLoadFailed {
                 adapter: route.name.clone(),
                 reason: "the engine answered as if it were not loaded (404); the next request loads it again".into(),
