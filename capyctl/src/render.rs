@@ -50,8 +50,12 @@ pub fn deployments(list: &[DeploymentView]) -> String {
         .map(|d| {
             let mut row = vec![
                 d.name.clone(),
-                d.state.to_string(),
-                ready(d),
+                capyctl_spec::api::listed_state(d),
+                match d.spec.adapter {
+                    // The instances of its base that have it loaded, of those known.
+                    Some(_) => d.ready.clone(),
+                    None => ready(d),
+                },
                 d.revision.to_string(),
                 hosts(&d.hosts),
             ];
@@ -449,8 +453,8 @@ mod tests {
             activation: capyctl_spec::Activation::OnDemand,
             warm: false,
             operator_stopped: false,
-            engine: spec.engine,
-            model: spec.model.clone(),
+            engine: spec.engine_kind(),
+            model: spec.model_arg().to_string(),
             residency: None,
             measurement: None,
             instances: states

@@ -42,6 +42,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use capyctl_interfaces::router::Lifecycle;
 use capyctl_lifecycle::api::ManagementApi;
 use capyctl_lifecycle::metrics::Metrics;
 use capyctl_lifecycle::store::MemoryStore;
@@ -109,11 +110,17 @@ struct EngineKeys {
     token_rate: Option<f64>,
 }
 
+/// `simulate.adapter_load` when unset: a LoRA adapter's load into a running engine, which takes
+/// milliseconds (a measured one is in the `adapter_load` phase of `capyctl switches`).
+const DEFAULT_ADAPTER_LOAD: Duration = Duration::from_millis(50);
+
 /// The `simulate.…` settings.
 #[derive(Debug, Clone, PartialEq)]
 struct SimSettings {
     host_bandwidth: u64,
     disk_bandwidth: u64,
+    /// How long a LoRA adapter's load into its base takes (`simulate.adapter_load`).
+    adapter_load: Duration,
     all: EngineKeys,
     models: BTreeMap<String, EngineKeys>,
 }
@@ -123,6 +130,7 @@ impl Default for SimSettings {
         SimSettings {
             host_bandwidth: 16 * GIB,
             disk_bandwidth: 2 * GIB,
+            adapter_load: DEFAULT_ADAPTER_LOAD,
             all: EngineKeys::default(),
             models: BTreeMap::new(),
         }
@@ -158,13 +166,17 @@ impl SimSettings {
                 self.disk_bandwidth = bandwidth(value)?;
                 return Ok(());
             }
+            ["adapter_load"] => {
+                self.adapter_load = duration(value)?;
+                return Ok(());
+            }
             [leaf] => (&mut self.all, *leaf),
             ["models", model, leaf] => {
                 (self.models.entry((*model).to_string()).or_default(), *leaf)
             }
             _ => {
                 return Err(bad(format!(
-                    "unknown key simulate.{key}; expected simulate.host_bandwidth, simulate.disk_bandwidth, simulate.<park|wake|wake_check|start|stop|token_rate> or simulate.models.<name>.<park|wake|wake_check|start|stop|token_rate>"
+                    "unknown key simulate.{key}; expected simulate.host_bandwidth, simulate.disk_bandwidth, simulate.adapter_load, simulate.<park|wake|wake_check|start|stop|token_rate> or simulate.models.<name>.<park|wake|wake_check|start|stop|token_rate>"
                 )));
             }
         };
@@ -282,7 +294,12 @@ fn setup(
             config.deployments.push(doc);
         }
     }
-    for d in &mut config.deployments {
+    // An adapter holds no memory of its own (its base does).
+    for d in config
+        .deployments
+        .iter_mut()
+        .filter(|d| d.adapter.is_none())
+    {
         let r = d.resources.get_or_insert_with(ResourcesDoc::default);
         if r.gpu_memory.is_none() {
             r.gpu_memory = Some(ByteSize::bytes(largest / 10 * 9));
@@ -367,9 +384,16 @@ async fn simulate_in(setup: Setup, requests: &[TraceRequest], cold: bool) -> Res
             timings,
             sim.timings_of("", 16 * GIB),
         )
-        .map_err(|e| format!("the simulated host: {e}"))?,
+        .map_err(|e| format!("the simulated host: {e}"))?
+        .with_adapter_load(sim.adapter_load),
     );
-    let models: Vec<String> = config.deployments.iter().map(|d| d.name.clone()).collect();
+    // Adapters are not started: their requests load them into their base.
+    let models: Vec<String> = config
+        .deployments
+        .iter()
+        .filter(|d| d.adapter.is_none())
+        .map(|d| d.name.clone())
+        .collect();
     let deployments = std::mem::take(&mut config.deployments);
     let metrics = Arc::new(Metrics::new());
     let server = Core::open(
@@ -421,6 +445,7 @@ async fn simulate_in(setup: Setup, requests: &[TraceRequest], cold: bool) -> Res
         let at = t0 + r.at;
         let router = router.clone();
         let host = host.clone();
+        let server = server.clone();
         tasks.push(tokio::spawn(async move {
             tokio::time::sleep_until(at).await;
             let arrival = Instant::now();
@@ -436,8 +461,24 @@ async fn simulate_in(setup: Setup, requests: &[TraceRequest], cold: bool) -> Res
             let Some(deployment) = router.resolve(&model) else {
                 return refused("model_not_found");
             };
+            let adapter = server.adapter(&model);
             match router.admit(deployment, arrival + deadline_after).await {
                 Ok(permit) => {
+                    // As the listener does: a request for an adapter loads it first.
+                    let _lease = match &adapter {
+                        Some(route) => match server
+                            .acquire_adapter(
+                                &permit.upstream().key,
+                                route,
+                                arrival + deadline_after,
+                            )
+                            .await
+                        {
+                            Ok(lease) => Some(lease),
+                            Err(e) => return refused(e.code()),
+                        },
+                        None => None,
+                    };
                     let admitted = Instant::now();
                     let key = &permit.upstream().key;
                     let (instance, gpus) = (
@@ -939,7 +980,13 @@ pub fn measured_sets(records: &[capyctl_spec::api::SwitchRecord]) -> Vec<String>
                 Kind::Start => "start",
                 Kind::Wake => "wake",
                 Kind::WakeCheck => "wake_check",
-                Kind::AdmissionWindow | Kind::Drain | Kind::Release => continue,
+                // Adapter loads are no engine times of the model's own (SimHost's
+                // `adapter_load` setting models them).
+                Kind::AdmissionWindow
+                | Kind::Drain
+                | Kind::Release
+                | Kind::AdapterLoad
+                | Kind::AdapterUnload => continue,
             };
             if let (Some(end), Some(name)) = (p.ended_ms, name_of(&p.instance)) {
                 took.entry((name, key))

@@ -150,11 +150,16 @@ fn field_description_wins(schema: &mut schemars::Schema) {
 }]))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct DeploymentSpec {
-    /// The inference engine: vllm, sglang or tensorfold.
-    pub engine: EngineKind,
-    /// The engine's model argument: a hub name or a local checkpoint path.
+    /// The inference engine: vllm, sglang or tensorfold. Required, except for an adapter
+    /// (spec.adapter), which runs on its base's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(transform = field_description_wins)]
+    pub engine: Option<EngineKind>,
+    /// The engine's model argument: a hub name or a local checkpoint path. Required, except
+    /// for an adapter (spec.adapter).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1))]
-    pub model: String,
+    pub model: Option<String>,
     /// Where parked weights go: host_backed (host RAM, discrete cards only), deep (dropped,
     /// reloaded from disk) or restart_only (never park, stop instead). Unset: CapyCTL picks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -206,6 +211,44 @@ pub struct DeploymentSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = -2147483648, max = 2147483647))]
     pub priority: Option<i64>,
+    /// Makes this a base that LoRA adapters (Deployments with spec.adapter naming it) are
+    /// loaded into on demand.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapters: Option<AdaptersSpec>,
+    /// Makes this Deployment a LoRA adapter of another Deployment (its base): it holds only
+    /// this (engine and model are its base's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapter: Option<AdapterSpec>,
+}
+
+/// The adapters a base deployment takes.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AdaptersSpec {
+    /// Adapters loaded at once in each instance, 1 to 256.
+    #[schemars(range(min = 1, max = 256))]
+    pub max_loaded: u32,
+    /// The largest LoRA rank an adapter of this base may have, 1 to 512.
+    #[schemars(range(min = 1, max = 512))]
+    pub max_rank: u32,
+    /// A volume (as a Pod spec writes one, e.g. a persistentVolumeClaim) that the base's
+    /// engine Pod mounts for the adapters' files; the adapters' paths are inside it. Without
+    /// it the paths are on the node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("x-kubernetes-preserve-unknown-fields" = true))]
+    pub volume: Option<serde_json::Value>,
+}
+
+/// What makes a Deployment a LoRA adapter.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AdapterSpec {
+    /// The base Deployment's name (in the same namespace); it must have spec.adapters.
+    #[schemars(length(min = 1))]
+    pub base: String,
+    /// The adapter's PEFT directory as the base's engine sees it.
+    #[schemars(length(min = 1))]
+    pub path: String,
 }
 
 /// Autoscaling of a deployment between `min` and `replicas` instances.
@@ -419,6 +462,15 @@ impl From<&DeploymentDoc> for DeploymentSpec {
             gpus_per_instance: d.gpus_per_instance,
             routing: d.routing,
             priority: d.priority.map(i64::from),
+            adapters: d.adapters.as_ref().map(|a| AdaptersSpec {
+                max_loaded: a.max_loaded,
+                max_rank: a.max_rank,
+                volume: a.volume.clone(),
+            }),
+            adapter: d.adapter.as_ref().map(|a| AdapterSpec {
+                base: a.base.clone(),
+                path: a.path.clone(),
+            }),
         }
     }
 }
@@ -511,6 +563,15 @@ impl DeploymentSpec {
             "gpus_per_instance": self.gpus_per_instance,
             "routing": self.routing,
             "priority": self.priority,
+            "adapters": self.adapters.as_ref().map(|a| serde_json::json!({
+                "max_loaded": a.max_loaded,
+                "max_rank": a.max_rank,
+                "volume": a.volume,
+            })),
+            "adapter": self.adapter.as_ref().map(|a| serde_json::json!({
+                "base": a.base,
+                "path": a.path,
+            })),
         });
         capyctl_spec::documents::deployment_from_json(value).map_err(|(path, problem)| {
             let path = object_path(&path);

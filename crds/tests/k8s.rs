@@ -244,7 +244,7 @@ fn deployment_manifest_fixture_errors() {
         e.to_string(),
         at(
             "deployment-cr-unknown-key.yaml",
-            ":8: spec.max_concurrent_requests: unknown key; expected one of engine, model, residency, maxConcurrentRequests, extraArgs, env, resources, lifecycle, decision, replicas, scale, gpusPerInstance, routing, priority"
+            ":8: spec.max_concurrent_requests: unknown key; expected one of engine, model, residency, maxConcurrentRequests, extraArgs, env, resources, lifecycle, decision, replicas, scale, gpusPerInstance, routing, priority, adapters, adapter"
         )
     );
     let e = load_deployment_manifest_file(fixture("deployment-cr-wrong-type.yaml")).unwrap_err();
@@ -270,7 +270,7 @@ fn deployment_manifest_fixture_errors() {
 fn deployment_manifest_reads_and_converts() {
     let d = load_deployment_manifest_file(fixture("deployment-cr.yaml")).unwrap();
     assert_eq!(d.metadata.name.as_deref(), Some("my-model"));
-    assert_eq!(d.spec.engine, EngineKind::Vllm);
+    assert_eq!(d.spec.engine, Some(EngineKind::Vllm));
     assert_eq!(d.spec.residency, Some(Residency::RestartOnly));
     assert_eq!(d.spec.max_concurrent_requests, Some(8));
     let doc = d.to_document().unwrap();
@@ -340,8 +340,8 @@ fn deployment_manifest_other_errors() {
 #[test]
 fn objects_from_the_api_are_validated_with_spec_paths() {
     let mut spec = DeploymentSpec {
-        engine: EngineKind::Sglang,
-        model: "m".into(),
+        engine: Some(EngineKind::Sglang),
+        model: Some("m".into()),
         residency: None,
         max_concurrent_requests: Some(0),
         extra_args: vec![],
@@ -354,6 +354,8 @@ fn objects_from_the_api_are_validated_with_spec_paths() {
         gpus_per_instance: None,
         routing: None,
         priority: None,
+        adapters: None,
+        adapter: None,
     };
     let mut object = Deployment::new("chat", spec.clone());
     object.metadata.namespace = Some("team-a".into());
@@ -387,7 +389,7 @@ fn objects_from_the_api_are_validated_with_spec_paths() {
     let doc = spec
         .to_document("chat", Origin::Object("Deployment chat".into()))
         .unwrap();
-    assert_eq!(doc.engine, EngineKind::Sglang);
+    assert_eq!(doc.engine, Some(EngineKind::Sglang));
 
     // The rules across keys, named as the object's fields (what the operator reports in the
     // Accepted condition and a Refused event).

@@ -68,6 +68,26 @@ pub struct DeploymentRef {
     pub priority: i32,
 }
 
+/// A LoRA adapter a request named (DESIGN 4.9), as the router loads it into its base's
+/// instances: [`Lifecycle::resolve`] of its name answers the base, [`Lifecycle::adapter`] this.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdapterRoute {
+    /// The adapter's own deployment ID.
+    pub id: DeploymentId,
+    /// Its name: what requests put in `model`, and the name it is loaded under.
+    pub name: String,
+    /// Its files (`adapter.path`), as the base's engine reads them.
+    pub path: String,
+    /// The base's deployment ID.
+    pub base: DeploymentId,
+    /// The base's `adapters.max_loaded`: adapters loaded at once per instance.
+    pub max_loaded: u32,
+}
+
+/// A request's use of a loaded adapter ([`Lifecycle::acquire_adapter`]): dropping it ends the
+/// use (the least recently used adapter with no use may then be unloaded for another).
+pub type AdapterLease = Box<dyn std::any::Any + Send + Sync>;
+
 /// How a deployment that has no ready instance can become servable.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Plan {
@@ -207,6 +227,40 @@ pub trait Lifecycle: Send + Sync + 'static {
     /// `false` if that could not be read (the router then treats requests as cut before
     /// output).
     fn engine_idle<'a>(&'a self, instance: &'a InstanceKey) -> BoxFuture<'a, bool>;
+
+    /// The adapter `model` names (DESIGN 4.9), `None` for a model (or no deployment):
+    /// [`Lifecycle::resolve`] of an adapter's name answers its base, which requests for it make
+    /// servable. A lifecycle without adapters keeps the default.
+    fn adapter(&self, model: &str) -> Option<AdapterRoute> {
+        let _ = model;
+        None
+    }
+
+    /// Waits until `adapter` is loaded into ready instance `instance` of its base and counts
+    /// the request as running on it (loading it there, one load at a time per instance, and
+    /// unloading the least recently used idle adapter for room), or fails with
+    /// `adapter_load_failed` (the engine's reason), `queue_full` or the queue deadline's
+    /// error at `deadline`. The request holds the lease until it ends.
+    fn acquire_adapter<'a>(
+        &'a self,
+        instance: &'a InstanceKey,
+        adapter: &'a AdapterRoute,
+        deadline: Instant,
+    ) -> BoxFuture<'a, Result<AdapterLease, ApiError>> {
+        let _ = (instance, deadline);
+        Box::pin(async move {
+            Err(ApiError::AdapterLoadFailed {
+                adapter: adapter.name.clone(),
+                reason: "this server loads no adapters".into(),
+            })
+        })
+    }
+
+    /// The engine of `instance` answered a request for `adapter` as if it did not have it
+    /// (its 404 for an unknown model): the next request loads it again.
+    fn adapter_lost(&self, instance: &InstanceKey, adapter: &str) {
+        let _ = (instance, adapter);
+    }
 }
 
 /// One line of `GET /v1/models`: a deployment the inference listener serves, as the lifecycle

@@ -106,8 +106,8 @@ impl InstanceSpec {
         Self {
             deployment_id: deployment_id.into(),
             name: doc.name.clone(),
-            engine: doc.engine,
-            model: doc.model.clone(),
+            engine: doc.engine_kind(),
+            model: doc.model_arg().to_string(),
             residency: doc.residency,
             max_concurrent_requests: doc.max_concurrent_requests,
             extra_args: doc.extra_args.clone(),
@@ -124,7 +124,10 @@ impl InstanceSpec {
                 options: d.options.clone(),
             }),
             tensor_parallel: doc.gpus_per_instance.filter(|n| *n > 1),
-            adapters: None,
+            adapters: doc.adapters.as_ref().map(|a| AdapterSlots {
+                max_loaded: a.max_loaded,
+                max_rank: a.max_rank,
+            }),
         }
     }
 

@@ -74,6 +74,12 @@ impl Core {
     /// name. What it answers is deployed by [`Core::deploy_checked`] without measuring again.
     pub async fn check_all(&self, docs: Vec<DeploymentDoc>) -> Result<Checked, (String, ApiError)> {
         let mut checked = Vec::with_capacity(docs.len());
+        // The bases of a document's adapters may be in the same document.
+        let batch: Vec<DeploymentDoc> = docs
+            .iter()
+            .filter(|d| d.adapters.is_some())
+            .cloned()
+            .collect();
         for (i, doc) in docs.into_iter().enumerate() {
             if i % 256 == 255 {
                 // Unchanged ones await nothing: a caller's other branches (a signal) get
@@ -81,7 +87,7 @@ impl Core {
                 tokio::task::yield_now().await;
             }
             let name = doc.name.clone();
-            checked.push(self.check(doc).await.map_err(|e| (name, e))?);
+            checked.push(self.check(doc, &batch).await.map_err(|e| (name, e))?);
         }
         Ok(Checked(checked))
     }
@@ -97,13 +103,23 @@ impl Core {
             .peekable();
         while changed.peek().is_some() {
             let chunk: Vec<CheckedDoc> = changed.by_ref().take(DEPLOY_CHUNK).collect();
-            self.write(move |inner| {
-                let now = Instant::now();
-                for one in chunk {
-                    inner.apply_deploy(one.doc, one.id, one.measured, now);
-                }
-            })
-            .await;
+            let revised = self
+                .write(move |inner| {
+                    let now = Instant::now();
+                    let mut revised = Vec::new();
+                    for one in chunk {
+                        let name = one.doc.adapter.is_some().then(|| one.doc.name.clone());
+                        let (_, outcome) = inner.apply_deploy(one.doc, one.id, one.measured, now);
+                        if outcome == DeployOutcome::Updated {
+                            revised.extend(name);
+                        }
+                    }
+                    revised
+                })
+                .await;
+            for name in revised {
+                self.adapters.forget(&name);
+            }
         }
         self.flush_due().await;
     }
@@ -114,18 +130,26 @@ impl Core {
         &self,
         doc: DeploymentDoc,
     ) -> Result<(String, DeployOutcome), ApiError> {
-        let one = self.check(doc).await?;
+        let one = self.check(doc, &[]).await?;
         Ok(self.apply_deploy(one).await)
     }
 
-    /// The part of a deploy that changes nothing: measured and checked against the hosts (a
-    /// document no host can ever place, where no other host can join, is refused).
-    async fn check(&self, doc: DeploymentDoc) -> Result<CheckedDoc, ApiError> {
-        let existing = self.read(|inner| {
-            inner
+    /// The part of a deploy that changes nothing: checked against the other deployments (an
+    /// adapter's base, `batch`: bases deployed with it) and the hosts (a document no host can
+    /// ever place, where no other host can join, is refused), and measured.
+    async fn check(
+        &self,
+        doc: DeploymentDoc,
+        batch: &[DeploymentDoc],
+    ) -> Result<CheckedDoc, ApiError> {
+        let files_visible = self.hosts_fixed.load(Ordering::Relaxed);
+        let (doc, existing) = self.read(|inner| {
+            let doc = inner.check_adapters(doc, files_visible, batch)?;
+            let existing = inner
                 .by_name(&doc.name)
-                .map(|d| (d.rec.id.clone(), *d.rec.doc == doc))
-        });
+                .map(|d| (d.rec.id.clone(), *d.rec.doc == doc));
+            Ok::<_, ApiError>((doc, existing))
+        })?;
         let id = match existing {
             Some((id, true)) => {
                 return Ok(CheckedDoc {
@@ -140,9 +164,10 @@ impl Core {
         };
         let spec = InstanceSpec::from_doc(id.clone(), &doc);
         // No host known yet (a cluster before its first node agent): measured at the start.
+        // An adapter runs no engine of its own.
         let measured = match self.agent_of(&id) {
-            Ok(agent) => agent.measure(&spec).await.ok(),
-            Err(_) => None,
+            Ok(agent) if doc.adapter.is_none() => agent.measure(&spec).await.ok(),
+            _ => None,
         };
         if self.hosts_fixed.load(Ordering::Relaxed) {
             self.read(|inner| Self::some_host_fits(inner, &doc.name, &spec, measured.as_ref()))?;
@@ -167,8 +192,15 @@ impl Core {
         if unchanged {
             return (id, DeployOutcome::Unchanged);
         }
-        self.write(move |inner| inner.apply_deploy(doc, id, measured, Instant::now()))
-            .await
+        let adapter = doc.adapter.is_some().then(|| doc.name.clone());
+        let applied = self
+            .write(move |inner| inner.apply_deploy(doc, id, measured, Instant::now()))
+            .await;
+        // An adapter's new revision (its files): what is loaded is the old one.
+        if let (Some(name), DeployOutcome::Updated) = (adapter, applied.1) {
+            self.adapters.forget(&name);
+        }
+        applied
     }
 
     /// `does_not_fit` when the GPU memory `spec` needs (declared, or `measured`) is more than
@@ -211,6 +243,7 @@ impl Core {
     pub(crate) async fn do_delete(&self, key: &str) -> Result<DeploymentView, ApiError> {
         let id = self.find(key)?;
         self.read(|inner| inner.command_refusal(&id, Instant::now()))?;
+        self.read(|inner| inner.delete_refusal(&id))?;
         let rid = self.fresh_id("delete");
         let view = self.view(&id).ok_or_else(|| not_found(&id))?;
         let refusal = ApiError::ModelNotFound {
@@ -230,6 +263,9 @@ impl Core {
         self.on(&id, move |inner, id| inner.delete_done(id, &rid, removed))
             .await;
         result?;
+        if view.spec.adapter.is_some() {
+            self.adapters.forget(&view.name);
+        }
         self.config.metrics.forget_deployment(&id);
         self.save_logged(&id).await;
         Ok(view)

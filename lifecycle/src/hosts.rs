@@ -116,6 +116,9 @@ impl Core {
                 switches,
                 planned: Mutex::new(HashMap::new()),
                 me: me.clone(),
+                adapters: crate::adapters::Adapters::new(Arc::new(crate::adapters::CoreEngines(
+                    me.clone(),
+                ))),
             }
         });
         // Each host's inventory and recovery report are asked for concurrently (a node agent's
@@ -131,6 +134,8 @@ impl Core {
             inner
                 .deps
                 .values()
+                // An adapter runs no engine of its own: nothing to measure.
+                .filter(|d| d.rec.doc.adapter.is_none())
                 .map(|d| (d.rec.id.clone(), d.spec.clone()))
                 .collect()
         });

@@ -33,6 +33,7 @@
 //! [`Lifecycle`]: capyctl_interfaces::router::Lifecycle
 //! [`ManagementApi`]: api::ManagementApi
 
+pub mod adapters;
 pub mod api;
 mod bring_up;
 mod config;
@@ -135,6 +136,8 @@ pub struct Core {
     planned: Mutex<HashMap<String, Planned>>,
     /// Itself, for the background work it spawns.
     me: Weak<Core>,
+    /// The adapters loaded on each instance of a base, and their loads (DESIGN 4.9).
+    adapters: Arc<adapters::Adapters>,
 }
 
 impl std::fmt::Debug for Core {

@@ -14,6 +14,7 @@ use tokio::time::Instant;
 impl Core {
     pub(crate) async fn do_park(&self, key: &str) -> Result<ActionReceipt, ApiError> {
         let id = self.find(key)?;
+        self.read(|inner| inner.adapter_command_refusal(&id, "park"))?;
         self.read(|inner| inner.command_refusal(&id, Instant::now()))?;
         if self.read(|inner| inner.units_of(&id).nth(1).is_none()) {
             return self.park_unit(&id).await;

@@ -17,6 +17,7 @@ impl Core {
     /// not park). A request then wakes it.
     pub(crate) async fn do_preinitialize(&self, key: &str) -> Result<ActionReceipt, ApiError> {
         let id = self.find(key)?;
+        self.read(|inner| inner.adapter_command_refusal(&id, "preinitialize"))?;
         self.read(|inner| inner.held_refusal())?;
         let spec = self
             .read(|inner| inner.deps.get(&id).map(|d| d.spec.clone()))

@@ -25,12 +25,17 @@ pub(crate) const HOST_CALLS_AT_ONCE: usize = 256;
 pub(crate) const HOSTS_PER_HOLD: usize = 32;
 
 impl Core {
+    /// The adapters loaded on each instance, for a read's views.
+    fn adapter_sets(&self) -> Arc<views::AdapterSets> {
+        Arc::new(views::AdapterSets::new(self.adapters.loaded_on()))
+    }
+
     /// The view of one deployment, if it exists.
     pub fn view(&self, name_or_id: &str) -> Option<DeploymentView> {
         let (d, hosts) = self.shot(name_or_id)?;
         Some(views::deployment_view(
             &d,
-            &views::Ctx::new(&self.config, &hosts),
+            &views::Ctx::new(&self.config, &hosts).with_adapters(self.adapter_sets()),
         ))
     }
 
@@ -160,7 +165,7 @@ impl Core {
             Some(k) => {
                 let (d, hosts) = self.shot(k).ok_or_else(|| not_found(k))?;
                 let load = router.as_ref().and_then(|r| r.load_shared(d[0].id()));
-                let cx = views::Ctx::new(&self.config, &hosts);
+                let cx = views::Ctx::new(&self.config, &hosts).with_adapters(self.adapter_sets());
                 each(&d, load.as_deref(), &cx, 1);
             }
             None => {
@@ -169,9 +174,11 @@ impl Core {
                 let mut loads = router.as_ref().map(|r| r.loads_in_order());
                 // One read's chunks share its hosts: whether any is explicit is asked once.
                 let mut explicit = None;
+                let sets = self.adapter_sets();
                 self.shot_chunks(|chunk, hosts, total| {
                     let any = *explicit.get_or_insert_with(|| views::any_host_explicit(hosts));
-                    let cx = views::Ctx::with_explicit(&self.config, hosts, any);
+                    let cx = views::Ctx::with_explicit(&self.config, hosts, any)
+                        .with_adapters(Arc::clone(&sets));
                     for d in views::deployments(chunk) {
                         let load = loads.as_mut().and_then(|l| l.get(d[0].id()));
                         each(d, load.as_deref(), &cx, total);
@@ -185,7 +192,7 @@ impl Core {
     /// `GET /deployments`: every deployment's view, by name.
     pub(crate) fn do_list(&self) -> DeploymentList {
         let (shots, order, hosts) = self.listed();
-        let cx = views::Ctx::new(&self.config, &hosts);
+        let cx = views::Ctx::new(&self.config, &hosts).with_adapters(self.adapter_sets());
         DeploymentList {
             deployments: order
                 .into_iter()
@@ -199,7 +206,7 @@ impl Core {
     /// holds its whole document: 100,000 of them at once were a hundred megabytes).
     pub(crate) fn do_list_json(&self) -> Result<Vec<u8>, ApiError> {
         let (shots, order, hosts) = self.listed();
-        let cx = views::Ctx::new(&self.config, &hosts);
+        let cx = views::Ctx::new(&self.config, &hosts).with_adapters(self.adapter_sets());
         let mut body = JsonArrayBody::new(&DeploymentList {
             deployments: Vec::new(),
         })?;

@@ -4,8 +4,8 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use capyctl_interfaces::router::{
-    BoxFuture, DeploymentId, DeploymentRef, Executed, InstanceKey, Lifecycle, Plan, PlanFor,
-    SwitchOrder,
+    AdapterLease, AdapterRoute, BoxFuture, DeploymentId, DeploymentRef, Executed, InstanceKey,
+    Lifecycle, Plan, PlanFor, SwitchOrder,
 };
 use capyctl_spec::api::{SwitchPhaseKind, VictimResult};
 use capyctl_spec::errors::ApiError;
@@ -22,17 +22,43 @@ impl Lifecycle for Core {
     fn resolve(&self, model: &str) -> Option<DeploymentRef> {
         self.names.get(model, || {
             self.read(|inner| {
-                named(inner, model).map(|d| Named {
-                    deployment: DeploymentRef {
-                        id: d.rec.id.clone(),
-                        name: d.name().to_string(),
-                        routing: d.rec.doc.routing(),
-                        priority: d.rec.doc.priority(),
-                    },
-                    gone: Arc::clone(&d.presence.0),
+                named(inner, model).and_then(|d| {
+                    // An adapter's requests make its base servable (DESIGN 4.9); the name
+                    // stays cached while the adapter exists (its base cannot go before it).
+                    let served = match d.rec.doc.base() {
+                        Some(_) => inner.base_of(d)?,
+                        None => d,
+                    };
+                    Some(Named {
+                        deployment: DeploymentRef {
+                            id: served.rec.id.clone(),
+                            name: served.name().to_string(),
+                            routing: served.rec.doc.routing(),
+                            priority: served.rec.doc.priority(),
+                        },
+                        gone: Arc::clone(&d.presence.0),
+                    })
                 })
             })
         })
+    }
+
+    fn adapter(&self, model: &str) -> Option<AdapterRoute> {
+        self.read(|inner| inner.adapter_route(model))
+    }
+
+    fn acquire_adapter<'a>(
+        &'a self,
+        instance: &'a InstanceKey,
+        adapter: &'a AdapterRoute,
+        deadline: Instant,
+    ) -> BoxFuture<'a, Result<AdapterLease, ApiError>> {
+        let limit = usize::try_from(self.config.waiting_limit).unwrap_or(usize::MAX);
+        Box::pin(self.adapters.acquire(instance, adapter, deadline, limit))
+    }
+
+    fn adapter_lost(&self, instance: &InstanceKey, adapter: &str) {
+        self.adapters.lost(instance, adapter);
     }
 
     fn admissible(&self, deployment: &DeploymentId) -> Result<(), ApiError> {

@@ -69,12 +69,22 @@ impl Core {
     /// The deployments for `GET /v1/models`.
     pub fn models(&self) -> Vec<ModelEntry> {
         let (shots, _) = self.shots();
+        let loaded = self.adapters.loaded_on();
         let mut models: Vec<ModelEntry> = shots
             .iter()
             .map(|d| ModelEntry {
                 id: d[0].name().to_string(),
                 deployment_id: d[0].id().to_string(),
-                state: views::deployment_state(d).to_string(),
+                // An adapter (DESIGN 4.9): whether an instance of its base has it loaded.
+                state: match &d[0].fixed.doc.adapter {
+                    Some(_) => capyctl_spec::api::adapter_state(
+                        loaded
+                            .iter()
+                            .any(|(_, names)| names.iter().any(|n| n == d[0].name())),
+                    )
+                    .to_string(),
+                    None => views::deployment_state(d).to_string(),
+                },
             })
             .collect();
         // By name (IDs made in the same millisecond are in no particular order).
@@ -106,6 +116,13 @@ impl Core {
         }
     }
 
+    /// The error of the adapter requests that waited on an instance that went away.
+    fn instance_closed(key: &InstanceKey) -> capyctl_spec::errors::ApiError {
+        capyctl_spec::errors::ApiError::DispatchClosed {
+            deployment: key.deployment.clone(),
+        }
+    }
+
     pub(crate) fn router(&self) -> Option<Arc<dyn Router>> {
         self.router
             .lock()
@@ -114,12 +131,15 @@ impl Core {
     }
 
     pub(crate) async fn announce_ready(&self, key: InstanceKey, addr: SocketAddr) {
+        // Started, woken or adopted: its adapters are what its engine lists.
+        self.adapters.reset(&key, &Self::instance_closed(&key));
         if let Some(r) = self.router() {
             r.instance_ready(Upstream { key, addr }).await;
         }
     }
 
     pub(crate) async fn announce_gone(&self, key: InstanceKey) {
+        self.adapters.reset(&key, &Self::instance_closed(&key));
         if let Some(r) = self.router() {
             r.instance_gone(key).await;
         }

@@ -43,6 +43,7 @@ impl Core {
         req: StartRequest,
     ) -> Result<ActionReceipt, ApiError> {
         let id = self.find(key)?;
+        self.read(|inner| inner.adapter_command_refusal(&id, "start"))?;
         self.read(|inner| inner.held_refusal())?;
         let (wait, evict) = (req.wait, req.evict);
         let next = self

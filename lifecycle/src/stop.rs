@@ -205,6 +205,7 @@ impl Core {
 
     pub(crate) async fn do_stop(&self, key: &str) -> Result<ActionReceipt, ApiError> {
         let id = self.find(key)?;
+        self.read(|inner| inner.adapter_command_refusal(&id, "stop"))?;
         self.read(|inner| inner.command_refusal(&id, Instant::now()))?;
         let rid = self.fresh_id("stop");
         let refusal = ApiError::DeploymentStopped {

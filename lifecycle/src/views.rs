@@ -7,6 +7,7 @@
 //! one shared map ([`Hosts`]); the views, the JSON and the host agents' calls all happen after
 //! the lock is let go (`Core::shots`).
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -16,7 +17,7 @@ use capyctl_interfaces::inventory::Inventory;
 use capyctl_interfaces::launch::MaxRunning;
 use capyctl_interfaces::load::LoadSample;
 use capyctl_interfaces::measure::{MeasureSource, Measurement};
-use capyctl_interfaces::router::DeploymentLoad;
+use capyctl_interfaces::router::{DeploymentLoad, InstanceKey};
 use capyctl_interfaces::spec::InstanceSpec;
 use capyctl_interfaces::tier::ParkTier;
 use capyctl_spec::api::{
@@ -151,6 +152,38 @@ pub(crate) struct Ctx<'a> {
     hosts: &'a Hosts,
     /// Some host says `lifecycle.activation: explicit`.
     any_host_explicit: bool,
+    /// The adapters loaded on each instance (DESIGN 4.9), as the adapter owner knows them.
+    adapters: Arc<AdapterSets>,
+}
+
+/// The adapters loaded on each instance of a base, by instance and by adapter
+/// ([`crate::adapters::Adapters::loaded_on`]), for the views and the load read.
+#[derive(Debug, Default)]
+pub(crate) struct AdapterSets {
+    /// (base's deployment ID, index) → the adapters loaded there.
+    by_instance: HashMap<(String, u32), Vec<String>>,
+    /// Adapter name → the instances that have it, and how many instances of its base are
+    /// known (both by the base's ID).
+    by_adapter: HashMap<String, Vec<InstanceKey>>,
+    /// Base deployment ID → the instances known.
+    instances: HashMap<String, usize>,
+}
+
+impl AdapterSets {
+    pub(crate) fn new(loaded: Vec<(InstanceKey, Vec<String>)>) -> Self {
+        let mut sets = Self::default();
+        for (key, names) in loaded {
+            *sets.instances.entry(key.deployment.clone()).or_default() += 1;
+            for n in &names {
+                sets.by_adapter
+                    .entry(n.clone())
+                    .or_default()
+                    .push(key.clone());
+            }
+            sets.by_instance.insert((key.deployment, key.index), names);
+        }
+        sets
+    }
 }
 
 impl<'a> Ctx<'a> {
@@ -168,7 +201,14 @@ impl<'a> Ctx<'a> {
             config,
             hosts,
             any_host_explicit,
+            adapters: Arc::default(),
         }
+    }
+
+    /// The same with the adapters loaded on each instance.
+    pub(crate) fn with_adapters(mut self, adapters: Arc<AdapterSets>) -> Self {
+        self.adapters = adapters;
+        self
     }
 }
 
@@ -265,6 +305,66 @@ pub(crate) fn deployment_state(units: &[DepShot]) -> InstanceState {
         .copied()
         .find(|s| shown.contains(s))
         .unwrap_or(InstanceState::Stopped)
+}
+
+/// An adapter's view (DESIGN 4.9): its base in `hosts`, the instances of its base that have
+/// it loaded as its instances (`ready`: those of the base's instances known), `ready` when
+/// loaded on any (`capyctl list deployments` shows `loaded` / `unloaded`), else `stopped`.
+fn adapter_view(d: &DepShot, base: &str, cx: &Ctx<'_>, spec: DeploymentDoc) -> DeploymentView {
+    let doc = &d.fixed.doc;
+    let on = cx.adapters.by_adapter.get(doc.name.as_str());
+    let on: &[InstanceKey] = on.map_or(&[], Vec::as_slice);
+    let known = on
+        .first()
+        .and_then(|k| cx.adapters.instances.get(&k.deployment))
+        .copied()
+        .unwrap_or(0);
+    let state = if on.is_empty() {
+        InstanceState::Stopped
+    } else {
+        InstanceState::Ready
+    };
+    let loaded = !on.is_empty();
+    DeploymentView {
+        id: d.fixed.id.clone(),
+        name: doc.name.clone(),
+        state,
+        ready: format!("{}/{known}", on.len()),
+        revision: d.fixed.revision,
+        hosts: vec![base.to_string()],
+        activation: Activation::OnDemand,
+        warm: false,
+        operator_stopped: false,
+        engine: doc.engine_kind(),
+        model: doc.model_arg().to_string(),
+        residency: None,
+        measurement: None,
+        instances: on
+            .iter()
+            .map(|k| InstanceView {
+                instance_id: crate::instance_id_at(&k.deployment, k.index),
+                index: k.index,
+                host_id: k.host_id.clone(),
+                generation: k.generation,
+                state: InstanceState::Ready,
+                parked_tier: None,
+                port: None,
+                pid: None,
+                last_error: None,
+            })
+            .collect(),
+        conditions: vec![condition(
+            "Ready",
+            loaded,
+            if loaded { "loaded" } else { "unloaded" },
+            if loaded {
+                format!("loaded into {} instance(s) of {base}", on.len())
+            } else {
+                format!("loaded into {base} by the next request that names it")
+            },
+        )],
+        spec,
+    }
 }
 
 /// One deployment's view, from its instances' snapshots (index 0 first: [`group`]).
@@ -372,6 +472,9 @@ fn deployment_view_with(units: &[DepShot], cx: &Ctx<'_>, spec: DeploymentDoc) ->
     } else {
         ("not_running", format!("the instance is {state}"))
     };
+    if let Some(adapter) = &doc.adapter {
+        return adapter_view(d, &adapter.base, cx, spec);
+    }
     let measured = !d.measurement.awaiting();
     let mut hosts: Vec<String> = Vec::new();
     for u in units {
@@ -395,8 +498,8 @@ fn deployment_view_with(units: &[DepShot], cx: &Ctx<'_>, spec: DeploymentDoc) ->
         },
         warm: doc.warm(),
         operator_stopped: d.operator_stopped,
-        engine: doc.engine,
-        model: doc.model.clone(),
+        engine: doc.engine_kind(),
+        model: doc.model_arg().to_string(),
         residency: doc.residency,
         measurement: measurement_view(&d.measurement),
         instances: units
@@ -617,6 +720,12 @@ fn load_view_named(
                 None
             };
             InstanceLoadView {
+                adapters: cx
+                    .adapters
+                    .by_instance
+                    .get(&(d.fixed.id.clone(), u.fixed.index))
+                    .cloned()
+                    .unwrap_or_default(),
                 index: u.fixed.index,
                 host_id: host.map_or_else(|| cx.config.host_id.clone(), |(id, _)| id.clone()),
                 generation: u.generation,

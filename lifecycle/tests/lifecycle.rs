@@ -1059,7 +1059,7 @@ async fn refusals_of_start_and_park() {
 
     let g = doc("chat-g", "").clone();
     let mut g = g;
-    g.model = "openai/gpt-oss-20b".into();
+    g.model = Some("openai/gpt-oss-20b".into());
     h.server.deploy(g).await.unwrap();
     assert_eq!(h.chat("chat-g").await.0, 200);
     let err = h.server.park("chat-g").await.unwrap_err();

@@ -34,6 +34,12 @@
 //!   [`SimHost::set_engine_waiting`] said so, and one called on every `inventory`
 //!   ([`SimHost::on_inventory`]).
 //!
+//! - LoRA adapters (DESIGN 4.9): each instance's loaded set (emptied when its engine starts
+//!   or stops; kept across a park and a wake), loads that take [`SimHost::with_adapter_load`]
+//!   and are logged (`load_adapter <iid> <name>`, `unload_adapter <iid> <name>`), and loads of
+//!   a path named by [`SimHost::fail_adapter_path`] refused as an engine refuses a directory
+//!   that is not PEFT.
+//!
 //! Mutex poisoning is a panic elsewhere (a test's): the host goes on with the data.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -208,6 +214,12 @@ pub struct SimHost {
     /// Engines whose samples say they have requests waiting ([`SimHost::set_engine_waiting`]);
     /// the others have no sample.
     engine_waiting: Mutex<HashMap<String, u64>>,
+    /// How long an adapter load takes.
+    adapter_load: Duration,
+    /// The adapters each instance's engine has loaded.
+    adapters: Mutex<BTreeMap<String, BTreeSet<String>>>,
+    /// Adapter paths whose loads the engine refuses.
+    failing_adapter_paths: Mutex<BTreeSet<String>>,
 }
 
 impl Default for SimHost {
@@ -313,7 +325,30 @@ impl SimHost {
             sample_hook: OnceLock::new(),
             inventory_hook: OnceLock::new(),
             engine_waiting: Mutex::new(HashMap::new()),
+            adapter_load: Duration::ZERO,
+            adapters: Mutex::new(BTreeMap::new()),
+            failing_adapter_paths: Mutex::new(BTreeSet::new()),
         }
+    }
+
+    /// Every adapter load takes `took`.
+    pub fn with_adapter_load(mut self, took: Duration) -> Self {
+        self.adapter_load = took;
+        self
+    }
+
+    /// Loads of the adapter at `path` fail, as an engine refuses a directory that is not a
+    /// PEFT adapter.
+    pub fn fail_adapter_path(&self, path: &str) {
+        lock(&self.failing_adapter_paths).insert(path.to_string());
+    }
+
+    /// The adapters instance `instance`'s engine has loaded.
+    pub fn adapters_of(&self, instance: &str) -> Vec<String> {
+        lock(&self.adapters)
+            .get(instance)
+            .map(|s| s.iter().cloned().collect())
+            .unwrap_or_default()
     }
 
     /// The host of `settings` as `capyctl simulate` runs it ([`Decisions::Agent`], every
@@ -644,6 +679,8 @@ impl HostAgent for SimHost {
     ) -> BoxFuture<'a, Result<StartedInstance, AgentError>> {
         Box::pin(async move {
             self.record(format!("start {instance}"));
+            // A fresh engine has no adapters.
+            lock(&self.adapters).remove(instance);
             // Starts hang by deployment name.
             self.maybe_hang(&spec.name, instance, "start").await?;
             let measurement = measured(spec);
@@ -793,6 +830,7 @@ impl HostAgent for SimHost {
         Box::pin(async move {
             self.record(format!("stop {instance}"));
             lock(&self.stopped).insert(instance.to_string());
+            lock(&self.adapters).remove(instance);
             self.stops.notify_waiters();
             if lock(&self.failing_stops).contains(instance) {
                 return Err(AgentError::AgentUnreachable {
@@ -808,6 +846,50 @@ impl HostAgent for SimHost {
             }
             Ok(())
         })
+    }
+
+    fn load_adapter<'a>(
+        &'a self,
+        instance: &'a str,
+        name: &'a str,
+        path: &'a str,
+    ) -> BoxFuture<'a, Result<(), AgentError>> {
+        Box::pin(async move {
+            self.record(format!("load_adapter {instance} {name}"));
+            pause(self.adapter_load).await;
+            if lock(&self.failing_adapter_paths).contains(path) {
+                return Err(AgentError::EngineStatus {
+                    engine: EngineKind::Vllm,
+                    step: "load_lora_adapter",
+                    url: format!("{}/v1/load_lora_adapter", self.upstream),
+                    status: 400,
+                    body: format!("Loading lora {name} failed: no adapter found for {path}"),
+                });
+            }
+            lock(&self.adapters)
+                .entry(instance.to_string())
+                .or_default()
+                .insert(name.to_string());
+            Ok(())
+        })
+    }
+
+    fn unload_adapter<'a>(
+        &'a self,
+        instance: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<(), AgentError>> {
+        Box::pin(async move {
+            self.record(format!("unload_adapter {instance} {name}"));
+            if let Some(set) = lock(&self.adapters).get_mut(instance) {
+                set.remove(name);
+            }
+            Ok(())
+        })
+    }
+
+    fn adapters<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<Vec<String>, AgentError>> {
+        Box::pin(async move { Ok(self.adapters_of(instance)) })
     }
 
     fn sample(&self, instance: &str) -> Option<LoadSample> {

@@ -330,6 +330,23 @@ impl Lifecycle for ObservedLifecycle {
     fn engine_idle<'a>(&'a self, instance: &'a InstanceKey) -> RouterFuture<'a, bool> {
         self.inner.engine_idle(instance)
     }
+
+    fn adapter(&self, model: &str) -> Option<capyctl_interfaces::router::AdapterRoute> {
+        self.inner.adapter(model)
+    }
+
+    fn acquire_adapter<'a>(
+        &'a self,
+        instance: &'a InstanceKey,
+        adapter: &'a capyctl_interfaces::router::AdapterRoute,
+        deadline: tokio::time::Instant,
+    ) -> RouterFuture<'a, Result<capyctl_interfaces::router::AdapterLease, ApiError>> {
+        self.inner.acquire_adapter(instance, adapter, deadline)
+    }
+
+    fn adapter_lost(&self, instance: &InstanceKey, adapter: &str) {
+        self.inner.adapter_lost(instance, adapter);
+    }
 }
 
 /// The management API, observed (see the module doc).

@@ -48,8 +48,8 @@ pub(crate) fn view_of(doc: &DeploymentDoc, revision: u64) -> DeploymentView {
         activation: Activation::OnDemand,
         warm: false,
         operator_stopped: false,
-        engine: doc.engine,
-        model: doc.model.clone(),
+        engine: doc.engine_kind(),
+        model: doc.model_arg().to_string(),
         residency: doc.residency,
         measurement: None,
         instances: vec![InstanceView {

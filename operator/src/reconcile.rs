@@ -1688,7 +1688,7 @@ mod tests {
         // Refused: nothing reached the lifecycle, the name did not move.
         assert_eq!(lifecycle.calls(), ["deploy chat-a"]);
         assert_eq!(
-            lifecycle.deps.lock().unwrap()["chat-a"].spec.model,
+            lifecycle.deps.lock().unwrap()["chat-a"].spec.model_arg(),
             "model-a"
         );
         assert!(!moved.has_changed().unwrap());
@@ -1703,7 +1703,7 @@ mod tests {
             ["deploy chat-a", "delete chat-a", "deploy chat-a"]
         );
         assert_eq!(
-            lifecycle.deps.lock().unwrap()["chat-a"].spec.model,
+            lifecycle.deps.lock().unwrap()["chat-a"].spec.model_arg(),
             "model-b"
         );
 

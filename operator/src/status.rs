@@ -109,7 +109,7 @@ impl Parkability {
         };
         if doc.residency == Some(Residency::RestartOnly) {
             stop(NoParkReason::RestartOnly)
-        } else if doc.engine == EngineKind::Tensorfold {
+        } else if doc.engine == Some(EngineKind::Tensorfold) {
             stop(NoParkReason::EngineDoesNotPark)
         } else if doc.decision.is_some() {
             stop(NoParkReason::DecisionModel)

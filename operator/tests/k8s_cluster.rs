@@ -94,8 +94,8 @@ fn view_of(doc: &DeploymentDoc) -> DeploymentView {
         activation: Activation::Explicit,
         warm: false,
         operator_stopped: false,
-        engine: doc.engine,
-        model: doc.model.clone(),
+        engine: doc.engine_kind(),
+        model: doc.model_arg().to_string(),
         residency: doc.residency,
         measurement: None,
         instances: vec![InstanceView {

@@ -177,13 +177,16 @@ pub async fn assemble(
     router: RouterConfig,
     inference: Option<Inference>,
 ) -> Assembly {
+    let adapters = Arc::clone(&lifecycle);
     let router = Coordinator::spawn(lifecycle, router);
     server.attach_router(Arc::new(router.clone())).await;
     let inference = inference.map(|inference| {
         // The catalog (`GET /v1/models`) is the server's models; none once the server is gone.
         let weak = Arc::downgrade(server);
         let catalog = move || weak.upgrade().map(|s| s.models()).unwrap_or_default();
-        let mut proxy = Proxy::new(router.clone(), catalog, inference.config);
+        // Requests that name an adapter load it through the same lifecycle (DESIGN 4.9).
+        let mut proxy =
+            Proxy::new(router.clone(), catalog, inference.config).with_adapters(adapters);
         if let Some(observer) = inference.observer {
             proxy = proxy.with_observer(observer);
         }

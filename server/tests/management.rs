@@ -60,7 +60,7 @@ fn view(spec: DeploymentDoc) -> DeploymentView {
         warm: false,
         operator_stopped: false,
         engine: EngineKind::Vllm,
-        model: spec.model.clone(),
+        model: spec.model_arg().to_string(),
         residency: None,
         measurement: None,
         instances: vec![],

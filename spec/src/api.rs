@@ -348,6 +348,9 @@ pub struct MaxRunningView {
 /// One instance's load.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct InstanceLoadView {
+    /// The LoRA adapters loaded in this instance now (a base's; DESIGN 4.9).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub adapters: Vec<String>,
     /// Its index.
     pub index: u32,
     /// Its host.
@@ -470,6 +473,8 @@ pub enum SwitchCause {
     /// Replicas: one more instance of a deployment in use (its `replicas`, or `scale` on
     /// load), or one fewer (`scale` below its target, or `replicas` lowered).
     Scale,
+    /// A LoRA adapter loaded into, or unloaded from, an instance of its base (DESIGN 4.9).
+    Adapter,
 }
 
 impl SwitchCause {
@@ -483,6 +488,7 @@ impl SwitchCause {
             SwitchCause::Drain => "drain",
             SwitchCause::BringUp => "bring_up",
             SwitchCause::Scale => "scale",
+            SwitchCause::Adapter => "adapter",
         }
     }
 }
@@ -533,6 +539,10 @@ pub enum SwitchPhaseKind {
     WakeCheck,
     /// From the target's instance ready to its waiters released (the router's open).
     Release,
+    /// A LoRA adapter loads into an instance of its base.
+    AdapterLoad,
+    /// A LoRA adapter is unloaded from an instance of its base (room for another).
+    AdapterUnload,
 }
 
 impl SwitchPhaseKind {
@@ -547,7 +557,25 @@ impl SwitchPhaseKind {
             SwitchPhaseKind::Start => "start",
             SwitchPhaseKind::WakeCheck => "wake_check",
             SwitchPhaseKind::Release => "release",
+            SwitchPhaseKind::AdapterLoad => "adapter_load",
+            SwitchPhaseKind::AdapterUnload => "adapter_unload",
         }
+    }
+}
+
+/// An adapter's state as the lists show it (DESIGN 4.9): `loaded` when an instance of its
+/// base has it loaded, else `unloaded`.
+pub fn adapter_state(loaded: bool) -> &'static str {
+    if loaded { "loaded" } else { "unloaded" }
+}
+
+/// The state `capyctl list deployments` shows of `d`: an adapter's `loaded` / `unloaded`
+/// ([`adapter_state`]: an adapter's view lists the instances that have it loaded), else its
+/// instance state.
+pub fn listed_state(d: &DeploymentView) -> String {
+    match d.spec.adapter {
+        Some(_) => adapter_state(!d.instances.is_empty()).to_string(),
+        None => d.state.to_string(),
     }
 }
 

@@ -194,6 +194,14 @@ pub enum ApiError {
         /// The `Retry-After` seconds.
         retry_after: u32,
     },
+    /// 503 `adapter_load_failed`: the base's engine did not load the LoRA adapter a request
+    /// named (DESIGN 4.9); nothing else changed (the base serves its other adapters).
+    AdapterLoadFailed {
+        /// The adapter's name.
+        adapter: String,
+        /// The engine's (or the host agent's) reason.
+        reason: String,
+    },
     /// 500 `internal`: CapyCTL itself failed (e.g. it could not write its state file).
     Internal {
         /// What failed.
@@ -210,6 +218,7 @@ impl ApiError {
             | ApiError::DispatchClosed { .. }
             | ApiError::WakeFailed { .. }
             | ApiError::Unavailable { .. }
+            | ApiError::AdapterLoadFailed { .. }
             | ApiError::EngineFailed { .. } => 503,
             ApiError::TooManyWaiting { .. }
             | ApiError::BufferedBytes
@@ -263,6 +272,7 @@ impl ApiError {
             ApiError::Conflict { .. } => "conflict",
             ApiError::EngineFailed { .. } => "engine_failed",
             ApiError::UpstreamUnavailable { .. } => "upstream_unavailable",
+            ApiError::AdapterLoadFailed { .. } => "adapter_load_failed",
             ApiError::Internal { .. } => "internal",
         }
     }
@@ -361,6 +371,9 @@ impl ApiError {
                 format!("the engine could not answer: {detail}")
             }
             ApiError::Unavailable { detail, .. } => detail.clone(),
+            ApiError::AdapterLoadFailed { adapter, reason } => format!(
+                "adapter {adapter} could not be loaded into its base: {reason}; retry shortly"
+            ),
             ApiError::Internal { detail } => format!("internal error: {detail}"),
         }
     }
@@ -408,6 +421,7 @@ impl ApiError {
             ApiError::EngineFailed { .. } => "engine_failed",
             ApiError::UpstreamUnavailable { .. } => "upstream_unavailable",
             ApiError::Unavailable { .. } => "unavailable",
+            ApiError::AdapterLoadFailed { .. } => "adapter_load_failed",
             ApiError::Internal { .. } => "internal",
         }
     }
@@ -491,6 +505,19 @@ mod tests {
         assert_eq!(
             (e.status(), e.code(), e.retryable()),
             (500, "internal", false)
+        );
+    }
+
+    #[test]
+    fn adapter_load_failed_names_the_adapter_and_the_engines_reason() {
+        check(
+            ApiError::AdapterLoadFailed {
+                adapter: "support-bot".into(),
+                reason: "No adapter found for /models/x".into(),
+            },
+            503,
+            "adapter_load_failed",
+            "adapter support-bot could not be loaded into its base: No adapter found for /models/x; retry shortly",
         );
     }
 

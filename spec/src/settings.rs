@@ -157,6 +157,10 @@ pub const SCALE_DOWN_DELAY_BOUNDS: Bounds<Duration> = Bounds {
     min: secs(1),
     max: secs(24 * 3600),
 };
+/// A base deployment's `adapters.max_loaded`: 1 to 256 adapters loaded at once per instance.
+pub const ADAPTERS_MAX_LOADED_BOUNDS: Bounds<u32> = Bounds { min: 1, max: 256 };
+/// A base deployment's `adapters.max_rank`: 1 to 512 (vLLM's largest `--max-lora-rank`).
+pub const ADAPTERS_MAX_RANK_BOUNDS: Bounds<u32> = Bounds { min: 1, max: 512 };
 /// A deployment's `gpus_per_instance`: 1 to 16.
 pub const GPUS_PER_INSTANCE_BOUNDS: Bounds<u32> = Bounds { min: 1, max: 16 };
 /// Requests CapyCTL forwards to one instance at once (the product page's 32 per model, per

@@ -48,7 +48,7 @@ fn deployment_fixture_errors() {
         e.to_string(),
         at(
             "deployment-unknown-key.yaml",
-            ":3: resdency: unknown key; expected one of name, engine, model, residency, max_concurrent_requests, extra_args, env, resources, lifecycle, decision, replicas, scale, gpus_per_instance, routing, priority"
+            ":3: resdency: unknown key; expected one of name, engine, model, residency, max_concurrent_requests, extra_args, env, resources, lifecycle, decision, replicas, scale, gpus_per_instance, routing, priority, adapters, adapter"
         )
     );
     assert!(matches!(e.problem, Problem::UnknownKey { .. }));
@@ -139,7 +139,7 @@ fn standalone_fixture_errors() {
         e.to_string(),
         at(
             "standalone-unknown-key.yaml",
-            ":8: deployments[0].resdency: unknown key; expected one of name, engine, model, residency, max_concurrent_requests, extra_args, env, resources, lifecycle, decision, replicas, scale, gpus_per_instance, routing, priority"
+            ":8: deployments[0].resdency: unknown key; expected one of name, engine, model, residency, max_concurrent_requests, extra_args, env, resources, lifecycle, decision, replicas, scale, gpus_per_instance, routing, priority, adapters, adapter"
         )
     );
     let e = load_standalone_file(fixture("standalone-wrong-type.yaml"), &none()).unwrap_err();
@@ -166,8 +166,8 @@ fn standalone_fixture_errors() {
 fn full_deployment_document_reads() {
     let d = load_deployment_file(fixture("deployment.yaml")).unwrap();
     assert_eq!(d.name, "my-model");
-    assert_eq!(d.engine, EngineKind::Vllm);
-    assert_eq!(d.model, "Qwen3-4B");
+    assert_eq!(d.engine, Some(EngineKind::Vllm));
+    assert_eq!(d.model.as_deref(), Some("Qwen3-4B"));
     assert_eq!(d.residency, Some(Residency::HostBacked));
     assert_eq!(d.max_concurrent_requests, Some(8));
     assert_eq!(d.extra_args, ["--max-model-len", "8192"]);
@@ -1300,7 +1300,7 @@ fn json_documents_get_every_rule() {
         r#"{"name":"a","engine":"vllm","model":"m"}"#,
     )
     .unwrap();
-    assert_eq!(doc.engine, EngineKind::Vllm);
+    assert_eq!(doc.engine, Some(EngineKind::Vllm));
 }
 
 // ---- replicas, scale, gpus_per_instance, routing (DESIGN 4.7) ----

@@ -32,6 +32,13 @@
 //!   it; see `budget`).
 //! - An observer ([`Proxy::with_observer`]) hears of every request once, when it ends (see
 //!   [`crate::observe`]).
+//! - A request that names a LoRA adapter (DESIGN 4.9; [`Proxy::with_adapters`]) is admitted
+//!   as a request for its base (the name resolves to the base), then waits, within the same
+//!   deadline, until its instance has the adapter loaded ([`Lifecycle::acquire_adapter`]);
+//!   the lease ends with the request's permit. It is forwarded as it came (its `model` is the
+//!   adapter's name, which the engine serves). An engine that answers 404 as if it had not
+//!   loaded it is answered `503 adapter_load_failed` (never the engine's 404), and the next
+//!   request loads it again.
 
 mod body;
 mod budget;
@@ -65,6 +72,7 @@ pub use conn::{serve, serve_giving_back};
 use crate::admission::{Admission, Permit};
 use crate::observe::{self, RequestObserver};
 use body::{Charge, DirectBody, Start, StreamSettings, Track, Watch};
+use capyctl_interfaces::router::{Lifecycle, Upstream};
 use conn::ConnWatch;
 
 /// The listener's bounds. The lead maps the settings (`resource_policy.queue.*`) into it; the
@@ -156,6 +164,8 @@ pub struct Proxy<A: Admission> {
     pool: Arc<upstream::Pool>,
     /// Told of every request when it ends.
     observer: Option<Arc<dyn RequestObserver>>,
+    /// Loads the adapters requests name (`None`: every name is a model's).
+    adapters: Option<Arc<dyn Lifecycle>>,
 }
 
 impl<A: Admission> Clone for Proxy<A> {
@@ -164,6 +174,7 @@ impl<A: Admission> Clone for Proxy<A> {
             shared: Arc::clone(&self.shared),
             pool: Arc::clone(&self.pool),
             observer: self.observer.clone(),
+            adapters: self.adapters.clone(),
         }
     }
 }
@@ -175,6 +186,31 @@ struct Shared<A> {
     config: ProxyConfig,
     /// The one budget of every body the listener holds (`max_buffered_bytes_total`).
     budget: Arc<budget::Budget>,
+}
+
+/// A permit with the adapter lease of its request, if any: both end when the request ends.
+struct Leased<P> {
+    permit: P,
+    /// Held for its drop, with the permit's.
+    _lease: Option<capyctl_interfaces::router::AdapterLease>,
+}
+
+impl<P: Permit> Permit for Leased<P> {
+    fn upstream(&self) -> &Upstream {
+        self.permit.upstream()
+    }
+
+    fn first_output(&self) {
+        self.permit.first_output();
+    }
+
+    fn cut(&self) {
+        self.permit.cut();
+    }
+
+    fn waited_at_bound(&self) -> Duration {
+        self.permit.waited_at_bound()
+    }
 }
 
 /// The routes of the inference API.
@@ -329,6 +365,7 @@ impl<A: Admission> Proxy<A> {
             }),
             pool,
             observer: None,
+            adapters: None,
         }
     }
 
@@ -346,7 +383,15 @@ impl<A: Admission> Proxy<A> {
             shared: Arc::clone(&self.shared),
             pool: Self::new_pool(&self.shared.config),
             observer: self.observer.clone(),
+            adapters: self.adapters.clone(),
         }
+    }
+
+    /// Serves the LoRA adapters that `lifecycle` knows (its [`Lifecycle::adapter`] and
+    /// [`Lifecycle::acquire_adapter`]): the lifecycle the admission resolves names with.
+    pub fn with_adapters(mut self, lifecycle: Arc<dyn Lifecycle>) -> Self {
+        self.adapters = Some(lifecycle);
+        self
     }
 
     /// Tells `observer` of every request, exactly once, when it ends.
@@ -452,6 +497,13 @@ impl<A: Admission> Proxy<A> {
                 model: model.into_owned(),
             }));
         };
+        // A name that resolves to a deployment of another name may be an adapter's (its base).
+        let adapter = match &self.adapters {
+            Some(lifecycle) if deployment.name != *model => lifecycle
+                .adapter(&model)
+                .map(|route| (Arc::clone(lifecycle), route)),
+            _ => None,
+        };
         drop(model);
         // Only a deployment routed by `prefix` pays for the prompt's scan.
         let prefix = if deployment.routing == capyctl_spec::Routing::Prefix {
@@ -482,6 +534,27 @@ impl<A: Admission> Proxy<A> {
             }
         };
 
+        let lease = match &adapter {
+            None => None,
+            Some((lifecycle, route)) => {
+                let key = &permit.upstream().key;
+                let acquired = tokio::time::timeout_at(
+                    deadline + ADMIT_GRACE,
+                    lifecycle.acquire_adapter(key, route, deadline),
+                )
+                .await;
+                match acquired {
+                    Ok(lease) => Some(lease.map_err(Failure::Api)?),
+                    Err(_) => {
+                        return Err(Failure::Api(ApiError::QueueDeadline {
+                            deployment: deployment_id,
+                        }));
+                    }
+                }
+            }
+        };
+        // An adapter request's instance, should its engine answer as if it lacked the adapter.
+        let adapter_on = adapter.as_ref().map(|_| permit.upstream().key.clone());
         let addr = permit.upstream().addr;
         // Which error a deadline before the first output is (one rule with the coordinator's,
         // on the same span: from the request's admission to its deadline).
@@ -490,7 +563,10 @@ impl<A: Admission> Proxy<A> {
             permit.waited_at_bound(),
         );
         // Dropped without an end (the client went away meanwhile): cut, `client_gone`.
-        let mut charge = Charge::new(permit);
+        let mut charge = Charge::new(Leased {
+            permit,
+            _lease: lease,
+        });
 
         // Boxed: this future is large and lives only from here on, so the request's future
         // stays small while it waits for its admission (4096 may wait).
@@ -509,6 +585,19 @@ impl<A: Admission> Proxy<A> {
             }
         };
         let status = engine.status;
+        if let (Some((lifecycle, route)), Some(key), StatusCode::NOT_FOUND) =
+            (&adapter, &adapter_on, status)
+        {
+            // The engine does not have it (lost in a way CapyCTL was not told of): never its
+            // 404; loaded again by the next request.
+            lifecycle.adapter_lost(key, &route.name);
+            let error = ApiError::AdapterLoadFailed {
+                adapter: route.name.clone(),
+                reason: "the engine answered as if it were not loaded (404); the next request loads it again".into(),
+            };
+            charge.cut(error.metric_label());
+            return Err(Failure::Api(error));
+        }
         if !engine.event_stream {
             charge.output();
             let mut charge: Box<dyn Track> = Box::new(charge);

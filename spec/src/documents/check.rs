@@ -482,6 +482,14 @@ pub(crate) fn non_empty<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Er
     .run(d)
 }
 
+pub(crate) fn max_loaded<'de, D: Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
+    U32In(&settings::ADAPTERS_MAX_LOADED_BOUNDS).run(d)
+}
+
+pub(crate) fn max_rank<'de, D: Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
+    U32In(&settings::ADAPTERS_MAX_RANK_BOUNDS).run(d)
+}
+
 pub(crate) fn nonzero_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<ByteSize, D::Error> {
     NonZeroBytes.run(d)
 }

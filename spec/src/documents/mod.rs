@@ -51,11 +51,19 @@ pub struct DeploymentDoc {
     /// it in their `model` field.
     #[serde(deserialize_with = "check::dns_label")]
     pub name: String,
-    /// The engine: `vllm`, `sglang` or `tensorfold`.
-    pub engine: EngineKind,
-    /// The engine's model argument: a hub name or a local checkpoint path; not empty.
-    #[serde(deserialize_with = "check::non_empty")]
-    pub model: String,
+    /// The engine: `vllm`, `sglang` or `tensorfold`. Required, except in an adapter's
+    /// document (`adapter:`), which runs on its base's engine: there it may be left out (the
+    /// stored record then carries the base's) or must be the base's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine: Option<EngineKind>,
+    /// The engine's model argument: a hub name or a local checkpoint path; not empty. Required
+    /// except in an adapter's document, as `engine`.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "check::non_empty_opt"
+    )]
+    pub model: Option<String>,
     /// Where parked weights go; unset lets CapyCTL pick from the hardware.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub residency: Option<Residency>,
@@ -116,7 +124,50 @@ pub struct DeploymentDoc {
         deserialize_with = "check::priority"
     )]
     pub priority: Option<i32>,
+    /// Makes this a base that LoRA adapters can be loaded into (DESIGN 4.9): its engine is
+    /// started with the engine's own adapter options.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapters: Option<AdaptersDoc>,
+    /// Makes this deployment a LoRA adapter of another deployment (its base), loaded into the
+    /// base's instances on demand (DESIGN 4.9).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapter: Option<AdapterDoc>,
 }
+
+/// `adapters:` of a base deployment document.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdaptersDoc {
+    /// Adapters loaded at once in each instance (vLLM `--max-loras`), 1 to 256.
+    #[serde(deserialize_with = "check::max_loaded")]
+    pub max_loaded: u32,
+    /// The largest LoRA rank an adapter of this base may have (vLLM `--max-lora-rank`), 1 to
+    /// 512.
+    #[serde(deserialize_with = "check::max_rank")]
+    pub max_rank: u32,
+    /// On Kubernetes: the volume the base's engine Pod mounts for the adapters' files (a
+    /// Kubernetes volume, as the Pod spec writes one); the adapters' `path` is inside it.
+    /// Standalone leaves it out: the engine reads the paths on the host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume: Option<serde_json::Value>,
+}
+
+/// `adapter:` of an adapter's deployment document.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdapterDoc {
+    /// The base deployment's name; it must exist and allow adapters (`adapters:`).
+    #[serde(deserialize_with = "check::dns_label")]
+    pub base: String,
+    /// The adapter's files: a PEFT directory (`adapter_config.json` and the weights) that the
+    /// base's engine can read.
+    #[serde(deserialize_with = "check::non_empty")]
+    pub path: String,
+}
+
+/// The keys an adapter's document may hold besides `name` and `adapter` (`engine` and `model`
+/// only as its base's): everything else is its base's.
+pub const ADAPTER_KEYS: &[&str] = &["name", "adapter", "engine", "model"];
 
 /// `scale:` of a deployment document.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -204,6 +255,24 @@ pub struct DecisionDoc {
 }
 
 impl DeploymentDoc {
+    /// The engine of a deployed document: every one has it (a model's document needs it, an
+    /// adapter's deploy writes its base's). `vllm` only for an adapter's document not deployed
+    /// yet, whose engine is its base's.
+    pub fn engine_kind(&self) -> EngineKind {
+        self.engine.unwrap_or(EngineKind::Vllm)
+    }
+
+    /// The engine's model argument of a deployed document (as [`DeploymentDoc::engine_kind`];
+    /// empty only for an adapter's document not deployed yet).
+    pub fn model_arg(&self) -> &str {
+        self.model.as_deref().unwrap_or("")
+    }
+
+    /// The base an adapter's document names, `None` for a model's.
+    pub fn base(&self) -> Option<&str> {
+        self.adapter.as_ref().map(|a| a.base.as_str())
+    }
+
     /// The activation the deployment itself declares (`on_demand` when unset). A host's
     /// `explicit` still wins; see [`crate::Activation`].
     pub fn activation(&self) -> Activation {
@@ -567,8 +636,26 @@ impl Source<'_> {
     }
 
     fn error(&self, path: KeyPath, problem: Problem) -> DocumentError {
+        // A key that is missing has no line of its own: its mapping's, as serde's error has.
+        let at = match problem {
+            Problem::MissingKey => KeyPath(path.0[..path.0.len().saturating_sub(1)].to_vec()),
+            _ => path.clone(),
+        };
+        let mut origin = self.origin(&at);
+        if let (true, Some(text), Origin::File { line, .. }) =
+            (at.0.is_empty(), self.text, &mut origin)
+        {
+            // The document's own mapping: where it begins.
+            *line = text
+                .lines()
+                .position(|l| {
+                    let l = l.trim();
+                    !(l.is_empty() || l.starts_with('#') || l == "---")
+                })
+                .map(|i| i + 1);
+        }
         DocumentError {
-            origin: self.origin(&path),
+            origin,
             path: path.display(),
             problem,
         }
@@ -979,9 +1066,13 @@ pub fn max_running_flag(engine: EngineKind) -> Option<&'static str> {
 ///   ([`engine_args::speculative`]);
 /// - `resources.weights_memory` is part of `resources.gpu_memory`, so not above it.
 fn check_deployment(doc: &DeploymentDoc) -> Result<(), (KeyPath, Problem)> {
-    check_max_concurrent_requests(doc)?;
-    check_replicas(doc)?;
-    if let Some((i, owned)) = engine_args::owned_flag(doc.engine, &doc.extra_args) {
+    let Some(engine) = check_adapters(doc)? else {
+        // An adapter's document: the rest is its base's.
+        return Ok(());
+    };
+    check_max_concurrent_requests(doc, engine)?;
+    check_replicas(doc, engine)?;
+    if let Some((i, owned)) = engine_args::owned_flag(engine, &doc.extra_args) {
         return Err((
             KeyPath::keys(&["extra_args"]).index(i),
             Problem::Conflict(format!(
@@ -991,7 +1082,7 @@ fn check_deployment(doc: &DeploymentDoc) -> Result<(), (KeyPath, Problem)> {
         ));
     }
     if doc.residency == Some(Residency::HostBacked)
-        && engine_args::speculative(doc.engine, &doc.extra_args)
+        && engine_args::speculative(engine, &doc.extra_args)
     {
         return Err((
             KeyPath::keys(&["residency"]),
@@ -1017,9 +1108,198 @@ fn check_deployment(doc: &DeploymentDoc) -> Result<(), (KeyPath, Problem)> {
     Ok(())
 }
 
+/// The rules of `adapters:` and `adapter:` (DESIGN 4.9) that need no other deployment: the
+/// engine of a model's document (`Some`), or `None` for an adapter's document, which holds
+/// nothing but its name, `adapter:` and (as its base's) `engine` and `model`. A model's
+/// document needs `engine` and `model`; `adapters:` needs an engine that loads adapters
+/// ([`adapter_support`]). The rules that read the base (it exists, allows adapters, is no
+/// adapter itself, the engine and model are its, the files, the rank) are the deploy's
+/// ([`check_adapter_of`]).
+fn check_adapters(doc: &DeploymentDoc) -> Result<Option<EngineKind>, (KeyPath, Problem)> {
+    if doc.adapter.is_none() {
+        let Some(engine) = doc.engine else {
+            return Err((KeyPath::keys(&["engine"]), Problem::MissingKey));
+        };
+        if doc.model.is_none() {
+            return Err((KeyPath::keys(&["model"]), Problem::MissingKey));
+        }
+        if doc.adapters.is_some()
+            && let Err(why) = adapter_support(engine)
+        {
+            return Err((
+                KeyPath::keys(&["adapters"]),
+                Problem::Conflict(format!("{why}; remove adapters or choose vllm or sglang")),
+            ));
+        }
+        return Ok(Some(engine));
+    }
+    let set = |key: &'static str, is_set: bool| is_set.then_some(key);
+    let others = [
+        set("residency", doc.residency.is_some()),
+        set(
+            "max_concurrent_requests",
+            doc.max_concurrent_requests.is_some(),
+        ),
+        set("extra_args", !doc.extra_args.is_empty()),
+        set("env", !doc.env.is_empty()),
+        set("resources", doc.resources.is_some()),
+        set("lifecycle", doc.lifecycle.is_some()),
+        set("decision", doc.decision.is_some()),
+        set("replicas", doc.replicas.is_some()),
+        set("scale", doc.scale.is_some()),
+        set("gpus_per_instance", doc.gpus_per_instance.is_some()),
+        set("routing", doc.routing.is_some()),
+    ];
+    if doc.adapters.is_some() {
+        return Err((
+            KeyPath::keys(&["adapters"]),
+            Problem::Conflict(
+                "an adapter cannot take adapters of its own (an adapter of an adapter); remove adapters, or adapter to make this a base".into(),
+            ),
+        ));
+    }
+    if let Some(key) = others.into_iter().flatten().next() {
+        return Err((
+            KeyPath::keys(&[key]),
+            Problem::Conflict(format!(
+                "an adapter runs in its base's engine with the base's {key}; remove {key} (an adapter's document holds name, adapter and, as its base's, engine and model)"
+            )),
+        ));
+    }
+    Ok(None)
+}
+
+/// Whether `engine` loads LoRA adapters into a running engine, or why not.
+pub fn adapter_support(engine: EngineKind) -> Result<(), String> {
+    match engine {
+        EngineKind::Vllm | EngineKind::Sglang => Ok(()),
+        EngineKind::Tensorfold => {
+            Err("tensorfold cannot load LoRA adapters into a running engine".into())
+        }
+    }
+}
+
+/// The base deployment as an adapter's deploy reads it ([`check_adapter_of`]).
+#[derive(Debug, Clone, Copy)]
+pub struct BaseOf<'a> {
+    /// The base's document.
+    pub doc: &'a DeploymentDoc,
+    /// Where the adapter's files can be looked at: `true` where CapyCTL runs on the host whose
+    /// engines read `adapter.path` (standalone); `false` on Kubernetes (a path on a node, or in
+    /// a volume the base's Pod mounts), where only the engine's load can tell.
+    pub files_visible: bool,
+}
+
+/// The rules of an adapter's document that read its base (DESIGN 4.9), at deploy, changing
+/// nothing: the base (`None`: no deployment of that name) exists, allows adapters and is no
+/// adapter itself; `engine` and `model`, when given, are the base's; where the files are
+/// visible, `adapter.path` is a directory and the rank its `adapter_config.json` gives
+/// (`r`) is not above the base's `adapters.max_rank`.
+pub fn check_adapter_of(
+    doc: &DeploymentDoc,
+    base: Option<BaseOf<'_>>,
+) -> Result<(), (KeyPath, Problem)> {
+    let Some(adapter) = &doc.adapter else {
+        return Ok(());
+    };
+    let key = |k: &str| KeyPath::keys(&["adapter", k]);
+    let Some(BaseOf {
+        doc: base,
+        files_visible,
+    }) = base
+    else {
+        return Err((
+            key("base"),
+            Problem::BadValue(format!(
+                "`{}`: no deployment has that name; deploy the base model (with adapters:) first",
+                adapter.base
+            )),
+        ));
+    };
+    if base.adapter.is_some() {
+        return Err((
+            key("base"),
+            Problem::BadValue(format!(
+                "`{}` is itself an adapter (an adapter of an adapter); name the base model it is loaded into",
+                adapter.base
+            )),
+        ));
+    }
+    let Some(slots) = &base.adapters else {
+        return Err((
+            key("base"),
+            Problem::BadValue(format!(
+                "`{}` does not allow adapters; add adapters: {{max_loaded, max_rank}} to its document",
+                adapter.base
+            )),
+        ));
+    };
+    if let Some(engine) = doc.engine
+        && Some(engine) != base.engine
+    {
+        return Err((
+            KeyPath::keys(&["engine"]),
+            Problem::Conflict(format!(
+                "{engine}: an adapter runs on its base's engine; remove engine (the base `{}` runs {})",
+                adapter.base,
+                base.engine.map_or("none", EngineKind::as_str)
+            )),
+        ));
+    }
+    if let Some(model) = &doc.model
+        && Some(model) != base.model.as_ref()
+    {
+        return Err((
+            KeyPath::keys(&["model"]),
+            Problem::Conflict(format!(
+                "`{model}`: an adapter is loaded into its base's model; remove model (the base `{}` runs `{}`)",
+                adapter.base,
+                base.model.as_deref().unwrap_or("")
+            )),
+        ));
+    }
+    if !files_visible {
+        return Ok(());
+    }
+    let dir = Path::new(&adapter.path);
+    if !dir.is_dir() {
+        let what = if dir.exists() {
+            "is not a directory"
+        } else {
+            "does not exist"
+        };
+        return Err((
+            key("path"),
+            Problem::BadValue(format!(
+                "`{}` {what}; an adapter's path is a PEFT directory (adapter_config.json and the weights) that the engine can read",
+                adapter.path
+            )),
+        ));
+    }
+    if let Some(rank) = adapter_rank(dir)
+        && rank > slots.max_rank
+    {
+        return Err((
+            key("path"),
+            Problem::OutOfRange(format!(
+                "the adapter's rank {rank} (r in adapter_config.json) is above its base's adapters.max_rank ({}); raise the base's max_rank or use an adapter of a lower rank",
+                slots.max_rank
+            )),
+        ));
+    }
+    Ok(())
+}
+
+/// The LoRA rank (`r`) that a PEFT directory's `adapter_config.json` gives, when it can be read.
+pub fn adapter_rank(dir: &Path) -> Option<u32> {
+    let text = std::fs::read_to_string(dir.join("adapter_config.json")).ok()?;
+    let value: serde_json::Value = serde_json::from_str(&text).ok()?;
+    value.get("r")?.as_u64().and_then(|r| u32::try_from(r).ok())
+}
+
 /// `scale.min` is not above `replicas`, and an instance spans several GPUs only on an engine
 /// with a tensor-parallel option.
-fn check_replicas(doc: &DeploymentDoc) -> Result<(), (KeyPath, Problem)> {
+fn check_replicas(doc: &DeploymentDoc, engine: EngineKind) -> Result<(), (KeyPath, Problem)> {
     if let Some(min) = doc.scale.and_then(|s| s.min)
         && min > doc.replicas()
     {
@@ -1032,28 +1312,29 @@ fn check_replicas(doc: &DeploymentDoc) -> Result<(), (KeyPath, Problem)> {
         ));
     }
     let gpus = doc.gpus_per_instance();
-    if gpus > 1 && engine_args::tensor_parallel_flag(doc.engine).is_none() {
+    if gpus > 1 && engine_args::tensor_parallel_flag(engine).is_none() {
         return Err((
             KeyPath::keys(&["gpus_per_instance"]),
             Problem::Conflict(format!(
-                "{gpus} cannot be passed to {}: it has no tensor-parallel option, so an instance runs on one GPU; remove gpus_per_instance",
-                doc.engine
+                "{gpus} cannot be passed to {engine}: it has no tensor-parallel option, so an instance runs on one GPU; remove gpus_per_instance"
             )),
         ));
     }
     Ok(())
 }
 
-fn check_max_concurrent_requests(doc: &DeploymentDoc) -> Result<(), (KeyPath, Problem)> {
+fn check_max_concurrent_requests(
+    doc: &DeploymentDoc,
+    engine: EngineKind,
+) -> Result<(), (KeyPath, Problem)> {
     let Some(n) = doc.max_concurrent_requests else {
         return Ok(());
     };
-    match max_running_flag(doc.engine) {
+    match max_running_flag(engine) {
         None => Err((
             KeyPath::keys(&["max_concurrent_requests"]),
             Problem::Conflict(format!(
-                "{n} cannot be passed to {}: it has no option for how many requests run at once; remove max_concurrent_requests",
-                doc.engine
+                "{n} cannot be passed to {engine}: it has no option for how many requests run at once; remove max_concurrent_requests"
             )),
         )),
         Some(flag) => match engine_args::flag_position(&doc.extra_args, flag) {
@@ -1261,7 +1542,10 @@ mod tests {
     #[test]
     fn the_text_decides_where_the_value_refuses() {
         let doc = parse_deployment_str("t.yaml", "name: 123\nengine: vllm\nmodel: 1.5\n").unwrap();
-        assert_eq!((doc.name.as_str(), doc.model.as_str()), ("123", "1.5"));
+        assert_eq!(
+            (doc.name.as_str(), doc.model.as_deref()),
+            ("123", Some("1.5"))
+        );
         let e = parse_deployment_str(
             "t.yaml",
             "name: a\nengine: vllm\nmodel: m\nreplicas: many\n",

@@ -22,11 +22,11 @@
   const MAX_SAMPLES = 3600;
   const KEEP_MS = 3600 * 1000;
   const PHASES = ['admission_window', 'drain', 'park', 'stop', 'wake', 'start', 'wake_check',
-    'release'];
+    'release', 'adapter_load', 'adapter_unload'];
   const PHASE_NAMES = {
     admission_window: 'admission window', drain: 'drain', park: 'park (victim)',
     stop: 'stop (victim)', wake: 'wake', start: 'start', wake_check: 'wake check',
-    release: 'release',
+    release: 'release', adapter_load: 'adapter load', adapter_unload: 'adapter unload',
   };
   const SERIES = 8;
   const SVG_NS = 'http://www.w3.org/2000/svg';
