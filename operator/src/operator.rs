@@ -938,6 +938,8 @@ pub async fn lead(
         observer: Some(metrics.clone()),
         stop: stop_tasks.subscribe(),
         give_back,
+        // No tenants yet: the `Tenant` objects' watcher feeds this table (issue 32).
+        tenants: Arc::default(),
     };
     let Assembly { router, inference } = assemble(
         &server,
@@ -1109,6 +1111,7 @@ pub async fn run(
         let opts = ManagementOptions {
             token: options.admin_token.clone(),
             metrics: metrics.clone(),
+            tenants: None,
         };
         tokio::spawn(async move {
             let shutdown = async move {

@@ -545,12 +545,7 @@ fn bearer_key(lines: &[u8]) -> Option<&[u8]> {
         }
         found = Some(line[colon + 1..].trim_ascii());
     }
-    let value = found?;
-    let (scheme, rest) = value.split_at_checked(6)?;
-    if !scheme.eq_ignore_ascii_case(b"bearer") || rest.first() != Some(&b' ') {
-        return None;
-    }
-    Some(rest.trim_ascii())
+    capyctl_spec::auth::bearer(found?)
 }
 
 /// `lines` without its `Authorization` lines (the tenant's key is not the engine's).
