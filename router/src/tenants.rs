@@ -189,6 +189,11 @@ impl TenantEntry {
         &self.name
     }
 
+    /// Its name, shared (what the coordinator's fair waiting takes turns by).
+    pub fn name_arc(&self) -> Arc<str> {
+        Arc::clone(&self.name)
+    }
+
     /// Whether it may use the model `name` (before the model is resolved: a model it may not
     /// use is answered as an unknown one, after the same work).
     pub fn allows(&self, name: &str) -> bool {

@@ -741,6 +741,7 @@ impl CoordinatorHandle {
         deployment: DeploymentRef,
         deadline: Instant,
         prefix: Option<u64>,
+        tenant: Option<Arc<str>>,
     ) -> Result<CoordinatorPermit, ApiError> {
         // A prefix key matters only to a deployment routed by `prefix`.
         let prefix = prefix.filter(|_| deployment.routing == capyctl_spec::Routing::Prefix);
@@ -777,6 +778,7 @@ impl CoordinatorHandle {
                     deployment: deployment.id.clone(),
                     deadline,
                     prefix,
+                    tenant,
                 },
                 reply,
             })
@@ -800,7 +802,7 @@ impl Admission for CoordinatorHandle {
         deployment: DeploymentRef,
         deadline: Instant,
     ) -> impl Future<Output = Result<Self::Permit, ApiError>> + Send {
-        self.clone().admit_inner(deployment, deadline, None)
+        self.clone().admit_inner(deployment, deadline, None, None)
     }
 
     fn admit_routed(
@@ -809,7 +811,18 @@ impl Admission for CoordinatorHandle {
         deadline: Instant,
         prefix: Option<u64>,
     ) -> impl Future<Output = Result<Self::Permit, ApiError>> + Send {
-        self.clone().admit_inner(deployment, deadline, prefix)
+        self.clone().admit_inner(deployment, deadline, prefix, None)
+    }
+
+    fn admit_as(
+        &self,
+        deployment: DeploymentRef,
+        deadline: Instant,
+        prefix: Option<u64>,
+        tenant: Option<Arc<str>>,
+    ) -> impl Future<Output = Result<Self::Permit, ApiError>> + Send {
+        self.clone()
+            .admit_inner(deployment, deadline, prefix, tenant)
     }
 }
 

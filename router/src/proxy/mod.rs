@@ -522,7 +522,9 @@ impl<A: Admission> Proxy<A> {
         // grace only keeps a request from hanging should it not.
         let admitted = tokio::time::timeout_at(
             deadline + ADMIT_GRACE,
-            shared.admission.admit_routed(deployment, deadline, prefix),
+            shared
+                .admission
+                .admit_as(deployment, deadline, prefix, tenant.map(|t| t.name_arc())),
         )
         .await;
         drop(waiting);
