@@ -205,3 +205,94 @@ fn a_document_with_a_repeated_key_does_not_start() {
     );
     assert!(!line.contains("sk-1"));
 }
+
+/// Two tenants, one flooding (DESIGN 4.10, fair waiting): team-a sends 100 requests of about
+/// a second each at once (32 run, the rest wait; the waiting limit of 64 refuses some), then
+/// team-b sends one. The bound: team-b's request starts with the first slots that free up
+/// (at most one request's length after it came) and its answer comes with team-a's second
+/// wave, when about 32 of team-a's have finished (at most 48 allowed); first come first served
+/// would have put it behind every waiting request of team-a, in the third wave (64 finished).
+#[test]
+fn a_flooding_tenant_does_not_keep_another_waiting_behind_it() {
+    let dir = temp_dir("tenants-flood");
+    let slow = "name: chat-a\nengine: vllm\nmodel: Qwen3-4B\nresources: {gpu_memory: 6GiB, weights_memory: 64MiB}\nenv: {ENGINE_SIM_WEIGHTS_BYTES: 64MiB, ENGINE_SIM_TOKEN_RATE: \"20\"}\n";
+    let doc = document(
+        "",
+        "  inference_auth:\n    tenants:\n      - name: team-a\n        keys: [\"sk-a\"]\n      - name: team-b\n        keys: [\"sk-b\"]\n",
+        &[slow],
+    );
+    let capy = std::sync::Arc::new(Capy::start(&dir, &doc));
+    let body = serde_json::json!({
+        "model": "chat-a",
+        "prompt": "Once upon a time",
+        "max_tokens": 20,
+    })
+    .to_string();
+    let send = move |capy: &Capy, key: &str| {
+        request(
+            capy.inference,
+            "POST",
+            "/v1/completions",
+            &[
+                ("content-type", "application/json"),
+                ("authorization", &format!("Bearer {key}")),
+            ],
+            body.as_bytes(),
+        )
+    };
+    let send = std::sync::Arc::new(send);
+    // Started, so that the flood waits for slots, not for a start.
+    assert_eq!(send(&capy, "sk-b").status, 200);
+
+    let finished = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let statuses = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let flood: Vec<_> = (0..100)
+        .map(|_| {
+            let (capy, send) = (capy.clone(), send.clone());
+            let (finished, statuses) = (finished.clone(), statuses.clone());
+            std::thread::spawn(move || {
+                let r = send(&capy, "sk-a");
+                if r.status == 200 {
+                    finished.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
+                statuses.lock().unwrap().push(r.status);
+            })
+        })
+        .collect();
+    // Until team-a's requests wait (the tenants' read shows them).
+    let start = Instant::now();
+    loop {
+        let t = capy.management_get("/management/v1/tenants").json();
+        if t["tenants"][0]["waiting"].as_i64().unwrap_or(0) >= 30 {
+            break;
+        }
+        assert!(start.elapsed() < PATIENCE, "team-a never waited: {t}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let asked = Instant::now();
+    let b = send(&capy, "sk-b");
+    let waited = asked.elapsed();
+    let a_done = finished.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(b.status, 200, "{b:?}");
+    for t in flood {
+        t.join().unwrap();
+    }
+    let statuses = statuses.lock().unwrap().clone();
+    let served = statuses.iter().filter(|s| **s == 200).count();
+    eprintln!(
+        "team-b served in {waited:?} with {a_done} of team-a's {served} served before it ({} refused 429)",
+        statuses.iter().filter(|s| **s == 429).count()
+    );
+    assert!(
+        statuses.iter().all(|s| *s == 200 || *s == 429),
+        "{statuses:?}"
+    );
+    assert!(
+        a_done <= 48,
+        "team-b waited behind {a_done} of team-a's requests"
+    );
+    assert!(
+        served > 64,
+        "the flood was not large enough to show it: {served}"
+    );
+}
