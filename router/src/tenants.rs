@@ -157,21 +157,29 @@ impl RateHeaders {
     /// Adds `x-ratelimit-limit-*`, `-remaining-*` and `-reset-*` (in seconds, `Ns`) to
     /// `headers`.
     pub fn write(&self, headers: &mut HeaderMap) {
-        for (what, values) in [("requests", self.requests), ("tokens", self.tokens)] {
+        use http::HeaderName;
+        const NAMES: [[HeaderName; 3]; 2] = [
+            [
+                HeaderName::from_static("x-ratelimit-limit-requests"),
+                HeaderName::from_static("x-ratelimit-remaining-requests"),
+                HeaderName::from_static("x-ratelimit-reset-requests"),
+            ],
+            [
+                HeaderName::from_static("x-ratelimit-limit-tokens"),
+                HeaderName::from_static("x-ratelimit-remaining-tokens"),
+                HeaderName::from_static("x-ratelimit-reset-tokens"),
+            ],
+        ];
+        for ([limit_name, remaining_name, reset_name], values) in
+            NAMES.into_iter().zip([self.requests, self.tokens])
+        {
             let Some((limit, remaining, reset)) = values else {
                 continue;
             };
-            for (name, value) in [
-                ("limit", limit.to_string()),
-                ("remaining", remaining.to_string()),
-                ("reset", format!("{reset}s")),
-            ] {
-                if let (Ok(name), Ok(value)) = (
-                    http::HeaderName::try_from(format!("x-ratelimit-{name}-{what}")),
-                    HeaderValue::try_from(value),
-                ) {
-                    headers.insert(name, value);
-                }
+            headers.insert(limit_name, HeaderValue::from(limit));
+            headers.insert(remaining_name, HeaderValue::from(remaining));
+            if let Ok(value) = HeaderValue::try_from(format!("{reset}s")) {
+                headers.insert(reset_name, value);
             }
         }
     }

@@ -239,30 +239,48 @@ pub struct ProxyBody {
 /// the tenant is charged the last `"total_tokens"` seen.
 pub(crate) struct UsageTap {
     tenant: Arc<crate::tenants::TenantEntry>,
-    tail: Vec<u8>,
+    /// The latest frames (shared, not copied): at least [`USAGE_TAIL`] bytes of them once the
+    /// answer is that long.
+    tail: std::collections::VecDeque<Bytes>,
+    /// Their bytes.
+    held: usize,
 }
 
-/// The bytes of an answer's end that [`UsageTap`] keeps.
+/// The bytes of an answer's end that [`UsageTap`] reads.
 const USAGE_TAIL: usize = 4096;
 
 impl UsageTap {
     pub(crate) fn new(tenant: Arc<crate::tenants::TenantEntry>) -> Box<Self> {
         Box::new(Self {
             tenant,
-            tail: Vec::new(),
+            tail: std::collections::VecDeque::new(),
+            held: 0,
         })
     }
 
-    fn feed(&mut self, data: &[u8]) {
-        if data.len() >= USAGE_TAIL {
-            self.tail.clear();
-            self.tail
-                .extend_from_slice(&data[data.len() - USAGE_TAIL..]);
-            return;
+    fn feed(&mut self, data: &Bytes) {
+        self.held += data.len();
+        self.tail.push_back(data.clone());
+        while self
+            .tail
+            .front()
+            .is_some_and(|f| self.held - f.len() >= USAGE_TAIL)
+        {
+            if let Some(f) = self.tail.pop_front() {
+                self.held -= f.len();
+            }
         }
-        let over = (self.tail.len() + data.len()).saturating_sub(USAGE_TAIL);
-        self.tail.drain(..over);
-        self.tail.extend_from_slice(data);
+    }
+
+    /// The last [`USAGE_TAIL`] bytes (or fewer), in one piece.
+    fn last_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.held);
+        for f in &self.tail {
+            out.extend_from_slice(f);
+        }
+        let cut = out.len().saturating_sub(USAGE_TAIL);
+        out.drain(..cut);
+        out
     }
 }
 
@@ -278,7 +296,7 @@ pub(crate) fn total_tokens(tail: &[u8]) -> Option<u64> {
 impl Drop for ProxyBody {
     fn drop(&mut self) {
         if let Some(tap) = self.tap.take()
-            && let Some(tokens) = total_tokens(&tap.tail)
+            && let Some(tokens) = total_tokens(&tap.last_bytes())
         {
             tap.tenant.charge_tokens(tokens, Instant::now());
         }
