@@ -130,6 +130,10 @@ enum Command {
     /// The engines of every host: ENGINE VERSION DEEP PARK HOST.
     #[command(subcommand)]
     Engine(Engine),
+    /// The inference listener's tenants: TENANT MODELS RATE KEYS ANSWERS TOKENS WAITING
+    /// (never a key).
+    #[command(subcommand)]
+    Tenants(Tenants),
     /// The recent switches, phase by phase (the last 1,000 at least, kept across restarts):
     /// TIME DEPLOYMENT CAUSE WAVE VICTIMS PHASES OUTCOME; `--json` prints the records as JSON
     /// lines.
@@ -274,6 +278,12 @@ struct Switches {
 #[derive(Subcommand)]
 enum Engine {
     /// Every engine of every host.
+    List,
+}
+
+#[derive(Subcommand)]
+enum Tenants {
+    /// Every tenant, with its models, rates and use now.
     List,
 }
 
@@ -562,6 +572,17 @@ async fn remote(global: Global, command: Command) -> Result<(), String> {
                 } else {
                     let list: EngineList = answer.json(client.server())?;
                     print!("{}", render::engines(&list.engines));
+                }
+                Ok(())
+            }
+            Command::Tenants(Tenants::List) => {
+                let answer = client.get("/tenants").await?;
+                if json {
+                    println!("{}", answer.pretty());
+                } else {
+                    let list: capyctl_server::management::TenantList =
+                        answer.json(client.server())?;
+                    print!("{}", render::tenants(&list.tenants));
                 }
                 Ok(())
             }

@@ -91,6 +91,58 @@ pub fn engines(list: &[EngineView]) -> String {
     table(&["ENGINE", "VERSION", "DEEP PARK", "HOST"], &rows)
 }
 
+/// `capyctl tenants list`: `TENANT MODELS RATE KEYS ANSWERS TOKENS WAITING` (never a key).
+/// RATE is `<requests>/min <tokens> tok/min` with what is left now; ANSWERS by status.
+pub fn tenants(list: &[capyctl_router::tenants::TenantReport]) -> String {
+    if list.is_empty() {
+        return "no tenants: the inference listener asks for no key\n".to_string();
+    }
+    let rows: Vec<Vec<String>> = list
+        .iter()
+        .map(|t| {
+            let mut rate = Vec::new();
+            if let Some(r) = t.requests_per_minute {
+                rate.push(format!(
+                    "{r} req/min ({} left)",
+                    t.remaining_requests.unwrap_or(0)
+                ));
+            }
+            if let Some(r) = t.tokens_per_minute {
+                rate.push(format!(
+                    "{r} tok/min ({} left)",
+                    t.remaining_tokens.unwrap_or(0)
+                ));
+            }
+            let answers: Vec<String> = t.answers.iter().map(|(s, n)| format!("{s}:{n}")).collect();
+            vec![
+                t.name.clone(),
+                t.models
+                    .as_ref()
+                    .map_or_else(|| "*".to_string(), |m| m.join(",")),
+                if rate.is_empty() {
+                    "-".to_string()
+                } else {
+                    rate.join(", ")
+                },
+                t.keys.to_string(),
+                if answers.is_empty() {
+                    "-".to_string()
+                } else {
+                    answers.join(" ")
+                },
+                t.tokens.to_string(),
+                t.waiting.to_string(),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "TENANT", "MODELS", "RATE", "KEYS", "ANSWERS", "TOKENS", "WAITING",
+        ],
+        &rows,
+    )
+}
+
 fn hosts(hosts: &[String]) -> String {
     if hosts.is_empty() {
         "-".to_string()

@@ -1,5 +1,6 @@
 //! `capyctl start standalone`: a whole CapyCTL in this process until SIGINT or SIGTERM; SIGHUP
-//! deploys the document's deployments again ([`reload`]).
+//! reads the document again: its tenants (`server.inference_auth`, key files included) replace
+//! the inference listener's, and its deployments are deployed again ([`reload`]).
 
 use std::path::{Path, PathBuf};
 
@@ -59,8 +60,13 @@ pub async fn run(
     let mut hangup = Hangup::install();
     // What a reload compares (not the deployments: a second copy of a large document), and
     // where each deployment's size is declared, for a refusal's line.
+    // (Not the tenants either: a reload replaces them, and their keys are kept once, in the
+    // listener's table, as digests.)
     let settings = capyctl_spec::settings::StandaloneConfig {
-        server: config.server.clone(),
+        server: capyctl_spec::settings::ServerConfig {
+            inference_auth: None,
+            ..config.server.clone()
+        },
         host: config.host.clone(),
         deployments: Vec::new(),
     };
@@ -192,11 +198,14 @@ fn refusal(e: StandaloneError, declared: &[(String, bool)], file: Option<&Path>)
     }
 }
 
-/// On SIGHUP: reads the document again (with the same `--set` and `CAPYCTL_SET__…`) and deploys
-/// its deployments: new ones are added, changed ones get a new revision, the same ones change
-/// nothing. Deployments no longer in the document stay (delete them with `capyctl delete`), and
-/// changed `server:` or `host:` settings wait for the next start (logged). A document that does
-/// not load changes nothing.
+/// On SIGHUP: reads the document again (with the same `--set` and `CAPYCTL_SET__…`), replaces
+/// the inference listener's tenants with its `server.inference_auth` (its key files read
+/// again; absent: no keys), and deploys its deployments: new ones are added, changed ones get
+/// a new revision, the same ones change nothing. Deployments no longer in the document stay
+/// (delete them with `capyctl delete`), and other changed `server:` or `host:` settings wait
+/// for the next start (logged). A document that does not load (a key file that cannot be read,
+/// a repeated key...) changes nothing: the tenants stay as they were, and the log says what is
+/// wrong.
 async fn reload(
     standalone: &Standalone,
     running: &capyctl_spec::settings::StandaloneConfig,
@@ -210,13 +219,25 @@ async fn reload(
     let loaded = Overrides::from_args_and_env(set.to_vec(), std::env::vars())
         .map_err(|e| e.to_string())
         .and_then(|o| documents::load_standalone_file(path, &o).map_err(|e| e.to_string()));
-    let config = match loaded {
+    let mut config = match loaded {
         Ok(config) => config,
         Err(e) => {
             tracing::error!("SIGHUP: {e}; nothing changed");
             return;
         }
     };
+    let tenants = config.server.inference_auth.take();
+    match standalone.replace_tenants(tenants.as_deref()) {
+        Ok(()) => tracing::info!(
+            file = %path.display(),
+            tenants = tenants.as_ref().map_or(0, Vec::len),
+            "SIGHUP: the inference listener's tenants replaced"
+        ),
+        Err(e) => {
+            tracing::error!("SIGHUP: server.inference_auth: {e}; the tenants stay as they were")
+        }
+    }
+    drop(tenants);
     if config.server != running.server || config.host != running.host {
         tracing::warn!(
             file = %path.display(),

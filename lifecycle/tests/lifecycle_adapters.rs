@@ -540,6 +540,7 @@ async fn through_the_listener_an_adapter_is_loaded_and_answered_under_its_name()
         observer: None,
         stop: rx,
         give_back: None,
+        tenants: Default::default(),
     };
     let _assembly = assemble(
         &server,

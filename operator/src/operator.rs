@@ -54,6 +54,7 @@ use capyctl_node_agent::remote::{RemoteConfig, RemoteHostAgent};
 use capyctl_node_agent::spec::HostSettings;
 use capyctl_router::coordinator::CoordinatorHandle;
 use capyctl_router::proxy::ProxyConfig;
+use capyctl_router::tenants::Tenants;
 use capyctl_spec::Activation;
 use capyctl_spec::api::{
     ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostDrainReceipt,
@@ -815,6 +816,7 @@ pub async fn lead(
     mut leading: watch::Receiver<Leadership>,
     mut stop: watch::Receiver<bool>,
     handed_over: watch::Receiver<bool>,
+    tenants: Arc<Tenants>,
 ) -> Result<(), OperatorError> {
     let ns = options.namespace.as_str();
     // Which object holds each deployment name: seeded below from the list of the CRs, before
@@ -932,12 +934,25 @@ pub async fn lead(
     // (clients get a connection refused at once, not a backlog nobody accepts).
     let (give_back, given_back) = tokio::sync::oneshot::channel();
     let give_back = options.leader_label.is_some().then_some(give_back);
+    // The `Tenant` objects and their Secrets feed the listener's keys (DESIGN 4.10), read
+    // whole before the listener serves: until then it would ask for no key. The leader alone
+    // watches them (it writes their status).
+    let mut tenant_watch = crate::tenants::spawn(client.clone(), ns, tenants.clone());
+    loop {
+        tokio::select! {
+            () = tenant_watch.synced() => break,
+            () = tokio::time::sleep(Duration::from_secs(10)) => tracing::warn!(
+                "the Tenant objects and their Secrets are not read yet; the inference listener waits for them"
+            ),
+        }
+    }
     let inference = Inference {
         listener: inference,
         config: inference_config,
         observer: Some(metrics.clone()),
         stop: stop_tasks.subscribe(),
         give_back,
+        tenants,
     };
     let Assembly { router, inference } = assemble(
         &server,
@@ -1096,6 +1111,9 @@ pub async fn run(
     // standby never takes over while this replica still serves) and the management listener.
     let (stop, _) = watch::channel(false);
     let (finish, _) = watch::channel(false);
+    // The inference listener's tenants: `capyctl tenants list` reads them on every replica; the
+    // leader fills them from the `Tenant` objects (`super::tenants`).
+    let tenants = Arc::new(Tenants::default());
     // Sent once a stopping leader has handed the router Service over (`super::handover`): the
     // inference port's 503s and the management listener end.
     let (handed_over, _) = watch::channel(false);
@@ -1109,6 +1127,7 @@ pub async fn run(
         let opts = ManagementOptions {
             token: options.admin_token.clone(),
             metrics: metrics.clone(),
+            tenants: Some(tenants.clone()),
         };
         tokio::spawn(async move {
             let shutdown = async move {
@@ -1171,6 +1190,7 @@ pub async fn run(
             leading.clone(),
             stop.subscribe(),
             handed_over.subscribe(),
+            tenants,
         )
         .await
     } else {

@@ -314,11 +314,24 @@ impl<K: kube::Resource> Known<K> {
 
 /// The watcher [`spawn`] started: it runs until this is dropped.
 #[derive(Debug)]
-pub struct TenantWatch(tokio::task::JoinHandle<()>);
+pub struct TenantWatch {
+    task: tokio::task::JoinHandle<()>,
+    /// Turns `true` once the first whole set (both lists read) has been handed to the table.
+    synced: tokio::sync::watch::Receiver<bool>,
+}
+
+impl TenantWatch {
+    /// Resolves once the table has had the first whole tenant set ([`spawn`]'s lists of the
+    /// `Tenant` objects and their Secrets both read): before that, a listener fed by the table
+    /// would serve without asking for keys.
+    pub async fn synced(&mut self) {
+        let _ = self.synced.wait_for(|s| *s).await;
+    }
+}
 
 impl Drop for TenantWatch {
     fn drop(&mut self) {
-        self.0.abort();
+        self.task.abort();
     }
 }
 
@@ -329,10 +342,19 @@ impl Drop for TenantWatch {
 pub fn spawn(client: Client, namespace: &str, table: Arc<dyn TenantTable>) -> TenantWatch {
     let tenants: Api<TenantObject> = Api::namespaced(client.clone(), namespace);
     let secrets: Api<Secret> = Api::namespaced(client, namespace);
-    TenantWatch(tokio::spawn(run(tenants, secrets, table)))
+    let (synced_tx, synced) = tokio::sync::watch::channel(false);
+    TenantWatch {
+        task: tokio::spawn(run(tenants, secrets, table, synced_tx)),
+        synced,
+    }
 }
 
-async fn run(tenants: Api<TenantObject>, secrets: Api<Secret>, table: Arc<dyn TenantTable>) {
+async fn run(
+    tenants: Api<TenantObject>,
+    secrets: Api<Secret>,
+    table: Arc<dyn TenantTable>,
+    synced: tokio::sync::watch::Sender<bool>,
+) {
     let config = watcher::Config::default();
     let mut tenant_events = watcher::watcher(tenants.clone(), config.clone())
         .default_backoff()
@@ -381,6 +403,7 @@ async fn run(tenants: Api<TenantObject>, secrets: Api<Secret>, table: Arc<dyn Te
                 }
             }
         }
+        synced.send_replace(true);
         for (name, v) in &verdicts {
             let Some(o) = objects.objects.get(name) else {
                 continue;

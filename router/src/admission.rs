@@ -46,6 +46,20 @@ pub trait Admission: Clone + Send + Sync + 'static {
         let _ = prefix;
         self.admit(deployment, deadline)
     }
+
+    /// [`Admission::admit_routed`] for a request of `tenant` (DESIGN 4.10: beyond the running
+    /// bound, the tenants' requests start round-robin and share the waiting limit). An
+    /// admission without tenants ignores it.
+    fn admit_as(
+        &self,
+        deployment: DeploymentRef,
+        deadline: Instant,
+        prefix: Option<u64>,
+        tenant: Option<std::sync::Arc<str>>,
+    ) -> impl Future<Output = Result<Self::Permit, ApiError>> + Send {
+        let _ = tenant;
+        self.admit_routed(deployment, deadline, prefix)
+    }
 }
 
 /// The product page's error for a request whose deadline passed before its first output, one

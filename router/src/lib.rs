@@ -11,4 +11,5 @@ pub mod coordinator;
 mod fast_hash;
 pub mod observe;
 pub mod proxy;
+pub mod tenants;
 pub mod tls;

@@ -587,6 +587,7 @@ async fn fake_cluster(hosts: usize, n: usize, latency: Duration) -> (Arc<Core>, 
         observer: None,
         stop: rx,
         give_back: None,
+        tenants: Default::default(),
     };
     assemble(
         &server,

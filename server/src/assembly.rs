@@ -29,6 +29,7 @@ use capyctl_router::config::RouterConfig;
 use capyctl_router::coordinator::{Coordinator, CoordinatorHandle};
 use capyctl_router::observe::RequestObserver;
 use capyctl_router::proxy::{self, Proxy, ProxyConfig};
+use capyctl_router::tenants::Tenants;
 use capyctl_spec::Activation;
 use capyctl_spec::settings::{QueueSettings, ServerConfig};
 use tokio::net::TcpListener;
@@ -148,6 +149,11 @@ pub struct Inference {
     /// stopping operator leader answers on it: `capyctl-operator`'s `handover`); `None`:
     /// closed.
     pub give_back: Option<oneshot::Sender<std::net::TcpListener>>,
+    /// The tenants and their keys the listener asks for (DESIGN 4.10). Whoever reads tenants
+    /// keeps a clone and feeds it through [`capyctl_interfaces::tenants::TenantTable::replace`]
+    /// (standalone: the document, again on SIGHUP; the operator: `Tenant` objects). Fill it
+    /// before the assembly: with none configured, no key is asked for.
+    pub tenants: Arc<Tenants>,
 }
 
 impl std::fmt::Debug for Inference {
@@ -185,8 +191,9 @@ pub async fn assemble(
         let weak = Arc::downgrade(server);
         let catalog = move || weak.upgrade().map(|s| s.models()).unwrap_or_default();
         // Requests that name an adapter load it through the same lifecycle (DESIGN 4.9).
-        let mut proxy =
-            Proxy::new(router.clone(), catalog, inference.config).with_adapters(adapters);
+        let mut proxy = Proxy::new(router.clone(), catalog, inference.config)
+            .with_adapters(adapters)
+            .with_tenants(inference.tenants);
         if let Some(observer) = inference.observer {
             proxy = proxy.with_observer(observer);
         }

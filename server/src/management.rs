@@ -19,9 +19,10 @@
 //! | `GET /management/v1/metrics/load[?deployment=ID]` | 200 `LoadReport` |
 //! | `GET /management/v1/switches/trace` | 200 JSON lines: the recent requests as a trace (`capyctl simulate`'s format) |
 //! | `GET /management/v1/switches[?deployment=NAME-or-ID][&after=SEQ][&limit=N]` | 200 `SwitchList` (DESIGN 4.8) |
+//! | `GET /management/v1/tenants` | 200 [`TenantList`]: the inference listener's tenants, their models, rates and use (never a key) |
 //! | `GET /healthz` | 200 `ok` (no token) |
 //! | `GET /readyz` | 200 `ready` once [`ManagementApi::ready`], else 503 (no token) |
-//! | `GET /metrics` | 200 OpenMetrics text of [`Metrics`] (no token) |
+//! | `GET /metrics` | 200 OpenMetrics text of [`Metrics`] and the tenants' counters (no token) |
 //! | `GET /ui/` and its files | the web page ([`ui`]; no token: the page asks for it) |
 //!
 //! Errors are [`ApiError`] JSON (`{"code","message","retryable"}`) with its status, and
@@ -63,6 +64,7 @@ use http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde::Serialize;
 
+use capyctl_router::tenants::{TenantReport, Tenants};
 use capyctl_router::tls::TlsIncoming;
 
 use capyctl_lifecycle::api::ManagementApi;
@@ -90,6 +92,9 @@ pub struct ManagementOptions {
     pub token: String,
     /// The metrics `GET /metrics` serves.
     pub metrics: Arc<Metrics>,
+    /// The inference listener's tenants, for `GET /management/v1/tenants` and their counters
+    /// in `/metrics`; `None`: none.
+    pub tenants: Option<Arc<Tenants>>,
 }
 
 /// Shared by every handler (read-only).
@@ -98,6 +103,7 @@ struct AppState {
     api: Arc<dyn ManagementApi>,
     token: Arc<str>,
     metrics: Arc<Metrics>,
+    tenants: Option<Arc<Tenants>>,
 }
 
 /// The management app: every route of the module's table. Serve it with [`serve`], or drive
@@ -108,6 +114,7 @@ pub fn router(api: Arc<dyn ManagementApi>, options: ManagementOptions) -> Router
         api,
         token: Arc::from(options.token),
         metrics: options.metrics,
+        tenants: options.tenants,
     };
     let v1 = Router::new()
         .route("/deployments", get(list).post(deploy))
@@ -124,6 +131,7 @@ pub fn router(api: Arc<dyn ManagementApi>, options: ManagementOptions) -> Router
         .route("/hosts/{id}/drain", post(drain_host))
         .route("/hosts/{id}/uncordon", post(uncordon_host))
         .route("/metrics/load", get(load))
+        .route("/tenants", get(tenants))
         .route("/switches/trace", get(request_trace))
         .route("/switches", get(switches))
         .method_not_allowed_fallback(method_not_allowed)
@@ -776,12 +784,79 @@ async fn request_trace(State(s): State<AppState>) -> Response {
 }
 
 async fn prometheus(State(s): State<AppState>) -> Response {
+    let mut text = s.metrics.encode();
+    if let Some(tenants) = &s.tenants {
+        tenant_metrics(&mut text, &tenants.report());
+    }
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, metrics::CONTENT_TYPE)],
-        s.metrics.encode(),
+        text,
     )
         .into_response()
+}
+
+/// `GET /management/v1/tenants`: every tenant with its models, rates and use (never a key).
+async fn tenants(State(s): State<AppState>) -> Response {
+    let list = TenantList {
+        tenants: s.tenants.as_ref().map(|t| t.report()).unwrap_or_default(),
+    };
+    json_sized(StatusCode::OK, &list, 256 * list.tenants.len() + 32)
+}
+
+/// The body of `GET /management/v1/tenants`.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct TenantList {
+    /// In the order configured; empty: no keys are asked for.
+    pub tenants: Vec<TenantReport>,
+}
+
+/// Adds each tenant's counters to the OpenMetrics `text`, before its `# EOF`:
+/// `capyctl_tenant_requests_total{tenant,code}`, `capyctl_tenant_tokens_total{tenant}` and
+/// `capyctl_tenant_waiting{tenant}`. (Tenant names are DNS labels: nothing to escape.)
+fn tenant_metrics(text: &mut String, tenants: &[TenantReport]) {
+    use std::fmt::Write as _;
+    if tenants.is_empty() {
+        return;
+    }
+    let eof = text.rfind("# EOF").unwrap_or(text.len());
+    let tail = text.split_off(eof);
+    let mut add = |line: std::fmt::Arguments<'_>| {
+        let _ = writeln!(text, "{line}");
+    };
+    add(format_args!(
+        "# HELP capyctl_tenant_requests Answers to a tenant's requests, by HTTP status."
+    ));
+    add(format_args!("# TYPE capyctl_tenant_requests counter"));
+    for t in tenants {
+        for (code, n) in &t.answers {
+            add(format_args!(
+                "capyctl_tenant_requests_total{{tenant=\"{}\",code=\"{code}\"}} {n}",
+                t.name
+            ));
+        }
+    }
+    add(format_args!(
+        "# HELP capyctl_tenant_tokens Tokens of a tenant's answers, from the engines' usage."
+    ));
+    add(format_args!("# TYPE capyctl_tenant_tokens counter"));
+    for t in tenants {
+        add(format_args!(
+            "capyctl_tenant_tokens_total{{tenant=\"{}\"}} {}",
+            t.name, t.tokens
+        ));
+    }
+    add(format_args!(
+        "# HELP capyctl_tenant_waiting A tenant's requests waiting for their admission now."
+    ));
+    add(format_args!("# TYPE capyctl_tenant_waiting gauge"));
+    for t in tenants {
+        add(format_args!(
+            "capyctl_tenant_waiting{{tenant=\"{}\"}} {}",
+            t.name, t.waiting
+        ));
+    }
+    text.push_str(&tail);
 }
 
 #[cfg(test)]

@@ -24,6 +24,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use capyctl_interfaces::tenants::{Tenant, TenantRate};
 use capyctl_node_agent::agent::AgentConfig;
 use capyctl_node_agent::inventory::{GpuProbe, default_probe};
 use capyctl_node_agent::remote::{RemoteConfig, RemoteHostAgent};
@@ -31,8 +32,9 @@ use capyctl_node_agent::spec::HostSettings;
 use capyctl_node_agent::{AgentError, LocalHostAgent};
 use capyctl_router::config::RouterConfig;
 use capyctl_router::proxy::ProxyConfig;
+use capyctl_router::tenants::Tenants;
 use capyctl_spec::errors::ApiError;
-use capyctl_spec::settings::StandaloneConfig;
+use capyctl_spec::settings::{StandaloneConfig, TenantSettings};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -93,6 +95,10 @@ pub enum StandaloneError {
         /// Why.
         detail: String,
     },
+    /// `server.inference_auth` was refused by the key table (the document's own check
+    /// passed; this only catches a rule the two would disagree on).
+    #[error("server.inference_auth: {0}")]
+    Tenants(String),
     /// A deployment of the document was refused.
     #[error("deployment {name} of the standalone document: {source}")]
     Deploy {
@@ -118,8 +124,28 @@ impl StandaloneError {
             StandaloneError::Lock { .. } => "lock",
             StandaloneError::Tls(e) => e.metric_label(),
             StandaloneError::NodeAgent { .. } => "node_agent",
+            StandaloneError::Tenants(_) => "tenants",
         }
     }
+}
+
+/// The router's tenants of `server.inference_auth` (the interfaces' value).
+pub fn tenant_list(set: &[TenantSettings]) -> Vec<Tenant> {
+    set.iter()
+        .map(|t| Tenant {
+            name: t.name.clone(),
+            keys: t.keys.iter().map(|k| k.0.clone()).collect(),
+            models: t.models.clone(),
+            rate: (t.requests_per_minute.is_some() || t.tokens_per_minute.is_some()).then(|| {
+                TenantRate {
+                    requests_per_minute: t
+                        .requests_per_minute
+                        .map(|r| u32::try_from(r).unwrap_or(u32::MAX)),
+                    tokens_per_minute: t.tokens_per_minute,
+                }
+            }),
+        })
+        .collect()
 }
 
 /// The name of the data directory's lock file.
@@ -259,6 +285,8 @@ pub struct Standalone {
     /// The document's deployments, checked by `listen` and not deployed yet
     /// ([`Standalone::deploy_checked`]).
     checked: std::sync::Mutex<Option<Checked>>,
+    /// The inference listener's tenants (`server.inference_auth`).
+    tenants: Arc<Tenants>,
 }
 
 /// The files of a data directory that a start creates, noted before it begins: dropped
@@ -424,6 +452,13 @@ impl Standalone {
         )?;
 
         let (stop, _) = watch::channel(false);
+        let tenants = Arc::new(Tenants::new());
+        // Before the listener opens: no request is served without a key meant to need one.
+        if let Some(set) = &config.server.inference_auth {
+            tenants
+                .install(tenant_list(set))
+                .map_err(StandaloneError::Tenants)?;
+        }
         let inference = Inference {
             listener: inference,
             config: ProxyConfig {
@@ -433,6 +468,7 @@ impl Standalone {
             observer: Some(metrics.clone()),
             stop: stop.subscribe(),
             give_back: None,
+            tenants: Arc::clone(&tenants),
         };
         let assembled = assemble(
             &server,
@@ -448,6 +484,7 @@ impl Standalone {
             let options = ManagementOptions {
                 token: admin_token.clone(),
                 metrics,
+                tenants: Some(Arc::clone(&tenants)),
             };
             tasks.push(tokio::spawn(async move {
                 let shutdown = async move {
@@ -472,6 +509,7 @@ impl Standalone {
             stop,
             tasks,
             checked: std::sync::Mutex::new(Some(checked)),
+            tenants,
         })
     }
 
@@ -509,6 +547,19 @@ impl Standalone {
         self.server.set_ready(true);
         tracing::info!(deployments = count, "standalone ready");
         Ok(())
+    }
+
+    /// Replaces the inference listener's tenants with `server.inference_auth` of a document
+    /// read again (SIGHUP): `None` turns keys off. A set that is refused changes nothing and
+    /// says what is wrong (never a key).
+    pub fn replace_tenants(&self, set: Option<&[TenantSettings]>) -> Result<(), String> {
+        self.tenants
+            .install(set.map(tenant_list).unwrap_or_default())
+    }
+
+    /// The inference listener's tenants.
+    pub fn tenants(&self) -> &Arc<Tenants> {
+        &self.tenants
     }
 
     /// Where the inference listener listens.

@@ -274,6 +274,7 @@ async fn start_server_with(token: &str) -> Server {
     let options = ManagementOptions {
         token: token.to_string(),
         metrics: metrics.clone(),
+        tenants: None,
     };
     let task = tokio::spawn(management::serve(listener, fake.clone(), options, async {
         let _ = stopped.await;

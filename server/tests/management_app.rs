@@ -59,6 +59,7 @@ async fn app() -> App {
         ManagementOptions {
             token: TOKEN.to_string(),
             metrics,
+            tenants: None,
         },
     );
     App {

@@ -24,8 +24,9 @@ pub fn bearer_matches(authorization: Option<&[u8]>, token: &[u8]) -> bool {
     !token.is_empty() && constant_time_eq(given, token)
 }
 
-/// The credentials of a `Bearer` header value.
-fn bearer(value: &[u8]) -> Option<&[u8]> {
+/// The credentials of a `Bearer` header value (the scheme in any case, surrounding spaces
+/// ignored).
+pub fn bearer(value: &[u8]) -> Option<&[u8]> {
     let (scheme, rest) = value.split_at_checked(6)?;
     if !scheme.eq_ignore_ascii_case(b"bearer") || rest.first() != Some(&b' ') {
         return None;

@@ -3,7 +3,8 @@
 //! Each variant renders the exact status, `code`, `message` and `retryable` of the product page
 //! ("Errors while waiting", "Only on your command") or, where the page names a code without a
 //! message, the message CapyCTL chose (see the variant's doc). The JSON body is always
-//! `{"code": ..., "message": ..., "retryable": ...}`; every 429 also carries `Retry-After: 1`.
+//! `{"code": ..., "message": ..., "retryable": ...}`; every 429 also carries `Retry-After: 1`
+//! (a tenant's `rate_limited`: the seconds until it would be admitted).
 //!
 //! `<deployment id>` in the messages is the deployment's ID (a ULID), not its name.
 
@@ -154,6 +155,22 @@ pub enum ApiError {
     },
     /// 401 `unauthorized`: the management API needs `Authorization: Bearer <admin token>`.
     Unauthorized,
+    /// 401 `unauthorized`: with tenants configured, the inference API needs `Authorization:
+    /// Bearer <key>` with a tenant's key (the same answer for a missing, malformed or unknown
+    /// key).
+    KeyRequired,
+    /// 429 `rate_limited`: a tenant passed its rate (`requests_per_minute` or
+    /// `tokens_per_minute`); `Retry-After` is the seconds until it would be admitted.
+    RateLimited {
+        /// The tenant's name.
+        tenant: String,
+        /// `requests` or `tokens`.
+        what: &'static str,
+        /// Its rate per minute.
+        limit: u64,
+        /// Seconds until a request would be admitted (at least 1).
+        retry_after: u32,
+    },
     /// 409 `awaiting_measurement`: a start without `--wait` of a checkpoint not measured yet.
     AwaitingMeasurement {
         /// The deployment's ID.
@@ -224,7 +241,8 @@ impl ApiError {
             | ApiError::BufferedBytes
             | ApiError::InFlightDeadline { .. }
             | ApiError::InFlightNoWait { .. }
-            | ApiError::NotServableNoWait { .. } => 429,
+            | ApiError::NotServableNoWait { .. }
+            | ApiError::RateLimited { .. } => 429,
             ApiError::DeploymentStopped { .. }
             | ApiError::DeploymentInactive { .. }
             | ApiError::CapabilityMissingDeepPark { .. }
@@ -239,7 +257,7 @@ impl ApiError {
             ApiError::RequestTooLarge { .. } => 413,
             ApiError::UriTooLong { .. } => 414,
             ApiError::NotImplemented { .. } => 501,
-            ApiError::Unauthorized => 401,
+            ApiError::Unauthorized | ApiError::KeyRequired => 401,
         }
     }
 
@@ -266,7 +284,8 @@ impl ApiError {
             ApiError::RequestTooLarge { .. } => "request_too_large",
             ApiError::UriTooLong { .. } => "uri_too_long",
             ApiError::NotImplemented { .. } => "not_implemented",
-            ApiError::Unauthorized => "unauthorized",
+            ApiError::Unauthorized | ApiError::KeyRequired => "unauthorized",
+            ApiError::RateLimited { .. } => "rate_limited",
             ApiError::AwaitingMeasurement { .. } => "awaiting_measurement",
             ApiError::DoesNotFit { .. } => "does_not_fit",
             ApiError::Conflict { .. } => "conflict",
@@ -282,10 +301,13 @@ impl ApiError {
         matches!(self.status(), 503 | 502 | 429)
     }
 
-    /// The `Retry-After` header's seconds: 1 on every 429, the hold-over's or fence's own on
-    /// [`ApiError::Unavailable`], none otherwise.
+    /// The `Retry-After` header's seconds: 1 on every 429 but a tenant's rate, the
+    /// hold-over's or fence's own on [`ApiError::Unavailable`], the seconds until admitted on
+    /// [`ApiError::RateLimited`], none otherwise.
     pub fn retry_after(&self) -> Option<u32> {
-        if let ApiError::Unavailable { retry_after, .. } = self {
+        if let ApiError::Unavailable { retry_after, .. }
+        | ApiError::RateLimited { retry_after, .. } = self
+        {
             return Some(*retry_after);
         }
         (self.status() == 429).then_some(RETRY_AFTER_SECONDS)
@@ -357,6 +379,18 @@ impl ApiError {
             ApiError::Unauthorized => {
                 "the management API needs `Authorization: Bearer <admin token>`".to_string()
             }
+            ApiError::KeyRequired => {
+                "the inference API needs `Authorization: Bearer <API key>` with a valid key"
+                    .to_string()
+            }
+            ApiError::RateLimited {
+                tenant,
+                what,
+                limit,
+                retry_after,
+            } => format!(
+                "tenant {tenant} passed its rate of {limit} {what} per minute; retry in {retry_after} s"
+            ),
             ApiError::AwaitingMeasurement { deployment } => format!(
                 "deployment {deployment} is awaiting the measurement of its checkpoint; start it with `capyctl start deployment {deployment} --wait`"
             ),
@@ -414,7 +448,8 @@ impl ApiError {
             ApiError::RequestTooLarge { .. } => "request_too_large",
             ApiError::UriTooLong { .. } => "uri_too_long",
             ApiError::NotImplemented { .. } => "not_implemented",
-            ApiError::Unauthorized => "unauthorized",
+            ApiError::Unauthorized | ApiError::KeyRequired => "unauthorized",
+            ApiError::RateLimited { .. } => "rate_limited",
             ApiError::AwaitingMeasurement { .. } => "awaiting_measurement",
             ApiError::DoesNotFit { .. } => "does_not_fit",
             ApiError::Conflict { .. } => "conflict",
@@ -518,6 +553,31 @@ mod tests {
             503,
             "adapter_load_failed",
             "adapter support-bot could not be loaded into its base: No adapter found for /models/x; retry shortly",
+        );
+    }
+
+    #[test]
+    fn tenant_errors() {
+        let e = ApiError::KeyRequired;
+        assert_eq!(
+            (e.status(), e.code(), e.retryable()),
+            (401, "unauthorized", false)
+        );
+        assert_eq!(e.retry_after(), None);
+        let e = ApiError::RateLimited {
+            tenant: "team-a".into(),
+            what: "requests",
+            limit: 60,
+            retry_after: 7,
+        };
+        assert_eq!(
+            (e.status(), e.code(), e.retryable()),
+            (429, "rate_limited", true)
+        );
+        assert_eq!(e.retry_after(), Some(7));
+        assert_eq!(
+            e.message(),
+            "tenant team-a passed its rate of 60 requests per minute; retry in 7 s"
         );
     }
 

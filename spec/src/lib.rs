@@ -11,6 +11,7 @@
 //! - [`overrides`]: `--set a.b=c` and `CAPYCTL_SET__A__B=c`;
 //! - [`api`]: the management API's JSON bodies, shared by server and CLI;
 //! - [`errors`]: the HTTP error catalogue of the product page;
+//! - [`tenants`]: the rules of the inference listener's tenants and keys;
 //! - the shared vocabularies [`EngineKind`], [`Residency`], [`Activation`], [`InstanceState`].
 //!
 //! Nothing here does I/O beyond reading a document file and the hostname.
@@ -25,6 +26,7 @@ pub mod fuzz;
 mod kinds;
 pub mod overrides;
 pub mod settings;
+pub mod tenants;
 pub mod units;
 
 pub use kinds::{Activation, EngineKind, InstanceState, Residency, Routing, UnknownValue};

@@ -283,6 +283,23 @@ pub struct ServerConfig {
     pub lifecycle_defaults: LifecycleDefaults,
     /// A file holding the admin token; standalone generates one in its data directory when absent.
     pub admin_token_file: Option<PathBuf>,
+    /// `inference_auth.tenants` (standalone), key files read; `None`: no keys.
+    pub inference_auth: Option<Vec<TenantSettings>>,
+}
+
+/// One tenant of `server.inference_auth`, resolved (the rules: [`crate::tenants`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TenantSettings {
+    /// Its name.
+    pub name: String,
+    /// Its keys, from `keys` then `key_files` (never shown by `Debug`).
+    pub keys: Vec<crate::tenants::ApiKey>,
+    /// Its model names or globs; `None`: every model.
+    pub models: Option<Vec<String>>,
+    /// `rate.requests_per_minute`.
+    pub requests_per_minute: Option<u64>,
+    /// `rate.tokens_per_minute`.
+    pub tokens_per_minute: Option<u64>,
 }
 
 /// How to launch one engine kind (`host.engines.<kind>`).

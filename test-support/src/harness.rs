@@ -177,6 +177,7 @@ impl Harness {
             observer: None,
             stop: rx,
             give_back: None,
+            tenants: Default::default(),
         };
         let Assembly { router, inference } =
             assemble(&server, server.clone(), router_config(), Some(inference)).await;

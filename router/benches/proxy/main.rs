@@ -7,6 +7,7 @@
 //! cargo bench -p capyctl-router --bench proxy -- --nginx /usr/sbin/nginx  # nginx as a third side
 //! cargo bench -p capyctl-router --bench proxy -- --seconds 2 --rounds 5 --admission trivial
 //! cargo bench -p capyctl-router --bench proxy -- --replicas   # 1, 2, 4 instances (`proxy/replicas.rs`)
+//! cargo bench -p capyctl-router --bench proxy -- --tenants 1000  # a third side: keys of 1,000 tenants
 //! ```
 //!
 //! The engine simulator runs in-process at token rate 0 (as fast as it can), with the proxy in
@@ -80,6 +81,9 @@ usage: cargo bench -p capyctl-router --bench proxy -- [options]
   --memory                 the router's RSS with --waiting requests waiting for a parked deployment
                            (the clients run in a child process)
   --waiting N              for --memory (default 4096)
+  --tenants N              also a router whose listener has N tenants with keys and rates (one
+                           tenant's key sent), as a third side beside the router without keys;
+                           every side's requests then carry that `Authorization` header
   --replicas [--help]      requests per second with 1, 2 and 4 instances of one deployment, each
                            against the same engines reached directly (its own options: see
                            --replicas --help)
@@ -115,6 +119,38 @@ struct Args {
     nginx: Option<String>,
     /// `--memory-clients ADDR N`: the client side of `--memory` (a child process).
     memory_clients: Option<(SocketAddr, usize)>,
+    /// `--tenants N`: a third side, the router with N tenants' keys.
+    tenants: Option<usize>,
+}
+
+/// The `Authorization` header every request carries with `--tenants` (one tenant's key).
+static AUTHORIZATION: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// A table of `n` tenants as a production configuration would have them: two keys each, the
+/// bench's model among their globs, and rates high enough never to refuse.
+fn bench_tenants(n: usize) -> Arc<capyctl_router::tenants::Tenants> {
+    use capyctl_interfaces::tenants::{Tenant, TenantRate, TenantTable};
+    let table = Arc::new(capyctl_router::tenants::Tenants::new());
+    let tenants = (0..n)
+        .map(|i| Tenant {
+            name: format!("tenant-{i:05}"),
+            keys: vec![
+                format!("sk-bench-{i:05}-aaaaaaaaaaaaaaaaaaaaaaaaaaaa"),
+                format!("sk-bench-{i:05}-bbbbbbbbbbbbbbbbbbbbbbbbbbbb"),
+            ],
+            models: Some(vec!["chat-*".to_string(), "bench-*".to_string()]),
+            rate: Some(TenantRate {
+                requests_per_minute: Some(1_000_000),
+                tokens_per_minute: Some(10_000_000_000),
+            }),
+        })
+        .collect();
+    table.replace(tenants).unwrap();
+    let _ = AUTHORIZATION.set(format!(
+        "Bearer sk-bench-{:05}-bbbbbbbbbbbbbbbbbbbbbbbbbbbb",
+        n / 2
+    ));
+    table
 }
 
 fn args() -> Args {
@@ -135,6 +171,7 @@ fn args() -> Args {
         upstream: "both".to_string(),
         nginx: None,
         memory_clients: None,
+        tenants: None,
     };
     let mut it = std::env::args().skip(1);
     let number = |it: &mut std::iter::Skip<std::env::Args>, default: usize| {
@@ -168,6 +205,7 @@ fn args() -> Args {
             "--profile" => args.profile = Some(number(&mut it, 1000)),
             "--stream" => args.stream = true,
             "--nginx" => args.nginx = it.next(),
+            "--tenants" => args.tenants = Some(number(&mut it, 1000)),
             "--waiting" => args.waiting = number(&mut it, 4096),
             "--memory-clients" => {
                 let addr = it.next().and_then(|v| v.parse().ok());
@@ -498,6 +536,16 @@ async fn start_proxy(
     setup: Setup,
     router_config: RouterConfig,
 ) -> (SocketAddr, Option<CoordinatorHandle>) {
+    start_proxy_with(sim, setup, router_config, None).await
+}
+
+/// [`start_proxy`], its listener asking for the keys of `tenants` when given.
+async fn start_proxy_with(
+    sim: SocketAddr,
+    setup: Setup,
+    router_config: RouterConfig,
+    tenants: Option<Arc<capyctl_router::tenants::Tenants>>,
+) -> (SocketAddr, Option<CoordinatorHandle>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let config = ProxyConfig {
@@ -506,8 +554,17 @@ async fn start_proxy(
         ..ProxyConfig::default()
     };
     let config = with_listener_threads(config, setup.listener_threads);
-    fn go<A: Admission>(listener: TcpListener, admission: A, config: ProxyConfig, observer: bool) {
+    fn go_with<A: Admission>(
+        listener: TcpListener,
+        admission: A,
+        config: ProxyConfig,
+        observer: bool,
+        tenants: Option<Arc<capyctl_router::tenants::Tenants>>,
+    ) {
         let mut proxy = Proxy::new(admission, catalog, config);
+        if let Some(tenants) = tenants {
+            proxy = proxy.with_tenants(tenants);
+        }
         if observer {
             proxy = proxy.with_observer(Arc::new(server_like::Metrics::default()));
         }
@@ -515,11 +572,12 @@ async fn start_proxy(
     }
     match setup.kind {
         AdmissionKind::Trivial => {
-            go(
+            go_with(
                 listener,
                 Trivial(Arc::new(upstream(sim))),
                 config,
                 setup.observer,
+                tenants,
             );
             (addr, None)
         }
@@ -531,7 +589,7 @@ async fn start_proxy(
             };
             let handle = Coordinator::spawn(lifecycle, router_config);
             handle.instance_ready(upstream(sim)).await;
-            go(listener, handle.clone(), config, setup.observer);
+            go_with(listener, handle.clone(), config, setup.observer, tenants);
             (addr, Some(handle))
         }
     }
@@ -783,11 +841,13 @@ async fn connect(addr: SocketAddr) -> Sender {
 }
 
 async fn one(sender: &mut Sender, body: &Bytes) -> (Duration, u64) {
-    let request = http::Request::post("/v1/chat/completions")
+    let mut request = http::Request::post("/v1/chat/completions")
         .header("host", "bench")
-        .header("content-type", "application/json")
-        .body(Full::new(body.clone()))
-        .unwrap();
+        .header("content-type", "application/json");
+    if let Some(key) = AUTHORIZATION.get() {
+        request = request.header("authorization", key.as_str());
+    }
+    let request = request.body(Full::new(body.clone())).unwrap();
     let start = Instant::now();
     sender.ready().await.unwrap();
     let response = sender.send_request(request).await.unwrap();
@@ -1184,6 +1244,25 @@ fn main() {
                 meter: Meter::Threads(ROUTER_THREADS),
             },
         ];
+        let keyed = args.tenants.map(|n| {
+            run(
+                &proxy_rt,
+                start_proxy_with(
+                    upstream,
+                    Setup::of(&args),
+                    RouterConfig::default(),
+                    Some(bench_tenants(n)),
+                ),
+            )
+        });
+        if let Some((keyed, _)) = &keyed {
+            let keyed = *keyed;
+            sides.push(Side {
+                name: "router+keys",
+                addr: keyed,
+                meter: Meter::Threads(ROUTER_THREADS),
+            });
+        }
         let nginx = args.nginx.as_deref().map(|b| Nginx::start(b, upstream));
         if let Some(nginx) = &nginx {
             sides.push(Side {
@@ -1286,6 +1365,16 @@ async fn compare(sides: Vec<Side>, cases: Vec<Case>, rounds: usize, seconds: f64
                     median(p50s),
                 );
             }
+        }
+        if let Some(k) = sides.iter().position(|s| s.name == "router+keys") {
+            let (r, keyed) = (&figures[1], &figures[k]);
+            println!(
+                "    router+keys/router: CPU per request {:.3} ({:+.1} µs)   req/s {:.3}   added p50 {:.3} ms",
+                keyed.proxy_cpu_us / r.proxy_cpu_us,
+                keyed.proxy_cpu_us - r.proxy_cpu_us,
+                keyed.rps / r.rps,
+                keyed.p50_ms - r.p50_ms,
+            );
         }
         if sides.len() > 2 {
             let r = &figures[1];

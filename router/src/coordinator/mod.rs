@@ -742,6 +742,7 @@ impl CoordinatorHandle {
         deployment: DeploymentRef,
         deadline: Instant,
         prefix: Option<u64>,
+        tenant: Option<Arc<str>>,
     ) -> Result<CoordinatorPermit, ApiError> {
         // A prefix key matters only to a deployment routed by `prefix`.
         let prefix = prefix.filter(|_| deployment.routing == capyctl_spec::Routing::Prefix);
@@ -779,6 +780,7 @@ impl CoordinatorHandle {
                     deadline,
                     prefix,
                     priority: deployment.priority,
+                    tenant,
                 },
                 reply,
             })
@@ -802,7 +804,7 @@ impl Admission for CoordinatorHandle {
         deployment: DeploymentRef,
         deadline: Instant,
     ) -> impl Future<Output = Result<Self::Permit, ApiError>> + Send {
-        self.clone().admit_inner(deployment, deadline, None)
+        self.clone().admit_inner(deployment, deadline, None, None)
     }
 
     fn admit_routed(
@@ -811,7 +813,18 @@ impl Admission for CoordinatorHandle {
         deadline: Instant,
         prefix: Option<u64>,
     ) -> impl Future<Output = Result<Self::Permit, ApiError>> + Send {
-        self.clone().admit_inner(deployment, deadline, prefix)
+        self.clone().admit_inner(deployment, deadline, prefix, None)
+    }
+
+    fn admit_as(
+        &self,
+        deployment: DeploymentRef,
+        deadline: Instant,
+        prefix: Option<u64>,
+        tenant: Option<Arc<str>>,
+    ) -> impl Future<Output = Result<Self::Permit, ApiError>> + Send {
+        self.clone()
+            .admit_inner(deployment, deadline, prefix, tenant)
     }
 }
 

@@ -86,6 +86,9 @@ pub(crate) struct AdmitRequest {
     pub prefix: Option<u64>,
     /// Its deployment's `priority` as the request resolved it (DESIGN 4.10; 0 when unset).
     pub priority: i32,
+    /// Its tenant, when the listener asks for keys (DESIGN 4.10: fair waiting, see
+    /// [`Dep::next_waiter`]); `None`: no tenants.
+    pub tenant: Option<Arc<str>>,
 }
 
 /// What the state asks of the world. The task implements it with channels and spawned
@@ -137,6 +140,8 @@ struct Waiter {
     deadline: Instant,
     /// See [`AdmitRequest::prefix`].
     prefix: Option<u64>,
+    /// See [`AdmitRequest::tenant`].
+    tenant: Option<Arc<str>>,
 }
 
 /// A ready instance the router routes to.
@@ -220,9 +225,85 @@ struct Dep {
     /// Its `priority`, as its latest request resolved it: of the waves waiting for room, the
     /// higher priority's is planned first ([`State::maybe_plan`]).
     priority: i32,
+    /// The tenant of the waiter released last ([`Dep::next_waiter`]).
+    last_tenant: Option<Arc<str>>,
 }
 
 impl Dep {
+    /// Takes the next waiter to release (DESIGN 4.10, fair waiting). Without tenants (no
+    /// waiter has one): the oldest, first come first served as the page says. With tenants:
+    /// round-robin across the tenants waiting, in the order of their names, starting after
+    /// the tenant released last; within one tenant, its oldest.
+    ///
+    /// NB: a scan of the queue (bounded by `max_pending_per_deployment`) only when a waiter
+    /// has a tenant; the queue stays in arrival order, which the deadlines and the waves read.
+    fn next_waiter(&mut self) -> Option<Waiter> {
+        if self.queue.front()?.tenant.is_none() && self.queue.iter().all(|w| w.tenant.is_none()) {
+            return self.queue.pop_front();
+        }
+        let after = self.last_tenant.as_deref();
+        // The oldest waiter of the first tenant after `after`, else of the first tenant.
+        let mut next: Option<(&str, usize)> = None;
+        let mut first: Option<(&str, usize)> = None;
+        for (i, w) in self.queue.iter().enumerate() {
+            let t = w.tenant.as_deref().unwrap_or("");
+            if first.is_none_or(|(f, _)| t < f) {
+                first = Some((t, i));
+            }
+            if after.is_none_or(|a| t > a) && next.is_none_or(|(n, _)| t < n) {
+                next = Some((t, i));
+            }
+        }
+        let (_, at) = next.or(first)?;
+        let w = self.queue.remove(at)?;
+        self.last_tenant.clone_from(&w.tenant);
+        Some(w)
+    }
+
+    /// Whether `tenant` may queue one more request, with `limit` the deployment's waiting
+    /// limit: its share is the limit divided among the tenants waiting, itself included
+    /// (never less than 1). When the queue is full but `tenant` is under its share, the
+    /// newest waiter of the tenant with the most waiters (over its share) is the one to
+    /// refuse: `Ok(Some(index))`. `Err(())`: `tenant` is at its share (or the queue is full
+    /// without tenants).
+    fn fair_room(&self, tenant: Option<&str>, limit: usize) -> Result<Option<usize>, ()> {
+        let Some(tenant) = tenant else {
+            return if self.queue.len() >= limit {
+                Err(())
+            } else {
+                Ok(None)
+            };
+        };
+        let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+        for w in &self.queue {
+            *counts.entry(w.tenant.as_deref().unwrap_or("")).or_default() += 1;
+        }
+        let own = counts.get(tenant).copied().unwrap_or(0);
+        let tenants = counts.len() + usize::from(own == 0);
+        let share = (limit / tenants).max(1);
+        if own >= share {
+            return Err(());
+        }
+        if self.queue.len() < limit {
+            return Ok(None);
+        }
+        // Full: the most waiting tenant (the first by name among equals) gives up its newest.
+        let (most, n) = counts
+            .iter()
+            .max_by(|a, b| a.1.cmp(b.1).then(b.0.cmp(a.0)))
+            .map(|(t, n)| (*t, *n))
+            .ok_or(())?;
+        if n <= share {
+            return Err(());
+        }
+        let at = self
+            .queue
+            .iter()
+            .rposition(|w| w.tenant.as_deref().unwrap_or("") == most)
+            .ok_or(())?;
+        Ok(Some(at))
+    }
+
     fn has_open(&self) -> bool {
         self.instances.values().any(|i| i.open)
     }
@@ -1313,17 +1394,30 @@ impl State {
         let Some(dep) = self.deployments.get_mut(&req.deployment) else {
             return;
         };
-        if dep.queue.len() >= self.config.max_pending_per_deployment
-            || self.waiting_total >= self.config.max_pending_total
-        {
-            fx.refuse(
-                req.ticket,
-                ApiError::TooManyWaiting {
-                    deployment: req.deployment,
-                },
-            );
-            return;
+        let room = dep.fair_room(
+            req.tenant.as_deref(),
+            self.config.max_pending_per_deployment,
+        );
+        let full = || ApiError::TooManyWaiting {
+            deployment: req.deployment.clone(),
+        };
+        let evict = match room {
+            Ok(evict) if evict.is_some() || self.waiting_total < self.config.max_pending_total => {
+                evict
+            }
+            Ok(_) | Err(()) => {
+                fx.refuse(req.ticket, full());
+                return;
+            }
+        };
+        // A tenant over its share gives its newest place to one under it.
+        if let Some(w) = evict.and_then(|at| dep.queue.remove(at)) {
+            self.forget_waiter(&w);
+            fx.refuse(w.ticket, full());
         }
+        let Some(dep) = self.deployments.get_mut(&req.deployment) else {
+            return;
+        };
         // NB (memory at scale): a queue keeps its room once emptied, and most hold one request
         // at a time: the first takes room for one, not the four of a first push.
         if dep.queue.capacity() == 0 {
@@ -1334,6 +1428,7 @@ impl State {
             enqueued_at: now,
             deadline: req.deadline,
             prefix: req.prefix,
+            tenant: req.tenant,
         });
         self.waiting.insert(req.ticket, req.deployment);
         self.waiting_total += 1;
@@ -1358,7 +1453,7 @@ impl State {
             if !dep.has_room(cap) {
                 return;
             }
-            let Some(w) = dep.queue.pop_front() else {
+            let Some(w) = dep.next_waiter() else {
                 return;
             };
             let at_bound = dep.at_bound(&w, now);
@@ -2164,6 +2259,7 @@ mod tests {
             deadline,
             prefix: None,
             priority: 0,
+            tenant: None,
         }
     }
 
@@ -2336,6 +2432,137 @@ mod tests {
             &mut fx,
         );
         assert_eq!(fx.take(), vec![Fx::Abandon("old".into())]);
+    }
+
+    fn as_tenant(ticket: Ticket, tenant: &str, deadline: Instant) -> AdmitRequest {
+        AdmitRequest {
+            tenant: Some(Arc::from(tenant)),
+            ..req(ticket, "a", deadline)
+        }
+    }
+
+    /// One request runs on "a" at a time; `limit` may wait.
+    fn one_at_a_time(t: Instant, limit: usize) -> (State, Recorder) {
+        let mut s = State::new(RouterConfig {
+            in_flight_per_instance: 1,
+            max_pending_per_deployment: limit,
+            ..RouterConfig::default()
+        });
+        let mut fx = Recorder::default();
+        s.instance_ready(t, up("a"), &mut fx);
+        (s, fx)
+    }
+
+    fn end_one(s: &mut State, t: Instant, fx: &mut Recorder) -> Vec<Fx> {
+        let done = Finished {
+            key: key("a"),
+            serial: 0,
+            output: true,
+            cut: false,
+        };
+        s.finished(t, done, fx);
+        fx.take()
+    }
+
+    /// DESIGN 4.10: beyond the running bound, requests start round-robin across tenants, first
+    /// come first served within one: tenant x's burst of 5 does not keep y's and z's single
+    /// requests behind it.
+    #[tokio::test(start_paused = true)]
+    async fn tenants_take_turns_beyond_the_running_bound() {
+        let t = Instant::now();
+        let far = t + Duration::from_secs(600);
+        let (mut s, mut fx) = one_at_a_time(t, 64);
+        s.admit(t, as_tenant(1, "x", far), &mut fx);
+        assert_eq!(fx.take(), vec![Fx::Grant(1)]);
+        for ticket in 2..=6 {
+            s.admit(t, as_tenant(ticket, "x", far), &mut fx);
+        }
+        tokio::time::advance(Duration::from_millis(10)).await;
+        s.admit(Instant::now(), as_tenant(7, "z", far), &mut fx);
+        s.admit(Instant::now(), as_tenant(8, "y", far), &mut fx);
+        s.admit(Instant::now(), as_tenant(9, "y", far), &mut fx);
+        assert!(fx.take().is_empty());
+        // In the order of the names, from the first (a request granted at once takes no
+        // turn): x, y, z, x, y, then x's last (each tenant's oldest first).
+        let mut order = Vec::new();
+        for _ in 0..8 {
+            tokio::time::advance(Duration::from_millis(10)).await;
+            order.extend(end_one(&mut s, Instant::now(), &mut fx));
+        }
+        let granted: Vec<Ticket> = order
+            .iter()
+            .map(|f| match f {
+                Fx::Grant(t) => *t,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(granted, [2, 8, 7, 3, 9, 4, 5, 6]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_tenants_the_queue_is_first_come_first_served() {
+        let t = Instant::now();
+        let far = t + Duration::from_secs(600);
+        let (mut s, mut fx) = one_at_a_time(t, 64);
+        for ticket in 1..=4 {
+            s.admit(t, req(ticket, "a", far), &mut fx);
+        }
+        assert_eq!(fx.take(), vec![Fx::Grant(1)]);
+        for want in 2..=4 {
+            assert_eq!(end_one(&mut s, t, &mut fx), vec![Fx::Grant(want)]);
+        }
+    }
+
+    /// One tenant's waiting limit is the deployment's divided among the tenants waiting
+    /// (never less than 1): a tenant that filled the queue alone gives its newest place to a
+    /// newcomer under its share.
+    #[tokio::test(start_paused = true)]
+    async fn the_waiting_limit_is_shared_among_the_tenants_waiting() {
+        let t = Instant::now();
+        let far = t + Duration::from_secs(600);
+        let (mut s, mut fx) = one_at_a_time(t, 4);
+        s.admit(t, as_tenant(1, "x", far), &mut fx);
+        for ticket in 2..=5 {
+            s.admit(t, as_tenant(ticket, "x", far), &mut fx);
+        }
+        assert_eq!(fx.take(), vec![Fx::Grant(1)]);
+        // Alone, x has the whole limit: its fifth waiter is refused.
+        s.admit(t, as_tenant(6, "x", far), &mut fx);
+        let full = ApiError::TooManyWaiting {
+            deployment: "a".into(),
+        };
+        assert_eq!(fx.take(), vec![Fx::Refuse(6, full.clone())]);
+        // y comes: the share is 2 each; x's newest gives up its place.
+        s.admit(t, as_tenant(7, "y", far), &mut fx);
+        assert_eq!(fx.take(), vec![Fx::Refuse(5, full.clone())]);
+        s.admit(t, as_tenant(8, "y", far), &mut fx);
+        assert_eq!(fx.take(), vec![Fx::Refuse(4, full.clone())]);
+        // y at its share of 2: its third is refused, x keeps 2 and 3.
+        s.admit(t, as_tenant(9, "y", far), &mut fx);
+        assert_eq!(fx.take(), vec![Fx::Refuse(9, full.clone())]);
+        // x (over its share no more) gets nothing more either.
+        s.admit(t, as_tenant(10, "x", far), &mut fx);
+        assert_eq!(fx.take(), vec![Fx::Refuse(10, full.clone())]);
+        assert_eq!(s.waiting_total, 4);
+        // z comes: three tenants on a limit of 4, a share of 1 each; x and y are over it, and
+        // x (the first of the two by name) gives up its newest.
+        s.admit(t, as_tenant(11, "z", far), &mut fx);
+        assert_eq!(fx.take(), vec![Fx::Refuse(3, full.clone())]);
+        // A fourth tenant: a share of 1 each; y still has 2, over it: its newest gives way.
+        s.admit(t, as_tenant(12, "w", far), &mut fx);
+        assert_eq!(fx.take(), vec![Fx::Refuse(8, full.clone())]);
+        // A fifth: everyone is at a share of 1 (4 / 5, never less than 1): refused.
+        s.admit(t, as_tenant(13, "v", far), &mut fx);
+        assert_eq!(fx.take(), vec![Fx::Refuse(13, full)]);
+        let mut order = Vec::new();
+        for _ in 0..4 {
+            order.extend(end_one(&mut s, t, &mut fx));
+        }
+        // Round-robin by name: w, x, y, z.
+        assert_eq!(
+            order,
+            vec![Fx::Grant(12), Fx::Grant(2), Fx::Grant(7), Fx::Grant(11)]
+        );
     }
 
     #[test]

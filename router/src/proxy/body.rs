@@ -230,6 +230,77 @@ impl<P: Permit> Drop for Charge<P> {
 /// The body of every answer the listener sends.
 pub struct ProxyBody {
     kind: Kind,
+    /// Reads the engine's usage as the body passes, for a tenant's tokens.
+    tap: Option<Box<UsageTap>>,
+}
+
+/// The tail of an engine's answer, where its `usage` is (a non-streamed answer's object ends
+/// with it; a stream that asked for it has it in its last chunk): when the body is dropped,
+/// the tenant is charged the last `"total_tokens"` seen.
+pub(crate) struct UsageTap {
+    tenant: Arc<crate::tenants::TenantEntry>,
+    /// The latest frames (shared, not copied): at least [`USAGE_TAIL`] bytes of them once the
+    /// answer is that long.
+    tail: std::collections::VecDeque<Bytes>,
+    /// Their bytes.
+    held: usize,
+}
+
+/// The bytes of an answer's end that [`UsageTap`] reads.
+const USAGE_TAIL: usize = 4096;
+
+impl UsageTap {
+    pub(crate) fn new(tenant: Arc<crate::tenants::TenantEntry>) -> Box<Self> {
+        Box::new(Self {
+            tenant,
+            tail: std::collections::VecDeque::new(),
+            held: 0,
+        })
+    }
+
+    fn feed(&mut self, data: &Bytes) {
+        self.held += data.len();
+        self.tail.push_back(data.clone());
+        while self
+            .tail
+            .front()
+            .is_some_and(|f| self.held - f.len() >= USAGE_TAIL)
+        {
+            if let Some(f) = self.tail.pop_front() {
+                self.held -= f.len();
+            }
+        }
+    }
+
+    /// The last [`USAGE_TAIL`] bytes (or fewer), in one piece.
+    fn last_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.held);
+        for f in &self.tail {
+            out.extend_from_slice(f);
+        }
+        let cut = out.len().saturating_sub(USAGE_TAIL);
+        out.drain(..cut);
+        out
+    }
+}
+
+/// The number after the last `"total_tokens":` of `tail`.
+pub(crate) fn total_tokens(tail: &[u8]) -> Option<u64> {
+    let at = memchr::memmem::rfind(tail, b"\"total_tokens\"")?;
+    let rest = tail[at + 14..].trim_ascii_start();
+    let rest = rest.strip_prefix(b":")?.trim_ascii_start();
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
+}
+
+impl Drop for ProxyBody {
+    fn drop(&mut self) {
+        if let Some(tap) = self.tap.take()
+            && let Some(tokens) = total_tokens(&tap.last_bytes())
+        {
+            tap.tenant.charge_tokens(tokens, Instant::now());
+        }
+    }
 }
 
 enum Kind {
@@ -244,19 +315,28 @@ impl ProxyBody {
         let bytes = bytes.into();
         Self {
             kind: Kind::Full((!bytes.is_empty()).then_some(bytes)),
+            tap: None,
         }
     }
 
     pub(crate) fn direct(body: DirectBody) -> Self {
         Self {
             kind: Kind::Direct(body),
+            tap: None,
         }
     }
 
     pub(crate) fn stream(body: StreamBody) -> Self {
         Self {
             kind: Kind::Stream(body),
+            tap: None,
         }
+    }
+
+    /// The same body, its usage read for a tenant as it passes.
+    pub(crate) fn tapped(mut self, tap: Option<Box<UsageTap>>) -> Self {
+        self.tap = tap;
+        self
     }
 
     /// Reads the whole body (for tests and tools; the listener itself never does this).
@@ -273,11 +353,18 @@ impl Body for ProxyBody {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
-        match &mut self.get_mut().kind {
+        let this = self.get_mut();
+        let polled = match &mut this.kind {
             Kind::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
             Kind::Direct(body) => body.poll(cx),
             Kind::Stream(body) => body.poll(cx),
+        };
+        if let (Some(tap), Poll::Ready(Some(Ok(frame)))) = (&mut this.tap, &polled)
+            && let Some(data) = frame.data_ref()
+        {
+            tap.feed(data);
         }
+        polled
     }
 
     fn is_end_stream(&self) -> bool {

@@ -71,6 +71,7 @@ pub use conn::{serve, serve_giving_back};
 
 use crate::admission::{Admission, Permit};
 use crate::observe::{self, RequestObserver};
+use crate::tenants::{self, Auth, TenantEntry, Tenants};
 use body::{Charge, DirectBody, Start, StreamSettings, Track, Watch};
 use capyctl_interfaces::router::{Lifecycle, Upstream};
 use conn::ConnWatch;
@@ -166,6 +167,9 @@ pub struct Proxy<A: Admission> {
     observer: Option<Arc<dyn RequestObserver>>,
     /// Loads the adapters requests name (`None`: every name is a model's).
     adapters: Option<Arc<dyn Lifecycle>>,
+    /// The tenants and their keys (see [`crate::tenants`]); `None`, or none configured: no
+    /// key is asked for.
+    tenants: Option<Arc<Tenants>>,
 }
 
 impl<A: Admission> Clone for Proxy<A> {
@@ -175,6 +179,7 @@ impl<A: Admission> Clone for Proxy<A> {
             pool: Arc::clone(&self.pool),
             observer: self.observer.clone(),
             adapters: self.adapters.clone(),
+            tenants: self.tenants.clone(),
         }
     }
 }
@@ -366,6 +371,7 @@ impl<A: Admission> Proxy<A> {
             pool,
             observer: None,
             adapters: None,
+            tenants: None,
         }
     }
 
@@ -384,6 +390,7 @@ impl<A: Admission> Proxy<A> {
             pool: Self::new_pool(&self.shared.config),
             observer: self.observer.clone(),
             adapters: self.adapters.clone(),
+            tenants: self.tenants.clone(),
         }
     }
 
@@ -391,6 +398,13 @@ impl<A: Admission> Proxy<A> {
     /// [`Lifecycle::acquire_adapter`]): the lifecycle the admission resolves names with.
     pub fn with_adapters(mut self, lifecycle: Arc<dyn Lifecycle>) -> Self {
         self.adapters = Some(lifecycle);
+        self
+    }
+
+    /// Asks every request for a key of one of `tenants` while any is configured (the table
+    /// can be replaced at any time: [`Tenants::install`]).
+    pub fn with_tenants(mut self, tenants: Arc<Tenants>) -> Self {
+        self.tenants = Some(tenants);
         self
     }
 
@@ -449,12 +463,32 @@ impl<A: Admission> Proxy<A> {
     pub(crate) async fn respond(
         &self,
         mut watch: Watch,
-        head: RequestHead,
+        mut head: RequestHead,
         arrival: Instant,
         body: impl Future<Output = Result<RequestBody, Failure>> + Send,
         conn: Option<Arc<ConnWatch>>,
     ) -> Answer {
-        match self.answer(head, body, arrival, conn, &mut watch).await {
+        // With tenants, the key first: a request without a valid one learns nothing else.
+        let tenant = match self.tenants.as_deref().map(|t| t.authenticate(&head.lines)) {
+            None | Some(Auth::Off) => None,
+            Some(Auth::Tenant(tenant)) => {
+                head.lines = tenants::without_authorization(&head.lines);
+                Some(tenant)
+            }
+            Some(Auth::Refused) => {
+                let failure = Failure::Api(ApiError::KeyRequired);
+                watch.end(failure.status(), Some(failure.code()));
+                let mut response = failure.response();
+                response
+                    .headers_mut()
+                    .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+                return response.into();
+            }
+        };
+        let mut answer = match self
+            .answer(head, body, arrival, conn, &mut watch, tenant.as_ref())
+            .await
+        {
             Ok(answer) => {
                 // A fixed body (`/v1/models`, a stream that ended before output): over now.
                 watch.end(answer.status.as_u16(), None);
@@ -464,7 +498,14 @@ impl<A: Admission> Proxy<A> {
                 watch.end(failure.status(), Some(failure.code()));
                 failure.response().into()
             }
+        };
+        if let Some(tenant) = &tenant {
+            tenant.answered(answer.status.as_u16());
+            if let Some(rates) = tenant.rate_headers(Instant::now()) {
+                rates.write(&mut answer.head.headers);
+            }
         }
+        answer
     }
 
     async fn answer(
@@ -474,12 +515,13 @@ impl<A: Admission> Proxy<A> {
         arrival: Instant,
         conn: Option<Arc<ConnWatch>>,
         watch: &mut Watch,
+        tenant: Option<&Arc<TenantEntry>>,
     ) -> Result<Answer, Failure> {
         let shared = &*self.shared;
         let config = &shared.config;
         match (route(request.uri.path()), &request.method) {
             (Some(Route::Forward), &Method::POST) => {}
-            (Some(Route::Models), &Method::GET) => return Ok(self.models().into()),
+            (Some(Route::Models), &Method::GET) => return Ok(self.models(tenant).into()),
             (Some(_), _) => return Err(Failure::MethodNotAllowed),
             (None, _) => {
                 return Err(Failure::Api(ApiError::NotFound {
@@ -492,6 +534,16 @@ impl<A: Admission> Proxy<A> {
         let body = body.await?;
         let model = model_of(&body)?;
         watch.model(&model);
+        if let Some(tenant) = tenant {
+            // Before the model is resolved: one it may not use is answered as an unknown one,
+            // without looking it up.
+            if !tenant.allows(&model) {
+                return Err(Failure::Api(ApiError::ModelNotFound {
+                    model: model.into_owned(),
+                }));
+            }
+            tenant.admit(Instant::now()).map_err(Failure::Api)?;
+        }
         let Some(deployment) = shared.admission.resolve(&model) else {
             return Err(Failure::Api(ApiError::ModelNotFound {
                 model: model.into_owned(),
@@ -517,13 +569,17 @@ impl<A: Admission> Proxy<A> {
         // Where the coordinator counts a waiter's time from, so that the deadline's error is
         // decided on the same span here (below) as there.
         let asked = Instant::now();
+        let waiting = tenant.map(|t| t.waiting());
         // The admission enforces the deadline itself (and tells which error applies); the
         // grace only keeps a request from hanging should it not.
         let admitted = tokio::time::timeout_at(
             deadline + ADMIT_GRACE,
-            shared.admission.admit_routed(deployment, deadline, prefix),
+            shared
+                .admission
+                .admit_as(deployment, deadline, prefix, tenant.map(|t| t.name_arc())),
         )
         .await;
+        drop(waiting);
         watch.answered();
         let permit = match admitted {
             Ok(permit) => permit.map_err(Failure::Api)?,
@@ -603,7 +659,8 @@ impl<A: Admission> Proxy<A> {
             let mut charge: Box<dyn Track> = Box::new(charge);
             watch.hand_to(&mut *charge, status.as_u16(), false);
             let body = DirectBody::new(upstream, charge, config.stream_idle_timeout, conn);
-            return Ok(Answer::engine(engine, ProxyBody::direct(body)));
+            let body = ProxyBody::direct(body).tapped(tap(tenant));
+            return Ok(Answer::engine(engine, body));
         }
 
         let settings = StreamSettings {
@@ -618,14 +675,18 @@ impl<A: Admission> Proxy<A> {
                 if let Some(charge) = body.charge_mut() {
                     watch.hand_to(charge, status.as_u16(), true);
                 }
-                Ok(Answer::engine(engine, ProxyBody::stream(body)))
+                let body = ProxyBody::stream(body).tapped(tap(tenant));
+                Ok(Answer::engine(engine, body))
             }
-            Start::Whole(bytes) => Ok(Answer::engine(engine, ProxyBody::full(bytes))),
+            Start::Whole(bytes) => {
+                let body = ProxyBody::full(bytes).tapped(tap(tenant));
+                Ok(Answer::engine(engine, body))
+            }
             Start::Fail(failure) => Err(failure),
         }
     }
 
-    fn models(&self) -> Response<ProxyBody> {
+    fn models(&self, tenant: Option<&Arc<TenantEntry>>) -> Response<ProxyBody> {
         #[derive(Serialize)]
         struct Line<'a> {
             id: &'a str,
@@ -645,6 +706,7 @@ impl<A: Admission> Proxy<A> {
             object: "list",
             data: models
                 .iter()
+                .filter(|m| tenant.is_none_or(|t| t.allows(&m.id)))
                 .map(|m| Line {
                     id: &m.id,
                     object: "model",
@@ -658,6 +720,11 @@ impl<A: Admission> Proxy<A> {
         let body = serde_json::to_vec(&list).unwrap_or_default();
         json_response(StatusCode::OK, body)
     }
+}
+
+/// The usage tap of a tenant's answer, for its tokens.
+fn tap(tenant: Option<&Arc<TenantEntry>>) -> Option<Box<body::UsageTap>> {
+    tenant.map(|t| body::UsageTap::new(Arc::clone(t)))
 }
 
 /// How long past the request deadline the listener still waits for the admission's own answer.

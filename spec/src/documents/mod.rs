@@ -34,8 +34,10 @@ use crate::kinds::{Activation, EngineKind, Residency, Routing};
 use crate::overrides::Overrides;
 use crate::settings::{
     EngineCommand, EngineCommands, GpuOverride, HostConfig, LifecycleDefaults, ListenSettings,
-    Mode, QueueSettings, ServerConfig, StandaloneConfig, SwitchingSettings, TlsFiles,
+    Mode, QueueSettings, ServerConfig, StandaloneConfig, SwitchingSettings, TenantSettings,
+    TlsFiles,
 };
+use crate::tenants::{self, ApiKey, KeyAt, TenantView};
 use crate::units::{ByteSize, DurationSetting, format_duration};
 
 // ---------------------------------------------------------------------------------------------
@@ -509,6 +511,65 @@ pub struct ServerDoc {
         deserialize_with = "check::path_opt"
     )]
     pub admin_token_file: Option<PathBuf>,
+    /// API keys and tenants of the inference listener (standalone only; on Kubernetes,
+    /// `Tenant` objects): off when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inference_auth: Option<InferenceAuthDoc>,
+}
+
+/// `inference_auth:` of a standalone document's `server:`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InferenceAuthDoc {
+    /// The tenants; at least one (remove `inference_auth` for no keys).
+    pub tenants: Vec<TenantDoc>,
+}
+
+/// One tenant of `inference_auth.tenants` (the rules: [`crate::tenants`]).
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantDoc {
+    /// Its name (metrics, the load read, `capyctl tenants list`): a DNS-1123 label.
+    pub name: String,
+    /// Its API keys (several allow a rotation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keys: Option<Vec<ApiKey>>,
+    /// Files holding one key each (surrounding whitespace ignored), read at the start and on
+    /// each SIGHUP.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_files: Option<Vec<PathBuf>>,
+    /// Model names or globs it may use; every model when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub models: Option<Vec<String>>,
+    /// Its rates; not limited when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate: Option<RateDoc>,
+}
+
+impl std::fmt::Debug for TenantDoc {
+    // Keys are never shown.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TenantDoc")
+            .field("name", &self.name)
+            .field("keys", &self.keys.as_ref().map(Vec::len))
+            .field("key_files", &self.key_files)
+            .field("models", &self.models)
+            .field("rate", &self.rate)
+            .finish()
+    }
+}
+
+/// `rate:` of a tenant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RateDoc {
+    /// 1 to 1,000,000; not limited when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requests_per_minute: Option<u64>,
+    /// Prompt and completion tokens, as the engine counts them, 1 to 10^10; not limited when
+    /// absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_minute: Option<u64>,
 }
 
 /// `listen:` of a server document.
@@ -804,14 +865,95 @@ fn resolve_server(doc: &ServerDoc) -> ServerConfig {
             parked_idle_timeout: idle.parked_idle_timeout.map(DurationSetting::as_duration),
         },
         admin_token_file: doc.admin_token_file.clone(),
+        inference_auth: None,
     }
+}
+
+/// `server.inference_auth` of a standalone document: its key files read, checked whole
+/// ([`tenants::check`]); `None` when absent.
+fn resolve_tenants(
+    doc: Option<&InferenceAuthDoc>,
+    src: &Source<'_>,
+) -> Result<Option<Vec<TenantSettings>>, DocumentError> {
+    let Some(auth) = doc else {
+        return Ok(None);
+    };
+    let base = KeyPath::keys(&["server", "inference_auth", "tenants"]);
+    if auth.tenants.is_empty() {
+        return Err(src.error(
+            base,
+            Problem::BadValue(
+                "no tenants: list at least one, or remove inference_auth to serve without keys"
+                    .to_string(),
+            ),
+        ));
+    }
+    let mut resolved = Vec::with_capacity(auth.tenants.len());
+    for (i, t) in auth.tenants.iter().enumerate() {
+        let mut keys: Vec<ApiKey> = t.keys.clone().unwrap_or_default();
+        for (j, path) in t.key_files.iter().flatten().enumerate() {
+            let text = std::fs::read_to_string(path).map_err(|e| {
+                src.error(
+                    base.index(i).child("key_files").index(j),
+                    Problem::BadValue(format!("cannot read the key file {}: {e}", path.display())),
+                )
+            })?;
+            keys.push(ApiKey(text.trim().to_string()));
+        }
+        resolved.push(TenantSettings {
+            name: t.name.clone(),
+            keys,
+            models: t.models.clone(),
+            requests_per_minute: t.rate.and_then(|r| r.requests_per_minute),
+            tokens_per_minute: t.rate.and_then(|r| r.tokens_per_minute),
+        });
+    }
+    let in_doc = listed_keys(&auth.tenants);
+    let views: Vec<TenantView<'_>> = resolved
+        .iter()
+        .zip(&in_doc)
+        .map(|(t, &listed)| TenantView {
+            name: &t.name,
+            keys: t
+                .keys
+                .iter()
+                .enumerate()
+                .map(|(j, k)| KeyAt {
+                    list: if j < listed { "keys" } else { "key_files" },
+                    index: if j < listed { j } else { j - listed },
+                    key: &k.0,
+                })
+                .collect(),
+            models: t.models.as_deref(),
+            requests_per_minute: t.requests_per_minute,
+            tokens_per_minute: t.tokens_per_minute,
+        })
+        .collect();
+    tenants::check(&views).map_err(|(path, why)| {
+        let mut at = base.clone();
+        at.0.extend(path.0);
+        src.error(at, Problem::BadValue(why))
+    })?;
+    Ok(Some(resolved))
+}
+
+/// How many keys each tenant lists in `keys` (those from `key_files` follow them).
+fn listed_keys(tenants: &[TenantDoc]) -> Vec<usize> {
+    tenants
+        .iter()
+        .map(|t| t.keys.as_ref().map_or(0, Vec::len))
+        .collect()
 }
 
 fn resolve_standalone(
     doc: &StandaloneDoc,
     src: &Source<'_>,
 ) -> Result<StandaloneConfig, DocumentError> {
-    let server = resolve_server(&doc.server.clone().unwrap_or_default());
+    let mut server = resolve_server(&doc.server.clone().unwrap_or_default());
+    server.inference_auth = resolve_tenants(
+        doc.server.as_ref().and_then(|s| s.inference_auth.as_ref()),
+        src,
+    )?;
     let host = resolve_host(
         &doc.host.clone().unwrap_or_default(),
         Mode::Standalone,
@@ -1379,6 +1521,30 @@ pub fn load_host_file(
     parse_host_str(&name, &text, overrides)
 }
 
+/// A server document (the operator's) takes no `inference_auth`: its tenants are `Tenant`
+/// objects.
+fn refuse_inference_auth(
+    doc: &ServerDoc,
+    file: &str,
+    text: Option<&str>,
+    overrides: &Overrides,
+) -> Result<(), DocumentError> {
+    if doc.inference_auth.is_none() {
+        return Ok(());
+    }
+    let src = Source {
+        file,
+        text,
+        overrides,
+    };
+    Err(src.error(
+        KeyPath::keys(&["inference_auth"]),
+        Problem::Conflict(
+            "on Kubernetes the inference listener's tenants are `Tenant` objects; inference_auth belongs to a standalone document's server:".to_string(),
+        ),
+    ))
+}
+
 /// Parses a server document with overrides.
 pub fn parse_server_str(
     file: &str,
@@ -1386,6 +1552,7 @@ pub fn parse_server_str(
     overrides: &Overrides,
 ) -> Result<ServerConfig, DocumentError> {
     let doc: ServerDoc = parse_with(file, Some(text), overrides)?;
+    refuse_inference_auth(&doc, file, Some(text), overrides)?;
     Ok(resolve_server(&doc))
 }
 
@@ -1402,6 +1569,7 @@ pub fn load_server_file(
 /// the defaults with the overrides applied.
 pub fn server_from_overrides(overrides: &Overrides) -> Result<ServerConfig, DocumentError> {
     let doc: ServerDoc = parse_with("server settings", None, overrides)?;
+    refuse_inference_auth(&doc, "server settings", None, overrides)?;
     Ok(resolve_server(&doc))
 }
 

@@ -61,7 +61,7 @@
     // deployment name -> series index (the waiting line's colour), in order of appearance.
     series: new Map(),
     // The last drawn inputs of the tables (to redraw only on change).
-    drawn: { deployments: '', hosts: '', switches: '' },
+    drawn: { deployments: '', hosts: '', switches: '', tenants: '' },
     // SVG elements by key, kept across redraws so that a hovered bar keeps its title.
     pool: new Map(),
   };
@@ -177,17 +177,19 @@
   async function poll(generation) {
     const sent = Date.now();
     try {
-      const [deployments, hosts, load, switches] = await Promise.all([
+      const [deployments, hosts, load, switches, tenants] = await Promise.all([
         api('/deployments'),
         api('/hosts'),
         api('/metrics/load'),
         api('/switches?after=' + switchesAfter(), true),
+        api('/tenants', true),
       ]);
       if (generation !== state.generation) return;
       const received = Date.now();
       state.deployments = deployments.deployments || [];
       state.hosts = hosts.hosts || [];
       state.load = load;
+      state.tenants = (tenants && tenants.tenants) || [];
       if (typeof load.observed_at_ms === 'number') {
         state.offset = load.observed_at_ms - (sent + received) / 2;
       }
@@ -333,6 +335,7 @@
     }
     renderDeployments();
     renderHosts();
+    renderTenants();
     renderSwitchList();
     renderTimeline();
   }
@@ -388,6 +391,34 @@
         el('meter', { min: 0, max: h.host_memory, value: h.host_memory_used }),
         el('span', {}, `${bytes(h.host_memory_used)} / ${bytes(h.host_memory)}`))));
     $('hosts').replaceChildren(...hosts);
+  }
+
+  // The inference listener's tenants (DESIGN 4.10): shown only when some are configured.
+  function renderTenants() {
+    const tenants = state.tenants || [];
+    const key = JSON.stringify(tenants);
+    if (key === state.drawn.tenants) return;
+    state.drawn.tenants = key;
+    $('tenants-section').hidden = tenants.length === 0;
+    const rows = tenants.map((t) => {
+      const rate = [];
+      if (t.requests_per_minute) {
+        rate.push(`${t.requests_per_minute} req/min (${t.remaining_requests} left)`);
+      }
+      if (t.tokens_per_minute) {
+        rate.push(`${t.tokens_per_minute} tok/min (${t.remaining_tokens} left)`);
+      }
+      const answers = Object.entries(t.answers || {}).map(([s, n]) => `${s}: ${n}`);
+      return el('tr', { 'data-tenant': t.name },
+        el('td', {}, el('strong', {}, t.name)),
+        el('td', { class: 'mono' }, t.models ? t.models.join(', ') : '*'),
+        el('td', {}, rate.join(', ') || '-'),
+        el('td', { class: 'num' }, t.keys),
+        el('td', {}, answers.join(' · ') || '-'),
+        el('td', { class: 'num' }, t.tokens),
+        el('td', { class: 'num', 'data-load': 'waiting' }, t.waiting));
+    });
+    $('tenants').tBodies[0].replaceChildren(...rows);
   }
 
   function gpuName(g) {

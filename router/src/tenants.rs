@@ -1,0 +1,782 @@
+//! The inference listener's tenants (DESIGN 4.10): the key table behind
+//! [`capyctl_interfaces::tenants::TenantTable`], each tenant's rates and what it used.
+//!
+//! Decisions:
+//! - Keys are kept only as SHA-256 digests. A request's key is digested once, the digest is
+//!   looked up in a map of digests, and the digest found is compared again in constant time.
+//!   A missing, malformed, unknown or almost-right key all take that same path (one digest,
+//!   one lookup, one comparison; see the test `every_refused_key_takes_the_same_path`), and
+//!   the lookup's time depends on the digest, which tells nothing about a key's bytes. A
+//!   request without a well-formed header is digested as an empty key.
+//! - Only `Authorization: Bearer <key>` counts (one such header); a key in the query string or
+//!   another header is not looked at. The header is not forwarded to the engine.
+//! - Rates are token buckets refilled continuously: `requests_per_minute` holds that many
+//!   requests and refills at that rate per minute; `tokens_per_minute` likewise, charged after
+//!   the answer with the engine's usage (so it may go below zero, and the tenant waits until
+//!   it is above again). A request is admitted when the request bucket holds one and the
+//!   token bucket is above zero; otherwise 429 `rate_limited` with `Retry-After` the seconds
+//!   until both hold.
+//! - [`Tenants::replace`] swaps the whole set at once. A tenant that keeps its name keeps its
+//!   buckets and counters (a rotated key does not reset its rate); requests in flight keep the
+//!   tenant they were admitted as.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::Duration;
+
+use capyctl_interfaces::tenants::{Tenant, TenantTable};
+use capyctl_spec::errors::ApiError;
+use capyctl_spec::tenants::{self as rules, KeyAt, TenantView};
+use http::HeaderMap;
+use http::header::HeaderValue;
+use sha2::{Digest, Sha256};
+use tokio::time::Instant;
+
+/// A key's SHA-256 digest.
+type KeyDigest = [u8; 32];
+
+/// One minute, the period of every rate.
+const MINUTE: Duration = Duration::from_secs(60);
+
+/// The router's table of tenants. Cheap to read: a request takes the current set with one
+/// read lock and an `Arc` clone.
+pub struct Tenants {
+    current: RwLock<Arc<Set>>,
+    /// Replaces, one at a time (the usage by name is carried over under it).
+    replacing: Mutex<()>,
+}
+
+impl std::fmt::Debug for Tenants {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tenants")
+            .field("tenants", &self.set().list.len())
+            .finish()
+    }
+}
+
+/// One set of tenants, as [`Tenants::replace`] installed it.
+#[derive(Default)]
+struct Set {
+    by_digest: HashMap<KeyDigest, Arc<TenantEntry>>,
+    /// In the order given.
+    list: Vec<Arc<TenantEntry>>,
+}
+
+/// One tenant: its settings (fixed for this set) and its usage (kept across sets by name).
+pub struct TenantEntry {
+    name: Arc<str>,
+    models: Option<Vec<String>>,
+    requests_per_minute: Option<u64>,
+    tokens_per_minute: Option<u64>,
+    usage: Arc<Usage>,
+}
+
+impl std::fmt::Debug for TenantEntry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TenantEntry")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a tenant used: its buckets and counters.
+#[derive(Default)]
+struct Usage {
+    buckets: Mutex<Buckets>,
+    /// Answers by status.
+    answers: Mutex<BTreeMap<u16, u64>>,
+    /// Tokens counted from the engines' usage.
+    tokens: AtomicU64,
+    /// Requests of the tenant waiting for their admission now.
+    waiting: AtomicI64,
+}
+
+#[derive(Default)]
+struct Buckets {
+    requests: Option<Bucket>,
+    tokens: Option<Bucket>,
+}
+
+/// A token bucket of `capacity` per minute, refilled continuously.
+#[derive(Debug, Clone, Copy)]
+struct Bucket {
+    capacity: f64,
+    level: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    fn full(capacity: u64, now: Instant) -> Self {
+        Self {
+            capacity: capacity as f64,
+            level: capacity as f64,
+            at: now,
+        }
+    }
+
+    /// The same bucket with a new capacity (a replaced rate), its level kept within it.
+    fn resized(mut self, capacity: u64, now: Instant) -> Self {
+        self.refill(now);
+        self.capacity = capacity as f64;
+        self.level = self.level.min(self.capacity);
+        self
+    }
+
+    fn refill(&mut self, now: Instant) {
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        self.level =
+            (self.level + self.capacity * elapsed / MINUTE.as_secs_f64()).min(self.capacity);
+        self.at = now;
+    }
+
+    /// How long until the level reaches `level` (zero if it has).
+    fn until(&self, level: f64) -> Duration {
+        if self.level >= level {
+            return Duration::ZERO;
+        }
+        Duration::from_secs_f64((level - self.level) / self.capacity * MINUTE.as_secs_f64())
+    }
+
+    /// What is left, whole units.
+    fn remaining(&self) -> u64 {
+        self.level.max(0.0).floor() as u64
+    }
+}
+
+/// The rate-limit headers' values of one tenant at one moment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RateHeaders {
+    /// (limit, remaining, seconds until full) of the requests, when limited.
+    pub requests: Option<(u64, u64, u64)>,
+    /// The same of the tokens, when limited.
+    pub tokens: Option<(u64, u64, u64)>,
+}
+
+impl RateHeaders {
+    /// Adds `x-ratelimit-limit-*`, `-remaining-*` and `-reset-*` (in seconds, `Ns`) to
+    /// `headers`.
+    pub fn write(&self, headers: &mut HeaderMap) {
+        use http::HeaderName;
+        const NAMES: [[HeaderName; 3]; 2] = [
+            [
+                HeaderName::from_static("x-ratelimit-limit-requests"),
+                HeaderName::from_static("x-ratelimit-remaining-requests"),
+                HeaderName::from_static("x-ratelimit-reset-requests"),
+            ],
+            [
+                HeaderName::from_static("x-ratelimit-limit-tokens"),
+                HeaderName::from_static("x-ratelimit-remaining-tokens"),
+                HeaderName::from_static("x-ratelimit-reset-tokens"),
+            ],
+        ];
+        for ([limit_name, remaining_name, reset_name], values) in
+            NAMES.into_iter().zip([self.requests, self.tokens])
+        {
+            let Some((limit, remaining, reset)) = values else {
+                continue;
+            };
+            headers.insert(limit_name, HeaderValue::from(limit));
+            headers.insert(remaining_name, HeaderValue::from(remaining));
+            if let Ok(value) = HeaderValue::try_from(format!("{reset}s")) {
+                headers.insert(reset_name, value);
+            }
+        }
+    }
+}
+
+/// Seconds, rounded up (`Retry-After` and the resets: never 0 for a wait that is not over).
+fn ceil_secs(d: Duration) -> u64 {
+    let secs = d.as_secs();
+    if d.subsec_nanos() > 0 { secs + 1 } else { secs }
+}
+
+impl TenantEntry {
+    /// Its name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Its name, shared (what the coordinator's fair waiting takes turns by).
+    pub fn name_arc(&self) -> Arc<str> {
+        Arc::clone(&self.name)
+    }
+
+    /// Whether it may use the model `name` (before the model is resolved: a model it may not
+    /// use is answered as an unknown one, after the same work).
+    pub fn allows(&self, name: &str) -> bool {
+        match &self.models {
+            None => true,
+            Some(patterns) => patterns.iter().any(|p| rules::glob_matches(p, name)),
+        }
+    }
+
+    fn buckets(&self) -> std::sync::MutexGuard<'_, Buckets> {
+        self.usage
+            .buckets
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Takes one request from its rate at `now`: `Err` is the 429 to answer (nothing taken).
+    pub fn admit(&self, now: Instant) -> Result<(), ApiError> {
+        let mut b = self.buckets();
+        let mut wait = (Duration::ZERO, "requests", 0);
+        if let Some(r) = &mut b.requests {
+            r.refill(now);
+            let until = r.until(1.0);
+            if until > wait.0 {
+                wait = (until, "requests", r.capacity as u64);
+            }
+        }
+        if let Some(t) = &mut b.tokens {
+            t.refill(now);
+            // Above zero: a fraction of a token is enough, so wait for the first whole one.
+            let until = if t.level > 0.0 {
+                Duration::ZERO
+            } else {
+                t.until(1.0)
+            };
+            if until > wait.0 {
+                wait = (until, "tokens", t.capacity as u64);
+            }
+        }
+        if wait.0 > Duration::ZERO {
+            return Err(ApiError::RateLimited {
+                tenant: self.name.to_string(),
+                what: wait.1,
+                limit: wait.2,
+                retry_after: u32::try_from(ceil_secs(wait.0).max(1)).unwrap_or(u32::MAX),
+            });
+        }
+        if let Some(r) = &mut b.requests {
+            r.level -= 1.0;
+        }
+        Ok(())
+    }
+
+    /// Charges `tokens` (the engine's usage) at `now`.
+    pub fn charge_tokens(&self, tokens: u64, now: Instant) {
+        self.usage.tokens.fetch_add(tokens, Ordering::Relaxed);
+        if let Some(t) = &mut self.buckets().tokens {
+            t.refill(now);
+            t.level -= tokens as f64;
+        }
+    }
+
+    /// The rate-limit headers at `now`; `None` when it has no rate.
+    pub fn rate_headers(&self, now: Instant) -> Option<RateHeaders> {
+        let mut b = self.buckets();
+        let read = |bucket: &mut Option<Bucket>| {
+            bucket.as_mut().map(|x| {
+                x.refill(now);
+                (
+                    x.capacity as u64,
+                    x.remaining(),
+                    ceil_secs(x.until(x.capacity)),
+                )
+            })
+        };
+        let headers = RateHeaders {
+            requests: read(&mut b.requests),
+            tokens: read(&mut b.tokens),
+        };
+        (headers.requests.is_some() || headers.tokens.is_some()).then_some(headers)
+    }
+
+    /// Counts an answer with `status`.
+    pub fn answered(&self, status: u16) {
+        *self
+            .usage
+            .answers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(status)
+            .or_default() += 1;
+    }
+
+    /// A request of the tenant begins waiting for its admission; ends with the guard.
+    pub fn waiting(self: &Arc<Self>) -> Gauge {
+        Gauge::up(Arc::clone(&self.usage), |u| &u.waiting)
+    }
+}
+
+/// One count of a gauge of a tenant's usage, taken back when dropped.
+pub struct Gauge {
+    usage: Arc<Usage>,
+    which: fn(&Usage) -> &AtomicI64,
+}
+
+impl Gauge {
+    fn up(usage: Arc<Usage>, which: fn(&Usage) -> &AtomicI64) -> Self {
+        which(&usage).fetch_add(1, Ordering::Relaxed);
+        Self { usage, which }
+    }
+}
+
+impl Drop for Gauge {
+    fn drop(&mut self) {
+        (self.which)(&self.usage).fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// What a request's `Authorization` says.
+#[derive(Debug)]
+pub enum Auth {
+    /// No tenant is configured: no key is asked for.
+    Off,
+    /// The key of this tenant.
+    Tenant(Arc<TenantEntry>),
+    /// Missing, malformed or unknown: 401 `unauthorized`.
+    Refused,
+}
+
+/// One tenant as `GET /management/v1/tenants` and `capyctl tenants list` show it (never its
+/// keys).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TenantReport {
+    /// Its name.
+    pub name: String,
+    /// Its model patterns; `None`: every model.
+    pub models: Option<Vec<String>>,
+    /// Its rate of requests per minute; `None`: not limited.
+    pub requests_per_minute: Option<u64>,
+    /// Its rate of tokens per minute; `None`: not limited.
+    pub tokens_per_minute: Option<u64>,
+    /// How many keys it has.
+    pub keys: usize,
+    /// Answers by HTTP status (as text, for JSON), since it was first configured.
+    pub answers: BTreeMap<String, u64>,
+    /// Tokens counted from the engines' usage.
+    pub tokens: u64,
+    /// Requests waiting for their admission now.
+    pub waiting: i64,
+    /// Requests it may still send now (of its rate), when limited.
+    pub remaining_requests: Option<u64>,
+    /// Tokens it may still use now, when limited.
+    pub remaining_tokens: Option<u64>,
+}
+
+impl Default for Tenants {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Tenants {
+    /// A table with no tenant: no key is asked for.
+    pub fn new() -> Self {
+        Self {
+            current: RwLock::new(Arc::new(Set::default())),
+            replacing: Mutex::new(()),
+        }
+    }
+
+    fn set(&self) -> Arc<Set> {
+        Arc::clone(&self.current.read().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Whether any tenant is configured (then every request needs a key).
+    pub fn enabled(&self) -> bool {
+        !self.set().list.is_empty()
+    }
+
+    /// Checks `tenants` ([`capyctl_spec::tenants::check`]) and installs them; `Err` names
+    /// what is wrong (as `tenants[1].keys[0]: ...`, never a key) and changes nothing.
+    pub fn install(&self, tenants: Vec<Tenant>) -> Result<(), String> {
+        let views: Vec<TenantView<'_>> = tenants
+            .iter()
+            .map(|t| TenantView {
+                name: &t.name,
+                keys: t
+                    .keys
+                    .iter()
+                    .enumerate()
+                    .map(|(index, key)| KeyAt {
+                        list: "keys",
+                        index,
+                        key,
+                    })
+                    .collect(),
+                models: t.models.as_deref(),
+                requests_per_minute: t.rate.and_then(|r| r.requests_per_minute.map(u64::from)),
+                tokens_per_minute: t.rate.and_then(|r| r.tokens_per_minute),
+            })
+            .collect();
+        rules::check(&views).map_err(|(path, why)| {
+            let mut at = capyctl_spec::documents::KeyPath::keys(&["tenants"]);
+            at.0.extend(path.0);
+            format!("{}: {why}", at.display().unwrap_or_default())
+        })?;
+        drop(views);
+        let _one = self
+            .replacing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let old = self.set();
+        let kept: HashMap<&str, &Arc<TenantEntry>> =
+            old.list.iter().map(|t| (&*t.name, t)).collect();
+        let now = Instant::now();
+        let mut set = Set::default();
+        for t in tenants {
+            let rpm = t.rate.and_then(|r| r.requests_per_minute.map(u64::from));
+            let tpm = t.rate.and_then(|r| r.tokens_per_minute);
+            let usage = kept
+                .get(t.name.as_str())
+                .map_or_else(Arc::default, |e| Arc::clone(&e.usage));
+            {
+                let mut b = usage.buckets.lock().unwrap_or_else(PoisonError::into_inner);
+                b.requests = rpm.map(|c| {
+                    b.requests
+                        .map_or(Bucket::full(c, now), |x| x.resized(c, now))
+                });
+                b.tokens =
+                    tpm.map(|c| b.tokens.map_or(Bucket::full(c, now), |x| x.resized(c, now)));
+            }
+            let entry = Arc::new(TenantEntry {
+                name: Arc::from(t.name.as_str()),
+                models: t.models,
+                requests_per_minute: rpm,
+                tokens_per_minute: tpm,
+                usage,
+            });
+            for key in &t.keys {
+                set.by_digest
+                    .insert(digest(key.as_bytes()), Arc::clone(&entry));
+            }
+            set.list.push(entry);
+        }
+        *self.current.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(set);
+        Ok(())
+    }
+
+    /// Who a request is, from its header lines (`name: value\r\n` each, as the listener keeps
+    /// them): only one `Authorization: Bearer <key>` line counts.
+    pub fn authenticate(&self, lines: &[u8]) -> Auth {
+        let set = self.set();
+        if set.list.is_empty() {
+            return Auth::Off;
+        }
+        let given = bearer_key(lines).unwrap_or_default();
+        match find(&set, &digest(given)) {
+            Some(tenant) => Auth::Tenant(tenant),
+            None => Auth::Refused,
+        }
+    }
+
+    /// Every tenant with its use now, in the order given.
+    pub fn report(&self) -> Vec<TenantReport> {
+        let set = self.set();
+        let now = Instant::now();
+        let mut keys: HashMap<&str, usize> = HashMap::new();
+        for t in set.by_digest.values() {
+            *keys.entry(&t.name).or_default() += 1;
+        }
+        set.list
+            .iter()
+            .map(|t| {
+                let headers = t.rate_headers(now);
+                TenantReport {
+                    name: t.name.to_string(),
+                    models: t.models.clone(),
+                    requests_per_minute: t.requests_per_minute,
+                    tokens_per_minute: t.tokens_per_minute,
+                    keys: keys.get(&*t.name).copied().unwrap_or(0),
+                    answers: t
+                        .usage
+                        .answers
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .iter()
+                        .map(|(s, n)| (s.to_string(), *n))
+                        .collect(),
+                    tokens: t.usage.tokens.load(Ordering::Relaxed),
+                    waiting: t.usage.waiting.load(Ordering::Relaxed),
+                    remaining_requests: headers.and_then(|h| h.requests).map(|r| r.1),
+                    remaining_tokens: headers.and_then(|h| h.tokens).map(|r| r.1),
+                }
+            })
+            .collect()
+    }
+}
+
+impl TenantTable for Tenants {
+    fn replace(&self, tenants: Vec<Tenant>) -> Result<(), String> {
+        self.install(tenants)
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The steps of the key check taken on this thread: (digests, lookups, comparisons).
+    static STEPS: std::cell::Cell<(u32, u32, u32)> = const { std::cell::Cell::new((0, 0, 0)) };
+}
+
+fn digest(key: &[u8]) -> KeyDigest {
+    #[cfg(test)]
+    STEPS.with(|s| s.set((s.get().0 + 1, s.get().1, s.get().2)));
+    Sha256::digest(key).into()
+}
+
+/// The tenant of `digest`: one lookup, and the digest found compared in constant time.
+fn find(set: &Set, digest: &KeyDigest) -> Option<Arc<TenantEntry>> {
+    #[cfg(test)]
+    STEPS.with(|s| s.set((s.get().0, s.get().1 + 1, s.get().2 + 1)));
+    let (stored, tenant) = set
+        .by_digest
+        .get_key_value(digest)
+        .map_or((&[0u8; 32], None), |(k, v)| (k, Some(v)));
+    let same = constant_time_eq(stored, digest);
+    tenant.filter(|_| same).cloned()
+}
+
+fn constant_time_eq(a: &KeyDigest, b: &KeyDigest) -> bool {
+    let mut diff = 0u8;
+    for (x, y) in a.iter().zip(b) {
+        diff |= x ^ y;
+    }
+    std::hint::black_box(diff) == 0
+}
+
+/// The key of the one `Authorization: Bearer <key>` line of `lines`; `None` when there is
+/// none, more than one, or it is not a bearer token.
+fn bearer_key(lines: &[u8]) -> Option<&[u8]> {
+    let mut found = None;
+    for line in lines.split(|&b| b == b'\n') {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let Some(colon) = line.iter().position(|&b| b == b':') else {
+            continue;
+        };
+        if !line[..colon]
+            .trim_ascii()
+            .eq_ignore_ascii_case(b"authorization")
+        {
+            continue;
+        }
+        if found.is_some() {
+            return None;
+        }
+        found = Some(line[colon + 1..].trim_ascii());
+    }
+    capyctl_spec::auth::bearer(found?)
+}
+
+/// `lines` without its `Authorization` lines (the tenant's key is not the engine's).
+pub fn without_authorization(lines: &[u8]) -> bytes::Bytes {
+    let mut out = Vec::with_capacity(lines.len());
+    for line in lines.split_inclusive(|&b| b == b'\n') {
+        let name = line.split(|&b| b == b':').next().unwrap_or_default();
+        if !name.trim_ascii().eq_ignore_ascii_case(b"authorization") {
+            out.extend_from_slice(line);
+        }
+    }
+    bytes::Bytes::from(out)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use capyctl_interfaces::tenants::TenantRate;
+
+    fn tenant(name: &str, keys: &[&str], rpm: Option<u32>, tpm: Option<u64>) -> Tenant {
+        Tenant {
+            name: name.into(),
+            keys: keys.iter().map(|k| (*k).to_string()).collect(),
+            models: Some(vec!["chat-*".into(), "bot".into()]),
+            rate: Some(TenantRate {
+                requests_per_minute: rpm,
+                tokens_per_minute: tpm,
+            }),
+        }
+    }
+
+    fn bearer(key: &str) -> Vec<u8> {
+        format!("content-type: application/json\r\nauthorization: Bearer {key}\r\n").into_bytes()
+    }
+
+    fn who(t: &Tenants, lines: &[u8]) -> Option<String> {
+        match t.authenticate(lines) {
+            Auth::Tenant(e) => Some(e.name().to_string()),
+            Auth::Refused => None,
+            Auth::Off => Some("<off>".into()),
+        }
+    }
+
+    #[test]
+    fn only_one_bearer_authorization_header_counts() {
+        let t = Tenants::new();
+        assert_eq!(who(&t, b""), Some("<off>".into()));
+        t.replace(vec![tenant("a", &["sk-a"], None, None)]).unwrap();
+        assert_eq!(who(&t, &bearer("sk-a")), Some("a".into()));
+        assert_eq!(
+            who(&t, b"Authorization:bearer   sk-a  \r\n"),
+            Some("a".into())
+        );
+        for refused in [
+            &b""[..],
+            b"x-api-key: sk-a\r\n",
+            b"api-key: Bearer sk-a\r\n",
+            b"authorization: sk-a\r\n",
+            b"authorization: Basic sk-a\r\n",
+            b"authorization: Bearersk-a\r\n",
+            b"authorization: Bearer sk-b\r\n",
+            b"authorization: Bearer sk-a\r\nauthorization: Bearer sk-a\r\n",
+        ] {
+            assert_eq!(
+                who(&t, refused),
+                None,
+                "{}",
+                String::from_utf8_lossy(refused)
+            );
+        }
+        // An empty set turns keys off again.
+        t.replace(Vec::new()).unwrap();
+        assert_eq!(who(&t, b""), Some("<off>".into()));
+    }
+
+    #[test]
+    fn every_refused_key_takes_the_same_path() {
+        let t = Tenants::new();
+        t.replace(vec![tenant("a", &["sk-aaaaaaaa"], None, None)])
+            .unwrap();
+        let steps = |lines: &[u8]| {
+            STEPS.with(|s| s.set((0, 0, 0)));
+            let refused = matches!(t.authenticate(lines), Auth::Refused);
+            (refused, STEPS.with(std::cell::Cell::get))
+        };
+        let wrong = steps(&bearer("sk-aaaaaaab"));
+        let unknown = steps(&bearer("zz-unknown!"));
+        let missing = steps(b"");
+        let other_header = steps(b"x-api-key: sk-aaaaaaaa\r\n");
+        assert_eq!(wrong, (true, (1, 1, 1)));
+        assert_eq!(unknown, wrong);
+        assert_eq!(missing, wrong);
+        assert_eq!(other_header, wrong);
+        // The right key: the same steps, found.
+        assert_eq!(steps(&bearer("sk-aaaaaaaa")), (false, (1, 1, 1)));
+    }
+
+    #[test]
+    fn a_bad_set_changes_nothing_and_names_the_place() {
+        let t = Tenants::new();
+        t.replace(vec![tenant("a", &["sk-a"], None, None)]).unwrap();
+        let e = t
+            .replace(vec![
+                tenant("a", &["sk-new"], None, None),
+                tenant("b", &["sk-new"], None, None),
+            ])
+            .unwrap_err();
+        assert!(
+            e.starts_with("tenants[1].keys[0]: this key is already a key of tenant a"),
+            "{e}"
+        );
+        assert!(!e.contains("sk-new"));
+        assert_eq!(who(&t, &bearer("sk-a")), Some("a".into()));
+        let e = t
+            .replace(vec![tenant("a", &["sk-a"], Some(0), None)])
+            .unwrap_err();
+        assert!(
+            e.starts_with("tenants[0].rate.requests_per_minute: 0 is out of range"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn models_are_names_or_globs() {
+        let t = Tenants::new();
+        t.replace(vec![tenant("a", &["sk-a"], None, None)]).unwrap();
+        let Auth::Tenant(a) = t.authenticate(&bearer("sk-a")) else {
+            panic!("a");
+        };
+        assert!(a.allows("chat-1"));
+        assert!(a.allows("bot"));
+        assert!(!a.allows("bots"));
+        assert!(!a.allows("prod-model"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_request_rate_refills_over_the_minute() {
+        let t = Tenants::new();
+        t.replace(vec![tenant("a", &["sk-a"], Some(6), None)])
+            .unwrap();
+        let Auth::Tenant(a) = t.authenticate(&bearer("sk-a")) else {
+            panic!("a");
+        };
+        for _ in 0..6 {
+            a.admit(Instant::now()).unwrap();
+        }
+        let h = a.rate_headers(Instant::now()).unwrap();
+        // Empty: full again in a minute.
+        assert_eq!(h.requests, Some((6, 0, 60)));
+        let Err(ApiError::RateLimited {
+            what, retry_after, ..
+        }) = a.admit(Instant::now())
+        else {
+            panic!("limited");
+        };
+        // One request comes back every 10 s.
+        assert_eq!((what, retry_after), ("requests", 10));
+        tokio::time::advance(Duration::from_secs(9)).await;
+        let Err(ApiError::RateLimited { retry_after, .. }) = a.admit(Instant::now()) else {
+            panic!("limited");
+        };
+        assert_eq!(retry_after, 1);
+        tokio::time::advance(Duration::from_secs(1)).await;
+        a.admit(Instant::now()).unwrap();
+        // A rotation keeps the bucket: the new key is still at the same rate's bottom.
+        t.replace(vec![tenant("a", &["sk-a2"], Some(6), None)])
+            .unwrap();
+        let Auth::Tenant(a2) = t.authenticate(&bearer("sk-a2")) else {
+            panic!("a2");
+        };
+        assert!(a2.admit(Instant::now()).is_err());
+        assert!(matches!(t.authenticate(&bearer("sk-a")), Auth::Refused));
+        tokio::time::advance(Duration::from_secs(60)).await;
+        assert_eq!(
+            a2.rate_headers(Instant::now()).unwrap().requests,
+            Some((6, 6, 0))
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn tokens_are_charged_after_the_answer_and_the_tenant_waits_until_above_zero() {
+        let t = Tenants::new();
+        t.replace(vec![tenant("a", &["sk-a"], None, Some(600))])
+            .unwrap();
+        let Auth::Tenant(a) = t.authenticate(&bearer("sk-a")) else {
+            panic!("a");
+        };
+        a.admit(Instant::now()).unwrap();
+        // 900 tokens: 300 below zero; 10 tokens a second come back, so 31 s until one is there.
+        a.charge_tokens(900, Instant::now());
+        let Err(ApiError::RateLimited {
+            what, retry_after, ..
+        }) = a.admit(Instant::now())
+        else {
+            panic!("limited");
+        };
+        assert_eq!((what, retry_after), ("tokens", 31));
+        let h = a.rate_headers(Instant::now()).unwrap();
+        assert_eq!(h.tokens, Some((600, 0, 90)));
+        assert_eq!(h.requests, None);
+        tokio::time::advance(Duration::from_secs(31)).await;
+        a.admit(Instant::now()).unwrap();
+        assert_eq!(t.report()[0].tokens, 900);
+        let mut headers = HeaderMap::new();
+        a.rate_headers(Instant::now()).unwrap().write(&mut headers);
+        assert_eq!(headers["x-ratelimit-limit-tokens"], "600");
+        assert_eq!(headers["x-ratelimit-remaining-tokens"], "10");
+        assert!(!headers.contains_key("x-ratelimit-limit-requests"));
+    }
+
+    #[test]
+    fn the_authorization_line_is_not_forwarded() {
+        let lines = b"content-type: application/json\r\nAuthorization: Bearer sk\r\nx-a: 1\r\n";
+        assert_eq!(
+            without_authorization(lines),
+            "content-type: application/json\r\nx-a: 1\r\n"
+        );
+    }
+}

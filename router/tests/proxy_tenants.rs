@@ -1,0 +1,295 @@
+//! Tenants on the inference listener, through a real socket and the engine simulator: 401 for
+//! a missing, unknown or misplaced key; 404 for a model the tenant may not use, as for an
+//! unknown one; `/v1/models` filtered; 429 `rate_limited` with `Retry-After` and the
+//! `x-ratelimit-*` headers; tokens counted from the engine's usage; the key not forwarded.
+
+#![allow(clippy::unwrap_used)]
+
+mod proxy_support;
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use capyctl_interfaces::tenants::{Tenant, TenantRate, TenantTable};
+use capyctl_router::proxy::{Proxy, ProxyConfig, serve};
+use capyctl_router::tenants::Tenants;
+use http::{Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use proxy_support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+fn chat(model: &str, stream: bool) -> String {
+    format!(
+        r#"{{"model":"{model}","messages":[{{"role":"user","content":"Tell me about capybaras"}}],"max_tokens":8,"stream":{stream}}}"#
+    )
+}
+
+fn tenant(name: &str, key: &str, models: Option<&[&str]>, rate: Option<TenantRate>) -> Tenant {
+    Tenant {
+        name: name.into(),
+        keys: vec![key.into()],
+        models: models.map(|m| m.iter().map(|s| (*s).to_string()).collect()),
+        rate,
+    }
+}
+
+async fn start(admission: TestAdmission, tenants: Arc<Tenants>) -> std::net::SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let proxy = Proxy::new(admission, catalog, ProxyConfig::default()).with_tenants(tenants);
+    tokio::spawn(serve(listener, proxy, std::future::pending()));
+    addr
+}
+
+/// Sends `method path` with `headers`; the status, headers and body.
+async fn send(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (StatusCode, http::HeaderMap, Bytes) {
+    let mut conn = Conn::open(addr).await;
+    let mut request = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "test")
+        .header("content-type", "application/json");
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let response = conn
+        .send(
+            request
+                .body(Full::new(Bytes::from(body.to_string())))
+                .unwrap(),
+        )
+        .await;
+    let (head, body) = response.into_parts();
+    let body = tokio::time::timeout(PATIENCE, body.collect())
+        .await
+        .unwrap()
+        .unwrap()
+        .to_bytes();
+    (head.status, head.headers, body)
+}
+
+/// Waits until the tenant's tokens reach `tokens` (they are charged when the answer's body is
+/// dropped, just after its last byte went out); `1`: any count.
+async fn tokens_reach(tenants: &Tenants, tokens: u64) {
+    let end = tokio::time::Instant::now() + PATIENCE;
+    while tenants.report()[0].tokens < tokens {
+        assert!(tokio::time::Instant::now() < end, "{:?}", tenants.report());
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    if tokens > 1 {
+        assert_eq!(tenants.report()[0].tokens, tokens);
+    }
+}
+
+fn code(body: &[u8]) -> String {
+    let v: serde_json::Value = serde_json::from_slice(body).unwrap();
+    v["code"].as_str().unwrap().to_string()
+}
+
+#[tokio::test]
+async fn without_a_valid_bearer_key_every_route_is_401() {
+    let sim = start_sim(&[]).await;
+    let tenants = Arc::new(Tenants::new());
+    tenants
+        .replace(vec![tenant("team-a", "sk-team-a", None, None)])
+        .unwrap();
+    let proxy = start(TestAdmission::new(sim), Arc::clone(&tenants)).await;
+    let path = "/v1/chat/completions";
+    let body = chat(MODEL, false);
+    let refused: [(&str, Vec<(&str, &str)>); 6] = [
+        ("/v1/chat/completions", vec![]),
+        (
+            "/v1/chat/completions",
+            vec![("authorization", "Bearer sk-team-b")],
+        ),
+        ("/v1/chat/completions", vec![("authorization", "sk-team-a")]),
+        ("/v1/chat/completions", vec![("x-api-key", "sk-team-a")]),
+        (
+            "/v1/chat/completions",
+            vec![("api-key", "Bearer sk-team-a")],
+        ),
+        (
+            "/v1/chat/completions?api_key=sk-team-a&key=sk-team-a",
+            vec![],
+        ),
+    ];
+    for (path, headers) in &refused {
+        let (status, h, answer) = send(proxy, "POST", path, headers, &body).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{path} {headers:?}");
+        assert_eq!(code(&answer), "unauthorized");
+        assert_eq!(h["www-authenticate"], "Bearer");
+        assert!(!String::from_utf8_lossy(&answer).contains("sk-"));
+    }
+    let (status, _, _) = send(proxy, "GET", "/v1/models", &[], "").await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    // Nothing reached the engine.
+    assert_eq!(sim_state(sim).await["completed"].as_u64().unwrap_or(0), 0);
+    let auth = [("authorization", "Bearer sk-team-a")];
+    let (status, _, _) = send(proxy, "POST", path, &auth, &body).await;
+    assert_eq!(status, StatusCode::OK);
+    // Rotation: the new key works at once, the old one no more.
+    tenants
+        .replace(vec![tenant("team-a", "sk-team-a-2", None, None)])
+        .unwrap();
+    let (status, _, _) = send(proxy, "POST", path, &auth, &body).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let auth = [("authorization", "Bearer sk-team-a-2")];
+    let (status, _, _) = send(proxy, "POST", path, &auth, &body).await;
+    assert_eq!(status, StatusCode::OK);
+    let report = tenants.report();
+    assert_eq!(report[0].answers["200"], 2, "{report:?}");
+}
+
+#[tokio::test]
+async fn a_model_the_tenant_may_not_use_is_answered_as_an_unknown_one() {
+    let sim = start_sim(&[]).await;
+    let tenants = Arc::new(Tenants::new());
+    tenants
+        .replace(vec![
+            tenant("team-a", "sk-a", Some(&["chat-*"]), None),
+            tenant("team-b", "sk-b", Some(&["support-bot", "other-*"]), None),
+        ])
+        .unwrap();
+    let proxy = start(TestAdmission::new(sim), tenants).await;
+    let path = "/v1/chat/completions";
+    let a = [("authorization", "Bearer sk-a")];
+    let b = [("authorization", "Bearer sk-b")];
+    let (status, _, _) = send(proxy, "POST", path, &a, &chat(MODEL, false)).await;
+    assert_eq!(status, StatusCode::OK);
+    // team-b may not use chat-a (which exists) nor other-x (which does not): the same answer
+    // but for the name it repeats.
+    let (s1, _, hidden) = send(proxy, "POST", path, &b, &chat(MODEL, false)).await;
+    let (s2, _, unknown) = send(proxy, "POST", path, &b, &chat("other-x", false)).await;
+    assert_eq!((s1, s2), (StatusCode::NOT_FOUND, StatusCode::NOT_FOUND));
+    assert_eq!(
+        String::from_utf8_lossy(&hidden).replace(MODEL, "M"),
+        String::from_utf8_lossy(&unknown).replace("other-x", "M")
+    );
+    // The models list: team-a sees chat-a, team-b nothing.
+    let (status, _, list) = send(proxy, "GET", "/v1/models", &a, "").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(String::from_utf8_lossy(&list).contains(MODEL));
+    let (_, _, list) = send(proxy, "GET", "/v1/models", &b, "").await;
+    let list: serde_json::Value = serde_json::from_slice(&list).unwrap();
+    assert_eq!(list["data"], serde_json::json!([]));
+}
+
+#[tokio::test]
+async fn a_rate_passed_is_429_with_retry_after_and_the_rate_headers() {
+    let sim = start_sim(&[]).await;
+    let tenants = Arc::new(Tenants::new());
+    let rate = TenantRate {
+        requests_per_minute: Some(3),
+        tokens_per_minute: Some(1_000_000),
+    };
+    tenants
+        .replace(vec![tenant("team-a", "sk-a", None, Some(rate))])
+        .unwrap();
+    let proxy = start(TestAdmission::new(sim), Arc::clone(&tenants)).await;
+    let a = [("authorization", "Bearer sk-a")];
+    let path = "/v1/chat/completions";
+    for left in [2, 1, 0] {
+        let (status, h, _) = send(proxy, "POST", path, &a, &chat(MODEL, false)).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(h["x-ratelimit-limit-requests"], "3");
+        assert_eq!(
+            h["x-ratelimit-remaining-requests"],
+            left.to_string().as_str()
+        );
+        assert_eq!(h["x-ratelimit-limit-tokens"], "1000000");
+        assert!(h.contains_key("x-ratelimit-reset-requests"));
+        assert!(h.contains_key("x-ratelimit-remaining-tokens"));
+    }
+    let (status, h, body) = send(proxy, "POST", path, &a, &chat(MODEL, false)).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(code(&body), "rate_limited");
+    // One request comes back every 20 s: at most 20 s to wait (and at least 1).
+    let retry: u64 = h["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((1..=20).contains(&retry), "{retry}");
+    assert_eq!(h["x-ratelimit-remaining-requests"], "0");
+    let report = tenants.report();
+    assert_eq!(report[0].answers["429"], 1);
+    assert_eq!(report[0].answers["200"], 3);
+    // The engine's usage was counted: three answers of the same prompt.
+    let (_, _, direct) = post(sim, path, &chat(MODEL, false)).await;
+    let direct: serde_json::Value = serde_json::from_slice(&direct).unwrap();
+    let each = direct["usage"]["total_tokens"].as_u64().unwrap();
+    assert!(each > 0);
+    tokens_reach(&tenants, 3 * each).await;
+}
+
+#[tokio::test]
+async fn a_streamed_answer_that_asked_for_usage_is_counted() {
+    let sim = start_sim(&[]).await;
+    let tenants = Arc::new(Tenants::new());
+    tenants
+        .replace(vec![tenant("team-a", "sk-a", None, None)])
+        .unwrap();
+    let proxy = start(TestAdmission::new(sim), Arc::clone(&tenants)).await;
+    let body = format!(
+        r#"{{"model":"{MODEL}","prompt":"Once upon a time","max_tokens":5,"stream":true,"stream_options":{{"include_usage":true}}}}"#
+    );
+    let (status, _, answer) = send(
+        proxy,
+        "POST",
+        "/v1/completions",
+        &[("authorization", "Bearer sk-a")],
+        &body,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(answer.ends_with(b"data: [DONE]\n\n"));
+    tokens_reach(&tenants, 1).await;
+}
+
+#[tokio::test]
+async fn the_key_is_not_forwarded_to_the_engine() {
+    // An engine that keeps the head it got and answers a fixed JSON.
+    let engine = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = engine.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<String>();
+    tokio::spawn(async move {
+        let (mut socket, _) = engine.accept().await.unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = socket.read(&mut buf).await.unwrap();
+            got.extend_from_slice(&buf[..n]);
+        }
+        let answer = b"{\"usage\":{\"total_tokens\":7}}";
+        let head = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            answer.len()
+        );
+        socket.write_all(head.as_bytes()).await.unwrap();
+        socket.write_all(answer).await.unwrap();
+        let _ = tx.send(String::from_utf8_lossy(&got).into_owned());
+        let _ = socket.read(&mut buf).await;
+    });
+    let tenants = Arc::new(Tenants::new());
+    tenants
+        .replace(vec![tenant("team-a", "sk-secret", None, None)])
+        .unwrap();
+    let proxy = start(TestAdmission::new(addr), Arc::clone(&tenants)).await;
+    let (status, _, _) = send(
+        proxy,
+        "POST",
+        "/v1/chat/completions",
+        &[("authorization", "Bearer sk-secret"), ("x-trace", "1")],
+        &chat(MODEL, false),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let head = rx.await.unwrap().to_ascii_lowercase();
+    assert!(head.contains("x-trace: 1"), "{head}");
+    assert!(!head.contains("authorization"), "{head}");
+    assert!(!head.contains("sk-secret"), "{head}");
+    tokens_reach(&tenants, 7).await;
+}
