@@ -1,10 +1,6 @@
 //! LoRA adapters end to end (DESIGN 4.9): the real `capyctl` standalone, real sockets, and the
 //! engine simulator serving adapters the way vLLM does (`/v1/load_lora_adapter`,
 //! `/v1/unload_lora_adapter`, answers under the adapter's name).
-//!
-//! NB: this needs the host side of issue 31 (the local agent's `load_adapter`, engine-sim's
-//! adapter routes), built on another branch at the same time; until both are merged it is
-//! ignored (`cargo test -p capyctl-tests --test e2e_adapters -- --ignored` runs it).
 #![allow(clippy::unwrap_used)]
 
 mod support;
@@ -28,7 +24,6 @@ fn peft(dir: &Path, name: &str, r: u32) -> String {
 }
 
 #[test]
-#[ignore = "needs the host side of issue 31 (LocalHostAgent::load_adapter, engine-sim's LoRA routes)"]
 fn adapters_load_on_demand_and_survive_a_kill_of_capyctl() {
     let dir = temp_dir("adapters");
     let adapters: Vec<String> = ["a1", "a2", "a3"]
