@@ -7,7 +7,8 @@
 //!   ([`HOST_BACKED_SPECULATIVE`]);
 //! - [`owned_flag`]: a flag CapyCTL passes the engine itself (DESIGN.md 4.2), which
 //!   `extra_args` must not set;
-//! - [`adapter_flags`]: the engine's LoRA flags for a base with `adapters` (DESIGN.md 4.9).
+//! - [`adapter_flags`]: the engine's LoRA flags for a base with `adapters` (DESIGN.md 4.9),
+//!   whose slots [`check_adapter_slots`] checks first.
 
 use crate::kinds::EngineKind;
 
@@ -157,9 +158,11 @@ const LORA_MODULES: OwnedFlag = OwnedFlag {
 
 /// The flags CapyCTL passes `engine` to take LoRA adapters loaded at run time, for a base
 /// deployment with `adapters: {max_loaded, max_rank}` (DESIGN.md 4.9), as (flag, value)
-/// pairs (`None`: a switch):
-/// - vLLM 0.32: `--enable-lora --max-loras <max_loaded> --max-lora-rank <max_rank>`, with the
+/// pairs (`None`: a switch), for slots that [`check_adapter_slots`] accepts:
+/// - vLLM 0.32: `--enable-lora --max-loras <max_loaded> --max-lora-rank <rank>`, with the
 ///   environment's [`VLLM_RUNTIME_LORA_ENV`] (without it vLLM has no load/unload routes);
+///   `<rank>` is [`vllm_lora_rank`] of `max_rank`, the next rank vLLM takes (CapyCTL still
+///   refuses adapters above the document's `max_rank`);
 /// - SGLang 0.5.23: `--enable-lora --max-lora-rank <max_rank> --lora-target-modules all
 ///   --max-loaded-loras <max_loaded> --max-loras-per-batch <max_loaded>` (with no
 ///   `--lora-paths` at start SGLang needs the rank and the target modules to size its pool;
@@ -175,7 +178,10 @@ pub fn adapter_flags(
         EngineKind::Vllm => vec![
             (ENABLE_LORA.flag, None),
             (MAX_LORAS.flag, Some(max_loaded.to_string())),
-            (MAX_LORA_RANK.flag, Some(max_rank.to_string())),
+            (
+                MAX_LORA_RANK.flag,
+                Some(vllm_lora_rank(max_rank).unwrap_or(max_rank).to_string()),
+            ),
         ],
         EngineKind::Sglang => vec![
             (ENABLE_LORA.flag, None),
@@ -186,6 +192,39 @@ pub fn adapter_flags(
         ],
         EngineKind::Tensorfold => Vec::new(),
     }
+}
+
+/// The ranks vLLM 0.32 takes for `--max-lora-rank` (`MaxLoRARanks` in `vllm/config/lora.py`;
+/// its argument parser exits at start with `invalid choice` for any other).
+pub const VLLM_LORA_RANKS: [u32; 9] = [1, 8, 16, 32, 64, 128, 256, 320, 512];
+
+/// The `--max-lora-rank` vLLM gets for a document's `adapters.max_rank`: the smallest of
+/// [`VLLM_LORA_RANKS`] at or above it (vLLM sizes its LoRA buffers for that rank; CapyCTL
+/// still refuses an adapter above `max_rank` itself). `None` above 512.
+pub fn vllm_lora_rank(max_rank: u32) -> Option<u32> {
+    VLLM_LORA_RANKS.into_iter().find(|r| *r >= max_rank)
+}
+
+/// Why `adapters: {max_loaded, max_rank}` cannot be passed to `engine`, naming the field:
+/// either is 0, or `max_rank` is above the largest rank vLLM takes.
+pub fn check_adapter_slots(
+    engine: EngineKind,
+    max_loaded: u32,
+    max_rank: u32,
+) -> Result<(), String> {
+    if max_loaded == 0 {
+        return Err("adapters.max_loaded is 0; it must be at least 1".into());
+    }
+    if max_rank == 0 {
+        return Err("adapters.max_rank is 0; it must be at least 1".into());
+    }
+    if engine == EngineKind::Vllm && vllm_lora_rank(max_rank).is_none() {
+        return Err(format!(
+            "adapters.max_rank is {max_rank}; vLLM takes LoRA ranks up to {}",
+            VLLM_LORA_RANKS[VLLM_LORA_RANKS.len() - 1]
+        ));
+    }
+    Ok(())
 }
 
 /// The environment variable vLLM needs to register `/v1/load_lora_adapter` and
@@ -453,6 +492,47 @@ mod tests {
             ]
         );
         assert!(flat(EngineKind::Tensorfold).is_empty());
+        // vLLM gets the next rank its parser takes; SGLang the rank itself.
+        for (max_rank, passed) in [
+            (1, 1),
+            (4, 8),
+            (8, 8),
+            (24, 32),
+            (48, 64),
+            (300, 320),
+            (512, 512),
+        ] {
+            let flags = adapter_flags(EngineKind::Vllm, 2, max_rank);
+            assert_eq!(
+                flags[2],
+                ("--max-lora-rank", Some(passed.to_string())),
+                "{max_rank}"
+            );
+            let flags = adapter_flags(EngineKind::Sglang, 2, max_rank);
+            assert_eq!(
+                flags[1],
+                ("--max-lora-rank", Some(max_rank.to_string())),
+                "{max_rank}"
+            );
+        }
+        for (engine, loaded, rank, field) in [
+            (EngineKind::Vllm, 0, 8, "adapters.max_loaded"),
+            (EngineKind::Sglang, 2, 0, "adapters.max_rank"),
+            (
+                EngineKind::Vllm,
+                2,
+                513,
+                "adapters.max_rank is 513; vLLM takes LoRA ranks up to 512",
+            ),
+        ] {
+            let checked = check_adapter_slots(engine, loaded, rank);
+            assert!(
+                checked.as_ref().is_err_and(|e| e.starts_with(field)),
+                "{checked:?}"
+            );
+        }
+        assert_eq!(check_adapter_slots(EngineKind::Sglang, 2, 513), Ok(()));
+        assert_eq!(check_adapter_slots(EngineKind::Vllm, 1, 4), Ok(()));
         assert!(supports_adapters(EngineKind::Vllm) && supports_adapters(EngineKind::Sglang));
         assert!(!supports_adapters(EngineKind::Tensorfold));
         // Every flag passed is one `extra_args` may not set.
