@@ -19,7 +19,8 @@
 //!
 //! SGLang: `POST /load_lora_adapter` and `/unload_lora_adapter` with the same fields, answering
 //! `{"success", "error_message", "loaded_adapters"}`, 200 or 400 (its messages here are the
-//! simulator's own); `--max-loaded-loras` bounds the adapters held.
+//! simulator's own); beyond `--max-loaded-loras`, a load succeeds and unloads the least
+//! recently used adapter, as SGLang 0.5.23 does.
 //!
 //! A load takes `--sim-adapter-load-time`, or the adapter's own `load_time`; the faults
 //! `adapter_load_fails` and `adapter_load_hangs`, or an adapter's own `fails`/`hangs`
@@ -168,6 +169,7 @@ async fn load(sim: &EngineSim, name: &str, path: &str) -> Result<(), Refused> {
             name: name.to_string(),
             path: path.to_string(),
             rank,
+            last_used: s.adapter_tick(),
         };
         match s.adapters.iter_mut().find(|a| a.name == name) {
             Some(a) => *a = adapter,
@@ -332,16 +334,15 @@ pub(crate) async fn sglang_load(State(sim): State<Arc<EngineSim>>, body: Bytes) 
     .await
 }
 
+/// SGLang 0.5.23 (`TokenizerControlMixin.load_lora_adapter`) refuses no load for
+/// `--max-loaded-loras`: once one succeeds, it unloads its least recently used adapters (loaded
+/// or named by a request longest ago; `_unload_lora_adapter_locked`) until it holds the
+/// maximum again, and answers without them. (The simulator pins none and does not wait for
+/// the requests running with an evicted adapter, as SGLang's `wait_for_unload` does.)
 async fn sglang_load_locked(sim: &EngineSim, name: &str, path: &str) -> Response {
-    let held = sim.with_state(|s| s.adapters.len());
     let error = if sim.with_state(|s| s.adapter(name).is_some()) {
         Some(format!(
             "The LoRA adapter '{name}' is already loaded; unload it first."
-        ))
-    } else if let Some(max) = sim.config().max_loaded_loras.filter(|m| held >= *m) {
-        Some(format!(
-            "Cannot load the LoRA adapter '{name}': {held} are loaded, the maximum \
-             (--max-loaded-loras) is {max}."
         ))
     } else {
         load(sim, name, path)
@@ -349,6 +350,27 @@ async fn sglang_load_locked(sim: &EngineSim, name: &str, path: &str) -> Response
             .err()
             .map(|Refused(_, _, message)| message)
     };
+    if error.is_none()
+        && let Some(max) = sim.config().max_loaded_loras
+    {
+        while let Some(lru) = sim.with_state(|s| {
+            (s.adapters.len() > max)
+                .then(|| {
+                    s.adapters
+                        .iter()
+                        .filter(|a| a.name != name)
+                        .min_by_key(|a| a.last_used)
+                        .map(|a| a.name.clone())
+                })
+                .flatten()
+        }) {
+            info!(
+                adapter = lru,
+                "least recently used adapter unloaded (--max-loaded-loras)"
+            );
+            unload(sim, &lru);
+        }
+    }
     sglang_answer(sim, error)
 }
 

@@ -183,9 +183,12 @@ async fn a_hanging_load_never_answers_and_holds_the_next() {
     assert!(names(&sim.state().await).is_empty());
 }
 
+/// SGLang: loads, lists (with the base as parent), runs a request through `lora_path`, and
+/// beyond `--max-loaded-loras` a load succeeds and unloads the least recently used adapter
+/// (SGLang 0.5.23 refuses none: `load_lora_adapter` evicts by LRU).
 #[tokio::test]
 async fn sglang_loads_lists_and_unloads_adapters() {
-    let dirs = Dirs::new(&["a", "b"]);
+    let dirs = Dirs::new(&["a", "b", "c"]);
     let sim = start(&[
         "--model-path",
         "base",
@@ -197,37 +200,51 @@ async fn sglang_loads_lists_and_unloads_adapters() {
         "--lora-target-modules",
         "all",
         "--max-loaded-loras",
-        "1",
+        "2",
         "--max-loras-per-batch",
-        "1",
+        "2",
         "--sim-adapter-load-time",
         "1ms",
     ])
     .await;
     let body = |name: &str| json!({"lora_name": name, "lora_path": dirs.path(name)});
+    let ask = |lora: Value| json!({"model": "base", "prompt": "hello", "max_tokens": 4, "lora_path": lora});
+    let loaded = |text: &str| -> Vec<String> {
+        let v: Value = serde_json::from_str(text).unwrap();
+        assert_eq!(v["success"], true, "{v}");
+        v["loaded_adapters"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .cloned()
+            .collect()
+    };
     let (status, text) = sim.post("/load_lora_adapter", body("a")).await;
     assert_eq!(status, StatusCode::OK, "{text}");
+    assert_eq!(loaded(&text), ["a"]);
     let v: Value = serde_json::from_str(&text).unwrap();
-    assert_eq!(v["success"], true);
     assert_eq!(v["loaded_adapters"]["a"], dirs.path("a"));
-    // Beyond --max-loaded-loras: refused, 400 with the reason.
     let (status, text) = sim.post("/load_lora_adapter", body("b")).await;
-    assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
-    let v: Value = serde_json::from_str(&text).unwrap();
-    assert_eq!(v["success"], false);
-    assert!(
-        v["error_message"]
-            .as_str()
-            .unwrap()
-            .contains("max-loaded-loras"),
-        "{v}"
-    );
+    assert_eq!(status, StatusCode::OK, "{text}");
+    assert_eq!(loaded(&text), ["a", "b"]);
+    // `a` runs a request: `b` is now the least recently used, and a third load unloads it.
+    let (status, _) = sim.post("/v1/completions", ask(json!("a"))).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, text) = sim.post("/load_lora_adapter", body("c")).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    assert_eq!(loaded(&text), ["a", "c"]);
+    assert_eq!(names(&sim.state().await), ["a", "c"]);
+    let (status, _) = sim.post("/v1/completions", ask(json!("b"))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let (status, text) = sim
+        .post("/unload_lora_adapter", json!({"lora_name": "c"}))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{text}");
     // Listed with the base as parent; a request runs with it through `lora_path`.
     let (_, models) = sim.get("/v1/models").await;
     let models: Value = serde_json::from_str(&models).unwrap();
     assert_eq!(models["data"][1]["id"], "a");
     assert_eq!(models["data"][1]["parent"], "base");
-    let ask = |lora: Value| json!({"model": "base", "prompt": "hello", "max_tokens": 4, "lora_path": lora});
     let (status, with) = sim.post("/v1/completions", ask(json!("a"))).await;
     assert_eq!(status, StatusCode::OK, "{with}");
     let (_, without) = sim.post("/v1/completions", ask(Value::Null)).await;

@@ -166,8 +166,9 @@ const LORA_MODULES: OwnedFlag = OwnedFlag {
 /// - SGLang 0.5.23: `--enable-lora --max-lora-rank <max_rank> --lora-target-modules all
 ///   --max-loaded-loras <max_loaded> --max-loras-per-batch <max_loaded>` (with no
 ///   `--lora-paths` at start SGLang needs the rank and the target modules to size its pool;
-///   `--max-loaded-loras` bounds the adapters it holds, and must be at least
-///   `--max-loras-per-batch`);
+///   `--max-loaded-loras`, at least `--max-loras-per-batch`, bounds the adapters it holds:
+///   a load beyond it is not refused, SGLang 0.5.23 unloads its least recently used adapter,
+///   so CapyCTL itself keeps to `max_loaded`);
 /// - TensorFold: none (it takes no adapters; the document refuses `adapters` for it).
 pub fn adapter_flags(
     engine: EngineKind,
