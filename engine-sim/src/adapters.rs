@@ -24,9 +24,11 @@
 //!
 //! A load takes `--sim-adapter-load-time`, or the adapter's own `load_time`; the faults
 //! `adapter_load_fails` and `adapter_load_hangs`, or an adapter's own `fails`/`hangs`
-//! (`/sim/faults` `adapters`), make it fail after its load time or never answer. Loads and
-//! unloads are serialized.
+//! (`/sim/faults` `adapters`), make it fail after its load time or never answer. Loads are
+//! serialized (and SGLang's unloads with them); vLLM's unload holds only its name's lock, so
+//! it waits only for a load of the same name.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -195,22 +197,78 @@ pub(crate) async fn vllm_load(State(sim): State<Arc<EngineSim>>, body: Bytes) ->
     };
     let (name, path) = (text(&req, "lora_name"), text(&req, "lora_path"));
     let in_place = req.get("load_inplace").and_then(Value::as_bool) == Some(true);
-    run(Arc::clone(&sim), async move {
-        vllm_load_locked(&sim, &name, &path, in_place).await
-    })
+    run(
+        Arc::clone(&sim),
+        Serial::NameThenEngine(name.clone()),
+        async move { vllm_load_locked(&sim, &name, &path, in_place).await },
+    )
     .await
 }
 
-/// Runs an adapter operation to its end in a task of its own, one at a time: a client that
-/// hangs up does not cut a load in half, and a load that hangs holds the next ones, as in the
-/// engines.
+/// The locks an adapter operation holds.
+enum Serial {
+    /// The engine's one lock: every load (vLLM's engine core adds one adapter at a time), and
+    /// SGLang's unloads (its `lora_update_lock`).
+    Engine,
+    /// vLLM's load: its name's lock (`lora_resolver_lock`), then the engine's.
+    NameThenEngine(String),
+    /// vLLM's unload: only its name's lock; vLLM drops the name from its list and answers,
+    /// without the engine core, so a load that hangs holds only unloads of its own name.
+    Name(String),
+}
+
+/// vLLM's locks per adapter name (`OpenAIServingModels.lora_resolver_lock`).
+#[derive(Debug, Default)]
+pub(crate) struct AdapterNames(std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>);
+
+impl AdapterNames {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<tokio::sync::Mutex<()>>>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Holds the lock of `name` while `op` runs; its entry goes when no other call holds or
+    /// waits for it (the map stays as small as the calls in flight).
+    async fn hold<T>(&self, name: &str, op: impl std::future::Future<Output = T>) -> T {
+        let lock = Arc::clone(self.map().entry(name.to_string()).or_default());
+        let done = {
+            let _held = lock.lock().await;
+            op.await
+        };
+        let mut map = self.map();
+        // Here and in the map: no other call holds or waits for it.
+        if Arc::strong_count(&lock) == 2 {
+            map.remove(name);
+        }
+        done
+    }
+}
+
+/// Runs an adapter operation to its end in a task of its own, under the locks `serial` names:
+/// a client that hangs up does not cut a load in half, and a load that hangs holds the next
+/// ones, as in the engines.
 async fn run(
     sim: Arc<EngineSim>,
+    serial: Serial,
     op: impl std::future::Future<Output = Response> + Send + 'static,
 ) -> Response {
     let task = tokio::spawn(async move {
-        let _serial = sim.adapter_lock.lock().await;
-        op.await
+        match serial {
+            Serial::Engine => {
+                let _engine = sim.adapter_lock.lock().await;
+                op.await
+            }
+            Serial::NameThenEngine(name) => {
+                sim.adapter_names
+                    .hold(&name, async {
+                        let _engine = sim.adapter_lock.lock().await;
+                        op.await
+                    })
+                    .await
+            }
+            Serial::Name(name) => sim.adapter_names.hold(&name, op).await,
+        }
     });
     task.await.unwrap_or_else(|e| {
         api_error(
@@ -258,10 +316,9 @@ pub(crate) async fn vllm_unload(State(sim): State<Arc<EngineSim>>, body: Bytes) 
         Err(r) => return *r,
     };
     let name = text(&req, "lora_name");
-    run(
-        Arc::clone(&sim),
-        async move { vllm_unload_locked(&sim, &name) },
-    )
+    run(Arc::clone(&sim), Serial::Name(name.clone()), async move {
+        vllm_unload_locked(&sim, &name)
+    })
     .await
 }
 
@@ -328,7 +385,7 @@ pub(crate) async fn sglang_load(State(sim): State<Arc<EngineSim>>, body: Bytes) 
         Err(r) => return *r,
     };
     let (name, path) = (text(&req, "lora_name"), text(&req, "lora_path"));
-    run(Arc::clone(&sim), async move {
+    run(Arc::clone(&sim), Serial::Engine, async move {
         sglang_load_locked(&sim, &name, &path).await
     })
     .await
@@ -381,7 +438,7 @@ pub(crate) async fn sglang_unload(State(sim): State<Arc<EngineSim>>, body: Bytes
         Err(r) => return *r,
     };
     let name = text(&req, "lora_name");
-    run(Arc::clone(&sim), async move {
+    run(Arc::clone(&sim), Serial::Engine, async move {
         let error =
             (!unload(&sim, &name)).then(|| format!("The LoRA adapter '{name}' is not loaded."));
         sglang_answer(&sim, error)

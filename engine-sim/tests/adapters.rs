@@ -159,8 +159,12 @@ async fn a_failing_load_loads_nothing_and_names_its_reason() {
 
 #[tokio::test]
 async fn a_hanging_load_never_answers_and_holds_the_next() {
-    let dirs = Dirs::new(&["stuck", "next"]);
+    let dirs = Dirs::new(&["stuck", "next", "other"]);
     let sim = vllm().await;
+    assert_eq!(
+        load(&sim, "other", &dirs.path("other")).await.0,
+        StatusCode::OK
+    );
     sim.post(
         "/sim/faults",
         json!({"adapters": {"stuck": {"hangs": true}}}),
@@ -180,6 +184,22 @@ async fn a_hanging_load_never_answers_and_holds_the_next() {
     .await;
     assert!(next.is_err(), "a load ran beside the stuck one: {next:?}");
     sim.chat_text("base", "hello").await;
+    // vLLM's unload only drops the name (under that name's lock): another name's answers
+    // beside the stuck load (the bound is generous: it only keeps a failure from hanging),
+    // the stuck name's waits for its load.
+    let unload =
+        |name: &'static str| sim.post("/v1/unload_lora_adapter", json!({"lora_name": name}));
+    let other = tokio::time::timeout(Duration::from_secs(30), unload("other")).await;
+    assert_eq!(
+        other.map(|(status, _)| status).ok(),
+        Some(StatusCode::OK),
+        "an unload waited behind another name's load"
+    );
+    let stuck = tokio::time::timeout(Duration::from_millis(300), unload("stuck")).await;
+    assert!(
+        stuck.is_err(),
+        "the stuck name's unload answered: {stuck:?}"
+    );
     assert!(names(&sim.state().await).is_empty());
 }
 
