@@ -83,6 +83,11 @@ async fn sim_state(ep: &Endpoint) -> Value {
 }
 
 async fn set_fault(ep: &Endpoint, fault: &str) {
+    sim_faults(ep, json!({"set": [fault]})).await;
+}
+
+/// Posts `body` to the simulator's `/sim/faults`.
+async fn sim_faults(ep: &Endpoint, body: Value) {
     let url = ep.url("/sim/faults");
     let call = Call {
         engine: ep.engine,
@@ -91,7 +96,7 @@ async fn set_fault(ep: &Endpoint, fault: &str) {
         timeout: Duration::from_secs(5),
     };
     EngineClient::new()
-        .expect_ok(call, Method::POST, Some(&json!({"set": [fault]})))
+        .expect_ok(call, Method::POST, Some(&body))
         .await
         .unwrap();
 }
@@ -622,6 +627,8 @@ async fn adapters_load_list_and_unload_with_the_engines_reasons() {
                 AgentError::EngineStatus {
                     status, body, step, ..
                 } => {
+                    let named = format!("adapter other ({}): ", dirs.path(dir));
+                    assert!(body.starts_with(&named), "{engine} {dir}: {body}");
                     assert!(body.contains(reason), "{engine} {dir}: {body}");
                     assert!(!body.starts_with('{'), "the reason, not the JSON: {body}");
                     assert_eq!(*step, "load_lora_adapter");
@@ -660,6 +667,29 @@ async fn a_failed_or_hanging_adapter_load_is_an_error_naming_it() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("adapter_load_fails"), "{err}");
+    // A reason of 1 MiB (the engine's message whole) is cut short, after the adapter's name.
+    let huge = "x".repeat(1 << 20);
+    sim_faults(
+        &ep,
+        json!({"clear": ["adapter_load_fails"], "adapters": {"one": {"fails": huge}}}),
+    )
+    .await;
+    match driver().load_adapter(&ep, "one", &dirs.path("one")).await {
+        Err(AgentError::EngineStatus { status, body, .. }) => {
+            assert_eq!(status, 500);
+            let named = format!(
+                "adapter one ({}): Call to add_lora method failed",
+                dirs.path("one")
+            );
+            assert!(body.starts_with(&named), "{}", &body[..200]);
+            assert!(
+                body.len() < 2048 && body.ends_with('…'),
+                "{} bytes",
+                body.len()
+            );
+        }
+        other => panic!("{other:?}"),
+    }
     set_fault(&ep, "adapter_load_hangs").await;
     let quick = Driver::new(DriverTimeouts {
         check: Duration::from_millis(300),

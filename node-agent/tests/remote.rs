@@ -818,7 +818,10 @@ async fn adapters_load_list_and_unload_over_http() {
         AgentError::EngineStatus { status, body, .. } => {
             assert_eq!(*status, 404);
             assert!(
-                body.starts_with("Loading lora plain failed: No adapter found for"),
+                body.starts_with(&format!(
+                    "adapter plain ({}): Loading lora plain failed: No adapter found for",
+                    not_peft.display()
+                )),
                 "{body}"
             );
         }
