@@ -294,8 +294,10 @@ pub fn tensor_parallel_flag(engine: EngineKind) -> Option<&'static str> {
 /// The first argument of `extra_args` that sets a flag CapyCTL passes `engine` itself, in any
 /// spelling the engines read: `--port 1`, `--port=1`, with `_` for `-` (`--served_model_name`,
 /// which vLLM reads as `--served-model-name`), and shortened (`--hos`, which Python's argparse
-/// reads as `--host` when no other flag starts so), and vLLM's short `-tp`. Returns its index
-/// and the flag.
+/// reads as `--host` when no other flag starts so), vLLM's short `-tp`, and negated with `--no-`
+/// (`--no-enable-lora`, `--no-enable-sleep-mode`: argparse's `BooleanOptionalAction`, which
+/// vLLM's switches use, reads it as the switch turned off, undoing CapyCTL's). Returns its
+/// index and the flag.
 pub fn owned_flag(engine: EngineKind, extra_args: &[String]) -> Option<(usize, OwnedFlag)> {
     extra_args.iter().enumerate().find_map(|(i, arg)| {
         let name = arg.split_once('=').map_or(arg.as_str(), |(name, _)| name);
@@ -303,6 +305,11 @@ pub fn owned_flag(engine: EngineKind, extra_args: &[String]) -> Option<(usize, O
             return Some((i, TENSOR_PARALLEL_SIZE));
         }
         let name = name.strip_prefix("--")?.replace('_', "-");
+        // `--no-<flag>` sets the flag too (no flag CapyCTL owns starts with `no-`).
+        let name = match name.strip_prefix("no-") {
+            Some(negated) => negated.to_string(),
+            None => name,
+        };
         if name.len() < 2 {
             return None;
         }
@@ -426,6 +433,25 @@ mod tests {
     #[test]
     fn the_lora_flags_are_capyctls_own() {
         let at = |engine, a: &[&str]| owned_flag(engine, &args(a)).map(|(i, f)| (i, f.flag));
+        // Negated (argparse's `--no-` of a switch) undoes CapyCTL's switch: owned too.
+        assert_eq!(
+            at(
+                EngineKind::Vllm,
+                &["--dtype", "float32", "--no-enable-lora"]
+            ),
+            Some((2, "--enable-lora"))
+        );
+        assert_eq!(
+            at(EngineKind::Vllm, &["--no_enable_sleep_mode"]),
+            Some((0, "--enable-sleep-mode"))
+        );
+        assert_eq!(
+            at(EngineKind::Sglang, &["--no-enable-lora"]),
+            Some((0, "--enable-lora"))
+        );
+        // Another engine flag's `--no-` is not.
+        assert_eq!(at(EngineKind::Vllm, &["--no-enable-prefix-caching"]), None);
+        assert_eq!(at(EngineKind::Vllm, &["--no-", "--no-x"]), None);
         assert_eq!(
             at(EngineKind::Vllm, &["--dtype", "float32", "--enable-lora"]),
             Some((2, "--enable-lora"))
