@@ -12,10 +12,12 @@
 //!   LoRA.'…"; a directory that does not exist or holds no `adapter_config.json`: 404
 //!   `NotFoundError` "Loading lora NAME failed: No adapter found for PATH"; a rank above
 //!   `--max-lora-rank`: 500 "…'LoRA rank R is greater than max_lora_rank M.'…";
-//! - more adapters than `--max-loras`: accepted (they are GPU slots per batch; vLLM keeps the
-//!   rest in its CPU cache and swaps them in);
-//! - unloaded: 200 `Success: LoRA adapter 'NAME' removed successfully.`; one not loaded: 404
-//!   "The lora adapter 'NAME' cannot be found.".
+//! - more adapters than `--max-loras`: accepted (they are GPU slots per batch; vLLM's CPU
+//!   cache holds `--max-cpu-loras`, by default as many, and reads the others from disk again
+//!   when a request names them; the simulator holds them all);
+//! - unloaded: 200 `Success: LoRA adapter 'NAME' removed successfully.` (vLLM only takes the
+//!   name off its list; nothing is freed in the engine); one not loaded: 404 "The lora
+//!   adapter 'NAME' cannot be found.".
 //!
 //! SGLang: `POST /load_lora_adapter` and `/unload_lora_adapter` with the same fields, answering
 //! `{"success", "error_message", "loaded_adapters"}`, 200 or 400 (its messages here are the

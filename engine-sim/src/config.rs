@@ -451,7 +451,8 @@ pub struct SimConfig {
     /// `/v1/unload_lora_adapter` exist.
     pub vllm_runtime_lora: bool,
     /// vLLM `--max-loras` (default 1): adapters in one batch. vLLM 0.32 does not refuse
-    /// loading more (the rest wait in its CPU cache); kept for `/sim/state`.
+    /// loading more (its CPU cache holds `--max-cpu-loras`, by default as many; the others are
+    /// read from disk again when named); kept for `/sim/state`.
     pub max_loras: usize,
     /// `--max-lora-rank` (vLLM default 16; SGLang infers it from `--lora-paths`, 16 here): a
     /// load of an adapter of a higher rank is refused.

@@ -51,7 +51,11 @@
 //! No adapter found for P" for a path that does not exist or holds no `adapter_config.json`,
 //! 400 `InvalidUserInput` for a name already loaded, 500 "...LoRA rank R is greater than
 //! max_lora_rank M." for a rank too high; it does not refuse adapters beyond `--max-loras`
-//! (those are GPU slots per batch; the rest wait in its CPU cache).
+//! (those are GPU slots per batch; its CPU cache holds `--max-cpu-loras`, by default as many,
+//! so the others are dropped from the engine and read from disk again when a request names
+//! them), and its unload only takes the name off the API server's list, freeing nothing in
+//! the engine. SGLang 0.5.23 does not refuse a load beyond `--max-loaded-loras` either: it
+//! unloads its least recently used adapter. So CapyCTL keeps to `max_loaded` itself.
 //!
 //! Every call is one [`EngineCall`] of the tables below ([`VLLM_CALLS`], [`SGLANG_CALLS`],
 //! [`TENSORFOLD_CALLS`]): method, path with its query, and body. `tests/contract.rs` checks each
