@@ -5,43 +5,17 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use hyper::StatusCode;
 use serde_json::{Value, json};
 
+use capyctl_engine_sim::testing::AdapterDirs;
 use common::{Sim, start};
 
-/// PEFT directories of rank 8 named `names` under a fresh temporary directory.
-struct Dirs(PathBuf);
-
-impl Dirs {
-    fn new(names: &[&str]) -> Dirs {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos();
-        let root = std::env::temp_dir().join(format!(
-            "engine-sim-adapters-{}-{nanos}",
-            std::process::id()
-        ));
-        for n in names {
-            std::fs::create_dir_all(root.join(n)).unwrap();
-            std::fs::write(root.join(n).join("adapter_config.json"), r#"{"r": 8}"#).unwrap();
-        }
-        Dirs(root)
-    }
-
-    fn path(&self, name: &str) -> String {
-        self.0.join(name).to_str().unwrap().to_string()
-    }
-}
-
-impl Drop for Dirs {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// PEFT directories of rank 8 named `names`.
+fn dirs(names: &[&str]) -> AdapterDirs {
+    AdapterDirs::rank8("engine-sim-adapters", names).unwrap()
 }
 
 async fn vllm() -> Sim {
@@ -80,9 +54,10 @@ fn names(state: &Value) -> Vec<String> {
         .collect()
 }
 
+/// An adapter's own `load_time` holds its load at least that long (a lower bound only).
 #[tokio::test]
 async fn a_load_takes_its_adapters_load_time() {
-    let dirs = Dirs::new(&["slow", "quick"]);
+    let dirs = dirs(&["slow", "quick"]);
     let sim = vllm().await;
     let (status, body) = sim
         .post(
@@ -101,15 +76,10 @@ async fn a_load_takes_its_adapters_load_time() {
         "{:?}",
         began.elapsed()
     );
-    let began = Instant::now();
+    // (Not timed: only a lower bound is; the quick one's is the launch's 1 ms.)
     assert_eq!(
         load(&sim, "quick", &dirs.path("quick")).await.0,
         StatusCode::OK
-    );
-    assert!(
-        began.elapsed() < Duration::from_millis(300),
-        "{:?}",
-        began.elapsed()
     );
     let state = sim.state().await;
     assert_eq!(names(&state), ["slow", "quick"]);
@@ -127,7 +97,7 @@ async fn a_load_takes_its_adapters_load_time() {
 
 #[tokio::test]
 async fn a_failing_load_loads_nothing_and_names_its_reason() {
-    let dirs = Dirs::new(&["bad", "good"]);
+    let dirs = dirs(&["bad", "good"]);
     let sim = vllm().await;
     sim.post(
         "/sim/faults",
@@ -159,7 +129,7 @@ async fn a_failing_load_loads_nothing_and_names_its_reason() {
 
 #[tokio::test]
 async fn a_hanging_load_never_answers_and_holds_the_next() {
-    let dirs = Dirs::new(&["stuck", "next", "other"]);
+    let dirs = dirs(&["stuck", "next", "other"]);
     let sim = vllm().await;
     assert_eq!(
         load(&sim, "other", &dirs.path("other")).await.0,
@@ -208,7 +178,7 @@ async fn a_hanging_load_never_answers_and_holds_the_next() {
 /// (SGLang 0.5.23 refuses none: `load_lora_adapter` evicts by LRU).
 #[tokio::test]
 async fn sglang_loads_lists_and_unloads_adapters() {
-    let dirs = Dirs::new(&["a", "b", "c"]);
+    let dirs = dirs(&["a", "b", "c"]);
     let sim = start(&[
         "--model-path",
         "base",

@@ -9,6 +9,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use capyctl_engine_sim::testing::AdapterDirs;
 use capyctl_node_agent::agent::{AgentConfig, EngineExit, ParkResult};
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::launch::MaxRunningSource;
@@ -889,10 +890,8 @@ async fn a_stop_ends_a_start_or_a_wake_in_progress() {
 #[tokio::test]
 async fn adapter_calls_do_not_race_a_park_or_a_stop() {
     let dir = common::temp_dir("adapters-park");
-    let lora = dir.join("loras/one");
-    std::fs::create_dir_all(&lora).unwrap();
-    std::fs::write(lora.join("adapter_config.json"), r#"{"r": 8}"#).unwrap();
-    let lora = lora.to_str().unwrap();
+    let loras = AdapterDirs::rank8("node-agent-adapters-park", &["one"]).unwrap();
+    let lora = &loras.path("one");
     let mut config = common::agents::config(&dir);
     config.timeouts.check = Duration::from_secs(3);
     let a = LocalHostAgent::new(config, settings(1024 * MIB, false), Arc::new(NoGpus)).unwrap();

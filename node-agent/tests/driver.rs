@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use capyctl_engine_sim::testing::AdapterDirs;
 use capyctl_engine_sim::{SimConfig, serve};
 use capyctl_node_agent::AgentError;
 use capyctl_node_agent::agent::endpoint_of;
@@ -562,37 +563,12 @@ async fn an_endless_answer_is_cut_at_the_bound() {
 
 /// PEFT adapter directories for the adapter tests: `one` (rank 8), `big` (rank 32),
 /// `plain` (no `adapter_config.json`). Removed on drop.
-struct AdapterDirs(std::path::PathBuf);
-
-impl AdapterDirs {
-    fn new() -> AdapterDirs {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos();
-        let root = std::env::temp_dir().join(format!(
-            "capyctl-driver-lora-{}-{nanos}",
-            std::process::id()
-        ));
-        for (dir, rank) in [("one", Some(8)), ("big", Some(32)), ("plain", None)] {
-            let d = root.join(dir);
-            std::fs::create_dir_all(&d).unwrap();
-            if let Some(r) = rank {
-                std::fs::write(d.join("adapter_config.json"), json!({"r": r}).to_string()).unwrap();
-            }
-        }
-        AdapterDirs(root)
-    }
-
-    fn path(&self, name: &str) -> String {
-        self.0.join(name).to_str().unwrap().to_string()
-    }
-}
-
-impl Drop for AdapterDirs {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+fn adapter_dirs() -> AdapterDirs {
+    AdapterDirs::new(
+        "capyctl-driver-lora",
+        &[("one", Some(8)), ("big", Some(32)), ("plain", None)],
+    )
+    .unwrap()
 }
 
 /// A base with `adapters: {max_loaded: 2, max_rank: 16}` takes adapters through the driver:
@@ -601,7 +577,7 @@ impl Drop for AdapterDirs {
 /// each launched with CapyCTL's own flags.
 #[tokio::test]
 async fn adapters_load_list_and_unload_with_the_engines_reasons() {
-    let dirs = AdapterDirs::new();
+    let dirs = adapter_dirs();
     let d = driver();
     for engine in [EngineKind::Vllm, EngineKind::Sglang] {
         let mut sp = spec(engine);
@@ -654,7 +630,7 @@ async fn adapters_load_list_and_unload_with_the_engines_reasons() {
 /// naming the step (engine-sim's adapter faults).
 #[tokio::test]
 async fn a_failed_or_hanging_adapter_load_is_an_error_naming_it() {
-    let dirs = AdapterDirs::new();
+    let dirs = adapter_dirs();
     let mut sp = spec(EngineKind::Vllm);
     sp.adapters = Some(capyctl_interfaces::spec::AdapterSlots {
         max_loaded: 1,
