@@ -12,20 +12,25 @@
 //!   LoRA.'…"; a directory that does not exist or holds no `adapter_config.json`: 404
 //!   `NotFoundError` "Loading lora NAME failed: No adapter found for PATH"; a rank above
 //!   `--max-lora-rank`: 500 "…'LoRA rank R is greater than max_lora_rank M.'…";
-//! - more adapters than `--max-loras`: accepted (they are GPU slots per batch; vLLM keeps the
-//!   rest in its CPU cache and swaps them in);
-//! - unloaded: 200 `Success: LoRA adapter 'NAME' removed successfully.`; one not loaded: 404
-//!   "The lora adapter 'NAME' cannot be found.".
+//! - more adapters than `--max-loras`: accepted (they are GPU slots per batch; vLLM's CPU
+//!   cache holds `--max-cpu-loras`, by default as many, and reads the others from disk again
+//!   when a request names them; the simulator holds them all);
+//! - unloaded: 200 `Success: LoRA adapter 'NAME' removed successfully.` (vLLM only takes the
+//!   name off its list; nothing is freed in the engine); one not loaded: 404 "The lora
+//!   adapter 'NAME' cannot be found.".
 //!
 //! SGLang: `POST /load_lora_adapter` and `/unload_lora_adapter` with the same fields, answering
 //! `{"success", "error_message", "loaded_adapters"}`, 200 or 400 (its messages here are the
-//! simulator's own); `--max-loaded-loras` bounds the adapters held.
+//! simulator's own); beyond `--max-loaded-loras`, a load succeeds and unloads the least
+//! recently used adapter, as SGLang 0.5.23 does.
 //!
 //! A load takes `--sim-adapter-load-time`, or the adapter's own `load_time`; the faults
 //! `adapter_load_fails` and `adapter_load_hangs`, or an adapter's own `fails`/`hangs`
-//! (`/sim/faults` `adapters`), make it fail after its load time or never answer. Loads and
-//! unloads are serialized.
+//! (`/sim/faults` `adapters`), make it fail after its load time or never answer. Loads are
+//! serialized (and SGLang's unloads with them); vLLM's unload holds only its name's lock, so
+//! it waits only for a load of the same name.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -168,6 +173,7 @@ async fn load(sim: &EngineSim, name: &str, path: &str) -> Result<(), Refused> {
             name: name.to_string(),
             path: path.to_string(),
             rank,
+            last_used: s.adapter_tick(),
         };
         match s.adapters.iter_mut().find(|a| a.name == name) {
             Some(a) => *a = adapter,
@@ -193,22 +199,78 @@ pub(crate) async fn vllm_load(State(sim): State<Arc<EngineSim>>, body: Bytes) ->
     };
     let (name, path) = (text(&req, "lora_name"), text(&req, "lora_path"));
     let in_place = req.get("load_inplace").and_then(Value::as_bool) == Some(true);
-    run(Arc::clone(&sim), async move {
-        vllm_load_locked(&sim, &name, &path, in_place).await
-    })
+    run(
+        Arc::clone(&sim),
+        Serial::NameThenEngine(name.clone()),
+        async move { vllm_load_locked(&sim, &name, &path, in_place).await },
+    )
     .await
 }
 
-/// Runs an adapter operation to its end in a task of its own, one at a time: a client that
-/// hangs up does not cut a load in half, and a load that hangs holds the next ones, as in the
-/// engines.
+/// The locks an adapter operation holds.
+enum Serial {
+    /// The engine's one lock: every load (vLLM's engine core adds one adapter at a time), and
+    /// SGLang's unloads (its `lora_update_lock`).
+    Engine,
+    /// vLLM's load: its name's lock (`lora_resolver_lock`), then the engine's.
+    NameThenEngine(String),
+    /// vLLM's unload: only its name's lock; vLLM drops the name from its list and answers,
+    /// without the engine core, so a load that hangs holds only unloads of its own name.
+    Name(String),
+}
+
+/// vLLM's locks per adapter name (`OpenAIServingModels.lora_resolver_lock`).
+#[derive(Debug, Default)]
+pub(crate) struct AdapterNames(std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>);
+
+impl AdapterNames {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<tokio::sync::Mutex<()>>>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Holds the lock of `name` while `op` runs; its entry goes when no other call holds or
+    /// waits for it (the map stays as small as the calls in flight).
+    async fn hold<T>(&self, name: &str, op: impl std::future::Future<Output = T>) -> T {
+        let lock = Arc::clone(self.map().entry(name.to_string()).or_default());
+        let done = {
+            let _held = lock.lock().await;
+            op.await
+        };
+        let mut map = self.map();
+        // Here and in the map: no other call holds or waits for it.
+        if Arc::strong_count(&lock) == 2 {
+            map.remove(name);
+        }
+        done
+    }
+}
+
+/// Runs an adapter operation to its end in a task of its own, under the locks `serial` names:
+/// a client that hangs up does not cut a load in half, and a load that hangs holds the next
+/// ones, as in the engines.
 async fn run(
     sim: Arc<EngineSim>,
+    serial: Serial,
     op: impl std::future::Future<Output = Response> + Send + 'static,
 ) -> Response {
     let task = tokio::spawn(async move {
-        let _serial = sim.adapter_lock.lock().await;
-        op.await
+        match serial {
+            Serial::Engine => {
+                let _engine = sim.adapter_lock.lock().await;
+                op.await
+            }
+            Serial::NameThenEngine(name) => {
+                sim.adapter_names
+                    .hold(&name, async {
+                        let _engine = sim.adapter_lock.lock().await;
+                        op.await
+                    })
+                    .await
+            }
+            Serial::Name(name) => sim.adapter_names.hold(&name, op).await,
+        }
     });
     task.await.unwrap_or_else(|e| {
         api_error(
@@ -256,10 +318,9 @@ pub(crate) async fn vllm_unload(State(sim): State<Arc<EngineSim>>, body: Bytes) 
         Err(r) => return *r,
     };
     let name = text(&req, "lora_name");
-    run(
-        Arc::clone(&sim),
-        async move { vllm_unload_locked(&sim, &name) },
-    )
+    run(Arc::clone(&sim), Serial::Name(name.clone()), async move {
+        vllm_unload_locked(&sim, &name)
+    })
     .await
 }
 
@@ -326,22 +387,21 @@ pub(crate) async fn sglang_load(State(sim): State<Arc<EngineSim>>, body: Bytes) 
         Err(r) => return *r,
     };
     let (name, path) = (text(&req, "lora_name"), text(&req, "lora_path"));
-    run(Arc::clone(&sim), async move {
+    run(Arc::clone(&sim), Serial::Engine, async move {
         sglang_load_locked(&sim, &name, &path).await
     })
     .await
 }
 
+/// SGLang 0.5.23 (`TokenizerControlMixin.load_lora_adapter`) refuses no load for
+/// `--max-loaded-loras`: once one succeeds, it unloads its least recently used adapters (loaded
+/// or named by a request longest ago; `_unload_lora_adapter_locked`) until it holds the
+/// maximum again, and answers without them. (The simulator pins none and does not wait for
+/// the requests running with an evicted adapter, as SGLang's `wait_for_unload` does.)
 async fn sglang_load_locked(sim: &EngineSim, name: &str, path: &str) -> Response {
-    let held = sim.with_state(|s| s.adapters.len());
     let error = if sim.with_state(|s| s.adapter(name).is_some()) {
         Some(format!(
             "The LoRA adapter '{name}' is already loaded; unload it first."
-        ))
-    } else if let Some(max) = sim.config().max_loaded_loras.filter(|m| held >= *m) {
-        Some(format!(
-            "Cannot load the LoRA adapter '{name}': {held} are loaded, the maximum \
-             (--max-loaded-loras) is {max}."
         ))
     } else {
         load(sim, name, path)
@@ -349,6 +409,27 @@ async fn sglang_load_locked(sim: &EngineSim, name: &str, path: &str) -> Response
             .err()
             .map(|Refused(_, _, message)| message)
     };
+    if error.is_none()
+        && let Some(max) = sim.config().max_loaded_loras
+    {
+        while let Some(lru) = sim.with_state(|s| {
+            (s.adapters.len() > max)
+                .then(|| {
+                    s.adapters
+                        .iter()
+                        .filter(|a| a.name != name)
+                        .min_by_key(|a| a.last_used)
+                        .map(|a| a.name.clone())
+                })
+                .flatten()
+        }) {
+            info!(
+                adapter = lru,
+                "least recently used adapter unloaded (--max-loaded-loras)"
+            );
+            unload(sim, &lru);
+        }
+    }
     sglang_answer(sim, error)
 }
 
@@ -359,7 +440,7 @@ pub(crate) async fn sglang_unload(State(sim): State<Arc<EngineSim>>, body: Bytes
         Err(r) => return *r,
     };
     let name = text(&req, "lora_name");
-    run(Arc::clone(&sim), async move {
+    run(Arc::clone(&sim), Serial::Engine, async move {
         let error =
             (!unload(&sim, &name)).then(|| format!("The LoRA adapter '{name}' is not loaded."));
         sglang_answer(&sim, error)

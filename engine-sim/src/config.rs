@@ -451,7 +451,8 @@ pub struct SimConfig {
     /// `/v1/unload_lora_adapter` exist.
     pub vllm_runtime_lora: bool,
     /// vLLM `--max-loras` (default 1): adapters in one batch. vLLM 0.32 does not refuse
-    /// loading more (the rest wait in its CPU cache); kept for `/sim/state`.
+    /// loading more (its CPU cache holds `--max-cpu-loras`, by default as many; the others are
+    /// read from disk again when named); kept for `/sim/state`.
     pub max_loras: usize,
     /// `--max-lora-rank` (vLLM default 16; SGLang infers it from `--lora-paths`, 16 here): a
     /// load of an adapter of a higher rank is refused.
@@ -587,6 +588,9 @@ fn infer_flavour(args: &SimArgs) -> Option<Flavour> {
     }
 }
 
+/// The ranks vLLM 0.32 takes for `--max-lora-rank` (`MaxLoRARanks` in `vllm/config/lora.py`).
+const VLLM_LORA_RANKS: [u64; 9] = [1, 8, 16, 32, 64, 128, 256, 320, 512];
+
 fn invalid(message: String) -> clap::Error {
     SimArgs::command().error(ErrorKind::ValueValidation, message)
 }
@@ -681,7 +685,9 @@ impl SimConfig {
         };
         let vllm_dev_mode = on(&a.vllm_dev_mode);
         let vllm_runtime_lora = flavour == Flavour::Vllm && on(&a.vllm_runtime_lora);
-        if a.max_loras == Some(0) || a.max_lora_rank == Some(0) || a.max_loaded_loras == Some(0) {
+        // (vLLM's parser refuses a rank outside its choices itself: `vllm_invalid_choice`.)
+        let rank_zero = flavour != Flavour::Vllm && a.max_lora_rank == Some(0);
+        if a.max_loras == Some(0) || rank_zero || a.max_loaded_loras == Some(0) {
             return Err(invalid(
                 "--max-loras, --max-lora-rank and --max-loaded-loras must be at least 1".into(),
             ));
@@ -749,6 +755,22 @@ impl SimConfig {
             faults: a.faults,
             unknown_args,
         })
+    }
+
+    /// vLLM 0.32's argument parser's refusal of a `--max-lora-rank` outside its choices
+    /// ([`VLLM_LORA_RANKS`]), the line after `vllm serve: error: `; `None` when it takes it or
+    /// for the other flavours.
+    pub fn vllm_invalid_choice(&self) -> Option<String> {
+        (self.flavour == Flavour::Vllm && !VLLM_LORA_RANKS.contains(&self.max_lora_rank)).then(
+            || {
+                let choices: Vec<String> = VLLM_LORA_RANKS.iter().map(u64::to_string).collect();
+                format!(
+                    "argument --max-lora-rank: invalid choice: {} (choose from {})",
+                    self.max_lora_rank,
+                    choices.join(", ")
+                )
+            },
+        )
     }
 
     /// The arguments `vllm serve` 0.32.0 would refuse as `unrecognized arguments` (flags it does
@@ -957,9 +979,26 @@ mod tests {
         assert!(!t.enable_lora);
         assert_eq!(t.unknown_args, ["--enable-lora"]);
         assert!(
-            SimConfig::try_parse_from(["engine-sim", "serve", "m", "--max-lora-rank", "0"])
+            SimConfig::try_parse_from(["engine-sim", "--model-path", "m", "--max-lora-rank", "0"])
                 .is_err()
         );
+        // vLLM's parser takes only its choices of rank.
+        assert_eq!(v.vllm_invalid_choice(), None);
+        assert_eq!(
+            parse(&["serve", "m", "--max-lora-rank", "24"])
+                .vllm_invalid_choice()
+                .as_deref(),
+            Some(
+                "argument --max-lora-rank: invalid choice: 24 (choose from 1, 8, 16, 32, 64, \
+                 128, 256, 320, 512)"
+            )
+        );
+        assert!(
+            parse(&["serve", "m", "--max-lora-rank", "0"])
+                .vllm_invalid_choice()
+                .is_some()
+        );
+        assert_eq!(s.vllm_invalid_choice(), None);
     }
 
     #[test]

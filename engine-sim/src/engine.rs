@@ -9,6 +9,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tracing::{error, info, warn};
 
+use crate::adapters::AdapterNames;
 use crate::config::{Fault, Flavour, SimConfig};
 use crate::state::{
     ControlError, Corruption, Counters, Outcome, Plan, SimState, Tag, WeightsState,
@@ -34,8 +35,12 @@ pub struct EngineSim {
     /// Serializes control operations. A tokio mutex, held across an operation's simulated time
     /// (by a spawned task, so a client that hangs up does not cut an operation in half).
     control: tokio::sync::Mutex<()>,
-    /// Serializes adapter loads and unloads (vLLM's engine core adds one adapter at a time).
+    /// Serializes adapter loads (vLLM's engine core adds one adapter at a time), and SGLang's
+    /// unloads too (its `lora_update_lock`).
     pub(crate) adapter_lock: tokio::sync::Mutex<()>,
+    /// vLLM's lock per adapter name (`lora_resolver_lock`), held by a load and an unload of
+    /// that name; an entry goes when no call holds or waits for it.
+    pub(crate) adapter_names: AdapterNames,
     /// When the simulated start-up is over. Read-only.
     ready_at: Instant,
     /// Source of request ids (`chatcmpl-N`). Atomic, no lock.
@@ -111,6 +116,7 @@ impl EngineSim {
             slots: Arc::new(Semaphore::new(config.max_running)),
             control: tokio::sync::Mutex::new(()),
             adapter_lock: tokio::sync::Mutex::new(()),
+            adapter_names: AdapterNames::default(),
             ready_at: Instant::now() + config.startup_delay,
             next_id: AtomicU64::new(1),
             config,

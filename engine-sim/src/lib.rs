@@ -28,6 +28,7 @@ mod engine;
 pub mod metrics;
 mod openai;
 mod state;
+pub mod testing;
 mod text;
 
 use std::sync::Arc;

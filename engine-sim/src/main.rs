@@ -12,6 +12,11 @@ async fn main() -> anyhow::Result<()> {
         SimConfig::parse_from(std::env::args_os().map(|a| a.to_string_lossy().into_owned()));
     // vLLM's argparse refuses a flag it does not have, before anything starts: status 2, its
     // usage and this line last on stderr.
+    if let Some(refused) = config.vllm_invalid_choice() {
+        eprintln!("usage: vllm serve [model_tag] [options]");
+        eprintln!("vllm serve: error: {refused}");
+        std::process::exit(2);
+    }
     let unrecognized = config.vllm_unrecognized();
     if !unrecognized.is_empty() {
         eprintln!("usage: vllm serve [model_tag] [options]");

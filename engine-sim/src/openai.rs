@@ -241,8 +241,12 @@ fn requested_adapter(
     sim: &EngineSim,
     req: &GenerateRequest,
 ) -> Result<Option<(String, String)>, Box<Response>> {
-    let find =
-        |name: &str| sim.with_state(|s| s.adapter(name).map(|a| (a.name.clone(), a.path.clone())));
+    let find = |name: &str| {
+        sim.with_state(|s| {
+            s.use_adapter(name)
+                .map(|a| (a.name.clone(), a.path.clone()))
+        })
+    };
     match sim.config().flavour {
         Flavour::Vllm => match req.model.as_deref() {
             Some(m) if m != sim.config().served_model_name => match find(m) {

@@ -147,6 +147,8 @@ pub struct SimState {
     pub adapters: Vec<LoadedAdapter>,
     /// Per adapter name: a load time and faults set through `/sim/faults`.
     pub adapter_settings: BTreeMap<String, AdapterSettings>,
+    /// The adapters' use clock ([`SimState::adapter_tick`]).
+    adapter_clock: u64,
     /// Tokens held in the KV cache by running requests.
     kv_tokens: u64,
     /// Counters and gauges.
@@ -162,6 +164,10 @@ pub struct LoadedAdapter {
     pub path: String,
     /// Its rank (`r` of `adapter_config.json`).
     pub rank: u64,
+    /// When it was loaded or last named by a request ([`SimState::use_adapter`]): SGLang
+    /// unloads its least recently used adapter beyond `--max-loaded-loras`.
+    #[serde(skip)]
+    pub last_used: u64,
 }
 
 /// How loads of one adapter behave, set through `/sim/faults`
@@ -205,6 +211,20 @@ impl SimState {
         self.adapters.iter().find(|a| a.name == name)
     }
 
+    /// The next tick of the adapters' use clock ([`LoadedAdapter::last_used`]).
+    pub fn adapter_tick(&mut self) -> u64 {
+        self.adapter_clock += 1;
+        self.adapter_clock
+    }
+
+    /// Adapter `name` for a request that runs with it, marked used now.
+    pub fn use_adapter(&mut self, name: &str) -> Option<&LoadedAdapter> {
+        let now = self.adapter_tick();
+        let a = self.adapters.iter_mut().find(|a| a.name == name)?;
+        a.last_used = now;
+        Some(a)
+    }
+
     /// A freshly loaded engine.
     pub fn new(config: &SimConfig) -> SimState {
         SimState {
@@ -220,6 +240,7 @@ impl SimState {
             kv_tokens: 0,
             adapters: Vec::new(),
             adapter_settings: BTreeMap::new(),
+            adapter_clock: 0,
             counters: Counters::default(),
         }
     }

@@ -209,3 +209,30 @@ async fn fault_crash_at_start_and_bad_arguments() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("heavy"));
 }
+
+/// A `--max-lora-rank` outside vLLM's choices ends the vLLM simulator at start as vLLM's
+/// argument parser does: status 2, its usage and error line on stderr.
+#[tokio::test]
+async fn vllm_refuses_a_lora_rank_outside_its_choices() {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_engine-sim"))
+        .args([
+            "serve",
+            "m",
+            "--port",
+            "0",
+            "--enable-lora",
+            "--max-lora-rank",
+            "24",
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr).lines().last(),
+        Some(
+            "vllm serve: error: argument --max-lora-rank: invalid choice: 24 (choose from 1, 8, \
+             16, 32, 64, 128, 256, 320, 512)"
+        )
+    );
+}

@@ -19,6 +19,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 
+use capyctl_engine_sim::testing::AdapterDirs;
 use common::{Sim, start};
 
 /// The cases, in the order they were recorded (the sleep cases depend on it).
@@ -464,49 +465,25 @@ fn adapter_fixture(name: &str) -> Value {
 
 /// The recording's `{ADAPTERS}`: `one` and `two` (PEFT, rank 8), `rank16` (rank 16),
 /// `not-peft` (no `adapter_config.json`). Removed on drop.
-struct AdapterDirs(PathBuf);
-
-impl AdapterDirs {
-    fn new() -> AdapterDirs {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos();
-        let root =
-            std::env::temp_dir().join(format!("engine-sim-lora-{}-{nanos}", std::process::id()));
-        for (dir, rank) in [
+fn adapter_dirs() -> AdapterDirs {
+    AdapterDirs::new(
+        "engine-sim-lora",
+        &[
             ("one", Some(8)),
             ("two", Some(8)),
             ("rank16", Some(16)),
             ("not-peft", None),
-        ] {
-            let d = root.join(dir);
-            std::fs::create_dir_all(&d).unwrap();
-            match rank {
-                Some(r) => std::fs::write(
-                    d.join("adapter_config.json"),
-                    serde_json::json!({"peft_type": "LORA", "r": r, "lora_alpha": 16}).to_string(),
-                )
-                .unwrap(),
-                None => std::fs::write(d.join("config.json"), "{}").unwrap(),
-            }
-        }
-        AdapterDirs(root)
-    }
-
-    /// `request` with `{ADAPTERS}` made this directory.
-    fn request(&self, request: &Value) -> Value {
-        let text = request
-            .to_string()
-            .replace("{ADAPTERS}", self.0.to_str().unwrap());
-        serde_json::from_str(&text).unwrap()
-    }
+        ],
+    )
+    .unwrap()
 }
 
-impl Drop for AdapterDirs {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// `request` with `{ADAPTERS}` made `dirs`' directory.
+fn with_dirs(dirs: &AdapterDirs, request: &Value) -> Value {
+    let text = request
+        .to_string()
+        .replace("{ADAPTERS}", dirs.root().to_str().unwrap());
+    serde_json::from_str(&text).unwrap()
 }
 
 /// vLLM with adapters as the recording launched it.
@@ -532,13 +509,13 @@ fn answer_text(body: &str) -> String {
 
 #[tokio::test]
 async fn engine_sim_serves_adapters_as_vllm_0_32_0_did() {
-    let dirs = AdapterDirs::new();
+    let dirs = adapter_dirs();
     let sim = lora_sim(true).await;
     let mut differences = Vec::new();
     let mut texts = std::collections::BTreeMap::new();
     for name in ADAPTER_CASES {
         let real = adapter_fixture(name);
-        let got = send(&sim, &dirs.request(&real["request"])).await;
+        let got = send(&sim, &with_dirs(&dirs, &real["request"])).await;
         differences.extend(compare(name, &real, &got));
         // The refusals' reasons are vLLM's own words (the path aside: vLLM wrote `<path>`
         // for its temporary directory).
@@ -600,7 +577,7 @@ async fn engine_sim_serves_adapters_as_vllm_0_32_0_did() {
             .collect()
     };
     let real_end = adapter_fixture("adapters_models_end");
-    let got_end = send(&sim, &dirs.request(&real_end["request"])).await;
+    let got_end = send(&sim, &with_dirs(&dirs, &real_end["request"])).await;
     assert_eq!(models(&got_end.body), models(&real_end["json"].to_string()));
 }
 
@@ -608,16 +585,16 @@ async fn engine_sim_serves_adapters_as_vllm_0_32_0_did() {
 /// refuses the load in its worker; without the variable it has no routes at all.
 #[tokio::test]
 async fn a_load_without_enable_lora_is_refused_as_vllm_refuses_it() {
-    let dirs = AdapterDirs::new();
+    let dirs = adapter_dirs();
     let real = adapter_fixture("adapters_load_without_enable_lora");
     let sim = lora_sim(false).await;
-    let got = send(&sim, &dirs.request(&real["request"])).await;
+    let got = send(&sim, &with_dirs(&dirs, &real["request"])).await;
     let differences = compare("adapters_load_without_enable_lora", &real, &got);
     assert!(differences.is_empty(), "{}", differences.join("\n"));
     assert!(got.body.contains("LoRA is not enabled"), "{}", got.body);
 
     let plain = start(&["serve", "m", "--port", "0", "--enable-lora"]).await;
-    let got = send(&plain, &dirs.request(&real["request"])).await;
+    let got = send(&plain, &with_dirs(&dirs, &real["request"])).await;
     assert_eq!(got.status, 404, "{}", got.body);
     assert!(got.body.contains("Not Found"), "{}", got.body);
 }

@@ -137,12 +137,13 @@ pub enum AgentError {
         /// The instance ID.
         instance: String,
     },
-    /// A start or a wake that a stop of the same instance ended: the engine was stopped.
+    /// A start, a wake or an adapter call that a stop of the same instance ended: the engine
+    /// was stopped.
     #[error("instance {instance}: its {what} was ended by a stop; the engine was stopped")]
     Cancelled {
         /// The instance's ID.
         instance: String,
-        /// `start` or `wake`.
+        /// `start`, `wake`, `adapter load`, `adapter unload` or `adapter list`.
         what: &'static str,
     },
     /// The instance is not in a state that allows the operation.

@@ -116,6 +116,13 @@ struct Instance {
     /// The task watching the engine's exit; aborted when the instance goes. Set once, right
     /// after the instance is built.
     exit_watcher: Mutex<Option<AbortHandle>>,
+    /// Held across each adapter call to the engine (DESIGN 4.9), and taken by a park (after it
+    /// marks the instance parking) and a stop before they reach the engine: a park or a stop
+    /// never meets a load half done. See [`LocalHostAgent::adapter_call`].
+    adapter_calls: tokio::sync::Mutex<()>,
+    /// Set once a stop of the instance begins: an adapter call in flight ends with
+    /// [`AgentError::Cancelled`] (a hanging load would otherwise hold the stop).
+    stopping: watch::Sender<bool>,
 }
 
 #[derive(Debug, Clone)]
@@ -470,33 +477,77 @@ impl LocalHostAgent {
         self.runtime.pid(instance)
     }
 
-    /// The endpoint of an instance whose engine takes adapters now (DESIGN 4.9): started with
-    /// `adapters` (else [`AgentError::InvalidSpec`]), not parked and with no start or wake in
-    /// progress (else [`AgentError::WrongState`]: a parked vLLM would hold the call until a
-    /// wake).
-    fn adapter_endpoint(&self, id: &str, what: &str) -> Result<Endpoint, AgentError> {
+    /// Runs adapter call `call` (`what`: `adapter load`, `adapter unload` or `adapter list`)
+    /// against the engine of instance `id` while it takes adapters (DESIGN 4.9; `doing`: what
+    /// a refusal says it cannot do). The instance's `adapter_calls` lock is held across the
+    /// engine call, and the instance is checked both before it is taken (a refusal does not
+    /// wait behind a load) and once it is held. A park marks the instance parking and then
+    /// takes the lock, so it waits for the call in flight and every later call is refused; a
+    /// stop sets `stopping`, which ends the call in flight with [`AgentError::Cancelled`].
+    async fn adapter_call<T, F>(
+        &self,
+        id: &str,
+        what: &'static str,
+        doing: &str,
+        call: impl FnOnce(Endpoint) -> F,
+    ) -> Result<T, AgentError>
+    where
+        F: Future<Output = Result<T, AgentError>>,
+    {
         let inst = self.instance(id)?;
+        self.takes_adapters(id, &inst, doing)?;
+        let cancelled = || AgentError::Cancelled {
+            instance: id.to_string(),
+            what,
+        };
+        let stopping = inst.stopping.subscribe();
+        let _calls = tokio::select! {
+            biased;
+            () = stopped(stopping.clone()) => return Err(cancelled()),
+            held = inst.adapter_calls.lock() => held,
+        };
+        self.takes_adapters(id, &inst, doing)?;
+        tokio::select! {
+            biased;
+            () = stopped(stopping) => Err(cancelled()),
+            done = call(inst.endpoint.clone()) => done,
+        }
+    }
+
+    /// Whether the engine of `inst` takes adapters now: started with `adapters` (else
+    /// [`AgentError::InvalidSpec`]); known to the agent, not being stopped, with no start or
+    /// wake in progress, not parked, parking or in a recorded transition (else
+    /// [`AgentError::WrongState`]: a parked vLLM would hold the call until a wake).
+    fn takes_adapters(&self, id: &str, inst: &Instance, doing: &str) -> Result<(), AgentError> {
         if inst.spec.adapters.is_none() {
             return Err(AgentError::InvalidSpec {
                 detail: format!(
-                    "instance {id} (deployment {}) was started without adapters; cannot {what} it",
+                    "instance {id} (deployment {}) was started without adapters; cannot {doing} it",
                     inst.spec.name
                 ),
             });
         }
+        let refused = |why: String| AgentError::WrongState {
+            instance: id.to_string(),
+            detail: format!("{why}; cannot {doing} it now"),
+        };
+        if *inst.stopping.borrow() {
+            return Err(refused("it is being stopped".into()));
+        }
         if self.in_progress(id) {
-            return Err(AgentError::WrongState {
-                instance: id.to_string(),
-                detail: format!("a start or a wake is in progress; cannot {what} it now"),
-            });
+            return Err(refused("a start or a wake is in progress".into()));
         }
-        if let Some(tier) = inst.state().record.parked {
-            return Err(AgentError::WrongState {
-                instance: id.to_string(),
-                detail: format!("it is parked ({tier:?}); cannot {what} it until it wakes"),
-            });
+        let s = inst.state();
+        if let Some(tier) = s.record.parked {
+            return Err(refused(format!("it is parked ({tier:?}) until it wakes")));
         }
-        Ok(inst.endpoint.clone())
+        if let Some(tier) = s.parking {
+            return Err(refused(format!("it is parking ({tier:?})")));
+        }
+        if let Some(t) = s.record.transition {
+            return Err(refused(format!("a transition is in progress ({t:?})")));
+        }
+        Ok(())
     }
 
     /// The engine's endpoint of an instance.
@@ -713,6 +764,8 @@ impl LocalHostAgent {
             sample,
             sampler,
             exit_watcher: Mutex::new(None),
+            adapter_calls: tokio::sync::Mutex::new(()),
+            stopping: watch::Sender::new(false),
         });
         self.instances()
             .insert(record.instance.clone(), Arc::clone(&inst));
@@ -951,6 +1004,9 @@ impl LocalHostAgent {
         let inv = inventory(&self.settings, self.probe.as_ref())?;
         match self.choose_and_reserve(id, &inst, &inv)? {
             ParkChoice::Park(tier) if inst.parking.may_park => {
+                // Marked parking: adapter calls from now on are refused; the one in flight
+                // ends before the park reaches the engine.
+                drop(inst.adapter_calls.lock().await);
                 let parked = self.park_engine(&inst, tier).await;
                 inst.state().parking = None;
                 parked
@@ -1074,6 +1130,12 @@ impl LocalHostAgent {
     /// Stops the engine of `id` (not a start or wake of it in progress: see
     /// [`LocalHostAgent::do_stop`]).
     async fn stop_engine(&self, id: &str) -> Result<(), AgentError> {
+        let inst = self.instances().get(id).cloned();
+        if let Some(inst) = inst {
+            // An adapter call in flight ends (Cancelled) before the engine is stopped.
+            inst.stopping.send_replace(true);
+            drop(inst.adapter_calls.lock().await);
+        }
         let known = self.instances().remove(id);
         let stopped = self.runtime.stop(id, self.config.stop_grace).await;
         match (known, stopped) {
@@ -1320,8 +1382,13 @@ impl HostAgent for LocalHostAgent {
         path: &'a str,
     ) -> BoxFuture<'a, Result<(), AgentError>> {
         Box::pin(async move {
-            let ep = self.adapter_endpoint(instance, "load an adapter into")?;
-            self.driver.load_adapter(&ep, name, path).await
+            self.adapter_call(
+                instance,
+                "adapter load",
+                "load an adapter into",
+                |ep| async move { self.driver.load_adapter(&ep, name, path).await },
+            )
+            .await
         })
     }
 
@@ -1331,15 +1398,25 @@ impl HostAgent for LocalHostAgent {
         name: &'a str,
     ) -> BoxFuture<'a, Result<(), AgentError>> {
         Box::pin(async move {
-            let ep = self.adapter_endpoint(instance, "unload an adapter from")?;
-            self.driver.unload_adapter(&ep, name).await
+            self.adapter_call(
+                instance,
+                "adapter unload",
+                "unload an adapter from",
+                |ep| async move { self.driver.unload_adapter(&ep, name).await },
+            )
+            .await
         })
     }
 
     fn adapters<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<Vec<String>, AgentError>> {
         Box::pin(async move {
-            let ep = self.adapter_endpoint(instance, "list the adapters of")?;
-            self.driver.adapters(&ep).await
+            self.adapter_call(
+                instance,
+                "adapter list",
+                "list the adapters of",
+                |ep| async move { self.driver.adapters(&ep).await },
+            )
+            .await
         })
     }
 
@@ -1364,5 +1441,12 @@ impl HostAgent for LocalHostAgent {
                 sample.map(|s| (id, s))
             })
             .collect()
+    }
+}
+
+/// Resolves once `stopping` is set (an instance's stop began).
+async fn stopped(mut stopping: watch::Receiver<bool>) {
+    if stopping.wait_for(|s| *s).await.is_err() {
+        std::future::pending::<()>().await;
     }
 }

@@ -45,13 +45,17 @@
 //! /v1/load_lora_adapter {"lora_name","lora_path"}`, `POST /v1/unload_lora_adapter
 //! {"lora_name"}`; SGLang `POST /load_lora_adapter`, `POST /unload_lora_adapter` with the same
 //! fields; both list the loaded adapters in `GET /v1/models` as entries whose `parent` is the
-//! served model. A refused load is [`AgentError::EngineStatus`] with the engine's reason
-//! ([`refusal_reason`]); vLLM 0.32 on CPU answered (recorded in
+//! served model. A refused load is [`AgentError::EngineStatus`] naming the adapter and its
+//! path, with the engine's reason cut short ([`refusal_reason`]); vLLM 0.32 on CPU answered (recorded in
 //! `engine-sim/tests/fixtures/vllm-0.32.0-lora/`): 404 `NotFoundError` "Loading lora X failed:
 //! No adapter found for P" for a path that does not exist or holds no `adapter_config.json`,
 //! 400 `InvalidUserInput` for a name already loaded, 500 "...LoRA rank R is greater than
 //! max_lora_rank M." for a rank too high; it does not refuse adapters beyond `--max-loras`
-//! (those are GPU slots per batch; the rest wait in its CPU cache).
+//! (those are GPU slots per batch; its CPU cache holds `--max-cpu-loras`, by default as many,
+//! so the others are dropped from the engine and read from disk again when a request names
+//! them), and its unload only takes the name off the API server's list, freeing nothing in
+//! the engine. SGLang 0.5.23 does not refuse a load beyond `--max-loaded-loras` either: it
+//! unloads its least recently used adapter. So CapyCTL keeps to `max_loaded` itself.
 //!
 //! Every call is one [`EngineCall`] of the tables below ([`VLLM_CALLS`], [`SGLANG_CALLS`],
 //! [`TENSORFOLD_CALLS`]): method, path with its query, and body. `tests/contract.rs` checks each
@@ -1011,7 +1015,7 @@ impl Driver {
     /// Loads LoRA adapter `name` from `path` into the engine (vLLM `POST
     /// /v1/load_lora_adapter`, SGLang `POST /load_lora_adapter`), within the check timeout
     /// (reading an adapter is reading weights). A refusal is [`AgentError::EngineStatus`]
-    /// whose `body` is the engine's reason ([`refusal_reason`]).
+    /// whose `body` is `adapter NAME (PATH): ` and the engine's reason ([`refusal_reason`]).
     pub async fn load_adapter(
         &self,
         ep: &Endpoint,
@@ -1030,7 +1034,7 @@ impl Driver {
             step: load.step,
             url: ep.url(load.target),
             status,
-            body: refusal_reason(&body),
+            body: refusal_reason(&format!("adapter {name} ({path})"), &body),
         })
     }
 
@@ -1054,7 +1058,7 @@ impl Driver {
             step: unload.step,
             url: ep.url(unload.target),
             status,
-            body: refusal_reason(&body),
+            body: refusal_reason(&format!("adapter {name}"), &body),
         })
     }
 
@@ -1229,13 +1233,19 @@ pub(crate) fn adapters_of(answer: &Value, base: &str) -> Option<Vec<String>> {
     )
 }
 
-/// The engine's reason in a refusal's body: vLLM's `error.message`, SGLang's
-/// `error_message` (or `message`, as its 400 for a malformed body), else the body's start.
-pub fn refusal_reason(body: &[u8]) -> String {
+/// The engine's reason in a refusal's body, after `adapter` (what was asked: `adapter NAME
+/// (PATH)` or `adapter NAME`): vLLM's `error.message`, SGLang's `error_message` (or
+/// `message`, as its 400 for a malformed body), else the body; cut short as every body in an
+/// error is ([`crate::http::excerpt`]: a refusal may carry a stack trace or the whole file).
+pub fn refusal_reason(adapter: &str, body: &[u8]) -> String {
     let found = serde_json::from_slice::<Value>(body).ok().and_then(|v| {
         ["/error/message", "/error_message", "/message", "/detail"]
             .iter()
             .find_map(|at| v.pointer(at).and_then(Value::as_str).map(str::to_string))
     });
-    found.unwrap_or_else(|| crate::http::excerpt(body))
+    let reason = match found {
+        Some(message) => crate::http::excerpt(message.as_bytes()),
+        None => crate::http::excerpt(body),
+    };
+    format!("{adapter}: {reason}")
 }

@@ -15,7 +15,8 @@
 //!
 //! - A base with `adapters: {max_loaded, max_rank}` (DESIGN 4.9) gets the engine's LoRA flags
 //!   after those ([`capyctl_spec::engine_args::adapter_flags`]): vLLM `--enable-lora
-//!   --max-loras <max_loaded> --max-lora-rank <max_rank>` with
+//!   --max-loras <max_loaded> --max-lora-rank <rank>` (the next rank vLLM takes at or above
+//!   `max_rank`: 1, 8, 16, 32, 64, 128, 256, 320 or 512) with
 //!   `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`; SGLang `--enable-lora --max-lora-rank <max_rank>
 //!   --lora-target-modules all --max-loaded-loras <max_loaded> --max-loras-per-batch
 //!   <max_loaded>`; TensorFold takes none, and such a spec is refused.
@@ -163,6 +164,14 @@ pub fn launch_command(
     // A base that takes adapters (`adapters:`, DESIGN 4.9): the engine's LoRA flags, and for
     // vLLM the switch that registers its load/unload routes (CapyCTL's own wins).
     if let Some(slots) = spec.adapters {
+        capyctl_spec::engine_args::check_adapter_slots(
+            spec.engine,
+            slots.max_loaded,
+            slots.max_rank,
+        )
+        .map_err(|why| AgentError::InvalidSpec {
+            detail: format!("deployment {}: {why}", spec.name),
+        })?;
         let flags =
             capyctl_spec::engine_args::adapter_flags(spec.engine, slots.max_loaded, slots.max_rank);
         if flags.is_empty() {

@@ -9,6 +9,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use capyctl_engine_sim::testing::AdapterDirs;
 use capyctl_node_agent::agent::{AgentConfig, EngineExit, ParkResult};
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::launch::MaxRunningSource;
@@ -878,6 +879,82 @@ async fn a_stop_ends_a_start_or_a_wake_in_progress() {
         "{e:?}"
     );
     assert!(a.sample("w").is_none());
+    assert_no_records(&dir);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Adapter calls and a park or a stop of the same instance (DESIGN 4.9): a park begun while a
+/// load hangs in the engine waits for that load to end (here its timeout) before it reaches
+/// the engine, and a load begun during the park is refused as such; a stop ends a hanging
+/// load with `Cancelled` and stops the engine.
+#[tokio::test]
+async fn adapter_calls_do_not_race_a_park_or_a_stop() {
+    let dir = common::temp_dir("adapters-park");
+    let loras = AdapterDirs::rank8("node-agent-adapters-park", &["one"]).unwrap();
+    let lora = &loras.path("one");
+    let mut config = common::agents::config(&dir);
+    config.timeouts.check = Duration::from_secs(3);
+    let a = LocalHostAgent::new(config, settings(1024 * MIB, false), Arc::new(NoGpus)).unwrap();
+    let mut sp = spec(EngineKind::Vllm, "");
+    sp.adapters = Some(capyctl_interfaces::spec::AdapterSlots {
+        max_loaded: 2,
+        max_rank: 8,
+    });
+    a.start("i-1", &sp).await.unwrap();
+    set_fault(&a, "i-1", "adapter_load_hangs").await;
+
+    let load_ended = std::cell::Cell::new(false);
+    let load = async {
+        let loaded = a.load_adapter("i-1", "one", lora).await;
+        load_ended.set(true);
+        loaded
+    };
+    // `join!` polls the load first: it holds the instance when the park begins.
+    let park = async {
+        let park = a.park("i-1");
+        tokio::pin!(park);
+        tokio::select! {
+            biased;
+            done = &mut park => panic!("the park ended at once: {done:?}"),
+            () = std::future::ready(()) => {}
+        }
+        let refused = a.load_adapter("i-1", "two", lora).await.unwrap_err();
+        assert!(
+            matches!(&refused, AgentError::WrongState { detail, .. } if detail.contains("parking")),
+            "{refused:?}"
+        );
+        let parked = park.await;
+        assert!(load_ended.get(), "the park reached the engine mid-load");
+        parked
+    };
+    let (loaded, parked) = tokio::join!(load, park);
+    assert!(
+        matches!(&loaded, Err(AgentError::EngineTimeout { .. })),
+        "{loaded:?}"
+    );
+    assert_eq!(parked.unwrap().tier(), Some(ParkTier::HostRam));
+    let refused = a.adapters("i-1").await.unwrap_err();
+    assert!(
+        matches!(refused, AgentError::WrongState { .. }),
+        "{refused:?}"
+    );
+    assert_eq!(a.wake("i-1").await.unwrap().outcome, WakeOutcome::Pass);
+
+    // A stop while a load hangs: the load is ended, the engine stopped.
+    let pid = a.pid("i-1").unwrap();
+    let (loaded, stopped) = tokio::join!(a.load_adapter("i-1", "one", lora), a.stop("i-1"));
+    assert!(
+        matches!(
+            &loaded,
+            Err(AgentError::Cancelled {
+                what: "adapter load",
+                ..
+            })
+        ),
+        "{loaded:?}"
+    );
+    stopped.unwrap();
+    assert!(!alive(pid));
     assert_no_records(&dir);
     let _ = std::fs::remove_dir_all(dir);
 }

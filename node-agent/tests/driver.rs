@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use capyctl_engine_sim::testing::AdapterDirs;
 use capyctl_engine_sim::{SimConfig, serve};
 use capyctl_node_agent::AgentError;
 use capyctl_node_agent::agent::endpoint_of;
@@ -83,6 +84,11 @@ async fn sim_state(ep: &Endpoint) -> Value {
 }
 
 async fn set_fault(ep: &Endpoint, fault: &str) {
+    sim_faults(ep, json!({"set": [fault]})).await;
+}
+
+/// Posts `body` to the simulator's `/sim/faults`.
+async fn sim_faults(ep: &Endpoint, body: Value) {
     let url = ep.url("/sim/faults");
     let call = Call {
         engine: ep.engine,
@@ -91,7 +97,7 @@ async fn set_fault(ep: &Endpoint, fault: &str) {
         timeout: Duration::from_secs(5),
     };
     EngineClient::new()
-        .expect_ok(call, Method::POST, Some(&json!({"set": [fault]})))
+        .expect_ok(call, Method::POST, Some(&body))
         .await
         .unwrap();
 }
@@ -557,37 +563,12 @@ async fn an_endless_answer_is_cut_at_the_bound() {
 
 /// PEFT adapter directories for the adapter tests: `one` (rank 8), `big` (rank 32),
 /// `plain` (no `adapter_config.json`). Removed on drop.
-struct AdapterDirs(std::path::PathBuf);
-
-impl AdapterDirs {
-    fn new() -> AdapterDirs {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos();
-        let root = std::env::temp_dir().join(format!(
-            "capyctl-driver-lora-{}-{nanos}",
-            std::process::id()
-        ));
-        for (dir, rank) in [("one", Some(8)), ("big", Some(32)), ("plain", None)] {
-            let d = root.join(dir);
-            std::fs::create_dir_all(&d).unwrap();
-            if let Some(r) = rank {
-                std::fs::write(d.join("adapter_config.json"), json!({"r": r}).to_string()).unwrap();
-            }
-        }
-        AdapterDirs(root)
-    }
-
-    fn path(&self, name: &str) -> String {
-        self.0.join(name).to_str().unwrap().to_string()
-    }
-}
-
-impl Drop for AdapterDirs {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+fn adapter_dirs() -> AdapterDirs {
+    AdapterDirs::new(
+        "capyctl-driver-lora",
+        &[("one", Some(8)), ("big", Some(32)), ("plain", None)],
+    )
+    .unwrap()
 }
 
 /// A base with `adapters: {max_loaded: 2, max_rank: 16}` takes adapters through the driver:
@@ -596,7 +577,7 @@ impl Drop for AdapterDirs {
 /// each launched with CapyCTL's own flags.
 #[tokio::test]
 async fn adapters_load_list_and_unload_with_the_engines_reasons() {
-    let dirs = AdapterDirs::new();
+    let dirs = adapter_dirs();
     let d = driver();
     for engine in [EngineKind::Vllm, EngineKind::Sglang] {
         let mut sp = spec(engine);
@@ -622,6 +603,8 @@ async fn adapters_load_list_and_unload_with_the_engines_reasons() {
                 AgentError::EngineStatus {
                     status, body, step, ..
                 } => {
+                    let named = format!("adapter other ({}): ", dirs.path(dir));
+                    assert!(body.starts_with(&named), "{engine} {dir}: {body}");
                     assert!(body.contains(reason), "{engine} {dir}: {body}");
                     assert!(!body.starts_with('{'), "the reason, not the JSON: {body}");
                     assert_eq!(*step, "load_lora_adapter");
@@ -647,7 +630,7 @@ async fn adapters_load_list_and_unload_with_the_engines_reasons() {
 /// naming the step (engine-sim's adapter faults).
 #[tokio::test]
 async fn a_failed_or_hanging_adapter_load_is_an_error_naming_it() {
-    let dirs = AdapterDirs::new();
+    let dirs = adapter_dirs();
     let mut sp = spec(EngineKind::Vllm);
     sp.adapters = Some(capyctl_interfaces::spec::AdapterSlots {
         max_loaded: 1,
@@ -660,6 +643,29 @@ async fn a_failed_or_hanging_adapter_load_is_an_error_naming_it() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("adapter_load_fails"), "{err}");
+    // A reason of 1 MiB (the engine's message whole) is cut short, after the adapter's name.
+    let huge = "x".repeat(1 << 20);
+    sim_faults(
+        &ep,
+        json!({"clear": ["adapter_load_fails"], "adapters": {"one": {"fails": huge}}}),
+    )
+    .await;
+    match driver().load_adapter(&ep, "one", &dirs.path("one")).await {
+        Err(AgentError::EngineStatus { status, body, .. }) => {
+            assert_eq!(status, 500);
+            let named = format!(
+                "adapter one ({}): Call to add_lora method failed",
+                dirs.path("one")
+            );
+            assert!(body.starts_with(&named), "{}", &body[..200]);
+            assert!(
+                body.len() < 2048 && body.ends_with('…'),
+                "{} bytes",
+                body.len()
+            );
+        }
+        other => panic!("{other:?}"),
+    }
     set_fault(&ep, "adapter_load_hangs").await;
     let quick = Driver::new(DriverTimeouts {
         check: Duration::from_millis(300),

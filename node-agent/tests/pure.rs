@@ -1448,6 +1448,32 @@ fn adapters_pass_the_engines_lora_flags() {
     assert_eq!(flag(&cmd.args, "--lora-target-modules"), Some("all"));
     assert!(!cmd.env.contains_key("VLLM_ALLOW_RUNTIME_LORA_UPDATING"));
 
+    // vLLM takes only the ranks of its `MaxLoRARanks`: the next one at or above max_rank.
+    let mut sp = spec(EngineKind::Vllm, "m");
+    sp.adapters = Some(AdapterSlots {
+        max_loaded: 3,
+        max_rank: 24,
+    });
+    let cmd = launch_command(&sp, &EngineLaunch::default_for(EngineKind::Vllm), 1, PARK).unwrap();
+    assert_eq!(flag(&cmd.args, "--max-lora-rank"), Some("32"));
+    // No slot, or no rank: refused, naming the field.
+    for (engine, max_loaded, max_rank, field) in [
+        (EngineKind::Vllm, 0, 8, "adapters.max_loaded"),
+        (EngineKind::Sglang, 2, 0, "adapters.max_rank"),
+        (EngineKind::Vllm, 2, 1024, "adapters.max_rank"),
+    ] {
+        let mut sp = spec(engine, "m");
+        sp.adapters = Some(AdapterSlots {
+            max_loaded,
+            max_rank,
+        });
+        let err = launch_command(&sp, &EngineLaunch::default_for(engine), 1, PARK).unwrap_err();
+        assert!(
+            matches!(&err, AgentError::InvalidSpec { detail } if detail.contains(field)),
+            "{err}"
+        );
+    }
+
     let mut sp = spec(EngineKind::Tensorfold, "m");
     sp.adapters = Some(slots);
     let err = launch_command(

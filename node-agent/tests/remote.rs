@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use capyctl_engine_sim::testing::AdapterDirs;
 use capyctl_node_agent::agent::{AgentConfig, EngineExit};
 use capyctl_node_agent::inventory::NoGpus;
 use capyctl_node_agent::load::LoadSample;
@@ -789,11 +790,12 @@ fn the_binary_refuses_the_pod_runtime_without_a_cluster_and_a_missing_token() {
 #[tokio::test]
 async fn adapters_load_list_and_unload_over_http() {
     let dir = common::temp_dir("remote-adapters");
-    let adapter = dir.join("loras/support-bot");
-    std::fs::create_dir_all(&adapter).unwrap();
-    std::fs::write(adapter.join("adapter_config.json"), r#"{"r": 8}"#).unwrap();
-    let not_peft = dir.join("loras/plain");
-    std::fs::create_dir_all(&not_peft).unwrap();
+    let loras = AdapterDirs::new(
+        "node-agent-remote-adapters",
+        &[("support-bot", Some(8)), ("plain", None)],
+    )
+    .unwrap();
+    let (adapter, not_peft) = (loras.path("support-bot"), loras.path("plain"));
     let s = served(&dir).await;
     let r = remote(&s.url, TOKEN);
 
@@ -804,21 +806,21 @@ async fn adapters_load_list_and_unload_over_http() {
     });
     r.start("i-1", &base).await.unwrap();
     assert!(r.adapters("i-1").await.unwrap().is_empty());
-    r.load_adapter("i-1", "support-bot", adapter.to_str().unwrap())
+    r.load_adapter("i-1", "support-bot", &adapter)
         .await
         .unwrap();
     assert_eq!(r.adapters("i-1").await.unwrap(), ["support-bot"]);
     assert_eq!(s.local.adapters("i-1").await.unwrap(), ["support-bot"]);
 
-    let err = r
-        .load_adapter("i-1", "plain", not_peft.to_str().unwrap())
-        .await
-        .unwrap_err();
+    let err = r.load_adapter("i-1", "plain", &not_peft).await.unwrap_err();
     match &err {
         AgentError::EngineStatus { status, body, .. } => {
             assert_eq!(*status, 404);
             assert!(
-                body.starts_with("Loading lora plain failed: No adapter found for"),
+                body.starts_with(&format!(
+                    "adapter plain ({}): Loading lora plain failed: No adapter found for",
+                    not_peft
+                )),
                 "{body}"
             );
         }
@@ -844,7 +846,7 @@ async fn adapters_load_list_and_unload_over_http() {
     // Without `adapters`, and an instance the agent does not run.
     r.start("i-2", &spec(EngineKind::Vllm)).await.unwrap();
     let err = r
-        .load_adapter("i-2", "support-bot", adapter.to_str().unwrap())
+        .load_adapter("i-2", "support-bot", &adapter)
         .await
         .unwrap_err();
     assert!(

