@@ -806,18 +806,33 @@ async fn lost_or_stopped(
     }
 }
 
+/// What every replica serves and the leader fills: the metrics, the management API it switches
+/// to the leader's, and the inference listener's tenants.
+pub struct Served<'a> {
+    /// The process's metrics.
+    pub metrics: Arc<Metrics>,
+    /// The management API, answered by the leader's lifecycle while it leads.
+    pub api: &'a Arc<SwitchableApi>,
+    /// The tenants' keys (`capyctl tenants list` on any replica; the leader's listener asks
+    /// for them).
+    pub tenants: Arc<Tenants>,
+}
+
 /// Runs the leader's part until the leadership is lost (`Err(LostLeadership)`) or `stop`
 /// turns `true` (`Ok`).
 pub async fn lead(
     client: Client,
     options: &OperatorOptions,
-    metrics: Arc<Metrics>,
-    api: &Arc<SwitchableApi>,
+    served: Served<'_>,
     mut leading: watch::Receiver<Leadership>,
     mut stop: watch::Receiver<bool>,
     handed_over: watch::Receiver<bool>,
-    tenants: Arc<Tenants>,
 ) -> Result<(), OperatorError> {
+    let Served {
+        metrics,
+        api,
+        tenants,
+    } = served;
     let ns = options.namespace.as_str();
     // Which object holds each deployment name: seeded below from the list of the CRs, before
     // anything asks.
@@ -1185,12 +1200,14 @@ pub async fn run(
         lead(
             client.clone(),
             &options,
-            metrics.clone(),
-            &api,
+            Served {
+                metrics: metrics.clone(),
+                api: &api,
+                tenants,
+            },
             leading.clone(),
             stop.subscribe(),
             handed_over.subscribe(),
-            tenants,
         )
         .await
     } else {
