@@ -312,6 +312,17 @@ impl<K: kube::Resource> Known<K> {
     }
 }
 
+/// Whether a watch error is the API server's 404 for a resource it does not serve (the CRD is
+/// not installed).
+fn crd_missing(e: &watcher::Error) -> bool {
+    matches!(
+        e,
+        watcher::Error::InitialListFailed(kube::Error::Api(r))
+            | watcher::Error::WatchStartFailed(kube::Error::Api(r))
+            if r.code == 404
+    )
+}
+
 /// The watcher [`spawn`] started: it runs until this is dropped.
 #[derive(Debug)]
 pub struct TenantWatch {
@@ -367,6 +378,14 @@ async fn run(
         let changed = tokio::select! {
             e = tenant_events.next() => match e {
                 Some(Ok(e)) => objects.take(e),
+                Some(Err(e)) if crd_missing(&e) && !objects.listed => {
+                    // A chart upgraded in place keeps its old CRDs (Helm installs `crds/` only
+                    // once): without the Tenant CRD there can be no tenant, which is what an
+                    // empty list says; the watch goes on and finds them once it is applied.
+                    tracing::warn!("the Tenant CRD is not installed: no tenants (apply the chart's crds/tenants.capyctl.io.yaml to use them)");
+                    objects.listed = true;
+                    true
+                }
                 Some(Err(e)) => {
                     tracing::warn!(error = %e, "watching the Tenant objects failed; retrying");
                     false
@@ -435,6 +454,21 @@ mod tests {
     use super::*;
     use capyctl_crds::tenant::{KeySecretRef, TenantSpec};
     use k8s_openapi::ByteString;
+
+    #[test]
+    fn only_a_404_says_the_crd_is_missing() {
+        let api = |code| {
+            kube::Error::Api(
+                kube::core::Status::failure("x", "NotFound")
+                    .with_code(code)
+                    .boxed(),
+            )
+        };
+        assert!(crd_missing(&watcher::Error::InitialListFailed(api(404))));
+        assert!(crd_missing(&watcher::Error::WatchStartFailed(api(404))));
+        assert!(!crd_missing(&watcher::Error::InitialListFailed(api(403))));
+        assert!(!crd_missing(&watcher::Error::InitialListFailed(api(500))));
+    }
 
     fn object(name: &str, secrets: &[(&str, &str)], created_s: i64) -> TenantObject {
         let mut o = TenantObject::new(
