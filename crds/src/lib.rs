@@ -231,9 +231,10 @@ pub struct AdaptersSpec {
     /// The largest LoRA rank an adapter of this base may have, 1 to 512.
     #[schemars(range(min = 1, max = 512))]
     pub max_rank: u32,
-    /// A volume (as a Pod spec writes one, e.g. a persistentVolumeClaim) that the base's
-    /// engine Pod mounts for the adapters' files; the adapters' paths are inside it. Without
-    /// it the paths are on the node.
+    /// A volume (its source as a Pod spec writes it, e.g. a persistentVolumeClaim) that the
+    /// base's engine Pods mount read-only at /capyctl/adapters; the adapters' paths are then
+    /// under it. Without it nothing is mounted for them: their paths must be readable in the
+    /// Pod as it is (e.g. under the model cache).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("x-kubernetes-preserve-unknown-fields" = true))]
     pub volume: Option<serde_json::Value>,
@@ -246,7 +247,8 @@ pub struct AdapterSpec {
     /// The base Deployment's name (in the same namespace); it must have spec.adapters.
     #[schemars(length(min = 1))]
     pub base: String,
-    /// The adapter's PEFT directory as the base's engine sees it.
+    /// The adapter's PEFT directory as the base's engine sees it: an absolute path inside
+    /// its Pod (under /capyctl/adapters with the base's spec.adapters.volume).
     #[schemars(length(min = 1))]
     pub path: String,
 }

@@ -23,12 +23,11 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-/// The most requests per minute a rate may allow.
-// NB: the bounds of the standalone document's `rate` (capyctl_spec's tenant rules), carried by
-// the schema as the Deployment's ranges are.
-pub const MAX_REQUESTS_PER_MINUTE: u64 = 1_000_000;
-/// The most tokens per minute a rate may allow.
-pub const MAX_TOKENS_PER_MINUTE: u64 = 10_000_000_000;
+// The bounds of a rate and the rule of a model pattern are the standalone document's
+// (`capyctl_spec::tenants`): the schema's ranges and `TenantSpec::check` read them from there.
+use capyctl_spec::tenants::{
+    MAX_REQUESTS_PER_MINUTE, MAX_TOKENS_PER_MINUTE, check_model_pattern, check_rate,
+};
 
 /// Condition type of a `Tenant`: whether its keys are in the router's table.
 pub const ACCEPTED: &str = "Accepted";
@@ -99,14 +98,14 @@ pub struct KeySecretRef {
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct TenantRateSpec {
-    /// Requests admitted per minute, 1 to 1,000,000; not limited when absent.
+    /// Requests admitted per minute (1 to the schema's maximum); not limited when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1, max = 1_000_000))]
+    #[schemars(range(min = 1, max = MAX_REQUESTS_PER_MINUTE))]
     pub requests_per_minute: Option<u64>,
-    /// Tokens (prompt and completion) per minute, 1 to 10,000,000,000; not limited when
-    /// absent.
+    /// Tokens (prompt and completion) per minute (1 to the schema's maximum); not limited
+    /// when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1, max = 10_000_000_000u64))]
+    #[schemars(range(min = 1, max = MAX_TOKENS_PER_MINUTE))]
     pub tokens_per_minute: Option<u64>,
 }
 
@@ -154,36 +153,27 @@ impl TenantSpec {
                     "spec.models: names no model; leave it out to allow every model".into(),
                 );
             }
-            if let Some(i) = models.iter().position(|m| m.trim().is_empty()) {
-                return Err(format!("spec.models[{i}]: an empty pattern"));
-            }
-            let pattern_char = |c: char| {
-                c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '-' | '*' | '?')
-            };
-            if let Some(i) = models.iter().position(|m| !m.chars().all(pattern_char)) {
-                return Err(format!(
-                    "spec.models[{i}]: `{}` is not a model name or glob (a-z, 0-9, `-`, and the wildcards `*` and `?`)",
-                    models[i]
-                ));
+            for (i, m) in models.iter().enumerate() {
+                check_model_pattern(m).map_err(|why| format!("spec.models[{i}]: {why}"))?;
             }
         }
         if let Some(rate) = self.rate {
-            let within = |what: &str, v: Option<u64>, max: u64| match v {
-                Some(n) if n == 0 || n > max => Err(format!(
-                    "spec.rate.{what}: {n} is out of range (1 to {max})"
-                )),
-                _ => Ok(()),
-            };
-            within(
-                "requestsPerMinute",
-                rate.requests_per_minute,
-                MAX_REQUESTS_PER_MINUTE,
-            )?;
-            within(
-                "tokensPerMinute",
-                rate.tokens_per_minute,
-                MAX_TOKENS_PER_MINUTE,
-            )?;
+            for (what, value, max) in [
+                (
+                    "requestsPerMinute",
+                    rate.requests_per_minute,
+                    MAX_REQUESTS_PER_MINUTE,
+                ),
+                (
+                    "tokensPerMinute",
+                    rate.tokens_per_minute,
+                    MAX_TOKENS_PER_MINUTE,
+                ),
+            ] {
+                if let Some(v) = value {
+                    check_rate(v, max).map_err(|why| format!("spec.rate.{what}: {why}"))?;
+                }
+            }
         }
         Ok(())
     }
@@ -224,7 +214,7 @@ mod tests {
             ),
             (
                 "keySecrets: [{name: s, key: k}]\nmodels: [a, Chat/x]\n",
-                "spec.models[1]: `Chat/x` is not a model name or glob",
+                "spec.models[1]: `Chat/x` matches no deployment name",
             ),
             (
                 "keySecrets: [{name: s, key: k}]\nrate: {requestsPerMinute: 0}\n",

@@ -61,6 +61,11 @@ pub struct InstanceSpec {
     /// [`HostAgent::load_adapter`](crate::agent::HostAgent::load_adapter) works on it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub adapters: Option<AdapterSlots>,
+    /// `adapters.volume` of a base on Kubernetes: the Pod volume (its source, as a Pod spec
+    /// writes it) that the engine Pod mounts read-only at
+    /// [`ADAPTERS_MOUNT_PATH`](capyctl_spec::documents::ADAPTERS_MOUNT_PATH).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapters_volume: Option<serde_json::Value>,
 }
 
 /// How many LoRA adapters one instance holds at once, and the largest rank it takes
@@ -94,6 +99,7 @@ impl InstanceSpec {
             decision: None,
             tensor_parallel: None,
             adapters: None,
+            adapters_volume: None,
         }
     }
 
@@ -128,6 +134,7 @@ impl InstanceSpec {
                 max_loaded: a.max_loaded,
                 max_rank: a.max_rank,
             }),
+            adapters_volume: doc.adapters.as_ref().and_then(|a| a.volume.clone()),
         }
     }
 

@@ -25,6 +25,12 @@
 //!   ([`capyctl_node_agent::k8s::pods::ANNOTATION_SPEC`] and the others);
 //! - the model cache (a hostPath, `HF_HOME` pointing at it unless the deployment sets it) and a
 //!   memory-backed `/dev/shm`;
+//! - for a base with `adapters.volume` (DESIGN 4.9), that volume, read-only at
+//!   [`ADAPTERS_MOUNT_PATH`] (`/capyctl/adapters`), where its adapters' `path`s are. Without one
+//!   no adapter files are mounted: a Pod's volumes are fixed when it is created, while adapters
+//!   are deployed and deleted as it runs, so per-adapter hostPaths would miss every adapter
+//!   deployed after the Pod started; the paths must then be readable in the Pod as it is (the
+//!   model cache's hostPath, or the image);
 //! - `restartPolicy: Never`: the lifecycle decides restarts (an exited engine is `failed`; the
 //!   next request starts a new generation, a new Pod).
 
@@ -37,6 +43,7 @@ use capyctl_node_agent::launch::launch_command;
 use capyctl_node_agent::spec::{EngineLaunch, InstanceSpec};
 use capyctl_node_agent::tier::LaunchParking;
 use capyctl_spec::EngineKind;
+use capyctl_spec::documents::ADAPTERS_MOUNT_PATH;
 use k8s_openapi::api::core::v1::{
     Container, ContainerPort, EmptyDirVolumeSource, EnvVar, HostPathVolumeSource,
     LocalObjectReference, Pod, PodSpec, ResourceRequirements, Toleration, Volume, VolumeMount,
@@ -298,6 +305,11 @@ pub enum PodError {
     /// The owner CR has no name or UID (it was not read from the API server).
     #[error("the Deployment object has no name or uid; an engine Pod needs its owner's")]
     NoOwner,
+    /// `adapters.volume` is not a Pod volume this builds.
+    #[error(
+        "spec.adapters.volume: not a Pod volume ({0}); give its source as a Pod spec writes it, such as {{persistentVolumeClaim: {{claimName: loras}}}}"
+    )]
+    AdaptersVolume(String),
     /// The launch command is refused (DESIGN.md 4.2 rules).
     #[error("{0}")]
     Launch(#[from] capyctl_node_agent::AgentError),
@@ -435,6 +447,32 @@ fn container_resources(
     }
 }
 
+/// The name of the engine Pod's volume of `adapters.volume`.
+pub const ADAPTERS_VOLUME: &str = "adapters";
+
+/// The Pod volume of a base's `adapters.volume` (its source; the name is [`ADAPTERS_VOLUME`]),
+/// refused when it gives no source Kubernetes knows (the API server would default a volume
+/// without one to an empty `emptyDir`, hiding the mistake).
+fn adapters_volume(source: &serde_json::Value) -> Result<Volume, PodError> {
+    let mut value = source.clone();
+    let object = value
+        .as_object_mut()
+        .ok_or_else(|| PodError::AdaptersVolume("not a mapping".to_string()))?;
+    object.insert("name".to_string(), ADAPTERS_VOLUME.into());
+    let volume: Volume =
+        serde_json::from_value(value).map_err(|e| PodError::AdaptersVolume(e.to_string()))?;
+    let known = serde_json::to_value(&volume)
+        .ok()
+        .and_then(|v| v.as_object().map(|o| o.keys().any(|k| k != "name")))
+        .unwrap_or(false);
+    if !known {
+        return Err(PodError::AdaptersVolume(
+            "it names no volume source Kubernetes knows".to_string(),
+        ));
+    }
+    Ok(volume)
+}
+
 /// The Pod's name: `<cr name>-<instance index>-g<generation>` (a new generation never waits
 /// for the old Pod's name to be free).
 pub fn pod_name(cr_name: &str, instance_id: &str, generation: u64) -> String {
@@ -537,6 +575,15 @@ pub fn engine_pod_in(
         mounts.push(VolumeMount {
             name: "model-cache".to_string(),
             mount_path: cache.mount_path.clone(),
+            ..VolumeMount::default()
+        });
+    }
+    if let Some(source) = &input.spec.adapters_volume {
+        volumes.push(adapters_volume(source)?);
+        mounts.push(VolumeMount {
+            name: ADAPTERS_VOLUME.to_string(),
+            mount_path: ADAPTERS_MOUNT_PATH.to_string(),
+            read_only: Some(true),
             ..VolumeMount::default()
         });
     }
@@ -691,6 +738,77 @@ mod tests {
             .into_iter()
             .map(|e| (e.name, e.value.unwrap_or_default()))
             .collect()
+    }
+
+    /// The engine Pod of a base whose `spec.adapters` is `adapters`.
+    fn base_pod(adapters: serde_json::Value) -> Result<Pod, PodError> {
+        let mut o = owner();
+        let mut cr = serde_json::to_value(&o).unwrap();
+        cr["spec"]["adapters"] = adapters;
+        o = serde_json::from_value(cr).unwrap();
+        let s = spec(&o);
+        engine_pod(
+            &EnginePod {
+                owner: &o,
+                instance_id: "01KDEP-0",
+                generation: 1,
+                spec: &s,
+                engine: &EngineLaunch::default_for(EngineKind::Vllm),
+                parking: LaunchParking::default(),
+                node_name: "gpu-node-1",
+                gpus: &[],
+                host_ram_copy: None,
+            },
+            &EnginePodSettings::default(),
+        )
+    }
+
+    #[test]
+    fn a_base_mounts_its_adapters_volume_read_only_at_the_fixed_path() {
+        let pod = base_pod(serde_json::json!({"maxLoaded": 2, "maxRank": 16,
+            "volume": {"name": "mine", "persistentVolumeClaim": {"claimName": "loras", "readOnly": true}}}))
+        .unwrap();
+        let spec = pod.spec.unwrap();
+        let volume = spec
+            .volumes
+            .unwrap()
+            .into_iter()
+            .find(|v| v.name == ADAPTERS_VOLUME)
+            .unwrap();
+        let claim = volume.persistent_volume_claim.unwrap();
+        assert_eq!(claim.claim_name, "loras");
+        assert_eq!(claim.read_only, Some(true));
+        let mount = spec.containers[0]
+            .volume_mounts
+            .clone()
+            .unwrap()
+            .into_iter()
+            .find(|m| m.name == ADAPTERS_VOLUME)
+            .unwrap();
+        assert_eq!(mount.mount_path, "/capyctl/adapters");
+        assert_eq!(mount.read_only, Some(true));
+
+        // Without a volume nothing is mounted for the adapters.
+        let pod = base_pod(serde_json::json!({"maxLoaded": 2, "maxRank": 16})).unwrap();
+        let spec = pod.spec.unwrap();
+        assert!(
+            spec.volumes
+                .unwrap()
+                .iter()
+                .all(|v| v.name != ADAPTERS_VOLUME)
+        );
+        let mounts = spec.containers[0].volume_mounts.clone().unwrap();
+        assert!(mounts.iter().all(|m| m.mount_path != "/capyctl/adapters"));
+
+        // A volume with no source Kubernetes knows is refused, naming the key.
+        let e = base_pod(serde_json::json!({"maxLoaded": 2, "maxRank": 16,
+            "volume": {"persistentVolumeClam": {"claimName": "loras"}}}))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with("spec.adapters.volume: not a Pod volume (it names no volume source"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -140,18 +140,8 @@ pub fn check(tenants: &[TenantView<'_>]) -> Result<(), (KeyPath, String)> {
                 ));
             }
             for (j, pattern) in models.iter().enumerate() {
-                if pattern.is_empty()
-                    || !pattern
-                        .bytes()
-                        .all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'-' | b'*' | b'?'))
-                {
-                    return Err((
-                        at(&[key("models"), Seg::Index(j)]),
-                        format!(
-                            "`{pattern}` matches no deployment name: a name or a glob of a-z, 0-9, `-`, `*` and `?`"
-                        ),
-                    ));
-                }
+                check_model_pattern(pattern)
+                    .map_err(|why| (at(&[key("models"), Seg::Index(j)]), why))?;
             }
         }
         let rates = [
@@ -167,17 +157,46 @@ pub fn check(tenants: &[TenantView<'_>]) -> Result<(), (KeyPath, String)> {
             ),
         ];
         for (name, value, max) in rates {
-            if let Some(v) = value
-                && !(1..=max).contains(&v)
-            {
-                return Err((
-                    at(&[key("rate"), key(name)]),
-                    format!("{v} is out of range (1 to {max}); leave {name} out for no limit"),
-                ));
+            if let Some(v) = value {
+                check_rate(v, max).map_err(|why| {
+                    (
+                        at(&[key("rate"), key(name)]),
+                        format!("{why}; leave {name} out for no limit"),
+                    )
+                })?;
             }
         }
     }
     Ok(())
+}
+
+/// The rule of one of a tenant's `models`: a deployment name or a glob of one, made of a-z, 0-9,
+/// `-` and the wildcards `*` and `?`. `Err` says what is wrong (the caller names where).
+pub fn check_model_pattern(pattern: &str) -> Result<(), String> {
+    if pattern.is_empty() {
+        return Err(
+            "an empty pattern: give a name or a glob of a-z, 0-9, `-`, `*` and `?`".to_string(),
+        );
+    }
+    if !pattern
+        .bytes()
+        .all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'-' | b'*' | b'?'))
+    {
+        return Err(format!(
+            "`{pattern}` matches no deployment name: a name or a glob of a-z, 0-9, `-`, `*` and `?`"
+        ));
+    }
+    Ok(())
+}
+
+/// The rule of a rate: 1 to `max` ([`MAX_REQUESTS_PER_MINUTE`], [`MAX_TOKENS_PER_MINUTE`]) per
+/// minute. `Err` says what is wrong (the caller names where).
+pub fn check_rate(per_minute: u64, max: u64) -> Result<(), String> {
+    if (1..=max).contains(&per_minute) {
+        Ok(())
+    } else {
+        Err(format!("{per_minute} is out of range (1 to {max})"))
+    }
 }
 
 /// Whether `name` matches `pattern`: `*` any run of characters (none included), `?` one

@@ -218,3 +218,65 @@ fn deploy_refusals_read_the_base_and_the_files() {
     )
     .unwrap();
 }
+
+#[test]
+fn on_kubernetes_the_path_is_the_pods_and_the_volume_a_pod_volume() {
+    let with_volume = parse(
+        "name: qwen\nengine: vllm\nmodel: Qwen3-4B\nadapters: {max_loaded: 2, max_rank: 16, volume: {persistentVolumeClaim: {claimName: loras}}}\n",
+    )
+    .unwrap();
+    let no_volume = base();
+    let hidden = |doc: &DeploymentDoc, base: &DeploymentDoc| {
+        check_adapter_of(
+            doc,
+            Some(BaseOf {
+                doc: base,
+                files_visible: false,
+            }),
+        )
+    };
+    // Absolute inside the Pod: under the volume's mount path with a volume, elsewhere without.
+    hidden(&adapter("/capyctl/adapters/support-bot"), &with_volume).unwrap();
+    hidden(&adapter("/var/lib/capyctl/models/loras/a"), &no_volume).unwrap();
+    for (path, base, want) in [
+        (
+            "loras/support-bot",
+            &with_volume,
+            "adapter.path: `loras/support-bot` is not an absolute path",
+        ),
+        (
+            "/capyctl/adapters/../etc",
+            &with_volume,
+            "adapter.path: `/capyctl/adapters/../etc` is not an absolute path",
+        ),
+        (
+            "/models/support-bot",
+            &with_volume,
+            "adapter.path: `/models/support-bot` is outside the base `qwen`'s adapters.volume",
+        ),
+        (
+            "/capyctl/adapters",
+            &with_volume,
+            "adapter.path: `/capyctl/adapters` is outside the base `qwen`'s adapters.volume",
+        ),
+        (
+            "/capyctl/adapters/support-bot",
+            &no_volume,
+            "adapter.path: `/capyctl/adapters/support-bot`: the base `qwen` has no adapters.volume",
+        ),
+    ] {
+        let got = refusal(&adapter(path), Some(base), false);
+        assert!(got.contains(want), "{path}: {got}");
+    }
+    // The volume is a Pod volume: a source, its name being CapyCTL's.
+    for bad in ["volume: {}", "volume: {name: x}", "volume: claim"] {
+        let e = parse(&format!(
+            "name: qwen\nengine: vllm\nmodel: Qwen3-4B\nadapters: {{max_loaded: 2, max_rank: 16, {bad}}}\n"
+        ))
+        .unwrap_err();
+        assert!(
+            e.contains("adapters.volume: ") && e.contains("not a Pod volume"),
+            "{bad}: {e}"
+        );
+    }
+}

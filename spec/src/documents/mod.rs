@@ -147,8 +147,9 @@ pub struct AdaptersDoc {
     /// 512.
     #[serde(deserialize_with = "check::max_rank")]
     pub max_rank: u32,
-    /// On Kubernetes: the volume the base's engine Pod mounts for the adapters' files (a
-    /// Kubernetes volume, as the Pod spec writes one); the adapters' `path` is inside it.
+    /// On Kubernetes: the volume the base's engine Pod mounts read-only at
+    /// [`ADAPTERS_MOUNT_PATH`] for the adapters' files (a Kubernetes volume's source, as the
+    /// Pod spec writes it); the adapters' `path` is then under that mount path.
     /// Standalone leaves it out: the engine reads the paths on the host.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub volume: Option<serde_json::Value>,
@@ -166,6 +167,10 @@ pub struct AdapterDoc {
     #[serde(deserialize_with = "check::non_empty")]
     pub path: String,
 }
+
+/// Where the engine Pod of a base on Kubernetes mounts its `adapters.volume` (read-only): an
+/// adapter's `path` is then a directory under it (`/capyctl/adapters/support-bot`).
+pub const ADAPTERS_MOUNT_PATH: &str = "/capyctl/adapters";
 
 /// The keys an adapter's document may hold besides `name` and `adapter` (`engine` and `model`
 /// only as its base's): everything else is its base's.
@@ -1273,6 +1278,19 @@ fn check_adapters(doc: &DeploymentDoc) -> Result<Option<EngineKind>, (KeyPath, P
                 Problem::Conflict(format!("{why}; remove adapters or choose vllm or sglang")),
             ));
         }
+        if let Some(volume) = doc.adapters.as_ref().and_then(|a| a.volume.as_ref()) {
+            let has_source = volume
+                .as_object()
+                .is_some_and(|o| o.keys().any(|k| k != "name"));
+            if !has_source {
+                return Err((
+                    KeyPath::keys(&["adapters", "volume"]),
+                    Problem::BadValue(
+                        "not a Pod volume: give its source as a Pod spec writes it, such as {persistentVolumeClaim: {claimName: loras}} (its name is CapyCTL's)".into(),
+                    ),
+                ));
+            }
+        }
         return Ok(Some(engine));
     }
     let set = |key: &'static str, is_set: bool| is_set.then_some(key);
@@ -1336,7 +1354,9 @@ pub struct BaseOf<'a> {
 /// nothing: the base (`None`: no deployment of that name) exists, allows adapters and is no
 /// adapter itself; `engine` and `model`, when given, are the base's; where the files are
 /// visible, `adapter.path` is a directory and the rank its `adapter_config.json` gives
-/// (`r`) is not above the base's `adapters.max_rank`.
+/// (`r`) is not above the base's `adapters.max_rank`; where they are not (Kubernetes),
+/// `adapter.path` is an absolute path inside the base's engine Pod, under
+/// [`ADAPTERS_MOUNT_PATH`] exactly when the base has `adapters.volume`.
 pub fn check_adapter_of(
     doc: &DeploymentDoc,
     base: Option<BaseOf<'_>>,
@@ -1401,7 +1421,8 @@ pub fn check_adapter_of(
         ));
     }
     if !files_visible {
-        return Ok(());
+        return check_pod_path(&adapter.path, slots.volume.is_some(), &adapter.base)
+            .map_err(|why| (key("path"), Problem::BadValue(why)));
     }
     let dir = Path::new(&adapter.path);
     if !dir.is_dir() {
@@ -1430,6 +1451,33 @@ pub fn check_adapter_of(
         ));
     }
     Ok(())
+}
+
+/// Where the files are not visible (Kubernetes), `adapter.path` is the directory as the base's
+/// engine reads it inside its Pod: an absolute path with no `..`; under
+/// [`ADAPTERS_MOUNT_PATH`] when the base has `adapters.volume` (mounted there), and not under it
+/// when the base has none (nothing is mounted there). `Err` says why, naming the base.
+fn check_pod_path(path: &str, volume: bool, base: &str) -> Result<(), String> {
+    use std::path::Component;
+    let p = Path::new(path);
+    let plain = p
+        .components()
+        .all(|c| matches!(c, Component::RootDir | Component::Normal(_)));
+    if !p.is_absolute() || !plain {
+        return Err(format!(
+            "`{path}` is not an absolute path without `..`; an adapter's path is where the base's engine reads it inside its Pod (under {ADAPTERS_MOUNT_PATH}/ with the base's adapters.volume)"
+        ));
+    }
+    let inside = p.starts_with(ADAPTERS_MOUNT_PATH) && p != Path::new(ADAPTERS_MOUNT_PATH);
+    match (volume, inside) {
+        (true, false) => Err(format!(
+            "`{path}` is outside the base `{base}`'s adapters.volume, which its engine Pod mounts at {ADAPTERS_MOUNT_PATH}: give the directory under it ({ADAPTERS_MOUNT_PATH}/<directory in the volume>)"
+        )),
+        (false, true) => Err(format!(
+            "`{path}`: the base `{base}` has no adapters.volume, so nothing is mounted at {ADAPTERS_MOUNT_PATH}; give the base a volume, or a path its engine Pod can read"
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// The LoRA rank (`r`) that a PEFT directory's `adapter_config.json` gives, when it can be read.
