@@ -820,9 +820,6 @@ pub struct Served<'a> {
 
 /// Runs the leader's part until the leadership is lost (`Err(LostLeadership)`) or `stop`
 /// turns `true` (`Ok`).
-// NB: the leader's inputs, each its own (the tenants' table came last, with the merge of the
-// tenants' work); a struct of them would only rename them.
-#[allow(clippy::too_many_arguments)]
 pub async fn lead(
     client: Client,
     options: &OperatorOptions,
