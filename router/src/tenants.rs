@@ -255,6 +255,12 @@ impl TenantEntry {
         Ok(())
     }
 
+    /// Whether its tokens are limited (`tokens_per_minute`): only then is a streamed
+    /// request asked for its usage.
+    pub fn counts_tokens(&self) -> bool {
+        self.tokens_per_minute.is_some()
+    }
+
     /// Charges `tokens` (the engine's usage) at `now`.
     pub fn charge_tokens(&self, tokens: u64, now: Instant) {
         self.usage.tokens.fetch_add(tokens, Ordering::Relaxed);

@@ -293,3 +293,73 @@ async fn the_key_is_not_forwarded_to_the_engine() {
     assert!(!head.contains("sk-secret"), "{head}");
     tokens_reach(&tenants, 7).await;
 }
+
+/// A tenant with `tokens_per_minute`: a streamed request that did not ask for usage is asked
+/// for it on its behalf, counted, and its client receives the same bytes as without tenants.
+#[tokio::test]
+async fn a_streamed_answer_is_counted_without_changing_its_bytes() {
+    let sim = start_sim(&[]).await;
+    let tenants = Arc::new(Tenants::new());
+    let rate = TenantRate {
+        requests_per_minute: None,
+        tokens_per_minute: Some(1_000_000),
+    };
+    tenants
+        .replace(vec![tenant("team-a", "sk-a", None, Some(rate))])
+        .unwrap();
+    let proxy = start(TestAdmission::new(sim), Arc::clone(&tenants)).await;
+    let plain = {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let proxy = Proxy::new(TestAdmission::new(sim), catalog, ProxyConfig::default());
+        tokio::spawn(serve(listener, proxy, std::future::pending()));
+        addr
+    };
+    let a = [("authorization", "Bearer sk-a")];
+    let completion = format!(
+        r#"{{"model":"{MODEL}","prompt":"Once upon a time","max_tokens":5,"stream":true}}"#
+    );
+    let continuous = format!(
+        r#"{{"model":"{MODEL}","prompt":"Once upon a time","max_tokens":5,"stream":true,"stream_options":{{"continuous_usage_stats":true}}}}"#
+    );
+    let cases = [
+        ("/v1/chat/completions", chat(MODEL, true)),
+        ("/v1/completions", completion.clone()),
+        ("/v1/completions", continuous),
+    ];
+    let mut counted = 0;
+    for (path, body) in &cases {
+        let (status, _, without) = send(plain, "POST", path, &[], body).await;
+        assert_eq!(status, StatusCode::OK);
+        let (status, _, with) = send(proxy, "POST", path, &a, body).await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(!String::from_utf8_lossy(&with).contains("\"usage\""));
+        assert_eq!(normalise(&with), normalise(&without), "{path} {body}");
+        // vLLM's fingerprint on the finishing chunk, which it moves to the usage chunk when
+        // asked for usage: put back where it was.
+        assert!(String::from_utf8_lossy(&with).contains("\"system_fingerprint\""));
+        // What the engine counts for it: the same request asking for usage itself.
+        let asked = body.replacen(
+            r#""stream":true"#,
+            r#""stream":true,"stream_options":{"include_usage":true}"#,
+            1,
+        );
+        let asked = asked.replacen(
+            r#","stream_options":{"continuous_usage_stats":true}"#,
+            "",
+            1,
+        );
+        let (_, _, direct) = post(sim, path, &asked).await;
+        let direct = String::from_utf8_lossy(&direct).into_owned();
+        // (the engine does answer differently when asked: the test would see a leak)
+        assert_ne!(normalise(direct.as_bytes()), normalise(&without));
+        let usage = direct
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+            .find_map(|v| v["usage"]["total_tokens"].as_u64())
+            .unwrap();
+        counted += usage;
+        tokens_reach(&tenants, counted).await;
+    }
+}

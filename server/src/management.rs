@@ -731,9 +731,61 @@ fn percent_decode(s: &str) -> Result<String, String> {
 
 async fn load(State(s): State<AppState>, RawQuery(raw): RawQuery) -> Response {
     match load_query(raw.as_deref()) {
-        Ok(deployment) => encoded(s.api.load_json(deployment.as_deref()).await),
+        Ok(deployment) => {
+            let json = s.api.load_json(deployment.as_deref()).await;
+            encoded(json.map(|json| with_tenants(json, s.tenants.as_deref())))
+        }
         Err(detail) => invalid(detail),
     }
+}
+
+/// One tenant's figures in the load read.
+#[derive(Serialize)]
+struct TenantLoad<'a> {
+    name: &'a str,
+    /// Answers by HTTP status.
+    answers: &'a std::collections::BTreeMap<String, u64>,
+    tokens: u64,
+    waiting: i64,
+}
+
+/// The load read's JSON with a last top-level `tenants` array (each tenant's answers by
+/// status, tokens and requests waiting, read where `GET /management/v1/tenants` reads them)
+/// when any tenant is configured; otherwise `json` itself, byte for byte.
+///
+/// NB: added here, in the management layer, because the lifecycle that encodes the load read
+/// does not see the inference listener's tenants (they belong to the router's listener).
+fn with_tenants(mut json: Vec<u8>, tenants: Option<&Tenants>) -> Vec<u8> {
+    let report = tenants.map(Tenants::report).unwrap_or_default();
+    if report.is_empty() {
+        return json;
+    }
+    let Some(close) = json.iter().rposition(|&b| b == b'}') else {
+        return json;
+    };
+    let list: Vec<TenantLoad<'_>> = report
+        .iter()
+        .map(|t| TenantLoad {
+            name: &t.name,
+            answers: &t.answers,
+            tokens: t.tokens,
+            waiting: t.waiting,
+        })
+        .collect();
+    let mut tail = b",\"tenants\":".to_vec();
+    if serde_json::to_writer(&mut tail, &list).is_err() {
+        return json;
+    }
+    let empty_object = json[..close]
+        .iter()
+        .rev()
+        .find(|b| !b.is_ascii_whitespace())
+        == Some(&b'{');
+    json.splice(
+        close..close,
+        tail.into_iter().skip(usize::from(empty_object)),
+    );
+    json
 }
 
 async fn switches(State(s): State<AppState>, RawQuery(raw): RawQuery) -> Response {
@@ -861,6 +913,8 @@ fn tenant_metrics(text: &mut String, tenants: &[TenantReport]) {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
+
     use super::*;
 
     #[test]
@@ -887,6 +941,30 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    #[test]
+    fn the_load_read_is_unchanged_without_tenants_and_ends_with_them_with() {
+        let json = br#"{"observed_at_ms":1,"stale_after_ms":3000,"deployments":[]}"#.to_vec();
+        assert_eq!(with_tenants(json.clone(), None), json);
+        let tenants = Tenants::new();
+        assert_eq!(with_tenants(json.clone(), Some(&tenants)), json);
+        tenants
+            .install(vec![capyctl_interfaces::tenants::Tenant {
+                name: "team-a".into(),
+                keys: vec!["sk-a".into()],
+                models: None,
+                rate: None,
+            }])
+            .unwrap();
+        assert_eq!(
+            String::from_utf8(with_tenants(json, Some(&tenants))).unwrap(),
+            r#"{"observed_at_ms":1,"stale_after_ms":3000,"deployments":[],"tenants":[{"name":"team-a","answers":{},"tokens":0,"waiting":0}]}"#
+        );
+        assert_eq!(
+            with_tenants(b"{}".to_vec(), Some(&tenants)),
+            br#"{"tenants":[{"name":"team-a","answers":{},"tokens":0,"waiting":0}]}"#
+        );
     }
 
     #[test]

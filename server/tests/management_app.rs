@@ -45,6 +45,10 @@ struct App {
 }
 
 async fn app() -> App {
+    app_with(None).await
+}
+
+async fn app_with(tenants: Option<Arc<capyctl_router::tenants::Tenants>>) -> App {
     let host = Arc::new(SimHost::new());
     let config = LifecycleConfig::new(HOST);
     let metrics = config.metrics.clone();
@@ -59,7 +63,7 @@ async fn app() -> App {
         ManagementOptions {
             token: TOKEN.to_string(),
             metrics,
-            tenants: None,
+            tenants,
         },
     );
     App {
@@ -645,4 +649,53 @@ async fn health_readiness_and_metrics_need_no_token() {
         r.headers
     );
     assert!(r.body.ends_with("# EOF\n"), "{}", r.body);
+}
+
+/// The load read names the inference listener's tenants (answers by status, tokens, waiting)
+/// only when some are configured; otherwise it is the lifecycle's JSON as it was.
+#[tokio::test]
+async fn the_load_read_has_tenants_only_when_configured() {
+    let plain = app().await;
+    plain.deploy(CHAT_A).await;
+    let r = plain.authed("GET", "/metrics/load").await;
+    assert!(r.json().get("tenants").is_none(), "{}", r.body);
+
+    let tenants = Arc::new(capyctl_router::tenants::Tenants::new());
+    let a = app_with(Some(Arc::clone(&tenants))).await;
+    a.deploy(CHAT_A).await;
+    // None configured yet: the same keys as without.
+    let r = a.authed("GET", "/metrics/load").await;
+    assert!(r.json().get("tenants").is_none(), "{}", r.body);
+    tenants
+        .install(vec![capyctl_interfaces::tenants::Tenant {
+            name: "team-a".into(),
+            keys: vec!["sk-a".into()],
+            models: None,
+            rate: None,
+        }])
+        .unwrap();
+    let r = a.authed("GET", "/metrics/load").await;
+    let load: LoadReport = r.parse(StatusCode::OK);
+    assert_eq!(load.deployments.len(), 1);
+    let v = r.json();
+    // Added last, after everything the lifecycle wrote.
+    let at = r.body.find(",\"tenants\":[").unwrap();
+    assert!(r.body[at..].trim_end().ends_with("]}"), "{}", r.body);
+    assert!(r.body[..at].contains("\"deployments\":["), "{}", r.body);
+    assert_eq!(
+        v["tenants"],
+        serde_json::json!([{"name": "team-a", "answers": {}, "tokens": 0, "waiting": 0}])
+    );
+    assert!(!r.body.contains("sk-a"));
+    // One deployment's read carries them too.
+    let one = a
+        .authed(
+            "GET",
+            &format!(
+                "/metrics/load?deployment={}",
+                load.deployments[0].deployment_id
+            ),
+        )
+        .await;
+    assert_eq!(one.json()["tenants"][0]["name"], "team-a");
 }

@@ -244,6 +244,9 @@ pub(crate) struct UsageTap {
     tail: std::collections::VecDeque<Bytes>,
     /// Their bytes.
     held: usize,
+    /// Takes the usage the listener asked for out of a streamed answer (`None` when the
+    /// client's answer is forwarded as it comes).
+    strip: Option<super::usage::Strip>,
 }
 
 /// The bytes of an answer's end that [`UsageTap`] reads.
@@ -255,7 +258,14 @@ impl UsageTap {
             tenant,
             tail: std::collections::VecDeque::new(),
             held: 0,
+            strip: None,
         })
+    }
+
+    /// The same tap, taking the usage chunk out of the stream (the listener asked for it).
+    pub(crate) fn stripping(mut self: Box<Self>, max_piece: usize) -> Box<Self> {
+        self.strip = Some(super::usage::Strip::new(max_piece));
+        self
     }
 
     fn feed(&mut self, data: &Bytes) {
@@ -296,7 +306,11 @@ pub(crate) fn total_tokens(tail: &[u8]) -> Option<u64> {
 impl Drop for ProxyBody {
     fn drop(&mut self) {
         if let Some(tap) = self.tap.take()
-            && let Some(tokens) = total_tokens(&tap.last_bytes())
+            && let Some(tokens) = tap
+                .strip
+                .as_ref()
+                .and_then(|s| s.tokens)
+                .or_else(|| total_tokens(&tap.last_bytes()))
         {
             tap.tenant.charge_tokens(tokens, Instant::now());
         }
@@ -354,20 +368,49 @@ impl Body for ProxyBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
         let this = self.get_mut();
-        let polled = match &mut this.kind {
-            Kind::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
-            Kind::Direct(body) => body.poll(cx),
-            Kind::Stream(body) => body.poll(cx),
-        };
-        if let (Some(tap), Poll::Ready(Some(Ok(frame)))) = (&mut this.tap, &polled)
-            && let Some(data) = frame.data_ref()
-        {
-            tap.feed(data);
+        loop {
+            let mut polled = match &mut this.kind {
+                Kind::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
+                Kind::Direct(body) => body.poll(cx),
+                Kind::Stream(body) => body.poll(cx),
+            };
+            if let Some(strip) = this.tap.as_mut().and_then(|t| t.strip.as_mut()) {
+                match polled {
+                    Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                        Ok(data) => {
+                            let out = strip.pass(data);
+                            if out.is_empty() {
+                                // All of it held (or the usage chunk): the next frame now.
+                                continue;
+                            }
+                            polled = Poll::Ready(Some(Ok(Frame::data(out))));
+                        }
+                        Err(frame) => polled = Poll::Ready(Some(Ok(frame))),
+                    },
+                    Poll::Ready(None) => {
+                        polled = Poll::Ready(strip.finish().map(|b| Ok(Frame::data(b))));
+                    }
+                    other => polled = other,
+                }
+            }
+            if let (Some(tap), Poll::Ready(Some(Ok(frame)))) = (&mut this.tap, &polled)
+                && let Some(data) = frame.data_ref()
+            {
+                tap.feed(data);
+            }
+            return polled;
         }
-        polled
     }
 
     fn is_end_stream(&self) -> bool {
+        if self
+            .tap
+            .as_ref()
+            .and_then(|t| t.strip.as_ref())
+            .is_some_and(super::usage::Strip::holds)
+        {
+            return false;
+        }
         match &self.kind {
             Kind::Full(bytes) => bytes.is_none(),
             Kind::Direct(body) => body.inner.as_ref().is_none_or(Body::is_end_stream),
@@ -376,6 +419,10 @@ impl Body for ProxyBody {
     }
 
     fn size_hint(&self) -> SizeHint {
+        if self.tap.as_ref().is_some_and(|t| t.strip.is_some()) {
+            // Its length is not the engine's.
+            return SizeHint::default();
+        }
         match &self.kind {
             Kind::Full(bytes) => SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64)),
             Kind::Direct(body) => body

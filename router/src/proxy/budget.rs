@@ -139,6 +139,16 @@ impl RequestBody {
     }
 }
 
+impl RequestBody {
+    /// Other bytes in its place, still holding its part of the budget.
+    pub(crate) fn with_bytes(self, bytes: Bytes) -> Self {
+        RequestBody {
+            bytes,
+            _hold: self._hold,
+        }
+    }
+}
+
 impl From<Bytes> for RequestBody {
     /// A body that holds nothing of the budget (an empty one, or one in a test).
     fn from(bytes: Bytes) -> Self {

@@ -48,6 +48,7 @@ pub mod fuzz;
 mod server;
 mod sse;
 mod upstream;
+mod usage;
 
 use std::borrow::Cow;
 use std::future::Future;
@@ -531,7 +532,7 @@ impl<A: Admission> Proxy<A> {
         }
 
         let deadline = arrival + config.request_deadline;
-        let body = body.await?;
+        let mut body = body.await?;
         let model = model_of(&body)?;
         watch.model(&model);
         if let Some(tenant) = tenant {
@@ -557,6 +558,16 @@ impl<A: Admission> Proxy<A> {
             _ => None,
         };
         drop(model);
+        // A tenant whose tokens are limited: a streamed request is asked for its usage, which
+        // its answer's tap then takes back out (see `usage`).
+        let mut strip = false;
+        if tenant.is_some_and(|t| t.counts_tokens())
+            && request.uri.path() != "/v1/embeddings"
+            && let Some(asked) = usage::ask_usage(&body)
+        {
+            body = body.with_bytes(Bytes::from(asked));
+            strip = true;
+        }
         // Only a deployment routed by `prefix` pays for the prompt's scan.
         let prefix = if deployment.routing == capyctl_spec::Routing::Prefix {
             prompt_prefix(&body)
@@ -675,11 +686,11 @@ impl<A: Admission> Proxy<A> {
                 if let Some(charge) = body.charge_mut() {
                     watch.hand_to(charge, status.as_u16(), true);
                 }
-                let body = ProxyBody::stream(body).tapped(tap(tenant));
+                let body = ProxyBody::stream(body).tapped(tap_stream(tenant, strip, config));
                 Ok(Answer::engine(engine, body))
             }
             Start::Whole(bytes) => {
-                let body = ProxyBody::full(bytes).tapped(tap(tenant));
+                let body = ProxyBody::full(bytes).tapped(tap_stream(tenant, strip, config));
                 Ok(Answer::engine(engine, body))
             }
             Start::Fail(failure) => Err(failure),
@@ -725,6 +736,21 @@ impl<A: Admission> Proxy<A> {
 /// The usage tap of a tenant's answer, for its tokens.
 fn tap(tenant: Option<&Arc<TenantEntry>>) -> Option<Box<body::UsageTap>> {
     tenant.map(|t| body::UsageTap::new(Arc::clone(t)))
+}
+
+/// The usage tap of a tenant's streamed answer, taking out the usage the listener asked for
+/// when `strip`.
+fn tap_stream(
+    tenant: Option<&Arc<TenantEntry>>,
+    strip: bool,
+    config: &ProxyConfig,
+) -> Option<Box<body::UsageTap>> {
+    let tap = tap(tenant)?;
+    Some(if strip {
+        tap.stripping(config.max_piece)
+    } else {
+        tap
+    })
 }
 
 /// How long past the request deadline the listener still waits for the admission's own answer.
