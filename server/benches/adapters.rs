@@ -2,17 +2,17 @@
 //! (DESIGN 4.9, issue 31).
 //!
 //! A real standalone CapyCTL runs in this process with one base (`adapters: {max_loaded: M}`)
-//! and M + 1 adapters, its engine the engine simulator (this binary run as `--engine-sim`:
-//! the `capyctl_engine_sim` library with the arguments and environment the host agent gives
-//! `engine-sim`), whose adapter loads take `--load-ms`. Every request goes through the
-//! inference listener (real sockets) and asks for one token (`max_tokens: 1`), so its answer
-//! is its first token. Requests cycle over the M + 1 adapters, `--requests` times: the first M
-//! find room (a load); every later one finds its adapter unloaded and every slot taken by an
-//! idle adapter (the least recently used is unloaded, then its own loaded).
+//! and M + 1 adapters, its engine the engine simulator (this binary run as `--engine-wrapper`,
+//! `common::wrapper`: the `capyctl_engine_sim` library with the arguments and environment the
+//! host agent gives `engine-sim`), whose adapter loads take `--load-ms`. Every request goes
+//! through the inference listener (real sockets) and asks for one token (`max_tokens: 1`), so
+//! its answer is its first token. Requests cycle over the M + 1 adapters, `--requests` times: the
+//! first M find room (a load); every later one finds its adapter unloaded and every slot taken by
+//! an idle adapter (the least recently used is unloaded, then its own loaded).
 //!
 //! The engine's time is timed inside the engine, as in `switch_share`: a layer in front of
 //! the simulator's routes stamps each request on arrival (after HTTP parsing) and when its
-//! answer is complete, and appends `start end path` to a file. For each request, **own** =
+//! answer is complete, and appends the call to a file. For each request, **own** =
 //! the client's time to the first token less every engine call that began and ended within it
 //! (the adapter list, unload, load and the answer; its load samples, `GET /metrics`, excluded):
 //! socket transfer and HTTP parsing on both sides count as CapyCTL's, which errs against
@@ -25,18 +25,17 @@
 
 use std::path::Path;
 use std::process::ExitCode;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+mod common;
+
 use capyctl_server::standalone::Standalone;
 use capyctl_spec::documents::parse_standalone_str;
 use capyctl_spec::overrides::Overrides;
-use http_body_util::{BodyExt, Full};
+use common::{HttpClient, http, now_us, read_calls};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
 struct Opts {
     load_ms: u64,
@@ -76,8 +75,8 @@ fn parse_args(args: &[String]) -> Result<Opts, String> {
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
-    if args.get(1).map(String::as_str) == Some("--engine-sim") {
-        return engine_sim(&args[2..]);
+    if args.get(1).map(String::as_str) == Some("--engine-wrapper") {
+        return common::wrapper::main(&args[2..]);
     }
     let o = match parse_args(&args[1..]) {
         Ok(o) => o,
@@ -86,127 +85,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("adapters bench: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match rt.block_on(run(o)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("adapters bench: {e}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-/// `<this binary> --engine-sim <dir> <engine-sim arguments…>`: the engine simulator, with one
-/// layer in front of its routes that stamps each request on arrival (after HTTP parsing) and
-/// when its answer is complete, and appends `start end path` (wall-clock µs) to
-/// `<dir>/calls.tsv`: the engine's own time, call by call.
-fn engine_sim(args: &[String]) -> ExitCode {
-    use std::io::Write as _;
-    use std::sync::{Arc, Mutex, PoisonError};
-
-    use axum::extract::{Request, State};
-    use axum::middleware::{self, Next};
-    use axum::response::Response;
-    use capyctl_engine_sim::{EngineSim, SimConfig};
-
-    type Log = Arc<Mutex<std::fs::File>>;
-
-    async fn timed(State(log): State<Log>, req: Request, next: Next) -> Response {
-        let start = now_us();
-        let path = req.uri().path().to_string();
-        let (mut parts, body) = next.run(req).await.into_parts();
-        // The whole answer is the engine's time.
-        let bytes = axum::body::to_bytes(body, usize::MAX)
-            .await
-            .unwrap_or_default();
-        let end = now_us();
-        let line = format!("{start}\t{end}\t{path}\n");
-        // One write per line (O_APPEND): the reader never sees half a line.
-        let _ = log
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .write_all(line.as_bytes());
-        parts.headers.remove(http::header::TRANSFER_ENCODING);
-        parts.headers.remove(http::header::CONTENT_LENGTH);
-        Response::from_parts(parts, axum::body::Body::from(bytes))
-    }
-
-    let Some((dir, rest)) = args.split_first() else {
-        eprintln!("engine-sim: usage: --engine-sim <dir> <engine-sim arguments>");
-        return ExitCode::from(2);
-    };
-    let config = match SimConfig::try_parse_from(
-        std::iter::once("engine-sim".to_string()).chain(rest.iter().cloned()),
-    ) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("engine-sim: {e}");
-            return ExitCode::from(2);
-        }
-    };
-    let Ok(rt) = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    else {
-        return ExitCode::FAILURE;
-    };
-    let served = rt.block_on(async move {
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(Path::new(dir).join("calls.tsv"))
-            .map_err(|e| format!("{dir}/calls.tsv: {e}"))?;
-        let listener = tokio::net::TcpListener::bind((config.host.as_str(), config.port))
-            .await
-            .map_err(|e| format!("cannot listen on {}:{}: {e}", config.host, config.port))?;
-        let addr = listener.local_addr().map_err(|e| e.to_string())?;
-        println!("engine-sim listening on {addr}");
-        let app = capyctl_engine_sim::app(EngineSim::new(config)).layer(
-            middleware::from_fn_with_state(Arc::new(Mutex::new(file)), timed),
-        );
-        axum::serve(listener, app).await.map_err(|e| e.to_string())
-    });
-    match served {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("engine-sim: {e}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-/// Wall-clock microseconds since the Unix epoch (shared with the engine's process).
-fn now_us() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
-}
-
-/// The engine's time within `[t0, t1]` (µs): its calls that began and ended there, but its
-/// load samples (`GET /metrics`, off the request's path).
-fn engine_us(calls: &Path, (t0, t1): (u64, u64)) -> u64 {
-    let text = std::fs::read_to_string(calls).unwrap_or_default();
-    text.lines()
-        .filter_map(|l| {
-            let mut f = l.splitn(3, '\t');
-            let (start, end) = (
-                f.next()?.parse::<u64>().ok()?,
-                f.next()?.parse::<u64>().ok()?,
-            );
-            let path = f.next()?;
-            (start >= t0 && end <= t1 && path != "/metrics").then(|| end - start)
-        })
-        .sum()
+    common::run_to_end("adapters bench", run(o))
 }
 
 fn config_text(exe: &Path, calls: &Path, files: &Path, o: &Opts) -> String {
@@ -222,7 +101,7 @@ host:
   gpus: [{{memory: 10GiB}}]
   host_memory: 4GiB
   engines:
-    vllm: {{command: [{exe}, "--engine-sim", {calls}]}}
+    vllm: {{command: [{exe}, "--engine-wrapper", {calls}]}}
 deployments:
   - name: base
     engine: vllm
@@ -246,31 +125,10 @@ deployments:
     text
 }
 
-async fn http(client: &HttpClient, url: String, body: String) -> Result<(u16, Bytes), String> {
-    let req = http::Request::builder()
-        .method("POST")
-        .uri(&url)
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body)))
-        .map_err(|e| e.to_string())?;
-    let resp = client
-        .request(req)
-        .await
-        .map_err(|e| format!("POST {url}: {e}"))?;
-    let status = resp.status().as_u16();
-    let bytes = resp
-        .into_body()
-        .collect()
-        .await
-        .map_err(|e| format!("POST {url}: {e}"))?
-        .to_bytes();
-    Ok((status, bytes))
-}
-
 /// One POST that must answer 200, timed.
 async fn timed(client: &HttpClient, url: String, body: String) -> Result<Duration, String> {
     let began = Instant::now();
-    let (status, bytes) = http(client, url.clone(), body).await?;
+    let (status, bytes) = http(client, "POST", url.clone(), None, Some(body)).await?;
     let took = began.elapsed();
     if status != 200 {
         return Err(format!(
@@ -303,13 +161,13 @@ async fn run(o: Opts) -> Result<(), String> {
         )
         .map_err(|e| format!("{}: {e}", a.display()))?;
     }
-    let text = config_text(&exe, &dir, &files, &o);
+    let text = config_text(&exe, &dir.join("calls"), &files, &o);
     let config = parse_standalone_str("adapters.yaml", &text, &Overrides::none())
         .map_err(|e| format!("the benchmark's document: {e}"))?;
     let s = Standalone::start(config, dir.join("data"))
         .await
         .map_err(|e| format!("standalone: {e}"))?;
-    let result = measure(&s, &dir.join("calls.tsv"), &o).await;
+    let result = measure(&s, &dir.join("calls"), &o).await;
     s.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);
     result
@@ -322,6 +180,20 @@ async fn measure(s: &Standalone, calls: &Path, o: &Opts) -> Result<(), String> {
     for _ in 0..3 {
         timed(&client, inference.clone(), one_token("base")).await?;
     }
+    let port = s
+        .server()
+        .view("base")
+        .and_then(|v| v.instances.first().and_then(|i| i.port))
+        .ok_or("the base has no engine port")?;
+    // The engine's time within `[t0, t1]` (µs): its calls that began and ended there, but its
+    // load samples (`GET /metrics`, off the request's path).
+    let engine_us = |(t0, t1): (u64, u64)| -> u64 {
+        read_calls(calls, port)
+            .iter()
+            .filter(|c| c.start >= t0 && c.end <= t1 && !c.is_background())
+            .map(common::Call::us)
+            .sum()
+    };
     // Requests cycle over max_loaded + 1 adapters: each one finds its adapter unloaded.
     let k = o.max_loaded as usize + 1;
     let (mut first, mut cold, mut switched) = (None, Vec::new(), Vec::new());
@@ -331,7 +203,7 @@ async fn measure(s: &Standalone, calls: &Path, o: &Opts) -> Result<(), String> {
         let t0 = now_us();
         let took = timed(&client, inference.clone(), one_token(&model)).await?;
         let t1 = now_us();
-        let engine = engine_us(calls, (t0, t1));
+        let engine = engine_us((t0, t1));
         let own = t1.saturating_sub(t0).saturating_sub(engine) as f64 / 1e3;
         if i == 0 {
             first = Some(own);
