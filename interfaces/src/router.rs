@@ -256,6 +256,14 @@ pub trait Lifecycle: Send + Sync + 'static {
         })
     }
 
+    /// The instances of its base that have adapter `adapter` loaded, as far as known (a
+    /// request for it prefers them: DESIGN 4.9). A lifecycle without adapters keeps the
+    /// default (none).
+    fn adapter_loaded_on(&self, adapter: &str) -> Vec<InstanceKey> {
+        let _ = adapter;
+        Vec::new()
+    }
+
     /// The engine of `instance` answered a request for `adapter` as if it did not have it
     /// (its 404 for an unknown model): the next request loads it again.
     fn adapter_lost(&self, instance: &InstanceKey, adapter: &str) {

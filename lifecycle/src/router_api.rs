@@ -57,6 +57,10 @@ impl Lifecycle for Core {
         Box::pin(self.adapters.acquire(instance, adapter, deadline, limit))
     }
 
+    fn adapter_loaded_on(&self, adapter: &str) -> Vec<InstanceKey> {
+        self.adapters.holding(adapter)
+    }
+
     fn adapter_lost(&self, instance: &InstanceKey, adapter: &str) {
         self.adapters.lost(instance, adapter);
     }

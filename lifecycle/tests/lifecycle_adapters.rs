@@ -103,10 +103,20 @@ struct Scene {
 }
 
 async fn scene(tag: &str, max_loaded: u32, base_extra: &str) -> Scene {
-    let agent = Arc::new(SimHost::new().with_adapter_load(LOAD).with_times(Timings {
-        start: START,
-        ..Timings::default()
-    }));
+    scene_on(1, tag, max_loaded, base_extra).await
+}
+
+/// [`scene`] on a host of `gpus` GPUs.
+async fn scene_on(gpus: u32, tag: &str, max_loaded: u32, base_extra: &str) -> Scene {
+    let agent = Arc::new(
+        SimHost::new()
+            .with_gpus(gpus)
+            .with_adapter_load(LOAD)
+            .with_times(Timings {
+                start: START,
+                ..Timings::default()
+            }),
+    );
     let server = open(&agent).await;
     let router = assemble(&server, server.clone(), RouterConfig::default(), None)
         .await
@@ -130,8 +140,16 @@ impl Scene {
     ) -> Result<(CoordinatorPermit, Option<AdapterLease>), ApiError> {
         let deadline = Instant::now() + Duration::from_secs(600);
         let d = self.router.resolve(model).unwrap();
-        let permit = self.router.admit(d, deadline).await?;
-        let lease = match self.server.adapter(model) {
+        let route = self.server.adapter(model);
+        // As the listener does: the instances that have the adapter loaded take it first.
+        let prefer = route
+            .as_ref()
+            .map_or_else(Vec::new, |r| self.server.adapter_loaded_on(&r.name));
+        let permit = self
+            .router
+            .admit_preferring(d, deadline, None, None, prefer)
+            .await?;
+        let lease = match route {
             Some(route) => Some(
                 self.server
                     .acquire_adapter(&permit.upstream().key, &route, deadline)
@@ -215,6 +233,35 @@ async fn a_request_for_an_adapter_starts_its_base_and_loads_it_once() {
         r.phases[0].ended_ms.unwrap() - r.phases[0].began_ms,
         u64::try_from(LOAD.as_millis()).unwrap()
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn with_replicas_the_next_request_for_an_adapter_goes_where_it_is_loaded() {
+    // Two GPUs: one instance of the base on each.
+    let s = scene_on(2, "replicas", 2, "replicas: 2\n").await;
+    let (first, lease) = s.request("a1").await.unwrap();
+    let ready = || s.server.view("base").unwrap().ready;
+    if ready() != "2/2" {
+        tokio::time::sleep(START).await;
+    }
+    assert_eq!(ready(), "2/2");
+    let loaded_on = first.upstream().key.clone();
+    assert_eq!(
+        s.server.adapter_loaded_on("a1"),
+        std::slice::from_ref(&loaded_on)
+    );
+    // The first still runs there, the other instance is idle: the next request for a1 goes
+    // where a1 is loaded (no second load), and one for the base to the idle one.
+    let (second, lease2) = s.request("a1").await.unwrap();
+    assert_eq!(second.upstream().key, loaded_on);
+    let (base, _) = s.request("base").await.unwrap();
+    assert_ne!(base.upstream().key, loaded_on);
+    assert_eq!(s.adapter_calls(), ["load_adapter a1"]);
+    // a2, loaded nowhere: the least loaded instance (the other one), loaded there.
+    let (third, lease3) = s.request("a2").await.unwrap();
+    assert_ne!(third.upstream().key, loaded_on);
+    assert_eq!(s.adapter_calls(), ["load_adapter a1", "load_adapter a2"]);
+    drop((first, lease, second, lease2, base, third, lease3));
 }
 
 #[tokio::test(start_paused = true)]

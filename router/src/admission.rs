@@ -12,7 +12,7 @@ use std::time::Duration;
 use capyctl_spec::errors::ApiError;
 use tokio::time::Instant;
 
-use capyctl_interfaces::router::{DeploymentRef, Upstream};
+use capyctl_interfaces::router::{DeploymentRef, InstanceKey, Upstream};
 
 /// Hands out permits to forward one request to a ready instance.
 pub trait Admission: Clone + Send + Sync + 'static {
@@ -59,6 +59,22 @@ pub trait Admission: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<Self::Permit, ApiError>> + Send {
         let _ = tenant;
         self.admit_routed(deployment, deadline, prefix)
+    }
+
+    /// [`Admission::admit_as`] for a request that names a LoRA adapter (DESIGN 4.9): `prefer`
+    /// are the instances that have it loaded, one of which takes it when any is ready with
+    /// room (else it is routed as any request). An admission with one instance per deployment
+    /// ignores it.
+    fn admit_preferring(
+        &self,
+        deployment: DeploymentRef,
+        deadline: Instant,
+        prefix: Option<u64>,
+        tenant: Option<std::sync::Arc<str>>,
+        prefer: Vec<InstanceKey>,
+    ) -> impl Future<Output = Result<Self::Permit, ApiError>> + Send {
+        let _ = prefer;
+        self.admit_as(deployment, deadline, prefix, tenant)
     }
 }
 

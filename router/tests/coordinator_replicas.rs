@@ -332,3 +332,43 @@ async fn waiters_end_when_the_last_open_instance_goes_while_another_drains() {
     quiesce().await;
     assert!(release.await.unwrap().is_ok());
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_adapter_request_goes_where_its_adapter_is_loaded_while_that_has_room() {
+    let (fake, h, a) = replicas(2).await;
+    fake.announce(A).await;
+    quiesce().await;
+    // Instance 1 has the adapter; instance 0 is idle and instance 1 runs 5: still instance 1.
+    let mut held = admit_n(&h, &a, 10, None).await;
+    for _ in 0..5 {
+        end_one(&mut held, 0).await;
+    }
+    assert_eq!((on(&held, 0), on(&held, 1)), (0, 5));
+    let ask = |h: &CoordinatorHandle, prefer: Vec<_>| {
+        let (h, dep) = (h.clone(), a.clone());
+        let deadline = Instant::now() + Duration::from_secs(600);
+        Ask(tokio::spawn(async move {
+            h.admit_preferring(dep, deadline, None, None, prefer).await
+        }))
+    };
+    let loaded_on_1 = vec![fake.key(A, 1)];
+    for _ in 0..27 {
+        let p = ask(&h, loaded_on_1.clone());
+        quiesce().await;
+        held.push(p.permit().await);
+    }
+    assert_eq!((on(&held, 0), on(&held, 1)), (0, 32));
+    // Instance 1 is full: the least loaded (instance 0), not a wait.
+    let p = ask(&h, loaded_on_1.clone());
+    quiesce().await;
+    assert_eq!(p.permit().await.upstream().addr.port(), 9000);
+    // Without a preference: the least loaded, as before.
+    end_one(&mut held, 1).await;
+    let p = Ask::new(&h, &a, None);
+    quiesce().await;
+    assert_eq!(p.permit().await.upstream().addr.port(), 9000);
+    // Loaded on an instance that is gone: the least loaded.
+    let p = ask(&h, vec![fake.key(A, 7)]);
+    quiesce().await;
+    assert_eq!(p.permit().await.upstream().addr.port(), 9000);
+}

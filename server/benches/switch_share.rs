@@ -62,21 +62,21 @@
 //! tracing with timestamps on stderr. Exit status 0 whatever the verdict (it is a benchmark).
 #![allow(missing_docs)]
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::io::Write as _;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use capyctl_server::standalone::Standalone;
 use capyctl_spec::InstanceState;
 use capyctl_spec::documents::parse_standalone_str;
 use capyctl_spec::overrides::Overrides;
-use http_body_util::{BodyExt, Full};
+use common::{Call, HttpClient, http, now_us, read_calls, wrapper};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -265,14 +265,6 @@ fn main() -> ExitCode {
     }
 }
 
-/// Wall-clock microseconds since the Unix epoch (shared with the engine processes).
-fn now_us() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
-}
-
 /// The engine calls as the host agent's driver saw them (its debug lines under
 /// `capyctl_node_agent::engine_call`, caught in this process, where the standalone runs): the
 /// request's first byte written → the answer's last byte read, on the driver's connection.
@@ -345,170 +337,9 @@ mod driver_side {
     }
 }
 
-/// The engine side: the engine simulator, with every request timed.
-mod wrapper {
-    use super::*;
-    use axum::body::Body;
-    use axum::extract::{Request, State};
-    use axum::middleware::{self, Next};
-    use axum::response::{IntoResponse, Response};
-    use axum::serve::ListenerExt;
-    use capyctl_engine_sim::{EngineSim, SimConfig};
-
-    /// Where the calls are written, one line each.
-    struct CallLog {
-        file: Mutex<std::fs::File>,
-    }
-
-    impl CallLog {
-        fn write(&self, line: &str) {
-            let mut f = self.file.lock().unwrap_or_else(PoisonError::into_inner);
-            // One write per line (O_APPEND): the reader never sees half a line mixed in.
-            if let Err(e) = f.write_all(line.as_bytes()) {
-                tracing::warn!(error = %e, "cannot write the call log");
-            }
-        }
-    }
-
-    async fn timed(State(log): State<Arc<CallLog>>, req: Request, next: Next) -> Response {
-        let start = now_us();
-        let method = req.method().to_string();
-        let path = req
-            .uri()
-            .path_and_query()
-            .map(|p| p.as_str().to_string())
-            .unwrap_or_default();
-        let resp = next.run(req).await;
-        let (mut parts, body) = resp.into_parts();
-        // The whole answer (generation included) is the engine's time.
-        let collected = axum::body::to_bytes(body, usize::MAX).await;
-        let end = now_us();
-        log.write(&format!(
-            "{start}\t{end}\t{}\t{method}\t{path}\n",
-            parts.status.as_u16()
-        ));
-        match collected {
-            Ok(bytes) => {
-                parts.headers.remove(http::header::TRANSFER_ENCODING);
-                parts.headers.remove(http::header::CONTENT_LENGTH);
-                Response::from_parts(parts, Body::from(bytes))
-            }
-            Err(e) => (
-                http::StatusCode::INTERNAL_SERVER_ERROR,
-                format!("engine-wrapper: the answer broke off: {e}"),
-            )
-                .into_response(),
-        }
-    }
-
-    /// `<this binary> --engine-wrapper <dir> <engine-sim arguments…>`.
-    pub(super) fn main(args: &[String]) -> ExitCode {
-        let Some((dir, rest)) = args.split_first() else {
-            eprintln!("engine-wrapper: usage: --engine-wrapper <dir> <engine-sim arguments>");
-            return ExitCode::from(2);
-        };
-        tracing_subscriber::fmt()
-            .with_writer(std::io::stderr)
-            .with_ansi(false)
-            .with_env_filter(
-                tracing_subscriber::EnvFilter::try_from_default_env()
-                    .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-            )
-            .init();
-        let config = match SimConfig::try_parse_from(
-            std::iter::once("engine-sim".to_string()).chain(rest.iter().cloned()),
-        ) {
-            Ok(c) => c,
-            Err(e) => {
-                eprintln!("engine-wrapper: {e}");
-                return ExitCode::from(2);
-            }
-        };
-        let rt = match tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .build()
-        {
-            Ok(rt) => rt,
-            Err(e) => {
-                eprintln!("engine-wrapper: cannot start the runtime: {e}");
-                return ExitCode::FAILURE;
-            }
-        };
-        match rt.block_on(serve(PathBuf::from(dir), config)) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("engine-wrapper: {e}");
-                ExitCode::FAILURE
-            }
-        }
-    }
-
-    async fn serve(dir: PathBuf, config: SimConfig) -> Result<(), String> {
-        let listener = tokio::net::TcpListener::bind((config.host.as_str(), config.port))
-            .await
-            .map_err(|e| format!("cannot listen on {}:{}: {e}", config.host, config.port))?;
-        let addr = listener.local_addr().map_err(|e| e.to_string())?;
-        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-        let path = dir.join(format!("calls-{}.tsv", addr.port()));
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-        let log = Arc::new(CallLog {
-            file: Mutex::new(file),
-        });
-        println!("engine-sim listening on {addr}");
-        let app = capyctl_engine_sim::app(EngineSim::new(config))
-            .layer(middleware::from_fn_with_state(log, timed));
-        let listener = listener.tap_io(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        axum::serve(listener, app).await.map_err(|e| e.to_string())
-    }
-}
-
 /// One call as the driver timed it: request written, answer read (wall-clock microseconds),
 /// path.
 type DrvCall = (u64, u64, String);
-
-/// One HTTP call an engine answered, as the engine timed it.
-#[derive(Debug, Clone)]
-struct Call {
-    start: u64,
-    end: u64,
-    status: u16,
-    method: String,
-    path: String,
-}
-
-impl Call {
-    fn is_answer(&self) -> bool {
-        self.method == "POST" && self.path.starts_with("/v1/chat/completions")
-    }
-    fn is_background(&self) -> bool {
-        self.method == "GET" && self.path.starts_with("/metrics")
-    }
-    fn us(&self) -> u64 {
-        self.end.saturating_sub(self.start)
-    }
-}
-
-fn read_calls(dir: &Path, port: u16) -> Vec<Call> {
-    let text = std::fs::read_to_string(dir.join(format!("calls-{port}.tsv"))).unwrap_or_default();
-    text.lines()
-        .filter_map(|l| {
-            let mut f = l.splitn(5, '\t');
-            Some(Call {
-                start: f.next()?.parse().ok()?,
-                end: f.next()?.parse().ok()?,
-                status: f.next()?.parse().ok()?,
-                method: f.next()?.to_string(),
-                path: f.next()?.to_string(),
-            })
-        })
-        .collect()
-}
 
 /// Which side of the switch a call is on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -614,39 +445,6 @@ fn phase_delta_us(
         return None;
     }
     Some(((a.0 - b.0).max(0.0) * 1e6).round() as u64)
-}
-
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
-
-async fn http(
-    client: &HttpClient,
-    method: &str,
-    url: String,
-    token: Option<&str>,
-    body: Option<String>,
-) -> Result<(u16, Bytes), String> {
-    let mut req = http::Request::builder().method(method).uri(&url);
-    if let Some(t) = token {
-        req = req.header("authorization", format!("Bearer {t}"));
-    }
-    if body.is_some() {
-        req = req.header("content-type", "application/json");
-    }
-    let req = req
-        .body(Full::new(Bytes::from(body.unwrap_or_default())))
-        .map_err(|e| e.to_string())?;
-    let resp = client
-        .request(req)
-        .await
-        .map_err(|e| format!("{method} {url}: {e}"))?;
-    let status = resp.status().as_u16();
-    let bytes = resp
-        .into_body()
-        .collect()
-        .await
-        .map_err(|e| format!("{method} {url}: {e}"))?
-        .to_bytes();
-    Ok((status, bytes))
 }
 
 fn chat_body(model: &str, max_tokens: u32) -> String {

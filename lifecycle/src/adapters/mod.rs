@@ -172,6 +172,11 @@ impl Adapters {
         self.lock().slots.loaded_on()
     }
 
+    /// The instances that have adapter `name` loaded (see [`Slots::holding`]).
+    pub fn holding(&self, name: &str) -> Vec<InstanceKey> {
+        self.lock().slots.holding(name)
+    }
+
     /// Answers the requests the rules decided on and starts the next effect.
     fn apply(&self, decided: Decided) {
         let Decided {

@@ -280,6 +280,20 @@ impl Slots {
             .collect()
     }
 
+    /// The instances whose engine has adapter `name` loaded, as far as known (listed, and not
+    /// being unloaded): where a request for it runs without a load.
+    pub(crate) fn holding(&self, name: &str) -> Vec<InstanceKey> {
+        self.instances
+            .iter()
+            .filter(|(_, i)| {
+                i.listed
+                    && i.loaded.contains_key(name)
+                    && !matches!(&i.op, Some(Op::Unload(n)) if n == name)
+            })
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+
     /// An answer of the engine that says it does not have `adapter` (its 404): forgotten, so
     /// that the next request loads it again.
     pub(crate) fn lost(&mut self, key: &InstanceKey, adapter: &str) {

@@ -743,6 +743,7 @@ impl CoordinatorHandle {
         deadline: Instant,
         prefix: Option<u64>,
         tenant: Option<Arc<str>>,
+        prefer: Vec<InstanceKey>,
     ) -> Result<CoordinatorPermit, ApiError> {
         // A prefix key matters only to a deployment routed by `prefix`.
         let prefix = prefix.filter(|_| deployment.routing == capyctl_spec::Routing::Prefix);
@@ -779,6 +780,7 @@ impl CoordinatorHandle {
                     deployment: deployment.id.clone(),
                     deadline,
                     prefix,
+                    prefer: prefer.into_boxed_slice(),
                     priority: deployment.priority,
                     tenant,
                 },
@@ -804,7 +806,8 @@ impl Admission for CoordinatorHandle {
         deployment: DeploymentRef,
         deadline: Instant,
     ) -> impl Future<Output = Result<Self::Permit, ApiError>> + Send {
-        self.clone().admit_inner(deployment, deadline, None, None)
+        self.clone()
+            .admit_inner(deployment, deadline, None, None, Vec::new())
     }
 
     fn admit_routed(
@@ -813,7 +816,8 @@ impl Admission for CoordinatorHandle {
         deadline: Instant,
         prefix: Option<u64>,
     ) -> impl Future<Output = Result<Self::Permit, ApiError>> + Send {
-        self.clone().admit_inner(deployment, deadline, prefix, None)
+        self.clone()
+            .admit_inner(deployment, deadline, prefix, None, Vec::new())
     }
 
     fn admit_as(
@@ -824,7 +828,19 @@ impl Admission for CoordinatorHandle {
         tenant: Option<Arc<str>>,
     ) -> impl Future<Output = Result<Self::Permit, ApiError>> + Send {
         self.clone()
-            .admit_inner(deployment, deadline, prefix, tenant)
+            .admit_inner(deployment, deadline, prefix, tenant, Vec::new())
+    }
+
+    fn admit_preferring(
+        &self,
+        deployment: DeploymentRef,
+        deadline: Instant,
+        prefix: Option<u64>,
+        tenant: Option<Arc<str>>,
+        prefer: Vec<InstanceKey>,
+    ) -> impl Future<Output = Result<Self::Permit, ApiError>> + Send {
+        self.clone()
+            .admit_inner(deployment, deadline, prefix, tenant, prefer)
     }
 }
 

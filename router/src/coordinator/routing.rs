@@ -15,6 +15,9 @@
 //!   that share a prefix stay on one instance (its KV cache is reused) until it carries 25%
 //!   more than its share, and then spill to the next instance on the ring (which is the same
 //!   for every prompt of that prefix, so the spill-over shares a cache too).
+//! - **preferred** (a request that names a LoRA adapter, DESIGN 4.9, with either routing):
+//!   the least_loaded of the open instances that have its adapter loaded, when one of them
+//!   has room; else the deployment's routing as above (and the adapter is loaded there).
 //!
 //! NB: neither allocates per request: the ring is built when the open instances change (see
 //! `Dep::pick` in `state.rs`), and a pick walks it in place.
@@ -99,6 +102,24 @@ pub(crate) fn least_loaded(
         }
     }
     best.map(|(_, _, i)| i)
+}
+
+/// An adapter's preference (DESIGN 4.9, "routes to an instance that has the adapter loaded
+/// when one is ready, else the least loaded"): the position of the [`least_loaded`] among
+/// the instances marked preferred (those with the request's adapter loaded), or `None` when
+/// none of them is open with room (the caller then routes as for any request).
+pub(crate) fn preferred(
+    now: Instant,
+    cap: usize,
+    loads: impl IntoIterator<Item = (Option<Load>, bool)>,
+) -> Option<usize> {
+    least_loaded(
+        now,
+        cap,
+        loads
+            .into_iter()
+            .map(|(load, preferred)| load.filter(|_| preferred)),
+    )
 }
 
 /// The bounded-load bound: an instance may take a request while its load is below this
@@ -322,6 +343,55 @@ mod tests {
         assert_eq!(counts, [32, 32, 32, 32]);
         assert_eq!(
             least_loaded(now, 32, counts.map(|c| load(c, 0, None))),
+            None
+        );
+    }
+
+    #[test]
+    fn an_adapter_goes_where_it_is_loaded_while_that_has_room() {
+        let now = Instant::now();
+        // Loaded on the second only: the second, though the first is idle.
+        assert_eq!(
+            preferred(
+                now,
+                32,
+                [(load(0, 0, None), false), (load(5, 0, None), true)]
+            ),
+            Some(1)
+        );
+        // Loaded on two: the least loaded of those two, never the idle one without it.
+        assert_eq!(
+            preferred(
+                now,
+                32,
+                [
+                    (load(0, 0, None), false),
+                    (load(7, 0, None), true),
+                    (load(3, 2, Some(now)), true),
+                ]
+            ),
+            Some(2)
+        );
+        // Where it is loaded is full or closed: none (the caller takes the least loaded).
+        assert_eq!(
+            preferred(
+                now,
+                32,
+                [(load(0, 0, None), false), (load(32, 0, None), true)]
+            ),
+            None
+        );
+        assert_eq!(
+            preferred(now, 32, [(load(0, 0, None), false), (None, true)]),
+            None
+        );
+        // Loaded nowhere: none.
+        assert_eq!(
+            preferred(
+                now,
+                32,
+                [(load(0, 0, None), false), (load(1, 0, None), false)]
+            ),
             None
         );
     }

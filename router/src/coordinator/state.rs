@@ -84,6 +84,10 @@ pub(crate) struct AdmitRequest {
     /// Its prompt's prefix key, for a deployment routed by `prefix` (`None`: least_loaded; see
     /// [`routing`]).
     pub prefix: Option<u64>,
+    /// The instances that have the LoRA adapter it names loaded (DESIGN 4.9; empty for a
+    /// model's request): one of them takes it when any is open with room (see
+    /// [`routing::preferred`]), before its prefix or least_loaded.
+    pub prefer: Box<[InstanceKey]>,
     /// Its deployment's `priority` as the request resolved it (DESIGN 4.10; 0 when unset).
     pub priority: i32,
     /// Its tenant, when the listener asks for keys (DESIGN 4.10: fair waiting, see
@@ -140,6 +144,8 @@ struct Waiter {
     deadline: Instant,
     /// See [`AdmitRequest::prefix`].
     prefix: Option<u64>,
+    /// See [`AdmitRequest::prefer`].
+    prefer: Box<[InstanceKey]>,
     /// See [`AdmitRequest::tenant`].
     tenant: Option<Arc<str>>,
 }
@@ -340,12 +346,32 @@ impl Dep {
         self.instances.values().any(|i| i.open && i.in_flight < cap)
     }
 
-    /// The open instance a request goes to (see [`routing`]): by its prefix key on the ring
-    /// with bounded load when it has one and there is a choice, else least_loaded; never one
-    /// that runs `cap` already (`None` when every open instance does).
+    /// The open instance a request goes to (see [`routing`]): the least loaded of `prefer`
+    /// (those with its adapter loaded) when one of them is open with room and there is a
+    /// choice; else by its prefix key on the ring with bounded load when it has one and there
+    /// is a choice, else least_loaded; never one that runs `cap` already (`None` when every
+    /// open instance does).
     ///
     /// NB: no allocation unless the open instances changed since the ring was built.
-    fn pick(&mut self, now: Instant, cap: usize, prefix: Option<u64>) -> Option<&mut Inst> {
+    fn pick(
+        &mut self,
+        now: Instant,
+        cap: usize,
+        prefix: Option<u64>,
+        prefer: &[InstanceKey],
+    ) -> Option<&mut Inst> {
+        if !prefer.is_empty()
+            && self.open_count() > 1
+            && let Some(at) = routing::preferred(
+                now,
+                cap,
+                self.instances
+                    .iter()
+                    .map(|(k, i)| (i.load(), prefer.contains(k))),
+            )
+        {
+            return self.instances.values_mut().nth(at);
+        }
         if let Some(key) = prefix
             && self.open_count() > 1
         {
@@ -660,8 +686,8 @@ impl State {
         if dep.has_open() {
             // Waits only when every open instance runs its 32 (or others wait already).
             if dep.queue.is_empty() && dep.has_room(cap) {
-                let prefix = req.prefix;
-                self.grant_now(now, &req.deployment, req.ticket, Duration::ZERO, prefix, fx);
+                let route = (req.prefix, &*req.prefer);
+                self.grant_now(now, &req.deployment, req.ticket, Duration::ZERO, route, fx);
             } else if no_wait {
                 fx.refuse(
                     req.ticket,
@@ -1363,14 +1389,14 @@ impl State {
         deployment: &DeploymentId,
         ticket: Ticket,
         at_bound: Duration,
-        prefix: Option<u64>,
+        (prefix, prefer): (Option<u64>, &[InstanceKey]),
         fx: &mut impl Effects,
     ) -> bool {
         let cap = self.config.in_flight_per_instance;
         let Some(dep) = self.deployments.get_mut(deployment) else {
             return false;
         };
-        let Some(inst) = dep.pick(now, cap, prefix) else {
+        let Some(inst) = dep.pick(now, cap, prefix, prefer) else {
             return false;
         };
         let grant = Grant {
@@ -1428,6 +1454,7 @@ impl State {
             enqueued_at: now,
             deadline: req.deadline,
             prefix: req.prefix,
+            prefer: req.prefer,
             tenant: req.tenant,
         });
         self.waiting.insert(req.ticket, req.deployment);
@@ -1458,7 +1485,14 @@ impl State {
             };
             let at_bound = dep.at_bound(&w, now);
             self.forget_waiter(&w);
-            self.grant_now(now, deployment, w.ticket, at_bound, w.prefix, fx);
+            self.grant_now(
+                now,
+                deployment,
+                w.ticket,
+                at_bound,
+                (w.prefix, &w.prefer),
+                fx,
+            );
         }
     }
 
@@ -2258,6 +2292,7 @@ mod tests {
             deployment: d.into(),
             deadline,
             prefix: None,
+            prefer: Box::default(),
             priority: 0,
             tenant: None,
         }

@@ -557,6 +557,12 @@ impl<A: Admission> Proxy<A> {
                 .map(|route| (Arc::clone(lifecycle), route)),
             _ => None,
         };
+        // The instances that have it loaded take it first (DESIGN 4.9).
+        let prefer = adapter
+            .as_ref()
+            .map_or_else(Vec::new, |(lifecycle, route)| {
+                lifecycle.adapter_loaded_on(&route.name)
+            });
         drop(model);
         // A tenant whose tokens are limited: a streamed request is asked for its usage, which
         // its answer's tap then takes back out (see `usage`).
@@ -585,9 +591,13 @@ impl<A: Admission> Proxy<A> {
         // grace only keeps a request from hanging should it not.
         let admitted = tokio::time::timeout_at(
             deadline + ADMIT_GRACE,
-            shared
-                .admission
-                .admit_as(deployment, deadline, prefix, tenant.map(|t| t.name_arc())),
+            shared.admission.admit_preferring(
+                deployment,
+                deadline,
+                prefix,
+                tenant.map(|t| t.name_arc()),
+                prefer,
+            ),
         )
         .await;
         drop(waiting);
