@@ -243,8 +243,8 @@ async fn crds_install_and_a_model_manifest_applies_with_its_printer_columns() {
         .into_iter()
         .map(|c| c.name)
         .collect();
-    // As `capyctl list deployments` prints them (no Age).
-    assert_eq!(columns, ["State", "Ready", "Revision", "Hosts"]);
+    // As `capyctl list deployments` prints them (no Age), and the priority (empty when unset).
+    assert_eq!(columns, ["State", "Ready", "Revision", "Hosts", "Priority"]);
     let api: Api<Deployment> = ns.api();
     let cr = manifest(&ns.name);
     api.patch(
@@ -319,7 +319,7 @@ async fn status_is_applied_by_the_one_field_manager_on_the_status_subresource() 
     // The printer columns by value, as `kubectl get cdeploy` shows them: the API server's
     // Table rendering of the list. On a cluster that had an older version of the CRD, the
     // server may render with it for a moment after the update: asked again for up to 10 s.
-    let want = ["Name", "State", "Ready", "Revision", "Hosts"];
+    let want = ["Name", "State", "Ready", "Revision", "Hosts", "Priority"];
     let until = tokio::time::Instant::now() + Duration::from_secs(10);
     let table = loop {
         let request = http::Request::get(format!(
@@ -354,6 +354,8 @@ async fn status_is_applied_by_the_one_field_manager_on_the_status_subresource() 
     assert_eq!(cells[2], "0/1");
     assert_eq!(cells[3], 1);
     assert_eq!(cells[4], "gpu-1");
+    // No `priority` set: an empty cell, not 0.
+    assert!(cells[5].is_null(), "{table}");
 }
 
 #[tokio::test]
