@@ -1,6 +1,13 @@
 //! Room in host RAM for a parked copy, as a pure function: before a deployment parks, which
-//! older parked host-RAM copies on its host are stopped so that its copy fits (least recently
-//! used first), or `parked_capacity` when only copies never stopped for room stand in the way.
+//! older parked host-RAM copies on its host are stopped so that its copy fits, or
+//! `parked_capacity` when only copies never stopped for room stand in the way.
+//!
+//! The victims follow the rules of DESIGN 4.10, as the choice of GPU victims does
+//! (`placement::place`): a copy of a higher priority than the new copy's is never stopped for
+//! it (it stands in the way as a kept one does); among the others lower priorities go first,
+//! then the least recently used; and with several priorities among the victims, only as many
+//! as needed (a lower one taken first is let off when a higher one frees enough). With one
+//! priority everywhere the order is the page's, least recently used first.
 //!
 //! Whether a model parks at all, whether its park goes to host RAM, and how much host RAM the
 //! copies may use are the engine rules (`capyctl_engine_rules::tier`: [`never_parks`],
@@ -23,6 +30,8 @@ pub(crate) struct NewCopy {
     pub bytes: Option<u64>,
     /// The tier rule sends the park to host RAM when the copy fits ([`parks_in_host_ram`]).
     pub to_host_ram: bool,
+    /// Its deployment's `priority` (DESIGN 4.10): no copy of a higher one is stopped for it.
+    pub priority: i32,
 }
 
 /// Another deployment's copy parked in host RAM on the same host (borrowed from the
@@ -35,6 +44,9 @@ pub(crate) struct ParkedCopy<'a> {
     pub bytes: u64,
     /// Its last use (the least recently used is stopped first).
     pub used_at: Instant,
+    /// Its deployment's `priority`: lower ones are stopped first, higher ones than the new
+    /// copy's never.
+    pub priority: i32,
     /// Never stopped for room: explicit or warm, or busy or reserved.
     pub kept: bool,
     /// A switch has claimed it: it is about to wake (and leave host RAM). Never stopped, and
@@ -50,9 +62,11 @@ pub(crate) enum ParkedRoom {
     /// already, or it is larger than all the host RAM the copies may use (the agent's call:
     /// it parks deep or stops the model), or only claimed copies stand in the way.
     NothingToStop,
-    /// Stop these copies, in this order (least recently used first, only as many as needed).
+    /// Stop these copies, in this order (lower priority first, then least recently used; only
+    /// as many as needed).
     Stop(Vec<String>),
-    /// Only copies never stopped for room stand in the way (`parked_capacity`).
+    /// Only copies never stopped for room (kept, or of a higher priority) stand in the way
+    /// (`parked_capacity`).
     Capacity,
 }
 
@@ -175,25 +189,39 @@ pub(crate) fn parked_room(
     if bytes > total || bytes <= total.saturating_sub(held) {
         return ParkedRoom::NothingToStop;
     }
-    if bytes > total.saturating_sub(sum(&|c| c.kept && !c.claimed)) {
+    // Never stopped for this copy: kept ones, and those of a higher priority (DESIGN 4.10).
+    let stays = |c: &ParkedCopy<'_>| c.kept || c.priority > copy.priority;
+    if bytes > total.saturating_sub(sum(&|c| stays(c) && !c.claimed)) {
         return ParkedRoom::Capacity;
     }
     let mut removable: Vec<&ParkedCopy<'_>> =
-        copies.iter().filter(|c| !c.kept && !c.claimed).collect();
-    removable.sort_by_key(|c| c.used_at);
+        copies.iter().filter(|c| !stays(c) && !c.claimed).collect();
+    removable.sort_by_key(|c| (c.priority, c.used_at));
     let mut free = total.saturating_sub(held);
-    let mut stop = Vec::new();
+    let mut stop: Vec<&ParkedCopy<'_>> = Vec::new();
     for c in removable {
         if free >= bytes {
             break;
         }
         free = free.saturating_add(c.bytes);
-        stop.push(c.id.to_string());
+        stop.push(c);
+    }
+    if free >= bytes && stop.windows(2).any(|w| w[0].priority != w[1].priority) {
+        // A lower priority taken first may not be needed once a higher one goes too: only as
+        // many as needed, tried from the last taken (the highest priority) back, as
+        // `placement::place` does.
+        // NB: with one priority everywhere the page's order is exact as it was.
+        for i in (0..stop.len()).rev() {
+            if free - stop[i].bytes >= bytes {
+                free -= stop[i].bytes;
+                stop.remove(i);
+            }
+        }
     }
     if stop.is_empty() {
         ParkedRoom::NothingToStop
     } else {
-        ParkedRoom::Stop(stop)
+        ParkedRoom::Stop(stop.iter().map(|c| c.id.to_string()).collect())
     }
 }
 
@@ -230,7 +258,18 @@ mod tests {
         NewCopy {
             bytes: Some(gib * G),
             to_host_ram: true,
+            priority: 0,
         }
+    }
+
+    /// The same new copy, of a deployment of `priority`.
+    fn of_priority(copy: NewCopy, priority: i32) -> NewCopy {
+        NewCopy { priority, ..copy }
+    }
+
+    /// The same parked copy, of a deployment of `priority`.
+    fn prio(c: ParkedCopy<'static>, priority: i32) -> ParkedCopy<'static> {
+        ParkedCopy { priority, ..c }
     }
 
     /// A removable copy of `gib` GiB, last used `age` seconds before the others' zero.
@@ -240,6 +279,7 @@ mod tests {
             id,
             bytes: gib * G,
             used_at: base - Duration::from_secs(age),
+            priority: 0,
             kept: false,
             claimed: false,
         }
@@ -277,6 +317,77 @@ mod tests {
         assert_eq!(
             parked_room(to_host_ram(16), &meminfo(4), &copies),
             stop(&["b", "c", "a"])
+        );
+    }
+
+    #[test]
+    fn a_higher_prioritys_copy_is_never_stopped_for_a_lower_ones() {
+        // 12 GiB: prod (priority 100) is the least recently used, yet a test model's copy
+        // (priority 0) makes its room from the other test copy only.
+        let copies = [prio(parked("prod", 6, 900), 100), parked("test-b", 6, 10)];
+        assert_eq!(
+            parked_room(to_host_ram(6), &overridden(12), &copies),
+            stop(&["test-b"])
+        );
+        // Only prod could make the room: parked_capacity, as for a kept copy.
+        assert_eq!(
+            parked_room(to_host_ram(8), &overridden(12), &copies),
+            ParkedRoom::Capacity
+        );
+        // A copy of the same priority or a higher one may stop it (the lower one first).
+        for p in [100, 200] {
+            assert_eq!(
+                parked_room(of_priority(to_host_ram(8), p), &overridden(12), &copies),
+                stop(&["test-b", "prod"]),
+                "priority {p}"
+            );
+        }
+        // Negative priorities are lower than the default 0.
+        let copies = [parked("zero", 6, 900), prio(parked("neg", 6, 10), -5)];
+        assert_eq!(
+            parked_room(to_host_ram(6), &overridden(12), &copies),
+            stop(&["neg"])
+        );
+        assert_eq!(
+            parked_room(of_priority(to_host_ram(6), -5), &overridden(12), &copies),
+            stop(&["neg"])
+        );
+        assert_eq!(
+            parked_room(of_priority(to_host_ram(8), -5), &overridden(12), &copies),
+            ParkedRoom::Capacity
+        );
+    }
+
+    #[test]
+    fn lower_priorities_go_first_then_the_least_recently_used_and_only_as_many_as_needed() {
+        // 12 GiB full: a (priority 50, the oldest), b and c (priority 0, newer).
+        let copies = [
+            prio(parked("a", 4, 900), 50),
+            parked("b", 4, 20),
+            parked("c", 4, 10),
+        ];
+        let new = |gib| of_priority(to_host_ram(gib), 100);
+        assert_eq!(parked_room(new(4), &overridden(12), &copies), stop(&["b"]));
+        assert_eq!(
+            parked_room(new(8), &overridden(12), &copies),
+            stop(&["b", "c"])
+        );
+        assert_eq!(
+            parked_room(new(12), &overridden(12), &copies),
+            stop(&["b", "c", "a"])
+        );
+        // A lower priority's small copy taken first is let off when the higher one it had to
+        // stop as well frees enough alone.
+        let copies = [parked("small", 2, 10), prio(parked("big", 8, 900), 50)];
+        assert_eq!(
+            parked_room(new(8), &overridden(10), &copies),
+            stop(&["big"])
+        );
+        // With one priority everywhere, the least recently used first, exactly as before.
+        let copies = [parked("small", 2, 900), parked("big", 8, 10)];
+        assert_eq!(
+            parked_room(to_host_ram(8), &overridden(10), &copies),
+            stop(&["small", "big"])
         );
     }
 
@@ -374,6 +485,7 @@ mod tests {
         let unknown = NewCopy {
             bytes: None,
             to_host_ram: true,
+            priority: 0,
         };
         assert_eq!(
             parked_room(unknown, &overridden(16), &copies),

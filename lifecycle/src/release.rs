@@ -97,10 +97,11 @@ fn held_copy(inner: &state::State, host: &str, park: &str, unit: &str) -> parked
 
 impl Core {
     /// Makes room in host RAM for `id`'s parked copy: stops the copies the pure
-    /// [`parked_room::parked_room`] names (least recently used first, never explicit, warm,
-    /// busy, reserved or claimed ones), or `ParkedCapacity` when only copies never stopped
-    /// for room stand in the way. Nothing is done when the copy would not go to host RAM, or
-    /// does not fit even in empty host RAM (the agent then parks deep or stops it).
+    /// [`parked_room::parked_room`] names (lower priorities first, then least recently used;
+    /// never explicit, warm, busy, reserved or claimed ones, nor those of a higher priority),
+    /// or `ParkedCapacity` when only copies never stopped for room stand in the way. Nothing
+    /// is done when the copy would not go to host RAM, or does not fit even in empty host RAM
+    /// (the agent then parks deep or stops it).
     pub(crate) async fn make_parked_room(&self, id: &str) -> Result<Vec<Victim>, ApiError> {
         let Ok(agent) = self.agent_of(id) else {
             return Ok(Vec::new());
@@ -124,6 +125,7 @@ impl Core {
             let copy = parked_room::NewCopy {
                 bytes: d.measurement.weights_bytes(),
                 to_host_ram: parked_room::parks_in_host_ram(&d.spec, inv.unified_memory()),
+                priority: d.rec.doc.priority(),
             };
             let copies: Vec<parked_room::ParkedCopy<'_>> = ids
                 .iter()
@@ -132,6 +134,7 @@ impl Core {
                     id: o.id(),
                     bytes: o.measurement.weights_bytes().unwrap_or(0),
                     used_at: State::used_at(o, &self.uses),
+                    priority: o.rec.doc.priority(),
                     kept: inner.explicit(o) || o.warm() || o.busy || o.reserved.is_some(),
                     claimed: o.claim.is_some(),
                 })

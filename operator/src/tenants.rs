@@ -17,6 +17,13 @@
 //!   and the table keeps the set it had.
 //!
 //! Key values are never logged nor written in a status: a status names the Secret and key.
+//!
+//! NB (decision): only the operator's own namespace is watched, also when it reconciles the
+//! Deployment objects of other namespaces (`--watch-namespaces`). A Tenant is not scoped to its
+//! namespace: it grants keys to the one inference listener, for every model unless it names
+//! some, so the right to write one must not come with the right to deploy models in a team's
+//! namespace; and the operator needs no Secret rights outside its own (the README, "Tenants on
+//! Kubernetes").
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;

@@ -147,6 +147,61 @@ async fn without_a_valid_bearer_key_every_route_is_401() {
     assert_eq!(report[0].answers["200"], 2, "{report:?}");
 }
 
+/// Sends `head` alone on a new connection (a body it announces never comes) and reads what
+/// comes back until the listener closes the connection.
+async fn head_only(addr: std::net::SocketAddr, head: &str) -> String {
+    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    socket.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(PATIENCE, socket.read_to_end(&mut answer))
+        .await
+        .expect("the answer and the connection's end, without the body")
+        .unwrap();
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+/// The 401 is decided from the head: the body is not waited for (nor a `100 Continue` sent,
+/// nor the budget consulted), and the connection closes after it since the body was not read.
+#[tokio::test]
+async fn a_refused_key_is_answered_from_the_head_before_any_body() {
+    let sim = start_sim(&[]).await;
+    let tenants = Arc::new(Tenants::new());
+    tenants
+        .replace(vec![tenant("team-a", "sk-team-a", None, None)])
+        .unwrap();
+    let proxy = start(TestAdmission::new(sim), tenants).await;
+    let head = |auth: &str, extra: &str, length: u64| {
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n{auth}{extra}content-length: {length}\r\n\r\n"
+        )
+    };
+    let over_budget = 2 * ProxyConfig::default().max_buffered_bytes_total;
+    for auth in [
+        "",
+        "authorization: Bearer sk-team-b\r\n",
+        "x-api-key: sk-team-a\r\n",
+    ] {
+        for (extra, length) in [
+            ("", 1000),
+            ("expect: 100-continue\r\n", 1000),
+            ("", over_budget),
+        ] {
+            let answer = head_only(proxy, &head(auth, extra, length)).await;
+            assert!(
+                answer.starts_with("HTTP/1.1 401 "),
+                "{auth}{extra}{length}: {answer}"
+            );
+            assert!(!answer.contains("100 Continue"), "{answer}");
+            assert!(answer.contains("connection: close\r\n"), "{answer}");
+            assert!(answer.contains(r#""code":"unauthorized""#), "{answer}");
+        }
+    }
+    // The right key goes on to the body: refused by the budget for its announced length.
+    let auth = "authorization: Bearer sk-team-a\r\n";
+    let answer = head_only(proxy, &head(auth, "", over_budget)).await;
+    assert!(answer.starts_with("HTTP/1.1 413 "), "{answer}");
+}
+
 #[tokio::test]
 async fn a_model_the_tenant_may_not_use_is_answered_as_an_unknown_one() {
     let sim = start_sim(&[]).await;
@@ -294,11 +349,11 @@ async fn the_key_is_not_forwarded_to_the_engine() {
     tokens_reach(&tenants, 7).await;
 }
 
-/// A tenant with `tokens_per_minute`: a streamed request that did not ask for usage is asked
-/// for it on its behalf, counted, and its client receives the same bytes as without tenants.
-#[tokio::test]
-async fn a_streamed_answer_is_counted_without_changing_its_bytes() {
-    let sim = start_sim(&[]).await;
+/// A listener in front of `engine` with tenant team-a (key `sk-a`), whose tokens are rated
+/// (so that its streamed requests are asked for their usage), and one without tenants.
+async fn token_rated_and_plain(
+    engine: std::net::SocketAddr,
+) -> (Arc<Tenants>, std::net::SocketAddr, std::net::SocketAddr) {
     let tenants = Arc::new(Tenants::new());
     let rate = TenantRate {
         requests_per_minute: None,
@@ -307,14 +362,20 @@ async fn a_streamed_answer_is_counted_without_changing_its_bytes() {
     tenants
         .replace(vec![tenant("team-a", "sk-a", None, Some(rate))])
         .unwrap();
-    let proxy = start(TestAdmission::new(sim), Arc::clone(&tenants)).await;
-    let plain = {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let proxy = Proxy::new(TestAdmission::new(sim), catalog, ProxyConfig::default());
-        tokio::spawn(serve(listener, proxy, std::future::pending()));
-        addr
-    };
+    let proxy = start(TestAdmission::new(engine), Arc::clone(&tenants)).await;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let plain = listener.local_addr().unwrap();
+    let without = Proxy::new(TestAdmission::new(engine), catalog, ProxyConfig::default());
+    tokio::spawn(serve(listener, without, std::future::pending()));
+    (tenants, proxy, plain)
+}
+
+/// A tenant with `tokens_per_minute`: a streamed request that did not ask for usage is asked
+/// for it on its behalf, counted, and its client receives the same bytes as without tenants.
+#[tokio::test]
+async fn a_streamed_answer_is_counted_without_changing_its_bytes() {
+    let sim = start_sim(&[]).await;
+    let (tenants, proxy, plain) = token_rated_and_plain(sim).await;
     let a = [("authorization", "Bearer sk-a")];
     let completion = format!(
         r#"{{"model":"{MODEL}","prompt":"Once upon a time","max_tokens":5,"stream":true}}"#
@@ -361,5 +422,118 @@ async fn a_streamed_answer_is_counted_without_changing_its_bytes() {
             .unwrap();
         counted += usage;
         tokens_reach(&tenants, counted).await;
+    }
+}
+
+/// The events vLLM 0.32 streams for a chat request with `n: 2` whose choices finish apart
+/// (`chat_completion/serving.py`): without `include_usage` each finishing chunk carries the
+/// `system_fingerprint`; with it none does, and a last chunk with empty `choices` carries the
+/// usage and the fingerprint.
+fn vllm_n2_events(include_usage: bool) -> Vec<String> {
+    let fingerprint = if include_usage {
+        ""
+    } else {
+        r#","system_fingerprint":"vllm-0.32.0-1a2b3c4d""#
+    };
+    let chunk = |i: u32, text: &str, finish: Option<&str>| {
+        let (finish, fp) = match finish {
+            Some(f) => (format!("\"{f}\""), fingerprint),
+            None => ("null".to_string(), ""),
+        };
+        format!(
+            r#"data: {{"id":"chatcmpl-n2","object":"chat.completion.chunk","created":1765000000,"model":"{MODEL}","choices":[{{"index":{i},"delta":{{"content":"{text}"}},"logprobs":null,"finish_reason":{finish},"stop_reason":null}}]{fp}}}"#
+        ) + "\n\n"
+    };
+    let mut events = vec![
+        chunk(0, "Capybaras", None),
+        chunk(1, "They", None),
+        chunk(0, " swim.", Some("stop")),
+        chunk(1, " are", None),
+        chunk(1, " rodents", None),
+        chunk(1, ".", Some("length")),
+    ];
+    if include_usage {
+        events.push(format!(
+            r#"data: {{"id":"chatcmpl-n2","object":"chat.completion.chunk","created":1765000000,"model":"{MODEL}","choices":[],"usage":{{"prompt_tokens":7,"total_tokens":13,"completion_tokens":6}},"system_fingerprint":"vllm-0.32.0-1a2b3c4d"}}"#
+        ) + "\n\n");
+    }
+    events.push("data: [DONE]\n\n".to_string());
+    events
+}
+
+/// An engine that answers every request on its keep-alive connections with
+/// [`vllm_n2_events`] (as the request's `include_usage` says), one chunked frame per event.
+async fn vllm_n2_engine() -> std::net::SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            tokio::spawn(async move {
+                let mut got = Vec::new();
+                let mut buf = [0u8; 4096];
+                loop {
+                    let end = loop {
+                        if let Some(at) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break at + 4;
+                        }
+                        match socket.read(&mut buf).await {
+                            Ok(n) if n > 0 => got.extend_from_slice(&buf[..n]),
+                            _ => return,
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+                    let length: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .map_or(0, |v| v.trim().parse().unwrap());
+                    while got.len() < end + length {
+                        let n = socket.read(&mut buf).await.unwrap();
+                        assert!(n > 0);
+                        got.extend_from_slice(&buf[..n]);
+                    }
+                    let body: Vec<u8> = got.drain(..end + length).skip(end).collect();
+                    let include_usage = String::from_utf8_lossy(&body)
+                        .replace(' ', "")
+                        .contains(r#""include_usage":true"#);
+                    socket
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked\r\n\r\n")
+                        .await
+                        .unwrap();
+                    for event in vllm_n2_events(include_usage) {
+                        let frame = format!("{:x}\r\n{event}\r\n", event.len());
+                        socket.write_all(frame.as_bytes()).await.unwrap();
+                    }
+                    socket.write_all(b"0\r\n\r\n").await.unwrap();
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// `n` > 1: every choice's finishing chunk gets vLLM's fingerprint back, on the instance's
+/// first stream (held until the usage chunk) and on the next ones (written in as it passes).
+#[tokio::test]
+async fn with_several_choices_a_streamed_answer_keeps_its_bytes() {
+    let engine = vllm_n2_engine().await;
+    let (tenants, proxy, plain) = token_rated_and_plain(engine).await;
+    let body = format!(
+        r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Capybaras?"}}],"n":2,"max_tokens":4,"stream":true}}"#
+    );
+    let path = "/v1/chat/completions";
+    let (status, _, without) = send(plain, "POST", path, &[], &body).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(without, vllm_n2_events(false).concat());
+    let a = [("authorization", "Bearer sk-a")];
+    for round in 1..=2 {
+        let (status, _, with) = send(proxy, "POST", path, &a, &body).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(
+            String::from_utf8_lossy(&with),
+            String::from_utf8_lossy(&without),
+            "round {round}"
+        );
+        tokens_reach(&tenants, 13 * round).await;
     }
 }

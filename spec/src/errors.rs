@@ -354,7 +354,7 @@ impl ApiError {
                 "deployment {deployment} cannot be parked: {reason}; declare residency: restart_only"
             ),
             ApiError::ParkedCapacity { deployment } => format!(
-                "no room to keep deployment {deployment} parked: the parked models that hold the room are explicit and are never stopped to make it; deployment {deployment} serves again"
+                "no room to keep deployment {deployment} parked: the parked models that hold the room are explicit or of a higher priority, and are never stopped to make it; deployment {deployment} serves again"
             ),
             ApiError::WakeFailed {
                 deployment,
@@ -709,7 +709,7 @@ mod tests {
             ApiError::ParkedCapacity { deployment: id() },
             409,
             "parked_capacity",
-            "no room to keep deployment 01M3R7A6YJW402N962HH17A66W parked: the parked models that hold the room are explicit and are never stopped to make it; deployment 01M3R7A6YJW402N962HH17A66W serves again",
+            "no room to keep deployment 01M3R7A6YJW402N962HH17A66W parked: the parked models that hold the room are explicit or of a higher priority, and are never stopped to make it; deployment 01M3R7A6YJW402N962HH17A66W serves again",
         );
     }
 

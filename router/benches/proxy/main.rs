@@ -83,7 +83,11 @@ usage: cargo bench -p capyctl-router --bench proxy -- [options]
   --waiting N              for --memory (default 4096)
   --tenants N              also a router whose listener has N tenants with keys and rates (one
                            tenant's key sent), as a third side beside the router without keys;
-                           every side's requests then carry that `Authorization` header
+                           every side's requests then carry that `Authorization` header, and
+                           both routers run as processes of their own (this binary again), so
+                           that each one's CPU time is its process's alone; the keyed/plain CPU
+                           ratio is over all rounds, with each round's ratio (the two routers'
+                           segments are next to each other) for its spread
   --replicas [--help]      requests per second with 1, 2 and 4 instances of one deployment, each
                            against the same engines reached directly (its own options: see
                            --replicas --help)
@@ -121,10 +125,18 @@ struct Args {
     memory_clients: Option<(SocketAddr, usize)>,
     /// `--tenants N`: a third side, the router with N tenants' keys.
     tenants: Option<usize>,
+    /// `--router-child ENGINE N`: a router process of `--tenants` (N tenants, 0: no keys) in
+    /// front of the engine at ENGINE; prints its address, runs until its stdin closes.
+    router_child: Option<(SocketAddr, usize)>,
 }
 
 /// The `Authorization` header every request carries with `--tenants` (one tenant's key).
 static AUTHORIZATION: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// The key the requests carry with `--tenants n`: one tenant's (the middle one's second).
+fn bench_key(n: usize) -> String {
+    format!("Bearer sk-bench-{:05}-bbbbbbbbbbbbbbbbbbbbbbbbbbbb", n / 2)
+}
 
 /// A table of `n` tenants as a production configuration would have them: two keys each, the
 /// bench's model among their globs, and rates high enough never to refuse.
@@ -146,11 +158,64 @@ fn bench_tenants(n: usize) -> Arc<capyctl_router::tenants::Tenants> {
         })
         .collect();
     table.replace(tenants).unwrap();
-    let _ = AUTHORIZATION.set(format!(
-        "Bearer sk-bench-{:05}-bbbbbbbbbbbbbbbbbbbbbbbbbbbb",
-        n / 2
-    ));
+    let _ = AUTHORIZATION.set(bench_key(n));
     table
+}
+
+/// A router of `--tenants` in a process of its own: this binary with `--router-child`, killed
+/// when dropped (and ending by itself when this process ends: its stdin closes).
+struct RouterProcess {
+    child: std::process::Child,
+    addr: SocketAddr,
+}
+
+impl RouterProcess {
+    /// A router in front of `engine`, with the keys of `tenants` tenants (0: none).
+    fn start(engine: SocketAddr, tenants: usize) -> Self {
+        use std::io::BufRead as _;
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(std::env::args().skip(1))
+            .args(["--router-child", &engine.to_string(), &tenants.to_string()])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("the router process printed {line:?}, not its address"));
+        RouterProcess { child, addr }
+    }
+
+    fn meter(&self) -> Meter {
+        Meter::Process(self.child.id())
+    }
+}
+
+impl Drop for RouterProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The child of [`RouterProcess::start`]: the router (with `tenants` tenants' keys when not 0)
+/// in front of `engine`, on its runtime `router` as in the bench's own process; prints its
+/// address and serves until its stdin closes.
+fn router_child(args: &Args, engine: SocketAddr, tenants: usize) {
+    let rt = runtime("router", args.router_threads);
+    let tenants = (tenants > 0).then(|| bench_tenants(tenants));
+    let (addr, handle) = run(
+        &rt,
+        start_proxy_with(engine, Setup::of(args), RouterConfig::default(), tenants),
+    );
+    println!("{addr}");
+    let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+    drop(handle);
 }
 
 fn args() -> Args {
@@ -172,6 +237,7 @@ fn args() -> Args {
         nginx: None,
         memory_clients: None,
         tenants: None,
+        router_child: None,
     };
     let mut it = std::env::args().skip(1);
     let number = |it: &mut std::iter::Skip<std::env::Args>, default: usize| {
@@ -207,6 +273,11 @@ fn args() -> Args {
             "--nginx" => args.nginx = it.next(),
             "--tenants" => args.tenants = Some(number(&mut it, 1000)),
             "--waiting" => args.waiting = number(&mut it, 4096),
+            "--router-child" => {
+                let addr = it.next().and_then(|v| v.parse().ok());
+                let n = it.next().and_then(|v| v.parse().ok());
+                args.router_child = addr.zip(n);
+            }
             "--memory-clients" => {
                 let addr = it.next().and_then(|v| v.parse().ok());
                 let n = it.next().and_then(|v| v.parse().ok());
@@ -824,6 +895,8 @@ struct Figures {
     proxy_switches: f64,
     /// CPU time of the engine's threads per request, in microseconds.
     engine_cpu_us: f64,
+    /// The requests answered.
+    requests: f64,
 }
 
 type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
@@ -960,6 +1033,7 @@ async fn segment(senders: &mut Vec<Sender>, case: Case, stop: Stop, meter: &Mete
         proxy_cpu_us: proxy.cpu_ns as f64 / 1000.0 / n,
         proxy_switches: proxy.switches as f64 / n,
         engine_cpu_us: engine.cpu_ns as f64 / 1000.0 / n,
+        requests: latencies.len() as f64,
     }
 }
 
@@ -1111,6 +1185,7 @@ fn medians(runs: &[Figures]) -> Figures {
         proxy_cpu_us: m(|f| f.proxy_cpu_us),
         proxy_switches: m(|f| f.proxy_switches),
         engine_cpu_us: m(|f| f.engine_cpu_us),
+        requests: m(|f| f.requests),
     }
 }
 
@@ -1138,6 +1213,10 @@ fn main() {
     let args = args();
     if let Some((router, waiting)) = args.memory_clients {
         memory_clients(router, waiting);
+        return;
+    }
+    if let Some((engine, tenants)) = args.router_child {
+        router_child(&args, engine, tenants);
         return;
     }
     let sim_rt = runtime("engine-sim", args.sim_threads);
@@ -1221,10 +1300,6 @@ fn main() {
         args.rounds, args.seconds
     );
     for (name, upstream) in upstreams {
-        let (router, _handle) = run(
-            &proxy_rt,
-            start_proxy(upstream, Setup::of(&args), RouterConfig::default()),
-        );
         println!("== {name}");
         let mut cases = Vec::new();
         for &clients in &args.clients {
@@ -1232,37 +1307,42 @@ fn main() {
                 cases.push(Case { clients, stream });
             }
         }
-        let mut sides = vec![
-            Side {
-                name: "direct",
-                addr: upstream,
-                meter: Meter::Nothing,
-            },
-            Side {
-                name: "router",
-                addr: router,
-                meter: Meter::Threads(ROUTER_THREADS),
-            },
-        ];
-        let keyed = args.tenants.map(|n| {
-            run(
-                &proxy_rt,
-                start_proxy_with(
-                    upstream,
-                    Setup::of(&args),
-                    RouterConfig::default(),
-                    Some(bench_tenants(n)),
-                ),
-            )
-        });
-        if let Some((keyed, _)) = &keyed {
-            let keyed = *keyed;
-            sides.push(Side {
-                name: "router+keys",
-                addr: keyed,
-                meter: Meter::Threads(ROUTER_THREADS),
-            });
-        }
+        let mut sides = vec![Side {
+            name: "direct",
+            addr: upstream,
+            meter: Meter::Nothing,
+        }];
+        // With `--tenants`, both routers in processes of their own (each one's CPU is then its
+        // process's alone); otherwise the router on this process's runtime `router`.
+        let mut processes = Vec::new();
+        // (The coordinator's handle keeps it running.)
+        let _coordinator: Option<CoordinatorHandle> = match args.tenants {
+            None => {
+                let (router, handle) = run(
+                    &proxy_rt,
+                    start_proxy(upstream, Setup::of(&args), RouterConfig::default()),
+                );
+                sides.push(Side {
+                    name: "router",
+                    addr: router,
+                    meter: Meter::Threads(ROUTER_THREADS),
+                });
+                handle
+            }
+            Some(n) => {
+                let _ = AUTHORIZATION.set(bench_key(n));
+                for (side, tenants) in [("router", 0), ("router+keys", n)] {
+                    let process = RouterProcess::start(upstream, tenants);
+                    sides.push(Side {
+                        name: side,
+                        addr: process.addr,
+                        meter: process.meter(),
+                    });
+                    processes.push(process);
+                }
+                None
+            }
+        };
         let nginx = args.nginx.as_deref().map(|b| Nginx::start(b, upstream));
         if let Some(nginx) = &nginx {
             sides.push(Side {
@@ -1275,6 +1355,7 @@ fn main() {
         let seconds = args.seconds;
         run(&load_rt, compare(sides, cases, rounds, seconds));
         drop(nginx);
+        drop(processes);
     }
 }
 
@@ -1285,8 +1366,8 @@ struct Side {
     meter: Meter,
 }
 
-/// Alternates the sides' segments of every case (the first side is the direct one; which side
-/// goes first rotates from round to round) and prints the medians.
+/// Alternates the sides' segments of every case (the first side is the direct one; the order
+/// is reversed from round to round) and prints the medians.
 async fn compare(sides: Vec<Side>, cases: Vec<Case>, rounds: usize, seconds: f64) {
     let length = Stop::After(Duration::from_secs_f64(seconds));
     for case in cases {
@@ -1296,8 +1377,14 @@ async fn compare(sides: Vec<Side>, cases: Vec<Case>, rounds: usize, seconds: f64
         }
         let mut runs: Vec<Vec<Figures>> = sides.iter().map(|_| Vec::new()).collect();
         for round in 0..rounds {
+            // Forwards, then backwards: neighbours stay next to each other (the two routers of
+            // `--tenants`), and which of them goes first alternates.
             for k in 0..sides.len() {
-                let i = (round + k) % sides.len();
+                let i = if round.is_multiple_of(2) {
+                    k
+                } else {
+                    sides.len() - 1 - k
+                };
                 let f = segment(&mut clients[i], case, length, &sides[i].meter).await;
                 runs[i].push(f);
             }
@@ -1368,10 +1455,24 @@ async fn compare(sides: Vec<Side>, cases: Vec<Case>, rounds: usize, seconds: f64
         }
         if let Some(k) = sides.iter().position(|s| s.name == "router+keys") {
             let (r, keyed) = (&figures[1], &figures[k]);
+            // The CPU per request over all rounds (all CPU time over all requests), and each
+            // round's ratio of the two routers' segments, which run next to each other.
+            let per_request = |runs: &[Figures]| {
+                let cpu: f64 = runs.iter().map(|f| f.proxy_cpu_us * f.requests).sum();
+                cpu / runs.iter().map(|f| f.requests).sum::<f64>().max(1.0)
+            };
+            let (plain_us, keyed_us) = (per_request(&runs[1]), per_request(&runs[k]));
+            let each: Vec<f64> = runs[k]
+                .iter()
+                .zip(&runs[1])
+                .map(|(a, b)| a.proxy_cpu_us / b.proxy_cpu_us)
+                .collect();
             println!(
-                "    router+keys/router: CPU per request {:.3} ({:+.1} µs)   req/s {:.3}   added p50 {:.3} ms",
-                keyed.proxy_cpu_us / r.proxy_cpu_us,
-                keyed.proxy_cpu_us - r.proxy_cpu_us,
+                "    router+keys/router: CPU per request {:.3} over all rounds ({keyed_us:.1} against {plain_us:.1} µs; each round's ratio: median {:.3}, {:.3}–{:.3})   req/s {:.3}   added p50 {:.3} ms",
+                keyed_us / plain_us,
+                median(each.clone()),
+                each.iter().copied().fold(f64::INFINITY, f64::min),
+                each.iter().copied().fold(f64::NEG_INFINITY, f64::max),
                 keyed.rps / r.rps,
                 keyed.p50_ms - r.p50_ms,
             );
@@ -1379,6 +1480,9 @@ async fn compare(sides: Vec<Side>, cases: Vec<Case>, rounds: usize, seconds: f64
         if sides.len() > 2 {
             let r = &figures[1];
             for (side, n) in sides.iter().zip(&figures).skip(2) {
+                if side.name == "router+keys" {
+                    continue;
+                }
                 println!(
                     "    router/{}: req/s {:.3}   router CPU per request / {}'s {:.2}",
                     side.name,

@@ -262,9 +262,10 @@ impl UsageTap {
         })
     }
 
-    /// The same tap, taking the usage chunk out of the stream (the listener asked for it).
-    pub(crate) fn stripping(mut self: Box<Self>, max_piece: usize) -> Box<Self> {
-        self.strip = Some(super::usage::Strip::new(max_piece));
+    /// The same tap, taking the usage chunk out of the stream with `strip` (the listener
+    /// asked for it).
+    pub(crate) fn stripping(mut self: Box<Self>, strip: super::usage::Strip) -> Box<Self> {
+        self.strip = Some(strip);
         self
     }
 

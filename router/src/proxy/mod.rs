@@ -192,6 +192,8 @@ struct Shared<A> {
     config: ProxyConfig,
     /// The one budget of every body the listener holds (`max_buffered_bytes_total`).
     budget: Arc<budget::Budget>,
+    /// The engines' `system_fingerprint`s, for the streams whose usage is taken out (`usage`).
+    fingerprints: Arc<usage::Fingerprints>,
 }
 
 /// A permit with the adapter lease of its request, if any: both end when the request ends.
@@ -367,6 +369,7 @@ impl<A: Admission> Proxy<A> {
                 admission,
                 catalog: Box::new(catalog),
                 budget: budget::Budget::new(config.max_buffered_bytes_total),
+                fingerprints: Arc::default(),
                 config,
             }),
             pool,
@@ -447,10 +450,26 @@ impl<A: Admission> Proxy<A> {
                 .await
                 .unwrap_or_else(|_| Err(Failure::body_late()))
         };
-        let head = RequestHead::from_parts(parts);
-        self.respond(self.watch(), head, arrival, body, None)
+        let mut head = RequestHead::from_parts(parts);
+        let auth = self.identify(&mut head);
+        self.respond(self.watch(), head, auth, arrival, body, None)
             .await
             .into_response()
+    }
+
+    /// Who sent a request, from its head alone (before its body is read): with tenants, the
+    /// tenant of its key, whose `Authorization` line is then taken out of `head` (the key is
+    /// not the engine's), or [`Auth::Refused`], which [`Proxy::respond`] answers 401 without
+    /// its body; `Auth::Off` without tenants.
+    pub(crate) fn identify(&self, head: &mut RequestHead) -> Auth {
+        let Some(tenants) = self.tenants.as_deref() else {
+            return Auth::Off;
+        };
+        let auth = tenants.authenticate(&head.lines);
+        if let Auth::Tenant(_) = auth {
+            head.lines = tenants::without_authorization(&head.lines);
+        }
+        auth
     }
 
     /// The observer's report of a request whose head just arrived: made once, by
@@ -459,24 +478,25 @@ impl<A: Admission> Proxy<A> {
         Watch::new(self.observer.as_ref())
     }
 
-    /// Answers one request whose head arrived at `arrival`; `body` reads its body (within
-    /// the request deadline, and the listener's budget); `watch` reports it.
+    /// Answers one request whose head arrived at `arrival`, from the sender `auth` that
+    /// [`Proxy::identify`] found in its head; `body` reads its body (within the request
+    /// deadline, and the listener's budget) and is not awaited for a refused key; `watch`
+    /// reports it.
     pub(crate) async fn respond(
         &self,
         mut watch: Watch,
-        mut head: RequestHead,
+        head: RequestHead,
+        auth: Auth,
         arrival: Instant,
         body: impl Future<Output = Result<RequestBody, Failure>> + Send,
         conn: Option<Arc<ConnWatch>>,
     ) -> Answer {
-        // With tenants, the key first: a request without a valid one learns nothing else.
-        let tenant = match self.tenants.as_deref().map(|t| t.authenticate(&head.lines)) {
-            None | Some(Auth::Off) => None,
-            Some(Auth::Tenant(tenant)) => {
-                head.lines = tenants::without_authorization(&head.lines);
-                Some(tenant)
-            }
-            Some(Auth::Refused) => {
+        // With tenants, the key first: a request without a valid one learns nothing else, and
+        // its body is not read (a 401 costs the same whatever the key or the body).
+        let tenant = match auth {
+            Auth::Off => None,
+            Auth::Tenant(tenant) => Some(tenant),
+            Auth::Refused => {
                 let failure = Failure::Api(ApiError::KeyRequired);
                 watch.end(failure.status(), Some(failure.code()));
                 let mut response = failure.response();
@@ -632,6 +652,11 @@ impl<A: Admission> Proxy<A> {
         };
         // An adapter request's instance, should its engine answer as if it lacked the adapter.
         let adapter_on = adapter.as_ref().map(|_| permit.upstream().key.clone());
+        // The usage taken out of the stream, with what is known of its engine's fingerprint.
+        let strip = strip.then(|| {
+            let engine = usage::Engine::new(&shared.fingerprints, &permit.upstream().key);
+            usage::Strip::new(config.max_piece, engine)
+        });
         let addr = permit.upstream().addr;
         // Which error a deadline before the first output is (one rule with the coordinator's,
         // on the same span: from the request's admission to its deadline).
@@ -696,11 +721,11 @@ impl<A: Admission> Proxy<A> {
                 if let Some(charge) = body.charge_mut() {
                     watch.hand_to(charge, status.as_u16(), true);
                 }
-                let body = ProxyBody::stream(body).tapped(tap_stream(tenant, strip, config));
+                let body = ProxyBody::stream(body).tapped(tap_stream(tenant, strip));
                 Ok(Answer::engine(engine, body))
             }
             Start::Whole(bytes) => {
-                let body = ProxyBody::full(bytes).tapped(tap_stream(tenant, strip, config));
+                let body = ProxyBody::full(bytes).tapped(tap_stream(tenant, strip));
                 Ok(Answer::engine(engine, body))
             }
             Start::Fail(failure) => Err(failure),
@@ -749,17 +774,15 @@ fn tap(tenant: Option<&Arc<TenantEntry>>) -> Option<Box<body::UsageTap>> {
 }
 
 /// The usage tap of a tenant's streamed answer, taking out the usage the listener asked for
-/// when `strip`.
+/// with `strip`.
 fn tap_stream(
     tenant: Option<&Arc<TenantEntry>>,
-    strip: bool,
-    config: &ProxyConfig,
+    strip: Option<usage::Strip>,
 ) -> Option<Box<body::UsageTap>> {
     let tap = tap(tenant)?;
-    Some(if strip {
-        tap.stripping(config.max_piece)
-    } else {
-        tap
+    Some(match strip {
+        Some(strip) => tap.stripping(strip),
+        None => tap,
     })
 }
 

@@ -29,8 +29,9 @@
 //!   `100 Continue`; every body takes its buffer's room as it grows, and is refused the same
 //!   way once that does not fit. `Expect: 100-continue` is answered when the body is
 //!   waited for. Only the routes that forward read a body; elsewhere (404, 405,
-//!   `/v1/models`) it is not read, and no `100 Continue` is sent for it. A body not read to its
-//!   end closes the connection after the answer.
+//!   `/v1/models`), and with tenants for a request without a valid key (its 401 is decided
+//!   from the head: [`Proxy::identify`]), it is not read, and no `100 Continue` is sent for
+//!   it. A body not read to its end closes the connection after the answer (RFC 9112 9.6).
 //! - **While answering.** Until the answer is complete, the socket is read for the client's
 //!   end of stream, as hyper does: a client that closes its connection gives its request up
 //!   (its answer, or the wait for it, is dropped, which cuts the request). Bytes of a next
@@ -74,6 +75,7 @@ use super::{
     Answer, AnswerHead, Failure, Proxy, ProxyBody, RequestHead, bodiless_status, forwarded,
 };
 use crate::admission::Admission;
+use crate::tenants::Auth;
 
 /// The longest request target read (RFC 9112 3: a server answers a longer one 414): 8 KiB,
 /// the size of the buffer nginx reads a request line into by default. The OpenAI API's
@@ -158,10 +160,14 @@ pub(super) async fn serve<A: Admission, S>(
         // Made before the body is read, so that a request dropped meanwhile (the listener's
         // grace ran out) is still reported.
         let report = proxy.watch();
-        let body = if forwarded(&request.head) {
+        // With tenants, from the head alone: a request without a valid key is answered 401
+        // before anything of its body is read (or a `100 Continue` sent for it).
+        let auth = proxy.identify(&mut request.head);
+        let body = if forwarded(&request.head) && !matches!(auth, Auth::Refused) {
             conn.read_body(&mut request, &budget, deadline).await
         } else {
-            // Not read (a route that takes none, or none at all): no `100 Continue` for it.
+            // Not read (a route that takes none, none at all, or a refused key): no
+            // `100 Continue` for it, and the connection closes after the answer.
             request.unread = request.framing != Framing::Length(0);
             Ok(RequestBody::default())
         };
@@ -180,7 +186,8 @@ pub(super) async fn serve<A: Admission, S>(
         let watch = Some(Arc::clone(&conn.watch));
         // Pinned where it is made: the answer's future is large (about 2.5 KiB), and each move
         // of it is a copy.
-        let answer = pin!(proxy.respond(report, head, arrival, std::future::ready(body), watch));
+        let answer =
+            pin!(proxy.respond(report, head, auth, arrival, std::future::ready(body), watch,));
         let answered = conn.until_gone(answer).await;
         let Some(response) = answered else {
             tracing::debug!("the client went away before its answer");

@@ -8,17 +8,28 @@
 //! The engine then ends the stream with one chunk whose `choices` are empty and which carries
 //! the `usage`; [`Strip`] reads every event of the answer as it passes and drops that one.
 //! - What vLLM 0.32 also changes (`chat_completion/serving.py`, `completion/serving.py`): with
-//!   `include_usage` it puts `system_fingerprint` on the usage chunk instead of on the chunk that
-//!   carries the `finish_reason`. [`Strip`] holds a chunk with a finish reason and no
-//!   fingerprint until the next event: the usage chunk, whose fingerprint is then written last
-//!   into it (where vLLM writes the field), or any other event, which releases it unchanged
-//!   (with `n` > 1 only the last choice's finishing chunk is followed by the usage chunk; the
-//!   others go out without the fingerprint rather than wait). No other event waits.
+//!   `include_usage` it puts `system_fingerprint` on the usage chunk instead of on each chunk
+//!   that carries a `finish_reason` (one per choice: `n` of them, among the other choices'
+//!   chunks when `n` > 1). The fingerprint is fixed for an engine process (vLLM builds it once,
+//!   at start, from its version and configuration), so [`Fingerprints`] keeps the one each
+//!   instance (its [`InstanceKey`], new at every fresh start) put on its last usage chunk, and
+//!   [`Strip`] writes it last into every finishing chunk without one as it passes (where vLLM
+//!   writes the field; nothing waits). Until an instance's is known (its first such stream),
+//!   the strip holds the events from the first finishing chunk on until the usage chunk, whose
+//!   fingerprint is then written into each finishing chunk held; `[DONE]` or the end of the
+//!   answer before any usage chunk releases them unchanged. An instance whose usage chunk has
+//!   no fingerprint is known to have none: its chunks pass unchanged.
 //! - An event split over frames is held until its end (an SSE client reads nothing of an event
-//!   before its blank line). What is held is bounded by `max_piece` (the stream is cut past it
-//!   anyway); past the bound the strip gives up and passes everything on unchanged.
+//!   before its blank line). What is held is bounded by `max_piece` (the stream is cut past an
+//!   event that long anyway); past the bound the strip gives up and passes everything on
+//!   unchanged (with `n` > 1 and choices that finish far apart, on an instance's first stream,
+//!   its finishing chunks then lack the fingerprint).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use bytes::{Bytes, BytesMut};
+use capyctl_interfaces::router::InstanceKey;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
@@ -50,13 +61,66 @@ pub(crate) fn ask_usage(body: &[u8]) -> Option<Vec<u8>> {
     serde_json::to_vec(&request).ok()
 }
 
+/// The `system_fingerprint` of each engine instance, as its last usage chunk said (`None`
+/// inside: it has none), shared by the listener's streams (see the module's note).
+#[derive(Debug, Default)]
+pub(crate) struct Fingerprints(Mutex<HashMap<InstanceKey, Option<Arc<str>>>>);
+
+/// The instances [`Fingerprints`] keeps at most: past it, it starts over (each instance is
+/// learned again from its next stream).
+const MAX_INSTANCES: usize = 1024;
+
+impl Fingerprints {
+    fn known(&self, key: &InstanceKey) -> Option<Option<Arc<str>>> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(key)
+            .cloned()
+    }
+
+    fn learn(&self, key: &InstanceKey, fingerprint: Option<&str>) {
+        let mut all = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if all.get(key).is_some_and(|f| f.as_deref() == fingerprint) {
+            return;
+        }
+        if all.len() >= MAX_INSTANCES && !all.contains_key(key) {
+            all.clear();
+        }
+        all.insert(key.clone(), fingerprint.map(Arc::from));
+    }
+}
+
+/// The engine instance a stream comes from, for its fingerprint.
+pub(crate) struct Engine {
+    all: Arc<Fingerprints>,
+    key: InstanceKey,
+    /// Its fingerprint, when known (`Some(None)`: it has none).
+    known: Option<Option<Arc<str>>>,
+}
+
+impl Engine {
+    /// The instance `key`, with what `all` knows of it.
+    pub(crate) fn new(all: &Arc<Fingerprints>, key: &InstanceKey) -> Self {
+        Self {
+            all: Arc::clone(all),
+            key: key.clone(),
+            known: all.known(key),
+        }
+    }
+}
+
 /// Takes the usage chunk out of a streamed answer (see the module's note).
 pub(crate) struct Strip {
     scanner: EventScanner,
     /// The start of the event being read (not ended in the frames so far).
     partial: BytesMut,
-    /// A chunk with a finish reason and no fingerprint, waiting for the next event.
-    finishing: Option<Bytes>,
+    /// From a finishing chunk without a fingerprint on, while the engine's is not known: the
+    /// events held until the usage chunk, each with whether it is such a finishing chunk.
+    held: Vec<(Bytes, bool)>,
+    /// Their bytes.
+    held_bytes: usize,
+    engine: Engine,
     /// The usage chunk's `total_tokens`, once it passed.
     pub(crate) tokens: Option<u64>,
     max_piece: usize,
@@ -90,7 +154,10 @@ enum Event {
         tokens: Option<u64>,
         fingerprint: Option<String>,
     },
+    /// A chunk with a finish reason and no fingerprint.
     Finishing,
+    /// `data: [DONE]`, the stream's last event.
+    Done,
     Other,
 }
 
@@ -105,7 +172,16 @@ fn classify(event: &[u8]) -> Event {
             data = Some(rest.strip_prefix(b" ").unwrap_or(rest));
         }
     }
-    let Some(Ok(chunk)) = data.map(serde_json::from_slice::<Chunk>) else {
+    let Some(data) = data else {
+        return Event::Other;
+    };
+    if data.trim_ascii() == b"[DONE]" {
+        return Event::Done;
+    }
+    if !may_matter(data) {
+        return Event::Other;
+    }
+    let Ok(chunk) = serde_json::from_slice::<Chunk>(data) else {
         return Event::Other;
     };
     match (chunk.choices, chunk.usage) {
@@ -121,6 +197,23 @@ fn classify(event: &[u8]) -> Event {
         }
         _ => Event::Other,
     }
+}
+
+/// Whether `data` may be a usage chunk or a finishing one: it has a `"usage"` key, or a
+/// `"finish_reason"` that is not `null`. Most chunks (a token each) have neither and are not
+/// parsed: two SIMD searches instead of a JSON parse per event (about a third of the CPU the
+/// router spends on a streamed request of 16 tokens, by the proxy bench's `--tenants`).
+fn may_matter(data: &[u8]) -> bool {
+    static USAGE: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+        std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"usage\""));
+    static FINISH: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+        std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"finish_reason\""));
+    USAGE.find(data).is_some()
+        || FINISH.find_iter(data).any(|at| {
+            let rest = data[at + FINISH.needle().len()..].trim_ascii_start();
+            let rest = rest.strip_prefix(b":").unwrap_or(rest).trim_ascii_start();
+            !rest.starts_with(b"null")
+        })
 }
 
 /// `event` (`data: {...}` and its blank line) with `"system_fingerprint":<fingerprint>` as its
@@ -139,11 +232,14 @@ fn with_fingerprint(event: &[u8], fingerprint: &str) -> Bytes {
 }
 
 impl Strip {
-    pub(crate) fn new(max_piece: usize) -> Self {
+    /// A strip for a stream of `engine`, holding at most `max_piece` bytes.
+    pub(crate) fn new(max_piece: usize, engine: Engine) -> Self {
         Self {
             scanner: EventScanner::new(max_piece),
             partial: BytesMut::new(),
-            finishing: None,
+            held: Vec::new(),
+            held_bytes: 0,
+            engine,
             tokens: None,
             max_piece,
             off: false,
@@ -152,7 +248,7 @@ impl Strip {
 
     /// Whether it holds bytes not sent yet.
     pub(crate) fn holds(&self) -> bool {
-        !self.partial.is_empty() || self.finishing.is_some()
+        !self.partial.is_empty() || !self.held.is_empty()
     }
 
     /// What to send of the next frame `data` (possibly nothing, for now).
@@ -165,15 +261,14 @@ impl Strip {
         loop {
             match self.scanner.next_end(&data, at) {
                 Ok(Some(end)) => {
-                    let piece = &data[at..end];
-                    at = end;
                     if self.partial.is_empty() {
-                        self.event(piece, &mut out);
+                        self.event(data.slice(at..end), &mut out);
                     } else {
-                        self.partial.extend_from_slice(piece);
-                        let whole = std::mem::take(&mut self.partial);
-                        self.event(&whole, &mut out);
+                        self.partial.extend_from_slice(&data[at..end]);
+                        let whole = std::mem::take(&mut self.partial).freeze();
+                        self.event(whole, &mut out);
                     }
+                    at = end;
                 }
                 Ok(None) => {
                     self.partial.extend_from_slice(&data[at..]);
@@ -186,53 +281,64 @@ impl Strip {
                 }
             }
         }
-        if self.off
-            || self.partial.len() + self.finishing.as_ref().map_or(0, Bytes::len) > self.max_piece
-        {
+        if self.off || self.partial.len() + self.held_bytes > self.max_piece {
             self.off = true;
-            if let Some(f) = self.finishing.take() {
-                out.extend_from_slice(&f);
-            }
+            self.release(&mut out, None);
             out.extend_from_slice(&std::mem::take(&mut self.partial));
         }
         out.freeze()
     }
 
-    fn event(&mut self, event: &[u8], out: &mut BytesMut) {
-        match classify(event) {
+    fn event(&mut self, event: Bytes, out: &mut BytesMut) {
+        match classify(&event) {
             Event::Usage {
                 tokens,
                 fingerprint,
             } => {
                 self.tokens = tokens;
-                if let Some(f) = self.finishing.take() {
-                    match &fingerprint {
-                        Some(fp) => out.extend_from_slice(&with_fingerprint(&f, fp)),
-                        None => out.extend_from_slice(&f),
-                    }
-                }
+                self.engine
+                    .all
+                    .learn(&self.engine.key, fingerprint.as_deref());
+                self.engine.known = Some(fingerprint.as_deref().map(Arc::from));
+                self.release(out, fingerprint.as_deref());
             }
-            Event::Finishing => {
-                if let Some(f) = self.finishing.take() {
-                    out.extend_from_slice(&f);
+            Event::Finishing if self.held.is_empty() => match &self.engine.known {
+                Some(Some(fingerprint)) => {
+                    out.extend_from_slice(&with_fingerprint(&event, fingerprint))
                 }
-                self.finishing = Some(Bytes::copy_from_slice(event));
+                Some(None) => out.extend_from_slice(&event),
+                None => self.hold(event, true),
+            },
+            Event::Finishing => self.hold(event, true),
+            Event::Done => {
+                self.release(out, None);
+                out.extend_from_slice(&event);
             }
-            Event::Other => {
-                if let Some(f) = self.finishing.take() {
-                    out.extend_from_slice(&f);
-                }
-                out.extend_from_slice(event);
+            Event::Other if self.held.is_empty() => out.extend_from_slice(&event),
+            Event::Other => self.hold(event, false),
+        }
+    }
+
+    fn hold(&mut self, event: Bytes, finishing: bool) {
+        self.held_bytes += event.len();
+        self.held.push((event, finishing));
+    }
+
+    /// Sends what it holds, `fingerprint` written into the finishing chunks.
+    fn release(&mut self, out: &mut BytesMut, fingerprint: Option<&str>) {
+        for (event, finishing) in self.held.drain(..) {
+            match fingerprint {
+                Some(fp) if finishing => out.extend_from_slice(&with_fingerprint(&event, fp)),
+                _ => out.extend_from_slice(&event),
             }
         }
+        self.held_bytes = 0;
     }
 
     /// What it still holds, at the answer's end.
     pub(crate) fn finish(&mut self) -> Option<Bytes> {
         let mut out = BytesMut::new();
-        if let Some(f) = self.finishing.take() {
-            out.extend_from_slice(&f);
-        }
+        self.release(&mut out, None);
         out.extend_from_slice(&std::mem::take(&mut self.partial));
         (!out.is_empty()).then(|| out.freeze())
     }
@@ -256,8 +362,47 @@ mod tests {
         "data: [DONE]\n\n",
     );
 
+    /// vLLM with `n: 2` asked for usage: the finishing chunks (one per choice, apart) lose the
+    /// fingerprint to the usage chunk.
+    const WITH_USAGE_N2: &str = concat!(
+        "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"},\"finish_reason\":null}]}\n\n",
+        "data: {\"id\":\"c\",\"choices\":[{\"index\":1,\"delta\":{\"content\":\"Yo\"},\"finish_reason\":null}]}\n\n",
+        "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"!\"},\"finish_reason\":\"stop\"}]}\n\n",
+        "data: {\"id\":\"c\",\"choices\":[{\"index\":1,\"delta\":{\"content\":\" you\"},\"finish_reason\":null}]}\n\n",
+        "data: {\"id\":\"c\",\"choices\":[{\"index\":1,\"delta\":{\"content\":\".\"},\"finish_reason\":\"length\"}]}\n\n",
+        "data: {\"id\":\"c\",\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":6,\"total_tokens\":9},\"system_fingerprint\":\"vllm-x\"}\n\n",
+        "data: [DONE]\n\n",
+    );
+    /// The same without usage: every finishing chunk has the fingerprint.
+    const WITHOUT_N2: &str = concat!(
+        "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"},\"finish_reason\":null}]}\n\n",
+        "data: {\"id\":\"c\",\"choices\":[{\"index\":1,\"delta\":{\"content\":\"Yo\"},\"finish_reason\":null}]}\n\n",
+        "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"!\"},\"finish_reason\":\"stop\"}],\"system_fingerprint\":\"vllm-x\"}\n\n",
+        "data: {\"id\":\"c\",\"choices\":[{\"index\":1,\"delta\":{\"content\":\" you\"},\"finish_reason\":null}]}\n\n",
+        "data: {\"id\":\"c\",\"choices\":[{\"index\":1,\"delta\":{\"content\":\".\"},\"finish_reason\":\"length\"}],\"system_fingerprint\":\"vllm-x\"}\n\n",
+        "data: [DONE]\n\n",
+    );
+
+    fn key(generation: u64) -> InstanceKey {
+        InstanceKey {
+            deployment: "d".into(),
+            index: 0,
+            host_id: "h".into(),
+            generation,
+        }
+    }
+
+    /// A strip for instance `key(generation)` of `all`.
+    fn strip(all: &Arc<Fingerprints>, generation: u64) -> Strip {
+        Strip::new(64 * 1024, Engine::new(all, &key(generation)))
+    }
+
+    /// `frames` through a strip of a new instance.
     fn run(frames: &[&[u8]]) -> (Vec<u8>, Option<u64>) {
-        let mut strip = Strip::new(64 * 1024);
+        run_on(&mut strip(&Arc::default(), 1), frames)
+    }
+
+    fn run_on(strip: &mut Strip, frames: &[&[u8]]) -> (Vec<u8>, Option<u64>) {
         let mut out = Vec::new();
         for f in frames {
             out.extend_from_slice(&strip.pass(Bytes::copy_from_slice(f)));
@@ -280,8 +425,78 @@ mod tests {
     }
 
     #[test]
-    fn a_complete_event_is_never_held_except_a_finishing_one_until_the_next() {
-        let mut strip = Strip::new(64 * 1024);
+    fn with_n_choices_every_finishing_chunk_gets_the_fingerprint_back() {
+        let whole = WITH_USAGE_N2.as_bytes();
+        let expected = (WITHOUT_N2.as_bytes().to_vec(), Some(9));
+        assert_eq!(run(&[whole]), expected);
+        let bytes: Vec<&[u8]> = whole.chunks(1).collect();
+        assert_eq!(run(&bytes), expected);
+        let sevens: Vec<&[u8]> = whole.chunks(7).collect();
+        assert_eq!(run(&sevens), expected);
+    }
+
+    #[test]
+    fn once_an_instances_fingerprint_is_known_no_event_waits() {
+        let all = Arc::default();
+        let events: Vec<&str> = WITH_USAGE_N2.split_inclusive("\n\n").collect();
+        let without: Vec<&str> = WITHOUT_N2.split_inclusive("\n\n").collect();
+        // The first stream of instance 1: the events from the first finishing chunk on wait
+        // for the usage chunk.
+        let mut first = strip(&all, 1);
+        assert_eq!(first.pass(Bytes::from(events[0])), events[0].as_bytes());
+        assert!(first.pass(Bytes::from(events[2])).is_empty());
+        assert!(first.pass(Bytes::from(events[3])).is_empty());
+        assert_eq!(
+            first.pass(Bytes::from(events[5])),
+            [without[2], without[3]].concat().as_bytes()
+        );
+        // The next stream of the same instance: each event passes at once, the fingerprint
+        // written in; the usage chunk still taken out.
+        let mut next = strip(&all, 1);
+        for (event, expected) in [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4)] {
+            assert_eq!(
+                next.pass(Bytes::from(events[event])),
+                without[expected].as_bytes(),
+                "{event}"
+            );
+            assert!(!next.holds());
+        }
+        assert!(next.pass(Bytes::from(events[5])).is_empty());
+        assert_eq!(next.tokens, Some(9));
+        assert_eq!(next.pass(Bytes::from(events[6])), without[5].as_bytes());
+        // The same instance started afresh (a new generation) is not known yet.
+        let mut restarted = strip(&all, 2);
+        assert!(restarted.pass(Bytes::from(events[2])).is_empty());
+        assert!(restarted.holds());
+        // An instance whose usage chunk has no fingerprint is known to have none.
+        let bare = WITH_USAGE_N2.replace(",\"system_fingerprint\":\"vllm-x\"", "");
+        let (out, _) = run_on(&mut strip(&all, 3), &[bare.as_bytes()]);
+        assert_eq!(out, WITH_USAGE_N2.replace(events[5], "").as_bytes());
+        let mut bare_next = strip(&all, 3);
+        assert_eq!(bare_next.pass(Bytes::from(events[2])), events[2].as_bytes());
+    }
+
+    #[test]
+    fn only_chunks_with_a_usage_or_a_finish_reason_are_parsed() {
+        assert!(!may_matter(
+            br#"{"choices":[{"index":0,"finish_reason":null}]}"#
+        ));
+        assert!(!may_matter(
+            br#"{"choices":[{"finish_reason" : null}],"x":"\"usage\""}"#
+        ));
+        assert!(may_matter(br#"{"choices":[{"finish_reason": "stop"}]}"#));
+        assert!(may_matter(
+            br#"{"choices":[{"index":0,"finish_reason":null},{"index":1,"finish_reason":"length"}]}"#
+        ));
+        assert!(may_matter(br#"{"choices":[],"usage":{"total_tokens":3}}"#));
+        // A whitespace-formatted finishing chunk is still found.
+        let spaced = "data: {\"choices\": [{\"index\": 0, \"finish_reason\": \"stop\"}]}\n\n";
+        assert!(matches!(classify(spaced.as_bytes()), Event::Finishing));
+    }
+
+    #[test]
+    fn a_complete_event_is_never_held_before_a_finishing_one() {
+        let mut strip = strip(&Arc::default(), 1);
         let first = WITH_USAGE.split_inclusive("\n\n").next().unwrap();
         assert_eq!(strip.pass(Bytes::from(first)), first.as_bytes());
         // An unfinished event waits for its end, and no longer.
@@ -299,7 +514,7 @@ mod tests {
         assert_eq!(String::from_utf8_lossy(&out), WITHOUT);
         assert_eq!(tokens, None);
         // An event past the bound: given up, everything passes.
-        let mut strip = Strip::new(16);
+        let mut strip = Strip::new(16, Engine::new(&Arc::default(), &key(1)));
         let long = Bytes::from_static(b"data: 0123456789012345678901234567890");
         assert_eq!(strip.pass(long.clone()), long);
         assert!(!strip.holds());
