@@ -7,6 +7,9 @@
 //! effect without `include_usage`, so that the engine does not put usage on every chunk).
 //! The engine then ends the stream with one chunk whose `choices` are empty and which carries
 //! the `usage`; [`Strip`] reads every event of the answer as it passes and drops that one.
+//! Cost: an event is told from its bytes when they show no `usage` and no `finish_reason` but
+//! `null` ([`plainly_other`]: every event but those two), and passed on as a slice of the frame
+//! that brought it; only the finishing and the usage chunks are read as JSON.
 //! - What vLLM 0.32 also changes (`chat_completion/serving.py`, `completion/serving.py`): with
 //!   `include_usage` it puts `system_fingerprint` on the usage chunk instead of on the chunk that
 //!   carries the `finish_reason`. [`Strip`] holds a chunk with a finish reason and no
@@ -27,11 +30,51 @@ use super::sse::EventScanner;
 /// The forwarded body of a streamed request asking for its usage, or `None` when the request
 /// is not streamed, already asks for usage, or is not an object this can read (forwarded as it
 /// came; the engine answers it).
+///
+/// NB (cost: this runs for every request of a tenant whose tokens are counted): a body without
+/// the bytes `true` cannot say `"stream": true` and is not read at all. Otherwise its
+/// top-level `stream` and `stream_options` are read without building the rest ([`Top`]); a
+/// streamed request without `stream_options` (the usual one) gets
+/// `,"stream_options":{"include_usage":true}` written before its closing brace, its other
+/// bytes forwarded as they came. `stream_options` given as `null` or an object is rewritten
+/// through a `serde_json` map ([`rewrite`]). The skipped values are checked as JSON but not
+/// as strictly as a map reads them (invalid UTF-8 is refused here too; a lone surrogate, a
+/// number beyond `f64` or nesting deeper than 128 are not): such a body, which an engine
+/// refuses, is then asked for its usage where a strict reading would have forwarded it as it
+/// came, and the engine's refusal passes unchanged.
 pub(crate) fn ask_usage(body: &[u8]) -> Option<Vec<u8>> {
-    let mut request: Map<String, Value> = serde_json::from_slice(body).ok()?;
-    if request.get("stream") != Some(&Value::Bool(true)) {
+    memchr::memmem::find(body, b"true")?;
+    std::str::from_utf8(body).ok()?;
+    let top: Top = serde_json::from_slice(body).ok()?;
+    if top.stream != Some(Value::Bool(true)) {
         return None;
     }
+    match top.stream_options {
+        None => {
+            // An object that read whole ends with its brace (then only whitespace).
+            let close = body.iter().rposition(|&b| b == b'}')?;
+            const ASK: &[u8] = br#","stream_options":{"include_usage":true}"#;
+            let mut out = Vec::with_capacity(body.len() + ASK.len());
+            out.extend_from_slice(&body[..close]);
+            out.extend_from_slice(ASK);
+            out.extend_from_slice(&body[close..]);
+            Some(out)
+        }
+        Some(Value::Null) => rewrite(body),
+        Some(Value::Object(options)) => {
+            if options.get("include_usage") == Some(&Value::Bool(true)) {
+                return None;
+            }
+            rewrite(body)
+        }
+        Some(_) => None,
+    }
+}
+
+/// [`ask_usage`] through a `serde_json` map, for a request whose `stream_options` is `null` or
+/// an object not asking for usage: `include_usage` set, `continuous_usage_stats` removed.
+fn rewrite(body: &[u8]) -> Option<Vec<u8>> {
+    let mut request: Map<String, Value> = serde_json::from_slice(body).ok()?;
     match request.get_mut("stream_options") {
         None | Some(Value::Null) => {
             let mut options = Map::new();
@@ -39,15 +82,80 @@ pub(crate) fn ask_usage(body: &[u8]) -> Option<Vec<u8>> {
             request.insert("stream_options".into(), Value::Object(options));
         }
         Some(Value::Object(options)) => {
-            if options.get("include_usage") == Some(&Value::Bool(true)) {
-                return None;
-            }
             options.insert("include_usage".into(), Value::Bool(true));
             options.remove("continuous_usage_stats");
         }
         Some(_) => return None,
     }
     serde_json::to_vec(&request).ok()
+}
+
+/// What [`ask_usage`] reads of a request: its top-level `stream` and `stream_options` (the
+/// last of each, as a map keeps them); every other value is checked and skipped, nothing of
+/// it built.
+struct Top {
+    stream: Option<Value>,
+    stream_options: Option<Value>,
+}
+
+impl<'de> Deserialize<'de> for Top {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Fields;
+        impl<'de> serde::de::Visitor<'de> for Fields {
+            type Value = Top;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Top, A::Error> {
+                let mut top = Top {
+                    stream: None,
+                    stream_options: None,
+                };
+                while let Some(key) = map.next_key::<TopKey>()? {
+                    match key {
+                        TopKey::Stream => top.stream = Some(map.next_value()?),
+                        TopKey::StreamOptions => top.stream_options = Some(map.next_value()?),
+                        TopKey::Other => {
+                            map.next_value::<serde::de::IgnoredAny>()?;
+                        }
+                    }
+                }
+                Ok(top)
+            }
+        }
+        deserializer.deserialize_map(Fields)
+    }
+}
+
+/// A key of [`Top`], read without keeping it.
+enum TopKey {
+    Stream,
+    StreamOptions,
+    Other,
+}
+
+impl<'de> Deserialize<'de> for TopKey {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Name;
+        impl serde::de::Visitor<'_> for Name {
+            type Value = TopKey;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a key")
+            }
+
+            fn visit_str<E: serde::de::Error>(self, key: &str) -> Result<TopKey, E> {
+                Ok(match key {
+                    "stream" => TopKey::Stream,
+                    "stream_options" => TopKey::StreamOptions,
+                    _ => TopKey::Other,
+                })
+            }
+        }
+        deserializer.deserialize_str(Name)
+    }
 }
 
 /// Takes the usage chunk out of a streamed answer (see the module's note).
@@ -85,6 +193,7 @@ struct Usage {
 }
 
 /// What one event is, to the strip.
+#[cfg_attr(test, derive(Debug, PartialEq))]
 enum Event {
     Usage {
         tokens: Option<u64>,
@@ -95,6 +204,14 @@ enum Event {
 }
 
 fn classify(event: &[u8]) -> Event {
+    if plainly_other(event) {
+        return Event::Other;
+    }
+    read(event)
+}
+
+/// What `event` is, from its JSON.
+fn read(event: &[u8]) -> Event {
     let mut data = None;
     for line in event.split(|&b| b == b'\n') {
         let line = line.strip_suffix(b"\r").unwrap_or(line);
@@ -121,6 +238,30 @@ fn classify(event: &[u8]) -> Event {
         }
         _ => Event::Other,
     }
+}
+
+/// Whether `event` is [`Event::Other`] whatever its JSON says, seen from its bytes alone: no
+/// `usage` and no `finish_reason` with a value other than `null` (a key is written as its
+/// bytes unless it has a `\u` escape; then the JSON is read). Every event of a stream but the
+/// finishing and the usage ones is told this way, without reading its JSON (that reading was
+/// most of the strip's cost).
+fn plainly_other(event: &[u8]) -> bool {
+    use memchr::memmem::Finder;
+    use std::sync::LazyLock;
+    static ESCAPE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\\u"));
+    static USAGE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"usage\""));
+    static FINISH: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"finish_reason\""));
+    ESCAPE.find(event).is_none() && only_null(event, &USAGE) && only_null(event, &FINISH)
+}
+
+/// Whether every `key` (quoted) of `json` is followed by `: null` (with JSON's whitespace).
+fn only_null(json: &[u8], key: &memchr::memmem::Finder<'_>) -> bool {
+    key.find_iter(json).all(|at| {
+        json[at + key.needle().len()..]
+            .trim_ascii_start()
+            .strip_prefix(b":")
+            .is_some_and(|value| value.trim_ascii_start().starts_with(b"null"))
+    })
 }
 
 /// `event` (`data: {...}` and its blank line) with `"system_fingerprint":<fingerprint>` as its
@@ -160,19 +301,19 @@ impl Strip {
         if self.off {
             return data;
         }
-        let mut out = BytesMut::new();
+        let mut out = Out::new(&data);
         let mut at = 0;
         loop {
             match self.scanner.next_end(&data, at) {
                 Ok(Some(end)) => {
-                    let piece = &data[at..end];
+                    let start = at;
                     at = end;
                     if self.partial.is_empty() {
-                        self.event(piece, &mut out);
+                        self.event(Piece::Of(start, end), &mut out);
                     } else {
-                        self.partial.extend_from_slice(piece);
-                        let whole = std::mem::take(&mut self.partial);
-                        self.event(&whole, &mut out);
+                        self.partial.extend_from_slice(&data[start..end]);
+                        let whole = std::mem::take(&mut self.partial).freeze();
+                        self.event(Piece::Held(whole), &mut out);
                     }
                 }
                 Ok(None) => {
@@ -191,14 +332,19 @@ impl Strip {
         {
             self.off = true;
             if let Some(f) = self.finishing.take() {
-                out.extend_from_slice(&f);
+                out.push(&f);
             }
-            out.extend_from_slice(&std::mem::take(&mut self.partial));
+            out.push(&std::mem::take(&mut self.partial));
         }
-        out.freeze()
+        out.finish()
     }
 
-    fn event(&mut self, event: &[u8], out: &mut BytesMut) {
+    fn event(&mut self, piece: Piece, out: &mut Out<'_>) {
+        let data = out.data;
+        let event = match &piece {
+            Piece::Of(start, end) => &data[*start..*end],
+            Piece::Held(whole) => &whole[..],
+        };
         match classify(event) {
             Event::Usage {
                 tokens,
@@ -207,22 +353,28 @@ impl Strip {
                 self.tokens = tokens;
                 if let Some(f) = self.finishing.take() {
                     match &fingerprint {
-                        Some(fp) => out.extend_from_slice(&with_fingerprint(&f, fp)),
-                        None => out.extend_from_slice(&f),
+                        Some(fp) => out.push(&with_fingerprint(&f, fp)),
+                        None => out.push(&f),
                     }
                 }
             }
             Event::Finishing => {
                 if let Some(f) = self.finishing.take() {
-                    out.extend_from_slice(&f);
+                    out.push(&f);
                 }
-                self.finishing = Some(Bytes::copy_from_slice(event));
+                self.finishing = Some(match piece {
+                    Piece::Of(start, end) => data.slice(start..end),
+                    Piece::Held(whole) => whole,
+                });
             }
             Event::Other => {
                 if let Some(f) = self.finishing.take() {
-                    out.extend_from_slice(&f);
+                    out.push(&f);
                 }
-                out.extend_from_slice(event);
+                match piece {
+                    Piece::Of(start, end) => out.pass(start, end),
+                    Piece::Held(whole) => out.push(&whole),
+                }
             }
         }
     }
@@ -235,6 +387,57 @@ impl Strip {
         }
         out.extend_from_slice(&std::mem::take(&mut self.partial));
         (!out.is_empty()).then(|| out.freeze())
+    }
+}
+
+/// One complete event of a frame: `data[start..end]` of the frame, or the bytes held across
+/// frames that it ends.
+enum Piece {
+    Of(usize, usize),
+    Held(Bytes),
+}
+
+/// What [`Strip::pass`] sends of one frame: while it is the frame's own start unchanged, a
+/// slice of the frame (nothing copied: what almost every frame is); else a copy.
+struct Out<'a> {
+    data: &'a Bytes,
+    /// The output so far is `data[..same]` (while `copy` is `None`).
+    same: usize,
+    copy: Option<BytesMut>,
+}
+
+impl<'a> Out<'a> {
+    fn new(data: &'a Bytes) -> Self {
+        Self {
+            data,
+            same: 0,
+            copy: None,
+        }
+    }
+
+    /// Sends `data[start..end]`.
+    fn pass(&mut self, start: usize, end: usize) {
+        if self.copy.is_none() && self.same == start {
+            self.same = end;
+        } else {
+            let data = self.data;
+            self.push(&data[start..end]);
+        }
+    }
+
+    /// Sends `bytes` (copied).
+    fn push(&mut self, bytes: &[u8]) {
+        let same = &self.data[..self.same];
+        self.copy
+            .get_or_insert_with(|| BytesMut::from(same))
+            .extend_from_slice(bytes);
+    }
+
+    fn finish(self) -> Bytes {
+        match self.copy {
+            Some(copy) => copy.freeze(),
+            None => self.data.slice(..self.same),
+        }
     }
 }
 
@@ -303,6 +506,95 @@ mod tests {
         let long = Bytes::from_static(b"data: 0123456789012345678901234567890");
         assert_eq!(strip.pass(long.clone()), long);
         assert!(!strip.holds());
+    }
+
+    #[test]
+    fn only_the_finishing_and_usage_events_are_read_and_the_others_told_as_read() {
+        let events = [
+            "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"},\"finish_reason\":null}]}\n\n",
+            "data: {\"choices\":[{\"finish_reason\" : null,\"text\":\"say \\\"usage\\\": 1\"}],\"usage\":null}\n\n",
+            "data: {\"choices\":[{\"finish_reason\":\"stop\"}]}\n\n",
+            "data: {\"choices\":[{\"finish_reason\":\"stop\"}],\"system_fingerprint\":\"f\"}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"total_tokens\":5}}\n\n",
+            "data: {\"choices\":[],\"usage\" :\t{\"total_tokens\":5}}\n\n",
+            "data: {\"choices\":[{\"finish\\u005freason\":\"stop\"}]}\n\n",
+            "data: {\"choices\":[],\"\\u0075sage\":{\"total_tokens\":5}}\n\n",
+            "data: {\"choices\":[{\"finish_reason\":nul}]}\n\n",
+            "data: [DONE]\n\n",
+            ": keep-alive\n\n",
+        ];
+        let mut plain = 0;
+        for event in events {
+            let e = event.as_bytes();
+            assert_eq!(classify(e), read(e), "{event}");
+            plain += usize::from(plainly_other(e));
+        }
+        // The token chunks, `[DONE]` and a comment are told without reading.
+        assert_eq!(plain, 4);
+        assert_eq!(
+            read(events[6].as_bytes()),
+            Event::Finishing,
+            "an escaped key is read"
+        );
+    }
+
+    #[test]
+    fn a_frame_of_plain_events_passes_as_it_came() {
+        let mut strip = Strip::new(64 * 1024);
+        let first = WITH_USAGE.split_inclusive("\n\n").next().unwrap();
+        let frame = Bytes::from(format!("{first}{first}"));
+        let out = strip.pass(frame.clone());
+        assert_eq!(out, frame);
+        assert_eq!(out.as_ptr(), frame.as_ptr(), "not copied");
+        // Its start, while the rest waits for its end.
+        let frame = Bytes::from(format!("{first}data: {{\"cho"));
+        let out = strip.pass(frame.clone());
+        assert_eq!(out, first.as_bytes());
+        assert_eq!(out.as_ptr(), frame.as_ptr(), "not copied");
+    }
+
+    /// The spliced body says what the old rewrite through a map said, and keeps the client's
+    /// bytes otherwise.
+    #[test]
+    fn the_body_asking_for_usage_is_the_clients_with_the_option_added() {
+        let spliced = ask_usage(b"{\"model\":\"m\", \"stream\" : true }\n").unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(&spliced),
+            "{\"model\":\"m\", \"stream\" : true ,\"stream_options\":{\"include_usage\":true}}\n"
+        );
+        for body in [
+            &br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"a \"}\" \u00e9"}]}"#[..],
+            br#"{"stream":false,"stream":true}"#,
+            br#"{"model":"m","stream":true,"stream_options":null}"#,
+            br#"{"model":"m","stream":true,"stream_options":{"include_usage":false,"x":1}}"#,
+        ] {
+            let asked: Value = serde_json::from_slice(&ask_usage(body).unwrap()).unwrap();
+            let mut expected: Map<String, Value> = serde_json::from_slice(body).unwrap();
+            let options = expected
+                .entry("stream_options")
+                .or_insert(Value::Null);
+            if !options.is_object() {
+                *options = serde_json::json!({});
+            }
+            options["include_usage"] = Value::Bool(true);
+            assert_eq!(asked, Value::Object(expected), "{}", String::from_utf8_lossy(body));
+        }
+        for not_asked in [
+            &br#"{"stream":true,"stream":false}"#[..],
+            br#"{"stream":false,"echo":true}"#,
+            br#"{"stream":"true"}"#,
+            br#"{"stream":true,"stream_options":[]}"#,
+            br#"{"stream":true} x"#,
+            br#"[{"stream":true}]"#,
+            b"{\"stream\":true,\"x\":\"\xff\"}",
+        ] {
+            assert_eq!(
+                ask_usage(not_asked),
+                None,
+                "{}",
+                String::from_utf8_lossy(not_asked)
+            );
+        }
     }
 
     #[test]
