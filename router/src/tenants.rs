@@ -33,6 +33,8 @@ use http::header::HeaderValue;
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 
+use crate::fast_hash::FastHash;
+
 /// A key's SHA-256 digest.
 type KeyDigest = [u8; 32];
 
@@ -58,7 +60,9 @@ impl std::fmt::Debug for Tenants {
 /// One set of tenants, as [`Tenants::replace`] installed it.
 #[derive(Default)]
 struct Set {
-    by_digest: HashMap<KeyDigest, Arc<TenantEntry>>,
+    /// NB: hashed with [`FastHash`] rather than SipHash: a digest is already evenly spread,
+    /// and a client cannot choose one (only the key it digests), nor add to the map.
+    by_digest: HashMap<KeyDigest, Arc<TenantEntry>, FastHash>,
     /// In the order given.
     list: Vec<Arc<TenantEntry>>,
 }
@@ -155,31 +159,41 @@ pub struct RateHeaders {
 
 impl RateHeaders {
     /// Adds `x-ratelimit-limit-*`, `-remaining-*` and `-reset-*` (in seconds, `Ns`) to
-    /// `headers`.
+    /// `headers`. The values are written into one buffer that they share (every answer to a
+    /// tenant with a rate carries them: one allocation for all, not one each).
     pub fn write(&self, headers: &mut HeaderMap) {
         use http::HeaderName;
-        const NAMES: [[HeaderName; 3]; 2] = [
-            [
-                HeaderName::from_static("x-ratelimit-limit-requests"),
-                HeaderName::from_static("x-ratelimit-remaining-requests"),
-                HeaderName::from_static("x-ratelimit-reset-requests"),
-            ],
-            [
-                HeaderName::from_static("x-ratelimit-limit-tokens"),
-                HeaderName::from_static("x-ratelimit-remaining-tokens"),
-                HeaderName::from_static("x-ratelimit-reset-tokens"),
-            ],
+        use std::io::Write as _;
+        const NAMES: [HeaderName; 6] = [
+            HeaderName::from_static("x-ratelimit-limit-requests"),
+            HeaderName::from_static("x-ratelimit-remaining-requests"),
+            HeaderName::from_static("x-ratelimit-reset-requests"),
+            HeaderName::from_static("x-ratelimit-limit-tokens"),
+            HeaderName::from_static("x-ratelimit-remaining-tokens"),
+            HeaderName::from_static("x-ratelimit-reset-tokens"),
         ];
-        for ([limit_name, remaining_name, reset_name], values) in
-            NAMES.into_iter().zip([self.requests, self.tokens])
-        {
+        let mut text = Vec::with_capacity(64);
+        // Each header's value: `text[start..end]`.
+        let mut spans = [None; 6];
+        for (at, values) in [(0, self.requests), (3, self.tokens)] {
             let Some((limit, remaining, reset)) = values else {
                 continue;
             };
-            headers.insert(limit_name, HeaderValue::from(limit));
-            headers.insert(remaining_name, HeaderValue::from(remaining));
-            if let Ok(value) = HeaderValue::try_from(format!("{reset}s")) {
-                headers.insert(reset_name, value);
+            let mut put = |i: usize, args: std::fmt::Arguments<'_>| {
+                let start = text.len();
+                let _ = text.write_fmt(args);
+                spans[i] = Some((start, text.len()));
+            };
+            put(at, format_args!("{limit}"));
+            put(at + 1, format_args!("{remaining}"));
+            put(at + 2, format_args!("{reset}s"));
+        }
+        let text = bytes::Bytes::from(text);
+        for (name, span) in NAMES.into_iter().zip(spans) {
+            if let Some((start, end)) = span
+                && let Ok(value) = HeaderValue::from_maybe_shared(text.slice(start..end))
+            {
+                headers.insert(name, value);
             }
         }
     }
@@ -567,12 +581,37 @@ fn bearer_key(lines: &[u8]) -> Option<&[u8]> {
     capyctl_spec::auth::bearer(found?)
 }
 
-/// `lines` without its `Authorization` lines (the tenant's key is not the engine's).
-pub fn without_authorization(lines: &[u8]) -> bytes::Bytes {
+/// `lines` without its `Authorization` lines (the tenant's key is not the engine's): a slice
+/// of `lines` when they are together at its start or end (nothing copied), else a copy.
+pub fn without_authorization(lines: &bytes::Bytes) -> bytes::Bytes {
+    let is_authorization = |line: &[u8]| {
+        let name = line.split(|&b| b == b':').next().unwrap_or_default();
+        name.trim_ascii().eq_ignore_ascii_case(b"authorization")
+    };
+    // The span from the first `Authorization` line to the last; `split`: others between.
+    let mut span: Option<(usize, usize)> = None;
+    let (mut gap, mut split) = (false, false);
+    let mut at = 0;
+    for line in lines.split_inclusive(|&b| b == b'\n') {
+        let end = at + line.len();
+        if is_authorization(line) {
+            split |= gap;
+            gap = false;
+            span = Some(span.map_or((at, end), |(start, _)| (start, end)));
+        } else if span.is_some() {
+            gap = true;
+        }
+        at = end;
+    }
+    match span {
+        None => return lines.clone(),
+        Some((0, end)) if !split => return lines.slice(end..),
+        Some((start, end)) if !split && end == lines.len() => return lines.slice(..start),
+        Some(_) => {}
+    }
     let mut out = Vec::with_capacity(lines.len());
     for line in lines.split_inclusive(|&b| b == b'\n') {
-        let name = line.split(|&b| b == b':').next().unwrap_or_default();
-        if !name.trim_ascii().eq_ignore_ascii_case(b"authorization") {
+        if !is_authorization(line) {
             out.extend_from_slice(line);
         }
     }
@@ -779,10 +818,29 @@ mod tests {
 
     #[test]
     fn the_authorization_line_is_not_forwarded() {
-        let lines = b"content-type: application/json\r\nAuthorization: Bearer sk\r\nx-a: 1\r\n";
-        assert_eq!(
-            without_authorization(lines),
-            "content-type: application/json\r\nx-a: 1\r\n"
-        );
+        let cases: [(&[u8], &str); 6] = [
+            (
+                b"content-type: application/json\r\nAuthorization: Bearer sk\r\nx-a: 1\r\n",
+                "content-type: application/json\r\nx-a: 1\r\n",
+            ),
+            (b"authorization: Bearer sk\r\nx-a: 1\r\n", "x-a: 1\r\n"),
+            (b"x-a: 1\r\nauthorization: Bearer sk\r\n", "x-a: 1\r\n"),
+            (
+                b"authorization: a\r\nx-a: 1\r\nauthorization: b\r\n",
+                "x-a: 1\r\n",
+            ),
+            (
+                b"x-a: 1\r\nAUTHORIZATION : a\r\nauthorization: b\r\n",
+                "x-a: 1\r\n",
+            ),
+            (
+                b"x-a: 1\r\nx-authorization: a\r\n",
+                "x-a: 1\r\nx-authorization: a\r\n",
+            ),
+        ];
+        for (lines, forwarded) in cases {
+            let lines = bytes::Bytes::from_static(lines);
+            assert_eq!(without_authorization(&lines), forwarded);
+        }
     }
 }

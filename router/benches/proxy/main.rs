@@ -76,7 +76,8 @@ usage: cargo bench -p capyctl-router --bench proxy -- [options]
                            proxy with keep-alive to the same engine, as a third side of every case:
                            the reference measured in the same run
   --profile N              only N requests through the router (first --clients value, --stream for
-                           streamed) and the router's CPU per request; for callgrind
+                           streamed) and the router's CPU per request; for callgrind (with
+                           --tenants N: the router with N tenants' keys)
   --stream                 for --profile
   --memory                 the router's RSS with --waiting requests waiting for a parked deployment
                            (the clients run in a child process)
@@ -1264,7 +1265,12 @@ fn main() {
         let upstream = upstreams.first().map(|u| u.1).unwrap();
         let (router, _handle) = run(
             &proxy_rt,
-            start_proxy(upstream, Setup::of(&args), RouterConfig::default()),
+            start_proxy_with(
+                upstream,
+                Setup::of(&args),
+                RouterConfig::default(),
+                args.tenants.map(bench_tenants),
+            ),
         );
         let case = Case {
             clients: args.clients.first().copied().unwrap_or(1),

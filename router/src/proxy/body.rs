@@ -283,15 +283,20 @@ impl UsageTap {
         }
     }
 
-    /// The last [`USAGE_TAIL`] bytes (or fewer), in one piece.
-    fn last_bytes(&self) -> Vec<u8> {
+    /// The [`total_tokens`] of the last [`USAGE_TAIL`] bytes (or fewer): read in place when
+    /// one frame holds them (a non-streamed answer's usual one), else from a copy in one piece.
+    fn tail_tokens(&self) -> Option<u64> {
+        if self.tail.len() == 1
+            && let Some(frame) = self.tail.front()
+        {
+            return total_tokens(&frame[frame.len().saturating_sub(USAGE_TAIL)..]);
+        }
         let mut out = Vec::with_capacity(self.held);
         for f in &self.tail {
             out.extend_from_slice(f);
         }
         let cut = out.len().saturating_sub(USAGE_TAIL);
-        out.drain(..cut);
-        out
+        total_tokens(&out[cut..])
     }
 }
 
@@ -311,7 +316,7 @@ impl Drop for ProxyBody {
                 .strip
                 .as_ref()
                 .and_then(|s| s.tokens)
-                .or_else(|| total_tokens(&tap.last_bytes()))
+                .or_else(|| tap.tail_tokens())
         {
             tap.tenant.charge_tokens(tokens, Instant::now());
         }

@@ -7,6 +7,9 @@
 //! effect without `include_usage`, so that the engine does not put usage on every chunk).
 //! The engine then ends the stream with one chunk whose `choices` are empty and which carries
 //! the `usage`; [`Strip`] reads every event of the answer as it passes and drops that one.
+//! Cost: an event is told from its bytes when they show no `usage` and no `finish_reason` but
+//! `null` ([`plainly_other`]: every event but those two), and passed on as a slice of the frame
+//! that brought it; only the finishing and the usage chunks are read as JSON.
 //! - What vLLM 0.32 also changes (`chat_completion/serving.py`, `completion/serving.py`): with
 //!   `include_usage` it puts `system_fingerprint` on the usage chunk instead of on each chunk
 //!   that carries a `finish_reason` (one per choice: `n` of them, among the other choices'
@@ -38,11 +41,51 @@ use super::sse::EventScanner;
 /// The forwarded body of a streamed request asking for its usage, or `None` when the request
 /// is not streamed, already asks for usage, or is not an object this can read (forwarded as it
 /// came; the engine answers it).
+///
+/// NB (cost: this runs for every request of a tenant whose tokens are counted): a body without
+/// the bytes `true` cannot say `"stream": true` and is not read at all. Otherwise its
+/// top-level `stream` and `stream_options` are read without building the rest ([`Top`]); a
+/// streamed request without `stream_options` (the usual one) gets
+/// `,"stream_options":{"include_usage":true}` written before its closing brace, its other
+/// bytes forwarded as they came. `stream_options` given as `null` or an object is rewritten
+/// through a `serde_json` map ([`rewrite`]). The skipped values are checked as JSON but not
+/// as strictly as a map reads them (invalid UTF-8 is refused here too; a lone surrogate, a
+/// number beyond `f64` or nesting deeper than 128 are not): such a body, which an engine
+/// refuses, is then asked for its usage where a strict reading would have forwarded it as it
+/// came, and the engine's refusal passes unchanged.
 pub(crate) fn ask_usage(body: &[u8]) -> Option<Vec<u8>> {
-    let mut request: Map<String, Value> = serde_json::from_slice(body).ok()?;
-    if request.get("stream") != Some(&Value::Bool(true)) {
+    memchr::memmem::find(body, b"true")?;
+    std::str::from_utf8(body).ok()?;
+    let top: Top = serde_json::from_slice(body).ok()?;
+    if top.stream != Some(Value::Bool(true)) {
         return None;
     }
+    match top.stream_options {
+        None => {
+            // An object that read whole ends with its brace (then only whitespace).
+            let close = body.iter().rposition(|&b| b == b'}')?;
+            const ASK: &[u8] = br#","stream_options":{"include_usage":true}"#;
+            let mut out = Vec::with_capacity(body.len() + ASK.len());
+            out.extend_from_slice(&body[..close]);
+            out.extend_from_slice(ASK);
+            out.extend_from_slice(&body[close..]);
+            Some(out)
+        }
+        Some(Value::Null) => rewrite(body),
+        Some(Value::Object(options)) => {
+            if options.get("include_usage") == Some(&Value::Bool(true)) {
+                return None;
+            }
+            rewrite(body)
+        }
+        Some(_) => None,
+    }
+}
+
+/// [`ask_usage`] through a `serde_json` map, for a request whose `stream_options` is `null` or
+/// an object not asking for usage: `include_usage` set, `continuous_usage_stats` removed.
+fn rewrite(body: &[u8]) -> Option<Vec<u8>> {
+    let mut request: Map<String, Value> = serde_json::from_slice(body).ok()?;
     match request.get_mut("stream_options") {
         None | Some(Value::Null) => {
             let mut options = Map::new();
@@ -50,9 +93,6 @@ pub(crate) fn ask_usage(body: &[u8]) -> Option<Vec<u8>> {
             request.insert("stream_options".into(), Value::Object(options));
         }
         Some(Value::Object(options)) => {
-            if options.get("include_usage") == Some(&Value::Bool(true)) {
-                return None;
-            }
             options.insert("include_usage".into(), Value::Bool(true));
             options.remove("continuous_usage_stats");
         }
@@ -110,6 +150,74 @@ impl Engine {
     }
 }
 
+/// What [`ask_usage`] reads of a request: its top-level `stream` and `stream_options` (the
+/// last of each, as a map keeps them); every other value is checked and skipped, nothing of
+/// it built.
+struct Top {
+    stream: Option<Value>,
+    stream_options: Option<Value>,
+}
+
+impl<'de> Deserialize<'de> for Top {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Fields;
+        impl<'de> serde::de::Visitor<'de> for Fields {
+            type Value = Top;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Top, A::Error> {
+                let mut top = Top {
+                    stream: None,
+                    stream_options: None,
+                };
+                while let Some(key) = map.next_key::<TopKey>()? {
+                    match key {
+                        TopKey::Stream => top.stream = Some(map.next_value()?),
+                        TopKey::StreamOptions => top.stream_options = Some(map.next_value()?),
+                        TopKey::Other => {
+                            map.next_value::<serde::de::IgnoredAny>()?;
+                        }
+                    }
+                }
+                Ok(top)
+            }
+        }
+        deserializer.deserialize_map(Fields)
+    }
+}
+
+/// A key of [`Top`], read without keeping it.
+enum TopKey {
+    Stream,
+    StreamOptions,
+    Other,
+}
+
+impl<'de> Deserialize<'de> for TopKey {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Name;
+        impl serde::de::Visitor<'_> for Name {
+            type Value = TopKey;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a key")
+            }
+
+            fn visit_str<E: serde::de::Error>(self, key: &str) -> Result<TopKey, E> {
+                Ok(match key {
+                    "stream" => TopKey::Stream,
+                    "stream_options" => TopKey::StreamOptions,
+                    _ => TopKey::Other,
+                })
+            }
+        }
+        deserializer.deserialize_str(Name)
+    }
+}
+
 /// Takes the usage chunk out of a streamed answer (see the module's note).
 pub(crate) struct Strip {
     scanner: EventScanner,
@@ -149,6 +257,7 @@ struct Usage {
 }
 
 /// What one event is, to the strip.
+#[cfg_attr(test, derive(Debug, PartialEq))]
 enum Event {
     Usage {
         tokens: Option<u64>,
@@ -162,6 +271,18 @@ enum Event {
 }
 
 fn classify(event: &[u8]) -> Event {
+    if plainly_other(event) {
+        // `data: [DONE]` has neither key either: a short event is read to tell it.
+        if event.len() <= 32 && matches!(read(event), Event::Done) {
+            return Event::Done;
+        }
+        return Event::Other;
+    }
+    read(event)
+}
+
+/// What `event` is, from its JSON.
+fn read(event: &[u8]) -> Event {
     let mut data = None;
     for line in event.split(|&b| b == b'\n') {
         let line = line.strip_suffix(b"\r").unwrap_or(line);
@@ -177,9 +298,6 @@ fn classify(event: &[u8]) -> Event {
     };
     if data.trim_ascii() == b"[DONE]" {
         return Event::Done;
-    }
-    if !may_matter(data) {
-        return Event::Other;
     }
     let Ok(chunk) = serde_json::from_slice::<Chunk>(data) else {
         return Event::Other;
@@ -199,21 +317,28 @@ fn classify(event: &[u8]) -> Event {
     }
 }
 
-/// Whether `data` may be a usage chunk or a finishing one: it has a `"usage"` key, or a
-/// `"finish_reason"` that is not `null`. Most chunks (a token each) have neither and are not
-/// parsed: two SIMD searches instead of a JSON parse per event (about a third of the CPU the
-/// router spends on a streamed request of 16 tokens, by the proxy bench's `--tenants`).
-fn may_matter(data: &[u8]) -> bool {
-    static USAGE: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
-        std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"usage\""));
-    static FINISH: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
-        std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"finish_reason\""));
-    USAGE.find(data).is_some()
-        || FINISH.find_iter(data).any(|at| {
-            let rest = data[at + FINISH.needle().len()..].trim_ascii_start();
-            let rest = rest.strip_prefix(b":").unwrap_or(rest).trim_ascii_start();
-            !rest.starts_with(b"null")
-        })
+/// Whether `event` is [`Event::Other`] whatever its JSON says, seen from its bytes alone: no
+/// `usage` and no `finish_reason` with a value other than `null` (a key is written as its
+/// bytes unless it has a `\u` escape; then the JSON is read). Every event of a stream but the
+/// finishing and the usage ones is told this way, without reading its JSON (that reading was
+/// most of the strip's cost).
+fn plainly_other(event: &[u8]) -> bool {
+    use memchr::memmem::Finder;
+    use std::sync::LazyLock;
+    static ESCAPE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\\u"));
+    static USAGE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"usage\""));
+    static FINISH: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"finish_reason\""));
+    ESCAPE.find(event).is_none() && only_null(event, &USAGE) && only_null(event, &FINISH)
+}
+
+/// Whether every `key` (quoted) of `json` is followed by `: null` (with JSON's whitespace).
+fn only_null(json: &[u8], key: &memchr::memmem::Finder<'_>) -> bool {
+    key.find_iter(json).all(|at| {
+        json[at + key.needle().len()..]
+            .trim_ascii_start()
+            .strip_prefix(b":")
+            .is_some_and(|value| value.trim_ascii_start().starts_with(b"null"))
+    })
 }
 
 /// `event` (`data: {...}` and its blank line) with `"system_fingerprint":<fingerprint>` as its
@@ -256,19 +381,20 @@ impl Strip {
         if self.off {
             return data;
         }
-        let mut out = BytesMut::new();
+        let mut out = Out::new(&data);
         let mut at = 0;
         loop {
             match self.scanner.next_end(&data, at) {
                 Ok(Some(end)) => {
-                    if self.partial.is_empty() {
-                        self.event(data.slice(at..end), &mut out);
-                    } else {
-                        self.partial.extend_from_slice(&data[at..end]);
-                        let whole = std::mem::take(&mut self.partial).freeze();
-                        self.event(whole, &mut out);
-                    }
+                    let start = at;
                     at = end;
+                    if self.partial.is_empty() {
+                        self.event(Piece::Of(start, end), &mut out);
+                    } else {
+                        self.partial.extend_from_slice(&data[start..end]);
+                        let whole = std::mem::take(&mut self.partial).freeze();
+                        self.event(Piece::Held(whole), &mut out);
+                    }
                 }
                 Ok(None) => {
                     self.partial.extend_from_slice(&data[at..]);
@@ -284,13 +410,18 @@ impl Strip {
         if self.off || self.partial.len() + self.held_bytes > self.max_piece {
             self.off = true;
             self.release(&mut out, None);
-            out.extend_from_slice(&std::mem::take(&mut self.partial));
+            out.push(&std::mem::take(&mut self.partial));
         }
-        out.freeze()
+        out.finish()
     }
 
-    fn event(&mut self, event: Bytes, out: &mut BytesMut) {
-        match classify(&event) {
+    fn event(&mut self, piece: Piece, out: &mut Out<'_>) {
+        let data = out.data;
+        let event = match &piece {
+            Piece::Of(start, end) => &data[*start..*end],
+            Piece::Held(whole) => &whole[..],
+        };
+        match classify(event) {
             Event::Usage {
                 tokens,
                 fingerprint,
@@ -303,19 +434,17 @@ impl Strip {
                 self.release(out, fingerprint.as_deref());
             }
             Event::Finishing if self.held.is_empty() => match &self.engine.known {
-                Some(Some(fingerprint)) => {
-                    out.extend_from_slice(&with_fingerprint(&event, fingerprint))
-                }
-                Some(None) => out.extend_from_slice(&event),
-                None => self.hold(event, true),
+                Some(Some(fingerprint)) => out.push(&with_fingerprint(event, fingerprint)),
+                Some(None) => piece.send(out),
+                None => self.hold(piece.bytes(data), true),
             },
-            Event::Finishing => self.hold(event, true),
+            Event::Finishing => self.hold(piece.bytes(data), true),
             Event::Done => {
                 self.release(out, None);
-                out.extend_from_slice(&event);
+                piece.send(out);
             }
-            Event::Other if self.held.is_empty() => out.extend_from_slice(&event),
-            Event::Other => self.hold(event, false),
+            Event::Other if self.held.is_empty() => piece.send(out),
+            Event::Other => self.hold(piece.bytes(data), false),
         }
     }
 
@@ -325,11 +454,11 @@ impl Strip {
     }
 
     /// Sends what it holds, `fingerprint` written into the finishing chunks.
-    fn release(&mut self, out: &mut BytesMut, fingerprint: Option<&str>) {
+    fn release(&mut self, out: &mut Out<'_>, fingerprint: Option<&str>) {
         for (event, finishing) in self.held.drain(..) {
             match fingerprint {
-                Some(fp) if finishing => out.extend_from_slice(&with_fingerprint(&event, fp)),
-                _ => out.extend_from_slice(&event),
+                Some(fp) if finishing => out.push(&with_fingerprint(&event, fp)),
+                _ => out.push(&event),
             }
         }
         self.held_bytes = 0;
@@ -337,10 +466,81 @@ impl Strip {
 
     /// What it still holds, at the answer's end.
     pub(crate) fn finish(&mut self) -> Option<Bytes> {
-        let mut out = BytesMut::new();
+        let none = Bytes::new();
+        let mut out = Out::new(&none);
         self.release(&mut out, None);
-        out.extend_from_slice(&std::mem::take(&mut self.partial));
-        (!out.is_empty()).then(|| out.freeze())
+        out.push(&std::mem::take(&mut self.partial));
+        let rest = out.finish();
+        (!rest.is_empty()).then_some(rest)
+    }
+}
+
+/// One complete event of a frame: `data[start..end]` of the frame, or the bytes held across
+/// frames that it ends.
+enum Piece {
+    Of(usize, usize),
+    Held(Bytes),
+}
+
+impl Piece {
+    /// Its bytes, to keep (`data` is the frame it came in).
+    fn bytes(self, data: &Bytes) -> Bytes {
+        match self {
+            Piece::Of(start, end) => data.slice(start..end),
+            Piece::Held(whole) => whole,
+        }
+    }
+
+    /// Sends it unchanged.
+    fn send(self, out: &mut Out<'_>) {
+        match self {
+            Piece::Of(start, end) => out.pass(start, end),
+            Piece::Held(whole) => out.push(&whole),
+        }
+    }
+}
+
+/// What [`Strip::pass`] sends of one frame: while it is the frame's own start unchanged, a
+/// slice of the frame (nothing copied: what almost every frame is); else a copy.
+struct Out<'a> {
+    data: &'a Bytes,
+    /// The output so far is `data[..same]` (while `copy` is `None`).
+    same: usize,
+    copy: Option<BytesMut>,
+}
+
+impl<'a> Out<'a> {
+    fn new(data: &'a Bytes) -> Self {
+        Self {
+            data,
+            same: 0,
+            copy: None,
+        }
+    }
+
+    /// Sends `data[start..end]`.
+    fn pass(&mut self, start: usize, end: usize) {
+        if self.copy.is_none() && self.same == start {
+            self.same = end;
+        } else {
+            let data = self.data;
+            self.push(&data[start..end]);
+        }
+    }
+
+    /// Sends `bytes` (copied).
+    fn push(&mut self, bytes: &[u8]) {
+        let same = &self.data[..self.same];
+        self.copy
+            .get_or_insert_with(|| BytesMut::from(same))
+            .extend_from_slice(bytes);
+    }
+
+    fn finish(self) -> Bytes {
+        match self.copy {
+            Some(copy) => copy.freeze(),
+            None => self.data.slice(..self.same),
+        }
     }
 }
 
@@ -478,17 +678,21 @@ mod tests {
 
     #[test]
     fn only_chunks_with_a_usage_or_a_finish_reason_are_parsed() {
-        assert!(!may_matter(
+        assert!(plainly_other(
             br#"{"choices":[{"index":0,"finish_reason":null}]}"#
         ));
-        assert!(!may_matter(
+        assert!(plainly_other(
             br#"{"choices":[{"finish_reason" : null}],"x":"\"usage\""}"#
         ));
-        assert!(may_matter(br#"{"choices":[{"finish_reason": "stop"}]}"#));
-        assert!(may_matter(
+        assert!(!plainly_other(
+            br#"{"choices":[{"finish_reason": "stop"}]}"#
+        ));
+        assert!(!plainly_other(
             br#"{"choices":[{"index":0,"finish_reason":null},{"index":1,"finish_reason":"length"}]}"#
         ));
-        assert!(may_matter(br#"{"choices":[],"usage":{"total_tokens":3}}"#));
+        assert!(!plainly_other(
+            br#"{"choices":[],"usage":{"total_tokens":3}}"#
+        ));
         // A whitespace-formatted finishing chunk is still found.
         let spaced = "data: {\"choices\": [{\"index\": 0, \"finish_reason\": \"stop\"}]}\n\n";
         assert!(matches!(classify(spaced.as_bytes()), Event::Finishing));
@@ -518,6 +722,95 @@ mod tests {
         let long = Bytes::from_static(b"data: 0123456789012345678901234567890");
         assert_eq!(strip.pass(long.clone()), long);
         assert!(!strip.holds());
+    }
+
+    #[test]
+    fn only_the_finishing_and_usage_events_are_read_and_the_others_told_as_read() {
+        let events = [
+            "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"},\"finish_reason\":null}]}\n\n",
+            "data: {\"choices\":[{\"finish_reason\" : null,\"text\":\"say \\\"usage\\\": 1\"}],\"usage\":null}\n\n",
+            "data: {\"choices\":[{\"finish_reason\":\"stop\"}]}\n\n",
+            "data: {\"choices\":[{\"finish_reason\":\"stop\"}],\"system_fingerprint\":\"f\"}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"total_tokens\":5}}\n\n",
+            "data: {\"choices\":[],\"usage\" :\t{\"total_tokens\":5}}\n\n",
+            "data: {\"choices\":[{\"finish\\u005freason\":\"stop\"}]}\n\n",
+            "data: {\"choices\":[],\"\\u0075sage\":{\"total_tokens\":5}}\n\n",
+            "data: {\"choices\":[{\"finish_reason\":nul}]}\n\n",
+            "data: [DONE]\n\n",
+            ": keep-alive\n\n",
+        ];
+        let mut plain = 0;
+        for event in events {
+            let e = event.as_bytes();
+            assert_eq!(classify(e), read(e), "{event}");
+            plain += usize::from(plainly_other(e));
+        }
+        // The token chunks, `[DONE]` and a comment are told without reading.
+        assert_eq!(plain, 4);
+        assert_eq!(
+            read(events[6].as_bytes()),
+            Event::Finishing,
+            "an escaped key is read"
+        );
+    }
+
+    #[test]
+    fn a_frame_of_plain_events_passes_as_it_came() {
+        let mut strip = Strip::new(64 * 1024, Engine::new(&Arc::default(), &key(1)));
+        let first = WITH_USAGE.split_inclusive("\n\n").next().unwrap();
+        let frame = Bytes::from(format!("{first}{first}"));
+        let out = strip.pass(frame.clone());
+        assert_eq!(out, frame);
+        assert_eq!(out.as_ptr(), frame.as_ptr(), "not copied");
+        // Its start, while the rest waits for its end.
+        let frame = Bytes::from(format!("{first}data: {{\"cho"));
+        let out = strip.pass(frame.clone());
+        assert_eq!(out, first.as_bytes());
+        assert_eq!(out.as_ptr(), frame.as_ptr(), "not copied");
+    }
+
+    /// The spliced body says what the old rewrite through a map said, and keeps the client's
+    /// bytes otherwise.
+    #[test]
+    fn the_body_asking_for_usage_is_the_clients_with_the_option_added() {
+        let spliced = ask_usage(b"{\"model\":\"m\", \"stream\" : true }\n").unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(&spliced),
+            "{\"model\":\"m\", \"stream\" : true ,\"stream_options\":{\"include_usage\":true}}\n"
+        );
+        for body in [
+            &br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"a \"}\" \u00e9"}]}"#[..],
+            br#"{"stream":false,"stream":true}"#,
+            br#"{"model":"m","stream":true,"stream_options":null}"#,
+            br#"{"model":"m","stream":true,"stream_options":{"include_usage":false,"x":1}}"#,
+        ] {
+            let asked: Value = serde_json::from_slice(&ask_usage(body).unwrap()).unwrap();
+            let mut expected: Map<String, Value> = serde_json::from_slice(body).unwrap();
+            let options = expected
+                .entry("stream_options")
+                .or_insert(Value::Null);
+            if !options.is_object() {
+                *options = serde_json::json!({});
+            }
+            options["include_usage"] = Value::Bool(true);
+            assert_eq!(asked, Value::Object(expected), "{}", String::from_utf8_lossy(body));
+        }
+        for not_asked in [
+            &br#"{"stream":true,"stream":false}"#[..],
+            br#"{"stream":false,"echo":true}"#,
+            br#"{"stream":"true"}"#,
+            br#"{"stream":true,"stream_options":[]}"#,
+            br#"{"stream":true} x"#,
+            br#"[{"stream":true}]"#,
+            b"{\"stream\":true,\"x\":\"\xff\"}",
+        ] {
+            assert_eq!(
+                ask_usage(not_asked),
+                None,
+                "{}",
+                String::from_utf8_lossy(not_asked)
+            );
+        }
     }
 
     #[test]
