@@ -82,6 +82,25 @@ pub struct AdapterRoute {
     pub base: DeploymentId,
     /// The base's `adapters.max_loaded`: adapters loaded at once per instance.
     pub max_loaded: u32,
+    /// The field of a request's body that names the adapter to the base's engine, besides
+    /// `model` (SGLang's `lora_path`: its OpenAI routes run a request whose `model` is a bare
+    /// adapter name on the base); `None`: `model` alone does (vLLM). The engine rules say which
+    /// (`capyctl_engine_rules::adapters::adapter_request_field`).
+    pub request_field: Option<&'static str>,
+}
+
+impl AdapterRoute {
+    /// A request's JSON body with the adapter named in [`AdapterRoute::request_field`]
+    /// (replacing what the client put there); `None` when the engine needs no such field or
+    /// the body is not a JSON object (the request goes as it came).
+    #[must_use]
+    pub fn name_in_body(&self, body: &[u8]) -> Option<Vec<u8>> {
+        let field = self.request_field?;
+        let mut request: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_slice(body).ok()?;
+        request.insert(field.into(), serde_json::Value::String(self.name.clone()));
+        serde_json::to_vec(&request).ok()
+    }
 }
 
 /// A request's use of a loaded adapter ([`Lifecycle::acquire_adapter`]): dropping it ends the
