@@ -504,3 +504,34 @@ impl<T: LastUses + ?Sized> LastUses for Arc<T> {
         (**self).in_flight_of(deployment, index)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::AdapterRoute;
+
+    fn route(field: Option<&'static str>) -> AdapterRoute {
+        AdapterRoute {
+            id: "id".into(),
+            name: "support-bot".into(),
+            path: "/loras/support-bot".into(),
+            base: "base".into(),
+            max_loaded: 1,
+            request_field: field,
+        }
+    }
+
+    #[test]
+    fn the_adapter_is_named_in_the_engines_field() {
+        let body = br#"{"model":"support-bot","lora_path":"other","prompt":"hi"}"#;
+        let named = route(Some("lora_path")).name_in_body(body).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&named).unwrap();
+        assert_eq!(v["lora_path"], "support-bot", "the client's value replaced");
+        assert_eq!(v["model"], "support-bot", "model as it came");
+        assert_eq!(v["prompt"], "hi");
+        // vLLM: the body goes as it came; so does one that is not a JSON object.
+        assert_eq!(route(None).name_in_body(body), None);
+        assert_eq!(route(Some("lora_path")).name_in_body(b"[1]"), None);
+    }
+}

@@ -37,9 +37,9 @@
 //!   deadline, until its instance has the adapter loaded ([`Lifecycle::acquire_adapter`]);
 //!   the lease ends with the request's permit. It is forwarded with its `model` as it came
 //!   (the adapter's name, which vLLM serves), and with the adapter named in the field the
-//!   base's engine reads besides (`AdapterRoute::request_field`: SGLang's `lora_path`). An engine that answers 404 as if it had not
-//!   loaded it is answered `503 adapter_load_failed` (never the engine's 404), and the next
-//!   request loads it again.
+//!   base's engine reads besides (`AdapterRoute::request_field`: SGLang's `lora_path`). An
+//!   engine that answers 404 as if it had not loaded it is answered `503
+//!   adapter_load_failed` (never the engine's 404), and the next request loads it again.
 
 mod body;
 mod budget;

@@ -634,19 +634,17 @@ pub fn adapter_switches(capy: &Capy, name: &str) -> Vec<(Vec<String>, String)> {
 
 /// A process's command line (`/proc/<pid>/cmdline`), empty when it is gone.
 pub fn argv(pid: u32) -> Vec<String> {
-    std::fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|b| {
-            String::from_utf8_lossy(&b)
-                .split('\0')
-                .map(str::to_string)
-                .collect()
-        })
-        .unwrap_or_default()
+    proc_strings(pid, "cmdline")
 }
 
 /// The `NAME=value` entries of a process's environment (`/proc/<pid>/environ`).
 pub fn environ(pid: u32) -> Vec<String> {
-    std::fs::read(format!("/proc/{pid}/environ"))
+    proc_strings(pid, "environ")
+}
+
+/// The NUL-separated strings of `/proc/<pid>/<file>`, none when it cannot be read.
+fn proc_strings(pid: u32, file: &str) -> Vec<String> {
+    std::fs::read(format!("/proc/{pid}/{file}"))
         .map(|b| {
             String::from_utf8_lossy(&b)
                 .split('\0')
