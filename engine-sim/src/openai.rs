@@ -235,8 +235,11 @@ fn check_model(sim: &EngineSim, model: Option<&str>) -> Option<Response> {
 
 /// The LoRA adapter a request runs with, as `(name, directory)`: vLLM takes an adapter's name
 /// in `model` (the answer names it; an adapter not loaded is vLLM's 404 for an unknown model,
-/// as recorded: "Valid aliases" names the base only); SGLang takes it in `lora_path` (an
-/// adapter not loaded: 400). `Ok(None)`: the base model.
+/// as recorded: "Valid aliases" names the base only). SGLang 0.5.23
+/// (`OpenAIServingBase._resolve_lora_path`) does not look `model` up: an adapter named there
+/// as `base-model:adapter` ([`sglang_model_adapter`]) wins, else the one in `lora_path`, else
+/// the base runs, whatever `model` says; an adapter not loaded: 400. `Ok(None)`: the base
+/// model.
 fn requested_adapter(
     sim: &EngineSim,
     req: &GenerateRequest,
@@ -258,10 +261,12 @@ fn requested_adapter(
             _ => Ok(None),
         },
         Flavour::Sglang => {
-            if let Some(r) = check_model(sim, req.model.as_deref()) {
-                return Err(Box::new(r));
-            }
-            match req.lora_path.as_ref() {
+            let from_model = req
+                .model
+                .as_deref()
+                .and_then(|m| sglang_model_adapter(m, &sim.config().served_model_name))
+                .map(Value::String);
+            match from_model.as_ref().or(req.lora_path.as_ref()) {
                 None | Some(Value::Null) => Ok(None),
                 Some(Value::String(name)) => find(name).map(Some).ok_or_else(|| {
                     Box::new(bad_field(
@@ -281,6 +286,24 @@ fn requested_adapter(
             check_model(sim, req.model.as_deref()).map_or(Ok(None), |r| Err(Box::new(r)))
         }
     }
+}
+
+/// The adapter SGLang 0.5.23 reads in a request's `model` (`_parse_model_parameter`): none
+/// without a colon or for the served model's own name; else the text after the served name and
+/// a colon, or after the first colon, trimmed (none when empty).
+fn sglang_model_adapter(model: &str, served: &str) -> Option<String> {
+    if !model.contains(':') || model == served {
+        return None;
+    }
+    let adapter = match model
+        .strip_prefix(served)
+        .and_then(|rest| rest.strip_prefix(':'))
+    {
+        Some(rest) => rest,
+        None => model.split_once(':').map_or("", |(_, adapter)| adapter),
+    };
+    let adapter = adapter.trim();
+    (!adapter.is_empty()).then(|| adapter.to_string())
 }
 
 fn content_text(content: &Value) -> Result<String, String> {
@@ -421,6 +444,8 @@ async fn generate(sim: Arc<EngineSim>, body: Bytes, kind: Kind) -> Response {
         created: unix_now(),
         model: match (&adapter, sim.config().flavour) {
             (Some((name, _)), Flavour::Vllm) => name.clone(),
+            // SGLang echoes the request's `model` (its default: "default").
+            (_, Flavour::Sglang) => req.model.clone().unwrap_or_else(|| "default".into()),
             _ => sim.config().served_model_name.clone(),
         },
         kind,

@@ -173,7 +173,8 @@ async fn a_hanging_load_never_answers_and_holds_the_next() {
     assert!(names(&sim.state().await).is_empty());
 }
 
-/// SGLang: loads, lists (with the base as parent), runs a request through `lora_path`, and
+/// SGLang: loads, lists (with the base as parent), runs a request through `lora_path` or
+/// `model: "base:adapter"` (a bare adapter name in `model` runs the base), and
 /// beyond `--max-loaded-loras` a load succeeds and unloads the least recently used adapter
 /// (SGLang 0.5.23 refuses none: `load_lora_adapter` evicts by LRU).
 #[tokio::test]
@@ -240,6 +241,28 @@ async fn sglang_loads_lists_and_unloads_adapters() {
     let (_, without) = sim.post("/v1/completions", ask(Value::Null)).await;
     let text = |b: &str| serde_json::from_str::<Value>(b).unwrap()["choices"][0]["text"].clone();
     assert_ne!(text(&with), text(&without));
+    // SGLang 0.5.23 reads an adapter in `model` only as `base-model:adapter`, which wins over
+    // `lora_path` (`b` is not loaded); a bare adapter name in `model` runs on the base, and
+    // `model` is echoed as it came.
+    let ask_as = |model: &str, lora: Value| json!({"model": model, "prompt": "hello", "max_tokens": 4, "lora_path": lora});
+    let (status, colon) = sim
+        .post("/v1/completions", ask_as("base:a", json!("b")))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{colon}");
+    assert_eq!(text(&colon), text(&with));
+    let (status, colon) = sim
+        .post("/v1/completions", ask_as("other:a", Value::Null))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{colon}");
+    assert_eq!(text(&colon), text(&with));
+    let (status, bare) = sim.post("/v1/completions", ask_as("a", Value::Null)).await;
+    assert_eq!(status, StatusCode::OK, "{bare}");
+    assert_eq!(
+        text(&bare),
+        text(&without),
+        "a bare adapter name runs the base"
+    );
+    assert_eq!(serde_json::from_str::<Value>(&bare).unwrap()["model"], "a");
     let (status, _) = sim.post("/v1/completions", ask(json!("b"))).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     let (status, text) = sim

@@ -82,6 +82,25 @@ pub struct AdapterRoute {
     pub base: DeploymentId,
     /// The base's `adapters.max_loaded`: adapters loaded at once per instance.
     pub max_loaded: u32,
+    /// The field of a request's body that names the adapter to the base's engine, besides
+    /// `model` (SGLang's `lora_path`: its OpenAI routes run a request whose `model` is a bare
+    /// adapter name on the base); `None`: `model` alone does (vLLM). The engine rules say which
+    /// (`capyctl_engine_rules::adapters::adapter_request_field`).
+    pub request_field: Option<&'static str>,
+}
+
+impl AdapterRoute {
+    /// A request's JSON body with the adapter named in [`AdapterRoute::request_field`]
+    /// (replacing what the client put there); `None` when the engine needs no such field or
+    /// the body is not a JSON object (the request goes as it came).
+    #[must_use]
+    pub fn name_in_body(&self, body: &[u8]) -> Option<Vec<u8>> {
+        let field = self.request_field?;
+        let mut request: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_slice(body).ok()?;
+        request.insert(field.into(), serde_json::Value::String(self.name.clone()));
+        serde_json::to_vec(&request).ok()
+    }
 }
 
 /// A request's use of a loaded adapter ([`Lifecycle::acquire_adapter`]): dropping it ends the
@@ -483,5 +502,36 @@ impl<T: LastUses + ?Sized> LastUses for Arc<T> {
 
     fn in_flight_of(&self, deployment: &str, index: u32) -> usize {
         (**self).in_flight_of(deployment, index)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::AdapterRoute;
+
+    fn route(field: Option<&'static str>) -> AdapterRoute {
+        AdapterRoute {
+            id: "id".into(),
+            name: "support-bot".into(),
+            path: "/loras/support-bot".into(),
+            base: "base".into(),
+            max_loaded: 1,
+            request_field: field,
+        }
+    }
+
+    #[test]
+    fn the_adapter_is_named_in_the_engines_field() {
+        let body = br#"{"model":"support-bot","lora_path":"other","prompt":"hi"}"#;
+        let named = route(Some("lora_path")).name_in_body(body).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&named).unwrap();
+        assert_eq!(v["lora_path"], "support-bot", "the client's value replaced");
+        assert_eq!(v["model"], "support-bot", "model as it came");
+        assert_eq!(v["prompt"], "hi");
+        // vLLM: the body goes as it came; so does one that is not a JSON object.
+        assert_eq!(route(None).name_in_body(body), None);
+        assert_eq!(route(Some("lora_path")).name_in_body(b"[1]"), None);
     }
 }

@@ -8,6 +8,7 @@ use capyctl_spec::api::{DeployOutcome, DeployReceipt, DeploymentView, SwitchCaus
 use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::errors::ApiError;
 
+use crate::adapters::Retired;
 use crate::errors::not_found;
 use crate::state::State;
 use crate::{Core, placement};
@@ -118,7 +119,7 @@ impl Core {
                 })
                 .await;
             for name in revised {
-                self.adapters.forget(&name);
+                self.adapters.retire(&name, Retired::Revised);
             }
         }
         self.flush_due().await;
@@ -198,7 +199,7 @@ impl Core {
             .await;
         // An adapter's new revision (its files): what is loaded is the old one.
         if let (Some(name), DeployOutcome::Updated) = (adapter, applied.1) {
-            self.adapters.forget(&name);
+            self.adapters.retire(&name, Retired::Revised);
         }
         applied
     }
@@ -264,7 +265,9 @@ impl Core {
             .await;
         result?;
         if view.spec.adapter.is_some() {
-            self.adapters.forget(&view.name);
+            // Unloaded from the engines once its running requests end; new ones get the
+            // page's 404 (its name no longer resolves).
+            self.adapters.retire(&view.name, Retired::Deleted);
         }
         self.config.metrics.forget_deployment(&id);
         self.save_logged(&id).await;

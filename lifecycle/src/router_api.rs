@@ -12,6 +12,7 @@ use capyctl_spec::errors::ApiError;
 use tokio::time::Instant;
 
 use crate::Core;
+use crate::adapters::Retired;
 use crate::names::{Named, named};
 use crate::state::unit_of_key;
 use crate::switches::victim_entry;
@@ -54,7 +55,39 @@ impl Lifecycle for Core {
         deadline: Instant,
     ) -> BoxFuture<'a, Result<AdapterLease, ApiError>> {
         let limit = usize::try_from(self.config.waiting_limit).unwrap_or(usize::MAX);
-        Box::pin(self.adapters.acquire(instance, adapter, deadline, limit))
+        Box::pin(async move {
+            // Deleted since the request resolved its name (it waited for its base): the
+            // page's 404, before a load and after one.
+            if matches!(
+                self.adapter_now(adapter),
+                AdapterNow::Gone | AdapterNow::Replaced
+            ) {
+                return Err(not_an_adapter(adapter));
+            }
+            let lease = self
+                .adapters
+                .acquire(instance, adapter, deadline, limit)
+                .await?;
+            match self.adapter_now(adapter) {
+                AdapterNow::Same => Ok(lease),
+                // Loaded from the files it had: this request runs on them, the next loads
+                // the new ones.
+                AdapterNow::Revised => {
+                    self.adapters.retire(&adapter.name, Retired::Revised);
+                    Ok(lease)
+                }
+                // What it loaded goes (another adapter of its name loads its own files).
+                gone => {
+                    drop(lease);
+                    let why = match gone {
+                        AdapterNow::Replaced => Retired::Revised,
+                        _ => Retired::Deleted,
+                    };
+                    self.adapters.retire(&adapter.name, why);
+                    Err(not_an_adapter(adapter))
+                }
+            }
+        })
     }
 
     fn adapter_loaded_on(&self, adapter: &str) -> Vec<InstanceKey> {
@@ -129,5 +162,36 @@ impl Lifecycle for Core {
 
     fn engine_idle<'a>(&'a self, instance: &'a InstanceKey) -> BoxFuture<'a, bool> {
         Box::pin(self.idle_engine(instance))
+    }
+}
+
+/// What became of the adapter a request resolved, by the time it runs.
+#[derive(Debug, PartialEq, Eq)]
+enum AdapterNow {
+    /// The same adapter, the same files.
+    Same,
+    /// The same adapter with new files (a new revision).
+    Revised,
+    /// Deleted, and another adapter of that name deployed since.
+    Replaced,
+    /// Deleted.
+    Gone,
+}
+
+impl Core {
+    fn adapter_now(&self, adapter: &AdapterRoute) -> AdapterNow {
+        self.read(|inner| match inner.adapter_route(&adapter.name) {
+            Some(now) if now.id == adapter.id && now.path == adapter.path => AdapterNow::Same,
+            Some(now) if now.id == adapter.id => AdapterNow::Revised,
+            Some(_) => AdapterNow::Replaced,
+            None => AdapterNow::Gone,
+        })
+    }
+}
+
+/// The page's 404 for an adapter deleted while its request waited.
+fn not_an_adapter(adapter: &AdapterRoute) -> ApiError {
+    ApiError::ModelNotFound {
+        model: adapter.name.clone(),
     }
 }

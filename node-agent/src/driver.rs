@@ -55,7 +55,10 @@
 //! so the others are dropped from the engine and read from disk again when a request names
 //! them), and its unload only takes the name off the API server's list, freeing nothing in
 //! the engine. SGLang 0.5.23 does not refuse a load beyond `--max-loaded-loras` either: it
-//! unloads its least recently used adapter. So CapyCTL keeps to `max_loaded` itself.
+//! unloads its least recently used adapter. So CapyCTL keeps to `max_loaded` itself. A request
+//! runs with an adapter on vLLM when its `model` is the adapter's name; SGLang needs the name
+//! in `lora_path` as well ([`adapter_request_field`]: a bare adapter name in `model` runs on
+//! SGLang's base).
 //!
 //! Every call is one [`EngineCall`] of the tables below ([`VLLM_CALLS`], [`SGLANG_CALLS`],
 //! [`TENSORFOLD_CALLS`]): method, path with its query, and body. `tests/contract.rs` checks each
@@ -473,6 +476,10 @@ pub fn engine_calls(engine: EngineKind) -> &'static [EngineCall] {
         Tensorfold => TENSORFOLD_CALLS,
     }
 }
+
+/// The field of an inference request's body that names its LoRA adapter besides `model`
+/// (an engine rule the lifecycle routes with, written once in `capyctl-engine-rules`).
+pub use capyctl_engine_rules::adapters::{SGLANG_ADAPTER_FIELD, adapter_request_field};
 
 fn by_engine(
     engine: EngineKind,

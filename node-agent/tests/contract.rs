@@ -26,7 +26,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use capyctl_interfaces::spec::AdapterSlots;
-use capyctl_node_agent::driver::{CallBody, Endpoint, EngineCall, Verb, engine_calls};
+use capyctl_node_agent::driver::{
+    CallBody, Endpoint, EngineCall, Verb, adapter_request_field, engine_calls,
+};
 use capyctl_node_agent::launch::{SGLANG_STATE_CACHE_FLAG, launch_command, max_running_flag};
 use capyctl_node_agent::load::metric_names;
 use capyctl_node_agent::spec::{DecisionSpec, EngineLaunch, InstanceSpec};
@@ -377,6 +379,42 @@ fn vllm_launch_flags_are_flags_of_vllm_0_32_0() {
 #[test]
 fn sglang_launch_flags_are_flags_of_sglang_0_5_23() {
     check_flags(EngineKind::Sglang);
+}
+
+/// The field that names a request's LoRA adapter besides `model` (`adapter_request_field`,
+/// which the router sets in the bodies it forwards): SGLang's is an optional field of the
+/// request models of both OpenAI routes that takes a string (a bare adapter name in `model`
+/// runs SGLang's base); vLLM needs none (`model` names a loaded adapter), nor TensorFold (no
+/// adapters).
+#[test]
+fn the_adapter_request_field_is_one_sglang_reads() {
+    let sglang = Contract::of(EngineKind::Sglang);
+    let field = adapter_request_field(EngineKind::Sglang).expect("SGLang needs a field");
+    for (path, model) in [
+        ("/v1/completions", "CompletionRequest"),
+        ("/v1/chat/completions", "ChatCompletionRequest"),
+    ] {
+        assert_eq!(
+            sglang
+                .routes
+                .get(&("POST".to_string(), path.to_string()))
+                .map(String::as_str),
+            Some(model),
+            "POST {path}"
+        );
+        assert_eq!(
+            sglang.fields.get(model).and_then(|f| f.get(field)),
+            Some(&false),
+            "`{field}` is an optional field of {model}"
+        );
+        let kinds = sglang
+            .kinds
+            .get(&(model.to_string(), field.to_string()))
+            .unwrap_or_else(|| panic!("{model}.{field}: no kinds in the extract"));
+        assert!(kinds.contains("string"), "{model}.{field}: {kinds:?}");
+    }
+    assert_eq!(adapter_request_field(EngineKind::Vllm), None);
+    assert_eq!(adapter_request_field(EngineKind::Tensorfold), None);
 }
 
 #[test]

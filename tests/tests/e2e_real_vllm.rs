@@ -15,6 +15,14 @@
 //!   answer); `start --evict`, `park`; kill -9 of CapyCTL and adoption of both engines (same
 //!   pids, no second engine); `stop` of a parked model and of a start in progress; SIGTERM
 //!   leaves nothing running.
+//! - [`real_vllm_adapters_through_the_inference_listener`]: a base with `adapters:
+//!   {max_loaded: 1, max_rank: 8}` and the two tiny PEFT adapters of the environment (one
+//!   engine start): vLLM's LoRA flags on its command line; requests naming each adapter in
+//!   turn answer through it (greedy answers unlike the base's; the other adapter unloaded, as
+//!   vLLM's own `/v1/models` shows), switch records of cause `adapter`, `/v1/models` and the
+//!   load read naming the loaded one; a directory that is no PEFT adapter answers 503
+//!   `adapter_load_failed` with vLLM's reason while the base and the adapters serve on; a
+//!   delete unloads the adapter from vLLM.
 //! - [`real_vllm_faults_and_a_node_agent`]: an unknown flag in `extra_args` (the engine exits
 //!   at once; the deployment fails naming vLLM's own error line, requests get the page's error
 //!   and never hang), a model directory that does not exist, the engine's port taken, then a
@@ -35,7 +43,7 @@
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{Read, Write};
+use std::io::Read;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -43,8 +51,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use support::{
-    AGENT_TOKEN, Capy, NodeAgent, Response, assert_error, request_within, start_node_agent,
-    temp_dir,
+    AGENT_TOKEN, Capy, NodeAgent, Response, adapter_switches, assert_error, environ,
+    request_within, start_node_agent, temp_dir,
 };
 
 /// One real-vLLM test at a time: each runs up to two engines.
@@ -63,13 +71,19 @@ impl RealVllm {
     /// `CAPYCTL_REAL_VLLM` is not `1`, or when `CAPYCTL_REAL_VLLM` is `0`; a missing
     /// environment with `CAPYCTL_REAL_VLLM=1` fails.
     fn find(test: &str) -> Option<RealVllm> {
-        let needs = [
+        Self::find_with(test, &[])
+    }
+
+    /// [`RealVllm::find`], needing `more` files of the environment too.
+    fn find_with(test: &str, more: &[&str]) -> Option<RealVllm> {
+        let mut needs = vec![
             "ready",
             "venv/bin/vllm",
             "venv/bin/python",
             "models/tiny-a/config.json",
             "models/tiny-b/config.json",
         ];
+        needs.extend_from_slice(more);
         support::real_vllm_home(test, &needs).map(|home| RealVllm { home })
     }
 
@@ -297,27 +311,12 @@ fn all_answered(model: &str, wave: Vec<std::thread::JoinHandle<Response>>) {
 /// A streamed chat request left open once its first piece of content has arrived; what was
 /// read so far.
 fn open_stream(addr: SocketAddr, model: &str, max_tokens: u32) -> (TcpStream, String) {
-    let body = chat_body(model, max_tokens, true);
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(ENGINE_PATIENCE)).unwrap();
-    write!(
-        s,
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
+    support::open_stream(
+        addr,
+        "/v1/chat/completions",
+        &chat_body(model, max_tokens, true),
+        ENGINE_PATIENCE,
     )
-    .unwrap();
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 4096];
-    while !String::from_utf8_lossy(&seen).contains("\"content\":\"") {
-        let n = s.read(&mut buf).unwrap();
-        assert!(
-            n > 0,
-            "the stream ended before any content: {}",
-            String::from_utf8_lossy(&seen)
-        );
-        seen.extend_from_slice(&buf[..n]);
-    }
-    (s, String::from_utf8_lossy(&seen).into_owned())
 }
 
 /// `status --json` of `name`, its first instance.
@@ -781,6 +780,236 @@ fn real_vllm_two_models_on_one_gpu() {
     );
 }
 
+/// A greedy completion through `addr`: the status, the text and the whole answer.
+fn complete(addr: SocketAddr, model: &str) -> (u16, String, serde_json::Value) {
+    let body = serde_json::json!({"model": model, "prompt": "the quick brown fox",
+                                  "max_tokens": 8, "temperature": 0});
+    let r = request_within(
+        addr,
+        "POST",
+        "/v1/completions",
+        &[("content-type", "application/json")],
+        body.to_string().as_bytes(),
+        ENGINE_PATIENCE,
+    );
+    let v: serde_json::Value = serde_json::from_str(&r.body).unwrap_or_default();
+    let text = v["choices"][0]["text"]
+        .as_str()
+        .map_or_else(|| r.body.clone(), str::to_string);
+    (r.status, text, v)
+}
+
+/// The adapters vLLM itself lists (`GET /v1/models` on the engine's port: the entries whose
+/// `parent` is the base).
+fn vllm_adapters(capy: &Capy, base: &str) -> Vec<String> {
+    let port = instance(capy, base)["port"].as_u64().unwrap();
+    let engine = SocketAddr::from(([127, 0, 0, 1], u16::try_from(port).unwrap()));
+    let r = request_within(engine, "GET", "/v1/models", &[], b"", ENGINE_PATIENCE);
+    assert_eq!(r.status, 200, "{r:?}");
+    let mut names: Vec<String> = r.json()["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["parent"].is_string())
+        .map(|m| m["id"].as_str().unwrap().to_string())
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn real_vllm_adapters_through_the_inference_listener() {
+    let Some(env) = RealVllm::find_with(
+        "real_vllm_adapters_through_the_inference_listener",
+        &[
+            "loras/tiny-a-lora-1/adapter_config.json",
+            "loras/tiny-a-lora-2/adapter_config.json",
+        ],
+    ) else {
+        return;
+    };
+    let _turn = TURN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let tag = run_tag("adapters");
+    let _reaper = Reaper(tag.clone());
+    let dir = temp_dir("real-vllm-adapters-standalone");
+    let not_peft = dir.join("not-peft");
+    std::fs::create_dir_all(&not_peft).unwrap();
+    std::fs::write(not_peft.join("config.json"), "{}").unwrap();
+    let adapter = |name: &str, path: &Path| {
+        format!(
+            "name: {name}\nadapter: {{base: tiny-a, path: \"{}\"}}\n",
+            path.display()
+        )
+    };
+    let lora = |n: &str| env.home.join("loras").join(n);
+    let doc = document(
+        &env,
+        &tag,
+        "10GiB",
+        &[
+            format!(
+                "{}adapters: {{max_loaded: 1, max_rank: 8}}\n",
+                tiny("tiny-a", &env.model("tiny-a"), &[])
+            ),
+            adapter("lora-1", &lora("tiny-a-lora-1")),
+            adapter("lora-2", &lora("tiny-a-lora-2")),
+            adapter("not-peft", &not_peft),
+        ],
+    );
+    let began = Instant::now();
+    let capy = Capy::start(&dir, &doc);
+    let addr = capy.inference;
+
+    step("the base starts on its first request, launched with vLLM's LoRA flags");
+    let (status, plain, _) = complete(addr, "tiny-a");
+    assert_eq!(status, 200, "{plain}");
+    state_is(&capy, "tiny-a", "ready");
+    let pid = pid_of(&capy, "tiny-a");
+    assert_eq!(engines(&tag), BTreeSet::from([pid]));
+    let argv = support::argv(pid);
+    let value_of = |flag: &str| {
+        argv.iter()
+            .position(|a| a == flag)
+            .and_then(|i| argv.get(i + 1))
+            .map(String::as_str)
+    };
+    assert!(argv.iter().any(|a| a == "--enable-lora"), "{argv:?}");
+    assert_eq!(value_of("--max-loras"), Some("1"), "{argv:?}");
+    assert_eq!(value_of("--max-lora-rank"), Some("8"), "{argv:?}");
+    assert!(
+        environ(pid).contains(&"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True".to_string()),
+        "the engine's environment"
+    );
+    assert!(vllm_adapters(&capy, "tiny-a").is_empty());
+
+    step("adapter lora-1: loaded on demand, answered through it");
+    let t = Instant::now();
+    let (status, one, v) = complete(addr, "lora-1");
+    assert_eq!(status, 200, "{one}");
+    eprintln!(
+        "lora-1's first answer (its load included): {:.0} ms",
+        t.elapsed().as_secs_f64() * 1e3
+    );
+    assert_eq!(v["model"], "lora-1", "{v}");
+    assert_ne!(one, plain, "the adapter changes the greedy answer");
+    assert_eq!(vllm_adapters(&capy, "tiny-a"), ["lora-1"]);
+    let models = capy_models(&capy);
+    assert_eq!(
+        models.get("lora-1").map(String::as_str),
+        Some("loaded"),
+        "{models:?}"
+    );
+    assert_eq!(
+        models.get("lora-2").map(String::as_str),
+        Some("unloaded"),
+        "{models:?}"
+    );
+    let load = capy
+        .management_get("/management/v1/metrics/load?deployment=tiny-a")
+        .json();
+    assert_eq!(
+        load["deployments"][0]["instances"][0]["adapters"],
+        serde_json::json!(["lora-1"]),
+        "{load}"
+    );
+
+    step("adapter lora-2: lora-1 is unloaded first (max_loaded 1)");
+    let (status, two, v) = complete(addr, "lora-2");
+    assert_eq!(status, 200, "{two}");
+    assert_eq!(v["model"], "lora-2", "{v}");
+    assert_ne!(two, plain, "the adapter changes the greedy answer");
+    assert_eq!(vllm_adapters(&capy, "tiny-a"), ["lora-2"]);
+
+    step("lora-1 again: loaded again, the same greedy answer");
+    let (status, again, _) = complete(addr, "lora-1");
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(again, one);
+    assert_eq!(vllm_adapters(&capy, "tiny-a"), ["lora-1"]);
+    let records = adapter_switches(&capy, "lora-1");
+    let count = |phase: &str| {
+        records
+            .iter()
+            .filter(|(phases, outcome)| phases == &[phase.to_string()] && outcome == "ok")
+            .count()
+    };
+    assert_eq!(
+        (count("adapter_load"), count("adapter_unload")),
+        (2, 1),
+        "{records:?}"
+    );
+    let records = adapter_switches(&capy, "lora-2");
+    assert!(
+        records
+            .iter()
+            .any(|(phases, outcome)| phases == &["adapter_unload".to_string()] && outcome == "ok"),
+        "{records:?}"
+    );
+
+    step("a directory that is no PEFT adapter: 503 adapter_load_failed with vLLM's reason");
+    let r = request_within(
+        addr,
+        "POST",
+        "/v1/completions",
+        &[("content-type", "application/json")],
+        br#"{"model": "not-peft", "prompt": "the quick brown fox", "max_tokens": 8}"#,
+        ENGINE_PATIENCE,
+    );
+    let message = assert_error(&r, 503, "adapter_load_failed", true);
+    eprintln!("not-peft: {message}");
+    assert!(
+        message.contains("not-peft") && message.contains("No adapter found for"),
+        "{message}"
+    );
+    // The base and the adapters serve on, with their own answers.
+    assert_eq!(complete(addr, "tiny-a").1, plain);
+    assert_eq!(complete(addr, "lora-2").1, two);
+    assert_eq!(complete(addr, "lora-1").1, one);
+    assert_eq!(pid_of(&capy, "tiny-a"), pid, "the same engine throughout");
+
+    step("delete lora-1: vLLM unloads it, its requests get the page's 404");
+    capy.cli(&["delete", "deployment", "lora-1"]).ok();
+    wait_for("lora-1 unloaded from vLLM", Duration::from_secs(60), || {
+        vllm_adapters(&capy, "tiny-a").is_empty().then_some(())
+    });
+    let (status, answer, _) = complete(addr, "lora-1");
+    assert_eq!(status, 404, "{answer}");
+    assert!(answer.contains("model_not_found"), "{answer}");
+    assert_eq!(complete(addr, "lora-2").1, two);
+
+    assert_eq!(capy.terminate(), 0);
+    nothing_left(&tag, "after SIGTERM");
+    eprintln!(
+        "real_vllm_adapters_through_the_inference_listener: {:.0} s",
+        began.elapsed().as_secs_f64()
+    );
+}
+
+/// CapyCTL's own `GET /v1/models`: each model's state by name.
+fn capy_models(capy: &Capy) -> BTreeMap<String, String> {
+    let r = request_within(
+        capy.inference,
+        "GET",
+        "/v1/models",
+        &[],
+        b"",
+        ENGINE_PATIENCE,
+    );
+    assert_eq!(r.status, 200, "{r:?}");
+    r.json()["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["id"].as_str().unwrap().to_string(),
+                m["state"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect()
+}
+
 /// A node agent (`capyctl start host`) as host `agent-box` with a declared 10 GiB GPU, the real
 /// vLLM (through the CPU wrapper) as its engine.
 fn start_agent(env: &RealVllm, tag: &str, dir: &Path) -> NodeAgent {
@@ -867,11 +1096,7 @@ fn real_vllm_faults_and_a_node_agent() {
     // engine has started): vLLM binds it only after its imports, seconds later.
     let port = wait_for("port-taken's engine launched", ENGINE_PATIENCE, || {
         engines(&tag).into_iter().find_map(|pid| {
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-            let args: Vec<String> = String::from_utf8_lossy(&cmdline)
-                .split('\0')
-                .map(str::to_string)
-                .collect();
+            let args = support::argv(pid);
             let at = args.iter().position(|a| a == "--port")?;
             args.get(at + 1)?.parse::<u16>().ok()
         })

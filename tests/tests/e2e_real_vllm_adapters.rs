@@ -31,7 +31,7 @@ use std::time::Instant;
 
 use serde_json::{Value, json};
 
-use support::{AGENT_TOKEN, start_node_agent, temp_dir};
+use support::{AGENT_TOKEN, environ, start_node_agent, temp_dir};
 
 /// The real-vLLM environment with its adapters, or `None` (skipped: see
 /// [`support::real_vllm_home`]).
@@ -92,18 +92,6 @@ fn complete(base: &str, model: &str) -> (u16, String) {
     (status, text)
 }
 
-/// The `NAME=value` entries of a process's environment.
-fn environ(pid: u64) -> Vec<String> {
-    std::fs::read(format!("/proc/{pid}/environ"))
-        .map(|b| {
-            String::from_utf8_lossy(&b)
-                .split('\0')
-                .map(str::to_string)
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 #[test]
 fn real_vllm_adapters_through_the_node_agent() {
     let Some(home) = environment() else {
@@ -148,12 +136,8 @@ fn real_vllm_adapters_through_the_node_agent() {
     let (status, started) = http("POST", &format!("{v1}/start"), Some(&spec), true);
     assert_eq!(status, 200, "{started}");
     let base = started["base_url"].as_str().unwrap().to_string();
-    let pid = started["pid"].as_u64().unwrap();
-    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
-    let argv: Vec<String> = String::from_utf8_lossy(&cmdline)
-        .split('\0')
-        .map(str::to_string)
-        .collect();
+    let pid = u32::try_from(started["pid"].as_u64().unwrap()).unwrap();
+    let argv = support::argv(pid);
     let at = |flag: &str| argv.iter().position(|a| a == flag);
     assert!(at("--enable-lora").is_some(), "{argv:?}");
     assert_eq!(

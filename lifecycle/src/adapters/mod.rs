@@ -23,6 +23,8 @@ use tokio::time::Instant;
 
 use policy::{Acquired, Decided, Effect, Outcome, Slots, WaiterId};
 
+pub use policy::Retired;
+
 pub use capyctl_interfaces::router::AdapterLease;
 
 /// The engine calls the owner's effects are (implemented by the lifecycle over its host
@@ -158,12 +160,14 @@ impl Adapters {
         self.lock().slots.lost(key, adapter);
     }
 
-    /// Adapter `name` was deleted or given new files: unloaded where it is idle, forgotten
-    /// everywhere ([`Slots::forget`]).
-    pub fn forget(&self, name: &str) {
-        let effects = self.lock().slots.forget(name);
-        for effect in effects {
-            self.run(effect);
+    /// Adapter `name` was deleted or given new files (`why`): retired on every instance
+    /// ([`Slots::retire`]): it serves no new request, its running requests finish untouched,
+    /// and it is unloaded from the engine once none runs (a switch record of cause `adapter`);
+    /// requests waiting for a deleted one get the page's 404.
+    pub fn retire(&self, name: &str, why: Retired) {
+        let all = self.lock().slots.retire(name, why);
+        for decided in all {
+            self.apply(decided);
         }
     }
 

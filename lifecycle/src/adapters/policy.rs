@@ -20,8 +20,15 @@
 //! running and no waiting request; else nothing (every loaded adapter is busy): it waits
 //! until a request ends. A load that fails fails the requests waiting for that adapter and
 //! changes nothing else.
+//!
+//! An adapter deleted, or given new files, is *retired* ([`Slots::retire`]): where it is
+//! loaded it serves no new request, its running requests finish untouched, and it is unloaded
+//! as soon as none runs (before anything else the instance does); a load of it in progress, or
+//! an engine list not read yet, retires it as it comes in. Requests waiting for a deleted one
+//! fail with the page's 404 `model_not_found`; a waiter for one given new files loads them once
+//! the old ones are unloaded.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use capyctl_interfaces::router::{AdapterRoute, InstanceKey};
 use capyctl_spec::errors::ApiError;
@@ -79,6 +86,17 @@ pub(crate) enum Acquired {
 struct Loaded {
     running: u32,
     last_used: u64,
+    /// Deleted or given new files: unloaded once no request runs on it, granted to none.
+    retired: bool,
+}
+
+/// Why an adapter is retired ([`Slots::retire`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retired {
+    /// It was deleted: the requests waiting for it get the page's 404.
+    Deleted,
+    /// Its files changed (a new revision): waiters load the new files after the unload.
+    Revised,
 }
 
 #[derive(Debug)]
@@ -94,6 +112,9 @@ struct Instance {
     waiting: VecDeque<Waiter>,
     /// The engine's list has been read.
     listed: bool,
+    /// Adapters retired while they could still come in (their load in progress, the engine's
+    /// list not read yet): retired when they do.
+    retiring: BTreeSet<String>,
     /// This instance's use counter (`Loaded::last_used`).
     uses: u64,
 }
@@ -126,6 +147,7 @@ impl Slots {
         if inst.listed
             && inst.op != Some(Op::Unload(adapter.name.clone()))
             && let Some(l) = inst.loaded.get_mut(&adapter.name)
+            && !l.retired
         {
             inst.uses += 1;
             l.running += 1;
@@ -173,24 +195,37 @@ impl Slots {
         match (inst.op.take(), outcome) {
             (Some(Op::List), Outcome::Listed(listed)) => {
                 inst.listed = true;
+                let retiring = std::mem::take(&mut inst.retiring);
                 inst.loaded = listed
                     .unwrap_or_default()
                     .into_iter()
-                    .map(|name| (name, Loaded::default()))
+                    .map(|name| {
+                        let retired = retiring.contains(&name);
+                        (
+                            name,
+                            Loaded {
+                                retired,
+                                ..Loaded::default()
+                            },
+                        )
+                    })
                     .collect();
             }
             (Some(Op::Load(name)), Outcome::Loaded(Ok(()))) => {
                 inst.uses += 1;
                 let last_used = inst.uses;
+                let retired = inst.retiring.remove(&name);
                 inst.loaded.insert(
                     name,
                     Loaded {
                         running: 0,
                         last_used,
+                        retired,
                     },
                 );
             }
             (Some(Op::Load(name)), Outcome::Loaded(Err(e))) => {
+                inst.retiring.remove(&name);
                 let e = as_load_failure(&name, e);
                 inst.waiting.retain(|w| {
                     let mine = w.adapter.name == name;
@@ -201,6 +236,13 @@ impl Slots {
                 });
             }
             (Some(Op::Unload(name)), Outcome::Unloaded(Ok(()))) => {
+                inst.loaded.remove(&name);
+            }
+            (Some(Op::Unload(name)), Outcome::Unloaded(Err(_)))
+                if inst.loaded.get(&name).is_some_and(|l| l.retired) =>
+            {
+                // A retired one is not tried again (the engine refused: whatever it keeps is
+                // out of CapyCTL's hands until the base restarts); no waiter wanted its room.
                 inst.loaded.remove(&name);
             }
             (Some(Op::Unload(name)), Outcome::Unloaded(Err(e))) => {
@@ -246,34 +288,61 @@ impl Slots {
         failed
     }
 
-    /// Adapter `name` was deleted, or its files changed: no instance has it as loaded any
-    /// more. Each instance that has it idle, with no operation in progress, unloads it (the
-    /// effects answered); where a request still runs on it, or another operation is in
-    /// progress, it is only forgotten (the engine keeps it until its base restarts, and a load
-    /// of a new adapter of that name may then be refused).
-    pub(crate) fn forget(&mut self, name: &str) -> Vec<Effect> {
-        let mut effects = Vec::new();
-        for (key, inst) in &mut self.instances {
-            let Some(l) = inst.loaded.get(name) else {
+    /// Adapter `name` was deleted or given new files (`why`): on every instance it is retired
+    /// (see the module doc). Answers, per instance touched, what to do there: the requests
+    /// waiting for a deleted one fail with `model_not_found`, and an idle one is unloaded now.
+    pub(crate) fn retire(&mut self, name: &str, why: Retired) -> Vec<Decided> {
+        let keys: Vec<InstanceKey> = self.instances.keys().cloned().collect();
+        let mut all = Vec::new();
+        for key in keys {
+            let Some(inst) = self.instances.get_mut(&key) else {
                 continue;
             };
-            if l.running == 0 && inst.op.is_none() {
-                inst.op = Some(Op::Unload(name.to_string()));
-                effects.push(Effect::Unload(key.clone(), name.to_string()));
-            } else {
-                inst.loaded.remove(name);
+            let mut decided = Decided::default();
+            if let Some(l) = inst.loaded.get_mut(name) {
+                l.retired = true;
+            }
+            if !inst.listed || inst.op == Some(Op::Load(name.to_string())) {
+                inst.retiring.insert(name.to_string());
+            }
+            if why == Retired::Deleted {
+                inst.waiting.retain(|w| {
+                    let mine = w.adapter.name == name;
+                    if mine {
+                        decided.failed.push((
+                            w.id,
+                            ApiError::ModelNotFound {
+                                model: name.to_string(),
+                            },
+                        ));
+                    }
+                    !mine
+                });
+            }
+            let next = self.next(&key);
+            decided.granted.extend(next.granted);
+            decided.failed.extend(next.failed);
+            decided.effect = next.effect;
+            if decided != Decided::default() {
+                all.push(decided);
             }
         }
-        effects
+        all
     }
 
-    /// The adapters each instance has loaded, as far as known (read from its engine once).
+    /// The adapters each instance has loaded, as far as known (read from its engine once),
+    /// but the retired ones (on their way out).
     pub(crate) fn loaded_on(&self) -> Vec<(InstanceKey, Vec<String>)> {
         self.instances
             .iter()
             .filter(|(_, i)| i.listed)
             .map(|(k, i)| {
-                let mut names: Vec<String> = i.loaded.keys().cloned().collect();
+                let mut names: Vec<String> = i
+                    .loaded
+                    .iter()
+                    .filter(|(_, l)| !l.retired)
+                    .map(|(name, _)| name.clone())
+                    .collect();
                 names.sort();
                 (k.clone(), names)
             })
@@ -287,7 +356,7 @@ impl Slots {
             .iter()
             .filter(|(_, i)| {
                 i.listed
-                    && i.loaded.contains_key(name)
+                    && i.loaded.get(name).is_some_and(|l| !l.retired)
                     && !matches!(&i.op, Some(Op::Unload(n)) if n == name)
             })
             .map(|(k, _)| k.clone())
@@ -340,6 +409,18 @@ impl Slots {
             }
             return decided;
         }
+        // A retired adapter that no request runs on goes first.
+        if let Some(name) = inst
+            .loaded
+            .iter()
+            .filter(|(_, l)| l.retired && l.running == 0)
+            .map(|(name, _)| name.clone())
+            .min()
+        {
+            inst.op = Some(Op::Unload(name.clone()));
+            decided.effect = Some(Effect::Unload(key.clone(), name));
+            return decided;
+        }
         let Instance {
             loaded,
             waiting,
@@ -347,7 +428,7 @@ impl Slots {
             ..
         } = inst;
         waiting.retain(|w| match loaded.get_mut(&w.adapter.name) {
-            Some(l) => {
+            Some(l) if !l.retired => {
                 *uses += 1;
                 l.running += 1;
                 l.last_used = *uses;
@@ -356,9 +437,14 @@ impl Slots {
                     .push((w.id, key.clone(), w.adapter.name.clone()));
                 false
             }
-            None => true,
+            _ => true,
         });
-        let Some(first) = waiting.front() else {
+        // The first waiter whose adapter is not loaded decides (one waiting for a retired
+        // adapter still running waits for its unload without holding up the others).
+        let Some(first) = waiting
+            .iter()
+            .find(|w| !loaded.contains_key(&w.adapter.name))
+        else {
             return decided;
         };
         let max = usize::try_from(first.adapter.max_loaded).unwrap_or(usize::MAX);
@@ -367,11 +453,12 @@ impl Slots {
             decided.effect = Some(Effect::Load(key.clone(), first.adapter.clone()));
             return decided;
         }
-        // Every waiter wants an adapter not loaded (the loaded ones' were granted above), so
-        // a loaded adapter is busy only through its running requests.
+        // Every waiter wants an adapter not loaded or retired (the loaded ones' were granted
+        // above), so a loaded adapter is busy only through its running requests; a retired
+        // one goes once they end (above).
         let victim = loaded
             .iter()
-            .filter(|(_, l)| l.running == 0)
+            .filter(|(_, l)| l.running == 0 && !l.retired)
             .min_by_key(|(name, l)| (l.last_used, name.as_str()))
             .map(|(name, _)| name.clone());
         if let Some(victim) = victim {

@@ -151,6 +151,11 @@ impl State {
             path: adapter.path.clone(),
             base: base.rec.id.clone(),
             max_loaded: base.rec.doc.adapters.as_ref().map_or(1, |a| a.max_loaded),
+            request_field: base
+                .rec
+                .doc
+                .engine
+                .and_then(capyctl_engine_rules::adapters::adapter_request_field),
         })
     }
 

@@ -1,7 +1,8 @@
 //! The adapter owner's rules under tokio's paused clock, over a scripted engine: least recently
 //! used unloaded first, busy adapters kept, loads serialized per instance, one load for every
 //! request waiting for it, waits bounded by the deadline and the waiting limit, failures that
-//! change nothing else, and the engine's list after a reset.
+//! change nothing else, the engine's list after a reset, and adapters deleted or given new files
+//! while requests run on them (unloaded once those end).
 #![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeSet;
@@ -14,7 +15,7 @@ use capyctl_interfaces::router::{AdapterRoute, InstanceKey};
 use capyctl_spec::errors::ApiError;
 use tokio::time::Instant;
 
-use super::{Adapters, Engines};
+use super::{Adapters, Engines, Retired};
 
 const LOAD: Duration = Duration::from_millis(40);
 const LONG: Duration = Duration::from_secs(600);
@@ -99,6 +100,7 @@ fn route(name: &str, max_loaded: u32) -> AdapterRoute {
         path: format!("/loras/{name}"),
         base: "base".into(),
         max_loaded,
+        request_field: None,
     }
 }
 
@@ -302,4 +304,105 @@ async fn after_a_reset_the_engines_list_is_what_is_loaded() {
             .unwrap(),
     );
     assert_eq!(script.calls().last().unwrap(), "load x");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_deleted_adapter_is_unloaded_once_its_running_requests_end() {
+    let (script, a) = setup();
+    let k = key(1);
+    let one = a.acquire(&k, &route("x", 2), deadline(), 8).await.unwrap();
+    let two = a.acquire(&k, &route("x", 2), deadline(), 8).await.unwrap();
+    drop(a.acquire(&k, &route("y", 2), deadline(), 8).await.unwrap());
+    a.retire("x", Retired::Deleted);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        script.calls(),
+        ["list", "load x", "load y"],
+        "x runs two requests: left alone"
+    );
+    // Shown nowhere, preferred nowhere, from the delete on.
+    assert_eq!(a.loaded_on(), [(k.clone(), vec!["y".to_string()])]);
+    assert!(a.holding("x").is_empty());
+    drop(one);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(script.calls().len(), 3, "one request still runs on x");
+    drop(two);
+    tokio::time::sleep(LOAD).await;
+    assert_eq!(script.calls(), ["list", "load x", "load y", "unload x"]);
+    assert_eq!(script.most_at_once.load(Ordering::SeqCst), 1);
+    // Its room is free: z loads without unloading y.
+    drop(a.acquire(&k, &route("z", 2), deadline(), 8).await.unwrap());
+    assert_eq!(script.calls()[4..], ["load z"]);
+    assert_eq!(a.loaded_on(), [(k, vec!["y".to_string(), "z".to_string()])]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_adapter_deleted_while_it_loads_fails_its_waiters_and_is_unloaded() {
+    let (script, a) = setup();
+    let k = key(1);
+    let waiters: Vec<_> = (0..2)
+        .map(|_| {
+            let (a, k) = (a.clone(), k.clone());
+            tokio::spawn(async move {
+                let began = Instant::now();
+                let e = a
+                    .acquire(&k, &route("x", 2), deadline(), 8)
+                    .await
+                    .err()
+                    .unwrap();
+                (began.elapsed(), e)
+            })
+        })
+        .collect();
+    tokio::time::sleep(LOAD / 4).await;
+    assert_eq!(script.calls(), ["list", "load x"]);
+    a.retire("x", Retired::Deleted);
+    for w in waiters {
+        let (waited, e) = w.await.unwrap();
+        assert_eq!(
+            waited,
+            LOAD / 4,
+            "answered at the delete, not after the load"
+        );
+        assert_eq!((e.status(), e.code()), (404, "model_not_found"));
+        assert!(e.message().contains('x'), "{}", e.message());
+    }
+    // The load in progress ends; what it loaded is unloaded at once.
+    tokio::time::sleep(2 * LOAD).await;
+    assert_eq!(script.calls(), ["list", "load x", "unload x"]);
+    assert!(script.loaded.lock().unwrap().is_empty());
+    assert_eq!(a.loaded_on(), [(k, Vec::new())]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn new_files_load_once_the_old_ones_are_unloaded() {
+    let (script, a) = setup();
+    let k = key(1);
+    let old = a.acquire(&k, &route("x", 2), deadline(), 8).await.unwrap();
+    a.retire("x", Retired::Revised);
+    // A request for the new files waits for the old ones' requests to end.
+    let waiting = {
+        let (a, k) = (a.clone(), k.clone());
+        tokio::spawn(async move {
+            let began = Instant::now();
+            let lease = a.acquire(&k, &route("x", 2), deadline(), 8).await;
+            (began.elapsed(), lease.map(drop))
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(script.calls(), ["list", "load x"], "the old x still runs");
+    // Another adapter is not held up meanwhile.
+    drop(a.acquire(&k, &route("y", 2), deadline(), 8).await.unwrap());
+    drop(old);
+    let (waited, lease) = waiting.await.unwrap();
+    lease.unwrap();
+    assert_eq!(
+        script.calls(),
+        ["list", "load x", "load y", "unload x", "load x"]
+    );
+    assert_eq!(
+        waited,
+        Duration::from_secs(5) + 3 * LOAD,
+        "y's load, then the unload and the load"
+    );
 }

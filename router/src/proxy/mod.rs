@@ -35,10 +35,11 @@
 //! - A request that names a LoRA adapter (DESIGN 4.9; [`Proxy::with_adapters`]) is admitted
 //!   as a request for its base (the name resolves to the base), then waits, within the same
 //!   deadline, until its instance has the adapter loaded ([`Lifecycle::acquire_adapter`]);
-//!   the lease ends with the request's permit. It is forwarded as it came (its `model` is the
-//!   adapter's name, which the engine serves). An engine that answers 404 as if it had not
-//!   loaded it is answered `503 adapter_load_failed` (never the engine's 404), and the next
-//!   request loads it again.
+//!   the lease ends with the request's permit. It is forwarded with its `model` as it came
+//!   (the adapter's name, which vLLM serves), and with the adapter named in the field the
+//!   base's engine reads besides (`AdapterRoute::request_field`: SGLang's `lora_path`). An
+//!   engine that answers 404 as if it had not loaded it is answered `503
+//!   adapter_load_failed` (never the engine's 404), and the next request loads it again.
 
 mod body;
 mod budget;
@@ -584,6 +585,14 @@ impl<A: Admission> Proxy<A> {
                 lifecycle.adapter_loaded_on(&route.name)
             });
         drop(model);
+        // The base's engine may need the adapter named in a field of its own (SGLang's
+        // `lora_path`; see `AdapterRoute::request_field`).
+        if let Some(named) = adapter
+            .as_ref()
+            .and_then(|(_, route)| route.name_in_body(&body))
+        {
+            body = body.with_bytes(Bytes::from(named));
+        }
         // A tenant whose tokens are limited: a streamed request is asked for its usage, which
         // its answer's tap then takes back out (see `usage`).
         let mut strip = false;

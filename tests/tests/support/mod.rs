@@ -580,6 +580,80 @@ pub fn chat(addr: SocketAddr, model: &str, stream: bool) -> Response {
     )
 }
 
+/// A streamed request (`POST path` with JSON `body`) left open once its first piece of content
+/// has arrived (a `"content":"` or `"text":"` in an event); the stream, and what was read so
+/// far. `patience` bounds each read.
+pub fn open_stream(
+    addr: SocketAddr,
+    path: &str,
+    body: &str,
+    patience: Duration,
+) -> (TcpStream, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(patience)).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let so_far = String::from_utf8_lossy(&seen);
+        if so_far.contains("\"content\":\"") || so_far.contains("\"text\":\"") {
+            break;
+        }
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream ended before any content: {so_far}");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    (s, String::from_utf8_lossy(&seen).into_owned())
+}
+
+/// The switch records of cause `adapter` whose target is adapter `name` (`GET
+/// /management/v1/switches`): each one's phases and outcome.
+pub fn adapter_switches(capy: &Capy, name: &str) -> Vec<(Vec<String>, String)> {
+    let v = capy.management_get("/management/v1/switches").json();
+    v["switches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["deployment"] == name && s["cause"] == "adapter")
+        .map(|s| {
+            let phases = s["phases"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| p["phase"].as_str().unwrap().to_string())
+                .collect();
+            (phases, s["outcome"].as_str().unwrap_or("").to_string())
+        })
+        .collect()
+}
+
+/// A process's command line (`/proc/<pid>/cmdline`), empty when it is gone.
+pub fn argv(pid: u32) -> Vec<String> {
+    proc_strings(pid, "cmdline")
+}
+
+/// The `NAME=value` entries of a process's environment (`/proc/<pid>/environ`).
+pub fn environ(pid: u32) -> Vec<String> {
+    proc_strings(pid, "environ")
+}
+
+/// The NUL-separated strings of `/proc/<pid>/<file>`, none when it cannot be read.
+fn proc_strings(pid: u32, file: &str) -> Vec<String> {
+    std::fs::read(format!("/proc/{pid}/{file}"))
+        .map(|b| {
+            String::from_utf8_lossy(&b)
+                .split('\0')
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// Asserts a catalogue error: status, code, message and `retryable`; returns the message.
 #[track_caller]
 pub fn assert_error(r: &Response, status: u16, code: &str, retryable: bool) -> String {
