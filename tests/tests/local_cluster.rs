@@ -419,6 +419,9 @@ async fn install(prefix: &str, values: &[&str], test: &str) -> Release {
     };
     let node_name = node.name_any();
     let started = Instant::now();
+    // This checkout's CRDs: Helm installs a chart's CRDs only where there are none, and the
+    // cluster's etcd keeps those of an older checkout across `down` and `up`.
+    cluster::install_crds(&client).await;
 
     // The node is a GPU host (values-local.yaml declares its GPU in host.gpus).
     let label = serde_json::json!({"metadata": {"labels": {"capyctl.io/gpu-host": "true"}}});
