@@ -32,7 +32,7 @@ use kube::{CustomResource, CustomResourceExt};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use capyctl_spec::api::DeploymentView;
+use capyctl_spec::api::{DeploymentView, adapter_state};
 use capyctl_spec::documents::{DeploymentDoc, DocumentError, KeyPath, Origin, Problem, Seg};
 use capyctl_spec::settings::{
     ADMISSION_WINDOW_BOUNDS, MAX_BUFFERED_BYTES_TOTAL_BOUNDS, MAX_PENDING_PER_DEPLOYMENT_BOUNDS,
@@ -317,10 +317,12 @@ pub struct DeploymentStatus {
     /// The deployment's ID (a ULID).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deployment_id: Option<String>,
-    /// The deployment's state, derived from its instances (STATE of capyctl list deployments).
+    /// The deployment's state (STATE of capyctl list deployments): derived from its
+    /// instances (stopped, starting, ready, parked, ...); for an adapter (spec.adapter) loaded
+    /// when an instance of its base has it loaded, else unloaded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(transform = field_description_wins)]
-    pub state: Option<InstanceState>,
+    #[schemars(transform = state_words)]
+    pub state: Option<String>,
     /// Ready instances over replicas, e.g. 1/3 (READY of capyctl list deployments).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ready: Option<String>,
@@ -420,6 +422,21 @@ pub struct MeasurementStatus {
     /// Why the measurement failed, when it did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
+}
+
+/// The words `status.state` takes: every instance state, and an adapter's `loaded` and
+/// `unloaded` ([`capyctl_spec::api::listed_state`], what the operator writes there).
+pub fn deployment_states() -> Vec<&'static str> {
+    InstanceState::ALL
+        .iter()
+        .map(|s| s.as_str())
+        .chain([adapter_state(true), adapter_state(false)])
+        .collect()
+}
+
+/// `status.state`'s schema: a string of [`deployment_states`].
+fn state_words(schema: &mut schemars::Schema) {
+    schema.insert("enum".to_string(), deployment_states().into());
 }
 
 /// The instances of deployment `v` that are ready, and the replicas of the revision that runs

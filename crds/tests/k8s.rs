@@ -192,6 +192,17 @@ fn deployment_crd_shape() {
             .unwrap()
             .starts_with("The deployment's state")
     );
+    // STATE as `capyctl list deployments` shows it: an instance state, or an adapter's
+    // `loaded` / `unloaded` (the API server refuses a status with any other word).
+    let states = &status["properties"]["state"]["enum"];
+    assert_eq!(states, &serde_json::json!(k8s::deployment_states()));
+    for word in ["stopped", "ready", "parked", "failed", "loaded", "unloaded"] {
+        assert!(
+            states.as_array().unwrap().iter().any(|s| s == word),
+            "{word}: {states}"
+        );
+    }
+    assert_eq!(status["properties"]["state"]["type"], "string");
 }
 
 #[test]

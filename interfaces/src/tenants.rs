@@ -41,6 +41,15 @@ pub struct TenantRate {
 /// (a rotated key works from the next request; requests in flight keep their tenant).
 pub trait TenantTable: Send + Sync + 'static {
     /// Replaces every tenant. `Err` names what is wrong (an empty or repeated key, a tenant
-    /// with no models, a rate of 0) and changes nothing.
-    fn replace(&self, tenants: Vec<Tenant>) -> Result<(), String>;
+    /// with no models, a rate of 0) and changes nothing. With `keys_required` every request
+    /// needs a key even when `tenants` is empty (tenants are configured whose keys are all
+    /// left out, e.g. a `Tenant` object whose Secret is missing: its keys get 401 like any
+    /// other, and the listener does not fall open); without it, no tenant means no key.
+    fn replace_requiring(&self, tenants: Vec<Tenant>, keys_required: bool) -> Result<(), String>;
+
+    /// [`TenantTable::replace_requiring`] where the tenants given are all there is: keys are
+    /// asked for while there is a tenant.
+    fn replace(&self, tenants: Vec<Tenant>) -> Result<(), String> {
+        self.replace_requiring(tenants, false)
+    }
 }

@@ -32,6 +32,9 @@
 //!    is, says why in `Accepted=False` and a Warning event, and keeps `observedGeneration`;
 //! 4. the status from the lifecycle's view ([`super::status`]), written only when it changed.
 //!
+//! A base of adapters (`spec.adapters`) deployed for the first time has every CR reconciled
+//! again while some spec is refused: an adapter applied before its base is then taken at once.
+//!
 //! Parks, wakes and failures happen without any change of the CR: [`Reconciler::sync_status`]
 //! (looped by [`Reconciler::run_status_sync`]) reads every known deployment's view and writes
 //! the changed statuses.
@@ -706,6 +709,14 @@ impl Reconciler {
             Ok(doc) => match self.lifecycle.deploy(doc).await {
                 Ok(receipt) => {
                     observed_generation = generation;
+                    // A new base of adapters: the adapter objects refused for want of it (applied
+                    // before it) are taken now, not at their next requeue.
+                    if receipt.outcome == DeployOutcome::Created
+                        && receipt.deployment.spec.adapters.is_some()
+                        && self.known().values().any(|k| k.refused.is_some())
+                    {
+                        self.retrigger();
+                    }
                     happening = match receipt.outcome {
                         DeployOutcome::Created => Some(Happening::normal(
                             "Deployed",

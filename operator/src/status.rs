@@ -17,6 +17,13 @@
 //! document alone says: `restart_only`, TensorFold, decision models). A spec the lifecycle
 //! refused adds `Accepted=False` (reason `invalid_spec`) and keeps `observedGeneration` at the
 //! generation that is still running.
+//!
+//! STATE (`status.state`) is what `capyctl list deployments` shows
+//! ([`capyctl_spec::api::listed_state`]): the view's state, or for an adapter (`spec.adapter`)
+//! `loaded` while an instance of its base has it loaded, else `unloaded`; an adapter's READY is
+//! the list's too (its base's instances that have it loaded, over theirs), and it has no
+//! `replicas`, `measurement` nor `Parkable` condition (it is loaded into its base, which has
+//! those).
 
 use capyctl_crds::{
     Deployment, DeploymentStatus, InstanceStatus, MeasurementSource, MeasurementState,
@@ -24,7 +31,9 @@ use capyctl_crds::{
 };
 use capyctl_node_agent::AgentError;
 use capyctl_node_agent::tier::{NoParkReason, ParkChoice, ParkTier};
-use capyctl_spec::api::{ConditionView, DeploymentView, InstanceView, MeasurementView};
+use capyctl_spec::api::{
+    ConditionView, DeploymentView, InstanceView, MeasurementView, listed_state,
+};
 use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::{EngineKind, Residency};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
@@ -254,11 +263,18 @@ pub fn deployment_status(input: StatusInput<'_>) -> DeploymentStatus {
     };
     if let Some(v) = input.view {
         status.deployment_id = Some(v.id.clone());
-        status.state = Some(v.state);
-        let (ready, replicas) = capyctl_crds::ready_replicas(v);
-        status.ready = Some(format!("{ready}/{replicas}"));
-        status.replicas = Some(replicas);
-        status.ready_replicas = Some(ready);
+        // As `capyctl list deployments` shows it: an adapter's `loaded` / `unloaded`.
+        status.state = Some(listed_state(v));
+        if v.spec.adapter.is_some() {
+            // READY as listed: its base's instances that have it loaded, over theirs. It has
+            // no replicas of its own (its base's are the scale's).
+            status.ready = Some(v.ready.clone());
+        } else {
+            let (ready, replicas) = capyctl_crds::ready_replicas(v);
+            status.ready = Some(format!("{ready}/{replicas}"));
+            status.replicas = Some(replicas);
+            status.ready_replicas = Some(ready);
+        }
         status.revision = Some(v.revision);
         // As `capyctl list deployments` prints it: `-` for none.
         status.hosts = Some(if v.hosts.is_empty() {
@@ -267,11 +283,16 @@ pub fn deployment_status(input: StatusInput<'_>) -> DeploymentStatus {
             v.hosts.join(",")
         });
         status.instances = v.instances.iter().map(instance_status).collect();
-        let measured = v.conditions.iter().find(|c| c.kind == conditions::MEASURED);
-        status.measurement = Some(measurement_status(v.measurement.as_ref(), measured));
+        // An adapter is loaded into its base's engine: it has no checkpoint of its own to
+        // measure, and it never parks (its base does).
+        if v.spec.adapter.is_none() {
+            let measured = v.conditions.iter().find(|c| c.kind == conditions::MEASURED);
+            status.measurement = Some(measurement_status(v.measurement.as_ref(), measured));
+        }
         views.extend(v.conditions.iter().cloned());
     }
-    if !views.iter().any(|c| c.kind == conditions::PARKABLE) {
+    let adapter = input.view.is_some_and(|v| v.spec.adapter.is_some());
+    if !adapter && !views.iter().any(|c| c.kind == conditions::PARKABLE) {
         views.push(input.parkability.condition());
     }
     if let Some(why) = input.refused {
@@ -438,7 +459,7 @@ mod tests {
             at(0),
         ));
         assert_eq!(s.deployment_id.as_deref(), Some("01KDEP"));
-        assert_eq!(s.state, Some(InstanceState::Ready));
+        assert_eq!(s.state.as_deref(), Some("ready"));
         assert_eq!(s.ready.as_deref(), Some("1/1"));
         assert_eq!((s.replicas, s.ready_replicas), (Some(1), Some(1)));
         assert_eq!(s.revision, Some(2));
@@ -476,11 +497,64 @@ mod tests {
         assert_eq!(s.hosts.as_deref(), Some("-"));
     }
 
+    /// An adapter's view as the lifecycle gives it: `ready` with the instances of its base that
+    /// have it loaded, `stopped` with none (`capyctl_lifecycle`'s adapter view).
+    fn adapter_view(loaded: bool) -> DeploymentView {
+        let mut v = view(
+            if loaded {
+                InstanceState::Ready
+            } else {
+                InstanceState::Stopped
+            },
+            loaded,
+        );
+        v.name = "support-bot".into();
+        // Its base has two instances; one has it loaded.
+        v.ready = format!("{}/2", u8::from(loaded));
+        v.spec = doc(
+            "name: support-bot\nadapter: {base: chat-a, path: /capyctl/adapters/support-bot}\n",
+        );
+        v.measurement = None;
+        v.conditions = vec![cond(
+            "Ready",
+            if loaded { "True" } else { "False" },
+            if loaded { "loaded" } else { "unloaded" },
+        )];
+        if !loaded {
+            v.instances.clear();
+        }
+        v
+    }
+
+    #[test]
+    fn an_adapter_is_loaded_or_unloaded_as_the_list_shows_it() {
+        for (loaded, word) in [(true, "loaded"), (false, "unloaded")] {
+            let v = adapter_view(loaded);
+            let s = deployment_status(input(Some(&v), &Parkability::Unknown, None, at(0)));
+            assert_eq!(s.state.as_deref(), Some(word));
+            assert_eq!(s.state, Some(capyctl_spec::api::listed_state(&v)));
+            // READY as listed (the base's instances with it over theirs), no replicas of its
+            // own; nothing of a checkpoint or of parking: the base has those.
+            assert_eq!(s.ready.as_deref(), Some(v.ready.as_str()));
+            assert_eq!((s.replicas, s.ready_replicas), (None, None));
+            assert_eq!(s.measurement, None);
+            let types: Vec<&str> = s.conditions.iter().map(|c| c.type_.as_str()).collect();
+            assert_eq!(types, ["Ready"], "{word}");
+            assert_eq!(s.conditions[0].reason, word);
+            // The API server takes the word: the CRD's schema lists it.
+            assert!(capyctl_crds::deployment_states().contains(&word));
+        }
+        // A base (or any other deployment) keeps its instance state.
+        let v = view(InstanceState::Stopped, false);
+        let s = deployment_status(input(Some(&v), &Parkability::Unknown, None, at(0)));
+        assert_eq!(s.state.as_deref(), Some("stopped"));
+    }
+
     #[test]
     fn a_parked_instance_shows_its_residency() {
         let v = view(InstanceState::Parked, false);
         let s = deployment_status(input(Some(&v), &Parkability::Unknown, None, at(0)));
-        assert_eq!(s.state, Some(InstanceState::Parked));
+        assert_eq!(s.state.as_deref(), Some("parked"));
         assert_eq!(s.ready.as_deref(), Some("0/1"));
         assert_eq!(s.instances[0].residency, Some(Residency::HostBacked));
     }

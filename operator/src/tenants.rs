@@ -1,6 +1,6 @@
 //! The tenants of the inference listener on Kubernetes (DESIGN 4.10): the `Tenant` objects of
 //! one namespace and the Secrets their keys are in, watched, made into the whole tenant set and
-//! handed to the router's key check ([`TenantTable::replace`]) on every change, so that a
+//! handed to the router's key check ([`TenantTable::replace_requiring`]) on every change, so that a
 //! rotated key works without a restart; and each object's `status` says whether it is in use.
 //!
 //! [`decide`] is the pure policy (objects and Secrets in, the set and each object's verdict
@@ -15,6 +15,10 @@
 //!   name, keeps it) or given twice: `KeyRepeated`;
 //! - the table refuses the set (a rule of its own): every tenant is `Refused` with its words,
 //!   and the table keeps the set it had.
+//!
+//! Keys are asked for while any `Tenant` object exists, also when every one is left out (the
+//! table is told `keys_required`): a Secret deleted makes its keys 401, never the listener
+//! open to requests without a key. With no `Tenant` object no key is asked for.
 //!
 //! Key values are never logged nor written in a status: a status names the Secret and key.
 //!
@@ -380,7 +384,8 @@ async fn run(
     let mut secret_events = watcher::watcher(secrets, config).default_backoff().boxed();
     let mut objects = Known::<TenantObject>::new();
     let mut known_secrets = Known::<Secret>::new();
-    let mut applied: Option<Vec<Tenant>> = None;
+    // The set handed to the table, and whether keys are asked for (any Tenant object).
+    let mut applied: Option<(Vec<Tenant>, bool)> = None;
     loop {
         let changed = tokio::select! {
             e = tenant_events.next() => match e {
@@ -412,11 +417,19 @@ async fn run(
             continue;
         }
         let (set, mut verdicts) = decide(&objects.objects, &known_secrets.objects);
-        if applied.as_ref() != Some(&set) {
-            match table.replace(set.clone()) {
+        // A Tenant object left out (its Secret missing, ...) still means keys are asked for:
+        // its keys get 401 and the listener never falls open to requests without a key.
+        let required = !objects.objects.is_empty();
+        let next = (set, required);
+        if applied.as_ref() != Some(&next) {
+            match table.replace_requiring(next.0.clone(), required) {
                 Ok(()) => {
-                    tracing::info!(tenants = set.len(), "the tenant set changed");
-                    applied = Some(set);
+                    tracing::info!(
+                        tenants = next.0.len(),
+                        keys_required = required,
+                        "the tenant set changed"
+                    );
+                    applied = Some(next);
                 }
                 Err(why) => {
                     tracing::warn!(error = %why, "the router refused the tenant set; it keeps the one it had");

@@ -139,7 +139,7 @@ async fn two_hosts(client: Client, kubeconfig: &std::path::Path, ns: &str) {
         let api = api.clone();
         async move {
             let status = api.get(name).await.ok()?.status?;
-            Some((status.state, status.hosts))
+            Some((status.state.and_then(|s| s.parse().ok()), status.hosts))
         }
     };
     for name in ["chat-a", "chat-b"] {
@@ -263,6 +263,205 @@ async fn against_a_cluster_replicas_run_on_two_nodes_and_scale_down() {
     replicas_over_nodes(ns.client.clone(), &kubeconfig, &ns.name).await;
 }
 
+/// A PEFT adapter directory `name` under `dir` (its `adapter_config.json`, rank 8).
+fn peft(dir: &std::path::Path, name: &str) -> String {
+    let at = dir.join("loras").join(name);
+    std::fs::create_dir_all(&at).unwrap();
+    std::fs::write(
+        at.join("adapter_config.json"),
+        r#"{"r": 8, "lora_alpha": 16, "peft_type": "LORA", "target_modules": ["q_proj"]}"#,
+    )
+    .unwrap();
+    at.display().to_string()
+}
+
+/// The text of a chat answer.
+fn content(body: &serde_json::Value) -> String {
+    body["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no content: {body}"))
+        .to_string()
+}
+
+/// Adapters on Kubernetes (DESIGN 4.9, issue 31): a base `Deployment` with `spec.adapters`
+/// (one loaded at a time) and two adapter objects (`spec.adapter`, their PEFT directories on
+/// the node: the process runtime's engines read the node's files), the first applied before
+/// its base (refused, then taken when the base is deployed). The adapters' STATE reads
+/// `unloaded`, then `loaded` for the one a request named (as `capyctl list deployments` shows
+/// it), never an instance state; the answers are the adapter's own; each load and unload is a
+/// switch record of cause `adapter`.
+async fn adapters(client: Client, kubeconfig: &std::path::Path, ns: &str) {
+    let dir = support::temp_dir("k8s-e2e-adapters");
+    let (_agent, agent_port) = start_node_agent(&dir);
+    let operator = start_operator_env(
+        &dir,
+        kubeconfig,
+        ns,
+        "op-adapters",
+        AgentsBy::Url(agent_port),
+        &[],
+    );
+    let inference = operator.inference;
+    let api: Api<Deployment> = Api::namespaced(client.clone(), ns);
+    let adapter = |name: &str| -> Deployment {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "capyctl.io/v1alpha1", "kind": "Deployment",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"adapter": {"base": "chat-base", "path": peft(&dir, name)}},
+        }))
+        .unwrap()
+    };
+    let t = Duration::from_secs(60);
+    let deployed = |name: &'static str| {
+        let api = api.clone();
+        async move {
+            eventually(&format!("{name} deployed"), t, || async {
+                api.get(name).await.ok()?.status?.deployment_id.map(|_| ())
+            })
+            .await
+        }
+    };
+    // a1 applied before its base: refused, saying why, then taken once the base is there
+    // (at once, not at its next requeue minutes later).
+    api.create(&PostParams::default(), &adapter("a1"))
+        .await
+        .unwrap();
+    let why = eventually("a1 refused for want of its base", t, || async {
+        let status = api.get("a1").await.ok()?.status?;
+        let c = status.conditions.iter().find(|c| c.type_ == "Accepted")?;
+        (c.status == "False" && c.reason == "invalid_spec").then(|| c.message.clone())
+    })
+    .await;
+    assert!(why.contains("adapter.base"), "{why}");
+    let mut base = model_cr(ns, "chat-base");
+    base.spec.adapters = Some(capyctl_crds::AdaptersSpec {
+        max_loaded: 1,
+        max_rank: 16,
+        volume: None,
+    });
+    api.create(&PostParams::default(), &base).await.unwrap();
+    deployed("chat-base").await;
+    deployed("a1").await;
+    api.create(&PostParams::default(), &adapter("a2"))
+        .await
+        .unwrap();
+    deployed("a2").await;
+    let states = |want: [&'static str; 3]| {
+        let api = api.clone();
+        async move {
+            eventually(&format!("chat-base, a1, a2 {want:?}"), t, || async {
+                let mut seen = Vec::new();
+                for name in ["chat-base", "a1", "a2"] {
+                    seen.push(state_word_of(&api, name).await?);
+                }
+                (seen == want).then_some(())
+            })
+            .await
+        }
+    };
+    states(["stopped", "unloaded", "unloaded"]).await;
+    let a1 = api.get("a1").await.unwrap().status.unwrap();
+    // Nothing of a checkpoint or of parking on an adapter: its base has those.
+    assert_eq!(a1.measurement, None, "{a1:?}");
+    let kinds: Vec<&str> = a1.conditions.iter().map(|c| c.type_.as_str()).collect();
+    assert_eq!(kinds, ["Ready"], "{a1:?}");
+    assert_eq!(a1.conditions[0].reason, "unloaded");
+
+    // A request for a1 starts the base and loads a1 into it; the answer is a1's.
+    let (status, body) = chat(inference, "a1").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["model"], "a1", "{body}");
+    let first_a1 = content(&body);
+    states(["ready", "loaded", "unloaded"]).await;
+    let a1 = api.get("a1").await.unwrap().status.unwrap();
+    assert_eq!(a1.ready.as_deref(), Some("1/1"), "{a1:?}");
+    assert_eq!(a1.hosts.as_deref(), Some("chat-base"), "its base: {a1:?}");
+    assert_eq!(a1.conditions[0].reason, "loaded");
+
+    // a2 takes the one place: a1 is unloaded. The engine answers through each adapter's
+    // files, so the base and the two adapters answer the same prompt differently.
+    let (status, body) = chat(inference, "a2").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["model"], "a2", "{body}");
+    let a2 = content(&body);
+    states(["ready", "unloaded", "loaded"]).await;
+    let (status, body) = chat(inference, "chat-base").await;
+    assert_eq!(status, 200, "{body}");
+    let base_answer = content(&body);
+    assert_ne!(first_a1, a2);
+    assert_ne!(first_a1, base_answer);
+    assert_ne!(a2, base_answer);
+    // a1 again: loaded again from its directory, the same answer as before.
+    let (status, body) = chat(inference, "a1").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(content(&body), first_a1);
+    states(["ready", "loaded", "unloaded"]).await;
+
+    // Every load and unload is a switch record of cause `adapter`.
+    let token = eventually("the admin token", t, || async { operator.admin_token() }).await;
+    let (status, body) = support::management(
+        "GET",
+        operator.management,
+        "/management/v1/switches",
+        &token,
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let adapter_phases: Vec<(String, String)> = body["switches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["cause"] == "adapter")
+        .map(|r| {
+            assert_eq!(r["outcome"], "ok", "{r}");
+            let phases: Vec<&str> = r["phases"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| p["phase"].as_str().unwrap())
+                .collect();
+            (
+                r["deployment"].as_str().unwrap().to_string(),
+                phases.join(","),
+            )
+        })
+        .collect();
+    let want = [
+        ("a1", "adapter_load"),
+        ("a1", "adapter_unload"),
+        ("a2", "adapter_load"),
+        ("a2", "adapter_unload"),
+        ("a1", "adapter_load"),
+    ];
+    for (name, phase) in want {
+        assert!(
+            adapter_phases.iter().any(|(n, p)| n == name && p == phase),
+            "no {phase} of {name}: {adapter_phases:?}"
+        );
+    }
+    assert_eq!(adapter_phases.len(), want.len(), "{adapter_phases:?}");
+    drop(operator);
+    drop(_agent);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn against_a_fake_api_server_adapters_show_loaded_and_unloaded() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (dir, kubeconfig, client) = fake_api_server("k8s-adapters-fake").await;
+    adapters(client, &kubeconfig, "capyctl").await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs cluster"]
+async fn against_a_cluster_adapters_show_loaded_and_unloaded() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (kubeconfig, ns) = cluster_namespace().await;
+    adapters(ns.client.clone(), &kubeconfig, &ns.name).await;
+}
+
 /// Two node agents (process runtime, one 10 GiB GPU each) as nodes `node-a` and `node-b`, on
 /// one port at two loopback addresses (their Pods' IPs), with their Pods created and marked
 /// running (no kubelet: the test says so); and the port.
@@ -350,7 +549,7 @@ async fn failover(client: Client, kubeconfig: &std::path::Path, ns: &str) {
         st.instances[0].generation, 1,
         "the engine was adopted, not restarted"
     );
-    assert_eq!(st.state, Some(InstanceState::Ready));
+    assert_eq!(st.state.as_deref(), Some("ready"));
     let _ = std::fs::remove_dir_all(dir);
 }
 

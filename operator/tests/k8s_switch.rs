@@ -73,7 +73,7 @@ async fn crs_switch_through_the_router_and_their_status_and_events_show_it() {
         let status = cr.status.unwrap();
         let view = h.server.get(name).await.unwrap();
         assert_eq!(status.deployment_id.as_deref(), Some(view.id.as_str()));
-        assert_eq!(status.state, Some(InstanceState::Stopped));
+        assert_eq!(status.state.as_deref(), Some("stopped"));
         assert_eq!(status.hosts.as_deref(), Some("gpu-box"));
         let parkable = status
             .conditions
@@ -94,12 +94,12 @@ async fn crs_switch_through_the_router_and_their_status_and_events_show_it() {
     assert_eq!(h.chat("chat-b").await.0, 200);
     r.sync_status().await;
     assert_eq!(
-        mock.cr("chat-a").status.unwrap().state,
-        Some(InstanceState::Parked)
+        mock.cr("chat-a").status.unwrap().state.as_deref(),
+        Some(InstanceState::Parked.as_str())
     );
     assert_eq!(
-        mock.cr("chat-b").status.unwrap().state,
-        Some(InstanceState::Ready)
+        mock.cr("chat-b").status.unwrap().state.as_deref(),
+        Some(InstanceState::Ready.as_str())
     );
     assert_eq!(h.chat("chat-a").await.0, 200);
     r.sync_status().await;
@@ -109,7 +109,7 @@ async fn crs_switch_through_the_router_and_their_status_and_events_show_it() {
     assert_eq!(mock.status_writes("chat-a").len(), writes_a);
 
     let a = mock.cr("chat-a").status.unwrap();
-    assert_eq!(a.state, Some(InstanceState::Ready));
+    assert_eq!(a.state.as_deref(), Some(InstanceState::Ready.as_str()));
     assert_eq!(a.ready.as_deref(), Some("1/1"));
     assert_eq!(a.instances[0].generation, 1, "woken, not restarted");
     // The switch back to chat-a is recorded phase by phase, its wake check apart from the
@@ -150,7 +150,7 @@ async fn crs_switch_through_the_router_and_their_status_and_events_show_it() {
     );
     assert_eq!(back.victims[0].deployment, "chat-b", "{back:?}");
     let b = mock.cr("chat-b").status.unwrap();
-    assert_eq!(b.state, Some(InstanceState::Parked));
+    assert_eq!(b.state.as_deref(), Some(InstanceState::Parked.as_str()));
     assert_eq!(
         b.instances[0].residency,
         Some(capyctl_spec::Residency::HostBacked)

@@ -1,6 +1,16 @@
-//! The tenant watcher (`capyctl_operator::tenants`) against a real API server. Every test is
-//! `#[ignore = "needs cluster"]` and runs when `CAPYCTL_TEST_KUBECONFIG` names a kubeconfig
-//! whose user may manage CRDs and namespaces:
+//! Tenants on Kubernetes (DESIGN 4.10):
+//!
+//! - the tenant watcher (`capyctl_operator::tenants`) against a real API server, with a table
+//!   that records what it is given;
+//! - end to end through the operator's inference listener: `capyctl-operator` out of cluster, a
+//!   node agent (process runtime) whose engines are the engine simulator, a `Tenant` whose key
+//!   is in a Secret; the key is served, no key is 401, a model the tenant may not use 404; the
+//!   Secret's key rotated: the new key served, the old 401, nothing restarted; the Secret
+//!   deleted: 401, and the Tenant's status says `SecretMissing`. Against the in-process fake
+//!   API server (always) and a real one.
+//!
+//! The real API server's tests are `#[ignore = "needs cluster"]` and run when
+//! `CAPYCTL_TEST_KUBECONFIG` names a kubeconfig whose user may manage CRDs and namespaces:
 //!
 //! ```sh
 //! CAPYCTL_TEST_KUBECONFIG=~/.cache/capyctl-k8s/kubeconfig cargo test -p capyctl-operator --test k8s_tenants -- --ignored
@@ -10,12 +20,19 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use capyctl_crds::Deployment;
 use capyctl_crds::tenant::{KeySecretRef, Tenant as TenantObject, TenantRateSpec, TenantSpec};
 use capyctl_interfaces::tenants::{Tenant, TenantRate, TenantTable};
+use capyctl_spec::InstanceState;
 use capyctl_test_support::cluster::{self, TestNamespace};
+use capyctl_test_support::harness as support;
+use capyctl_test_support::operator_e2e::{
+    chat_as, cluster_namespace, eventually, fake_api_server, model_cr, start_node_agent,
+    start_operator, state_of,
+};
 use k8s_openapi::api::core::v1::Secret;
-use kube::Api;
 use kube::api::{DeleteParams, PostParams};
+use kube::{Api, Client};
 
 /// A table that records every set it is given.
 #[derive(Default)]
@@ -25,7 +42,9 @@ struct Recording {
 }
 
 impl TenantTable for Recording {
-    fn replace(&self, tenants: Vec<Tenant>) -> Result<(), String> {
+    fn replace_requiring(&self, tenants: Vec<Tenant>, keys_required: bool) -> Result<(), String> {
+        // Every set handed over while a Tenant object exists asks for keys.
+        assert!(keys_required, "{tenants:?}");
         self.sets.lock().unwrap().push(tenants);
         self.changed.notify_waiters();
         Ok(())
@@ -59,6 +78,18 @@ fn secret(name: &str, key: &str, value: &str) -> Secret {
         "stringData": {key: value},
     }))
     .unwrap()
+}
+
+/// team-a's spec: its key in Secret `team-a-keys` (key `key-1`), the models `models`, no rate.
+fn team_a(models: &[&str]) -> TenantSpec {
+    TenantSpec {
+        key_secrets: vec![KeySecretRef {
+            name: "team-a-keys".into(),
+            key: "key-1".into(),
+        }],
+        models: Some(models.iter().map(|m| (*m).to_string()).collect()),
+        rate: None,
+    }
 }
 
 fn keys_of<'a>(set: &'a [Tenant], name: &str) -> Option<&'a [String]> {
@@ -111,15 +142,11 @@ async fn tenants_follow_their_objects_and_secrets() {
         .await
         .unwrap();
     let spec = TenantSpec {
-        key_secrets: vec![KeySecretRef {
-            name: "team-a-keys".into(),
-            key: "key-1".into(),
-        }],
-        models: Some(vec!["chat-*".into(), "support-bot".into()]),
         rate: Some(TenantRateSpec {
             requests_per_minute: Some(600),
             tokens_per_minute: Some(200_000),
         }),
+        ..team_a(&["chat-*", "support-bot"])
     };
     tenants
         .create(&post, &TenantObject::new("team-a", spec.clone()))
@@ -157,15 +184,7 @@ async fn tenants_follow_their_objects_and_secrets() {
     );
 
     // Rotation: the Secret's value changes; the new key replaces the old one.
-    secrets
-        .replace("team-a-keys", &post, &{
-            let mut s = secrets.get("team-a-keys").await.unwrap();
-            s.data = None;
-            s.string_data = Some([("key-1".to_string(), "sk-team-a-2".to_string())].into());
-            s
-        })
-        .await
-        .unwrap();
+    rotate(&secrets, "team-a-keys", "key-1", "sk-team-a-2").await;
     table
         .until("the rotated key", |s| {
             keys_of(s, "team-a") == Some(&["sk-team-a-2".to_string()][..])
@@ -244,4 +263,165 @@ async fn tenants_follow_their_objects_and_secrets() {
     assert!(e.to_string().contains("spec.rate.requestsPerMinute"), "{e}");
 
     drop(watcher);
+}
+
+/// Replaces the value of key `key` of Secret `name` with `value` (a rotation).
+async fn rotate(secrets: &Api<Secret>, name: &str, key: &str, value: &str) {
+    let mut s = secrets.get(name).await.unwrap();
+    s.data = None;
+    s.string_data = Some([(key.to_string(), value.to_string())].into());
+    secrets
+        .replace(name, &PostParams::default(), &s)
+        .await
+        .unwrap();
+}
+
+/// The error code of an error answer.
+fn code(body: &serde_json::Value) -> &str {
+    body["code"].as_str().unwrap_or_default()
+}
+
+/// The tenant scenario through the operator's inference listener, in namespace `ns` of the API
+/// server of `kubeconfig` (`client`); see the module doc.
+async fn keys_through_the_listener(client: Client, kubeconfig: &std::path::Path, ns: &str) {
+    let dir = support::temp_dir("k8s-tenant-keys");
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
+    let tenants: Api<TenantObject> = Api::namespaced(client.clone(), ns);
+    let post = PostParams::default();
+    secrets
+        .create(&post, &secret("team-a-keys", "key-1", "sk-team-a-1\n"))
+        .await
+        .unwrap();
+    let spec = team_a(&["chat-*"]);
+    tenants
+        .create(&post, &TenantObject::new("team-a", spec))
+        .await
+        .unwrap();
+
+    let (_agent, agent_port) = start_node_agent(&dir);
+    let (mut operator, inference) = start_operator(&dir, kubeconfig, ns, "op-tenants", agent_port);
+    let api: Api<Deployment> = Api::namespaced(client.clone(), ns);
+    for name in ["chat-a", "other-b"] {
+        api.create(&post, &model_cr(ns, name)).await.unwrap();
+    }
+    let t = Duration::from_secs(60);
+    for name in ["chat-a", "other-b"] {
+        eventually(&format!("{name} deployed"), t, || async {
+            api.get(name).await.ok()?.status?.deployment_id.map(|_| ())
+        })
+        .await;
+    }
+    // The leader serves once it has read the Tenants and their Secrets whole: the key is
+    // asked for from the first request on.
+    let (status, body) = eventually("the inference listener serving", t, || async {
+        let body = serde_json::json!({"model": "chat-a",
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4});
+        let asked = support::try_post_json(inference, "/v1/chat/completions", body);
+        // (Bound but not serving yet: the listener waits for the Tenants.)
+        tokio::time::timeout(Duration::from_secs(10), asked)
+            .await
+            .ok()?
+            .ok()
+    })
+    .await;
+    assert_eq!((status, code(&body)), (401, "unauthorized"), "{body}");
+    accepted(&tenants, "team-a", "True", "KeysLoaded").await;
+
+    // The key is served; without one, or with a wrong one, 401; a model the tenant may not
+    // use, 404 as for one that does not exist, and nothing is started for it.
+    let (status, body) = chat_as(inference, Some("sk-team-a-1"), "chat-a").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["model"], "chat-a", "{body}");
+    for key in [None, Some("sk-team-a-2"), Some("sk-team-a-1x")] {
+        let (status, body) = chat_as(inference, key, "chat-a").await;
+        assert_eq!(
+            (status, code(&body)),
+            (401, "unauthorized"),
+            "{key:?}: {body}"
+        );
+    }
+    let (status, body) = chat_as(inference, Some("sk-team-a-1"), "other-b").await;
+    assert_eq!((status, code(&body)), (404, "model_not_found"), "{body}");
+    let (status, body) = chat_as(inference, Some("sk-team-a-1"), "no-such-model").await;
+    assert_eq!((status, code(&body)), (404, "model_not_found"), "{body}");
+    assert_eq!(
+        state_of(&api, "other-b").await,
+        Some(InstanceState::Stopped),
+        "a model the tenant may not use is not started"
+    );
+
+    // Rotation: the Secret's value changes; the new key is served, the old one is 401, and
+    // the operator serves on (the same process; the model's engine not restarted).
+    let rotated = std::time::Instant::now();
+    rotate(&secrets, "team-a-keys", "key-1", "sk-team-a-2").await;
+    let (status, body) = eventually("the rotated key served", t, || async {
+        let (status, body) = chat_as(inference, Some("sk-team-a-2"), "chat-a").await;
+        (status != 401).then_some((status, body))
+    })
+    .await;
+    assert_eq!(status, 200, "{body}");
+    eprintln!(
+        "the rotated key served {:?} after the Secret's update",
+        rotated.elapsed()
+    );
+    let (status, body) = chat_as(inference, Some("sk-team-a-1"), "chat-a").await;
+    assert_eq!((status, code(&body)), (401, "unauthorized"), "{body}");
+    assert!(
+        matches!(operator.0.try_wait(), Ok(None)),
+        "the operator was not restarted"
+    );
+    let st = api.get("chat-a").await.unwrap().status.unwrap();
+    assert_eq!(
+        st.instances[0].generation, 1,
+        "the engine was not restarted"
+    );
+    accepted(&tenants, "team-a", "True", "KeysLoaded").await;
+
+    // The Secret deleted: its key is 401 like any unknown key, and the Tenant says why.
+    secrets
+        .delete("team-a-keys", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("the key of a deleted Secret refused", t, || async {
+        let (status, body) = chat_as(inference, Some("sk-team-a-2"), "chat-a").await;
+        (status == 401 && code(&body) == "unauthorized").then_some(())
+    })
+    .await;
+    // The one Tenant left out: keys are still asked for (the listener never falls open).
+    for key in [None, Some("sk-team-a-1")] {
+        let (status, body) = chat_as(inference, key, "chat-a").await;
+        assert_eq!(
+            (status, code(&body)),
+            (401, "unauthorized"),
+            "{key:?}: {body}"
+        );
+    }
+    let message = accepted(&tenants, "team-a", "False", "SecretMissing").await;
+    assert!(
+        message.contains("Secret team-a-keys does not exist"),
+        "{message}"
+    );
+    assert!(!message.contains("sk-team"), "never the key: {message}");
+    drop(operator);
+    drop(_agent);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The operator's scenarios run one at a time (an operator, a node agent and engines each).
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn against_a_fake_api_server_a_rotated_secret_key_is_served_without_a_restart() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (dir, kubeconfig, client) = fake_api_server("k8s-tenant-keys-fake").await;
+    keys_through_the_listener(client, &kubeconfig, "capyctl").await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs cluster"]
+async fn against_a_cluster_a_rotated_secret_key_is_served_without_a_restart() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (kubeconfig, ns) = cluster_namespace().await;
+    keys_through_the_listener(ns.client.clone(), &kubeconfig, &ns.name).await;
 }

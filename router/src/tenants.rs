@@ -65,6 +65,16 @@ struct Set {
     by_digest: HashMap<KeyDigest, Arc<TenantEntry>, FastHash>,
     /// In the order given.
     list: Vec<Arc<TenantEntry>>,
+    /// Keys are asked for even with no tenant in `list`: tenants are configured whose keys
+    /// are all left out (on Kubernetes, `Tenant` objects whose Secrets are missing).
+    required: bool,
+}
+
+impl Set {
+    /// Whether every request needs a key.
+    fn asks_keys(&self) -> bool {
+        self.required || !self.list.is_empty()
+    }
 }
 
 /// One tenant: its settings (fixed for this set) and its usage (kept across sets by name).
@@ -398,12 +408,19 @@ impl Tenants {
 
     /// Whether any tenant is configured (then every request needs a key).
     pub fn enabled(&self) -> bool {
-        !self.set().list.is_empty()
+        self.set().asks_keys()
     }
 
     /// Checks `tenants` ([`capyctl_spec::tenants::check`]) and installs them; `Err` names
-    /// what is wrong (as `tenants[1].keys[0]: ...`, never a key) and changes nothing.
+    /// what is wrong (as `tenants[1].keys[0]: ...`, never a key) and changes nothing. No
+    /// tenant: no key is asked for.
     pub fn install(&self, tenants: Vec<Tenant>) -> Result<(), String> {
+        self.install_requiring(tenants, false)
+    }
+
+    /// [`Tenants::install`], asking for keys even when `tenants` is empty if `required`
+    /// ([`TenantTable::replace_requiring`]).
+    pub fn install_requiring(&self, tenants: Vec<Tenant>, required: bool) -> Result<(), String> {
         let views: Vec<TenantView<'_>> = tenants
             .iter()
             .map(|t| TenantView {
@@ -437,7 +454,10 @@ impl Tenants {
         let kept: HashMap<&str, &Arc<TenantEntry>> =
             old.list.iter().map(|t| (&*t.name, t)).collect();
         let now = Instant::now();
-        let mut set = Set::default();
+        let mut set = Set {
+            required,
+            ..Set::default()
+        };
         for t in tenants {
             let rpm = t.rate.and_then(|r| r.requests_per_minute.map(u64::from));
             let tpm = t.rate.and_then(|r| r.tokens_per_minute);
@@ -474,7 +494,7 @@ impl Tenants {
     /// them): only one `Authorization: Bearer <key>` line counts.
     pub fn authenticate(&self, lines: &[u8]) -> Auth {
         let set = self.set();
-        if set.list.is_empty() {
+        if !set.asks_keys() {
             return Auth::Off;
         }
         let given = bearer_key(lines).unwrap_or_default();
@@ -521,8 +541,8 @@ impl Tenants {
 }
 
 impl TenantTable for Tenants {
-    fn replace(&self, tenants: Vec<Tenant>) -> Result<(), String> {
-        self.install(tenants)
+    fn replace_requiring(&self, tenants: Vec<Tenant>, keys_required: bool) -> Result<(), String> {
+        self.install_requiring(tenants, keys_required)
     }
 }
 
@@ -678,6 +698,26 @@ mod tests {
         }
         // An empty set turns keys off again.
         t.replace(Vec::new()).unwrap();
+        assert_eq!(who(&t, b""), Some("<off>".into()));
+        assert!(!t.enabled());
+    }
+
+    /// Tenants configured whose keys are all left out (a Kubernetes `Tenant` whose Secret is
+    /// missing): every request needs a key still, and none is accepted; the listener never
+    /// falls open.
+    #[test]
+    fn keys_required_with_no_tenant_refuses_every_request() {
+        let t = Tenants::new();
+        t.replace_requiring(vec![tenant("a", &["sk-a"], None, None)], true)
+            .unwrap();
+        assert_eq!(who(&t, &bearer("sk-a")), Some("a".into()));
+        t.replace_requiring(Vec::new(), true).unwrap();
+        assert!(t.enabled());
+        for lines in [&b""[..], &bearer("sk-a"), &bearer("sk-b")] {
+            assert_eq!(who(&t, lines), None, "{}", String::from_utf8_lossy(lines));
+        }
+        // The Tenant objects gone: no key asked for.
+        t.replace_requiring(Vec::new(), false).unwrap();
         assert_eq!(who(&t, b""), Some("<off>".into()));
     }
 

@@ -26,10 +26,23 @@ pub async fn try_post_json(
     path: &str,
     body: serde_json::Value,
 ) -> Result<(u16, serde_json::Value), hyper_util::client::legacy::Error> {
-    let req = http::Request::post(format!("http://{addr}{path}"))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
-        .unwrap();
+    try_post_json_as(addr, path, None, body).await
+}
+
+/// [`try_post_json`] with `Authorization: Bearer <key>` when `key` is given (a tenant's key on
+/// the inference listener).
+pub async fn try_post_json_as(
+    addr: SocketAddr,
+    path: &str,
+    key: Option<&str>,
+    body: serde_json::Value,
+) -> Result<(u16, serde_json::Value), hyper_util::client::legacy::Error> {
+    let mut req = http::Request::post(format!("http://{addr}{path}"))
+        .header("content-type", "application/json");
+    if let Some(key) = key {
+        req = req.header("authorization", format!("Bearer {key}"));
+    }
+    let req = req.body(Full::new(Bytes::from(body.to_string()))).unwrap();
     try_request(req).await
 }
 

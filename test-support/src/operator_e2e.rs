@@ -88,8 +88,14 @@ pub fn model_cr(ns: &str, name: &str) -> Deployment {
     .unwrap()
 }
 
-/// The state in `name`'s status, if it has one.
+/// The instance state in `name`'s status, if it has one (an adapter's `loaded` / `unloaded`
+/// is none: [`state_word_of`]).
 pub async fn state_of(api: &Api<Deployment>, name: &str) -> Option<InstanceState> {
+    state_word_of(api, name).await?.parse().ok()
+}
+
+/// `status.state` of `name` as written (STATE of `kubectl get cdeploy`), if it has one.
+pub async fn state_word_of(api: &Api<Deployment>, name: &str) -> Option<String> {
     api.get(name).await.ok()?.status?.state
 }
 
@@ -236,12 +242,23 @@ pub fn start_operator_env(
 
 /// A chat request for `model` to the inference listener at `inference`.
 pub async fn chat(inference: std::net::SocketAddr, model: &str) -> (u16, serde_json::Value) {
-    crate::http::post_json(
+    chat_as(inference, None, model).await
+}
+
+/// [`chat`] with the tenant's API key `key` (`Authorization: Bearer`), or none.
+pub async fn chat_as(
+    inference: std::net::SocketAddr,
+    key: Option<&str>,
+    model: &str,
+) -> (u16, serde_json::Value) {
+    crate::http::try_post_json_as(
         inference,
         "/v1/chat/completions",
+        key,
         serde_json::json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
     )
     .await
+    .unwrap()
 }
 
 /// The holder of the operators' Lease in `ns`.

@@ -16,11 +16,13 @@
 //! its engines adopted, none started twice; an engine Pod deleted by hand: its model fails and
 //! its next request starts it afresh; the kubelet restarted: everything runs on), a deleted
 //! object's engine Pod removed, and a plain `helm uninstall` (the operators running) leaving
-//! none of the release's objects, the operators' Lease included. Two more tests: the operator's
-//! leader Pod deleted mid-switch, two replicas running (a switch within the stopping leader's
-//! grace completes, one past it has its waiting requests answered 503; another replica takes
-//! over), and the real vLLM image (`scripts/local-vllm-image.sh`) serving, parking and waking in
-//! engine Pods (it needs that image imported). Ignored by default (`needs cluster`); run with
+//! none of the release's objects, the operators' Lease included. Three more tests: the
+//! operator's leader Pod deleted mid-switch, two replicas running (a switch within the stopping
+//! leader's grace completes, one past it has its waiting requests answered 503; another replica
+//! takes over); LoRA adapters loaded into a base's engine Pod from a hostPath volume of the node
+//! through the router Service (answers through the adapter, STATE `loaded` / `unloaded`, switch
+//! records of cause `adapter`); and the real vLLM image (`scripts/local-vllm-image.sh`)
+//! serving, parking and waking in engine Pods (it needs that image imported). Ignored by default (`needs cluster`); run with
 //! `--ignored`, they fail, naming what they need, when `CAPYCTL_TEST_KUBECONFIG` is unset (as
 //! every needs-cluster test) or the cluster has no Ready node (a control plane only, as
 //! `../shared/tools/k8s/k8s-up.sh` starts). Runs as root (it kills a container through
@@ -269,19 +271,34 @@ fn run(program: &std::path::Path, args: &[&str], env: &[(&str, &std::ffi::OsStr)
 /// The `State` column of `kubectl get cdeploy` (the CRD's printer columns) for each row, by
 /// name.
 fn printed_states(kubeconfig: &std::path::Path, ns: &str) -> Vec<(String, String)> {
-    let table = kubectl(kubeconfig, &["get", "cdeploy", "-n", ns]);
+    state_column(&kubectl(kubeconfig, &["get", "cdeploy", "-n", ns]))
+}
+
+/// The STATE column of a table whose first column is the name, for each row, by name.
+fn state_column(table: &str) -> Vec<(String, String)> {
     let mut lines = table.lines();
     let header: Vec<&str> = lines.next().unwrap_or("").split_whitespace().collect();
     let column = header
         .iter()
         .position(|h| *h == "STATE")
         .unwrap_or_else(|| panic!("no STATE column: {table}"));
-    lines
+    let mut states: Vec<(String, String)> = lines
         .map(|l| {
             let cells: Vec<&str> = l.split_whitespace().collect();
             (cells[0].to_string(), cells[column].to_string())
         })
-        .collect()
+        .collect();
+    states.sort();
+    states
+}
+
+/// The STATE column of `kubectl capyctl list deployments` (an adapter's `loaded` /
+/// `unloaded`), for each row.
+fn listed_table_states(kubeconfig: &std::path::Path, ns: &str) -> Vec<(String, String)> {
+    state_column(&kubectl_capyctl(
+        kubeconfig,
+        &["-n", ns, "list", "deployments"],
+    ))
 }
 
 /// The states `kubectl capyctl list deployments --json` gives, by name.
@@ -402,6 +419,9 @@ async fn install(prefix: &str, values: &[&str], test: &str) -> Release {
     };
     let node_name = node.name_any();
     let started = Instant::now();
+    // This checkout's CRDs: Helm installs a chart's CRDs only where there are none, and the
+    // cluster's etcd keeps those of an older checkout across `down` and `up`.
+    cluster::install_crds(&client).await;
 
     // The node is a GPU host (values-local.yaml declares its GPU in host.gpus).
     let label = serde_json::json!({"metadata": {"labels": {"capyctl.io/gpu-host": "true"}}});
@@ -509,7 +529,8 @@ async fn install(prefix: &str, values: &[&str], test: &str) -> Release {
     }
 }
 
-/// Creates the `Deployment` objects `(name, spec)` and waits until they are `stopped`.
+/// Creates the `Deployment` objects `(name, spec)` and waits until they are `stopped` (an
+/// adapter `unloaded`).
 async fn create_models(crs: &Api<capyctl_crds::Deployment>, models: &[(&str, serde_json::Value)]) {
     for (name, spec) in models {
         let cr: capyctl_crds::Deployment = serde_json::from_value(serde_json::json!({
@@ -521,7 +542,18 @@ async fn create_models(crs: &Api<capyctl_crds::Deployment>, models: &[(&str, ser
         .unwrap();
         crs.create(&PostParams::default(), &cr).await.unwrap();
     }
-    let stopped: Vec<(&str, &str)> = models.iter().map(|(n, _)| (*n, "stopped")).collect();
+    // An adapter (spec.adapter) is `unloaded` until a request loads it into its base.
+    let stopped: Vec<(&str, &str)> = models
+        .iter()
+        .map(|(n, spec)| {
+            let state = if spec.get("adapter").is_some() {
+                "unloaded"
+            } else {
+                "stopped"
+            };
+            (*n, state)
+        })
+        .collect();
     wait_states(crs, &stopped).await;
 }
 
@@ -812,6 +844,269 @@ async fn the_chart_runs_end_to_end_on_a_real_node() {
 
     uninstall(&release).await;
     eprintln!("end to end on node {node_name} in {:?}", started.elapsed());
+}
+
+/// A PEFT adapter directory `name` (its `adapter_config.json`, rank 8) under `dir`, readable by
+/// the engine Pod's user.
+fn peft(dir: &std::path::Path, name: &str) {
+    use std::os::unix::fs::PermissionsExt as _;
+    let at = dir.join(name);
+    std::fs::create_dir_all(&at).unwrap();
+    let config = at.join("adapter_config.json");
+    std::fs::write(
+        &config,
+        r#"{"r": 8, "lora_alpha": 16, "peft_type": "LORA", "target_modules": ["q_proj"]}"#,
+    )
+    .unwrap();
+    for (path, mode) in [
+        (dir, 0o755),
+        (at.as_path(), 0o755),
+        (config.as_path(), 0o644),
+    ] {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+}
+
+/// The answer's `model` and text.
+fn answered(body: &str) -> (String, String) {
+    let v: serde_json::Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    let text = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no content: {body}"));
+    (
+        v["model"].as_str().unwrap_or("").to_string(),
+        text.to_string(),
+    )
+}
+
+/// Adapters on a real node (issue 31, DESIGN 4.9): a base `Deployment` whose
+/// `spec.adapters.volume` is a hostPath of this node holding two PEFT adapter directories, and
+/// two adapter objects (`spec.adapter.path` under `/capyctl/adapters`). A request naming an
+/// adapter through the router Service starts the base's engine Pod (the volume mounted
+/// read-only at `/capyctl/adapters`), loads the adapter from there (the engine's own log says
+/// so) and is answered through it: engine-sim's answers depend on the adapter's directory, so
+/// the two adapters and the base answer one prompt three ways, and an adapter loaded again
+/// answers as before. With `maxLoaded: 1` the other is unloaded; the objects' STATE
+/// (`kubectl get cdeploy`, `kubectl capyctl list deployments`) reads `loaded` / `unloaded`;
+/// every load and unload is a switch record of cause `adapter` (`kubectl capyctl switches`).
+#[tokio::test]
+#[ignore = "needs cluster"]
+async fn adapters_load_into_a_base_through_the_router_on_a_real_node() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let release = install(
+        "capyctl-lora",
+        &["charts/capyctl/values-local.yaml"],
+        "adapters_load_into_a_base_through_the_router_on_a_real_node",
+    )
+    .await;
+    let Release {
+        kubeconfig,
+        ns,
+        pods,
+        addr,
+        started,
+        ..
+    } = &release;
+    let (kubeconfig, addr) = (kubeconfig.as_path(), addr.as_str());
+    let files = capyctl_test_support::temp_dir("local-loras");
+    for name in ["lora-1", "lora-2"] {
+        peft(&files, name);
+    }
+    let crs: Api<capyctl_crds::Deployment> = ns.api();
+    let mut base = sim_model("Qwen3-4B");
+    base["adapters"] = serde_json::json!({"maxLoaded": 1, "maxRank": 16,
+        "volume": {"hostPath": {"path": files.display().to_string(), "type": "Directory"}}});
+    create_models(&crs, &[("chat-base", base)]).await;
+    let adapter = |name: &str| {
+        serde_json::json!({"adapter": {"base": "chat-base",
+                                       "path": format!("/capyctl/adapters/{name}")}})
+    };
+    create_models(
+        &crs,
+        &[("lora-1", adapter("lora-1")), ("lora-2", adapter("lora-2"))],
+    )
+    .await;
+    let want = |base: &str, one: &str, two: &str| {
+        vec![
+            ("chat-base".to_string(), base.to_string()),
+            ("lora-1".to_string(), one.to_string()),
+            ("lora-2".to_string(), two.to_string()),
+        ]
+    };
+    assert_eq!(
+        printed_states(kubeconfig, &ns.name),
+        want("stopped", "unloaded", "unloaded")
+    );
+
+    // lora-1's request starts the base and loads lora-1 into its engine from the volume.
+    let t = Instant::now();
+    let (status, body) = chat(addr, "lora-1").await;
+    assert_eq!(status, 200, "{body}");
+    let (model, one) = answered(&body);
+    assert_eq!(model, "lora-1", "{body}");
+    eprintln!(
+        "lora-1 answered (base started, adapter loaded) in {:?}",
+        t.elapsed()
+    );
+    wait_states(
+        &crs,
+        &[
+            ("chat-base", "ready"),
+            ("lora-1", "loaded"),
+            ("lora-2", "unloaded"),
+        ],
+    )
+    .await;
+    assert_eq!(
+        printed_states(kubeconfig, &ns.name),
+        want("ready", "loaded", "unloaded")
+    );
+    assert_eq!(
+        listed_table_states(kubeconfig, &ns.name),
+        want("ready", "loaded", "unloaded")
+    );
+    let engine = all_engine_pods(pods, "chat-base").await;
+    assert_eq!(engine.len(), 1, "{engine:?}");
+    let pod = pods.get(&engine[0].0).await.unwrap();
+    let spec = pod.spec.as_ref().unwrap();
+    let volume = spec
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == "adapters")
+        .unwrap_or_else(|| panic!("no adapters volume: {:?}", spec.volumes));
+    assert_eq!(
+        volume.host_path.as_ref().map(|h| h.path.clone()),
+        Some(files.display().to_string())
+    );
+    let mount = spec.containers[0]
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == "adapters")
+        .unwrap();
+    assert_eq!(
+        (mount.mount_path.as_str(), mount.read_only),
+        ("/capyctl/adapters", Some(true))
+    );
+
+    // lora-2 takes the one place: lora-1 is unloaded. The base and each adapter answer one
+    // prompt differently (the engine answers through the adapter's directory); lora-1 loaded
+    // again answers as before.
+    let (status, body) = chat(addr, "lora-2").await;
+    assert_eq!(status, 200, "{body}");
+    let (model, two) = answered(&body);
+    assert_eq!(model, "lora-2", "{body}");
+    wait_states(
+        &crs,
+        &[
+            ("chat-base", "ready"),
+            ("lora-1", "unloaded"),
+            ("lora-2", "loaded"),
+        ],
+    )
+    .await;
+    let (status, body) = chat(addr, "chat-base").await;
+    assert_eq!(status, 200, "{body}");
+    let (_, plain) = answered(&body);
+    assert_ne!(one, two);
+    assert_ne!(one, plain);
+    assert_ne!(two, plain);
+    let (status, body) = chat(addr, "lora-1").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(answered(&body), ("lora-1".to_string(), one.clone()));
+    wait_states(
+        &crs,
+        &[
+            ("chat-base", "ready"),
+            ("lora-1", "loaded"),
+            ("lora-2", "unloaded"),
+        ],
+    )
+    .await;
+    assert_eq!(
+        all_engine_pods(pods, "chat-base").await,
+        engine,
+        "one engine Pod: adapters load into it"
+    );
+    // The engine loaded each from the volume (engine-sim's log).
+    let log = pods
+        .logs(&engine[0].0, &kube::api::LogParams::default())
+        .await
+        .unwrap();
+    for name in ["lora-1", "lora-2"] {
+        let path = format!("/capyctl/adapters/{name}");
+        assert!(
+            log.lines()
+                .any(|l| l.contains("adapter loaded") && l.contains(&path)),
+            "no load of {path} in the engine's log:\n{log}"
+        );
+    }
+
+    // Every load and unload is a switch record of cause `adapter`.
+    let out = kubectl_capyctl(kubeconfig, &["-n", &ns.name, "switches", "--json"]);
+    let mut records: Vec<(String, String)> = out
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap_or_else(|e| panic!("{e}: {l}"))
+        })
+        .filter(|r| r["cause"] == "adapter")
+        .map(|r| {
+            assert_eq!(r["outcome"], "ok", "{r}");
+            let phases: Vec<&str> = r["phases"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| p["phase"].as_str().unwrap())
+                .collect();
+            (
+                r["deployment"].as_str().unwrap().to_string(),
+                phases.join(","),
+            )
+        })
+        .collect();
+    records.sort();
+    let mut expected: Vec<(String, String)> = [
+        ("lora-1", "adapter_load"),
+        ("lora-1", "adapter_load"),
+        ("lora-1", "adapter_unload"),
+        ("lora-2", "adapter_load"),
+        ("lora-2", "adapter_unload"),
+    ]
+    .iter()
+    .map(|(n, p)| (n.to_string(), p.to_string()))
+    .collect();
+    expected.sort();
+    assert_eq!(records, expected, "{out}");
+
+    // The adapters deleted first (a base with adapters is not deleted), then the base.
+    for name in ["lora-1", "lora-2"] {
+        crs.delete(name, &DeleteParams::default()).await.unwrap();
+    }
+    wait_for("the adapters gone", Duration::from_secs(60), || async {
+        let left: Vec<String> = crs
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .iter()
+            .map(ResourceExt::name_any)
+            .collect();
+        if left == ["chat-base"] {
+            Ok(())
+        } else {
+            Err(format!("{left:?}"))
+        }
+    })
+    .await;
+    delete_models(&crs, pods, &["chat-base"]).await;
+    uninstall(&release).await;
+    let _ = std::fs::remove_dir_all(files);
+    eprintln!(
+        "adapters on the node, end to end in {:?}",
+        started.elapsed()
+    );
 }
 
 /// `helm uninstall`, as a user runs it (the operators running, the leader holding its Lease):
