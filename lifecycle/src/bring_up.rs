@@ -82,7 +82,10 @@ impl Core {
             inner
                 .deps
                 .get(id)
-                .map(|d| (d.tier, d.host.clone().map(|h| (h, gpus_of(inner, d)))))
+                .map(|d| {
+                    let host = d.host.as_deref().map(str::to_string);
+                    (d.tier, host.map(|h| (h, gpus_of(inner, d))))
+                })
                 .unzip()
         });
         let rec = switches::current();

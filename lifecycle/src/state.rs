@@ -66,8 +66,11 @@ pub(crate) struct Dep {
     pub(crate) reserved: Option<String>,
     /// The target of this switch (memory promised, not yet starting).
     pub(crate) claim: Option<String>,
-    /// The host its instance is placed on (claimed, running, parked, or last run on).
-    pub(crate) host: Option<String>,
+    /// The host its instance is placed on (claimed, running, parked, or last run on): one
+    /// shared copy of each host's ID ([`State::host_names`]). NB (reads at scale): a read
+    /// copies it per deployment; a string of its own per deployment was a memory access of its
+    /// own (and an allocation) per deployment per read, a fifth of a full load read.
+    pub(crate) host: Option<Arc<str>>,
     /// What its engine still holds on the GPU while parked (the agent's reading or estimate).
     pub(crate) parked_gpu: Option<u64>,
     /// Where the engine answers (from the host agent's `base_url`: loopback for child
@@ -482,6 +485,9 @@ pub(crate) struct State {
     /// without scanning all of them. Kept by [`State::set_host`], the one writer of
     /// `Dep::host` (and [`State::remove`]).
     pub(crate) by_host: HashMap<String, BTreeSet<String>>,
+    /// The host IDs units are bound to, once each: what `Dep::host` shares
+    /// ([`State::set_host`]; those no unit holds are let go when they outnumber the hosts).
+    pub(crate) host_names: BTreeSet<Arc<str>>,
     /// The hosts drained and out of service (`capyctl drain host`): placement passes them by.
     pub(crate) cordoned: BTreeSet<String>,
     /// The deployments that hold GPU memory on each host (exactly those once
@@ -870,6 +876,19 @@ impl State {
     /// a deployment bound to a host is among its possible GPU holders (`holding`) until
     /// [`State::settle_held`] finds it holds nothing there.
     pub(crate) fn set_host(&mut self, id: &str, host: Option<String>) {
+        let host = host.map(|h| match self.host_names.get(h.as_str()) {
+            Some(name) => Arc::clone(name),
+            None => {
+                // Bounded: the names no unit holds any more (hosts gone) are let go once
+                // there are twice as many names as hosts.
+                if self.host_names.len() > 2 * self.hosts.len() + 64 {
+                    self.host_names.retain(|n| Arc::strong_count(n) > 1);
+                }
+                let name: Arc<str> = Arc::from(h);
+                self.host_names.insert(Arc::clone(&name));
+                name
+            }
+        });
         let Some(d) = self.deps.get_mut(id) else {
             return;
         };
@@ -877,17 +896,17 @@ impl State {
             && let Some(old) = d.host.take()
         {
             for index in [&mut self.by_host, &mut self.holding] {
-                if let Some(ids) = index.get_mut(&old) {
+                if let Some(ids) = index.get_mut(&*old) {
                     ids.remove(id);
                     if ids.is_empty() {
-                        index.remove(&old);
+                        index.remove(&*old);
                     }
                 }
             }
         }
         if let Some(new) = &host {
             for index in [&mut self.by_host, &mut self.holding] {
-                let ids = index.entry(new.clone()).or_default();
+                let ids = index.entry(new.to_string()).or_default();
                 if !ids.contains(id) {
                     ids.insert(id.to_string());
                 }

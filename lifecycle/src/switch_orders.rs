@@ -172,7 +172,10 @@ impl Core {
                 deployment: d.map_or_else(|| id.to_string(), |d| d.name().to_string()),
                 deployment_id: id.to_string(),
                 instance: unit_instance(id),
-                host_id: d.and_then(|d| d.host.clone()).unwrap_or_default(),
+                host_id: d
+                    .and_then(|d| d.host.as_deref())
+                    .map(str::to_string)
+                    .unwrap_or_default(),
                 gpus: d.map(|d| gpus_of(inner, d)).unwrap_or_default(),
                 engine: d.map_or("unknown", |d| d.spec.engine.as_str()),
                 wave: u64::try_from(wave).unwrap_or(u64::MAX),

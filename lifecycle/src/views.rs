@@ -88,8 +88,8 @@ pub(crate) struct DepShot {
     addr: Option<SocketAddr>,
     pid: Option<u32>,
     last_error: Option<String>,
-    /// `Dep::host`: where its instance is, or last was.
-    host: Option<String>,
+    /// `Dep::host`: where its instance is, or last was (shared).
+    host: Option<Arc<str>>,
     /// Its instance is bound to `host` (holds memory there, is parked there, or is on its way).
     bound: bool,
     max_running: Option<MaxRunning>,
@@ -278,7 +278,7 @@ fn condition(kind: &str, ok: bool, reason: &str, message: String) -> ConditionVi
 /// answered 10 million host names per list.)
 fn view_hosts(d: &DepShot, hosts: &Hosts) -> Vec<String> {
     match (&d.host, d.bound) {
-        (Some(h), true) => vec![h.clone()],
+        (Some(h), true) => vec![h.to_string()],
         _ if hosts.len() == 1 => hosts.keys().cloned().collect(),
         _ => Vec::new(),
     }
@@ -720,12 +720,14 @@ fn load_view_named(
                 None
             };
             InstanceLoadView {
-                adapters: cx
-                    .adapters
-                    .by_instance
-                    .get(&(d.fixed.id.clone(), u.fixed.index))
-                    .cloned()
-                    .unwrap_or_default(),
+                // NB (reads at scale): no copy of the ID to look up where no adapter is loaded.
+                adapters: match &cx.adapters.by_instance {
+                    m if m.is_empty() => Vec::new(),
+                    m => m
+                        .get(&(d.fixed.id.clone(), u.fixed.index))
+                        .cloned()
+                        .unwrap_or_default(),
+                },
                 index: u.fixed.index,
                 host_id: host.map_or_else(|| cx.config.host_id.clone(), |(id, _)| id.clone()),
                 generation: u.generation,

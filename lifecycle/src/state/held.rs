@@ -94,9 +94,13 @@ pub(crate) struct Counted {
 }
 
 /// The held sums: per host, and what each unit counted.
+///
+/// NB (reads at scale): the hosts' sums are ordered by host ID, as `State::hosts` is, so that a
+/// placement walks both in one pass ([`Held::in_order`]) instead of looking each host up: with
+/// 10,000 hosts, hashing every host's ID was most of a first request's own time.
 #[derive(Debug, Default)]
 pub(crate) struct Held {
-    pub(crate) hosts: HashMap<String, HostHeld>,
+    pub(crate) hosts: BTreeMap<String, HostHeld>,
     pub(crate) counted: HashMap<String, Counted>,
 }
 
@@ -126,9 +130,31 @@ impl Held {
         }
     }
 
+    /// The sums of each host asked for in ascending order of host ID, found by walking
+    /// [`Held::hosts`] along with the asking (a merge: no look-up per host).
+    pub(crate) fn in_order(&self) -> InOrder<'_> {
+        InOrder {
+            rest: self.hosts.iter().peekable(),
+            #[cfg(debug_assertions)]
+            last: None,
+        }
+    }
+
     /// Bytes held on `host` (on its GPU `gpu`, when given), less what unit `but` holds there.
+    #[cfg(test)]
     pub(crate) fn on(&self, host: &str, gpu: Option<u32>, but: &str) -> u64 {
-        let Some(h) = self.hosts.get(host) else {
+        self.on_held(self.hosts.get(host), host, gpu, but)
+    }
+
+    /// [`Held::on`] with `host`'s sums, `held` (`None`: it holds nothing), already found.
+    pub(crate) fn on_held(
+        &self,
+        held: Option<&HostHeld>,
+        host: &str,
+        gpu: Option<u32>,
+        but: &str,
+    ) -> u64 {
+        let Some(h) = held else {
             return 0;
         };
         let of = |c: &Counted| match gpu {
@@ -145,6 +171,37 @@ impl Held {
             .filter(|c| c.host == host)
             .map_or(0, of);
         all - own
+    }
+}
+
+/// [`Held::in_order`]'s walk.
+pub(crate) struct InOrder<'a> {
+    rest: std::iter::Peekable<std::collections::btree_map::Iter<'a, String, HostHeld>>,
+    /// The last host asked (debug builds check the order).
+    #[cfg(debug_assertions)]
+    last: Option<String>,
+}
+
+impl<'a> InOrder<'a> {
+    /// The sums of `host` (`None`: it holds nothing). Asked in ascending order of host ID
+    /// (each look-up moves on from the last: no compare once every held host is passed).
+    /// NB: a host asked out of order is not found; debug builds panic on it.
+    pub(crate) fn get(&mut self, host: &str) -> Option<&'a HostHeld> {
+        #[cfg(debug_assertions)]
+        {
+            assert!(
+                self.last.as_deref().is_none_or(|l| l < host),
+                "hosts asked out of order: {host} after {:?}",
+                self.last
+            );
+            self.last = Some(host.to_string());
+        }
+        while let Some((h, held)) = self.rest.next_if(|(h, _)| h.as_str() <= host) {
+            if h == host {
+                return Some(held);
+            }
+        }
+        None
     }
 }
 
@@ -190,7 +247,10 @@ impl State {
                 self.gpu_held.subtract(old);
             }
             let now = self.deps.get(&id).and_then(|d| counted(d, &self.hosts));
-            let host = self.deps.get(&id).and_then(|d| d.host.clone());
+            let host = self
+                .deps
+                .get(&id)
+                .and_then(|d| d.host.as_deref().map(str::to_string));
             // The holders' index: exactly the units counted on each host.
             for h in [old.map(|c| c.host), host].into_iter().flatten() {
                 if now.as_ref().is_some_and(|c| c.host == h) {
@@ -222,5 +282,49 @@ impl State {
         for id in ids {
             self.deps.mark(&id);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Held, HostHeld};
+
+    /// The walk answers what a look-up answers: hosts asked in order, held or not, before,
+    /// between and after the held ones.
+    #[test]
+    fn the_walk_in_order_answers_as_a_look_up() {
+        let mut held = Held::default();
+        for (host, total) in [("gpu-02", 2), ("gpu-05", 5), ("gpu-09", 9)] {
+            held.hosts.insert(
+                host.to_string(),
+                HostHeld {
+                    units: 1,
+                    total,
+                    ..HostHeld::default()
+                },
+            );
+        }
+        let asked = [
+            "gpu-01", "gpu-02", "gpu-03", "gpu-05", "gpu-06", "gpu-09", "gpu-10",
+        ];
+        let mut walk = held.in_order();
+        for host in asked {
+            assert_eq!(
+                walk.get(host).map(|h| h.total),
+                held.hosts.get(host).map(|h| h.total),
+                "{host}"
+            );
+        }
+    }
+
+    /// Debug builds refuse a host asked out of order (it would not be found).
+    #[test]
+    #[cfg(debug_assertions)]
+    #[should_panic(expected = "out of order")]
+    fn a_host_asked_out_of_order_panics_in_debug_builds() {
+        let held = Held::default();
+        let mut walk = held.in_order();
+        let _ = walk.get("gpu-02");
+        let _ = walk.get("gpu-01");
     }
 }

@@ -14,6 +14,7 @@ use crate::placement::{
     victim_order,
 };
 
+use super::held::HostHeld;
 use super::{Dep, Host, Requests, State, dep_of_unit};
 
 /// Whom a placement may name as victims.
@@ -177,11 +178,13 @@ impl State {
         // First from the held sums alone: where it fits now, nothing else ranks better (room
         // now ranks first), so the holders are read only when it fits now nowhere.
         let mut now_best: Option<(HostRank, &String, Vec<u32>)> = None;
+        // The candidates come in ascending order of ID: their sums are walked along with them.
+        let mut held = self.gpu_held.in_order();
         for (id, host) in candidates() {
             if too_few(host) {
                 continue;
             }
-            if let Some((gpus, rank)) = self.fits_now(d, id, host) {
+            if let Some((gpus, rank)) = self.fits_now_held(d, id, host, held.get(id)) {
                 let rank = (rank.0, i32::MIN, u8::from(siblings_on(id)), rank.1);
                 if now_best.as_ref().is_none_or(|(r, _, _)| rank < *r) {
                     now_best = Some((rank, id, gpus));
@@ -360,15 +363,28 @@ impl State {
         (open, taken.len())
     }
 
-    /// Where `d`'s instance fits now on `host`, from the held sums alone ([`State::gpu_held`],
-    /// never the holders): the GPUs there (empty: the host as a whole) and the rank
-    /// ([`rank_of`]'s for `Fit::Now`); `None` when it does not fit now. The same answer as
-    /// [`place`] (and [`choose_gpus`]) on the holders when they say `Now`.
+    /// [`State::fits_now_held`] with `host_id`'s sums looked up.
+    #[cfg(test)]
     pub(super) fn fits_now(
         &self,
         d: &Dep,
         host_id: &str,
         host: &Host,
+    ) -> Option<(Vec<u32>, (u8, u64))> {
+        self.fits_now_held(d, host_id, host, self.gpu_held.hosts.get(host_id))
+    }
+
+    /// Where `d`'s instance fits now on `host`, from the held sums alone ([`State::gpu_held`],
+    /// never the holders): the GPUs there (empty: the host as a whole) and the rank
+    /// ([`rank_of`]'s for `Fit::Now`); `None` when it does not fit now. The same answer as
+    /// [`place`] (and [`choose_gpus`]) on the holders when they say `Now`. `held`: the held
+    /// sums of `host_id`, already found (`None`: it holds nothing).
+    fn fits_now_held(
+        &self,
+        d: &Dep,
+        host_id: &str,
+        host: &Host,
+        held: Option<&HostHeld>,
     ) -> Option<(Vec<u32>, (u8, u64))> {
         let room_now = |cap: u64, need: u64, used: u64| {
             let free = cap.saturating_sub(used);
@@ -376,7 +392,7 @@ impl State {
         };
         if host.gpus.len() <= 1 {
             let need = d.need(host.capacity);
-            let used = self.gpu_held.on(host_id, None, d.id());
+            let used = self.gpu_held.on_held(held, host_id, None, d.id());
             return room_now(host.capacity, need, used).map(|rank| (Vec::new(), rank));
         }
         let want = d.rec.doc.gpus_per_instance() as usize;
@@ -386,7 +402,9 @@ impl State {
             .filter_map(|gpu| {
                 let cap = gpu.total_bytes;
                 let need = gpu_need(d, cap, want);
-                let used = self.gpu_held.on(host_id, Some(gpu.index), d.id());
+                let used = self
+                    .gpu_held
+                    .on_held(held, host_id, Some(gpu.index), d.id());
                 let rank = room_now(cap, need, used)?;
                 let order = (
                     i32::MIN,
