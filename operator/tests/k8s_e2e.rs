@@ -408,25 +408,14 @@ async fn adapters(client: Client, kubeconfig: &std::path::Path, ns: &str) {
     )
     .await;
     assert_eq!(status, 200, "{body}");
-    let adapter_phases: Vec<(String, String)> = body["switches"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|r| r["cause"] == "adapter")
-        .map(|r| {
-            assert_eq!(r["outcome"], "ok", "{r}");
-            let phases: Vec<&str> = r["phases"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|p| p["phase"].as_str().unwrap())
-                .collect();
-            (
-                r["deployment"].as_str().unwrap().to_string(),
-                phases.join(","),
-            )
-        })
-        .collect();
+    let adapter_phases: Vec<(String, String)> =
+        capyctl_test_support::adapter_switches(body["switches"].as_array().unwrap())
+            .into_iter()
+            .map(|r| {
+                assert_eq!(r.outcome, "ok", "{r:?}");
+                (r.deployment, r.phases.join(","))
+            })
+            .collect();
     let want = [
         ("a1", "adapter_load"),
         ("a1", "adapter_unload"),

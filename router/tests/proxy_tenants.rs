@@ -14,7 +14,7 @@ use capyctl_interfaces::tenants::{Tenant, TenantRate, TenantTable};
 use capyctl_router::proxy::{Proxy, ProxyConfig, serve};
 use capyctl_router::tenants::Tenants;
 use http::{Request, StatusCode};
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use proxy_support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -66,13 +66,7 @@ async fn send(
                 .unwrap(),
         )
         .await;
-    let (head, body) = response.into_parts();
-    let body = tokio::time::timeout(PATIENCE, body.collect())
-        .await
-        .unwrap()
-        .unwrap()
-        .to_bytes();
-    (head.status, head.headers, body)
+    proxy_support::whole(response).await
 }
 
 /// Waits until the tenant's tokens reach `tokens` (they are charged when the answer's body is

@@ -59,6 +59,39 @@ pub use capyctl_node_agent::sim_host::{Concurrency, SimHost, Timings};
 pub use cut_proxy::{Cut, CutProxy};
 pub use mock_api::{Answer, Exchange, MockApi, Seen, status_body};
 
+/// One switch record of cause `adapter`, as `GET /management/v1/switches` (its `switches`) and
+/// `capyctl switches --json` (a record a line) write it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdapterSwitch {
+    /// The adapter's deployment.
+    pub deployment: String,
+    /// Its phases' names, in order (`adapter_load`, `adapter_unload`).
+    pub phases: Vec<String>,
+    /// `ok`, `failed`, ...
+    pub outcome: String,
+}
+
+/// The records of cause `adapter` among switch `records`, in their order (a record without
+/// its deployment or phases panics: the tests read them).
+pub fn adapter_switches<'a>(
+    records: impl IntoIterator<Item = &'a serde_json::Value>,
+) -> Vec<AdapterSwitch> {
+    records
+        .into_iter()
+        .filter(|r| r["cause"] == "adapter")
+        .map(|r| AdapterSwitch {
+            deployment: r["deployment"].as_str().expect("a deployment").to_string(),
+            phases: r["phases"]
+                .as_array()
+                .expect("phases")
+                .iter()
+                .map(|p| p["phase"].as_str().expect("a phase's name").to_string())
+                .collect(),
+            outcome: r["outcome"].as_str().unwrap_or("").to_string(),
+        })
+        .collect()
+}
+
 /// A fresh, empty temporary directory, unique to this call: `capyctl-<name>-<pid>-<nanos>-<n>`
 /// under the system's temporary directory. The test removes it when it wants to.
 pub fn temp_dir(name: &str) -> PathBuf {

@@ -141,18 +141,7 @@ fn sighup_deploys_the_document_again() {
     let dir = temp_dir("sighup");
     let capy = Capy::start(&dir, &document("", "", &[&model("chat-a", "")]));
     let log = dir.join("capyctl.log");
-    let logged = |needle: &str, times: usize| {
-        let start = Instant::now();
-        while std::fs::read_to_string(&log)
-            .unwrap()
-            .matches(needle)
-            .count()
-            < times
-        {
-            assert!(start.elapsed() < PATIENCE, "{needle:?} never logged");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    };
+    let logged = |needle: &str, times: usize| support::logged(&log, needle, times);
 
     std::fs::write(
         &capy.file,

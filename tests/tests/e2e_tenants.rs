@@ -30,18 +30,13 @@ fn chat_as(capy: &Capy, key: Option<&str>, model: &str, path: &str) -> Response 
     )
 }
 
+/// Waits until the standalone's log (beside its data directory) holds `needle` `times` times.
 fn logged(capy_dir: &std::path::Path, needle: &str, times: usize) {
-    let log = capy_dir.parent().unwrap().join("capyctl.log");
-    let start = Instant::now();
-    while std::fs::read_to_string(&log)
-        .unwrap()
-        .matches(needle)
-        .count()
-        < times
-    {
-        assert!(start.elapsed() < PATIENCE, "{needle:?} never logged");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    support::logged(
+        &capy_dir.parent().unwrap().join("capyctl.log"),
+        needle,
+        times,
+    );
 }
 
 #[test]

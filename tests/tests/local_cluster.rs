@@ -1045,25 +1045,16 @@ async fn adapters_load_into_a_base_through_the_router_on_a_real_node() {
 
     // Every load and unload is a switch record of cause `adapter`.
     let out = kubectl_capyctl(kubeconfig, &["-n", &ns.name, "switches", "--json"]);
-    let mut records: Vec<(String, String)> = out
+    let lines: Vec<serde_json::Value> = out
         .lines()
         .filter(|l| !l.trim().is_empty())
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap_or_else(|e| panic!("{e}: {l}"))
-        })
-        .filter(|r| r["cause"] == "adapter")
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let mut records: Vec<(String, String)> = capyctl_test_support::adapter_switches(&lines)
+        .into_iter()
         .map(|r| {
-            assert_eq!(r["outcome"], "ok", "{r}");
-            let phases: Vec<&str> = r["phases"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|p| p["phase"].as_str().unwrap())
-                .collect();
-            (
-                r["deployment"].as_str().unwrap().to_string(),
-                phases.join(","),
-            )
+            assert_eq!(r.outcome, "ok", "{r:?}");
+            (r.deployment, r.phases.join(","))
         })
         .collect();
     records.sort();

@@ -439,7 +439,11 @@ pub async fn post(
     body: &str,
 ) -> (StatusCode, http::HeaderMap, Bytes) {
     let mut conn = Conn::open(addr).await;
-    let response = conn.post(path, body).await;
+    whole(conn.post(path, body).await).await
+}
+
+/// `response`'s status, headers and whole body (read within [`PATIENCE`]).
+pub async fn whole(response: http::Response<Incoming>) -> (StatusCode, http::HeaderMap, Bytes) {
     let (head, body) = response.into_parts();
     let body = tokio::time::timeout(PATIENCE, body.collect())
         .await

@@ -611,24 +611,28 @@ pub fn open_stream(
     (s, String::from_utf8_lossy(&seen).into_owned())
 }
 
+/// Waits (within [`PATIENCE`]) until the log `log` holds `needle` at least `times` times.
+pub fn logged(log: &Path, needle: &str, times: usize) {
+    let start = Instant::now();
+    while std::fs::read_to_string(log)
+        .unwrap()
+        .matches(needle)
+        .count()
+        < times
+    {
+        assert!(start.elapsed() < PATIENCE, "{needle:?} never logged");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// The switch records of cause `adapter` whose target is adapter `name` (`GET
 /// /management/v1/switches`): each one's phases and outcome.
 pub fn adapter_switches(capy: &Capy, name: &str) -> Vec<(Vec<String>, String)> {
     let v = capy.management_get("/management/v1/switches").json();
-    v["switches"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|s| s["deployment"] == name && s["cause"] == "adapter")
-        .map(|s| {
-            let phases = s["phases"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|p| p["phase"].as_str().unwrap().to_string())
-                .collect();
-            (phases, s["outcome"].as_str().unwrap_or("").to_string())
-        })
+    capyctl_test_support::adapter_switches(v["switches"].as_array().unwrap())
+        .into_iter()
+        .filter(|s| s.deployment == name)
+        .map(|s| (s.phases, s.outcome))
         .collect()
 }
 
