@@ -327,17 +327,7 @@ pub(crate) async fn sglang_model_info(State(sim): State<Arc<EngineSim>>) -> Resp
 /// SGLang's answer to a request that fails validation (its handler turns FastAPI's 422 into
 /// 400): `{"object":"error","message",...,"type":"Bad Request","param":null,"code":400}`.
 fn sglang_bad_request(message: String) -> Response {
-    (
-        StatusCode::BAD_REQUEST,
-        Json(json!({
-            "object": "error",
-            "message": message,
-            "type": "Bad Request",
-            "param": null,
-            "code": 400,
-        })),
-    )
-        .into_response()
+    crate::openai::sglang_error(StatusCode::BAD_REQUEST, "Bad Request", message)
 }
 
 /// The JSON object a body-taking SGLang control call requires (0.5.6 and later), or the

@@ -268,14 +268,9 @@ fn requested_adapter(
                 .map(Value::String);
             match from_model.as_ref().or(req.lora_path.as_ref()) {
                 None | Some(Value::Null) => Ok(None),
-                Some(Value::String(name)) => find(name).map(Some).ok_or_else(|| {
-                    Box::new(bad_field(
-                        "lora_path",
-                        format!(
-                            "LoRA adapter `{name}` is not loaded (load it with /load_lora_adapter)"
-                        ),
-                    ))
-                }),
+                Some(Value::String(name)) => find(name)
+                    .map(Some)
+                    .ok_or_else(|| Box::new(sglang_not_loaded(sim, name))),
                 Some(other) => Err(Box::new(bad_field(
                     "lora_path",
                     format!("one adapter name per request is simulated, not {other}"),
@@ -286,6 +281,60 @@ fn requested_adapter(
             check_model(sim, req.model.as_deref()).map_or(Ok(None), |r| Err(Box::new(r)))
         }
     }
+}
+
+/// SGLang 0.5.23's answer to a request for an adapter it has not loaded: the `ValueError` of
+/// `LoRARegistry.acquire`, which the OpenAI route answers with `create_error_response`
+/// ([`sglang_error`], 400 `BadRequestError`), naming the adapter and those loaded, least
+/// recently used first (its registry's `OrderedDict`, shown as Python prints its keys).
+fn sglang_not_loaded(sim: &EngineSim, name: &str) -> Response {
+    let mut loaded = sim.with_state(|s| {
+        s.adapters
+            .iter()
+            .map(|a| (a.last_used, a.name.clone()))
+            .collect::<Vec<_>>()
+    });
+    loaded.sort();
+    let keys: Vec<String> = loaded.iter().map(|(_, n)| python_str(n)).collect();
+    sglang_error(
+        StatusCode::BAD_REQUEST,
+        "BadRequestError",
+        format!(
+            "The following requested LoRA adapters are not loaded: {name}\nLoaded adapters: odict_keys([{}]).",
+            keys.join(", ")
+        ),
+    )
+}
+
+/// A string as Python's `repr` writes it (single quotes unless it holds one and no double).
+fn python_str(s: &str) -> String {
+    let quote = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    let mut out = String::from(quote);
+    for c in s.chars() {
+        if c == '\\' || c == quote {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push(quote);
+    out
+}
+
+/// SGLang's error answer (`OpenAIServingBase.create_error_response`): the error object at the
+/// top, not under `error` as vLLM's: `{"object":"error","message","type","param":null,"code"}`.
+pub(crate) fn sglang_error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
+    let body = json!({
+        "object": "error",
+        "message": message.into(),
+        "type": kind,
+        "param": null,
+        "code": status.as_u16(),
+    });
+    (status, Json(body)).into_response()
 }
 
 /// The adapter SGLang 0.5.23 reads in a request's `model` (`_parse_model_parameter`): none

@@ -225,8 +225,20 @@ async fn sglang_loads_lists_and_unloads_adapters() {
     assert_eq!(status, StatusCode::OK, "{text}");
     assert_eq!(loaded(&text), ["a", "c"]);
     assert_eq!(names(&sim.state().await), ["a", "c"]);
-    let (status, _) = sim.post("/v1/completions", ask(json!("b"))).await;
+    // An adapter it has not loaded: SGLang 0.5.23's 400, its error object at the top, naming
+    // it and those loaded (least recently used first, as Python prints an OrderedDict's keys).
+    let (status, refused) = sim.post("/v1/completions", ask(json!("b"))).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        serde_json::from_str::<Value>(&refused).unwrap(),
+        json!({
+            "object": "error",
+            "message": "The following requested LoRA adapters are not loaded: b\nLoaded adapters: odict_keys(['a', 'c']).",
+            "type": "BadRequestError",
+            "param": null,
+            "code": 400,
+        })
+    );
     let (status, text) = sim
         .post("/unload_lora_adapter", json!({"lora_name": "c"}))
         .await;

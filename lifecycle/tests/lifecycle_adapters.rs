@@ -70,7 +70,7 @@ async fn open(agent: &Arc<SimHost>) -> Arc<Core> {
     .unwrap()
 }
 
-/// The base (`max_loaded`, `base_extra` lines) and the adapters `names` of `files`.
+/// The base on vLLM (`max_loaded`, `base_extra` lines) and the adapters `names` of `files`.
 async fn deploy_all(
     server: &Core,
     files: &Peft,
@@ -78,9 +78,21 @@ async fn deploy_all(
     base_extra: &str,
     names: &[&str],
 ) {
+    deploy_on(server, "vllm", files, max_loaded, base_extra, names).await;
+}
+
+/// [`deploy_all`] with the base on `engine`.
+async fn deploy_on(
+    server: &Core,
+    engine: &str,
+    files: &Peft,
+    max_loaded: u32,
+    base_extra: &str,
+    names: &[&str],
+) {
     server
         .deploy(doc(&format!(
-            "name: base\nengine: vllm\nmodel: m\nresources: {{gpu_memory: 6GiB}}\nadapters: {{max_loaded: {max_loaded}, max_rank: 16}}\n{base_extra}"
+            "name: base\nengine: {engine}\nmodel: m\nresources: {{gpu_memory: 6GiB}}\nadapters: {{max_loaded: {max_loaded}, max_rank: 16}}\n{base_extra}"
         )))
         .await
         .unwrap();
@@ -491,10 +503,32 @@ async fn deploys_and_commands_that_break_the_adapter_rules_are_refused_and_chang
     assert!(s.server.view("a3").is_none());
 }
 
+/// The body of SGLang 0.5.23's 400 for an adapter it has not loaded (`LoRARegistry.acquire`'s
+/// message, as its OpenAI routes answer it).
+fn sglang_not_loaded(name: &str) -> serde_json::Value {
+    serde_json::json!({"object": "error", "message": format!("The following requested LoRA adapters are not loaded: {name}\nLoaded adapters: odict_keys([])."), "type": "BadRequestError", "param": null, "code": 400})
+}
+
+/// The body of another 400, for a request with `max_tokens: 0`.
+const OTHER_400: &str = r#"{"object":"error","message":"max_tokens must be at least 1, got 0.","type":"BadRequestError","param":null,"code":400}"#;
+
+/// The body of a 400 larger than the listener reads (for a request with `max_tokens: 1`),
+/// though it names the adapter as SGLang's does.
+fn large_400(adapter: &str) -> String {
+    let mut body = sglang_not_loaded(adapter);
+    body["detail"] = "x".repeat(5000).into();
+    body.to_string()
+}
+
 /// An engine that answers every request with its body's `model`, or 404 as vLLM answers a
-/// model it does not serve when that name is in `lost`.
+/// model it does not serve when that name is in `lost`; with `sglang`, as SGLang does: the
+/// adapter is the one named in `lora_path`, and one in `lost` is answered SGLang's 400
+/// ([`sglang_not_loaded`]). A request with `max_tokens: 0` is answered [`OTHER_400`], one
+/// with `max_tokens: 1` [`large_400`]; one with `max_tokens: 2` gets the head of a 400 and the
+/// first bytes of its body, then nothing.
 async fn fake_engine(
     lost: Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>,
+    sglang: bool,
 ) -> std::net::SocketAddr {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -535,18 +569,38 @@ async fn fake_engine(
                         serde_json::from_slice(&buf[head_end..head_end + length]).unwrap();
                     buf.drain(..head_end + length);
                     let model = body["model"].as_str().unwrap().to_string();
-                    let (status, answer) = if lost.lock().unwrap().contains(&model) {
+                    let adapter = if sglang {
+                        body["lora_path"].as_str().map(str::to_string)
+                    } else {
+                        Some(model.clone())
+                    };
+                    let runs = adapter.clone().unwrap_or_else(|| "the base".into());
+                    let is_lost = adapter.is_some_and(|a| lost.lock().unwrap().contains(&a));
+                    if body["max_tokens"] == 2 {
+                        let stalled = "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: 200\r\n\r\n{\"object\":";
+                        if conn.write_all(stalled.as_bytes()).await.is_ok() {
+                            // Held until the listener gives up and closes it.
+                            let _ = conn.read(&mut [0u8; 1]).await;
+                        }
+                        return;
+                    }
+                    let (status, text) = if body["max_tokens"] == 1 {
+                        ("400 Bad Request", large_400(&runs))
+                    } else if body["max_tokens"] == 0 {
+                        ("400 Bad Request", OTHER_400.to_string())
+                    } else if is_lost && sglang {
+                        ("400 Bad Request", sglang_not_loaded(&runs).to_string())
+                    } else if is_lost {
                         (
                             "404 Not Found",
-                            serde_json::json!({"object": "error", "message": format!("The model `{model}` does not exist."), "code": 404}),
+                            serde_json::json!({"object": "error", "message": format!("The model `{model}` does not exist."), "code": 404}).to_string(),
                         )
                     } else {
                         (
                             "200 OK",
-                            serde_json::json!({"id": "x", "object": "chat.completion", "model": model, "choices": [{"index": 0, "message": {"role": "assistant", "content": format!("answered by {model}")}, "finish_reason": "stop"}]}),
+                            serde_json::json!({"id": "x", "object": "chat.completion", "model": model, "choices": [{"index": 0, "message": {"role": "assistant", "content": format!("answered by {runs}")}, "finish_reason": "stop"}]}).to_string(),
                         )
                     };
-                    let text = answer.to_string();
                     let out = format!(
                         "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{text}",
                         text.len()
@@ -561,18 +615,27 @@ async fn fake_engine(
     addr
 }
 
-/// Through the real listener (real sockets, real time): a request for an adapter is answered by
-/// the engine under the adapter's name after its load; `/v1/models` lists adapters; a failed
-/// load and an engine's 404 for an adapter it lost are `503 adapter_load_failed`, never the
-/// engine's 404, and the next request loads it again.
-#[tokio::test]
-async fn through_the_listener_an_adapter_is_loaded_and_answered_under_its_name() {
+/// The real listener over the real coordinator and lifecycle, on the simulated host whose
+/// instances are served by a [`fake_engine`] (as SGLang with `sglang`).
+struct Listening {
+    /// The names the engine answers as an adapter it does not have (see [`fake_engine`]).
+    lost: Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>,
+    agent: Arc<SimHost>,
+    server: Arc<Core>,
+    addr: std::net::SocketAddr,
+    stop: tokio::sync::watch::Sender<bool>,
+    _assembly: capyctl_server::assembly::Assembly,
+}
+
+/// The listener's `stream_idle_timeout` in [`listening`].
+const IDLE: Duration = Duration::from_secs(1);
+
+async fn listening(sglang: bool) -> Listening {
     use capyctl_router::proxy::ProxyConfig;
     use capyctl_server::assembly::Inference;
-    use capyctl_test_support::harness::{post_json, try_get_json};
 
     let lost = Arc::new(std::sync::Mutex::new(std::collections::BTreeSet::new()));
-    let engine = fake_engine(lost.clone()).await;
+    let engine = fake_engine(lost.clone(), sglang).await;
     let agent = Arc::new(SimHost::new().with_upstream(engine));
     let server = open(&agent).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -582,6 +645,7 @@ async fn through_the_listener_an_adapter_is_loaded_and_answered_under_its_name()
         listener,
         config: ProxyConfig {
             request_deadline: Duration::from_secs(30),
+            stream_idle_timeout: IDLE,
             ..ProxyConfig::default()
         },
         observer: None,
@@ -589,41 +653,66 @@ async fn through_the_listener_an_adapter_is_loaded_and_answered_under_its_name()
         give_back: None,
         tenants: Default::default(),
     };
-    let _assembly = assemble(
+    let assembly = assemble(
         &server,
         server.clone(),
         RouterConfig::default(),
         Some(inference),
     )
     .await;
-    let files = Peft::new("listener", &[("a1", 8), ("a2", 8)]);
-    deploy_all(&server, &files, 2, "", &["a1", "a2"]).await;
-    let chat = |model: &str| {
-        post_json(
-            addr,
-            "/v1/chat/completions",
-            serde_json::json!({"model": model, "messages": [{"role": "user", "content": "hi"}]}),
-        )
-    };
-    let loads = || {
-        agent
-            .calls()
-            .into_iter()
-            .filter(|c| c.starts_with("load_adapter"))
-            .count()
-    };
+    Listening {
+        lost,
+        agent,
+        server,
+        addr,
+        stop,
+        _assembly: assembly,
+    }
+}
 
-    let (status, body) = chat("a1").await;
+/// The adapter loads the simulated host was asked for.
+fn loads(agent: &SimHost) -> usize {
+    agent
+        .calls()
+        .into_iter()
+        .filter(|c| c.starts_with("load_adapter"))
+        .count()
+}
+
+/// `POST /v1/chat/completions` for `model` through the listener at `addr`.
+async fn chat(addr: std::net::SocketAddr, model: &str) -> (u16, serde_json::Value) {
+    capyctl_test_support::harness::post_json(
+        addr,
+        "/v1/chat/completions",
+        serde_json::json!({"model": model, "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await
+}
+
+/// Through the real listener (real sockets, real time): a request for an adapter is answered by
+/// the engine under the adapter's name after its load; `/v1/models` lists adapters; a failed
+/// load and an engine's 404 for an adapter it lost are `503 adapter_load_failed`, never the
+/// engine's 404, and the next request loads it again.
+#[tokio::test]
+async fn through_the_listener_an_adapter_is_loaded_and_answered_under_its_name() {
+    use capyctl_test_support::harness::try_get_json;
+
+    let l = listening(false).await;
+    let files = Peft::new("listener", &[("a1", 8), ("a2", 8)]);
+    deploy_all(&l.server, &files, 2, "", &["a1", "a2"]).await;
+    let loads = || loads(&l.agent);
+
+    let (status, body) = chat(l.addr, "a1").await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(
         body["model"], "a1",
         "the engine ran it under the adapter's name"
     );
     assert_eq!(loads(), 1);
-    let (status, body) = chat("base").await;
+    let (status, body) = chat(l.addr, "base").await;
     assert_eq!((status, body["model"].as_str()), (200, Some("base")));
 
-    let (status, models) = try_get_json(addr, "/v1/models").await.unwrap();
+    let (status, models) = try_get_json(l.addr, "/v1/models").await.unwrap();
     assert_eq!(status, 200);
     let state = |id: &str| {
         models["data"]
@@ -640,8 +729,8 @@ async fn through_the_listener_an_adapter_is_loaded_and_answered_under_its_name()
     );
 
     // A load the engine refuses.
-    agent.fail_adapter_path(&files.path("a2"));
-    let (status, body) = chat("a2").await;
+    l.agent.fail_adapter_path(&files.path("a2"));
+    let (status, body) = chat(l.addr, "a2").await;
     assert_eq!(
         (status, body["code"].as_str()),
         (503, Some("adapter_load_failed")),
@@ -654,21 +743,125 @@ async fn through_the_listener_an_adapter_is_loaded_and_answered_under_its_name()
     assert_eq!(body["retryable"], true);
 
     // The engine lost a1 unseen: its 404 is not passed on; the next request loads it again.
-    lost.lock().unwrap().insert("a1".to_string());
-    let (status, body) = chat("a1").await;
+    l.lost.lock().unwrap().insert("a1".to_string());
+    let (status, body) = chat(l.addr, "a1").await;
     assert_eq!(
         (status, body["code"].as_str()),
         (503, Some("adapter_load_failed")),
         "{body}"
     );
-    lost.lock().unwrap().clear();
+    l.lost.lock().unwrap().clear();
     let before = loads();
-    let (status, body) = chat("a1").await;
+    let (status, body) = chat(l.addr, "a1").await;
     assert_eq!(
         (status, body["model"].as_str()),
         (200, Some("a1")),
         "{body}"
     );
     assert_eq!(loads(), before + 1, "loaded again");
-    stop.send_replace(true);
+    l.stop.send_replace(true);
+}
+
+/// `POST /v1/chat/completions` with `body` on a connection of its own that the client closes
+/// after the answer: the answer's head and body as the listener sent them.
+async fn raw_chat(addr: std::net::SocketAddr, body: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: capyctl\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    conn.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), conn.read_to_end(&mut answer))
+        .await
+        .expect("the answer ends")
+        .unwrap();
+    String::from_utf8(answer).unwrap()
+}
+
+/// The same on SGLang, which answers a request for an adapter it does not have `400` with a
+/// message naming it: that answer is not passed on (`503 adapter_load_failed` saying what the
+/// engine answered), and the next request loads it again; another 400 to a request for an
+/// adapter goes to the client byte for byte (read first when it is small, passed on unread
+/// when it is not), and loads nothing; one whose body stops coming ends after
+/// `stream_idle_timeout`.
+#[tokio::test]
+async fn through_the_listener_sglangs_400_for_an_adapter_it_lost_is_not_passed_on() {
+    let l = listening(true).await;
+    let files = Peft::new("listener-sglang", &[("s1", 8)]);
+    deploy_on(&l.server, "sglang", &files, 2, "", &["s1"]).await;
+    let text = |body: &serde_json::Value| body["choices"][0]["message"]["content"].clone();
+
+    let (status, body) = chat(l.addr, "s1").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        text(&body),
+        "answered by s1",
+        "run with the adapter in lora_path"
+    );
+    assert_eq!(loads(&l.agent), 1);
+
+    // Another 400 for a request for the adapter: the engine's answer as it sent it.
+    let asked = r#"{"model":"s1","max_tokens":0,"messages":[{"role":"user","content":"hi"}]}"#;
+    let answer = raw_chat(l.addr, asked).await;
+    assert!(answer.starts_with("HTTP/1.1 400 "), "{answer}");
+    assert!(
+        answer.ends_with(&format!("\r\n\r\n{OTHER_400}")),
+        "the body byte for byte: {answer}"
+    );
+    let head = answer.to_ascii_lowercase();
+    assert!(
+        head.contains("content-type: application/json\r\n")
+            && head.contains(&format!("content-length: {}\r\n", OTHER_400.len())),
+        "{answer}"
+    );
+    // One larger than the listener reads is passed on unread, whole, whatever it says.
+    let asked = r#"{"model":"s1","max_tokens":1,"messages":[{"role":"user","content":"hi"}]}"#;
+    let answer = raw_chat(l.addr, asked).await;
+    assert!(answer.starts_with("HTTP/1.1 400 "), "{answer}");
+    assert!(
+        answer.ends_with(&format!("\r\n\r\n{}", large_400("s1"))),
+        "{answer}"
+    );
+    // One whose body stops coming: nothing was passed on, so a 502 once the engine has been
+    // silent for stream_idle_timeout; nothing hangs.
+    let asked = r#"{"model":"s1","max_tokens":2,"messages":[{"role":"user","content":"hi"}]}"#;
+    let began = std::time::Instant::now();
+    let answer = raw_chat(l.addr, asked).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 502 ") && answer.contains("stream_idle_timeout"),
+        "{answer}"
+    );
+    assert!(began.elapsed() >= IDLE, "{:?}", began.elapsed());
+    let (status, body) = chat(l.addr, "s1").await;
+    assert_eq!((status, text(&body)), (200, "answered by s1".into()));
+    assert_eq!(loads(&l.agent), 1, "none taken for a lost adapter");
+
+    // The engine lost s1 unseen: its 400 is not passed on; the next request loads it again.
+    l.lost.lock().unwrap().insert("s1".to_string());
+    let (status, body) = chat(l.addr, "s1").await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (503, Some("adapter_load_failed")),
+        "{body}"
+    );
+    let message = body["message"].as_str().unwrap();
+    assert!(
+        message.contains("adapter s1")
+            && message.contains(
+                "the engine answered 400 \"The following requested LoRA adapters are not loaded: s1\""
+            ),
+        "{message}"
+    );
+    assert_eq!(body["retryable"], true);
+    l.lost.lock().unwrap().clear();
+    let (status, body) = chat(l.addr, "s1").await;
+    assert_eq!(
+        (status, text(&body)),
+        (200, "answered by s1".into()),
+        "{body}"
+    );
+    assert_eq!(loads(&l.agent), 2, "loaded again");
+    l.stop.send_replace(true);
 }

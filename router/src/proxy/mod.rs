@@ -38,14 +38,16 @@
 //!   the lease ends with the request's permit. It is forwarded with its `model` as it came
 //!   (the adapter's name, which vLLM serves), and with the adapter named in the field the
 //!   base's engine reads besides (`AdapterRoute::request_field`: SGLang's `lora_path`). An
-//!   engine that answers 404 as if it had not loaded it is answered `503
-//!   adapter_load_failed` (never the engine's 404), and the next request loads it again.
+//!   engine that answers as if it had not loaded it (vLLM's 404, SGLang's 400 naming it; see
+//!   `lost`) is answered `503 adapter_load_failed` (never the engine's answer), and the next
+//!   request loads it again.
 
 mod body;
 mod budget;
 mod conn;
 #[doc(hidden)]
 pub mod fuzz;
+mod lost;
 mod server;
 mod sse;
 mod upstream;
@@ -682,7 +684,7 @@ impl<A: Admission> Proxy<A> {
         // Boxed: this future is large and lives only from here on, so the request's future
         // stays small while it waits for its admission (4096 may wait).
         let sent = Box::pin(self.pool.request(addr, &request, body));
-        let (engine, upstream) = match tokio::time::timeout_at(deadline, sent).await {
+        let (engine, mut upstream) = match tokio::time::timeout_at(deadline, sent).await {
             Ok(Ok(answered)) => answered,
             Ok(Err(err)) => {
                 tracing::debug!(error = %err, "engine unreachable");
@@ -696,18 +698,41 @@ impl<A: Admission> Proxy<A> {
             }
         };
         let status = engine.status;
-        if let (Some((lifecycle, route)), Some(key), StatusCode::NOT_FOUND) =
-            (&adapter, &adapter_on, status)
-        {
-            // The engine does not have it (lost in a way CapyCTL was not told of): never its
-            // 404; loaded again by the next request.
-            lifecycle.adapter_lost(key, &route.name);
-            let error = ApiError::AdapterLoadFailed {
-                adapter: route.name.clone(),
-                reason: "the engine answered as if it were not loaded (404); the next request loads it again".into(),
-            };
-            charge.cut(error.metric_label());
-            return Err(Failure::Api(error));
+        // An adapter request's answer that says the engine does not have it (lost in a way
+        // CapyCTL was not told of: vLLM's 404, SGLang's 400 naming it) is never passed on;
+        // the next request loads it again. A 400 that may say so is read whole first, and
+        // passed on below as it came when it does not (see `lost`).
+        let mut read = None;
+        if let (Some((lifecycle, route)), Some(key)) = (&adapter, &adapter_on) {
+            if lost::worth_reading(route, &engine, &upstream) {
+                match lost::read_whole(&mut upstream, config.stream_idle_timeout).await {
+                    Ok(bytes) => read = Some(bytes),
+                    Err((error, code)) => {
+                        // The engine's head was its first output; its body broke off.
+                        charge.output();
+                        charge.cut(code);
+                        return Err(Failure::Api(error));
+                    }
+                }
+            }
+            let body = read.as_deref().unwrap_or_default();
+            if let Some(said) = lost::says_not_loaded(status, body, &route.name) {
+                lifecycle.adapter_lost(key, &route.name);
+                let error = ApiError::AdapterLoadFailed {
+                    adapter: route.name.clone(),
+                    reason: format!("{said}; the next request loads it again"),
+                };
+                charge.cut(error.metric_label());
+                return Err(Failure::Api(error));
+            }
+        }
+        if let Some(bytes) = read {
+            // Read whole above: over now, passed on byte for byte.
+            drop(upstream);
+            charge.output();
+            charge.finish();
+            let body = ProxyBody::full(bytes).tapped(tap(tenant));
+            return Ok(Answer::engine(engine, body));
         }
         if !engine.event_stream {
             charge.output();
