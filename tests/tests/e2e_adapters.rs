@@ -243,3 +243,66 @@ fn an_adapter_on_sglang_runs_with_the_adapter_not_the_base() {
             .any(|(phases, outcome)| phases == &["adapter_load".to_string()] && outcome == "ok")
     );
 }
+
+/// An adapter the engine drops without CapyCTL (here: unloaded at the engine's own port) on
+/// a base on `engine`: the next request for it gets `503 adapter_load_failed` saying what the
+/// engine answered (`said`), never the engine's own answer; the one after loads it again.
+fn an_adapter_the_engine_lost_loads_again(engine: &str, unload: &str, said: &str) {
+    let dir = temp_dir(&format!("adapter-lost-{engine}"));
+    let base = model("base", "adapters: {max_loaded: 2, max_rank: 16}\n")
+        .replace("engine: vllm", &format!("engine: {engine}"));
+    let adapters = adapter_docs(&dir, &["l1"]);
+    let doc = document("", "", &[&base, &adapters[0]]);
+    let capy = Capy::start(&dir, &doc);
+    let first = chat(capy.inference, "l1", false);
+    assert_eq!(first.status, 200, "{first:?}");
+
+    let port = capy.status("base")["instances"][0]["port"]
+        .as_u64()
+        .unwrap();
+    let at = SocketAddr::from(([127, 0, 0, 1], u16::try_from(port).unwrap()));
+    let r = request(
+        at,
+        "POST",
+        unload,
+        &[("content-type", "application/json")],
+        br#"{"lora_name":"l1"}"#,
+    );
+    assert_eq!(r.status, 200, "{r:?}");
+
+    let r = chat(capy.inference, "l1", false);
+    let message = assert_error(&r, 503, "adapter_load_failed", true);
+    assert!(
+        message.contains("adapter l1") && message.contains(said),
+        "{message}"
+    );
+    let again = chat(capy.inference, "l1", false);
+    assert_eq!(again.status, 200, "{again:?}");
+    let text = |r: &support::Response| r.json()["choices"][0]["message"]["content"].clone();
+    assert_eq!(text(&again), text(&first), "the adapter's answer again");
+    let loads = adapter_switches(&capy, "l1")
+        .iter()
+        .filter(|(phases, outcome)| phases == &["adapter_load".to_string()] && outcome == "ok")
+        .count();
+    assert_eq!(loads, 2, "loaded again");
+}
+
+#[test]
+fn an_adapter_vllm_lost_is_never_its_404_and_loads_again() {
+    an_adapter_the_engine_lost_loads_again(
+        "vllm",
+        "/v1/unload_lora_adapter",
+        "the engine answered as if it were not loaded (404)",
+    );
+}
+
+/// SGLang answers an adapter it does not have `400` ("The following requested LoRA adapters
+/// are not loaded: …"), which is not passed on either.
+#[test]
+fn an_adapter_sglang_lost_is_never_its_400_and_loads_again() {
+    an_adapter_the_engine_lost_loads_again(
+        "sglang",
+        "/unload_lora_adapter",
+        "the engine answered 400 \"The following requested LoRA adapters are not loaded: l1\"",
+    );
+}
