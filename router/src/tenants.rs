@@ -660,7 +660,7 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 /// none, more than one, or it is not a bearer token.
 fn bearer_key(lines: &[u8]) -> Option<&[u8]> {
     let mut found = None;
-    for line in lines.split(|&b| b == b'\n') {
+    for line in lines_of(lines) {
         let line = line.strip_suffix(b"\r").unwrap_or(line);
         let Some(colon) = line.iter().position(|&b| b == b':') else {
             continue;
@@ -677,6 +677,19 @@ fn bearer_key(lines: &[u8]) -> Option<&[u8]> {
         found = Some(line[colon + 1..].trim_ascii());
     }
     capyctl_spec::auth::bearer(found?)
+}
+
+/// The lines of `bytes` as `bytes.split(|&b| b == b'\n')` gives them (an empty one after a
+/// last `\n`), found with `memchr` rather than byte by byte.
+pub(crate) fn lines_of(bytes: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut start = 0;
+    memchr::memchr_iter(b'\n', bytes)
+        .chain(std::iter::once(bytes.len()))
+        .map(move |end| {
+            let line = &bytes[start..end];
+            start = end + 1;
+            line
+        })
 }
 
 /// `lines` without its `Authorization` lines (the tenant's key is not the engine's): a slice
@@ -975,6 +988,22 @@ mod tests {
         assert_eq!(headers["x-ratelimit-limit-tokens"], "600");
         assert_eq!(headers["x-ratelimit-remaining-tokens"], "10");
         assert!(!headers.contains_key("x-ratelimit-limit-requests"));
+    }
+
+    #[test]
+    fn lines_are_split_as_split_does() {
+        for bytes in [
+            &b""[..],
+            b"\n",
+            b"\n\n",
+            b"a",
+            b"a\n",
+            b"data: x\r\n\r\n",
+            b"a\nb\n\nc",
+        ] {
+            let split: Vec<&[u8]> = bytes.split(|&b| b == b'\n').collect();
+            assert_eq!(lines_of(bytes).collect::<Vec<_>>(), split);
+        }
     }
 
     #[test]

@@ -308,7 +308,7 @@ fn classify(event: &[u8]) -> Event {
 /// What `event` is, from its JSON.
 fn read(event: &[u8]) -> Event {
     let mut data = None;
-    for line in event.split(|&b| b == b'\n') {
+    for line in crate::tenants::lines_of(event) {
         let line = line.strip_suffix(b"\r").unwrap_or(line);
         if let Some(rest) = line.strip_prefix(b"data:") {
             if data.is_some() {
