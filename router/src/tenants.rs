@@ -7,7 +7,9 @@
 //!   A missing, malformed, unknown or almost-right key all take that same path (one digest,
 //!   one lookup, one comparison; see the test `every_refused_key_takes_the_same_path`), and
 //!   the lookup's time depends on the digest, which tells nothing about a key's bytes. A
-//!   request without a well-formed header is digested as an empty key.
+//!   request without a well-formed header is digested as an empty key. A connection's next
+//!   request with the key its last one was let in with is that tenant again without a second
+//!   digest ([`KnownKey`]); a refused key always takes the whole path.
 //! - Only `Authorization: Bearer <key>` counts (one such header); a key in the query string or
 //!   another header is not looked at. The header is not forwarded to the engine.
 //! - Rates are token buckets refilled continuously: `requests_per_minute` holds that many
@@ -168,44 +170,44 @@ pub struct RateHeaders {
 }
 
 impl RateHeaders {
-    /// Adds `x-ratelimit-limit-*`, `-remaining-*` and `-reset-*` (in seconds, `Ns`) to
-    /// `headers`. The values are written into one buffer that they share (every answer to a
-    /// tenant with a rate carries them: one allocation for all, not one each).
-    pub fn write(&self, headers: &mut HeaderMap) {
-        use http::HeaderName;
-        use std::io::Write as _;
-        const NAMES: [HeaderName; 6] = [
-            HeaderName::from_static("x-ratelimit-limit-requests"),
-            HeaderName::from_static("x-ratelimit-remaining-requests"),
-            HeaderName::from_static("x-ratelimit-reset-requests"),
-            HeaderName::from_static("x-ratelimit-limit-tokens"),
-            HeaderName::from_static("x-ratelimit-remaining-tokens"),
-            HeaderName::from_static("x-ratelimit-reset-tokens"),
+    /// Each header, in the order they are written: its name, its number, and whether the
+    /// number is seconds (written `Ns`): `x-ratelimit-limit-*`, `-remaining-*` and `-reset-*`
+    /// of the requests, then of the tokens, those of a rate it has.
+    pub fn each(&self, mut put: impl FnMut(&'static str, u64, bool)) {
+        const NAMES: [[&str; 3]; 2] = [
+            [
+                "x-ratelimit-limit-requests",
+                "x-ratelimit-remaining-requests",
+                "x-ratelimit-reset-requests",
+            ],
+            [
+                "x-ratelimit-limit-tokens",
+                "x-ratelimit-remaining-tokens",
+                "x-ratelimit-reset-tokens",
+            ],
         ];
-        let mut text = Vec::with_capacity(64);
-        // Each header's value: `text[start..end]`.
-        let mut spans = [None; 6];
-        for (at, values) in [(0, self.requests), (3, self.tokens)] {
-            let Some((limit, remaining, reset)) = values else {
-                continue;
-            };
-            let mut put = |i: usize, args: std::fmt::Arguments<'_>| {
-                let start = text.len();
-                let _ = text.write_fmt(args);
-                spans[i] = Some((start, text.len()));
-            };
-            put(at, format_args!("{limit}"));
-            put(at + 1, format_args!("{remaining}"));
-            put(at + 2, format_args!("{reset}s"));
-        }
-        let text = bytes::Bytes::from(text);
-        for (name, span) in NAMES.into_iter().zip(spans) {
-            if let Some((start, end)) = span
-                && let Ok(value) = HeaderValue::from_maybe_shared(text.slice(start..end))
-            {
-                headers.insert(name, value);
+        for (names, values) in NAMES.iter().zip([self.requests, self.tokens]) {
+            if let Some((limit, remaining, reset)) = values {
+                put(names[0], limit, false);
+                put(names[1], remaining, false);
+                put(names[2], reset, true);
             }
         }
+    }
+
+    /// Adds the headers ([`RateHeaders::each`]) to `headers` (an answer given as an `http`
+    /// response; the listener writes them straight into the answer's head).
+    pub fn write(&self, headers: &mut HeaderMap) {
+        self.each(|name, n, seconds| {
+            let value = if seconds {
+                HeaderValue::from_str(&format!("{n}s"))
+            } else {
+                Ok(HeaderValue::from(n))
+            };
+            if let Ok(value) = value {
+                headers.insert(http::HeaderName::from_static(name), value);
+            }
+        });
     }
 }
 
@@ -493,14 +495,30 @@ impl Tenants {
     /// Who a request is, from its header lines (`name: value\r\n` each, as the listener keeps
     /// them): only one `Authorization: Bearer <key>` line counts.
     pub fn authenticate(&self, lines: &[u8]) -> Auth {
+        self.authenticate_again(lines, &mut KnownKey::default())
+    }
+
+    /// [`Tenants::authenticate`] for the next request of a connection whose last request was
+    /// let in with `known`: the same key of the same set is that tenant again, without a
+    /// second digest (see [`KnownKey`]); `known` is then what this request was let in with.
+    pub fn authenticate_again(&self, lines: &[u8], known: &mut KnownKey) -> Auth {
         let set = self.set();
         if !set.asks_keys() {
             return Auth::Off;
         }
         let given = bearer_key(lines).unwrap_or_default();
+        if let Some(tenant) = known.of(&set, given) {
+            return Auth::Tenant(tenant);
+        }
         match find(&set, &digest(given)) {
-            Some(tenant) => Auth::Tenant(tenant),
-            None => Auth::Refused,
+            Some(tenant) => {
+                known.learn(&set, given, &tenant);
+                Auth::Tenant(tenant)
+            }
+            None => {
+                known.forget();
+                Auth::Refused
+            }
         }
     }
 
@@ -546,6 +564,64 @@ impl TenantTable for Tenants {
     }
 }
 
+/// The key a connection's last request was let in with, and its tenant, so that a keep-alive
+/// connection that sends the same `Authorization` again costs no second SHA-256 and lookup.
+///
+/// NB (keys): the key's bytes are kept for the connection's life (they came over it; they
+/// are zeroed when it forgets them) and compared in constant time, over their length, with the
+/// next request's; a different length is a different key. Only a key let in is known: a
+/// refused key always takes the whole path (digest, lookup, comparison), so a 401 takes the
+/// same time whatever the key, whether or not the connection had a valid one before. A set
+/// replaced since (a rotation) is not the one it was let in by: the key is digested again.
+#[derive(Default)]
+pub struct KnownKey {
+    /// The set it was found in (weak: an idle connection keeps no replaced set alive; its
+    /// allocation, kept by this, is not reused for another set meanwhile).
+    set: std::sync::Weak<Set>,
+    key: Vec<u8>,
+    tenant: Option<Arc<TenantEntry>>,
+}
+
+impl KnownKey {
+    /// The tenant of `given` when it is the key known, of `set`.
+    fn of(&self, set: &Arc<Set>, given: &[u8]) -> Option<Arc<TenantEntry>> {
+        let tenant = self.tenant.as_ref()?;
+        (std::ptr::eq(self.set.as_ptr(), Arc::as_ptr(set))
+            && given.len() == self.key.len()
+            && constant_time_eq(&self.key, given))
+        .then(|| Arc::clone(tenant))
+    }
+
+    fn learn(&mut self, set: &Arc<Set>, given: &[u8], tenant: &Arc<TenantEntry>) {
+        self.forget();
+        self.set = Arc::downgrade(set);
+        self.key.extend_from_slice(given);
+        self.tenant = Some(Arc::clone(tenant));
+    }
+
+    fn forget(&mut self) {
+        self.key.fill(0);
+        std::hint::black_box(&mut self.key);
+        self.key.clear();
+        self.tenant = None;
+        self.set = std::sync::Weak::new();
+    }
+}
+
+impl Drop for KnownKey {
+    fn drop(&mut self) {
+        self.forget();
+    }
+}
+
+impl std::fmt::Debug for KnownKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KnownKey")
+            .field("tenant", &self.tenant.as_ref().map(|t| &t.name))
+            .finish_non_exhaustive()
+    }
+}
+
 #[cfg(test)]
 thread_local! {
     /// The steps of the key check taken on this thread: (digests, lookups, comparisons).
@@ -570,7 +646,9 @@ fn find(set: &Set, digest: &KeyDigest) -> Option<Arc<TenantEntry>> {
     tenant.filter(|_| same).cloned()
 }
 
-fn constant_time_eq(a: &KeyDigest, b: &KeyDigest) -> bool {
+/// Whether `a` and `b` (of the same length) are equal, in a time that depends on their
+/// length only.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     let mut diff = 0u8;
     for (x, y) in a.iter().zip(b) {
         diff |= x ^ y;
@@ -582,7 +660,7 @@ fn constant_time_eq(a: &KeyDigest, b: &KeyDigest) -> bool {
 /// none, more than one, or it is not a bearer token.
 fn bearer_key(lines: &[u8]) -> Option<&[u8]> {
     let mut found = None;
-    for line in lines.split(|&b| b == b'\n') {
+    for line in lines_of(lines) {
         let line = line.strip_suffix(b"\r").unwrap_or(line);
         let Some(colon) = line.iter().position(|&b| b == b':') else {
             continue;
@@ -599,6 +677,19 @@ fn bearer_key(lines: &[u8]) -> Option<&[u8]> {
         found = Some(line[colon + 1..].trim_ascii());
     }
     capyctl_spec::auth::bearer(found?)
+}
+
+/// The lines of `bytes` as `bytes.split(|&b| b == b'\n')` gives them (an empty one after a
+/// last `\n`), found with `memchr` rather than byte by byte.
+pub(crate) fn lines_of(bytes: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut start = 0;
+    memchr::memchr_iter(b'\n', bytes)
+        .chain(std::iter::once(bytes.len()))
+        .map(move |end| {
+            let line = &bytes[start..end];
+            start = end + 1;
+            line
+        })
 }
 
 /// `lines` without its `Authorization` lines (the tenant's key is not the engine's): a slice
@@ -743,6 +834,49 @@ mod tests {
         assert_eq!(steps(&bearer("sk-aaaaaaaa")), (false, (1, 1, 1)));
     }
 
+    /// A connection's next request with the same key: no second digest; any other key, or a
+    /// set replaced meanwhile: the whole path again.
+    #[test]
+    fn a_connection_sending_its_key_again_is_not_digested_again() {
+        let t = Tenants::new();
+        t.replace(vec![
+            tenant("a", &["sk-aaaaaaaa"], None, None),
+            tenant("b", &["sk-bbbbbbbb"], None, None),
+        ])
+        .unwrap();
+        let mut known = KnownKey::default();
+        let mut steps = |lines: &[u8]| {
+            STEPS.with(|s| s.set((0, 0, 0)));
+            let who = match t.authenticate_again(lines, &mut known) {
+                Auth::Tenant(e) => Some(e.name().to_string()),
+                _ => None,
+            };
+            (who, STEPS.with(std::cell::Cell::get))
+        };
+        let a = Some("a".to_string());
+        assert_eq!(steps(&bearer("sk-aaaaaaaa")), (a.clone(), (1, 1, 1)));
+        assert_eq!(steps(&bearer("sk-aaaaaaaa")), (a.clone(), (0, 0, 0)));
+        assert_eq!(
+            steps(b"x-a: 1\r\nauthorization: Bearer sk-aaaaaaaa\r\n"),
+            (a.clone(), (0, 0, 0))
+        );
+        // Another tenant's key, a wrong one of the same length, none: the whole path.
+        assert_eq!(steps(&bearer("sk-bbbbbbbb")), (Some("b".into()), (1, 1, 1)));
+        assert_eq!(steps(&bearer("sk-aaaaaaab")), (None, (1, 1, 1)));
+        assert_eq!(steps(&bearer("sk-aaaaaaaa")), (a.clone(), (1, 1, 1)));
+        assert_eq!(steps(b""), (None, (1, 1, 1)));
+        // A refused key forgot the known one.
+        assert_eq!(steps(&bearer("sk-aaaaaaaa")), (a.clone(), (1, 1, 1)));
+        // A set replaced: digested again, even when it keeps the key; a key rotated away is
+        // refused at once, also on the connection that used it.
+        t.replace(vec![tenant("a", &["sk-aaaaaaaa"], None, None)])
+            .unwrap();
+        assert_eq!(steps(&bearer("sk-aaaaaaaa")), (a.clone(), (1, 1, 1)));
+        t.replace(vec![tenant("a", &["sk-a2a2a2a2"], None, None)])
+            .unwrap();
+        assert_eq!(steps(&bearer("sk-aaaaaaaa")), (None, (1, 1, 1)));
+    }
+
     #[test]
     fn a_bad_set_changes_nothing_and_names_the_place() {
         let t = Tenants::new();
@@ -854,6 +988,22 @@ mod tests {
         assert_eq!(headers["x-ratelimit-limit-tokens"], "600");
         assert_eq!(headers["x-ratelimit-remaining-tokens"], "10");
         assert!(!headers.contains_key("x-ratelimit-limit-requests"));
+    }
+
+    #[test]
+    fn lines_are_split_as_split_does() {
+        for bytes in [
+            &b""[..],
+            b"\n",
+            b"\n\n",
+            b"a",
+            b"a\n",
+            b"data: x\r\n\r\n",
+            b"a\nb\n\nc",
+        ] {
+            let split: Vec<&[u8]> = bytes.split(|&b| b == b'\n').collect();
+            assert_eq!(lines_of(bytes).collect::<Vec<_>>(), split);
+        }
     }
 
     #[test]

@@ -254,6 +254,9 @@ pub(crate) struct AnswerHead {
     pub(crate) lines: Bytes,
     /// The lines hold a `Date`.
     pub(crate) dated: bool,
+    /// A tenant's `x-ratelimit-*` headers, written after `headers` (straight into the head
+    /// the listener sends: no header map, no allocation).
+    pub(crate) rates: Option<tenants::RateHeaders>,
 }
 
 impl From<Response<ProxyBody>> for Answer {
@@ -279,6 +282,7 @@ impl Answer {
                 headers: HeaderMap::new(),
                 lines: engine.lines,
                 dated: engine.dated,
+                rates: None,
             },
             body,
         }
@@ -289,6 +293,9 @@ impl Answer {
     /// that have none, RFC 9110 8.6).
     fn into_response(self) -> Response<ProxyBody> {
         let mut headers = self.head.headers;
+        if let Some(rates) = self.head.rates {
+            rates.write(&mut headers);
+        }
         for line in self.head.lines.split(|&b| b == b'\n') {
             let line = line.strip_suffix(b"\r").unwrap_or(line);
             let Some(colon) = line.iter().position(|&b| b == b':') else {
@@ -454,7 +461,7 @@ impl<A: Admission> Proxy<A> {
                 .unwrap_or_else(|_| Err(Failure::body_late()))
         };
         let mut head = RequestHead::from_parts(parts);
-        let auth = self.identify(&mut head);
+        let auth = self.identify(&mut head, &mut tenants::KnownKey::default());
         self.respond(self.watch(), head, auth, arrival, body, None)
             .await
             .into_response()
@@ -464,11 +471,12 @@ impl<A: Admission> Proxy<A> {
     /// tenant of its key, whose `Authorization` line is then taken out of `head` (the key is
     /// not the engine's), or [`Auth::Refused`], which [`Proxy::respond`] answers 401 without
     /// its body; `Auth::Off` without tenants.
-    pub(crate) fn identify(&self, head: &mut RequestHead) -> Auth {
+    /// `known`: the key the connection's last request was let in with.
+    pub(crate) fn identify(&self, head: &mut RequestHead, known: &mut tenants::KnownKey) -> Auth {
         let Some(tenants) = self.tenants.as_deref() else {
             return Auth::Off;
         };
-        let auth = tenants.authenticate(&head.lines);
+        let auth = tenants.authenticate_again(&head.lines, known);
         if let Auth::Tenant(_) = auth {
             head.lines = tenants::without_authorization(&head.lines);
         }
@@ -525,9 +533,7 @@ impl<A: Admission> Proxy<A> {
         };
         if let Some(tenant) = &tenant {
             tenant.answered(answer.status.as_u16());
-            if let Some(rates) = tenant.rate_headers(Instant::now()) {
-                rates.write(&mut answer.head.headers);
-            }
+            answer.head.rates = tenant.rate_headers(Instant::now());
         }
         answer
     }
@@ -1454,6 +1460,7 @@ mod tests {
                 headers: HeaderMap::new(),
                 lines: Bytes::from_static(b"Content-Type: text/plain\r\nx-a: 1\r\nx-a:  2 \r\n"),
                 dated: false,
+                rates: None,
             },
             body: ProxyBody::full(Bytes::from_static(b"abc")),
         };

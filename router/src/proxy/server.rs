@@ -131,6 +131,8 @@ pub(super) async fn serve<A: Admission, S>(
         had_request: false,
         stop_timer: None,
     };
+    // With tenants, the key the last request was let in with.
+    let mut known = crate::tenants::KnownKey::default();
     loop {
         let mut request = match conn.next_head(stop, header_read_timeout).await {
             Next::Head(request) => request,
@@ -162,7 +164,7 @@ pub(super) async fn serve<A: Admission, S>(
         let report = proxy.watch();
         // With tenants, from the head alone: a request without a valid key is answered 401
         // before anything of its body is read (or a `100 Continue` sent for it).
-        let auth = proxy.identify(&mut request.head);
+        let auth = proxy.identify(&mut request.head, &mut known);
         let body = if forwarded(&request.head) && !matches!(auth, Auth::Refused) {
             conn.read_body(&mut request, &budget, deadline).await
         } else {
@@ -946,6 +948,17 @@ fn encode_head(
             .iter()
             .any(|framing| framing.eq_ignore_ascii_case(name))
     });
+    if let Some(rates) = &head.rates {
+        rates.each(|name, n, seconds| {
+            out.extend_from_slice(name.as_bytes());
+            out.extend_from_slice(b": ");
+            push_decimal(out, n);
+            if seconds {
+                out.push(b's');
+            }
+            out.extend_from_slice(b"\r\n");
+        });
+    }
     out.extend_from_slice(&head.lines);
     if let Some(size) = size {
         out.extend_from_slice(b"content-length: ");
