@@ -9,8 +9,8 @@
 //!   `/readyz` would answer ready; the document's parse apart), a second start on the same
 //!   directory (nothing changed), RSS after the start and after the deployments list,
 //!   full and by-ID load reads (`ManagementApi::load_json`: the JSON the management listener
-//!   sends), and the deployments, engines and hosts lists (their JSON, `list_json` for the
-//!   deployments).
+//!   sends), and the deployments, engines and hosts lists (their JSON; the deployments' a part
+//!   at a time, `list_parts`, as the listener sends it).
 //! - **used N**: N deployments on one in-process simulated host (its engines start, park and stop at
 //!   once; every engine's address is one in-process HTTP server that answers at once), the real
 //!   coordinator and inference listener on loopback sockets. Every deployment gets one chat
@@ -430,15 +430,18 @@ async fn load_reads(api: &dyn ManagementApi, n: usize, reads: usize, f: &mut Fig
 /// The three lists, timed (their JSON, as the listener sends it); the RSS after the deployments
 /// list.
 async fn lists(api: &dyn ManagementApi, f: &mut Figures) {
+    // Each part is dropped once counted, as the listener drops it once sent.
     let (t, cpu) = (Instant::now(), cpu_time());
-    let body = api.list_json().await.unwrap();
+    let mut bytes = 0;
+    for part in api.list_parts().await.unwrap() {
+        bytes += std::hint::black_box(part.unwrap()).len();
+    }
     f.insert("list_ms".into(), ms(t.elapsed()));
     f.insert("list_cpu_ms".into(), ms(cpu_time() - cpu));
-    f.insert("list_bytes".into(), body.len() as f64);
+    f.insert("list_bytes".into(), bytes as f64);
     let (rss, hwm) = rss_mb();
     f.insert("rss_mb".into(), rss);
     f.insert("hwm_mb".into(), hwm);
-    drop(body);
     let (t, cpu) = (Instant::now(), cpu_time());
     let e = api.engines().await;
     std::hint::black_box(serde_json::to_vec(&e).unwrap());
