@@ -20,7 +20,8 @@
 //! - **hosts H**: `--host-deployments` deployments (10,000 by default) over H simulated hosts, opened
 //!   from an in-memory store (as a new leader on Kubernetes opens them from the CRs). Each host's
 //!   `inventory` and `engines` calls take `--host-latency-ms` (default 1 ms, a round trip to a
-//!   node agent on a LAN), its starts none. Figures: the open, the lists with the RSS after the deployments list, and the
+//!   node agent on a LAN; to within some 0.1 ms, `SimHost::with_exact_latency`: on tokio's
+//!   timer, which ends a sleep at a millisecond tick, a 1 ms call took up to 2), its starts none. Figures: the open, the lists with the RSS after the deployments list, and the
 //!   time of a first request to a stopped model (sequential, distinct models): with the fake
 //!   engine and upstream answering at once, that is CapyCTL's own time.
 //!
@@ -64,7 +65,8 @@ OPTIONS:
     --used LIST             deployments of the used-once cases (default 100,1000,10000)
     --hosts LIST            hosts of the fake-host cases (default 1,10,100,1000)
     --host-deployments N    deployments of each fake-host case (default 10000)
-    --host-latency-ms X     each simulated host's inventory/engines round trip (default 1)
+    --host-latency-ms X     each simulated host's inventory/engines round trip (default 1;
+                            real time to within some 0.1 ms)
     --reads N               full load reads per figure (default 40)
     --quick                 --standalone 100,1000 --used 100,1000 --hosts 1,10,100
                             --host-deployments 1000
@@ -576,7 +578,7 @@ async fn fake_cluster(hosts: usize, n: usize, latency: Duration) -> (Arc<Core>, 
                 SimHost::new()
                     .with_gpu(gpu)
                     .with_upstream(up)
-                    .with_latency(latency)
+                    .with_exact_latency(latency)
                     .without_call_log(),
             ),
             activation: capyctl_spec::Activation::OnDemand,
