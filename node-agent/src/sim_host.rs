@@ -940,13 +940,13 @@ async fn exact_sleep(d: Duration) {
     let _ = rx.await;
 }
 
-/// [`exact_sleep`]'s timer: the waits by deadline (and a sequence number, for equal ones).
+/// [`exact_sleep`]'s waits: by deadline (and a sequence number, for equal ones).
+type Waits = BTreeMap<(std::time::Instant, u64), tokio::sync::oneshot::Sender<()>>;
+
+/// [`exact_sleep`]'s timer: the next sequence number and the waits.
 #[derive(Default)]
 struct ExactTimer {
-    due: Mutex<(
-        u64,
-        BTreeMap<(std::time::Instant, u64), tokio::sync::oneshot::Sender<()>>,
-    )>,
+    due: Mutex<(u64, Waits)>,
     changed: std::sync::Condvar,
 }
 
