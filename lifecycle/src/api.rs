@@ -3,6 +3,7 @@
 //! Every method answers a body of `capyctl_spec::api` or an [`ApiError`] (its status, code and
 //! message are what the listener sends). `name_or_id` accepts a deployment's name or its ID.
 
+use bytes::Bytes;
 use capyctl_spec::api::{
     ActionReceipt, DeployReceipt, DeploymentList, DeploymentView, EngineList, HostDrainReceipt,
     HostList, LoadReport, StartRequest, SwitchList, SwitchQuery,
@@ -18,10 +19,18 @@ pub trait ManagementApi: Send + Sync + 'static {
     /// `GET /deployments`.
     fn list(&self) -> BoxFuture<'_, DeploymentList>;
     /// `GET /deployments` as the listener sends it: the JSON of [`ManagementApi::list`], byte
-    /// for byte. The server writes it as it builds the views, without the whole list at once
-    /// (by default: `list` encoded).
+    /// for byte, whole (by default: `list` encoded). The listener sends
+    /// [`ManagementApi::list_parts`].
     fn list_json(&self) -> BoxFuture<'_, Result<Vec<u8>, ApiError>> {
         Box::pin(async move { encoded(&self.list().await) })
+    }
+    /// [`ManagementApi::list_json`] a part at a time, each written when it is asked for (the
+    /// listener sends each part as it comes, so no answer of every deployment is held at
+    /// once); the parts together are `list_json`'s bytes. An error here is the answer's; one
+    /// from a part after the first ends the answer unfinished (see [`JsonParts`]). By
+    /// default: `list_json` as one part.
+    fn list_parts(&self) -> BoxFuture<'_, Result<JsonParts, ApiError>> {
+        Box::pin(async move { Ok(JsonParts::whole(self.list_json().await?)) })
     }
     /// `POST /deployments`: deploy (or re-deploy) a document. A changed document bumps the
     /// revision; the same document again changes nothing.
@@ -93,6 +102,53 @@ pub trait ManagementApi: Send + Sync + 'static {
     /// implementation cannot tell (then poll).
     fn changes(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
         None
+    }
+}
+
+/// An answer's JSON a part at a time ([`ManagementApi::list_parts`]): an iterator of its
+/// parts, each written when it is asked for, on the caller's thread. The management listener
+/// answers with the first part's error when it has one, sends a body of one part as it sends
+/// any answer, and a longer one as a chunked body, a part at a time; an error after the first
+/// part (an encoding that fails half-way: none of the lists' can) ends that body unfinished,
+/// which the client sees as a broken answer, never as a complete one.
+pub struct JsonParts {
+    parts: Box<dyn Iterator<Item = Result<Bytes, ApiError>> + Send>,
+}
+
+impl JsonParts {
+    /// The parts `parts` yields.
+    pub fn new(parts: impl Iterator<Item = Result<Bytes, ApiError>> + Send + 'static) -> Self {
+        JsonParts {
+            parts: Box::new(parts),
+        }
+    }
+
+    /// `body` as one part.
+    pub fn whole(body: Vec<u8>) -> Self {
+        Self::new(std::iter::once(Ok(Bytes::from(body))))
+    }
+
+    /// Every part, joined: the whole answer, or the first error.
+    pub fn join(self) -> Result<Vec<u8>, ApiError> {
+        let mut out = Vec::new();
+        for part in self {
+            out.extend_from_slice(&part?);
+        }
+        Ok(out)
+    }
+}
+
+impl Iterator for JsonParts {
+    type Item = Result<Bytes, ApiError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        self.parts.next()
+    }
+}
+
+impl std::fmt::Debug for JsonParts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JsonParts").finish_non_exhaustive()
     }
 }
 

@@ -43,6 +43,7 @@ mod gpus;
 mod holdover;
 mod hosts;
 mod ids;
+mod lists;
 mod management;
 pub mod metrics;
 mod names;

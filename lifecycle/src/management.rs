@@ -49,6 +49,10 @@ impl ManagementApi for Core {
         Box::pin(async move { self.do_list_json() })
     }
 
+    fn list_parts(&self) -> crate::api::BoxFuture<'_, Result<crate::api::JsonParts, ApiError>> {
+        Box::pin(async move { self.do_list_parts() })
+    }
+
     fn deploy(
         &self,
         doc: DeploymentDoc,

@@ -26,7 +26,7 @@ pub(crate) const HOSTS_PER_HOLD: usize = 32;
 
 impl Core {
     /// The adapters loaded on each instance, for a read's views.
-    fn adapter_sets(&self) -> Arc<views::AdapterSets> {
+    pub(crate) fn adapter_sets(&self) -> Arc<views::AdapterSets> {
         Arc::new(views::AdapterSets::new(self.adapters.loaded_on()))
     }
 
@@ -201,26 +201,9 @@ impl Core {
         }
     }
 
-    /// [`Core::do_list`]'s answer as the management listener sends it (its JSON, byte for
-    /// byte), each view encoded as soon as it is built and then dropped (a view of the list
-    /// holds its whole document: 100,000 of them at once were a hundred megabytes).
-    pub(crate) fn do_list_json(&self) -> Result<Vec<u8>, ApiError> {
-        let (shots, order, hosts) = self.listed();
-        let cx = views::Ctx::new(&self.config, &hosts).with_adapters(self.adapter_sets());
-        let mut body = JsonArrayBody::new(&DeploymentList {
-            deployments: Vec::new(),
-        })?;
-        let total = order.len();
-        let mut writer = views::ViewWriter::default();
-        for r in order {
-            body.push_with(total, |out| writer.write(out, &shots[r], &cx));
-        }
-        body.finish()
-    }
-
     /// Every deployment's snapshots ([`Core::flat_shots`]), the ranges of each deployment's
     /// in the order the list shows them (by name), and the hosts.
-    fn listed(&self) -> (Vec<views::DepShot>, Vec<Range<usize>>, Hosts) {
+    pub(crate) fn listed(&self) -> (Vec<views::DepShot>, Vec<Range<usize>>, Hosts) {
         let (shots, hosts) = self.flat_shots();
         let mut order = Vec::new();
         let mut at = 0;
@@ -300,14 +283,7 @@ impl JsonArrayBody {
 
     /// Around `empty`, a body whose last field is an empty array.
     fn new<T: Serialize>(empty: &T) -> Result<Self, ApiError> {
-        let mut out = serde_json::to_vec(empty).map_err(cannot_encode)?;
-        if !out.ends_with(b"[]}") {
-            return Err(ApiError::Internal {
-                detail: "cannot encode the answer: its last field is not an empty array"
-                    .to_string(),
-            });
-        }
-        let tail = out.split_off(out.len() - 2);
+        let (out, tail) = crate::lists::array_ends(empty)?;
         Ok(JsonArrayBody {
             head: out.len(),
             out,
@@ -351,7 +327,7 @@ impl JsonArrayBody {
     }
 }
 
-fn cannot_encode(e: serde_json::Error) -> ApiError {
+pub(crate) fn cannot_encode(e: serde_json::Error) -> ApiError {
     ApiError::Internal {
         detail: format!("cannot serialize the answer: {e}"),
     }

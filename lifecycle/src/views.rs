@@ -12,6 +12,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use bytes::{BufMut, BytesMut};
 use capyctl_engine_rules::max_running::{MaxRunningInput, max_running};
 use capyctl_interfaces::inventory::Inventory;
 use capyctl_interfaces::launch::MaxRunning;
@@ -374,8 +375,9 @@ pub(crate) fn deployment_view(units: &[DepShot], cx: &Ctx<'_>) -> DeploymentView
 
 /// Writes deployment views' JSON (byte for byte `serde_json`'s of [`deployment_view`]) without
 /// a copy of each one's document: each view is built around one document kept for the
-/// purpose, encoded, and that document's encoding at its end (`"spec"` is the last field)
-/// replaced by the deployment's own, encoded from the shared one. NB (reads at scale): the
+/// purpose (the least there is, so that its encoding costs little), encoded, and that
+/// document's encoding at its end (`"spec"` is the last field) replaced by the deployment's
+/// own, encoded from the shared one. NB (reads at scale): the
 /// deployments list writes 100,000 of these.
 #[derive(Default)]
 pub(crate) struct ViewWriter {
@@ -387,7 +389,7 @@ impl ViewWriter {
     /// Appends the view of `units` to `out`.
     pub(crate) fn write(
         &mut self,
-        out: &mut Vec<u8>,
+        out: &mut BytesMut,
         units: &[DepShot],
         cx: &Ctx<'_>,
     ) -> serde_json::Result<()> {
@@ -395,15 +397,16 @@ impl ViewWriter {
         let (stand_in, tail) = match self.stand_in.take() {
             Some(s) => s,
             None => {
+                let stand_in = least_document();
                 let mut tail = br#","spec":"#.to_vec();
-                serde_json::to_writer(&mut tail, &**doc)?;
+                serde_json::to_writer(&mut tail, &stand_in)?;
                 tail.push(b'}');
-                (DeploymentDoc::clone(doc), tail)
+                (stand_in, tail)
             }
         };
         let start = out.len();
         let view = deployment_view_with(units, cx, stand_in);
-        let written = serde_json::to_writer(&mut *out, &view);
+        let written = serde_json::to_writer((&mut *out).writer(), &view);
         self.stand_in = Some((view.spec, tail));
         written?;
         let tail = self
@@ -413,14 +416,38 @@ impl ViewWriter {
         if out.ends_with(tail) {
             // Keep `,"spec":`.
             out.truncate(out.len() - tail.len() + br#","spec":"#.len());
-            serde_json::to_writer(&mut *out, &**doc)?;
-            out.push(b'}');
+            serde_json::to_writer((&mut *out).writer(), &**doc)?;
+            out.put_u8(b'}');
             Ok(())
         } else {
             // The view's fields moved: encoded whole (the same bytes, at the old cost).
             out.truncate(start);
-            serde_json::to_writer(out, &deployment_view(units, cx))
+            serde_json::to_writer(out.writer(), &deployment_view(units, cx))
         }
+    }
+}
+
+/// The document whose encoding is the shortest (`{"name":""}`): [`ViewWriter`]'s stand-in,
+/// encoded with each view and then replaced.
+fn least_document() -> DeploymentDoc {
+    DeploymentDoc {
+        name: String::new(),
+        engine: None,
+        model: None,
+        residency: None,
+        max_concurrent_requests: None,
+        extra_args: Vec::new(),
+        env: std::collections::BTreeMap::new(),
+        resources: None,
+        lifecycle: None,
+        decision: None,
+        replicas: None,
+        scale: None,
+        gpus_per_instance: None,
+        routing: None,
+        priority: None,
+        adapters: None,
+        adapter: None,
     }
 }
 

@@ -20,7 +20,8 @@
 //! tests (and for any simulation of faults):
 //!
 //! - a latency for each `inventory` and `engines` call ([`SimHost::with_latency`]: a round
-//!   trip to a node agent), and a count of such calls in progress shared by several hosts
+//!   trip to a node agent; on the tokio clock, or kept to within some 0.1 ms of real time,
+//!   [`SimHost::with_exact_latency`]), and a count of such calls in progress shared by several hosts
 //!   ([`SimHost::counting`], [`Concurrency`]);
 //! - the calls `start <iid>`, `park <iid>`, `wake <iid>`, `stop <iid>` in order, as they begin
 //!   ([`SimHost::calls`]), and the operations with when they began and ended, as they end
@@ -198,6 +199,8 @@ pub struct SimHost {
     upstream: SocketAddr,
     /// `None`: the inventory and engines calls answer without a sleep.
     latency: Option<Duration>,
+    /// The latency is waited on [`exact_sleep`]'s thread, not on the tokio clock.
+    exact_latency: bool,
     in_progress: Option<Arc<Concurrency>>,
     /// `None`: no call log and no op log.
     calls: Option<Mutex<Vec<String>>>,
@@ -314,6 +317,7 @@ impl SimHost {
             default_timings: Timings::default(),
             upstream: SocketAddr::from(([127, 0, 0, 1], 9)),
             latency: None,
+            exact_latency: false,
             in_progress: None,
             calls: Some(Mutex::new(Vec::new())),
             ops: Some(Mutex::new(Vec::new())),
@@ -415,6 +419,15 @@ impl SimHost {
     /// Each `inventory` and `engines` call sleeps `latency` (a sleep even when zero).
     pub fn with_latency(mut self, latency: Duration) -> Self {
         self.latency = Some(latency);
+        self
+    }
+
+    /// [`SimHost::with_latency`] in real time, to within some 0.1 ms ([`exact_sleep`]):
+    /// tokio's timer ends a sleep at its next millisecond tick or later, so a 1 ms call
+    /// begun just after a tick takes 2 ms. For benchmarks (the paused clock does not move it).
+    pub fn with_exact_latency(mut self, latency: Duration) -> Self {
+        self.latency = Some(latency);
+        self.exact_latency = true;
         self
     }
 
@@ -587,8 +600,10 @@ impl SimHost {
     /// A round trip: the latency, counted while it runs.
     async fn round_trip<T>(&self, answer: impl FnOnce() -> T) -> T {
         let trip = async {
-            if let Some(latency) = self.latency {
-                tokio::time::sleep(latency).await;
+            match self.latency {
+                Some(latency) if self.exact_latency => exact_sleep(latency).await,
+                Some(latency) => tokio::time::sleep(latency).await,
+                None => {}
             }
             answer()
         };
@@ -916,6 +931,77 @@ impl HostAgent for SimHost {
     }
 }
 
+/// Waits `d` in real time, to within the wake-up of a thread (some 0.1 ms): one thread, shared
+/// by every simulated host, sleeps until the earliest deadline and ends every wait due.
+/// tokio's timer rounds each sleep up to its next millisecond tick.
+async fn exact_sleep(d: Duration) {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    ExactTimer::get().add(std::time::Instant::now() + d, tx);
+    let _ = rx.await;
+}
+
+/// [`exact_sleep`]'s waits: by deadline (and a sequence number, for equal ones).
+type Waits = BTreeMap<(std::time::Instant, u64), tokio::sync::oneshot::Sender<()>>;
+
+/// [`exact_sleep`]'s timer: the next sequence number and the waits.
+#[derive(Default)]
+struct ExactTimer {
+    due: Mutex<(u64, Waits)>,
+    changed: std::sync::Condvar,
+}
+
+impl ExactTimer {
+    /// The one timer, its thread started on first use.
+    fn get() -> &'static ExactTimer {
+        static TIMER: OnceLock<&'static ExactTimer> = OnceLock::new();
+        TIMER.get_or_init(|| {
+            let timer: &'static ExactTimer = Box::leak(Box::default());
+            std::thread::Builder::new()
+                .name("sim-host-timer".into())
+                .spawn(|| timer.run())
+                .map_or_else(|e| panic!("cannot start the timer's thread: {e}"), drop);
+            timer
+        })
+    }
+
+    fn add(&self, at: std::time::Instant, done: tokio::sync::oneshot::Sender<()>) {
+        let mut due = lock(&self.due);
+        let seq = due.0;
+        due.0 += 1;
+        let first = due.1.keys().next().is_none_or(|(next, _)| at < *next);
+        due.1.insert((at, seq), done);
+        drop(due);
+        if first {
+            self.changed.notify_one();
+        }
+    }
+
+    fn run(&self) {
+        let mut due = lock(&self.due);
+        loop {
+            let now = std::time::Instant::now();
+            while let Some(e) = due.1.first_entry()
+                && e.key().0 <= now
+            {
+                let _ = e.remove().send(());
+            }
+            due = match due.1.keys().next() {
+                None => self
+                    .changed
+                    .wait(due)
+                    .unwrap_or_else(PoisonError::into_inner),
+                Some((next, _)) => {
+                    let wait = next.saturating_duration_since(now);
+                    self.changed
+                        .wait_timeout(due, wait)
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .0
+                }
+            };
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -952,6 +1038,31 @@ mod tests {
             host.calls(),
             ["start i-0", "stop i-0", "stop i-1", "stop i-1"]
         );
+    }
+
+    /// The exact latency never ends a call before its time, whatever the order the waits
+    /// were begun in (one timer for them all).
+    #[tokio::test]
+    async fn an_exact_latency_never_ends_early() {
+        let calls = Arc::new(Concurrency::default());
+        let hosts: Vec<SimHost> = [7, 2, 5, 2]
+            .iter()
+            .map(|ms| {
+                SimHost::new()
+                    .with_exact_latency(Duration::from_millis(*ms))
+                    .counting(calls.clone())
+            })
+            .collect();
+        let timed = hosts.iter().map(|h| async move {
+            let t = std::time::Instant::now();
+            h.inventory().await.unwrap();
+            t.elapsed()
+        });
+        let took = futures_util::future::join_all(timed).await;
+        for (ms, took) in [7, 2, 5, 2].iter().zip(&took) {
+            assert!(*took >= Duration::from_millis(*ms), "{ms} ms: {took:?}");
+        }
+        assert_eq!(calls.most(), 4);
     }
 
     #[tokio::test(start_paused = true)]

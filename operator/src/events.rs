@@ -44,7 +44,7 @@ use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::errors::ApiError;
 use tokio::sync::mpsc;
 
-use capyctl_lifecycle::api::{BoxFuture, ManagementApi};
+use capyctl_lifecycle::api::{BoxFuture, JsonParts, ManagementApi};
 
 /// How many happenings wait for the reconciler at most.
 pub const FEED_CAPACITY: usize = 1024;
@@ -423,6 +423,10 @@ impl ManagementApi for ObservedApi {
 
     fn list_json(&self) -> BoxFuture<'_, Result<Vec<u8>, ApiError>> {
         self.inner.list_json()
+    }
+
+    fn list_parts(&self) -> BoxFuture<'_, Result<JsonParts, ApiError>> {
+        self.inner.list_parts()
     }
 
     fn deploy(&self, doc: DeploymentDoc) -> BoxFuture<'_, Result<DeployReceipt, ApiError>> {

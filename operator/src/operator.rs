@@ -81,7 +81,7 @@ use super::pods::EnginePodSettings;
 use super::reconcile::{Reconciler, ReconcilerConfig};
 use super::store::CrStore;
 use super::watch::{Claims, Watch};
-use capyctl_lifecycle::api::{BoxFuture, ManagementApi};
+use capyctl_lifecycle::api::{BoxFuture, JsonParts, ManagementApi};
 use capyctl_lifecycle::metrics::Metrics;
 use capyctl_lifecycle::{Core, HostEntry};
 use capyctl_server::assembly::{
@@ -405,6 +405,13 @@ impl SwitchableApi {
     }
 }
 
+/// The deployments list of a replica that is not the leader (yet): none.
+fn no_deployments() -> Result<Vec<u8>, ApiError> {
+    capyctl_lifecycle::api::encoded(&DeploymentList {
+        deployments: Vec::new(),
+    })
+}
+
 impl ManagementApi for SwitchableApi {
     fn list(&self) -> BoxFuture<'_, DeploymentList> {
         let api = self.current();
@@ -423,9 +430,17 @@ impl ManagementApi for SwitchableApi {
         Box::pin(async move {
             match api {
                 Some(a) => a.list_json().await,
-                None => capyctl_lifecycle::api::encoded(&DeploymentList {
-                    deployments: Vec::new(),
-                }),
+                None => no_deployments(),
+            }
+        })
+    }
+
+    fn list_parts(&self) -> BoxFuture<'_, Result<JsonParts, ApiError>> {
+        let api = self.current();
+        Box::pin(async move {
+            match api {
+                Some(a) => a.list_parts().await,
+                None => no_deployments().map(JsonParts::whole),
             }
         })
     }

@@ -9,8 +9,8 @@
 //!   `/readyz` would answer ready; the document's parse apart), a second start on the same
 //!   directory (nothing changed), RSS after the start and after the deployments list,
 //!   full and by-ID load reads (`ManagementApi::load_json`: the JSON the management listener
-//!   sends), and the deployments, engines and hosts lists (their JSON, `list_json` for the
-//!   deployments).
+//!   sends), and the deployments, engines and hosts lists (their JSON; the deployments' a part
+//!   at a time, `list_parts`, as the listener sends it).
 //! - **used N**: N deployments on one in-process simulated host (its engines start, park and stop at
 //!   once; every engine's address is one in-process HTTP server that answers at once), the real
 //!   coordinator and inference listener on loopback sockets. Every deployment gets one chat
@@ -20,7 +20,8 @@
 //! - **hosts H**: `--host-deployments` deployments (10,000 by default) over H simulated hosts, opened
 //!   from an in-memory store (as a new leader on Kubernetes opens them from the CRs). Each host's
 //!   `inventory` and `engines` calls take `--host-latency-ms` (default 1 ms, a round trip to a
-//!   node agent on a LAN), its starts none. Figures: the open, the lists with the RSS after the deployments list, and the
+//!   node agent on a LAN; to within some 0.1 ms, `SimHost::with_exact_latency`: on tokio's
+//!   timer, which ends a sleep at a millisecond tick, a 1 ms call took up to 2), its starts none. Figures: the open, the lists with the RSS after the deployments list, and the
 //!   time of a first request to a stopped model (sequential, distinct models): with the fake
 //!   engine and upstream answering at once, that is CapyCTL's own time.
 //!
@@ -64,7 +65,8 @@ OPTIONS:
     --used LIST             deployments of the used-once cases (default 100,1000,10000)
     --hosts LIST            hosts of the fake-host cases (default 1,10,100,1000)
     --host-deployments N    deployments of each fake-host case (default 10000)
-    --host-latency-ms X     each simulated host's inventory/engines round trip (default 1)
+    --host-latency-ms X     each simulated host's inventory/engines round trip (default 1;
+                            real time to within some 0.1 ms)
     --reads N               full load reads per figure (default 40)
     --quick                 --standalone 100,1000 --used 100,1000 --hosts 1,10,100
                             --host-deployments 1000
@@ -430,15 +432,18 @@ async fn load_reads(api: &dyn ManagementApi, n: usize, reads: usize, f: &mut Fig
 /// The three lists, timed (their JSON, as the listener sends it); the RSS after the deployments
 /// list.
 async fn lists(api: &dyn ManagementApi, f: &mut Figures) {
+    // Each part is dropped once counted, as the listener drops it once sent.
     let (t, cpu) = (Instant::now(), cpu_time());
-    let body = api.list_json().await.unwrap();
+    let mut bytes = 0;
+    for part in api.list_parts().await.unwrap() {
+        bytes += std::hint::black_box(part.unwrap()).len();
+    }
     f.insert("list_ms".into(), ms(t.elapsed()));
     f.insert("list_cpu_ms".into(), ms(cpu_time() - cpu));
-    f.insert("list_bytes".into(), body.len() as f64);
+    f.insert("list_bytes".into(), bytes as f64);
     let (rss, hwm) = rss_mb();
     f.insert("rss_mb".into(), rss);
     f.insert("hwm_mb".into(), hwm);
-    drop(body);
     let (t, cpu) = (Instant::now(), cpu_time());
     let e = api.engines().await;
     std::hint::black_box(serde_json::to_vec(&e).unwrap());
@@ -573,7 +578,7 @@ async fn fake_cluster(hosts: usize, n: usize, latency: Duration) -> (Arc<Core>, 
                 SimHost::new()
                     .with_gpu(gpu)
                     .with_upstream(up)
-                    .with_latency(latency)
+                    .with_exact_latency(latency)
                     .without_call_log(),
             ),
             activation: capyctl_spec::Activation::OnDemand,

@@ -67,7 +67,7 @@ use serde::Serialize;
 use capyctl_router::tenants::{TenantReport, Tenants};
 use capyctl_router::tls::TlsIncoming;
 
-use capyctl_lifecycle::api::ManagementApi;
+use capyctl_lifecycle::api::{JsonParts, ManagementApi};
 use capyctl_lifecycle::metrics::{self, Metrics};
 
 pub use token::{TOKEN_BYTES, TOKEN_FILE, TokenError, load_or_create_token, token_path};
@@ -437,10 +437,37 @@ async fn to_the_end<T: Send + 'static>(
 }
 
 async fn list(State(s): State<AppState>) -> Response {
-    encoded(s.api.list_json().await)
+    match s.api.list_parts().await {
+        Ok(parts) => in_parts(parts),
+        Err(e) => error(e),
+    }
 }
 
-/// A body the API encoded itself (`list_json`, `load_json`): 200 with it, or the error.
+/// A body the API writes a part at a time (`list_parts`): the first part's error is the
+/// answer; a body of one part is sent whole (with its length), a longer one chunked, each
+/// part written when the connection takes it (so no answer of every part is held). An error
+/// from a later part ends the body unfinished (see `JsonParts`).
+fn in_parts(mut parts: JsonParts) -> Response {
+    let first = match parts.next() {
+        Some(Ok(first)) => first,
+        Some(Err(e)) => return error(e),
+        None => Bytes::new(),
+    };
+    let body = match parts.next() {
+        None => Body::from(first),
+        Some(second) => Body::from_stream(futures_util::stream::iter(
+            [Ok(first), second].into_iter().chain(parts),
+        )),
+    };
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/json")],
+        body,
+    )
+        .into_response()
+}
+
+/// A body the API encoded itself (`load_json`): 200 with it, or the error.
 fn encoded(body: Result<Vec<u8>, ApiError>) -> Response {
     match body {
         Ok(bytes) => (

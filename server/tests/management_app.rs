@@ -699,3 +699,63 @@ async fn the_load_read_has_tenants_only_when_configured() {
         .await;
     assert_eq!(one.json()["tenants"][0]["name"], "team-a");
 }
+
+/// `GET /deployments` is sent a part at a time once it is longer than one part (each view
+/// encoded as its part is sent: no answer of every deployment held), and its bytes are those
+/// of the typed list encoded whole; a list of one part is sent whole, with its length.
+#[tokio::test]
+async fn a_long_deployments_list_is_sent_in_parts_byte_for_byte() {
+    use capyctl_lifecycle::api::ManagementApi;
+
+    let a = app().await;
+    a.deploy(CHAT_A).await;
+    let short = a.authed("GET", "/deployments").await;
+    assert_eq!(short.status, StatusCode::OK);
+    assert_eq!(
+        short.header("content-length"),
+        Some(short.body.len().to_string().as_str())
+    );
+    let typed = serde_json::to_vec(&a.server.list().await).unwrap();
+    assert_eq!(short.body.as_bytes(), typed);
+
+    // Some 750 bytes each: 200 of them are a few parts of 64 KiB.
+    for i in 0..200 {
+        let text = format!(
+            "name: m-{:03}\nengine: vllm\nmodel: Qwen3-4B\nresources: {{gpu_memory: 1GiB}}\n",
+            (i * 7) % 200
+        );
+        let doc = capyctl_spec::documents::parse_deployment_str("t.yaml", &text).unwrap();
+        a.server.deploy(doc).await.unwrap();
+    }
+    a.start_and_wait("m-007").await;
+    let request = Request::builder()
+        .uri(format!("{V1}/deployments"))
+        .header("Authorization", format!("Bearer {TOKEN}"))
+        .body(Body::empty())
+        .unwrap();
+    let response = a.app.clone().oneshot(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let headers = response.headers().clone();
+    assert_eq!(
+        headers.get("content-type").unwrap().to_str().unwrap(),
+        "application/json"
+    );
+    assert!(headers.get("content-length").is_none(), "{headers:?}");
+    let mut body = response.into_body();
+    let (mut bytes, mut parts) = (Vec::new(), 0);
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.unwrap().into_data() {
+            bytes.extend_from_slice(&data);
+            parts += 1;
+        }
+    }
+    let typed = serde_json::to_vec(&a.server.list().await).unwrap();
+    assert!(typed.len() > 2 * 64 * 1024, "{} bytes", typed.len());
+    assert!(parts > 2, "{parts} parts");
+    assert_eq!(bytes.len(), typed.len());
+    assert!(
+        bytes == typed,
+        "the parts joined are the typed list's bytes"
+    );
+    assert_eq!(a.server.list_json().await.unwrap(), typed);
+}
