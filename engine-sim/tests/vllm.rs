@@ -353,9 +353,24 @@ async fn faults_sleep_ignored_and_wake_ignored_claim_success() {
     )
     .await;
     sim.post_ok("/sleep?level=1").await;
-    sim.post_ok("/wake_up").await;
+    // It claims success (200) but, as vLLM 0.32's answer does, says it is still sleeping: the
+    // driver reads that instead of asking `/is_sleeping` after a wake.
+    let (status, body) = sim.post_empty("/wake_up").await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["status"],
+        "sleeping",
+        "{body}"
+    );
     assert!(is_sleeping(&sim).await, "the wake was ignored");
     assert_eq!(sim.state().await["weights"], "host_ram");
+    set_faults(&sim, json!({"clear": ["wake_ignored"]})).await;
+    let (_, body) = sim.post_empty("/wake_up").await;
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["status"],
+        "awake",
+        "{body}"
+    );
 }
 
 #[tokio::test]

@@ -4,11 +4,11 @@
 //!
 //! Sequences (DESIGN 4.2):
 //! - vLLM host RAM: `POST /sleep?level=1`, confirm `GET /is_sleeping` true; wake `POST
-//!   /wake_up`, confirm false.
+//!   /wake_up`.
 //! - vLLM deep: `POST /sleep?level=2`, confirm; wake `POST /wake_up?tags=weights`, `POST
 //!   /collective_rpc {"method":"reload_weights"}`, `POST /wake_up?tags=kv_cache`, `POST
 //!   /reset_prefix_cache`, whose answer is `{"success": bool}` (a `false` fails the wake at that
-//!   step; an empty answer, as older releases gave, counts as done), confirm false.
+//!   step; an empty answer, as older releases gave, counts as done).
 //! - SGLang: `POST /pause_generation {"mode":"abort"}`, `POST /release_memory_occupation
 //!   {"tags":[...]}` (`["kv_cache"]` alone for KV-only, else weights, kv_cache and cuda_graph),
 //!   confirm that it no longer generates (below); wake `POST /resume_memory_occupation` (same
@@ -40,6 +40,16 @@
 //! answer, so that a wedged or dead engine is not taken for a parked one. The release call's
 //! own success is SGLang's word that the memory went.
 //! - TensorFold does not park: it is stopped.
+//!
+//! NB (no `/is_sleeping` after a vLLM wake): DESIGN 4.2's wake is the calls above and nothing
+//! more. vLLM 0.32's `/wake_up` answers once its engine core has woken, and says whether it is
+//! whole: `{"status": "awake"|"sleeping", "tags": ...}` (`awake` once every tag is resident
+//! and the scheduler resumed; `sleeping` after a partial wake). So the last wake call's answer
+//! is read instead of asking `GET /is_sleeping` after it: `sleeping` fails the wake at that
+//! step ([`AgentError::EngineAnswer`], a failed reload), `awake` ends it, and the check prompt
+//! that follows every wake proves that the engine generates. That saves a round trip on every
+//! switch (about 0.5 ms of uvicorn's own time). An answer without a `status` (releases that
+//! answered an empty 200) is confirmed with `GET /is_sleeping` as before.
 //!
 //! Adapters (DESIGN 4.9), on a base launched with the engine's LoRA flags: vLLM `POST
 //! /v1/load_lora_adapter {"lora_name","lora_path"}`, `POST /v1/unload_lora_adapter
@@ -648,26 +658,58 @@ impl Driver {
         })
     }
 
-    async fn confirm_vllm(
-        &self,
-        ep: &Endpoint,
-        asleep: bool,
-        t: Duration,
-    ) -> Result<(), AgentError> {
-        let now = self.vllm_is_sleeping(ep, t).await?;
-        if now == asleep {
+    /// vLLM is asleep after its sleep call: `GET /is_sleeping` is true.
+    async fn confirm_vllm_asleep(&self, ep: &Endpoint, t: Duration) -> Result<(), AgentError> {
+        if self.vllm_is_sleeping(ep, t).await? {
             Ok(())
         } else {
             Err(AgentError::EngineAnswer {
                 engine: ep.engine,
-                step: if asleep {
-                    "confirm asleep"
-                } else {
-                    "confirm awake"
-                },
+                step: "confirm asleep",
                 url: ep.url(VLLM_IS_SLEEPING.target),
-                detail: format!("is_sleeping is {now}, expected {asleep}"),
+                detail: "is_sleeping is false, expected true".into(),
             })
+        }
+    }
+
+    /// vLLM's last wake call `c` (`/wake_up`, or `/wake_up?tags=kv_cache` after the weights):
+    /// its answer's `status` must be `awake`; one without a `status` is confirmed with `GET
+    /// /is_sleeping` (see the module doc).
+    async fn vllm_wake_whole(
+        &self,
+        ep: &Endpoint,
+        c: &EngineCall,
+        (call, confirm): (Duration, Duration),
+    ) -> Result<(), AgentError> {
+        let body = self.send_ok(ep, c, call).await?;
+        let answer = serde_json::from_slice::<Value>(&body).ok();
+        match answer.as_ref().and_then(|a| a.get("status")?.as_str()) {
+            Some("awake") => Ok(()),
+            Some(status) => Err(AgentError::EngineAnswer {
+                engine: ep.engine,
+                step: c.step,
+                url: ep.url(c.target),
+                detail: format!(
+                    "the engine answered status {status:?}, expected \"awake\": it is still \
+                     asleep after its wake calls ({})",
+                    crate::http::excerpt(&body)
+                ),
+            }),
+            None => {
+                if self.vllm_is_sleeping(ep, confirm).await? {
+                    Err(AgentError::EngineAnswer {
+                        engine: ep.engine,
+                        step: "confirm awake",
+                        url: ep.url(VLLM_IS_SLEEPING.target),
+                        detail: format!(
+                            "is_sleeping is true after {} answered without a status",
+                            c.target
+                        ),
+                    })
+                } else {
+                    Ok(())
+                }
+            }
         }
     }
 
@@ -825,7 +867,7 @@ impl Driver {
                     VLLM_SLEEP_2
                 };
                 self.send_ok(ep, &sleep, park).await?;
-                self.confirm_vllm(ep, true, step).await
+                self.confirm_vllm_asleep(ep, step).await
             }
             (EngineKind::Sglang, _) => {
                 self.send_ok(ep, &SGLANG_PAUSE, step).await?;
@@ -843,8 +885,9 @@ impl Driver {
         }
     }
 
-    /// The wake calls of `tier`, each bounded by what is left until `deadline`, then the check
-    /// that the engine is awake. Does not run the check prompt.
+    /// The wake calls of `tier`, each bounded by what is left until `deadline`, and the check
+    /// that the engine is awake (vLLM: the last wake call's own answer, see the module doc;
+    /// SGLang: `/health_generate`). Does not run the check prompt.
     pub async fn wake_steps(
         &self,
         ep: &Endpoint,
@@ -855,15 +898,15 @@ impl Driver {
         let quick = || left().min(self.timeouts.step);
         match (ep.engine, tier) {
             (EngineKind::Vllm, ParkTier::HostRam) => {
-                self.send_ok(ep, &VLLM_WAKE_UP, left()).await?;
-                self.confirm_vllm(ep, false, quick()).await
+                self.vllm_wake_whole(ep, &VLLM_WAKE_UP, (left(), quick()))
+                    .await
             }
             (EngineKind::Vllm, ParkTier::Deep) => {
                 self.send_ok(ep, &VLLM_WAKE_WEIGHTS, left()).await?;
                 self.send_ok(ep, &VLLM_RELOAD_WEIGHTS, left()).await?;
-                self.send_ok(ep, &VLLM_WAKE_KV, left()).await?;
-                self.vllm_reset_prefix_cache(ep, quick()).await?;
-                self.confirm_vllm(ep, false, quick()).await
+                self.vllm_wake_whole(ep, &VLLM_WAKE_KV, (left(), quick()))
+                    .await?;
+                self.vllm_reset_prefix_cache(ep, quick()).await
             }
             (EngineKind::Sglang, _) => {
                 self.send_ok(ep, &sglang_resume(tier), left()).await?;

@@ -483,15 +483,128 @@ async fn an_engine_that_claims_to_park_but_does_not_is_caught() {
 
 #[tokio::test]
 async fn an_engine_that_claims_to_wake_but_does_not_is_caught() {
-    for engine in [EngineKind::Vllm, EngineKind::Sglang] {
+    // vLLM's `/wake_up` says so itself (`"status": "sleeping"`, as the real one answers after a
+    // partial wake): the wake fails at that step. SGLang's `/health_generate` does not answer.
+    for (engine, step, says) in [
+        (EngineKind::Vllm, "wake_up", "status \"sleeping\""),
+        (EngineKind::Sglang, "confirm awake", "health_generate"),
+    ] {
         let ep = start(&spec(engine), BACKUP, "").await;
         let outcome = wake_with_fault(&driver(), &ep, "wake_ignored", WINDOW).await;
         let WakeOutcome::ReloadFailed(detail) = &outcome else {
             panic!("{engine}: {outcome:?}");
         };
-        assert!(detail.contains("confirm awake"), "{detail}");
+        assert!(
+            detail.contains(&format!("{engine} {step} at ")) && detail.contains(says),
+            "{engine}: {detail}"
+        );
         assert_eq!(outcome.failure().unwrap().code(), "wake_reload_failed");
         assert_eq!(sim_state(&ep).await["weights"], "host_ram");
+    }
+}
+
+/// A vLLM engine on 127.0.0.1 that answers `POST /wake_up` with `wake_answer` (a JSON body,
+/// or an empty 200 when `None`) and `GET /is_sleeping` with `asleep`, and returns the request
+/// lines it was sent, in order.
+async fn fake_vllm(
+    wake_answer: Option<&'static str>,
+    asleep: bool,
+) -> (Endpoint, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = std::sync::Arc::clone(&seen);
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            let log = std::sync::Arc::clone(&log);
+            tokio::spawn(async move {
+                let mut socket = BufReader::new(socket);
+                loop {
+                    // The driver's calls here have no body: a request ends at its empty line.
+                    let mut first = String::new();
+                    if socket.read_line(&mut first).await.unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let mut line = String::new();
+                    while socket.read_line(&mut line).await.unwrap_or(0) > 2 {
+                        line.clear();
+                    }
+                    let first = first.trim_end().to_string();
+                    let body = if first.starts_with("POST /wake_up ") {
+                        wake_answer.unwrap_or("").to_string()
+                    } else if first.starts_with("GET /is_sleeping ") {
+                        format!("{{\"is_sleeping\":{asleep}}}")
+                    } else {
+                        panic!("unexpected request {first}")
+                    };
+                    log.lock().unwrap().push(first);
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
+                         content-length: {}\r\n\r\n",
+                        body.len()
+                    );
+                    let sent = socket.get_mut().write_all((head + &body).as_bytes()).await;
+                    if sent.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let ep = Endpoint {
+        engine: EngineKind::Vllm,
+        base_url: format!("http://127.0.0.1:{port}"),
+        model_name: "chat-a".into(),
+        model: "Qwen3-4B".into(),
+    };
+    (ep, seen)
+}
+
+#[tokio::test]
+async fn a_vllm_wake_reads_its_answer_and_asks_is_sleeping_only_when_it_says_nothing() {
+    const WAKE: &str = "POST /wake_up HTTP/1.1";
+    const ASKED: &str = "GET /is_sleeping HTTP/1.1";
+    for (answer, asleep, calls, failed) in [
+        // vLLM 0.32's answers: no `/is_sleeping` after them.
+        (
+            Some(r#"{"status":"awake","tags":null}"#),
+            true,
+            &[WAKE][..],
+            None,
+        ),
+        (
+            Some(r#"{"status":"sleeping","tags":null}"#),
+            false,
+            &[WAKE][..],
+            Some(("wake_up", "still asleep")),
+        ),
+        // An empty 200, as older releases answered: confirmed with `/is_sleeping`.
+        (None, false, &[WAKE, ASKED][..], None),
+        (
+            None,
+            true,
+            &[WAKE, ASKED][..],
+            Some(("confirm awake", "is_sleeping is true")),
+        ),
+    ] {
+        let (ep, seen) = fake_vllm(answer, asleep).await;
+        let deadline = tokio::time::Instant::now() + WINDOW;
+        let woke = driver().wake_steps(&ep, ParkTier::HostRam, deadline).await;
+        assert_eq!(*seen.lock().unwrap(), calls, "{answer:?}");
+        match (failed, woke) {
+            (None, Ok(())) => {}
+            (
+                Some((step, says)),
+                Err(AgentError::EngineAnswer {
+                    step: s, detail, ..
+                }),
+            ) => {
+                assert_eq!(s, step, "{answer:?}: {detail}");
+                assert!(detail.contains(says), "{answer:?}: {detail}");
+            }
+            (expected, got) => panic!("{answer:?}: expected {expected:?}, got {got:?}"),
+        }
     }
 }
 

@@ -8,8 +8,8 @@
 //! - **total**: the client's time from sending the request to the end of the answer;
 //! - **engine**: the engine's own work on the switch's path, i.e. every HTTP call the host agent
 //!   makes to either engine between the request and the answer (park: `/sleep`,
-//!   `/is_sleeping`; wake: `/wake_up`, `/is_sleeping`; check prompt and warm-up:
-//!   `/v1/completions`), as the engine itself timed them. Background load scrapes
+//!   `/is_sleeping`; wake: `/wake_up`; check prompt and warm-up: `/v1/completions`), as the
+//!   engine itself timed them. Background load scrapes
 //!   (`GET /metrics`) are off the switch's path and not counted;
 //! - **window + drain**: from `capyctl_switch_phase_seconds{phase="admission_window"|"drain"}` (every engine summed) at
 //!   `GET /metrics` on the management listener, when the server reports those phases;
