@@ -321,7 +321,7 @@ mod tests {
             MaxRunningSource::EngineDefault,
             MaxRunningSource::OnHost,
         ];
-        let adapters = vec!["sql-lora".to_string(), "q\"uote\\ \u{1}é\u{7f}".to_string()];
+        let adapters = ["sql-lora".to_string(), "q\"uote\\ \u{1}é\u{7f}".to_string()];
         let samples = [
             None,
             sample_view(&sample(1000, None), 1200, 0),
