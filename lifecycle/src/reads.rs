@@ -147,7 +147,10 @@ impl Core {
     fn load_json_at(&self, key: Option<&str>, now: u64) -> Result<Vec<u8>, ApiError> {
         let mut body = JsonArrayBody::new(&load_report(now, Vec::new()))?;
         self.load_views(key, |d, load, cx, total| {
-            body.push_with(total, |out| views::write_load_view(out, d, load, cx, now));
+            body.push_with(total, |out| {
+                views::write_load_view(out, d, load, cx, now);
+                Ok(())
+            });
         })?;
         body.finish()
     }

@@ -18,13 +18,12 @@ use capyctl_interfaces::inventory::Inventory;
 use capyctl_interfaces::launch::MaxRunning;
 use capyctl_interfaces::load::LoadSample;
 use capyctl_interfaces::measure::{MeasureSource, Measurement};
-use capyctl_interfaces::router::{DeploymentLoad, InstanceKey};
+use capyctl_interfaces::router::InstanceKey;
 use capyctl_interfaces::spec::InstanceSpec;
 use capyctl_interfaces::tier::ParkTier;
 use capyctl_spec::api::{
-    ConditionView, DeploymentLoadView, DeploymentView, EngineLoadView, GpuView, HostView,
-    InstanceLoadView, InstanceView, MaxRunningView, MeasurementView, RouterLoadView,
-    STALE_AFTER_MS, STALE_SAMPLE_KEPT_MS, SampleView,
+    ConditionView, DeploymentView, EngineLoadView, GpuView, HostView, InstanceView,
+    MeasurementView, STALE_AFTER_MS, STALE_SAMPLE_KEPT_MS, SampleView,
 };
 use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::{Activation, InstanceState};
@@ -32,6 +31,9 @@ use capyctl_spec::{Activation, InstanceState};
 use crate::LifecycleConfig;
 use crate::state::{Dep, Host, Hosts};
 use crate::store::DeploymentRecord;
+
+mod load;
+pub(crate) use load::{load_view, write_load_view};
 
 /// What a deployment's views show that only a deploy changes: shared (one `Arc`) between the
 /// deployment and every snapshot of it, renewed when its revision moves on.
@@ -64,7 +66,7 @@ impl Fixed {
             spec,
             instance_id: super::instance_id_at(&rec.id, index),
             index,
-            load_head: load_head(&rec.id, &rec.doc.name),
+            load_head: load::load_head(&rec.id, &rec.doc.name),
         }
     }
 
@@ -655,137 +657,6 @@ pub(crate) fn sample_view(s: &LoadSample, now_ms: u64, ingress: u64) -> Option<S
     })
 }
 
-/// One deployment's load, from its instances' snapshots (index 0 first).
-pub(crate) fn load_view(
-    units: &[DepShot],
-    router: Option<&DeploymentLoad>,
-    cx: &Ctx<'_>,
-    now_ms: u64,
-) -> DeploymentLoadView {
-    let d = &units[0];
-    let (id, name) = (d.fixed.id.clone(), d.name().to_string());
-    load_view_named(units, router, cx, now_ms, id, name)
-}
-
-/// How `serde_json` begins a [`DeploymentLoadView`] whose ID and name are empty.
-const EMPTY_LOAD_HEAD: &[u8] = br#"{"deployment_id":"","name":"","#;
-
-/// How `serde_json` begins the [`DeploymentLoadView`] of deployment `id` named `name`: its
-/// [`EMPTY_LOAD_HEAD`] with the two strings in it.
-fn load_head(id: &str, name: &str) -> Box<[u8]> {
-    let mut out = Vec::with_capacity(EMPTY_LOAD_HEAD.len() + id.len() + name.len());
-    out.extend_from_slice(br#"{"deployment_id":"#);
-    // Strings always encode.
-    let _ = serde_json::to_writer(&mut out, id);
-    out.extend_from_slice(br#","name":"#);
-    let _ = serde_json::to_writer(&mut out, name);
-    out.push(b',');
-    out.into_boxed_slice()
-}
-
-/// [`load_view`]'s JSON appended to `out`, byte for byte `serde_json`'s of it, without copying
-/// the ID and the name: the view is built with both empty and encoded, and its
-/// [`EMPTY_LOAD_HEAD`] replaced by the deployment's own, encoded once per revision
-/// ([`Fixed`]). NB (reads at scale): the full load read writes 100,000 of these.
-pub(crate) fn write_load_view(
-    out: &mut Vec<u8>,
-    units: &[DepShot],
-    router: Option<&DeploymentLoad>,
-    cx: &Ctx<'_>,
-    now_ms: u64,
-) -> serde_json::Result<()> {
-    let start = out.len();
-    let view = load_view_named(units, router, cx, now_ms, String::new(), String::new());
-    serde_json::to_writer(&mut *out, &view)?;
-    if out[start..].starts_with(EMPTY_LOAD_HEAD) {
-        // The rest moved up by what the head adds (in place: `Vec::splice` cost more than the
-        // view's encoding), then the head written over the empty one.
-        let head = &units[0].fixed.load_head;
-        let (end, grow) = (out.len(), head.len().saturating_sub(EMPTY_LOAD_HEAD.len()));
-        out.resize(end + grow, 0);
-        out.copy_within(start + EMPTY_LOAD_HEAD.len()..end, start + head.len());
-        out[start..start + head.len()].copy_from_slice(head);
-        Ok(())
-    } else {
-        // The view's fields moved: encoded whole (the same bytes, at the old cost).
-        out.truncate(start);
-        serde_json::to_writer(out, &load_view(units, router, cx, now_ms))
-    }
-}
-
-/// [`load_view`] with `deployment_id` and `name` given.
-fn load_view_named(
-    units: &[DepShot],
-    router: Option<&DeploymentLoad>,
-    cx: &Ctx<'_>,
-    now_ms: u64,
-    deployment_id: String,
-    name: String,
-) -> DeploymentLoadView {
-    let d = &units[0];
-    let host = d.host(cx.hosts);
-    let expected = expected_max_running(&d.fixed.spec, cx.config, host.map(|(_, h)| &**h));
-    let instances = units
-        .iter()
-        .map(|u| {
-            let host = u.host(cx.hosts);
-            let instance_mr = u.max_running.unwrap_or_else(|| {
-                expected_max_running(&u.fixed.spec, cx.config, host.map(|(_, h)| &**h))
-            });
-            let router_in_flight = router
-                .and_then(|r| {
-                    r.instances
-                        .iter()
-                        .find(|i| i.key.index == u.fixed.index && i.key.generation == u.generation)
-                })
-                .map_or(0, |i| i.router_in_flight as u64);
-            let loaded = matches!(u.state, InstanceState::Ready | InstanceState::Closed);
-            let sample = if loaded {
-                host.and_then(|(_, h)| h.agent.sample(u.instance_id()))
-                    .and_then(|s| sample_view(&s, now_ms, router_in_flight))
-            } else {
-                None
-            };
-            InstanceLoadView {
-                // NB (reads at scale): no copy of the ID to look up where no adapter is loaded.
-                adapters: match &cx.adapters.by_instance {
-                    m if m.is_empty() => Vec::new(),
-                    m => m
-                        .get(&(d.fixed.id.clone(), u.fixed.index))
-                        .cloned()
-                        .unwrap_or_default(),
-                },
-                index: u.fixed.index,
-                host_id: host.map_or_else(|| cx.config.host_id.clone(), |(id, _)| id.clone()),
-                generation: u.generation,
-                observed_state: u.shown_state(),
-                router_in_flight,
-                max_running: MaxRunningView::from(instance_mr),
-                sample,
-            }
-        })
-        .collect();
-    DeploymentLoadView {
-        deployment_id,
-        name,
-        router: RouterLoadView {
-            in_flight: router.map_or(0, |r| r.in_flight as u64),
-            in_flight_limit: router.map_or(
-                u64::from(capyctl_spec::settings::IN_FLIGHT_PER_DEPLOYMENT),
-                |r| r.in_flight_limit as u64,
-            ),
-            waiting: router.map_or(0, |r| r.waiting as u64),
-            waiting_limit: router.map_or(u64::from(cx.config.waiting_limit), |r| {
-                r.waiting_limit as u64
-            }),
-        },
-        // The deployment's figure is what CapyCTL passed or expects; the instance's is the
-        // engine's own where it said (SGLang).
-        max_running: MaxRunningView::from(expected),
-        instances,
-    }
-}
-
 /// What a host's deployments hold, for its view (summed under the lock from the by-host index).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct HostUse {
@@ -856,7 +727,8 @@ mod tests {
     use capyctl_interfaces::load::EngineLoad;
     use std::time::Duration;
 
-    fn sample(at: u64, engine: Option<EngineLoad>) -> LoadSample {
+    /// A sample taken at `at` (for the load views' tests too).
+    pub(super) fn sample(at: u64, engine: Option<EngineLoad>) -> LoadSample {
         LoadSample {
             sampled_at_ms: at,
             took: Duration::from_millis(2),

@@ -1,0 +1,405 @@
+//! The load read's views (`GET /metrics/load`): each deployment's figures computed once
+//! ([`LoadFigures`], [`InstanceFigures`]) and either built into the typed view ([`load_view`])
+//! or written straight into the answer's JSON ([`write_load_view`], byte for byte
+//! `serde_json`'s of the typed view).
+
+use capyctl_interfaces::launch::MaxRunning;
+use capyctl_interfaces::router::DeploymentLoad;
+use capyctl_spec::InstanceState;
+use capyctl_spec::api::{
+    DeploymentLoadView, InstanceLoadView, MaxRunningView, RouterLoadView, SampleView,
+};
+
+use super::{Ctx, DepShot, expected_max_running, sample_view};
+
+/// One deployment's load, from its instances' snapshots (index 0 first).
+pub(crate) fn load_view(
+    units: &[DepShot],
+    router: Option<&DeploymentLoad>,
+    cx: &Ctx<'_>,
+    now_ms: u64,
+) -> DeploymentLoadView {
+    let d = &units[0];
+    let figures = LoadFigures::of(units, router, cx);
+    DeploymentLoadView {
+        deployment_id: d.fixed.id.clone(),
+        name: d.name().to_string(),
+        router: figures.router,
+        max_running: MaxRunningView::from(figures.max_running),
+        instances: units
+            .iter()
+            .map(|u| InstanceFigures::of(d, u, router, cx, now_ms).view())
+            .collect(),
+    }
+}
+
+/// How `serde_json` begins the [`DeploymentLoadView`] of deployment `id` named `name`
+/// (`{"deployment_id":…,"name":…,`): encoded once per revision ([`Fixed`]), written as it is by
+/// each full load read ([`write_load_view`]).
+pub(super) fn load_head(id: &str, name: &str) -> Box<[u8]> {
+    let mut out = Vec::with_capacity(32 + id.len() + name.len());
+    out.extend_from_slice(br#"{"deployment_id":"#);
+    json::string(&mut out, id);
+    out.extend_from_slice(br#","name":"#);
+    json::string(&mut out, name);
+    out.push(b',');
+    out.into_boxed_slice()
+}
+
+/// [`load_view`]'s JSON appended to `out`, byte for byte `serde_json`'s of it, written straight
+/// from the snapshots: no view built (no vector of instances, no copy of the host's ID per
+/// instance), the ID and name from [`Fixed`]'s head encoded once per revision. The figures
+/// are [`load_view`]'s own ([`LoadFigures`], [`InstanceFigures`]); `tests` and
+/// `reads::tests` hold the bytes equal. NB (reads at scale): the full load read writes
+/// 100,000 of these.
+pub(crate) fn write_load_view(
+    out: &mut Vec<u8>,
+    units: &[DepShot],
+    router: Option<&DeploymentLoad>,
+    cx: &Ctx<'_>,
+    now_ms: u64,
+) {
+    let d = &units[0];
+    let figures = LoadFigures::of(units, router, cx);
+    out.extend_from_slice(&d.fixed.load_head);
+    json::router(out, &figures.router);
+    out.extend_from_slice(br#","max_running":"#);
+    json::max_running(out, figures.max_running);
+    out.extend_from_slice(br#","instances":["#);
+    for (i, u) in units.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        InstanceFigures::of(d, u, router, cx, now_ms).write(out);
+    }
+    out.extend_from_slice(b"]}");
+}
+
+/// A deployment's own figures in the load read: the router's side, and what CapyCTL passed or
+/// expects as its `max_running`.
+struct LoadFigures {
+    router: RouterLoadView,
+    max_running: MaxRunning,
+}
+
+impl LoadFigures {
+    fn of(units: &[DepShot], router: Option<&DeploymentLoad>, cx: &Ctx<'_>) -> Self {
+        let d = &units[0];
+        let host = d.host(cx.hosts);
+        LoadFigures {
+            router: RouterLoadView {
+                in_flight: router.map_or(0, |r| r.in_flight as u64),
+                in_flight_limit: router.map_or(
+                    u64::from(capyctl_spec::settings::IN_FLIGHT_PER_DEPLOYMENT),
+                    |r| r.in_flight_limit as u64,
+                ),
+                waiting: router.map_or(0, |r| r.waiting as u64),
+                waiting_limit: router.map_or(u64::from(cx.config.waiting_limit), |r| {
+                    r.waiting_limit as u64
+                }),
+            },
+            // The deployment's figure is what CapyCTL passed or expects; the instance's is the
+            // engine's own where it said (SGLang).
+            max_running: expected_max_running(&d.fixed.spec, cx.config, host.map(|(_, h)| &**h)),
+        }
+    }
+}
+
+/// One instance's figures in the load read ([`InstanceLoadView`]'s, borrowed).
+struct InstanceFigures<'a> {
+    adapters: &'a [String],
+    index: u32,
+    host_id: &'a str,
+    generation: u64,
+    state: InstanceState,
+    router_in_flight: u64,
+    max_running: MaxRunning,
+    sample: Option<SampleView>,
+}
+
+impl<'a> InstanceFigures<'a> {
+    /// Of instance `u` of the deployment whose first instance is `d`.
+    fn of(
+        d: &DepShot,
+        u: &'a DepShot,
+        router: Option<&DeploymentLoad>,
+        cx: &'a Ctx<'_>,
+        now_ms: u64,
+    ) -> Self {
+        let host = u.host(cx.hosts);
+        let max_running = u.max_running.unwrap_or_else(|| {
+            expected_max_running(&u.fixed.spec, cx.config, host.map(|(_, h)| &**h))
+        });
+        let router_in_flight = router
+            .and_then(|r| {
+                r.instances
+                    .iter()
+                    .find(|i| i.key.index == u.fixed.index && i.key.generation == u.generation)
+            })
+            .map_or(0, |i| i.router_in_flight as u64);
+        let loaded = matches!(u.state, InstanceState::Ready | InstanceState::Closed);
+        let sample = if loaded {
+            host.and_then(|(_, h)| h.agent.sample(u.instance_id()))
+                .and_then(|s| sample_view(&s, now_ms, router_in_flight))
+        } else {
+            None
+        };
+        InstanceFigures {
+            // NB (reads at scale): no copy of the ID to look up where no adapter is loaded.
+            adapters: match &cx.adapters.by_instance {
+                m if m.is_empty() => &[],
+                m => m
+                    .get(&(d.fixed.id.clone(), u.fixed.index))
+                    .map_or(&[], Vec::as_slice),
+            },
+            index: u.fixed.index,
+            host_id: host.map_or(cx.config.host_id.as_str(), |(id, _)| id.as_str()),
+            generation: u.generation,
+            state: u.shown_state(),
+            router_in_flight,
+            max_running,
+            sample,
+        }
+    }
+
+    fn view(self) -> InstanceLoadView {
+        InstanceLoadView {
+            adapters: self.adapters.to_vec(),
+            index: self.index,
+            host_id: self.host_id.to_string(),
+            generation: self.generation,
+            observed_state: self.state,
+            router_in_flight: self.router_in_flight,
+            max_running: MaxRunningView::from(self.max_running),
+            sample: self.sample,
+        }
+    }
+
+    /// [`InstanceFigures::view`]'s JSON, as `serde_json` writes it (the fields in their order,
+    /// `adapters` left out when empty).
+    fn write(&self, out: &mut Vec<u8>) {
+        out.push(b'{');
+        if !self.adapters.is_empty() {
+            out.extend_from_slice(br#""adapters":["#);
+            for (i, a) in self.adapters.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                json::string(out, a);
+            }
+            out.extend_from_slice(b"],");
+        }
+        out.extend_from_slice(br#""index":"#);
+        json::number(out, u64::from(self.index));
+        out.extend_from_slice(br#","host_id":"#);
+        json::string(out, self.host_id);
+        out.extend_from_slice(br#","generation":"#);
+        json::number(out, self.generation);
+        out.extend_from_slice(br#","observed_state":""#);
+        // The states' words need no escaping (`kinds` tests them against serde's).
+        out.extend_from_slice(self.state.as_str().as_bytes());
+        out.extend_from_slice(br#"","router_in_flight":"#);
+        json::number(out, self.router_in_flight);
+        out.extend_from_slice(br#","max_running":"#);
+        json::max_running(out, self.max_running);
+        out.extend_from_slice(br#","sample":"#);
+        match &self.sample {
+            None => out.extend_from_slice(b"null"),
+            Some(s) => json::sample(out, s),
+        }
+        out.push(b'}');
+    }
+}
+
+/// The load read's JSON written by hand, as `serde_json` writes the views (compact, fields in
+/// declaration order).
+mod json {
+    use super::{MaxRunning, RouterLoadView, SampleView};
+
+    /// `n` in decimal.
+    pub(super) fn number(out: &mut Vec<u8>, n: u64) {
+        out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
+    }
+
+    /// An object of numbers only, `{"name":n,…}` (the names need no escaping).
+    fn numbers<const N: usize>(out: &mut Vec<u8>, fields: [(&str, u64); N]) {
+        for (i, (name, n)) in fields.into_iter().enumerate() {
+            out.extend_from_slice(if i == 0 { b"{\"" } else { b",\"" });
+            out.extend_from_slice(name.as_bytes());
+            out.extend_from_slice(b"\":");
+            number(out, n);
+        }
+        out.push(b'}');
+    }
+
+    /// `s` as a JSON string: as it is where nothing needs escaping (no quote, backslash or
+    /// control character: what `serde_json` escapes), else through `serde_json`.
+    pub(super) fn string(out: &mut Vec<u8>, s: &str) {
+        if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+            out.push(b'"');
+            out.extend_from_slice(s.as_bytes());
+            out.push(b'"');
+        } else {
+            // A string always encodes.
+            let _ = serde_json::to_writer(out, s);
+        }
+    }
+
+    pub(super) fn boolean(out: &mut Vec<u8>, b: bool) {
+        out.extend_from_slice(if b { b"true" } else { b"false" });
+    }
+
+    pub(super) fn router(out: &mut Vec<u8>, r: &RouterLoadView) {
+        out.extend_from_slice(br#""router":"#);
+        numbers(
+            out,
+            [
+                ("in_flight", r.in_flight),
+                ("in_flight_limit", r.in_flight_limit),
+                ("waiting", r.waiting),
+                ("waiting_limit", r.waiting_limit),
+            ],
+        );
+    }
+
+    /// A [`MaxRunningView`]: `count` left out when unknown.
+    pub(super) fn max_running(out: &mut Vec<u8>, m: MaxRunning) {
+        out.push(b'{');
+        if let Some(n) = m.count {
+            out.extend_from_slice(br#""count":"#);
+            number(out, u64::from(n));
+            out.push(b',');
+        }
+        out.extend_from_slice(br#""source":"#);
+        string(out, m.source.as_str());
+        out.push(b'}');
+    }
+
+    pub(super) fn sample(out: &mut Vec<u8>, s: &SampleView) {
+        out.extend_from_slice(br#"{"sampled_at_ms":"#);
+        number(out, s.sampled_at_ms);
+        out.extend_from_slice(br#","age_ms":"#);
+        number(out, s.age_ms);
+        out.extend_from_slice(br#","fresh":"#);
+        boolean(out, s.fresh);
+        out.extend_from_slice(br#","ingress_in_flight":"#);
+        number(out, s.ingress_in_flight);
+        out.extend_from_slice(br#","engine":"#);
+        match &s.engine {
+            None => out.extend_from_slice(b"null"),
+            Some(e) => numbers(
+                out,
+                [
+                    ("running", e.running),
+                    ("waiting", e.waiting),
+                    ("kv_usage_ppm", e.kv_usage_ppm),
+                ],
+            ),
+        }
+        out.push(b'}');
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::views::tests::sample;
+    use capyctl_interfaces::load::EngineLoad;
+
+    /// The load read's hand-written JSON is `serde_json`'s of the views, byte for byte: every
+    /// optional part present and absent, numbers at their ends, strings that need escaping.
+    #[test]
+    fn the_load_views_json_is_serde_jsons() {
+        use capyctl_interfaces::launch::MaxRunningSource;
+        let sources = [
+            MaxRunningSource::Engine,
+            MaxRunningSource::Declared,
+            MaxRunningSource::Default,
+            MaxRunningSource::StateCache,
+            MaxRunningSource::ExtraArgs,
+            MaxRunningSource::HostFixed,
+            MaxRunningSource::EngineDefault,
+            MaxRunningSource::OnHost,
+        ];
+        let adapters = ["sql-lora".to_string(), "q\"uote\\ \u{1}é\u{7f}".to_string()];
+        let samples = [
+            None,
+            sample_view(&sample(1000, None), 1200, 0),
+            sample_view(
+                &sample(
+                    u64::MAX - 5,
+                    Some(EngineLoad {
+                        running: Some(u64::MAX),
+                        waiting: Some(0),
+                        kv_usage_ppm: Some(999_999),
+                    }),
+                ),
+                u64::MAX,
+                7,
+            ),
+        ];
+        let mut cases = 0;
+        for (i, state) in InstanceState::ALL.iter().enumerate() {
+            for (j, sample) in samples.iter().enumerate() {
+                let f = InstanceFigures {
+                    adapters: if j == 1 {
+                        &adapters[..]
+                    } else {
+                        &adapters[..i % 2]
+                    },
+                    index: [0, 9, u32::MAX][j],
+                    host_id: ["gpu-box", "h\tö\"st", ""][j],
+                    generation: [0, 10, u64::MAX][(i + j) % 3],
+                    state: *state,
+                    router_in_flight: [0, 1, 123_456_789][j],
+                    max_running: MaxRunning {
+                        count: [None, Some(0), Some(u32::MAX)][(i + j) % 3],
+                        source: sources[(i + j) % sources.len()],
+                    },
+                    sample: sample.clone(),
+                };
+                let mut out = b"x".to_vec();
+                f.write(&mut out);
+                let typed = serde_json::to_vec(&f.view()).expect("encodes");
+                assert_eq!(
+                    String::from_utf8_lossy(&out[1..]),
+                    String::from_utf8_lossy(&typed)
+                );
+                cases += 1;
+            }
+        }
+        assert!(cases >= 30);
+        for (id, name) in [("01K", "chat-a"), ("", "n\"a\\me\n"), ("id", "ünï")] {
+            let view = DeploymentLoadView {
+                deployment_id: id.to_string(),
+                name: name.to_string(),
+                router: RouterLoadView {
+                    in_flight: 3,
+                    in_flight_limit: 32,
+                    waiting: 0,
+                    waiting_limit: u64::MAX,
+                },
+                max_running: MaxRunningView::from(MaxRunning {
+                    count: None,
+                    source: MaxRunningSource::OnHost,
+                }),
+                instances: Vec::new(),
+            };
+            let mut out = load_head(id, name).into_vec();
+            json::router(&mut out, &view.router);
+            out.extend_from_slice(br#","max_running":"#);
+            json::max_running(
+                &mut out,
+                MaxRunning {
+                    count: None,
+                    source: MaxRunningSource::OnHost,
+                },
+            );
+            out.extend_from_slice(br#","instances":[]}"#);
+            assert_eq!(
+                String::from_utf8_lossy(&out),
+                serde_json::to_string(&view).expect("encodes")
+            );
+        }
+    }
+}
