@@ -284,7 +284,8 @@ pub trait Lifecycle: Send + Sync + 'static {
     }
 
     /// The engine of `instance` answered a request for `adapter` as if it did not have it
-    /// (its 404 for an unknown model): the next request loads it again.
+    /// (vLLM's 404 for an unknown model, SGLang's 400 or stream error naming it): the next
+    /// request loads it again.
     fn adapter_lost(&self, instance: &InstanceKey, adapter: &str) {
         let _ = (instance, adapter);
     }

@@ -525,7 +525,9 @@ fn large_400(adapter: &str) -> String {
 /// adapter is the one named in `lora_path`, and one in `lost` is answered SGLang's 400
 /// ([`sglang_not_loaded`]). A request with `max_tokens: 0` is answered [`OTHER_400`], one
 /// with `max_tokens: 1` [`large_400`]; one with `max_tokens: 2` gets the head of a 400 and the
-/// first bytes of its body, then nothing.
+/// first bytes of its body, then nothing. Asked for a stream (`"stream": true`), it streams its
+/// answer as one chunk, and SGLang's error for a lost adapter as the stream's first event after
+/// a `200` (as SGLang releases that write a stream's errors as events do).
 async fn fake_engine(
     lost: Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>,
     sglang: bool,
@@ -583,6 +585,22 @@ async fn fake_engine(
                             let _ = conn.read(&mut [0u8; 1]).await;
                         }
                         return;
+                    }
+                    if body["stream"] == true {
+                        let event = if is_lost && sglang {
+                            sglang_not_loaded(&runs)
+                        } else {
+                            serde_json::json!({"id": "x", "object": "chat.completion.chunk", "model": model, "choices": [{"index": 0, "delta": {"content": format!("answered by {runs}")}, "finish_reason": "stop"}]})
+                        };
+                        let text = format!("data: {event}\n\ndata: [DONE]\n\n");
+                        let out = format!(
+                            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\n\r\n{text}",
+                            text.len()
+                        );
+                        if conn.write_all(out.as_bytes()).await.is_err() {
+                            return;
+                        }
+                        continue;
                     }
                     let (status, text) = if body["max_tokens"] == 1 {
                         ("400 Bad Request", large_400(&runs))
@@ -782,7 +800,8 @@ async fn raw_chat(addr: std::net::SocketAddr, body: &str) -> String {
 
 /// The same on SGLang, which answers a request for an adapter it does not have `400` with a
 /// message naming it: that answer is not passed on (`503 adapter_load_failed` saying what the
-/// engine answered), and the next request loads it again; another 400 to a request for an
+/// engine answered), and the next request loads it again (so too a stream whose first event is
+/// that error); another 400 to a request for an
 /// adapter goes to the client byte for byte (read first when it is small, passed on unread
 /// when it is not), and loads nothing; one whose body stops coming ends after
 /// `stream_idle_timeout`.
@@ -855,6 +874,19 @@ async fn through_the_listener_sglangs_400_for_an_adapter_it_lost_is_not_passed_o
         "{message}"
     );
     assert_eq!(body["retryable"], true);
+    // Asked for a stream, an SGLang that says so as the stream's first event (after a 200):
+    // that stream is not passed on either (nothing of it reached the client).
+    let streamed = r#"{"model":"s1","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+    let answer = raw_chat(l.addr, streamed).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 503 ")
+            && answer.contains("adapter_load_failed")
+            && answer.contains("the engine's stream said")
+            && answer.contains("are not loaded: s1")
+            && !answer.contains("data:"),
+        "{answer}"
+    );
+    assert_eq!(loads(&l.agent), 2, "loaded again after the first 503");
     l.lost.lock().unwrap().clear();
     let (status, body) = chat(l.addr, "s1").await;
     assert_eq!(
@@ -862,6 +894,15 @@ async fn through_the_listener_sglangs_400_for_an_adapter_it_lost_is_not_passed_o
         (200, "answered by s1".into()),
         "{body}"
     );
-    assert_eq!(loads(&l.agent), 2, "loaded again");
+    assert_eq!(loads(&l.agent), 3, "loaded again after the stream's 503");
+    // A stream whose first event is not that error is passed on as it came.
+    let answer = raw_chat(l.addr, streamed).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 200 ")
+            && answer.contains("answered by s1")
+            && answer.contains("data: [DONE]"),
+        "{answer}"
+    );
+    assert_eq!(loads(&l.agent), 3);
     l.stop.send_replace(true);
 }

@@ -631,16 +631,23 @@ pub(crate) enum Start {
     Whole(Bytes),
     /// Nothing was sent yet, so the failure is an HTTP error.
     Fail(Failure),
+    /// The first event was the engine's word that it does not have the adapter asked for
+    /// (what it said; nothing was passed on): the request's charge, not ended, is handed back
+    /// for the caller to end (see `lost`).
+    Lost(String, Box<dyn Track>),
 }
 
 /// Reads a streamed answer until its first output, holding everything back (at most one
 /// piece), so that a request deadline before it can still be answered 503; then hands the rest
-/// to a [`StreamBody`].
+/// to a [`StreamBody`]. With `adapter` (a request for that adapter on a base whose engine says
+/// in its stream that it lacks one: SGLang), a first output that says so is not passed on
+/// ([`Start::Lost`]).
 pub(crate) async fn start_stream(
     mut upstream: UpstreamBody,
     mut charge: Box<dyn Track>,
     deployment: &str,
     settings: StreamSettings,
+    adapter: Option<&str>,
 ) -> Start {
     let mut scanner = EventScanner::new(settings.max_piece);
     let timer = tokio::time::sleep_until(settings.deadline);
@@ -672,7 +679,17 @@ pub(crate) async fn start_stream(
                 held.extend_from_slice(&data);
                 let single = match first_output(&mut scanner, &held, &mut event_start, &mut scanned)
                 {
-                    Ok(true) => {
+                    Ok(Some(first)) => {
+                        let said = adapter.and_then(|name| {
+                            super::lost::stream_says_not_loaded(
+                                held.get(first).unwrap_or_default(),
+                                name,
+                            )
+                        });
+                        if let Some(said) = said {
+                            drop(upstream);
+                            return Start::Lost(said, charge);
+                        }
                         charge.output();
                         let body =
                             StreamBody::new(upstream, charge, scanner, held.freeze(), settings);
@@ -680,9 +697,9 @@ pub(crate) async fn start_stream(
                     }
                     // The event still coming is bounded by the scanner; the complete ones
                     // before it, none of them output, here.
-                    Ok(false) if event_start <= settings.max_piece => continue,
+                    Ok(None) if event_start <= settings.max_piece => continue,
                     // Many small pieces and still no output: held back as one piece.
-                    Ok(false) => false,
+                    Ok(None) => false,
                     Err(Oversized) => true,
                 };
                 // Too large to hold: the complete events so far, then the error event. A
@@ -703,25 +720,26 @@ pub(crate) async fn start_stream(
     }
 }
 
-/// Scans the held bytes for complete events; true once one of them is output.
+/// Scans the held bytes for complete events; once one of them is output, where it is in them.
 fn first_output(
     scanner: &mut EventScanner,
     held: &[u8],
     event_start: &mut usize,
     scanned: &mut usize,
-) -> Result<bool, Oversized> {
+) -> Result<Option<std::ops::Range<usize>>, Oversized> {
     while let Some(end) = scanner.next_end(held, *scanned)? {
-        let event = held.get(*event_start..end).unwrap_or_default();
+        let start = *event_start;
+        let event = held.get(start..end).unwrap_or_default();
         *event_start = end;
         *scanned = end;
         if is_output(event) {
             // Keep measuring the rest of the frame.
             scanner.measure(held.get(end..).unwrap_or_default())?;
-            return Ok(true);
+            return Ok(Some(start..end));
         }
     }
     *scanned = held.len();
-    Ok(false)
+    Ok(None)
 }
 
 /// A streamed answer after its first output: forwards the engine's pieces as the server asks

@@ -10,10 +10,16 @@
 //!   answers with `create_error_response(str(e))`: `{"object":"error","message":...,
 //!   "type":"BadRequestError","param":null,"code":400}` with a `Content-Length`.
 //!
+//!   Asked for a stream, SGLang releases that wrote its streams' errors as events answer
+//!   `200` and then that error as the stream's first event (`data: {"object":"error",...}`,
+//!   then `data: [DONE]`); later ones raise it before the stream starts (the `400` above).
+//!
 //! Only a non-streamed 400 of at most [`MAX_READ`] bytes, announced by its `Content-Length`,
 //! on a base whose engine reads the adapter from `lora_path` (SGLang), is read before it is
 //! passed on; every other answer goes on as it comes, unread. The read is bounded by
-//! `stream_idle_timeout` for each silence, as the body's passing on would be.
+//! `stream_idle_timeout` for each silence, as the body's passing on would be. A stream's first
+//! event is held back before anything is passed on in any case (`body::start_stream`), and
+//! judged there ([`stream_says_not_loaded`]) for such a base.
 
 use std::time::Duration;
 
@@ -25,8 +31,11 @@ use http_body::Body;
 use http_body_util::BodyExt;
 use serde::Deserialize;
 
+use super::Failure;
+use super::body::Track;
 use super::upstream::{EngineHead, UpstreamBody};
 use crate::observe;
+use capyctl_interfaces::router::{InstanceKey, Lifecycle};
 
 /// The most bytes of an engine's 400 the listener reads to see whether it is SGLang's word
 /// that it lacks the adapter (SGLang's is a few hundred bytes with a few adapters loaded).
@@ -45,10 +54,67 @@ pub(super) fn worth_reading(
     engine: &EngineHead,
     body: &UpstreamBody,
 ) -> bool {
-    route.request_field == Some("lora_path")
+    reads_in_body(route)
         && engine.status == StatusCode::BAD_REQUEST
         && !engine.event_stream
         && body.size_hint().exact().is_some_and(|n| n <= MAX_READ)
+}
+
+/// Whether the base's engine reads the adapter from `lora_path` (SGLang), and so says in its
+/// answer's body, not its status, that it lacks it.
+pub(super) fn reads_in_body(route: &AdapterRoute) -> bool {
+    route.request_field == Some("lora_path")
+}
+
+/// The answer to a request for the adapter of `route` whose engine (of `instance`) said it does
+/// not have it (`said`): the next request loads it again; this one is cut with `503
+/// adapter_load_failed` saying what the engine answered.
+pub(super) fn answer(
+    lifecycle: &dyn Lifecycle,
+    instance: &InstanceKey,
+    route: &AdapterRoute,
+    said: String,
+    charge: &mut dyn Track,
+) -> Failure {
+    lifecycle.adapter_lost(instance, &route.name);
+    let error = ApiError::AdapterLoadFailed {
+        adapter: route.name.clone(),
+        reason: format!("{said}; the next request loads it again"),
+    };
+    charge.cut(error.metric_label());
+    Failure::Api(error)
+}
+
+/// What a stream's first event (`event`, one whole SSE event) says, when it is SGLang's error
+/// saying it does not have the adapter `adapter` (see the module's notes). `None`: an event to
+/// pass on.
+pub(super) fn stream_says_not_loaded(event: &[u8], adapter: &str) -> Option<String> {
+    let data = event
+        .split(|&b| b == b'\n')
+        .filter_map(|line| line.strip_prefix(b"data:"))
+        .next()?;
+    let data = data.strip_suffix(b"\r").unwrap_or(data);
+    let data = data.strip_prefix(b" ").unwrap_or(data);
+    let named = not_loaded_in(data)?;
+    (named == adapter).then(|| format!("the engine's stream said \"{SGLANG_NOT_LOADED}{named}\""))
+}
+
+/// The adapter an SGLang error body (`{"message": ...}`) says is not loaded.
+fn not_loaded_in(body: &[u8]) -> Option<String> {
+    #[derive(Deserialize)]
+    struct ErrorBody {
+        message: String,
+    }
+    let ErrorBody { message } = serde_json::from_slice(body).ok()?;
+    let named = message.strip_prefix(SGLANG_NOT_LOADED)?;
+    Some(
+        named
+            .split('\n')
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_string(),
+    )
 }
 
 /// What the engine's answer `body` (of `status`) says, when it says that the engine does not
@@ -61,13 +127,7 @@ pub(super) fn says_not_loaded(status: StatusCode, body: &[u8], adapter: &str) ->
     if status != StatusCode::BAD_REQUEST {
         return None;
     }
-    #[derive(Deserialize)]
-    struct ErrorBody {
-        message: String,
-    }
-    let ErrorBody { message } = serde_json::from_slice(body).ok()?;
-    let named = message.strip_prefix(SGLANG_NOT_LOADED)?;
-    let named = named.split('\n').next().unwrap_or_default().trim();
+    let named = not_loaded_in(body)?;
     (named == adapter).then(|| format!("the engine answered 400 \"{SGLANG_NOT_LOADED}{named}\""))
 }
 
@@ -156,5 +216,28 @@ mod tests {
         assert_eq!(says_not_loaded(status, sglang("a1").as_bytes(), "a1"), None);
         // vLLM's 404 whatever its body.
         assert!(says_not_loaded(StatusCode::NOT_FOUND, b"", "a1").is_some());
+    }
+
+    /// A stream's first event that is SGLang's error for this adapter says so (with or
+    /// without the space after `data:`, with CRLF lines); any other event does not.
+    #[test]
+    fn a_streams_first_event_says_so_only_when_it_is_sglangs_error_for_this_adapter() {
+        let event = format!("data: {}\n\n", sglang("a1"));
+        assert_eq!(
+            stream_says_not_loaded(event.as_bytes(), "a1").as_deref(),
+            Some(
+                "the engine's stream said \"The following requested LoRA adapters are not loaded: a1\""
+            )
+        );
+        let crlf = format!("event: error\r\ndata:{}\r\n\r\n", sglang("a1"));
+        assert!(stream_says_not_loaded(crlf.as_bytes(), "a1").is_some());
+        assert_eq!(stream_says_not_loaded(event.as_bytes(), "a10"), None);
+        let chunk = r#"data: {"choices":[{"index":0,"delta":{"content":"The following requested LoRA adapters are not loaded: a1"}}]}"#;
+        assert_eq!(
+            stream_says_not_loaded(format!("{chunk}\n\n").as_bytes(), "a1"),
+            None
+        );
+        assert_eq!(stream_says_not_loaded(b": keep-alive\n\n", "a1"), None);
+        assert_eq!(stream_says_not_loaded(b"data: not json\n\n", "a1"), None);
     }
 }

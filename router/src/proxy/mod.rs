@@ -38,9 +38,9 @@
 //!   the lease ends with the request's permit. It is forwarded with its `model` as it came
 //!   (the adapter's name, which vLLM serves), and with the adapter named in the field the
 //!   base's engine reads besides (`AdapterRoute::request_field`: SGLang's `lora_path`). An
-//!   engine that answers as if it had not loaded it (vLLM's 404, SGLang's 400 naming it; see
-//!   `lost`) is answered `503 adapter_load_failed` (never the engine's answer), and the next
-//!   request loads it again.
+//!   engine that answers as if it had not loaded it (vLLM's 404, SGLang's 400 or first stream
+//!   event naming it; see `lost`) is answered `503 adapter_load_failed` (never the engine's
+//!   answer), and the next request loads it again.
 
 mod body;
 mod budget;
@@ -723,13 +723,7 @@ impl<A: Admission> Proxy<A> {
             }
             let body = read.as_deref().unwrap_or_default();
             if let Some(said) = lost::says_not_loaded(status, body, &route.name) {
-                lifecycle.adapter_lost(key, &route.name);
-                let error = ApiError::AdapterLoadFailed {
-                    adapter: route.name.clone(),
-                    reason: format!("{said}; the next request loads it again"),
-                };
-                charge.cut(error.metric_label());
-                return Err(Failure::Api(error));
+                return Err(lost::answer(&**lifecycle, key, route, said, &mut charge));
             }
         }
         if let Some(bytes) = read {
@@ -756,7 +750,14 @@ impl<A: Admission> Proxy<A> {
             max_piece: config.max_piece,
             conn,
         };
-        match body::start_stream(upstream, Box::new(charge), &deployment_id, settings).await {
+        // SGLang may say so in its stream instead (a `200` whose first event is its error).
+        let judge = adapter
+            .as_ref()
+            .filter(|(_, route)| lost::reads_in_body(route))
+            .map(|(_, route)| route.name.as_str());
+        let started =
+            body::start_stream(upstream, Box::new(charge), &deployment_id, settings, judge);
+        match started.await {
             Start::Stream(mut body) => {
                 if let Some(charge) = body.charge_mut() {
                     watch.hand_to(charge, status.as_u16(), true);
@@ -769,6 +770,15 @@ impl<A: Admission> Proxy<A> {
                 Ok(Answer::engine(engine, body))
             }
             Start::Fail(failure) => Err(failure),
+            Start::Lost(said, mut charge) => match (&adapter, &adapter_on) {
+                (Some((lifecycle, route)), Some(key)) => {
+                    Err(lost::answer(&**lifecycle, key, route, said, &mut *charge))
+                }
+                // (Only an adapter request's stream is judged.)
+                _ => Err(Failure::Api(ApiError::Internal {
+                    detail: format!("a stream judged without an adapter: {said}"),
+                })),
+            },
         }
     }
 
