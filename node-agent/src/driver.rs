@@ -1129,10 +1129,9 @@ impl Driver {
     }
 
     /// Wakes a parked engine and verifies it: the wake steps of `tier`, then the check prompt
-    /// (or the fixed decision) compared with `first`, with the one-token warm-up sent right
-    /// behind it (see `verify`'s module doc), all within `window`. A failed step (an error
-    /// answer, or an engine still asleep after its wake calls) is
-    /// [`WakeOutcome::ReloadFailed`]; the whole running past the window, or a step
+    /// (or the fixed decision) compared with `first`, then the one-token warm-up, all within
+    /// `window`. A failed step (an error answer, or an engine still asleep after its wake
+    /// calls) is [`WakeOutcome::ReloadFailed`]; the whole running past the window, or a step
     /// not answering within its own timeout (its detail names the step and says it was the
     /// step's timeout), [`WakeOutcome::Uncertain`]; a check that cannot be asked
     /// [`WakeOutcome::Uncertain`]; a different answer [`WakeOutcome::Mismatch`]. (Whether the
@@ -1208,13 +1207,8 @@ impl Driver {
                     .saturating_duration_since(Instant::now())
                     .min(self.timeouts.check)
             };
-            // The warm-up goes out right behind the check prompt, on a connection of its own
-            // (the check's holds its answer), so the engine batches the two instead of running
-            // them one after the other (see `verify`'s module doc); the first error ends both.
-            let (now, ()) = tokio::try_join!(
-                self.check_answer(ep, decision, left()),
-                self.warm_up(ep, left())
-            )?;
+            let now = self.check_answer(ep, decision, left()).await?;
+            self.warm_up(ep, left()).await?;
             Ok::<_, AgentError>(now)
         };
         let now = match tokio::time::timeout_at(deadline, check).await {

@@ -3,13 +3,7 @@
 //!
 //! The check asks `POST /v1/completions` with [`CHECK_PROMPT`], `temperature: 0` and
 //! `max_tokens: `[`CHECK_MAX_TOKENS`]; the text of the answer is the first answer. After every
-//! wake the same request runs, and a one-token warm-up, before any waiting request is released.
-//! The warm-up is sent right behind the check prompt, on a connection of its own, instead of
-//! after the check's answer: the engine batches the two (vLLM's scheduler takes both into its
-//! next step), so the warm-up costs neither a step of its own nor a round trip through the
-//! engine's HTTP server. Both still run after the wake and both end before the wave is
-//! released; the verdict is read from the check's answer alone, as before, and a failure of
-//! either fails the check.
+//! wake the same request runs, then a one-token warm-up, before any waiting request is released.
 //!
 //! A decision model is asked its decision prompt followed by the options, with
 //! `max_tokens: 1`, `temperature: 0` and `logprobs: 20` (OpenAI completions' top log
