@@ -107,8 +107,9 @@ struct Instance {
     endpoint: Endpoint,
     parking: LaunchParking,
     refusal: Option<&'static RefusalRow>,
-    /// Changing facts; a std mutex, never held across an `.await`.
-    state: Mutex<InstanceState>,
+    /// Changing facts; a std mutex, never held across an `.await`. Shared with the sampler,
+    /// which reads whether a park or a wake is in progress (see [`LocalHostAgent::spawn_sampler`]).
+    state: Arc<Mutex<InstanceState>>,
     /// The latest sample, written by the sampler task.
     sample: watch::Receiver<Option<LoadSample>>,
     /// The sampler task; aborted when the instance goes.
@@ -129,17 +130,29 @@ struct Instance {
 struct InstanceState {
     record: PidRecord,
     measurement: Measurement,
-    /// A wake is in progress: an exit now is the wake's to report.
+    /// A wake is in progress: an exit now is the wake's to report, and the sampler leaves the
+    /// engine alone.
     waking: bool,
     /// A park into this tier is in progress: a host-RAM park's copy is counted against the
     /// host's room from its choice on, so two parks at once cannot both count the same free
-    /// memory.
+    /// memory. The sampler leaves the engine alone meanwhile.
     parking: Option<ParkTier>,
+}
+
+impl InstanceState {
+    /// A park or a wake of the engine is in progress: its calls are on a switch's path.
+    fn moving(&self) -> bool {
+        self.waking || self.parking.is_some()
+    }
+}
+
+fn lock_state(state: &Mutex<InstanceState>) -> std::sync::MutexGuard<'_, InstanceState> {
+    state.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Instance {
     fn state(&self) -> std::sync::MutexGuard<'_, InstanceState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        lock_state(&self.state)
     }
 }
 
@@ -712,9 +725,14 @@ impl LocalHostAgent {
         })
     }
 
+    /// Scrapes the engine's load every `sample_interval`, except while a park or a wake of it
+    /// is in progress (`state`'s [`InstanceState::moving`]): those calls are on a switch's
+    /// path, and a scrape of vLLM holds its event loop for 10-27 ms on a loaded CPU, during
+    /// which a park or wake call waits. The previous sample stays until the next tick after.
     fn spawn_sampler(
         &self,
         endpoint: Endpoint,
+        state: Arc<Mutex<InstanceState>>,
     ) -> (watch::Receiver<Option<LoadSample>>, JoinHandle<()>) {
         let (tx, rx) = watch::channel(None);
         let driver = self.driver.clone();
@@ -724,6 +742,9 @@ impl LocalHostAgent {
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
+                if lock_state(&state).moving() {
+                    continue;
+                }
                 let sampled_at_ms = now_ms();
                 let began = Instant::now();
                 let engine = driver
@@ -749,18 +770,19 @@ impl LocalHostAgent {
         measurement: Measurement,
     ) -> Arc<Instance> {
         let endpoint = endpoint_at(&record.spec, self.runtime.base_url(&record));
-        let (sample, sampler) = self.spawn_sampler(endpoint.clone());
+        let state = Arc::new(Mutex::new(InstanceState {
+            record: record.clone(),
+            measurement,
+            waking: false,
+            parking: None,
+        }));
+        let (sample, sampler) = self.spawn_sampler(endpoint.clone(), Arc::clone(&state));
         let inst = Arc::new(Instance {
             spec: record.spec.clone(),
             endpoint,
             parking: record.parking,
             refusal,
-            state: Mutex::new(InstanceState {
-                record: record.clone(),
-                measurement,
-                waking: false,
-                parking: None,
-            }),
+            state,
             sample,
             sampler,
             exit_watcher: Mutex::new(None),

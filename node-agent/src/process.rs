@@ -176,16 +176,26 @@ impl EngineGroup {
         }
     }
 
+    /// Whether no process of the group is left at all (zombies apart), whoever's: once the
+    /// group was found to be this engine's and signalled, every member is the engine's (Linux
+    /// does not reuse a pid while it is a live group's ID, and only members can add members).
+    /// [`EngineGroup::gone`] is not enough after a signal: a member that is exiting has no
+    /// readable environment any more, so it stops counting as the engine's some time before it
+    /// stops running (and before its memory is given back).
+    fn drained(&self) -> bool {
+        group_members(self.pgid).is_empty()
+    }
+
     /// Stops the group: SIGTERM, up to `grace` for it to end, then SIGKILL. Returns at once
-    /// when nothing of it is left.
+    /// when nothing of it is left, and otherwise once no member runs any more.
     pub async fn stop(&self, grace: Duration) {
         if !self.signal("TERM").await {
             return;
         }
-        if !wait_until(grace, || self.gone()).await {
+        if !wait_until(grace, || self.drained()).await {
             tracing::warn!(instance = %self.instance, pgid = self.pgid, "engine processes ignored SIGTERM; killing them");
             self.signal("KILL").await;
-            if !wait_until(KILL_WAIT, || self.gone()).await {
+            if !wait_until(KILL_WAIT, || self.drained()).await {
                 tracing::error!(instance = %self.instance, pgid = self.pgid, "engine processes survived SIGKILL");
             }
         }

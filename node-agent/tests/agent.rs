@@ -609,6 +609,77 @@ async fn an_engine_that_stops_answering_has_unknown_load_not_zero() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Runs `op` to its end while reading the agent's sample of `id` every 10 ms; the result, and
+/// the dates (`sampled_at_ms`) of every sample seen meanwhile.
+async fn dates_seen_during<T>(
+    agent: &LocalHostAgent,
+    id: &str,
+    op: impl std::future::Future<Output = T>,
+) -> (T, Vec<u64>) {
+    tokio::pin!(op);
+    let mut seen = Vec::new();
+    loop {
+        tokio::select! {
+            out = &mut op => return (out, seen),
+            () = tokio::time::sleep(Duration::from_millis(10)) => {
+                if let Some(s) = agent.sample(id) {
+                    seen.push(s.sampled_at_ms);
+                }
+            }
+        }
+    }
+}
+
+/// The load sampler leaves an engine alone while it parks or wakes (those calls are on a
+/// switch's path; a scrape of vLLM holds its event loop meanwhile): no scrape begins between
+/// the start and the end of either, and samples resume after.
+#[tokio::test]
+async fn no_load_scrape_begins_while_an_engine_parks_or_wakes() {
+    let dir = common::temp_dir("no-scrape");
+    let a = agent(&dir, 1024 * MIB, false);
+    let mut slow = spec(EngineKind::Vllm, "");
+    // 64 MiB at 128 MiB/s: a park and a wake take about 0.5 s each, five sample intervals.
+    slow.env
+        .insert("ENGINE_SIM_HOST_BANDWIDTH".into(), "128MiB".into());
+    a.start("slow", &slow).await.unwrap();
+    let mut last = sample_arrives(&a, "slow").await.sampled_at_ms;
+    for step in ["park", "wake"] {
+        let began = ProcessRuntime::now_ms();
+        let (done, seen) = match step {
+            "park" => {
+                let (r, seen) = dates_seen_during(&a, "slow", a.park("slow")).await;
+                (r.map(|p| p.tier().is_some()).unwrap(), seen)
+            }
+            _ => {
+                let (r, seen) = dates_seen_during(&a, "slow", a.wake("slow")).await;
+                (r.unwrap().outcome == WakeOutcome::Pass, seen)
+            }
+        };
+        let ended = ProcessRuntime::now_ms();
+        assert!(done, "{step}");
+        assert!(ended - began >= 400, "the {step} took {} ms", ended - began);
+        // A scrape that began before the agent marked the engine (a few ms after `began`)
+        // may still land; none may begin later.
+        let mut during: Vec<u64> = seen
+            .iter()
+            .copied()
+            .filter(|&at| at > began + 50 && at < ended)
+            .collect();
+        during.dedup();
+        assert!(
+            during.is_empty(),
+            "scrapes began during the {step} ({began}..{ended} ms): {during:?}"
+        );
+        last = sample_where(&a, "slow", "after the step", |s| {
+            s.sampled_at_ms >= ended && s.sampled_at_ms > last
+        })
+        .await
+        .sampled_at_ms;
+    }
+    a.stop("slow").await.unwrap();
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// Reads every engine process as holding `0` bytes of GPU memory (an NVML stand-in).
 struct FixedProbe(u64);
 
