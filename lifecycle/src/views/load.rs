@@ -4,7 +4,7 @@
 //! `serde_json`'s of the typed view).
 
 use capyctl_interfaces::launch::MaxRunning;
-use capyctl_interfaces::router::DeploymentLoad;
+use capyctl_interfaces::router::LoadFigures as RouterFigures;
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::{
     DeploymentLoadView, InstanceLoadView, MaxRunningView, RouterLoadView, SampleView,
@@ -15,7 +15,7 @@ use super::{Ctx, DepShot, expected_max_running, sample_view};
 /// One deployment's load, from its instances' snapshots (index 0 first).
 pub(crate) fn load_view(
     units: &[DepShot],
-    router: Option<&DeploymentLoad>,
+    router: Option<&RouterFigures>,
     cx: &Ctx<'_>,
     now_ms: u64,
 ) -> DeploymentLoadView {
@@ -55,7 +55,7 @@ pub(super) fn load_head(id: &str, name: &str) -> Box<[u8]> {
 pub(crate) fn write_load_view(
     out: &mut Vec<u8>,
     units: &[DepShot],
-    router: Option<&DeploymentLoad>,
+    router: Option<&RouterFigures>,
     cx: &Ctx<'_>,
     now_ms: u64,
 ) {
@@ -83,7 +83,7 @@ struct LoadFigures {
 }
 
 impl LoadFigures {
-    fn of(units: &[DepShot], router: Option<&DeploymentLoad>, cx: &Ctx<'_>) -> Self {
+    fn of(units: &[DepShot], router: Option<&RouterFigures>, cx: &Ctx<'_>) -> Self {
         let d = &units[0];
         let host = d.host(cx.hosts);
         LoadFigures {
@@ -122,7 +122,7 @@ impl<'a> InstanceFigures<'a> {
     fn of(
         d: &DepShot,
         u: &'a DepShot,
-        router: Option<&DeploymentLoad>,
+        router: Option<&RouterFigures>,
         cx: &'a Ctx<'_>,
         now_ms: u64,
     ) -> Self {
@@ -131,12 +131,8 @@ impl<'a> InstanceFigures<'a> {
             expected_max_running(&u.fixed.spec, cx.config, host.map(|(_, h)| &**h))
         });
         let router_in_flight = router
-            .and_then(|r| {
-                r.instances
-                    .iter()
-                    .find(|i| i.key.index == u.fixed.index && i.key.generation == u.generation)
-            })
-            .map_or(0, |i| i.router_in_flight as u64);
+            .and_then(|r| r.router_in_flight(u.fixed.index, u.generation))
+            .map_or(0, |n| n as u64);
         let loaded = matches!(u.state, InstanceState::Ready | InstanceState::Closed);
         let sample = if loaded {
             host.and_then(|(_, h)| h.agent.sample(u.instance_id()))
