@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
 
 use capyctl_interfaces::router::{
-    DeploymentId, DeploymentLoad, InstanceFigures, InstanceLoad, LoadFigures, Upstream,
+    DeploymentLoad, InstanceFigures, InstanceLoad, LoadFigures, Upstream,
 };
 use tokio::time::Instant;
 
@@ -39,16 +39,53 @@ pub(crate) struct Published {
     pub(crate) waiting: usize,
     pub(crate) waiting_limit: usize,
     pub(crate) last_used: Option<Instant>,
-    pub(crate) instances: Vec<PublishedInstance>,
+    pub(crate) instances: PublishedInstances,
 }
 
 /// One instance in [`Published`].
 #[derive(Debug, Clone)]
 pub(crate) struct PublishedInstance {
     /// Its key (and address), shared with the owner's entry.
-    pub(crate) upstream: Arc<Upstream>,
-    pub(crate) router_in_flight: usize,
-    pub(crate) open: bool,
+    upstream: Arc<Upstream>,
+    /// Its key's index and generation, beside the rest (a full read copies them: not through
+    /// `upstream`, a memory access more per deployment).
+    index: u32,
+    generation: u64,
+    router_in_flight: usize,
+    open: bool,
+}
+
+impl PublishedInstance {
+    pub(crate) fn new(upstream: Arc<Upstream>, router_in_flight: usize, open: bool) -> Self {
+        PublishedInstance {
+            index: upstream.key.index,
+            generation: upstream.key.generation,
+            upstream,
+            router_in_flight,
+            open,
+        }
+    }
+}
+
+/// A deployment's instances in key order, the first in place (most deployments have one: a
+/// full read finds it in the cell, with no vector to follow).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct PublishedInstances {
+    first: Option<PublishedInstance>,
+    rest: Vec<PublishedInstance>,
+}
+
+impl PublishedInstances {
+    pub(crate) fn of(mut all: impl Iterator<Item = PublishedInstance>) -> Self {
+        PublishedInstances {
+            first: all.next(),
+            rest: all.collect(),
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &PublishedInstance> {
+        self.first.iter().chain(&self.rest)
+    }
 }
 
 impl Published {
@@ -82,11 +119,53 @@ impl Published {
         out.instances.clear();
         out.instances
             .extend(self.instances.iter().map(|i| InstanceFigures {
-                index: i.upstream.key.index,
-                generation: i.upstream.key.generation,
+                index: i.index,
+                generation: i.generation,
                 router_in_flight: i.router_in_flight,
                 open: i.open,
             }));
+    }
+}
+
+/// A deployment's ID kept in its cell: in place where it is short (a ULID is 26 bytes), so that
+/// a full read compares it where it reads the figures (a separate string was a memory access
+/// more per deployment).
+enum CellId {
+    Inline {
+        len: u8,
+        bytes: [u8; CellId::INLINE],
+    },
+    Heap(Box<str>),
+}
+
+impl CellId {
+    const INLINE: usize = 30;
+
+    fn new(id: &str) -> Self {
+        match u8::try_from(id.len()) {
+            Ok(len) if id.len() <= Self::INLINE => {
+                let mut bytes = [0; Self::INLINE];
+                bytes[..id.len()].copy_from_slice(id.as_bytes());
+                CellId::Inline { len, bytes }
+            }
+            _ => CellId::Heap(id.into()),
+        }
+    }
+
+    /// Its bytes (compared as the `str`s compare).
+    fn as_bytes(&self) -> &[u8] {
+        match self {
+            CellId::Inline { len, bytes } => &bytes[..usize::from(*len)],
+            CellId::Heap(s) => s.as_bytes(),
+        }
+    }
+
+    fn as_str(&self) -> &str {
+        match self {
+            // Copied from a `str` whole: always UTF-8.
+            CellId::Inline { .. } => std::str::from_utf8(self.as_bytes()).unwrap_or_default(),
+            CellId::Heap(s) => s,
+        }
     }
 }
 
@@ -101,7 +180,7 @@ impl Published {
 /// cell's mutex only to copy one deployment's figures.
 pub(crate) struct LoadCell {
     /// The deployment's ID: the key it is found and ordered by.
-    id: DeploymentId,
+    id: CellId,
     /// Even: settled; odd: the owner is changing the load and the lane's count together.
     seq: AtomicU64,
     /// As of the owner's last event that changed it.
@@ -111,9 +190,9 @@ pub(crate) struct LoadCell {
 }
 
 impl LoadCell {
-    pub(crate) fn new(id: DeploymentId, published: Published) -> Self {
+    pub(crate) fn new(id: &str, published: Published) -> Self {
         LoadCell {
-            id,
+            id: CellId::new(id),
             seq: AtomicU64::new(0),
             published: Mutex::new(published),
             lane: OnceLock::new(),
@@ -121,8 +200,8 @@ impl LoadCell {
     }
 
     /// Its deployment's ID.
-    pub(crate) fn id(&self) -> &DeploymentId {
-        &self.id
+    pub(crate) fn id(&self) -> &str {
+        self.id.as_str()
     }
 
     fn published(&self) -> MutexGuard<'_, Published> {
@@ -152,27 +231,19 @@ impl LoadCell {
         self.published()
             .instances
             .iter()
-            .filter(|i| i.upstream.key.index == index)
+            .filter(|i| i.index == index)
             .map(|i| i.router_in_flight)
             .sum()
     }
 
     /// A settled copy (see the type's note) made by `copy` from the published load and the
-    /// lane's count since it was opened (requests started less those ended), and the lane's
-    /// last use.
-    fn settled<T>(
-        &self,
-        base: Instant,
-        mut copy: impl FnMut(&Published, i64, Option<Instant>) -> T,
-    ) -> T {
+    /// lane, if any (its count since it was opened, `Lane::net`, and its last use).
+    fn settled<T>(&self, mut copy: impl FnMut(&Published, Option<&Lane>) -> T) -> T {
         let mut spins = 0u32;
         loop {
             let before = self.seq.load(Ordering::SeqCst);
             if before & 1 == 0 {
-                let lane = self.lane.get();
-                let net = lane.map_or(0, |lane| lane.net());
-                let lane_used = lane.and_then(|lane| lane.last_use(base));
-                let out = copy(&self.published(), net, lane_used);
+                let out = copy(&self.published(), self.lane.get().map(|l| &**l));
                 if self.seq.load(Ordering::SeqCst) == before {
                     return out;
                 }
@@ -189,8 +260,10 @@ impl LoadCell {
 
     /// The load now: the published one, with the requests its lane counts.
     fn read(&self, base: Instant) -> DeploymentLoad {
-        self.settled(base, |p, net, lane_used| {
-            let mut load = p.to_load(&self.id);
+        self.settled(|p, lane| {
+            let net = lane.map_or(0, Lane::net);
+            let lane_used = lane.and_then(|lane| lane.last_use(base));
+            let mut load = p.to_load(self.id());
             if lane_used > load.last_used {
                 load.last_used = lane_used;
             }
@@ -206,8 +279,9 @@ impl LoadCell {
     }
 
     /// [`LoadCell::read`]'s figures written over `out`.
-    fn read_figures(&self, base: Instant, out: &mut LoadFigures) {
-        self.settled(base, |p, net, _| {
+    fn read_figures(&self, out: &mut LoadFigures) {
+        self.settled(|p, lane| {
+            let net = lane.map_or(0, Lane::net);
             p.fill(out);
             if net != 0 {
                 out.in_flight = add_net(out.in_flight, net);
@@ -249,20 +323,20 @@ pub(crate) struct ById(pub(crate) Arc<LoadCell>);
 
 impl Borrow<str> for ById {
     fn borrow(&self) -> &str {
-        &self.0.id
+        self.0.id()
     }
 }
 
 impl Hash for ById {
     fn hash<H: Hasher>(&self, state: &mut H) {
         // As `str` hashes (so that a look-up by `&str` finds it).
-        self.0.id.as_str().hash(state);
+        self.0.id().hash(state);
     }
 }
 
 impl PartialEq for ById {
     fn eq(&self, other: &Self) -> bool {
-        self.0.id == other.0.id
+        self.0.id.as_bytes() == other.0.id.as_bytes()
     }
 }
 
@@ -320,7 +394,7 @@ impl Loads {
 
     pub(crate) fn insert(&self, cell: Arc<LoadCell>) {
         let mut shard = self
-            .shard(&cell.id)
+            .shard(cell.id())
             .write()
             .unwrap_or_else(PoisonError::into_inner);
         shard.replace(ById(cell));
@@ -359,7 +433,7 @@ impl Loads {
                 let shard = shard.read().unwrap_or_else(PoisonError::into_inner);
                 cells.extend(shard.iter().map(|c| Arc::clone(&c.0)));
             }
-            cells.sort_unstable_by(|a, b| a.id.cmp(&b.id));
+            cells.sort_unstable_by(|a, b| a.id.as_bytes().cmp(b.id.as_bytes()));
             *kept = (changed, Arc::from(cells));
         }
         Arc::clone(&kept.1)
@@ -390,7 +464,6 @@ impl Loads {
         LoadsInOrder {
             cells: self.ordered(),
             next: 0,
-            base: self.base,
             figures: LoadFigures::default(),
         }
     }
@@ -402,7 +475,6 @@ pub struct LoadsInOrder {
     cells: Arc<[Arc<LoadCell>]>,
     /// The first cell not yet passed.
     next: usize,
-    base: Instant,
     /// The figures of the deployment last asked for, filled again by each look-up.
     figures: LoadFigures,
 }
@@ -426,16 +498,18 @@ impl LoadsInOrder {
         if self
             .next
             .checked_sub(1)
-            .is_some_and(|last| self.cells[last].id.as_str() >= deployment)
+            .is_some_and(|last| self.cells[last].id.as_bytes() >= deployment.as_bytes())
         {
-            self.next = self.cells.partition_point(|c| c.id.as_str() < deployment);
+            self.next = self
+                .cells
+                .partition_point(|c| c.id.as_bytes() < deployment.as_bytes());
         }
         while let Some(cell) = self.cells.get(self.next) {
-            match cell.id.as_str().cmp(deployment) {
+            match cell.id.as_bytes().cmp(deployment.as_bytes()) {
                 std::cmp::Ordering::Less => self.next += 1,
                 std::cmp::Ordering::Equal => {
                     self.next += 1;
-                    cell.read_figures(self.base, &mut self.figures);
+                    cell.read_figures(&mut self.figures);
                     return Some(&self.figures);
                 }
                 std::cmp::Ordering::Greater => return None,
@@ -451,13 +525,13 @@ mod tests {
 
     fn cell(id: &str, waiting: usize) -> Arc<LoadCell> {
         Arc::new(LoadCell::new(
-            id.to_string(),
+            id,
             Published {
                 in_flight: 0,
                 in_flight_limit: 32,
                 waiting,
                 waiting_limit: 8,
-                instances: Vec::new(),
+                instances: PublishedInstances::default(),
                 last_used: None,
             },
         ))
@@ -518,20 +592,20 @@ mod tests {
         };
         for (id, n) in [("x", 1), ("y", 3), ("z", 0)] {
             loads.insert(Arc::new(LoadCell::new(
-                id.to_string(),
+                id,
                 Published {
                     in_flight: n * 2,
                     in_flight_limit: 32 * n.max(1),
                     waiting: n,
                     waiting_limit: 9,
                     last_used: None,
-                    instances: (0..n)
-                        .map(|i| PublishedInstance {
-                            upstream: upstream(id, u32::try_from(i).expect("small"), 7 + i as u64),
-                            router_in_flight: i,
-                            open: i % 2 == 0,
-                        })
-                        .collect(),
+                    instances: PublishedInstances::of((0..n).map(|i| {
+                        PublishedInstance::new(
+                            upstream(id, u32::try_from(i).expect("small"), 7 + i as u64),
+                            i,
+                            i % 2 == 0,
+                        )
+                    })),
                 },
             )));
         }

@@ -786,7 +786,8 @@ impl Driver {
             if returned && !self.state.returns() {
                 // A deployment is blocked `Later` now: no slot may go back without the owner
                 // hearing of it (see `State::returns`), so every lane is lent again without.
-                let all: Vec<DeploymentId> = self.lent.keys().map(|c| c.0.id().clone()).collect();
+                let all: Vec<DeploymentId> =
+                    self.lent.keys().map(|c| c.0.id().to_string()).collect();
                 let last_end = self.reclaim(&all);
                 if last_end > began {
                     // A request ended on a lane while this turn decided: it is heard now.
@@ -798,7 +799,7 @@ impl Driver {
                 cell.end();
             }
         }
-        let all: Vec<DeploymentId> = self.lent.keys().map(|c| c.0.id().clone()).collect();
+        let all: Vec<DeploymentId> = self.lent.keys().map(|c| c.0.id().to_string()).collect();
         self.reclaim(&all);
         for cell in self.begun.drain(..) {
             cell.end();
@@ -815,7 +816,7 @@ impl Driver {
                     cell.0.set(load);
                 }
                 (Some(load), None) => {
-                    let cell = Arc::new(LoadCell::new(id.clone(), load));
+                    let cell = Arc::new(LoadCell::new(&id, load));
                     self.loads.insert(Arc::clone(&cell));
                     self.cell_of.insert(ById(cell));
                 }

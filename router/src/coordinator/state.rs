@@ -22,7 +22,7 @@ use capyctl_interfaces::router::{
     DeploymentId, DrainReport, Executed, InstanceKey, Plan, PlanFor, SwitchOrder, Upstream,
 };
 
-use super::loads::{Published, PublishedInstance};
+use super::loads::{Published, PublishedInstance, PublishedInstances};
 use super::routing::{self, Load, Ring};
 use super::vec_map::{Keyed, KeyedVec};
 use super::{OperatorResult, OperatorStart};
@@ -443,15 +443,11 @@ impl Dep {
             waiting: self.queue.len(),
             waiting_limit: config.max_pending_per_deployment,
             last_used: self.last_used,
-            instances: self
-                .instances
-                .iter()
-                .map(|(_, i)| PublishedInstance {
-                    upstream: Arc::clone(&i.upstream),
-                    router_in_flight: i.in_flight,
-                    open: i.open,
-                })
-                .collect(),
+            instances: PublishedInstances::of(
+                self.instances
+                    .values()
+                    .map(|i| PublishedInstance::new(Arc::clone(&i.upstream), i.in_flight, i.open)),
+            ),
         }
     }
 
