@@ -16,7 +16,7 @@ use std::borrow::Borrow;
 use std::collections::HashSet;
 use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
 use capyctl_interfaces::router::{
     DeploymentLoad, InstanceFigures, InstanceLoad, LoadFigures, Upstream,
@@ -185,8 +185,10 @@ pub(crate) struct LoadCell {
     seq: AtomicU64,
     /// As of the owner's last event that changed it.
     published: Mutex<Published>,
-    /// Its lane, once it has one (lent slots are taken through the cell).
-    pub(crate) lane: OnceLock<Arc<Lane>>,
+    /// Its lane (lent slots are taken through the cell; closed until the owner first opens
+    /// it). NB: in the cell, not an allocation of its own: a full read reads its count, and a
+    /// lane apart was a memory access more per deployment (half the reader's time).
+    pub(crate) lane: Lane,
 }
 
 impl LoadCell {
@@ -195,7 +197,7 @@ impl LoadCell {
             id: CellId::new(id),
             seq: AtomicU64::new(0),
             published: Mutex::new(published),
-            lane: OnceLock::new(),
+            lane: Lane::new(),
         }
     }
 
@@ -222,7 +224,7 @@ impl LoadCell {
     /// owner takes them, so the later of the two is right whichever the owner moved last.
     fn last_used(&self, base: Instant) -> Option<Instant> {
         let published = self.published().last_used;
-        let lane = self.lane.get().and_then(|lane| lane.last_use(base));
+        let lane = self.lane.last_use(base);
         published.max(lane)
     }
 
@@ -237,13 +239,13 @@ impl LoadCell {
     }
 
     /// A settled copy (see the type's note) made by `copy` from the published load and the
-    /// lane, if any (its count since it was opened, `Lane::net`, and its last use).
-    fn settled<T>(&self, mut copy: impl FnMut(&Published, Option<&Lane>) -> T) -> T {
+    /// lane (its count since it was opened, `Lane::net`: 0 while it is closed; its last use).
+    fn settled<T>(&self, mut copy: impl FnMut(&Published, &Lane) -> T) -> T {
         let mut spins = 0u32;
         loop {
             let before = self.seq.load(Ordering::SeqCst);
             if before & 1 == 0 {
-                let out = copy(&self.published(), self.lane.get().map(|l| &**l));
+                let out = copy(&self.published(), &self.lane);
                 if self.seq.load(Ordering::SeqCst) == before {
                     return out;
                 }
@@ -261,8 +263,8 @@ impl LoadCell {
     /// The load now: the published one, with the requests its lane counts.
     fn read(&self, base: Instant) -> DeploymentLoad {
         self.settled(|p, lane| {
-            let net = lane.map_or(0, Lane::net);
-            let lane_used = lane.and_then(|lane| lane.last_use(base));
+            let net = lane.net();
+            let lane_used = lane.last_use(base);
             let mut load = p.to_load(self.id());
             if lane_used > load.last_used {
                 load.last_used = lane_used;
@@ -281,7 +283,7 @@ impl LoadCell {
     /// [`LoadCell::read`]'s figures written over `out`.
     fn read_figures(&self, out: &mut LoadFigures) {
         self.settled(|p, lane| {
-            let net = lane.map_or(0, Lane::net);
+            let net = lane.net();
             p.fill(out);
             if net != 0 {
                 out.in_flight = add_net(out.in_flight, net);
@@ -381,15 +383,6 @@ impl Loads {
             .read()
             .unwrap_or_else(PoisonError::into_inner);
         shard.get(deployment).map(|c| Arc::clone(&c.0))
-    }
-
-    /// `deployment`'s lane, if it has one.
-    pub(crate) fn lane(&self, deployment: &str) -> Option<Arc<Lane>> {
-        let shard = self
-            .shard(deployment)
-            .read()
-            .unwrap_or_else(PoisonError::into_inner);
-        shard.get(deployment).and_then(|c| c.0.lane.get().cloned())
     }
 
     pub(crate) fn insert(&self, cell: Arc<LoadCell>) {

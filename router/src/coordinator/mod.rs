@@ -81,8 +81,9 @@ const LANE_CREDITS: u64 = LANE_RETURNS - 1;
 struct Lane {
     /// Generation (upper 32 bits) | `LANE_OPEN` | `LANE_RETURNS` | credits.
     word: AtomicU64,
-    /// The instance the slots are on; replaced (with the next generation) when that changes.
-    grant: Mutex<Arc<LaneGrant>>,
+    /// The instance the slots are on (`None` until the lane is first opened); replaced (with
+    /// the next generation) when that changes.
+    grant: Mutex<Option<Arc<LaneGrant>>>,
     /// The latest start through the lane, in nanoseconds since `Loads::base`.
     last_start: AtomicU64,
     /// The latest end given back to the lane, in nanoseconds since `Loads::base`.
@@ -93,6 +94,17 @@ struct Lane {
 }
 
 impl Lane {
+    /// A lane never opened (each deployment's load cell has one: see `loads.rs`).
+    fn new() -> Self {
+        Lane {
+            word: AtomicU64::new(0),
+            grant: Mutex::new(None),
+            last_start: AtomicU64::new(0),
+            last_end: AtomicU64::new(0),
+            lent: AtomicU64::new(0),
+        }
+    }
+
     /// Requests started through the lane less those ended through it, since it was opened (the
     /// owner has not counted them yet); 0 while it is closed.
     fn net(&self) -> i64 {
@@ -163,11 +175,17 @@ fn nanos_since(base: Instant, at: Instant) -> u64 {
 impl Loads {
     /// Takes one lent slot of `deployment`'s lane (found through its load cell), if it is open
     /// and has one.
-    fn take(&self, deployment: &str) -> Option<(Arc<Lane>, Arc<LaneGrant>)> {
-        let lane = self.lane(deployment)?;
+    fn take(&self, deployment: &str) -> Option<(Arc<LoadCell>, Arc<LaneGrant>)> {
+        let cell = self.cell(deployment)?;
+        let grant = Self::take_from(&cell.lane, self.base)?;
+        Some((cell, grant))
+    }
+
+    /// [`Loads::take`] from `lane`: its grant.
+    fn take_from(lane: &Lane, base: Instant) -> Option<Arc<LaneGrant>> {
         let grant = match lane.grant.lock() {
-            Ok(g) => Arc::clone(&g),
-            Err(poisoned) => Arc::clone(&poisoned.into_inner()),
+            Ok(g) => g.clone()?,
+            Err(poisoned) => poisoned.into_inner().clone()?,
         };
         let mut word = lane.word.load(Ordering::Acquire);
         loop {
@@ -188,13 +206,14 @@ impl Loads {
             }
         }
         lane.last_start
-            .fetch_max(nanos_since(self.base, Instant::now()), Ordering::Relaxed);
-        Some((lane, grant))
+            .fetch_max(nanos_since(base, Instant::now()), Ordering::Relaxed);
+        Some(grant)
     }
 }
 /// A lane the task has opened, with what it lent.
 struct Lent {
-    lane: Arc<Lane>,
+    /// The deployment's cell, where the lane is.
+    cell: Arc<LoadCell>,
     serial: u64,
     credits: u64,
 }
@@ -467,12 +486,12 @@ impl CoordinatorHandle {
         // A prefix key matters only to a deployment routed by `prefix`.
         let prefix = prefix.filter(|_| deployment.routing == capyctl_spec::Routing::Prefix);
         // A ready deployment with room and nobody waiting: a lent slot, no round trip.
-        if let Some((lane, grant)) = self.loads.take(&deployment.id) {
+        if let Some((cell, grant)) = self.loads.take(&deployment.id) {
             return Ok(CoordinatorPermit {
                 upstream: Arc::clone(&grant.upstream),
                 serial: grant.serial,
                 lane: Some(LaneSlot {
-                    lane,
+                    cell,
                     generation: grant.generation,
                     base: self.loads.base,
                 }),
@@ -585,7 +604,8 @@ pub struct CoordinatorPermit {
 
 /// Where a permit that took a lent slot may give it back.
 struct LaneSlot {
-    lane: Arc<Lane>,
+    /// The deployment's cell, where the lane is.
+    cell: Arc<LoadCell>,
     generation: u32,
     base: Instant,
 }
@@ -632,7 +652,7 @@ impl Drop for CoordinatorPermit {
             // A cut is news for the owner (park or stop); an ordinary end of a lent slot is not.
             if !cut
                 && let Some(slot) = &self.lane
-                && slot.lane.give_back(slot.generation, slot.base)
+                && slot.cell.lane.give_back(slot.generation, slot.base)
             {
                 return;
             }
@@ -878,6 +898,7 @@ impl Driver {
                 cell.0.begin(&mut self.begun);
             }
             let word = lent
+                .cell
                 .lane
                 .word
                 .fetch_and(!(LANE_OPEN | LANE_RETURNS | LANE_CREDITS), Ordering::AcqRel);
@@ -886,9 +907,9 @@ impl Driver {
             // an instant can repeat under a paused clock, so "it moved" cannot be told apart).
             let net = i64::try_from(lent.credits).unwrap_or(i64::MAX)
                 - i64::try_from(left).unwrap_or(i64::MAX);
-            let ended = lent.lane.last_end.load(Ordering::Acquire);
+            let ended = lent.cell.lane.last_end.load(Ordering::Acquire);
             last_end = last_end.max(ended);
-            let nanos = lent.lane.last_start.load(Ordering::Relaxed).max(ended);
+            let nanos = lent.cell.lane.last_start.load(Ordering::Relaxed).max(ended);
             let last = (base + Duration::from_nanos(nanos)).min(now);
             self.state.lent_settled(id, lent.serial, net, last);
             if nanos > 0 {
@@ -911,37 +932,25 @@ impl Driver {
         let Some(cell) = self.cell_of.get(deployment.as_str()) else {
             return;
         };
-        let lane = match cell.0.lane.get() {
-            Some(lane) => Arc::clone(lane),
-            None => {
-                let lane = Arc::new(Lane {
-                    word: AtomicU64::new(0),
-                    grant: Mutex::new(Arc::new(LaneGrant {
-                        generation: 0,
-                        upstream: Arc::clone(upstream),
-                        serial,
-                    })),
-                    last_start: AtomicU64::new(0),
-                    last_end: AtomicU64::new(0),
-                    lent: AtomicU64::new(0),
-                });
-                let _ = cell.0.lane.set(Arc::clone(&lane));
-                lane
-            }
-        };
+        let lane = &cell.0.lane;
         let generation = {
             let mut grant = match lane.grant.lock() {
                 Ok(g) => g,
                 Err(poisoned) => poisoned.into_inner(),
             };
-            if grant.serial != serial || !Arc::ptr_eq(&grant.upstream, upstream) {
-                *grant = Arc::new(LaneGrant {
-                    generation: grant.generation.wrapping_add(1),
-                    upstream: Arc::clone(upstream),
-                    serial,
-                });
+            match &*grant {
+                Some(g) if g.serial == serial && Arc::ptr_eq(&g.upstream, upstream) => g.generation,
+                // The first grant is generation 0; each change of instance the next.
+                old => {
+                    let generation = old.as_ref().map_or(0, |g| g.generation.wrapping_add(1));
+                    *grant = Some(Arc::new(LaneGrant {
+                        generation,
+                        upstream: Arc::clone(upstream),
+                        serial,
+                    }));
+                    generation
+                }
             }
-            grant.generation
         };
         let credits = u64::try_from(free)
             .unwrap_or(LANE_CREDITS)
@@ -954,9 +963,9 @@ impl Driver {
         );
         let cell = cell.clone();
         self.lent.insert(
-            cell,
+            cell.clone(),
             Lent {
-                lane,
+                cell: cell.0,
                 serial,
                 credits,
             },
@@ -1085,7 +1094,8 @@ impl Drop for Driver {
     /// the closed inbox and answer `DispatchClosed`.
     fn drop(&mut self) {
         for lent in self.lent.values() {
-            lent.lane
+            lent.cell
+                .lane
                 .word
                 .fetch_and(!(LANE_OPEN | LANE_RETURNS | LANE_CREDITS), Ordering::AcqRel);
         }
