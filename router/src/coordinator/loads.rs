@@ -5,8 +5,8 @@
 //! [`LoadCell`], written in place by the owner: the cell holds the deployment's ID (the key
 //! of the shards' sets and of the list in ID order, so no map holds a copy of it), its figures
 //! ([`Published`]: numbers, and per instance its index, generation and count beside the
-//! instance's shared `Upstream`) and its lane. A read of every deployment walks the list of
-//! cells in ID order and copies each one's figures into one record it keeps
+//! instance's shared `Upstream`) and its lane, in place. A read of every deployment walks the
+//! list of cells in ID order and copies each one's figures into one record it keeps
 //! ([`LoadsInOrder::get`]): no `Arc` of a load cloned, no load built, nothing allocated per
 //! deployment. Before, each deployment had a cell, an `Arc`'d `DeploymentLoad` with its ID and
 //! each instance's key copied (deployment and host ID), a lane found through a map of its
