@@ -410,6 +410,73 @@ pub struct InstanceLoad {
     pub open: bool,
 }
 
+impl DeploymentLoad {
+    /// Its figures as a reader of every deployment copies them ([`LoadsInOrder::get`]).
+    pub fn figures(&self) -> LoadFigures {
+        let mut out = LoadFigures::default();
+        out.fill(self);
+        out
+    }
+}
+
+/// The figures of one deployment's load that the load read shows ([`DeploymentLoad`]'s, less
+/// the IDs and the last use), as [`LoadsInOrder::get`] copies them: into one record the reader
+/// keeps and fills again for each deployment, so that a read of every deployment allocates
+/// nothing per deployment.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoadFigures {
+    /// [`DeploymentLoad::in_flight`].
+    pub in_flight: usize,
+    /// [`DeploymentLoad::in_flight_limit`].
+    pub in_flight_limit: usize,
+    /// [`DeploymentLoad::waiting`].
+    pub waiting: usize,
+    /// [`DeploymentLoad::waiting_limit`].
+    pub waiting_limit: usize,
+    /// [`DeploymentLoad::instances`]: each one's index, generation and count.
+    pub instances: Vec<InstanceFigures>,
+}
+
+impl LoadFigures {
+    /// Overwritten with `load`'s figures (its instances' vector reused).
+    pub fn fill(&mut self, load: &DeploymentLoad) {
+        self.in_flight = load.in_flight;
+        self.in_flight_limit = load.in_flight_limit;
+        self.waiting = load.waiting;
+        self.waiting_limit = load.waiting_limit;
+        self.instances.clear();
+        self.instances
+            .extend(load.instances.iter().map(|i| InstanceFigures {
+                index: i.key.index,
+                generation: i.key.generation,
+                router_in_flight: i.router_in_flight,
+                open: i.open,
+            }));
+    }
+
+    /// The requests the router forwards to instance `index` of generation `generation` (`None`
+    /// when it knows no such instance).
+    pub fn router_in_flight(&self, index: u32, generation: u64) -> Option<usize> {
+        self.instances
+            .iter()
+            .find(|i| i.index == index && i.generation == generation)
+            .map(|i| i.router_in_flight)
+    }
+}
+
+/// [`InstanceLoad`]'s figures, its key's index and generation (see [`LoadFigures`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct InstanceFigures {
+    /// [`InstanceKey::index`].
+    pub index: u32,
+    /// [`InstanceKey::generation`].
+    pub generation: u64,
+    /// [`InstanceLoad::router_in_flight`].
+    pub router_in_flight: usize,
+    /// [`InstanceLoad::open`].
+    pub open: bool,
+}
+
 /// Reads each deployment's last use as the router recorded it, without keeping the router
 /// alive ([`Router::last_uses`]).
 pub trait LastUses: std::fmt::Debug + Send + Sync + 'static {
@@ -425,11 +492,11 @@ pub trait LastUses: std::fmt::Debug + Send + Sync + 'static {
 /// The router's published loads of every deployment, looked up in ascending order of
 /// deployment ID ([`Router::loads_in_order`]).
 pub trait LoadsInOrder: Send {
-    /// The load of `deployment` now, shared as [`Router::load_shared`]'s; `None` when the
-    /// router did not know it when the reader was made. Asked in ascending order of ID, each
-    /// look-up moves on from the last (a merge: one pass over the router's deployments for
-    /// them all).
-    fn get(&mut self, deployment: &str) -> Option<Arc<DeploymentLoad>>;
+    /// The figures of `deployment`'s load now (as [`Router::load_shared`]'s), copied into the
+    /// reader's own record (filled again by the next call); `None` when the router did not know
+    /// it when the reader was made. Asked in ascending order of ID, each look-up moves on from
+    /// the last (a merge: one pass over the router's deployments for them all).
+    fn get(&mut self, deployment: &str) -> Option<&LoadFigures>;
 }
 
 /// The router, as the lifecycle sees it: what the lifecycle tells it of instances and

@@ -4,7 +4,7 @@
 use std::ops::{Bound, Range};
 use std::sync::Arc;
 
-use capyctl_interfaces::router::DeploymentLoad;
+use capyctl_interfaces::router::LoadFigures;
 use capyctl_spec::api::{DeploymentList, DeploymentLoadView, DeploymentView, LoadReport};
 use capyctl_spec::errors::ApiError;
 use serde::Serialize;
@@ -161,15 +161,18 @@ impl Core {
     fn load_views(
         &self,
         key: Option<&str>,
-        mut each: impl FnMut(&[views::DepShot], Option<&DeploymentLoad>, &views::Ctx<'_>, usize),
+        mut each: impl FnMut(&[views::DepShot], Option<&LoadFigures>, &views::Ctx<'_>, usize),
     ) -> Result<(), ApiError> {
         let router = self.router();
         match key {
             Some(k) => {
                 let (d, hosts) = self.shot(k).ok_or_else(|| not_found(k))?;
-                let load = router.as_ref().and_then(|r| r.load_shared(d[0].id()));
+                let load = router
+                    .as_ref()
+                    .and_then(|r| r.load_shared(d[0].id()))
+                    .map(|l| l.figures());
                 let cx = views::Ctx::new(&self.config, &hosts).with_adapters(self.adapter_sets());
-                each(&d, load.as_deref(), &cx, 1);
+                each(&d, load.as_ref(), &cx, 1);
             }
             None => {
                 // The router's loads in ID order, joined with the lifecycle's deployments (also
@@ -184,7 +187,7 @@ impl Core {
                         .with_adapters(Arc::clone(&sets));
                     for d in views::deployments(chunk) {
                         let load = loads.as_mut().and_then(|l| l.get(d[0].id()));
-                        each(d, load.as_deref(), &cx, total);
+                        each(d, load, &cx, total);
                     }
                 });
             }

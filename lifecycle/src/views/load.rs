@@ -3,24 +3,27 @@
 //! or written straight into the answer's JSON ([`write_load_view`], byte for byte
 //! `serde_json`'s of the typed view).
 
+use std::sync::Arc;
+
 use capyctl_interfaces::launch::MaxRunning;
-use capyctl_interfaces::router::DeploymentLoad;
+use capyctl_interfaces::router::LoadFigures as RouterFigures;
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::{
     DeploymentLoadView, InstanceLoadView, MaxRunningView, RouterLoadView, SampleView,
 };
 
 use super::{Ctx, DepShot, expected_max_running, sample_view};
+use crate::state::Host;
 
 /// One deployment's load, from its instances' snapshots (index 0 first).
 pub(crate) fn load_view(
     units: &[DepShot],
-    router: Option<&DeploymentLoad>,
+    router: Option<&RouterFigures>,
     cx: &Ctx<'_>,
     now_ms: u64,
 ) -> DeploymentLoadView {
     let d = &units[0];
-    let figures = LoadFigures::of(units, router, cx);
+    let figures = LoadFigures::of(d, router, cx);
     DeploymentLoadView {
         deployment_id: d.fixed.id.clone(),
         name: d.name().to_string(),
@@ -28,7 +31,10 @@ pub(crate) fn load_view(
         max_running: MaxRunningView::from(figures.max_running),
         instances: units
             .iter()
-            .map(|u| InstanceFigures::of(d, u, router, cx, now_ms).view())
+            .enumerate()
+            .map(|(i, u)| {
+                InstanceFigures::of(d, u, (i == 0).then_some(&figures), router, cx, now_ms).view()
+            })
             .collect(),
     }
 }
@@ -55,12 +61,12 @@ pub(super) fn load_head(id: &str, name: &str) -> Box<[u8]> {
 pub(crate) fn write_load_view(
     out: &mut Vec<u8>,
     units: &[DepShot],
-    router: Option<&DeploymentLoad>,
+    router: Option<&RouterFigures>,
     cx: &Ctx<'_>,
     now_ms: u64,
 ) {
     let d = &units[0];
-    let figures = LoadFigures::of(units, router, cx);
+    let figures = LoadFigures::of(d, router, cx);
     out.extend_from_slice(&d.fixed.load_head);
     json::router(out, &figures.router);
     out.extend_from_slice(br#","max_running":"#);
@@ -70,23 +76,27 @@ pub(crate) fn write_load_view(
         if i > 0 {
             out.push(b',');
         }
-        InstanceFigures::of(d, u, router, cx, now_ms).write(out);
+        InstanceFigures::of(d, u, (i == 0).then_some(&figures), router, cx, now_ms).write(out);
     }
     out.extend_from_slice(b"]}");
 }
 
 /// A deployment's own figures in the load read: the router's side, and what CapyCTL passed or
 /// expects as its `max_running`.
-struct LoadFigures {
+struct LoadFigures<'a> {
     router: RouterLoadView,
     max_running: MaxRunning,
+    /// The host of its first instance ([`DepShot::host`]), found once for the deployment and
+    /// that instance.
+    host: Option<(&'a String, &'a Arc<Host>)>,
 }
 
-impl LoadFigures {
-    fn of(units: &[DepShot], router: Option<&DeploymentLoad>, cx: &Ctx<'_>) -> Self {
-        let d = &units[0];
+impl<'a> LoadFigures<'a> {
+    /// Of the deployment whose first instance is `d`.
+    fn of(d: &DepShot, router: Option<&RouterFigures>, cx: &'a Ctx<'_>) -> Self {
         let host = d.host(cx.hosts);
         LoadFigures {
+            host,
             router: RouterLoadView {
                 in_flight: router.map_or(0, |r| r.in_flight as u64),
                 in_flight_limit: router.map_or(
@@ -118,25 +128,27 @@ struct InstanceFigures<'a> {
 }
 
 impl<'a> InstanceFigures<'a> {
-    /// Of instance `u` of the deployment whose first instance is `d`.
+    /// Of instance `u` of the deployment whose first instance is `d`; `first` is the
+    /// deployment's figures where `u` is `d` (its host and expected `max_running` are the
+    /// instance's: found once).
     fn of(
         d: &DepShot,
         u: &'a DepShot,
-        router: Option<&DeploymentLoad>,
+        first: Option<&LoadFigures<'a>>,
+        router: Option<&RouterFigures>,
         cx: &'a Ctx<'_>,
         now_ms: u64,
     ) -> Self {
-        let host = u.host(cx.hosts);
+        let host = first.map_or_else(|| u.host(cx.hosts), |f| f.host);
         let max_running = u.max_running.unwrap_or_else(|| {
-            expected_max_running(&u.fixed.spec, cx.config, host.map(|(_, h)| &**h))
+            first.map_or_else(
+                || expected_max_running(&u.fixed.spec, cx.config, host.map(|(_, h)| &**h)),
+                |f| f.max_running,
+            )
         });
         let router_in_flight = router
-            .and_then(|r| {
-                r.instances
-                    .iter()
-                    .find(|i| i.key.index == u.fixed.index && i.key.generation == u.generation)
-            })
-            .map_or(0, |i| i.router_in_flight as u64);
+            .and_then(|r| r.router_in_flight(u.fixed.index, u.generation))
+            .map_or(0, |n| n as u64);
         let loaded = matches!(u.state, InstanceState::Ready | InstanceState::Closed);
         let sample = if loaded {
             host.and_then(|(_, h)| h.agent.sample(u.instance_id()))

@@ -87,7 +87,7 @@ impl router::LastUses for LastUses {
 }
 
 impl router::LoadsInOrder for LoadsInOrder {
-    fn get(&mut self, deployment: &str) -> Option<Arc<DeploymentLoad>> {
+    fn get(&mut self, deployment: &str) -> Option<&router::LoadFigures> {
         LoadsInOrder::get(self, deployment)
     }
 }

@@ -21,19 +21,19 @@
 //! trait); see `router/DESIGN.md` for the phases of a switch and how each rule maps to code.
 
 mod link;
+mod loads;
 pub(crate) mod routing;
 mod state;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 mod vec_map;
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::future::Future;
-use std::hash::BuildHasher;
 use std::panic::AssertUnwindSafe;
 use std::pin::pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use capyctl_spec::errors::ApiError;
@@ -43,12 +43,13 @@ use tokio::time::Instant;
 
 use crate::admission::{Admission, Permit};
 use crate::config::RouterConfig;
-use crate::fast_hash::FastHash;
 use capyctl_interfaces::router::{
     DeploymentId, DeploymentRef, Executed, InstanceKey, Lifecycle, Plan, PlanFor, SwitchOrder,
     Upstream,
 };
 
+pub use loads::LoadsInOrder;
+use loads::{ById, LoadCell, Loads};
 use state::{
     AdmitRequest, DrainOwner, Effects, Finished, Grant, OperatorId, ReleaseId, State, SwitchSeq,
     Ticket,
@@ -80,11 +81,12 @@ const LANE_CREDITS: u64 = LANE_RETURNS - 1;
 struct Lane {
     /// Generation (upper 32 bits) | `LANE_OPEN` | `LANE_RETURNS` | credits.
     word: AtomicU64,
-    /// The instance the slots are on; replaced (with the next generation) when that changes.
-    grant: Mutex<Arc<LaneGrant>>,
-    /// The latest start through the lane, in nanoseconds since `Lanes::base`.
+    /// The instance the slots are on (`None` until the lane is first opened); replaced (with
+    /// the next generation) when that changes.
+    grant: Mutex<Option<Arc<LaneGrant>>>,
+    /// The latest start through the lane, in nanoseconds since `Loads::base`.
     last_start: AtomicU64,
-    /// The latest end given back to the lane, in nanoseconds since `Lanes::base`.
+    /// The latest end given back to the lane, in nanoseconds since `Loads::base`.
     last_end: AtomicU64,
     /// The slots lent when the lane was last opened (for the load read: the slots taken since
     /// are this less the credits left).
@@ -92,6 +94,17 @@ struct Lane {
 }
 
 impl Lane {
+    /// A lane never opened (each deployment's load cell has one: see `loads.rs`).
+    fn new() -> Self {
+        Lane {
+            word: AtomicU64::new(0),
+            grant: Mutex::new(None),
+            last_start: AtomicU64::new(0),
+            last_end: AtomicU64::new(0),
+            lent: AtomicU64::new(0),
+        }
+    }
+
     /// Requests started through the lane less those ended through it, since it was opened (the
     /// owner has not counted them yet); 0 while it is closed.
     fn net(&self) -> i64 {
@@ -137,7 +150,7 @@ impl Lane {
             .last_start
             .load(Ordering::Relaxed)
             .max(self.last_end.load(Ordering::Acquire));
-        // NB: `Lanes::base` is a moment before the task began, so 0 is no instant of a request.
+        // NB: `Loads::base` is a moment before the task began, so 0 is no instant of a request.
         (nanos > 0).then(|| base + Duration::from_nanos(nanos))
     }
 
@@ -159,24 +172,20 @@ fn nanos_since(base: Instant, at: Instant) -> u64 {
     u64::try_from(at.saturating_duration_since(base).as_nanos()).unwrap_or(u64::MAX)
 }
 
-/// The lanes of every deployment that ever had one, for the handles.
-struct Lanes {
-    by_deployment: RwLock<HashMap<DeploymentId, Arc<Lane>, FastHash>>,
-    /// The origin of `Lane::last_start` and `Lane::last_end`: a moment (1 ns) before the task
-    /// began, so that 0 stands for "none yet".
-    base: Instant,
-}
+impl Loads {
+    /// Takes one lent slot of `deployment`'s lane (found through its load cell), if it is open
+    /// and has one.
+    fn take(&self, deployment: &str) -> Option<(Arc<LoadCell>, Arc<LaneGrant>)> {
+        let cell = self.cell(deployment)?;
+        let grant = Self::take_from(&cell.lane, self.base)?;
+        Some((cell, grant))
+    }
 
-impl Lanes {
-    /// Takes one lent slot of `deployment`'s lane, if it is open and has one.
-    fn take(&self, deployment: &str) -> Option<(Arc<Lane>, Arc<LaneGrant>)> {
-        let lane = {
-            let lanes = self.by_deployment.read().ok()?;
-            Arc::clone(lanes.get(deployment)?)
-        };
+    /// [`Loads::take`] from `lane`: its grant.
+    fn take_from(lane: &Lane, base: Instant) -> Option<Arc<LaneGrant>> {
         let grant = match lane.grant.lock() {
-            Ok(g) => Arc::clone(&g),
-            Err(poisoned) => Arc::clone(&poisoned.into_inner()),
+            Ok(g) => g.clone()?,
+            Err(poisoned) => poisoned.into_inner().clone()?,
         };
         let mut word = lane.word.load(Ordering::Acquire);
         loop {
@@ -197,264 +206,16 @@ impl Lanes {
             }
         }
         lane.last_start
-            .fetch_max(nanos_since(self.base, Instant::now()), Ordering::Relaxed);
-        Some((lane, grant))
+            .fetch_max(nanos_since(base, Instant::now()), Ordering::Relaxed);
+        Some(grant)
     }
 }
-
 /// A lane the task has opened, with what it lent.
 struct Lent {
-    lane: Arc<Lane>,
+    /// The deployment's cell, where the lane is.
+    cell: Arc<LoadCell>,
     serial: u64,
     credits: u64,
-}
-
-/// Shards of [`Loads`]: a read holds one shard's lock only to copy its cells' `Arc`s, and the
-/// owner one shard's to add or drop a cell.
-const LOAD_SHARDS: usize = 16;
-
-/// The load of every deployment the router knows, as the owner published it after its last
-/// event that changed it: the load read copies it without a turn of the task.
-///
-/// NB (an exact read without the owner): between two events the requests that took and gave
-/// back lent slots are counted by their lane, not the owner (see `Lane`); a read adds the lane's
-/// count to the published load. The owner changes the two together (it takes a lane back, and
-/// publishes the load that now counts its requests) only between two bumps of the cell's
-/// `seq` (odd meanwhile), within one synchronous turn; a read that sees `seq` odd, or changed
-/// across its copy, copies again (a seqlock). The owner never waits for a read: a read holds a
-/// cell's mutex only to clone one deployment's load.
-struct Loads {
-    shards: Vec<RwLock<HashMap<DeploymentId, Arc<LoadCell>, FastHash>>>,
-    hasher: FastHash,
-    /// Bumped by the owner after each cell it adds or drops (one atomic add: it never waits).
-    cells_changed: AtomicU64,
-    /// Every cell in deployment ID order, as of `cells_changed`'s value, for reads of every
-    /// deployment; sorted again by the first such read after a change (readers only lock it).
-    ordered: Mutex<(u64, Arc<OrderedCells>)>,
-}
-
-/// Every deployment's cell, by deployment ID in ascending order.
-type OrderedCells = [(DeploymentId, Arc<LoadCell>)];
-
-/// One deployment's published load.
-struct LoadCell {
-    /// Even: settled; odd: the owner is changing the load and the lane's count together.
-    seq: AtomicU64,
-    /// As of the owner's last event that changed it (shared with reads that need no copy).
-    load: Mutex<Arc<DeploymentLoad>>,
-    /// Its lane, once it has one.
-    lane: OnceLock<Arc<Lane>>,
-    /// `Lanes::base`, to read the lane's instants.
-    base: Instant,
-}
-
-impl Loads {
-    fn new() -> Self {
-        Loads {
-            shards: (0..LOAD_SHARDS)
-                .map(|_| RwLock::new(HashMap::default()))
-                .collect(),
-            hasher: FastHash::default(),
-            cells_changed: AtomicU64::new(0),
-            ordered: Mutex::new((0, Arc::from(Vec::new()))),
-        }
-    }
-
-    fn shard(&self, deployment: &str) -> &RwLock<HashMap<DeploymentId, Arc<LoadCell>, FastHash>> {
-        let i = usize::try_from(self.hasher.hash_one(deployment) % LOAD_SHARDS as u64).unwrap_or(0);
-        &self.shards[i]
-    }
-
-    fn cell(&self, deployment: &str) -> Option<Arc<LoadCell>> {
-        let shard = self
-            .shard(deployment)
-            .read()
-            .unwrap_or_else(PoisonError::into_inner);
-        shard.get(deployment).cloned()
-    }
-
-    fn insert(&self, deployment: DeploymentId, cell: Arc<LoadCell>) {
-        let mut shard = self
-            .shard(&deployment)
-            .write()
-            .unwrap_or_else(PoisonError::into_inner);
-        shard.insert(deployment, cell);
-        drop(shard);
-        self.cells_changed.fetch_add(1, Ordering::Release);
-    }
-
-    fn remove(&self, deployment: &str) {
-        let mut shard = self
-            .shard(deployment)
-            .write()
-            .unwrap_or_else(PoisonError::into_inner);
-        shard.remove(deployment);
-        drop(shard);
-        self.cells_changed.fetch_add(1, Ordering::Release);
-    }
-
-    fn clear(&self) {
-        for shard in &self.shards {
-            shard
-                .write()
-                .unwrap_or_else(PoisonError::into_inner)
-                .clear();
-        }
-        self.cells_changed.fetch_add(1, Ordering::Release);
-    }
-
-    /// Every cell in deployment ID order: the list kept since the last change of the cells
-    /// (one lock and one `Arc` copy), else the shards copied (one read lock each) and sorted.
-    fn ordered(&self) -> Arc<OrderedCells> {
-        let mut kept = self.ordered.lock().unwrap_or_else(PoisonError::into_inner);
-        let changed = self.cells_changed.load(Ordering::Acquire);
-        if kept.0 != changed {
-            let mut cells: Vec<(DeploymentId, Arc<LoadCell>)> = Vec::new();
-            for shard in &self.shards {
-                let shard = shard.read().unwrap_or_else(PoisonError::into_inner);
-                cells.extend(shard.iter().map(|(id, c)| (id.clone(), Arc::clone(c))));
-            }
-            cells.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-            *kept = (changed, Arc::from(cells));
-        }
-        Arc::clone(&kept.1)
-    }
-
-    /// Every deployment's load, by deployment ID.
-    fn all(&self) -> Vec<DeploymentLoad> {
-        self.ordered()
-            .iter()
-            .map(|(_, c)| Arc::unwrap_or_clone(c.read()))
-            .collect()
-    }
-}
-
-/// The router's published loads of every deployment, looked up in ascending order of
-/// deployment ID (see [`CoordinatorHandle::loads_in_order`]).
-pub struct LoadsInOrder {
-    cells: Arc<OrderedCells>,
-    /// The first cell not yet passed.
-    next: usize,
-}
-
-impl std::fmt::Debug for LoadsInOrder {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LoadsInOrder")
-            .field("deployments", &self.cells.len())
-            .field("next", &self.next)
-            .finish()
-    }
-}
-
-impl LoadsInOrder {
-    /// The load of `deployment` now, shared as [`CoordinatorHandle::load_shared`]'s; `None`
-    /// when the router did not know it when the reader was made. Asked in ascending order of
-    /// ID, each look-up moves on from the last (a merge: one pass over the router's
-    /// deployments for them all); an ID below the last one asked is found by binary search.
-    pub fn get(&mut self, deployment: &str) -> Option<Arc<DeploymentLoad>> {
-        if self
-            .next
-            .checked_sub(1)
-            .is_some_and(|last| self.cells[last].0.as_str() >= deployment)
-        {
-            self.next = self
-                .cells
-                .partition_point(|(id, _)| id.as_str() < deployment);
-        }
-        while let Some((id, cell)) = self.cells.get(self.next) {
-            match id.as_str().cmp(deployment) {
-                std::cmp::Ordering::Less => self.next += 1,
-                std::cmp::Ordering::Equal => {
-                    self.next += 1;
-                    return Some(cell.read());
-                }
-                std::cmp::Ordering::Greater => return None,
-            }
-        }
-        None
-    }
-}
-
-impl LoadCell {
-    fn new(load: DeploymentLoad, base: Instant) -> Self {
-        LoadCell {
-            seq: AtomicU64::new(0),
-            load: Mutex::new(Arc::new(load)),
-            lane: OnceLock::new(),
-            base,
-        }
-    }
-
-    /// The deployment's last use now: the later of the owner's (published) and its lane's.
-    ///
-    /// NB (no seqlock needed): both only ever grow, and a lane's instants stay in it after the
-    /// owner takes them, so the later of the two is right whichever the owner moved last.
-    fn last_used(&self) -> Option<Instant> {
-        let published = self
-            .load
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .last_used;
-        let lane = self.lane.get().and_then(|lane| lane.last_use(self.base));
-        published.max(lane)
-    }
-
-    /// The load now: the published one, with the requests its lane counts (see [`Loads`]);
-    /// shared, unless lent slots are in use now.
-    fn read(&self) -> Arc<DeploymentLoad> {
-        let mut spins = 0u32;
-        loop {
-            let before = self.seq.load(Ordering::SeqCst);
-            if before & 1 == 0 {
-                let mut load =
-                    Arc::clone(&self.load.lock().unwrap_or_else(PoisonError::into_inner));
-                let net = self.lane.get().map_or(0, |lane| lane.net());
-                let lane_used = self.lane.get().and_then(|lane| lane.last_use(self.base));
-                if self.seq.load(Ordering::SeqCst) == before {
-                    if lane_used > load.last_used {
-                        Arc::make_mut(&mut load).last_used = lane_used;
-                    }
-                    if net != 0 {
-                        let load = Arc::make_mut(&mut load);
-                        let add = |n: usize| {
-                            let m = usize::try_from(net.unsigned_abs()).unwrap_or(usize::MAX);
-                            if net > 0 {
-                                n.saturating_add(m)
-                            } else {
-                                n.saturating_sub(m)
-                            }
-                        };
-                        load.in_flight = add(load.in_flight);
-                        // A lane is open only on a deployment's one instance.
-                        if let [only] = load.instances.as_mut_slice() {
-                            only.router_in_flight = add(only.router_in_flight);
-                        }
-                    }
-                    return load;
-                }
-            }
-            // The owner is within one synchronous turn: copy again.
-            spins += 1;
-            if spins.is_multiple_of(64) {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
-        }
-    }
-
-    /// The owner begins changing it (`seq` odd), once per turn: noted in `begun`.
-    fn begin(self: &Arc<Self>, begun: &mut Vec<Arc<LoadCell>>) {
-        if self.seq.load(Ordering::Relaxed) & 1 == 0 {
-            self.seq.fetch_add(1, Ordering::SeqCst);
-            begun.push(Arc::clone(self));
-        }
-    }
-
-    /// The owner is done changing it (`seq` even).
-    fn end(&self) {
-        self.seq.fetch_add(1, Ordering::SeqCst);
-    }
 }
 
 // What the lifecycle reads and is answered (the interfaces' values): re-exported under their
@@ -479,24 +240,13 @@ impl std::fmt::Debug for LastUses {
 impl LastUses {
     /// See [`CoordinatorHandle::last_used`] (`None` as well once the coordinator has stopped).
     pub fn of(&self, deployment: &str) -> Option<Instant> {
-        self.loads
-            .cell(deployment)
-            .and_then(|cell| cell.last_used())
+        self.loads.last_used(deployment)
     }
 
     /// Requests the router forwards to instance `index` of `deployment` now, as last
     /// published (0 when it knows none): which of a deployment's instances is in use.
     pub fn in_flight_of(&self, deployment: &str, index: u32) -> usize {
-        self.loads.cell(deployment).map_or(0, |cell| {
-            cell.load
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .instances
-                .iter()
-                .filter(|i| i.key.index == index)
-                .map(|i| i.router_in_flight)
-                .sum()
-        })
+        self.loads.in_flight_of(deployment, index)
     }
 }
 
@@ -512,18 +262,14 @@ impl Coordinator {
         let (inbox_tx, inbox_rx) = mpsc::channel(INBOX_CAPACITY);
         let (endings_tx, endings_rx) = mpsc::unbounded_channel();
         let now = Instant::now();
-        let lanes = Arc::new(Lanes {
-            by_deployment: RwLock::new(HashMap::default()),
-            base: now.checked_sub(Duration::from_nanos(1)).unwrap_or(now),
-        });
-        let loads = Arc::new(Loads::new());
+        let loads = Arc::new(Loads::new(
+            now.checked_sub(Duration::from_nanos(1)).unwrap_or(now),
+        ));
         let driver = Driver {
             state: State::new(config.clone()),
-            lanes: Arc::clone(&lanes),
-            lane_of: HashMap::new(),
             lent: HashMap::new(),
             loads: Arc::clone(&loads),
-            cell_of: HashMap::new(),
+            cell_of: HashSet::new(),
             begun: Vec::new(),
             fx: TaskEffects {
                 plan_timeout: config.drain_timeout,
@@ -546,7 +292,6 @@ impl Coordinator {
             endings: endings_tx,
             lifecycle,
             next_ticket: Arc::new(AtomicU64::new(0)),
-            lanes,
             loads,
         }
     }
@@ -564,9 +309,8 @@ pub struct CoordinatorHandle {
     lifecycle: Arc<dyn Lifecycle>,
     /// Request numbers, shared by every clone.
     next_ticket: Arc<AtomicU64>,
-    /// Slots the coordinator lends between its events.
-    lanes: Arc<Lanes>,
-    /// The load the coordinator publishes after its events.
+    /// The load the coordinator publishes after its events, and (in each deployment's cell)
+    /// the slots it lends between them.
     loads: Arc<Loads>,
 }
 
@@ -626,25 +370,21 @@ impl CoordinatorHandle {
     /// `None` when the router does not know it (nothing ever waited for it or ran on it, or
     /// it was forgotten).
     pub async fn load_of(&self, deployment: &str) -> Option<DeploymentLoad> {
-        self.load_shared(deployment).map(Arc::unwrap_or_clone)
+        self.loads.load_of(deployment)
     }
 
-    /// [`CoordinatorHandle::load_of`], shared: the published load itself (no copy) unless lent
-    /// slots of the deployment are in use now. For reads of many deployments (the lifecycle's
-    /// load read looks each of its deployments up).
+    /// [`CoordinatorHandle::load_of`] without waiting (a copy of the published load), shared.
     pub fn load_shared(&self, deployment: &str) -> Option<Arc<DeploymentLoad>> {
-        self.loads.cell(deployment).map(|cell| cell.read())
+        self.loads.load_of(deployment).map(Arc::new)
     }
 
-    /// [`CoordinatorHandle::load_shared`] of every deployment, for a read that asks for them in
-    /// ascending order of ID (the lifecycle's full load read): no map look-up per deployment,
-    /// and the list of cells in ID order is kept between reads until a deployment joins or
-    /// leaves the router. Like every load read it takes no turn of the task.
+    /// The figures of [`CoordinatorHandle::load_of`] of every deployment, for a read that asks
+    /// for them in ascending order of ID (the lifecycle's full load read): no map look-up and
+    /// nothing allocated per deployment (each one's figures are copied into the reader's one
+    /// record), and the list of cells in ID order is kept between reads until a deployment
+    /// joins or leaves the router. Like every load read it takes no turn of the task.
     pub fn loads_in_order(&self) -> LoadsInOrder {
-        LoadsInOrder {
-            cells: self.loads.ordered(),
-            next: 0,
-        }
+        self.loads.in_order()
     }
 
     /// The lifecycle deleted `deployment`: its waiting requests fail (`not_found`), a switch
@@ -719,9 +459,7 @@ impl CoordinatorHandle {
     /// [`DeploymentLoad::last_used`]): `None` when none did while the router knew it. Takes no
     /// turn of the task, as the load read.
     pub fn last_used(&self, deployment: &str) -> Option<Instant> {
-        self.loads
-            .cell(deployment)
-            .and_then(|cell| cell.last_used())
+        self.loads.last_used(deployment)
     }
 
     /// A reader of [`CoordinatorHandle::last_used`] that does not keep the coordinator alive.
@@ -748,14 +486,14 @@ impl CoordinatorHandle {
         // A prefix key matters only to a deployment routed by `prefix`.
         let prefix = prefix.filter(|_| deployment.routing == capyctl_spec::Routing::Prefix);
         // A ready deployment with room and nobody waiting: a lent slot, no round trip.
-        if let Some((lane, grant)) = self.lanes.take(&deployment.id) {
+        if let Some((cell, grant)) = self.loads.take(&deployment.id) {
             return Ok(CoordinatorPermit {
                 upstream: Arc::clone(&grant.upstream),
                 serial: grant.serial,
                 lane: Some(LaneSlot {
-                    lane,
+                    cell,
                     generation: grant.generation,
-                    base: self.lanes.base,
+                    base: self.loads.base,
                 }),
                 first_output: AtomicBool::new(false),
                 cut: AtomicBool::new(false),
@@ -866,7 +604,8 @@ pub struct CoordinatorPermit {
 
 /// Where a permit that took a lent slot may give it back.
 struct LaneSlot {
-    lane: Arc<Lane>,
+    /// The deployment's cell, where the lane is.
+    cell: Arc<LoadCell>,
     generation: u32,
     base: Instant,
 }
@@ -913,7 +652,7 @@ impl Drop for CoordinatorPermit {
             // A cut is news for the owner (park or stop); an ordinary end of a lent slot is not.
             if !cut
                 && let Some(slot) = &self.lane
-                && slot.lane.give_back(slot.generation, slot.base)
+                && slot.cell.lane.give_back(slot.generation, slot.base)
             {
                 return;
             }
@@ -1008,16 +747,12 @@ enum Ending {
 struct Driver {
     /// All routing state; only this task touches it.
     state: State,
-    /// Shared with the handles.
-    lanes: Arc<Lanes>,
-    /// The same lanes, for the task.
-    lane_of: HashMap<DeploymentId, Arc<Lane>>,
     /// The lanes open now, by deployment.
-    lent: HashMap<DeploymentId, Lent>,
-    /// Shared with the handles.
+    lent: HashMap<ById, Lent>,
+    /// Shared with the handles (each deployment's lane is found through its cell).
     loads: Arc<Loads>,
-    /// The same cells, for the task.
-    cell_of: HashMap<DeploymentId, Arc<LoadCell>>,
+    /// The same cells, for the task (by deployment ID).
+    cell_of: HashSet<ById>,
     /// The cells being changed in this turn (`seq` odd until the turn ends).
     begun: Vec<Arc<LoadCell>>,
     /// Replies and lifecycle calls.
@@ -1048,7 +783,7 @@ impl Driver {
                 armed = next;
             }
             let returned = self.state.returns();
-            let began = nanos_since(self.lanes.base, Instant::now());
+            let began = nanos_since(self.loads.base, Instant::now());
             tokio::select! {
                 biased;
                 Some(ending) = endings.recv() => {
@@ -1071,7 +806,8 @@ impl Driver {
             if returned && !self.state.returns() {
                 // A deployment is blocked `Later` now: no slot may go back without the owner
                 // hearing of it (see `State::returns`), so every lane is lent again without.
-                let all: Vec<DeploymentId> = self.lent.keys().cloned().collect();
+                let all: Vec<DeploymentId> =
+                    self.lent.keys().map(|c| c.0.id().to_string()).collect();
                 let last_end = self.reclaim(&all);
                 if last_end > began {
                     // A request ended on a lane while this turn decided: it is heard now.
@@ -1083,7 +819,7 @@ impl Driver {
                 cell.end();
             }
         }
-        let all: Vec<DeploymentId> = self.lent.keys().cloned().collect();
+        let all: Vec<DeploymentId> = self.lent.keys().map(|c| c.0.id().to_string()).collect();
         self.reclaim(&all);
         for cell in self.begun.drain(..) {
             cell.end();
@@ -1094,27 +830,20 @@ impl Driver {
     /// whose entry went, with their lanes), and lends the free slots of those that may lend.
     fn publish(&mut self) {
         for (id, load) in self.state.take_changed() {
-            match (load, self.cell_of.get(&id)) {
+            match (load, self.cell_of.get(id.as_str())) {
                 (Some(load), Some(cell)) => {
-                    cell.begin(&mut self.begun);
-                    *cell.load.lock().unwrap_or_else(PoisonError::into_inner) = Arc::new(load);
+                    cell.0.begin(&mut self.begun);
+                    cell.0.set(load);
                 }
                 (Some(load), None) => {
-                    let cell = Arc::new(LoadCell::new(load, self.lanes.base));
-                    if let Some(lane) = self.lane_of.get(&id) {
-                        let _ = cell.lane.set(Arc::clone(lane));
-                    }
-                    self.loads.insert(id.clone(), Arc::clone(&cell));
-                    self.cell_of.insert(id.clone(), cell);
+                    let cell = Arc::new(LoadCell::new(&id, load));
+                    self.loads.insert(Arc::clone(&cell));
+                    self.cell_of.insert(ById(cell));
                 }
                 (None, _) => {
-                    if self.cell_of.remove(&id).is_some() {
+                    // Its lane goes with its cell.
+                    if self.cell_of.remove(id.as_str()) {
                         self.loads.remove(&id);
-                    }
-                    if self.lane_of.remove(&id).is_some()
-                        && let Ok(mut shared) = self.lanes.by_deployment.write()
-                    {
-                        shared.remove(&id);
                     }
                     continue;
                 }
@@ -1136,13 +865,13 @@ impl Driver {
         }
         let mut ids: Vec<DeploymentId> = named
             .into_iter()
-            .filter(|id| self.lent.contains_key(*id))
+            .filter(|id| self.lent.contains_key(id.as_str()))
             .cloned()
             .collect();
         ids.extend(
             self.state
                 .watched()
-                .filter(|id| self.lent.contains_key(*id))
+                .filter(|id| self.lent.contains_key(id.as_str()))
                 .cloned(),
         );
         self.reclaim(&ids);
@@ -1155,20 +884,21 @@ impl Driver {
 
     /// Closes the lanes of `ids` that are open and charges the slots taken from them and given
     /// back to them as started and ended requests. The latest end given back to one of them
-    /// (nanoseconds since `Lanes::base`; 0 for none).
+    /// (nanoseconds since `Loads::base`; 0 for none).
     fn reclaim(&mut self, ids: &[DeploymentId]) -> u64 {
         let now = Instant::now();
-        let base = self.lanes.base;
+        let base = self.loads.base;
         let mut last_end = 0;
         for id in ids {
-            let Some(lent) = self.lent.remove(id) else {
+            let Some(lent) = self.lent.remove(id.as_str()) else {
                 continue;
             };
             // The lane's count moves into the state: readers of its load copy again meanwhile.
-            if let Some(cell) = self.cell_of.get(id) {
-                cell.begin(&mut self.begun);
+            if let Some(cell) = self.cell_of.get(id.as_str()) {
+                cell.0.begin(&mut self.begun);
             }
             let word = lent
+                .cell
                 .lane
                 .word
                 .fetch_and(!(LANE_OPEN | LANE_RETURNS | LANE_CREDITS), Ordering::AcqRel);
@@ -1177,9 +907,9 @@ impl Driver {
             // an instant can repeat under a paused clock, so "it moved" cannot be told apart).
             let net = i64::try_from(lent.credits).unwrap_or(i64::MAX)
                 - i64::try_from(left).unwrap_or(i64::MAX);
-            let ended = lent.lane.last_end.load(Ordering::Acquire);
+            let ended = lent.cell.lane.last_end.load(Ordering::Acquire);
             last_end = last_end.max(ended);
-            let nanos = lent.lane.last_start.load(Ordering::Relaxed).max(ended);
+            let nanos = lent.cell.lane.last_start.load(Ordering::Relaxed).max(ended);
             let last = (base + Duration::from_nanos(nanos)).min(now);
             self.state.lent_settled(id, lent.serial, net, last);
             if nanos > 0 {
@@ -1191,50 +921,36 @@ impl Driver {
 
     /// Opens `deployment`'s lane if its free slots may be lent and it is not open already.
     fn lend(&mut self, deployment: &DeploymentId) {
-        if self.lent.contains_key(deployment) {
+        if self.lent.contains_key(deployment.as_str()) {
             return;
         }
         let returns = self.state.returns();
         let Some((upstream, serial, free)) = self.state.lendable(deployment) else {
             return;
         };
-        let lane = match self.lane_of.get(deployment) {
-            Some(lane) => Arc::clone(lane),
-            None => {
-                let lane = Arc::new(Lane {
-                    word: AtomicU64::new(0),
-                    grant: Mutex::new(Arc::new(LaneGrant {
-                        generation: 0,
-                        upstream: Arc::clone(upstream),
-                        serial,
-                    })),
-                    last_start: AtomicU64::new(0),
-                    last_end: AtomicU64::new(0),
-                    lent: AtomicU64::new(0),
-                });
-                self.lane_of.insert(deployment.clone(), Arc::clone(&lane));
-                if let Some(cell) = self.cell_of.get(deployment) {
-                    let _ = cell.lane.set(Arc::clone(&lane));
-                }
-                if let Ok(mut shared) = self.lanes.by_deployment.write() {
-                    shared.insert(deployment.clone(), Arc::clone(&lane));
-                }
-                lane
-            }
+        // Its cell was published before (`Driver::publish`): the lane lives in it.
+        let Some(cell) = self.cell_of.get(deployment.as_str()) else {
+            return;
         };
+        let lane = &cell.0.lane;
         let generation = {
             let mut grant = match lane.grant.lock() {
                 Ok(g) => g,
                 Err(poisoned) => poisoned.into_inner(),
             };
-            if grant.serial != serial || !Arc::ptr_eq(&grant.upstream, upstream) {
-                *grant = Arc::new(LaneGrant {
-                    generation: grant.generation.wrapping_add(1),
-                    upstream: Arc::clone(upstream),
-                    serial,
-                });
+            match &*grant {
+                Some(g) if g.serial == serial && Arc::ptr_eq(&g.upstream, upstream) => g.generation,
+                // The first grant is generation 0; each change of instance the next.
+                old => {
+                    let generation = old.as_ref().map_or(0, |g| g.generation.wrapping_add(1));
+                    *grant = Some(Arc::new(LaneGrant {
+                        generation,
+                        upstream: Arc::clone(upstream),
+                        serial,
+                    }));
+                    generation
+                }
             }
-            grant.generation
         };
         let credits = u64::try_from(free)
             .unwrap_or(LANE_CREDITS)
@@ -1245,10 +961,11 @@ impl Driver {
             (u64::from(generation) << 32) | LANE_OPEN | returns | credits,
             Ordering::SeqCst,
         );
+        let cell = cell.clone();
         self.lent.insert(
-            deployment.clone(),
+            cell.clone(),
             Lent {
-                lane,
+                cell: cell.0,
                 serial,
                 credits,
             },
@@ -1377,7 +1094,8 @@ impl Drop for Driver {
     /// the closed inbox and answer `DispatchClosed`.
     fn drop(&mut self) {
         for lent in self.lent.values() {
-            lent.lane
+            lent.cell
+                .lane
                 .word
                 .fetch_and(!(LANE_OPEN | LANE_RETURNS | LANE_CREDITS), Ordering::AcqRel);
         }
@@ -1592,67 +1310,5 @@ impl Effects for TaskEffects {
         if let Some(reply) = self.operator_replies.remove(&id) {
             let _ = reply.send(result);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn cell(id: &str, waiting: usize) -> Arc<LoadCell> {
-        Arc::new(LoadCell::new(
-            DeploymentLoad {
-                deployment_id: id.to_string(),
-                in_flight: 0,
-                in_flight_limit: 32,
-                waiting,
-                waiting_limit: 8,
-                instances: Vec::new(),
-                last_used: None,
-            },
-            Instant::now(),
-        ))
-    }
-
-    fn in_order(loads: &Loads) -> LoadsInOrder {
-        LoadsInOrder {
-            cells: loads.ordered(),
-            next: 0,
-        }
-    }
-
-    fn waiting(r: &mut LoadsInOrder, id: &str) -> Option<usize> {
-        r.get(id).map(|l| l.waiting)
-    }
-
-    #[test]
-    fn loads_in_order_merge_by_id_and_see_cells_added_and_dropped() {
-        let loads = Loads::new();
-        for (i, id) in ["d", "b", "a", "c"].iter().enumerate() {
-            loads.insert((*id).to_string(), cell(id, i));
-        }
-        let ids: Vec<String> = loads.all().into_iter().map(|l| l.deployment_id).collect();
-        assert_eq!(ids, ["a", "b", "c", "d"]);
-
-        // In ascending order, with IDs the router does not know between them.
-        let mut r = in_order(&loads);
-        assert_eq!(waiting(&mut r, "a"), Some(2));
-        assert_eq!(waiting(&mut r, "aa"), None);
-        assert_eq!(waiting(&mut r, "c"), Some(3));
-        assert_eq!(waiting(&mut r, "d"), Some(0));
-        assert_eq!(waiting(&mut r, "e"), None);
-        // Out of order: found all the same.
-        assert_eq!(waiting(&mut r, "b"), Some(1));
-        assert_eq!(waiting(&mut r, "a"), Some(2));
-
-        // The kept order is renewed after a cell is added or dropped.
-        loads.insert("bb".to_string(), cell("bb", 7));
-        loads.remove("c");
-        let mut r = in_order(&loads);
-        assert_eq!(waiting(&mut r, "bb"), Some(7));
-        assert_eq!(waiting(&mut r, "c"), None);
-        assert_eq!(waiting(&mut r, "d"), Some(0));
-        loads.clear();
-        assert!(loads.all().is_empty());
     }
 }

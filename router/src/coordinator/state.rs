@@ -22,9 +22,10 @@ use capyctl_interfaces::router::{
     DeploymentId, DrainReport, Executed, InstanceKey, Plan, PlanFor, SwitchOrder, Upstream,
 };
 
+use super::loads::{Published, PublishedInstance, PublishedInstances};
 use super::routing::{self, Load, Ring};
-use super::vec_map::VecMap;
-use super::{DeploymentLoad, InstanceLoad, OperatorResult, OperatorStart};
+use super::vec_map::{Keyed, KeyedVec};
+use super::{OperatorResult, OperatorStart};
 
 /// One request's number, unique per coordinator (allocated by the handle).
 pub(crate) type Ticket = u64;
@@ -174,6 +175,13 @@ struct Inst {
     engine_sampled: Option<Instant>,
 }
 
+/// An instance is kept by its key, which its `Upstream` holds (no copy beside it).
+impl Keyed<InstanceKey> for Inst {
+    fn key(&self) -> &InstanceKey {
+        &self.upstream.key
+    }
+}
+
 impl Inst {
     /// Its load for the routing policies (`None` while closed: it takes nothing).
     fn load(&self) -> Option<Load> {
@@ -204,9 +212,9 @@ enum Blocked {
 /// The router's view of one deployment.
 #[derive(Debug, Default)]
 struct Dep {
-    /// Its instances the router knows, open or draining (a vector by key: most deployments
-    /// have one; see `vec_map.rs`).
-    instances: VecMap<InstanceKey, Inst>,
+    /// Its instances the router knows, open or draining (a vector by key, each keyed by its
+    /// `Upstream`'s: most deployments have one; see `vec_map.rs`).
+    instances: KeyedVec<Inst>,
     /// Requests forwarded to it now (also those on instances that went away meanwhile).
     in_flight: usize,
     /// Requests waiting for it (to become servable, or for one of its in-flight slots), oldest
@@ -425,10 +433,9 @@ impl Dep {
             && self.wanted_since.is_none()
     }
 
-    /// The router half of its load read.
-    fn load(&self, id: &DeploymentId, config: &RouterConfig) -> DeploymentLoad {
-        DeploymentLoad {
-            deployment_id: id.clone(),
+    /// The router half of its load read, as the owner publishes it.
+    fn load(&self, config: &RouterConfig) -> Published {
+        Published {
             in_flight: self.in_flight,
             // 32 per ready instance; 32 while none is (the bound its first instance will
             // have: the product page's figure for a model with one instance).
@@ -436,15 +443,11 @@ impl Dep {
             waiting: self.queue.len(),
             waiting_limit: config.max_pending_per_deployment,
             last_used: self.last_used,
-            instances: self
-                .instances
-                .iter()
-                .map(|(k, i)| InstanceLoad {
-                    key: k.clone(),
-                    router_in_flight: i.in_flight,
-                    open: i.open,
-                })
-                .collect(),
+            instances: PublishedInstances::of(
+                self.instances
+                    .values()
+                    .map(|i| PublishedInstance::new(Arc::clone(&i.upstream), i.in_flight, i.open)),
+            ),
         }
     }
 
@@ -919,20 +922,17 @@ impl State {
             Some(inst) => inst.upstream = Arc::new(up),
             None => {
                 self.next_serial += 1;
-                dep.instances.insert(
-                    up.key.clone(),
-                    Inst {
-                        upstream: Arc::new(up),
-                        serial,
-                        in_flight: 0,
-                        open: true,
-                        last_activity: now,
-                        cut_before_output: false,
-                        cut_after_output: false,
-                        engine_waiting: 0,
-                        engine_sampled: None,
-                    },
-                );
+                dep.instances.insert(Inst {
+                    upstream: Arc::new(up),
+                    serial,
+                    in_flight: 0,
+                    open: true,
+                    last_activity: now,
+                    cut_before_output: false,
+                    cut_after_output: false,
+                    engine_waiting: 0,
+                    engine_sampled: None,
+                });
             }
         }
         dep.note_servable(now);
@@ -1358,7 +1358,7 @@ impl State {
     /// The deployments the events since the last call changed, each with its load now, or
     /// `None` where its entry is gone (dropped here when it may be, see
     /// [`State::forget_deployment`]).
-    pub(crate) fn take_changed(&mut self) -> Vec<(DeploymentId, Option<DeploymentLoad>)> {
+    pub(crate) fn take_changed(&mut self) -> Vec<(DeploymentId, Option<Published>)> {
         self.note_demand();
         let changed = std::mem::take(&mut self.deployments.changed);
         changed
@@ -1369,7 +1369,7 @@ impl State {
                     self.blocked.remove(&id);
                     self.demand.remove(&id);
                 }
-                let load = self.deployments.get(&id).map(|d| d.load(&id, &self.config));
+                let load = self.deployments.get(&id).map(|d| d.load(&self.config));
                 (id, load)
             })
             .collect()

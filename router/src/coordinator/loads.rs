@@ -1,0 +1,613 @@
+//! The load the coordinator publishes after its events, read without a turn of its task (the
+//! load read, the lifecycle's last uses) and the lanes of lent slots found through it.
+//!
+//! NB (memory and reads at scale): one allocation per deployment the router knows, its
+//! [`LoadCell`], written in place by the owner: the cell holds the deployment's ID (the key
+//! of the shards' sets and of the list in ID order, so no map holds a copy of it), its figures
+//! ([`Published`]: numbers, and per instance its index, generation and count beside the
+//! instance's shared `Upstream`) and its lane, in place. A read of every deployment walks the
+//! list of cells in ID order and copies each one's figures into one record it keeps
+//! ([`LoadsInOrder::get`]): no `Arc` of a load cloned, no load built, nothing allocated per
+//! deployment. Before, each deployment had a cell, an `Arc`'d `DeploymentLoad` with its ID and
+//! each instance's key copied (deployment and host ID), a lane found through a map of its
+//! own, and a copy of its ID in four maps.
+
+use std::borrow::Borrow;
+use std::collections::HashSet;
+use std::hash::{BuildHasher, Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+
+use capyctl_interfaces::router::{
+    DeploymentLoad, InstanceFigures, InstanceLoad, LoadFigures, Upstream,
+};
+use tokio::time::Instant;
+
+use super::Lane;
+use crate::fast_hash::FastHash;
+
+/// Shards of [`Loads`]: a read holds one shard's lock only to find a cell, and the owner one
+/// shard's to add or drop a cell.
+const LOAD_SHARDS: usize = 16;
+
+/// What the owner publishes of one deployment after an event that changed it (the figures of
+/// its [`DeploymentLoad`], the instances' keys shared with their `Upstream`s).
+#[derive(Debug, Clone)]
+pub(crate) struct Published {
+    pub(crate) in_flight: usize,
+    pub(crate) in_flight_limit: usize,
+    pub(crate) waiting: usize,
+    pub(crate) waiting_limit: usize,
+    pub(crate) last_used: Option<Instant>,
+    pub(crate) instances: PublishedInstances,
+}
+
+/// One instance in [`Published`].
+#[derive(Debug, Clone)]
+pub(crate) struct PublishedInstance {
+    /// Its key (and address), shared with the owner's entry.
+    upstream: Arc<Upstream>,
+    /// Its key's index and generation, beside the rest (a full read copies them: not through
+    /// `upstream`, a memory access more per deployment).
+    index: u32,
+    generation: u64,
+    router_in_flight: usize,
+    open: bool,
+}
+
+impl PublishedInstance {
+    pub(crate) fn new(upstream: Arc<Upstream>, router_in_flight: usize, open: bool) -> Self {
+        PublishedInstance {
+            index: upstream.key.index,
+            generation: upstream.key.generation,
+            upstream,
+            router_in_flight,
+            open,
+        }
+    }
+}
+
+/// A deployment's instances in key order, the first in place (most deployments have one: a
+/// full read finds it in the cell, with no vector to follow).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct PublishedInstances {
+    first: Option<PublishedInstance>,
+    rest: Vec<PublishedInstance>,
+}
+
+impl PublishedInstances {
+    pub(crate) fn of(mut all: impl Iterator<Item = PublishedInstance>) -> Self {
+        PublishedInstances {
+            first: all.next(),
+            rest: all.collect(),
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &PublishedInstance> {
+        self.first.iter().chain(&self.rest)
+    }
+}
+
+impl Published {
+    /// As a [`DeploymentLoad`] of deployment `id` (a read of one deployment).
+    fn to_load(&self, id: &str) -> DeploymentLoad {
+        DeploymentLoad {
+            deployment_id: id.to_string(),
+            in_flight: self.in_flight,
+            in_flight_limit: self.in_flight_limit,
+            waiting: self.waiting,
+            waiting_limit: self.waiting_limit,
+            instances: self
+                .instances
+                .iter()
+                .map(|i| InstanceLoad {
+                    key: i.upstream.key.clone(),
+                    router_in_flight: i.router_in_flight,
+                    open: i.open,
+                })
+                .collect(),
+            last_used: self.last_used,
+        }
+    }
+
+    /// Its figures written over `out` (its instances' vector reused).
+    fn fill(&self, out: &mut LoadFigures) {
+        out.in_flight = self.in_flight;
+        out.in_flight_limit = self.in_flight_limit;
+        out.waiting = self.waiting;
+        out.waiting_limit = self.waiting_limit;
+        out.instances.clear();
+        out.instances
+            .extend(self.instances.iter().map(|i| InstanceFigures {
+                index: i.index,
+                generation: i.generation,
+                router_in_flight: i.router_in_flight,
+                open: i.open,
+            }));
+    }
+}
+
+/// A deployment's ID kept in its cell: in place where it is short (a ULID is 26 bytes), so that
+/// a full read compares it where it reads the figures (a separate string was a memory access
+/// more per deployment).
+enum CellId {
+    Inline {
+        len: u8,
+        bytes: [u8; CellId::INLINE],
+    },
+    Heap(Box<str>),
+}
+
+impl CellId {
+    const INLINE: usize = 30;
+
+    fn new(id: &str) -> Self {
+        match u8::try_from(id.len()) {
+            Ok(len) if id.len() <= Self::INLINE => {
+                let mut bytes = [0; Self::INLINE];
+                bytes[..id.len()].copy_from_slice(id.as_bytes());
+                CellId::Inline { len, bytes }
+            }
+            _ => CellId::Heap(id.into()),
+        }
+    }
+
+    /// Its bytes (compared as the `str`s compare).
+    fn as_bytes(&self) -> &[u8] {
+        match self {
+            CellId::Inline { len, bytes } => &bytes[..usize::from(*len)],
+            CellId::Heap(s) => s.as_bytes(),
+        }
+    }
+
+    fn as_str(&self) -> &str {
+        match self {
+            // Copied from a `str` whole: always UTF-8.
+            CellId::Inline { .. } => std::str::from_utf8(self.as_bytes()).unwrap_or_default(),
+            CellId::Heap(s) => s,
+        }
+    }
+}
+
+/// One deployment's published load.
+///
+/// NB (an exact read without the owner): between two events the requests that took and gave
+/// back lent slots are counted by their lane, not the owner (see `Lane`); a read adds the
+/// lane's count to the published load. The owner changes the two together (it takes a lane
+/// back, and publishes the load that now counts its requests) only between two bumps of `seq`
+/// (odd meanwhile), within one synchronous turn; a read that sees `seq` odd, or changed across
+/// its copy, copies again (a seqlock). The owner never waits for a read: a read holds the
+/// cell's mutex only to copy one deployment's figures.
+pub(crate) struct LoadCell {
+    /// The deployment's ID: the key it is found and ordered by.
+    id: CellId,
+    /// Even: settled; odd: the owner is changing the load and the lane's count together.
+    seq: AtomicU64,
+    /// As of the owner's last event that changed it.
+    published: Mutex<Published>,
+    /// Its lane (lent slots are taken through the cell; closed until the owner first opens
+    /// it). NB: in the cell, not an allocation of its own: a full read reads its count, and a
+    /// lane apart was a memory access more per deployment (half the reader's time).
+    pub(crate) lane: Lane,
+}
+
+impl LoadCell {
+    pub(crate) fn new(id: &str, published: Published) -> Self {
+        LoadCell {
+            id: CellId::new(id),
+            seq: AtomicU64::new(0),
+            published: Mutex::new(published),
+            lane: Lane::new(),
+        }
+    }
+
+    /// Its deployment's ID.
+    pub(crate) fn id(&self) -> &str {
+        self.id.as_str()
+    }
+
+    fn published(&self) -> MutexGuard<'_, Published> {
+        self.published
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The owner publishes the deployment's load now (within a turn it has begun: see
+    /// [`LoadCell::begin`]).
+    pub(crate) fn set(&self, published: Published) {
+        *self.published() = published;
+    }
+
+    /// The deployment's last use now: the later of the owner's (published) and its lane's.
+    ///
+    /// NB (no seqlock needed): both only ever grow, and a lane's instants stay in it after the
+    /// owner takes them, so the later of the two is right whichever the owner moved last.
+    fn last_used(&self, base: Instant) -> Option<Instant> {
+        let published = self.published().last_used;
+        let lane = self.lane.last_use(base);
+        published.max(lane)
+    }
+
+    /// Requests the owner last published as forwarded to instance `index`.
+    fn in_flight_of(&self, index: u32) -> usize {
+        self.published()
+            .instances
+            .iter()
+            .filter(|i| i.index == index)
+            .map(|i| i.router_in_flight)
+            .sum()
+    }
+
+    /// A settled copy (see the type's note) made by `copy` from the published load and the
+    /// lane (its count since it was opened, `Lane::net`: 0 while it is closed; its last use).
+    fn settled<T>(&self, mut copy: impl FnMut(&Published, &Lane) -> T) -> T {
+        let mut spins = 0u32;
+        loop {
+            let before = self.seq.load(Ordering::SeqCst);
+            if before & 1 == 0 {
+                let out = copy(&self.published(), &self.lane);
+                if self.seq.load(Ordering::SeqCst) == before {
+                    return out;
+                }
+            }
+            // The owner is within one synchronous turn: copy again.
+            spins += 1;
+            if spins.is_multiple_of(64) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// The load now: the published one, with the requests its lane counts.
+    fn read(&self, base: Instant) -> DeploymentLoad {
+        self.settled(|p, lane| {
+            let net = lane.net();
+            let lane_used = lane.last_use(base);
+            let mut load = p.to_load(self.id());
+            if lane_used > load.last_used {
+                load.last_used = lane_used;
+            }
+            if net != 0 {
+                load.in_flight = add_net(load.in_flight, net);
+                // A lane is open only on a deployment's one instance.
+                if let [only] = load.instances.as_mut_slice() {
+                    only.router_in_flight = add_net(only.router_in_flight, net);
+                }
+            }
+            load
+        })
+    }
+
+    /// [`LoadCell::read`]'s figures written over `out`.
+    fn read_figures(&self, out: &mut LoadFigures) {
+        self.settled(|p, lane| {
+            let net = lane.net();
+            p.fill(out);
+            if net != 0 {
+                out.in_flight = add_net(out.in_flight, net);
+                if let [only] = out.instances.as_mut_slice() {
+                    only.router_in_flight = add_net(only.router_in_flight, net);
+                }
+            }
+        });
+    }
+
+    /// The owner begins changing it (`seq` odd), once per turn: noted in `begun`.
+    pub(crate) fn begin(self: &Arc<Self>, begun: &mut Vec<Arc<LoadCell>>) {
+        if self.seq.load(Ordering::Relaxed) & 1 == 0 {
+            self.seq.fetch_add(1, Ordering::SeqCst);
+            begun.push(Arc::clone(self));
+        }
+    }
+
+    /// The owner is done changing it (`seq` even).
+    pub(crate) fn end(&self) {
+        self.seq.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// `n` with a lane's count `net` added (saturating).
+fn add_net(n: usize, net: i64) -> usize {
+    let m = usize::try_from(net.unsigned_abs()).unwrap_or(usize::MAX);
+    if net > 0 {
+        n.saturating_add(m)
+    } else {
+        n.saturating_sub(m)
+    }
+}
+
+/// A cell, hashed and compared as its deployment's ID (so a set of cells is a map by ID that
+/// holds no copy of the IDs).
+#[derive(Clone)]
+pub(crate) struct ById(pub(crate) Arc<LoadCell>);
+
+impl Borrow<str> for ById {
+    fn borrow(&self) -> &str {
+        self.0.id()
+    }
+}
+
+impl Hash for ById {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        // As `str` hashes (so that a look-up by `&str` finds it).
+        self.0.id().hash(state);
+    }
+}
+
+impl PartialEq for ById {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.id.as_bytes() == other.0.id.as_bytes()
+    }
+}
+
+impl Eq for ById {}
+
+/// The load of every deployment the router knows, as the owner published it after its last
+/// event that changed it: the load read copies it without a turn of the task.
+pub(crate) struct Loads {
+    shards: Vec<RwLock<HashSet<ById, FastHash>>>,
+    hasher: FastHash,
+    /// Bumped by the owner after each cell it adds or drops (one atomic add: it never waits).
+    cells_changed: AtomicU64,
+    /// Every cell in deployment ID order, as of `cells_changed`'s value, for reads of every
+    /// deployment; sorted again by the first such read after a change (readers only lock it).
+    ordered: Mutex<(u64, Arc<[Arc<LoadCell>]>)>,
+    /// The origin of the lanes' instants (`Lane::last_start`, `Lane::last_end`): a moment
+    /// (1 ns) before the task began, so that 0 stands for "none yet".
+    pub(crate) base: Instant,
+}
+
+impl Loads {
+    pub(crate) fn new(base: Instant) -> Self {
+        Loads {
+            shards: (0..LOAD_SHARDS)
+                .map(|_| RwLock::new(HashSet::default()))
+                .collect(),
+            hasher: FastHash::default(),
+            cells_changed: AtomicU64::new(0),
+            ordered: Mutex::new((0, Arc::from(Vec::new()))),
+            base,
+        }
+    }
+
+    fn shard(&self, deployment: &str) -> &RwLock<HashSet<ById, FastHash>> {
+        let i = usize::try_from(self.hasher.hash_one(deployment) % LOAD_SHARDS as u64).unwrap_or(0);
+        &self.shards[i]
+    }
+
+    pub(crate) fn cell(&self, deployment: &str) -> Option<Arc<LoadCell>> {
+        let shard = self
+            .shard(deployment)
+            .read()
+            .unwrap_or_else(PoisonError::into_inner);
+        shard.get(deployment).map(|c| Arc::clone(&c.0))
+    }
+
+    pub(crate) fn insert(&self, cell: Arc<LoadCell>) {
+        let mut shard = self
+            .shard(cell.id())
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        shard.replace(ById(cell));
+        drop(shard);
+        self.cells_changed.fetch_add(1, Ordering::Release);
+    }
+
+    pub(crate) fn remove(&self, deployment: &str) {
+        let mut shard = self
+            .shard(deployment)
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        shard.remove(deployment);
+        drop(shard);
+        self.cells_changed.fetch_add(1, Ordering::Release);
+    }
+
+    pub(crate) fn clear(&self) {
+        for shard in &self.shards {
+            shard
+                .write()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clear();
+        }
+        self.cells_changed.fetch_add(1, Ordering::Release);
+    }
+
+    /// Every cell in deployment ID order: the list kept since the last change of the cells
+    /// (one lock and one `Arc` copy), else the shards copied (one read lock each) and sorted.
+    fn ordered(&self) -> Arc<[Arc<LoadCell>]> {
+        let mut kept = self.ordered.lock().unwrap_or_else(PoisonError::into_inner);
+        let changed = self.cells_changed.load(Ordering::Acquire);
+        if kept.0 != changed {
+            let mut cells: Vec<Arc<LoadCell>> = Vec::new();
+            for shard in &self.shards {
+                let shard = shard.read().unwrap_or_else(PoisonError::into_inner);
+                cells.extend(shard.iter().map(|c| Arc::clone(&c.0)));
+            }
+            cells.sort_unstable_by(|a, b| a.id.as_bytes().cmp(b.id.as_bytes()));
+            *kept = (changed, Arc::from(cells));
+        }
+        Arc::clone(&kept.1)
+    }
+
+    /// Every deployment's load, by deployment ID.
+    pub(crate) fn all(&self) -> Vec<DeploymentLoad> {
+        self.ordered().iter().map(|c| c.read(self.base)).collect()
+    }
+
+    /// `deployment`'s load now.
+    pub(crate) fn load_of(&self, deployment: &str) -> Option<DeploymentLoad> {
+        self.cell(deployment).map(|c| c.read(self.base))
+    }
+
+    /// `deployment`'s last use now (see [`LoadCell::last_used`]).
+    pub(crate) fn last_used(&self, deployment: &str) -> Option<Instant> {
+        self.cell(deployment).and_then(|c| c.last_used(self.base))
+    }
+
+    /// Requests last published as forwarded to instance `index` of `deployment`.
+    pub(crate) fn in_flight_of(&self, deployment: &str, index: u32) -> usize {
+        self.cell(deployment).map_or(0, |c| c.in_flight_of(index))
+    }
+
+    /// A reader of every deployment's figures in ascending order of ID.
+    pub(crate) fn in_order(&self) -> LoadsInOrder {
+        LoadsInOrder {
+            cells: self.ordered(),
+            next: 0,
+            figures: LoadFigures::default(),
+        }
+    }
+}
+
+/// The router's published loads of every deployment, looked up in ascending order of
+/// deployment ID (see `CoordinatorHandle::loads_in_order`).
+pub struct LoadsInOrder {
+    cells: Arc<[Arc<LoadCell>]>,
+    /// The first cell not yet passed.
+    next: usize,
+    /// The figures of the deployment last asked for, filled again by each look-up.
+    figures: LoadFigures,
+}
+
+impl std::fmt::Debug for LoadsInOrder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadsInOrder")
+            .field("deployments", &self.cells.len())
+            .field("next", &self.next)
+            .finish()
+    }
+}
+
+impl LoadsInOrder {
+    /// The figures of `deployment`'s load now, copied into the reader's own record (filled
+    /// again by the next call); `None` when the router did not know it when the reader was
+    /// made. Asked in ascending order of ID, each look-up moves on from the last (a merge: one
+    /// pass over the router's deployments for them all); an ID below the last one asked is
+    /// found by binary search.
+    pub fn get(&mut self, deployment: &str) -> Option<&LoadFigures> {
+        if self
+            .next
+            .checked_sub(1)
+            .is_some_and(|last| self.cells[last].id.as_bytes() >= deployment.as_bytes())
+        {
+            self.next = self
+                .cells
+                .partition_point(|c| c.id.as_bytes() < deployment.as_bytes());
+        }
+        while let Some(cell) = self.cells.get(self.next) {
+            match cell.id.as_bytes().cmp(deployment.as_bytes()) {
+                std::cmp::Ordering::Less => self.next += 1,
+                std::cmp::Ordering::Equal => {
+                    self.next += 1;
+                    cell.read_figures(&mut self.figures);
+                    return Some(&self.figures);
+                }
+                std::cmp::Ordering::Greater => return None,
+            }
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cell(id: &str, waiting: usize) -> Arc<LoadCell> {
+        Arc::new(LoadCell::new(
+            id,
+            Published {
+                in_flight: 0,
+                in_flight_limit: 32,
+                waiting,
+                waiting_limit: 8,
+                instances: PublishedInstances::default(),
+                last_used: None,
+            },
+        ))
+    }
+
+    fn waiting(r: &mut LoadsInOrder, id: &str) -> Option<usize> {
+        r.get(id).map(|l| l.waiting)
+    }
+
+    #[test]
+    fn loads_in_order_merge_by_id_and_see_cells_added_and_dropped() {
+        let loads = Loads::new(Instant::now());
+        for (i, id) in ["d", "b", "a", "c"].iter().enumerate() {
+            loads.insert(cell(id, i));
+        }
+        let ids: Vec<String> = loads.all().into_iter().map(|l| l.deployment_id).collect();
+        assert_eq!(ids, ["a", "b", "c", "d"]);
+        assert_eq!(loads.load_of("b").map(|l| l.waiting), Some(1));
+        assert_eq!(loads.load_of("bb"), None);
+
+        // In ascending order, with IDs the router does not know between them.
+        let mut r = loads.in_order();
+        assert_eq!(waiting(&mut r, "a"), Some(2));
+        assert_eq!(waiting(&mut r, "aa"), None);
+        assert_eq!(waiting(&mut r, "c"), Some(3));
+        assert_eq!(waiting(&mut r, "d"), Some(0));
+        assert_eq!(waiting(&mut r, "e"), None);
+        // Out of order: found all the same.
+        assert_eq!(waiting(&mut r, "b"), Some(1));
+        assert_eq!(waiting(&mut r, "a"), Some(2));
+
+        // The kept order is renewed after a cell is added or dropped.
+        loads.insert(cell("bb", 7));
+        loads.remove("c");
+        let mut r = loads.in_order();
+        assert_eq!(waiting(&mut r, "bb"), Some(7));
+        assert_eq!(waiting(&mut r, "c"), None);
+        assert_eq!(waiting(&mut r, "d"), Some(0));
+        loads.clear();
+        assert!(loads.all().is_empty());
+    }
+
+    /// A read of every deployment copies the same figures as a read of one: the published
+    /// numbers and each instance's index, generation and count.
+    #[test]
+    fn the_figures_in_order_are_the_loads() {
+        let loads = Loads::new(Instant::now());
+        let upstream = |d: &str, index: u32, generation: u64| {
+            Arc::new(Upstream {
+                key: capyctl_interfaces::router::InstanceKey {
+                    deployment: d.to_string(),
+                    index,
+                    host_id: "gpu-box".to_string(),
+                    generation,
+                },
+                addr: "127.0.0.1:9".parse().expect("an address"),
+            })
+        };
+        for (id, n) in [("x", 1), ("y", 3), ("z", 0)] {
+            loads.insert(Arc::new(LoadCell::new(
+                id,
+                Published {
+                    in_flight: n * 2,
+                    in_flight_limit: 32 * n.max(1),
+                    waiting: n,
+                    waiting_limit: 9,
+                    last_used: None,
+                    instances: PublishedInstances::of((0..n).map(|i| {
+                        PublishedInstance::new(
+                            upstream(id, u32::try_from(i).expect("small"), 7 + i as u64),
+                            i,
+                            i % 2 == 0,
+                        )
+                    })),
+                },
+            )));
+        }
+        let mut r = loads.in_order();
+        for load in loads.all() {
+            assert_eq!(r.get(&load.deployment_id), Some(&load.figures()));
+            assert_eq!(load.instances.len(), load.waiting);
+        }
+        assert_eq!(loads.in_flight_of("y", 2), 2);
+        assert_eq!(loads.in_flight_of("y", 3), 0);
+    }
+}
