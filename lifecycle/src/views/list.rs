@@ -5,9 +5,9 @@
 //!
 //! NB (reads at scale): the deployments list writes 100,000 of these; each was built as an
 //! owned view (some twenty small allocations: IDs, names, three conditions of four strings
-//! each) and then encoded by serde. Now only the document (`spec`) goes through serde, from
-//! the shared one; the rest is written from the snapshots (a view of an adapter, few, is still
-//! built and encoded).
+//! each) and then encoded by serde. Now the document (`spec`) is written as encoded once per
+//! revision (`Fixed::spec_json`); the rest from the snapshots (a view of an adapter, few, is
+//! still built and encoded).
 
 use std::fmt;
 
@@ -31,8 +31,8 @@ pub(crate) fn deployment_view(units: &[DepShot], cx: &Ctx<'_>) -> DeploymentView
 }
 
 /// [`deployment_view`]'s JSON appended to `out`, byte for byte `serde_json`'s of it, written
-/// straight from the snapshots: no view built, only the document through serde (see the
-/// module's NB). `tests` and `reads::tests` hold the bytes equal.
+/// straight from the snapshots: no view built, the document as encoded once per revision (see
+/// the module's NB). `tests` and `reads::tests` hold the bytes equal.
 pub(crate) fn write_deployment_view<B: BufMut>(
     out: &mut B,
     units: &[DepShot],
@@ -320,7 +320,10 @@ impl<'a> ViewFigures<'a> {
         out.put_slice(br#"","message":"#);
         json::string(out, message);
         out.put_slice(br#"}],"spec":"#);
-        serde_json::to_writer((&mut *out).writer(), self.doc)?;
+        match &d.fixed.spec_json {
+            json if json.is_empty() => serde_json::to_writer((&mut *out).writer(), self.doc)?,
+            json => out.put_slice(json),
+        }
         out.put_u8(b'}');
         Ok(())
     }
