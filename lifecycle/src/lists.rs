@@ -34,7 +34,6 @@ impl Core {
             sets: self.adapter_sets(),
             shots,
             order: order.into_iter(),
-            writer: views::ViewWriter::default(),
             buf: BytesMut::new(),
             head: Some(head),
             tail,
@@ -59,7 +58,6 @@ struct ListParts {
     /// not written yet.
     shots: Vec<views::DepShot>,
     order: std::vec::IntoIter<Range<usize>>,
-    writer: views::ViewWriter,
     /// Each part is written here, then split off: once the listener has sent and dropped a
     /// part, the next reuses its memory (`BytesMut::reserve` takes it back).
     buf: BytesMut,
@@ -93,7 +91,7 @@ impl Iterator for ListParts {
             if self.written > 0 {
                 self.buf.put_u8(b',');
             }
-            if let Err(e) = self.writer.write(&mut self.buf, &self.shots[r], &cx) {
+            if let Err(e) = views::write_deployment_view(&mut self.buf, &self.shots[r], &cx) {
                 self.done = true;
                 return Some(Err(cannot_encode(e)));
             }

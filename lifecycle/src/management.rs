@@ -26,6 +26,28 @@ pub(crate) fn owned(hosts: &Hosts) -> Vec<(String, Arc<Host>)> {
         .collect()
 }
 
+/// `call` of every host, answered in host order: at most [`HOST_CALLS_AT_ONCE`] at once, a new
+/// call starting as soon as any one ends (a window that slides, not rounds that each wait for
+/// their slowest host, nor a queue that waits for the first host's answer before the next call).
+async fn each_host<T, F, Fut>(hosts: Vec<(String, Arc<Host>)>, call: F) -> Vec<T>
+where
+    F: Fn(String, Arc<Host>) -> Fut,
+    Fut: Future<Output = T>,
+{
+    let mut answers: Vec<Option<T>> = std::iter::repeat_with(|| None).take(hosts.len()).collect();
+    let mut calls = futures_util::stream::iter(hosts.into_iter().enumerate())
+        .map(|(i, (id, host))| {
+            let answer = call(id, host);
+            async move { (i, answer.await) }
+        })
+        .buffer_unordered(HOST_CALLS_AT_ONCE);
+    while let Some((i, answer)) = calls.next().await {
+        answers[i] = Some(answer);
+    }
+    // Every call answered: each slot is filled.
+    answers.into_iter().flatten().collect()
+}
+
 impl ManagementApi for Core {
     fn switches(
         &self,
@@ -112,10 +134,8 @@ impl ManagementApi for Core {
 
     fn engines(&self) -> crate::api::BoxFuture<'_, EngineList> {
         Box::pin(async move {
-            let hosts = owned(&self.hosts_now());
-            // Every host asked at once, a bounded number at a time; listed in host order.
-            let per_host: Vec<Vec<EngineView>> = futures_util::stream::iter(hosts)
-                .map(|(host_id, host)| async move {
+            let per_host: Vec<Vec<EngineView>> =
+                each_host(owned(&self.hosts_now()), |host_id, host| async move {
                     host.agent
                         .engines()
                         .await
@@ -129,8 +149,6 @@ impl ManagementApi for Core {
                         })
                         .collect()
                 })
-                .buffered(HOST_CALLS_AT_ONCE)
-                .collect()
                 .await;
             EngineList {
                 engines: per_host.into_iter().flatten().collect(),
@@ -141,15 +159,11 @@ impl ManagementApi for Core {
     fn hosts(&self) -> crate::api::BoxFuture<'_, HostList> {
         Box::pin(async move {
             let hosts = self.hosts_now();
-            // Every host asked at once, a bounded number at a time; listed in host order.
-            let inventories: Vec<_> = futures_util::stream::iter(owned(&hosts))
-                .map(|(id, host)| async move {
-                    let inventory = host.agent.inventory().await.ok();
-                    (id, host, inventory)
-                })
-                .buffered(HOST_CALLS_AT_ONCE)
-                .collect()
-                .await;
+            let inventories = each_host(owned(&hosts), |id, host| async move {
+                let inventory = host.agent.inventory().await.ok();
+                (id, host, inventory)
+            })
+            .await;
             let used = self.host_uses(&hosts);
             let cordoned = self.read(|inner| inner.cordoned.clone());
             HostList {

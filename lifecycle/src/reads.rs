@@ -17,9 +17,10 @@ use crate::{Core, views};
 pub(crate) const SHOT_CHUNK: usize = 256;
 
 /// How many calls to host agents a read (`engine list`, `hosts`) makes at once. Each node agent
-/// is a machine of its own, and 256 small HTTP calls at once are modest for a controller: with
-/// node agents 1 ms away, 10,000 hosts take some 40 round trips (at 64, 156 or more).
-pub(crate) const HOST_CALLS_AT_ONCE: usize = 256;
+/// is a machine of its own, and the process already holds a connection to each (its exits'
+/// long poll, its samples' poll): with node agents 1 ms away, 10,000 hosts take some 10 round
+/// trips (at 256, 40: over the lists' 100 ms goal; lifecycle/DESIGN.md, "Host calls of a read").
+pub(crate) const HOST_CALLS_AT_ONCE: usize = 1024;
 
 /// How many hosts' deployments the host view sums per hold of the lock.
 pub(crate) const HOSTS_PER_HOLD: usize = 32;

@@ -12,18 +12,16 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use bytes::{BufMut, BytesMut};
 use capyctl_engine_rules::max_running::{MaxRunningInput, max_running};
 use capyctl_interfaces::inventory::Inventory;
 use capyctl_interfaces::launch::MaxRunning;
 use capyctl_interfaces::load::LoadSample;
-use capyctl_interfaces::measure::{MeasureSource, Measurement};
+use capyctl_interfaces::measure::Measurement;
 use capyctl_interfaces::router::InstanceKey;
 use capyctl_interfaces::spec::InstanceSpec;
 use capyctl_interfaces::tier::ParkTier;
 use capyctl_spec::api::{
-    ConditionView, DeploymentView, EngineLoadView, GpuView, HostView, InstanceView,
-    MeasurementView, STALE_AFTER_MS, STALE_SAMPLE_KEPT_MS, SampleView,
+    EngineLoadView, GpuView, HostView, STALE_AFTER_MS, STALE_SAMPLE_KEPT_MS, SampleView,
 };
 use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::{Activation, InstanceState};
@@ -32,7 +30,10 @@ use crate::LifecycleConfig;
 use crate::state::{Dep, Host, Hosts};
 use crate::store::DeploymentRecord;
 
+mod json;
+mod list;
 mod load;
+pub(crate) use list::{deployment_view, write_deployment_view};
 pub(crate) use load::{load_view, write_load_view};
 
 /// What a deployment's views show that only a deploy changes: shared (one `Arc`) between the
@@ -54,6 +55,11 @@ pub(crate) struct Fixed {
     /// How its load view's JSON begins ([`load_head`]): written as it is by each full load
     /// read ([`write_load_view`]).
     load_head: Box<[u8]>,
+    /// Its document's JSON (`serde_json`'s): written as it is as the `spec` of each of its
+    /// views in the deployments list ([`write_deployment_view`]); empty where it did not
+    /// encode (then encoded by each view). NB (reads at scale): some 100-200 bytes per
+    /// deployment kept, against a fifth of the list's CPU encoding it per view.
+    spec_json: Box<[u8]>,
 }
 
 impl Fixed {
@@ -67,6 +73,9 @@ impl Fixed {
             instance_id: super::instance_id_at(&rec.id, index),
             index,
             load_head: load::load_head(&rec.id, &rec.doc.name),
+            spec_json: serde_json::to_vec(&*rec.doc)
+                .unwrap_or_default()
+                .into_boxed_slice(),
         }
     }
 
@@ -250,43 +259,6 @@ pub(crate) fn tier_words(t: ParkTier) -> &'static str {
     }
 }
 
-fn measurement_view(m: &Measurement) -> Option<MeasurementView> {
-    let gpu = m.gpu_memory?;
-    let source = match gpu.source {
-        MeasureSource::Declared => "declared",
-        MeasureSource::Checkpoint => "measured",
-        MeasureSource::EngineFootprint => "observed",
-    };
-    Some(MeasurementView {
-        gpu_memory: gpu.bytes,
-        weights_memory: m.weights_bytes().unwrap_or(gpu.bytes),
-        source: source.to_string(),
-    })
-}
-
-fn condition(kind: &str, ok: bool, reason: &str, message: String) -> ConditionView {
-    ConditionView {
-        kind: kind.to_string(),
-        status: if ok { "True" } else { "False" }.to_string(),
-        reason: reason.to_string(),
-        message,
-    }
-}
-
-/// The hosts a deployment's view names (`hosts`, the HOSTS column): the host its instance is
-/// bound to (running, parked, or on its way there); when it is bound to none, the one host
-/// there is. NB: none (`-`) when it is bound to none and there are several hosts: placement
-/// chooses among all of them when it starts. (Listing every host there instead made each
-/// unplaced deployment's view as long as the host list: 10,000 deployments on 1,000 hosts
-/// answered 10 million host names per list.)
-fn view_hosts(d: &DepShot, hosts: &Hosts) -> Vec<String> {
-    match (&d.host, d.bound) {
-        (Some(h), true) => vec![h.to_string()],
-        _ if hosts.len() == 1 => hosts.keys().cloned().collect(),
-        _ => Vec::new(),
-    }
-}
-
 /// The state a deployment shows, from its instances' (one instance: its own): the most
 /// serving one, in this order.
 pub(crate) fn deployment_state(units: &[DepShot]) -> InstanceState {
@@ -302,281 +274,11 @@ pub(crate) fn deployment_state(units: &[DepShot]) -> InstanceState {
         InstanceState::AwaitingMeasurement,
         InstanceState::Stopped,
     ];
-    let shown: Vec<InstanceState> = units.iter().map(DepShot::shown_state).collect();
     ORDER
         .iter()
         .copied()
-        .find(|s| shown.contains(s))
+        .find(|s| units.iter().any(|u| u.shown_state() == *s))
         .unwrap_or(InstanceState::Stopped)
-}
-
-/// An adapter's view (DESIGN 4.9): its base in `hosts`, the instances of its base that have
-/// it loaded as its instances (`ready`: those of the base's instances known), `ready` when
-/// loaded on any (`capyctl list deployments` shows `loaded` / `unloaded`), else `stopped`.
-fn adapter_view(d: &DepShot, base: &str, cx: &Ctx<'_>, spec: DeploymentDoc) -> DeploymentView {
-    let doc = &d.fixed.doc;
-    let on = cx.adapters.by_adapter.get(doc.name.as_str());
-    let on: &[InstanceKey] = on.map_or(&[], Vec::as_slice);
-    let known = on
-        .first()
-        .and_then(|k| cx.adapters.instances.get(&k.deployment))
-        .copied()
-        .unwrap_or(0);
-    let state = if on.is_empty() {
-        InstanceState::Stopped
-    } else {
-        InstanceState::Ready
-    };
-    let loaded = !on.is_empty();
-    DeploymentView {
-        id: d.fixed.id.clone(),
-        name: doc.name.clone(),
-        state,
-        ready: format!("{}/{known}", on.len()),
-        revision: d.fixed.revision,
-        hosts: vec![base.to_string()],
-        activation: Activation::OnDemand,
-        warm: false,
-        operator_stopped: false,
-        engine: doc.engine_kind(),
-        model: doc.model_arg().to_string(),
-        residency: None,
-        measurement: None,
-        instances: on
-            .iter()
-            .map(|k| InstanceView {
-                instance_id: crate::instance_id_at(&k.deployment, k.index),
-                index: k.index,
-                host_id: k.host_id.clone(),
-                generation: k.generation,
-                state: InstanceState::Ready,
-                parked_tier: None,
-                port: None,
-                pid: None,
-                last_error: None,
-            })
-            .collect(),
-        conditions: vec![condition(
-            "Ready",
-            loaded,
-            if loaded { "loaded" } else { "unloaded" },
-            if loaded {
-                format!("loaded into {} instance(s) of {base}", on.len())
-            } else {
-                format!("loaded into {base} by the next request that names it")
-            },
-        )],
-        spec,
-    }
-}
-
-/// One deployment's view, from its instances' snapshots (index 0 first: [`group`]).
-pub(crate) fn deployment_view(units: &[DepShot], cx: &Ctx<'_>) -> DeploymentView {
-    deployment_view_with(units, cx, DeploymentDoc::clone(&units[0].fixed.doc))
-}
-
-/// Writes deployment views' JSON (byte for byte `serde_json`'s of [`deployment_view`]) without
-/// a copy of each one's document: each view is built around one document kept for the
-/// purpose (the least there is, so that its encoding costs little), encoded, and that
-/// document's encoding at its end (`"spec"` is the last field) replaced by the deployment's
-/// own, encoded from the shared one. NB (reads at scale): the
-/// deployments list writes 100,000 of these.
-#[derive(Default)]
-pub(crate) struct ViewWriter {
-    /// The document each view is built with, and `,"spec":<its JSON>}`: how a view ends.
-    stand_in: Option<(DeploymentDoc, Vec<u8>)>,
-}
-
-impl ViewWriter {
-    /// Appends the view of `units` to `out`.
-    pub(crate) fn write(
-        &mut self,
-        out: &mut BytesMut,
-        units: &[DepShot],
-        cx: &Ctx<'_>,
-    ) -> serde_json::Result<()> {
-        let doc = &units[0].fixed.doc;
-        let (stand_in, tail) = match self.stand_in.take() {
-            Some(s) => s,
-            None => {
-                let stand_in = least_document();
-                let mut tail = br#","spec":"#.to_vec();
-                serde_json::to_writer(&mut tail, &stand_in)?;
-                tail.push(b'}');
-                (stand_in, tail)
-            }
-        };
-        let start = out.len();
-        let view = deployment_view_with(units, cx, stand_in);
-        let written = serde_json::to_writer((&mut *out).writer(), &view);
-        self.stand_in = Some((view.spec, tail));
-        written?;
-        let tail = self
-            .stand_in
-            .as_ref()
-            .map_or(&[][..], |(_, t)| t.as_slice());
-        if out.ends_with(tail) {
-            // Keep `,"spec":`.
-            out.truncate(out.len() - tail.len() + br#","spec":"#.len());
-            serde_json::to_writer((&mut *out).writer(), &**doc)?;
-            out.put_u8(b'}');
-            Ok(())
-        } else {
-            // The view's fields moved: encoded whole (the same bytes, at the old cost).
-            out.truncate(start);
-            serde_json::to_writer(out.writer(), &deployment_view(units, cx))
-        }
-    }
-}
-
-/// The document whose encoding is the shortest (`{"name":""}`): [`ViewWriter`]'s stand-in,
-/// encoded with each view and then replaced.
-fn least_document() -> DeploymentDoc {
-    DeploymentDoc {
-        name: String::new(),
-        engine: None,
-        model: None,
-        residency: None,
-        max_concurrent_requests: None,
-        extra_args: Vec::new(),
-        env: std::collections::BTreeMap::new(),
-        resources: None,
-        lifecycle: None,
-        decision: None,
-        replicas: None,
-        scale: None,
-        gpus_per_instance: None,
-        routing: None,
-        priority: None,
-        adapters: None,
-        adapter: None,
-    }
-}
-
-/// [`deployment_view`] with `spec` as its document.
-fn deployment_view_with(units: &[DepShot], cx: &Ctx<'_>, spec: DeploymentDoc) -> DeploymentView {
-    let d = &units[0];
-    let doc = &d.fixed.doc;
-    let state = deployment_state(units);
-    let explicit = doc.activation() == Activation::Explicit || cx.any_host_explicit;
-    let ready_count = units
-        .iter()
-        .filter(|u| u.state == InstanceState::Ready)
-        .count();
-    let replicas = doc.replicas() as usize;
-    // An engine believed on a host whose node agent does not answer: what is shown is the
-    // last known, and the `Ready` condition says it is unknown now, and why.
-    let agent_lost = units.iter().find_map(|u| {
-        (!matches!(u.state, InstanceState::Stopped | InstanceState::Failed))
-            .then(|| u.host.as_deref().and_then(|h| cx.hosts.get_key_value(h)))
-            .flatten()
-            .and_then(|(id, h)| Some((id, h.agent.unreachable()?, u.shown_state())))
-    });
-    let pending = units.iter().any(|u| u.pending_start);
-    let last_error = units.iter().find_map(|u| u.last_error.clone());
-    let (ready_reason, ready_message) = if let Some((host, why, was)) = &agent_lost {
-        (
-            "node_agent_unreachable",
-            format!(
-                "the node agent of host {host} cannot be reached, so the instance's state ({was}) is the last known: {why}"
-            ),
-        )
-    } else if ready_count > 0 {
-        (
-            "ready",
-            if replicas == 1 && units.len() == 1 {
-                "the instance serves requests".to_string()
-            } else {
-                format!("{ready_count} of {replicas} instances serve requests")
-            },
-        )
-    } else if pending {
-        (
-            "waiting_for_memory",
-            "an operator start waits for GPU memory (start --evict parks idle models to make room)"
-                .to_string(),
-        )
-    } else if let Some(e) = last_error {
-        ("failed", e)
-    } else {
-        ("not_running", format!("the instance is {state}"))
-    };
-    if let Some(adapter) = &doc.adapter {
-        return adapter_view(d, &adapter.base, cx, spec);
-    }
-    let measured = !d.measurement.awaiting();
-    let mut hosts: Vec<String> = Vec::new();
-    for u in units {
-        for h in view_hosts(u, cx.hosts) {
-            if !hosts.contains(&h) {
-                hosts.push(h);
-            }
-        }
-    }
-    DeploymentView {
-        id: d.fixed.id.clone(),
-        name: doc.name.clone(),
-        state,
-        ready: format!("{ready_count}/{replicas}"),
-        revision: d.fixed.revision,
-        hosts,
-        activation: if explicit {
-            Activation::Explicit
-        } else {
-            Activation::OnDemand
-        },
-        warm: doc.warm(),
-        operator_stopped: d.operator_stopped,
-        engine: doc.engine_kind(),
-        model: doc.model_arg().to_string(),
-        residency: doc.residency,
-        measurement: measurement_view(&d.measurement),
-        instances: units
-            .iter()
-            .map(|u| InstanceView {
-                instance_id: u.instance_id().to_string(),
-                index: u.fixed.index,
-                host_id: u
-                    .host(cx.hosts)
-                    .map_or_else(|| cx.config.host_id.clone(), |(h, _)| h.clone()),
-                generation: u.generation,
-                state: u.shown_state(),
-                parked_tier: u.tier.map(|t| tier_words(t).to_string()),
-                port: u.addr.map(|a| a.port()),
-                pid: u.pid,
-                last_error: u.last_error.clone(),
-            })
-            .collect(),
-        conditions: vec![
-            if agent_lost.is_some() {
-                ConditionView {
-                    status: "Unknown".to_string(),
-                    ..condition("Ready", false, ready_reason, ready_message)
-                }
-            } else {
-                condition("Ready", ready_count > 0, ready_reason, ready_message)
-            },
-            condition(
-                "Measured",
-                measured,
-                if measured {
-                    "measured"
-                } else {
-                    "awaiting_measurement"
-                },
-                if measured {
-                    "the checkpoint's memory is known".to_string()
-                } else if units.iter().any(|u| u.first_answered) {
-                    // Started, and still unknown: the host cannot read a process's GPU memory
-                    // (no NVML, or GPUs declared in the host document).
-                    "the engine's GPU footprint could not be read on this host; it is placed as needing the whole GPU: declare resources.gpu_memory".to_string()
-                } else {
-                    "no measurement yet: declare resources, or start it with --wait".to_string()
-                },
-            ),
-        ],
-        spec,
-    }
 }
 
 /// Whether `b`, taken after `a` in key order (`State::deps`: a deployment's ID, then its other

@@ -227,11 +227,7 @@ impl<'a> InstanceFigures<'a> {
 /// declaration order).
 mod json {
     use super::{MaxRunning, RouterLoadView, SampleView};
-
-    /// `n` in decimal.
-    pub(super) fn number(out: &mut Vec<u8>, n: u64) {
-        out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
-    }
+    pub(super) use crate::views::json::{boolean, number, string};
 
     /// An object of numbers only, `{"name":n,…}` (the names need no escaping).
     fn numbers<const N: usize>(out: &mut Vec<u8>, fields: [(&str, u64); N]) {
@@ -242,23 +238,6 @@ mod json {
             number(out, n);
         }
         out.push(b'}');
-    }
-
-    /// `s` as a JSON string: as it is where nothing needs escaping (no quote, backslash or
-    /// control character: what `serde_json` escapes), else through `serde_json`.
-    pub(super) fn string(out: &mut Vec<u8>, s: &str) {
-        if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
-            out.push(b'"');
-            out.extend_from_slice(s.as_bytes());
-            out.push(b'"');
-        } else {
-            // A string always encodes.
-            let _ = serde_json::to_writer(out, s);
-        }
-    }
-
-    pub(super) fn boolean(out: &mut Vec<u8>, b: bool) {
-        out.extend_from_slice(if b { b"true" } else { b"false" });
     }
 
     pub(super) fn router(out: &mut Vec<u8>, r: &RouterLoadView) {
