@@ -31,14 +31,16 @@
 //!   its finishing chunks then lack the fingerprint).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 
 use bytes::{Bytes, BytesMut};
 use capyctl_interfaces::router::InstanceKey;
+use memchr::memmem::Finder;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::sse::EventScanner;
+use crate::fast_hash::FastHash;
 
 /// The forwarded body of a streamed request asking for its usage, or `None` when the request
 /// is not streamed, already asks for usage, or is not an object this can read (forwarded as it
@@ -56,13 +58,26 @@ use super::sse::EventScanner;
 /// refuses, is then asked for its usage where a strict reading would have forwarded it as it
 /// came, and the engine's refusal passes unchanged.
 pub(crate) fn ask_usage(body: &[u8]) -> Option<Vec<u8>> {
+    ask_usage_reading(body, true)
+}
+
+/// [`ask_usage`], its body's top level read by [`quick_top`] where that answers (`quick`),
+/// else by `serde_json` ([`Top`]).
+fn ask_usage_reading(body: &[u8], quick: bool) -> Option<Vec<u8>> {
     memchr::memmem::find(body, b"true")?;
     std::str::from_utf8(body).ok()?;
-    let top: Top = serde_json::from_slice(body).ok()?;
-    if top.stream != Some(Value::Bool(true)) {
-        return None;
-    }
-    match top.stream_options {
+    let stream_options = match quick.then(|| quick_top(body)).flatten() {
+        Some(false) => return None,
+        Some(true) => None,
+        None => {
+            let top: Top = serde_json::from_slice(body).ok()?;
+            if top.stream != Some(Value::Bool(true)) {
+                return None;
+            }
+            top.stream_options
+        }
+    };
+    match stream_options {
         None => {
             // An object that read whole ends with its brace (then only whitespace).
             let close = body.iter().rposition(|&b| b == b'}')?;
@@ -84,6 +99,42 @@ pub(crate) fn ask_usage(body: &[u8]) -> Option<Vec<u8>> {
     }
 }
 
+/// What [`Top`] reads of a request, read without `serde_json` where this answers exactly (the
+/// same JSON as [`quick_read`] takes), for an object without `stream_options` whose `stream`s
+/// (if any) are `true`, `false` or `null`: `Some(true)` when its last `stream` is `true`,
+/// else `Some(false)`; `None` for any other body (then read by `serde_json`).
+///
+/// NB (cost): this runs for every request of a tenant whose tokens are counted; through
+/// `serde_json` (its map access and a `Value` of `stream`) it was about 3,700 instructions
+/// of a usual chat request (callgrind). The test `the_quick_top_is_serde_jsons` holds both
+/// to the same answers on mutated bodies.
+fn quick_top(body: &[u8]) -> Option<bool> {
+    let mut r = Reader { b: body, at: 0 };
+    r.open(b'{')?;
+    let mut stream = false;
+    if !r.close(b'}') {
+        loop {
+            match r.key()? {
+                b"stream" => {
+                    stream = match r.peek()? {
+                        b't' => r.word(b"true").map(|()| true)?,
+                        b'f' => r.word(b"false").map(|()| false)?,
+                        b'n' => r.word(b"null").map(|()| false)?,
+                        _ => return None,
+                    };
+                }
+                b"stream_options" => return None,
+                _ => r.skip(0)?,
+            }
+            if !r.next(b'}')? {
+                break;
+            }
+        }
+    }
+    r.end()?;
+    Some(stream)
+}
+
 /// [`ask_usage`] through a `serde_json` map, for a request whose `stream_options` is `null` or
 /// an object not asking for usage: `include_usage` set, `continuous_usage_stats` removed.
 fn rewrite(body: &[u8]) -> Option<Vec<u8>> {
@@ -103,10 +154,22 @@ fn rewrite(body: &[u8]) -> Option<Vec<u8>> {
     serde_json::to_vec(&request).ok()
 }
 
-/// The `system_fingerprint` of each engine instance, as its last usage chunk said (`None`
-/// inside: it has none), shared by the listener's streams (see the module's note).
+/// The `system_fingerprint` of each engine instance, as its last usage chunk said, shared by
+/// the listener's streams (see the module's note).
+///
+/// NB (cost): a stream finds its instance's [`Slot`] once, when it starts (one lookup, by
+/// [`FastHash`]: an instance's key is the lifecycle's, never a client's), and learns into it
+/// without a second lookup or a copy of the key.
 #[derive(Debug, Default)]
-pub(crate) struct Fingerprints(Mutex<HashMap<InstanceKey, Option<Arc<Fingerprint>>>>);
+pub(crate) struct Fingerprints(Mutex<HashMap<InstanceKey, Arc<Slot>, FastHash>>);
+
+/// What is known of an instance's fingerprint: `None` nothing yet, `Some(None)` that it has
+/// none.
+type Known = Option<Option<Arc<Fingerprint>>>;
+
+/// One instance's [`Known`].
+#[derive(Debug, Default)]
+struct Slot(Mutex<Known>);
 
 /// An engine's `system_fingerprint`, and the same as a JSON string (what is written into a
 /// finishing chunk: made once, when it is learnt).
@@ -130,47 +193,56 @@ impl Fingerprint {
 const MAX_INSTANCES: usize = 1024;
 
 impl Fingerprints {
-    fn known(&self, key: &InstanceKey) -> Option<Option<Arc<Fingerprint>>> {
+    /// The slot of the instance `key` (a new one when it has none).
+    fn slot(&self, key: &InstanceKey) -> Arc<Slot> {
+        let mut all = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(slot) = all.get(key) {
+            return Arc::clone(slot);
+        }
+        if all.len() >= MAX_INSTANCES {
+            all.clear();
+        }
+        let slot = Arc::<Slot>::default();
+        all.insert(key.clone(), Arc::clone(&slot));
+        slot
+    }
+}
+
+impl Slot {
+    fn known(&self) -> Known {
         self.0
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .get(key)
-            .cloned()
+            .clone()
     }
 
-    /// Keeps `fingerprint` as the instance `key`'s; returns it as kept.
-    fn learn(&self, key: &InstanceKey, fingerprint: Option<&str>) -> Option<Arc<Fingerprint>> {
-        let mut all = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(known) = all.get(key)
-            && known.as_ref().map(|f| &*f.raw) == fingerprint
+    /// Keeps `fingerprint` as the instance's; returns it as kept.
+    fn learn(&self, fingerprint: Option<&str>) -> Option<Arc<Fingerprint>> {
+        let mut known = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(kept) = &*known
+            && kept.as_ref().map(|f| &*f.raw) == fingerprint
         {
-            return known.clone();
-        }
-        if all.len() >= MAX_INSTANCES && !all.contains_key(key) {
-            all.clear();
+            return kept.clone();
         }
         let learnt = fingerprint.map(Fingerprint::new);
-        all.insert(key.clone(), learnt.clone());
+        *known = Some(learnt.clone());
         learnt
     }
 }
 
 /// The engine instance a stream comes from, for its fingerprint.
 pub(crate) struct Engine {
-    all: Arc<Fingerprints>,
-    key: InstanceKey,
+    slot: Arc<Slot>,
     /// Its fingerprint, when known (`Some(None)`: it has none).
-    known: Option<Option<Arc<Fingerprint>>>,
+    known: Known,
 }
 
 impl Engine {
     /// The instance `key`, with what `all` knows of it.
-    pub(crate) fn new(all: &Arc<Fingerprints>, key: &InstanceKey) -> Self {
-        Self {
-            all: Arc::clone(all),
-            key: key.clone(),
-            known: all.known(key),
-        }
+    pub(crate) fn new(all: &Fingerprints, key: &InstanceKey) -> Self {
+        let slot = all.slot(key);
+        let known = slot.known();
+        Self { slot, known }
     }
 }
 
@@ -712,14 +784,17 @@ impl<'a> Reader<'a> {
 /// finishing and the usage ones is told this way, without reading its JSON (that reading was
 /// most of the strip's cost).
 fn plainly_other(event: &[u8]) -> bool {
-    use memchr::memmem::Finder;
-    use std::sync::LazyLock;
-    static USAGE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"usage\""));
-    static FINISH: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"finish_reason\""));
-    // `\u`: a backslash is rare in a chunk (an escape in its text), `memchr` the quickest.
-    let unicode_escape =
-        memchr::memchr_iter(b'\\', event).any(|at| event.get(at + 1) == Some(&b'u'));
-    !unicode_escape && only_null(event, &USAGE) && only_null(event, &FINISH)
+    !unicode_escape(event) && only_null(event, &USAGE) && only_null(event, &FINISH)
+}
+
+/// The keys [`plainly_other`] looks for, quoted.
+static USAGE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"usage\""));
+static FINISH: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"finish_reason\""));
+
+/// Whether `json` has a `\u` (a backslash is rare in a chunk, an escape in its text: `memchr`
+/// the quickest).
+fn unicode_escape(json: &[u8]) -> bool {
+    memchr::memchr_iter(b'\\', json).any(|at| json.get(at + 1) == Some(&b'u'))
 }
 
 /// Whether every `key` (quoted) of `json` is followed by `: null` (with JSON's whitespace).
@@ -729,6 +804,23 @@ fn only_null(json: &[u8], key: &memchr::memmem::Finder<'_>) -> bool {
             .trim_ascii_start()
             .strip_prefix(b":")
             .is_some_and(|value| value.trim_ascii_start().starts_with(b"null"))
+    })
+}
+
+/// [`only_null`] with only ` `, `\t` and `\r` taken as whitespace (never a newline): where
+/// this holds for a frame, [`only_null`] holds for each of its events.
+fn only_null_on_line(json: &[u8], key: &memchr::memmem::Finder<'_>) -> bool {
+    fn trim(s: &[u8]) -> &[u8] {
+        let n = s
+            .iter()
+            .take_while(|&&c| matches!(c, b' ' | b'\t' | b'\r'))
+            .count();
+        &s[n..]
+    }
+    key.find_iter(json).all(|at| {
+        trim(&json[at + key.needle().len()..])
+            .strip_prefix(b":")
+            .is_some_and(|value| trim(value).starts_with(b"null"))
     })
 }
 
@@ -767,7 +859,7 @@ impl Strip {
 
     /// What to send of the next frame `data` (possibly nothing, for now).
     pub(crate) fn pass(&mut self, data: Bytes) -> Bytes {
-        if self.off {
+        if self.off || self.passes_whole(&data) {
             return data;
         }
         let mut out = Out::new(&data);
@@ -804,6 +896,30 @@ impl Strip {
         out.finish()
     }
 
+    /// Whether the frame `data` passes as it came without being read event by event: nothing
+    /// is held, it ends where an event ends (so no event of it waits for the next frame), it
+    /// is no longer than `max_piece` (so no event of it is), and its bytes show that each of
+    /// its events is one [`plainly_other`] tells (no usage, and no finish reason other than
+    /// `null` unless the engine is known to have no fingerprint, when a finishing chunk passes
+    /// unchanged too). Every event of such a frame would be sent unchanged, and nothing of
+    /// the strip's state would change (its scanner ends where it began).
+    ///
+    /// NB (cost): one pass of `memchr` for a `\u` and one of `memmem` for each key over the
+    /// frame, instead of finding each event's end and testing its bytes (what was most of a
+    /// tenant's streamed request beyond the router's own work). Every usual frame is one of
+    /// these but the one with the usage chunk. The keys' values are read with only ` `, `\t`
+    /// and `\r` around the `:` (JSON's whitespace but the newline, which would reach into the
+    /// next event): a frame with others is read event by event, as before.
+    fn passes_whole(&self, data: &[u8]) -> bool {
+        self.partial.is_empty()
+            && self.held.is_empty()
+            && data.len() <= self.max_piece
+            && (data.ends_with(b"\n\n") || data.ends_with(b"\n\r\n"))
+            && !unicode_escape(data)
+            && only_null_on_line(data, &USAGE)
+            && (matches!(self.engine.known, Some(None)) || only_null_on_line(data, &FINISH))
+    }
+
     fn event(&mut self, piece: Piece, out: &mut Out<'_>) {
         let data = out.data;
         let event = match &piece {
@@ -816,10 +932,7 @@ impl Strip {
                 fingerprint,
             } => {
                 self.tokens = tokens;
-                let learnt = self
-                    .engine
-                    .all
-                    .learn(&self.engine.key, fingerprint.as_deref());
+                let learnt = self.engine.slot.learn(fingerprint.as_deref());
                 self.release(out, learnt.as_deref());
                 self.engine.known = Some(learnt);
             }
@@ -1176,6 +1289,103 @@ mod tests {
         assert!(answered * 3 > tried, "{answered} of {tried}");
     }
 
+    /// SGLang's chunks (`usage: null` on each, the finish reason with `matched_stop`, the
+    /// usage chunk without a fingerprint), one event per frame as it writes them.
+    const SGLANG: &str = concat!(
+        "data: {\"id\":\"s\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"role\":null,\"content\":\"Hi\",\"reasoning_content\":null,\"tool_calls\":null},\"logprobs\":null,\"finish_reason\":null,\"matched_stop\":null}],\"usage\":null}\n\n",
+        "data: {\"id\":\"s\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"role\":null,\"content\":null,\"reasoning_content\":null,\"tool_calls\":null},\"logprobs\":null,\"finish_reason\":\"stop\",\"matched_stop\":2}],\"usage\":null}\n\n",
+        "data: {\"id\":\"s\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"total_tokens\":5,\"completion_tokens\":2,\"prompt_tokens_details\":null}}\n\n",
+        "data: [DONE]\n\n",
+    );
+
+    /// The events of `stream` sent in every grouping into frames (each frame whole events),
+    /// through a strip of instance `generation` of `all`, each strip new: what comes out.
+    fn every_grouping(stream: &str, all: &Arc<Fingerprints>, generation: u64) -> Vec<Vec<u8>> {
+        let events: Vec<&str> = stream.split_inclusive("\n\n").collect();
+        let cuts = events.len() - 1;
+        (0..1u32 << cuts)
+            .map(|mask| {
+                let mut frames: Vec<String> = vec![events[0].to_string()];
+                for (i, event) in events.iter().enumerate().skip(1) {
+                    if mask & (1 << (i - 1)) != 0 {
+                        frames.push((*event).to_string());
+                    } else if let Some(last) = frames.last_mut() {
+                        last.push_str(event);
+                    }
+                }
+                let frames: Vec<&[u8]> = frames.iter().map(String::as_bytes).collect();
+                run_on(&mut strip(all, generation), &frames).0
+            })
+            .collect()
+    }
+
+    /// Frames of whole events pass as they came when they show no usage and no finish reason
+    /// (or the engine is known to have no fingerprint), and every grouping of the events into
+    /// frames gives the bytes event-by-event reading gives: vLLM's `n` = 1 and 2, SGLang's.
+    #[test]
+    fn frames_of_plain_events_pass_whole_in_any_grouping() {
+        let all = Arc::default();
+        for (with, without) in [(WITH_USAGE, WITHOUT), (WITH_USAGE_N2, WITHOUT_N2)] {
+            // Unknown first (the events wait for the usage chunk), then known.
+            for _ in 0..2 {
+                for out in every_grouping(with, &all, 1) {
+                    assert_eq!(String::from_utf8_lossy(&out), without);
+                }
+            }
+        }
+        let sglang_without = SGLANG.replace(SGLANG.split_inclusive("\n\n").nth(2).unwrap(), "");
+        for _ in 0..2 {
+            for out in every_grouping(SGLANG, &all, 2) {
+                assert_eq!(String::from_utf8_lossy(&out), sglang_without);
+            }
+        }
+        // SGLang's instance is known to have no fingerprint: its finishing chunk passes whole.
+        let events: Vec<&str> = SGLANG.split_inclusive("\n\n").collect();
+        let mut known_none = strip(&all, 2);
+        let frame = Bytes::from(format!("{}{}", events[0], events[1]));
+        let out = known_none.pass(frame.clone());
+        assert_eq!(out.as_ptr(), frame.as_ptr(), "not copied");
+        assert_eq!(out, frame);
+        // vLLM's is known to have one: its finishing chunk is read, the fingerprint put back.
+        let mut known = strip(&all, 1);
+        let events: Vec<&str> = WITH_USAGE.split_inclusive("\n\n").collect();
+        let plain = Bytes::from(events[0]);
+        assert_eq!(known.pass(plain.clone()).as_ptr(), plain.as_ptr());
+        assert_eq!(
+            known.pass(Bytes::from(events[1])),
+            WITHOUT.split_inclusive("\n\n").nth(1).unwrap().as_bytes()
+        );
+    }
+
+    /// A frame that does not end where an event ends, or whose keys' values are spaced over
+    /// lines, or with a `\u` escape, is read event by event: the usage chunk is still taken
+    /// out wherever its key is split across frames.
+    #[test]
+    fn a_usage_key_split_across_frames_is_still_taken_out() {
+        let all = Arc::default();
+        for at in 0..WITH_USAGE.len() {
+            let (a, b) = WITH_USAGE.as_bytes().split_at(at);
+            let (out, tokens) = run_on(&mut strip(&all, 1), &[a, b]);
+            assert_eq!(String::from_utf8_lossy(&out), WITHOUT, "split at {at}");
+            assert_eq!(tokens, Some(5));
+        }
+        let strip = strip(&all, 1);
+        assert!(strip.passes_whole(b"data: {\"choices\":[{\"finish_reason\": \tnull}]}\n\n"));
+        for not_whole in [
+            &b"data: {\"choices\":[{\"finish_reason\":null}]}\n"[..],
+            b"data: {\"choices\":[{\"finish_reason\":\"stop\"}]}\n\n",
+            b"data: {\"choices\":[],\"usage\":{\"total_tokens\":5}}\n\n",
+            b"data: {\"choices\":[],\"\\u0075sage\":{\"total_tokens\":5}}\n\n",
+            b"data: {\"x\":\"usage\"\n\n:null}\n\n",
+        ] {
+            assert!(
+                !strip.passes_whole(not_whole),
+                "{}",
+                String::from_utf8_lossy(not_whole)
+            );
+        }
+    }
+
     #[test]
     fn a_complete_event_is_never_held_before_a_finishing_one() {
         let mut strip = strip(&Arc::default(), 1);
@@ -1196,7 +1406,7 @@ mod tests {
         assert_eq!(String::from_utf8_lossy(&out), WITHOUT);
         assert_eq!(tokens, None);
         // An event past the bound: given up, everything passes.
-        let mut strip = Strip::new(16, Engine::new(&Arc::default(), &key(1)));
+        let mut strip = Strip::new(16, Engine::new(&Fingerprints::default(), &key(1)));
         let long = Bytes::from_static(b"data: 0123456789012345678901234567890");
         assert_eq!(strip.pass(long.clone()), long);
         assert!(!strip.holds());
@@ -1234,7 +1444,7 @@ mod tests {
 
     #[test]
     fn a_frame_of_plain_events_passes_as_it_came() {
-        let mut strip = Strip::new(64 * 1024, Engine::new(&Arc::default(), &key(1)));
+        let mut strip = Strip::new(64 * 1024, Engine::new(&Fingerprints::default(), &key(1)));
         let first = WITH_USAGE.split_inclusive("\n\n").next().unwrap();
         let frame = Bytes::from(format!("{first}{first}"));
         let out = strip.pass(frame.clone());
@@ -1289,6 +1499,58 @@ mod tests {
                 String::from_utf8_lossy(not_asked)
             );
         }
+    }
+
+    /// Where [`quick_top`] answers (on usual bodies, odd ones and every body made from them
+    /// by cutting, deleting, changing or adding a byte), [`ask_usage`] answers what it answers
+    /// through `serde_json` alone.
+    #[test]
+    fn the_quick_top_is_serde_jsons() {
+        const BODIES: [&str; 9] = [
+            r#"{"model":"m","messages":[{"role":"user","content":"Tell me \"more\" \u00e9"}],"max_tokens":16,"stream":true}"#,
+            r#"{"model":"m","prompt":"a","stream":false,"n":2,"temperature":0.5e-1}"#,
+            r#"{ "stream" : true , "stream" : null, "x": [true, {"stream": false}] }"#,
+            r#"{"stream":false,"stream":true,"logit_bias":{"1":-100}}"#,
+            r#"{"stream":true,"stream_options":{"include_usage":false}}"#,
+            r#"{"stream":true,"stream_options":null}"#,
+            r#"{"stream":"true"}"#,
+            r#"{"stream":1,"stream":true}"#,
+            r#"{"st\u0072eam":true}"#,
+        ];
+        for body in &BODIES[..2] {
+            assert!(quick_top(body.as_bytes()).is_some(), "{body}");
+        }
+        let bytes = b"\"\\,:{}[]tn0-1 e.E+\x01\xff\tu";
+        let (mut tried, mut answered) = (0, 0);
+        let mut check = |body: &[u8]| {
+            tried += 1;
+            if quick_top(body).is_some() {
+                answered += 1;
+                assert_eq!(
+                    ask_usage(body),
+                    ask_usage_reading(body, false),
+                    "{}",
+                    String::from_utf8_lossy(body)
+                );
+            }
+        };
+        for body in BODIES {
+            let body = body.as_bytes();
+            check(body);
+            for at in 0..=body.len() {
+                check(&body[..at]);
+                if at < body.len() {
+                    check(&[&body[..at], &body[at + 1..]].concat());
+                }
+                for &b in bytes {
+                    check(&[&body[..at], &[b], &body[at..]].concat());
+                    if at < body.len() {
+                        check(&[&body[..at], &[b], &body[at + 1..]].concat());
+                    }
+                }
+            }
+        }
+        assert!(answered * 4 > tried, "{answered} of {tried}");
     }
 
     #[test]
