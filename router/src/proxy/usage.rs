@@ -64,7 +64,8 @@ pub(crate) fn ask_usage(body: &[u8]) -> Option<Vec<u8>> {
 /// [`ask_usage`], its body's top level read by [`quick_top`] where that answers (`quick`),
 /// else by `serde_json` ([`Top`]).
 fn ask_usage_reading(body: &[u8], quick: bool) -> Option<Vec<u8>> {
-    memchr::memmem::find(body, b"true")?;
+    static TRUE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"true"));
+    TRUE.find(body)?;
     std::str::from_utf8(body).ok()?;
     let stream_options = match quick.then(|| quick_top(body)).flatten() {
         Some(false) => return None,
@@ -330,6 +331,10 @@ pub(crate) struct Strip {
     max_piece: usize,
     /// Gave up (an event past `max_piece`): everything passes unchanged.
     off: bool,
+    /// Reads every event (no run of plain events passed whole), for the tests that hold both
+    /// to the same bytes.
+    #[cfg(test)]
+    read_every_event: bool,
 }
 
 #[derive(Deserialize)]
@@ -794,7 +799,27 @@ static FINISH: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"fini
 /// Whether `json` has a `\u` (a backslash is rare in a chunk, an escape in its text: `memchr`
 /// the quickest).
 fn unicode_escape(json: &[u8]) -> bool {
-    memchr::memchr_iter(b'\\', json).any(|at| json.get(at + 1) == Some(&b'u'))
+    first_unicode_escape(json).is_some()
+}
+
+/// Where the first `\u` of `json` is.
+fn first_unicode_escape(json: &[u8]) -> Option<usize> {
+    memchr::memchr_iter(b'\\', json).find(|&at| json.get(at + 1) == Some(&b'u'))
+}
+
+/// The end of the last event of `events` that ends at or before `before` (0 when none does),
+/// `events` beginning where an event begins: just past the last blank line (only `\r`s
+/// between two newlines, or between its start and a newline) there, as [`EventScanner`]
+/// finds them.
+fn event_end_before(events: &[u8], before: usize) -> usize {
+    let upto = events.get(..before).unwrap_or_default();
+    for newline in memchr::memrchr_iter(b'\n', upto) {
+        let line_start = memchr::memrchr(b'\n', &upto[..newline]).map_or(0, |n| n + 1);
+        if upto[line_start..newline].iter().all(|&b| b == b'\r') {
+            return newline + 1;
+        }
+    }
+    0
 }
 
 /// Whether every `key` (quoted) of `json` is followed by `: null` (with JSON's whitespace).
@@ -807,9 +832,10 @@ fn only_null(json: &[u8], key: &memchr::memmem::Finder<'_>) -> bool {
     })
 }
 
-/// [`only_null`] with only ` `, `\t` and `\r` taken as whitespace (never a newline): where
-/// this holds for a frame, [`only_null`] holds for each of its events.
-fn only_null_on_line(json: &[u8], key: &memchr::memmem::Finder<'_>) -> bool {
+/// Where the first `key` (quoted) of `json` is that is not followed by `: null`, with only
+/// ` `, `\t` and `\r` taken as whitespace (never a newline): before it, [`only_null`] holds
+/// for each event.
+fn first_not_null(json: &[u8], key: &Finder<'_>) -> Option<usize> {
     fn trim(s: &[u8]) -> &[u8] {
         let n = s
             .iter()
@@ -817,8 +843,8 @@ fn only_null_on_line(json: &[u8], key: &memchr::memmem::Finder<'_>) -> bool {
             .count();
         &s[n..]
     }
-    key.find_iter(json).all(|at| {
-        trim(&json[at + key.needle().len()..])
+    key.find_iter(json).find(|&at| {
+        !trim(&json[at + key.needle().len()..])
             .strip_prefix(b":")
             .is_some_and(|value| trim(value).starts_with(b"null"))
     })
@@ -849,6 +875,8 @@ impl Strip {
             tokens: None,
             max_piece,
             off: false,
+            #[cfg(test)]
+            read_every_event: false,
         }
     }
 
@@ -859,12 +887,17 @@ impl Strip {
 
     /// What to send of the next frame `data` (possibly nothing, for now).
     pub(crate) fn pass(&mut self, data: Bytes) -> Bytes {
-        if self.off || self.passes_whole(&data) {
+        if self.off {
             return data;
         }
         let mut out = Out::new(&data);
         let mut at = 0;
         loop {
+            if self.partial.is_empty() && self.held.is_empty() {
+                let plain = self.plain_events(&data, at);
+                out.pass(at, plain);
+                at = plain;
+            }
             match self.scanner.next_end(&data, at) {
                 Ok(Some(end)) => {
                     let start = at;
@@ -896,28 +929,47 @@ impl Strip {
         out.finish()
     }
 
-    /// Whether the frame `data` passes as it came without being read event by event: nothing
-    /// is held, it ends where an event ends (so no event of it waits for the next frame), it
-    /// is no longer than `max_piece` (so no event of it is), and its bytes show that each of
-    /// its events is one [`plainly_other`] tells (no usage, and no finish reason other than
-    /// `null` unless the engine is known to have no fingerprint, when a finishing chunk passes
-    /// unchanged too). Every event of such a frame would be sent unchanged, and nothing of
-    /// the strip's state would change (its scanner ends where it began).
+    /// Where the run of whole events of `data` from `at` ends that pass as they came without
+    /// being read one by one (`at` itself when there is none): `at` is where an event starts
+    /// and nothing is held. The run ends where the first event begins whose bytes may show a
+    /// usage or a finish reason other than `null` (only where that matters: unless the
+    /// engine is known to have no fingerprint, when a finishing chunk passes unchanged too) or
+    /// a `\u` escape, else at the last event's end. Each event of the run is one that
+    /// [`plainly_other`] tells (or `[DONE]`), which would be sent unchanged with nothing of
+    /// the strip's state changed (its scanner ends where it began); the run is no longer than
+    /// `max_piece`, so that no event of it is.
     ///
-    /// NB (cost): one pass of `memchr` for a `\u` and one of `memmem` for each key over the
-    /// frame, instead of finding each event's end and testing its bytes (what was most of a
-    /// tenant's streamed request beyond the router's own work). Every usual frame is one of
-    /// these but the one with the usage chunk. The keys' values are read with only ` `, `\t`
-    /// and `\r` around the `:` (JSON's whitespace but the newline, which would reach into the
-    /// next event): a frame with others is read event by event, as before.
-    fn passes_whole(&self, data: &[u8]) -> bool {
-        self.partial.is_empty()
-            && self.held.is_empty()
-            && data.len() <= self.max_piece
-            && (data.ends_with(b"\n\n") || data.ends_with(b"\n\r\n"))
-            && !unicode_escape(data)
-            && only_null_on_line(data, &USAGE)
-            && (matches!(self.engine.known, Some(None)) || only_null_on_line(data, &FINISH))
+    /// NB (cost): the engine's frames carry many events each (the stream's body gathers what
+    /// the engine already sent), nearly all of them tokens; reading every event (its end
+    /// found, its bytes tested) was most of a tenant's streamed request beyond the router's
+    /// own work. This is one pass of `memchr` for `\u` and of `memmem` for each key over the
+    /// frame, and a step back from the first event that may matter to where it begins. The
+    /// keys' values are read with only ` `, `\t` and `\r` around the `:` (JSON's whitespace
+    /// but the newline, which would reach into the next event): an event with others is read
+    /// as before.
+    fn plain_events(&self, data: &[u8], at: usize) -> usize {
+        #[cfg(test)]
+        if self.read_every_event {
+            return at;
+        }
+        let rest = data.get(at..).unwrap_or_default();
+        let fingerprint_matters = !matches!(self.engine.known, Some(None));
+        let first = [
+            first_not_null(rest, &USAGE),
+            fingerprint_matters
+                .then(|| first_not_null(rest, &FINISH))
+                .flatten(),
+            first_unicode_escape(rest),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+        .unwrap_or(rest.len());
+        let end = event_end_before(rest, first);
+        if end > self.max_piece {
+            return at;
+        }
+        at + end
     }
 
     fn event(&mut self, piece: Piece, out: &mut Out<'_>) {
@@ -1370,19 +1422,73 @@ mod tests {
             assert_eq!(tokens, Some(5));
         }
         let strip = strip(&all, 1);
-        assert!(strip.passes_whole(b"data: {\"choices\":[{\"finish_reason\": \tnull}]}\n\n"));
-        for not_whole in [
-            &b"data: {\"choices\":[{\"finish_reason\":null}]}\n"[..],
-            b"data: {\"choices\":[{\"finish_reason\":\"stop\"}]}\n\n",
-            b"data: {\"choices\":[],\"usage\":{\"total_tokens\":5}}\n\n",
-            b"data: {\"choices\":[],\"\\u0075sage\":{\"total_tokens\":5}}\n\n",
-            b"data: {\"x\":\"usage\"\n\n:null}\n\n",
+        let plain = "data: {\"choices\":[{\"finish_reason\": \tnull}],\"usage\":null}\n\n";
+        assert_eq!(strip.plain_events(plain.as_bytes(), 0), plain.len());
+        for not_plain in [
+            "data: {\"choices\":[{\"finish_reason\":null}]}\n",
+            "data: {\"choices\":[{\"finish_reason\":\"stop\"}]}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"total_tokens\":5}}\n\n",
+            "data: {\"choices\":[],\"\\u0075sage\":{\"total_tokens\":5}}\n\n",
+            "data: {\"x\":\"usage\"\n\n:null}\n\n",
+            "data: {\"choices\":[{\"finish_reason\"\n:null}]}\r\n\r\n",
         ] {
-            assert!(
-                !strip.passes_whole(not_whole),
-                "{}",
-                String::from_utf8_lossy(not_whole)
+            // The run ends where that event begins, after the plain one.
+            let frame = format!("{plain}: comment\r\n\r\n{not_plain}");
+            assert_eq!(
+                strip.plain_events(frame.as_bytes(), 0),
+                frame.len() - not_plain.len(),
+                "{not_plain}"
             );
+        }
+    }
+
+    /// Where the events of a frame are found by [`event_end_before`], as the scanner finds
+    /// them.
+    #[test]
+    fn event_ends_are_found_backwards_as_the_scanner_finds_them() {
+        let stream = b"data: a\n\n: c\r\n\r\ndata: b\r\ndata: c\n\r\n\ndata: d\n";
+        let mut scanner = EventScanner::new(1024);
+        let mut ends = vec![0];
+        let mut at = 0;
+        while let Some(end) = scanner.next_end(stream, at).unwrap() {
+            ends.push(end);
+            at = end;
+        }
+        for before in 0..=stream.len() {
+            let expected = ends.iter().copied().filter(|&e| e <= before).max().unwrap();
+            assert_eq!(event_end_before(stream, before), expected, "{before}");
+        }
+    }
+
+    /// Streams made from the usual ones by changing, adding or deleting a byte, in frames of
+    /// several sizes: the strip that passes runs of plain events whole sends what the strip
+    /// reading every event sends, and counts the same tokens.
+    #[test]
+    fn runs_of_plain_events_pass_as_every_event_read_would() {
+        let all = Arc::default();
+        let mutations = b"\n\r\\u\":{}n ";
+        let mut streams = Vec::new();
+        for base in [WITH_USAGE, WITH_USAGE_N2, SGLANG] {
+            let base = base.as_bytes();
+            streams.push(base.to_vec());
+            for at in (0..base.len()).step_by(3) {
+                streams.push([&base[..at], &base[at + 1..]].concat());
+                for &b in mutations {
+                    streams.push([&base[..at], &[b], &base[at..]].concat());
+                    streams.push([&base[..at], &[b], &base[at + 1..]].concat());
+                }
+            }
+        }
+        for (n, stream) in streams.iter().enumerate() {
+            for size in [stream.len(), 7, 64] {
+                let frames: Vec<&[u8]> = stream.chunks(size).collect();
+                let generation = (n % 3) as u64;
+                let mut quick = strip(&all, generation);
+                let mut every = strip(&all, generation);
+                every.read_every_event = true;
+                let (q, e) = (run_on(&mut quick, &frames), run_on(&mut every, &frames));
+                assert_eq!(q, e, "{}", String::from_utf8_lossy(stream));
+            }
         }
     }
 
