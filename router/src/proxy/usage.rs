@@ -539,14 +539,16 @@ impl<'a> Reader<'a> {
     /// A string's bytes (after its `"`, taken) when it has no escape and no control
     /// character.
     fn plain(&mut self) -> Option<&'a [u8]> {
+        // Byte by byte: keys are short, and `memchr`'s setup cost more than this.
         let rest = self.b.get(self.at..)?;
-        let end = memchr::memchr2(b'"', b'\\', rest)?;
-        let s = &rest[..end];
-        if rest[end] != b'"' || s.iter().any(|&c| c < 0x20) {
+        let end = rest
+            .iter()
+            .position(|&c| c == b'"' || c == b'\\' || c < 0x20)?;
+        if rest[end] != b'"' {
             return None;
         }
         self.at += end + 1;
-        Some(s)
+        Some(&rest[..end])
     }
 
     /// An object's key (plain ASCII) and its `:`.
@@ -892,9 +894,10 @@ impl Strip {
         }
         let mut out = Out::new(&data);
         let mut at = 0;
+        let mut marks = Marks::default();
         loop {
             if self.partial.is_empty() && self.held.is_empty() {
-                let plain = self.plain_events(&data, at);
+                let plain = self.plain_events(&data, at, &mut marks);
                 out.pass(at, plain);
                 at = plain;
             }
@@ -947,25 +950,27 @@ impl Strip {
     /// keys' values are read with only ` `, `\t` and `\r` around the `:` (JSON's whitespace
     /// but the newline, which would reach into the next event): an event with others is read
     /// as before.
-    fn plain_events(&self, data: &[u8], at: usize) -> usize {
+    /// `marks`: what the frame's earlier calls found (each search goes on from there rather
+    /// than over the frame again).
+    fn plain_events(&self, data: &[u8], at: usize, marks: &mut Marks) -> usize {
         #[cfg(test)]
         if self.read_every_event {
             return at;
         }
-        let rest = data.get(at..).unwrap_or_default();
         let fingerprint_matters = !matches!(self.engine.known, Some(None));
         let first = [
-            first_not_null(rest, &USAGE),
+            marks.usage.first(data, at, |d| first_not_null(d, &USAGE)),
             fingerprint_matters
-                .then(|| first_not_null(rest, &FINISH))
+                .then(|| marks.finish.first(data, at, |d| first_not_null(d, &FINISH)))
                 .flatten(),
-            first_unicode_escape(rest),
+            marks.escape.first(data, at, first_unicode_escape),
         ]
         .into_iter()
         .flatten()
         .min()
-        .unwrap_or(rest.len());
-        let end = event_end_before(rest, first);
+        .unwrap_or(data.len());
+        let rest = data.get(at..).unwrap_or_default();
+        let end = event_end_before(rest, first.saturating_sub(at));
         if end > self.max_piece {
             return at;
         }
@@ -1027,6 +1032,46 @@ impl Strip {
         out.push(&std::mem::take(&mut self.partial));
         let rest = out.finish();
         (!rest.is_empty()).then_some(rest)
+    }
+}
+
+/// What [`Strip::plain_events`] found in one frame so far, for each kind of mark.
+#[derive(Default)]
+struct Marks {
+    usage: Mark,
+    finish: Mark,
+    escape: Mark,
+}
+
+/// Where the first mark of one kind is in a frame, searched for from `from` (`None`: none
+/// after it; not `searched` yet: unknown).
+#[derive(Default)]
+struct Mark {
+    searched: bool,
+    from: usize,
+    at: Option<usize>,
+}
+
+impl Mark {
+    /// Where the first mark at or after `from` in `data` is, `find` finding it in a slice:
+    /// what was found before when that answers (searched from no later, and found none or
+    /// one no earlier), else searched for now.
+    fn first(
+        &mut self,
+        data: &[u8],
+        from: usize,
+        find: impl Fn(&[u8]) -> Option<usize>,
+    ) -> Option<usize> {
+        let known = self.searched && self.from <= from && self.at.is_none_or(|at| at >= from);
+        if !known {
+            let rest = data.get(from..).unwrap_or_default();
+            *self = Mark {
+                searched: true,
+                from,
+                at: find(rest).map(|at| at + from),
+            };
+        }
+        self.at
     }
 }
 
@@ -1423,7 +1468,10 @@ mod tests {
         }
         let strip = strip(&all, 1);
         let plain = "data: {\"choices\":[{\"finish_reason\": \tnull}],\"usage\":null}\n\n";
-        assert_eq!(strip.plain_events(plain.as_bytes(), 0), plain.len());
+        assert_eq!(
+            strip.plain_events(plain.as_bytes(), 0, &mut Marks::default()),
+            plain.len()
+        );
         for not_plain in [
             "data: {\"choices\":[{\"finish_reason\":null}]}\n",
             "data: {\"choices\":[{\"finish_reason\":\"stop\"}]}\n\n",
@@ -1435,7 +1483,7 @@ mod tests {
             // The run ends where that event begins, after the plain one.
             let frame = format!("{plain}: comment\r\n\r\n{not_plain}");
             assert_eq!(
-                strip.plain_events(frame.as_bytes(), 0),
+                strip.plain_events(frame.as_bytes(), 0, &mut Marks::default()),
                 frame.len() - not_plain.len(),
                 "{not_plain}"
             );
