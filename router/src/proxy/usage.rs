@@ -6,12 +6,14 @@
 //! `stream_options.include_usage = true` (and loses a `continuous_usage_stats`, which had no
 //! effect without `include_usage`, so that the engine does not put usage on every chunk).
 //! The engine then ends the stream with one chunk whose `choices` are empty and which carries
-//! the `usage`; [`Strip`] reads every event of the answer as it passes and drops that one.
-//! Cost: an event is told from its bytes when they show no `usage` and no `finish_reason` but
-//! `null` ([`plainly_other`]: every event but those two), and passed on as a slice of the frame
-//! that brought it; only the finishing and the usage chunks are read as JSON, in one pass
-//! that allocates nothing ([`quick_read`]; `serde_json` reads what it leaves). An instance's
-//! fingerprint is kept as the JSON string written into its finishing chunks.
+//! the `usage`; [`Strip`] watches every event of the answer as it passes and drops that one.
+//! Cost: the events whose bytes show no `usage` and no `finish_reason` but `null` (every event
+//! but those two) pass as runs, slices of the frame that brought them: one `memmem` pass per
+//! key over a frame finds where the next event that may matter begins
+//! ([`Strip::plain_events`]); that event is found and told from its bytes
+//! ([`plainly_other`]), and only the finishing and the usage chunks are read as JSON, in one
+//! pass that allocates nothing ([`quick_read`]; `serde_json` reads what it leaves). An
+//! instance's fingerprint is kept as the JSON string written into its finishing chunks.
 //! - What vLLM 0.32 also changes (`chat_completion/serving.py`, `completion/serving.py`): with
 //!   `include_usage` it puts `system_fingerprint` on the usage chunk instead of on each chunk
 //!   that carries a `finish_reason` (one per choice: `n` of them, among the other choices'
