@@ -502,17 +502,63 @@ impl Tenants {
     /// let in with `known`: the same key of the same set is that tenant again, without a
     /// second digest (see [`KnownKey`]); `known` is then what this request was let in with.
     pub fn authenticate_again(&self, lines: &[u8], known: &mut KnownKey) -> Auth {
+        self.authenticate_line(lines, known).0
+    }
+
+    /// [`Tenants::authenticate_again`], with where the one `Authorization` line is in `lines`
+    /// (its bytes and its `\n`) when there is one.
+    fn authenticate_line(
+        &self,
+        lines: &[u8],
+        known: &mut KnownKey,
+    ) -> (Auth, Option<std::ops::Range<usize>>) {
         let set = self.set();
         if !set.asks_keys() {
-            return Auth::Off;
+            return (Auth::Off, None);
         }
-        let given = bearer_key(lines).unwrap_or_default();
-        if let Some(tenant) = known.of(&set, given) {
+        let (given, line) = match bearer_line(lines) {
+            Some((key, line)) => (key, Some(line)),
+            None => (&[][..], None),
+        };
+        let auth = Self::tenant_of(&set, given, known);
+        (auth, line)
+    }
+
+    /// Who a request whose head's lines are `lines` is, and those lines without its
+    /// `Authorization` line when it is a tenant's (the key is not the engine's): a slice of
+    /// `lines` when the line is first or last (nothing copied), else a copy.
+    ///
+    /// NB (cost): the line is found once, by [`bearer_line`], and cut out where it was found
+    /// (a tenant's request has exactly one: the listener's lines are each `name: value\r\n`,
+    /// and a second one refuses the key), rather than every line's name read again to find
+    /// it ([`without_authorization`]).
+    pub fn identify(
+        &self,
+        lines: &bytes::Bytes,
+        known: &mut KnownKey,
+    ) -> (Auth, Option<bytes::Bytes>) {
+        let (auth, line) = self.authenticate_line(lines, known);
+        let (Auth::Tenant(_), Some(line)) = (&auth, line) else {
+            return (auth, None);
+        };
+        let rest = if line.start == 0 {
+            lines.slice(line.end..)
+        } else if line.end == lines.len() {
+            lines.slice(..line.start)
+        } else {
+            bytes::Bytes::from([&lines[..line.start], &lines[line.end..]].concat())
+        };
+        (auth, Some(rest))
+    }
+
+    /// The tenant of the key `given` in `set`, `known` the key the connection was let in with.
+    fn tenant_of(set: &Arc<Set>, given: &[u8], known: &mut KnownKey) -> Auth {
+        if let Some(tenant) = known.of(set, given) {
             return Auth::Tenant(tenant);
         }
-        match find(&set, &digest(given)) {
+        match find(set, &digest(given)) {
             Some(tenant) => {
-                known.learn(&set, given, &tenant);
+                known.learn(set, given, &tenant);
                 Auth::Tenant(tenant)
             }
             None => {
@@ -656,13 +702,17 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     std::hint::black_box(diff) == 0
 }
 
-/// The key of the one `Authorization: Bearer <key>` line of `lines`; `None` when there is
-/// none, more than one, or it is not a bearer token.
-fn bearer_key(lines: &[u8]) -> Option<&[u8]> {
+/// The key of the one `Authorization: Bearer <key>` line of `lines`, and where that line is
+/// in `lines` (with its `\n`, when it has one); `None` when there is none, more than one, or
+/// it is not a bearer token.
+fn bearer_line(lines: &[u8]) -> Option<(&[u8], std::ops::Range<usize>)> {
     let mut found = None;
+    let mut start = 0;
     for line in lines_of(lines) {
+        let at = start;
+        start += line.len() + 1;
         let line = line.strip_suffix(b"\r").unwrap_or(line);
-        let Some(colon) = line.iter().position(|&b| b == b':') else {
+        let Some(colon) = memchr::memchr(b':', line) else {
             continue;
         };
         if !line[..colon]
@@ -674,9 +724,10 @@ fn bearer_key(lines: &[u8]) -> Option<&[u8]> {
         if found.is_some() {
             return None;
         }
-        found = Some(line[colon + 1..].trim_ascii());
+        found = Some((line[colon + 1..].trim_ascii(), at..start.min(lines.len())));
     }
-    capyctl_spec::auth::bearer(found?)
+    let (value, line) = found?;
+    Some((capyctl_spec::auth::bearer(value)?, line))
 }
 
 /// The lines of `bytes` as `bytes.split(|&b| b == b'\n')` gives them (an empty one after a
@@ -692,9 +743,10 @@ pub(crate) fn lines_of(bytes: &[u8]) -> impl Iterator<Item = &[u8]> {
         })
 }
 
-/// `lines` without its `Authorization` lines (the tenant's key is not the engine's): a slice
-/// of `lines` when they are together at its start or end (nothing copied), else a copy.
-pub fn without_authorization(lines: &bytes::Bytes) -> bytes::Bytes {
+/// `lines` without its `Authorization` lines, every line's name read (what
+/// [`Tenants::identify`] gives a tenant's request, held to it by a test).
+#[cfg(test)]
+fn without_authorization(lines: &bytes::Bytes) -> bytes::Bytes {
     let is_authorization = |line: &[u8]| {
         let name = line.split(|&b| b == b':').next().unwrap_or_default();
         name.trim_ascii().eq_ignore_ascii_case(b"authorization")
@@ -796,6 +848,40 @@ mod tests {
     /// Tenants configured whose keys are all left out (a Kubernetes `Tenant` whose Secret is
     /// missing): every request needs a key still, and none is accepted; the listener never
     /// falls open.
+    /// A tenant's request loses its `Authorization` line wherever it is, and nothing else;
+    /// a request refused keeps its lines.
+    #[test]
+    fn identify_cuts_out_the_authorization_line_wherever_it_is() {
+        let t = Tenants::new();
+        t.install(vec![tenant("a", &["k1"], None, None)]).unwrap();
+        let others = [
+            "content-type: application/json\r\n",
+            "x-a:1\r\n",
+            "accept: */*\r\n",
+        ];
+        for key in ["k1", "k2"] {
+            for at in 0..=others.len() {
+                let mut lines: Vec<String> = others.iter().map(|l| (*l).to_string()).collect();
+                lines.insert(at, format!("Authorization:  Bearer {key} \r\n"));
+                let lines = bytes::Bytes::from(lines.concat());
+                let (auth, rest) = t.identify(&lines, &mut KnownKey::default());
+                if key == "k1" {
+                    assert!(matches!(auth, Auth::Tenant(_)), "{at}");
+                    let rest = rest.unwrap();
+                    assert_eq!(rest, without_authorization(&lines), "{at}");
+                    assert_eq!(rest, others.concat().as_bytes(), "{at}");
+                } else {
+                    assert!(matches!(auth, Auth::Refused), "{at}");
+                    assert!(rest.is_none());
+                }
+            }
+        }
+        // The last line without its CRLF, as a oneshot request's may be.
+        let lines = bytes::Bytes::from_static(b"x-a: 1\r\nauthorization: Bearer k1");
+        let (_, rest) = t.identify(&lines, &mut KnownKey::default());
+        assert_eq!(rest.unwrap(), &b"x-a: 1\r\n"[..]);
+    }
+
     #[test]
     fn keys_required_with_no_tenant_refuses_every_request() {
         let t = Tenants::new();

@@ -240,8 +240,10 @@ pub struct ProxyBody {
 pub(crate) struct UsageTap {
     tenant: Arc<crate::tenants::TenantEntry>,
     /// The latest frames (shared, not copied): at least [`USAGE_TAIL`] bytes of them once the
-    /// answer is that long.
-    tail: std::collections::VecDeque<Bytes>,
+    /// answer is that long, the last one in `last` (a non-streamed answer's usual only one:
+    /// nothing allocated for it) and those before it in `earlier`.
+    last: Option<Bytes>,
+    earlier: std::collections::VecDeque<Bytes>,
     /// Their bytes.
     held: usize,
     /// Takes the usage the listener asked for out of a streamed answer (`None` when the
@@ -256,7 +258,8 @@ impl UsageTap {
     pub(crate) fn new(tenant: Arc<crate::tenants::TenantEntry>) -> Box<Self> {
         Box::new(Self {
             tenant,
-            tail: std::collections::VecDeque::new(),
+            last: None,
+            earlier: std::collections::VecDeque::new(),
             held: 0,
             strip: None,
         })
@@ -271,13 +274,16 @@ impl UsageTap {
 
     fn feed(&mut self, data: &Bytes) {
         self.held += data.len();
-        self.tail.push_back(data.clone());
+        let Some(before) = self.last.replace(data.clone()) else {
+            return;
+        };
+        self.earlier.push_back(before);
         while self
-            .tail
+            .earlier
             .front()
             .is_some_and(|f| self.held - f.len() >= USAGE_TAIL)
         {
-            if let Some(f) = self.tail.pop_front() {
+            if let Some(f) = self.earlier.pop_front() {
                 self.held -= f.len();
             }
         }
@@ -286,13 +292,12 @@ impl UsageTap {
     /// The [`total_tokens`] of the last [`USAGE_TAIL`] bytes (or fewer): read in place when
     /// one frame holds them (a non-streamed answer's usual one), else from a copy in one piece.
     fn tail_tokens(&self) -> Option<u64> {
-        if self.tail.len() == 1
-            && let Some(frame) = self.tail.front()
-        {
-            return total_tokens(&frame[frame.len().saturating_sub(USAGE_TAIL)..]);
+        let last = self.last.as_ref()?;
+        if self.earlier.is_empty() {
+            return total_tokens(&last[last.len().saturating_sub(USAGE_TAIL)..]);
         }
         let mut out = Vec::with_capacity(self.held);
-        for f in &self.tail {
+        for f in self.earlier.iter().chain([last]) {
             out.extend_from_slice(f);
         }
         let cut = out.len().saturating_sub(USAGE_TAIL);
@@ -302,7 +307,10 @@ impl UsageTap {
 
 /// The number after the last `"total_tokens":` of `tail`.
 pub(crate) fn total_tokens(tail: &[u8]) -> Option<u64> {
-    let at = memchr::memmem::rfind(tail, b"\"total_tokens\"")?;
+    // Made once (what a search costs to set up was most of this).
+    static KEY: std::sync::LazyLock<memchr::memmem::FinderRev<'static>> =
+        std::sync::LazyLock::new(|| memchr::memmem::FinderRev::new(b"\"total_tokens\""));
+    let at = KEY.rfind(tail)?;
     let rest = tail[at + 14..].trim_ascii_start();
     let rest = rest.strip_prefix(b":")?.trim_ascii_start();
     let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();

@@ -476,9 +476,9 @@ impl<A: Admission> Proxy<A> {
         let Some(tenants) = self.tenants.as_deref() else {
             return Auth::Off;
         };
-        let auth = tenants.authenticate_again(&head.lines, known);
-        if let Auth::Tenant(_) = auth {
-            head.lines = tenants::without_authorization(&head.lines);
+        let (auth, lines) = tenants.identify(&head.lines, known);
+        if let Some(lines) = lines {
+            head.lines = lines;
         }
         auth
     }

@@ -6,12 +6,14 @@
 //! `stream_options.include_usage = true` (and loses a `continuous_usage_stats`, which had no
 //! effect without `include_usage`, so that the engine does not put usage on every chunk).
 //! The engine then ends the stream with one chunk whose `choices` are empty and which carries
-//! the `usage`; [`Strip`] reads every event of the answer as it passes and drops that one.
-//! Cost: an event is told from its bytes when they show no `usage` and no `finish_reason` but
-//! `null` ([`plainly_other`]: every event but those two), and passed on as a slice of the frame
-//! that brought it; only the finishing and the usage chunks are read as JSON, in one pass
-//! that allocates nothing ([`quick_read`]; `serde_json` reads what it leaves). An instance's
-//! fingerprint is kept as the JSON string written into its finishing chunks.
+//! the `usage`; [`Strip`] watches every event of the answer as it passes and drops that one.
+//! Cost: the events whose bytes show no `usage` and no `finish_reason` but `null` (every event
+//! but those two) pass as runs, slices of the frame that brought them: one `memmem` pass per
+//! key over a frame finds where the next event that may matter begins
+//! ([`Strip::plain_events`]); that event is found and told from its bytes
+//! ([`plainly_other`]), and only the finishing and the usage chunks are read as JSON, in one
+//! pass that allocates nothing ([`quick_read`]; `serde_json` reads what it leaves). An
+//! instance's fingerprint is kept as the JSON string written into its finishing chunks.
 //! - What vLLM 0.32 also changes (`chat_completion/serving.py`, `completion/serving.py`): with
 //!   `include_usage` it puts `system_fingerprint` on the usage chunk instead of on each chunk
 //!   that carries a `finish_reason` (one per choice: `n` of them, among the other choices'
@@ -31,14 +33,16 @@
 //!   its finishing chunks then lack the fingerprint).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 
 use bytes::{Bytes, BytesMut};
 use capyctl_interfaces::router::InstanceKey;
+use memchr::memmem::Finder;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::sse::EventScanner;
+use crate::fast_hash::FastHash;
 
 /// The forwarded body of a streamed request asking for its usage, or `None` when the request
 /// is not streamed, already asks for usage, or is not an object this can read (forwarded as it
@@ -56,13 +60,27 @@ use super::sse::EventScanner;
 /// refuses, is then asked for its usage where a strict reading would have forwarded it as it
 /// came, and the engine's refusal passes unchanged.
 pub(crate) fn ask_usage(body: &[u8]) -> Option<Vec<u8>> {
-    memchr::memmem::find(body, b"true")?;
+    ask_usage_reading(body, true)
+}
+
+/// [`ask_usage`], its body's top level read by [`quick_top`] where that answers (`quick`),
+/// else by `serde_json` ([`Top`]).
+fn ask_usage_reading(body: &[u8], quick: bool) -> Option<Vec<u8>> {
+    static TRUE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"true"));
+    TRUE.find(body)?;
     std::str::from_utf8(body).ok()?;
-    let top: Top = serde_json::from_slice(body).ok()?;
-    if top.stream != Some(Value::Bool(true)) {
-        return None;
-    }
-    match top.stream_options {
+    let stream_options = match quick.then(|| quick_top(body)).flatten() {
+        Some(false) => return None,
+        Some(true) => None,
+        None => {
+            let top: Top = serde_json::from_slice(body).ok()?;
+            if top.stream != Some(Value::Bool(true)) {
+                return None;
+            }
+            top.stream_options
+        }
+    };
+    match stream_options {
         None => {
             // An object that read whole ends with its brace (then only whitespace).
             let close = body.iter().rposition(|&b| b == b'}')?;
@@ -84,6 +102,42 @@ pub(crate) fn ask_usage(body: &[u8]) -> Option<Vec<u8>> {
     }
 }
 
+/// What [`Top`] reads of a request, read without `serde_json` where this answers exactly (the
+/// same JSON as [`quick_read`] takes), for an object without `stream_options` whose `stream`s
+/// (if any) are `true`, `false` or `null`: `Some(true)` when its last `stream` is `true`,
+/// else `Some(false)`; `None` for any other body (then read by `serde_json`).
+///
+/// NB (cost): this runs for every request of a tenant whose tokens are counted; through
+/// `serde_json` (its map access and a `Value` of `stream`) it was about 3,700 instructions
+/// of a usual chat request (callgrind). The test `the_quick_top_is_serde_jsons` holds both
+/// to the same answers on mutated bodies.
+fn quick_top(body: &[u8]) -> Option<bool> {
+    let mut r = Reader { b: body, at: 0 };
+    r.open(b'{')?;
+    let mut stream = false;
+    if !r.close(b'}') {
+        loop {
+            match r.key()? {
+                b"stream" => {
+                    stream = match r.peek()? {
+                        b't' => r.word(b"true").map(|()| true)?,
+                        b'f' => r.word(b"false").map(|()| false)?,
+                        b'n' => r.word(b"null").map(|()| false)?,
+                        _ => return None,
+                    };
+                }
+                b"stream_options" => return None,
+                _ => r.skip(0)?,
+            }
+            if !r.next(b'}')? {
+                break;
+            }
+        }
+    }
+    r.end()?;
+    Some(stream)
+}
+
 /// [`ask_usage`] through a `serde_json` map, for a request whose `stream_options` is `null` or
 /// an object not asking for usage: `include_usage` set, `continuous_usage_stats` removed.
 fn rewrite(body: &[u8]) -> Option<Vec<u8>> {
@@ -103,10 +157,22 @@ fn rewrite(body: &[u8]) -> Option<Vec<u8>> {
     serde_json::to_vec(&request).ok()
 }
 
-/// The `system_fingerprint` of each engine instance, as its last usage chunk said (`None`
-/// inside: it has none), shared by the listener's streams (see the module's note).
+/// The `system_fingerprint` of each engine instance, as its last usage chunk said, shared by
+/// the listener's streams (see the module's note).
+///
+/// NB (cost): a stream finds its instance's [`Slot`] once, when it starts (one lookup, by
+/// [`FastHash`]: an instance's key is the lifecycle's, never a client's), and learns into it
+/// without a second lookup or a copy of the key.
 #[derive(Debug, Default)]
-pub(crate) struct Fingerprints(Mutex<HashMap<InstanceKey, Option<Arc<Fingerprint>>>>);
+pub(crate) struct Fingerprints(Mutex<HashMap<InstanceKey, Arc<Slot>, FastHash>>);
+
+/// What is known of an instance's fingerprint: `None` nothing yet, `Some(None)` that it has
+/// none.
+type Known = Option<Option<Arc<Fingerprint>>>;
+
+/// One instance's [`Known`].
+#[derive(Debug, Default)]
+struct Slot(Mutex<Known>);
 
 /// An engine's `system_fingerprint`, and the same as a JSON string (what is written into a
 /// finishing chunk: made once, when it is learnt).
@@ -130,47 +196,56 @@ impl Fingerprint {
 const MAX_INSTANCES: usize = 1024;
 
 impl Fingerprints {
-    fn known(&self, key: &InstanceKey) -> Option<Option<Arc<Fingerprint>>> {
+    /// The slot of the instance `key` (a new one when it has none).
+    fn slot(&self, key: &InstanceKey) -> Arc<Slot> {
+        let mut all = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(slot) = all.get(key) {
+            return Arc::clone(slot);
+        }
+        if all.len() >= MAX_INSTANCES {
+            all.clear();
+        }
+        let slot = Arc::<Slot>::default();
+        all.insert(key.clone(), Arc::clone(&slot));
+        slot
+    }
+}
+
+impl Slot {
+    fn known(&self) -> Known {
         self.0
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .get(key)
-            .cloned()
+            .clone()
     }
 
-    /// Keeps `fingerprint` as the instance `key`'s; returns it as kept.
-    fn learn(&self, key: &InstanceKey, fingerprint: Option<&str>) -> Option<Arc<Fingerprint>> {
-        let mut all = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(known) = all.get(key)
-            && known.as_ref().map(|f| &*f.raw) == fingerprint
+    /// Keeps `fingerprint` as the instance's; returns it as kept.
+    fn learn(&self, fingerprint: Option<&str>) -> Option<Arc<Fingerprint>> {
+        let mut known = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(kept) = &*known
+            && kept.as_ref().map(|f| &*f.raw) == fingerprint
         {
-            return known.clone();
-        }
-        if all.len() >= MAX_INSTANCES && !all.contains_key(key) {
-            all.clear();
+            return kept.clone();
         }
         let learnt = fingerprint.map(Fingerprint::new);
-        all.insert(key.clone(), learnt.clone());
+        *known = Some(learnt.clone());
         learnt
     }
 }
 
 /// The engine instance a stream comes from, for its fingerprint.
 pub(crate) struct Engine {
-    all: Arc<Fingerprints>,
-    key: InstanceKey,
+    slot: Arc<Slot>,
     /// Its fingerprint, when known (`Some(None)`: it has none).
-    known: Option<Option<Arc<Fingerprint>>>,
+    known: Known,
 }
 
 impl Engine {
     /// The instance `key`, with what `all` knows of it.
-    pub(crate) fn new(all: &Arc<Fingerprints>, key: &InstanceKey) -> Self {
-        Self {
-            all: Arc::clone(all),
-            key: key.clone(),
-            known: all.known(key),
-        }
+    pub(crate) fn new(all: &Fingerprints, key: &InstanceKey) -> Self {
+        let slot = all.slot(key);
+        let known = slot.known();
+        Self { slot, known }
     }
 }
 
@@ -258,6 +333,10 @@ pub(crate) struct Strip {
     max_piece: usize,
     /// Gave up (an event past `max_piece`): everything passes unchanged.
     off: bool,
+    /// Reads every event (no run of plain events passed whole), for the tests that hold both
+    /// to the same bytes.
+    #[cfg(test)]
+    read_every_event: bool,
 }
 
 #[derive(Deserialize)]
@@ -462,14 +541,16 @@ impl<'a> Reader<'a> {
     /// A string's bytes (after its `"`, taken) when it has no escape and no control
     /// character.
     fn plain(&mut self) -> Option<&'a [u8]> {
+        // Byte by byte: keys are short, and `memchr`'s setup cost more than this.
         let rest = self.b.get(self.at..)?;
-        let end = memchr::memchr2(b'"', b'\\', rest)?;
-        let s = &rest[..end];
-        if rest[end] != b'"' || s.iter().any(|&c| c < 0x20) {
+        let end = rest
+            .iter()
+            .position(|&c| c == b'"' || c == b'\\' || c < 0x20)?;
+        if rest[end] != b'"' {
             return None;
         }
         self.at += end + 1;
-        Some(s)
+        Some(&rest[..end])
     }
 
     /// An object's key (plain ASCII) and its `:`.
@@ -712,14 +793,37 @@ impl<'a> Reader<'a> {
 /// finishing and the usage ones is told this way, without reading its JSON (that reading was
 /// most of the strip's cost).
 fn plainly_other(event: &[u8]) -> bool {
-    use memchr::memmem::Finder;
-    use std::sync::LazyLock;
-    static USAGE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"usage\""));
-    static FINISH: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"finish_reason\""));
-    // `\u`: a backslash is rare in a chunk (an escape in its text), `memchr` the quickest.
-    let unicode_escape =
-        memchr::memchr_iter(b'\\', event).any(|at| event.get(at + 1) == Some(&b'u'));
-    !unicode_escape && only_null(event, &USAGE) && only_null(event, &FINISH)
+    !unicode_escape(event) && only_null(event, &USAGE) && only_null(event, &FINISH)
+}
+
+/// The keys [`plainly_other`] looks for, quoted.
+static USAGE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"usage\""));
+static FINISH: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"finish_reason\""));
+
+/// Whether `json` has a `\u` (a backslash is rare in a chunk, an escape in its text: `memchr`
+/// the quickest).
+fn unicode_escape(json: &[u8]) -> bool {
+    first_unicode_escape(json).is_some()
+}
+
+/// Where the first `\u` of `json` is.
+fn first_unicode_escape(json: &[u8]) -> Option<usize> {
+    memchr::memchr_iter(b'\\', json).find(|&at| json.get(at + 1) == Some(&b'u'))
+}
+
+/// The end of the last event of `events` that ends at or before `before` (0 when none does),
+/// `events` beginning where an event begins: just past the last blank line (only `\r`s
+/// between two newlines, or between its start and a newline) there, as [`EventScanner`]
+/// finds them.
+fn event_end_before(events: &[u8], before: usize) -> usize {
+    let upto = events.get(..before).unwrap_or_default();
+    for newline in memchr::memrchr_iter(b'\n', upto) {
+        let line_start = memchr::memrchr(b'\n', &upto[..newline]).map_or(0, |n| n + 1);
+        if upto[line_start..newline].iter().all(|&b| b == b'\r') {
+            return newline + 1;
+        }
+    }
+    0
 }
 
 /// Whether every `key` (quoted) of `json` is followed by `: null` (with JSON's whitespace).
@@ -729,6 +833,48 @@ fn only_null(json: &[u8], key: &memchr::memmem::Finder<'_>) -> bool {
             .trim_ascii_start()
             .strip_prefix(b":")
             .is_some_and(|value| value.trim_ascii_start().starts_with(b"null"))
+    })
+}
+
+/// Where the first `key` (quoted) of `json` is that is not followed by `: null`, with only
+/// ` `, `\t` and `\r` taken as whitespace (never a newline): before it, [`only_null`] holds
+/// for each event.
+fn first_not_null(json: &[u8], key: &Finder<'_>) -> Option<usize> {
+    first_of_not_null(json, key.needle().len(), key.find_iter(json))
+}
+
+/// [`first_not_null`] of `"finish_reason"`, its places found from the `_` in it.
+///
+/// NB (cost): every token chunk has a `"finish_reason":null`; `memmem` took about 450
+/// instructions for each (callgrind), a `memchr` for `_` (three or four in a chunk's keys) and
+/// a comparison far less. Every place `memmem` finds is found (each has its `_` 7 bytes in);
+/// one it would skip, overlapping the one before, follows one that is not `null` already.
+fn first_finish_not_null(json: &[u8]) -> Option<usize> {
+    const KEY: &[u8] = b"\"finish_reason\"";
+    let places = memchr::memchr_iter(b'_', json)
+        .filter_map(|underscore| underscore.checked_sub(7))
+        .filter(|&at| json[at..].starts_with(KEY));
+    first_of_not_null(json, KEY.len(), places)
+}
+
+/// The first of `places` (where a key of `len` bytes is in `json`) not followed by `: null`,
+/// with only ` `, `\t` and `\r` taken as whitespace.
+fn first_of_not_null(
+    json: &[u8],
+    len: usize,
+    mut places: impl Iterator<Item = usize>,
+) -> Option<usize> {
+    fn trim(s: &[u8]) -> &[u8] {
+        let n = s
+            .iter()
+            .take_while(|&&c| matches!(c, b' ' | b'\t' | b'\r'))
+            .count();
+        &s[n..]
+    }
+    places.find(|&at| {
+        !trim(&json[at + len..])
+            .strip_prefix(b":")
+            .is_some_and(|value| trim(value).starts_with(b"null"))
     })
 }
 
@@ -757,6 +903,8 @@ impl Strip {
             tokens: None,
             max_piece,
             off: false,
+            #[cfg(test)]
+            read_every_event: false,
         }
     }
 
@@ -772,7 +920,13 @@ impl Strip {
         }
         let mut out = Out::new(&data);
         let mut at = 0;
+        let mut marks = Marks::default();
         loop {
+            if self.partial.is_empty() && self.held.is_empty() {
+                let plain = self.plain_events(&data, at, &mut marks);
+                out.pass(at, plain);
+                at = plain;
+            }
             match self.scanner.next_end(&data, at) {
                 Ok(Some(end)) => {
                     let start = at;
@@ -804,6 +958,51 @@ impl Strip {
         out.finish()
     }
 
+    /// Where the run of whole events of `data` from `at` ends that pass as they came without
+    /// being read one by one (`at` itself when there is none): `at` is where an event starts
+    /// and nothing is held. The run ends where the first event begins whose bytes may show a
+    /// usage or a finish reason other than `null` (only where that matters: unless the
+    /// engine is known to have no fingerprint, when a finishing chunk passes unchanged too) or
+    /// a `\u` escape, else at the last event's end. Each event of the run is one that
+    /// [`plainly_other`] tells (or `[DONE]`), which would be sent unchanged with nothing of
+    /// the strip's state changed (its scanner ends where it began); the run is no longer than
+    /// `max_piece`, so that no event of it is.
+    ///
+    /// NB (cost): the engine's frames carry many events each (the stream's body gathers what
+    /// the engine already sent), nearly all of them tokens; reading every event (its end
+    /// found, its bytes tested) was most of a tenant's streamed request beyond the router's
+    /// own work. This is one pass of `memchr` for `\u` and of `memmem` for each key over the
+    /// frame, and a step back from the first event that may matter to where it begins. The
+    /// keys' values are read with only ` `, `\t` and `\r` around the `:` (JSON's whitespace
+    /// but the newline, which would reach into the next event): an event with others is read
+    /// as before.
+    /// `marks`: what the frame's earlier calls found (each search goes on from there rather
+    /// than over the frame again).
+    fn plain_events(&self, data: &[u8], at: usize, marks: &mut Marks) -> usize {
+        #[cfg(test)]
+        if self.read_every_event {
+            return at;
+        }
+        let fingerprint_matters = !matches!(self.engine.known, Some(None));
+        let first = [
+            marks.usage.first(data, at, |d| first_not_null(d, &USAGE)),
+            fingerprint_matters
+                .then(|| marks.finish.first(data, at, first_finish_not_null))
+                .flatten(),
+            marks.escape.first(data, at, first_unicode_escape),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+        .unwrap_or(data.len());
+        let rest = data.get(at..).unwrap_or_default();
+        let end = event_end_before(rest, first.saturating_sub(at));
+        if end > self.max_piece {
+            return at;
+        }
+        at + end
+    }
+
     fn event(&mut self, piece: Piece, out: &mut Out<'_>) {
         let data = out.data;
         let event = match &piece {
@@ -816,10 +1015,7 @@ impl Strip {
                 fingerprint,
             } => {
                 self.tokens = tokens;
-                let learnt = self
-                    .engine
-                    .all
-                    .learn(&self.engine.key, fingerprint.as_deref());
+                let learnt = self.engine.slot.learn(fingerprint.as_deref());
                 self.release(out, learnt.as_deref());
                 self.engine.known = Some(learnt);
             }
@@ -862,6 +1058,46 @@ impl Strip {
         out.push(&std::mem::take(&mut self.partial));
         let rest = out.finish();
         (!rest.is_empty()).then_some(rest)
+    }
+}
+
+/// What [`Strip::plain_events`] found in one frame so far, for each kind of mark.
+#[derive(Default)]
+struct Marks {
+    usage: Mark,
+    finish: Mark,
+    escape: Mark,
+}
+
+/// Where the first mark of one kind is in a frame, searched for from `from` (`None`: none
+/// after it; not `searched` yet: unknown).
+#[derive(Default)]
+struct Mark {
+    searched: bool,
+    from: usize,
+    at: Option<usize>,
+}
+
+impl Mark {
+    /// Where the first mark at or after `from` in `data` is, `find` finding it in a slice:
+    /// what was found before when that answers (searched from no later, and found none or
+    /// one no earlier), else searched for now.
+    fn first(
+        &mut self,
+        data: &[u8],
+        from: usize,
+        find: impl Fn(&[u8]) -> Option<usize>,
+    ) -> Option<usize> {
+        let known = self.searched && self.from <= from && self.at.is_none_or(|at| at >= from);
+        if !known {
+            let rest = data.get(from..).unwrap_or_default();
+            *self = Mark {
+                searched: true,
+                from,
+                at: find(rest).map(|at| at + from),
+            };
+        }
+        self.at
     }
 }
 
@@ -1176,6 +1412,184 @@ mod tests {
         assert!(answered * 3 > tried, "{answered} of {tried}");
     }
 
+    /// SGLang's chunks (`usage: null` on each, the finish reason with `matched_stop`, the
+    /// usage chunk without a fingerprint), one event per frame as it writes them.
+    const SGLANG: &str = concat!(
+        "data: {\"id\":\"s\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"role\":null,\"content\":\"Hi\",\"reasoning_content\":null,\"tool_calls\":null},\"logprobs\":null,\"finish_reason\":null,\"matched_stop\":null}],\"usage\":null}\n\n",
+        "data: {\"id\":\"s\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"role\":null,\"content\":null,\"reasoning_content\":null,\"tool_calls\":null},\"logprobs\":null,\"finish_reason\":\"stop\",\"matched_stop\":2}],\"usage\":null}\n\n",
+        "data: {\"id\":\"s\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"total_tokens\":5,\"completion_tokens\":2,\"prompt_tokens_details\":null}}\n\n",
+        "data: [DONE]\n\n",
+    );
+
+    /// The events of `stream` sent in every grouping into frames (each frame whole events),
+    /// through a strip of instance `generation` of `all`, each strip new: what comes out.
+    fn every_grouping(stream: &str, all: &Arc<Fingerprints>, generation: u64) -> Vec<Vec<u8>> {
+        let events: Vec<&str> = stream.split_inclusive("\n\n").collect();
+        let cuts = events.len() - 1;
+        (0..1u32 << cuts)
+            .map(|mask| {
+                let mut frames: Vec<String> = vec![events[0].to_string()];
+                for (i, event) in events.iter().enumerate().skip(1) {
+                    if mask & (1 << (i - 1)) != 0 {
+                        frames.push((*event).to_string());
+                    } else if let Some(last) = frames.last_mut() {
+                        last.push_str(event);
+                    }
+                }
+                let frames: Vec<&[u8]> = frames.iter().map(String::as_bytes).collect();
+                run_on(&mut strip(all, generation), &frames).0
+            })
+            .collect()
+    }
+
+    /// Frames of whole events pass as they came when they show no usage and no finish reason
+    /// (or the engine is known to have no fingerprint), and every grouping of the events into
+    /// frames gives the bytes event-by-event reading gives: vLLM's `n` = 1 and 2, SGLang's.
+    #[test]
+    fn frames_of_plain_events_pass_whole_in_any_grouping() {
+        let all = Arc::default();
+        for (with, without) in [(WITH_USAGE, WITHOUT), (WITH_USAGE_N2, WITHOUT_N2)] {
+            // Unknown first (the events wait for the usage chunk), then known.
+            for _ in 0..2 {
+                for out in every_grouping(with, &all, 1) {
+                    assert_eq!(String::from_utf8_lossy(&out), without);
+                }
+            }
+        }
+        let sglang_without = SGLANG.replace(SGLANG.split_inclusive("\n\n").nth(2).unwrap(), "");
+        for _ in 0..2 {
+            for out in every_grouping(SGLANG, &all, 2) {
+                assert_eq!(String::from_utf8_lossy(&out), sglang_without);
+            }
+        }
+        // SGLang's instance is known to have no fingerprint: its finishing chunk passes whole.
+        let events: Vec<&str> = SGLANG.split_inclusive("\n\n").collect();
+        let mut known_none = strip(&all, 2);
+        let frame = Bytes::from(format!("{}{}", events[0], events[1]));
+        let out = known_none.pass(frame.clone());
+        assert_eq!(out.as_ptr(), frame.as_ptr(), "not copied");
+        assert_eq!(out, frame);
+        // vLLM's is known to have one: its finishing chunk is read, the fingerprint put back.
+        let mut known = strip(&all, 1);
+        let events: Vec<&str> = WITH_USAGE.split_inclusive("\n\n").collect();
+        let plain = Bytes::from(events[0]);
+        assert_eq!(known.pass(plain.clone()).as_ptr(), plain.as_ptr());
+        assert_eq!(
+            known.pass(Bytes::from(events[1])),
+            WITHOUT.split_inclusive("\n\n").nth(1).unwrap().as_bytes()
+        );
+    }
+
+    /// A frame that does not end where an event ends, or whose keys' values are spaced over
+    /// lines, or with a `\u` escape, is read event by event: the usage chunk is still taken
+    /// out wherever its key is split across frames.
+    #[test]
+    fn a_usage_key_split_across_frames_is_still_taken_out() {
+        let all = Arc::default();
+        for at in 0..WITH_USAGE.len() {
+            let (a, b) = WITH_USAGE.as_bytes().split_at(at);
+            let (out, tokens) = run_on(&mut strip(&all, 1), &[a, b]);
+            assert_eq!(String::from_utf8_lossy(&out), WITHOUT, "split at {at}");
+            assert_eq!(tokens, Some(5));
+        }
+        let strip = strip(&all, 1);
+        let plain = "data: {\"choices\":[{\"finish_reason\": \tnull}],\"usage\":null}\n\n";
+        assert_eq!(
+            strip.plain_events(plain.as_bytes(), 0, &mut Marks::default()),
+            plain.len()
+        );
+        for not_plain in [
+            "data: {\"choices\":[{\"finish_reason\":null}]}\n",
+            "data: {\"choices\":[{\"finish_reason\":\"stop\"}]}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"total_tokens\":5}}\n\n",
+            "data: {\"choices\":[],\"\\u0075sage\":{\"total_tokens\":5}}\n\n",
+            "data: {\"x\":\"usage\"\n\n:null}\n\n",
+            "data: {\"choices\":[{\"finish_reason\"\n:null}]}\r\n\r\n",
+        ] {
+            // The run ends where that event begins, after the plain one.
+            let frame = format!("{plain}: comment\r\n\r\n{not_plain}");
+            assert_eq!(
+                strip.plain_events(frame.as_bytes(), 0, &mut Marks::default()),
+                frame.len() - not_plain.len(),
+                "{not_plain}"
+            );
+        }
+    }
+
+    /// The finish reason's places found from its `_` give what `memmem` gives.
+    #[test]
+    fn the_finish_reason_found_by_its_underscore_is_memmems() {
+        let base = concat!(
+            "data: {\"choices\":[{\"finish_reason\":null,\"stop_reason\":null}]}\n\n",
+            "data: {\"choices\":[{\"finish_reason\" :\tnull}]}\n\n",
+            "data: {\"x\":\"finish_reason\"finish_reason\":null,\"finish_reason\":\"stop\"}\n\n",
+        );
+        let mut cases = vec![base.to_string()];
+        for at in 0..base.len() {
+            for b in ["", "_", "\"", "n", "\n"] {
+                cases.push(format!("{}{b}{}", &base[..at], &base[at + 1..]));
+            }
+        }
+        for case in &cases {
+            let json = case.as_bytes();
+            assert_eq!(
+                first_finish_not_null(json),
+                first_not_null(json, &FINISH),
+                "{case}"
+            );
+        }
+    }
+
+    /// Where the events of a frame are found by [`event_end_before`], as the scanner finds
+    /// them.
+    #[test]
+    fn event_ends_are_found_backwards_as_the_scanner_finds_them() {
+        let stream = b"data: a\n\n: c\r\n\r\ndata: b\r\ndata: c\n\r\n\ndata: d\n";
+        let mut scanner = EventScanner::new(1024);
+        let mut ends = vec![0];
+        let mut at = 0;
+        while let Some(end) = scanner.next_end(stream, at).unwrap() {
+            ends.push(end);
+            at = end;
+        }
+        for before in 0..=stream.len() {
+            let expected = ends.iter().copied().filter(|&e| e <= before).max().unwrap();
+            assert_eq!(event_end_before(stream, before), expected, "{before}");
+        }
+    }
+
+    /// Streams made from the usual ones by changing, adding or deleting a byte, in frames of
+    /// several sizes: the strip that passes runs of plain events whole sends what the strip
+    /// reading every event sends, and counts the same tokens.
+    #[test]
+    fn runs_of_plain_events_pass_as_every_event_read_would() {
+        let all = Arc::default();
+        let mutations = b"\n\r\\u\":{}n ";
+        let mut streams = Vec::new();
+        for base in [WITH_USAGE, WITH_USAGE_N2, SGLANG] {
+            let base = base.as_bytes();
+            streams.push(base.to_vec());
+            for at in (0..base.len()).step_by(3) {
+                streams.push([&base[..at], &base[at + 1..]].concat());
+                for &b in mutations {
+                    streams.push([&base[..at], &[b], &base[at..]].concat());
+                    streams.push([&base[..at], &[b], &base[at + 1..]].concat());
+                }
+            }
+        }
+        for (n, stream) in streams.iter().enumerate() {
+            for size in [stream.len(), 7, 64] {
+                let frames: Vec<&[u8]> = stream.chunks(size).collect();
+                let generation = (n % 3) as u64;
+                let mut quick = strip(&all, generation);
+                let mut every = strip(&all, generation);
+                every.read_every_event = true;
+                let (q, e) = (run_on(&mut quick, &frames), run_on(&mut every, &frames));
+                assert_eq!(q, e, "{}", String::from_utf8_lossy(stream));
+            }
+        }
+    }
+
     #[test]
     fn a_complete_event_is_never_held_before_a_finishing_one() {
         let mut strip = strip(&Arc::default(), 1);
@@ -1196,7 +1610,7 @@ mod tests {
         assert_eq!(String::from_utf8_lossy(&out), WITHOUT);
         assert_eq!(tokens, None);
         // An event past the bound: given up, everything passes.
-        let mut strip = Strip::new(16, Engine::new(&Arc::default(), &key(1)));
+        let mut strip = Strip::new(16, Engine::new(&Fingerprints::default(), &key(1)));
         let long = Bytes::from_static(b"data: 0123456789012345678901234567890");
         assert_eq!(strip.pass(long.clone()), long);
         assert!(!strip.holds());
@@ -1234,7 +1648,7 @@ mod tests {
 
     #[test]
     fn a_frame_of_plain_events_passes_as_it_came() {
-        let mut strip = Strip::new(64 * 1024, Engine::new(&Arc::default(), &key(1)));
+        let mut strip = Strip::new(64 * 1024, Engine::new(&Fingerprints::default(), &key(1)));
         let first = WITH_USAGE.split_inclusive("\n\n").next().unwrap();
         let frame = Bytes::from(format!("{first}{first}"));
         let out = strip.pass(frame.clone());
@@ -1289,6 +1703,58 @@ mod tests {
                 String::from_utf8_lossy(not_asked)
             );
         }
+    }
+
+    /// Where [`quick_top`] answers (on usual bodies, odd ones and every body made from them
+    /// by cutting, deleting, changing or adding a byte), [`ask_usage`] answers what it answers
+    /// through `serde_json` alone.
+    #[test]
+    fn the_quick_top_is_serde_jsons() {
+        const BODIES: [&str; 9] = [
+            r#"{"model":"m","messages":[{"role":"user","content":"Tell me \"more\" \u00e9"}],"max_tokens":16,"stream":true}"#,
+            r#"{"model":"m","prompt":"a","stream":false,"n":2,"temperature":0.5e-1}"#,
+            r#"{ "stream" : true , "stream" : null, "x": [true, {"stream": false}] }"#,
+            r#"{"stream":false,"stream":true,"logit_bias":{"1":-100}}"#,
+            r#"{"stream":true,"stream_options":{"include_usage":false}}"#,
+            r#"{"stream":true,"stream_options":null}"#,
+            r#"{"stream":"true"}"#,
+            r#"{"stream":1,"stream":true}"#,
+            r#"{"st\u0072eam":true}"#,
+        ];
+        for body in &BODIES[..2] {
+            assert!(quick_top(body.as_bytes()).is_some(), "{body}");
+        }
+        let bytes = b"\"\\,:{}[]tn0-1 e.E+\x01\xff\tu";
+        let (mut tried, mut answered) = (0, 0);
+        let mut check = |body: &[u8]| {
+            tried += 1;
+            if quick_top(body).is_some() {
+                answered += 1;
+                assert_eq!(
+                    ask_usage(body),
+                    ask_usage_reading(body, false),
+                    "{}",
+                    String::from_utf8_lossy(body)
+                );
+            }
+        };
+        for body in BODIES {
+            let body = body.as_bytes();
+            check(body);
+            for at in 0..=body.len() {
+                check(&body[..at]);
+                if at < body.len() {
+                    check(&[&body[..at], &body[at + 1..]].concat());
+                }
+                for &b in bytes {
+                    check(&[&body[..at], &[b], &body[at..]].concat());
+                    if at < body.len() {
+                        check(&[&body[..at], &[b], &body[at + 1..]].concat());
+                    }
+                }
+            }
+        }
+        assert!(answered * 4 > tried, "{answered} of {tried}");
     }
 
     #[test]
