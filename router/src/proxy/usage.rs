@@ -1362,6 +1362,24 @@ mod tests {
         r#"{"choices":[{"finish_reason":"stop"}],"usage":{"total_tokens":01}}"#,
     ];
 
+    /// Calls `check` with `seed` and every text made from it by cutting it, deleting a byte,
+    /// adding one of `bytes` or changing a byte to one of them.
+    fn each_mutation(seed: &[u8], bytes: &[u8], check: &mut impl FnMut(&[u8])) {
+        check(seed);
+        for at in 0..=seed.len() {
+            check(&seed[..at]);
+            if at < seed.len() {
+                check(&[&seed[..at], &seed[at + 1..]].concat());
+            }
+            for &b in bytes {
+                check(&[&seed[..at], &[b], &seed[at..]].concat());
+                if at < seed.len() {
+                    check(&[&seed[..at], &[b], &seed[at + 1..]].concat());
+                }
+            }
+        }
+    }
+
     /// [`quick_read`] answers the usual chunks, and where it answers (on those, the odd ones
     /// and every chunk made from them by cutting, deleting, changing or adding a byte), it
     /// answers what `serde_json` reads.
@@ -1392,20 +1410,7 @@ mod tests {
             }
         };
         for chunk in USUAL.iter().chain(&ODD) {
-            let chunk = chunk.as_bytes();
-            check(chunk);
-            for at in 0..=chunk.len() {
-                check(&chunk[..at]);
-                if at < chunk.len() {
-                    check(&[&chunk[..at], &chunk[at + 1..]].concat());
-                }
-                for &b in bytes {
-                    check(&[&chunk[..at], &[b], &chunk[at..]].concat());
-                    if at < chunk.len() {
-                        check(&[&chunk[..at], &[b], &chunk[at + 1..]].concat());
-                    }
-                }
-            }
+            each_mutation(chunk.as_bytes(), bytes, &mut check);
         }
         // A good share of them is answered (about 40%: those still JSON), the others left to
         // serde_json.
@@ -1739,20 +1744,7 @@ mod tests {
             }
         };
         for body in BODIES {
-            let body = body.as_bytes();
-            check(body);
-            for at in 0..=body.len() {
-                check(&body[..at]);
-                if at < body.len() {
-                    check(&[&body[..at], &body[at + 1..]].concat());
-                }
-                for &b in bytes {
-                    check(&[&body[..at], &[b], &body[at..]].concat());
-                    if at < body.len() {
-                        check(&[&body[..at], &[b], &body[at + 1..]].concat());
-                    }
-                }
-            }
+            each_mutation(body.as_bytes(), bytes, &mut check);
         }
         assert!(answered * 4 > tried, "{answered} of {tried}");
     }
