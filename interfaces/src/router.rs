@@ -413,9 +413,22 @@ pub struct InstanceLoad {
 impl DeploymentLoad {
     /// Its figures as a reader of every deployment copies them ([`LoadsInOrder::get`]).
     pub fn figures(&self) -> LoadFigures {
-        let mut out = LoadFigures::default();
-        out.fill(self);
-        out
+        LoadFigures {
+            in_flight: self.in_flight,
+            in_flight_limit: self.in_flight_limit,
+            waiting: self.waiting,
+            waiting_limit: self.waiting_limit,
+            instances: self
+                .instances
+                .iter()
+                .map(|i| InstanceFigures {
+                    index: i.key.index,
+                    generation: i.key.generation,
+                    router_in_flight: i.router_in_flight,
+                    open: i.open,
+                })
+                .collect(),
+        }
     }
 }
 
@@ -438,22 +451,6 @@ pub struct LoadFigures {
 }
 
 impl LoadFigures {
-    /// Overwritten with `load`'s figures (its instances' vector reused).
-    pub fn fill(&mut self, load: &DeploymentLoad) {
-        self.in_flight = load.in_flight;
-        self.in_flight_limit = load.in_flight_limit;
-        self.waiting = load.waiting;
-        self.waiting_limit = load.waiting_limit;
-        self.instances.clear();
-        self.instances
-            .extend(load.instances.iter().map(|i| InstanceFigures {
-                index: i.key.index,
-                generation: i.key.generation,
-                router_in_flight: i.router_in_flight,
-                open: i.open,
-            }));
-    }
-
     /// The requests the router forwards to instance `index` of generation `generation` (`None`
     /// when it knows no such instance).
     pub fn router_in_flight(&self, index: u32, generation: u64) -> Option<usize> {
