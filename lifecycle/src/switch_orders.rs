@@ -287,7 +287,9 @@ impl Core {
     /// meanwhile gets the retryable `unavailable`); one that became ready before it could be
     /// ended is drained here (through the router) and released like the others. A victim that
     /// could not be released fails an operator's order (`evict_failed`: the target is not
-    /// brought up on memory its engine may still hold); a request's switch goes on.
+    /// brought up on memory its engine may still hold); a request's switch goes on only when
+    /// every such victim has given its memory back ([`State::kept_memory`]: one that serves
+    /// again after its drain timed out fails the switch as the router's drain timeout does).
     async fn execute_inner(
         &self,
         order: &SwitchOrder,
@@ -300,8 +302,9 @@ impl Core {
                 .map_or((Vec::new(), false), |r| (r.victims.clone(), r.stop))
         });
         let mut released = Vec::new();
-        // Victims whose engine could not be released (ID, name, why).
+        // Victims whose engine could not be released (ID, name, why), and their errors.
         let mut not_released: Vec<(String, String, String)> = Vec::new();
+        let mut kept: Vec<(String, ApiError)> = Vec::new();
         for v in &victims {
             let ours = |d: &Dep| d.reserved.as_deref() == Some(switch_id);
             let Some((name, iid, bringing_up)) = self.read(|inner| {
@@ -327,6 +330,16 @@ impl Core {
                     None => continue,
                     Some((true, Some(why))) => {
                         tracing::warn!(victim = %v, error = %why, "its start or wake ended, but stopping its engine failed");
+                        kept.push((
+                            v.clone(),
+                            ApiError::EngineFailed {
+                                deployment: v.clone(),
+                                detail: format!(
+                                    "its start or wake was ended, but stopping its engine \
+                                     failed: {why}"
+                                ),
+                            },
+                        ));
                         not_released.push((v.clone(), name, why));
                         continue;
                     }
@@ -371,6 +384,7 @@ impl Core {
                         Err(e) => {
                             tracing::warn!(victim = %v, error = %e, "draining a victim failed");
                             not_released.push((v.clone(), name, e.message()));
+                            kept.push((v.clone(), e));
                             continue;
                         }
                     }
@@ -392,6 +406,7 @@ impl Core {
                 Err(e) => {
                     tracing::warn!(victim = %v, error = %e, "releasing a victim failed");
                     not_released.push((v.clone(), name, e.message()));
+                    kept.push((v.clone(), e));
                 }
             }
         }
@@ -424,7 +439,7 @@ impl Core {
         }
         let (switch, target) = (order.switch_id.clone(), order.target.clone());
         let up = self
-            .write(move |inner| inner.switch_target_up(&switch, &target, Instant::now()))
+            .write(move |inner| inner.switch_target_up(&switch, &target, &kept, Instant::now()))
             .await?;
         Ok((released, up))
     }

@@ -371,10 +371,21 @@ impl Run {
     fn host_of(&self, pid: u32) -> String {
         let parent = parent_of(pid);
         let agents = self.agent_pids.lock().unwrap_or_else(|e| e.into_inner());
-        match agents.iter().position(|a| Some(*a) == parent) {
+        let host = match agents.iter().position(|a| Some(*a) == parent) {
             Some(i) => format!("soak-node-{i}"),
             None => format!("own host or adopted (parent {parent:?})"),
-        }
+        };
+        // The instance it was started for (the runtime's variable in its environment).
+        let instance = std::fs::read(format!("/proc/{pid}/environ"))
+            .ok()
+            .and_then(|env| {
+                env.split(|b| *b == 0).find_map(|v| {
+                    v.strip_prefix(b"CAPYCTL_ENGINE_INSTANCE=")
+                        .map(|i| String::from_utf8_lossy(i).into_owned())
+                })
+            })
+            .unwrap_or_else(|| "?".to_owned());
+        format!("{host}, instance {instance}")
     }
 }
 
@@ -1225,8 +1236,8 @@ async fn gpu_held(run_id: &str) -> BTreeMap<u32, (String, u64)> {
     held
 }
 
-/// Samples the engines' GPU memory twice a second: the engines that hold memory must fit on the
-/// GPUs. A sample that does not fit counts only when the next one, 200 ms later, shows the same
+/// Samples the engines' GPU memory four times a second: the engines that hold memory must fit on
+/// the GPUs. A sample that does not fit counts only when the next one, 200 ms later, shows the same
 /// engines still holding it (the engines are read one after another, not at one instant).
 async fn booking(run: Arc<Run>) {
     let mut up = run.up.subscribe();
@@ -1262,19 +1273,65 @@ async fn booking(run: Arc<Run>) {
                         format!("{m} {} MiB (pid {pid}, {})", b >> 20, run.host_of(*pid))
                     })
                     .collect();
+                // What CapyCTL believes at that moment (each instance's state, host and pid),
+                // to tell which of its decisions put the engines there.
+                let believes = instances_believed(&run).await;
                 run.note(OVERBOOKED.to_owned());
                 let mut l = run.ledger.inner.lock().unwrap_or_else(|e| e.into_inner());
                 if l.examples.len() < 20 {
-                    l.examples
-                        .push(format!("{OVERBOOKED}: {}", what.join(", ")));
+                    l.examples.push(format!(
+                        "{OVERBOOKED} at {}: {}; CapyCTL says: {believes}",
+                        utc_now(),
+                        what.join(", ")
+                    ));
                 }
             }
         }
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }
 
 const OVERBOOKED: &str = "GPU memory over-booked (samples)";
+
+/// Every instance as CapyCTL's `GET /management/v1/deployments` shows it now:
+/// `name#index state host pid` (or why it could not be read).
+async fn instances_believed(run: &Run) -> String {
+    let token = run.token();
+    let body = match get(run.management, "/management/v1/deployments", Some(&token)).await {
+        Ok((200, body)) => body,
+        Ok((status, _)) => return format!("(deployments read: status {status})"),
+        Err(e) => return format!("(deployments read: {e:#})"),
+    };
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let mut out = Vec::new();
+    for d in v["deployments"].as_array().into_iter().flatten() {
+        for i in d["instances"].as_array().into_iter().flatten() {
+            out.push(format!(
+                "{}#{} {} {} pid {}",
+                d["name"].as_str().unwrap_or("?"),
+                i["index"],
+                i["state"].as_str().unwrap_or("?"),
+                i["host_id"].as_str().unwrap_or("?"),
+                i["pid"],
+            ));
+        }
+    }
+    out.join(", ")
+}
+
+/// The time of day (UTC, `hh:mm:ss.mmm`), to find a moment in the logs.
+fn utc_now() -> String {
+    let ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    let (s, ms) = (ms / 1000, ms % 1000);
+    format!(
+        "{:02}:{:02}:{:02}.{ms:03}",
+        s / 3600 % 24,
+        s / 60 % 60,
+        s % 60
+    )
+}
 
 /// Kills CapyCTL with SIGKILL right after asking for a switch, and restarts it on the same data
 /// directory; returns the new child.

@@ -385,11 +385,13 @@ impl State {
     /// The end of switch `switch_id`'s release: its reservation goes, and its target comes up
     /// (how; `None` when it is up or on its way already). `conflict` when the switch was
     /// given up meanwhile (the target no longer claimed by it); the target's `admissible`
-    /// error when requests may no longer bring it up.
+    /// error when requests may no longer bring it up; the error of a victim that could not
+    /// be released (`kept`: ID and error) and still holds its memory ([`State::kept_memory`]).
     pub(crate) fn switch_target_up(
         &mut self,
         switch_id: &str,
         target: &str,
+        kept: &[(String, ApiError)],
         now: Instant,
     ) -> Result<Option<Up>, ApiError> {
         let claimed = self
@@ -406,12 +408,49 @@ impl State {
         if let Some(e) = &self.held {
             return Err(e.clone());
         }
+        if let Some(e) = self.kept_memory(target, kept) {
+            return Err(e);
+        }
         self.admissible(target)?;
         let d = self.deps.get(target).ok_or_else(|| not_found(target))?;
         if d.busy || d.occupies() {
             return Ok(None);
         }
         Ok(self.begin_up(target, operator, now))
+    }
+}
+
+impl State {
+    /// Why `target`, placed on the memory of victims of which `kept` could not be released
+    /// (ID and error), may not come up: one of them still holds its memory. It serves again
+    /// (its drain timed out: the switch fails as a drain timeout fails one, "the victims
+    /// serve again"; or its park was refused before it began), or its start or wake was ended
+    /// but its engine could not be stopped. `None` when every one of them has given its memory
+    /// back (a park that failed and stopped its engine): the switch goes on.
+    ///
+    /// NB: the plan counted their memory as freed; brought up beside one, the target
+    /// over-books the GPU (the soak, seed 20261205: a start no request waited for, a victim,
+    /// became ready before the switch could end it, then served a long answer through its drain).
+    pub(crate) fn kept_memory(
+        &self,
+        target: &str,
+        kept: &[(String, ApiError)],
+    ) -> Option<ApiError> {
+        let (_, e) = kept.iter().find(|(id, _)| {
+            self.deps
+                .get(id)
+                .is_some_and(|d| d.occupies() || d.ended_stop_failed.is_some())
+        })?;
+        Some(match e {
+            ApiError::DrainTimeout {
+                drain_ms, charged, ..
+            } => ApiError::DrainTimeout {
+                deployment: dep_of_unit(target).to_string(),
+                drain_ms: *drain_ms,
+                charged: *charged,
+            },
+            other => other.clone(),
+        })
     }
 }
 

@@ -560,7 +560,7 @@ async fn a_plan_reserves_its_victim_so_a_second_plan_waits_instead_of_naming_it_
     assert_eq!(s.deps["a"].reserved, None);
     assert_eq!(s.deps["b"].claim, None);
     // A switch given up does not bring its target up.
-    let err = s.switch_target_up("sw-1", "b", now).unwrap_err();
+    let err = s.switch_target_up("sw-1", "b", &[], now).unwrap_err();
     assert_eq!(err.code(), "conflict");
 }
 
@@ -1438,7 +1438,7 @@ async fn the_held_sums_equal_the_holders_after_every_kind_of_transition() {
                                     s.down_done(&v, done, now);
                                 }
                             }
-                            let _ = s.switch_target_up(&rid, &target, now);
+                            let _ = s.switch_target_up(&rid, &target, &[], now);
                         }
                     }
                     "plan"
