@@ -564,6 +564,73 @@ async fn a_plan_reserves_its_victim_so_a_second_plan_waits_instead_of_naming_it_
     assert_eq!(err.code(), "conflict");
 }
 
+/// A victim the switch could not release keeps the target down while it still holds its
+/// memory (it serves again after its drain timed out, or its ended start's engine could not
+/// be stopped): the switch fails with its error, a drain timeout naming the target as the
+/// router's does. One that gave its memory back (its park failed and its engine was stopped)
+/// lets the target come up.
+#[tokio::test(start_paused = true)]
+async fn a_target_comes_up_only_once_its_victims_no_longer_hold_their_memory() {
+    let now = Instant::now();
+    let timed_out = ApiError::DrainTimeout {
+        deployment: "a".into(),
+        drain_ms: 5000,
+        charged: 1,
+    };
+    // Drained, its drain timed out: it serves again.
+    let mut s = state(now);
+    ready(&mut s, "a", now);
+    assert!(matches!(
+        s.request_plan("b", "sw-1".into(), now).unwrap(),
+        Plan::Switch { .. }
+    ));
+    let kept = [("a".to_string(), timed_out.clone())];
+    let err = s.switch_target_up("sw-1", "b", &kept, now).unwrap_err();
+    assert_eq!(
+        err,
+        ApiError::DrainTimeout {
+            deployment: "b".into(),
+            drain_ms: 5000,
+            charged: 1,
+        }
+    );
+    assert_eq!(s.deps["b"].state, InstanceState::Stopped);
+    assert!(!s.deps["b"].busy);
+    assert_eq!(s.deps["b"].claim, None);
+    assert_eq!(s.deps["a"].reserved, None);
+    // Its ended start's engine could not be stopped: it may hold its memory still.
+    let mut s = state(now);
+    ready(&mut s, "a", now);
+    s.request_plan("b", "sw-1".into(), now).unwrap();
+    let d = s.deps.get_mut("a").unwrap();
+    d.fail(
+        "start ended, but stopping the engine failed: boom".into(),
+        now,
+    );
+    d.ended_stop_failed = Some("boom".into());
+    let failed = ApiError::EngineFailed {
+        deployment: "a".into(),
+        detail: "boom".into(),
+    };
+    let kept = [("a".to_string(), failed.clone())];
+    let err = s.switch_target_up("sw-1", "b", &kept, now).unwrap_err();
+    assert_eq!(err, failed);
+    // Its park failed and its engine was stopped: the target comes up.
+    let mut s = state(now);
+    ready(&mut s, "a", now);
+    s.request_plan("b", "sw-1".into(), now).unwrap();
+    s.deps
+        .get_mut("a")
+        .unwrap()
+        .fail("park or stop failed: boom".into(), now);
+    let kept = [("a".to_string(), failed)];
+    assert!(matches!(
+        s.switch_target_up("sw-1", "b", &kept, now),
+        Ok(Some(Up::Start))
+    ));
+    assert_eq!(s.deps["b"].state, InstanceState::Starting);
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_longest_idle_is_the_victim_never_a_protected_or_warm_one() {
     let t0 = Instant::now();
