@@ -1321,9 +1321,15 @@ async fn instances_believed(run: &Run) -> String {
 
 /// The time of day (UTC, `hh:mm:ss.mmm`), to find a moment in the logs.
 fn utc_now() -> String {
-    let ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis());
+    time_of_day(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis()),
+    )
+}
+
+/// The time of day (UTC, `hh:mm:ss.mmm`) of `ms` milliseconds after the Unix epoch.
+fn time_of_day(ms: u128) -> String {
     let (s, ms) = (ms / 1000, ms % 1000);
     format!(
         "{:02}:{:02}:{:02}.{ms:03}",
@@ -1807,6 +1813,13 @@ mod tests {
         assert!(!fits(&[10 * G, 6 * G, 6 * G, 6 * G]));
         assert!(!fits(&[6 * G, 6 * G, 6 * G, 6 * G, 24 * M]));
         assert!(fits(&[]));
+    }
+
+    #[test]
+    fn the_time_of_day_of_an_example() {
+        // 2026-12-07T08:09:47.180Z.
+        assert_eq!(time_of_day(1_796_630_987_180), "08:09:47.180");
+        assert_eq!(time_of_day(0), "00:00:00.000");
     }
 
     #[test]
