@@ -357,7 +357,9 @@ impl Core {
                         continue;
                     }
                     // It became ready before it could be ended: drained below.
-                    Some((false, _)) => {}
+                    Some((false, _)) => {
+                        tracing::info!(victim = %v, "its start or wake ended before the switch could end it: drained now");
+                    }
                 }
             }
             let drained = order.victims.iter().find(|(k, _)| unit_of_key(k) == *v);
