@@ -42,7 +42,7 @@ use memchr::memmem::Finder;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use super::sse::EventScanner;
+use super::sse::{Data, EventScanner, data_of};
 use crate::fast_hash::FastHash;
 
 /// The forwarded body of a streamed request asking for its usage, or `None` when the request
@@ -388,17 +388,7 @@ fn classify(event: &[u8]) -> Event<'_> {
 
 /// What `event` is, from its JSON.
 fn read(event: &[u8]) -> Event<'_> {
-    let mut data = None;
-    for line in crate::tenants::lines_of(event) {
-        let line = line.strip_suffix(b"\r").unwrap_or(line);
-        if let Some(rest) = line.strip_prefix(b"data:") {
-            if data.is_some() {
-                return Event::Other;
-            }
-            data = Some(rest.strip_prefix(b" ").unwrap_or(rest));
-        }
-    }
-    let Some(data) = data else {
+    let Data::One(data) = data_of(event) else {
         return Event::Other;
     };
     if data.trim_ascii() == b"[DONE]" {
