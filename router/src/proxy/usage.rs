@@ -782,7 +782,7 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// Where the first byte of `s` is that ends a run of a JSON string's plain bytes: `"`, `\\`, a
+/// Where the first byte of `s` is that ends a run of a JSON string's plain bytes: `"`, `\`, a
 /// control character, or (`ascii`) a byte past ASCII.
 ///
 /// NB (cost): eight bytes at a time (each kind of byte found by the usual bit test for a
@@ -848,7 +848,7 @@ fn first_mark(json: &[u8], finish: bool) -> Option<usize> {
     })
 }
 
-/// The first answer of `f` for the places of `g`, `_` and `\\` in `json` (those
+/// The first answer of `f` for the places of `g`, `_` and `\` in `json` (those
 /// [`first_mark`] looks at), in order.
 ///
 /// NB (cost): with AVX2, through its searcher made once and called directly, rather than
