@@ -705,12 +705,21 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 /// The key of the one `Authorization: Bearer <key>` line of `lines`, and where that line is
 /// in `lines` (with its `\n`, when it has one); `None` when there is none, more than one, or
 /// it is not a bearer token.
+///
+/// NB (cost): a line whose first byte is neither whitespace nor an `a` cannot be it (its name,
+/// trimmed, begins with that byte) and is passed without looking for its `:`.
 fn bearer_line(lines: &[u8]) -> Option<(&[u8], std::ops::Range<usize>)> {
     let mut found = None;
     let mut start = 0;
     for line in lines_of(lines) {
         let at = start;
         start += line.len() + 1;
+        if line
+            .first()
+            .is_some_and(|&c| !c.is_ascii_whitespace() && !c.eq_ignore_ascii_case(&b'a'))
+        {
+            continue;
+        }
         let line = line.strip_suffix(b"\r").unwrap_or(line);
         let Some(colon) = memchr::memchr(b':', line) else {
             continue;
@@ -880,6 +889,43 @@ mod tests {
         let lines = bytes::Bytes::from_static(b"x-a: 1\r\nauthorization: Bearer k1");
         let (_, rest) = t.identify(&lines, &mut KnownKey::default());
         assert_eq!(rest.unwrap(), &b"x-a: 1\r\n"[..]);
+    }
+
+    /// The `Authorization` line is found as reading every line's name finds it, whatever the
+    /// lines around it and however its name is written.
+    #[test]
+    fn the_authorization_line_is_found_as_every_names_reading_finds_it() {
+        let lines = [
+            "Authorization: Bearer k1\r\n",
+            " authorization : Bearer k1\r\n",
+            "\tAUTHORIZATION:Bearer k1\r\n",
+            "authorizatio: Bearer k1\r\n",
+            "aauthorization: Bearer k1\r\n",
+            "Accept: */*\r\n",
+            "a\r\n",
+            ":x\r\n",
+            "x-authorization: Bearer k1\r\n",
+            "host: h\r\n",
+            "\r\n",
+        ];
+        let is_authorization = |line: &str| {
+            line.split_once(':')
+                .is_some_and(|(name, _)| name.trim_ascii().eq_ignore_ascii_case("authorization"))
+        };
+        let mut found = 0;
+        for a in lines {
+            for b in lines {
+                let head = format!("{a}{b}");
+                let expected = match (is_authorization(a), is_authorization(b)) {
+                    (true, false) => Some((b"k1".as_slice(), 0..a.len())),
+                    (false, true) => Some((b"k1".as_slice(), a.len()..head.len())),
+                    _ => None,
+                };
+                assert_eq!(bearer_line(head.as_bytes()), expected, "{head:?}");
+                found += usize::from(expected.is_some());
+            }
+        }
+        assert!(found > lines.len(), "{found}");
     }
 
     #[test]

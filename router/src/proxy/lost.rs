@@ -33,6 +33,7 @@ use serde::Deserialize;
 
 use super::Failure;
 use super::body::Track;
+use super::sse::{Data, data_of};
 use super::upstream::{EngineHead, UpstreamBody};
 use crate::observe;
 use capyctl_interfaces::router::{InstanceKey, Lifecycle};
@@ -89,12 +90,9 @@ pub(super) fn answer(
 /// saying it does not have the adapter `adapter` (see the module's notes). `None`: an event to
 /// pass on.
 pub(super) fn stream_says_not_loaded(event: &[u8], adapter: &str) -> Option<String> {
-    let data = event
-        .split(|&b| b == b'\n')
-        .filter_map(|line| line.strip_prefix(b"data:"))
-        .next()?;
-    let data = data.strip_suffix(b"\r").unwrap_or(data);
-    let data = data.strip_prefix(b" ").unwrap_or(data);
+    let (Data::One(data) | Data::Several(data)) = data_of(event) else {
+        return None;
+    };
     let named = not_loaded_in(data)?;
     (named == adapter).then(|| format!("the engine's stream said \"{SGLANG_NOT_LOADED}{named}\""))
 }

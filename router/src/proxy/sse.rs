@@ -75,32 +75,49 @@ impl EventScanner {
     }
 }
 
+/// The `data:` lines of one SSE event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Data<'a> {
+    /// None (a comment, a keep-alive).
+    None,
+    /// One: its value.
+    One(&'a [u8]),
+    /// Several (multi-line data): the first one's value.
+    Several(&'a [u8]),
+}
+
+/// The `data:` lines of `event` (one whole event), each value without the line's `\r` ending
+/// and one leading space; looked for up to the second one. The one reading of them for the
+/// stream's first output ([`is_output`]), the usage strip and a stream's adapter error
+/// (`lost`); its lines found with `memchr`.
+pub(crate) fn data_of(event: &[u8]) -> Data<'_> {
+    let mut first = None;
+    for line in crate::tenants::lines_of(event) {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        if let Some(rest) = line.strip_prefix(b"data:") {
+            let value = rest.strip_prefix(b" ").unwrap_or(rest);
+            match first {
+                None => first = Some(value),
+                Some(first) => return Data::Several(first),
+            }
+        }
+    }
+    first.map_or(Data::None, Data::One)
+}
+
 /// Whether one complete SSE event is output: anything but a comment, a `[DONE]`, or a chunk
 /// whose choices only name the role (`"delta":{"role":"assistant"}`, possibly with an empty
 /// `content`) and carry no finish reason.
 ///
 /// NB: something that is not JSON counts as output: the engine said something.
 pub(crate) fn is_output(event: &[u8]) -> bool {
-    let mut data: Option<&[u8]> = None;
-    let mut several = false;
-    for line in event.split(|&b| b == b'\n') {
-        let line = line.strip_suffix(b"\r").unwrap_or(line);
-        if let Some(rest) = line.strip_prefix(b"data:") {
-            let rest = rest.strip_prefix(b" ").unwrap_or(rest);
-            if data.is_some() {
-                several = true;
-            }
-            data = Some(rest);
-        }
-    }
-    let Some(data) = data else {
+    let data = match data_of(event) {
         // A comment, a keep-alive or an event with no data.
-        return false;
-    };
-    if several {
+        Data::None => return false,
         // Multi-line data: rare for engines; an answer in any case.
-        return true;
-    }
+        Data::Several(_) => return true,
+        Data::One(data) => data,
+    };
     if data == b"[DONE]" {
         return false;
     }
@@ -481,6 +498,49 @@ mod tests {
                 "{case}"
             );
         }
+    }
+
+    /// The data lines are read as splitting the event at every `\n` reads them: none, the
+    /// value of one, or the first of several, with `\r` endings, spaces and other fields.
+    #[test]
+    fn the_data_lines_are_those_of_the_events_lines() {
+        fn by_split(event: &[u8]) -> Data<'_> {
+            let values: Vec<&[u8]> = event
+                .split(|&b| b == b'\n')
+                .filter_map(|line| line.strip_prefix(b"data:"))
+                .map(|v| v.strip_suffix(b"\r").unwrap_or(v))
+                .map(|v| v.strip_prefix(b" ").unwrap_or(v))
+                .collect();
+            match values[..] {
+                [] => Data::None,
+                [one] => Data::One(one),
+                [first, ..] => Data::Several(first),
+            }
+        }
+        let lines = [
+            "data: {\"a\":1}",
+            "data:{\"a\":2}\r",
+            "data:  x",
+            "data:",
+            ": comment",
+            "event: e",
+            " data: y",
+            "data: [DONE]\r",
+            "",
+        ];
+        let mut several = 0;
+        for a in lines {
+            for b in lines {
+                for end in ["\n\n", "\r\n\r\n", "\n"] {
+                    let event = format!("{a}\n{b}{end}");
+                    let data = data_of(event.as_bytes());
+                    assert_eq!(data, by_split(event.as_bytes()), "{event:?}");
+                    several += usize::from(matches!(data, Data::Several(_)));
+                }
+            }
+        }
+        assert!(several > 0);
+        assert_eq!(data_of(b"data: a\r\n\r\n"), Data::One(b"a"));
     }
 
     #[test]

@@ -8,8 +8,8 @@
 //! The engine then ends the stream with one chunk whose `choices` are empty and which carries
 //! the `usage`; [`Strip`] watches every event of the answer as it passes and drops that one.
 //! Cost: the events whose bytes show no `usage` and no `finish_reason` but `null` (every event
-//! but those two) pass as runs, slices of the frame that brought them: one `memmem` pass per
-//! key over a frame finds where the next event that may matter begins
+//! but those two) pass as runs, slices of the frame that brought them: one `memchr3` pass
+//! over a frame finds where the next event that may matter begins
 //! ([`Strip::plain_events`]); that event is found and told from its bytes
 //! ([`plainly_other`]), and only the finishing and the usage chunks are read as JSON, in one
 //! pass that allocates nothing ([`quick_read`]; `serde_json` reads what it leaves). An
@@ -32,6 +32,7 @@
 //!   unchanged (with `n` > 1 and choices that finish far apart, on an instance's first stream,
 //!   its finishing chunks then lack the fingerprint).
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 
@@ -41,7 +42,7 @@ use memchr::memmem::Finder;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use super::sse::EventScanner;
+use super::sse::{Data, EventScanner, data_of};
 use crate::fast_hash::FastHash;
 
 /// The forwarded body of a streamed request asking for its usage, or `None` when the request
@@ -361,10 +362,11 @@ struct Usage {
 
 /// What one event is, to the strip.
 #[cfg_attr(test, derive(Debug, PartialEq))]
-enum Event {
+enum Event<'a> {
     Usage {
         tokens: Option<u64>,
-        fingerprint: Option<String>,
+        /// As the chunk has it (its bytes, or what `serde_json` read of them).
+        fingerprint: Option<Cow<'a, str>>,
     },
     /// A chunk with a finish reason and no fingerprint.
     Finishing,
@@ -373,7 +375,7 @@ enum Event {
     Other,
 }
 
-fn classify(event: &[u8]) -> Event {
+fn classify(event: &[u8]) -> Event<'_> {
     if plainly_other(event) {
         // `data: [DONE]` has neither key either: a short event is read to tell it.
         if event.len() <= 32 && matches!(read(event), Event::Done) {
@@ -385,18 +387,8 @@ fn classify(event: &[u8]) -> Event {
 }
 
 /// What `event` is, from its JSON.
-fn read(event: &[u8]) -> Event {
-    let mut data = None;
-    for line in crate::tenants::lines_of(event) {
-        let line = line.strip_suffix(b"\r").unwrap_or(line);
-        if let Some(rest) = line.strip_prefix(b"data:") {
-            if data.is_some() {
-                return Event::Other;
-            }
-            data = Some(rest.strip_prefix(b" ").unwrap_or(rest));
-        }
-    }
-    let Some(data) = data else {
+fn read(event: &[u8]) -> Event<'_> {
+    let Data::One(data) = data_of(event) else {
         return Event::Other;
     };
     if data.trim_ascii() == b"[DONE]" {
@@ -406,14 +398,14 @@ fn read(event: &[u8]) -> Event {
 }
 
 /// What the chunk `data` is, read by `serde_json`.
-fn read_json(data: &[u8]) -> Event {
+fn read_json(data: &[u8]) -> Event<'static> {
     let Ok(chunk) = serde_json::from_slice::<Chunk>(data) else {
         return Event::Other;
     };
     match (chunk.choices, chunk.usage) {
         (Some(choices), Some(usage)) if choices.is_empty() => Event::Usage {
             tokens: usage.total_tokens,
-            fingerprint: chunk.system_fingerprint,
+            fingerprint: chunk.system_fingerprint.map(Cow::Owned),
         },
         (Some(choices), None)
             if chunk.system_fingerprint.is_none()
@@ -442,7 +434,7 @@ fn read_json(data: &[u8]) -> Event {
 /// `total_tokens` not a plain whole number below 10^19), a fingerprint with an escape or not
 /// UTF-8, nesting deeper than 64, and every error. The test
 /// `the_quick_reading_is_serde_jsons` holds both to the same answers on mutated chunks.
-fn quick_read(data: &[u8]) -> Option<Event> {
+fn quick_read(data: &[u8]) -> Option<Event<'_>> {
     let mut r = Reader { b: data, at: 0 };
     r.open(b'{')?;
     let mut choices: Option<Option<(usize, bool)>> = None;
@@ -471,7 +463,7 @@ fn quick_read(data: &[u8]) -> Option<Event> {
         (Some((0, _)), Some(tokens)) => Event::Usage {
             tokens,
             fingerprint: match fingerprint {
-                Some(f) => Some(std::str::from_utf8(f).ok()?.to_owned()),
+                Some(f) => Some(Cow::Borrowed(std::str::from_utf8(f).ok()?)),
                 None => None,
             },
         },
@@ -492,7 +484,18 @@ const QUICK_DEPTH: usize = 64;
 
 impl<'a> Reader<'a> {
     /// The next byte after JSON's whitespace, not taken.
+    #[inline]
     fn peek(&mut self) -> Option<u8> {
+        // Every byte above the space is not whitespace: what follows a key, a value or a
+        // comma in the engines' chunks.
+        match self.b.get(self.at) {
+            Some(&c) if c > b' ' => Some(c),
+            _ => self.peek_after_whitespace(),
+        }
+    }
+
+    /// [`Reader::peek`], whitespace skipped first.
+    fn peek_after_whitespace(&mut self) -> Option<u8> {
         while let Some(&c) = self.b.get(self.at) {
             if !matches!(c, b' ' | b'\t' | b'\n' | b'\r') {
                 return Some(c);
@@ -539,13 +542,10 @@ impl<'a> Reader<'a> {
     }
 
     /// A string's bytes (after its `"`, taken) when it has no escape and no control
-    /// character.
-    fn plain(&mut self) -> Option<&'a [u8]> {
-        // Byte by byte: keys are short, and `memchr`'s setup cost more than this.
+    /// character, nor (`ascii`) a byte past ASCII.
+    fn plain(&mut self, ascii: bool) -> Option<&'a [u8]> {
         let rest = self.b.get(self.at..)?;
-        let end = rest
-            .iter()
-            .position(|&c| c == b'"' || c == b'\\' || c < 0x20)?;
+        let end = string_stop(rest, ascii)?;
         if rest[end] != b'"' {
             return None;
         }
@@ -556,10 +556,7 @@ impl<'a> Reader<'a> {
     /// An object's key (plain ASCII) and its `:`.
     fn key(&mut self) -> Option<&'a [u8]> {
         self.open(b'"')?;
-        let key = self.plain()?;
-        if !key.is_ascii() {
-            return None;
-        }
+        let key = self.plain(true)?;
         self.open(b':')?;
         Some(key)
     }
@@ -577,9 +574,7 @@ impl<'a> Reader<'a> {
     fn skip_string(&mut self) -> Option<()> {
         loop {
             let rest = self.b.get(self.at..)?;
-            let at = rest
-                .iter()
-                .position(|&c| c == b'"' || c == b'\\' || c < 0x20)?;
+            let at = string_stop(rest, false)?;
             self.at += at + 1;
             match rest[at] {
                 b'"' => return Some(()),
@@ -781,34 +776,120 @@ impl<'a> Reader<'a> {
             return Some(None);
         }
         self.open(b'"')?;
-        let s = self.plain()?;
+        let s = self.plain(false)?;
         std::str::from_utf8(s).ok()?;
         Some(Some(s))
     }
 }
 
-/// Whether `event` is [`Event::Other`] whatever its JSON says, seen from its bytes alone: no
-/// `usage` and no `finish_reason` with a value other than `null` (a key is written as its
-/// bytes unless it has a `\u` escape; then the JSON is read). Every event of a stream but the
-/// finishing and the usage ones is told this way, without reading its JSON (that reading was
-/// most of the strip's cost).
+/// Where the first byte of `s` is that ends a run of a JSON string's plain bytes: `"`, `\`, a
+/// control character, or (`ascii`) a byte past ASCII.
+///
+/// NB (cost): eight bytes at a time (each kind of byte found by the usual bit test for a
+/// zero or a smaller byte in a word; the lowest byte it flags is always a true one, so the
+/// first of them is exact), then byte by byte for the last few; keys and values of the
+/// engines' chunks are 5 to 40 bytes, read byte by byte they were most of [`quick_read`].
+fn string_stop(s: &[u8], ascii: bool) -> Option<usize> {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    let mut words = s.chunks_exact(8);
+    for (n, word) in words.by_ref().enumerate() {
+        let mut bytes = [0; 8];
+        bytes.copy_from_slice(word);
+        let w = u64::from_le_bytes(bytes);
+        let quote = w ^ (ONES * u64::from(b'"'));
+        let backslash = w ^ (ONES * u64::from(b'\\'));
+        let mut found = (quote.wrapping_sub(ONES) & !quote)
+            | (backslash.wrapping_sub(ONES) & !backslash)
+            | (w.wrapping_sub(ONES * 0x20) & !w);
+        if ascii {
+            found |= w;
+        }
+        found &= HIGH;
+        if found != 0 {
+            return Some(n * 8 + found.trailing_zeros() as usize / 8);
+        }
+    }
+    let done = s.len() - words.remainder().len();
+    words
+        .remainder()
+        .iter()
+        .position(|&c| c == b'"' || c == b'\\' || c < 0x20 || (ascii && c >= 0x80))
+        .map(|at| done + at)
+}
+
+/// Whether `event` is [`Event::Other`] whatever its JSON says, seen from its bytes alone: it
+/// has no mark ([`first_mark`]): no `usage` and no `finish_reason` with a value other than
+/// `null` (a key is written as its bytes unless it has a `\u` escape; then the JSON is read).
+/// Every event of a stream but the finishing and the usage ones is told this way, without
+/// reading its JSON (that reading was most of the strip's cost).
 fn plainly_other(event: &[u8]) -> bool {
-    !unicode_escape(event) && only_null(event, &USAGE) && only_null(event, &FINISH)
+    first_mark(event, true).is_none()
 }
 
-/// The keys [`plainly_other`] looks for, quoted.
-static USAGE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"usage\""));
-static FINISH: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"finish_reason\""));
-
-/// Whether `json` has a `\u` (a backslash is rare in a chunk, an escape in its text: `memchr`
-/// the quickest).
-fn unicode_escape(json: &[u8]) -> bool {
-    first_unicode_escape(json).is_some()
+/// Where the first mark of `json` is: a `"usage"` key or (`finish`) a `"finish_reason"` key
+/// not followed by `: null`, or a `\u` (a key may be written with an escape). Around the `:`
+/// only ` `, `\t` and `\r` are taken as whitespace, never a newline (which would reach into
+/// the next event): a key followed by another is a mark too, and its event is read.
+///
+/// NB (cost): one `memchr3` pass over `json` for the byte each mark is found by: the `g` of
+/// `"usage"` (4 bytes in), the `_` of `"finish_reason"` (7 bytes in), the `\` of a `\u`.
+/// A token chunk has about three of them (`logprobs`, `finish_reason`, `token_ids`);
+/// `memmem` for `"usage"` took about 600 instructions a frame (its prefilter stops at
+/// every `"`), and a pass for each kind of mark read every frame three times. Every place of
+/// a key is found (through that byte of it); no mark has a `g`, `_` or `\` of another mark
+/// before its own found byte, so the first mark found is the first one in `json`.
+fn first_mark(json: &[u8], finish: bool) -> Option<usize> {
+    find_mark_byte(json, |hit| match json[hit] {
+        b'\\' => (json.get(hit + 1) == Some(&b'u')).then_some(hit),
+        b'g' => key_not_null(json, hit, b"\"usage\"", 4),
+        _ if finish => key_not_null(json, hit, b"\"finish_reason\"", 7),
+        _ => None,
+    })
 }
 
-/// Where the first `\u` of `json` is.
-fn first_unicode_escape(json: &[u8]) -> Option<usize> {
-    memchr::memchr_iter(b'\\', json).find(|&at| json.get(at + 1) == Some(&b'u'))
+/// The first answer of `f` for the places of `g`, `_` and `\` in `json` (those
+/// [`first_mark`] looks at), in order.
+///
+/// NB (cost): with AVX2, through its searcher made once and called directly, rather than
+/// through `memchr3_iter`, which chooses one at every call: a third of the cost of each of
+/// the 60 or so places in a streamed answer of 16 tokens.
+fn find_mark_byte(json: &[u8], f: impl FnMut(usize) -> Option<usize>) -> Option<usize> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use memchr::arch::x86_64::avx2::memchr::Three;
+        static AVX2: LazyLock<Option<Three>> = LazyLock::new(|| Three::new(b'g', b'_', b'\\'));
+        if let Some(three) = &*AVX2 {
+            return three.iter(json).find_map(f);
+        }
+    }
+    memchr::memchr3_iter(b'g', b'_', b'\\', json).find_map(f)
+}
+
+/// Where `key` is in `json` when its byte `into` bytes in is at `hit` and it is not followed
+/// by `: null` (only ` `, `\t` and `\r` taken as whitespace).
+///
+/// NB (cost): most bytes found are another key's (`logprobs`, `token_ids`): the key's closing
+/// quote is looked at first, then whether `:null` follows (every token chunk's
+/// `"finish_reason":null`: no mark, whatever the key), before the whole key is compared.
+fn key_not_null(json: &[u8], hit: usize, key: &[u8], into: usize) -> Option<usize> {
+    fn trim(s: &[u8]) -> &[u8] {
+        let n = s
+            .iter()
+            .take_while(|&&c| matches!(c, b' ' | b'\t' | b'\r'))
+            .count();
+        &s[n..]
+    }
+    let at = hit.checked_sub(into)?;
+    let end = at + key.len();
+    if json.get(end - 1) != Some(&b'"') || json.get(end..end + 5) == Some(b":null") {
+        return None;
+    }
+    let after = json[at..].strip_prefix(key)?;
+    let null = trim(after)
+        .strip_prefix(b":")
+        .is_some_and(|value| trim(value).starts_with(b"null"));
+    (!null).then_some(at)
 }
 
 /// The end of the last event of `events` that ends at or before `before` (0 when none does),
@@ -824,58 +905,6 @@ fn event_end_before(events: &[u8], before: usize) -> usize {
         }
     }
     0
-}
-
-/// Whether every `key` (quoted) of `json` is followed by `: null` (with JSON's whitespace).
-fn only_null(json: &[u8], key: &memchr::memmem::Finder<'_>) -> bool {
-    key.find_iter(json).all(|at| {
-        json[at + key.needle().len()..]
-            .trim_ascii_start()
-            .strip_prefix(b":")
-            .is_some_and(|value| value.trim_ascii_start().starts_with(b"null"))
-    })
-}
-
-/// Where the first `key` (quoted) of `json` is that is not followed by `: null`, with only
-/// ` `, `\t` and `\r` taken as whitespace (never a newline): before it, [`only_null`] holds
-/// for each event.
-fn first_not_null(json: &[u8], key: &Finder<'_>) -> Option<usize> {
-    first_of_not_null(json, key.needle().len(), key.find_iter(json))
-}
-
-/// [`first_not_null`] of `"finish_reason"`, its places found from the `_` in it.
-///
-/// NB (cost): every token chunk has a `"finish_reason":null`; `memmem` took about 450
-/// instructions for each (callgrind), a `memchr` for `_` (three or four in a chunk's keys) and
-/// a comparison far less. Every place `memmem` finds is found (each has its `_` 7 bytes in);
-/// one it would skip, overlapping the one before, follows one that is not `null` already.
-fn first_finish_not_null(json: &[u8]) -> Option<usize> {
-    const KEY: &[u8] = b"\"finish_reason\"";
-    let places = memchr::memchr_iter(b'_', json)
-        .filter_map(|underscore| underscore.checked_sub(7))
-        .filter(|&at| json[at..].starts_with(KEY));
-    first_of_not_null(json, KEY.len(), places)
-}
-
-/// The first of `places` (where a key of `len` bytes is in `json`) not followed by `: null`,
-/// with only ` `, `\t` and `\r` taken as whitespace.
-fn first_of_not_null(
-    json: &[u8],
-    len: usize,
-    mut places: impl Iterator<Item = usize>,
-) -> Option<usize> {
-    fn trim(s: &[u8]) -> &[u8] {
-        let n = s
-            .iter()
-            .take_while(|&&c| matches!(c, b' ' | b'\t' | b'\r'))
-            .count();
-        &s[n..]
-    }
-    places.find(|&at| {
-        !trim(&json[at + len..])
-            .strip_prefix(b":")
-            .is_some_and(|value| trim(value).starts_with(b"null"))
-    })
 }
 
 /// Sends `event` (`data: {...}` and its blank line) with `"system_fingerprint":<fingerprint>`
@@ -932,11 +961,13 @@ impl Strip {
                     let start = at;
                     at = end;
                     if self.partial.is_empty() {
-                        self.event(Piece::Of(start, end), &mut out);
+                        // The event that the run stopped before has a mark: read at once.
+                        let marked = marks.at.is_some_and(|m| (start..end).contains(&m));
+                        self.event(Piece::Of(start, end), marked, &mut out);
                     } else {
                         self.partial.extend_from_slice(&data[start..end]);
                         let whole = std::mem::take(&mut self.partial).freeze();
-                        self.event(Piece::Held(whole), &mut out);
+                        self.event(Piece::Held(whole), false, &mut out);
                     }
                 }
                 Ok(None) => {
@@ -971,11 +1002,8 @@ impl Strip {
     /// NB (cost): the engine's frames carry many events each (the stream's body gathers what
     /// the engine already sent), nearly all of them tokens; reading every event (its end
     /// found, its bytes tested) was most of a tenant's streamed request beyond the router's
-    /// own work. This is one pass of `memchr` for `\u` and of `memmem` for each key over the
-    /// frame, and a step back from the first event that may matter to where it begins. The
-    /// keys' values are read with only ` `, `\t` and `\r` around the `:` (JSON's whitespace
-    /// but the newline, which would reach into the next event): an event with others is read
-    /// as before.
+    /// own work. This is one pass of `memchr3` over the frame ([`first_mark`]), and a step
+    /// back from the first event that may matter to where it begins.
     /// `marks`: what the frame's earlier calls found (each search goes on from there rather
     /// than over the frame again).
     fn plain_events(&self, data: &[u8], at: usize, marks: &mut Marks) -> usize {
@@ -984,17 +1012,9 @@ impl Strip {
             return at;
         }
         let fingerprint_matters = !matches!(self.engine.known, Some(None));
-        let first = [
-            marks.usage.first(data, at, |d| first_not_null(d, &USAGE)),
-            fingerprint_matters
-                .then(|| marks.finish.first(data, at, first_finish_not_null))
-                .flatten(),
-            marks.escape.first(data, at, first_unicode_escape),
-        ]
-        .into_iter()
-        .flatten()
-        .min()
-        .unwrap_or(data.len());
+        let first = marks
+            .first(data, at, fingerprint_matters)
+            .unwrap_or(data.len());
         let rest = data.get(at..).unwrap_or_default();
         let end = event_end_before(rest, first.saturating_sub(at));
         if end > self.max_piece {
@@ -1003,13 +1023,17 @@ impl Strip {
         at + end
     }
 
-    fn event(&mut self, piece: Piece, out: &mut Out<'_>) {
+    /// Sends, holds or takes out one complete event; `marked`: it has a mark ([`first_mark`]),
+    /// so that it is read without [`classify`]'s byte test (which only spares the reading of
+    /// an event without one: the reading answers the same for every event).
+    fn event(&mut self, piece: Piece, marked: bool, out: &mut Out<'_>) {
         let data = out.data;
         let event = match &piece {
             Piece::Of(start, end) => &data[*start..*end],
             Piece::Held(whole) => &whole[..],
         };
-        match classify(event) {
+        let kind = if marked { read(event) } else { classify(event) };
+        match kind {
             Event::Usage {
                 tokens,
                 fingerprint,
@@ -1061,40 +1085,32 @@ impl Strip {
     }
 }
 
-/// What [`Strip::plain_events`] found in one frame so far, for each kind of mark.
+/// Where the first mark ([`first_mark`]) of a frame is, as [`Strip::plain_events`] searched
+/// for it from `from` (`None`: none after it; not `searched` yet: unknown), with `finish`.
 #[derive(Default)]
 struct Marks {
-    usage: Mark,
-    finish: Mark,
-    escape: Mark,
-}
-
-/// Where the first mark of one kind is in a frame, searched for from `from` (`None`: none
-/// after it; not `searched` yet: unknown).
-#[derive(Default)]
-struct Mark {
     searched: bool,
     from: usize,
+    finish: bool,
     at: Option<usize>,
 }
 
-impl Mark {
-    /// Where the first mark at or after `from` in `data` is, `find` finding it in a slice:
+impl Marks {
+    /// Where the first mark at or after `from` in `data` is (`finish`: a finish reason is one):
     /// what was found before when that answers (searched from no later, and found none or
     /// one no earlier), else searched for now.
-    fn first(
-        &mut self,
-        data: &[u8],
-        from: usize,
-        find: impl Fn(&[u8]) -> Option<usize>,
-    ) -> Option<usize> {
-        let known = self.searched && self.from <= from && self.at.is_none_or(|at| at >= from);
+    fn first(&mut self, data: &[u8], from: usize, finish: bool) -> Option<usize> {
+        let known = self.searched
+            && self.finish == finish
+            && self.from <= from
+            && self.at.is_none_or(|at| at >= from);
         if !known {
             let rest = data.get(from..).unwrap_or_default();
-            *self = Mark {
+            *self = Marks {
                 searched: true,
                 from,
-                at: find(rest).map(|at| at + from),
+                finish,
+                at: first_mark(rest, finish).map(|at| at + from),
             };
         }
         self.at
@@ -1521,27 +1537,101 @@ mod tests {
         }
     }
 
-    /// The finish reason's places found from its `_` give what `memmem` gives.
+    /// [`first_mark`] as the marks' places were found before it, a pass for each: `memmem`
+    /// for each key, `memchr` for the `\u`, the first of them.
+    fn first_mark_by_memmem(json: &[u8], finish: bool) -> Option<usize> {
+        let not_null = |key: &[u8]| {
+            memchr::memmem::find_iter(json, key).find(|&at| {
+                let trim = |s: &[u8]| {
+                    let n = s
+                        .iter()
+                        .take_while(|&&c| matches!(c, b' ' | b'\t' | b'\r'))
+                        .count();
+                    s[n..].to_vec()
+                };
+                !trim(&json[at + key.len()..])
+                    .strip_prefix(b":")
+                    .is_some_and(|value| trim(value).starts_with(b"null"))
+            })
+        };
+        let escape = memchr::memchr_iter(b'\\', json).find(|&at| json.get(at + 1) == Some(&b'u'));
+        [
+            not_null(b"\"usage\""),
+            finish.then(|| not_null(b"\"finish_reason\"")).flatten(),
+            escape,
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    /// The marks found by one `memchr3` pass are those a pass for each found: on chunks with
+    /// keys next to, inside and overlapping each other, and every text made from them by
+    /// deleting a byte or adding or changing one.
     #[test]
-    fn the_finish_reason_found_by_its_underscore_is_memmems() {
+    fn the_marks_found_in_one_pass_are_those_of_a_pass_for_each() {
         let base = concat!(
-            "data: {\"choices\":[{\"finish_reason\":null,\"stop_reason\":null}]}\n\n",
-            "data: {\"choices\":[{\"finish_reason\" :\tnull}]}\n\n",
+            "data: {\"choices\":[{\"finish_reason\":null,\"stop_reason\":null}],\"usage\":null}\n\n",
+            "data: {\"choices\":[{\"finish_reason\" :\tnull}],\"usage\" :\r null,\"logprobs\":1}\n\n",
             "data: {\"x\":\"finish_reason\"finish_reason\":null,\"finish_reason\":\"stop\"}\n\n",
+            "data: {\"x\":\"usage\"usage\":null,\"a\\u0067\":\"\\\\u\",\"usage\":{\"total_tokens\":1}}\n\n",
         );
         let mut cases = vec![base.to_string()];
         for at in 0..base.len() {
-            for b in ["", "_", "\"", "n", "\n"] {
+            for b in ["", "_", "g", "\\", "\"", "n", "u", ":", "\n"] {
                 cases.push(format!("{}{b}{}", &base[..at], &base[at + 1..]));
+                cases.push(format!("{}{b}{}", &base[..at], &base[at..]));
             }
         }
+        let mut found = 0;
         for case in &cases {
             let json = case.as_bytes();
-            assert_eq!(
-                first_finish_not_null(json),
-                first_not_null(json, &FINISH),
-                "{case}"
-            );
+            for finish in [false, true] {
+                let mark = first_mark(json, finish);
+                assert_eq!(mark, first_mark_by_memmem(json, finish), "{finish} {case}");
+                for from in [0, 9, 70, 150] {
+                    let rest = json.get(from..).unwrap_or_default();
+                    assert_eq!(first_mark(rest, finish), first_mark_by_memmem(rest, finish));
+                }
+                found += usize::from(mark.is_some());
+            }
+        }
+        assert!(found > cases.len(), "{found} of {}", cases.len() * 2);
+    }
+
+    /// [`string_stop`], eight bytes at a time, finds the byte a byte-by-byte search finds:
+    /// each stopping byte at each place among others, in strings of every length up to 40.
+    #[test]
+    fn a_strings_end_is_found_as_byte_by_byte() {
+        let byte_by_byte = |s: &[u8], ascii: bool| {
+            s.iter()
+                .position(|&c| c == b'"' || c == b'\\' || c < 0x20 || (ascii && c >= 0x80))
+        };
+        let fillers: [&[u8]; 3] = [
+            b"abcdefgh",
+            b" !#[]\x7f~}",
+            b"\x21\x5b\x5d\x23\x41\x7e\x30\x39",
+        ];
+        let stops = [
+            b'"', b'\\', 0, 0x1f, 0x0a, 0x80, 0xff, 0xc3, 0x20, 0x21, 0x5b, 0x7f,
+        ];
+        for filler in fillers {
+            for len in 0..=40 {
+                let plain: Vec<u8> = filler.iter().copied().cycle().take(len).collect();
+                for ascii in [false, true] {
+                    assert_eq!(string_stop(&plain, ascii), byte_by_byte(&plain, ascii));
+                    for at in 0..len {
+                        for &stop in &stops {
+                            let mut s = plain.clone();
+                            s[at] = stop;
+                            assert_eq!(string_stop(&s, ascii), byte_by_byte(&s, ascii), "{s:?}");
+                            // A second stopping byte after it changes nothing.
+                            s.push(b'"');
+                            assert_eq!(string_stop(&s, ascii), byte_by_byte(&s, ascii), "{s:?}");
+                        }
+                    }
+                }
+            }
         }
     }
 
