@@ -19,7 +19,7 @@
 //! NB (why a batch, not a write per change): a switch changes its record about ten times (its
 //! phases, victims, end) within a few milliseconds. Woken for each, the writer woke, took the
 //! lock (which the switch's task then waited for), wrote and synced up to ten times during the
-//! switch: 15-18 of a switch's ~37 thread wake-ups in CapyCTL's process (`switch_share`), each
+//! switch: 12-16 of a switch's 27-36 thread wake-ups in CapyCTL's process (`switch_share`), each
 //! a halted virtual CPU woken on a quiet machine. Now the writer wakes once for the switch and
 //! writes once, [`BATCH`] later, mostly after the switch is over. The price: a crash of the
 //! process (a kill, not a stop) loses the changes of the last [`BATCH`] at most. A torn
