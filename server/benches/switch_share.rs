@@ -58,6 +58,11 @@
 //! arrival (after uvicorn's HTTP parsing) and when its last body message is handed to the
 //! server, and appends the same `start end status method path` lines. The target is then 5 ms.
 //!
+//! **Thread wake-ups per switch**: each thread's voluntary context switches (the times it
+//! blocked and had to be woken) summed over CapyCTL's threads from `/proc/self/task` before and
+//! after each switch, and by thread; the benchmark's client runs on the main thread (a
+//! current-thread runtime of its own, as if another process) and is left out of the sum.
+//!
 //! `RUST_LOG` (e.g. `capyctl_operator=debug,capyctl_node_agent=debug`) prints the standalone's
 //! tracing with timestamps on stderr. Exit status 0 whatever the verdict (it is a benchmark).
 #![allow(missing_docs)]
@@ -354,8 +359,10 @@ mod driver_side {
 /// The thread wake-ups of this process: each thread's context switches, read from
 /// `/proc/self/task/*/status` before and after a switch. `voluntary_ctxt_switches` counts the
 /// times a thread blocked (on a channel, a socket, a timer, a lock) and so had to be woken
-/// again: one wake-up each, whatever the machine's load. `nonvoluntary_ctxt_switches` counts
-/// the times it was preempted (that one does depend on the load).
+/// again: one wake-up each. That count moves far less with the machine's load than the times
+/// (a thread that runs late may find its data there and not block, so a saturated machine
+/// shows a few fewer); `nonvoluntary_ctxt_switches` counts the times it was preempted (that
+/// one follows the load).
 mod wakeups {
     use std::collections::BTreeMap;
 
