@@ -9,6 +9,15 @@
 //! write the outcome). After each turn the owner bumps the change counter (`changes`), which
 //! `start --wait`, a stop waiting out a start and the tests watch.
 //!
+//! NB (a call run where it is): when nothing sent before it is still waiting in the inbox and
+//! the write lock is free at once, [`Owner::call`] runs its call on the caller's task, as a turn
+//! of its own (the same lock, the same catch of a panic, the same bookkeeping after it), instead
+//! of sending it and awaiting the answer: one at a time and in the order sent still hold (the
+//! lock; a call goes through the inbox whenever one sent before it is still there, counted in
+//! `queued`), and a switch's path crosses two hand-offs fewer per call (the owner's task woken,
+//! then the caller woken with the answer: on a multi-thread runtime, each often a wake-up of the
+//! other worker's thread; `switch_share` counts them).
+//!
 //! Reads ([`Owner::read`]: the views, the load read, the router's `resolve` and
 //! `admissible`) do not take a turn: the state is published to them behind a read-write lock
 //! that only the owner takes for writing, for one turn at a time (one call, or the calls
@@ -16,7 +25,8 @@
 //! turn, and no read ever waits for a host call, a save or another read.
 
 use std::panic::AssertUnwindSafe;
-use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot, watch};
@@ -43,6 +53,10 @@ pub(crate) trait Ticks: Send + Sync + 'static {
 pub(crate) struct Owner {
     state: Arc<RwLock<State>>,
     inbox: mpsc::UnboundedSender<Job>,
+    /// Calls sent to the inbox and not yet run (decremented under the write lock, after the
+    /// call ran).
+    queued: Arc<AtomicUsize>,
+    changes: Arc<watch::Sender<u64>>,
 }
 
 impl std::fmt::Debug for Owner {
@@ -65,16 +79,23 @@ impl Owner {
     ) -> Owner {
         let state = Arc::new(RwLock::new(state));
         let (inbox, rx) = mpsc::unbounded_channel();
+        let queued = Arc::new(AtomicUsize::new(0));
         tokio::spawn(run(
             Arc::clone(&state),
             rx,
-            changes,
+            Arc::clone(&queued),
+            Arc::clone(&changes),
             exits,
             tick,
             ticks,
             closed,
         ));
-        Owner { state, inbox }
+        Owner {
+            state,
+            inbox,
+            queued,
+            changes,
+        }
     }
 
     /// The state itself, for a commit on the blocking pool (`writer.rs`), which reads it
@@ -93,12 +114,27 @@ impl Owner {
         self.state.read().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Runs `f` on the owner's task, in its turn; its answer. Panics only when the owner's
+    /// Runs `f` in the owner's turn; its answer: on the caller's task when nothing sent
+    /// before it waits and the write lock is free (see the module's notes), else on the
+    /// owner's task. Panics when `f` panicked (logged as on the owner's task) or the owner's
     /// task is gone (the runtime shutting down).
     pub(crate) async fn call<R: Send + 'static>(
         &self,
         f: impl FnOnce(&mut State) -> R + Send + 'static,
     ) -> R {
+        if let Some(mut s) = self.turn_here() {
+            let r = std::panic::catch_unwind(AssertUnwindSafe(|| f(&mut s)));
+            if r.is_err() {
+                tracing::error!("a lifecycle rule panicked; its change is lost");
+            }
+            end_turn(&mut s);
+            drop(s);
+            self.changes.send_modify(|n| *n = n.wrapping_add(1));
+            return match r {
+                Ok(r) => r,
+                Err(_) => panic!("the lifecycle's owner did not answer"),
+            };
+        }
         let (tx, rx) = oneshot::channel();
         self.tell(move |s| {
             let _ = tx.send(f(s));
@@ -112,13 +148,35 @@ impl Owner {
 
     /// Sends `f` to the owner's task (run in turn, after what was sent before); nobody waits.
     pub(crate) fn tell(&self, f: impl FnOnce(&mut State) + Send + 'static) {
-        let _ = self.inbox.send(Box::new(f));
+        self.queued.fetch_add(1, Ordering::SeqCst);
+        if self.inbox.send(Box::new(f)).is_err() {
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// The write lock, when it is free at once and no call sent before waits in the inbox
+    /// (checked under the lock: the owner counts a call off only once it ran, under it).
+    fn turn_here(&self) -> Option<RwLockWriteGuard<'_, State>> {
+        let s = match self.state.try_write() {
+            Ok(s) => s,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return None,
+        };
+        (self.queued.load(Ordering::SeqCst) == 0).then_some(s)
     }
 }
 
+/// What the owner does after each turn, whoever ran it.
+fn end_turn(s: &mut State) {
+    s.sync_touched(Instant::now());
+    s.settle_held();
+}
+
+#[allow(clippy::too_many_arguments)]
 async fn run(
     state: Arc<RwLock<State>>,
     mut inbox: mpsc::UnboundedReceiver<Job>,
+    queued: Arc<AtomicUsize>,
     changes: Arc<watch::Sender<u64>>,
     mut exits: mpsc::Receiver<(String, super::EngineExit)>,
     tick: Duration,
@@ -145,9 +203,9 @@ async fn run(
                         if std::panic::catch_unwind(AssertUnwindSafe(|| job(&mut s))).is_err() {
                             tracing::error!("a lifecycle rule panicked; its change is lost");
                         }
+                        queued.fetch_sub(1, Ordering::SeqCst);
                     }
-                    s.sync_touched(Instant::now());
-                    s.settle_held();
+                    end_turn(&mut s);
                 }
                 changes.send_modify(|n| *n = n.wrapping_add(1));
             }

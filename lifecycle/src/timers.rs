@@ -70,9 +70,16 @@ impl Drop for Running {
 }
 
 impl Core {
-    /// Runs the scaler in a task of its own, unless a run is under way.
+    /// Runs the scaler in a task of its own, unless a run is under way or it has nothing to do.
+    ///
+    /// NB (nothing to do): with no deployment of several instances (`State::replicated`) and
+    /// nothing in `below_since`, a run changes nothing ([`Core::scale_run`]): it is not spawned,
+    /// so a bring-up on a switch's path does not wake another worker for it (`switch_share`).
     pub(crate) fn scale_soon(&self) {
         if self.router().is_none() {
+            return;
+        }
+        if self.read(|inner| inner.replicated.is_empty()) && self.below_since_of().is_empty() {
             return;
         }
         let Some(running) = Running::begin(&self.scaling) else {

@@ -58,6 +58,11 @@
 //! arrival (after uvicorn's HTTP parsing) and when its last body message is handed to the
 //! server, and appends the same `start end status method path` lines. The target is then 5 ms.
 //!
+//! **Thread wake-ups per switch**: each thread's voluntary context switches (the times it
+//! blocked and had to be woken) summed over CapyCTL's threads from `/proc/self/task` before and
+//! after each switch, and by thread; the benchmark's client runs on the main thread (a
+//! current-thread runtime of its own, as if another process) and is left out of the sum.
+//!
 //! `RUST_LOG` (e.g. `capyctl_operator=debug,capyctl_node_agent=debug`) prints the standalone's
 //! tracing with timestamps on stderr. Exit status 0 whatever the verdict (it is a benchmark).
 #![allow(missing_docs)]
@@ -246,6 +251,7 @@ fn main() -> ExitCode {
             .with(printed)
             .init();
     }
+    // The standalone's runtime: the same as `capyctl start standalone`'s.
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -256,7 +262,20 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match rt.block_on(run(opts, seen)) {
+    // The benchmark's client: this thread alone (a current-thread runtime), as if it were
+    // another process, so that none of its work runs on the standalone's threads and the
+    // thread wake-ups counted there are CapyCTL's.
+    let client = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("switch_share: cannot start the client's runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match run(opts, seen, &rt, &client) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("switch_share: {e}");
@@ -337,6 +356,72 @@ mod driver_side {
     }
 }
 
+/// The thread wake-ups of this process: each thread's context switches, read from
+/// `/proc/self/task/*/status` before and after a switch. `voluntary_ctxt_switches` counts the
+/// times a thread blocked (on a channel, a socket, a timer, a lock) and so had to be woken
+/// again: one wake-up each. That count moves far less with the machine's load than the times
+/// (a thread that runs late may find its data there and not block, so a saturated machine
+/// shows a few fewer); `nonvoluntary_ctxt_switches` counts the times it was preempted (that
+/// one follows the load).
+mod wakeups {
+    use std::collections::BTreeMap;
+
+    /// Thread id → (name, voluntary, nonvoluntary).
+    pub(super) type Snapshot = BTreeMap<u32, (String, u64, u64)>;
+
+    /// Every thread of this process now (a thread that ends meanwhile is left out).
+    pub(super) fn snapshot() -> Snapshot {
+        let mut out = Snapshot::new();
+        let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+            return out;
+        };
+        for entry in dir.flatten() {
+            let Some(tid) = entry.file_name().to_str().and_then(|t| t.parse().ok()) else {
+                continue;
+            };
+            let Ok(status) = std::fs::read_to_string(entry.path().join("status")) else {
+                continue;
+            };
+            let field = |name: &str| {
+                status
+                    .lines()
+                    .find_map(|l| l.strip_prefix(name))
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+                    .unwrap_or(0)
+            };
+            let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
+            out.insert(
+                tid,
+                (
+                    comm.trim().to_string(),
+                    field("voluntary_ctxt_switches:"),
+                    field("nonvoluntary_ctxt_switches:"),
+                ),
+            );
+        }
+        out
+    }
+
+    /// Each thread's wake-ups and preemptions between `before` and `after` (a thread born in
+    /// between counts from zero), by thread `name#tid`; threads with neither left out.
+    pub(super) fn delta(before: &Snapshot, after: &Snapshot) -> Vec<(String, u64, u64)> {
+        after
+            .iter()
+            .filter_map(|(tid, (name, vol, nonvol))| {
+                let (_, vol0, nonvol0) = before.get(tid).cloned().unwrap_or_default();
+                let v = vol.saturating_sub(vol0);
+                let n = nonvol.saturating_sub(nonvol0);
+                (v + n > 0).then(|| (format!("{name}#{tid}"), v, n))
+            })
+            .collect()
+    }
+
+    /// The benchmark's client thread (this process's main thread, outside CapyCTL): `name#tid`.
+    pub(super) fn is_client(thread: &str) -> bool {
+        thread.ends_with(&format!("#{}", std::process::id()))
+    }
+}
+
 /// One call as the driver timed it: request written, answer read (wall-clock microseconds),
 /// path.
 type DrvCall = (u64, u64, String);
@@ -381,6 +466,8 @@ struct Sample {
     answer_span: Option<(u64, u64)>,
     /// Where `own_drv` falls (the gaps between the driver's calls).
     drv: Option<Pieces>,
+    /// Each thread's wake-ups and preemptions during the switch ([`wakeups::delta`]).
+    threads: Vec<(String, u64, u64)>,
     timeline: String,
 }
 
@@ -616,7 +703,12 @@ fn state_of(s: &Standalone, name: &str) -> Option<InstanceState> {
     Some(s.server().view(name)?.state)
 }
 
-async fn run(o: Opts, seen: driver_side::Calls) -> Result<(), String> {
+fn run(
+    o: Opts,
+    seen: driver_side::Calls,
+    rt: &tokio::runtime::Runtime,
+    client: &tokio::runtime::Runtime,
+) -> Result<(), String> {
     let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
     let dir = temp_dir(o.data_root.as_deref())?;
     let calls = dir.join("calls");
@@ -632,11 +724,11 @@ async fn run(o: Opts, seen: driver_side::Calls) -> Result<(), String> {
     };
     let config = parse_standalone_str("switch_share.yaml", &text, &Overrides::none())
         .map_err(|e| format!("the benchmark's document: {e}"))?;
-    let s = Standalone::start(config, dir.clone())
-        .await
+    let s = rt
+        .block_on(Standalone::start(config, dir.clone()))
         .map_err(|e| format!("standalone: {e}"))?;
-    let result = measure(&s, &calls, &seen, &o).await;
-    s.shutdown().await;
+    let result = client.block_on(measure(&s, &calls, &seen, &o));
+    rt.block_on(s.shutdown());
     if o.keep {
         println!("data directory kept: {}", dir.display());
     } else {
@@ -716,11 +808,13 @@ async fn measure(
         let target_port = port_of(s, target).ok_or("the parked model has no port")?;
         let before = phases(&metrics(client.clone(), token.clone(), mgmt).await?);
 
+        let threads_before = wakeups::snapshot();
         let t0 = now_us();
         let began = Instant::now();
         let (status, body) = ask(target).await?;
         let total = u64::try_from(began.elapsed().as_micros()).unwrap_or(u64::MAX);
         let t1 = now_us();
+        let threads = wakeups::delta(&threads_before, &wakeups::snapshot());
         if status != 200 {
             return Err(format!(
                 "switch {i} to {target} answered {status}: {}",
@@ -758,6 +852,7 @@ async fn measure(
         );
         sample.target = target.to_string();
         sample.direct = direct;
+        sample.threads = threads;
         sample.window = phase_delta_us(&before, &after, "admission_window").unwrap_or(0);
         sample.drain = phase_delta_us(&before, &after, "drain").unwrap_or(0);
         sample.release_and_bring_up = phase_delta_us(&before, &after, "release_and_bring_up")
@@ -1070,6 +1165,12 @@ fn report(o: &Opts, samples: &[Sample]) {
         println!("{:>3} {:<7} {}", i + 1, s.target, figures(&v));
         if o.verbose {
             print!("{}", s.timeline);
+            let threads: Vec<String> = s
+                .threads
+                .iter()
+                .map(|(t, v, p)| format!("{t} {v}/{p}"))
+                .collect();
+            println!("      wake-ups/preempted: {}", threads.join(", "));
         }
     }
     let col = |f: fn(&Sample) -> f64| -> Vec<f64> { samples.iter().map(f).collect() };
@@ -1104,6 +1205,7 @@ fn report(o: &Opts, samples: &[Sample]) {
             percentile(&rb, 90.0)
         );
     }
+    report_wakeups(samples);
     let own_med = percentile(&cols[8], 50.0);
     let own_p90 = percentile(&cols[8], 90.0);
     // Own time against the engine's own call time, switch by switch.
@@ -1181,4 +1283,57 @@ fn report(o: &Opts, samples: &[Sample]) {
             .unwrap_or("-");
         println!("  the largest share (median): {worst}");
     }
+}
+
+/// The thread wake-ups per switch in CapyCTL's threads (the client's thread apart), and by
+/// thread.
+fn report_wakeups(samples: &[Sample]) {
+    if samples.iter().all(|s| s.threads.is_empty()) {
+        return;
+    }
+    let sum = |s: &Sample, client: bool, f: fn(&(String, u64, u64)) -> u64| -> f64 {
+        s.threads
+            .iter()
+            .filter(|t| wakeups::is_client(&t.0) == client)
+            .map(f)
+            .sum::<u64>() as f64
+    };
+    let woken: Vec<f64> = samples.iter().map(|s| sum(s, false, |t| t.1)).collect();
+    let preempted: Vec<f64> = samples.iter().map(|s| sum(s, false, |t| t.2)).collect();
+    let client: Vec<f64> = samples.iter().map(|s| sum(s, true, |t| t.1)).collect();
+    println!(
+        "thread wake-ups per switch, CapyCTL's threads (voluntary context switches, /proc/self/task): median {:.0}, p90 {:.0}, min {:.0}, max {:.0}; preempted (nonvoluntary, load-dependent) median {:.0}; the benchmark's client thread (not counted) median {:.0}",
+        percentile(&woken, 50.0),
+        percentile(&woken, 90.0),
+        percentile(&woken, 0.0),
+        percentile(&woken, 100.0),
+        percentile(&preempted, 50.0),
+        percentile(&client, 50.0),
+    );
+    let mut by: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for s in samples {
+        for (thread, v, n) in &s.threads {
+            let e = by.entry(thread.clone()).or_default();
+            e.0 += v;
+            e.1 += n;
+        }
+    }
+    let mut by: Vec<(String, (u64, u64))> = by.into_iter().collect();
+    by.sort_by(|a, b| b.1.0.cmp(&a.1.0).then_with(|| a.0.cmp(&b.0)));
+    let n = samples.len() as f64;
+    let list: Vec<String> = by
+        .iter()
+        .map(|(thread, (v, p))| {
+            let client = if wakeups::is_client(thread) {
+                " (client)"
+            } else {
+                ""
+            };
+            format!("{thread}{client} {:.1}/{:.1}", *v as f64 / n, *p as f64 / n)
+        })
+        .collect();
+    println!(
+        "  by thread (name#tid, mean per switch: wake-ups/preempted): {}",
+        list.join(", ")
+    );
 }
