@@ -89,9 +89,18 @@ impl Core {
                     .deps
                     .range::<str, _>((from, Bound::Unbounded))
                     .peekable();
-                while taken.len() < SHOT_CHUNK
+                let mut refs: Vec<&Dep> = Vec::with_capacity(SHOT_CHUNK);
+                while refs.len() < SHOT_CHUNK
                     && let Some((_, d)) = it.next()
                 {
+                    refs.push(d);
+                }
+                // NB (reads at scale): each deployment's memory asked for first, all of the
+                // chunk's at once (see `views::fetch`), then copied.
+                for d in &refs {
+                    views::fetch(d);
+                }
+                for d in refs {
                     taken.push(d, &hosts);
                 }
                 // The rest of the last deployment's instances (they follow it in key order).
@@ -285,7 +294,6 @@ impl Core {
 trait Chunk {
     /// Instance `d` added, as of the read's `hosts`.
     fn push(&mut self, d: &Dep, hosts: &Hosts);
-    fn len(&self) -> usize;
     /// The last instance added: its deployment's ID and its index.
     fn last(&self) -> Option<(&str, u32)>;
     /// Each deployment's instances (added in key order) put in index order.
@@ -296,10 +304,6 @@ trait Chunk {
 impl Chunk for Vec<views::DepShot> {
     fn push(&mut self, d: &Dep, _: &Hosts) {
         Vec::push(self, views::DepShot::of(d));
-    }
-
-    fn len(&self) -> usize {
-        Vec::len(self)
     }
 
     fn last(&self) -> Option<(&str, u32)> {
@@ -320,10 +324,6 @@ impl Chunk for Vec<views::DepShot> {
 impl Chunk for views::LoadChunk<'_> {
     fn push(&mut self, d: &Dep, hosts: &Hosts) {
         views::LoadChunk::push(self, d, hosts);
-    }
-
-    fn len(&self) -> usize {
-        views::LoadChunk::len(self)
     }
 
     fn last(&self) -> Option<(&str, u32)> {

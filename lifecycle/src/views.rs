@@ -123,6 +123,23 @@ impl Fixed {
     }
 }
 
+/// Asks for the memory a read copies of `d` (its record's fields, its [`Fixed`], its texts and
+/// its spec) without using it. NB (reads at scale): a chunk's deployments are fetched so, one
+/// after the other, before any is copied: each is a few memory accesses that depend on one
+/// another (the boxed `Dep`, then its `Fixed`, then its texts), so a copy that follows them
+/// deployment by deployment waits for each access in turn, where these loads, independent
+/// across deployments, are in flight together.
+pub(crate) fn fetch(d: &Dep) {
+    let f = &*d.fixed;
+    std::hint::black_box((
+        d.state,
+        d.rec.generation,
+        f.text.as_bytes().first(),
+        f.text.as_bytes().get(f.ends[2] as usize),
+        f.spec.engine,
+    ));
+}
+
 /// One deployment as the views show it, copied under the lifecycle's lock in O(1) (see the
 /// module's NB).
 #[derive(Debug, Clone)]

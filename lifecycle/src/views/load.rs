@@ -97,10 +97,6 @@ impl<'c> LoadChunk<'c> {
         });
     }
 
-    pub(crate) fn len(&self) -> usize {
-        self.units.len()
-    }
-
     pub(crate) fn clear(&mut self) {
         self.units.clear();
         self.text.clear();

@@ -558,6 +558,7 @@ impl Loads {
         LoadsInOrder {
             cells: self.ordered(),
             next: 0,
+            fetched: 0,
             figures: LoadFigures::default(),
         }
     }
@@ -569,8 +570,32 @@ pub struct LoadsInOrder {
     cells: Arc<[Arc<LoadCell>]>,
     /// The first cell not yet passed.
     next: usize,
+    /// The cells before this one were fetched ([`LoadsInOrder::fetch`]).
+    fetched: usize,
     /// The figures of the deployment last asked for, filled again by each look-up.
     figures: LoadFigures,
+}
+
+/// How many cells ahead of the next one [`LoadsInOrder::get`] has fetched.
+const FETCH_AHEAD: usize = 16;
+
+impl LoadsInOrder {
+    /// Asks for the memory of the next cells a read copies (their ID and `seq`, figures and
+    /// lane's word) without using it. NB (reads at scale): a cell is a memory access of its
+    /// own per deployment; fetched 64 at a time, one after the other, those accesses are in
+    /// flight together instead of each waited for as the merge reaches it.
+    fn fetch(&mut self) {
+        let from = self.fetched.max(self.next);
+        let to = (from + 64).min(self.cells.len());
+        for c in self.cells.get(from..to).unwrap_or_default() {
+            std::hint::black_box((
+                c.seq.load(Ordering::Relaxed),
+                c.figures.instances.load(Ordering::Relaxed),
+                c.lane.word.load(Ordering::Relaxed),
+            ));
+        }
+        self.fetched = to.max(self.next + FETCH_AHEAD);
+    }
 }
 
 impl std::fmt::Debug for LoadsInOrder {
@@ -589,6 +614,9 @@ impl LoadsInOrder {
     /// pass over the router's deployments for them all); an ID below the last one asked is
     /// found by binary search.
     pub fn get(&mut self, deployment: &str) -> Option<&LoadFigures> {
+        if self.next + FETCH_AHEAD > self.fetched {
+            self.fetch();
+        }
         // NB (reads at scale): the merge's usual step, the next cell's, with one compare of
         // equal bytes (the order's, below, is the rest).
         if let Some(cell) = self.cells.get(self.next)
