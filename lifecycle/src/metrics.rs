@@ -31,7 +31,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::RwLock;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use crate::recent::RecentRequests;
@@ -58,7 +58,9 @@ struct RequestLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DeploymentLabels {
-    deployment: String,
+    /// NB (memory at scale): shared, so that the families a call writes (`set_queue`: the
+    /// queue and in-flight gauges) hold one copy of the name between them.
+    deployment: Arc<str>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -122,7 +124,7 @@ fn histogram_family<L: Clone + std::hash::Hash + Eq>() -> HistogramFamily<L> {
 
 fn deployment(deployment: &str) -> DeploymentLabels {
     DeploymentLabels {
-        deployment: deployment.to_string(),
+        deployment: Arc::from(deployment),
     }
 }
 

@@ -10,7 +10,7 @@ use capyctl_spec::errors::ApiError;
 use serde::Serialize;
 
 use crate::errors::not_found;
-use crate::state::{self, Host, Hosts};
+use crate::state::{self, Dep, Host, Hosts};
 use crate::{Core, views};
 
 /// How many deployments a read copies per hold of the lock ([`Core::shots`]).
@@ -65,8 +65,16 @@ impl Core {
     /// once the lock is let go, with the hosts and the number of instances at the chunk's
     /// copy. A read that builds its views chunk by chunk keeps no copy of every deployment at
     /// once. A chunk holds whole deployments: every instance of each.
-    fn shot_chunks(&self, mut each: impl FnMut(&mut Vec<views::DepShot>, &Hosts, usize)) -> Hosts {
-        let mut taken: Vec<views::DepShot> = Vec::with_capacity(SHOT_CHUNK);
+    fn shot_chunks(&self, each: impl FnMut(&mut Vec<views::DepShot>, &Hosts, usize)) -> Hosts {
+        self.chunks(&mut Vec::with_capacity(SHOT_CHUNK), each)
+    }
+
+    /// [`Core::shot_chunks`] into any [`Chunk`] (the load read's is [`views::LoadChunk`]).
+    fn chunks<C: Chunk>(
+        &self,
+        taken: &mut C,
+        mut each: impl FnMut(&mut C, &Hosts, usize),
+    ) -> Hosts {
         let mut hosts: Option<Hosts> = None;
         let mut after: Option<String> = None;
         loop {
@@ -81,28 +89,38 @@ impl Core {
                     .deps
                     .range::<str, _>((from, Bound::Unbounded))
                     .peekable();
-                while taken.len() < SHOT_CHUNK
+                let mut refs: Vec<&Dep> = Vec::with_capacity(SHOT_CHUNK);
+                while refs.len() < SHOT_CHUNK
                     && let Some((_, d)) = it.next()
                 {
-                    taken.push(views::DepShot::of(d));
+                    refs.push(d);
+                }
+                // NB (reads at scale): each deployment's memory asked for first, all of the
+                // chunk's at once (see `views::fetch`), then copied.
+                for d in &refs {
+                    views::fetch(d);
+                }
+                for d in refs {
+                    taken.push(d, &hosts);
                 }
                 // The rest of the last deployment's instances (they follow it in key order).
                 while let Some((_, d)) = it.peek()
                     && d.index > 0
-                    && taken.last().is_some_and(|t| t.fixed.id == d.rec.id)
+                    && taken.last().is_some_and(|(id, _)| id == d.rec.id)
                 {
-                    taken.push(views::DepShot::of(d));
+                    taken.push(d, &hosts);
                     it.next();
                 }
                 after = it.peek().is_some().then(|| {
-                    let l = taken.last().map(|t| &t.fixed);
-                    l.map(|f| state::unit_id(&f.id, f.index))
+                    taken
+                        .last()
+                        .map(|(id, index)| state::unit_id(id, index))
                         .unwrap_or_default()
                 });
                 (hosts, total, it.peek().is_none())
             };
-            views::order_instances(&mut taken);
-            each(&mut taken, &hosts, total);
+            taken.order();
+            each(taken, &hosts, total);
             taken.clear();
             if last {
                 return hosts;
@@ -130,9 +148,9 @@ impl Core {
     /// [`Core::do_load`] at `now` (Unix ms).
     fn load_at(&self, key: Option<&str>, now: u64) -> Result<LoadReport, ApiError> {
         let mut deployments = Vec::new();
-        self.load_views(key, |d, load, cx, total| {
+        self.load_views(key, true, |chunk, d, load, cx, total| {
             deployments.reserve_exact(total.saturating_sub(deployments.len()));
-            deployments.push(views::load_view(d, load, cx, now));
+            deployments.push(views::load_view(chunk, d, load, cx, now));
         })?;
         Ok(load_report(now, deployments))
     }
@@ -147,33 +165,53 @@ impl Core {
     /// [`Core::do_load_json`] at `now` (Unix ms).
     fn load_json_at(&self, key: Option<&str>, now: u64) -> Result<Vec<u8>, ApiError> {
         let mut body = JsonArrayBody::new(&load_report(now, Vec::new()))?;
-        self.load_views(key, |d, load, cx, total| {
+        self.load_views(key, false, |chunk, d, load, cx, total| {
             body.push_with(total, |out| {
-                views::write_load_view(out, d, load, cx, now);
+                views::write_load_view(out, chunk, d, load, cx, now);
                 Ok(())
             });
         })?;
         body.finish()
     }
 
-    /// Each deployment's instances' snapshots (every deployment in ID order, or the one `key`
-    /// names), with the router's load of it and the read's context, handed to `each` with a
-    /// bound on how many there are.
+    /// Each deployment's instances as the load read needs them ([`views::LoadChunk`]: every
+    /// deployment in ID order, or the one `key` names; with their names where `names`), with
+    /// the router's load of it and the read's context, handed to `each` with a bound on how
+    /// many there are.
     fn load_views(
         &self,
         key: Option<&str>,
-        mut each: impl FnMut(&[views::DepShot], Option<&LoadFigures>, &views::Ctx<'_>, usize),
+        names: bool,
+        mut each: impl FnMut(
+            &views::LoadChunk<'_>,
+            &[views::LoadUnit],
+            Option<&LoadFigures>,
+            &views::Ctx<'_>,
+            usize,
+        ),
     ) -> Result<(), ApiError> {
         let router = self.router();
+        let mut chunk = views::LoadChunk::new(&self.config, names);
         match key {
             Some(k) => {
-                let (d, hosts) = self.shot(k).ok_or_else(|| not_found(k))?;
-                let load = router
-                    .as_ref()
-                    .and_then(|r| r.load_shared(d[0].id()))
-                    .map(|l| l.figures());
+                let hosts = {
+                    let inner = self.owner.state();
+                    let d = inner.by_name_or_id(k).ok_or_else(|| not_found(k))?;
+                    let hosts = Arc::clone(&inner.hosts);
+                    for u in inner.units_of(d.dep_id()) {
+                        chunk.push(u, &hosts);
+                    }
+                    hosts
+                };
+                chunk.order();
                 let cx = views::Ctx::new(&self.config, &hosts).with_adapters(self.adapter_sets());
-                each(&d, load.as_ref(), &cx, 1);
+                if let Some(d) = chunk.deployments().next() {
+                    let load = router
+                        .as_ref()
+                        .and_then(|r| r.load_shared(chunk.id(&d[0])))
+                        .map(|l| l.figures());
+                    each(&chunk, d, load.as_ref(), &cx, 1);
+                }
             }
             None => {
                 // The router's loads in ID order, joined with the lifecycle's deployments (also
@@ -182,13 +220,13 @@ impl Core {
                 // One read's chunks share its hosts: whether any is explicit is asked once.
                 let mut explicit = None;
                 let sets = self.adapter_sets();
-                self.shot_chunks(|chunk, hosts, total| {
+                self.chunks(&mut chunk, |chunk, hosts, total| {
                     let any = *explicit.get_or_insert_with(|| views::any_host_explicit(hosts));
                     let cx = views::Ctx::with_explicit(&self.config, hosts, any)
                         .with_adapters(Arc::clone(&sets));
-                    for d in views::deployments(chunk) {
-                        let load = loads.as_mut().and_then(|l| l.get(d[0].id()));
-                        each(d, load, &cx, total);
+                    for d in chunk.deployments() {
+                        let load = loads.as_mut().and_then(|l| l.get(chunk.id(&d[0])));
+                        each(chunk, d, load, &cx, total);
                     }
                 });
             }
@@ -249,6 +287,55 @@ impl Core {
             );
         }
         used
+    }
+}
+
+/// What [`Core::chunks`] copies deployments into under the lock, a chunk at a time.
+trait Chunk {
+    /// Instance `d` added, as of the read's `hosts`.
+    fn push(&mut self, d: &Dep, hosts: &Hosts);
+    /// The last instance added: its deployment's ID and its index.
+    fn last(&self) -> Option<(&str, u32)>;
+    /// Each deployment's instances (added in key order) put in index order.
+    fn order(&mut self);
+    fn clear(&mut self);
+}
+
+impl Chunk for Vec<views::DepShot> {
+    fn push(&mut self, d: &Dep, _: &Hosts) {
+        Vec::push(self, views::DepShot::of(d));
+    }
+
+    fn last(&self) -> Option<(&str, u32)> {
+        self.as_slice()
+            .last()
+            .map(|t| (t.fixed.id(), t.fixed.index))
+    }
+
+    fn order(&mut self) {
+        views::order_instances(self);
+    }
+
+    fn clear(&mut self) {
+        Vec::clear(self);
+    }
+}
+
+impl Chunk for views::LoadChunk<'_> {
+    fn push(&mut self, d: &Dep, hosts: &Hosts) {
+        views::LoadChunk::push(self, d, hosts);
+    }
+
+    fn last(&self) -> Option<(&str, u32)> {
+        views::LoadChunk::last(self)
+    }
+
+    fn order(&mut self) {
+        views::LoadChunk::order(self);
+    }
+
+    fn clear(&mut self) {
+        views::LoadChunk::clear(self);
     }
 }
 

@@ -48,8 +48,10 @@ pub(crate) use rules::{Adoption, StartNext, Started, Up, UpDone};
 /// keep their own generation and first answer.
 #[derive(Debug)]
 pub(crate) struct Dep {
-    /// Its key in [`State::deps`] ([`unit_id`]).
-    pub(crate) unit: String,
+    /// Its key in [`State::deps`] ([`unit_id`]) where it is not its deployment's ID (index
+    /// 0: [`Dep::id`] is `rec.id`). NB (memory at scale): a copy of the ID per deployment
+    /// was some 50 bytes of heap.
+    unit: Option<String>,
     /// Its instance's index within the deployment.
     pub(crate) index: u32,
     /// The GPUs (indexes on its host) its engine is given, when its host has several; empty:
@@ -120,7 +122,7 @@ impl Dep {
         let spec = Arc::new(InstanceSpec::from_doc(rec.id.clone(), &rec.doc));
         let fixed = Arc::new(views::Fixed::of(&rec, Arc::clone(&spec), index));
         Self {
-            unit: unit_id(&rec.id, index),
+            unit: (index > 0).then(|| unit_id(&rec.id, index)),
             index,
             gpus: Vec::new(),
             rec,
@@ -232,7 +234,7 @@ impl Dep {
 
     /// Its key in [`State::deps`]: the deployment's ID for index 0, else its instance ID.
     pub(crate) fn id(&self) -> &str {
-        &self.unit
+        self.unit.as_deref().unwrap_or(&self.rec.id)
     }
 
     /// Its deployment's ID.
@@ -600,7 +602,7 @@ impl State {
 
     /// The unit keys of deployment `dep`'s instances.
     pub(crate) fn unit_ids(&self, dep: &str) -> Vec<String> {
-        self.units_of(dep).map(|d| d.unit.clone()).collect()
+        self.units_of(dep).map(|d| d.id().to_string()).collect()
     }
 
     /// Adds `dep` (a name already known keeps its deployment: the first one loaded), with its
@@ -680,7 +682,7 @@ impl State {
         let gone: Vec<String> = self
             .units_of(dep)
             .filter(|d| d.index >= replicas && d.holds_nothing())
-            .map(|d| d.unit.clone())
+            .map(|d| d.id().to_string())
             .collect();
         for unit in gone {
             self.set_host(&unit, None);
@@ -721,7 +723,7 @@ impl State {
                 let mut units: Vec<crate::scale::UnitInfo> = self
                     .units_of(id)
                     .map(|u| crate::scale::UnitInfo {
-                        unit: u.unit.clone(),
+                        unit: u.id().to_string(),
                         index: u.index,
                         state: u.state,
                         // A failed instance is brought up again only after a back-off: an

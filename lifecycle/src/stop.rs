@@ -242,7 +242,7 @@ impl Core {
             inner
                 .units_of(id)
                 .filter(|u| u.index > 0)
-                .map(|u| u.unit.clone())
+                .map(|u| u.id().to_string())
                 .collect()
         });
         let each = units.into_iter().map(|unit| {

@@ -34,54 +34,110 @@ mod json;
 mod list;
 mod load;
 pub(crate) use list::{deployment_view, write_deployment_view};
-pub(crate) use load::{load_view, write_load_view};
+pub(crate) use load::{LoadChunk, LoadUnit, load_view, write_load_view};
 
 /// What a deployment's views show that only a deploy changes: shared (one `Arc`) between the
 /// deployment and every snapshot of it, renewed when its revision moves on.
+///
+/// NB (memory and reads at scale): its four texts (the ID, the instance's ID, the load view's
+/// head and the document's JSON) are one allocation ([`Fixed::text`]), one after the other: a
+/// full load read compares the ID with the router's, writes the head and looks the instance's
+/// sample up by its ID, all from one place (four allocations were a memory access each per
+/// deployment, and some 100 bytes of the allocator's own).
 #[derive(Debug)]
 pub(crate) struct Fixed {
     /// The revision it was taken at.
     pub revision: u64,
-    /// The deployment's ID.
-    pub id: String,
     /// Its document (its record's, shared).
     pub doc: Arc<DeploymentDoc>,
     /// Its instance spec (from the document; the deployment's, shared).
     pub spec: Arc<InstanceSpec>,
-    /// Its instance's ID (`super::instance_id_at`).
-    pub instance_id: String,
     /// Its instance's index.
     pub index: u32,
-    /// How its load view's JSON begins ([`load_head`]): written as it is by each full load
-    /// read ([`write_load_view`]).
-    load_head: Box<[u8]>,
-    /// Its document's JSON (`serde_json`'s): written as it is as the `spec` of each of its
-    /// views in the deployments list ([`write_deployment_view`]); empty where it did not
-    /// encode (then encoded by each view). NB (reads at scale): some 100-200 bytes per
-    /// deployment kept, against a fifth of the list's CPU encoding it per view.
-    spec_json: Box<[u8]>,
+    /// Where [`Fixed::text`]'s first three parts end.
+    ends: [u32; 3],
+    /// One after the other: the deployment's ID; its instance's ID (`super::instance_id_at`);
+    /// how its load view's JSON begins ([`load_head`]: written as it is by each full load read,
+    /// [`write_load_view`]); its document's JSON (`serde_json`'s: written as it is as the
+    /// `spec` of each of its views in the deployments list, [`write_deployment_view`]; empty
+    /// where it did not encode, then encoded by each view. NB (reads at scale): some 100-200
+    /// bytes per deployment kept, against a fifth of the list's CPU encoding it per view).
+    text: Box<str>,
 }
 
 impl Fixed {
     /// Of `rec`, whose instance spec is `spec`.
     pub(crate) fn of(rec: &DeploymentRecord, spec: Arc<InstanceSpec>, index: u32) -> Self {
+        let instance_id = super::instance_id_at(&rec.id, index);
+        // Both are `str`s written escaped, or `serde_json`'s output: UTF-8.
+        let head = String::from_utf8(load::load_head(&rec.id, &rec.doc.name).into_vec())
+            .unwrap_or_default();
+        let spec_json = serde_json::to_string(&*rec.doc).unwrap_or_default();
+        let mut text =
+            String::with_capacity(rec.id.len() + instance_id.len() + head.len() + spec_json.len());
+        let mut ends = [0u32; 3];
+        for (end, part) in ends.iter_mut().zip([&rec.id, &instance_id, &head]) {
+            text.push_str(part);
+            *end = u32::try_from(text.len()).unwrap_or(u32::MAX);
+        }
+        text.push_str(&spec_json);
         Fixed {
             revision: rec.revision,
-            id: rec.id.clone(),
             doc: Arc::clone(&rec.doc),
             spec,
-            instance_id: super::instance_id_at(&rec.id, index),
             index,
-            load_head: load::load_head(&rec.id, &rec.doc.name),
-            spec_json: serde_json::to_vec(&*rec.doc)
-                .unwrap_or_default()
-                .into_boxed_slice(),
+            ends,
+            text: text.into_boxed_str(),
         }
+    }
+
+    /// [`Fixed::text`]'s part `i`.
+    fn part(&self, i: usize) -> &str {
+        let start = i.checked_sub(1).map_or(0, |j| self.ends[j] as usize);
+        let end = self.ends.get(i).map_or(self.text.len(), |&e| e as usize);
+        self.text.get(start..end).unwrap_or_default()
+    }
+
+    /// The deployment's ID.
+    pub(crate) fn id(&self) -> &str {
+        self.part(0)
+    }
+
+    /// Its instance's ID.
+    pub(crate) fn instance_id(&self) -> &str {
+        self.part(1)
+    }
+
+    /// How its load view's JSON begins ([`load_head`]).
+    fn load_head(&self) -> &[u8] {
+        self.part(2).as_bytes()
+    }
+
+    /// Its document's JSON; empty where it did not encode.
+    fn spec_json(&self) -> &[u8] {
+        self.part(3).as_bytes()
     }
 
     fn name(&self) -> &str {
         &self.doc.name
     }
+}
+
+/// Asks for the memory a read copies of `d` (its record's fields, its [`Fixed`], its texts and
+/// its spec) without using it. NB (reads at scale): a chunk's deployments are fetched so, one
+/// after the other, before any is copied: each is a few memory accesses that depend on one
+/// another (the boxed `Dep`, then its `Fixed`, then its texts), so a copy that follows them
+/// deployment by deployment waits for each access in turn, where these loads, independent
+/// across deployments, are in flight together.
+pub(crate) fn fetch(d: &Dep) {
+    let f = &*d.fixed;
+    std::hint::black_box((
+        d.state,
+        d.rec.generation,
+        f.text.as_bytes().first(),
+        f.text.as_bytes().get(f.ends[2] as usize),
+        f.spec.engine,
+    ));
 }
 
 /// One deployment as the views show it, copied under the lifecycle's lock in O(1) (see the
@@ -104,7 +160,6 @@ pub(crate) struct DepShot {
     host: Option<Arc<str>>,
     /// Its instance is bound to `host` (holds memory there, is parked there, or is on its way).
     bound: bool,
-    max_running: Option<MaxRunning>,
 }
 
 impl DepShot {
@@ -126,13 +181,12 @@ impl DepShot {
             last_error: d.last_error.clone(),
             host: d.host.clone(),
             bound: d.bound_host().is_some(),
-            max_running: d.max_running,
         }
     }
 
     /// Its ID.
     pub(crate) fn id(&self) -> &str {
-        &self.fixed.id
+        self.fixed.id()
     }
 
     /// Its name.
@@ -146,7 +200,7 @@ impl DepShot {
     }
 
     fn instance_id(&self) -> &str {
-        &self.fixed.instance_id
+        self.fixed.instance_id()
     }
 
     /// The host of its instance, else the first host (one host in standalone).
@@ -284,7 +338,7 @@ pub(crate) fn deployment_state(units: &[DepShot]) -> InstanceState {
 /// Whether `b`, taken after `a` in key order (`State::deps`: a deployment's ID, then its other
 /// instances' IDs), is another instance of `a`'s deployment.
 fn same_deployment(a: &DepShot, b: &DepShot) -> bool {
-    b.fixed.index > 0 && a.fixed.id == b.fixed.id
+    b.fixed.index > 0 && a.fixed.id() == b.fixed.id()
 }
 
 /// Puts each deployment's instances, in snapshots taken in key order, in index order (in

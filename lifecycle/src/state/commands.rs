@@ -89,7 +89,7 @@ impl State {
     ) -> Result<Vec<(String, InstanceState)>, String> {
         let units: Vec<(String, InstanceState)> = self
             .units_of(id)
-            .map(|u| (u.unit.clone(), u.state))
+            .map(|u| (u.id().to_string(), u.state))
             .collect();
         if !units.iter().any(|(_, s)| *s == InstanceState::Ready) {
             let coming = units

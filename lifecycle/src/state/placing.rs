@@ -166,7 +166,7 @@ impl State {
         // Read once, not per host: with 10,000 hosts a look-up per host was most of a plan.
         let sibling_hosts: Vec<&str> = self
             .units_of(&d.rec.id)
-            .filter(|u| u.unit != d.unit && u.holds_gpu())
+            .filter(|u| u.id() != d.id() && u.holds_gpu())
             .filter_map(|u| u.host.as_deref())
             .collect();
         let siblings_on = |host: &str| sibling_hosts.contains(&host);
@@ -346,7 +346,7 @@ impl State {
             .units_of(&d.rec.id)
             // NB: bound there, not only holding memory: a parked sibling whose residue is not
             // known still wakes on its GPUs.
-            .filter(|u| u.unit != d.unit && u.bound_host() == Some(host_id))
+            .filter(|u| u.id() != d.id() && u.bound_host() == Some(host_id))
             .flat_map(|u| u.gpus.iter().copied())
             .collect();
         let open = host

@@ -1034,7 +1034,7 @@ impl State {
         self.units_of(dep)
             .filter(|u| u.index < replicas && !u.busy && u.reserved.is_none() && may(u))
             .min_by_key(|u| (u.state != InstanceState::Parked, u.index))
-            .map_or_else(|| dep.to_string(), |u| u.unit.clone())
+            .map_or_else(|| dep.to_string(), |u| u.id().to_string())
     }
 
     /// The instance of deployment `dep` an operator's `start --evict` brings up next: one that

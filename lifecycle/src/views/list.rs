@@ -202,7 +202,7 @@ impl<'a> ViewFigures<'a> {
         let (measured_reason, measured_message) = self.measured_why();
         let ready_count = self.ready_count;
         DeploymentView {
-            id: d.fixed.id.clone(),
+            id: d.fixed.id().to_string(),
             name: self.doc.name.clone(),
             state: self.state,
             ready: format!("{}/{}", self.ready_count, self.replicas),
@@ -256,7 +256,7 @@ impl<'a> ViewFigures<'a> {
     fn write<B: BufMut>(&self, out: &mut B) -> serde_json::Result<()> {
         let d = &self.units[0];
         out.put_slice(br#"{"id":"#);
-        json::string(out, &d.fixed.id);
+        json::string(out, d.fixed.id());
         out.put_slice(br#","name":"#);
         json::string(out, &self.doc.name);
         out.put_slice(br#","state":""#);
@@ -320,8 +320,8 @@ impl<'a> ViewFigures<'a> {
         out.put_slice(br#"","message":"#);
         json::string(out, message);
         out.put_slice(br#"}],"spec":"#);
-        match &d.fixed.spec_json {
-            json if json.is_empty() => serde_json::to_writer((&mut *out).writer(), self.doc)?,
+        match d.fixed.spec_json() {
+            [] => serde_json::to_writer((&mut *out).writer(), self.doc)?,
             json => out.put_slice(json),
         }
         out.put_u8(b'}');
@@ -433,7 +433,7 @@ fn adapter_view(d: &DepShot, base: &str, cx: &Ctx<'_>, spec: DeploymentDoc) -> D
     };
     let loaded = !on.is_empty();
     DeploymentView {
-        id: d.fixed.id.clone(),
+        id: d.fixed.id().to_string(),
         name: doc.name.clone(),
         state,
         ready: format!("{}/{known}", on.len()),
@@ -609,7 +609,6 @@ mod tests {
             host: [None, Some("gpu-a"), Some("gpu-lost"), Some("gpu-gone")][(v / 2) % 4]
                 .map(Arc::from),
             bound: v % 5 != 3,
-            max_running: None,
         }
     }
 

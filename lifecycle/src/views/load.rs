@@ -3,8 +3,6 @@
 //! or written straight into the answer's JSON ([`write_load_view`], byte for byte
 //! `serde_json`'s of the typed view).
 
-use std::sync::Arc;
-
 use capyctl_interfaces::launch::MaxRunning;
 use capyctl_interfaces::router::LoadFigures as RouterFigures;
 use capyctl_spec::InstanceState;
@@ -12,36 +10,162 @@ use capyctl_spec::api::{
     DeploymentLoadView, InstanceLoadView, MaxRunningView, RouterLoadView, SampleView,
 };
 
-use super::{Ctx, DepShot, expected_max_running, sample_view};
-use crate::state::Host;
+use super::{Ctx, expected_max_running, sample_view, shown_state};
+use crate::LifecycleConfig;
+use crate::state::{Dep, Hosts};
 
-/// One deployment's load, from its instances' snapshots (index 0 first).
+/// What the load read needs of one instance, copied under the lifecycle's lock
+/// ([`LoadChunk::push`]), its texts in its chunk's [`LoadChunk::text`].
+///
+/// NB (reads at scale): no reference count is taken: a snapshot ([`super::DepShot`]) cloned
+/// the deployment's `Arc`'d [`super::Fixed`] and its host's `Arc<str>`, and each of those
+/// locked increments waited for its deployment's memory before the next deployment's could
+/// be fetched (the snapshots were most of the lifecycle's share of a full load read). What
+/// the read shows of the instance's host settings (its expected `max_running`) is found here
+/// too, from the read's hosts: no agent is called under the lock.
+#[derive(Debug)]
+pub(crate) struct LoadUnit {
+    /// Where its texts begin in [`LoadChunk::text`], then where each ends: its deployment's
+    /// ID, its instance's ID, its load view's head ([`load_head`]), its host's ID (empty where
+    /// the read knows no host), its deployment's name (typed reads only: empty otherwise).
+    at: [u32; 6],
+    index: u32,
+    generation: u64,
+    /// The state shown ([`shown_state`]).
+    state: InstanceState,
+    /// The read knows its host (or, where it has none, a first host: see [`LoadChunk::push`]).
+    has_host: bool,
+    /// The engine's own figure where it said (SGLang).
+    own_max_running: Option<MaxRunning>,
+    /// What CapyCTL passed or expects, with its host's settings.
+    expected: MaxRunning,
+}
+
+/// The [`LoadUnit`]s of a chunk of deployments (every instance of each), and their texts.
+pub(crate) struct LoadChunk<'c> {
+    config: &'c LifecycleConfig,
+    units: Vec<LoadUnit>,
+    text: String,
+    /// Keep each deployment's name (the typed read's view shows it; the JSON's head has it).
+    names: bool,
+}
+
+impl<'c> LoadChunk<'c> {
+    pub(crate) fn new(config: &'c LifecycleConfig, names: bool) -> Self {
+        LoadChunk {
+            config,
+            units: Vec::new(),
+            text: String::new(),
+            names,
+        }
+    }
+
+    /// Instance `d` added, as of the read's `hosts`.
+    pub(crate) fn push(&mut self, d: &Dep, hosts: &Hosts) {
+        let fixed = &*d.fixed;
+        // The host of its instance, else the first host (one host in standalone).
+        let host = d
+            .host
+            .as_deref()
+            .and_then(|h| hosts.get_key_value(h))
+            .or_else(|| hosts.iter().next());
+        let mut at = [0u32; 6];
+        let end = |text: &String| u32::try_from(text.len()).unwrap_or(u32::MAX);
+        at[0] = end(&self.text);
+        for (i, part) in [fixed.id(), fixed.instance_id()].into_iter().enumerate() {
+            self.text.push_str(part);
+            at[i + 1] = end(&self.text);
+        }
+        // The head is an escaped `str`'s JSON: UTF-8 (see `Fixed::of`).
+        self.text
+            .push_str(std::str::from_utf8(fixed.load_head()).unwrap_or_default());
+        at[3] = end(&self.text);
+        self.text.push_str(host.map_or("", |(id, _)| id.as_str()));
+        at[4] = end(&self.text);
+        if self.names {
+            self.text.push_str(fixed.name());
+        }
+        at[5] = end(&self.text);
+        self.units.push(LoadUnit {
+            at,
+            index: fixed.index,
+            generation: d.rec.generation,
+            state: shown_state(d),
+            has_host: host.is_some(),
+            own_max_running: d.max_running,
+            expected: expected_max_running(&fixed.spec, self.config, host.map(|(_, h)| &**h)),
+        });
+    }
+
+    pub(crate) fn clear(&mut self) {
+        self.units.clear();
+        self.text.clear();
+    }
+
+    /// Text `i` of `u` (see [`LoadUnit::at`]).
+    fn part(&self, u: &LoadUnit, i: usize) -> &str {
+        self.text
+            .get(u.at[i] as usize..u.at[i + 1] as usize)
+            .unwrap_or_default()
+    }
+
+    /// Its deployment's ID.
+    pub(crate) fn id(&self, u: &LoadUnit) -> &str {
+        self.part(u, 0)
+    }
+
+    /// The last unit added: its deployment's ID and its index.
+    pub(crate) fn last(&self) -> Option<(&str, u32)> {
+        self.units.last().map(|u| (self.id(u), u.index))
+    }
+
+    fn same_deployment(&self, a: &LoadUnit, b: &LoadUnit) -> bool {
+        b.index > 0 && self.id(a) == self.id(b)
+    }
+
+    /// Each deployment's instances (added in key order) put in index order, as
+    /// [`super::order_instances`] does for snapshots.
+    pub(crate) fn order(&mut self) {
+        let mut units = std::mem::take(&mut self.units);
+        for g in units.chunk_by_mut(|a, b| self.same_deployment(a, b)) {
+            if g.len() > 1 {
+                g.sort_by_key(|u| u.index);
+            }
+        }
+        self.units = units;
+    }
+
+    /// The deployments of the chunk ([`LoadChunk::order`]ed): each one's instances, index 0
+    /// first.
+    pub(crate) fn deployments(&self) -> impl Iterator<Item = &[LoadUnit]> {
+        self.units.chunk_by(|a, b| self.same_deployment(a, b))
+    }
+}
+
+/// One deployment's load (`units`, its instances in `chunk`, index 0 first).
 pub(crate) fn load_view(
-    units: &[DepShot],
+    chunk: &LoadChunk<'_>,
+    units: &[LoadUnit],
     router: Option<&RouterFigures>,
     cx: &Ctx<'_>,
     now_ms: u64,
 ) -> DeploymentLoadView {
     let d = &units[0];
-    let figures = LoadFigures::of(d, router, cx);
     DeploymentLoadView {
-        deployment_id: d.fixed.id.clone(),
-        name: d.name().to_string(),
-        router: figures.router,
-        max_running: MaxRunningView::from(figures.max_running),
+        deployment_id: chunk.id(d).to_string(),
+        name: chunk.part(d, 4).to_string(),
+        router: router_view(router, cx),
+        max_running: MaxRunningView::from(d.expected),
         instances: units
             .iter()
-            .enumerate()
-            .map(|(i, u)| {
-                InstanceFigures::of(d, u, (i == 0).then_some(&figures), router, cx, now_ms).view()
-            })
+            .map(|u| InstanceFigures::of(chunk, d, u, router, cx, now_ms).view())
             .collect(),
     }
 }
 
 /// How `serde_json` begins the [`DeploymentLoadView`] of deployment `id` named `name`
-/// (`{"deployment_id":…,"name":…,`): encoded once per revision ([`Fixed`]), written as it is by
-/// each full load read ([`write_load_view`]).
+/// (`{"deployment_id":…,"name":…,`): encoded once per revision ([`super::Fixed`]), written as
+/// it is by each full load read ([`write_load_view`]).
 pub(super) fn load_head(id: &str, name: &str) -> Box<[u8]> {
     let mut out = Vec::with_capacity(32 + id.len() + name.len());
     out.extend_from_slice(br#"{"deployment_id":"#);
@@ -53,65 +177,46 @@ pub(super) fn load_head(id: &str, name: &str) -> Box<[u8]> {
 }
 
 /// [`load_view`]'s JSON appended to `out`, byte for byte `serde_json`'s of it, written straight
-/// from the snapshots: no view built (no vector of instances, no copy of the host's ID per
-/// instance), the ID and name from [`Fixed`]'s head encoded once per revision. The figures
-/// are [`load_view`]'s own ([`LoadFigures`], [`InstanceFigures`]); `tests` and
-/// `reads::tests` hold the bytes equal. NB (reads at scale): the full load read writes
-/// 100,000 of these.
+/// from the chunk: no view built (no vector of instances, no copy of the host's ID per
+/// instance), the ID and name from the head encoded once per revision. The figures are
+/// [`load_view`]'s own ([`InstanceFigures`]); `tests` and `reads::tests` hold the bytes
+/// equal. NB (reads at scale): the full load read writes 100,000 of these.
 pub(crate) fn write_load_view(
     out: &mut Vec<u8>,
-    units: &[DepShot],
+    chunk: &LoadChunk<'_>,
+    units: &[LoadUnit],
     router: Option<&RouterFigures>,
     cx: &Ctx<'_>,
     now_ms: u64,
 ) {
     let d = &units[0];
-    let figures = LoadFigures::of(d, router, cx);
-    out.extend_from_slice(&d.fixed.load_head);
-    json::router(out, &figures.router);
+    out.extend_from_slice(chunk.part(d, 2).as_bytes());
+    json::router(out, &router_view(router, cx));
     out.extend_from_slice(br#","max_running":"#);
-    json::max_running(out, figures.max_running);
+    json::max_running(out, d.expected);
     out.extend_from_slice(br#","instances":["#);
     for (i, u) in units.iter().enumerate() {
         if i > 0 {
             out.push(b',');
         }
-        InstanceFigures::of(d, u, (i == 0).then_some(&figures), router, cx, now_ms).write(out);
+        InstanceFigures::of(chunk, d, u, router, cx, now_ms).write(out);
     }
     out.extend_from_slice(b"]}");
 }
 
-/// A deployment's own figures in the load read: the router's side, and what CapyCTL passed or
-/// expects as its `max_running`.
-struct LoadFigures<'a> {
-    router: RouterLoadView,
-    max_running: MaxRunning,
-    /// The host of its first instance ([`DepShot::host`]), found once for the deployment and
-    /// that instance.
-    host: Option<(&'a String, &'a Arc<Host>)>,
-}
-
-impl<'a> LoadFigures<'a> {
-    /// Of the deployment whose first instance is `d`.
-    fn of(d: &DepShot, router: Option<&RouterFigures>, cx: &'a Ctx<'_>) -> Self {
-        let host = d.host(cx.hosts);
-        LoadFigures {
-            host,
-            router: RouterLoadView {
-                in_flight: router.map_or(0, |r| r.in_flight as u64),
-                in_flight_limit: router.map_or(
-                    u64::from(capyctl_spec::settings::IN_FLIGHT_PER_DEPLOYMENT),
-                    |r| r.in_flight_limit as u64,
-                ),
-                waiting: router.map_or(0, |r| r.waiting as u64),
-                waiting_limit: router.map_or(u64::from(cx.config.waiting_limit), |r| {
-                    r.waiting_limit as u64
-                }),
-            },
-            // The deployment's figure is what CapyCTL passed or expects; the instance's is the
-            // engine's own where it said (SGLang).
-            max_running: expected_max_running(&d.fixed.spec, cx.config, host.map(|(_, h)| &**h)),
-        }
+/// The router's side of a deployment's load: its figures, else its limits with nothing in
+/// flight.
+fn router_view(router: Option<&RouterFigures>, cx: &Ctx<'_>) -> RouterLoadView {
+    RouterLoadView {
+        in_flight: router.map_or(0, |r| r.in_flight as u64),
+        in_flight_limit: router.map_or(
+            u64::from(capyctl_spec::settings::IN_FLIGHT_PER_DEPLOYMENT),
+            |r| r.in_flight_limit as u64,
+        ),
+        waiting: router.map_or(0, |r| r.waiting as u64),
+        waiting_limit: router.map_or(u64::from(cx.config.waiting_limit), |r| {
+            r.waiting_limit as u64
+        }),
     }
 }
 
@@ -128,30 +233,26 @@ struct InstanceFigures<'a> {
 }
 
 impl<'a> InstanceFigures<'a> {
-    /// Of instance `u` of the deployment whose first instance is `d`; `first` is the
-    /// deployment's figures where `u` is `d` (its host and expected `max_running` are the
-    /// instance's: found once).
+    /// Of instance `u` of the deployment whose first instance is `d`. The deployment's figure
+    /// (`max_running`) is the one CapyCTL passed or expects; the instance's is the engine's
+    /// own where it said (SGLang).
     fn of(
-        d: &DepShot,
-        u: &'a DepShot,
-        first: Option<&LoadFigures<'a>>,
+        chunk: &'a LoadChunk<'_>,
+        d: &LoadUnit,
+        u: &LoadUnit,
         router: Option<&RouterFigures>,
         cx: &'a Ctx<'_>,
         now_ms: u64,
     ) -> Self {
-        let host = first.map_or_else(|| u.host(cx.hosts), |f| f.host);
-        let max_running = u.max_running.unwrap_or_else(|| {
-            first.map_or_else(
-                || expected_max_running(&u.fixed.spec, cx.config, host.map(|(_, h)| &**h)),
-                |f| f.max_running,
-            )
-        });
         let router_in_flight = router
-            .and_then(|r| r.router_in_flight(u.fixed.index, u.generation))
+            .and_then(|r| r.router_in_flight(u.index, u.generation))
             .map_or(0, |n| n as u64);
+        let host_id = chunk.part(u, 3);
         let loaded = matches!(u.state, InstanceState::Ready | InstanceState::Closed);
-        let sample = if loaded {
-            host.and_then(|(_, h)| h.agent.sample(u.instance_id()))
+        let sample = if loaded && u.has_host {
+            cx.hosts
+                .get(host_id)
+                .and_then(|h| h.agent.sample(chunk.part(u, 1)))
                 .and_then(|s| sample_view(&s, now_ms, router_in_flight))
         } else {
             None
@@ -161,15 +262,19 @@ impl<'a> InstanceFigures<'a> {
             adapters: match &cx.adapters.by_instance {
                 m if m.is_empty() => &[],
                 m => m
-                    .get(&(d.fixed.id.clone(), u.fixed.index))
+                    .get(&(chunk.id(d).to_string(), u.index))
                     .map_or(&[], Vec::as_slice),
             },
-            index: u.fixed.index,
-            host_id: host.map_or(cx.config.host_id.as_str(), |(id, _)| id.as_str()),
+            index: u.index,
+            host_id: if u.has_host {
+                host_id
+            } else {
+                cx.config.host_id.as_str()
+            },
             generation: u.generation,
-            state: u.shown_state(),
+            state: u.state,
             router_in_flight,
-            max_running,
+            max_running: u.own_max_running.unwrap_or(u.expected),
             sample,
         }
     }

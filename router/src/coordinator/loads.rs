@@ -8,14 +8,15 @@
 //! instance's shared `Upstream`) and its lane, in place. A read of every deployment walks the
 //! list of cells in ID order and copies each one's figures into one record it keeps
 //! ([`LoadsInOrder::get`]): no `Arc` of a load cloned, no load built, nothing allocated per
-//! deployment. Before, each deployment had a cell, an `Arc`'d `DeploymentLoad` with its ID and
+//! deployment, and no lock taken where the deployment has one instance or none (its numbers
+//! and first instance's are atomics, [`Figures`], copied under the cell's `seq`). Before, each deployment had a cell, an `Arc`'d `DeploymentLoad` with its ID and
 //! each instance's key copied (deployment and host ID), a lane found through a map of its
 //! own, and a copy of its ID in four maps.
 
 use std::borrow::Borrow;
 use std::collections::HashSet;
 use std::hash::{BuildHasher, Hash, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering, fence};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
 use capyctl_interfaces::router::{
@@ -82,48 +83,97 @@ impl PublishedInstances {
             rest: all.collect(),
         }
     }
+}
 
-    fn iter(&self) -> impl Iterator<Item = &PublishedInstance> {
-        self.first.iter().chain(&self.rest)
+/// The numbers of a cell's published load (and its first instance's), which a full read copies
+/// under the cell's `seq` without a lock. NB (reads at scale): the cell's mutex was a sixth of
+/// the reader's time (an atomic swap to take it, one to let it go, per deployment); the
+/// second and later instances, the instances' `Upstream`s and the last use stay behind it
+/// ([`Kept`]).
+#[derive(Default)]
+struct Figures {
+    in_flight: AtomicUsize,
+    in_flight_limit: AtomicUsize,
+    waiting: AtomicUsize,
+    waiting_limit: AtomicUsize,
+    /// How many instances it has: the first's figures are here, the rest's in [`Kept`].
+    instances: AtomicUsize,
+    first_index: AtomicU32,
+    first_open: AtomicBool,
+    first_generation: AtomicU64,
+    first_in_flight: AtomicUsize,
+}
+
+impl Figures {
+    /// Written by the owner only (at the cell's making, or within its turn: `seq` odd).
+    fn store(&self, p: &Published) {
+        let o = Ordering::Relaxed;
+        self.in_flight.store(p.in_flight, o);
+        self.in_flight_limit.store(p.in_flight_limit, o);
+        self.waiting.store(p.waiting, o);
+        self.waiting_limit.store(p.waiting_limit, o);
+        let first = p.instances.first.as_ref();
+        let n = usize::from(first.is_some()) + p.instances.rest.len();
+        self.instances.store(n, o);
+        self.first_index.store(first.map_or(0, |i| i.index), o);
+        self.first_open.store(first.is_some_and(|i| i.open), o);
+        self.first_generation
+            .store(first.map_or(0, |i| i.generation), o);
+        self.first_in_flight
+            .store(first.map_or(0, |i| i.router_in_flight), o);
+    }
+
+    /// The first instance's figures, if it has one.
+    fn first(&self) -> Option<InstanceFigures> {
+        let o = Ordering::Relaxed;
+        (self.instances.load(o) > 0).then(|| InstanceFigures {
+            index: self.first_index.load(o),
+            generation: self.first_generation.load(o),
+            router_in_flight: self.first_in_flight.load(o),
+            open: self.first_open.load(o),
+        })
+    }
+
+    /// Its numbers and first instance written over `out` (its instances' vector reused); the
+    /// number of instances (those after the first are [`Kept`]'s to add).
+    fn fill(&self, out: &mut LoadFigures) -> usize {
+        let o = Ordering::Relaxed;
+        out.in_flight = self.in_flight.load(o);
+        out.in_flight_limit = self.in_flight_limit.load(o);
+        out.waiting = self.waiting.load(o);
+        out.waiting_limit = self.waiting_limit.load(o);
+        out.instances.clear();
+        out.instances.extend(self.first());
+        self.instances.load(o)
     }
 }
 
-impl Published {
-    /// As a [`DeploymentLoad`] of deployment `id` (a read of one deployment).
-    fn to_load(&self, id: &str) -> DeploymentLoad {
-        DeploymentLoad {
-            deployment_id: id.to_string(),
-            in_flight: self.in_flight,
-            in_flight_limit: self.in_flight_limit,
-            waiting: self.waiting,
-            waiting_limit: self.waiting_limit,
-            instances: self
-                .instances
-                .iter()
-                .map(|i| InstanceLoad {
-                    key: i.upstream.key.clone(),
-                    router_in_flight: i.router_in_flight,
-                    open: i.open,
-                })
-                .collect(),
-            last_used: self.last_used,
+/// What the cell keeps of its published load behind its mutex: what is not a number.
+#[derive(Debug)]
+struct Kept {
+    last_used: Option<Instant>,
+    /// The first instance's key (and address), shared with the owner's entry.
+    first: Option<Arc<Upstream>>,
+    /// The second and later instances.
+    rest: Vec<PublishedInstance>,
+}
+
+impl Kept {
+    fn of(p: Published) -> Self {
+        Kept {
+            last_used: p.last_used,
+            first: p.instances.first.map(|i| i.upstream),
+            rest: p.instances.rest,
         }
     }
+}
 
-    /// Its figures written over `out` (its instances' vector reused).
-    fn fill(&self, out: &mut LoadFigures) {
-        out.in_flight = self.in_flight;
-        out.in_flight_limit = self.in_flight_limit;
-        out.waiting = self.waiting;
-        out.waiting_limit = self.waiting_limit;
-        out.instances.clear();
-        out.instances
-            .extend(self.instances.iter().map(|i| InstanceFigures {
-                index: i.index,
-                generation: i.generation,
-                router_in_flight: i.router_in_flight,
-                open: i.open,
-            }));
+fn figures_of(i: &PublishedInstance) -> InstanceFigures {
+    InstanceFigures {
+        index: i.index,
+        generation: i.generation,
+        router_in_flight: i.router_in_flight,
+        open: i.open,
     }
 }
 
@@ -176,15 +226,19 @@ impl CellId {
 /// lane's count to the published load. The owner changes the two together (it takes a lane
 /// back, and publishes the load that now counts its requests) only between two bumps of `seq`
 /// (odd meanwhile), within one synchronous turn; a read that sees `seq` odd, or changed across
-/// its copy, copies again (a seqlock). The owner never waits for a read: a read holds the
-/// cell's mutex only to copy one deployment's figures.
+/// its copy, copies again (a seqlock). The numbers (and the first instance's) are atomics
+/// ([`Figures`]) that a full read copies with no lock; the rest ([`Kept`]: the instances'
+/// `Upstream`s, a second instance's figures, the last use) is behind the cell's mutex. The
+/// owner never waits for a read: a read holds the mutex only to copy one deployment's.
 pub(crate) struct LoadCell {
     /// The deployment's ID: the key it is found and ordered by.
     id: CellId,
     /// Even: settled; odd: the owner is changing the load and the lane's count together.
     seq: AtomicU64,
-    /// As of the owner's last event that changed it.
-    published: Mutex<Published>,
+    /// As of the owner's last event that changed it: its numbers, read without a lock ...
+    figures: Figures,
+    /// ... and the rest, behind the mutex.
+    kept: Mutex<Kept>,
     /// Its lane (lent slots are taken through the cell; closed until the owner first opens
     /// it). NB: in the cell, not an allocation of its own: a full read reads its count, and a
     /// lane apart was a memory access more per deployment (half the reader's time).
@@ -196,7 +250,12 @@ impl LoadCell {
         LoadCell {
             id: CellId::new(id),
             seq: AtomicU64::new(0),
-            published: Mutex::new(published),
+            figures: {
+                let figures = Figures::default();
+                figures.store(&published);
+                figures
+            },
+            kept: Mutex::new(Kept::of(published)),
             lane: Lane::new(),
         }
     }
@@ -206,16 +265,18 @@ impl LoadCell {
         self.id.as_str()
     }
 
-    fn published(&self) -> MutexGuard<'_, Published> {
-        self.published
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+    fn kept(&self) -> MutexGuard<'_, Kept> {
+        self.kept.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The owner publishes the deployment's load now (within a turn it has begun: see
     /// [`LoadCell::begin`]).
     pub(crate) fn set(&self, published: Published) {
-        *self.published() = published;
+        // `seq` is odd: a reader that copies any of the stores below sees it moved (the fence
+        // pairs with the one in [`LoadCell::settled`]).
+        fence(Ordering::Release);
+        self.figures.store(&published);
+        *self.kept() = Kept::of(published);
     }
 
     /// The deployment's last use now: the later of the owner's (published) and its lane's.
@@ -223,29 +284,41 @@ impl LoadCell {
     /// NB (no seqlock needed): both only ever grow, and a lane's instants stay in it after the
     /// owner takes them, so the later of the two is right whichever the owner moved last.
     fn last_used(&self, base: Instant) -> Option<Instant> {
-        let published = self.published().last_used;
+        let published = self.kept().last_used;
         let lane = self.lane.last_use(base);
         published.max(lane)
     }
 
     /// Requests the owner last published as forwarded to instance `index`.
     fn in_flight_of(&self, index: u32) -> usize {
-        self.published()
-            .instances
-            .iter()
-            .filter(|i| i.index == index)
-            .map(|i| i.router_in_flight)
-            .sum()
+        self.settled(|_| {
+            let first = self.figures.first().filter(|i| i.index == index);
+            let rest: usize = if self.figures.instances.load(Ordering::Relaxed) > 1 {
+                self.kept()
+                    .rest
+                    .iter()
+                    .filter(|i| i.index == index)
+                    .map(|i| i.router_in_flight)
+                    .sum()
+            } else {
+                0
+            };
+            first.map_or(0, |i| i.router_in_flight) + rest
+        })
     }
 
-    /// A settled copy (see the type's note) made by `copy` from the published load and the
-    /// lane (its count since it was opened, `Lane::net`: 0 while it is closed; its last use).
-    fn settled<T>(&self, mut copy: impl FnMut(&Published, &Lane) -> T) -> T {
+    /// A settled copy (see the type's note) made by `copy` from the published load (its
+    /// [`Figures`], and [`Kept`] where `copy` locks it) and the lane (its count since it was
+    /// opened, `Lane::net`: 0 while it is closed; its last use).
+    fn settled<T>(&self, mut copy: impl FnMut(&Lane) -> T) -> T {
         let mut spins = 0u32;
         loop {
             let before = self.seq.load(Ordering::SeqCst);
             if before & 1 == 0 {
-                let out = copy(&self.published(), &self.lane);
+                let out = copy(&self.lane);
+                // Pairs with the owner's in [`LoadCell::set`]: a copy of any figure it stored
+                // since `before` makes the load below see `seq` moved.
+                fence(Ordering::Acquire);
                 if self.seq.load(Ordering::SeqCst) == before {
                     return out;
                 }
@@ -262,10 +335,34 @@ impl LoadCell {
 
     /// The load now: the published one, with the requests its lane counts.
     fn read(&self, base: Instant) -> DeploymentLoad {
-        self.settled(|p, lane| {
+        self.settled(|lane| {
             let net = lane.net();
             let lane_used = lane.last_use(base);
-            let mut load = p.to_load(self.id());
+            let kept = self.kept();
+            let f = &self.figures;
+            let o = Ordering::Relaxed;
+            let first = self.figures.first().zip(kept.first.as_ref());
+            let mut load = DeploymentLoad {
+                deployment_id: self.id().to_string(),
+                in_flight: f.in_flight.load(o),
+                in_flight_limit: f.in_flight_limit.load(o),
+                waiting: f.waiting.load(o),
+                waiting_limit: f.waiting_limit.load(o),
+                instances: first
+                    .map(|(i, upstream)| InstanceLoad {
+                        key: upstream.key.clone(),
+                        router_in_flight: i.router_in_flight,
+                        open: i.open,
+                    })
+                    .into_iter()
+                    .chain(kept.rest.iter().map(|i| InstanceLoad {
+                        key: i.upstream.key.clone(),
+                        router_in_flight: i.router_in_flight,
+                        open: i.open,
+                    }))
+                    .collect(),
+                last_used: kept.last_used,
+            };
             if lane_used > load.last_used {
                 load.last_used = lane_used;
             }
@@ -280,11 +377,15 @@ impl LoadCell {
         })
     }
 
-    /// [`LoadCell::read`]'s figures written over `out`.
+    /// [`LoadCell::read`]'s figures written over `out`: with no lock where the deployment has
+    /// one instance or none.
     fn read_figures(&self, out: &mut LoadFigures) {
-        self.settled(|p, lane| {
+        self.settled(|lane| {
             let net = lane.net();
-            p.fill(out);
+            if self.figures.fill(out) > 1 {
+                out.instances
+                    .extend(self.kept().rest.iter().map(figures_of));
+            }
             if net != 0 {
                 out.in_flight = add_net(out.in_flight, net);
                 if let [only] = out.instances.as_mut_slice() {
@@ -457,6 +558,7 @@ impl Loads {
         LoadsInOrder {
             cells: self.ordered(),
             next: 0,
+            fetched: 0,
             figures: LoadFigures::default(),
         }
     }
@@ -468,8 +570,32 @@ pub struct LoadsInOrder {
     cells: Arc<[Arc<LoadCell>]>,
     /// The first cell not yet passed.
     next: usize,
+    /// The cells before this one were fetched ([`LoadsInOrder::fetch`]).
+    fetched: usize,
     /// The figures of the deployment last asked for, filled again by each look-up.
     figures: LoadFigures,
+}
+
+/// How many cells ahead of the next one [`LoadsInOrder::get`] has fetched.
+const FETCH_AHEAD: usize = 16;
+
+impl LoadsInOrder {
+    /// Asks for the memory of the next cells a read copies (their ID and `seq`, figures and
+    /// lane's word) without using it. NB (reads at scale): a cell is a memory access of its
+    /// own per deployment; fetched 64 at a time, one after the other, those accesses are in
+    /// flight together instead of each waited for as the merge reaches it.
+    fn fetch(&mut self) {
+        let from = self.fetched.max(self.next);
+        let to = (from + 64).min(self.cells.len());
+        for c in self.cells.get(from..to).unwrap_or_default() {
+            std::hint::black_box((
+                c.seq.load(Ordering::Relaxed),
+                c.figures.instances.load(Ordering::Relaxed),
+                c.lane.word.load(Ordering::Relaxed),
+            ));
+        }
+        self.fetched = to.max(self.next + FETCH_AHEAD);
+    }
 }
 
 impl std::fmt::Debug for LoadsInOrder {
@@ -488,6 +614,18 @@ impl LoadsInOrder {
     /// pass over the router's deployments for them all); an ID below the last one asked is
     /// found by binary search.
     pub fn get(&mut self, deployment: &str) -> Option<&LoadFigures> {
+        if self.next + FETCH_AHEAD > self.fetched {
+            self.fetch();
+        }
+        // NB (reads at scale): the merge's usual step, the next cell's, with one compare of
+        // equal bytes (the order's, below, is the rest).
+        if let Some(cell) = self.cells.get(self.next)
+            && cell.id.as_bytes() == deployment.as_bytes()
+        {
+            self.next += 1;
+            cell.read_figures(&mut self.figures);
+            return Some(&self.figures);
+        }
         if self
             .next
             .checked_sub(1)
