@@ -536,18 +536,26 @@ async fn a_victim_ready_since_the_plan_that_cannot_be_drained_keeps_the_target_o
     for (name, gib) in [("c", 4), ("e", 4), ("t", 8)] {
         s.server.deploy(sized(name, gib)).await.unwrap();
     }
-    drop(s.request("c").await.unwrap());
+    // The switch releases its victims in ID order, and IDs are random: the ready victim (`c`
+    // below) is the one whose ID sorts first, so that the starting one (`e`) is reached after
+    // its start has ended, whatever IDs were drawn.
+    let (c_id, e_id) = (
+        s.server.get("c").await.unwrap().id,
+        s.server.get("e").await.unwrap().id,
+    );
+    let (c, e) = if c_id < e_id { ("c", "e") } else { ("e", "c") };
+    drop(s.request(c).await.unwrap());
     // e's start (4 s) goes on after its request gave up (1 s).
     let began = Instant::now();
-    let (_, gave_up) = request_within(&s, "e", Duration::from_secs(1)).await;
+    let (_, gave_up) = request_within(&s, e, Duration::from_secs(1)).await;
     assert_eq!(gave_up.unwrap_err().code(), "unavailable");
-    // t (8 GiB) needs the memory of both c and e: planned while e starts, its window (500 ms)
-    // ends after e's start has.
+    // t (8 GiB) needs the memory of both c and e: planned while e starts; c parks first (1 s),
+    // so e's start has ended when the switch reaches it.
     tokio::time::sleep_until(began + START - Duration::from_millis(300)).await;
     let t = s.request_later("t");
     // A request for e that e serves from the end of its start, through t's drain of it.
     tokio::time::sleep_until(began + START - Duration::from_millis(200)).await;
-    let running = s.request("e").await.unwrap();
+    let running = s.request(e).await.unwrap();
     assert_eq!(Instant::now(), began + START);
     let refused = t.await.unwrap().unwrap_err();
     assert_eq!(refused.metric_label(), "drain_timeout", "{refused:?}");
@@ -556,8 +564,8 @@ async fn a_victim_ready_since_the_plan_that_cannot_be_drained_keeps_the_target_o
         "{}",
         refused.message()
     );
-    let e = s.server.get("e").await.unwrap();
-    assert_eq!(e.state, InstanceState::Ready);
+    let e_now = s.server.get(e).await.unwrap();
+    assert_eq!(e_now.state, InstanceState::Ready);
     let t_id = s.server.get("t").await.unwrap().id;
     assert!(
         !s.agent.calls().contains(&format!("start {t_id}-0")),
@@ -567,8 +575,5 @@ async fn a_victim_ready_since_the_plan_that_cannot_be_drained_keeps_the_target_o
     drop(running);
     // Once e is idle, t's next request switches as usual.
     drop(s.request("t").await.unwrap());
-    assert_eq!(
-        s.server.get("e").await.unwrap().state,
-        InstanceState::Parked
-    );
+    assert_eq!(s.server.get(e).await.unwrap().state, InstanceState::Parked);
 }
