@@ -315,8 +315,10 @@ async fn a_client_that_never_finishes_its_request_head_is_disconnected() {
         ..ProxyConfig::default()
     };
     let proxy = start_proxy(admission, config).await;
-    let mut stream = tokio::net::TcpStream::connect(proxy).await.unwrap();
+    // Taken before the connection: the listener's timer starts when it accepts it, which may
+    // be before `connect` returns here.
     let began = tokio::time::Instant::now();
+    let mut stream = tokio::net::TcpStream::connect(proxy).await.unwrap();
     stream
         .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\n")
         .await
