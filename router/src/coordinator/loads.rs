@@ -290,21 +290,30 @@ impl LoadCell {
     }
 
     /// Requests the owner last published as forwarded to instance `index`.
+    ///
+    /// NB (never waits for `seq`): the lifecycle reads it under its state's write lock (a
+    /// plan's placement), while a router turn that holds this cell's `seq` odd may wait for
+    /// that lock's read side (`admissible`): waiting here for `seq` to settle would deadlock
+    /// the two. So it copies the figures as they are (as it read them under the cell's mutex
+    /// alone before they were atomics): one changed by a turn under way may mix its before and
+    /// after, which weighs one victim's choice once, no more.
     fn in_flight_of(&self, index: u32) -> usize {
-        self.settled(|_| {
-            let first = self.figures.first().filter(|i| i.index == index);
-            let rest: usize = if self.figures.instances.load(Ordering::Relaxed) > 1 {
-                self.kept()
-                    .rest
-                    .iter()
-                    .filter(|i| i.index == index)
-                    .map(|i| i.router_in_flight)
-                    .sum()
-            } else {
-                0
-            };
-            first.map_or(0, |i| i.router_in_flight) + rest
-        })
+        let first = self
+            .figures
+            .first()
+            .filter(|i| i.index == index)
+            .map_or(0, |i| i.router_in_flight);
+        let rest: usize = if self.figures.instances.load(Ordering::Relaxed) > 1 {
+            self.kept()
+                .rest
+                .iter()
+                .filter(|i| i.index == index)
+                .map(|i| i.router_in_flight)
+                .sum()
+        } else {
+            0
+        };
+        first + rest
     }
 
     /// A settled copy (see the type's note) made by `copy` from the published load (its
@@ -747,5 +756,25 @@ mod tests {
         }
         assert_eq!(loads.in_flight_of("y", 2), 2);
         assert_eq!(loads.in_flight_of("y", 3), 0);
+    }
+
+    /// The lifecycle reads a deployment's in-flight count under its own lock, which a router
+    /// turn (the cell's `seq` odd) may be waiting for: the read answers while a turn is under
+    /// way, it does not wait for the turn's end.
+    #[test]
+    fn in_flight_of_answers_while_a_turn_changes_the_cell() {
+        let loads = Arc::new(Loads::new(Instant::now()));
+        let c = cell("d", 0);
+        loads.insert(Arc::clone(&c));
+        let mut begun = Vec::new();
+        c.begin(&mut begun);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let reader = Arc::clone(&loads);
+        std::thread::spawn(move || {
+            let _ = tx.send(reader.in_flight_of("d", 0));
+        });
+        let answer = rx.recv_timeout(std::time::Duration::from_secs(10));
+        c.end();
+        assert_eq!(answer, Ok(0), "the read waited for the turn's end");
     }
 }
