@@ -1,5 +1,5 @@
-//! The lifecycle's owner: one task, the only writer of [`State`] (see `lifecycle/DESIGN.md`,
-//! "One owner").
+//! The lifecycle's owner: one task, and the one turn at a time that writes [`State`] (see
+//! `lifecycle/DESIGN.md`, "One owner").
 //!
 //! Everything that changes the lifecycle's state is a call of [`State`]'s rules sent to this
 //! task's inbox ([`Owner::call`], or [`Owner::tell`] when nobody waits for the answer) and run
@@ -20,9 +20,10 @@
 //!
 //! Reads ([`Owner::read`]: the views, the load read, the router's `resolve` and
 //! `admissible`) do not take a turn: the state is published to them behind a read-write lock
-//! that only the owner takes for writing, for one turn at a time (one call, or the calls
-//! already waiting in the inbox, at most [`TURN`]); so a read waits for at most one short
-//! turn, and no read ever waits for a host call, a save or another read.
+//! that is taken for writing only for a turn (on the owner's task: one call, or the calls
+//! already waiting in the inbox, at most [`TURN`]; or one call run where it is, above); so a
+//! read waits for at most one short turn, and no read ever waits for a host call, a save or
+//! another read.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -45,7 +46,8 @@ pub(crate) trait Ticks: Send + Sync + 'static {
     /// An engine exited on `host` (from `HostAgent::subscribe_exits`); called on the owner's
     /// task, between turns; must not wait (it may spawn).
     fn engine_exited(&self, state: &mut State, host: String, exit: super::EngineExit);
-    /// The timer fired (idle timers, queue gauges): called between turns; must not wait.
+    /// The timer fired (idle timers, queue gauges): called between turns; must not wait for
+    /// anything but a read of the state (which may wait out one turn run where it is).
     fn tick(&self);
 }
 
@@ -123,17 +125,11 @@ impl Owner {
         f: impl FnOnce(&mut State) -> R + Send + 'static,
     ) -> R {
         if let Some(mut s) = self.turn_here() {
-            let r = std::panic::catch_unwind(AssertUnwindSafe(|| f(&mut s)));
-            if r.is_err() {
-                tracing::error!("a lifecycle rule panicked; its change is lost");
-            }
+            let r = run_rule(|| f(&mut s));
             end_turn(&mut s);
             drop(s);
             self.changes.send_modify(|n| *n = n.wrapping_add(1));
-            return match r {
-                Ok(r) => r,
-                Err(_) => panic!("the lifecycle's owner did not answer"),
-            };
+            return r.unwrap_or_else(|| panic!("the lifecycle's owner did not answer"));
         }
         let (tx, rx) = oneshot::channel();
         self.tell(move |s| {
@@ -164,6 +160,17 @@ impl Owner {
         };
         (self.queued.load(Ordering::SeqCst) == 0).then_some(s)
     }
+}
+
+/// Runs one call of the rules: its answer, `None` when it panicked. A rule that panics is a
+/// bug; it must not stop the lifecycle: it is logged, and its caller's answer is dropped (the
+/// caller panics in turn).
+fn run_rule<R>(rule: impl FnOnce() -> R) -> Option<R> {
+    let r = std::panic::catch_unwind(AssertUnwindSafe(rule)).ok();
+    if r.is_none() {
+        tracing::error!("a lifecycle rule panicked; its change is lost");
+    }
+    r
 }
 
 /// What the owner does after each turn, whoever ran it.
@@ -198,11 +205,7 @@ async fn run(
                 {
                     let mut s = state.write().unwrap_or_else(PoisonError::into_inner);
                     for job in jobs.drain(..) {
-                        // A rule that panics is a bug; it must not stop the lifecycle. Its
-                        // caller's answer is dropped (the caller panics in turn).
-                        if std::panic::catch_unwind(AssertUnwindSafe(|| job(&mut s))).is_err() {
-                            tracing::error!("a lifecycle rule panicked; its change is lost");
-                        }
+                        run_rule(|| job(&mut s));
                         queued.fetch_sub(1, Ordering::SeqCst);
                     }
                     end_turn(&mut s);
@@ -234,5 +237,84 @@ async fn run(
                 exits_open = false;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use std::sync::Mutex;
+
+    struct NoTicks;
+
+    impl Ticks for NoTicks {
+        fn engine_exited(&self, _: &mut State, _: String, _: super::super::EngineExit) {}
+        fn tick(&self) {}
+    }
+
+    fn owner() -> (Owner, watch::Receiver<u64>) {
+        let (changes, seen) = watch::channel(0);
+        let (_exits_tx, exits) = mpsc::channel(1);
+        let (_closed_tx, closed) = watch::channel(false);
+        let ticks: std::sync::Weak<dyn Ticks> = std::sync::Weak::<NoTicks>::new();
+        let owner = Owner::spawn(
+            State::default(),
+            Arc::new(changes),
+            exits,
+            Duration::from_secs(3600),
+            ticks,
+            closed,
+        );
+        (owner, seen)
+    }
+
+    /// A call run where it is keeps the order sent: one sent after a `tell` that the owner's
+    /// task has not run yet goes through the inbox, behind it; with nothing waiting, a call
+    /// runs at once, before the owner's task is polled at all.
+    #[tokio::test]
+    async fn a_call_runs_where_it_is_only_with_nothing_sent_before_it_waiting() {
+        let (owner, seen) = owner();
+        let order = Arc::new(Mutex::new(Vec::new()));
+        // Nothing waits: run here (the current-thread runtime has not polled the owner's task).
+        let o = Arc::clone(&order);
+        owner
+            .call(move |_| o.lock().unwrap().push("first call"))
+            .await;
+        assert_eq!(*order.lock().unwrap(), ["first call"]);
+        assert_eq!(*seen.borrow(), 1, "one turn counted");
+        // A tell waits in the inbox: the next call goes behind it.
+        let o = Arc::clone(&order);
+        owner.tell(move |_| o.lock().unwrap().push("told"));
+        assert_eq!(owner.queued.load(Ordering::SeqCst), 1);
+        let o = Arc::clone(&order);
+        owner
+            .call(move |_| o.lock().unwrap().push("second call"))
+            .await;
+        assert_eq!(
+            *order.lock().unwrap(),
+            ["first call", "told", "second call"]
+        );
+        assert_eq!(owner.queued.load(Ordering::SeqCst), 0);
+        // Nothing waits again: run here.
+        let o = Arc::clone(&order);
+        owner
+            .call(move |_| o.lock().unwrap().push("third call"))
+            .await;
+        assert_eq!(order.lock().unwrap().last(), Some(&"third call"));
+    }
+
+    /// A rule that panics in a call run where it is panics its caller, as on the owner's task,
+    /// and the lifecycle goes on: the next call runs.
+    #[tokio::test]
+    async fn a_panicking_call_run_where_it_is_panics_its_caller_and_the_next_call_runs() {
+        let (owner, _seen) = owner();
+        let owner = Arc::new(owner);
+        let o = Arc::clone(&owner);
+        let caller = tokio::spawn(async move {
+            o.call(|_| -> () { panic!("a broken rule") }).await;
+        });
+        assert!(caller.await.unwrap_err().is_panic());
+        assert_eq!(owner.call(|_| 7).await, 7);
     }
 }
