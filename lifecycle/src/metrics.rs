@@ -51,7 +51,9 @@ pub const PREFIX: &str = "capyctl";
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
-    deployment: String,
+    /// The deployment's, shared with [`RequestHandles`]' key and `capyctl_request_wait_seconds`'
+    /// label (NB: memory at scale, as [`DeploymentLabels`]).
+    deployment: Arc<str>,
     status: String,
     code: String,
 }
@@ -160,7 +162,7 @@ pub struct Metrics {
     /// deployment and outcome, then reused without building label strings or looking through
     /// the families (the handles share their values with the families' metrics, which are
     /// never removed: only gauges are).
-    request_handles: RwLock<HashMap<String, RequestHandles>>,
+    request_handles: RwLock<HashMap<Arc<str>, RequestHandles>>,
     /// The last requests that named a model (`GET /management/v1/switches/trace`).
     recent: RecentRequests,
 }
@@ -331,12 +333,18 @@ impl Metrics {
             .request_handles
             .write()
             .unwrap_or_else(|e| e.into_inner());
+        // One copy of the deployment's ID for its handles, its wait histogram and its counters.
+        let label = handles
+            .get_key_value(deployment)
+            .map_or_else(|| Arc::from(deployment), |(label, _)| Arc::clone(label));
         let h = handles
-            .entry(deployment.to_string())
+            .entry(Arc::clone(&label))
             .or_insert_with(|| RequestHandles {
                 wait: self
                     .request_wait
-                    .get_or_create(&self::deployment(deployment))
+                    .get_or_create(&DeploymentLabels {
+                        deployment: Arc::clone(&label),
+                    })
                     .clone(),
                 outcomes: Vec::new(),
             });
@@ -350,7 +358,7 @@ impl Metrics {
                 let counter = self
                     .requests
                     .get_or_create(&RequestLabels {
-                        deployment: deployment.to_string(),
+                        deployment: label,
                         status: status.to_string(),
                         code: code.to_string(),
                     })

@@ -474,8 +474,9 @@ pub(crate) struct State {
     /// [`State::settle_held`]: placement answers "it fits now" from these (`state/held.rs`).
     pub(crate) gpu_held: held::Held,
     /// Deployment IDs by name (kept by [`State::insert`] and [`State::remove`]; a name never
-    /// changes: a deploy of the same name is the same deployment).
-    pub(crate) by_name: HashMap<String, String>,
+    /// changes: a deploy of the same name is the same deployment). NB (memory at scale): the
+    /// one copy of each ID that the by-host index and the held sums' `counted` share.
+    pub(crate) by_name: HashMap<String, Arc<str>>,
     /// IDs whose records changed since they were last written (deleted ones too): the next
     /// save writes them ([`Core::save`]).
     pub(crate) dirty: Dirty,
@@ -486,7 +487,10 @@ pub(crate) struct State {
     /// or last run there), by host ID: placement and the host view read a host's deployments
     /// without scanning all of them. Kept by [`State::set_host`], the one writer of
     /// `Dep::host` (and [`State::remove`]).
-    pub(crate) by_host: HashMap<String, BTreeSet<String>>,
+    /// NB (memory at scale): the IDs are [`State::by_name`]'s, shared (`Arc<str>`; so are the
+    /// held sums' `counted`, [`held::Held::counted`]): a `String` of its own in each was some
+    /// 70 bytes per deployment used.
+    pub(crate) by_host: HashMap<String, BTreeSet<Arc<str>>>,
     /// The host IDs units are bound to, once each: what `Dep::host` shares
     /// ([`State::set_host`]; those no unit holds are let go when they outnumber the hosts).
     pub(crate) host_names: BTreeSet<Arc<str>>,
@@ -572,7 +576,7 @@ impl State {
     pub(crate) fn by_name(&self, name: &str) -> Option<&Dep> {
         self.by_name
             .get(name)
-            .and_then(|id| self.deps.get(id))
+            .and_then(|id| self.deps.get(&**id))
             .map(|d| &**d)
     }
 
@@ -610,7 +614,7 @@ impl State {
     pub(crate) fn insert(&mut self, dep: Dep) {
         self.by_name
             .entry(dep.name().to_string())
-            .or_insert_with(|| dep.rec.id.clone());
+            .or_insert_with(|| Arc::from(dep.rec.id.as_str()));
         let id = dep.rec.id.clone();
         let born = dep.last_used;
         self.deps.insert(id.clone(), Box::new(dep));
@@ -847,7 +851,7 @@ impl State {
         }
         self.set_host(id, None);
         let dep = *self.deps.remove(id)?;
-        if self.by_name.get(dep.name()).is_some_and(|i| i == id) {
+        if self.by_name.get(dep.name()).is_some_and(|i| &**i == id) {
             self.by_name.remove(dep.name());
         }
         Some(dep)
@@ -897,21 +901,30 @@ impl State {
         if d.host != host
             && let Some(old) = d.host.take()
         {
-            for index in [&mut self.by_host, &mut self.holding] {
-                if let Some(ids) = index.get_mut(&*old) {
-                    ids.remove(id);
-                    if ids.is_empty() {
-                        index.remove(&*old);
-                    }
+            if let Some(ids) = self.by_host.get_mut(&*old) {
+                ids.remove(id);
+                if ids.is_empty() {
+                    self.by_host.remove(&*old);
+                }
+            }
+            if let Some(ids) = self.holding.get_mut(&*old) {
+                ids.remove(id);
+                if ids.is_empty() {
+                    self.holding.remove(&*old);
                 }
             }
         }
         if let Some(new) = &host {
-            for index in [&mut self.by_host, &mut self.holding] {
-                let ids = index.entry(new.to_string()).or_default();
-                if !ids.contains(id) {
-                    ids.insert(id.to_string());
-                }
+            let ids = self.by_host.entry(new.to_string()).or_default();
+            if !ids.contains(id) {
+                // The deployment's ID as `by_name` holds it (an instance after the first has
+                // a key of its own).
+                let shared = self.by_name.get(d.name()).filter(|i| &***i == id);
+                ids.insert(shared.map_or_else(|| Arc::from(id), Arc::clone));
+            }
+            let ids = self.holding.entry(new.to_string()).or_default();
+            if !ids.contains(id) {
+                ids.insert(id.to_string());
             }
         }
         d.host = host;
@@ -942,7 +955,7 @@ impl State {
             .get(host)
             .into_iter()
             .flatten()
-            .filter_map(|id| self.deps.get(id).map(|d| &**d))
+            .filter_map(|id| self.deps.get(&**id).map(|d| &**d))
             .filter(move |d| d.host.as_deref() == Some(host))
     }
 }

@@ -16,6 +16,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::Deref;
+use std::sync::Arc;
 
 use super::{Dep, Hosts, State};
 
@@ -87,7 +88,8 @@ pub(crate) struct HostHeld {
 /// What one unit is counted as holding ([`HostHeld`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Counted {
-    pub(crate) host: String,
+    /// Its host's ID (the unit's `Dep::host`, shared).
+    pub(crate) host: Arc<str>,
     pub(crate) total: u64,
     /// Its share on each GPU of its host (a host of several GPUs only).
     pub(crate) gpus: Vec<(u32, u64)>,
@@ -101,12 +103,16 @@ pub(crate) struct Counted {
 #[derive(Debug, Default)]
 pub(crate) struct Held {
     pub(crate) hosts: BTreeMap<String, HostHeld>,
-    pub(crate) counted: HashMap<String, Counted>,
+    /// By unit: the ID shared with [`State::by_host`]'s (NB: memory at scale, as there).
+    pub(crate) counted: HashMap<Arc<str>, Counted>,
 }
 
 impl Held {
     fn add(&mut self, c: &Counted) {
-        let h = self.hosts.entry(c.host.clone()).or_default();
+        let h = match self.hosts.get_mut(&*c.host) {
+            Some(h) => h,
+            None => self.hosts.entry(c.host.to_string()).or_default(),
+        };
         h.units += 1;
         h.total += c.total;
         for (gpu, bytes) in &c.gpus {
@@ -115,7 +121,7 @@ impl Held {
     }
 
     fn subtract(&mut self, c: &Counted) {
-        let Some(h) = self.hosts.get_mut(&c.host) else {
+        let Some(h) = self.hosts.get_mut(&*c.host) else {
             return;
         };
         h.units -= 1;
@@ -126,7 +132,7 @@ impl Held {
             }
         }
         if h.units == 0 {
-            self.hosts.remove(&c.host);
+            self.hosts.remove(&*c.host);
         }
     }
 
@@ -168,7 +174,7 @@ impl Held {
         let own = self
             .counted
             .get(but)
-            .filter(|c| c.host == host)
+            .filter(|c| &*c.host == host)
             .map_or(0, of);
         all - own
     }
@@ -208,11 +214,11 @@ impl<'a> InOrder<'a> {
 /// What unit `d` holds, as placement counts it: `None` unless it is on a host and holds GPU
 /// memory there (`Dep::holds_gpu`).
 pub(crate) fn counted(d: &Dep, hosts: &Hosts) -> Option<Counted> {
-    let host = d.host.as_deref()?;
+    let host = d.host.as_ref()?;
     if !d.holds_gpu() {
         return None;
     }
-    let h = hosts.get(host);
+    let h = hosts.get(&**host);
     let capacity = h.map_or(0, |h| h.capacity);
     let total = d.held_bytes(capacity);
     let gpus = match h {
@@ -227,7 +233,7 @@ pub(crate) fn counted(d: &Dep, hosts: &Hosts) -> Option<Counted> {
         _ => Vec::new(),
     };
     Some(Counted {
-        host: host.to_string(),
+        host: Arc::clone(host),
         total,
         gpus,
     })
@@ -242,29 +248,35 @@ impl State {
             return;
         }
         for id in std::mem::take(&mut self.deps.changed) {
-            let old = self.gpu_held.counted.remove(&id);
+            let old = self.gpu_held.counted.remove(id.as_str());
             if let Some(old) = &old {
                 self.gpu_held.subtract(old);
             }
             let now = self.deps.get(&id).and_then(|d| counted(d, &self.hosts));
-            let host = self
-                .deps
-                .get(&id)
-                .and_then(|d| d.host.as_deref().map(str::to_string));
+            let host = self.deps.get(&id).and_then(|d| d.host.clone());
             // The holders' index: exactly the units counted on each host.
             for h in [old.map(|c| c.host), host].into_iter().flatten() {
                 if now.as_ref().is_some_and(|c| c.host == h) {
-                    self.holding.entry(h).or_default().insert(id.clone());
-                } else if let Some(ids) = self.holding.get_mut(&h) {
+                    self.holding
+                        .entry(h.to_string())
+                        .or_default()
+                        .insert(id.clone());
+                } else if let Some(ids) = self.holding.get_mut(&*h) {
                     ids.remove(&id);
                     if ids.is_empty() {
-                        self.holding.remove(&h);
+                        self.holding.remove(&*h);
                     }
                 }
             }
             if let Some(c) = now {
                 self.gpu_held.add(&c);
-                self.gpu_held.counted.insert(id, c);
+                // The ID as the by-host index holds it (a unit counted is bound there).
+                let key = self
+                    .by_host
+                    .get(&*c.host)
+                    .and_then(|ids| ids.get(id.as_str()))
+                    .map_or_else(|| Arc::from(id.as_str()), Arc::clone);
+                self.gpu_held.counted.insert(key, c);
             }
         }
     }
