@@ -17,8 +17,8 @@ use capyctl_router::coordinator::{CoordinatorHandle, CoordinatorPermit};
 use capyctl_server::assembly::assemble;
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::{
-    StartRequest, SwitchCause, SwitchOutcome, SwitchPhaseKind, SwitchQuery, SwitchRecord,
-    VictimAction, VictimResult,
+    StartRequest, SwitchCause, SwitchError, SwitchOutcome, SwitchPhaseKind, SwitchQuery,
+    SwitchRecord, VictimAction, VictimResult,
 };
 use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
 use capyctl_spec::errors::ApiError;
@@ -556,6 +556,13 @@ async fn a_victim_ready_since_the_plan_that_cannot_be_drained_keeps_the_target_o
         "{}",
         refused.message()
     );
+    // Its record: failed as a drain timeout; e, not released, with its own error's code.
+    let r = s.ended("t", SwitchCause::Wave).await;
+    let code = |e: &Option<SwitchError>| e.as_ref().map(|e| e.code.clone());
+    assert_eq!(code(&r.error).as_deref(), Some("drain_timeout"), "{r:?}");
+    let kept = r.victims.iter().find(|v| v.deployment == "e").unwrap();
+    assert_eq!(kept.result, VictimResult::Failed, "{r:?}");
+    assert_eq!(code(&kept.error).as_deref(), Some("drain_timeout"), "{r:?}");
     let e = s.server.get("e").await.unwrap();
     assert_eq!(e.state, InstanceState::Ready);
     let t_id = s.server.get("t").await.unwrap().id;
