@@ -542,8 +542,11 @@ async fn a_victim_ready_since_the_plan_that_cannot_be_drained_keeps_the_target_o
     let (_, gave_up) = request_within(&s, "e", Duration::from_secs(1)).await;
     assert_eq!(gave_up.unwrap_err().code(), "unavailable");
     // t (8 GiB) needs the memory of both c and e: planned while e starts, its window (500 ms)
-    // ends after e's start has.
+    // ends after e's start has. c was just used, so the window runs its whole length (a
+    // victim idle for longer closes it at once: then, when the switch ended e's start before
+    // parking c, which it does when e's ID sorts first, e's request was refused).
     tokio::time::sleep_until(began + START - Duration::from_millis(300)).await;
+    drop(s.request("c").await.unwrap());
     let t = s.request_later("t");
     // A request for e that e serves from the end of its start, through t's drain of it.
     tokio::time::sleep_until(began + START - Duration::from_millis(200)).await;
