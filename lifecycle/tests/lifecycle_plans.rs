@@ -397,6 +397,18 @@ async fn refusals_come_from_the_operator_and_activation() {
 /// would run into this bound (the clock jumps to it once everything idles).
 const PROMPT: Duration = Duration::from_secs(5);
 
+/// An operator's start of `name` (without `--evict`) answers that it waits for memory.
+async fn start_waits_for_memory(s: &Core, name: &str) {
+    let r = s.start(name, StartRequest::default()).await.unwrap();
+    let conditions = &r.deployment.conditions;
+    assert!(
+        conditions
+            .iter()
+            .any(|c| c.kind == "Ready" && c.reason == "waiting_for_memory"),
+        "{conditions:?}"
+    );
+}
+
 /// Asserts that `name` shows `failed`, its instance's error containing `what`.
 async fn failed_with(s: &Core, name: &str, what: &str) {
     let d = s.get(name).await.unwrap();
@@ -632,15 +644,7 @@ async fn an_engine_that_could_not_be_stopped_keeps_its_memory_from_the_next_star
     let err = s.stop("x").await.unwrap_err();
     assert_eq!(err.code(), "engine_failed", "{err:?}");
     failed_with(&s, "x", "the engine's process group would not die").await;
-    let r = s.start("y", StartRequest::default()).await.unwrap();
-    assert!(
-        r.deployment
-            .conditions
-            .iter()
-            .any(|c| c.kind == "Ready" && c.reason == "waiting_for_memory"),
-        "{:?}",
-        r.deployment.conditions
-    );
+    start_waits_for_memory(&s, "y").await;
     assert!(
         !agent.calls().contains(&format!("start {y_iid}")),
         "y was started beside x: {:?}",
@@ -662,6 +666,41 @@ async fn an_engine_that_could_not_be_stopped_keeps_its_memory_from_the_next_star
     agent.stop_failing();
     s.stop("x").await.unwrap();
     assert_eq!(state_of(&s, "x").await, InstanceState::Stopped);
+    becomes(&s, "y", InstanceState::Ready).await;
+}
+
+/// A park that fails, whose engine then cannot be stopped either, leaves the deployment
+/// `failed` with both errors, its memory counted as held: another model's start waits for
+/// memory. A stop that succeeds frees it, and the waiting start goes on. Before:
+/// y started at once beside x's engine.
+#[tokio::test(start_paused = true)]
+async fn a_failed_park_whose_engine_could_not_be_stopped_keeps_its_memory() {
+    let (s, agent, _) = server().await;
+    s.deploy(doc("x", 6, "")).await.unwrap();
+    s.deploy(doc("y", 6, "")).await.unwrap();
+    let x_iid = format!("{}-0", ready(&s, "x").await);
+    agent.fail_parks(&x_iid);
+    agent.fail_stops(&x_iid);
+    s.park("x").await.unwrap();
+    becomes(&s, "x", InstanceState::Failed).await;
+    failed_with(
+        &s,
+        "x",
+        "did not answer its sleep call, and stopping the engine failed",
+    )
+    .await;
+    start_waits_for_memory(&s, "y").await;
+    assert!(
+        !agent
+            .calls()
+            .iter()
+            .any(|c| c.starts_with("start ") && c != &format!("start {x_iid}")),
+        "y was started beside x: {:?}",
+        agent.calls()
+    );
+    // A stop that succeeds frees the memory: y's waiting start goes on.
+    agent.stop_failing();
+    s.stop("x").await.unwrap();
     becomes(&s, "y", InstanceState::Ready).await;
 }
 
