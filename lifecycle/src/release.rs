@@ -245,6 +245,7 @@ impl Core {
             key,
             parked,
             for_room,
+            kept,
             name,
             engine,
         }) = begun
@@ -264,8 +265,18 @@ impl Core {
             .map(|r| r.begin_phase(phase, &iid, engine, began));
         // Where it parked, when it did (written with the outcome).
         let mut parked_in = None;
+        // How the stop of its engine went, when it failed (see [`DownDone::Failed`]).
+        let mut stop_failed = None;
         let result = if stop || parked {
-            let stopped = agent.stop(&iid).await;
+            let stopped = match agent.stop(&iid).await {
+                // Tried again for an engine that could not be stopped: the agent no longer
+                // has it, so it holds nothing.
+                Err(capyctl_interfaces::AgentError::UnknownInstance { .. }) if kept => Ok(()),
+                other => other,
+            };
+            if let Err(e) = &stopped {
+                stop_failed = Some(e.to_string());
+            }
             if for_room && stopped.is_ok() {
                 // Stopped where it would have parked: said so in the outcome itself.
                 self.config
@@ -307,13 +318,22 @@ impl Core {
                     self.config
                         .metrics
                         .park("none", "capability_missing", began.elapsed());
-                    agent.stop(&iid).await.map(|()| Released::Stopped)
+                    let stopped = agent.stop(&iid).await;
+                    if let Err(e) = &stopped {
+                        stop_failed = Some(e.to_string());
+                    }
+                    stopped.map(|()| Released::Stopped)
                 }
                 Err(e) => {
                     self.config
                         .metrics
                         .park("unknown", e.metric_label(), began.elapsed());
-                    let _ = agent.stop(&iid).await;
+                    // Its engine is stopped; when that fails too, it may still hold its
+                    // memory, which the books count then (see [`State::down_done`]).
+                    if let Err(stop) = agent.stop(&iid).await {
+                        tracing::warn!(instance = %iid, error = %stop, "the park failed, and stopping its engine failed too");
+                        stop_failed = Some(stop.to_string());
+                    }
                     Err(e)
                 }
             }
@@ -322,7 +342,10 @@ impl Core {
         let done = match (&result, parked_in) {
             (Ok(Released::Parked), Some((tier, gpu_held))) => DownDone::Parked { tier, gpu_held },
             (Ok(r), _) => DownDone::Stopped(*r),
-            (Err(e), _) => DownDone::Failed(e.to_string()),
+            (Err(e), _) => DownDone::Failed {
+                error: e.to_string(),
+                stopped: stop_failed.map_or(Ok(()), Err),
+            },
         };
         self.on(id, move |inner, id| {
             inner.down_done(id, done, Instant::now())

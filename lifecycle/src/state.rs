@@ -95,9 +95,11 @@ pub(crate) struct Dep {
     /// [`Core::end_bring_up`]. Made when first asked for ([`Dep::end`]) and let go when the
     /// bring-up is over (each one is some 400 bytes: 40 MB for 100,000 deployments used).
     pub(crate) end: OnceLock<watch::Sender<Option<ApiError>>>,
-    /// The start or wake last ended could not stop its engine (the agent's error): the engine
-    /// may still hold its GPU memory, so `start --evict` does not count it as released.
-    /// Cleared when the next bring-up begins.
+    /// The stop of its engine failed (the agent's error): after a start or wake it ended, a
+    /// park that failed, or a stop. The engine may still hold its GPU memory: while it is
+    /// failed so, the books count that memory ([`Dep::keeps_engine`]) and `start --evict` does
+    /// not count it as released. Cleared when a stop succeeds, when its engine is seen gone
+    /// (it exited, or its host no longer has it), and when the next bring-up begins.
     pub(crate) ended_stop_failed: Option<String>,
     /// The start or wake in progress (or last begun) is an operator's: `start`, a pending
     /// start, `start --evict`, `preinitialize`. Another model's requests never end it
@@ -263,6 +265,16 @@ impl Dep {
         )
     }
 
+    /// Failed, but its engine could not be stopped ([`Dep::ended_stop_failed`]): the engine may
+    /// still hold its GPU memory, so placement counts what it needs awake on its host until a
+    /// stop succeeds or the engine is seen gone.
+    ///
+    /// NB: counted free, another model could be brought up on that memory (a park that failed
+    /// and whose engine could not be stopped either: the GPU over-booked).
+    pub(crate) fn keeps_engine(&self) -> bool {
+        self.state == InstanceState::Failed && self.ended_stop_failed.is_some()
+    }
+
     /// GPU memory it needs awake: the measurement, or the whole GPU when unknown.
     pub(crate) fn need(&self, capacity: u64) -> u64 {
         self.measurement
@@ -274,7 +286,10 @@ impl Dep {
     /// The host its instance is bound to: where it holds GPU memory, is parked, or is claimed
     /// or on its way. `None` when it may be placed on any host.
     pub(crate) fn bound_host(&self) -> Option<&str> {
-        let bound = self.occupies() || self.state == InstanceState::Parked || self.claim.is_some();
+        let bound = self.occupies()
+            || self.keeps_engine()
+            || self.state == InstanceState::Parked
+            || self.claim.is_some();
         if bound { self.host.as_deref() } else { None }
     }
 
@@ -289,10 +304,11 @@ impl Dep {
         }
     }
 
-    /// Whether it holds GPU memory, or is promised it: its engine holds memory, it is claimed by
-    /// a switch, or it is parked with a residue on the GPU (what placement counts).
+    /// Whether it holds GPU memory, or is promised it: its engine holds memory (or may: it could
+    /// not be stopped, [`Dep::keeps_engine`]), it is claimed by a switch, or it is parked with
+    /// a residue on the GPU (what placement counts).
     pub(crate) fn holds_gpu(&self) -> bool {
-        self.occupies() || self.claim.is_some() || self.parked_holds() > 0
+        self.occupies() || self.keeps_engine() || self.claim.is_some() || self.parked_holds() > 0
     }
 
     /// GPU memory its parked engine holds (0 unless parked).

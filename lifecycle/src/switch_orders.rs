@@ -413,14 +413,20 @@ impl Core {
             }
         }
         if let Some(rec) = switches::current() {
+            // Each with its own error's code (`drain_timeout`, `engine_failed`, ...), as the
+            // switch's error is written.
             for (id, name, why) in &not_released {
+                let code = kept
+                    .iter()
+                    .find(|(k, _)| k == id)
+                    .map_or("engine_failed", |(_, e)| e.metric_label());
                 rec.victim(victim_entry(
                     name,
                     id,
                     true,
                     VictimResult::Failed,
                     Some(SwitchError {
-                        code: "engine_failed".into(),
+                        code: code.into(),
                         message: why.clone(),
                     }),
                 ));

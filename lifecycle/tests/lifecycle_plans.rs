@@ -397,6 +397,26 @@ async fn refusals_come_from_the_operator_and_activation() {
 /// would run into this bound (the clock jumps to it once everything idles).
 const PROMPT: Duration = Duration::from_secs(5);
 
+/// An operator's start of `name` (without `--evict`) answers that it waits for memory.
+async fn start_waits_for_memory(s: &Core, name: &str) {
+    let r = s.start(name, StartRequest::default()).await.unwrap();
+    let conditions = &r.deployment.conditions;
+    assert!(
+        conditions
+            .iter()
+            .any(|c| c.kind == "Ready" && c.reason == "waiting_for_memory"),
+        "{conditions:?}"
+    );
+}
+
+/// Asserts that `name` shows `failed`, its instance's error containing `what`.
+async fn failed_with(s: &Core, name: &str, what: &str) {
+    let d = s.get(name).await.unwrap();
+    assert_eq!(d.state, InstanceState::Failed);
+    let error = d.instances[0].last_error.as_deref();
+    assert!(error.is_some_and(|e| e.contains(what)), "{error:?}");
+}
+
 async fn state_of(s: &Core, name: &str) -> InstanceState {
     s.get(name).await.unwrap().state
 }
@@ -596,16 +616,7 @@ async fn start_evict_fails_when_an_ended_start_could_not_be_stopped() {
         agent.calls()
     );
     assert_eq!(state_of(&s, "y").await, InstanceState::Stopped);
-    let x = s.get("x").await.unwrap();
-    assert_eq!(x.state, InstanceState::Failed);
-    assert!(
-        x.instances[0]
-            .last_error
-            .as_deref()
-            .is_some_and(|e| e.contains("stopping the engine failed")),
-        "{:?}",
-        x.instances[0].last_error
-    );
+    failed_with(&s, "x", "stopping the engine failed").await;
     // Nothing stays reserved: once the stop works, y starts.
     agent.stop_failing();
     s.stop("x").await.unwrap();
@@ -614,6 +625,83 @@ async fn start_evict_fails_when_an_ended_start_could_not_be_stopped() {
         .expect("the start answers")
         .unwrap();
     assert_eq!(r.deployment.state, InstanceState::Ready);
+}
+
+/// A release whose engine could not be stopped (here an operator's stop; a park that failed
+/// and whose cleanup stop failed is the same rule) leaves the deployment `failed`, its engine
+/// kept: the books count its memory, so another model's start waits for memory instead of
+/// starting beside it. The next stop tries again; once it succeeds, the waiting start goes on.
+/// Before: the failed instance counted nothing, and y started on memory x may still hold.
+#[tokio::test(start_paused = true)]
+async fn an_engine_that_could_not_be_stopped_keeps_its_memory_from_the_next_start() {
+    let (s, agent, _) = server().await;
+    s.deploy(doc("x", 6, "")).await.unwrap();
+    s.deploy(doc("y", 6, "")).await.unwrap();
+    let x_id = ready(&s, "x").await;
+    let x_iid = format!("{x_id}-0");
+    let y_iid = format!("{}-0", s.get("y").await.unwrap().id);
+    agent.fail_stops(&x_iid);
+    let err = s.stop("x").await.unwrap_err();
+    assert_eq!(err.code(), "engine_failed", "{err:?}");
+    failed_with(&s, "x", "the engine's process group would not die").await;
+    start_waits_for_memory(&s, "y").await;
+    assert!(
+        !agent.calls().contains(&format!("start {y_iid}")),
+        "y was started beside x: {:?}",
+        agent.calls()
+    );
+    // The stop fails again: still held.
+    let stops = |agent: &SimHost| {
+        agent
+            .calls()
+            .iter()
+            .filter(|c| **c == format!("stop {x_iid}"))
+            .count()
+    };
+    assert_eq!(stops(&agent), 1);
+    assert_eq!(s.stop("x").await.unwrap_err().code(), "engine_failed");
+    assert_eq!(stops(&agent), 2, "the stop is tried again");
+    assert_eq!(state_of(&s, "y").await, InstanceState::Stopped);
+    // It succeeds: the memory is free, and y's waiting start goes on.
+    agent.stop_failing();
+    s.stop("x").await.unwrap();
+    assert_eq!(state_of(&s, "x").await, InstanceState::Stopped);
+    becomes(&s, "y", InstanceState::Ready).await;
+}
+
+/// A park that fails, whose engine then cannot be stopped either, leaves the deployment
+/// `failed` with both errors, its memory counted as held: another model's start waits for
+/// memory. A stop that succeeds frees it, and the waiting start goes on. Before:
+/// y started at once beside x's engine.
+#[tokio::test(start_paused = true)]
+async fn a_failed_park_whose_engine_could_not_be_stopped_keeps_its_memory() {
+    let (s, agent, _) = server().await;
+    s.deploy(doc("x", 6, "")).await.unwrap();
+    s.deploy(doc("y", 6, "")).await.unwrap();
+    let x_iid = format!("{}-0", ready(&s, "x").await);
+    agent.fail_parks(&x_iid);
+    agent.fail_stops(&x_iid);
+    s.park("x").await.unwrap();
+    becomes(&s, "x", InstanceState::Failed).await;
+    failed_with(
+        &s,
+        "x",
+        "did not answer its sleep call, and stopping the engine failed",
+    )
+    .await;
+    start_waits_for_memory(&s, "y").await;
+    assert!(
+        !agent
+            .calls()
+            .iter()
+            .any(|c| c.starts_with("start ") && c != &format!("start {x_iid}")),
+        "y was started beside x: {:?}",
+        agent.calls()
+    );
+    // A stop that succeeds frees the memory: y's waiting start goes on.
+    agent.stop_failing();
+    s.stop("x").await.unwrap();
+    becomes(&s, "y", InstanceState::Ready).await;
 }
 
 /// Issue 16, item 7: standalone (no host joins later), a deployment needing more GPU memory

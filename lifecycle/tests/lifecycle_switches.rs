@@ -17,8 +17,8 @@ use capyctl_router::coordinator::{CoordinatorHandle, CoordinatorPermit};
 use capyctl_server::assembly::assemble;
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::{
-    StartRequest, SwitchCause, SwitchOutcome, SwitchPhaseKind, SwitchQuery, SwitchRecord,
-    VictimAction, VictimResult,
+    StartRequest, SwitchCause, SwitchError, SwitchOutcome, SwitchPhaseKind, SwitchQuery,
+    SwitchRecord, VictimAction, VictimResult,
 };
 use capyctl_spec::documents::{DeploymentDoc, parse_deployment_str};
 use capyctl_spec::errors::ApiError;
@@ -536,26 +536,21 @@ async fn a_victim_ready_since_the_plan_that_cannot_be_drained_keeps_the_target_o
     for (name, gib) in [("c", 4), ("e", 4), ("t", 8)] {
         s.server.deploy(sized(name, gib)).await.unwrap();
     }
-    // The switch releases its victims in ID order, and IDs are random: the ready victim (`c`
-    // below) is the one whose ID sorts first, so that the starting one (`e`) is reached after
-    // its start has ended, whatever IDs were drawn.
-    let (c_id, e_id) = (
-        s.server.get("c").await.unwrap().id,
-        s.server.get("e").await.unwrap().id,
-    );
-    let (c, e) = if c_id < e_id { ("c", "e") } else { ("e", "c") };
-    drop(s.request(c).await.unwrap());
+    drop(s.request("c").await.unwrap());
     // e's start (4 s) goes on after its request gave up (1 s).
     let began = Instant::now();
-    let (_, gave_up) = request_within(&s, e, Duration::from_secs(1)).await;
+    let (_, gave_up) = request_within(&s, "e", Duration::from_secs(1)).await;
     assert_eq!(gave_up.unwrap_err().code(), "unavailable");
-    // t (8 GiB) needs the memory of both c and e: planned while e starts; c parks first (1 s),
-    // so e's start has ended when the switch reaches it.
+    // t (8 GiB) needs the memory of both c and e: planned while e starts, its window (500 ms)
+    // ends after e's start has. c was just used, so the window runs its whole length (a
+    // victim idle for longer closes it at once: then, when the switch ended e's start before
+    // parking c, which it does when e's ID sorts first, e's request was refused).
     tokio::time::sleep_until(began + START - Duration::from_millis(300)).await;
+    drop(s.request("c").await.unwrap());
     let t = s.request_later("t");
     // A request for e that e serves from the end of its start, through t's drain of it.
     tokio::time::sleep_until(began + START - Duration::from_millis(200)).await;
-    let running = s.request(e).await.unwrap();
+    let running = s.request("e").await.unwrap();
     assert_eq!(Instant::now(), began + START);
     let refused = t.await.unwrap().unwrap_err();
     assert_eq!(refused.metric_label(), "drain_timeout", "{refused:?}");
@@ -564,8 +559,15 @@ async fn a_victim_ready_since_the_plan_that_cannot_be_drained_keeps_the_target_o
         "{}",
         refused.message()
     );
-    let e_now = s.server.get(e).await.unwrap();
-    assert_eq!(e_now.state, InstanceState::Ready);
+    // Its record: failed as a drain timeout; e, not released, with its own error's code.
+    let r = s.ended("t", SwitchCause::Wave).await;
+    let code = |e: &Option<SwitchError>| e.as_ref().map(|e| e.code.clone());
+    assert_eq!(code(&r.error).as_deref(), Some("drain_timeout"), "{r:?}");
+    let kept = r.victims.iter().find(|v| v.deployment == "e").unwrap();
+    assert_eq!(kept.result, VictimResult::Failed, "{r:?}");
+    assert_eq!(code(&kept.error).as_deref(), Some("drain_timeout"), "{r:?}");
+    let e = s.server.get("e").await.unwrap();
+    assert_eq!(e.state, InstanceState::Ready);
     let t_id = s.server.get("t").await.unwrap().id;
     assert!(
         !s.agent.calls().contains(&format!("start {t_id}-0")),
@@ -575,5 +577,8 @@ async fn a_victim_ready_since_the_plan_that_cannot_be_drained_keeps_the_target_o
     drop(running);
     // Once e is idle, t's next request switches as usual.
     drop(s.request("t").await.unwrap());
-    assert_eq!(s.server.get(e).await.unwrap().state, InstanceState::Parked);
+    assert_eq!(
+        s.server.get("e").await.unwrap().state,
+        InstanceState::Parked
+    );
 }

@@ -209,6 +209,7 @@ pub struct SimHost {
     instances: Mutex<BTreeMap<String, SimInstance>>,
     hangs: Mutex<BTreeSet<String>>,
     failing_stops: Mutex<BTreeSet<String>>,
+    failing_parks: Mutex<BTreeSet<String>>,
     /// The instances stopped so far (what ends their hanging operations).
     stopped: Mutex<BTreeSet<String>>,
     stops: tokio::sync::Notify,
@@ -324,6 +325,7 @@ impl SimHost {
             instances: Mutex::new(BTreeMap::new()),
             hangs: Mutex::new(BTreeSet::new()),
             failing_stops: Mutex::new(BTreeSet::new()),
+            failing_parks: Mutex::new(BTreeSet::new()),
             stopped: Mutex::new(BTreeSet::new()),
             stops: tokio::sync::Notify::new(),
             sample_hook: OnceLock::new(),
@@ -499,6 +501,11 @@ impl SimHost {
     /// Stops succeed again.
     pub fn stop_failing(&self) {
         lock(&self.failing_stops).clear();
+    }
+
+    /// From now on, parks of `instance` fail (its engine is left as it was).
+    pub fn fail_parks(&self, instance: &str) {
+        lock(&self.failing_parks).insert(instance.to_string());
     }
 
     /// The number of GPUs of the host.
@@ -767,6 +774,12 @@ impl HostAgent for SimHost {
     fn park<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<ParkResult, AgentError>> {
         Box::pin(async move {
             self.record(format!("park {instance}"));
+            if lock(&self.failing_parks).contains(instance) {
+                return Err(AgentError::AgentUnreachable {
+                    url: "http://gpu-1:9100".into(),
+                    detail: "the engine did not answer its sleep call".into(),
+                });
+            }
             if self.decisions == Decisions::Declared {
                 let t = self.default_timings;
                 pause(t.park_host_ram).await;

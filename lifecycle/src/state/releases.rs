@@ -25,6 +25,9 @@ pub(crate) struct Releasing {
     /// It stops for want of room to keep it parked, where it would otherwise park: its stop
     /// is written `stopped (no room to park)` ([`DownDone::Stopped`]).
     pub(crate) for_room: bool,
+    /// It was failed with an engine that could not be stopped ([`super::Dep::keeps_engine`]):
+    /// this stop tries again, and an agent that no longer knows the engine has none to stop.
+    pub(crate) kept: bool,
     /// Its deployment's name and engine (for the switch record).
     pub(crate) name: String,
     pub(crate) engine: &'static str,
@@ -40,8 +43,13 @@ pub(crate) enum DownDone {
     },
     /// Stopped (`Released::Stopped`, or `StoppedNoRoomToPark`).
     Stopped(Released),
-    /// The park or stop failed: the error.
-    Failed(String),
+    /// The park or stop failed: the error, and how the stop of its engine went (the release's
+    /// own stop, when it stopped; the one after a park that failed): `Err` with the agent's
+    /// error when the engine could not be stopped, and may still hold its GPU memory.
+    Failed {
+        error: String,
+        stopped: Result<(), String>,
+    },
 }
 
 impl State {
@@ -92,6 +100,7 @@ impl State {
     ) -> Option<Releasing> {
         let d = self.deps.get_mut(id)?;
         let parked = d.state == InstanceState::Parked;
+        let kept = d.keeps_engine();
         let for_room = for_room && (parked || d.parks());
         d.busy = true;
         d.state = if stop || parked {
@@ -104,6 +113,7 @@ impl State {
             key: d.key(&self.host_id),
             parked,
             for_room,
+            kept,
             name: d.name().to_string(),
             engine: d.spec.engine.as_str(),
         })
@@ -112,8 +122,9 @@ impl State {
     /// Writes how the park or stop of `id` ([`State::begin_release`]) ended, at `now`:
     /// `parked` (with its tier and what it still holds of the GPU), `stopped` (saying so in its
     /// status when it was for want of room to park: the agent's answer, or a stop
-    /// [`Releasing::for_room`]), or `failed` with the error. Its last use is `now`. The one
-    /// rule, and one turn, that writes the outcome of a release.
+    /// [`Releasing::for_room`]), or `failed` with the error (and, when its engine could not be
+    /// stopped, that error too: the books count its memory until a stop succeeds). Its last use
+    /// is `now`. The one rule, and one turn, that writes the outcome of a release.
     pub(crate) fn down_done(&mut self, id: &str, done: DownDone, now: Instant) {
         let Some(d) = self.deps.get_mut(id) else {
             return;
@@ -127,6 +138,7 @@ impl State {
                 d.state = InstanceState::Parked;
             }
             DownDone::Stopped(r) => {
+                d.ended_stop_failed = None;
                 d.state = InstanceState::Stopped;
                 d.tier = None;
                 d.addr = None;
@@ -135,7 +147,20 @@ impl State {
                     d.last_error = Some(Released::StoppedNoRoomToPark.status_line());
                 }
             }
-            DownDone::Failed(e) => d.fail(format!("park or stop failed: {e}"), now),
+            // An engine that could not be stopped keeps its memory in the books
+            // ([`super::Dep::keeps_engine`]) until a stop succeeds or it is seen gone.
+            DownDone::Failed { error, stopped } => {
+                let why = match &stopped {
+                    Err(stop) if *stop != error => {
+                        format!(
+                            "park or stop failed: {error}, and stopping the engine failed: {stop}"
+                        )
+                    }
+                    _ => format!("park or stop failed: {error}"),
+                };
+                d.fail(why, now);
+                d.ended_stop_failed = stopped.err();
+            }
         }
     }
 

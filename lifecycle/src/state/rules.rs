@@ -48,6 +48,11 @@ impl State {
         if d.host.as_deref() != Some(host) || d.busy {
             return None;
         }
+        if d.keeps_engine() {
+            // An engine that could not be stopped is gone after all: its memory is free.
+            d.ended_stop_failed = None;
+            return Some(d.key(&self.host_id));
+        }
         if !matches!(
             d.state,
             InstanceState::Ready | InstanceState::Parked | InstanceState::Closed
@@ -188,12 +193,14 @@ impl State {
                 }
                 continue;
             }
-            let held = d.occupies() || d.state == InstanceState::Parked;
+            let held = d.occupies() || d.keeps_engine() || d.state == InstanceState::Parked;
             if held && !d.busy && d.reserved.is_none() && d.claim.is_none() {
                 lost.push(Self::key_of(d, &host_id));
                 d.lost(format!(
                     "its engine is gone: host {host_id} no longer has it"
                 ));
+                // One that could not be stopped is gone too: its memory is free.
+                d.ended_stop_failed = None;
             }
         }
         Adoption {
@@ -1087,7 +1094,8 @@ impl State {
     }
 
     /// Begins taking `id` down: `Ok(Some(true))` ready (drain first),
-    /// `Ok(Some(false))` parked (stop directly), `Ok(None)` nothing runs.
+    /// `Ok(Some(false))` parked, or failed with an engine that could not be stopped
+    /// ([`Dep::keeps_engine`]): stop directly; `Ok(None)` nothing runs.
     pub(crate) fn begin_down(
         &mut self,
         id: &str,
@@ -1109,6 +1117,9 @@ impl State {
         let down = match d.state {
             InstanceState::Ready => Some(true),
             InstanceState::Parked => Some(false),
+            // Failed with an engine that could not be stopped: stopped again (it holds its
+            // memory in the books until a stop succeeds).
+            InstanceState::Failed if d.keeps_engine() => Some(false),
             _ => return Ok(None),
         };
         // Reserved like a switch's victim: nothing else wakes, plans or stops it meanwhile.

@@ -1019,6 +1019,123 @@ fn released(s: &mut State, id: &str, done: DownDone, at: Instant) {
     s.down_done(id, done, at);
 }
 
+/// A park that failed, whose engine could not be stopped either, leaves the instance failed
+/// (its status says both) with its engine kept: the books count its memory, so another model
+/// is not brought up on it, until a stop succeeds (an operator's stop tries again: failing
+/// again, it still holds it) or its engine is seen gone (it exited; its host came back
+/// without it). A park that failed and stopped its engine holds nothing.
+#[tokio::test(start_paused = true)]
+async fn an_engine_that_could_not_be_stopped_holds_its_memory_until_stopped_or_gone() {
+    let t0 = Instant::now();
+    let kept = |s: &mut State, id: &str| {
+        ready(s, id, t0);
+        released(
+            s,
+            id,
+            DownDone::Failed {
+                error: "park timed out".into(),
+                stopped: Err("connection refused".into()),
+            },
+            t0,
+        );
+    };
+    let mut s = state(t0);
+    kept(&mut s, "a");
+    let a = &s.deps["a"];
+    assert_eq!(a.state, InstanceState::Failed);
+    assert_eq!(
+        a.last_error.as_deref(),
+        Some(
+            "park or stop failed: park timed out, and stopping the engine failed: \
+             connection refused"
+        )
+    );
+    assert!(a.keeps_engine());
+    held_sums_agree(&mut s, t0, "kept");
+    assert_eq!(s.gpu_held.on("gpu-1", None, ""), 6 * GIB);
+    // b (6 GiB) does not fit beside it (10 GiB), and a is no victim: b's requests wait.
+    let plan = s.request_plan("b", "sw-1".into(), t0).unwrap();
+    assert!(matches!(plan, Plan::Later), "{plan:?}");
+    // A stop tries again; it fails again: still held.
+    assert_eq!(s.begin_down("a", "stop-1", t0), Ok(Some(false)));
+    let r = s.begin_release("a", true, false).unwrap();
+    assert!(r.kept && !r.parked);
+    assert_eq!(s.deps["a"].state, InstanceState::Stopping);
+    s.down_done(
+        "a",
+        DownDone::Failed {
+            error: "connection refused".into(),
+            stopped: Err("connection refused".into()),
+        },
+        t0,
+    );
+    s.release_reservation("stop-1");
+    assert_eq!(
+        s.deps["a"].last_error.as_deref(),
+        Some("park or stop failed: connection refused")
+    );
+    held_sums_agree(&mut s, t0, "stop failed again");
+    assert_eq!(s.gpu_held.on("gpu-1", None, ""), 6 * GIB);
+    assert!(matches!(
+        s.request_plan("b", "sw-2".into(), t0).unwrap(),
+        Plan::Later
+    ));
+    // The stop succeeds: its memory is free, b comes up.
+    assert_eq!(s.begin_down("a", "stop-2", t0), Ok(Some(false)));
+    s.begin_release("a", true, false).unwrap();
+    s.down_done("a", DownDone::Stopped(Released::Stopped), t0);
+    s.release_reservation("stop-2");
+    assert_eq!(s.deps["a"].state, InstanceState::Stopped);
+    assert_eq!(s.deps["a"].ended_stop_failed, None);
+    held_sums_agree(&mut s, t0, "stopped");
+    assert_eq!(s.gpu_held.on("gpu-1", None, ""), 0);
+    let plan = s.request_plan("b", "sw-3".into(), t0).unwrap();
+    assert!(matches!(plan, Plan::BringUp { .. }), "{plan:?}");
+    // Its engine exits after all: gone, its memory free.
+    let mut s = state(t0);
+    kept(&mut s, "a");
+    let exit = EngineExit {
+        instance: instance_id("a"),
+        status: Some("signal 9".into()),
+    };
+    assert!(s.engine_exited("gpu-1", &exit, t0).is_some());
+    assert!(!s.deps["a"].keeps_engine());
+    assert_eq!(s.deps["a"].state, InstanceState::Failed);
+    held_sums_agree(&mut s, t0, "exited");
+    assert_eq!(s.gpu_held.on("gpu-1", None, ""), 0);
+    assert!(matches!(
+        s.request_plan("b", "sw-1".into(), t0).unwrap(),
+        Plan::BringUp { .. }
+    ));
+    // Its host comes back without it: gone.
+    let mut s = state(t0);
+    kept(&mut s, "a");
+    s.add_host("gpu-1".into(), host(), &[]);
+    assert!(!s.deps["a"].keeps_engine());
+    held_sums_agree(&mut s, t0, "lost");
+    assert_eq!(s.gpu_held.on("gpu-1", None, ""), 0);
+    // A park that failed and stopped its engine holds nothing.
+    let mut s = state(t0);
+    ready(&mut s, "a", t0);
+    released(
+        &mut s,
+        "a",
+        DownDone::Failed {
+            error: "park timed out".into(),
+            stopped: Ok(()),
+        },
+        t0,
+    );
+    assert_eq!(
+        s.deps["a"].last_error.as_deref(),
+        Some("park or stop failed: park timed out")
+    );
+    held_sums_agree(&mut s, t0, "park failed, engine stopped");
+    assert_eq!(s.gpu_held.on("gpu-1", None, ""), 0);
+    // Nothing to stop then.
+    assert_eq!(s.begin_down("a", "stop-1", t0), Ok(None));
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_releases_outcome_is_written_once_at_the_time_given() {
     let t0 = Instant::now();
@@ -1058,7 +1175,15 @@ async fn a_releases_outcome_is_written_once_at_the_time_given() {
         Some(Released::StoppedNoRoomToPark.status_line())
     );
     // Failed: the scaler's back-off counts from the outcome's time, not the clock's.
-    released(&mut s, "c", DownDone::Failed("boom".into()), later);
+    released(
+        &mut s,
+        "c",
+        DownDone::Failed {
+            error: "boom".into(),
+            stopped: Ok(()),
+        },
+        later,
+    );
     let c = &s.deps["c"];
     assert_eq!(c.state, InstanceState::Failed);
     assert_eq!(c.last_error.as_deref(), Some("park or stop failed: boom"));
@@ -1494,13 +1619,21 @@ async fn the_held_sums_equal_the_holders_after_every_kind_of_transition() {
                                         now,
                                     );
                                 } else if s.begin_release(&v, rng.odds(3), false).is_some() {
-                                    let done = match rng.below(3) {
+                                    let done = match rng.below(4) {
                                         0 => DownDone::Parked {
                                             tier: ParkTier::HostRam,
                                             gpu_held: Some(rng.below(2) as u64 * GIB),
                                         },
                                         1 => DownDone::Stopped(Released::Stopped),
-                                        _ => DownDone::Failed("boom".into()),
+                                        2 => DownDone::Failed {
+                                            error: "boom".into(),
+                                            stopped: Ok(()),
+                                        },
+                                        // Its engine could not be stopped: still held.
+                                        _ => DownDone::Failed {
+                                            error: "boom".into(),
+                                            stopped: Err("stuck".into()),
+                                        },
                                     };
                                     s.down_done(&v, done, now);
                                 }
