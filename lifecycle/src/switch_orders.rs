@@ -18,7 +18,7 @@ use crate::gpus::gpus_of;
 use crate::ids::instance_id_at;
 use crate::release::{NoRoom, Put};
 use crate::start::evict_failed;
-use crate::state::{Dep, Up, unit_instance, unit_of_key};
+use crate::state::{Dep, Up, dep_of_unit, unit_instance, unit_of_key};
 use crate::switches::{self, Recording, Target, victim_entry};
 use crate::{Core, views};
 
@@ -333,7 +333,8 @@ impl Core {
                         kept.push((
                             v.clone(),
                             ApiError::EngineFailed {
-                                deployment: v.clone(),
+                                // The deployment's ID (the field's meaning), not its unit key.
+                                deployment: dep_of_unit(v).to_string(),
                                 detail: format!(
                                     "its start or wake was ended, but stopping its engine \
                                      failed: {why}"
