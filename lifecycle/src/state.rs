@@ -892,6 +892,21 @@ impl State {
     }
 }
 
+/// Takes `id` out of `host`'s set in a by-host `index` ([`State::by_host`], [`State::holding`]),
+/// and the set with it when it is left empty.
+pub(crate) fn unindex<K: std::borrow::Borrow<str> + Ord>(
+    index: &mut HashMap<String, BTreeSet<K>>,
+    host: &str,
+    id: &str,
+) {
+    if let Some(ids) = index.get_mut(host) {
+        ids.remove(id);
+        if ids.is_empty() {
+            index.remove(host);
+        }
+    }
+}
+
 /// The by-host index.
 impl State {
     /// Binds (or unbinds) deployment `id`'s instance to `host`, keeping the by-host indexes:
@@ -917,18 +932,8 @@ impl State {
         if d.host != host
             && let Some(old) = d.host.take()
         {
-            if let Some(ids) = self.by_host.get_mut(&*old) {
-                ids.remove(id);
-                if ids.is_empty() {
-                    self.by_host.remove(&*old);
-                }
-            }
-            if let Some(ids) = self.holding.get_mut(&*old) {
-                ids.remove(id);
-                if ids.is_empty() {
-                    self.holding.remove(&*old);
-                }
-            }
+            unindex(&mut self.by_host, &old, id);
+            unindex(&mut self.holding, &old, id);
         }
         if let Some(new) = &host {
             let ids = self.by_host.entry(new.to_string()).or_default();

@@ -261,11 +261,8 @@ impl State {
                         .entry(h.to_string())
                         .or_default()
                         .insert(id.clone());
-                } else if let Some(ids) = self.holding.get_mut(&*h) {
-                    ids.remove(&id);
-                    if ids.is_empty() {
-                        self.holding.remove(&*h);
-                    }
+                } else {
+                    super::unindex(&mut self.holding, &h, &id);
                 }
             }
             if let Some(c) = now {
