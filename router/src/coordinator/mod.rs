@@ -210,10 +210,9 @@ impl Loads {
         Some(grant)
     }
 }
-/// A lane the task has opened, with what it lent.
+/// A lane the task has opened, with what it lent (its cell, where the lane is, is the key it
+/// is kept under: [`ById`]).
 struct Lent {
-    /// The deployment's cell, where the lane is.
-    cell: Arc<LoadCell>,
     serial: u64,
     credits: u64,
 }
@@ -890,15 +889,14 @@ impl Driver {
         let base = self.loads.base;
         let mut last_end = 0;
         for id in ids {
-            let Some(lent) = self.lent.remove(id.as_str()) else {
+            let Some((ById(cell), lent)) = self.lent.remove_entry(id.as_str()) else {
                 continue;
             };
             // The lane's count moves into the state: readers of its load copy again meanwhile.
-            if let Some(cell) = self.cell_of.get(id.as_str()) {
-                cell.0.begin(&mut self.begun);
+            if let Some(published) = self.cell_of.get(id.as_str()) {
+                published.0.begin(&mut self.begun);
             }
-            let word = lent
-                .cell
+            let word = cell
                 .lane
                 .word
                 .fetch_and(!(LANE_OPEN | LANE_RETURNS | LANE_CREDITS), Ordering::AcqRel);
@@ -907,9 +905,9 @@ impl Driver {
             // an instant can repeat under a paused clock, so "it moved" cannot be told apart).
             let net = i64::try_from(lent.credits).unwrap_or(i64::MAX)
                 - i64::try_from(left).unwrap_or(i64::MAX);
-            let ended = lent.cell.lane.last_end.load(Ordering::Acquire);
+            let ended = cell.lane.last_end.load(Ordering::Acquire);
             last_end = last_end.max(ended);
-            let nanos = lent.cell.lane.last_start.load(Ordering::Relaxed).max(ended);
+            let nanos = cell.lane.last_start.load(Ordering::Relaxed).max(ended);
             let last = (base + Duration::from_nanos(nanos)).min(now);
             self.state.lent_settled(id, lent.serial, net, last);
             if nanos > 0 {
@@ -961,15 +959,7 @@ impl Driver {
             (u64::from(generation) << 32) | LANE_OPEN | returns | credits,
             Ordering::SeqCst,
         );
-        let cell = cell.clone();
-        self.lent.insert(
-            cell.clone(),
-            Lent {
-                cell: cell.0,
-                serial,
-                credits,
-            },
-        );
+        self.lent.insert(cell.clone(), Lent { serial, credits });
     }
 
     fn on_ending(&mut self, ending: Ending) {
@@ -1093,9 +1083,8 @@ impl Drop for Driver {
     /// A task that stops (its runtime shut down) lends nothing any more: handles then go to
     /// the closed inbox and answer `DispatchClosed`.
     fn drop(&mut self) {
-        for lent in self.lent.values() {
-            lent.cell
-                .lane
+        for ById(cell) in self.lent.keys() {
+            cell.lane
                 .word
                 .fetch_and(!(LANE_OPEN | LANE_RETURNS | LANE_CREDITS), Ordering::AcqRel);
         }
