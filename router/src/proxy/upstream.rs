@@ -675,39 +675,9 @@ pub(super) fn encode_head(
 }
 
 /// Appends `n` in decimal: what `write!` does, without the formatting machinery (a few hundred
-/// instructions per head).
-///
-/// NB (cost): two digits a step, from a table of the hundred pairs (a tenant's answer has six
-/// numbers in its rate headers, most of them 6 to 11 digits long).
-pub(super) fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
-    /// `00`, `01`, … `99`.
-    const PAIRS: [u8; 200] = {
-        let mut pairs = [0; 200];
-        let mut i = 0;
-        while i < 100 {
-            pairs[2 * i] = b'0' + (i / 10) as u8;
-            pairs[2 * i + 1] = b'0' + (i % 10) as u8;
-            i += 1;
-        }
-        pairs
-    };
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    while n >= 100 {
-        let pair = (n % 100) as usize * 2;
-        n /= 100;
-        at -= 2;
-        digits[at..at + 2].copy_from_slice(&PAIRS[pair..pair + 2]);
-    }
-    if n >= 10 {
-        let pair = n as usize * 2;
-        at -= 2;
-        digits[at..at + 2].copy_from_slice(&PAIRS[pair..pair + 2]);
-    } else {
-        at -= 1;
-        digits[at] = b'0' + n as u8;
-    }
-    out.extend_from_slice(&digits[at..]);
+/// instructions per head; `itoa` writes two digits a step, as the lifecycle's JSON does).
+pub(super) fn push_decimal(out: &mut Vec<u8>, n: u64) {
+    out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
 }
 
 /// The idle connections of one engine address, and its `Host` header.
