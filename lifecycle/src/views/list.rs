@@ -91,11 +91,12 @@ impl Ready<'_> {
         }
     }
 
-    /// The condition's `status`.
-    fn status(&self, ready_count: usize) -> &'static str {
+    /// The condition's `status` (the variants that serve are chosen only when an instance is
+    /// ready).
+    fn status(&self) -> &'static str {
         match self {
             Ready::AgentLost { .. } => "Unknown",
-            _ if ready_count > 0 => "True",
+            Ready::Serves | Ready::SomeServe { .. } => "True",
             _ => "False",
         }
     }
@@ -200,7 +201,6 @@ impl<'a> ViewFigures<'a> {
     fn view(self, spec: DeploymentDoc) -> DeploymentView {
         let d = &self.units[0];
         let (measured_reason, measured_message) = self.measured_why();
-        let ready_count = self.ready_count;
         DeploymentView {
             id: d.fixed.id().to_string(),
             name: self.doc.name.clone(),
@@ -241,7 +241,7 @@ impl<'a> ViewFigures<'a> {
             conditions: vec![
                 ConditionView {
                     kind: "Ready".to_string(),
-                    status: self.ready.status(ready_count).to_string(),
+                    status: self.ready.status().to_string(),
                     reason: self.ready.reason().to_string(),
                     message: self.ready.to_string(),
                 },
@@ -307,7 +307,7 @@ impl<'a> ViewFigures<'a> {
             write_instance(out, u, self.cx);
         }
         out.put_slice(br#"],"conditions":[{"type":"Ready","status":""#);
-        out.put_slice(self.ready.status(self.ready_count).as_bytes());
+        out.put_slice(self.ready.status().as_bytes());
         out.put_slice(br#"","reason":""#);
         out.put_slice(self.ready.reason().as_bytes());
         out.put_slice(br#"","message":"#);
