@@ -60,8 +60,8 @@ pub(crate) struct Fixed {
     /// how its load view's JSON begins ([`load_head`]: written as it is by each full load read,
     /// [`write_load_view`]); its document's JSON (`serde_json`'s: written as it is as the
     /// `spec` of each of its views in the deployments list, [`write_deployment_view`]; empty
-    /// where it did not encode, then encoded by each view. NB (reads at scale): some 100-200
-    /// bytes per deployment kept, against a fifth of the list's CPU encoding it per view).
+    /// where it did not encode, then encoded by each view. NB (reads at scale): some 100-200 bytes per deployment kept, against a fifth
+    /// of the list's CPU encoding it per view).
     text: Box<str>,
 }
 
@@ -69,9 +69,7 @@ impl Fixed {
     /// Of `rec`, whose instance spec is `spec`.
     pub(crate) fn of(rec: &DeploymentRecord, spec: Arc<InstanceSpec>, index: u32) -> Self {
         let instance_id = super::instance_id_at(&rec.id, index);
-        // Both are `str`s written escaped, or `serde_json`'s output: UTF-8.
-        let head = String::from_utf8(load::load_head(&rec.id, &rec.doc.name).into_vec())
-            .unwrap_or_default();
+        let head = load::load_head(&rec.id, &rec.doc.name);
         let spec_json = serde_json::to_string(&*rec.doc).unwrap_or_default();
         let mut text =
             String::with_capacity(rec.id.len() + instance_id.len() + head.len() + spec_json.len());
@@ -109,8 +107,8 @@ impl Fixed {
     }
 
     /// How its load view's JSON begins ([`load_head`]).
-    fn load_head(&self) -> &[u8] {
-        self.part(2).as_bytes()
+    fn load_head(&self) -> &str {
+        self.part(2)
     }
 
     /// Its document's JSON; empty where it did not encode.

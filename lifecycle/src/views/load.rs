@@ -76,9 +76,7 @@ impl<'c> LoadChunk<'c> {
             self.text.push_str(part);
             at[i + 1] = end(&self.text);
         }
-        // The head is an escaped `str`'s JSON: UTF-8 (see `Fixed::of`).
-        self.text
-            .push_str(std::str::from_utf8(fixed.load_head()).unwrap_or_default());
+        self.text.push_str(fixed.load_head());
         at[3] = end(&self.text);
         self.text.push_str(host.map_or("", |(id, _)| id.as_str()));
         at[4] = end(&self.text);
@@ -166,14 +164,15 @@ pub(crate) fn load_view(
 /// How `serde_json` begins the [`DeploymentLoadView`] of deployment `id` named `name`
 /// (`{"deployment_id":…,"name":…,`): encoded once per revision ([`super::Fixed`]), written as
 /// it is by each full load read ([`write_load_view`]).
-pub(super) fn load_head(id: &str, name: &str) -> Box<[u8]> {
+pub(super) fn load_head(id: &str, name: &str) -> String {
     let mut out = Vec::with_capacity(32 + id.len() + name.len());
     out.extend_from_slice(br#"{"deployment_id":"#);
     json::string(&mut out, id);
     out.extend_from_slice(br#","name":"#);
     json::string(&mut out, name);
     out.push(b',');
-    out.into_boxed_slice()
+    // Two `str`s written escaped: UTF-8.
+    String::from_utf8(out).unwrap_or_default()
 }
 
 /// [`load_view`]'s JSON appended to `out`, byte for byte `serde_json`'s of it, written straight
@@ -481,7 +480,7 @@ mod tests {
                 }),
                 instances: Vec::new(),
             };
-            let mut out = load_head(id, name).into_vec();
+            let mut out = load_head(id, name).into_bytes();
             json::router(&mut out, &view.router);
             out.extend_from_slice(br#","max_running":"#);
             json::max_running(
