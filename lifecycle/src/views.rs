@@ -59,8 +59,9 @@ pub(crate) struct Fixed {
     /// One after the other: the deployment's ID; its instance's ID (`super::instance_id_at`);
     /// how its load view's JSON begins ([`load_head`]: written as it is by each full load read,
     /// [`write_load_view`]); its document's JSON (`serde_json`'s: written as it is as the
-    /// `spec` of each of its views in the deployments list, [`write_deployment_view`]; empty
-    /// where it did not encode, then encoded by each view. NB (reads at scale): some 100-200 bytes per deployment kept, against a fifth
+    /// `spec` of each of its views in the deployments list, [`write_deployment_view`], from its
+    /// first instance's; empty for the others, and where it did not encode, then encoded by
+    /// each view. NB (reads at scale): some 100-200 bytes per deployment kept, against a fifth
     /// of the list's CPU encoding it per view).
     text: Box<str>,
 }
@@ -70,7 +71,12 @@ impl Fixed {
     pub(crate) fn of(rec: &DeploymentRecord, spec: Arc<InstanceSpec>, index: u32) -> Self {
         let instance_id = super::instance_id_at(&rec.id, index);
         let head = load::load_head(&rec.id, &rec.doc.name);
-        let spec_json = serde_json::to_string(&*rec.doc).unwrap_or_default();
+        // Only the first instance's is written (a deployment's view reads its first unit's).
+        let spec_json = if index == 0 {
+            serde_json::to_string(&*rec.doc).unwrap_or_default()
+        } else {
+            String::new()
+        };
         let mut text =
             String::with_capacity(rec.id.len() + instance_id.len() + head.len() + spec_json.len());
         let mut ends = [0u32; 3];
