@@ -113,8 +113,8 @@ impl Core {
         let Some(router) = self.router() else { return };
         self.feed_engine_loads(router.as_ref());
         for input in inputs {
-            let load = router.load_shared(&input.deployment);
-            let (in_flight, waiting) = load.as_deref().map_or((0, 0), |l| (l.in_flight, l.waiting));
+            let load = router.figures_of(&input.deployment);
+            let (in_flight, waiting) = load.map_or((0, 0), |l| (l.in_flight, l.waiting));
             let below_since = self.below_since_of().get(&input.deployment).copied();
             let answer = scale::decide(
                 &scale::Input {

@@ -63,8 +63,8 @@ impl router::Router for CoordinatorHandle {
         Box::pin(CoordinatorHandle::load(self))
     }
 
-    fn load_shared(&self, deployment: &str) -> Option<Arc<DeploymentLoad>> {
-        CoordinatorHandle::load_shared(self, deployment)
+    fn figures_of(&self, deployment: &str) -> Option<router::LoadFigures> {
+        CoordinatorHandle::figures_of(self, deployment)
     }
 
     fn loads_in_order(&self) -> Box<dyn router::LoadsInOrder> {

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering,
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
 use capyctl_interfaces::router::{
-    DeploymentLoad, InstanceFigures, InstanceLoad, LoadFigures, Upstream,
+    DeploymentLoad, InstanceFigures, InstanceKey, InstanceLoad, LoadFigures, Upstream,
 };
 use tokio::time::Instant;
 
@@ -342,66 +342,61 @@ impl LoadCell {
         }
     }
 
-    /// The load now: the published one, with the requests its lane counts.
+    /// The load now: the published one, with the requests its lane counts (its figures as
+    /// [`LoadCell::read_figures`] copies them, with the instances' keys and the last use).
     fn read(&self, base: Instant) -> DeploymentLoad {
-        self.settled(|lane| {
-            let net = lane.net();
-            let lane_used = lane.last_use(base);
+        let mut figures = LoadFigures::default();
+        let (keys, last_used) = self.settled(|lane| {
+            self.copy_figures(lane, &mut figures);
             let kept = self.kept();
-            let f = &self.figures;
-            let o = Ordering::Relaxed;
-            let first = self.figures.first().zip(kept.first.as_ref());
-            let mut load = DeploymentLoad {
-                deployment_id: self.id().to_string(),
-                in_flight: f.in_flight.load(o),
-                in_flight_limit: f.in_flight_limit.load(o),
-                waiting: f.waiting.load(o),
-                waiting_limit: f.waiting_limit.load(o),
-                instances: first
-                    .map(|(i, upstream)| InstanceLoad {
-                        key: upstream.key.clone(),
-                        router_in_flight: i.router_in_flight,
-                        open: i.open,
-                    })
-                    .into_iter()
-                    .chain(kept.rest.iter().map(|i| InstanceLoad {
-                        key: i.upstream.key.clone(),
-                        router_in_flight: i.router_in_flight,
-                        open: i.open,
-                    }))
-                    .collect(),
-                last_used: kept.last_used,
-            };
-            if lane_used > load.last_used {
-                load.last_used = lane_used;
-            }
-            if net != 0 {
-                load.in_flight = add_net(load.in_flight, net);
-                // A lane is open only on a deployment's one instance.
-                if let [only] = load.instances.as_mut_slice() {
-                    only.router_in_flight = add_net(only.router_in_flight, net);
-                }
-            }
-            load
-        })
+            let keys: Vec<InstanceKey> = kept
+                .first
+                .iter()
+                .map(|u| u.key.clone())
+                .chain(kept.rest.iter().map(|i| i.upstream.key.clone()))
+                .collect();
+            (keys, kept.last_used.max(lane.last_use(base)))
+        });
+        DeploymentLoad {
+            deployment_id: self.id().to_string(),
+            in_flight: figures.in_flight,
+            in_flight_limit: figures.in_flight_limit,
+            waiting: figures.waiting,
+            waiting_limit: figures.waiting_limit,
+            instances: keys
+                .into_iter()
+                .zip(figures.instances)
+                .map(|(key, i)| InstanceLoad {
+                    key,
+                    router_in_flight: i.router_in_flight,
+                    open: i.open,
+                })
+                .collect(),
+            last_used,
+        }
     }
 
-    /// [`LoadCell::read`]'s figures written over `out`: with no lock where the deployment has
+    /// The figures of the load now written over `out`: with no lock where the deployment has
     /// one instance or none.
     fn read_figures(&self, out: &mut LoadFigures) {
-        self.settled(|lane| {
-            let net = lane.net();
-            if self.figures.fill(out) > 1 {
-                out.instances
-                    .extend(self.kept().rest.iter().map(figures_of));
+        self.settled(|lane| self.copy_figures(lane, out));
+    }
+
+    /// [`LoadCell::read_figures`]'s copy (within [`LoadCell::settled`]): the published figures
+    /// with the requests `lane` counts.
+    fn copy_figures(&self, lane: &Lane, out: &mut LoadFigures) {
+        let net = lane.net();
+        if self.figures.fill(out) > 1 {
+            out.instances
+                .extend(self.kept().rest.iter().map(figures_of));
+        }
+        if net != 0 {
+            out.in_flight = add_net(out.in_flight, net);
+            // A lane is open only on a deployment's one instance.
+            if let [only] = out.instances.as_mut_slice() {
+                only.router_in_flight = add_net(only.router_in_flight, net);
             }
-            if net != 0 {
-                out.in_flight = add_net(out.in_flight, net);
-                if let [only] = out.instances.as_mut_slice() {
-                    only.router_in_flight = add_net(only.router_in_flight, net);
-                }
-            }
-        });
+        }
     }
 
     /// The owner begins changing it (`seq` odd), once per turn: noted in `begun`.
@@ -550,6 +545,15 @@ impl Loads {
     /// `deployment`'s load now.
     pub(crate) fn load_of(&self, deployment: &str) -> Option<DeploymentLoad> {
         self.cell(deployment).map(|c| c.read(self.base))
+    }
+
+    /// The figures of `deployment`'s load now (as [`LoadsInOrder::get`] copies them).
+    pub(crate) fn figures_of(&self, deployment: &str) -> Option<LoadFigures> {
+        self.cell(deployment).map(|c| {
+            let mut out = LoadFigures::default();
+            c.read_figures(&mut out);
+            out
+        })
     }
 
     /// `deployment`'s last use now (see [`LoadCell::last_used`]).

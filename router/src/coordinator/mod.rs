@@ -144,6 +144,36 @@ impl Lane {
         }
     }
 
+    /// Takes one lent slot, if the lane is open and has one: its grant. `base` is
+    /// `Loads::base`.
+    fn take(&self, base: Instant) -> Option<Arc<LaneGrant>> {
+        let grant = match self.grant.lock() {
+            Ok(g) => g.clone()?,
+            Err(poisoned) => poisoned.into_inner().clone()?,
+        };
+        let mut word = self.word.load(Ordering::Acquire);
+        loop {
+            if (word >> 32) as u32 != grant.generation
+                || word & LANE_OPEN == 0
+                || word & LANE_CREDITS == 0
+            {
+                return None;
+            }
+            match self.word.compare_exchange_weak(
+                word,
+                word - 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => break,
+                Err(now) => word = now,
+            }
+        }
+        self.last_start
+            .fetch_max(nanos_since(base, Instant::now()), Ordering::Relaxed);
+        Some(grant)
+    }
+
     /// The latest start or end through the lane (`None`: none yet).
     fn last_use(&self, base: Instant) -> Option<Instant> {
         let nanos = self
@@ -177,37 +207,8 @@ impl Loads {
     /// and has one.
     fn take(&self, deployment: &str) -> Option<(Arc<LoadCell>, Arc<LaneGrant>)> {
         let cell = self.cell(deployment)?;
-        let grant = Self::take_from(&cell.lane, self.base)?;
+        let grant = cell.lane.take(self.base)?;
         Some((cell, grant))
-    }
-
-    /// [`Loads::take`] from `lane`: its grant.
-    fn take_from(lane: &Lane, base: Instant) -> Option<Arc<LaneGrant>> {
-        let grant = match lane.grant.lock() {
-            Ok(g) => g.clone()?,
-            Err(poisoned) => poisoned.into_inner().clone()?,
-        };
-        let mut word = lane.word.load(Ordering::Acquire);
-        loop {
-            if (word >> 32) as u32 != grant.generation
-                || word & LANE_OPEN == 0
-                || word & LANE_CREDITS == 0
-            {
-                return None;
-            }
-            match lane.word.compare_exchange_weak(
-                word,
-                word - 1,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => break,
-                Err(now) => word = now,
-            }
-        }
-        lane.last_start
-            .fetch_max(nanos_since(base, Instant::now()), Ordering::Relaxed);
-        Some(grant)
     }
 }
 /// A lane the task has opened, with what it lent (its cell, where the lane is, is the key it
@@ -220,7 +221,8 @@ struct Lent {
 // What the lifecycle reads and is answered (the interfaces' values): re-exported under their
 // old paths.
 pub use capyctl_interfaces::router::{
-    DeploymentLoad, IdleRelease, InstanceLoad, OperatorResult, OperatorStart, ReleaseResult,
+    DeploymentLoad, IdleRelease, InstanceLoad, LoadFigures, OperatorResult, OperatorStart,
+    ReleaseResult,
 };
 
 /// Reads each deployment's last use as the router recorded it ([`CoordinatorHandle::last_used`])
@@ -372,9 +374,11 @@ impl CoordinatorHandle {
         self.loads.load_of(deployment)
     }
 
-    /// [`CoordinatorHandle::load_of`] without waiting (a copy of the published load), shared.
-    pub fn load_shared(&self, deployment: &str) -> Option<Arc<DeploymentLoad>> {
-        self.loads.load_of(deployment).map(Arc::new)
+    /// The figures of [`CoordinatorHandle::load_of`] without waiting (copied from the published
+    /// load as [`LoadsInOrder::get`] copies them: no IDs, no last use); `None` when the router
+    /// does not know it.
+    pub fn figures_of(&self, deployment: &str) -> Option<LoadFigures> {
+        self.loads.figures_of(deployment)
     }
 
     /// The figures of [`CoordinatorHandle::load_of`] of every deployment, for a read that asks
