@@ -544,8 +544,10 @@ pub trait Router: Send + Sync + 'static {
     /// least-loaded routing). Never waits; `false` when the sample was dropped.
     fn note_engine_load(&self, key: InstanceKey, waiting: usize, at: Instant) -> bool;
 
-    /// The router half of the load read: every deployment the router knows, by ID.
-    fn load(&self) -> BoxFuture<'_, Vec<DeploymentLoad>>;
+    /// Every deployment the router knows, its ID and the figures of its load now (as
+    /// [`Router::figures_of`]'s), in ID order, handed to `each`: for a reader of them all that
+    /// keeps none, with nothing allocated per deployment.
+    fn each_load(&self, each: &mut dyn FnMut(&str, &LoadFigures));
 
     /// The figures of the router half of the load read of one deployment (as
     /// [`LoadsInOrder::get`] copies them); `None` when the router does not know it.

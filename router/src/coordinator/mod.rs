@@ -78,19 +78,23 @@ const LANE_CREDITS: u64 = LANE_RETURNS - 1;
 /// otherwise reports the end through the endings channel as every permit does. So the state
 /// is never read outside the task, and every decision of the task is made on exact counts: no
 /// lane is open while it decides.
+///
+/// NB (reads at scale): `repr(C)`, `word` and `lent` first (a full read's count of the lane,
+/// [`Lane::net`], is made of them: they follow the load cell's figures, `loads.rs`).
+#[repr(C)]
 struct Lane {
     /// Generation (upper 32 bits) | `LANE_OPEN` | `LANE_RETURNS` | credits.
     word: AtomicU64,
-    /// The instance the slots are on (`None` until the lane is first opened); replaced (with
-    /// the next generation) when that changes.
-    grant: Mutex<Option<Arc<LaneGrant>>>,
+    /// The slots lent when the lane was last opened (for the load read: the slots taken since
+    /// are this less the credits left).
+    lent: AtomicU64,
     /// The latest start through the lane, in nanoseconds since `Loads::base`.
     last_start: AtomicU64,
     /// The latest end given back to the lane, in nanoseconds since `Loads::base`.
     last_end: AtomicU64,
-    /// The slots lent when the lane was last opened (for the load read: the slots taken since
-    /// are this less the credits left).
-    lent: AtomicU64,
+    /// The instance the slots are on (`None` until the lane is first opened); replaced (with
+    /// the next generation) when that changes.
+    grant: Mutex<Option<Arc<LaneGrant>>>,
 }
 
 impl Lane {
@@ -98,10 +102,10 @@ impl Lane {
     fn new() -> Self {
         Lane {
             word: AtomicU64::new(0),
-            grant: Mutex::new(None),
+            lent: AtomicU64::new(0),
             last_start: AtomicU64::new(0),
             last_end: AtomicU64::new(0),
-            lent: AtomicU64::new(0),
+            grant: Mutex::new(None),
         }
     }
 
@@ -372,6 +376,15 @@ impl CoordinatorHandle {
     /// it was forgotten).
     pub async fn load_of(&self, deployment: &str) -> Option<DeploymentLoad> {
         self.loads.load_of(deployment)
+    }
+
+    /// Each deployment the router knows, its ID and the figures of its load now (as
+    /// [`CoordinatorHandle::figures_of`]'s), in ID order, handed to `each`: for a reader of them
+    /// all that keeps none (the lifecycle's idle timers and queue gauges, each second), with
+    /// nothing allocated per deployment ([`CoordinatorHandle::load`] makes each one's
+    /// `DeploymentLoad`: its ID and each instance's key copied). Takes no turn of the task.
+    pub fn each_load(&self, each: &mut dyn FnMut(&str, &LoadFigures)) {
+        self.loads.each_figures(each);
     }
 
     /// The figures of [`CoordinatorHandle::load_of`] without waiting (copied from the published
