@@ -96,10 +96,8 @@ impl Core {
                     refs.push(d);
                 }
                 // NB (reads at scale): each deployment's memory asked for first, all of the
-                // chunk's at once (see `views::fetch`), then copied.
-                for d in &refs {
-                    views::fetch(d);
-                }
+                // chunk's at once (see `views::fetch`, `Chunk::fetch`), then copied.
+                taken.fetch(&refs);
                 for d in refs {
                     taken.push(d, &hosts);
                 }
@@ -297,6 +295,13 @@ impl Core {
 /// What [`Core::chunks`] copies deployments into under the lock, a chunk at a time (the
 /// snapshots' `Vec<DepShot>`, the load read's [`views::LoadChunk`]).
 pub(crate) trait Chunk {
+    /// Asks for the memory [`Chunk::push`] will read of `deps` without using it (see
+    /// [`views::fetch`]).
+    fn fetch(&self, deps: &[&Dep]) {
+        for d in deps {
+            views::fetch(d);
+        }
+    }
     /// Instance `d` added, as of the read's `hosts`.
     fn push(&mut self, d: &Dep, hosts: &Hosts);
     /// The last instance added: its deployment's ID and its index.
