@@ -489,7 +489,7 @@ pub trait LastUses: std::fmt::Debug + Send + Sync + 'static {
 /// The router's published loads of every deployment, looked up in ascending order of
 /// deployment ID ([`Router::loads_in_order`]).
 pub trait LoadsInOrder: Send {
-    /// The figures of `deployment`'s load now (as [`Router::load_shared`]'s), copied into the
+    /// The figures of `deployment`'s load now (as [`Router::figures_of`]'s), copied into the
     /// reader's own record (filled again by the next call); `None` when the router did not know
     /// it when the reader was made. Asked in ascending order of ID, each look-up moves on from
     /// the last (a merge: one pass over the router's deployments for them all).
@@ -544,14 +544,16 @@ pub trait Router: Send + Sync + 'static {
     /// least-loaded routing). Never waits; `false` when the sample was dropped.
     fn note_engine_load(&self, key: InstanceKey, waiting: usize, at: Instant) -> bool;
 
-    /// The router half of the load read: every deployment the router knows, by ID.
-    fn load(&self) -> BoxFuture<'_, Vec<DeploymentLoad>>;
+    /// Every deployment the router knows, its ID and the figures of its load now (as
+    /// [`Router::figures_of`]'s), in ID order, handed to `each`: for a reader of them all that
+    /// keeps none, with nothing allocated per deployment.
+    fn each_load(&self, each: &mut dyn FnMut(&str, &LoadFigures));
 
-    /// The router half of the load read of one deployment, shared; `None` when the router does
-    /// not know it.
-    fn load_shared(&self, deployment: &str) -> Option<Arc<DeploymentLoad>>;
+    /// The figures of the router half of the load read of one deployment (as
+    /// [`LoadsInOrder::get`] copies them); `None` when the router does not know it.
+    fn figures_of(&self, deployment: &str) -> Option<LoadFigures>;
 
-    /// [`Router::load_shared`] of every deployment, for a read that asks in ascending order of
+    /// [`Router::figures_of`] of every deployment, for a read that asks in ascending order of
     /// ID.
     fn loads_in_order(&self) -> Box<dyn LoadsInOrder>;
 

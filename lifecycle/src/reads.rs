@@ -96,10 +96,8 @@ impl Core {
                     refs.push(d);
                 }
                 // NB (reads at scale): each deployment's memory asked for first, all of the
-                // chunk's at once (see `views::fetch`), then copied.
-                for d in &refs {
-                    views::fetch(d);
-                }
+                // chunk's at once (see `views::fetch`, `Chunk::fetch`), then copied.
+                taken.fetch(&refs);
                 for d in refs {
                     taken.push(d, &hosts);
                 }
@@ -131,16 +129,32 @@ impl Core {
     /// Deployment `name_or_id` as the views need it (every instance, index 0 first), and the
     /// hosts.
     fn shot(&self, name_or_id: &str) -> Option<(Vec<views::DepShot>, Hosts)> {
-        let inner = self.owner.state();
-        let d = inner.by_name_or_id(name_or_id)?;
-        let units = inner.units_of(d.dep_id()).map(views::DepShot::of).collect();
-        Some((views::group(units).remove(0), Arc::clone(&inner.hosts)))
+        let mut units = Vec::new();
+        let hosts = self.one(name_or_id, &mut units)?;
+        Some((units, hosts))
+    }
+
+    /// Every instance of deployment `name_or_id` copied into `taken` under the read lock (in
+    /// index order: [`Chunk::order`]), and the hosts; `None` when there is no such deployment.
+    fn one<C: Chunk>(&self, name_or_id: &str, taken: &mut C) -> Option<Hosts> {
+        let hosts = {
+            let inner = self.owner.state();
+            let d = inner.by_name_or_id(name_or_id)?;
+            let hosts = Arc::clone(&inner.hosts);
+            for u in inner.units_of(d.dep_id()) {
+                taken.push(u, &hosts);
+            }
+            hosts
+        };
+        taken.order();
+        Some(hosts)
     }
 
     /// The load read (`GET /metrics/load`): every deployment, or the one `key` names. Built
-    /// from snapshots: of the lifecycle (see [`Core::shots`]) and of the router (each
-    /// deployment's published load, `Router::load_shared`, read without a turn of
-    /// its task); one deployment's read copies one deployment and looks up one router entry.
+    /// from copies: of the lifecycle's deployments (see [`Core::chunks`]) and of the router's
+    /// published loads (`Router::loads_in_order`, `Router::figures_of` for one, read without a
+    /// turn of its task); one deployment's read copies one deployment and looks up one router
+    /// entry.
     pub(crate) fn do_load(&self, key: Option<&str>) -> Result<LoadReport, ApiError> {
         self.load_at(key, views::now_ms())
     }
@@ -194,22 +208,10 @@ impl Core {
         let mut chunk = views::LoadChunk::new(&self.config, names);
         match key {
             Some(k) => {
-                let hosts = {
-                    let inner = self.owner.state();
-                    let d = inner.by_name_or_id(k).ok_or_else(|| not_found(k))?;
-                    let hosts = Arc::clone(&inner.hosts);
-                    for u in inner.units_of(d.dep_id()) {
-                        chunk.push(u, &hosts);
-                    }
-                    hosts
-                };
-                chunk.order();
+                let hosts = self.one(k, &mut chunk).ok_or_else(|| not_found(k))?;
                 let cx = views::Ctx::new(&self.config, &hosts).with_adapters(self.adapter_sets());
                 if let Some(d) = chunk.deployments().next() {
-                    let load = router
-                        .as_ref()
-                        .and_then(|r| r.load_shared(chunk.id(&d[0])))
-                        .map(|l| l.figures());
+                    let load = router.as_ref().and_then(|r| r.figures_of(chunk.id(&d[0])));
                     each(&chunk, d, load.as_ref(), &cx, 1);
                 }
             }
@@ -290,8 +292,16 @@ impl Core {
     }
 }
 
-/// What [`Core::chunks`] copies deployments into under the lock, a chunk at a time.
-trait Chunk {
+/// What [`Core::chunks`] copies deployments into under the lock, a chunk at a time (the
+/// snapshots' `Vec<DepShot>`, the load read's [`views::LoadChunk`]).
+pub(crate) trait Chunk {
+    /// Asks for the memory [`Chunk::push`] will read of `deps` without using it (see
+    /// [`views::fetch`]).
+    fn fetch(&self, deps: &[&Dep]) {
+        for d in deps {
+            views::fetch(d);
+        }
+    }
     /// Instance `d` added, as of the read's `hosts`.
     fn push(&mut self, d: &Dep, hosts: &Hosts);
     /// The last instance added: its deployment's ID and its index.
@@ -318,24 +328,6 @@ impl Chunk for Vec<views::DepShot> {
 
     fn clear(&mut self) {
         Vec::clear(self);
-    }
-}
-
-impl Chunk for views::LoadChunk<'_> {
-    fn push(&mut self, d: &Dep, hosts: &Hosts) {
-        views::LoadChunk::push(self, d, hosts);
-    }
-
-    fn last(&self) -> Option<(&str, u32)> {
-        views::LoadChunk::last(self)
-    }
-
-    fn order(&mut self) {
-        views::LoadChunk::order(self);
-    }
-
-    fn clear(&mut self) {
-        views::LoadChunk::clear(self);
     }
 }
 

@@ -348,9 +348,20 @@ fn same_deployment(a: &DepShot, b: &DepShot) -> bool {
 /// Puts each deployment's instances, in snapshots taken in key order, in index order (in
 /// place): [`deployments`] then yields them a deployment at a time.
 pub(crate) fn order_instances(shots: &mut [DepShot]) {
-    for g in shots.chunk_by_mut(same_deployment) {
+    in_index_order(shots, same_deployment, |s| s.fixed.index);
+}
+
+/// Puts each deployment's units, taken in key order, in index order (in place): `same` says
+/// that two units are of one deployment, `index` is a unit's index (the snapshots', the load
+/// read's `LoadChunk`).
+pub(crate) fn in_index_order<T>(
+    units: &mut [T],
+    mut same: impl FnMut(&T, &T) -> bool,
+    mut index: impl FnMut(&T) -> u32,
+) {
+    for g in units.chunk_by_mut(|a, b| same(a, b)) {
         if g.len() > 1 {
-            g.sort_by_key(|s| s.fixed.index);
+            g.sort_by_key(&mut index);
         }
     }
 }

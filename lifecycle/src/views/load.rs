@@ -3,6 +3,8 @@
 //! or written straight into the answer's JSON ([`write_load_view`], byte for byte
 //! `serde_json`'s of the typed view).
 
+use std::sync::Arc;
+
 use capyctl_interfaces::launch::MaxRunning;
 use capyctl_interfaces::router::LoadFigures as RouterFigures;
 use capyctl_spec::InstanceState;
@@ -12,10 +14,11 @@ use capyctl_spec::api::{
 
 use super::{Ctx, expected_max_running, sample_view, shown_state};
 use crate::LifecycleConfig;
+use crate::reads::Chunk;
 use crate::state::{Dep, Hosts};
 
 /// What the load read needs of one instance, copied under the lifecycle's lock
-/// ([`LoadChunk::push`]), its texts in its chunk's [`LoadChunk::text`].
+/// ([`Chunk::push`]), its texts in its chunk's [`LoadChunk::text`].
 ///
 /// NB (reads at scale): no reference count is taken: a snapshot ([`super::DepShot`]) cloned
 /// the deployment's `Arc`'d [`super::Fixed`] and its host's `Arc<str>`, and each of those
@@ -33,7 +36,7 @@ pub(crate) struct LoadUnit {
     generation: u64,
     /// The state shown ([`shown_state`]).
     state: InstanceState,
-    /// The read knows its host (or, where it has none, a first host: see [`LoadChunk::push`]).
+    /// The read knows its host (or, where it has none, a first host: see [`Chunk::push`]).
     has_host: bool,
     /// The engine's own figure where it said (SGLang).
     own_max_running: Option<MaxRunning>,
@@ -60,8 +63,69 @@ impl<'c> LoadChunk<'c> {
         }
     }
 
+    /// Text `i` of `u` (see [`LoadUnit::at`]).
+    fn part(&self, u: &LoadUnit, i: usize) -> &str {
+        self.text
+            .get(u.at[i] as usize..u.at[i + 1] as usize)
+            .unwrap_or_default()
+    }
+
+    /// Its deployment's ID.
+    pub(crate) fn id(&self, u: &LoadUnit) -> &str {
+        self.part(u, 0)
+    }
+
+    fn same_deployment(&self, a: &LoadUnit, b: &LoadUnit) -> bool {
+        b.index > 0 && self.id(a) == self.id(b)
+    }
+
+    /// The deployments of the chunk ([`Chunk::order`]ed): each one's instances, index 0
+    /// first.
+    pub(crate) fn deployments(&self) -> impl Iterator<Item = &[LoadUnit]> {
+        self.units.chunk_by(|a, b| self.same_deployment(a, b))
+    }
+}
+
+/// Filled by `Core::chunks` under the read lock, a chunk of deployments at a time.
+impl Chunk for LoadChunk<'_> {
+    /// NB (reads at scale): in three passes over the chunk, each one's loads independent
+    /// across its deployments, so that they are in flight together: the `Dep`s' fields
+    /// [`Chunk::push`] reads, then their `Fixed`s, then the texts it copies (a load in each 64
+    /// bytes of the instance's ID and the head, the first and the last) and the rest
+    /// ([`super::fetch`]: the spec). One pass that followed each deployment's pointers in turn
+    /// (the `Dep`, its `Fixed`, its texts) kept a few deployments' accesses in flight at once,
+    /// and touched two of the texts' two to three cache lines: `perf` put most of `push` on
+    /// the first reads of the texts and the spec.
+    fn fetch(&self, deps: &[&Dep]) {
+        for d in deps {
+            std::hint::black_box((
+                d.state,
+                d.rec.generation,
+                Arc::as_ptr(&d.fixed),
+                d.host.as_deref().map(str::len),
+                d.max_running.is_some(),
+            ));
+        }
+        for d in deps {
+            let f = &*d.fixed;
+            std::hint::black_box((f.index, f.ends, f.text.len()));
+        }
+        for d in deps {
+            let f = &*d.fixed;
+            for part in [f.instance_id(), f.load_head()] {
+                let bytes = part.as_bytes();
+                for at in (0..bytes.len()).step_by(64) {
+                    std::hint::black_box(bytes.get(at));
+                }
+                std::hint::black_box(bytes.last());
+            }
+            std::hint::black_box((f.spec.extra_args.len(), f.spec.max_concurrent_requests));
+            super::fetch(d);
+        }
+    }
+
     /// Instance `d` added, as of the read's `hosts`.
-    pub(crate) fn push(&mut self, d: &Dep, hosts: &Hosts) {
+    fn push(&mut self, d: &Dep, hosts: &Hosts) {
         let fixed = &*d.fixed;
         // The host of its instance, else the first host (one host in standalone).
         let host = d
@@ -95,48 +159,19 @@ impl<'c> LoadChunk<'c> {
         });
     }
 
-    pub(crate) fn clear(&mut self) {
+    fn clear(&mut self) {
         self.units.clear();
         self.text.clear();
     }
 
-    /// Text `i` of `u` (see [`LoadUnit::at`]).
-    fn part(&self, u: &LoadUnit, i: usize) -> &str {
-        self.text
-            .get(u.at[i] as usize..u.at[i + 1] as usize)
-            .unwrap_or_default()
-    }
-
-    /// Its deployment's ID.
-    pub(crate) fn id(&self, u: &LoadUnit) -> &str {
-        self.part(u, 0)
-    }
-
-    /// The last unit added: its deployment's ID and its index.
-    pub(crate) fn last(&self) -> Option<(&str, u32)> {
+    fn last(&self) -> Option<(&str, u32)> {
         self.units.last().map(|u| (self.id(u), u.index))
     }
 
-    fn same_deployment(&self, a: &LoadUnit, b: &LoadUnit) -> bool {
-        b.index > 0 && self.id(a) == self.id(b)
-    }
-
-    /// Each deployment's instances (added in key order) put in index order, as
-    /// [`super::order_instances`] does for snapshots.
-    pub(crate) fn order(&mut self) {
+    fn order(&mut self) {
         let mut units = std::mem::take(&mut self.units);
-        for g in units.chunk_by_mut(|a, b| self.same_deployment(a, b)) {
-            if g.len() > 1 {
-                g.sort_by_key(|u| u.index);
-            }
-        }
+        super::in_index_order(&mut units, |a, b| self.same_deployment(a, b), |u| u.index);
         self.units = units;
-    }
-
-    /// The deployments of the chunk ([`LoadChunk::order`]ed): each one's instances, index 0
-    /// first.
-    pub(crate) fn deployments(&self) -> impl Iterator<Item = &[LoadUnit]> {
-        self.units.chunk_by(|a, b| self.same_deployment(a, b))
     }
 }
 

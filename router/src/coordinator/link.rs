@@ -9,8 +9,7 @@ use capyctl_spec::errors::ApiError;
 use tokio::time::Instant;
 
 use super::{
-    CoordinatorHandle, DeploymentLoad, IdleRelease, LastUses, LoadsInOrder, OperatorResult,
-    ReleaseResult,
+    CoordinatorHandle, IdleRelease, LastUses, LoadsInOrder, OperatorResult, ReleaseResult,
 };
 
 impl router::Router for CoordinatorHandle {
@@ -59,12 +58,12 @@ impl router::Router for CoordinatorHandle {
         CoordinatorHandle::note_engine_load(self, key, waiting, at)
     }
 
-    fn load(&self) -> BoxFuture<'_, Vec<DeploymentLoad>> {
-        Box::pin(CoordinatorHandle::load(self))
+    fn each_load(&self, each: &mut dyn FnMut(&str, &router::LoadFigures)) {
+        CoordinatorHandle::each_load(self, each);
     }
 
-    fn load_shared(&self, deployment: &str) -> Option<Arc<DeploymentLoad>> {
-        CoordinatorHandle::load_shared(self, deployment)
+    fn figures_of(&self, deployment: &str) -> Option<router::LoadFigures> {
+        CoordinatorHandle::figures_of(self, deployment)
     }
 
     fn loads_in_order(&self) -> Box<dyn router::LoadsInOrder> {

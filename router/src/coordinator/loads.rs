@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering,
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
 use capyctl_interfaces::router::{
-    DeploymentLoad, InstanceFigures, InstanceLoad, LoadFigures, Upstream,
+    DeploymentLoad, InstanceFigures, InstanceKey, InstanceLoad, LoadFigures, Upstream,
 };
 use tokio::time::Instant;
 
@@ -90,7 +90,11 @@ impl PublishedInstances {
 /// the reader's time (an atomic swap to take it, one to let it go, per deployment); the
 /// second and later instances, the instances' `Upstream`s and the last use stay behind it
 /// ([`Kept`]).
+///
+/// NB (reads at scale): `repr(C)`, in this order, 64 bytes: with the cell's `seq` before it and
+/// its lane's words after it, what a full read copies is 88 bytes in a row (see [`LoadCell`]).
 #[derive(Default)]
+#[repr(C)]
 struct Figures {
     in_flight: AtomicUsize,
     in_flight_limit: AtomicUsize,
@@ -98,10 +102,10 @@ struct Figures {
     waiting_limit: AtomicUsize,
     /// How many instances it has: the first's figures are here, the rest's in [`Kept`].
     instances: AtomicUsize,
-    first_index: AtomicU32,
-    first_open: AtomicBool,
     first_generation: AtomicU64,
     first_in_flight: AtomicUsize,
+    first_index: AtomicU32,
+    first_open: AtomicBool,
 }
 
 impl Figures {
@@ -177,9 +181,11 @@ fn figures_of(i: &PublishedInstance) -> InstanceFigures {
     }
 }
 
-/// A deployment's ID kept in its cell: in place where it is short (a ULID is 26 bytes), so that
-/// a full read compares it where it reads the figures (a separate string was a memory access
-/// more per deployment).
+/// A deployment's ID kept in its cell, and beside it in the list of cells in ID order
+/// ([`Ordered`]): in place where it is short (a ULID is 26 bytes), so that a full read compares
+/// it in that list, with no access to the cell (a separate string was a memory access more per
+/// deployment).
+#[derive(Clone)]
 enum CellId {
     Inline {
         len: u8,
@@ -230,19 +236,26 @@ impl CellId {
 /// ([`Figures`]) that a full read copies with no lock; the rest ([`Kept`]: the instances'
 /// `Upstream`s, a second instance's figures, the last use) is behind the cell's mutex. The
 /// owner never waits for a read: a read holds the mutex only to copy one deployment's.
+///
+/// NB (reads at scale): `repr(C)`, what a full read copies first and in a row: `seq`, the
+/// figures and the lane's two words that its count is made of (88 bytes: two cache lines, at
+/// times three, all of which [`LoadCell::fetch`] asks for); the ID, which the read compares in
+/// the ordered list instead ([`Ordered`]), and what is behind the mutex come after. In the
+/// compiler's own order the ID, the figures and the lane's words were three to four lines apart.
+#[repr(C)]
 pub(crate) struct LoadCell {
-    /// The deployment's ID: the key it is found and ordered by.
-    id: CellId,
     /// Even: settled; odd: the owner is changing the load and the lane's count together.
     seq: AtomicU64,
     /// As of the owner's last event that changed it: its numbers, read without a lock ...
     figures: Figures,
-    /// ... and the rest, behind the mutex.
-    kept: Mutex<Kept>,
     /// Its lane (lent slots are taken through the cell; closed until the owner first opens
     /// it). NB: in the cell, not an allocation of its own: a full read reads its count, and a
     /// lane apart was a memory access more per deployment (half the reader's time).
     pub(crate) lane: Lane,
+    /// ... and the rest of its published load, behind the mutex.
+    kept: Mutex<Kept>,
+    /// The deployment's ID: the key it is found and ordered by.
+    id: CellId,
 }
 
 impl LoadCell {
@@ -263,6 +276,19 @@ impl LoadCell {
     /// Its deployment's ID.
     pub(crate) fn id(&self) -> &str {
         self.id.as_str()
+    }
+
+    /// Asks for the memory a full read copies ([`LoadCell::read_figures`]: `seq`, the figures,
+    /// the lane's word and slots lent, 88 bytes in a row) without using it: one load in each
+    /// 64 bytes of it, its first and its last, so that each of the two or three cache lines it
+    /// spans is asked for.
+    fn fetch(&self) {
+        let o = Ordering::Relaxed;
+        std::hint::black_box((
+            self.seq.load(o),
+            self.figures.first_generation.load(o),
+            self.lane.lent.load(o),
+        ));
     }
 
     fn kept(&self) -> MutexGuard<'_, Kept> {
@@ -342,66 +368,61 @@ impl LoadCell {
         }
     }
 
-    /// The load now: the published one, with the requests its lane counts.
+    /// The load now: the published one, with the requests its lane counts (its figures as
+    /// [`LoadCell::read_figures`] copies them, with the instances' keys and the last use).
     fn read(&self, base: Instant) -> DeploymentLoad {
-        self.settled(|lane| {
-            let net = lane.net();
-            let lane_used = lane.last_use(base);
+        let mut figures = LoadFigures::default();
+        let (keys, last_used) = self.settled(|lane| {
+            self.copy_figures(lane, &mut figures);
             let kept = self.kept();
-            let f = &self.figures;
-            let o = Ordering::Relaxed;
-            let first = self.figures.first().zip(kept.first.as_ref());
-            let mut load = DeploymentLoad {
-                deployment_id: self.id().to_string(),
-                in_flight: f.in_flight.load(o),
-                in_flight_limit: f.in_flight_limit.load(o),
-                waiting: f.waiting.load(o),
-                waiting_limit: f.waiting_limit.load(o),
-                instances: first
-                    .map(|(i, upstream)| InstanceLoad {
-                        key: upstream.key.clone(),
-                        router_in_flight: i.router_in_flight,
-                        open: i.open,
-                    })
-                    .into_iter()
-                    .chain(kept.rest.iter().map(|i| InstanceLoad {
-                        key: i.upstream.key.clone(),
-                        router_in_flight: i.router_in_flight,
-                        open: i.open,
-                    }))
-                    .collect(),
-                last_used: kept.last_used,
-            };
-            if lane_used > load.last_used {
-                load.last_used = lane_used;
-            }
-            if net != 0 {
-                load.in_flight = add_net(load.in_flight, net);
-                // A lane is open only on a deployment's one instance.
-                if let [only] = load.instances.as_mut_slice() {
-                    only.router_in_flight = add_net(only.router_in_flight, net);
-                }
-            }
-            load
-        })
+            let keys: Vec<InstanceKey> = kept
+                .first
+                .iter()
+                .map(|u| u.key.clone())
+                .chain(kept.rest.iter().map(|i| i.upstream.key.clone()))
+                .collect();
+            (keys, kept.last_used.max(lane.last_use(base)))
+        });
+        DeploymentLoad {
+            deployment_id: self.id().to_string(),
+            in_flight: figures.in_flight,
+            in_flight_limit: figures.in_flight_limit,
+            waiting: figures.waiting,
+            waiting_limit: figures.waiting_limit,
+            instances: keys
+                .into_iter()
+                .zip(figures.instances)
+                .map(|(key, i)| InstanceLoad {
+                    key,
+                    router_in_flight: i.router_in_flight,
+                    open: i.open,
+                })
+                .collect(),
+            last_used,
+        }
     }
 
-    /// [`LoadCell::read`]'s figures written over `out`: with no lock where the deployment has
+    /// The figures of the load now written over `out`: with no lock where the deployment has
     /// one instance or none.
     fn read_figures(&self, out: &mut LoadFigures) {
-        self.settled(|lane| {
-            let net = lane.net();
-            if self.figures.fill(out) > 1 {
-                out.instances
-                    .extend(self.kept().rest.iter().map(figures_of));
+        self.settled(|lane| self.copy_figures(lane, out));
+    }
+
+    /// [`LoadCell::read_figures`]'s copy (within [`LoadCell::settled`]): the published figures
+    /// with the requests `lane` counts.
+    fn copy_figures(&self, lane: &Lane, out: &mut LoadFigures) {
+        let net = lane.net();
+        if self.figures.fill(out) > 1 {
+            out.instances
+                .extend(self.kept().rest.iter().map(figures_of));
+        }
+        if net != 0 {
+            out.in_flight = add_net(out.in_flight, net);
+            // A lane is open only on a deployment's one instance.
+            if let [only] = out.instances.as_mut_slice() {
+                only.router_in_flight = add_net(only.router_in_flight, net);
             }
-            if net != 0 {
-                out.in_flight = add_net(out.in_flight, net);
-                if let [only] = out.instances.as_mut_slice() {
-                    only.router_in_flight = add_net(only.router_in_flight, net);
-                }
-            }
-        });
+        }
     }
 
     /// The owner begins changing it (`seq` odd), once per turn: noted in `begun`.
@@ -463,7 +484,7 @@ pub(crate) struct Loads {
     cells_changed: AtomicU64,
     /// Every cell in deployment ID order, as of `cells_changed`'s value, for reads of every
     /// deployment; sorted again by the first such read after a change (readers only lock it).
-    ordered: Mutex<(u64, Arc<[Arc<LoadCell>]>)>,
+    ordered: Mutex<(u64, Arc<[Ordered]>)>,
     /// The origin of the lanes' instants (`Lane::last_start`, `Lane::last_end`): a moment
     /// (1 ns) before the task began, so that 0 stands for "none yet".
     pub(crate) base: Instant,
@@ -527,14 +548,17 @@ impl Loads {
 
     /// Every cell in deployment ID order: the list kept since the last change of the cells
     /// (one lock and one `Arc` copy), else the shards copied (one read lock each) and sorted.
-    fn ordered(&self) -> Arc<[Arc<LoadCell>]> {
+    fn ordered(&self) -> Arc<[Ordered]> {
         let mut kept = self.ordered.lock().unwrap_or_else(PoisonError::into_inner);
         let changed = self.cells_changed.load(Ordering::Acquire);
         if kept.0 != changed {
-            let mut cells: Vec<Arc<LoadCell>> = Vec::new();
+            let mut cells: Vec<Ordered> = Vec::new();
             for shard in &self.shards {
                 let shard = shard.read().unwrap_or_else(PoisonError::into_inner);
-                cells.extend(shard.iter().map(|c| Arc::clone(&c.0)));
+                cells.extend(shard.iter().map(|c| Ordered {
+                    id: c.0.id.clone(),
+                    cell: Arc::clone(&c.0),
+                }));
             }
             cells.sort_unstable_by(|a, b| a.id.as_bytes().cmp(b.id.as_bytes()));
             *kept = (changed, Arc::from(cells));
@@ -544,12 +568,34 @@ impl Loads {
 
     /// Every deployment's load, by deployment ID.
     pub(crate) fn all(&self) -> Vec<DeploymentLoad> {
-        self.ordered().iter().map(|c| c.read(self.base)).collect()
+        self.ordered()
+            .iter()
+            .map(|o| o.cell.read(self.base))
+            .collect()
+    }
+
+    /// Each deployment's ID and the figures of its load now, in ID order, handed to `each`
+    /// (one record, filled again for each: nothing allocated per deployment).
+    pub(crate) fn each_figures(&self, each: &mut dyn FnMut(&str, &LoadFigures)) {
+        let mut figures = LoadFigures::default();
+        for o in self.ordered().iter() {
+            o.cell.read_figures(&mut figures);
+            each(o.id.as_str(), &figures);
+        }
     }
 
     /// `deployment`'s load now.
     pub(crate) fn load_of(&self, deployment: &str) -> Option<DeploymentLoad> {
         self.cell(deployment).map(|c| c.read(self.base))
+    }
+
+    /// The figures of `deployment`'s load now (as [`LoadsInOrder::get`] copies them).
+    pub(crate) fn figures_of(&self, deployment: &str) -> Option<LoadFigures> {
+        self.cell(deployment).map(|c| {
+            let mut out = LoadFigures::default();
+            c.read_figures(&mut out);
+            out
+        })
     }
 
     /// `deployment`'s last use now (see [`LoadCell::last_used`]).
@@ -573,10 +619,21 @@ impl Loads {
     }
 }
 
+/// A cell in the list of every cell in ID order, with its deployment's ID beside it.
+///
+/// NB (reads at scale): the merge of a full read compares IDs in this list, one entry after
+/// the other in memory, and follows the pointer to a cell only to copy its figures; with the ID
+/// in the cell alone, each compare was the read's first access to a cell, waited for (some 30%
+/// of the router's side). 40 bytes per deployment while the list is kept.
+struct Ordered {
+    id: CellId,
+    cell: Arc<LoadCell>,
+}
+
 /// The router's published loads of every deployment, looked up in ascending order of
 /// deployment ID (see `CoordinatorHandle::loads_in_order`).
 pub struct LoadsInOrder {
-    cells: Arc<[Arc<LoadCell>]>,
+    cells: Arc<[Ordered]>,
     /// The first cell not yet passed.
     next: usize,
     /// The cells before this one were fetched ([`LoadsInOrder::fetch`]).
@@ -589,19 +646,15 @@ pub struct LoadsInOrder {
 const FETCH_AHEAD: usize = 16;
 
 impl LoadsInOrder {
-    /// Asks for the memory of the next cells a read copies (their ID and `seq`, figures and
-    /// lane's word) without using it. NB (reads at scale): a cell is a memory access of its
-    /// own per deployment; fetched 64 at a time, one after the other, those accesses are in
-    /// flight together instead of each waited for as the merge reaches it.
+    /// Asks for the memory of the next cells a read copies ([`LoadCell::fetch`]) without using
+    /// it. NB (reads at scale): a cell is a memory access of its own per deployment; fetched 64
+    /// at a time, one after the other, those accesses are in flight together instead of each
+    /// waited for as the merge reaches it.
     fn fetch(&mut self) {
         let from = self.fetched.max(self.next);
         let to = (from + 64).min(self.cells.len());
         for c in self.cells.get(from..to).unwrap_or_default() {
-            std::hint::black_box((
-                c.seq.load(Ordering::Relaxed),
-                c.figures.instances.load(Ordering::Relaxed),
-                c.lane.word.load(Ordering::Relaxed),
-            ));
+            c.cell.fetch();
         }
         self.fetched = to.max(self.next + FETCH_AHEAD);
     }
@@ -626,36 +679,38 @@ impl LoadsInOrder {
         if self.next + FETCH_AHEAD > self.fetched {
             self.fetch();
         }
+        let id = deployment.as_bytes();
         // NB (reads at scale): the merge's usual step, the next cell's, with one compare of
         // equal bytes (the order's, below, is the rest).
-        if let Some(cell) = self.cells.get(self.next)
-            && cell.id.as_bytes() == deployment.as_bytes()
+        if self
+            .cells
+            .get(self.next)
+            .is_some_and(|o| o.id.as_bytes() == id)
         {
-            self.next += 1;
-            cell.read_figures(&mut self.figures);
-            return Some(&self.figures);
+            return Some(self.copy_next());
         }
         if self
             .next
             .checked_sub(1)
-            .is_some_and(|last| self.cells[last].id.as_bytes() >= deployment.as_bytes())
+            .is_some_and(|last| self.cells[last].id.as_bytes() >= id)
         {
-            self.next = self
-                .cells
-                .partition_point(|c| c.id.as_bytes() < deployment.as_bytes());
+            self.next = self.cells.partition_point(|o| o.id.as_bytes() < id);
         }
-        while let Some(cell) = self.cells.get(self.next) {
-            match cell.id.as_bytes().cmp(deployment.as_bytes()) {
+        while let Some(o) = self.cells.get(self.next) {
+            match o.id.as_bytes().cmp(id) {
                 std::cmp::Ordering::Less => self.next += 1,
-                std::cmp::Ordering::Equal => {
-                    self.next += 1;
-                    cell.read_figures(&mut self.figures);
-                    return Some(&self.figures);
-                }
+                std::cmp::Ordering::Equal => return Some(self.copy_next()),
                 std::cmp::Ordering::Greater => return None,
             }
         }
         None
+    }
+
+    /// The next cell's figures copied (it is the one asked for), and the merge moved past it.
+    fn copy_next(&mut self) -> &LoadFigures {
+        self.cells[self.next].cell.read_figures(&mut self.figures);
+        self.next += 1;
+        &self.figures
     }
 }
 
@@ -756,6 +811,51 @@ mod tests {
         }
         assert_eq!(loads.in_flight_of("y", 2), 2);
         assert_eq!(loads.in_flight_of("y", 3), 0);
+    }
+
+    /// A walk of every cell hands each deployment's ID, in order, with the figures a read of
+    /// it copies; one deployment's figures are the same. IDs too long to be kept in place
+    /// (over 30 bytes) are ordered and found as the others.
+    #[test]
+    fn each_figures_walks_the_loads_in_order() {
+        let loads = Loads::new(Instant::now());
+        let long = "b-an-id-longer-than-thirty-bytes-is-kept-apart";
+        for (i, id) in ["d", long, "b", "a", "c"].iter().enumerate() {
+            loads.insert(cell(id, i));
+        }
+        let mut r = loads.in_order();
+        assert_eq!(waiting(&mut r, "b"), Some(2));
+        assert_eq!(waiting(&mut r, long), Some(1));
+        assert_eq!(waiting(&mut r, "c"), Some(4));
+        let mut walked = Vec::new();
+        loads.each_figures(&mut |id, f| walked.push((id.to_string(), f.clone())));
+        let all: Vec<(String, LoadFigures)> = loads
+            .all()
+            .into_iter()
+            .map(|l| (l.deployment_id.clone(), l.figures()))
+            .collect();
+        assert_eq!(walked, all);
+        let ids: Vec<&str> = walked.iter().map(|(id, _)| id.as_str()).collect();
+        assert_eq!(ids, ["a", "b", long, "c", "d"]);
+        assert_eq!(loads.figures_of("c"), Some(all[3].1.clone()));
+        assert_eq!(loads.figures_of("e"), None);
+    }
+
+    /// What a full read copies of a cell (its `seq`, figures, and its lane's word and slots
+    /// lent) is 88 bytes in a row at its start, the three loads of `LoadCell::fetch` one in
+    /// each of the cache lines they may span.
+    #[test]
+    fn what_a_full_read_copies_of_a_cell_is_in_a_row() {
+        use std::mem::{offset_of, size_of};
+        assert_eq!(offset_of!(LoadCell, seq), 0);
+        assert_eq!(offset_of!(LoadCell, figures), 8);
+        assert_eq!(size_of::<Figures>(), 64);
+        assert_eq!(
+            offset_of!(Figures, first_generation) + 8,
+            offset_of!(Figures, first_in_flight)
+        );
+        assert_eq!(offset_of!(LoadCell, lane) + offset_of!(Lane, word), 72);
+        assert_eq!(offset_of!(LoadCell, lane) + offset_of!(Lane, lent), 80);
     }
 
     /// The lifecycle reads a deployment's in-flight count under its own lock, which a router

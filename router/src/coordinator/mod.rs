@@ -78,19 +78,23 @@ const LANE_CREDITS: u64 = LANE_RETURNS - 1;
 /// otherwise reports the end through the endings channel as every permit does. So the state
 /// is never read outside the task, and every decision of the task is made on exact counts: no
 /// lane is open while it decides.
+///
+/// NB (reads at scale): `repr(C)`, `word` and `lent` first (a full read's count of the lane,
+/// [`Lane::net`], is made of them: they follow the load cell's figures, `loads.rs`).
+#[repr(C)]
 struct Lane {
     /// Generation (upper 32 bits) | `LANE_OPEN` | `LANE_RETURNS` | credits.
     word: AtomicU64,
-    /// The instance the slots are on (`None` until the lane is first opened); replaced (with
-    /// the next generation) when that changes.
-    grant: Mutex<Option<Arc<LaneGrant>>>,
+    /// The slots lent when the lane was last opened (for the load read: the slots taken since
+    /// are this less the credits left).
+    lent: AtomicU64,
     /// The latest start through the lane, in nanoseconds since `Loads::base`.
     last_start: AtomicU64,
     /// The latest end given back to the lane, in nanoseconds since `Loads::base`.
     last_end: AtomicU64,
-    /// The slots lent when the lane was last opened (for the load read: the slots taken since
-    /// are this less the credits left).
-    lent: AtomicU64,
+    /// The instance the slots are on (`None` until the lane is first opened); replaced (with
+    /// the next generation) when that changes.
+    grant: Mutex<Option<Arc<LaneGrant>>>,
 }
 
 impl Lane {
@@ -98,10 +102,10 @@ impl Lane {
     fn new() -> Self {
         Lane {
             word: AtomicU64::new(0),
-            grant: Mutex::new(None),
+            lent: AtomicU64::new(0),
             last_start: AtomicU64::new(0),
             last_end: AtomicU64::new(0),
-            lent: AtomicU64::new(0),
+            grant: Mutex::new(None),
         }
     }
 
@@ -144,6 +148,36 @@ impl Lane {
         }
     }
 
+    /// Takes one lent slot, if the lane is open and has one: its grant. `base` is
+    /// `Loads::base`.
+    fn take(&self, base: Instant) -> Option<Arc<LaneGrant>> {
+        let grant = match self.grant.lock() {
+            Ok(g) => g.clone()?,
+            Err(poisoned) => poisoned.into_inner().clone()?,
+        };
+        let mut word = self.word.load(Ordering::Acquire);
+        loop {
+            if (word >> 32) as u32 != grant.generation
+                || word & LANE_OPEN == 0
+                || word & LANE_CREDITS == 0
+            {
+                return None;
+            }
+            match self.word.compare_exchange_weak(
+                word,
+                word - 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => break,
+                Err(now) => word = now,
+            }
+        }
+        self.last_start
+            .fetch_max(nanos_since(base, Instant::now()), Ordering::Relaxed);
+        Some(grant)
+    }
+
     /// The latest start or end through the lane (`None`: none yet).
     fn last_use(&self, base: Instant) -> Option<Instant> {
         let nanos = self
@@ -177,37 +211,8 @@ impl Loads {
     /// and has one.
     fn take(&self, deployment: &str) -> Option<(Arc<LoadCell>, Arc<LaneGrant>)> {
         let cell = self.cell(deployment)?;
-        let grant = Self::take_from(&cell.lane, self.base)?;
+        let grant = cell.lane.take(self.base)?;
         Some((cell, grant))
-    }
-
-    /// [`Loads::take`] from `lane`: its grant.
-    fn take_from(lane: &Lane, base: Instant) -> Option<Arc<LaneGrant>> {
-        let grant = match lane.grant.lock() {
-            Ok(g) => g.clone()?,
-            Err(poisoned) => poisoned.into_inner().clone()?,
-        };
-        let mut word = lane.word.load(Ordering::Acquire);
-        loop {
-            if (word >> 32) as u32 != grant.generation
-                || word & LANE_OPEN == 0
-                || word & LANE_CREDITS == 0
-            {
-                return None;
-            }
-            match lane.word.compare_exchange_weak(
-                word,
-                word - 1,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => break,
-                Err(now) => word = now,
-            }
-        }
-        lane.last_start
-            .fetch_max(nanos_since(base, Instant::now()), Ordering::Relaxed);
-        Some(grant)
     }
 }
 /// A lane the task has opened, with what it lent (its cell, where the lane is, is the key it
@@ -220,7 +225,8 @@ struct Lent {
 // What the lifecycle reads and is answered (the interfaces' values): re-exported under their
 // old paths.
 pub use capyctl_interfaces::router::{
-    DeploymentLoad, IdleRelease, InstanceLoad, OperatorResult, OperatorStart, ReleaseResult,
+    DeploymentLoad, IdleRelease, InstanceLoad, LoadFigures, OperatorResult, OperatorStart,
+    ReleaseResult,
 };
 
 /// Reads each deployment's last use as the router recorded it ([`CoordinatorHandle::last_used`])
@@ -372,9 +378,20 @@ impl CoordinatorHandle {
         self.loads.load_of(deployment)
     }
 
-    /// [`CoordinatorHandle::load_of`] without waiting (a copy of the published load), shared.
-    pub fn load_shared(&self, deployment: &str) -> Option<Arc<DeploymentLoad>> {
-        self.loads.load_of(deployment).map(Arc::new)
+    /// Each deployment the router knows, its ID and the figures of its load now (as
+    /// [`CoordinatorHandle::figures_of`]'s), in ID order, handed to `each`: for a reader of them
+    /// all that keeps none (the lifecycle's idle timers and queue gauges, each second), with
+    /// nothing allocated per deployment ([`CoordinatorHandle::load`] makes each one's
+    /// `DeploymentLoad`: its ID and each instance's key copied). Takes no turn of the task.
+    pub fn each_load(&self, each: &mut dyn FnMut(&str, &LoadFigures)) {
+        self.loads.each_figures(each);
+    }
+
+    /// The figures of [`CoordinatorHandle::load_of`] without waiting (copied from the published
+    /// load as [`LoadsInOrder::get`] copies them: no IDs, no last use); `None` when the router
+    /// does not know it.
+    pub fn figures_of(&self, deployment: &str) -> Option<LoadFigures> {
+        self.loads.figures_of(deployment)
     }
 
     /// The figures of [`CoordinatorHandle::load_of`] of every deployment, for a read that asks
