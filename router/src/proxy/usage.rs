@@ -8,8 +8,8 @@
 //! The engine then ends the stream with one chunk whose `choices` are empty and which carries
 //! the `usage`; [`Strip`] watches every event of the answer as it passes and drops that one.
 //! Cost: the events whose bytes show no `usage` and no `finish_reason` but `null` (every event
-//! but those two) pass as runs, slices of the frame that brought them: one `memchr3` pass
-//! over a frame finds where the next event that may matter begins
+//! but those two) pass as runs, slices of the frame that brought them: a `memchr2` and a `memmem`
+//! pass over a frame find where the next event that may matter begins
 //! ([`Strip::plain_events`]); that event is found and told from its bytes
 //! ([`plainly_other`]), and only the finishing and the usage chunks are read as JSON, in one
 //! pass that allocates nothing ([`quick_read`]; `serde_json` reads what it leaves). An
@@ -38,7 +38,7 @@ use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 
 use bytes::{Bytes, BytesMut};
 use capyctl_interfaces::router::InstanceKey;
-use memchr::memmem::Finder;
+use memchr::memmem::FinderRev;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
@@ -67,8 +67,10 @@ pub(crate) fn ask_usage(body: &[u8]) -> Option<Vec<u8>> {
 /// [`ask_usage`], its body's top level read by [`quick_top`] where that answers (`quick`),
 /// else by `serde_json` ([`Top`]).
 fn ask_usage_reading(body: &[u8], quick: bool) -> Option<Vec<u8>> {
-    static TRUE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"true"));
-    TRUE.find(body)?;
+    // From the end: a streamed request's `"stream": true` is most often its last field (or
+    // before `stream_options`), where the search from the start reads the whole body.
+    static TRUE: LazyLock<FinderRev<'static>> = LazyLock::new(|| FinderRev::new(b"true"));
+    TRUE.rfind(body)?;
     std::str::from_utf8(body).ok()?;
     let stream_options = match quick.then(|| quick_top(body)).flatten() {
         Some(false) => return None,
@@ -832,44 +834,98 @@ fn plainly_other(event: &[u8]) -> bool {
 /// only ` `, `\t` and `\r` are taken as whitespace, never a newline (which would reach into
 /// the next event): a key followed by another is a mark too, and its event is read.
 ///
-/// NB (cost): one `memchr3` pass over `json` for the byte each mark is found by: the `g` of
-/// `"usage"` (4 bytes in), the `_` of `"finish_reason"` (7 bytes in), the `\` of a `\u`.
-/// A token chunk has about three of them (`logprobs`, `finish_reason`, `token_ids`);
-/// `memmem` for `"usage"` took about 600 instructions a frame (its prefilter stops at
-/// every `"`), and a pass for each kind of mark read every frame three times. Every place of
-/// a key is found (through that byte of it); no mark has a `g`, `_` or `\` of another mark
-/// before its own found byte, so the first mark found is the first one in `json`.
+/// NB (cost): two passes over `json`: `memchr2` for the `f` of `"finish_reason"` (only
+/// without `finish`: `memchr`) and the `\` of a `\u`, each place looked at
+/// ([`find_mark_byte`]); then, up to the first of those marks, a `"usage"` key found whole
+/// by the pair of its `u` and `g` ([`first_usage`]), which no token chunk has (every one
+/// has a `u` in each `null` and a `g` in `logprobs`). A token chunk has one place of the
+/// first pass (its `finish_reason`) and its text's `f`s; one pass for the `g` of `"usage"`,
+/// the `_` of `"finish_reason"` and the `\` had three places a token chunk (`logprobs`,
+/// `finish_reason`, `token_ids`), at about 100 instructions each (callgrind); `memmem` for
+/// `"usage"` took about 600 instructions a frame (its prefilter stops at every `"`). Every
+/// place of a mark is found (through its byte, or its whole key); the first `f` or `\`
+/// mark is the first of its kinds (no such mark has an `f` or `\` of another before its
+/// own found byte), and a `"usage"` before it is looked for where it would begin before it.
 fn first_mark(json: &[u8], finish: bool) -> Option<usize> {
-    find_mark_byte(json, |hit| match json[hit] {
+    let other = find_mark_byte(json, finish, |hit| match json[hit] {
         b'\\' => (json.get(hit + 1) == Some(&b'u')).then_some(hit),
-        b'g' => key_not_null(json, hit, b"\"usage\"", 4),
-        _ if finish => key_not_null(json, hit, b"\"finish_reason\"", 7),
-        _ => None,
-    })
+        _ => key_not_null(json, hit, b"\"finish_reason\"", 1),
+    });
+    let end = other.map_or(json.len(), |at| json.len().min(at + USAGE.len() - 1));
+    first_usage(json, end).or(other)
 }
 
-/// The first answer of `f` for the places of `g`, `_` and `\` in `json` (those
-/// [`first_mark`] looks at), in order.
-///
-/// NB (cost): with AVX2, through its searcher made once and called directly, rather than
-/// through `memchr3_iter`, which chooses one at every call: a third of the cost of each of
-/// the 60 or so places in a streamed answer of 16 tokens.
-fn find_mark_byte(json: &[u8], f: impl FnMut(usize) -> Option<usize>) -> Option<usize> {
+/// The `"usage"` key, quoted.
+const USAGE: &[u8] = b"\"usage\"";
+
+/// Where the first `"usage"` key of `json` that begins in `json[..end]`, whole, and is not
+/// followed by `: null` is.
+fn first_usage(json: &[u8], end: usize) -> Option<usize> {
+    let within = &json[..end];
+    let mut from = 0;
+    while let Some(found) = find_usage(&within[from..]) {
+        let at = from + found;
+        if let Some(mark) = key_not_null(json, at + 1, USAGE, 1) {
+            return Some(mark);
+        }
+        from = at + 1;
+    }
+    None
+}
+
+/// Where the first [`USAGE`] of `haystack` is: with AVX2, by the pair of its `u` and its
+/// `g` (a searcher made once), else by `memmem`.
+fn find_usage(haystack: &[u8]) -> Option<usize> {
     #[cfg(target_arch = "x86_64")]
     {
-        use memchr::arch::x86_64::avx2::memchr::Three;
-        static AVX2: LazyLock<Option<Three>> = LazyLock::new(|| Three::new(b'g', b'_', b'\\'));
-        if let Some(three) = &*AVX2 {
-            return three.iter(json).find_map(f);
+        use memchr::arch::all::packedpair::Pair;
+        use memchr::arch::x86_64::avx2::packedpair::Finder;
+        static AVX2: LazyLock<Option<Finder>> =
+            LazyLock::new(|| Finder::with_pair(USAGE, Pair::with_indices(USAGE, 1, 4)?));
+        if let Some(finder) = &*AVX2
+            && haystack.len() >= finder.min_haystack_len()
+        {
+            return finder.find(haystack, USAGE);
         }
     }
-    memchr::memchr3_iter(b'g', b'_', b'\\', json).find_map(f)
+    memchr::memmem::find(haystack, USAGE)
+}
+
+/// The first answer of `f` for the places of `\` and (`finish`) `f` in `json` (those
+/// [`first_mark`] looks at first), in order.
+///
+/// NB (cost): with AVX2, through its searchers made once and called directly, rather than
+/// through `memchr2_iter`, which chooses one at every call: a third of the cost of each of
+/// the 20 or so places in a streamed answer of 16 tokens.
+fn find_mark_byte(
+    json: &[u8],
+    finish: bool,
+    f: impl FnMut(usize) -> Option<usize>,
+) -> Option<usize> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use memchr::arch::x86_64::avx2::memchr::{One, Two};
+        static AVX2: LazyLock<Option<(Two, One)>> =
+            LazyLock::new(|| Some((Two::new(b'f', b'\\')?, One::new(b'\\')?)));
+        if let Some((two, one)) = &*AVX2 {
+            return if finish {
+                two.iter(json).find_map(f)
+            } else {
+                one.iter(json).find_map(f)
+            };
+        }
+    }
+    if finish {
+        memchr::memchr2_iter(b'f', b'\\', json).find_map(f)
+    } else {
+        memchr::memchr_iter(b'\\', json).find_map(f)
+    }
 }
 
 /// Where `key` is in `json` when its byte `into` bytes in is at `hit` and it is not followed
 /// by `: null` (only ` `, `\t` and `\r` taken as whitespace).
 ///
-/// NB (cost): most bytes found are another key's (`logprobs`, `token_ids`): the key's closing
+/// NB (cost): most places found are a token chunk's `"finish_reason":null`: the key's closing
 /// quote is looked at first, then whether `:null` follows (every token chunk's
 /// `"finish_reason":null`: no mark, whatever the key), before the whole key is compared.
 fn key_not_null(json: &[u8], hit: usize, key: &[u8], into: usize) -> Option<usize> {
@@ -986,7 +1042,17 @@ impl Strip {
             self.release(&mut out, None);
             out.push(&std::mem::take(&mut self.partial));
         }
-        out.finish()
+        // The frame's own start unchanged: the frame itself, cut there (not a second handle
+        // on it: nothing shared is made of a frame that owns its bytes).
+        let Out { copy, same, .. } = out;
+        match copy {
+            Some(copy) => copy.freeze(),
+            None => {
+                let mut data = data;
+                data.truncate(same);
+                data
+            }
+        }
     }
 
     /// Where the run of whole events of `data` from `at` ends that pass as they came without
@@ -1002,7 +1068,7 @@ impl Strip {
     /// NB (cost): the engine's frames carry many events each (the stream's body gathers what
     /// the engine already sent), nearly all of them tokens; reading every event (its end
     /// found, its bytes tested) was most of a tenant's streamed request beyond the router's
-    /// own work. This is one pass of `memchr3` over the frame ([`first_mark`]), and a step
+    /// own work. This is a pass of `memchr2` and one of `memmem` over the frame ([`first_mark`]), and a step
     /// back from the first event that may matter to where it begins.
     /// `marks`: what the frame's earlier calls found (each search goes on from there rather
     /// than over the frame again).
