@@ -17,7 +17,7 @@ use capyctl_interfaces::router::InstanceKey;
 use capyctl_interfaces::spec::{HostSettings, InstanceSpec};
 use capyctl_interfaces::tier::ParkTier;
 use capyctl_spec::errors::ApiError;
-use capyctl_spec::{Activation, InstanceState};
+use capyctl_spec::{Activation, EngineKind, InstanceState};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -58,8 +58,6 @@ pub(crate) struct Dep {
     /// the whole host (one GPU, or none known).
     pub(crate) gpus: Vec<u32>,
     pub(crate) rec: DeploymentRecord,
-    /// Its instance spec (from the document), shared with the views' [`views::Fixed`].
-    pub(crate) spec: Arc<InstanceSpec>,
     pub(crate) measurement: Measurement,
     pub(crate) state: InstanceState,
     /// An engine operation is in progress (the state says which).
@@ -121,14 +119,12 @@ impl Dep {
 
     /// Instance `index` of the deployment `rec` records, last used `now`.
     pub(crate) fn replica(rec: DeploymentRecord, index: u32, now: Instant) -> Self {
-        let spec = Arc::new(InstanceSpec::from_doc(rec.id.clone(), &rec.doc));
-        let fixed = Arc::new(views::Fixed::of(&rec, Arc::clone(&spec), index));
+        let fixed = Arc::new(views::Fixed::of(&rec, index));
         Self {
             unit: (index > 0).then(|| unit_id(&rec.id, index)),
             index,
             gpus: Vec::new(),
             rec,
-            spec,
             measurement: Measurement::default(),
             state: InstanceState::Stopped,
             busy: false,
@@ -153,11 +149,21 @@ impl Dep {
 
     /// Renews what the views share of its record after a deploy changed it.
     pub(crate) fn renew_fixed(&mut self) {
-        self.fixed = Arc::new(views::Fixed::of(
-            &self.rec,
-            Arc::clone(&self.spec),
-            self.index,
-        ));
+        self.fixed = Arc::new(views::Fixed::of(&self.rec, self.index));
+    }
+
+    /// Its instance spec, as its host agent is given it: made from its document when asked
+    /// for (an engine's start, measure or park; nothing on a read's path or in placement reads
+    /// one: they read the document, e.g. [`parked_room::TierModel`]). NB (memory at scale):
+    /// not kept; one per deployment (an `Arc` of 280 bytes and three strings copied from the
+    /// document) was some 350 bytes of heap and four allocations per deployment.
+    pub(crate) fn spec(&self) -> InstanceSpec {
+        InstanceSpec::from_doc(self.rec.id.clone(), &self.rec.doc)
+    }
+
+    /// Its engine (its spec's).
+    pub(crate) fn engine(&self) -> EngineKind {
+        self.rec.doc.engine_kind()
     }
 
     /// The spec its engine starts with: its deployment's, on the GPUs placement chose for it
@@ -166,7 +172,7 @@ impl Dep {
     /// CUDA's own default order puts the fastest GPU first, which on a box of mixed GPUs would
     /// give the engine other GPUs than the ones whose memory was counted for it.
     pub(crate) fn launch_spec(&self) -> InstanceSpec {
-        let mut spec = InstanceSpec::clone(&self.spec);
+        let mut spec = self.spec();
         if !self.gpus.is_empty() {
             let list: Vec<String> = self.gpus.iter().map(u32::to_string).collect();
             spec.env
@@ -323,20 +329,21 @@ impl Dep {
     /// What it would still hold on the GPU once parked: the agent's estimate of a parked
     /// engine's residue, or 0 when it stops instead of parking.
     pub(crate) fn residue_if_parked(&self) -> u64 {
-        if !self.parks() {
+        let model = parked_room::TierModel::from(&*self.rec.doc);
+        if !parked_room::parks(model) {
             return 0;
         }
         capyctl_engine_rules::parked::parked_estimate(
             self.measurement.weights_bytes(),
-            self.spec.speculative(),
-            self.spec.tensor_parallel.unwrap_or(1),
+            model.speculative,
+            capyctl_interfaces::spec::tensor_parallel(&self.rec.doc).unwrap_or(1),
         )
         .unwrap_or(0)
     }
 
     /// Whether it parks when released (not TensorFold, `restart_only` or a decision model).
     pub(crate) fn parks(&self) -> bool {
-        parked_room::parks(&self.spec)
+        parked_room::parks(&*self.rec.doc)
     }
 
     /// Ready, starting, waking, or claimed by a switch that brings it up.
@@ -679,7 +686,6 @@ impl State {
                     if d.rec.revision != rec.revision || d.rec.doc != rec.doc {
                         d.rec.doc = Arc::clone(&rec.doc);
                         d.rec.revision = rec.revision;
-                        d.spec = Arc::new(InstanceSpec::from_doc(rec.id.clone(), &rec.doc));
                         d.renew_fixed();
                     }
                     d.rec.operator_stopped = rec.operator_stopped;

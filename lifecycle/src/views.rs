@@ -18,7 +18,6 @@ use capyctl_interfaces::launch::MaxRunning;
 use capyctl_interfaces::load::LoadSample;
 use capyctl_interfaces::measure::Measurement;
 use capyctl_interfaces::router::InstanceKey;
-use capyctl_interfaces::spec::InstanceSpec;
 use capyctl_interfaces::tier::ParkTier;
 use capyctl_spec::api::{
     EngineLoadView, GpuView, HostView, STALE_AFTER_MS, STALE_SAMPLE_KEPT_MS, SampleView,
@@ -48,10 +47,9 @@ pub(crate) use load::{LoadChunk, LoadUnit, load_view, write_load_view};
 pub(crate) struct Fixed {
     /// The revision it was taken at.
     pub revision: u64,
-    /// Its document (its record's, shared).
+    /// Its document (its record's, shared): what the views read of its spec too (no
+    /// [`capyctl_interfaces::spec::InstanceSpec`] is kept per deployment: `Dep::spec`).
     pub doc: Arc<DeploymentDoc>,
-    /// Its instance spec (from the document; the deployment's, shared).
-    pub spec: Arc<InstanceSpec>,
     /// Its instance's index.
     pub index: u32,
     /// Where [`Fixed::text`]'s first three parts end.
@@ -67,8 +65,8 @@ pub(crate) struct Fixed {
 }
 
 impl Fixed {
-    /// Of `rec`, whose instance spec is `spec`.
-    pub(crate) fn of(rec: &DeploymentRecord, spec: Arc<InstanceSpec>, index: u32) -> Self {
+    /// Of instance `index` of `rec`.
+    pub(crate) fn of(rec: &DeploymentRecord, index: u32) -> Self {
         let instance_id = super::instance_id_at(&rec.id, index);
         let head = load::load_head(&rec.id, &rec.doc.name);
         // Only the first instance's is written (a deployment's view reads its first unit's).
@@ -88,7 +86,6 @@ impl Fixed {
         Fixed {
             revision: rec.revision,
             doc: Arc::clone(&rec.doc),
-            spec,
             index,
             ends,
             text: text.into_boxed_str(),
@@ -128,7 +125,7 @@ impl Fixed {
 }
 
 /// Asks for the memory a read copies of `d` (its record's fields, its [`Fixed`], its texts and
-/// its spec) without using it. NB (reads at scale): a chunk's deployments are fetched so, one
+/// its document) without using it. NB (reads at scale): a chunk's deployments are fetched so, one
 /// after the other, before any is copied: each is a few memory accesses that depend on one
 /// another (the boxed `Dep`, then its `Fixed`, then its texts), so a copy that follows them
 /// deployment by deployment waits for each access in turn, where these loads, independent
@@ -140,7 +137,7 @@ pub(crate) fn fetch(d: &Dep) {
         d.rec.generation,
         f.text.as_bytes().first(),
         f.text.as_bytes().get(f.ends[2] as usize),
-        f.spec.engine,
+        f.doc.max_concurrent_requests,
     ));
 }
 
@@ -377,16 +374,17 @@ pub(crate) fn group(mut shots: Vec<DepShot>) -> Vec<Vec<DepShot>> {
 
 /// What CapyCTL passes or expects before the engine says (the deployment's figure).
 fn expected_max_running(
-    spec: &InstanceSpec,
+    doc: &DeploymentDoc,
     config: &LifecycleConfig,
     host: Option<&Host>,
 ) -> MaxRunning {
     let settings = host.map_or(&config.host_settings, |h| &h.settings);
+    let engine = doc.engine_kind();
     max_running(&MaxRunningInput {
-        engine: spec.engine,
-        declared: spec.max_concurrent_requests,
-        extra_args: &spec.extra_args,
-        host_command: &settings.engine(spec.engine).command,
+        engine,
+        declared: doc.max_concurrent_requests,
+        extra_args: &doc.extra_args,
+        host_command: &settings.engine(engine).command,
         engine_reported: None,
         hybrid_checkpoint: false,
         sized_on_host: host.is_some_and(|h| h.remote),

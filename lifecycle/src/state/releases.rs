@@ -115,7 +115,7 @@ impl State {
             for_room,
             kept,
             name: d.name().to_string(),
-            engine: d.spec.engine.as_str(),
+            engine: d.engine().as_str(),
         })
     }
 

@@ -249,7 +249,7 @@ async fn instances_prefer_hosts_without_a_sibling_and_span_gpus_per_instance() {
         16,
         now,
     ));
-    assert_eq!(s.deps["t-1"].spec.tensor_parallel, Some(2));
+    assert_eq!(s.deps["t-1"].spec().tensor_parallel, Some(2));
     let (_, g0) = bring_up(&mut s, "t", now);
     let (_, g1) = bring_up(&mut s, "t-1", now);
     assert_eq!((g0.len(), g1.len()), (2, 2));
@@ -514,7 +514,7 @@ async fn a_host_that_joins_during_the_fence_has_what_it_holds_ready_fenced_too()
     s.set_fence(now + Duration::from_secs(90), now);
     let adopted = capyctl_interfaces::agent::AdoptedInstance {
         instance: instance_id("b"),
-        spec: InstanceSpec::clone(&s.deps["b"].spec),
+        spec: s.deps["b"].spec(),
         base_url: "http://127.0.0.1:9".into(),
         pid: 4242,
         parked: None,

@@ -91,7 +91,7 @@ impl<'c> LoadChunk<'c> {
             state: shown_state(d),
             has_host: host.is_some(),
             own_max_running: d.max_running,
-            expected: expected_max_running(&fixed.spec, self.config, host.map(|(_, h)| &**h)),
+            expected: expected_max_running(&fixed.doc, self.config, host.map(|(_, h)| &**h)),
         });
     }
 
