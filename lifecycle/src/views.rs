@@ -39,10 +39,11 @@ pub(crate) use load::{LoadChunk, LoadUnit, load_view, write_load_view};
 /// deployment and every snapshot of it, renewed when its revision moves on.
 ///
 /// NB (memory and reads at scale): its four texts (the ID, the instance's ID, the load view's
-/// head and the document's JSON) are one allocation ([`Fixed::text`]), one after the other: a
-/// full load read compares the ID with the router's, writes the head and looks the instance's
-/// sample up by its ID, all from one place (four allocations were a memory access each per
-/// deployment, and some 100 bytes of the allocator's own).
+/// head and the document's JSON) are one allocation ([`Fixed::text`]): a full load read
+/// compares the ID with the router's, writes the head and looks the instance's sample up by
+/// its ID, all from one place (four allocations were a memory access each per deployment, and
+/// some 100 bytes of the allocator's own). The ID is not written twice: it begins the
+/// instance's ID (`<id>-<index>`).
 #[derive(Debug)]
 pub(crate) struct Fixed {
     /// The revision it was taken at.
@@ -52,15 +53,15 @@ pub(crate) struct Fixed {
     pub doc: Arc<DeploymentDoc>,
     /// Its instance's index.
     pub index: u32,
-    /// Where [`Fixed::text`]'s first three parts end.
+    /// Where [`Fixed::text`]'s first three parts end (the first two both begin at 0).
     ends: [u32; 3],
-    /// One after the other: the deployment's ID; its instance's ID (`super::instance_id_at`);
-    /// how its load view's JSON begins ([`load_head`]: written as it is by each full load read,
-    /// [`write_load_view`]); its document's JSON (`serde_json`'s: written as it is as the
-    /// `spec` of each of its views in the deployments list, [`write_deployment_view`], from its
-    /// first instance's; empty for the others, and where it did not encode, then encoded by
-    /// each view. NB (reads at scale): some 100-200 bytes per deployment kept, against a fifth
-    /// of the list's CPU encoding it per view).
+    /// One after the other: its instance's ID (`super::instance_id_at`), whose first part is
+    /// the deployment's ID; how its load view's JSON begins ([`load_head`]: written as it is
+    /// by each full load read, [`write_load_view`]); its document's JSON (`serde_json`'s:
+    /// written as it is as the `spec` of each of its views in the deployments list,
+    /// [`write_deployment_view`], from its first instance's; empty for the others, and where it
+    /// did not encode, then encoded by each view. NB (reads at scale): some 100-200 bytes per
+    /// deployment kept, against a fifth of the list's CPU encoding it per view).
     text: Box<str>,
 }
 
@@ -75,13 +76,15 @@ impl Fixed {
         } else {
             String::new()
         };
-        let mut text =
-            String::with_capacity(rec.id.len() + instance_id.len() + head.len() + spec_json.len());
-        let mut ends = [0u32; 3];
-        for (end, part) in ends.iter_mut().zip([&rec.id, &instance_id, &head]) {
-            text.push_str(part);
-            *end = u32::try_from(text.len()).unwrap_or(u32::MAX);
-        }
+        let end = |len: usize| u32::try_from(len).unwrap_or(u32::MAX);
+        let mut text = String::with_capacity(instance_id.len() + head.len() + spec_json.len());
+        text.push_str(&instance_id);
+        text.push_str(&head);
+        let ends = [
+            end(rec.id.len()),
+            end(instance_id.len()),
+            end(instance_id.len() + head.len()),
+        ];
         text.push_str(&spec_json);
         Fixed {
             revision: rec.revision,
@@ -92,9 +95,12 @@ impl Fixed {
         }
     }
 
-    /// [`Fixed::text`]'s part `i`.
+    /// [`Fixed::text`]'s part `i` (0 and 1 both begin at 0: the ID begins the instance's ID).
     fn part(&self, i: usize) -> &str {
-        let start = i.checked_sub(1).map_or(0, |j| self.ends[j] as usize);
+        let start = i
+            .checked_sub(1)
+            .filter(|&j| j > 0)
+            .map_or(0, |j| self.ends[j] as usize);
         let end = self.ends.get(i).map_or(self.text.len(), |&e| e as usize);
         self.text.get(start..end).unwrap_or_default()
     }
