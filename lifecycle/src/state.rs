@@ -51,7 +51,7 @@ pub(crate) struct Dep {
     /// Its key in [`State::deps`] ([`unit_id`]) where it is not its deployment's ID (index
     /// 0: [`Dep::id`] is `rec.id`). NB (memory at scale): a copy of the ID per deployment
     /// was some 50 bytes of heap.
-    unit: Option<String>,
+    unit: Option<Box<str>>,
     /// Its instance's index within the deployment.
     pub(crate) index: u32,
     /// The GPUs (indexes on its host) its engine is given, when its host has several; empty:
@@ -62,10 +62,12 @@ pub(crate) struct Dep {
     pub(crate) state: InstanceState,
     /// An engine operation is in progress (the state says which).
     pub(crate) busy: bool,
-    /// Reserved as a victim by this switch or release.
-    pub(crate) reserved: Option<String>,
+    /// Reserved as a victim by this switch or release. NB (memory at scale): this, `claim`,
+    /// `ended_stop_failed` and `unit` are `Box<str>`, set for few deployments at a time: a
+    /// `String`'s capacity word in each was 32 bytes of every `Dep`.
+    pub(crate) reserved: Option<Box<str>>,
     /// The target of this switch (memory promised, not yet starting).
-    pub(crate) claim: Option<String>,
+    pub(crate) claim: Option<Box<str>>,
     /// The host its instance is placed on (claimed, running, parked, or last run on): one
     /// shared copy of each host's ID ([`State::host_names`]). NB (reads at scale): a read
     /// copies it per deployment; a string of its own per deployment was a memory access of its
@@ -98,7 +100,7 @@ pub(crate) struct Dep {
     /// failed so, the books count that memory ([`Dep::keeps_engine`]) and `start --evict` does
     /// not count it as released. Cleared when a stop succeeds, when its engine is seen gone
     /// (it exited, or its host no longer has it), and when the next bring-up begins.
-    pub(crate) ended_stop_failed: Option<String>,
+    pub(crate) ended_stop_failed: Option<Box<str>>,
     /// The start or wake in progress (or last begun) is an operator's: `start`, a pending
     /// start, `start --evict`, `preinitialize`. Another model's requests never end it
     /// ([`Victims::Idle`]); only the operator's `stop`, `delete` or another `start --evict`
@@ -121,7 +123,7 @@ impl Dep {
     pub(crate) fn replica(rec: DeploymentRecord, index: u32, now: Instant) -> Self {
         let fixed = Arc::new(views::Fixed::of(&rec, index));
         Self {
-            unit: (index > 0).then(|| unit_id(&rec.id, index)),
+            unit: (index > 0).then(|| unit_id(&rec.id, index).into()),
             index,
             gpus: Vec::new(),
             rec,

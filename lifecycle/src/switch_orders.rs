@@ -341,7 +341,7 @@ impl Core {
                                 ),
                             },
                         ));
-                        not_released.push((v.clone(), name, why));
+                        not_released.push((v.clone(), name, why.into()));
                         continue;
                     }
                     Some((true, None)) => {
