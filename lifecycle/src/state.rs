@@ -523,8 +523,8 @@ pub(crate) struct State {
     pub(crate) cordoned: BTreeSet<String>,
     /// The deployments that hold GPU memory on each host (exactly those once
     /// [`State::settle_held`] has run; a unit bound since may be among them): what placement
-    /// reads when it needs the victims.
-    pub(crate) holding: HashMap<String, BTreeSet<String>>,
+    /// reads when it needs the victims. NB (memory at scale): the IDs are `by_host`'s, shared.
+    pub(crate) holding: HashMap<String, BTreeSet<Arc<str>>>,
     /// The units that may hold a parked copy in host RAM, by host: what a park reads to make
     /// room for its copy (`Core::make_parked_room`).
     pub(crate) parked_copies: parked_room::CopiesIndex,
@@ -945,15 +945,20 @@ impl State {
         }
         if let Some(new) = &host {
             let ids = self.by_host.entry(new.to_string()).or_default();
-            if !ids.contains(id) {
-                // The deployment's ID as `by_name` holds it (an instance after the first has
-                // a key of its own).
-                let shared = self.by_name.get(d.name()).filter(|i| &***i == id);
-                ids.insert(shared.map_or_else(|| Arc::from(id), Arc::clone));
-            }
+            let shared = match ids.get(id) {
+                Some(shared) => Arc::clone(shared),
+                None => {
+                    // The deployment's ID as `by_name` holds it (an instance after the first
+                    // has a key of its own).
+                    let shared = self.by_name.get(d.name()).filter(|i| &***i == id);
+                    let shared = shared.map_or_else(|| Arc::from(id), Arc::clone);
+                    ids.insert(Arc::clone(&shared));
+                    shared
+                }
+            };
             let ids = self.holding.entry(new.to_string()).or_default();
             if !ids.contains(id) {
-                ids.insert(id.to_string());
+                ids.insert(shared);
             }
         }
         d.host = host;
@@ -974,7 +979,7 @@ impl State {
             .get(host)
             .into_iter()
             .flatten()
-            .filter_map(|id| self.deps.get(id).map(|d| &**d))
+            .filter_map(|id| self.deps.get(&**id).map(|d| &**d))
             .filter(move |d| d.host.as_deref() == Some(host))
     }
 

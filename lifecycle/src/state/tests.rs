@@ -699,7 +699,7 @@ async fn placement_reads_only_what_may_hold_the_gpu_and_lets_go_of_what_no_longe
             .get("gpu-1")
             .into_iter()
             .flatten()
-            .cloned()
+            .map(|id| id.to_string())
             .collect()
     };
     assert_eq!(holding(&s), ["a", "b"]);
@@ -1496,7 +1496,7 @@ fn held_sums_agree(s: &mut State, now: Instant, step: &str) {
             .get(host_id)
             .into_iter()
             .flatten()
-            .map(String::as_str)
+            .map(|id| &**id)
             .collect();
         assert_eq!(index, ids, "{step}: the holders' index of {host_id}");
         if host.gpus.len() > 1 {
