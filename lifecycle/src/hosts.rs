@@ -80,6 +80,7 @@ impl Core {
         for rec in store.load()? {
             inner.insert(Dep::new(rec, Instant::now()));
         }
+        inner.deps.pack();
         let switches = Arc::new(match &config.switch_log {
             Some(path) => SwitchLog::open(path, Arc::clone(&config.metrics))?,
             None => SwitchLog::in_memory(Arc::clone(&config.metrics)),
