@@ -129,7 +129,7 @@ impl InstanceSpec {
                 prompt: d.prompt.clone(),
                 options: d.options.clone(),
             }),
-            tensor_parallel: doc.gpus_per_instance.filter(|n| *n > 1),
+            tensor_parallel: tensor_parallel(doc),
             adapters: doc.adapters.as_ref().map(|a| AdapterSlots {
                 max_loaded: a.max_loaded,
                 max_rank: a.max_rank,
@@ -142,6 +142,12 @@ impl InstanceSpec {
     pub fn speculative(&self) -> bool {
         capyctl_spec::engine_args::speculative(self.engine, &self.extra_args)
     }
+}
+
+/// The tensor-parallel size of `doc`'s engine ([`InstanceSpec::tensor_parallel`]):
+/// `gpus_per_instance` above 1.
+pub fn tensor_parallel(doc: &capyctl_spec::documents::DeploymentDoc) -> Option<u32> {
+    doc.gpus_per_instance.filter(|n| *n > 1)
 }
 
 /// How to launch one engine kind (`host.engines.<kind>`).

@@ -15,7 +15,7 @@ pub(crate) fn gpus_of(inner: &State, d: &Dep) -> Vec<String> {
     let visible = spec
         .env
         .get(VAR)
-        .or_else(|| host.settings.engine(d.spec.engine).env.get(VAR))
+        .or_else(|| host.settings.engine(d.engine()).env.get(VAR))
         .map(|v| v.trim())
         .filter(|v| !v.is_empty());
     let used = |g: &capyctl_interfaces::inventory::GpuInfo| {

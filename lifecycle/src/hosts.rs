@@ -10,6 +10,7 @@ use capyctl_interfaces::HostAgent;
 use capyctl_interfaces::agent::{AgentHealth, EngineExit};
 use capyctl_interfaces::measure::Measurement;
 use capyctl_interfaces::spec::InstanceSpec;
+use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::errors::ApiError;
 use futures_util::StreamExt;
 use tokio::sync::{broadcast, mpsc, watch};
@@ -79,6 +80,7 @@ impl Core {
         for rec in store.load()? {
             inner.insert(Dep::new(rec, Instant::now()));
         }
+        inner.deps.pack();
         let switches = Arc::new(match &config.switch_log {
             Some(path) => SwitchLog::open(path, Arc::clone(&config.metrics))?,
             None => SwitchLog::in_memory(Arc::clone(&config.metrics)),
@@ -130,21 +132,23 @@ impl Core {
             server.apply_host(host?).await;
         }
         drop(fetched);
-        let specs: Vec<(String, Arc<InstanceSpec>)> = server.read(|inner| {
+        let docs: Vec<(String, Arc<DeploymentDoc>)> = server.read(|inner| {
             inner
                 .deps
                 .values()
                 // An adapter runs no engine of its own: nothing to measure.
                 .filter(|d| d.rec.doc.adapter.is_none())
-                .map(|d| (d.rec.id.clone(), d.spec.clone()))
+                .map(|d| (d.rec.id.clone(), Arc::clone(&d.rec.doc)))
                 .collect()
         });
         // A few at a time: each is a call to a host agent (a blocking task of a local one).
-        let measured: Vec<(String, Measurement)> = futures_util::stream::iter(specs)
-            .map(|(id, spec)| {
+        // Each spec is made as its call begins (the deployments keep none: `Dep::spec`).
+        let measured: Vec<(String, Measurement)> = futures_util::stream::iter(docs)
+            .map(|(id, doc)| {
                 let server = &server;
                 async move {
                     let agent = server.agent_of(&id).ok()?;
+                    let spec = InstanceSpec::from_doc(id.clone(), &doc);
                     Some((id, agent.measure(&spec).await.unwrap_or_default()))
                 }
             })

@@ -31,7 +31,8 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, RwLock};
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 use crate::recent::RecentRequests;
@@ -60,8 +61,8 @@ struct RequestLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DeploymentLabels {
-    /// NB (memory at scale): shared, so that the families a call writes (`set_queue`: the
-    /// queue and in-flight gauges) hold one copy of the name between them.
+    /// NB (memory at scale): shared (one per deployment for its request handles, counters and
+    /// wait histogram; the queue gauges' is [`Queues`]' key).
     deployment: Arc<str>,
 }
 
@@ -115,6 +116,48 @@ impl<M: EncodeMetric + TypedMetric> EncodeMetric for Listed<M> {
     }
 }
 
+/// Every deployment's queue gauges: `capyctl_queue_waiting` (index 0) and `capyctl_in_flight`
+/// (1), side by side under the deployment's ID, one map for the two families
+/// ([`QueueFamily`]).
+///
+/// NB (memory at scale): as two prometheus-client families each deployment's label was held
+/// in two maps and each gauge was an `Arc` of its own: some 180 bytes of heap per deployment
+/// that had requests, about 100 now.
+type Queues = Arc<RwLock<HashMap<Arc<str>, [AtomicI64; 2]>>>;
+
+/// One of the two gauge families of [`Queues`] (`which`: its index there), encoded as a
+/// prometheus-client family of gauges labelled `deployment` is (a sample per deployment), and
+/// listed while it holds none (as [`Listed`]).
+#[derive(Debug)]
+struct QueueFamily {
+    queues: Queues,
+    which: usize,
+}
+
+impl TypedMetric for QueueFamily {
+    const TYPE: MetricType = MetricType::Gauge;
+}
+
+impl EncodeMetric for QueueFamily {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), fmt::Error> {
+        let queues = self.queues.read().unwrap_or_else(PoisonError::into_inner);
+        for (deployment, values) in queues.iter() {
+            let labels = DeploymentLabels {
+                deployment: Arc::clone(deployment),
+            };
+            let value = values
+                .get(self.which)
+                .map_or(0, |v| v.load(Ordering::Relaxed));
+            encoder.encode_family(&labels)?.encode_gauge(&value)?;
+        }
+        Ok(())
+    }
+
+    fn metric_type(&self) -> MetricType {
+        Self::TYPE
+    }
+}
+
 /// 1 ms, 2 ms, 4 ms, … 524 s (20 buckets, then `+Inf`).
 fn seconds_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.001, 2.0, 20))
@@ -122,12 +165,6 @@ fn seconds_histogram() -> Histogram {
 
 fn histogram_family<L: Clone + std::hash::Hash + Eq>() -> HistogramFamily<L> {
     Family::new_with_constructor(seconds_histogram as fn() -> Histogram)
-}
-
-fn deployment(deployment: &str) -> DeploymentLabels {
-    DeploymentLabels {
-        deployment: Arc::from(deployment),
-    }
 }
 
 fn tier_outcome(tier: &str, outcome: &str) -> TierOutcomeLabels {
@@ -155,8 +192,8 @@ pub struct Metrics {
     park_duration: HistogramFamily<TierOutcomeLabels>,
     wakes: Family<TierOutcomeLabels, Counter>,
     wake_duration: HistogramFamily<TierOutcomeLabels>,
-    queue_waiting: Family<DeploymentLabels, Gauge>,
-    in_flight: Family<DeploymentLabels, Gauge>,
+    /// `capyctl_queue_waiting` and `capyctl_in_flight`.
+    queues: Queues,
     kube_api: HistogramFamily<KubeApiLabels>,
     /// Every request ends in [`Metrics::request`]: its counter and histogram, found once per
     /// deployment and outcome, then reused without building label strings or looking through
@@ -199,8 +236,7 @@ impl Metrics {
         let park_duration = histogram_family();
         let wakes = Family::<TierOutcomeLabels, Counter>::default();
         let wake_duration = histogram_family();
-        let queue_waiting = Family::<DeploymentLabels, Gauge>::default();
-        let in_flight = Family::<DeploymentLabels, Gauge>::default();
+        let queues = Queues::default();
         let kube_api = histogram_family();
 
         registry.register(
@@ -256,12 +292,18 @@ impl Metrics {
         registry.register(
             "queue_waiting",
             "Requests waiting in CapyCTL now, by deployment",
-            Listed(queue_waiting.clone()),
+            QueueFamily {
+                queues: Arc::clone(&queues),
+                which: 0,
+            },
         );
         registry.register(
             "in_flight",
             "Requests being forwarded now, by deployment",
-            Listed(in_flight.clone()),
+            QueueFamily {
+                queues: Arc::clone(&queues),
+                which: 1,
+            },
         );
 
         registry.register_with_unit(
@@ -294,8 +336,7 @@ impl Metrics {
             park_duration,
             wakes,
             wake_duration,
-            queue_waiting,
-            in_flight,
+            queues,
             kube_api,
             request_handles: RwLock::new(HashMap::new()),
             recent: RecentRequests::default(),
@@ -416,13 +457,21 @@ impl Metrics {
 
     /// The deployment's queue now: `capyctl_queue_waiting`, `capyctl_in_flight`.
     pub fn set_queue(&self, deployment: &str, waiting: u64, in_flight: u64) {
-        let labels = self::deployment(deployment);
-        self.queue_waiting
-            .get_or_create(&labels)
-            .set(saturating_i64(waiting));
-        self.in_flight
-            .get_or_create(&labels)
-            .set(saturating_i64(in_flight));
+        let values = [saturating_i64(waiting), saturating_i64(in_flight)];
+        let set = |gauges: &[AtomicI64; 2]| {
+            for (gauge, value) in gauges.iter().zip(values) {
+                gauge.store(value, Ordering::Relaxed);
+            }
+        };
+        {
+            let queues = self.queues.read().unwrap_or_else(PoisonError::into_inner);
+            if let Some(gauges) = queues.get(deployment) {
+                set(gauges);
+                return;
+            }
+        }
+        let mut queues = self.queues.write().unwrap_or_else(PoisonError::into_inner);
+        set(queues.entry(Arc::from(deployment)).or_default());
     }
 
     /// A call to the Kubernetes API server ended with `outcome` after `took`:
@@ -440,9 +489,10 @@ impl Metrics {
     /// Drops the deployment's gauges (after a delete), so a gone deployment shows no queue.
     /// Its counters and histograms stay: they only ever grow.
     pub fn forget_deployment(&self, deployment: &str) {
-        let labels = self::deployment(deployment);
-        self.queue_waiting.remove(&labels);
-        self.in_flight.remove(&labels);
+        self.queues
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(deployment);
     }
 
     /// Every metric as OpenMetrics text ([`CONTENT_TYPE`]), ending with `# EOF`.

@@ -30,7 +30,7 @@ pub(crate) struct Names {
     /// The lifecycle's change counter, as of the last time the names not found were forgotten.
     pub(crate) seen: watch::Receiver<u64>,
     /// By name: its deployment (good until that is gone).
-    pub(crate) found: HashMap<String, Named>,
+    pub(crate) found: HashMap<Box<str>, Found>,
     /// The names not found, as of `seen` (at most [`NOT_FOUND_KEPT`]): the only entries a
     /// change of the state makes stale, kept apart so that forgetting them costs what they
     /// are, not every name (each first look-up of a name follows a change when each model is
@@ -55,7 +55,50 @@ pub(crate) struct Named {
     pub(crate) gone: Arc<AtomicBool>,
 }
 
-impl Named {
+/// A [`Named`] as [`Names::found`] keeps it under its name: the [`DeploymentRef`] it answers
+/// is made again for each request (two strings, as the clone of one kept was).
+///
+/// NB (memory at scale): a name's entry was its name twice (the key and the deployment's
+/// `name`, the same but for an adapter's, which resolves to its base) and two `String`s:
+/// some 50 bytes of heap per deployment used more than this.
+pub(crate) struct Found {
+    id: Box<str>,
+    /// The deployment's name where it is not the name looked up (an adapter's base).
+    name: Option<Box<str>>,
+    routing: capyctl_spec::Routing,
+    priority: i32,
+    gone: Arc<AtomicBool>,
+}
+
+impl Found {
+    /// `named`, found under `name`.
+    fn of(name: &str, named: Named) -> Self {
+        let DeploymentRef {
+            id,
+            name: served,
+            routing,
+            priority,
+        } = named.deployment;
+        Found {
+            id: id.into(),
+            name: (served != name).then(|| served.into()),
+            routing,
+            priority,
+            gone: named.gone,
+        }
+    }
+
+    /// The deployment it names, found under `name`.
+    fn deployment(&self, name: &str) -> DeploymentRef {
+        DeploymentRef {
+            id: self.id.to_string(),
+            name: self.name.as_deref().unwrap_or(name).to_string(),
+            routing: self.routing,
+            priority: self.priority,
+        }
+    }
+
+    /// Its deployment is gone (the entry is stale).
     fn gone(&self) -> bool {
         self.gone.load(Ordering::Acquire)
     }
@@ -94,7 +137,7 @@ impl NameCache {
         {
             let names = self.names.read().unwrap_or_else(PoisonError::into_inner);
             if let Some(n) = names.found.get(model).filter(|n| !n.gone()) {
-                return Some(n.deployment.clone());
+                return Some(n.deployment(model));
             }
             if names.not_found.contains(model) && !names.seen.has_changed().unwrap_or(true) {
                 return None;
@@ -106,15 +149,16 @@ impl NameCache {
             names.seen.borrow_and_update();
             names.not_found.clear();
         }
-        let found = look_up();
-        match &found {
+        match look_up() {
             Some(n) => {
                 names.not_found.remove(model);
                 if names.found.len() >= (2 * names.swept_at).max(SWEEP_FROM) {
                     names.found.retain(|_, n| !n.gone());
                     names.swept_at = names.found.len();
                 }
-                names.found.insert(model.to_string(), n.clone());
+                let deployment = n.deployment.clone();
+                names.found.insert(model.into(), Found::of(model, n));
+                Some(deployment)
             }
             None => {
                 names.found.remove(model);
@@ -122,9 +166,9 @@ impl NameCache {
                     names.not_found.clear();
                 }
                 names.not_found.insert(model.to_string());
+                None
             }
         }
-        found.map(|n| n.deployment)
     }
 }
 

@@ -134,7 +134,7 @@ impl Core {
     async fn park_unit(&self, id: &str) -> Result<ActionReceipt, ApiError> {
         let id = id.to_string();
         let spec = self
-            .read(|inner| inner.deps.get(&id).map(|d| (d.spec.clone(), d.state)))
+            .read(|inner| inner.deps.get(&id).map(|d| (d.spec(), d.state)))
             .ok_or_else(|| not_found(&id))?;
         match spec.1 {
             InstanceState::Parked | InstanceState::Parking => return self.receipt("park", &id),

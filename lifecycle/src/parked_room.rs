@@ -21,6 +21,8 @@ use capyctl_engine_rules::tier::{
 };
 use capyctl_interfaces::inventory::HostMemory;
 use capyctl_interfaces::spec::InstanceSpec;
+use capyctl_spec::documents::DeploymentDoc;
+use capyctl_spec::{EngineKind, Residency};
 use tokio::time::Instant;
 
 /// The copy a park is about to make.
@@ -137,17 +139,53 @@ impl CopiesIndex {
     }
 }
 
-/// The host agent's tier input for a park of `spec`, as far as the lifecycle knows it: the
-/// deployment's spec and whether the host's GPUs have `unified_memory`. Two facts of the agent
-/// are not known here and taken as absent: the refusal table's row (the agent refuses such a
-/// park; the lifecycle then stops the model) and how the engine was launched (so the rule is
-/// read as at launch). The copy's size and the room are not part of the rule.
-fn tier_input(spec: &InstanceSpec, unified_memory: bool) -> TierInput {
+/// What the tier rule reads of a model: its engine, `residency`, whether its engine decodes
+/// speculatively and whether it is a decision model. Read from its document
+/// (`From<&DeploymentDoc>`: the lifecycle keeps no [`InstanceSpec`] per deployment, `Dep::spec`)
+/// or from a spec made of it, the same fields as [`InstanceSpec::from_doc`] copies them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TierModel {
+    engine: EngineKind,
+    residency: Option<Residency>,
+    /// SGLang's speculative decoding is on ([`InstanceSpec::speculative`]).
+    pub speculative: bool,
+    decision_model: bool,
+}
+
+impl From<&InstanceSpec> for TierModel {
+    fn from(spec: &InstanceSpec) -> Self {
+        Self {
+            engine: spec.engine,
+            residency: spec.residency,
+            speculative: spec.speculative(),
+            decision_model: spec.decision.is_some(),
+        }
+    }
+}
+
+impl From<&DeploymentDoc> for TierModel {
+    fn from(doc: &DeploymentDoc) -> Self {
+        let engine = doc.engine_kind();
+        Self {
+            engine,
+            residency: doc.residency,
+            speculative: capyctl_spec::engine_args::speculative(engine, &doc.extra_args),
+            decision_model: doc.decision.is_some(),
+        }
+    }
+}
+
+/// The host agent's tier input for a park of `model`, as far as the lifecycle knows it: the
+/// deployment's document and whether the host's GPUs have `unified_memory`. Two facts of the
+/// agent are not known here and taken as absent: the refusal table's row (the agent refuses
+/// such a park; the lifecycle then stops the model) and how the engine was launched (so the
+/// rule is read as at launch). The copy's size and the room are not part of the rule.
+fn tier_input(model: TierModel, unified_memory: bool) -> TierInput {
     TierInput {
-        engine: spec.engine,
-        residency: spec.residency,
-        speculative: spec.speculative(),
-        decision_model: spec.decision.is_some(),
+        engine: model.engine,
+        residency: model.residency,
+        speculative: model.speculative,
+        decision_model: model.decision_model,
         unified_memory,
         weights_bytes: None,
         host_room: None,
@@ -156,16 +194,16 @@ fn tier_input(spec: &InstanceSpec, unified_memory: bool) -> TierInput {
     }
 }
 
-/// Whether `spec`'s model parks when released, on any host (not `residency: restart_only`,
+/// Whether `model` parks when released, on any host (not `residency: restart_only`,
 /// TensorFold or a decision model: [`never_parks`]).
-pub(crate) fn parks(spec: &InstanceSpec) -> bool {
-    never_parks(&tier_input(spec, false)).is_none()
+pub(crate) fn parks(model: impl Into<TierModel>) -> bool {
+    never_parks(&tier_input(model.into(), false)).is_none()
 }
 
-/// Whether a park of `spec` goes to host RAM when its copy fits there: the host agent's tier
+/// Whether a park of `model` goes to host RAM when its copy fits there: the host agent's tier
 /// rule ([`tier_rule`]), with `unified_memory` read from the host's inventory.
-pub(crate) fn parks_in_host_ram(spec: &InstanceSpec, unified_memory: bool) -> bool {
-    tier_rule(&tier_input(spec, unified_memory)).is_ok_and(TierRule::host_ram_if_fits)
+pub(crate) fn parks_in_host_ram(model: impl Into<TierModel>, unified_memory: bool) -> bool {
+    tier_rule(&tier_input(model.into(), unified_memory)).is_ok_and(TierRule::host_ram_if_fits)
 }
 
 /// Which of `copies` (the other copies parked in host RAM on the host whose memory is
@@ -539,5 +577,38 @@ mod tests {
         assert!(speculative.speculative());
         assert!(!parks_in_host_ram(&speculative, false), "KV cache only");
         assert!(parks(&speculative));
+    }
+
+    /// The lifecycle reads the tier rule's fields from a deployment's document (it keeps no
+    /// spec per deployment): the same as from the spec the agent is given.
+    #[test]
+    fn a_documents_tier_model_is_its_specs() {
+        for yaml in [
+            "name: m\nengine: vllm\nmodel: m\n",
+            "name: m\nengine: vllm\nmodel: m\nresidency: restart_only\n",
+            "name: m\nengine: vllm\nmodel: m\nresidency: host_backed\n",
+            "name: m\nengine: tensorfold\nmodel: m\n",
+            "name: m\nengine: vllm\nmodel: m\ndecision:\n  prompt: p\n  options: [yes, no]\n",
+            "name: m\nengine: sglang\nmodel: m\nextra_args: [\"--speculative-algorithm\", \"EAGLE\"]\n",
+        ] {
+            let doc = capyctl_spec::documents::parse_deployment_str("t.yaml", yaml)
+                .unwrap_or_else(|e| panic!("{e}"));
+            let from_spec = TierModel::from(&InstanceSpec::from_doc("d".to_string(), &doc));
+            assert_eq!(TierModel::from(&doc), from_spec, "{yaml}");
+            for unified in [false, true] {
+                assert_eq!(
+                    parks_in_host_ram(&doc, unified),
+                    parks_in_host_ram(from_spec, unified)
+                );
+            }
+        }
+        let restart = "name: m\nengine: vllm\nmodel: m\nresidency: restart_only\n";
+        let doc = capyctl_spec::documents::parse_deployment_str("t.yaml", restart)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(!parks(&doc));
+        assert!(TierModel::from(&spec(
+            "name: m\nengine: sglang\nmodel: m\nextra_args: [\"--speculative-algorithm\", \"EAGLE\"]\n"
+        ))
+        .speculative);
     }
 }

@@ -20,7 +20,7 @@ impl Core {
         self.read(|inner| inner.adapter_command_refusal(&id, "preinitialize"))?;
         self.read(|inner| inner.held_refusal())?;
         let spec = self
-            .read(|inner| inner.deps.get(&id).map(|d| d.spec.clone()))
+            .read(|inner| inner.deps.get(&id).map(|d| d.spec()))
             .ok_or_else(|| not_found(&id))?;
         let agent = self.agent_of(&id)?;
         let measured = agent

@@ -124,7 +124,7 @@ impl Core {
             let inv = inv.as_ref().ok()?;
             let copy = parked_room::NewCopy {
                 bytes: d.measurement.weights_bytes(),
-                to_host_ram: parked_room::parks_in_host_ram(&d.spec, inv.unified_memory()),
+                to_host_ram: parked_room::parks_in_host_ram(&*d.rec.doc, inv.unified_memory()),
                 priority: d.rec.doc.priority(),
             };
             let copies: Vec<parked_room::ParkedCopy<'_>> = ids

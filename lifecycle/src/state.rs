@@ -17,7 +17,7 @@ use capyctl_interfaces::router::InstanceKey;
 use capyctl_interfaces::spec::{HostSettings, InstanceSpec};
 use capyctl_interfaces::tier::ParkTier;
 use capyctl_spec::errors::ApiError;
-use capyctl_spec::{Activation, InstanceState};
+use capyctl_spec::{Activation, EngineKind, InstanceState};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -51,23 +51,23 @@ pub(crate) struct Dep {
     /// Its key in [`State::deps`] ([`unit_id`]) where it is not its deployment's ID (index
     /// 0: [`Dep::id`] is `rec.id`). NB (memory at scale): a copy of the ID per deployment
     /// was some 50 bytes of heap.
-    unit: Option<String>,
+    unit: Option<Box<str>>,
     /// Its instance's index within the deployment.
     pub(crate) index: u32,
     /// The GPUs (indexes on its host) its engine is given, when its host has several; empty:
     /// the whole host (one GPU, or none known).
     pub(crate) gpus: Vec<u32>,
     pub(crate) rec: DeploymentRecord,
-    /// Its instance spec (from the document), shared with the views' [`views::Fixed`].
-    pub(crate) spec: Arc<InstanceSpec>,
     pub(crate) measurement: Measurement,
     pub(crate) state: InstanceState,
     /// An engine operation is in progress (the state says which).
     pub(crate) busy: bool,
-    /// Reserved as a victim by this switch or release.
-    pub(crate) reserved: Option<String>,
+    /// Reserved as a victim by this switch or release. NB (memory at scale): this, `claim`,
+    /// `ended_stop_failed` and `unit` are `Box<str>`, set for few deployments at a time: a
+    /// `String`'s capacity word in each was 32 bytes of every `Dep`.
+    pub(crate) reserved: Option<Box<str>>,
     /// The target of this switch (memory promised, not yet starting).
-    pub(crate) claim: Option<String>,
+    pub(crate) claim: Option<Box<str>>,
     /// The host its instance is placed on (claimed, running, parked, or last run on): one
     /// shared copy of each host's ID ([`State::host_names`]). NB (reads at scale): a read
     /// copies it per deployment; a string of its own per deployment was a memory access of its
@@ -100,7 +100,7 @@ pub(crate) struct Dep {
     /// failed so, the books count that memory ([`Dep::keeps_engine`]) and `start --evict` does
     /// not count it as released. Cleared when a stop succeeds, when its engine is seen gone
     /// (it exited, or its host no longer has it), and when the next bring-up begins.
-    pub(crate) ended_stop_failed: Option<String>,
+    pub(crate) ended_stop_failed: Option<Box<str>>,
     /// The start or wake in progress (or last begun) is an operator's: `start`, a pending
     /// start, `start --evict`, `preinitialize`. Another model's requests never end it
     /// ([`Victims::Idle`]); only the operator's `stop`, `delete` or another `start --evict`
@@ -121,14 +121,12 @@ impl Dep {
 
     /// Instance `index` of the deployment `rec` records, last used `now`.
     pub(crate) fn replica(rec: DeploymentRecord, index: u32, now: Instant) -> Self {
-        let spec = Arc::new(InstanceSpec::from_doc(rec.id.clone(), &rec.doc));
-        let fixed = Arc::new(views::Fixed::of(&rec, Arc::clone(&spec), index));
+        let fixed = Arc::new(views::Fixed::of(&rec, index));
         Self {
-            unit: (index > 0).then(|| unit_id(&rec.id, index)),
+            unit: (index > 0).then(|| unit_id(&rec.id, index).into()),
             index,
             gpus: Vec::new(),
             rec,
-            spec,
             measurement: Measurement::default(),
             state: InstanceState::Stopped,
             busy: false,
@@ -153,11 +151,21 @@ impl Dep {
 
     /// Renews what the views share of its record after a deploy changed it.
     pub(crate) fn renew_fixed(&mut self) {
-        self.fixed = Arc::new(views::Fixed::of(
-            &self.rec,
-            Arc::clone(&self.spec),
-            self.index,
-        ));
+        self.fixed = Arc::new(views::Fixed::of(&self.rec, self.index));
+    }
+
+    /// Its instance spec, as its host agent is given it: made from its document when asked
+    /// for (an engine's start, measure or park; nothing on a read's path or in placement reads
+    /// one: they read the document, e.g. [`parked_room::TierModel`]). NB (memory at scale):
+    /// not kept; one per deployment (an `Arc` of 280 bytes and three strings copied from the
+    /// document) was some 350 bytes of heap and four allocations per deployment.
+    pub(crate) fn spec(&self) -> InstanceSpec {
+        InstanceSpec::from_doc(self.rec.id.clone(), &self.rec.doc)
+    }
+
+    /// Its engine (its spec's).
+    pub(crate) fn engine(&self) -> EngineKind {
+        self.rec.doc.engine_kind()
     }
 
     /// The spec its engine starts with: its deployment's, on the GPUs placement chose for it
@@ -166,7 +174,7 @@ impl Dep {
     /// CUDA's own default order puts the fastest GPU first, which on a box of mixed GPUs would
     /// give the engine other GPUs than the ones whose memory was counted for it.
     pub(crate) fn launch_spec(&self) -> InstanceSpec {
-        let mut spec = InstanceSpec::clone(&self.spec);
+        let mut spec = self.spec();
         if !self.gpus.is_empty() {
             let list: Vec<String> = self.gpus.iter().map(u32::to_string).collect();
             spec.env
@@ -323,20 +331,21 @@ impl Dep {
     /// What it would still hold on the GPU once parked: the agent's estimate of a parked
     /// engine's residue, or 0 when it stops instead of parking.
     pub(crate) fn residue_if_parked(&self) -> u64 {
-        if !self.parks() {
+        let model = parked_room::TierModel::from(&*self.rec.doc);
+        if !parked_room::parks(model) {
             return 0;
         }
         capyctl_engine_rules::parked::parked_estimate(
             self.measurement.weights_bytes(),
-            self.spec.speculative(),
-            self.spec.tensor_parallel.unwrap_or(1),
+            model.speculative,
+            capyctl_interfaces::spec::tensor_parallel(&self.rec.doc).unwrap_or(1),
         )
         .unwrap_or(0)
     }
 
     /// Whether it parks when released (not TensorFold, `restart_only` or a decision model).
     pub(crate) fn parks(&self) -> bool {
-        parked_room::parks(&self.spec)
+        parked_room::parks(&*self.rec.doc)
     }
 
     /// Ready, starting, waking, or claimed by a switch that brings it up.
@@ -514,8 +523,8 @@ pub(crate) struct State {
     pub(crate) cordoned: BTreeSet<String>,
     /// The deployments that hold GPU memory on each host (exactly those once
     /// [`State::settle_held`] has run; a unit bound since may be among them): what placement
-    /// reads when it needs the victims.
-    pub(crate) holding: HashMap<String, BTreeSet<String>>,
+    /// reads when it needs the victims. NB (memory at scale): the IDs are `by_host`'s, shared.
+    pub(crate) holding: HashMap<String, BTreeSet<Arc<str>>>,
     /// The units that may hold a parked copy in host RAM, by host: what a park reads to make
     /// room for its copy (`Core::make_parked_room`).
     pub(crate) parked_copies: parked_room::CopiesIndex,
@@ -679,7 +688,6 @@ impl State {
                     if d.rec.revision != rec.revision || d.rec.doc != rec.doc {
                         d.rec.doc = Arc::clone(&rec.doc);
                         d.rec.revision = rec.revision;
-                        d.spec = Arc::new(InstanceSpec::from_doc(rec.id.clone(), &rec.doc));
                         d.renew_fixed();
                     }
                     d.rec.operator_stopped = rec.operator_stopped;
@@ -937,15 +945,20 @@ impl State {
         }
         if let Some(new) = &host {
             let ids = self.by_host.entry(new.to_string()).or_default();
-            if !ids.contains(id) {
-                // The deployment's ID as `by_name` holds it (an instance after the first has
-                // a key of its own).
-                let shared = self.by_name.get(d.name()).filter(|i| &***i == id);
-                ids.insert(shared.map_or_else(|| Arc::from(id), Arc::clone));
-            }
+            let shared = match ids.get(id) {
+                Some(shared) => Arc::clone(shared),
+                None => {
+                    // The deployment's ID as `by_name` holds it (an instance after the first
+                    // has a key of its own).
+                    let shared = self.by_name.get(d.name()).filter(|i| &***i == id);
+                    let shared = shared.map_or_else(|| Arc::from(id), Arc::clone);
+                    ids.insert(Arc::clone(&shared));
+                    shared
+                }
+            };
             let ids = self.holding.entry(new.to_string()).or_default();
             if !ids.contains(id) {
-                ids.insert(id.to_string());
+                ids.insert(shared);
             }
         }
         d.host = host;
@@ -966,7 +979,7 @@ impl State {
             .get(host)
             .into_iter()
             .flatten()
-            .filter_map(|id| self.deps.get(id).map(|d| &**d))
+            .filter_map(|id| self.deps.get(&**id).map(|d| &**d))
             .filter(move |d| d.host.as_deref() == Some(host))
     }
 

@@ -18,7 +18,7 @@
 //! it (and no state database) imports it in one transaction and renames it
 //! `state.json.migrated`.
 
-use std::collections::BTreeMap;
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -137,25 +137,58 @@ impl Changes {
 /// A store that keeps its records in memory, by ID: each write changes only the records it
 /// names. The Kubernetes store is one (its records reach the API server as the CRs' status),
 /// and so are the tests' and the benches' stores.
+///
+/// NB (memory at scale): the records are a set ordered by their own ID ([`ById`]), not a map
+/// keyed by a copy of it (some 50 bytes of heap per deployment).
 #[derive(Debug, Default)]
 pub struct MemoryStore {
-    records: Mutex<BTreeMap<String, DeploymentRecord>>,
+    records: Mutex<BTreeSet<ById>>,
+}
+
+/// A record in [`MemoryStore`]: ordered, compared and looked up by its ID alone.
+#[derive(Debug)]
+struct ById(DeploymentRecord);
+
+impl PartialEq for ById {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.id == other.0.id
+    }
+}
+
+impl Eq for ById {}
+
+impl PartialOrd for ById {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for ById {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.id.cmp(&other.0.id)
+    }
+}
+
+impl std::borrow::Borrow<str> for ById {
+    fn borrow(&self) -> &str {
+        &self.0.id
+    }
 }
 
 impl MemoryStore {
     /// A store holding `records`.
     pub fn new(records: impl IntoIterator<Item = DeploymentRecord>) -> Self {
         Self {
-            records: Mutex::new(records.into_iter().map(|r| (r.id.clone(), r)).collect()),
+            records: Mutex::new(records.into_iter().map(ById).collect()),
         }
     }
 
     /// The record of deployment `id`, as last written.
     pub fn get(&self, id: &str) -> Option<DeploymentRecord> {
-        self.lock().get(id).cloned()
+        self.lock().get(id).map(|r| r.0.clone())
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, DeploymentRecord>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeSet<ById>> {
         self.records.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
@@ -163,16 +196,16 @@ impl MemoryStore {
 impl Store for MemoryStore {
     /// By ID.
     fn load(&self) -> Result<Vec<DeploymentRecord>, StoreError> {
-        Ok(self.lock().values().cloned().collect())
+        Ok(self.lock().iter().map(|r| r.0.clone()).collect())
     }
 
     fn write(&self, changes: &Changes) -> Result<(), StoreError> {
         let mut records = self.lock();
         for r in &changes.put {
-            records.insert(r.id.clone(), r.clone());
+            records.replace(ById(r.clone()));
         }
         for id in &changes.remove {
-            records.remove(id);
+            records.remove(id.as_str());
         }
         Ok(())
     }

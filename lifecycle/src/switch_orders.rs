@@ -177,7 +177,7 @@ impl Core {
                     .map(str::to_string)
                     .unwrap_or_default(),
                 gpus: d.map(|d| gpus_of(inner, d)).unwrap_or_default(),
-                engine: d.map_or("unknown", |d| d.spec.engine.as_str()),
+                engine: d.map_or("unknown", |d| d.engine().as_str()),
                 wave: u64::try_from(wave).unwrap_or(u64::MAX),
             }
         })
@@ -341,7 +341,7 @@ impl Core {
                                 ),
                             },
                         ));
-                        not_released.push((v.clone(), name, why));
+                        not_released.push((v.clone(), name, why.into()));
                         continue;
                     }
                     Some((true, None)) => {

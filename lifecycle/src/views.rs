@@ -18,7 +18,6 @@ use capyctl_interfaces::launch::MaxRunning;
 use capyctl_interfaces::load::LoadSample;
 use capyctl_interfaces::measure::Measurement;
 use capyctl_interfaces::router::InstanceKey;
-use capyctl_interfaces::spec::InstanceSpec;
 use capyctl_interfaces::tier::ParkTier;
 use capyctl_spec::api::{
     EngineLoadView, GpuView, HostView, STALE_AFTER_MS, STALE_SAMPLE_KEPT_MS, SampleView,
@@ -40,35 +39,35 @@ pub(crate) use load::{LoadChunk, LoadUnit, load_view, write_load_view};
 /// deployment and every snapshot of it, renewed when its revision moves on.
 ///
 /// NB (memory and reads at scale): its four texts (the ID, the instance's ID, the load view's
-/// head and the document's JSON) are one allocation ([`Fixed::text`]), one after the other: a
-/// full load read compares the ID with the router's, writes the head and looks the instance's
-/// sample up by its ID, all from one place (four allocations were a memory access each per
-/// deployment, and some 100 bytes of the allocator's own).
+/// head and the document's JSON) are one allocation ([`Fixed::text`]): a full load read
+/// compares the ID with the router's, writes the head and looks the instance's sample up by
+/// its ID, all from one place (four allocations were a memory access each per deployment, and
+/// some 100 bytes of the allocator's own). The ID is not written twice: it begins the
+/// instance's ID (`<id>-<index>`).
 #[derive(Debug)]
 pub(crate) struct Fixed {
     /// The revision it was taken at.
     pub revision: u64,
-    /// Its document (its record's, shared).
+    /// Its document (its record's, shared): what the views read of its spec too (no
+    /// [`capyctl_interfaces::spec::InstanceSpec`] is kept per deployment: `Dep::spec`).
     pub doc: Arc<DeploymentDoc>,
-    /// Its instance spec (from the document; the deployment's, shared).
-    pub spec: Arc<InstanceSpec>,
     /// Its instance's index.
     pub index: u32,
-    /// Where [`Fixed::text`]'s first three parts end.
+    /// Where [`Fixed::text`]'s first three parts end (the first two both begin at 0).
     ends: [u32; 3],
-    /// One after the other: the deployment's ID; its instance's ID (`super::instance_id_at`);
-    /// how its load view's JSON begins ([`load_head`]: written as it is by each full load read,
-    /// [`write_load_view`]); its document's JSON (`serde_json`'s: written as it is as the
-    /// `spec` of each of its views in the deployments list, [`write_deployment_view`], from its
-    /// first instance's; empty for the others, and where it did not encode, then encoded by
-    /// each view. NB (reads at scale): some 100-200 bytes per deployment kept, against a fifth
-    /// of the list's CPU encoding it per view).
+    /// One after the other: its instance's ID (`super::instance_id_at`), whose first part is
+    /// the deployment's ID; how its load view's JSON begins ([`load_head`]: written as it is
+    /// by each full load read, [`write_load_view`]); its document's JSON (`serde_json`'s:
+    /// written as it is as the `spec` of each of its views in the deployments list,
+    /// [`write_deployment_view`], from its first instance's; empty for the others, and where it
+    /// did not encode, then encoded by each view. NB (reads at scale): some 100-200 bytes per
+    /// deployment kept, against a fifth of the list's CPU encoding it per view).
     text: Box<str>,
 }
 
 impl Fixed {
-    /// Of `rec`, whose instance spec is `spec`.
-    pub(crate) fn of(rec: &DeploymentRecord, spec: Arc<InstanceSpec>, index: u32) -> Self {
+    /// Of instance `index` of `rec`.
+    pub(crate) fn of(rec: &DeploymentRecord, index: u32) -> Self {
         let instance_id = super::instance_id_at(&rec.id, index);
         let head = load::load_head(&rec.id, &rec.doc.name);
         // Only the first instance's is written (a deployment's view reads its first unit's).
@@ -77,27 +76,31 @@ impl Fixed {
         } else {
             String::new()
         };
-        let mut text =
-            String::with_capacity(rec.id.len() + instance_id.len() + head.len() + spec_json.len());
-        let mut ends = [0u32; 3];
-        for (end, part) in ends.iter_mut().zip([&rec.id, &instance_id, &head]) {
-            text.push_str(part);
-            *end = u32::try_from(text.len()).unwrap_or(u32::MAX);
-        }
+        let end = |len: usize| u32::try_from(len).unwrap_or(u32::MAX);
+        let mut text = String::with_capacity(instance_id.len() + head.len() + spec_json.len());
+        text.push_str(&instance_id);
+        text.push_str(&head);
+        let ends = [
+            end(rec.id.len()),
+            end(instance_id.len()),
+            end(instance_id.len() + head.len()),
+        ];
         text.push_str(&spec_json);
         Fixed {
             revision: rec.revision,
             doc: Arc::clone(&rec.doc),
-            spec,
             index,
             ends,
             text: text.into_boxed_str(),
         }
     }
 
-    /// [`Fixed::text`]'s part `i`.
+    /// [`Fixed::text`]'s part `i` (0 and 1 both begin at 0: the ID begins the instance's ID).
     fn part(&self, i: usize) -> &str {
-        let start = i.checked_sub(1).map_or(0, |j| self.ends[j] as usize);
+        let start = i
+            .checked_sub(1)
+            .filter(|&j| j > 0)
+            .map_or(0, |j| self.ends[j] as usize);
         let end = self.ends.get(i).map_or(self.text.len(), |&e| e as usize);
         self.text.get(start..end).unwrap_or_default()
     }
@@ -128,7 +131,7 @@ impl Fixed {
 }
 
 /// Asks for the memory a read copies of `d` (its record's fields, its [`Fixed`], its texts and
-/// its spec) without using it. NB (reads at scale): a chunk's deployments are fetched so, one
+/// its document) without using it. NB (reads at scale): a chunk's deployments are fetched so, one
 /// after the other, before any is copied: each is a few memory accesses that depend on one
 /// another (the boxed `Dep`, then its `Fixed`, then its texts), so a copy that follows them
 /// deployment by deployment waits for each access in turn, where these loads, independent
@@ -140,7 +143,7 @@ pub(crate) fn fetch(d: &Dep) {
         d.rec.generation,
         f.text.as_bytes().first(),
         f.text.as_bytes().get(f.ends[2] as usize),
-        f.spec.engine,
+        f.doc.max_concurrent_requests,
     ));
 }
 
@@ -148,7 +151,7 @@ pub(crate) fn fetch(d: &Dep) {
 /// module's NB).
 #[derive(Debug, Clone)]
 pub(crate) struct DepShot {
-    /// Its ID, document and spec (shared).
+    /// Its ID and document (shared).
     pub fixed: Arc<Fixed>,
     state: InstanceState,
     measurement: Measurement,
@@ -388,16 +391,17 @@ pub(crate) fn group(mut shots: Vec<DepShot>) -> Vec<Vec<DepShot>> {
 
 /// What CapyCTL passes or expects before the engine says (the deployment's figure).
 fn expected_max_running(
-    spec: &InstanceSpec,
+    doc: &DeploymentDoc,
     config: &LifecycleConfig,
     host: Option<&Host>,
 ) -> MaxRunning {
     let settings = host.map_or(&config.host_settings, |h| &h.settings);
+    let engine = doc.engine_kind();
     max_running(&MaxRunningInput {
-        engine: spec.engine,
-        declared: spec.max_concurrent_requests,
-        extra_args: &spec.extra_args,
-        host_command: &settings.engine(spec.engine).command,
+        engine,
+        declared: doc.max_concurrent_requests,
+        extra_args: &doc.extra_args,
+        host_command: &settings.engine(engine).command,
         engine_reported: None,
         hybrid_checkpoint: false,
         sized_on_host: host.is_some_and(|h| h.remote),

@@ -40,7 +40,7 @@ impl CoreEngines {
             inner
                 .deps
                 .get(&unit_of_key(key))
-                .map_or("", |d| d.spec.engine.as_str())
+                .map_or("", |d| d.engine().as_str())
         });
         let target = Target {
             switch_id: core.fresh_id("adapter"),

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use capyctl_interfaces::measure::Measurement;
-use capyctl_interfaces::spec::InstanceSpec;
 use capyctl_spec::InstanceState;
 use capyctl_spec::api::DeployOutcome;
 use capyctl_spec::documents::DeploymentDoc;
@@ -37,7 +36,6 @@ impl State {
                 return (d.rec.id.clone(), DeployOutcome::Unchanged);
             }
             d.rec.revision += 1;
-            d.spec = Arc::new(InstanceSpec::from_doc(d.rec.id.clone(), &doc));
             d.rec.doc = Arc::new(doc);
             d.renew_fixed();
             // The name cache's entry holds what the router reads of the document (its

@@ -115,7 +115,7 @@ impl State {
             for_room,
             kept,
             name: d.name().to_string(),
-            engine: d.spec.engine.as_str(),
+            engine: d.engine().as_str(),
         })
     }
 
@@ -159,7 +159,7 @@ impl State {
                     _ => format!("park or stop failed: {error}"),
                 };
                 d.fail(why, now);
-                d.ended_stop_failed = stopped.err();
+                d.ended_stop_failed = stopped.err().map(String::into_boxed_str);
             }
         }
     }

@@ -311,7 +311,7 @@ impl State {
                             format!("{why}, but stopping the engine failed: {stop}"),
                             now,
                         );
-                        d.ended_stop_failed = Some(stop);
+                        d.ended_stop_failed = Some(stop.into());
                     }
                 }
                 Some(Err(d.key(&self.host_id)))
@@ -353,7 +353,7 @@ impl State {
                                 "{what} ended ({}), but stopping the engine failed: {stop}",
                                 e.message()
                             ));
-                            d.ended_stop_failed = Some(stop);
+                            d.ended_stop_failed = Some(stop.into());
                         }
                     }
                 }
@@ -960,7 +960,7 @@ impl State {
                 // NB: a pending operator start stays pending until the bring-up begins
                 // (`begin_up` takes it): a switch given back leaves it waiting as before.
                 if let Some(d) = self.deps.get_mut(target) {
-                    d.claim = Some(switch_id.clone());
+                    d.claim = Some(switch_id.as_str().into());
                 }
                 self.set_placed(target, placed);
                 Plan::BringUp { switch_id }
@@ -979,7 +979,7 @@ impl State {
                 let mut keys = Vec::new();
                 for v in &victims {
                     if let Some(vd) = self.deps.get_mut(v) {
-                        vd.reserved = Some(switch_id.clone());
+                        vd.reserved = Some(switch_id.as_str().into());
                         if vd.state == InstanceState::Ready {
                             let host = vd.host.as_deref().unwrap_or(self.host_id.as_str());
                             keys.push(Self::key_of(vd, host));
@@ -987,7 +987,7 @@ impl State {
                     }
                 }
                 if let Some(d) = self.deps.get_mut(target) {
-                    d.claim = Some(switch_id.clone());
+                    d.claim = Some(switch_id.as_str().into());
                 }
                 self.set_placed(target, placed);
                 self.reservations.insert(
@@ -1123,7 +1123,7 @@ impl State {
             _ => return Ok(None),
         };
         // Reserved like a switch's victim: nothing else wakes, plans or stops it meanwhile.
-        d.reserved = Some(rid.to_string());
+        d.reserved = Some(rid.into());
         self.reservations.insert(
             rid.to_string(),
             Reservation {

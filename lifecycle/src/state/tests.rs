@@ -249,7 +249,7 @@ async fn instances_prefer_hosts_without_a_sibling_and_span_gpus_per_instance() {
         16,
         now,
     ));
-    assert_eq!(s.deps["t-1"].spec.tensor_parallel, Some(2));
+    assert_eq!(s.deps["t-1"].spec().tensor_parallel, Some(2));
     let (_, g0) = bring_up(&mut s, "t", now);
     let (_, g1) = bring_up(&mut s, "t-1", now);
     assert_eq!((g0.len(), g1.len()), (2, 2));
@@ -514,7 +514,7 @@ async fn a_host_that_joins_during_the_fence_has_what_it_holds_ready_fenced_too()
     s.set_fence(now + Duration::from_secs(90), now);
     let adopted = capyctl_interfaces::agent::AdoptedInstance {
         instance: instance_id("b"),
-        spec: InstanceSpec::clone(&s.deps["b"].spec),
+        spec: s.deps["b"].spec(),
         base_url: "http://127.0.0.1:9".into(),
         pid: 4242,
         parked: None,
@@ -699,7 +699,7 @@ async fn placement_reads_only_what_may_hold_the_gpu_and_lets_go_of_what_no_longe
             .get("gpu-1")
             .into_iter()
             .flatten()
-            .cloned()
+            .map(|id| id.to_string())
             .collect()
     };
     assert_eq!(holding(&s), ["a", "b"]);
@@ -1496,7 +1496,7 @@ fn held_sums_agree(s: &mut State, now: Instant, step: &str) {
             .get(host_id)
             .into_iter()
             .flatten()
-            .map(String::as_str)
+            .map(|id| &**id)
             .collect();
         assert_eq!(index, ids, "{step}: the holders' index of {host_id}");
         if host.gpus.len() > 1 {

@@ -563,11 +563,10 @@ mod tests {
 
     /// A snapshot of instance `index` of the deployment `rec`, varied by `v`.
     fn shot(rec: &DeploymentRecord, index: u32, v: usize) -> DepShot {
-        let spec = Arc::new(InstanceSpec::from_doc(rec.id.clone(), &rec.doc));
         let measured = |bytes, source| Some(Measured { bytes, source });
         let state = InstanceState::ALL[v % InstanceState::ALL.len()];
         DepShot {
-            fixed: Arc::new(Fixed::of(rec, spec, index)),
+            fixed: Arc::new(Fixed::of(rec, index)),
             state,
             measurement: [
                 Measurement::default(),

@@ -92,10 +92,10 @@ impl Chunk for LoadChunk<'_> {
     /// across its deployments, so that they are in flight together: the `Dep`s' fields
     /// [`Chunk::push`] reads, then their `Fixed`s, then the texts it copies (a load in each 64
     /// bytes of the instance's ID and the head, the first and the last) and the rest
-    /// ([`super::fetch`]: the spec). One pass that followed each deployment's pointers in turn
+    /// (the document's fields the expected `max_running` reads; [`super::fetch`]). One pass that followed each deployment's pointers in turn
     /// (the `Dep`, its `Fixed`, its texts) kept a few deployments' accesses in flight at once,
     /// and touched two of the texts' two to three cache lines: `perf` put most of `push` on
-    /// the first reads of the texts and the spec.
+    /// the first reads of the texts and of the spec (now the document).
     fn fetch(&self, deps: &[&Dep]) {
         for d in deps {
             std::hint::black_box((
@@ -119,7 +119,7 @@ impl Chunk for LoadChunk<'_> {
                 }
                 std::hint::black_box(bytes.last());
             }
-            std::hint::black_box((f.spec.extra_args.len(), f.spec.max_concurrent_requests));
+            std::hint::black_box((f.doc.extra_args.len(), f.doc.max_concurrent_requests));
             super::fetch(d);
         }
     }
@@ -155,7 +155,7 @@ impl Chunk for LoadChunk<'_> {
             state: shown_state(d),
             has_host: host.is_some(),
             own_max_running: d.max_running,
-            expected: expected_max_running(&fixed.spec, self.config, host.map(|(_, h)| &**h)),
+            expected: expected_max_running(&fixed.doc, self.config, host.map(|(_, h)| &**h)),
         });
     }
 
