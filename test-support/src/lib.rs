@@ -13,7 +13,7 @@
 //!   in-process host agent of the lifecycle's tests and the scale benchmark: engines that start,
 //!   park, wake and stop in set times, a latency per inventory/engines call, the calls logged,
 //!   operations that hang and stops that fail; [`FakeHost`] is its former name, still used
-//!   by two unit tests in lifecycle/src (`state/tests.rs`, `hosts.rs`): rename them and drop it;
+//!   by two unit tests in lifecycle/src (`state/tests/`, `hosts.rs`): rename them and drop it;
 //! - [`cut_proxy`]: a TCP proxy a test cuts (refused, or black-holed) and restores, between a
 //!   program and a server it calls (the operators and the Kubernetes API server);
 //! - [`http`]: a small HTTP client for the listeners (JSON in and out, the management API's

@@ -12,7 +12,7 @@
 //!
 //! What a unit counts is what placement reads of it as a holder (`State::holders`,
 //! [`Dep::held_bytes`]; per GPU, [`crate::placement::gpu_share`]): the sums equal the sums over
-//! the holders, which `state/tests.rs` checks after every kind of transition.
+//! the holders, which `state/tests/` checks after every kind of transition.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::Deref;
