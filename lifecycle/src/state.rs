@@ -226,11 +226,14 @@ impl Dep {
                 .is_some_and(|at| now.saturating_duration_since(at) < FAILED_BACKOFF)
     }
 
-    /// Nothing runs, is on its way or is reserved for it: dropping it loses nothing.
+    /// Nothing runs, is on its way or is reserved for it, and no engine it could not stop may
+    /// still hold its memory ([`Dep::keeps_engine`]): dropping it loses nothing. NB: a failed
+    /// instance past `replicas` dropped while its engine was kept counted that memory free.
     pub(crate) fn holds_nothing(&self) -> bool {
         !self.busy
             && self.reserved.is_none()
             && self.claim.is_none()
+            && !self.keeps_engine()
             && matches!(
                 self.state,
                 InstanceState::Stopped | InstanceState::Failed | InstanceState::AwaitingMeasurement

@@ -506,3 +506,50 @@ async fn the_scaler_takes_the_first_unit_with_room_in_one_turn() {
     assert!(s.deps["r-2"].busy && !s.deps["r-2"].operator_up);
     assert_eq!(s.deps["r-2"].last_used, now);
 }
+
+/// An instance past `replicas` whose engine could not be stopped is not dropped with the
+/// surplus: dropped, its engine's memory would be counted free while the engine may still hold
+/// it (the GPU over-booked). It stays, failed and counted, until its engine is seen gone; then
+/// it holds nothing and goes.
+#[tokio::test(start_paused = true)]
+async fn a_surplus_instance_whose_engine_could_not_be_stopped_stays_until_it_is_gone() {
+    let t0 = Instant::now();
+    let mut s = one_host("box", 2, 10);
+    s.insert(dep("r", "chat-r", "replicas: 2", t0));
+    bring_up(&mut s, "r", t0);
+    bring_up(&mut s, "r-1", t0);
+    released(
+        &mut s,
+        "r-1",
+        DownDone::Failed {
+            error: "park timed out".into(),
+            stopped: Err("connection refused".into()),
+        },
+        t0,
+    );
+    assert!(s.deps["r-1"].keeps_engine());
+    held_sums_agree(&mut s, t0, "kept");
+    assert_eq!(s.gpu_held.on("box", None, ""), 12 * GIB);
+    // replicas lowered to 1: r-1 is surplus, but its engine may hold its GPU.
+    let mut d = s.deps["r"].rec.clone();
+    Arc::make_mut(&mut d.doc).replicas = Some(1);
+    d.revision = 2;
+    s.deps.get_mut("r").unwrap().rec = d;
+    s.deps.get_mut("r").unwrap().renew_fixed();
+    s.sync_units("r", t0);
+    assert_eq!(s.unit_ids("r"), ["r", "r-1"]);
+    assert!(s.settled_surplus().is_empty());
+    held_sums_agree(&mut s, t0, "surplus kept");
+    assert_eq!(s.gpu_held.on("box", None, ""), 12 * GIB);
+    // Its engine exits after all: it holds nothing, the surplus goes.
+    let exit = EngineExit {
+        instance: s.deps["r-1"].instance_id().to_string(),
+        status: Some("signal 9".into()),
+    };
+    assert!(s.engine_exited("box", &exit, t0).is_some());
+    assert_eq!(s.settled_surplus(), ["r"]);
+    s.sync_units("r", t0);
+    assert_eq!(s.unit_ids("r"), ["r"]);
+    held_sums_agree(&mut s, t0, "surplus gone");
+    assert_eq!(s.gpu_held.on("box", None, ""), 6 * GIB);
+}
