@@ -2,8 +2,8 @@
 //! functions of snapshots.
 //!
 //! NB (reads at scale): a read never builds its views under the lifecycle's lock. It copies each
-//! deployment into a [`DepShot`] under the lock (O(1) per deployment: the document and the spec
-//! are shared through [`Fixed`], not copied), a chunk of deployments at a time, and the hosts as
+//! deployment into a [`DepShot`] under the lock (O(1) per deployment: the document is shared
+//! through [`Fixed`], not copied), a chunk of deployments at a time, and the hosts as
 //! one shared map ([`Hosts`]); the views, the JSON and the host agents' calls all happen after
 //! the lock is let go (`Core::shots`).
 
@@ -141,8 +141,9 @@ pub(crate) fn fetch(d: &Dep) {
     std::hint::black_box((
         d.state,
         d.rec.generation,
-        f.text.as_bytes().first(),
-        f.text.as_bytes().get(f.ends[2] as usize),
+        // The bytes themselves, not their addresses: `black_box` of a reference reads nothing.
+        f.text.as_bytes().first().copied(),
+        f.text.as_bytes().get(f.ends[2] as usize).copied(),
         f.doc.max_concurrent_requests,
     ));
 }

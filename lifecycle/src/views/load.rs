@@ -90,9 +90,10 @@ impl<'c> LoadChunk<'c> {
 impl Chunk for LoadChunk<'_> {
     /// NB (reads at scale): in three passes over the chunk, each one's loads independent
     /// across its deployments, so that they are in flight together: the `Dep`s' fields
-    /// [`Chunk::push`] reads, then their `Fixed`s, then the texts it copies (a load in each 64
-    /// bytes of the instance's ID and the head, the first and the last) and the rest
-    /// (the document's fields the expected `max_running` reads; [`super::fetch`]). One pass that followed each deployment's pointers in turn
+    /// [`Chunk::push`] reads, then their `Fixed`s, then the texts it copies (a byte loaded in
+    /// each 64 bytes of the instance's ID and the head, the first and the last) and the rest
+    /// (the document's fields the expected `max_running` reads; [`super::fetch`]). One pass
+    /// that followed each deployment's pointers in turn
     /// (the `Dep`, its `Fixed`, its texts) kept a few deployments' accesses in flight at once,
     /// and touched two of the texts' two to three cache lines: `perf` put most of `push` on
     /// the first reads of the texts and of the spec (now the document).
@@ -115,9 +116,10 @@ impl Chunk for LoadChunk<'_> {
             for part in [f.instance_id(), f.load_head()] {
                 let bytes = part.as_bytes();
                 for at in (0..bytes.len()).step_by(64) {
-                    std::hint::black_box(bytes.get(at));
+                    // The byte itself, not its address: `black_box` of a reference reads nothing.
+                    std::hint::black_box(bytes.get(at).copied());
                 }
-                std::hint::black_box(bytes.last());
+                std::hint::black_box(bytes.last().copied());
             }
             std::hint::black_box((f.doc.extra_args.len(), f.doc.max_concurrent_requests));
             super::fetch(d);

@@ -1043,7 +1043,7 @@ impl Strip {
             out.push(&std::mem::take(&mut self.partial));
         }
         // The frame's own start unchanged: the frame itself, cut there (not a second handle
-        // on it: nothing shared is made of a frame that owns its bytes).
+        // on it made by slicing; `Bytes::truncate` may still share a frame built from a `Vec`).
         let Out { copy, same, .. } = out;
         match copy {
             Some(copy) => copy.freeze(),
@@ -1068,8 +1068,9 @@ impl Strip {
     /// NB (cost): the engine's frames carry many events each (the stream's body gathers what
     /// the engine already sent), nearly all of them tokens; reading every event (its end
     /// found, its bytes tested) was most of a tenant's streamed request beyond the router's
-    /// own work. This is a pass of `memchr2` and one of `memmem` over the frame ([`first_mark`]), and a step
-    /// back from the first event that may matter to where it begins.
+    /// own work. This is a pass of `memchr2` and one of `memmem` over the frame
+    /// ([`first_mark`]), and a step back from the first event that may matter to where it
+    /// begins.
     /// `marks`: what the frame's earlier calls found (each search goes on from there rather
     /// than over the frame again).
     fn plain_events(&self, data: &[u8], at: usize, marks: &mut Marks) -> usize {
@@ -1631,8 +1632,8 @@ mod tests {
         .min()
     }
 
-    /// The marks found by one `memchr3` pass are those a pass for each found: on chunks with
-    /// keys next to, inside and overlapping each other, and every text made from them by
+    /// The marks found by one pass ([`first_mark`]) are those a pass for each found: on chunks
+    /// with keys next to, inside and overlapping each other, and every text made from them by
     /// deleting a byte or adding or changing one.
     #[test]
     fn the_marks_found_in_one_pass_are_those_of_a_pass_for_each() {
