@@ -91,10 +91,11 @@ impl Chunk for LoadChunk<'_> {
     /// NB (reads at scale): in three passes over the chunk, each one's loads independent
     /// across its deployments, so that they are in flight together: the `Dep`s' fields
     /// [`Chunk::push`] reads, then their `Fixed`s, then the texts it copies (a byte loaded in
-    /// each 64 bytes of the instance's ID and the head, the first and the last) and the rest
-    /// (the document's fields the expected `max_running` reads; [`super::fetch`]). One pass
-    /// that followed each deployment's pointers in turn
-    /// (the `Dep`, its `Fixed`, its texts) kept a few deployments' accesses in flight at once,
+    /// each 64 bytes of the instance's ID and the head, the first and the last) and the
+    /// document's fields the expected `max_running` reads. (Not the snapshots' fetch,
+    /// [`super::fetch`]: these passes load what it does, and it loads the document's JSON,
+    /// which the load read does not copy.) One pass that followed each deployment's pointers in
+    /// turn (the `Dep`, its `Fixed`, its texts) kept a few deployments' accesses in flight at once,
     /// and touched two of the texts' two to three cache lines: `perf` put most of `push` on
     /// the first reads of the texts and of the spec (now the document).
     fn fetch(&self, deps: &[&Dep]) {
@@ -122,7 +123,6 @@ impl Chunk for LoadChunk<'_> {
                 std::hint::black_box(bytes.last().copied());
             }
             std::hint::black_box((f.doc.extra_args.len(), f.doc.max_concurrent_requests));
-            super::fetch(d);
         }
     }
 
