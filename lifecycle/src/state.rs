@@ -903,6 +903,20 @@ impl State {
     }
 }
 
+/// Puts `id` in `host`'s set in a by-host `index` ([`State::holding`]) where it is not there
+/// yet, as `shared` makes it (the one copy of the ID the indexes share): [`unindex`]'s twin.
+pub(crate) fn index(
+    index: &mut HashMap<String, BTreeSet<Arc<str>>>,
+    host: &str,
+    id: &str,
+    shared: impl FnOnce() -> Arc<str>,
+) {
+    let ids = index.entry(host.to_string()).or_default();
+    if !ids.contains(id) {
+        ids.insert(shared());
+    }
+}
+
 /// Takes `id` out of `host`'s set in a by-host `index` ([`State::by_host`], [`State::holding`]),
 /// and the set with it when it is left empty.
 pub(crate) fn unindex<K: std::borrow::Borrow<str> + Ord>(
@@ -959,10 +973,7 @@ impl State {
                     shared
                 }
             };
-            let ids = self.holding.entry(new.to_string()).or_default();
-            if !ids.contains(id) {
-                ids.insert(shared);
-            }
+            index(&mut self.holding, new, id, || shared);
         }
         d.host = host;
     }

@@ -271,10 +271,7 @@ impl State {
             // The holders' index: exactly the units counted on each host.
             for h in [old.map(|c| c.host), host].into_iter().flatten() {
                 if now.as_ref().is_some_and(|c| c.host == h) {
-                    let ids = self.holding.entry(h.to_string()).or_default();
-                    if !ids.contains(id.as_str()) {
-                        ids.insert(shared(&h));
-                    }
+                    super::index(&mut self.holding, &h, &id, || shared(&h));
                 } else {
                     super::unindex(&mut self.holding, &h, &id);
                 }
