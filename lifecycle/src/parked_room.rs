@@ -20,6 +20,7 @@ use capyctl_engine_rules::tier::{
     TierInput, TierRule, host_ram_for_copies, never_parks, tier_rule,
 };
 use capyctl_interfaces::inventory::HostMemory;
+#[cfg(test)]
 use capyctl_interfaces::spec::InstanceSpec;
 use capyctl_spec::documents::DeploymentDoc;
 use capyctl_spec::{EngineKind, Residency};
@@ -141,17 +142,23 @@ impl CopiesIndex {
 
 /// What the tier rule reads of a model: its engine, `residency`, whether its engine decodes
 /// speculatively and whether it is a decision model. Read from its document
-/// (`From<&DeploymentDoc>`: the lifecycle keeps no [`InstanceSpec`] per deployment, `Dep::spec`)
-/// or from a spec made of it, the same fields as [`InstanceSpec::from_doc`] copies them.
+/// (`From<&DeploymentDoc>`: the lifecycle keeps no
+/// [`InstanceSpec`](capyctl_interfaces::spec::InstanceSpec) per deployment, `Dep::spec`) or, in
+/// the tests, from a spec made of it, the same fields as
+/// [`InstanceSpec::from_doc`](capyctl_interfaces::spec::InstanceSpec::from_doc) copies them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct TierModel {
     engine: EngineKind,
     residency: Option<Residency>,
-    /// SGLang's speculative decoding is on ([`InstanceSpec::speculative`]).
+    /// SGLang's speculative decoding is on
+    /// ([`InstanceSpec::speculative`](capyctl_interfaces::spec::InstanceSpec::speculative)).
     pub speculative: bool,
     decision_model: bool,
 }
 
+/// A spec's tier model: only the tests read one (the lifecycle reads the document's), to hold
+/// the two the same.
+#[cfg(test)]
 impl From<&InstanceSpec> for TierModel {
     fn from(spec: &InstanceSpec) -> Self {
         Self {
