@@ -974,4 +974,61 @@ mod tests {
         assert_eq!(total_tokens(b"{\"total_tokens\" : 12}"), Some(12));
         assert_eq!(total_tokens(b"{\"total_tokens\":null}"), None);
     }
+
+    /// The tap keeps enough of the answer's last frames, whatever their sizes and count: the
+    /// tokens it reads are those of the answer's last [`USAGE_TAIL`] bytes.
+    #[test]
+    fn the_tap_reads_the_answers_last_bytes_whatever_its_frames() {
+        use capyctl_interfaces::tenants::{Tenant, TenantRate};
+        let tenants = crate::tenants::Tenants::new();
+        tenants
+            .install(vec![Tenant {
+                name: "a".into(),
+                keys: vec!["k".into()],
+                models: None,
+                rate: Some(TenantRate {
+                    requests_per_minute: None,
+                    tokens_per_minute: Some(1_000_000),
+                }),
+            }])
+            .unwrap();
+        let crate::tenants::Auth::Tenant(entry) =
+            tenants.authenticate(b"authorization: Bearer k\r\n")
+        else {
+            panic!("the key is the tenant's");
+        };
+        // Usages between fillers of every length up to 150 bytes: 3 to 40 of them a tail.
+        let mut answer = Vec::new();
+        for n in 0..200u64 {
+            answer.extend_from_slice(format!("{{\"total_tokens\":{n}}}").as_bytes());
+            answer.extend(std::iter::repeat_n(
+                b'x',
+                usize::try_from(n * 37 % 151).unwrap(),
+            ));
+        }
+        let mut read = 0;
+        for sizes in [
+            &[1][..],
+            &[7, 300],
+            &[100],
+            &[1000, 3],
+            &[4095],
+            &[4096],
+            &[5000, 50],
+        ] {
+            for end in (0..answer.len()).step_by(997).chain([answer.len()]) {
+                let mut tap = UsageTap::new(Arc::clone(&entry));
+                let (mut at, mut turn) = (0, 0);
+                while at < end {
+                    let next = end.min(at + sizes[turn % sizes.len()]);
+                    tap.feed(&Bytes::copy_from_slice(&answer[at..next]));
+                    (at, turn) = (next, turn + 1);
+                }
+                let want = total_tokens(&answer[end.saturating_sub(USAGE_TAIL)..end]);
+                assert_eq!(tap.tail_tokens(), want, "frames of {sizes:?}, {end} bytes");
+                read += usize::from(want.is_some());
+            }
+        }
+        assert!(read > 50);
+    }
 }

@@ -390,13 +390,24 @@ fn classify(event: &[u8]) -> Event<'_> {
 
 /// What `event` is, from its JSON.
 fn read(event: &[u8]) -> Event<'_> {
-    let Data::One(data) = data_of(event) else {
+    let Data::One(data) = one_line_data(event).map_or_else(|| data_of(event), Data::One) else {
         return Event::Other;
     };
     if data.trim_ascii() == b"[DONE]" {
         return Event::Done;
     }
     quick_read(data).unwrap_or_else(|| read_json(data))
+}
+
+/// The data of `event` when it is the engines' usual `data: <data>\n\n` (its only newlines
+/// the two that end it, no `\r` before them): what [`data_of`] finds there, without going
+/// through its lines.
+fn one_line_data(event: &[u8]) -> Option<&[u8]> {
+    let data = event.strip_prefix(b"data: ")?.strip_suffix(b"\n\n")?;
+    if data.last() == Some(&b'\r') || memchr::memchr(b'\n', data).is_some() {
+        return None;
+    }
+    Some(data)
 }
 
 /// What the chunk `data` is, read by `serde_json`.
@@ -441,7 +452,7 @@ fn quick_read(data: &[u8]) -> Option<Event<'_>> {
     r.open(b'{')?;
     let mut choices: Option<Option<(usize, bool)>> = None;
     let mut usage: Option<Option<Option<u64>>> = None;
-    let mut fingerprint: Option<Option<&[u8]>> = None;
+    let mut fingerprint: Option<Option<&str>> = None;
     if !r.close(b'}') {
         loop {
             let key = r.key()?;
@@ -464,10 +475,7 @@ fn quick_read(data: &[u8]) -> Option<Event<'_>> {
     Some(match (choices.flatten(), usage.flatten()) {
         (Some((0, _)), Some(tokens)) => Event::Usage {
             tokens,
-            fingerprint: match fingerprint {
-                Some(f) => Some(Cow::Borrowed(std::str::from_utf8(f).ok()?)),
-                None => None,
-            },
+            fingerprint: fingerprint.map(Cow::Borrowed),
         },
         (Some((_, true)), None) if fingerprint.is_none() => Event::Finishing,
         _ => Event::Other,
@@ -508,16 +516,19 @@ impl<'a> Reader<'a> {
     }
 
     /// Takes `c`, the next byte after whitespace.
+    #[inline]
     fn open(&mut self, c: u8) -> Option<()> {
         (self.peek()? == c).then(|| self.at += 1)
     }
 
     /// Takes `c` when it is next (an empty array or object's end).
+    #[inline]
     fn close(&mut self, c: u8) -> bool {
         self.open(c).is_some()
     }
 
     /// After a member: `true` at a `,` (another follows), `false` at `end`.
+    #[inline]
     fn next(&mut self, end: u8) -> Option<bool> {
         match self.peek()? {
             b',' => {
@@ -538,6 +549,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Takes `word` (`null`, `true`, `false`).
+    #[inline]
     fn word(&mut self, word: &[u8]) -> Option<()> {
         let rest = self.b.get(self.at..)?;
         rest.starts_with(word).then(|| self.at += word.len())
@@ -545,6 +557,7 @@ impl<'a> Reader<'a> {
 
     /// A string's bytes (after its `"`, taken) when it has no escape and no control
     /// character, nor (`ascii`) a byte past ASCII.
+    #[inline]
     fn plain(&mut self, ascii: bool) -> Option<&'a [u8]> {
         let rest = self.b.get(self.at..)?;
         let end = string_stop(rest, ascii)?;
@@ -556,6 +569,7 @@ impl<'a> Reader<'a> {
     }
 
     /// An object's key (plain ASCII) and its `:`.
+    #[inline]
     fn key(&mut self) -> Option<&'a [u8]> {
         self.open(b'"')?;
         let key = self.plain(true)?;
@@ -564,6 +578,7 @@ impl<'a> Reader<'a> {
     }
 
     /// `null` (then `None`), or not (nothing taken).
+    #[inline]
     fn null(&mut self) -> Option<bool> {
         if self.peek()? == b'n' {
             self.word(b"null")?;
@@ -573,6 +588,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Skips a string, after its `"`, as `serde_json` does (escapes checked, bytes not).
+    #[inline]
     fn skip_string(&mut self) -> Option<()> {
         loop {
             let rest = self.b.get(self.at..)?;
@@ -772,15 +788,14 @@ impl<'a> Reader<'a> {
         Some(digits.iter().fold(0, |v, d| v * 10 + u64::from(d - b'0')))
     }
 
-    /// `system_fingerprint`: `None` for `null`; else its bytes (a string without escapes).
-    fn fingerprint(&mut self) -> Option<Option<&'a [u8]>> {
+    /// `system_fingerprint`: `None` for `null`; else its text (a string without escapes).
+    fn fingerprint(&mut self) -> Option<Option<&'a str>> {
         if self.null()? {
             return Some(None);
         }
         self.open(b'"')?;
         let s = self.plain(false)?;
-        std::str::from_utf8(s).ok()?;
-        Some(Some(s))
+        Some(Some(std::str::from_utf8(s).ok()?))
     }
 }
 
@@ -791,6 +806,7 @@ impl<'a> Reader<'a> {
 /// zero or a smaller byte in a word; the lowest byte it flags is always a true one, so the
 /// first of them is exact), then byte by byte for the last few; keys and values of the
 /// engines' chunks are 5 to 40 bytes, read byte by byte they were most of [`quick_read`].
+#[inline]
 fn string_stop(s: &[u8], ascii: bool) -> Option<usize> {
     const ONES: u64 = 0x0101_0101_0101_0101;
     const HIGH: u64 = 0x8080_8080_8080_8080;
@@ -1011,6 +1027,10 @@ impl Strip {
                 let plain = self.plain_events(&data, at, &mut marks);
                 out.pass(at, plain);
                 at = plain;
+            }
+            if at == data.len() {
+                // Nothing left of the frame (the scanner would take nothing from it).
+                break;
             }
             match self.scanner.next_end(&data, at) {
                 Ok(Some(end)) => {
@@ -1461,6 +1481,30 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// [`one_line_data`] answers the usual event, and where it answers (on it and every event
+    /// made from it by cutting, deleting, changing or adding a byte), it finds what
+    /// [`data_of`] finds.
+    #[test]
+    fn the_one_line_data_is_data_ofs() {
+        let usual = format!("data: {}\n\n", USUAL[2]);
+        assert_eq!(one_line_data(usual.as_bytes()), Some(USUAL[2].as_bytes()));
+        let mut answered = 0;
+        each_mutation(usual.as_bytes(), b"\r\n :a", &mut |event| {
+            if let Some(data) = one_line_data(event) {
+                assert_eq!(data_of(event), Data::One(data), "{event:?}");
+                answered += 1;
+            }
+        });
+        let mut short = 0;
+        each_mutation(b"data: x\n\n", b"\r\n :a", &mut |event| {
+            if let Some(data) = one_line_data(event) {
+                assert_eq!(data_of(event), Data::One(data), "{event:?}");
+                short += 1;
+            }
+        });
+        assert!(answered > 1000 && short > 10, "{answered} {short}");
     }
 
     /// [`quick_read`] answers the usual chunks, and where it answers (on those, the odd ones
