@@ -490,8 +490,9 @@ impl ProcessRuntime {
     /// padded with spaces to the old length when shorter (JSON allows trailing whitespace;
     /// nothing is truncated). Whole or not at all as a kill sees it: Linux copies a write into
     /// the page cache a page at a time and checks for a fatal signal only before each page,
-    /// so a write within one page is never left half done by a kill. A short write (an I/O
-    /// error) falls back to the new file, which replaces whatever it left.
+    /// so a write within one page is never left half done by a kill. A short write falls
+    /// back to the new file, which replaces whatever it left; a failed one (nothing written)
+    /// is the error, as a failed new file was.
     pub fn write_record(&self, record: &PidRecord) -> Result<(), AgentError> {
         let path = self.record_path(&record.instance);
         let tmp = path.with_extension("json.tmp");
@@ -750,7 +751,6 @@ impl ProcessRuntime {
     }
 }
 
-/// A file name for an instance ID: characters outside `[A-Za-z0-9._-]` become `_`.
 /// The longest record [`ProcessRuntime::write_record`] writes over itself: one page (on every
 /// Linux platform a page is at least this).
 const IN_PLACE_MAX: usize = 4096;
@@ -779,6 +779,7 @@ fn write_in_place(path: &Path, text: &[u8]) -> std::io::Result<bool> {
     Ok(file.write_at(&whole, 0)? == whole.len())
 }
 
+/// A file name for an instance ID: characters outside `[A-Za-z0-9._-]` become `_`.
 fn file_stem(instance: &str) -> String {
     instance
         .chars()
