@@ -75,12 +75,13 @@ pub trait ManagementApi: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<LoadReport, ApiError>>;
     /// `GET /metrics/load[?deployment=ID]` as the listener sends it: the JSON of
     /// [`ManagementApi::load`], byte for byte (by default: `load` encoded; the server writes
-    /// each deployment's as it builds it).
+    /// each deployment's as it builds it, a full read into the buffer the last one gave back
+    /// when its `Bytes` were dropped).
     fn load_json<'a>(
         &'a self,
         deployment: Option<&'a str>,
-    ) -> BoxFuture<'a, Result<Vec<u8>, ApiError>> {
-        Box::pin(async move { encoded(&self.load(deployment).await?) })
+    ) -> BoxFuture<'a, Result<Bytes, ApiError>> {
+        Box::pin(async move { encoded(&self.load(deployment).await?).map(Bytes::from) })
     }
     /// `/readyz`: whether the server has finished starting (state loaded, engines recovered).
     fn ready(&self) -> bool;

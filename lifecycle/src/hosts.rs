@@ -121,6 +121,7 @@ impl Core {
                 adapters: crate::adapters::Adapters::new(Arc::new(crate::adapters::CoreEngines(
                     me.clone(),
                 ))),
+                load_buffer: Arc::default(),
             }
         });
         // Each host's inventory and recovery report are asked for concurrently (a node agent's

@@ -139,6 +139,8 @@ pub struct Core {
     me: Weak<Core>,
     /// The adapters loaded on each instance of a base, and their loads (DESIGN 4.9).
     adapters: Arc<adapters::Adapters>,
+    /// The full load read's answer buffer, kept for the next read (`reads::AnswerBuffer`).
+    load_buffer: Arc<reads::AnswerBuffer>,
 }
 
 impl std::fmt::Debug for Core {

@@ -196,7 +196,7 @@ impl ManagementApi for Core {
     fn load_json<'a>(
         &'a self,
         deployment: Option<&'a str>,
-    ) -> crate::api::BoxFuture<'a, Result<Vec<u8>, ApiError>> {
+    ) -> crate::api::BoxFuture<'a, Result<bytes::Bytes, ApiError>> {
         Box::pin(async move { self.do_load_json(deployment) })
     }
 

@@ -2,12 +2,16 @@
 //! `engine list`, `hosts`, the load read).
 
 use std::ops::{Bound, Range};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use bytes::Bytes;
 
 use capyctl_interfaces::router::LoadFigures;
 use capyctl_spec::api::{DeploymentList, DeploymentLoadView, DeploymentView, LoadReport};
 use capyctl_spec::errors::ApiError;
 use serde::Serialize;
+use tokio::time::Instant;
 
 use crate::errors::not_found;
 use crate::state::{self, Dep, Host, Hosts};
@@ -171,21 +175,30 @@ impl Core {
 
     /// [`Core::do_load`]'s answer as the management listener sends it (its JSON, byte for
     /// byte), each deployment's view encoded as soon as it is built and then dropped: no
-    /// vector of every view.
-    pub(crate) fn do_load_json(&self, key: Option<&str>) -> Result<Vec<u8>, ApiError> {
+    /// vector of every view. A full read writes into the buffer the last one gave back
+    /// ([`AnswerBuffer`]); a read by ID (some hundred bytes) into one of its own.
+    pub(crate) fn do_load_json(&self, key: Option<&str>) -> Result<Bytes, ApiError> {
         self.load_json_at(key, views::now_ms())
     }
 
     /// [`Core::do_load_json`] at `now` (Unix ms).
-    fn load_json_at(&self, key: Option<&str>, now: u64) -> Result<Vec<u8>, ApiError> {
-        let mut body = JsonArrayBody::new(&load_report(now, Vec::new()))?;
+    fn load_json_at(&self, key: Option<&str>, now: u64) -> Result<Bytes, ApiError> {
+        let buffer = match key {
+            None => self.load_buffer.take(),
+            Some(_) => Vec::new(),
+        };
+        let mut body = JsonArrayBody::over(buffer, &load_report(now, Vec::new()))?;
         self.load_views(key, false, |chunk, d, load, cx, total| {
             body.push_with(total, |out| {
                 views::write_load_view(out, chunk, d, load, cx, now);
                 Ok(())
             });
         })?;
-        body.finish()
+        let json = body.finish()?;
+        Ok(match key {
+            None => AnswerBuffer::answer(&self.load_buffer, json),
+            Some(_) => Bytes::from(json),
+        })
     }
 
     /// Each deployment's instances as the load read needs them ([`views::LoadChunk`]: every
@@ -429,9 +442,13 @@ impl JsonArrayBody {
     /// After how many elements the buffer is sized for every element (from their mean).
     const SIZED_AFTER: usize = 64;
 
-    /// Around `empty`, a body whose last field is an empty array.
-    fn new<T: Serialize>(empty: &T) -> Result<Self, ApiError> {
-        let (out, tail) = crate::lists::array_ends(empty)?;
+    /// Around `empty`, a body whose last field is an empty array, written into `buffer`
+    /// (cleared first; its memory kept).
+    fn over<T: Serialize>(mut buffer: Vec<u8>, empty: &T) -> Result<Self, ApiError> {
+        let (head, tail) = crate::lists::array_ends(empty)?;
+        buffer.clear();
+        buffer.extend_from_slice(&head);
+        let out = buffer;
         Ok(JsonArrayBody {
             head: out.len(),
             out,
@@ -472,6 +489,98 @@ impl JsonArrayBody {
         }
         self.out.extend_from_slice(&self.tail);
         Ok(self.out)
+    }
+}
+
+/// The full load read's answer buffer, kept from one read for the next (`Core::load_buffer`):
+/// at most one spare, of at most about twice the answer it held, dropped by the owner's tick
+/// once [`AnswerBuffer::KEPT_FOR`] has passed without a full read giving it back.
+///
+/// NB (reads at scale): 100,000 deployments' answer is some 35 MB, and glibc maps every
+/// allocation over 32 MiB afresh (the kernel zeroing each page at its first write, then
+/// unmapping it all when the answer is dropped): a third of the read's time at that size. A
+/// read takes the spare ([`AnswerBuffer::take`], or a new vector while another read holds it)
+/// and answers [`Bytes`] whose owner gives the buffer back when the last of them is dropped
+/// (the listener has sent it): the next read writes over pages already there. A buffer is
+/// cleared when taken, so what one read left in it (a write cut short by a panic, which
+/// drops the buffer anyway) is never another's; the lock is held only to take or put it.
+#[derive(Debug, Default)]
+pub(crate) struct AnswerBuffer {
+    /// The buffer given back, and when.
+    spare: Mutex<Option<(Vec<u8>, Instant)>>,
+}
+
+impl AnswerBuffer {
+    /// How long a spare is kept without a full read giving it back: a one-off read at
+    /// 100,000 does not hold its 35 MB for the rest of the process's life.
+    pub(crate) const KEPT_FOR: Duration = Duration::from_secs(60);
+
+    /// The spare (cleared), or a new vector when there is none.
+    fn take(&self) -> Vec<u8> {
+        let mut buffer = self.slot().take().map(|(b, _)| b).unwrap_or_default();
+        buffer.clear();
+        buffer
+    }
+
+    /// `json` as the answer's bytes, whose owner gives `json`'s buffer back to `home` when they
+    /// are dropped.
+    fn answer(home: &Arc<AnswerBuffer>, json: Vec<u8>) -> Bytes {
+        Bytes::from_owner(Answer {
+            json,
+            home: Arc::clone(home),
+        })
+    }
+
+    /// Keeps `buffer` as the spare at `now`, unless there is one already or it is over twice
+    /// the size of what it held (the answers have shrunk: the next read sizes its own).
+    fn give_back(&self, buffer: Vec<u8>, now: Instant) {
+        if buffer.capacity() == 0 || buffer.capacity() > 2 * buffer.len() + (64 << 10) {
+            return;
+        }
+        let mut slot = self.slot();
+        if slot.is_none() {
+            *slot = Some((buffer, now));
+        }
+    }
+
+    /// Drops the spare if it was given back [`AnswerBuffer::KEPT_FOR`] or longer before `now`
+    /// (the owner's tick).
+    pub(crate) fn expire(&self, now: Instant) {
+        let old = {
+            let mut slot = self.slot();
+            if slot
+                .as_ref()
+                .is_some_and(|(_, at)| now.saturating_duration_since(*at) >= Self::KEPT_FOR)
+            {
+                slot.take()
+            } else {
+                None
+            }
+        };
+        drop(old);
+    }
+
+    fn slot(&self) -> MutexGuard<'_, Option<(Vec<u8>, Instant)>> {
+        self.spare.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// A full load read's answer: the owner of its [`Bytes`], which gives the buffer back.
+struct Answer {
+    json: Vec<u8>,
+    home: Arc<AnswerBuffer>,
+}
+
+impl AsRef<[u8]> for Answer {
+    fn as_ref(&self) -> &[u8] {
+        &self.json
+    }
+}
+
+impl Drop for Answer {
+    fn drop(&mut self) {
+        self.home
+            .give_back(std::mem::take(&mut self.json), Instant::now());
     }
 }
 
@@ -666,23 +775,8 @@ mod tests {
     /// writer that panics ends the read with its panic (the copying thread is not left waiting).
     #[tokio::test]
     async fn a_read_copied_beside_hands_every_chunk_over_in_order_and_ends_on_a_panic() {
-        let server = Core::open(
-            Arc::new(capyctl_test_support::FakeHost::new().with_gpu(64 * GIB)),
-            Arc::new(crate::store::MemoryStore::default()),
-            LifecycleConfig::new("h"),
-        )
-        .await
-        .unwrap();
         let n = 2 * super::SHOT_CHUNK + 7;
-        for i in 0..n {
-            let text = format!(
-                "name: m-{i:04}\nengine: vllm\nmodel: m\nresources: {{gpu_memory: 1GiB}}\n"
-            );
-            server
-                .deploy(parse_deployment_str("t.yaml", &text).unwrap())
-                .await
-                .unwrap();
-        }
+        let server = core_of(n).await;
         let mut ids = Vec::new();
         let first = crate::views::LoadChunk::new(&server.config, false);
         server.chunks_beside(first, false, |chunk, _, total| {
@@ -700,5 +794,147 @@ mod tests {
             });
         }));
         assert!(panicked.is_err());
+    }
+
+    /// A core of `n` deployments (no router, no samples: its load read's bytes stay the same
+    /// from one read to the next).
+    async fn core_of(n: usize) -> Arc<Core> {
+        let server = Core::open(
+            Arc::new(capyctl_test_support::FakeHost::new().with_gpu(64 * GIB)),
+            Arc::new(crate::store::MemoryStore::default()),
+            LifecycleConfig::new("h"),
+        )
+        .await
+        .unwrap();
+        for i in 0..n {
+            let text = format!(
+                "name: m-{i:04}\nengine: vllm\nmodel: m\nresources: {{gpu_memory: 1GiB}}\n"
+            );
+            server
+                .deploy(parse_deployment_str("t.yaml", &text).unwrap())
+                .await
+                .unwrap();
+        }
+        server
+    }
+
+    /// A full load read writes into the buffer the last one gave back: once the first answer
+    /// is dropped the second shares its allocation, byte for byte the typed answer; reads at
+    /// once each get a buffer of their own and the right answer; a buffer given back dirty,
+    /// or a write into one cut short by a panic, never shows in a later answer.
+    #[tokio::test]
+    async fn a_full_load_read_reuses_the_buffer_the_last_gave_back() {
+        let server = core_of(2 * super::SHOT_CHUNK + 7).await;
+        let now = crate::views::now_ms();
+        let typed = serde_json::to_vec(&server.load_at(None, now).unwrap()).unwrap();
+        // A read, dropped, then another: each byte for byte the typed answer, the second in
+        // the first's buffer.
+        let twice = |what: &str| {
+            let first = server.load_json_at(None, now).unwrap();
+            same_bytes(&first, &typed, what);
+            let at = first.as_ptr();
+            drop(first);
+            let second = server.load_json_at(None, now).unwrap();
+            same_bytes(&second, &typed, what);
+            assert_eq!(
+                second.as_ptr(),
+                at,
+                "{what}: the second in the first's buffer"
+            );
+            second
+        };
+
+        let second = twice("first");
+        let at = second.as_ptr();
+        // While `second` is held, another read has a buffer of its own.
+        let third = server.load_json_at(None, now).unwrap();
+        same_bytes(&third, &typed, "third");
+        assert_ne!(third.as_ptr(), at);
+        // So have reads at once, on threads of their own, each answered whole.
+        std::thread::scope(|scope| {
+            for _ in 0..4 {
+                scope.spawn(|| {
+                    for _ in 0..5 {
+                        same_bytes(&server.load_json_at(None, now).unwrap(), &typed, "at once");
+                    }
+                });
+            }
+        });
+        drop((second, third));
+
+        // A buffer given back full of something else: cleared when taken.
+        let mut dirty = server.load_buffer.take();
+        dirty.clear();
+        dirty.resize(typed.len() + 100, b'x');
+        let at = dirty.as_ptr();
+        server
+            .load_buffer
+            .give_back(dirty, tokio::time::Instant::now());
+        let after_dirty = server.load_json_at(None, now).unwrap();
+        same_bytes(&after_dirty, &typed, "after a dirty buffer");
+        assert_eq!(after_dirty.as_ptr(), at);
+        drop(after_dirty);
+
+        // A write cut short by a panic: its buffer is dropped with it, the next read answers
+        // whole in a buffer of its own, and the one after that reuses it again.
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let taken = server.load_buffer.take();
+            let mut body =
+                super::JsonArrayBody::over(taken, &super::load_report(now, Vec::new())).unwrap();
+            body.push_with(10, |out| {
+                out.extend_from_slice(b"{\"half\":");
+                panic!("a write that fails half-way");
+            });
+        }));
+        assert!(panicked.is_err());
+        let again = twice("after a panic");
+        let at = again.as_ptr();
+
+        // A read by ID neither takes the spare nor gives its own back.
+        drop(again);
+        let one = server.load_json(Some("m-0003")).await.unwrap();
+        assert_ne!(one.as_ptr(), at);
+        let last = server.load_json_at(None, now).unwrap();
+        assert_eq!(last.as_ptr(), at);
+    }
+
+    /// One spare at most, of at most about twice the answer it held, dropped once it has not
+    /// been given back for `KEPT_FOR`.
+    #[test]
+    fn the_spare_is_one_buffer_kept_a_while() {
+        use tokio::time::Instant;
+        let spare = super::AnswerBuffer::default();
+        let t0 = Instant::now();
+        let kept = super::AnswerBuffer::KEPT_FOR;
+        let a = vec![b'a'; 1000];
+        let at = a.as_ptr();
+        spare.give_back(a, t0);
+        // A second one while one is kept is dropped.
+        spare.give_back(vec![b'b'; 1000], t0);
+        spare.expire(t0 + kept - Duration::from_millis(1));
+        let taken = spare.take();
+        assert_eq!((taken.as_ptr(), taken.len()), (at, 0), "the first, cleared");
+        spare.give_back(taken, t0);
+        spare.expire(t0 + kept);
+        assert_eq!(spare.take().capacity(), 0, "gone after KEPT_FOR");
+        // One far larger than what it held is not kept.
+        let mut big = Vec::with_capacity(1 << 20);
+        big.extend_from_slice(&[b'c'; 1000]);
+        spare.give_back(big, t0);
+        assert_eq!(spare.take().capacity(), 0);
+    }
+
+    /// The owner's tick drops the spare once a minute has passed without a full read (on
+    /// tokio's paused clock).
+    #[tokio::test(start_paused = true)]
+    async fn the_tick_drops_a_spare_unused_for_a_minute() {
+        let server = core_of(3).await;
+        drop(server.load_json(None).await.unwrap());
+        let has_spare = || server.load_buffer.slot().is_some();
+        assert!(has_spare());
+        tokio::time::sleep(super::AnswerBuffer::KEPT_FOR - Duration::from_secs(2)).await;
+        assert!(has_spare(), "kept within the minute");
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        assert!(!has_spare(), "dropped by a tick after it");
     }
 }

@@ -33,8 +33,10 @@ impl owner::Ticks for Core {
     }
 
     /// Idle timers (once a router is attached), in a task of their own; a tick while the
-    /// last one's run goes on does nothing.
+    /// last one's run goes on does nothing. The load read's spare buffer goes once unused
+    /// for a while (`reads::AnswerBuffer::expire`).
     fn tick(&self) {
+        self.load_buffer.expire(Instant::now());
         if self.router().is_none() {
             return;
         }

@@ -497,7 +497,7 @@ impl ManagementApi for ObservedApi {
     fn load_json<'a>(
         &'a self,
         deployment: Option<&'a str>,
-    ) -> BoxFuture<'a, Result<Vec<u8>, ApiError>> {
+    ) -> BoxFuture<'a, Result<bytes::Bytes, ApiError>> {
         self.inner.load_json(deployment)
     }
 

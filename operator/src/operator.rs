@@ -566,7 +566,7 @@ impl ManagementApi for SwitchableApi {
     fn load_json<'a>(
         &'a self,
         deployment: Option<&'a str>,
-    ) -> BoxFuture<'a, Result<Vec<u8>, ApiError>> {
+    ) -> BoxFuture<'a, Result<bytes::Bytes, ApiError>> {
         let api = self.current();
         Box::pin(async move { api.ok_or_else(standby_error)?.load_json(deployment).await })
     }

@@ -14,7 +14,8 @@
 //! - **used N**: N deployments on one in-process simulated host (its engines start, park and stop at
 //!   once; every engine's address is one in-process HTTP server that answers at once), the real
 //!   coordinator and inference listener on loopback sockets. Every deployment gets one chat
-//!   request through the listener ("each used once"), then: load reads full and by ID, and the
+//!   request through the listener ("each used once"), then: load reads full (with the process's
+//!   CPU and minor page faults per read, and the RSS after the reads) and by ID, and the
 //!   latency of a request that gets 409 `deployment_stopped` (its model stopped by the
 //!   operator), quiet and while another task reads the full load without pause.
 //! - **hosts H**: `--host-deployments` deployments (10,000 by default) over H simulated hosts, opened
@@ -290,6 +291,8 @@ fn parent(o: &Opts) {
                 ("load p50", "load_p50_ms"),
                 ("load p99", "load_p99_ms"),
                 ("load CPU ms", "load_cpu_ms"),
+                ("load faults", "load_faults"),
+                ("RSS after reads MB", "rss_reads_mb"),
                 ("by ID p50", "by_id_p50_ms"),
                 ("by ID p99", "by_id_p99_ms"),
                 ("409 p50 quiet", "refused_p50_ms"),
@@ -375,8 +378,31 @@ fn rss_mb() -> (f64, f64) {
     (field("VmRSS:"), field("VmHWM:"))
 }
 
-/// This process's CPU time (user + system): its threads' time on a CPU, summed from
-/// `/proc/self/task/*/schedstat` (nanoseconds; `/proc/self/stat` counts 10 ms ticks).
+/// This process's CPU time (user + system) and its minor page faults, from `/proc/self/stat`:
+/// every thread's, those that have ended too (a full load read's copying thread ends with the
+/// read), in 10 ms ticks (`USER_HZ`, 100 on Linux): for figures over many reads.
+fn process_cpu() -> (Duration, u64) {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // The fields after the command's `(…)`, from the state (field 3): minflt is field 10,
+    // utime and stime fields 14 and 15.
+    let fields: Vec<u64> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest)
+        .unwrap_or_default()
+        .split_whitespace()
+        .skip(1)
+        .map(|v| v.parse().unwrap_or(0))
+        .collect();
+    let field = |n: usize| fields.get(n - 4).copied().unwrap_or(0);
+    (
+        Duration::from_millis((field(14) + field(15)) * 10),
+        field(10),
+    )
+}
+
+/// This process's live threads' CPU time (user + system), summed from
+/// `/proc/self/task/*/schedstat` (nanoseconds; `/proc/self/stat` counts 10 ms ticks): for
+/// figures of a few milliseconds, where no thread ends (see [`process_cpu`]).
 fn cpu_time() -> Duration {
     let mut ns = 0u64;
     for task in std::fs::read_dir("/proc/self/task")
@@ -402,17 +428,21 @@ fn name(i: usize) -> String {
 /// ID, timed.
 async fn load_reads(api: &dyn ManagementApi, n: usize, reads: usize, f: &mut Figures) {
     let mut full = Vec::with_capacity(reads);
-    let cpu0 = cpu_time();
+    let (cpu0, faults0) = process_cpu();
     for _ in 0..reads {
         let t = Instant::now();
         let body = api.load_json(None).await.unwrap();
         std::hint::black_box(body);
         full.push(t.elapsed());
     }
+    // The whole process's, the copying thread's included (it ends with each read).
+    let (cpu, faults) = process_cpu();
+    f.insert("load_cpu_ms".into(), ms(cpu - cpu0) / reads.max(1) as f64);
     f.insert(
-        "load_cpu_ms".into(),
-        ms(cpu_time() - cpu0) / reads.max(1) as f64,
+        "load_faults".into(),
+        (faults - faults0) as f64 / reads.max(1) as f64,
     );
+    f.insert("rss_reads_mb".into(), rss_mb().0);
     let (p50, p99) = percentiles(full);
     f.insert("load_p50_ms".into(), p50);
     f.insert("load_p99_ms".into(), p99);
@@ -737,7 +767,7 @@ async fn hosts_case(hosts: usize, n: usize, reads: usize, latency_ms: f64) -> Fi
     f.insert("first_p50_ms".into(), p50);
     f.insert("first_p99_ms".into(), p99);
     let mut full = Vec::new();
-    let cpu = cpu_time();
+    let (cpu, _) = process_cpu();
     for _ in 0..reads.min(10) {
         let t = Instant::now();
         std::hint::black_box(api.load_json(None).await.unwrap());
@@ -745,7 +775,7 @@ async fn hosts_case(hosts: usize, n: usize, reads: usize, latency_ms: f64) -> Fi
     }
     f.insert(
         "load_cpu_ms".into(),
-        ms(cpu_time() - cpu) / full.len().max(1) as f64,
+        ms(process_cpu().0 - cpu) / full.len().max(1) as f64,
     );
     f.insert("load_p50_ms".into(), percentiles(full).0);
     f

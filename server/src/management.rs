@@ -468,12 +468,12 @@ fn in_parts(mut parts: JsonParts) -> Response {
 }
 
 /// A body the API encoded itself (`load_json`): 200 with it, or the error.
-fn encoded(body: Result<Vec<u8>, ApiError>) -> Response {
+fn encoded(body: Result<Bytes, ApiError>) -> Response {
     match body {
         Ok(bytes) => (
             StatusCode::OK,
             [(header::CONTENT_TYPE, "application/json")],
-            Bytes::from(bytes),
+            bytes,
         )
             .into_response(),
         Err(e) => error(e),
@@ -778,16 +778,17 @@ struct TenantLoad<'a> {
 
 /// The load read's JSON with a last top-level `tenants` array (each tenant's answers by
 /// status, tokens and requests waiting, read where `GET /management/v1/tenants` reads them)
-/// when any tenant is configured; otherwise `json` itself, byte for byte.
+/// when any tenant is configured (a copy); otherwise `json` itself, byte for byte (the
+/// lifecycle's `Bytes`, not copied: their buffer goes back to it once sent).
 ///
 /// NB: added here, in the management layer, because the lifecycle that encodes the load read
 /// does not see the inference listener's tenants (they belong to the router's listener).
-fn with_tenants(mut json: Vec<u8>, tenants: Option<&Tenants>) -> Vec<u8> {
+fn with_tenants<B: AsRef<[u8]> + From<Vec<u8>>>(json: B, tenants: Option<&Tenants>) -> B {
     let report = tenants.map(Tenants::report).unwrap_or_default();
     if report.is_empty() {
         return json;
     }
-    let Some(close) = json.iter().rposition(|&b| b == b'}') else {
+    let Some(close) = json.as_ref().iter().rposition(|&b| b == b'}') else {
         return json;
     };
     let list: Vec<TenantLoad<'_>> = report
@@ -803,16 +804,17 @@ fn with_tenants(mut json: Vec<u8>, tenants: Option<&Tenants>) -> Vec<u8> {
     if serde_json::to_writer(&mut tail, &list).is_err() {
         return json;
     }
+    let json = json.as_ref();
     let empty_object = json[..close]
         .iter()
         .rev()
         .find(|b| !b.is_ascii_whitespace())
         == Some(&b'{');
-    json.splice(
-        close..close,
-        tail.into_iter().skip(usize::from(empty_object)),
-    );
-    json
+    let mut out = Vec::with_capacity(json.len() + tail.len());
+    out.extend_from_slice(&json[..close]);
+    out.extend_from_slice(&tail[usize::from(empty_object)..]);
+    out.extend_from_slice(&json[close..]);
+    B::from(out)
 }
 
 async fn switches(State(s): State<AppState>, RawQuery(raw): RawQuery) -> Response {
