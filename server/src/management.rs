@@ -468,12 +468,12 @@ fn in_parts(mut parts: JsonParts) -> Response {
 }
 
 /// A body the API encoded itself (`load_json`): 200 with it, or the error.
-fn encoded(body: Result<Bytes, ApiError>) -> Response {
+fn encoded(body: Result<Body, ApiError>) -> Response {
     match body {
-        Ok(bytes) => (
+        Ok(body) => (
             StatusCode::OK,
             [(header::CONTENT_TYPE, "application/json")],
-            bytes,
+            body,
         )
             .into_response(),
         Err(e) => error(e),
@@ -760,7 +760,7 @@ async fn load(State(s): State<AppState>, RawQuery(raw): RawQuery) -> Response {
     match load_query(raw.as_deref()) {
         Ok(deployment) => {
             let json = s.api.load_json(deployment.as_deref()).await;
-            encoded(json.map(|json| with_tenants(json, s.tenants.as_deref())))
+            encoded(json.map(|json| load_body(json, s.tenants.as_deref())))
         }
         Err(detail) => invalid(detail),
     }
@@ -776,21 +776,34 @@ struct TenantLoad<'a> {
     waiting: i64,
 }
 
-/// The load read's JSON with a last top-level `tenants` array (each tenant's answers by
-/// status, tokens and requests waiting, read where `GET /management/v1/tenants` reads them)
-/// when any tenant is configured (a copy); otherwise `json` itself, byte for byte (the
-/// lifecycle's `Bytes`, not copied: their buffer goes back to it once sent).
+/// The load read's answer: `json` and, when any tenant is configured, a last top-level
+/// `tenants` array (each tenant's answers by status, tokens and requests waiting, read where
+/// `GET /management/v1/tenants` reads them) put before its closing brace. `json` itself is
+/// not copied: the body is its bytes before the brace, the array and the rest ([`Parts`], its
+/// length known), so the lifecycle's buffer goes back to it once sent.
 ///
 /// NB: added here, in the management layer, because the lifecycle that encodes the load read
 /// does not see the inference listener's tenants (they belong to the router's listener).
-fn with_tenants<B: AsRef<[u8]> + From<Vec<u8>>>(json: B, tenants: Option<&Tenants>) -> B {
+fn load_body(json: Bytes, tenants: Option<&Tenants>) -> Body {
+    match tenants_at(&json, tenants) {
+        None => Body::from(json),
+        Some((close, array)) => Body::new(Parts::of([
+            json.slice(..close),
+            Bytes::from(array),
+            json.slice(close..),
+        ])),
+    }
+}
+
+/// Where in the load read's `json` the tenants' array goes (before its last `}`) and the
+/// array with its key (`,"tenants":[...]`, without the comma after an empty object), when
+/// any tenant is configured.
+fn tenants_at(json: &[u8], tenants: Option<&Tenants>) -> Option<(usize, Vec<u8>)> {
     let report = tenants.map(Tenants::report).unwrap_or_default();
     if report.is_empty() {
-        return json;
+        return None;
     }
-    let Some(close) = json.as_ref().iter().rposition(|&b| b == b'}') else {
-        return json;
-    };
+    let close = json.iter().rposition(|&b| b == b'}')?;
     let list: Vec<TenantLoad<'_>> = report
         .iter()
         .map(|t| TenantLoad {
@@ -800,21 +813,68 @@ fn with_tenants<B: AsRef<[u8]> + From<Vec<u8>>>(json: B, tenants: Option<&Tenant
             waiting: t.waiting,
         })
         .collect();
-    let mut tail = b",\"tenants\":".to_vec();
-    if serde_json::to_writer(&mut tail, &list).is_err() {
-        return json;
-    }
-    let json = json.as_ref();
     let empty_object = json[..close]
         .iter()
         .rev()
         .find(|b| !b.is_ascii_whitespace())
         == Some(&b'{');
-    let mut out = Vec::with_capacity(json.len() + tail.len());
-    out.extend_from_slice(&json[..close]);
-    out.extend_from_slice(&tail[usize::from(empty_object)..]);
-    out.extend_from_slice(&json[close..]);
-    B::from(out)
+    let mut array = if empty_object {
+        b"\"tenants\":".to_vec()
+    } else {
+        b",\"tenants\":".to_vec()
+    };
+    serde_json::to_writer(&mut array, &list).ok()?;
+    Some((close, array))
+}
+
+/// [`load_body`]'s bytes in one vector (the tests read them so).
+#[cfg(test)]
+fn with_tenants(json: Vec<u8>, tenants: Option<&Tenants>) -> Vec<u8> {
+    match tenants_at(&json, tenants) {
+        None => json,
+        Some((close, array)) => [&json[..close], &array, &json[close..]].concat(),
+    }
+}
+
+/// A body of a few parts sent one after the other, its whole length known (so it goes with a
+/// `Content-Length`, as one part would).
+struct Parts {
+    parts: std::collections::VecDeque<Bytes>,
+    left: u64,
+}
+
+impl Parts {
+    fn of<const N: usize>(parts: [Bytes; N]) -> Self {
+        let left = parts.iter().map(|p| p.len() as u64).sum();
+        Parts {
+            parts: parts.into_iter().filter(|p| !p.is_empty()).collect(),
+            left,
+        }
+    }
+}
+
+impl http_body::Body for Parts {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        let part = self.parts.pop_front();
+        if let Some(p) = &part {
+            self.left -= p.len() as u64;
+        }
+        std::task::Poll::Ready(part.map(|p| Ok(http_body::Frame::data(p))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.parts.is_empty()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact(self.left)
+    }
 }
 
 async fn switches(State(s): State<AppState>, RawQuery(raw): RawQuery) -> Response {
@@ -994,6 +1054,36 @@ mod tests {
             with_tenants(b"{}".to_vec(), Some(&tenants)),
             br#"{"tenants":[{"name":"team-a","answers":{},"tokens":0,"waiting":0}]}"#
         );
+    }
+
+    /// The body the listener sends is [`with_tenants`]'s bytes, with its length known (a
+    /// `Content-Length`), and without tenants the lifecycle's own bytes, not copied.
+    #[tokio::test]
+    async fn the_load_body_is_the_spliced_bytes_with_their_length() {
+        let json = Bytes::from_static(br#"{"observed_at_ms":1,"deployments":[]}"#);
+        let tenants = Tenants::new();
+        let plain = load_body(json.clone(), Some(&tenants));
+        assert_eq!(
+            http_body::Body::size_hint(&plain).exact(),
+            Some(json.len() as u64)
+        );
+        assert_eq!(plain.collect().await.unwrap().to_bytes(), json);
+        tenants
+            .install(vec![capyctl_interfaces::tenants::Tenant {
+                name: "team-a".into(),
+                keys: vec!["sk-a".into()],
+                models: None,
+                rate: None,
+            }])
+            .unwrap();
+        let spliced = with_tenants(json.to_vec(), Some(&tenants));
+        assert_ne!(spliced, json.to_vec());
+        let body = load_body(json, Some(&tenants));
+        assert_eq!(
+            http_body::Body::size_hint(&body).exact(),
+            Some(spliced.len() as u64)
+        );
+        assert_eq!(body.collect().await.unwrap().to_bytes(), spliced);
     }
 
     #[test]
