@@ -544,7 +544,9 @@ impl AnswerBuffer {
     }
 
     /// Drops the spare if it was given back [`AnswerBuffer::KEPT_FOR`] or longer before `now`
-    /// (the owner's tick).
+    /// (the owner's tick): on a blocking thread where there is a runtime, since freeing some
+    /// 35 MB (unmapping its pages) is not work for the owner's task, whose jobs a switch waits
+    /// on.
     pub(crate) fn expire(&self, now: Instant) {
         let old = {
             let mut slot = self.slot();
@@ -557,7 +559,12 @@ impl AnswerBuffer {
                 None
             }
         };
-        drop(old);
+        if let Some(old) = old {
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => drop(runtime.spawn_blocking(move || drop(old))),
+                Err(_) => drop(old),
+            }
+        }
     }
 
     fn slot(&self) -> MutexGuard<'_, Option<(Vec<u8>, Instant)>> {
