@@ -775,8 +775,14 @@ fn write_in_place(path: &Path, text: &[u8]) -> std::io::Result<bool> {
     let mut whole = Vec::with_capacity(old.max(text.len()));
     whole.extend_from_slice(text);
     whole.resize(old.max(text.len()), b' ');
-    // One `write` (not `write_all_at`, which would go on with a second).
-    Ok(file.write_at(&whole, 0)? == whole.len())
+    // One `write` (not `write_all_at`, which would go on with a second); again if a signal
+    // came before it wrote anything.
+    loop {
+        match file.write_at(&whole, 0) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            written => return Ok(written? == whole.len()),
+        }
+    }
 }
 
 /// A file name for an instance ID: characters outside `[A-Za-z0-9._-]` become `_`.
