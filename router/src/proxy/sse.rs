@@ -91,6 +91,22 @@ pub(crate) enum Data<'a> {
 /// stream's first output ([`is_output`]), the usage strip and a stream's adapter error
 /// (`lost`); its lines found with `memchr`.
 pub(crate) fn data_of(event: &[u8]) -> Data<'_> {
+    one_line_data(event).map_or_else(|| data_of_lines(event), Data::One)
+}
+
+/// The data of `event` when it is the engines' usual `data: <data>\n\n` (its only newlines
+/// the two that end it, no `\r` before them): what [`data_of_lines`] finds there, without
+/// going through its lines.
+pub(crate) fn one_line_data(event: &[u8]) -> Option<&[u8]> {
+    let data = event.strip_prefix(b"data: ")?.strip_suffix(b"\n\n")?;
+    if data.last() == Some(&b'\r') || memchr::memchr(b'\n', data).is_some() {
+        return None;
+    }
+    Some(data)
+}
+
+/// [`data_of`] read line by line, whatever the event's form.
+pub(crate) fn data_of_lines(event: &[u8]) -> Data<'_> {
     let mut first = None;
     for line in crate::tenants::lines_of(event) {
         let line = line.strip_suffix(b"\r").unwrap_or(line);
