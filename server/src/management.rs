@@ -785,13 +785,16 @@ struct TenantLoad<'a> {
 /// NB: added here, in the management layer, because the lifecycle that encodes the load read
 /// does not see the inference listener's tenants (they belong to the router's listener).
 fn load_body(json: Bytes, tenants: Option<&Tenants>) -> Body {
+    Body::new(load_parts(json, tenants))
+}
+
+/// [`load_body`]'s parts: `json` alone without tenants.
+fn load_parts(json: Bytes, tenants: Option<&Tenants>) -> Parts {
     match tenants_at(&json, tenants) {
-        None => Body::from(json),
-        Some((close, array)) => Body::new(Parts::of([
-            json.slice(..close),
-            Bytes::from(array),
-            json.slice(close..),
-        ])),
+        None => Parts::of([json]),
+        Some((close, array)) => {
+            Parts::of([json.slice(..close), Bytes::from(array), json.slice(close..)])
+        }
     }
 }
 
@@ -830,10 +833,8 @@ fn tenants_at(json: &[u8], tenants: Option<&Tenants>) -> Option<(usize, Vec<u8>)
 /// [`load_body`]'s bytes in one vector (the tests read them so).
 #[cfg(test)]
 fn with_tenants(json: Vec<u8>, tenants: Option<&Tenants>) -> Vec<u8> {
-    match tenants_at(&json, tenants) {
-        None => json,
-        Some((close, array)) => [&json[..close], &array, &json[close..]].concat(),
-    }
+    let parts = load_parts(Bytes::from(json), tenants).parts;
+    parts.iter().flat_map(|p| p.iter().copied()).collect()
 }
 
 /// A body of a few parts sent one after the other, its whole length known (so it goes with a
@@ -1032,12 +1033,8 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_load_read_is_unchanged_without_tenants_and_ends_with_them_with() {
-        let json = br#"{"observed_at_ms":1,"stale_after_ms":3000,"deployments":[]}"#.to_vec();
-        assert_eq!(with_tenants(json.clone(), None), json);
-        let tenants = Tenants::new();
-        assert_eq!(with_tenants(json.clone(), Some(&tenants)), json);
+    /// One tenant, `team-a`, with one key and no limits.
+    fn install_team_a(tenants: &Tenants) {
         tenants
             .install(vec![capyctl_interfaces::tenants::Tenant {
                 name: "team-a".into(),
@@ -1046,6 +1043,15 @@ mod tests {
                 rate: None,
             }])
             .unwrap();
+    }
+
+    #[test]
+    fn the_load_read_is_unchanged_without_tenants_and_ends_with_them_with() {
+        let json = br#"{"observed_at_ms":1,"stale_after_ms":3000,"deployments":[]}"#.to_vec();
+        assert_eq!(with_tenants(json.clone(), None), json);
+        let tenants = Tenants::new();
+        assert_eq!(with_tenants(json.clone(), Some(&tenants)), json);
+        install_team_a(&tenants);
         assert_eq!(
             String::from_utf8(with_tenants(json, Some(&tenants))).unwrap(),
             r#"{"observed_at_ms":1,"stale_after_ms":3000,"deployments":[],"tenants":[{"name":"team-a","answers":{},"tokens":0,"waiting":0}]}"#
@@ -1068,14 +1074,7 @@ mod tests {
             Some(json.len() as u64)
         );
         assert_eq!(plain.collect().await.unwrap().to_bytes(), json);
-        tenants
-            .install(vec![capyctl_interfaces::tenants::Tenant {
-                name: "team-a".into(),
-                keys: vec!["sk-a".into()],
-                models: None,
-                rate: None,
-            }])
-            .unwrap();
+        install_team_a(&tenants);
         let spliced = with_tenants(json.to_vec(), Some(&tenants));
         assert_ne!(spliced, json.to_vec());
         let body = load_body(json, Some(&tenants));
