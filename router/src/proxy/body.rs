@@ -247,7 +247,8 @@ pub(crate) struct UsageTap {
     /// Their bytes.
     held: usize,
     /// Takes the usage the listener asked for out of a streamed answer (`None` when the
-    /// client's answer is forwarded as it comes).
+    /// client's answer is forwarded as it comes). While it is on it reads that usage itself,
+    /// and no frame is kept here (what it sends has no usage left to read).
     strip: Option<super::usage::Strip>,
 }
 
@@ -419,6 +420,7 @@ impl Body for ProxyBody {
                 }
             }
             if let (Some(tap), Poll::Ready(Some(Ok(frame)))) = (&mut this.tap, &polled)
+                && tap.strip.as_ref().is_none_or(super::usage::Strip::gave_up)
                 && let Some(data) = frame.data_ref()
             {
                 tap.feed(data);
@@ -975,10 +977,8 @@ mod tests {
         assert_eq!(total_tokens(b"{\"total_tokens\":null}"), None);
     }
 
-    /// The tap keeps enough of the answer's last frames, whatever their sizes and count: the
-    /// tokens it reads are those of the answer's last [`USAGE_TAIL`] bytes.
-    #[test]
-    fn the_tap_reads_the_answers_last_bytes_whatever_its_frames() {
+    /// Tenant `a` (key `k`), its tokens counted, in a table of its own.
+    fn tenant_a() -> (crate::tenants::Tenants, Arc<crate::tenants::TenantEntry>) {
         use capyctl_interfaces::tenants::{Tenant, TenantRate};
         let tenants = crate::tenants::Tenants::new();
         tenants
@@ -997,6 +997,57 @@ mod tests {
         else {
             panic!("the key is the tenant's");
         };
+        (tenants, entry)
+    }
+
+    /// A stream whose usage the listener asked for: while the strip is on, the tenant is
+    /// charged the usage it took out and the tap keeps no frame; once it gave up (an event
+    /// past its bound), the usage chunk reaches the client and the tap reads it.
+    #[tokio::test]
+    async fn the_tokens_come_from_the_strip_while_it_is_on_else_from_the_tap() {
+        use http_body_util::BodyExt;
+        const STREAM: &str = concat!(
+            "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"},\"finish_reason\":null}]}\n\n",
+            "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":2,\"total_tokens\":5}}\n\n",
+            "data: [DONE]\n\n",
+        );
+        let usage = STREAM.split_inclusive("\n\n").nth(2).unwrap();
+        let key = capyctl_interfaces::router::InstanceKey {
+            deployment: "d".into(),
+            index: 0,
+            host_id: "h".into(),
+            generation: 1,
+        };
+        let fingerprints = super::super::usage::Fingerprints::default();
+        for (max_piece, sent) in [
+            (64 * 1024, STREAM.replace(usage, "")),
+            (16, STREAM.to_string()),
+        ] {
+            let (tenants, entry) = tenant_a();
+            let strip = super::super::usage::Strip::new(
+                max_piece,
+                super::super::usage::Engine::new(&fingerprints, &key),
+            );
+            let mut body = ProxyBody::full(Bytes::from_static(STREAM.as_bytes()))
+                .tapped(Some(UsageTap::new(entry).stripping(strip)));
+            let mut out = Vec::new();
+            while let Some(frame) = body.frame().await {
+                out.extend_from_slice(frame.unwrap().data_ref().unwrap());
+            }
+            assert_eq!(String::from_utf8(out).unwrap(), sent);
+            let kept = body.tap.as_ref().unwrap().last.is_some();
+            assert_eq!(kept, max_piece == 16, "frames kept by the tap");
+            drop(body);
+            assert_eq!(tenants.report()[0].tokens, 5, "max_piece {max_piece}");
+        }
+    }
+
+    /// The tap keeps enough of the answer's last frames, whatever their sizes and count: the
+    /// tokens it reads are those of the answer's last [`USAGE_TAIL`] bytes.
+    #[test]
+    fn the_tap_reads_the_answers_last_bytes_whatever_its_frames() {
+        let (_tenants, entry) = tenant_a();
         // Usages between fillers of every length up to 150 bytes: 3 to 40 of them a tail.
         let mut answer = Vec::new();
         for n in 0..200u64 {

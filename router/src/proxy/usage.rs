@@ -7,13 +7,30 @@
 //! effect without `include_usage`, so that the engine does not put usage on every chunk).
 //! The engine then ends the stream with one chunk whose `choices` are empty and which carries
 //! the `usage`; [`Strip`] watches every event of the answer as it passes and drops that one.
-//! Cost: the events whose bytes show no `usage` and no `finish_reason` but `null` (every event
-//! but those two) pass as runs, slices of the frame that brought them: a `memchr2` and a `memmem`
-//! pass over a frame find where the next event that may matter begins
-//! ([`Strip::plain_events`]); that event is found and told from its bytes
-//! ([`plainly_other`]), and only the finishing and the usage chunks are read as JSON, in one
-//! pass that allocates nothing ([`quick_read`]; `serde_json` reads what it leaves). An
-//! instance's fingerprint is kept as the JSON string written into its finishing chunks.
+//! Cost: the events whose bytes show no finish reason and no `usage` key with a value (every
+//! event but those two) pass as runs, slices of the frame that brought them: a search by a
+//! pair of bytes over a frame finds where the next event that may matter begins
+//! ([`Strip::plain_events`], [`first_mark`]); that event is found and told from its bytes
+//! ([`plainly_other`]) and read by its keys alone ([`read`]).
+//! - **The engines' writing, not any JSON** (a product decision, for the cost of a tenant's
+//!   streamed request; DESIGN 4.10 asks for usage on streamed requests and under 5% more CPU
+//!   per request): the two chunks are found and read as vLLM, SGLang and TensorFold write
+//!   them, compact, and where they write them.
+//!   - A finishing chunk is one with `"finish_reason":"` (a string right after the key, no
+//!     space) and no `"system_fingerprint"` key.
+//!   - The usage chunk is one with a `"usage"` key whose value is not `null` (spaces allowed)
+//!     and an empty `"choices"` array, **after a finish reason**: the engines send it once
+//!     every choice has finished, so a frame of token chunks is searched once, for a finish
+//!     reason, not twice. A usage chunk before any finish reason passes to the client, and
+//!     the request's tokens are not counted.
+//!   - Neither chunk is checked as JSON whole, and a key written with a `\u` escape is not the
+//!     key: an invalid chunk with those keys is taken as what its keys say.
+//!   - So an engine that spaced its finish reasons (none of the three does) would get no
+//!     fingerprint back on its finishing chunks and its usage chunk passed to the client.
+//!
+//!   The strip before this read both chunks whole as `serde_json` would, looked for the usage
+//!   chunk anywhere and stopped at every `f` and `\` of the stream: about 2.4 times the
+//!   instructions of `Strip::pass` (callgrind, README Benchmarks).
 //! - What vLLM 0.32 also changes (`chat_completion/serving.py`, `completion/serving.py`): with
 //!   `include_usage` it puts `system_fingerprint` on the usage chunk instead of on each chunk
 //!   that carries a `finish_reason` (one per choice: `n` of them, among the other choices'
@@ -105,9 +122,11 @@ fn ask_usage_reading(body: &[u8], quick: bool) -> Option<Vec<u8>> {
     }
 }
 
-/// What [`Top`] reads of a request, read without `serde_json` where this answers exactly (the
-/// same JSON as [`quick_read`] takes), for an object without `stream_options` whose `stream`s
-/// (if any) are `true`, `false` or `null`: `Some(true)` when its last `stream` is `true`,
+/// What [`Top`] reads of a request, read without `serde_json` where this answers exactly
+/// (strict JSON as `serde_json` skips it: `null`, `true`, `false`, numbers by JSON's grammar,
+/// strings with JSON's escapes and no control character, arrays, objects with plain ASCII
+/// keys, nesting up to 64; anything else is left to `serde_json`), for an object without
+/// `stream_options` whose `stream`s (if any) are `true`, `false` or `null`: `Some(true)` when its last `stream` is `true`,
 /// else `Some(false)`; `None` for any other body (then read by `serde_json`).
 ///
 /// NB (cost): this runs for every request of a tenant whose tokens are counted; through
@@ -333,6 +352,9 @@ pub(crate) struct Strip {
     engine: Engine,
     /// The usage chunk's `total_tokens`, once it passed.
     pub(crate) tokens: Option<u64>,
+    /// A finish reason has passed (one of the choices finished): only from then on is a usage
+    /// chunk taken for one (the module's note).
+    finished: bool,
     max_piece: usize,
     /// Gave up (an event past `max_piece`): everything passes unchanged.
     off: bool,
@@ -342,32 +364,12 @@ pub(crate) struct Strip {
     read_every_event: bool,
 }
 
-#[derive(Deserialize)]
-struct Chunk {
-    choices: Option<Vec<Choice>>,
-    #[serde(default)]
-    usage: Option<Usage>,
-    #[serde(default)]
-    system_fingerprint: Option<String>,
-}
-
-#[derive(Deserialize)]
-struct Choice {
-    #[serde(default)]
-    finish_reason: Option<serde::de::IgnoredAny>,
-}
-
-#[derive(Deserialize)]
-struct Usage {
-    total_tokens: Option<u64>,
-}
-
 /// What one event is, to the strip.
 #[cfg_attr(test, derive(Debug, PartialEq))]
 enum Event<'a> {
     Usage {
         tokens: Option<u64>,
-        /// As the chunk has it (its bytes, or what `serde_json` read of them).
+        /// As the chunk has it (its bytes, or what `serde_json` read of an escaped one).
         fingerprint: Option<Cow<'a, str>>,
     },
     /// A chunk with a finish reason and no fingerprint.
@@ -388,7 +390,15 @@ fn classify(event: &[u8]) -> Event<'_> {
     read(event)
 }
 
-/// What `event` is, from its JSON.
+/// What `event` is, from its keys as the engines write them (see the module's note: the
+/// chunk is not read whole, nor checked as JSON).
+///
+/// - The usage chunk: a `"usage"` key not followed by `: null` ([`first_usage`]) and an empty
+///   `"choices"` array; its `tokens` the number after its last `"total_tokens"` key (from the
+///   usage key on), its fingerprint the string after a `"system_fingerprint"` key.
+/// - A finishing chunk: no such usage, a finish reason as the engines write one
+///   ([`find_finish`]) and no `"system_fingerprint"` key.
+/// - `[DONE]`, and everything else [`Event::Other`].
 fn read(event: &[u8]) -> Event<'_> {
     let Data::One(data) = data_of(event) else {
         return Event::Other;
@@ -396,89 +406,73 @@ fn read(event: &[u8]) -> Event<'_> {
     if data.trim_ascii() == b"[DONE]" {
         return Event::Done;
     }
-    quick_read(data).unwrap_or_else(|| read_json(data))
+    const KEY: &[u8] = b"\"system_fingerprint\"";
+    static FINGERPRINT: LazyLock<memchr::memmem::Finder<'static>> =
+        LazyLock::new(|| memchr::memmem::Finder::new(KEY));
+    if let Some(usage) = first_usage(data, data.len()) {
+        if !empty_choices(data) {
+            return Event::Other;
+        }
+        return Event::Usage {
+            tokens: super::body::total_tokens(&data[usage..]),
+            fingerprint: FINGERPRINT
+                .find(data)
+                .and_then(|at| string_after(data, at + KEY.len())),
+        };
+    }
+    if find_finish(data).is_some() && FINGERPRINT.find(data).is_none() {
+        return Event::Finishing;
+    }
+    Event::Other
 }
 
-/// What the chunk `data` is, read by `serde_json`.
-fn read_json(data: &[u8]) -> Event<'static> {
-    let Ok(chunk) = serde_json::from_slice::<Chunk>(data) else {
-        return Event::Other;
-    };
-    match (chunk.choices, chunk.usage) {
-        (Some(choices), Some(usage)) if choices.is_empty() => Event::Usage {
-            tokens: usage.total_tokens,
-            fingerprint: chunk.system_fingerprint.map(Cow::Owned),
-        },
-        (Some(choices), None)
-            if chunk.system_fingerprint.is_none()
-                && choices.iter().any(|c| c.finish_reason.is_some()) =>
+/// Whether `data` has a `"choices"` key whose value is an empty array (whitespace allowed).
+fn empty_choices(data: &[u8]) -> bool {
+    const CHOICES: &[u8] = b"\"choices\"";
+    static FINDER: LazyLock<memchr::memmem::Finder<'static>> =
+        LazyLock::new(|| memchr::memmem::Finder::new(CHOICES));
+    let mut from = 0;
+    while let Some(found) = FINDER.find(&data[from..]) {
+        let after = from + found + CHOICES.len();
+        let rest = data[after..].trim_ascii_start();
+        if rest
+            .strip_prefix(b":")
+            .and_then(|r| r.trim_ascii_start().strip_prefix(b"["))
+            .is_some_and(|r| r.trim_ascii_start().starts_with(b"]"))
         {
-            Event::Finishing
+            return true;
         }
-        _ => Event::Other,
+        from = after;
     }
+    false
 }
 
-/// [`read`]'s reading of a chunk's JSON (`data`), without `serde_json`, for the chunks it can
-/// answer for exactly: `None` for any other (then read by `serde_json`).
-///
-/// NB (cost): the finishing and the usage chunks of every tenant's stream are read; through
-/// `serde_json` (its map access, a `Vec` of the choices and a `String` of the fingerprint)
-/// that was about a quarter of what a tenant's streamed request cost the listener beyond the
-/// router's own work (callgrind). This reads the same JSON in one pass and allocates nothing.
-/// It answers only where `serde_json` would read the whole chunk into [`Chunk`] (or only
-/// where it would refuse it as `serde_json` does, never): strict JSON as `serde_json` skips
-/// it (`null`, `true`, `false`, numbers by JSON's grammar, strings with JSON's escapes and no
-/// control character, arrays, objects with string keys), the chunk an object; anything
-/// beyond that is left to `serde_json`: a key (of the chunk, a choice or the usage) with an
-/// escape or a byte past ASCII, a field of [`Chunk`], [`Choice`] or [`Usage`] given twice,
-/// one of their values of another type than the usual (a choice or the chunk as an array,
-/// `total_tokens` not a plain whole number below 10^19), a fingerprint with an escape or not
-/// UTF-8, nesting deeper than 64, and every error. The test
-/// `the_quick_reading_is_serde_jsons` holds both to the same answers on mutated chunks.
-fn quick_read(data: &[u8]) -> Option<Event<'_>> {
-    let mut r = Reader { b: data, at: 0 };
-    r.open(b'{')?;
-    let mut choices: Option<Option<(usize, bool)>> = None;
-    let mut usage: Option<Option<Option<u64>>> = None;
-    let mut fingerprint: Option<Option<&str>> = None;
-    if !r.close(b'}') {
-        loop {
-            let key = r.key()?;
-            match key {
-                b"choices" if choices.is_none() => choices = Some(r.choices()?),
-                b"usage" if usage.is_none() => usage = Some(r.usage()?),
-                b"system_fingerprint" if fingerprint.is_none() => {
-                    fingerprint = Some(r.fingerprint()?);
-                }
-                b"choices" | b"usage" | b"system_fingerprint" => return None,
-                _ => r.skip(0)?,
-            }
-            if !r.next(b'}')? {
-                break;
-            }
-        }
+/// The string value after the key that ends at `data[key_end..]` (its `:` next, whitespace
+/// allowed): its bytes when it has no escape, else as `serde_json` reads it; `None` for
+/// `null`, another value or a string that does not read.
+fn string_after(data: &[u8], key_end: usize) -> Option<Cow<'_, str>> {
+    let rest = data.get(key_end..)?.trim_ascii_start();
+    let rest = rest.strip_prefix(b":")?.trim_ascii_start();
+    let body = rest.strip_prefix(b"\"")?;
+    let stop = string_stop(body, false)?;
+    if body[stop] == b'"' {
+        return std::str::from_utf8(&body[..stop]).ok().map(Cow::Borrowed);
     }
-    r.end()?;
-    let fingerprint = fingerprint.flatten();
-    Some(match (choices.flatten(), usage.flatten()) {
-        (Some((0, _)), Some(tokens)) => Event::Usage {
-            tokens,
-            fingerprint: fingerprint.map(Cow::Borrowed),
-        },
-        (Some((_, true)), None) if fingerprint.is_none() => Event::Finishing,
-        _ => Event::Other,
-    })
+    let mut r = Reader { b: rest, at: 1 };
+    r.skip_string()?;
+    serde_json::from_slice::<String>(&rest[..r.at])
+        .ok()
+        .map(Cow::Owned)
 }
 
-/// A cursor over a chunk's JSON for [`quick_read`]: each step `None` where it leaves the
-/// chunk to `serde_json`.
+/// A cursor over a request's JSON for [`quick_top`] (and an escaped string for
+/// [`string_after`]): each step `None` where it leaves the JSON to `serde_json`.
 struct Reader<'a> {
     b: &'a [u8],
     at: usize,
 }
 
-/// How deep [`Reader::skip`] goes ([`quick_read`] leaves deeper chunks to `serde_json`).
+/// How deep [`Reader::skip`] goes ([`quick_top`] leaves deeper bodies to `serde_json`).
 const QUICK_DEPTH: usize = 64;
 
 impl<'a> Reader<'a> {
@@ -564,16 +558,6 @@ impl<'a> Reader<'a> {
         let key = self.plain(true)?;
         self.open(b':')?;
         Some(key)
-    }
-
-    /// `null` (then `None`), or not (nothing taken).
-    #[inline]
-    fn null(&mut self) -> Option<bool> {
-        if self.peek()? == b'n' {
-            self.word(b"null")?;
-            return Some(true);
-        }
-        Some(false)
     }
 
     /// Skips a string, after its `"`, as `serde_json` does (escapes checked, bytes not).
@@ -692,100 +676,6 @@ impl<'a> Reader<'a> {
             _ => None,
         }
     }
-
-    /// `choices`: `None` for `null`; else how many and whether one has a finish reason that
-    /// is not `null`.
-    fn choices(&mut self) -> Option<Option<(usize, bool)>> {
-        if self.null()? {
-            return Some(None);
-        }
-        self.open(b'[')?;
-        let (mut n, mut finishing) = (0, false);
-        if self.close(b']') {
-            return Some(Some((0, false)));
-        }
-        loop {
-            n += 1;
-            self.open(b'{')?;
-            let mut reason = None;
-            if !self.close(b'}') {
-                loop {
-                    match self.key()? {
-                        b"finish_reason" if reason.is_none() => {
-                            let null = self.null()?;
-                            if !null {
-                                self.skip(2)?;
-                            }
-                            reason = Some(!null);
-                        }
-                        b"finish_reason" => return None,
-                        _ => self.skip(2)?,
-                    }
-                    if !self.next(b'}')? {
-                        break;
-                    }
-                }
-            }
-            finishing |= reason == Some(true);
-            if !self.next(b']')? {
-                return Some(Some((n, finishing)));
-            }
-        }
-    }
-
-    /// `usage`: `None` for `null`; else its `total_tokens`.
-    fn usage(&mut self) -> Option<Option<Option<u64>>> {
-        if self.null()? {
-            return Some(None);
-        }
-        self.open(b'{')?;
-        let mut total = None;
-        if !self.close(b'}') {
-            loop {
-                match self.key()? {
-                    b"total_tokens" if total.is_none() => {
-                        total = Some(if self.null()? {
-                            None
-                        } else {
-                            Some(self.whole()?)
-                        });
-                    }
-                    b"total_tokens" => return None,
-                    _ => self.skip(1)?,
-                }
-                if !self.next(b'}')? {
-                    break;
-                }
-            }
-        }
-        Some(Some(total.flatten()))
-    }
-
-    /// A whole number below 10^19 (what `serde_json` reads as a `u64` for certain).
-    fn whole(&mut self) -> Option<u64> {
-        self.peek()?;
-        let start = self.at;
-        let n = self.digits();
-        let digits = &self.b[start..self.at];
-        if n == 0
-            || n > 19
-            || (n > 1 && digits[0] == b'0')
-            || matches!(self.b.get(self.at), Some(b'.' | b'e' | b'E'))
-        {
-            return None;
-        }
-        Some(digits.iter().fold(0, |v, d| v * 10 + u64::from(d - b'0')))
-    }
-
-    /// `system_fingerprint`: `None` for `null`; else its text (a string without escapes).
-    fn fingerprint(&mut self) -> Option<Option<&'a str>> {
-        if self.null()? {
-            return Some(None);
-        }
-        self.open(b'"')?;
-        let s = self.plain(false)?;
-        Some(Some(std::str::from_utf8(s).ok()?))
-    }
 }
 
 /// Where the first byte of `s` is that ends a run of a JSON string's plain bytes: `"`, `\`, a
@@ -794,7 +684,8 @@ impl<'a> Reader<'a> {
 /// NB (cost): eight bytes at a time (each kind of byte found by the usual bit test for a
 /// zero or a smaller byte in a word; the lowest byte it flags is always a true one, so the
 /// first of them is exact), then byte by byte for the last few; keys and values of the
-/// engines' chunks are 5 to 40 bytes, read byte by byte they were most of [`quick_read`].
+/// engines' chunks and requests are 5 to 40 bytes, read byte by byte they were most of a
+/// reading of a chunk whole (the strip's before it read chunks by their keys alone).
 #[inline]
 fn string_stop(s: &[u8], ascii: bool) -> Option<usize> {
     const ONES: u64 = 0x0101_0101_0101_0101;
@@ -826,42 +717,57 @@ fn string_stop(s: &[u8], ascii: bool) -> Option<usize> {
 }
 
 /// Whether `event` is [`Event::Other`] whatever its JSON says, seen from its bytes alone: it
-/// has no mark ([`first_mark`]): no `usage` and no `finish_reason` with a value other than
-/// `null` (a key is written as its bytes unless it has a `\u` escape; then the JSON is read).
-/// Every event of a stream but the finishing and the usage ones is told this way, without
-/// reading its JSON (that reading was most of the strip's cost).
+/// has no mark ([`first_mark`]). Every event of a stream but the finishing and the usage ones
+/// is told this way.
 fn plainly_other(event: &[u8]) -> bool {
     first_mark(event, true).is_none()
 }
 
-/// Where the first mark of `json` is: a `"usage"` key or (`finish`) a `"finish_reason"` key
-/// not followed by `: null`, or a `\u` (a key may be written with an escape). Around the `:`
+/// Where the first mark of `json` is: a `"usage"` key not followed by `: null`, or (`finish`)
+/// a finish reason as the engines write one ([`find_finish`]). Around the usage key's `:`
 /// only ` `, `\t` and `\r` are taken as whitespace, never a newline (which would reach into
 /// the next event): a key followed by another is a mark too, and its event is read.
 ///
-/// NB (cost): two passes over `json`: `memchr2` for the `f` of `"finish_reason"` (only
-/// without `finish`: `memchr`) and the `\` of a `\u`, each place looked at
-/// ([`find_mark_byte`]); then, up to the first of those marks, a `"usage"` key found whole
-/// by the pair of its `u` and `g` ([`first_usage`]), which no token chunk has (every one
-/// has a `u` in each `null` and a `g` in `logprobs`). A token chunk has one place of the
-/// first pass (its `finish_reason`) and its text's `f`s; one pass for the `g` of `"usage"`,
-/// the `_` of `"finish_reason"` and the `\` had three places a token chunk (`logprobs`,
-/// `finish_reason`, `token_ids`), at about 100 instructions each (callgrind); `memmem` for
-/// `"usage"` took about 600 instructions a frame (its prefilter stops at every `"`). Every
-/// place of a mark is found (through its byte, or its whole key); the first `f` or `\`
-/// mark is the first of its kinds (no such mark has an `f` or `\` of another before its
-/// own found byte), and a `"usage"` before it is looked for where it would begin before it.
+/// NB (cost): no token chunk has either mark (vLLM's and TensorFold's have no `usage`,
+/// SGLang's a `"usage":null`; each has `"finish_reason":null`), so the pass over a frame of
+/// them is two searches by a pair of bytes each ([`find_pair`]), which find nothing in it:
+/// about a quarter of the instructions of the pass before it, which stopped at every `f` (the
+/// finish reason's key, whatever its value) and every `\` (a key might be escaped).
 fn first_mark(json: &[u8], finish: bool) -> Option<usize> {
-    let other = find_mark_byte(json, finish, |hit| match json[hit] {
-        b'\\' => (json.get(hit + 1) == Some(&b'u')).then_some(hit),
-        _ => key_not_null(json, hit, b"\"finish_reason\"", 1),
-    });
+    let other = finish.then(|| find_finish(json)).flatten();
     let end = other.map_or(json.len(), |at| json.len().min(at + USAGE.len() - 1));
     first_usage(json, end).or(other)
 }
 
+/// [`first_mark`] of a stream that has had no finish reason before `json`, and the first
+/// finish reason of `json` (where one of its choices finished): a usage key is a mark only
+/// after that finish reason, and the first finish reason is the first mark when (`finish`)
+/// it is one.
+///
+/// NB (cost): the engines send the usage chunk after every choice has finished (the module's
+/// note), so a frame of token chunks is searched once, for a finish reason, not twice.
+fn first_mark_unfinished(json: &[u8], finish: bool) -> (Option<usize>, Option<usize>) {
+    let first_finish = find_finish(json);
+    let mark = match first_finish {
+        Some(at) if !finish => {
+            let after = &json[at..];
+            first_usage(after, after.len()).map(|usage| usage + at)
+        }
+        other => other,
+    };
+    (mark, first_finish)
+}
+
 /// The `"usage"` key, quoted.
 const USAGE: &[u8] = b"\"usage\"";
+
+/// A finish reason as the engines (vLLM, SGLang, TensorFold) write one that is not `null`: a
+/// string right after its key's `:`.
+const FINISH: &[u8] = b"\"finish_reason\":\"";
+const _: () = assert!(
+    FINISH.len() == 17,
+    "find_finish's pair is its bytes 7 and 16"
+);
 
 /// Where the first `"usage"` key of `json` that begins in `json[..end]`, whole, and is not
 /// followed by `: null` is.
@@ -878,53 +784,59 @@ fn first_usage(json: &[u8], end: usize) -> Option<usize> {
     None
 }
 
-/// Where the first [`USAGE`] of `haystack` is: with AVX2, by the pair of its `u` and its
-/// `g` (a searcher made once), else by `memmem`.
+/// Where the first [`USAGE`] of `haystack` is, by the pair of its `u` and its `g`.
 fn find_usage(haystack: &[u8]) -> Option<usize> {
     #[cfg(target_arch = "x86_64")]
-    {
-        use memchr::arch::all::packedpair::Pair;
-        use memchr::arch::x86_64::avx2::packedpair::Finder;
-        static AVX2: LazyLock<Option<Finder>> =
-            LazyLock::new(|| Finder::with_pair(USAGE, Pair::with_indices(USAGE, 1, 4)?));
-        if let Some(finder) = &*AVX2
-            && haystack.len() >= finder.min_haystack_len()
-        {
-            return finder.find(haystack, USAGE);
-        }
-    }
-    memchr::memmem::find(haystack, USAGE)
+    static PAIR: PairFinder = LazyLock::new(|| pair_finder(USAGE, 1, 4));
+    #[cfg(not(target_arch = "x86_64"))]
+    static PAIR: PairFinder = LazyLock::new(|| ());
+    find_pair(&PAIR, USAGE, haystack)
 }
 
-/// The first answer of `f` for the places of `\` and (`finish`) `f` in `json` (those
-/// [`first_mark`] looks at first), in order.
+/// Where the first [`FINISH`] of `haystack` is, by the pair of its `_` and its last `"`
+/// (every token chunk's `"finish_reason":null` has an `n` there, so that a frame of them has
+/// no place to look at).
 ///
-/// NB (cost): with AVX2, through its searchers made once and called directly, rather than
-/// through `memchr2_iter`, which chooses one at every call: a third of the cost of each of
-/// the 20 or so places in a streamed answer of 16 tokens.
-fn find_mark_byte(
-    json: &[u8],
-    finish: bool,
-    f: impl FnMut(usize) -> Option<usize>,
-) -> Option<usize> {
+/// NB (cost): about 20 instructions for each 32 bytes of the stream. `memchr` for the `f`
+/// (128 bytes a step, then the needle compared at each `f`: one a token chunk) was about 1,000
+/// instructions more a request of 16 tokens (callgrind), its set-up paid again at each `f`.
+fn find_finish(haystack: &[u8]) -> Option<usize> {
     #[cfg(target_arch = "x86_64")]
+    static PAIR: PairFinder = LazyLock::new(|| pair_finder(FINISH, 7, 16));
+    #[cfg(not(target_arch = "x86_64"))]
+    static PAIR: PairFinder = LazyLock::new(|| ());
+    find_pair(&PAIR, FINISH, haystack)
+}
+
+/// An AVX2 searcher of a needle by two of its bytes, made once (`None` without AVX2).
+#[cfg(target_arch = "x86_64")]
+type PairFinder = LazyLock<Option<memchr::arch::x86_64::avx2::packedpair::Finder>>;
+#[cfg(not(target_arch = "x86_64"))]
+type PairFinder = LazyLock<()>;
+
+#[cfg(target_arch = "x86_64")]
+fn pair_finder(
+    needle: &[u8],
+    first: u8,
+    second: u8,
+) -> Option<memchr::arch::x86_64::avx2::packedpair::Finder> {
+    use memchr::arch::all::packedpair::Pair;
+    use memchr::arch::x86_64::avx2::packedpair::Finder;
+    Finder::with_pair(needle, Pair::with_indices(needle, first, second)?)
+}
+
+/// Where the first `needle` of `haystack` is: by `pair` where it is made and the haystack long
+/// enough for it (called directly: `memmem`'s own prefilter stops at every `"`, about 600
+/// instructions a frame), else by `memmem`.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+fn find_pair(pair: &PairFinder, needle: &[u8], haystack: &[u8]) -> Option<usize> {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(finder) = &**pair
+        && haystack.len() >= finder.min_haystack_len()
     {
-        use memchr::arch::x86_64::avx2::memchr::{One, Two};
-        static AVX2: LazyLock<Option<(Two, One)>> =
-            LazyLock::new(|| Some((Two::new(b'f', b'\\')?, One::new(b'\\')?)));
-        if let Some((two, one)) = &*AVX2 {
-            return if finish {
-                two.iter(json).find_map(f)
-            } else {
-                one.iter(json).find_map(f)
-            };
-        }
+        return finder.find(haystack, needle);
     }
-    if finish {
-        memchr::memchr2_iter(b'f', b'\\', json).find_map(f)
-    } else {
-        memchr::memchr_iter(b'\\', json).find_map(f)
-    }
+    memchr::memmem::find(haystack, needle)
 }
 
 /// Where `key` is in `json` when its byte `into` bytes in is at `hit` and it is not followed
@@ -991,11 +903,18 @@ impl Strip {
             held_bytes: 0,
             engine,
             tokens: None,
+            finished: false,
             max_piece,
             off: false,
             #[cfg(test)]
             read_every_event: false,
         }
+    }
+
+    /// Whether it gave up (an event past `max_piece`): everything passes unchanged since, its
+    /// usage chunk too.
+    pub(crate) fn gave_up(&self) -> bool {
+        self.off
     }
 
     /// Whether it holds bytes not sent yet.
@@ -1068,8 +987,8 @@ impl Strip {
     /// being read one by one (`at` itself when there is none): `at` is where an event starts
     /// and nothing is held. The run ends where the first event begins whose bytes may show a
     /// usage or a finish reason other than `null` (only where that matters: unless the
-    /// engine is known to have no fingerprint, when a finishing chunk passes unchanged too) or
-    /// a `\u` escape, else at the last event's end. Each event of the run is one that
+    /// engine is known to have no fingerprint, when a finishing chunk passes unchanged too),
+    /// else at the last event's end. Each event of the run is one that
     /// [`plainly_other`] tells (or `[DONE]`), which would be sent unchanged with nothing of
     /// the strip's state changed (its scanner ends where it began); the run is no longer than
     /// `max_piece`, so that no event of it is.
@@ -1077,25 +996,27 @@ impl Strip {
     /// NB (cost): the engine's frames carry many events each (the stream's body gathers what
     /// the engine already sent), nearly all of them tokens; reading every event (its end
     /// found, its bytes tested) was most of a tenant's streamed request beyond the router's
-    /// own work. This is a pass of `memchr2` and one of `memmem` over the frame
-    /// ([`first_mark`]), and a step back from the first event that may matter to where it
-    /// begins.
+    /// own work. This is a search by a pair of bytes over the frame (two once a finish reason
+    /// has passed: [`first_mark_unfinished`], [`first_mark`]), and a step back from the first
+    /// event that may matter to where it begins.
     /// `marks`: what the frame's earlier calls found (each search goes on from there rather
     /// than over the frame again).
-    fn plain_events(&self, data: &[u8], at: usize, marks: &mut Marks) -> usize {
+    fn plain_events(&mut self, data: &[u8], at: usize, marks: &mut Marks) -> usize {
         #[cfg(test)]
         if self.read_every_event {
             return at;
         }
         let fingerprint_matters = !matches!(self.engine.known, Some(None));
         let first = marks
-            .first(data, at, fingerprint_matters)
+            .first(data, at, fingerprint_matters, self.finished)
             .unwrap_or(data.len());
         let rest = data.get(at..).unwrap_or_default();
         let end = event_end_before(rest, first.saturating_sub(at));
         if end > self.max_piece {
             return at;
         }
+        // A finish reason passed in the run (where finishing chunks are not marks).
+        self.finished |= marks.finish_at.is_some_and(|f| f < at + end);
         at + end
     }
 
@@ -1108,7 +1029,14 @@ impl Strip {
             Piece::Of(start, end) => &data[*start..*end],
             Piece::Held(whole) => &whole[..],
         };
-        let kind = if marked { read(event) } else { classify(event) };
+        let mut kind = if marked { read(event) } else { classify(event) };
+        if !self.finished {
+            if matches!(kind, Event::Usage { .. }) {
+                // Before any finish reason: not the engine's usage chunk (the module's note).
+                kind = Event::Other;
+            }
+            self.finished = matches!(kind, Event::Finishing) || find_finish(event).is_some();
+        }
         match kind {
             Event::Usage {
                 tokens,
@@ -1161,32 +1089,44 @@ impl Strip {
     }
 }
 
-/// Where the first mark ([`first_mark`]) of a frame is, as [`Strip::plain_events`] searched
-/// for it from `from` (`None`: none after it; not `searched` yet: unknown), with `finish`.
+/// Where the first mark ([`first_mark`], or [`first_mark_unfinished`] before a finish reason
+/// passed) of a frame is, as [`Strip::plain_events`] searched for it from `from` (`None`:
+/// none after it; not `searched` yet: unknown), with `finish` and `finished`.
 #[derive(Default)]
 struct Marks {
     searched: bool,
     from: usize,
     finish: bool,
+    finished: bool,
     at: Option<usize>,
+    /// The first finish reason from `from` (searched for only while not `finished`).
+    finish_at: Option<usize>,
 }
 
 impl Marks {
-    /// Where the first mark at or after `from` in `data` is (`finish`: a finish reason is one):
-    /// what was found before when that answers (searched from no later, and found none or
-    /// one no earlier), else searched for now.
-    fn first(&mut self, data: &[u8], from: usize, finish: bool) -> Option<usize> {
+    /// Where the first mark at or after `from` in `data` is (`finish`: a finish reason is one;
+    /// `finished`: one has passed): what was found before when that answers (searched from no
+    /// later, with the same flags, and found none or one no earlier), else searched for now.
+    fn first(&mut self, data: &[u8], from: usize, finish: bool, finished: bool) -> Option<usize> {
         let known = self.searched
             && self.finish == finish
+            && self.finished == finished
             && self.from <= from
             && self.at.is_none_or(|at| at >= from);
         if !known {
             let rest = data.get(from..).unwrap_or_default();
+            let (at, finish_at) = if finished {
+                (first_mark(rest, finish), None)
+            } else {
+                first_mark_unfinished(rest, finish)
+            };
             *self = Marks {
                 searched: true,
                 from,
                 finish,
-                at: first_mark(rest, finish).map(|at| at + from),
+                finished,
+                at: at.map(|at| at + from),
+                finish_at: finish_at.map(|at| at + from),
             };
         }
         self.at
@@ -1408,27 +1348,34 @@ mod tests {
         assert!(plainly_other(
             br#"{"choices":[{"finish_reason" : null}],"x":"\"usage\""}"#
         ));
-        assert!(!plainly_other(
-            br#"{"choices":[{"finish_reason": "stop"}]}"#
-        ));
+        assert!(!plainly_other(br#"{"choices":[{"finish_reason":"stop"}]}"#));
         assert!(!plainly_other(
             br#"{"choices":[{"index":0,"finish_reason":null},{"index":1,"finish_reason":"length"}]}"#
         ));
         assert!(!plainly_other(
             br#"{"choices":[],"usage":{"total_tokens":3}}"#
         ));
-        // A whitespace-formatted finishing chunk is still found.
-        let spaced = "data: {\"choices\": [{\"index\": 0, \"finish_reason\": \"stop\"}]}\n\n";
-        assert!(matches!(classify(spaced.as_bytes()), Event::Finishing));
+        // A spaced usage chunk is still found and taken as one.
+        let spaced = "data: {\"choices\": [ ], \"usage\" : {\"total_tokens\": 3}}\n\n";
+        assert!(matches!(
+            classify(spaced.as_bytes()),
+            Event::Usage {
+                tokens: Some(3),
+                fingerprint: None
+            }
+        ));
+        // A spaced finish reason is not written as the engines write one (the module's note).
+        assert!(plainly_other(br#"{"choices":[{"finish_reason": "stop"}]}"#));
     }
 
-    /// Chunks as the engines write them (each read by [`quick_read`]), then odd ones.
+    /// Chunks as the engines write them (vLLM's chat and completions, SGLang's, TensorFold's),
+    /// and others written compact as they do.
     const USUAL: [&str; 13] = [
         r#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1733,"model":"m","choices":[{"index":0,"delta":{"content":"Hi"},"logprobs":null,"finish_reason":null}]}"#,
         r#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1733,"model":"m","choices":[{"index":0,"delta":{"content":"!"},"logprobs":null,"finish_reason":"stop","stop_reason":null}]}"#,
         r#"{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":3,"total_tokens":5,"completion_tokens":2,"prompt_tokens_details":null},"system_fingerprint":"vllm-0.32-abcd1234"}"#,
         r#"{"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"system_fingerprint":"vllm-x"}"#,
-        "{ \"choices\" : [ { \"index\" : 0 , \"finish_reason\" : \"length\" } ] ,\n\t\"usage\" : null }",
+        r#"{"id":"s","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":null,"content":null,"reasoning_content":null,"tool_calls":null},"logprobs":null,"finish_reason":"stop","matched_stop":2}],"usage":null}"#,
         r#"{"choices":[{"index":0,"logprobs":{"content":[{"token":"a","logprob":-0.25,"bytes":[97],"top_logprobs":[]}]},"finish_reason":"stop"}]}"#,
         r#"{"choices":[{"delta":{"content":"a\"b\\c\u00e9\n\/"},"finish_reason":"stop"}]}"#,
         r#"{"choices":[],"usage":{"total_tokens":null}}"#,
@@ -1436,23 +1383,7 @@ mod tests {
         r#"{"choices":[{"delta":{"content":"é ü"},"finish_reason":null}]}"#,
         r#"{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"!","logprobs":null,"finish_reason":"stop","stop_reason":null}],"usage":null}"#,
         "{}",
-        r#"{"created":1.5e+10,"x":[true,false,null,-0,0.0,1E3,{}],"choices":[],"usage":{"total_tokens":0}}"#,
-    ];
-    const ODD: [&str; 14] = [
-        r#"{"choices":[],"choices":[],"usage":{"total_tokens":1}}"#,
-        r#"[{"choices":[]}]"#,
-        r#"{"choices":[["stop"]]}"#,
-        r#"{"choices":[{"finish_reason":"stop"}],}"#,
-        r#"{"choi\u0063es":[],"usage":{"total_tokens":1}}"#,
-        r#"{"choices":[],"usage":{"total_tokens":5.0}}"#,
-        r#"{"choices":[],"usage":{"total_tokens":1e3}}"#,
-        r#"{"choices":[],"usage":{"total_tokens":-1}}"#,
-        r#"{"choices":[],"usage":{"total_tokens":99999999999999999999}}"#,
-        r#"{"choices":[],"usage":{"total_tokens":5}} x"#,
-        r#"{"choices":[{"finish_reason":nul}]}"#,
-        r#"{"choices":[],"usage":{"total_tokens":1},"system_fingerprint":"a\u00e9"}"#,
-        r#"{"choices":[{"finish_reason":"stop","finish_reason":null}]}"#,
-        r#"{"choices":[{"finish_reason":"stop"}],"usage":{"total_tokens":01}}"#,
+        r#"{"created":1.5e+10,"x":[true,false,null,-0,0.0,1E3,{}],"choices":[],"usage":{"total_tokens":0},"system_fingerprint":"a\u00e9\"b"}"#,
     ];
 
     /// Calls `check` with `seed` and every text made from it by cutting it, deleting a byte,
@@ -1497,41 +1428,94 @@ mod tests {
         assert!(answered > 1000 && short > 10, "{answered} {short}");
     }
 
-    /// [`quick_read`] answers the usual chunks, and where it answers (on those, the odd ones
-    /// and every chunk made from them by cutting, deleting, changing or adding a byte), it
-    /// answers what `serde_json` reads.
-    #[test]
-    fn the_quick_reading_is_serde_jsons() {
-        for chunk in USUAL {
-            assert_eq!(
-                quick_read(chunk.as_bytes()),
-                Some(read_json(chunk.as_bytes())),
-                "{chunk}"
-            );
-        }
-        let events: Vec<Event> = USUAL.iter().map(|c| read_json(c.as_bytes())).collect();
-        assert!(events.contains(&Event::Finishing) && events.contains(&Event::Other));
-        assert!(events.iter().any(|e| matches!(e, Event::Usage { .. })));
-        let bytes = b"\"\\,:{}[]n0-1 e.E+\x01\xff\tu";
-        let (mut tried, mut answered) = (0, 0);
-        let mut check = |chunk: &[u8]| {
-            tried += 1;
-            if let Some(quick) = quick_read(chunk) {
-                answered += 1;
-                assert_eq!(
-                    quick,
-                    read_json(chunk),
-                    "{}",
-                    String::from_utf8_lossy(chunk)
-                );
-            }
+    #[derive(Deserialize)]
+    struct Chunk {
+        choices: Option<Vec<Choice>>,
+        #[serde(default)]
+        usage: Option<Usage>,
+        #[serde(default)]
+        system_fingerprint: Option<String>,
+    }
+
+    #[derive(Deserialize)]
+    struct Choice {
+        #[serde(default)]
+        finish_reason: Option<serde::de::IgnoredAny>,
+    }
+
+    #[derive(Deserialize)]
+    struct Usage {
+        total_tokens: Option<u64>,
+    }
+
+    /// What the chunk `data` is, read whole by `serde_json` (how the strip read both chunks
+    /// before it read them by their keys).
+    fn read_whole(data: &[u8]) -> Event<'static> {
+        let Ok(chunk) = serde_json::from_slice::<Chunk>(data) else {
+            return Event::Other;
         };
-        for chunk in USUAL.iter().chain(&ODD) {
-            each_mutation(chunk.as_bytes(), bytes, &mut check);
+        match (chunk.choices, chunk.usage) {
+            (Some(choices), Some(usage)) if choices.is_empty() => Event::Usage {
+                tokens: usage.total_tokens,
+                fingerprint: chunk.system_fingerprint.map(Cow::Owned),
+            },
+            (Some(choices), None)
+                if chunk.system_fingerprint.is_none()
+                    && choices.iter().any(|c| c.finish_reason.is_some()) =>
+            {
+                Event::Finishing
+            }
+            _ => Event::Other,
         }
-        // A good share of them is answered (about 40%: those still JSON), the others left to
-        // serde_json.
-        assert!(answered * 3 > tried, "{answered} of {tried}");
+    }
+
+    /// On the chunks as the engines write them, the reading by keys answers what a reading of
+    /// the whole JSON answers (each kind of answer among them); where they differ, it is by
+    /// the module's note: a spaced finish reason, an escaped key, JSON that does not read.
+    #[test]
+    fn the_engines_chunks_read_by_their_keys_as_read_whole() {
+        let mut kinds = Vec::new();
+        for chunk in USUAL {
+            let event = format!("data: {chunk}\n\n");
+            let whole = read_whole(chunk.as_bytes());
+            assert_eq!(read(event.as_bytes()), whole, "{chunk}");
+            assert_eq!(classify(event.as_bytes()), whole, "{chunk}");
+            kinds.push(whole);
+        }
+        assert!(kinds.contains(&Event::Finishing) && kinds.contains(&Event::Other));
+        assert!(kinds.contains(&Event::Usage {
+            tokens: Some(0),
+            fingerprint: Some(Cow::Borrowed("a\u{e9}\"b"))
+        }));
+        for (chunk, by_keys) in [
+            (
+                "{ \"choices\" : [ { \"index\" : 0 , \"finish_reason\" : \"length\" } ] }",
+                Event::Other,
+            ),
+            (
+                r#"{"choices":[{"finish\u005freason":"stop"}]}"#,
+                Event::Other,
+            ),
+            (
+                r#"{"choices":[],"us\u0061ge":{"total_tokens":1}}"#,
+                Event::Other,
+            ),
+            (
+                r#"{"choices":[{"finish_reason":"stop"}],}"#,
+                Event::Finishing,
+            ),
+            (
+                r#"{"choices":[],"usage":{"total_tokens":5}} x"#,
+                Event::Usage {
+                    tokens: Some(5),
+                    fingerprint: None,
+                },
+            ),
+        ] {
+            assert_ne!(read_whole(chunk.as_bytes()), by_keys, "{chunk}");
+            let event = format!("data: {chunk}\n\n");
+            assert_eq!(read(event.as_bytes()), by_keys, "{chunk}");
+        }
     }
 
     /// SGLang's chunks (`usage: null` on each, the finish reason with `matched_stop`, the
@@ -1602,9 +1586,9 @@ mod tests {
         );
     }
 
-    /// A frame that does not end where an event ends, or whose keys' values are spaced over
-    /// lines, or with a `\u` escape, is read event by event: the usage chunk is still taken
-    /// out wherever its key is split across frames.
+    /// A frame that does not end where an event ends, or whose usage key's value is spaced
+    /// over lines, is read event by event: the usage chunk is still taken out wherever its
+    /// key is split across frames.
     #[test]
     fn a_usage_key_split_across_frames_is_still_taken_out() {
         let all = Arc::default();
@@ -1614,7 +1598,9 @@ mod tests {
             assert_eq!(String::from_utf8_lossy(&out), WITHOUT, "split at {at}");
             assert_eq!(tokens, Some(5));
         }
-        let strip = strip(&all, 1);
+        // A stream one of whose choices has finished: a usage chunk is looked for.
+        let mut strip = strip(&all, 1);
+        strip.finished = true;
         let plain = "data: {\"choices\":[{\"finish_reason\": \tnull}],\"usage\":null}\n\n";
         assert_eq!(
             strip.plain_events(plain.as_bytes(), 0, &mut Marks::default()),
@@ -1624,9 +1610,8 @@ mod tests {
             "data: {\"choices\":[{\"finish_reason\":null}]}\n",
             "data: {\"choices\":[{\"finish_reason\":\"stop\"}]}\n\n",
             "data: {\"choices\":[],\"usage\":{\"total_tokens\":5}}\n\n",
-            "data: {\"choices\":[],\"\\u0075sage\":{\"total_tokens\":5}}\n\n",
             "data: {\"x\":\"usage\"\n\n:null}\n\n",
-            "data: {\"choices\":[{\"finish_reason\"\n:null}]}\r\n\r\n",
+            "data: {\"choices\":[],\"usage\"\r\n:null}\r\n\r\n",
         ] {
             // The run ends where that event begins, after the plain one.
             let frame = format!("{plain}: comment\r\n\r\n{not_plain}");
@@ -1638,32 +1623,23 @@ mod tests {
         }
     }
 
-    /// [`first_mark`] as the marks' places were found before it, a pass for each: `memmem`
-    /// for each key, `memchr` for the `\u`, the first of them.
+    /// [`first_mark`] as a pass for each mark finds it: `memmem` for each key, the first of
+    /// them.
     fn first_mark_by_memmem(json: &[u8], finish: bool) -> Option<usize> {
-        let not_null = |key: &[u8]| {
-            memchr::memmem::find_iter(json, key).find(|&at| {
-                let trim = |s: &[u8]| {
-                    let n = s
-                        .iter()
-                        .take_while(|&&c| matches!(c, b' ' | b'\t' | b'\r'))
-                        .count();
-                    s[n..].to_vec()
-                };
-                !trim(&json[at + key.len()..])
-                    .strip_prefix(b":")
-                    .is_some_and(|value| trim(value).starts_with(b"null"))
-            })
-        };
-        let escape = memchr::memchr_iter(b'\\', json).find(|&at| json.get(at + 1) == Some(&b'u'));
-        [
-            not_null(b"\"usage\""),
-            finish.then(|| not_null(b"\"finish_reason\"")).flatten(),
-            escape,
-        ]
-        .into_iter()
-        .flatten()
-        .min()
+        let usage = memchr::memmem::find_iter(json, USAGE).find(|&at| {
+            let trim = |s: &[u8]| {
+                let n = s
+                    .iter()
+                    .take_while(|&&c| matches!(c, b' ' | b'\t' | b'\r'))
+                    .count();
+                s[n..].to_vec()
+            };
+            !trim(&json[at + USAGE.len()..])
+                .strip_prefix(b":")
+                .is_some_and(|value| trim(value).starts_with(b"null"))
+        });
+        let finish = finish.then(|| memchr::memmem::find(json, FINISH)).flatten();
+        [usage, finish].into_iter().flatten().min()
     }
 
     /// The marks found by one pass ([`first_mark`]) are those a pass for each found: on chunks
@@ -1674,7 +1650,7 @@ mod tests {
         let base = concat!(
             "data: {\"choices\":[{\"finish_reason\":null,\"stop_reason\":null}],\"usage\":null}\n\n",
             "data: {\"choices\":[{\"finish_reason\" :\tnull}],\"usage\" :\r null,\"logprobs\":1}\n\n",
-            "data: {\"x\":\"finish_reason\"finish_reason\":null,\"finish_reason\":\"stop\"}\n\n",
+            "data: {\"x\":\"finish_reason\"finish_reason\":\"\",\"finish_reason\":\"stop\"}\n\n",
             "data: {\"x\":\"usage\"usage\":null,\"a\\u0067\":\"\\\\u\",\"usage\":{\"total_tokens\":1}}\n\n",
         );
         let mut cases = vec![base.to_string()];
@@ -1694,6 +1670,17 @@ mod tests {
                     let rest = json.get(from..).unwrap_or_default();
                     assert_eq!(first_mark(rest, finish), first_mark_by_memmem(rest, finish));
                 }
+                // Before a finish reason: the first one, or a usage key only after it.
+                let first_finish = memchr::memmem::find(json, FINISH);
+                let unfinished = first_finish.and_then(|at| match finish {
+                    true => Some(at),
+                    false => first_mark_by_memmem(&json[at..], false).map(|u| u + at),
+                });
+                assert_eq!(
+                    first_mark_unfinished(json, finish),
+                    (unfinished, first_finish),
+                    "{finish} {case}"
+                );
                 found += usize::from(mark.is_some());
             }
         }
@@ -1786,6 +1773,38 @@ mod tests {
         }
     }
 
+    /// A usage chunk before any finish reason is not the engine's (which sends it after every
+    /// choice finished): it passes, in any frames, and counts nothing; after one it is taken
+    /// out, whether finishing chunks matter (the fingerprint) or not.
+    #[test]
+    fn only_a_usage_chunk_after_a_finish_reason_is_taken_out() {
+        let all = Arc::default();
+        let events: Vec<&str> = WITH_USAGE.split_inclusive("\n\n").collect();
+        let early = [events[0], events[2], events[1], events[3]].concat();
+        for size in [early.len(), 1, 7, 64] {
+            let frames: Vec<&[u8]> = early.as_bytes().chunks(size).collect();
+            let (out, tokens) = run_on(&mut strip(&all, 9), &frames);
+            assert_eq!(String::from_utf8_lossy(&out), early, "frames of {size}");
+            assert_eq!(tokens, None);
+        }
+        // SGLang's instance, known to have no fingerprint: its finishing chunk is no mark, the
+        // usage chunk after it still is.
+        let sglang: Vec<&str> = SGLANG.split_inclusive("\n\n").collect();
+        run_on(&mut strip(&all, 8), &[SGLANG.as_bytes()]);
+        let mut known_none = strip(&all, 8);
+        assert_eq!(
+            known_none.engine.known.as_ref().map(Option::is_none),
+            Some(true)
+        );
+        let (out, tokens) = run_on(&mut known_none, &[SGLANG.as_bytes()]);
+        assert_eq!(String::from_utf8_lossy(&out), SGLANG.replace(sglang[2], ""));
+        assert_eq!(tokens, Some(5));
+        let early = [sglang[0], sglang[2], sglang[1], sglang[3]].concat();
+        let (out, tokens) = run_on(&mut strip(&all, 8), &[early.as_bytes()]);
+        assert_eq!(String::from_utf8_lossy(&out), early);
+        assert_eq!(tokens, None);
+    }
+
     #[test]
     fn a_complete_event_is_never_held_before_a_finishing_one() {
         let mut strip = strip(&Arc::default(), 1);
@@ -1824,6 +1843,7 @@ mod tests {
             "data: {\"choices\":[{\"finish\\u005freason\":\"stop\"}]}\n\n",
             "data: {\"choices\":[],\"\\u0075sage\":{\"total_tokens\":5}}\n\n",
             "data: {\"choices\":[{\"finish_reason\":nul}]}\n\n",
+            "data: {\"choices\":[{\"finish_reason\": \"stop\"}]}\n\n",
             "data: [DONE]\n\n",
             ": keep-alive\n\n",
         ];
@@ -1833,13 +1853,24 @@ mod tests {
             assert_eq!(classify(e), read(e), "{event}");
             plain += usize::from(plainly_other(e));
         }
-        // The token chunks, `[DONE]` and a comment are told without reading.
-        assert_eq!(plain, 4);
-        assert_eq!(
-            read(events[6].as_bytes()),
-            Event::Finishing,
-            "an escaped key is read"
-        );
+        // The token chunks, the escaped keys, the invalid and the spaced finish reasons,
+        // `[DONE]` and a comment are told without reading.
+        assert_eq!(plain, 8);
+        for (at, event) in [
+            (2, Event::Finishing),
+            (3, Event::Other),
+            (
+                5,
+                Event::Usage {
+                    tokens: Some(5),
+                    fingerprint: None,
+                },
+            ),
+            (6, Event::Other),
+            (9, Event::Other),
+        ] {
+            assert_eq!(read(events[at].as_bytes()), event, "{}", events[at]);
+        }
     }
 
     #[test]
