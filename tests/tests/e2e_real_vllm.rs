@@ -23,6 +23,11 @@
 //!   load read naming the loaded one; a directory that is no PEFT adapter answers 503
 //!   `adapter_load_failed` with vLLM's reason while the base and the adapters serve on; a
 //!   delete unloads the adapter from vLLM.
+//! - [`real_vllm_a_tenants_streams_are_the_engines_own`]: a tenant whose tokens are counted
+//!   (DESIGN 4.10): its streamed chat and completions, asked for their usage by CapyCTL and
+//!   that usage taken back out, reach the client as vLLM's own bytes for the same request
+//!   (ids and times aside), the fingerprint vLLM moves onto the usage chunk put back, on the
+//!   instance's first streams and after; the tenant is charged what vLLM's usage says.
 //! - [`real_vllm_faults_and_a_node_agent`]: an unknown flag in `extra_args` (the engine exits
 //!   at once; the deployment fails naming vLLM's own error line, requests get the page's error
 //!   and never hang), a model directory that does not exist, the engine's port taken, then a
@@ -982,6 +987,147 @@ fn real_vllm_adapters_through_the_inference_listener() {
     nothing_left(&tag, "after SIGTERM");
     eprintln!(
         "real_vllm_adapters_through_the_inference_listener: {:.0} s",
+        began.elapsed().as_secs_f64()
+    );
+}
+
+/// A stream's bytes with what differs from request to request blanked: each `"id":"…"` and
+/// `"created":…` value (every other byte kept where it is, so that fields' order counts).
+fn same_but_ids(stream: &str) -> String {
+    let mut out = String::with_capacity(stream.len());
+    let mut rest = stream;
+    loop {
+        let id = rest.find("\"id\":\"").map(|at| (at, "\"id\":\"", '"'));
+        let created = rest
+            .find("\"created\":")
+            .map(|at| (at, "\"created\":", ','));
+        let Some((at, key, end)) = [id, created].into_iter().flatten().min() else {
+            out.push_str(rest);
+            return out;
+        };
+        out.push_str(&rest[..at + key.len()]);
+        out.push('-');
+        rest = &rest[at + key.len()..];
+        rest = &rest[rest.find(end).unwrap()..];
+    }
+}
+
+#[test]
+fn real_vllm_a_tenants_streams_are_the_engines_own() {
+    let Some(env) = RealVllm::find("real_vllm_a_tenants_streams_are_the_engines_own") else {
+        return;
+    };
+    let _turn = TURN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let tag = run_tag("tenant-streams");
+    let _reaper = Reaper(tag.clone());
+    let dir = temp_dir("real-vllm-tenant-streams");
+    let doc = document(
+        &env,
+        &tag,
+        "10GiB",
+        &[tiny("tiny-a", &env.model("tiny-a"), &[])],
+    )
+    .replacen(
+        "\nhost:\n",
+        "\n  inference_auth:\n    tenants:\n      - name: team-a\n        keys: [\"sk-team-a\"]\n        rate: {tokens_per_minute: 1000000}\nhost:\n",
+        1,
+    );
+    let began = Instant::now();
+    let capy = Capy::start(&dir, &doc);
+    let key = [
+        ("content-type", "application/json"),
+        ("authorization", "Bearer sk-team-a"),
+    ];
+
+    step("a tenant whose tokens are counted: streamed answers without usage asked for");
+    let chat = chat_body("tiny-a", 8, true);
+    let complete = serde_json::json!({
+        "model": "tiny-a", "prompt": "The quick brown fox", "max_tokens": 6,
+        "temperature": 0, "ignore_eos": true, "stream": true,
+    })
+    .to_string();
+    let mut through = Vec::new();
+    // Twice each: the instance's fingerprint unknown (the events from the finishing chunk on
+    // wait for the usage chunk), then known (each passes at once, the fingerprint written in).
+    for _ in 0..2 {
+        for (path, body) in [
+            ("/v1/chat/completions", &chat),
+            ("/v1/completions", &complete),
+        ] {
+            let r = request_within(
+                capy.inference,
+                "POST",
+                path,
+                &key,
+                body.as_bytes(),
+                ENGINE_PATIENCE,
+            );
+            assert_eq!(r.status, 200, "{path}: {r:?}");
+            through.push((path, body, r.body));
+        }
+    }
+
+    step("the same requests to vLLM itself: the same bytes but ids; the tokens its usage says");
+    let port = instance(&capy, "tiny-a")["port"].as_u64().unwrap();
+    let engine = SocketAddr::from(([127, 0, 0, 1], u16::try_from(port).unwrap()));
+    let json = [("content-type", "application/json")];
+    let mut tokens = 0;
+    for (path, body, got) in &through {
+        let direct = request_within(
+            engine,
+            "POST",
+            path,
+            &json,
+            body.as_bytes(),
+            ENGINE_PATIENCE,
+        );
+        assert_eq!(direct.status, 200, "{direct:?}");
+        assert!(!direct.body.contains("\"usage\""), "{}", direct.body);
+        assert!(
+            direct.body.contains("\"finish_reason\":\"length\""),
+            "{}",
+            direct.body
+        );
+        // vLLM 0.32 puts its fingerprint on the finishing chunk, and moves it to the usage
+        // chunk when usage is asked for: the strip puts it back.
+        assert!(
+            direct.body.contains("\"system_fingerprint\""),
+            "{}",
+            direct.body
+        );
+        assert_eq!(same_but_ids(got), same_but_ids(&direct.body), "{path}");
+        let mut asked: serde_json::Value = serde_json::from_str(body).unwrap();
+        asked["stream_options"] = serde_json::json!({"include_usage": true});
+        let usage = request_within(
+            engine,
+            "POST",
+            path,
+            &json,
+            asked.to_string().as_bytes(),
+            ENGINE_PATIENCE,
+        );
+        let last = usage
+            .body
+            .split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .filter(|d| d.starts_with('{'))
+            .last()
+            .unwrap()
+            .to_string();
+        let last: serde_json::Value = serde_json::from_str(&last).unwrap();
+        tokens += last["usage"]["total_tokens"].as_u64().unwrap();
+    }
+    let listed: serde_json::Value =
+        serde_json::from_str(&capy.cli(&["tenants", "list", "--json"]).ok()).unwrap();
+    assert_eq!(listed["tenants"][0]["tokens"], tokens, "{listed}");
+    assert_eq!(listed["tenants"][0]["answers"]["200"], 4, "{listed}");
+
+    assert_eq!(capy.terminate(), 0);
+    nothing_left(&tag, "after SIGTERM");
+    eprintln!(
+        "real_vllm_a_tenants_streams_are_the_engines_own: {:.0} s",
         began.elapsed().as_secs_f64()
     );
 }
