@@ -29,8 +29,9 @@
 //!     fingerprint back on its finishing chunks and its usage chunk passed to the client.
 //!
 //!   The strip before this read both chunks whole as `serde_json` would, looked for the usage
-//!   chunk anywhere and stopped at every `f` and `\` of the stream: about 2.4 times the
-//!   instructions of `Strip::pass` (callgrind, README Benchmarks).
+//!   chunk anywhere and stopped at every `f` and `\` of the stream: what a tenant's streamed
+//!   request cost the listener beyond a plain one went from +20.8k instructions to +14.3k
+//!   (callgrind, 16 tokens; README Benchmarks).
 //! - What vLLM 0.32 also changes (`chat_completion/serving.py`, `completion/serving.py`): with
 //!   `include_usage` it puts `system_fingerprint` on the usage chunk instead of on each chunk
 //!   that carries a `finish_reason` (one per choice: `n` of them, among the other choices'
@@ -729,10 +730,11 @@ fn plainly_other(event: &[u8]) -> bool {
 /// the next event): a key followed by another is a mark too, and its event is read.
 ///
 /// NB (cost): no token chunk has either mark (vLLM's and TensorFold's have no `usage`,
-/// SGLang's a `"usage":null`; each has `"finish_reason":null`), so the pass over a frame of
-/// them is two searches by a pair of bytes each ([`find_pair`]), which find nothing in it:
-/// about a quarter of the instructions of the pass before it, which stopped at every `f` (the
-/// finish reason's key, whatever its value) and every `\` (a key might be escaped).
+/// SGLang's a `"usage":null`; each has `"finish_reason":null`), so a search by a pair of bytes
+/// ([`find_pair`]) finds no place to stop at in a frame of them, where the pass before it
+/// stopped at every `f` (the finish reason's key, whatever its value) and every `\` (a key
+/// might be escaped). Before a finish reason, only the finish reason is searched for
+/// ([`first_mark_unfinished`]).
 fn first_mark(json: &[u8], finish: bool) -> Option<usize> {
     let other = finish.then(|| find_finish(json)).flatten();
     let end = other.map_or(json.len(), |at| json.len().min(at + USAGE.len() - 1));
