@@ -997,18 +997,23 @@ fn same_but_ids(stream: &str) -> String {
     let mut out = String::with_capacity(stream.len());
     let mut rest = stream;
     loop {
-        let id = rest.find("\"id\":\"").map(|at| (at, "\"id\":\"", '"'));
+        let id = rest
+            .find("\"id\":\"")
+            .map(|at| (at, "\"id\":\"", &['"'][..]));
         let created = rest
             .find("\"created\":")
-            .map(|at| (at, "\"created\":", ','));
-        let Some((at, key, end)) = [id, created].into_iter().flatten().min() else {
+            .map(|at| (at, "\"created\":", &[',', '}'][..]));
+        let Some((at, key, ends)) = [id, created].into_iter().flatten().min() else {
             out.push_str(rest);
             return out;
         };
         out.push_str(&rest[..at + key.len()]);
         out.push('-');
         rest = &rest[at + key.len()..];
-        rest = &rest[rest.find(end).unwrap()..];
+        let end = rest
+            .find(ends)
+            .unwrap_or_else(|| panic!("a value without its end: {stream}"));
+        rest = &rest[end..];
     }
 }
 

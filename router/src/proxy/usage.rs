@@ -30,7 +30,7 @@
 //!
 //!   The strip before this read both chunks whole as `serde_json` would, looked for the usage
 //!   chunk anywhere and stopped at every `f` and `\` of the stream: what a tenant's streamed
-//!   request cost the listener beyond a plain one went from +20.8k instructions to +14.3k
+//!   request cost the listener beyond a plain one went from +21.2k instructions to +14.0k
 //!   (callgrind, 16 tokens; README Benchmarks).
 //! - What vLLM 0.32 also changes (`chat_completion/serving.py`, `completion/serving.py`): with
 //!   `include_usage` it puts `system_fingerprint` on the usage chunk instead of on each chunk
@@ -395,8 +395,10 @@ fn classify(event: &[u8]) -> Event<'_> {
 /// chunk is not read whole, nor checked as JSON).
 ///
 /// - The usage chunk: a `"usage"` key not followed by `: null` ([`first_usage`]) and an empty
-///   `"choices"` array; its `tokens` the number after its last `"total_tokens"` key (from the
-///   usage key on), its fingerprint the string after a `"system_fingerprint"` key.
+///   `"choices"` array; its `tokens` the whole number at the start of the value of its last
+///   `"total_tokens"` key from the usage key on (as [`super::body::total_tokens`] reads an
+///   answer's tail: `5.0` is 5), its fingerprint the string after a `"system_fingerprint"`
+///   key.
 /// - A finishing chunk: no such usage, a finish reason as the engines write one
 ///   ([`find_finish`]) and no `"system_fingerprint"` key.
 /// - `[DONE]`, and everything else [`Event::Other`].
@@ -410,18 +412,21 @@ fn read(event: &[u8]) -> Event<'_> {
     const KEY: &[u8] = b"\"system_fingerprint\"";
     static FINGERPRINT: LazyLock<memchr::memmem::Finder<'static>> =
         LazyLock::new(|| memchr::memmem::Finder::new(KEY));
+    // The key: its bytes followed by a `:` (not a string of those bytes, a model's name say).
+    let fingerprint = FINGERPRINT
+        .find_iter(data)
+        .map(|at| at + KEY.len())
+        .find(|&end| data[end..].trim_ascii_start().starts_with(b":"));
     if let Some(usage) = first_usage(data, data.len()) {
         if !empty_choices(data) {
             return Event::Other;
         }
         return Event::Usage {
             tokens: super::body::total_tokens(&data[usage..]),
-            fingerprint: FINGERPRINT
-                .find(data)
-                .and_then(|at| string_after(data, at + KEY.len())),
+            fingerprint: fingerprint.and_then(|end| string_after(data, end)),
         };
     }
-    if find_finish(data).is_some() && FINGERPRINT.find(data).is_none() {
+    if fingerprint.is_none() && find_finish(data).is_some() {
         return Event::Finishing;
     }
     Event::Other
@@ -844,9 +849,8 @@ fn find_pair(pair: &PairFinder, needle: &[u8], haystack: &[u8]) -> Option<usize>
 /// Where `key` is in `json` when its byte `into` bytes in is at `hit` and it is not followed
 /// by `: null` (only ` `, `\t` and `\r` taken as whitespace).
 ///
-/// NB (cost): most places found are a token chunk's `"finish_reason":null`: the key's closing
-/// quote is looked at first, then whether `:null` follows (every token chunk's
-/// `"finish_reason":null`: no mark, whatever the key), before the whole key is compared.
+/// NB (cost): the key's closing quote and a following `:null` (SGLang's `"usage":null` on
+/// every chunk) are looked at first, before the whole key is compared.
 fn key_not_null(json: &[u8], hit: usize, key: &[u8], into: usize) -> Option<usize> {
     fn trim(s: &[u8]) -> &[u8] {
         let n = s
@@ -990,10 +994,12 @@ impl Strip {
     /// and nothing is held. The run ends where the first event begins whose bytes may show a
     /// usage or a finish reason other than `null` (only where that matters: unless the
     /// engine is known to have no fingerprint, when a finishing chunk passes unchanged too),
-    /// else at the last event's end. Each event of the run is one that
-    /// [`plainly_other`] tells (or `[DONE]`), which would be sent unchanged with nothing of
-    /// the strip's state changed (its scanner ends where it began); the run is no longer than
-    /// `max_piece`, so that no event of it is.
+    /// else at the last event's end. Each event of the run is one that [`Strip::event`] would
+    /// send unchanged: one [`plainly_other`] tells, `[DONE]`, and, before a finish reason, a
+    /// usage chunk (not the engine's: the module's note), or, from an engine known to have no
+    /// fingerprint, a finishing chunk (whose passing sets `finished`, as reading it would); its
+    /// scanner ends where it began; the run is no longer than `max_piece`, so that no event of
+    /// it is.
     ///
     /// NB (cost): the engine's frames carry many events each (the stream's body gathers what
     /// the engine already sent), nearly all of them tokens; reading every event (its end
@@ -1518,6 +1524,61 @@ mod tests {
             let event = format!("data: {chunk}\n\n");
             assert_eq!(read(event.as_bytes()), by_keys, "{chunk}");
         }
+        // The fingerprint's key is a key (followed by its `:`), not a value of those bytes.
+        let named = r#"{"model":"system_fingerprint","choices":[{"finish_reason":"stop"}]}"#;
+        assert_eq!(read_whole(named.as_bytes()), Event::Finishing);
+        assert_eq!(
+            read(format!("data: {named}\n\n").as_bytes()),
+            Event::Finishing
+        );
+    }
+
+    /// The reading by keys never panics, whatever an engine sends: every chunk made from the
+    /// usual ones by cutting, deleting, changing or adding a byte is read; on those that are
+    /// compact JSON as the engines write it (no whitespace, no escape, a `choices` key, none of
+    /// the keys read given twice, a plain whole `total_tokens`) it answers what the whole
+    /// reading answers.
+    #[test]
+    fn the_reading_by_keys_holds_on_mutated_chunks() {
+        let bytes = b"\"\\,:{}[]n0-1 e.E+\x01\xff\tu_";
+        let (mut tried, mut compared) = (0, 0);
+        let mut check = |chunk: &[u8]| {
+            tried += 1;
+            let event = [b"data: ", chunk, b"\n\n"].concat();
+            let by_keys = read(&event);
+            assert_eq!(
+                classify(&event),
+                by_keys,
+                "{}",
+                String::from_utf8_lossy(chunk)
+            );
+            let plain = !chunk
+                .iter()
+                .any(|b| matches!(b, b' ' | b'\t' | b'\n' | b'\r' | b'\\'));
+            let Ok(value) = serde_json::from_slice::<Value>(chunk) else {
+                return;
+            };
+            let text = String::from_utf8_lossy(chunk);
+            let odd = [
+                "choices",
+                "usage",
+                "finish_reason",
+                "system_fingerprint",
+                "total_tokens",
+            ]
+            .iter()
+            .any(|k| text.matches(&format!("\"{k}\"")).count() > 1)
+                || !text.contains("\"choices\":");
+            let total = &value["usage"]["total_tokens"];
+            if plain && !odd && (total.is_u64() || total.is_null()) && value.is_object() {
+                compared += 1;
+                assert_eq!(by_keys, read_whole(chunk), "{text}");
+            }
+        };
+        for chunk in USUAL {
+            each_mutation(chunk.as_bytes(), bytes, &mut check);
+        }
+        assert!(compared * 10 > tried, "{compared} of {tried}");
     }
 
     /// SGLang's chunks (`usage: null` on each, the finish reason with `matched_stop`, the
