@@ -26,7 +26,9 @@
 //!   - Neither chunk is checked as JSON whole, and a key written with a `\u` escape is not the
 //!     key: an invalid chunk with those keys is taken as what its keys say.
 //!   - So an engine that spaced its finish reasons (none of the three does) would get no
-//!     fingerprint back on its finishing chunks and its usage chunk passed to the client.
+//!     fingerprint back on its finishing chunks and its usage chunk passed to the client. A
+//!     stream that ends with `[DONE]` and no usage chunk taken out is logged as a warning,
+//!     once per engine instance ([`Slot::missed_usage`]), so that such an engine is seen.
 //!
 //!   The strip before this read both chunks whole as `serde_json` would, looked for the usage
 //!   chunk anywhere and stopped at every `f` and `\` of the stream: what a tenant's streamed
@@ -193,9 +195,15 @@ pub(crate) struct Fingerprints(Mutex<HashMap<InstanceKey, Arc<Slot>, FastHash>>)
 /// none.
 type Known = Option<Option<Arc<Fingerprint>>>;
 
-/// One instance's [`Known`].
-#[derive(Debug, Default)]
-struct Slot(Mutex<Known>);
+/// One instance's [`Known`], and whether a stream of it already missed its usage chunk.
+#[derive(Debug)]
+struct Slot {
+    known: Mutex<Known>,
+    /// The instance, as the warning names it.
+    instance: Box<str>,
+    /// A stream that asked for usage ended without the usage chunk taken out (warned once).
+    missed: std::sync::atomic::AtomicBool,
+}
 
 /// An engine's `system_fingerprint`, and the same as a JSON string (what is written into a
 /// finishing chunk: made once, when it is learnt).
@@ -228,7 +236,15 @@ impl Fingerprints {
         if all.len() >= MAX_INSTANCES {
             all.clear();
         }
-        let slot = Arc::<Slot>::default();
+        let slot = Arc::new(Slot {
+            known: Mutex::default(),
+            instance: format!(
+                "{} (index {}, host {}, generation {})",
+                key.deployment, key.index, key.host_id, key.generation
+            )
+            .into(),
+            missed: Default::default(),
+        });
         all.insert(key.clone(), Arc::clone(&slot));
         slot
     }
@@ -236,7 +252,7 @@ impl Fingerprints {
 
 impl Slot {
     fn known(&self) -> Known {
-        self.0
+        self.known
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
@@ -244,7 +260,7 @@ impl Slot {
 
     /// Keeps `fingerprint` as the instance's; returns it as kept.
     fn learn(&self, fingerprint: Option<&str>) -> Option<Arc<Fingerprint>> {
-        let mut known = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut known = self.known.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(kept) = &*known
             && kept.as_ref().map(|f| &*f.raw) == fingerprint
         {
@@ -253,6 +269,21 @@ impl Slot {
         let learnt = fingerprint.map(Fingerprint::new);
         *known = Some(learnt.clone());
         learnt
+    }
+
+    /// A stream of the instance reached `[DONE]` without its usage chunk taken out: said once
+    /// per instance, so that an engine that does not write its chunks as the strip finds them
+    /// (the module's note) does not go unseen.
+    fn missed_usage(&self) {
+        if !self.missed.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            tracing::warn!(
+                instance = %self.instance,
+                "a streamed answer whose usage CapyCTL asked for ended without the engine's usage \
+                 chunk after a finish reason written as vLLM, SGLang and TensorFold write it: the \
+                 tenant's tokens for it are not counted, and a usage chunk it sent reached the \
+                 client (said once per engine instance)"
+            );
+        }
     }
 }
 
@@ -356,6 +387,8 @@ pub(crate) struct Strip {
     /// A finish reason has passed (one of the choices finished): only from then on is a usage
     /// chunk taken for one (the module's note).
     finished: bool,
+    /// The usage chunk was taken out.
+    took_usage: bool,
     max_piece: usize,
     /// Gave up (an event past `max_piece`): everything passes unchanged.
     off: bool,
@@ -910,6 +943,7 @@ impl Strip {
             engine,
             tokens: None,
             finished: false,
+            took_usage: false,
             max_piece,
             off: false,
             #[cfg(test)]
@@ -975,6 +1009,11 @@ impl Strip {
             self.off = true;
             self.release(&mut out, None);
             out.push(&std::mem::take(&mut self.partial));
+        }
+        // The engines end a stream with `[DONE]`, at a frame's end: one that came with no usage
+        // chunk taken out is said (once per instance).
+        if !self.took_usage && data.ends_with(b"data: [DONE]\n\n") {
+            self.engine.slot.missed_usage();
         }
         // The frame's own start unchanged: the frame itself, cut there (not a second handle
         // on it made by slicing; `Bytes::truncate` may still share a frame built from a `Vec`).
@@ -1051,6 +1090,7 @@ impl Strip {
                 fingerprint,
             } => {
                 self.tokens = tokens;
+                self.took_usage = true;
                 let learnt = self.engine.slot.learn(fingerprint.as_deref());
                 self.release(out, learnt.as_deref());
                 self.engine.known = Some(learnt);
@@ -1866,6 +1906,38 @@ mod tests {
         let (out, tokens) = run_on(&mut strip(&all, 8), &[early.as_bytes()]);
         assert_eq!(String::from_utf8_lossy(&out), early);
         assert_eq!(tokens, None);
+    }
+
+    /// A stream that ends with `[DONE]` and no usage chunk taken out is said once for its
+    /// instance (an engine writing otherwise would not go unseen); one whose usage chunk was
+    /// taken out, or that was cut before `[DONE]`, is not.
+    #[test]
+    fn a_stream_done_without_its_usage_chunk_is_said() {
+        let all = Arc::default();
+        let missed = |strip: &Strip| {
+            strip
+                .engine
+                .slot
+                .missed
+                .load(std::sync::atomic::Ordering::Relaxed)
+        };
+        let mut taken = strip(&all, 1);
+        run_on(&mut taken, &[WITH_USAGE.as_bytes()]);
+        assert!(!missed(&taken));
+        let events: Vec<&str> = WITH_USAGE.split_inclusive("\n\n").collect();
+        let mut cut = strip(&all, 1);
+        run_on(&mut cut, &[[events[0], events[1]].concat().as_bytes()]);
+        assert!(!missed(&cut));
+        let spaced =
+            WITH_USAGE.replace("\"finish_reason\":\"stop\"", "\"finish_reason\": \"stop\"");
+        let mut other = strip(&all, 1);
+        let (out, tokens) = run_on(&mut other, &[spaced.as_bytes()]);
+        assert_eq!(String::from_utf8_lossy(&out), spaced, "passed as it came");
+        assert_eq!(tokens, None);
+        assert!(missed(&other));
+        // The same instance's next strip shares the flag (said once); another's does not.
+        assert!(missed(&strip(&all, 1)));
+        assert!(!missed(&strip(&all, 2)));
     }
 
     #[test]
