@@ -32,7 +32,7 @@
 //!
 //!   The strip before this read both chunks whole as `serde_json` would, looked for the usage
 //!   chunk anywhere and stopped at every `f` and `\` of the stream: what a tenant's streamed
-//!   request cost the listener beyond a plain one went from +21.2k instructions to +14.0k
+//!   request cost the listener beyond a plain one went from +21.2k instructions to +14.5k
 //!   (callgrind, 16 tokens; README Benchmarks).
 //! - What vLLM 0.32 also changes (`chat_completion/serving.py`, `completion/serving.py`): with
 //!   `include_usage` it puts `system_fingerprint` on the usage chunk instead of on each chunk
