@@ -13,8 +13,8 @@
 //! ([`Strip::plain_events`], [`first_mark`]); that event is found and told from its bytes
 //! ([`plainly_other`]) and read by its keys alone ([`read`]).
 //! - **The engines' writing, not any JSON** (a product decision, for the cost of a tenant's
-//!   streamed request; DESIGN 4.10 asks for usage on streamed requests and under 5% more CPU
-//!   per request): the two chunks are found and read as vLLM, SGLang and TensorFold write
+//!   streamed request: issue 32 asks for the engine's usage on streamed requests and for under
+//!   5% more router CPU per request with keys): the two chunks are found and read as vLLM, SGLang and TensorFold write
 //!   them, compact, and where they write them.
 //!   - A finishing chunk is one with `"finish_reason":"` (a string right after the key, no
 //!     space) and no `"system_fingerprint"` key.
@@ -129,8 +129,9 @@ fn ask_usage_reading(body: &[u8], quick: bool) -> Option<Vec<u8>> {
 /// (strict JSON as `serde_json` skips it: `null`, `true`, `false`, numbers by JSON's grammar,
 /// strings with JSON's escapes and no control character, arrays, objects with plain ASCII
 /// keys, nesting up to 64; anything else is left to `serde_json`), for an object without
-/// `stream_options` whose `stream`s (if any) are `true`, `false` or `null`: `Some(true)` when its last `stream` is `true`,
-/// else `Some(false)`; `None` for any other body (then read by `serde_json`).
+/// `stream_options` whose `stream`s (if any) are `true`, `false` or `null`: `Some(true)` when
+/// its last `stream` is `true`, else `Some(false)`; `None` for any other body (then read by
+/// `serde_json`).
 ///
 /// NB (cost): this runs for every request of a tenant whose tokens are counted; through
 /// `serde_json` (its map access and a `Value` of `stream`) it was about 3,700 instructions
@@ -724,7 +725,7 @@ impl<'a> Reader<'a> {
 /// zero or a smaller byte in a word; the lowest byte it flags is always a true one, so the
 /// first of them is exact), then byte by byte for the last few; keys and values of the
 /// engines' chunks and requests are 5 to 40 bytes, read byte by byte they were most of a
-/// reading of a chunk whole (the strip's before it read chunks by their keys alone).
+/// reading of a chunk whole (which the strip did before it read chunks by their keys alone).
 #[inline]
 fn string_stop(s: &[u8], ascii: bool) -> Option<usize> {
     const ONES: u64 = 0x0101_0101_0101_0101;
