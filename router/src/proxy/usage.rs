@@ -770,7 +770,7 @@ fn plainly_other(event: &[u8]) -> bool {
 ///
 /// NB (cost): no token chunk has either mark (vLLM's and TensorFold's have no `usage`,
 /// SGLang's a `"usage":null`; each has `"finish_reason":null`), so a search by a pair of bytes
-/// ([`find_pair`]) finds no place to stop at in a frame of them, where the pass before it
+/// ([`PairSearch`]) finds no place to stop at in a frame of them, where the pass before it
 /// stopped at every `f` (the finish reason's key, whatever its value) and every `\` (a key
 /// might be escaped). Before a finish reason, only the finish reason is searched for
 /// ([`first_mark_unfinished`]).
@@ -827,11 +827,8 @@ fn first_usage(json: &[u8], end: usize) -> Option<usize> {
 
 /// Where the first [`USAGE`] of `haystack` is, by the pair of its `u` and its `g`.
 fn find_usage(haystack: &[u8]) -> Option<usize> {
-    #[cfg(target_arch = "x86_64")]
-    static PAIR: PairFinder = LazyLock::new(|| pair_finder(USAGE, 1, 4));
-    #[cfg(not(target_arch = "x86_64"))]
-    static PAIR: PairFinder = LazyLock::new(|| ());
-    find_pair(&PAIR, USAGE, haystack)
+    static SEARCH: PairSearch = PairSearch::new(USAGE, 1, 4);
+    SEARCH.find(haystack)
 }
 
 /// Where the first [`FINISH`] of `haystack` is, by the pair of its `_` and its last `"`
@@ -842,42 +839,53 @@ fn find_usage(haystack: &[u8]) -> Option<usize> {
 /// (128 bytes a step, then the needle compared at each `f`: one a token chunk) was about 1,000
 /// instructions more a request of 16 tokens (callgrind), its set-up paid again at each `f`.
 fn find_finish(haystack: &[u8]) -> Option<usize> {
-    #[cfg(target_arch = "x86_64")]
-    static PAIR: PairFinder = LazyLock::new(|| pair_finder(FINISH, 7, 16));
-    #[cfg(not(target_arch = "x86_64"))]
-    static PAIR: PairFinder = LazyLock::new(|| ());
-    find_pair(&PAIR, FINISH, haystack)
+    static SEARCH: PairSearch = PairSearch::new(FINISH, 7, 16);
+    SEARCH.find(haystack)
 }
 
-/// An AVX2 searcher of a needle by two of its bytes, made once (`None` without AVX2).
-#[cfg(target_arch = "x86_64")]
-type PairFinder = LazyLock<Option<memchr::arch::x86_64::avx2::packedpair::Finder>>;
-#[cfg(not(target_arch = "x86_64"))]
-type PairFinder = LazyLock<()>;
-
-#[cfg(target_arch = "x86_64")]
-fn pair_finder(
-    needle: &[u8],
+/// A needle searched for by two of its bytes (at `first` and `second`): with AVX2 by a
+/// searcher made at the first search and called directly (`memmem`'s own prefilter stops at
+/// every `"`, about 600 instructions a frame); without it, or in a haystack too short for
+/// it, by `memmem`.
+struct PairSearch {
+    needle: &'static [u8],
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     first: u8,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     second: u8,
-) -> Option<memchr::arch::x86_64::avx2::packedpair::Finder> {
-    use memchr::arch::all::packedpair::Pair;
-    use memchr::arch::x86_64::avx2::packedpair::Finder;
-    Finder::with_pair(needle, Pair::with_indices(needle, first, second)?)
+    #[cfg(target_arch = "x86_64")]
+    avx2: std::sync::OnceLock<Option<memchr::arch::x86_64::avx2::packedpair::Finder>>,
 }
 
-/// Where the first `needle` of `haystack` is: by `pair` where it is made and the haystack long
-/// enough for it (called directly: `memmem`'s own prefilter stops at every `"`, about 600
-/// instructions a frame), else by `memmem`.
-#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
-fn find_pair(pair: &PairFinder, needle: &[u8], haystack: &[u8]) -> Option<usize> {
-    #[cfg(target_arch = "x86_64")]
-    if let Some(finder) = &**pair
-        && haystack.len() >= finder.min_haystack_len()
-    {
-        return finder.find(haystack, needle);
+impl PairSearch {
+    const fn new(needle: &'static [u8], first: u8, second: u8) -> Self {
+        Self {
+            needle,
+            first,
+            second,
+            #[cfg(target_arch = "x86_64")]
+            avx2: std::sync::OnceLock::new(),
+        }
     }
-    memchr::memmem::find(haystack, needle)
+
+    /// Where the first needle of `haystack` is.
+    fn find(&self, haystack: &[u8]) -> Option<usize> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use memchr::arch::all::packedpair::Pair;
+            use memchr::arch::x86_64::avx2::packedpair::Finder;
+            let avx2 = self.avx2.get_or_init(|| {
+                let pair = Pair::with_indices(self.needle, self.first, self.second)?;
+                Finder::with_pair(self.needle, pair)
+            });
+            if let Some(finder) = avx2
+                && haystack.len() >= finder.min_haystack_len()
+            {
+                return finder.find(haystack, self.needle);
+            }
+        }
+        memchr::memmem::find(haystack, self.needle)
+    }
 }
 
 /// Where `key` is in `json` when its byte `into` bytes in is at `hit` and it is not followed
