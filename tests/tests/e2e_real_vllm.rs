@@ -255,6 +255,27 @@ fn nothing_left(tag: &str, what: &str) {
 /// Kills every process of the run (the test's own cleanup when it fails half-way).
 struct Reaper(String);
 
+/// A run's hold on the machine: dropped at the test's end (or failure), it kills the run's
+/// processes first ([`Reaper`]), then gives the turn ([`TURN`]) to the next test.
+struct Run {
+    _reaper: Reaper,
+    _turn: std::sync::MutexGuard<'static, ()>,
+}
+
+/// Takes the turn (one real-vLLM test at a time), then a run tag named `name`
+/// ([`run_tag`]) and a temporary directory `dir`: the run's hold, its tag and its directory.
+fn begin(name: &str, dir: &str) -> (Run, String, PathBuf) {
+    let turn = TURN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let tag = run_tag(name);
+    let run = Run {
+        _reaper: Reaper(tag.clone()),
+        _turn: turn,
+    };
+    (run, tag, temp_dir(dir))
+}
+
 impl Drop for Reaper {
     fn drop(&mut self) {
         for (pid, _) in tagged(&self.0) {
@@ -432,12 +453,7 @@ fn real_vllm_two_models_on_one_gpu() {
     let Some(env) = RealVllm::find("real_vllm_two_models_on_one_gpu") else {
         return;
     };
-    let _turn = TURN
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let tag = run_tag("two-models");
-    let _reaper = Reaper(tag.clone());
-    let dir = temp_dir("real-vllm-two-models");
+    let (_run, tag, dir) = begin("two-models", "real-vllm-two-models");
     let doc = document(
         &env,
         &tag,
@@ -833,12 +849,7 @@ fn real_vllm_adapters_through_the_inference_listener() {
     ) else {
         return;
     };
-    let _turn = TURN
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let tag = run_tag("adapters");
-    let _reaper = Reaper(tag.clone());
-    let dir = temp_dir("real-vllm-adapters-standalone");
+    let (_run, tag, dir) = begin("adapters", "real-vllm-adapters-standalone");
     let not_peft = dir.join("not-peft");
     std::fs::create_dir_all(&not_peft).unwrap();
     std::fs::write(not_peft.join("config.json"), "{}").unwrap();
@@ -1022,12 +1033,7 @@ fn real_vllm_a_tenants_streams_are_the_engines_own() {
     let Some(env) = RealVllm::find("real_vllm_a_tenants_streams_are_the_engines_own") else {
         return;
     };
-    let _turn = TURN
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let tag = run_tag("tenant-streams");
-    let _reaper = Reaper(tag.clone());
-    let dir = temp_dir("real-vllm-tenant-streams");
+    let (_run, tag, dir) = begin("tenant-streams", "real-vllm-tenant-streams");
     let doc = document(
         &env,
         &tag,
@@ -1179,12 +1185,7 @@ fn real_vllm_faults_and_a_node_agent() {
     let Some(env) = RealVllm::find("real_vllm_faults_and_a_node_agent") else {
         return;
     };
-    let _turn = TURN
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let tag = run_tag("faults");
-    let _reaper = Reaper(tag.clone());
-    let dir = temp_dir("real-vllm-faults");
+    let (_run, tag, dir) = begin("faults", "real-vllm-faults");
     // First CapyCTL alone, launching the faulty engines itself.
     let faults = dir.join("standalone");
     std::fs::create_dir_all(&faults).unwrap();
