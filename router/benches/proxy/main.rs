@@ -88,7 +88,11 @@ usage: cargo bench -p capyctl-router --bench proxy -- [options]
                            both routers run as processes of their own (this binary again), so
                            that each one's CPU time is its process's alone; the keyed/plain CPU
                            ratio is over all rounds, with each round's ratio (the two routers'
-                           segments are next to each other) for its spread
+                           segments are next to each other) for its spread, and again with the
+                           two routers in the same segments, each client's requests sent to
+                           one and the other in turn (its request-by-request line)
+  --no-token-rate          with --tenants: the tenants have no tokens_per_minute (their keys,
+                           globs and request rate only: no usage asked for or taken out)
   --replicas [--help]      requests per second with 1, 2 and 4 instances of one deployment, each
                            against the same engines reached directly (its own options: see
                            --replicas --help)
@@ -126,6 +130,8 @@ struct Args {
     memory_clients: Option<(SocketAddr, usize)>,
     /// `--tenants N`: a third side, the router with N tenants' keys.
     tenants: Option<usize>,
+    /// `--no-token-rate`: those tenants without `tokens_per_minute`.
+    no_token_rate: bool,
     /// `--router-child ENGINE N`: a router process of `--tenants` (N tenants, 0: no keys) in
     /// front of the engine at ENGINE; prints its address, runs until its stdin closes.
     router_child: Option<(SocketAddr, usize)>,
@@ -140,8 +146,9 @@ fn bench_key(n: usize) -> String {
 }
 
 /// A table of `n` tenants as a production configuration would have them: two keys each, the
-/// bench's model among their globs, and rates high enough never to refuse.
-fn bench_tenants(n: usize) -> Arc<capyctl_router::tenants::Tenants> {
+/// bench's model among their globs, and rates high enough never to refuse (`tokens`: with a
+/// `tokens_per_minute`, for which streamed answers' usage is asked for and taken out).
+fn bench_tenants(n: usize, tokens: bool) -> Arc<capyctl_router::tenants::Tenants> {
     use capyctl_interfaces::tenants::{Tenant, TenantRate, TenantTable};
     let table = Arc::new(capyctl_router::tenants::Tenants::new());
     let tenants = (0..n)
@@ -154,7 +161,7 @@ fn bench_tenants(n: usize) -> Arc<capyctl_router::tenants::Tenants> {
             models: Some(vec!["chat-*".to_string(), "bench-*".to_string()]),
             rate: Some(TenantRate {
                 requests_per_minute: Some(1_000_000),
-                tokens_per_minute: Some(10_000_000_000),
+                tokens_per_minute: tokens.then_some(10_000_000_000),
             }),
         })
         .collect();
@@ -209,7 +216,7 @@ impl Drop for RouterProcess {
 /// address and serves until its stdin closes.
 fn router_child(args: &Args, engine: SocketAddr, tenants: usize) {
     let rt = runtime("router", args.router_threads);
-    let tenants = (tenants > 0).then(|| bench_tenants(tenants));
+    let tenants = (tenants > 0).then(|| bench_tenants(tenants, !args.no_token_rate));
     let (addr, handle) = run(
         &rt,
         start_proxy_with(engine, Setup::of(args), RouterConfig::default(), tenants),
@@ -238,6 +245,7 @@ fn args() -> Args {
         nginx: None,
         memory_clients: None,
         tenants: None,
+        no_token_rate: false,
         router_child: None,
     };
     let mut it = std::env::args().skip(1);
@@ -263,6 +271,7 @@ fn args() -> Args {
                 };
             }
             "--no-observer" => args.observer = false,
+            "--no-token-rate" => args.no_token_rate = true,
             "--memory" => args.memory = true,
             "--upstream" => args.upstream = it.next().unwrap_or_default(),
             "--router-threads" => args.router_threads = number(&mut it, 2),
@@ -1069,6 +1078,70 @@ async fn paired(
     (median(diffs), median(r_all) - median(d_all))
 }
 
+/// The CPU per request of the two routers of `--tenants` in one segment of [`interleaved`].
+struct Turns {
+    plain_us: f64,
+    keyed_us: f64,
+}
+
+/// The router without keys and the one with them side by side in one segment: each client
+/// sends to one and then to the other in turn (which goes first alternates), for `length`, so
+/// that both serve the same number of requests over the same stretch of time and what the
+/// machine's other work does (its load, the CPUs' clocks and wake-ups) falls on both alike;
+/// each one's CPU per request (`meters`: the plain one's, the keyed one's).
+///
+/// NB: the segments of `compare` alternate the two routers every `--seconds`, and whatever
+/// changes on the machine between two segments is in their ratio; over one segment of this the
+/// two routers' CPU times are taken across the same instants.
+async fn interleaved(
+    plain: &mut Vec<Sender>,
+    keyed: &mut Vec<Sender>,
+    case: Case,
+    length: Duration,
+    meters: (&Meter, &Meter),
+) -> Turns {
+    let body = body(MODEL, case.stream);
+    let before = (meters.0.read(), meters.1.read());
+    let done = Arc::new(AtomicBool::new(false));
+    let tasks: Vec<_> = plain
+        .drain(..)
+        .zip(keyed.drain(..))
+        .map(|(mut p, mut k)| {
+            let body = body.clone();
+            let done = Arc::clone(&done);
+            tokio::spawn(async move {
+                let mut pairs = 0u64;
+                while !done.load(Ordering::Relaxed) {
+                    if pairs.is_multiple_of(2) {
+                        one(&mut p, &body).await;
+                        one(&mut k, &body).await;
+                    } else {
+                        one(&mut k, &body).await;
+                        one(&mut p, &body).await;
+                    }
+                    pairs += 1;
+                }
+                (p, k, pairs)
+            })
+        })
+        .collect();
+    tokio::time::sleep(length).await;
+    done.store(true, Ordering::Relaxed);
+    let mut pairs = 0;
+    for task in tasks {
+        let (p, k, n) = task.await.unwrap();
+        plain.push(p);
+        keyed.push(k);
+        pairs += n;
+    }
+    let after = (meters.0.read(), meters.1.read());
+    let n = pairs.max(1) as f64;
+    Turns {
+        plain_us: after.0.since(before.0).cpu_ns as f64 / 1000.0 / n,
+        keyed_us: after.1.since(before.1).cpu_ns as f64 / 1000.0 / n,
+    }
+}
+
 /// The router's threads: the runtime the bench starts it on (`router`) and the listener's own
 /// threads (`capyctl-proxy-N`).
 const ROUTER_THREADS: &[&str] = &["router", "capyctl-proxy"];
@@ -1269,7 +1342,7 @@ fn main() {
                 upstream,
                 Setup::of(&args),
                 RouterConfig::default(),
-                args.tenants.map(bench_tenants),
+                args.tenants.map(|n| bench_tenants(n, !args.no_token_rate)),
             ),
         );
         let case = Case {
@@ -1415,6 +1488,25 @@ async fn compare(sides: Vec<Side>, cases: Vec<Case>, rounds: usize, seconds: f64
                 }
             }
         }
+        // The two routers of `--tenants` in the same segments too, request by request (see
+        // `interleaved`).
+        let keyed_side = sides.iter().position(|s| s.name == "router+keys");
+        let mut turns = Vec::new();
+        if let Some(k) = keyed_side {
+            for _ in 0..rounds {
+                let (head, tail) = clients.split_at_mut(k);
+                turns.push(
+                    interleaved(
+                        &mut head[1],
+                        &mut tail[0],
+                        case,
+                        Duration::from_secs_f64(seconds),
+                        (&sides[1].meter, &sides[k].meter),
+                    )
+                    .await,
+                );
+            }
+        }
         let figures: Vec<Figures> = runs.iter().map(|r| medians(r)).collect();
         println!(
             "{} client(s), {}:",
@@ -1459,7 +1551,7 @@ async fn compare(sides: Vec<Side>, cases: Vec<Case>, rounds: usize, seconds: f64
                 );
             }
         }
-        if let Some(k) = sides.iter().position(|s| s.name == "router+keys") {
+        if let Some(k) = keyed_side {
             let (r, keyed) = (&figures[1], &figures[k]);
             // The CPU per request over all rounds (all CPU time over all requests), and each
             // round's ratio of the two routers' segments, which run next to each other.
@@ -1481,6 +1573,20 @@ async fn compare(sides: Vec<Side>, cases: Vec<Case>, rounds: usize, seconds: f64
                 each.iter().copied().fold(f64::NEG_INFINITY, f64::max),
                 keyed.rps / r.rps,
                 keyed.p50_ms - r.p50_ms,
+            );
+            let (plain_us, keyed_us) = (
+                turns.iter().map(|t| t.plain_us).sum::<f64>(),
+                turns.iter().map(|t| t.keyed_us).sum::<f64>(),
+            );
+            let each: Vec<f64> = turns.iter().map(|t| t.keyed_us / t.plain_us).collect();
+            println!(
+                "    router+keys/router, request by request: CPU per request {:.3} over all rounds ({:.1} against {:.1} µs; each round's ratio: median {:.3}, {:.3}–{:.3})",
+                keyed_us / plain_us,
+                keyed_us / turns.len().max(1) as f64,
+                plain_us / turns.len().max(1) as f64,
+                median(each.clone()),
+                each.iter().copied().fold(f64::INFINITY, f64::min),
+                each.iter().copied().fold(f64::NEG_INFINITY, f64::max),
             );
         }
         if sides.len() > 2 {
