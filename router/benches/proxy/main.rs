@@ -51,7 +51,12 @@ const MODEL: &str = "bench-model";
 const PARKED: &str = "parked-model";
 const DEPLOYMENT: &str = "01BENCH0000000000000000000";
 const PARKED_DEPLOYMENT: &str = "01PARKED000000000000000000";
-const TOKENS: u32 = 16;
+/// The tokens of every answer (`--tokens`; 16 unless given).
+static TOKENS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(16);
+
+fn tokens() -> u32 {
+    TOKENS.load(Ordering::Relaxed)
+}
 
 const USAGE: &str = "\
 The router against a direct connection to the engine, side by side (medians of alternating rounds).
@@ -91,6 +96,7 @@ usage: cargo bench -p capyctl-router --bench proxy -- [options]
                            segments are next to each other) for its spread, and again with the
                            two routers in the same segments, each client's requests sent to
                            one and the other in turn (its request-by-request line)
+  --tokens N               the tokens of every answer (default 16)
   --no-token-rate          with --tenants: the tenants have no tokens_per_minute (their keys,
                            globs and request rate only: no usage asked for or taken out)
   --replicas [--help]      requests per second with 1, 2 and 4 instances of one deployment, each
@@ -272,6 +278,10 @@ fn args() -> Args {
             }
             "--no-observer" => args.observer = false,
             "--no-token-rate" => args.no_token_rate = true,
+            "--tokens" => TOKENS.store(
+                number(&mut it, 16).clamp(1, 100_000) as u32,
+                Ordering::Relaxed,
+            ),
             "--memory" => args.memory = true,
             "--upstream" => args.upstream = it.next().unwrap_or_default(),
             "--router-threads" => args.router_threads = number(&mut it, 2),
@@ -499,7 +509,7 @@ async fn start_canned() -> SocketAddr {
             "data: {{\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1796237011,\"model\":\"{MODEL}\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{content}\"}},\"logprobs\":null,\"finish_reason\":{finish}}}]}}\n\n"
         ))
     };
-    let mut events: Vec<Bytes> = (0..TOKENS)
+    let mut events: Vec<Bytes> = (0..tokens())
         .map(|i| chunk(&format!(" word{i}"), "null"))
         .collect();
     events.push(chunk("", "\"length\""));
@@ -507,7 +517,9 @@ async fn start_canned() -> SocketAddr {
     let events = Arc::new(events);
     let whole = Arc::new(vec![Bytes::from(format!(
         "{{\"id\":\"chatcmpl-1\",\"object\":\"chat.completion\",\"created\":1796237011,\"model\":\"{MODEL}\",\"choices\":[{{\"index\":0,\"message\":{{\"role\":\"assistant\",\"content\":\"{}\"}},\"logprobs\":null,\"finish_reason\":\"length\"}}],\"usage\":{{\"prompt_tokens\":12,\"completion_tokens\":16,\"total_tokens\":28}}}}",
-        (0..TOKENS).map(|i| format!(" word{i}")).collect::<String>()
+        (0..tokens())
+            .map(|i| format!(" word{i}"))
+            .collect::<String>()
     ))]);
     tokio::spawn(async move {
         loop {
@@ -888,7 +900,8 @@ struct Case {
 
 fn body(model: &str, stream: bool) -> Bytes {
     Bytes::from(format!(
-        r#"{{"model":"{model}","messages":[{{"role":"user","content":"Tell me about capybaras"}}],"max_tokens":{TOKENS},"stream":{stream}}}"#
+        r#"{{"model":"{model}","messages":[{{"role":"user","content":"Tell me about capybaras"}}],"max_tokens":{},"stream":{stream}}}"#,
+        tokens()
     ))
 }
 
@@ -1318,7 +1331,8 @@ fn main() {
         n => format!("{n} worker threads"),
     };
     println!(
-        "router benchmark: {TOKENS} tokens per answer; engine on {}, load on {}, router started on {}{}; admission: {}, observer: {}; {} CPU(s)",
+        "router benchmark: {} tokens per answer; engine on {}, load on {}, router started on {}{}; admission: {}, observer: {}; {} CPU(s)",
+        tokens(),
         threads(args.sim_threads),
         threads(args.load_threads),
         threads(args.router_threads),
