@@ -375,6 +375,14 @@ impl ProxyBody {
 
     /// The same body, its usage read for a tenant as it passes.
     pub(crate) fn tapped(mut self, tap: Option<Box<UsageTap>>) -> Self {
+        if let Kind::Stream(body) = &mut self.kind
+            && tap
+                .as_ref()
+                .and_then(|t| t.strip.as_ref())
+                .is_some_and(super::usage::Strip::reads_events)
+        {
+            body.record_ends();
+        }
         self.tap = tap;
         self
     }
@@ -404,7 +412,11 @@ impl Body for ProxyBody {
                 match polled {
                     Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
                         Ok(data) => {
-                            let out = strip.pass(data);
+                            let ends = match &this.kind {
+                                Kind::Stream(body) => body.frame_ends(),
+                                _ => None,
+                            };
+                            let out = strip.pass_with(data, ends);
                             if out.is_empty() {
                                 // All of it held (or the usage chunk): the next frame now.
                                 continue;
@@ -781,7 +793,18 @@ pub(crate) struct StreamBody {
     max_piece: usize,
     /// Its client's connection, which tells whether it was closed for a read stall.
     conn: Option<Arc<ConnWatch>>,
+    /// Where the events of the frame it last gave end in it, as its scanner found them, when
+    /// they are asked for ([`StreamBody::record_ends`]: the usage strip of a single-choice
+    /// stream reads its events by them instead of searching its bytes).
+    ends: Option<Vec<usize>>,
+    /// `ends` holds every event end of the frame it last gave (not of a frame held back
+    /// from before the first output, nor of one cut short).
+    ends_whole: bool,
 }
+
+/// The event ends of one frame that [`StreamBody`] keeps at most (past them, the frame's are
+/// not given: [`StreamBody::frame_ends`]).
+const MAX_ENDS: usize = 512;
 
 impl StreamBody {
     fn new(
@@ -800,6 +823,8 @@ impl StreamBody {
             idle: IdleTimer::new(settings.idle),
             max_piece: settings.max_piece,
             conn: settings.conn,
+            ends: None,
+            ends_whole: false,
         }
     }
 
@@ -814,7 +839,21 @@ impl StreamBody {
             idle: IdleTimer::new(settings.idle),
             max_piece: settings.max_piece,
             conn: None,
+            ends: None,
+            ends_whole: false,
         }
+    }
+
+    /// From now on, where the events of each frame end is kept ([`StreamBody::frame_ends`]).
+    pub(crate) fn record_ends(&mut self) {
+        self.ends
+            .get_or_insert_with(|| Vec::with_capacity(MAX_ENDS / 8));
+    }
+
+    /// Where the events of the frame it gave last end in it (every one of them, in order), when
+    /// asked for ([`StreamBody::record_ends`]) and known.
+    pub(crate) fn frame_ends(&self) -> Option<&[usize]> {
+        self.ends.as_deref().filter(|_| self.ends_whole)
     }
 
     /// Hands the observer's report to the request's charge.
@@ -823,6 +862,7 @@ impl StreamBody {
     }
 
     fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        self.ends_whole = false;
         if let Some(due) = self.due.take() {
             return Poll::Ready(Some(Ok(Frame::data(due))));
         }
@@ -836,15 +876,34 @@ impl StreamBody {
         let mut first: Option<Bytes> = None;
         let mut batch: Option<BytesMut> = None;
         let mut early = None;
+        let mut ends_whole = true;
+        if let Some(ends) = &mut self.ends {
+            ends.clear();
+        }
         loop {
             match Pin::new(&mut *upstream).poll_frame(cx) {
                 Poll::Ready(Some(Ok(frame))) => {
                     let Ok(data) = frame.into_data() else {
                         continue;
                     };
-                    if self.scanner.measure(&data).is_err() {
-                        early = Some(Early::Oversized);
-                        break;
+                    let measured = match &mut self.ends {
+                        None => self.scanner.measure(&data).map(|()| false),
+                        Some(ends) => {
+                            // Where `data` begins in the frame being gathered.
+                            let base = match (&first, &batch) {
+                                (None, _) => 0,
+                                (Some(head), None) => head.len(),
+                                (Some(_), Some(b)) => b.len(),
+                            };
+                            self.scanner.measure_ends(&data, base, ends, MAX_ENDS)
+                        }
+                    };
+                    match measured {
+                        Ok(all) => ends_whole &= all,
+                        Err(Oversized) => {
+                            early = Some(Early::Oversized);
+                            break;
+                        }
                     }
                     let size = match (&mut first, &mut batch) {
                         (None, _) => {
@@ -896,6 +955,9 @@ impl StreamBody {
                 }
             }
         }
+        // Where the events of the frame given now end is known (one cut short gives its
+        // frames before the piece past the bound, and then the error event: neither told).
+        let ends_whole = ends_whole && early.is_none() && self.ends.is_some();
         if let Some(early) = early {
             self.end_early(early);
         }
@@ -903,6 +965,7 @@ impl StreamBody {
             (Some(batch), _) => Some(batch.freeze()),
             (None, first) => first,
         };
+        self.ends_whole = ends_whole && data.is_some();
         match data {
             Some(data) => {
                 self.idle.data();

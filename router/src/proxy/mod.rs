@@ -603,13 +603,14 @@ impl<A: Admission> Proxy<A> {
         }
         // A tenant whose tokens are limited: a streamed request is asked for its usage, which
         // its answer's tap then takes back out (see `usage`).
-        let mut strip = false;
+        // `Some(single)`: asked, for a request of one choice when `single`.
+        let mut strip = None;
         if tenant.is_some_and(|t| t.counts_tokens())
             && request.uri.path() != "/v1/embeddings"
             && let Some(asked) = usage::ask_usage(&body)
         {
+            strip = Some(usage::single_choice(&body));
             body = body.with_bytes(Bytes::from(asked));
-            strip = true;
         }
         // Only a deployment routed by `prefix` pays for the prompt's scan.
         let prefix = if deployment.routing == capyctl_spec::Routing::Prefix {
@@ -670,9 +671,9 @@ impl<A: Admission> Proxy<A> {
         // An adapter request's instance, should its engine answer as if it lacked the adapter.
         let adapter_on = adapter.as_ref().map(|_| permit.upstream().key.clone());
         // The usage taken out of the stream, with what is known of its engine's fingerprint.
-        let strip = strip.then(|| {
+        let strip = strip.map(|single| {
             let engine = usage::Engine::new(&shared.fingerprints, &permit.upstream().key);
-            usage::Strip::new(config.max_piece, engine)
+            usage::Strip::new(config.max_piece, engine).single_choice(single)
         });
         let addr = permit.upstream().addr;
         // Which error a deadline before the first output is (one rule with the coordinator's,

@@ -73,6 +73,28 @@ impl EventScanner {
         }
         Ok(())
     }
+
+    /// [`EventScanner::measure`], putting where each event ends in `data` (plus `base`) last
+    /// in `ends`, while it holds fewer than `bound`; whether it held them all.
+    pub(crate) fn measure_ends(
+        &mut self,
+        data: &[u8],
+        base: usize,
+        ends: &mut Vec<usize>,
+        bound: usize,
+    ) -> Result<bool, Oversized> {
+        let mut at = 0;
+        let mut all = true;
+        while let Some(end) = self.next_end(data, at)? {
+            if ends.len() < bound {
+                ends.push(base + end);
+            } else {
+                all = false;
+            }
+            at = end;
+        }
+        Ok(all)
+    }
 }
 
 /// The `data:` lines of one SSE event.
@@ -418,6 +440,22 @@ mod tests {
         assert_eq!(s.next_end(b"\ndata: b\n\n", 0), Ok(Some(1)));
         assert_eq!(s.next_end(b"\ndata: b\n\n", 1), Ok(Some(10)));
         assert_eq!(s.next_end(b"data: c\r\n\r\n", 0), Ok(Some(11)));
+    }
+
+    /// `measure_ends` puts the ends `next_end` finds, from `base`, up to its bound.
+    #[test]
+    fn measured_ends_are_the_scanners() {
+        let stream = b"data: a\n\ndata: b\r\n\r\n: c\n\ndata: d";
+        let mut s = EventScanner::new(1024);
+        let mut ends = vec![1];
+        assert_eq!(s.measure_ends(stream, 10, &mut ends, 8), Ok(true));
+        assert_eq!(ends, [1, 19, 30, 35]);
+        let mut s = EventScanner::new(1024);
+        let mut ends = Vec::new();
+        assert_eq!(s.measure_ends(stream, 0, &mut ends, 2), Ok(false));
+        assert_eq!(ends, [9, 20]);
+        assert_eq!(s.measure_ends(b"\n\n", 0, &mut ends, 8), Ok(true));
+        assert_eq!(ends, [9, 20, 2]);
     }
 
     #[test]
