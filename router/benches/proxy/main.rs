@@ -499,8 +499,9 @@ async fn start_sim_with(
 }
 
 /// An upstream that answers at once with bytes shaped like the simulator's (a whole answer of
-/// about 500 bytes; a stream of 16 token events, the finish event and `[DONE]`, each written
-/// on its own as an engine does), with no timer anywhere: what is left is the HTTP cost.
+/// about 500 bytes; a stream of `--tokens` token events, the finish event and `[DONE]`, each
+/// written on its own as an engine does; no usage chunk, even when asked for), with no timer
+/// anywhere: what is left is the HTTP cost.
 async fn start_canned() -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -516,10 +517,12 @@ async fn start_canned() -> SocketAddr {
     events.push(Bytes::from_static(b"data: [DONE]\n\n"));
     let events = Arc::new(events);
     let whole = Arc::new(vec![Bytes::from(format!(
-        "{{\"id\":\"chatcmpl-1\",\"object\":\"chat.completion\",\"created\":1796237011,\"model\":\"{MODEL}\",\"choices\":[{{\"index\":0,\"message\":{{\"role\":\"assistant\",\"content\":\"{}\"}},\"logprobs\":null,\"finish_reason\":\"length\"}}],\"usage\":{{\"prompt_tokens\":12,\"completion_tokens\":16,\"total_tokens\":28}}}}",
+        "{{\"id\":\"chatcmpl-1\",\"object\":\"chat.completion\",\"created\":1796237011,\"model\":\"{MODEL}\",\"choices\":[{{\"index\":0,\"message\":{{\"role\":\"assistant\",\"content\":\"{}\"}},\"logprobs\":null,\"finish_reason\":\"length\"}}],\"usage\":{{\"prompt_tokens\":12,\"completion_tokens\":{},\"total_tokens\":{}}}}}",
         (0..tokens())
             .map(|i| format!(" word{i}"))
-            .collect::<String>()
+            .collect::<String>(),
+        tokens(),
+        tokens() + 12,
     ))]);
     tokio::spawn(async move {
         loop {
@@ -1093,8 +1096,11 @@ async fn paired(
 
 /// The CPU per request of the two routers of `--tenants` in one segment of [`interleaved`].
 struct Turns {
-    plain_us: f64,
-    keyed_us: f64,
+    /// CPU time of each router over the segment, in nanoseconds.
+    plain_ns: u64,
+    keyed_ns: u64,
+    /// The requests each router answered.
+    requests: u64,
 }
 
 /// The router without keys and the one with them side by side in one segment: each client
@@ -1148,10 +1154,10 @@ async fn interleaved(
         pairs += n;
     }
     let after = (meters.0.read(), meters.1.read());
-    let n = pairs.max(1) as f64;
     Turns {
-        plain_us: after.0.since(before.0).cpu_ns as f64 / 1000.0 / n,
-        keyed_us: after.1.since(before.1).cpu_ns as f64 / 1000.0 / n,
+        plain_ns: after.0.since(before.0).cpu_ns,
+        keyed_ns: after.1.since(before.1).cpu_ns,
+        requests: pairs,
     }
 }
 
@@ -1588,16 +1594,21 @@ async fn compare(sides: Vec<Side>, cases: Vec<Case>, rounds: usize, seconds: f64
                 keyed.rps / r.rps,
                 keyed.p50_ms - r.p50_ms,
             );
+            // All CPU time over all requests (each router answered as many).
+            let requests = turns.iter().map(|t| t.requests).sum::<u64>().max(1) as f64;
             let (plain_us, keyed_us) = (
-                turns.iter().map(|t| t.plain_us).sum::<f64>(),
-                turns.iter().map(|t| t.keyed_us).sum::<f64>(),
+                turns.iter().map(|t| t.plain_ns).sum::<u64>() as f64 / 1000.0 / requests,
+                turns.iter().map(|t| t.keyed_ns).sum::<u64>() as f64 / 1000.0 / requests,
             );
-            let each: Vec<f64> = turns.iter().map(|t| t.keyed_us / t.plain_us).collect();
+            let each: Vec<f64> = turns
+                .iter()
+                .map(|t| t.keyed_ns as f64 / t.plain_ns.max(1) as f64)
+                .collect();
             println!(
                 "    router+keys/router, request by request: CPU per request {:.3} over all rounds ({:.1} against {:.1} µs; each round's ratio: median {:.3}, {:.3}–{:.3})",
                 keyed_us / plain_us,
-                keyed_us / turns.len().max(1) as f64,
-                plain_us / turns.len().max(1) as f64,
+                keyed_us,
+                plain_us,
                 median(each.clone()),
                 each.iter().copied().fold(f64::INFINITY, f64::min),
                 each.iter().copied().fold(f64::NEG_INFINITY, f64::max),

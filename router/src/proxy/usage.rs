@@ -16,7 +16,8 @@
 //! are not searched but read event by event where the answer's own scanner found them to end
 //! (it measures every event against `max_piece` anyway), each token chunk told by a
 //! comparison where the stream's token chunks have their `"finish_reason":null`
-//! ([`Strip::token_run`]).
+//! ([`Strip::token_run`]); the frames whose ends it does not give (the start held before the
+//! first output, a frame cut short, one of more than 512 events) are searched as before.
 //! - **The engines' writing, not any JSON** (a product decision, for the cost of a tenant's
 //!   streamed request: issue 32 asks for the engine's usage on streamed requests and for under
 //!   5% more router CPU per request with keys): the two chunks are found and read as vLLM, SGLang and TensorFold write
@@ -134,7 +135,8 @@ fn ask_usage_reading(body: &[u8], quick: bool) -> Option<Vec<u8>> {
 /// `"n"` followed by a `:` anywhere in it, and no `\u` escape (which could write one).
 ///
 /// NB: a request with an `n` anywhere (even `1`, even nested) is taken as not single, and its
-/// usage strip searches its frames' bytes as before ([`Strip::token_run`]'s note).
+/// usage strip searches its frames' bytes as before (its events not read by their ends:
+/// [`Strip::token_run`]).
 pub(crate) fn single_choice(body: &[u8]) -> bool {
     static N: LazyLock<memchr::memmem::Finder<'static>> =
         LazyLock::new(|| memchr::memmem::Finder::new(b"\"n\""));
@@ -160,9 +162,10 @@ fn with_usage_asked(body: &[u8], close: usize) -> Vec<u8> {
 /// and has no `"stream_options"` (`close`: where the object's closing brace is); `Some(None)`
 /// when it is `false` or `null`, when no member is `stream` (the object's first reached), or
 /// when the body has no `"stream"` at all; `None` (the body is then read from its start) for
-/// anything else: a `\u` anywhere (an escaped key may be `stream` or `stream_options`), a
-/// member not plain before the last `stream`, a `stream` of another value, or
-/// `stream_options` after it.
+/// anything else: a member not plain before the last `stream`, a `stream` of another value,
+/// `stream_options` after it, or, where the answer rests on what the rest of the body lacks
+/// (no `stream_options` anywhere, no `stream` at all), a `\u` anywhere (an escaped key may be
+/// either).
 ///
 /// NB: for a body that is JSON this answers what [`quick_top`] and `serde_json` do (the test
 /// `the_end_of_the_body_answers_as_its_reading_whole`); for one that is not, it may ask for
@@ -1002,8 +1005,9 @@ fn find_finish(haystack: &[u8]) -> Option<usize> {
 /// A needle searched for by two of its bytes (at `first` and `second`): with AVX2 by a
 /// searcher made at the first search and called directly (`memmem`'s own prefilter stops at
 /// every `"`, about 600 instructions a frame); without it, or in a haystack too short for
-/// it, by a Rabin-Karp searcher also made once (`memmem::find` makes its searcher at every
-/// call: several hundred instructions for the few bytes left of a frame after a mark).
+/// it, by a Rabin-Karp searcher also made once when the haystack is shorter than [`SHORT`]
+/// (`memmem::find` makes its searcher at every call: several hundred instructions for the few
+/// bytes left of a frame after a mark), else by `memmem`.
 struct PairSearch {
     needle: &'static [u8],
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -1014,6 +1018,11 @@ struct PairSearch {
     avx2: std::sync::OnceLock<Option<memchr::arch::x86_64::avx2::packedpair::Finder>>,
     short: std::sync::OnceLock<memchr::arch::all::rabinkarp::Finder>,
 }
+
+/// The haystacks [`PairSearch`] searches with its Rabin-Karp searcher are shorter than this
+/// (it reads a byte at a time): what is left of a frame after a mark; a longer one without
+/// AVX2 goes to `memmem`, whose own searcher (with NEON on aarch64) does better on a frame.
+const SHORT: usize = 64;
 
 impl PairSearch {
     const fn new(needle: &'static [u8], first: u8, second: u8) -> Self {
@@ -1045,6 +1054,9 @@ impl PairSearch {
         }
         if haystack.len() < self.needle.len() {
             return None;
+        }
+        if haystack.len() >= SHORT {
+            return memchr::memmem::find(haystack, self.needle);
         }
         self.short
             .get_or_init(|| memchr::arch::all::rabinkarp::Finder::new(self.needle))
@@ -1284,7 +1296,7 @@ impl Strip {
     /// [`Strip::plain_events`] of a single-choice stream before a finish reason, where the
     /// frame's events end is known (`ends`): the run ends where the first event begins that is
     /// not a token chunk ([`Strip::token_chunk`]: the finishing chunk), else at the last event's
-    /// end (and no longer than `max_piece`). Each event of it is one that the search of the
+    /// end, and before an event that would take it past `max_piece`. Each event of it is one that the search of the
     /// frame's bytes would have passed in a run: one choice per chunk, one `"finish_reason":`,
     /// whose `"` after it is the only mark before a finish reason.
     ///
@@ -1298,14 +1310,18 @@ impl Strip {
     /// every event's end.
     fn token_run(&mut self, data: &[u8], at: usize, ends: &[usize]) -> usize {
         let mut end = at;
-        // The events already passed or read end at or before `at`.
+        // The events already passed or read end at or before `at`; the run stops short of
+        // `max_piece` (the next call goes on from its end).
         for &next in &ends[ends.partition_point(|&e| e <= at)..] {
-            if next > data.len() || !self.token_chunk(&data[end..next]) {
+            if next > data.len()
+                || next - at > self.max_piece
+                || !self.token_chunk(&data[end..next])
+            {
                 break;
             }
             end = next;
         }
-        if end - at > self.max_piece { at } else { end }
+        end
     }
 
     /// Whether `event` (a whole event of a single-choice stream) is no finishing chunk: its one
@@ -2148,14 +2164,20 @@ mod tests {
     }
 
     /// `frames` through `strip` as the listener passes them, each with where its events end
-    /// as the answer's own scanner finds them.
-    fn run_by_ends(strip: &mut Strip, frames: &[&[u8]]) -> (Vec<u8>, Option<u64>) {
+    /// as the answer's own scanner finds them, but the first one when `first_without` (the
+    /// start held before the first output, measured but given without its ends).
+    fn run_by_ends(
+        strip: &mut Strip,
+        frames: &[&[u8]],
+        first_without: bool,
+    ) -> (Vec<u8>, Option<u64>) {
         let mut scanner = EventScanner::new(64 * 1024);
         let (mut out, mut ends) = (Vec::new(), Vec::new());
-        for f in frames {
+        for (i, f) in frames.iter().enumerate() {
             ends.clear();
             assert!(scanner.measure_ends(f, 0, &mut ends, usize::MAX).unwrap());
-            out.extend_from_slice(&strip.pass_with(Bytes::copy_from_slice(f), Some(&ends)));
+            let given = (i > 0 || !first_without).then_some(&ends[..]);
+            out.extend_from_slice(&strip.pass_with(Bytes::copy_from_slice(f), given));
         }
         out.extend_from_slice(&strip.finish().unwrap_or_default());
         (out, strip.tokens)
@@ -2204,17 +2226,31 @@ mod tests {
                 let mut by_ends = strip(&all, generation).single_choice(true);
                 let mut every = strip(&all, generation);
                 every.read_every_event = true;
-                let (q, e) = (
-                    run_by_ends(&mut by_ends, &frames),
-                    run_on(&mut every, &frames),
-                );
+                let q = run_by_ends(&mut by_ends, &frames, n % 2 == 0);
+                let e = run_on(&mut every, &frames);
                 assert_eq!(q, e, "{}", String::from_utf8_lossy(stream));
             }
         }
         assert!(tried * 2 > streams.len(), "{tried} of {}", streams.len());
+        // Runs bounded by a small `max_piece` (each stops short of it; an event past it gives
+        // the strip up), in any frames.
+        for stream in [WITH_USAGE, WITH_USAGE_N2, SGLANG] {
+            for max_piece in [40, 100, 150, 400] {
+                for size in [stream.len(), 7, 64] {
+                    let frames: Vec<&[u8]> = stream.as_bytes().chunks(size).collect();
+                    let new = || Strip::new(max_piece, Engine::new(&all, &key(7)));
+                    let mut by_ends = new().single_choice(true);
+                    let mut every = new();
+                    every.read_every_event = true;
+                    let q = run_by_ends(&mut by_ends, &frames, false);
+                    let e = run_on(&mut every, &frames);
+                    assert_eq!(q, e, "max_piece {max_piece}, frames of {size}");
+                }
+            }
+        }
         // The usual stream, whole: its token chunks told by their layout.
         let mut by_ends = strip(&Arc::default(), 1).single_choice(true);
-        let (out, tokens) = run_by_ends(&mut by_ends, &[WITH_USAGE.as_bytes()]);
+        let (out, tokens) = run_by_ends(&mut by_ends, &[WITH_USAGE.as_bytes()], false);
         assert_eq!(tokens, Some(5));
         assert!(by_ends.layout.is_some());
         assert_eq!(String::from_utf8_lossy(&out), WITHOUT);
