@@ -2131,12 +2131,9 @@ mod tests {
         }
     }
 
-    /// Streams made from the usual ones by changing, adding or deleting a byte, in frames of
-    /// several sizes: the strip that passes runs of plain events whole sends what the strip
-    /// reading every event sends, and counts the same tokens.
-    #[test]
-    fn runs_of_plain_events_pass_as_every_event_read_would() {
-        let all = Arc::default();
+    /// The usual streams, and those made from them by deleting a byte, or adding or changing
+    /// one to a byte that matters to the strip, every third byte.
+    fn mutated_streams() -> Vec<Vec<u8>> {
         let mutations = b"\n\r\\u\":{}n ";
         let mut streams = Vec::new();
         for base in [WITH_USAGE, WITH_USAGE_N2, SGLANG] {
@@ -2150,6 +2147,16 @@ mod tests {
                 }
             }
         }
+        streams
+    }
+
+    /// Streams made from the usual ones by changing, adding or deleting a byte, in frames of
+    /// several sizes: the strip that passes runs of plain events whole sends what the strip
+    /// reading every event sends, and counts the same tokens.
+    #[test]
+    fn runs_of_plain_events_pass_as_every_event_read_would() {
+        let all = Arc::default();
+        let streams = mutated_streams();
         for (n, stream) in streams.iter().enumerate() {
             for size in [stream.len(), 7, 64] {
                 let frames: Vec<&[u8]> = stream.chunks(size).collect();
@@ -2183,27 +2190,15 @@ mod tests {
         (out, strip.tokens)
     }
 
-    /// The streams of `runs_of_plain_events_pass_as_every_event_read_would` whose chunks each
-    /// have at most one `"finish_reason":` (one choice a chunk, as the engines write them), in
-    /// frames of several sizes: a single-choice strip that reads their events by where they
-    /// end sends what the strip reading every event sends, and counts the same tokens; and it
-    /// reads them so (its layout learnt) for the usual streams.
+    /// The streams of [`mutated_streams`] whose chunks each have at most one
+    /// `"finish_reason":` (one choice a chunk, as the engines write them), in frames of several
+    /// sizes: a single-choice strip that reads their events by where they end sends what the
+    /// strip reading every event sends, and counts the same tokens; and it reads them so (its
+    /// layout learnt) for the usual streams.
     #[test]
     fn events_read_by_their_ends_pass_as_every_event_read_would() {
         let all = Arc::default();
-        let mutations = b"\n\r\\u\":{}n ";
-        let mut streams = Vec::new();
-        for base in [WITH_USAGE, WITH_USAGE_N2, SGLANG] {
-            let base = base.as_bytes();
-            streams.push(base.to_vec());
-            for at in (0..base.len()).step_by(3) {
-                streams.push([&base[..at], &base[at + 1..]].concat());
-                for &b in mutations {
-                    streams.push([&base[..at], &[b], &base[at..]].concat());
-                    streams.push([&base[..at], &[b], &base[at + 1..]].concat());
-                }
-            }
-        }
+        let streams = mutated_streams();
         // Each event (as the scanner ends them) with at most one finish reason's key.
         let one_key_a_chunk = |stream: &[u8]| {
             let mut ends = vec![0];
