@@ -1094,7 +1094,8 @@ async fn paired(
     (median(diffs), median(r_all) - median(d_all))
 }
 
-/// The CPU per request of the two routers of `--tenants` in one segment of [`interleaved`].
+/// The CPU time of the two routers of `--tenants` over one segment of [`interleaved`], and the
+/// requests each answered.
 struct Turns {
     /// CPU time of each router over the segment, in nanoseconds.
     plain_ns: u64,
@@ -1107,7 +1108,7 @@ struct Turns {
 /// sends to one and then to the other in turn (which goes first alternates), for `length`, so
 /// that both serve the same number of requests over the same stretch of time and what the
 /// machine's other work does (its load, the CPUs' clocks and wake-ups) falls on both alike;
-/// each one's CPU per request (`meters`: the plain one's, the keyed one's).
+/// each one's CPU time (`meters`: the plain one's, the keyed one's) and the requests.
 ///
 /// NB: the segments of `compare` alternate the two routers every `--seconds`, and whatever
 /// changes on the machine between two segments is in their ratio; over one segment of this the

@@ -876,6 +876,9 @@ impl StreamBody {
         let mut first: Option<Bytes> = None;
         let mut batch: Option<BytesMut> = None;
         let mut early = None;
+        // The bytes gathered so far (where the next frame begins in the one given), and
+        // whether every event end of them was kept.
+        let mut gathered = 0;
         let mut ends_whole = true;
         if let Some(ends) = &mut self.ends {
             ends.clear();
@@ -886,19 +889,8 @@ impl StreamBody {
                     let Ok(data) = frame.into_data() else {
                         continue;
                     };
-                    let measured = match &mut self.ends {
-                        None => self.scanner.measure(&data).map(|()| false),
-                        Some(ends) => {
-                            // Where `data` begins in the frame being gathered.
-                            let base = match (&first, &batch) {
-                                (None, _) => 0,
-                                (Some(head), None) => head.len(),
-                                (Some(_), Some(b)) => b.len(),
-                            };
-                            self.scanner.measure_ends(&data, base, ends, MAX_ENDS)
-                        }
-                    };
-                    match measured {
+                    let ends = self.ends.as_mut().map(|ends| (ends, MAX_ENDS));
+                    match self.scanner.measure_ends(&data, gathered, ends) {
                         Ok(all) => ends_whole &= all,
                         Err(Oversized) => {
                             early = Some(Early::Oversized);
@@ -924,6 +916,7 @@ impl StreamBody {
                             b.len()
                         }
                     };
+                    gathered = size;
                     if size >= COALESCE_BYTES {
                         break;
                     }
@@ -957,7 +950,7 @@ impl StreamBody {
         }
         // Where the events of the frame given now end is known (one cut short gives its
         // frames before the piece past the bound, and then the error event: neither told).
-        let ends_whole = ends_whole && early.is_none() && self.ends.is_some();
+        let cut = early.is_some();
         if let Some(early) = early {
             self.end_early(early);
         }
@@ -965,7 +958,7 @@ impl StreamBody {
             (Some(batch), _) => Some(batch.freeze()),
             (None, first) => first,
         };
-        self.ends_whole = ends_whole && data.is_some();
+        self.ends_whole = ends_whole && !cut && data.is_some();
         match data {
             Some(data) => {
                 self.idle.data();

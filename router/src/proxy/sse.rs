@@ -67,29 +67,27 @@ impl EventScanner {
 
     /// Scans a whole frame, only measuring (after the first output).
     pub(crate) fn measure(&mut self, data: &[u8]) -> Result<(), Oversized> {
-        let mut at = 0;
-        while let Some(end) = self.next_end(data, at)? {
-            at = end;
-        }
-        Ok(())
+        self.measure_ends(data, 0, None).map(|_| ())
     }
 
     /// [`EventScanner::measure`], putting where each event ends in `data` (plus `base`) last
-    /// in `ends`, while it holds fewer than `bound`; whether it held them all.
+    /// in `ends` when given, while it holds fewer than its bound; whether it held them all
+    /// (`true` without `ends`).
     pub(crate) fn measure_ends(
         &mut self,
         data: &[u8],
         base: usize,
-        ends: &mut Vec<usize>,
-        bound: usize,
+        mut ends: Option<(&mut Vec<usize>, usize)>,
     ) -> Result<bool, Oversized> {
         let mut at = 0;
         let mut all = true;
         while let Some(end) = self.next_end(data, at)? {
-            if ends.len() < bound {
-                ends.push(base + end);
-            } else {
-                all = false;
+            if let Some((ends, bound)) = &mut ends {
+                if ends.len() < *bound {
+                    ends.push(base + end);
+                } else {
+                    all = false;
+                }
             }
             at = end;
         }
@@ -448,13 +446,13 @@ mod tests {
         let stream = b"data: a\n\ndata: b\r\n\r\n: c\n\ndata: d";
         let mut s = EventScanner::new(1024);
         let mut ends = vec![1];
-        assert_eq!(s.measure_ends(stream, 10, &mut ends, 8), Ok(true));
+        assert_eq!(s.measure_ends(stream, 10, Some((&mut ends, 8))), Ok(true));
         assert_eq!(ends, [1, 19, 30, 35]);
         let mut s = EventScanner::new(1024);
         let mut ends = Vec::new();
-        assert_eq!(s.measure_ends(stream, 0, &mut ends, 2), Ok(false));
+        assert_eq!(s.measure_ends(stream, 0, Some((&mut ends, 2))), Ok(false));
         assert_eq!(ends, [9, 20]);
-        assert_eq!(s.measure_ends(b"\n\n", 0, &mut ends, 8), Ok(true));
+        assert_eq!(s.measure_ends(b"\n\n", 0, Some((&mut ends, 8))), Ok(true));
         assert_eq!(ends, [9, 20, 2]);
     }
 

@@ -2182,7 +2182,11 @@ mod tests {
         let (mut out, mut ends) = (Vec::new(), Vec::new());
         for (i, f) in frames.iter().enumerate() {
             ends.clear();
-            assert!(scanner.measure_ends(f, 0, &mut ends, usize::MAX).unwrap());
+            assert!(
+                scanner
+                    .measure_ends(f, 0, Some((&mut ends, usize::MAX)))
+                    .unwrap()
+            );
             let given = (i > 0 || !first_without).then_some(&ends[..]);
             out.extend_from_slice(&strip.pass_with(Bytes::copy_from_slice(f), given));
         }
@@ -2203,7 +2207,7 @@ mod tests {
         let one_key_a_chunk = |stream: &[u8]| {
             let mut ends = vec![0];
             EventScanner::new(64 * 1024)
-                .measure_ends(stream, 0, &mut ends, usize::MAX)
+                .measure_ends(stream, 0, Some((&mut ends, usize::MAX)))
                 .unwrap();
             ends.push(stream.len());
             ends.windows(2)
