@@ -675,7 +675,7 @@ impl KnownKey {
         let tenant = self.tenant.as_ref()?;
         (std::ptr::eq(self.set.as_ptr(), Arc::as_ptr(set))
             && given.len() == self.key.len()
-            && constant_time_eq(&self.key, given))
+            && capyctl_spec::auth::constant_time_eq(&self.key, given))
         .then(|| Arc::clone(tenant))
     }
 
@@ -729,18 +729,8 @@ fn find(set: &Set, digest: &KeyDigest) -> Option<Arc<TenantEntry>> {
         .by_digest
         .get_key_value(digest)
         .map_or((&[0u8; 32], None), |(k, v)| (k, Some(v)));
-    let same = constant_time_eq(stored, digest);
+    let same = capyctl_spec::auth::constant_time_eq(stored, digest);
     tenant.filter(|_| same).cloned()
-}
-
-/// Whether `a` and `b` (of the same length) are equal, in a time that depends on their
-/// length only.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    let mut diff = 0u8;
-    for (x, y) in a.iter().zip(b) {
-        diff |= x ^ y;
-    }
-    std::hint::black_box(diff) == 0
 }
 
 /// The key of the one `Authorization: Bearer <key>` line of `lines`, and where that line is

@@ -34,12 +34,23 @@ pub fn bearer(value: &[u8]) -> Option<&[u8]> {
     Some(rest.trim_ascii())
 }
 
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    let mut diff = u8::from(a.len() != b.len());
-    for i in 0..a.len().max(b.len()) {
-        let x = a.get(i).copied().unwrap_or(0);
-        let y = b.get(i).copied().unwrap_or(0);
-        diff |= x ^ y;
+/// Whether `a` and `b` are equal, in a time that depends on their lengths only, not on where
+/// their bytes differ (compared a word at a time: the router compares a tenant's key on every
+/// request of a connection).
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let n = a.len().min(b.len());
+    let ((a, a_rest), (b, b_rest)) = (a.split_at(n), b.split_at(n));
+    let mut diff = u64::from(a_rest.len() != b_rest.len());
+    let ((a_words, a_tail), (b_words, b_tail)) = (a.as_chunks::<8>(), b.as_chunks::<8>());
+    for (x, y) in a_words.iter().zip(b_words) {
+        diff |= u64::from_ne_bytes(*x) ^ u64::from_ne_bytes(*y);
+    }
+    for (x, y) in a_tail.iter().zip(b_tail) {
+        diff |= u64::from(x ^ y);
+    }
+    // The longer one's bytes past the other's end, read all the same.
+    for x in a_rest.iter().chain(b_rest) {
+        diff |= u64::from(*x);
     }
     std::hint::black_box(diff) == 0
 }
@@ -47,6 +58,24 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_constant_time_comparison_is_equality() {
+        let bytes: Vec<u8> = (0..40u8).map(|i| i.wrapping_mul(37)).collect();
+        for a in 0..bytes.len() {
+            for b in 0..bytes.len() {
+                let (x, y) = (&bytes[..a], &bytes[..b]);
+                assert_eq!(constant_time_eq(x, y), x == y, "{a} {b}");
+                let mut z = x.to_vec();
+                if let Some(last) = z.last_mut() {
+                    *last ^= 1;
+                    assert!(!constant_time_eq(x, &z));
+                }
+            }
+        }
+        // Zero bytes past the shorter one's end do not make them equal.
+        assert!(!constant_time_eq(b"key", b"key\0\0\0\0\0\0\0\0"));
+    }
 
     #[test]
     fn only_the_right_bearer_token_matches() {

@@ -209,6 +209,10 @@ pub fn glob_matches(pattern: &str, name: &str) -> bool {
     while ni < n.len() {
         match p.get(pi) {
             Some(b'*') => {
+                if p[pi + 1..].iter().all(|&c| c == b'*') {
+                    // Only stars left: the rest of the name is theirs (`prefix-*`, the usual).
+                    return true;
+                }
                 star = Some((pi, ni));
                 pi += 1;
             }
@@ -269,6 +273,40 @@ mod tests {
         assert!(!glob_matches("*a*b", "xxaxxbxx"));
         assert!(glob_matches("support-bot", "support-bot"));
         assert!(!glob_matches("support-bot", "support-bots"));
+        assert!(glob_matches("chat-**", "chat-x"));
+        // Every pattern and name of up to four of these characters, as a plain recursion
+        // reads them.
+        fn reference(p: &[u8], n: &[u8]) -> bool {
+            match (p.first(), n.first()) {
+                (None, _) => n.is_empty(),
+                (Some(b'*'), _) => {
+                    reference(&p[1..], n) || (!n.is_empty() && reference(p, &n[1..]))
+                }
+                (Some(_), None) => false,
+                (Some(&c), Some(&d)) => (c == b'?' || c == d) && reference(&p[1..], &n[1..]),
+            }
+        }
+        fn all(chars: &[u8], up_to: usize) -> Vec<String> {
+            let mut out = vec![String::new()];
+            let mut last = vec![String::new()];
+            for _ in 0..up_to {
+                last = last
+                    .iter()
+                    .flat_map(|s| chars.iter().map(move |&c| format!("{s}{}", c as char)))
+                    .collect();
+                out.extend(last.iter().cloned());
+            }
+            out
+        }
+        for pattern in all(b"ab*?", 4) {
+            for name in all(b"ab", 4) {
+                assert_eq!(
+                    glob_matches(&pattern, &name),
+                    reference(pattern.as_bytes(), name.as_bytes()),
+                    "{pattern} {name}"
+                );
+            }
+        }
     }
 
     #[test]
