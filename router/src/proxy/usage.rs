@@ -12,12 +12,13 @@
 //! pair of bytes over a frame finds where the next event that may matter begins
 //! ([`Strip::plain_events`], [`first_mark`]); that event is found and told from its bytes
 //! ([`plainly_other`]) and read by its keys alone ([`read`]). A request of one choice (no `n`:
-//! [`single_choice`]) has one `"finish_reason":` in each chunk; until its finish its frames
-//! are not searched but read event by event where the answer's own scanner found them to end
-//! (it measures every event against `max_piece` anyway), each token chunk told by a
-//! comparison where the stream's token chunks have their `"finish_reason":null`
-//! ([`Strip::token_run`]); the frames whose ends it does not give (the start held before the
-//! first output, a frame cut short, one of more than 512 events) are searched as before.
+//! [`single_choice`]) has one `"finish_reason":` in each chunk; its frames are not searched
+//! but read event by event where the answer's own scanner found them to end (it measures
+//! every event against `max_piece` anyway: [`Strip::known_end`]): until its finish each token
+//! chunk told by a comparison where the instance's token chunks have their
+//! `"finish_reason":null` ([`Strip::token_run`]), after it each event read (the usage chunk,
+//! `[DONE]`); the frames whose ends it does not give (the start held before the first
+//! output, a frame cut short, one of more than 512 events) are searched as before.
 //! - **The engines' writing, not any JSON** (a product decision, for the cost of a tenant's
 //!   streamed request: issue 32 asks for the engine's usage on streamed requests and for under
 //!   5% more router CPU per request with keys): the two chunks are found and read as vLLM, SGLang and TensorFold write
@@ -60,6 +61,7 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -344,6 +346,9 @@ struct Slot {
     instance: Box<str>,
     /// A stream that asked for usage ended without the usage chunk taken out (warned once).
     missed: std::sync::atomic::AtomicBool,
+    /// The [`Strip::layout`] its last single-choice stream learnt (0: none yet), where the
+    /// next one starts from.
+    layout: std::sync::atomic::AtomicUsize,
 }
 
 /// An engine's `system_fingerprint`, and the same as a JSON string (what is written into a
@@ -385,6 +390,7 @@ impl Fingerprints {
             )
             .into(),
             missed: Default::default(),
+            layout: Default::default(),
         });
         all.insert(key.clone(), Arc::clone(&slot));
         slot
@@ -416,7 +422,7 @@ impl Slot {
     /// per instance, so that an engine that does not write its chunks as the strip finds them
     /// (the module's note) does not go unseen.
     fn missed_usage(&self) {
-        if !self.missed.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        if !self.missed.swap(true, Ordering::Relaxed) {
             tracing::warn!(
                 instance = %self.instance,
                 "a streamed answer whose usage CapyCTL asked for ended without the engine's usage \
@@ -538,7 +544,7 @@ pub(crate) struct Strip {
     /// ([`Strip::token_chunk`]).
     single: bool,
     /// How far from a token chunk's end its `"finish_reason":null` begins, in the stream's
-    /// last token chunk read.
+    /// last token chunk read (at first, in the instance's last stream's: [`Slot::layout`]).
     layout: Option<usize>,
     /// Reads every event (no run of plain events passed whole), for the tests that hold both
     /// to the same bytes.
@@ -561,10 +567,13 @@ enum Event<'a> {
     Other,
 }
 
+/// What `event` is: [`read`]'s answer, the event read only when its bytes may show a mark
+/// or `[DONE]`.
 fn classify(event: &[u8]) -> Event<'_> {
     if plainly_other(event) {
-        // `data: [DONE]` has neither key either: a short event is read to tell it.
-        if event.len() <= 32 && matches!(read(event), Event::Done) {
+        // `data: [DONE]` has neither key either: an event with those bytes is read to tell it.
+        static DONE: PairSearch = PairSearch::new(b"[DONE]", 0, 5);
+        if DONE.find(event).is_some() && matches!(read(event), Event::Done) {
             return Event::Done;
         }
         return Event::Other;
@@ -584,6 +593,10 @@ fn classify(event: &[u8]) -> Event<'_> {
 ///   ([`find_finish`]) and no `"system_fingerprint"` key.
 /// - `[DONE]`, and everything else [`Event::Other`].
 fn read(event: &[u8]) -> Event<'_> {
+    // As the engines end a stream (what the rest would tell, without finding its line).
+    if event == b"data: [DONE]\n\n" {
+        return Event::Done;
+    }
     let Data::One(data) = data_of(event) else {
         return Event::Other;
     };
@@ -1111,12 +1124,14 @@ fn event_end_before(events: &[u8], before: usize) -> usize {
 /// Sends `event` (`data: {...}` and its blank line) with `"system_fingerprint":<fingerprint>`
 /// as its object's last field.
 fn push_with_fingerprint(out: &mut Out<'_>, event: &[u8], fingerprint: &Fingerprint) {
+    const KEY: &[u8] = b",\"system_fingerprint\":";
     let Some(close) = memchr::memrchr(b'}', event) else {
         out.push(event);
         return;
     };
+    out.copy_with_room(KEY.len() + fingerprint.json.len());
     out.push(&event[..close]);
-    out.push(b",\"system_fingerprint\":");
+    out.push(KEY);
     out.push(fingerprint.json.as_bytes());
     out.push(&event[close..]);
 }
@@ -1124,6 +1139,7 @@ fn push_with_fingerprint(out: &mut Out<'_>, event: &[u8], fingerprint: &Fingerpr
 impl Strip {
     /// A strip for a stream of `engine`, holding at most `max_piece` bytes.
     pub(crate) fn new(max_piece: usize, engine: Engine) -> Self {
+        let layout = engine.slot.layout.load(Ordering::Relaxed);
         Self {
             scanner: EventScanner::new(max_piece),
             partial: BytesMut::new(),
@@ -1136,7 +1152,7 @@ impl Strip {
             max_piece,
             off: false,
             single: false,
-            layout: None,
+            layout: (layout > 0).then_some(layout),
             #[cfg(test)]
             read_every_event: false,
         }
@@ -1190,6 +1206,14 @@ impl Strip {
             if at == data.len() {
                 // Nothing left of the frame (the scanner would take nothing from it).
                 break;
+            }
+            if let Some(end) = self.known_end(ends, at, data.len()) {
+                // A single-choice stream's event where the answer's scanner ended it: read
+                // (the strip's own scanner stays where an event begins, as after any event).
+                let start = at;
+                at = end;
+                self.event(Piece::Of(start, end), true, &mut out);
+                continue;
             }
             match self.scanner.next_end(&data, at) {
                 Ok(Some(end)) => {
@@ -1274,10 +1298,14 @@ impl Strip {
             return at;
         }
         if self.single
-            && !self.finished
             && let Some(ends) = ends
         {
-            return self.token_run(data, at, ends);
+            // After its finish, each event is read (the usage chunk, `[DONE]`: no run).
+            return if self.finished {
+                at
+            } else {
+                self.token_run(data, at, ends)
+            };
         }
         let fingerprint_matters = !matches!(self.engine.known, Some(None));
         let first = marks
@@ -1324,6 +1352,24 @@ impl Strip {
         end
     }
 
+    /// Where the event of a single-choice stream that begins at `at` ends, from the frame's
+    /// `ends` (`None`: not known, or nothing held before it, or past `max_piece`: the strip's
+    /// own scanner finds it). Each such event is read: the one a token run stopped before
+    /// has a finish reason; after the finish, every event is read ([`Strip::plain_events`]).
+    ///
+    /// NB (cost): the scanner would find again where the answer's own found the event to end,
+    /// and the frame's search for marks after the finish would look again at the bytes of the
+    /// two events read anyway (the usage chunk, `[DONE]`): about 1,500 instructions of a
+    /// tenant's streamed request (callgrind, 16 tokens).
+    fn known_end(&self, ends: Option<&[usize]>, at: usize, len: usize) -> Option<usize> {
+        if !self.single || !self.partial.is_empty() {
+            return None;
+        }
+        let ends = ends?;
+        let end = *ends.get(ends.partition_point(|&e| e <= at))?;
+        (end <= len && end - at <= self.max_piece).then_some(end)
+    }
+
     /// Whether `event` (a whole event of a single-choice stream) is no finishing chunk: its one
     /// `"finish_reason":` is not followed by a `"` (or it has none), seen where the stream's
     /// last token chunk had its `"finish_reason":null` ([`Strip::layout`]) or else found, and
@@ -1342,14 +1388,20 @@ impl Strip {
         };
         let value = &event[at + FINISH_KEY.len()..];
         if value.starts_with(b"null") {
-            self.layout = Some(event.len() - at);
+            let layout = event.len() - at;
+            self.layout = Some(layout);
+            // Kept for the instance's next stream (written only when it changed).
+            if self.engine.slot.layout.load(Ordering::Relaxed) != layout {
+                self.engine.slot.layout.store(layout, Ordering::Relaxed);
+            }
         }
         !value.starts_with(b"\"")
     }
 
-    /// Sends, holds or takes out one complete event; `marked`: it has a mark ([`first_mark`]),
-    /// so that it is read without [`classify`]'s byte test (which only spares the reading of
-    /// an event without one: the reading answers the same for every event).
+    /// Sends, holds or takes out one complete event; `marked`: it is read without
+    /// [`classify`]'s byte test (it has a mark, [`first_mark`], or is a single-choice stream's
+    /// event read where it ends, [`Strip::known_end`]); the test only spares the reading of an
+    /// event without one: the reading answers the same for every event.
     fn event(&mut self, piece: Piece, marked: bool, out: &mut Out<'_>) {
         let data = out.data;
         let event = match &piece {
@@ -1532,6 +1584,22 @@ impl<'a> Out<'a> {
                 copy
             })
             .extend_from_slice(bytes);
+    }
+
+    /// Makes the copy now, when there is none yet, with room for the frame and `room` bytes
+    /// more, exactly.
+    ///
+    /// NB (cost): a frame whose output is then exactly that long (a finishing chunk given its
+    /// fingerprint, no event taken out) is frozen into `Bytes` without a second allocation
+    /// (`Bytes` from a buffer with spare room allocates a shared header: about 400
+    /// instructions of a tenant's streamed request, callgrind).
+    fn copy_with_room(&mut self, room: usize) {
+        if self.copy.is_none() {
+            let mut copy =
+                BytesMut::with_capacity(self.data.len().max(self.same - self.from) + room);
+            copy.extend_from_slice(&self.data[self.from..self.same]);
+            self.copy = Some(copy);
+        }
     }
 
     fn finish(self) -> Bytes {
@@ -2247,12 +2315,26 @@ mod tests {
                 }
             }
         }
-        // The usual stream, whole: its token chunks told by their layout.
-        let mut by_ends = strip(&Arc::default(), 1).single_choice(true);
+        // The usual stream, whole: its token chunks told by their layout, which the
+        // instance's next stream starts from; a layout that is not the stream's is no harm.
+        let all = Arc::default();
+        let mut by_ends = strip(&all, 1).single_choice(true);
         let (out, tokens) = run_by_ends(&mut by_ends, &[WITH_USAGE.as_bytes()], false);
         assert_eq!(tokens, Some(5));
         assert!(by_ends.layout.is_some());
         assert_eq!(String::from_utf8_lossy(&out), WITHOUT);
+        let next = strip(&all, 1).single_choice(true);
+        assert_eq!(next.layout, by_ends.layout);
+        assert_eq!(strip(&all, 2).layout, None);
+        let wrong = strip(&all, 1).single_choice(true);
+        wrong.engine.slot.layout.store(3, Ordering::Relaxed);
+        let mut wrong = strip(&all, 1).single_choice(true);
+        let (out, tokens) = run_by_ends(&mut wrong, &[WITH_USAGE.as_bytes()], false);
+        assert_eq!(
+            (String::from_utf8_lossy(&out).as_ref(), tokens),
+            (WITHOUT, Some(5))
+        );
+        assert_eq!(wrong.layout, by_ends.layout);
     }
 
     #[test]
@@ -2373,6 +2455,7 @@ mod tests {
             "data: {\"choices\":[{\"finish_reason\": \"stop\"}]}\n\n",
             "data: [DONE]\n\n",
             ": keep-alive\n\n",
+            "id: 18446744073709551615\ndata:   [DONE]  \n\n",
         ];
         let mut plain = 0;
         for event in events {
@@ -2381,8 +2464,9 @@ mod tests {
             plain += usize::from(plainly_other(e));
         }
         // The token chunks, the escaped keys, the invalid and the spaced finish reasons,
-        // `[DONE]` and a comment are told without reading.
-        assert_eq!(plain, 8);
+        // `[DONE]` (however long its event) and a comment are told without reading.
+        assert_eq!(plain, 9);
+        assert_eq!(classify(events[12].as_bytes()), Event::Done);
         for (at, event) in [
             (2, Event::Finishing),
             (3, Event::Other),
