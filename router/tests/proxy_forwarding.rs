@@ -78,6 +78,47 @@ async fn answers_are_the_engines_byte_for_byte() {
     assert_eq!(state["aborted"], 0, "{state}");
 }
 
+/// An engine that has sent a long stream before the listener reads any of it: the listener
+/// gathers what waits into frames of up to 16 KiB, and a chunk of the engine's that would take
+/// one past that begins the next one instead. Every byte passes, in order, whatever the
+/// engine's chunks (small, splitting events, or larger than 16 KiB).
+#[tokio::test]
+async fn a_long_stream_already_sent_passes_whole_in_any_chunks() {
+    let mut stream =
+        b"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"},\"index\":0}]}\n\n".to_vec();
+    for i in 0..1500 {
+        let text = "capybara ".repeat(i % 13);
+        stream.extend_from_slice(
+            format!("data: {{\"choices\":[{{\"delta\":{{\"content\":\"{i} {text}\"}},\"index\":0}}]}}\n\n")
+                .as_bytes(),
+        );
+    }
+    stream.extend_from_slice(b"data: [DONE]\n\n");
+    let mut answer =
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            .to_vec();
+    // Chunks of 1 byte to 20 KiB, in a fixed order.
+    let sizes = [
+        1, 700, 5_000, 96, 20_000, 3_333, 16_384, 15_000, 2_047, 9_000,
+    ];
+    let (mut at, mut n) = (0, 0);
+    while at < stream.len() {
+        let end = stream.len().min(at + sizes[n % sizes.len()]);
+        answer.extend_from_slice(format!("{:x}\r\n", end - at).as_bytes());
+        answer.extend_from_slice(&stream[at..end]);
+        answer.extend_from_slice(b"\r\n");
+        (at, n) = (end, n + 1);
+    }
+    answer.extend_from_slice(b"0\r\n\r\n");
+    assert!(stream.len() > 100 * 1024);
+    let (addr, _closed) = raw_engine(answer).await;
+    let proxy = start_proxy(TestAdmission::new(addr), ProxyConfig::default()).await;
+    let (status, _, body) = post(proxy, "/v1/chat/completions", &chat(true)).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body.len(), stream.len());
+    assert!(body == stream, "the stream passes byte for byte");
+}
+
 #[tokio::test]
 async fn one_keep_alive_connection_carries_many_requests() {
     let sim = start_sim(&[]).await;

@@ -800,6 +800,9 @@ pub(crate) struct StreamBody {
     /// `ends` holds every event end of the frame it last gave (not of a frame held back
     /// from before the first output, nor of one cut short).
     ends_whole: bool,
+    /// A frame of the engine's read but not gathered into the frame given last (no room for
+    /// it there): the next one begins with it.
+    carried: Option<Bytes>,
 }
 
 /// The event ends of one frame that [`StreamBody`] keeps at most (past them, the frame's are
@@ -825,6 +828,7 @@ impl StreamBody {
             conn: settings.conn,
             ends: None,
             ends_whole: false,
+            carried: None,
         }
     }
 
@@ -841,6 +845,7 @@ impl StreamBody {
             conn: None,
             ends: None,
             ends_whole: false,
+            carried: None,
         }
     }
 
@@ -884,11 +889,26 @@ impl StreamBody {
             ends.clear();
         }
         loop {
-            match Pin::new(&mut *upstream).poll_frame(cx) {
+            let polled = match self.carried.take() {
+                Some(data) => Poll::Ready(Some(Ok(Frame::data(data)))),
+                None => Pin::new(&mut *upstream).poll_frame(cx),
+            };
+            match polled {
                 Poll::Ready(Some(Ok(frame))) => {
                     let Ok(data) = frame.into_data() else {
                         continue;
                     };
+                    // A frame that the gathered ones' buffer has no room for is the next
+                    // frame's start (that buffer is not grown: a copy of all it holds).
+                    let room = match (&first, &batch) {
+                        (Some(head), None) => COALESCE_BYTES.max(head.len()),
+                        (_, Some(b)) => b.capacity(),
+                        (None, None) => usize::MAX,
+                    };
+                    if gathered + data.len() > room {
+                        self.carried = Some(data);
+                        break;
+                    }
                     let ends = self.ends.as_mut().map(|ends| (ends, MAX_ENDS));
                     match self.scanner.measure_ends(&data, gathered, ends) {
                         Ok(all) => ends_whole &= all,
