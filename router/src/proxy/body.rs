@@ -888,8 +888,9 @@ impl StreamBody {
         if let Some(ends) = &mut self.ends {
             ends.clear();
         }
+        let mut carried = self.carried.take();
         loop {
-            let polled = match self.carried.take() {
+            let polled = match carried.take() {
                 Some(data) => Poll::Ready(Some(Ok(Frame::data(data)))),
                 None => Pin::new(&mut *upstream).poll_frame(cx),
             };
@@ -898,14 +899,10 @@ impl StreamBody {
                     let Ok(data) = frame.into_data() else {
                         continue;
                     };
-                    // A frame that the gathered ones' buffer has no room for is the next
-                    // frame's start (that buffer is not grown: a copy of all it holds).
-                    let room = match (&first, &batch) {
-                        (Some(head), None) => COALESCE_BYTES.max(head.len()),
-                        (_, Some(b)) => b.capacity(),
-                        (None, None) => usize::MAX,
-                    };
-                    if gathered + data.len() > room {
+                    // A frame that the gathered ones' buffer (`COALESCE_BYTES`: what is
+                    // gathered is given once it reaches that) has no room for is the next
+                    // frame's start: that buffer is not grown (a copy of all it holds).
+                    if first.is_some() && gathered + data.len() > COALESCE_BYTES {
                         self.carried = Some(data);
                         break;
                     }
