@@ -455,9 +455,47 @@ fn vllm_n2_events(include_usage: bool) -> Vec<String> {
     events
 }
 
-/// An engine that answers every request on its keep-alive connections with
-/// [`vllm_n2_events`] (as the request's `include_usage` says), one chunked frame per event.
+/// A long single-choice vLLM 0.32 chat stream (about 140 KiB), as [`vllm_n2_events`] writes
+/// its chunks.
+fn vllm_long_events(include_usage: bool) -> Vec<String> {
+    let fingerprint = if include_usage {
+        ""
+    } else {
+        r#","system_fingerprint":"vllm-0.32.0-1a2b3c4d""#
+    };
+    let tokens = 700;
+    let mut events: Vec<String> = (0..tokens)
+        .map(|i| {
+            let (finish, fp) = if i + 1 == tokens {
+                ("\"length\"", fingerprint)
+            } else {
+                ("null", "")
+            };
+            let text = " capybara".repeat(i % 9 + 1);
+            format!(
+                r#"data: {{"id":"chatcmpl-long","object":"chat.completion.chunk","created":1765000000,"model":"{MODEL}","choices":[{{"index":0,"delta":{{"content":"{i}{text}"}},"logprobs":null,"finish_reason":{finish},"stop_reason":null}}]{fp}}}"#
+            ) + "\n\n"
+        })
+        .collect();
+    if include_usage {
+        events.push(format!(
+            r#"data: {{"id":"chatcmpl-long","object":"chat.completion.chunk","created":1765000000,"model":"{MODEL}","choices":[],"usage":{{"prompt_tokens":7,"total_tokens":707,"completion_tokens":700}},"system_fingerprint":"vllm-0.32.0-1a2b3c4d"}}"#
+        ) + "\n\n");
+    }
+    events.push("data: [DONE]\n\n".to_string());
+    events
+}
+
+/// An engine that answers every request on its keep-alive connections with [`vllm_n2_events`]
+/// (as the request's `include_usage` says), one chunked frame per event.
 async fn vllm_n2_engine() -> std::net::SocketAddr {
+    vllm_engine(vllm_n2_events, false).await
+}
+
+/// An engine that answers every request on its keep-alive connections with `events` (as the
+/// request's `include_usage` says), one chunked frame per event, each written by itself or
+/// (`at_once`) all of them in one write.
+async fn vllm_engine(events: fn(bool) -> Vec<String>, at_once: bool) -> std::net::SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
@@ -494,11 +532,17 @@ async fn vllm_n2_engine() -> std::net::SocketAddr {
                         .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked\r\n\r\n")
                         .await
                         .unwrap();
-                    for event in vllm_n2_events(include_usage) {
+                    let mut all = Vec::new();
+                    for event in events(include_usage) {
                         let frame = format!("{:x}\r\n{event}\r\n", event.len());
-                        socket.write_all(frame.as_bytes()).await.unwrap();
+                        if at_once {
+                            all.extend_from_slice(frame.as_bytes());
+                        } else {
+                            socket.write_all(frame.as_bytes()).await.unwrap();
+                        }
                     }
-                    socket.write_all(b"0\r\n\r\n").await.unwrap();
+                    all.extend_from_slice(b"0\r\n\r\n");
+                    socket.write_all(&all).await.unwrap();
                 }
             });
         }
@@ -529,5 +573,31 @@ async fn with_several_choices_a_streamed_answer_keeps_its_bytes() {
             "round {round}"
         );
         tokens_reach(&tenants, 13 * round).await;
+    }
+}
+
+/// A long single-choice stream that the engine sent before the listener read it (so that the
+/// listener gathers it into frames of up to 16 KiB, an engine frame past that beginning the
+/// next one) keeps its bytes through a tenant whose usage is asked for: the usage chunk taken
+/// out and the fingerprint put back, on the instance's first stream and after, and its tokens
+/// counted.
+#[tokio::test]
+async fn a_long_stream_already_sent_keeps_its_bytes() {
+    let engine = vllm_engine(vllm_long_events, true).await;
+    let (tenants, proxy, plain) = token_rated_and_plain(engine).await;
+    let body = format!(
+        r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Capybaras?"}}],"max_tokens":700,"stream":true}}"#
+    );
+    let path = "/v1/chat/completions";
+    let (status, _, without) = send(plain, "POST", path, &[], &body).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(without, vllm_long_events(false).concat());
+    assert!(without.len() > 128 * 1024);
+    let a = [("authorization", "Bearer sk-a")];
+    for round in 1..=3 {
+        let (status, _, with) = send(proxy, "POST", path, &a, &body).await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(with == without, "round {round}");
+        tokens_reach(&tenants, 707 * round).await;
     }
 }

@@ -1353,9 +1353,10 @@ impl Strip {
     }
 
     /// Where the event of a single-choice stream that begins at `at` ends, from the frame's
-    /// `ends` (`None`: not known, or nothing held before it, or past `max_piece`: the strip's
-    /// own scanner finds it). Each such event is read: the one a token run stopped before
-    /// has a finish reason; after the finish, every event is read ([`Strip::plain_events`]).
+    /// `ends` (`None`: not known, or the start of the event is held from an earlier frame, or
+    /// it is longer than `max_piece`: the strip's own scanner then finds it). Each such event
+    /// is read: the one a token run stopped before (it has a finish reason, or the run would
+    /// have passed `max_piece`); after the finish, every event ([`Strip::plain_events`]).
     ///
     /// NB (cost): the scanner would find again where the answer's own found the event to end,
     /// and the frame's search for marks after the finish would look again at the bytes of the
@@ -1372,8 +1373,8 @@ impl Strip {
 
     /// Whether `event` (a whole event of a single-choice stream) is no finishing chunk: its one
     /// `"finish_reason":` is not followed by a `"` (or it has none), seen where the stream's
-    /// last token chunk had its `"finish_reason":null` ([`Strip::layout`]) or else found, and
-    /// then learnt when it is `null`.
+    /// last token chunk (at first, the instance's last stream's) had its `"finish_reason":null`
+    /// ([`Strip::layout`]) or else found, and then learnt when it is `null`.
     fn token_chunk(&mut self, event: &[u8]) -> bool {
         const NULL: &[u8] = b"\"finish_reason\":null";
         if let Some(back) = self.layout
@@ -1595,8 +1596,7 @@ impl<'a> Out<'a> {
     /// instructions of a tenant's streamed request, callgrind).
     fn copy_with_room(&mut self, room: usize) {
         if self.copy.is_none() {
-            let mut copy =
-                BytesMut::with_capacity(self.data.len().max(self.same - self.from) + room);
+            let mut copy = BytesMut::with_capacity(self.data.len() + room);
             copy.extend_from_slice(&self.data[self.from..self.same]);
             self.copy = Some(copy);
         }
@@ -2326,9 +2326,12 @@ mod tests {
         let next = strip(&all, 1).single_choice(true);
         assert_eq!(next.layout, by_ends.layout);
         assert_eq!(strip(&all, 2).layout, None);
+        // The layout of another stream's chunks (a longer tail after the finish reason).
         let wrong = strip(&all, 1).single_choice(true);
-        wrong.engine.slot.layout.store(3, Ordering::Relaxed);
+        let other = by_ends.layout.unwrap() + 9;
+        wrong.engine.slot.layout.store(other, Ordering::Relaxed);
         let mut wrong = strip(&all, 1).single_choice(true);
+        assert_eq!(wrong.layout, Some(other));
         let (out, tokens) = run_by_ends(&mut wrong, &[WITH_USAGE.as_bytes()], false);
         assert_eq!(
             (String::from_utf8_lossy(&out).as_ref(), tokens),
