@@ -419,26 +419,48 @@ async fn a_streamed_answer_is_counted_without_changing_its_bytes() {
     }
 }
 
-/// The events vLLM 0.32 streams for a chat request with `n: 2` whose choices finish apart
-/// (`chat_completion/serving.py`): without `include_usage` each finishing chunk carries the
-/// `system_fingerprint`; with it none does, and a last chunk with empty `choices` carries the
-/// usage and the fingerprint.
-fn vllm_n2_events(include_usage: bool) -> Vec<String> {
+/// The events vLLM 0.32 streams for a chat request (`chat_completion/serving.py`) whose chunks
+/// are `choices` (the choice's index, its text, its finish reason): without `include_usage`
+/// each finishing chunk carries the `system_fingerprint`; with it none does, and a last chunk
+/// with empty `choices` carries the usage (`prompt` tokens and one a chunk) and the
+/// fingerprint.
+fn vllm_events(
+    id: &str,
+    choices: &[(u32, String, Option<&str>)],
+    prompt: usize,
+    include_usage: bool,
+) -> Vec<String> {
     let fingerprint = if include_usage {
         ""
     } else {
         r#","system_fingerprint":"vllm-0.32.0-1a2b3c4d""#
     };
-    let chunk = |i: u32, text: &str, finish: Option<&str>| {
-        let (finish, fp) = match finish {
-            Some(f) => (format!("\"{f}\""), fingerprint),
-            None => ("null".to_string(), ""),
-        };
-        format!(
-            r#"data: {{"id":"chatcmpl-n2","object":"chat.completion.chunk","created":1765000000,"model":"{MODEL}","choices":[{{"index":{i},"delta":{{"content":"{text}"}},"logprobs":null,"finish_reason":{finish},"stop_reason":null}}]{fp}}}"#
-        ) + "\n\n"
-    };
-    let mut events = vec![
+    let mut events: Vec<String> = choices
+        .iter()
+        .map(|(i, text, finish)| {
+            let (finish, fp) = match finish {
+                Some(f) => (format!("\"{f}\""), fingerprint),
+                None => ("null".to_string(), ""),
+            };
+            format!(
+                r#"data: {{"id":"{id}","object":"chat.completion.chunk","created":1765000000,"model":"{MODEL}","choices":[{{"index":{i},"delta":{{"content":"{text}"}},"logprobs":null,"finish_reason":{finish},"stop_reason":null}}]{fp}}}"#
+            ) + "\n\n"
+        })
+        .collect();
+    if include_usage {
+        let (completion, total) = (choices.len(), prompt + choices.len());
+        events.push(format!(
+            r#"data: {{"id":"{id}","object":"chat.completion.chunk","created":1765000000,"model":"{MODEL}","choices":[],"usage":{{"prompt_tokens":{prompt},"total_tokens":{total},"completion_tokens":{completion}}},"system_fingerprint":"vllm-0.32.0-1a2b3c4d"}}"#
+        ) + "\n\n");
+    }
+    events.push("data: [DONE]\n\n".to_string());
+    events
+}
+
+/// [`vllm_events`] of a request with `n: 2` whose choices finish apart.
+fn vllm_n2_events(include_usage: bool) -> Vec<String> {
+    let chunk = |i, text: &str, finish| (i, text.to_string(), finish);
+    let choices = [
         chunk(0, "Capybaras", None),
         chunk(1, "They", None),
         chunk(0, " swim.", Some("stop")),
@@ -446,44 +468,19 @@ fn vllm_n2_events(include_usage: bool) -> Vec<String> {
         chunk(1, " rodents", None),
         chunk(1, ".", Some("length")),
     ];
-    if include_usage {
-        events.push(format!(
-            r#"data: {{"id":"chatcmpl-n2","object":"chat.completion.chunk","created":1765000000,"model":"{MODEL}","choices":[],"usage":{{"prompt_tokens":7,"total_tokens":13,"completion_tokens":6}},"system_fingerprint":"vllm-0.32.0-1a2b3c4d"}}"#
-        ) + "\n\n");
-    }
-    events.push("data: [DONE]\n\n".to_string());
-    events
+    vllm_events("chatcmpl-n2", &choices, 7, include_usage)
 }
 
-/// A long single-choice vLLM 0.32 chat stream (about 140 KiB), as [`vllm_n2_events`] writes
-/// its chunks.
+/// [`vllm_events`] of a long single-choice stream (about 140 KiB).
 fn vllm_long_events(include_usage: bool) -> Vec<String> {
-    let fingerprint = if include_usage {
-        ""
-    } else {
-        r#","system_fingerprint":"vllm-0.32.0-1a2b3c4d""#
-    };
     let tokens = 700;
-    let mut events: Vec<String> = (0..tokens)
+    let choices: Vec<_> = (0..tokens)
         .map(|i| {
-            let (finish, fp) = if i + 1 == tokens {
-                ("\"length\"", fingerprint)
-            } else {
-                ("null", "")
-            };
-            let text = " capybara".repeat(i % 9 + 1);
-            format!(
-                r#"data: {{"id":"chatcmpl-long","object":"chat.completion.chunk","created":1765000000,"model":"{MODEL}","choices":[{{"index":0,"delta":{{"content":"{i}{text}"}},"logprobs":null,"finish_reason":{finish},"stop_reason":null}}]{fp}}}"#
-            ) + "\n\n"
+            let text = format!("{i}{}", " capybara".repeat(i % 9 + 1));
+            (0, text, (i + 1 == tokens).then_some("length"))
         })
         .collect();
-    if include_usage {
-        events.push(format!(
-            r#"data: {{"id":"chatcmpl-long","object":"chat.completion.chunk","created":1765000000,"model":"{MODEL}","choices":[],"usage":{{"prompt_tokens":7,"total_tokens":707,"completion_tokens":700}},"system_fingerprint":"vllm-0.32.0-1a2b3c4d"}}"#
-        ) + "\n\n");
-    }
-    events.push("data: [DONE]\n\n".to_string());
-    events
+    vllm_events("chatcmpl-long", &choices, 7, include_usage)
 }
 
 /// An engine that answers every request on its keep-alive connections with [`vllm_n2_events`]
