@@ -201,7 +201,8 @@ pub fn check_rate(per_minute: u64, max: u64) -> Result<(), String> {
 
 /// Whether `name` matches `pattern`: `*` any run of bytes (none included), `?` one byte,
 /// anything else itself (patterns are ASCII, [`check_model_pattern`], and so are deployments'
-/// names: a name of other characters matches no pattern that a deployment's name would not).
+/// names: a name with other characters is no deployment's, answered as an unknown model
+/// whether it matches or not).
 pub fn glob_matches(pattern: &str, name: &str) -> bool {
     let (p, n) = (pattern.as_bytes(), name.as_bytes());
     let (mut pi, mut ni) = (0, 0);
