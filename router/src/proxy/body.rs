@@ -921,7 +921,8 @@ impl StreamBody {
                             size
                         }
                         (Some(head), None) => {
-                            let mut b = BytesMut::with_capacity(COALESCE_BYTES.max(head.len()));
+                            // Room for all that is gathered (never past `COALESCE_BYTES`).
+                            let mut b = BytesMut::with_capacity(COALESCE_BYTES);
                             b.extend_from_slice(head);
                             b.extend_from_slice(&data);
                             let size = b.len();

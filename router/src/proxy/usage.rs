@@ -1121,6 +1121,21 @@ fn event_end_before(events: &[u8], before: usize) -> usize {
     0
 }
 
+/// The ends among a frame's `ends` (in order) of its events from `at` on (those before end at
+/// or before it: passed or read already), while they end within the frame (`len` bytes) and
+/// no more than `max_piece` past `at`.
+fn ends_from(
+    ends: &[usize],
+    at: usize,
+    len: usize,
+    max_piece: usize,
+) -> impl Iterator<Item = usize> + '_ {
+    ends[ends.partition_point(|&e| e <= at)..]
+        .iter()
+        .copied()
+        .take_while(move |&e| e <= len && e - at <= max_piece)
+}
+
 /// Sends `event` (`data: {...}` and its blank line) with `"system_fingerprint":<fingerprint>`
 /// as its object's last field.
 fn push_with_fingerprint(out: &mut Out<'_>, event: &[u8], fingerprint: &Fingerprint) {
@@ -1338,13 +1353,9 @@ impl Strip {
     /// every event's end.
     fn token_run(&mut self, data: &[u8], at: usize, ends: &[usize]) -> usize {
         let mut end = at;
-        // The events already passed or read end at or before `at`; the run stops short of
-        // `max_piece` (the next call goes on from its end).
-        for &next in &ends[ends.partition_point(|&e| e <= at)..] {
-            if next > data.len()
-                || next - at > self.max_piece
-                || !self.token_chunk(&data[end..next])
-            {
+        // The run stops short of `max_piece` (the next call goes on from its end).
+        for next in ends_from(ends, at, data.len(), self.max_piece) {
+            if !self.token_chunk(&data[end..next]) {
                 break;
             }
             end = next;
@@ -1366,9 +1377,7 @@ impl Strip {
         if !self.single || !self.partial.is_empty() {
             return None;
         }
-        let ends = ends?;
-        let end = *ends.get(ends.partition_point(|&e| e <= at))?;
-        (end <= len && end - at <= self.max_piece).then_some(end)
+        ends_from(ends?, at, len, self.max_piece).next()
     }
 
     /// Whether `event` (a whole event of a single-choice stream) is no finishing chunk: its one
