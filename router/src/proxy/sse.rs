@@ -141,6 +141,13 @@ pub(crate) fn data_of_lines(event: &[u8]) -> Data<'_> {
     first.map_or(Data::None, Data::One)
 }
 
+/// Whether an event's data is `[DONE]`, the engines' end of a stream (whitespace around it
+/// allowed, as the usage strip reads a chunk's keys): the one rule for it, for the stream's
+/// first output ([`is_output`]) and the usage strip.
+pub(crate) fn is_done(data: &[u8]) -> bool {
+    data.trim_ascii() == b"[DONE]"
+}
+
 /// Whether one complete SSE event is output: anything but a comment, a `[DONE]`, or a chunk
 /// whose choices only name the role (`"delta":{"role":"assistant"}`, possibly with an empty
 /// `content`) and carry no finish reason.
@@ -154,7 +161,7 @@ pub(crate) fn is_output(event: &[u8]) -> bool {
         Data::Several(_) => return true,
         Data::One(data) => data,
     };
-    if data == b"[DONE]" {
+    if is_done(data) {
         return false;
     }
     // Anything that does not read as a chunk (not JSON, no `choices` array, a choice that is
@@ -607,6 +614,25 @@ mod tests {
         assert!(!is_output(role_only));
         assert!(!is_output(b": keep-alive\n\n"));
         assert!(!is_output(b"data: [DONE]\n\n"));
+    }
+
+    /// `[DONE]` is told by one rule, whitespace around it allowed (the usage strip's reading too).
+    #[test]
+    fn done_is_told_with_the_whitespace_around_it() {
+        for event in [
+            "data: [DONE]\n\n",
+            "data:  [DONE] \r\n\r\n",
+            "data:[DONE]\t\n\n",
+        ] {
+            assert!(!is_output(event.as_bytes()), "{event:?}");
+        }
+        for event in [
+            "data: [DONE]x\n\n",
+            "data: [DON]\n\n",
+            "data: \"[DONE]\"\n\n",
+        ] {
+            assert!(is_output(event.as_bytes()), "{event:?}");
+        }
     }
 
     #[test]

@@ -600,7 +600,7 @@ fn read(event: &[u8]) -> Event<'_> {
     let Data::One(data) = data_of(event) else {
         return Event::Other;
     };
-    if data.trim_ascii() == b"[DONE]" {
+    if super::sse::is_done(data) {
         return Event::Done;
     }
     const KEY: &[u8] = b"\"system_fingerprint\"";
