@@ -544,21 +544,27 @@ impl Tenants {
     /// let in with `known`: the same key of the same set is that tenant again, without a
     /// second digest (see [`KnownKey`]); `known` is then what this request was let in with.
     pub fn authenticate_again(&self, lines: &[u8], known: &mut KnownKey) -> Auth {
-        self.authenticate_line(lines, known).0
+        self.authenticate_line(lines, None, known).0
     }
 
     /// [`Tenants::authenticate_again`], with where the one `Authorization` line is in `lines`
-    /// (its bytes and its `\n`) when there is one.
+    /// (its bytes and its `\n`) when there is one: as `noted` says when given (the listener
+    /// noted it as it gathered the lines), else found ([`bearer_line`]).
     fn authenticate_line(
         &self,
         lines: &[u8],
+        noted: Option<&AuthorizationLines>,
         known: &mut KnownKey,
     ) -> (Auth, Option<std::ops::Range<usize>>) {
         let set = self.set();
         if !set.asks_keys() {
             return (Auth::Off, None);
         }
-        let (given, line) = match bearer_line(lines) {
+        let found = match noted {
+            Some(noted) => noted.bearer(lines),
+            None => bearer_line(lines),
+        };
+        let (given, line) = match found {
             Some((key, line)) => (key, Some(line)),
             None => (&[][..], None),
         };
@@ -570,16 +576,20 @@ impl Tenants {
     /// `Authorization` line when it is a tenant's (the key is not the engine's): a slice of
     /// `lines` when the line is first or last (nothing copied), else a copy.
     ///
-    /// NB (cost): the line is found once, by [`bearer_line`], and cut out where it was found
-    /// (a tenant's request has exactly one: the listener's lines are each `name: value\r\n`,
-    /// and a second one refuses the key), rather than every line's name read again to find
-    /// it ([`without_authorization`]).
+    /// `noted`: where the listener found the `Authorization` lines as it gathered `lines`
+    /// (`None`: not noted, they are looked for).
+    ///
+    /// NB (cost): the line is found once (noted by the listener, else by [`bearer_line`]),
+    /// and cut out where it was found (a tenant's request has exactly one: the listener's
+    /// lines are each `name: value\r\n`, and a second one refuses the key), rather than every
+    /// line's name read again to find it ([`without_authorization`]).
     pub fn identify(
         &self,
         lines: &bytes::Bytes,
+        noted: Option<&AuthorizationLines>,
         known: &mut KnownKey,
     ) -> (Auth, Option<bytes::Bytes>) {
-        let (auth, line) = self.authenticate_line(lines, known);
+        let (auth, line) = self.authenticate_line(lines, noted, known);
         let (Auth::Tenant(_), Some(line)) = (&auth, line) else {
             return (auth, None);
         };
@@ -733,13 +743,72 @@ fn find(set: &Set, digest: &KeyDigest) -> Option<Arc<TenantEntry>> {
     tenant.filter(|_| same).cloned()
 }
 
+/// Where a request's `Authorization` lines are among its header lines (each
+/// `name: value\r\n`), as the listener notes them while it gathers those lines: none, one (its
+/// bytes and its `\r\n`), or more than one (no key is then taken: [`bearer_line`]'s rule).
+///
+/// NB (cost): finding the line again in the gathered lines (each line's end, and the name of
+/// each that may be it) was about 550 instructions of every tenant's request (callgrind); the
+/// listener compares each name's length as it writes the line, and the name itself only when
+/// that is 13.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum AuthorizationLines {
+    /// No `Authorization` line.
+    #[default]
+    None,
+    /// One, at this range of the lines.
+    One(std::ops::Range<usize>),
+    /// More than one.
+    Several,
+}
+
+impl AuthorizationLines {
+    /// The next line, `name`'s, at `line` of the lines.
+    ///
+    /// NB (cost): every request's lines are noted, keys or not: the name is told by its length
+    /// and two words of it, each byte's `0x20` bit set (a byte is a lowercase letter's or its
+    /// uppercase's exactly when it then equals the lowercase one), not a byte at a time.
+    #[inline]
+    pub fn note(&mut self, name: &[u8], line: std::ops::Range<usize>) {
+        const CASE: u64 = 0x2020_2020_2020_2020;
+        const HEAD: u64 = u64::from_le_bytes(*b"authoriz");
+        const TAIL: u64 = u64::from_le_bytes(*b"rization");
+        let word = |w: Option<&[u8; 8]>| w.map(|w| u64::from_le_bytes(*w) | CASE);
+        if name.len() == 13
+            && word(name.first_chunk()) == Some(HEAD)
+            && word(name.last_chunk()) == Some(TAIL)
+        {
+            *self = match self {
+                Self::None => Self::One(line),
+                _ => Self::Several,
+            };
+        }
+    }
+
+    /// What [`bearer_line`] finds in `lines`, from where the line was noted: its key, when it
+    /// is the only such line and a bearer token, and the line.
+    pub(crate) fn bearer<'l>(&self, lines: &'l [u8]) -> Option<(&'l [u8], std::ops::Range<usize>)> {
+        let Self::One(at) = self else {
+            return None;
+        };
+        let line = lines.get(at.clone())?;
+        let line = line.strip_suffix(b"\n").unwrap_or(line);
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let colon = memchr::memchr(b':', line)?;
+        Some((
+            capyctl_spec::auth::bearer(line[colon + 1..].trim_ascii())?,
+            at.clone(),
+        ))
+    }
+}
+
 /// The key of the one `Authorization: Bearer <key>` line of `lines`, and where that line is
 /// in `lines` (with its `\n`, when it has one); `None` when there is none, more than one, or
 /// it is not a bearer token.
 ///
 /// NB (cost): a line whose first byte is neither whitespace nor an `a` cannot be it (its name,
 /// trimmed, begins with that byte) and is passed without looking for its `:`.
-fn bearer_line(lines: &[u8]) -> Option<(&[u8], std::ops::Range<usize>)> {
+pub(crate) fn bearer_line(lines: &[u8]) -> Option<(&[u8], std::ops::Range<usize>)> {
     let mut found = None;
     let mut start = 0;
     for line in lines_of(lines) {
@@ -904,7 +973,7 @@ mod tests {
                 let mut lines: Vec<String> = others.iter().map(|l| (*l).to_string()).collect();
                 lines.insert(at, format!("Authorization:  Bearer {key} \r\n"));
                 let lines = bytes::Bytes::from(lines.concat());
-                let (auth, rest) = t.identify(&lines, &mut KnownKey::default());
+                let (auth, rest) = t.identify(&lines, None, &mut KnownKey::default());
                 if key == "k1" {
                     assert!(matches!(auth, Auth::Tenant(_)), "{at}");
                     let rest = rest.unwrap();
@@ -918,8 +987,44 @@ mod tests {
         }
         // The last line without its CRLF, as a oneshot request's may be.
         let lines = bytes::Bytes::from_static(b"x-a: 1\r\nauthorization: Bearer k1");
-        let (_, rest) = t.identify(&lines, &mut KnownKey::default());
+        let (_, rest) = t.identify(&lines, None, &mut KnownKey::default());
         assert_eq!(rest.unwrap(), &b"x-a: 1\r\n"[..]);
+    }
+
+    /// A name is noted as an `Authorization` line's exactly when it is `authorization` in any
+    /// case: every byte at every place of it, and every length around it.
+    #[test]
+    fn a_name_is_noted_as_authorization_as_a_case_blind_comparison_tells() {
+        let noted = |name: &[u8]| {
+            let mut lines = AuthorizationLines::None;
+            lines.note(name, 0..1);
+            lines == AuthorizationLines::One(0..1)
+        };
+        let mut names = vec![b"Authorization".to_vec(), b"AUTHORIZATION".to_vec()];
+        for at in 0..13 {
+            for byte in 0..=255u8 {
+                let mut name = b"authorization".to_vec();
+                name[at] = byte;
+                names.push(name);
+            }
+        }
+        for len in 0..20 {
+            names.push(b"authorizationauthorization"[..len].to_vec());
+        }
+        for name in &names {
+            assert_eq!(
+                noted(name),
+                name.eq_ignore_ascii_case(b"authorization"),
+                "{name:?}"
+            );
+        }
+        // A second one: several, whatever came first.
+        let mut lines = AuthorizationLines::None;
+        lines.note(b"authorization", 0..5);
+        lines.note(b"accept", 5..9);
+        assert_eq!(lines, AuthorizationLines::One(0..5));
+        lines.note(b"AUTHORIZATION", 9..20);
+        assert_eq!(lines, AuthorizationLines::Several);
     }
 
     /// The `Authorization` line is found as reading every line's name finds it, whatever the

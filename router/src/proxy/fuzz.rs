@@ -62,6 +62,13 @@ pub fn request(data: &[u8]) {
             return;
         };
         check_lines(&request.head.lines);
+        // The `Authorization` line as the listener noted it is the one a search finds.
+        let noted = request.head.authorization.as_ref().expect("noted");
+        assert_eq!(
+            noted.bearer(&request.head.lines),
+            crate::tenants::bearer_line(&request.head.lines),
+            "{noted:?}"
+        );
         let body = match request.framing {
             Framing::Length(n) => {
                 if (buf.len() as u64) < n {

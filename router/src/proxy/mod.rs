@@ -338,6 +338,9 @@ pub(crate) struct RequestHead {
     /// those of one hop (and those its `Connection` names), `Host`, `Expect`,
     /// `Content-Length` or `Transfer-Encoding`.
     pub(crate) lines: Bytes,
+    /// Where its `Authorization` lines are in `lines`, as the listener noted them (`None`:
+    /// not noted; [`Proxy::identify`] then looks for them).
+    pub(crate) authorization: Option<tenants::AuthorizationLines>,
 }
 
 impl RequestHead {
@@ -358,6 +361,7 @@ impl RequestHead {
             method: parts.method,
             uri: parts.uri,
             lines: Bytes::from(lines),
+            authorization: None,
         }
     }
 }
@@ -476,9 +480,11 @@ impl<A: Admission> Proxy<A> {
         let Some(tenants) = self.tenants.as_deref() else {
             return Auth::Off;
         };
-        let (auth, lines) = tenants.identify(&head.lines, known);
+        let (auth, lines) = tenants.identify(&head.lines, head.authorization.as_ref(), known);
         if let Some(lines) = lines {
+            // Without the line: what was noted of it no longer applies.
             head.lines = lines;
+            head.authorization = None;
         }
         auth
     }

@@ -842,7 +842,15 @@ pub(super) fn incoming(
             hosts += 1;
         }
     }
-    gather_lines(head, spans, lines, |_, _| {});
+    // Where the `Authorization` lines go among the lines, noted as they are written (a
+    // tenant's key is read from there).
+    let mut authorization = crate::tenants::AuthorizationLines::default();
+    let mut at = 0;
+    gather_lines(head, spans, lines, |name, value| {
+        let end = at + name.len() + value.len() + 4;
+        authorization.note(name, at..end);
+        at = end;
+    });
     let FramingHeaders {
         length,
         encoded,
@@ -884,6 +892,7 @@ pub(super) fn incoming(
             method: line.method.clone(),
             uri,
             lines: take_lines(lines),
+            authorization: Some(authorization),
         },
         version,
         framing,
