@@ -93,6 +93,10 @@ const LINGER: Duration = Duration::from_secs(1);
 const LINGER_BYTES: usize = 1024 * 1024;
 /// Room for a chunk-size line: 16 hex digits and CRLF.
 const SIZE_LINE: usize = 18;
+
+/// The slices one write of the answer takes at most: the head, a chunk's size line, a frame
+/// and the pieces that follow it ([`crate::proxy::usage::PIECES`] in all), the chunk's end.
+const SEND_SLICES: usize = 3 + crate::proxy::usage::PIECES;
 /// The header lines a first parse of a request head has room for (the OpenAI SDKs send about
 /// 17); [`MAX_HEADERS`] only when that is too few.
 const SOME_HEADERS: usize = 32;
@@ -618,27 +622,41 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
                     _ => continue,
                 },
             };
-            if size.is_some_and(|size| written + data.len() as u64 > size) {
+            // The pieces that follow the frame at once (a tenant's stream with its usage taken
+            // out: `usage::Sent`), written with it: one write, one chunk.
+            let more = body.queued();
+            let len = data.len() + more.iter().map(Bytes::len).sum::<usize>();
+            if size.is_some_and(|size| written + len as u64 > size) {
                 return Err(io::Error::other(
                     "the answer's body is longer than its length",
                 ));
             }
-            let head_bytes = head.take().unwrap_or_default();
+            let mut bufs: [&[u8]; SEND_SLICES] = [&[]; SEND_SLICES];
+            bufs[0] = head.take().unwrap_or_default();
+            let mut n = 1;
             if chunked {
                 let mut line = &mut size_line[..];
-                write!(line, "{:x}\r\n", data.len())?;
+                write!(line, "{len:x}\r\n")?;
                 let line_len = SIZE_LINE - line.len();
-                let tail: &[u8] = if body.is_end_stream() {
-                    b"\r\n0\r\n\r\n"
-                } else {
-                    b"\r\n"
-                };
-                self.send(&[head_bytes, &size_line[..line_len], &data, tail])
-                    .await?;
-            } else {
-                self.send(&[head_bytes, &data]).await?;
+                bufs[n] = &size_line[..line_len];
+                n += 1;
             }
-            written += data.len() as u64;
+            bufs[n] = &data;
+            n += 1;
+            for piece in more {
+                bufs[n] = piece;
+                n += 1;
+            }
+            let last = body.ends_after_queued();
+            if chunked {
+                bufs[n] = if last { b"\r\n0\r\n\r\n" } else { b"\r\n" };
+                n += 1;
+            }
+            self.send(&bufs[..n]).await?;
+            if !more.is_empty() {
+                body.as_mut().get_mut().queued_given();
+            }
+            written += len as u64;
             if body.is_end_stream() {
                 return Ok(written);
             }
@@ -648,7 +666,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
     /// Writes every byte of `bufs`, with as few writes as the socket allows, telling the
     /// connection's watch whether the socket takes them.
     async fn send(&mut self, bufs: &[&[u8]]) -> io::Result<()> {
-        let mut storage = [IoSlice::new(&[]); 4];
+        let mut storage = [IoSlice::new(&[]); SEND_SLICES];
         let count = bufs.len().min(storage.len());
         for (slot, buf) in storage.iter_mut().zip(bufs) {
             *slot = IoSlice::new(buf);

@@ -351,19 +351,21 @@ struct Slot {
     layout: std::sync::atomic::AtomicUsize,
 }
 
-/// An engine's `system_fingerprint`, and the same as a JSON string (what is written into a
-/// finishing chunk: made once, when it is learnt).
+/// An engine's `system_fingerprint`, and the field written into a finishing chunk,
+/// `,"system_fingerprint":` and the same as a JSON string (made once, when it is learnt, and
+/// sent as a piece of its own: [`Sent`]).
 #[derive(Debug)]
 struct Fingerprint {
     raw: Box<str>,
-    json: Box<str>,
+    field: Bytes,
 }
 
 impl Fingerprint {
     fn new(raw: &str) -> Arc<Self> {
+        let json = serde_json::to_string(raw).unwrap_or_default();
         Arc::new(Self {
             raw: raw.into(),
-            json: serde_json::to_string(raw).unwrap_or_default().into(),
+            field: Bytes::from([",\"system_fingerprint\":", &json].concat()),
         })
     }
 }
@@ -1136,19 +1138,31 @@ fn ends_from(
         .take_while(move |&e| e <= len && e - at <= max_piece)
 }
 
-/// Sends `event` (`data: {...}` and its blank line) with `"system_fingerprint":<fingerprint>`
-/// as its object's last field.
-fn push_with_fingerprint(out: &mut Out<'_>, event: &[u8], fingerprint: &Fingerprint) {
-    const KEY: &[u8] = b",\"system_fingerprint\":";
+/// Sends the event `piece` (`data: {...}` and its blank line) with
+/// `"system_fingerprint":<fingerprint>` as its object's last field: the event cut before its
+/// closing brace, the field between (nothing copied: [`Sent`]).
+fn push_with_fingerprint(out: &mut Out<'_, '_>, piece: Piece, fingerprint: &Fingerprint) {
+    let data = out.data;
+    let event = match &piece {
+        Piece::Of(start, end) => &data[*start..*end],
+        Piece::Held(whole) => &whole[..],
+    };
     let Some(close) = memchr::memrchr(b'}', event) else {
-        out.push(event);
+        piece.send(out);
         return;
     };
-    out.copy_with_room(KEY.len() + fingerprint.json.len());
-    out.push(&event[..close]);
-    out.push(KEY);
-    out.push(fingerprint.json.as_bytes());
-    out.push(&event[close..]);
+    match piece {
+        Piece::Of(start, end) => {
+            out.pass(start, start + close);
+            out.push(fingerprint.field.clone());
+            out.pass(start + close, end);
+        }
+        Piece::Held(whole) => {
+            out.push(whole.slice(..close));
+            out.push(fingerprint.field.clone());
+            out.push(whole.slice(close..));
+        }
+    }
 }
 
 impl Strip {
@@ -1196,20 +1210,25 @@ impl Strip {
         !self.partial.is_empty() || !self.held.is_empty()
     }
 
-    /// What to send of the next frame `data` (possibly nothing, for now).
+    /// What to send of the next frame `data` (possibly nothing, for now), in one piece.
     #[cfg(test)]
     pub(crate) fn pass(&mut self, data: Bytes) -> Bytes {
-        self.pass_with(data, None)
+        let mut sent = Sent::default();
+        self.pass_with(data, None, &mut sent);
+        sent.concat()
     }
 
-    /// [`Strip::pass`], with where the frame's events end when that is known (`ends`: every one
-    /// of them, in order, as the answer's own [`EventScanner`] found them: the same ends as the
-    /// strip's, since both read the same bytes from the stream's start).
-    pub(crate) fn pass_with(&mut self, data: Bytes, ends: Option<&[usize]>) -> Bytes {
+    /// What to send of the next frame `data` (possibly nothing, for now), into `sent` (whose
+    /// pieces were all given), with where the frame's events end when that is known (`ends`:
+    /// every one of them, in order, as the answer's own [`EventScanner`] found them: the same
+    /// ends as the strip's, since both read the same bytes from the stream's start).
+    pub(crate) fn pass_with(&mut self, data: Bytes, ends: Option<&[usize]>, sent: &mut Sent) {
+        sent.clear();
         if self.off {
-            return data;
+            sent.add(data);
+            return;
         }
-        let mut out = Out::new(&data);
+        let mut out = Out::new(&data, sent);
         let mut at = 0;
         let mut marks = Marks::default();
         loop {
@@ -1258,7 +1277,7 @@ impl Strip {
         if self.off || self.partial.len() + self.held_bytes > self.max_piece {
             self.off = true;
             self.release(&mut out, None);
-            out.push(&std::mem::take(&mut self.partial));
+            out.push(std::mem::take(&mut self.partial).freeze());
         }
         // The engines end a stream with `[DONE]`, at a frame's end: one that came with no usage
         // chunk taken out is said (once per instance).
@@ -1267,18 +1286,16 @@ impl Strip {
         }
         // A run of the frame unchanged: the frame itself, cut there (not a second handle on it
         // made by slicing; `Bytes::truncate` may still share a frame built from a `Vec`).
-        let Out {
-            copy, from, same, ..
-        } = out;
-        match copy {
-            Some(copy) => copy.freeze(),
-            None => {
-                let mut data = data;
-                data.truncate(same);
-                data.advance(from);
-                data
-            }
+        if out.copy.is_none() && out.sent.is_empty() {
+            let (from, same) = (out.from, out.same);
+            let sent = out.sent;
+            let mut data = data;
+            data.truncate(same);
+            data.advance(from);
+            sent.add(data);
+            return;
         }
+        out.finish();
     }
 
     /// Where the run of whole events of `data` from `at` ends that pass as they came without
@@ -1412,7 +1429,7 @@ impl Strip {
     /// [`classify`]'s byte test (it has a mark, [`first_mark`], or is a single-choice stream's
     /// event read where it ends, [`Strip::known_end`]); the test only spares the reading of an
     /// event without one: the reading answers the same for every event.
-    fn event(&mut self, piece: Piece, marked: bool, out: &mut Out<'_>) {
+    fn event(&mut self, piece: Piece, marked: bool, out: &mut Out<'_, '_>) {
         let data = out.data;
         let event = match &piece {
             Piece::Of(start, end) => &data[*start..*end],
@@ -1438,7 +1455,7 @@ impl Strip {
                 self.engine.known = Some(learnt);
             }
             Event::Finishing if self.held.is_empty() => match &self.engine.known {
-                Some(Some(fingerprint)) => push_with_fingerprint(out, event, fingerprint),
+                Some(Some(fingerprint)) => push_with_fingerprint(out, piece, fingerprint),
                 Some(None) => piece.send(out),
                 None => self.hold(piece.bytes(data), true),
             },
@@ -1458,24 +1475,24 @@ impl Strip {
     }
 
     /// Sends what it holds, `fingerprint` written into the finishing chunks.
-    fn release(&mut self, out: &mut Out<'_>, fingerprint: Option<&Fingerprint>) {
+    fn release(&mut self, out: &mut Out<'_, '_>, fingerprint: Option<&Fingerprint>) {
         for (event, finishing) in self.held.drain(..) {
             match fingerprint {
-                Some(fp) if finishing => push_with_fingerprint(out, &event, fp),
-                _ => out.push(&event),
+                Some(fp) if finishing => push_with_fingerprint(out, Piece::Held(event), fp),
+                _ => out.push(event),
             }
         }
         self.held_bytes = 0;
     }
 
-    /// What it still holds, at the answer's end.
-    pub(crate) fn finish(&mut self) -> Option<Bytes> {
+    /// What it still holds, at the answer's end, into `sent` (whose pieces were all given).
+    pub(crate) fn finish(&mut self, sent: &mut Sent) {
+        sent.clear();
         let none = Bytes::new();
-        let mut out = Out::new(&none);
+        let mut out = Out::new(&none, sent);
         self.release(&mut out, None);
-        out.push(&std::mem::take(&mut self.partial));
-        let rest = out.finish();
-        (!rest.is_empty()).then_some(rest)
+        out.push(std::mem::take(&mut self.partial).freeze());
+        out.finish();
     }
 }
 
@@ -1540,81 +1557,156 @@ impl Piece {
     }
 
     /// Sends it unchanged.
-    fn send(self, out: &mut Out<'_>) {
+    fn send(self, out: &mut Out<'_, '_>) {
         match self {
             Piece::Of(start, end) => out.pass(start, end),
-            Piece::Held(whole) => out.push(&whole),
+            Piece::Held(whole) => out.push(whole),
         }
     }
 }
 
-/// What [`Strip::pass`] sends of one frame: while it is one run of the frame unchanged, a
-/// slice of the frame (nothing copied: what almost every frame is, and a frame whose first
-/// event is taken out, the usage chunk before `[DONE]`); else a copy.
-struct Out<'a> {
+/// The pieces [`Sent`] holds at most: a frame's runs around a finishing chunk given its
+/// fingerprint and a usage chunk taken out, `[DONE]` after them (four), and one to spare.
+pub(crate) const PIECES: usize = 5;
+
+/// What the strip sends of one frame, in order: slices of the frame (the runs of it that pass
+/// unchanged), the fingerprint written into a finishing chunk, events held from earlier
+/// frames. The listener writes them together, as one frame (one write, one chunk:
+/// [`super::body::ProxyBody::queued`]).
+///
+/// NB (cost): a single-choice stream's tokens and its finishing chunk come in one frame (the
+/// one after its first output, about 3 KiB at 16 tokens): sent as one copy with the
+/// fingerprint written into it, that frame was copied whole into a new buffer at every request
+/// (about 1,000 instructions of a tenant's streamed request, and its cache lines, callgrind).
+#[derive(Default)]
+pub(crate) struct Sent {
+    pieces: [Bytes; PIECES],
+    /// The next piece to give.
+    next: usize,
+    len: usize,
+}
+
+impl Sent {
+    /// Empty, for the next frame (its pieces were given: none is held).
+    fn clear(&mut self) {
+        debug_assert!(self.is_empty());
+        (self.next, self.len) = (0, 0);
+    }
+
+    fn add(&mut self, bytes: Bytes) {
+        if !bytes.is_empty() {
+            self.pieces[self.len] = bytes;
+            self.len += 1;
+        }
+    }
+
+    /// Whether every piece was given.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.next == self.len
+    }
+
+    /// The next piece.
+    pub(crate) fn pop(&mut self) -> Option<Bytes> {
+        let piece = self.pieces.get_mut(self.next..self.len)?.first_mut()?;
+        self.next += 1;
+        Some(std::mem::take(piece))
+    }
+
+    /// The pieces not given yet.
+    pub(crate) fn rest(&self) -> &[Bytes] {
+        &self.pieces[self.next..self.len]
+    }
+
+    /// Gives every piece (the listener wrote them).
+    pub(crate) fn given(&mut self) {
+        while self.pop().is_some() {}
+    }
+
+    /// Its bytes in one piece (the piece itself when there is one).
+    #[cfg(test)]
+    pub(crate) fn concat(mut self) -> Bytes {
+        if self.len - self.next <= 1 {
+            return self.pop().unwrap_or_default();
+        }
+        Bytes::from(self.rest().concat())
+    }
+}
+
+/// What [`Strip::pass_with`] sends of one frame, as it is made: the pieces so far and the run
+/// of the frame being passed unchanged; past [`PIECES`], a copy.
+struct Out<'a, 's> {
     data: &'a Bytes,
-    /// The output so far is `data[from..same]` (while `copy` is `None`).
+    /// The run being sent: `data[from..same]` (while `copy` is `None`).
     from: usize,
     same: usize,
+    /// What is sent before the run.
+    sent: &'s mut Sent,
+    /// Everything sent, in one copy, once it would take more than [`PIECES`] pieces (it is
+    /// then sent there as it comes).
     copy: Option<BytesMut>,
 }
 
-impl<'a> Out<'a> {
-    fn new(data: &'a Bytes) -> Self {
+impl<'a, 's> Out<'a, 's> {
+    fn new(data: &'a Bytes, sent: &'s mut Sent) -> Self {
         Self {
             data,
             from: 0,
             same: 0,
+            sent,
             copy: None,
         }
     }
 
     /// Sends `data[start..end]`.
     fn pass(&mut self, start: usize, end: usize) {
-        if self.copy.is_none() && self.same == start {
+        if let Some(copy) = &mut self.copy {
+            copy.extend_from_slice(&self.data[start..end]);
+        } else if self.same == start {
             self.same = end;
-        } else if self.copy.is_none() && self.from == self.same {
-            // Nothing sent yet: the run starts here.
-            (self.from, self.same) = (start, end);
         } else {
-            let data = self.data;
-            self.push(&data[start..end]);
+            self.close_run();
+            (self.from, self.same) = (start, end);
         }
     }
 
-    /// Sends `bytes` (copied).
-    fn push(&mut self, bytes: &[u8]) {
-        let (data, from, same) = (self.data, self.from, self.same);
-        self.copy
-            .get_or_insert_with(|| {
-                // Room for the frame and a fingerprint or two, not to grow while it is made.
-                let mut copy =
-                    BytesMut::with_capacity(data.len().max(same - from + bytes.len()) + 128);
-                copy.extend_from_slice(&data[from..same]);
-                copy
-            })
-            .extend_from_slice(bytes);
+    /// Sends `bytes`, a piece of its own.
+    fn push(&mut self, bytes: Bytes) {
+        if bytes.is_empty() {
+            return;
+        }
+        self.close_run();
+        self.add(bytes);
     }
 
-    /// Makes the copy now, when there is none yet, with room for the frame and `room` bytes
-    /// more, exactly.
-    ///
-    /// NB (cost): a frame whose output is then exactly that long (a finishing chunk given its
-    /// fingerprint, no event taken out) is frozen into `Bytes` without a second allocation
-    /// (`Bytes` from a buffer with spare room allocates a shared header: about 400
-    /// instructions of a tenant's streamed request, callgrind).
-    fn copy_with_room(&mut self, room: usize) {
-        if self.copy.is_none() {
-            let mut copy = BytesMut::with_capacity(self.data.len() + room);
-            copy.extend_from_slice(&self.data[self.from..self.same]);
+    /// The run so far as a piece (a slice of the frame); the next run starts after it.
+    fn close_run(&mut self) {
+        if self.from < self.same {
+            let run = self.data.slice(self.from..self.same);
+            self.from = self.same;
+            self.add(run);
+        }
+    }
+
+    fn add(&mut self, bytes: Bytes) {
+        if self.copy.is_none() && self.sent.len == PIECES {
+            // More pieces than the listener writes together: all of it in one copy.
+            let mut copy = BytesMut::with_capacity(self.data.len() + 128);
+            while let Some(piece) = self.sent.pop() {
+                copy.extend_from_slice(&piece);
+            }
+            self.sent.clear();
             self.copy = Some(copy);
         }
+        match &mut self.copy {
+            Some(copy) => copy.extend_from_slice(&bytes),
+            None => self.sent.add(bytes),
+        }
     }
 
-    fn finish(self) -> Bytes {
-        match self.copy {
-            Some(copy) => copy.freeze(),
-            None => self.data.slice(self.from..self.same),
+    fn finish(mut self) {
+        self.close_run();
+        if let Some(copy) = self.copy {
+            self.sent.add(copy.freeze());
         }
     }
 }
@@ -1683,7 +1775,9 @@ mod tests {
         for f in frames {
             out.extend_from_slice(&strip.pass(Bytes::copy_from_slice(f)));
         }
-        out.extend_from_slice(&strip.finish().unwrap_or_default());
+        let mut sent = Sent::default();
+        strip.finish(&mut sent);
+        out.extend_from_slice(&sent.concat());
         (out, strip.tokens)
     }
 
@@ -1750,6 +1844,45 @@ mod tests {
         assert_eq!(out, WITH_USAGE_N2.replace(events[5], "").as_bytes());
         let mut bare_next = strip(&all, 3);
         assert_eq!(bare_next.pass(Bytes::from(events[2])), events[2].as_bytes());
+    }
+
+    /// A frame whose finishing chunk gets the fingerprint and whose usage chunk is taken out
+    /// is sent as pieces, the frame's own bytes not copied: the runs are slices of it, the
+    /// fingerprint the one made when it was learnt. Past [`PIECES`] (`n` choices finishing in
+    /// one frame), one copy.
+    #[test]
+    fn a_frame_changed_is_sent_as_pieces_of_it_not_a_copy() {
+        let all = Arc::default();
+        run_on(&mut strip(&all, 1), &[WITH_USAGE.as_bytes()]);
+        let frame = Bytes::from_static(WITH_USAGE.as_bytes());
+        let within = |piece: &Bytes| {
+            let start = frame.as_ptr() as usize;
+            let at = piece.as_ptr() as usize;
+            at >= start && at + piece.len() <= start + frame.len()
+        };
+        let mut next = strip(&all, 1);
+        let mut sent = Sent::default();
+        next.pass_with(frame.clone(), None, &mut sent);
+        let pieces = sent.rest().to_vec();
+        // The tokens and the finishing chunk to its brace, the field, the brace on, `[DONE]`.
+        assert_eq!(pieces.len(), 4);
+        assert!(within(&pieces[0]) && within(&pieces[2]) && within(&pieces[3]));
+        assert_eq!(&pieces[1][..], b",\"system_fingerprint\":\"vllm-x\"");
+        assert_eq!(pieces.concat(), WITHOUT.as_bytes());
+        assert_eq!(next.tokens, Some(5));
+        // Given one by one, in order, then nothing.
+        for piece in &pieces {
+            assert_eq!(sent.pop().as_ref(), Some(piece));
+        }
+        assert!(sent.is_empty() && sent.pop().is_none());
+
+        // Two choices finishing in one frame: more pieces than a write takes, one copy.
+        run_on(&mut strip(&all, 2), &[WITH_USAGE_N2.as_bytes()]);
+        let frame = Bytes::from_static(WITH_USAGE_N2.as_bytes());
+        let mut sent = Sent::default();
+        strip(&all, 2).pass_with(frame, None, &mut sent);
+        assert_eq!(sent.rest().len(), 1);
+        assert_eq!(sent.concat(), WITHOUT_N2.as_bytes());
     }
 
     #[test]
@@ -2265,9 +2398,13 @@ mod tests {
                     .unwrap()
             );
             let given = (i > 0 || !first_without).then_some(&ends[..]);
-            out.extend_from_slice(&strip.pass_with(Bytes::copy_from_slice(f), given));
+            let mut sent = Sent::default();
+            strip.pass_with(Bytes::copy_from_slice(f), given, &mut sent);
+            out.extend_from_slice(&sent.concat());
         }
-        out.extend_from_slice(&strip.finish().unwrap_or_default());
+        let mut sent = Sent::default();
+        strip.finish(&mut sent);
+        out.extend_from_slice(&sent.concat());
         (out, strip.tokens)
     }
 
