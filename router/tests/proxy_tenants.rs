@@ -598,3 +598,71 @@ async fn a_long_stream_already_sent_keeps_its_bytes() {
         tokens_reach(&tenants, 707 * round).await;
     }
 }
+
+/// [`vllm_events`] of a short single-choice stream.
+fn vllm_short_events(include_usage: bool) -> Vec<String> {
+    let chunk = |text: &str, finish| (0, text.to_string(), finish);
+    let choices = [
+        chunk("Capybaras", None),
+        chunk(" swim", None),
+        chunk(".", Some("stop")),
+    ];
+    vllm_events("chatcmpl-short", &choices, 7, include_usage)
+}
+
+/// On the wire, through a raw socket: a tenant's stream whose frames the strip changes (the
+/// engine sends the tokens, the finishing chunk, the usage chunk and `[DONE]` in one write: the
+/// fingerprint written back and the usage chunk taken out of one frame, held on the instance's
+/// first stream and written in as it passes on the next) goes out in chunks each as long as its
+/// size line says, and ends with one last chunk; de-chunked, it is the engine's stream without
+/// usage.
+#[tokio::test]
+async fn a_changed_frame_goes_out_in_chunks_of_their_own_size() {
+    let engine = vllm_engine(vllm_short_events, true).await;
+    let (tenants, proxy, _) = token_rated_and_plain(engine).await;
+    let body = format!(
+        r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Capybaras?"}}],"max_tokens":3,"stream":true}}"#
+    );
+    for round in 1..=3 {
+        let mut socket = tokio::net::TcpStream::connect(proxy).await.unwrap();
+        let request = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\nauthorization: Bearer sk-a\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        socket.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        tokio::time::timeout(PATIENCE, socket.read_to_end(&mut answer))
+            .await
+            .expect("the whole answer")
+            .unwrap();
+        let end = answer.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+        let head = String::from_utf8_lossy(&answer[..end]).to_ascii_lowercase();
+        assert!(head.starts_with("http/1.1 200"), "{head}");
+        assert!(head.contains("transfer-encoding: chunked"), "{head}");
+        let mut rest = &answer[end..];
+        let mut chunks = Vec::new();
+        loop {
+            let line = rest.windows(2).position(|w| w == b"\r\n").unwrap();
+            let size =
+                usize::from_str_radix(std::str::from_utf8(&rest[..line]).unwrap(), 16).unwrap();
+            rest = &rest[line + 2..];
+            if size == 0 {
+                assert_eq!(rest, b"\r\n", "round {round}: after the last chunk");
+                break;
+            }
+            assert!(
+                rest.len() >= size + 2,
+                "round {round}: a chunk shorter than its size"
+            );
+            assert_eq!(&rest[size..size + 2], b"\r\n", "round {round}");
+            chunks.push(&rest[..size]);
+            rest = &rest[size + 2..];
+        }
+        assert_eq!(
+            String::from_utf8_lossy(&chunks.concat()),
+            vllm_short_events(false).concat(),
+            "round {round}"
+        );
+        tokens_reach(&tenants, 10 * round).await;
+    }
+}

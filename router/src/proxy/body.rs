@@ -250,8 +250,9 @@ pub(crate) struct UsageTap {
     /// client's answer is forwarded as it comes). While it is on it reads that usage itself,
     /// and no frame is kept here (what it sends has no usage left to read).
     strip: Option<super::usage::Strip>,
-    /// The pieces of the strip's output for the frame given last that follow it: the next
-    /// frames, each given at once; the listener writes them with it ([`ProxyBody::queued`]).
+    /// The strip's output for a frame, still to give after the piece given last (the strip
+    /// fills it only once every piece was given): the listener writes them with that piece, in
+    /// the same write ([`ProxyBody::queued`]); another reader gets each as a frame.
     queued: super::usage::Sent,
 }
 
@@ -487,7 +488,8 @@ impl Body for ProxyBody {
             }
             if strip.gave_up() {
                 // What it passes has its usage still (or had it in what it held): read here.
-                for piece in tap.queued.rest().to_vec() {
+                for at in 0..tap.queued.rest().len() {
+                    let piece = tap.queued.rest()[at].clone();
                     tap.feed(&piece);
                 }
             }

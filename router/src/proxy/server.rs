@@ -71,6 +71,7 @@ use super::upstream::{
     Chunk, FramingHeaders, KEEP_BUFFER, MAX_HEAD, MAX_HEADERS, Span, decode_chunked, gather_lines,
     note_spans, push_decimal, push_headers, take_lines, tokens,
 };
+use super::usage::PIECES;
 use super::{
     Answer, AnswerHead, Failure, Proxy, ProxyBody, RequestHead, bodiless_status, forwarded,
 };
@@ -95,8 +96,8 @@ const LINGER_BYTES: usize = 1024 * 1024;
 const SIZE_LINE: usize = 18;
 
 /// The slices one write of the answer takes at most: the head, a chunk's size line, a frame
-/// and the pieces that follow it ([`crate::proxy::usage::PIECES`] in all), the chunk's end.
-const SEND_SLICES: usize = 3 + crate::proxy::usage::PIECES;
+/// and the pieces that follow it ([`PIECES`] in all), the chunk's end.
+const SEND_SLICES: usize = 3 + PIECES;
 /// The header lines a first parse of a request head has room for (the OpenAI SDKs send about
 /// 17); [`MAX_HEADERS`] only when that is too few.
 const SOME_HEADERS: usize = 32;
@@ -624,7 +625,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
             };
             // The pieces that follow the frame at once (a tenant's stream with its usage taken
             // out: `usage::Sent`), written with it: one write, one chunk.
-            let more = body.queued();
+            // (`poll_frame` gave the first of at most `PIECES`, so the rest fit in one write;
+            // were there ever more, they would go as frames of their own.)
+            let more = Some(body.queued())
+                .filter(|q| q.len() < PIECES)
+                .unwrap_or_default();
             let len = data.len() + more.iter().map(Bytes::len).sum::<usize>();
             if size.is_some_and(|size| written + len as u64 > size) {
                 return Err(io::Error::other(
@@ -647,7 +652,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Server<S> {
                 bufs[n] = piece;
                 n += 1;
             }
-            let last = body.ends_after_queued();
+            let last = more.len() == body.queued().len() && body.ends_after_queued();
             if chunked {
                 bufs[n] = if last { b"\r\n0\r\n\r\n" } else { b"\r\n" };
                 n += 1;

@@ -142,8 +142,10 @@ pub(crate) fn data_of_lines(event: &[u8]) -> Data<'_> {
 }
 
 /// Whether an event's data is `[DONE]`, the engines' end of a stream (whitespace around it
-/// allowed, as the usage strip reads a chunk's keys): the one rule for it, for the stream's
-/// first output ([`is_output`]) and the usage strip.
+/// allowed, as the usage strip reads a chunk's keys): the rule for an event read, for the
+/// stream's first output ([`is_output`]) and the usage strip. (The strip's warning of a stream
+/// that ended without its usage chunk looks only at whether a frame ends with the engines'
+/// exact `data: [DONE]\n\n`.)
 pub(crate) fn is_done(data: &[u8]) -> bool {
     data.trim_ascii() == b"[DONE]"
 }
