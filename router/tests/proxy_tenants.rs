@@ -144,14 +144,26 @@ async fn without_a_valid_bearer_key_every_route_is_401() {
 /// Sends `head` alone on a new connection (a body it announces never comes) and reads what
 /// comes back until the listener closes the connection.
 async fn head_only(addr: std::net::SocketAddr, head: &str) -> String {
+    String::from_utf8_lossy(&exchange(addr, head.as_bytes()).await).into_owned()
+}
+
+/// Sends `bytes` on a new connection and reads what comes back until the listener closes it.
+async fn exchange(addr: std::net::SocketAddr, bytes: &[u8]) -> Vec<u8> {
     let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
-    socket.write_all(head.as_bytes()).await.unwrap();
+    socket.write_all(bytes).await.unwrap();
     let mut answer = Vec::new();
     tokio::time::timeout(PATIENCE, socket.read_to_end(&mut answer))
         .await
-        .expect("the answer and the connection's end, without the body")
+        .expect("the answer and the connection's end")
         .unwrap();
-    String::from_utf8_lossy(&answer).into_owned()
+    answer
+}
+
+/// A streamed chat request of one choice and `max_tokens`.
+fn capybaras(max_tokens: u32) -> String {
+    format!(
+        r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Capybaras?"}}],"max_tokens":{max_tokens},"stream":true}}"#
+    )
 }
 
 /// The 401 is decided from the head: the body is not waited for (nor a `100 Continue` sent,
@@ -582,9 +594,7 @@ async fn with_several_choices_a_streamed_answer_keeps_its_bytes() {
 async fn a_long_stream_already_sent_keeps_its_bytes() {
     let engine = vllm_engine(vllm_long_events, true).await;
     let (tenants, proxy, plain) = token_rated_and_plain(engine).await;
-    let body = format!(
-        r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Capybaras?"}}],"max_tokens":700,"stream":true}}"#
-    );
+    let body = capybaras(700);
     let path = "/v1/chat/completions";
     let (status, _, without) = send(plain, "POST", path, &[], &body).await;
     assert_eq!(status, StatusCode::OK);
@@ -620,21 +630,13 @@ fn vllm_short_events(include_usage: bool) -> Vec<String> {
 async fn a_changed_frame_goes_out_in_chunks_of_their_own_size() {
     let engine = vllm_engine(vllm_short_events, true).await;
     let (tenants, proxy, _) = token_rated_and_plain(engine).await;
-    let body = format!(
-        r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Capybaras?"}}],"max_tokens":3,"stream":true}}"#
-    );
+    let body = capybaras(3);
     for round in 1..=3 {
-        let mut socket = tokio::net::TcpStream::connect(proxy).await.unwrap();
         let request = format!(
             "POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\nauthorization: Bearer sk-a\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
             body.len()
         );
-        socket.write_all(request.as_bytes()).await.unwrap();
-        let mut answer = Vec::new();
-        tokio::time::timeout(PATIENCE, socket.read_to_end(&mut answer))
-            .await
-            .expect("the whole answer")
-            .unwrap();
+        let answer = exchange(proxy, request.as_bytes()).await;
         let end = answer.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
         let head = String::from_utf8_lossy(&answer[..end]).to_ascii_lowercase();
         assert!(head.starts_with("http/1.1 200"), "{head}");
