@@ -488,10 +488,11 @@ impl Body for ProxyBody {
             }
             if strip.gave_up() {
                 // What it passes has its usage still (or had it in what it held): read here.
-                for at in 0..tap.queued.rest().len() {
-                    let piece = tap.queued.rest()[at].clone();
-                    tap.feed(&piece);
+                let pieces = std::mem::take(&mut tap.queued);
+                for piece in pieces.rest() {
+                    tap.feed(piece);
                 }
+                tap.queued = pieces;
             }
             let Some(first) = tap.queued.pop() else {
                 // All of it held (or the usage chunk): the next frame now.

@@ -1213,8 +1213,22 @@ impl Strip {
     /// What to send of the next frame `data` (possibly nothing, for now), in one piece.
     #[cfg(test)]
     pub(crate) fn pass(&mut self, data: Bytes) -> Bytes {
+        self.pass_whole(data, None)
+    }
+
+    /// [`Strip::pass_with`], what it sends in one piece.
+    #[cfg(test)]
+    fn pass_whole(&mut self, data: Bytes, ends: Option<&[usize]>) -> Bytes {
         let mut sent = Sent::default();
-        self.pass_with(data, None, &mut sent);
+        self.pass_with(data, ends, &mut sent);
+        sent.concat()
+    }
+
+    /// [`Strip::finish`], what it sends in one piece.
+    #[cfg(test)]
+    fn finish_whole(&mut self) -> Bytes {
+        let mut sent = Sent::default();
+        self.finish(&mut sent);
         sent.concat()
     }
 
@@ -1775,9 +1789,7 @@ mod tests {
         for f in frames {
             out.extend_from_slice(&strip.pass(Bytes::copy_from_slice(f)));
         }
-        let mut sent = Sent::default();
-        strip.finish(&mut sent);
-        out.extend_from_slice(&sent.concat());
+        out.extend_from_slice(&strip.finish_whole());
         (out, strip.tokens)
     }
 
@@ -2398,13 +2410,9 @@ mod tests {
                     .unwrap()
             );
             let given = (i > 0 || !first_without).then_some(&ends[..]);
-            let mut sent = Sent::default();
-            strip.pass_with(Bytes::copy_from_slice(f), given, &mut sent);
-            out.extend_from_slice(&sent.concat());
+            out.extend_from_slice(&strip.pass_whole(Bytes::copy_from_slice(f), given));
         }
-        let mut sent = Sent::default();
-        strip.finish(&mut sent);
-        out.extend_from_slice(&sent.concat());
+        out.extend_from_slice(&strip.finish_whole());
         (out, strip.tokens)
     }
 
